@@ -1,0 +1,1 @@
+//! Shared NVIDIA GPU plumbing (devices, communicators, pinned pools, streams, kernels) for the GPU backends.

@@ -1,0 +1,1 @@
+//! FSDP training layout to tensor-parallel rollout layout on NVIDIA GPUs.

@@ -1,0 +1,97 @@
+/// A layout inconsistency, found before any data moves.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    /// A world size or parallel degree of zero.
+    #[error("{what} must be at least 1, found 0")]
+    ZeroDegree {
+        /// Which degree (`world size W`, `rollout tensor-parallel degree T`).
+        what: &'static str,
+    },
+    /// The rollout TP degree does not divide the world size.
+    #[error(
+        "rollout tensor-parallel degree T = {tp} does not divide the world size W = {world}: \
+         choose T among the divisors of {world} ({divisors})"
+    )]
+    TpNotDividingWorld {
+        /// T.
+        tp: usize,
+        /// W.
+        world: usize,
+        /// The valid choices, rendered.
+        divisors: String,
+    },
+    /// Two tensors share a name.
+    #[error("tensor `{name}` appears twice in the {side}: names must be unique")]
+    DuplicateTensor {
+        /// The name.
+        name: String,
+        /// `training state` or `rollout layout`.
+        side: &'static str,
+    },
+    /// A tensor with an empty name.
+    #[error("a tensor of the {side} has an empty name")]
+    EmptyName {
+        /// `training state` or `rollout layout`.
+        side: &'static str,
+    },
+    /// A tensor with no elements or no dimensions.
+    #[error("tensor `{name}` has shape {shape:?}: every dimension must be at least 1 and there must be at least one")]
+    EmptyTensor {
+        /// The name.
+        name: String,
+        /// Its shape.
+        shape: Vec<usize>,
+    },
+    /// A tensor the rollout layout needs is absent from the training state.
+    #[error("tensor `{name}` required by the rollout layout is missing from the training state")]
+    MissingTensor {
+        /// The name.
+        name: String,
+    },
+    /// A training tensor the rollout layout does not place.
+    #[error(
+        "tensor `{name}` of the training state has no place in the rollout layout: add it to the \
+         layout (replicated if small) or remove it from the training state"
+    )]
+    ExtraTensor {
+        /// The name.
+        name: String,
+    },
+    /// Shapes disagree between the two layouts.
+    #[error("tensor `{name}` has shape {train:?} in the training state but the rollout layout expects {rollout:?}")]
+    ShapeMismatch {
+        /// The name.
+        name: String,
+        /// Training shape.
+        train: Vec<usize>,
+        /// Rollout shape.
+        rollout: Vec<usize>,
+    },
+    /// A split dimension is not divisible by T.
+    #[error(
+        "tensor `{name}` ({parallel}, shape {shape:?}) cannot be split {t} ways: dim {dim} = {size} \
+         is not divisible by T = {t}; pick T dividing {size} or mark the tensor replicated"
+    )]
+    NotDivisible {
+        /// The name.
+        name: String,
+        /// `column-parallel` or `row-parallel`.
+        parallel: &'static str,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// The split dimension.
+        dim: usize,
+        /// Its size.
+        size: usize,
+        /// T.
+        t: usize,
+    },
+    /// A row-parallel tensor that is not 2-D.
+    #[error("tensor `{name}` is row-parallel but has shape {shape:?}: row-parallel tensors must be 2-D (split on dim 1)")]
+    RowParallelNot2d {
+        /// The name.
+        name: String,
+        /// Its shape.
+        shape: Vec<usize>,
+    },
+}

@@ -1,0 +1,35 @@
+//! Pure layout planning: which bytes of which training shard land where in the rollout layout.
+//!
+//! Nothing here touches memory: the planner turns tensor descriptions into a [`ReshardPlan`] that
+//! the host and GPU executors run. Every inconsistency is a [`LayoutError`] naming the tensor and
+//! the fix.
+//!
+//! - Training layout ([`FsdpLayout`]): every tensor split on dim 0 across `W` ranks by PyTorch
+//!   FSDP2's rule: rank `r` holds rows `[r·c, min((r+1)·c, n))` with `c = ⌈n / W⌉`.
+//! - Rollout layout ([`RolloutLayout`]): tensor parallel of degree `T` dividing `W`; rank `r` is
+//!   TP rank `r mod T`. [`Parallel::Column`] tensors split on dim 0, [`Parallel::Row`] tensors on
+//!   dim 1, [`Parallel::Replicated`] tensors whole on every rank.
+//!
+//! ```
+//! use lifecycle_core::layout::{FsdpLayout, Parallel, RolloutLayout, TensorSpec, plan_fsdp_to_tp};
+//! let specs = vec![
+//!     TensorSpec::new("up", [6, 4], Parallel::Column),
+//!     TensorSpec::new("down", [4, 6], Parallel::Row),
+//!     TensorSpec::new("norm", [4], Parallel::Replicated),
+//! ];
+//! let train = FsdpLayout::new(2, specs.iter().map(|s| (s.name.clone(), s.shape.clone())))?;
+//! let rollout = RolloutLayout::new(2, specs)?;
+//! let plan = plan_fsdp_to_tp(&train, &rollout)?;
+//! // With W = T = 2, a column-parallel slice is the rank's own shard: nothing crosses a link.
+//! let up = &plan.ranks[0].tensors[0];
+//! assert!(up.pieces.iter().all(|p| p.src_rank == 0));
+//! # Ok::<(), lifecycle_core::layout::LayoutError>(())
+//! ```
+
+mod error;
+mod plan;
+mod spec;
+
+pub use error::LayoutError;
+pub use plan::{plan_fsdp_to_tp, Piece, RankPlan, ReshardPlan, TensorPlan};
+pub use spec::{fsdp_rows, tp_range, DType, FsdpLayout, Parallel, RolloutLayout, TensorSpec};

@@ -1,0 +1,352 @@
+use std::collections::HashSet;
+use std::fmt;
+use std::ops::Range;
+
+use super::LayoutError;
+
+/// Element types a training state may be built from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE binary32.
+    F32,
+    /// bfloat16.
+    BF16,
+    /// IEEE binary16.
+    F16,
+    /// 64-bit signed integer.
+    I64,
+    /// 32-bit signed integer.
+    I32,
+    /// Unsigned byte.
+    U8,
+    /// Boolean.
+    Bool,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::BF16 | DType::F16 => 2,
+            DType::I64 => 8,
+            DType::U8 | DType::Bool => 1,
+        }
+    }
+
+    /// Whether weights of this type can be trained (floating point).
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::BF16 | DType::F16)
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            DType::I64 => "i64",
+            DType::I32 => "i32",
+            DType::U8 => "u8",
+            DType::Bool => "bool",
+        })
+    }
+}
+
+/// How a tensor is split in the rollout layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Parallel {
+    /// Split on dim 0 (q/k/v, gate/up, vocabulary-parallel embedding and head, their biases).
+    Column,
+    /// Split on dim 1 (attention output and MLP down projections); 2-D only.
+    Row,
+    /// Whole on every rank (norms, small tensors).
+    Replicated,
+}
+
+impl Parallel {
+    /// Human name used in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Parallel::Column => "column-parallel",
+            Parallel::Row => "row-parallel",
+            Parallel::Replicated => "replicated",
+        }
+    }
+
+    /// The usual split of a Hugging Face Qwen2 / Llama parameter name: q/k/v, gate/up, embedding and
+    /// head column-parallel; o/down row-parallel; everything else (norms) replicated.
+    pub fn for_hf_name(name: &str) -> Parallel {
+        const COLUMN: [&str; 7] = [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "gate_proj",
+            "up_proj",
+            "embed_tokens",
+            "lm_head",
+        ];
+        const ROW: [&str; 2] = ["o_proj", "down_proj"];
+        let parts: Vec<&str> = name.split('.').collect();
+        if parts.iter().any(|p| ROW.contains(p)) && name.ends_with("weight") {
+            Parallel::Row
+        } else if parts.iter().any(|p| COLUMN.contains(p)) {
+            Parallel::Column
+        } else {
+            Parallel::Replicated
+        }
+    }
+}
+
+impl fmt::Display for Parallel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A tensor of the rollout layout: its name, full shape and split.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// Unique name (Hugging Face parameter names where they apply).
+    pub name: String,
+    /// Full (unsharded) shape.
+    pub shape: Vec<usize>,
+    /// Split in the rollout layout.
+    pub parallel: Parallel,
+}
+
+impl TensorSpec {
+    /// A spec from its parts.
+    pub fn new(name: impl Into<String>, shape: impl Into<Vec<usize>>, parallel: Parallel) -> Self {
+        TensorSpec {
+            name: name.into(),
+            shape: shape.into(),
+            parallel,
+        }
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Size of dim 0 (rows of the 2-D view).
+    pub fn rows(&self) -> usize {
+        self.shape.first().copied().unwrap_or(1)
+    }
+
+    /// Product of the trailing dims (columns of the 2-D view).
+    pub fn cols(&self) -> usize {
+        self.shape.iter().skip(1).product()
+    }
+
+    /// Shape of TP rank `tp_rank`'s slice for degree `t` (the spec must be validated for `t`).
+    pub fn slice_shape(&self, t: usize) -> Vec<usize> {
+        let mut shape = self.shape.clone();
+        match self.parallel {
+            Parallel::Column => shape[0] /= t,
+            Parallel::Row => shape[1] /= t,
+            Parallel::Replicated => {}
+        }
+        shape
+    }
+
+    /// Rows and columns (of the 2-D view) that TP rank `tp_rank` holds at degree `t`.
+    pub fn tp_slice(&self, t: usize, tp_rank: usize) -> (Range<usize>, Range<usize>) {
+        match self.parallel {
+            Parallel::Column => (tp_range(self.rows(), t, tp_rank), 0..self.cols()),
+            Parallel::Row => (0..self.rows(), tp_range(self.cols(), t, tp_rank)),
+            Parallel::Replicated => (0..self.rows(), 0..self.cols()),
+        }
+    }
+}
+
+/// Rows that FSDP rank `rank` of `world` holds of a dim of size `n`, by PyTorch FSDP2's rule:
+/// `[r·c, min((r+1)·c, n))` with `c = ⌈n / W⌉` (trailing ranks may hold fewer rows or none).
+///
+/// ```
+/// use lifecycle_core::layout::fsdp_rows;
+/// assert_eq!(fsdp_rows(5, 4, 0), 0..2);
+/// assert_eq!(fsdp_rows(5, 4, 2), 4..5);
+/// assert_eq!(fsdp_rows(5, 4, 3), 5..5);
+/// ```
+pub fn fsdp_rows(n: usize, world: usize, rank: usize) -> Range<usize> {
+    let c = n.div_ceil(world);
+    let start = (rank * c).min(n);
+    let end = ((rank + 1) * c).min(n);
+    start..end
+}
+
+/// The even part `tp_rank` of `t` of a dim of size `n` (`t` must divide `n`).
+pub fn tp_range(n: usize, t: usize, tp_rank: usize) -> Range<usize> {
+    let part = n / t;
+    tp_rank * part..(tp_rank + 1) * part
+}
+
+/// The training layout: every tensor split on dim 0 across `world` ranks (FSDP2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FsdpLayout {
+    /// W: number of ranks.
+    pub world: usize,
+    /// Tensors in training order: name and full shape.
+    pub tensors: Vec<(String, Vec<usize>)>,
+}
+
+impl FsdpLayout {
+    /// Checks names are unique and non-empty, shapes non-empty, `world ≥ 1`.
+    pub fn new(
+        world: usize,
+        tensors: impl IntoIterator<Item = (String, Vec<usize>)>,
+    ) -> Result<Self, LayoutError> {
+        if world == 0 {
+            return Err(LayoutError::ZeroDegree {
+                what: "world size W",
+            });
+        }
+        let tensors: Vec<_> = tensors.into_iter().collect();
+        check_names(tensors.iter().map(|(n, s)| (n.as_str(), s.as_slice())), "training state")?;
+        Ok(FsdpLayout { world, tensors })
+    }
+
+    /// Rows of tensor dim 0 that `rank` holds.
+    pub fn shard_rows(&self, tensor: usize, rank: usize) -> Range<usize> {
+        let rows = self.tensors[tensor].1.first().copied().unwrap_or(1);
+        fsdp_rows(rows, self.world, rank)
+    }
+}
+
+/// The rollout layout: tensor parallel of degree `tp` over the listed tensors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RolloutLayout {
+    /// T: tensor-parallel degree.
+    pub tp: usize,
+    /// Every tensor the inference side expects.
+    pub tensors: Vec<TensorSpec>,
+}
+
+impl RolloutLayout {
+    /// Checks names, shapes and that every split dim is divisible by `tp`.
+    pub fn new(tp: usize, tensors: Vec<TensorSpec>) -> Result<Self, LayoutError> {
+        if tp == 0 {
+            return Err(LayoutError::ZeroDegree {
+                what: "rollout tensor-parallel degree T",
+            });
+        }
+        check_names(
+            tensors.iter().map(|t| (t.name.as_str(), t.shape.as_slice())),
+            "rollout layout",
+        )?;
+        for t in &tensors {
+            let (dim, size) = match t.parallel {
+                Parallel::Replicated => continue,
+                Parallel::Column => (0, t.shape[0]),
+                Parallel::Row => {
+                    if t.shape.len() != 2 {
+                        return Err(LayoutError::RowParallelNot2d {
+                            name: t.name.clone(),
+                            shape: t.shape.clone(),
+                        });
+                    }
+                    (1, t.shape[1])
+                }
+            };
+            if size % tp != 0 {
+                return Err(LayoutError::NotDivisible {
+                    name: t.name.clone(),
+                    parallel: t.parallel.name(),
+                    shape: t.shape.clone(),
+                    dim,
+                    size,
+                    t: tp,
+                });
+            }
+        }
+        Ok(RolloutLayout { tp, tensors })
+    }
+
+    /// The same tensors with Hugging Face default splits ([`Parallel::for_hf_name`]).
+    pub fn from_hf_names(
+        tp: usize,
+        tensors: impl IntoIterator<Item = (String, Vec<usize>)>,
+    ) -> Result<Self, LayoutError> {
+        let specs = tensors
+            .into_iter()
+            .map(|(name, shape)| {
+                let parallel = Parallel::for_hf_name(&name);
+                TensorSpec {
+                    name,
+                    shape,
+                    parallel,
+                }
+            })
+            .collect();
+        RolloutLayout::new(tp, specs)
+    }
+}
+
+fn check_names<'a>(
+    tensors: impl Iterator<Item = (&'a str, &'a [usize])>,
+    side: &'static str,
+) -> Result<(), LayoutError> {
+    let mut seen = HashSet::new();
+    for (name, shape) in tensors {
+        if name.is_empty() {
+            return Err(LayoutError::EmptyName { side });
+        }
+        if !seen.insert(name) {
+            return Err(LayoutError::DuplicateTensor {
+                name: name.to_string(),
+                side,
+            });
+        }
+        if shape.is_empty() || shape.contains(&0) {
+            return Err(LayoutError::EmptyTensor {
+                name: name.to_string(),
+                shape: shape.to_vec(),
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fsdp_rows_cover_every_row_once() {
+        for n in 1..40 {
+            for w in 1..10 {
+                let mut next = 0;
+                for r in 0..w {
+                    let rows = fsdp_rows(n, w, r);
+                    assert_eq!(rows.start, next.min(n));
+                    next = rows.end;
+                }
+                assert_eq!(next, n);
+            }
+        }
+    }
+
+    #[test]
+    fn hf_names_get_their_usual_split() {
+        assert_eq!(
+            Parallel::for_hf_name("model.layers.0.self_attn.q_proj.weight"),
+            Parallel::Column
+        );
+        assert_eq!(
+            Parallel::for_hf_name("model.layers.0.self_attn.q_proj.bias"),
+            Parallel::Column
+        );
+        assert_eq!(
+            Parallel::for_hf_name("model.layers.3.mlp.down_proj.weight"),
+            Parallel::Row
+        );
+        assert_eq!(
+            Parallel::for_hf_name("model.layers.3.input_layernorm.weight"),
+            Parallel::Replicated
+        );
+        assert_eq!(Parallel::for_hf_name("lm_head.weight"), Parallel::Column);
+    }
+}

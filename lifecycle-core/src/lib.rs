@@ -1,0 +1,66 @@
+//! Lifecycle of a policy model's weights in colocated RL training.
+//!
+//! The same GPUs alternate between training (sharded weights plus optimizer state) and rollout
+//! (inference-layout weights plus KV cache). This crate splits the switch into **enter** /
+//! **rollout** (many times) / **exit** and makes rolling out on stale weights a compile error:
+//!
+//! - [`Reshard`] is the contract a backend implements (plan, enter, refresh, exit).
+//! - [`Lifecycle`] owns the backend, the training state and the resident rollout weights, with a
+//!   weight version bumped by every mutable access to the training state.
+//! - [`RolloutSession`] / [`RolloutView`] and [`TrainSession`] are the only ways to reach the
+//!   rollout weights and the training state; they borrow the lifecycle, so the borrow checker
+//!   rejects a rollout view used across a training update or after exit.
+//! - Switching is lazy by default: a rollout that finds current weights resident moves zero bytes.
+//!   [`Switching::Eager`] exits after every call, for comparison with stacks that do.
+//! - [`Metrics`] records count, time, bytes per link class and peak extra memory of each phase.
+//! - [`layout`] is the pure planner that maps FSDP training shards to tensor-parallel rollout
+//!   slices, shared by every backend.
+//! - [`macro@sharded_rollout`] turns a rollout function into the enter / rollout / exit plumbing.
+//!
+//! ```compile_fail
+//! # use lifecycle_core::{Lifecycle, Reshard, SwitchContext};
+//! # struct Copying;
+//! # impl Reshard for Copying {
+//! #     type TrainState = Vec<f32>; type Rollout = Vec<f32>; type Plan = (); type Error = std::io::Error;
+//! #     fn plan(&self, _: &Vec<f32>) -> std::io::Result<()> { Ok(()) }
+//! #     fn enter(&mut self, _: &(), s: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<Vec<f32>> { Ok(s.clone()) }
+//! #     fn refresh(&mut self, _: &(), s: &mut Vec<f32>, r: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { r.clone_from(s); Ok(()) }
+//! #     fn exit(&mut self, _: &mut Vec<f32>, _: Option<Vec<f32>>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { Ok(()) }
+//! # }
+//! let mut lc = Lifecycle::new(Copying, vec![1.0]);
+//! let session = lc.rollout().unwrap();
+//! let weights = session.weights();
+//! lc.train().unwrap().state_mut()[0] = 2.0; // error[E0499]: the view still borrows `lc`
+//! println!("{}", weights[0]);
+//! ```
+
+#![warn(missing_docs)]
+
+mod error;
+pub mod layout;
+mod lifecycle;
+mod metrics;
+mod policy;
+mod reshard;
+mod session;
+
+pub use error::LifecycleError;
+pub use lifecycle::{Lifecycle, Mode};
+pub use metrics::{
+    HumanBytes, HumanDuration, Link, LinkBytes, Metrics, Phase, PhaseRecorder, PhaseSample,
+    PhaseScope, PhaseStats,
+};
+pub use policy::{LifecycleConfig, MemoryPolicy, Switching};
+pub use reshard::{Reshard, SwitchContext};
+pub use session::{RolloutSession, RolloutView, TrainSession};
+
+pub use lifecycle_macros::sharded_rollout;
+
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::error::LifecycleError;
+    pub use crate::lifecycle::Lifecycle;
+    pub use crate::reshard::Reshard;
+    pub use crate::session::RolloutView;
+    pub use core::result::Result;
+}

@@ -1,0 +1,317 @@
+//! The [`Lifecycle`]: owner of the training state, the backend and the resident rollout weights.
+
+use crate::error::LifecycleError;
+use crate::metrics::{Metrics, Phase, PhaseRecorder};
+use crate::policy::{LifecycleConfig, Switching};
+use crate::reshard::{Reshard, SwitchContext};
+use crate::session::{RolloutSession, TrainSession};
+
+/// Which layout is live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The training state is on the device; rollout weights are absent (or kept resident, stale
+    /// or not, when the memory policy says so).
+    Train,
+    /// Rollout weights of the current version are resident; training state is offloaded as the
+    /// memory policy says.
+    Rollout,
+    /// An exit failed: the training state may be incomplete and every switch is refused.
+    Faulted,
+}
+
+pub(crate) struct Resident<W> {
+    pub(crate) weights: W,
+    /// Version of the training weights the rollout weights were built from; `None` if a refresh
+    /// failed half way.
+    pub(crate) version: Option<u64>,
+}
+
+/// Owns a backend, its training state and (while resident) its rollout weights.
+///
+/// Rollout weights are reachable only through a [`RolloutSession`] and the training state only
+/// through a [`TrainSession`]; both borrow the lifecycle mutably, so rollout weights cannot be
+/// used across a training update. Every mutable access to the training state bumps the
+/// [`version`](Lifecycle::version); a rollout that finds weights of the current version resident
+/// moves zero bytes.
+///
+/// ```
+/// # use lifecycle_core::{Lifecycle, Reshard, SwitchContext};
+/// # struct Copying;
+/// # impl Reshard for Copying {
+/// #     type TrainState = Vec<f32>; type Rollout = Vec<f32>; type Plan = (); type Error = std::io::Error;
+/// #     fn plan(&self, _: &Vec<f32>) -> std::io::Result<()> { Ok(()) }
+/// #     fn enter(&mut self, _: &(), s: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<Vec<f32>> { Ok(s.clone()) }
+/// #     fn refresh(&mut self, _: &(), s: &mut Vec<f32>, r: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { r.clone_from(s); Ok(()) }
+/// #     fn exit(&mut self, _: &mut Vec<f32>, _: Option<Vec<f32>>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { Ok(()) }
+/// # }
+/// let mut lc = Lifecycle::new(Copying, vec![1.0, 2.0]);
+/// for _ in 0..3 {
+///     let session = lc.rollout()?;          // enters once, then reuses
+///     assert_eq!(session.weights()[1], 2.0);
+/// }
+/// lc.train()?.state_mut()[1] = 5.0;         // exits, bumps the version
+/// assert_eq!(lc.rollout()?.weights()[1], 5.0);
+/// assert_eq!(lc.metrics().enters, 2);
+/// assert_eq!(lc.metrics().reuses, 2);
+/// # Ok::<(), lifecycle_core::LifecycleError<std::io::Error>>(())
+/// ```
+pub struct Lifecycle<B: Reshard> {
+    pub(crate) backend: B,
+    pub(crate) state: B::TrainState,
+    pub(crate) resident: Option<Resident<B::Rollout>>,
+    pub(crate) version: u64,
+    pub(crate) mode: Mode,
+    pub(crate) config: LifecycleConfig,
+    pub(crate) metrics: Metrics,
+    /// A session ended without `finish` under the eager policy: exit before the next operation.
+    pub(crate) exit_due: bool,
+}
+
+impl<B: Reshard> Lifecycle<B> {
+    /// A lifecycle in train mode with the default configuration (lazy switching, master weights
+    /// and optimizer state offloaded during rollout).
+    pub fn new(backend: B, state: B::TrainState) -> Self {
+        Lifecycle {
+            backend,
+            state,
+            resident: None,
+            version: 0,
+            mode: Mode::Train,
+            config: LifecycleConfig::default(),
+            metrics: Metrics::default(),
+            exit_due: false,
+        }
+    }
+
+    /// A lifecycle in train mode with `config`, checked for consistency.
+    pub fn with_config(
+        backend: B,
+        state: B::TrainState,
+        config: LifecycleConfig,
+    ) -> Result<Self, LifecycleError<B::Error>> {
+        config.memory.validate().map_err(LifecycleError::Config)?;
+        let mut lc = Lifecycle::new(backend, state);
+        lc.config = config;
+        Ok(lc)
+    }
+
+    /// The current configuration.
+    pub fn config(&self) -> &LifecycleConfig {
+        &self.config
+    }
+
+    /// Changes the switching policy; takes effect at the next rollout call.
+    pub fn set_switching(&mut self, switching: Switching) {
+        self.config.switching = switching;
+    }
+
+    /// The version of the training weights: bumped by every mutable access to them.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Which layout is live.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// Whether rollout weights of the current version are resident (a rollout would move zero bytes).
+    pub fn rollout_is_current(&self) -> bool {
+        self.mode != Mode::Faulted
+            && self
+                .resident
+                .as_ref()
+                .is_some_and(|r| r.version == Some(self.version))
+    }
+
+    /// Metrics of every switch so far.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Clears the metrics.
+    pub fn reset_metrics(&mut self) {
+        self.metrics = Metrics::default();
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The training state wherever it lives now (in rollout mode, possibly offloaded), read-only.
+    /// Does not switch.
+    pub fn peek_state(&self) -> &B::TrainState {
+        &self.state
+    }
+
+    /// Opens a rollout session: enters rollout mode only if the resident weights are missing or
+    /// older than the training weights.
+    pub fn rollout(&mut self) -> Result<RolloutSession<'_, B>, LifecycleError<B::Error>> {
+        self.ensure_rollout()?;
+        self.metrics.rollout_calls += 1;
+        Ok(RolloutSession::new(self))
+    }
+
+    /// Opens a training session: leaves rollout mode if needed (releasing rollout weights and
+    /// bringing offloaded state back).
+    pub fn train(&mut self) -> Result<TrainSession<'_, B>, LifecycleError<B::Error>> {
+        self.ensure_train()?;
+        Ok(TrainSession::new(self))
+    }
+
+    /// Enters rollout mode now (no-op when current weights are resident).
+    pub fn enter(&mut self) -> Result<(), LifecycleError<B::Error>> {
+        self.ensure_rollout()
+    }
+
+    /// Leaves rollout mode now, releasing the rollout weights even if the memory policy would keep
+    /// them resident. No-op in train mode with nothing resident.
+    pub fn exit(&mut self) -> Result<(), LifecycleError<B::Error>> {
+        self.check_not_faulted()?;
+        self.exit_due = false;
+        if self.mode == Mode::Rollout || self.resident.is_some() {
+            self.run_exit(true)?;
+        }
+        Ok(())
+    }
+
+    /// Leaves rollout mode and returns the backend and the training state.
+    pub fn into_parts(mut self) -> Result<(B, B::TrainState), LifecycleError<B::Error>> {
+        self.exit()?;
+        Ok((self.backend, self.state))
+    }
+
+    fn check_not_faulted(&self) -> Result<(), LifecycleError<B::Error>> {
+        if self.mode == Mode::Faulted {
+            Err(LifecycleError::Faulted)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn settle_due_exit(&mut self) -> Result<(), LifecycleError<B::Error>> {
+        if self.exit_due {
+            self.exit_due = false;
+            if self.mode == Mode::Rollout {
+                self.run_exit(true)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn ensure_rollout(&mut self) -> Result<(), LifecycleError<B::Error>> {
+        self.check_not_faulted()?;
+        self.settle_due_exit()?;
+        if self.rollout_is_current() {
+            if self.mode == Mode::Rollout {
+                self.metrics.reuses += 1;
+            }
+            // In train mode with current weights kept resident nothing was offloaded (the policy
+            // forbids it), so switching moves zero bytes too.
+            self.mode = Mode::Rollout;
+            return Ok(());
+        }
+        debug_assert!(self.mode == Mode::Train || self.resident.is_none());
+        let mut rec = PhaseRecorder::new(&mut self.metrics);
+        let plan = rec
+            .phase(Phase::Plan, |_| self.backend.plan(&self.state))
+            .map_err(LifecycleError::Plan)?;
+        let mut ctx = SwitchContext {
+            memory: self.config.memory,
+            rec,
+        };
+        match self.resident.as_mut() {
+            Some(resident) => {
+                resident.version = None;
+                self.backend
+                    .refresh(&plan, &mut self.state, &mut resident.weights, &mut ctx)
+                    .map_err(LifecycleError::Refresh)?;
+                resident.version = Some(self.version);
+                self.metrics.refreshes += 1;
+            }
+            None => {
+                let weights = self
+                    .backend
+                    .enter(&plan, &mut self.state, &mut ctx)
+                    .map_err(LifecycleError::Enter)?;
+                self.resident = Some(Resident {
+                    weights,
+                    version: Some(self.version),
+                });
+                self.metrics.enters += 1;
+            }
+        }
+        self.mode = Mode::Rollout;
+        Ok(())
+    }
+
+    pub(crate) fn ensure_train(&mut self) -> Result<(), LifecycleError<B::Error>> {
+        self.check_not_faulted()?;
+        self.settle_due_exit()?;
+        if self.mode == Mode::Rollout {
+            if self.config.memory.keep_rollout_resident {
+                // Nothing was offloaded: the training state is already on the device.
+                self.mode = Mode::Train;
+            } else {
+                self.run_exit(true)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Called when a rollout call ends: applies the switching policy.
+    pub(crate) fn after_rollout_call(&mut self) -> Result<(), LifecycleError<B::Error>> {
+        match self.config.switching {
+            Switching::Lazy => Ok(()),
+            Switching::Eager => {
+                if self.mode == Mode::Rollout {
+                    self.run_exit(true)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn run_exit(&mut self, release: bool) -> Result<(), LifecycleError<B::Error>> {
+        let rollout = if release {
+            self.resident.take().map(|r| r.weights)
+        } else {
+            None
+        };
+        let mut ctx = SwitchContext {
+            memory: self.config.memory,
+            rec: PhaseRecorder::new(&mut self.metrics),
+        };
+        match self.backend.exit(&mut self.state, rollout, &mut ctx) {
+            Ok(()) => {
+                self.metrics.exits += 1;
+                self.mode = Mode::Train;
+                Ok(())
+            }
+            Err(e) => {
+                self.mode = Mode::Faulted;
+                Err(LifecycleError::Exit(e))
+            }
+        }
+    }
+
+    pub(crate) fn resident_weights(&self) -> &B::Rollout {
+        match &self.resident {
+            Some(r) => &r.weights,
+            // A session exists only after ensure_rollout succeeded, which leaves weights resident.
+            None => unreachable!("rollout session without resident weights"),
+        }
+    }
+}
+
+impl<B: Reshard> std::fmt::Debug for Lifecycle<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lifecycle")
+            .field("mode", &self.mode)
+            .field("version", &self.version)
+            .field("rollout_is_current", &self.rollout_is_current())
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}

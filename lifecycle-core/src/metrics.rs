@@ -1,0 +1,421 @@
+//! Per-phase switch metrics: counts, wall time, bytes per link class and peak extra memory.
+//!
+//! Backends report what each phase did through a [`PhaseRecorder`]; the lifecycle owns the
+//! resulting [`Metrics`], which users read as a struct or print as one line or a table.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+/// One phase of a switch between the training and the rollout layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Phase {
+    /// Validating the layouts and computing the transfer plan (enter, refresh).
+    Plan,
+    /// Moving (and casting) weights into the rollout layout (enter, refresh).
+    Transfer,
+    /// Moving training state out of device memory (enter, refresh).
+    Offload,
+    /// Freeing the rollout weights (exit).
+    Release,
+    /// Bringing the offloaded training state back (exit).
+    Reload,
+}
+
+impl Phase {
+    /// Every phase, in the order a full switch runs them.
+    pub const ALL: [Phase; 5] = [
+        Phase::Plan,
+        Phase::Transfer,
+        Phase::Offload,
+        Phase::Release,
+        Phase::Reload,
+    ];
+
+    /// Lower-case name used in renderings.
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Plan => "plan",
+            Phase::Transfer => "transfer",
+            Phase::Offload => "offload",
+            Phase::Release => "release",
+            Phase::Reload => "reload",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The class of link a byte crossed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Link {
+    /// Between two devices (NVLink / shared memory between host-backend ranks).
+    DeviceToDevice,
+    /// From a device to host memory (offload).
+    DeviceToHost,
+    /// From host memory to a device (reload).
+    HostToDevice,
+    /// Within one device (local copies and casts).
+    Local,
+}
+
+/// Bytes moved, split by link class.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LinkBytes {
+    /// Bytes that crossed a device↔device link.
+    pub device_to_device: u64,
+    /// Bytes copied from device to host memory.
+    pub device_to_host: u64,
+    /// Bytes copied from host to device memory.
+    pub host_to_device: u64,
+    /// Bytes written by copies or casts that stayed on one device.
+    pub local: u64,
+}
+
+impl LinkBytes {
+    /// Adds `bytes` to the counter of `link`.
+    pub fn add(&mut self, link: Link, bytes: u64) {
+        match link {
+            Link::DeviceToDevice => self.device_to_device += bytes,
+            Link::DeviceToHost => self.device_to_host += bytes,
+            Link::HostToDevice => self.host_to_device += bytes,
+            Link::Local => self.local += bytes,
+        }
+    }
+
+    /// Bytes that crossed a link between memories (everything but [`LinkBytes::local`]).
+    pub fn moved(&self) -> u64 {
+        self.device_to_device + self.device_to_host + self.host_to_device
+    }
+
+    /// Bytes that crossed a device↔host link, either way.
+    pub fn device_host(&self) -> u64 {
+        self.device_to_host + self.host_to_device
+    }
+
+    fn merge(&mut self, other: &LinkBytes) {
+        self.device_to_device += other.device_to_device;
+        self.device_to_host += other.device_to_host;
+        self.host_to_device += other.host_to_device;
+        self.local += other.local;
+    }
+}
+
+/// Accumulated statistics of one phase.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PhaseStats {
+    /// How many times the phase ran.
+    pub count: u64,
+    /// Total wall time.
+    pub wall: Duration,
+    /// Bytes moved, by link class.
+    pub bytes: LinkBytes,
+    /// Largest extra memory (bytes, on any one device) the phase held above its inputs and outputs.
+    pub peak_extra_bytes: u64,
+}
+
+/// What one run of a phase reports; filled by the backend through [`PhaseScope`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PhaseSample {
+    /// Bytes moved, by link class.
+    pub bytes: LinkBytes,
+    /// Peak extra memory held during the phase.
+    pub peak_extra_bytes: u64,
+}
+
+/// Counters and per-phase statistics of every switch a lifecycle ran.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Metrics {
+    phases: [PhaseStats; 5],
+    /// Full enters (rollout weights materialised from nothing).
+    pub enters: u64,
+    /// In-place refreshes of resident rollout weights.
+    pub refreshes: u64,
+    /// Exits (rollout weights released and/or training state brought back).
+    pub exits: u64,
+    /// Rollout calls served.
+    pub rollout_calls: u64,
+    /// Rollout calls that found current weights resident and moved zero bytes.
+    pub reuses: u64,
+}
+
+impl Metrics {
+    /// Statistics of one phase.
+    pub fn phase(&self, phase: Phase) -> &PhaseStats {
+        &self.phases[phase.index()]
+    }
+
+    /// Switches into the rollout layout that moved weights (enters + refreshes).
+    pub fn switches(&self) -> u64 {
+        self.enters + self.refreshes
+    }
+
+    /// Bytes moved over all phases.
+    pub fn bytes(&self) -> LinkBytes {
+        let mut total = LinkBytes::default();
+        for p in &self.phases {
+            total.merge(&p.bytes);
+        }
+        total
+    }
+
+    /// Wall time over all phases.
+    pub fn switch_time(&self) -> Duration {
+        self.phases.iter().map(|p| p.wall).sum()
+    }
+
+    /// Largest peak extra memory of any phase.
+    pub fn peak_extra_bytes(&self) -> u64 {
+        self.phases
+            .iter()
+            .map(|p| p.peak_extra_bytes)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Difference `self - earlier`, for per-step reporting. Peaks are kept from `self`.
+    pub fn since(&self, earlier: &Metrics) -> Metrics {
+        let mut out = self.clone();
+        for (p, e) in out.phases.iter_mut().zip(&earlier.phases) {
+            p.count -= e.count.min(p.count);
+            p.wall = p.wall.saturating_sub(e.wall);
+            p.bytes.device_to_device -= e.bytes.device_to_device.min(p.bytes.device_to_device);
+            p.bytes.device_to_host -= e.bytes.device_to_host.min(p.bytes.device_to_host);
+            p.bytes.host_to_device -= e.bytes.host_to_device.min(p.bytes.host_to_device);
+            p.bytes.local -= e.bytes.local.min(p.bytes.local);
+        }
+        out.enters -= earlier.enters.min(out.enters);
+        out.refreshes -= earlier.refreshes.min(out.refreshes);
+        out.exits -= earlier.exits.min(out.exits);
+        out.rollout_calls -= earlier.rollout_calls.min(out.rollout_calls);
+        out.reuses -= earlier.reuses.min(out.reuses);
+        out
+    }
+
+    pub(crate) fn record(&mut self, phase: Phase, wall: Duration, sample: &PhaseSample) {
+        let stats = &mut self.phases[phase.index()];
+        stats.count += 1;
+        stats.wall += wall;
+        stats.bytes.merge(&sample.bytes);
+        stats.peak_extra_bytes = stats.peak_extra_bytes.max(sample.peak_extra_bytes);
+    }
+
+    /// One-line summary, e.g. `switches 1 (enter 1, refresh 0), exits 1, calls 3 (2 reused), moved 1.2 MB in 3.1 ms`.
+    pub fn summary_line(&self) -> String {
+        let bytes = self.bytes();
+        format!(
+            "switches {} (enter {}, refresh {}), exits {}, calls {} ({} reused), \
+             moved {} (d2d {}, d2h {}, h2d {}), switch time {}",
+            self.switches(),
+            self.enters,
+            self.refreshes,
+            self.exits,
+            self.rollout_calls,
+            self.reuses,
+            HumanBytes(bytes.moved()),
+            HumanBytes(bytes.device_to_device),
+            HumanBytes(bytes.device_to_host),
+            HumanBytes(bytes.host_to_device),
+            HumanDuration(self.switch_time()),
+        )
+    }
+
+    /// A table with one row per phase.
+    pub fn table(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl fmt::Display for Metrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "{:<9} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
+            "phase", "count", "wall", "d2d", "d2h", "h2d", "local", "peak extra"
+        )?;
+        for phase in Phase::ALL {
+            let s = self.phase(phase);
+            writeln!(
+                f,
+                "{:<9} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
+                phase.name(),
+                s.count,
+                HumanDuration(s.wall).to_string(),
+                HumanBytes(s.bytes.device_to_device).to_string(),
+                HumanBytes(s.bytes.device_to_host).to_string(),
+                HumanBytes(s.bytes.host_to_device).to_string(),
+                HumanBytes(s.bytes.local).to_string(),
+                HumanBytes(s.peak_extra_bytes).to_string(),
+            )?;
+        }
+        write!(f, "{}", self.summary_line())
+    }
+}
+
+/// Where a backend reports the phases of one switch.
+///
+/// ```
+/// use lifecycle_core::{Link, Phase, PhaseRecorder, Metrics};
+/// let mut metrics = Metrics::default();
+/// let mut rec = PhaseRecorder::new(&mut metrics);
+/// let copied: Result<u64, std::convert::Infallible> = rec.phase(Phase::Transfer, |scope| {
+///     scope.add_bytes(Link::DeviceToDevice, 1024);
+///     Ok(1024)
+/// });
+/// assert_eq!(copied.unwrap(), 1024);
+/// assert_eq!(metrics.phase(Phase::Transfer).bytes.device_to_device, 1024);
+/// ```
+pub struct PhaseRecorder<'m> {
+    metrics: &'m mut Metrics,
+}
+
+impl<'m> PhaseRecorder<'m> {
+    /// A recorder that adds to `metrics`.
+    pub fn new(metrics: &'m mut Metrics) -> Self {
+        PhaseRecorder { metrics }
+    }
+
+    /// Runs `f` as one instance of `phase`, timing it and recording what it reported in its
+    /// [`PhaseScope`]. The phase is recorded whether `f` succeeds or not.
+    pub fn phase<T, E>(
+        &mut self,
+        phase: Phase,
+        f: impl FnOnce(&mut PhaseScope) -> Result<T, E>,
+    ) -> Result<T, E> {
+        let mut scope = PhaseScope::default();
+        let start = Instant::now();
+        let out = f(&mut scope);
+        let wall = start.elapsed();
+        tracing::debug!(phase = phase.name(), ?wall, bytes = scope.sample.bytes.moved(), "phase");
+        self.metrics.record(phase, wall, &scope.sample);
+        out
+    }
+
+    /// Records a phase measured by the backend itself (for example from device events).
+    pub fn record(&mut self, phase: Phase, wall: Duration, sample: PhaseSample) {
+        self.metrics.record(phase, wall, &sample);
+    }
+}
+
+/// What a running phase reports: bytes per link and peak extra memory.
+#[derive(Debug, Default)]
+pub struct PhaseScope {
+    sample: PhaseSample,
+    current_extra: u64,
+}
+
+impl PhaseScope {
+    /// Counts `bytes` moved over `link`.
+    pub fn add_bytes(&mut self, link: Link, bytes: u64) {
+        self.sample.bytes.add(link, bytes);
+    }
+
+    /// Notes that the phase now holds `bytes` more extra memory (staging buffers, buckets).
+    pub fn alloc_extra(&mut self, bytes: u64) {
+        self.current_extra += bytes;
+        self.sample.peak_extra_bytes = self.sample.peak_extra_bytes.max(self.current_extra);
+    }
+
+    /// Notes that `bytes` of extra memory were freed.
+    pub fn free_extra(&mut self, bytes: u64) {
+        self.current_extra = self.current_extra.saturating_sub(bytes);
+    }
+
+    /// Raises the recorded peak to at least `bytes` (for peaks measured by the backend).
+    pub fn note_peak_extra(&mut self, bytes: u64) {
+        self.sample.peak_extra_bytes = self.sample.peak_extra_bytes.max(bytes);
+    }
+
+    /// What has been reported so far.
+    pub fn sample(&self) -> &PhaseSample {
+        &self.sample
+    }
+}
+
+/// Formats a byte count with a decimal unit (B, kB, MB, GB).
+#[derive(Debug, Clone, Copy)]
+pub struct HumanBytes(pub u64);
+
+impl fmt::Display for HumanBytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let b = self.0 as f64;
+        if self.0 < 1_000 {
+            write!(f, "{} B", self.0)
+        } else if b < 1e6 {
+            write!(f, "{:.1} kB", b / 1e3)
+        } else if b < 1e9 {
+            write!(f, "{:.1} MB", b / 1e6)
+        } else {
+            write!(f, "{:.2} GB", b / 1e9)
+        }
+    }
+}
+
+/// Formats a duration in µs, ms or s.
+#[derive(Debug, Clone, Copy)]
+pub struct HumanDuration(pub Duration);
+
+impl fmt::Display for HumanDuration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.0.as_secs_f64();
+        if s < 1e-3 {
+            write!(f, "{:.1} µs", s * 1e6)
+        } else if s < 1.0 {
+            write!(f, "{:.2} ms", s * 1e3)
+        } else {
+            write!(f, "{:.3} s", s)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recorder_accumulates_and_since_subtracts() {
+        let mut m = Metrics::default();
+        {
+            let mut rec = PhaseRecorder::new(&mut m);
+            let _: Result<(), ()> = rec.phase(Phase::Offload, |s| {
+                s.add_bytes(Link::DeviceToHost, 100);
+                s.alloc_extra(10);
+                s.alloc_extra(5);
+                s.free_extra(15);
+                s.alloc_extra(3);
+                Ok(())
+            });
+        }
+        let snapshot = m.clone();
+        {
+            let mut rec = PhaseRecorder::new(&mut m);
+            let _: Result<(), ()> = rec.phase(Phase::Offload, |s| {
+                s.add_bytes(Link::DeviceToHost, 50);
+                Err(())
+            });
+        }
+        let off = m.phase(Phase::Offload);
+        assert_eq!(off.count, 2);
+        assert_eq!(off.bytes.device_to_host, 150);
+        assert_eq!(off.peak_extra_bytes, 15);
+        let delta = m.since(&snapshot);
+        assert_eq!(delta.phase(Phase::Offload).count, 1);
+        assert_eq!(delta.phase(Phase::Offload).bytes.device_to_host, 50);
+        assert!(m.table().contains("offload"));
+        assert!(m.summary_line().contains("d2h 150 B"));
+    }
+
+    #[test]
+    fn human_units() {
+        assert_eq!(HumanBytes(999).to_string(), "999 B");
+        assert_eq!(HumanBytes(1_500_000).to_string(), "1.5 MB");
+        assert_eq!(HumanDuration(Duration::from_millis(12)).to_string(), "12.00 ms");
+    }
+}
