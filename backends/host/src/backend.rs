@@ -1,0 +1,256 @@
+use half::bf16;
+use half::slice::HalfFloatSliceExt;
+use lifecycle_core::layout::{plan_fsdp_to_tp, RankPlan, ReshardPlan, RolloutLayout};
+use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
+
+use crate::error::HostError;
+use crate::rollout::{HostRollout, RankRollout, RolloutTensor};
+use crate::state::{HostTrainState, RankState};
+
+/// The CPU reference backend: ranks are threads of this process, collectives are shared-memory
+/// copies. Enter casts fp32 master shards to bf16 (round to nearest even) straight into each
+/// rank's rollout slices, then offloads as the memory policy says; exit releases the slices and
+/// reloads.
+///
+/// ```
+/// use lifecycle_core::{Lifecycle, layout::RolloutLayout};
+/// use lifecycle_host::{HostBackend, HostTensor, HostTrainState};
+///
+/// let state = HostTrainState::from_tensors(2, vec![
+///     HostTensor::f32("model.layers.0.mlp.up_proj.weight", [4, 2], (0..8).map(|x| x as f32).collect()),
+///     HostTensor::f32("model.norm.weight", [2], vec![1.0, 1.0]),
+/// ])?;
+/// let layout = RolloutLayout::from_hf_names(2, state.layout().tensors.clone())?;
+/// let mut lc = Lifecycle::new(HostBackend::new(layout), state);
+/// let session = lc.rollout()?;
+/// let up = session.weights().ranks[1].tensor("model.layers.0.mlp.up_proj.weight").unwrap();
+/// assert_eq!(up.shape, vec![2, 2]);
+/// assert_eq!(up.data[0].to_f32(), 4.0);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct HostBackend {
+    layout: RolloutLayout,
+}
+
+impl HostBackend {
+    /// A backend producing `layout`.
+    pub fn new(layout: RolloutLayout) -> Self {
+        HostBackend { layout }
+    }
+
+    /// The rollout layout this backend produces.
+    pub fn layout(&self) -> &RolloutLayout {
+        &self.layout
+    }
+}
+
+/// Runs `f(rank, item)` for every item on its own thread (inline when there is one).
+fn per_rank<T: Send, R: Send>(items: Vec<T>, f: impl Fn(usize, T) -> R + Sync) -> Vec<R> {
+    if items.len() <= 1 {
+        return items.into_iter().enumerate().map(|(r, t)| f(r, t)).collect();
+    }
+    std::thread::scope(|scope| {
+        let f = &f;
+        let handles: Vec<_> = items
+            .into_iter()
+            .enumerate()
+            .map(|(r, t)| scope.spawn(move || f(r, t)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| match h.join() {
+                Ok(r) => r,
+                Err(panic) => std::panic::resume_unwind(panic),
+            })
+            .collect()
+    })
+}
+
+/// Bytes a rank received from peers and copied locally.
+#[derive(Default, Clone, Copy)]
+struct Moved {
+    remote: u64,
+    local: u64,
+}
+
+/// Fills one rank's rollout slices from every rank's master shards.
+fn fill_rank(state: &HostTrainState, rank_plan: &RankPlan, out: &mut RankRollout) -> Moved {
+    let mut moved = Moved::default();
+    for (t, dst) in rank_plan.tensors.iter().zip(out.tensors.iter_mut()) {
+        let width = state.layout.tensors[t.train_index].1.iter().skip(1).product::<usize>();
+        for piece in &t.pieces {
+            let shard = &state.ranks[piece.src_rank].shards[t.train_index];
+            let src = shard.master.values();
+            for row in piece.rows.clone() {
+                let s = (row - shard.rows.start) * width;
+                let d = t.dst_offset(row, piece.cols.start);
+                let n = piece.cols.len();
+                dst.data[d..d + n]
+                    .convert_from_f32_slice(&src[s + piece.cols.start..s + piece.cols.end]);
+            }
+            let bytes = (piece.numel() * 2) as u64;
+            if piece.src_rank == rank_plan.rank {
+                moved.local += bytes;
+            } else {
+                moved.remote += bytes;
+            }
+        }
+    }
+    moved
+}
+
+fn empty_rollout(plan: &ReshardPlan, rank_plan: &RankPlan) -> RankRollout {
+    RankRollout {
+        tensors: rank_plan
+            .tensors
+            .iter()
+            .map(|t| RolloutTensor {
+                name: plan.tensors[t.tensor].name.clone(),
+                shape: t.shape.clone(),
+                data: vec![bf16::ZERO; t.numel()],
+            })
+            .collect(),
+    }
+}
+
+fn transfer(
+    plan: &ReshardPlan,
+    state: &mut HostTrainState,
+    outs: Vec<&mut RankRollout>,
+    ctx: &mut SwitchContext<'_>,
+) -> Result<(), HostError> {
+    ctx.rec.phase(Phase::Transfer, |scope| {
+        let shared: &HostTrainState = state;
+        let moved = per_rank(outs, |rank, out| fill_rank(shared, &plan.ranks[rank], out));
+        for m in moved {
+            scope.add_bytes(Link::DeviceToDevice, m.remote);
+            scope.add_bytes(Link::Local, m.local);
+        }
+        Ok(())
+    })
+}
+
+fn offload(state: &mut HostTrainState, memory: MemoryPolicy, ctx: &mut SwitchContext<'_>) {
+    let _ = ctx.rec.phase(Phase::Offload, |scope| {
+        let ranks: Vec<&mut RankState> = state.ranks.iter_mut().collect();
+        let moved = per_rank(ranks, |_, rank| {
+            let mut bytes = 0;
+            for shard in &mut rank.shards {
+                if let Some(grad) = shard.grad.take() {
+                    rank.meter.free((grad.len() * 4) as u64);
+                }
+                if memory.offload_params {
+                    bytes += shard.master.offload(&mut rank.meter);
+                }
+                if memory.offload_optimizer {
+                    bytes += shard.adam_m.offload(&mut rank.meter);
+                    bytes += shard.adam_v.offload(&mut rank.meter);
+                }
+            }
+            bytes
+        });
+        scope.add_bytes(Link::DeviceToHost, moved.iter().sum());
+        Ok::<(), HostError>(())
+    });
+}
+
+impl Reshard for HostBackend {
+    type TrainState = HostTrainState;
+    type Rollout = HostRollout;
+    type Plan = ReshardPlan;
+    type Error = HostError;
+
+    fn plan(&self, state: &HostTrainState) -> Result<ReshardPlan, HostError> {
+        Ok(plan_fsdp_to_tp(state.layout(), &self.layout)?)
+    }
+
+    fn enter(
+        &mut self,
+        plan: &ReshardPlan,
+        state: &mut HostTrainState,
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<HostRollout, HostError> {
+        if state.is_offloaded() {
+            return Err(HostError::Offloaded {
+                operation: "entering rollout mode",
+            });
+        }
+        let mut rollout = HostRollout {
+            ranks: plan.ranks.iter().map(|r| empty_rollout(plan, r)).collect(),
+        };
+        for (rank, r) in rollout.ranks.iter().enumerate() {
+            state.ranks[rank].meter.alloc(r.bytes());
+        }
+        transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx)?;
+        offload(state, ctx.memory, ctx);
+        Ok(rollout)
+    }
+
+    fn refresh(
+        &mut self,
+        plan: &ReshardPlan,
+        state: &mut HostTrainState,
+        rollout: &mut HostRollout,
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<(), HostError> {
+        if state.is_offloaded() {
+            return Err(HostError::Offloaded {
+                operation: "refreshing rollout weights",
+            });
+        }
+        for (rank_plan, resident) in plan.ranks.iter().zip(&rollout.ranks) {
+            for (t, r) in rank_plan.tensors.iter().zip(&resident.tensors) {
+                if r.data.len() != t.numel() || r.name != plan.tensors[t.tensor].name {
+                    return Err(HostError::RolloutMismatch {
+                        name: plan.tensors[t.tensor].name.clone(),
+                        rank: rank_plan.rank,
+                        expected: t.numel(),
+                        found: r.data.len(),
+                    });
+                }
+            }
+        }
+        transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx)?;
+        offload(state, ctx.memory, ctx);
+        Ok(())
+    }
+
+    fn exit(
+        &mut self,
+        state: &mut HostTrainState,
+        rollout: Option<HostRollout>,
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<(), HostError> {
+        if let Some(rollout) = rollout {
+            ctx.rec.phase(Phase::Release, |_| {
+                for (rank, r) in rollout.ranks.into_iter().enumerate() {
+                    if let Some(s) = state.ranks.get_mut(rank) {
+                        s.meter.free(r.bytes());
+                    }
+                    drop(r);
+                }
+                Ok::<(), HostError>(())
+            })?;
+        }
+        ctx.rec.phase(Phase::Reload, |scope| {
+            let ranks: Vec<&mut RankState> = state.ranks.iter_mut().collect();
+            let moved = per_rank(ranks, |_, rank| {
+                let mut bytes = 0;
+                for shard in &mut rank.shards {
+                    bytes += shard.master.reload(&mut rank.meter);
+                    bytes += shard.adam_m.reload(&mut rank.meter);
+                    bytes += shard.adam_v.reload(&mut rank.meter);
+                    if shard.grad.is_none() {
+                        let n = shard.master.values().len();
+                        rank.meter.alloc((n * 4) as u64);
+                        shard.grad = Some(vec![0.0; n]);
+                    }
+                }
+                bytes
+            });
+            scope.add_bytes(Link::HostToDevice, moved.iter().sum());
+            Ok(())
+        })
+    }
+}

@@ -1,0 +1,352 @@
+use std::ops::Range;
+
+use lifecycle_core::layout::{fsdp_rows, FsdpLayout};
+
+use crate::error::HostError;
+use crate::tensor::HostTensor;
+
+/// Where a buffer of one rank lives.
+#[derive(Debug, Clone)]
+pub(crate) enum Residence {
+    /// In the rank's device memory (counted by its meter).
+    Device(Vec<f32>),
+    /// Offloaded to host memory: a separate allocation; the device original was freed.
+    Host(Box<[f32]>),
+}
+
+impl Residence {
+    pub(crate) fn values(&self) -> &[f32] {
+        match self {
+            Residence::Device(v) => v,
+            Residence::Host(v) => v,
+        }
+    }
+
+    pub(crate) fn on_device(&self) -> Option<&[f32]> {
+        match self {
+            Residence::Device(v) => Some(v),
+            Residence::Host(_) => None,
+        }
+    }
+
+    fn bytes(&self) -> u64 {
+        (self.values().len() * 4) as u64
+    }
+
+    /// Copies a device buffer to a fresh host allocation and frees the original. Returns the
+    /// bytes moved (0 if already offloaded).
+    pub(crate) fn offload(&mut self, meter: &mut MemoryMeter) -> u64 {
+        if let Residence::Device(v) = self {
+            let host: Box<[f32]> = v.as_slice().into();
+            let bytes = self.bytes();
+            *self = Residence::Host(host);
+            meter.free(bytes);
+            bytes
+        } else {
+            0
+        }
+    }
+
+    /// Copies a host buffer back to a fresh device allocation and frees the host copy.
+    pub(crate) fn reload(&mut self, meter: &mut MemoryMeter) -> u64 {
+        if let Residence::Host(h) = self {
+            let bytes = (h.len() * 4) as u64;
+            meter.alloc(bytes);
+            *self = Residence::Device(h.to_vec());
+            bytes
+        } else {
+            0
+        }
+    }
+}
+
+/// Device-memory accounting of one rank: what is allocated now and the peak.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryMeter {
+    /// Bytes allocated now.
+    pub current: u64,
+    /// Largest `current` seen.
+    pub peak: u64,
+}
+
+impl MemoryMeter {
+    pub(crate) fn alloc(&mut self, bytes: u64) {
+        self.current += bytes;
+        self.peak = self.peak.max(self.current);
+    }
+
+    pub(crate) fn free(&mut self, bytes: u64) {
+        self.current = self.current.saturating_sub(bytes);
+    }
+}
+
+/// One rank's FSDP shard of one tensor: fp32 master, grad, Adam m and v.
+#[derive(Debug, Clone)]
+pub(crate) struct Shard {
+    /// Rows of the full tensor this shard holds.
+    pub(crate) rows: Range<usize>,
+    pub(crate) master: Residence,
+    /// Freed while in rollout mode.
+    pub(crate) grad: Option<Vec<f32>>,
+    pub(crate) adam_m: Residence,
+    pub(crate) adam_v: Residence,
+}
+
+/// Everything one rank holds.
+#[derive(Debug, Clone)]
+pub(crate) struct RankState {
+    pub(crate) shards: Vec<Shard>,
+    pub(crate) meter: MemoryMeter,
+}
+
+/// Mutable access to one shard in train mode, given to update functions.
+#[derive(Debug)]
+pub struct ShardMut<'a> {
+    /// The rank holding the shard.
+    pub rank: usize,
+    /// Index of the tensor in the training state.
+    pub tensor: usize,
+    /// Its name.
+    pub name: &'a str,
+    /// Its full shape.
+    pub shape: &'a [usize],
+    /// Rows of the full tensor this shard holds (dim 0).
+    pub rows: Range<usize>,
+    /// fp32 master weights of the shard, row-major.
+    pub master: &'a mut [f32],
+    /// Gradient of the shard.
+    pub grad: &'a mut [f32],
+    /// Adam first moment.
+    pub adam_m: &'a mut [f32],
+    /// Adam second moment.
+    pub adam_v: &'a mut [f32],
+}
+
+/// Adam hyper-parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamParams {
+    /// Learning rate.
+    pub lr: f32,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// Denominator epsilon.
+    pub eps: f32,
+}
+
+impl Default for AdamParams {
+    fn default() -> Self {
+        AdamParams {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        }
+    }
+}
+
+/// The training state of `W` ranks: FSDP2 dim-0 shards of fp32 master weights, grads and Adam
+/// moments, with real device-memory accounting per rank.
+///
+/// ```
+/// use lifecycle_host::{HostTensor, HostTrainState};
+/// let state = HostTrainState::from_tensors(2, vec![
+///     HostTensor::f32("w", [3, 2], vec![1., 2., 3., 4., 5., 6.]),
+/// ])?;
+/// assert_eq!(state.master_shard(0, 0), Some(&[1., 2., 3., 4.][..]));
+/// assert_eq!(state.master_shard(1, 0), Some(&[5., 6.][..]));
+/// assert_eq!(state.full_master("w")?, vec![1., 2., 3., 4., 5., 6.]);
+/// # Ok::<(), lifecycle_host::HostError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct HostTrainState {
+    pub(crate) layout: FsdpLayout,
+    pub(crate) ranks: Vec<RankState>,
+    pub(crate) adam_steps: u64,
+}
+
+impl HostTrainState {
+    /// Shards full tensors across `world` ranks. Checks every tensor (name, shape, dtype, element
+    /// count) before building anything; floating-point inputs are widened to fp32 master weights;
+    /// grads and Adam moments start at zero.
+    pub fn from_tensors(world: usize, tensors: Vec<HostTensor>) -> Result<Self, HostError> {
+        let layout = FsdpLayout::new(
+            world,
+            tensors.iter().map(|t| (t.name.clone(), t.shape.clone())),
+        )?;
+        for t in &tensors {
+            if !t.data.dtype().is_float() {
+                return Err(HostError::DType {
+                    name: t.name.clone(),
+                    found: t.data.dtype(),
+                });
+            }
+            let expected: usize = t.shape.iter().product();
+            if t.data.len() != expected {
+                return Err(HostError::ElementCount {
+                    name: t.name.clone(),
+                    shape: t.shape.clone(),
+                    expected,
+                    found: t.data.len(),
+                });
+            }
+        }
+        let mut ranks: Vec<RankState> = (0..world)
+            .map(|_| RankState {
+                shards: Vec::with_capacity(tensors.len()),
+                meter: MemoryMeter::default(),
+            })
+            .collect();
+        for t in &tensors {
+            let full = t.data.to_f32().ok_or_else(|| HostError::DType {
+                name: t.name.clone(),
+                found: t.data.dtype(),
+            })?;
+            let cols: usize = t.shape.iter().skip(1).product();
+            for (rank, state) in ranks.iter_mut().enumerate() {
+                let rows = fsdp_rows(t.shape[0], world, rank);
+                let master = full[rows.start * cols..rows.end * cols].to_vec();
+                let n = master.len();
+                state.meter.alloc(4 * 4 * n as u64);
+                state.shards.push(Shard {
+                    rows,
+                    master: Residence::Device(master),
+                    grad: Some(vec![0.0; n]),
+                    adam_m: Residence::Device(vec![0.0; n]),
+                    adam_v: Residence::Device(vec![0.0; n]),
+                });
+            }
+        }
+        Ok(HostTrainState {
+            layout,
+            ranks,
+            adam_steps: 0,
+        })
+    }
+
+    /// W.
+    pub fn world(&self) -> usize {
+        self.layout.world
+    }
+
+    /// Names and full shapes, in training order.
+    pub fn layout(&self) -> &FsdpLayout {
+        &self.layout
+    }
+
+    /// Index of a tensor by name.
+    pub fn tensor_index(&self, name: &str) -> Result<usize, HostError> {
+        self.layout
+            .tensors
+            .iter()
+            .position(|(n, _)| n == name)
+            .ok_or_else(|| HostError::UnknownTensor {
+                name: name.to_string(),
+            })
+    }
+
+    /// The fp32 master shard of `tensor` on `rank`; `None` while offloaded or out of range.
+    pub fn master_shard(&self, rank: usize, tensor: usize) -> Option<&[f32]> {
+        self.ranks.get(rank)?.shards.get(tensor)?.master.on_device()
+    }
+
+    /// The full fp32 master tensor, gathered from every rank's shard (offloaded or not).
+    pub fn full_master(&self, name: &str) -> Result<Vec<f32>, HostError> {
+        let i = self.tensor_index(name)?;
+        Ok(self
+            .ranks
+            .iter()
+            .flat_map(|r| r.shards[i].master.values().iter().copied())
+            .collect())
+    }
+
+    /// Whether any master weights or optimizer state are offloaded.
+    pub fn is_offloaded(&self) -> bool {
+        self.ranks.iter().flat_map(|r| &r.shards).any(|s| {
+            s.master.on_device().is_none()
+                || s.adam_m.on_device().is_none()
+                || s.adam_v.on_device().is_none()
+        })
+    }
+
+    /// Device-memory accounting of `rank`.
+    pub fn memory(&self, rank: usize) -> Option<MemoryMeter> {
+        self.ranks.get(rank).map(|r| r.meter)
+    }
+
+    /// Calls `f` on every shard of every rank with mutable access to master, grad and Adam
+    /// moments. Fails (changing nothing) if the state is offloaded.
+    pub fn for_each_shard_mut(
+        &mut self,
+        mut f: impl FnMut(ShardMut<'_>),
+    ) -> Result<(), HostError> {
+        if self.is_offloaded() || self.ranks.iter().flat_map(|r| &r.shards).any(|s| s.grad.is_none()) {
+            return Err(HostError::Offloaded {
+                operation: "updating shards",
+            });
+        }
+        for (rank, state) in self.ranks.iter_mut().enumerate() {
+            for (tensor, shard) in state.shards.iter_mut().enumerate() {
+                let (name, shape) = &self.layout.tensors[tensor];
+                let (
+                    Residence::Device(master),
+                    Some(grad),
+                    Residence::Device(adam_m),
+                    Residence::Device(adam_v),
+                ) = (
+                    &mut shard.master,
+                    &mut shard.grad,
+                    &mut shard.adam_m,
+                    &mut shard.adam_v,
+                )
+                else {
+                    continue; // unreachable: checked above
+                };
+                f(ShardMut {
+                    rank,
+                    tensor,
+                    name,
+                    shape,
+                    rows: shard.rows.clone(),
+                    master,
+                    grad,
+                    adam_m,
+                    adam_v,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// One Adam step (with bias correction) of every master weight from the current grads.
+    pub fn adam_step(&mut self, p: AdamParams) -> Result<(), HostError> {
+        let t = (self.adam_steps + 1) as i32;
+        let (c1, c2) = (1.0 - p.beta1.powi(t), 1.0 - p.beta2.powi(t));
+        self.for_each_shard_mut(|s| {
+            for i in 0..s.master.len() {
+                let g = s.grad[i];
+                s.adam_m[i] = p.beta1 * s.adam_m[i] + (1.0 - p.beta1) * g;
+                s.adam_v[i] = p.beta2 * s.adam_v[i] + (1.0 - p.beta2) * g * g;
+                let m_hat = s.adam_m[i] / c1;
+                let v_hat = s.adam_v[i] / c2;
+                s.master[i] -= p.lr * m_hat / (v_hat.sqrt() + p.eps);
+            }
+        })?;
+        self.adam_steps += 1;
+        Ok(())
+    }
+
+    /// A bitwise snapshot of every buffer (master, grad, m, v) for round-trip tests.
+    pub fn snapshot(&self) -> Vec<Vec<u32>> {
+        self.ranks
+            .iter()
+            .flat_map(|r| &r.shards)
+            .flat_map(|s| {
+                let grad: &[f32] = s.grad.as_deref().unwrap_or(&[]);
+                [s.master.values(), grad, s.adam_m.values(), s.adam_v.values()]
+            })
+            .map(|v| v.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    }
+}

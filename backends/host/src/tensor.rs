@@ -1,0 +1,78 @@
+use half::{bf16, f16};
+use lifecycle_core::layout::DType;
+
+/// Data of a full (unsharded) tensor given to the host backend.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TensorData {
+    /// f32 values.
+    F32(Vec<f32>),
+    /// bf16 values.
+    BF16(Vec<bf16>),
+    /// f16 values.
+    F16(Vec<f16>),
+    /// i64 values (not a valid weight type; rejected with a clear error).
+    I64(Vec<i64>),
+    /// i32 values (not a valid weight type; rejected with a clear error).
+    I32(Vec<i32>),
+}
+
+impl TensorData {
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            TensorData::F32(_) => DType::F32,
+            TensorData::BF16(_) => DType::BF16,
+            TensorData::F16(_) => DType::F16,
+            TensorData::I64(_) => DType::I64,
+            TensorData::I32(_) => DType::I32,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            TensorData::F32(v) => v.len(),
+            TensorData::BF16(v) => v.len(),
+            TensorData::F16(v) => v.len(),
+            TensorData::I64(v) => v.len(),
+            TensorData::I32(v) => v.len(),
+        }
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values widened to f32 (exact for bf16 and f16); `None` for integer types.
+    pub fn to_f32(&self) -> Option<Vec<f32>> {
+        match self {
+            TensorData::F32(v) => Some(v.clone()),
+            TensorData::BF16(v) => Some(v.iter().map(|x| x.to_f32()).collect()),
+            TensorData::F16(v) => Some(v.iter().map(|x| x.to_f32()).collect()),
+            TensorData::I64(_) | TensorData::I32(_) => None,
+        }
+    }
+}
+
+/// A named full tensor, the input of [`HostTrainState::from_tensors`](crate::HostTrainState::from_tensors).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTensor {
+    /// Unique name.
+    pub name: String,
+    /// Full shape.
+    pub shape: Vec<usize>,
+    /// Row-major data.
+    pub data: TensorData,
+}
+
+impl HostTensor {
+    /// An f32 tensor.
+    pub fn f32(name: impl Into<String>, shape: impl Into<Vec<usize>>, data: Vec<f32>) -> Self {
+        HostTensor {
+            name: name.into(),
+            shape: shape.into(),
+            data: TensorData::F32(data),
+        }
+    }
+}
