@@ -250,12 +250,10 @@ impl<B: Reshard> Lifecycle<B> {
         self.check_not_faulted()?;
         self.settle_due_exit()?;
         if self.mode == Mode::Rollout {
-            if self.config.memory.keep_rollout_resident {
-                // Nothing was offloaded: the training state is already on the device.
-                self.mode = Mode::Train;
-            } else {
-                self.run_exit(true)?;
-            }
+            // Under keep_rollout_resident nothing was offloaded: exit only reallocates what enter
+            // freed (grads) and leaves the rollout weights resident for an in-place refresh.
+            let release = !self.config.memory.keep_rollout_resident;
+            self.run_exit(release)?;
         }
         Ok(())
     }

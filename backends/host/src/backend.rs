@@ -23,7 +23,8 @@ use crate::state::{HostTrainState, RankState};
 /// let layout = RolloutLayout::from_hf_names(2, state.layout().tensors.clone())?;
 /// let mut lc = Lifecycle::new(HostBackend::new(layout), state);
 /// let session = lc.rollout()?;
-/// let up = session.weights().ranks[1].tensor("model.layers.0.mlp.up_proj.weight").unwrap();
+/// let weights = session.weights();
+/// let up = weights.ranks[1].tensor("model.layers.0.mlp.up_proj.weight").unwrap();
 /// assert_eq!(up.shape, vec![2, 2]);
 /// assert_eq!(up.data[0].to_f32(), 4.0);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
@@ -48,7 +49,11 @@ impl HostBackend {
 /// Runs `f(rank, item)` for every item on its own thread (inline when there is one).
 fn per_rank<T: Send, R: Send>(items: Vec<T>, f: impl Fn(usize, T) -> R + Sync) -> Vec<R> {
     if items.len() <= 1 {
-        return items.into_iter().enumerate().map(|(r, t)| f(r, t)).collect();
+        return items
+            .into_iter()
+            .enumerate()
+            .map(|(r, t)| f(r, t))
+            .collect();
     }
     std::thread::scope(|scope| {
         let f = &f;
@@ -78,7 +83,11 @@ struct Moved {
 fn fill_rank(state: &HostTrainState, rank_plan: &RankPlan, out: &mut RankRollout) -> Moved {
     let mut moved = Moved::default();
     for (t, dst) in rank_plan.tensors.iter().zip(out.tensors.iter_mut()) {
-        let width = state.layout.tensors[t.train_index].1.iter().skip(1).product::<usize>();
+        let width = state.layout.tensors[t.train_index]
+            .1
+            .iter()
+            .skip(1)
+            .product::<usize>();
         for piece in &t.pieces {
             let shard = &state.ranks[piece.src_rank].shards[t.train_index];
             let src = shard.master.values();

@@ -46,7 +46,10 @@ impl HostRollout {
     /// name, or `None` if they are bit-identical.
     pub fn first_difference(&self, other: &HostRollout) -> Option<(usize, String)> {
         if self.ranks.len() != other.ranks.len() {
-            return Some((self.ranks.len().min(other.ranks.len()), "<rank count>".into()));
+            return Some((
+                self.ranks.len().min(other.ranks.len()),
+                "<rank count>".into(),
+            ));
         }
         for (rank, (a, b)) in self.ranks.iter().zip(&other.ranks).enumerate() {
             if a.tensors.len() != b.tensors.len() {
@@ -56,7 +59,10 @@ impl HostRollout {
                 let same = x.name == y.name
                     && x.shape == y.shape
                     && x.data.len() == y.data.len()
-                    && x.data.iter().zip(&y.data).all(|(p, q)| p.to_bits() == q.to_bits());
+                    && x.data
+                        .iter()
+                        .zip(&y.data)
+                        .all(|(p, q)| p.to_bits() == q.to_bits());
                 if !same {
                     return Some((rank, x.name.clone()));
                 }

@@ -277,11 +277,14 @@ impl HostTrainState {
 
     /// Calls `f` on every shard of every rank with mutable access to master, grad and Adam
     /// moments. Fails (changing nothing) if the state is offloaded.
-    pub fn for_each_shard_mut(
-        &mut self,
-        mut f: impl FnMut(ShardMut<'_>),
-    ) -> Result<(), HostError> {
-        if self.is_offloaded() || self.ranks.iter().flat_map(|r| &r.shards).any(|s| s.grad.is_none()) {
+    pub fn for_each_shard_mut(&mut self, mut f: impl FnMut(ShardMut<'_>)) -> Result<(), HostError> {
+        if self.is_offloaded()
+            || self
+                .ranks
+                .iter()
+                .flat_map(|r| &r.shards)
+                .any(|s| s.grad.is_none())
+        {
             return Err(HostError::Offloaded {
                 operation: "updating shards",
             });
@@ -344,7 +347,12 @@ impl HostTrainState {
             .flat_map(|r| &r.shards)
             .flat_map(|s| {
                 let grad: &[f32] = s.grad.as_deref().unwrap_or(&[]);
-                [s.master.values(), grad, s.adam_m.values(), s.adam_v.values()]
+                [
+                    s.master.values(),
+                    grad,
+                    s.adam_m.values(),
+                    s.adam_v.values(),
+                ]
             })
             .map(|v| v.iter().map(|x| x.to_bits()).collect())
             .collect()

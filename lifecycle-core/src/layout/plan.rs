@@ -66,12 +66,18 @@ pub struct RankPlan {
 impl RankPlan {
     /// Elements this rank receives from other ranks.
     pub fn remote_elements(&self) -> usize {
-        self.pieces().filter(|p| p.src_rank != self.rank).map(Piece::numel).sum()
+        self.pieces()
+            .filter(|p| p.src_rank != self.rank)
+            .map(Piece::numel)
+            .sum()
     }
 
     /// Elements this rank copies from its own shards.
     pub fn local_elements(&self) -> usize {
-        self.pieces().filter(|p| p.src_rank == self.rank).map(Piece::numel).sum()
+        self.pieces()
+            .filter(|p| p.src_rank == self.rank)
+            .map(Piece::numel)
+            .sum()
     }
 
     /// Elements of all this rank's rollout tensors.
@@ -238,8 +244,15 @@ mod tests {
     use super::*;
     use crate::layout::TensorSpec;
 
-    fn layouts(world: usize, tp: usize, specs: Vec<TensorSpec>) -> Result<ReshardPlan, LayoutError> {
-        let train = FsdpLayout::new(world, specs.iter().map(|s| (s.name.clone(), s.shape.clone())))?;
+    fn layouts(
+        world: usize,
+        tp: usize,
+        specs: Vec<TensorSpec>,
+    ) -> Result<ReshardPlan, LayoutError> {
+        let train = FsdpLayout::new(
+            world,
+            specs.iter().map(|s| (s.name.clone(), s.shape.clone())),
+        )?;
         let rollout = RolloutLayout::new(tp, specs)?;
         plan_fsdp_to_tp(&train, &rollout)
     }

@@ -205,7 +205,10 @@ impl FsdpLayout {
             });
         }
         let tensors: Vec<_> = tensors.into_iter().collect();
-        check_names(tensors.iter().map(|(n, s)| (n.as_str(), s.as_slice())), "training state")?;
+        check_names(
+            tensors.iter().map(|(n, s)| (n.as_str(), s.as_slice())),
+            "training state",
+        )?;
         Ok(FsdpLayout { world, tensors })
     }
 
@@ -234,7 +237,9 @@ impl RolloutLayout {
             });
         }
         check_names(
-            tensors.iter().map(|t| (t.name.as_str(), t.shape.as_slice())),
+            tensors
+                .iter()
+                .map(|t| (t.name.as_str(), t.shape.as_slice())),
             "rollout layout",
         )?;
         for t in &tensors {
