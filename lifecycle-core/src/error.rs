@@ -8,7 +8,9 @@ pub enum LifecycleError<E: std::error::Error + 'static> {
     Plan(#[source] E),
     /// Entering rollout mode failed. The backend restored the training state; the lifecycle is in
     /// train mode with no rollout weights resident.
-    #[error("entering rollout mode failed (training state restored, lifecycle in train mode): {0}")]
+    #[error(
+        "entering rollout mode failed (training state restored, lifecycle in train mode): {0}"
+    )]
     Enter(#[source] E),
     /// Refreshing resident rollout weights failed. The lifecycle is in train mode; the resident
     /// weights are marked stale and the next rollout refreshes them again.

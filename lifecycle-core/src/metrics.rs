@@ -293,7 +293,12 @@ impl<'m> PhaseRecorder<'m> {
         let start = Instant::now();
         let out = f(&mut scope);
         let wall = start.elapsed();
-        tracing::debug!(phase = phase.name(), ?wall, bytes = scope.sample.bytes.moved(), "phase");
+        tracing::debug!(
+            phase = phase.name(),
+            ?wall,
+            bytes = scope.sample.bytes.moved(),
+            "phase"
+        );
         self.metrics.record(phase, wall, &scope.sample);
         out
     }
@@ -416,6 +421,9 @@ mod tests {
     fn human_units() {
         assert_eq!(HumanBytes(999).to_string(), "999 B");
         assert_eq!(HumanBytes(1_500_000).to_string(), "1.5 MB");
-        assert_eq!(HumanDuration(Duration::from_millis(12)).to_string(), "12.00 ms");
+        assert_eq!(
+            HumanDuration(Duration::from_millis(12)).to_string(),
+            "12.00 ms"
+        );
     }
 }
