@@ -1,0 +1,382 @@
+//! A DAPO-style training loop on the host backend: dynamic sampling calls the rollout several
+//! times per training step with no weight change in between, then one update changes every weight.
+
+use std::time::{Duration, Instant};
+
+use lifecycle_core::{
+    sharded_rollout, Lifecycle, LifecycleConfig, LifecycleError, LinkBytes, MemoryPolicy, Metrics,
+    RolloutView, Switching,
+};
+use lifecycle_host::{AdamParams, HostBackend, HostError, HostRollout, HostTrainState};
+
+use crate::rng::SplitMix64;
+use crate::toy_policy::{PolicyConfig, TpGroup};
+
+/// Settings of a DAPO run.
+#[derive(Debug, Clone, Copy)]
+pub struct DapoConfig {
+    /// Training steps.
+    pub steps: usize,
+    /// Ranks (W).
+    pub world: usize,
+    /// Rollout tensor-parallel degree (T, dividing W).
+    pub tp: usize,
+    /// Prompts per rollout call (gen batch).
+    pub prompts_per_batch: usize,
+    /// Samples per prompt (group size).
+    pub group_size: usize,
+    /// Groups with mixed rewards a training batch needs.
+    pub batch_groups: usize,
+    /// Most gen batches per step before giving up.
+    pub max_gen_batches: usize,
+    /// Tokens generated per sample.
+    pub tokens: usize,
+    /// Sampling temperature.
+    pub temperature: f32,
+    /// Seed of weights, prompts and sampling.
+    pub seed: u64,
+    /// Policy sizes.
+    pub policy: PolicyConfig,
+    /// What to offload during rollout.
+    pub memory: MemoryPolicy,
+}
+
+impl Default for DapoConfig {
+    fn default() -> Self {
+        DapoConfig {
+            steps: 4,
+            world: 2,
+            tp: 2,
+            prompts_per_batch: 4,
+            group_size: 8,
+            batch_groups: 8,
+            max_gen_batches: 16,
+            tokens: 12,
+            temperature: 1.0,
+            seed: 2026,
+            policy: PolicyConfig {
+                vocab: 64,
+                hidden: 256,
+                ffn: 1024,
+                layers: 4,
+            },
+            memory: MemoryPolicy::default(),
+        }
+    }
+}
+
+/// Why a run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DapoError {
+    /// A lifecycle operation failed.
+    #[error(transparent)]
+    Lifecycle(#[from] LifecycleError<HostError>),
+    /// The host backend rejected the model or an update.
+    #[error(transparent)]
+    Host(#[from] HostError),
+    /// Dynamic sampling could not fill the batch.
+    #[error(
+        "step {step}: {kept} of {needed} groups with mixed rewards after {gen_batches} gen batches \
+         (the limit, --max-gen-batches): raise the limit, lower --batch-groups, or raise the \
+         group size so fewer groups have uniform rewards"
+    )]
+    BatchNotFilled {
+        /// The step.
+        step: usize,
+        /// Groups kept.
+        kept: usize,
+        /// Groups needed.
+        needed: usize,
+        /// Gen batches run.
+        gen_batches: usize,
+    },
+    /// Inconsistent settings.
+    #[error("invalid setting: {0}")]
+    Config(String),
+}
+
+/// The samples of one prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Group {
+    /// Prompt id.
+    pub prompt: u64,
+    /// Generated tokens of each sample.
+    pub samples: Vec<Vec<usize>>,
+    /// Reward of each sample.
+    pub rewards: Vec<f32>,
+}
+
+impl Group {
+    /// Whether every sample got the same reward (no learning signal: DAPO drops the group).
+    pub fn uniform(&self) -> bool {
+        self.rewards.windows(2).all(|w| w[0] == w[1])
+    }
+}
+
+/// One rollout call's work.
+#[derive(Debug, Clone)]
+pub struct GenJob {
+    /// Prompt ids.
+    pub prompts: Vec<u64>,
+    /// Samples per prompt.
+    pub group_size: usize,
+    /// Tokens per sample.
+    pub tokens: usize,
+    /// Temperature.
+    pub temperature: f32,
+    /// Sampling seed (mixed with prompt and sample index).
+    pub seed: u64,
+    /// Policy sizes.
+    pub policy: PolicyConfig,
+    /// Rollout tensor-parallel degree.
+    pub tp: usize,
+}
+
+/// The prompt tokens and the verifiable target of prompt `id`.
+pub fn prompt(id: u64, vocab: usize) -> (Vec<usize>, usize) {
+    let v = vocab as u64;
+    let tokens = (0..4).map(|k| ((id * 31 + k * 7 + 3) % v) as usize).collect();
+    (tokens, ((id * 13 + 5) % v) as usize)
+}
+
+/// Reward rule: 1 if the sample contains the prompt's target token, else 0.
+pub fn reward(sample: &[usize], target: usize) -> f32 {
+    if sample.contains(&target) {
+        1.0
+    } else {
+        0.0
+    }
+}
+
+/// Rolls out one gen batch: `group_size` samples per prompt, prompts spread over the `W / T`
+/// data-parallel replicas of the rollout layout (one thread each).
+///
+/// `#[sharded_rollout]` turns this into `generate(&mut lifecycle, job)`, which enters rollout mode
+/// only when the resident weights are missing or stale.
+#[sharded_rollout]
+pub fn generate(weights: RolloutView<'_, HostRollout>, job: &GenJob) -> Vec<Group> {
+    let replicas = weights.ranks.len() / job.tp;
+    let groups: Vec<TpGroup<'_>> = (0..replicas)
+        .map(|d| TpGroup::new(weights.ranks[d * job.tp..(d + 1) * job.tp].iter().collect(), job.policy))
+        .collect();
+    let per_replica: Vec<Vec<Group>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = groups
+            .iter()
+            .enumerate()
+            .map(|(d, group)| {
+                scope.spawn(move || {
+                    job.prompts
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, _)| i % replicas == d)
+                        .map(|(_, &id)| {
+                            let (tokens, target) = prompt(id, job.policy.vocab);
+                            let samples: Vec<Vec<usize>> = (0..job.group_size)
+                                .map(|s| {
+                                    let mut rng = SplitMix64::from_keys(&[job.seed, id, s as u64]);
+                                    group.sample(&tokens, job.tokens, job.temperature, &mut rng)
+                                })
+                                .collect();
+                            let rewards = samples.iter().map(|s| reward(s, target)).collect();
+                            Group { prompt: id, samples, rewards }
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    let mut out: Vec<Group> = per_replica.into_iter().flatten().collect();
+    out.sort_by_key(|g| g.prompt);
+    out
+}
+
+/// What one training step did.
+#[derive(Debug, Clone)]
+pub struct StepReport {
+    /// 1-based step number.
+    pub step: usize,
+    /// Rollout calls (gen batches) the step needed.
+    pub gen_batches: usize,
+    /// Groups generated.
+    pub groups: usize,
+    /// Groups with mixed rewards kept for training.
+    pub kept: usize,
+    /// Mean reward of the kept groups.
+    pub mean_reward: f32,
+    /// Switches into rollout mode during the step.
+    pub switches: u64,
+    /// Exits during the step.
+    pub exits: u64,
+    /// Bytes moved by switches during the step.
+    pub bytes: LinkBytes,
+    /// Time in rollout calls, switches included.
+    pub rollout_time: Duration,
+    /// Time in switch phases (enter + exit).
+    pub switch_time: Duration,
+    /// Time of the update.
+    pub update_time: Duration,
+}
+
+/// What a whole run did.
+#[derive(Debug, Clone)]
+pub struct RunReport {
+    /// The switching policy.
+    pub switching: Switching,
+    /// Per step.
+    pub steps: Vec<StepReport>,
+    /// Lifecycle metrics of the whole run.
+    pub metrics: Metrics,
+    /// Wall time of the run.
+    pub total_time: Duration,
+    /// Every group generated, in order (to compare runs sample for sample).
+    pub groups: Vec<Group>,
+}
+
+impl RunReport {
+    /// Gen batches over all steps.
+    pub fn gen_batches(&self) -> usize {
+        self.steps.iter().map(|s| s.gen_batches).sum()
+    }
+
+    /// Time in rollout calls over all steps, switches included.
+    pub fn rollout_time(&self) -> Duration {
+        self.steps.iter().map(|s| s.rollout_time).sum()
+    }
+}
+
+/// Checks settings before anything is built.
+pub fn validate(config: &DapoConfig) -> Result<(), DapoError> {
+    let c = config;
+    let checks = [
+        (c.steps == 0, "--steps must be at least 1".to_string()),
+        (c.world == 0, "--world must be at least 1".to_string()),
+        (
+            c.tp == 0 || c.world % c.tp != 0,
+            format!("--tp {} must divide --world {}", c.tp, c.world),
+        ),
+        (c.group_size < 2, "--group-size must be at least 2 (DAPO compares rewards within a group)".to_string()),
+        (c.prompts_per_batch == 0, "--prompts-per-batch must be at least 1".to_string()),
+        (c.batch_groups == 0, "--batch-groups must be at least 1".to_string()),
+        (c.max_gen_batches == 0, "--max-gen-batches must be at least 1".to_string()),
+        (c.tokens == 0, "--tokens must be at least 1".to_string()),
+        (
+            !(c.temperature.is_finite() && c.temperature >= 0.0),
+            format!("--temperature must be a finite number ≥ 0, found {}", c.temperature),
+        ),
+    ];
+    match checks.into_iter().find(|(bad, _)| *bad) {
+        Some((_, msg)) => Err(DapoError::Config(msg)),
+        None => Ok(()),
+    }
+}
+
+/// Runs DAPO with `switching`, calling `on_step` after each step.
+pub fn run(
+    config: &DapoConfig,
+    switching: Switching,
+    mut on_step: impl FnMut(&StepReport),
+) -> Result<RunReport, DapoError> {
+    validate(config)?;
+    let start = Instant::now();
+    let state = HostTrainState::from_tensors(config.world, config.policy.init(config.seed))?;
+    let backend = HostBackend::new(config.policy.rollout_layout(config.tp)?);
+    let lc_config = LifecycleConfig {
+        switching,
+        memory: config.memory,
+    };
+    let mut lc = Lifecycle::with_config(backend, state, lc_config)?;
+    let adam = AdamParams {
+        lr: 1e-2,
+        ..AdamParams::default()
+    };
+    let mut next_prompt = 0u64;
+    let mut steps = Vec::new();
+    let mut all_groups = Vec::new();
+    for step in 1..=config.steps {
+        let before = lc.metrics().clone();
+        let mut kept: Vec<Group> = Vec::new();
+        let (mut gen_batches, mut generated) = (0, 0);
+        let rollout_start = Instant::now();
+        while kept.len() < config.batch_groups {
+            if gen_batches == config.max_gen_batches {
+                return Err(DapoError::BatchNotFilled {
+                    step,
+                    kept: kept.len(),
+                    needed: config.batch_groups,
+                    gen_batches,
+                });
+            }
+            let job = GenJob {
+                prompts: (next_prompt..next_prompt + config.prompts_per_batch as u64).collect(),
+                group_size: config.group_size,
+                tokens: config.tokens,
+                temperature: config.temperature,
+                seed: config.seed ^ ((step as u64) << 32),
+                policy: config.policy,
+                tp: config.tp,
+            };
+            next_prompt += config.prompts_per_batch as u64;
+            let groups = generate(&mut lc, &job)?;
+            gen_batches += 1;
+            generated += groups.len();
+            all_groups.extend(groups.iter().cloned());
+            kept.extend(groups.into_iter().filter(|g| !g.uniform()));
+        }
+        let rollout_time = rollout_start.elapsed();
+        kept.truncate(config.batch_groups);
+        let mean_reward = kept.iter().flat_map(|g| &g.rewards).sum::<f32>()
+            / (kept.len() * config.group_size) as f32;
+
+        // The update: an honest stand-in for a policy-gradient optimizer step. Gradients are
+        // synthetic (seeded noise scaled by the batch's mean absolute advantage), then a real Adam
+        // step changes every master weight.
+        let update_start = Instant::now();
+        let signal = kept
+            .iter()
+            .map(|g| {
+                let mean = g.rewards.iter().sum::<f32>() / g.rewards.len() as f32;
+                g.rewards.iter().map(|r| (r - mean).abs()).sum::<f32>() / g.rewards.len() as f32
+            })
+            .sum::<f32>()
+            / kept.len().max(1) as f32;
+        {
+            let mut train = lc.train()?;
+            let state = train.state_mut();
+            state.for_each_shard_mut(|s| {
+                let mut rng = SplitMix64::from_keys(&[config.seed, step as u64, s.tensor as u64, s.rank as u64]);
+                for g in s.grad.iter_mut() {
+                    *g = rng.symmetric(1.0) * (0.5 + signal);
+                }
+            })?;
+            state.adam_step(adam)?;
+        }
+        let update_time = update_start.elapsed();
+        let delta = lc.metrics().since(&before);
+        let report = StepReport {
+            step,
+            gen_batches,
+            groups: generated,
+            kept: kept.len(),
+            mean_reward,
+            switches: delta.switches(),
+            exits: delta.exits,
+            bytes: delta.bytes(),
+            rollout_time,
+            switch_time: delta.switch_time(),
+            update_time,
+        };
+        on_step(&report);
+        steps.push(report);
+    }
+    Ok(RunReport {
+        switching,
+        steps,
+        metrics: lc.metrics().clone(),
+        total_time: start.elapsed(),
+        groups: all_groups,
+    })
+}
