@@ -1,0 +1,154 @@
+//! The typed error of the GPU plumbing.
+
+use cudarc::driver::DriverError;
+use cudarc::nccl::result::NcclError;
+
+/// What the GPU plumbing can fail with. Every environment failure is a value, never a panic.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// The CUDA driver library could not be loaded (no NVIDIA driver, or not on the loader path).
+    #[error(
+        "the CUDA driver library (libcuda.so / libcuda.so.1) could not be loaded: install the \
+         NVIDIA driver, or put the folder holding libcuda.so.1 on LD_LIBRARY_PATH \
+         (`ldconfig -p | grep libcuda` shows where it is)"
+    )]
+    NoDriver,
+    /// The NCCL library could not be loaded.
+    #[error(
+        "the NCCL library could not be loaded: cudarc looks for `libnccl.so` (and `.so.13`, \
+         `.so.12`, ...) but not `libnccl.so.2`, the name runtime-only packages and pip wheels ship. \
+         Fix: `mkdir -p ~/.local/nccl && ln -s /path/to/libnccl.so.2 ~/.local/nccl/libnccl.so` and \
+         `export LD_LIBRARY_PATH=~/.local/nccl:$LD_LIBRARY_PATH` (find the library with \
+         `ldconfig -p | grep nccl` or `python -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))'`)"
+    )]
+    NoNccl,
+    /// The NVRTC run-time compiler library could not be loaded.
+    #[error(
+        "the NVRTC library (libnvrtc.so) could not be loaded: install the CUDA toolkit's NVRTC \
+         (package cuda-nvrtc-13-0 or the pip wheel nvidia-cuda-nvrtc) and put its folder on \
+         LD_LIBRARY_PATH"
+    )]
+    NoNvrtc,
+    /// The driver loaded but reports no usable GPU.
+    #[error(
+        "the CUDA driver reports no GPU ({detail}): check `nvidia-smi` and CUDA_VISIBLE_DEVICES"
+    )]
+    NoDevice {
+        /// What the driver said.
+        detail: String,
+    },
+    /// Fewer GPUs than ranks asked for.
+    #[error(
+        "{requested} ranks need {requested} GPUs but only {available} are visible: use a world \
+         size W <= {available}, or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+    )]
+    TooFewGpus {
+        /// W.
+        requested: usize,
+        /// GPUs the driver reports.
+        available: usize,
+    },
+    /// A world size of zero.
+    #[error("the world size W must be at least 1, found 0")]
+    ZeroWorld,
+    /// A device allocation failed for lack of memory.
+    #[error(
+        "out of device memory on rank {rank} while allocating {bytes} bytes for {what}: lower the \
+         bucket budget, offload more training state, or use more GPUs"
+    )]
+    OutOfMemory {
+        /// The rank (GPU) that ran out.
+        rank: usize,
+        /// Bytes asked for.
+        bytes: u64,
+        /// What the allocation was for.
+        what: String,
+    },
+    /// A pinned host allocation failed.
+    #[error("could not allocate {bytes} bytes of pinned host memory on rank {rank} for {what}: {detail}")]
+    PinnedAlloc {
+        /// The rank.
+        rank: usize,
+        /// Bytes asked for.
+        bytes: u64,
+        /// What the allocation was for.
+        what: String,
+        /// The driver's message.
+        detail: String,
+    },
+    /// Any other CUDA driver error.
+    #[error("CUDA driver error on rank {rank} during {op}: {detail}")]
+    Driver {
+        /// The rank.
+        rank: usize,
+        /// The operation.
+        op: String,
+        /// The driver's message.
+        detail: String,
+    },
+    /// An NCCL error.
+    #[error("NCCL error on rank {rank} during {op}: {detail}")]
+    Nccl {
+        /// The rank.
+        rank: usize,
+        /// The operation.
+        op: String,
+        /// NCCL's message.
+        detail: String,
+    },
+    /// A run-time kernel compilation failed.
+    #[error("NVRTC could not compile kernel module `{module}` (options {options:?}): {detail}")]
+    Compile {
+        /// The module.
+        module: String,
+        /// The options given to NVRTC.
+        options: Vec<String>,
+        /// The compiler's log.
+        detail: String,
+    },
+    /// A rank's worker thread panicked or is gone.
+    #[error("the worker thread of rank {rank} failed: {detail}")]
+    Worker {
+        /// The rank.
+        rank: usize,
+        /// What happened.
+        detail: String,
+    },
+    /// An argument the caller passed is inconsistent.
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+}
+
+impl CudaError {
+    /// Maps a driver error, turning `CUDA_ERROR_OUT_OF_MEMORY` into [`CudaError::OutOfMemory`].
+    pub fn driver(rank: usize, op: impl Into<String>, bytes: u64, e: DriverError) -> Self {
+        let op = op.into();
+        if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            CudaError::OutOfMemory {
+                rank,
+                bytes,
+                what: op,
+            }
+        } else {
+            CudaError::Driver {
+                rank,
+                op,
+                detail: format!("{:?}", e.0),
+            }
+        }
+    }
+
+    /// Maps an NCCL error.
+    pub fn nccl(rank: usize, op: impl Into<String>, e: NcclError) -> Self {
+        CudaError::Nccl {
+            rank,
+            op: op.into(),
+            detail: format!("{:?}", e.0),
+        }
+    }
+
+    /// Whether this is an out-of-memory error.
+    pub fn is_oom(&self) -> bool {
+        matches!(self, CudaError::OutOfMemory { .. })
+    }
+}

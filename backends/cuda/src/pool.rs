@@ -1,0 +1,329 @@
+//! Ranks: one persistent thread per GPU, each owning its context, streams, kernels and NCCL
+//! communicator (`cudarc::nccl::Comm` is `!Send`, so it never leaves its thread).
+//!
+//! The [`RankExecutor`] trait is the seam where a multi-process launcher (one rank per process)
+//! plugs in later: backends only ever run per-rank closures through it.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use cudarc::nccl::{Comm, Id};
+
+use crate::kernels::{compile_kernels, Kernels};
+use crate::{check_environment, CudaError};
+
+/// Everything one rank's work needs on its own thread.
+pub struct RankCtx {
+    /// This rank, `0..world`.
+    pub rank: usize,
+    /// W.
+    pub world: usize,
+    /// The device context (event tracking disabled: callers order streams with explicit events).
+    pub ctx: Arc<CudaContext>,
+    /// Stream for casts and local copies.
+    pub compute: Arc<CudaStream>,
+    /// Stream for host↔device copies (offload / reload), so they overlap NVLink work.
+    pub copy: Arc<CudaStream>,
+    /// The NCCL communicator; its stream is a third stream dedicated to collectives.
+    pub comm: Comm,
+    /// Kernels loaded into this context.
+    pub kernels: Kernels,
+}
+
+impl RankCtx {
+    /// The communicator's stream.
+    pub fn nccl_stream(&self) -> Arc<CudaStream> {
+        self.comm.stream()
+    }
+
+    /// Maps a driver error of this rank.
+    pub fn drv(
+        &self,
+        op: &str,
+        bytes: u64,
+    ) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError {
+        let rank = self.rank;
+        let op = op.to_string();
+        move |e| CudaError::driver(rank, op, bytes, e)
+    }
+
+    /// A new event on this rank's context (timing disabled, cheap).
+    pub fn event(&self) -> Result<CudaEvent, CudaError> {
+        self.ctx
+            .new_event(Some(
+                cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+            ))
+            .map_err(self.drv("creating an event", 0))
+    }
+
+    /// Makes `waiter` wait for all work queued so far on `on`.
+    pub fn order(&self, on: &CudaStream, waiter: &CudaStream) -> Result<(), CudaError> {
+        let e = self.event()?;
+        e.record(on).map_err(self.drv("recording an event", 0))?;
+        waiter.wait(&e).map_err(self.drv("waiting on an event", 0))
+    }
+
+    /// Blocks until the compute, copy and NCCL streams are idle.
+    pub fn sync_all(&self) -> Result<(), CudaError> {
+        for s in [&self.compute, &self.copy, &self.comm.stream()] {
+            s.synchronize()
+                .map_err(self.drv("synchronizing a stream", 0))?;
+        }
+        Ok(())
+    }
+}
+
+/// A per-rank closure run by a [`RankExecutor`].
+pub type RankFn<'f, T, R> = dyn Fn(&RankCtx, &mut T) -> Result<R, CudaError> + Sync + 'f;
+
+/// Runs per-rank work where each rank's resources live: the seam between backends and the way
+/// ranks are launched (threads of one process now, processes later).
+pub trait RankExecutor {
+    /// W.
+    fn world(&self) -> usize;
+
+    /// Runs `f(ctx_r, &mut items[r])` on every rank `r` concurrently and returns the results in
+    /// rank order; the first error (by rank) wins, after every rank finished.
+    fn run_each<T: Send, R: Send>(
+        &self,
+        items: &mut [T],
+        f: &RankFn<'_, T, R>,
+    ) -> Result<Vec<R>, CudaError>;
+
+    /// Runs `f(ctx_r)` on every rank.
+    fn run<R: Send>(
+        &self,
+        f: &(dyn Fn(&RankCtx) -> Result<R, CudaError> + Sync),
+    ) -> Result<Vec<R>, CudaError> {
+        let mut unit = vec![(); self.world()];
+        self.run_each(&mut unit, &|ctx, _| f(ctx))
+    }
+}
+
+type Job = Box<dyn FnOnce(&RankCtx) + Send + 'static>;
+
+struct Worker {
+    jobs: Option<Sender<Job>>,
+    handle: Option<JoinHandle<()>>,
+}
+
+/// One persistent thread per GPU in this process, ranks `0..world` on devices `0..world`.
+///
+/// Each thread creates its context, streams (compute, copy, NCCL), loads the NVRTC kernels and
+/// builds its own `Comm::from_rank` from one NCCL `Id` made by the pool.
+pub struct ThreadRankPool {
+    workers: Vec<Worker>,
+    world: usize,
+}
+
+impl std::fmt::Debug for ThreadRankPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ThreadRankPool")
+            .field("world", &self.world)
+            .finish()
+    }
+}
+
+impl ThreadRankPool {
+    /// Checks the environment ([`check_environment`]), then starts `world` ranks on GPUs
+    /// `0..world`. Fewer GPUs than `world` is [`CudaError::TooFewGpus`].
+    pub fn new(world: usize) -> Result<Self, CudaError> {
+        if world == 0 {
+            return Err(CudaError::ZeroWorld);
+        }
+        check_environment(world)?;
+        let id = Id::new().map_err(|e| CudaError::nccl(0, "creating the NCCL unique id", e))?;
+        let internal = *id.internal();
+        let ptx_ctx =
+            CudaContext::new(0).map_err(|e| CudaError::driver(0, "creating a context", 0, e))?;
+        let (major, minor) = ptx_ctx
+            .compute_capability()
+            .map_err(|e| CudaError::driver(0, "reading the compute capability", 0, e))?;
+        let ptx = compile_kernels(major, minor)?;
+        let (ready_tx, ready_rx) = channel::<(usize, Result<(), CudaError>)>();
+        let mut workers = Vec::with_capacity(world);
+        for rank in 0..world {
+            let (jtx, jrx) = channel::<Job>();
+            let ready = ready_tx.clone();
+            let ptx = ptx.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("lifecycle-rank-{rank}"))
+                .spawn(move || {
+                    let init = init_rank(rank, world, internal, ptx);
+                    match init {
+                        Ok(ctx) => {
+                            let _ = ready.send((rank, Ok(())));
+                            drop(ready);
+                            worker_loop(ctx, jrx);
+                        }
+                        Err(e) => {
+                            let _ = ready.send((rank, Err(e)));
+                        }
+                    }
+                })
+                .map_err(|e| CudaError::Worker {
+                    rank,
+                    detail: format!("could not spawn the thread: {e}"),
+                })?;
+            workers.push(Worker {
+                jobs: Some(jtx),
+                handle: Some(handle),
+            });
+        }
+        drop(ready_tx);
+        let pool = ThreadRankPool { workers, world };
+        let mut first_err = None;
+        for _ in 0..world {
+            match ready_rx.recv() {
+                Ok((_, Ok(()))) => {}
+                Ok((_, Err(e))) => {
+                    first_err.get_or_insert(e);
+                }
+                Err(_) => {
+                    first_err.get_or_insert(CudaError::Worker {
+                        rank: 0,
+                        detail: "a rank thread exited during setup".into(),
+                    });
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(pool),
+        }
+    }
+}
+
+fn init_rank(
+    rank: usize,
+    world: usize,
+    id: [core::ffi::c_char; 128],
+    ptx: cudarc::nvrtc::Ptx,
+) -> Result<RankCtx, CudaError> {
+    let ctx =
+        CudaContext::new(rank).map_err(|e| CudaError::driver(rank, "creating a context", 0, e))?;
+    // SAFETY: every buffer made on this context is ordered across streams by explicit events
+    // recorded by the backends (`RankCtx::order`), and freed only after the streams using it were
+    // synchronised; no slice is written by two streams at once.
+    unsafe { ctx.disable_event_tracking() };
+    let mk = |what: &str| {
+        ctx.new_stream()
+            .map_err(|e| CudaError::driver(rank, format!("creating the {what} stream"), 0, e))
+    };
+    let compute = mk("compute")?;
+    let copy = mk("copy")?;
+    let nccl = mk("NCCL")?;
+    let kernels = Kernels::load(&compute, ptx, rank)?;
+    let comm = Comm::from_rank(nccl, rank, world, Id::uninit(id))
+        .map_err(|e| CudaError::nccl(rank, "Comm::from_rank", e))?;
+    Ok(RankCtx {
+        rank,
+        world,
+        ctx,
+        compute,
+        copy,
+        comm,
+        kernels,
+    })
+}
+
+fn worker_loop(ctx: RankCtx, jobs: Receiver<Job>) {
+    while let Ok(job) = jobs.recv() {
+        job(&ctx);
+    }
+    let _ = ctx.sync_all();
+}
+
+impl RankExecutor for ThreadRankPool {
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn run_each<T: Send, R: Send>(
+        &self,
+        items: &mut [T],
+        f: &RankFn<'_, T, R>,
+    ) -> Result<Vec<R>, CudaError> {
+        if items.len() != self.world {
+            return Err(CudaError::Invalid(format!(
+                "run_each needs one item per rank: {} items for {} ranks",
+                items.len(),
+                self.world
+            )));
+        }
+        let (done_tx, done_rx) = channel::<(usize, Result<R, CudaError>)>();
+        let mut sent = 0usize;
+        let mut results: Vec<Option<Result<R, CudaError>>> =
+            (0..self.world).map(|_| None).collect();
+        for (rank, (item, worker)) in items.iter_mut().zip(&self.workers).enumerate() {
+            let done = done_tx.clone();
+            let job: Box<dyn FnOnce(&RankCtx) + Send + '_> = Box::new(move |ctx: &RankCtx| {
+                let out = std::panic::catch_unwind(AssertUnwindSafe(|| f(ctx, item)));
+                let out = out.unwrap_or_else(|p| {
+                    let detail = p
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| p.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "panic".into());
+                    Err(CudaError::Worker { rank, detail })
+                });
+                let _ = done.send((rank, out));
+            });
+            // SAFETY: the job borrows `items` and `f` for the lifetime of this call only. We
+            // erase that lifetime to send it to the persistent worker, and do not return before
+            // every job sent has finished: each job's last act is sending on `done`, after which
+            // it touches no borrowed data, and we wait below for one message per sent job. A job
+            // that cannot be sent comes back inside the `SendError` and is dropped here.
+            let job: Job =
+                unsafe { std::mem::transmute::<Box<dyn FnOnce(&RankCtx) + Send + '_>, Job>(job) };
+            let sender = worker.jobs.as_ref();
+            match sender.map(|s| s.send(job)) {
+                Some(Ok(())) => sent += 1,
+                _ => {
+                    results[rank] = Some(Err(CudaError::Worker {
+                        rank,
+                        detail: "the rank thread is gone".into(),
+                    }))
+                }
+            }
+        }
+        drop(done_tx);
+        for _ in 0..sent {
+            match done_rx.recv() {
+                Ok((rank, r)) => results[rank] = Some(r),
+                // Every sender is dropped only after its job ran or was dropped unrun.
+                Err(_) => break,
+            }
+        }
+        let mut out = Vec::with_capacity(self.world);
+        for (rank, r) in results.into_iter().enumerate() {
+            match r {
+                Some(Ok(v)) => out.push(v),
+                Some(Err(e)) => return Err(e),
+                None => {
+                    return Err(CudaError::Worker {
+                        rank,
+                        detail: "the rank thread stopped before answering".into(),
+                    })
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for ThreadRankPool {
+    fn drop(&mut self) {
+        for w in &mut self.workers {
+            w.jobs.take();
+        }
+        for w in &mut self.workers {
+            if let Some(h) = w.handle.take() {
+                let _ = h.join();
+            }
+        }
+    }
+}
