@@ -61,6 +61,17 @@ pub mod __private {
     pub use crate::error::LifecycleError;
     pub use crate::lifecycle::Lifecycle;
     pub use crate::reshard::Reshard;
-    pub use crate::session::RolloutView;
+    pub use crate::session::{RolloutSession, RolloutView};
     pub use core::result::Result;
+
+    /// Ends a rollout call keeping the weights resident, whatever the lifecycle's switching policy
+    /// (`#[sharded_rollout(switching = "lazy")]`).
+    ///
+    /// [`RolloutSession::finish`] would apply the lifecycle's policy, and dropping the session
+    /// under [`Switching::Eager`](crate::Switching::Eager) defers an exit to the next operation.
+    /// The session owns nothing but its borrow of the lifecycle and a flag, so forgetting it ends
+    /// the call with the lifecycle left as it is: in rollout mode with current weights resident.
+    pub fn finish_lazy<B: Reshard>(session: RolloutSession<'_, B>) {
+        core::mem::forget(session);
+    }
 }

@@ -1,0 +1,296 @@
+//! Expansion: the hidden body, the lifecycle-taking entry point and the explicit enter / exit.
+
+use proc_macro2::{Span, TokenStream, TokenTree};
+use quote::{format_ident, quote, quote_spanned, ToTokens};
+use syn::spanned::Spanned;
+use syn::{Attribute, FnArg, GenericParam, Ident, ItemFn, ReturnType};
+
+use crate::parse::{self, Input, RawArgs};
+use crate::validate::{self, Model, Switching};
+
+/// The macro: parse, validate, expand; on error, the item as written plus every error.
+pub fn sharded_rollout(args: TokenStream, item: TokenStream) -> TokenStream {
+    let args = syn::parse2::<RawArgs>(args);
+    let input = match parse::item(item.clone()) {
+        Ok(input) => input,
+        Err(e) => {
+            let mut out = item;
+            out.extend(e.to_compile_error());
+            return out;
+        }
+    };
+    // Emitted beside the errors so that the rest of the crate (and IDE completion) still sees the
+    // item; without the `#[weights]` markers, which only this macro understands.
+    let fallback = match &input {
+        Input::Fn(func) => {
+            let mut func = func.clone();
+            validate::strip_weights_attrs(&mut func);
+            func.into_token_stream()
+        }
+        Input::Other(item) => item.to_token_stream(),
+    };
+    match validate::validate(args, input) {
+        Ok(model) => expand(model),
+        Err(errors) => {
+            let mut out = fallback;
+            out.extend(errors.to_compile_error());
+            out
+        }
+    }
+}
+
+/// Name of the generic parameter standing for the backend.
+const BACKEND: &str = "__LifecycleBackend";
+
+/// Attributes of the user's function that also apply to the generated entry point.
+fn forwarded_to_entry(attr: &Attribute) -> bool {
+    [
+        "doc",
+        "cfg",
+        "allow",
+        "warn",
+        "deny",
+        "forbid",
+        "expect",
+        "deprecated",
+    ]
+    .iter()
+    .any(|name| attr.path().is_ident(name))
+}
+
+fn expand(model: Model) -> TokenStream {
+    let Model {
+        krate,
+        switching,
+        func,
+        weights_index,
+        view_ty,
+        weights_ty,
+    } = model;
+    let ItemFn {
+        attrs,
+        vis,
+        sig,
+        block,
+    } = func;
+    let name = &sig.ident;
+    let body_name = format_ident!("__{}_body", name);
+    let enter_name = format_ident!("{}_enter", name);
+    let exit_name = format_ident!("{}_exit", name);
+    let backend = Ident::new(BACKEND, Span::call_site());
+    let private = quote!(#krate::__private);
+    let error_ty = quote!(#private::LifecycleError<<#backend as #private::Reshard>::Error>);
+    let view_span = view_ty.span();
+    let rollout_bound =
+        quote_spanned!(view_span=> #backend: #private::Reshard<Rollout = #weights_ty>);
+    let is_method = matches!(sig.inputs.first(), Some(FnArg::Receiver(_)));
+
+    // The hidden body: the user's function as written, renamed. `deprecated` stays on the entry
+    // point only, or calling the body would warn.
+    let body_attrs = attrs.iter().filter(|a| !a.path().is_ident("deprecated"));
+    let mut body_sig = sig.clone();
+    body_sig.ident = body_name.clone();
+    let body = quote! {
+        #(#body_attrs)*
+        #[doc(hidden)]
+        #body_sig #block
+    };
+
+    // The entry point's parameters and the body call's arguments.
+    let session = Ident::new("__session", Span::mixed_site());
+    let out = Ident::new("__out", Span::mixed_site());
+    let mut params = Vec::new();
+    let mut call_args = Vec::new();
+    let mut receiver = None;
+    for (index, input) in sig.inputs.iter().enumerate() {
+        match input {
+            FnArg::Receiver(r) => {
+                receiver = Some(r);
+                call_args.push(r.self_token.to_token_stream());
+            }
+            FnArg::Typed(_) if index == weights_index => {
+                call_args.push(quote_spanned!(view_span=> #session.weights()));
+            }
+            FnArg::Typed(param) => {
+                let arg = format_ident!("__arg{}", params.len());
+                let ty = &param.ty;
+                params.push(quote!(#arg: #ty));
+                call_args.push(arg.into_token_stream());
+            }
+        }
+    }
+    let receiver = receiver.map(|r| quote!(#r,));
+
+    let mut generics = sig.generics.clone();
+    generics.params.push(syn::parse_quote!(#backend));
+    generics
+        .make_where_clause()
+        .predicates
+        .push(syn::parse2(rollout_bound.clone()).expect("a where predicate"));
+    let (_, _, where_clause) = generics.split_for_impl();
+    let generic_params = &generics.params;
+
+    // Type and const parameters are passed explicitly (some may appear only in the return type);
+    // lifetimes are left to inference (late-bound ones cannot be given).
+    let explicit: Vec<&Ident> = sig
+        .generics
+        .params
+        .iter()
+        .filter_map(|p| match p {
+            GenericParam::Type(t) => Some(&t.ident),
+            GenericParam::Const(c) => Some(&c.ident),
+            GenericParam::Lifetime(_) => None,
+        })
+        .collect();
+    let turbofish = (!explicit.is_empty()).then(|| quote!(::<#(#explicit),*>));
+    let callee = if is_method {
+        quote!(Self::#body_name)
+    } else {
+        quote!(#body_name)
+    };
+    let name_span = name.span();
+    let dot_await = sig.asyncness.map(|_| quote!(.await));
+    let call = quote_spanned!(name_span=> #callee #turbofish (#(#call_args),*) #dot_await);
+
+    let (output, ret_span) = match &sig.output {
+        ReturnType::Default => (quote!(()), name_span),
+        ReturnType::Type(_, ty) => (ty.to_token_stream(), ty.span()),
+    };
+    let finish = match switching {
+        Switching::Inherit => quote_spanned!(ret_span=> #session.finish()?;),
+        Switching::Eager => quote_spanned!(ret_span=> #session.exit()?;),
+        Switching::Lazy => quote_spanned!(ret_span=> #private::finish_lazy(#session);),
+    };
+
+    let entry_attrs = attrs.iter().filter(|a| forwarded_to_entry(a));
+    let cfg_attrs: Vec<&Attribute> = attrs.iter().filter(|a| a.path().is_ident("cfg")).collect();
+    let policy = match switching {
+        Switching::Inherit => {
+            "then applies the lifecycle's switching policy: under `Switching::Lazy` the weights \
+             stay resident, so calls in a row between two training updates switch once; under \
+             `Switching::Eager` the lifecycle leaves rollout mode before returning"
+        }
+        Switching::Eager => {
+            "then leaves rollout mode before returning, whatever the lifecycle's switching policy \
+             (`switching = \"eager\"`)"
+        }
+        Switching::Lazy => {
+            "then keeps the weights resident, whatever the lifecycle's switching policy \
+             (`switching = \"lazy\"`): calls in a row between two training updates switch once"
+        }
+    };
+    let link = |target: &Ident| {
+        if is_method {
+            format!("[`{target}`](Self::{target})")
+        } else {
+            format!("[`{target}`]")
+        }
+    };
+    let generated_doc = format!(
+        " Generated by `#[sharded_rollout]`: takes the lifecycle (`lifecycle: &mut Lifecycle<_>`) \
+         instead of the rollout weights view. Each call opens a rollout session, entering rollout \
+         mode only when needed (when the resident rollout weights are missing or older than the \
+         training weights), runs the body with the weights view, {policy}. {} and {} switch \
+         explicitly.",
+        link(&enter_name),
+        link(&exit_name),
+    );
+    let errors_doc = " A `LifecycleError` when planning, entering, refreshing or leaving rollout \
+                      mode fails. The body's own return value, whatever it is, comes back in `Ok`.";
+    let asyncness = &sig.asyncness;
+    let fn_token = &sig.fn_token;
+    let entry = quote! {
+        #(#entry_attrs)*
+        #[doc = ""]
+        #[doc = " # Lifecycle"]
+        #[doc = ""]
+        #[doc = #generated_doc]
+        #[doc = ""]
+        #[doc = " # Errors"]
+        #[doc = ""]
+        #[doc = #errors_doc]
+        #[allow(clippy::too_many_arguments)]
+        #vis #asyncness #fn_token #name <#generic_params> (
+            #receiver
+            lifecycle: &mut #private::Lifecycle<#backend>,
+            #(#params),*
+        ) -> #private::Result<#output, #error_ty>
+        #where_clause
+        {
+            let #session = lifecycle.rollout()?;
+            let #out = #call;
+            #finish
+            #private::Result::Ok(#out)
+        }
+    };
+
+    // Explicit switches. They name `W` when it does not depend on the function's own generics.
+    let own_generics: Vec<String> = sig
+        .generics
+        .params
+        .iter()
+        .map(|p| match p {
+            GenericParam::Type(t) => t.ident.to_string(),
+            GenericParam::Const(c) => c.ident.to_string(),
+            GenericParam::Lifetime(l) => l.lifetime.ident.to_string(),
+        })
+        .collect();
+    let switch_bound = if mentions(weights_ty.to_token_stream(), &own_generics) {
+        quote!(#backend: #private::Reshard)
+    } else {
+        rollout_bound
+    };
+    let enter_doc = format!(
+        " Enters rollout mode now for {}: builds the rollout weights unless weights of the current \
+         version are resident (then it moves nothing). Generated by `#[sharded_rollout]`.",
+        link(name)
+    );
+    let exit_doc = format!(
+        " Leaves rollout mode now, after {}: releases the rollout weights and brings offloaded \
+         training state back (no-op in train mode with nothing resident). Generated by \
+         `#[sharded_rollout]`.",
+        link(name)
+    );
+    let switches = quote_spanned! {name_span=>
+        #(#cfg_attrs)*
+        #[doc = #enter_doc]
+        #[doc = ""]
+        #[doc = " # Errors"]
+        #[doc = ""]
+        #[doc = " A `LifecycleError` when planning, entering or refreshing fails."]
+        #[allow(dead_code)]
+        #vis fn #enter_name<#switch_bound>(
+            lifecycle: &mut #private::Lifecycle<#backend>,
+        ) -> #private::Result<(), #error_ty> {
+            lifecycle.enter()
+        }
+
+        #(#cfg_attrs)*
+        #[doc = #exit_doc]
+        #[doc = ""]
+        #[doc = " # Errors"]
+        #[doc = ""]
+        #[doc = " `LifecycleError::Exit` when the backend fails to leave (the lifecycle is then faulted)."]
+        #[allow(dead_code)]
+        #vis fn #exit_name<#switch_bound>(
+            lifecycle: &mut #private::Lifecycle<#backend>,
+        ) -> #private::Result<(), #error_ty> {
+            lifecycle.exit()
+        }
+    };
+
+    quote! {
+        #body
+        #entry
+        #switches
+    }
+}
+
+/// Whether `tokens` contain one of `idents` (a type or const parameter, or a lifetime's name).
+fn mentions(tokens: TokenStream, idents: &[String]) -> bool {
+    tokens.into_iter().any(|tt| match tt {
+        TokenTree::Ident(i) => idents.iter().any(|n| i == n),
+        TokenTree::Group(g) => mentions(g.stream(), idents),
+        _ => false,
+    })
+}

@@ -1,0 +1,619 @@
+//! Validation: every rule of the attribute, each failure a `syn::Error` on the offending tokens.
+//!
+//! Errors are collected and combined, so one expansion reports every mistake at once.
+
+use std::fmt::Display;
+
+use proc_macro2::{Delimiter, Group, TokenStream, TokenTree};
+use quote::{quote, ToTokens};
+use syn::visit::{self, Visit};
+use syn::{
+    Expr, ExprLit, ExprPath, FnArg, GenericArgument, Ident, Item, ItemFn, Lit, Pat, PatType, Path,
+    PathArguments, Receiver, ReturnType, Signature, Type, TypePath,
+};
+
+use crate::parse::{Input, RawArg, RawArgs};
+
+/// The name of the rollout weights view type, matched on a parameter type's last path segment.
+const VIEW: &str = "RolloutView";
+/// The parameter attribute that selects the weights view.
+const WEIGHTS_ATTR: &str = "weights";
+/// The known attribute arguments, for the "unknown argument" message.
+const KNOWN_ARGS: &str =
+    "`crate = \"path\"`, `weights = ident` or `switching = \"eager\" | \"lazy\" | \"inherit\"`";
+
+/// What a call does when the body returns.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Switching {
+    /// Apply the lifecycle's policy (`RolloutSession::finish`).
+    Inherit,
+    /// Leave rollout mode after every call, whatever the lifecycle's policy.
+    Eager,
+    /// Keep the weights resident after every call, whatever the lifecycle's policy.
+    Lazy,
+}
+
+/// A validated `#[sharded_rollout]` function, ready for expansion.
+pub struct Model {
+    /// Path of the runtime crate (`::lifecycle_core` unless `crate = "..."`).
+    pub krate: Path,
+    /// What a call does when the body returns.
+    pub switching: Switching,
+    /// The user's function, with the `#[weights]` marker removed.
+    pub func: ItemFn,
+    /// Index of the weights view in `func.sig.inputs` (counting the receiver).
+    pub weights_index: usize,
+    /// The view's type as written (for spans).
+    pub view_ty: Type,
+    /// `W` in `RolloutView<'_, W>`: the backend's `Reshard::Rollout`.
+    pub weights_ty: Type,
+}
+
+/// Collects errors so they can be reported together.
+#[derive(Default)]
+struct Errors(Option<syn::Error>);
+
+impl Errors {
+    fn push(&mut self, error: syn::Error) {
+        match &mut self.0 {
+            Some(all) => all.combine(error),
+            None => self.0 = Some(error),
+        }
+    }
+
+    fn at<T: ToTokens, D: Display>(&mut self, tokens: T, message: D) {
+        self.push(syn::Error::new_spanned(tokens, message));
+    }
+
+    fn finish(self) -> syn::Result<()> {
+        self.0.map_or(Ok(()), Err)
+    }
+}
+
+/// The attribute arguments, checked.
+struct Args {
+    krate: Option<Path>,
+    weights: Option<Ident>,
+    switching: Switching,
+}
+
+/// Checks the arguments and the item; on failure returns every error found, combined.
+pub fn validate(args: syn::Result<RawArgs>, input: Input) -> syn::Result<Model> {
+    let mut errors = Errors::default();
+    let args = match args {
+        Ok(raw) => check_args(raw, &mut errors),
+        Err(e) => {
+            errors.push(e);
+            Args {
+                krate: None,
+                weights: None,
+                switching: Switching::Inherit,
+            }
+        }
+    };
+    let mut func = match input {
+        Input::Fn(func) => func,
+        Input::Other(item) => {
+            let (kind, tokens) = describe(&item);
+            errors.at(
+                tokens,
+                format_args!("#[sharded_rollout] applies to a function: found {kind}"),
+            );
+            errors.finish()?;
+            unreachable!("an error was just pushed");
+        }
+    };
+    check_qualifiers(&func.sig, &mut errors);
+    check_receiver(&func.sig, &mut errors);
+    let weights = find_weights(&mut func.sig, args.weights.as_ref(), &mut errors);
+    check_return(&func.sig.output, &mut errors);
+    let view = weights.and_then(|index| {
+        let FnArg::Typed(param) = &func.sig.inputs[index] else {
+            unreachable!("the receiver is never the weights view")
+        };
+        check_view(param, &mut errors).map(|w| (index, (*param.ty).clone(), w))
+    });
+    errors.finish()?;
+    let (weights_index, view_ty, weights_ty) = view.expect("no error means a weights view");
+    Ok(Model {
+        krate: args
+            .krate
+            .unwrap_or_else(|| syn::parse_quote!(::lifecycle_core)),
+        switching: args.switching,
+        func,
+        weights_index,
+        view_ty,
+        weights_ty,
+    })
+}
+
+/// Removes the `#[weights]` marker from every parameter, so the item can be emitted as written
+/// (beside the errors) without a second "cannot find attribute" error.
+pub fn strip_weights_attrs(func: &mut ItemFn) {
+    for input in &mut func.sig.inputs {
+        if let FnArg::Typed(param) = input {
+            param.attrs.retain(|a| !a.path().is_ident(WEIGHTS_ATTR));
+        }
+    }
+}
+
+fn check_args(raw: RawArgs, errors: &mut Errors) -> Args {
+    let mut args = Args {
+        krate: None,
+        weights: None,
+        switching: Switching::Inherit,
+    };
+    let mut seen: Vec<Ident> = Vec::new();
+    for RawArg { key, value } in raw.0 {
+        let name = key.to_string();
+        if let Some(first) = seen.iter().find(|k| **k == key) {
+            let mut e = syn::Error::new_spanned(&key, format_args!("duplicate argument `{name}`"));
+            e.combine(syn::Error::new_spanned(
+                first,
+                format_args!("`{name}` is first given here"),
+            ));
+            errors.push(e);
+            continue;
+        }
+        match name.as_str() {
+            "crate" => {
+                args.krate = string(&value)
+                    .ok_or_else(|| {
+                        syn::Error::new_spanned(
+                            &value,
+                            "expected a string: `crate = \"path::to::lifecycle_core\"`",
+                        )
+                    })
+                    .and_then(|s| {
+                        s.parse::<Path>().map_err(|_| {
+                            syn::Error::new_spanned(
+                                s,
+                                "expected the path of the runtime crate, e.g. `::lifecycle_core`",
+                            )
+                        })
+                    })
+                    .map_err(|e| errors.push(e))
+                    .ok();
+            }
+            "weights" => match &value {
+                Expr::Path(ExprPath {
+                    qself: None, path, ..
+                }) if path.get_ident().is_some() => {
+                    args.weights = path.get_ident().cloned();
+                }
+                other => errors.at(
+                    other,
+                    "expected the name of the weights parameter: `weights = w`",
+                ),
+            },
+            "switching" => match string(&value).map(|s| (s, s.value())) {
+                Some((_, v)) if v == "inherit" => args.switching = Switching::Inherit,
+                Some((_, v)) if v == "eager" => args.switching = Switching::Eager,
+                Some((_, v)) if v == "lazy" => args.switching = Switching::Lazy,
+                Some((s, v)) => errors.at(
+                    s,
+                    format_args!(
+                        "unknown switching policy `{v}`: expected \"eager\", \"lazy\" or \"inherit\""
+                    ),
+                ),
+                None => errors.at(
+                    &value,
+                    "expected a string: `switching = \"eager\"`, `\"lazy\"` or `\"inherit\"`",
+                ),
+            },
+            _ => errors.at(
+                &key,
+                format_args!("unknown argument `{name}`: expected {KNOWN_ARGS}"),
+            ),
+        }
+        seen.push(key);
+    }
+    args
+}
+
+fn string(value: &Expr) -> Option<&syn::LitStr> {
+    match value {
+        Expr::Lit(ExprLit {
+            lit: Lit::Str(s), ..
+        }) => Some(s),
+        _ => None,
+    }
+}
+
+/// The kind of a non-function item (with its article) and the tokens naming it.
+fn describe(item: &Item) -> (&'static str, TokenStream) {
+    match item {
+        Item::Struct(i) => ("a struct", {
+            let (t, n) = (&i.struct_token, &i.ident);
+            quote!(#t #n)
+        }),
+        Item::Enum(i) => ("an enum", {
+            let (t, n) = (&i.enum_token, &i.ident);
+            quote!(#t #n)
+        }),
+        Item::Union(i) => ("a union", {
+            let (t, n) = (&i.union_token, &i.ident);
+            quote!(#t #n)
+        }),
+        Item::Trait(i) => ("a trait", {
+            let (t, n) = (&i.trait_token, &i.ident);
+            quote!(#t #n)
+        }),
+        Item::TraitAlias(i) => ("a trait alias", {
+            let (t, n) = (&i.trait_token, &i.ident);
+            quote!(#t #n)
+        }),
+        Item::Impl(i) => ("an impl block", {
+            let (t, n) = (&i.impl_token, &i.self_ty);
+            quote!(#t #n)
+        }),
+        Item::Mod(i) => ("a module", {
+            let (t, n) = (&i.mod_token, &i.ident);
+            quote!(#t #n)
+        }),
+        Item::Const(i) => ("a constant", {
+            let (t, n) = (&i.const_token, &i.ident);
+            quote!(#t #n)
+        }),
+        Item::Static(i) => ("a static", {
+            let (t, n) = (&i.static_token, &i.ident);
+            quote!(#t #n)
+        }),
+        Item::Type(i) => ("a type alias", {
+            let (t, n) = (&i.type_token, &i.ident);
+            quote!(#t #n)
+        }),
+        Item::Use(i) => ("a `use` declaration", i.to_token_stream()),
+        Item::ExternCrate(i) => ("an `extern crate`", i.to_token_stream()),
+        Item::ForeignMod(i) => ("an `extern` block", i.abi.to_token_stream()),
+        Item::Macro(i) => ("a macro invocation", i.mac.path.to_token_stream()),
+        other => (
+            "an item that is not a function with a body",
+            other.to_token_stream(),
+        ),
+    }
+}
+
+fn check_qualifiers(sig: &Signature, errors: &mut Errors) {
+    if let Some(c) = &sig.constness {
+        errors.at(
+            c,
+            "#[sharded_rollout] cannot apply to a `const fn`: switching the lifecycle happens at \
+             run time",
+        );
+    }
+    if let Some(u) = &sig.unsafety {
+        errors.at(
+            u,
+            "#[sharded_rollout] cannot apply to an `unsafe fn`: keep the function safe and use an \
+             `unsafe` block in its body",
+        );
+    }
+    if let Some(abi) = &sig.abi {
+        errors.at(
+            abi,
+            "#[sharded_rollout] cannot apply to a function with an `extern` ABI: the generated \
+             function takes a `&mut Lifecycle` and returns a `Result`",
+        );
+    }
+    if let Some(v) = &sig.variadic {
+        errors.at(v, "#[sharded_rollout] cannot apply to a variadic function");
+    }
+}
+
+fn check_receiver(sig: &Signature, errors: &mut Errors) {
+    let Some(FnArg::Receiver(r)) = sig.inputs.first() else {
+        return;
+    };
+    if receiver_is_reference(r) {
+        return;
+    }
+    let found = if r.colon_token.is_some() {
+        let ty = &r.ty;
+        format!("`self: {}`", quote!(#ty))
+    } else if r.mutability.is_some() {
+        "`mut self`".to_owned()
+    } else {
+        "`self` by value".to_owned()
+    };
+    errors.at(
+        r,
+        format_args!(
+            "unsupported receiver {found}: #[sharded_rollout] methods take `&self` or `&mut self` \
+             (the generated method forwards the receiver to the body, beside the lifecycle)"
+        ),
+    );
+}
+
+/// `&self`, `&'a self`, `&mut self`, `self: &Self`, `self: &mut Self`.
+fn receiver_is_reference(r: &Receiver) -> bool {
+    if r.colon_token.is_none() {
+        return r.reference.is_some();
+    }
+    match &*r.ty {
+        Type::Reference(reference) => {
+            matches!(&*reference.elem, Type::Path(p) if p.qself.is_none() && p.path.is_ident("Self"))
+        }
+        _ => false,
+    }
+}
+
+/// The name of a parameter for messages: its pattern as written.
+fn param_name(param: &PatType) -> String {
+    match &*param.pat {
+        Pat::Ident(p) => p.ident.to_string(),
+        other => other.to_token_stream().to_string(),
+    }
+}
+
+fn is_view(ty: &Type) -> bool {
+    view_path(ty).is_some()
+}
+
+fn view_path(ty: &Type) -> Option<&TypePath> {
+    match ty {
+        Type::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == VIEW) => Some(p),
+        Type::Group(g) => view_path(&g.elem),
+        Type::Paren(p) => view_path(&p.elem),
+        _ => None,
+    }
+}
+
+fn is_reference_to_view(ty: &Type) -> bool {
+    matches!(ty, Type::Reference(r) if is_view(&r.elem))
+}
+
+/// Finds the weights parameter (removing `#[weights]` markers); `None` after reporting an error.
+fn find_weights(sig: &mut Signature, by_arg: Option<&Ident>, errors: &mut Errors) -> Option<usize> {
+    // Explicit selections, in parameter order: `#[weights]` markers and `weights = name`.
+    let mut explicit: Vec<(usize, TokenStream, &'static str)> = Vec::new();
+    let mut arg_found = false;
+    for (index, input) in sig.inputs.iter_mut().enumerate() {
+        let FnArg::Typed(param) = input else { continue };
+        let mut marker = None;
+        param.attrs.retain(|attr| {
+            if !attr.path().is_ident(WEIGHTS_ATTR) {
+                return true;
+            }
+            if let syn::Meta::Path(_) = &attr.meta {
+                if marker.is_some() {
+                    errors.at(attr, "duplicate #[weights] marker");
+                }
+                marker = Some(attr.to_token_stream());
+            } else {
+                errors.at(&attr.meta, "#[weights] takes no arguments");
+                marker = Some(attr.to_token_stream());
+            }
+            false
+        });
+        let named =
+            by_arg.is_some_and(|name| matches!(&*param.pat, Pat::Ident(p) if p.ident == *name));
+        arg_found |= named;
+        match (marker, named) {
+            (Some(m), _) => explicit.push((index, m, "#[weights]")),
+            (None, true) => explicit.push((index, by_arg.to_token_stream(), "`weights = ...`")),
+            (None, false) => {}
+        }
+    }
+    if let (Some(name), false) = (by_arg, arg_found) {
+        let params: Vec<String> = sig
+            .inputs
+            .iter()
+            .filter_map(|i| match i {
+                FnArg::Typed(p) => Some(format!("`{}`", param_name(p))),
+                FnArg::Receiver(_) => None,
+            })
+            .collect();
+        errors.at(
+            name,
+            format_args!(
+                "`weights = {name}` names no parameter of this function (its parameters: {})",
+                if params.is_empty() {
+                    "none".to_owned()
+                } else {
+                    params.join(", ")
+                }
+            ),
+        );
+        return None;
+    }
+    let typed = |index: usize| match &sig.inputs[index] {
+        FnArg::Typed(p) => p,
+        FnArg::Receiver(_) => unreachable!("receivers are skipped"),
+    };
+    if let Some(&(first, _, how)) = explicit.first() {
+        for (second, marker, _) in &explicit[1..] {
+            errors.at(
+                marker,
+                format_args!(
+                    "a second weights parameter `{}`: `{}` is already the rollout weights view \
+                     (selected by {how}); a #[sharded_rollout] function takes exactly one",
+                    param_name(typed(*second)),
+                    param_name(typed(first)),
+                ),
+            );
+        }
+        return Some(first);
+    }
+    // No explicit selection: the one parameter typed `RolloutView<..>`.
+    let views: Vec<usize> = (0..sig.inputs.len())
+        .filter(|&i| matches!(&sig.inputs[i], FnArg::Typed(p) if is_view(&p.ty)))
+        .collect();
+    match views.as_slice() {
+        [] => {
+            if let Some(p) = sig.inputs.iter().find_map(|i| match i {
+                FnArg::Typed(p) if is_reference_to_view(&p.ty) => Some(p),
+                _ => None,
+            }) {
+                errors.at(
+                    &p.ty,
+                    "take the rollout weights view by value: `RolloutView<'_, W>` is `Copy` and \
+                     already a borrow",
+                );
+            } else {
+                errors.at(
+                    signature_head(sig),
+                    "#[sharded_rollout] needs one parameter of type `RolloutView<'_, W>` (the \
+                     rollout weights view), or mark one with #[weights]",
+                );
+            }
+            None
+        }
+        [one] => Some(*one),
+        [first, rest @ ..] => {
+            for &second in rest {
+                errors.at(
+                    &typed(second).ty,
+                    format_args!(
+                        "a second weights parameter `{}`: `{}` is already the rollout weights \
+                         view; a #[sharded_rollout] function takes exactly one (mark it with \
+                         #[weights] to pass other views as plain arguments)",
+                        param_name(typed(second)),
+                        param_name(typed(*first)),
+                    ),
+                );
+            }
+            None
+        }
+    }
+}
+
+/// `fn name(..)`: where to report a problem with the parameter list as a whole.
+fn signature_head(sig: &Signature) -> TokenStream {
+    let (fn_token, ident, inputs) = (&sig.fn_token, &sig.ident, &sig.inputs);
+    let mut parens = Group::new(Delimiter::Parenthesis, quote!(#inputs));
+    parens.set_span(sig.paren_token.span.join());
+    let mut tokens = quote!(#fn_token #ident);
+    tokens.extend([TokenTree::Group(parens)]);
+    tokens
+}
+
+/// Checks the weights parameter's type is `RolloutView<'_, W>`; returns `W`.
+fn check_view(param: &PatType, errors: &mut Errors) -> Option<Type> {
+    let ty = &param.ty;
+    let Some(path) = view_path(ty) else {
+        if is_reference_to_view(ty) {
+            errors.at(
+                ty,
+                "take the rollout weights view by value: `RolloutView<'_, W>` is `Copy` and \
+                 already a borrow",
+            );
+        } else {
+            errors.at(
+                ty,
+                "the weights parameter must have type `RolloutView<'_, W>`, where `W` is the \
+                 backend's `Reshard::Rollout`",
+            );
+        }
+        return None;
+    };
+    let segment = path
+        .path
+        .segments
+        .last()
+        .expect("view_path checked the last segment");
+    let PathArguments::AngleBracketed(args) = &segment.arguments else {
+        errors.at(
+            ty,
+            "write the weights type: `RolloutView<'_, W>`, where `W` is the backend's \
+             `Reshard::Rollout`",
+        );
+        return None;
+    };
+    let mut weights = None;
+    let mut ok = true;
+    for arg in &args.args {
+        match arg {
+            GenericArgument::Lifetime(l) if l.ident == "_" => {}
+            GenericArgument::Lifetime(l) => {
+                errors.at(
+                    l,
+                    format_args!(
+                        "the rollout weights view is borrowed for one call only; write `'_` \
+                         instead of `{l}`"
+                    ),
+                );
+                ok = false;
+            }
+            GenericArgument::Type(t) if weights.is_none() => weights = Some(t.clone()),
+            other => {
+                errors.at(
+                    other,
+                    "unexpected generic argument: the view is `RolloutView<'_, W>`",
+                );
+                ok = false;
+            }
+        }
+    }
+    let Some(weights) = weights else {
+        errors.at(
+            ty,
+            "write the weights type: `RolloutView<'_, W>`, where `W` is the backend's \
+             `Reshard::Rollout`",
+        );
+        return None;
+    };
+    let mut elided = Elided::default();
+    elided.visit_type(&weights);
+    for tokens in elided.found {
+        errors.at(
+            tokens,
+            "the weights type cannot contain elided lifetimes: it is the backend's \
+             `Reshard::Rollout`; name the lifetime",
+        );
+        ok = false;
+    }
+    ok.then_some(weights)
+}
+
+fn check_return(output: &ReturnType, errors: &mut Errors) {
+    let ReturnType::Type(_, ty) = output else {
+        return;
+    };
+    let mut elided = Elided::default();
+    elided.visit_type(ty);
+    for tokens in elided.found {
+        errors.at(
+            tokens,
+            "a rollout function cannot return borrows of the weights: they would outlive the \
+             session; return owned data (or name a lifetime of another parameter)",
+        );
+    }
+}
+
+/// Finds references without a lifetime and `'_` lifetimes, outside of `fn(..)` pointer types and
+/// `Fn(..)` bounds (where elision is higher-ranked and borrows nothing).
+#[derive(Default)]
+struct Elided {
+    found: Vec<TokenStream>,
+}
+
+impl<'ast> Visit<'ast> for Elided {
+    fn visit_type_reference(&mut self, r: &'ast syn::TypeReference) {
+        match &r.lifetime {
+            None => self.found.push(r.to_token_stream()),
+            Some(l) if l.ident == "_" => self.found.push(r.to_token_stream()),
+            Some(_) => {}
+        }
+        // Do not report the `'_` of this reference twice.
+        self.visit_type(&r.elem);
+    }
+
+    fn visit_lifetime(&mut self, l: &'ast syn::Lifetime) {
+        if l.ident == "_" {
+            self.found.push(l.to_token_stream());
+        }
+    }
+
+    fn visit_type_bare_fn(&mut self, _: &'ast syn::TypeBareFn) {}
+
+    fn visit_parenthesized_generic_arguments(
+        &mut self,
+        _: &'ast syn::ParenthesizedGenericArguments,
+    ) {
+    }
+
+    fn visit_type(&mut self, ty: &'ast Type) {
+        visit::visit_type(self, ty);
+    }
+}
