@@ -33,6 +33,57 @@
 //! lc.train().unwrap().state_mut()[0] = 2.0; // error[E0499]: the view still borrows `lc`
 //! println!("{}", weights[0]);
 //! ```
+//!
+//! # The attribute
+//!
+//! [`macro@sharded_rollout`] writes the session plumbing around a function that reads the rollout
+//! weights. The function takes a `RolloutView<'_, W>`; the generated function of the same name
+//! takes `&mut Lifecycle<B>` instead (for any backend with `Reshard<Rollout = W>`), enters rollout
+//! mode only when needed, runs the body, applies the switching policy and returns the body's value
+//! in a `Result`. `name_enter` and `name_exit` switch explicitly.
+//!
+//! ```
+//! use lifecycle_core::{sharded_rollout, Lifecycle, Mode, RolloutView, Switching};
+//! # use lifecycle_core::{Reshard, SwitchContext};
+//! # struct Copying;
+//! # impl Reshard for Copying {
+//! #     type TrainState = Vec<f32>; type Rollout = Vec<f32>; type Plan = (); type Error = std::io::Error;
+//! #     fn plan(&self, _: &Vec<f32>) -> std::io::Result<()> { Ok(()) }
+//! #     fn enter(&mut self, _: &(), s: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<Vec<f32>> { Ok(s.clone()) }
+//! #     fn refresh(&mut self, _: &(), s: &mut Vec<f32>, r: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { r.clone_from(s); Ok(()) }
+//! #     fn exit(&mut self, _: &mut Vec<f32>, _: Option<Vec<f32>>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { Ok(()) }
+//! # }
+//!
+//! /// Scores a prompt with the current policy weights.
+//! #[sharded_rollout]
+//! fn score(weights: RolloutView<'_, Vec<f32>>, prompt: &[usize]) -> f32 {
+//!     prompt.iter().map(|&token| weights[token]).sum()
+//! }
+//!
+//! let mut lc = Lifecycle::new(Copying, vec![0.5, 1.0, 2.0]);
+//! for _ in 0..3 {
+//!     assert_eq!(score(&mut lc, &[0, 2])?, 2.5); // lazy: enters on the first call only
+//! }
+//! assert_eq!(lc.metrics().enters, 1);
+//!
+//! lc.train()?.state_mut()[0] = 1.5; // a training update: exits, bumps the version
+//! assert_eq!(score(&mut lc, &[0, 2])?, 3.5); // the next call sees the new weights
+//! assert_eq!(lc.metrics().enters, 2);
+//!
+//! lc.set_switching(Switching::Eager);
+//! score(&mut lc, &[1])?; // eager: leaves rollout mode after the call
+//! assert_eq!(lc.mode(), Mode::Train);
+//!
+//! score_enter(&mut lc)?; // explicit switches
+//! assert_eq!(lc.mode(), Mode::Rollout);
+//! score_exit(&mut lc)?;
+//! assert_eq!(lc.mode(), Mode::Train);
+//! # Ok::<(), lifecycle_core::LifecycleError<std::io::Error>>(())
+//! ```
+//!
+//! Methods (`&self` / `&mut self`) and `async` functions work the same way; the attribute takes
+//! `switching = "eager" | "lazy"` to force a policy for one function, `weights = name` to select
+//! the view and `crate = "path"` when `lifecycle_core` is re-exported.
 
 #![warn(missing_docs)]
 
@@ -54,6 +105,7 @@ pub use policy::{LifecycleConfig, MemoryPolicy, Switching};
 pub use reshard::{Reshard, SwitchContext};
 pub use session::{RolloutSession, RolloutView, TrainSession};
 
+/// See [the attribute](crate#the-attribute) in the crate documentation for a compiled example.
 pub use lifecycle_macros::sharded_rollout;
 
 #[doc(hidden)]

@@ -106,13 +106,13 @@ pub fn validate(args: syn::Result<RawArgs>, input: Input) -> syn::Result<Model> 
     check_qualifiers(&func.sig, &mut errors);
     check_receiver(&func.sig, &mut errors);
     let weights = find_weights(&mut func.sig, args.weights.as_ref(), &mut errors);
-    check_return(&func.sig.output, &mut errors);
     let view = weights.and_then(|index| {
         let FnArg::Typed(param) = &func.sig.inputs[index] else {
             unreachable!("the receiver is never the weights view")
         };
         check_view(param, &mut errors).map(|w| (index, (*param.ty).clone(), w))
     });
+    check_return(&func.sig.output, &mut errors);
     errors.finish()?;
     let (weights_index, view_ty, weights_ty) = view.expect("no error means a weights view");
     Ok(Model {
@@ -309,18 +309,17 @@ fn check_receiver(sig: &Signature, errors: &mut Errors) {
         return;
     }
     let found = if r.colon_token.is_some() {
-        let ty = &r.ty;
-        format!("`self: {}`", quote!(#ty))
+        "a `self: Type` receiver other than `self: &Self` or `self: &mut Self`"
     } else if r.mutability.is_some() {
-        "`mut self`".to_owned()
+        "`mut self`"
     } else {
-        "`self` by value".to_owned()
+        "`self` by value"
     };
     errors.at(
         r,
         format_args!(
-            "unsupported receiver {found}: #[sharded_rollout] methods take `&self` or `&mut self` \
-             (the generated method forwards the receiver to the body, beside the lifecycle)"
+            "unsupported receiver: #[sharded_rollout] methods take `&self` or `&mut self` (so the \
+             object can serve rollout after rollout), not {found}"
         ),
     );
 }

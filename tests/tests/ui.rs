@@ -1,0 +1,10 @@
+//! Compile-fail and compile-pass cases: the borrow rules that keep rollout weights fresh, and
+//! every diagnostic of `#[sharded_rollout]`. Regenerate the expected output with
+//! `TRYBUILD=overwrite cargo test -p lifecycle-tests --test ui`, then read each `.stderr`.
+
+#[test]
+fn ui() {
+    let t = trybuild::TestCases::new();
+    t.compile_fail("ui/fail/*.rs");
+    t.pass("ui/pass/*.rs");
+}
