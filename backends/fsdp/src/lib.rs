@@ -1,1 +1,34 @@
-//! FSDP training layout to tensor-parallel rollout layout on NVIDIA GPUs.
+//! FSDP training layout → tensor-parallel bf16 rollout layout on NVIDIA GPUs.
+//!
+//! [`FsdpBackend`] implements the core [`Reshard`](lifecycle_core::Reshard) trait over a
+//! [`ThreadRankPool`](lifecycle_cuda::ThreadRankPool) (one thread and one NCCL communicator per
+//! GPU):
+//!
+//! - **Training state** ([`FsdpTrainState`]): per rank, flat fp32 buffers of FSDP2 dim-0 shards
+//!   (uneven shards padded to `⌈rows / W⌉` rows) for master weights, grads, Adam m and v.
+//! - **Plan** ([`FsdpPlan`]): the core planner's pieces ([`plan_fsdp_to_tp`](lifecycle_core::layout::plan_fsdp_to_tp),
+//!   every validation there) cut into buckets under a byte budget. Each rank casts fp32 → bf16 at
+//!   the source; pieces it keeps are cast straight into its rollout buffer, pieces a peer needs are
+//!   sent from its own rollout buffer when the peer needs the same slice (T = 1: the all-gather
+//!   goes straight into the rollout buffers, no staging) or from a staging slot otherwise (row-
+//!   parallel slices), and received straight into the peer's rollout buffer.
+//! - **Overlap**: casts run on a compute stream, grouped NCCL sends/receives on an NCCL stream,
+//!   bucket `k + 1`'s casts overlap bucket `k`'s transfers; offload copies (master, Adam m, v →
+//!   pinned host) run on a third stream during the transfer; grads are freed, not copied.
+//! - **Exit**: rollout buffers released, offloaded state reloaded on the copy stream, grads
+//!   reallocated as zeros.
+//!
+//! [`FsdpBackend::download_rollout`] returns a [`HostRollout`](lifecycle_host::HostRollout) for bit
+//! comparison with the host backend; [`FsdpBackend::download_state`] returns the training buffers.
+
+#![warn(missing_docs)]
+
+mod backend;
+mod error;
+pub mod plan;
+mod state;
+
+pub use backend::{FsdpBackend, FsdpRollout, RolloutEntry};
+pub use error::FsdpError;
+pub use plan::{BucketConfig, FsdpPlan};
+pub use state::{FsdpTrainState, RankDump, RankTrain};

@@ -1,0 +1,777 @@
+//! [`FsdpBackend`]: the [`Reshard`] implementation on NVIDIA GPUs.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice};
+use half::bf16;
+use lifecycle_core::layout::{plan_fsdp_to_tp, FsdpLayout, RolloutLayout};
+use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
+use lifecycle_cuda::{
+    alloc_device, alloc_pinned, alloc_zeros, CudaError, RankCtx, RankExecutor, ThreadRankPool,
+};
+use lifecycle_host::{
+    HostRollout, HostTensor, HostTrainState, RankRollout, RolloutTensor, TensorData,
+};
+
+use crate::plan::{build_plan, BucketConfig, Buf, FsdpPlan, ShardLayout};
+use crate::state::{FsdpTrainState, RankDump, RankTrain};
+use crate::FsdpError;
+
+/// One rollout tensor's place in a rank's flat rollout buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RolloutEntry {
+    /// Name.
+    pub name: String,
+    /// Shape of the rank's slice.
+    pub shape: Vec<usize>,
+    /// Element offset.
+    pub offset: u64,
+    /// Elements.
+    pub numel: u64,
+}
+
+/// The rollout weights of every rank: one flat bf16 device buffer per rank, tensors at the plan's
+/// offsets (the same on every rank).
+pub struct FsdpRollout {
+    pub(crate) ranks: Vec<CudaSlice<bf16>>,
+    pub(crate) entries: Vec<RolloutEntry>,
+    pub(crate) len: u64,
+}
+
+impl std::fmt::Debug for FsdpRollout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FsdpRollout")
+            .field("ranks", &self.ranks.len())
+            .field("tensors", &self.entries.len())
+            .field("elements_per_rank", &self.len)
+            .finish()
+    }
+}
+
+impl FsdpRollout {
+    /// The tensors of each rank's buffer, in rollout order.
+    pub fn entries(&self) -> &[RolloutEntry] {
+        &self.entries
+    }
+
+    /// Bytes of rollout weights on each rank.
+    pub fn bytes_per_rank(&self) -> u64 {
+        self.len * 2
+    }
+
+    /// The device buffer of `rank` (flat; see [`FsdpRollout::entries`]).
+    pub fn rank_buffer(&self, rank: usize) -> Option<&CudaSlice<bf16>> {
+        self.ranks.get(rank)
+    }
+}
+
+/// Reshards FSDP training shards into bf16 tensor-parallel rollout weights on the GPUs of a
+/// [`ThreadRankPool`], with bucketed, shard-aware NCCL transfers and overlapped offload.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use lifecycle_core::{layout::{Parallel, RolloutLayout, TensorSpec}, Lifecycle};
+/// use lifecycle_cuda::ThreadRankPool;
+/// use lifecycle_fsdp::FsdpBackend;
+/// use lifecycle_host::HostTensor;
+///
+/// let pool = Arc::new(ThreadRankPool::new(2)?);
+/// let layout = RolloutLayout::new(2, vec![TensorSpec::new("w", [6, 4], Parallel::Column)])?;
+/// let backend = FsdpBackend::new(pool, layout);
+/// let state = backend.state_from_tensors(vec![HostTensor::f32("w", [6, 4], vec![0.5; 24])])?;
+/// let mut lc = Lifecycle::new(backend, state);
+/// let session = lc.rollout()?;
+/// let host = session.backend().download_rollout(&session.weights())?;
+/// assert_eq!(host.ranks[1].tensors[0].data.len(), 12);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct FsdpBackend {
+    pool: Arc<ThreadRankPool>,
+    layout: RolloutLayout,
+    config: BucketConfig,
+}
+
+impl std::fmt::Debug for FsdpBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FsdpBackend")
+            .field("world", &self.pool.world())
+            .field("tp", &self.layout.tp)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+fn ptr<T>(s: &CudaSlice<T>, ctx: &RankCtx) -> u64 {
+    let (p, _sync) = s.device_ptr(&ctx.compute);
+    p
+}
+
+fn ptr_mut<T>(s: &mut CudaSlice<T>, ctx: &RankCtx) -> u64 {
+    let (p, _sync) = s.device_ptr_mut(&ctx.compute);
+    p
+}
+
+/// Statistics of one rank's transfer.
+#[derive(Debug, Clone, Copy, Default)]
+struct RankMoved {
+    recv: u64,
+    local: u64,
+    staging: u64,
+}
+
+impl FsdpBackend {
+    /// A backend over `pool`'s GPUs producing `layout`, with default buckets
+    /// ([`BucketConfig::default`]).
+    pub fn new(pool: Arc<ThreadRankPool>, layout: RolloutLayout) -> Self {
+        FsdpBackend {
+            pool,
+            layout,
+            config: BucketConfig::default(),
+        }
+    }
+
+    /// Changes the bucket settings (checked: a budget of at least 1 MiB, at least 1 in flight).
+    pub fn with_config(mut self, config: BucketConfig) -> Result<Self, FsdpError> {
+        if config.bucket_bytes < (1 << 20) || config.in_flight == 0 {
+            return Err(FsdpError::Config(format!(
+                "bucket_bytes must be at least 1 MiB and in_flight at least 1 (2 or more to \
+                 overlap casts with NCCL); found {} bytes, {} in flight",
+                config.bucket_bytes, config.in_flight
+            )));
+        }
+        self.config = config;
+        Ok(self)
+    }
+
+    /// The bucket settings.
+    pub fn config(&self) -> BucketConfig {
+        self.config
+    }
+
+    /// The rank pool.
+    pub fn pool(&self) -> &Arc<ThreadRankPool> {
+        &self.pool
+    }
+
+    /// The rollout layout.
+    pub fn layout(&self) -> &RolloutLayout {
+        &self.layout
+    }
+
+    /// Builds the training state from full host tensors (floating point; widened to fp32),
+    /// sharded over the pool's W ranks. Grads and Adam moments start at zero.
+    pub fn state_from_tensors(
+        &self,
+        tensors: Vec<HostTensor>,
+    ) -> Result<FsdpTrainState, FsdpError> {
+        let world = self.pool.world();
+        let layout = FsdpLayout::new(
+            world,
+            tensors.iter().map(|t| (t.name.clone(), t.shape.clone())),
+        )?;
+        let shards = ShardLayout::new(&layout);
+        let mut hosts: Vec<Vec<f32>> = vec![vec![0.0; shards.rank_len as usize]; world];
+        for (i, t) in tensors.iter().enumerate() {
+            let expected: usize = t.shape.iter().product();
+            if t.data.len() != expected {
+                return Err(FsdpError::Tensor {
+                    name: t.name.clone(),
+                    problem: format!(
+                        "shape {:?} needs {expected} elements but the data has {}",
+                        t.shape,
+                        t.data.len()
+                    ),
+                });
+            }
+            let full = t.data.to_f32().ok_or_else(|| FsdpError::Tensor {
+                name: t.name.clone(),
+                problem: format!(
+                    "dtype {} is not floating point: training weights must be f32, bf16 or f16",
+                    t.data.dtype()
+                ),
+            })?;
+            let slot = &shards.slots[i];
+            for (rank, host) in hosts.iter_mut().enumerate() {
+                let held = shards.held_rows(i, rank);
+                let src = &full[held.start * slot.cols..held.end * slot.cols];
+                let at = slot.offset as usize;
+                host[at..at + src.len()].copy_from_slice(src);
+            }
+        }
+        let mut items: Vec<(Vec<f32>, RankTrain)> = hosts
+            .into_iter()
+            .map(|h| (h, RankTrain::default()))
+            .collect();
+        let len = shards.rank_len as usize;
+        self.pool.run_each(&mut items, &|ctx, (host, rt)| {
+            let mut master = alloc_zeros::<f32>(&ctx.compute, len, ctx.rank, "fp32 master shards")?;
+            ctx.compute
+                .memcpy_htod(host.as_slice(), &mut master)
+                .map_err(ctx.drv("uploading master shards", 0))?;
+            rt.master = Some(master);
+            rt.grads = Some(alloc_zeros(&ctx.compute, len, ctx.rank, "gradients")?);
+            rt.m = Some(alloc_zeros(&ctx.compute, len, ctx.rank, "Adam m")?);
+            rt.v = Some(alloc_zeros(&ctx.compute, len, ctx.rank, "Adam v")?);
+            ctx.compute
+                .synchronize()
+                .map_err(ctx.drv("synchronizing", 0))?;
+            Ok(())
+        })?;
+        Ok(FsdpTrainState {
+            layout,
+            shards,
+            ranks: items.into_iter().map(|(_, r)| r).collect(),
+        })
+    }
+
+    /// Builds the training state from the host backend's state: the same model (same fp32 master
+    /// weights, same W), grads and Adam moments at zero.
+    pub fn state_from_host(&self, host: &HostTrainState) -> Result<FsdpTrainState, FsdpError> {
+        if host.world() != self.pool.world() {
+            return Err(FsdpError::WorldMismatch {
+                state: host.world(),
+                pool: self.pool.world(),
+            });
+        }
+        let tensors = host
+            .layout()
+            .tensors
+            .iter()
+            .map(|(name, shape)| {
+                Ok(HostTensor {
+                    name: name.clone(),
+                    shape: shape.clone(),
+                    data: TensorData::F32(host.full_master(name)?),
+                })
+            })
+            .collect::<Result<Vec<_>, FsdpError>>()?;
+        self.state_from_tensors(tensors)
+    }
+
+    /// Builds a synthetic training state directly on the GPUs (no host data): tensor `i`'s element
+    /// at flat index `e` is [`lifecycle_cuda::fill_uniform_value`]`(seed + i, e, scale)`; Adam m and
+    /// v are filled the same way with seeds offset by 1 000 003 and 2 000 006 (non-zero, so round
+    /// trips check real bits); grads are zero.
+    pub fn synthetic_state(
+        &self,
+        tensors: &[(String, Vec<usize>)],
+        seed: u64,
+        scale: f32,
+    ) -> Result<FsdpTrainState, FsdpError> {
+        let world = self.pool.world();
+        let layout = FsdpLayout::new(world, tensors.iter().cloned())?;
+        let shards = ShardLayout::new(&layout);
+        let mut items: Vec<RankTrain> = (0..world).map(|_| RankTrain::default()).collect();
+        let len = shards.rank_len as usize;
+        let sh = &shards;
+        self.pool.run_each(&mut items, &|ctx, rt| {
+            let mut bufs = Vec::new();
+            for (k, what) in ["fp32 master shards", "Adam m", "Adam v"]
+                .iter()
+                .enumerate()
+            {
+                let mut b = alloc_zeros::<f32>(&ctx.compute, len, ctx.rank, what)?;
+                let base = ptr_mut(&mut b, ctx);
+                for (i, slot) in sh.slots.iter().enumerate() {
+                    let held = sh.held_rows(i, ctx.rank);
+                    let n = (held.len() * slot.cols) as u64;
+                    let s = seed + i as u64 + 1_000_003 * k as u64;
+                    // SAFETY: the slot lies inside `b` (rank_len elements), which lives until the
+                    // stream is synchronised below.
+                    unsafe {
+                        ctx.kernels.fill_uniform(
+                            &ctx.compute,
+                            base + 4 * slot.offset,
+                            n,
+                            s,
+                            (held.start * slot.cols) as u64,
+                            if k == 0 { scale } else { scale * 1e-3 },
+                            ctx.rank,
+                        )?;
+                    }
+                }
+                bufs.push(b);
+            }
+            let v = bufs.pop();
+            let m = bufs.pop();
+            rt.master = bufs.pop();
+            rt.m = m;
+            rt.v = v;
+            rt.grads = Some(alloc_zeros(&ctx.compute, len, ctx.rank, "gradients")?);
+            ctx.compute
+                .synchronize()
+                .map_err(ctx.drv("synchronizing", 0))?;
+            Ok(())
+        })?;
+        Ok(FsdpTrainState {
+            layout,
+            shards,
+            ranks: items,
+        })
+    }
+
+    /// Downloads every rank's rollout weights to host memory (rollout order, same layout as the
+    /// host backend's), for bit comparisons.
+    pub fn download_rollout(&self, rollout: &FsdpRollout) -> Result<HostRollout, FsdpError> {
+        let mut items: Vec<&CudaSlice<bf16>> = rollout.ranks.iter().collect();
+        let flats = self.pool.run_each(&mut items, &|ctx, buf| {
+            ctx.compute
+                .synchronize()
+                .map_err(ctx.drv("synchronizing", 0))?;
+            ctx.compute
+                .clone_dtoh(*buf)
+                .map_err(ctx.drv("downloading rollout weights", 0))
+        })?;
+        let ranks = flats
+            .into_iter()
+            .map(|flat| RankRollout {
+                tensors: rollout
+                    .entries
+                    .iter()
+                    .map(|e| RolloutTensor {
+                        name: e.name.clone(),
+                        shape: e.shape.clone(),
+                        data: flat[e.offset as usize..(e.offset + e.numel) as usize].to_vec(),
+                    })
+                    .collect(),
+            })
+            .collect();
+        Ok(HostRollout { ranks })
+    }
+
+    /// Downloads every rank's training buffers (from the device, or from the pinned copies while
+    /// offloaded), flat and padded, for round-trip checks.
+    pub fn download_state(&self, state: &FsdpTrainState) -> Result<Vec<RankDump>, FsdpError> {
+        let mut items: Vec<&RankTrain> = state.ranks.iter().collect();
+        Ok(self.pool.run_each(&mut items, &|ctx, rt| {
+            ctx.sync_all()?;
+            let get = |dev: &Option<CudaSlice<f32>>,
+                       host: &Option<PinnedHostSlice<f32>>,
+                       what: &str|
+             -> Result<Vec<f32>, CudaError> {
+                match (dev, host) {
+                    (Some(d), _) => ctx.compute.clone_dtoh(d).map_err(ctx.drv(what, 0)),
+                    (None, Some(h)) => Ok(h.as_slice().map_err(ctx.drv(what, 0))?.to_vec()),
+                    (None, None) => Err(CudaError::Invalid(format!(
+                        "{what}: neither on the device nor on the host"
+                    ))),
+                }
+            };
+            Ok(RankDump {
+                master: get(&rt.master, &rt.master_host, "downloading master")?,
+                grads: match &rt.grads {
+                    Some(g) => Some(
+                        ctx.compute
+                            .clone_dtoh(g)
+                            .map_err(ctx.drv("downloading grads", 0))?,
+                    ),
+                    None => None,
+                },
+                m: get(&rt.m, &rt.m_host, "downloading Adam m")?,
+                v: get(&rt.v, &rt.v_host, "downloading Adam v")?,
+            })
+        })?)
+    }
+
+    /// The full fp32 master tensor `name`, gathered from every rank's shard.
+    pub fn full_master(&self, state: &FsdpTrainState, name: &str) -> Result<Vec<f32>, FsdpError> {
+        let i = state
+            .layout
+            .tensors
+            .iter()
+            .position(|(n, _)| n == name)
+            .ok_or_else(|| FsdpError::Tensor {
+                name: name.to_string(),
+                problem: "no such tensor in the training state".into(),
+            })?;
+        let dumps = self.download_state(state)?;
+        let slot = &state.shards.slots[i];
+        let mut out = Vec::new();
+        for (rank, d) in dumps.iter().enumerate() {
+            let held = state.shards.held_rows(i, rank);
+            let at = slot.offset as usize;
+            out.extend_from_slice(&d.master[at..at + held.len() * slot.cols]);
+        }
+        Ok(out)
+    }
+
+    fn entries(plan: &FsdpPlan) -> Vec<RolloutEntry> {
+        plan.core
+            .ranks
+            .first()
+            .map(|r0| {
+                r0.tensors
+                    .iter()
+                    .zip(&plan.roll_offsets)
+                    .map(|(t, &offset)| RolloutEntry {
+                        name: plan.core.tensors[t.tensor].name.clone(),
+                        shape: t.shape.clone(),
+                        offset,
+                        numel: t.numel() as u64,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Runs the transfer into `rolls` (one per rank), starting the offload copies of `memory`
+    /// first so they overlap it. Returns per-rank statistics.
+    fn transfer(
+        &self,
+        plan: &FsdpPlan,
+        state: &mut FsdpTrainState,
+        rolls: &mut [CudaSlice<bf16>],
+        memory: MemoryPolicy,
+    ) -> Result<Vec<RankMoved>, FsdpError> {
+        let mut items: Vec<(&mut RankTrain, &mut CudaSlice<bf16>)> =
+            state.ranks.iter_mut().zip(rolls.iter_mut()).collect();
+        let len = state.shards.rank_len as usize;
+        let moved = self.pool.run_each(&mut items, &|ctx, (rt, roll)| {
+            // Pinned host buffers first (allocated once, reused): failing here changes nothing.
+            if memory.offload_params && rt.master_host.is_none() {
+                // SAFETY: written by the device→host copy below before anything reads it.
+                rt.master_host =
+                    Some(unsafe { alloc_pinned(&ctx.copy, len, ctx.rank, "offloaded master")? });
+            }
+            if memory.offload_optimizer {
+                if rt.m_host.is_none() {
+                    // SAFETY: as above.
+                    rt.m_host = Some(unsafe {
+                        alloc_pinned(&ctx.copy, len, ctx.rank, "offloaded Adam m")?
+                    });
+                }
+                if rt.v_host.is_none() {
+                    // SAFETY: as above.
+                    rt.v_host = Some(unsafe {
+                        alloc_pinned(&ctx.copy, len, ctx.rank, "offloaded Adam v")?
+                    });
+                }
+            }
+            let master = rt
+                .master
+                .as_ref()
+                .ok_or_else(|| CudaError::Invalid("master weights are offloaded".into()))?;
+            // Offload copies on the copy stream: they overlap the NVLink work below.
+            if memory.offload_optimizer {
+                if let (Some(m), Some(h)) = (rt.m.as_ref(), rt.m_host.as_mut()) {
+                    ctx.copy
+                        .memcpy_dtoh(m, h)
+                        .map_err(ctx.drv("offloading Adam m", 0))?;
+                }
+                if let (Some(v), Some(h)) = (rt.v.as_ref(), rt.v_host.as_mut()) {
+                    ctx.copy
+                        .memcpy_dtoh(v, h)
+                        .map_err(ctx.drv("offloading Adam v", 0))?;
+                }
+            }
+            if memory.offload_params {
+                if let Some(h) = rt.master_host.as_mut() {
+                    ctx.copy
+                        .memcpy_dtoh(master, h)
+                        .map_err(ctx.drv("offloading master", 0))?;
+                }
+            }
+            run_buckets(ctx, plan, master, roll)
+        })?;
+        Ok(moved)
+    }
+
+    fn record_transfer(
+        ctx: &mut SwitchContext<'_>,
+        moved: &[RankMoved],
+        wall: std::time::Duration,
+    ) {
+        let mut sample = lifecycle_core::PhaseSample::default();
+        for m in moved {
+            sample.bytes.add(Link::DeviceToDevice, m.recv);
+            sample.bytes.add(Link::Local, m.local);
+            sample.peak_extra_bytes = sample.peak_extra_bytes.max(m.staging);
+        }
+        ctx.rec.record(Phase::Transfer, wall, sample);
+    }
+
+    /// Waits for the offload copies, then frees what the policy moves out and the gradients.
+    fn finish_offload(
+        &self,
+        state: &mut FsdpTrainState,
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<(), FsdpError> {
+        let memory = ctx.memory;
+        let free_grads = !memory.keep_rollout_resident;
+        let bytes_each = state.shards.rank_len * 4;
+        ctx.rec.phase(Phase::Offload, |scope| {
+            let mut items: Vec<&mut RankTrain> = state.ranks.iter_mut().collect();
+            self.pool.run_each(&mut items, &|ctx, rt| {
+                ctx.sync_all()?;
+                if memory.offload_params {
+                    rt.master = None;
+                }
+                if memory.offload_optimizer {
+                    rt.m = None;
+                    rt.v = None;
+                }
+                if free_grads {
+                    rt.grads = None;
+                }
+                ctx.sync_all()
+            })?;
+            let per_rank =
+                bytes_each * (memory.offload_params as u64 + 2 * memory.offload_optimizer as u64);
+            scope.add_bytes(Link::DeviceToHost, per_rank * state.ranks.len() as u64);
+            Ok::<(), FsdpError>(())
+        })
+    }
+}
+
+/// The bucket loop of one rank: casts on the compute stream, grouped NCCL sends/receives on the
+/// NCCL stream, ordered by one event per bucket each way; staging slots reused round-robin once
+/// the NCCL work that read them has finished.
+fn run_buckets(
+    ctx: &RankCtx,
+    plan: &FsdpPlan,
+    master: &CudaSlice<f32>,
+    roll: &mut CudaSlice<bf16>,
+) -> Result<RankMoved, CudaError> {
+    let rank = ctx.rank;
+    let buckets = &plan.ranks[rank];
+    let nslots = plan.staging_slots(rank);
+    let mut staging: Vec<CudaSlice<bf16>> = Vec::with_capacity(nslots);
+    for _ in 0..nslots {
+        // SAFETY: every staging element read by a send is first written by a cast of the same
+        // bucket (the plan places each staged send after its cast).
+        staging.push(unsafe {
+            alloc_device::<bf16>(
+                &ctx.compute,
+                plan.slot_elems as usize,
+                rank,
+                "staging bucket",
+            )?
+        });
+    }
+    let nccl = ctx.nccl_stream();
+    // Allocations (stream-ordered on compute) and earlier writes are visible to NCCL.
+    ctx.order(&ctx.compute, &nccl)?;
+    let mbase = ptr(master, ctx);
+    let rbase = ptr_mut(roll, ctx);
+    let sbases: Vec<u64> = staging.iter_mut().map(|s| ptr_mut(s, ctx)).collect();
+    let mut net_done = Vec::with_capacity(buckets.len());
+    let mut moved = RankMoved {
+        staging: nslots as u64 * plan.slot_elems * 2,
+        ..Default::default()
+    };
+    for (k, b) in buckets.iter().enumerate() {
+        let slot = if nslots > 0 { k % nslots } else { 0 };
+        if b.staging_elems > 0 && k >= nslots {
+            ctx.compute
+                .wait(&net_done[k - nslots])
+                .map_err(ctx.drv("waiting for a staging slot", 0))?;
+        }
+        for c in &b.casts {
+            let dst = match c.dst {
+                Buf::Rollout => {
+                    moved.local += c.region.numel() * 2;
+                    rbase + 2 * c.dst_off
+                }
+                Buf::Staging => sbases[slot] + 2 * c.dst_off,
+            };
+            // SAFETY: the plan keeps every region inside its buffer (master: rank_len f32,
+            // rollout: roll_len bf16, staging: slot_elems bf16); the buffers outlive the final
+            // synchronisation below; the NCCL stream reads them only after the event recorded
+            // after these casts.
+            unsafe {
+                ctx.kernels.cast_f32_bf16(
+                    &ctx.compute,
+                    mbase + 4 * c.src_off,
+                    dst,
+                    c.region,
+                    rank,
+                )?;
+            }
+        }
+        let ev = ctx.event()?;
+        if !b.sends.is_empty() || !b.recvs.is_empty() {
+            ev.record(&ctx.compute)
+                .map_err(ctx.drv("recording an event", 0))?;
+            nccl.wait(&ev).map_err(ctx.drv("waiting on an event", 0))?;
+            cudarc::nccl::group_start().map_err(|e| CudaError::nccl(rank, "ncclGroupStart", e))?;
+            let mut res = Ok(());
+            for s in &b.sends {
+                let (lo, hi) = (s.off as usize, (s.off + s.count) as usize);
+                let r = match s.buf {
+                    Buf::Rollout => ctx.comm.send(&roll.slice(lo..hi), s.peer as i32),
+                    Buf::Staging => ctx.comm.send(&staging[slot].slice(lo..hi), s.peer as i32),
+                };
+                if let Err(e) = r {
+                    res = Err(CudaError::nccl(rank, "ncclSend", e));
+                    break;
+                }
+            }
+            if res.is_ok() {
+                for r in &b.recvs {
+                    moved.recv += r.count * 2;
+                    let (lo, hi) = (r.off as usize, (r.off + r.count) as usize);
+                    if let Err(e) = ctx.comm.recv(&mut roll.slice_mut(lo..hi), r.peer as i32) {
+                        res = Err(CudaError::nccl(rank, "ncclRecv", e));
+                        break;
+                    }
+                }
+            }
+            let end =
+                cudarc::nccl::group_end().map_err(|e| CudaError::nccl(rank, "ncclGroupEnd", e));
+            res?;
+            end?;
+        }
+        let done = ctx.event()?;
+        done.record(&nccl)
+            .map_err(ctx.drv("recording an event", 0))?;
+        net_done.push(done);
+    }
+    ctx.order(&nccl, &ctx.compute)?;
+    ctx.compute
+        .synchronize()
+        .map_err(ctx.drv("synchronizing the transfer", 0))?;
+    nccl.synchronize()
+        .map_err(ctx.drv("synchronizing NCCL", 0))?;
+    drop(staging);
+    ctx.compute
+        .synchronize()
+        .map_err(ctx.drv("freeing staging", 0))?;
+    Ok(moved)
+}
+
+impl Reshard for FsdpBackend {
+    type TrainState = FsdpTrainState;
+    type Rollout = FsdpRollout;
+    type Plan = FsdpPlan;
+    type Error = FsdpError;
+
+    fn plan(&self, state: &FsdpTrainState) -> Result<FsdpPlan, FsdpError> {
+        if state.world() != self.pool.world() {
+            return Err(FsdpError::WorldMismatch {
+                state: state.world(),
+                pool: self.pool.world(),
+            });
+        }
+        let core = plan_fsdp_to_tp(&state.layout, &self.layout)?;
+        Ok(build_plan(core, &state.layout, self.config))
+    }
+
+    fn enter(
+        &mut self,
+        plan: &FsdpPlan,
+        state: &mut FsdpTrainState,
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<FsdpRollout, FsdpError> {
+        if state.master_offloaded() || state.optimizer_offloaded() {
+            return Err(FsdpError::Offloaded {
+                operation: "entering rollout mode",
+            });
+        }
+        let start = Instant::now();
+        let len = plan.roll_len as usize;
+        let mut unit: Vec<()> = vec![(); self.pool.world()];
+        // Rollout buffers first: an OOM here leaves the training state untouched.
+        let mut rolls = self.pool.run_each(&mut unit, &|c, _| {
+            // SAFETY: every element of the rollout buffer is written by a cast or a receive of
+            // the plan (the pieces tile every slice exactly) before the buffer is handed out.
+            unsafe { alloc_device::<bf16>(&c.compute, len, c.rank, "rollout weights") }
+        })?;
+        let moved = self.transfer(plan, state, &mut rolls, ctx.memory)?;
+        Self::record_transfer(ctx, &moved, start.elapsed());
+        self.finish_offload(state, ctx)?;
+        Ok(FsdpRollout {
+            ranks: rolls,
+            entries: Self::entries(plan),
+            len: plan.roll_len,
+        })
+    }
+
+    fn refresh(
+        &mut self,
+        plan: &FsdpPlan,
+        state: &mut FsdpTrainState,
+        rollout: &mut FsdpRollout,
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<(), FsdpError> {
+        if state.master_offloaded() {
+            return Err(FsdpError::Offloaded {
+                operation: "refreshing rollout weights",
+            });
+        }
+        if rollout.len != plan.roll_len || rollout.ranks.len() != self.pool.world() {
+            return Err(FsdpError::RolloutMismatch {
+                expected: plan.roll_len,
+                found: rollout.len,
+            });
+        }
+        let start = Instant::now();
+        let moved = self.transfer(plan, state, &mut rollout.ranks, ctx.memory)?;
+        Self::record_transfer(ctx, &moved, start.elapsed());
+        self.finish_offload(state, ctx)
+    }
+
+    fn exit(
+        &mut self,
+        state: &mut FsdpTrainState,
+        rollout: Option<FsdpRollout>,
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<(), FsdpError> {
+        if let Some(rollout) = rollout {
+            ctx.rec.phase(Phase::Release, |_| {
+                let mut items: Vec<Option<CudaSlice<bf16>>> =
+                    rollout.ranks.into_iter().map(Some).collect();
+                self.pool.run_each(&mut items, &|c, buf| {
+                    drop(buf.take());
+                    c.compute
+                        .synchronize()
+                        .map_err(c.drv("releasing rollout weights", 0))
+                })?;
+                Ok::<(), FsdpError>(())
+            })?;
+        }
+        let len = state.shards.rank_len as usize;
+        let bytes_each = state.shards.rank_len * 4;
+        ctx.rec.phase(Phase::Reload, |scope| {
+            let mut items: Vec<&mut RankTrain> = state.ranks.iter_mut().collect();
+            let moved = self.pool.run_each(&mut items, &|c, rt| {
+                let mut h2d = 0u64;
+                let reload = |dev: &mut Option<CudaSlice<f32>>,
+                              host: &Option<PinnedHostSlice<f32>>,
+                              what: &str,
+                              h2d: &mut u64|
+                 -> Result<(), CudaError> {
+                    if dev.is_some() {
+                        return Ok(());
+                    }
+                    let host = host.as_ref().ok_or_else(|| {
+                        CudaError::Invalid(format!(
+                            "{what} is neither on the device nor on the host"
+                        ))
+                    })?;
+                    // SAFETY: fully written by the host→device copy right after.
+                    let mut d = unsafe { alloc_device::<f32>(&c.copy, len, c.rank, what)? };
+                    c.copy.memcpy_htod(host, &mut d).map_err(c.drv(what, 0))?;
+                    *h2d += bytes_each;
+                    *dev = Some(d);
+                    Ok(())
+                };
+                reload(
+                    &mut rt.master,
+                    &rt.master_host,
+                    "reloading master",
+                    &mut h2d,
+                )?;
+                reload(&mut rt.m, &rt.m_host, "reloading Adam m", &mut h2d)?;
+                reload(&mut rt.v, &rt.v_host, "reloading Adam v", &mut h2d)?;
+                if rt.grads.is_none() {
+                    rt.grads = Some(alloc_zeros(&c.compute, len, c.rank, "gradients")?);
+                }
+                c.sync_all()?;
+                Ok(h2d)
+            })?;
+            scope.add_bytes(Link::HostToDevice, moved.iter().sum());
+            Ok::<(), FsdpError>(())
+        })
+    }
+}

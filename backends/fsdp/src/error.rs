@@ -1,0 +1,55 @@
+//! The FSDP backend's error type.
+
+use lifecycle_core::layout::LayoutError;
+use lifecycle_cuda::CudaError;
+use lifecycle_host::HostError;
+
+/// What the FSDP backend can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum FsdpError {
+    /// The layouts do not fit together (found by the planner before any data moves).
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// A GPU, driver, NCCL or allocation failure.
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    /// The host backend's state could not be read.
+    #[error(transparent)]
+    Host(#[from] HostError),
+    /// The training state and the rank pool disagree on W.
+    #[error(
+        "the training state is sharded over W = {state} ranks but the rank pool has {pool}: build \
+         the state with the same pool the backend uses"
+    )]
+    WorldMismatch {
+        /// W of the state.
+        state: usize,
+        /// Ranks of the pool.
+        pool: usize,
+    },
+    /// A host tensor cannot become a training tensor.
+    #[error("tensor `{name}`: {problem}")]
+    Tensor {
+        /// The tensor.
+        name: String,
+        /// What is wrong and what to do.
+        problem: String,
+    },
+    /// The training state is not on the device where the operation needs it.
+    #[error("{operation} needs the training state on the device, but it is offloaded: exit rollout mode first")]
+    Offloaded {
+        /// What was attempted.
+        operation: &'static str,
+    },
+    /// The resident rollout weights do not match the plan.
+    #[error("the resident rollout weights ({found} elements per rank) do not match the plan ({expected})")]
+    RolloutMismatch {
+        /// Elements the plan expects.
+        expected: u64,
+        /// Elements found.
+        found: u64,
+    },
+    /// Invalid settings.
+    #[error("invalid setting: {0}")]
+    Config(String),
+}

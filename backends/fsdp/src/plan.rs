@@ -1,0 +1,379 @@
+//! The executable plan: the core planner's pieces turned into per-rank, per-bucket lists of casts,
+//! sends and receives over flat device buffers. Pure: computed on the CPU, tested without a GPU.
+
+use lifecycle_core::layout::{fsdp_rows, FsdpLayout, Parallel, ReshardPlan};
+use lifecycle_cuda::Region2d;
+
+/// Alignment of every tensor inside a flat buffer, in elements (256 bytes of f32, 128 of bf16):
+/// keeps the vectorised cast kernel usable for every tensor.
+pub const ALIGN_ELEMS: u64 = 64;
+
+fn align(x: u64) -> u64 {
+    x.div_ceil(ALIGN_ELEMS) * ALIGN_ELEMS
+}
+
+/// Where one tensor's FSDP shard sits in a rank's flat training buffers (the same on every rank:
+/// shards are padded to `⌈rows / W⌉` rows).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardSlot {
+    /// Tensor name.
+    pub name: String,
+    /// Full shape.
+    pub shape: Vec<usize>,
+    /// Columns of the 2-D view (product of the trailing dims).
+    pub cols: usize,
+    /// Padded rows per rank, `⌈rows / W⌉`.
+    pub padded_rows: usize,
+    /// Element offset in the flat buffer.
+    pub offset: u64,
+}
+
+/// The layout of every rank's flat fp32 buffers (master, grads, Adam m and v).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardLayout {
+    /// W.
+    pub world: usize,
+    /// One slot per training tensor, in training order.
+    pub slots: Vec<ShardSlot>,
+    /// Elements of each rank's flat buffer.
+    pub rank_len: u64,
+}
+
+impl ShardLayout {
+    /// Computes the flat layout of an FSDP layout.
+    pub fn new(layout: &FsdpLayout) -> Self {
+        let mut offset = 0u64;
+        let world = layout.world;
+        let slots = layout
+            .tensors
+            .iter()
+            .map(|(name, shape)| {
+                let rows = shape.first().copied().unwrap_or(1);
+                let cols: usize = shape.iter().skip(1).product();
+                let padded_rows = rows.div_ceil(world);
+                let slot = ShardSlot {
+                    name: name.clone(),
+                    shape: shape.clone(),
+                    cols,
+                    padded_rows,
+                    offset,
+                };
+                offset = align(offset + (padded_rows * cols) as u64);
+                slot
+            })
+            .collect();
+        ShardLayout {
+            world,
+            slots,
+            rank_len: offset.max(ALIGN_ELEMS),
+        }
+    }
+
+    /// Rows of tensor `i` that `rank` holds (FSDP2 rule).
+    pub fn held_rows(&self, i: usize, rank: usize) -> std::ops::Range<usize> {
+        let rows = self.slots[i].shape.first().copied().unwrap_or(1);
+        fsdp_rows(rows, self.world, rank)
+    }
+}
+
+/// Which buffer of a rank an operation touches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Buf {
+    /// The rank's flat rollout buffer.
+    Rollout,
+    /// The current bucket's staging slot.
+    Staging,
+}
+
+/// fp32 master → bf16 cast of a 2-D region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CastOp {
+    /// Element offset in the master buffer.
+    pub src_off: u64,
+    /// Destination buffer.
+    pub dst: Buf,
+    /// Element offset in the destination.
+    pub dst_off: u64,
+    /// Shape and pitches.
+    pub region: Region2d,
+}
+
+/// A contiguous run of bf16 sent to a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SendOp {
+    /// Destination rank.
+    pub peer: usize,
+    /// Source buffer.
+    pub buf: Buf,
+    /// Element offset.
+    pub off: u64,
+    /// Elements.
+    pub count: u64,
+}
+
+/// A contiguous run of bf16 received from a peer, straight into the rollout buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecvOp {
+    /// Source rank.
+    pub peer: usize,
+    /// Element offset in the rollout buffer.
+    pub off: u64,
+    /// Elements.
+    pub count: u64,
+}
+
+/// What one rank does in one bucket.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BucketOps {
+    /// Casts (local pieces into the rollout buffer, staged pieces into the staging slot).
+    pub casts: Vec<CastOp>,
+    /// Sends, in the order the peer posts the matching receives.
+    pub sends: Vec<SendOp>,
+    /// Receives.
+    pub recvs: Vec<RecvOp>,
+    /// Staging elements used.
+    pub staging_elems: u64,
+}
+
+/// Transfer settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketConfig {
+    /// Byte budget of one bucket: the most bf16 bytes one rank sends (and stages) in one bucket.
+    pub bucket_bytes: u64,
+    /// Buckets in flight (staging slots); at least 2 so NCCL overlaps the next bucket's casts.
+    pub in_flight: usize,
+}
+
+impl Default for BucketConfig {
+    /// 256 MB buckets, 2 in flight.
+    fn default() -> Self {
+        BucketConfig {
+            bucket_bytes: 256 << 20,
+            in_flight: 2,
+        }
+    }
+}
+
+/// The executable plan: the core [`ReshardPlan`] plus per-rank bucket op lists.
+#[derive(Debug, Clone)]
+pub struct FsdpPlan {
+    /// The validated core plan.
+    pub core: ReshardPlan,
+    /// Flat training layout.
+    pub shards: ShardLayout,
+    /// Element offset of each rollout tensor (rollout order) in a rank's flat rollout buffer.
+    pub roll_offsets: Vec<u64>,
+    /// Elements of each rank's flat rollout buffer.
+    pub roll_len: u64,
+    /// `ranks[r][k]`: what rank `r` does in bucket `k` (every rank has the same bucket count).
+    pub ranks: Vec<Vec<BucketOps>>,
+    /// Elements of one staging slot (0 when no rank stages anything).
+    pub slot_elems: u64,
+    /// Settings used.
+    pub config: BucketConfig,
+}
+
+impl FsdpPlan {
+    /// Number of buckets.
+    pub fn buckets(&self) -> usize {
+        self.ranks.first().map_or(0, Vec::len)
+    }
+
+    /// bf16 bytes rank `r` receives from peers.
+    pub fn recv_bytes(&self, r: usize) -> u64 {
+        self.ranks[r]
+            .iter()
+            .flat_map(|b| &b.recvs)
+            .map(|x| x.count * 2)
+            .sum()
+    }
+
+    /// bf16 bytes rank `r` writes by casting (local pieces and staged pieces).
+    pub fn cast_bytes(&self, r: usize) -> u64 {
+        self.ranks[r]
+            .iter()
+            .flat_map(|b| &b.casts)
+            .map(|c| c.region.numel() * 2)
+            .sum()
+    }
+
+    /// Staging slots rank `r` needs (0 if it stages nothing).
+    pub fn staging_slots(&self, r: usize) -> usize {
+        if self.ranks[r].iter().any(|b| b.staging_elems > 0) {
+            self.config.in_flight.min(self.buckets()).max(1)
+        } else {
+            0
+        }
+    }
+
+    /// Bytes of rollout weights per rank.
+    pub fn rollout_bytes(&self) -> u64 {
+        self.core
+            .ranks
+            .first()
+            .map_or(0, |r| r.total_elements() as u64 * 2)
+    }
+}
+
+struct Item {
+    src: usize,
+    dst: usize,
+    tensor: usize,
+    rows: std::ops::Range<usize>,
+}
+
+/// Builds the executable plan from a validated core plan.
+pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -> FsdpPlan {
+    let world = core.world;
+    let shards = ShardLayout::new(train);
+    let mut roll_offsets = Vec::with_capacity(core.tensors.len());
+    let mut off = 0u64;
+    if let Some(r0) = core.ranks.first() {
+        for t in &r0.tensors {
+            roll_offsets.push(off);
+            off = align(off + t.numel() as u64);
+        }
+    }
+    let roll_len = off.max(ALIGN_ELEMS);
+    let slot_elems_cfg = (config.bucket_bytes / 2).max(1);
+
+    // Global item list: per tensor, per source rank, first the source's own piece (cast into its
+    // rollout buffer), then the pieces it sends, each cut into row chunks of at most one bucket.
+    let mut items = Vec::new();
+    for (j, spec) in core.tensors.iter().enumerate() {
+        let width = core.ranks[0].tensors[j].cols.len().max(1);
+        let chunk = (slot_elems_cfg as usize / width).max(1);
+        for src in 0..world {
+            let mut dsts: Vec<usize> = (0..world).collect();
+            dsts.sort_by_key(|&d| (d != src, d));
+            for dst in dsts {
+                let tp = &core.ranks[dst].tensors[j];
+                for p in tp.pieces.iter().filter(|p| p.src_rank == src) {
+                    let mut r = p.rows.start;
+                    while r < p.rows.end {
+                        let end = ((r / chunk + 1) * chunk).min(p.rows.end);
+                        items.push(Item {
+                            src,
+                            dst,
+                            tensor: j,
+                            rows: r..end,
+                        });
+                        r = end;
+                    }
+                }
+            }
+        }
+        let _ = spec;
+    }
+
+    let mut ranks: Vec<Vec<BucketOps>> = vec![Vec::new(); world];
+    let mut cur: Vec<BucketOps> = vec![BucketOps::default(); world];
+    let mut sent = vec![0u64; world];
+    let mut local = vec![0u64; world];
+    let mut max_staging = 0u64;
+    let local_cap = 4 * slot_elems_cfg;
+    let flush = |ranks: &mut Vec<Vec<BucketOps>>,
+                 cur: &mut Vec<BucketOps>,
+                 sent: &mut Vec<u64>,
+                 local: &mut Vec<u64>| {
+        if cur
+            .iter()
+            .any(|b| !b.casts.is_empty() || !b.sends.is_empty() || !b.recvs.is_empty())
+        {
+            for (r, b) in cur.iter_mut().enumerate() {
+                ranks[r].push(std::mem::take(b));
+            }
+        }
+        sent.iter_mut().for_each(|x| *x = 0);
+        local.iter_mut().for_each(|x| *x = 0);
+    };
+    for it in &items {
+        let spec = &core.tensors[it.tensor];
+        let tp_dst = &core.ranks[it.dst].tensors[it.tensor];
+        let ti = tp_dst.train_index;
+        let slot = &shards.slots[ti];
+        let held = shards.held_rows(ti, it.src);
+        let ncols = tp_dst.cols.len() as u64;
+        let n = it.rows.len() as u64 * ncols;
+        let src_off =
+            slot.offset + ((it.rows.start - held.start) * slot.cols + tp_dst.cols.start) as u64;
+        let roll_off =
+            roll_offsets[it.tensor] + tp_dst.dst_offset(it.rows.start, tp_dst.cols.start) as u64;
+        let region = Region2d {
+            rows: it.rows.len() as u64,
+            cols: ncols,
+            src_ld: slot.cols as u64,
+            dst_ld: ncols,
+        };
+        if it.src == it.dst {
+            if local[it.src] + n > local_cap && local[it.src] > 0 {
+                flush(&mut ranks, &mut cur, &mut sent, &mut local);
+            }
+            local[it.src] += n;
+            cur[it.src].casts.push(CastOp {
+                src_off,
+                dst: Buf::Rollout,
+                dst_off: roll_off,
+                region,
+            });
+            continue;
+        }
+        let tp_rank = |r: usize| r % core.tp;
+        let from_rollout =
+            spec.parallel == Parallel::Replicated || tp_rank(it.src) == tp_rank(it.dst);
+        let need = if from_rollout {
+            n
+        } else {
+            align(cur[it.src].staging_elems) + n
+        };
+        let fill = if from_rollout {
+            sent[it.src] + n
+        } else {
+            need.max(sent[it.src] + n)
+        };
+        if fill > slot_elems_cfg && (sent[it.src] > 0 || cur[it.src].staging_elems > 0) {
+            flush(&mut ranks, &mut cur, &mut sent, &mut local);
+        }
+        sent[it.src] += n;
+        let (buf, off) = if from_rollout {
+            (Buf::Rollout, roll_off)
+        } else {
+            let b = &mut cur[it.src];
+            let at = align(b.staging_elems);
+            b.staging_elems = at + n;
+            max_staging = max_staging.max(b.staging_elems);
+            b.casts.push(CastOp {
+                src_off,
+                dst: Buf::Staging,
+                dst_off: at,
+                region,
+            });
+            (Buf::Staging, at)
+        };
+        cur[it.src].sends.push(SendOp {
+            peer: it.dst,
+            buf,
+            off,
+            count: n,
+        });
+        cur[it.dst].recvs.push(RecvOp {
+            peer: it.src,
+            off: roll_off,
+            count: n,
+        });
+    }
+    flush(&mut ranks, &mut cur, &mut sent, &mut local);
+    FsdpPlan {
+        core,
+        shards,
+        roll_offsets,
+        roll_len,
+        ranks,
+        slot_elems: if max_staging > 0 {
+            align(max_staging)
+        } else {
+            0
+        },
+        config,
+    }
+}
