@@ -294,3 +294,95 @@ fn mentions(tokens: TokenStream, idents: &[String]) -> bool {
         _ => false,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use quote::quote;
+
+    fn expand(args: proc_macro2::TokenStream, item: proc_macro2::TokenStream) -> String {
+        super::sharded_rollout(args, item).to_string()
+    }
+
+    #[test]
+    fn the_switching_argument_picks_how_the_session_ends() {
+        let item = quote!(
+            fn f(w: RolloutView<'_, Vec<f32>>) -> f32 {
+                w[0]
+            }
+        );
+        let inherit = expand(quote!(), item.clone());
+        let eager = expand(quote!(switching = "eager"), item.clone());
+        let lazy = expand(quote!(switching = "lazy"), item);
+        assert!(inherit.contains("__session . finish () ?"), "{inherit}");
+        assert!(eager.contains("__session . exit () ?"), "{eager}");
+        assert!(lazy.contains("finish_lazy (__session)"), "{lazy}");
+    }
+
+    #[test]
+    fn methods_call_the_body_through_self_with_explicit_generics() {
+        let out = expand(
+            quote!(),
+            quote!(
+                fn f<'a, T, const N: usize>(
+                    &self,
+                    x: &'a [T; N],
+                    w: RolloutView<'_, Vec<f32>>,
+                ) -> T {
+                    todo!()
+                }
+            ),
+        );
+        assert!(
+            out.contains("Self :: __f_body :: < T , N > (self , __arg0 , __session . weights ())"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn switches_name_the_weights_type_unless_it_uses_the_functions_generics() {
+        let fixed = expand(
+            quote!(),
+            quote!(
+                fn f(w: RolloutView<'_, Vec<f32>>) {}
+            ),
+        );
+        assert!(fixed.contains("fn f_exit < __LifecycleBackend : :: lifecycle_core :: __private :: Reshard < Rollout = Vec < f32 > >"), "{fixed}");
+        let generic = expand(
+            quote!(),
+            quote!(
+                fn f<W>(w: RolloutView<'_, W>) {}
+            ),
+        );
+        assert!(
+            generic.contains(
+                "fn f_exit < __LifecycleBackend : :: lifecycle_core :: __private :: Reshard >"
+            ),
+            "{generic}"
+        );
+    }
+
+    #[test]
+    fn errors_keep_the_item_without_weights_markers() {
+        let out = expand(
+            quote!(bogus = 1),
+            quote!(
+                fn f(#[weights] w: RolloutView<'_, Vec<f32>>) {}
+            ),
+        );
+        assert!(out.starts_with("fn f (w : RolloutView"), "{out}");
+        assert!(out.contains("compile_error"), "{out}");
+        assert!(!out.contains("__f_body"), "{out}");
+    }
+
+    #[test]
+    fn the_crate_argument_moves_every_runtime_path() {
+        let out = expand(
+            quote!(crate = "my::rt"),
+            quote!(
+                fn f(w: RolloutView<'_, Vec<f32>>) {}
+            ),
+        );
+        assert!(!out.contains("lifecycle_core"), "{out}");
+        assert!(out.contains("my :: rt :: __private :: Lifecycle"), "{out}");
+    }
+}

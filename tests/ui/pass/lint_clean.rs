@@ -1,4 +1,4 @@
-//! Generated items are warning-free and documented (even `_enter`/`_exit` never called); `crate = "..."`, `#[weights]`.
+//! Generated items are warning-free and documented; `crate = "..."` and `#[weights]` work.
 #![deny(warnings, missing_docs, unused)]
 
 use lifecycle_core::{sharded_rollout, Lifecycle, RolloutView};
@@ -10,7 +10,10 @@ pub use lifecycle_core as runtime;
 
 /// Public and generic, with a parameter named `lifecycle`.
 #[sharded_rollout(crate = "crate::runtime", switching = "lazy")]
-pub fn norm<W: AsRef<[f32]>, const P: usize>(#[weights] w: RolloutView<'_, W>, lifecycle: u8) -> f32 {
+pub fn norm<W: AsRef<[f32]>, const P: usize>(
+    #[weights] w: RolloutView<'_, W>,
+    lifecycle: u8,
+) -> f32 {
     let _ = lifecycle;
     w.as_ref().iter().map(|x| x.abs().powi(P as i32)).sum()
 }

@@ -23,7 +23,10 @@ impl<T: Copy + Into<f32>> Sampler<T> {
 
 fn main() -> LcResult {
     let mut lc = Lifecycle::new(Copying, vec![1.0, 4.0]);
-    let mut sampler = Sampler { temperature: 2u8, calls: 0 };
+    let mut sampler = Sampler {
+        temperature: 2u8,
+        calls: 0,
+    };
     assert_eq!(sampler.logit(&mut lc, 1)?, 2.0);
     assert_eq!(sampler.count(&mut lc)?, 2);
     assert_eq!(sampler.calls, 1);
