@@ -58,7 +58,7 @@ impl Default for DapoConfig {
                 vocab: 64,
                 hidden: 256,
                 ffn: 1024,
-                layers: 4,
+                layers: 2,
             },
             memory: MemoryPolicy::default(),
         }
@@ -159,26 +159,27 @@ pub fn generate(weights: RolloutView<'_, HostRollout>, job: &GenJob) -> Vec<Grou
     let groups: Vec<TpGroup<'_>> = (0..replicas)
         .map(|d| TpGroup::new(weights.ranks[d * job.tp..(d + 1) * job.tp].iter().collect(), job.policy))
         .collect();
-    let per_replica: Vec<Vec<Group>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = groups
-            .iter()
-            .enumerate()
-            .map(|(d, group)| {
+    // Every (prompt, sample) pair is one sequence; prompt i runs on replica i mod replicas, and the
+    // sequences are spread over the machine's cores (all threads read the same resident weights).
+    let work: Vec<(usize, u64, usize)> = job
+        .prompts
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &id)| (0..job.group_size).map(move |s| (i % replicas, id, s)))
+        .collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(work.len()).max(1);
+    let mut done: Vec<(u64, usize, Vec<usize>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let (work, groups) = (&work, &groups);
                 scope.spawn(move || {
-                    job.prompts
-                        .iter()
-                        .enumerate()
-                        .filter(|(i, _)| i % replicas == d)
-                        .map(|(_, &id)| {
-                            let (tokens, target) = prompt(id, job.policy.vocab);
-                            let samples: Vec<Vec<usize>> = (0..job.group_size)
-                                .map(|s| {
-                                    let mut rng = SplitMix64::from_keys(&[job.seed, id, s as u64]);
-                                    group.sample(&tokens, job.tokens, job.temperature, &mut rng)
-                                })
-                                .collect();
-                            let rewards = samples.iter().map(|s| reward(s, target)).collect();
-                            Group { prompt: id, samples, rewards }
+                    work.iter()
+                        .skip(t)
+                        .step_by(threads)
+                        .map(|&(replica, id, s)| {
+                            let (tokens, _) = prompt(id, job.policy.vocab);
+                            let mut rng = SplitMix64::from_keys(&[job.seed, id, s as u64]);
+                            (id, s, groups[replica].sample(&tokens, job.tokens, job.temperature, &mut rng))
                         })
                         .collect::<Vec<_>>()
                 })
@@ -186,12 +187,23 @@ pub fn generate(weights: RolloutView<'_, HostRollout>, job: &GenJob) -> Vec<Grou
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
             .collect()
     });
-    let mut out: Vec<Group> = per_replica.into_iter().flatten().collect();
-    out.sort_by_key(|g| g.prompt);
-    out
+    done.sort_by_key(|&(id, s, _)| (id, s));
+    job.prompts
+        .iter()
+        .map(|&id| {
+            let (_, target) = prompt(id, job.policy.vocab);
+            let samples: Vec<Vec<usize>> = done
+                .iter()
+                .filter(|(p, _, _)| *p == id)
+                .map(|(_, _, tokens)| tokens.clone())
+                .collect();
+            let rewards = samples.iter().map(|s| reward(s, target)).collect();
+            Group { prompt: id, samples, rewards }
+        })
+        .collect()
 }
 
 /// What one training step did.

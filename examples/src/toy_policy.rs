@@ -105,8 +105,26 @@ fn rms_norm(x: &[f32], w: &[bf16]) -> Vec<f32> {
 fn matvec_into(w: &[bf16], x: &[f32], out: &mut [f32]) {
     let cols = x.len();
     for (o, row) in out.iter_mut().zip(w.chunks_exact(cols)) {
-        *o = row.iter().zip(x).map(|(a, b)| a.to_f32() * b).sum();
+        *o = dot(row, x);
     }
+}
+
+/// Dot product with eight independent accumulators, so the compiler can vectorise it.
+fn dot(w: &[bf16], x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (wc, xc) = (w.chunks_exact(8), x.chunks_exact(8));
+    let tail: f32 = wc
+        .remainder()
+        .iter()
+        .zip(xc.remainder())
+        .map(|(a, b)| a.to_f32() * b)
+        .sum();
+    for (a, b) in wc.zip(xc) {
+        for i in 0..8 {
+            acc[i] += a[i].to_f32() * b[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }
 
 impl<'w> TpGroup<'w> {

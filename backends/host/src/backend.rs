@@ -1,8 +1,8 @@
 use half::bf16;
-use half::slice::HalfFloatSliceExt;
 use lifecycle_core::layout::{plan_fsdp_to_tp, RankPlan, ReshardPlan, RolloutLayout};
 use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
 
+use crate::cast::cast_f32_to_bf16;
 use crate::error::HostError;
 use crate::rollout::{HostRollout, RankRollout, RolloutTensor};
 use crate::state::{HostTrainState, RankState};
@@ -95,8 +95,10 @@ fn fill_rank(state: &HostTrainState, rank_plan: &RankPlan, out: &mut RankRollout
                 let s = (row - shard.rows.start) * width;
                 let d = t.dst_offset(row, piece.cols.start);
                 let n = piece.cols.len();
-                dst.data[d..d + n]
-                    .convert_from_f32_slice(&src[s + piece.cols.start..s + piece.cols.end]);
+                cast_f32_to_bf16(
+                    &src[s + piece.cols.start..s + piece.cols.end],
+                    &mut dst.data[d..d + n],
+                );
             }
             let bytes = (piece.numel() * 2) as u64;
             if piece.src_rank == rank_plan.rank {

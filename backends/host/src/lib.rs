@@ -10,12 +10,14 @@
 #![warn(missing_docs)]
 
 mod backend;
+mod cast;
 mod error;
 mod rollout;
 mod state;
 mod tensor;
 
 pub use backend::HostBackend;
+pub use cast::cast_f32_to_bf16;
 pub use error::HostError;
 pub use rollout::{reference_rollout, HostRollout, RankRollout, RolloutTensor};
 pub use state::{AdamParams, HostTrainState, MemoryMeter, ShardMut};
