@@ -668,7 +668,6 @@ impl Reshard for FsdpBackend {
                 operation: "entering rollout mode",
             });
         }
-        let start = Instant::now();
         let len = plan.roll_len as usize;
         let mut unit: Vec<()> = vec![(); self.pool.world()];
         // Rollout buffers first: an OOM here leaves the training state untouched.
@@ -677,6 +676,9 @@ impl Reshard for FsdpBackend {
             // the plan (the pieces tile every slice exactly) before the buffer is handed out.
             unsafe { alloc_device::<bf16>(&c.compute, len, c.rank, "rollout weights") }
         })?;
+        // The transfer phase's wall time starts after the rollout allocation (reported apart:
+        // enter's total includes it).
+        let start = Instant::now();
         let moved = self.transfer(plan, state, &mut rolls, ctx.memory)?;
         Self::record_transfer(ctx, &moved, start.elapsed());
         self.finish_offload(state, ctx)?;
