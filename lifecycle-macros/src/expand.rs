@@ -1,6 +1,6 @@
 //! Expansion: the hidden body, the lifecycle-taking entry point and the explicit enter / exit.
 
-use proc_macro2::{Span, TokenStream, TokenTree};
+use proc_macro2::{Group, Span, TokenStream, TokenTree};
 use quote::{format_ident, quote, quote_spanned, ToTokens};
 use syn::spanned::Spanned;
 use syn::{Attribute, FnArg, GenericParam, Ident, ItemFn, ReturnType};
@@ -77,10 +77,24 @@ fn expand(model: Model) -> TokenStream {
     let body_name = format_ident!("__{}_body", name);
     let enter_name = format_ident!("{}_enter", name);
     let exit_name = format_ident!("{}_exit", name);
+    // Locals of the entry point. Nothing written by the user is in scope there (its parameters
+    // are renamed), so plain names are safe; each use is located where a borrow error is best
+    // explained when the return type borrows the view through a hidden lifetime (`Iter<f32>`): the
+    // session at the view's type, its end and the returned value at the return type.
+    let name_span = sig.ident.span();
+    let (view_span, ret_span) = (
+        view_ty.span(),
+        match &sig.output {
+            ReturnType::Default => name_span,
+            ReturnType::Type(_, ty) => ty.span(),
+        },
+    );
+    let session_at = |span: Span| Ident::new("__session", Span::mixed_site().located_at(span));
+    let session = session_at(view_span);
+    let out = Ident::new("__out", Span::mixed_site().located_at(ret_span));
     let backend = Ident::new(BACKEND, Span::call_site());
     let private = quote!(#krate::__private);
     let error_ty = quote!(#private::LifecycleError<<#backend as #private::Reshard>::Error>);
-    let view_span = view_ty.span();
     let rollout_bound =
         quote_spanned!(view_span=> #backend: #private::Reshard<Rollout = #weights_ty>);
     let is_method = matches!(sig.inputs.first(), Some(FnArg::Receiver(_)));
@@ -97,8 +111,6 @@ fn expand(model: Model) -> TokenStream {
     };
 
     // The entry point's parameters and the body call's arguments.
-    let session = Ident::new("__session", Span::mixed_site());
-    let out = Ident::new("__out", Span::mixed_site());
     let mut params = Vec::new();
     let mut call_args = Vec::new();
     let mut receiver = None;
@@ -109,6 +121,7 @@ fn expand(model: Model) -> TokenStream {
                 call_args.push(r.self_token.to_token_stream());
             }
             FnArg::Typed(_) if index == weights_index => {
+                let session = session_at(view_span);
                 call_args.push(quote_spanned!(view_span=> #session.weights()));
             }
             FnArg::Typed(param) => {
@@ -148,18 +161,20 @@ fn expand(model: Model) -> TokenStream {
     } else {
         quote!(#body_name)
     };
-    let name_span = name.span();
     let dot_await = sig.asyncness.map(|_| quote!(.await));
     let call = quote_spanned!(name_span=> #callee #turbofish (#(#call_args),*) #dot_await);
 
-    let (output, ret_span) = match &sig.output {
-        ReturnType::Default => (quote!(()), name_span),
-        ReturnType::Type(_, ty) => (ty.to_token_stream(), ty.span()),
+    let output = match &sig.output {
+        ReturnType::Default => quote!(()),
+        ReturnType::Type(_, ty) => ty.to_token_stream(),
     };
-    let finish = match switching {
-        Switching::Inherit => quote_spanned!(ret_span=> #session.finish()?;),
-        Switching::Eager => quote_spanned!(ret_span=> #session.exit()?;),
-        Switching::Lazy => quote_spanned!(ret_span=> #private::finish_lazy(#session);),
+    let finish = {
+        let session = session_at(ret_span);
+        match switching {
+            Switching::Inherit => quote_spanned!(ret_span=> #session.finish()?;),
+            Switching::Eager => quote_spanned!(ret_span=> #session.exit()?;),
+            Switching::Lazy => quote_spanned!(ret_span=> #private::finish_lazy(#session);),
+        }
     };
 
     let entry_attrs = attrs.iter().filter(|a| forwarded_to_entry(a));
@@ -197,6 +212,16 @@ fn expand(model: Model) -> TokenStream {
     );
     let errors_doc = " A `LifecycleError` when planning, entering, refreshing or leaving rollout \
                       mode fails. The body's own return value, whatever it is, comes back in `Ok`.";
+    let lifecycle = Ident::new("lifecycle", Span::call_site());
+    let rollout = quote_spanned!(view_span=> #lifecycle.rollout()?);
+    let ok = respan(quote!(#private::Result::Ok), ret_span);
+    // The block at the return type: it is what a borrowing return value fails to outlive.
+    let entry_block = quote_spanned! {ret_span=> {
+        let #session = #rollout;
+        let #out = #call;
+        #finish
+        #ok(#out)
+    }};
     let asyncness = &sig.asyncness;
     let fn_token = &sig.fn_token;
     let entry = quote! {
@@ -216,12 +241,7 @@ fn expand(model: Model) -> TokenStream {
             #(#params),*
         ) -> #private::Result<#output, #error_ty>
         #where_clause
-        {
-            let #session = lifecycle.rollout()?;
-            let #out = #call;
-            #finish
-            #private::Result::Ok(#out)
-        }
+        #entry_block
     };
 
     // Explicit switches. They name `W` when it does not depend on the function's own generics.
@@ -284,6 +304,23 @@ fn expand(model: Model) -> TokenStream {
         #entry
         #switches
     }
+}
+
+/// `tokens` with every span located at `span` (hygiene unchanged).
+fn respan(tokens: TokenStream, span: Span) -> TokenStream {
+    tokens
+        .into_iter()
+        .map(|mut tt| {
+            if let TokenTree::Group(g) = &tt {
+                let mut group = Group::new(g.delimiter(), respan(g.stream(), span));
+                group.set_span(g.span().located_at(span));
+                tt = TokenTree::Group(group);
+            } else {
+                tt.set_span(tt.span().located_at(span));
+            }
+            tt
+        })
+        .collect()
 }
 
 /// Whether `tokens` contain one of `idents` (a type or const parameter, or a lifetime's name).
