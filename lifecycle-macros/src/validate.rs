@@ -23,9 +23,10 @@ const KNOWN_ARGS: &str =
     "`crate = \"path\"`, `weights = ident` or `switching = \"eager\" | \"lazy\" | \"inherit\"`";
 
 /// What a call does when the body returns.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub enum Switching {
     /// Apply the lifecycle's policy (`RolloutSession::finish`).
+    #[default]
     Inherit,
     /// Leave rollout mode after every call, whatever the lifecycle's policy.
     Eager,
@@ -71,6 +72,7 @@ impl Errors {
 }
 
 /// The attribute arguments, checked.
+#[derive(Default)]
 struct Args {
     krate: Option<Path>,
     weights: Option<Ident>,
@@ -84,11 +86,7 @@ pub fn validate(args: syn::Result<RawArgs>, input: Input) -> syn::Result<Model> 
         Ok(raw) => check_args(raw, &mut errors),
         Err(e) => {
             errors.push(e);
-            Args {
-                krate: None,
-                weights: None,
-                switching: Switching::Inherit,
-            }
+            Args::default()
         }
     };
     let mut func = match input {
@@ -138,11 +136,7 @@ pub fn strip_weights_attrs(func: &mut ItemFn) {
 }
 
 fn check_args(raw: RawArgs, errors: &mut Errors) -> Args {
-    let mut args = Args {
-        krate: None,
-        weights: None,
-        switching: Switching::Inherit,
-    };
+    let mut args = Args::default();
     let mut seen: Vec<Ident> = Vec::new();
     for RawArg { key, value } in raw.0 {
         let name = key.to_string();
@@ -694,6 +688,47 @@ mod tests {
                 quote!()
             };
             assert_eq!(errors(args, item.clone()), Vec::<String>::new(), "{item}");
+        }
+    }
+
+    #[test]
+    fn variadic_functions_are_rejected() {
+        let found = errors(
+            quote!(),
+            quote!(
+                fn f(w: RolloutView<'_, W>, ...) {}
+            ),
+        );
+        assert_eq!(found.len(), 1, "{found:#?}");
+        assert!(found[0].contains("variadic"), "{found:#?}");
+    }
+
+    #[test]
+    fn non_functions_are_named() {
+        for (item, kind) in [
+            (
+                quote!(
+                    enum E {}
+                ),
+                "an enum",
+            ),
+            (quote!(impl S {}), "an impl block"),
+            (
+                quote!(
+                    mod m {}
+                ),
+                "a module",
+            ),
+            (
+                quote!(
+                    trait T {}
+                ),
+                "a trait",
+            ),
+        ] {
+            let found = errors(quote!(), item);
+            assert_eq!(found.len(), 1, "{found:#?}");
+            assert!(found[0].ends_with(kind), "{found:#?}");
         }
     }
 
