@@ -1,0 +1,143 @@
+/// A Megatron or rollout layout inconsistency, found at plan time before any data moves. Every
+/// message names the parameter at fault and the fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MegatronLayoutError {
+    /// A model size or parallel degree of zero.
+    #[error("{what} must be at least 1, found 0")]
+    ZeroSize {
+        /// Which size or degree.
+        what: &'static str,
+    },
+    /// Attention heads do not split evenly into query groups.
+    #[error(
+        "attention heads = {heads} is not divisible by query groups (num_query_groups / kv heads) \
+         = {groups}: every query group must own the same number of q heads; pick query groups \
+         dividing {heads}"
+    )]
+    HeadsNotDivisibleByGroups {
+        /// Heads.
+        heads: usize,
+        /// Query groups.
+        groups: usize,
+    },
+    /// Neither the query groups nor the TP degree divides the other.
+    #[error(
+        "{side} tensor-parallel degree {tp} and query groups = {groups} do not divide one another: \
+         kv heads are split across TP ranks when TP divides the groups and replicated when the \
+         groups divide TP; choose a degree among {choices}"
+    )]
+    TpGroups {
+        /// `training TP` or `rollout T`.
+        side: &'static str,
+        /// The degree.
+        tp: usize,
+        /// Query groups.
+        groups: usize,
+        /// Degrees that would work, rendered.
+        choices: String,
+    },
+    /// A dimension split across TP ranks is not divisible by the degree.
+    #[error(
+        "{what} = {size} is not divisible by the {side} tensor-parallel degree {tp}: \
+         `{param}` is split {tp} ways; pick a degree dividing {size}"
+    )]
+    NotDivisible {
+        /// `training TP` or `rollout T`.
+        side: &'static str,
+        /// The dimension (`attention heads`, `ffn hidden size`, ...).
+        what: &'static str,
+        /// Its size.
+        size: usize,
+        /// The degree.
+        tp: usize,
+        /// A parameter split along it.
+        param: &'static str,
+    },
+    /// More pipeline stages than layers.
+    #[error(
+        "pipeline-parallel degree PP = {pp} exceeds the {layers} transformer layers: every stage \
+         must own at least one layer; use PP ≤ {layers}"
+    )]
+    PpExceedsLayers {
+        /// PP.
+        pp: usize,
+        /// Layers.
+        layers: usize,
+    },
+    /// The world size is not TP × PP × DP.
+    #[error(
+        "world size W = {world} is not TP × PP × DP = {tp} × {pp} × {dp} = {product}: \
+         set DP = W / (TP · PP) (W must be a multiple of TP · PP)"
+    )]
+    WorldMismatch {
+        /// W.
+        world: usize,
+        /// TP.
+        tp: usize,
+        /// PP.
+        pp: usize,
+        /// DP.
+        dp: usize,
+        /// TP · PP · DP.
+        product: usize,
+    },
+    /// The rollout TP degree does not divide the world size.
+    #[error(
+        "rollout tensor-parallel degree T = {t} does not divide the world size W = {world}: \
+         choose T among the divisors of {world} ({divisors})"
+    )]
+    RolloutTpNotDividingWorld {
+        /// T.
+        t: usize,
+        /// W.
+        world: usize,
+        /// The valid choices, rendered.
+        divisors: String,
+    },
+    /// A padded training vocabulary that contradicts the vocabulary or the TP degree.
+    #[error(
+        "padded vocab size {padded} of `embedding.word_embeddings.weight` is inconsistent: it must \
+         be at least the vocab size {vocab} and a multiple of TP = {tp} (Megatron pads {vocab} to \
+         {expected} = a multiple of make_vocab_size_divisible_by × TP); use {expected} or drop the \
+         override"
+    )]
+    PaddedVocab {
+        /// The padded size given.
+        padded: usize,
+        /// The unpadded vocabulary.
+        vocab: usize,
+        /// TP.
+        tp: usize,
+        /// What Megatron's rule gives.
+        expected: usize,
+    },
+    /// The rollout keeps the vocabulary unpadded but it does not split `T` ways.
+    #[error(
+        "vocab size {vocab} of `{param}` is not divisible by the rollout tensor-parallel degree \
+         T = {t}: ask the rollout layout to re-pad (`RolloutVocab::PadToMultipleOf`) or pick T \
+         dividing {vocab}"
+    )]
+    RolloutVocab {
+        /// The vocabulary.
+        vocab: usize,
+        /// `model.embed_tokens.weight` or `lm_head.weight`.
+        param: &'static str,
+        /// T.
+        t: usize,
+    },
+    /// A bucket budget that cannot hold one bf16 element.
+    #[error("bucket budget of {bytes} bytes cannot hold one bf16 element: use at least 2 bytes")]
+    BucketTooSmall {
+        /// The budget.
+        bytes: u64,
+    },
+}
+
+/// Divisors of `n`, rendered for messages.
+pub(crate) fn divisors(n: usize) -> String {
+    (1..=n)
+        .filter(|d| n.is_multiple_of(*d))
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}

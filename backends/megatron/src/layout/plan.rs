@@ -1,0 +1,385 @@
+//! The planner: per rollout rank, which element runs come from which training rank, in buckets.
+
+use std::ops::Range;
+
+use super::error::MegatronLayoutError;
+use super::rollout::{RolloutLayout, RolloutTensorSpec};
+use super::sources::{wants, Want};
+use super::train::MegatronLayout;
+
+/// Bucket settings of a plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketConfig {
+    /// The most bf16 bytes one destination rank receives from peers in one bucket (its staging
+    /// buffer). Transfers larger than this are split by rows, and rows by columns.
+    pub bucket_bytes: u64,
+}
+
+impl Default for BucketConfig {
+    /// 256 MB, as the FSDP backend.
+    fn default() -> Self {
+        BucketConfig {
+            bucket_bytes: 256 << 20,
+        }
+    }
+}
+
+/// A 2-D run of bf16 elements copied from one training rank's parameter buffer into one rollout
+/// slice: `rows` rows of `cols` elements, rows `src_pitch` apart at the source and `dst_pitch`
+/// apart in the slice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transfer {
+    /// Index of the rollout tensor ([`MegatronPlan::tensors`]).
+    pub tensor: usize,
+    /// The training rank read.
+    pub src_rank: usize,
+    /// Element offset in that rank's bf16 parameter buffer.
+    pub src_offset: usize,
+    /// Elements between row starts at the source.
+    pub src_pitch: usize,
+    /// Element offset in the destination slice.
+    pub dst_offset: usize,
+    /// Elements between row starts in the slice.
+    pub dst_pitch: usize,
+    /// Rows.
+    pub rows: usize,
+    /// Elements per row.
+    pub cols: usize,
+}
+
+impl Transfer {
+    /// Elements moved.
+    pub fn numel(&self) -> usize {
+        self.rows * self.cols
+    }
+
+    /// Bytes moved (bf16).
+    pub fn bytes(&self) -> u64 {
+        (self.numel() * 2) as u64
+    }
+}
+
+/// What one rollout rank builds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankPlan {
+    /// The rank.
+    pub rank: usize,
+    /// Its rollout TP rank (`rank mod T`).
+    pub tp_rank: usize,
+    /// Every copy, in rollout-tensor order.
+    pub transfers: Vec<Transfer>,
+    /// Consecutive ranges of `transfers`; each receives at most the bucket budget from peers.
+    pub buckets: Vec<Range<usize>>,
+}
+
+impl RankPlan {
+    /// Bytes received from other ranks.
+    pub fn remote_bytes(&self) -> u64 {
+        self.transfers
+            .iter()
+            .filter(|x| x.src_rank != self.rank)
+            .map(Transfer::bytes)
+            .sum()
+    }
+
+    /// Bytes copied from this rank's own buffer.
+    pub fn local_bytes(&self) -> u64 {
+        self.transfers
+            .iter()
+            .filter(|x| x.src_rank == self.rank)
+            .map(Transfer::bytes)
+            .sum()
+    }
+
+    /// Bytes bucket `k` receives from peers.
+    pub fn bucket_remote_bytes(&self, k: usize) -> u64 {
+        self.transfers[self.buckets[k].clone()]
+            .iter()
+            .filter(|x| x.src_rank != self.rank)
+            .map(Transfer::bytes)
+            .sum()
+    }
+}
+
+/// A validated plan from the Megatron training layout to the fused rollout layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MegatronPlan {
+    /// The training layout.
+    pub train: MegatronLayout,
+    /// The rollout layout.
+    pub rollout: RolloutLayout,
+    /// Rollout tensors, in rollout order (shapes of one rank's slice).
+    pub tensors: Vec<RolloutTensorSpec>,
+    /// One plan per rollout rank.
+    pub ranks: Vec<RankPlan>,
+    /// Settings used.
+    pub config: BucketConfig,
+}
+
+impl MegatronPlan {
+    /// Bytes crossing a device↔device link, summed over ranks.
+    pub fn remote_bytes(&self) -> u64 {
+        self.ranks.iter().map(RankPlan::remote_bytes).sum()
+    }
+
+    /// Bytes copied locally, summed over ranks.
+    pub fn local_bytes(&self) -> u64 {
+        self.ranks.iter().map(RankPlan::local_bytes).sum()
+    }
+}
+
+/// Plans the move from the Megatron training layout to the fused TP rollout layout.
+///
+/// Source choice: every run is read from the destination rank itself when it holds the bytes
+/// (its own stage and TP shard, or a replicated norm / kv head / tied-embedding copy); otherwise
+/// from one of the replicas holding them (every DP rank of the owning (stage, TP rank), every TP
+/// rank for replicated tensors, both copies of a tied embedding), taken round-robin by
+/// destination rank over the replicas sorted by rank, which spreads the sends over the DP
+/// replicas. Remote bytes are thus minimal: a byte crosses a link only when the destination holds
+/// no copy of it. Runs that continue one another in source and destination are merged.
+///
+/// ```
+/// use lifecycle_megatron::{ModelSpec, layout::*};
+/// let m = ModelSpec::tiny();
+/// let train = MegatronLayout::new(m, 2, 1, 2)?;
+/// let rollout = RolloutLayout::new(2, RolloutVocab::PadToMultipleOf(4));
+/// let plan = plan_megatron_to_tp(&train, &rollout, BucketConfig::default())?;
+/// assert_eq!(plan.remote_bytes(), 0); // T = TP, PP = 1: every rank holds its own slice
+/// # Ok::<(), MegatronLayoutError>(())
+/// ```
+pub fn plan_megatron_to_tp(
+    train: &MegatronLayout,
+    rollout: &RolloutLayout,
+    config: BucketConfig,
+) -> Result<MegatronPlan, MegatronLayoutError> {
+    if config.bucket_bytes < 2 {
+        return Err(MegatronLayoutError::BucketTooSmall {
+            bytes: config.bucket_bytes,
+        });
+    }
+    let world = train.world();
+    rollout.check_world(world)?;
+    let tensors = rollout.tensors(train.model())?;
+    let vocab_rows = rollout.vocab_rows(train.model())?;
+    let t_deg = rollout.tp;
+    let ranks = (0..world)
+        .map(|rank| {
+            let t = rank % t_deg;
+            let mut transfers: Vec<Transfer> = Vec::new();
+            for (i, spec) in tensors.iter().enumerate() {
+                for want in wants(train, spec, t_deg, vocab_rows, t) {
+                    let x = choose(train, rank, i, &want);
+                    match transfers.last_mut() {
+                        Some(prev) if continues(prev, &x) => prev.rows += x.rows,
+                        _ => transfers.push(x),
+                    }
+                }
+            }
+            let transfers = split_large(transfers, rank, config.bucket_bytes);
+            let buckets = bucketize(&transfers, rank, config.bucket_bytes);
+            RankPlan {
+                rank,
+                tp_rank: t,
+                transfers,
+                buckets,
+            }
+        })
+        .collect();
+    Ok(MegatronPlan {
+        train: train.clone(),
+        rollout: *rollout,
+        tensors,
+        ranks,
+        config,
+    })
+}
+
+/// Picks the source rank of a want (see [`plan_megatron_to_tp`]).
+fn choose(train: &MegatronLayout, rank: usize, tensor: usize, want: &Want) -> Transfer {
+    let mut candidates: Vec<(usize, usize)> = want
+        .locs
+        .iter()
+        .flat_map(|l| (0..train.dp()).map(move |d| (train.rank(l.tp, d, l.stage), l.offset)))
+        .collect();
+    candidates.sort_unstable();
+    let (src_rank, src_offset) = candidates
+        .iter()
+        .copied()
+        .find(|&(r, _)| r == rank)
+        .unwrap_or(candidates[rank % candidates.len()]);
+    Transfer {
+        tensor,
+        src_rank,
+        src_offset,
+        src_pitch: want.src_pitch,
+        dst_offset: want.dst_offset,
+        dst_pitch: want.dst_pitch,
+        rows: want.rows,
+        cols: want.cols,
+    }
+}
+
+/// Whether `next` continues `prev` row for row (same tensor, source, pitches and width).
+fn continues(prev: &Transfer, next: &Transfer) -> bool {
+    prev.tensor == next.tensor
+        && prev.src_rank == next.src_rank
+        && prev.cols == next.cols
+        && prev.src_pitch == next.src_pitch
+        && prev.dst_pitch == next.dst_pitch
+        && prev.src_offset + prev.rows * prev.src_pitch == next.src_offset
+        && prev.dst_offset + prev.rows * prev.dst_pitch == next.dst_offset
+}
+
+/// Splits remote transfers above the budget: by rows, and single rows by columns.
+fn split_large(transfers: Vec<Transfer>, rank: usize, budget: u64) -> Vec<Transfer> {
+    let max_elems = (budget / 2) as usize;
+    let mut out = Vec::with_capacity(transfers.len());
+    for x in transfers {
+        if x.src_rank == rank || x.numel() <= max_elems {
+            out.push(x);
+        } else if x.cols <= max_elems {
+            let per = max_elems / x.cols;
+            let mut r = 0;
+            while r < x.rows {
+                let n = per.min(x.rows - r);
+                out.push(Transfer {
+                    src_offset: x.src_offset + r * x.src_pitch,
+                    dst_offset: x.dst_offset + r * x.dst_pitch,
+                    rows: n,
+                    ..x
+                });
+                r += n;
+            }
+        } else {
+            for r in 0..x.rows {
+                let mut c = 0;
+                while c < x.cols {
+                    let n = max_elems.min(x.cols - c);
+                    out.push(Transfer {
+                        src_offset: x.src_offset + r * x.src_pitch + c,
+                        dst_offset: x.dst_offset + r * x.dst_pitch + c,
+                        rows: 1,
+                        cols: n,
+                        ..x
+                    });
+                    c += n;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Cuts the transfer list into buckets of at most `budget` remote bytes each.
+fn bucketize(transfers: &[Transfer], rank: usize, budget: u64) -> Vec<Range<usize>> {
+    let mut buckets = Vec::new();
+    let (mut start, mut bytes) = (0, 0u64);
+    for (i, x) in transfers.iter().enumerate() {
+        let b = if x.src_rank == rank { 0 } else { x.bytes() };
+        if bytes + b > budget && i > start {
+            buckets.push(start..i);
+            start = i;
+            bytes = 0;
+        }
+        bytes += b;
+    }
+    if start < transfers.len() {
+        buckets.push(start..transfers.len());
+    }
+    buckets
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::RolloutVocab;
+    use crate::model::ModelSpec;
+
+    /// Every element of every slice is written exactly once, except vocabulary padding rows.
+    fn check_coverage(plan: &MegatronPlan) {
+        let m = plan.train.model();
+        let vocab_rows = plan.rollout.vocab_rows(m).unwrap() / plan.rollout.tp;
+        for rp in &plan.ranks {
+            let mut seen: Vec<Vec<u8>> = plan.tensors.iter().map(|t| vec![0; t.numel()]).collect();
+            for x in &rp.transfers {
+                for r in 0..x.rows {
+                    for c in 0..x.cols {
+                        seen[x.tensor][x.dst_offset + r * x.dst_pitch + c] += 1;
+                    }
+                }
+            }
+            for (spec, s) in plan.tensors.iter().zip(&seen) {
+                let is_vocab =
+                    spec.name == "model.embed_tokens.weight" || spec.name == "lm_head.weight";
+                for (i, &n) in s.iter().enumerate() {
+                    let row = i / spec.cols().max(1);
+                    let padding = is_vocab && rp.tp_rank * vocab_rows + row >= m.vocab;
+                    assert_eq!(
+                        n,
+                        u8::from(!padding),
+                        "{} rank {} elem {i}",
+                        spec.name,
+                        rp.rank
+                    );
+                }
+            }
+            for k in 0..rp.buckets.len() {
+                assert!(rp.bucket_remote_bytes(k) <= plan.config.bucket_bytes);
+            }
+        }
+    }
+
+    #[test]
+    fn slices_are_covered_exactly_once() {
+        for (groups, tp, pp, dp, t, budget) in [
+            (2, 2, 1, 2, 4, 64),
+            (2, 4, 2, 1, 2, 1 << 20),
+            (8, 8, 1, 1, 1, 10),
+            (1, 2, 2, 2, 8, 3),
+            (2, 1, 2, 1, 2, 100),
+        ] {
+            let mut m = ModelSpec::tiny();
+            m.query_groups = groups;
+            let train = MegatronLayout::new(m, tp, pp, dp).unwrap();
+            let rollout = RolloutLayout::new(t, RolloutVocab::PadToMultipleOf(2));
+            let plan = plan_megatron_to_tp(
+                &train,
+                &rollout,
+                BucketConfig {
+                    bucket_bytes: budget,
+                },
+            )
+            .unwrap();
+            check_coverage(&plan);
+        }
+    }
+
+    #[test]
+    fn matching_tp_without_pipeline_moves_nothing_remote() {
+        // Same vocabulary padding on both sides: the vocab-parallel rows line up too.
+        let m = ModelSpec::tiny();
+        for tp in [1, 2, 4] {
+            let train = MegatronLayout::new(m, tp, 1, 2).unwrap();
+            let pad = RolloutVocab::PadToMultipleOf(m.make_vocab_size_divisible_by);
+            let rollout = RolloutLayout::new(tp, pad);
+            let plan = plan_megatron_to_tp(&train, &rollout, BucketConfig::default()).unwrap();
+            assert_eq!(plan.remote_bytes(), 0);
+        }
+    }
+
+    #[test]
+    fn tied_embedding_is_read_locally_from_the_last_stage_copy() {
+        let mut m = ModelSpec::tiny();
+        m.tied_embeddings = true;
+        let train = MegatronLayout::new(m, 1, 2, 1).unwrap();
+        let rollout = RolloutLayout::new(1, RolloutVocab::PadToMultipleOf(1));
+        let plan = plan_megatron_to_tp(&train, &rollout, BucketConfig::default()).unwrap();
+        // rank 1 is the last stage: it reads the embedding from its own output-layer copy.
+        let emb = plan.ranks[1]
+            .transfers
+            .iter()
+            .find(|x| x.tensor == 0)
+            .unwrap();
+        assert_eq!(emb.src_rank, 1);
+    }
+}
