@@ -7,7 +7,9 @@
 //! cargo run --release --example custom_backend
 //! ```
 
-use lifecycle_core::{sharded_rollout, Lifecycle, Link, Phase, Reshard, RolloutView, SwitchContext};
+use lifecycle_core::{
+    sharded_rollout, Lifecycle, Link, Phase, Reshard, RolloutView, SwitchContext,
+};
 
 /// Training state: named fp32 tensors.
 #[derive(Debug, Clone)]
@@ -30,7 +32,9 @@ impl Int8Weights {
 
 #[derive(Debug, thiserror::Error)]
 enum QuantError {
-    #[error("tensor `{0}` has a non-finite value at index {1}: int8 quantization needs finite weights")]
+    #[error(
+        "tensor `{0}` has a non-finite value at index {1}: int8 quantization needs finite weights"
+    )]
     NonFinite(String, usize),
     #[error("tensor `{0}` is empty")]
     Empty(String),
@@ -62,8 +66,15 @@ impl Reshard for Int8Backend {
             .collect()
     }
 
-    fn enter(&mut self, plan: &Vec<f32>, state: &mut Fp32Model, ctx: &mut SwitchContext<'_>) -> Result<Int8Weights, QuantError> {
-        let mut out = Int8Weights { tensors: Vec::new() };
+    fn enter(
+        &mut self,
+        plan: &Vec<f32>,
+        state: &mut Fp32Model,
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<Int8Weights, QuantError> {
+        let mut out = Int8Weights {
+            tensors: Vec::new(),
+        };
         self.refresh(plan, state, &mut out, ctx)?;
         Ok(out)
     }
@@ -82,14 +93,23 @@ impl Reshard for Int8Backend {
                 .zip(plan)
                 .map(|((name, v), &scale)| {
                     scope.add_bytes(Link::Local, v.len() as u64);
-                    (name.clone(), v.iter().map(|x| (x / scale).round() as i8).collect(), scale)
+                    (
+                        name.clone(),
+                        v.iter().map(|x| (x / scale).round() as i8).collect(),
+                        scale,
+                    )
                 })
                 .collect();
             Ok(())
         })
     }
 
-    fn exit(&mut self, _state: &mut Fp32Model, rollout: Option<Int8Weights>, ctx: &mut SwitchContext<'_>) -> Result<(), QuantError> {
+    fn exit(
+        &mut self,
+        _state: &mut Fp32Model,
+        rollout: Option<Int8Weights>,
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<(), QuantError> {
         ctx.rec.phase(Phase::Release, |_| {
             drop(rollout);
             Ok(())
@@ -105,7 +125,10 @@ fn score(weights: RolloutView<'_, Int8Weights>, name: &str) -> f32 {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let model = Fp32Model {
-        tensors: vec![("w".into(), vec![0.5, -1.0, 0.25, 2.0]), ("b".into(), vec![0.1; 4])],
+        tensors: vec![
+            ("w".into(), vec![0.5, -1.0, 0.25, 2.0]),
+            ("b".into(), vec![0.1; 4]),
+        ],
     };
     let mut lc = Lifecycle::new(Int8Backend, model);
     for call in 0..3 {
@@ -114,6 +137,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     lc.train()?.state_mut().tensors[0].1[3] = -2.0;
     println!("after update: score(w) = {:.4}", score(&mut lc, "w")?);
     println!("{}", lc.metrics().summary_line());
-    assert_eq!(lc.metrics().enters, 2, "3 calls on one version cost one enter");
+    assert_eq!(
+        lc.metrics().enters,
+        2,
+        "3 calls on one version cost one enter"
+    );
     Ok(())
 }

@@ -142,10 +142,22 @@ fn compare(lazy: &RunReport, eager: &RunReport) {
     println!("\n== lazy vs eager (same seed) ==");
     println!(
         "{:<6} {:>6} {:>11} {:>9} {:>6} {:>11} {:>12} {:>14} {:>10}",
-        "policy", "steps", "gen batches", "switches", "exits", "bytes", "switch time", "rollout phase", "total"
+        "policy",
+        "steps",
+        "gen batches",
+        "switches",
+        "exits",
+        "bytes",
+        "switch time",
+        "rollout phase",
+        "total"
     );
     for r in [lazy, eager] {
-        let name = if r.switching == Switching::Lazy { "lazy" } else { "eager" };
+        let name = if r.switching == Switching::Lazy {
+            "lazy"
+        } else {
+            "eager"
+        };
         println!(
             "{:<6} {:>6} {:>11} {:>9} {:>6} {:>11} {:>12} {:>14} {:>10}",
             name,
@@ -169,15 +181,31 @@ fn compare(lazy: &RunReport, eager: &RunReport) {
     );
     println!(
         "eager / lazy: switches {:.2}x, bytes {:.2}x, switch time {:.2}x, rollout phase {:.2}x",
-        ratio(eager.metrics.switches() as f64, lazy.metrics.switches() as f64),
-        ratio(eager.metrics.bytes().moved() as f64, lazy.metrics.bytes().moved() as f64),
-        ratio(eager.metrics.switch_time().as_secs_f64(), lazy.metrics.switch_time().as_secs_f64()),
-        ratio(eager.rollout_time().as_secs_f64(), lazy.rollout_time().as_secs_f64()),
+        ratio(
+            eager.metrics.switches() as f64,
+            lazy.metrics.switches() as f64
+        ),
+        ratio(
+            eager.metrics.bytes().moved() as f64,
+            lazy.metrics.bytes().moved() as f64
+        ),
+        ratio(
+            eager.metrics.switch_time().as_secs_f64(),
+            lazy.metrics.switch_time().as_secs_f64()
+        ),
+        ratio(
+            eager.rollout_time().as_secs_f64(),
+            lazy.rollout_time().as_secs_f64()
+        ),
     );
     let identical = lazy.groups == eager.groups;
     println!(
         "samples identical across policies: {}",
-        if identical { "yes" } else { "NO (a lifecycle bug: both must see the same weights)" }
+        if identical {
+            "yes"
+        } else {
+            "NO (a lifecycle bug: both must see the same weights)"
+        }
     );
 }
 

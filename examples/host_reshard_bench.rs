@@ -37,10 +37,22 @@ fn specs(params: usize, world: usize) -> Vec<TensorSpec> {
     let blocks = (params / (8 * h * h)).max(1);
     let mut s = Vec::new();
     for b in 0..blocks {
-        // odd row counts so shards are uneven
-        s.push(TensorSpec::new(format!("b{b}.up"), [4 * h * world + 0, h], Parallel::Column));
-        s.push(TensorSpec::new(format!("b{b}.down"), [h + 1, 4 * h * world], Parallel::Row));
-        s.push(TensorSpec::new(format!("b{b}.norm"), [h], Parallel::Replicated));
+        // h + 1 rows: shards are uneven
+        s.push(TensorSpec::new(
+            format!("b{b}.up"),
+            [4 * h * world, h],
+            Parallel::Column,
+        ));
+        s.push(TensorSpec::new(
+            format!("b{b}.down"),
+            [h + 1, 4 * h * world],
+            Parallel::Row,
+        ));
+        s.push(TensorSpec::new(
+            format!("b{b}.norm"),
+            [h],
+            Parallel::Replicated,
+        ));
     }
     s
 }
@@ -68,12 +80,20 @@ fn main() {
     println!(
         "host reshard benchmark: {params} params, W = {}, {} threads available",
         args.world,
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
     );
     let mut rng = SplitMix64::new(7);
     let tensors: Vec<HostTensor> = specs
         .iter()
-        .map(|s| HostTensor::f32(s.name.clone(), s.shape.clone(), (0..s.numel()).map(|_| rng.symmetric(1.0)).collect()))
+        .map(|s| {
+            HostTensor::f32(
+                s.name.clone(),
+                s.shape.clone(),
+                (0..s.numel()).map(|_| rng.symmetric(1.0)).collect(),
+            )
+        })
         .collect();
     let state = match HostTrainState::from_tensors(args.world, tensors) {
         Ok(s) => s,
@@ -92,7 +112,10 @@ fn main() {
             }
         };
         let config = LifecycleConfig {
-            memory: MemoryPolicy { keep_rollout_resident: true, ..MemoryPolicy::resident() },
+            memory: MemoryPolicy {
+                keep_rollout_resident: true,
+                ..MemoryPolicy::resident()
+            },
             ..Default::default()
         };
         let Some(s) = state.take() else { return };
@@ -125,7 +148,13 @@ fn main() {
                 enter = wall;
                 out_bytes = lc
                     .rollout()
-                    .map(|s| s.weights().ranks.iter().map(|r| r.bytes() as usize).collect())
+                    .map(|s| {
+                        s.weights()
+                            .ranks
+                            .iter()
+                            .map(|r| r.bytes() as usize)
+                            .collect()
+                    })
                     .unwrap_or_default();
             } else {
                 best = best.min(wall);

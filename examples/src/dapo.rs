@@ -135,7 +135,9 @@ pub struct GenJob {
 /// The prompt tokens and the verifiable target of prompt `id`.
 pub fn prompt(id: u64, vocab: usize) -> (Vec<usize>, usize) {
     let v = vocab as u64;
-    let tokens = (0..4).map(|k| ((id * 31 + k * 7 + 3) % v) as usize).collect();
+    let tokens = (0..4)
+        .map(|k| ((id * 31 + k * 7 + 3) % v) as usize)
+        .collect();
     (tokens, ((id * 13 + 5) % v) as usize)
 }
 
@@ -157,7 +159,12 @@ pub fn reward(sample: &[usize], target: usize) -> f32 {
 pub fn generate(weights: RolloutView<'_, HostRollout>, job: &GenJob) -> Vec<Group> {
     let replicas = weights.ranks.len() / job.tp;
     let groups: Vec<TpGroup<'_>> = (0..replicas)
-        .map(|d| TpGroup::new(weights.ranks[d * job.tp..(d + 1) * job.tp].iter().collect(), job.policy))
+        .map(|d| {
+            TpGroup::new(
+                weights.ranks[d * job.tp..(d + 1) * job.tp].iter().collect(),
+                job.policy,
+            )
+        })
         .collect();
     // Every (prompt, sample) pair is one sequence; prompt i runs on replica i mod replicas, and the
     // sequences are spread over the machine's cores (all threads read the same resident weights).
@@ -167,7 +174,10 @@ pub fn generate(weights: RolloutView<'_, HostRollout>, job: &GenJob) -> Vec<Grou
         .enumerate()
         .flat_map(|(i, &id)| (0..job.group_size).map(move |s| (i % replicas, id, s)))
         .collect();
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(work.len()).max(1);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(work.len())
+        .max(1);
     let mut done: Vec<(u64, usize, Vec<usize>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
             .map(|t| {
@@ -179,7 +189,16 @@ pub fn generate(weights: RolloutView<'_, HostRollout>, job: &GenJob) -> Vec<Grou
                         .map(|&(replica, id, s)| {
                             let (tokens, _) = prompt(id, job.policy.vocab);
                             let mut rng = SplitMix64::from_keys(&[job.seed, id, s as u64]);
-                            (id, s, groups[replica].sample(&tokens, job.tokens, job.temperature, &mut rng))
+                            (
+                                id,
+                                s,
+                                groups[replica].sample(
+                                    &tokens,
+                                    job.tokens,
+                                    job.temperature,
+                                    &mut rng,
+                                ),
+                            )
                         })
                         .collect::<Vec<_>>()
                 })
@@ -201,7 +220,11 @@ pub fn generate(weights: RolloutView<'_, HostRollout>, job: &GenJob) -> Vec<Grou
                 .map(|(_, _, tokens)| tokens.clone())
                 .collect();
             let rewards = samples.iter().map(|s| reward(s, target)).collect();
-            Group { prompt: id, samples, rewards }
+            Group {
+                prompt: id,
+                samples,
+                rewards,
+            }
         })
         .collect()
 }
@@ -267,17 +290,32 @@ pub fn validate(config: &DapoConfig) -> Result<(), DapoError> {
         (c.steps == 0, "--steps must be at least 1".to_string()),
         (c.world == 0, "--world must be at least 1".to_string()),
         (
-            c.tp == 0 || c.world % c.tp != 0,
+            c.tp == 0 || !c.world.is_multiple_of(c.tp),
             format!("--tp {} must divide --world {}", c.tp, c.world),
         ),
-        (c.group_size < 2, "--group-size must be at least 2 (DAPO compares rewards within a group)".to_string()),
-        (c.prompts_per_batch == 0, "--prompts-per-batch must be at least 1".to_string()),
-        (c.batch_groups == 0, "--batch-groups must be at least 1".to_string()),
-        (c.max_gen_batches == 0, "--max-gen-batches must be at least 1".to_string()),
+        (
+            c.group_size < 2,
+            "--group-size must be at least 2 (DAPO compares rewards within a group)".to_string(),
+        ),
+        (
+            c.prompts_per_batch == 0,
+            "--prompts-per-batch must be at least 1".to_string(),
+        ),
+        (
+            c.batch_groups == 0,
+            "--batch-groups must be at least 1".to_string(),
+        ),
+        (
+            c.max_gen_batches == 0,
+            "--max-gen-batches must be at least 1".to_string(),
+        ),
         (c.tokens == 0, "--tokens must be at least 1".to_string()),
         (
             !(c.temperature.is_finite() && c.temperature >= 0.0),
-            format!("--temperature must be a finite number ≥ 0, found {}", c.temperature),
+            format!(
+                "--temperature must be a finite number ≥ 0, found {}",
+                c.temperature
+            ),
         ),
     ];
     match checks.into_iter().find(|(bad, _)| *bad) {
@@ -359,7 +397,12 @@ pub fn run(
             let mut train = lc.train()?;
             let state = train.state_mut();
             state.for_each_shard_mut(|s| {
-                let mut rng = SplitMix64::from_keys(&[config.seed, step as u64, s.tensor as u64, s.rank as u64]);
+                let mut rng = SplitMix64::from_keys(&[
+                    config.seed,
+                    step as u64,
+                    s.tensor as u64,
+                    s.rank as u64,
+                ]);
                 for g in s.grad.iter_mut() {
                     *g = rng.symmetric(1.0) * (0.5 + signal);
                 }

@@ -30,7 +30,11 @@ impl PolicyConfig {
     /// Every tensor with its shape and rollout split.
     pub fn specs(&self) -> Vec<TensorSpec> {
         let (v, h, f) = (self.vocab, self.hidden, self.ffn);
-        let mut specs = vec![TensorSpec::new("model.embed_tokens.weight", [v, h], Parallel::Column)];
+        let mut specs = vec![TensorSpec::new(
+            "model.embed_tokens.weight",
+            [v, h],
+            Parallel::Column,
+        )];
         for l in 0..self.layers {
             specs.push(TensorSpec::new(
                 format!("model.layers.{l}.post_attention_layernorm.weight"),
@@ -48,7 +52,11 @@ impl PolicyConfig {
                 Parallel::Row,
             ));
         }
-        specs.push(TensorSpec::new("model.norm.weight", [h], Parallel::Replicated));
+        specs.push(TensorSpec::new(
+            "model.norm.weight",
+            [h],
+            Parallel::Replicated,
+        ));
         specs.push(TensorSpec::new("lm_head.weight", [v, h], Parallel::Column));
         specs
     }
@@ -70,7 +78,11 @@ impl PolicyConfig {
             .into_iter()
             .map(|s| {
                 let fan_in = *s.shape.last().unwrap_or(&1) as f32;
-                let scale = if s.name.contains("embed") { 1.0 } else { 1.7 / fan_in.sqrt() };
+                let scale = if s.name.contains("embed") {
+                    1.0
+                } else {
+                    1.7 / fan_in.sqrt()
+                };
                 let data = if s.shape.len() == 1 {
                     vec![1.0; s.numel()]
                 } else {
@@ -142,16 +154,34 @@ impl<'w> TpGroup<'w> {
         let owner = self.ranks[token / v_part];
         let row = token % v_part;
         let emb = &tensor(owner, "model.embed_tokens.weight")[row * c.hidden..(row + 1) * c.hidden];
-        let mut x: Vec<f32> = emb.iter().zip(state.iter()).map(|(e, s)| e.to_f32() + 0.5 * s).collect();
+        let mut x: Vec<f32> = emb
+            .iter()
+            .zip(state.iter())
+            .map(|(e, s)| e.to_f32() + 0.5 * s)
+            .collect();
         let mut u = vec![0.0f32; f_part];
         let mut y = vec![0.0f32; c.hidden];
         for l in 0..c.layers {
-            let norm = rms_norm(&x, tensor(self.ranks[0], &format!("model.layers.{l}.post_attention_layernorm.weight")));
+            let norm = rms_norm(
+                &x,
+                tensor(
+                    self.ranks[0],
+                    &format!("model.layers.{l}.post_attention_layernorm.weight"),
+                ),
+            );
             let mut sum = vec![0.0f32; c.hidden];
             for rank in &self.ranks {
-                matvec_into(tensor(rank, &format!("model.layers.{l}.mlp.up_proj.weight")), &norm, &mut u);
+                matvec_into(
+                    tensor(rank, &format!("model.layers.{l}.mlp.up_proj.weight")),
+                    &norm,
+                    &mut u,
+                );
                 u.iter_mut().for_each(|v| *v = v.max(0.0));
-                matvec_into(tensor(rank, &format!("model.layers.{l}.mlp.down_proj.weight")), &u, &mut y);
+                matvec_into(
+                    tensor(rank, &format!("model.layers.{l}.mlp.down_proj.weight")),
+                    &u,
+                    &mut y,
+                );
                 // all-reduce (sum) of the row-parallel partial outputs
                 sum.iter_mut().zip(&y).for_each(|(s, v)| *s += v);
             }
@@ -167,7 +197,13 @@ impl<'w> TpGroup<'w> {
     }
 
     /// Samples `len` tokens after `prompt` at `temperature` with `rng`.
-    pub fn sample(&self, prompt: &[usize], len: usize, temperature: f32, rng: &mut SplitMix64) -> Vec<usize> {
+    pub fn sample(
+        &self,
+        prompt: &[usize],
+        len: usize,
+        temperature: f32,
+        rng: &mut SplitMix64,
+    ) -> Vec<usize> {
         let mut state = vec![0.0f32; self.config.hidden];
         let mut logits = Vec::new();
         for &tok in prompt {
@@ -189,14 +225,23 @@ pub fn sample_logits(logits: &[f32], temperature: f32, rng: &mut SplitMix64) -> 
         logits
             .iter()
             .enumerate()
-            .fold((0, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best })
+            .fold((0, f32::NEG_INFINITY), |best, (i, &v)| {
+                if v > best.1 {
+                    (i, v)
+                } else {
+                    best
+                }
+            })
             .0
     };
     if temperature <= 0.0 {
         return argmax();
     }
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let weights: Vec<f32> = logits.iter().map(|l| ((l - max) / temperature).exp()).collect();
+    let weights: Vec<f32> = logits
+        .iter()
+        .map(|l| ((l - max) / temperature).exp())
+        .collect();
     let total: f32 = weights.iter().sum();
     let mut pick = rng.next_f32() * total;
     for (i, w) in weights.iter().enumerate() {

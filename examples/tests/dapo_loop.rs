@@ -3,8 +3,8 @@
 
 use lifecycle_core::{Lifecycle, MemoryPolicy, Switching};
 use lifecycle_examples::dapo::{generate, run, DapoConfig, DapoError, GenJob};
-use lifecycle_host::{HostBackend, HostTrainState};
 use lifecycle_examples::toy_policy::PolicyConfig;
+use lifecycle_host::{HostBackend, HostTrainState};
 
 fn small() -> DapoConfig {
     DapoConfig {
@@ -16,7 +16,12 @@ fn small() -> DapoConfig {
         batch_groups: 4,
         max_gen_batches: 32,
         tokens: 6,
-        policy: PolicyConfig { vocab: 32, hidden: 32, ffn: 64, layers: 2 },
+        policy: PolicyConfig {
+            vocab: 32,
+            hidden: 32,
+            ffn: 64,
+            layers: 2,
+        },
         ..DapoConfig::default()
     }
 }
@@ -26,16 +31,26 @@ fn lazy_costs_one_switch_per_step_and_eager_one_per_gen_batch() {
     let config = small();
     let lazy = run(&config, Switching::Lazy, |_| {}).unwrap();
     let eager = run(&config, Switching::Eager, |_| {}).unwrap();
-    assert!(lazy.gen_batches() > config.steps, "dynamic sampling needed extra gen batches");
+    assert!(
+        lazy.gen_batches() > config.steps,
+        "dynamic sampling needed extra gen batches"
+    );
     for s in &lazy.steps {
-        assert_eq!(s.switches, 1, "lazy step {}: {} gen batches", s.step, s.gen_batches);
+        assert_eq!(
+            s.switches, 1,
+            "lazy step {}: {} gen batches",
+            s.step, s.gen_batches
+        );
         assert_eq!(s.exits, 1);
     }
     for s in &eager.steps {
         assert_eq!(s.switches as usize, s.gen_batches);
         assert_eq!(s.exits as usize, s.gen_batches);
     }
-    assert_eq!(lazy.groups, eager.groups, "both policies must sample from the same weights");
+    assert_eq!(
+        lazy.groups, eager.groups,
+        "both policies must sample from the same weights"
+    );
     assert!(eager.metrics.bytes().moved() > lazy.metrics.bytes().moved());
 }
 
@@ -74,7 +89,14 @@ fn an_unfillable_batch_is_a_clear_error() {
     config.max_gen_batches = 1;
     config.batch_groups = 50;
     let err = run(&config, Switching::Lazy, |_| {}).unwrap_err();
-    assert!(matches!(err, DapoError::BatchNotFilled { step: 1, gen_batches: 1, .. }));
+    assert!(matches!(
+        err,
+        DapoError::BatchNotFilled {
+            step: 1,
+            gen_batches: 1,
+            ..
+        }
+    ));
     assert!(err.to_string().contains("--max-gen-batches"), "{err}");
 }
 
@@ -83,9 +105,15 @@ fn bad_settings_are_rejected_before_anything_runs() {
     let mut config = small();
     config.tp = 3;
     let err = run(&config, Switching::Lazy, |_| {}).unwrap_err();
-    assert!(err.to_string().contains("--tp 3 must divide --world 2"), "{err}");
+    assert!(
+        err.to_string().contains("--tp 3 must divide --world 2"),
+        "{err}"
+    );
     let mut config = small();
-    config.memory = MemoryPolicy { keep_rollout_resident: true, ..MemoryPolicy::default() };
+    config.memory = MemoryPolicy {
+        keep_rollout_resident: true,
+        ..MemoryPolicy::default()
+    };
     let err = run(&config, Switching::Lazy, |_| {}).unwrap_err();
     assert!(err.to_string().contains("keep_rollout_resident"), "{err}");
 }

@@ -262,7 +262,7 @@ mod tests {
         for world in [1, 2, 3, 4, 8] {
             for tp in (1..=world).filter(|t| world % t == 0) {
                 let specs = vec![
-                    TensorSpec::new("col", [8 * tp + 0, 3], Parallel::Column),
+                    TensorSpec::new("col", [8 * tp, 3], Parallel::Column),
                     TensorSpec::new("row", [7, 2 * tp], Parallel::Row),
                     TensorSpec::new("rep", [5], Parallel::Replicated),
                     TensorSpec::new("col3d", [tp, 3, 2], Parallel::Column),

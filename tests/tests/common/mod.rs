@@ -25,7 +25,7 @@ pub fn values(seed: u64, n: usize) -> Vec<f32> {
 /// but (for most `W`) not of `W`, and one tensor has fewer rows than some `W`.
 pub fn specs(tp: usize) -> Vec<TensorSpec> {
     vec![
-        TensorSpec::new("embed", [10 * tp + 0, 6], Parallel::Column),
+        TensorSpec::new("embed", [10 * tp, 6], Parallel::Column),
         TensorSpec::new("q", [3 * tp, 7], Parallel::Column),
         TensorSpec::new("q.bias", [3 * tp], Parallel::Column),
         TensorSpec::new("o", [7, 5 * tp], Parallel::Row),
