@@ -396,6 +396,14 @@ impl FsdpBackend {
         Ok(out)
     }
 
+    /// Gives the device memory cached by each rank's stream-ordered pool (freed rollout weights,
+    /// offloaded training state) back to the driver, e.g. before another process allocates a KV
+    /// cache. The pools keep freed memory mapped by default, so switches reuse it.
+    pub fn trim_device_memory(&self) -> Result<(), FsdpError> {
+        self.pool.run(&|ctx| ctx.trim_pool())?;
+        Ok(())
+    }
+
     fn entries(plan: &FsdpPlan) -> Vec<RolloutEntry> {
         plan.core
             .ranks
@@ -619,6 +627,42 @@ fn run_buckets(
             }
             let end =
                 cudarc::nccl::group_end().map_err(|e| CudaError::nccl(rank, "ncclGroupEnd", e));
+            res?;
+            end?;
+        }
+        if !b.gathers.is_empty() {
+            if b.sends.is_empty() && b.recvs.is_empty() {
+                ev.record(&ctx.compute)
+                    .map_err(ctx.drv("recording an event", 0))?;
+                nccl.wait(&ev).map_err(ctx.drv("waiting on an event", 0))?;
+            }
+            let w = ctx.world as u64;
+            // SAFETY: an alias of the rollout buffer (same pointer and length) so the in-place
+            // all-gather can name its send part (inside the receive range), which NCCL supports
+            // when sendbuff == recvbuff + rank * count. It is leaked (not freed) right after the
+            // group; the real buffer outlives the synchronisation below.
+            let alias: CudaSlice<bf16> = unsafe {
+                ctx.compute
+                    .upgrade_device_ptr(rbase, plan.roll_len as usize)
+            };
+            let start =
+                cudarc::nccl::group_start().map_err(|e| CudaError::nccl(rank, "ncclGroupStart", e));
+            let mut res = start;
+            if res.is_ok() {
+                for g in &b.gathers {
+                    moved.recv += (w - 1) * g.count * 2;
+                    let mine = (g.off + rank as u64 * g.count) as usize;
+                    let send = alias.slice(mine..mine + g.count as usize);
+                    let mut recv = roll.slice_mut(g.off as usize..(g.off + w * g.count) as usize);
+                    if let Err(e) = ctx.comm.all_gather(&send, &mut recv) {
+                        res = Err(CudaError::nccl(rank, "ncclAllGather", e));
+                        break;
+                    }
+                }
+            }
+            let end =
+                cudarc::nccl::group_end().map_err(|e| CudaError::nccl(rank, "ncclGroupEnd", e));
+            alias.leak();
             res?;
             end?;
         }

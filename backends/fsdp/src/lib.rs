@@ -30,5 +30,5 @@ mod state;
 
 pub use backend::{FsdpBackend, FsdpRollout, RolloutEntry};
 pub use error::FsdpError;
-pub use plan::{BucketConfig, FsdpPlan};
+pub use plan::{BucketConfig, FsdpPlan, GatherMode};
 pub use state::{FsdpTrainState, RankDump, RankTrain};

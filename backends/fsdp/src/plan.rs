@@ -122,6 +122,27 @@ pub struct RecvOp {
     pub count: u64,
 }
 
+/// An in-place all-gather of one tensor straight into the rollout buffer (T = 1 only): rank `r`
+/// contributes `count` elements at `off + r · count`, every rank ends with `W · count` at `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GatherOp {
+    /// Element offset of the tensor (padded to `W · ⌈rows / W⌉` rows) in the rollout buffer.
+    pub off: u64,
+    /// Elements each rank contributes (`⌈rows / W⌉ · cols`).
+    pub count: u64,
+}
+
+/// How bytes cross between ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GatherMode {
+    /// Grouped NCCL sends and receives of exactly the pieces each rank needs (any T).
+    #[default]
+    SendRecv,
+    /// For T = 1: grouped in-place NCCL all-gathers, one per tensor, straight into the rollout
+    /// buffers (tensors padded to `W · ⌈rows / W⌉` rows there). Other T fall back to `SendRecv`.
+    AllGather,
+}
+
 /// What one rank does in one bucket.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct BucketOps {
@@ -133,6 +154,8 @@ pub struct BucketOps {
     pub recvs: Vec<RecvOp>,
     /// Staging elements used.
     pub staging_elems: u64,
+    /// In-place all-gathers (the same list on every rank; [`GatherMode::AllGather`] only).
+    pub gathers: Vec<GatherOp>,
 }
 
 /// Transfer settings.
@@ -142,14 +165,17 @@ pub struct BucketConfig {
     pub bucket_bytes: u64,
     /// Buckets in flight (staging slots); at least 2 so NCCL overlaps the next bucket's casts.
     pub in_flight: usize,
+    /// How bytes cross between ranks.
+    pub mode: GatherMode,
 }
 
 impl Default for BucketConfig {
-    /// 256 MB buckets, 2 in flight.
+    /// 256 MiB buckets, 2 in flight, grouped sends and receives.
     fn default() -> Self {
         BucketConfig {
             bucket_bytes: 256 << 20,
             in_flight: 2,
+            mode: GatherMode::SendRecv,
         }
     }
 }
@@ -181,10 +207,13 @@ impl FsdpPlan {
 
     /// bf16 bytes rank `r` receives from peers.
     pub fn recv_bytes(&self, r: usize) -> u64 {
+        let w = self.core.world as u64;
         self.ranks[r]
             .iter()
-            .flat_map(|b| &b.recvs)
-            .map(|x| x.count * 2)
+            .map(|b| {
+                b.recvs.iter().map(|x| x.count * 2).sum::<u64>()
+                    + b.gathers.iter().map(|g| (w - 1) * g.count * 2).sum::<u64>()
+            })
             .sum()
     }
 
@@ -222,8 +251,67 @@ struct Item {
     rows: std::ops::Range<usize>,
 }
 
+/// The T = 1 all-gather plan: per bucket of whole tensors, each rank casts its padded shard into
+/// its part of the (padded) tensor in the rollout buffer, then one grouped in-place all-gather per
+/// tensor fills the rest.
+fn build_gather_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -> FsdpPlan {
+    let world = core.world;
+    let shards = ShardLayout::new(train);
+    let w = world as u64;
+    let mut roll_offsets = Vec::with_capacity(core.tensors.len());
+    let mut off = 0u64;
+    let mut ranks: Vec<Vec<BucketOps>> = vec![Vec::new(); world];
+    let mut cur: Vec<BucketOps> = vec![BucketOps::default(); world];
+    let mut fill = 0u64;
+    for t in &core.ranks[0].tensors {
+        let slot = &shards.slots[t.train_index];
+        let count = (slot.padded_rows * slot.cols) as u64;
+        let bytes = 2 * w * count;
+        if fill > 0 && fill + bytes > config.bucket_bytes {
+            for (r, b) in cur.iter_mut().enumerate() {
+                ranks[r].push(std::mem::take(b));
+            }
+            fill = 0;
+        }
+        fill += bytes;
+        roll_offsets.push(off);
+        for (r, b) in cur.iter_mut().enumerate() {
+            b.casts.push(CastOp {
+                src_off: slot.offset,
+                dst: Buf::Rollout,
+                dst_off: off + r as u64 * count,
+                region: Region2d {
+                    rows: slot.padded_rows as u64,
+                    cols: slot.cols as u64,
+                    src_ld: slot.cols as u64,
+                    dst_ld: slot.cols as u64,
+                },
+            });
+            b.gathers.push(GatherOp { off, count });
+        }
+        off = align(off + w * count);
+    }
+    if fill > 0 {
+        for (r, b) in cur.iter_mut().enumerate() {
+            ranks[r].push(std::mem::take(b));
+        }
+    }
+    FsdpPlan {
+        core,
+        shards,
+        roll_offsets,
+        roll_len: off.max(ALIGN_ELEMS),
+        ranks,
+        slot_elems: 0,
+        config,
+    }
+}
+
 /// Builds the executable plan from a validated core plan.
 pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -> FsdpPlan {
+    if config.mode == GatherMode::AllGather && core.tp == 1 && core.world > 1 {
+        return build_gather_plan(core, train, config);
+    }
     let world = core.world;
     let shards = ShardLayout::new(train);
     let mut roll_offsets = Vec::with_capacity(core.tensors.len());

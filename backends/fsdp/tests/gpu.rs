@@ -8,7 +8,7 @@ use std::sync::Arc;
 use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
 use lifecycle_core::{Lifecycle, LifecycleConfig, LifecycleError, MemoryPolicy, Switching};
 use lifecycle_cuda::{device_count, CudaError, RankExecutor, ThreadRankPool};
-use lifecycle_fsdp::{BucketConfig, FsdpBackend, FsdpError};
+use lifecycle_fsdp::{BucketConfig, FsdpBackend, FsdpError, GatherMode};
 use lifecycle_host::{reference_rollout, HostBackend, HostRollout, HostTensor, HostTrainState};
 
 type Res = Result<(), Box<dyn std::error::Error>>;
@@ -157,6 +157,22 @@ fn rollout_bit_identical_w2_t1() -> Res {
         BucketConfig {
             bucket_bytes: 1 << 20,
             in_flight: 2,
+            ..Default::default()
+        },
+    )?;
+    let gather = BucketConfig {
+        bucket_bytes: 1 << 20,
+        in_flight: 2,
+        mode: GatherMode::AllGather,
+    };
+    check_bits(2, 1, MemoryPolicy::default(), gather)?;
+    check_bits(
+        2,
+        1,
+        MemoryPolicy::resident(),
+        BucketConfig {
+            mode: GatherMode::AllGather,
+            ..Default::default()
         },
     )
 }
@@ -175,6 +191,7 @@ fn rollout_bit_identical_w2_t2() -> Res {
         BucketConfig {
             bucket_bytes: 1 << 20,
             in_flight: 2,
+            ..Default::default()
         },
     )?;
     check_bits(
@@ -184,6 +201,7 @@ fn rollout_bit_identical_w2_t2() -> Res {
         BucketConfig {
             bucket_bytes: 1 << 20,
             in_flight: 3,
+            ..Default::default()
         },
     )
 }
@@ -204,6 +222,7 @@ fn offload_reload_round_trip_bit_exact_100_cycles() -> Res {
     let backend = FsdpBackend::new(pool, layout).with_config(BucketConfig {
         bucket_bytes: 1 << 20,
         in_flight: 2,
+        ..Default::default()
     })?;
     let tensors: Vec<(String, Vec<usize>)> = specs
         .iter()

@@ -3,7 +3,7 @@
 
 use half::bf16;
 use lifecycle_core::layout::{plan_fsdp_to_tp, FsdpLayout, Parallel, RolloutLayout, TensorSpec};
-use lifecycle_fsdp::plan::{build_plan, BucketConfig, Buf, FsdpPlan, ShardLayout};
+use lifecycle_fsdp::plan::{build_plan, BucketConfig, Buf, FsdpPlan, GatherMode, ShardLayout};
 use lifecycle_host::{reference_rollout, HostTensor, HostTrainState};
 
 fn specs(tp: usize) -> Vec<TensorSpec> {
@@ -74,6 +74,24 @@ fn simulate(plan: &FsdpPlan, state: &HostTrainState) -> Vec<Vec<bf16>> {
                 }
             }
         }
+        // In-place all-gathers: every rank's part lands on every other rank.
+        for g in &plan.ranks[0][k].gathers {
+            for r in 1..world {
+                assert_eq!(
+                    plan.ranks[r][k].gathers.iter().find(|x| x.off == g.off),
+                    Some(g)
+                );
+            }
+            for src in 0..world {
+                let at = (g.off + src as u64 * g.count) as usize;
+                let part = rolls[src][at..at + g.count as usize].to_vec();
+                for (dst, roll) in rolls.iter_mut().enumerate() {
+                    if dst != src {
+                        roll[at..at + g.count as usize].copy_from_slice(&part);
+                    }
+                }
+            }
+        }
         // Match sends and receives per (src, dst) pair in order.
         for src in 0..world {
             for dst in 0..world {
@@ -107,7 +125,7 @@ fn simulate(plan: &FsdpPlan, state: &HostTrainState) -> Vec<Vec<bf16>> {
     rolls
 }
 
-fn check(world: usize, tp: usize, bucket_bytes: u64) {
+fn check(world: usize, tp: usize, bucket_bytes: u64, mode: GatherMode) {
     let specs = specs(tp);
     let state = host_state(world, &specs);
     let layout = RolloutLayout::new(tp, specs.clone()).expect("layout");
@@ -118,6 +136,7 @@ fn check(world: usize, tp: usize, bucket_bytes: u64) {
         BucketConfig {
             bucket_bytes,
             in_flight: 2,
+            mode,
         },
     );
     let reference = reference_rollout(&state, &layout).expect("reference");
@@ -139,6 +158,9 @@ fn check(world: usize, tp: usize, bucket_bytes: u64) {
             assert_eq!(plan.slot_elems, 0, "T = 1 needs no staging");
         }
     }
+    if mode == GatherMode::AllGather && tp == 1 {
+        return;
+    }
     // Every rank receives exactly the remote bytes of the core plan.
     for r in 0..world {
         assert_eq!(
@@ -154,7 +176,8 @@ fn plan_matches_reference_for_every_w_t_and_budget() {
         for tp in (1..=world).filter(|t| world % t == 0) {
             // Tiny budgets force chunking of pieces and many buckets.
             for budget in [16, 40, 128, 1 << 20] {
-                check(world, tp, budget);
+                check(world, tp, budget, GatherMode::SendRecv);
+                check(world, tp, budget, GatherMode::AllGather);
             }
         }
     }
