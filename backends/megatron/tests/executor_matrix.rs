@@ -1,0 +1,119 @@
+//! The host executor against the independent reference over the layout matrix:
+//! TP ∈ {1, 2, 4, 8}, PP ∈ {1, 2, 4}, DP ∈ {1, 2} (W ≤ 16), T ∈ {1, 2, 4, 8} dividing W,
+//! query groups ∈ {1, 2, 8}, tied and untied embeddings, vocab 37 (not a multiple of the padding).
+
+mod common;
+
+use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Switching};
+use lifecycle_host::{AdamParams, HostRollout, HostTensor};
+use lifecycle_megatron::layout::{BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab};
+use lifecycle_megatron::{reference_rollout, MegatronHostBackend, MegatronTrainState, ModelSpec};
+
+fn assert_same(case: &str, got: &HostRollout, want: &HostRollout) {
+    if let Some((rank, name)) = got.first_difference(want) {
+        panic!("{case}: rank {rank} tensor `{name}` differs from the reference");
+    }
+}
+
+fn grads(model: &ModelSpec, seed: u64) -> Vec<HostTensor> {
+    common::hf_tensors(model, seed)
+}
+
+/// Enter, compare; train (one Adam step), re-enter or refresh, compare; exit; check memory.
+fn run_case(model: ModelSpec, tp: usize, pp: usize, dp: usize, t: usize, case_no: usize) {
+    let layout = MegatronLayout::new(model, tp, pp, dp).unwrap();
+    let state = MegatronTrainState::from_hf(layout, common::hf_tensors(&model, 7)).unwrap();
+    let start_mem: Vec<u64> = (0..state.world())
+        .map(|r| state.memory(r).unwrap().current)
+        .collect();
+    // Vary the rollout vocabulary, the bucket budget and the memory policy across cases.
+    let vocab = RolloutVocab::PadToMultipleOf([1, 4, 3][case_no % 3]);
+    let rollout = RolloutLayout::new(t, vocab);
+    let budget = [64, 1 << 20, 6][case_no % 3];
+    let backend = MegatronHostBackend::new(rollout)
+        .with_config(BucketConfig {
+            bucket_bytes: budget,
+        })
+        .unwrap();
+    let memory = if case_no.is_multiple_of(2) {
+        MemoryPolicy::default()
+    } else {
+        MemoryPolicy {
+            offload_params: false,
+            offload_optimizer: false,
+            keep_rollout_resident: true,
+        }
+    };
+    let config = LifecycleConfig {
+        switching: Switching::Lazy,
+        memory,
+    };
+    let case = format!(
+        "groups {} tied {} TP {tp} PP {pp} DP {dp} T {t} vocab {vocab:?} budget {budget}",
+        model.query_groups, model.tied_embeddings
+    );
+    let mut lc = Lifecycle::with_config(backend, state, config).unwrap();
+    let rollout_now = |lc: &mut Lifecycle<MegatronHostBackend>| -> HostRollout {
+        let session = lc.rollout().unwrap();
+        let got = session.weights().get().clone();
+        session.finish().unwrap();
+        got
+    };
+    let got = rollout_now(&mut lc);
+    let want = reference_rollout(lc.peek_state(), &rollout).unwrap();
+    assert_same(&case, &got, &want);
+
+    // One optimizer step changes every weight; the next rollout must follow it.
+    {
+        let mut train = lc.train().unwrap();
+        let state = train.state_mut();
+        state.set_grads_from_hf(grads(&model, 11)).unwrap();
+        state.adam_step(AdamParams::default()).unwrap();
+    }
+    let got2 = rollout_now(&mut lc);
+    let want2 = reference_rollout(lc.peek_state(), &rollout).unwrap();
+    assert_same(&format!("{case} after a step"), &got2, &want2);
+    assert!(
+        got2.first_difference(&got).is_some(),
+        "{case}: the step changed nothing"
+    );
+    let metrics = lc.metrics().clone();
+    assert_eq!(metrics.switches(), 2, "{case}");
+    if memory.keep_rollout_resident {
+        assert_eq!(metrics.refreshes, 1, "{case}");
+    }
+    lc.exit().unwrap();
+    let state = lc.peek_state();
+    for (r, &m) in start_mem.iter().enumerate() {
+        assert_eq!(
+            state.memory(r).unwrap().current,
+            m,
+            "{case}: rank {r} memory"
+        );
+    }
+    assert!(!state.is_offloaded());
+}
+
+#[test]
+fn executor_matches_reference_over_the_matrix() {
+    let mut case_no = 0;
+    for tp in [1, 2, 4, 8] {
+        for pp in [1, 2, 4] {
+            for dp in [1, 2] {
+                let world = tp * pp * dp;
+                if world > 16 {
+                    continue;
+                }
+                for t in [1, 2, 4, 8].into_iter().filter(|t| world % t == 0) {
+                    for groups in [1, 2, 8] {
+                        for tied in [false, true] {
+                            run_case(common::model(groups, tied), tp, pp, dp, t, case_no);
+                            case_no += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(case_no > 300, "{case_no} cases");
+}
