@@ -64,6 +64,12 @@ pub enum MegatronError {
         /// What was attempted.
         operation: &'static str,
     },
+    /// A training state whose buffers contradict its own layout (a bug, not a user error).
+    #[error("training state is inconsistent with its layout: {what}")]
+    Inconsistent {
+        /// What was found.
+        what: String,
+    },
     /// A plan made for another training layout.
     #[error("the plan was made for another training layout than the state's: plan again from this state")]
     PlanMismatch,

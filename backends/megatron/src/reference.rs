@@ -48,12 +48,16 @@ pub fn rebuild_hf_tensors(state: &MegatronTrainState) -> Result<Vec<FullTensor>,
     let buffer = |stage: usize, tp: usize| -> Result<&[bf16], MegatronError> {
         state
             .params_anywhere(l.rank(tp, 0, stage))
-            .ok_or(MegatronError::PlanMismatch)
+            .ok_or_else(|| MegatronError::Inconsistent {
+                what: format!("no rank for stage {stage}, TP rank {tp}"),
+            })
     };
     let part = |stage: usize, tp: usize, kind: ParamKind, layer: Option<usize>| {
         let slot = l
             .slot(stage, kind, layer)
-            .ok_or(MegatronError::PlanMismatch)?;
+            .ok_or_else(|| MegatronError::Inconsistent {
+                what: format!("no {kind:?} parameter (layer {layer:?}) on stage {stage}"),
+            })?;
         Ok::<_, MegatronError>(&buffer(stage, tp)?[slot.offset..slot.offset + slot.numel()])
     };
     let mut out = Vec::new();

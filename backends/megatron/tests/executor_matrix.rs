@@ -4,10 +4,14 @@
 
 mod common;
 
-use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Switching};
+use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Phase, Switching};
 use lifecycle_host::{AdamParams, HostRollout, HostTensor};
-use lifecycle_megatron::layout::{BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab};
-use lifecycle_megatron::{reference_rollout, MegatronHostBackend, MegatronTrainState, ModelSpec};
+use lifecycle_megatron::layout::{
+    plan_megatron_to_tp, BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab,
+};
+use lifecycle_megatron::{
+    rebuild_hf_tensors, reference_rollout, MegatronHostBackend, MegatronTrainState, ModelSpec,
+};
 
 fn assert_same(case: &str, got: &HostRollout, want: &HostRollout) {
     if let Some((rank, name)) = got.first_difference(want) {
@@ -22,7 +26,26 @@ fn grads(model: &ModelSpec, seed: u64) -> Vec<HostTensor> {
 /// Enter, compare; train (one Adam step), re-enter or refresh, compare; exit; check memory.
 fn run_case(model: ModelSpec, tp: usize, pp: usize, dp: usize, t: usize, case_no: usize) {
     let layout = MegatronLayout::new(model, tp, pp, dp).unwrap();
-    let state = MegatronTrainState::from_hf(layout, common::hf_tensors(&model, 7)).unwrap();
+    let inputs = common::hf_tensors(&model, 7);
+    let state = MegatronTrainState::from_hf(layout, inputs.clone()).unwrap();
+    // Round trip: sharding then rebuilding gives the inputs rounded to bf16.
+    let rebuilt = rebuild_hf_tensors(&state).unwrap();
+    assert_eq!(rebuilt.len(), inputs.len());
+    for (r, i) in rebuilt.iter().zip(&inputs) {
+        let want: Vec<u16> = i
+            .data
+            .to_f32()
+            .unwrap()
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect();
+        let got: Vec<u16> = r.data.iter().map(|x| x.to_bits()).collect();
+        assert!(
+            r.name == i.name && r.shape == i.shape && got == want,
+            "round trip of `{}`",
+            i.name
+        );
+    }
     let start_mem: Vec<u64> = (0..state.world())
         .map(|r| state.memory(r).unwrap().current)
         .collect();
@@ -62,6 +85,25 @@ fn run_case(model: ModelSpec, tp: usize, pp: usize, dp: usize, t: usize, case_no
     let got = rollout_now(&mut lc);
     let want = reference_rollout(lc.peek_state(), &rollout).unwrap();
     assert_same(&case, &got, &want);
+    // Metrics: the bytes the plan says, staging within the bucket budget.
+    let plan = plan_megatron_to_tp(
+        lc.peek_state().layout(),
+        &rollout,
+        BucketConfig {
+            bucket_bytes: budget,
+        },
+    )
+    .unwrap();
+    let transfer = *lc.metrics().phase(Phase::Transfer);
+    assert_eq!(
+        transfer.bytes.device_to_device,
+        plan.remote_bytes(),
+        "{case}"
+    );
+    assert_eq!(transfer.bytes.local, plan.local_bytes(), "{case}");
+    assert!(transfer.peak_extra_bytes <= budget, "{case}");
+    let offloaded = lc.metrics().phase(Phase::Offload).bytes.device_to_host;
+    assert_eq!(offloaded > 0, memory.offload_params, "{case}");
 
     // One optimizer step changes every weight; the next rollout must follow it.
     {

@@ -133,10 +133,13 @@ impl MegatronPlan {
 /// Source choice: every run is read from the destination rank itself when it holds the bytes
 /// (its own stage and TP shard, or a replicated norm / kv head / tied-embedding copy); otherwise
 /// from one of the replicas holding them (every DP rank of the owning (stage, TP rank), every TP
-/// rank for replicated tensors, both copies of a tied embedding), taken round-robin by
-/// destination rank over the replicas sorted by rank, which spreads the sends over the DP
-/// replicas. Remote bytes are thus minimal: a byte crosses a link only when the destination holds
-/// no copy of it. Runs that continue one another in source and destination are merged.
+/// rank for replicated tensors, both copies of a tied embedding), preferring in order: the
+/// destination's own DP replica, its own pipeline stage (so its TP group), the nearest rank
+/// number, the lower rank. Remote bytes are thus minimal — a byte crosses a link only when the
+/// destination holds no copy of it — and traffic stays inside TP groups, then model-parallel
+/// groups, which Megatron's rank order puts on consecutive ranks (one node); the sends spread
+/// over the DP replicas (with TP = DP = 2, PP = 1, T = 1, ranks 0↔1 and 2↔3 exchange halves).
+/// Runs that continue one another in source and destination are merged.
 ///
 /// ```
 /// use lifecycle_megatron::{ModelSpec, layout::*};
@@ -201,12 +204,12 @@ fn choose(train: &MegatronLayout, rank: usize, tensor: usize, want: &Want) -> Tr
         .iter()
         .flat_map(|l| (0..train.dp()).map(move |d| (train.rank(l.tp, d, l.stage), l.offset)))
         .collect();
-    candidates.sort_unstable();
-    let (src_rank, src_offset) = candidates
-        .iter()
-        .copied()
-        .find(|&(r, _)| r == rank)
-        .unwrap_or(candidates[rank % candidates.len()]);
+    let me = train.coords(rank);
+    candidates.sort_unstable_by_key(|&(r, _)| {
+        let c = train.coords(r);
+        (r != rank, c.dp != me.dp, c.pp != me.pp, r.abs_diff(rank), r)
+    });
+    let (src_rank, src_offset) = candidates[0];
     Transfer {
         tensor,
         src_rank,
@@ -365,6 +368,28 @@ mod tests {
             let plan = plan_megatron_to_tp(&train, &rollout, BucketConfig::default()).unwrap();
             assert_eq!(plan.remote_bytes(), 0);
         }
+    }
+
+    #[test]
+    fn nearest_replica_is_read() {
+        let m = ModelSpec::tiny();
+        let train = MegatronLayout::new(m, 2, 1, 2).unwrap();
+        let rollout = RolloutLayout::new(1, RolloutVocab::PadToMultipleOf(4));
+        let plan = plan_megatron_to_tp(&train, &rollout, BucketConfig::default()).unwrap();
+        let peers = |r: usize| -> Vec<usize> {
+            let mut p: Vec<usize> = plan.ranks[r]
+                .transfers
+                .iter()
+                .map(|x| x.src_rank)
+                .filter(|&s| s != r)
+                .collect();
+            p.dedup();
+            p
+        };
+        assert_eq!(peers(0), vec![1]);
+        assert_eq!(peers(1), vec![0]);
+        assert_eq!(peers(2), vec![3]);
+        assert_eq!(peers(3), vec![2]);
     }
 
     #[test]
