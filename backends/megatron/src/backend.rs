@@ -281,6 +281,14 @@ impl Reshard for MegatronHostBackend {
                 operation: "refreshing rollout weights",
             });
         }
+        if rollout.ranks.len() != plan.ranks.len() {
+            return Err(MegatronError::RolloutMismatch {
+                name: "<rank count>".into(),
+                rank: rollout.ranks.len(),
+                expected: plan.ranks.len(),
+                found: rollout.ranks.len(),
+            });
+        }
         for rank_plan in &plan.ranks {
             let resident = rollout.ranks.get(rank_plan.rank);
             for (i, spec) in plan.tensors.iter().enumerate() {
