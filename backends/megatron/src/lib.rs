@@ -29,6 +29,11 @@
 //! - `megatron/training/tokenizer/tokenizer.py` (`_vocab_size_with_padding`): the vocabulary is
 //!   padded up to a multiple of `make_vocab_size_divisible_by × TP`; the vocab-parallel embedding
 //!   gives TP rank `t` rows `[t · V/TP, (t+1) · V/TP)` of the padded table.
+//!
+//! The rollout side follows vLLM's `QKVParallelLinear` (`vllm/model_executor/layers/linear.py`,
+//! `weight_loader`): a rank's fused weight is `[q; k; v]` with q at 0, k at `heads_local ·
+//! head_dim`, v after k, and when kv heads are fewer than T, rank `t` loads kv head
+//! `t / (T / kv_heads)` — the same replication rule as the training side above.
 
 #![warn(missing_docs)]
 
