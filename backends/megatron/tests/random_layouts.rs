@@ -19,11 +19,12 @@ struct Case {
     pad: usize,
     budget: u64,
     offload: bool,
+    extra_vocab_rows: usize,
 }
 
 fn case() -> impl Strategy<Value = Case> {
     (
-        (0usize..3, 1usize..4, 1usize..3, 0usize..4, 1usize..3),
+        (0usize..3, 1usize..4, 1usize..4, 0usize..4, 1usize..3),
         (0usize..4, 1usize..3, 1usize..4, 1usize..6, 1usize..60),
         (
             0usize..3,
@@ -32,12 +33,14 @@ fn case() -> impl Strategy<Value = Case> {
             2u64..300,
             any::<(bool, bool, bool)>(),
         ),
+        0usize..3,
     )
         .prop_map(
             |(
                 (tp_log, pp, dp, t_pick, heads_k),
                 (groups_log, head_dim, hidden, ffn_k, vocab),
                 (extra_layers, pad, divisible_by, budget, (bias, tied, offload)),
+                extra_vocab_rows,
             )| {
                 let tp = 1 << tp_log;
                 let world = tp * pp * dp;
@@ -67,6 +70,7 @@ fn case() -> impl Strategy<Value = Case> {
                     pad,
                     budget,
                     offload,
+                    extra_vocab_rows,
                 }
             },
         )
@@ -77,11 +81,14 @@ fn tensors(model: &ModelSpec) -> Vec<HostTensor> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
     #[test]
     fn executor_equals_reference(c in case()) {
-        let layout = MegatronLayout::new(c.model, c.tp, c.pp, c.dp).unwrap();
+        // Megatron's padded vocabulary, sometimes with extra rows (a checkpoint's override).
+        let padded = MegatronLayout::new(c.model, c.tp, c.pp, c.dp).unwrap().padded_vocab()
+            + c.extra_vocab_rows * c.tp;
+        let layout = MegatronLayout::with_padded_vocab(c.model, c.tp, c.pp, c.dp, padded).unwrap();
         let mut state = MegatronTrainState::from_hf(layout, tensors(&c.model)).unwrap();
         let before = state.snapshot();
         let rollout = RolloutLayout::new(c.t, RolloutVocab::PadToMultipleOf(c.pad));
