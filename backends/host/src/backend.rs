@@ -46,8 +46,14 @@ impl HostBackend {
     }
 }
 
-/// Runs `f(rank, item)` for every item on its own thread (inline when there is one).
-fn per_rank<T: Send, R: Send>(items: Vec<T>, f: impl Fn(usize, T) -> R + Sync) -> Vec<R> {
+/// Runs `f(rank, item)` for every item on its own thread (inline when there is one), the way
+/// the host backends run their ranks; a panic on a rank thread resumes on the caller.
+///
+/// ```
+/// let squares = lifecycle_host::per_rank(vec![1, 2, 3], |rank, x| (rank, x * x));
+/// assert_eq!(squares, vec![(0, 1), (1, 4), (2, 9)]);
+/// ```
+pub fn per_rank<T: Send, R: Send>(items: Vec<T>, f: impl Fn(usize, T) -> R + Sync) -> Vec<R> {
     if items.len() <= 1 {
         return items
             .into_iter()

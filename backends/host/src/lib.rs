@@ -16,7 +16,7 @@ mod rollout;
 mod state;
 mod tensor;
 
-pub use backend::HostBackend;
+pub use backend::{per_rank, HostBackend};
 pub use cast::cast_f32_to_bf16;
 pub use error::HostError;
 pub use rollout::{reference_rollout, HostRollout, RankRollout, RolloutTensor};

@@ -70,12 +70,14 @@ pub struct MemoryMeter {
 }
 
 impl MemoryMeter {
-    pub(crate) fn alloc(&mut self, bytes: u64) {
+    /// Counts `bytes` newly allocated.
+    pub fn alloc(&mut self, bytes: u64) {
         self.current += bytes;
         self.peak = self.peak.max(self.current);
     }
 
-    pub(crate) fn free(&mut self, bytes: u64) {
+    /// Counts `bytes` freed.
+    pub fn free(&mut self, bytes: u64) {
         self.current = self.current.saturating_sub(bytes);
     }
 }

@@ -2,14 +2,14 @@
 
 use half::bf16;
 use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
-use lifecycle_host::{HostRollout, RankRollout, RolloutTensor};
+use lifecycle_host::{per_rank, HostRollout, RankRollout, RolloutTensor};
 
 use crate::error::MegatronError;
 use crate::layout::{
     plan_megatron_to_tp, BucketConfig, MegatronLayoutError, MegatronPlan, RankPlan, RolloutLayout,
     Transfer,
 };
-use crate::state::{meter_alloc, meter_free, MegatronTrainState, RankTrain};
+use crate::state::{MegatronTrainState, RankTrain};
 
 /// The CPU Megatron backend: ranks are threads of this process, peers' parameter buffers are read
 /// through shared memory. Enter copies bf16 runs from the training ranks' parameter buffers into
@@ -72,35 +72,6 @@ impl MegatronHostBackend {
     pub fn config(&self) -> BucketConfig {
         self.config
     }
-}
-
-/// Runs `f(rank, item)` for every item on its own thread (inline when there is one).
-pub(crate) fn per_rank<T: Send, R: Send>(
-    items: Vec<T>,
-    f: impl Fn(usize, T) -> R + Sync,
-) -> Vec<R> {
-    if items.len() <= 1 {
-        return items
-            .into_iter()
-            .enumerate()
-            .map(|(r, t)| f(r, t))
-            .collect();
-    }
-    std::thread::scope(|scope| {
-        let f = &f;
-        let handles: Vec<_> = items
-            .into_iter()
-            .enumerate()
-            .map(|(r, t)| scope.spawn(move || f(r, t)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| match h.join() {
-                Ok(r) => r,
-                Err(panic) => std::panic::resume_unwind(panic),
-            })
-            .collect()
-    })
 }
 
 /// What one rank's transfer did.
@@ -190,7 +161,7 @@ fn offload(state: &mut MegatronTrainState, memory: MemoryPolicy, ctx: &mut Switc
         let moved = per_rank(ranks, |_, r| {
             let mut bytes = 0;
             if let Some(g) = r.grads.take() {
-                meter_free(&mut r.meter, (g.len() * 4) as u64);
+                r.meter.free((g.len() * 4) as u64);
             }
             if memory.offload_params {
                 bytes += r.params.offload(&mut r.meter);
@@ -254,11 +225,11 @@ impl Reshard for MegatronHostBackend {
             ranks: plan.ranks.iter().map(|_| empty_rollout(plan)).collect(),
         };
         for (r, out) in state.ranks.iter_mut().zip(&rollout.ranks) {
-            meter_alloc(&mut r.meter, out.bytes());
+            r.meter.alloc(out.bytes());
         }
         if let Err(e) = transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx) {
             for (r, out) in state.ranks.iter_mut().zip(&rollout.ranks) {
-                meter_free(&mut r.meter, out.bytes());
+                r.meter.free(out.bytes());
             }
             return Err(e);
         }
@@ -321,7 +292,7 @@ impl Reshard for MegatronHostBackend {
             ctx.rec.phase(Phase::Release, |_| {
                 for (rank, r) in rollout.ranks.into_iter().enumerate() {
                     if let Some(s) = state.ranks.get_mut(rank) {
-                        meter_free(&mut s.meter, r.bytes());
+                        s.meter.free(r.bytes());
                     }
                 }
                 Ok::<(), MegatronError>(())
@@ -336,7 +307,7 @@ impl Reshard for MegatronHostBackend {
                 bytes += r.adam_v.reload(&mut r.meter);
                 if r.grads.is_none() {
                     let n = r.params.values().len();
-                    meter_alloc(&mut r.meter, (n * 4) as u64);
+                    r.meter.alloc((n * 4) as u64);
                     r.grads = Some(vec![0.0; n]);
                 }
                 bytes

@@ -10,18 +10,6 @@ use crate::error::MegatronError;
 use crate::layout::{MegatronLayout, ParamKind};
 use crate::shard::{stage_buffer, FullTensors};
 
-/// Counts `bytes` newly allocated on a rank (`MemoryMeter`'s own methods are private to
-/// `lifecycle-host`; its fields are public).
-pub(crate) fn meter_alloc(meter: &mut MemoryMeter, bytes: u64) {
-    meter.current += bytes;
-    meter.peak = meter.peak.max(meter.current);
-}
-
-/// Counts `bytes` freed on a rank.
-pub(crate) fn meter_free(meter: &mut MemoryMeter, bytes: u64) {
-    meter.current = meter.current.saturating_sub(bytes);
-}
-
 /// Where a buffer of one rank lives.
 #[derive(Debug, Clone)]
 pub(crate) enum Resident<T> {
@@ -56,7 +44,7 @@ impl<T: Copy> Resident<T> {
             let host: Box<[T]> = v.as_slice().into();
             let bytes = self.bytes();
             *self = Resident::Host(host);
-            meter_free(meter, bytes);
+            meter.free(bytes);
             bytes
         } else {
             0
@@ -67,7 +55,7 @@ impl<T: Copy> Resident<T> {
     pub(crate) fn reload(&mut self, meter: &mut MemoryMeter) -> u64 {
         if let Resident::Host(h) = self {
             let bytes = std::mem::size_of_val(&h[..]) as u64;
-            meter_alloc(meter, bytes);
+            meter.alloc(bytes);
             *self = Resident::Device(h.to_vec());
             bytes
         } else {
@@ -149,7 +137,7 @@ impl MegatronTrainState {
                 cast_f32_to_bf16(buf, &mut params);
                 let n = shard.len();
                 let mut meter = MemoryMeter::default();
-                meter_alloc(&mut meter, (buf.len() * (2 + 4) + n * 4 * 3) as u64);
+                meter.alloc((buf.len() * (2 + 4) + n * 4 * 3) as u64);
                 RankTrain {
                     params: Resident::Device(params),
                     grads: Some(vec![0.0; buf.len()]),
