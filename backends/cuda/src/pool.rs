@@ -25,6 +25,9 @@ pub struct RankCtx {
     pub ctx: Arc<CudaContext>,
     /// Stream for casts and local copies.
     pub compute: Arc<CudaStream>,
+    /// A second compute stream for work independent of `compute` (local casts that must not
+    /// queue behind waits for the network).
+    pub aux: Arc<CudaStream>,
     /// Stream for host↔device copies (offload / reload), so they overlap NVLink work.
     pub copy: Arc<CudaStream>,
     /// The NCCL communicator; its stream is a third stream dedicated to collectives.
@@ -80,7 +83,7 @@ impl RankCtx {
 
     /// Blocks until the compute, copy and NCCL streams are idle.
     pub fn sync_all(&self) -> Result<(), CudaError> {
-        for s in [&self.compute, &self.copy, &self.comm.stream()] {
+        for s in [&self.compute, &self.aux, &self.copy, &self.comm.stream()] {
             s.synchronize()
                 .map_err(self.drv("synchronizing a stream", 0))?;
         }
@@ -227,6 +230,7 @@ fn init_rank(
             .map_err(|e| CudaError::driver(rank, format!("creating the {what} stream"), 0, e))
     };
     let compute = mk("compute")?;
+    let aux = mk("auxiliary compute")?;
     let copy = mk("copy")?;
     let nccl = mk("NCCL")?;
     let kernels = Kernels::load(&compute, ptx, rank)?;
@@ -237,6 +241,7 @@ fn init_rank(
         world,
         ctx,
         compute,
+        aux,
         copy,
         comm,
         kernels,

@@ -532,9 +532,10 @@ impl FsdpBackend {
     }
 }
 
-/// The bucket loop of one rank: casts on the compute stream, grouped NCCL sends/receives on the
-/// NCCL stream, ordered by one event per bucket each way; staging slots reused round-robin once
-/// the NCCL work that read them has finished.
+/// The bucket loop of one rank: local casts (into the rollout buffer) on the auxiliary stream,
+/// staged casts on the compute stream, grouped NCCL sends/receives/all-gathers on the NCCL stream,
+/// ordered by events per bucket; staging slots reused round-robin once the NCCL work that read
+/// them has finished, so the local casts never queue behind the network.
 fn run_buckets(
     ctx: &RankCtx,
     plan: &FsdpPlan,
@@ -558,8 +559,10 @@ fn run_buckets(
         });
     }
     let nccl = ctx.nccl_stream();
-    // Allocations (stream-ordered on compute) and earlier writes are visible to NCCL.
+    // Allocations (stream-ordered on compute) and earlier writes are visible to NCCL and to the
+    // auxiliary stream that runs the local casts.
     ctx.order(&ctx.compute, &nccl)?;
+    ctx.order(&ctx.compute, &ctx.aux)?;
     let mbase = ptr(master, ctx);
     let rbase = ptr_mut(roll, ctx);
     let sbases: Vec<u64> = staging.iter_mut().map(|s| ptr_mut(s, ctx)).collect();
@@ -576,32 +579,43 @@ fn run_buckets(
                 .map_err(ctx.drv("waiting for a staging slot", 0))?;
         }
         for c in &b.casts {
-            let dst = match c.dst {
+            // Local pieces go straight into the rollout buffer on the auxiliary stream, which
+            // never waits for the network; staged pieces on the compute stream, which waits for
+            // its staging slot to be free.
+            let (dst, stream) = match c.dst {
                 Buf::Rollout => {
                     moved.local += c.region.numel() * 2;
-                    rbase + 2 * c.dst_off
+                    (rbase + 2 * c.dst_off, &ctx.aux)
                 }
-                Buf::Staging => sbases[slot] + 2 * c.dst_off,
+                Buf::Staging => (sbases[slot] + 2 * c.dst_off, &ctx.compute),
             };
             // SAFETY: the plan keeps every region inside its buffer (master: rank_len f32,
             // rollout: roll_len bf16, staging: slot_elems bf16); the buffers outlive the final
             // synchronisation below; the NCCL stream reads them only after the event recorded
             // after these casts.
             unsafe {
-                ctx.kernels.cast_f32_bf16(
-                    &ctx.compute,
-                    mbase + 4 * c.src_off,
-                    dst,
-                    c.region,
-                    rank,
-                )?;
+                ctx.kernels
+                    .cast_f32_bf16(stream, mbase + 4 * c.src_off, dst, c.region, rank)?;
             }
         }
-        let ev = ctx.event()?;
-        if !b.sends.is_empty() || !b.recvs.is_empty() {
+        // The NCCL work of this bucket starts after its staged casts (compute stream) and, when
+        // it sends from or gathers into the rollout buffer, after the local casts (aux stream).
+        let needs_local =
+            b.gathers.len() + b.sends.iter().filter(|s| s.buf == Buf::Rollout).count() > 0;
+        let has_net = !b.sends.is_empty() || !b.recvs.is_empty() || !b.gathers.is_empty();
+        if has_net {
+            let ev = ctx.event()?;
             ev.record(&ctx.compute)
                 .map_err(ctx.drv("recording an event", 0))?;
             nccl.wait(&ev).map_err(ctx.drv("waiting on an event", 0))?;
+            if needs_local {
+                let ev = ctx.event()?;
+                ev.record(&ctx.aux)
+                    .map_err(ctx.drv("recording an event", 0))?;
+                nccl.wait(&ev).map_err(ctx.drv("waiting on an event", 0))?;
+            }
+        }
+        if !b.sends.is_empty() || !b.recvs.is_empty() {
             cudarc::nccl::group_start().map_err(|e| CudaError::nccl(rank, "ncclGroupStart", e))?;
             let mut res = Ok(());
             for s in &b.sends {
@@ -631,11 +645,6 @@ fn run_buckets(
             end?;
         }
         if !b.gathers.is_empty() {
-            if b.sends.is_empty() && b.recvs.is_empty() {
-                ev.record(&ctx.compute)
-                    .map_err(ctx.drv("recording an event", 0))?;
-                nccl.wait(&ev).map_err(ctx.drv("waiting on an event", 0))?;
-            }
             let w = ctx.world as u64;
             // SAFETY: an alias of the rollout buffer (same pointer and length) so the in-place
             // all-gather can name its send part (inside the receive range), which NCCL supports
@@ -672,6 +681,7 @@ fn run_buckets(
         net_done.push(done);
     }
     ctx.order(&nccl, &ctx.compute)?;
+    ctx.order(&ctx.aux, &ctx.compute)?;
     ctx.compute
         .synchronize()
         .map_err(ctx.drv("synchronizing the transfer", 0))?;

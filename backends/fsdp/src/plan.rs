@@ -1,7 +1,7 @@
 //! The executable plan: the core planner's pieces turned into per-rank, per-bucket lists of casts,
 //! sends and receives over flat device buffers. Pure: computed on the CPU, tested without a GPU.
 
-use lifecycle_core::layout::{fsdp_rows, FsdpLayout, Parallel, ReshardPlan};
+use lifecycle_core::layout::{fsdp_rows, FsdpLayout, ReshardPlan};
 use lifecycle_cuda::Region2d;
 
 /// Alignment of every tensor inside a flat buffer, in elements (256 bytes of f32, 128 of bf16):
@@ -328,7 +328,7 @@ pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -
     // Global item list: per tensor, per source rank, first the source's own piece (cast into its
     // rollout buffer), then the pieces it sends, each cut into row chunks of at most one bucket.
     let mut items = Vec::new();
-    for (j, spec) in core.tensors.iter().enumerate() {
+    for j in 0..core.tensors.len() {
         let width = core.ranks[0].tensors[j].cols.len().max(1);
         let chunk = (slot_elems_cfg as usize / width).max(1);
         for src in 0..world {
@@ -351,7 +351,6 @@ pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -
                 }
             }
         }
-        let _ = spec;
     }
 
     let mut ranks: Vec<Vec<BucketOps>> = vec![Vec::new(); world];
@@ -376,7 +375,6 @@ pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -
         local.iter_mut().for_each(|x| *x = 0);
     };
     for it in &items {
-        let spec = &core.tensors[it.tensor];
         let tp_dst = &core.ranks[it.dst].tensors[it.tensor];
         let ti = tp_dst.train_index;
         let slot = &shards.slots[ti];
@@ -406,9 +404,11 @@ pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -
             });
             continue;
         }
-        let tp_rank = |r: usize| r % core.tp;
-        let from_rollout =
-            spec.parallel == Parallel::Replicated || tp_rank(it.src) == tp_rank(it.dst);
+        // T = 1: the receiver needs exactly the rows the sender cast into its own rollout
+        // buffer, so they are sent from there (no staging: an all-gather straight into the
+        // rollout buffers). T > 1: pieces are cast into a staging slot, so the NCCL stream never
+        // waits for the sender's local casts (which run on their own stream).
+        let from_rollout = core.tp == 1;
         let need = if from_rollout {
             n
         } else {
