@@ -94,16 +94,18 @@ mod metrics;
 mod policy;
 mod reshard;
 mod session;
+mod trace;
 
 pub use error::LifecycleError;
 pub use lifecycle::{Lifecycle, Mode};
 pub use metrics::{
-    HumanBytes, HumanDuration, Link, LinkBytes, Metrics, Phase, PhaseRecorder, PhaseSample,
-    PhaseScope, PhaseStats,
+    Ceilings, HumanBytes, HumanDuration, Link, LinkBytes, Metrics, Phase, PhaseRecorder,
+    PhaseSample, PhaseScope, PhaseStats,
 };
 pub use policy::{LifecycleConfig, MemoryPolicy, Switching};
 pub use reshard::{Reshard, SwitchContext};
 pub use session::{RolloutSession, RolloutView, TrainSession};
+pub use trace::{Span, Trace};
 
 /// See [the attribute](crate#the-attribute) in the crate documentation for a compiled example.
 pub use lifecycle_macros::sharded_rollout;

@@ -5,6 +5,7 @@ use crate::metrics::{Metrics, Phase, PhaseRecorder};
 use crate::policy::{LifecycleConfig, Switching};
 use crate::reshard::{Reshard, SwitchContext};
 use crate::session::{RolloutSession, TrainSession};
+use crate::trace::Trace;
 
 /// Which layout is live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,6 +66,7 @@ pub struct Lifecycle<B: Reshard> {
     pub(crate) metrics: Metrics,
     /// A session ended without `finish` under the eager policy: exit before the next operation.
     pub(crate) exit_due: bool,
+    pub(crate) trace: Trace,
 }
 
 impl<B: Reshard> Lifecycle<B> {
@@ -80,6 +82,7 @@ impl<B: Reshard> Lifecycle<B> {
             config: LifecycleConfig::default(),
             metrics: Metrics::default(),
             exit_due: false,
+            trace: Trace::disabled(),
         }
     }
 
@@ -132,6 +135,16 @@ impl<B: Reshard> Lifecycle<B> {
     /// Clears the metrics.
     pub fn reset_metrics(&mut self) {
         self.metrics = Metrics::default();
+    }
+
+    /// Starts recording a timeline of every switch (see [`Trace`]); the clock starts now.
+    pub fn enable_trace(&mut self) {
+        self.trace = Trace::enabled();
+    }
+
+    /// The timeline recorded so far (empty unless [`enable_trace`](Lifecycle::enable_trace) ran).
+    pub fn trace(&self) -> &Trace {
+        &self.trace
     }
 
     /// The backend.
@@ -213,7 +226,7 @@ impl<B: Reshard> Lifecycle<B> {
             return Ok(());
         }
         debug_assert!(self.mode == Mode::Train || self.resident.is_none());
-        let mut rec = PhaseRecorder::new(&mut self.metrics);
+        let mut rec = PhaseRecorder::with_trace(&mut self.metrics, &mut self.trace);
         let plan = rec
             .phase(Phase::Plan, |_| self.backend.plan(&self.state))
             .map_err(LifecycleError::Plan)?;
@@ -279,7 +292,7 @@ impl<B: Reshard> Lifecycle<B> {
         };
         let mut ctx = SwitchContext {
             memory: self.config.memory,
-            rec: PhaseRecorder::new(&mut self.metrics),
+            rec: PhaseRecorder::with_trace(&mut self.metrics, &mut self.trace),
         };
         match self.backend.exit(&mut self.state, rollout, &mut ctx) {
             Ok(()) => {

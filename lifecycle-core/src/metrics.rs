@@ -6,6 +6,8 @@
 use std::fmt;
 use std::time::{Duration, Instant};
 
+use crate::trace::Trace;
+
 /// One phase of a switch between the training and the rollout layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Phase {
@@ -231,6 +233,70 @@ impl Metrics {
     pub fn table(&self) -> String {
         self.to_string()
     }
+
+    /// A table per phase of time, bytes, achieved GB/s and the ceiling of the link the phase
+    /// mostly used (from `ceilings`), with the achieved fraction of it.
+    ///
+    /// ```
+    /// use lifecycle_core::{Ceilings, Metrics};
+    /// let report = Metrics::default().report(&Ceilings { device_to_host_gbps: Some(54.0), ..Default::default() });
+    /// assert!(report.contains("offload"));
+    /// ```
+    pub fn report(&self, ceilings: &Ceilings) -> String {
+        let mut out = format!(
+            "{:<9} {:>6} {:>11} {:>11} {:>9} {:>22} {:>7}\n",
+            "phase", "count", "time", "bytes", "GB/s", "ceiling", "of it"
+        );
+        for phase in Phase::ALL {
+            let s = self.phase(phase);
+            let b = &s.bytes;
+            let links = [
+                (
+                    b.device_to_device,
+                    "device-device",
+                    ceilings.device_to_device_gbps,
+                ),
+                (
+                    b.device_to_host,
+                    "device-host",
+                    ceilings.device_to_host_gbps,
+                ),
+                (
+                    b.host_to_device,
+                    "host-device",
+                    ceilings.host_to_device_gbps,
+                ),
+                (b.local, "local", ceilings.local_gbps),
+            ];
+            let bytes: u64 = links.iter().map(|l| l.0).sum();
+            let secs = s.wall.as_secs_f64();
+            let gbps = if secs > 0.0 {
+                bytes as f64 / secs / 1e9
+            } else {
+                0.0
+            };
+            let main = links.iter().max_by_key(|l| l.0).filter(|l| l.0 > 0);
+            let (ceiling, fraction) = match main {
+                Some((_, name, Some(c))) => (
+                    format!("{c:.1} GB/s {name}"),
+                    format!("{:.0}%", 100.0 * gbps / c),
+                ),
+                Some((_, name, None)) => (format!("? ({name})"), "-".to_string()),
+                None => ("-".to_string(), "-".to_string()),
+            };
+            out.push_str(&format!(
+                "{:<9} {:>6} {:>11} {:>11} {:>9.2} {:>22} {:>7}\n",
+                phase.name(),
+                s.count,
+                HumanDuration(s.wall).to_string(),
+                HumanBytes(bytes).to_string(),
+                gbps,
+                ceiling,
+                fraction
+            ));
+        }
+        out
+    }
 }
 
 impl fmt::Display for Metrics {
@@ -259,6 +325,20 @@ impl fmt::Display for Metrics {
     }
 }
 
+/// Link bandwidths a run is measured against, in GB/s (10^9 bytes per second); `None` where
+/// unknown.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Ceilings {
+    /// Device↔device (NVLink) receive rate per rank.
+    pub device_to_device_gbps: Option<f64>,
+    /// Device → pinned host copy rate.
+    pub device_to_host_gbps: Option<f64>,
+    /// Pinned host → device copy rate.
+    pub host_to_device_gbps: Option<f64>,
+    /// On-device copy / cast rate (bytes written).
+    pub local_gbps: Option<f64>,
+}
+
 /// Where a backend reports the phases of one switch.
 ///
 /// ```
@@ -274,12 +354,34 @@ impl fmt::Display for Metrics {
 /// ```
 pub struct PhaseRecorder<'m> {
     metrics: &'m mut Metrics,
+    trace: Option<&'m mut Trace>,
 }
 
 impl<'m> PhaseRecorder<'m> {
     /// A recorder that adds to `metrics`.
     pub fn new(metrics: &'m mut Metrics) -> Self {
-        PhaseRecorder { metrics }
+        PhaseRecorder {
+            metrics,
+            trace: None,
+        }
+    }
+
+    /// A recorder that adds to `metrics` and, when `trace` is enabled, records spans in it.
+    pub fn with_trace(metrics: &'m mut Metrics, trace: &'m mut Trace) -> Self {
+        PhaseRecorder {
+            metrics,
+            trace: Some(trace),
+        }
+    }
+
+    /// Whether spans are being recorded: backends skip collecting per-rank spans when not.
+    pub fn tracing(&self) -> bool {
+        self.trace.as_ref().is_some_and(|t| t.is_enabled())
+    }
+
+    /// The trace, when spans are being recorded.
+    pub fn trace(&mut self) -> Option<&mut Trace> {
+        self.trace.as_deref_mut().filter(|t| t.is_enabled())
     }
 
     /// Runs `f` as one instance of `phase`, timing it and recording what it reported in its
@@ -300,6 +402,19 @@ impl<'m> PhaseRecorder<'m> {
             "phase"
         );
         self.metrics.record(phase, wall, &scope.sample);
+        if let Some(trace) = self.trace() {
+            let b = &scope.sample.bytes;
+            trace.record_host(
+                phase.name(),
+                phase,
+                None,
+                "switch",
+                start,
+                wall,
+                b.moved() + b.local,
+                None,
+            );
+        }
         out
     }
 

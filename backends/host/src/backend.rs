@@ -1,3 +1,5 @@
+use std::time::{Duration, Instant};
+
 use half::bf16;
 use lifecycle_core::layout::{plan_fsdp_to_tp, RankPlan, ReshardPlan, RolloutLayout};
 use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
@@ -131,27 +133,91 @@ fn empty_rollout(plan: &ReshardPlan, rank_plan: &RankPlan) -> RankRollout {
     }
 }
 
+/// What one rank thread did in a phase, for the trace.
+struct RankSpan {
+    start: Instant,
+    duration: Duration,
+    bytes: u64,
+    link: Link,
+}
+
+/// Runs `f` on every rank's thread, timing each.
+fn timed_per_rank<T: Send>(
+    items: Vec<T>,
+    f: impl Fn(usize, T) -> (u64, Link) + Sync,
+) -> Vec<RankSpan> {
+    per_rank(items, |rank, item| {
+        let start = Instant::now();
+        let (bytes, link) = f(rank, item);
+        RankSpan {
+            start,
+            duration: start.elapsed(),
+            bytes,
+            link,
+        }
+    })
+}
+
+/// Records one span per rank on the rank's `host` track (when tracing).
+fn record_rank_spans(ctx: &mut SwitchContext<'_>, phase: Phase, spans: &[RankSpan]) {
+    if let Some(trace) = ctx.rec.trace() {
+        for (rank, s) in spans.iter().enumerate() {
+            trace.record_host(
+                phase.name(),
+                phase,
+                Some(rank),
+                "host",
+                s.start,
+                s.duration,
+                s.bytes,
+                Some(s.link),
+            );
+        }
+    }
+}
+
 fn transfer(
     plan: &ReshardPlan,
     state: &mut HostTrainState,
     outs: Vec<&mut RankRollout>,
     ctx: &mut SwitchContext<'_>,
 ) -> Result<(), HostError> {
-    ctx.rec.phase(Phase::Transfer, |scope| {
+    let spans = ctx.rec.phase(Phase::Transfer, |scope| {
         let shared: &HostTrainState = state;
-        let moved = per_rank(outs, |rank, out| fill_rank(shared, &plan.ranks[rank], out));
-        for m in moved {
-            scope.add_bytes(Link::DeviceToDevice, m.remote);
-            scope.add_bytes(Link::Local, m.local);
-        }
-        Ok(())
-    })
+        let moved = per_rank(outs, |rank, out| {
+            let start = Instant::now();
+            let m = fill_rank(shared, &plan.ranks[rank], out);
+            (m, start, start.elapsed())
+        });
+        Ok::<_, HostError>(
+            moved
+                .into_iter()
+                .map(|(m, start, duration)| {
+                    scope.add_bytes(Link::DeviceToDevice, m.remote);
+                    scope.add_bytes(Link::Local, m.local);
+                    let link = if m.remote > 0 {
+                        Link::DeviceToDevice
+                    } else {
+                        Link::Local
+                    };
+                    RankSpan {
+                        start,
+                        duration,
+                        bytes: m.remote + m.local,
+                        link,
+                    }
+                })
+                .collect::<Vec<_>>(),
+        )
+    })?;
+    record_rank_spans(ctx, Phase::Transfer, &spans);
+    Ok(())
 }
 
 fn offload(state: &mut HostTrainState, memory: MemoryPolicy, ctx: &mut SwitchContext<'_>) {
-    let _ = ctx.rec.phase(Phase::Offload, |scope| {
+    let spans = ctx.rec.phase(Phase::Offload, |scope| {
         let ranks: Vec<&mut RankState> = state.ranks.iter_mut().collect();
-        let moved = per_rank(ranks, |_, rank| {
+        let spans = timed_per_rank(ranks, |_, rank| {
             let mut bytes = 0;
             for shard in &mut rank.shards {
                 if let Some(grad) = shard.grad.take() {
@@ -165,11 +231,14 @@ fn offload(state: &mut HostTrainState, memory: MemoryPolicy, ctx: &mut SwitchCon
                     bytes += shard.adam_v.offload(&mut rank.meter);
                 }
             }
-            bytes
+            (bytes, Link::DeviceToHost)
         });
-        scope.add_bytes(Link::DeviceToHost, moved.iter().sum());
-        Ok::<(), HostError>(())
+        scope.add_bytes(Link::DeviceToHost, spans.iter().map(|s| s.bytes).sum());
+        Ok::<_, HostError>(spans)
     });
+    if let Ok(spans) = spans {
+        record_rank_spans(ctx, Phase::Offload, &spans);
+    }
 }
 
 impl Reshard for HostBackend {
@@ -250,9 +319,9 @@ impl Reshard for HostBackend {
                 Ok::<(), HostError>(())
             })?;
         }
-        ctx.rec.phase(Phase::Reload, |scope| {
+        let spans = ctx.rec.phase(Phase::Reload, |scope| {
             let ranks: Vec<&mut RankState> = state.ranks.iter_mut().collect();
-            let moved = per_rank(ranks, |_, rank| {
+            let spans = timed_per_rank(ranks, |_, rank| {
                 let mut bytes = 0;
                 for shard in &mut rank.shards {
                     bytes += shard.master.reload(&mut rank.meter);
@@ -264,10 +333,12 @@ impl Reshard for HostBackend {
                         shard.grad = Some(vec![0.0; n]);
                     }
                 }
-                bytes
+                (bytes, Link::HostToDevice)
             });
-            scope.add_bytes(Link::HostToDevice, moved.iter().sum());
-            Ok(())
-        })
+            scope.add_bytes(Link::HostToDevice, spans.iter().map(|s| s.bytes).sum());
+            Ok::<_, HostError>(spans)
+        })?;
+        record_rank_spans(ctx, Phase::Reload, &spans);
+        Ok(())
     }
 }
