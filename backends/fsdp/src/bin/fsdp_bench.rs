@@ -177,6 +177,55 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
         d2d / GB
     );
 
+    // The cast kernel alone: 1 G fp32 -> bf16, dense and as a strided half-width 2-D slice.
+    let cast = pool.run(&|ctx| {
+        let n = 1usize << 30;
+        // SAFETY: contents irrelevant to the timing; the kernel reads and writes inside them.
+        let src: CudaSlice<f32> = unsafe { alloc_device(&ctx.compute, n, ctx.rank, "cast src")? };
+        // SAFETY: as above.
+        let mut dst: CudaSlice<bf16> =
+            unsafe { alloc_device(&ctx.compute, n, ctx.rank, "cast dst")? };
+        let (sp, _g) = cudarc::driver::DevicePtr::device_ptr(&src, &ctx.compute);
+        let (dp, _h) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut dst, &ctx.compute);
+        let mut out = Vec::new();
+        for region in [
+            lifecycle_cuda::Region2d {
+                rows: 1,
+                cols: n as u64,
+                src_ld: n as u64,
+                dst_ld: n as u64,
+            },
+            lifecycle_cuda::Region2d {
+                rows: 1 << 16,
+                cols: 8192,
+                src_ld: 16384,
+                dst_ld: 8192,
+            },
+        ] {
+            let mut ts = Vec::new();
+            for k in 0..iters + 2 {
+                ctx.compute.synchronize().map_err(ctx.drv("sync", 0))?;
+                let t = Instant::now();
+                // SAFETY: both regions lie inside the n-element buffers above.
+                unsafe {
+                    ctx.kernels
+                        .cast_f32_bf16(&ctx.compute, sp, dp, region, ctx.rank)?
+                };
+                ctx.compute.synchronize().map_err(ctx.drv("sync", 0))?;
+                if k >= 2 {
+                    ts.push(t.elapsed().as_secs_f64());
+                }
+            }
+            out.push(6.0 * region.numel() as f64 / median(ts));
+        }
+        Ok(out)
+    })?;
+    println!(
+        "ceiling  cast kernel fp32->bf16 (6 B of traffic per element), rank 0: dense {:.0} GB/s, strided half-width {:.0} GB/s",
+        cast[0][0] / GB,
+        cast[0][1] / GB
+    );
+
     let pinned = |only_rank0: bool| -> Result<Vec<(f64, f64)>, lifecycle_cuda::CudaError> {
         pool.run(&|ctx| {
             if only_rank0 && ctx.rank != 0 {
@@ -334,7 +383,7 @@ fn run() -> Result<(), Box<dyn Error>> {
         let budgets: &[u64] = if tp == 1 {
             &[256 << 20, 1 << 30, 4 << 30]
         } else {
-            &[64 << 20, 256 << 20, 1 << 30]
+            &[64 << 20, 128 << 20, 256 << 20, 1 << 30]
         };
         for &bucket_bytes in budgets {
             configs.push(BucketConfig {
@@ -342,6 +391,15 @@ fn run() -> Result<(), Box<dyn Error>> {
                 in_flight: 2,
                 mode: GatherMode::SendRecv,
             });
+        }
+        if tp > 1 {
+            for &bucket_bytes in &[64u64 << 20, 128 << 20, 256 << 20] {
+                configs.push(BucketConfig {
+                    bucket_bytes,
+                    in_flight: 4,
+                    mode: GatherMode::SendRecv,
+                });
+            }
         }
         if tp == 1 && args.world > 1 {
             for &bucket_bytes in budgets {
@@ -370,9 +428,10 @@ fn run() -> Result<(), Box<dyn Error>> {
             let m = lc.metrics().clone();
             let tr = m.phase(Phase::Transfer);
             println!(
-                "  resident, {:?} bucket {:>4} MiB: enter {} (transfer phase {} avg), exit {}; d2d {:.3} GB, peak extra {:.1} MB",
+                "  resident, {:?} bucket {:>4} MiB x {} in flight: enter {} (transfer phase {} avg), exit {}; d2d {:.3} GB, peak extra {:.1} MB",
                 cfg.mode,
                 cfg.bucket_bytes >> 20,
+                cfg.in_flight,
                 ms(en),
                 ms(tr.wall.as_secs_f64() / tr.count.max(1) as f64),
                 ms(ex),
