@@ -1,0 +1,452 @@
+//! The model configuration: read from a Hugging Face `config.json` (transformers 4.x and 5.x
+//! spellings), the tensors it implies, and the rollout layout for a tensor-parallel degree.
+
+use std::path::Path;
+
+use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
+use serde_json::{Map, Value};
+
+use crate::error::{CheckpointError, DecodeError};
+
+/// Which family of decoder-only transformer (they differ only in the attention biases here).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    /// Qwen2: q/k/v projections carry biases.
+    Qwen2,
+    /// Llama (and Mistral-style configs): q/k/v biases only when `attention_bias` is true.
+    Llama,
+}
+
+/// Spelling of `config.json` to write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConfigStyle {
+    /// transformers 4.x: top-level `rope_theta`, `torch_dtype`.
+    V4,
+    /// transformers 5.x: `rope_parameters { rope_type, rope_theta }`, `dtype`.
+    V5,
+}
+
+/// Sizes and constants of a Qwen2 / Llama model.
+///
+/// ```
+/// use lifecycle_decoder::ModelConfig;
+/// let json = r#"{"model_type": "qwen2", "vocab_size": 61, "hidden_size": 32,
+///   "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+///   "num_key_value_heads": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+///   "dtype": "float32", "tie_word_embeddings": true}"#;
+/// let config = ModelConfig::from_json_str(json)?;
+/// assert_eq!((config.head_dim, config.rope_theta), (8, 10000.0));
+/// // 61 is not divisible by 2: the embedding is replicated, not vocabulary-parallel
+/// let layout = config.rollout_layout(2)?;
+/// assert!(layout.tensors.iter().any(|t| t.name == "model.embed_tokens.weight"
+///     && t.parallel == lifecycle_core::layout::Parallel::Replicated));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// Model family.
+    pub architecture: Architecture,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Hidden size.
+    pub hidden_size: usize,
+    /// MLP intermediate size.
+    pub intermediate_size: usize,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads (divides `num_heads`).
+    pub num_kv_heads: usize,
+    /// Size of one head.
+    pub head_dim: usize,
+    /// Rotary base.
+    pub rope_theta: f64,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// Whether the output head is the embedding (no `lm_head.weight`).
+    pub tie_word_embeddings: bool,
+    /// Whether q/k/v projections carry biases.
+    pub qkv_bias: bool,
+    /// Storage dtype the config names (`dtype` or `torch_dtype`), if any.
+    pub dtype: Option<String>,
+}
+
+fn field_err(field: &'static str, problem: impl Into<String>) -> CheckpointError {
+    CheckpointError::ConfigField {
+        field,
+        problem: problem.into(),
+    }
+}
+
+fn get_usize(
+    map: &Map<String, Value>,
+    field: &'static str,
+) -> Result<Option<usize>, CheckpointError> {
+    match map.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(0) => Err(field_err(field, "must be at least 1, found 0")),
+            Some(n) => usize::try_from(n)
+                .map(Some)
+                .map_err(|_| field_err(field, format!("{n} is too large"))),
+            None => Err(field_err(
+                field,
+                format!("must be a positive integer, found {v}"),
+            )),
+        },
+    }
+}
+
+fn need_usize(map: &Map<String, Value>, field: &'static str) -> Result<usize, CheckpointError> {
+    get_usize(map, field)?
+        .ok_or_else(|| field_err(field, "missing (a positive integer is required)"))
+}
+
+fn get_f64(map: &Map<String, Value>, field: &'static str) -> Result<Option<f64>, CheckpointError> {
+    match map.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_f64() {
+            Some(x) if x.is_finite() && x > 0.0 => Ok(Some(x)),
+            _ => Err(field_err(
+                field,
+                format!("must be a positive number, found {v}"),
+            )),
+        },
+    }
+}
+
+fn get_bool(
+    map: &Map<String, Value>,
+    field: &'static str,
+) -> Result<Option<bool>, CheckpointError> {
+    match map.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(v) => Err(field_err(
+            field,
+            format!("must be true or false, found {v}"),
+        )),
+    }
+}
+
+fn get_str<'a>(
+    map: &'a Map<String, Value>,
+    field: &'static str,
+) -> Result<Option<&'a str>, CheckpointError> {
+    match map.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(v) => Err(field_err(field, format!("must be a string, found {v}"))),
+    }
+}
+
+/// The rotary base from either spelling; plain (unscaled) rope only.
+fn rope_theta(map: &Map<String, Value>) -> Result<f64, CheckpointError> {
+    let check_type = |params: &Map<String, Value>, field: &'static str| match params
+        .get("rope_type")
+        .or_else(|| params.get("type"))
+    {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::String(t)) if t == "default" => Ok(()),
+        Some(t) => Err(field_err(
+            field,
+            format!("rope_type {t} is not supported (only plain rope, \"default\")"),
+        )),
+    };
+    if let Some(scaling) = map.get("rope_scaling").and_then(Value::as_object) {
+        check_type(scaling, "rope_scaling")?;
+    }
+    let nested = match map.get("rope_parameters") {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(params)) => {
+            check_type(params, "rope_parameters")?;
+            match params.get("rope_theta") {
+                None | Some(Value::Null) => None,
+                Some(v) => match v.as_f64() {
+                    Some(x) if x.is_finite() && x > 0.0 => Some(x),
+                    _ => {
+                        return Err(field_err(
+                            "rope_parameters",
+                            format!("rope_theta must be a positive number, found {v}"),
+                        ))
+                    }
+                },
+            }
+        }
+        Some(v) => {
+            return Err(field_err(
+                "rope_parameters",
+                format!("must be an object, found {v}"),
+            ))
+        }
+    };
+    match (nested, get_f64(map, "rope_theta")?) {
+        (Some(a), Some(b)) if a != b => Err(field_err(
+            "rope_theta",
+            format!("top-level rope_theta {b} disagrees with rope_parameters.rope_theta {a}"),
+        )),
+        (Some(a), _) => Ok(a),
+        (None, Some(b)) => Ok(b),
+        (None, None) => Err(field_err(
+            "rope_theta",
+            "missing: give rope_parameters.rope_theta (transformers 5.x) or rope_theta (4.x)",
+        )),
+    }
+}
+
+impl ModelConfig {
+    /// Parses the text of a Hugging Face `config.json`.
+    pub fn from_json_str(text: &str) -> Result<Self, CheckpointError> {
+        let value: Value = serde_json::from_str(text).map_err(|e| CheckpointError::ConfigJson {
+            path: "config.json".into(),
+            message: e.to_string(),
+        })?;
+        let map = value
+            .as_object()
+            .ok_or_else(|| CheckpointError::ConfigJson {
+                path: "config.json".into(),
+                message: "the top level is not a JSON object".into(),
+            })?;
+        Self::from_map(map)
+    }
+
+    /// Reads `path` (a `config.json`).
+    pub fn from_file(path: &Path) -> Result<Self, CheckpointError> {
+        let text = std::fs::read_to_string(path).map_err(|source| CheckpointError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_json_str(&text).map_err(|e| match e {
+            CheckpointError::ConfigJson { message, .. } => CheckpointError::ConfigJson {
+                path: path.to_path_buf(),
+                message,
+            },
+            other => other,
+        })
+    }
+
+    fn from_map(map: &Map<String, Value>) -> Result<Self, CheckpointError> {
+        let model_type = get_str(map, "model_type")?.unwrap_or("");
+        let architecture = match model_type {
+            "qwen2" => Architecture::Qwen2,
+            "llama" | "mistral" => Architecture::Llama,
+            "" => return Err(field_err("model_type", "missing (\"qwen2\" or \"llama\")")),
+            other => {
+                return Err(field_err(
+                    "model_type",
+                    format!("\"{other}\" is not supported (\"qwen2\", \"llama\" or \"mistral\")"),
+                ))
+            }
+        };
+        if let Some(act) = get_str(map, "hidden_act")? {
+            if act != "silu" {
+                return Err(field_err(
+                    "hidden_act",
+                    format!("\"{act}\" is not supported (SwiGLU uses \"silu\")"),
+                ));
+            }
+        }
+        if get_bool(map, "mlp_bias")? == Some(true) {
+            return Err(field_err("mlp_bias", "MLP biases are not supported"));
+        }
+        let hidden_size = need_usize(map, "hidden_size")?;
+        let num_heads = need_usize(map, "num_attention_heads")?;
+        let num_kv_heads = get_usize(map, "num_key_value_heads")?.unwrap_or(num_heads);
+        if num_heads % num_kv_heads != 0 {
+            return Err(field_err(
+                "num_key_value_heads",
+                format!("{num_kv_heads} does not divide num_attention_heads {num_heads}"),
+            ));
+        }
+        let head_dim = match get_usize(map, "head_dim")? {
+            Some(d) => d,
+            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+            None => {
+                return Err(field_err(
+                    "head_dim",
+                    format!("missing, and hidden_size {hidden_size} is not a multiple of num_attention_heads {num_heads}"),
+                ))
+            }
+        };
+        if head_dim % 2 != 0 {
+            return Err(field_err(
+                "head_dim",
+                format!("{head_dim} is odd: rotary embeddings need an even head size"),
+            ));
+        }
+        let qkv_bias = match architecture {
+            Architecture::Qwen2 => true,
+            Architecture::Llama => get_bool(map, "attention_bias")?.unwrap_or(false),
+        };
+        let dtype = match get_str(map, "dtype")? {
+            Some(d) => Some(d.to_string()),
+            None => get_str(map, "torch_dtype")?.map(str::to_string),
+        };
+        Ok(ModelConfig {
+            architecture,
+            vocab_size: need_usize(map, "vocab_size")?,
+            hidden_size,
+            intermediate_size: need_usize(map, "intermediate_size")?,
+            num_layers: need_usize(map, "num_hidden_layers")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rope_theta: rope_theta(map)?,
+            rms_norm_eps: get_f64(map, "rms_norm_eps")?.unwrap_or(1e-6),
+            tie_word_embeddings: get_bool(map, "tie_word_embeddings")?.unwrap_or(false),
+            qkv_bias,
+            dtype,
+        })
+    }
+
+    /// The config as `config.json` text in `style`.
+    pub fn to_json(&self, style: ConfigStyle) -> String {
+        let mut map = Map::new();
+        let (model_type, arch) = match self.architecture {
+            Architecture::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
+            Architecture::Llama => ("llama", "LlamaForCausalLM"),
+        };
+        map.insert("model_type".into(), model_type.into());
+        map.insert("architectures".into(), Value::Array(vec![arch.into()]));
+        for (k, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_layers),
+            ("num_attention_heads", self.num_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+        ] {
+            map.insert(k.into(), v.into());
+        }
+        map.insert("hidden_act".into(), "silu".into());
+        map.insert("rms_norm_eps".into(), self.rms_norm_eps.into());
+        map.insert(
+            "tie_word_embeddings".into(),
+            self.tie_word_embeddings.into(),
+        );
+        if self.architecture == Architecture::Llama {
+            map.insert("attention_bias".into(), self.qkv_bias.into());
+        }
+        let dtype: Value = self
+            .dtype
+            .clone()
+            .unwrap_or_else(|| "float32".into())
+            .into();
+        match style {
+            ConfigStyle::V4 => {
+                map.insert("rope_theta".into(), self.rope_theta.into());
+                map.insert("torch_dtype".into(), dtype);
+            }
+            ConfigStyle::V5 => {
+                let mut rope = Map::new();
+                rope.insert("rope_type".into(), "default".into());
+                rope.insert("rope_theta".into(), self.rope_theta.into());
+                map.insert("rope_parameters".into(), Value::Object(rope));
+                map.insert("dtype".into(), dtype);
+            }
+        }
+        serde_json::to_string_pretty(&Value::Object(map)).unwrap_or_default()
+    }
+
+    /// Every parameter with its full shape, Hugging Face names, in checkpoint order.
+    pub fn tensor_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let (h, f, d) = (self.hidden_size, self.intermediate_size, self.head_dim);
+        let (q, kv) = (self.num_heads * d, self.num_kv_heads * d);
+        let mut out = vec![(
+            "model.embed_tokens.weight".to_string(),
+            vec![self.vocab_size, h],
+        )];
+        for l in 0..self.num_layers {
+            let p = format!("model.layers.{l}");
+            out.push((format!("{p}.input_layernorm.weight"), vec![h]));
+            out.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h]));
+            if self.qkv_bias {
+                out.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
+            }
+            out.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h]));
+            if self.qkv_bias {
+                out.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
+            }
+            out.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h]));
+            if self.qkv_bias {
+                out.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
+            }
+            out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
+            out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+            out.push((format!("{p}.mlp.gate_proj.weight"), vec![f, h]));
+            out.push((format!("{p}.mlp.up_proj.weight"), vec![f, h]));
+            out.push((format!("{p}.mlp.down_proj.weight"), vec![h, f]));
+        }
+        out.push(("model.norm.weight".to_string(), vec![h]));
+        if !self.tie_word_embeddings {
+            out.push(("lm_head.weight".to_string(), vec![self.vocab_size, h]));
+        }
+        out
+    }
+
+    /// Parameter count.
+    pub fn params(&self) -> usize {
+        self.tensor_shapes()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum()
+    }
+
+    /// The rollout layout at tensor-parallel degree `tp`, choosing each split the way vLLM does:
+    /// q, gate and up column-parallel (heads and the intermediate size must divide by `tp`); k and
+    /// v column-parallel when the kv heads divide by `tp`, otherwise, when `tp` is a multiple of
+    /// the kv heads, replicated (vLLM's rule: every rank keeps kv head `r / (T / kv_heads)`; the
+    /// layout cannot express "one head of several on each rank", so each rank holds all kv heads
+    /// and uses its own); o and down row-parallel; embedding and head vocabulary-parallel when the
+    /// vocabulary divides by `tp`, replicated otherwise; norms replicated.
+    pub fn rollout_layout(&self, tp: usize) -> Result<RolloutLayout, DecodeError> {
+        let degree = |reason: String| DecodeError::Degree { tp, reason };
+        if tp == 0 {
+            return Err(degree("T must be at least 1".into()));
+        }
+        if !self.num_heads.is_multiple_of(tp) {
+            return Err(degree(format!(
+                "num_attention_heads {} is not divisible by T: choose T dividing it",
+                self.num_heads
+            )));
+        }
+        if !self.intermediate_size.is_multiple_of(tp) {
+            return Err(degree(format!(
+                "intermediate_size {} is not divisible by T: choose T dividing it",
+                self.intermediate_size
+            )));
+        }
+        let kv_split = if self.num_kv_heads.is_multiple_of(tp) {
+            Parallel::Column
+        } else if tp.is_multiple_of(self.num_kv_heads) {
+            Parallel::Replicated
+        } else {
+            return Err(degree(format!(
+                "num_key_value_heads {} neither divides by T nor divides T (vLLM needs one of them)",
+                self.num_kv_heads
+            )));
+        };
+        let vocab_split = if self.vocab_size.is_multiple_of(tp) {
+            Parallel::Column
+        } else {
+            Parallel::Replicated
+        };
+        let specs = self
+            .tensor_shapes()
+            .into_iter()
+            .map(|(name, shape)| {
+                let parallel = if name.contains("k_proj") || name.contains("v_proj") {
+                    kv_split
+                } else if name.contains("embed_tokens") || name.starts_with("lm_head") {
+                    vocab_split
+                } else {
+                    Parallel::for_hf_name(&name)
+                };
+                TensorSpec::new(name, shape, parallel)
+            })
+            .collect();
+        Ok(RolloutLayout::new(tp, specs)?)
+    }
+}

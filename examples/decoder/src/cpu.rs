@@ -1,0 +1,295 @@
+//! The CPU reference decoder: runs a TP group's rollout slices rank by rank, sums the row-parallel
+//! partial outputs (the all-reduce), and keeps a KV cache per sequence and rank.
+
+use lifecycle_core::layout::RolloutLayout;
+use lifecycle_host::RankRollout;
+
+use crate::config::ModelConfig;
+use crate::decoder::{Decoder, PrefillLogits};
+use crate::error::DecodeError;
+use crate::math::{linear, rms_norm, softmax, swiglu, Rope};
+use crate::weights::{GroupWeights, VocabWeight};
+
+/// Keys and values of one rank's kv heads for one layer, `[position][kv_heads · head_dim]`.
+#[derive(Debug, Clone, Default)]
+struct KvCache {
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+/// One sequence's cache: `layers[l][rank]`, and its length.
+#[derive(Debug, Clone)]
+struct SeqCache {
+    len: usize,
+    layers: Vec<Vec<KvCache>>,
+}
+
+/// The Qwen2 / Llama decoder on the CPU, reading one tensor-parallel group's rollout weights
+/// (bf16) directly; activations and accumulation in f32.
+///
+/// ```
+/// use lifecycle_core::Lifecycle;
+/// use lifecycle_decoder::{random_tensors, CpuDecoder, Decoder, ModelConfig, Sampling};
+/// use lifecycle_host::{HostBackend, HostTrainState};
+///
+/// let config = ModelConfig::from_json_str(r#"{"model_type": "qwen2", "vocab_size": 32,
+///   "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+///   "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0}"#)?;
+/// let layout = config.rollout_layout(2)?;
+/// let state = HostTrainState::from_tensors(2, random_tensors(&config, 1))?;
+/// let mut lc = Lifecycle::new(HostBackend::new(layout.clone()), state);
+/// let session = lc.rollout()?;
+/// let weights = session.weights();
+/// let group: Vec<_> = weights.ranks.iter().collect();
+/// let mut decoder = CpuDecoder::new(&config, &layout, &group)?;
+/// let out = decoder.generate(&[vec![1, 2, 3], vec![4]], &Sampling::greedy(5))?;
+/// assert_eq!(out.iter().map(Vec::len).collect::<Vec<_>>(), vec![5, 5]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct CpuDecoder<'w> {
+    config: ModelConfig,
+    w: GroupWeights<'w>,
+    rope: Rope,
+    seqs: Vec<SeqCache>,
+}
+
+impl<'w> CpuDecoder<'w> {
+    /// A decoder over `group`: the rollout weights of TP ranks `0..T` of one replica, in order,
+    /// laid out as `layout` says. Every tensor is checked against `config` and `layout` here.
+    pub fn new(
+        config: &ModelConfig,
+        layout: &RolloutLayout,
+        group: &[&'w RankRollout],
+    ) -> Result<Self, DecodeError> {
+        Ok(CpuDecoder {
+            config: config.clone(),
+            w: GroupWeights::new(config, layout, group)?,
+            rope: Rope::new(config.head_dim, config.rope_theta),
+            seqs: Vec::new(),
+        })
+    }
+
+    /// Tokens in each sequence's cache.
+    pub fn lengths(&self) -> Vec<usize> {
+        self.seqs.iter().map(|s| s.len).collect()
+    }
+
+    fn check_token(&self, sequence: usize, token: u32) -> Result<(), DecodeError> {
+        if (token as usize) < self.config.vocab_size {
+            Ok(())
+        } else {
+            Err(DecodeError::Token {
+                sequence,
+                token,
+                vocab: self.config.vocab_size,
+            })
+        }
+    }
+
+    fn embed(&self, tokens: &[u32]) -> Vec<f32> {
+        let h = self.config.hidden_size;
+        let mut x = Vec::with_capacity(tokens.len() * h);
+        for &t in tokens {
+            let t = t as usize;
+            let row = match &self.w.embed {
+                VocabWeight::Parallel(parts) => {
+                    let part = self.config.vocab_size / parts.len();
+                    &parts[t / part][(t % part) * h..(t % part + 1) * h]
+                }
+                VocabWeight::Replicated(all) => &all[t * h..(t + 1) * h],
+            };
+            x.extend(row.iter().map(|v| v.to_f32()));
+        }
+        x
+    }
+
+    /// Runs `tokens` (row `i` is sequence `rows[i].0` at position `rows[i].1`, positions of one
+    /// sequence consecutive and starting at its cache length) through every layer, appending to
+    /// the caches; returns the final hidden states.
+    fn forward(&mut self, rows: &[(usize, usize)], tokens: &[u32]) -> Vec<f32> {
+        let c = &self.config;
+        let (h, d, n) = (c.hidden_size, c.head_dim, rows.len());
+        let eps = c.rms_norm_eps as f32;
+        let group = c.num_heads / c.num_kv_heads;
+        let scale = 1.0 / (d as f32).sqrt();
+        let qh = self.w.q_heads;
+        let mut x = self.embed(tokens);
+        let mut xn = vec![0.0f32; n * h];
+        let mut acc = vec![0.0f32; n * h];
+        let mut partial = vec![0.0f32; n * h];
+        for (l, layer) in self.w.layers.iter().enumerate() {
+            // attention
+            rms_norm(&x, layer.input_norm, eps, &mut xn);
+            acc.iter_mut().for_each(|v| *v = 0.0);
+            for (rank, (rw, share)) in layer.ranks.iter().zip(&self.w.shares).enumerate() {
+                let kvw = share.kv_heads * d;
+                let mut q = vec![0.0f32; n * qh * d];
+                let mut k = vec![0.0f32; n * kvw];
+                let mut v = vec![0.0f32; n * kvw];
+                linear(&xn, rw.q_w, rw.q_b, h, &mut q);
+                linear(&xn, rw.k_w, rw.k_b, h, &mut k);
+                linear(&xn, rw.v_w, rw.v_b, h, &mut v);
+                for (i, &(seq, pos)) in rows.iter().enumerate() {
+                    for head in q[i * qh * d..(i + 1) * qh * d].chunks_exact_mut(d) {
+                        self.rope.apply(head, pos);
+                    }
+                    for head in k[i * kvw..(i + 1) * kvw].chunks_exact_mut(d) {
+                        self.rope.apply(head, pos);
+                    }
+                    let cache = &mut self.seqs[seq].layers[l][rank];
+                    cache.k.extend_from_slice(&k[i * kvw..(i + 1) * kvw]);
+                    cache.v.extend_from_slice(&v[i * kvw..(i + 1) * kvw]);
+                }
+                let mut attn = vec![0.0f32; n * qh * d];
+                for (i, &(seq, pos)) in rows.iter().enumerate() {
+                    let cache = &self.seqs[seq].layers[l][rank];
+                    let mut scores = vec![0.0f32; pos + 1];
+                    for j in 0..qh {
+                        let kv = (share.q_base + j) / group - share.kv_base;
+                        let qv = &q[(i * qh + j) * d..(i * qh + j + 1) * d];
+                        for (p, s) in scores.iter_mut().enumerate() {
+                            let kp = &cache.k[p * kvw + kv * d..p * kvw + (kv + 1) * d];
+                            *s = qv.iter().zip(kp).map(|(a, b)| a * b).sum::<f32>() * scale;
+                        }
+                        softmax(&mut scores);
+                        let out = &mut attn[(i * qh + j) * d..(i * qh + j + 1) * d];
+                        for (p, s) in scores.iter().enumerate() {
+                            let vp = &cache.v[p * kvw + kv * d..p * kvw + (kv + 1) * d];
+                            out.iter_mut().zip(vp).for_each(|(o, b)| *o += s * b);
+                        }
+                    }
+                }
+                linear(&attn, rw.o_w, None, qh * d, &mut partial);
+                // all-reduce (sum) of the row-parallel partial outputs
+                acc.iter_mut().zip(&partial).for_each(|(a, p)| *a += p);
+            }
+            x.iter_mut().zip(&acc).for_each(|(a, b)| *a += b);
+            // MLP
+            rms_norm(&x, layer.post_norm, eps, &mut xn);
+            acc.iter_mut().for_each(|v| *v = 0.0);
+            let f = self.w.ffn_part;
+            let mut gate = vec![0.0f32; n * f];
+            let mut up = vec![0.0f32; n * f];
+            for rw in &layer.ranks {
+                linear(&xn, rw.gate_w, None, h, &mut gate);
+                linear(&xn, rw.up_w, None, h, &mut up);
+                swiglu(&mut gate, &up);
+                linear(&gate, rw.down_w, None, f, &mut partial);
+                acc.iter_mut().zip(&partial).for_each(|(a, p)| *a += p);
+            }
+            x.iter_mut().zip(&acc).for_each(|(a, b)| *a += b);
+        }
+        for &(seq, _) in rows {
+            self.seqs[seq].len += 1;
+        }
+        x
+    }
+
+    /// Logits of hidden rows `x` (`[n × hidden]`), `[n × vocab]`.
+    fn logits(&self, x: &[f32]) -> Vec<f32> {
+        let (h, vocab) = (self.config.hidden_size, self.config.vocab_size);
+        let n = x.len() / h;
+        let mut xn = vec![0.0f32; x.len()];
+        rms_norm(
+            x,
+            self.w.final_norm,
+            self.config.rms_norm_eps as f32,
+            &mut xn,
+        );
+        let mut out = vec![0.0f32; n * vocab];
+        match &self.w.head {
+            VocabWeight::Replicated(all) => linear(&xn, all, None, h, &mut out),
+            VocabWeight::Parallel(parts) => {
+                let part = vocab / parts.len();
+                let mut y = vec![0.0f32; n * part];
+                for (r, w) in parts.iter().enumerate() {
+                    linear(&xn, w, None, h, &mut y);
+                    // all-gather of the vocabulary slices
+                    for (row, yr) in y.chunks_exact(part).enumerate() {
+                        out[row * vocab + r * part..row * vocab + (r + 1) * part]
+                            .copy_from_slice(yr);
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+impl Decoder for CpuDecoder<'_> {
+    type Error = DecodeError;
+
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn prefill(
+        &mut self,
+        prompts: &[Vec<u32>],
+        which: PrefillLogits,
+    ) -> Result<Vec<Vec<f32>>, DecodeError> {
+        let mut rows = Vec::new();
+        let mut tokens = Vec::new();
+        for (s, p) in prompts.iter().enumerate() {
+            if p.is_empty() {
+                return Err(DecodeError::Usage(format!(
+                    "prompt {s} is empty: every prompt needs at least one token"
+                )));
+            }
+            for (pos, &t) in p.iter().enumerate() {
+                self.check_token(s, t)?;
+                rows.push((s, pos));
+                tokens.push(t);
+            }
+        }
+        let tp = self.w.shares.len();
+        self.seqs = vec![
+            SeqCache {
+                len: 0,
+                layers: vec![vec![KvCache::default(); tp]; self.config.num_layers],
+            };
+            prompts.len()
+        ];
+        let x = self.forward(&rows, &tokens);
+        let (h, vocab) = (self.config.hidden_size, self.config.vocab_size);
+        let mut out = Vec::with_capacity(prompts.len());
+        let mut start = 0;
+        for p in prompts {
+            let end = start + p.len();
+            let from = match which {
+                PrefillLogits::All => start,
+                PrefillLogits::Last => end - 1,
+            };
+            out.push(self.logits(&x[from * h..end * h]));
+            start = end;
+        }
+        debug_assert!(out.iter().all(|l| l.len() % vocab == 0));
+        Ok(out)
+    }
+
+    fn decode_step(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>, DecodeError> {
+        if tokens.len() != self.seqs.len() {
+            return Err(DecodeError::Usage(format!(
+                "decode_step got {} tokens for a batch of {} sequences (call prefill first)",
+                tokens.len(),
+                self.seqs.len()
+            )));
+        }
+        for (s, &t) in tokens.iter().enumerate() {
+            self.check_token(s, t)?;
+        }
+        let rows: Vec<(usize, usize)> = self
+            .seqs
+            .iter()
+            .enumerate()
+            .map(|(s, c)| (s, c.len))
+            .collect();
+        let x = self.forward(&rows, tokens);
+        let logits = self.logits(&x);
+        Ok(logits
+            .chunks_exact(self.config.vocab_size)
+            .map(<[f32]>::to_vec)
+            .collect())
+    }
+}

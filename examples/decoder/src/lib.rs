@@ -1,0 +1,32 @@
+//! A Qwen2 / Llama decoder that reads the rollout tensor-parallel layout of the host backend
+//! directly, and Hugging Face checkpoints (`config.json` + `model.safetensors`).
+//!
+//! - [`ModelConfig`]: both `config.json` spellings (transformers 4.x `rope_theta`/`torch_dtype`,
+//!   5.x `rope_parameters`/`dtype`), the tensors a config implies, and
+//!   [`ModelConfig::rollout_layout`], which picks every split for a TP degree `T` (vocabulary
+//!   replicated when it does not divide by `T`, kv heads replicated when there are fewer than `T`).
+//! - [`load_checkpoint`] / [`save_checkpoint`]: safetensors ⇄ [`lifecycle_host::HostTensor`].
+//! - [`Decoder`]: batched prefill, decode steps with a KV cache, greedy or temperature sampling;
+//!   [`CpuDecoder`] is the CPU reference (bf16 weights, f32 accumulation). A GPU implementation is
+//!   meant to sit behind the same trait.
+//!
+//! The CPU decoder is checked against Hugging Face `transformers` on the tiny checkpoints under
+//! `fixtures/` (see `fixtures/make_fixtures.py` and `tests/oracle.rs`).
+
+#![warn(missing_docs)]
+
+mod checkpoint;
+mod config;
+mod cpu;
+mod decoder;
+mod error;
+mod math;
+mod sampling;
+mod weights;
+
+pub use checkpoint::{load_checkpoint, random_tensors, read_tensors, save_checkpoint, Checkpoint};
+pub use config::{Architecture, ConfigStyle, ModelConfig};
+pub use cpu::CpuDecoder;
+pub use decoder::{Decoder, PrefillLogits};
+pub use error::{CheckpointError, DecodeError};
+pub use sampling::{argmax, sample_token, Sampling, SplitMix64};

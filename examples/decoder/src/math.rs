@@ -1,0 +1,167 @@
+//! CPU kernels: bf16 weights, f32 activations and accumulation.
+
+use half::bf16;
+
+/// Multiply-adds above which [`linear`] splits the batch rows over threads.
+const PARALLEL_MACS: usize = 1 << 20;
+
+#[inline(always)]
+fn widen(x: bf16) -> f32 {
+    f32::from_bits((x.to_bits() as u32) << 16)
+}
+
+/// Dot product of a bf16 row and f32 values, eight independent accumulators (vectorisable).
+#[inline]
+pub fn dot(w: &[bf16], x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (wc, xc) = (w.chunks_exact(8), x.chunks_exact(8));
+    let tail: f32 = wc
+        .remainder()
+        .iter()
+        .zip(xc.remainder())
+        .map(|(a, b)| widen(*a) * b)
+        .sum();
+    for (a, b) in wc.zip(xc) {
+        for i in 0..8 {
+            acc[i] += widen(a[i]) * b[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `y[n × out] = x[n × in] · wᵀ (+ bias)` for a row-major `w[out × in]` (a PyTorch linear).
+/// Each weight row is read once for all `n` rows; large products split the rows over threads.
+pub fn linear(x: &[f32], w: &[bf16], bias: Option<&[bf16]>, inp: usize, y: &mut [f32]) {
+    let out = w.len() / inp;
+    let n = x.len() / inp;
+    let threads = if n >= 2 && n * out * inp >= PARALLEL_MACS {
+        std::thread::available_parallelism()
+            .map_or(1, |t| t.get())
+            .min(n)
+    } else {
+        1
+    };
+    if threads <= 1 {
+        linear_rows(x, w, bias, inp, y);
+        return;
+    }
+    let rows_per = n.div_ceil(threads);
+    std::thread::scope(|s| {
+        for (xc, yc) in x.chunks(rows_per * inp).zip(y.chunks_mut(rows_per * out)) {
+            s.spawn(move || linear_rows(xc, w, bias, inp, yc));
+        }
+    });
+}
+
+fn linear_rows(x: &[f32], w: &[bf16], bias: Option<&[bf16]>, inp: usize, y: &mut [f32]) {
+    let out = w.len() / inp;
+    for (o, row) in w.chunks_exact(inp).enumerate() {
+        let b = bias.map_or(0.0, |b| widen(b[o]));
+        for (xi, yi) in x.chunks_exact(inp).zip(y.chunks_exact_mut(out)) {
+            yi[o] = dot(row, xi) + b;
+        }
+    }
+}
+
+/// RMSNorm of every `hidden`-sized row of `x` into `y`: `x / sqrt(mean(x²) + eps) · w`.
+pub fn rms_norm(x: &[f32], w: &[bf16], eps: f32, y: &mut [f32]) {
+    let h = w.len();
+    for (xr, yr) in x.chunks_exact(h).zip(y.chunks_exact_mut(h)) {
+        let ms = xr.iter().map(|v| v * v).sum::<f32>() / h as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for ((o, v), g) in yr.iter_mut().zip(xr).zip(w) {
+            *o = widen(*g) * (v * inv);
+        }
+    }
+}
+
+/// SiLU(gate) · up, in place into `gate`.
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// Rotary tables: `cos`/`sin` of `position · θ^(-2i/d)` for `i < d/2`.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    inv_freq: Vec<f32>,
+}
+
+impl Rope {
+    /// Tables for head size `head_dim` and base `theta`, computed as Hugging Face does (f32).
+    pub fn new(head_dim: usize, theta: f64) -> Self {
+        let inv_freq = (0..head_dim / 2)
+            .map(|i| 1.0 / (theta.powf((2 * i) as f64 / head_dim as f64)) as f32)
+            .collect();
+        Rope { inv_freq }
+    }
+
+    /// Rotates one head vector in place at `position` (HF's `rotate_half`: the pairs are
+    /// `(x[i], x[i + d/2])`).
+    pub fn apply(&self, x: &mut [f32], position: usize) {
+        let half = self.inv_freq.len();
+        let (a, b) = x.split_at_mut(half);
+        for ((xa, xb), f) in a.iter_mut().zip(b.iter_mut()).zip(&self.inv_freq) {
+            let angle = position as f32 * f;
+            let (s, c) = angle.sin_cos();
+            let (u, v) = (*xa, *xb);
+            *xa = u * c - v * s;
+            *xb = v * c + u * s;
+        }
+    }
+}
+
+/// Softmax in place.
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut total = 0.0;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        total += *v;
+    }
+    for v in x.iter_mut() {
+        *v /= total;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn linear_matches_a_naive_product_with_and_without_threads() {
+        for (n, inp, out) in [(3, 5, 4), (64, 256, 80)] {
+            let w: Vec<bf16> = (0..inp * out)
+                .map(|i| bf16::from_f32(((i * 7 % 13) as f32 - 6.0) / 8.0))
+                .collect();
+            let x: Vec<f32> = (0..n * inp)
+                .map(|i| ((i * 5 % 11) as f32 - 5.0) / 4.0)
+                .collect();
+            let b: Vec<bf16> = (0..out).map(|i| bf16::from_f32(i as f32)).collect();
+            let mut y = vec![0.0; n * out];
+            linear(&x, &w, Some(&b), inp, &mut y);
+            for r in 0..n {
+                for o in 0..out {
+                    let want: f32 = (0..inp)
+                        .map(|i| w[o * inp + i].to_f32() * x[r * inp + i])
+                        .sum::<f32>()
+                        + o as f32;
+                    assert!((y[r * out + o] - want).abs() < 1e-3, "{r} {o}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rope_at_position_zero_is_identity_and_preserves_norm() {
+        let rope = Rope::new(8, 10000.0);
+        let mut x = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0];
+        let orig = x;
+        rope.apply(&mut x, 0);
+        assert_eq!(x, orig);
+        rope.apply(&mut x, 5);
+        let n = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>();
+        assert!((n(&x) - n(&orig)).abs() < 1e-3);
+    }
+}
