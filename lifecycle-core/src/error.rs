@@ -1,32 +1,158 @@
-//! Errors of the lifecycle itself, wrapping the backend's.
+//! Errors of the lifecycle itself, wrapping the backend's, and the state each failure leaves.
+
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// Which backend operation failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operation {
+    /// Validating the layouts (nothing had moved).
+    Plan,
+    /// Materialising rollout weights.
+    Enter,
+    /// Rewriting resident rollout weights in place.
+    Refresh,
+    /// Releasing rollout weights and bringing the training state back.
+    Exit,
+}
+
+impl fmt::Display for Operation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Operation::Plan => "plan",
+            Operation::Enter => "enter",
+            Operation::Refresh => "refresh",
+            Operation::Exit => "exit",
+        })
+    }
+}
+
+/// Where the lifecycle stands after a failed switch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AfterFailure {
+    /// The training state is back on the device as it was before the call (gradients, which a
+    /// switch always frees, are zero); no rollout weights are resident; the lifecycle is in train
+    /// mode and usable.
+    Restored,
+    /// Bringing the training state back failed too: the lifecycle is in
+    /// [`Mode::Faulted`](crate::Mode::Faulted) and the next `train()`, `exit()` or `rollout()`
+    /// retries it. Nothing was dropped.
+    Faulted {
+        /// Why the recovery failed.
+        recovery: String,
+    },
+}
+
+impl fmt::Display for AfterFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AfterFailure::Restored => f.write_str(
+                "training state restored, lifecycle in train mode, no rollout weights resident",
+            ),
+            AfterFailure::Faulted { recovery } => write!(
+                f,
+                "restoring the training state failed too ({recovery}); the lifecycle is faulted: \
+                 the next train(), exit() or rollout() retries bringing it back"
+            ),
+        }
+    }
+}
 
 /// Why a lifecycle operation failed, and the state the lifecycle is left in.
 #[derive(Debug, thiserror::Error)]
 pub enum LifecycleError<E: std::error::Error + 'static> {
     /// The backend rejected the layouts. No data moved; the lifecycle is unchanged.
-    #[error("planning the rollout layout failed: {0}")]
+    #[error("planning the rollout layout failed (nothing moved): {0}")]
     Plan(#[source] E),
-    /// Entering rollout mode failed. The backend restored the training state; the lifecycle is in
-    /// train mode with no rollout weights resident.
+    /// Entering rollout mode failed; `after` says what the recovery achieved.
+    #[error("entering rollout mode failed: {source}; {after}")]
+    Enter {
+        /// The backend's error.
+        #[source]
+        source: E,
+        /// The state the lifecycle is in now.
+        after: AfterFailure,
+    },
+    /// Refreshing resident rollout weights failed; they were released.
+    #[error("refreshing resident rollout weights failed: {source}; {after}")]
+    Refresh {
+        /// The backend's error.
+        #[source]
+        source: E,
+        /// The state the lifecycle is in now.
+        after: AfterFailure,
+    },
+    /// Leaving rollout mode failed. The training state may be partly offloaded (nothing was
+    /// dropped); the lifecycle is faulted and the next `train()`, `exit()` or `rollout()` retries.
     #[error(
-        "entering rollout mode failed (training state restored, lifecycle in train mode): {0}"
+        "leaving rollout mode failed: {source}; the training state may be partly offloaded \
+         (nothing dropped): the next train(), exit() or rollout() retries bringing it back"
     )]
-    Enter(#[source] E),
-    /// Refreshing resident rollout weights failed. The lifecycle is in train mode; the resident
-    /// weights are marked stale and the next rollout refreshes them again.
-    #[error("refreshing resident rollout weights failed (lifecycle in train mode, weights marked stale): {0}")]
-    Refresh(#[source] E),
-    /// Leaving rollout mode failed. The rollout weights are gone and the training state may not be
-    /// back: the lifecycle is faulted and refuses further switches.
-    #[error("leaving rollout mode failed; the lifecycle is faulted: {0}")]
-    Exit(#[source] E),
-    /// An earlier exit failed; the training state may be incomplete.
-    #[error(
-        "the lifecycle is faulted by an earlier failed exit: the training state may be incomplete; \
-         rebuild the lifecycle from a checkpoint"
-    )]
-    Faulted,
+    Exit {
+        /// The backend's error.
+        #[source]
+        source: E,
+    },
+    /// The backend panicked; the panic was caught so the training state is not lost.
+    #[error("the backend panicked during {during}: {message}; {after}")]
+    Panicked {
+        /// What it was doing.
+        during: Operation,
+        /// The panic message.
+        message: String,
+        /// The state the lifecycle is in now.
+        after: AfterFailure,
+    },
     /// The configuration is inconsistent.
     #[error("invalid lifecycle configuration: {0}")]
     Config(String),
+}
+
+impl<E: std::error::Error + 'static> LifecycleError<E> {
+    /// The state the lifecycle was left in, for failures of a switch.
+    pub fn after(&self) -> Option<&AfterFailure> {
+        match self {
+            LifecycleError::Enter { after, .. }
+            | LifecycleError::Refresh { after, .. }
+            | LifecycleError::Panicked { after, .. } => Some(after),
+            _ => None,
+        }
+    }
+}
+
+/// A backend call that returned an error or panicked.
+pub(crate) enum Failure<E> {
+    Error(E),
+    Panic(String),
+}
+
+impl<E: fmt::Display> Failure<E> {
+    pub(crate) fn describe(&self) -> String {
+        match self {
+            Failure::Error(e) => e.to_string(),
+            Failure::Panic(m) => format!("panicked: {m}"),
+        }
+    }
+}
+
+/// Runs a backend call, catching a panic so the only copy of the training state survives it.
+pub(crate) fn guarded<T, E>(f: impl FnOnce() -> Result<T, E>) -> Result<T, Failure<E>> {
+    // Unwind safety: after a panic the lifecycle never trusts the backend's half-done work; it
+    // runs the recovery path (`exit`), whose contract covers a partly switched state.
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(t)) => Ok(t),
+        Ok(Err(e)) => Err(Failure::Error(e)),
+        Err(payload) => Err(Failure::Panic(panic_message(payload.as_ref()))),
+    }
+}
+
+/// The text of a panic payload.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic with a non-text payload".to_string()
+    }
 }

@@ -88,6 +88,7 @@
 #![warn(missing_docs)]
 
 mod error;
+mod fault;
 pub mod layout;
 mod lifecycle;
 mod metrics;
@@ -96,7 +97,8 @@ mod reshard;
 mod session;
 mod trace;
 
-pub use error::LifecycleError;
+pub use error::{panic_message, AfterFailure, LifecycleError, Operation};
+pub use fault::{Fault, FaultAt, FaultError, FaultHandle, FaultInjector, FaultKind, InjectedFault};
 pub use lifecycle::{Lifecycle, Mode};
 pub use metrics::{
     Ceilings, HumanBytes, HumanDuration, Link, LinkBytes, Metrics, Phase, PhaseRecorder,

@@ -1,6 +1,6 @@
 //! The [`Lifecycle`]: owner of the training state, the backend and the resident rollout weights.
 
-use crate::error::LifecycleError;
+use crate::error::{guarded, AfterFailure, Failure, LifecycleError, Operation};
 use crate::metrics::{Metrics, Phase, PhaseRecorder};
 use crate::policy::{LifecycleConfig, Switching};
 use crate::reshard::{Reshard, SwitchContext};
@@ -16,7 +16,9 @@ pub enum Mode {
     /// Rollout weights of the current version are resident; training state is offloaded as the
     /// memory policy says.
     Rollout,
-    /// An exit failed: the training state may be incomplete and every switch is refused.
+    /// A switch and its recovery failed: the training state may be partly offloaded (nothing is
+    /// dropped). The next [`train`](Lifecycle::train), [`exit`](Lifecycle::exit) or
+    /// [`rollout`](Lifecycle::rollout) first retries bringing it back.
     Faulted,
 }
 
@@ -179,9 +181,10 @@ impl<B: Reshard> Lifecycle<B> {
     }
 
     /// Leaves rollout mode now, releasing the rollout weights even if the memory policy would keep
-    /// them resident. No-op in train mode with nothing resident.
+    /// them resident. No-op in train mode with nothing resident. In [`Mode::Faulted`] it retries
+    /// bringing the training state back.
     pub fn exit(&mut self) -> Result<(), LifecycleError<B::Error>> {
-        self.check_not_faulted()?;
+        self.recover_if_faulted()?;
         self.exit_due = false;
         if self.mode == Mode::Rollout || self.resident.is_some() {
             self.run_exit(true)?;
@@ -195,14 +198,6 @@ impl<B: Reshard> Lifecycle<B> {
         Ok((self.backend, self.state))
     }
 
-    fn check_not_faulted(&self) -> Result<(), LifecycleError<B::Error>> {
-        if self.mode == Mode::Faulted {
-            Err(LifecycleError::Faulted)
-        } else {
-            Ok(())
-        }
-    }
-
     fn settle_due_exit(&mut self) -> Result<(), LifecycleError<B::Error>> {
         if self.exit_due {
             self.exit_due = false;
@@ -213,8 +208,58 @@ impl<B: Reshard> Lifecycle<B> {
         Ok(())
     }
 
+    /// In [`Mode::Faulted`], retries `exit(state, None)`: on success the lifecycle is back in
+    /// train mode.
+    fn recover_if_faulted(&mut self) -> Result<(), LifecycleError<B::Error>> {
+        if self.mode != Mode::Faulted {
+            return Ok(());
+        }
+        match self.guarded_exit(None) {
+            Ok(()) => {
+                self.mode = Mode::Train;
+                Ok(())
+            }
+            Err(Failure::Error(source)) => Err(LifecycleError::Exit { source }),
+            Err(Failure::Panic(message)) => Err(LifecycleError::Panicked {
+                during: Operation::Exit,
+                message,
+                after: AfterFailure::Faulted {
+                    recovery: "the retried reload panicked".into(),
+                },
+            }),
+        }
+    }
+
+    /// Runs `exit(state, rollout)` with panics caught.
+    fn guarded_exit(&mut self, rollout: Option<B::Rollout>) -> Result<(), Failure<B::Error>> {
+        let mut ctx = SwitchContext {
+            memory: self.config.memory,
+            rec: PhaseRecorder::with_trace(&mut self.metrics, &mut self.trace),
+        };
+        let (backend, state) = (&mut self.backend, &mut self.state);
+        guarded(|| backend.exit(state, rollout, &mut ctx))
+    }
+
+    /// After a failed enter or refresh: brings offloaded state back (releasing `rollout` if
+    /// given) and says where the lifecycle stands.
+    fn recover(&mut self, rollout: Option<B::Rollout>) -> AfterFailure {
+        self.resident = None;
+        match self.guarded_exit(rollout) {
+            Ok(()) => {
+                self.mode = Mode::Train;
+                AfterFailure::Restored
+            }
+            Err(f) => {
+                self.mode = Mode::Faulted;
+                AfterFailure::Faulted {
+                    recovery: f.describe(),
+                }
+            }
+        }
+    }
+
     pub(crate) fn ensure_rollout(&mut self) -> Result<(), LifecycleError<B::Error>> {
-        self.check_not_faulted()?;
+        self.recover_if_faulted()?;
         self.settle_due_exit()?;
         if self.rollout_is_current() {
             if self.mode == Mode::Rollout {
@@ -227,40 +272,66 @@ impl<B: Reshard> Lifecycle<B> {
         }
         debug_assert!(self.mode == Mode::Train || self.resident.is_none());
         let mut rec = PhaseRecorder::with_trace(&mut self.metrics, &mut self.trace);
-        let plan = rec
-            .phase(Phase::Plan, |_| self.backend.plan(&self.state))
-            .map_err(LifecycleError::Plan)?;
+        let (backend, state) = (&self.backend, &self.state);
+        let plan = match rec.phase(Phase::Plan, |_| Ok(guarded(|| backend.plan(state)))) {
+            Ok(Ok(plan)) => plan,
+            Ok(Err(Failure::Error(e))) | Err(e) => return Err(LifecycleError::Plan(e)),
+            Ok(Err(Failure::Panic(message))) => {
+                return Err(LifecycleError::Panicked {
+                    during: Operation::Plan,
+                    message,
+                    after: AfterFailure::Restored,
+                })
+            }
+        };
         let mut ctx = SwitchContext {
             memory: self.config.memory,
             rec,
         };
-        match self.resident.as_mut() {
-            Some(resident) => {
-                resident.version = None;
-                self.backend
-                    .refresh(&plan, &mut self.state, &mut resident.weights, &mut ctx)
-                    .map_err(LifecycleError::Refresh)?;
-                resident.version = Some(self.version);
-                self.metrics.refreshes += 1;
+        let (backend, state) = (&mut self.backend, &mut self.state);
+        let (failure, operation, rollout) = match self.resident.take() {
+            Some(mut resident) => {
+                match guarded(|| backend.refresh(&plan, state, &mut resident.weights, &mut ctx)) {
+                    Ok(()) => {
+                        resident.version = Some(self.version);
+                        self.resident = Some(resident);
+                        self.metrics.refreshes += 1;
+                        self.mode = Mode::Rollout;
+                        return Ok(());
+                    }
+                    // The weights may be half rewritten: release them during recovery.
+                    Err(f) => (f, Operation::Refresh, Some(resident.weights)),
+                }
             }
-            None => {
-                let weights = self
-                    .backend
-                    .enter(&plan, &mut self.state, &mut ctx)
-                    .map_err(LifecycleError::Enter)?;
-                self.resident = Some(Resident {
-                    weights,
-                    version: Some(self.version),
-                });
-                self.metrics.enters += 1;
+            None => match guarded(|| backend.enter(&plan, state, &mut ctx)) {
+                Ok(weights) => {
+                    self.resident = Some(Resident {
+                        weights,
+                        version: Some(self.version),
+                    });
+                    self.metrics.enters += 1;
+                    self.mode = Mode::Rollout;
+                    return Ok(());
+                }
+                Err(f) => (f, Operation::Enter, None),
+            },
+        };
+        let after = self.recover(rollout);
+        Err(match (failure, operation) {
+            (Failure::Error(source), Operation::Refresh) => {
+                LifecycleError::Refresh { source, after }
             }
-        }
-        self.mode = Mode::Rollout;
-        Ok(())
+            (Failure::Error(source), _) => LifecycleError::Enter { source, after },
+            (Failure::Panic(message), during) => LifecycleError::Panicked {
+                during,
+                message,
+                after,
+            },
+        })
     }
 
     pub(crate) fn ensure_train(&mut self) -> Result<(), LifecycleError<B::Error>> {
-        self.check_not_faulted()?;
+        self.recover_if_faulted()?;
         self.settle_due_exit()?;
         if self.mode == Mode::Rollout {
             // Under keep_rollout_resident nothing was offloaded: exit only reallocates what enter
@@ -290,19 +361,28 @@ impl<B: Reshard> Lifecycle<B> {
         } else {
             None
         };
-        let mut ctx = SwitchContext {
-            memory: self.config.memory,
-            rec: PhaseRecorder::with_trace(&mut self.metrics, &mut self.trace),
-        };
-        match self.backend.exit(&mut self.state, rollout, &mut ctx) {
+        match self.guarded_exit(rollout) {
             Ok(()) => {
                 self.metrics.exits += 1;
                 self.mode = Mode::Train;
                 Ok(())
             }
-            Err(e) => {
+            Err(failure) => {
+                // Kept-resident weights are no longer trusted either.
+                self.resident = None;
                 self.mode = Mode::Faulted;
-                Err(LifecycleError::Exit(e))
+                Err(match failure {
+                    Failure::Error(source) => LifecycleError::Exit { source },
+                    Failure::Panic(message) => LifecycleError::Panicked {
+                        during: Operation::Exit,
+                        message,
+                        after: AfterFailure::Faulted {
+                            recovery: "not attempted yet: the next train(), exit() or rollout() \
+                                       retries the reload"
+                                .into(),
+                        },
+                    },
+                })
             }
         }
     }

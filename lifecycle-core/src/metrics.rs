@@ -6,6 +6,7 @@
 use std::fmt;
 use std::time::{Duration, Instant};
 
+use crate::fault::{Armed, FaultAt};
 use crate::trace::Trace;
 
 /// One phase of a switch between the training and the rollout layout.
@@ -355,6 +356,7 @@ pub struct Ceilings {
 pub struct PhaseRecorder<'m> {
     metrics: &'m mut Metrics,
     trace: Option<&'m mut Trace>,
+    armed: Option<Armed>,
 }
 
 impl<'m> PhaseRecorder<'m> {
@@ -363,6 +365,7 @@ impl<'m> PhaseRecorder<'m> {
         PhaseRecorder {
             metrics,
             trace: None,
+            armed: None,
         }
     }
 
@@ -371,6 +374,7 @@ impl<'m> PhaseRecorder<'m> {
         PhaseRecorder {
             metrics,
             trace: Some(trace),
+            armed: None,
         }
     }
 
@@ -391,6 +395,7 @@ impl<'m> PhaseRecorder<'m> {
         phase: Phase,
         f: impl FnOnce(&mut PhaseScope) -> Result<T, E>,
     ) -> Result<T, E> {
+        self.check_fault(phase, FaultAt::Start);
         let mut scope = PhaseScope::default();
         let start = Instant::now();
         let out = f(&mut scope);
@@ -415,12 +420,29 @@ impl<'m> PhaseRecorder<'m> {
                 None,
             );
         }
+        self.check_fault(phase, FaultAt::End);
         out
+    }
+
+    fn check_fault(&mut self, phase: Phase, at: FaultAt) {
+        if let Some(armed) = self.armed.as_mut() {
+            armed.check(phase, at);
+        }
+    }
+
+    pub(crate) fn arm(&mut self, armed: Armed) {
+        self.armed = Some(armed);
+    }
+
+    pub(crate) fn disarm(&mut self) -> Option<Armed> {
+        self.armed.take()
     }
 
     /// Records a phase measured by the backend itself (for example from device events).
     pub fn record(&mut self, phase: Phase, wall: Duration, sample: PhaseSample) {
+        self.check_fault(phase, FaultAt::Start);
         self.metrics.record(phase, wall, &sample);
+        self.check_fault(phase, FaultAt::End);
     }
 }
 

@@ -17,7 +17,13 @@ use crate::policy::MemoryPolicy;
 /// - [`refresh`](Reshard::refresh) rewrites resident rollout weights in place from the current
 ///   training state (called only when the lifecycle kept them resident while training ran).
 /// - [`exit`](Reshard::exit) releases the rollout weights (when given) and brings offloaded
-///   training state back.
+///   training state back. It is also the **recovery path**: after an `enter` or `refresh` that
+///   failed or panicked part way, and after a failed `exit`, the lifecycle calls `exit` (with
+///   `None`, or with weights to release) and it must bring back whatever is offloaded — so it must
+///   be idempotent and cope with a partly switched state.
+///
+/// The lifecycle catches panics of these methods: a panicking backend cannot lose the training
+/// state as long as `exit` can still bring it back.
 ///
 /// Backends report bytes, time and extra memory of each phase through `ctx.rec`.
 ///
