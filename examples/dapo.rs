@@ -5,14 +5,23 @@
 //! ```text
 //! cargo run --release --example dapo                 # lazy vs eager, default sizes
 //! cargo run --release --example dapo -- --help       # every option
+//! cargo run --release --example dapo -- --checkpoint examples/decoder/fixtures/gqa_untied
 //! ```
+//!
+//! With `--checkpoint DIR` (a Hugging Face `config.json` + `model.safetensors`, Qwen2 or Llama) the
+//! training state is the checkpoint's weights and every rollout runs the Qwen2 / Llama decoder
+//! (`lifecycle-decoder`) on the resharded bf16 tensor-parallel slices; the toy-policy size options
+//! are then ignored.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use lifecycle_core::{HumanBytes, HumanDuration, MemoryPolicy, Switching};
-use lifecycle_examples::dapo::{self, DapoConfig, RunReport};
+use lifecycle_decoder::{load_checkpoint, Checkpoint};
+use lifecycle_examples::dapo::{self, DapoConfig, RunReport, StepReport};
+use lifecycle_examples::lm_policy::run_checkpoint;
 use lifecycle_examples::toy_policy::PolicyConfig;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -74,6 +83,10 @@ struct Args {
     /// Keep master weights and optimizer state on the device during rollout.
     #[arg(long)]
     no_offload: bool,
+    /// A Hugging Face checkpoint folder (config.json + model.safetensors, Qwen2 or Llama): train
+    /// its weights and roll out through the decoder instead of the toy policy.
+    #[arg(long, value_name = "PATH")]
+    checkpoint: Option<PathBuf>,
 }
 
 impl Args {
@@ -108,13 +121,30 @@ fn ms(d: Duration) -> String {
     HumanDuration(d).to_string()
 }
 
-fn run_one(config: &DapoConfig, switching: Switching) -> Result<RunReport, dapo::DapoError> {
+/// Runs one lifecycle on the toy policy, or on the checkpoint when there is one.
+fn run_dapo(
+    config: &DapoConfig,
+    checkpoint: Option<&Checkpoint>,
+    switching: Switching,
+    on_step: impl FnMut(&StepReport),
+) -> Result<RunReport, dapo::DapoError> {
+    match checkpoint {
+        Some(ckpt) => run_checkpoint(config, ckpt, switching, on_step),
+        None => dapo::run(config, switching, on_step),
+    }
+}
+
+fn run_one(
+    config: &DapoConfig,
+    checkpoint: Option<&Checkpoint>,
+    switching: Switching,
+) -> Result<RunReport, dapo::DapoError> {
     let name = match switching {
         Switching::Lazy => "lazy",
         Switching::Eager => "eager",
     };
     println!("\n== {name} lifecycle ==");
-    let report = dapo::run(config, switching, |s| {
+    let report = run_dapo(config, checkpoint, switching, |s| {
         println!(
             "step {}: gen batches {}, kept {}/{} groups, mean reward {:.3}, switches {}, exits {}, \
              moved {} (d2d {}, d2h {}, h2d {}), rollout {}, switch {}, update {}",
@@ -212,32 +242,71 @@ fn compare(lazy: &RunReport, eager: &RunReport) {
 fn main() -> ExitCode {
     let args = Args::parse();
     let config = args.config();
-    println!(
-        "DAPO on the host backend: W = {}, T = {}, policy {} params ({} layers, hidden {}, ffn {}, vocab {}), \
-         {} prompts x {} samples per gen batch, {} groups per step, offload {}",
-        config.world,
-        config.tp,
-        config.policy.params(),
-        config.policy.layers,
-        config.policy.hidden,
-        config.policy.ffn,
-        config.policy.vocab,
-        config.prompts_per_batch,
-        config.group_size,
-        config.batch_groups,
-        if args.no_offload { "off" } else { "master + Adam" },
-    );
+    let checkpoint = match &args.checkpoint {
+        None => None,
+        Some(path) => match load_checkpoint(path) {
+            Ok(ckpt) => Some(ckpt),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+    };
+    let offload = if args.no_offload {
+        "off"
+    } else {
+        "master + Adam"
+    };
+    match (&checkpoint, &args.checkpoint) {
+        (Some(ckpt), Some(path)) => {
+            let m = &ckpt.config;
+            println!(
+                "DAPO on the host backend: W = {}, T = {}, checkpoint {} ({:?}, {} params, {} layers, \
+                 hidden {}, heads {}/{} kv, vocab {}, {} head), rollouts through the CPU decoder, \
+                 {} prompts x {} samples per gen batch, {} groups per step, offload {offload}",
+                config.world,
+                config.tp,
+                path.display(),
+                m.architecture,
+                m.params(),
+                m.num_layers,
+                m.hidden_size,
+                m.num_heads,
+                m.num_kv_heads,
+                m.vocab_size,
+                if m.tie_word_embeddings { "tied" } else { "untied" },
+                config.prompts_per_batch,
+                config.group_size,
+                config.batch_groups,
+            );
+        }
+        _ => println!(
+            "DAPO on the host backend: W = {}, T = {}, policy {} params ({} layers, hidden {}, ffn {}, vocab {}), \
+             {} prompts x {} samples per gen batch, {} groups per step, offload {offload}",
+            config.world,
+            config.tp,
+            config.policy.params(),
+            config.policy.layers,
+            config.policy.hidden,
+            config.policy.ffn,
+            config.policy.vocab,
+            config.prompts_per_batch,
+            config.group_size,
+            config.batch_groups,
+        ),
+    }
+    let ckpt = checkpoint.as_ref();
     // Warm the allocator and caches once, untimed, so neither policy pays the first-touch cost.
     let warmup = DapoConfig { steps: 1, ..config };
-    if let Err(e) = dapo::run(&warmup, Switching::Lazy, |_| {}) {
+    if let Err(e) = run_dapo(&warmup, ckpt, Switching::Lazy, |_| {}) {
         eprintln!("error: {e}");
         return ExitCode::FAILURE;
     }
     let result = match args.lifecycle {
-        LifecycleArg::Lazy => run_one(&config, Switching::Lazy).map(|_| ()),
-        LifecycleArg::Eager => run_one(&config, Switching::Eager).map(|_| ()),
-        LifecycleArg::Both => run_one(&config, Switching::Lazy).and_then(|lazy| {
-            let eager = run_one(&config, Switching::Eager)?;
+        LifecycleArg::Lazy => run_one(&config, ckpt, Switching::Lazy).map(|_| ()),
+        LifecycleArg::Eager => run_one(&config, ckpt, Switching::Eager).map(|_| ()),
+        LifecycleArg::Both => run_one(&config, ckpt, Switching::Lazy).and_then(|lazy| {
+            let eager = run_one(&config, ckpt, Switching::Eager)?;
             compare(&lazy, &eager);
             Ok(())
         }),

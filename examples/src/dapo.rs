@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use lifecycle_core::layout::RolloutLayout;
 use lifecycle_core::{
     sharded_rollout, Lifecycle, LifecycleConfig, LifecycleError, LinkBytes, MemoryPolicy, Metrics,
     RolloutView, Switching,
@@ -93,6 +94,12 @@ pub enum DapoError {
     /// Inconsistent settings.
     #[error("invalid setting: {0}")]
     Config(String),
+    /// The checkpoint could not be loaded.
+    #[error(transparent)]
+    Checkpoint(#[from] lifecycle_decoder::CheckpointError),
+    /// The decoder rejected the model, its layout or a token.
+    #[error(transparent)]
+    Decode(#[from] lifecycle_decoder::DecodeError),
 }
 
 /// The samples of one prompt.
@@ -324,16 +331,54 @@ pub fn validate(config: &DapoConfig) -> Result<(), DapoError> {
     }
 }
 
+/// One gen batch the loop asks the rollout for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GenRequest {
+    /// 1-based training step.
+    pub step: usize,
+    /// Prompt ids of the batch.
+    pub prompts: Vec<u64>,
+    /// Sampling seed of the step.
+    pub seed: u64,
+}
+
 /// Runs DAPO with `switching`, calling `on_step` after each step.
 pub fn run(
     config: &DapoConfig,
     switching: Switching,
+    on_step: impl FnMut(&StepReport),
+) -> Result<RunReport, DapoError> {
+    validate(config)?;
+    let state = HostTrainState::from_tensors(config.world, config.policy.init(config.seed))?;
+    let layout = config.policy.rollout_layout(config.tp)?;
+    run_loop(config, state, layout, switching, on_step, |lc, req| {
+        let job = GenJob {
+            prompts: req.prompts.clone(),
+            group_size: config.group_size,
+            tokens: config.tokens,
+            temperature: config.temperature,
+            seed: req.seed,
+            policy: config.policy,
+            tp: config.tp,
+        };
+        Ok(generate(lc, &job)?)
+    })
+}
+
+/// The DAPO loop over any policy: per step, gen batches from `rollout` until `batch_groups`
+/// groups with mixed rewards are kept (dynamic sampling), then one update that changes every
+/// weight. `config.policy` is not read here (the state and layout are given).
+pub fn run_loop(
+    config: &DapoConfig,
+    state: HostTrainState,
+    layout: RolloutLayout,
+    switching: Switching,
     mut on_step: impl FnMut(&StepReport),
+    mut rollout: impl FnMut(&mut Lifecycle<HostBackend>, &GenRequest) -> Result<Vec<Group>, DapoError>,
 ) -> Result<RunReport, DapoError> {
     validate(config)?;
     let start = Instant::now();
-    let state = HostTrainState::from_tensors(config.world, config.policy.init(config.seed))?;
-    let backend = HostBackend::new(config.policy.rollout_layout(config.tp)?);
+    let backend = HostBackend::new(layout);
     let lc_config = LifecycleConfig {
         switching,
         memory: config.memory,
@@ -360,17 +405,13 @@ pub fn run(
                     gen_batches,
                 });
             }
-            let job = GenJob {
+            let request = GenRequest {
+                step,
                 prompts: (next_prompt..next_prompt + config.prompts_per_batch as u64).collect(),
-                group_size: config.group_size,
-                tokens: config.tokens,
-                temperature: config.temperature,
                 seed: config.seed ^ ((step as u64) << 32),
-                policy: config.policy,
-                tp: config.tp,
             };
             next_prompt += config.prompts_per_batch as u64;
-            let groups = generate(&mut lc, &job)?;
+            let groups = rollout(&mut lc, &request)?;
             gen_batches += 1;
             generated += groups.len();
             all_groups.extend(groups.iter().cloned());

@@ -1,0 +1,109 @@
+//! DAPO on a Hugging Face checkpoint: rollouts through the Qwen2 / Llama decoder on the resharded
+//! weights, the same dynamic sampling and update step as the toy policy.
+
+use std::path::Path;
+
+use lifecycle_core::{Lifecycle, Switching};
+use lifecycle_decoder::{
+    load_checkpoint, random_tensors, save_checkpoint, ConfigStyle, ModelConfig,
+};
+use lifecycle_examples::dapo::DapoConfig;
+use lifecycle_examples::lm_policy::{generate_lm, run_checkpoint, LmJob};
+use lifecycle_host::{HostBackend, HostTrainState};
+
+fn small(world: usize, tp: usize) -> DapoConfig {
+    DapoConfig {
+        steps: 3,
+        world,
+        tp,
+        prompts_per_batch: 2,
+        group_size: 6,
+        batch_groups: 4,
+        max_gen_batches: 32,
+        tokens: 8,
+        ..DapoConfig::default()
+    }
+}
+
+#[test]
+fn checkpoint_dapo_lazy_one_switch_per_step_eager_one_per_gen_batch() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("decoder/fixtures/gqa_untied");
+    let ckpt = load_checkpoint(&dir).unwrap();
+    let config = small(2, 2);
+    let lazy = run_checkpoint(&config, &ckpt, Switching::Lazy, |_| {}).unwrap();
+    let eager = run_checkpoint(&config, &ckpt, Switching::Eager, |_| {}).unwrap();
+    assert!(
+        lazy.gen_batches() > config.steps,
+        "dynamic sampling needed extra gen batches"
+    );
+    for s in &lazy.steps {
+        assert_eq!((s.switches, s.exits), (1, 1), "lazy step {}", s.step);
+        assert_eq!(s.kept, config.batch_groups);
+    }
+    for s in &eager.steps {
+        assert_eq!(s.switches as usize, s.gen_batches);
+    }
+    assert_eq!(
+        lazy.groups, eager.groups,
+        "both policies must sample from the same weights"
+    );
+    for g in &lazy.groups {
+        assert_eq!(g.samples.len(), config.group_size);
+        assert!(g
+            .samples
+            .iter()
+            .all(|s| s.len() == config.tokens && s.iter().all(|&t| t < 96)));
+    }
+}
+
+#[test]
+fn checkpoint_samples_follow_the_weights_on_two_replicas() {
+    // a tied Llama with one kv head and an odd vocabulary: replicated embedding/head and kv heads
+    let config = ModelConfig::from_json_str(
+        r#"{"model_type": "llama", "vocab_size": 45, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "rope_theta": 10000.0, "tie_word_embeddings": true}"#,
+    )
+    .unwrap();
+    let dir = std::env::temp_dir().join(format!("lc-dapo-ckpt-{}", std::process::id()));
+    save_checkpoint(&dir, &config, &random_tensors(&config, 3), ConfigStyle::V5).unwrap();
+    let ckpt = load_checkpoint(&dir).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    for (world, tp) in [(4, 2), (2, 1)] {
+        // a hot temperature: this random model is peaked, and groups need mixed rewards
+        let config = DapoConfig {
+            temperature: 3.0,
+            ..small(world, tp)
+        };
+        let report = run_checkpoint(&config, &ckpt, Switching::Lazy, |_| {}).unwrap();
+        eprintln!(
+            "W={world} T={tp}: gen batches {} in {:?}",
+            report.gen_batches(),
+            report.total_time
+        );
+        assert_eq!(report.steps.len(), 3);
+    }
+    let layout = config.rollout_layout(2).unwrap();
+    let state = HostTrainState::from_tensors(4, ckpt.tensors.clone()).unwrap();
+    let mut lc = Lifecycle::new(HostBackend::new(layout.clone()), state);
+    let job = LmJob {
+        prompts: (0..4).collect(),
+        group_size: 3,
+        tokens: 6,
+        temperature: 1.0,
+        seed: 5,
+        model: config.clone(),
+        layout,
+    };
+    let first = generate_lm(&mut lc, &job).unwrap().unwrap();
+    assert_eq!(first, generate_lm(&mut lc, &job).unwrap().unwrap());
+    assert_eq!(lc.metrics().switches(), 1);
+    lc.train()
+        .unwrap()
+        .state_mut()
+        .for_each_shard_mut(|s| s.master.iter_mut().for_each(|w| *w *= -1.5))
+        .unwrap();
+    let after = generate_lm(&mut lc, &job).unwrap().unwrap();
+    assert_ne!(first, after, "new weights must change the samples");
+    assert_eq!(lc.metrics().switches(), 2);
+}
