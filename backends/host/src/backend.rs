@@ -5,6 +5,7 @@ use lifecycle_core::layout::{plan_fsdp_to_tp, RankPlan, ReshardPlan, RolloutLayo
 use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
 
 use crate::cast::cast_f32_to_bf16;
+use crate::checksum::checksum_bf16;
 use crate::error::HostError;
 use crate::rollout::{HostRollout, RankRollout, RolloutTensor};
 use crate::state::{HostTrainState, RankState};
@@ -34,12 +35,60 @@ use crate::state::{HostTrainState, RankState};
 #[derive(Debug, Clone)]
 pub struct HostBackend {
     layout: RolloutLayout,
+    verify: bool,
+    /// Checksums of the resident rollout slices, per rank and tensor (verification mode).
+    rollout_sums: Vec<Vec<u64>>,
 }
 
 impl HostBackend {
     /// A backend producing `layout`.
     pub fn new(layout: RolloutLayout) -> Self {
-        HostBackend { layout }
+        HostBackend {
+            layout,
+            verify: false,
+            rollout_sums: Vec::new(),
+        }
+    }
+
+    /// Turns verification mode on or off. When on: `plan` rejects NaN or infinite master weights
+    /// (naming the tensor, rank and element); every offloaded buffer is checksummed and checked at
+    /// reload; the rollout slices are checksummed after each transfer and checked before release.
+    /// A mismatch is reported with the rank, tensor and buffer.
+    pub fn with_verification(mut self, on: bool) -> Self {
+        self.verify = on;
+        self
+    }
+
+    /// Whether verification mode is on.
+    pub fn verifies(&self) -> bool {
+        self.verify
+    }
+
+    fn record_rollout_sums(&mut self, rollout: &HostRollout) {
+        self.rollout_sums = if self.verify {
+            per_rank(rollout.ranks.iter().collect(), |_, r| {
+                r.tensors.iter().map(|t| checksum_bf16(&t.data)).collect()
+            })
+        } else {
+            Vec::new()
+        };
+    }
+
+    fn check_rollout_sums(&self, rollout: &HostRollout) -> Result<(), HostError> {
+        if !self.verify || self.rollout_sums.is_empty() {
+            return Ok(());
+        }
+        for (rank, (r, sums)) in rollout.ranks.iter().zip(&self.rollout_sums).enumerate() {
+            for (t, &expected) in r.tensors.iter().zip(sums) {
+                if checksum_bf16(&t.data) != expected {
+                    return Err(HostError::RolloutCorrupted {
+                        rank,
+                        tensor: t.name.clone(),
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The rollout layout this backend produces.
@@ -214,7 +263,12 @@ fn transfer(
     Ok(())
 }
 
-fn offload(state: &mut HostTrainState, memory: MemoryPolicy, ctx: &mut SwitchContext<'_>) {
+fn offload(
+    state: &mut HostTrainState,
+    memory: MemoryPolicy,
+    verify: bool,
+    ctx: &mut SwitchContext<'_>,
+) {
     let spans = ctx.rec.phase(Phase::Offload, |scope| {
         let ranks: Vec<&mut RankState> = state.ranks.iter_mut().collect();
         let spans = timed_per_rank(ranks, |_, rank| {
@@ -224,11 +278,11 @@ fn offload(state: &mut HostTrainState, memory: MemoryPolicy, ctx: &mut SwitchCon
                     rank.meter.free((grad.len() * 4) as u64);
                 }
                 if memory.offload_params {
-                    bytes += shard.master.offload(&mut rank.meter);
+                    bytes += shard.master.offload(&mut rank.meter, verify);
                 }
                 if memory.offload_optimizer {
-                    bytes += shard.adam_m.offload(&mut rank.meter);
-                    bytes += shard.adam_v.offload(&mut rank.meter);
+                    bytes += shard.adam_m.offload(&mut rank.meter, verify);
+                    bytes += shard.adam_v.offload(&mut rank.meter, verify);
                 }
             }
             (bytes, Link::DeviceToHost)
@@ -248,7 +302,11 @@ impl Reshard for HostBackend {
     type Error = HostError;
 
     fn plan(&self, state: &HostTrainState) -> Result<ReshardPlan, HostError> {
-        Ok(plan_fsdp_to_tp(state.layout(), &self.layout)?)
+        let plan = plan_fsdp_to_tp(state.layout(), &self.layout)?;
+        if self.verify {
+            check_finite(state)?;
+        }
+        Ok(plan)
     }
 
     fn enter(
@@ -269,7 +327,8 @@ impl Reshard for HostBackend {
             state.ranks[rank].meter.alloc(r.bytes());
         }
         transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx)?;
-        offload(state, ctx.memory, ctx);
+        self.record_rollout_sums(&rollout);
+        offload(state, ctx.memory, self.verify, ctx);
         Ok(rollout)
     }
 
@@ -298,7 +357,8 @@ impl Reshard for HostBackend {
             }
         }
         transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx)?;
-        offload(state, ctx.memory, ctx);
+        self.record_rollout_sums(rollout);
+        offload(state, ctx.memory, self.verify, ctx);
         Ok(())
     }
 
@@ -308,7 +368,10 @@ impl Reshard for HostBackend {
         rollout: Option<HostRollout>,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<(), HostError> {
+        let mut rollout_check = Ok(());
         if let Some(rollout) = rollout {
+            rollout_check = self.check_rollout_sums(&rollout);
+            self.rollout_sums.clear();
             ctx.rec.phase(Phase::Release, |_| {
                 for (rank, r) in rollout.ranks.into_iter().enumerate() {
                     if let Some(s) = state.ranks.get_mut(rank) {
@@ -319,26 +382,84 @@ impl Reshard for HostBackend {
                 Ok::<(), HostError>(())
             })?;
         }
-        let spans = ctx.rec.phase(Phase::Reload, |scope| {
+        let names: Vec<&str> = state
+            .layout
+            .tensors
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect();
+        let (spans, corrupted) = ctx.rec.phase(Phase::Reload, |scope| {
             let ranks: Vec<&mut RankState> = state.ranks.iter_mut().collect();
-            let spans = timed_per_rank(ranks, |_, rank| {
+            let results = per_rank(ranks, |rank_index, rank| {
+                let start = Instant::now();
                 let mut bytes = 0;
-                for shard in &mut rank.shards {
-                    bytes += shard.master.reload(&mut rank.meter);
-                    bytes += shard.adam_m.reload(&mut rank.meter);
-                    bytes += shard.adam_v.reload(&mut rank.meter);
+                let mut corrupted = None;
+                for (tensor, shard) in rank.shards.iter_mut().enumerate() {
+                    for (buffer, residence) in [
+                        ("master", &mut shard.master),
+                        ("adam_m", &mut shard.adam_m),
+                        ("adam_v", &mut shard.adam_v),
+                    ] {
+                        match residence.reload(&mut rank.meter) {
+                            Ok(b) => bytes += b,
+                            Err(m) => {
+                                corrupted.get_or_insert(HostError::Corrupted {
+                                    rank: rank_index,
+                                    tensor: names[tensor].to_string(),
+                                    buffer,
+                                    expected: m.expected,
+                                    found: m.found,
+                                });
+                            }
+                        }
+                    }
                     if shard.grad.is_none() {
                         let n = shard.master.values().len();
                         rank.meter.alloc((n * 4) as u64);
                         shard.grad = Some(vec![0.0; n]);
                     }
                 }
-                (bytes, Link::HostToDevice)
+                let span = RankSpan {
+                    start,
+                    duration: start.elapsed(),
+                    bytes,
+                    link: Link::HostToDevice,
+                };
+                (span, corrupted)
             });
-            scope.add_bytes(Link::HostToDevice, spans.iter().map(|s| s.bytes).sum());
-            Ok::<_, HostError>(spans)
+            scope.add_bytes(
+                Link::HostToDevice,
+                results.iter().map(|(s, _)| s.bytes).sum(),
+            );
+            let (spans, errors): (Vec<RankSpan>, Vec<Option<HostError>>) =
+                results.into_iter().unzip();
+            Ok::<_, HostError>((spans, errors.into_iter().flatten().next()))
         })?;
         record_rank_spans(ctx, Phase::Reload, &spans);
-        Ok(())
+        if let Some(e) = corrupted {
+            return Err(e);
+        }
+        rollout_check
     }
+}
+
+/// Verification mode: every master weight on the device must be finite.
+fn check_finite(state: &HostTrainState) -> Result<(), HostError> {
+    for (rank, r) in state.ranks.iter().enumerate() {
+        for (tensor, shard) in r.shards.iter().enumerate() {
+            if let Some(values) = shard.master.on_device() {
+                if let Some((index, &value)) =
+                    values.iter().enumerate().find(|(_, v)| !v.is_finite())
+                {
+                    return Err(HostError::NonFinite {
+                        tensor: state.layout.tensors[tensor].0.clone(),
+                        rank,
+                        index,
+                        value,
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
 }

@@ -50,4 +50,38 @@ pub enum HostError {
         /// Elements resident.
         found: usize,
     },
+    /// Verification mode: a master weight is NaN or infinite.
+    #[error("tensor `{tensor}` has a non-finite master weight ({value}) at element {index} of rank {rank}'s shard: fix the update that produced it (verification mode refuses to switch non-finite weights)")]
+    NonFinite {
+        /// The tensor.
+        tensor: String,
+        /// The rank holding the shard.
+        rank: usize,
+        /// Element index within the shard.
+        index: usize,
+        /// The value.
+        value: f32,
+    },
+    /// Verification mode: an offloaded buffer changed while it was in host memory.
+    #[error("offloaded {buffer} of tensor `{tensor}` on rank {rank} is corrupted (checksum {found:#018x}, expected {expected:#018x}): it stays offloaded; restore the training state from a checkpoint")]
+    Corrupted {
+        /// The rank.
+        rank: usize,
+        /// The tensor.
+        tensor: String,
+        /// `master`, `adam_m` or `adam_v`.
+        buffer: &'static str,
+        /// Checksum at offload.
+        expected: u64,
+        /// Checksum at reload.
+        found: u64,
+    },
+    /// Verification mode: a rollout slice changed while resident.
+    #[error("rollout tensor `{tensor}` on rank {rank} changed while resident (checksum mismatch): something wrote into the rollout weights; the training state is reloaded intact")]
+    RolloutCorrupted {
+        /// The rank.
+        rank: usize,
+        /// The tensor.
+        tensor: String,
+    },
 }

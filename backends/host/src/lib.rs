@@ -11,6 +11,7 @@
 
 mod backend;
 mod cast;
+mod checksum;
 mod error;
 mod rollout;
 mod state;
@@ -18,6 +19,7 @@ mod tensor;
 
 pub use backend::{per_rank, HostBackend};
 pub use cast::cast_f32_to_bf16;
+pub use checksum::{checksum_bf16, checksum_f32};
 pub use error::HostError;
 pub use rollout::{reference_rollout, HostRollout, RankRollout, RolloutTensor};
 pub use state::{AdamParams, HostTrainState, MemoryMeter, ShardMut};

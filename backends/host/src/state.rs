@@ -2,6 +2,7 @@ use std::ops::Range;
 
 use lifecycle_core::layout::{fsdp_rows, FsdpLayout};
 
+use crate::checksum::checksum_f32;
 use crate::error::HostError;
 use crate::tensor::HostTensor;
 
@@ -10,22 +11,30 @@ use crate::tensor::HostTensor;
 pub(crate) enum Residence {
     /// In the rank's device memory (counted by its meter).
     Device(Vec<f32>),
-    /// Offloaded to host memory: a separate allocation; the device original was freed.
-    Host(Box<[f32]>),
+    /// Offloaded to host memory: a separate allocation; the device original was freed. The
+    /// checksum is taken at offload in verification mode.
+    Host(Box<[f32]>, Option<u64>),
+}
+
+/// An offloaded buffer whose checksum no longer matches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Mismatch {
+    pub(crate) expected: u64,
+    pub(crate) found: u64,
 }
 
 impl Residence {
     pub(crate) fn values(&self) -> &[f32] {
         match self {
             Residence::Device(v) => v,
-            Residence::Host(v) => v,
+            Residence::Host(v, _) => v,
         }
     }
 
     pub(crate) fn on_device(&self) -> Option<&[f32]> {
         match self {
             Residence::Device(v) => Some(v),
-            Residence::Host(_) => None,
+            Residence::Host(..) => None,
         }
     }
 
@@ -33,13 +42,14 @@ impl Residence {
         (self.values().len() * 4) as u64
     }
 
-    /// Copies a device buffer to a fresh host allocation and frees the original. Returns the
-    /// bytes moved (0 if already offloaded).
-    pub(crate) fn offload(&mut self, meter: &mut MemoryMeter) -> u64 {
+    /// Copies a device buffer to a fresh host allocation and frees the original (checksumming
+    /// the copy when `verify`). Returns the bytes moved (0 if already offloaded).
+    pub(crate) fn offload(&mut self, meter: &mut MemoryMeter, verify: bool) -> u64 {
         if let Residence::Device(v) = self {
             let host: Box<[f32]> = v.as_slice().into();
+            let sum = verify.then(|| checksum_f32(&host));
             let bytes = self.bytes();
-            *self = Residence::Host(host);
+            *self = Residence::Host(host, sum);
             meter.free(bytes);
             bytes
         } else {
@@ -47,15 +57,37 @@ impl Residence {
         }
     }
 
-    /// Copies a host buffer back to a fresh device allocation and frees the host copy.
-    pub(crate) fn reload(&mut self, meter: &mut MemoryMeter) -> u64 {
-        if let Residence::Host(h) = self {
+    /// Copies a host buffer back to a fresh device allocation and frees the host copy. A buffer
+    /// whose checksum no longer matches stays offloaded and is reported.
+    pub(crate) fn reload(&mut self, meter: &mut MemoryMeter) -> Result<u64, Mismatch> {
+        if let Residence::Host(h, sum) = self {
+            if let Some(expected) = *sum {
+                let found = checksum_f32(h);
+                if found != expected {
+                    return Err(Mismatch { expected, found });
+                }
+            }
             let bytes = (h.len() * 4) as u64;
             meter.alloc(bytes);
             *self = Residence::Device(h.to_vec());
-            bytes
+            Ok(bytes)
         } else {
-            0
+            Ok(0)
+        }
+    }
+
+    /// Flips one bit of an offloaded buffer (fault injection); false if it is on the device or
+    /// `index` is out of range.
+    pub(crate) fn flip_offloaded_bit(&mut self, index: usize, bit: u32) -> bool {
+        match self {
+            Residence::Host(h, _) => match h.get_mut(index) {
+                Some(v) => {
+                    *v = f32::from_bits(v.to_bits() ^ (1 << (bit % 32)));
+                    true
+                }
+                None => false,
+            },
+            Residence::Device(_) => false,
         }
     }
 }
@@ -340,6 +372,29 @@ impl HostTrainState {
         })?;
         self.adam_steps += 1;
         Ok(())
+    }
+
+    /// Flips bit `bit` of element `index` of an **offloaded** buffer (`"master"`, `"adam_m"` or
+    /// `"adam_v"`) of `tensor` on `rank`: fault injection for testing verification mode. Returns
+    /// whether a bit was flipped (false when the buffer is on the device or out of range).
+    pub fn inject_offloaded_bit_flip(
+        &mut self,
+        rank: usize,
+        tensor: &str,
+        buffer: &str,
+        index: usize,
+        bit: u32,
+    ) -> Result<bool, HostError> {
+        let i = self.tensor_index(tensor)?;
+        let Some(shard) = self.ranks.get_mut(rank).and_then(|r| r.shards.get_mut(i)) else {
+            return Ok(false);
+        };
+        Ok(match buffer {
+            "master" => shard.master.flip_offloaded_bit(index, bit),
+            "adam_m" => shard.adam_m.flip_offloaded_bit(index, bit),
+            "adam_v" => shard.adam_v.flip_offloaded_bit(index, bit),
+            _ => false,
+        })
     }
 
     /// A bitwise snapshot of every buffer (master, grad, m, v) for round-trip tests.
