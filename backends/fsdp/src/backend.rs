@@ -558,6 +558,19 @@ fn run_buckets(
             )?
         });
     }
+    let nrslots = plan.recv_staging_slots(rank);
+    let mut rstaging: Vec<CudaSlice<bf16>> = Vec::with_capacity(nrslots);
+    for _ in 0..nrslots {
+        // SAFETY: every element an unpack reads is first written by the receive of its bucket.
+        rstaging.push(unsafe {
+            alloc_device::<bf16>(
+                &ctx.compute,
+                plan.recv_slot_elems as usize,
+                rank,
+                "receive staging bucket",
+            )?
+        });
+    }
     let nccl = ctx.nccl_stream();
     // Allocations (stream-ordered on compute) and earlier writes are visible to NCCL and to the
     // auxiliary stream that runs the local casts.
@@ -566,9 +579,10 @@ fn run_buckets(
     let mbase = ptr(master, ctx);
     let rbase = ptr_mut(roll, ctx);
     let sbases: Vec<u64> = staging.iter_mut().map(|s| ptr_mut(s, ctx)).collect();
+    let rsbases: Vec<u64> = rstaging.iter_mut().map(|s| ptr_mut(s, ctx)).collect();
     let mut net_done = Vec::with_capacity(buckets.len());
     let mut moved = RankMoved {
-        staging: nslots as u64 * plan.slot_elems * 2,
+        staging: (nslots as u64 * plan.slot_elems + nrslots as u64 * plan.recv_slot_elems) * 2,
         ..Default::default()
     };
     for (k, b) in buckets.iter().enumerate() {
@@ -631,9 +645,18 @@ fn run_buckets(
             }
             if res.is_ok() {
                 for r in &b.recvs {
-                    moved.recv += r.count * 2;
                     let (lo, hi) = (r.off as usize, (r.off + r.count) as usize);
-                    if let Err(e) = ctx.comm.recv(&mut roll.slice_mut(lo..hi), r.peer as i32) {
+                    let got = match r.into {
+                        Buf::Rollout => {
+                            moved.recv += r.count * 2;
+                            ctx.comm.recv(&mut roll.slice_mut(lo..hi), r.peer as i32)
+                        }
+                        Buf::Staging => ctx.comm.recv(
+                            &mut rstaging[k % nrslots.max(1)].slice_mut(lo..hi),
+                            r.peer as i32,
+                        ),
+                    };
+                    if let Err(e) = got {
                         res = Err(CudaError::nccl(rank, "ncclRecv", e));
                         break;
                     }
@@ -643,6 +666,27 @@ fn run_buckets(
                 cudarc::nccl::group_end().map_err(|e| CudaError::nccl(rank, "ncclGroupEnd", e));
             res?;
             end?;
+        }
+        for u in &b.unpacks {
+            moved.recv += u.count * 2;
+            let region = lifecycle_cuda::Region2d {
+                rows: 1,
+                cols: u.count,
+                src_ld: u.count,
+                dst_ld: u.count,
+            };
+            // SAFETY: the plan keeps both runs inside their buffers (receive slot of
+            // recv_slot_elems, rollout of roll_len); queued on the NCCL stream right after the
+            // receive that fills the slot, and before the slot's next receive on the same stream.
+            unsafe {
+                ctx.kernels.copy_u16(
+                    &nccl,
+                    rsbases[k % nrslots.max(1)] + 2 * u.src_off,
+                    rbase + 2 * u.dst_off,
+                    region,
+                    rank,
+                )?;
+            }
         }
         if !b.gathers.is_empty() {
             let w = ctx.world as u64;
@@ -688,6 +732,7 @@ fn run_buckets(
     nccl.synchronize()
         .map_err(ctx.drv("synchronizing NCCL", 0))?;
     drop(staging);
+    drop(rstaging);
     ctx.compute
         .synchronize()
         .map_err(ctx.drv("freeing staging", 0))?;

@@ -111,13 +111,28 @@ pub struct SendOp {
     pub count: u64,
 }
 
-/// A contiguous run of bf16 received from a peer, straight into the rollout buffer.
+/// A contiguous run of bf16 received from a peer: straight into the rollout buffer
+/// ([`Buf::Rollout`]) or, in [`GatherMode::Packed`], into the bucket's receive staging slot
+/// ([`Buf::Staging`]), from where [`UnpackOp`]s copy it into place.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RecvOp {
     /// Source rank.
     pub peer: usize,
-    /// Element offset in the rollout buffer.
+    /// Where it lands.
+    pub into: Buf,
+    /// Element offset in that buffer.
     pub off: u64,
+    /// Elements.
+    pub count: u64,
+}
+
+/// A contiguous copy from the receive staging slot into the rollout buffer (after the receives).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnpackOp {
+    /// Element offset in the receive staging slot.
+    pub src_off: u64,
+    /// Element offset in the rollout buffer.
+    pub dst_off: u64,
     /// Elements.
     pub count: u64,
 }
@@ -141,6 +156,11 @@ pub enum GatherMode {
     /// For T = 1: grouped in-place NCCL all-gathers, one per tensor, straight into the rollout
     /// buffers (tensors padded to `W · ⌈rows / W⌉` rows there). Other T fall back to `SendRecv`.
     AllGather,
+    /// For T > 1: each rank packs every piece a peer needs in a bucket into one contiguous staging
+    /// run and sends it as one message; the peer receives it into a receive staging slot and
+    /// copies the pieces into place. Fewer, larger NCCL messages for one extra local copy of the
+    /// received bytes and a second staging slot per bucket in flight. T = 1 behaves as `SendRecv`.
+    Packed,
 }
 
 /// What one rank does in one bucket.
@@ -156,6 +176,10 @@ pub struct BucketOps {
     pub staging_elems: u64,
     /// In-place all-gathers (the same list on every rank; [`GatherMode::AllGather`] only).
     pub gathers: Vec<GatherOp>,
+    /// Copies out of the receive staging slot ([`GatherMode::Packed`] only).
+    pub unpacks: Vec<UnpackOp>,
+    /// Receive staging elements used ([`GatherMode::Packed`] only).
+    pub recv_staging_elems: u64,
 }
 
 /// Transfer settings.
@@ -195,6 +219,8 @@ pub struct FsdpPlan {
     pub ranks: Vec<Vec<BucketOps>>,
     /// Elements of one staging slot (0 when no rank stages anything).
     pub slot_elems: u64,
+    /// Elements of one receive staging slot (0 unless [`GatherMode::Packed`]).
+    pub recv_slot_elems: u64,
     /// Settings used.
     pub config: BucketConfig,
 }
@@ -211,10 +237,24 @@ impl FsdpPlan {
         self.ranks[r]
             .iter()
             .map(|b| {
-                b.recvs.iter().map(|x| x.count * 2).sum::<u64>()
+                b.recvs
+                    .iter()
+                    .filter(|x| x.into == Buf::Rollout)
+                    .map(|x| x.count * 2)
+                    .sum::<u64>()
+                    + b.unpacks.iter().map(|x| x.count * 2).sum::<u64>()
                     + b.gathers.iter().map(|g| (w - 1) * g.count * 2).sum::<u64>()
             })
             .sum()
+    }
+
+    /// Receive staging slots rank `r` needs (0 unless [`GatherMode::Packed`] stages receives).
+    pub fn recv_staging_slots(&self, r: usize) -> usize {
+        if self.ranks[r].iter().any(|b| b.recv_staging_elems > 0) {
+            self.config.in_flight.min(self.buckets()).max(1)
+        } else {
+            0
+        }
     }
 
     /// bf16 bytes rank `r` writes by casting (local pieces and staged pieces).
@@ -303,6 +343,7 @@ fn build_gather_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig
         roll_len: off.max(ALIGN_ELEMS),
         ranks,
         slot_elems: 0,
+        recv_slot_elems: 0,
         config,
     }
 }
@@ -446,17 +487,28 @@ pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -
         });
         cur[it.dst].recvs.push(RecvOp {
             peer: it.src,
+            into: Buf::Rollout,
             off: roll_off,
             count: n,
         });
     }
     flush(&mut ranks, &mut cur, &mut sent, &mut local);
+    let mut recv_slot_elems = 0;
+    if config.mode == GatherMode::Packed && core.tp > 1 {
+        for k in 0..ranks.first().map_or(0, Vec::len) {
+            recv_slot_elems = recv_slot_elems.max(pack_bucket(&mut ranks, k));
+        }
+    }
+    for b in ranks.iter().flatten() {
+        max_staging = max_staging.max(b.staging_elems);
+    }
     FsdpPlan {
         core,
         shards,
         roll_offsets,
         roll_len,
         ranks,
+        recv_slot_elems: align(recv_slot_elems),
         slot_elems: if max_staging > 0 {
             align(max_staging)
         } else {
@@ -464,4 +516,92 @@ pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -
         },
         config,
     }
+}
+
+/// One sender's packed run for one peer: start, length, and each piece's (offset from the start,
+/// elements), in send order.
+type PeerPack = (u64, u64, Vec<(u64, u64)>);
+
+/// Rewrites bucket `k` of every rank for [`GatherMode::Packed`]: each sender's staged pieces are
+/// laid out per peer contiguously (the casts retargeted), one send per peer; each receiver gets one
+/// receive per peer into its receive staging slot and one unpack per piece. Returns the largest
+/// receive staging size of the bucket.
+fn pack_bucket(ranks: &mut [Vec<BucketOps>], k: usize) -> u64 {
+    let world = ranks.len();
+    // (src, dst) -> packed start and the pieces' new offsets, in send order.
+    let mut packed: Vec<Vec<PeerPack>> = vec![Vec::new(); world];
+    if ranks
+        .iter()
+        .any(|r| r[k].sends.iter().any(|s| s.buf != Buf::Staging))
+    {
+        return 0; // only all-staged buckets are packed (T > 1)
+    }
+    for (src, rank) in ranks.iter_mut().enumerate() {
+        let b = &mut rank[k];
+        let mut cursor = 0u64;
+        let mut remap: Vec<(u64, u64)> = Vec::new();
+        let mut per_peer = vec![(0u64, 0u64, Vec::new()); world];
+        for (peer, slot) in per_peer.iter_mut().enumerate() {
+            let start = align(cursor);
+            cursor = start;
+            for s in b.sends.iter().filter(|s| s.peer == peer) {
+                let at = align(cursor);
+                remap.push((s.off, at));
+                slot.2.push((at - start, s.count));
+                cursor = at + s.count;
+            }
+            *slot = (start, cursor - start, std::mem::take(&mut slot.2));
+        }
+        for c in b.casts.iter_mut().filter(|c| c.dst == Buf::Staging) {
+            if let Some(&(_, new)) = remap.iter().find(|(old, _)| *old == c.dst_off) {
+                c.dst_off = new;
+            }
+        }
+        b.sends = per_peer
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, len, _))| *len > 0)
+            .map(|(peer, &(start, len, _))| SendOp {
+                peer,
+                buf: Buf::Staging,
+                off: start,
+                count: len,
+            })
+            .collect();
+        b.staging_elems = cursor;
+        packed[src] = per_peer;
+    }
+    let mut max_recv = 0;
+    for (dst, rank) in ranks.iter_mut().enumerate() {
+        let b = &mut rank[k];
+        let old: Vec<RecvOp> = std::mem::take(&mut b.recvs);
+        let mut cursor = 0u64;
+        for (src, peers) in packed.iter().enumerate() {
+            let Some((_, len, pieces)) = peers.get(dst) else {
+                continue;
+            };
+            if *len == 0 {
+                continue;
+            }
+            let base = align(cursor);
+            b.recvs.push(RecvOp {
+                peer: src,
+                into: Buf::Staging,
+                off: base,
+                count: *len,
+            });
+            for (r, &(rel, count)) in old.iter().filter(|r| r.peer == src).zip(pieces) {
+                debug_assert_eq!(r.count, count);
+                b.unpacks.push(UnpackOp {
+                    src_off: base + rel,
+                    dst_off: r.off,
+                    count,
+                });
+            }
+            cursor = base + len;
+        }
+        b.recv_staging_elems = cursor;
+        max_recv = max_recv.max(cursor);
+    }
+    max_recv
 }

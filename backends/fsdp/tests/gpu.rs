@@ -203,6 +203,21 @@ fn rollout_bit_identical_w2_t2() -> Res {
             in_flight: 3,
             ..Default::default()
         },
+    )?;
+    let packed = BucketConfig {
+        mode: GatherMode::Packed,
+        ..Default::default()
+    };
+    check_bits(2, 2, MemoryPolicy::resident(), packed)?;
+    check_bits(
+        2,
+        2,
+        MemoryPolicy::default(),
+        BucketConfig {
+            bucket_bytes: 1 << 20,
+            in_flight: 2,
+            mode: GatherMode::Packed,
+        },
     )
 }
 

@@ -74,6 +74,8 @@ fn simulate(plan: &FsdpPlan, state: &HostTrainState) -> Vec<Vec<bf16>> {
                 }
             }
         }
+        let mut recv_staging =
+            vec![vec![bf16::from_bits(0x7FCC); plan.recv_slot_elems as usize]; world];
         // In-place all-gathers: every rank's part lands on every other rank.
         for g in &plan.ranks[0][k].gathers {
             for r in 1..world {
@@ -116,9 +118,22 @@ fn simulate(plan: &FsdpPlan, state: &HostTrainState) -> Vec<Vec<bf16>> {
                             staging[src][s.off as usize..(s.off + s.count) as usize].to_vec()
                         }
                     };
-                    rolls[dst][rv.off as usize..(rv.off + rv.count) as usize]
-                        .copy_from_slice(&data);
+                    match rv.into {
+                        Buf::Rollout => rolls[dst][rv.off as usize..(rv.off + rv.count) as usize]
+                            .copy_from_slice(&data),
+                        Buf::Staging => recv_staging[dst]
+                            [rv.off as usize..(rv.off + rv.count) as usize]
+                            .copy_from_slice(&data),
+                    }
                 }
+            }
+        }
+        for (r, roll) in rolls.iter_mut().enumerate() {
+            let b = &plan.ranks[r][k];
+            assert!(b.recv_staging_elems <= plan.recv_slot_elems);
+            for u in &b.unpacks {
+                let src = &recv_staging[r][u.src_off as usize..(u.src_off + u.count) as usize];
+                roll[u.dst_off as usize..(u.dst_off + u.count) as usize].copy_from_slice(src);
             }
         }
     }
@@ -158,6 +173,9 @@ fn check(world: usize, tp: usize, bucket_bytes: u64, mode: GatherMode) {
             assert_eq!(plan.slot_elems, 0, "T = 1 needs no staging");
         }
     }
+    if mode == GatherMode::Packed && tp > 1 && world > 1 {
+        assert!(plan.ranks.iter().flatten().any(|b| !b.unpacks.is_empty()));
+    }
     if mode == GatherMode::AllGather && tp == 1 {
         return;
     }
@@ -178,6 +196,7 @@ fn plan_matches_reference_for_every_w_t_and_budget() {
             for budget in [16, 40, 128, 1 << 20] {
                 check(world, tp, budget, GatherMode::SendRecv);
                 check(world, tp, budget, GatherMode::AllGather);
+                check(world, tp, budget, GatherMode::Packed);
             }
         }
     }

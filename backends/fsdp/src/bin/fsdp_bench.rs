@@ -400,6 +400,13 @@ fn run() -> Result<(), Box<dyn Error>> {
                     mode: GatherMode::SendRecv,
                 });
             }
+            for &bucket_bytes in &[64u64 << 20, 128 << 20, 256 << 20, 1 << 30] {
+                configs.push(BucketConfig {
+                    bucket_bytes,
+                    in_flight: 2,
+                    mode: GatherMode::Packed,
+                });
+            }
         }
         if tp == 1 && args.world > 1 {
             for &bucket_bytes in budgets {
