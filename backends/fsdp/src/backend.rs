@@ -542,6 +542,21 @@ fn run_buckets(
     master: &CudaSlice<f32>,
     roll: &mut CudaSlice<bf16>,
 ) -> Result<RankMoved, CudaError> {
+    let out = run_buckets_inner(ctx, plan, master, roll);
+    if out.is_err() {
+        // Nothing may still read or write the rollout or staging buffers when they are freed
+        // after an error part-way through: wait for every stream first.
+        let _ = ctx.sync_all();
+    }
+    out
+}
+
+fn run_buckets_inner(
+    ctx: &RankCtx,
+    plan: &FsdpPlan,
+    master: &CudaSlice<f32>,
+    roll: &mut CudaSlice<bf16>,
+) -> Result<RankMoved, CudaError> {
     let rank = ctx.rank;
     let buckets = &plan.ranks[rank];
     let nslots = plan.staging_slots(rank);

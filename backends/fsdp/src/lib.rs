@@ -17,6 +17,13 @@
 //!   pinned host) run on a third stream during the transfer; grads are freed, not copied.
 //! - **Exit**: rollout buffers released, offloaded state reloaded on the copy stream, grads
 //!   reallocated as zeros.
+//! - **Memory**: freed device memory stays mapped in each GPU's stream-ordered pool (as PyTorch's
+//!   caching allocator keeps it), so the next phase reuses it without remapping;
+//!   [`FsdpBackend::trim_device_memory`] hands it back to the driver. Peak extra device memory
+//!   during a transfer is at most `in_flight × bucket_bytes` of staging (none at T = 1).
+//! - **Modes** ([`GatherMode`]): grouped send/receive (default, any T), in-place all-gathers
+//!   straight into the rollout buffers (T = 1, fastest there), packed one-message-per-peer
+//!   buckets (T > 1, an experiment that measured slower).
 //!
 //! [`FsdpBackend::download_rollout`] returns a [`HostRollout`](lifecycle_host::HostRollout) for bit
 //! comparison with the host backend; [`FsdpBackend::download_state`] returns the training buffers.
