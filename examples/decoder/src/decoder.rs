@@ -14,7 +14,25 @@ pub enum PrefillLogits {
 /// A batched autoregressive decoder with a KV cache.
 ///
 /// `prefill` starts a new batch (dropping any previous cache); `decode_step` feeds one token per
-/// sequence of that batch. `generate` drives both with [`Sampling`].
+/// sequence of that batch. `generate` drives both with [`Sampling`]. [`CpuDecoder`](crate::CpuDecoder)
+/// is the reference implementation; code written against the trait runs on any of them:
+///
+/// ```
+/// use lifecycle_decoder::{argmax, Decoder, PrefillLogits};
+///
+/// /// Greedy continuation by hand: prefill, then feed back the argmax.
+/// fn greedy<D: Decoder>(d: &mut D, prompt: Vec<u32>, n: usize) -> Result<Vec<u32>, D::Error> {
+///     let mut logits = d.prefill(&[prompt], PrefillLogits::Last)?.remove(0);
+///     let mut out = Vec::new();
+///     for _ in 0..n {
+///         let next = argmax(&logits) as u32;
+///         out.push(next);
+///         logits = d.decode_step(&[next])?.remove(0);
+///     }
+///     Ok(out)
+/// }
+/// # let _ = greedy::<lifecycle_decoder::CpuDecoder<'static>>;
+/// ```
 pub trait Decoder {
     /// Why a call failed.
     type Error: std::error::Error;
