@@ -56,6 +56,17 @@ pub fn load_checkpoint(dir: &Path) -> Result<Checkpoint, CheckpointError> {
 
 /// Reads the tensors `config` needs from the bytes of a safetensors file (`path` names it in
 /// errors).
+///
+/// ```
+/// use lifecycle_decoder::{read_tensors, ModelConfig};
+/// let config = ModelConfig::from_json_str(r#"{"model_type": "qwen2", "vocab_size": 8,
+///   "hidden_size": 4, "intermediate_size": 8, "num_hidden_layers": 1,
+///   "num_attention_heads": 2, "rope_theta": 10000.0}"#)?;
+/// // eight bytes announcing a 1000-byte header that is not there
+/// let err = read_tensors(&config, &1000u64.to_le_bytes(), "m.safetensors".as_ref()).unwrap_err();
+/// assert!(err.to_string().starts_with("m.safetensors: not a valid safetensors file"));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn read_tensors(
     config: &ModelConfig,
     bytes: &[u8],

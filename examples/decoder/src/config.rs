@@ -301,6 +301,17 @@ impl ModelConfig {
     }
 
     /// The config as `config.json` text in `style`.
+    ///
+    /// ```
+    /// use lifecycle_decoder::{ConfigStyle, ModelConfig};
+    /// let c = ModelConfig::from_json_str(r#"{"model_type": "llama", "vocab_size": 8,
+    ///   "hidden_size": 4, "intermediate_size": 8, "num_hidden_layers": 1,
+    ///   "num_attention_heads": 2, "rope_parameters": {"rope_theta": 500.0}}"#)?;
+    /// let v4 = c.to_json(ConfigStyle::V4);
+    /// assert!(v4.contains("\"rope_theta\": 500.0") && v4.contains("torch_dtype"));
+    /// assert_eq!(ModelConfig::from_json_str(&v4)?, ModelConfig { dtype: Some("float32".into()), ..c });
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn to_json(&self, style: ConfigStyle) -> String {
         let mut map = Map::new();
         let (model_type, arch) = match self.architecture {
