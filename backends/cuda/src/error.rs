@@ -48,6 +48,9 @@ pub enum CudaError {
         /// GPUs the driver reports.
         available: usize,
     },
+    /// The multi-process rendezvous that shares the NCCL id failed.
+    #[error("rank rendezvous failed: {0}")]
+    Rendezvous(#[from] lifecycle_dist::DistError),
     /// A world size of zero.
     #[error("the world size W must be at least 1, found 0")]
     ZeroWorld,

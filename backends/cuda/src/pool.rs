@@ -97,23 +97,28 @@ pub type RankFn<'f, T, R> = dyn Fn(&RankCtx, &mut T) -> Result<R, CudaError> + S
 /// Runs per-rank work where each rank's resources live: the seam between backends and the way
 /// ranks are launched (threads of one process now, processes later).
 pub trait RankExecutor {
-    /// W.
+    /// W: ranks in the whole job.
     fn world(&self) -> usize;
 
-    /// Runs `f(ctx_r, &mut items[r])` on every rank `r` concurrently and returns the results in
-    /// rank order; the first error (by rank) wins, after every rank finished.
+    /// The global ranks this process drives, in the order `run_each` takes its items: `0..W` in
+    /// the single-process mode, one rank per process when launched like PyTorch.
+    fn local_ranks(&self) -> &[usize];
+
+    /// Runs `f(ctx, &mut items[i])` on local rank `local_ranks()[i]` for every `i` concurrently
+    /// and returns the results in that order; the first error (by rank) wins, after every rank
+    /// finished. `ctx.rank` is the global rank.
     fn run_each<T: Send, R: Send>(
         &self,
         items: &mut [T],
         f: &RankFn<'_, T, R>,
     ) -> Result<Vec<R>, CudaError>;
 
-    /// Runs `f(ctx_r)` on every rank.
+    /// Runs `f(ctx)` on every local rank.
     fn run<R: Send>(
         &self,
         f: &(dyn Fn(&RankCtx) -> Result<R, CudaError> + Sync),
     ) -> Result<Vec<R>, CudaError> {
-        let mut unit = vec![(); self.world()];
+        let mut unit = vec![(); self.local_ranks().len()];
         self.run_each(&mut unit, &|ctx, _| f(ctx))
     }
 }
@@ -125,19 +130,25 @@ struct Worker {
     handle: Option<JoinHandle<()>>,
 }
 
-/// One persistent thread per GPU in this process, ranks `0..world` on devices `0..world`.
+/// One persistent thread per GPU this process drives: ranks `0..world` on devices `0..world`
+/// ([`ThreadRankPool::new`], the single-process mode), or this process's one rank on its local
+/// GPU ([`ThreadRankPool::for_process`], launched like PyTorch with torchrun, Slurm or
+/// `lifecycle-launch`).
 ///
 /// Each thread creates its context, streams (compute, copy, NCCL), loads the NVRTC kernels and
-/// builds its own `Comm::from_rank` from one NCCL `Id` made by the pool.
+/// builds its own `Comm::from_rank` from one NCCL `Id` (made by the pool, or by rank 0 and shared
+/// over the TCP rendezvous).
 pub struct ThreadRankPool {
     workers: Vec<Worker>,
     world: usize,
+    ranks: Vec<usize>,
 }
 
 impl std::fmt::Debug for ThreadRankPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ThreadRankPool")
             .field("world", &self.world)
+            .field("ranks", &self.ranks)
             .finish()
     }
 }
@@ -151,23 +162,65 @@ impl ThreadRankPool {
         }
         check_environment(world)?;
         let id = Id::new().map_err(|e| CudaError::nccl(0, "creating the NCCL unique id", e))?;
-        let internal = *id.internal();
-        let ptx_ctx =
-            CudaContext::new(0).map_err(|e| CudaError::driver(0, "creating a context", 0, e))?;
+        let assignments: Vec<(usize, usize)> = (0..world).map(|r| (r, r)).collect();
+        Self::start(world, assignments, *id.internal())
+    }
+
+    /// The rank of this process in a job launched like PyTorch: global rank `env.rank` of
+    /// `env.world_size` on local GPU `env.local_rank`. Rank 0 makes the NCCL id and shares it over
+    /// the TCP rendezvous at `MASTER_ADDR:MASTER_PORT`; every rank waits at most `timeout` for it.
+    pub fn for_process(
+        env: &lifecycle_dist::RankEnv,
+        timeout: std::time::Duration,
+    ) -> Result<Self, CudaError> {
+        if env.world_size == 0 {
+            return Err(CudaError::ZeroWorld);
+        }
+        check_environment(env.local_rank + 1)?;
+        let root_id = if env.rank == 0 {
+            let id = Id::new().map_err(|e| CudaError::nccl(0, "creating the NCCL unique id", e))?;
+            id.internal().iter().map(|&c| c as u8).collect()
+        } else {
+            Vec::new()
+        };
+        let bytes = lifecycle_dist::share_from_root(env, || root_id, timeout)?;
+        let mut internal = [0 as core::ffi::c_char; 128];
+        if bytes.len() != internal.len() {
+            return Err(CudaError::Invalid(format!(
+                "the rendezvous delivered {} bytes, an NCCL unique id has {}",
+                bytes.len(),
+                internal.len()
+            )));
+        }
+        for (dst, &b) in internal.iter_mut().zip(&bytes) {
+            *dst = b as core::ffi::c_char;
+        }
+        Self::start(env.world_size, vec![(env.rank, env.local_rank)], internal)
+    }
+
+    /// Starts one worker thread per `(global rank, device)` assignment.
+    fn start(
+        world: usize,
+        assignments: Vec<(usize, usize)>,
+        internal: [core::ffi::c_char; 128],
+    ) -> Result<Self, CudaError> {
+        let first_device = assignments.first().map_or(0, |a| a.1);
+        let ptx_ctx = CudaContext::new(first_device)
+            .map_err(|e| CudaError::driver(0, "creating a context", 0, e))?;
         let (major, minor) = ptx_ctx
             .compute_capability()
             .map_err(|e| CudaError::driver(0, "reading the compute capability", 0, e))?;
         let ptx = compile_kernels(major, minor)?;
         let (ready_tx, ready_rx) = channel::<(usize, Result<(), CudaError>)>();
-        let mut workers = Vec::with_capacity(world);
-        for rank in 0..world {
+        let mut workers = Vec::with_capacity(assignments.len());
+        for &(rank, device) in &assignments {
             let (jtx, jrx) = channel::<Job>();
             let ready = ready_tx.clone();
             let ptx = ptx.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("lifecycle-rank-{rank}"))
                 .spawn(move || {
-                    let init = init_rank(rank, world, internal, ptx);
+                    let init = init_rank(rank, device, world, internal, ptx);
                     match init {
                         Ok(ctx) => {
                             let _ = ready.send((rank, Ok(())));
@@ -189,9 +242,14 @@ impl ThreadRankPool {
             });
         }
         drop(ready_tx);
-        let pool = ThreadRankPool { workers, world };
+        let ranks = assignments.iter().map(|a| a.0).collect();
+        let pool = ThreadRankPool {
+            workers,
+            world,
+            ranks,
+        };
         let mut first_err = None;
-        for _ in 0..world {
+        for _ in 0..assignments.len() {
             match ready_rx.recv() {
                 Ok((_, Ok(()))) => {}
                 Ok((_, Err(e))) => {
@@ -214,12 +272,13 @@ impl ThreadRankPool {
 
 fn init_rank(
     rank: usize,
+    device: usize,
     world: usize,
     id: [core::ffi::c_char; 128],
     ptx: cudarc::nvrtc::Ptx,
 ) -> Result<RankCtx, CudaError> {
-    let ctx =
-        CudaContext::new(rank).map_err(|e| CudaError::driver(rank, "creating a context", 0, e))?;
+    let ctx = CudaContext::new(device)
+        .map_err(|e| CudaError::driver(rank, "creating a context", 0, e))?;
     // SAFETY: every buffer made on this context is ordered across streams by explicit events
     // recorded by the backends (`RankCtx::order`), and freed only after the streams using it were
     // synchronised; no slice is written by two streams at once.
@@ -294,23 +353,28 @@ impl RankExecutor for ThreadRankPool {
         self.world
     }
 
+    fn local_ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+
     fn run_each<T: Send, R: Send>(
         &self,
         items: &mut [T],
         f: &RankFn<'_, T, R>,
     ) -> Result<Vec<R>, CudaError> {
-        if items.len() != self.world {
+        let local = self.ranks.len();
+        if items.len() != local {
             return Err(CudaError::Invalid(format!(
-                "run_each needs one item per rank: {} items for {} ranks",
+                "run_each needs one item per local rank: {} items for {} ranks",
                 items.len(),
-                self.world
+                local
             )));
         }
         let (done_tx, done_rx) = channel::<(usize, Result<R, CudaError>)>();
         let mut sent = 0usize;
-        let mut results: Vec<Option<Result<R, CudaError>>> =
-            (0..self.world).map(|_| None).collect();
-        for (rank, (item, worker)) in items.iter_mut().zip(&self.workers).enumerate() {
+        let mut results: Vec<Option<Result<R, CudaError>>> = (0..local).map(|_| None).collect();
+        for (i, (item, worker)) in items.iter_mut().zip(&self.workers).enumerate() {
+            let rank = self.ranks[i];
             let done = done_tx.clone();
             let job: Box<dyn FnOnce(&RankCtx) + Send + '_> = Box::new(move |ctx: &RankCtx| {
                 let out = std::panic::catch_unwind(AssertUnwindSafe(|| f(ctx, item)));
@@ -322,7 +386,7 @@ impl RankExecutor for ThreadRankPool {
                         .unwrap_or_else(|| "panic".into());
                     Err(CudaError::Worker { rank, detail })
                 });
-                let _ = done.send((rank, out));
+                let _ = done.send((i, out));
             });
             // SAFETY: the job borrows `items` and `f` for the lifetime of this call only. We
             // erase that lifetime to send it to the persistent worker, and do not return before
@@ -335,7 +399,7 @@ impl RankExecutor for ThreadRankPool {
             match sender.map(|s| s.send(job)) {
                 Some(Ok(())) => sent += 1,
                 _ => {
-                    results[rank] = Some(Err(CudaError::Worker {
+                    results[i] = Some(Err(CudaError::Worker {
                         rank,
                         detail: "the rank thread is gone".into(),
                     }))
@@ -345,13 +409,14 @@ impl RankExecutor for ThreadRankPool {
         drop(done_tx);
         for _ in 0..sent {
             match done_rx.recv() {
-                Ok((rank, r)) => results[rank] = Some(r),
+                Ok((i, r)) => results[i] = Some(r),
                 // Every sender is dropped only after its job ran or was dropped unrun.
                 Err(_) => break,
             }
         }
-        let mut out = Vec::with_capacity(self.world);
-        for (rank, r) in results.into_iter().enumerate() {
+        let mut out = Vec::with_capacity(local);
+        for (i, r) in results.into_iter().enumerate() {
+            let rank = self.ranks[i];
             match r {
                 Some(Ok(v)) => out.push(v),
                 Some(Err(e)) => return Err(e),

@@ -60,7 +60,7 @@ impl FsdpRollout {
         self.len * 2
     }
 
-    /// The device buffer of `rank` (flat; see [`FsdpRollout::entries`]).
+    /// The device buffer of the `i`-th local rank (flat; see [`FsdpRollout::entries`]).
     pub fn rank_buffer(&self, rank: usize) -> Option<&CudaSlice<bf16>> {
         self.ranks.get(rank)
     }
@@ -160,7 +160,8 @@ impl FsdpBackend {
     }
 
     /// Builds the training state from full host tensors (floating point; widened to fp32),
-    /// sharded over the pool's W ranks. Grads and Adam moments start at zero.
+    /// sharded over the pool's W ranks (this process uploads the shards of its own ranks). Grads
+    /// and Adam moments start at zero.
     pub fn state_from_tensors(
         &self,
         tensors: Vec<HostTensor>,
@@ -171,7 +172,8 @@ impl FsdpBackend {
             tensors.iter().map(|t| (t.name.clone(), t.shape.clone())),
         )?;
         let shards = ShardLayout::new(&layout);
-        let mut hosts: Vec<Vec<f32>> = vec![vec![0.0; shards.rank_len as usize]; world];
+        let locals = self.pool.local_ranks().to_vec();
+        let mut hosts: Vec<Vec<f32>> = vec![vec![0.0; shards.rank_len as usize]; locals.len()];
         for (i, t) in tensors.iter().enumerate() {
             let expected: usize = t.shape.iter().product();
             if t.data.len() != expected {
@@ -192,7 +194,7 @@ impl FsdpBackend {
                 ),
             })?;
             let slot = &shards.slots[i];
-            for (rank, host) in hosts.iter_mut().enumerate() {
+            for (&rank, host) in locals.iter().zip(hosts.iter_mut()) {
                 let held = shards.held_rows(i, rank);
                 let src = &full[held.start * slot.cols..held.end * slot.cols];
                 let at = slot.offset as usize;
@@ -262,7 +264,12 @@ impl FsdpBackend {
         let world = self.pool.world();
         let layout = FsdpLayout::new(world, tensors.iter().cloned())?;
         let shards = ShardLayout::new(&layout);
-        let mut items: Vec<RankTrain> = (0..world).map(|_| RankTrain::default()).collect();
+        let mut items: Vec<RankTrain> = self
+            .pool
+            .local_ranks()
+            .iter()
+            .map(|_| RankTrain::default())
+            .collect();
         let len = shards.rank_len as usize;
         let sh = &shards;
         self.pool.run_each(&mut items, &|ctx, rt| {
@@ -311,8 +318,9 @@ impl FsdpBackend {
         })
     }
 
-    /// Downloads every rank's rollout weights to host memory (rollout order, same layout as the
-    /// host backend's), for bit comparisons.
+    /// Downloads the rollout weights of this process's ranks ([`RankExecutor::local_ranks`], all
+    /// ranks in the single-process mode) to host memory (rollout order, same layout as the host
+    /// backend's), for bit comparisons.
     pub fn download_rollout(&self, rollout: &FsdpRollout) -> Result<HostRollout, FsdpError> {
         let mut items: Vec<&CudaSlice<bf16>> = rollout.ranks.iter().collect();
         let flats = self.pool.run_each(&mut items, &|ctx, buf| {
@@ -340,8 +348,8 @@ impl FsdpBackend {
         Ok(HostRollout { ranks })
     }
 
-    /// Downloads every rank's training buffers (from the device, or from the pinned copies while
-    /// offloaded), flat and padded, for round-trip checks.
+    /// Downloads the training buffers of this process's ranks (from the device, or from the pinned
+    /// copies while offloaded), flat and padded, for round-trip checks.
     pub fn download_state(&self, state: &FsdpTrainState) -> Result<Vec<RankDump>, FsdpError> {
         let mut items: Vec<&RankTrain> = state.ranks.iter().collect();
         Ok(self.pool.run_each(&mut items, &|ctx, rt| {
@@ -374,8 +382,17 @@ impl FsdpBackend {
         })?)
     }
 
-    /// The full fp32 master tensor `name`, gathered from every rank's shard.
+    /// The full fp32 master tensor `name`, gathered from every rank's shard (single-process mode:
+    /// a process that drives only some ranks gets an error).
     pub fn full_master(&self, state: &FsdpTrainState, name: &str) -> Result<Vec<f32>, FsdpError> {
+        if self.pool.local_ranks().len() != self.pool.world() {
+            return Err(FsdpError::Tensor {
+                name: name.to_string(),
+                problem: "gathering a full tensor needs every rank in this process; with one \
+                          process per rank, download each rank's shard instead"
+                    .into(),
+            });
+        }
         let i = state
             .layout
             .tensors
@@ -783,7 +800,7 @@ impl Reshard for FsdpBackend {
             });
         }
         let len = plan.roll_len as usize;
-        let mut unit: Vec<()> = vec![(); self.pool.world()];
+        let mut unit: Vec<()> = vec![(); self.pool.local_ranks().len()];
         // Rollout buffers first: an OOM here leaves the training state untouched.
         let mut rolls = self.pool.run_each(&mut unit, &|c, _| {
             // SAFETY: every element of the rollout buffer is written by a cast or a receive of
@@ -815,7 +832,7 @@ impl Reshard for FsdpBackend {
                 operation: "refreshing rollout weights",
             });
         }
-        if rollout.len != plan.roll_len || rollout.ranks.len() != self.pool.world() {
+        if rollout.len != plan.roll_len || rollout.ranks.len() != self.pool.local_ranks().len() {
             return Err(FsdpError::RolloutMismatch {
                 expected: plan.roll_len,
                 found: rollout.len,

@@ -33,6 +33,7 @@
 mod backend;
 mod error;
 pub mod plan;
+pub mod shapes;
 mod state;
 
 pub use backend::{FsdpBackend, FsdpRollout, RolloutEntry};

@@ -61,31 +61,6 @@ fn parse_args() -> Result<Args, String> {
     Ok(a)
 }
 
-/// Qwen2.5-7B parameter names and shapes (hidden 3584, intermediate 18944, vocab 152064, kv dim
-/// 512, q/k/v biases, untied head).
-fn qwen7b(layers: usize) -> Vec<(String, Vec<usize>)> {
-    let (h, i, v, kv) = (3584, 18944, 152064, 512);
-    let mut t = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
-    for l in 0..layers {
-        let p = format!("model.layers.{l}");
-        t.push((format!("{p}.input_layernorm.weight"), vec![h]));
-        t.push((format!("{p}.self_attn.q_proj.weight"), vec![h, h]));
-        t.push((format!("{p}.self_attn.q_proj.bias"), vec![h]));
-        t.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h]));
-        t.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
-        t.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h]));
-        t.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
-        t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, h]));
-        t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
-        t.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
-        t.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
-        t.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
-    }
-    t.push(("model.norm.weight".to_string(), vec![h]));
-    t.push(("lm_head.weight".to_string(), vec![v, h]));
-    t
-}
-
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
@@ -319,15 +294,32 @@ fn main() {
 }
 
 fn run() -> Result<(), Box<dyn Error>> {
-    let args = parse_args()?;
-    let env = check_environment(args.world)?;
+    let mut args = parse_args()?;
+    // Launched like PyTorch (torchrun, Slurm, lifecycle-launch): one rank per process, and each
+    // process prints the figures of its own rank. Otherwise one process with a thread per GPU.
+    let pool = match lifecycle_dist::RankEnv::from_env()? {
+        Some(env) => {
+            args.world = env.world_size;
+            println!(
+                "process mode: rank {} of {} on local GPU {}",
+                env.rank, env.world_size, env.local_rank
+            );
+            Arc::new(ThreadRankPool::for_process(&env, Duration::from_secs(120))?)
+        }
+        None => {
+            check_environment(args.world)?;
+            Arc::new(ThreadRankPool::new(args.world)?)
+        }
+    };
     println!(
-        "fsdp_bench: {} GPUs visible, W = {}, {} layers, {} timed iterations (median)",
-        env.devices, args.world, args.layers, args.iters
+        "fsdp_bench: W = {}, ranks {:?} in this process, {} layers, {} timed iterations (median)",
+        args.world,
+        pool.local_ranks(),
+        args.layers,
+        args.iters
     );
-    let pool = Arc::new(ThreadRankPool::new(args.world)?);
     let c = ceilings(&pool, args.iters)?;
-    let tensors = qwen7b(args.layers);
+    let tensors = lifecycle_fsdp::shapes::qwen2_5_7b(args.layers);
     let params: usize = tensors
         .iter()
         .map(|(_, s)| s.iter().product::<usize>())

@@ -1,0 +1,240 @@
+//! The FSDP backend with one process per GPU, launched like PyTorch (torchrun, Slurm or
+//! `lifecycle-launch`), or — with no launcher variables — one process with a thread per GPU, so
+//! the two modes can be compared on the same machine:
+//!
+//! 1. correctness: a small model with shapes not divisible by W, resharded at T = 1 and T = W;
+//!    each rank compares its rollout slices with the host reference, bit for bit;
+//! 2. speed: the Qwen2.5-7B-shaped model (synthetic weights made on the GPUs), resident enters at
+//!    T = 1 (all-gather mode, 4 GiB groups) and T = W (send/receive, 256 MiB buckets).
+//!
+//! ```text
+//! lifecycle-launch --nproc-per-node 2 -- fsdp_procs        # one process per GPU
+//! fsdp_procs --world 2                                     # one process, a thread per GPU
+//! ```
+
+use std::error::Error;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lifecycle_core::layout::RolloutLayout;
+use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy};
+use lifecycle_cuda::{RankExecutor, ThreadRankPool};
+use lifecycle_dist::RankEnv;
+use lifecycle_fsdp::{BucketConfig, FsdpBackend, GatherMode};
+use lifecycle_host::{reference_rollout, HostTensor, HostTrainState};
+
+struct Args {
+    world: usize,
+    layers: usize,
+    iters: usize,
+}
+
+fn parse() -> Result<Args, String> {
+    let mut a = Args {
+        world: 2,
+        layers: 28,
+        iters: 7,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut num = |name: &str| -> Result<usize, String> {
+            it.next()
+                .and_then(|v| v.parse().ok())
+                .filter(|&n: &usize| n > 0)
+                .ok_or_else(|| format!("{name} needs a positive integer"))
+        };
+        match arg.as_str() {
+            "--world" => a.world = num("--world")?,
+            "--layers" => a.layers = num("--layers")?,
+            "--iters" => a.iters = num("--iters")?,
+            _ => {
+                return Err(format!(
+                    "unknown argument `{arg}`: fsdp_procs [--world W] [--layers L] [--iters N]"
+                ))
+            }
+        }
+    }
+    Ok(a)
+}
+
+/// Deterministic values with a spread of magnitudes (identical in every process).
+fn values(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * (1 << (s % 9)) as f32
+        })
+        .collect()
+}
+
+fn small_model() -> Vec<HostTensor> {
+    [
+        ("model.embed_tokens.weight", vec![98, 24]),
+        ("model.layers.0.self_attn.q_proj.weight", vec![30, 24]),
+        ("model.layers.0.self_attn.q_proj.bias", vec![30]),
+        ("model.layers.0.self_attn.o_proj.weight", vec![24, 30]),
+        ("model.layers.0.mlp.down_proj.weight", vec![23, 66]),
+        ("model.layers.0.input_layernorm.weight", vec![24]),
+        ("lm_head.weight", vec![98, 24]),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, (name, shape))| {
+        let n = shape.iter().product();
+        HostTensor::f32(name, shape, values(i as u64 + 7, n))
+    })
+    .collect()
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn run(pool: Arc<ThreadRankPool>, args: &Args) -> Result<bool, Box<dyn Error>> {
+    let world = pool.world();
+    let locals = pool.local_ranks().to_vec();
+    let mut all_ok = true;
+
+    // 1. correctness against the host reference
+    let tensors = small_model();
+    let host = HostTrainState::from_tensors(world, tensors.clone())?;
+    for tp in [1, world] {
+        let names = host.layout().tensors.clone();
+        let layout = RolloutLayout::from_hf_names(tp, names)?;
+        let expected = reference_rollout(&host, &layout)?;
+        let backend = FsdpBackend::new(pool.clone(), layout);
+        let state = backend.state_from_tensors(tensors.clone())?;
+        let mut lc = Lifecycle::new(backend, state);
+        let got = {
+            let session = lc.rollout()?;
+            let weights = session.weights();
+            session.backend().download_rollout(&weights)?
+        };
+        for (i, &rank) in locals.iter().enumerate() {
+            let same = got.ranks.get(i) == expected.ranks.get(rank);
+            all_ok &= same;
+            println!(
+                "rank {rank}/{world}: T = {tp}: rollout {} the host reference",
+                if same {
+                    "bit-identical to"
+                } else {
+                    "DIFFERS from"
+                }
+            );
+        }
+    }
+
+    // 2. speed on the 7.6B-shaped model
+    let shapes = lifecycle_fsdp::shapes::qwen2_5_7b(args.layers);
+    let first = FsdpBackend::new(
+        pool.clone(),
+        RolloutLayout::from_hf_names(1, shapes.clone())?,
+    );
+    let mut state = first.synthetic_state(&shapes, 1234, 0.02)?;
+    for (tp, config) in [
+        (
+            1,
+            BucketConfig {
+                bucket_bytes: 4 << 30,
+                in_flight: 2,
+                mode: GatherMode::AllGather,
+            },
+        ),
+        (world, BucketConfig::default()),
+    ] {
+        let backend = FsdpBackend::new(
+            pool.clone(),
+            RolloutLayout::from_hf_names(tp, shapes.clone())?,
+        )
+        .with_config(config)?;
+        let config = LifecycleConfig {
+            memory: MemoryPolicy::resident(),
+            ..Default::default()
+        };
+        let mut lc = Lifecycle::with_config(backend, state, config)?;
+        lc.enter()?; // warm-up
+        lc.exit()?;
+        let mut times = Vec::new();
+        for _ in 0..args.iters {
+            let t = Instant::now();
+            lc.enter()?;
+            times.push(t.elapsed());
+            lc.exit()?;
+        }
+        let bytes = lc
+            .metrics()
+            .phase(lifecycle_core::Phase::Transfer)
+            .bytes
+            .device_to_device
+            / lc.metrics()
+                .phase(lifecycle_core::Phase::Transfer)
+                .count
+                .max(1);
+        println!(
+            "ranks {:?}/{world}: T = {tp} ({:?}, {} MiB buckets): enter median {:.2} ms over {} ({:.3} GB received per enter by these ranks)",
+            locals,
+            config_mode(tp),
+            if tp == 1 { 4096 } else { 256 },
+            median(times).as_secs_f64() * 1e3,
+            args.iters,
+            bytes as f64 / 1e9
+        );
+        state = lc.into_parts()?.1;
+    }
+    Ok(all_ok)
+}
+
+fn config_mode(tp: usize) -> GatherMode {
+    if tp == 1 {
+        GatherMode::AllGather
+    } else {
+        GatherMode::SendRecv
+    }
+}
+
+fn main() -> ExitCode {
+    let args = match parse() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    let pool = match RankEnv::from_env() {
+        Ok(Some(env)) => {
+            println!(
+                "process mode: rank {} of {} on local GPU {}",
+                env.rank, env.world_size, env.local_rank
+            );
+            ThreadRankPool::for_process(&env, Duration::from_secs(120))
+        }
+        Ok(None) => {
+            println!("thread mode: one process, {} ranks", args.world);
+            ThreadRankPool::new(args.world)
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let pool = match pool {
+        Ok(p) => Arc::new(p),
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match run(pool, &args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

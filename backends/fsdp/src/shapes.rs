@@ -1,0 +1,27 @@
+//! Parameter names and shapes of reference models, for benchmarks and checks.
+
+/// Qwen2.5-7B parameter names and shapes for `layers` decoder layers (hidden 3584, intermediate
+/// 18944, vocab 152064, kv dim 512, q/k/v biases, untied head; 28 layers make the real model,
+/// 7.615 B parameters).
+pub fn qwen2_5_7b(layers: usize) -> Vec<(String, Vec<usize>)> {
+    let (h, i, v, kv) = (3584, 18944, 152064, 512);
+    let mut t = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
+    for l in 0..layers {
+        let p = format!("model.layers.{l}");
+        t.push((format!("{p}.input_layernorm.weight"), vec![h]));
+        t.push((format!("{p}.self_attn.q_proj.weight"), vec![h, h]));
+        t.push((format!("{p}.self_attn.q_proj.bias"), vec![h]));
+        t.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h]));
+        t.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
+        t.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h]));
+        t.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
+        t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, h]));
+        t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+        t.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
+        t.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
+        t.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
+    }
+    t.push(("model.norm.weight".to_string(), vec![h]));
+    t.push(("lm_head.weight".to_string(), vec![v, h]));
+    t
+}
