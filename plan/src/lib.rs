@@ -1,0 +1,270 @@
+//! What a switch will move and cost, before launch: the transfer plan per rank of a training
+//! layout (`fsdp:W` or `megatron:tp=…,pp=…,dp=…`) to a rollout TP degree, for a model given by its
+//! Hugging Face `config.json`, and a predicted switch time from link bandwidths.
+//!
+//! The plans are the backends' own planners ([`lifecycle_core::layout::plan_fsdp_to_tp`] with the
+//! FSDP backend's buckets, [`lifecycle_megatron::layout::plan_megatron_to_tp`]); nothing is
+//! allocated. The prediction model:
+//!
+//! - transfer = max(bytes received from peers ÷ device↔device rate, local copy/cast traffic ÷
+//!   device memory rate) — the floor the FSDP benchmark measures against;
+//! - enter = max(transfer, offloaded bytes ÷ device→host rate): offload copies overlap the
+//!   transfer on their own stream;
+//! - exit = reloaded bytes ÷ host→device rate; a full switch is enter + exit;
+//! - the job's figure is the slowest rank's.
+//!
+//! ```
+//! use lifecycle_plan::{plan_fsdp, LinkRates, Offload};
+//! use lifecycle_decoder::ModelConfig;
+//! let config = ModelConfig::from_json_str(include_str!("../configs/qwen2.5-7b.json"))?;
+//! let ranks = plan_fsdp(&config, 2, 2, 256 << 20, 2, Offload::ALL)?;
+//! // W = T = 2: a rank receives only the peer's quarter of each row-parallel tensor
+//! assert!((ranks[0].recv_bytes as f64 / 1e9 - 1.131).abs() < 0.01);
+//! let p = ranks[0].predict(&LinkRates::default());
+//! assert!(p.enter_s > p.transfer_s); // the 45.7 GB offload dominates
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+#![warn(missing_docs)]
+
+mod rates;
+mod train_arg;
+
+use lifecycle_core::layout::{plan_fsdp_to_tp, FsdpLayout};
+use lifecycle_decoder::ModelConfig;
+use lifecycle_fsdp::plan::{build_plan, ShardLayout};
+use lifecycle_fsdp::{BucketConfig as FsdpBuckets, GatherMode};
+use lifecycle_megatron::layout::{
+    plan_megatron_to_tp, BucketConfig as MegatronBuckets, MegatronLayout, RolloutLayout,
+    RolloutVocab,
+};
+use lifecycle_megatron::ModelSpec;
+
+pub use rates::{LinkRates, RatesSource};
+pub use train_arg::TrainLayout;
+
+/// Why a plan could not be made; each names what to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// The model config or the rollout degree does not fit (from the decoder's layout rules).
+    #[error(transparent)]
+    Model(#[from] lifecycle_decoder::DecodeError),
+    /// The FSDP layouts are inconsistent.
+    #[error(transparent)]
+    Layout(#[from] lifecycle_core::layout::LayoutError),
+    /// The Megatron layouts are inconsistent.
+    #[error(transparent)]
+    Megatron(#[from] lifecycle_megatron::layout::MegatronLayoutError),
+    /// A command-line value is malformed.
+    #[error("{0}")]
+    Arg(String),
+}
+
+/// What is offloaded during rollout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Offload {
+    /// Master weights (FSDP) / bf16 params and fp32 main params (Megatron).
+    pub params: bool,
+    /// Adam m and v.
+    pub optimizer: bool,
+}
+
+impl Offload {
+    /// Nothing offloaded.
+    pub const NONE: Offload = Offload {
+        params: false,
+        optimizer: false,
+    };
+    /// Parameters and optimizer state offloaded.
+    pub const ALL: Offload = Offload {
+        params: true,
+        optimizer: true,
+    };
+}
+
+/// What one rank does in a switch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankCost {
+    /// The rank.
+    pub rank: usize,
+    /// Bytes of its rollout weights.
+    pub rollout_bytes: u64,
+    /// Bytes it receives from peers (device↔device).
+    pub recv_bytes: u64,
+    /// Bytes of device-memory traffic of its local casts and copies (reads + writes).
+    pub local_traffic_bytes: u64,
+    /// Buckets of its transfer.
+    pub buckets: usize,
+    /// Peak extra device memory above its rollout weights (staging).
+    pub peak_extra_bytes: u64,
+    /// Bytes it copies to host memory at enter.
+    pub offload_bytes: u64,
+    /// Bytes it copies back at exit.
+    pub reload_bytes: u64,
+}
+
+/// Predicted times of one rank's switch, in seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Prediction {
+    /// The transfer phase.
+    pub transfer_s: f64,
+    /// The offload copies.
+    pub offload_s: f64,
+    /// Enter (transfer and offload overlapped).
+    pub enter_s: f64,
+    /// Exit (reload).
+    pub exit_s: f64,
+}
+
+impl Prediction {
+    /// Enter + exit.
+    pub fn switch_s(&self) -> f64 {
+        self.enter_s + self.exit_s
+    }
+}
+
+impl RankCost {
+    /// The predicted times at `rates`.
+    pub fn predict(&self, rates: &LinkRates) -> Prediction {
+        let secs = |bytes: u64, gbps: f64| bytes as f64 / (gbps * 1e9);
+        let transfer_s = secs(self.recv_bytes, rates.nvlink_gbps)
+            .max(secs(self.local_traffic_bytes, rates.hbm_gbps));
+        let offload_s = secs(self.offload_bytes, rates.d2h_gbps);
+        Prediction {
+            transfer_s,
+            offload_s,
+            enter_s: transfer_s.max(offload_s),
+            exit_s: secs(self.reload_bytes, rates.h2d_gbps),
+        }
+    }
+}
+
+/// The slowest rank's prediction (per field).
+pub fn job_prediction(ranks: &[RankCost], rates: &LinkRates) -> Prediction {
+    ranks.iter().map(|r| r.predict(rates)).fold(
+        Prediction {
+            transfer_s: 0.0,
+            offload_s: 0.0,
+            enter_s: 0.0,
+            exit_s: 0.0,
+        },
+        |a, b| Prediction {
+            transfer_s: a.transfer_s.max(b.transfer_s),
+            offload_s: a.offload_s.max(b.offload_s),
+            enter_s: a.enter_s.max(b.enter_s),
+            exit_s: a.exit_s.max(b.exit_s),
+        },
+    )
+}
+
+/// The FSDP backend's plan for `world` ranks to rollout degree `tp`, with its bucket settings
+/// (T = 1 uses the all-gather mode, as the benchmark's fastest T = 1 configuration).
+pub fn plan_fsdp(
+    config: &ModelConfig,
+    world: usize,
+    tp: usize,
+    bucket_bytes: u64,
+    in_flight: usize,
+    offload: Offload,
+) -> Result<Vec<RankCost>, PlanError> {
+    let train = FsdpLayout::new(world, config.tensor_shapes())?;
+    let rollout = config.rollout_layout(tp)?;
+    let core = plan_fsdp_to_tp(&train, &rollout)?;
+    let mode = if tp == 1 && world > 1 {
+        GatherMode::AllGather
+    } else {
+        GatherMode::SendRecv
+    };
+    let plan = build_plan(
+        core,
+        &train,
+        FsdpBuckets {
+            bucket_bytes,
+            in_flight: in_flight.max(2),
+            mode,
+        },
+    );
+    let shard = ShardLayout::new(&train).rank_len;
+    let state_bytes = shard * 4 * (u64::from(offload.params) + 2 * u64::from(offload.optimizer));
+    Ok((0..world)
+        .map(|r| RankCost {
+            rank: r,
+            rollout_bytes: plan.rollout_bytes(),
+            recv_bytes: plan.recv_bytes(r),
+            // each cast element reads 4 bytes of fp32 and writes 2 of bf16
+            local_traffic_bytes: plan.cast_bytes(r) * 3,
+            buckets: plan.buckets(),
+            peak_extra_bytes: (plan.staging_slots(r) as u64 * plan.slot_elems
+                + plan.recv_staging_slots(r) as u64 * plan.recv_slot_elems)
+                * 2,
+            offload_bytes: state_bytes,
+            reload_bytes: state_bytes,
+        })
+        .collect())
+}
+
+/// The model description Megatron needs, from a Hugging Face config.
+pub fn megatron_model(config: &ModelConfig, make_vocab_size_divisible_by: usize) -> ModelSpec {
+    ModelSpec {
+        hidden: config.hidden_size,
+        heads: config.num_heads,
+        query_groups: config.num_kv_heads,
+        head_dim: config.head_dim,
+        ffn: config.intermediate_size,
+        vocab: config.vocab_size,
+        layers: config.num_layers,
+        qkv_bias: config.qkv_bias,
+        tied_embeddings: config.tie_word_embeddings,
+        make_vocab_size_divisible_by,
+    }
+}
+
+/// The Megatron planner's plan for TP × PP × DP to rollout degree `t` (vocabulary unpadded when
+/// `t` divides it, padded to a multiple of 64 × `t` otherwise).
+#[allow(clippy::too_many_arguments)]
+pub fn plan_megatron(
+    config: &ModelConfig,
+    tp: usize,
+    pp: usize,
+    dp: usize,
+    t: usize,
+    make_vocab_size_divisible_by: usize,
+    bucket_bytes: u64,
+    offload: Offload,
+) -> Result<Vec<RankCost>, PlanError> {
+    let model = megatron_model(config, make_vocab_size_divisible_by);
+    let train = MegatronLayout::new(model, tp, pp, dp)?;
+    let vocab = if t > 0 && config.vocab_size.is_multiple_of(t) {
+        RolloutVocab::Unpadded
+    } else {
+        RolloutVocab::PadToMultipleOf(64)
+    };
+    let rollout = RolloutLayout::new(t, vocab);
+    let plan = plan_megatron_to_tp(&train, &rollout, MegatronBuckets { bucket_bytes })?;
+    let rollout_bytes: u64 = plan.tensors.iter().map(|s| s.numel() as u64 * 2).sum();
+    Ok(plan
+        .ranks
+        .iter()
+        .map(|r| {
+            let c = train.coords(r.rank);
+            let params = train.stage_len(c.pp) as u64;
+            let shard = train.dp_shard(c.pp, c.dp).len() as u64;
+            let state = u64::from(offload.params) * (2 * params + 4 * shard)
+                + u64::from(offload.optimizer) * 8 * shard;
+            RankCost {
+                rank: r.rank,
+                rollout_bytes,
+                recv_bytes: r.remote_bytes(),
+                // bf16 copies: read and write
+                local_traffic_bytes: r.local_bytes() * 2,
+                buckets: r.buckets.len(),
+                peak_extra_bytes: (0..r.buckets.len())
+                    .map(|k| r.bucket_remote_bytes(k))
+                    .max()
+                    .unwrap_or(0),
+                offload_bytes: state,
+                reload_bytes: state,
+            }
+        })
+        .collect())
+}

@@ -1,0 +1,219 @@
+//! `lifecycle-plan`: the transfer plan of a switch per rank and its predicted cost.
+//!
+//! ```text
+//! lifecycle-plan --config plan/configs/qwen2.5-7b.json --train fsdp:2 --rollout-tp 2
+//! lifecycle-plan --config config.json --train megatron:tp=2,pp=1,dp=1 --rollout-tp 1 --rates rates.json
+//! ```
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use lifecycle_core::HumanBytes;
+use lifecycle_decoder::ModelConfig;
+use lifecycle_plan::{
+    job_prediction, plan_fsdp, plan_megatron, LinkRates, Offload, RankCost, RatesSource,
+    TrainLayout,
+};
+
+/// Print a switch's transfer plan per rank and predict its time, before launching.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// The model's Hugging Face config.json.
+    #[arg(long)]
+    config: PathBuf,
+    /// Training layout: `fsdp:W` or `megatron:tp=N,pp=N,dp=N`.
+    #[arg(long)]
+    train: TrainLayout,
+    /// Rollout tensor-parallel degree T (divides the world size).
+    #[arg(long)]
+    rollout_tp: usize,
+    /// Bucket byte budget, MiB.
+    #[arg(long, default_value_t = 256)]
+    bucket_mib: u64,
+    /// Buckets in flight (FSDP).
+    #[arg(long, default_value_t = 2)]
+    in_flight: usize,
+    /// What is offloaded during rollout: `all`, `params`, `optimizer` or `none`.
+    #[arg(long, default_value = "all")]
+    offload: String,
+    /// Megatron's --make-vocab-size-divisible-by.
+    #[arg(long, default_value_t = 128)]
+    make_vocab_size_divisible_by: usize,
+    /// Rates of a previous run (JSON; see `LinkRates::from_json`).
+    #[arg(long)]
+    rates: Option<PathBuf>,
+    /// Device↔device receive rate per rank, GB/s.
+    #[arg(long)]
+    nvlink_gbps: Option<f64>,
+    /// Device memory rate for local casts and copies, GB/s.
+    #[arg(long)]
+    hbm_gbps: Option<f64>,
+    /// Pinned host → device rate, GB/s.
+    #[arg(long)]
+    h2d_gbps: Option<f64>,
+    /// Device → pinned host rate, GB/s.
+    #[arg(long)]
+    d2h_gbps: Option<f64>,
+}
+
+fn rates(args: &Args) -> Result<(LinkRates, RatesSource), String> {
+    let (mut r, mut source) = match &args.rates {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read the rates file {}: {e}", path.display()))?;
+            (
+                LinkRates::from_json(&text)?,
+                RatesSource::File(path.display().to_string()),
+            )
+        }
+        None => (LinkRates::default(), RatesSource::Defaults),
+    };
+    for (given, field, name) in [
+        (
+            args.nvlink_gbps,
+            &mut r.nvlink_gbps as &mut f64,
+            "--nvlink-gbps",
+        ),
+        (args.hbm_gbps, &mut r.hbm_gbps, "--hbm-gbps"),
+        (args.h2d_gbps, &mut r.h2d_gbps, "--h2d-gbps"),
+        (args.d2h_gbps, &mut r.d2h_gbps, "--d2h-gbps"),
+    ] {
+        if let Some(g) = given {
+            if !(g > 0.0 && g.is_finite()) {
+                return Err(format!("{name} must be a positive number, found {g}"));
+            }
+            *field = g;
+            source = RatesSource::Options;
+        }
+    }
+    Ok((r, source))
+}
+
+fn offload(s: &str) -> Result<Offload, String> {
+    match s {
+        "all" => Ok(Offload::ALL),
+        "none" => Ok(Offload::NONE),
+        "params" => Ok(Offload {
+            params: true,
+            optimizer: false,
+        }),
+        "optimizer" => Ok(Offload {
+            params: false,
+            optimizer: true,
+        }),
+        other => Err(format!(
+            "--offload `{other}`: expected all, params, optimizer or none"
+        )),
+    }
+}
+
+fn ms(s: f64) -> String {
+    if s < 1.0 {
+        format!("{:.2} ms", s * 1e3)
+    } else {
+        format!("{s:.3} s")
+    }
+}
+
+fn print(ranks: &[RankCost], rates: &LinkRates) {
+    println!(
+        "{:>4} {:>10} {:>10} {:>12} {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
+        "rank",
+        "rollout",
+        "recv d2d",
+        "local traf.",
+        "buckets",
+        "peak extra",
+        "offload",
+        "reload",
+        "transfer",
+        "enter",
+        "exit"
+    );
+    for r in ranks {
+        let p = r.predict(rates);
+        println!(
+            "{:>4} {:>10} {:>10} {:>12} {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            r.rank,
+            HumanBytes(r.rollout_bytes).to_string(),
+            HumanBytes(r.recv_bytes).to_string(),
+            HumanBytes(r.local_traffic_bytes).to_string(),
+            r.buckets,
+            HumanBytes(r.peak_extra_bytes).to_string(),
+            HumanBytes(r.offload_bytes).to_string(),
+            HumanBytes(r.reload_bytes).to_string(),
+            ms(p.transfer_s),
+            ms(p.enter_s),
+            ms(p.exit_s),
+        );
+    }
+}
+
+fn run(args: &Args) -> Result<(), String> {
+    let config = ModelConfig::from_file(&args.config).map_err(|e| e.to_string())?;
+    let (rates, source) = rates(args)?;
+    let offload = offload(&args.offload)?;
+    let bucket = args.bucket_mib.max(1) << 20;
+    let ranks = match args.train {
+        TrainLayout::Fsdp { world } => plan_fsdp(
+            &config,
+            world,
+            args.rollout_tp,
+            bucket,
+            args.in_flight,
+            offload,
+        ),
+        TrainLayout::Megatron { tp, pp, dp } => plan_megatron(
+            &config,
+            tp,
+            pp,
+            dp,
+            args.rollout_tp,
+            args.make_vocab_size_divisible_by,
+            bucket,
+            offload,
+        ),
+    }
+    .map_err(|e| e.to_string())?;
+    println!(
+        "model {} ({:.3} B params); training {}; rollout T = {}; buckets of {} MiB; offload {}",
+        args.config.display(),
+        config.params() as f64 / 1e9,
+        args.train,
+        args.rollout_tp,
+        args.bucket_mib,
+        args.offload
+    );
+    print(&ranks, &rates);
+    let p = job_prediction(&ranks, &rates);
+    println!(
+        "predicted (slowest rank): transfer {}, enter {}, exit {}, full switch {}",
+        ms(p.transfer_s),
+        ms(p.enter_s),
+        ms(p.exit_s),
+        ms(p.switch_s())
+    );
+    let from = match source {
+        RatesSource::Defaults => "the 2×H200 defaults".to_string(),
+        RatesSource::File(f) => format!("file {f}"),
+        RatesSource::Options => "options".to_string(),
+    };
+    println!(
+        "rates ({from}): device-device {:.0} GB/s, device memory {:.0} GB/s, host->device {:.1} GB/s, device->host {:.1} GB/s",
+        rates.nvlink_gbps, rates.hbm_gbps, rates.h2d_gbps, rates.d2h_gbps
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,90 @@
+use std::str::FromStr;
+
+/// A training layout given on the command line: `fsdp:W` or `megatron:tp=…,pp=…,dp=…`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrainLayout {
+    /// FSDP over `world` ranks.
+    Fsdp {
+        /// W.
+        world: usize,
+    },
+    /// Megatron with tensor, pipeline and data parallel degrees.
+    Megatron {
+        /// TP.
+        tp: usize,
+        /// PP.
+        pp: usize,
+        /// DP.
+        dp: usize,
+    },
+}
+
+impl TrainLayout {
+    /// Ranks in the job.
+    pub fn world(&self) -> usize {
+        match *self {
+            TrainLayout::Fsdp { world } => world,
+            TrainLayout::Megatron { tp, pp, dp } => tp * pp * dp,
+        }
+    }
+}
+
+impl std::fmt::Display for TrainLayout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TrainLayout::Fsdp { world } => write!(f, "fsdp:{world}"),
+            TrainLayout::Megatron { tp, pp, dp } => write!(f, "megatron:tp={tp},pp={pp},dp={dp}"),
+        }
+    }
+}
+
+const USAGE: &str = "expected `fsdp:W` or `megatron:tp=N,pp=N,dp=N` (pp and dp default to 1)";
+
+impl FromStr for TrainLayout {
+    type Err = String;
+
+    /// ```
+    /// use lifecycle_plan::TrainLayout;
+    /// assert_eq!("fsdp:8".parse(), Ok(TrainLayout::Fsdp { world: 8 }));
+    /// assert_eq!("megatron:tp=2,pp=2".parse(), Ok(TrainLayout::Megatron { tp: 2, pp: 2, dp: 1 }));
+    /// assert!("megatron:tp=2,ep=2".parse::<TrainLayout>().unwrap_err().contains("ep"));
+    /// ```
+    fn from_str(s: &str) -> Result<Self, String> {
+        let positive = |what: &str, v: &str| -> Result<usize, String> {
+            v.trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| {
+                    format!("training layout `{s}`: {what} = `{v}` is not a positive integer")
+                })
+        };
+        match s.split_once(':') {
+            Some(("fsdp", w)) => Ok(TrainLayout::Fsdp {
+                world: positive("W", w)?,
+            }),
+            Some(("megatron", rest)) => {
+                let (mut tp, mut pp, mut dp) = (None, 1, 1);
+                for part in rest.split(',').filter(|p| !p.is_empty()) {
+                    let (k, v) = part.split_once('=').ok_or_else(|| {
+                        format!("training layout `{s}`: `{part}` is not key=value; {USAGE}")
+                    })?;
+                    match k.trim() {
+                        "tp" => tp = Some(positive("tp", v)?),
+                        "pp" => pp = positive("pp", v)?,
+                        "dp" => dp = positive("dp", v)?,
+                        other => {
+                            return Err(format!(
+                                "training layout `{s}`: unknown degree `{other}`; {USAGE}"
+                            ))
+                        }
+                    }
+                }
+                let tp =
+                    tp.ok_or_else(|| format!("training layout `{s}`: tp is missing; {USAGE}"))?;
+                Ok(TrainLayout::Megatron { tp, pp, dp })
+            }
+            _ => Err(format!("training layout `{s}`: {USAGE}")),
+        }
+    }
+}

@@ -1,0 +1,149 @@
+//! The plan command on the CPU: byte counts of the 7.6B-shaped model's plans agree with what the
+//! backends move (BENCHMARKS.md), predictions follow the model, bad input is a clear error.
+
+use std::process::Command;
+
+use lifecycle_decoder::ModelConfig;
+use lifecycle_plan::{job_prediction, plan_fsdp, plan_megatron, LinkRates, Offload, TrainLayout};
+
+fn qwen7b() -> ModelConfig {
+    ModelConfig::from_json_str(include_str!("../configs/qwen2.5-7b.json")).unwrap()
+}
+
+const GB: f64 = 1e9;
+
+#[test]
+fn fsdp_plans_match_the_bytes_the_gpu_backend_moves() {
+    let c = qwen7b();
+    // measured by fsdp_bench: T = 1 receives 7.616 GB per rank, T = 2 1.131 GB; 7 buckets at T = 2
+    let t1 = plan_fsdp(&c, 2, 1, 4 << 30, 2, Offload::NONE).unwrap();
+    assert!(
+        (t1[0].recv_bytes as f64 / GB - 7.616).abs() < 0.001,
+        "{}",
+        t1[0].recv_bytes
+    );
+    assert_eq!(t1[0].peak_extra_bytes, 0, "T = 1 stages nothing");
+    let t2 = plan_fsdp(&c, 2, 2, 256 << 20, 2, Offload::ALL).unwrap();
+    assert!(
+        (t2[1].recv_bytes as f64 / GB - 1.131).abs() < 0.001,
+        "{}",
+        t2[1].recv_bytes
+    );
+    assert_eq!(t2[0].buckets, 7);
+    assert!((t2[0].peak_extra_bytes as f64 / 1e6 - 471.7).abs() < 0.1);
+    // master + Adam m, v of one rank: 3 x 4 B x half the parameters (padded)
+    assert!((t2[0].offload_bytes as f64 / GB - 45.69).abs() < 0.01);
+    let p = job_prediction(&t2, &LinkRates::default());
+    assert!(
+        (p.enter_s - 45.69 / 55.0).abs() < 0.01,
+        "offload-bound enter: {p:?}"
+    );
+    assert!((p.switch_s() - 2.0 * 45.69 / 55.0).abs() < 0.02);
+}
+
+#[test]
+fn megatron_plans_follow_the_layouts() {
+    let c = qwen7b();
+    // T = TP, PP = 1: every rank holds its own slice
+    let same = plan_megatron(&c, 2, 1, 1, 2, 128, 256 << 20, Offload::NONE).unwrap();
+    assert!(same.iter().all(|r| r.recv_bytes == 0));
+    // TP 1 / PP 2 -> T = 1: each rank receives the other stage's layers
+    let pp = plan_megatron(&c, 1, 2, 1, 1, 128, 256 << 20, Offload::NONE).unwrap();
+    let total: u64 = pp.iter().map(|r| r.recv_bytes).sum();
+    assert!((total as f64 / GB - 15.23).abs() < 0.01, "{total}");
+    // DP replicas: offload per rank shrinks with DP (distributed optimizer)
+    let dp1 = plan_megatron(&c, 2, 1, 1, 2, 128, 256 << 20, Offload::ALL).unwrap();
+    let dp2 = plan_megatron(&c, 2, 1, 2, 2, 128, 256 << 20, Offload::ALL).unwrap();
+    assert!(dp2[0].offload_bytes < dp1[0].offload_bytes);
+}
+
+#[test]
+fn predictions_take_the_slower_of_network_and_memory() {
+    let c = qwen7b();
+    let t2 = plan_fsdp(&c, 2, 2, 256 << 20, 2, Offload::NONE).unwrap();
+    let fast_net = LinkRates {
+        nvlink_gbps: 1e6,
+        ..LinkRates::default()
+    };
+    let p = t2[0].predict(&fast_net);
+    assert!((p.transfer_s - t2[0].local_traffic_bytes as f64 / 4100e9).abs() < 1e-9);
+    let slow_net = LinkRates {
+        nvlink_gbps: 1.0,
+        ..LinkRates::default()
+    };
+    assert!((t2[0].predict(&slow_net).transfer_s - t2[0].recv_bytes as f64 / 1e9).abs() < 1e-9);
+}
+
+#[test]
+fn bad_input_names_the_problem() {
+    let c = qwen7b();
+    let err = plan_fsdp(&c, 4, 3, 256 << 20, 2, Offload::ALL)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains('3'), "{err}");
+    let err = plan_megatron(&c, 3, 1, 1, 1, 128, 256 << 20, Offload::ALL)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("not divisible by the training TP"), "{err}");
+    let err = "megatron:pp=2".parse::<TrainLayout>().unwrap_err();
+    assert!(err.contains("tp is missing"), "{err}");
+    let err = "fsdp:0".parse::<TrainLayout>().unwrap_err();
+    assert!(err.contains("positive integer"), "{err}");
+    let err = LinkRates::from_json(r#"{"h2d_gbps": -1}"#).unwrap_err();
+    assert!(err.contains("h2d_gbps"), "{err}");
+}
+
+#[test]
+fn the_command_prints_a_plan_and_a_prediction() {
+    let bin = env!("CARGO_BIN_EXE_lifecycle-plan");
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/qwen2.5-7b.json");
+    let dir = std::env::temp_dir().join(format!("lifecycle-plan-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let rates = dir.join("rates.json");
+    std::fs::write(
+        &rates,
+        LinkRates {
+            h2d_gbps: 25.0,
+            ..LinkRates::default()
+        }
+        .to_json(),
+    )
+    .unwrap();
+    let out = Command::new(bin)
+        .args([
+            "--config",
+            config,
+            "--train",
+            "fsdp:2",
+            "--rollout-tp",
+            "2",
+            "--rates",
+        ])
+        .arg(&rates)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("training fsdp:2"), "{text}");
+    assert!(text.contains("1.13 GB"), "{text}");
+    assert!(text.contains("host->device 25.0 GB/s"), "{text}");
+    assert!(text.contains("full switch"), "{text}");
+    let out = Command::new(bin)
+        .args([
+            "--config",
+            config,
+            "--train",
+            "megatron:tp=3",
+            "--rollout-tp",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("pick a degree dividing 28"));
+    std::fs::remove_dir_all(&dir).ok();
+}
