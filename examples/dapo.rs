@@ -18,7 +18,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use lifecycle_core::{HumanBytes, HumanDuration, MemoryPolicy, Switching};
+use lifecycle_core::{Ceilings, HumanBytes, HumanDuration, MemoryPolicy, Switching};
 use lifecycle_decoder::{load_checkpoint, Checkpoint};
 use lifecycle_examples::dapo::{self, DapoConfig, RunReport, StepReport};
 use lifecycle_examples::lm_policy::run_checkpoint;
@@ -83,6 +83,10 @@ struct Args {
     /// Keep master weights and optimizer state on the device during rollout.
     #[arg(long)]
     no_offload: bool,
+    /// Write the switch timeline of each run as a Chrome / Perfetto trace: PATH.lazy.json and
+    /// PATH.eager.json (open them at ui.perfetto.dev).
+    #[arg(long, value_name = "PATH")]
+    trace: Option<String>,
     /// A Hugging Face checkpoint folder (config.json + model.safetensors, Qwen2 or Llama): train
     /// its weights and roll out through the decoder instead of the toy policy.
     #[arg(long, value_name = "PATH")]
@@ -113,8 +117,27 @@ impl Args {
             } else {
                 MemoryPolicy::default()
             },
+            trace: self.trace.is_some(),
         }
     }
+}
+
+/// The host's memory copy rate (GB/s of bytes copied), the ceiling every host-backend link is
+/// measured against: ranks are threads and "links" are copies in one memory.
+fn host_copy_rate() -> f64 {
+    let n = 32 << 20;
+    let src = vec![1u8; n];
+    let mut dst = vec![0u8; n];
+    dst.copy_from_slice(&src); // fault the pages in
+    let best = (0..5)
+        .map(|_| {
+            let t = std::time::Instant::now();
+            dst.copy_from_slice(&src);
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min);
+    std::hint::black_box(&dst);
+    n as f64 / best / 1e9
 }
 
 fn ms(d: Duration) -> String {
@@ -138,6 +161,7 @@ fn run_one(
     config: &DapoConfig,
     checkpoint: Option<&Checkpoint>,
     switching: Switching,
+    trace: Option<&str>,
 ) -> Result<RunReport, dapo::DapoError> {
     let name = match switching {
         Switching::Lazy => "lazy",
@@ -165,6 +189,27 @@ fn run_one(
         );
     })?;
     println!("{}", report.metrics.table());
+    let rate = host_copy_rate();
+    let ceilings = Ceilings {
+        device_to_device_gbps: Some(rate),
+        device_to_host_gbps: Some(rate),
+        host_to_device_gbps: Some(rate),
+        local_gbps: Some(rate),
+    };
+    println!(
+        "per phase against this host's copy rate ({rate:.1} GB/s copied; for the host backend every link is a copy in one memory):\n{}",
+        report.metrics.report(&ceilings)
+    );
+    if let Some(base) = trace {
+        let path = format!("{base}.{name}.json");
+        match report.trace.write_chrome(&path) {
+            Ok(()) => println!(
+                "switch timeline: {path} ({} spans; open it at ui.perfetto.dev)",
+                report.trace.spans().len()
+            ),
+            Err(e) => eprintln!("warning: could not write the trace {path}: {e}"),
+        }
+    }
     Ok(report)
 }
 
@@ -296,17 +341,22 @@ fn main() -> ExitCode {
         ),
     }
     let ckpt = checkpoint.as_ref();
+    let trace = args.trace.as_deref();
     // Warm the allocator and caches once, untimed, so neither policy pays the first-touch cost.
-    let warmup = DapoConfig { steps: 1, ..config };
+    let warmup = DapoConfig {
+        steps: 1,
+        trace: false,
+        ..config
+    };
     if let Err(e) = run_dapo(&warmup, ckpt, Switching::Lazy, |_| {}) {
         eprintln!("error: {e}");
         return ExitCode::FAILURE;
     }
     let result = match args.lifecycle {
-        LifecycleArg::Lazy => run_one(&config, ckpt, Switching::Lazy).map(|_| ()),
-        LifecycleArg::Eager => run_one(&config, ckpt, Switching::Eager).map(|_| ()),
-        LifecycleArg::Both => run_one(&config, ckpt, Switching::Lazy).and_then(|lazy| {
-            let eager = run_one(&config, ckpt, Switching::Eager)?;
+        LifecycleArg::Lazy => run_one(&config, ckpt, Switching::Lazy, trace).map(|_| ()),
+        LifecycleArg::Eager => run_one(&config, ckpt, Switching::Eager, trace).map(|_| ()),
+        LifecycleArg::Both => run_one(&config, ckpt, Switching::Lazy, trace).and_then(|lazy| {
+            let eager = run_one(&config, ckpt, Switching::Eager, trace)?;
             compare(&lazy, &eager);
             Ok(())
         }),

@@ -74,6 +74,16 @@ fn soak(
         if before != after {
             mismatches += 1;
         }
+        if (cycle + 1) % 100 == 0 || cycle + 1 == args.cycles {
+            eprintln!(
+                "  {} cycle {}/{}: {} mismatches, switch time so far {}",
+                if verify { "verified" } else { "plain" },
+                cycle + 1,
+                args.cycles,
+                mismatches,
+                HumanDuration(lc.metrics().switch_time())
+            );
+        }
     }
     Ok((mismatches, lc.metrics().switch_time()))
 }

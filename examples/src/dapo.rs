@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use lifecycle_core::layout::RolloutLayout;
 use lifecycle_core::{
     sharded_rollout, Lifecycle, LifecycleConfig, LifecycleError, LinkBytes, MemoryPolicy, Metrics,
-    RolloutView, Switching,
+    RolloutView, Switching, Trace,
 };
 use lifecycle_host::{AdamParams, HostBackend, HostError, HostRollout, HostTrainState};
 
@@ -40,6 +40,8 @@ pub struct DapoConfig {
     pub policy: PolicyConfig,
     /// What to offload during rollout.
     pub memory: MemoryPolicy,
+    /// Record a timeline of every switch ([`RunReport::trace`]).
+    pub trace: bool,
 }
 
 impl Default for DapoConfig {
@@ -62,6 +64,7 @@ impl Default for DapoConfig {
                 layers: 2,
             },
             memory: MemoryPolicy::default(),
+            trace: false,
         }
     }
 }
@@ -276,6 +279,8 @@ pub struct RunReport {
     pub total_time: Duration,
     /// Every group generated, in order (to compare runs sample for sample).
     pub groups: Vec<Group>,
+    /// The switch timeline (empty unless [`DapoConfig::trace`]).
+    pub trace: Trace,
 }
 
 impl RunReport {
@@ -384,6 +389,9 @@ pub fn run_loop(
         memory: config.memory,
     };
     let mut lc = Lifecycle::with_config(backend, state, lc_config)?;
+    if config.trace {
+        lc.enable_trace();
+    }
     let adam = AdamParams {
         lr: 1e-2,
         ..AdamParams::default()
@@ -474,5 +482,6 @@ pub fn run_loop(
         metrics: lc.metrics().clone(),
         total_time: start.elapsed(),
         groups: all_groups,
+        trace: lc.trace().clone(),
     })
 }
