@@ -11,6 +11,8 @@ use half::bf16;
 use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
 use lifecycle_host::{HostError, HostTensor, RankRollout};
 
+use lifecycle_decoder::{dot, sample_token};
+
 use crate::rng::SplitMix64;
 
 /// Sizes of the toy policy.
@@ -121,24 +123,6 @@ fn matvec_into(w: &[bf16], x: &[f32], out: &mut [f32]) {
     }
 }
 
-/// Dot product with eight independent accumulators, so the compiler can vectorise it.
-fn dot(w: &[bf16], x: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let (wc, xc) = (w.chunks_exact(8), x.chunks_exact(8));
-    let tail: f32 = wc
-        .remainder()
-        .iter()
-        .zip(xc.remainder())
-        .map(|(a, b)| a.to_f32() * b)
-        .sum();
-    for (a, b) in wc.zip(xc) {
-        for i in 0..8 {
-            acc[i] += a[i].to_f32() * b[i];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
-}
-
 impl<'w> TpGroup<'w> {
     /// The group made of `ranks` (TP ranks 0..T in order) for a policy of `config`.
     pub fn new(ranks: Vec<&'w RankRollout>, config: PolicyConfig) -> Self {
@@ -211,44 +195,10 @@ impl<'w> TpGroup<'w> {
         }
         let mut out = Vec::with_capacity(len);
         for _ in 0..len {
-            let next = sample_logits(&logits, temperature, rng);
+            let next = sample_token(&logits, temperature, rng);
             out.push(next);
             logits = self.step(next, &mut state);
         }
         out
     }
-}
-
-/// Samples an index from `logits / temperature` (greedy when `temperature` is 0).
-pub fn sample_logits(logits: &[f32], temperature: f32, rng: &mut SplitMix64) -> usize {
-    let argmax = || {
-        logits
-            .iter()
-            .enumerate()
-            .fold((0, f32::NEG_INFINITY), |best, (i, &v)| {
-                if v > best.1 {
-                    (i, v)
-                } else {
-                    best
-                }
-            })
-            .0
-    };
-    if temperature <= 0.0 {
-        return argmax();
-    }
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let weights: Vec<f32> = logits
-        .iter()
-        .map(|l| ((l - max) / temperature).exp())
-        .collect();
-    let total: f32 = weights.iter().sum();
-    let mut pick = rng.next_f32() * total;
-    for (i, w) in weights.iter().enumerate() {
-        pick -= w;
-        if pick <= 0.0 {
-            return i;
-        }
-    }
-    argmax()
 }

@@ -29,4 +29,5 @@ pub use config::{Architecture, ConfigStyle, ModelConfig};
 pub use cpu::CpuDecoder;
 pub use decoder::{Decoder, PrefillLogits};
 pub use error::{CheckpointError, DecodeError};
+pub use math::dot;
 pub use sampling::{argmax, sample_token, Sampling, SplitMix64};
