@@ -1,0 +1,973 @@
+//! [`GpuDecoder`]: the decoder on the GPUs of the FSDP backend's rank pool, reading the resident
+//! rollout weights in place.
+
+use std::ffi::c_void;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use cudarc::cublas::{result as cublas_result, sys as cublas_sys, CudaBlas};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
+use cudarc::nccl::ReduceOp;
+use lifecycle_core::layout::RolloutLayout;
+use lifecycle_cuda::{alloc_device, alloc_zeros, CudaError, RankCtx, RankExecutor, ThreadRankPool};
+use lifecycle_decoder::{
+    sample_token, DecodeError, Decoder, ModelConfig, PrefillLogits, Sampling, SplitMix64,
+};
+use lifecycle_fsdp::{FsdpBackend, FsdpRollout};
+
+use crate::error::GpuDecodeError;
+use crate::kernels::{launch, Arg, DecoderKernels};
+use crate::weights::{GroupOffsets, RankOffsets};
+
+/// Longest sequence (prompt + generated tokens) the attention kernel's shared memory holds.
+pub const MAX_CONTEXT: usize = 8192;
+
+/// One rank's resources: cuBLAS handle, kernels, weight addresses, KV cache.
+struct RankState {
+    /// Index into the pool's local ranks (and the rollout's buffers).
+    local: usize,
+    blas: CudaBlas,
+    k: DecoderKernels,
+    /// Device address of the rank's flat bf16 rollout buffer.
+    base: u64,
+    w: RankOffsets,
+    inv_freq: CudaSlice<f32>,
+    /// `[layer][k | v][sequence][cap][kv_heads · head_dim]` f32, `None` before the first prefill.
+    cache: Option<CudaSlice<f32>>,
+    ev_compute: CudaEvent,
+    ev_nccl: CudaEvent,
+}
+
+/// Inputs of one forward pass, the same on every rank.
+struct Step<'a> {
+    tokens: &'a [u32],
+    seqs: &'a [u32],
+    poss: &'a [u32],
+    /// Rows whose logits are wanted.
+    logit_rows: &'a [u32],
+    /// Sequences in the batch (cache layout).
+    batch: usize,
+    /// Cache capacity in positions.
+    cap: usize,
+    /// Return argmax tokens instead of logits.
+    argmax: bool,
+}
+
+/// What the first local rank brings back from a forward pass.
+enum StepOut {
+    Logits(Vec<f32>),
+    Tokens(Vec<u32>),
+    Nothing,
+}
+
+/// The Qwen2 / Llama decoder on NVIDIA GPUs: one tensor-parallel group of `T` ranks (the whole
+/// [`ThreadRankPool`] of the [`FsdpBackend`], `W = T`), reading the backend's resident bf16
+/// rollout weights ([`FsdpRollout`]) in place.
+///
+/// - Column-parallel q/k/v/gate/up, row-parallel o/down followed by an NCCL all-reduce (sum) over
+///   the group; kv heads replicated when there are fewer than `T` (each rank reads the rows of the
+///   kv heads its query heads use); embedding and head vocabulary-parallel or replicated as the
+///   layout says (a vocabulary-parallel embedding gathers by an all-reduce of zero-padded rows,
+///   the head's logits by an NCCL all-gather).
+/// - Matrix products: cuBLAS `GemmEx`, bf16 weights × bf16 activations, f32 accumulation and
+///   output. f32 activations are split into `hi = bf16(x)`, `lo = bf16(x − hi)` rows of one GEMM
+///   (the weights are read once), so products see ~16-bit activations (see `kernels`).
+/// - Small kernels (RMSNorm, RoPE, attention over an f32 KV cache, SwiGLU, embedding gather,
+///   residual adds) compiled at run time with NVRTC.
+/// - Sampling as the CPU decoder (same seeding, logits downloaded to the host); greedy
+///   generation picks tokens on the device and downloads only them.
+///
+/// Built from a rollout session of an FSDP [`Lifecycle`](lifecycle_core::Lifecycle), so it
+/// cannot outlive the weights it reads:
+///
+/// ```no_run
+/// use lifecycle_decoder::{load_checkpoint, Decoder, Sampling};
+/// use lifecycle_decoder_gpu::{GpuDecoder, GpuModel};
+///
+/// let ckpt = load_checkpoint("path/to/checkpoint".as_ref())?;
+/// let mut model = GpuModel::from_tensors(&ckpt.config, ckpt.tensors, 2)?;
+/// let config = model.config().clone();
+/// let session = model.lifecycle_mut().rollout()?;
+/// let mut decoder = GpuDecoder::new(&config, session.backend(), session.weights().get())?;
+/// let out = decoder.generate(&[vec![1, 2, 3]], &Sampling::greedy(8))?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct GpuDecoder<'w> {
+    config: ModelConfig,
+    pool: &'w ThreadRankPool,
+    ranks: Vec<RankState>,
+    tp: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    ffn_part: usize,
+    vocab_parallel: bool,
+    lens: Vec<usize>,
+    cap: usize,
+    _weights: PhantomData<&'w FsdpRollout>,
+}
+
+impl std::fmt::Debug for GpuDecoder<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuDecoder")
+            .field("tp", &self.tp)
+            .field("vocab_parallel", &self.vocab_parallel)
+            .field("sequences", &self.lens.len())
+            .field("cache_capacity", &self.cap)
+            .finish()
+    }
+}
+
+fn ptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
+
+fn cublas_err(rank: usize, op: &str, e: cublas_result::CublasError) -> CudaError {
+    CudaError::Driver {
+        rank,
+        op: format!("cuBLAS {op}"),
+        detail: format!("{:?}", e.0),
+    }
+}
+
+/// `y[2n × out] = x[2n × inp] · wᵀ` for a row-major bf16 `w[out × inp]` (a PyTorch linear) and
+/// bf16 `x`, f32 accumulation and output.
+///
+/// # Safety
+/// `w`, `x`, `y` must be device addresses of this handle's context holding at least
+/// `out · inp` bf16, `rows · inp` bf16 and `rows · out` f32, alive until the stream ran the GEMM.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm(
+    blas: &CudaBlas,
+    w: u64,
+    x: u64,
+    y: u64,
+    out: usize,
+    rows: usize,
+    inp: usize,
+    rank: usize,
+) -> Result<(), CudaError> {
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let dim = |v: usize| {
+        i32::try_from(v).map_err(|_| CudaError::Invalid(format!("GEMM dimension {v} > i32::MAX")))
+    };
+    // SAFETY: column-major view: C[out × rows] = op(A) · B with A = w as a col-major
+    // [inp × out] matrix (transposed), B = x as col-major [inp × rows]; sizes per the caller;
+    // alpha/beta are host scalars (the handle's default pointer mode).
+    unsafe {
+        cublas_result::gemm_ex(
+            *blas.handle(),
+            cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+            cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+            dim(out)?,
+            dim(rows)?,
+            dim(inp)?,
+            (&alpha as *const f32).cast::<c_void>(),
+            w as *const c_void,
+            cublas_sys::cudaDataType::CUDA_R_16BF,
+            dim(inp)?,
+            x as *const c_void,
+            cublas_sys::cudaDataType::CUDA_R_16BF,
+            dim(inp)?,
+            (&beta as *const f32).cast::<c_void>(),
+            y as *mut c_void,
+            cublas_sys::cudaDataType::CUDA_R_32F,
+            dim(out)?,
+            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| cublas_err(rank, "GemmEx (bf16 x bf16 -> f32)", e))
+}
+
+impl<'w> GpuDecoder<'w> {
+    /// A decoder over the rollout weights `weights` of `backend` (its rank pool is the TP group:
+    /// `W` must equal the layout's `T`). Every tensor is checked against `config` and the
+    /// backend's layout here; each rank creates its cuBLAS handle and compiles the kernels.
+    pub fn new(
+        config: &ModelConfig,
+        backend: &'w FsdpBackend,
+        weights: &'w FsdpRollout,
+    ) -> Result<Self, GpuDecodeError> {
+        Self::with_pool(config, backend.layout(), backend.pool(), weights)
+    }
+
+    /// As [`GpuDecoder::new`] with the layout and pool given separately.
+    pub fn with_pool(
+        config: &ModelConfig,
+        layout: &RolloutLayout,
+        pool: &'w ThreadRankPool,
+        weights: &'w FsdpRollout,
+    ) -> Result<Self, GpuDecodeError> {
+        let tp = layout.tp;
+        if pool.world() != tp {
+            return Err(GpuDecodeError::Topology {
+                world: pool.world(),
+                tp,
+            });
+        }
+        let plan = GroupOffsets::new(config, layout, weights.entries())?;
+        // SAFETY: only asks the dynamic loader whether the library can be opened.
+        if !unsafe { cublas_sys::is_culib_present() } {
+            return Err(GpuDecodeError::NoCublas);
+        }
+        let locals = pool.local_ranks().to_vec();
+        for (i, _) in locals.iter().enumerate() {
+            let len = weights.rank_buffer(i).map_or(0, |b| b.len() as u64);
+            if len < plan.min_len {
+                return Err(DecodeError::Usage(format!(
+                    "the rollout buffer of local rank {i} holds {len} elements, its entries need {}",
+                    plan.min_len
+                ))
+                .into());
+            }
+        }
+        let inv_freq: Vec<f32> = (0..config.head_dim / 2)
+            .map(|i| {
+                1.0 / (config
+                    .rope_theta
+                    .powf((2 * i) as f64 / config.head_dim as f64)) as f32
+            })
+            .collect();
+        let mut items: Vec<Option<RankState>> = locals.iter().map(|_| None).collect();
+        let plan_ref = &plan;
+        let freq = &inv_freq;
+        pool.run_each(&mut items, &|ctx, slot| {
+            let local = locals.iter().position(|&r| r == ctx.rank).ok_or_else(|| {
+                CudaError::Invalid(format!("rank {} is not a local rank", ctx.rank))
+            })?;
+            ctx.sync_all()?;
+            let buf = weights.rank_buffer(local).ok_or_else(|| {
+                CudaError::Invalid(format!("no rollout buffer for local rank {local}"))
+            })?;
+            let blas = CudaBlas::new(ctx.compute.clone())
+                .map_err(|e| cublas_err(ctx.rank, "creating a handle", e))?;
+            let k = DecoderKernels::load(ctx)?;
+            let inv = ctx
+                .compute
+                .clone_htod(freq.as_slice())
+                .map_err(ctx.drv("uploading rotary frequencies", 0))?;
+            *slot = Some(RankState {
+                local,
+                blas,
+                k,
+                base: ptr(buf, &ctx.compute),
+                w: plan_ref.ranks[ctx.rank].clone(),
+                inv_freq: inv,
+                cache: None,
+                ev_compute: ctx.event()?,
+                ev_nccl: ctx.event()?,
+            });
+            ctx.compute
+                .synchronize()
+                .map_err(ctx.drv("synchronizing", 0))?;
+            Ok(())
+        })?;
+        let ranks: Vec<RankState> = items.into_iter().flatten().collect();
+        if ranks.len() != locals.len() {
+            return Err(
+                CudaError::Invalid("a rank did not set up its decoder state".into()).into(),
+            );
+        }
+        Ok(GpuDecoder {
+            config: config.clone(),
+            pool,
+            ranks,
+            tp,
+            q_heads: plan.q_heads,
+            kv_heads: plan.ranks[0].share.kv_heads,
+            ffn_part: plan.ffn_part,
+            vocab_parallel: plan.vocab_parallel,
+            lens: Vec::new(),
+            cap: 0,
+            _weights: PhantomData,
+        })
+    }
+
+    /// Tokens in each sequence's cache.
+    pub fn lengths(&self) -> Vec<usize> {
+        self.lens.clone()
+    }
+
+    fn check_token(&self, sequence: usize, token: u32) -> Result<(), DecodeError> {
+        if (token as usize) < self.config.vocab_size {
+            Ok(())
+        } else {
+            Err(DecodeError::Token {
+                sequence,
+                token,
+                vocab: self.config.vocab_size,
+            })
+        }
+    }
+
+    fn kv_width(&self) -> usize {
+        self.kv_heads * self.config.head_dim
+    }
+
+    /// Makes room for `needed` positions per sequence (`fresh`: a new batch, the old cache is
+    /// dropped; otherwise the cache is grown, its contents kept).
+    fn reserve(&mut self, batch: usize, needed: usize, fresh: bool) -> Result<(), GpuDecodeError> {
+        if needed > MAX_CONTEXT {
+            return Err(DecodeError::Usage(format!(
+                "a sequence would hold {needed} tokens; the GPU decoder holds at most {MAX_CONTEXT}"
+            ))
+            .into());
+        }
+        if !fresh && needed <= self.cap {
+            return Ok(());
+        }
+        let new_cap = if fresh {
+            (needed + 128).next_multiple_of(64).min(MAX_CONTEXT)
+        } else {
+            needed.max(self.cap * 2).min(MAX_CONTEXT)
+        };
+        let blocks = (self.config.num_layers * 2 * batch) as u64;
+        let w = self.kv_width() as u64;
+        let old_cap = self.cap as u64;
+        let len = (blocks * new_cap as u64 * w) as usize;
+        self.pool.run_each(&mut self.ranks, &|ctx, st| {
+            let new = alloc_zeros::<f32>(&ctx.compute, len, ctx.rank, "the KV cache")?;
+            if let (false, Some(old)) = (fresh, st.cache.as_ref()) {
+                let args = [
+                    Arg::U64(ptr(old, &ctx.compute)),
+                    Arg::U64(ptr(&new, &ctx.compute)),
+                    Arg::U64(blocks),
+                    Arg::U64(old_cap * w),
+                    Arg::U64(new_cap as u64 * w),
+                ];
+                let cfg = st.k.elementwise(blocks * old_cap * w);
+                // SAFETY: `old` holds blocks·old_cap·w floats and `new` blocks·new_cap·w; both
+                // live on this stream until the copy ran (the old one is freed on the same
+                // stream after it).
+                unsafe {
+                    launch(
+                        &ctx.compute,
+                        &st.k.grow_blocks,
+                        cfg,
+                        &args,
+                        ctx.rank,
+                        "grow_blocks",
+                    )?
+                };
+            }
+            st.cache = Some(new);
+            Ok(())
+        })?;
+        self.cap = new_cap;
+        Ok(())
+    }
+
+    /// Runs one forward pass on every rank; the first local rank's logits (`[m × vocab]`) or
+    /// argmax tokens.
+    fn forward(&mut self, step: &Step<'_>) -> Result<StepOut, GpuDecodeError> {
+        let c = &self.config;
+        let dims = Dims {
+            n: step.tokens.len(),
+            m: step.logit_rows.len(),
+            h: c.hidden_size,
+            d: c.head_dim,
+            qh: self.q_heads,
+            kvh: self.kv_heads,
+            f: self.ffn_part,
+            vocab: c.vocab_size,
+            tp: self.tp,
+            layers: c.num_layers,
+            eps: c.rms_norm_eps as f32,
+            group: c.num_heads / c.num_kv_heads,
+            vocab_parallel: self.vocab_parallel,
+        };
+        let outs = self.pool.run_each(&mut self.ranks, &|ctx, st| {
+            rank_forward(ctx, st, &dims, step)
+        })?;
+        Ok(outs
+            .into_iter()
+            .find(|o| !matches!(o, StepOut::Nothing))
+            .unwrap_or(StepOut::Nothing))
+    }
+
+    fn prefill_rows(
+        &mut self,
+        prompts: &[Vec<u32>],
+        which: PrefillLogits,
+        argmax: bool,
+    ) -> Result<StepOut, GpuDecodeError> {
+        let mut seqs = Vec::new();
+        let mut poss = Vec::new();
+        let mut tokens = Vec::new();
+        let mut logit_rows = Vec::new();
+        for (s, p) in prompts.iter().enumerate() {
+            if p.is_empty() {
+                return Err(DecodeError::Usage(format!(
+                    "prompt {s} is empty: every prompt needs at least one token"
+                ))
+                .into());
+            }
+            for (pos, &t) in p.iter().enumerate() {
+                self.check_token(s, t)?;
+                if which == PrefillLogits::All || pos + 1 == p.len() {
+                    logit_rows.push(tokens.len() as u32);
+                }
+                seqs.push(s as u32);
+                poss.push(pos as u32);
+                tokens.push(t);
+            }
+        }
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        self.lens.clear();
+        self.reserve(prompts.len(), longest, true)?;
+        let out = self.forward(&Step {
+            tokens: &tokens,
+            seqs: &seqs,
+            poss: &poss,
+            logit_rows: &logit_rows,
+            batch: prompts.len(),
+            cap: self.cap,
+            argmax,
+        })?;
+        self.lens = prompts.iter().map(Vec::len).collect();
+        Ok(out)
+    }
+
+    fn decode_rows(&mut self, tokens: &[u32], argmax: bool) -> Result<StepOut, GpuDecodeError> {
+        if tokens.len() != self.lens.len() || self.lens.is_empty() {
+            return Err(DecodeError::Usage(format!(
+                "decode_step got {} tokens for a batch of {} sequences (call prefill first)",
+                tokens.len(),
+                self.lens.len()
+            ))
+            .into());
+        }
+        for (s, &t) in tokens.iter().enumerate() {
+            self.check_token(s, t)?;
+        }
+        let longest = self.lens.iter().copied().max().unwrap_or(0);
+        self.reserve(self.lens.len(), longest + 1, false)?;
+        let seqs: Vec<u32> = (0..tokens.len() as u32).collect();
+        let poss: Vec<u32> = self.lens.iter().map(|&l| l as u32).collect();
+        let out = self.forward(&Step {
+            tokens,
+            seqs: &seqs,
+            poss: &poss,
+            logit_rows: &seqs,
+            batch: self.lens.len(),
+            cap: self.cap,
+            argmax,
+        })?;
+        self.lens.iter_mut().for_each(|l| *l += 1);
+        Ok(out)
+    }
+
+    fn logits(out: StepOut, vocab: usize) -> Result<Vec<f32>, GpuDecodeError> {
+        match out {
+            StepOut::Logits(l) if l.len().is_multiple_of(vocab.max(1)) => Ok(l),
+            _ => Err(CudaError::Invalid("no rank returned logits".into()).into()),
+        }
+    }
+
+    fn tokens(out: StepOut) -> Result<Vec<u32>, GpuDecodeError> {
+        match out {
+            StepOut::Tokens(t) => Ok(t),
+            _ => Err(CudaError::Invalid("no rank returned tokens".into()).into()),
+        }
+    }
+}
+
+/// Sizes of one forward pass.
+struct Dims {
+    n: usize,
+    m: usize,
+    h: usize,
+    d: usize,
+    qh: usize,
+    kvh: usize,
+    f: usize,
+    vocab: usize,
+    tp: usize,
+    layers: usize,
+    eps: f32,
+    group: usize,
+    vocab_parallel: bool,
+}
+
+/// Makes `waiter` wait for the work queued so far on `on`, through `event`.
+fn order(
+    ctx: &RankCtx,
+    event: &CudaEvent,
+    on: &CudaStream,
+    waiter: &CudaStream,
+) -> Result<(), CudaError> {
+    event.record(on).map_err(ctx.drv("recording an event", 0))?;
+    waiter
+        .wait(event)
+        .map_err(ctx.drv("waiting on an event", 0))
+}
+
+/// All-reduce (sum) of `send` into `recv` over the TP group, ordered after and before the
+/// compute stream's work.
+fn all_reduce(
+    ctx: &RankCtx,
+    st: &RankState,
+    send: &CudaSlice<f32>,
+    recv: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    let nccl = ctx.nccl_stream();
+    order(ctx, &st.ev_compute, &ctx.compute, &nccl)?;
+    ctx.comm
+        .all_reduce(send, recv, &ReduceOp::Sum)
+        .map_err(|e| CudaError::nccl(ctx.rank, "all-reduce of row-parallel outputs", e))?;
+    order(ctx, &st.ev_nccl, &nccl, &ctx.compute)
+}
+
+/// In-place all-reduce (sum) of `buf` over the TP group.
+fn all_reduce_in_place(
+    ctx: &RankCtx,
+    st: &RankState,
+    buf: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    let nccl = ctx.nccl_stream();
+    order(ctx, &st.ev_compute, &ctx.compute, &nccl)?;
+    ctx.comm
+        .all_reduce_in_place(buf, &ReduceOp::Sum)
+        .map_err(|e| CudaError::nccl(ctx.rank, "all-reduce of embedding rows", e))?;
+    order(ctx, &st.ev_nccl, &nccl, &ctx.compute)
+}
+
+fn rank_forward(
+    ctx: &RankCtx,
+    st: &mut RankState,
+    z: &Dims,
+    step: &Step<'_>,
+) -> Result<StepOut, CudaError> {
+    let s = &ctx.compute;
+    let rank = ctx.rank;
+    let (n, m, h, d, qh, kvh, f) = (z.n, z.m, z.h, z.d, z.qh, z.kvh, z.f);
+    let kvw = kvh * d;
+    let qw = qh * d;
+    let up = |v: &[u32], what: &str| s.clone_htod(v).map_err(ctx.drv(what, 0));
+    let tokens = up(step.tokens, "uploading tokens")?;
+    let seqs = up(step.seqs, "uploading sequence indices")?;
+    let poss = up(step.poss, "uploading positions")?;
+    let rows = up(step.logit_rows, "uploading logit rows")?;
+    let widest = h.max(qw).max(f);
+    // SAFETY (all four allocations): every element is written by a kernel or GEMM before it is
+    // read, as the pass below does in order on this one stream.
+    let mut x = unsafe { alloc_device::<f32>(s, n * h, rank, "hidden states") }?;
+    let xs = unsafe { alloc_device::<u16>(s, 2 * n * widest, rank, "split activations") }?;
+    let y2 = unsafe { alloc_device::<f32>(s, 2 * n * widest, rank, "GEMM outputs") }?;
+    let y2b = unsafe { alloc_device::<f32>(s, 2 * n * f, rank, "GEMM outputs (up)") }?;
+    let q = unsafe { alloc_device::<f32>(s, n * qw, rank, "queries") }?;
+    let kb = unsafe { alloc_device::<f32>(s, n * kvw, rank, "keys") }?;
+    let vb = unsafe { alloc_device::<f32>(s, n * kvw, rank, "values") }?;
+    let partial = if z.tp > 1 {
+        Some(unsafe { alloc_device::<f32>(s, n * h, rank, "row-parallel partial sums") }?)
+    } else {
+        None
+    };
+    let cache = st
+        .cache
+        .as_ref()
+        .ok_or_else(|| CudaError::Invalid("no KV cache: call prefill first".into()))?;
+    let cache_p = ptr(cache, s);
+    let p = |b: &CudaSlice<f32>| ptr(b, s);
+    let (xp, xsp, y2p, y2bp, qp, kp, vp) =
+        (p(&x), ptr(&xs, s), p(&y2), p(&y2b), p(&q), p(&kb), p(&vb));
+    let (tokp, seqp, posp, rowp) = (ptr(&tokens, s), ptr(&seqs, s), ptr(&poss, s), ptr(&rows, s));
+    let wp = |off: u64| st.base + 2 * off;
+    let k = &st.k;
+    let u32a = |v: usize| Arg::U32(v as u32);
+    let block_rows = |rows: usize| LaunchConfig {
+        grid_dim: (rows.max(1) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY (every launch and GEMM below): the addresses are this rank's rollout buffer (alive
+    // for the decoder's lifetime 'w, offsets checked against its length in `with_pool`) and the
+    // buffers allocated above with the sizes each kernel indexes; everything runs in order on
+    // the compute stream, and collectives are ordered with events both ways.
+    unsafe {
+        // embedding
+        let part = if z.vocab_parallel {
+            z.vocab / z.tp
+        } else {
+            z.vocab
+        };
+        let lo = if z.vocab_parallel { rank * part } else { 0 };
+        launch(
+            s,
+            &k.embed,
+            k.elementwise((n * h) as u64),
+            &[
+                Arg::U64(wp(st.w.embed)),
+                Arg::U64(tokp),
+                Arg::U64(xp),
+                u32a(n),
+                u32a(h),
+                u32a(lo),
+                u32a(part),
+            ],
+            rank,
+            "embed",
+        )?;
+        if z.vocab_parallel {
+            all_reduce_in_place(ctx, st, &mut x)?;
+        }
+        let cache_layer = (step.batch * step.cap * kvw) as u64;
+        // row-parallel output y2 [2n × h] → x (+ all-reduce)
+        let finish = |x: &mut CudaSlice<f32>| -> Result<(), CudaError> {
+            match &partial {
+                None => launch(
+                    s,
+                    &k.combine,
+                    k.elementwise((n * h) as u64),
+                    &[
+                        Arg::U64(y2p),
+                        Arg::U64(0),
+                        Arg::U64(xp),
+                        Arg::U64(xp),
+                        u32a(n),
+                        u32a(h),
+                    ],
+                    rank,
+                    "combine",
+                ),
+                Some(part) => {
+                    // rank 0 adds the residual: x + Σ partials, the same on every rank
+                    let res = if rank == 0 { xp } else { 0 };
+                    launch(
+                        s,
+                        &k.combine,
+                        k.elementwise((n * h) as u64),
+                        &[
+                            Arg::U64(y2p),
+                            Arg::U64(0),
+                            Arg::U64(res),
+                            Arg::U64(p(part)),
+                            u32a(n),
+                            u32a(h),
+                        ],
+                        rank,
+                        "combine",
+                    )?;
+                    all_reduce(ctx, st, part, x)
+                }
+            }
+        };
+        let combine_into = |out: u64, bias: Option<u64>, width: usize| {
+            launch(
+                s,
+                &k.combine,
+                k.elementwise((n * width) as u64),
+                &[
+                    Arg::U64(y2p),
+                    Arg::U64(bias.map_or(0, wp)),
+                    Arg::U64(0),
+                    Arg::U64(out),
+                    u32a(n),
+                    u32a(width),
+                ],
+                rank,
+                "combine",
+            )
+        };
+        let norm = |w: u64, rows_p: u64, count: usize| {
+            launch(
+                s,
+                &k.rms_norm_split,
+                block_rows(count),
+                &[
+                    Arg::U64(xp),
+                    Arg::U64(wp(w)),
+                    Arg::U64(rows_p),
+                    Arg::U64(xsp),
+                    u32a(count),
+                    u32a(h),
+                    Arg::F32(z.eps),
+                ],
+                rank,
+                "rms_norm_split",
+            )
+        };
+        let smem = ((d + step.cap) * 4) as u32;
+        for l in 0..z.layers {
+            let lw = st.w.layers[l];
+            let kc = cache_p + 4 * (2 * l as u64) * cache_layer;
+            let vc = cache_p + 4 * (2 * l as u64 + 1) * cache_layer;
+            norm(lw.input_norm, 0, n)?;
+            gemm(&st.blas, wp(lw.q_w), xsp, y2p, qw, 2 * n, h, rank)?;
+            combine_into(qp, lw.q_b, qw)?;
+            gemm(&st.blas, wp(lw.k_w), xsp, y2p, kvw, 2 * n, h, rank)?;
+            combine_into(kp, lw.k_b, kvw)?;
+            gemm(&st.blas, wp(lw.v_w), xsp, y2p, kvw, 2 * n, h, rank)?;
+            combine_into(vp, lw.v_b, kvw)?;
+            launch(
+                s,
+                &k.rope_store,
+                k.elementwise((n * (qh + kvh) * d / 2) as u64),
+                &[
+                    Arg::U64(qp),
+                    Arg::U64(kp),
+                    Arg::U64(vp),
+                    Arg::U64(kc),
+                    Arg::U64(vc),
+                    Arg::U64(seqp),
+                    Arg::U64(posp),
+                    Arg::U64(ptr(&st.inv_freq, s)),
+                    u32a(n),
+                    u32a(qh),
+                    u32a(kvh),
+                    u32a(d),
+                    u32a(step.cap),
+                ],
+                rank,
+                "rope_store",
+            )?;
+            launch(
+                s,
+                &k.attention,
+                LaunchConfig {
+                    grid_dim: ((n * qh) as u32, 1, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: smem,
+                },
+                &[
+                    Arg::U64(qp),
+                    Arg::U64(kc),
+                    Arg::U64(vc),
+                    Arg::U64(seqp),
+                    Arg::U64(posp),
+                    Arg::U64(xsp),
+                    u32a(n),
+                    u32a(qh),
+                    u32a(kvh),
+                    u32a(d),
+                    u32a(step.cap),
+                    u32a(st.w.share.q_base),
+                    u32a(z.group),
+                    u32a(st.w.share.kv_base),
+                    Arg::F32(1.0 / (d as f32).sqrt()),
+                ],
+                rank,
+                "attention",
+            )?;
+            gemm(&st.blas, wp(lw.o_w), xsp, y2p, h, 2 * n, qw, rank)?;
+            finish(&mut x)?;
+            norm(lw.post_norm, 0, n)?;
+            gemm(&st.blas, wp(lw.gate_w), xsp, y2p, f, 2 * n, h, rank)?;
+            gemm(&st.blas, wp(lw.up_w), xsp, y2bp, f, 2 * n, h, rank)?;
+            launch(
+                s,
+                &k.swiglu_split,
+                k.elementwise((n * f) as u64),
+                &[
+                    Arg::U64(y2p),
+                    Arg::U64(y2bp),
+                    Arg::U64(xsp),
+                    u32a(n),
+                    u32a(f),
+                ],
+                rank,
+                "swiglu_split",
+            )?;
+            gemm(&st.blas, wp(lw.down_w), xsp, y2p, h, 2 * n, f, rank)?;
+            finish(&mut x)?;
+        }
+        // final norm of the wanted rows, head
+        if m == 0 {
+            return Ok(StepOut::Nothing);
+        }
+        let xh = alloc_device::<u16>(s, 2 * m * h, rank, "split final hidden rows")?;
+        launch(
+            s,
+            &k.rms_norm_split,
+            block_rows(m),
+            &[
+                Arg::U64(xp),
+                Arg::U64(wp(st.w.final_norm)),
+                Arg::U64(rowp),
+                Arg::U64(ptr(&xh, s)),
+                u32a(m),
+                u32a(h),
+                Arg::F32(z.eps),
+            ],
+            rank,
+            "rms_norm_split",
+        )?;
+        let yh = alloc_device::<f32>(s, 2 * m * part, rank, "head GEMM output")?;
+        gemm(
+            &st.blas,
+            wp(st.w.head),
+            ptr(&xh, s),
+            ptr(&yh, s),
+            part,
+            2 * m,
+            h,
+            rank,
+        )?;
+        let logits = alloc_device::<f32>(s, m * part, rank, "logits")?;
+        launch(
+            s,
+            &k.combine,
+            k.elementwise((m * part) as u64),
+            &[
+                Arg::U64(ptr(&yh, s)),
+                Arg::U64(0),
+                Arg::U64(0),
+                Arg::U64(ptr(&logits, s)),
+                u32a(m),
+                u32a(part),
+            ],
+            rank,
+            "combine",
+        )?;
+        let full = if z.vocab_parallel {
+            // [T][m][part] on every rank
+            let mut gathered = alloc_device::<f32>(s, z.tp * m * part, rank, "gathered logits")?;
+            let nccl = ctx.nccl_stream();
+            order(ctx, &st.ev_compute, s, &nccl)?;
+            ctx.comm.all_gather(&logits, &mut gathered).map_err(|e| {
+                CudaError::nccl(rank, "all-gather of vocabulary-parallel logits", e)
+            })?;
+            order(ctx, &st.ev_nccl, &nccl, s)?;
+            Some(gathered)
+        } else {
+            None
+        };
+        if st.local != 0 {
+            s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
+            return Ok(StepOut::Nothing);
+        }
+        if step.argmax && full.is_none() {
+            let toks = alloc_device::<u32>(s, m, rank, "argmax tokens")?;
+            launch(
+                s,
+                &k.argmax_rows,
+                block_rows(m),
+                &[
+                    Arg::U64(ptr(&logits, s)),
+                    Arg::U64(ptr(&toks, s)),
+                    u32a(part),
+                ],
+                rank,
+                "argmax_rows",
+            )?;
+            let out = s
+                .clone_dtoh(&toks)
+                .map_err(ctx.drv("downloading tokens", 0))?;
+            s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
+            return Ok(StepOut::Tokens(out));
+        }
+        let host = match &full {
+            Some(g) => {
+                let raw = s.clone_dtoh(g).map_err(ctx.drv("downloading logits", 0))?;
+                s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
+                let mut out = vec![0.0f32; m * z.vocab];
+                for r in 0..z.tp {
+                    for i in 0..m {
+                        let src = &raw[(r * m + i) * part..(r * m + i + 1) * part];
+                        out[i * z.vocab + r * part..i * z.vocab + (r + 1) * part]
+                            .copy_from_slice(src);
+                    }
+                }
+                out
+            }
+            None => {
+                let out = s
+                    .clone_dtoh(&logits)
+                    .map_err(ctx.drv("downloading logits", 0))?;
+                s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
+                out
+            }
+        };
+        if step.argmax {
+            let toks = host
+                .chunks_exact(z.vocab)
+                .map(|row| lifecycle_decoder::argmax(row) as u32)
+                .collect();
+            return Ok(StepOut::Tokens(toks));
+        }
+        Ok(StepOut::Logits(host))
+    }
+}
+
+impl Decoder for GpuDecoder<'_> {
+    type Error = GpuDecodeError;
+
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn prefill(
+        &mut self,
+        prompts: &[Vec<u32>],
+        which: PrefillLogits,
+    ) -> Result<Vec<Vec<f32>>, GpuDecodeError> {
+        let vocab = self.config.vocab_size;
+        let flat = Self::logits(self.prefill_rows(prompts, which, false)?, vocab)?;
+        let mut out = Vec::with_capacity(prompts.len());
+        let mut at = 0;
+        for p in prompts {
+            let rows = match which {
+                PrefillLogits::All => p.len(),
+                PrefillLogits::Last => 1,
+            };
+            out.push(flat[at * vocab..(at + rows) * vocab].to_vec());
+            at += rows;
+        }
+        Ok(out)
+    }
+
+    fn decode_step(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>, GpuDecodeError> {
+        let vocab = self.config.vocab_size;
+        let flat = Self::logits(self.decode_rows(tokens, false)?, vocab)?;
+        Ok(flat.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+    }
+
+    /// As the trait's default (same seeding, same tokens), except that greedy generation
+    /// (`temperature <= 0`) picks each token on the device (first index on ties, as
+    /// [`argmax`](lifecycle_decoder::argmax)) and downloads only the tokens.
+    fn generate(
+        &mut self,
+        prompts: &[Vec<u32>],
+        sampling: &Sampling,
+    ) -> Result<Vec<Vec<u32>>, GpuDecodeError> {
+        let mut out: Vec<Vec<u32>> =
+            vec![Vec::with_capacity(sampling.max_new_tokens); prompts.len()];
+        if sampling.max_new_tokens == 0 || prompts.is_empty() {
+            return Ok(out);
+        }
+        let greedy = sampling.temperature <= 0.0;
+        let mut rngs: Vec<SplitMix64> = (0..prompts.len())
+            .map(|i| SplitMix64::from_keys(&[sampling.seed, i as u64]))
+            .collect();
+        let vocab = self.config.vocab_size;
+        let pick = |o: StepOut, rngs: &mut [SplitMix64]| -> Result<Vec<u32>, GpuDecodeError> {
+            if greedy {
+                Self::tokens(o)
+            } else {
+                let l = Self::logits(o, vocab)?;
+                Ok(l.chunks_exact(vocab)
+                    .zip(rngs.iter_mut())
+                    .map(|(row, rng)| sample_token(row, sampling.temperature, rng) as u32)
+                    .collect())
+            }
+        };
+        let mut done = vec![false; prompts.len()];
+        let first = self.prefill_rows(prompts, PrefillLogits::Last, greedy)?;
+        let mut next = pick(first, &mut rngs)?;
+        for step in 0..sampling.max_new_tokens {
+            for ((o, d), &t) in out.iter_mut().zip(done.iter_mut()).zip(&next) {
+                if !*d {
+                    o.push(t);
+                    *d = sampling.stop_token == Some(t);
+                }
+            }
+            if step + 1 == sampling.max_new_tokens || done.iter().all(|&d| d) {
+                break;
+            }
+            let o = self.decode_rows(&next, greedy)?;
+            next = pick(o, &mut rngs)?;
+        }
+        Ok(out)
+    }
+}

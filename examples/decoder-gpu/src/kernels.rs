@@ -1,0 +1,362 @@
+//! The decoder's small kernels, compiled at run time with NVRTC (no headers: bf16 conversions
+//! are integer arithmetic, round to nearest even as `half` does).
+//!
+//! Activations are f32. Before a matrix product they are split into two bf16 rows, `hi =
+//! bf16(v)` and `lo = bf16(v − hi)` (rows `0..n` and `n..2n` of the product's input), so one
+//! cuBLAS bf16 × bf16 → f32 GEMM over `2n` rows reads every weight once and `combine` adds the
+//! two halves: the product then sees the activations to about 16 significant bits instead of 8.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use lifecycle_cuda::{arch_candidates, CudaError, RankCtx};
+
+/// CUDA C source of the decoder kernels.
+pub const DECODER_KERNEL_SRC: &str = r#"
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+#define NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ float bf(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+__device__ __forceinline__ u16 f2bf(float f) {
+    u32 x = __float_as_uint(f);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (u16)(((x >> 16) | 0x0040u) & 0xFFFFu);
+    if ((x & 0x8000u) != 0u && (x & 0x17FFFu) != 0u) return (u16)(((x >> 16) + 1u) & 0xFFFFu);
+    return (u16)(x >> 16);
+}
+
+__device__ __forceinline__ void split_store(u16* out, u64 i, u64 half_len, float v) {
+    u16 hi = f2bf(v);
+    out[i] = hi;
+    out[half_len + i] = f2bf(v - bf(hi));
+}
+
+__device__ float block_sum(float v, float* red) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    u32 warps = (blockDim.x + 31u) >> 5;
+    float t = 0.0f;
+    for (u32 w = 0; w < warps; ++w) t += red[w];
+    __syncthreads();
+    return t;
+}
+
+__device__ float block_max(float v, float* red) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    u32 warps = (blockDim.x + 31u) >> 5;
+    float t = NEG_INF;
+    for (u32 w = 0; w < warps; ++w) t = fmaxf(t, red[w]);
+    __syncthreads();
+    return t;
+}
+
+// x[r, c] = table[tokens[r] - lo, c] when the token is in [lo, lo + count), else 0.
+extern "C" __global__ void embed(const u16* __restrict__ table, const u32* __restrict__ tokens,
+                                 float* __restrict__ x, u32 n, u32 h, u32 lo, u32 count) {
+    u64 total = (u64)n * h;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u32 r = (u32)(i / h), c = (u32)(i % h);
+        u32 t = tokens[r];
+        x[i] = (t >= lo && t - lo < count) ? bf(table[(u64)(t - lo) * h + c]) : 0.0f;
+    }
+}
+
+// One block per output row r: RMSNorm of x[rows ? rows[r] : r] with weight w, split into
+// out[r] (hi) and out[m + r] (lo).
+extern "C" __global__ void rms_norm_split(const float* __restrict__ x, const u16* __restrict__ w,
+                                          const u32* __restrict__ rows, u16* __restrict__ out,
+                                          u32 m, u32 h, float eps) {
+    __shared__ float red[32];
+    u32 r = blockIdx.x;
+    u32 src = rows ? rows[r] : r;
+    const float* xr = x + (u64)src * h;
+    float s = 0.0f;
+    for (u32 c = threadIdx.x; c < h; c += blockDim.x) s += xr[c] * xr[c];
+    s = block_sum(s, red);
+    float inv = 1.0f / sqrtf(s / (float)h + eps);
+    for (u32 c = threadIdx.x; c < h; c += blockDim.x) {
+        float v = bf(w[c]) * (xr[c] * inv);
+        split_store(out, (u64)r * h + c, (u64)m * h, v);
+    }
+}
+
+// out[r, c] = y2[r, c] + y2[n + r, c] (+ bias[c]) (+ res[r, c]); y2 is [2n x m].
+extern "C" __global__ void combine(const float* __restrict__ y2, const u16* __restrict__ bias,
+                                   const float* res, float* out, u32 n, u32 m) {
+    u64 total = (u64)n * m;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        float v = y2[i] + y2[total + i];
+        if (bias) v += bf(bias[i % m]);
+        if (res) v += res[i];
+        out[i] = v;
+    }
+}
+
+// SiLU(gate) * up with gate, up given as [2n x f] hi/lo products; out split [2n x f].
+extern "C" __global__ void swiglu_split(const float* __restrict__ g2, const float* __restrict__ u2,
+                                        u16* __restrict__ out, u32 n, u32 f) {
+    u64 total = (u64)n * f;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        float g = g2[i] + g2[total + i];
+        float u = u2[i] + u2[total + i];
+        split_store(out, i, total, g / (1.0f + expf(-g)) * u);
+    }
+}
+
+// Rotary embedding (pairs (j, j + d/2)) of q [n x qh x d] in place; k rotated and v copied into
+// the caches [seq][cap][kvh][d] at (seqs[r], poss[r]).
+extern "C" __global__ void rope_store(float* __restrict__ q, const float* __restrict__ k,
+                                      const float* __restrict__ v, float* __restrict__ kc,
+                                      float* __restrict__ vc, const u32* __restrict__ seqs,
+                                      const u32* __restrict__ poss, const float* __restrict__ inv_freq,
+                                      u32 n, u32 qh, u32 kvh, u32 d, u32 cap) {
+    u32 half = d / 2;
+    u64 per_row = (u64)(qh + kvh) * half;
+    u64 total = (u64)n * per_row;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u32 r = (u32)(i / per_row);
+        u32 rem = (u32)(i % per_row);
+        u32 head = rem / half, j = rem % half;
+        u32 pos = poss[r];
+        float s, c;
+        sincosf((float)pos * inv_freq[j], &s, &c);
+        if (head < qh) {
+            float* p = q + ((u64)r * qh + head) * d;
+            float a = p[j], b = p[j + half];
+            p[j] = a * c - b * s;
+            p[j + half] = b * c + a * s;
+        } else {
+            u32 kv = head - qh;
+            const float* p = k + ((u64)r * kvh + kv) * d;
+            u64 at = (((u64)seqs[r] * cap + pos) * kvh + kv) * d;
+            float a = p[j], b = p[j + half];
+            kc[at + j] = a * c - b * s;
+            kc[at + j + half] = b * c + a * s;
+            const float* pv = v + ((u64)r * kvh + kv) * d;
+            vc[at + j] = pv[j];
+            vc[at + j + half] = pv[j + half];
+        }
+    }
+}
+
+// One block per (row r, local query head j): softmax(q . k / sqrt(d)) over cache positions
+// 0..=poss[r] of sequence seqs[r], times v; output split into out [2n x qh x d].
+// Dynamic shared memory: (d + cap) floats.
+extern "C" __global__ void attention(const float* __restrict__ q, const float* __restrict__ kc,
+                                     const float* __restrict__ vc, const u32* __restrict__ seqs,
+                                     const u32* __restrict__ poss, u16* __restrict__ out,
+                                     u32 n, u32 qh, u32 kvh, u32 d, u32 cap,
+                                     u32 q_base, u32 group, u32 kv_base, float scale) {
+    extern __shared__ float sm[];
+    __shared__ float red[32];
+    u32 r = blockIdx.x / qh, j = blockIdx.x % qh;
+    u32 seq = seqs[r], len = poss[r] + 1;
+    u32 kv = (q_base + j) / group - kv_base;
+    float* qs = sm;
+    float* sc = sm + d;
+    for (u32 t = threadIdx.x; t < d; t += blockDim.x) qs[t] = q[((u64)r * qh + j) * d + t];
+    __syncthreads();
+    u64 stride = (u64)kvh * d;
+    const float* kb = kc + (u64)seq * cap * stride + (u64)kv * d;
+    const float* vb = vc + (u64)seq * cap * stride + (u64)kv * d;
+    float mx = NEG_INF;
+    for (u32 p = threadIdx.x; p < len; p += blockDim.x) {
+        const float* kp = kb + p * stride;
+        float s = 0.0f;
+        for (u32 t = 0; t < d; ++t) s += qs[t] * kp[t];
+        s *= scale;
+        sc[p] = s;
+        mx = fmaxf(mx, s);
+    }
+    mx = block_max(mx, red);
+    float tot = 0.0f;
+    for (u32 p = threadIdx.x; p < len; p += blockDim.x) {
+        float e = expf(sc[p] - mx);
+        sc[p] = e;
+        tot += e;
+    }
+    tot = block_sum(tot, red);
+    for (u32 p = threadIdx.x; p < len; p += blockDim.x) sc[p] = sc[p] / tot;
+    __syncthreads();
+    u64 half_len = (u64)n * qh * d;
+    for (u32 t = threadIdx.x; t < d; t += blockDim.x) {
+        float o = 0.0f;
+        for (u32 p = 0; p < len; ++p) o += sc[p] * vb[p * stride + t];
+        split_store(out, ((u64)r * qh + j) * d + t, half_len, o);
+    }
+}
+
+// Copies blocks of old_block floats to a buffer with blocks of new_block floats (cache growth).
+extern "C" __global__ void grow_blocks(const float* __restrict__ src, float* __restrict__ dst,
+                                       u64 blocks, u64 old_block, u64 new_block) {
+    u64 total = blocks * old_block;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 b = i / old_block, e = i % old_block;
+        dst[b * new_block + e] = src[i];
+    }
+}
+
+// One block per row: index of the largest value (the first one on ties), as the host argmax.
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, u32* __restrict__ out, u32 cols) {
+    __shared__ float bv[256];
+    __shared__ u32 bi[256];
+    const float* row = x + (u64)blockIdx.x * cols;
+    float best = NEG_INF;
+    u32 idx = 0;
+    for (u32 c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = row[c];
+        if (v > best) { best = v; idx = c; }
+    }
+    bv[threadIdx.x] = best;
+    bi[threadIdx.x] = idx;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            float ov = bv[threadIdx.x + s];
+            u32 oi = bi[threadIdx.x + s];
+            if (ov > bv[threadIdx.x] || (ov == bv[threadIdx.x] && oi < bi[threadIdx.x])) {
+                bv[threadIdx.x] = ov;
+                bi[threadIdx.x] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = bi[0];
+}
+"#;
+
+/// The decoder kernels loaded into one rank's context.
+#[derive(Debug, Clone)]
+pub(crate) struct DecoderKernels {
+    pub embed: CudaFunction,
+    pub rms_norm_split: CudaFunction,
+    pub combine: CudaFunction,
+    pub swiglu_split: CudaFunction,
+    pub rope_store: CudaFunction,
+    pub attention: CudaFunction,
+    pub grow_blocks: CudaFunction,
+    pub argmax_rows: CudaFunction,
+    pub sm_count: u32,
+}
+
+/// One kernel argument (device pointers are passed as `u64`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Arg {
+    /// A device address or a 64-bit count.
+    U64(u64),
+    /// A 32-bit count.
+    U32(u32),
+    /// A float.
+    F32(f32),
+}
+
+impl DecoderKernels {
+    /// Compiles the source for this rank's device and loads it.
+    pub fn load(ctx: &RankCtx) -> Result<Self, CudaError> {
+        let rank = ctx.rank;
+        let (major, minor) = ctx
+            .ctx
+            .compute_capability()
+            .map_err(ctx.drv("reading the compute capability", 0))?;
+        let mut failures = Vec::new();
+        let mut ptx = None;
+        let mut last = Vec::new();
+        for arch in arch_candidates(major, minor) {
+            let opts = CompileOptions {
+                options: vec![format!("--gpu-architecture={arch}")],
+                // no contraction into FMAs: the element-wise kernels round like the CPU decoder
+                fmad: Some(false),
+                ..Default::default()
+            };
+            last = opts.options.clone();
+            match compile_ptx_with_opts(DECODER_KERNEL_SRC, opts) {
+                Ok(p) => {
+                    ptx = Some(p);
+                    break;
+                }
+                Err(e) => failures.push(format!("{arch}: {e:?}")),
+            }
+        }
+        let ptx = ptx.ok_or_else(|| CudaError::Compile {
+            module: "lifecycle_decoder_gpu kernels".into(),
+            options: last,
+            detail: format!(
+                "{}; set LIFECYCLE_CUDA_ARCH (e.g. sm_90) to the GPU's architecture",
+                failures.join("; ")
+            ),
+        })?;
+        let module = ctx
+            .ctx
+            .load_module(ptx)
+            .map_err(ctx.drv("loading the decoder kernel module", 0))?;
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| CudaError::driver(rank, format!("loading kernel {name}"), 0, e))
+        };
+        let sm_count = ctx
+            .ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(ctx.drv("reading the SM count", 0))?;
+        Ok(DecoderKernels {
+            embed: f("embed")?,
+            rms_norm_split: f("rms_norm_split")?,
+            combine: f("combine")?,
+            swiglu_split: f("swiglu_split")?,
+            rope_store: f("rope_store")?,
+            attention: f("attention")?,
+            grow_blocks: f("grow_blocks")?,
+            argmax_rows: f("argmax_rows")?,
+            sm_count: sm_count.max(1) as u32,
+        })
+    }
+
+    /// A grid-stride launch shape for `units` elements.
+    pub fn elementwise(&self, units: u64) -> LaunchConfig {
+        let blocks = units.div_ceil(256).clamp(1, self.sm_count as u64 * 8) as u32;
+        LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+/// Launches `func` with `args` on `stream`.
+///
+/// # Safety
+/// `args` must match the kernel's parameter list in order and type, and every device address in
+/// it must be valid for what the kernel reads and writes, alive until the stream ran the kernel.
+pub(crate) unsafe fn launch(
+    stream: &Arc<CudaStream>,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    args: &[Arg],
+    rank: usize,
+    what: &str,
+) -> Result<(), CudaError> {
+    let mut b = stream.launch_builder(func);
+    for a in args {
+        match a {
+            Arg::U64(v) => b.arg(v),
+            Arg::U32(v) => b.arg(v),
+            Arg::F32(v) => b.arg(v),
+        };
+    }
+    // SAFETY: forwarded to the caller (argument list and device memory validity).
+    unsafe { b.launch(cfg) }
+        .map(|_| ())
+        .map_err(|e| CudaError::driver(rank, format!("launching kernel {what}"), 0, e))
+}

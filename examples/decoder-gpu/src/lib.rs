@@ -1,0 +1,29 @@
+//! The Qwen2 / Llama decoder of [`lifecycle_decoder`] on NVIDIA GPUs: [`GpuDecoder`] implements
+//! the same [`Decoder`](lifecycle_decoder::Decoder) trait as the CPU reference and reads the FSDP
+//! backend's resident rollout weights ([`lifecycle_fsdp::FsdpRollout`]) in place, on every GPU of
+//! the backend's rank pool (one tensor-parallel group, `W = T`).
+//!
+//! - Matrix products with cuBLAS (`GemmEx`, bf16 × bf16 → f32, f32 accumulation); activations
+//!   stay f32 and enter a product as two bf16 rows (`hi`, `lo = x − hi`), so the weights are read
+//!   once and the product sees ~16-bit activations.
+//! - Small kernels compiled at run time with NVRTC: embedding gather, RMSNorm, RoPE, attention
+//!   over an f32 KV cache, SwiGLU, residual adds, argmax.
+//! - NCCL all-reduce (sum) after the row-parallel o/down projections; NCCL all-gather of
+//!   vocabulary-parallel logits.
+//! - [`GpuModel`] builds pool, backend and lifecycle from a checkpoint in one call.
+//!
+//! This crate builds without CUDA (cudarc loads the libraries at run time); without a driver
+//! every constructor returns a typed error. The GPU tests (`tests/gpu.rs`) are `#[ignore]`d.
+
+#![warn(missing_docs)]
+
+mod decoder;
+mod error;
+mod kernels;
+mod model;
+mod weights;
+
+pub use decoder::{GpuDecoder, MAX_CONTEXT};
+pub use error::GpuDecodeError;
+pub use kernels::DECODER_KERNEL_SRC;
+pub use model::GpuModel;

@@ -1,0 +1,108 @@
+//! [`GpuModel`]: a rank pool, the FSDP backend and its lifecycle for one model, built in one call.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use lifecycle_core::Lifecycle;
+use lifecycle_cuda::ThreadRankPool;
+use lifecycle_decoder::{load_checkpoint, ModelConfig};
+use lifecycle_fsdp::FsdpBackend;
+use lifecycle_host::HostTensor;
+
+use crate::error::GpuDecodeError;
+
+/// A model's FSDP training state on `T` GPUs (`W = T`) inside a [`Lifecycle`], with the rollout
+/// layout [`ModelConfig::rollout_layout`] picks: enter rollout mode with
+/// `lifecycle_mut().rollout()` and build a [`GpuDecoder`](crate::GpuDecoder) from the session.
+///
+/// Without an NVIDIA driver, NCCL or enough GPUs, construction returns
+/// [`GpuDecodeError::Cuda`] (never a panic):
+///
+/// ```
+/// use lifecycle_decoder::{random_tensors, ModelConfig};
+/// use lifecycle_decoder_gpu::GpuModel;
+/// let config = ModelConfig::from_json_str(r#"{"model_type": "qwen2", "vocab_size": 32,
+///   "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+///   "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0}"#)?;
+/// match GpuModel::from_tensors(&config, random_tensors(&config, 1), 1) {
+///     Ok(model) => assert_eq!(model.tp(), 1),
+///     Err(e) => println!("no GPU here: {e}"),
+/// }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct GpuModel {
+    config: ModelConfig,
+    tp: usize,
+    lifecycle: Lifecycle<FsdpBackend>,
+}
+
+impl std::fmt::Debug for GpuModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuModel")
+            .field("config", &self.config)
+            .field("tp", &self.tp)
+            .finish()
+    }
+}
+
+impl GpuModel {
+    fn backend(config: &ModelConfig, tp: usize) -> Result<FsdpBackend, GpuDecodeError> {
+        let layout = config.rollout_layout(tp)?;
+        let pool = Arc::new(ThreadRankPool::new(tp)?);
+        Ok(FsdpBackend::new(pool, layout))
+    }
+
+    /// The model from full host tensors (Hugging Face names, as [`load_checkpoint`] returns them)
+    /// on GPUs `0..tp`.
+    pub fn from_tensors(
+        config: &ModelConfig,
+        tensors: Vec<HostTensor>,
+        tp: usize,
+    ) -> Result<Self, GpuDecodeError> {
+        let backend = Self::backend(config, tp)?;
+        let state = backend.state_from_tensors(tensors)?;
+        Ok(GpuModel {
+            config: config.clone(),
+            tp,
+            lifecycle: Lifecycle::new(backend, state),
+        })
+    }
+
+    /// The model of a Hugging Face checkpoint folder (`config.json` + `model.safetensors`).
+    pub fn from_checkpoint(dir: &Path, tp: usize) -> Result<Self, GpuDecodeError> {
+        let ckpt = load_checkpoint(dir)?;
+        Self::from_tensors(&ckpt.config, ckpt.tensors, tp)
+    }
+
+    /// A model of `config`'s shapes with random weights made on the GPUs (no host data; see
+    /// [`FsdpBackend::synthetic_state`]), uniform in `[-scale, scale)`.
+    pub fn synthetic(
+        config: &ModelConfig,
+        tp: usize,
+        seed: u64,
+        scale: f32,
+    ) -> Result<Self, GpuDecodeError> {
+        let backend = Self::backend(config, tp)?;
+        let state = backend.synthetic_state(&config.tensor_shapes(), seed, scale)?;
+        Ok(GpuModel {
+            config: config.clone(),
+            tp,
+            lifecycle: Lifecycle::new(backend, state),
+        })
+    }
+
+    /// The model's config.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// T (= W).
+    pub fn tp(&self) -> usize {
+        self.tp
+    }
+
+    /// The lifecycle: `rollout()` enters rollout mode, `train()` gives the training state.
+    pub fn lifecycle_mut(&mut self) -> &mut Lifecycle<FsdpBackend> {
+        &mut self.lifecycle
+    }
+}
