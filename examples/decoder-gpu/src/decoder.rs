@@ -6,13 +6,13 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cudarc::cublas::{result as cublas_result, sys as cublas_sys, CudaBlas};
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice};
 use cudarc::nccl::ReduceOp;
 use lifecycle_core::layout::RolloutLayout;
-use lifecycle_cuda::{alloc_device, alloc_zeros, CudaError, RankCtx, RankExecutor, ThreadRankPool};
-use lifecycle_decoder::{
-    sample_token, DecodeError, Decoder, ModelConfig, PrefillLogits, Sampling, SplitMix64,
+use lifecycle_cuda::{
+    alloc_device, alloc_pinned, alloc_zeros, CudaError, RankCtx, RankExecutor, ThreadRankPool,
 };
+use lifecycle_decoder::{DecodeError, Decoder, ModelConfig, PrefillLogits, Sampling, SplitMix64};
 use lifecycle_fsdp::{FsdpBackend, FsdpRollout};
 
 use crate::error::GpuDecodeError;
@@ -36,6 +36,8 @@ struct RankState {
     cache: Option<CudaSlice<f32>>,
     ev_compute: CudaEvent,
     ev_nccl: CudaEvent,
+    /// Page-locked host buffer for logits downloads, grown on demand.
+    pinned: Option<PinnedHostSlice<f32>>,
 }
 
 /// Inputs of one forward pass, the same on every rank.
@@ -49,13 +51,29 @@ struct Step<'a> {
     batch: usize,
     /// Cache capacity in positions.
     cap: usize,
-    /// Return argmax tokens instead of logits.
-    argmax: bool,
+    /// What to bring back.
+    pick: Pick<'a>,
+}
+
+/// What a forward pass brings back to the host.
+#[derive(Clone, Copy)]
+enum Pick<'a> {
+    /// Logits of the wanted rows.
+    Logits,
+    /// The argmax token of each wanted row (first index on ties).
+    Argmax,
+    /// A token per wanted row sampled from softmax(logits / temperature) with the uniform
+    /// draw given for that row.
+    Sample {
+        temperature: f32,
+        uniforms: &'a [f32],
+    },
 }
 
 /// What the first local rank brings back from a forward pass.
 enum StepOut {
-    Logits(Vec<f32>),
+    /// One row per wanted row.
+    Logits(Vec<Vec<f32>>),
     Tokens(Vec<u32>),
     Nothing,
 }
@@ -257,6 +275,7 @@ impl<'w> GpuDecoder<'w> {
                 cache: None,
                 ev_compute: ctx.event()?,
                 ev_nccl: ctx.event()?,
+                pinned: None,
             });
             ctx.compute
                 .synchronize()
@@ -390,7 +409,7 @@ impl<'w> GpuDecoder<'w> {
         &mut self,
         prompts: &[Vec<u32>],
         which: PrefillLogits,
-        argmax: bool,
+        pick: Pick<'_>,
     ) -> Result<StepOut, GpuDecodeError> {
         let mut seqs = Vec::new();
         let mut poss = Vec::new();
@@ -423,13 +442,13 @@ impl<'w> GpuDecoder<'w> {
             logit_rows: &logit_rows,
             batch: prompts.len(),
             cap: self.cap,
-            argmax,
+            pick,
         })?;
         self.lens = prompts.iter().map(Vec::len).collect();
         Ok(out)
     }
 
-    fn decode_rows(&mut self, tokens: &[u32], argmax: bool) -> Result<StepOut, GpuDecodeError> {
+    fn decode_rows(&mut self, tokens: &[u32], pick: Pick<'_>) -> Result<StepOut, GpuDecodeError> {
         if tokens.len() != self.lens.len() || self.lens.is_empty() {
             return Err(DecodeError::Usage(format!(
                 "decode_step got {} tokens for a batch of {} sequences (call prefill first)",
@@ -452,15 +471,15 @@ impl<'w> GpuDecoder<'w> {
             logit_rows: &seqs,
             batch: self.lens.len(),
             cap: self.cap,
-            argmax,
+            pick,
         })?;
         self.lens.iter_mut().for_each(|l| *l += 1);
         Ok(out)
     }
 
-    fn logits(out: StepOut, vocab: usize) -> Result<Vec<f32>, GpuDecodeError> {
+    fn logits(out: StepOut) -> Result<Vec<Vec<f32>>, GpuDecodeError> {
         match out {
-            StepOut::Logits(l) if l.len().is_multiple_of(vocab.max(1)) => Ok(l),
+            StepOut::Logits(l) => Ok(l),
             _ => Err(CudaError::Invalid("no rank returned logits".into()).into()),
         }
     }
@@ -583,8 +602,9 @@ fn rank_forward(
     };
     // SAFETY (every launch and GEMM below): the addresses are this rank's rollout buffer (alive
     // for the decoder's lifetime 'w, offsets checked against its length in `with_pool`) and the
-    // buffers allocated above with the sizes each kernel indexes; everything runs in order on
-    // the compute stream, and collectives are ordered with events both ways.
+    // buffers allocated above and below with the sizes each kernel indexes (each written by a
+    // kernel, GEMM or copy before it is read); everything runs in order on the compute stream,
+    // and collectives are ordered with events both ways.
     unsafe {
         // embedding
         let part = if z.vocab_parallel {
@@ -820,8 +840,9 @@ fn rank_forward(
             rank,
             "combine",
         )?;
+        // full logits [m × vocab] on the device
         let full = if z.vocab_parallel {
-            // [T][m][part] on every rank
+            // [T][m][part] on every rank, then [m][vocab]
             let mut gathered = alloc_device::<f32>(s, z.tp * m * part, rank, "gathered logits")?;
             let nccl = ctx.nccl_stream();
             order(ctx, &st.ev_compute, s, &nccl)?;
@@ -829,64 +850,110 @@ fn rank_forward(
                 CudaError::nccl(rank, "all-gather of vocabulary-parallel logits", e)
             })?;
             order(ctx, &st.ev_nccl, &nccl, s)?;
-            Some(gathered)
+            let full = alloc_device::<f32>(s, m * z.vocab, rank, "logits")?;
+            launch(
+                s,
+                &k.unshard,
+                k.elementwise((m * z.vocab) as u64),
+                &[
+                    Arg::U64(ptr(&gathered, s)),
+                    Arg::U64(ptr(&full, s)),
+                    u32a(z.tp),
+                    u32a(m),
+                    u32a(part),
+                ],
+                rank,
+                "unshard",
+            )?;
+            full
         } else {
-            None
+            logits
         };
         if st.local != 0 {
             s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
             return Ok(StepOut::Nothing);
         }
-        if step.argmax && full.is_none() {
-            let toks = alloc_device::<u32>(s, m, rank, "argmax tokens")?;
-            launch(
-                s,
-                &k.argmax_rows,
-                block_rows(m),
-                &[
-                    Arg::U64(ptr(&logits, s)),
-                    Arg::U64(ptr(&toks, s)),
-                    u32a(part),
-                ],
-                rank,
-                "argmax_rows",
-            )?;
+        let tokens_out = |toks: CudaSlice<u32>| -> Result<StepOut, CudaError> {
             let out = s
                 .clone_dtoh(&toks)
                 .map_err(ctx.drv("downloading tokens", 0))?;
             s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
-            return Ok(StepOut::Tokens(out));
-        }
-        let host = match &full {
-            Some(g) => {
-                let raw = s.clone_dtoh(g).map_err(ctx.drv("downloading logits", 0))?;
-                s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
-                let mut out = vec![0.0f32; m * z.vocab];
-                for r in 0..z.tp {
-                    for i in 0..m {
-                        let src = &raw[(r * m + i) * part..(r * m + i + 1) * part];
-                        out[i * z.vocab + r * part..i * z.vocab + (r + 1) * part]
-                            .copy_from_slice(src);
-                    }
-                }
-                out
-            }
-            None => {
-                let out = s
-                    .clone_dtoh(&logits)
-                    .map_err(ctx.drv("downloading logits", 0))?;
-                s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
-                out
-            }
+            Ok(StepOut::Tokens(out))
         };
-        if step.argmax {
-            let toks = host
-                .chunks_exact(z.vocab)
-                .map(|row| lifecycle_decoder::argmax(row) as u32)
-                .collect();
-            return Ok(StepOut::Tokens(toks));
+        match step.pick {
+            Pick::Argmax => {
+                let toks = alloc_device::<u32>(s, m, rank, "argmax tokens")?;
+                launch(
+                    s,
+                    &k.argmax_rows,
+                    block_rows(m),
+                    &[
+                        Arg::U64(ptr(&full, s)),
+                        Arg::U64(ptr(&toks, s)),
+                        u32a(z.vocab),
+                    ],
+                    rank,
+                    "argmax_rows",
+                )?;
+                tokens_out(toks)
+            }
+            Pick::Sample {
+                temperature,
+                uniforms,
+            } => {
+                if uniforms.len() != m {
+                    return Err(CudaError::Invalid(format!(
+                        "{} uniform draws for {m} rows",
+                        uniforms.len()
+                    )));
+                }
+                let uni = s
+                    .clone_htod(uniforms)
+                    .map_err(ctx.drv("uploading uniform draws", 0))?;
+                let toks = alloc_device::<u32>(s, m, rank, "sampled tokens")?;
+                launch(
+                    s,
+                    &k.sample_rows,
+                    block_rows(m),
+                    &[
+                        Arg::U64(ptr(&full, s)),
+                        Arg::U64(ptr(&uni, s)),
+                        Arg::U64(ptr(&toks, s)),
+                        u32a(z.vocab),
+                        Arg::F32(temperature),
+                    ],
+                    rank,
+                    "sample_rows",
+                )?;
+                tokens_out(toks)
+            }
+            Pick::Logits => {
+                // through a cached pinned buffer: one fast copy, then one copy per row
+                let len = m * z.vocab;
+                if st.pinned.as_ref().is_none_or(|p| p.len() < len) {
+                    st.pinned = None;
+                    // (alloc_pinned's contract: the buffer is written by the copy below before
+                    // it is read)
+                    st.pinned = Some(alloc_pinned::<f32>(s, len, rank, "logits download buffer")?);
+                }
+                let pinned = st
+                    .pinned
+                    .as_mut()
+                    .ok_or_else(|| CudaError::Invalid("no pinned logits buffer".into()))?;
+                s.memcpy_dtoh(&full.slice(0..len), pinned)
+                    .map_err(ctx.drv("downloading logits", (len * 4) as u64))?;
+                s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
+                let host = pinned
+                    .as_slice()
+                    .map_err(ctx.drv("reading the pinned logits", 0))?;
+                Ok(StepOut::Logits(
+                    host[..len]
+                        .chunks_exact(z.vocab)
+                        .map(<[f32]>::to_vec)
+                        .collect(),
+                ))
+            }
         }
-        Ok(StepOut::Logits(host))
     }
 }
 
@@ -902,30 +969,26 @@ impl Decoder for GpuDecoder<'_> {
         prompts: &[Vec<u32>],
         which: PrefillLogits,
     ) -> Result<Vec<Vec<f32>>, GpuDecodeError> {
-        let vocab = self.config.vocab_size;
-        let flat = Self::logits(self.prefill_rows(prompts, which, false)?, vocab)?;
-        let mut out = Vec::with_capacity(prompts.len());
-        let mut at = 0;
-        for p in prompts {
-            let rows = match which {
-                PrefillLogits::All => p.len(),
-                PrefillLogits::Last => 1,
-            };
-            out.push(flat[at * vocab..(at + rows) * vocab].to_vec());
-            at += rows;
+        let mut rows = Self::logits(self.prefill_rows(prompts, which, Pick::Logits)?)?.into_iter();
+        match which {
+            PrefillLogits::Last => Ok(rows.collect()),
+            PrefillLogits::All => Ok(prompts
+                .iter()
+                .map(|p| rows.by_ref().take(p.len()).flatten().collect())
+                .collect()),
         }
-        Ok(out)
     }
 
     fn decode_step(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>, GpuDecodeError> {
-        let vocab = self.config.vocab_size;
-        let flat = Self::logits(self.decode_rows(tokens, false)?, vocab)?;
-        Ok(flat.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+        Self::logits(self.decode_rows(tokens, Pick::Logits)?)
     }
 
-    /// As the trait's default (same seeding, same tokens), except that greedy generation
-    /// (`temperature <= 0`) picks each token on the device (first index on ties, as
-    /// [`argmax`](lifecycle_decoder::argmax)) and downloads only the tokens.
+    /// As the trait's default (same seeding: sequence `i` draws one uniform per token from
+    /// `SplitMix64::from_keys(&[seed, i])`, as [`sample_token`](lifecycle_decoder::sample_token)
+    /// does), but tokens are picked on the device and only they are downloaded: greedy
+    /// (`temperature <= 0`) is the argmax, first index on ties; otherwise the CPU sampler's rule
+    /// on the device's logits (its running sums are added in another order, which can move a
+    /// draw that lands within float rounding of a boundary).
     fn generate(
         &mut self,
         prompts: &[Vec<u32>],
@@ -940,21 +1003,31 @@ impl Decoder for GpuDecoder<'_> {
         let mut rngs: Vec<SplitMix64> = (0..prompts.len())
             .map(|i| SplitMix64::from_keys(&[sampling.seed, i as u64]))
             .collect();
-        let vocab = self.config.vocab_size;
-        let pick = |o: StepOut, rngs: &mut [SplitMix64]| -> Result<Vec<u32>, GpuDecodeError> {
+        let draw = |rngs: &mut [SplitMix64]| -> Vec<f32> {
             if greedy {
-                Self::tokens(o)
+                Vec::new()
             } else {
-                let l = Self::logits(o, vocab)?;
-                Ok(l.chunks_exact(vocab)
-                    .zip(rngs.iter_mut())
-                    .map(|(row, rng)| sample_token(row, sampling.temperature, rng) as u32)
-                    .collect())
+                rngs.iter_mut().map(SplitMix64::next_f32).collect()
             }
         };
+        let temperature = sampling.temperature;
+        fn pick(greedy: bool, temperature: f32, u: &[f32]) -> Pick<'_> {
+            if greedy {
+                Pick::Argmax
+            } else {
+                Pick::Sample {
+                    temperature,
+                    uniforms: u,
+                }
+            }
+        }
         let mut done = vec![false; prompts.len()];
-        let first = self.prefill_rows(prompts, PrefillLogits::Last, greedy)?;
-        let mut next = pick(first, &mut rngs)?;
+        let u = draw(&mut rngs);
+        let mut next = Self::tokens(self.prefill_rows(
+            prompts,
+            PrefillLogits::Last,
+            pick(greedy, temperature, &u),
+        )?)?;
         for step in 0..sampling.max_new_tokens {
             for ((o, d), &t) in out.iter_mut().zip(done.iter_mut()).zip(&next) {
                 if !*d {
@@ -965,8 +1038,8 @@ impl Decoder for GpuDecoder<'_> {
             if step + 1 == sampling.max_new_tokens || done.iter().all(|&d| d) {
                 break;
             }
-            let o = self.decode_rows(&next, greedy)?;
-            next = pick(o, &mut rngs)?;
+            let u = draw(&mut rngs);
+            next = Self::tokens(self.decode_rows(&next, pick(greedy, temperature, &u))?)?;
         }
         Ok(out)
     }

@@ -233,6 +233,74 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, u32* __restr
     }
     if (threadIdx.x == 0) out[blockIdx.x] = bi[0];
 }
+
+// out[i, r * part + c] = g[r, i, c]: vocabulary-parallel logits [T][m][part] -> [m][T * part].
+extern "C" __global__ void unshard(const float* __restrict__ g, float* __restrict__ out,
+                                   u32 tp, u32 m, u32 part) {
+    u64 total = (u64)tp * m * part;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 c = i % part, rest = i / part;
+        u64 row = rest % m, r = rest / m;
+        out[row * ((u64)tp * part) + r * part + c] = g[i];
+    }
+}
+
+// One block of 256 threads per row: the CPU sampler's rule, softmax(x / temperature) sampled with
+// the uniform u = uni[row]: the first index where u * total minus the running sum of weights
+// reaches <= 0 (chunk sums in parallel, then one thread walks the chunk that holds the pick);
+// the argmax (first on ties) when rounding leaves nothing picked, as the CPU sampler does.
+extern "C" __global__ void sample_rows(const float* __restrict__ x, const float* __restrict__ uni,
+                                       u32* __restrict__ out, u32 cols, float temperature) {
+    __shared__ float bv[256];
+    __shared__ u32 bi[256];
+    __shared__ float part[256];
+    const float* row = x + (u64)blockIdx.x * cols;
+    float best = NEG_INF;
+    u32 idx = 0;
+    for (u32 c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = row[c];
+        if (v > best) { best = v; idx = c; }
+    }
+    bv[threadIdx.x] = best;
+    bi[threadIdx.x] = idx;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            float ov = bv[threadIdx.x + s];
+            u32 oi = bi[threadIdx.x + s];
+            if (ov > bv[threadIdx.x] || (ov == bv[threadIdx.x] && oi < bi[threadIdx.x])) {
+                bv[threadIdx.x] = ov;
+                bi[threadIdx.x] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    float mx = bv[0];
+    u32 am = bi[0];
+    u32 chunk = (cols + blockDim.x - 1) / blockDim.x;
+    u32 lo = threadIdx.x * chunk;
+    u32 hi = min(cols, lo + chunk);
+    float sum = 0.0f;
+    for (u32 c = lo; c < hi; ++c) sum += expf((row[c] - mx) / temperature);
+    part[threadIdx.x] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = 0.0f;
+        for (u32 t = 0; t < blockDim.x; ++t) total += part[t];
+        float pick = uni[blockIdx.x] * total;
+        u32 res = am;
+        bool found = false;
+        for (u32 t = 0; t < blockDim.x && !found; ++t) {
+            if (pick - part[t] > 0.0f) { pick -= part[t]; continue; }
+            u32 a = t * chunk, b = min(cols, a + chunk);
+            for (u32 c = a; c < b; ++c) {
+                pick -= expf((row[c] - mx) / temperature);
+                if (pick <= 0.0f) { res = c; found = true; break; }
+            }
+        }
+        out[blockIdx.x] = res;
+    }
+}
 "#;
 
 /// The decoder kernels loaded into one rank's context.
@@ -246,6 +314,8 @@ pub(crate) struct DecoderKernels {
     pub attention: CudaFunction,
     pub grow_blocks: CudaFunction,
     pub argmax_rows: CudaFunction,
+    pub unshard: CudaFunction,
+    pub sample_rows: CudaFunction,
     pub sm_count: u32,
 }
 
@@ -319,6 +389,8 @@ impl DecoderKernels {
             attention: f("attention")?,
             grow_blocks: f("grow_blocks")?,
             argmax_rows: f("argmax_rows")?,
+            unshard: f("unshard")?,
+            sample_rows: f("sample_rows")?,
             sm_count: sm_count.max(1) as u32,
         })
     }

@@ -222,7 +222,7 @@ fn decode_throughput_qwen05b_batch64() -> Res {
     dec.generate(&prompts, &Sampling::greedy(8))?;
     let runs = [
         ("greedy, argmax on the device", 0.0f32, 128usize),
-        ("temperature 0.8, logits to the host", 0.8, 64),
+        ("temperature 0.8, sampled on the device", 0.8, 128),
     ];
     for (label, temperature, new_tokens) in runs {
         let sampling = Sampling {
