@@ -92,8 +92,9 @@ enum StepOut {
 ///   (the weights are read once), so products see ~16-bit activations (see `kernels`).
 /// - Small kernels (RMSNorm, RoPE, attention over an f32 KV cache, SwiGLU, embedding gather,
 ///   residual adds) compiled at run time with NVRTC.
-/// - Sampling as the CPU decoder (same seeding, logits downloaded to the host); greedy
-///   generation picks tokens on the device and downloads only them.
+/// - Sampling with the CPU decoder's seeding and rule: `prefill` / `decode_step` return logits
+///   on the host; `generate` picks greedy or temperature-sampled tokens on the device and
+///   downloads only them.
 ///
 /// Built from a rollout session of an FSDP [`Lifecycle`](lifecycle_core::Lifecycle), so it
 /// cannot outlive the weights it reads:
@@ -928,9 +929,11 @@ fn rank_forward(
                 tokens_out(toks)
             }
             Pick::Logits => {
-                // through a cached pinned buffer: one fast copy, then one copy per row
+                // through a cached pinned buffer: one fast copy, then one copy per row. The
+                // buffer has exactly `len` elements: cudarc's device→host copy moves the whole
+                // destination, so a larger buffer would read past the logits' allocation.
                 let len = m * z.vocab;
-                if st.pinned.as_ref().is_none_or(|p| p.len() < len) {
+                if st.pinned.as_ref().is_none_or(|p| p.len() != len) {
                     st.pinned = None;
                     // (alloc_pinned's contract: the buffer is written by the copy below before
                     // it is read)

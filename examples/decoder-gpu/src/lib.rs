@@ -7,7 +7,7 @@
 //!   stay f32 and enter a product as two bf16 rows (`hi`, `lo = x − hi`), so the weights are read
 //!   once and the product sees ~16-bit activations.
 //! - Small kernels compiled at run time with NVRTC: embedding gather, RMSNorm, RoPE, attention
-//!   over an f32 KV cache, SwiGLU, residual adds, argmax.
+//!   over an f32 KV cache, SwiGLU, residual adds, argmax and temperature sampling.
 //! - NCCL all-reduce (sum) after the row-parallel o/down projections; NCCL all-gather of
 //!   vocabulary-parallel logits.
 //! - [`GpuModel`] builds pool, backend and lifecycle from a checkpoint in one call.
