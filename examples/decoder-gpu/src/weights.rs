@@ -2,7 +2,7 @@
 //! against the config and the layout with the same rules (and errors) as the CPU decoder.
 
 use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
-use lifecycle_decoder::{DecodeError, ModelConfig};
+use lifecycle_decoder::{head_shares, DecodeError, HeadShare, ModelConfig};
 use lifecycle_fsdp::RolloutEntry;
 
 /// Element offsets (bf16) of one rank's share of one layer.
@@ -21,17 +21,6 @@ pub(crate) struct LayerOffsets {
     pub gate_w: u64,
     pub up_w: u64,
     pub down_w: u64,
-}
-
-/// Which heads a rank computes (as the CPU decoder's `HeadShare`).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct HeadShare {
-    /// Global index of the rank's first query head.
-    pub q_base: usize,
-    /// Global index of the first kv head the rank computes.
-    pub kv_base: usize,
-    /// Kv heads the rank computes.
-    pub kv_heads: usize,
 }
 
 /// One rank's weight offsets and head share.
@@ -160,7 +149,6 @@ impl GroupOffsets {
         };
         let (d, h) = (config.head_dim, config.hidden_size);
         let q_heads = config.num_heads / tp;
-        let group = config.num_heads / config.num_kv_heads;
         let k_name = "model.layers.0.self_attn.k_proj.weight";
         let kv_split = if config.num_layers > 0 {
             r.spec(k_name, &[Parallel::Column, Parallel::Replicated])?
@@ -168,34 +156,7 @@ impl GroupOffsets {
         } else {
             Parallel::Column
         };
-        if kv_split == Parallel::Column && !config.num_kv_heads.is_multiple_of(tp) {
-            return Err(DecodeError::Split {
-                name: k_name.into(),
-                found: "column-parallel",
-                expected: "replicated when num_key_value_heads does not divide by T (a column split would cut a kv head in pieces; build the layout with ModelConfig::rollout_layout)",
-            });
-        }
-        let shares: Vec<HeadShare> = (0..tp)
-            .map(|rank| {
-                let q_base = rank * q_heads;
-                match kv_split {
-                    Parallel::Column => HeadShare {
-                        q_base,
-                        kv_base: rank * config.num_kv_heads / tp,
-                        kv_heads: config.num_kv_heads / tp,
-                    },
-                    _ => {
-                        let first = q_base / group;
-                        let last = (q_base + q_heads - 1) / group;
-                        HeadShare {
-                            q_base,
-                            kv_base: first,
-                            kv_heads: last - first + 1,
-                        }
-                    }
-                }
-            })
-            .collect();
+        let shares = head_shares(config, tp, kv_split)?;
         if shares.iter().any(|s| s.kv_heads != shares[0].kv_heads) {
             return Err(degree(
                 "the ranks would compute different numbers of kv heads".into(),

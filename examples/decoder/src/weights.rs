@@ -7,6 +7,7 @@ use lifecycle_host::RankRollout;
 
 use crate::config::ModelConfig;
 use crate::error::DecodeError;
+use crate::heads::{head_shares, HeadShare};
 
 /// A weight that is either vocabulary-parallel (one slice per rank) or replicated.
 #[derive(Debug, Clone)]
@@ -39,17 +40,6 @@ pub(crate) struct Layer<'w> {
     pub input_norm: &'w [bf16],
     pub post_norm: &'w [bf16],
     pub ranks: Vec<RankLayer<'w>>,
-}
-
-/// Per rank: which heads it computes.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct HeadShare {
-    /// Global index of the rank's first query head.
-    pub q_base: usize,
-    /// Global index of the rank's first kv head (the first one it computes).
-    pub kv_base: usize,
-    /// Kv heads the rank computes.
-    pub kv_heads: usize,
 }
 
 /// The whole group's weights.
@@ -182,7 +172,6 @@ impl<'w> GroupWeights<'w> {
         let d = config.head_dim;
         let h = config.hidden_size;
         let q_heads = config.num_heads / tp;
-        let group = config.num_heads / config.num_kv_heads;
         let k_name = "model.layers.0.self_attn.k_proj.weight";
         let kv_split = if config.num_layers > 0 {
             r.spec(k_name, &[Parallel::Column, Parallel::Replicated])?
@@ -190,34 +179,7 @@ impl<'w> GroupWeights<'w> {
         } else {
             Parallel::Column
         };
-        if kv_split == Parallel::Column && !config.num_kv_heads.is_multiple_of(tp) {
-            return Err(DecodeError::Split {
-                name: k_name.into(),
-                found: "column-parallel",
-                expected: "replicated when num_key_value_heads does not divide by T (a column split would cut a kv head in pieces; build the layout with ModelConfig::rollout_layout)",
-            });
-        }
-        let shares: Vec<HeadShare> = (0..tp)
-            .map(|rank| {
-                let q_base = rank * q_heads;
-                match kv_split {
-                    Parallel::Column => HeadShare {
-                        q_base,
-                        kv_base: rank * config.num_kv_heads / tp,
-                        kv_heads: config.num_kv_heads / tp,
-                    },
-                    _ => {
-                        let first = q_base / group;
-                        let last = (q_base + q_heads - 1) / group;
-                        HeadShare {
-                            q_base,
-                            kv_base: first,
-                            kv_heads: last - first + 1,
-                        }
-                    }
-                }
-            })
-            .collect();
+        let shares = head_shares(config, tp, kv_split)?;
         let mut layers = Vec::with_capacity(config.num_layers);
         for l in 0..config.num_layers {
             let p = format!("model.layers.{l}");
