@@ -193,6 +193,9 @@ impl<B: Reshard> Lifecycle<B> {
     }
 
     /// Leaves rollout mode and returns the backend and the training state.
+    ///
+    /// If leaving fails, the lifecycle (and the state in it) is dropped with the error: call
+    /// [`exit`](Lifecycle::exit) first, which keeps the lifecycle for a retry, when that matters.
     pub fn into_parts(mut self) -> Result<(B, B::TrainState), LifecycleError<B::Error>> {
         self.exit()?;
         Ok((self.backend, self.state))
