@@ -570,8 +570,9 @@ fn rank_forward(
     let poss = up(step.poss, "uploading positions")?;
     let rows = up(step.logit_rows, "uploading logit rows")?;
     let widest = h.max(qw).max(f);
-    // SAFETY (all four allocations): every element is written by a kernel or GEMM before it is
-    // read, as the pass below does in order on this one stream.
+    // SAFETY (every allocation from here to `partial`): each element is written by a kernel, a
+    // GEMM or the all-reduce before it is read, as the pass below does in order on this one
+    // stream.
     let mut x = unsafe { alloc_device::<f32>(s, n * h, rank, "hidden states") }?;
     let xs = unsafe { alloc_device::<u16>(s, 2 * n * widest, rank, "split activations") }?;
     let y2 = unsafe { alloc_device::<f32>(s, 2 * n * widest, rank, "GEMM outputs") }?;
