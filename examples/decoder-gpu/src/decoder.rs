@@ -570,20 +570,28 @@ fn rank_forward(
     let poss = up(step.poss, "uploading positions")?;
     let rows = up(step.logit_rows, "uploading logit rows")?;
     let widest = h.max(qw).max(f);
-    // SAFETY (every allocation from here to `partial`): each element is written by a kernel, a
-    // GEMM or the all-reduce before it is read, as the pass below does in order on this one
-    // stream.
-    let mut x = unsafe { alloc_device::<f32>(s, n * h, rank, "hidden states") }?;
-    let xs = unsafe { alloc_device::<u16>(s, 2 * n * widest, rank, "split activations") }?;
-    let y2 = unsafe { alloc_device::<f32>(s, 2 * n * widest, rank, "GEMM outputs") }?;
-    let y2b = unsafe { alloc_device::<f32>(s, 2 * n * f, rank, "GEMM outputs (up)") }?;
-    let q = unsafe { alloc_device::<f32>(s, n * qw, rank, "queries") }?;
-    let kb = unsafe { alloc_device::<f32>(s, n * kvw, rank, "keys") }?;
-    let vb = unsafe { alloc_device::<f32>(s, n * kvw, rank, "values") }?;
-    let partial = if z.tp > 1 {
-        Some(unsafe { alloc_device::<f32>(s, n * h, rank, "row-parallel partial sums") }?)
-    } else {
-        None
+    // SAFETY: every element of these scratch buffers is written by a kernel, a GEMM or the
+    // all-reduce before it is read, as the pass below does in order on this one stream.
+    let (mut x, xs, y2, y2b, q, kb, vb, partial) = unsafe {
+        (
+            alloc_device::<f32>(s, n * h, rank, "hidden states")?,
+            alloc_device::<u16>(s, 2 * n * widest, rank, "split activations")?,
+            alloc_device::<f32>(s, 2 * n * widest, rank, "GEMM outputs")?,
+            alloc_device::<f32>(s, 2 * n * f, rank, "GEMM outputs (up)")?,
+            alloc_device::<f32>(s, n * qw, rank, "queries")?,
+            alloc_device::<f32>(s, n * kvw, rank, "keys")?,
+            alloc_device::<f32>(s, n * kvw, rank, "values")?,
+            if z.tp > 1 {
+                Some(alloc_device::<f32>(
+                    s,
+                    n * h,
+                    rank,
+                    "row-parallel partial sums",
+                )?)
+            } else {
+                None
+            },
+        )
     };
     let cache = st
         .cache
