@@ -2,7 +2,7 @@
 //! against the config and the layout with the same rules (and errors) as the CPU decoder.
 
 use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
-use lifecycle_decoder::{head_shares, DecodeError, HeadShare, ModelConfig};
+use lifecycle_decoder::{head_shares, rollout_spec, DecodeError, HeadShare, ModelConfig};
 use lifecycle_fsdp::RolloutEntry;
 
 /// Element offsets (bf16) of one rank's share of one layer.
@@ -56,39 +56,7 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     fn spec(&self, name: &str, allowed: &[Parallel]) -> Result<&TensorSpec, DecodeError> {
-        let spec = self
-            .layout
-            .tensors
-            .iter()
-            .find(|t| t.name == name)
-            .ok_or_else(|| DecodeError::MissingTensor {
-                name: name.to_string(),
-                rank: 0,
-            })?;
-        if let Some((_, shape)) = self.shapes.iter().find(|(n, _)| n == name) {
-            if &spec.shape != shape {
-                return Err(DecodeError::Shape {
-                    name: name.to_string(),
-                    rank: 0,
-                    expected: shape.clone(),
-                    found: spec.shape.clone(),
-                });
-            }
-        }
-        if !allowed.contains(&spec.parallel) {
-            let expected = match allowed {
-                [Parallel::Column] => "column-parallel",
-                [Parallel::Row] => "row-parallel",
-                [Parallel::Replicated] => "replicated",
-                _ => "column-parallel or replicated",
-            };
-            return Err(DecodeError::Split {
-                name: name.to_string(),
-                found: spec.parallel.name(),
-                expected,
-            });
-        }
-        Ok(spec)
+        rollout_spec(self.layout, &self.shapes, name, allowed)
     }
 
     /// The offset of `name` in every rank's buffer (the same on every rank), shape-checked.

@@ -23,6 +23,7 @@ mod error;
 mod heads;
 mod math;
 mod sampling;
+mod spec_check;
 mod weights;
 
 pub use checkpoint::{load_checkpoint, random_tensors, read_tensors, save_checkpoint, Checkpoint};
@@ -33,3 +34,4 @@ pub use error::{CheckpointError, DecodeError};
 pub use heads::{head_shares, HeadShare};
 pub use math::dot;
 pub use sampling::{argmax, sample_token, Sampling, SplitMix64};
+pub use spec_check::rollout_spec;

@@ -8,6 +8,7 @@ use lifecycle_host::RankRollout;
 use crate::config::ModelConfig;
 use crate::error::DecodeError;
 use crate::heads::{head_shares, HeadShare};
+use crate::spec_check::rollout_spec;
 
 /// A weight that is either vocabulary-parallel (one slice per rank) or replicated.
 #[derive(Debug, Clone)]
@@ -65,39 +66,7 @@ struct Reader<'a, 'w> {
 impl<'w> Reader<'_, 'w> {
     /// The spec of `name`, checked to have the config's shape and one of `allowed` splits.
     fn spec(&self, name: &str, allowed: &[Parallel]) -> Result<&TensorSpec, DecodeError> {
-        let spec = self
-            .layout
-            .tensors
-            .iter()
-            .find(|t| t.name == name)
-            .ok_or_else(|| DecodeError::MissingTensor {
-                name: name.to_string(),
-                rank: 0,
-            })?;
-        if let Some((_, shape)) = self.shapes.iter().find(|(n, _)| n == name) {
-            if &spec.shape != shape {
-                return Err(DecodeError::Shape {
-                    name: name.to_string(),
-                    rank: 0,
-                    expected: shape.clone(),
-                    found: spec.shape.clone(),
-                });
-            }
-        }
-        if !allowed.contains(&spec.parallel) {
-            let expected = match allowed {
-                [Parallel::Column] => "column-parallel",
-                [Parallel::Row] => "row-parallel",
-                [Parallel::Replicated] => "replicated",
-                _ => "column-parallel or replicated",
-            };
-            return Err(DecodeError::Split {
-                name: name.to_string(),
-                found: spec.parallel.name(),
-                expected,
-            });
-        }
-        Ok(spec)
+        rollout_spec(self.layout, &self.shapes, name, allowed)
     }
 
     /// TP rank `rank`'s slice of `name`, checked against the layout.
