@@ -2,6 +2,7 @@
 //! with `half::bf16::from_f32`, NaN payloads included), strided 2-D slice cast and copy, and a
 //! deterministic pseudo-random fill used to build synthetic models on the device.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
@@ -67,6 +68,52 @@ extern "C" __global__ void cast_f32_bf16_2d_v4(const float4* __restrict__ src, u
             float4 v = src[r * src_ld4 + c];
             uint2 o; o.x = f2bf(v.x) | (f2bf(v.y) << 16); o.y = f2bf(v.z) | (f2bf(v.w) << 16);
             dst[r * dst_ld4 + c] = o;
+        }
+    }
+}
+
+// Many casts in one launch. Each descriptor is five 64-bit words (see `CastBatch`): source and
+// destination offsets in units of 4 elements, the first chunk of the descriptor, then rows, cols4,
+// src_ld4 and dst_ld4 as 32-bit values. Work is cut into chunks of CAST_CHUNK4 units (8 per
+// thread of a 256-thread block), numbered across the whole batch; a launch runs chunks
+// [chunk_lo, chunk_end) of the `ndesc` descriptors at `descs`, finding each chunk's descriptor by
+// binary search.
+#define CAST_CHUNK4 2048u
+struct CastDesc { u64 src4; u64 dst4; u64 chunk0; u32 rows; u32 cols4; u32 src_ld4; u32 dst_ld4; };
+extern "C" __global__ void cast_f32_bf16_multi(const float4* __restrict__ src, uint2* __restrict__ dst,
+                                               const CastDesc* __restrict__ descs, u32 ndesc,
+                                               u64 chunk_lo, u64 chunk_end) {
+    for (u64 c = chunk_lo + blockIdx.x; c < chunk_end; c += gridDim.x) {
+        u32 lo = 0, hi = ndesc - 1;
+        while (lo < hi) {
+            u32 mid = (lo + hi + 1u) >> 1;
+            if (descs[mid].chunk0 <= c) lo = mid; else hi = mid - 1u;
+        }
+        const CastDesc d = descs[lo];
+        const u64 n = (u64)d.rows * d.cols4;
+        const u64 base = (c - d.chunk0) * CAST_CHUNK4 + threadIdx.x;
+        float4 v[8];
+        u64 so[8], dso[8];
+        #pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            u64 i = base + (u64)k * 256u;
+            so[k] = ~0ull;
+            if (i < n) {
+                u64 r, col;
+                if (d.rows == 1u) { r = 0; col = i; }
+                else if (n < 0xFFFFFFFFull) { u32 rr = (u32)i / d.cols4; r = rr; col = (u32)i - rr * d.cols4; }
+                else { r = i / d.cols4; col = i - r * d.cols4; }
+                so[k] = d.src4 + r * d.src_ld4 + col;
+                dso[k] = d.dst4 + r * d.dst_ld4 + col;
+                v[k] = src[so[k]];
+            }
+        }
+        #pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            if (so[k] != ~0ull) {
+                uint2 o; o.x = f2bf(v[k].x) | (f2bf(v[k].y) << 16); o.y = f2bf(v[k].z) | (f2bf(v[k].w) << 16);
+                dst[dso[k]] = o;
+            }
         }
     }
 }
@@ -152,7 +199,9 @@ pub struct Kernels {
     cast_v4: CudaFunction,
     copy16: CudaFunction,
     fill: CudaFunction,
+    multi: CudaFunction,
     sm_count: u32,
+    multi_blocks_per_sm: Arc<AtomicU32>,
 }
 
 /// A strided 2-D region: `rows` × `cols` elements, row pitches `src_ld` / `dst_ld` in elements.
@@ -190,6 +239,99 @@ impl Region2d {
     }
 }
 
+/// Elements of one chunk of [`CastBatch`] work (the kernel's `CAST_CHUNK4` × 4).
+pub const CAST_CHUNK_ELEMS: u64 = 2048 * 4;
+
+/// Blocks per SM of a multi-cast launch unless [`Kernels::set_multi_blocks_per_sm`] says otherwise:
+/// half of an SM's 256-thread slots, which saturates HBM (8 loads in flight per thread) and leaves
+/// room for the NCCL kernels and the other stream's casts running at the same time.
+pub const DEFAULT_MULTI_BLOCKS_PER_SM: u32 = 4;
+
+/// Casts gathered for one launch of the multi-tensor cast kernel: each entry is a 2-D region of
+/// fp32 at an element offset from a source base cast to bf16 at an element offset from a
+/// destination base. Only regions the vectorised path can take are accepted (widths, pitches and
+/// offsets multiples of 4 elements, sizes that fit the kernel's 32-bit fields); [`CastBatch::push`]
+/// says `false` for the others so the caller casts them one by one.
+///
+/// ```
+/// use lifecycle_cuda::{CastBatch, Region2d};
+/// let mut batch = CastBatch::default();
+/// assert!(batch.push(0, 0, Region2d { rows: 3, cols: 8, src_ld: 16, dst_ld: 8 }));
+/// assert!(!batch.push(64, 32, Region2d { rows: 1, cols: 5, src_ld: 5, dst_ld: 5 })); // width 5
+/// assert_eq!(batch.len(), 1);
+/// assert_eq!(batch.chunks(), 1);
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CastBatch {
+    words: Vec<u64>,
+    chunks: u64,
+}
+
+impl CastBatch {
+    /// Words per descriptor in [`CastBatch::words`].
+    pub const WORDS: usize = 5;
+
+    /// Adds a cast; `false` (and nothing added) when the region does not fit the batched kernel.
+    pub fn push(&mut self, src_off: u64, dst_off: u64, region: Region2d) -> bool {
+        let r = region.normalized();
+        if r.numel() == 0 {
+            return true;
+        }
+        let fits32 = |x: u64| x <= u32::MAX as u64;
+        let ok = r.cols.is_multiple_of(4)
+            && r.src_ld.is_multiple_of(4)
+            && r.dst_ld.is_multiple_of(4)
+            && src_off.is_multiple_of(4)
+            && dst_off.is_multiple_of(4)
+            && fits32(r.rows)
+            && fits32(r.cols / 4)
+            && fits32(r.src_ld / 4)
+            && fits32(r.dst_ld / 4);
+        if !ok {
+            return false;
+        }
+        let units = r.rows * (r.cols / 4);
+        self.words.extend_from_slice(&[
+            src_off / 4,
+            dst_off / 4,
+            self.chunks,
+            r.rows | ((r.cols / 4) << 32),
+            (r.src_ld / 4) | ((r.dst_ld / 4) << 32),
+        ]);
+        self.chunks += units.div_ceil(CAST_CHUNK_ELEMS / 4);
+        true
+    }
+
+    /// Descriptors added.
+    pub fn len(&self) -> usize {
+        self.words.len() / Self::WORDS
+    }
+
+    /// Whether no descriptor was added.
+    pub fn is_empty(&self) -> bool {
+        self.words.is_empty()
+    }
+
+    /// Chunks of work in all.
+    pub fn chunks(&self) -> u64 {
+        self.chunks
+    }
+
+    /// The descriptors as the kernel reads them (five little-endian words each).
+    pub fn words(&self) -> &[u64] {
+        &self.words
+    }
+
+    /// Appends `other`'s descriptors, renumbering its chunks after this batch's.
+    pub fn extend(&mut self, other: &CastBatch) {
+        for d in other.words.chunks_exact(Self::WORDS) {
+            self.words
+                .extend_from_slice(&[d[0], d[1], d[2] + self.chunks, d[3], d[4]]);
+        }
+        self.chunks += other.chunks;
+    }
+}
+
 fn grid_for(units: u64, sm_count: u32) -> LaunchConfig {
     let blocks = units.div_ceil(256).clamp(1, sm_count as u64 * 16) as u32;
     LaunchConfig {
@@ -221,8 +363,10 @@ impl Kernels {
             cast_v4: f("cast_f32_bf16_2d_v4")?,
             copy16: f("copy_u16_2d")?,
             fill: f("fill_uniform_f32")?,
+            multi: f("cast_f32_bf16_multi")?,
             _module: module,
             sm_count: sm_count.max(1) as u32,
+            multi_blocks_per_sm: Arc::new(AtomicU32::new(DEFAULT_MULTI_BLOCKS_PER_SM)),
         })
     }
 
@@ -306,6 +450,67 @@ impl Kernels {
         Ok(())
     }
 
+    /// Sets the blocks per SM of [`Kernels::cast_multi`] launches (at least 1; shared by clones).
+    pub fn set_multi_blocks_per_sm(&self, blocks: u32) {
+        self.multi_blocks_per_sm
+            .store(blocks.max(1), Ordering::Relaxed);
+    }
+
+    /// Runs the casts of descriptors `first .. first + count` of a [`CastBatch`] whose words were
+    /// uploaded to device address `descs`, in one launch: fp32 at `src` + each source offset to
+    /// bf16 at `dst` + each destination offset. `chunk_lo .. chunk_hi` are those descriptors'
+    /// chunks (from the batch they were pushed to).
+    ///
+    /// # Safety
+    /// `descs` must hold the batch's words (alive until the kernel ran); every region of those
+    /// descriptors must lie inside readable f32 memory at `src` (16-byte aligned) and writable
+    /// bf16 memory at `dst` (8-byte aligned) of the stream's device, alive until the kernel ran,
+    /// with no other writer meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn cast_multi(
+        &self,
+        stream: &CudaStream,
+        src: u64,
+        dst: u64,
+        descs: u64,
+        first: usize,
+        count: usize,
+        chunks: std::ops::Range<u64>,
+        rank: usize,
+    ) -> Result<(), CudaError> {
+        if count == 0 || chunks.is_empty() {
+            return Ok(());
+        }
+        if !src.is_multiple_of(16) || !dst.is_multiple_of(8) {
+            return Err(CudaError::Invalid(format!(
+                "multi-tensor cast: source {src:#x} must be 16-byte and destination {dst:#x} \
+                 8-byte aligned"
+            )));
+        }
+        // Chunk numbers are global to the batch: rebase them by shifting the descriptor pointer
+        // and passing the chunk range's end; the kernel's binary search then starts at `first`.
+        let d = descs + (first * CastBatch::WORDS * 8) as u64;
+        let n = count as u32;
+        let per_sm = self.multi_blocks_per_sm.load(Ordering::Relaxed) as u64;
+        let total = chunks.end - chunks.start;
+        let blocks = total.clamp(1, self.sm_count as u64 * per_sm) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let lo = chunks.start;
+        let end = chunks.end;
+        let mut b = stream.launch_builder(&self.multi);
+        b.arg(&src).arg(&dst).arg(&d).arg(&n).arg(&lo).arg(&end);
+        // SAFETY: the caller guarantees the descriptors and every region they name are valid
+        // device memory of this stream's context; the arguments match the kernel's signature
+        // (3 pointers, u32, 2 u64).
+        b.launch(cfg)
+            .map_err(|e| CudaError::driver(rank, "launching the multi-tensor cast kernel", 0, e))?;
+        Ok(())
+    }
+
     /// Fills `n` f32 at `dst` with `scale · u`, `u` uniform in [-1, 1) from a counter-based hash
     /// of (`seed`, `index_offset + i`); [`fill_uniform_value`] computes the same values on the host.
     ///
@@ -336,5 +541,170 @@ impl Kernels {
         b.launch(cfg)
             .map_err(|e| CudaError::driver(rank, "launching the fill kernel", 0, e))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The multi-tensor kernel's indexing, step for step on the host: chunks `lo..end`, each
+    /// thread's 8 units, the descriptor found by binary search over the words from `first`.
+    fn emulate(
+        words: &[u64],
+        first: usize,
+        count: usize,
+        lo: u64,
+        end: u64,
+        src: &[f32],
+        dst: &mut [u16],
+    ) {
+        let descs: Vec<&[u64]> = words
+            .chunks_exact(CastBatch::WORDS)
+            .skip(first)
+            .take(count)
+            .collect();
+        for c in lo..end {
+            let (mut a, mut b) = (0usize, descs.len() - 1);
+            while a < b {
+                let mid = (a + b).div_ceil(2);
+                if descs[mid][2] <= c {
+                    a = mid;
+                } else {
+                    b = mid - 1;
+                }
+            }
+            let d = descs[a];
+            let (rows, cols4) = (d[3] & 0xFFFF_FFFF, d[3] >> 32);
+            let (sld4, dld4) = (d[4] & 0xFFFF_FFFF, d[4] >> 32);
+            let n = rows * cols4;
+            for t in 0..256u64 {
+                for k in 0..8u64 {
+                    let i = (c - d[2]) * 2048 + t + k * 256;
+                    if i >= n {
+                        continue;
+                    }
+                    let (r, col) = (i / cols4, i % cols4);
+                    let s4 = d[0] + r * sld4 + col;
+                    let d4 = d[1] + r * dld4 + col;
+                    for e in 0..4 {
+                        let v = src[(s4 * 4 + e) as usize];
+                        dst[(d4 * 4 + e) as usize] = half::bf16::from_f32(v).to_bits();
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn batch_descriptors_cover_every_region_once() {
+        // Regions of several sizes (one spans many chunks), strided and dense, at scattered offsets.
+        let regions = [
+            (
+                0u64,
+                0u64,
+                Region2d {
+                    rows: 3,
+                    cols: 8,
+                    src_ld: 12,
+                    dst_ld: 8,
+                },
+            ),
+            (
+                64,
+                32,
+                Region2d {
+                    rows: 1,
+                    cols: 20_000,
+                    src_ld: 20_000,
+                    dst_ld: 20_000,
+                },
+            ),
+            (
+                20_096,
+                20_064,
+                Region2d {
+                    rows: 300,
+                    cols: 64,
+                    src_ld: 128,
+                    dst_ld: 64,
+                },
+            ),
+            (
+                60_480,
+                39_264,
+                Region2d {
+                    rows: 2,
+                    cols: 4,
+                    src_ld: 4,
+                    dst_ld: 4,
+                },
+            ),
+        ];
+        let src: Vec<f32> = (0..61_000).map(|i| i as f32 * 0.37 - 9_000.0).collect();
+        let mut want = vec![0u16; 40_000];
+        let mut batch = CastBatch::default();
+        for (so, d, r) in regions {
+            assert!(batch.push(so, d, r));
+            for row in 0..r.rows {
+                for c in 0..r.cols {
+                    let v = src[(so + row * r.src_ld + c) as usize];
+                    want[(d + row * r.dst_ld + c) as usize] = half::bf16::from_f32(v).to_bits();
+                }
+            }
+        }
+        assert_eq!(batch.len(), 4);
+        // One launch over everything, and two launches over the first two and the last two.
+        let mut one = vec![0u16; 40_000];
+        emulate(batch.words(), 0, 4, 0, batch.chunks(), &src, &mut one);
+        assert_eq!(one, want);
+        let mut two = vec![0u16; 40_000];
+        let mid = batch.words()[2 * CastBatch::WORDS + 2];
+        emulate(batch.words(), 0, 2, 0, mid, &src, &mut two);
+        emulate(batch.words(), 2, 2, mid, batch.chunks(), &src, &mut two);
+        assert_eq!(two, want);
+    }
+
+    #[test]
+    fn batches_refuse_what_the_vector_path_cannot_take_and_extend_renumbers() {
+        let mut b = CastBatch::default();
+        let dense = |n| Region2d {
+            rows: 1,
+            cols: n,
+            src_ld: n,
+            dst_ld: n,
+        };
+        assert!(!b.push(2, 0, dense(8)), "source offset not a multiple of 4");
+        assert!(
+            !b.push(0, 6, dense(8)),
+            "destination offset not a multiple of 4"
+        );
+        assert!(!b.push(
+            0,
+            0,
+            Region2d {
+                rows: 2,
+                cols: 8,
+                src_ld: 10,
+                dst_ld: 8
+            }
+        ));
+        assert!(
+            b.push(0, 0, dense(0)),
+            "empty regions are accepted and add nothing"
+        );
+        assert!(b.is_empty());
+        assert!(b.push(0, 0, dense(8192 * 2 + 4)));
+        assert_eq!(b.chunks(), 3);
+        let mut c = CastBatch::default();
+        assert!(c.push(16, 16, dense(4)));
+        b.extend(&c);
+        assert_eq!(b.len(), 2);
+        assert_eq!(
+            b.words()[CastBatch::WORDS + 2],
+            3,
+            "second batch's chunks follow the first's"
+        );
+        assert_eq!(b.chunks(), 4);
     }
 }

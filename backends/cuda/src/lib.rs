@@ -25,6 +25,7 @@ mod env;
 mod error;
 mod kernels;
 mod pool;
+mod timeline;
 
 use std::sync::Arc;
 
@@ -35,8 +36,12 @@ pub use env::{
     include_candidates, nccl_present, nvrtc_present, Environment,
 };
 pub use error::CudaError;
-pub use kernels::{compile_kernels, fill_uniform_value, Kernels, Region2d, KERNEL_SRC};
+pub use kernels::{
+    compile_kernels, fill_uniform_value, CastBatch, Kernels, Region2d, CAST_CHUNK_ELEMS,
+    DEFAULT_MULTI_BLOCKS_PER_SM, KERNEL_SRC,
+};
 pub use pool::{RankCtx, RankExecutor, RankFn, ThreadRankPool};
+pub use timeline::{DeviceSpan, Mark, RankSpans, StreamTimeline};
 
 /// Re-export of the cudarc version this crate is built against.
 pub use cudarc;

@@ -8,13 +8,14 @@ use half::bf16;
 use lifecycle_core::layout::{plan_fsdp_to_tp, FsdpLayout, RolloutLayout};
 use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
 use lifecycle_cuda::{
-    alloc_device, alloc_pinned, alloc_zeros, CudaError, RankCtx, RankExecutor, ThreadRankPool,
+    alloc_device, alloc_pinned, alloc_zeros, CastBatch, CudaError, RankCtx, RankExecutor,
+    RankSpans, StreamTimeline, ThreadRankPool,
 };
 use lifecycle_host::{
     HostRollout, HostTensor, HostTrainState, RankRollout, RolloutTensor, TensorData,
 };
 
-use crate::plan::{build_plan, BucketConfig, Buf, FsdpPlan, ShardLayout};
+use crate::plan::{build_plan, BucketConfig, BucketOps, Buf, CastOp, FsdpPlan, ShardLayout};
 use crate::state::{FsdpTrainState, RankDump, RankTrain};
 use crate::FsdpError;
 
@@ -90,6 +91,7 @@ pub struct FsdpBackend {
     pool: Arc<ThreadRankPool>,
     layout: RolloutLayout,
     config: BucketConfig,
+    batched_casts: bool,
 }
 
 impl std::fmt::Debug for FsdpBackend {
@@ -98,6 +100,7 @@ impl std::fmt::Debug for FsdpBackend {
             .field("world", &self.pool.world())
             .field("tp", &self.layout.tp)
             .field("config", &self.config)
+            .field("batched_casts", &self.batched_casts)
             .finish()
     }
 }
@@ -112,12 +115,14 @@ fn ptr_mut<T>(s: &mut CudaSlice<T>, ctx: &RankCtx) -> u64 {
     p
 }
 
-/// Statistics of one rank's transfer.
-#[derive(Debug, Clone, Copy, Default)]
+/// Statistics of one rank's transfer, and its device timeline (read once the offload copies
+/// it also marks have finished).
+#[derive(Default)]
 struct RankMoved {
     recv: u64,
     local: u64,
     staging: u64,
+    timeline: Option<StreamTimeline>,
 }
 
 impl FsdpBackend {
@@ -128,7 +133,17 @@ impl FsdpBackend {
             pool,
             layout,
             config: BucketConfig::default(),
+            batched_casts: true,
         }
+    }
+
+    /// Whether casts are launched many per kernel (the default: one multi-tensor launch per
+    /// bucket on each stream, which removes the per-launch gaps of ~400 small kernels) or one
+    /// kernel per tensor piece. Both give bit-identical rollout weights; the switch exists to
+    /// measure the difference.
+    pub fn with_batched_casts(mut self, batched: bool) -> Self {
+        self.batched_casts = batched;
+        self
     }
 
     /// Changes the bucket settings (checked: a budget of at least 1 MiB, at least 1 in flight).
@@ -448,10 +463,14 @@ impl FsdpBackend {
         state: &mut FsdpTrainState,
         rolls: &mut [CudaSlice<bf16>],
         memory: MemoryPolicy,
+        tracing: bool,
     ) -> Result<Vec<RankMoved>, FsdpError> {
         let mut items: Vec<(&mut RankTrain, &mut CudaSlice<bf16>)> =
             state.ranks.iter_mut().zip(rolls.iter_mut()).collect();
         let len = state.shards.rank_len as usize;
+        let mode = CastMode {
+            batched: self.batched_casts,
+        };
         let moved = self.pool.run_each(&mut items, &|ctx, (rt, roll)| {
             // Pinned host buffers first (allocated once, reused): failing here changes nothing.
             if memory.offload_params && rt.master_host.is_none() {
@@ -477,36 +496,74 @@ impl FsdpBackend {
                 .master
                 .as_ref()
                 .ok_or_else(|| CudaError::Invalid("master weights are offloaded".into()))?;
+            let mut tl = StreamTimeline::new(ctx, tracing)?;
             // Offload copies on the copy stream: they overlap the NVLink work below.
+            let bytes = (len * 4) as u64;
+            let d2h = Some(Link::DeviceToHost);
             if memory.offload_optimizer {
                 if let (Some(m), Some(h)) = (rt.m.as_ref(), rt.m_host.as_mut()) {
+                    let mark = tl.begin(ctx, &ctx.copy)?;
                     ctx.copy
                         .memcpy_dtoh(m, h)
                         .map_err(ctx.drv("offloading Adam m", 0))?;
+                    let p = Phase::Offload;
+                    tl.end(
+                        ctx,
+                        &ctx.copy,
+                        mark,
+                        p,
+                        "offload Adam m",
+                        "copy",
+                        bytes,
+                        d2h,
+                    )?;
                 }
                 if let (Some(v), Some(h)) = (rt.v.as_ref(), rt.v_host.as_mut()) {
+                    let mark = tl.begin(ctx, &ctx.copy)?;
                     ctx.copy
                         .memcpy_dtoh(v, h)
                         .map_err(ctx.drv("offloading Adam v", 0))?;
+                    let p = Phase::Offload;
+                    tl.end(
+                        ctx,
+                        &ctx.copy,
+                        mark,
+                        p,
+                        "offload Adam v",
+                        "copy",
+                        bytes,
+                        d2h,
+                    )?;
                 }
             }
             if memory.offload_params {
                 if let Some(h) = rt.master_host.as_mut() {
+                    let mark = tl.begin(ctx, &ctx.copy)?;
                     ctx.copy
                         .memcpy_dtoh(master, h)
                         .map_err(ctx.drv("offloading master", 0))?;
+                    let p = Phase::Offload;
+                    tl.end(
+                        ctx,
+                        &ctx.copy,
+                        mark,
+                        p,
+                        "offload master",
+                        "copy",
+                        bytes,
+                        d2h,
+                    )?;
                 }
             }
-            run_buckets(ctx, plan, master, roll)
+            let mut moved = run_buckets(ctx, plan, master, roll, mode, &mut tl)?;
+            moved.timeline = Some(tl);
+            Ok(moved)
         })?;
         Ok(moved)
     }
 
-    fn record_transfer(
-        ctx: &mut SwitchContext<'_>,
-        moved: &[RankMoved],
-        wall: std::time::Duration,
-    ) {
+    fn record_transfer(ctx: &mut SwitchContext<'_>, moved: &[RankMoved], start: Instant) {
+        let wall = start.elapsed();
         let mut sample = lifecycle_core::PhaseSample::default();
         for m in moved {
             sample.bytes.add(Link::DeviceToDevice, m.recv);
@@ -514,6 +571,20 @@ impl FsdpBackend {
             sample.peak_extra_bytes = sample.peak_extra_bytes.max(m.staging);
         }
         ctx.rec.record(Phase::Transfer, wall, sample);
+        if let Some(trace) = ctx.rec.trace() {
+            let b = sample.bytes;
+            let bytes = b.moved() + b.local;
+            trace.record_host(
+                "transfer",
+                Phase::Transfer,
+                None,
+                "switch",
+                start,
+                wall,
+                bytes,
+                None,
+            );
+        }
     }
 
     /// Waits for the offload copies, then frees what the policy moves out and the gradients.
@@ -521,14 +592,23 @@ impl FsdpBackend {
         &self,
         state: &mut FsdpTrainState,
         ctx: &mut SwitchContext<'_>,
+        moved: &mut [RankMoved],
     ) -> Result<(), FsdpError> {
         let memory = ctx.memory;
         let free_grads = !memory.keep_rollout_resident;
         let bytes_each = state.shards.rank_len * 4;
-        ctx.rec.phase(Phase::Offload, |scope| {
-            let mut items: Vec<&mut RankTrain> = state.ranks.iter_mut().collect();
-            self.pool.run_each(&mut items, &|ctx, rt| {
+        let spans = ctx.rec.phase(Phase::Offload, |scope| {
+            let mut items: Vec<(&mut RankTrain, Option<StreamTimeline>)> = state
+                .ranks
+                .iter_mut()
+                .zip(moved.iter_mut().map(|m| m.timeline.take()))
+                .collect();
+            let spans = self.pool.run_each(&mut items, &|ctx, (rt, tl)| {
                 ctx.sync_all()?;
+                let spans = match tl.take() {
+                    Some(tl) => tl.finish()?,
+                    None => RankSpans::default(),
+                };
                 if memory.offload_params {
                     rt.master = None;
                 }
@@ -539,27 +619,123 @@ impl FsdpBackend {
                 if free_grads {
                     rt.grads = None;
                 }
-                ctx.sync_all()
+                ctx.sync_all()?;
+                Ok(spans)
             })?;
             let per_rank =
                 bytes_each * (memory.offload_params as u64 + 2 * memory.offload_optimizer as u64);
             scope.add_bytes(Link::DeviceToHost, per_rank * state.ranks.len() as u64);
-            Ok::<(), FsdpError>(())
-        })
+            Ok::<Vec<RankSpans>, FsdpError>(spans)
+        })?;
+        self.record_spans(ctx, &spans);
+        Ok(())
+    }
+
+    /// Adds per-rank device spans to the trace (when one is being recorded).
+    fn record_spans(&self, ctx: &mut SwitchContext<'_>, spans: &[RankSpans]) {
+        if let Some(trace) = ctx.rec.trace() {
+            for (local, s) in spans.iter().enumerate() {
+                let rank = self.pool.local_ranks().get(local).copied().unwrap_or(local);
+                s.record_into(trace, rank);
+            }
+        }
     }
 }
 
-/// The bucket loop of one rank: local casts (into the rollout buffer) on the auxiliary stream,
-/// staged casts on the compute stream, grouped NCCL sends/receives/all-gathers on the NCCL stream,
-/// ordered by events per bucket; staging slots reused round-robin once the NCCL work that read
-/// them has finished, so the local casts never queue behind the network.
+/// How a rank launches its casts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct CastMode {
+    /// Many casts per launch through the multi-tensor kernel (regions it cannot take fall back to
+    /// one launch each).
+    batched: bool,
+}
+
+/// One rank's casts sorted for launching: the batch of every cast the multi-tensor kernel takes
+/// (all local casts first, then all staged ones, so each stream's work is one contiguous run of
+/// descriptors), per bucket the descriptor and chunk ranges, and the casts that need a launch
+/// of their own.
+#[derive(Default)]
+struct RankCasts<'p> {
+    batch: CastBatch,
+    local: Vec<BatchRange>,
+    staged: Vec<BatchRange>,
+    local_single: Vec<Vec<&'p CastOp>>,
+    staged_single: Vec<Vec<&'p CastOp>>,
+}
+
+/// Descriptors `first .. first + count` of a [`CastBatch`], covering chunks `chunks`.
+#[derive(Debug, Clone, Default)]
+struct BatchRange {
+    first: usize,
+    count: usize,
+    chunks: std::ops::Range<u64>,
+}
+
+impl BatchRange {
+    /// The range from `self`'s start to `other`'s end (`other` follows `self` in the batch).
+    fn through(&self, other: &BatchRange) -> BatchRange {
+        BatchRange {
+            first: self.first,
+            count: other.first + other.count - self.first,
+            chunks: self.chunks.start..other.chunks.end,
+        }
+    }
+}
+
+impl<'p> RankCasts<'p> {
+    fn new(buckets: &'p [BucketOps], mode: CastMode) -> Self {
+        let mut rc = RankCasts::default();
+        for want in [Buf::Rollout, Buf::Staging] {
+            for b in buckets {
+                let (first, chunk0) = (rc.batch.len(), rc.batch.chunks());
+                let mut single = Vec::new();
+                for c in b.casts.iter().filter(|c| c.dst == want) {
+                    if !(mode.batched && rc.batch.push(c.src_off, c.dst_off, c.region)) {
+                        single.push(c);
+                    }
+                }
+                let range = BatchRange {
+                    first,
+                    count: rc.batch.len() - first,
+                    chunks: chunk0..rc.batch.chunks(),
+                };
+                match want {
+                    Buf::Rollout => {
+                        rc.local.push(range);
+                        rc.local_single.push(single);
+                    }
+                    Buf::Staging => {
+                        rc.staged.push(range);
+                        rc.staged_single.push(single);
+                    }
+                }
+            }
+        }
+        rc
+    }
+}
+
+/// Whether bucket `b`'s NCCL work reads or writes rollout bytes that its local casts write (an
+/// all-gather of the rank's own part, or a send straight from the rollout buffer).
+fn needs_local(b: &BucketOps) -> bool {
+    !b.gathers.is_empty() || b.sends.iter().any(|s| s.buf == Buf::Rollout)
+}
+
+/// The bucket loop of one rank. Local casts (into the rollout buffer) are queued first, all of
+/// them, on the auxiliary stream, which never waits for the network: one multi-tensor launch per
+/// run of buckets up to one whose NCCL work needs them, with an event after each run. Then per
+/// bucket: staged casts on the compute stream (waiting for their staging slot to be free), and the
+/// bucket's grouped NCCL sends / receives / all-gathers on the NCCL stream after its staged casts
+/// (and, when it needs them, its local casts). Staging slots are reused round-robin.
 fn run_buckets(
     ctx: &RankCtx,
     plan: &FsdpPlan,
     master: &CudaSlice<f32>,
     roll: &mut CudaSlice<bf16>,
+    mode: CastMode,
+    tl: &mut StreamTimeline,
 ) -> Result<RankMoved, CudaError> {
-    let out = run_buckets_inner(ctx, plan, master, roll);
+    let out = run_buckets_inner(ctx, plan, master, roll, mode, tl);
     if out.is_err() {
         // Nothing may still read or write the rollout or staging buffers when they are freed
         // after an error part-way through: wait for every stream first.
@@ -573,9 +749,21 @@ fn run_buckets_inner(
     plan: &FsdpPlan,
     master: &CudaSlice<f32>,
     roll: &mut CudaSlice<bf16>,
+    mode: CastMode,
+    tl: &mut StreamTimeline,
 ) -> Result<RankMoved, CudaError> {
     let rank = ctx.rank;
     let buckets = &plan.ranks[rank];
+    let casts = RankCasts::new(buckets, mode);
+    let descs = if casts.batch.is_empty() {
+        None
+    } else {
+        Some(
+            ctx.compute
+                .clone_htod(casts.batch.words())
+                .map_err(ctx.drv("uploading cast descriptors", 0))?,
+        )
+    };
     let nslots = plan.staging_slots(rank);
     let mut staging: Vec<CudaSlice<bf16>> = Vec::with_capacity(nslots);
     for _ in 0..nslots {
@@ -604,19 +792,89 @@ fn run_buckets_inner(
         });
     }
     let nccl = ctx.nccl_stream();
-    // Allocations (stream-ordered on compute) and earlier writes are visible to NCCL and to the
-    // auxiliary stream that runs the local casts.
+    // Allocations and the descriptor upload (stream-ordered on compute) and earlier writes are
+    // visible to NCCL and to the auxiliary stream that runs the local casts.
     ctx.order(&ctx.compute, &nccl)?;
     ctx.order(&ctx.compute, &ctx.aux)?;
     let mbase = ptr(master, ctx);
     let rbase = ptr_mut(roll, ctx);
+    let dbase = descs.as_ref().map_or(0, |d| ptr(d, ctx));
     let sbases: Vec<u64> = staging.iter_mut().map(|s| ptr_mut(s, ctx)).collect();
     let rsbases: Vec<u64> = rstaging.iter_mut().map(|s| ptr_mut(s, ctx)).collect();
-    let mut net_done = Vec::with_capacity(buckets.len());
     let mut moved = RankMoved {
         staging: (nslots as u64 * plan.slot_elems + nrslots as u64 * plan.recv_slot_elems) * 2,
         ..Default::default()
     };
+    // Local casts, all queued now: runs of buckets end at a bucket whose NCCL work needs them.
+    let mut local_done: Vec<Option<usize>> = vec![None; buckets.len()];
+    let mut local_events = Vec::new();
+    let mut run_start = 0usize;
+    for k in 0..buckets.len() {
+        if !(needs_local(&buckets[k]) || k + 1 == buckets.len()) {
+            continue;
+        }
+        let range = casts.local[run_start].through(&casts.local[k]);
+        let mut bytes = 0u64;
+        let mark = tl.begin(ctx, &ctx.aux)?;
+        // SAFETY: the plan keeps every region inside its buffer (master: rank_len f32, rollout:
+        // roll_len bf16); the descriptors and both buffers outlive the final synchronisation
+        // below; the NCCL stream touches these rollout bytes only after the event recorded next.
+        unsafe {
+            ctx.kernels.cast_multi(
+                &ctx.aux,
+                mbase,
+                rbase,
+                dbase,
+                range.first,
+                range.count,
+                range.chunks.clone(),
+                rank,
+            )?;
+        }
+        for (bucket, single) in buckets[run_start..=k]
+            .iter()
+            .zip(&casts.local_single[run_start..=k])
+        {
+            bytes += bucket
+                .casts
+                .iter()
+                .filter(|c| c.dst == Buf::Rollout)
+                .map(|c| c.region.numel() * 2)
+                .sum::<u64>();
+            for c in single {
+                // SAFETY: as above.
+                unsafe {
+                    ctx.kernels.cast_f32_bf16(
+                        &ctx.aux,
+                        mbase + 4 * c.src_off,
+                        rbase + 2 * c.dst_off,
+                        c.region,
+                        rank,
+                    )?;
+                }
+            }
+        }
+        moved.local += bytes;
+        tl.end(
+            ctx,
+            &ctx.aux,
+            mark,
+            Phase::Transfer,
+            format!("local casts b{run_start}..={k}"),
+            "aux",
+            bytes,
+            Some(Link::Local),
+        )?;
+        let ev = ctx.event()?;
+        ev.record(&ctx.aux)
+            .map_err(ctx.drv("recording an event", 0))?;
+        local_events.push(ev);
+        for slot in local_done.iter_mut().take(k + 1).skip(run_start) {
+            *slot = Some(local_events.len() - 1);
+        }
+        run_start = k + 1;
+    }
+    let mut net_done = Vec::with_capacity(buckets.len());
     for (k, b) in buckets.iter().enumerate() {
         let slot = if nslots > 0 { k % nslots } else { 0 };
         if b.staging_elems > 0 && k >= nslots {
@@ -624,43 +882,62 @@ fn run_buckets_inner(
                 .wait(&net_done[k - nslots])
                 .map_err(ctx.drv("waiting for a staging slot", 0))?;
         }
-        for c in &b.casts {
-            // Local pieces go straight into the rollout buffer on the auxiliary stream, which
-            // never waits for the network; staged pieces on the compute stream, which waits for
-            // its staging slot to be free.
-            let (dst, stream) = match c.dst {
-                Buf::Rollout => {
-                    moved.local += c.region.numel() * 2;
-                    (rbase + 2 * c.dst_off, &ctx.aux)
-                }
-                Buf::Staging => (sbases[slot] + 2 * c.dst_off, &ctx.compute),
-            };
-            // SAFETY: the plan keeps every region inside its buffer (master: rank_len f32,
-            // rollout: roll_len bf16, staging: slot_elems bf16); the buffers outlive the final
-            // synchronisation below; the NCCL stream reads them only after the event recorded
-            // after these casts.
+        let staged = &casts.staged[k];
+        if staged.count > 0 || !casts.staged_single[k].is_empty() {
+            let mark = tl.begin(ctx, &ctx.compute)?;
+            // SAFETY: the plan keeps every staged region inside master (rank_len f32) and the
+            // staging slot (slot_elems bf16); the slot was last read by the NCCL work of bucket
+            // k - nslots, which the compute stream waited for above; all buffers outlive the
+            // final synchronisation.
             unsafe {
-                ctx.kernels
-                    .cast_f32_bf16(stream, mbase + 4 * c.src_off, dst, c.region, rank)?;
+                ctx.kernels.cast_multi(
+                    &ctx.compute,
+                    mbase,
+                    sbases[slot],
+                    dbase,
+                    staged.first,
+                    staged.count,
+                    staged.chunks.clone(),
+                    rank,
+                )?;
+                for c in &casts.staged_single[k] {
+                    ctx.kernels.cast_f32_bf16(
+                        &ctx.compute,
+                        mbase + 4 * c.src_off,
+                        sbases[slot] + 2 * c.dst_off,
+                        c.region,
+                        rank,
+                    )?;
+                }
             }
+            tl.end(
+                ctx,
+                &ctx.compute,
+                mark,
+                Phase::Transfer,
+                format!("staged casts b{k}"),
+                "compute",
+                b.staging_elems * 2,
+                Some(Link::Local),
+            )?;
         }
         // The NCCL work of this bucket starts after its staged casts (compute stream) and, when
-        // it sends from or gathers into the rollout buffer, after the local casts (aux stream).
-        let needs_local =
-            b.gathers.len() + b.sends.iter().filter(|s| s.buf == Buf::Rollout).count() > 0;
+        // it sends from or gathers into the rollout buffer, after its local casts (aux stream).
         let has_net = !b.sends.is_empty() || !b.recvs.is_empty() || !b.gathers.is_empty();
         if has_net {
             let ev = ctx.event()?;
             ev.record(&ctx.compute)
                 .map_err(ctx.drv("recording an event", 0))?;
             nccl.wait(&ev).map_err(ctx.drv("waiting on an event", 0))?;
-            if needs_local {
-                let ev = ctx.event()?;
-                ev.record(&ctx.aux)
-                    .map_err(ctx.drv("recording an event", 0))?;
-                nccl.wait(&ev).map_err(ctx.drv("waiting on an event", 0))?;
+            if needs_local(b) {
+                if let Some(i) = local_done[k] {
+                    nccl.wait(&local_events[i])
+                        .map_err(ctx.drv("waiting on an event", 0))?;
+                }
             }
         }
+        let net_mark = if has_net { tl.begin(ctx, &nccl)? } else { None };
+        let recv_before = moved.recv;
         if !b.sends.is_empty() || !b.recvs.is_empty() {
             cudarc::nccl::group_start().map_err(|e| CudaError::nccl(rank, "ncclGroupStart", e))?;
             let mut res = Ok(());
@@ -751,6 +1028,23 @@ fn run_buckets_inner(
             res?;
             end?;
         }
+        if has_net {
+            let what = if b.gathers.is_empty() {
+                "send/recv"
+            } else {
+                "all-gather"
+            };
+            tl.end(
+                ctx,
+                &nccl,
+                net_mark,
+                Phase::Transfer,
+                format!("{what} b{k}"),
+                "nccl",
+                moved.recv - recv_before,
+                Some(Link::DeviceToDevice),
+            )?;
+        }
         let done = ctx.event()?;
         done.record(&nccl)
             .map_err(ctx.drv("recording an event", 0))?;
@@ -765,6 +1059,7 @@ fn run_buckets_inner(
         .map_err(ctx.drv("synchronizing NCCL", 0))?;
     drop(staging);
     drop(rstaging);
+    drop(descs);
     ctx.compute
         .synchronize()
         .map_err(ctx.drv("freeing staging", 0))?;
@@ -810,9 +1105,10 @@ impl Reshard for FsdpBackend {
         // The transfer phase's wall time starts after the rollout allocation (reported apart:
         // enter's total includes it).
         let start = Instant::now();
-        let moved = self.transfer(plan, state, &mut rolls, ctx.memory)?;
-        Self::record_transfer(ctx, &moved, start.elapsed());
-        self.finish_offload(state, ctx)?;
+        let tracing = ctx.rec.tracing();
+        let mut moved = self.transfer(plan, state, &mut rolls, ctx.memory, tracing)?;
+        Self::record_transfer(ctx, &moved, start);
+        self.finish_offload(state, ctx, &mut moved)?;
         Ok(FsdpRollout {
             ranks: rolls,
             entries: Self::entries(plan),
@@ -839,9 +1135,10 @@ impl Reshard for FsdpBackend {
             });
         }
         let start = Instant::now();
-        let moved = self.transfer(plan, state, &mut rollout.ranks, ctx.memory)?;
-        Self::record_transfer(ctx, &moved, start.elapsed());
-        self.finish_offload(state, ctx)
+        let tracing = ctx.rec.tracing();
+        let mut moved = self.transfer(plan, state, &mut rollout.ranks, ctx.memory, tracing)?;
+        Self::record_transfer(ctx, &moved, start);
+        self.finish_offload(state, ctx, &mut moved)
     }
 
     fn exit(
@@ -865,14 +1162,16 @@ impl Reshard for FsdpBackend {
         }
         let len = state.shards.rank_len as usize;
         let bytes_each = state.shards.rank_len * 4;
-        ctx.rec.phase(Phase::Reload, |scope| {
+        let tracing = ctx.rec.tracing();
+        let out = ctx.rec.phase(Phase::Reload, |scope| {
             let mut items: Vec<&mut RankTrain> = state.ranks.iter_mut().collect();
             let moved = self.pool.run_each(&mut items, &|c, rt| {
                 let mut h2d = 0u64;
-                let reload = |dev: &mut Option<CudaSlice<f32>>,
-                              host: &Option<PinnedHostSlice<f32>>,
-                              what: &str,
-                              h2d: &mut u64|
+                let mut tl = StreamTimeline::new(c, tracing)?;
+                let mut reload = |dev: &mut Option<CudaSlice<f32>>,
+                                  host: &Option<PinnedHostSlice<f32>>,
+                                  what: &str,
+                                  h2d: &mut u64|
                  -> Result<(), CudaError> {
                     if dev.is_some() {
                         return Ok(());
@@ -884,7 +1183,19 @@ impl Reshard for FsdpBackend {
                     })?;
                     // SAFETY: fully written by the host→device copy right after.
                     let mut d = unsafe { alloc_device::<f32>(&c.copy, len, c.rank, what)? };
+                    let mark = tl.begin(c, &c.copy)?;
                     c.copy.memcpy_htod(host, &mut d).map_err(c.drv(what, 0))?;
+                    let h2d_link = Some(Link::HostToDevice);
+                    tl.end(
+                        c,
+                        &c.copy,
+                        mark,
+                        Phase::Reload,
+                        what,
+                        "copy",
+                        bytes_each,
+                        h2d_link,
+                    )?;
                     *h2d += bytes_each;
                     *dev = Some(d);
                     Ok(())
@@ -901,10 +1212,12 @@ impl Reshard for FsdpBackend {
                     rt.grads = Some(alloc_zeros(&c.compute, len, c.rank, "gradients")?);
                 }
                 c.sync_all()?;
-                Ok(h2d)
+                Ok((h2d, tl.finish()?))
             })?;
-            scope.add_bytes(Link::HostToDevice, moved.iter().sum());
-            Ok::<(), FsdpError>(())
-        })
+            scope.add_bytes(Link::HostToDevice, moved.iter().map(|m| m.0).sum());
+            Ok::<Vec<RankSpans>, FsdpError>(moved.into_iter().map(|m| m.1).collect())
+        })?;
+        self.record_spans(ctx, &out);
+        Ok(())
     }
 }

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
-use lifecycle_core::{Lifecycle, LifecycleConfig, LifecycleError, MemoryPolicy, Switching};
+use lifecycle_core::{Lifecycle, LifecycleConfig, LifecycleError, MemoryPolicy, Phase, Switching};
 use lifecycle_cuda::{device_count, CudaError, RankExecutor, ThreadRankPool};
 use lifecycle_fsdp::{BucketConfig, FsdpBackend, FsdpError, GatherMode};
 use lifecycle_host::{reference_rollout, HostBackend, HostRollout, HostTensor, HostTrainState};
@@ -89,6 +89,19 @@ fn host_via_lifecycle(
 }
 
 fn check_bits(world: usize, tp: usize, memory: MemoryPolicy, config: BucketConfig) -> Res {
+    for batched in [true, false] {
+        check_bits_with(world, tp, memory, config, batched)?;
+    }
+    Ok(())
+}
+
+fn check_bits_with(
+    world: usize,
+    tp: usize,
+    memory: MemoryPolicy,
+    config: BucketConfig,
+    batched: bool,
+) -> Res {
     let specs = specs(tp);
     let host = HostTrainState::from_tensors(world, host_tensors(&specs))?;
     let layout = RolloutLayout::new(tp, specs)?;
@@ -97,7 +110,9 @@ fn check_bits(world: usize, tp: usize, memory: MemoryPolicy, config: BucketConfi
     assert_eq!(reference.first_difference(&via_host), None);
 
     let pool = Arc::new(ThreadRankPool::new(world)?);
-    let backend = FsdpBackend::new(pool, layout).with_config(config)?;
+    let backend = FsdpBackend::new(pool, layout)
+        .with_config(config)?
+        .with_batched_casts(batched);
     let state = backend.state_from_host(&host)?;
     let mut lc = Lifecycle::with_config(
         backend,
@@ -108,19 +123,23 @@ fn check_bits(world: usize, tp: usize, memory: MemoryPolicy, config: BucketConfi
         },
     )?;
     for round in 0..3 {
+        if round == 2 {
+            lc.enable_trace();
+        }
         let session = lc.rollout()?;
         let got = session.backend().download_rollout(&session.weights())?;
         assert_eq!(
             got.first_difference(&reference),
             None,
-            "W={world} T={tp} round {round}: differs from reference_rollout"
+            "W={world} T={tp} batched={batched} round {round}: differs from reference_rollout"
         );
         assert_eq!(got.first_difference(&via_host), None);
         drop(session);
         lc.train()?; // exit (and reload when offloaded)
     }
+    check_device_spans(lc.trace(), world, memory);
     let m = lc.metrics();
-    eprintln!("W={world} T={tp} {memory:?}:\n{m}");
+    eprintln!("W={world} T={tp} {memory:?} batched={batched}:\n{m}");
     let (backend, state) = lc.into_parts()?;
     for spec in &backend.layout().tensors {
         let a = backend.full_master(&state, &spec.name)?;
@@ -132,6 +151,45 @@ fn check_bits(world: usize, tp: usize, memory: MemoryPolicy, config: BucketConfi
         );
     }
     Ok(())
+}
+
+/// The traced cycle has device spans on every rank: casts on a compute stream, NCCL work when
+/// W > 1, copies when offloading; each inside the host span of its phase (within 1 ms).
+fn check_device_spans(trace: &lifecycle_core::Trace, world: usize, memory: MemoryPolicy) {
+    let spans = trace.spans();
+    let host_transfer: Vec<_> = spans
+        .iter()
+        .filter(|s| s.rank.is_none() && s.phase == Phase::Transfer)
+        .collect();
+    assert_eq!(
+        host_transfer.len(),
+        1,
+        "one transfer phase traced: {spans:#?}"
+    );
+    let (lo, hi) = (
+        host_transfer[0].start_us,
+        host_transfer[0].start_us + host_transfer[0].duration_us,
+    );
+    for rank in 0..world {
+        let mine: Vec<_> = spans.iter().filter(|s| s.rank == Some(rank)).collect();
+        let on = |track: &str| mine.iter().any(|s| s.track == track && s.duration_us > 0.0);
+        assert!(on("aux"), "rank {rank}: no local-cast span: {mine:#?}");
+        if world > 1 {
+            assert!(on("nccl"), "rank {rank}: no NCCL span: {mine:#?}");
+        }
+        if memory.offload_params || memory.offload_optimizer {
+            assert!(on("copy"), "rank {rank}: no copy span: {mine:#?}");
+        }
+        for s in mine.iter().filter(|s| s.phase == Phase::Transfer) {
+            assert!(
+                s.start_us >= lo - 1e3 && s.start_us + s.duration_us <= hi + 1e3,
+                "rank {rank}: {} at {}+{} us outside the transfer phase {lo}..{hi}",
+                s.name,
+                s.start_us,
+                s.duration_us
+            );
+        }
+    }
 }
 
 #[test]

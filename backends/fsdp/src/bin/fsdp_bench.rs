@@ -29,6 +29,8 @@ struct Args {
     world: usize,
     offload: bool,
     dapo: bool,
+    quick: bool,
+    trace: Option<std::path::PathBuf>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -38,6 +40,8 @@ fn parse_args() -> Result<Args, String> {
         world: 2,
         offload: true,
         dapo: true,
+        quick: false,
+        trace: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -52,8 +56,16 @@ fn parse_args() -> Result<Args, String> {
             "--world" => a.world = num("--world")?.max(1),
             "--skip-offload" => a.offload = false,
             "--skip-dapo" => a.dapo = false,
+            "--quick" => a.quick = true,
+            "--trace" => {
+                a.trace = Some(
+                    it.next()
+                        .ok_or("--trace needs a folder for the trace files")?
+                        .into(),
+                )
+            }
             "-h" | "--help" => {
-                return Err("usage: fsdp_bench [--layers 28] [--iters 5] [--world 2] [--skip-offload] [--skip-dapo]".into())
+                return Err("usage: fsdp_bench [--layers 28] [--iters 5] [--world 2] [--skip-offload] [--skip-dapo] [--quick] [--trace DIR]".into())
             }
             other => return Err(format!("unknown argument `{other}` (try --help)")),
         }
@@ -286,6 +298,91 @@ fn time_cycles(
     Ok((median(en), median(ex)))
 }
 
+/// One traced resident enter + exit at `cfg`: writes the Chrome trace and prints, per rank and
+/// stream, when the device work started and ended and how long it was busy.
+fn traced_enter(
+    pool: &Arc<ThreadRankPool>,
+    state: FsdpTrainState,
+    tensors: &[(String, Vec<usize>)],
+    tp: usize,
+    cfg: BucketConfig,
+    dir: &std::path::Path,
+) -> Result<FsdpTrainState, Box<dyn Error>> {
+    let b = FsdpBackend::new(
+        pool.clone(),
+        RolloutLayout::from_hf_names(tp, tensors.to_vec())?,
+    )
+    .with_config(cfg)?;
+    let mut lc = Lifecycle::with_config(
+        b,
+        state,
+        LifecycleConfig {
+            switching: Switching::Lazy,
+            memory: MemoryPolicy::resident(),
+        },
+    )?;
+    lc.enter()?;
+    lc.exit()?;
+    lc.enable_trace();
+    lc.enter()?;
+    lc.exit()?;
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(format!("fsdp_enter_t{tp}.json"));
+    lc.trace().write_chrome(&path)?;
+    let spans = lc.trace().spans();
+    let t0 = spans
+        .iter()
+        .map(|s| s.start_us)
+        .fold(f64::INFINITY, f64::min);
+    println!(
+        "  trace of one resident enter + exit at T = {tp} ({} spans) written to {}; device work per rank and stream (ms after the first span):",
+        spans.len(),
+        path.display()
+    );
+    let mut keys: Vec<(Option<usize>, String)> =
+        spans.iter().map(|s| (s.rank, s.track.clone())).collect();
+    keys.sort();
+    keys.dedup();
+    for (rank, track) in keys {
+        let mine: Vec<_> = spans
+            .iter()
+            .filter(|s| s.rank == rank && s.track == track)
+            .collect();
+        let first = mine
+            .iter()
+            .map(|s| s.start_us)
+            .fold(f64::INFINITY, f64::min);
+        let last = mine
+            .iter()
+            .map(|s| s.start_us + s.duration_us)
+            .fold(f64::NEG_INFINITY, f64::max);
+        let busy: f64 = mine.iter().map(|s| s.duration_us).sum();
+        let detail: Vec<String> = mine
+            .iter()
+            .take(12)
+            .map(|s| {
+                format!(
+                    "{} {:.3}+{:.3}",
+                    s.name,
+                    (s.start_us - t0) / 1e3,
+                    s.duration_us / 1e3
+                )
+            })
+            .collect();
+        println!(
+            "    rank {:?} {track:>8}: {:.3} .. {:.3} ms, busy {:.3} ms, {} spans: {}",
+            rank,
+            (first - t0) / 1e3,
+            (last - t0) / 1e3,
+            busy / 1e3,
+            mine.len(),
+            detail.join(", ")
+        );
+    }
+    let (_, s) = lc.into_parts()?;
+    Ok(s)
+}
+
 fn main() {
     if let Err(e) = run() {
         eprintln!("fsdp_bench: error: {e}");
@@ -371,11 +468,12 @@ fn run() -> Result<(), Box<dyn Error>> {
             ms(floor)
         );
         let mut best = (f64::INFINITY, BucketConfig::default());
-        let mut configs = Vec::new();
-        let budgets: &[u64] = if tp == 1 {
-            &[256 << 20, 1 << 30, 4 << 30]
-        } else {
-            &[64 << 20, 128 << 20, 256 << 20, 1 << 30]
+        let mut configs: Vec<BucketConfig> = Vec::new();
+        let budgets: &[u64] = match (tp, args.quick) {
+            (1, false) => &[256 << 20, 1 << 30, 4 << 30],
+            (1, true) => &[4 << 30],
+            (_, false) => &[64 << 20, 128 << 20, 256 << 20, 1 << 30],
+            (_, true) => &[128 << 20, 256 << 20],
         };
         for &bucket_bytes in budgets {
             configs.push(BucketConfig {
@@ -384,7 +482,7 @@ fn run() -> Result<(), Box<dyn Error>> {
                 mode: GatherMode::SendRecv,
             });
         }
-        if tp > 1 {
+        if tp > 1 && !args.quick {
             for &bucket_bytes in &[64u64 << 20, 128 << 20, 256 << 20] {
                 configs.push(BucketConfig {
                     bucket_bytes,
@@ -409,12 +507,28 @@ fn run() -> Result<(), Box<dyn Error>> {
                 });
             }
         }
-        for cfg in configs {
+        // Every configuration with batched casts; the first of each T also one kernel per piece.
+        let mut runs: Vec<(BucketConfig, bool)> = configs.iter().map(|&c| (c, true)).collect();
+        if let Some(&first) = configs.first() {
+            runs.push((first, false));
+        }
+        if tp == 1 && args.world > 1 {
+            runs.push((
+                BucketConfig {
+                    bucket_bytes: 4 << 30,
+                    in_flight: 2,
+                    mode: GatherMode::AllGather,
+                },
+                false,
+            ));
+        }
+        for (cfg, batched) in runs {
             let b = FsdpBackend::new(
                 pool.clone(),
                 RolloutLayout::from_hf_names(tp, tensors.clone())?,
             )
-            .with_config(cfg)?;
+            .with_config(cfg)?
+            .with_batched_casts(batched);
             let mut lc = Lifecycle::with_config(
                 b,
                 state,
@@ -427,7 +541,8 @@ fn run() -> Result<(), Box<dyn Error>> {
             let m = lc.metrics().clone();
             let tr = m.phase(Phase::Transfer);
             println!(
-                "  resident, {:?} bucket {:>4} MiB x {} in flight: enter {} (transfer phase {} avg), exit {}; d2d {:.3} GB, peak extra {:.1} MB",
+                "  resident, {} casts, {:?} bucket {:>4} MiB x {} in flight: enter {} (transfer phase {} avg), exit {}; d2d {:.3} GB, peak extra {:.1} MB",
+                if batched { "batched" } else { "per-piece" },
                 cfg.mode,
                 cfg.bucket_bytes >> 20,
                 cfg.in_flight,
@@ -437,7 +552,7 @@ fn run() -> Result<(), Box<dyn Error>> {
                 tr.bytes.device_to_device as f64 / tr.count.max(1) as f64 / GB,
                 tr.peak_extra_bytes as f64 / 1e6
             );
-            if en < best.0 {
+            if batched && en < best.0 {
                 best = (en, cfg);
             }
             let (backend, s) = lc.into_parts()?;
@@ -466,6 +581,43 @@ fn run() -> Result<(), Box<dyn Error>> {
             }
         }
         let best_cfg = best.1;
+        // Blocks per SM of the multi-tensor cast kernel, at the best configuration.
+        let sweep: &[u32] = if args.quick { &[2, 8] } else { &[2, 8, 16] };
+        for &per_sm in sweep {
+            pool.run(&|ctx| {
+                ctx.kernels.set_multi_blocks_per_sm(per_sm);
+                Ok(())
+            })?;
+            let b = FsdpBackend::new(
+                pool.clone(),
+                RolloutLayout::from_hf_names(tp, tensors.clone())?,
+            )
+            .with_config(best_cfg)?;
+            let mut lc = Lifecycle::with_config(
+                b,
+                state,
+                LifecycleConfig {
+                    switching: Switching::Lazy,
+                    memory: MemoryPolicy::resident(),
+                },
+            )?;
+            let (en, _) = time_cycles(&mut lc, args.iters)?;
+            println!(
+                "  multi-tensor cast at {per_sm} blocks/SM (default {}): enter {}",
+                lifecycle_cuda::DEFAULT_MULTI_BLOCKS_PER_SM,
+                ms(en)
+            );
+            let (_, s) = lc.into_parts()?;
+            state = s;
+        }
+        pool.run(&|ctx| {
+            ctx.kernels
+                .set_multi_blocks_per_sm(lifecycle_cuda::DEFAULT_MULTI_BLOCKS_PER_SM);
+            Ok(())
+        })?;
+        if let Some(dir) = &args.trace {
+            state = traced_enter(&pool, state, &tensors, tp, best_cfg, dir)?;
+        }
         let (target_x, peer) = if tp == 1 {
             (1.1, "torch: 129 ms per-tensor fp32 (verl 2025), 63 ms 2 GiB bf16 buckets, 27 ms hand-coalesced gather")
         } else {
