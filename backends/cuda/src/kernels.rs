@@ -242,10 +242,11 @@ impl Region2d {
 /// Elements of one chunk of [`CastBatch`] work (the kernel's `CAST_CHUNK4` × 4).
 pub const CAST_CHUNK_ELEMS: u64 = 2048 * 4;
 
-/// Blocks per SM of a multi-cast launch unless [`Kernels::set_multi_blocks_per_sm`] says otherwise:
-/// half of an SM's 256-thread slots, which saturates HBM (8 loads in flight per thread) and leaves
-/// room for the NCCL kernels and the other stream's casts running at the same time.
-pub const DEFAULT_MULTI_BLOCKS_PER_SM: u32 = 4;
+/// Cap on the blocks per SM of a multi-cast launch unless [`Kernels::set_multi_blocks_per_sm`]
+/// says otherwise; 0 means no cap: one short-lived block per chunk, so that between two chunks
+/// the block scheduler can hand SMs to a higher-priority stream (staged casts, NCCL). A capped
+/// grid loops over chunks in long-lived blocks that hold their SMs until the whole launch is done.
+pub const DEFAULT_MULTI_BLOCKS_PER_SM: u32 = 0;
 
 /// Casts gathered for one launch of the multi-tensor cast kernel: each entry is a 2-D region of
 /// fp32 at an element offset from a source base cast to bf16 at an element offset from a
@@ -450,10 +451,10 @@ impl Kernels {
         Ok(())
     }
 
-    /// Sets the blocks per SM of [`Kernels::cast_multi`] launches (at least 1; shared by clones).
+    /// Caps the blocks per SM of [`Kernels::cast_multi`] launches (0: one block per chunk, no
+    /// cap; shared by clones).
     pub fn set_multi_blocks_per_sm(&self, blocks: u32) {
-        self.multi_blocks_per_sm
-            .store(blocks.max(1), Ordering::Relaxed);
+        self.multi_blocks_per_sm.store(blocks, Ordering::Relaxed);
     }
 
     /// Runs the casts of descriptors `first .. first + count` of a [`CastBatch`] whose words were
@@ -493,7 +494,12 @@ impl Kernels {
         let n = count as u32;
         let per_sm = self.multi_blocks_per_sm.load(Ordering::Relaxed) as u64;
         let total = chunks.end - chunks.start;
-        let blocks = total.clamp(1, self.sm_count as u64 * per_sm) as u32;
+        let cap = if per_sm == 0 {
+            i32::MAX as u64
+        } else {
+            self.sm_count as u64 * per_sm
+        };
+        let blocks = total.clamp(1, cap) as u32;
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (256, 1, 1),

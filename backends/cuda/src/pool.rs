@@ -23,10 +23,10 @@ pub struct RankCtx {
     pub world: usize,
     /// The device context (event tracking disabled: callers order streams with explicit events).
     pub ctx: Arc<CudaContext>,
-    /// Stream for casts and local copies.
+    /// Stream for casts and local copies, at the greatest priority (it feeds the network).
     pub compute: Arc<CudaStream>,
     /// A second compute stream for work independent of `compute` (local casts that must not
-    /// queue behind waits for the network).
+    /// queue behind waits for the network), at the lowest priority.
     pub aux: Arc<CudaStream>,
     /// Stream for host↔device copies (offload / reload), so they overlap NVLink work.
     pub copy: Arc<CudaStream>,
@@ -284,14 +284,19 @@ fn init_rank(
     // synchronised; no slice is written by two streams at once.
     unsafe { ctx.disable_event_tracking() };
     keep_pool_mapped(&ctx, rank)?;
-    let mk = |what: &str| {
-        ctx.new_stream()
+    // Stream priorities: the streams that feed the network (staged casts on `compute`, the NCCL
+    // stream) get the greatest priority, so their blocks are scheduled ahead of the bulk local
+    // casts on `aux` whenever both have work; the copy engine stream is unaffected.
+    let (least, greatest) = cudarc::driver::result::stream::get_priority_range()
+        .map_err(|e| CudaError::driver(rank, "reading the stream priority range", 0, e))?;
+    let mk = |what: &str, priority: i32| {
+        ctx.new_stream_with_priority(priority)
             .map_err(|e| CudaError::driver(rank, format!("creating the {what} stream"), 0, e))
     };
-    let compute = mk("compute")?;
-    let aux = mk("auxiliary compute")?;
-    let copy = mk("copy")?;
-    let nccl = mk("NCCL")?;
+    let compute = mk("compute", greatest)?;
+    let aux = mk("auxiliary compute", least)?;
+    let copy = mk("copy", least)?;
+    let nccl = mk("NCCL", greatest)?;
     let kernels = Kernels::load(&compute, ptx, rank)?;
     let comm = Comm::from_rank(nccl, rank, world, Id::uninit(id))
         .map_err(|e| CudaError::nccl(rank, "Comm::from_rank", e))?;

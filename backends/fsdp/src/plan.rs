@@ -189,6 +189,8 @@ pub struct BucketOps {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BucketConfig {
     /// Byte budget of one bucket: the most bf16 bytes one rank sends (and stages) in one bucket.
+    /// The first three buckets get ⅛, ¼ and ½ of it (at least 16 MiB; see [`bucket_budget`]) so
+    /// the network starts early.
     pub bucket_bytes: u64,
     /// Buckets in flight (staging slots); at least 2 so NCCL overlaps the next bucket's casts.
     pub in_flight: usize,
@@ -310,7 +312,7 @@ fn build_gather_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig
         let slot = &shards.slots[t.train_index];
         let count = (slot.padded_rows * slot.cols) as u64;
         let bytes = 2 * w * count;
-        if fill > 0 && fill + bytes > config.bucket_bytes {
+        if fill > 0 && fill + bytes > bucket_budget(config.bucket_bytes, ranks[0].len()) {
             for (r, b) in cur.iter_mut().enumerate() {
                 ranks[r].push(std::mem::take(b));
             }
@@ -350,6 +352,17 @@ fn build_gather_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig
         config,
     }
 }
+
+/// The byte budget of bucket `k`: the first buckets ramp up (⅛, ¼, ½ of `budget`, at least
+/// [`RAMP_MIN_BYTES`]) so the network starts after a small first bucket's casts instead of a full
+/// one's; from the fourth bucket on, the full budget.
+pub fn bucket_budget(budget: u64, k: usize) -> u64 {
+    let first = (budget / 8).max(RAMP_MIN_BYTES);
+    budget.min(first.saturating_mul(1u64 << k.min(32)))
+}
+
+/// The smallest ramped bucket budget (16 MiB).
+pub const RAMP_MIN_BYTES: u64 = 16 << 20;
 
 /// Builds the executable plan from a validated core plan.
 pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -> FsdpPlan {
@@ -463,7 +476,8 @@ pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -
         } else {
             need.max(sent[it.src] + n)
         };
-        if fill > slot_elems_cfg && (sent[it.src] > 0 || cur[it.src].staging_elems > 0) {
+        let budget = (bucket_budget(config.bucket_bytes, ranks[0].len()) / 2).max(1);
+        if fill > budget && (sent[it.src] > 0 || cur[it.src].staging_elems > 0) {
             flush(&mut ranks, &mut cur, &mut sent, &mut local);
         }
         sent[it.src] += n;

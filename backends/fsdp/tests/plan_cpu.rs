@@ -220,3 +220,36 @@ fn w2_t2_column_slices_move_nothing_and_row_slices_a_quarter() {
     assert_eq!(sl.slots[0].padded_rows, 4);
     assert!(plan.slot_elems > 0);
 }
+
+#[test]
+fn first_buckets_ramp_up_to_the_budget() {
+    use lifecycle_fsdp::plan::{bucket_budget, RAMP_MIN_BYTES};
+    let mib = 1u64 << 20;
+    assert_eq!(
+        (0..5)
+            .map(|k| bucket_budget(256 * mib, k) / mib)
+            .collect::<Vec<_>>(),
+        vec![32, 64, 128, 256, 256]
+    );
+    // Never below the minimum, never above the budget (small test budgets get no ramp).
+    assert_eq!(bucket_budget(64 * mib, 0), RAMP_MIN_BYTES);
+    assert_eq!(bucket_budget(mib, 0), mib);
+    assert_eq!(bucket_budget(4096 * mib, 40), 4096 * mib);
+
+    // Qwen-7B-like row-parallel tensors at T = 2: the first bucket stages one piece (a quarter of
+    // a tensor, 33.9 MB: a piece under the full budget is never cut to fit a ramped one), later
+    // buckets several, up to the budget.
+    let specs: Vec<TensorSpec> = (0..8)
+        .map(|i| TensorSpec::new(format!("l{i}.down"), [3584, 18944], Parallel::Row))
+        .collect();
+    let train =
+        FsdpLayout::new(2, specs.iter().map(|s| (s.name.clone(), s.shape.clone()))).expect("train");
+    let layout = RolloutLayout::new(2, specs).expect("layout");
+    let core = plan_fsdp_to_tp(&train, &layout).expect("plan");
+    let plan = build_plan(core, &train, BucketConfig::default());
+    let staged: Vec<u64> = plan.ranks[0].iter().map(|b| b.staging_elems * 2).collect();
+    assert!(staged.len() > 3, "{staged:?}");
+    assert_eq!(staged[0], 1792 * 9472 * 2, "{staged:?}");
+    assert!(staged.iter().all(|&b| b <= 256 * mib), "{staged:?}");
+    assert!(staged[0] < staged[3], "{staged:?}");
+}
