@@ -74,45 +74,56 @@ extern "C" __global__ void cast_f32_bf16_2d_v4(const float4* __restrict__ src, u
 
 // Many casts in one launch. Each descriptor is five 64-bit words (see `CastBatch`): source and
 // destination offsets in units of 4 elements, the first chunk of the descriptor, then rows, cols4,
-// src_ld4 and dst_ld4 as 32-bit values. Work is cut into chunks of CAST_CHUNK4 units (8 per
+// src_ld4 and dst_ld4 as 32-bit values. Work is cut into chunks of CAST_CHUNK4 units (4 per
 // thread of a 256-thread block), numbered across the whole batch; a launch runs chunks
 // [chunk_lo, chunk_end) of the `ndesc` descriptors at `descs`, finding each chunk's descriptor by
-// binary search.
-#define CAST_CHUNK4 2048u
+// binary search (the descriptors stay in L1). Blocks loop over chunks; the launch bounds keep
+// 4 blocks per SM resident, so a grid capped at 4 blocks per SM never queues blocks and leaves the
+// other half of every SM to higher-priority streams (staged casts, NCCL).
+#define CAST_CHUNK4 1024u
 struct CastDesc { u64 src4; u64 dst4; u64 chunk0; u32 rows; u32 cols4; u32 src_ld4; u32 dst_ld4; };
-extern "C" __global__ void cast_f32_bf16_multi(const float4* __restrict__ src, uint2* __restrict__ dst,
-                                               const CastDesc* __restrict__ descs, u32 ndesc,
-                                               u64 chunk_lo, u64 chunk_end) {
+extern "C" __global__ void __launch_bounds__(256, 4)
+cast_f32_bf16_multi(const float4* __restrict__ src, uint2* __restrict__ dst,
+                    const CastDesc* __restrict__ descs, u32 ndesc, u64 chunk_lo, u64 chunk_end) {
     for (u64 c = chunk_lo + blockIdx.x; c < chunk_end; c += gridDim.x) {
         u32 lo = 0, hi = ndesc - 1;
         while (lo < hi) {
             u32 mid = (lo + hi + 1u) >> 1;
-            if (descs[mid].chunk0 <= c) lo = mid; else hi = mid - 1u;
+            if (__ldg(&descs[mid].chunk0) <= c) lo = mid; else hi = mid - 1u;
         }
-        const CastDesc d = descs[lo];
-        const u64 n = (u64)d.rows * d.cols4;
-        const u64 base = (c - d.chunk0) * CAST_CHUNK4 + threadIdx.x;
-        float4 v[8];
-        u64 so[8], dso[8];
-        #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            u64 i = base + (u64)k * 256u;
-            so[k] = ~0ull;
-            if (i < n) {
-                u64 r, col;
-                if (d.rows == 1u) { r = 0; col = i; }
-                else if (n < 0xFFFFFFFFull) { u32 rr = (u32)i / d.cols4; r = rr; col = (u32)i - rr * d.cols4; }
-                else { r = i / d.cols4; col = i - r * d.cols4; }
-                so[k] = d.src4 + r * d.src_ld4 + col;
-                dso[k] = d.dst4 + r * d.dst_ld4 + col;
-                v[k] = src[so[k]];
+        const CastDesc* dp = &descs[lo];
+        const u32 rows = __ldg(&dp->rows), cols4 = __ldg(&dp->cols4);
+        const u64 s4 = __ldg(&dp->src4), d4 = __ldg(&dp->dst4);
+        const u64 n = (u64)rows * cols4;
+        const u64 base = (c - __ldg(&dp->chunk0)) * CAST_CHUNK4 + threadIdx.x;
+        if (rows == 1u) {
+            float4 v[4];
+            #pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                u64 i = base + (u64)k * 256u;
+                if (i < n) v[k] = src[s4 + i];
             }
-        }
-        #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            if (so[k] != ~0ull) {
-                uint2 o; o.x = f2bf(v[k].x) | (f2bf(v[k].y) << 16); o.y = f2bf(v[k].z) | (f2bf(v[k].w) << 16);
-                dst[dso[k]] = o;
+            #pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                u64 i = base + (u64)k * 256u;
+                if (i < n) {
+                    uint2 o; o.x = f2bf(v[k].x) | (f2bf(v[k].y) << 16); o.y = f2bf(v[k].z) | (f2bf(v[k].w) << 16);
+                    dst[d4 + i] = o;
+                }
+            }
+        } else {
+            const u64 sld = __ldg(&dp->src_ld4), dld = __ldg(&dp->dst_ld4);
+            #pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                u64 i = base + (u64)k * 256u;
+                if (i < n) {
+                    u64 r, col;
+                    if (n < 0xFFFFFFFFull) { u32 rr = (u32)i / cols4; r = rr; col = (u32)i - rr * cols4; }
+                    else { r = i / cols4; col = i - r * cols4; }
+                    float4 v = src[s4 + r * sld + col];
+                    uint2 o; o.x = f2bf(v.x) | (f2bf(v.y) << 16); o.y = f2bf(v.z) | (f2bf(v.w) << 16);
+                    dst[d4 + r * dld + col] = o;
+                }
             }
         }
     }
@@ -240,13 +251,14 @@ impl Region2d {
 }
 
 /// Elements of one chunk of [`CastBatch`] work (the kernel's `CAST_CHUNK4` × 4).
-pub const CAST_CHUNK_ELEMS: u64 = 2048 * 4;
+pub const CAST_CHUNK_ELEMS: u64 = 1024 * 4;
 
 /// Cap on the blocks per SM of a multi-cast launch unless [`Kernels::set_multi_blocks_per_sm`]
-/// says otherwise; 0 means no cap: one short-lived block per chunk, so that between two chunks
-/// the block scheduler can hand SMs to a higher-priority stream (staged casts, NCCL). A capped
-/// grid loops over chunks in long-lived blocks that hold their SMs until the whole launch is done.
-pub const DEFAULT_MULTI_BLOCKS_PER_SM: u32 = 0;
+/// says otherwise (0: one block per chunk, no cap). At 4 (the kernel's launch bounds keep 4
+/// blocks per SM resident) every block of a large launch is resident at once and loops over
+/// chunks: none waits in the queue, and half of every SM's thread slots stay free for the
+/// higher-priority streams (staged casts, NCCL kernels), so a long local cast cannot starve them.
+pub const DEFAULT_MULTI_BLOCKS_PER_SM: u32 = 4;
 
 /// Casts gathered for one launch of the multi-tensor cast kernel: each entry is a 2-D region of
 /// fp32 at an element offset from a source base cast to bf16 at an element offset from a
@@ -555,7 +567,7 @@ mod tests {
     use super::*;
 
     /// The multi-tensor kernel's indexing, step for step on the host: chunks `lo..end`, each
-    /// thread's 8 units, the descriptor found by binary search over the words from `first`.
+    /// thread's 4 units, the descriptor found by binary search over the words from `first`.
     fn emulate(
         words: &[u64],
         first: usize,
@@ -585,8 +597,8 @@ mod tests {
             let (sld4, dld4) = (d[4] & 0xFFFF_FFFF, d[4] >> 32);
             let n = rows * cols4;
             for t in 0..256u64 {
-                for k in 0..8u64 {
-                    let i = (c - d[2]) * 2048 + t + k * 256;
+                for k in 0..4u64 {
+                    let i = (c - d[2]) * 1024 + t + k * 256;
                     if i >= n {
                         continue;
                     }
@@ -700,17 +712,17 @@ mod tests {
             "empty regions are accepted and add nothing"
         );
         assert!(b.is_empty());
-        assert!(b.push(0, 0, dense(8192 * 2 + 4)));
-        assert_eq!(b.chunks(), 3);
+        assert!(b.push(0, 0, dense(CAST_CHUNK_ELEMS * 4 + 4)));
+        assert_eq!(b.chunks(), 5);
         let mut c = CastBatch::default();
         assert!(c.push(16, 16, dense(4)));
         b.extend(&c);
         assert_eq!(b.len(), 2);
         assert_eq!(
             b.words()[CastBatch::WORDS + 2],
-            3,
+            5,
             "second batch's chunks follow the first's"
         );
-        assert_eq!(b.chunks(), 4);
+        assert_eq!(b.chunks(), 6);
     }
 }

@@ -204,13 +204,60 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
                 }
             }
             out.push(6.0 * region.numel() as f64 / median(ts));
+            // The same region through the multi-tensor kernel, capped at 4 blocks per SM (the
+            // default) and with one block per chunk.
+            let mut batch = lifecycle_cuda::CastBatch::default();
+            if !batch.push(0, 0, region) {
+                return Err(lifecycle_cuda::CudaError::Invalid("bench region".into()));
+            }
+            let descs = ctx
+                .compute
+                .clone_htod(batch.words())
+                .map_err(ctx.drv("descs", 0))?;
+            let (descp, _d) = cudarc::driver::DevicePtr::device_ptr(&descs, &ctx.compute);
+            for cap in [lifecycle_cuda::DEFAULT_MULTI_BLOCKS_PER_SM, 0] {
+                ctx.kernels.set_multi_blocks_per_sm(cap);
+                let mut ts = Vec::new();
+                for k in 0..iters + 2 {
+                    ctx.compute.synchronize().map_err(ctx.drv("sync", 0))?;
+                    let t = Instant::now();
+                    // SAFETY: the descriptor's region lies inside the n-element buffers above.
+                    unsafe {
+                        ctx.kernels.cast_multi(
+                            &ctx.compute,
+                            sp,
+                            dp,
+                            descp,
+                            0,
+                            1,
+                            0..batch.chunks(),
+                            ctx.rank,
+                        )?
+                    };
+                    ctx.compute.synchronize().map_err(ctx.drv("sync", 0))?;
+                    if k >= 2 {
+                        ts.push(t.elapsed().as_secs_f64());
+                    }
+                }
+                out.push(6.0 * region.numel() as f64 / median(ts));
+            }
+            ctx.kernels
+                .set_multi_blocks_per_sm(lifecycle_cuda::DEFAULT_MULTI_BLOCKS_PER_SM);
         }
         Ok(out)
     })?;
     println!(
         "ceiling  cast kernel fp32->bf16 (6 B of traffic per element), rank 0: dense {:.0} GB/s, strided half-width {:.0} GB/s",
         cast[0][0] / GB,
-        cast[0][1] / GB
+        cast[0][3] / GB
+    );
+    println!(
+        "         multi-tensor cast kernel, one descriptor: dense {:.0} GB/s (capped at {} blocks/SM) / {:.0} GB/s (one block per chunk); strided {:.0} / {:.0} GB/s",
+        cast[0][1] / GB,
+        lifecycle_cuda::DEFAULT_MULTI_BLOCKS_PER_SM,
+        cast[0][2] / GB,
+        cast[0][4] / GB,
+        cast[0][5] / GB
     );
 
     let pinned = |only_rank0: bool| -> Result<Vec<(f64, f64)>, lifecycle_cuda::CudaError> {
@@ -582,7 +629,7 @@ fn run() -> Result<(), Box<dyn Error>> {
         }
         let best_cfg = best.1;
         // Blocks per SM of the multi-tensor cast kernel, at the best configuration.
-        let sweep: &[u32] = if args.quick { &[2] } else { &[1, 2, 4] };
+        let sweep: &[u32] = if args.quick { &[0, 6] } else { &[0, 2, 6] };
         for &per_sm in sweep {
             pool.run(&|ctx| {
                 ctx.kernels.set_multi_blocks_per_sm(per_sm);
