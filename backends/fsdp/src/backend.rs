@@ -1,6 +1,6 @@
 //! [`FsdpBackend`]: the [`Reshard`] implementation on NVIDIA GPUs.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice};
@@ -92,6 +92,9 @@ pub struct FsdpBackend {
     layout: RolloutLayout,
     config: BucketConfig,
     batched_casts: bool,
+    /// The last plan and the training layout it was made for: a switch of the same layout (every
+    /// switch of a training run) reuses it instead of planning again.
+    plan_cache: Mutex<Option<(FsdpLayout, Arc<FsdpPlan>)>>,
 }
 
 impl std::fmt::Debug for FsdpBackend {
@@ -134,6 +137,7 @@ impl FsdpBackend {
             layout,
             config: BucketConfig::default(),
             batched_casts: true,
+            plan_cache: Mutex::new(None),
         }
     }
 
@@ -143,6 +147,7 @@ impl FsdpBackend {
     /// measure the difference.
     pub fn with_batched_casts(mut self, batched: bool) -> Self {
         self.batched_casts = batched;
+        self.plan_cache = Mutex::new(None);
         self
     }
 
@@ -156,6 +161,7 @@ impl FsdpBackend {
             )));
         }
         self.config = config;
+        self.plan_cache = Mutex::new(None);
         Ok(self)
     }
 
@@ -1069,23 +1075,35 @@ fn run_buckets_inner(
 impl Reshard for FsdpBackend {
     type TrainState = FsdpTrainState;
     type Rollout = FsdpRollout;
-    type Plan = FsdpPlan;
+    /// Shared, so a cached plan is handed out without copying it.
+    type Plan = Arc<FsdpPlan>;
     type Error = FsdpError;
 
-    fn plan(&self, state: &FsdpTrainState) -> Result<FsdpPlan, FsdpError> {
+    fn plan(&self, state: &FsdpTrainState) -> Result<Arc<FsdpPlan>, FsdpError> {
         if state.world() != self.pool.world() {
             return Err(FsdpError::WorldMismatch {
                 state: state.world(),
                 pool: self.pool.world(),
             });
         }
+        let mut cache = self
+            .plan_cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((layout, plan)) = cache.as_ref() {
+            if *layout == state.layout {
+                return Ok(plan.clone());
+            }
+        }
         let core = plan_fsdp_to_tp(&state.layout, &self.layout)?;
-        Ok(build_plan(core, &state.layout, self.config))
+        let plan = Arc::new(build_plan(core, &state.layout, self.config));
+        *cache = Some((state.layout.clone(), plan.clone()));
+        Ok(plan)
     }
 
     fn enter(
         &mut self,
-        plan: &FsdpPlan,
+        plan: &Arc<FsdpPlan>,
         state: &mut FsdpTrainState,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<FsdpRollout, FsdpError> {
@@ -1118,7 +1136,7 @@ impl Reshard for FsdpBackend {
 
     fn refresh(
         &mut self,
-        plan: &FsdpPlan,
+        plan: &Arc<FsdpPlan>,
         state: &mut FsdpTrainState,
         rollout: &mut FsdpRollout,
         ctx: &mut SwitchContext<'_>,
