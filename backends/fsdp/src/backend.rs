@@ -609,8 +609,15 @@ impl FsdpBackend {
                 .iter_mut()
                 .zip(moved.iter_mut().map(|m| m.timeline.take()))
                 .collect();
+            let copies = memory.offload_params || memory.offload_optimizer;
             let spans = self.pool.run_each(&mut items, &|ctx, (rt, tl)| {
-                ctx.sync_all()?;
+                // The transfer synchronised its own streams; only the offload copies (copy
+                // stream) may still run.
+                if copies {
+                    ctx.copy
+                        .synchronize()
+                        .map_err(ctx.drv("waiting for the offload copies", 0))?;
+                }
                 let spans = match tl.take() {
                     Some(tl) => tl.finish()?,
                     None => RankSpans::default(),
@@ -625,7 +632,7 @@ impl FsdpBackend {
                 if free_grads {
                     rt.grads = None;
                 }
-                ctx.sync_all()?;
+                // Frees are stream-ordered: the memory returns to the pool without a wait.
                 Ok(spans)
             })?;
             let per_rank =

@@ -31,6 +31,7 @@ struct Args {
     dapo: bool,
     quick: bool,
     trace: Option<std::path::PathBuf>,
+    tp: Option<usize>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -42,6 +43,7 @@ fn parse_args() -> Result<Args, String> {
         dapo: true,
         quick: false,
         trace: None,
+        tp: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -57,6 +59,7 @@ fn parse_args() -> Result<Args, String> {
             "--skip-offload" => a.offload = false,
             "--skip-dapo" => a.dapo = false,
             "--quick" => a.quick = true,
+            "--tp" => a.tp = Some(num("--tp")?),
             "--trace" => {
                 a.trace = Some(
                     it.next()
@@ -65,7 +68,7 @@ fn parse_args() -> Result<Args, String> {
                 )
             }
             "-h" | "--help" => {
-                return Err("usage: fsdp_bench [--layers 28] [--iters 5] [--world 2] [--skip-offload] [--skip-dapo] [--quick] [--trace DIR]".into())
+                return Err("usage: fsdp_bench [--layers 28] [--iters 5] [--world 2] [--skip-offload] [--skip-dapo] [--quick] [--tp T] [--trace DIR]".into())
             }
             other => return Err(format!("unknown argument `{other}` (try --help)")),
         }
@@ -486,7 +489,7 @@ fn run() -> Result<(), Box<dyn Error>> {
     let mut rows: Vec<Row> = Vec::new();
     let mut offload_rows: Vec<Row> = Vec::new();
     for tp in [1usize, 2] {
-        if args.world % tp != 0 {
+        if args.world % tp != 0 || args.tp.is_some_and(|t| t != tp) {
             continue;
         }
         let layout = RolloutLayout::from_hf_names(tp, tensors.clone())?;
