@@ -20,7 +20,9 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use lifecycle_cuda::{arch_candidates, CudaError, RankCtx, RankExecutor};
 use lifecycle_host::{AdamParams, HostTensor};
@@ -109,24 +111,9 @@ pub fn synthetic_grad_value(seed: u64, tensor: usize, index: u64, scale: f32) ->
 /// finite and > 0.
 pub fn check_adam_params(p: &AdamParams) -> Result<(), FsdpError> {
     let checks: [(&'static str, f32, bool, &'static str); 4] = [
-        (
-            "lr",
-            p.lr,
-            p.lr.is_finite() && p.lr > 0.0,
-            "finite and > 0",
-        ),
-        (
-            "beta1",
-            p.beta1,
-            (0.0..1.0).contains(&p.beta1),
-            "in [0, 1)",
-        ),
-        (
-            "beta2",
-            p.beta2,
-            (0.0..1.0).contains(&p.beta2),
-            "in [0, 1)",
-        ),
+        ("lr", p.lr, p.lr.is_finite() && p.lr > 0.0, "finite and > 0"),
+        ("beta1", p.beta1, (0.0..1.0).contains(&p.beta1), "in [0, 1)"),
+        ("beta2", p.beta2, (0.0..1.0).contains(&p.beta2), "in [0, 1)"),
         (
             "eps",
             p.eps,
@@ -251,11 +238,7 @@ impl UpdateKernels {
             return Ok(());
         }
         let mut b = stream.launch_builder(&self.grads);
-        b.arg(&dst)
-            .arg(&n)
-            .arg(&key)
-            .arg(&index_offset)
-            .arg(&scale);
+        b.arg(&dst).arg(&n).arg(&key).arg(&index_offset).arg(&scale);
         // SAFETY: the caller guarantees `dst` holds `n` f32; the arguments match the kernel's
         // parameters (pointer, 3 × u64, f32).
         unsafe { b.launch(self.grid(n)) }
@@ -386,6 +369,11 @@ fn on_device<'a>(
         .ok_or_else(|| CudaError::Invalid(format!("rank {rank}: {what} is not on the device")))
 }
 
+/// The per-rank work of an in-place update: context, kernels, the rank's buffers, the layout.
+type RankUpdate<'f> = dyn Fn(&RankCtx, &UpdateKernels, &mut RankTrain, &ShardLayout) -> Result<(), CudaError>
+    + Sync
+    + 'f;
+
 impl FsdpBackend {
     /// The update kernels of every local rank (compiled and loaded at the first call).
     fn update_kernels(&self) -> Result<Arc<Vec<UpdateKernels>>, FsdpError> {
@@ -416,12 +404,7 @@ impl FsdpBackend {
 
     /// Runs `f(ctx, kernels, rank buffers, shard layout)` on every local rank, then waits for
     /// the rank's streams, so later work on any stream (an offload copy) sees the result.
-    fn run_update(
-        &self,
-        state: &mut FsdpTrainState,
-        f: &(dyn Fn(&RankCtx, &UpdateKernels, &mut RankTrain, &ShardLayout) -> Result<(), CudaError>
-              + Sync),
-    ) -> Result<(), FsdpError> {
+    fn run_update(&self, state: &mut FsdpTrainState, f: &RankUpdate<'_>) -> Result<(), FsdpError> {
         let kernels = self.update_kernels()?;
         let shards = &state.shards;
         let mut items: Vec<(&UpdateKernels, &mut RankTrain)> =
@@ -502,7 +485,11 @@ impl FsdpBackend {
     /// Bumps [`FsdpTrainState::adam_steps`]. Needs master, m, v and the gradients on the device
     /// (train mode: after an exit reloaded them); an offloaded buffer is
     /// [`FsdpError::NotResident`], checked before anything changes.
-    pub fn adam_step(&self, state: &mut FsdpTrainState, params: AdamParams) -> Result<(), FsdpError> {
+    pub fn adam_step(
+        &self,
+        state: &mut FsdpTrainState,
+        params: AdamParams,
+    ) -> Result<(), FsdpError> {
         check_adam_params(&params)?;
         self.check_state(state)?;
         let needs = Needs {

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
 use lifecycle_core::{
-    Lifecycle, LifecycleConfig, MemoryPolicy, Metrics, PhaseRecorder, Reshard, Switching,
-    SwitchContext,
+    Lifecycle, LifecycleConfig, MemoryPolicy, Metrics, PhaseRecorder, Reshard, SwitchContext,
+    Switching,
 };
 use lifecycle_cuda::{device_count, ThreadRankPool};
 use lifecycle_fsdp::{synthetic_grad_value, FsdpBackend, FsdpError, FsdpTrainState};
@@ -121,7 +121,12 @@ fn assert_same(
                     Which::V => &d.v,
                 };
                 let want = &snap[(rank * ntensors + i) * 4 + w as usize];
-                assert_eq!(want.len(), n, "{context}: rank {rank} {} {w:?} length", slot.name);
+                assert_eq!(
+                    want.len(),
+                    n,
+                    "{context}: rank {rank} {} {w:?} length",
+                    slot.name
+                );
                 let got: Vec<u32> = gpu[at..at + n].iter().map(|x| x.to_bits()).collect();
                 if let Some(k) = (0..n).find(|&k| got[k] != want[k]) {
                     panic!(
@@ -186,7 +191,10 @@ fn adam_matches_host(world: usize) -> Res {
         .zip(before.full_master(name)?)
         .filter(|(a, b)| a.to_bits() != b.to_bits())
         .count();
-    assert!(moved > 1_000_000, "only {moved} of 1 055 744 weights changed");
+    assert!(
+        moved > 1_000_000,
+        "only {moved} of 1 055 744 weights changed"
+    );
     // A fresh optimizer: m, v, grads zero.
     backend.reset_optimizer(&mut state)?;
     assert_eq!(state.adam_steps(), 0);
@@ -237,11 +245,12 @@ fn cycle(world: usize, tp: usize, memory: MemoryPolicy) -> Res {
     for step in 0..=2u64 {
         if step > 0 {
             let seed = 77 * step;
-            let mut tr = lc.train()?;
-            let (backend, state) = tr.backend_and_state_mut();
-            backend.fill_synthetic_grads(state, seed, 0.1)?;
-            backend.adam_step(state, params)?;
-            drop(tr);
+            {
+                let mut tr = lc.train()?;
+                let (backend, state) = tr.backend_and_state_mut();
+                backend.fill_synthetic_grads(state, seed, 0.1)?;
+                backend.adam_step(state, params)?;
+            }
             host_grads(&mut host, seed, 0.1)?;
             host.adam_step(params)?;
         }
@@ -345,10 +354,12 @@ fn updates_on_an_offloaded_state_are_typed_errors() -> Res {
             other => panic!("expected NotResident({buffer}), got {other:?}"),
         }
         match backend.fill_synthetic_grads(&mut state, 2, 0.1) {
-            Err(e @ FsdpError::NotResident {
-                buffer: "gradients",
-                ..
-            }) => assert!(e.to_string().contains("leave rollout mode"), "{e}"),
+            Err(
+                e @ FsdpError::NotResident {
+                    buffer: "gradients",
+                    ..
+                },
+            ) => assert!(e.to_string().contains("leave rollout mode"), "{e}"),
             other => panic!("expected NotResident(gradients), got {other:?}"),
         }
         assert_eq!(state.adam_steps(), 1);
@@ -375,7 +386,10 @@ fn updates_on_an_offloaded_state_are_typed_errors() -> Res {
     assert_eq!(state.adam_steps(), 2);
     backend.upload_master(&mut state, &host_tensors(&specs))?;
     let fresh = backend.state_from_tensors(host_tensors(&specs))?;
-    let (a, b) = (backend.download_state(&state)?, backend.download_state(&fresh)?);
+    let (a, b) = (
+        backend.download_state(&state)?,
+        backend.download_state(&fresh)?,
+    );
     assert!(a.iter().zip(&b).all(|(x, y)| x.master == y.master));
     // fill_synthetic_master gives synthetic_state's master weights.
     let shapes: Vec<(String, Vec<usize>)> = specs
@@ -384,7 +398,10 @@ fn updates_on_an_offloaded_state_are_typed_errors() -> Res {
         .collect();
     backend.fill_synthetic_master(&mut state, 99, 0.02)?;
     let synth = backend.synthetic_state(&shapes, 99, 0.02)?;
-    let (a, b) = (backend.download_state(&state)?, backend.download_state(&synth)?);
+    let (a, b) = (
+        backend.download_state(&state)?,
+        backend.download_state(&synth)?,
+    );
     assert!(a.iter().zip(&b).all(|(x, y)| x.master == y.master));
     Ok(())
 }

@@ -110,7 +110,10 @@ mod tests {
         let m = msg(4, 2, 4);
         assert!(m.contains("W = 4") && m.contains("T = 2"), "{m}");
         assert_eq!(decode_topology(1, 1, 1).unwrap(), DecodeTopology::Group);
-        assert_eq!(decode_topology(3, 1, 3).unwrap(), DecodeTopology::Replicas(3));
+        assert_eq!(
+            decode_topology(3, 1, 3).unwrap(),
+            DecodeTopology::Replicas(3)
+        );
         assert_eq!(DecodeTopology::Replicas(3).replicas(), 3);
         assert_eq!(DecodeTopology::Group.replicas(), 1);
     }

@@ -278,7 +278,11 @@ struct Outputs {
     logits: Vec<Vec<f32>>,
 }
 
-fn decode_on(world: usize, config: &ModelConfig, prompts: &[Vec<u32>]) -> Result<Outputs, Box<dyn std::error::Error>> {
+fn decode_on(
+    world: usize,
+    config: &ModelConfig,
+    prompts: &[Vec<u32>],
+) -> Result<Outputs, Box<dyn std::error::Error>> {
     let tensors = random_tensors(config, 5);
     let mut gm = GpuModel::from_tensors_on(config, tensors, world, 1)?;
     let session = gm.lifecycle_mut().rollout()?;
@@ -324,7 +328,11 @@ fn replicas_w2_t1_give_the_same_tokens_as_w1() -> Res {
     )?;
     // 7 prompts of 3..6 tokens: replicas of 3 and 4 sequences
     let prompts: Vec<Vec<u32>> = (0..7u32)
-        .map(|i| (0..3 + i % 4).map(|j| (i * 31 + j * 7 + 3) % 4096).collect())
+        .map(|i| {
+            (0..3 + i % 4)
+                .map(|j| (i * 31 + j * 7 + 3) % 4096)
+                .collect()
+        })
         .collect();
     let one = decode_on(1, &config, &prompts)?;
     let two = decode_on(2, &config, &prompts)?;
