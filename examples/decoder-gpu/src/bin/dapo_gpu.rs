@@ -143,6 +143,10 @@ struct Args {
     /// Half-width of the uniform synthetic gradients.
     #[arg(long, default_value_t = 1e-2)]
     grad_scale: f32,
+    /// Every rank (not only rank 0) prints a digest of all the samples it generated, to check
+    /// that the processes of a one-process-per-GPU run picked the same tokens.
+    #[arg(long)]
+    samples_digest: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -556,8 +560,8 @@ fn run_policy(
             root,
             "[{}] step {step}: gen batches {}, groups {} generated / {} kept, mean reward {:.3}, \
              switches {}, exits {}, bytes {} (d2d {}, d2h {}, h2d {}), rollout phase {} (generate \
-             {}, decoder setup {}), switch time {}, update {} (Adam step on synthetic gradients \
-             {}, the rest lazy's exit)",
+             {}, decoder setup {}), switch time {}, update {} (of which Adam step on synthetic \
+             gradients {}; the rest is the exit under lazy)",
             name(switching),
             r.gen_batches,
             r.generated_groups,
@@ -711,6 +715,26 @@ fn compare(lazy: &PolicyReport, eager: &PolicyReport) {
         }
         None => println!("  prediction: no step needed more than one gen batch"),
     }
+}
+
+/// FNV-1a of every group's prompt id and sample tokens, in order, and the number of samples.
+fn samples_digest(groups: &[Group]) -> (u64, usize) {
+    let mut h: u64 = 0xCBF2_9CE4_8422_2325;
+    let mut eat = |x: u64| {
+        for b in x.to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01B3);
+        }
+    };
+    let mut samples = 0;
+    for g in groups {
+        eat(g.prompt);
+        for s in &g.samples {
+            samples += 1;
+            eat(s.len() as u64);
+            s.iter().for_each(|&t| eat(u64::from(t)));
+        }
+    }
+    (h, samples)
 }
 
 /// How this process was started.
@@ -971,6 +995,19 @@ fn run(args: &Args, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
     if let ([lazy, eager], true) = (reports.as_slice(), root) {
         compare(lazy, eager);
     }
+    if a.samples_digest {
+        let rank = match &launch {
+            Launch::Threads => "the only process".to_string(),
+            Launch::Process(env) => format!("rank {} of {}", env.rank, env.world_size),
+        };
+        for r in &reports {
+            let (digest, samples) = samples_digest(&r.groups);
+            println!(
+                "[{}] {rank}: samples digest {digest:016x} over {samples} samples",
+                name(r.switching)
+            );
+        }
+    }
     lc.exit()?;
     let state = lc.peek_state();
     say!(
@@ -1020,6 +1057,19 @@ mod tests {
         assert!(config.rollout_layout(2).is_ok());
         let small = ModelConfig::from_json_str(SMALL_CONFIG).unwrap();
         assert!(small.rollout_layout(1).is_ok() && small.rollout_layout(2).is_ok());
+    }
+
+    #[test]
+    fn samples_digest_sees_every_token() {
+        let g = |t: u32| Group {
+            prompt: 1,
+            samples: vec![vec![1, 2], vec![3, t]],
+            rewards: vec![0.0, 1.0],
+        };
+        let (a, n) = samples_digest(&[g(4)]);
+        assert_eq!(n, 2);
+        assert_eq!(a, samples_digest(&[g(4)]).0);
+        assert_ne!(a, samples_digest(&[g(5)]).0);
     }
 
     #[test]
