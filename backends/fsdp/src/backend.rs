@@ -17,6 +17,7 @@ use lifecycle_host::{
 
 use crate::plan::{build_plan, BucketConfig, BucketOps, Buf, CastOp, FsdpPlan, ShardLayout};
 use crate::state::{FsdpTrainState, RankDump, RankTrain};
+use crate::update::UpdateKernelCache;
 use crate::FsdpError;
 
 /// One rollout tensor's place in a rank's flat rollout buffer.
@@ -95,6 +96,8 @@ pub struct FsdpBackend {
     /// The last plan and the training layout it was made for: a switch of the same layout (every
     /// switch of a training run) reuses it instead of planning again.
     plan_cache: Mutex<Option<(FsdpLayout, Arc<FsdpPlan>)>>,
+    /// The in-place update kernels, compiled and loaded on first use.
+    pub(crate) update_kernels: UpdateKernelCache,
 }
 
 impl std::fmt::Debug for FsdpBackend {
@@ -113,9 +116,93 @@ fn ptr<T>(s: &CudaSlice<T>, ctx: &RankCtx) -> u64 {
     p
 }
 
-fn ptr_mut<T>(s: &mut CudaSlice<T>, ctx: &RankCtx) -> u64 {
+pub(crate) fn ptr_mut<T>(s: &mut CudaSlice<T>, ctx: &RankCtx) -> u64 {
     let (p, _sync) = s.device_ptr_mut(&ctx.compute);
     p
+}
+
+/// Each local rank's flat fp32 master buffer (padded layout `shards`) cut from full host tensors
+/// (in the layout's order; element counts and dtypes checked, floating point widened to fp32).
+pub(crate) fn shard_host_tensors(
+    locals: &[usize],
+    shards: &ShardLayout,
+    tensors: &[HostTensor],
+) -> Result<Vec<Vec<f32>>, FsdpError> {
+    let mut hosts: Vec<Vec<f32>> = vec![vec![0.0; shards.rank_len as usize]; locals.len()];
+    for (i, t) in tensors.iter().enumerate() {
+        let expected: usize = t.shape.iter().product();
+        if t.data.len() != expected {
+            return Err(FsdpError::Tensor {
+                name: t.name.clone(),
+                problem: format!(
+                    "shape {:?} needs {expected} elements but the data has {}",
+                    t.shape,
+                    t.data.len()
+                ),
+            });
+        }
+        let full = t.data.to_f32().ok_or_else(|| FsdpError::Tensor {
+            name: t.name.clone(),
+            problem: format!(
+                "dtype {} is not floating point: training weights must be f32, bf16 or f16",
+                t.data.dtype()
+            ),
+        })?;
+        let slot = shards.slots.get(i).ok_or_else(|| FsdpError::Tensor {
+            name: t.name.clone(),
+            problem: format!(
+                "tensor {i} of {} given, the layout has {}",
+                tensors.len(),
+                shards.slots.len()
+            ),
+        })?;
+        for (&rank, host) in locals.iter().zip(hosts.iter_mut()) {
+            let held = shards.held_rows(i, rank);
+            let src = &full[held.start * slot.cols..held.end * slot.cols];
+            let at = slot.offset as usize;
+            host[at..at + src.len()].copy_from_slice(src);
+        }
+    }
+    Ok(hosts)
+}
+
+/// Fills every held shard of `buf` (a rank's flat fp32 buffer of layout `shards`) on the compute
+/// stream: tensor `i`'s element at flat index `e` of the full tensor becomes
+/// [`lifecycle_cuda::fill_uniform_value`]`(seed + i, e, scale)`; padding is left as it is.
+pub(crate) fn fill_shards_uniform(
+    ctx: &RankCtx,
+    buf: &mut CudaSlice<f32>,
+    shards: &ShardLayout,
+    seed: u64,
+    scale: f32,
+) -> Result<(), CudaError> {
+    if (buf.len() as u64) < shards.rank_len {
+        return Err(CudaError::Invalid(format!(
+            "a shard buffer of {} elements for a layout of {}",
+            buf.len(),
+            shards.rank_len
+        )));
+    }
+    let base = ptr_mut(buf, ctx);
+    for (i, slot) in shards.slots.iter().enumerate() {
+        let held = shards.held_rows(i, ctx.rank);
+        let n = (held.len() * slot.cols) as u64;
+        // SAFETY: the slot lies inside `buf` (rank_len elements, checked above), which the
+        // caller keeps alive until the compute stream has run the kernel; the element count is
+        // the held rows of the slot.
+        unsafe {
+            ctx.kernels.fill_uniform(
+                &ctx.compute,
+                base + 4 * slot.offset,
+                n,
+                seed + i as u64,
+                (held.start * slot.cols) as u64,
+                scale,
+                ctx.rank,
+            )?;
+        }
+    }
+    Ok(())
 }
 
 /// Statistics of one rank's transfer, and its device timeline (read once the offload copies
@@ -138,6 +225,7 @@ impl FsdpBackend {
             config: BucketConfig::default(),
             batched_casts: true,
             plan_cache: Mutex::new(None),
+            update_kernels: UpdateKernelCache::default(),
         }
     }
 
@@ -193,35 +281,7 @@ impl FsdpBackend {
             tensors.iter().map(|t| (t.name.clone(), t.shape.clone())),
         )?;
         let shards = ShardLayout::new(&layout);
-        let locals = self.pool.local_ranks().to_vec();
-        let mut hosts: Vec<Vec<f32>> = vec![vec![0.0; shards.rank_len as usize]; locals.len()];
-        for (i, t) in tensors.iter().enumerate() {
-            let expected: usize = t.shape.iter().product();
-            if t.data.len() != expected {
-                return Err(FsdpError::Tensor {
-                    name: t.name.clone(),
-                    problem: format!(
-                        "shape {:?} needs {expected} elements but the data has {}",
-                        t.shape,
-                        t.data.len()
-                    ),
-                });
-            }
-            let full = t.data.to_f32().ok_or_else(|| FsdpError::Tensor {
-                name: t.name.clone(),
-                problem: format!(
-                    "dtype {} is not floating point: training weights must be f32, bf16 or f16",
-                    t.data.dtype()
-                ),
-            })?;
-            let slot = &shards.slots[i];
-            for (&rank, host) in locals.iter().zip(hosts.iter_mut()) {
-                let held = shards.held_rows(i, rank);
-                let src = &full[held.start * slot.cols..held.end * slot.cols];
-                let at = slot.offset as usize;
-                host[at..at + src.len()].copy_from_slice(src);
-            }
-        }
+        let hosts = shard_host_tensors(self.pool.local_ranks(), &shards, &tensors)?;
         let mut items: Vec<(Vec<f32>, RankTrain)> = hosts
             .into_iter()
             .map(|h| (h, RankTrain::default()))
@@ -245,6 +305,7 @@ impl FsdpBackend {
             layout,
             shards,
             ranks: items.into_iter().map(|(_, r)| r).collect(),
+            adam_steps: 0,
         })
     }
 
@@ -275,7 +336,9 @@ impl FsdpBackend {
     /// Builds a synthetic training state directly on the GPUs (no host data): tensor `i`'s element
     /// at flat index `e` is [`lifecycle_cuda::fill_uniform_value`]`(seed + i, e, scale)`; Adam m and
     /// v are filled the same way with seeds offset by 1 000 003 and 2 000 006 (non-zero, so round
-    /// trips check real bits); grads are zero.
+    /// trips check real bits); grads are zero. Those m, v are round-trip test data, not an Adam
+    /// state (v has negative values): call [`FsdpBackend::reset_optimizer`] before
+    /// [`FsdpBackend::adam_step`].
     pub fn synthetic_state(
         &self,
         tensors: &[(String, Vec<usize>)],
@@ -300,25 +363,13 @@ impl FsdpBackend {
                 .enumerate()
             {
                 let mut b = alloc_zeros::<f32>(&ctx.compute, len, ctx.rank, what)?;
-                let base = ptr_mut(&mut b, ctx);
-                for (i, slot) in sh.slots.iter().enumerate() {
-                    let held = sh.held_rows(i, ctx.rank);
-                    let n = (held.len() * slot.cols) as u64;
-                    let s = seed + i as u64 + 1_000_003 * k as u64;
-                    // SAFETY: the slot lies inside `b` (rank_len elements), which lives until the
-                    // stream is synchronised below.
-                    unsafe {
-                        ctx.kernels.fill_uniform(
-                            &ctx.compute,
-                            base + 4 * slot.offset,
-                            n,
-                            s,
-                            (held.start * slot.cols) as u64,
-                            if k == 0 { scale } else { scale * 1e-3 },
-                            ctx.rank,
-                        )?;
-                    }
-                }
+                fill_shards_uniform(
+                    ctx,
+                    &mut b,
+                    sh,
+                    seed + 1_000_003 * k as u64,
+                    if k == 0 { scale } else { scale * 1e-3 },
+                )?;
                 bufs.push(b);
             }
             let v = bufs.pop();
@@ -336,6 +387,7 @@ impl FsdpBackend {
             layout,
             shards,
             ranks: items,
+            adam_steps: 0,
         })
     }
 

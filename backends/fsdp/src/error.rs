@@ -41,6 +41,33 @@ pub enum FsdpError {
         /// What was attempted.
         operation: &'static str,
     },
+    /// A buffer an in-place update needs is not on the device (rollout mode offloads master
+    /// weights and Adam moments and frees the gradients).
+    #[error(
+        "{operation} needs the {buffer} of rank {rank} on the device, but it is {found}: leave \
+         rollout mode first (Lifecycle::train exits, reloads the training state and reallocates \
+         the gradients)"
+    )]
+    NotResident {
+        /// What was attempted.
+        operation: &'static str,
+        /// The buffer: `fp32 master weights`, `Adam m`, `Adam v` or `gradients`.
+        buffer: &'static str,
+        /// The first rank found without it.
+        rank: usize,
+        /// Where it is instead.
+        found: &'static str,
+    },
+    /// An Adam hyper-parameter out of its range.
+    #[error("Adam parameter {name} = {value} is invalid: it must be {expected}")]
+    AdamParam {
+        /// The parameter (`lr`, `beta1`, `beta2` or `eps`).
+        name: &'static str,
+        /// The value given.
+        value: f32,
+        /// The valid range.
+        expected: &'static str,
+    },
     /// The resident rollout weights do not match the plan.
     #[error("the resident rollout weights ({found} elements per rank) do not match the plan ({expected})")]
     RolloutMismatch {

@@ -25,6 +25,11 @@
 //!   straight into the rollout buffers (T = 1, fastest there), packed one-message-per-peer
 //!   buckets (T > 1, an experiment that measured slower).
 //!
+//! - **In-place updates** (module `update`): seeded synthetic gradients
+//!   ([`FsdpBackend::fill_synthetic_grads`], host twin [`synthetic_grad_value`]) and an Adam step
+//!   ([`FsdpBackend::adam_step`]) applied on the device to the resident master, m, v shards,
+//!   bit-identical to the host backend's `adam_step`; no reallocation, pinned host buffers kept.
+//!
 //! [`FsdpBackend::download_rollout`] returns a [`HostRollout`](lifecycle_host::HostRollout) for bit
 //! comparison with the host backend; [`FsdpBackend::download_state`] returns the training buffers.
 
@@ -35,8 +40,10 @@ mod error;
 pub mod plan;
 pub mod shapes;
 mod state;
+mod update;
 
 pub use backend::{FsdpBackend, FsdpRollout, RolloutEntry};
 pub use error::FsdpError;
 pub use plan::{BucketConfig, FsdpPlan, GatherMode};
 pub use state::{FsdpTrainState, RankDump, RankTrain};
+pub use update::{check_adam_params, synthetic_grad_value, UPDATE_KERNEL_SRC};

@@ -25,6 +25,8 @@ pub struct FsdpTrainState {
     pub(crate) layout: FsdpLayout,
     pub(crate) shards: ShardLayout,
     pub(crate) ranks: Vec<RankTrain>,
+    /// Adam steps applied so far (the bias corrections of the next step use `adam_steps + 1`).
+    pub(crate) adam_steps: u64,
 }
 
 impl std::fmt::Debug for FsdpTrainState {
@@ -35,6 +37,7 @@ impl std::fmt::Debug for FsdpTrainState {
             .field("rank_len", &self.shards.rank_len)
             .field("master_offloaded", &self.master_offloaded())
             .field("optimizer_offloaded", &self.optimizer_offloaded())
+            .field("adam_steps", &self.adam_steps)
             .finish()
     }
 }
@@ -68,6 +71,22 @@ impl FsdpTrainState {
     /// Whether gradients are allocated.
     pub fn has_grads(&self) -> bool {
         self.ranks.iter().all(|r| r.grads.is_some())
+    }
+
+    /// Adam steps applied to this state so far
+    /// ([`FsdpBackend::adam_step`](crate::FsdpBackend::adam_step)).
+    pub fn adam_steps(&self) -> u64 {
+        self.adam_steps
+    }
+
+    /// Bytes of pinned host memory held for offloading by this process's ranks (allocated at the
+    /// first offload, then reused by every later one).
+    pub fn pinned_host_bytes(&self) -> u64 {
+        self.ranks
+            .iter()
+            .flat_map(|r| [&r.master_host, &r.m_host, &r.v_host])
+            .map(|h| h.as_ref().map_or(0, |h| h.len() as u64 * 4))
+            .sum()
     }
 
     /// Bytes of one rank's fp32 buffer (one of master, grads, m, v).

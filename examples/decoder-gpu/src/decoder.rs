@@ -3,6 +3,7 @@
 
 use std::ffi::c_void;
 use std::marker::PhantomData;
+use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::cublas::{result as cublas_result, sys as cublas_sys, CudaBlas};
@@ -17,6 +18,7 @@ use lifecycle_fsdp::{FsdpBackend, FsdpRollout};
 
 use crate::error::GpuDecodeError;
 use crate::kernels::{launch, Arg, DecoderKernels};
+use crate::topology::{decode_topology, replica_rows, DecodeTopology};
 use crate::weights::{GroupOffsets, RankOffsets};
 
 /// Longest sequence (prompt + generated tokens) the attention kernel's shared memory holds.
@@ -24,8 +26,13 @@ pub const MAX_CONTEXT: usize = 8192;
 
 /// One rank's resources: cuBLAS handle, kernels, weight addresses, KV cache.
 struct RankState {
-    /// Index into the pool's local ranks (and the rollout's buffers).
-    local: usize,
+    /// This rank's place in its tensor-parallel group (`rank mod T`).
+    tp_rank: usize,
+    /// The replica (share of the batch) this rank decodes: 0 in a tensor-parallel group.
+    replica: usize,
+    /// Whether this rank brings back the pass's output (the first local rank of a group, every
+    /// replica).
+    reports: bool,
     blas: CudaBlas,
     k: DecoderKernels,
     /// Device address of the rank's flat bf16 rollout buffer.
@@ -40,13 +47,14 @@ struct RankState {
     pinned: Option<PinnedHostSlice<f32>>,
 }
 
-/// Inputs of one forward pass, the same on every rank.
+/// Inputs of one forward pass of one replica (the same on every rank of a group); sequence
+/// indices are the replica's own, `0..batch`.
 struct Step<'a> {
-    tokens: &'a [u32],
-    seqs: &'a [u32],
-    poss: &'a [u32],
+    tokens: Vec<u32>,
+    seqs: Vec<u32>,
+    poss: Vec<u32>,
     /// Rows whose logits are wanted.
-    logit_rows: &'a [u32],
+    logit_rows: Vec<u32>,
     /// Sequences in the batch (cache layout).
     batch: usize,
     /// Cache capacity in positions.
@@ -56,7 +64,7 @@ struct Step<'a> {
 }
 
 /// What a forward pass brings back to the host.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 enum Pick<'a> {
     /// Logits of the wanted rows.
     Logits,
@@ -70,7 +78,23 @@ enum Pick<'a> {
     },
 }
 
-/// What the first local rank brings back from a forward pass.
+impl<'a> Pick<'a> {
+    /// The pick for the wanted rows `want` of the whole batch (a replica's share).
+    fn rows(self, want: Range<usize>) -> Pick<'a> {
+        match self {
+            Pick::Sample {
+                temperature,
+                uniforms,
+            } => Pick::Sample {
+                temperature,
+                uniforms: uniforms.get(want).unwrap_or(&[]),
+            },
+            other => other,
+        }
+    }
+}
+
+/// What a reporting rank brings back from a forward pass.
 enum StepOut {
     /// One row per wanted row.
     Logits(Vec<Vec<f32>>),
@@ -82,6 +106,14 @@ enum StepOut {
 /// [`ThreadRankPool`] of the [`FsdpBackend`], `W = T`), reading the backend's resident bf16
 /// rollout weights ([`FsdpRollout`]) in place.
 ///
+/// - Topology ([`decode_topology`]): a group of `W = T` ranks (threads of this process, or one
+///   process per rank: every process gets the full logits after the all-gather and picks the
+///   same tokens, sampling being seeded); or, at `T = 1` with every rank in this process, `W`
+///   data-parallel replicas: each GPU decodes a contiguous share of the batch
+///   ([`replica_rows`](crate::replica_rows)) on its own copy of the weights, with no collective.
+///   Sampling draws per sequence, not per replica, so the tokens do not depend on which replica
+///   decodes a row. `W > T` with `T > 1`, and replicas across processes, are
+///   [`GpuDecodeError::Topology`].
 /// - Column-parallel q/k/v/gate/up, row-parallel o/down followed by an NCCL all-reduce (sum) over
 ///   the group; kv heads replicated when there are fewer than `T` (each rank reads the rows of the
 ///   kv heads its query heads use); embedding and head vocabulary-parallel or replicated as the
@@ -115,6 +147,9 @@ pub struct GpuDecoder<'w> {
     config: ModelConfig,
     pool: &'w ThreadRankPool,
     ranks: Vec<RankState>,
+    topology: DecodeTopology,
+    /// The sequences of the current batch each replica decodes (one range in a group).
+    parts: Vec<Range<usize>>,
     tp: usize,
     q_heads: usize,
     kv_heads: usize,
@@ -129,6 +164,7 @@ impl std::fmt::Debug for GpuDecoder<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuDecoder")
             .field("tp", &self.tp)
+            .field("topology", &self.topology)
             .field("vocab_parallel", &self.vocab_parallel)
             .field("sequences", &self.lens.len())
             .field("cache_capacity", &self.cap)
@@ -200,8 +236,8 @@ unsafe fn gemm(
 }
 
 impl<'w> GpuDecoder<'w> {
-    /// A decoder over the rollout weights `weights` of `backend` (its rank pool is the TP group:
-    /// `W` must equal the layout's `T`). Every tensor is checked against `config` and the
+    /// A decoder over the rollout weights `weights` of `backend` (its rank pool is the TP group,
+    /// `W = T`, or `W` replicas at `T = 1`; see [`decode_topology`]). Every tensor is checked against `config` and the
     /// backend's layout here; each rank creates its cuBLAS handle and compiles the kernels.
     pub fn new(
         config: &ModelConfig,
@@ -219,12 +255,7 @@ impl<'w> GpuDecoder<'w> {
         weights: &'w FsdpRollout,
     ) -> Result<Self, GpuDecodeError> {
         let tp = layout.tp;
-        if pool.world() != tp {
-            return Err(GpuDecodeError::Topology {
-                world: pool.world(),
-                tp,
-            });
-        }
+        let topology = decode_topology(pool.world(), tp, pool.local_ranks().len())?;
         let plan = GroupOffsets::new(config, layout, weights.entries())?;
         // SAFETY: only asks the dynamic loader whether the library can be opened.
         if !unsafe { cublas_sys::is_culib_present() } {
@@ -262,16 +293,29 @@ impl<'w> GpuDecoder<'w> {
             let blas = CudaBlas::new(ctx.compute.clone())
                 .map_err(|e| cublas_err(ctx.rank, "creating a handle", e))?;
             let k = DecoderKernels::load(ctx)?;
+            let tp_rank = ctx.rank % tp;
             let inv = ctx
                 .compute
                 .clone_htod(freq.as_slice())
                 .map_err(ctx.drv("uploading rotary frequencies", 0))?;
+            let (replica, reports) = match topology {
+                DecodeTopology::Group => (0, local == 0),
+                DecodeTopology::Replicas(_) => (local, true),
+            };
             *slot = Some(RankState {
-                local,
+                tp_rank,
+                replica,
+                reports,
                 blas,
                 k,
                 base: ptr(buf, &ctx.compute),
-                w: plan_ref.ranks[ctx.rank].clone(),
+                w: plan_ref
+                    .ranks
+                    .get(tp_rank)
+                    .ok_or_else(|| {
+                        CudaError::Invalid(format!("no weight offsets for TP rank {tp_rank}"))
+                    })?
+                    .clone(),
                 inv_freq: inv,
                 cache: None,
                 ev_compute: ctx.event()?,
@@ -293,6 +337,8 @@ impl<'w> GpuDecoder<'w> {
             config: config.clone(),
             pool,
             ranks,
+            topology,
+            parts: Vec::new(),
             tp,
             q_heads: plan.q_heads,
             kv_heads: plan.ranks[0].share.kv_heads,
@@ -325,9 +371,10 @@ impl<'w> GpuDecoder<'w> {
         self.kv_heads * self.config.head_dim
     }
 
-    /// Makes room for `needed` positions per sequence (`fresh`: a new batch, the old cache is
-    /// dropped; otherwise the cache is grown, its contents kept).
-    fn reserve(&mut self, batch: usize, needed: usize, fresh: bool) -> Result<(), GpuDecodeError> {
+    /// Makes room for `needed` positions per sequence of each replica's share of the batch
+    /// (`self.parts`; `fresh`: a new batch, the old cache is dropped; otherwise the cache is
+    /// grown, its contents kept).
+    fn reserve(&mut self, needed: usize, fresh: bool) -> Result<(), GpuDecodeError> {
         if needed > MAX_CONTEXT {
             return Err(DecodeError::Usage(format!(
                 "a sequence would hold {needed} tokens; the GPU decoder holds at most {MAX_CONTEXT}"
@@ -342,13 +389,16 @@ impl<'w> GpuDecoder<'w> {
         } else {
             needed.max(self.cap * 2).min(MAX_CONTEXT)
         };
-        let blocks = (self.config.num_layers * 2 * batch) as u64;
+        let layers = self.config.num_layers;
+        let parts = &self.parts;
         let w = self.kv_width() as u64;
         let old_cap = self.cap as u64;
-        let len = (blocks * new_cap as u64 * w) as usize;
         self.pool.run_each(&mut self.ranks, &|ctx, st| {
+            let batch = parts.get(st.replica).map_or(0, Range::len);
+            let blocks = (layers * 2 * batch) as u64;
+            let len = (blocks * new_cap as u64 * w) as usize;
             let new = alloc_zeros::<f32>(&ctx.compute, len, ctx.rank, "the KV cache")?;
-            if let (false, Some(old)) = (fresh, st.cache.as_ref()) {
+            if let (false, true, Some(old)) = (fresh, blocks > 0, st.cache.as_ref()) {
                 let args = [
                     Arg::U64(ptr(old, &ctx.compute)),
                     Arg::U64(ptr(&new, &ctx.compute)),
@@ -378,32 +428,89 @@ impl<'w> GpuDecoder<'w> {
         Ok(())
     }
 
-    /// Runs one forward pass on every rank; the first local rank's logits (`[m × vocab]`) or
-    /// argmax tokens.
-    fn forward(&mut self, step: &Step<'_>) -> Result<StepOut, GpuDecodeError> {
+    /// Runs one forward pass on every rank, `steps[r]` on the ranks of replica `r`; the logits
+    /// (`[m × vocab]`) or tokens of the whole batch, in sequence order.
+    fn forward(&mut self, steps: &[Step<'_>]) -> Result<StepOut, GpuDecodeError> {
         let c = &self.config;
-        let dims = Dims {
-            n: step.tokens.len(),
-            m: step.logit_rows.len(),
-            h: c.hidden_size,
-            d: c.head_dim,
-            qh: self.q_heads,
-            kvh: self.kv_heads,
-            f: self.ffn_part,
-            vocab: c.vocab_size,
-            tp: self.tp,
-            layers: c.num_layers,
-            eps: c.rms_norm_eps as f32,
-            group: c.num_heads / c.num_kv_heads,
-            vocab_parallel: self.vocab_parallel,
-        };
+        let dims: Vec<Dims> = steps
+            .iter()
+            .map(|step| Dims {
+                n: step.tokens.len(),
+                m: step.logit_rows.len(),
+                h: c.hidden_size,
+                d: c.head_dim,
+                qh: self.q_heads,
+                kvh: self.kv_heads,
+                f: self.ffn_part,
+                vocab: c.vocab_size,
+                tp: self.tp,
+                layers: c.num_layers,
+                eps: c.rms_norm_eps as f32,
+                group: c.num_heads / c.num_kv_heads,
+                vocab_parallel: self.vocab_parallel,
+            })
+            .collect();
         let outs = self.pool.run_each(&mut self.ranks, &|ctx, st| {
-            rank_forward(ctx, st, &dims, step)
+            let (Some(step), Some(z)) = (steps.get(st.replica), dims.get(st.replica)) else {
+                return Err(CudaError::Invalid(format!(
+                    "no forward pass for replica {} ({} given)",
+                    st.replica,
+                    steps.len()
+                )));
+            };
+            if step.tokens.is_empty() {
+                // a replica with no sequences of this batch
+                return Ok(StepOut::Nothing);
+            }
+            rank_forward(ctx, st, z, step)
         })?;
-        Ok(outs
-            .into_iter()
-            .find(|o| !matches!(o, StepOut::Nothing))
-            .unwrap_or(StepOut::Nothing))
+        let wanted: usize = steps.iter().map(|s| s.logit_rows.len()).sum();
+        let out = match self.topology {
+            DecodeTopology::Group => outs
+                .into_iter()
+                .find(|o| !matches!(o, StepOut::Nothing))
+                .unwrap_or(StepOut::Nothing),
+            DecodeTopology::Replicas(_) => {
+                // replica order is sequence order: concatenate
+                let (mut logits, mut tokens) = (Vec::new(), Vec::new());
+                for o in outs {
+                    match o {
+                        StepOut::Logits(l) => logits.extend(l),
+                        StepOut::Tokens(t) => tokens.extend(t),
+                        StepOut::Nothing => {}
+                    }
+                }
+                match (logits.is_empty(), tokens.is_empty()) {
+                    (false, true) => StepOut::Logits(logits),
+                    (true, false) => StepOut::Tokens(tokens),
+                    (true, true) => StepOut::Nothing,
+                    (false, false) => {
+                        return Err(CudaError::Invalid(
+                            "replicas brought back both logits and tokens".into(),
+                        )
+                        .into())
+                    }
+                }
+            }
+        };
+        let got = match &out {
+            StepOut::Logits(l) => l.len(),
+            StepOut::Tokens(t) => t.len(),
+            StepOut::Nothing => 0,
+        };
+        if got != wanted && !matches!(out, StepOut::Nothing) {
+            return Err(CudaError::Invalid(format!(
+                "the forward pass brought back {got} rows for {wanted} wanted"
+            ))
+            .into());
+        }
+        Ok(out)
+    }
+
+    /// Sets the replicas' shares of a new batch of `batch` sequences.
+    fn split_batch(&mut self, batch: usize) {
+        let r = self.topology.replicas();
+        self.parts = (0..r).map(|k| replica_rows(batch, r, k)).collect();
     }
 
     fn prefill_rows(
@@ -412,10 +519,6 @@ impl<'w> GpuDecoder<'w> {
         which: PrefillLogits,
         pick: Pick<'_>,
     ) -> Result<StepOut, GpuDecodeError> {
-        let mut seqs = Vec::new();
-        let mut poss = Vec::new();
-        let mut tokens = Vec::new();
-        let mut logit_rows = Vec::new();
         for (s, p) in prompts.iter().enumerate() {
             if p.is_empty() {
                 return Err(DecodeError::Usage(format!(
@@ -423,28 +526,42 @@ impl<'w> GpuDecoder<'w> {
                 ))
                 .into());
             }
-            for (pos, &t) in p.iter().enumerate() {
+            for &t in p {
                 self.check_token(s, t)?;
-                if which == PrefillLogits::All || pos + 1 == p.len() {
-                    logit_rows.push(tokens.len() as u32);
-                }
-                seqs.push(s as u32);
-                poss.push(pos as u32);
-                tokens.push(t);
             }
         }
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
         self.lens.clear();
-        self.reserve(prompts.len(), longest, true)?;
-        let out = self.forward(&Step {
-            tokens: &tokens,
-            seqs: &seqs,
-            poss: &poss,
-            logit_rows: &logit_rows,
-            batch: prompts.len(),
-            cap: self.cap,
-            pick,
-        })?;
+        self.split_batch(prompts.len());
+        self.reserve(longest, true)?;
+        let mut steps = Vec::with_capacity(self.parts.len());
+        let mut wanted = 0usize;
+        for part in &self.parts {
+            let (mut seqs, mut poss, mut tokens, mut logit_rows) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for (local, p) in prompts[part.clone()].iter().enumerate() {
+                for (pos, &t) in p.iter().enumerate() {
+                    if which == PrefillLogits::All || pos + 1 == p.len() {
+                        logit_rows.push(tokens.len() as u32);
+                    }
+                    seqs.push(local as u32);
+                    poss.push(pos as u32);
+                    tokens.push(t);
+                }
+            }
+            let want = wanted..wanted + logit_rows.len();
+            wanted = want.end;
+            steps.push(Step {
+                tokens,
+                seqs,
+                poss,
+                logit_rows,
+                batch: part.len(),
+                cap: self.cap,
+                pick: pick.rows(want),
+            });
+        }
+        let out = self.forward(&steps)?;
         self.lens = prompts.iter().map(Vec::len).collect();
         Ok(out)
     }
@@ -462,18 +579,24 @@ impl<'w> GpuDecoder<'w> {
             self.check_token(s, t)?;
         }
         let longest = self.lens.iter().copied().max().unwrap_or(0);
-        self.reserve(self.lens.len(), longest + 1, false)?;
-        let seqs: Vec<u32> = (0..tokens.len() as u32).collect();
-        let poss: Vec<u32> = self.lens.iter().map(|&l| l as u32).collect();
-        let out = self.forward(&Step {
-            tokens,
-            seqs: &seqs,
-            poss: &poss,
-            logit_rows: &seqs,
-            batch: self.lens.len(),
-            cap: self.cap,
-            pick,
-        })?;
+        self.reserve(longest + 1, false)?;
+        let steps: Vec<Step<'_>> = self
+            .parts
+            .iter()
+            .map(|part| {
+                let seqs: Vec<u32> = (0..part.len() as u32).collect();
+                Step {
+                    tokens: tokens[part.clone()].to_vec(),
+                    poss: self.lens[part.clone()].iter().map(|&l| l as u32).collect(),
+                    logit_rows: seqs.clone(),
+                    seqs,
+                    batch: part.len(),
+                    cap: self.cap,
+                    pick: pick.rows(part.clone()),
+                }
+            })
+            .collect();
+        let out = self.forward(&steps)?;
         self.lens.iter_mut().for_each(|l| *l += 1);
         Ok(out)
     }
@@ -565,10 +688,10 @@ fn rank_forward(
     let kvw = kvh * d;
     let qw = qh * d;
     let up = |v: &[u32], what: &str| s.clone_htod(v).map_err(ctx.drv(what, 0));
-    let tokens = up(step.tokens, "uploading tokens")?;
-    let seqs = up(step.seqs, "uploading sequence indices")?;
-    let poss = up(step.poss, "uploading positions")?;
-    let rows = up(step.logit_rows, "uploading logit rows")?;
+    let tokens = up(&step.tokens, "uploading tokens")?;
+    let seqs = up(&step.seqs, "uploading sequence indices")?;
+    let poss = up(&step.poss, "uploading positions")?;
+    let rows = up(&step.logit_rows, "uploading logit rows")?;
     let widest = h.max(qw).max(f);
     // SAFETY: every element of these scratch buffers is written by a kernel, a GEMM or the
     // all-reduce before it is read, as the pass below does in order on this one stream.
@@ -622,7 +745,11 @@ fn rank_forward(
         } else {
             z.vocab
         };
-        let lo = if z.vocab_parallel { rank * part } else { 0 };
+        let lo = if z.vocab_parallel {
+            st.tp_rank * part
+        } else {
+            0
+        };
         launch(
             s,
             &k.embed,
@@ -663,7 +790,7 @@ fn rank_forward(
                 ),
                 Some(part) => {
                     // rank 0 adds the residual: x + Σ partials, the same on every rank
-                    let res = if rank == 0 { xp } else { 0 };
+                    let res = if st.tp_rank == 0 { xp } else { 0 };
                     launch(
                         s,
                         &k.combine,
@@ -879,7 +1006,7 @@ fn rank_forward(
         } else {
             logits
         };
-        if st.local != 0 {
+        if !st.reports {
             s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
             return Ok(StepOut::Nothing);
         }

@@ -32,16 +32,16 @@ pub enum GpuDecodeError {
          folder on LD_LIBRARY_PATH"
     )]
     NoCublas,
-    /// The rank pool does not form one tensor-parallel group.
-    #[error(
-        "the GPU decoder runs one tensor-parallel group spanning the whole rank pool, but the pool \
-         has W = {world} ranks and the layout T = {tp}: build the pool with W = T"
-    )]
+    /// The rank pool and the layout's T do not fit a topology the decoder supports (see
+    /// [`decode_topology`](crate::decode_topology)).
+    #[error("the GPU decoder cannot run on W = {world} ranks with T = {tp}: {reason}")]
     Topology {
         /// W of the pool.
         world: usize,
         /// T of the layout.
         tp: usize,
+        /// What does not fit, and what to do.
+        reason: String,
     },
 }
 

@@ -1,7 +1,9 @@
 //! The Qwen2 / Llama decoder of [`lifecycle_decoder`] on NVIDIA GPUs: [`GpuDecoder`] implements
 //! the same [`Decoder`](lifecycle_decoder::Decoder) trait as the CPU reference and reads the FSDP
 //! backend's resident rollout weights ([`lifecycle_fsdp::FsdpRollout`]) in place, on every GPU of
-//! the backend's rank pool (one tensor-parallel group, `W = T`).
+//! the backend's rank pool: one tensor-parallel group (`W = T`, threads of one process or one
+//! process per rank), or, at `T = 1` in one process, `W` data-parallel replicas that each decode
+//! a share of the batch ([`decode_topology`]).
 //!
 //! - Matrix products with cuBLAS (`GemmEx`, bf16 × bf16 → f32, f32 accumulation); activations
 //!   stay f32 and enter a product as two bf16 rows (`hi`, `lo = x − hi`), so the weights are read
@@ -21,9 +23,11 @@ mod decoder;
 mod error;
 mod kernels;
 mod model;
+mod topology;
 mod weights;
 
 pub use decoder::{GpuDecoder, MAX_CONTEXT};
 pub use error::GpuDecodeError;
 pub use kernels::DECODER_KERNEL_SRC;
 pub use model::GpuModel;
+pub use topology::{decode_topology, replica_rows, DecodeTopology};

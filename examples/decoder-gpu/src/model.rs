@@ -68,6 +68,28 @@ impl GpuModel {
         })
     }
 
+    /// The model from full host tensors on GPUs `0..world` (threads of this process) with rollout
+    /// degree `tp`: `world = tp` is one tensor-parallel group ([`GpuModel::from_tensors`]),
+    /// `tp = 1 < world` gives `world` data-parallel decoder replicas. Other pairs are
+    /// [`GpuDecodeError::Topology`], before any GPU work.
+    pub fn from_tensors_on(
+        config: &ModelConfig,
+        tensors: Vec<HostTensor>,
+        world: usize,
+        tp: usize,
+    ) -> Result<Self, GpuDecodeError> {
+        crate::decode_topology(world, tp, world)?;
+        let layout = config.rollout_layout(tp)?;
+        let pool = Arc::new(ThreadRankPool::new(world)?);
+        let backend = FsdpBackend::new(pool, layout);
+        let state = backend.state_from_tensors(tensors)?;
+        Ok(GpuModel {
+            config: config.clone(),
+            tp,
+            lifecycle: Lifecycle::new(backend, state),
+        })
+    }
+
     /// The model of a Hugging Face checkpoint folder (`config.json` + `model.safetensors`).
     pub fn from_checkpoint(dir: &Path, tp: usize) -> Result<Self, GpuDecodeError> {
         let ckpt = load_checkpoint(dir)?;
@@ -96,7 +118,7 @@ impl GpuModel {
         &self.config
     }
 
-    /// T (= W).
+    /// T (= W, except for data-parallel replicas built by [`GpuModel::from_tensors_on`]).
     pub fn tp(&self) -> usize {
         self.tp
     }

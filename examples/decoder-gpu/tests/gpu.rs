@@ -25,7 +25,7 @@ use std::time::Instant;
 use lifecycle_core::Lifecycle;
 use lifecycle_cuda::device_count;
 use lifecycle_decoder::{
-    load_checkpoint, CpuDecoder, Decoder, ModelConfig, PrefillLogits, Sampling,
+    load_checkpoint, random_tensors, CpuDecoder, Decoder, ModelConfig, PrefillLogits, Sampling,
 };
 use lifecycle_decoder_gpu::{GpuDecoder, GpuModel};
 use lifecycle_host::{HostBackend, HostTrainState};
@@ -264,5 +264,99 @@ fn decode_throughput_qwen05b_batch64() -> Res {
         secs * 1e3 / steps as f64,
         (steps * batch) as f64 / secs
     );
+    Ok(())
+}
+
+/// What one decoder run brings back, for comparing topologies.
+#[derive(Debug, PartialEq)]
+struct Outputs {
+    greedy: Vec<Vec<u32>>,
+    sampled: Vec<Vec<u32>>,
+    /// A batch of one sequence: with two replicas, one of them has nothing to decode.
+    single: Vec<Vec<u32>>,
+    /// Decode-step logits after a prefill, one row per sequence.
+    logits: Vec<Vec<f32>>,
+}
+
+fn decode_on(
+    world: usize,
+    config: &ModelConfig,
+    prompts: &[Vec<u32>],
+) -> Result<Outputs, Box<dyn std::error::Error>> {
+    let tensors = random_tensors(config, 5);
+    let mut gm = GpuModel::from_tensors_on(config, tensors, world, 1)?;
+    let session = gm.lifecycle_mut().rollout()?;
+    let weights = session.weights();
+    let mut dec = GpuDecoder::new(config, session.backend(), weights.get())?;
+    let hot = Sampling {
+        temperature: 1.0,
+        max_new_tokens: 12,
+        seed: 9,
+        stop_token: None,
+    };
+    let greedy = dec.generate(prompts, &Sampling::greedy(12))?;
+    let sampled = dec.generate(prompts, &hot)?;
+    let single = dec.generate(&prompts[..1], &hot)?;
+    let first = dec.prefill(prompts, PrefillLogits::Last)?;
+    let next: Vec<u32> = first
+        .iter()
+        .map(|l| lifecycle_decoder::argmax(l) as u32)
+        .collect();
+    let logits = dec.decode_step(&next)?;
+    Ok(Outputs {
+        greedy,
+        sampled,
+        single,
+        logits,
+    })
+}
+
+/// Two data-parallel replicas at T = 1 (each GPU decodes part of the batch on its own copy of
+/// the weights) give the tokens one GPU gives, for the same prompts and seeds.
+#[test]
+#[ignore = "needs 2 NVIDIA GPUs"]
+fn replicas_w2_t1_give_the_same_tokens_as_w1() -> Res {
+    let gpus = device_count()?;
+    if gpus < 2 {
+        return Err(format!("needs 2 GPUs, found {gpus}").into());
+    }
+    let config = ModelConfig::from_json_str(
+        r#"{"model_type": "qwen2", "vocab_size": 4096, "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": false}"#,
+    )?;
+    // 7 prompts of 3..6 tokens: replicas of 3 and 4 sequences
+    let prompts: Vec<Vec<u32>> = (0..7u32)
+        .map(|i| {
+            (0..3 + i % 4)
+                .map(|j| (i * 31 + j * 7 + 3) % 4096)
+                .collect()
+        })
+        .collect();
+    let one = decode_on(1, &config, &prompts)?;
+    let two = decode_on(2, &config, &prompts)?;
+    let mut worst = 0.0f32;
+    let mut scale = 0.0f32;
+    for (a, b) in one.logits.iter().zip(&two.logits) {
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b) {
+            worst = worst.max((x - y).abs());
+            scale = scale.max(x.abs());
+        }
+    }
+    println!(
+        "W=2 T=1 replicas vs W=1: greedy equal {}, sampled equal {}, batch-of-1 equal {}, max \
+         |decode logit difference| {worst:.3e} (max |logit| {scale:.3})",
+        one.greedy == two.greedy,
+        one.sampled == two.sampled,
+        one.single == two.single
+    );
+    assert_eq!(one.logits.len(), prompts.len());
+    assert!(worst <= 1e-3 + 1e-3 * scale, "logits differ by {worst}");
+    assert_eq!(one.greedy, two.greedy, "greedy tokens");
+    assert_eq!(one.sampled, two.sampled, "sampled tokens");
+    assert_eq!(one.single, two.single, "batch of one");
+    assert!(one.sampled.iter().all(|s| s.len() == 12));
     Ok(())
 }

@@ -46,3 +46,21 @@ fn a_degree_the_model_cannot_split_at_is_a_typed_error_before_any_gpu_work() {
         other => panic!("expected a Decode error, got {other:?}"),
     }
 }
+
+#[test]
+fn unsupported_topologies_are_typed_errors_before_any_gpu_work() {
+    let config = config();
+    // two TP groups of 2: not supported
+    match GpuModel::from_tensors_on(&config, random_tensors(&config, 1), 4, 2) {
+        Err(GpuDecodeError::Topology { world, tp, reason }) => {
+            assert_eq!((world, tp), (4, 2));
+            assert!(reason.contains("not supported"), "{reason}");
+        }
+        other => panic!("expected Topology, got {other:?}"),
+    }
+    // T larger than W
+    match GpuModel::from_tensors_on(&config, random_tensors(&config, 1), 1, 2) {
+        Err(GpuDecodeError::Topology { .. }) => {}
+        other => panic!("expected Topology, got {other:?}"),
+    }
+}

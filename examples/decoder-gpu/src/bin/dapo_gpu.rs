@@ -1,11 +1,12 @@
 //! DAPO end to end on GPUs: dynamic sampling through the GPU decoder on the FSDP backend's
-//! resharded rollout weights, an update stand-in that changes every weight, and the lazy and eager
-//! lifecycles compared on the same seeds.
+//! resharded rollout weights, an in-place Adam step on synthetic gradients between training
+//! steps, and the lazy and eager lifecycles compared on the same seeds.
 //!
 //! ```text
 //! dapo_gpu --gpus 2 --tp 2 --synthetic 7b --lifecycle both    # Qwen2.5-7B shapes, random weights
+//! dapo_gpu --gpus 2 --tp 1 --synthetic 7b                      # 2 data-parallel decoder replicas
 //! dapo_gpu --gpus 2 --tp 2 --checkpoint path/to/hf-model       # config.json + model.safetensors
-//! dapo_gpu --gpus 1 --tp 1                                     # a small random model
+//! lifecycle-launch --nproc-per-node 2 -- dapo_gpu --gpus 2 --tp 2   # one process per GPU
 //! dapo_gpu --help                                              # every option
 //! ```
 //!
@@ -14,12 +15,19 @@
 //! sample is rewarded by a verifiable rule (1 if one of its generated tokens `t` has
 //! `t mod M == target(prompt)`, `M = --reward-modulus`); groups whose rewards all agree are
 //! dropped; gen batches continue until `--batch-groups` groups are kept (at most
-//! `--max-gen-batches`, then a clear error). Then the update stand-in runs (not an optimizer
-//! step; see `--help` and the printed line), bumping the lifecycle's weight version.
+//! `--max-gen-batches`, then a clear error). Then the update: seeded synthetic gradients are
+//! written into the gradient shards on the GPUs and one Adam step is applied in place to the
+//! fp32 master, m, v shards ([`FsdpBackend::fill_synthetic_grads`],
+//! [`FsdpBackend::adam_step`]). It is an Adam step on synthetic gradients, not a learned update:
+//! the gradients are noise, not the gradient of a loss of the samples. Nothing is reallocated,
+//! and the pinned host buffers of the offload are allocated at the first switch and reused.
 //!
-//! The GPU decoder runs one tensor-parallel group over the whole pool, so `--gpus` must equal
-//! `--tp`. Master weights and Adam moments are offloaded to pinned host memory during rollout
-//! (`MemoryPolicy::default()`; `--no-offload` keeps them on the GPUs).
+//! Launch: with launcher variables (torchrun, Slurm, `lifecycle-launch`) each process drives one
+//! GPU (`--gpus` must equal `WORLD_SIZE`; only rank 0 prints the report, every rank prints its
+//! errors); otherwise one process drives `--gpus` GPUs with a thread each. The decoder runs one
+//! tensor-parallel group (`--gpus` = `--tp`), or, in one process at `--tp 1`, one data-parallel
+//! replica per GPU. Master weights and Adam moments are offloaded to pinned host memory during
+//! rollout (`MemoryPolicy::default()`; `--no-offload` keeps them on the GPUs).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -31,13 +39,28 @@ use lifecycle_core::{
     HumanBytes, HumanDuration, Lifecycle, LifecycleConfig, LifecycleError, LinkBytes, MemoryPolicy,
     Metrics, Switching,
 };
-use lifecycle_cuda::{CudaError, RankExecutor, ThreadRankPool};
+use lifecycle_cuda::{CudaError, ThreadRankPool};
 use lifecycle_decoder::{
-    load_checkpoint, CheckpointError, DecodeError, Decoder, ModelConfig, Sampling, SplitMix64,
+    load_checkpoint, CheckpointError, DecodeError, Decoder, ModelConfig, Sampling,
 };
-use lifecycle_decoder_gpu::{GpuDecodeError, GpuDecoder};
-use lifecycle_fsdp::{FsdpBackend, FsdpError, FsdpTrainState};
-use lifecycle_host::{HostTensor, TensorData};
+use lifecycle_decoder_gpu::{decode_topology, DecodeTopology, GpuDecodeError, GpuDecoder};
+use lifecycle_dist::{DistError, RankEnv};
+use lifecycle_fsdp::{check_adam_params, FsdpBackend, FsdpError, FsdpTrainState};
+use lifecycle_host::{AdamParams, HostTensor};
+
+/// `println!` on the rank that reports (every rank but 0 is silent in process mode).
+macro_rules! say {
+    ($root:expr) => {
+        if $root {
+            println!();
+        }
+    };
+    ($root:expr, $($arg:tt)*) => {
+        if $root {
+            println!($($arg)*);
+        }
+    };
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum LifecycleArg {
@@ -59,7 +82,9 @@ enum SyntheticArg {
 #[derive(Debug, Parser)]
 #[command(name = "dapo_gpu")]
 struct Args {
-    /// GPUs (W); must equal --tp (the GPU decoder runs one TP group over the whole pool).
+    /// GPUs (W): equal to --tp (one tensor-parallel decoder group), or any W with --tp 1 (one
+    /// data-parallel decoder replica per GPU, one process only). With one process per GPU
+    /// (torchrun / lifecycle-launch) it must equal WORLD_SIZE.
     #[arg(long, default_value_t = 2)]
     gpus: usize,
     /// Rollout tensor-parallel degree (T).
@@ -112,6 +137,16 @@ struct Args {
     /// Keep master weights and Adam moments on the GPUs during rollout (default: offloaded).
     #[arg(long)]
     no_offload: bool,
+    /// Learning rate of the Adam step (betas 0.9, 0.999, eps 1e-8).
+    #[arg(long, default_value_t = 1e-4)]
+    lr: f32,
+    /// Half-width of the uniform synthetic gradients.
+    #[arg(long, default_value_t = 1e-2)]
+    grad_scale: f32,
+    /// Every rank (not only rank 0) prints a digest of all the samples it generated, to check
+    /// that the processes of a one-process-per-GPU run picked the same tokens.
+    #[arg(long)]
+    samples_digest: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -130,6 +165,8 @@ enum DapoGpuError {
     Checkpoint(#[from] CheckpointError),
     #[error(transparent)]
     Decode(#[from] DecodeError),
+    #[error(transparent)]
+    Dist(#[from] DistError),
     #[error(
         "step {step}: {kept} of {needed} groups with mixed rewards after {gen_batches} gen batches \
          (the limit, --max-gen-batches): raise the limit, lower --batch-groups, or change \
@@ -165,101 +202,83 @@ const SMALL_CONFIG: &str = r#"{
   "rope_theta": 10000.0, "tie_word_embeddings": false, "vocab_size": 4096
 }"#;
 
-/// Where the weights come from, and how the update stand-in changes them.
-enum Weights {
-    /// Random weights made on the GPUs; version `k` uses seed `seed + k · 10 000 019`.
+/// Where the initial weights come from; a policy after the first starts again from them, put
+/// back in place.
+enum Source {
+    /// Random weights made on the GPUs ([`FsdpBackend::synthetic_state`]).
     Synthetic {
         shapes: Vec<(String, Vec<usize>)>,
         seed: u64,
         scale: f32,
     },
-    /// Checkpoint weights kept in host memory (fp32); the update scales and perturbs them and
-    /// uploads the result.
-    Host {
-        base: Vec<HostTensor>,
-        current: Vec<HostTensor>,
-        seed: u64,
-    },
+    /// Checkpoint weights (fp32, kept in host memory to restore them).
+    Host { tensors: Vec<HostTensor> },
 }
 
-impl Weights {
-    /// The training state of the initial weights.
-    fn initial(&mut self, backend: &FsdpBackend) -> Result<FsdpTrainState, DapoGpuError> {
-        match self {
-            Weights::Synthetic {
+impl Source {
+    /// The training state of the initial weights, with a fresh optimizer (m, v, grads zero).
+    fn initial(&self, backend: &FsdpBackend) -> Result<FsdpTrainState, DapoGpuError> {
+        let mut state = match self {
+            Source::Synthetic {
                 shapes,
                 seed,
                 scale,
-            } => Ok(backend.synthetic_state(shapes, *seed, *scale)?),
-            Weights::Host { base, current, .. } => {
-                *current = base.clone();
-                Ok(backend.state_from_tensors(current.clone())?)
-            }
-        }
+            } => backend.synthetic_state(shapes, *seed, *scale)?,
+            Source::Host { tensors } => backend.state_from_tensors(tensors.clone())?,
+        };
+        backend.reset_optimizer(&mut state)?;
+        Ok(state)
     }
 
-    /// The training state after the update of `step` (1-based).
-    fn updated(
-        &mut self,
+    /// Puts the initial weights and a fresh optimizer back into `state`, in place.
+    fn reset(&self, backend: &FsdpBackend, state: &mut FsdpTrainState) -> Result<(), DapoGpuError> {
+        match self {
+            Source::Synthetic { seed, scale, .. } => {
+                backend.fill_synthetic_master(state, *seed, *scale)?
+            }
+            Source::Host { tensors } => backend.upload_master(state, tensors)?,
+        }
+        backend.reset_optimizer(state)?;
+        Ok(())
+    }
+}
+
+/// The update between training steps: synthetic gradients and one Adam step, in place.
+#[derive(Debug, Clone, Copy)]
+struct Update {
+    params: AdamParams,
+    grad_scale: f32,
+    seed: u64,
+}
+
+impl Update {
+    /// Fills the gradients of `step` (1-based) and applies the Adam step, on the GPUs.
+    fn apply(
+        &self,
         backend: &FsdpBackend,
+        state: &mut FsdpTrainState,
         step: usize,
-    ) -> Result<FsdpTrainState, DapoGpuError> {
-        match self {
-            Weights::Synthetic {
-                shapes,
-                seed,
-                scale,
-            } => {
-                let s = seed.wrapping_add(10_000_019u64.wrapping_mul(step as u64));
-                Ok(backend.synthetic_state(shapes, s, *scale)?)
-            }
-            Weights::Host { current, seed, .. } => {
-                for (i, t) in current.iter_mut().enumerate() {
-                    if let TensorData::F32(v) = &mut t.data {
-                        let mut rng = SplitMix64::from_keys(&[*seed, step as u64, i as u64]);
-                        for x in v.iter_mut() {
-                            *x = *x * (1.0 - 1e-3) + 1e-4 * rng.symmetric(1.0);
-                        }
-                    }
-                }
-                Ok(backend.state_from_tensors(current.clone())?)
-            }
-        }
+    ) -> Result<(), DapoGpuError> {
+        let seed = self
+            .seed
+            .wrapping_add(0x9E37_79B9_7F4A_7C15u64.wrapping_mul(step as u64));
+        backend.fill_synthetic_grads(state, seed, self.grad_scale)?;
+        backend.adam_step(state, self.params)?;
+        Ok(())
     }
 
-    /// What the update stand-in does, for the output.
-    fn describe(&self) -> &'static str {
-        match self {
-            Weights::Synthetic { .. } => {
-                "update stand-in (NOT an optimizer step): every fp32 master weight and Adam m, v \
-                 regenerated on the GPUs from a new seed (FsdpBackend::synthetic_state, NVRTC \
-                 fill_uniform kernel); the new training state's first offload pins host memory anew"
-            }
-            Weights::Host { .. } => {
-                "update stand-in (NOT an optimizer step): every master weight w <- w*(1-1e-3) + \
-                 1e-4*noise(seeded) on the host, the new training state uploaded to the GPUs"
-            }
-        }
+    /// What the update is, for the output.
+    fn describe(&self) -> String {
+        let p = self.params;
+        format!(
+            "update: Adam step on synthetic gradients, not a learned update: seeded uniform noise \
+             in [-{}, {}) written into the gradient shards on the GPUs, then one Adam step (lr {}, \
+             betas {} / {}, eps {}) in place on the fp32 master, m, v shards \
+             (FsdpBackend::fill_synthetic_grads + adam_step); nothing reallocated, the pinned host \
+             offload buffers reused",
+            self.grad_scale, self.grad_scale, p.lr, p.beta1, p.beta2, p.eps
+        )
     }
-}
-
-/// Replaces the lifecycle's training state (inside a train session, so the version is bumped)
-/// with the one `make` builds, dropping the old state first so two never share the GPUs. If
-/// `make` fails the state is a one-tensor placeholder the next rollout's plan rejects.
-fn replace_state(
-    backend: &FsdpBackend,
-    state: &mut FsdpTrainState,
-    make: impl FnOnce(&FsdpBackend) -> Result<FsdpTrainState, DapoGpuError>,
-) -> Result<(), DapoGpuError> {
-    let w = backend.pool().world();
-    let placeholder = backend.state_from_tensors(vec![HostTensor::f32(
-        "dapo_gpu.update_placeholder",
-        vec![w],
-        vec![0.0; w],
-    )])?;
-    drop(std::mem::replace(state, placeholder));
-    *state = make(backend)?;
-    Ok(())
 }
 
 /// Prompt `id`'s tokens and its reward target.
@@ -312,6 +331,9 @@ struct Ctx<'a> {
     config: &'a ModelConfig,
     /// M of the reward rule (`--reward-modulus` capped at the vocabulary size).
     modulus: u32,
+    /// Whether this process prints the report (rank 0, or the only process).
+    root: bool,
+    update: Update,
 }
 
 fn rollout_batch(
@@ -385,7 +407,10 @@ struct StepReport {
     generate: Duration,
     setup: Duration,
     switch: Duration,
+    /// The update phase: `lc.train()` (lazy's exit) and the in-place step.
     update: Duration,
+    /// The in-place step alone (synthetic gradients + Adam).
+    adam: Duration,
     /// Switch time of each gen batch's rollout call.
     batch_switch: Vec<Duration>,
 }
@@ -422,20 +447,23 @@ fn name(s: Switching) -> &'static str {
 fn run_policy(
     lc: &mut Lifecycle<FsdpBackend>,
     cx: &Ctx<'_>,
-    weights: &mut Weights,
+    source: &Source,
     switching: Switching,
     first: bool,
 ) -> Result<PolicyReport, DapoGpuError> {
     let a = cx.args;
+    let root = cx.root;
     lc.set_switching(switching);
     if !first {
-        // Back to the initial weights, so both policies see the same weights at every step.
+        // Back to the initial weights and a fresh optimizer, in place, so both policies see the
+        // same weights at every step.
         let mut tr = lc.train()?;
         let (backend, state) = tr.backend_and_state_mut();
-        replace_state(backend, state, |b| weights.initial(b))?;
+        source.reset(backend, state)?;
     }
     // Warm-up (not measured): one switch and a one-token generation, so host memory for the
-    // offload is pinned and the decoder's kernels, cuBLAS and NCCL are initialised.
+    // offload is pinned (the first policy only: the buffers are kept) and the decoder's kernels,
+    // cuBLAS and NCCL are initialised.
     let t = Instant::now();
     {
         let session = lc.rollout()?;
@@ -447,7 +475,8 @@ fn run_policy(
         session.exit()?;
     }
     let warmup = t.elapsed();
-    println!(
+    say!(
+        root,
         "[{}] warm-up (switch + exit + 1-token generation, not measured): {}",
         name(switching),
         HumanDuration(warmup)
@@ -481,7 +510,8 @@ fn run_policy(
             setup += b.setup;
             batch_switch.push(b.switch);
             let n_kept = b.groups.iter().filter(|g| !g.uniform()).count();
-            println!(
+            say!(
+                root,
                 "[{}] step {step} gen batch {gen_batches}: {} sequences, {n_kept} of {} groups \
                  mixed, call {} (switch {} x{}, decoder setup {}, generate {})",
                 name(switching),
@@ -501,11 +531,13 @@ fn run_policy(
         let mean_reward = kept.iter().flat_map(|g| &g.rewards).sum::<f32>()
             / (kept.len() * a.group_size).max(1) as f32;
         let t = Instant::now();
-        {
+        let adam = {
             let mut tr = lc.train()?;
             let (backend, state) = tr.backend_and_state_mut();
-            replace_state(backend, state, |b| weights.updated(b, step))?;
-        }
+            let t = Instant::now();
+            cx.update.apply(backend, state, step)?;
+            t.elapsed()
+        };
         let update = t.elapsed();
         let delta: Metrics = lc.metrics().since(&before);
         let r = StepReport {
@@ -521,12 +553,15 @@ fn run_policy(
             setup,
             switch: delta.switch_time(),
             update,
+            adam,
             batch_switch,
         };
-        println!(
+        say!(
+            root,
             "[{}] step {step}: gen batches {}, groups {} generated / {} kept, mean reward {:.3}, \
              switches {}, exits {}, bytes {} (d2d {}, d2h {}, h2d {}), rollout phase {} (generate \
-             {}, decoder setup {}), switch time {}, update {} (incl. the exit)",
+             {}, decoder setup {}), switch time {}, update {} (of which Adam step on synthetic \
+             gradients {}; the rest is the exit under lazy)",
             name(switching),
             r.gen_batches,
             r.generated_groups,
@@ -543,6 +578,7 @@ fn run_policy(
             HumanDuration(r.setup),
             HumanDuration(r.switch),
             HumanDuration(r.update),
+            HumanDuration(r.adam),
         );
         steps.push(r);
     }
@@ -598,6 +634,11 @@ fn compare(lazy: &PolicyReport, eager: &PolicyReport) {
         d(eager, &|s| s.update),
     );
     row(
+        "  of which Adam step (synthetic g)",
+        d(lazy, &|s| s.adam),
+        d(eager, &|s| s.adam),
+    );
+    row(
         "rollout + update",
         d(lazy, &|s| s.rollout + s.update),
         d(eager, &|s| s.rollout + s.update),
@@ -623,12 +664,12 @@ fn compare(lazy: &PolicyReport, eager: &PolicyReport) {
         format!("{:.3} s", secs(p.sum(|s| s.switch)) / n)
     };
     row("time per switch", per(lazy), per(eager));
-    // Steady switch: eager's switches that did not follow an update (gen batches 2.. of a step);
-    // the first switch of a step after the first pins host memory for the new state.
+    // Eager's switch per rollout call (enter + exit): the updates are in place, so every call
+    // does the same work (no host memory pinned anew after an update).
     let steady: Vec<Duration> = eager
         .steps
         .iter()
-        .flat_map(|s| s.batch_switch.iter().skip(1).copied())
+        .flat_map(|s| s.batch_switch.iter().copied())
         .collect();
     let steady_mean = if steady.is_empty() {
         None
@@ -657,7 +698,7 @@ fn compare(lazy: &PolicyReport, eager: &PolicyReport) {
             let predicted = extra as f64 * t;
             println!(
                 "  prediction (gen batches - 1) x switch time = {extra} x {t:.3} s (eager's mean \
-                 switch not following an update, {} switches) = {predicted:.3} s; measured / \
+                 enter + exit per rollout call, over {} calls) = {predicted:.3} s; measured / \
                  predicted: rollout phase {:.2}, rollout + update {:.2}",
                 steady.len(),
                 if predicted > 0.0 {
@@ -676,22 +717,43 @@ fn compare(lazy: &PolicyReport, eager: &PolicyReport) {
     }
 }
 
-fn run(args: &Args) -> Result<(), DapoGpuError> {
-    let a = args;
+/// FNV-1a of every group's prompt id and sample tokens, in order, and the number of samples.
+fn samples_digest(groups: &[Group]) -> (u64, usize) {
+    let mut h: u64 = 0xCBF2_9CE4_8422_2325;
+    let mut eat = |x: u64| {
+        for b in x.to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01B3);
+        }
+    };
+    let mut samples = 0;
+    for g in groups {
+        eat(g.prompt);
+        for s in &g.samples {
+            samples += 1;
+            eat(s.len() as u64);
+            s.iter().for_each(|&t| eat(u64::from(t)));
+        }
+    }
+    (h, samples)
+}
+
+/// How this process was started.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Launch {
+    /// One process, a thread per GPU.
+    Threads,
+    /// One process per GPU (torchrun, Slurm, `lifecycle-launch`).
+    Process(RankEnv),
+}
+
+/// Checks the settings (and the launch) before any GPU work; the launch mode and the decoder's
+/// topology.
+fn check_args(a: &Args, env: Option<RankEnv>) -> Result<(Launch, DecodeTopology), DapoGpuError> {
     let checks = [
         (a.steps == 0, "--steps must be at least 1".to_string()),
         (
             a.gpus == 0 || a.tp == 0,
             "--gpus and --tp must be at least 1".to_string(),
-        ),
-        (
-            a.gpus != a.tp,
-            format!(
-                "--gpus {} with --tp {}: the GPU decoder runs one tensor-parallel group over \
-                 the whole pool, so W must equal T (data-parallel rollout replicas are not \
-                 supported yet)",
-                a.gpus, a.tp
-            ),
         ),
         (
             a.group_size < 2,
@@ -721,11 +783,50 @@ fn run(args: &Args) -> Result<(), DapoGpuError> {
             !(a.scale.is_finite() && a.scale > 0.0),
             format!("--scale must be finite and > 0, found {}", a.scale),
         ),
+        (
+            !(a.grad_scale.is_finite() && a.grad_scale > 0.0),
+            format!(
+                "--grad-scale must be finite and > 0, found {}",
+                a.grad_scale
+            ),
+        ),
     ];
     if let Some((_, msg)) = checks.into_iter().find(|(bad, _)| *bad) {
         return Err(DapoGpuError::Usage(msg));
     }
-    let (config, mut weights, what) = match (&a.checkpoint, a.synthetic) {
+    check_adam_params(&adam_params(a)).map_err(|e| DapoGpuError::Usage(format!("--lr: {e}")))?;
+    let (launch, local) = match env {
+        None => (Launch::Threads, a.gpus),
+        Some(env) => {
+            if env.world_size != a.gpus {
+                return Err(DapoGpuError::Usage(format!(
+                    "--gpus {} but the launcher started WORLD_SIZE = {} processes: with one \
+                     process per GPU, --gpus must equal WORLD_SIZE",
+                    a.gpus, env.world_size
+                )));
+            }
+            (Launch::Process(env), 1)
+        }
+    };
+    let topology = decode_topology(a.gpus, a.tp, local)?;
+    Ok((launch, topology))
+}
+
+fn adam_params(a: &Args) -> AdamParams {
+    AdamParams {
+        lr: a.lr,
+        ..AdamParams::default()
+    }
+}
+
+fn run(args: &Args, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
+    let a = args;
+    let (launch, topology) = check_args(a, env)?;
+    let root = match &launch {
+        Launch::Threads => true,
+        Launch::Process(env) => env.rank == 0,
+    };
+    let (config, source, what) = match (&a.checkpoint, a.synthetic) {
         (Some(dir), _) => {
             let ckpt = load_checkpoint(dir)?;
             let base = ckpt
@@ -743,15 +844,7 @@ fn run(args: &Args) -> Result<(), DapoGpuError> {
                 })
                 .collect::<Result<Vec<_>, DapoGpuError>>()?;
             let what = format!("checkpoint {}", dir.display());
-            (
-                ckpt.config,
-                Weights::Host {
-                    current: Vec::new(),
-                    base,
-                    seed: a.seed,
-                },
-                what,
-            )
+            (ckpt.config, Source::Host { tensors: base }, what)
         }
         (None, Some(SyntheticArg::Qwen7b)) => {
             let config = ModelConfig::from_json_str(QWEN2_5_7B_CONFIG)?;
@@ -763,7 +856,7 @@ fn run(args: &Args) -> Result<(), DapoGpuError> {
                         .into(),
                 ));
             }
-            let w = Weights::Synthetic {
+            let w = Source::Synthetic {
                 shapes,
                 seed: a.seed,
                 scale: a.scale,
@@ -776,7 +869,7 @@ fn run(args: &Args) -> Result<(), DapoGpuError> {
         }
         (None, Some(SyntheticArg::Small) | None) => {
             let config = ModelConfig::from_json_str(SMALL_CONFIG)?;
-            let w = Weights::Synthetic {
+            let w = Source::Synthetic {
                 shapes: config.tensor_shapes(),
                 seed: a.seed,
                 scale: a.scale,
@@ -801,8 +894,21 @@ fn run(args: &Args) -> Result<(), DapoGpuError> {
     } else {
         MemoryPolicy::default()
     };
-    println!(
-        "dapo_gpu: {what}: {:.3} B parameters, W = {}, T = {}, offload master {} / Adam {}",
+    let mode = match (&launch, topology) {
+        (Launch::Process(env), _) => format!(
+            "one process per GPU (rank {} of {}, local GPU {})",
+            env.rank, env.world_size, env.local_rank
+        ),
+        (Launch::Threads, DecodeTopology::Group) => {
+            "one process, a thread per GPU, one tensor-parallel decoder group".to_string()
+        }
+        (Launch::Threads, DecodeTopology::Replicas(r)) => {
+            format!("one process, a thread per GPU, {r} data-parallel decoder replicas")
+        }
+    };
+    say!(
+        root,
+        "dapo_gpu: {what}: {:.3} B parameters, W = {}, T = {} ({mode}), offload master {} / Adam {}",
         config.params() as f64 / 1e9,
         a.gpus,
         a.tp,
@@ -813,7 +919,8 @@ fn run(args: &Args) -> Result<(), DapoGpuError> {
             "off"
         },
     );
-    println!(
+    say!(
+        root,
         "  per step: gen batches of {} prompts x {} samples, {} prompt + {} new tokens, \
          temperature {}, until {} groups with mixed rewards (at most {} gen batches); reward 1 if \
          a generated token t has t mod {} == target(prompt)",
@@ -826,12 +933,20 @@ fn run(args: &Args) -> Result<(), DapoGpuError> {
         a.max_gen_batches,
         modulus
     );
-    println!("  {}", weights.describe());
+    let update = Update {
+        params: adam_params(a),
+        grad_scale: a.grad_scale,
+        seed: a.seed ^ 0x5EED_6AAD,
+    };
+    say!(root, "  {}", update.describe());
     let t = Instant::now();
     let layout = config.rollout_layout(a.tp)?;
-    let pool = Arc::new(ThreadRankPool::new(a.gpus)?);
-    let backend = FsdpBackend::new(pool, layout);
-    let state = weights.initial(&backend)?;
+    let pool = match &launch {
+        Launch::Threads => ThreadRankPool::new(a.gpus)?,
+        Launch::Process(env) => ThreadRankPool::for_process(env, Duration::from_secs(120))?,
+    };
+    let backend = FsdpBackend::new(Arc::new(pool), layout);
+    let state = source.initial(&backend)?;
     let policies: &[Switching] = match a.lifecycle {
         LifecycleArg::Lazy => &[Switching::Lazy],
         LifecycleArg::Eager => &[Switching::Eager],
@@ -845,7 +960,8 @@ fn run(args: &Args) -> Result<(), DapoGpuError> {
             memory,
         },
     )?;
-    println!(
+    say!(
+        root,
         "  setup (GPUs, NCCL, training state): {}",
         HumanDuration(t.elapsed())
     );
@@ -853,15 +969,18 @@ fn run(args: &Args) -> Result<(), DapoGpuError> {
         args: a,
         config: &config,
         modulus,
+        root,
+        update,
     };
     let mut reports = Vec::new();
     for (i, &p) in policies.iter().enumerate() {
-        reports.push(run_policy(&mut lc, &cx, &mut weights, p, i == 0)?);
+        reports.push(run_policy(&mut lc, &cx, &source, p, i == 0)?);
     }
     for r in &reports {
-        println!(
+        say!(
+            root,
             "[{}] total: {} steps, {} gen batches, rollout phase {:.3} s, switches {}, exits {}, \
-             bytes {}, switch time {:.3} s",
+             bytes {}, switch time {:.3} s, Adam steps on synthetic gradients {:.3} s",
             name(r.switching),
             r.steps.len(),
             r.steps.iter().map(|s| s.gen_batches).sum::<usize>(),
@@ -870,21 +989,54 @@ fn run(args: &Args) -> Result<(), DapoGpuError> {
             r.exits(),
             HumanBytes(r.bytes()),
             secs(r.sum(|s| s.switch)),
+            secs(r.sum(|s| s.adam)),
         );
     }
-    if let [lazy, eager] = reports.as_slice() {
+    if let ([lazy, eager], true) = (reports.as_slice(), root) {
         compare(lazy, eager);
     }
+    if a.samples_digest {
+        let rank = match &launch {
+            Launch::Threads => "the only process".to_string(),
+            Launch::Process(env) => format!("rank {} of {}", env.rank, env.world_size),
+        };
+        for r in &reports {
+            let (digest, samples) = samples_digest(&r.groups);
+            println!(
+                "[{}] {rank}: samples digest {digest:016x} over {samples} samples",
+                name(r.switching)
+            );
+        }
+    }
     lc.exit()?;
+    let state = lc.peek_state();
+    say!(
+        root,
+        "  pinned host memory for the offload (this process's ranks): {}, allocated at the first \
+         switch and reused by every later one; {} Adam steps applied since the last reset",
+        HumanBytes(state.pinned_host_bytes()),
+        state.adam_steps()
+    );
     Ok(())
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    match run(&args) {
+    let env = match RankEnv::from_env() {
+        Ok(env) => env,
+        Err(e) => {
+            eprintln!("error: the launcher variables are invalid: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let who = env
+        .as_ref()
+        .map(|e| format!(" (rank {} of {})", e.rank, e.world_size))
+        .unwrap_or_default();
+    match run(&args, env) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error{who}: {e}");
             ExitCode::FAILURE
         }
     }
@@ -908,6 +1060,19 @@ mod tests {
     }
 
     #[test]
+    fn samples_digest_sees_every_token() {
+        let g = |t: u32| Group {
+            prompt: 1,
+            samples: vec![vec![1, 2], vec![3, t]],
+            rewards: vec![0.0, 1.0],
+        };
+        let (a, n) = samples_digest(&[g(4)]);
+        assert_eq!(n, 2);
+        assert_eq!(a, samples_digest(&[g(4)]).0);
+        assert_ne!(a, samples_digest(&[g(5)]).0);
+    }
+
+    #[test]
     fn reward_rule_and_groups() {
         let (tokens, target) = prompt(3, 8, 4096, 150);
         assert_eq!(tokens.len(), 8);
@@ -922,26 +1087,80 @@ mod tests {
         assert!(!g.uniform());
     }
 
+    fn parse(extra: &[&str]) -> Args {
+        let mut v = vec!["dapo_gpu"];
+        v.extend_from_slice(extra);
+        Args::try_parse_from(v).unwrap()
+    }
+
+    fn launcher(rank: usize, world: usize) -> RankEnv {
+        let vars = [
+            ("RANK", rank.to_string()),
+            ("WORLD_SIZE", world.to_string()),
+            ("LOCAL_RANK", rank.to_string()),
+            ("MASTER_ADDR", "127.0.0.1".to_string()),
+            ("MASTER_PORT", "29533".to_string()),
+        ];
+        RankEnv::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone()))
+            .unwrap()
+            .unwrap()
+    }
+
     #[test]
     fn bad_settings_are_errors_before_any_gpu_work() {
-        let parse = |extra: &[&str]| {
-            let mut v = vec!["dapo_gpu"];
-            v.extend_from_slice(extra);
-            Args::try_parse_from(v).unwrap()
-        };
-        let e = run(&parse(&["--gpus", "2", "--tp", "1"])).unwrap_err();
-        assert!(e.to_string().contains("W must equal T"), "{e}");
-        let e = run(&parse(&["--group-size", "1"])).unwrap_err();
+        let e = run(&parse(&["--group-size", "1"]), None).unwrap_err();
         assert!(e.to_string().contains("--group-size"), "{e}");
-        let e = run(&parse(&["--temperature", "0"])).unwrap_err();
+        let e = run(&parse(&["--temperature", "0"]), None).unwrap_err();
         assert!(e.to_string().contains("--temperature"), "{e}");
+        let e = run(&parse(&["--lr=-1"]), None).unwrap_err();
+        assert!(
+            e.to_string().contains("--lr") && e.to_string().contains("lr = -1"),
+            "{e}"
+        );
+        let e = run(&parse(&["--grad-scale", "inf"]), None).unwrap_err();
+        assert!(e.to_string().contains("--grad-scale"), "{e}");
+        // several tensor-parallel groups: not supported
+        let e = run(&parse(&["--gpus", "4", "--tp", "2"]), None).unwrap_err();
+        assert!(
+            matches!(e, DapoGpuError::Gpu(GpuDecodeError::Topology { .. })),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("not supported"), "{e}");
+        let e = run(&parse(&["--gpus", "1", "--tp", "2"]), None).unwrap_err();
+        assert!(e.to_string().contains("at least T ranks"), "{e}");
+    }
+
+    #[test]
+    fn launch_modes_are_checked_before_any_gpu_work() {
+        // thread mode: one group, or replicas at T = 1
+        let (launch, topo) = check_args(&parse(&["--gpus", "2", "--tp", "2"]), None).unwrap();
+        assert_eq!((launch, topo), (Launch::Threads, DecodeTopology::Group));
+        let (_, topo) = check_args(&parse(&["--gpus", "2", "--tp", "1"]), None).unwrap();
+        assert_eq!(topo, DecodeTopology::Replicas(2));
+        // process mode: --gpus must equal WORLD_SIZE
+        let e = check_args(&parse(&["--gpus", "2", "--tp", "2"]), Some(launcher(1, 4)))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("WORLD_SIZE = 4") && e.contains("--gpus 2"),
+            "{e}"
+        );
+        let (launch, topo) =
+            check_args(&parse(&["--gpus", "2", "--tp", "2"]), Some(launcher(1, 2))).unwrap();
+        assert_eq!(launch, Launch::Process(launcher(1, 2)));
+        assert_eq!(topo, DecodeTopology::Group);
+        // process mode: replicas are not supported
+        let e = check_args(&parse(&["--gpus", "2", "--tp", "1"]), Some(launcher(0, 2)))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("one process per rank"), "{e}");
     }
 
     #[test]
     fn without_a_gpu_the_run_is_a_typed_error() {
         // On a machine with 2 GPUs this would run; in CI there is no driver: an error, no panic.
         let args = Args::try_parse_from(["dapo_gpu", "--steps", "1"]).unwrap();
-        if let Err(e) = run(&args) {
+        if let Err(e) = run(&args, None) {
             println!("no GPU here: {e}");
         }
     }

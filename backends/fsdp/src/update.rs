@@ -1,0 +1,730 @@
+//! In-place training updates on the GPUs: seeded synthetic gradients and an Adam step applied to
+//! the resident fp32 master, Adam m and v shards of an [`FsdpTrainState`].
+//!
+//! Nothing is reallocated: the device buffers are rewritten where they are, and the pinned host
+//! buffers that offloading allocated at the first switch stay allocated for the next one.
+//!
+//! - [`FsdpBackend::fill_synthetic_grads`]: element `e` (flat index in the full tensor) of tensor
+//!   `i` gets [`synthetic_grad_value`]`(seed, i, e, scale)`, a counter-based hash, so the
+//!   gradients do not depend on W and the host computes the same values.
+//! - [`FsdpBackend::adam_step`]: the formula and operation order of
+//!   [`HostTrainState::adam_step`](lifecycle_host::HostTrainState::adam_step), compiled with
+//!   `--fmad=false` (no contraction into fused multiply-adds), IEEE division and square root and
+//!   no flush-to-zero, so the result is bit-identical to the host's; the bias corrections are
+//!   computed on the host with the same expression.
+//! - [`FsdpBackend::reset_optimizer`], [`FsdpBackend::fill_synthetic_master`],
+//!   [`FsdpBackend::upload_master`]: put a state back to its starting point in place.
+//!
+//! Every call checks its inputs and that the buffers it touches are on the device before
+//! anything moves; an offloaded or freed buffer is [`FsdpError::NotResident`].
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use lifecycle_cuda::{arch_candidates, CudaError, RankCtx, RankExecutor};
+use lifecycle_host::{AdamParams, HostTensor};
+
+use crate::backend::{fill_shards_uniform, ptr_mut, shard_host_tensors};
+use crate::plan::ShardLayout;
+use crate::state::RankTrain;
+use crate::{FsdpBackend, FsdpError, FsdpTrainState};
+
+/// CUDA C source of the update kernels (no headers). Compile with `--fmad=false`: the Adam step
+/// must round every product and sum on its own, as the host does.
+pub const UPDATE_KERNEL_SRC: &str = r#"
+typedef unsigned long long u64;
+
+__device__ __forceinline__ u64 mix64(u64 x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+// g[i] = scale * (2u - 1), u = (top 24 bits of mix64(key + index_offset + i)) / 2^24.
+extern "C" __global__ void synthetic_grads(float* __restrict__ g, u64 n, u64 key,
+                                           u64 index_offset, float scale) {
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        u64 x = mix64(key + index_offset + i);
+        float u = (float)(x >> 40) * (1.0f / 16777216.0f);
+        g[i] = scale * (2.0f * u - 1.0f);
+    }
+}
+
+// One Adam step with bias corrections c1 = 1 - beta1^t, c2 = 1 - beta2^t, in the host's order:
+//   m = beta1*m + (1-beta1)*g;  v = beta2*v + ((1-beta2)*g)*g;
+//   w = w - (lr * (m/c1)) / (sqrt(v/c2) + eps)
+extern "C" __global__ void adam_step(float* __restrict__ w, float* __restrict__ m,
+                                     float* __restrict__ v, const float* __restrict__ g, u64 n,
+                                     float beta1, float beta2, float one_minus_beta1,
+                                     float one_minus_beta2, float c1, float c2, float lr,
+                                     float eps) {
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        float gi = g[i];
+        float mi = beta1 * m[i] + one_minus_beta1 * gi;
+        float vi = beta2 * v[i] + one_minus_beta2 * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        float m_hat = mi / c1;
+        float v_hat = vi / c2;
+        w[i] = w[i] - lr * m_hat / (sqrtf(v_hat) + eps);
+    }
+}
+"#;
+
+/// The splitmix64 finaliser (the kernels' `mix64`).
+fn mix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// The hash key of tensor `tensor`'s gradients under `seed`.
+fn grad_key(seed: u64, tensor: usize) -> u64 {
+    mix64(seed ^ mix64(tensor as u64))
+}
+
+/// The synthetic gradient of element `index` (flat, row-major, in the full tensor) of the
+/// `tensor`-th training tensor under `seed`: uniform in `[-scale, scale)`. The host twin of
+/// [`FsdpBackend::fill_synthetic_grads`], bit for bit.
+///
+/// ```
+/// use lifecycle_fsdp::synthetic_grad_value;
+/// let g = synthetic_grad_value(7, 3, 12_345, 0.5);
+/// assert!((-0.5..0.5).contains(&g));
+/// assert_eq!(g.to_bits(), synthetic_grad_value(7, 3, 12_345, 0.5).to_bits());
+/// assert_ne!(g, synthetic_grad_value(8, 3, 12_345, 0.5));
+/// ```
+pub fn synthetic_grad_value(seed: u64, tensor: usize, index: u64, scale: f32) -> f32 {
+    let x = mix64(grad_key(seed, tensor).wrapping_add(index));
+    let u = (x >> 40) as f32 * (1.0 / 16_777_216.0);
+    scale * (2.0 * u - 1.0)
+}
+
+/// Checks Adam hyper-parameters: `lr` finite and > 0, `beta1` and `beta2` in `[0, 1)`, `eps`
+/// finite and > 0.
+pub fn check_adam_params(p: &AdamParams) -> Result<(), FsdpError> {
+    let checks: [(&'static str, f32, bool, &'static str); 4] = [
+        ("lr", p.lr, p.lr.is_finite() && p.lr > 0.0, "finite and > 0"),
+        ("beta1", p.beta1, (0.0..1.0).contains(&p.beta1), "in [0, 1)"),
+        ("beta2", p.beta2, (0.0..1.0).contains(&p.beta2), "in [0, 1)"),
+        (
+            "eps",
+            p.eps,
+            p.eps.is_finite() && p.eps > 0.0,
+            "finite and > 0",
+        ),
+    ];
+    match checks.into_iter().find(|c| !c.2) {
+        Some((name, value, _, expected)) => Err(FsdpError::AdamParam {
+            name,
+            value,
+            expected,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The update kernels loaded into one rank's context.
+#[derive(Debug)]
+pub(crate) struct UpdateKernels {
+    _module: Arc<CudaModule>,
+    grads: CudaFunction,
+    adam: CudaFunction,
+    sm_count: u32,
+}
+
+/// The kernels of every local rank, compiled and loaded on first use (the backend's cache).
+#[derive(Debug, Default)]
+pub(crate) struct UpdateKernelCache(Mutex<Option<Arc<Vec<UpdateKernels>>>>);
+
+impl UpdateKernels {
+    /// Compiles [`UPDATE_KERNEL_SRC`] for this rank's device and loads it.
+    fn load(ctx: &RankCtx) -> Result<Self, CudaError> {
+        let rank = ctx.rank;
+        let (major, minor) = ctx
+            .ctx
+            .compute_capability()
+            .map_err(ctx.drv("reading the compute capability", 0))?;
+        let mut failures = Vec::new();
+        let mut last = Vec::new();
+        let mut ptx = None;
+        for arch in arch_candidates(major, minor) {
+            let opts = CompileOptions {
+                options: vec![format!("--gpu-architecture={arch}")],
+                fmad: Some(false),
+                prec_div: Some(true),
+                prec_sqrt: Some(true),
+                ftz: Some(false),
+                ..Default::default()
+            };
+            last = vec![
+                format!("--gpu-architecture={arch}"),
+                "--fmad=false".into(),
+                "--prec-div=true".into(),
+                "--prec-sqrt=true".into(),
+                "--ftz=false".into(),
+            ];
+            match compile_ptx_with_opts(UPDATE_KERNEL_SRC, opts) {
+                Ok(p) => {
+                    ptx = Some(p);
+                    break;
+                }
+                Err(e) => failures.push(format!("{arch}: {e:?}")),
+            }
+        }
+        let ptx = ptx.ok_or_else(|| CudaError::Compile {
+            module: "lifecycle_fsdp update kernels".into(),
+            options: last,
+            detail: format!(
+                "{}; set LIFECYCLE_CUDA_ARCH (e.g. sm_90) to the GPU's architecture",
+                failures.join("; ")
+            ),
+        })?;
+        let module = ctx
+            .ctx
+            .load_module(ptx)
+            .map_err(ctx.drv("loading the update kernel module", 0))?;
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| CudaError::driver(rank, format!("loading kernel {name}"), 0, e))
+        };
+        let sm_count = ctx
+            .ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(ctx.drv("reading the SM count", 0))?;
+        Ok(UpdateKernels {
+            grads: f("synthetic_grads")?,
+            adam: f("adam_step")?,
+            _module: module,
+            sm_count: sm_count.max(1) as u32,
+        })
+    }
+
+    fn grid(&self, n: u64) -> LaunchConfig {
+        let blocks = n.div_ceil(256).clamp(1, self.sm_count as u64 * 16) as u32;
+        LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// Writes `n` synthetic gradients at `dst`.
+    ///
+    /// # Safety
+    /// `dst` must point to `n` writable f32 of the stream's device, alive until the kernel ran.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn synthetic_grads(
+        &self,
+        stream: &CudaStream,
+        dst: u64,
+        n: u64,
+        key: u64,
+        index_offset: u64,
+        scale: f32,
+        rank: usize,
+    ) -> Result<(), CudaError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let mut b = stream.launch_builder(&self.grads);
+        b.arg(&dst).arg(&n).arg(&key).arg(&index_offset).arg(&scale);
+        // SAFETY: the caller guarantees `dst` holds `n` f32; the arguments match the kernel's
+        // parameters (pointer, 3 × u64, f32).
+        unsafe { b.launch(self.grid(n)) }
+            .map(|_| ())
+            .map_err(|e| CudaError::driver(rank, "launching the synthetic gradient kernel", 0, e))
+    }
+
+    /// One Adam step on `n` elements at `w`, `m`, `v` from the gradients at `g`.
+    ///
+    /// # Safety
+    /// `w`, `m`, `v` must point to `n` writable and `g` to `n` readable f32 of the stream's
+    /// device, none overlapping another, alive until the kernel ran.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn adam_step(
+        &self,
+        stream: &CudaStream,
+        [w, m, v, g]: [u64; 4],
+        n: u64,
+        c: &AdamConstants,
+        rank: usize,
+    ) -> Result<(), CudaError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let mut b = stream.launch_builder(&self.adam);
+        b.arg(&w)
+            .arg(&m)
+            .arg(&v)
+            .arg(&g)
+            .arg(&n)
+            .arg(&c.beta1)
+            .arg(&c.beta2)
+            .arg(&c.one_minus_beta1)
+            .arg(&c.one_minus_beta2)
+            .arg(&c.c1)
+            .arg(&c.c2)
+            .arg(&c.lr)
+            .arg(&c.eps);
+        // SAFETY: the caller guarantees the four buffers; the arguments match the kernel's
+        // parameters (4 pointers, u64, 8 × f32).
+        unsafe { b.launch(self.grid(n)) }
+            .map(|_| ())
+            .map_err(|e| CudaError::driver(rank, "launching the Adam kernel", 0, e))
+    }
+}
+
+/// The scalars of one Adam step, computed on the host exactly as
+/// [`HostTrainState::adam_step`](lifecycle_host::HostTrainState::adam_step) computes them.
+#[derive(Debug, Clone, Copy)]
+struct AdamConstants {
+    beta1: f32,
+    beta2: f32,
+    one_minus_beta1: f32,
+    one_minus_beta2: f32,
+    c1: f32,
+    c2: f32,
+    lr: f32,
+    eps: f32,
+}
+
+impl AdamConstants {
+    fn new(p: &AdamParams, t: i32) -> Self {
+        AdamConstants {
+            beta1: p.beta1,
+            beta2: p.beta2,
+            one_minus_beta1: 1.0 - p.beta1,
+            one_minus_beta2: 1.0 - p.beta2,
+            c1: 1.0 - p.beta1.powi(t),
+            c2: 1.0 - p.beta2.powi(t),
+            lr: p.lr,
+            eps: p.eps,
+        }
+    }
+}
+
+/// Which buffers an operation needs on the device.
+#[derive(Debug, Clone, Copy)]
+struct Needs {
+    master: bool,
+    moments: bool,
+    grads: bool,
+}
+
+/// `Err(NotResident)` naming the first local rank and buffer that is not on the device.
+fn require(
+    state: &FsdpTrainState,
+    locals: &[usize],
+    operation: &'static str,
+    needs: Needs,
+) -> Result<(), FsdpError> {
+    for (rt, &rank) in state.ranks.iter().zip(locals) {
+        let offloaded = "offloaded to pinned host memory";
+        let missing: [(bool, bool, &'static str, &'static str); 4] = [
+            (
+                needs.master,
+                rt.master.is_none(),
+                "fp32 master weights",
+                offloaded,
+            ),
+            (needs.moments, rt.m.is_none(), "Adam m", offloaded),
+            (needs.moments, rt.v.is_none(), "Adam v", offloaded),
+            (
+                needs.grads,
+                rt.grads.is_none(),
+                "gradients",
+                "freed (entering rollout mode frees them)",
+            ),
+        ];
+        if let Some((_, _, buffer, found)) = missing.into_iter().find(|m| m.0 && m.1) {
+            return Err(FsdpError::NotResident {
+                operation,
+                buffer,
+                rank,
+                found,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A device buffer the residency check has already found (an internal error otherwise).
+fn on_device<'a>(
+    buf: &'a mut Option<CudaSlice<f32>>,
+    what: &str,
+    rank: usize,
+) -> Result<&'a mut CudaSlice<f32>, CudaError> {
+    buf.as_mut()
+        .ok_or_else(|| CudaError::Invalid(format!("rank {rank}: {what} is not on the device")))
+}
+
+/// The per-rank work of an in-place update: context, kernels, the rank's buffers, the layout.
+type RankUpdate<'f> = dyn Fn(&RankCtx, &UpdateKernels, &mut RankTrain, &ShardLayout) -> Result<(), CudaError>
+    + Sync
+    + 'f;
+
+impl FsdpBackend {
+    /// The update kernels of every local rank (compiled and loaded at the first call).
+    fn update_kernels(&self) -> Result<Arc<Vec<UpdateKernels>>, FsdpError> {
+        let mut cache = self
+            .update_kernels
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(k) = cache.as_ref() {
+            return Ok(k.clone());
+        }
+        let loaded = Arc::new(self.pool().run(&UpdateKernels::load)?);
+        *cache = Some(loaded.clone());
+        Ok(loaded)
+    }
+
+    /// Checks that `state` belongs to this backend's pool.
+    fn check_state(&self, state: &FsdpTrainState) -> Result<(), FsdpError> {
+        let pool = self.pool();
+        if state.world() != pool.world() || state.ranks.len() != pool.local_ranks().len() {
+            return Err(FsdpError::WorldMismatch {
+                state: state.world(),
+                pool: pool.world(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Runs `f(ctx, kernels, rank buffers, shard layout)` on every local rank, then waits for
+    /// the rank's streams, so later work on any stream (an offload copy) sees the result.
+    fn run_update(&self, state: &mut FsdpTrainState, f: &RankUpdate<'_>) -> Result<(), FsdpError> {
+        let kernels = self.update_kernels()?;
+        let shards = &state.shards;
+        let mut items: Vec<(&UpdateKernels, &mut RankTrain)> =
+            kernels.iter().zip(state.ranks.iter_mut()).collect();
+        self.pool().run_each(&mut items, &|ctx, (k, rt)| {
+            // Earlier work (a reload on the copy stream) is complete before the kernels read.
+            ctx.sync_all()?;
+            let out = f(ctx, k, rt, shards);
+            // Wait even after an error: nothing may still be running when the caller goes on.
+            let synced = ctx.sync_all();
+            out.and(synced)
+        })?;
+        Ok(())
+    }
+
+    /// Fills the gradient shards in place with seeded synthetic gradients: element `e` (flat
+    /// index in the full tensor) of tensor `i` becomes
+    /// [`synthetic_grad_value`]`(seed, i, e, scale)`, the same for every W. Padding is left as
+    /// it is (zero). Needs the gradients on the device (train mode).
+    pub fn fill_synthetic_grads(
+        &self,
+        state: &mut FsdpTrainState,
+        seed: u64,
+        scale: f32,
+    ) -> Result<(), FsdpError> {
+        if !scale.is_finite() {
+            return Err(FsdpError::Config(format!(
+                "the synthetic gradient scale must be finite, found {scale}"
+            )));
+        }
+        self.check_state(state)?;
+        let needs = Needs {
+            master: false,
+            moments: false,
+            grads: true,
+        };
+        require(
+            state,
+            self.pool().local_ranks(),
+            "filling synthetic gradients",
+            needs,
+        )?;
+        self.run_update(state, &|ctx, k, rt, shards| {
+            let g = on_device(&mut rt.grads, "gradients", ctx.rank)?;
+            if (g.len() as u64) < shards.rank_len {
+                return Err(CudaError::Invalid(format!(
+                    "rank {}: a gradient buffer of {} elements for a layout of {}",
+                    ctx.rank,
+                    g.len(),
+                    shards.rank_len
+                )));
+            }
+            let base = ptr_mut(g, ctx);
+            for (i, slot) in shards.slots.iter().enumerate() {
+                let held = shards.held_rows(i, ctx.rank);
+                let n = (held.len() * slot.cols) as u64;
+                // SAFETY: the slot's held rows lie inside the gradient buffer (rank_len
+                // elements, checked above), which `run_update` keeps alive and waits for.
+                unsafe {
+                    k.synthetic_grads(
+                        &ctx.compute,
+                        base + 4 * slot.offset,
+                        n,
+                        grad_key(seed, i),
+                        (held.start * slot.cols) as u64,
+                        scale,
+                        ctx.rank,
+                    )?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// One Adam step (with bias correction) of every fp32 master weight from the current
+    /// gradients, in place on the device: the same formula, operation order and rounding as
+    /// [`HostTrainState::adam_step`](lifecycle_host::HostTrainState::adam_step), bit for bit.
+    /// Bumps [`FsdpTrainState::adam_steps`]. Needs master, m, v and the gradients on the device
+    /// (train mode: after an exit reloaded them); an offloaded buffer is
+    /// [`FsdpError::NotResident`], checked before anything changes.
+    pub fn adam_step(
+        &self,
+        state: &mut FsdpTrainState,
+        params: AdamParams,
+    ) -> Result<(), FsdpError> {
+        check_adam_params(&params)?;
+        self.check_state(state)?;
+        let needs = Needs {
+            master: true,
+            moments: true,
+            grads: true,
+        };
+        require(state, self.pool().local_ranks(), "the Adam step", needs)?;
+        let t = i32::try_from(state.adam_steps + 1).map_err(|_| {
+            FsdpError::Config(format!(
+                "{} Adam steps: the bias correction's exponent must fit in an i32",
+                state.adam_steps
+            ))
+        })?;
+        let c = AdamConstants::new(&params, t);
+        self.run_update(state, &|ctx, k, rt, shards| {
+            let rank = ctx.rank;
+            let mut ptrs = [0u64; 4];
+            for (p, (buf, what)) in ptrs.iter_mut().zip([
+                (&mut rt.master, "fp32 master weights"),
+                (&mut rt.m, "Adam m"),
+                (&mut rt.v, "Adam v"),
+                (&mut rt.grads, "gradients"),
+            ]) {
+                let b = on_device(buf, what, rank)?;
+                if (b.len() as u64) < shards.rank_len {
+                    return Err(CudaError::Invalid(format!(
+                        "rank {rank}: {what} holds {} elements, the layout {}",
+                        b.len(),
+                        shards.rank_len
+                    )));
+                }
+                *p = ptr_mut(b, ctx);
+            }
+            for (i, slot) in shards.slots.iter().enumerate() {
+                let n = (shards.held_rows(i, rank).len() * slot.cols) as u64;
+                let at = ptrs.map(|p| p + 4 * slot.offset);
+                // SAFETY: the four buffers are distinct allocations of rank_len (checked above)
+                // f32 each; the slot's held rows lie inside them; `run_update` keeps them alive
+                // and waits for the kernels.
+                unsafe { k.adam_step(&ctx.compute, at, n, &c, rank)? };
+            }
+            Ok(())
+        })?;
+        state.adam_steps += 1;
+        Ok(())
+    }
+
+    /// Zeroes Adam m, v and the gradients in place and sets the step count to 0 (a fresh
+    /// optimizer; the pinned host buffers stay allocated). Needs them on the device.
+    pub fn reset_optimizer(&self, state: &mut FsdpTrainState) -> Result<(), FsdpError> {
+        self.check_state(state)?;
+        let needs = Needs {
+            master: false,
+            moments: true,
+            grads: true,
+        };
+        require(
+            state,
+            self.pool().local_ranks(),
+            "resetting the optimizer",
+            needs,
+        )?;
+        self.run_update(state, &|ctx, _, rt, _| {
+            for (buf, what) in [
+                (&mut rt.m, "Adam m"),
+                (&mut rt.v, "Adam v"),
+                (&mut rt.grads, "gradients"),
+            ] {
+                let b = on_device(buf, what, ctx.rank)?;
+                ctx.compute
+                    .memset_zeros(b)
+                    .map_err(ctx.drv("zeroing optimizer state", 0))?;
+            }
+            Ok(())
+        })?;
+        state.adam_steps = 0;
+        Ok(())
+    }
+
+    /// Rewrites the fp32 master weights in place with the values
+    /// [`FsdpBackend::synthetic_state`]`(.., seed, scale)` gives them (m, v, grads and the step
+    /// count unchanged). Needs the master weights on the device.
+    pub fn fill_synthetic_master(
+        &self,
+        state: &mut FsdpTrainState,
+        seed: u64,
+        scale: f32,
+    ) -> Result<(), FsdpError> {
+        if !scale.is_finite() {
+            return Err(FsdpError::Config(format!(
+                "the synthetic weight scale must be finite, found {scale}"
+            )));
+        }
+        self.check_state(state)?;
+        let needs = Needs {
+            master: true,
+            moments: false,
+            grads: false,
+        };
+        require(
+            state,
+            self.pool().local_ranks(),
+            "rewriting the master weights",
+            needs,
+        )?;
+        self.run_update(state, &|ctx, _, rt, shards| {
+            let master = on_device(&mut rt.master, "fp32 master weights", ctx.rank)?;
+            fill_shards_uniform(ctx, master, shards, seed, scale)
+        })
+    }
+
+    /// Uploads full host tensors into the fp32 master shards in place (this process's ranks;
+    /// padding zero). The tensors must be the state's, in its order, with its shapes; every
+    /// check runs before anything moves. m, v, grads and the step count are unchanged.
+    pub fn upload_master(
+        &self,
+        state: &mut FsdpTrainState,
+        tensors: &[HostTensor],
+    ) -> Result<(), FsdpError> {
+        self.check_state(state)?;
+        let expected = &state.layout.tensors;
+        if tensors.len() != expected.len() {
+            return Err(FsdpError::Tensor {
+                name: tensors
+                    .get(expected.len())
+                    .or(tensors.last())
+                    .map_or_else(String::new, |t| t.name.clone()),
+                problem: format!(
+                    "{} tensors given, the training state has {}",
+                    tensors.len(),
+                    expected.len()
+                ),
+            });
+        }
+        for (t, (name, shape)) in tensors.iter().zip(expected) {
+            if &t.name != name || &t.shape != shape {
+                return Err(FsdpError::Tensor {
+                    name: t.name.clone(),
+                    problem: format!(
+                        "expected `{name}` of shape {shape:?} at this position (the training \
+                         state's order), found `{}` of shape {:?}",
+                        t.name, t.shape
+                    ),
+                });
+            }
+        }
+        let needs = Needs {
+            master: true,
+            moments: false,
+            grads: false,
+        };
+        require(
+            state,
+            self.pool().local_ranks(),
+            "uploading master weights",
+            needs,
+        )?;
+        let hosts = shard_host_tensors(self.pool().local_ranks(), &state.shards, tensors)?;
+        let mut items: Vec<(&Vec<f32>, &mut RankTrain)> =
+            hosts.iter().zip(state.ranks.iter_mut()).collect();
+        self.pool().run_each(&mut items, &|ctx, (host, rt)| {
+            ctx.sync_all()?;
+            let master = on_device(&mut rt.master, "fp32 master weights", ctx.rank)?;
+            ctx.compute
+                .memcpy_htod(host.as_slice(), master)
+                .map_err(ctx.drv("uploading master shards", 0))?;
+            ctx.sync_all()
+        })?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grad_twin_is_deterministic_in_range_and_independent_per_tensor() {
+        let a: Vec<f32> = (0..4096)
+            .map(|e| synthetic_grad_value(11, 2, e, 0.25))
+            .collect();
+        let b: Vec<f32> = (0..4096)
+            .map(|e| synthetic_grad_value(11, 2, e, 0.25))
+            .collect();
+        assert_eq!(a, b);
+        assert!(a.iter().all(|g| (-0.25..0.25).contains(g)));
+        let mean = a.iter().sum::<f32>() / a.len() as f32;
+        assert!(mean.abs() < 0.02, "{mean}");
+        let other: Vec<f32> = (0..4096)
+            .map(|e| synthetic_grad_value(11, 3, e, 0.25))
+            .collect();
+        assert!(a.iter().zip(&other).filter(|(x, y)| x == y).count() < 8);
+    }
+
+    #[test]
+    fn adam_params_are_checked_by_name() {
+        assert!(check_adam_params(&AdamParams::default()).is_ok());
+        let bad = [
+            (
+                AdamParams {
+                    lr: f32::NAN,
+                    ..Default::default()
+                },
+                "lr",
+            ),
+            (
+                AdamParams {
+                    beta1: 1.0,
+                    ..Default::default()
+                },
+                "beta1",
+            ),
+            (
+                AdamParams {
+                    beta2: -0.1,
+                    ..Default::default()
+                },
+                "beta2",
+            ),
+            (
+                AdamParams {
+                    eps: 0.0,
+                    ..Default::default()
+                },
+                "eps",
+            ),
+        ];
+        for (p, name) in bad {
+            match check_adam_params(&p) {
+                Err(FsdpError::AdamParam { name: n, .. }) => assert_eq!(n, name),
+                other => panic!("{name}: expected AdamParam, got {other:?}"),
+            }
+        }
+        let msg = check_adam_params(&bad[1].0).unwrap_err().to_string();
+        assert!(msg.contains("beta1") && msg.contains("[0, 1)"), "{msg}");
+    }
+}
