@@ -16,6 +16,7 @@ use lifecycle_host::{
 
 use crate::plan::{build_plan, BucketConfig, Buf, FsdpPlan, ShardLayout};
 use crate::state::{FsdpTrainState, RankDump, RankTrain};
+use crate::verify::{self, Buffer, Mismatch};
 use crate::FsdpError;
 
 /// One rollout tensor's place in a rank's flat rollout buffer.
@@ -90,6 +91,16 @@ pub struct FsdpBackend {
     pool: Arc<ThreadRankPool>,
     layout: RolloutLayout,
     config: BucketConfig,
+    verify: bool,
+    /// Verification mode: hashes of the resident rollout weights.
+    rollout_sums: Option<RolloutSums>,
+}
+
+/// Hashes of the resident rollout weights, per local rank, per chunk of `table`.
+struct RolloutSums {
+    table: lifecycle_cuda::ChunkTable,
+    names: Vec<String>,
+    sums: Vec<Vec<u64>>,
 }
 
 impl std::fmt::Debug for FsdpBackend {
@@ -98,6 +109,7 @@ impl std::fmt::Debug for FsdpBackend {
             .field("world", &self.pool.world())
             .field("tp", &self.layout.tp)
             .field("config", &self.config)
+            .field("verify", &self.verify)
             .finish()
     }
 }
@@ -128,7 +140,189 @@ impl FsdpBackend {
             pool,
             layout,
             config: BucketConfig::default(),
+            verify: false,
+            rollout_sums: None,
         }
+    }
+
+    /// Turns verification mode on or off (see the `verify` module's summary below). When on,
+    /// computed on the GPUs:
+    /// - `plan` rejects NaN or infinite master weights, naming the tensor, rank and element
+    ///   ([`FsdpError::NonFinite`]), before anything moves;
+    /// - every buffer offloaded (master, Adam m, v per the memory policy) is hashed per chunk of
+    ///   each tensor's shard before its device→host copy and again after the reload; a mismatch
+    ///   leaves that buffer offloaded and names the rank, tensor and buffer
+    ///   ([`FsdpError::Corrupted`]);
+    /// - the rollout weights are hashed per tensor after every transfer and checked before
+    ///   release ([`FsdpError::RolloutCorrupted`]).
+    ///
+    /// Same semantics as the host backend's `HostBackend::with_verification`.
+    pub fn with_verification(mut self, on: bool) -> Self {
+        self.verify = on;
+        self.rollout_sums = None;
+        self
+    }
+
+    /// Whether verification mode is on.
+    pub fn verifies(&self) -> bool {
+        self.verify
+    }
+
+    /// Flips bit `bit` of element `index` of rollout tensor `tensor` on local rank `rank` (the
+    /// global rank in the single-process mode), in device memory: fault injection for testing
+    /// verification mode. Returns whether a bit was flipped (false when `rank` or `index` is out
+    /// of range); an unknown tensor is an error.
+    pub fn inject_rollout_bit_flip(
+        &self,
+        rollout: &mut FsdpRollout,
+        rank: usize,
+        tensor: &str,
+        index: usize,
+        bit: u32,
+    ) -> Result<bool, FsdpError> {
+        let entry = rollout
+            .entries
+            .iter()
+            .find(|e| e.name == tensor)
+            .ok_or_else(|| FsdpError::Tensor {
+                name: tensor.to_string(),
+                problem: "no such tensor in the rollout weights".into(),
+            })?;
+        if index as u64 >= entry.numel || rank >= rollout.ranks.len() {
+            return Ok(false);
+        }
+        let at = (entry.offset as usize) + index;
+        let mut items: Vec<(usize, &mut CudaSlice<bf16>)> =
+            rollout.ranks.iter_mut().enumerate().collect();
+        self.pool.run_each(&mut items, &|ctx, (i, buf)| {
+            if *i != rank {
+                return Ok(());
+            }
+            let mut one = buf.slice_mut(at..at + 1);
+            let old = ctx
+                .compute
+                .clone_dtoh(&one)
+                .map_err(ctx.drv("reading a rollout weight", 2))?;
+            let flipped: Vec<bf16> = old
+                .iter()
+                .map(|x| bf16::from_bits(x.to_bits() ^ (1 << (bit % 16))))
+                .collect();
+            ctx.compute
+                .memcpy_htod(&flipped, &mut one)
+                .map_err(ctx.drv("writing a rollout weight", 2))?;
+            ctx.compute
+                .synchronize()
+                .map_err(ctx.drv("synchronizing", 0))
+        })?;
+        Ok(true)
+    }
+
+    /// Verification mode: every master weight on the devices must be finite.
+    fn check_finite(&self, state: &FsdpTrainState) -> Result<(), FsdpError> {
+        let table = verify::shard_table(&state.shards);
+        let mut items: Vec<&RankTrain> = state.ranks.iter().collect();
+        let found = self
+            .pool
+            .run_each(&mut items, &|ctx, rt| match &rt.master {
+                Some(m) => verify::first_nonfinite(ctx, m, &table),
+                None => Ok(None),
+            })?;
+        for (i, f) in found.into_iter().enumerate() {
+            if let Some((at, value)) = f {
+                let slot = table
+                    .segment_of(at)
+                    .and_then(|t| state.shards.slots.get(t))
+                    .ok_or_else(|| {
+                        FsdpError::Config(format!(
+                            "a non-finite value at element {at} lies outside every tensor"
+                        ))
+                    })?;
+                return Err(FsdpError::NonFinite {
+                    tensor: slot.name.clone(),
+                    rank: self.pool.local_ranks()[i],
+                    index: at - slot.offset,
+                    value,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Verification mode: queues the hashes of the buffers `memory` offloads, on each rank's
+    /// copy stream ahead of the offload copies.
+    fn queue_offload_hashes(
+        &self,
+        state: &mut FsdpTrainState,
+        memory: MemoryPolicy,
+    ) -> Result<(), FsdpError> {
+        let table = verify::shard_table(&state.shards);
+        let mut items: Vec<&mut RankTrain> = state.ranks.iter_mut().collect();
+        self.pool.run_each(&mut items, &|ctx, rt| {
+            rt.sums.clear();
+            for b in Buffer::ALL {
+                let offloads = match b {
+                    Buffer::Master => memory.offload_params,
+                    Buffer::AdamM | Buffer::AdamV => memory.offload_optimizer,
+                };
+                if !offloads {
+                    continue;
+                }
+                let (dev, sums) = match b {
+                    Buffer::Master => (&rt.master, &mut rt.sums),
+                    Buffer::AdamM => (&rt.m, &mut rt.sums),
+                    Buffer::AdamV => (&rt.v, &mut rt.sums),
+                };
+                if let Some(d) = dev {
+                    verify::queue_offload_hash(ctx, sums, b, d, &table)?;
+                }
+            }
+            Ok(())
+        })?;
+        Ok(())
+    }
+
+    /// Verification mode: hashes the rollout weights just written.
+    fn record_rollout_sums(
+        &mut self,
+        rolls: &[CudaSlice<bf16>],
+        entries: &[RolloutEntry],
+    ) -> Result<(), FsdpError> {
+        let table = verify::rollout_table(entries);
+        let mut items: Vec<&CudaSlice<bf16>> = rolls.iter().collect();
+        let sums = self.pool.run_each(&mut items, &|ctx, buf| {
+            verify::rollout_hashes(ctx, buf, &table)
+        })?;
+        self.rollout_sums = Some(RolloutSums {
+            table,
+            names: entries.iter().map(|e| e.name.clone()).collect(),
+            sums,
+        });
+        Ok(())
+    }
+
+    /// Verification mode: checks the rollout weights about to be released against the hashes
+    /// taken after their transfer (and forgets those).
+    fn check_rollout_sums(&mut self, rollout: &FsdpRollout) -> Result<(), FsdpError> {
+        let Some(rs) = self.rollout_sums.take() else {
+            return Ok(());
+        };
+        if !self.verify || rs.sums.len() != rollout.ranks.len() {
+            return Ok(());
+        }
+        let mut items: Vec<&CudaSlice<bf16>> = rollout.ranks.iter().collect();
+        let table = &rs.table;
+        let found = self.pool.run_each(&mut items, &|ctx, buf| {
+            verify::rollout_hashes(ctx, buf, table)
+        })?;
+        for (i, (expected, found)) in rs.sums.iter().zip(&found).enumerate() {
+            if let Some(m) = verify::first_mismatch(table, expected, found) {
+                return Err(FsdpError::RolloutCorrupted {
+                    rank: self.pool.local_ranks()[i],
+                    tensor: rs.names.get(m.tensor).cloned().unwrap_or_default(),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Changes the bucket settings (checked: a budget of at least 1 MiB, at least 1 in flight).
@@ -529,6 +723,7 @@ impl FsdpBackend {
             let mut items: Vec<&mut RankTrain> = state.ranks.iter_mut().collect();
             self.pool.run_each(&mut items, &|ctx, rt| {
                 ctx.sync_all()?;
+                verify::settle_offload_hashes(&mut rt.sums)?;
                 if memory.offload_params {
                     rt.master = None;
                 }
@@ -662,7 +857,7 @@ fn run_buckets_inner(
             }
         }
         if !b.sends.is_empty() || !b.recvs.is_empty() {
-            cudarc::nccl::group_start().map_err(|e| CudaError::nccl(rank, "ncclGroupStart", e))?;
+            ctx.group_start()?;
             let mut res = Ok(());
             for s in &b.sends {
                 let (lo, hi) = (s.off as usize, (s.off + s.count) as usize);
@@ -694,8 +889,7 @@ fn run_buckets_inner(
                     }
                 }
             }
-            let end =
-                cudarc::nccl::group_end().map_err(|e| CudaError::nccl(rank, "ncclGroupEnd", e));
+            let end = ctx.group_end();
             res?;
             end?;
         }
@@ -730,9 +924,7 @@ fn run_buckets_inner(
                 ctx.compute
                     .upgrade_device_ptr(rbase, plan.roll_len as usize)
             };
-            let start =
-                cudarc::nccl::group_start().map_err(|e| CudaError::nccl(rank, "ncclGroupStart", e));
-            let mut res = start;
+            let mut res = ctx.group_start();
             if res.is_ok() {
                 for g in &b.gathers {
                     moved.recv += (w - 1) * g.count * 2;
@@ -745,8 +937,7 @@ fn run_buckets_inner(
                     }
                 }
             }
-            let end =
-                cudarc::nccl::group_end().map_err(|e| CudaError::nccl(rank, "ncclGroupEnd", e));
+            let end = ctx.group_end();
             alias.leak();
             res?;
             end?;
@@ -758,11 +949,8 @@ fn run_buckets_inner(
     }
     ctx.order(&nccl, &ctx.compute)?;
     ctx.order(&ctx.aux, &ctx.compute)?;
-    ctx.compute
-        .synchronize()
-        .map_err(ctx.drv("synchronizing the transfer", 0))?;
-    nccl.synchronize()
-        .map_err(ctx.drv("synchronizing NCCL", 0))?;
+    // Deadline-aware: a peer that stalls or dies ends in a timeout, not a hang.
+    ctx.wait(&[&ctx.compute, &nccl], "the transfer's NCCL work")?;
     drop(staging);
     drop(rstaging);
     ctx.compute
@@ -785,7 +973,11 @@ impl Reshard for FsdpBackend {
             });
         }
         let core = plan_fsdp_to_tp(&state.layout, &self.layout)?;
-        Ok(build_plan(core, &state.layout, self.config))
+        let plan = build_plan(core, &state.layout, self.config);
+        if self.verify {
+            self.check_finite(state)?;
+        }
+        Ok(plan)
     }
 
     fn enter(
@@ -810,12 +1002,19 @@ impl Reshard for FsdpBackend {
         // The transfer phase's wall time starts after the rollout allocation (reported apart:
         // enter's total includes it).
         let start = Instant::now();
+        if self.verify {
+            self.queue_offload_hashes(state, ctx.memory)?;
+        }
         let moved = self.transfer(plan, state, &mut rolls, ctx.memory)?;
         Self::record_transfer(ctx, &moved, start.elapsed());
+        let entries = Self::entries(plan);
+        if self.verify {
+            self.record_rollout_sums(&rolls, &entries)?;
+        }
         self.finish_offload(state, ctx)?;
         Ok(FsdpRollout {
             ranks: rolls,
-            entries: Self::entries(plan),
+            entries,
             len: plan.roll_len,
         })
     }
@@ -839,8 +1038,16 @@ impl Reshard for FsdpBackend {
             });
         }
         let start = Instant::now();
+        if self.verify {
+            self.queue_offload_hashes(state, ctx.memory)?;
+        }
+        // The old hashes no longer describe the weights, whatever happens next.
+        self.rollout_sums = None;
         let moved = self.transfer(plan, state, &mut rollout.ranks, ctx.memory)?;
         Self::record_transfer(ctx, &moved, start.elapsed());
+        if self.verify {
+            self.record_rollout_sums(&rollout.ranks, &rollout.entries)?;
+        }
         self.finish_offload(state, ctx)
     }
 
@@ -850,7 +1057,9 @@ impl Reshard for FsdpBackend {
         rollout: Option<FsdpRollout>,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<(), FsdpError> {
+        let mut rollout_check = Ok(());
         if let Some(rollout) = rollout {
+            rollout_check = self.check_rollout_sums(&rollout);
             ctx.rec.phase(Phase::Release, |_| {
                 let mut items: Vec<Option<CudaSlice<bf16>>> =
                     rollout.ranks.into_iter().map(Some).collect();
@@ -865,10 +1074,15 @@ impl Reshard for FsdpBackend {
         }
         let len = state.shards.rank_len as usize;
         let bytes_each = state.shards.rank_len * 4;
+        let verify_on = self.verify;
+        let table = verify::shard_table(&state.shards);
+        let local_ranks = self.pool.local_ranks().to_vec();
+        let slots = &state.shards.slots;
         ctx.rec.phase(Phase::Reload, |scope| {
             let mut items: Vec<&mut RankTrain> = state.ranks.iter_mut().collect();
             let moved = self.pool.run_each(&mut items, &|c, rt| {
                 let mut h2d = 0u64;
+                let offloaded = Buffer::ALL.map(|b| rt.device(b).is_none());
                 let reload = |dev: &mut Option<CudaSlice<f32>>,
                               host: &Option<PinnedHostSlice<f32>>,
                               what: &str,
@@ -901,10 +1115,42 @@ impl Reshard for FsdpBackend {
                     rt.grads = Some(alloc_zeros(&c.compute, len, c.rank, "gradients")?);
                 }
                 c.sync_all()?;
-                Ok(h2d)
+                let mut corrupted: Option<(Buffer, Mismatch)> = None;
+                for b in Buffer::ALL {
+                    if !(verify_on && offloaded[b.index()] && rt.sums.has(b)) {
+                        continue;
+                    }
+                    let Some(d) = rt.device_slot(b).take() else {
+                        continue;
+                    };
+                    match verify::check_reloaded(c, &mut rt.sums, b, &d, &table)? {
+                        // The reloaded copy differs: it stays offloaded (its device copy is
+                        // dropped) and keeps its hashes, so a retry fails the same way.
+                        Some(m) => {
+                            corrupted.get_or_insert((b, m));
+                        }
+                        None => *rt.device_slot(b) = Some(d),
+                    }
+                }
+                Ok((h2d, corrupted))
             })?;
-            scope.add_bytes(Link::HostToDevice, moved.iter().sum());
+            scope.add_bytes(Link::HostToDevice, moved.iter().map(|m| m.0).sum());
+            for (i, (_, corrupted)) in moved.iter().enumerate() {
+                if let Some((b, m)) = corrupted {
+                    return Err(FsdpError::Corrupted {
+                        rank: local_ranks[i],
+                        tensor: slots
+                            .get(m.tensor)
+                            .map(|s| s.name.clone())
+                            .unwrap_or_default(),
+                        buffer: b.name(),
+                        expected: m.expected,
+                        found: m.found,
+                    });
+                }
+            }
             Ok::<(), FsdpError>(())
-        })
+        })?;
+        rollout_check
     }
 }

@@ -25,6 +25,13 @@
 //!   straight into the rollout buffers (T = 1, fastest there), packed one-message-per-peer
 //!   buckets (T > 1, an experiment that measured slower).
 //!
+//! - **Reliability**: every wait on NCCL work has the pool's deadline
+//!   ([`lifecycle_cuda::CollectiveSettings`]): a peer rank that stalls or dies ends the switch in
+//!   [`lifecycle_cuda::CudaError::CollectiveTimeout`] with the training state restored on the
+//!   devices (`AfterFailure::Restored`); the pool then refuses collectives until it is rebuilt.
+//! - **Verification** ([`FsdpBackend::with_verification`]): device hashes of every offloaded
+//!   buffer and of the rollout weights, and a non-finite scan of the master weights.
+//!
 //! [`FsdpBackend::download_rollout`] returns a [`HostRollout`](lifecycle_host::HostRollout) for bit
 //! comparison with the host backend; [`FsdpBackend::download_state`] returns the training buffers.
 
@@ -35,6 +42,7 @@ mod error;
 pub mod plan;
 pub mod shapes;
 mod state;
+mod verify;
 
 pub use backend::{FsdpBackend, FsdpRollout, RolloutEntry};
 pub use error::FsdpError;

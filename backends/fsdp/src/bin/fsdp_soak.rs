@@ -1,0 +1,277 @@
+//! Soak of the FSDP backend on GPUs in verification mode: many enter / exit cycles with the
+//! master weights and Adam m, v offloaded to pinned host memory and reloaded each cycle, every
+//! offloaded buffer and the rollout weights hashed on the devices and checked; the first rollout
+//! compared bit for bit with the host's `reference_rollout`, later ones with the first, and the
+//! training state compared before and after. Then the same cycles without verification, to
+//! measure its overhead.
+//!
+//! ```text
+//! export NCCL_NVLS_ENABLE=0
+//! fsdp_soak [--cycles 100] [--layers 8] [--hidden 2048] [--world 2] [--tp 2]
+//! ```
+//!
+//! The model is Qwen-shaped (hidden `h`, MLP `5.5 h`, kv `h / 8`, vocabulary 32 000, untied
+//! head), generated on the GPUs (`FsdpBackend::synthetic_state`).
+
+use std::error::Error;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lifecycle_core::layout::RolloutLayout;
+use lifecycle_core::{HumanDuration, Lifecycle};
+use lifecycle_cuda::{check_environment, ThreadRankPool};
+use lifecycle_fsdp::{FsdpBackend, FsdpTrainState, RankDump};
+use lifecycle_host::{reference_rollout, HostTensor, HostTrainState};
+
+struct Args {
+    cycles: u64,
+    layers: usize,
+    hidden: usize,
+    world: usize,
+    tp: usize,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        cycles: 100,
+        layers: 8,
+        hidden: 2048,
+        world: 2,
+        tp: 0,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut num = |name: &str| -> Result<usize, String> {
+            it.next()
+                .and_then(|v| v.parse().ok())
+                .filter(|&v: &usize| v > 0)
+                .ok_or_else(|| format!("{name} needs a positive integer"))
+        };
+        match arg.as_str() {
+            "--cycles" => a.cycles = num("--cycles")? as u64,
+            "--layers" => a.layers = num("--layers")?,
+            "--hidden" => a.hidden = num("--hidden")?,
+            "--world" => a.world = num("--world")?,
+            "--tp" => a.tp = num("--tp")?,
+            "-h" | "--help" => {
+                return Err(
+                    "usage: fsdp_soak [--cycles 100] [--layers 8] [--hidden 2048] \
+                            [--world 2] [--tp W]"
+                        .into(),
+                )
+            }
+            other => return Err(format!("unknown argument `{other}` (try --help)")),
+        }
+    }
+    if a.tp == 0 {
+        a.tp = a.world;
+    }
+    if !a.hidden.is_multiple_of(64) {
+        return Err(format!(
+            "--hidden must be a multiple of 64 (heads of 64, kv = hidden / 8), found {}",
+            a.hidden
+        ));
+    }
+    Ok(a)
+}
+
+/// Qwen-shaped parameter names and shapes.
+fn model(layers: usize, h: usize) -> Vec<(String, Vec<usize>)> {
+    let (i, v, kv) = (h * 11 / 2, 32_000, h / 8);
+    let mut t = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
+    for l in 0..layers {
+        let p = format!("model.layers.{l}");
+        t.push((format!("{p}.input_layernorm.weight"), vec![h]));
+        t.push((format!("{p}.self_attn.q_proj.weight"), vec![h, h]));
+        t.push((format!("{p}.self_attn.q_proj.bias"), vec![h]));
+        t.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h]));
+        t.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
+        t.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h]));
+        t.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
+        t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, h]));
+        t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+        t.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
+        t.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
+        t.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
+    }
+    t.push(("model.norm.weight".to_string(), vec![h]));
+    t.push(("lm_head.weight".to_string(), vec![v, h]));
+    t
+}
+
+fn host_twin(
+    backend: &FsdpBackend,
+    state: &FsdpTrainState,
+) -> Result<HostTrainState, Box<dyn Error>> {
+    let tensors = state
+        .layout()
+        .tensors
+        .iter()
+        .map(|(name, shape)| {
+            Ok(HostTensor::f32(
+                name.clone(),
+                shape.clone(),
+                backend.full_master(state, name)?,
+            ))
+        })
+        .collect::<Result<Vec<_>, Box<dyn Error>>>()?;
+    Ok(HostTrainState::from_tensors(state.world(), tensors)?)
+}
+
+fn same(a: &[RankDump], b: &[RankDump]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.same_bits(y))
+}
+
+struct Outcome {
+    mismatches: u64,
+    switch_time: Duration,
+    wall: Duration,
+    summary: String,
+}
+
+fn soak(
+    args: &Args,
+    pool: &Arc<ThreadRankPool>,
+    layout: &RolloutLayout,
+    shapes: &[(String, Vec<usize>)],
+    verify: bool,
+) -> Result<Outcome, Box<dyn Error>> {
+    let label = if verify { "verified" } else { "plain" };
+    let backend = FsdpBackend::new(pool.clone(), layout.clone()).with_verification(verify);
+    let state = backend.synthetic_state(shapes, 17, 0.02)?;
+    let mut mismatches = 0u64;
+    let checks = if verify {
+        let before = backend.download_state(&state)?;
+        let reference = reference_rollout(&host_twin(&backend, &state)?, layout)?;
+        Some((before, reference))
+    } else {
+        None
+    };
+    // Default policy: lazy switching, master weights and Adam m, v offloaded during rollout.
+    let mut lc = Lifecycle::new(backend, state);
+    let mut first = None;
+    let start = Instant::now();
+    for cycle in 0..args.cycles {
+        let result = (|| -> Result<(), Box<dyn Error>> {
+            let s = lc.rollout()?;
+            if let Some((_, reference)) = &checks {
+                if cycle % 25 == 0 || cycle + 1 == args.cycles {
+                    let got = s.backend().download_rollout(&s.weights())?;
+                    let against = first.as_ref().unwrap_or(reference);
+                    if let Some((rank, tensor)) = got.first_difference(against) {
+                        eprintln!("  cycle {cycle}: rollout differs on rank {rank}, {tensor}");
+                        mismatches += 1;
+                    }
+                    first.get_or_insert(got);
+                }
+            }
+            drop(s);
+            let t = lc.train()?;
+            if t.state().master_offloaded() || t.state().optimizer_offloaded() {
+                return Err("the training state is not back on the device after exit".into());
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            eprintln!("  {label} cycle {cycle}: {e}");
+            mismatches += 1;
+            break;
+        }
+        if (cycle + 1) % 25 == 0 || cycle + 1 == args.cycles {
+            eprintln!(
+                "  {label} cycle {}/{}: {} mismatches, switch time so far {}",
+                cycle + 1,
+                args.cycles,
+                mismatches,
+                HumanDuration(lc.metrics().switch_time())
+            );
+        }
+    }
+    let wall = start.elapsed();
+    let switch_time = lc.metrics().switch_time();
+    let summary = lc.metrics().summary_line();
+    if let Some((before, _)) = &checks {
+        let after = lc.backend().download_state(lc.peek_state())?;
+        if !same(before, &after) {
+            eprintln!("  the training state changed over the soak");
+            mismatches += 1;
+        }
+    }
+    Ok(Outcome {
+        mismatches,
+        switch_time,
+        wall,
+        summary,
+    })
+}
+
+fn run(args: &Args) -> Result<bool, Box<dyn Error>> {
+    check_environment(args.world)?;
+    let pool = Arc::new(ThreadRankPool::new(args.world)?);
+    let shapes = model(args.layers, args.hidden);
+    let layout = RolloutLayout::from_hf_names(args.tp, shapes.clone())?;
+    let params: usize = shapes
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
+    let per_rank = params.div_ceil(args.world) as f64 * 4.0 / 1e9;
+    println!(
+        "fsdp soak: {} cycles, W = {}, T = {}, {} layers × hidden {}: {:.1} M params ({:.2} GB \
+         fp32 per rank and buffer), master + Adam offloaded and reloaded each cycle; deadline {}",
+        args.cycles,
+        args.world,
+        args.tp,
+        args.layers,
+        args.hidden,
+        params as f64 / 1e6,
+        per_rank,
+        HumanDuration(pool.collective_timeout())
+    );
+    let total = Instant::now();
+    let on = soak(args, &pool, &layout, &shapes, true)?;
+    let off = soak(args, &pool, &layout, &shapes, false)?;
+    let n = args.cycles.max(1) as u32;
+    println!(
+        "verification on:  {} mismatches in {} cycles; switch time {} ({} per cycle), cycles' wall \
+         time {}",
+        on.mismatches,
+        args.cycles,
+        HumanDuration(on.switch_time),
+        HumanDuration(on.switch_time / n),
+        HumanDuration(on.wall)
+    );
+    println!("  {}", on.summary);
+    println!(
+        "verification off: switch time {} ({} per cycle), cycles' wall time {}",
+        HumanDuration(off.switch_time),
+        HumanDuration(off.switch_time / n),
+        HumanDuration(off.wall)
+    );
+    println!("  {}", off.summary);
+    println!(
+        "overhead of verification: {:+.1}% switch time, {:+.1}% wall time",
+        100.0 * (on.switch_time.as_secs_f64() / off.switch_time.as_secs_f64() - 1.0),
+        100.0 * (on.wall.as_secs_f64() / off.wall.as_secs_f64() - 1.0)
+    );
+    println!("total {}", HumanDuration(total.elapsed()));
+    Ok(on.mismatches == 0 && off.mismatches == 0)
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match run(&args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
