@@ -607,6 +607,36 @@ impl FsdpBackend {
         Ok(out)
     }
 
+    /// Every full fp32 master tensor, in training order, gathered from one download of every
+    /// rank's shards (single-process mode, like [`FsdpBackend::full_master`]): the host twin of
+    /// the state, e.g. for `HostTrainState::from_tensors` and `reference_rollout`.
+    pub fn full_masters(&self, state: &FsdpTrainState) -> Result<Vec<HostTensor>, FsdpError> {
+        if self.pool.local_ranks().len() != self.pool.world() {
+            return Err(FsdpError::Config(
+                "gathering full tensors needs every rank in this process; with one process per \
+                 rank, download each rank's shard instead"
+                    .into(),
+            ));
+        }
+        let dumps = self.download_state(state)?;
+        Ok(state
+            .layout
+            .tensors
+            .iter()
+            .zip(&state.shards.slots)
+            .enumerate()
+            .map(|(i, ((name, shape), slot))| {
+                let mut data = Vec::with_capacity(shape.iter().product());
+                for (rank, d) in dumps.iter().enumerate() {
+                    let held = state.shards.held_rows(i, rank);
+                    let at = slot.offset as usize;
+                    data.extend_from_slice(&d.master[at..at + held.len() * slot.cols]);
+                }
+                HostTensor::f32(name.clone(), shape.clone(), data)
+            })
+            .collect())
+    }
+
     /// Gives the device memory cached by each rank's stream-ordered pool (freed rollout weights,
     /// offloaded training state) back to the driver, e.g. before another process allocates a KV
     /// cache. The pools keep freed memory mapped by default, so switches reuse it.

@@ -84,19 +84,10 @@ fn config() -> BucketConfig {
 
 /// The host twin of a GPU state (same master weights), for `reference_rollout`.
 fn host_twin(backend: &FsdpBackend, state: &FsdpTrainState) -> Result<HostTrainState, FsdpError> {
-    let tensors = state
-        .layout()
-        .tensors
-        .iter()
-        .map(|(name, shape)| {
-            Ok(HostTensor::f32(
-                name.clone(),
-                shape.clone(),
-                backend.full_master(state, name)?,
-            ))
-        })
-        .collect::<Result<Vec<_>, FsdpError>>()?;
-    Ok(HostTrainState::from_tensors(state.world(), tensors)?)
+    Ok(HostTrainState::from_tensors(
+        state.world(),
+        backend.full_masters(state)?,
+    )?)
 }
 
 fn same_state(a: &[RankDump], b: &[RankDump]) -> bool {
@@ -112,13 +103,13 @@ const DEADLINE: Duration = Duration::from_secs(3);
 const SLACK: Duration = Duration::from_secs(4);
 
 fn stall_case(tp: usize, mode: GatherMode, warm_up: bool) -> Res {
+    // Created with the default deadline (NCCL's own setup can take seconds), then shortened.
     let pool = Arc::new(ThreadRankPool::with_settings(
         2,
-        CollectiveSettings {
-            timeout: DEADLINE,
-            ..Default::default()
-        },
+        CollectiveSettings::default(),
     )?);
+    assert_eq!(pool.collective_timeout(), Duration::from_secs(600));
+    pool.set_collective_timeout(DEADLINE);
     assert_eq!(pool.collective_timeout(), DEADLINE);
     let specs = specs(tp);
     let backend = FsdpBackend::new(pool.clone(), RolloutLayout::new(tp, specs.clone())?)

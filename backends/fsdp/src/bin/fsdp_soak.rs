@@ -5,9 +5,12 @@
 //! training state compared before and after. Then the same cycles without verification, to
 //! measure its overhead.
 //!
+//! Before the soak it measures what the non-blocking communicators cost per NCCL operation
+//! (small all-reduces and grouped send/receive pairs, blocking vs non-blocking communicators).
+//!
 //! ```text
 //! export NCCL_NVLS_ENABLE=0
-//! fsdp_soak [--cycles 100] [--layers 8] [--hidden 2048] [--world 2] [--tp 2]
+//! fsdp_soak [--cycles 100] [--layers 6] [--hidden 2048] [--world 2] [--tp 2] [--skip-launch-bench]
 //! ```
 //!
 //! The model is Qwen-shaped (hidden `h`, MLP `5.5 h`, kv `h / 8`, vocabulary 32 000, untied
@@ -18,11 +21,14 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cudarc::nccl::ReduceOp;
 use lifecycle_core::layout::RolloutLayout;
 use lifecycle_core::{HumanDuration, Lifecycle};
-use lifecycle_cuda::{check_environment, ThreadRankPool};
+use lifecycle_cuda::{
+    alloc_zeros, check_environment, CollectiveSettings, RankExecutor, ThreadRankPool,
+};
 use lifecycle_fsdp::{FsdpBackend, FsdpTrainState, RankDump};
-use lifecycle_host::{reference_rollout, HostTensor, HostTrainState};
+use lifecycle_host::{reference_rollout, HostTrainState};
 
 struct Args {
     cycles: u64,
@@ -30,15 +36,17 @@ struct Args {
     hidden: usize,
     world: usize,
     tp: usize,
+    launch_bench: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
         cycles: 100,
-        layers: 8,
+        layers: 6,
         hidden: 2048,
         world: 2,
         tp: 0,
+        launch_bench: true,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -54,10 +62,11 @@ fn parse_args() -> Result<Args, String> {
             "--hidden" => a.hidden = num("--hidden")?,
             "--world" => a.world = num("--world")?,
             "--tp" => a.tp = num("--tp")?,
+            "--skip-launch-bench" => a.launch_bench = false,
             "-h" | "--help" => {
                 return Err(
-                    "usage: fsdp_soak [--cycles 100] [--layers 8] [--hidden 2048] \
-                            [--world 2] [--tp W]"
+                    "usage: fsdp_soak [--cycles 100] [--layers 6] [--hidden 2048] \
+                            [--world 2] [--tp W] [--skip-launch-bench]"
                         .into(),
                 )
             }
@@ -104,19 +113,10 @@ fn host_twin(
     backend: &FsdpBackend,
     state: &FsdpTrainState,
 ) -> Result<HostTrainState, Box<dyn Error>> {
-    let tensors = state
-        .layout()
-        .tensors
-        .iter()
-        .map(|(name, shape)| {
-            Ok(HostTensor::f32(
-                name.clone(),
-                shape.clone(),
-                backend.full_master(state, name)?,
-            ))
-        })
-        .collect::<Result<Vec<_>, Box<dyn Error>>>()?;
-    Ok(HostTrainState::from_tensors(state.world(), tensors)?)
+    Ok(HostTrainState::from_tensors(
+        state.world(),
+        backend.full_masters(state)?,
+    )?)
 }
 
 fn same(a: &[RankDump], b: &[RankDump]) -> bool {
@@ -206,8 +206,75 @@ fn soak(
     })
 }
 
+/// Mean time per operation (slowest rank) of `ops` back-to-back small NCCL operations, enqueue
+/// and completion: (all-reduce of 4 KB, grouped send + receive of 4 KB with the next rank).
+fn launch_cost(world: usize, nonblocking: bool, ops: usize) -> Result<(f64, f64), Box<dyn Error>> {
+    let settings = CollectiveSettings {
+        nonblocking,
+        ..CollectiveSettings::from_env()?
+    };
+    let pool = ThreadRankPool::with_settings(world, settings)?;
+    let times = pool.run(&|ctx| {
+        let mut a = alloc_zeros::<f32>(&ctx.compute, 1024, ctx.rank, "all-reduce buffer")?;
+        let b = alloc_zeros::<f32>(&ctx.compute, 1024, ctx.rank, "send buffer")?;
+        let mut c = alloc_zeros::<f32>(&ctx.compute, 1024, ctx.rank, "receive buffer")?;
+        let nccl = ctx.nccl_stream();
+        ctx.order(&ctx.compute, &nccl)?;
+        let (next, prev) = ((ctx.rank + 1) % world, (ctx.rank + world - 1) % world);
+        let pair = |b: &cudarc::driver::CudaSlice<f32>,
+                    c: &mut cudarc::driver::CudaSlice<f32>|
+         -> Result<(), lifecycle_cuda::CudaError> {
+            ctx.group_start()?;
+            let sent = ctx.comm.send(b, next as i32);
+            let got = ctx.comm.recv(c, prev as i32);
+            let end = ctx.group_end();
+            sent?;
+            got?;
+            end
+        };
+        for _ in 0..20 {
+            ctx.comm.all_reduce_in_place(&mut a, &ReduceOp::Sum)?;
+            pair(&b, &mut c)?;
+        }
+        ctx.wait(&[&nccl], "warm-up")?;
+        let t = Instant::now();
+        for _ in 0..ops {
+            ctx.comm.all_reduce_in_place(&mut a, &ReduceOp::Sum)?;
+        }
+        ctx.wait(&[&nccl], "all-reduces")?;
+        let ar = t.elapsed().as_secs_f64() / ops as f64;
+        let t = Instant::now();
+        for _ in 0..ops {
+            pair(&b, &mut c)?;
+        }
+        ctx.wait(&[&nccl], "send/receive pairs")?;
+        let p2p = t.elapsed().as_secs_f64() / ops as f64;
+        ctx.order(&nccl, &ctx.compute)?;
+        Ok((ar, p2p))
+    })?;
+    Ok(times
+        .iter()
+        .fold((0.0, 0.0), |m, t| (f64::max(m.0, t.0), f64::max(m.1, t.1))))
+}
+
 fn run(args: &Args) -> Result<bool, Box<dyn Error>> {
     check_environment(args.world)?;
+    if args.launch_bench && args.world > 1 {
+        let ops = 500;
+        let blocking = launch_cost(args.world, false, ops)?;
+        let nonblocking = launch_cost(args.world, true, ops)?;
+        let us = |s: f64| s * 1e6;
+        println!(
+            "NCCL cost per operation, W = {}, 4 KB, {ops} back to back (enqueue + completion): \
+             all-reduce {:.1} µs blocking vs {:.1} µs non-blocking; grouped send + receive \
+             {:.1} µs vs {:.1} µs",
+            args.world,
+            us(blocking.0),
+            us(nonblocking.0),
+            us(blocking.1),
+            us(nonblocking.1)
+        );
+    }
     let pool = Arc::new(ThreadRankPool::new(args.world)?);
     let shapes = model(args.layers, args.hidden);
     let layout = RolloutLayout::from_hf_names(args.tp, shapes.clone())?;
