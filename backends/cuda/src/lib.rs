@@ -37,7 +37,10 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
 
-pub use comm::{parse_timeout, CollectiveSettings, CommFault, NcclComm, TIMEOUT_ENV};
+pub use comm::{
+    parse_blocking, parse_timeout, CollectiveSettings, CommFault, NcclComm, BLOCKING_ENV,
+    TIMEOUT_ENV,
+};
 pub use env::{
     arch_candidates, check_environment, device_count, driver_present, find_cuda_include,
     include_candidates, nccl_present, nvrtc_present, Environment,

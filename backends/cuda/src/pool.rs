@@ -276,7 +276,8 @@ struct Worker {
 /// # When a peer stalls or dies
 /// Every wait on NCCL work is bounded by [`CollectiveSettings::timeout`] (10 minutes by
 /// default; the environment variable `LIFECYCLE_NCCL_TIMEOUT_S` overrides it in [`new`] and
-/// [`for_process`], [`set_collective_timeout`] at run time). Past it the waiting rank aborts
+/// [`for_process`], [`set_collective_timeout`] at run time; `LIFECYCLE_NCCL_BLOCKING=1` makes
+/// the communicators blocking, see [`CollectiveSettings::nonblocking`]). Past it the waiting rank aborts
 /// its communicator and returns [`CudaError::CollectiveTimeout`]; the other ranks of the pool
 /// abort theirs as soon as they see it ([`CudaError::CommAborted`]). From then on
 /// [`comm_fault`] says why, every collective fails at once with [`CudaError::CommAborted`]

@@ -70,6 +70,21 @@ impl FsdpRollout {
 /// Reshards FSDP training shards into bf16 tensor-parallel rollout weights on the GPUs of a
 /// [`ThreadRankPool`], with bucketed, shard-aware NCCL transfers and overlapped offload.
 ///
+/// # When a peer rank stalls or dies
+/// Every wait on NCCL work is bounded by the pool's deadline
+/// ([`ThreadRankPool::collective_timeout`], 10 minutes by default, env
+/// `LIFECYCLE_NCCL_TIMEOUT_S`). A transfer whose collectives do not finish in time fails with
+/// [`CudaError::CollectiveTimeout`] (rank, operation, deadline) after the waiting rank aborted
+/// its communicator; the switch ends in `LifecycleError::Enter` / `Refresh` with
+/// `AfterFailure::Restored`: the training state never left the devices (offloaded buffers are
+/// freed only after the transfer), no rollout weights are resident, the lifecycle is in train
+/// mode. The pool then refuses every collective at once with [`CudaError::CommAborted`]
+/// ([`ThreadRankPool::comm_fault`] says why), so the next rollout fails fast the same way, while
+/// work without collectives (reload, [`FsdpBackend::download_state`]) still runs. To go on,
+/// take the state out (`Lifecycle::into_parts`) and put it into a lifecycle whose backend runs
+/// on a new pool over the same GPUs: device buffers belong to each GPU's primary context, which
+/// every pool of the process shares.
+///
 /// ```no_run
 /// use std::sync::Arc;
 /// use lifecycle_core::{layout::{Parallel, RolloutLayout, TensorSpec}, Lifecycle};
