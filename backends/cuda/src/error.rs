@@ -1,5 +1,7 @@
 //! The typed error of the GPU plumbing.
 
+use std::time::Duration;
+
 use cudarc::driver::DriverError;
 use cudarc::nccl::result::NcclError;
 
@@ -120,6 +122,69 @@ pub enum CudaError {
     /// An argument the caller passed is inconsistent.
     #[error("invalid argument: {0}")]
     Invalid(String),
+    /// NCCL work (or enqueueing it) did not finish within the collective deadline: a peer rank
+    /// stalled or died. This rank's communicator was aborted.
+    #[error(
+        "rank {rank} waited {} for {op} without it finishing: a peer rank stalled or died. This \
+         rank's NCCL communicator was aborted, so the rank pool can run no more collectives: \
+         rebuild it (ThreadRankPool::new / for_process) and the backend on it (work without \
+         collectives, such as reloading or downloading the training state, still runs). If the \
+         work is legitimately that slow, raise the deadline (CollectiveSettings::timeout or the \
+         environment variable LIFECYCLE_NCCL_TIMEOUT_S, in seconds)",
+        seconds(*deadline)
+    )]
+    CollectiveTimeout {
+        /// The rank that gave up waiting.
+        rank: usize,
+        /// What it was waiting for.
+        op: String,
+        /// The deadline that passed.
+        deadline: Duration,
+    },
+    /// The pool's NCCL communicators were aborted earlier (a timeout or an NCCL error on some
+    /// rank); no collective can run on them any more.
+    #[error(
+        "rank {rank} cannot run {op}: the rank pool's NCCL communicators were aborted ({cause}); \
+         rebuild the rank pool (ThreadRankPool::new / for_process) and the backend on it (work \
+         without collectives, such as reloading or downloading the training state, still runs)"
+    )]
+    CommAborted {
+        /// The rank that refused the operation.
+        rank: usize,
+        /// The refused operation.
+        op: String,
+        /// Why the communicators were aborted.
+        cause: String,
+    },
+}
+
+/// A duration in seconds for messages (`"2.5 s"`).
+fn seconds(d: Duration) -> String {
+    format!("{:.1} s", d.as_secs_f64())
+}
+
+/// A failure an NCCL call site turns into a [`CudaError`] with [`CudaError::nccl`]: a raw
+/// [`NcclError`] of cudarc, or a [`CudaError`] that already names its rank and operation (what
+/// the pool's communicator returns: a timeout, an aborted communicator), which passes through.
+pub trait NcclFailure {
+    /// The typed error for `op` on `rank`.
+    fn into_cuda_error(self, rank: usize, op: String) -> CudaError;
+}
+
+impl NcclFailure for NcclError {
+    fn into_cuda_error(self, rank: usize, op: String) -> CudaError {
+        CudaError::Nccl {
+            rank,
+            op,
+            detail: format!("{:?}", self.0),
+        }
+    }
+}
+
+impl NcclFailure for CudaError {
+    fn into_cuda_error(self, _rank: usize, _op: String) -> CudaError {
+        self
+    }
 }
 
 impl CudaError {
@@ -141,13 +206,19 @@ impl CudaError {
         }
     }
 
-    /// Maps an NCCL error.
-    pub fn nccl(rank: usize, op: impl Into<String>, e: NcclError) -> Self {
-        CudaError::Nccl {
-            rank,
-            op: op.into(),
-            detail: format!("{:?}", e.0),
-        }
+    /// Maps an NCCL failure: a raw [`NcclError`] becomes [`CudaError::Nccl`]; an error that is
+    /// already typed (from the pool's communicator) is returned unchanged.
+    pub fn nccl(rank: usize, op: impl Into<String>, e: impl NcclFailure) -> Self {
+        e.into_cuda_error(rank, op.into())
+    }
+
+    /// Whether this error means the pool's communicators are gone (a collective timed out or
+    /// was aborted): the pool must be rebuilt before the next collective.
+    pub fn is_comm_lost(&self) -> bool {
+        matches!(
+            self,
+            CudaError::CollectiveTimeout { .. } | CudaError::CommAborted { .. }
+        )
     }
 
     /// Whether this is an out-of-memory error.

@@ -5,9 +5,13 @@
 //!   (cudarc panics when a library cannot be loaded); every failure is a [`CudaError`] that says
 //!   how to fix it.
 //! - [`ThreadRankPool`] starts one persistent thread per GPU; each creates its context, a compute,
-//!   a copy and an NCCL stream, loads the [`Kernels`] and builds its own `Comm::from_rank` from one
-//!   NCCL `Id`. Backends run per-rank closures through the [`RankExecutor`] seam, which a
-//!   multi-process launcher can implement later.
+//!   a copy and an NCCL stream, loads the [`Kernels`] and creates its own non-blocking
+//!   [`NcclComm`] from one NCCL `Id`. Backends run per-rank closures through the [`RankExecutor`]
+//!   seam, which a multi-process launcher can implement later.
+//! - Every wait on NCCL work has a deadline ([`CollectiveSettings`], env `LIFECYCLE_NCCL_TIMEOUT_S`):
+//!   a peer that stalls or dies ends in [`CudaError::CollectiveTimeout`], not a hang.
+//! - [`VerifyKernels`]: device hashes of buffers (chunk by chunk) and a non-finite scan, for the
+//!   backends' verification modes.
 //! - [`Kernels`]: fp32 → bf16 cast (round to nearest even, bit-identical to
 //!   `half::bf16::from_f32`), strided 2-D cast and copy, deterministic pseudo-random fill.
 //! - [`alloc_device`] / [`alloc_pinned`] map allocation failures to typed errors
@@ -21,27 +25,38 @@
 
 #![warn(missing_docs)]
 
+mod comm;
+mod deadline;
 mod env;
 mod error;
 mod kernels;
 mod pool;
 mod timeline;
+mod verify;
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
 
+pub use comm::{
+    parse_blocking, parse_timeout, CollectiveSettings, CommFault, NcclComm, BLOCKING_ENV,
+    TIMEOUT_ENV,
+};
 pub use env::{
     arch_candidates, check_environment, device_count, driver_present, find_cuda_include,
     include_candidates, nccl_present, nvrtc_present, Environment,
 };
-pub use error::CudaError;
+pub use error::{CudaError, NcclFailure};
 pub use kernels::{
     compile_kernels, fill_uniform_value, CastBatch, Kernels, Region2d, CAST_CHUNK_ELEMS,
     DEFAULT_MULTI_BLOCKS_PER_SM, KERNEL_SRC,
 };
 pub use pool::{RankCtx, RankExecutor, RankFn, ThreadRankPool};
 pub use timeline::{DeviceSpan, Mark, RankSpans, StreamTimeline};
+pub use verify::{
+    chunk_hash_u16, chunk_hash_u32, ChunkTable, PendingHashes, VerifyKernels, WordSize,
+    DEFAULT_CHUNK_WORDS, VERIFY_SRC,
+};
 
 /// Re-export of the cudarc version this crate is built against.
 pub use cudarc;

@@ -1,18 +1,28 @@
 //! Ranks: one persistent thread per GPU, each owning its context, streams, kernels and NCCL
-//! communicator (`cudarc::nccl::Comm` is `!Send`, so it never leaves its thread).
+//! communicator ([`NcclComm`] is `!Send`, so it never leaves its thread).
 //!
 //! The [`RankExecutor`] trait is the seam where a multi-process launcher (one rank per process)
 //! plugs in later: backends only ever run per-rank closures through it.
+//!
+//! Waits on NCCL work are bounded: [`RankCtx::wait`], [`RankCtx::sync_all`] and
+//! [`RankCtx::group_end`] poll with the pool's deadline ([`CollectiveSettings`]) and abort the
+//! communicator when it passes, so a stalled or dead peer ends in
+//! [`CudaError::CollectiveTimeout`] on the ranks that waited for it, never in a hang.
 
+use std::cell::OnceCell;
 use std::panic::AssertUnwindSafe;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
-use cudarc::nccl::{Comm, Id};
+use cudarc::nccl::Id;
 
+use crate::comm::{group_start, CollectiveSettings, CommFault, CommHealth, NcclComm};
+use crate::deadline::{wait_with_deadline, WaitProbe};
 use crate::kernels::{compile_kernels, Kernels};
+use crate::verify::VerifyKernels;
 use crate::{check_environment, CudaError};
 
 /// Everything one rank's work needs on its own thread.
@@ -30,10 +40,13 @@ pub struct RankCtx {
     pub aux: Arc<CudaStream>,
     /// Stream for host↔device copies (offload / reload), so they overlap NVLink work.
     pub copy: Arc<CudaStream>,
-    /// The NCCL communicator; its stream is a third stream dedicated to collectives.
-    pub comm: Comm,
+    /// The NCCL communicator (non-blocking by default); its stream is a third stream
+    /// dedicated to collectives.
+    pub comm: NcclComm,
     /// Kernels loaded into this context.
     pub kernels: Kernels,
+    /// Verification kernels, compiled and loaded on first use.
+    verify: OnceCell<VerifyKernels>,
 }
 
 impl RankCtx {
@@ -81,13 +94,134 @@ impl RankCtx {
             .map_err(self.drv("trimming the memory pool", 0))
     }
 
-    /// Blocks until the compute, copy and NCCL streams are idle.
+    /// Blocks until the compute, auxiliary, copy and NCCL streams are idle, with the pool's
+    /// deadline (see [`RankCtx::wait`]).
     pub fn sync_all(&self) -> Result<(), CudaError> {
-        for s in [&self.compute, &self.aux, &self.copy, &self.comm.stream()] {
-            s.synchronize()
-                .map_err(self.drv("synchronizing a stream", 0))?;
+        let nccl = self.comm.stream();
+        self.wait(
+            &[&self.compute, &self.aux, &self.copy, &nccl],
+            "synchronizing the rank's streams",
+        )
+    }
+
+    /// Blocks until `streams` are idle, polling with the pool's deadline
+    /// ([`RankCtx::collective_timeout`]) instead of synchronising, so NCCL work waiting for a
+    /// stalled or dead peer cannot hang this thread:
+    /// - past the deadline this rank's communicator is aborted and the pool marked faulted:
+    ///   [`CudaError::CollectiveTimeout`] naming the rank, `op` and the deadline;
+    /// - an asynchronous NCCL error aborts it too: [`CudaError::Nccl`];
+    /// - when another rank of the pool aborted while NCCL work of this rank was pending on the
+    ///   awaited streams, this rank aborts as well: [`CudaError::CommAborted`].
+    ///
+    /// Streams with no NCCL work (copies, casts) are awaited the same way, so the deadline bounds
+    /// every wait of the backends.
+    pub fn wait(&self, streams: &[&CudaStream], op: &str) -> Result<(), CudaError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(self.drv("binding the context", 0))?;
+        let nccl = self.comm.stream();
+        let mut probe = StreamsProbe {
+            ctx: self,
+            streams,
+            nccl_awaited: streams.iter().any(|s| s.cu_stream() == nccl.cu_stream()),
+            nccl_idle: true,
+        };
+        wait_with_deadline(&mut probe, self.collective_timeout(), self.rank, op)
+    }
+
+    /// `ncclGroupStart` (pair with [`RankCtx::group_end`]).
+    pub fn group_start(&self) -> Result<(), CudaError> {
+        group_start(self.rank)
+    }
+
+    /// `ncclGroupEnd`, then waits (with the deadline) until the group's work is on the NCCL
+    /// stream: a non-blocking communicator launches the group from a helper thread and returns
+    /// `ncclInProgress`, so an event recorded right after a bare `ncclGroupEnd` would not cover
+    /// the group's work.
+    pub fn group_end(&self) -> Result<(), CudaError> {
+        self.comm.group_end()
+    }
+
+    /// The deadline of every wait on NCCL work ([`CollectiveSettings::timeout`]).
+    pub fn collective_timeout(&self) -> Duration {
+        self.comm.health().timeout()
+    }
+
+    /// The verification kernels (device hashes, non-finite scan), compiled with NVRTC and
+    /// loaded into this context on first use.
+    pub fn verify_kernels(&self) -> Result<&VerifyKernels, CudaError> {
+        if let Some(k) = self.verify.get() {
+            return Ok(k);
         }
-        Ok(())
+        let k = VerifyKernels::compile_and_load(&self.compute, self.rank)?;
+        Ok(self.verify.get_or_init(|| k))
+    }
+}
+
+/// Polls a rank's streams (and its communicator's state) for [`RankCtx::wait`].
+struct StreamsProbe<'a> {
+    ctx: &'a RankCtx,
+    streams: &'a [&'a CudaStream],
+    nccl_awaited: bool,
+    nccl_idle: bool,
+}
+
+impl WaitProbe for StreamsProbe<'_> {
+    fn finished(&mut self) -> Result<bool, CudaError> {
+        use cudarc::driver::sys::{cuStreamQuery, CUresult};
+        let nccl = self.ctx.comm.stream().cu_stream();
+        let mut all = true;
+        for s in self.streams {
+            // SAFETY: the stream handle belongs to this rank's live context (the `CudaStream`
+            // is borrowed for the call); cuStreamQuery only reads its state.
+            let r = unsafe { cuStreamQuery(s.cu_stream()) };
+            let idle = match r {
+                CUresult::CUDA_SUCCESS => true,
+                CUresult::CUDA_ERROR_NOT_READY => false,
+                e => {
+                    return Err(CudaError::driver(
+                        self.ctx.rank,
+                        "querying a stream",
+                        0,
+                        cudarc::driver::DriverError(e),
+                    ))
+                }
+            };
+            if s.cu_stream() == nccl {
+                self.nccl_idle = idle;
+            }
+            all &= idle;
+        }
+        // NCCL may still be enqueueing work (a non-blocking group launch) onto its stream.
+        if self.nccl_awaited && self.ctx.comm.in_progress() {
+            self.nccl_idle = false;
+            return Ok(false);
+        }
+        Ok(all)
+    }
+
+    fn comm_error(&mut self) -> Option<String> {
+        self.ctx.comm.async_error()
+    }
+
+    fn pool_fault(&self) -> Option<String> {
+        let comm = &self.ctx.comm;
+        if comm.is_aborted() {
+            return None;
+        }
+        let fault = comm.health().fault()?;
+        if self.nccl_awaited && !self.nccl_idle {
+            // NCCL work of this rank is pending and may need the rank that gave up.
+            return Some(fault.cause);
+        }
+        // Nothing of NCCL pending here: give the communicator up quietly (later collectives
+        // fail at once) and keep waiting for the copies and kernels.
+        comm.abort(&fault.cause);
+        None
+    }
+
+    fn abort(&mut self, cause: &str) {
+        self.ctx.comm.abort(cause);
     }
 }
 
@@ -136,12 +270,29 @@ struct Worker {
 /// `lifecycle-launch`).
 ///
 /// Each thread creates its context, streams (compute, copy, NCCL), loads the NVRTC kernels and
-/// builds its own `Comm::from_rank` from one NCCL `Id` (made by the pool, or by rank 0 and shared
-/// over the TCP rendezvous).
+/// creates its own non-blocking NCCL communicator from one NCCL `Id` (made by the pool, or by
+/// rank 0 and shared over the TCP rendezvous).
+///
+/// # When a peer stalls or dies
+/// Every wait on NCCL work is bounded by [`CollectiveSettings::timeout`] (10 minutes by
+/// default; the environment variable `LIFECYCLE_NCCL_TIMEOUT_S` overrides it in [`new`] and
+/// [`for_process`], [`set_collective_timeout`] at run time; `LIFECYCLE_NCCL_BLOCKING=1` makes
+/// the communicators blocking, see [`CollectiveSettings::nonblocking`]). Past it the waiting rank aborts
+/// its communicator and returns [`CudaError::CollectiveTimeout`]; the other ranks of the pool
+/// abort theirs as soon as they see it ([`CudaError::CommAborted`]). From then on
+/// [`comm_fault`] says why, every collective fails at once with [`CudaError::CommAborted`]
+/// (rebuild the pool), and work without collectives (reloading or downloading the training
+/// state) still runs, so a backend can restore its state before the pool is replaced.
+///
+/// [`new`]: ThreadRankPool::new
+/// [`for_process`]: ThreadRankPool::for_process
+/// [`set_collective_timeout`]: ThreadRankPool::set_collective_timeout
+/// [`comm_fault`]: ThreadRankPool::comm_fault
 pub struct ThreadRankPool {
     workers: Vec<Worker>,
     world: usize,
     ranks: Vec<usize>,
+    health: Arc<CommHealth>,
 }
 
 impl std::fmt::Debug for ThreadRankPool {
@@ -155,23 +306,65 @@ impl std::fmt::Debug for ThreadRankPool {
 
 impl ThreadRankPool {
     /// Checks the environment ([`check_environment`]), then starts `world` ranks on GPUs
-    /// `0..world`. Fewer GPUs than `world` is [`CudaError::TooFewGpus`].
+    /// `0..world`, with [`CollectiveSettings::from_env`]. Fewer GPUs than `world` is
+    /// [`CudaError::TooFewGpus`].
     pub fn new(world: usize) -> Result<Self, CudaError> {
+        Self::with_settings(world, CollectiveSettings::from_env()?)
+    }
+
+    /// [`ThreadRankPool::new`] with explicit collective settings.
+    pub fn with_settings(world: usize, settings: CollectiveSettings) -> Result<Self, CudaError> {
         if world == 0 {
             return Err(CudaError::ZeroWorld);
         }
         check_environment(world)?;
         let id = Id::new().map_err(|e| CudaError::nccl(0, "creating the NCCL unique id", e))?;
         let assignments: Vec<(usize, usize)> = (0..world).map(|r| (r, r)).collect();
-        Self::start(world, assignments, *id.internal())
+        Self::start(world, assignments, *id.internal(), settings)
+    }
+
+    /// The deadline of every wait on NCCL work.
+    pub fn collective_timeout(&self) -> Duration {
+        self.health.timeout()
+    }
+
+    /// Changes the deadline of every wait on NCCL work, from the next wait on.
+    pub fn set_collective_timeout(&self, timeout: Duration) {
+        self.health.set_timeout(timeout);
+    }
+
+    /// Why the pool's communicators were aborted (`None` while they are healthy). Once set, every
+    /// collective returns [`CudaError::CommAborted`]: rebuild the pool.
+    pub fn comm_fault(&self) -> Option<CommFault> {
+        self.health.fault()
+    }
+
+    /// **Test hook** (fault injection): the next NCCL operation that `rank` issues first sleeps
+    /// for `duration`, as a rank that hangs before its part of a collective would; its peers
+    /// then wait on NCCL work that cannot finish. The sleep ends early once the pool's
+    /// communicators are aborted (so a test's run returns after the peers' deadline), after
+    /// which the operation fails with [`CudaError::CommAborted`]. Nothing else changes.
+    pub fn inject_stall(&self, rank: usize, duration: Duration) {
+        self.health.arm_stall(rank, duration);
     }
 
     /// The rank of this process in a job launched like PyTorch: global rank `env.rank` of
     /// `env.world_size` on local GPU `env.local_rank`. Rank 0 makes the NCCL id and shares it over
     /// the TCP rendezvous at `MASTER_ADDR:MASTER_PORT`; every rank waits at most `timeout` for it.
+    ///
+    /// Collective settings come from [`CollectiveSettings::from_env`].
     pub fn for_process(
         env: &lifecycle_dist::RankEnv,
         timeout: std::time::Duration,
+    ) -> Result<Self, CudaError> {
+        Self::for_process_with(env, timeout, CollectiveSettings::from_env()?)
+    }
+
+    /// [`ThreadRankPool::for_process`] with explicit collective settings.
+    pub fn for_process_with(
+        env: &lifecycle_dist::RankEnv,
+        timeout: std::time::Duration,
+        settings: CollectiveSettings,
     ) -> Result<Self, CudaError> {
         if env.world_size == 0 {
             return Err(CudaError::ZeroWorld);
@@ -195,7 +388,12 @@ impl ThreadRankPool {
         for (dst, &b) in internal.iter_mut().zip(&bytes) {
             *dst = b as core::ffi::c_char;
         }
-        Self::start(env.world_size, vec![(env.rank, env.local_rank)], internal)
+        Self::start(
+            env.world_size,
+            vec![(env.rank, env.local_rank)],
+            internal,
+            settings,
+        )
     }
 
     /// Starts one worker thread per `(global rank, device)` assignment.
@@ -203,7 +401,9 @@ impl ThreadRankPool {
         world: usize,
         assignments: Vec<(usize, usize)>,
         internal: [core::ffi::c_char; 128],
+        settings: CollectiveSettings,
     ) -> Result<Self, CudaError> {
+        let health = Arc::new(CommHealth::new(settings.timeout));
         let first_device = assignments.first().map_or(0, |a| a.1);
         let ptx_ctx = CudaContext::new(first_device)
             .map_err(|e| CudaError::driver(0, "creating a context", 0, e))?;
@@ -217,10 +417,12 @@ impl ThreadRankPool {
             let (jtx, jrx) = channel::<Job>();
             let ready = ready_tx.clone();
             let ptx = ptx.clone();
+            let health = health.clone();
+            let nonblocking = settings.nonblocking;
             let handle = std::thread::Builder::new()
                 .name(format!("lifecycle-rank-{rank}"))
                 .spawn(move || {
-                    let init = init_rank(rank, device, world, internal, ptx);
+                    let init = init_rank(rank, device, world, internal, ptx, &health, nonblocking);
                     match init {
                         Ok(ctx) => {
                             let _ = ready.send((rank, Ok(())));
@@ -228,6 +430,9 @@ impl ThreadRankPool {
                             worker_loop(ctx, jrx);
                         }
                         Err(e) => {
+                            // The other ranks' communicator setup waits for this one: let them
+                            // give up now rather than at the deadline.
+                            health.record(rank, &format!("rank {rank} failed to start: {e}"));
                             let _ = ready.send((rank, Err(e)));
                         }
                     }
@@ -247,6 +452,7 @@ impl ThreadRankPool {
             workers,
             world,
             ranks,
+            health,
         };
         let mut first_err = None;
         for _ in 0..assignments.len() {
@@ -276,6 +482,8 @@ fn init_rank(
     world: usize,
     id: [core::ffi::c_char; 128],
     ptx: cudarc::nvrtc::Ptx,
+    health: &Arc<CommHealth>,
+    nonblocking: bool,
 ) -> Result<RankCtx, CudaError> {
     let ctx = CudaContext::new(device)
         .map_err(|e| CudaError::driver(rank, "creating a context", 0, e))?;
@@ -298,8 +506,7 @@ fn init_rank(
     let copy = mk("copy", least)?;
     let nccl = mk("NCCL", greatest)?;
     let kernels = Kernels::load(&compute, ptx, rank)?;
-    let comm = Comm::from_rank(nccl, rank, world, Id::uninit(id))
-        .map_err(|e| CudaError::nccl(rank, "Comm::from_rank", e))?;
+    let comm = NcclComm::init(nccl, rank, world, id, health.clone(), nonblocking)?;
     Ok(RankCtx {
         rank,
         world,
@@ -309,6 +516,7 @@ fn init_rank(
         copy,
         comm,
         kernels,
+        verify: OnceCell::new(),
     })
 }
 

@@ -18,6 +18,7 @@ use lifecycle_host::{
 use crate::plan::{build_plan, BucketConfig, BucketOps, Buf, CastOp, FsdpPlan, ShardLayout};
 use crate::state::{FsdpTrainState, RankDump, RankTrain};
 use crate::update::UpdateKernelCache;
+use crate::verify::{self, Buffer, Mismatch};
 use crate::FsdpError;
 
 /// One rollout tensor's place in a rank's flat rollout buffer.
@@ -71,6 +72,21 @@ impl FsdpRollout {
 /// Reshards FSDP training shards into bf16 tensor-parallel rollout weights on the GPUs of a
 /// [`ThreadRankPool`], with bucketed, shard-aware NCCL transfers and overlapped offload.
 ///
+/// # When a peer rank stalls or dies
+/// Every wait on NCCL work is bounded by the pool's deadline
+/// ([`ThreadRankPool::collective_timeout`], 10 minutes by default, env
+/// `LIFECYCLE_NCCL_TIMEOUT_S`). A transfer whose collectives do not finish in time fails with
+/// [`CudaError::CollectiveTimeout`] (rank, operation, deadline) after the waiting rank aborted
+/// its communicator; the switch ends in `LifecycleError::Enter` / `Refresh` with
+/// `AfterFailure::Restored`: the training state never left the devices (offloaded buffers are
+/// freed only after the transfer), no rollout weights are resident, the lifecycle is in train
+/// mode. The pool then refuses every collective at once with [`CudaError::CommAborted`]
+/// ([`ThreadRankPool::comm_fault`] says why), so the next rollout fails fast the same way, while
+/// work without collectives (reload, [`FsdpBackend::download_state`]) still runs. To go on,
+/// take the state out (`Lifecycle::into_parts`) and put it into a lifecycle whose backend runs
+/// on a new pool over the same GPUs: device buffers belong to each GPU's primary context, which
+/// every pool of the process shares.
+///
 /// ```no_run
 /// use std::sync::Arc;
 /// use lifecycle_core::{layout::{Parallel, RolloutLayout, TensorSpec}, Lifecycle};
@@ -98,6 +114,16 @@ pub struct FsdpBackend {
     plan_cache: Mutex<Option<(FsdpLayout, Arc<FsdpPlan>)>>,
     /// The in-place update kernels, compiled and loaded on first use.
     pub(crate) update_kernels: UpdateKernelCache,
+    verify: bool,
+    /// Verification mode: hashes of the resident rollout weights.
+    rollout_sums: Option<RolloutSums>,
+}
+
+/// Hashes of the resident rollout weights, per local rank, per chunk of `table`.
+struct RolloutSums {
+    table: lifecycle_cuda::ChunkTable,
+    names: Vec<String>,
+    sums: Vec<Vec<u64>>,
 }
 
 impl std::fmt::Debug for FsdpBackend {
@@ -107,6 +133,7 @@ impl std::fmt::Debug for FsdpBackend {
             .field("tp", &self.layout.tp)
             .field("config", &self.config)
             .field("batched_casts", &self.batched_casts)
+            .field("verify", &self.verify)
             .finish()
     }
 }
@@ -226,6 +253,8 @@ impl FsdpBackend {
             batched_casts: true,
             plan_cache: Mutex::new(None),
             update_kernels: UpdateKernelCache::default(),
+            verify: false,
+            rollout_sums: None,
         }
     }
 
@@ -237,6 +266,186 @@ impl FsdpBackend {
         self.batched_casts = batched;
         self.plan_cache = Mutex::new(None);
         self
+    }
+
+    /// Turns verification mode on or off (see the `verify` module's summary below). When on,
+    /// computed on the GPUs:
+    /// - `plan` rejects NaN or infinite master weights, naming the tensor, rank and element
+    ///   ([`FsdpError::NonFinite`]), before anything moves;
+    /// - every buffer offloaded (master, Adam m, v per the memory policy) is hashed per chunk of
+    ///   each tensor's shard before its device→host copy and again after the reload; a mismatch
+    ///   leaves that buffer offloaded and names the rank, tensor and buffer
+    ///   ([`FsdpError::Corrupted`]);
+    /// - the rollout weights are hashed per tensor after every transfer and checked before
+    ///   release ([`FsdpError::RolloutCorrupted`]).
+    ///
+    /// Same semantics as the host backend's `HostBackend::with_verification`.
+    pub fn with_verification(mut self, on: bool) -> Self {
+        self.verify = on;
+        self.rollout_sums = None;
+        self
+    }
+
+    /// Whether verification mode is on.
+    pub fn verifies(&self) -> bool {
+        self.verify
+    }
+
+    /// Flips bit `bit` of element `index` of rollout tensor `tensor` on local rank `rank` (the
+    /// global rank in the single-process mode), in device memory: fault injection for testing
+    /// verification mode. Returns whether a bit was flipped (false when `rank` or `index` is out
+    /// of range); an unknown tensor is an error.
+    pub fn inject_rollout_bit_flip(
+        &self,
+        rollout: &mut FsdpRollout,
+        rank: usize,
+        tensor: &str,
+        index: usize,
+        bit: u32,
+    ) -> Result<bool, FsdpError> {
+        let entry = rollout
+            .entries
+            .iter()
+            .find(|e| e.name == tensor)
+            .ok_or_else(|| FsdpError::Tensor {
+                name: tensor.to_string(),
+                problem: "no such tensor in the rollout weights".into(),
+            })?;
+        if index as u64 >= entry.numel || rank >= rollout.ranks.len() {
+            return Ok(false);
+        }
+        let at = (entry.offset as usize) + index;
+        let mut items: Vec<(usize, &mut CudaSlice<bf16>)> =
+            rollout.ranks.iter_mut().enumerate().collect();
+        self.pool.run_each(&mut items, &|ctx, (i, buf)| {
+            if *i != rank {
+                return Ok(());
+            }
+            let mut one = buf.slice_mut(at..at + 1);
+            let old = ctx
+                .compute
+                .clone_dtoh(&one)
+                .map_err(ctx.drv("reading a rollout weight", 2))?;
+            let flipped: Vec<bf16> = old
+                .iter()
+                .map(|x| bf16::from_bits(x.to_bits() ^ (1 << (bit % 16))))
+                .collect();
+            ctx.compute
+                .memcpy_htod(&flipped, &mut one)
+                .map_err(ctx.drv("writing a rollout weight", 2))?;
+            ctx.compute
+                .synchronize()
+                .map_err(ctx.drv("synchronizing", 0))
+        })?;
+        Ok(true)
+    }
+
+    /// Verification mode: every master weight on the devices must be finite.
+    fn check_finite(&self, state: &FsdpTrainState) -> Result<(), FsdpError> {
+        let table = verify::shard_table(&state.shards);
+        let mut items: Vec<&RankTrain> = state.ranks.iter().collect();
+        let found = self
+            .pool
+            .run_each(&mut items, &|ctx, rt| match &rt.master {
+                Some(m) => verify::first_nonfinite(ctx, m, &table),
+                None => Ok(None),
+            })?;
+        for (i, f) in found.into_iter().enumerate() {
+            if let Some((at, value)) = f {
+                let slot = table
+                    .segment_of(at)
+                    .and_then(|t| state.shards.slots.get(t))
+                    .ok_or_else(|| {
+                        FsdpError::Config(format!(
+                            "a non-finite value at element {at} lies outside every tensor"
+                        ))
+                    })?;
+                return Err(FsdpError::NonFinite {
+                    tensor: slot.name.clone(),
+                    rank: self.pool.local_ranks()[i],
+                    index: at - slot.offset,
+                    value,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Verification mode: queues the hashes of the buffers `memory` offloads, on each rank's
+    /// copy stream ahead of the offload copies.
+    fn queue_offload_hashes(
+        &self,
+        state: &mut FsdpTrainState,
+        memory: MemoryPolicy,
+    ) -> Result<(), FsdpError> {
+        let table = verify::shard_table(&state.shards);
+        let mut items: Vec<&mut RankTrain> = state.ranks.iter_mut().collect();
+        self.pool.run_each(&mut items, &|ctx, rt| {
+            rt.sums.clear();
+            for b in Buffer::ALL {
+                let offloads = match b {
+                    Buffer::Master => memory.offload_params,
+                    Buffer::AdamM | Buffer::AdamV => memory.offload_optimizer,
+                };
+                if !offloads {
+                    continue;
+                }
+                let (dev, sums) = match b {
+                    Buffer::Master => (&rt.master, &mut rt.sums),
+                    Buffer::AdamM => (&rt.m, &mut rt.sums),
+                    Buffer::AdamV => (&rt.v, &mut rt.sums),
+                };
+                if let Some(d) = dev {
+                    verify::queue_offload_hash(ctx, sums, b, d, &table)?;
+                }
+            }
+            Ok(())
+        })?;
+        Ok(())
+    }
+
+    /// Verification mode: hashes the rollout weights just written.
+    fn record_rollout_sums(
+        &mut self,
+        rolls: &[CudaSlice<bf16>],
+        entries: &[RolloutEntry],
+    ) -> Result<(), FsdpError> {
+        let table = verify::rollout_table(entries);
+        let mut items: Vec<&CudaSlice<bf16>> = rolls.iter().collect();
+        let sums = self.pool.run_each(&mut items, &|ctx, buf| {
+            verify::rollout_hashes(ctx, buf, &table)
+        })?;
+        self.rollout_sums = Some(RolloutSums {
+            table,
+            names: entries.iter().map(|e| e.name.clone()).collect(),
+            sums,
+        });
+        Ok(())
+    }
+
+    /// Verification mode: checks the rollout weights about to be released against the hashes
+    /// taken after their transfer (and forgets those).
+    fn check_rollout_sums(&mut self, rollout: &FsdpRollout) -> Result<(), FsdpError> {
+        let Some(rs) = self.rollout_sums.take() else {
+            return Ok(());
+        };
+        if !self.verify || rs.sums.len() != rollout.ranks.len() {
+            return Ok(());
+        }
+        let mut items: Vec<&CudaSlice<bf16>> = rollout.ranks.iter().collect();
+        let table = &rs.table;
+        let found = self.pool.run_each(&mut items, &|ctx, buf| {
+            verify::rollout_hashes(ctx, buf, table)
+        })?;
+        for (i, (expected, found)) in rs.sums.iter().zip(&found).enumerate() {
+            if let Some(m) = verify::first_mismatch(table, expected, found) {
+                return Err(FsdpError::RolloutCorrupted {
+                    rank: self.pool.local_ranks()[i],
+                    tensor: rs.names.get(m.tensor).cloned().unwrap_or_default(),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Changes the bucket settings (checked: a budget of at least 1 MiB, at least 1 in flight).
@@ -486,6 +695,36 @@ impl FsdpBackend {
         Ok(out)
     }
 
+    /// Every full fp32 master tensor, in training order, gathered from one download of every
+    /// rank's shards (single-process mode, like [`FsdpBackend::full_master`]): the host twin of
+    /// the state, e.g. for `HostTrainState::from_tensors` and `reference_rollout`.
+    pub fn full_masters(&self, state: &FsdpTrainState) -> Result<Vec<HostTensor>, FsdpError> {
+        if self.pool.local_ranks().len() != self.pool.world() {
+            return Err(FsdpError::Config(
+                "gathering full tensors needs every rank in this process; with one process per \
+                 rank, download each rank's shard instead"
+                    .into(),
+            ));
+        }
+        let dumps = self.download_state(state)?;
+        Ok(state
+            .layout
+            .tensors
+            .iter()
+            .zip(&state.shards.slots)
+            .enumerate()
+            .map(|(i, ((name, shape), slot))| {
+                let mut data = Vec::with_capacity(shape.iter().product());
+                for (rank, d) in dumps.iter().enumerate() {
+                    let held = state.shards.held_rows(i, rank);
+                    let at = slot.offset as usize;
+                    data.extend_from_slice(&d.master[at..at + held.len() * slot.cols]);
+                }
+                HostTensor::f32(name.clone(), shape.clone(), data)
+            })
+            .collect())
+    }
+
     /// Gives the device memory cached by each rank's stream-ordered pool (freed rollout weights,
     /// offloaded training state) back to the driver, e.g. before another process allocates a KV
     /// cache. The pools keep freed memory mapped by default, so switches reuse it.
@@ -663,13 +902,12 @@ impl FsdpBackend {
                 .collect();
             let copies = memory.offload_params || memory.offload_optimizer;
             let spans = self.pool.run_each(&mut items, &|ctx, (rt, tl)| {
-                // The transfer synchronised its own streams; only the offload copies (copy
-                // stream) may still run.
+                // The transfer waited for its own streams; only the offload copies (copy
+                // stream) and the verification hashes queued before them may still run.
                 if copies {
-                    ctx.copy
-                        .synchronize()
-                        .map_err(ctx.drv("waiting for the offload copies", 0))?;
+                    ctx.wait(&[&ctx.copy], "waiting for the offload copies")?;
                 }
+                verify::settle_offload_hashes(&mut rt.sums)?;
                 let spans = match tl.take() {
                     Some(tl) => tl.finish()?,
                     None => RankSpans::default(),
@@ -1004,7 +1242,7 @@ fn run_buckets_inner(
         let net_mark = if has_net { tl.begin(ctx, &nccl)? } else { None };
         let recv_before = moved.recv;
         if !b.sends.is_empty() || !b.recvs.is_empty() {
-            cudarc::nccl::group_start().map_err(|e| CudaError::nccl(rank, "ncclGroupStart", e))?;
+            ctx.group_start()?;
             let mut res = Ok(());
             for s in &b.sends {
                 let (lo, hi) = (s.off as usize, (s.off + s.count) as usize);
@@ -1036,8 +1274,7 @@ fn run_buckets_inner(
                     }
                 }
             }
-            let end =
-                cudarc::nccl::group_end().map_err(|e| CudaError::nccl(rank, "ncclGroupEnd", e));
+            let end = ctx.group_end();
             res?;
             end?;
         }
@@ -1072,9 +1309,7 @@ fn run_buckets_inner(
                 ctx.compute
                     .upgrade_device_ptr(rbase, plan.roll_len as usize)
             };
-            let start =
-                cudarc::nccl::group_start().map_err(|e| CudaError::nccl(rank, "ncclGroupStart", e));
-            let mut res = start;
+            let mut res = ctx.group_start();
             if res.is_ok() {
                 for g in &b.gathers {
                     moved.recv += (w - 1) * g.count * 2;
@@ -1087,8 +1322,7 @@ fn run_buckets_inner(
                     }
                 }
             }
-            let end =
-                cudarc::nccl::group_end().map_err(|e| CudaError::nccl(rank, "ncclGroupEnd", e));
+            let end = ctx.group_end();
             alias.leak();
             res?;
             end?;
@@ -1117,11 +1351,8 @@ fn run_buckets_inner(
     }
     ctx.order(&nccl, &ctx.compute)?;
     ctx.order(&ctx.aux, &ctx.compute)?;
-    ctx.compute
-        .synchronize()
-        .map_err(ctx.drv("synchronizing the transfer", 0))?;
-    nccl.synchronize()
-        .map_err(ctx.drv("synchronizing NCCL", 0))?;
+    // Deadline-aware: a peer that stalls or dies ends in a timeout, not a hang.
+    ctx.wait(&[&ctx.compute, &nccl], "the transfer's NCCL work")?;
     drop(staging);
     drop(rstaging);
     drop(descs);
@@ -1156,6 +1387,9 @@ impl Reshard for FsdpBackend {
         }
         let core = plan_fsdp_to_tp(&state.layout, &self.layout)?;
         let plan = Arc::new(build_plan(core, &state.layout, self.config));
+        if self.verify {
+            self.check_finite(state)?;
+        }
         *cache = Some((state.layout.clone(), plan.clone()));
         Ok(plan)
     }
@@ -1183,12 +1417,19 @@ impl Reshard for FsdpBackend {
         // enter's total includes it).
         let start = Instant::now();
         let tracing = ctx.rec.tracing();
+        if self.verify {
+            self.queue_offload_hashes(state, ctx.memory)?;
+        }
         let mut moved = self.transfer(plan, state, &mut rolls, ctx.memory, tracing)?;
         Self::record_transfer(ctx, &moved, start);
+        let entries = Self::entries(plan);
+        if self.verify {
+            self.record_rollout_sums(&rolls, &entries)?;
+        }
         self.finish_offload(state, ctx, &mut moved)?;
         Ok(FsdpRollout {
             ranks: rolls,
-            entries: Self::entries(plan),
+            entries,
             len: plan.roll_len,
         })
     }
@@ -1213,8 +1454,16 @@ impl Reshard for FsdpBackend {
         }
         let start = Instant::now();
         let tracing = ctx.rec.tracing();
+        if self.verify {
+            self.queue_offload_hashes(state, ctx.memory)?;
+        }
+        // The old hashes no longer describe the weights, whatever happens next.
+        self.rollout_sums = None;
         let mut moved = self.transfer(plan, state, &mut rollout.ranks, ctx.memory, tracing)?;
         Self::record_transfer(ctx, &moved, start);
+        if self.verify {
+            self.record_rollout_sums(&rollout.ranks, &rollout.entries)?;
+        }
         self.finish_offload(state, ctx, &mut moved)
     }
 
@@ -1224,7 +1473,9 @@ impl Reshard for FsdpBackend {
         rollout: Option<FsdpRollout>,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<(), FsdpError> {
+        let mut rollout_check = Ok(());
         if let Some(rollout) = rollout {
+            rollout_check = self.check_rollout_sums(&rollout);
             ctx.rec.phase(Phase::Release, |_| {
                 let mut items: Vec<Option<CudaSlice<bf16>>> =
                     rollout.ranks.into_iter().map(Some).collect();
@@ -1240,11 +1491,16 @@ impl Reshard for FsdpBackend {
         let len = state.shards.rank_len as usize;
         let bytes_each = state.shards.rank_len * 4;
         let tracing = ctx.rec.tracing();
+        let verify_on = self.verify;
+        let table = verify::shard_table(&state.shards);
+        let local_ranks = self.pool.local_ranks().to_vec();
+        let slots = &state.shards.slots;
         let out = ctx.rec.phase(Phase::Reload, |scope| {
             let mut items: Vec<&mut RankTrain> = state.ranks.iter_mut().collect();
             let moved = self.pool.run_each(&mut items, &|c, rt| {
                 let mut h2d = 0u64;
                 let mut tl = StreamTimeline::new(c, tracing)?;
+                let offloaded = Buffer::ALL.map(|b| rt.device(b).is_none());
                 let mut reload = |dev: &mut Option<CudaSlice<f32>>,
                                   host: &Option<PinnedHostSlice<f32>>,
                                   what: &str,
@@ -1289,12 +1545,43 @@ impl Reshard for FsdpBackend {
                     rt.grads = Some(alloc_zeros(&c.compute, len, c.rank, "gradients")?);
                 }
                 c.sync_all()?;
-                Ok((h2d, tl.finish()?))
+                let mut corrupted: Option<(Buffer, Mismatch)> = None;
+                for b in Buffer::ALL {
+                    if !(verify_on && offloaded[b.index()] && rt.sums.has(b)) {
+                        continue;
+                    }
+                    let Some(d) = rt.device_slot(b).take() else {
+                        continue;
+                    };
+                    match verify::check_reloaded(c, &mut rt.sums, b, &d, &table)? {
+                        // The reloaded copy differs: it stays offloaded (its device copy is
+                        // dropped) and keeps its hashes, so a retry fails the same way.
+                        Some(m) => {
+                            corrupted.get_or_insert((b, m));
+                        }
+                        None => *rt.device_slot(b) = Some(d),
+                    }
+                }
+                Ok((h2d, corrupted, tl.finish()?))
             })?;
             scope.add_bytes(Link::HostToDevice, moved.iter().map(|m| m.0).sum());
-            Ok::<Vec<RankSpans>, FsdpError>(moved.into_iter().map(|m| m.1).collect())
+            for (i, (_, corrupted, _)) in moved.iter().enumerate() {
+                if let Some((b, m)) = corrupted {
+                    return Err(FsdpError::Corrupted {
+                        rank: local_ranks[i],
+                        tensor: slots
+                            .get(m.tensor)
+                            .map(|s| s.name.clone())
+                            .unwrap_or_default(),
+                        buffer: b.name(),
+                        expected: m.expected,
+                        found: m.found,
+                    });
+                }
+            }
+            Ok::<Vec<RankSpans>, FsdpError>(moved.into_iter().map(|m| m.2).collect())
         })?;
         self.record_spans(ctx, &out);
-        Ok(())
+        rollout_check
     }
 }

@@ -79,4 +79,49 @@ pub enum FsdpError {
     /// Invalid settings.
     #[error("invalid setting: {0}")]
     Config(String),
+    /// Verification mode: a master weight is NaN or infinite.
+    #[error(
+        "tensor `{tensor}` has a non-finite master weight ({value}) at element {index} of rank \
+         {rank}'s shard: fix the update that produced it (verification mode refuses to switch \
+         non-finite weights)"
+    )]
+    NonFinite {
+        /// The tensor.
+        tensor: String,
+        /// The rank holding the shard.
+        rank: usize,
+        /// Element index within the rank's (padded) shard.
+        index: u64,
+        /// The value.
+        value: f32,
+    },
+    /// Verification mode: an offloaded buffer came back different.
+    #[error(
+        "offloaded {buffer} of tensor `{tensor}` on rank {rank} is corrupted (hash {found:#018x} \
+         after reload, {expected:#018x} before offload): it stays offloaded; restore the \
+         training state from a checkpoint"
+    )]
+    Corrupted {
+        /// The rank.
+        rank: usize,
+        /// The tensor.
+        tensor: String,
+        /// `master`, `adam_m` or `adam_v`.
+        buffer: &'static str,
+        /// Hash before offload (of the first mismatching chunk).
+        expected: u64,
+        /// Hash after reload.
+        found: u64,
+    },
+    /// Verification mode: a rollout tensor changed while resident.
+    #[error(
+        "rollout tensor `{tensor}` on rank {rank} changed while resident (hash mismatch): \
+         something wrote into the rollout weights; the training state is reloaded intact"
+    )]
+    RolloutCorrupted {
+        /// The rank.
+        rank: usize,
+        /// The tensor.
+        tensor: String,
+    },
 }

@@ -29,6 +29,12 @@
 //!   ([`FsdpBackend::fill_synthetic_grads`], host twin [`synthetic_grad_value`]) and an Adam step
 //!   ([`FsdpBackend::adam_step`]) applied on the device to the resident master, m, v shards,
 //!   bit-identical to the host backend's `adam_step`; no reallocation, pinned host buffers kept.
+//! - **Reliability**: every wait on NCCL work has the pool's deadline
+//!   ([`lifecycle_cuda::CollectiveSettings`]): a peer rank that stalls or dies ends the switch in
+//!   [`lifecycle_cuda::CudaError::CollectiveTimeout`] with the training state restored on the
+//!   devices (`AfterFailure::Restored`); the pool then refuses collectives until it is rebuilt.
+//! - **Verification** ([`FsdpBackend::with_verification`]): device hashes of every offloaded
+//!   buffer and of the rollout weights, and a non-finite scan of the master weights.
 //!
 //! [`FsdpBackend::download_rollout`] returns a [`HostRollout`](lifecycle_host::HostRollout) for bit
 //! comparison with the host backend; [`FsdpBackend::download_state`] returns the training buffers.
@@ -41,6 +47,7 @@ pub mod plan;
 pub mod shapes;
 mod state;
 mod update;
+mod verify;
 
 pub use backend::{FsdpBackend, FsdpRollout, RolloutEntry};
 pub use error::FsdpError;

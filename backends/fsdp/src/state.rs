@@ -5,6 +5,8 @@ use cudarc::driver::{CudaSlice, PinnedHostSlice};
 use lifecycle_core::layout::FsdpLayout;
 
 use crate::plan::ShardLayout;
+use crate::verify::{Buffer, OffloadSums};
+use crate::FsdpError;
 
 /// One rank's training buffers. A buffer is on the device (`Some` device slice) or offloaded (the
 /// pinned host copy is authoritative); pinned copies are kept after reload for the next offload.
@@ -17,6 +19,37 @@ pub struct RankTrain {
     pub(crate) master_host: Option<PinnedHostSlice<f32>>,
     pub(crate) m_host: Option<PinnedHostSlice<f32>>,
     pub(crate) v_host: Option<PinnedHostSlice<f32>>,
+    /// Verification mode: hashes of the offloaded buffers.
+    pub(crate) sums: OffloadSums,
+}
+
+impl RankTrain {
+    /// The device copy of `buffer` (`None` while offloaded).
+    pub(crate) fn device(&self, buffer: Buffer) -> Option<&CudaSlice<f32>> {
+        match buffer {
+            Buffer::Master => self.master.as_ref(),
+            Buffer::AdamM => self.m.as_ref(),
+            Buffer::AdamV => self.v.as_ref(),
+        }
+        .map(|s| s as _)
+    }
+
+    /// The device slot of `buffer`.
+    pub(crate) fn device_slot(&mut self, buffer: Buffer) -> &mut Option<CudaSlice<f32>> {
+        match buffer {
+            Buffer::Master => &mut self.master,
+            Buffer::AdamM => &mut self.m,
+            Buffer::AdamV => &mut self.v,
+        }
+    }
+
+    fn host_mut(&mut self, buffer: Buffer) -> Option<&mut PinnedHostSlice<f32>> {
+        match buffer {
+            Buffer::Master => self.master_host.as_mut(),
+            Buffer::AdamM => self.m_host.as_mut(),
+            Buffer::AdamV => self.v_host.as_mut(),
+        }
+    }
 }
 
 /// The FSDP training state of all ranks, in device memory (or pinned host memory while
@@ -92,6 +125,63 @@ impl FsdpTrainState {
     /// Bytes of one rank's fp32 buffer (one of master, grads, m, v).
     pub fn rank_buffer_bytes(&self) -> u64 {
         self.shards.rank_len * 4
+    }
+
+    /// Flips bit `bit` of element `index` of `tensor`'s shard in the **offloaded** copy of
+    /// `buffer` (`"master"`, `"adam_m"` or `"adam_v"`) on local rank `rank` (the global rank in
+    /// the single-process mode): fault injection for testing verification mode. Returns whether
+    /// a bit was flipped (false when that buffer is on the device, or `rank` or `index` is out
+    /// of range); an unknown tensor or buffer name is an error.
+    pub fn inject_offloaded_bit_flip(
+        &mut self,
+        rank: usize,
+        tensor: &str,
+        buffer: &str,
+        index: usize,
+        bit: u32,
+    ) -> Result<bool, FsdpError> {
+        let slot = self
+            .shards
+            .slots
+            .iter()
+            .find(|s| s.name == tensor)
+            .ok_or_else(|| FsdpError::Tensor {
+                name: tensor.to_string(),
+                problem: "no such tensor in the training state".into(),
+            })?;
+        let b = Buffer::from_name(buffer).ok_or_else(|| {
+            FsdpError::Config(format!(
+                "buffer must be \"master\", \"adam_m\" or \"adam_v\", found {buffer:?}"
+            ))
+        })?;
+        if index >= slot.padded_rows * slot.cols {
+            return Ok(false);
+        }
+        let at = slot.offset as usize + index;
+        let Some(rt) = self.ranks.get_mut(rank) else {
+            return Ok(false);
+        };
+        if rt.device(b).is_some() {
+            return Ok(false);
+        }
+        let Some(host) = rt.host_mut(b) else {
+            return Ok(false);
+        };
+        let values = host.as_mut_slice().map_err(|e| {
+            FsdpError::Cuda(lifecycle_cuda::CudaError::driver(
+                rank,
+                "reading an offloaded buffer",
+                0,
+                e,
+            ))
+        })?;
+        match values.get_mut(at) {
+            Some(v) => {
+                *v = f32::from_bits(v.to_bits() ^ (1 << (bit % 32)));
+                Ok(true)
+            }
+            None => Ok(false),
+        }
     }
 }
 

@@ -1,0 +1,438 @@
+//! Verification kernels: a positional hash of device buffers, chunk by chunk in one launch, and a
+//! scan for non-finite fp32 values. Backends hash what they offload before it leaves the device
+//! and again after it came back, and their rollout weights after a transfer and before release.
+//!
+//! The hash of a chunk of `n` words `w[j]` is `fmix(Σ fmix((j << B) | w[j]) ⊕ n·φ)` (wrapping
+//! sum, `B` the word width in bits, `fmix` MurmurHash3's 64-bit finaliser, a bijection): any
+//! single changed word changes exactly one term, so every single-word corruption is detected;
+//! words moved to another position change their terms too. It is not a defence against
+//! deliberate tampering. [`chunk_hash_u32`] and [`chunk_hash_u16`] compute it on the host.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+
+use crate::env::arch_candidates;
+use crate::CudaError;
+
+/// CUDA C source of the verification kernels (no headers needed).
+pub const VERIFY_SRC: &str = r#"
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ u64 fmix64(u64 x) {
+    x ^= x >> 33; x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 33;
+    return x;
+}
+
+// One block per chunk (grid-stride over chunks); blockDim.x must be a multiple of 32, <= 1024.
+template <typename W, int SHIFT>
+__device__ void hash_chunks(const W* __restrict__ data, const u64* __restrict__ offs,
+                            const u64* __restrict__ lens, u64 nchunks, u64* __restrict__ out) {
+    __shared__ u64 part[32];
+    for (u64 c = blockIdx.x; c < nchunks; c += gridDim.x) {
+        const W* p = data + offs[c];
+        u64 n = lens[c];
+        u64 acc = 0;
+        for (u64 j = threadIdx.x; j < n; j += blockDim.x) acc += fmix64((j << SHIFT) | (u64)p[j]);
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
+        if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = acc;
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            u64 v = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0ull;
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+            if (threadIdx.x == 0) out[c] = fmix64(v ^ (n * 0x9E3779B97F4A7C15ull));
+        }
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void hash_chunks_b32(const u32* data, const u64* offs, const u64* lens,
+                                           u64 nchunks, u64* out) {
+    hash_chunks<u32, 32>(data, offs, lens, nchunks, out);
+}
+
+extern "C" __global__ void hash_chunks_b16(const u16* data, const u64* offs, const u64* lens,
+                                           u64 nchunks, u64* out) {
+    hash_chunks<u16, 16>(data, offs, lens, nchunks, out);
+}
+
+// *out_min = the smallest word index (offs[c] + j) holding a NaN or an infinity (exponent bits
+// all ones); left unchanged when there is none.
+extern "C" __global__ void first_nonfinite_f32(const u32* __restrict__ data,
+                                               const u64* __restrict__ offs,
+                                               const u64* __restrict__ lens, u64 nchunks,
+                                               u64* out_min) {
+    for (u64 c = blockIdx.x; c < nchunks; c += gridDim.x) {
+        const u32* p = data + offs[c];
+        u64 n = lens[c];
+        for (u64 j = threadIdx.x; j < n; j += blockDim.x)
+            if ((p[j] & 0x7F800000u) == 0x7F800000u) atomicMin(out_min, offs[c] + j);
+    }
+}
+"#;
+
+const PHI: u64 = 0x9E37_79B9_7F4A_7C15;
+
+fn fmix64(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
+}
+
+/// The device hash of one chunk of 32-bit words (fp32 bits), on the host.
+pub fn chunk_hash_u32(words: &[u32]) -> u64 {
+    let acc = words.iter().enumerate().fold(0u64, |acc, (j, &w)| {
+        acc.wrapping_add(fmix64(((j as u64) << 32) | u64::from(w)))
+    });
+    fmix64(acc ^ (words.len() as u64).wrapping_mul(PHI))
+}
+
+/// The device hash of one chunk of 16-bit words (bf16 bits), on the host.
+pub fn chunk_hash_u16(words: &[u16]) -> u64 {
+    let acc = words.iter().enumerate().fold(0u64, |acc, (j, &w)| {
+        acc.wrapping_add(fmix64(((j as u64) << 16) | u64::from(w)))
+    });
+    fmix64(acc ^ (words.len() as u64).wrapping_mul(PHI))
+}
+
+/// The largest chunk [`ChunkTable::new`] makes by default: 1 Mi words (4 MB of fp32), so one
+/// 15 GB buffer is about 3 600 chunks, one hash each.
+pub const DEFAULT_CHUNK_WORDS: u64 = 1 << 20;
+
+/// Segments of a flat buffer (tensors, each at a word offset) cut into chunks of at most
+/// `max_chunk` words; each chunk remembers the segment it belongs to, so a mismatching chunk
+/// names its tensor.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ChunkTable {
+    offsets: Vec<u64>,
+    lens: Vec<u64>,
+    owners: Vec<usize>,
+    end: u64,
+}
+
+impl ChunkTable {
+    /// Chunks of `segments` (`(word offset, words)`, segment `i` owning its chunks); empty
+    /// segments make no chunk. `max_chunk` is at least 1 and at most 2³² (the hash's position
+    /// field).
+    pub fn new(segments: impl IntoIterator<Item = (u64, u64)>, max_chunk: u64) -> Self {
+        let max_chunk = max_chunk.clamp(1, 1 << 32);
+        let mut t = ChunkTable::default();
+        for (i, (offset, len)) in segments.into_iter().enumerate() {
+            let mut at = 0;
+            while at < len {
+                let n = (len - at).min(max_chunk);
+                t.offsets.push(offset + at);
+                t.lens.push(n);
+                t.owners.push(i);
+                at += n;
+            }
+            t.end = t.end.max(offset + len);
+        }
+        t
+    }
+
+    /// Chunks.
+    pub fn len(&self) -> usize {
+        self.offsets.len()
+    }
+
+    /// Whether there is no chunk.
+    pub fn is_empty(&self) -> bool {
+        self.offsets.is_empty()
+    }
+
+    /// Chunk `i`: `(word offset, words)`.
+    pub fn chunk(&self, i: usize) -> (u64, u64) {
+        (self.offsets[i], self.lens[i])
+    }
+
+    /// The segment chunk `i` belongs to.
+    pub fn owner(&self, i: usize) -> usize {
+        self.owners[i]
+    }
+
+    /// One past the last word any chunk covers: the buffer must hold at least this many words.
+    pub fn end(&self) -> u64 {
+        self.end
+    }
+
+    /// The segment holding word `index`, if any chunk covers it.
+    pub fn segment_of(&self, index: u64) -> Option<usize> {
+        let i = self
+            .offsets
+            .partition_point(|&o| o <= index)
+            .checked_sub(1)?;
+        (index < self.offsets[i] + self.lens[i]).then(|| self.owners[i])
+    }
+
+    /// The host hashes of `words` (a whole buffer) chunk by chunk, as the device computes them.
+    pub fn host_hashes_u32(&self, words: &[u32]) -> Vec<u64> {
+        (0..self.len())
+            .map(|i| {
+                let (o, n) = (self.offsets[i] as usize, self.lens[i] as usize);
+                chunk_hash_u32(&words[o..o + n])
+            })
+            .collect()
+    }
+}
+
+/// Width of the words a buffer is hashed in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WordSize {
+    /// 16-bit words (bf16).
+    B16,
+    /// 32-bit words (fp32).
+    B32,
+}
+
+impl WordSize {
+    /// Bytes per word.
+    pub fn bytes(self) -> u64 {
+        match self {
+            WordSize::B16 => 2,
+            WordSize::B32 => 4,
+        }
+    }
+}
+
+/// Chunk hashes being computed on a stream: the device table and output, kept alive until
+/// [`PendingHashes::download`] brings the hashes back.
+#[derive(Debug)]
+pub struct PendingHashes {
+    _offsets: CudaSlice<u64>,
+    _lens: CudaSlice<u64>,
+    out: CudaSlice<u64>,
+    stream: Arc<CudaStream>,
+    rank: usize,
+}
+
+impl PendingHashes {
+    /// Waits for the stream the hashes were queued on and returns them, one per chunk.
+    pub fn download(self) -> Result<Vec<u64>, CudaError> {
+        self.stream
+            .clone_dtoh(&self.out)
+            .map_err(|e| CudaError::driver(self.rank, "downloading verification hashes", 0, e))
+    }
+}
+
+/// The verification kernels loaded into one device's context.
+#[derive(Debug, Clone)]
+pub struct VerifyKernels {
+    _module: Arc<CudaModule>,
+    hash32: CudaFunction,
+    hash16: CudaFunction,
+    nonfinite: CudaFunction,
+    sm_count: u32,
+}
+
+impl VerifyKernels {
+    /// Compiles [`VERIFY_SRC`] for the device of `stream` and loads it there.
+    pub(crate) fn compile_and_load(
+        stream: &Arc<CudaStream>,
+        rank: usize,
+    ) -> Result<Self, CudaError> {
+        let ctx = stream.context();
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| CudaError::driver(rank, "reading the compute capability", 0, e))?;
+        let mut failures = Vec::new();
+        let mut ptx = None;
+        let mut last_options = Vec::new();
+        for arch in arch_candidates(major, minor) {
+            let opts = CompileOptions {
+                options: vec![format!("--gpu-architecture={arch}")],
+                ..Default::default()
+            };
+            last_options = opts.options.clone();
+            match compile_ptx_with_opts(VERIFY_SRC, opts) {
+                Ok(p) => {
+                    ptx = Some(p);
+                    break;
+                }
+                Err(e) => failures.push(format!("{arch}: {e:?}")),
+            }
+        }
+        let ptx = ptx.ok_or_else(|| CudaError::Compile {
+            module: "lifecycle_cuda verification kernels".into(),
+            options: last_options,
+            detail: format!(
+                "{}; set LIFECYCLE_CUDA_ARCH (e.g. sm_90) to the GPU's architecture",
+                failures.join("; ")
+            ),
+        })?;
+        let module = ctx
+            .load_module(ptx)
+            .map_err(|e| CudaError::driver(rank, "loading the verification kernels", 0, e))?;
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| CudaError::driver(rank, format!("loading kernel {name}"), 0, e))
+        };
+        let sm_count = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(|e| CudaError::driver(rank, "reading the SM count", 0, e))?;
+        Ok(VerifyKernels {
+            hash32: f("hash_chunks_b32")?,
+            hash16: f("hash_chunks_b16")?,
+            nonfinite: f("first_nonfinite_f32")?,
+            _module: module,
+            sm_count: sm_count.max(1) as u32,
+        })
+    }
+
+    fn config(&self, chunks: usize) -> LaunchConfig {
+        let blocks = (chunks as u64).clamp(1, u64::from(self.sm_count) * 8) as u32;
+        LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    fn upload(
+        stream: &Arc<CudaStream>,
+        table: &ChunkTable,
+        rank: usize,
+    ) -> Result<(CudaSlice<u64>, CudaSlice<u64>), CudaError> {
+        let up = |v: &[u64]| {
+            stream
+                .clone_htod(v)
+                .map_err(|e| CudaError::driver(rank, "uploading a chunk table", 0, e))
+        };
+        Ok((up(&table.offsets)?, up(&table.lens)?))
+    }
+
+    /// Queues the hashes of every chunk of `table` over the buffer at device address `base`
+    /// (words of `word`) on `stream`; [`PendingHashes::download`] returns them.
+    ///
+    /// # Safety
+    /// `base` must address at least `table.end()` readable words of `stream`'s device, alive and
+    /// not written by other streams until the stream ran the kernel.
+    pub unsafe fn hash(
+        &self,
+        stream: &Arc<CudaStream>,
+        base: u64,
+        word: WordSize,
+        table: &ChunkTable,
+        rank: usize,
+    ) -> Result<PendingHashes, CudaError> {
+        let (offs, lens) = Self::upload(stream, table, rank)?;
+        let mut out = stream
+            .alloc_zeros::<u64>(table.len().max(1))
+            .map_err(|e| CudaError::driver(rank, "allocating verification hashes", 0, e))?;
+        if !table.is_empty() {
+            let f = match word {
+                WordSize::B16 => &self.hash16,
+                WordSize::B32 => &self.hash32,
+            };
+            let n = table.len() as u64;
+            let mut b = stream.launch_builder(f);
+            b.arg(&base).arg(&offs).arg(&lens).arg(&n).arg(&mut out);
+            // SAFETY: the caller guarantees `base` covers the table's words; `offs`, `lens`
+            // (n entries) and `out` (n hashes) are device buffers of this stream; the argument
+            // list matches the kernel (pointer, 2 tables, count, output).
+            unsafe { b.launch(self.config(table.len())) }
+                .map_err(|e| CudaError::driver(rank, "launching the hash kernel", 0, e))?;
+        }
+        Ok(PendingHashes {
+            _offsets: offs,
+            _lens: lens,
+            out,
+            stream: stream.clone(),
+            rank,
+        })
+    }
+
+    /// The smallest word index covered by `table` whose fp32 value at `base` is NaN or
+    /// infinite, or `None`. Waits for `stream`.
+    ///
+    /// # Safety
+    /// As for [`VerifyKernels::hash`], with 32-bit words.
+    pub unsafe fn first_nonfinite_f32(
+        &self,
+        stream: &Arc<CudaStream>,
+        base: u64,
+        table: &ChunkTable,
+        rank: usize,
+    ) -> Result<Option<u64>, CudaError> {
+        if table.is_empty() {
+            return Ok(None);
+        }
+        let (offs, lens) = Self::upload(stream, table, rank)?;
+        let mut out = stream
+            .clone_htod(&[u64::MAX])
+            .map_err(|e| CudaError::driver(rank, "allocating the scan result", 0, e))?;
+        let n = table.len() as u64;
+        let mut b = stream.launch_builder(&self.nonfinite);
+        b.arg(&base).arg(&offs).arg(&lens).arg(&n).arg(&mut out);
+        // SAFETY: as in `hash`: valid buffers of this stream, arguments match the kernel.
+        unsafe { b.launch(self.config(table.len())) }
+            .map_err(|e| CudaError::driver(rank, "launching the non-finite scan", 0, e))?;
+        let found = stream
+            .clone_dtoh(&out)
+            .map_err(|e| CudaError::driver(rank, "downloading the scan result", 0, e))?;
+        Ok(found.first().copied().filter(|&i| i != u64::MAX))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_single_bit_flip_and_swap_changes_the_hash() {
+        let v: Vec<u32> = (0..300u32)
+            .map(|i| (i as f32 * 0.37 - 3.0).to_bits())
+            .collect();
+        let base = chunk_hash_u32(&v);
+        for i in (0..v.len()).step_by(7) {
+            for bit in 0..32 {
+                let mut w = v.clone();
+                w[i] ^= 1 << bit;
+                assert_ne!(chunk_hash_u32(&w), base, "word {i} bit {bit}");
+            }
+        }
+        let mut s = v.clone();
+        s.swap(3, 200);
+        assert_ne!(chunk_hash_u32(&s), base, "positions count");
+        assert_ne!(chunk_hash_u32(&v[..299]), base, "length counts");
+        let h: Vec<u16> = (0..100u16).collect();
+        let mut g = h.clone();
+        g[50] ^= 0x8000;
+        assert_ne!(chunk_hash_u16(&h), chunk_hash_u16(&g));
+        // zeros at different lengths differ too
+        assert_ne!(chunk_hash_u16(&[0; 4]), chunk_hash_u16(&[0; 5]));
+    }
+
+    #[test]
+    fn chunk_tables_cut_segments_and_name_their_owner() {
+        let t = ChunkTable::new([(0, 10), (16, 0), (16, 25), (48, 3)], 8);
+        assert_eq!(t.len(), 2 + 4 + 1);
+        assert_eq!(t.chunk(0), (0, 8));
+        assert_eq!(t.chunk(1), (8, 2));
+        assert_eq!(t.chunk(2), (16, 8));
+        assert_eq!(t.chunk(5), (40, 1));
+        assert_eq!((t.owner(1), t.owner(2), t.owner(6)), (0, 2, 3));
+        assert_eq!(t.end(), 51);
+        assert_eq!(t.segment_of(9), Some(0));
+        assert_eq!(t.segment_of(12), None, "a gap between segments");
+        assert_eq!(t.segment_of(40), Some(2));
+        assert_eq!(t.segment_of(50), Some(3));
+        assert_eq!(t.segment_of(51), None);
+        let words: Vec<u32> = (0..51).collect();
+        let h = t.host_hashes_u32(&words);
+        assert_eq!(h[3], chunk_hash_u32(&words[24..32]));
+        assert!(ChunkTable::new([(0, 0)], 4).is_empty());
+    }
+}
