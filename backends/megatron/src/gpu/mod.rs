@@ -1,0 +1,41 @@
+//! The Megatron executor on NVIDIA GPUs: [`MegatronGpuBackend`] implements
+//! [`Reshard`](lifecycle_core::Reshard) over a [`ThreadRankPool`](lifecycle_cuda::ThreadRankPool)
+//! (one thread and one NCCL communicator per GPU), running the same [`MegatronPlan`] as the CPU
+//! executor ([`MegatronHostBackend`](crate::MegatronHostBackend)), bit for bit.
+//!
+//! - **Training state** ([`MegatronGpuState`]): per rank the bf16 parameters of its (stage, TP
+//!   rank) in one contiguous device buffer and fp32 grads of the same length, plus its DP shard of
+//!   the fp32 main params and Adam m, v (Megatron's distributed optimizer). Built from host tensors
+//!   ([`MegatronGpuBackend::state_from_hf`]), from the CPU backend's state
+//!   ([`MegatronGpuBackend::state_from_host`]), or on the devices for benchmarks
+//!   ([`MegatronGpuBackend::synthetic_state`]); [`MegatronGpuBackend::download_state`] gives it
+//!   back as a [`MegatronTrainState`](crate::MegatronTrainState).
+//! - **Schedule** ([`schedule`], pure): each rank copies the runs of its fused slices it holds
+//!   itself, and receives the others from their owners step by step (step `k` = bucket `k` of
+//!   every destination): packed into a send slot, one grouped NCCL send/receive per step,
+//!   unpacked from a receive slot. Only the bytes of the fused slices move (`[q; k; v]`,
+//!   `[gate; up]`, vocabulary padding removed); bf16 to bf16, no cast.
+//! - **Streams**: local copies on the auxiliary stream (they never wait for the network), packs
+//!   and unpacks on the compute stream, NCCL on its own stream, offload and reload on the copy
+//!   stream; `in_flight` slots let step `k`'s network work overlap packing `k + 1` and unpacking
+//!   `k - 1`. One launch of the tile copy kernel moves a whole list of runs.
+//! - **Offload** ([`MemoryPolicy`](lifecycle_core::MemoryPolicy), as the CPU executor):
+//!   `offload_params` moves the bf16 parameters and the fp32 main params, `offload_optimizer`
+//!   Adam m and v, to pinned host memory from a [`PinnedPool`] kept between switches; grads are
+//!   freed at every switch and come back as zeros. Exit releases the rollout and reloads.
+//! - **Errors**: [`MegatronGpuError`]; layout errors come from `plan`, before anything moves;
+//!   out-of-memory is a typed error, and a failed enter leaves the training state as it was.
+//!
+//! [`MegatronPlan`]: crate::layout::MegatronPlan
+
+mod backend;
+mod error;
+mod kernel;
+mod pinned;
+pub mod schedule;
+mod state;
+
+pub use backend::{GpuConfig, MegatronGpuBackend, MegatronGpuPlan, MegatronGpuRollout, RolloutEntry};
+pub use error::MegatronGpuError;
+pub use pinned::{PinnedPool, DEFAULT_CHUNK_BYTES};
+pub use state::MegatronGpuState;
