@@ -207,7 +207,10 @@ impl std::fmt::Debug for MegatronGpuBackend {
 impl MegatronGpuBackend {
     /// A backend over `pool`'s GPUs producing `rollout`, with [`GpuConfig::default`] and a fresh
     /// [`PinnedPool`]; compiles the copy kernel on every rank.
-    pub fn new(pool: Arc<ThreadRankPool>, rollout: RolloutLayout) -> Result<Self, MegatronGpuError> {
+    pub fn new(
+        pool: Arc<ThreadRankPool>,
+        rollout: RolloutLayout,
+    ) -> Result<Self, MegatronGpuError> {
         let kernels = pool.run(&CopyKernel::load)?;
         Ok(MegatronGpuBackend {
             pool,
@@ -291,7 +294,11 @@ impl MegatronGpuBackend {
         state: &MegatronGpuState,
     ) -> Result<(), MegatronGpuError> {
         self.check_state(state)?;
-        let ranks_match = plan.ranks.iter().map(|s| s.rank).eq(self.locals().iter().copied());
+        let ranks_match = plan
+            .ranks
+            .iter()
+            .map(|s| s.rank)
+            .eq(self.locals().iter().copied());
         if plan.plan.train != state.layout || plan.plan.rollout != self.rollout || !ranks_match {
             return Err(MegatronGpuError::PlanMismatch);
         }
@@ -645,15 +652,19 @@ impl MegatronGpuBackend {
     ) -> Result<Vec<RankMoved>, MegatronGpuError> {
         let pinned = &*self.pinned;
         let in_flight = self.config.in_flight;
-        let mut items: Vec<(&mut GpuRank, &mut RankRes, &mut CudaSlice<bf16>, &RankSchedule)> =
-            state
-                .ranks
-                .iter_mut()
-                .zip(self.ranks.iter_mut())
-                .zip(rolls.iter_mut())
-                .zip(&plan.ranks)
-                .map(|(((rt, res), roll), s)| (rt, res, roll, s))
-                .collect();
+        let mut items: Vec<(
+            &mut GpuRank,
+            &mut RankRes,
+            &mut CudaSlice<bf16>,
+            &RankSchedule,
+        )> = state
+            .ranks
+            .iter_mut()
+            .zip(self.ranks.iter_mut())
+            .zip(rolls.iter_mut())
+            .zip(&plan.ranks)
+            .map(|(((rt, res), roll), s)| (rt, res, roll, s))
+            .collect();
         let id = plan.id;
         let moved = self.pool.run_each(&mut items, &|ctx, (rt, res, roll, s)| {
             ctx.order(&ctx.compute, &ctx.copy)?;
@@ -663,7 +674,8 @@ impl MegatronGpuBackend {
                 rt.adam_v.start_offload(ctx, pinned, "offloading Adam v")?;
             }
             if memory.offload_params {
-                rt.main.start_offload(ctx, pinned, "offloading main params")?;
+                rt.main
+                    .start_offload(ctx, pinned, "offloading main params")?;
                 rt.params
                     .start_offload(ctx, pinned, "offloading bf16 parameters")?;
             }
@@ -685,7 +697,15 @@ impl MegatronGpuBackend {
                     "the bf16 parameters are offloaded: leave rollout mode first".into(),
                 ));
             };
-            let out = run_steps(ctx, s, &res.kernel, ptr(tiles, ctx), params, roll, in_flight);
+            let out = run_steps(
+                ctx,
+                s,
+                &res.kernel,
+                ptr(tiles, ctx),
+                params,
+                roll,
+                in_flight,
+            );
             if out.is_err() {
                 // Nothing may still read or write the rollout or staging buffers when they are
                 // freed after an error part-way through.
@@ -696,7 +716,11 @@ impl MegatronGpuBackend {
         Ok(moved)
     }
 
-    fn record_transfer(ctx: &mut SwitchContext<'_>, moved: &[RankMoved], wall: std::time::Duration) {
+    fn record_transfer(
+        ctx: &mut SwitchContext<'_>,
+        moved: &[RankMoved],
+        wall: std::time::Duration,
+    ) {
         let mut sample = PhaseSample::default();
         for m in moved {
             sample.bytes.add(Link::DeviceToDevice, m.recv);
@@ -829,18 +853,27 @@ fn run_steps(
             unsafe { k.launch(&ctx.aux, tiles, c.clone(), pbase, rbase, 8, rank)? };
         }
     }
-    let rec = |stream: &cudarc::driver::CudaStream| -> Result<cudarc::driver::CudaEvent, CudaError> {
-        let e = ctx.event()?;
-        e.record(stream).map_err(ctx.drv("recording an event", 0))?;
-        Ok(e)
-    };
+    let rec =
+        |stream: &cudarc::driver::CudaStream| -> Result<cudarc::driver::CudaEvent, CudaError> {
+            let e = ctx.event()?;
+            e.record(stream).map_err(ctx.drv("recording an event", 0))?;
+            Ok(e)
+        };
     let pack = |j: usize| -> Result<cudarc::driver::CudaEvent, CudaError> {
         let st = &s.steps[j];
         if !st.pack.is_empty() {
             // SAFETY: pack tiles read the parameter buffer and write inside send slot j mod f,
             // whose previous sends finished (the compute stream waited for them).
             unsafe {
-                k.launch(&ctx.compute, tiles, st.pack.clone(), pbase, sbases[j % f], 4, rank)?
+                k.launch(
+                    &ctx.compute,
+                    tiles,
+                    st.pack.clone(),
+                    pbase,
+                    sbases[j % f],
+                    4,
+                    rank,
+                )?
             };
         }
         rec(&ctx.compute)
@@ -883,7 +916,15 @@ fn run_steps(
             // which the compute stream waited for) and write rollout elements no other tile
             // writes.
             unsafe {
-                k.launch(&ctx.compute, tiles, st.unpack.clone(), rbases[j % f], rbase, 4, rank)?
+                k.launch(
+                    &ctx.compute,
+                    tiles,
+                    st.unpack.clone(),
+                    rbases[j % f],
+                    rbase,
+                    4,
+                    rank,
+                )?
             };
         }
         if j + f < n {
@@ -932,7 +973,10 @@ impl Reshard for MegatronGpuBackend {
             let same = p.plan.train == state.layout
                 && p.plan.rollout == self.rollout
                 && p.plan.config == bucket
-                && p.ranks.iter().map(|s| s.rank).eq(self.locals().iter().copied());
+                && p.ranks
+                    .iter()
+                    .map(|s| s.rank)
+                    .eq(self.locals().iter().copied());
             if same {
                 return Ok(p.clone());
             }

@@ -35,7 +35,9 @@ mod pinned;
 pub mod schedule;
 mod state;
 
-pub use backend::{GpuConfig, MegatronGpuBackend, MegatronGpuPlan, MegatronGpuRollout, RolloutEntry};
+pub use backend::{
+    GpuConfig, MegatronGpuBackend, MegatronGpuPlan, MegatronGpuRollout, RolloutEntry,
+};
 pub use error::MegatronGpuError;
 pub use pinned::{PinnedPool, DEFAULT_CHUNK_BYTES};
 pub use state::MegatronGpuState;

@@ -168,7 +168,10 @@ impl PinnedPool {
 
 /// The capacity allocated for a piece: full chunks exactly, tails rounded up to 1 MiB.
 fn round_chunk(n: usize, chunk: usize) -> usize {
-    n.div_ceil(1 << 20).saturating_mul(1 << 20).min(chunk).max(n)
+    n.div_ceil(1 << 20)
+        .saturating_mul(1 << 20)
+        .min(chunk)
+        .max(n)
 }
 
 type Allocated = Vec<(usize, Result<PinnedHostSlice<u8>, CudaError>)>;

@@ -151,8 +151,8 @@ pub fn push_tiles(run: &Run, out: &mut Vec<Tile>) {
                 c += n;
             }
         }
-    } else if run.cols > 0 {
-        let per = (TILE_ELEMS / run.cols).max(1);
+    } else if let Some(per) = TILE_ELEMS.checked_div(run.cols) {
+        let per = per.max(1);
         let mut r = 0;
         while r < run.rows {
             let n = per.min(run.rows - r);
@@ -300,7 +300,12 @@ pub fn build_rank(plan: &MegatronPlan, offsets: &[usize], rank: usize) -> RankSc
         push_tiles(r, &mut tiles);
     }
     let local = 0..tiles.len();
-    let nsteps = plan.ranks.iter().map(|p| p.buckets.len()).max().unwrap_or(0);
+    let nsteps = plan
+        .ranks
+        .iter()
+        .map(|p| p.buckets.len())
+        .max()
+        .unwrap_or(0);
     let mut steps = Vec::new();
     for k in 0..nsteps {
         let mut recvs = Vec::new();
@@ -445,9 +450,7 @@ mod tests {
     fn simulate(plan: &MegatronPlan, state: &MegatronTrainState) -> HostRollout {
         let world = plan.ranks.len();
         let (offsets, len) = rollout_offsets(plan);
-        let scheds: Vec<RankSchedule> = (0..world)
-            .map(|r| build_rank(plan, &offsets, r))
-            .collect();
+        let scheds: Vec<RankSchedule> = (0..world).map(|r| build_rank(plan, &offsets, r)).collect();
         let params: Vec<&[bf16]> = (0..world).map(|r| state.params(r).unwrap()).collect();
         // Garbage everywhere first: an element no tile or zero range writes is caught.
         let mut rolls = vec![vec![bf16::from_bits(0x7fc1); len]; world];
@@ -551,15 +554,17 @@ mod tests {
             (2, 1, 2),
             (2, 2, 2),
         ] {
-            let world = tp * pp * dp;
-            for t in [1, 2, 4, 8].into_iter().filter(|t| world % t == 0) {
+            let world: usize = tp * pp * dp;
+            for t in [1, 2, 4, 8].into_iter().filter(|t| world.is_multiple_of(*t)) {
                 for groups in [1, 2, 8] {
                     for tied in [false, true] {
                         let m = model(groups, tied);
                         let layout = MegatronLayout::new(m, tp, pp, dp).unwrap();
                         let state = MegatronTrainState::from_hf(layout, tensors(&m)).unwrap();
-                        let vocab = [RolloutVocab::PadToMultipleOf(1), RolloutVocab::PadToMultipleOf(5)]
-                            [cases % 2];
+                        let vocab = [
+                            RolloutVocab::PadToMultipleOf(1),
+                            RolloutVocab::PadToMultipleOf(5),
+                        ][cases % 2];
                         let rollout = RolloutLayout::new(t, vocab);
                         for budget in [6, 64, 1 << 20] {
                             let plan = plan_megatron_to_tp(
@@ -603,7 +608,8 @@ mod tests {
             .unwrap();
             let (offsets, len) = rollout_offsets(&plan);
             assert_eq!(len, plan.tensors.iter().map(|t| t.numel()).sum::<usize>());
-            let scheds: Vec<RankSchedule> = (0..4).map(|r| build_rank(&plan, &offsets, r)).collect();
+            let scheds: Vec<RankSchedule> =
+                (0..4).map(|r| build_rank(&plan, &offsets, r)).collect();
             let sent: usize = scheds.iter().map(|s| s.send_elems).sum();
             for (s, rp) in scheds.iter().zip(&plan.ranks) {
                 assert_eq!((s.recv_elems * 2) as u64, rp.remote_bytes());
@@ -648,7 +654,9 @@ mod tests {
             assert!(tiles.iter().all(|t| t.numel() <= TILE_ELEMS));
             let src_len = run.src + (run.rows - 1) * run.src_ld + run.cols;
             let dst_len = run.dst + (run.rows - 1) * run.dst_ld + run.cols;
-            let src: Vec<bf16> = (0..src_len).map(|i| bf16::from_bits(i as u16 | 1)).collect();
+            let src: Vec<bf16> = (0..src_len)
+                .map(|i| bf16::from_bits(i as u16 | 1))
+                .collect();
             let mut got = vec![bf16::ZERO; dst_len];
             apply(&tiles, &src, &mut got);
             let mut want = vec![bf16::ZERO; dst_len];
