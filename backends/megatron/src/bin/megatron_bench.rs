@@ -92,6 +92,8 @@ fn ms(s: f64) -> String {
 
 struct Ceilings {
     link: f64,
+    /// (message MiB, per-rank receive rate) of grouped send/receive.
+    sendrecv: Vec<(u64, f64)>,
     d2d: f64,
     h2d: f64,
     d2h: f64,
@@ -114,8 +116,9 @@ fn timed(iters: usize, mut f: impl FnMut() -> Result<(), CudaError>) -> Result<f
 fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Error>> {
     let mut lines = Vec::new();
     let mut link: f64 = 0.0;
+    let mut sendrecv = Vec::new();
     // Grouped send + receive between the two ranks, both directions at once.
-    for mib in [256usize, 1024, 4096] {
+    for mib in [128usize, 256, 1024, 4096] {
         let n = (mib << 20) / 2;
         let t = pool.run(&|ctx| {
             // SAFETY: contents irrelevant to the timing; never read on the host.
@@ -144,6 +147,7 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
         let t = t.iter().cloned().fold(0.0, f64::max);
         let rate = (n * 2) as f64 / t;
         link = link.max(rate);
+        sendrecv.push((mib as u64, rate));
         lines.push(format!(
             "NCCL send/recv {mib} MiB each way: {} -> receive {:.1} GB/s per rank",
             ms(t),
@@ -232,6 +236,7 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
     }
     Ok(Ceilings {
         link,
+        sendrecv,
         d2d,
         h2d,
         d2h,
@@ -243,6 +248,8 @@ struct Row {
     what: String,
     ours: f64,
     floor: f64,
+    /// The floor with the send/receive rate at the message size used (None: nothing received).
+    floor_sr: Option<f64>,
 }
 
 fn time_cycles(
@@ -329,12 +336,15 @@ fn run() -> Result<(), Box<dyn Error>> {
                 MegatronGpuBackend::new(pool.clone(), rollout)?.with_pinned_pool(pinned.clone());
             let plan = backend.plan(&state)?;
             let mut floor: f64 = 0.0;
+            let (mut max_recv, mut local_floor) = (0usize, 0.0f64);
             for r in 0..WORLD {
                 let Some(s) = plan.schedule(r) else { continue };
                 let (recv, sent, local) = (s.recv_elems * 2, s.send_elems * 2, s.local_elems * 2);
                 let f_net = recv as f64 / c.link;
                 let f_local = 2.0 * local as f64 / c.d2d;
                 floor = floor.max(f_net).max(f_local);
+                max_recv = max_recv.max(recv);
+                local_floor = local_floor.max(f_local);
                 println!(
                     "  T={t} rank {r}: rollout {:.3} GB = receives {:.3} GB + copies locally {:.3} GB; sends {:.3} GB; {} steps, staging {:.0} MB at 2 in flight; floor max({} net, {} local)",
                     (plan.rollout_len() * 2) as f64 / GB,
@@ -394,6 +404,11 @@ fn run() -> Result<(), Box<dyn Error>> {
                 backend = b;
                 state = s;
             }
+            let sr_rate = c
+                .sendrecv
+                .iter()
+                .find(|(mib, _)| *mib == best.1.bucket_bytes >> 20)
+                .map(|x| x.1);
             rows.push(Row {
                 what: format!(
                     "TP{tp}/PP{pp} -> T={t} enter ({} MiB x {})",
@@ -402,6 +417,9 @@ fn run() -> Result<(), Box<dyn Error>> {
                 ),
                 ours: best.0,
                 floor,
+                floor_sr: sr_rate
+                    .filter(|_| max_recv > 0)
+                    .map(|r| (max_recv as f64 / r).max(local_floor)),
             });
             if args.offload {
                 backend = backend.with_config(best.1)?;
@@ -434,11 +452,13 @@ fn run() -> Result<(), Box<dyn Error>> {
                     what: format!("TP{tp}/PP{pp} -> T={t} enter with offload"),
                     ours: en,
                     floor: bytes / c.d2h,
+                    floor_sr: None,
                 });
                 offload_rows.push(Row {
                     what: format!("TP{tp}/PP{pp} -> T={t} exit with reload"),
                     ours: ex,
                     floor: bytes / c.h2d,
+                    floor_sr: None,
                 });
                 let (b, s) = lc.into_parts()?;
                 drop(b);
@@ -457,12 +477,15 @@ fn run() -> Result<(), Box<dyn Error>> {
         c.d2d / GB
     );
     println!(
-        "  {:<44} {:>10} {:>10} {:>8} {:>5}",
+        "  {:<46} {:>10} {:>10} {:>8} {:>5}   (floor at the send/recv rate of the bucket size)",
         "figure", "ours", "floor", "ratio", "<=1.1"
     );
     for r in rows.iter().chain(&offload_rows) {
+        let sr = r.floor_sr.map_or(String::new(), |f| {
+            format!("   ({}, {:.2}x)", ms(f), r.ours / f)
+        });
         println!(
-            "  {:<44} {:>10} {:>10} {:>7.2}x {:>5}",
+            "  {:<46} {:>10} {:>10} {:>7.2}x {:>5}{sr}",
             r.what,
             ms(r.ours),
             ms(r.floor),

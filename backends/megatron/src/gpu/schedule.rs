@@ -555,7 +555,10 @@ mod tests {
             (2, 2, 2),
         ] {
             let world: usize = tp * pp * dp;
-            for t in [1, 2, 4, 8].into_iter().filter(|t| world.is_multiple_of(*t)) {
+            for t in [1, 2, 4, 8]
+                .into_iter()
+                .filter(|t| world.is_multiple_of(*t))
+            {
                 for groups in [1, 2, 8] {
                     for tied in [false, true] {
                         let m = model(groups, tied);
