@@ -170,6 +170,10 @@ fn matrix(world: usize, layouts: &[(usize, usize, usize)]) -> Res {
                         config: GpuConfig {
                             bucket_bytes: bucket,
                             in_flight: 1 + (n + k) % 3,
+                            // Every remote run its own message / everything packed / a mix.
+                            direct_min_bytes: [0, u64::MAX, 16][(n + 2 * k) % 3],
+                            memcpy_min_bytes: [0, u64::MAX, 64][(n + k) % 3],
+                            overlap_blocks_per_sm: [1, 8, 2][(n + k) % 3],
                         },
                         memory,
                         cycles: 2,
@@ -220,7 +224,7 @@ fn offload_reload_round_trip_and_refresh() -> Res {
     // own download, and 10 offload/reload cycles give it back bit for bit.
     let backend = MegatronGpuBackend::new(pool.clone(), rollout)?.with_config(GpuConfig {
         bucket_bytes: 64 << 10,
-        in_flight: 2,
+        ..GpuConfig::default()
     })?;
     let state = backend.synthetic_state(layout.clone(), 99, 0.05)?;
     let start = backend.download_state(&state)?;

@@ -86,6 +86,28 @@ fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
+fn mib(b: u64) -> String {
+    if b == u64::MAX {
+        "never".into()
+    } else {
+        format!("{} MiB", b >> 20)
+    }
+}
+
+/// Messages and bulk copies of rank 0's schedule under the lifecycle's current plan.
+fn plan_messages(lc: &Lifecycle<MegatronGpuBackend>) -> Result<String, Box<dyn Error>> {
+    let plan = lc.backend().plan(lc.peek_state())?;
+    Ok(plan.schedule(0).map_or(String::new(), |s| {
+        let (sent, got) = s.messages();
+        format!(
+            "rank 0: {} steps, {sent} sends, {got} receives, {} tiles, {} driver copies",
+            s.steps.len(),
+            s.tiles.len(),
+            s.local_bulk.len()
+        )
+    }))
+}
+
 fn ms(s: f64) -> String {
     format!("{:.2} ms", s * 1e3)
 }
@@ -118,7 +140,7 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
     let mut link: f64 = 0.0;
     let mut sendrecv = Vec::new();
     // Grouped send + receive between the two ranks, both directions at once.
-    for mib in [128usize, 256, 1024, 4096] {
+    for mib in [128usize, 256, 1024, 2048, 4096] {
         let n = (mib << 20) / 2;
         let t = pool.run(&|ctx| {
             // SAFETY: contents irrelevant to the timing; never read on the host.
@@ -358,27 +380,51 @@ fn run() -> Result<(), Box<dyn Error>> {
                 );
             }
             let remote = plan.plan().remote_bytes() > 0;
+            let d = GpuConfig::default();
+            let gib = 1u64 << 30;
             let configs: Vec<GpuConfig> = if remote {
                 vec![
+                    // Everything packed and unpacked through staging slots.
                     GpuConfig {
-                        bucket_bytes: 128 << 20,
-                        in_flight: 2,
+                        bucket_bytes: gib,
+                        direct_min_bytes: u64::MAX,
+                        memcpy_min_bytes: u64::MAX,
+                        overlap_blocks_per_sm: 8,
+                        ..d
+                    },
+                    d,
+                    GpuConfig {
+                        bucket_bytes: gib,
+                        ..d
                     },
                     GpuConfig {
-                        bucket_bytes: 256 << 20,
-                        in_flight: 2,
+                        bucket_bytes: 2 * gib,
+                        ..d
                     },
                     GpuConfig {
-                        bucket_bytes: 256 << 20,
-                        in_flight: 3,
+                        bucket_bytes: gib,
+                        overlap_blocks_per_sm: 8,
+                        ..d
                     },
                     GpuConfig {
-                        bucket_bytes: 1 << 30,
-                        in_flight: 2,
+                        bucket_bytes: gib,
+                        memcpy_min_bytes: u64::MAX,
+                        ..d
+                    },
+                    GpuConfig {
+                        bucket_bytes: gib,
+                        direct_min_bytes: 1 << 20,
+                        ..d
                     },
                 ]
             } else {
-                vec![GpuConfig::default()]
+                vec![
+                    d,
+                    GpuConfig {
+                        memcpy_min_bytes: u64::MAX,
+                        ..d
+                    },
+                ]
             };
             let mut best = (f64::INFINITY, GpuConfig::default());
             for cfg in configs {
@@ -387,10 +433,14 @@ fn run() -> Result<(), Box<dyn Error>> {
                 let (en, ex) = time_cycles(&mut lc, args.iters, true)?;
                 let m = lc.metrics().clone();
                 let tr = m.phase(Phase::Transfer);
+                let msgs = plan_messages(&lc)?;
                 println!(
-                    "  T={t} resident, bucket {:>4} MiB x {} in flight: enter {} (transfer phase {} avg), exit {}; received {:.3} GB per switch (all ranks), peak staging {:.0} MB",
+                    "  T={t} resident, bucket {:>4} MiB x {}, direct >= {}, memcpy >= {}, {} blocks/SM: enter {} (transfer phase {} avg), exit {}; {msgs}; received {:.3} GB per switch (all ranks), peak staging {:.0} MB",
                     cfg.bucket_bytes >> 20,
                     cfg.in_flight,
+                    mib(cfg.direct_min_bytes),
+                    mib(cfg.memcpy_min_bytes),
+                    cfg.overlap_blocks_per_sm,
                     ms(en),
                     ms(tr.wall.as_secs_f64() / tr.count.max(1) as f64),
                     ms(ex),
@@ -411,9 +461,10 @@ fn run() -> Result<(), Box<dyn Error>> {
                 .map(|x| x.1);
             rows.push(Row {
                 what: format!(
-                    "TP{tp}/PP{pp} -> T={t} enter ({} MiB x {})",
+                    "TP{tp}/PP{pp} -> T={t} enter ({} MiB x {}, direct {})",
                     best.1.bucket_bytes >> 20,
-                    best.1.in_flight
+                    best.1.in_flight,
+                    mib(best.1.direct_min_bytes)
                 ),
                 ours: best.0,
                 floor,
@@ -494,5 +545,7 @@ fn run() -> Result<(), Box<dyn Error>> {
         );
     }
     println!("total wall {:.1} s", wall.elapsed().as_secs_f64());
+    // Unpinning ~100 GB chunk by chunk takes tens of seconds; the process exit releases it.
+    std::mem::forget(pinned);
     Ok(())
 }

@@ -15,7 +15,9 @@ use lifecycle_host::{HostRollout, HostTensor, MemoryMeter, RankRollout, RolloutT
 use super::error::MegatronGpuError;
 use super::kernel::CopyKernel;
 use super::pinned::PinnedPool;
-use super::schedule::{build_rank, rollout_offsets, RankSchedule, TILE_BYTES};
+use super::schedule::{
+    build_rank, rollout_offsets, Place, RankSchedule, ScheduleOptions, TILE_BYTES,
+};
 use super::state::{GpuBuffer, GpuRank, MegatronGpuState};
 use crate::layout::{
     plan_megatron_to_tp, BucketConfig, MegatronLayout, MegatronPlan, ParamKind, ParamSlot,
@@ -32,14 +34,39 @@ pub struct GpuConfig {
     /// Steps in flight, i.e. send and receive slots per rank: with 2 or more, packing step
     /// `k + 1` and unpacking step `k - 1` overlap the network work of step `k`.
     pub in_flight: usize,
+    /// Remote runs of at least this many bytes travel as their own NCCL message, straight from
+    /// the sender's parameter buffer and into the receiver's rollout buffer where they are
+    /// contiguous (see [`ScheduleOptions::direct_min`]); `u64::MAX` packs everything.
+    pub direct_min_bytes: u64,
+    /// Contiguous local runs of at least this many bytes are copied with the driver's
+    /// device-to-device copy instead of the tile kernel; `u64::MAX`: tiles only.
+    pub memcpy_min_bytes: u64,
+    /// Thread blocks per SM of the tile kernel while network steps run (fewer leave the SMs and
+    /// memory bandwidth to NCCL); a transfer without network steps uses 8.
+    pub overlap_blocks_per_sm: u32,
+}
+
+impl GpuConfig {
+    /// The schedule options these settings give.
+    pub fn schedule_options(&self) -> ScheduleOptions {
+        let elems = |b: u64| usize::try_from(b / 2).unwrap_or(usize::MAX);
+        ScheduleOptions {
+            direct_min: elems(self.direct_min_bytes),
+            memcpy_min: elems(self.memcpy_min_bytes),
+        }
+    }
 }
 
 impl Default for GpuConfig {
-    /// 256 MiB buckets, 2 in flight.
+    /// 256 MiB buckets, 2 in flight, direct messages from 4 MiB, driver copies from 16 MiB, 2
+    /// blocks per SM while the network runs.
     fn default() -> Self {
         GpuConfig {
             bucket_bytes: 256 << 20,
             in_flight: 2,
+            direct_min_bytes: 4 << 20,
+            memcpy_min_bytes: 16 << 20,
+            overlap_blocks_per_sm: 2,
         }
     }
 }
@@ -104,6 +131,7 @@ static NEXT_PLAN: AtomicU64 = AtomicU64::new(1);
 #[derive(Debug)]
 pub struct MegatronGpuPlan {
     id: u64,
+    config: GpuConfig,
     plan: MegatronPlan,
     offsets: Vec<usize>,
     len: usize,
@@ -156,10 +184,10 @@ fn ptr_mut<T>(s: &mut CudaSlice<T>, ctx: &RankCtx) -> u64 {
 ///
 /// Enter runs the plan ([`plan_megatron_to_tp`]): each rank copies the runs it holds itself from
 /// its parameter buffer into its rollout buffer (auxiliary stream), and receives only the bytes
-/// of its fused slices it does not hold, step by step: the sender packs the runs into a send slot
-/// (compute stream), one grouped NCCL send/receive per step (NCCL stream), the receiver unpacks
-/// its receive slot (compute stream); steps overlap with [`GpuConfig::in_flight`] slots. bf16 to
-/// bf16: no cast. Offload copies (pinned host memory from a [`PinnedPool`] kept between switches)
+/// of its fused slices it does not hold, step by step, one NCCL group per step (NCCL stream):
+/// large contiguous runs straight between the parameter and rollout buffers, the rest packed by
+/// the sender into a send slot and unpacked by the receiver from a receive slot (compute stream);
+/// steps overlap with [`GpuConfig::in_flight`] slots. bf16 to bf16: no cast. Offload copies (pinned host memory from a [`PinnedPool`] kept between switches)
 /// run on the copy stream meanwhile. Exit releases the rollout and reloads.
 ///
 /// ```no_run
@@ -230,11 +258,12 @@ impl MegatronGpuBackend {
 
     /// Changes the settings (checked: a budget of at least 2 bytes, at least 1 step in flight).
     pub fn with_config(mut self, config: GpuConfig) -> Result<Self, MegatronGpuError> {
-        if config.bucket_bytes < 2 || config.in_flight == 0 {
+        if config.bucket_bytes < 2 || config.in_flight == 0 || config.overlap_blocks_per_sm == 0 {
             return Err(MegatronGpuError::Config(format!(
-                "bucket_bytes must be at least 2 (one bf16 element) and in_flight at least 1 (2 \
-                 or more to overlap packing with the network); found {} bytes, {} in flight",
-                config.bucket_bytes, config.in_flight
+                "bucket_bytes must be at least 2 (one bf16 element), in_flight at least 1 (2 or \
+                 more to overlap packing with the network) and overlap_blocks_per_sm at least 1; \
+                 found {} bytes, {} in flight, {} blocks per SM",
+                config.bucket_bytes, config.in_flight, config.overlap_blocks_per_sm
             )));
         }
         self.config = config;
@@ -651,7 +680,7 @@ impl MegatronGpuBackend {
         memory: MemoryPolicy,
     ) -> Result<Vec<RankMoved>, MegatronGpuError> {
         let pinned = &*self.pinned;
-        let in_flight = self.config.in_flight;
+        let config = plan.config;
         let mut items: Vec<(
             &mut GpuRank,
             &mut RankRes,
@@ -697,15 +726,7 @@ impl MegatronGpuBackend {
                     "the bf16 parameters are offloaded: leave rollout mode first".into(),
                 ));
             };
-            let out = run_steps(
-                ctx,
-                s,
-                &res.kernel,
-                ptr(tiles, ctx),
-                params,
-                roll,
-                in_flight,
-            );
+            let out = run_steps(ctx, s, &res.kernel, ptr(tiles, ctx), params, roll, config);
             if out.is_err() {
                 // Nothing may still read or write the rollout or staging buffers when they are
                 // freed after an error part-way through.
@@ -798,7 +819,53 @@ fn slot_seed(seed: u64, layout: &MegatronLayout, slot: &ParamSlot, tp: usize) ->
     seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ ((kind as u64) << 56) ^ (layer << 24) ^ (t << 8)
 }
 
-/// One rank's schedule: zero the padding rows and copy the local tiles (auxiliary stream), pack
+/// Copies one chunk of the local work: its tiles with the kernel and its bulk runs with the
+/// driver's device-to-device copy, on `stream`.
+///
+/// # Safety
+/// As for [`CopyKernel::launch`]: every local tile and bulk run lies inside the parameter buffer
+/// at `pbase` and the rollout buffer at `rbase`, both alive until the stream has run the copies,
+/// and nothing else writes their destination elements.
+#[allow(clippy::too_many_arguments)]
+unsafe fn local_chunk(
+    ctx: &RankCtx,
+    s: &RankSchedule,
+    k: &CopyKernel,
+    tiles: u64,
+    chunk: &(std::ops::Range<usize>, std::ops::Range<usize>),
+    (pbase, rbase): (u64, u64),
+    stream: &Arc<cudarc::driver::CudaStream>,
+    blocks_per_sm: u32,
+) -> Result<(), CudaError> {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        k.launch(
+            stream,
+            tiles,
+            chunk.0.clone(),
+            pbase,
+            rbase,
+            blocks_per_sm,
+            ctx.rank,
+        )?
+    };
+    for r in &s.local_bulk[chunk.1.clone()] {
+        let bytes = r.cols * 2;
+        // SAFETY: the run lies inside both buffers (the caller's promise), 2 bytes per element.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                rbase + 2 * r.dst as u64,
+                pbase + 2 * r.src as u64,
+                bytes,
+                stream.cu_stream(),
+            )
+        }
+        .map_err(ctx.drv("copying a local run", bytes as u64))?;
+    }
+    Ok(())
+}
+
+/// One rank's schedule: zero the padding rows and copy the local runs (auxiliary stream), pack
 /// (compute stream), send/receive (NCCL stream) and unpack (compute stream) the steps, with
 /// `in_flight` send and receive slots; events order the streams.
 fn run_steps(
@@ -808,11 +875,12 @@ fn run_steps(
     tiles: u64,
     params: &CudaSlice<bf16>,
     roll: &mut CudaSlice<bf16>,
-    in_flight: usize,
+    config: GpuConfig,
 ) -> Result<RankMoved, CudaError> {
     let rank = ctx.rank;
     let n = s.steps.len();
-    let f = in_flight.max(1).min(n.max(1));
+    let f = config.in_flight.max(1).min(n.max(1));
+    let bps = config.overlap_blocks_per_sm.max(1);
     let nccl = ctx.nccl_stream();
     let mut sslots: Vec<CudaSlice<bf16>> = Vec::new();
     let mut rslots: Vec<CudaSlice<bf16>> = Vec::new();
@@ -847,10 +915,10 @@ fn run_steps(
     let chunks = s.local_chunks(n);
     if n == 0 {
         for c in &chunks {
-            // SAFETY: local tiles lie inside the parameter buffer (source) and the rollout buffer
-            // (destination), both alive until the synchronisation below; nothing else writes
-            // their destination elements.
-            unsafe { k.launch(&ctx.aux, tiles, c.clone(), pbase, rbase, 8, rank)? };
+            // SAFETY: local tiles and bulk runs lie inside the parameter buffer (source) and the
+            // rollout buffer (destination), both alive until the synchronisation below; nothing
+            // else writes their destination elements.
+            unsafe { local_chunk(ctx, s, k, tiles, c, (pbase, rbase), &ctx.aux, 8)? };
         }
     }
     let rec =
@@ -871,7 +939,7 @@ fn run_steps(
                     st.pack.clone(),
                     pbase,
                     sbases[j % f],
-                    4,
+                    bps,
                     rank,
                 )?
             };
@@ -889,16 +957,26 @@ fn run_steps(
         cudarc::nccl::group_start().map_err(|e| CudaError::nccl(rank, "ncclGroupStart", e))?;
         let mut res = Ok(());
         for m in &st.sends {
-            let view = sslots[j % f].slice(m.offset..m.offset + m.count);
-            if let Err(e) = ctx.comm.send(&view, m.peer as i32) {
+            let peer = m.peer as i32;
+            let r = match m.place {
+                Place::Slot(o) => ctx.comm.send(&sslots[j % f].slice(o..o + m.count), peer),
+                Place::Buffer(o) => ctx.comm.send(&params.slice(o..o + m.count), peer),
+            };
+            if let Err(e) = r {
                 res = Err(CudaError::nccl(rank, "ncclSend", e));
                 break;
             }
         }
         if res.is_ok() {
             for m in &st.recvs {
-                let mut view = rslots[j % f].slice_mut(m.offset..m.offset + m.count);
-                if let Err(e) = ctx.comm.recv(&mut view, m.peer as i32) {
+                let peer = m.peer as i32;
+                let r = match m.place {
+                    Place::Slot(o) => ctx
+                        .comm
+                        .recv(&mut rslots[j % f].slice_mut(o..o + m.count), peer),
+                    Place::Buffer(o) => ctx.comm.recv(&mut roll.slice_mut(o..o + m.count), peer),
+                };
+                if let Err(e) = r {
                     res = Err(CudaError::nccl(rank, "ncclRecv", e));
                     break;
                 }
@@ -913,7 +991,7 @@ fn run_steps(
             .map_err(ctx.drv("waiting on an event", 0))?;
         if !st.unpack.is_empty() {
             // SAFETY: unpack tiles read receive slot j mod f (filled by this step's receives,
-            // which the compute stream waited for) and write rollout elements no other tile
+            // which the compute stream waited for) and write rollout elements no other copy
             // writes.
             unsafe {
                 k.launch(
@@ -922,7 +1000,7 @@ fn run_steps(
                     st.unpack.clone(),
                     rbases[j % f],
                     rbase,
-                    4,
+                    bps,
                     rank,
                 )?
             };
@@ -935,8 +1013,8 @@ fn run_steps(
             ctx.aux
                 .wait(&packed[(j + 1).min(n - 1)])
                 .map_err(ctx.drv("waiting on an event", 0))?;
-            // SAFETY: as for the local tiles above.
-            unsafe { k.launch(&ctx.aux, tiles, c.clone(), pbase, rbase, 8, rank)? };
+            // SAFETY: as for the local copies above.
+            unsafe { local_chunk(ctx, s, k, tiles, c, (pbase, rbase), &ctx.aux, bps)? };
         }
     }
     ctx.order(&nccl, &ctx.compute)?;
@@ -972,7 +1050,7 @@ impl Reshard for MegatronGpuBackend {
         if let Some(p) = cached.as_ref() {
             let same = p.plan.train == state.layout
                 && p.plan.rollout == self.rollout
-                && p.plan.config == bucket
+                && p.config == self.config
                 && p.ranks
                     .iter()
                     .map(|s| s.rank)
@@ -983,13 +1061,15 @@ impl Reshard for MegatronGpuBackend {
         }
         let plan = plan_megatron_to_tp(&state.layout, &self.rollout, bucket)?;
         let (offsets, len) = rollout_offsets(&plan);
+        let opts = self.config.schedule_options();
         let ranks = self
             .locals()
             .iter()
-            .map(|&r| build_rank(&plan, &offsets, r))
+            .map(|&r| build_rank(&plan, &offsets, r, opts))
             .collect();
         let p = Arc::new(MegatronGpuPlan {
             id: NEXT_PLAN.fetch_add(1, Ordering::Relaxed),
+            config: self.config,
             plan,
             offsets,
             len,

@@ -12,9 +12,12 @@
 //!   back as a [`MegatronTrainState`](crate::MegatronTrainState).
 //! - **Schedule** ([`schedule`], pure): each rank copies the runs of its fused slices it holds
 //!   itself, and receives the others from their owners step by step (step `k` = bucket `k` of
-//!   every destination): packed into a send slot, one grouped NCCL send/receive per step,
-//!   unpacked from a receive slot. Only the bytes of the fused slices move (`[q; k; v]`,
-//!   `[gate; up]`, vocabulary padding removed); bf16 to bf16, no cast.
+//!   every destination), all messages of a step in one NCCL group: large runs as their own
+//!   messages, straight from the owner's parameter buffer and into the rollout buffer where they
+//!   are contiguous; small runs (and strided sides) packed into a send slot and unpacked from a
+//!   receive slot. Only the bytes of the fused slices move (`[q; k; v]`, `[gate; up]`,
+//!   vocabulary padding removed); bf16 to bf16, no cast. Large local runs go through the
+//!   driver's device-to-device copy, the rest through one tile-kernel launch.
 //! - **Streams**: local copies on the auxiliary stream (they never wait for the network), packs
 //!   and unpacks on the compute stream, NCCL on its own stream, offload and reload on the copy
 //!   stream; `in_flight` slots let step `k`'s network work overlap packing `k + 1` and unpacking

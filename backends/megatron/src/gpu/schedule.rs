@@ -174,15 +174,47 @@ pub fn push_tiles(run: &Run, out: &mut Vec<Tile>) {
     }
 }
 
-/// One message of a step: `count` elements at `offset` of the slot, to or from `peer`.
+/// Where a message's elements are: in the step's slot, or straight in the rank's own buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    /// Element offset in the send slot (sends) or the receive slot (receives).
+    Slot(usize),
+    /// Element offset in the parameter buffer (sends) or the rollout buffer (receives).
+    Buffer(usize),
+}
+
+/// One NCCL message of a step: `count` elements at `place`, to or from `peer`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Message {
     /// The other rank.
     pub peer: usize,
-    /// Element offset in the send or receive slot.
-    pub offset: usize,
+    /// Where the elements are read (sends) or written (receives).
+    pub place: Place,
     /// Elements.
     pub count: usize,
+}
+
+/// How a plan's copies are carried out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScheduleOptions {
+    /// Remote runs of at least this many elements travel as their own message, read straight
+    /// from the sender's parameter buffer when they are contiguous there and written straight
+    /// into the receiver's rollout buffer when they are contiguous there (no pack, no unpack);
+    /// smaller runs are packed into one message per peer and step. `usize::MAX`: pack everything.
+    pub direct_min: usize,
+    /// Local runs contiguous on both sides with at least this many elements are copied with the
+    /// driver's device-to-device copy instead of the tile kernel. `usize::MAX`: tiles only.
+    pub memcpy_min: usize,
+}
+
+impl Default for ScheduleOptions {
+    /// Direct messages from 4 MiB, driver copies from 16 MiB.
+    fn default() -> Self {
+        ScheduleOptions {
+            direct_min: 2 << 20,
+            memcpy_min: 8 << 20,
+        }
+    }
 }
 
 /// One step of a rank: what it packs and sends, receives and unpacks.
@@ -190,9 +222,10 @@ pub struct Message {
 pub struct Step {
     /// The global step (bucket index of the destinations).
     pub step: usize,
-    /// Messages sent, by destination ascending.
+    /// Messages sent: per destination ascending, the packed message first, then the direct ones
+    /// in transfer order.
     pub sends: Vec<Message>,
-    /// Messages received, by source ascending.
+    /// Messages received, in the same order per source.
     pub recvs: Vec<Message>,
     /// Tiles packing the parameter buffer into the send slot.
     pub pack: Range<usize>,
@@ -202,6 +235,10 @@ pub struct Step {
     pub send_elems: usize,
     /// Elements received.
     pub recv_elems: usize,
+    /// Elements of the send slot used.
+    pub send_slot: usize,
+    /// Elements of the receive slot used.
+    pub recv_slot: usize,
 }
 
 /// Everything one rank does to build its rollout buffer (see the module docs).
@@ -213,6 +250,9 @@ pub struct RankSchedule {
     pub tiles: Vec<Tile>,
     /// Tiles copying from this rank's own parameter buffer.
     pub local: Range<usize>,
+    /// Local runs copied with the driver's device-to-device copy (one row each: source offset
+    /// in the parameter buffer, destination offset in the rollout buffer).
+    pub local_bulk: Vec<Run>,
     /// Steps with at least one message, in global step order.
     pub steps: Vec<Step>,
     /// Element ranges of the rollout buffer to zero (vocabulary padding rows).
@@ -229,24 +269,38 @@ pub struct RankSchedule {
     pub send_elems: usize,
 }
 
+/// Cuts `0..items.len()` into at most `n` consecutive chunks of about equal `size` sums.
+fn chunks_by<T>(items: &[T], n: usize, size: impl Fn(&T) -> usize) -> Vec<Range<usize>> {
+    let n = n.max(1);
+    let total: usize = items.iter().map(&size).sum::<usize>().max(1);
+    let mut out = Vec::with_capacity(n);
+    let (mut start, mut acc) = (0, 0usize);
+    for (i, it) in items.iter().enumerate() {
+        acc += size(it);
+        if out.len() + 1 < n && acc * n >= total * (out.len() + 1) {
+            out.push(start..i + 1);
+            start = i + 1;
+        }
+    }
+    out.push(start..items.len());
+    out
+}
+
 impl RankSchedule {
-    /// The local tiles cut into at most `n` consecutive chunks of about equal bytes.
-    pub fn local_chunks(&self, n: usize) -> Vec<Range<usize>> {
+    /// The local work cut into `n` consecutive chunks of about equal bytes: per chunk a range
+    /// of tiles and a range of [`RankSchedule::local_bulk`].
+    pub fn local_chunks(&self, n: usize) -> Vec<(Range<usize>, Range<usize>)> {
         let n = n.max(1);
-        let total = self.local_elems.max(1);
-        let mut out = Vec::with_capacity(n);
-        let (mut start, mut acc) = (self.local.start, 0usize);
-        for i in self.local.clone() {
-            acc += self.tiles[i].numel();
-            if out.len() + 1 < n && acc * n >= total * (out.len() + 1) {
-                out.push(start..i + 1);
-                start = i + 1;
-            }
-        }
-        if start < self.local.end || out.is_empty() {
-            out.push(start..self.local.end);
-        }
-        out
+        let tiles = chunks_by(&self.tiles[self.local.clone()], n, Tile::numel);
+        let bulk = chunks_by(&self.local_bulk, n, Run::numel);
+        (0..n)
+            .map(|i| {
+                let t = tiles.get(i).map_or(0..0, |r| {
+                    r.start + self.local.start..r.end + self.local.start
+                });
+                (t, bulk.get(i).cloned().unwrap_or(0..0))
+            })
+            .collect()
     }
 
     /// The tiles as the kernel reads them ([`Tile::write_bytes`]).
@@ -262,6 +316,13 @@ impl RankSchedule {
     pub fn slot_bytes(&self) -> u64 {
         ((self.send_slot_elems + self.recv_slot_elems) * 2) as u64
     }
+
+    /// Messages over all steps (sent, received).
+    pub fn messages(&self) -> (usize, usize) {
+        self.steps.iter().fold((0, 0), |(s, r), st| {
+            (s + st.sends.len(), r + st.recvs.len())
+        })
+    }
 }
 
 /// Element offset of every rollout tensor in a rank's flat buffer (rollout order, back to back)
@@ -276,8 +337,21 @@ pub fn rollout_offsets(plan: &MegatronPlan) -> (Vec<usize>, usize) {
     (offsets, at)
 }
 
+fn src_dense(x: &Transfer) -> bool {
+    x.rows == 1 || x.cols == x.src_pitch
+}
+
+fn dst_dense(x: &Transfer) -> bool {
+    x.rows == 1 || x.cols == x.dst_pitch
+}
+
 /// The schedule of `rank` (see the module docs); `offsets` from [`rollout_offsets`].
-pub fn build_rank(plan: &MegatronPlan, offsets: &[usize], rank: usize) -> RankSchedule {
+pub fn build_rank(
+    plan: &MegatronPlan,
+    offsets: &[usize],
+    rank: usize,
+    opts: ScheduleOptions,
+) -> RankSchedule {
     let me = &plan.ranks[rank];
     let flat = |x: &Transfer| offsets[x.tensor] + x.dst_offset;
     let mut tiles = Vec::new();
@@ -296,10 +370,14 @@ pub fn build_rank(plan: &MegatronPlan, offsets: &[usize], rank: usize) -> RankSc
         );
     }
     let local_elems = runs.iter().map(Run::numel).sum();
-    for r in &runs {
+    let (local_bulk, tiled): (Vec<Run>, Vec<Run>) = runs
+        .into_iter()
+        .partition(|r| r.rows == 1 && r.numel() >= opts.memcpy_min);
+    for r in &tiled {
         push_tiles(r, &mut tiles);
     }
     let local = 0..tiles.len();
+    let direct = |x: &&Transfer| x.numel() >= opts.direct_min;
     let nsteps = plan
         .ranks
         .iter()
@@ -310,7 +388,7 @@ pub fn build_rank(plan: &MegatronPlan, offsets: &[usize], rank: usize) -> RankSc
     for k in 0..nsteps {
         let mut recvs = Vec::new();
         let mut unpack_runs = Vec::new();
-        let mut off = 0;
+        let (mut off, mut recv_elems) = (0, 0);
         if let Some(b) = me.buckets.get(k) {
             let xs = &me.transfers[b.clone()];
             let mut peers: Vec<usize> = xs
@@ -321,12 +399,13 @@ pub fn build_rank(plan: &MegatronPlan, offsets: &[usize], rank: usize) -> RankSc
             peers.sort_unstable();
             peers.dedup();
             for p in peers {
-                let start = off;
-                for x in xs.iter().filter(|x| x.src_rank == p) {
+                let (big, small): (Vec<&Transfer>, Vec<&Transfer>) =
+                    xs.iter().filter(|x| x.src_rank == p).partition(direct);
+                let mut unpack = |x: &Transfer, off: &mut usize| {
                     push_run(
                         &mut unpack_runs,
                         Run {
-                            src: off,
+                            src: *off,
                             src_ld: x.cols,
                             dst: flat(x),
                             dst_ld: x.dst_pitch,
@@ -334,47 +413,87 @@ pub fn build_rank(plan: &MegatronPlan, offsets: &[usize], rank: usize) -> RankSc
                             cols: x.cols,
                         },
                     );
-                    off += x.numel();
+                    *off += x.numel();
+                };
+                let start = off;
+                for x in &small {
+                    unpack(x, &mut off);
                 }
-                recvs.push(Message {
-                    peer: p,
-                    offset: start,
-                    count: off - start,
-                });
+                if off > start {
+                    recvs.push(Message {
+                        peer: p,
+                        place: Place::Slot(start),
+                        count: off - start,
+                    });
+                }
+                for x in &big {
+                    let place = if dst_dense(x) {
+                        Place::Buffer(flat(x))
+                    } else {
+                        let at = off;
+                        unpack(x, &mut off);
+                        Place::Slot(at)
+                    };
+                    recvs.push(Message {
+                        peer: p,
+                        place,
+                        count: x.numel(),
+                    });
+                }
+                recv_elems += small.iter().chain(&big).map(|x| x.numel()).sum::<usize>();
             }
         }
         let mut sends = Vec::new();
         let mut pack_runs = Vec::new();
-        let mut soff = 0;
+        let (mut soff, mut send_elems) = (0, 0);
         for (d, dp) in plan.ranks.iter().enumerate() {
             let Some(b) = dp.buckets.get(k).filter(|_| d != rank) else {
                 continue;
             };
-            let start = soff;
-            for x in dp.transfers[b.clone()]
+            let (big, small): (Vec<&Transfer>, Vec<&Transfer>) = dp.transfers[b.clone()]
                 .iter()
                 .filter(|x| x.src_rank == rank)
-            {
+                .partition(direct);
+            let mut pack = |x: &Transfer, soff: &mut usize| {
                 push_run(
                     &mut pack_runs,
                     Run {
                         src: x.src_offset,
                         src_ld: x.src_pitch,
-                        dst: soff,
+                        dst: *soff,
                         dst_ld: x.cols,
                         rows: x.rows,
                         cols: x.cols,
                     },
                 );
-                soff += x.numel();
+                *soff += x.numel();
+            };
+            let start = soff;
+            for x in &small {
+                pack(x, &mut soff);
             }
             if soff > start {
                 sends.push(Message {
                     peer: d,
-                    offset: start,
+                    place: Place::Slot(start),
                     count: soff - start,
                 });
             }
+            for x in &big {
+                let place = if src_dense(x) {
+                    Place::Buffer(x.src_offset)
+                } else {
+                    let at = soff;
+                    pack(x, &mut soff);
+                    Place::Slot(at)
+                };
+                sends.push(Message {
+                    peer: d,
+                    place,
+                    count: x.numel(),
+                });
+            }
+            send_elems += small.iter().chain(&big).map(|x| x.numel()).sum::<usize>();
         }
         if sends.is_empty() && recvs.is_empty() {
             continue;
@@ -393,8 +512,10 @@ pub fn build_rank(plan: &MegatronPlan, offsets: &[usize], rank: usize) -> RankSc
             recvs,
             pack: p0..u0,
             unpack: u0..tiles.len(),
-            send_elems: soff,
-            recv_elems: off,
+            send_elems,
+            recv_elems,
+            send_slot: soff,
+            recv_slot: off,
         });
     }
     let mut zero = Vec::new();
@@ -412,8 +533,9 @@ pub fn build_rank(plan: &MegatronPlan, offsets: &[usize], rank: usize) -> RankSc
     RankSchedule {
         rank,
         local,
-        send_slot_elems: steps.iter().map(|s| s.send_elems).max().unwrap_or(0),
-        recv_slot_elems: steps.iter().map(|s| s.recv_elems).max().unwrap_or(0),
+        local_bulk,
+        send_slot_elems: steps.iter().map(|s| s.send_slot).max().unwrap_or(0),
+        recv_slot_elems: steps.iter().map(|s| s.recv_slot).max().unwrap_or(0),
         recv_elems: steps.iter().map(|s| s.recv_elems).sum(),
         send_elems: steps.iter().map(|s| s.send_elems).sum(),
         local_elems,
@@ -446,11 +568,18 @@ mod tests {
         }
     }
 
-    /// Runs every rank's schedule on host buffers, messages matched step by step as NCCL would.
-    fn simulate(plan: &MegatronPlan, state: &MegatronTrainState) -> HostRollout {
+    /// Runs every rank's schedule on host buffers, messages matched step by step and pair by
+    /// pair in issue order, as NCCL matches them.
+    fn simulate(
+        plan: &MegatronPlan,
+        state: &MegatronTrainState,
+        opts: ScheduleOptions,
+    ) -> HostRollout {
         let world = plan.ranks.len();
         let (offsets, len) = rollout_offsets(plan);
-        let scheds: Vec<RankSchedule> = (0..world).map(|r| build_rank(plan, &offsets, r)).collect();
+        let scheds: Vec<RankSchedule> = (0..world)
+            .map(|r| build_rank(plan, &offsets, r, opts))
+            .collect();
         let params: Vec<&[bf16]> = (0..world).map(|r| state.params(r).unwrap()).collect();
         // Garbage everywhere first: an element no tile or zero range writes is caught.
         let mut rolls = vec![vec![bf16::from_bits(0x7fc1); len]; world];
@@ -459,6 +588,10 @@ mod tests {
                 roll[z.clone()].fill(bf16::ZERO);
             }
             apply(&s.tiles[s.local.clone()], params[s.rank], roll);
+            for b in &s.local_bulk {
+                assert_eq!(b.rows, 1);
+                roll[b.dst..b.dst + b.cols].copy_from_slice(&params[s.rank][b.src..b.src + b.cols]);
+            }
         }
         let nsteps = plan.ranks.iter().map(|p| p.buckets.len()).max().unwrap();
         for k in 0..nsteps {
@@ -466,7 +599,7 @@ mod tests {
                 .iter()
                 .map(|s| {
                     s.steps.iter().find(|st| st.step == k).map(|st| {
-                        assert!(st.send_elems <= s.send_slot_elems);
+                        assert!(st.send_slot <= s.send_slot_elems);
                         let mut slot = vec![bf16::from_bits(0x7fc2); s.send_slot_elems];
                         apply(&s.tiles[st.pack.clone()], params[s.rank], &mut slot);
                         slot
@@ -478,16 +611,30 @@ mod tests {
                     continue;
                 };
                 let mut slot = vec![bf16::from_bits(0x7fc3); s.recv_slot_elems];
+                let mut nth = vec![0usize; world];
                 for m in &st.recvs {
-                    let peer = &scheds[m.peer];
-                    let pst = peer.steps.iter().find(|p| p.step == k).unwrap();
+                    let pst = scheds[m.peer].steps.iter().find(|p| p.step == k).unwrap();
                     let sent: Vec<&Message> =
                         pst.sends.iter().filter(|x| x.peer == s.rank).collect();
-                    assert_eq!(sent.len(), 1, "one message per pair and step");
-                    assert_eq!(sent[0].count, m.count, "matching counts");
-                    let src = send_slots[m.peer].as_ref().unwrap();
-                    slot[m.offset..m.offset + m.count]
-                        .copy_from_slice(&src[sent[0].offset..sent[0].offset + m.count]);
+                    let x = sent[nth[m.peer]];
+                    nth[m.peer] += 1;
+                    assert_eq!(x.count, m.count, "matching counts");
+                    let src: &[bf16] = match x.place {
+                        Place::Slot(o) => &send_slots[m.peer].as_ref().unwrap()[o..o + x.count],
+                        Place::Buffer(o) => &params[m.peer][o..o + x.count],
+                    };
+                    match m.place {
+                        Place::Slot(o) => slot[o..o + m.count].copy_from_slice(src),
+                        Place::Buffer(o) => roll[o..o + m.count].copy_from_slice(src),
+                    }
+                }
+                for (p, &n) in nth.iter().enumerate() {
+                    if p != s.rank {
+                        let pst = scheds[p].steps.iter().find(|q| q.step == k);
+                        let sent =
+                            pst.map_or(0, |q| q.sends.iter().filter(|x| x.peer == s.rank).count());
+                        assert_eq!(n, sent, "every message sent is received");
+                    }
                 }
                 apply(&s.tiles[st.unpack.clone()], &slot, roll);
             }
@@ -569,7 +716,37 @@ mod tests {
                             RolloutVocab::PadToMultipleOf(5),
                         ][cases % 2];
                         let rollout = RolloutLayout::new(t, vocab);
-                        for budget in [6, 64, 1 << 20] {
+                        for (budget, opts) in [
+                            (
+                                6,
+                                ScheduleOptions {
+                                    direct_min: usize::MAX,
+                                    memcpy_min: usize::MAX,
+                                },
+                            ),
+                            (
+                                64,
+                                ScheduleOptions {
+                                    direct_min: 0,
+                                    memcpy_min: 0,
+                                },
+                            ),
+                            (
+                                64,
+                                ScheduleOptions {
+                                    direct_min: 5,
+                                    memcpy_min: 20,
+                                },
+                            ),
+                            (1 << 20, ScheduleOptions::default()),
+                            (
+                                1 << 20,
+                                ScheduleOptions {
+                                    direct_min: 16,
+                                    memcpy_min: 1,
+                                },
+                            ),
+                        ] {
                             let plan = plan_megatron_to_tp(
                                 state.layout(),
                                 &rollout,
@@ -578,12 +755,12 @@ mod tests {
                                 },
                             )
                             .unwrap();
-                            let got = simulate(&plan, &state);
+                            let got = simulate(&plan, &state, opts);
                             let want = reference_rollout(&state, &rollout).unwrap();
                             assert_eq!(
                                 got.first_difference(&want),
                                 None,
-                                "TP {tp} PP {pp} DP {dp} T {t} groups {groups} tied {tied} budget {budget}"
+                                "TP {tp} PP {pp} DP {dp} T {t} groups {groups} tied {tied} budget {budget} {opts:?}"
                             );
                             cases += 1;
                         }
@@ -611,13 +788,27 @@ mod tests {
             .unwrap();
             let (offsets, len) = rollout_offsets(&plan);
             assert_eq!(len, plan.tensors.iter().map(|t| t.numel()).sum::<usize>());
-            let scheds: Vec<RankSchedule> =
-                (0..4).map(|r| build_rank(&plan, &offsets, r)).collect();
+            let opts = ScheduleOptions {
+                direct_min: 8,
+                memcpy_min: 8,
+            };
+            let scheds: Vec<RankSchedule> = (0..4)
+                .map(|r| build_rank(&plan, &offsets, r, opts))
+                .collect();
             let sent: usize = scheds.iter().map(|s| s.send_elems).sum();
             for (s, rp) in scheds.iter().zip(&plan.ranks) {
                 assert_eq!((s.recv_elems * 2) as u64, rp.remote_bytes());
                 assert_eq!((s.local_elems * 2) as u64, rp.local_bytes());
                 assert!((s.recv_slot_elems * 2) as u64 <= budget);
+                let (sent, got) = s.messages();
+                assert!(sent + got > 0);
+                let direct = |side: fn(&Step) -> &Vec<Message>| {
+                    s.steps
+                        .iter()
+                        .any(|st| side(st).iter().any(|m| matches!(m.place, Place::Buffer(_))))
+                };
+                let direct = direct(|st| &st.sends) && direct(|st| &st.recvs);
+                assert!(direct, "T {t}: some runs travel without staging");
                 assert!(s.steps.len() > 1, "T {t}: several steps");
             }
             assert_eq!((sent * 2) as u64, plan.remote_bytes());
@@ -709,14 +900,28 @@ mod tests {
         let rollout = RolloutLayout::new(1, RolloutVocab::PadToMultipleOf(1));
         let plan = plan_megatron_to_tp(&layout, &rollout, BucketConfig::default()).unwrap();
         let (offsets, _) = rollout_offsets(&plan);
-        let s = build_rank(&plan, &offsets, 0);
+        let s = build_rank(
+            &plan,
+            &offsets,
+            0,
+            ScheduleOptions {
+                direct_min: 0,
+                memcpy_min: 100,
+            },
+        );
+        assert!(!s.local_bulk.is_empty() && !s.local.is_empty());
         for n in [1, 2, 3, 7, 1000] {
             let chunks = s.local_chunks(n);
-            assert!(chunks.len() <= n.max(1));
-            assert_eq!(chunks.first().unwrap().start, s.local.start);
-            assert_eq!(chunks.last().unwrap().end, s.local.end);
-            for w in chunks.windows(2) {
-                assert_eq!(w[0].end, w[1].start);
+            assert_eq!(chunks.len(), n);
+            let tiles: Vec<Range<usize>> = chunks.iter().map(|c| c.0.clone()).collect();
+            let bulk: Vec<Range<usize>> = chunks.iter().map(|c| c.1.clone()).collect();
+            for (parts, whole) in [(tiles, s.local.clone()), (bulk, 0..s.local_bulk.len())] {
+                let mut at = whole.start;
+                for p in parts.iter().filter(|p| !p.is_empty()) {
+                    assert_eq!(p.start, at);
+                    at = p.end;
+                }
+                assert_eq!(at, whole.end, "n = {n}");
             }
         }
     }
