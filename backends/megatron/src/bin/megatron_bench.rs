@@ -382,46 +382,50 @@ fn run() -> Result<(), Box<dyn Error>> {
             let remote = plan.plan().remote_bytes() > 0;
             let d = GpuConfig::default();
             let gib = 1u64 << 30;
+            // Large runs as their own messages, large local runs by the driver's copy.
+            let direct = GpuConfig {
+                direct_min_bytes: 4 << 20,
+                memcpy_min_bytes: 16 << 20,
+                overlap_blocks_per_sm: 2,
+                ..d
+            };
             let configs: Vec<GpuConfig> = if remote {
                 vec![
-                    // Everything packed and unpacked through staging slots.
-                    GpuConfig {
-                        bucket_bytes: gib,
-                        direct_min_bytes: u64::MAX,
-                        memcpy_min_bytes: u64::MAX,
-                        overlap_blocks_per_sm: 8,
-                        ..d
-                    },
                     d,
                     GpuConfig {
                         bucket_bytes: gib,
                         ..d
                     },
+                    direct,
+                    GpuConfig {
+                        bucket_bytes: gib,
+                        ..direct
+                    },
                     GpuConfig {
                         bucket_bytes: 2 * gib,
-                        ..d
+                        ..direct
                     },
                     GpuConfig {
                         bucket_bytes: gib,
                         overlap_blocks_per_sm: 8,
-                        ..d
+                        ..direct
                     },
                     GpuConfig {
                         bucket_bytes: gib,
                         memcpy_min_bytes: u64::MAX,
-                        ..d
+                        ..direct
                     },
                     GpuConfig {
                         bucket_bytes: gib,
                         direct_min_bytes: 1 << 20,
-                        ..d
+                        ..direct
                     },
                 ]
             } else {
                 vec![
                     d,
                     GpuConfig {
-                        memcpy_min_bytes: u64::MAX,
+                        memcpy_min_bytes: 16 << 20,
                         ..d
                     },
                 ]

@@ -58,15 +58,17 @@ impl GpuConfig {
 }
 
 impl Default for GpuConfig {
-    /// 256 MiB buckets, 2 in flight, direct messages from 4 MiB, driver copies from 16 MiB, 2
-    /// blocks per SM while the network runs.
+    /// 256 MiB buckets, 2 in flight, every remote run packed into the slots, local runs copied
+    /// by the tile kernel, 4 blocks per SM while the network runs. Direct messages
+    /// (`direct_min_bytes`, e.g. 4 MiB) and driver copies (`memcpy_min_bytes`, e.g. 16 MiB) are
+    /// opt-in.
     fn default() -> Self {
         GpuConfig {
             bucket_bytes: 256 << 20,
             in_flight: 2,
-            direct_min_bytes: 4 << 20,
-            memcpy_min_bytes: 16 << 20,
-            overlap_blocks_per_sm: 2,
+            direct_min_bytes: u64::MAX,
+            memcpy_min_bytes: u64::MAX,
+            overlap_blocks_per_sm: 4,
         }
     }
 }

@@ -29,6 +29,14 @@
 //! - **Errors**: [`MegatronGpuError`]; layout errors come from `plan`, before anything moves;
 //!   out-of-memory is a typed error, and a failed enter leaves the training state as it was.
 //!
+//! On a machine with NVIDIA GPUs (2 for the W = 2 cases; `export NCCL_NVLS_ENABLE=0` where
+//! NVLink multicast must stay off):
+//!
+//! ```text
+//! cargo test --release -p lifecycle-megatron --test gpu -- --ignored --test-threads=1
+//! cargo run --release -p lifecycle-megatron --bin megatron_bench     # Qwen2.5-7B shapes, W = 2
+//! ```
+//!
 //! [`MegatronPlan`]: crate::layout::MegatronPlan
 
 mod backend;
