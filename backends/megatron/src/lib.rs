@@ -8,6 +8,8 @@
 //! - [`MegatronTrainState`] / [`MegatronHostBackend`]: the CPU executor implementing
 //!   [`Reshard`](lifecycle_core::Reshard), ranks as threads, real offload accounting; the rollout
 //!   is a [`lifecycle_host::HostRollout`] with one tensor per fused rollout tensor per rank.
+//! - [`gpu`]: the executor on NVIDIA GPUs ([`gpu::MegatronGpuBackend`]), the same plan run with
+//!   NCCL send/receive steps, bit-identical to the CPU executor.
 //! - [`reference_rollout`]: the independent reference (rebuild full Hugging Face tensors, slice
 //!   them) the executor is checked against bit for bit; [`fuse_unfused_rollout`] fuses the FSDP
 //!   backends' unfused rollout for cross-backend checks.
@@ -39,6 +41,7 @@
 
 mod backend;
 mod error;
+pub mod gpu;
 pub mod layout;
 mod model;
 mod reference;

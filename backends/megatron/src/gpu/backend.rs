@@ -1,0 +1,1189 @@
+//! [`MegatronGpuBackend`]: the [`Reshard`] implementation on NVIDIA GPUs.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
+use half::bf16;
+use lifecycle_core::{Link, MemoryPolicy, Phase, PhaseSample, Reshard, SwitchContext};
+use lifecycle_cuda::{
+    alloc_device, alloc_zeros, CudaError, RankCtx, RankExecutor, Region2d, ThreadRankPool,
+};
+use lifecycle_host::{HostRollout, HostTensor, MemoryMeter, RankRollout, RolloutTensor};
+
+use super::error::MegatronGpuError;
+use super::kernel::CopyKernel;
+use super::pinned::PinnedPool;
+use super::schedule::{
+    build_rank, rollout_offsets, Place, RankSchedule, ScheduleOptions, TILE_BYTES,
+};
+use super::state::{GpuBuffer, GpuRank, MegatronGpuState};
+use crate::layout::{
+    plan_megatron_to_tp, BucketConfig, MegatronLayout, MegatronPlan, ParamKind, ParamSlot,
+    RolloutLayout,
+};
+use crate::state::{MegatronTrainState, RankTrain, Resident};
+
+/// Settings of the GPU executor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuConfig {
+    /// The most bf16 bytes one rank receives from peers in one step: the plan's bucket budget
+    /// ([`BucketConfig::bucket_bytes`]) and the size of a receive slot.
+    pub bucket_bytes: u64,
+    /// Steps in flight, i.e. send and receive slots per rank: with 2 or more, packing step
+    /// `k + 1` and unpacking step `k - 1` overlap the network work of step `k`.
+    pub in_flight: usize,
+    /// Remote runs of at least this many bytes travel as their own NCCL message, straight from
+    /// the sender's parameter buffer and into the receiver's rollout buffer where they are
+    /// contiguous (see [`ScheduleOptions::direct_min`]); `u64::MAX` packs everything.
+    pub direct_min_bytes: u64,
+    /// Contiguous local runs of at least this many bytes are copied with the driver's
+    /// device-to-device copy instead of the tile kernel; `u64::MAX`: tiles only.
+    pub memcpy_min_bytes: u64,
+    /// Thread blocks per SM of the tile kernel while network steps run (fewer leave the SMs and
+    /// memory bandwidth to NCCL); a transfer without network steps uses 8.
+    pub overlap_blocks_per_sm: u32,
+}
+
+impl GpuConfig {
+    /// The schedule options these settings give.
+    pub fn schedule_options(&self) -> ScheduleOptions {
+        let elems = |b: u64| usize::try_from(b / 2).unwrap_or(usize::MAX);
+        ScheduleOptions {
+            direct_min: elems(self.direct_min_bytes),
+            memcpy_min: elems(self.memcpy_min_bytes),
+        }
+    }
+}
+
+impl Default for GpuConfig {
+    /// 256 MiB buckets, 2 in flight, every remote run packed into the slots, local runs copied
+    /// by the tile kernel, 4 blocks per SM while the network runs. Direct messages
+    /// (`direct_min_bytes`, e.g. 4 MiB) and driver copies (`memcpy_min_bytes`, e.g. 16 MiB) are
+    /// opt-in.
+    fn default() -> Self {
+        GpuConfig {
+            bucket_bytes: 256 << 20,
+            in_flight: 2,
+            direct_min_bytes: u64::MAX,
+            memcpy_min_bytes: u64::MAX,
+            overlap_blocks_per_sm: 4,
+        }
+    }
+}
+
+/// One rollout tensor's place in a rank's flat rollout buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RolloutEntry {
+    /// Name (fused rollout names, e.g. `model.layers.0.self_attn.qkv_proj.weight`).
+    pub name: String,
+    /// Shape of the rank's slice.
+    pub shape: Vec<usize>,
+    /// Element offset.
+    pub offset: usize,
+    /// Elements.
+    pub numel: usize,
+}
+
+/// The rollout weights of the ranks this process drives: one flat bf16 device buffer per rank,
+/// the fused tensors at the same offsets on every rank ([`MegatronGpuRollout::entries`]).
+pub struct MegatronGpuRollout {
+    pub(crate) ranks: Vec<CudaSlice<bf16>>,
+    pub(crate) local: Vec<usize>,
+    pub(crate) entries: Vec<RolloutEntry>,
+    pub(crate) len: usize,
+}
+
+impl std::fmt::Debug for MegatronGpuRollout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MegatronGpuRollout")
+            .field("ranks", &self.local)
+            .field("tensors", &self.entries.len())
+            .field("elements_per_rank", &self.len)
+            .finish()
+    }
+}
+
+impl MegatronGpuRollout {
+    /// The tensors of each rank's buffer, in rollout order.
+    pub fn entries(&self) -> &[RolloutEntry] {
+        &self.entries
+    }
+
+    /// Bytes of rollout weights on each rank.
+    pub fn bytes_per_rank(&self) -> u64 {
+        (self.len * 2) as u64
+    }
+
+    /// The global ranks held, in the order of [`MegatronGpuRollout::rank_buffer`].
+    pub fn local_ranks(&self) -> &[usize] {
+        &self.local
+    }
+
+    /// The device buffer of the `i`-th local rank (flat, at least `bytes_per_rank / 2` elements).
+    pub fn rank_buffer(&self, i: usize) -> Option<&CudaSlice<bf16>> {
+        self.ranks.get(i)
+    }
+}
+
+static NEXT_PLAN: AtomicU64 = AtomicU64::new(1);
+
+/// A validated plan and the schedules of this process's ranks.
+#[derive(Debug)]
+pub struct MegatronGpuPlan {
+    id: u64,
+    config: GpuConfig,
+    plan: MegatronPlan,
+    offsets: Vec<usize>,
+    len: usize,
+    ranks: Vec<RankSchedule>,
+}
+
+impl MegatronGpuPlan {
+    /// The planner's plan (every rank).
+    pub fn plan(&self) -> &MegatronPlan {
+        &self.plan
+    }
+
+    /// The schedule of global rank `rank`, when this process drives it.
+    pub fn schedule(&self, rank: usize) -> Option<&RankSchedule> {
+        self.ranks.iter().find(|s| s.rank == rank)
+    }
+
+    /// Elements of one rank's rollout buffer.
+    pub fn rollout_len(&self) -> usize {
+        self.len
+    }
+}
+
+/// Per-rank resources of the backend: the copy kernel and the tile table of the last plan.
+struct RankRes {
+    kernel: CopyKernel,
+    tiles: Option<(u64, CudaSlice<u8>)>,
+}
+
+/// What one rank's transfer did.
+#[derive(Debug, Clone, Copy, Default)]
+struct RankMoved {
+    recv: u64,
+    local: u64,
+    staging: u64,
+}
+
+fn ptr<T>(s: &CudaSlice<T>, ctx: &RankCtx) -> u64 {
+    let (p, _sync) = s.device_ptr(&ctx.compute);
+    p
+}
+
+fn ptr_mut<T>(s: &mut CudaSlice<T>, ctx: &RankCtx) -> u64 {
+    let (p, _sync) = s.device_ptr_mut(&ctx.compute);
+    p
+}
+
+/// Reshards the Megatron training layout into the fused bf16 tensor-parallel rollout layout on
+/// the GPUs of a [`ThreadRankPool`].
+///
+/// Enter runs the plan ([`plan_megatron_to_tp`]): each rank copies the runs it holds itself from
+/// its parameter buffer into its rollout buffer (auxiliary stream), and receives only the bytes
+/// of its fused slices it does not hold, step by step, one NCCL group per step (NCCL stream):
+/// large contiguous runs straight between the parameter and rollout buffers, the rest packed by
+/// the sender into a send slot and unpacked by the receiver from a receive slot (compute stream);
+/// steps overlap with [`GpuConfig::in_flight`] slots. bf16 to bf16: no cast. Offload copies (pinned host memory from a [`PinnedPool`] kept between switches)
+/// run on the copy stream meanwhile. Exit releases the rollout and reloads.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use lifecycle_core::Lifecycle;
+/// use lifecycle_cuda::ThreadRankPool;
+/// use lifecycle_host::HostTensor;
+/// use lifecycle_megatron::gpu::MegatronGpuBackend;
+/// use lifecycle_megatron::layout::{MegatronLayout, RolloutLayout, RolloutVocab};
+/// use lifecycle_megatron::ModelSpec;
+///
+/// let pool = Arc::new(ThreadRankPool::new(2)?);
+/// let model = ModelSpec::tiny();
+/// let tensors = model.hf_tensors().into_iter().map(|(name, shape)| {
+///     let n = shape.iter().product();
+///     HostTensor::f32(name, shape, vec![0.5; n])
+/// }).collect();
+/// let backend = MegatronGpuBackend::new(pool, RolloutLayout::new(2, RolloutVocab::PadToMultipleOf(1)))?;
+/// let state = backend.state_from_hf(MegatronLayout::new(model, 1, 2, 1)?, tensors)?;
+/// let mut lc = Lifecycle::new(backend, state);
+/// let session = lc.rollout()?;
+/// let host = session.backend().download_rollout(&session.weights())?;
+/// assert_eq!(host.ranks.len(), 2);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct MegatronGpuBackend {
+    pool: Arc<ThreadRankPool>,
+    rollout: RolloutLayout,
+    config: GpuConfig,
+    pinned: Arc<PinnedPool>,
+    ranks: Vec<RankRes>,
+    cached: Mutex<Option<Arc<MegatronGpuPlan>>>,
+}
+
+impl std::fmt::Debug for MegatronGpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MegatronGpuBackend")
+            .field("world", &self.pool.world())
+            .field("rollout", &self.rollout)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl MegatronGpuBackend {
+    /// A backend over `pool`'s GPUs producing `rollout`, with [`GpuConfig::default`] and a fresh
+    /// [`PinnedPool`]; compiles the copy kernel on every rank.
+    pub fn new(
+        pool: Arc<ThreadRankPool>,
+        rollout: RolloutLayout,
+    ) -> Result<Self, MegatronGpuError> {
+        let kernels = pool.run(&CopyKernel::load)?;
+        Ok(MegatronGpuBackend {
+            pool,
+            rollout,
+            config: GpuConfig::default(),
+            pinned: Arc::new(PinnedPool::default()),
+            ranks: kernels
+                .into_iter()
+                .map(|kernel| RankRes {
+                    kernel,
+                    tiles: None,
+                })
+                .collect(),
+            cached: Mutex::new(None),
+        })
+    }
+
+    /// Changes the settings (checked: a budget of at least 2 bytes, at least 1 step in flight).
+    pub fn with_config(mut self, config: GpuConfig) -> Result<Self, MegatronGpuError> {
+        if config.bucket_bytes < 2 || config.in_flight == 0 || config.overlap_blocks_per_sm == 0 {
+            return Err(MegatronGpuError::Config(format!(
+                "bucket_bytes must be at least 2 (one bf16 element), in_flight at least 1 (2 or \
+                 more to overlap packing with the network) and overlap_blocks_per_sm at least 1; \
+                 found {} bytes, {} in flight, {} blocks per SM",
+                config.bucket_bytes, config.in_flight, config.overlap_blocks_per_sm
+            )));
+        }
+        self.config = config;
+        Ok(self)
+    }
+
+    /// Uses `pinned` for offloaded state (share one pool between backends so they reuse the
+    /// same pinned memory).
+    pub fn with_pinned_pool(mut self, pinned: Arc<PinnedPool>) -> Self {
+        self.pinned = pinned;
+        self
+    }
+
+    /// The settings.
+    pub fn config(&self) -> GpuConfig {
+        self.config
+    }
+
+    /// The rollout layout.
+    pub fn rollout_layout(&self) -> &RolloutLayout {
+        &self.rollout
+    }
+
+    /// The rank pool.
+    pub fn pool(&self) -> &Arc<ThreadRankPool> {
+        &self.pool
+    }
+
+    /// The pinned host memory of offloads.
+    pub fn pinned_pool(&self) -> &Arc<PinnedPool> {
+        &self.pinned
+    }
+
+    fn locals(&self) -> &[usize] {
+        self.pool.local_ranks()
+    }
+
+    fn world_mismatch(&self, state_world: usize, state_local: usize) -> MegatronGpuError {
+        MegatronGpuError::WorldMismatch {
+            state: state_world,
+            state_local,
+            pool: self.pool.world(),
+            pool_local: self.locals().len(),
+        }
+    }
+
+    fn check_state(&self, state: &MegatronGpuState) -> Result<(), MegatronGpuError> {
+        if state.world() != self.pool.world() || state.local_ranks() != self.locals() {
+            return Err(self.world_mismatch(state.world(), state.ranks.len()));
+        }
+        Ok(())
+    }
+
+    fn check_plan(
+        &self,
+        plan: &MegatronGpuPlan,
+        state: &MegatronGpuState,
+    ) -> Result<(), MegatronGpuError> {
+        self.check_state(state)?;
+        let ranks_match = plan
+            .ranks
+            .iter()
+            .map(|s| s.rank)
+            .eq(self.locals().iter().copied());
+        if plan.plan.train != state.layout || plan.plan.rollout != self.rollout || !ranks_match {
+            return Err(MegatronGpuError::PlanMismatch);
+        }
+        Ok(())
+    }
+
+    /// Builds the training state from the CPU backend's state (the same model on the same W):
+    /// bf16 params, main params, Adam m, v and grads (zeros where the host freed them) of this
+    /// process's ranks uploaded as they are, offloaded or not.
+    pub fn state_from_host(
+        &self,
+        host: &MegatronTrainState,
+    ) -> Result<MegatronGpuState, MegatronGpuError> {
+        if host.world() != self.pool.world() {
+            return Err(self.world_mismatch(host.world(), host.world()));
+        }
+        let mut items: Vec<(&RankTrain, usize, Option<GpuRank>)> = self
+            .locals()
+            .iter()
+            .map(|&r| (&host.ranks[r], r, None))
+            .collect();
+        self.pool.run_each(&mut items, &|ctx, (src, rank, out)| {
+            let n = src.params.values().len();
+            let params = upload(ctx, src.params.values(), "bf16 parameters")?;
+            let grads = match &src.grads {
+                Some(g) => upload(ctx, g, "gradients")?,
+                None => alloc_zeros(&ctx.compute, n, ctx.rank, "gradients")?,
+            };
+            let main = upload(ctx, src.main.values(), "fp32 main params")?;
+            let m = upload(ctx, src.adam_m.values(), "Adam m")?;
+            let v = upload(ctx, src.adam_v.values(), "Adam v")?;
+            ctx.compute
+                .synchronize()
+                .map_err(ctx.drv("uploading the training state", 0))?;
+            let k = src.shard.len();
+            *out = Some(GpuRank {
+                rank: *rank,
+                params: GpuBuffer::on_device(params, n),
+                grads: Some(grads),
+                shard: src.shard.clone(),
+                main: GpuBuffer::on_device(main, k),
+                adam_m: GpuBuffer::on_device(m, k),
+                adam_v: GpuBuffer::on_device(v, k),
+            });
+            Ok(())
+        })?;
+        Ok(MegatronGpuState {
+            layout: host.layout().clone(),
+            ranks: items.into_iter().filter_map(|(_, _, r)| r).collect(),
+            adam_steps: host.adam_steps,
+        })
+    }
+
+    /// Builds the training state from full Hugging Face tensors (checked and sharded as
+    /// [`MegatronTrainState::from_hf`] does, then uploaded).
+    pub fn state_from_hf(
+        &self,
+        layout: MegatronLayout,
+        tensors: Vec<HostTensor>,
+    ) -> Result<MegatronGpuState, MegatronGpuError> {
+        if layout.world() != self.pool.world() {
+            return Err(self.world_mismatch(layout.world(), layout.world()));
+        }
+        self.state_from_host(&MegatronTrainState::from_hf(layout, tensors)?)
+    }
+
+    /// Builds a synthetic training state directly on the GPUs (no host data), for benchmarks:
+    /// every parameter of a (stage, TP rank) buffer is filled by the counter-based hash of
+    /// [`lifecycle_cuda::fill_uniform_value`] (seeded by parameter kind, layer and TP rank;
+    /// norms the same on every TP rank, a tied output layer the same as the embedding), scaled
+    /// by `scale`; main params are those values in fp32, bf16 params their rounding; Adam m and v
+    /// hold small hash values too (so round trips check real bits); grads are zero. DP replicas
+    /// are identical. Replicated kv heads (query groups < TP) are not made equal across TP ranks.
+    pub fn synthetic_state(
+        &self,
+        layout: MegatronLayout,
+        seed: u64,
+        scale: f32,
+    ) -> Result<MegatronGpuState, MegatronGpuError> {
+        if layout.world() != self.pool.world() {
+            return Err(self.world_mismatch(layout.world(), layout.world()));
+        }
+        let l = &layout;
+        let mut items: Vec<Option<GpuRank>> = self.locals().iter().map(|_| None).collect();
+        self.pool.run_each(&mut items, &|ctx, out| {
+            let c = l.coords(ctx.rank);
+            let n = l.stage_len(c.pp);
+            let shard = l.dp_shard(c.pp, c.dp);
+            let rank = ctx.rank;
+            // The fp32 values are made in the grads buffer, which is zeroed at the end.
+            let mut grads = alloc_zeros::<f32>(&ctx.compute, n, rank, "gradients")?;
+            let gp = ptr_mut(&mut grads, ctx);
+            for slot in l.stage_slots(c.pp) {
+                let s = slot_seed(seed, l, slot, c.tp);
+                // SAFETY: the slot lies inside the stage buffer of n elements.
+                unsafe {
+                    ctx.kernels.fill_uniform(
+                        &ctx.compute,
+                        gp + 4 * slot.offset as u64,
+                        slot.numel() as u64,
+                        s,
+                        0,
+                        scale,
+                        rank,
+                    )?
+                };
+            }
+            // SAFETY: fully written by the cast right after.
+            let mut params = unsafe { alloc_device::<bf16>(&ctx.compute, n, rank, "parameters")? };
+            let pp = ptr_mut(&mut params, ctx);
+            let all = Region2d {
+                rows: 1,
+                cols: n as u64,
+                src_ld: n as u64,
+                dst_ld: n as u64,
+            };
+            // SAFETY: both buffers hold n elements and live until the synchronisation below.
+            unsafe { ctx.kernels.cast_f32_bf16(&ctx.compute, gp, pp, all, rank)? };
+            let k = shard.len();
+            // SAFETY: fully written by the copy right after (a zero-length shard is never read).
+            let mut main = unsafe { alloc_device::<f32>(&ctx.compute, k, rank, "main params")? };
+            if k > 0 {
+                ctx.compute
+                    .memcpy_dtod(&grads.slice(shard.clone()), &mut main.slice_mut(0..k))
+                    .map_err(ctx.drv("copying main params", (k * 4) as u64))?;
+            }
+            let mut moments = Vec::new();
+            for (i, what) in ["Adam m", "Adam v"].into_iter().enumerate() {
+                let mut b = alloc_zeros::<f32>(&ctx.compute, k, rank, what)?;
+                let bp = ptr_mut(&mut b, ctx);
+                let s = seed ^ (0xA5A5_0000 + i as u64) ^ ((c.pp * l.tp() + c.tp) as u64) << 32;
+                // SAFETY: `b` holds k elements.
+                unsafe {
+                    ctx.kernels.fill_uniform(
+                        &ctx.compute,
+                        bp,
+                        k as u64,
+                        s,
+                        shard.start as u64,
+                        scale * 1e-3,
+                        rank,
+                    )?
+                };
+                moments.push(b);
+            }
+            ctx.compute
+                .memset_zeros(&mut grads)
+                .map_err(ctx.drv("zeroing gradients", (n * 4) as u64))?;
+            ctx.compute
+                .synchronize()
+                .map_err(ctx.drv("building the synthetic state", 0))?;
+            let v = moments.pop();
+            let m = moments.pop();
+            let (Some(m), Some(v)) = (m, v) else {
+                return Err(CudaError::Invalid("Adam moments were not built".into()));
+            };
+            *out = Some(GpuRank {
+                rank,
+                params: GpuBuffer::on_device(params, n),
+                grads: Some(grads),
+                shard,
+                main: GpuBuffer::on_device(main, k),
+                adam_m: GpuBuffer::on_device(m, k),
+                adam_v: GpuBuffer::on_device(v, k),
+            });
+            Ok(())
+        })?;
+        Ok(MegatronGpuState {
+            layout,
+            ranks: items.into_iter().flatten().collect(),
+            adam_steps: 0,
+        })
+    }
+
+    /// The training state downloaded into the CPU backend's state (single-process mode): bf16
+    /// params, grads, main params and Adam moments bit for bit; buffers offloaded on the GPU side
+    /// are offloaded in the copy too. For round-trip checks and comparisons with the CPU backend.
+    pub fn download_state(
+        &self,
+        state: &MegatronGpuState,
+    ) -> Result<MegatronTrainState, MegatronGpuError> {
+        self.check_state(state)?;
+        if self.locals().len() != self.pool.world() {
+            return Err(MegatronGpuError::NotAllLocal {
+                operation: "downloading the whole training state",
+                world: self.pool.world(),
+                local: self.locals().len(),
+            });
+        }
+        let mut items: Vec<&GpuRank> = state.ranks.iter().collect();
+        let ranks = self.pool.run_each(&mut items, &|ctx, r| {
+            ctx.sync_all()?;
+            let params = r.params.download(ctx, "downloading bf16 parameters")?;
+            let main = r.main.download(ctx, "downloading main params")?;
+            let m = r.adam_m.download(ctx, "downloading Adam m")?;
+            let v = r.adam_v.download(ctx, "downloading Adam v")?;
+            let grads = match &r.grads {
+                Some(g) => {
+                    let mut g = ctx
+                        .compute
+                        .clone_dtoh(g)
+                        .map_err(ctx.drv("downloading grads", 0))?;
+                    g.truncate(r.params.len);
+                    Some(g)
+                }
+                None => None,
+            };
+            let mut current = grads.as_ref().map_or(0, |g| g.len() * 4);
+            for (on, bytes) in [
+                (r.params.dev.is_some(), r.params.bytes()),
+                (r.main.dev.is_some(), r.main.bytes()),
+                (r.adam_m.dev.is_some(), r.adam_m.bytes()),
+                (r.adam_v.dev.is_some(), r.adam_v.bytes()),
+            ] {
+                if on {
+                    current += bytes;
+                }
+            }
+            Ok(RankTrain {
+                params: resident(r.params.dev.is_some(), params),
+                grads,
+                shard: r.shard.clone(),
+                main: resident(r.main.dev.is_some(), main),
+                adam_m: resident(r.adam_m.dev.is_some(), m),
+                adam_v: resident(r.adam_v.dev.is_some(), v),
+                meter: MemoryMeter {
+                    current: current as u64,
+                    peak: current as u64,
+                },
+            })
+        })?;
+        Ok(MegatronTrainState {
+            layout: state.layout.clone(),
+            ranks,
+            adam_steps: state.adam_steps,
+        })
+    }
+
+    /// Downloads the rollout weights of this process's ranks to host memory (rollout order,
+    /// the CPU backend's layout), for bit comparisons.
+    pub fn download_rollout(
+        &self,
+        rollout: &MegatronGpuRollout,
+    ) -> Result<HostRollout, MegatronGpuError> {
+        if rollout.local != self.locals() {
+            return Err(MegatronGpuError::RolloutMismatch {
+                expected: rollout.len,
+                expected_ranks: self.locals().len(),
+                found: rollout.len,
+                found_ranks: rollout.local.len(),
+            });
+        }
+        let len = rollout.len;
+        let mut items: Vec<&CudaSlice<bf16>> = rollout.ranks.iter().collect();
+        let flats = self.pool.run_each(&mut items, &|ctx, buf| {
+            ctx.sync_all()?;
+            let mut v = ctx
+                .compute
+                .clone_dtoh(*buf)
+                .map_err(ctx.drv("downloading rollout weights", 0))?;
+            v.truncate(len);
+            Ok(v)
+        })?;
+        let ranks = flats
+            .into_iter()
+            .map(|flat| RankRollout {
+                tensors: rollout
+                    .entries
+                    .iter()
+                    .map(|e| RolloutTensor {
+                        name: e.name.clone(),
+                        shape: e.shape.clone(),
+                        data: flat[e.offset..e.offset + e.numel].to_vec(),
+                    })
+                    .collect(),
+            })
+            .collect();
+        Ok(HostRollout { ranks })
+    }
+
+    /// Allocates the pinned host memory an offload of `state` under `memory` needs, into the
+    /// pinned pool (so the first switch does not pay for pinning). Returns the bytes the pool
+    /// caches for this process's ranks afterwards.
+    pub fn reserve_pinned(
+        &self,
+        state: &MegatronGpuState,
+        memory: MemoryPolicy,
+    ) -> Result<u64, MegatronGpuError> {
+        self.check_state(state)?;
+        let pinned = &*self.pinned;
+        let mut items: Vec<&GpuRank> = state.ranks.iter().collect();
+        let cached = self.pool.run_each(&mut items, &|ctx, r| {
+            let mut sizes = Vec::new();
+            if memory.offload_params {
+                sizes.extend([r.params.bytes(), r.main.bytes()]);
+            }
+            if memory.offload_optimizer {
+                sizes.extend([r.adam_m.bytes(), r.adam_v.bytes()]);
+            }
+            let mut taken = Vec::new();
+            let mut failure = None;
+            for n in sizes {
+                match pinned.take(ctx, n, "reserved pinned memory") {
+                    Ok(c) => taken.push(c),
+                    Err(e) => {
+                        failure = Some(e);
+                        break;
+                    }
+                }
+            }
+            for c in taken {
+                pinned.give(ctx.rank, c);
+            }
+            match failure {
+                Some(e) => Err(e),
+                None => Ok(pinned.cached_bytes(ctx.rank)),
+            }
+        })?;
+        Ok(cached.iter().sum())
+    }
+
+    /// Gives the device memory cached by each rank's stream-ordered pool (freed rollout weights,
+    /// offloaded state, staging) back to the driver.
+    pub fn trim_device_memory(&self) -> Result<(), MegatronGpuError> {
+        self.pool.run(&|ctx| ctx.trim_pool())?;
+        Ok(())
+    }
+
+    fn entries(plan: &MegatronGpuPlan) -> Vec<RolloutEntry> {
+        plan.plan
+            .tensors
+            .iter()
+            .zip(&plan.offsets)
+            .map(|(t, &offset)| RolloutEntry {
+                name: t.name.clone(),
+                shape: t.shape.clone(),
+                offset,
+                numel: t.numel(),
+            })
+            .collect()
+    }
+
+    /// Runs every local rank's schedule into `rolls`, starting the offload copies of `memory`
+    /// first so they overlap it.
+    fn transfer(
+        &mut self,
+        plan: &MegatronGpuPlan,
+        state: &mut MegatronGpuState,
+        rolls: &mut [CudaSlice<bf16>],
+        memory: MemoryPolicy,
+    ) -> Result<Vec<RankMoved>, MegatronGpuError> {
+        let pinned = &*self.pinned;
+        let config = plan.config;
+        let mut items: Vec<(
+            &mut GpuRank,
+            &mut RankRes,
+            &mut CudaSlice<bf16>,
+            &RankSchedule,
+        )> = state
+            .ranks
+            .iter_mut()
+            .zip(self.ranks.iter_mut())
+            .zip(rolls.iter_mut())
+            .zip(&plan.ranks)
+            .map(|(((rt, res), roll), s)| (rt, res, roll, s))
+            .collect();
+        let id = plan.id;
+        let moved = self.pool.run_each(&mut items, &|ctx, (rt, res, roll, s)| {
+            ctx.order(&ctx.compute, &ctx.copy)?;
+            // Offload copies first, on the copy stream: they overlap everything below.
+            if memory.offload_optimizer {
+                rt.adam_m.start_offload(ctx, pinned, "offloading Adam m")?;
+                rt.adam_v.start_offload(ctx, pinned, "offloading Adam v")?;
+            }
+            if memory.offload_params {
+                rt.main
+                    .start_offload(ctx, pinned, "offloading main params")?;
+                rt.params
+                    .start_offload(ctx, pinned, "offloading bf16 parameters")?;
+            }
+            if res.tiles.as_ref().map(|t| t.0) != Some(id) {
+                res.tiles = None;
+                let mut bytes = s.tile_bytes();
+                if bytes.is_empty() {
+                    bytes.resize(TILE_BYTES, 0);
+                }
+                let d = ctx
+                    .compute
+                    .clone_htod(&bytes)
+                    .map_err(ctx.drv("uploading the copy tiles", bytes.len() as u64))?;
+                res.tiles = Some((id, d));
+            }
+            let (Some(params), Some((_, tiles))) = (rt.params.dev.as_ref(), res.tiles.as_ref())
+            else {
+                return Err(CudaError::Invalid(
+                    "the bf16 parameters are offloaded: leave rollout mode first".into(),
+                ));
+            };
+            let out = run_steps(ctx, s, &res.kernel, ptr(tiles, ctx), params, roll, config);
+            if out.is_err() {
+                // Nothing may still read or write the rollout or staging buffers when they are
+                // freed after an error part-way through.
+                let _ = ctx.sync_all();
+            }
+            out
+        })?;
+        Ok(moved)
+    }
+
+    fn record_transfer(
+        ctx: &mut SwitchContext<'_>,
+        moved: &[RankMoved],
+        wall: std::time::Duration,
+    ) {
+        let mut sample = PhaseSample::default();
+        for m in moved {
+            sample.bytes.add(Link::DeviceToDevice, m.recv);
+            sample.bytes.add(Link::Local, m.local);
+            sample.peak_extra_bytes = sample.peak_extra_bytes.max(m.staging);
+        }
+        ctx.rec.record(Phase::Transfer, wall, sample);
+    }
+
+    /// Waits for the offload copies, then frees what the policy moved out, and the grads.
+    fn finish_offload(
+        &self,
+        state: &mut MegatronGpuState,
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<(), MegatronGpuError> {
+        let memory = ctx.memory;
+        ctx.rec.phase(Phase::Offload, |scope| {
+            let mut items: Vec<&mut GpuRank> = state.ranks.iter_mut().collect();
+            let moved = self.pool.run_each(&mut items, &|c, rt| {
+                c.sync_all()?;
+                let mut bytes = 0;
+                if memory.offload_params {
+                    bytes += rt.params.drop_device() + rt.main.drop_device();
+                }
+                if memory.offload_optimizer {
+                    bytes += rt.adam_m.drop_device() + rt.adam_v.drop_device();
+                }
+                rt.grads = None;
+                c.sync_all()?;
+                Ok(bytes)
+            })?;
+            scope.add_bytes(Link::DeviceToHost, moved.iter().sum());
+            Ok::<(), MegatronGpuError>(())
+        })
+    }
+}
+
+/// `Resident::Device` or `Resident::Host` as the GPU buffer is.
+fn resident<T>(on_device: bool, v: Vec<T>) -> Resident<T> {
+    if on_device {
+        Resident::Device(v)
+    } else {
+        Resident::Host(v.into_boxed_slice())
+    }
+}
+
+/// Uploads `data` to a new device buffer on the compute stream.
+fn upload<T: DeviceRepr>(ctx: &RankCtx, data: &[T], what: &str) -> Result<CudaSlice<T>, CudaError> {
+    let bytes = std::mem::size_of_val(data) as u64;
+    // SAFETY: fully written by the copy right after (an empty buffer is never read).
+    let mut d = unsafe { alloc_device::<T>(&ctx.compute, data.len(), ctx.rank, what)? };
+    if !data.is_empty() {
+        ctx.compute
+            .memcpy_htod(data, &mut d.slice_mut(0..data.len()))
+            .map_err(ctx.drv(what, bytes))?;
+    }
+    Ok(d)
+}
+
+/// The fill seed of a parameter: by kind, layer and TP rank (replicated norms: TP rank 0; a tied
+/// output layer: the embedding's).
+fn slot_seed(seed: u64, layout: &MegatronLayout, slot: &ParamSlot, tp: usize) -> u64 {
+    let tied_head = slot.kind == ParamKind::OutputLayer && layout.model().tied_embeddings;
+    let kind = if tied_head {
+        ParamKind::WordEmbedding
+    } else {
+        slot.kind
+    };
+    let replicated = matches!(
+        kind,
+        ParamKind::InputNorm | ParamKind::PreMlpNorm | ParamKind::FinalNorm
+    );
+    let t = if replicated { 0 } else { tp as u64 };
+    let layer = slot.layer.map_or(0xFFFF, |l| l as u64);
+    seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ ((kind as u64) << 56) ^ (layer << 24) ^ (t << 8)
+}
+
+/// Copies one chunk of the local work: its tiles with the kernel and its bulk runs with the
+/// driver's device-to-device copy, on `stream`.
+///
+/// # Safety
+/// As for [`CopyKernel::launch`]: every local tile and bulk run lies inside the parameter buffer
+/// at `pbase` and the rollout buffer at `rbase`, both alive until the stream has run the copies,
+/// and nothing else writes their destination elements.
+#[allow(clippy::too_many_arguments)]
+unsafe fn local_chunk(
+    ctx: &RankCtx,
+    s: &RankSchedule,
+    k: &CopyKernel,
+    tiles: u64,
+    chunk: &(std::ops::Range<usize>, std::ops::Range<usize>),
+    (pbase, rbase): (u64, u64),
+    stream: &Arc<cudarc::driver::CudaStream>,
+    blocks_per_sm: u32,
+) -> Result<(), CudaError> {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        k.launch(
+            stream,
+            tiles,
+            chunk.0.clone(),
+            pbase,
+            rbase,
+            blocks_per_sm,
+            ctx.rank,
+        )?
+    };
+    for r in &s.local_bulk[chunk.1.clone()] {
+        let bytes = r.cols * 2;
+        // SAFETY: the run lies inside both buffers (the caller's promise), 2 bytes per element.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                rbase + 2 * r.dst as u64,
+                pbase + 2 * r.src as u64,
+                bytes,
+                stream.cu_stream(),
+            )
+        }
+        .map_err(ctx.drv("copying a local run", bytes as u64))?;
+    }
+    Ok(())
+}
+
+/// One rank's schedule: zero the padding rows and copy the local runs (auxiliary stream), pack
+/// (compute stream), send/receive (NCCL stream) and unpack (compute stream) the steps, with
+/// `in_flight` send and receive slots; events order the streams.
+fn run_steps(
+    ctx: &RankCtx,
+    s: &RankSchedule,
+    k: &CopyKernel,
+    tiles: u64,
+    params: &CudaSlice<bf16>,
+    roll: &mut CudaSlice<bf16>,
+    config: GpuConfig,
+) -> Result<RankMoved, CudaError> {
+    let rank = ctx.rank;
+    let n = s.steps.len();
+    let f = config.in_flight.max(1).min(n.max(1));
+    let bps = config.overlap_blocks_per_sm.max(1);
+    let nccl = ctx.nccl_stream();
+    let mut sslots: Vec<CudaSlice<bf16>> = Vec::new();
+    let mut rslots: Vec<CudaSlice<bf16>> = Vec::new();
+    if n > 0 {
+        for _ in 0..f {
+            if s.send_slot_elems > 0 {
+                // SAFETY: a step's sends read only slot elements its pack tiles wrote first.
+                sslots.push(unsafe {
+                    alloc_device::<bf16>(&ctx.compute, s.send_slot_elems, rank, "send staging")?
+                });
+            }
+            if s.recv_slot_elems > 0 {
+                // SAFETY: a step's unpack reads only slot elements its receives wrote first.
+                rslots.push(unsafe {
+                    alloc_device::<bf16>(&ctx.compute, s.recv_slot_elems, rank, "receive staging")?
+                });
+            }
+        }
+    }
+    // Allocations (stream-ordered on compute) and earlier writes are visible to the other streams.
+    ctx.order(&ctx.compute, &nccl)?;
+    ctx.order(&ctx.compute, &ctx.aux)?;
+    let pbase = ptr(params, ctx);
+    let rbase = ptr_mut(roll, ctx);
+    let sbases: Vec<u64> = sslots.iter_mut().map(|x| ptr_mut(x, ctx)).collect();
+    let rbases: Vec<u64> = rslots.iter_mut().map(|x| ptr_mut(x, ctx)).collect();
+    for z in &s.zero {
+        ctx.aux
+            .memset_zeros(&mut roll.slice_mut(z.clone()))
+            .map_err(ctx.drv("zeroing vocabulary padding", (z.len() * 2) as u64))?;
+    }
+    let chunks = s.local_chunks(n);
+    if n == 0 {
+        for c in &chunks {
+            // SAFETY: local tiles and bulk runs lie inside the parameter buffer (source) and the
+            // rollout buffer (destination), both alive until the synchronisation below; nothing
+            // else writes their destination elements.
+            unsafe { local_chunk(ctx, s, k, tiles, c, (pbase, rbase), &ctx.aux, 8)? };
+        }
+    }
+    let rec =
+        |stream: &cudarc::driver::CudaStream| -> Result<cudarc::driver::CudaEvent, CudaError> {
+            let e = ctx.event()?;
+            e.record(stream).map_err(ctx.drv("recording an event", 0))?;
+            Ok(e)
+        };
+    let pack = |j: usize| -> Result<cudarc::driver::CudaEvent, CudaError> {
+        let st = &s.steps[j];
+        if !st.pack.is_empty() {
+            // SAFETY: pack tiles read the parameter buffer and write inside send slot j mod f,
+            // whose previous sends finished (the compute stream waited for them).
+            unsafe {
+                k.launch(
+                    &ctx.compute,
+                    tiles,
+                    st.pack.clone(),
+                    pbase,
+                    sbases[j % f],
+                    bps,
+                    rank,
+                )?
+            };
+        }
+        rec(&ctx.compute)
+    };
+    let mut packed = Vec::with_capacity(n);
+    for j in 0..f.min(n) {
+        packed.push(pack(j)?);
+    }
+    for j in 0..n {
+        let st = &s.steps[j];
+        nccl.wait(&packed[j])
+            .map_err(ctx.drv("waiting on an event", 0))?;
+        cudarc::nccl::group_start().map_err(|e| CudaError::nccl(rank, "ncclGroupStart", e))?;
+        let mut res = Ok(());
+        for m in &st.sends {
+            let peer = m.peer as i32;
+            let r = match m.place {
+                Place::Slot(o) => ctx.comm.send(&sslots[j % f].slice(o..o + m.count), peer),
+                Place::Buffer(o) => ctx.comm.send(&params.slice(o..o + m.count), peer),
+            };
+            if let Err(e) = r {
+                res = Err(CudaError::nccl(rank, "ncclSend", e));
+                break;
+            }
+        }
+        if res.is_ok() {
+            for m in &st.recvs {
+                let peer = m.peer as i32;
+                let r = match m.place {
+                    Place::Slot(o) => ctx
+                        .comm
+                        .recv(&mut rslots[j % f].slice_mut(o..o + m.count), peer),
+                    Place::Buffer(o) => ctx.comm.recv(&mut roll.slice_mut(o..o + m.count), peer),
+                };
+                if let Err(e) = r {
+                    res = Err(CudaError::nccl(rank, "ncclRecv", e));
+                    break;
+                }
+            }
+        }
+        let end = cudarc::nccl::group_end().map_err(|e| CudaError::nccl(rank, "ncclGroupEnd", e));
+        res?;
+        end?;
+        let net = rec(&nccl)?;
+        ctx.compute
+            .wait(&net)
+            .map_err(ctx.drv("waiting on an event", 0))?;
+        if !st.unpack.is_empty() {
+            // SAFETY: unpack tiles read receive slot j mod f (filled by this step's receives,
+            // which the compute stream waited for) and write rollout elements no other copy
+            // writes.
+            unsafe {
+                k.launch(
+                    &ctx.compute,
+                    tiles,
+                    st.unpack.clone(),
+                    rbases[j % f],
+                    rbase,
+                    bps,
+                    rank,
+                )?
+            };
+        }
+        if j + f < n {
+            packed.push(pack(j + f)?);
+        }
+        if let Some(c) = chunks.get(j) {
+            // The local copies give way to the packing the next network step needs.
+            ctx.aux
+                .wait(&packed[(j + 1).min(n - 1)])
+                .map_err(ctx.drv("waiting on an event", 0))?;
+            // SAFETY: as for the local copies above.
+            unsafe { local_chunk(ctx, s, k, tiles, c, (pbase, rbase), &ctx.aux, bps)? };
+        }
+    }
+    ctx.order(&nccl, &ctx.compute)?;
+    ctx.order(&ctx.aux, &ctx.compute)?;
+    ctx.compute
+        .synchronize()
+        .map_err(ctx.drv("synchronizing the transfer", 0))?;
+    let staging = (sslots.len() * s.send_slot_elems + rslots.len() * s.recv_slot_elems) * 2;
+    drop(sslots);
+    drop(rslots);
+    ctx.compute
+        .synchronize()
+        .map_err(ctx.drv("freeing staging", 0))?;
+    Ok(RankMoved {
+        recv: (s.recv_elems * 2) as u64,
+        local: (s.local_elems * 2) as u64,
+        staging: staging as u64,
+    })
+}
+
+impl Reshard for MegatronGpuBackend {
+    type TrainState = MegatronGpuState;
+    type Rollout = MegatronGpuRollout;
+    type Plan = Arc<MegatronGpuPlan>;
+    type Error = MegatronGpuError;
+
+    fn plan(&self, state: &MegatronGpuState) -> Result<Arc<MegatronGpuPlan>, MegatronGpuError> {
+        self.check_state(state)?;
+        let bucket = BucketConfig {
+            bucket_bytes: self.config.bucket_bytes,
+        };
+        let mut cached = self.cached.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = cached.as_ref() {
+            let same = p.plan.train == state.layout
+                && p.plan.rollout == self.rollout
+                && p.config == self.config
+                && p.ranks
+                    .iter()
+                    .map(|s| s.rank)
+                    .eq(self.locals().iter().copied());
+            if same {
+                return Ok(p.clone());
+            }
+        }
+        let plan = plan_megatron_to_tp(&state.layout, &self.rollout, bucket)?;
+        let (offsets, len) = rollout_offsets(&plan);
+        let opts = self.config.schedule_options();
+        let ranks = self
+            .locals()
+            .iter()
+            .map(|&r| build_rank(&plan, &offsets, r, opts))
+            .collect();
+        let p = Arc::new(MegatronGpuPlan {
+            id: NEXT_PLAN.fetch_add(1, Ordering::Relaxed),
+            config: self.config,
+            plan,
+            offsets,
+            len,
+            ranks,
+        });
+        *cached = Some(p.clone());
+        Ok(p)
+    }
+
+    fn enter(
+        &mut self,
+        plan: &Arc<MegatronGpuPlan>,
+        state: &mut MegatronGpuState,
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<MegatronGpuRollout, MegatronGpuError> {
+        self.check_plan(plan, state)?;
+        if state.is_offloaded() {
+            return Err(MegatronGpuError::Offloaded {
+                operation: "entering rollout mode",
+            });
+        }
+        let len = plan.len;
+        let mut unit: Vec<()> = vec![(); self.locals().len()];
+        // Rollout buffers first: an OOM here leaves the training state untouched.
+        let mut rolls = self.pool.run_each(&mut unit, &|c, _| {
+            // SAFETY: every element is written by a local or unpack tile or zeroed as vocabulary
+            // padding (the schedule covers the buffer exactly) before the buffer is handed out.
+            unsafe { alloc_device::<bf16>(&c.compute, len, c.rank, "rollout weights") }
+        })?;
+        let start = Instant::now();
+        let moved = self.transfer(plan, state, &mut rolls, ctx.memory)?;
+        Self::record_transfer(ctx, &moved, start.elapsed());
+        self.finish_offload(state, ctx)?;
+        Ok(MegatronGpuRollout {
+            ranks: rolls,
+            local: self.locals().to_vec(),
+            entries: Self::entries(plan),
+            len,
+        })
+    }
+
+    fn refresh(
+        &mut self,
+        plan: &Arc<MegatronGpuPlan>,
+        state: &mut MegatronGpuState,
+        rollout: &mut MegatronGpuRollout,
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<(), MegatronGpuError> {
+        self.check_plan(plan, state)?;
+        if state.is_offloaded() {
+            return Err(MegatronGpuError::Offloaded {
+                operation: "refreshing rollout weights",
+            });
+        }
+        if rollout.len != plan.len || rollout.local != self.locals() {
+            return Err(MegatronGpuError::RolloutMismatch {
+                expected: plan.len,
+                expected_ranks: self.locals().len(),
+                found: rollout.len,
+                found_ranks: rollout.local.len(),
+            });
+        }
+        let start = Instant::now();
+        let moved = self.transfer(plan, state, &mut rollout.ranks, ctx.memory)?;
+        Self::record_transfer(ctx, &moved, start.elapsed());
+        self.finish_offload(state, ctx)
+    }
+
+    fn exit(
+        &mut self,
+        state: &mut MegatronGpuState,
+        rollout: Option<MegatronGpuRollout>,
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<(), MegatronGpuError> {
+        if let Some(rollout) = rollout {
+            ctx.rec.phase(Phase::Release, |_| {
+                let mut items: Vec<Option<CudaSlice<bf16>>> =
+                    rollout.ranks.into_iter().map(Some).collect();
+                if items.len() == self.locals().len() {
+                    self.pool.run_each(&mut items, &|c, buf| {
+                        c.sync_all()?;
+                        drop(buf.take());
+                        c.compute
+                            .synchronize()
+                            .map_err(c.drv("releasing rollout weights", 0))
+                    })?;
+                }
+                Ok::<(), MegatronGpuError>(())
+            })?;
+        }
+        self.check_state(state)?;
+        let pinned = &*self.pinned;
+        ctx.rec.phase(Phase::Reload, |scope| {
+            let mut items: Vec<&mut GpuRank> = state.ranks.iter_mut().collect();
+            let moved = self.pool.run_each(&mut items, &|c, rt| {
+                c.sync_all()?;
+                let mut bytes = rt.params.start_reload(c, "reloading bf16 parameters")?;
+                bytes += rt.main.start_reload(c, "reloading main params")?;
+                bytes += rt.adam_m.start_reload(c, "reloading Adam m")?;
+                bytes += rt.adam_v.start_reload(c, "reloading Adam v")?;
+                if rt.grads.is_none() {
+                    rt.grads = Some(alloc_zeros(&c.compute, rt.params.len, c.rank, "gradients")?);
+                }
+                c.sync_all()?;
+                rt.params.release_host(c.rank, pinned);
+                rt.main.release_host(c.rank, pinned);
+                rt.adam_m.release_host(c.rank, pinned);
+                rt.adam_v.release_host(c.rank, pinned);
+                Ok(bytes)
+            })?;
+            scope.add_bytes(Link::HostToDevice, moved.iter().sum());
+            Ok::<(), MegatronGpuError>(())
+        })
+    }
+}

@@ -1,0 +1,158 @@
+//! The tile copy kernel: one launch copies a list of [`Tile`](super::schedule::Tile)s between two
+//! bf16 buffers, one thread block per tile, with 16-byte loads and stores when a tile's offsets,
+//! pitches and width are multiples of 8 elements.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use lifecycle_cuda::{arch_candidates, CudaError, RankCtx};
+
+use super::schedule::TILE_BYTES;
+
+/// CUDA C source of the tile copy kernel (no header needed).
+pub const COPY_KERNEL_SRC: &str = r#"
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+struct Tile { u64 src; u64 dst; u64 src_ld; u64 dst_ld; u32 rows; u32 cols; };
+
+// For every tile t in [0, ntiles): dst[t.dst + r * t.dst_ld + c] = src[t.src + r * t.src_ld + c]
+// for r < t.rows, c < t.cols (16-bit elements). Blocks stride over the tiles.
+extern "C" __global__ void copy_tiles_u16(const Tile* __restrict__ tiles, u32 ntiles,
+                                          const u16* __restrict__ src, u16* __restrict__ dst) {
+    for (u32 t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const Tile d = tiles[t];
+        const u32 rows = d.rows, cols = d.cols;
+        const u32 bs = blockDim.x;
+        if (((d.src | d.dst | d.src_ld | d.dst_ld | (u64)cols) & 7ull) == 0ull) {
+            const uint4* s = (const uint4*)(src + d.src);
+            uint4* o = (uint4*)(dst + d.dst);
+            const u32 c = cols >> 3;
+            const u64 sl = d.src_ld >> 3, dl = d.dst_ld >> 3;
+            const u32 n = rows * c;
+            if (rows == 1) {
+                u32 i = threadIdx.x;
+                for (; i + 3u * bs < n; i += 4u * bs) {
+                    uint4 a = s[i], b = s[i + bs], e = s[i + 2u * bs], f = s[i + 3u * bs];
+                    o[i] = a; o[i + bs] = b; o[i + 2u * bs] = e; o[i + 3u * bs] = f;
+                }
+                for (; i < n; i += bs) o[i] = s[i];
+            } else {
+                for (u32 i = threadIdx.x; i < n; i += bs) {
+                    u32 r = i / c, k = i - r * c;
+                    o[(u64)r * dl + k] = s[(u64)r * sl + k];
+                }
+            }
+        } else {
+            const u16* s = src + d.src;
+            u16* o = dst + d.dst;
+            const u32 n = rows * cols;
+            for (u32 i = threadIdx.x; i < n; i += bs) {
+                u32 r = i / cols, k = i - r * cols;
+                o[(u64)r * d.dst_ld + k] = s[(u64)r * d.src_ld + k];
+            }
+        }
+    }
+}
+"#;
+
+/// The copy kernel loaded on one rank's device.
+#[derive(Debug, Clone)]
+pub(crate) struct CopyKernel {
+    func: CudaFunction,
+    sm_count: u32,
+}
+
+impl CopyKernel {
+    /// Compiles [`COPY_KERNEL_SRC`] for this rank's device (trying [`arch_candidates`] in order)
+    /// and loads it.
+    pub fn load(ctx: &RankCtx) -> Result<Self, CudaError> {
+        let (major, minor) = ctx
+            .ctx
+            .compute_capability()
+            .map_err(ctx.drv("reading the compute capability", 0))?;
+        let mut failures = Vec::new();
+        let mut last = Vec::new();
+        let mut ptx = None;
+        for arch in arch_candidates(major, minor) {
+            let opts = CompileOptions {
+                options: vec![format!("--gpu-architecture={arch}")],
+                ..Default::default()
+            };
+            last = opts.options.clone();
+            match compile_ptx_with_opts(COPY_KERNEL_SRC, opts) {
+                Ok(p) => {
+                    ptx = Some(p);
+                    break;
+                }
+                Err(e) => failures.push(format!("{arch}: {e:?}")),
+            }
+        }
+        let ptx = ptx.ok_or_else(|| CudaError::Compile {
+            module: "lifecycle_megatron tile copy".into(),
+            options: last,
+            detail: format!(
+                "{}; set LIFECYCLE_CUDA_ARCH (e.g. sm_90) to the GPU's architecture",
+                failures.join("; ")
+            ),
+        })?;
+        let module = ctx
+            .ctx
+            .load_module(ptx)
+            .map_err(ctx.drv("loading the tile copy module", 0))?;
+        let func = module
+            .load_function("copy_tiles_u16")
+            .map_err(ctx.drv("loading kernel copy_tiles_u16", 0))?;
+        let sm_count = ctx
+            .ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(ctx.drv("reading the SM count", 0))?;
+        Ok(CopyKernel {
+            func,
+            sm_count: sm_count.max(1) as u32,
+        })
+    }
+
+    /// Copies tiles `range` of the tile table at device address `tiles` from the bf16 buffer at
+    /// `src` to the one at `dst`, on `stream`, with at most `blocks_per_sm` blocks per SM.
+    ///
+    /// # Safety
+    /// `tiles` must hold at least `range.end` tiles ([`TILE_BYTES`] each) on the stream's device;
+    /// every tile of the range must lie inside both buffers; all of it must stay alive and
+    /// unwritten by other work until the stream has run the kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch(
+        &self,
+        stream: &Arc<CudaStream>,
+        tiles: u64,
+        range: std::ops::Range<usize>,
+        src: u64,
+        dst: u64,
+        blocks_per_sm: u32,
+        rank: usize,
+    ) -> Result<(), CudaError> {
+        let n = range.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let first = tiles + (range.start * TILE_BYTES) as u64;
+        let count = n as u32;
+        let blocks = (n as u64).min(self.sm_count as u64 * blocks_per_sm.max(1) as u64) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&self.func);
+        b.arg(&first).arg(&count).arg(&src).arg(&dst);
+        // SAFETY: the caller guarantees the tile table and both buffers; the arguments match the
+        // kernel's parameter list (pointer, u32, pointer, pointer).
+        unsafe { b.launch(cfg) }
+            .map_err(|e| CudaError::driver(rank, "launching the tile copy kernel", 0, e))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,54 @@
+//! The Megatron executor on NVIDIA GPUs: [`MegatronGpuBackend`] implements
+//! [`Reshard`](lifecycle_core::Reshard) over a [`ThreadRankPool`](lifecycle_cuda::ThreadRankPool)
+//! (one thread and one NCCL communicator per GPU), running the same [`MegatronPlan`] as the CPU
+//! executor ([`MegatronHostBackend`](crate::MegatronHostBackend)), bit for bit.
+//!
+//! - **Training state** ([`MegatronGpuState`]): per rank the bf16 parameters of its (stage, TP
+//!   rank) in one contiguous device buffer and fp32 grads of the same length, plus its DP shard of
+//!   the fp32 main params and Adam m, v (Megatron's distributed optimizer). Built from host tensors
+//!   ([`MegatronGpuBackend::state_from_hf`]), from the CPU backend's state
+//!   ([`MegatronGpuBackend::state_from_host`]), or on the devices for benchmarks
+//!   ([`MegatronGpuBackend::synthetic_state`]); [`MegatronGpuBackend::download_state`] gives it
+//!   back as a [`MegatronTrainState`](crate::MegatronTrainState).
+//! - **Schedule** ([`schedule`], pure): each rank copies the runs of its fused slices it holds
+//!   itself, and receives the others from their owners step by step (step `k` = bucket `k` of
+//!   every destination), all messages of a step in one NCCL group: large runs as their own
+//!   messages, straight from the owner's parameter buffer and into the rollout buffer where they
+//!   are contiguous; small runs (and strided sides) packed into a send slot and unpacked from a
+//!   receive slot. Only the bytes of the fused slices move (`[q; k; v]`, `[gate; up]`,
+//!   vocabulary padding removed); bf16 to bf16, no cast. Large local runs go through the
+//!   driver's device-to-device copy, the rest through one tile-kernel launch.
+//! - **Streams**: local copies on the auxiliary stream (they never wait for the network), packs
+//!   and unpacks on the compute stream, NCCL on its own stream, offload and reload on the copy
+//!   stream; `in_flight` slots let step `k`'s network work overlap packing `k + 1` and unpacking
+//!   `k - 1`. One launch of the tile copy kernel moves a whole list of runs.
+//! - **Offload** ([`MemoryPolicy`](lifecycle_core::MemoryPolicy), as the CPU executor):
+//!   `offload_params` moves the bf16 parameters and the fp32 main params, `offload_optimizer`
+//!   Adam m and v, to pinned host memory from a [`PinnedPool`] kept between switches; grads are
+//!   freed at every switch and come back as zeros. Exit releases the rollout and reloads.
+//! - **Errors**: [`MegatronGpuError`]; layout errors come from `plan`, before anything moves;
+//!   out-of-memory is a typed error, and a failed enter leaves the training state as it was.
+//!
+//! On a machine with NVIDIA GPUs (2 for the W = 2 cases; `export NCCL_NVLS_ENABLE=0` where
+//! NVLink multicast must stay off):
+//!
+//! ```text
+//! cargo test --release -p lifecycle-megatron --test gpu -- --ignored --test-threads=1
+//! cargo run --release -p lifecycle-megatron --bin megatron_bench     # Qwen2.5-7B shapes, W = 2
+//! ```
+//!
+//! [`MegatronPlan`]: crate::layout::MegatronPlan
+
+mod backend;
+mod error;
+mod kernel;
+mod pinned;
+pub mod schedule;
+mod state;
+
+pub use backend::{
+    GpuConfig, MegatronGpuBackend, MegatronGpuPlan, MegatronGpuRollout, RolloutEntry,
+};
+pub use error::MegatronGpuError;
+pub use pinned::{PinnedPool, DEFAULT_CHUNK_BYTES};
+pub use state::MegatronGpuState;

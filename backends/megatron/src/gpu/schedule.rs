@@ -1,0 +1,928 @@
+//! How one rank executes a [`MegatronPlan`] on a GPU (pure: nothing here touches memory).
+//!
+//! Every rank holds its rollout weights in one flat bf16 buffer, tensors back to back in rollout
+//! order ([`rollout_offsets`]). A rank's [`RankSchedule`] lists:
+//! - **local tiles**: runs it copies from its own parameter buffer into its rollout buffer;
+//! - **steps**: step `k` is bucket `k` of every destination rank. In step `k` a rank *packs* the
+//!   runs its peers' bucket `k` read from it into a contiguous send slot (one segment per
+//!   destination, ascending), sends one message per destination, receives one message per source
+//!   (ascending) into a receive slot, and *unpacks* the slot into its rollout buffer. Both sides
+//!   derive the segments from the same plan in the same order, so the sends and receives of a
+//!   step match one to one;
+//! - **zero ranges**: vocabulary padding rows of the rollout, which no transfer writes.
+//!
+//! Copies are cut into [`Tile`]s of at most [`TILE_ELEMS`] elements, the unit one thread block of
+//! the copy kernel moves; runs that continue one another in both buffers are merged first.
+
+use std::ops::Range;
+
+use crate::layout::{MegatronPlan, RolloutKind, Transfer};
+
+/// The most elements one tile copies (512 KiB of bf16); a multiple of 8, so column splits keep
+/// 16-byte alignment.
+pub const TILE_ELEMS: usize = 1 << 18;
+
+/// Bytes of one [`Tile`] as the copy kernel reads it.
+pub const TILE_BYTES: usize = 40;
+
+/// A 2-D copy between two bf16 buffers: `rows` rows of `cols` elements, rows `src_ld` / `dst_ld`
+/// elements apart (element offsets).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Run {
+    /// First source element.
+    pub src: usize,
+    /// Source row pitch.
+    pub src_ld: usize,
+    /// First destination element.
+    pub dst: usize,
+    /// Destination row pitch.
+    pub dst_ld: usize,
+    /// Rows.
+    pub rows: usize,
+    /// Elements per row.
+    pub cols: usize,
+}
+
+impl Run {
+    /// Elements copied.
+    pub fn numel(&self) -> usize {
+        self.rows * self.cols
+    }
+
+    /// The same copy as one row when it is dense on both sides.
+    fn flat(self) -> Run {
+        if self.rows == 1 || (self.src_ld == self.cols && self.dst_ld == self.cols) {
+            let n = self.numel();
+            Run {
+                src_ld: n,
+                dst_ld: n,
+                rows: 1,
+                cols: n,
+                ..self
+            }
+        } else {
+            self
+        }
+    }
+}
+
+/// Appends `run`, merging it into the previous run when it continues it in both buffers.
+pub fn push_run(runs: &mut Vec<Run>, run: Run) {
+    if run.numel() == 0 {
+        return;
+    }
+    let run = run.flat();
+    if let Some(prev) = runs.last_mut() {
+        let one_row = prev.rows == 1 && run.rows == 1;
+        if one_row && prev.src + prev.cols == run.src && prev.dst + prev.cols == run.dst {
+            prev.cols += run.cols;
+            prev.src_ld = prev.cols;
+            prev.dst_ld = prev.cols;
+            return;
+        }
+        let same_shape = prev.rows > 1
+            && run.rows > 1
+            && prev.cols == run.cols
+            && prev.src_ld == run.src_ld
+            && prev.dst_ld == run.dst_ld;
+        if same_shape
+            && prev.src + prev.rows * prev.src_ld == run.src
+            && prev.dst + prev.rows * prev.dst_ld == run.dst
+        {
+            prev.rows += run.rows;
+            return;
+        }
+    }
+    runs.push(run);
+}
+
+/// One unit of the copy kernel (one thread block): a 2-D copy of at most [`TILE_ELEMS`]
+/// elements. Single-row tiles carry `src_ld = dst_ld = cols`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Tile {
+    /// First source element.
+    pub src: u64,
+    /// First destination element.
+    pub dst: u64,
+    /// Source row pitch.
+    pub src_ld: u64,
+    /// Destination row pitch.
+    pub dst_ld: u64,
+    /// Rows.
+    pub rows: u32,
+    /// Elements per row.
+    pub cols: u32,
+}
+
+impl Tile {
+    /// Elements copied.
+    pub fn numel(&self) -> usize {
+        self.rows as usize * self.cols as usize
+    }
+
+    /// Appends the kernel's view of the tile (`struct { u64 src, dst, src_ld, dst_ld; u32 rows,
+    /// cols; }`, little-endian, [`TILE_BYTES`] bytes).
+    pub fn write_bytes(&self, out: &mut Vec<u8>) {
+        for v in [self.src, self.dst, self.src_ld, self.dst_ld] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out.extend_from_slice(&self.rows.to_le_bytes());
+        out.extend_from_slice(&self.cols.to_le_bytes());
+    }
+}
+
+/// Cuts `run` into tiles: row blocks of at most [`TILE_ELEMS`] elements, and rows longer than
+/// that into column blocks.
+pub fn push_tiles(run: &Run, out: &mut Vec<Tile>) {
+    let u = |x: usize| x as u64;
+    if run.cols >= TILE_ELEMS {
+        for r in 0..run.rows {
+            let mut c = 0;
+            while c < run.cols {
+                let n = TILE_ELEMS.min(run.cols - c);
+                out.push(Tile {
+                    src: u(run.src + r * run.src_ld + c),
+                    dst: u(run.dst + r * run.dst_ld + c),
+                    src_ld: u(n),
+                    dst_ld: u(n),
+                    rows: 1,
+                    cols: n as u32,
+                });
+                c += n;
+            }
+        }
+    } else if let Some(per) = TILE_ELEMS.checked_div(run.cols) {
+        let per = per.max(1);
+        let mut r = 0;
+        while r < run.rows {
+            let n = per.min(run.rows - r);
+            let (src_ld, dst_ld) = if n == 1 {
+                (run.cols, run.cols)
+            } else {
+                (run.src_ld, run.dst_ld)
+            };
+            out.push(Tile {
+                src: u(run.src + r * run.src_ld),
+                dst: u(run.dst + r * run.dst_ld),
+                src_ld: u(src_ld),
+                dst_ld: u(dst_ld),
+                rows: n as u32,
+                cols: run.cols as u32,
+            });
+            r += n;
+        }
+    }
+}
+
+/// Where a message's elements are: in the step's slot, or straight in the rank's own buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    /// Element offset in the send slot (sends) or the receive slot (receives).
+    Slot(usize),
+    /// Element offset in the parameter buffer (sends) or the rollout buffer (receives).
+    Buffer(usize),
+}
+
+/// One NCCL message of a step: `count` elements at `place`, to or from `peer`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Message {
+    /// The other rank.
+    pub peer: usize,
+    /// Where the elements are read (sends) or written (receives).
+    pub place: Place,
+    /// Elements.
+    pub count: usize,
+}
+
+/// How a plan's copies are carried out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScheduleOptions {
+    /// Remote runs of at least this many elements travel as their own message, read straight
+    /// from the sender's parameter buffer when they are contiguous there and written straight
+    /// into the receiver's rollout buffer when they are contiguous there (no pack, no unpack);
+    /// smaller runs are packed into one message per peer and step. `usize::MAX`: pack everything.
+    pub direct_min: usize,
+    /// Local runs contiguous on both sides with at least this many elements are copied with the
+    /// driver's device-to-device copy instead of the tile kernel. `usize::MAX`: tiles only.
+    pub memcpy_min: usize,
+}
+
+impl Default for ScheduleOptions {
+    /// Direct messages from 4 MiB, driver copies from 16 MiB.
+    fn default() -> Self {
+        ScheduleOptions {
+            direct_min: 2 << 20,
+            memcpy_min: 8 << 20,
+        }
+    }
+}
+
+/// One step of a rank: what it packs and sends, receives and unpacks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Step {
+    /// The global step (bucket index of the destinations).
+    pub step: usize,
+    /// Messages sent: per destination ascending, the packed message first, then the direct ones
+    /// in transfer order.
+    pub sends: Vec<Message>,
+    /// Messages received, in the same order per source.
+    pub recvs: Vec<Message>,
+    /// Tiles packing the parameter buffer into the send slot.
+    pub pack: Range<usize>,
+    /// Tiles unpacking the receive slot into the rollout buffer.
+    pub unpack: Range<usize>,
+    /// Elements sent.
+    pub send_elems: usize,
+    /// Elements received.
+    pub recv_elems: usize,
+    /// Elements of the send slot used.
+    pub send_slot: usize,
+    /// Elements of the receive slot used.
+    pub recv_slot: usize,
+}
+
+/// Everything one rank does to build its rollout buffer (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankSchedule {
+    /// The rank.
+    pub rank: usize,
+    /// Every tile: the local ones, then per step the pack and unpack tiles.
+    pub tiles: Vec<Tile>,
+    /// Tiles copying from this rank's own parameter buffer.
+    pub local: Range<usize>,
+    /// Local runs copied with the driver's device-to-device copy (one row each: source offset
+    /// in the parameter buffer, destination offset in the rollout buffer).
+    pub local_bulk: Vec<Run>,
+    /// Steps with at least one message, in global step order.
+    pub steps: Vec<Step>,
+    /// Element ranges of the rollout buffer to zero (vocabulary padding rows).
+    pub zero: Vec<Range<usize>>,
+    /// Elements of one send slot (the largest step).
+    pub send_slot_elems: usize,
+    /// Elements of one receive slot (the largest step).
+    pub recv_slot_elems: usize,
+    /// Elements copied locally.
+    pub local_elems: usize,
+    /// Elements received from peers.
+    pub recv_elems: usize,
+    /// Elements sent to peers.
+    pub send_elems: usize,
+}
+
+/// Cuts `0..items.len()` into at most `n` consecutive chunks of about equal `size` sums.
+fn chunks_by<T>(items: &[T], n: usize, size: impl Fn(&T) -> usize) -> Vec<Range<usize>> {
+    let n = n.max(1);
+    let total: usize = items.iter().map(&size).sum::<usize>().max(1);
+    let mut out = Vec::with_capacity(n);
+    let (mut start, mut acc) = (0, 0usize);
+    for (i, it) in items.iter().enumerate() {
+        acc += size(it);
+        if out.len() + 1 < n && acc * n >= total * (out.len() + 1) {
+            out.push(start..i + 1);
+            start = i + 1;
+        }
+    }
+    out.push(start..items.len());
+    out
+}
+
+impl RankSchedule {
+    /// The local work cut into `n` consecutive chunks of about equal bytes: per chunk a range
+    /// of tiles and a range of [`RankSchedule::local_bulk`].
+    pub fn local_chunks(&self, n: usize) -> Vec<(Range<usize>, Range<usize>)> {
+        let n = n.max(1);
+        let tiles = chunks_by(&self.tiles[self.local.clone()], n, Tile::numel);
+        let bulk = chunks_by(&self.local_bulk, n, Run::numel);
+        (0..n)
+            .map(|i| {
+                let t = tiles.get(i).map_or(0..0, |r| {
+                    r.start + self.local.start..r.end + self.local.start
+                });
+                (t, bulk.get(i).cloned().unwrap_or(0..0))
+            })
+            .collect()
+    }
+
+    /// The tiles as the kernel reads them ([`Tile::write_bytes`]).
+    pub fn tile_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.tiles.len() * TILE_BYTES);
+        for t in &self.tiles {
+            t.write_bytes(&mut out);
+        }
+        out
+    }
+
+    /// Bytes of staging one step in flight needs (one send and one receive slot).
+    pub fn slot_bytes(&self) -> u64 {
+        ((self.send_slot_elems + self.recv_slot_elems) * 2) as u64
+    }
+
+    /// Messages over all steps (sent, received).
+    pub fn messages(&self) -> (usize, usize) {
+        self.steps.iter().fold((0, 0), |(s, r), st| {
+            (s + st.sends.len(), r + st.recvs.len())
+        })
+    }
+}
+
+/// Element offset of every rollout tensor in a rank's flat buffer (rollout order, back to back)
+/// and the buffer's length; the same on every rank.
+pub fn rollout_offsets(plan: &MegatronPlan) -> (Vec<usize>, usize) {
+    let mut offsets = Vec::with_capacity(plan.tensors.len());
+    let mut at = 0;
+    for t in &plan.tensors {
+        offsets.push(at);
+        at += t.numel();
+    }
+    (offsets, at)
+}
+
+fn src_dense(x: &Transfer) -> bool {
+    x.rows == 1 || x.cols == x.src_pitch
+}
+
+fn dst_dense(x: &Transfer) -> bool {
+    x.rows == 1 || x.cols == x.dst_pitch
+}
+
+/// The schedule of `rank` (see the module docs); `offsets` from [`rollout_offsets`].
+pub fn build_rank(
+    plan: &MegatronPlan,
+    offsets: &[usize],
+    rank: usize,
+    opts: ScheduleOptions,
+) -> RankSchedule {
+    let me = &plan.ranks[rank];
+    let flat = |x: &Transfer| offsets[x.tensor] + x.dst_offset;
+    let mut tiles = Vec::new();
+    let mut runs = Vec::new();
+    for x in me.transfers.iter().filter(|x| x.src_rank == rank) {
+        push_run(
+            &mut runs,
+            Run {
+                src: x.src_offset,
+                src_ld: x.src_pitch,
+                dst: flat(x),
+                dst_ld: x.dst_pitch,
+                rows: x.rows,
+                cols: x.cols,
+            },
+        );
+    }
+    let local_elems = runs.iter().map(Run::numel).sum();
+    let (local_bulk, tiled): (Vec<Run>, Vec<Run>) = runs
+        .into_iter()
+        .partition(|r| r.rows == 1 && r.numel() >= opts.memcpy_min);
+    for r in &tiled {
+        push_tiles(r, &mut tiles);
+    }
+    let local = 0..tiles.len();
+    let direct = |x: &&Transfer| x.numel() >= opts.direct_min;
+    let nsteps = plan
+        .ranks
+        .iter()
+        .map(|p| p.buckets.len())
+        .max()
+        .unwrap_or(0);
+    let mut steps = Vec::new();
+    for k in 0..nsteps {
+        let mut recvs = Vec::new();
+        let mut unpack_runs = Vec::new();
+        let (mut off, mut recv_elems) = (0, 0);
+        if let Some(b) = me.buckets.get(k) {
+            let xs = &me.transfers[b.clone()];
+            let mut peers: Vec<usize> = xs
+                .iter()
+                .map(|x| x.src_rank)
+                .filter(|&s| s != rank)
+                .collect();
+            peers.sort_unstable();
+            peers.dedup();
+            for p in peers {
+                let (big, small): (Vec<&Transfer>, Vec<&Transfer>) =
+                    xs.iter().filter(|x| x.src_rank == p).partition(direct);
+                let mut unpack = |x: &Transfer, off: &mut usize| {
+                    push_run(
+                        &mut unpack_runs,
+                        Run {
+                            src: *off,
+                            src_ld: x.cols,
+                            dst: flat(x),
+                            dst_ld: x.dst_pitch,
+                            rows: x.rows,
+                            cols: x.cols,
+                        },
+                    );
+                    *off += x.numel();
+                };
+                let start = off;
+                for x in &small {
+                    unpack(x, &mut off);
+                }
+                if off > start {
+                    recvs.push(Message {
+                        peer: p,
+                        place: Place::Slot(start),
+                        count: off - start,
+                    });
+                }
+                for x in &big {
+                    let place = if dst_dense(x) {
+                        Place::Buffer(flat(x))
+                    } else {
+                        let at = off;
+                        unpack(x, &mut off);
+                        Place::Slot(at)
+                    };
+                    recvs.push(Message {
+                        peer: p,
+                        place,
+                        count: x.numel(),
+                    });
+                }
+                recv_elems += small.iter().chain(&big).map(|x| x.numel()).sum::<usize>();
+            }
+        }
+        let mut sends = Vec::new();
+        let mut pack_runs = Vec::new();
+        let (mut soff, mut send_elems) = (0, 0);
+        for (d, dp) in plan.ranks.iter().enumerate() {
+            let Some(b) = dp.buckets.get(k).filter(|_| d != rank) else {
+                continue;
+            };
+            let (big, small): (Vec<&Transfer>, Vec<&Transfer>) = dp.transfers[b.clone()]
+                .iter()
+                .filter(|x| x.src_rank == rank)
+                .partition(direct);
+            let mut pack = |x: &Transfer, soff: &mut usize| {
+                push_run(
+                    &mut pack_runs,
+                    Run {
+                        src: x.src_offset,
+                        src_ld: x.src_pitch,
+                        dst: *soff,
+                        dst_ld: x.cols,
+                        rows: x.rows,
+                        cols: x.cols,
+                    },
+                );
+                *soff += x.numel();
+            };
+            let start = soff;
+            for x in &small {
+                pack(x, &mut soff);
+            }
+            if soff > start {
+                sends.push(Message {
+                    peer: d,
+                    place: Place::Slot(start),
+                    count: soff - start,
+                });
+            }
+            for x in &big {
+                let place = if src_dense(x) {
+                    Place::Buffer(x.src_offset)
+                } else {
+                    let at = soff;
+                    pack(x, &mut soff);
+                    Place::Slot(at)
+                };
+                sends.push(Message {
+                    peer: d,
+                    place,
+                    count: x.numel(),
+                });
+            }
+            send_elems += small.iter().chain(&big).map(|x| x.numel()).sum::<usize>();
+        }
+        if sends.is_empty() && recvs.is_empty() {
+            continue;
+        }
+        let p0 = tiles.len();
+        for r in &pack_runs {
+            push_tiles(r, &mut tiles);
+        }
+        let u0 = tiles.len();
+        for r in &unpack_runs {
+            push_tiles(r, &mut tiles);
+        }
+        steps.push(Step {
+            step: k,
+            sends,
+            recvs,
+            pack: p0..u0,
+            unpack: u0..tiles.len(),
+            send_elems,
+            recv_elems,
+            send_slot: soff,
+            recv_slot: off,
+        });
+    }
+    let mut zero = Vec::new();
+    let vocab = plan.train.model().vocab;
+    for (i, spec) in plan.tensors.iter().enumerate() {
+        if matches!(spec.kind, RolloutKind::Embedding | RolloutKind::LmHead) {
+            let per = spec.shape.first().copied().unwrap_or(0);
+            let h = spec.cols();
+            let real = vocab.saturating_sub(me.tp_rank * per).min(per);
+            if real < per {
+                zero.push(offsets[i] + real * h..offsets[i] + per * h);
+            }
+        }
+    }
+    RankSchedule {
+        rank,
+        local,
+        local_bulk,
+        send_slot_elems: steps.iter().map(|s| s.send_slot).max().unwrap_or(0),
+        recv_slot_elems: steps.iter().map(|s| s.recv_slot).max().unwrap_or(0),
+        recv_elems: steps.iter().map(|s| s.recv_elems).sum(),
+        send_elems: steps.iter().map(|s| s.send_elems).sum(),
+        local_elems,
+        steps,
+        zero,
+        tiles,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use half::bf16;
+    use lifecycle_host::{HostRollout, HostTensor, RankRollout, RolloutTensor};
+
+    use super::*;
+    use crate::layout::{
+        plan_megatron_to_tp, BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab,
+    };
+    use crate::{reference_rollout, MegatronTrainState, ModelSpec};
+
+    fn apply(tiles: &[Tile], src: &[bf16], dst: &mut [bf16]) {
+        for t in tiles {
+            for r in 0..t.rows as usize {
+                for c in 0..t.cols as usize {
+                    let s = t.src as usize + r * t.src_ld as usize + c;
+                    let d = t.dst as usize + r * t.dst_ld as usize + c;
+                    dst[d] = src[s];
+                }
+            }
+        }
+    }
+
+    /// Runs every rank's schedule on host buffers, messages matched step by step and pair by
+    /// pair in issue order, as NCCL matches them.
+    fn simulate(
+        plan: &MegatronPlan,
+        state: &MegatronTrainState,
+        opts: ScheduleOptions,
+    ) -> HostRollout {
+        let world = plan.ranks.len();
+        let (offsets, len) = rollout_offsets(plan);
+        let scheds: Vec<RankSchedule> = (0..world)
+            .map(|r| build_rank(plan, &offsets, r, opts))
+            .collect();
+        let params: Vec<&[bf16]> = (0..world).map(|r| state.params(r).unwrap()).collect();
+        // Garbage everywhere first: an element no tile or zero range writes is caught.
+        let mut rolls = vec![vec![bf16::from_bits(0x7fc1); len]; world];
+        for (s, roll) in scheds.iter().zip(&mut rolls) {
+            for z in &s.zero {
+                roll[z.clone()].fill(bf16::ZERO);
+            }
+            apply(&s.tiles[s.local.clone()], params[s.rank], roll);
+            for b in &s.local_bulk {
+                assert_eq!(b.rows, 1);
+                roll[b.dst..b.dst + b.cols].copy_from_slice(&params[s.rank][b.src..b.src + b.cols]);
+            }
+        }
+        let nsteps = plan.ranks.iter().map(|p| p.buckets.len()).max().unwrap();
+        for k in 0..nsteps {
+            let send_slots: Vec<Option<Vec<bf16>>> = scheds
+                .iter()
+                .map(|s| {
+                    s.steps.iter().find(|st| st.step == k).map(|st| {
+                        assert!(st.send_slot <= s.send_slot_elems);
+                        let mut slot = vec![bf16::from_bits(0x7fc2); s.send_slot_elems];
+                        apply(&s.tiles[st.pack.clone()], params[s.rank], &mut slot);
+                        slot
+                    })
+                })
+                .collect();
+            for (s, roll) in scheds.iter().zip(&mut rolls) {
+                let Some(st) = s.steps.iter().find(|st| st.step == k) else {
+                    continue;
+                };
+                let mut slot = vec![bf16::from_bits(0x7fc3); s.recv_slot_elems];
+                let mut nth = vec![0usize; world];
+                for m in &st.recvs {
+                    let pst = scheds[m.peer].steps.iter().find(|p| p.step == k).unwrap();
+                    let sent: Vec<&Message> =
+                        pst.sends.iter().filter(|x| x.peer == s.rank).collect();
+                    let x = sent[nth[m.peer]];
+                    nth[m.peer] += 1;
+                    assert_eq!(x.count, m.count, "matching counts");
+                    let src: &[bf16] = match x.place {
+                        Place::Slot(o) => &send_slots[m.peer].as_ref().unwrap()[o..o + x.count],
+                        Place::Buffer(o) => &params[m.peer][o..o + x.count],
+                    };
+                    match m.place {
+                        Place::Slot(o) => slot[o..o + m.count].copy_from_slice(src),
+                        Place::Buffer(o) => roll[o..o + m.count].copy_from_slice(src),
+                    }
+                }
+                for (p, &n) in nth.iter().enumerate() {
+                    if p != s.rank {
+                        let pst = scheds[p].steps.iter().find(|q| q.step == k);
+                        let sent =
+                            pst.map_or(0, |q| q.sends.iter().filter(|x| x.peer == s.rank).count());
+                        assert_eq!(n, sent, "every message sent is received");
+                    }
+                }
+                apply(&s.tiles[st.unpack.clone()], &slot, roll);
+            }
+        }
+        HostRollout {
+            ranks: rolls
+                .into_iter()
+                .map(|roll| RankRollout {
+                    tensors: plan
+                        .tensors
+                        .iter()
+                        .zip(&offsets)
+                        .map(|(t, &o)| RolloutTensor {
+                            name: t.name.clone(),
+                            shape: t.shape.clone(),
+                            data: roll[o..o + t.numel()].to_vec(),
+                        })
+                        .collect(),
+                })
+                .collect(),
+        }
+    }
+
+    fn model(groups: usize, tied: bool) -> ModelSpec {
+        ModelSpec {
+            hidden: 8,
+            heads: 8,
+            query_groups: groups,
+            head_dim: 2,
+            ffn: 16,
+            vocab: 37,
+            layers: 4,
+            qkv_bias: groups != 2,
+            tied_embeddings: tied,
+            make_vocab_size_divisible_by: 4,
+        }
+    }
+
+    fn tensors(m: &ModelSpec) -> Vec<HostTensor> {
+        m.hf_tensors()
+            .into_iter()
+            .enumerate()
+            .map(|(i, (name, shape))| {
+                let n: usize = shape.iter().product();
+                let data = (0..n)
+                    .map(|e| ((i * 7919 + e * 104_729) % 65_521) as f32 * 1.37e-3 - 40.0)
+                    .collect();
+                HostTensor::f32(name, shape, data)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn simulated_schedules_match_the_reference() {
+        let mut cases = 0;
+        for (tp, pp, dp) in [
+            (1, 1, 1),
+            (2, 1, 1),
+            (1, 2, 1),
+            (1, 1, 2),
+            (2, 2, 1),
+            (4, 1, 1),
+            (1, 4, 1),
+            (2, 1, 2),
+            (2, 2, 2),
+        ] {
+            let world: usize = tp * pp * dp;
+            for t in [1, 2, 4, 8]
+                .into_iter()
+                .filter(|t| world.is_multiple_of(*t))
+            {
+                for groups in [1, 2, 8] {
+                    for tied in [false, true] {
+                        let m = model(groups, tied);
+                        let layout = MegatronLayout::new(m, tp, pp, dp).unwrap();
+                        let state = MegatronTrainState::from_hf(layout, tensors(&m)).unwrap();
+                        let vocab = [
+                            RolloutVocab::PadToMultipleOf(1),
+                            RolloutVocab::PadToMultipleOf(5),
+                        ][cases % 2];
+                        let rollout = RolloutLayout::new(t, vocab);
+                        for (budget, opts) in [
+                            (
+                                6,
+                                ScheduleOptions {
+                                    direct_min: usize::MAX,
+                                    memcpy_min: usize::MAX,
+                                },
+                            ),
+                            (
+                                64,
+                                ScheduleOptions {
+                                    direct_min: 0,
+                                    memcpy_min: 0,
+                                },
+                            ),
+                            (
+                                64,
+                                ScheduleOptions {
+                                    direct_min: 5,
+                                    memcpy_min: 20,
+                                },
+                            ),
+                            (1 << 20, ScheduleOptions::default()),
+                            (
+                                1 << 20,
+                                ScheduleOptions {
+                                    direct_min: 16,
+                                    memcpy_min: 1,
+                                },
+                            ),
+                        ] {
+                            let plan = plan_megatron_to_tp(
+                                state.layout(),
+                                &rollout,
+                                BucketConfig {
+                                    bucket_bytes: budget,
+                                },
+                            )
+                            .unwrap();
+                            let got = simulate(&plan, &state, opts);
+                            let want = reference_rollout(&state, &rollout).unwrap();
+                            assert_eq!(
+                                got.first_difference(&want),
+                                None,
+                                "TP {tp} PP {pp} DP {dp} T {t} groups {groups} tied {tied} budget {budget} {opts:?}"
+                            );
+                            cases += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(cases > 200, "{cases}");
+    }
+
+    #[test]
+    fn byte_counts_match_the_plan_and_slots_the_budget() {
+        let m = model(2, false);
+        let layout = MegatronLayout::new(m, 2, 2, 1).unwrap();
+        for t in [1, 2, 4] {
+            let rollout = RolloutLayout::new(t, RolloutVocab::PadToMultipleOf(4));
+            let budget = 100;
+            let plan = plan_megatron_to_tp(
+                &layout,
+                &rollout,
+                BucketConfig {
+                    bucket_bytes: budget,
+                },
+            )
+            .unwrap();
+            let (offsets, len) = rollout_offsets(&plan);
+            assert_eq!(len, plan.tensors.iter().map(|t| t.numel()).sum::<usize>());
+            let opts = ScheduleOptions {
+                direct_min: 8,
+                memcpy_min: 8,
+            };
+            let scheds: Vec<RankSchedule> = (0..4)
+                .map(|r| build_rank(&plan, &offsets, r, opts))
+                .collect();
+            let sent: usize = scheds.iter().map(|s| s.send_elems).sum();
+            for (s, rp) in scheds.iter().zip(&plan.ranks) {
+                assert_eq!((s.recv_elems * 2) as u64, rp.remote_bytes());
+                assert_eq!((s.local_elems * 2) as u64, rp.local_bytes());
+                assert!((s.recv_slot_elems * 2) as u64 <= budget);
+                let (sent, got) = s.messages();
+                assert!(sent + got > 0);
+                let direct = |side: fn(&Step) -> &Vec<Message>| {
+                    s.steps
+                        .iter()
+                        .any(|st| side(st).iter().any(|m| matches!(m.place, Place::Buffer(_))))
+                };
+                let direct = direct(|st| &st.sends) && direct(|st| &st.recvs);
+                assert!(direct, "T {t}: some runs travel without staging");
+                assert!(s.steps.len() > 1, "T {t}: several steps");
+            }
+            assert_eq!((sent * 2) as u64, plan.remote_bytes());
+        }
+    }
+
+    #[test]
+    fn tiles_cover_large_runs_exactly() {
+        for run in [
+            Run {
+                src: 3,
+                src_ld: TILE_ELEMS * 2 + 5,
+                dst: 1,
+                dst_ld: TILE_ELEMS * 2 + 9,
+                rows: 3,
+                cols: TILE_ELEMS * 2 + 3,
+            },
+            Run {
+                src: 0,
+                src_ld: 40,
+                dst: 8,
+                dst_ld: 24,
+                rows: 20_000,
+                cols: 24,
+            },
+            Run {
+                src: 16,
+                src_ld: 1,
+                dst: 0,
+                dst_ld: 1,
+                rows: 1,
+                cols: 3 * TILE_ELEMS + 1,
+            },
+        ] {
+            let mut tiles = Vec::new();
+            push_tiles(&run, &mut tiles);
+            assert!(tiles.iter().all(|t| t.numel() <= TILE_ELEMS));
+            let src_len = run.src + (run.rows - 1) * run.src_ld + run.cols;
+            let dst_len = run.dst + (run.rows - 1) * run.dst_ld + run.cols;
+            let src: Vec<bf16> = (0..src_len)
+                .map(|i| bf16::from_bits(i as u16 | 1))
+                .collect();
+            let mut got = vec![bf16::ZERO; dst_len];
+            apply(&tiles, &src, &mut got);
+            let mut want = vec![bf16::ZERO; dst_len];
+            apply(
+                &[Tile {
+                    src: run.src as u64,
+                    dst: run.dst as u64,
+                    src_ld: run.src_ld as u64,
+                    dst_ld: run.dst_ld as u64,
+                    rows: run.rows as u32,
+                    cols: run.cols as u32,
+                }],
+                &src,
+                &mut want,
+            );
+            let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+            assert!(bits(&got) == bits(&want));
+        }
+    }
+
+    #[test]
+    fn runs_merge_when_they_continue() {
+        let mut runs = Vec::new();
+        let r = |src, dst, rows, cols, ld| Run {
+            src,
+            src_ld: ld,
+            dst,
+            dst_ld: ld,
+            rows,
+            cols,
+        };
+        push_run(&mut runs, r(0, 100, 2, 4, 4)); // dense: one row of 8
+        push_run(&mut runs, r(8, 108, 1, 5, 5));
+        assert_eq!(runs, vec![r(0, 100, 1, 13, 13)]);
+        push_run(&mut runs, r(50, 200, 2, 3, 6)); // strided
+        push_run(&mut runs, r(62, 212, 2, 3, 6)); // continues its rows
+        assert_eq!(runs.len(), 2);
+        assert_eq!(runs[1].rows, 4);
+        push_run(&mut runs, r(0, 0, 0, 3, 3)); // empty: ignored
+        assert_eq!(runs.len(), 2);
+    }
+
+    #[test]
+    fn local_chunks_partition_the_local_tiles() {
+        let m = model(2, false);
+        let layout = MegatronLayout::new(m, 1, 1, 1).unwrap();
+        let rollout = RolloutLayout::new(1, RolloutVocab::PadToMultipleOf(1));
+        let plan = plan_megatron_to_tp(&layout, &rollout, BucketConfig::default()).unwrap();
+        let (offsets, _) = rollout_offsets(&plan);
+        let s = build_rank(
+            &plan,
+            &offsets,
+            0,
+            ScheduleOptions {
+                direct_min: 0,
+                memcpy_min: 100,
+            },
+        );
+        assert!(!s.local_bulk.is_empty() && !s.local.is_empty());
+        for n in [1, 2, 3, 7, 1000] {
+            let chunks = s.local_chunks(n);
+            assert_eq!(chunks.len(), n);
+            let tiles: Vec<Range<usize>> = chunks.iter().map(|c| c.0.clone()).collect();
+            let bulk: Vec<Range<usize>> = chunks.iter().map(|c| c.1.clone()).collect();
+            for (parts, whole) in [(tiles, s.local.clone()), (bulk, 0..s.local_bulk.len())] {
+                let mut at = whole.start;
+                for p in parts.iter().filter(|p| !p.is_empty()) {
+                    assert_eq!(p.start, at);
+                    at = p.end;
+                }
+                assert_eq!(at, whole.end, "n = {n}");
+            }
+        }
+    }
+}

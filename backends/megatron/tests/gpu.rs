@@ -1,0 +1,414 @@
+//! GPU tests of the Megatron executor: run on a machine with NVIDIA GPUs (2 for the W = 2 cases)
+//! with `cargo test --release -p lifecycle-megatron --test gpu -- --ignored --test-threads=1`
+//! (on the project's test machine also `export NCCL_NVLS_ENABLE=0`).
+//! In CI (no GPU) they are reported as ignored, not passed.
+
+mod common;
+
+use std::sync::Arc;
+
+use lifecycle_core::{
+    Fault, FaultAt, FaultInjector, FaultKind, Lifecycle, LifecycleConfig, LifecycleError,
+    MemoryPolicy, Mode, Phase, Switching,
+};
+use lifecycle_cuda::{device_count, CudaError, ThreadRankPool};
+use lifecycle_host::{AdamParams, HostRollout};
+use lifecycle_megatron::gpu::{GpuConfig, MegatronGpuBackend, MegatronGpuError};
+use lifecycle_megatron::layout::{
+    plan_megatron_to_tp, BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab,
+};
+use lifecycle_megatron::{reference_rollout, MegatronHostBackend, MegatronTrainState, ModelSpec};
+
+type Res = Result<(), Box<dyn std::error::Error>>;
+
+fn need_gpus(n: usize) -> bool {
+    match device_count() {
+        Ok(c) if c >= n => true,
+        other => {
+            eprintln!("skipping: needs {n} GPUs, found {other:?}");
+            false
+        }
+    }
+}
+
+/// Tiny models (odd vocabulary, odd layer count, 1 or 2 query groups, tied and untied) and one
+/// with tensors larger than a copy tile and widths that allow 16-byte copies.
+fn models() -> Vec<(&'static str, ModelSpec)> {
+    let mut tiny = common::model(2, false);
+    tiny.layers = 3;
+    let mut tied = common::model(1, true);
+    tied.qkv_bias = false;
+    let medium = ModelSpec {
+        hidden: 256,
+        heads: 8,
+        query_groups: 4,
+        head_dim: 32,
+        ffn: 1024,
+        vocab: 3001,
+        layers: 3,
+        qkv_bias: true,
+        tied_embeddings: false,
+        make_vocab_size_divisible_by: 64,
+    };
+    vec![("tiny", tiny), ("tied", tied), ("medium", medium)]
+}
+
+/// The CPU executor's rollout through a lifecycle.
+fn via_host(state: &MegatronTrainState, rollout: RolloutLayout, bucket: u64) -> HostRollout {
+    let backend = MegatronHostBackend::new(rollout)
+        .with_config(BucketConfig {
+            bucket_bytes: bucket,
+        })
+        .unwrap();
+    let mut lc = Lifecycle::new(backend, state.clone());
+    let session = lc.rollout().unwrap();
+    let w = session.weights().get().clone();
+    w
+}
+
+struct Case {
+    model: ModelSpec,
+    tp: usize,
+    pp: usize,
+    dp: usize,
+    t: usize,
+    vocab: RolloutVocab,
+    config: GpuConfig,
+    memory: MemoryPolicy,
+    cycles: usize,
+}
+
+/// Enter `cycles` times: every rollout bit-identical to `reference_rollout` and to the CPU
+/// executor; after every exit the training state bit-identical to the start; metrics as planned.
+fn check(pool: &Arc<ThreadRankPool>, name: &str, c: &Case) -> Res {
+    let layout = MegatronLayout::new(c.model, c.tp, c.pp, c.dp)?;
+    let host = MegatronTrainState::from_hf(layout, common::hf_tensors(&c.model, 5))?;
+    let rollout = RolloutLayout::new(c.t, c.vocab);
+    let reference = reference_rollout(&host, &rollout)?;
+    let cpu = via_host(&host, rollout, c.config.bucket_bytes);
+    let case = format!(
+        "{name} TP{} PP{} DP{} -> T{} {:?} bucket {} x{} {:?}",
+        c.tp, c.pp, c.dp, c.t, c.vocab, c.config.bucket_bytes, c.config.in_flight, c.memory
+    );
+    assert_eq!(
+        cpu.first_difference(&reference),
+        None,
+        "{case}: CPU executor"
+    );
+    let backend = MegatronGpuBackend::new(pool.clone(), rollout)?.with_config(c.config)?;
+    let state = backend.state_from_host(&host)?;
+    let start = backend.download_state(&state)?.snapshot();
+    assert!(start == host.snapshot(), "{case}: upload is not bit-exact");
+    let mut lc = Lifecycle::with_config(
+        backend,
+        state,
+        LifecycleConfig {
+            switching: Switching::Lazy,
+            memory: c.memory,
+        },
+    )?;
+    for cycle in 0..c.cycles {
+        let session = lc.rollout()?;
+        let got = session.backend().download_rollout(&session.weights())?;
+        assert_eq!(
+            got.first_difference(&reference),
+            None,
+            "{case} cycle {cycle}"
+        );
+        drop(session);
+        lc.train()?;
+        let now = lc.backend().download_state(lc.peek_state())?.snapshot();
+        assert!(now == start, "{case} cycle {cycle}: training state changed");
+    }
+    let plan = plan_megatron_to_tp(
+        lc.peek_state().layout(),
+        &rollout,
+        BucketConfig {
+            bucket_bytes: c.config.bucket_bytes,
+        },
+    )?;
+    let m = lc.metrics();
+    let n = c.cycles as u64;
+    let tr = m.phase(Phase::Transfer);
+    assert_eq!(tr.bytes.device_to_device, n * plan.remote_bytes(), "{case}");
+    assert_eq!(tr.bytes.local, n * plan.local_bytes(), "{case}");
+    let off = m.phase(Phase::Offload).bytes.device_to_host;
+    let back = m.phase(Phase::Reload).bytes.host_to_device;
+    assert_eq!(off, back, "{case}: offloaded and reloaded bytes");
+    assert_eq!(
+        off > 0,
+        c.memory.offload_params || c.memory.offload_optimizer,
+        "{case}"
+    );
+    Ok(())
+}
+
+fn matrix(world: usize, layouts: &[(usize, usize, usize)]) -> Res {
+    let pool = Arc::new(ThreadRankPool::new(world)?);
+    let mut n = 0;
+    for (name, model) in models() {
+        for &(tp, pp, dp) in layouts {
+            for t in [1, 2].into_iter().filter(|t| world.is_multiple_of(*t)) {
+                let small = if name == "medium" { 256 << 10 } else { 64 };
+                for (k, bucket) in [small, 256 << 20].into_iter().enumerate() {
+                    let vocab = [
+                        RolloutVocab::PadToMultipleOf(1),
+                        RolloutVocab::PadToMultipleOf(7),
+                    ][(n + k) % 2];
+                    let memory = if (n + k).is_multiple_of(2) {
+                        MemoryPolicy::default()
+                    } else {
+                        MemoryPolicy::resident()
+                    };
+                    let case = Case {
+                        model,
+                        tp,
+                        pp,
+                        dp,
+                        t,
+                        vocab,
+                        config: GpuConfig {
+                            bucket_bytes: bucket,
+                            in_flight: 1 + (n + k) % 3,
+                            // Every remote run its own message / everything packed / a mix.
+                            direct_min_bytes: [0, u64::MAX, 16][(n + 2 * k) % 3],
+                            memcpy_min_bytes: [0, u64::MAX, 64][(n + k) % 3],
+                            overlap_blocks_per_sm: [1, 8, 2][(n + k) % 3],
+                        },
+                        memory,
+                        cycles: 2,
+                    };
+                    check(&pool, name, &case)?;
+                }
+                n += 1;
+            }
+        }
+    }
+    eprintln!("{n} layout cases checked on W = {world}");
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn rollout_bit_identical_w1() -> Res {
+    if !need_gpus(1) {
+        return Ok(());
+    }
+    matrix(1, &[(1, 1, 1)])
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn rollout_bit_identical_w2() -> Res {
+    if !need_gpus(2) {
+        return Ok(());
+    }
+    matrix(2, &[(2, 1, 1), (1, 2, 1), (1, 1, 2)])
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn offload_reload_round_trip_and_refresh() -> Res {
+    let world = if need_gpus(2) {
+        2
+    } else if need_gpus(1) {
+        1
+    } else {
+        return Ok(());
+    };
+    let pool = Arc::new(ThreadRankPool::new(world)?);
+    let model = models()[2].1;
+    let layout = MegatronLayout::from_world(model, world, 1, world)?;
+    let rollout = RolloutLayout::new(world, RolloutVocab::PadToMultipleOf(1));
+    // Synthetic state made on the devices: its rollout matches the reference built from its
+    // own download, and 10 offload/reload cycles give it back bit for bit.
+    let backend = MegatronGpuBackend::new(pool.clone(), rollout)?.with_config(GpuConfig {
+        bucket_bytes: 64 << 10,
+        ..GpuConfig::default()
+    })?;
+    let state = backend.synthetic_state(layout.clone(), 99, 0.05)?;
+    let start = backend.download_state(&state)?;
+    // Adam m of rank 0 is non-zero, so the round trip checks real bits.
+    assert!(start.snapshot()[3].iter().any(|&x| x != 0));
+    let reference = reference_rollout(&start, &rollout)?;
+    let reserved = backend.reserve_pinned(&state, MemoryPolicy::default())?;
+    assert!(reserved > 0);
+    let mut lc = Lifecycle::new(backend, state); // offloads params and optimizer state
+    for cycle in 0..10 {
+        let s = lc.rollout()?;
+        if cycle % 3 == 0 {
+            let got = s.backend().download_rollout(&s.weights())?;
+            assert_eq!(got.first_difference(&reference), None, "cycle {cycle}");
+        }
+        drop(s);
+        if cycle % 3 == 1 {
+            // Still in rollout mode (lazy): the copy comes from pinned memory, the same bits.
+            let off = lc.backend().download_state(lc.peek_state())?;
+            assert!(off.is_offloaded() && lc.mode() == Mode::Rollout);
+            assert!(weight_bits(&off) == weight_bits(&start), "cycle {cycle}");
+        }
+        let t = lc.train()?;
+        assert!(!t.state().is_offloaded() && t.state().has_grads());
+    }
+    assert_eq!((lc.metrics().enters, lc.metrics().exits), (10, 10));
+    let after = lc.backend().download_state(lc.peek_state())?;
+    assert!(
+        after.snapshot() == start.snapshot(),
+        "state changed over 10 cycles"
+    );
+    // Every switch reused the reserved pinned chunks and gave them back.
+    let pinned = lc.backend().pinned_pool();
+    let cached: u64 = (0..world).map(|r| pinned.cached_bytes(r)).sum();
+    assert_eq!(cached, reserved);
+
+    // Keep-resident policy: training replaces the state (one Adam step on the CPU, uploaded),
+    // the next rollout refreshes the resident weights in place.
+    let (backend, _) = lc.into_parts()?;
+    let host_layout = MegatronLayout::from_world(model, world, 1, world)?;
+    let mut host = MegatronTrainState::from_hf(host_layout, common::hf_tensors(&model, 3))?;
+    let state = backend.state_from_host(&host)?;
+    let mut lc = Lifecycle::with_config(
+        backend,
+        state,
+        LifecycleConfig {
+            switching: Switching::Lazy,
+            memory: MemoryPolicy {
+                offload_params: false,
+                offload_optimizer: false,
+                keep_rollout_resident: true,
+            },
+        },
+    )?;
+    let first = {
+        let s = lc.rollout()?;
+        s.backend().download_rollout(&s.weights())?
+    };
+    assert_eq!(
+        first.first_difference(&reference_rollout(&host, &rollout)?),
+        None
+    );
+    host.set_grads_from_hf(common::hf_tensors(&model, 4))?;
+    host.adam_step(AdamParams::default())?;
+    {
+        let mut tr = lc.train()?;
+        let (b, s) = tr.backend_and_state_mut();
+        *s = b.state_from_host(&host)?;
+    }
+    let second = {
+        let s = lc.rollout()?;
+        s.backend().download_rollout(&s.weights())?
+    };
+    assert_eq!(lc.metrics().refreshes, 1);
+    assert_eq!(
+        second.first_difference(&reference_rollout(&host, &rollout)?),
+        None
+    );
+    assert!(
+        second.first_difference(&first).is_some(),
+        "the step changed nothing"
+    );
+    Ok(())
+}
+
+/// Params, main params, Adam m and v of every rank (grads left out), bit for bit.
+fn weight_bits(state: &MegatronTrainState) -> Vec<Vec<u32>> {
+    state
+        .snapshot()
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| i % 5 != 1)
+        .map(|(_, b)| b)
+        .collect()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn errors_are_typed_and_leave_the_state_intact() -> Res {
+    let n = device_count()?;
+    match ThreadRankPool::new(n + 1) {
+        Err(CudaError::TooFewGpus {
+            requested,
+            available,
+        }) => assert_eq!((requested, available), (n + 1, n)),
+        other => panic!("expected TooFewGpus, got {other:?}"),
+    }
+    let world = n.min(2);
+    let pool = Arc::new(ThreadRankPool::new(world)?);
+    let model = models()[0].1;
+    // A host state of another W: typed error before anything is uploaded.
+    let other = MegatronLayout::new(model, 1, 1, world + 1)?;
+    let host_other = MegatronTrainState::from_hf(other, common::hf_tensors(&model, 1))?;
+    let ok_rollout = RolloutLayout::new(1, RolloutVocab::PadToMultipleOf(1));
+    let b = MegatronGpuBackend::new(pool.clone(), ok_rollout)?;
+    assert!(matches!(
+        b.state_from_host(&host_other),
+        Err(MegatronGpuError::WorldMismatch { .. })
+    ));
+    let wrong_w = MegatronLayout::new(model, 1, 1, world + 1)?;
+    assert!(matches!(
+        b.synthetic_state(wrong_w, 1, 0.1),
+        Err(MegatronGpuError::WorldMismatch { .. })
+    ));
+    // A rollout degree that does not divide W: the plan fails, nothing moves, state intact.
+    let layout = MegatronLayout::from_world(model, world, 1, 1)?;
+    let host = MegatronTrainState::from_hf(layout, common::hf_tensors(&model, 2))?;
+    let bad = MegatronGpuBackend::new(
+        pool.clone(),
+        RolloutLayout::new(world + 1, RolloutVocab::PadToMultipleOf(1)),
+    )?;
+    let state = bad.state_from_host(&host)?;
+    let mut lc = Lifecycle::new(bad, state);
+    match lc.rollout() {
+        Err(LifecycleError::Plan(MegatronGpuError::Layout(e))) => {
+            assert!(e.to_string().contains("does not divide"), "{e}")
+        }
+        Err(e) => panic!("expected a layout error, got {e:?}"),
+        Ok(_) => panic!("expected a layout error"),
+    }
+    let now = lc.backend().download_state(lc.peek_state())?;
+    assert!(now.snapshot() == host.snapshot());
+    // Faults in every phase of a switch: the lifecycle restores the state bit for bit.
+    let (_, state) = lc.into_parts()?;
+    let (faulty, faults) = FaultInjector::new(MegatronGpuBackend::new(pool.clone(), ok_rollout)?);
+    let mut lc = Lifecycle::new(faulty, state); // offloads params and optimizer state
+    let reference = reference_rollout(&host, &ok_rollout)?;
+    for (phase, at, kind) in [
+        (Phase::Transfer, FaultAt::Start, FaultKind::Error),
+        (Phase::Offload, FaultAt::End, FaultKind::Panic),
+        (Phase::Reload, FaultAt::Start, FaultKind::Error),
+        (Phase::Release, FaultAt::End, FaultKind::Panic),
+    ] {
+        faults.inject(Fault::new(phase, at, kind));
+        let entered = lc.rollout().map(|s| {
+            s.backend()
+                .inner()
+                .download_rollout(&s.weights())
+                .map(|r| r.first_difference(&reference))
+        });
+        match entered {
+            Ok(diff) => assert_eq!(diff?, None),
+            Err(e) => assert!(e.to_string().contains("injected"), "{e}"),
+        }
+        let _ = lc.train(); // an exit fault leaves it faulted: retried below
+        lc.train()?;
+        assert_eq!(lc.mode(), Mode::Train);
+        let now = lc.backend().inner().download_state(lc.peek_state())?;
+        assert!(
+            now.snapshot() == host.snapshot(),
+            "{phase:?} {at:?}: state changed"
+        );
+    }
+    assert_eq!(faults.pending(), 0, "every fault fired");
+    // An impossible allocation: a typed OOM error, not a panic.
+    let mut huge = model;
+    huge.hidden = 1 << 16;
+    huge.ffn = 1 << 20;
+    huge.heads = 8;
+    huge.head_dim = 1 << 13;
+    let huge = MegatronLayout::from_world(huge, world, world, 1)?;
+    match MegatronGpuBackend::new(pool, ok_rollout)?.synthetic_state(huge, 1, 0.1) {
+        Err(MegatronGpuError::Cuda(e)) => assert!(e.is_oom(), "{e:?}"),
+        other => panic!("expected out of memory, got {other:?}"),
+    }
+    Ok(())
+}
