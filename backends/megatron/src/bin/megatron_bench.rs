@@ -152,14 +152,13 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
             ctx.order(&ctx.compute, &nccl)?;
             let peer = (1 - ctx.rank) as i32;
             let t = timed(iters, || {
-                let nccl_err = |e| CudaError::nccl(ctx.rank, "send/recv", e);
-                cudarc::nccl::group_start().map_err(nccl_err)?;
+                ctx.group_start()?;
                 let s = ctx.comm.send(&a, peer);
                 let r = ctx.comm.recv(&mut b, peer);
-                cudarc::nccl::group_end().map_err(nccl_err)?;
-                s.map_err(nccl_err)?;
-                r.map_err(nccl_err)?;
-                nccl.synchronize().map_err(ctx.drv("sync", 0))
+                ctx.group_end()?;
+                s.map_err(|e| CudaError::nccl(ctx.rank, "ncclSend", e))?;
+                r.map_err(|e| CudaError::nccl(ctx.rank, "ncclRecv", e))?;
+                ctx.wait(&[&nccl], "send/recv ceiling")
             })?;
             ctx.order(&nccl, &ctx.compute)?;
             drop((a, b));

@@ -956,7 +956,7 @@ fn run_steps(
         let st = &s.steps[j];
         nccl.wait(&packed[j])
             .map_err(ctx.drv("waiting on an event", 0))?;
-        cudarc::nccl::group_start().map_err(|e| CudaError::nccl(rank, "ncclGroupStart", e))?;
+        ctx.group_start()?;
         let mut res = Ok(());
         for m in &st.sends {
             let peer = m.peer as i32;
@@ -984,7 +984,8 @@ fn run_steps(
                 }
             }
         }
-        let end = cudarc::nccl::group_end().map_err(|e| CudaError::nccl(rank, "ncclGroupEnd", e));
+        // Waits (with the pool's deadline) until the group's work is on the NCCL stream.
+        let end = ctx.group_end();
         res?;
         end?;
         let net = rec(&nccl)?;
@@ -1021,9 +1022,8 @@ fn run_steps(
     }
     ctx.order(&nccl, &ctx.compute)?;
     ctx.order(&ctx.aux, &ctx.compute)?;
-    ctx.compute
-        .synchronize()
-        .map_err(ctx.drv("synchronizing the transfer", 0))?;
+    // With the pool's deadline: a stalled peer ends in a timeout error, not a hang.
+    ctx.wait(&[&ctx.compute, &nccl], "the transfer's NCCL work")?;
     let staging = (sslots.len() * s.send_slot_elems + rslots.len() * s.recv_slot_elems) * 2;
     drop(sslots);
     drop(rslots);
