@@ -60,7 +60,7 @@ use std::time::{Duration, Instant};
 use lifecycle_core::{
     HumanBytes, HumanDuration, Lifecycle, LifecycleConfig, MemoryPolicy, Switching,
 };
-use lifecycle_cuda::ThreadRankPool;
+use lifecycle_cuda::{check_environment, ThreadRankPool};
 use lifecycle_dist::RankEnv;
 use lifecycle_fsdp::FsdpBackend;
 
@@ -99,8 +99,10 @@ use source::Model;
 /// launcher variables are set (torchrun, Slurm, `lifecycle-launch`), as one rank of a
 /// one-process-per-GPU job. Prints the report (rank 0 only) on stdout.
 ///
-/// Every setting is checked before any GPU work ([`Options::check`], the decoder topology); with
-/// no driver, NCCL or GPU the result is an error (`DapoGpuError::Cuda`), never a panic.
+/// Every setting is checked before any GPU work ([`Options::check`], the decoder topology, the
+/// checkpoint); then the environment (driver, NCCL, NVRTC, `--gpus` GPUs), before anything is
+/// printed: with no driver, NCCL or GPU the result is an error (`DapoGpuError::Cuda`), never a
+/// panic.
 ///
 /// ```no_run
 /// use lifecycle_decoder_gpu::dapo::{run, Options};
@@ -180,6 +182,11 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
         source,
         what,
     } = Model::from_options(a)?;
+    // Driver, NCCL, NVRTC and enough GPUs, before the report starts (an error, never a panic).
+    check_environment(match &launch {
+        Launch::Threads => g.gpus,
+        Launch::Process(_) => 1,
+    })?;
     let modulus = g
         .reward_modulus
         .min(u32::try_from(config.vocab_size).unwrap_or(u32::MAX))
