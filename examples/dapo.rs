@@ -468,7 +468,7 @@ fn compare(lazy: &RunReport, eager: &RunReport) {
     );
 }
 
-/// The host backend's run: today's output, unchanged.
+/// The host backend's run: the toy policy or the checkpoint, one lifecycle or both compared.
 fn run_host(
     config: DapoConfig,
     lifecycle: LifecycleChoice,
