@@ -1,123 +1,307 @@
-//! DAPO with dynamic sampling on the host backend: several rollout calls per training step, one
-//! update that changes every weight. Runs the lazy and the eager lifecycle on the same seed and
-//! compares them.
+//! DAPO with dynamic sampling: several rollout calls per training step, one update that changes
+//! every weight. Runs the lazy and the eager lifecycle on the same seed and compares them, on the
+//! CPU reference backend (`--backend host`, the default) or on NVIDIA GPUs (`--backend fsdp`).
 //!
 //! ```text
-//! cargo run --release --example dapo                 # lazy vs eager, default sizes
+//! cargo run --release --example dapo                 # host backend: lazy vs eager, default sizes
 //! cargo run --release --example dapo -- --help       # every option
 //! cargo run --release --example dapo -- --checkpoint examples/decoder/fixtures/gqa_untied
+//! cargo run --release --example dapo -- --backend fsdp --gpus 2 --tp 2 --steps 1
+//! cargo run --release --example dapo -- --backend fsdp --gpus 2 --tp 2 --synthetic 7b
+//! cargo run --release --example dapo -- --backend fsdp --gpus 2 --tp 2 --checkpoint path/to/hf-model
 //! ```
 //!
-//! With `--checkpoint DIR` (a Hugging Face `config.json` + `model.safetensors`, Qwen2 or Llama) the
-//! training state is the checkpoint's weights and every rollout runs the Qwen2 / Llama decoder
-//! (`lifecycle-decoder`) on the resharded bf16 tensor-parallel slices; the toy-policy size options
-//! are then ignored.
+//! `--backend host`: ranks are threads, the policy is a toy MLP (`--vocab`, `--hidden`, `--ffn`,
+//! `--layers`), or with `--checkpoint DIR` (a Hugging Face `config.json` + `model.safetensors`,
+//! Qwen2 or Llama) the training state is the checkpoint's weights and every rollout runs the Qwen2
+//! / Llama decoder (`lifecycle-decoder`) on the resharded bf16 tensor-parallel slices; the
+//! toy-policy size options are then ignored.
+//!
+//! `--backend fsdp`: the FSDP backend on `--gpus` GPUs, rollouts by the GPU decoder, an in-place
+//! Adam step on synthetic gradients between steps (`lifecycle_decoder_gpu::dapo`, also the
+//! `dapo_gpu` binary). `--synthetic 7b|small` picks a model with random weights when there is no
+//! `--checkpoint`. Without a GPU it stops with an error saying what is missing.
+//!
+//! The loop options (`--lifecycle`, `--steps`, `--tp`, `--seed`, `--checkpoint`, ...) apply to
+//! both backends, each with its own defaults; an option of one backend only is an error with the
+//! other (e.g. `--vocab` with `--backend fsdp`, `--gpus` with `--backend host`).
 
+use std::fmt::Display;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Args as _, CommandFactory, FromArgMatches, Parser, ValueEnum};
 use lifecycle_core::{Ceilings, HumanBytes, HumanDuration, MemoryPolicy, Switching};
 use lifecycle_decoder::{load_checkpoint, Checkpoint};
+use lifecycle_decoder_gpu::dapo::{self as gpu_dapo, GpuOptions, LifecycleChoice, LoopOptions};
 use lifecycle_examples::dapo::{self, DapoConfig, RunReport, StepReport};
 use lifecycle_examples::lm_policy::run_checkpoint;
 use lifecycle_examples::toy_policy::PolicyConfig;
 
+/// Where the loop runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum LifecycleArg {
-    Lazy,
-    Eager,
-    Both,
+enum Backend {
+    /// The CPU reference backend: ranks are threads, links are memory copies.
+    Host,
+    /// The FSDP backend on NVIDIA GPUs, rollouts by the GPU decoder.
+    Fsdp,
 }
 
-/// DAPO-style RL loop on the CPU reference backend.
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Backend::Host => "host",
+            Backend::Fsdp => "fsdp",
+        })
+    }
+}
+
+/// The host backend's lifecycle default (the others are `DapoConfig::default()`'s).
+const HOST_LIFECYCLE: LifecycleChoice = LifecycleChoice::Both;
+
+/// `text` and the default of each backend (one value when they agree).
+fn help(text: &str, host: impl Display, fsdp: impl Display) -> String {
+    let (host, fsdp) = (host.to_string(), fsdp.to_string());
+    if host == fsdp {
+        format!("{text} [default: {host}]")
+    } else {
+        format!("{text} [default: {host} on host, {fsdp} on fsdp]")
+    }
+}
+
+/// DAPO-style RL loop on the CPU reference backend, or on NVIDIA GPUs with --backend fsdp.
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(version)]
 struct Args {
-    /// Which lifecycle to run; `both` runs lazy then eager on the same seed and compares them.
-    #[arg(long, value_enum, default_value = "both")]
-    lifecycle: LifecycleArg,
-    /// Training steps.
-    #[arg(long, default_value_t = 4)]
-    steps: usize,
-    /// Ranks (threads standing for GPUs).
-    #[arg(long, default_value_t = 2)]
-    world: usize,
-    /// Rollout tensor-parallel degree (must divide --world).
-    #[arg(long, default_value_t = 2)]
-    tp: usize,
-    /// Prompts per rollout call.
-    #[arg(long, default_value_t = 4)]
-    prompts_per_batch: usize,
-    /// Samples per prompt.
-    #[arg(long, default_value_t = 8)]
-    group_size: usize,
-    /// Groups with mixed rewards per training batch.
-    #[arg(long, default_value_t = 8)]
-    batch_groups: usize,
-    /// Most rollout calls per step before failing.
-    #[arg(long, default_value_t = 16)]
-    max_gen_batches: usize,
-    /// Tokens generated per sample.
-    #[arg(long, default_value_t = 12)]
-    tokens: usize,
-    /// Sampling temperature.
-    #[arg(long, default_value_t = 1.0)]
-    temperature: f32,
-    /// Seed of weights, prompts and sampling.
-    #[arg(long, default_value_t = 2026)]
-    seed: u64,
-    /// Vocabulary size (divisible by --tp).
-    #[arg(long, default_value_t = 64)]
-    vocab: usize,
-    /// Hidden size.
-    #[arg(long, default_value_t = 256)]
-    hidden: usize,
-    /// MLP intermediate size (divisible by --tp).
-    #[arg(long, default_value_t = 1024)]
-    ffn: usize,
-    /// MLP blocks.
-    #[arg(long, default_value_t = 2)]
-    layers: usize,
+    /// Where the loop runs: `host` (CPU reference backend) or `fsdp` (NVIDIA GPUs).
+    #[arg(long, value_enum, default_value_t = Backend::Host)]
+    backend: Backend,
+    // The loop options: both backends, each with its own defaults.
+    #[arg(long, value_enum, help = help(
+        "Which lifecycle to run; `both` runs lazy then eager on the same seed and compares them",
+        HOST_LIFECYCLE, LoopOptions::DEFAULTS.lifecycle))]
+    lifecycle: Option<LifecycleChoice>,
+    #[arg(long, help = help("Training steps (per lifecycle)",
+        DapoConfig::default().steps, LoopOptions::DEFAULTS.steps))]
+    steps: Option<usize>,
+    #[arg(long, help = help("Rollout tensor-parallel degree (T; on host it must divide --world)",
+        DapoConfig::default().tp, LoopOptions::DEFAULTS.tp))]
+    tp: Option<usize>,
+    #[arg(long, help = help("Prompts per rollout call (gen batch)",
+        DapoConfig::default().prompts_per_batch, LoopOptions::DEFAULTS.prompts_per_batch))]
+    prompts_per_batch: Option<usize>,
+    #[arg(long, help = help("Samples per prompt (group size)",
+        DapoConfig::default().group_size, LoopOptions::DEFAULTS.group_size))]
+    group_size: Option<usize>,
+    #[arg(long, help = help("Groups with mixed rewards per training batch",
+        DapoConfig::default().batch_groups, LoopOptions::DEFAULTS.batch_groups))]
+    batch_groups: Option<usize>,
+    #[arg(long, help = help("Most rollout calls per step before failing",
+        DapoConfig::default().max_gen_batches, LoopOptions::DEFAULTS.max_gen_batches))]
+    max_gen_batches: Option<usize>,
+    #[arg(long, help = help("Tokens generated per sample",
+        DapoConfig::default().tokens, LoopOptions::DEFAULTS.tokens))]
+    tokens: Option<usize>,
+    #[arg(long, help = help("Sampling temperature",
+        DapoConfig::default().temperature, LoopOptions::DEFAULTS.temperature))]
+    temperature: Option<f32>,
+    #[arg(long, help = help("Seed of weights, prompts and sampling",
+        DapoConfig::default().seed, LoopOptions::DEFAULTS.seed))]
+    seed: Option<u64>,
     /// Keep master weights and optimizer state on the device during rollout.
     #[arg(long)]
     no_offload: bool,
+    /// A Hugging Face checkpoint folder (config.json + model.safetensors, Qwen2 or Llama): train
+    /// its weights and roll out through the decoder (CPU decoder on host, GPU decoder on fsdp)
+    /// instead of the toy policy / a synthetic model.
+    #[arg(long, value_name = "PATH")]
+    checkpoint: Option<PathBuf>,
+    #[command(flatten, next_help_heading = "Host backend only (--backend host)")]
+    host: HostOptions,
+    #[command(flatten, next_help_heading = "FSDP backend only (--backend fsdp)")]
+    fsdp: GpuOptions,
+}
+
+/// The options of the host backend only.
+#[derive(Debug, Clone, clap::Args)]
+struct HostOptions {
+    /// Ranks (threads standing for GPUs).
+    #[arg(long, default_value_t = DapoConfig::default().world)]
+    world: usize,
+    /// Vocabulary size (divisible by --tp).
+    #[arg(long, default_value_t = DapoConfig::default().policy.vocab)]
+    vocab: usize,
+    /// Hidden size.
+    #[arg(long, default_value_t = DapoConfig::default().policy.hidden)]
+    hidden: usize,
+    /// MLP intermediate size (divisible by --tp).
+    #[arg(long, default_value_t = DapoConfig::default().policy.ffn)]
+    ffn: usize,
+    /// MLP blocks.
+    #[arg(long, default_value_t = DapoConfig::default().policy.layers)]
+    layers: usize,
     /// Write the switch timeline of each run as a Chrome / Perfetto trace: PATH.lazy.json and
     /// PATH.eager.json (open them at ui.perfetto.dev).
     #[arg(long, value_name = "PATH")]
     trace: Option<String>,
-    /// A Hugging Face checkpoint folder (config.json + model.safetensors, Qwen2 or Llama): train
-    /// its weights and roll out through the decoder instead of the toy policy.
-    #[arg(long, value_name = "PATH")]
-    checkpoint: Option<PathBuf>,
+}
+
+/// A command line that does not fit its backend.
+#[derive(Debug, thiserror::Error)]
+enum ArgsError {
+    /// Options of one backend given with the other.
+    #[error(
+        "{} only appl{} to --backend {only}, and this run is --backend {chosen}: remove {}, or \
+         choose --backend {only}{hint}",
+        options.join(", "),
+        if options.len() == 1 { "ies" } else { "y" },
+        if options.len() == 1 { "it" } else { "them" },
+    )]
+    WrongBackend {
+        /// The options, as typed (`--vocab`).
+        options: Vec<String>,
+        /// The backend they belong to.
+        only: Backend,
+        /// The backend chosen.
+        chosen: Backend,
+        /// Where the chosen backend's counterpart is, if any.
+        hint: &'static str,
+    },
+}
+
+/// What a command line runs.
+#[derive(Debug)]
+enum Plan {
+    /// The host backend.
+    Host {
+        config: DapoConfig,
+        lifecycle: LifecycleChoice,
+        checkpoint: Option<PathBuf>,
+        trace: Option<String>,
+    },
+    /// The FSDP backend on GPUs.
+    Fsdp(gpu_dapo::Options),
+}
+
+/// The options of `group` given on the command line, as `--name`.
+fn given(matches: &ArgMatches, group: clap::Command) -> Vec<String> {
+    group
+        .get_arguments()
+        .filter(|a| matches.value_source(a.get_id().as_str()) == Some(ValueSource::CommandLine))
+        .map(|a| match a.get_long() {
+            Some(long) => format!("--{long}"),
+            None => a.get_id().to_string(),
+        })
+        .collect()
 }
 
 impl Args {
-    fn config(&self) -> DapoConfig {
-        DapoConfig {
-            steps: self.steps,
-            world: self.world,
-            tp: self.tp,
-            prompts_per_batch: self.prompts_per_batch,
-            group_size: self.group_size,
-            batch_groups: self.batch_groups,
-            max_gen_batches: self.max_gen_batches,
-            tokens: self.tokens,
-            temperature: self.temperature,
-            seed: self.seed,
+    /// Parses `argv` (the program name first), or returns clap's error (usage, --help,
+    /// --version).
+    fn parse_from_argv<I, T>(argv: I) -> Result<(Args, ArgMatches), clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let matches = Args::command().try_get_matches_from(argv)?;
+        let args = Args::from_arg_matches(&matches)?;
+        Ok((args, matches))
+    }
+
+    /// The run of the chosen backend, with its defaults for the loop options not given; an
+    /// option of the other backend only is an error.
+    fn plan(&self, matches: &ArgMatches) -> Result<Plan, ArgsError> {
+        let (host_only, fsdp_only) = (
+            given(
+                matches,
+                HostOptions::augment_args(clap::Command::new("host")),
+            ),
+            given(
+                matches,
+                GpuOptions::augment_args(clap::Command::new("fsdp")),
+            ),
+        );
+        match self.backend {
+            Backend::Host if !fsdp_only.is_empty() => Err(ArgsError::WrongBackend {
+                hint: if fsdp_only.iter().any(|o| o == "--gpus") {
+                    " (the host backend's ranks are --world)"
+                } else {
+                    ""
+                },
+                options: fsdp_only,
+                only: Backend::Fsdp,
+                chosen: Backend::Host,
+            }),
+            Backend::Fsdp if !host_only.is_empty() => Err(ArgsError::WrongBackend {
+                hint: if host_only.iter().any(|o| o == "--world") {
+                    " (the FSDP backend's ranks are --gpus)"
+                } else {
+                    ""
+                },
+                options: host_only,
+                only: Backend::Host,
+                chosen: Backend::Fsdp,
+            }),
+            Backend::Host => Ok(self.host_plan()),
+            Backend::Fsdp => Ok(Plan::Fsdp(self.fsdp_options())),
+        }
+    }
+
+    fn host_plan(&self) -> Plan {
+        let d = DapoConfig::default();
+        let h = &self.host;
+        let config = DapoConfig {
+            steps: self.steps.unwrap_or(d.steps),
+            world: h.world,
+            tp: self.tp.unwrap_or(d.tp),
+            prompts_per_batch: self.prompts_per_batch.unwrap_or(d.prompts_per_batch),
+            group_size: self.group_size.unwrap_or(d.group_size),
+            batch_groups: self.batch_groups.unwrap_or(d.batch_groups),
+            max_gen_batches: self.max_gen_batches.unwrap_or(d.max_gen_batches),
+            tokens: self.tokens.unwrap_or(d.tokens),
+            temperature: self.temperature.unwrap_or(d.temperature),
+            seed: self.seed.unwrap_or(d.seed),
             policy: PolicyConfig {
-                vocab: self.vocab,
-                hidden: self.hidden,
-                ffn: self.ffn,
-                layers: self.layers,
+                vocab: h.vocab,
+                hidden: h.hidden,
+                ffn: h.ffn,
+                layers: h.layers,
             },
             memory: if self.no_offload {
                 MemoryPolicy::resident()
             } else {
                 MemoryPolicy::default()
             },
-            trace: self.trace.is_some(),
+            trace: h.trace.is_some(),
+        };
+        Plan::Host {
+            config,
+            lifecycle: self.lifecycle.unwrap_or(HOST_LIFECYCLE),
+            checkpoint: self.checkpoint.clone(),
+            trace: h.trace.clone(),
+        }
+    }
+
+    fn fsdp_options(&self) -> gpu_dapo::Options {
+        let d = LoopOptions::DEFAULTS;
+        gpu_dapo::Options {
+            gpu: self.fsdp.clone(),
+            run: LoopOptions {
+                tp: self.tp.unwrap_or(d.tp),
+                checkpoint: self.checkpoint.clone(),
+                lifecycle: self.lifecycle.unwrap_or(d.lifecycle),
+                steps: self.steps.unwrap_or(d.steps),
+                prompts_per_batch: self.prompts_per_batch.unwrap_or(d.prompts_per_batch),
+                group_size: self.group_size.unwrap_or(d.group_size),
+                batch_groups: self.batch_groups.unwrap_or(d.batch_groups),
+                max_gen_batches: self.max_gen_batches.unwrap_or(d.max_gen_batches),
+                tokens: self.tokens.unwrap_or(d.tokens),
+                temperature: self.temperature.unwrap_or(d.temperature),
+                seed: self.seed.unwrap_or(d.seed),
+                no_offload: self.no_offload,
+            },
         }
     }
 }
@@ -284,10 +468,14 @@ fn compare(lazy: &RunReport, eager: &RunReport) {
     );
 }
 
-fn main() -> ExitCode {
-    let args = Args::parse();
-    let config = args.config();
-    let checkpoint = match &args.checkpoint {
+/// The host backend's run: the toy policy or the checkpoint, one lifecycle or both compared.
+fn run_host(
+    config: DapoConfig,
+    lifecycle: LifecycleChoice,
+    checkpoint_path: Option<PathBuf>,
+    trace: Option<String>,
+) -> ExitCode {
+    let checkpoint = match &checkpoint_path {
         None => None,
         Some(path) => match load_checkpoint(path) {
             Ok(ckpt) => Some(ckpt),
@@ -297,12 +485,12 @@ fn main() -> ExitCode {
             }
         },
     };
-    let offload = if args.no_offload {
+    let offload = if config.memory == MemoryPolicy::resident() {
         "off"
     } else {
         "master + Adam"
     };
-    match (&checkpoint, &args.checkpoint) {
+    match (&checkpoint, &checkpoint_path) {
         (Some(ckpt), Some(path)) => {
             let m = &ckpt.config;
             println!(
@@ -341,7 +529,7 @@ fn main() -> ExitCode {
         ),
     }
     let ckpt = checkpoint.as_ref();
-    let trace = args.trace.as_deref();
+    let trace = trace.as_deref();
     // Warm the allocator and caches once, untimed, so neither policy pays the first-touch cost.
     let warmup = DapoConfig {
         steps: 1,
@@ -352,10 +540,10 @@ fn main() -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::FAILURE;
     }
-    let result = match args.lifecycle {
-        LifecycleArg::Lazy => run_one(&config, ckpt, Switching::Lazy, trace).map(|_| ()),
-        LifecycleArg::Eager => run_one(&config, ckpt, Switching::Eager, trace).map(|_| ()),
-        LifecycleArg::Both => run_one(&config, ckpt, Switching::Lazy, trace).and_then(|lazy| {
+    let result = match lifecycle {
+        LifecycleChoice::Lazy => run_one(&config, ckpt, Switching::Lazy, trace).map(|_| ()),
+        LifecycleChoice::Eager => run_one(&config, ckpt, Switching::Eager, trace).map(|_| ()),
+        LifecycleChoice::Both => run_one(&config, ckpt, Switching::Lazy, trace).and_then(|lazy| {
             let eager = run_one(&config, ckpt, Switching::Eager, trace)?;
             compare(&lazy, &eager);
             Ok(())
@@ -367,5 +555,230 @@ fn main() -> ExitCode {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+fn main() -> ExitCode {
+    let (args, matches) = match Args::parse_from_argv(std::env::args_os()) {
+        Ok(parsed) => parsed,
+        Err(e) => e.exit(),
+    };
+    match args.plan(&matches) {
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+        Ok(Plan::Host {
+            config,
+            lifecycle,
+            checkpoint,
+            trace,
+        }) => run_host(config, lifecycle, checkpoint, trace),
+        Ok(Plan::Fsdp(options)) => gpu_dapo::run_cli(&options),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lifecycle_cuda::{driver_present, CudaError};
+    use lifecycle_decoder_gpu::dapo::{DapoGpuError, SyntheticModel};
+
+    fn plan(argv: &[&str]) -> Result<Plan, ArgsError> {
+        let (args, matches) =
+            Args::parse_from_argv(std::iter::once("dapo").chain(argv.iter().copied())).unwrap();
+        args.plan(&matches)
+    }
+
+    fn fsdp(argv: &[&str]) -> gpu_dapo::Options {
+        match plan(argv) {
+            Ok(Plan::Fsdp(o)) => o,
+            other => panic!("expected the fsdp backend, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_default_is_the_host_backend_with_its_defaults() {
+        match plan(&[]).unwrap() {
+            Plan::Host {
+                config,
+                lifecycle,
+                checkpoint,
+                trace,
+            } => {
+                assert_eq!(
+                    format!("{config:?}"),
+                    format!("{:?}", DapoConfig::default())
+                );
+                assert_eq!(lifecycle, LifecycleChoice::Both);
+                assert!(checkpoint.is_none() && trace.is_none());
+            }
+            other => panic!("expected the host backend, got {other:?}"),
+        }
+        // the loop options and the host-only ones reach the host config
+        match plan(&[
+            "--steps",
+            "3",
+            "--tp",
+            "1",
+            "--world",
+            "3",
+            "--vocab",
+            "32",
+            "--seed",
+            "9",
+            "--no-offload",
+            "--lifecycle",
+            "eager",
+            "--trace",
+            "/tmp/t",
+        ])
+        .unwrap()
+        {
+            Plan::Host {
+                config,
+                lifecycle,
+                trace,
+                ..
+            } => {
+                assert_eq!((config.steps, config.tp, config.world), (3, 1, 3));
+                assert_eq!((config.policy.vocab, config.seed), (32, 9));
+                assert_eq!(config.memory, MemoryPolicy::resident());
+                assert!(config.trace);
+                assert_eq!(lifecycle, LifecycleChoice::Eager);
+                assert_eq!(trace.as_deref(), Some("/tmp/t"));
+            }
+            other => panic!("expected the host backend, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn fsdp_takes_the_loop_options_and_its_own_defaults() {
+        // nothing given: exactly the GPU run's defaults (not the host's)
+        assert_eq!(fsdp(&["--backend", "fsdp"]), gpu_dapo::Options::default());
+        let o = fsdp(&[
+            "--backend",
+            "fsdp",
+            "--gpus",
+            "2",
+            "--tp",
+            "2",
+            "--steps",
+            "1",
+            "--checkpoint",
+            "some/model",
+            "--lifecycle",
+            "lazy",
+            "--seed",
+            "7",
+            "--group-size",
+            "6",
+            "--no-offload",
+            "--lr",
+            "0.001",
+        ]);
+        assert_eq!((o.gpu.gpus, o.run.tp, o.run.steps), (2, 2, 1));
+        assert_eq!(o.run.checkpoint, Some(PathBuf::from("some/model")));
+        assert_eq!(o.run.lifecycle, LifecycleChoice::Lazy);
+        assert_eq!((o.run.seed, o.run.group_size), (7, 6));
+        assert!(o.run.no_offload);
+        assert_eq!(o.gpu.lr, 0.001);
+        // the options not given keep the GPU run's defaults
+        let d = gpu_dapo::Options::default();
+        assert_eq!(o.run.tokens, d.run.tokens);
+        assert_eq!(o.run.prompts_per_batch, d.run.prompts_per_batch);
+        let o = fsdp(&["--backend", "fsdp", "--synthetic", "7b", "--tp", "1"]);
+        assert_eq!(o.gpu.synthetic, Some(SyntheticModel::Qwen7b));
+    }
+
+    #[test]
+    fn options_of_the_other_backend_are_errors() {
+        let e = plan(&["--backend", "fsdp", "--vocab", "32", "--trace", "/tmp/t"]).unwrap_err();
+        let ArgsError::WrongBackend {
+            options,
+            only,
+            chosen,
+            ..
+        } = &e;
+        assert_eq!(options, &["--vocab", "--trace"]);
+        assert_eq!((*only, *chosen), (Backend::Host, Backend::Fsdp));
+        let msg = e.to_string();
+        assert!(
+            msg.contains("--vocab, --trace only apply to --backend host")
+                && msg.contains("this run is --backend fsdp"),
+            "{msg}"
+        );
+        let msg = plan(&["--backend", "fsdp", "--world", "2"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("--world only applies") && msg.contains("--gpus"),
+            "{msg}"
+        );
+        // the default backend is host: GPU-only options need --backend fsdp
+        let msg = plan(&["--gpus", "2"]).unwrap_err().to_string();
+        assert!(
+            msg.contains("--gpus only applies to --backend fsdp") && msg.contains("--world"),
+            "{msg}"
+        );
+        let msg = plan(&["--backend", "host", "--lr", "0.1", "--synthetic", "small"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("--synthetic, --lr only apply to --backend fsdp"),
+            "{msg}"
+        );
+        // a checkpoint and a synthetic model exclude each other (clap's own check)
+        let e = Args::parse_from_argv([
+            "dapo",
+            "--backend",
+            "fsdp",
+            "--checkpoint",
+            "x",
+            "--synthetic",
+            "7b",
+        ])
+        .unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{e}");
+    }
+
+    #[test]
+    fn fsdp_without_a_gpu_is_a_typed_error() {
+        let options = fsdp(&[
+            "--backend",
+            "fsdp",
+            "--gpus",
+            "2",
+            "--tp",
+            "2",
+            "--steps",
+            "1",
+        ]);
+        let result = gpu_dapo::run(&options);
+        if driver_present() {
+            // a GPU machine: it runs, or fails with a value (e.g. fewer than 2 GPUs)
+            if let Err(e) = result {
+                println!("on this machine: {e}");
+            }
+            return;
+        }
+        match result {
+            Err(e @ DapoGpuError::Cuda(CudaError::NoDriver)) => {
+                let msg = e.to_string();
+                assert!(
+                    msg.contains("libcuda") && msg.contains("LD_LIBRARY_PATH"),
+                    "{msg}"
+                );
+            }
+            other => panic!("expected Cuda(NoDriver), got {other:?}"),
+        }
+        // settings are checked before the GPUs are looked for
+        let options = fsdp(&["--backend", "fsdp", "--gpus", "1", "--tp", "2"]);
+        assert!(matches!(
+            gpu_dapo::run(&options),
+            Err(DapoGpuError::Gpu(
+                lifecycle_decoder_gpu::GpuDecodeError::Topology { .. }
+            ))
+        ));
     }
 }

@@ -1,0 +1,331 @@
+//! DAPO end to end on GPUs: dynamic sampling through the GPU decoder on the FSDP backend's
+//! resharded rollout weights, an in-place Adam step on synthetic gradients between training
+//! steps, and the lazy and eager lifecycles compared on the same seeds.
+//!
+//! Two command lines run it: the `dapo` example with `--backend fsdp` (the same example runs the
+//! loop on the CPU reference backend by default), and the `dapo_gpu` binary of this crate.
+//!
+//! ```text
+//! cargo run --release --example dapo -- --backend fsdp --gpus 2 --tp 2 --synthetic 7b
+//! cargo run --release --example dapo -- --backend fsdp --gpus 2 --tp 2 --checkpoint path/to/hf-model
+//! dapo_gpu --gpus 2 --tp 2 --synthetic 7b --lifecycle both    # Qwen2.5-7B shapes, random weights
+//! dapo_gpu --gpus 2 --tp 1 --synthetic 7b                      # 2 data-parallel decoder replicas
+//! dapo_gpu --gpus 2 --tp 2 --checkpoint path/to/hf-model       # config.json + model.safetensors
+//! lifecycle-launch --nproc-per-node 2 -- dapo_gpu --gpus 2 --tp 2   # one process per GPU
+//! dapo_gpu --help                                              # every option
+//! ```
+//!
+//! Per training step: gen batches of `--prompts-per-batch` prompts × `--group-size` samples are
+//! generated with temperature sampling by [`GpuDecoder`](crate::GpuDecoder) on the resident
+//! rollout weights; each sample is rewarded by a verifiable rule (1 if one of its generated
+//! tokens `t` has `t mod M == target(prompt)`, `M = --reward-modulus`); groups whose rewards all
+//! agree are dropped; gen batches continue until `--batch-groups` groups are kept (at most
+//! `--max-gen-batches`, then [`DapoGpuError::BatchNotFilled`]). Then the update: seeded synthetic
+//! gradients are written into the gradient shards on the GPUs and one Adam step is applied in
+//! place to the fp32 master, m, v shards ([`FsdpBackend::fill_synthetic_grads`],
+//! [`FsdpBackend::adam_step`]). It is an Adam step on synthetic gradients, not a learned update:
+//! the gradients are noise, not the gradient of a loss of the samples. Nothing is reallocated,
+//! and the pinned host buffers of the offload are allocated at the first switch and reused.
+//!
+//! Launch: with launcher variables (torchrun, Slurm, `lifecycle-launch`) each process drives one
+//! GPU (`--gpus` must equal `WORLD_SIZE`; only rank 0 prints the report, every rank prints its
+//! errors); otherwise one process drives `--gpus` GPUs with a thread each. The decoder runs one
+//! tensor-parallel group (`--gpus` = `--tp`), or, in one process at `--tp 1`, one data-parallel
+//! replica per GPU. Master weights and Adam moments are offloaded to pinned host memory during
+//! rollout (`MemoryPolicy::default()`; `--no-offload` keeps them on the GPUs).
+//!
+//! The settings are [`Options`], a `clap` argument group to flatten into a parser:
+//!
+//! ```
+//! use clap::Parser;
+//! use lifecycle_decoder_gpu::dapo::{Options, SyntheticModel};
+//!
+//! #[derive(Parser)]
+//! struct Cli {
+//!     #[command(flatten)]
+//!     options: Options,
+//! }
+//!
+//! let cli = Cli::try_parse_from(["dapo_gpu", "--gpus", "2", "--tp", "2", "--synthetic", "7b"])?;
+//! assert_eq!(cli.options.gpu.synthetic, Some(SyntheticModel::Qwen7b));
+//! assert_eq!(cli.options.run.steps, Options::default().run.steps);
+//! // lifecycle_decoder_gpu::dapo::run(&cli.options)?;   // on a machine with 2 GPUs
+//! # Ok::<(), clap::Error>(())
+//! ```
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lifecycle_core::{
+    HumanBytes, HumanDuration, Lifecycle, LifecycleConfig, MemoryPolicy, Switching,
+};
+use lifecycle_cuda::{check_environment, ThreadRankPool};
+use lifecycle_dist::RankEnv;
+use lifecycle_fsdp::FsdpBackend;
+
+use crate::{decode_topology, DecodeTopology};
+
+/// `println!` on the rank that reports (every rank but 0 is silent in process mode).
+macro_rules! say {
+    ($root:expr) => {
+        if $root {
+            println!();
+        }
+    };
+    ($root:expr, $($arg:tt)*) => {
+        if $root {
+            println!($($arg)*);
+        }
+    };
+}
+
+mod error;
+mod options;
+mod policy;
+mod report;
+mod rollout;
+mod source;
+
+pub use error::DapoGpuError;
+pub use options::{GpuOptions, LifecycleChoice, LoopOptions, Options, SyntheticModel};
+
+use policy::{name, run_policy};
+use report::{compare, samples_digest, secs};
+use rollout::{Ctx, Update};
+use source::Model;
+
+/// Runs DAPO on the GPUs with `options`: in one process with a thread per GPU, or, when the
+/// launcher variables are set (torchrun, Slurm, `lifecycle-launch`), as one rank of a
+/// one-process-per-GPU job. Prints the report (rank 0 only) on stdout.
+///
+/// Every setting is checked before any GPU work ([`Options::check`], the decoder topology, the
+/// checkpoint); then the environment (driver, NCCL, NVRTC, `--gpus` GPUs), before anything is
+/// printed: with no driver, NCCL or GPU the result is an error (`DapoGpuError::Cuda`), never a
+/// panic.
+///
+/// ```no_run
+/// use lifecycle_decoder_gpu::dapo::{run, Options};
+///
+/// let mut options = Options::default();
+/// options.gpu.gpus = 2;
+/// options.run.tp = 2;
+/// options.run.steps = 1;
+/// run(&options)?;
+/// # Ok::<(), lifecycle_decoder_gpu::dapo::DapoGpuError>(())
+/// ```
+pub fn run(options: &Options) -> Result<(), DapoGpuError> {
+    let env = RankEnv::from_env().map_err(DapoGpuError::Launcher)?;
+    run_in(options, env)
+}
+
+/// [`run`] as a command-line tool runs it: on an error, prints `error: ...` (naming the rank in a
+/// one-process-per-GPU job) on stderr and returns [`DapoGpuError::exit_code`].
+pub fn run_cli(options: &Options) -> ExitCode {
+    match run(options) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let who = match RankEnv::from_env() {
+                Ok(Some(env)) => format!(" (rank {} of {})", env.rank, env.world_size),
+                _ => String::new(),
+            };
+            eprintln!("error{who}: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+/// How this process was started.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Launch {
+    /// One process, a thread per GPU.
+    Threads,
+    /// One process per GPU (torchrun, Slurm, `lifecycle-launch`).
+    Process(RankEnv),
+}
+
+/// Checks the settings (and the launch) before any GPU work; the launch mode and the decoder's
+/// topology.
+fn check_launch(
+    a: &Options,
+    env: Option<RankEnv>,
+) -> Result<(Launch, DecodeTopology), DapoGpuError> {
+    a.check()?;
+    let gpus = a.gpu.gpus;
+    let (launch, local) = match env {
+        None => (Launch::Threads, gpus),
+        Some(env) => {
+            if env.world_size != gpus {
+                return Err(DapoGpuError::Usage(format!(
+                    "--gpus {gpus} but the launcher started WORLD_SIZE = {} processes: with one \
+                     process per GPU, --gpus must equal WORLD_SIZE",
+                    env.world_size
+                )));
+            }
+            (Launch::Process(env), 1)
+        }
+    };
+    let topology = decode_topology(gpus, a.run.tp, local)?;
+    Ok((launch, topology))
+}
+
+/// [`run`] with the launch given: `None` for one process with a thread per GPU.
+fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
+    let (launch, topology) = check_launch(a, env)?;
+    let root = match &launch {
+        Launch::Threads => true,
+        Launch::Process(env) => env.rank == 0,
+    };
+    let (r, g) = (&a.run, &a.gpu);
+    let Model {
+        config,
+        source,
+        what,
+    } = Model::from_options(a)?;
+    // Driver, NCCL, NVRTC and enough GPUs, before the report starts (an error, never a panic).
+    check_environment(match &launch {
+        Launch::Threads => g.gpus,
+        Launch::Process(_) => 1,
+    })?;
+    let modulus = g
+        .reward_modulus
+        .min(u32::try_from(config.vocab_size).unwrap_or(u32::MAX))
+        .max(1);
+    let memory = if r.no_offload {
+        MemoryPolicy {
+            offload_params: false,
+            offload_optimizer: false,
+            keep_rollout_resident: false,
+        }
+    } else {
+        MemoryPolicy::default()
+    };
+    let mode = match (&launch, topology) {
+        (Launch::Process(env), _) => format!(
+            "one process per GPU (rank {} of {}, local GPU {})",
+            env.rank, env.world_size, env.local_rank
+        ),
+        (Launch::Threads, DecodeTopology::Group) => {
+            "one process, a thread per GPU, one tensor-parallel decoder group".to_string()
+        }
+        (Launch::Threads, DecodeTopology::Replicas(n)) => {
+            format!("one process, a thread per GPU, {n} data-parallel decoder replicas")
+        }
+    };
+    say!(
+        root,
+        "DAPO on the FSDP backend: {what}: {:.3} B parameters, W = {}, T = {} ({mode}), offload \
+         master {} / Adam {}",
+        config.params() as f64 / 1e9,
+        g.gpus,
+        r.tp,
+        if memory.offload_params { "on" } else { "off" },
+        if memory.offload_optimizer {
+            "on"
+        } else {
+            "off"
+        },
+    );
+    say!(
+        root,
+        "  per step: gen batches of {} prompts x {} samples, {} prompt + {} new tokens, \
+         temperature {}, until {} groups with mixed rewards (at most {} gen batches); reward 1 if \
+         a generated token t has t mod {} == target(prompt)",
+        r.prompts_per_batch,
+        r.group_size,
+        g.prompt_len,
+        r.tokens,
+        r.temperature,
+        r.batch_groups,
+        r.max_gen_batches,
+        modulus
+    );
+    let update = Update {
+        params: a.adam_params(),
+        grad_scale: g.grad_scale,
+        seed: r.seed ^ 0x5EED_6AAD,
+    };
+    say!(root, "  {}", update.describe());
+    let t = Instant::now();
+    let layout = config.rollout_layout(r.tp)?;
+    let pool = match &launch {
+        Launch::Threads => ThreadRankPool::new(g.gpus)?,
+        Launch::Process(env) => ThreadRankPool::for_process(env, Duration::from_secs(120))?,
+    };
+    let backend = FsdpBackend::new(Arc::new(pool), layout);
+    let state = source.initial(&backend)?;
+    let policies: &[Switching] = match r.lifecycle {
+        LifecycleChoice::Lazy => &[Switching::Lazy],
+        LifecycleChoice::Eager => &[Switching::Eager],
+        LifecycleChoice::Both => &[Switching::Lazy, Switching::Eager],
+    };
+    let mut lc = Lifecycle::with_config(
+        backend,
+        state,
+        LifecycleConfig {
+            switching: policies[0],
+            memory,
+        },
+    )?;
+    say!(
+        root,
+        "  setup (GPUs, NCCL, training state): {}",
+        HumanDuration(t.elapsed())
+    );
+    let cx = Ctx {
+        options: a,
+        config: &config,
+        modulus,
+        root,
+        update,
+    };
+    let mut reports = Vec::new();
+    for (i, &p) in policies.iter().enumerate() {
+        reports.push(run_policy(&mut lc, &cx, &source, p, i == 0)?);
+    }
+    for rep in &reports {
+        say!(
+            root,
+            "[{}] total: {} steps, {} gen batches, rollout phase {:.3} s, switches {}, exits {}, \
+             bytes {}, switch time {:.3} s, Adam steps on synthetic gradients {:.3} s",
+            name(rep.switching),
+            rep.steps.len(),
+            rep.steps.iter().map(|s| s.gen_batches).sum::<usize>(),
+            secs(rep.sum(|s| s.rollout)),
+            rep.switches(),
+            rep.exits(),
+            HumanBytes(rep.bytes()),
+            secs(rep.sum(|s| s.switch)),
+            secs(rep.sum(|s| s.adam)),
+        );
+    }
+    if let ([lazy, eager], true) = (reports.as_slice(), root) {
+        compare(lazy, eager);
+    }
+    if g.samples_digest {
+        let rank = match &launch {
+            Launch::Threads => "the only process".to_string(),
+            Launch::Process(env) => format!("rank {} of {}", env.rank, env.world_size),
+        };
+        for rep in &reports {
+            let (digest, samples) = samples_digest(&rep.groups);
+            println!(
+                "[{}] {rank}: samples digest {digest:016x} over {samples} samples",
+                name(rep.switching)
+            );
+        }
+    }
+    lc.exit()?;
+    let state = lc.peek_state();
+    say!(
+        root,
+        "  pinned host memory for the offload (this process's ranks): {}, allocated at the first \
+         switch and reused by every later one; {} Adam steps applied since the last reset",
+        HumanBytes(state.pinned_host_bytes()),
+        state.adam_steps()
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

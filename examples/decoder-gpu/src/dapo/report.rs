@@ -1,0 +1,176 @@
+//! The comparison of the lazy and eager policies, and the digest of a run's samples.
+
+use std::time::Duration;
+
+use lifecycle_core::HumanBytes;
+
+use super::policy::{PolicyReport, StepReport};
+use super::rollout::Group;
+
+/// Seconds, for the tables.
+pub(crate) fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+/// Prints lazy against eager: phases, switches, bytes, and the measured saving next to the
+/// prediction (gen batches - 1) x switch time.
+pub(crate) fn compare(lazy: &PolicyReport, eager: &PolicyReport) {
+    let identical = lazy.groups == eager.groups;
+    println!();
+    println!(
+        "lazy vs eager (same seeds; samples identical: {})",
+        if identical { "yes" } else { "NO" }
+    );
+    let row = |what: &str, l: String, e: String| println!("  {what:<34} {l:>14} {e:>14}");
+    row("", "lazy".into(), "eager".into());
+    let gb = |p: &PolicyReport| {
+        p.steps
+            .iter()
+            .map(|s| s.gen_batches.to_string())
+            .collect::<Vec<_>>()
+            .join("+")
+    };
+    row("gen batches (per step)", gb(lazy), gb(eager));
+    let d =
+        |p: &PolicyReport, f: &dyn Fn(&StepReport) -> Duration| format!("{:.3} s", secs(p.sum(f)));
+    row(
+        "rollout phase",
+        d(lazy, &|s| s.rollout),
+        d(eager, &|s| s.rollout),
+    );
+    row(
+        "  of which generate",
+        d(lazy, &|s| s.generate),
+        d(eager, &|s| s.generate),
+    );
+    row(
+        "  of which decoder setup",
+        d(lazy, &|s| s.setup),
+        d(eager, &|s| s.setup),
+    );
+    row(
+        "update phase (incl. lazy's exit)",
+        d(lazy, &|s| s.update),
+        d(eager, &|s| s.update),
+    );
+    row(
+        "  of which Adam step (synthetic g)",
+        d(lazy, &|s| s.adam),
+        d(eager, &|s| s.adam),
+    );
+    row(
+        "rollout + update",
+        d(lazy, &|s| s.rollout + s.update),
+        d(eager, &|s| s.rollout + s.update),
+    );
+    row(
+        "switches",
+        lazy.switches().to_string(),
+        eager.switches().to_string(),
+    );
+    row("exits", lazy.exits().to_string(), eager.exits().to_string());
+    row(
+        "bytes moved",
+        HumanBytes(lazy.bytes()).to_string(),
+        HumanBytes(eager.bytes()).to_string(),
+    );
+    row(
+        "switch time (enter + exit)",
+        d(lazy, &|s| s.switch),
+        d(eager, &|s| s.switch),
+    );
+    let per = |p: &PolicyReport| {
+        let n = p.switches().max(1) as f64;
+        format!("{:.3} s", secs(p.sum(|s| s.switch)) / n)
+    };
+    row("time per switch", per(lazy), per(eager));
+    // Eager's switch per rollout call (enter + exit): the updates are in place, so every call
+    // does the same work (no host memory pinned anew after an update).
+    let steady: Vec<Duration> = eager
+        .steps
+        .iter()
+        .flat_map(|s| s.batch_switch.iter().copied())
+        .collect();
+    let steady_mean = if steady.is_empty() {
+        None
+    } else {
+        Some(secs(steady.iter().sum::<Duration>()) / steady.len() as f64)
+    };
+    let saving_rollout = secs(eager.sum(|s| s.rollout)) - secs(lazy.sum(|s| s.rollout));
+    let saving_step =
+        secs(eager.sum(|s| s.rollout + s.update)) - secs(lazy.sum(|s| s.rollout + s.update));
+    let extra: usize = lazy
+        .steps
+        .iter()
+        .map(|s| s.gen_batches.saturating_sub(1))
+        .sum();
+    println!(
+        "  warm-ups (not measured): lazy {:.3} s, eager {:.3} s",
+        secs(lazy.warmup),
+        secs(eager.warmup)
+    );
+    println!(
+        "  measured saving, rollout phase: {saving_rollout:.3} s; rollout + update: \
+         {saving_step:.3} s (lazy pays its exit in the update phase)"
+    );
+    match steady_mean {
+        Some(t) => {
+            let predicted = extra as f64 * t;
+            println!(
+                "  prediction (gen batches - 1) x switch time = {extra} x {t:.3} s (eager's mean \
+                 enter + exit per rollout call, over {} calls) = {predicted:.3} s; measured / \
+                 predicted: rollout phase {:.2}, rollout + update {:.2}",
+                steady.len(),
+                if predicted > 0.0 {
+                    saving_rollout / predicted
+                } else {
+                    f64::NAN
+                },
+                if predicted > 0.0 {
+                    saving_step / predicted
+                } else {
+                    f64::NAN
+                },
+            );
+        }
+        None => println!("  prediction: no step needed more than one gen batch"),
+    }
+}
+
+/// FNV-1a of every group's prompt id and sample tokens, in order, and the number of samples.
+pub(crate) fn samples_digest(groups: &[Group]) -> (u64, usize) {
+    let mut h: u64 = 0xCBF2_9CE4_8422_2325;
+    let mut eat = |x: u64| {
+        for b in x.to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01B3);
+        }
+    };
+    let mut samples = 0;
+    for g in groups {
+        eat(g.prompt);
+        for s in &g.samples {
+            samples += 1;
+            eat(s.len() as u64);
+            s.iter().for_each(|&t| eat(u64::from(t)));
+        }
+    }
+    (h, samples)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samples_digest_sees_every_token() {
+        let g = |t: u32| Group {
+            prompt: 1,
+            samples: vec![vec![1, 2], vec![3, t]],
+            rewards: vec![0.0, 1.0],
+        };
+        let (a, n) = samples_digest(&[g(4)]);
+        assert_eq!(n, 2);
+        assert_eq!(a, samples_digest(&[g(4)]).0);
+        assert_ne!(a, samples_digest(&[g(5)]).0);
+    }
+}

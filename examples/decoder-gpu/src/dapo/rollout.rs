@@ -1,0 +1,188 @@
+//! One gen batch: prompts, generation by the GPU decoder on the resident rollout weights, and the
+//! verifiable reward; and the in-place update between training steps.
+
+use std::time::{Duration, Instant};
+
+use lifecycle_core::Lifecycle;
+use lifecycle_decoder::{Decoder, ModelConfig, Sampling};
+use lifecycle_fsdp::{FsdpBackend, FsdpTrainState};
+use lifecycle_host::AdamParams;
+
+use super::{DapoGpuError, Options};
+use crate::GpuDecoder;
+
+/// Prompt `id`'s tokens and its reward target.
+pub(crate) fn prompt(id: u64, len: usize, vocab: usize, modulus: u32) -> (Vec<u32>, u32) {
+    let v = vocab as u64;
+    let tokens = (0..len as u64)
+        .map(|k| ((id * 31 + k * 7 + 3) % v) as u32)
+        .collect();
+    (tokens, ((id * 13 + 5) % u64::from(modulus)) as u32)
+}
+
+/// The verifiable reward: 1 if a generated token `t` has `t mod modulus == target`.
+pub(crate) fn reward(sample: &[u32], target: u32, modulus: u32) -> f32 {
+    if sample.iter().any(|&t| t % modulus == target) {
+        1.0
+    } else {
+        0.0
+    }
+}
+
+/// The samples of one prompt and their rewards.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Group {
+    pub(crate) prompt: u64,
+    pub(crate) samples: Vec<Vec<u32>>,
+    pub(crate) rewards: Vec<f32>,
+}
+
+impl Group {
+    /// Whether every sample has the same reward (DAPO drops such groups).
+    pub(crate) fn uniform(&self) -> bool {
+        self.rewards.windows(2).all(|w| w[0] == w[1])
+    }
+}
+
+/// One gen batch: switch (if needed), decoder setup, generation, rewards.
+pub(crate) struct Batch {
+    pub(crate) groups: Vec<Group>,
+    /// Time of the whole rollout call (switch, decoder setup, generation, eager exit).
+    pub(crate) wall: Duration,
+    /// Decoder setup (weight checks, cuBLAS handles, NVRTC kernels).
+    pub(crate) setup: Duration,
+    /// `generate` alone.
+    pub(crate) generate: Duration,
+    /// Switch time (enter, and the exit under eager) during the call.
+    pub(crate) switch: Duration,
+    pub(crate) switches: u64,
+}
+
+/// What every gen batch and step of a run shares.
+pub(crate) struct Ctx<'a> {
+    pub(crate) options: &'a Options,
+    pub(crate) config: &'a ModelConfig,
+    /// M of the reward rule (`--reward-modulus` capped at the vocabulary size).
+    pub(crate) modulus: u32,
+    /// Whether this process prints the report (rank 0, or the only process).
+    pub(crate) root: bool,
+    pub(crate) update: Update,
+}
+
+/// Generates `--group-size` samples for each prompt of `ids` and rewards them.
+pub(crate) fn rollout_batch(
+    lc: &mut Lifecycle<FsdpBackend>,
+    cx: &Ctx<'_>,
+    ids: &[u64],
+    seed: u64,
+) -> Result<Batch, DapoGpuError> {
+    let (r, g) = (&cx.options.run, &cx.options.gpu);
+    let before = lc.metrics().clone();
+    let start = Instant::now();
+    let prompts: Vec<(Vec<u32>, u32)> = ids
+        .iter()
+        .map(|&id| prompt(id, g.prompt_len, cx.config.vocab_size, cx.modulus))
+        .collect();
+    let seqs: Vec<Vec<u32>> = prompts
+        .iter()
+        .flat_map(|(p, _)| std::iter::repeat_n(p.clone(), r.group_size))
+        .collect();
+    let sampling = Sampling {
+        temperature: r.temperature,
+        max_new_tokens: r.tokens,
+        seed,
+        stop_token: None,
+    };
+    let session = lc.rollout()?;
+    let (out, setup, generate) = {
+        let weights = session.weights();
+        let t = Instant::now();
+        let mut decoder = GpuDecoder::new(cx.config, session.backend(), weights.get())?;
+        let setup = t.elapsed();
+        let t = Instant::now();
+        let out = decoder.generate(&seqs, &sampling)?;
+        (out, setup, t.elapsed())
+    };
+    session.finish()?;
+    let wall = start.elapsed();
+    let delta = lc.metrics().since(&before);
+    let groups = ids
+        .iter()
+        .zip(&prompts)
+        .zip(out.chunks(r.group_size))
+        .map(|((&id, (_, target)), samples)| Group {
+            prompt: id,
+            rewards: samples
+                .iter()
+                .map(|s| reward(s, *target, cx.modulus))
+                .collect(),
+            samples: samples.to_vec(),
+        })
+        .collect();
+    Ok(Batch {
+        groups,
+        wall,
+        setup,
+        generate,
+        switch: delta.switch_time(),
+        switches: delta.switches(),
+    })
+}
+
+/// The update between training steps: synthetic gradients and one Adam step, in place.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Update {
+    pub(crate) params: AdamParams,
+    pub(crate) grad_scale: f32,
+    pub(crate) seed: u64,
+}
+
+impl Update {
+    /// Fills the gradients of `step` (1-based) and applies the Adam step, on the GPUs.
+    pub(crate) fn apply(
+        &self,
+        backend: &FsdpBackend,
+        state: &mut FsdpTrainState,
+        step: usize,
+    ) -> Result<(), DapoGpuError> {
+        let seed = self
+            .seed
+            .wrapping_add(0x9E37_79B9_7F4A_7C15u64.wrapping_mul(step as u64));
+        backend.fill_synthetic_grads(state, seed, self.grad_scale)?;
+        backend.adam_step(state, self.params)?;
+        Ok(())
+    }
+
+    /// What the update is, for the output.
+    pub(crate) fn describe(&self) -> String {
+        let p = self.params;
+        format!(
+            "update: Adam step on synthetic gradients, not a learned update: seeded uniform noise \
+             in [-{}, {}) written into the gradient shards on the GPUs, then one Adam step (lr {}, \
+             betas {} / {}, eps {}) in place on the fp32 master, m, v shards \
+             (FsdpBackend::fill_synthetic_grads + adam_step); nothing reallocated, the pinned host \
+             offload buffers reused",
+            self.grad_scale, self.grad_scale, p.lr, p.beta1, p.beta2, p.eps
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reward_rule_and_groups() {
+        let (tokens, target) = prompt(3, 8, 4096, 150);
+        assert_eq!(tokens.len(), 8);
+        assert!(target < 150);
+        assert_eq!(reward(&[target + 150, 7], target, 150), 1.0);
+        assert_eq!(reward(&[(target + 1) % 150], target, 150), 0.0);
+        let g = Group {
+            prompt: 0,
+            samples: vec![vec![], vec![]],
+            rewards: vec![1.0, 0.0],
+        };
+        assert!(!g.uniform());
+    }
+}
