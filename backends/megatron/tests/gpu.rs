@@ -372,12 +372,22 @@ fn errors_are_typed_and_leave_the_state_intact() -> Res {
     let (faulty, faults) = FaultInjector::new(MegatronGpuBackend::new(pool.clone(), ok_rollout)?);
     let mut lc = Lifecycle::new(faulty, state); // offloads params and optimizer state
     let reference = reference_rollout(&host, &ok_rollout)?;
-    for (phase, at, kind) in [
-        (Phase::Transfer, FaultAt::Start, FaultKind::Error),
-        (Phase::Offload, FaultAt::End, FaultKind::Panic),
-        (Phase::Reload, FaultAt::Start, FaultKind::Error),
-        (Phase::Release, FaultAt::End, FaultKind::Panic),
+    // Every phase x {start, end} x {error, panic}.
+    let mut cases = Vec::new();
+    for phase in [
+        Phase::Plan,
+        Phase::Transfer,
+        Phase::Offload,
+        Phase::Release,
+        Phase::Reload,
     ] {
+        for at in [FaultAt::Start, FaultAt::End] {
+            for kind in [FaultKind::Error, FaultKind::Panic] {
+                cases.push((phase, at, kind));
+            }
+        }
+    }
+    for (phase, at, kind) in cases {
         faults.inject(Fault::new(phase, at, kind));
         let entered = lc.rollout().map(|s| {
             s.backend()
@@ -395,7 +405,7 @@ fn errors_are_typed_and_leave_the_state_intact() -> Res {
         let now = lc.backend().inner().download_state(lc.peek_state())?;
         assert!(
             now.snapshot() == host.snapshot(),
-            "{phase:?} {at:?}: state changed"
+            "{phase:?} {at:?} {kind:?}: state changed"
         );
     }
     assert_eq!(faults.pending(), 0, "every fault fired");
