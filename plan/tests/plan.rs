@@ -15,7 +15,8 @@ const GB: f64 = 1e9;
 #[test]
 fn fsdp_plans_match_the_bytes_the_gpu_backend_moves() {
     let c = qwen7b();
-    // measured by fsdp_bench: T = 1 receives 7.616 GB per rank, T = 2 1.131 GB; 7 buckets at T = 2
+    // measured by fsdp_bench: T = 1 receives 7.616 GB per rank, T = 2 1.131 GB; 8 buckets at T = 2
+    // (the first three ramp up to the budget)
     let t1 = plan_fsdp(&c, 2, 1, 4 << 30, 2, Offload::NONE).unwrap();
     assert!(
         (t1[0].recv_bytes as f64 / GB - 7.616).abs() < 0.001,
@@ -29,8 +30,12 @@ fn fsdp_plans_match_the_bytes_the_gpu_backend_moves() {
         "{}",
         t2[1].recv_bytes
     );
-    assert_eq!(t2[0].buckets, 7);
-    assert!((t2[0].peak_extra_bytes as f64 / 1e6 - 471.7).abs() < 0.1);
+    assert_eq!(t2[0].buckets, 8);
+    assert!(
+        (t2[0].peak_extra_bytes as f64 / 1e6 - 484.5).abs() < 0.1,
+        "{}",
+        t2[0].peak_extra_bytes
+    );
     // master + Adam m, v of one rank: 3 x 4 B x half the parameters (padded)
     assert!((t2[0].offload_bytes as f64 / GB - 45.69).abs() < 0.01);
     let p = job_prediction(&t2, &LinkRates::default());
