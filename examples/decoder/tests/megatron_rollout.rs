@@ -1,21 +1,27 @@
 //! The decoder on Megatron-resharded weights: Hugging Face checkpoints (the fixtures) become
 //! Megatron training states at TP ∈ {1, 2, 4} × PP ∈ {1, 2} × DP ∈ {1, 2}; the Megatron backend
 //! reshards them into the fused rollout layout of degree T ∈ {1, 2, 4} (T | W), with the
-//! vocabulary unpadded or padded; `CpuDecoder::new_fused` decodes from it.
+//! vocabulary unpadded or padded (to 8 or 64 rows per rank); `CpuDecoder::new_fused` decodes
+//! from it.
 //!
-//! What is compared, for every (model, TP, PP, DP, T) and the first and last replica:
-//! - the logits (prefill of every position, then decode steps fed with the Hugging Face greedy
-//!   tokens) and the free-running greedy tokens are **bit for bit** those of `CpuDecoder::new` on
-//!   the host (FSDP-style) backend's unfused rollout of the same checkpoint at the same T: both
-//!   hold the same bf16 weights (fp32 rounded to nearest even) and the fused reader views them in
-//!   the same order, so the same arithmetic runs;
-//! - and they agree with Hugging Face `transformers` (fixtures/references.json) within the
-//!   oracle's tolerance `1e-4 + 1e-4 · max|logit|`, greedy tokens equal.
+//! Cases: each fixture model runs all 12 training layouts with one T each, rotating, so the three
+//! models together cover all 31 (layout, T) pairs; a Llama model without biases runs all 31.
+//! Per case the last replica's TP group is decoded (every other replica is checked to hold the
+//! same bits), and compared:
+//! - its logits (prefill of every position, then decode steps fed with the Hugging Face greedy
+//!   tokens) **bit for bit** with those of `CpuDecoder::new` on the host (FSDP-style) backend's
+//!   unfused rollout of the same checkpoint at the same T: both hold the same bf16 weights (fp32
+//!   rounded to nearest even) and the fused reader views them as the same q, k, v, gate, up and
+//!   vocabulary rows, so the same arithmetic runs in the same order; on the largest layout
+//!   (TP 4, PP 2, DP 2) the free-running greedy generation too;
+//! - (fixtures) with Hugging Face `transformers` (fixtures/references.json) within the oracle's
+//!   tolerance `1e-4 + 1e-4 · max|logit|`, and the greedy tokens the logits imply (and, where
+//!   run, the generated ones) equal to transformers'.
 //!
 //! The fixtures cover GQA with kv heads split (gqa_untied: 2 kv heads, T ≤ 2) and replicated
-//! (T = 4; kv1_headdim16: 1 kv head), tied (tied_vocab61, kv1_headdim16) and untied heads, and a
-//! vocabulary not divisible by T (61). A Llama model without biases is checked against the
-//! unfused decoder only (no oracle).
+//! (gqa_untied at T = 4; kv1_headdim16: 1 kv head), tied (tied_vocab61, kv1_headdim16) and
+//! untied heads, and a vocabulary not divisible by T (61). Padding rows are shown never to be
+//! read by poisoning them with NaN.
 
 use std::path::{Path, PathBuf};
 
