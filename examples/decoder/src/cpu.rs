@@ -70,6 +70,49 @@ impl<'w> CpuDecoder<'w> {
         })
     }
 
+    /// A decoder over `group` in the fused rollout layout of the Megatron backend
+    /// ([`lifecycle_megatron::MegatronHostBackend`]): per rank `qkv_proj` = `[q; k; v]` of its
+    /// heads, `gate_up_proj` = `[gate; up]`, a vocabulary-parallel embedding and head that may
+    /// carry padding rows ([`RolloutVocab`](lifecycle_megatron::layout::RolloutVocab)), which are
+    /// never read. `group` is TP ranks `0..T` of one replica, in order. Every tensor is checked
+    /// against `config` and `layout` here; the fused tensors are viewed, not copied, as the q, k,
+    /// v, gate and up weights [`CpuDecoder::new`] reads, so the logits are bit for bit those of
+    /// the unfused layout holding the same bf16 weights.
+    ///
+    /// ```
+    /// use lifecycle_core::Lifecycle;
+    /// use lifecycle_decoder::{random_tensors, CpuDecoder, Decoder, MegatronParallel, ModelConfig, Sampling};
+    /// use lifecycle_megatron::layout::{RolloutLayout, RolloutVocab};
+    /// use lifecycle_megatron::MegatronHostBackend;
+    ///
+    /// let config = ModelConfig::from_json_str(r#"{"model_type": "qwen2", "vocab_size": 31,
+    ///   "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+    ///   "num_attention_heads": 4, "num_key_value_heads": 1, "rope_theta": 10000.0}"#)?;
+    /// let state = config.megatron_state(random_tensors(&config, 1), MegatronParallel::new(2, 2, 1))?;
+    /// // 31 rows padded to 32 for T = 2; the one kv head replicated on both ranks
+    /// let layout = RolloutLayout::new(2, RolloutVocab::PadToMultipleOf(8));
+    /// let mut lc = Lifecycle::new(MegatronHostBackend::new(layout), state);
+    /// let session = lc.rollout()?;
+    /// let weights = session.weights();
+    /// let group: Vec<_> = weights.ranks[2..].iter().collect(); // the second replica
+    /// let mut decoder = CpuDecoder::new_fused(&config, &layout, &group)?;
+    /// let out = decoder.generate(&[vec![1, 2, 3]], &Sampling::greedy(4))?;
+    /// assert!(out[0].len() == 4 && out[0].iter().all(|&t| t < 31));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn new_fused(
+        config: &ModelConfig,
+        layout: &lifecycle_megatron::layout::RolloutLayout,
+        group: &[&'w RankRollout],
+    ) -> Result<Self, DecodeError> {
+        Ok(CpuDecoder {
+            config: config.clone(),
+            w: GroupWeights::fused(config, layout, group)?,
+            rope: Rope::new(config.head_dim, config.rope_theta),
+            seqs: Vec::new(),
+        })
+    }
+
     /// Tokens in each sequence's cache.
     pub fn lengths(&self) -> Vec<usize> {
         self.seqs.iter().map(|s| s.len).collect()
@@ -94,7 +137,7 @@ impl<'w> CpuDecoder<'w> {
             let t = t as usize;
             let row = match &self.w.embed {
                 VocabWeight::Parallel(parts) => {
-                    let part = self.config.vocab_size / parts.len();
+                    let part = parts[0].len() / h;
                     &parts[t / part][(t % part) * h..(t % part + 1) * h]
                 }
                 VocabWeight::Replicated(all) => &all[t * h..(t + 1) * h],
@@ -201,14 +244,19 @@ impl<'w> CpuDecoder<'w> {
         match &self.w.head {
             VocabWeight::Replicated(all) => linear(&xn, all, None, h, &mut out),
             VocabWeight::Parallel(parts) => {
-                let part = vocab / parts.len();
-                let mut y = vec![0.0f32; n * part];
+                let part = parts[0].len() / h;
                 for (r, w) in parts.iter().enumerate() {
-                    linear(&xn, w, None, h, &mut y);
+                    // rows of this slice inside the vocabulary (padding rows are skipped)
+                    let first = (r * part).min(vocab);
+                    let real = ((r + 1) * part).min(vocab) - first;
+                    if real == 0 {
+                        continue;
+                    }
+                    let mut y = vec![0.0f32; n * real];
+                    linear(&xn, &w[..real * h], None, h, &mut y);
                     // all-gather of the vocabulary slices
-                    for (row, yr) in y.chunks_exact(part).enumerate() {
-                        out[row * vocab + r * part..row * vocab + (r + 1) * part]
-                            .copy_from_slice(yr);
+                    for (row, yr) in y.chunks_exact(real).enumerate() {
+                        out[row * vocab + first..row * vocab + first + real].copy_from_slice(yr);
                     }
                 }
             }

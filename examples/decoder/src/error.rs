@@ -3,6 +3,8 @@
 use std::path::PathBuf;
 
 use lifecycle_core::layout::LayoutError;
+use lifecycle_megatron::layout::MegatronLayoutError;
+use lifecycle_megatron::MegatronError;
 
 /// Why a checkpoint could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -86,6 +88,9 @@ pub enum DecodeError {
     /// The rollout layout is inconsistent.
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    /// The fused (Megatron backend's) rollout layout cannot hold this model at its degree.
+    #[error(transparent)]
+    FusedLayout(#[from] MegatronLayoutError),
     /// The model cannot be split at this tensor-parallel degree.
     #[error("cannot split the model at T = {tp}: {reason}")]
     Degree {
@@ -145,4 +150,44 @@ pub enum DecodeError {
     /// A call that does not fit the decoder's state.
     #[error("{0}")]
     Usage(String),
+}
+
+/// Why a Hugging Face checkpoint could not become a Megatron training state.
+#[derive(Debug, thiserror::Error)]
+pub enum MegatronCheckpointError {
+    /// The checkpoint folder could not be read.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// A config field Megatron cannot lay out at these degrees (heads, kv heads or the
+    /// intermediate size not dividing by TP, more stages than layers, ...).
+    #[error("config field `{field}` cannot be laid out by Megatron at TP = {tp}, PP = {pp}, DP = {dp}: {source}")]
+    ConfigField {
+        /// The `config.json` field at fault.
+        field: &'static str,
+        /// Training TP.
+        tp: usize,
+        /// Training PP.
+        pp: usize,
+        /// Training DP.
+        dp: usize,
+        /// The planner's error.
+        #[source]
+        source: MegatronLayoutError,
+    },
+    /// Degrees Megatron cannot use whatever the model (zero, ...).
+    #[error("Megatron cannot lay out TP = {tp}, PP = {pp}, DP = {dp}: {source}")]
+    Degrees {
+        /// Training TP.
+        tp: usize,
+        /// Training PP.
+        pp: usize,
+        /// Training DP.
+        dp: usize,
+        /// The planner's error.
+        #[source]
+        source: MegatronLayoutError,
+    },
+    /// The checkpoint's tensors do not fit its config (a hand-built [`Checkpoint`](crate::Checkpoint)).
+    #[error("checkpoint tensors for the Megatron training state: {0}")]
+    Tensors(#[source] MegatronError),
 }

@@ -10,6 +10,15 @@
 //!   [`CpuDecoder`] is the CPU reference (bf16 weights, f32 accumulation). A GPU implementation is
 //!   meant to sit behind the same trait.
 //!
+//! - Megatron: [`ModelConfig::megatron_spec`] / [`ModelConfig::megatron_layout`] map a config to
+//!   `lifecycle_megatron`'s model description and training layout (errors name the `config.json`
+//!   field Megatron cannot split), [`Checkpoint::megatron_state`] and [`load_megatron_checkpoint`]
+//!   build a [`lifecycle_megatron::MegatronTrainState`] from a checkpoint at any TP × PP × DP, and
+//!   [`CpuDecoder::new_fused`] rolls out from the Megatron backend's fused rollout weights
+//!   (`[q; k; v]`, `[gate; up]`, padded vocabulary) with the same logits as from the unfused ones.
+//!   This crate depends on `lifecycle-megatron`, not the other way round: the backend stays free of
+//!   file formats (`config.json`, safetensors) and knows only its own `ModelSpec`.
+//!
 //! The CPU decoder is checked against Hugging Face `transformers` on the tiny checkpoints under
 //! `fixtures/` (see `fixtures/make_fixtures.py` and `tests/oracle.rs`).
 
@@ -20,8 +29,10 @@ mod config;
 mod cpu;
 mod decoder;
 mod error;
+mod fused_weights;
 mod heads;
 mod math;
+mod megatron_checkpoint;
 mod sampling;
 mod spec_check;
 mod weights;
@@ -30,8 +41,11 @@ pub use checkpoint::{load_checkpoint, random_tensors, read_tensors, save_checkpo
 pub use config::{Architecture, ConfigStyle, ModelConfig};
 pub use cpu::CpuDecoder;
 pub use decoder::{Decoder, PrefillLogits};
-pub use error::{CheckpointError, DecodeError};
+pub use error::{CheckpointError, DecodeError, MegatronCheckpointError};
 pub use heads::{head_shares, HeadShare};
 pub use math::dot;
+pub use megatron_checkpoint::{
+    load_megatron_checkpoint, MegatronCheckpoint, MegatronParallel, MEGATRON_VOCAB_MULTIPLE,
+};
 pub use sampling::{argmax, sample_token, Sampling, SplitMix64};
 pub use spec_check::rollout_spec;

@@ -1,5 +1,7 @@
 //! One tensor-parallel group's rollout weights, checked against the config and the layout, with
-//! each rank's share of heads and kv heads worked out.
+//! each rank's share of heads and kv heads worked out. This module reads the unfused layout (Hugging
+//! Face names, `lifecycle_core` splits); `fused_weights` reads the Megatron backend's fused one
+//! into the same views.
 
 use half::bf16;
 use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
@@ -13,7 +15,8 @@ use crate::spec_check::rollout_spec;
 /// A weight that is either vocabulary-parallel (one slice per rank) or replicated.
 #[derive(Debug, Clone)]
 pub(crate) enum VocabWeight<'w> {
-    /// Rank `r` holds rows `[r·V/T, (r+1)·V/T)`.
+    /// Rank `r` holds rows `[r·P, (r+1)·P)` of the vocabulary, `P` rows per slice (`V/T`, or
+    /// more when the layout pads the vocabulary: rows `≥ V` are padding, never read).
     Parallel(Vec<&'w [bf16]>),
     /// Every rank holds all rows; rank 0's copy is read.
     Replicated(&'w [bf16]),

@@ -1,0 +1,146 @@
+//! One tensor-parallel group's weights in the fused rollout layout of the Megatron backend
+//! (`lifecycle_megatron::layout::RolloutLayout`), read into the same views as the unfused layout:
+//! a rank's `qkv_proj` is `[q; k; v]` of its heads, so q, k and v are three consecutive row
+//! blocks of it; `gate_up_proj` is `[gate; up]`, two row blocks; the vocabulary-parallel
+//! embedding and head may carry padding rows, which the decoder never reads. No weight is copied.
+
+use half::bf16;
+use lifecycle_core::layout::Parallel;
+use lifecycle_host::RankRollout;
+use lifecycle_megatron::hf;
+use lifecycle_megatron::layout::RolloutLayout;
+
+use crate::config::ModelConfig;
+use crate::error::DecodeError;
+use crate::heads::head_shares;
+use crate::megatron_checkpoint::MEGATRON_VOCAB_MULTIPLE;
+use crate::weights::{GroupWeights, Layer, RankLayer, VocabWeight};
+
+/// `w` cut after `a` and `a + b` elements.
+fn split3(w: &[bf16], a: usize, b: usize) -> (&[bf16], &[bf16], &[bf16]) {
+    let (x, rest) = w.split_at(a);
+    let (y, z) = rest.split_at(b);
+    (x, y, z)
+}
+
+impl<'w> GroupWeights<'w> {
+    /// Checks every fused tensor the config needs on every rank of the group (present, shaped
+    /// as the config and `layout` say), then views them.
+    pub(crate) fn fused(
+        config: &ModelConfig,
+        layout: &RolloutLayout,
+        ranks: &[&'w RankRollout],
+    ) -> Result<Self, DecodeError> {
+        let tp = layout.tp;
+        if ranks.len() != tp {
+            return Err(DecodeError::GroupSize {
+                tp,
+                found: ranks.len(),
+            });
+        }
+        // the padding multiple of the training side plays no part in the rollout layout
+        let model = config.megatron_spec(MEGATRON_VOCAB_MULTIPLE);
+        let specs = layout.tensors(&model)?;
+        for spec in &specs {
+            for (rank, r) in ranks.iter().enumerate() {
+                let t = r
+                    .tensor(&spec.name)
+                    .ok_or_else(|| DecodeError::MissingTensor {
+                        name: spec.name.clone(),
+                        rank,
+                    })?;
+                if t.shape != spec.shape || t.data.len() != spec.numel() {
+                    return Err(DecodeError::Shape {
+                        name: spec.name.clone(),
+                        rank,
+                        expected: spec.shape.clone(),
+                        found: t.shape.clone(),
+                    });
+                }
+            }
+        }
+        // every tensor is now known to be on every rank with its shape
+        let get = |name: &str, rank: usize| -> Result<&'w [bf16], DecodeError> {
+            let r: &'w RankRollout = ranks[rank];
+            r.tensor(name)
+                .map(|t| t.data.as_slice())
+                .ok_or_else(|| DecodeError::MissingTensor {
+                    name: name.to_string(),
+                    rank,
+                })
+        };
+        let kv_split = if config.num_kv_heads.is_multiple_of(tp) {
+            Parallel::Column
+        } else {
+            Parallel::Replicated
+        };
+        let shares = head_shares(config, tp, kv_split)?;
+        let (h, d) = (config.hidden_size, config.head_dim);
+        let q_heads = config.num_heads / tp;
+        let ffn_part = config.intermediate_size / tp;
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for l in 0..config.num_layers {
+            let mut rank_layers = Vec::with_capacity(tp);
+            for (rank, share) in shares.iter().enumerate() {
+                let (q_rows, kv_rows) = (q_heads * d, share.kv_heads * d);
+                let qkv_name = hf::layer(l, hf::QKV);
+                let qkv = get(&qkv_name, rank)?;
+                if qkv.len() != (q_rows + 2 * kv_rows) * h {
+                    // the layout's kv heads per rank differ from the decoder's head shares
+                    return Err(DecodeError::Shape {
+                        name: qkv_name,
+                        rank,
+                        expected: vec![q_rows + 2 * kv_rows, h],
+                        found: vec![qkv.len() / h, h],
+                    });
+                }
+                let (q_w, k_w, v_w) = split3(qkv, q_rows * h, kv_rows * h);
+                let (q_b, k_b, v_b) = if config.qkv_bias {
+                    let (q, k, v) =
+                        split3(get(&hf::layer(l, hf::QKV_BIAS), rank)?, q_rows, kv_rows);
+                    (Some(q), Some(k), Some(v))
+                } else {
+                    (None, None, None)
+                };
+                let (gate_w, up_w) = get(&hf::layer(l, hf::GATE_UP), rank)?.split_at(ffn_part * h);
+                rank_layers.push(RankLayer {
+                    q_w,
+                    q_b,
+                    k_w,
+                    k_b,
+                    v_w,
+                    v_b,
+                    o_w: get(&hf::layer(l, hf::O), rank)?,
+                    gate_w,
+                    up_w,
+                    down_w: get(&hf::layer(l, hf::DOWN), rank)?,
+                });
+            }
+            layers.push(Layer {
+                input_norm: get(&hf::layer(l, hf::INPUT_NORM), 0)?,
+                post_norm: get(&hf::layer(l, hf::POST_NORM), 0)?,
+                ranks: rank_layers,
+            });
+        }
+        let vocab = |name: &str| -> Result<VocabWeight<'w>, DecodeError> {
+            Ok(VocabWeight::Parallel(
+                (0..tp).map(|r| get(name, r)).collect::<Result<_, _>>()?,
+            ))
+        };
+        let embed = vocab(hf::EMBED)?;
+        let head = if config.tie_word_embeddings {
+            embed.clone()
+        } else {
+            vocab(hf::LM_HEAD)?
+        };
+        Ok(GroupWeights {
+            embed,
+            head,
+            final_norm: get(hf::NORM, 0)?,
+            layers,
+            shares,
+            q_heads,
+            ffn_part,
+        })
+    }
+}

@@ -1,0 +1,475 @@
+//! The decoder on Megatron-resharded weights: Hugging Face checkpoints (the fixtures) become
+//! Megatron training states at TP ∈ {1, 2, 4} × PP ∈ {1, 2} × DP ∈ {1, 2}; the Megatron backend
+//! reshards them into the fused rollout layout of degree T ∈ {1, 2, 4} (T | W), with the
+//! vocabulary unpadded or padded (to 8 or 64 rows per rank); `CpuDecoder::new_fused` decodes
+//! from it.
+//!
+//! Cases: each fixture model runs all 12 training layouts with one T each, rotating, so the three
+//! models together cover all 31 (layout, T) pairs; a Llama model without biases runs all 31.
+//! Per case the last replica's TP group is decoded (every other replica is checked to hold the
+//! same bits), and compared:
+//! - its logits (prefill of every position, then decode steps fed with the Hugging Face greedy
+//!   tokens) **bit for bit** with those of `CpuDecoder::new` on the host (FSDP-style) backend's
+//!   unfused rollout of the same checkpoint at the same T: both hold the same bf16 weights (fp32
+//!   rounded to nearest even) and the fused reader views them as the same q, k, v, gate, up and
+//!   vocabulary rows, so the same arithmetic runs in the same order; on the largest layout
+//!   (TP 4, PP 2, DP 2) the free-running greedy generation too;
+//! - (fixtures) with Hugging Face `transformers` (fixtures/references.json) within the oracle's
+//!   tolerance `1e-4 + 1e-4 · max|logit|`, and the greedy tokens the logits imply (and, where
+//!   run, the generated ones) equal to transformers'.
+//!
+//! The fixtures cover GQA with kv heads split (gqa_untied: 2 kv heads, T ≤ 2) and replicated
+//! (gqa_untied at T = 4; kv1_headdim16: 1 kv head), tied (tied_vocab61, kv1_headdim16) and
+//! untied heads, and a vocabulary not divisible by T (61). Padding rows are shown never to be
+//! read by poisoning them with NaN.
+
+use std::path::{Path, PathBuf};
+
+use lifecycle_core::Lifecycle;
+use lifecycle_decoder::{
+    argmax, load_checkpoint, random_tensors, CpuDecoder, DecodeError, Decoder, MegatronParallel,
+    ModelConfig, PrefillLogits, Sampling,
+};
+use lifecycle_host::{HostBackend, HostRollout, HostTensor, HostTrainState, RankRollout};
+use lifecycle_megatron::layout::{RolloutLayout, RolloutVocab};
+use lifecycle_megatron::MegatronHostBackend;
+use serde_json::Value;
+
+const MODELS: [&str; 3] = ["gqa_untied", "tied_vocab61", "kv1_headdim16"];
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+}
+
+fn references() -> Value {
+    let text = std::fs::read_to_string(fixtures().join("references.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn floats(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|x| match x {
+            Value::Array(row) => row.iter().map(|y| y.as_f64().unwrap() as f32).collect(),
+            other => vec![other.as_f64().unwrap() as f32],
+        })
+        .collect()
+}
+
+fn tokens(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// What one decoder run produced.
+#[derive(Debug, PartialEq)]
+struct Trace {
+    /// Prefill logits (every position) of each prompt, then each decode step's logits per prompt.
+    logits: Vec<Vec<f32>>,
+    /// Free-running greedy continuation (empty when not asked for).
+    greedy: Vec<Vec<u32>>,
+}
+
+impl Trace {
+    fn bits(&self) -> Vec<Vec<u32>> {
+        self.logits
+            .iter()
+            .map(|l| l.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    }
+
+    /// The greedy tokens the logits imply when the decode steps were fed `feed`: the argmax of
+    /// each prompt's last prefill position, then of each decode step but the last.
+    fn argmax_tokens(
+        &self,
+        prompts: &[Vec<u32>],
+        feed: &[Vec<u32>],
+        vocab: usize,
+    ) -> Vec<Vec<u32>> {
+        let n = prompts.len();
+        (0..n)
+            .map(|i| {
+                let last = &self.logits[i][(prompts[i].len() - 1) * vocab..];
+                let mut out = vec![argmax(last) as u32];
+                for k in 0..feed[i].len() - 1 {
+                    out.push(argmax(&self.logits[n + k * n + i]) as u32);
+                }
+                out
+            })
+            .collect()
+    }
+}
+
+/// Prefill (all positions), decode steps fed with `feed[i][k]`, then (when `free_running`)
+/// greedy generation of as many tokens.
+fn run(
+    dec: &mut CpuDecoder<'_>,
+    prompts: &[Vec<u32>],
+    feed: &[Vec<u32>],
+    free_running: bool,
+) -> Trace {
+    let mut logits = dec.prefill(prompts, PrefillLogits::All).unwrap();
+    let steps = feed[0].len();
+    for k in 0..steps {
+        let next: Vec<u32> = feed.iter().map(|f| f[k]).collect();
+        logits.extend(dec.decode_step(&next).unwrap());
+    }
+    let greedy = if free_running {
+        dec.generate(prompts, &Sampling::greedy(steps)).unwrap()
+    } else {
+        Vec::new()
+    };
+    Trace { logits, greedy }
+}
+
+/// Whether two ranks hold bit-identical rollout tensors.
+fn same_bits(a: &RankRollout, b: &RankRollout) -> bool {
+    a.tensors.len() == b.tensors.len()
+        && a.tensors.iter().zip(&b.tensors).all(|(x, y)| {
+            x.name == y.name
+                && x.shape == y.shape
+                && x.data.len() == y.data.len()
+                && x.data
+                    .iter()
+                    .zip(&y.data)
+                    .all(|(p, q)| p.to_bits() == q.to_bits())
+        })
+}
+
+/// The decoder on the host backend's unfused rollout of `tensors` at degree `t`.
+fn unfused_trace(
+    config: &ModelConfig,
+    tensors: &[HostTensor],
+    t: usize,
+    prompts: &[Vec<u32>],
+    feed: &[Vec<u32>],
+) -> Trace {
+    let layout = config.rollout_layout(t).unwrap();
+    let state = HostTrainState::from_tensors(t, tensors.to_vec()).unwrap();
+    let mut lc = Lifecycle::new(HostBackend::new(layout.clone()), state);
+    let session = lc.rollout().unwrap();
+    let weights = session.weights();
+    let group: Vec<&RankRollout> = weights.ranks.iter().collect();
+    let mut dec = CpuDecoder::new(config, &layout, &group).unwrap();
+    run(&mut dec, prompts, feed, true)
+}
+
+/// The Megatron backend's fused rollout of degree `rollout.tp` from a training state of
+/// `parallel` built from `tensors`.
+fn megatron_rollout(
+    config: &ModelConfig,
+    tensors: &[HostTensor],
+    parallel: MegatronParallel,
+    rollout: RolloutLayout,
+) -> HostRollout {
+    let state = config.megatron_state(tensors.to_vec(), parallel).unwrap();
+    let mut lc = Lifecycle::new(MegatronHostBackend::new(rollout), state);
+    let session = lc.rollout().unwrap();
+    let weights = session.weights().get().clone();
+    session.finish().unwrap();
+    weights
+}
+
+/// Largest |a − b| after checking it is within the oracle's tolerance.
+fn oracle_error(what: &str, got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let tol = 1e-4 + 1e-4 * scale;
+    let err = got
+        .iter()
+        .zip(want)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(err <= tol, "{what}: max |error| {err} > tolerance {tol}");
+    err
+}
+
+/// Every training layout of the matrix with rollout degrees T dividing its world: all of them
+/// (`rotation` `None`), or one per layout (`Some(m)`: the `(j + m)`-th valid T of layout `j`, so
+/// three rotations cover every (layout, T) pair). Each case gets a vocabulary sizing in turn:
+/// unpadded (when T divides the vocabulary), padded to a multiple of 64 or of 8 per rank.
+/// `make_vocab_size_divisible_by` alternates between Megatron's 128 and 8 so the training-side
+/// padding varies too.
+fn matrix(vocab: usize, rotation: Option<usize>) -> Vec<(MegatronParallel, RolloutLayout)> {
+    let mut out = Vec::new();
+    let mut case = 0usize;
+    let mut j = 0usize;
+    for tp in [1, 2, 4] {
+        for pp in [1, 2] {
+            for dp in [1, 2] {
+                let parallel = MegatronParallel {
+                    make_vocab_size_divisible_by: if j.is_multiple_of(2) { 128 } else { 8 },
+                    ..MegatronParallel::new(tp, pp, dp)
+                };
+                let valid: Vec<usize> = [1, 2, 4]
+                    .into_iter()
+                    .filter(|t| parallel.world().is_multiple_of(*t))
+                    .collect();
+                let ts = match rotation {
+                    None => valid,
+                    Some(m) => vec![valid[(j + m) % valid.len()]],
+                };
+                for t in ts {
+                    let sizing = match case % 3 {
+                        0 if vocab.is_multiple_of(t) => RolloutVocab::Unpadded,
+                        1 => RolloutVocab::PadToMultipleOf(64),
+                        _ => RolloutVocab::PadToMultipleOf(8),
+                    };
+                    out.push((parallel, RolloutLayout::new(t, sizing)));
+                    case += 1;
+                }
+                j += 1;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_matrix_covers_every_layout_and_degree() {
+    let all = matrix(61, None);
+    assert_eq!(all.len(), 31);
+    let mut rotated: Vec<_> = (0..3).flat_map(|m| matrix(61, Some(m))).collect();
+    assert_eq!(rotated.len(), 36);
+    let key = |(p, r): &(MegatronParallel, RolloutLayout)| (p.tp, p.pp, p.dp, r.tp);
+    rotated.sort_by_key(key);
+    rotated.dedup_by_key(|c| key(c));
+    assert_eq!(rotated.len(), 31);
+    for pad in [
+        RolloutVocab::PadToMultipleOf(8),
+        RolloutVocab::PadToMultipleOf(64),
+    ] {
+        assert!(all.iter().any(|(_, r)| r.vocab == pad && r.tp > 1));
+    }
+    assert!(matrix(96, None)
+        .iter()
+        .any(|(_, r)| r.vocab == RolloutVocab::Unpadded && r.tp == 4));
+}
+
+/// Decodes the last replica of every case of `matrix(vocab, rotation)` (and checks every other
+/// replica holds the same bits) against the unfused trace of its T; the free-running greedy
+/// generation runs on the largest training layout (TP 4, PP 2, DP 2). `also` sees each trace.
+/// Returns how many cases were decoded.
+fn check_matrix(
+    name: &str,
+    rotation: Option<usize>,
+    config: &ModelConfig,
+    tensors: &[HostTensor],
+    prompts: &[Vec<u32>],
+    feed: &[Vec<u32>],
+    mut also: impl FnMut(&str, &Trace),
+) -> usize {
+    let unfused: Vec<Trace> = [1, 2, 4]
+        .iter()
+        .map(|&t| unfused_trace(config, tensors, t, prompts, feed))
+        .collect();
+    let mut checked = 0;
+    for (parallel, rollout) in matrix(config.vocab_size, rotation) {
+        let t = rollout.tp;
+        let want = &unfused[t.trailing_zeros() as usize];
+        let weights = megatron_rollout(config, tensors, parallel, rollout);
+        let what = format!(
+            "{name} TP={} PP={} DP={} T={t} {:?}",
+            parallel.tp, parallel.pp, parallel.dp, rollout.vocab
+        );
+        let last = parallel.world() / t - 1;
+        for (rank, r) in weights.ranks.iter().enumerate() {
+            assert!(
+                same_bits(r, &weights.ranks[last * t + rank % t]),
+                "{what}: rank {rank} differs from its TP peer in replica {last}"
+            );
+        }
+        let group: Vec<&RankRollout> = weights.ranks[last * t..].iter().collect();
+        let mut dec = CpuDecoder::new_fused(config, &rollout, &group).unwrap();
+        let free_running = parallel.world() == 16;
+        let got = run(&mut dec, prompts, feed, free_running);
+        assert!(
+            got.bits() == want.bits(),
+            "{what}: logits differ from the unfused decoder's"
+        );
+        if free_running {
+            assert_eq!(got.greedy, want.greedy, "{what}: greedy tokens");
+        }
+        also(&what, &got);
+        checked += 1;
+    }
+    checked
+}
+
+#[test]
+fn fused_megatron_rollout_decodes_like_the_unfused_one_and_like_transformers() {
+    let refs = references();
+    let mut worst = 0.0f32;
+    let mut checked = 0;
+    for (m, name) in MODELS.into_iter().enumerate() {
+        let model = &refs["models"][name];
+        let ckpt = load_checkpoint(&fixtures().join(name)).unwrap();
+        let cases = model["cases"].as_array().unwrap();
+        let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
+        let greedy: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["greedy_tokens"])).collect();
+        // the oracle's logits in the order `run` produces them
+        let mut want: Vec<Vec<f32>> = cases.iter().map(|c| floats(&c["prefill_logits"])).collect();
+        for k in 0..greedy[0].len() {
+            want.extend(cases.iter().map(|c| floats(&c["decode_logits"][k])));
+        }
+        let vocab = ckpt.config.vocab_size;
+        checked += check_matrix(
+            name,
+            Some(m),
+            &ckpt.config,
+            &ckpt.tensors,
+            &prompts,
+            &greedy,
+            |what, got| {
+                let tokens = got.argmax_tokens(&prompts, &greedy, vocab);
+                assert_eq!(tokens, greedy, "{what}: greedy tokens vs transformers");
+                if !got.greedy.is_empty() {
+                    assert_eq!(
+                        got.greedy, greedy,
+                        "{what}: generated tokens vs transformers"
+                    );
+                }
+                for (i, (g, w)) in got.logits.iter().zip(&want).enumerate() {
+                    let e = oracle_error(&format!("{what} logits row {i}"), g, w);
+                    worst = worst.max(e);
+                }
+            },
+        );
+    }
+    // 12 training layouts per model, one T each; together every (layout, T) pair
+    assert_eq!(checked, 3 * 12);
+    println!("{checked} Megatron-resharded decodes; max |logit error| vs transformers {worst:e}");
+}
+
+#[test]
+fn llama_without_biases_decodes_like_the_unfused_one() {
+    // 8 heads in 4 groups: k/v split at T = 2 and 4; untied; vocabulary 30 (not divisible by 4)
+    let config = ModelConfig::from_json_str(
+        r#"{"model_type": "llama", "vocab_size": 30, "hidden_size": 32,
+        "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "rope_theta": 10000.0}"#,
+    )
+    .unwrap();
+    assert!(!config.qkv_bias && !config.tie_word_embeddings);
+    let tensors = random_tensors(&config, 11);
+    let prompts = vec![vec![1, 2, 3, 4], vec![5], vec![29, 0]];
+    let feed = vec![vec![3, 4, 5], vec![6, 7, 8], vec![9, 10, 11]];
+    let checked = check_matrix("llama", None, &config, &tensors, &prompts, &feed, |_, _| {});
+    assert_eq!(checked, 31);
+}
+
+#[test]
+fn padding_rows_of_the_fused_vocabulary_are_never_read() {
+    for (name, t) in [("tied_vocab61", 2), ("gqa_untied", 4)] {
+        let ckpt = load_checkpoint(&fixtures().join(name)).unwrap();
+        let (config, tensors) = (&ckpt.config, &ckpt.tensors);
+        // 61 → 128 rows (64 per rank); 96 → 256 rows (64 per rank, ranks 2 and 3 all padding)
+        let rollout = RolloutLayout::new(t, RolloutVocab::PadToMultipleOf(64));
+        let parallel = MegatronParallel::new(2, 1, 2);
+        let clean = megatron_rollout(config, tensors, parallel, rollout);
+        let mut poisoned = clean.clone();
+        let h = config.hidden_size;
+        let mut padding = 0;
+        for (rank, r) in poisoned.ranks.iter_mut().enumerate() {
+            let tp_rank = rank % t;
+            for tensor in &mut r.tensors {
+                if tensor.name == "model.embed_tokens.weight" || tensor.name == "lm_head.weight" {
+                    let rows = tensor.shape[0];
+                    let first_pad = config.vocab_size.saturating_sub(tp_rank * rows).min(rows);
+                    for v in &mut tensor.data[first_pad * h..] {
+                        *v = half::bf16::NAN;
+                        padding += 1;
+                    }
+                }
+            }
+        }
+        assert!(padding > 0, "{name}: no padding rows to poison");
+        let prompts = vec![vec![1, 2, 3], vec![config.vocab_size as u32 - 1]];
+        let feed = vec![vec![0, 5], vec![7, config.vocab_size as u32 - 1]];
+        let trace = |w: &HostRollout| {
+            let group: Vec<&RankRollout> = w.ranks[..t].iter().collect();
+            let mut dec = CpuDecoder::new_fused(config, &rollout, &group).unwrap();
+            run(&mut dec, &prompts, &feed, true)
+        };
+        let (a, b) = (trace(&clean), trace(&poisoned));
+        assert!(b.logits.iter().flatten().all(|x| x.is_finite()), "{name}");
+        assert!(
+            a.bits() == b.bits(),
+            "{name}: padding rows changed the logits"
+        );
+        assert_eq!(a.greedy, b.greedy, "{name}");
+    }
+}
+
+#[test]
+fn fused_weights_the_decoder_cannot_read_are_clear_errors() {
+    let ckpt = load_checkpoint(&fixtures().join("gqa_untied")).unwrap();
+    let (config, tensors) = (&ckpt.config, &ckpt.tensors);
+    let layout = RolloutLayout::new(2, RolloutVocab::Unpadded);
+    let weights = megatron_rollout(config, tensors, MegatronParallel::new(2, 1, 1), layout);
+    let group: Vec<&RankRollout> = weights.ranks.iter().collect();
+    let err_of = |c: &ModelConfig, l: &RolloutLayout, g: &[&RankRollout]| {
+        CpuDecoder::new_fused(c, l, g).unwrap_err()
+    };
+    // a group of the wrong size
+    assert_eq!(
+        err_of(config, &layout, &group[..1]),
+        DecodeError::GroupSize { tp: 2, found: 1 }
+    );
+    // weights of another degree: T = 4 slices read as T = 2
+    let wide = RolloutLayout::new(4, RolloutVocab::Unpadded);
+    let four = megatron_rollout(config, tensors, MegatronParallel::new(2, 1, 2), wide);
+    let four_group: Vec<&RankRollout> = four.ranks[..2].iter().collect();
+    let err = err_of(config, &layout, &four_group).to_string();
+    assert_eq!(
+        err,
+        "rollout tensor `model.embed_tokens.weight` on TP rank 0 has shape [24, 32]; config and layout imply [48, 32]"
+    );
+    // weights of another model (intermediate size 32 instead of 64)
+    let mut other = config.clone();
+    other.intermediate_size = 32;
+    let err = err_of(&other, &layout, &group).to_string();
+    assert!(
+        err.contains("`model.layers.0.mlp.gate_up_proj.weight` on TP rank 0 has shape [64, 32]"),
+        "{err}"
+    );
+    // a vocabulary T does not divide, unpadded
+    let tied = load_checkpoint(&fixtures().join("tied_vocab61")).unwrap();
+    let err = err_of(&tied.config, &layout, &group).to_string();
+    assert!(
+        err.contains("vocab size 61 of `model.embed_tokens.weight` is not divisible")
+            && err.contains("RolloutVocab::PadToMultipleOf"),
+        "{err}"
+    );
+    // the unfused (host backend) layout handed to the fused reader
+    let unfused_layout = config.rollout_layout(2).unwrap();
+    let state = HostTrainState::from_tensors(2, tensors.clone()).unwrap();
+    let mut lc = Lifecycle::new(HostBackend::new(unfused_layout), state);
+    let session = lc.rollout().unwrap();
+    let unfused = session.weights();
+    let unfused_group: Vec<&RankRollout> = unfused.ranks.iter().collect();
+    assert_eq!(
+        err_of(config, &layout, &unfused_group),
+        DecodeError::MissingTensor {
+            name: "model.layers.0.self_attn.qkv_proj.weight".into(),
+            rank: 0
+        }
+    );
+    // a T the model cannot be split at
+    let three: Vec<&RankRollout> = four.ranks[..3].iter().collect();
+    let err = err_of(
+        config,
+        &RolloutLayout::new(3, RolloutVocab::Unpadded),
+        &three,
+    )
+    .to_string();
+    assert!(
+        err.contains(
+            "attention heads = 4 is not divisible by the rollout T tensor-parallel degree 3"
+        ),
+        "{err}"
+    );
+}
