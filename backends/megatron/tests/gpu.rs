@@ -8,12 +8,14 @@ mod common;
 use std::sync::Arc;
 
 use lifecycle_core::{
-    Fault, FaultAt, FaultInjector, FaultKind, Lifecycle, LifecycleConfig, LifecycleError,
-    MemoryPolicy, Mode, Phase, Switching,
+    Fault, FaultAt, FaultInjector, FaultKind, Lifecycle, LifecycleConfig, LifecycleError, Link,
+    MemoryPolicy, Mode, Phase, Reshard, Span, Switching, Trace,
 };
 use lifecycle_cuda::{device_count, CudaError, ThreadRankPool};
 use lifecycle_host::{AdamParams, HostRollout};
-use lifecycle_megatron::gpu::{GpuConfig, MegatronGpuBackend, MegatronGpuError};
+use lifecycle_megatron::gpu::{
+    GpuConfig, MegatronGpuBackend, MegatronGpuError, MegatronGpuPlan, MegatronGpuState,
+};
 use lifecycle_megatron::layout::{
     plan_megatron_to_tp, BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab,
 };
@@ -79,7 +81,8 @@ struct Case {
 }
 
 /// Enter `cycles` times: every rollout bit-identical to `reference_rollout` and to the CPU
-/// executor; after every exit the training state bit-identical to the start; metrics as planned.
+/// executor; after every exit the training state bit-identical to the start; metrics as planned;
+/// the last cycle traced, with the device spans its schedules call for.
 fn check(pool: &Arc<ThreadRankPool>, name: &str, c: &Case) -> Res {
     let layout = MegatronLayout::new(c.model, c.tp, c.pp, c.dp)?;
     let host = MegatronTrainState::from_hf(layout, common::hf_tensors(&c.model, 5))?;
@@ -108,6 +111,9 @@ fn check(pool: &Arc<ThreadRankPool>, name: &str, c: &Case) -> Res {
         },
     )?;
     for cycle in 0..c.cycles {
+        if cycle + 1 == c.cycles {
+            lc.enable_trace();
+        }
         let session = lc.rollout()?;
         let got = session.backend().download_rollout(&session.weights())?;
         assert_eq!(
@@ -127,6 +133,8 @@ fn check(pool: &Arc<ThreadRankPool>, name: &str, c: &Case) -> Res {
             bucket_bytes: c.config.bucket_bytes,
         },
     )?;
+    let gpu_plan = lc.backend().plan(lc.peek_state())?;
+    check_device_spans(lc.trace(), &gpu_plan, lc.peek_state(), c.memory, &case);
     let m = lc.metrics();
     let n = c.cycles as u64;
     let tr = m.phase(Phase::Transfer);
@@ -141,6 +149,154 @@ fn check(pool: &Arc<ThreadRankPool>, name: &str, c: &Case) -> Res {
         "{case}"
     );
     Ok(())
+}
+
+/// The host span of `phase` (the lifecycle's row; at most one): start and end in microseconds.
+fn host_span(spans: &[Span], phase: Phase, case: &str) -> Option<(f64, f64)> {
+    let host: Vec<&Span> = spans
+        .iter()
+        .filter(|s| s.rank.is_none() && s.phase == phase)
+        .collect();
+    assert!(
+        host.len() <= 1,
+        "{case}: one {phase:?} phase traced: {host:#?}"
+    );
+    host.first()
+        .map(|h| (h.start_us, h.start_us + h.duration_us))
+}
+
+/// One traced enter (or refresh) and, if traced, exit has, on every rank, the device spans its schedule calls for: local
+/// copies and padding zeroes on the auxiliary stream (the local bytes), packs and unpacks on the
+/// compute stream (the slot bytes), one grouped send/receive per network step on the NCCL stream
+/// (the received bytes; so NCCL spans on every rank of a W > 1 plan that moves bytes between
+/// ranks), offload and reload copies on the copy stream when offloading (the offloaded bytes).
+/// Every transfer span lies inside the host span of the transfer phase, offload copies between
+/// its start and the end of the offload phase, reload copies inside the reload phase (1 ms
+/// slack: the device clock is placed on the host's by one event).
+fn check_device_spans(
+    trace: &Trace,
+    plan: &MegatronGpuPlan,
+    state: &MegatronGpuState,
+    memory: MemoryPolicy,
+    case: &str,
+) {
+    let spans = trace.spans();
+    let missing = |phase: Phase| format!("{case}: no {phase:?} phase traced: {spans:#?}");
+    let transfer = host_span(spans, Phase::Transfer, case).unwrap_or_else(|| {
+        panic!("{}", missing(Phase::Transfer));
+    });
+    let offload = host_span(spans, Phase::Offload, case).unwrap_or_else(|| {
+        panic!("{}", missing(Phase::Offload));
+    });
+    let reload = host_span(spans, Phase::Reload, case);
+    let slack = 1e3;
+    let world = plan.plan().ranks.len();
+    for rank in 0..world {
+        let s = plan
+            .schedule(rank)
+            .expect("every rank is local in these tests");
+        let mine: Vec<&Span> = spans.iter().filter(|x| x.rank == Some(rank)).collect();
+        let on = |track: &str, phase: Phase| -> Vec<&Span> {
+            mine.iter()
+                .copied()
+                .filter(|x| x.track == track && x.phase == phase)
+                .collect()
+        };
+        let bytes = |v: &[&Span]| v.iter().map(|x| x.bytes).sum::<u64>();
+        let what = format!("{case}: rank {rank}");
+        // Local work on the auxiliary stream.
+        let aux = on("aux", Phase::Transfer);
+        assert_eq!(
+            bytes(&aux),
+            ((s.local_elems + s.zero_elems()) * 2) as u64,
+            "{what}: aux spans {aux:#?}"
+        );
+        if s.local_elems > 0 {
+            assert!(
+                aux.iter().any(|x| x.duration_us > 0.0),
+                "{what}: no local-copy span"
+            );
+        }
+        // One NCCL group per step.
+        let nccl = on("nccl", Phase::Transfer);
+        assert_eq!(nccl.len(), s.steps.len(), "{what}: NCCL spans {nccl:#?}");
+        assert_eq!(bytes(&nccl), (s.recv_elems * 2) as u64, "{what}");
+        assert!(nccl.iter().all(|x| x.link == Some(Link::DeviceToDevice)));
+        if world > 1 && plan.plan().remote_bytes() > 0 {
+            assert!(
+                nccl.iter().any(|x| x.duration_us > 0.0),
+                "{what}: no NCCL span on W = {world}"
+            );
+        }
+        // Packs and unpacks.
+        let compute = on("compute", Phase::Transfer);
+        let staged: usize = s.steps.iter().map(|st| st.send_slot + st.recv_slot).sum();
+        let launches = s
+            .steps
+            .iter()
+            .map(|st| usize::from(!st.pack.is_empty()) + usize::from(!st.unpack.is_empty()))
+            .sum::<usize>();
+        assert_eq!(
+            compute.len(),
+            launches,
+            "{what}: compute spans {compute:#?}"
+        );
+        assert_eq!(bytes(&compute), (staged * 2) as u64, "{what}");
+        // Offload and reload copies.
+        let (params, optimizer) = state.offload_bytes(rank).unwrap_or((0, 0));
+        let expected = u64::from(memory.offload_params) * params
+            + u64::from(memory.offload_optimizer) * optimizer;
+        let buffers =
+            2 * (usize::from(memory.offload_params) + usize::from(memory.offload_optimizer));
+        let off = on("copy", Phase::Offload);
+        let back = on("copy", Phase::Reload);
+        // Reload copies only when an exit was traced.
+        let (reloads, reloaded) = match reload {
+            Some(_) => (buffers, expected),
+            None => (0, 0),
+        };
+        assert_eq!(off.len(), buffers, "{what}: offload spans {off:#?}");
+        assert_eq!(back.len(), reloads, "{what}: reload spans {back:#?}");
+        assert_eq!(bytes(&off), expected, "{what}");
+        assert_eq!(bytes(&back), reloaded, "{what}");
+        assert!(off.iter().all(|x| x.link == Some(Link::DeviceToHost)));
+        assert!(back.iter().all(|x| x.link == Some(Link::HostToDevice)));
+        if buffers > 0 {
+            assert!(
+                off.iter().any(|x| x.duration_us > 0.0),
+                "{what}: no offload span"
+            );
+            assert!(
+                back.iter().any(|x| x.duration_us > 0.0),
+                "{what}: no reload span"
+            );
+        }
+        // Every span of this rank is one of the above, inside its phase.
+        assert_eq!(
+            mine.len(),
+            aux.len() + nccl.len() + compute.len() + off.len() + back.len(),
+            "{what}: unexpected spans {mine:#?}"
+        );
+        for x in &mine {
+            let (lo, hi) = match (x.phase, reload) {
+                (Phase::Transfer, _) => transfer,
+                (Phase::Offload, _) => (transfer.0, offload.1),
+                (_, Some(r)) => r,
+                (_, None) => panic!("{what}: {} outside any traced phase", x.name),
+            };
+            assert!(
+                x.duration_us >= 0.0
+                    && x.start_us >= lo - slack
+                    && x.start_us + x.duration_us <= hi + slack,
+                "{what}: {} ({:?}, {}) at {}+{} us outside {lo}..{hi}",
+                x.name,
+                x.phase,
+                x.track,
+                x.start_us,
+                x.duration_us
+            );
+        }
+    }
 }
 
 fn matrix(world: usize, layouts: &[(usize, usize, usize)]) -> Res {
@@ -294,11 +450,16 @@ fn offload_reload_round_trip_and_refresh() -> Res {
         let (b, s) = tr.backend_and_state_mut();
         *s = b.state_from_host(&host)?;
     }
+    lc.enable_trace();
     let second = {
         let s = lc.rollout()?;
         s.backend().download_rollout(&s.weights())?
     };
     assert_eq!(lc.metrics().refreshes, 1);
+    // The refresh is traced like an enter (nothing offloaded, no exit).
+    let gpu_plan = lc.backend().plan(lc.peek_state())?;
+    let memory = lc.config().memory;
+    check_device_spans(lc.trace(), &gpu_plan, lc.peek_state(), memory, "refresh");
     assert_eq!(
         second.first_difference(&reference_rollout(&host, &rollout)?),
         None

@@ -5,8 +5,13 @@
 //!
 //! ```text
 //! export NCCL_NVLS_ENABLE=0
-//! megatron_bench [--layers 28] [--iters 5] [--offload-iters 2] [--skip-offload]
+//! megatron_bench [--layers 28] [--iters 5] [--offload-iters 2] [--skip-offload] [--trace DIR]
 //! ```
+//!
+//! With `--trace DIR`, one more enter + exit per layout and T (with offload unless
+//! `--skip-offload`) is traced and written to `DIR/megatron_tp{TP}_pp{PP}_t{T}.json` (a Chrome /
+//! Perfetto trace: one track per rank and stream, spans from CUDA events on the streams), and a
+//! per-rank, per-stream summary is printed.
 //!
 //! Floor of a resident enter = the larger of (bytes a rank receives ÷ the best measured NCCL
 //! receive rate) and (bytes a rank copies locally, read + written, ÷ the device-to-device copy
@@ -19,7 +24,7 @@ use std::time::Instant;
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Phase, Reshard, Switching};
+use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Phase, Reshard, Span, Switching};
 use lifecycle_cuda::{
     alloc_device, alloc_pinned, check_environment, CudaError, RankExecutor, ThreadRankPool,
 };
@@ -35,6 +40,7 @@ struct Args {
     iters: usize,
     offload_iters: usize,
     offload: bool,
+    trace: Option<std::path::PathBuf>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -43,6 +49,7 @@ fn parse_args() -> Result<Args, String> {
         iters: 5,
         offload_iters: 2,
         offload: true,
+        trace: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -57,8 +64,15 @@ fn parse_args() -> Result<Args, String> {
             "--iters" => a.iters = num("--iters")?,
             "--offload-iters" => a.offload_iters = num("--offload-iters")?,
             "--skip-offload" => a.offload = false,
+            "--trace" => {
+                a.trace = Some(
+                    it.next()
+                        .ok_or("--trace needs a folder for the trace files")?
+                        .into(),
+                )
+            }
             "-h" | "--help" => {
-                return Err("usage: megatron_bench [--layers 28] [--iters 5] [--offload-iters 2] [--skip-offload]".into())
+                return Err("usage: megatron_bench [--layers 28] [--iters 5] [--offload-iters 2] [--skip-offload] [--trace DIR]".into())
             }
             other => return Err(format!("unknown argument `{other}` (try --help)")),
         }
@@ -310,6 +324,117 @@ fn lifecycle(
     )?)
 }
 
+/// The work of one track (a rank's stream, or the host's row) of a trace.
+#[derive(Debug, Clone, PartialEq)]
+struct TrackSummary {
+    /// The rank (`None`: the lifecycle's host row).
+    rank: Option<usize>,
+    /// The stream (`compute`, `aux`, `nccl`, `copy`) or `switch` for the host row.
+    track: String,
+    /// Start of the first span, in microseconds of the trace.
+    first_us: f64,
+    /// End of the last span.
+    last_us: f64,
+    /// Sum of the span durations.
+    busy_us: f64,
+    /// Spans.
+    spans: usize,
+    /// Bytes the spans moved.
+    bytes: u64,
+}
+
+/// One [`TrackSummary`] per (rank, track) of `spans`, the host row first, then by rank and
+/// track name.
+fn summarise(spans: &[Span]) -> Vec<TrackSummary> {
+    let mut keys: Vec<(Option<usize>, &str)> =
+        spans.iter().map(|s| (s.rank, s.track.as_str())).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    keys.into_iter()
+        .map(|(rank, track)| {
+            let mine = spans.iter().filter(|s| s.rank == rank && s.track == track);
+            let mut t = TrackSummary {
+                rank,
+                track: track.to_string(),
+                first_us: f64::INFINITY,
+                last_us: f64::NEG_INFINITY,
+                busy_us: 0.0,
+                spans: 0,
+                bytes: 0,
+            };
+            for s in mine {
+                t.first_us = t.first_us.min(s.start_us);
+                t.last_us = t.last_us.max(s.start_us + s.duration_us);
+                t.busy_us += s.duration_us;
+                t.spans += 1;
+                t.bytes += s.bytes;
+            }
+            t
+        })
+        .collect()
+}
+
+/// One traced enter + exit of `lc`: writes the Chrome trace to `dir/name.json` and prints, per
+/// rank and stream, when the device work started and ended, how long it was busy, the bytes it
+/// moved and its first spans.
+fn traced_cycle(
+    lc: &mut Lifecycle<MegatronGpuBackend>,
+    dir: &std::path::Path,
+    name: &str,
+) -> Result<(), Box<dyn Error>> {
+    lc.enable_trace();
+    lc.enter()?;
+    lc.exit()?;
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(format!("{name}.json"));
+    lc.trace().write_chrome(&path)?;
+    let spans = lc.trace().spans();
+    let t0 = spans
+        .iter()
+        .map(|s| s.start_us)
+        .fold(f64::INFINITY, f64::min);
+    println!(
+        "  trace of one enter + exit ({} spans) written to {}; work per rank and stream (ms after the first span):",
+        spans.len(),
+        path.display()
+    );
+    for t in summarise(spans) {
+        let detail: Vec<String> = spans
+            .iter()
+            .filter(|s| s.rank == t.rank && s.track == t.track)
+            .take(8)
+            .map(|s| {
+                format!(
+                    "{} {:.3}+{:.3}",
+                    s.name,
+                    (s.start_us - t0) / 1e3,
+                    s.duration_us / 1e3
+                )
+            })
+            .collect();
+        let who = t.rank.map_or("host  ".to_string(), |r| format!("rank {r}"));
+        let rate = if t.busy_us > 0.0 {
+            format!(
+                " ({:.1} GB/s busy)",
+                t.bytes as f64 / (t.busy_us * 1e-6) / GB
+            )
+        } else {
+            String::new()
+        };
+        println!(
+            "    {who} {:>8}: {:.3} .. {:.3} ms, busy {:.3} ms, {} spans, {:.3} GB{rate}: {}",
+            t.track,
+            (t.first_us - t0) / 1e3,
+            (t.last_us - t0) / 1e3,
+            t.busy_us / 1e3,
+            t.spans,
+            t.bytes as f64 / GB,
+            detail.join(", ")
+        );
+    }
+    Ok(())
+}
+
 fn main() {
     if let Err(e) = run() {
         eprintln!("megatron_bench: error: {e}");
@@ -457,6 +582,15 @@ fn run() -> Result<(), Box<dyn Error>> {
                 backend = b;
                 state = s;
             }
+            let trace_name = format!("megatron_tp{tp}_pp{pp}_t{t}");
+            if let (Some(dir), false) = (&args.trace, args.offload) {
+                backend = backend.with_config(best.1)?;
+                let mut lc = lifecycle(backend, state, MemoryPolicy::resident())?;
+                traced_cycle(&mut lc, dir, &trace_name)?;
+                let (b, s) = lc.into_parts()?;
+                backend = b;
+                state = s;
+            }
             let sr_rate = c
                 .sendrecv
                 .iter()
@@ -514,6 +648,9 @@ fn run() -> Result<(), Box<dyn Error>> {
                     floor: bytes / c.h2d,
                     floor_sr: None,
                 });
+                if let Some(dir) = &args.trace {
+                    traced_cycle(&mut lc, dir, &trace_name)?;
+                }
                 let (b, s) = lc.into_parts()?;
                 drop(b);
                 state = s;
@@ -551,4 +688,49 @@ fn run() -> Result<(), Box<dyn Error>> {
     // Unpinning ~100 GB chunk by chunk takes tens of seconds; the process exit releases it.
     std::mem::forget(pinned);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(rank: Option<usize>, track: &str, start_us: f64, duration_us: f64, bytes: u64) -> Span {
+        Span {
+            name: "x".into(),
+            phase: Phase::Transfer,
+            rank,
+            track: track.into(),
+            start_us,
+            duration_us,
+            bytes,
+            link: None,
+        }
+    }
+
+    #[test]
+    fn summaries_per_rank_and_stream() {
+        let spans = vec![
+            span(Some(1), "nccl", 10.0, 5.0, 100),
+            span(None, "switch", 0.0, 50.0, 0),
+            span(Some(0), "nccl", 12.0, 4.0, 40),
+            span(Some(1), "nccl", 20.0, 10.0, 300),
+            span(Some(1), "aux", 2.0, 1.0, 8),
+        ];
+        let got = summarise(&spans);
+        let keys: Vec<(Option<usize>, &str)> =
+            got.iter().map(|t| (t.rank, t.track.as_str())).collect();
+        assert_eq!(
+            keys,
+            [
+                (None, "switch"),
+                (Some(0), "nccl"),
+                (Some(1), "aux"),
+                (Some(1), "nccl")
+            ]
+        );
+        let n1 = &got[3];
+        assert_eq!((n1.first_us, n1.last_us, n1.busy_us), (10.0, 30.0, 15.0));
+        assert_eq!((n1.spans, n1.bytes), (2, 400));
+        assert!(summarise(&[]).is_empty());
+    }
 }

@@ -4,11 +4,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 use half::bf16;
 use lifecycle_core::{Link, MemoryPolicy, Phase, PhaseSample, Reshard, SwitchContext};
 use lifecycle_cuda::{
-    alloc_device, alloc_zeros, CudaError, RankCtx, RankExecutor, Region2d, ThreadRankPool,
+    alloc_device, alloc_zeros, CudaError, Mark, RankCtx, RankExecutor, RankSpans, Region2d,
+    StreamTimeline, ThreadRankPool,
 };
 use lifecycle_host::{HostRollout, HostTensor, MemoryMeter, RankRollout, RolloutTensor};
 
@@ -163,12 +164,14 @@ struct RankRes {
     tiles: Option<(u64, CudaSlice<u8>)>,
 }
 
-/// What one rank's transfer did.
-#[derive(Debug, Clone, Copy, Default)]
+/// What one rank's transfer did, and its device timeline (read once the offload copies it also
+/// marks have finished).
+#[derive(Default)]
 struct RankMoved {
     recv: u64,
     local: u64,
     staging: u64,
+    timeline: Option<StreamTimeline>,
 }
 
 fn ptr<T>(s: &CudaSlice<T>, ctx: &RankCtx) -> u64 {
@@ -673,13 +676,15 @@ impl MegatronGpuBackend {
     }
 
     /// Runs every local rank's schedule into `rolls`, starting the offload copies of `memory`
-    /// first so they overlap it.
+    /// first so they overlap it. With `tracing`, each rank's work is marked on a
+    /// [`StreamTimeline`] (returned in its [`RankMoved`], read by [`Self::finish_offload`]).
     fn transfer(
         &mut self,
         plan: &MegatronGpuPlan,
         state: &mut MegatronGpuState,
         rolls: &mut [CudaSlice<bf16>],
         memory: MemoryPolicy,
+        tracing: bool,
     ) -> Result<Vec<RankMoved>, MegatronGpuError> {
         let pinned = &*self.pinned;
         let config = plan.config;
@@ -698,17 +703,20 @@ impl MegatronGpuBackend {
             .collect();
         let id = plan.id;
         let moved = self.pool.run_each(&mut items, &|ctx, (rt, res, roll, s)| {
+            let mut tl = StreamTimeline::new(ctx, tracing)?;
             ctx.order(&ctx.compute, &ctx.copy)?;
             // Offload copies first, on the copy stream: they overlap everything below.
             if memory.offload_optimizer {
-                rt.adam_m.start_offload(ctx, pinned, "offloading Adam m")?;
-                rt.adam_v.start_offload(ctx, pinned, "offloading Adam v")?;
+                rt.adam_m
+                    .start_offload(ctx, pinned, "offloading Adam m", &mut tl)?;
+                rt.adam_v
+                    .start_offload(ctx, pinned, "offloading Adam v", &mut tl)?;
             }
             if memory.offload_params {
                 rt.main
-                    .start_offload(ctx, pinned, "offloading main params")?;
+                    .start_offload(ctx, pinned, "offloading main params", &mut tl)?;
                 rt.params
-                    .start_offload(ctx, pinned, "offloading bf16 parameters")?;
+                    .start_offload(ctx, pinned, "offloading bf16 parameters", &mut tl)?;
             }
             if res.tiles.as_ref().map(|t| t.0) != Some(id) {
                 res.tiles = None;
@@ -728,22 +736,27 @@ impl MegatronGpuBackend {
                     "the bf16 parameters are offloaded: leave rollout mode first".into(),
                 ));
             };
-            let out = run_steps(ctx, s, &res.kernel, ptr(tiles, ctx), params, roll, config);
-            if out.is_err() {
-                // Nothing may still read or write the rollout or staging buffers when they are
-                // freed after an error part-way through.
-                let _ = ctx.sync_all();
+            let k = &res.kernel;
+            let out = run_steps(ctx, s, k, ptr(tiles, ctx), params, roll, config, &mut tl);
+            match out {
+                Ok(mut moved) => {
+                    moved.timeline = Some(tl);
+                    Ok(moved)
+                }
+                Err(e) => {
+                    // Nothing may still read or write the rollout or staging buffers when they
+                    // are freed after an error part-way through.
+                    let _ = ctx.sync_all();
+                    Err(e)
+                }
             }
-            out
         })?;
         Ok(moved)
     }
 
-    fn record_transfer(
-        ctx: &mut SwitchContext<'_>,
-        moved: &[RankMoved],
-        wall: std::time::Duration,
-    ) {
+    /// Records the transfer phase (metrics, and its host span when tracing) started at `start`.
+    fn record_transfer(ctx: &mut SwitchContext<'_>, moved: &[RankMoved], start: Instant) {
+        let wall = start.elapsed();
         let mut sample = PhaseSample::default();
         for m in moved {
             sample.bytes.add(Link::DeviceToDevice, m.recv);
@@ -751,19 +764,42 @@ impl MegatronGpuBackend {
             sample.peak_extra_bytes = sample.peak_extra_bytes.max(m.staging);
         }
         ctx.rec.record(Phase::Transfer, wall, sample);
+        if let Some(trace) = ctx.rec.trace() {
+            let b = sample.bytes;
+            trace.record_host(
+                "transfer",
+                Phase::Transfer,
+                None,
+                "switch",
+                start,
+                wall,
+                b.moved() + b.local,
+                None,
+            );
+        }
     }
 
-    /// Waits for the offload copies, then frees what the policy moved out, and the grads.
+    /// Waits for the offload copies, then frees what the policy moved out, and the grads; reads
+    /// the transfer's device timelines (every stream is synchronised by then) into the trace.
     fn finish_offload(
         &self,
         state: &mut MegatronGpuState,
         ctx: &mut SwitchContext<'_>,
+        moved: &mut [RankMoved],
     ) -> Result<(), MegatronGpuError> {
         let memory = ctx.memory;
-        ctx.rec.phase(Phase::Offload, |scope| {
-            let mut items: Vec<&mut GpuRank> = state.ranks.iter_mut().collect();
-            let moved = self.pool.run_each(&mut items, &|c, rt| {
+        let spans = ctx.rec.phase(Phase::Offload, |scope| {
+            let mut items: Vec<(&mut GpuRank, Option<StreamTimeline>)> = state
+                .ranks
+                .iter_mut()
+                .zip(moved.iter_mut().map(|m| m.timeline.take()))
+                .collect();
+            let out = self.pool.run_each(&mut items, &|c, (rt, tl)| {
                 c.sync_all()?;
+                let spans = match tl.take() {
+                    Some(tl) => tl.finish()?,
+                    None => RankSpans::default(),
+                };
                 let mut bytes = 0;
                 if memory.offload_params {
                     bytes += rt.params.drop_device() + rt.main.drop_device();
@@ -773,11 +809,24 @@ impl MegatronGpuBackend {
                 }
                 rt.grads = None;
                 c.sync_all()?;
-                Ok(bytes)
+                Ok((bytes, spans))
             })?;
-            scope.add_bytes(Link::DeviceToHost, moved.iter().sum());
-            Ok::<(), MegatronGpuError>(())
-        })
+            scope.add_bytes(Link::DeviceToHost, out.iter().map(|o| o.0).sum());
+            Ok::<Vec<RankSpans>, MegatronGpuError>(out.into_iter().map(|o| o.1).collect())
+        })?;
+        self.record_spans(ctx, &spans);
+        Ok(())
+    }
+
+    /// Adds per-rank device spans to the trace (when one is being recorded), on the ranks'
+    /// global numbers.
+    fn record_spans(&self, ctx: &mut SwitchContext<'_>, spans: &[RankSpans]) {
+        if let Some(trace) = ctx.rec.trace() {
+            for (local, s) in spans.iter().enumerate() {
+                let rank = self.locals().get(local).copied().unwrap_or(local);
+                s.record_into(trace, rank);
+            }
+        }
     }
 }
 
@@ -867,9 +916,39 @@ unsafe fn local_chunk(
     Ok(())
 }
 
+/// Ends `mark` on `stream` as a transfer span on the track `track`: `what` gives its name and
+/// the bf16 elements it moved, worked out only when the timeline records (a mark is `None`
+/// when it does not).
+fn end_transfer(
+    tl: &mut StreamTimeline,
+    ctx: &RankCtx,
+    (stream, track): (&CudaStream, &'static str),
+    mark: Mark,
+    what: impl FnOnce() -> (String, usize),
+    link: Link,
+) -> Result<(), CudaError> {
+    if mark.is_none() {
+        return Ok(());
+    }
+    let (name, elems) = what();
+    let bytes = (elems * 2) as u64;
+    tl.end(
+        ctx,
+        stream,
+        mark,
+        Phase::Transfer,
+        name,
+        track,
+        bytes,
+        Some(link),
+    )
+}
+
 /// One rank's schedule: zero the padding rows and copy the local runs (auxiliary stream), pack
 /// (compute stream), send/receive (NCCL stream) and unpack (compute stream) the steps, with
-/// `in_flight` send and receive slots; events order the streams.
+/// `in_flight` send and receive slots; events order the streams. Each piece of work is marked on
+/// `tl` on the stream that runs it (after that stream's waits, so a span is the work alone).
+#[allow(clippy::too_many_arguments)]
 fn run_steps(
     ctx: &RankCtx,
     s: &RankSchedule,
@@ -878,6 +957,7 @@ fn run_steps(
     params: &CudaSlice<bf16>,
     roll: &mut CudaSlice<bf16>,
     config: GpuConfig,
+    tl: &mut StreamTimeline,
 ) -> Result<RankMoved, CudaError> {
     let rank = ctx.rank;
     let n = s.steps.len();
@@ -909,18 +989,28 @@ fn run_steps(
     let rbase = ptr_mut(roll, ctx);
     let sbases: Vec<u64> = sslots.iter_mut().map(|x| ptr_mut(x, ctx)).collect();
     let rbases: Vec<u64> = rslots.iter_mut().map(|x| ptr_mut(x, ctx)).collect();
-    for z in &s.zero {
-        ctx.aux
-            .memset_zeros(&mut roll.slice_mut(z.clone()))
-            .map_err(ctx.drv("zeroing vocabulary padding", (z.len() * 2) as u64))?;
+    let aux = (&*ctx.aux, "aux");
+    let compute = (&*ctx.compute, "compute");
+    if !s.zero.is_empty() {
+        let mark = tl.begin(ctx, &ctx.aux)?;
+        for z in &s.zero {
+            ctx.aux
+                .memset_zeros(&mut roll.slice_mut(z.clone()))
+                .map_err(ctx.drv("zeroing vocabulary padding", (z.len() * 2) as u64))?;
+        }
+        let what = || ("zero padding".to_string(), s.zero_elems());
+        end_transfer(tl, ctx, aux, mark, what, Link::Local)?;
     }
     let chunks = s.local_chunks(n);
     if n == 0 {
-        for c in &chunks {
+        for (i, c) in chunks.iter().enumerate() {
+            let mark = tl.begin(ctx, &ctx.aux)?;
             // SAFETY: local tiles and bulk runs lie inside the parameter buffer (source) and the
             // rollout buffer (destination), both alive until the synchronisation below; nothing
             // else writes their destination elements.
             unsafe { local_chunk(ctx, s, k, tiles, c, (pbase, rbase), &ctx.aux, 8)? };
+            let what = || (format!("local copies c{i}"), s.chunk_elems(c));
+            end_transfer(tl, ctx, aux, mark, what, Link::Local)?;
         }
     }
     let rec =
@@ -929,33 +1019,38 @@ fn run_steps(
             e.record(stream).map_err(ctx.drv("recording an event", 0))?;
             Ok(e)
         };
-    let pack = |j: usize| -> Result<cudarc::driver::CudaEvent, CudaError> {
-        let st = &s.steps[j];
-        if !st.pack.is_empty() {
-            // SAFETY: pack tiles read the parameter buffer and write inside send slot j mod f,
-            // whose previous sends finished (the compute stream waited for them).
-            unsafe {
-                k.launch(
-                    &ctx.compute,
-                    tiles,
-                    st.pack.clone(),
-                    pbase,
-                    sbases[j % f],
-                    bps,
-                    rank,
-                )?
-            };
-        }
-        rec(&ctx.compute)
-    };
+    let pack =
+        |j: usize, tl: &mut StreamTimeline| -> Result<cudarc::driver::CudaEvent, CudaError> {
+            let st = &s.steps[j];
+            if !st.pack.is_empty() {
+                let mark = tl.begin(ctx, &ctx.compute)?;
+                // SAFETY: pack tiles read the parameter buffer and write inside send slot j mod f,
+                // whose previous sends finished (the compute stream waited for them).
+                unsafe {
+                    k.launch(
+                        &ctx.compute,
+                        tiles,
+                        st.pack.clone(),
+                        pbase,
+                        sbases[j % f],
+                        bps,
+                        rank,
+                    )?
+                };
+                let what = || (format!("pack s{}", st.step), st.send_slot);
+                end_transfer(tl, ctx, compute, mark, what, Link::Local)?;
+            }
+            rec(&ctx.compute)
+        };
     let mut packed = Vec::with_capacity(n);
     for j in 0..f.min(n) {
-        packed.push(pack(j)?);
+        packed.push(pack(j, tl)?);
     }
     for j in 0..n {
         let st = &s.steps[j];
         nccl.wait(&packed[j])
             .map_err(ctx.drv("waiting on an event", 0))?;
+        let net_mark = tl.begin(ctx, &nccl)?;
         ctx.group_start()?;
         let mut res = Ok(());
         for m in &st.sends {
@@ -988,11 +1083,21 @@ fn run_steps(
         let end = ctx.group_end();
         res?;
         end?;
+        let what = || (format!("send/recv s{}", st.step), st.recv_elems);
+        end_transfer(
+            tl,
+            ctx,
+            (&nccl, "nccl"),
+            net_mark,
+            what,
+            Link::DeviceToDevice,
+        )?;
         let net = rec(&nccl)?;
         ctx.compute
             .wait(&net)
             .map_err(ctx.drv("waiting on an event", 0))?;
         if !st.unpack.is_empty() {
+            let mark = tl.begin(ctx, &ctx.compute)?;
             // SAFETY: unpack tiles read receive slot j mod f (filled by this step's receives,
             // which the compute stream waited for) and write rollout elements no other copy
             // writes.
@@ -1007,17 +1112,22 @@ fn run_steps(
                     rank,
                 )?
             };
+            let what = || (format!("unpack s{}", st.step), st.recv_slot);
+            end_transfer(tl, ctx, compute, mark, what, Link::Local)?;
         }
         if j + f < n {
-            packed.push(pack(j + f)?);
+            packed.push(pack(j + f, tl)?);
         }
         if let Some(c) = chunks.get(j) {
             // The local copies give way to the packing the next network step needs.
             ctx.aux
                 .wait(&packed[(j + 1).min(n - 1)])
                 .map_err(ctx.drv("waiting on an event", 0))?;
+            let mark = tl.begin(ctx, &ctx.aux)?;
             // SAFETY: as for the local copies above.
             unsafe { local_chunk(ctx, s, k, tiles, c, (pbase, rbase), &ctx.aux, bps)? };
+            let what = || (format!("local copies c{j}"), s.chunk_elems(c));
+            end_transfer(tl, ctx, aux, mark, what, Link::Local)?;
         }
     }
     ctx.order(&nccl, &ctx.compute)?;
@@ -1034,6 +1144,7 @@ fn run_steps(
         recv: (s.recv_elems * 2) as u64,
         local: (s.local_elems * 2) as u64,
         staging: staging as u64,
+        timeline: None,
     })
 }
 
@@ -1102,9 +1213,10 @@ impl Reshard for MegatronGpuBackend {
             unsafe { alloc_device::<bf16>(&c.compute, len, c.rank, "rollout weights") }
         })?;
         let start = Instant::now();
-        let moved = self.transfer(plan, state, &mut rolls, ctx.memory)?;
-        Self::record_transfer(ctx, &moved, start.elapsed());
-        self.finish_offload(state, ctx)?;
+        let tracing = ctx.rec.tracing();
+        let mut moved = self.transfer(plan, state, &mut rolls, ctx.memory, tracing)?;
+        Self::record_transfer(ctx, &moved, start);
+        self.finish_offload(state, ctx, &mut moved)?;
         Ok(MegatronGpuRollout {
             ranks: rolls,
             local: self.locals().to_vec(),
@@ -1135,9 +1247,10 @@ impl Reshard for MegatronGpuBackend {
             });
         }
         let start = Instant::now();
-        let moved = self.transfer(plan, state, &mut rollout.ranks, ctx.memory)?;
-        Self::record_transfer(ctx, &moved, start.elapsed());
-        self.finish_offload(state, ctx)
+        let tracing = ctx.rec.tracing();
+        let mut moved = self.transfer(plan, state, &mut rollout.ranks, ctx.memory, tracing)?;
+        Self::record_transfer(ctx, &moved, start);
+        self.finish_offload(state, ctx, &mut moved)
     }
 
     fn exit(
@@ -1164,14 +1277,18 @@ impl Reshard for MegatronGpuBackend {
         }
         self.check_state(state)?;
         let pinned = &*self.pinned;
-        ctx.rec.phase(Phase::Reload, |scope| {
+        let tracing = ctx.rec.tracing();
+        let spans = ctx.rec.phase(Phase::Reload, |scope| {
             let mut items: Vec<&mut GpuRank> = state.ranks.iter_mut().collect();
             let moved = self.pool.run_each(&mut items, &|c, rt| {
                 c.sync_all()?;
-                let mut bytes = rt.params.start_reload(c, "reloading bf16 parameters")?;
-                bytes += rt.main.start_reload(c, "reloading main params")?;
-                bytes += rt.adam_m.start_reload(c, "reloading Adam m")?;
-                bytes += rt.adam_v.start_reload(c, "reloading Adam v")?;
+                let mut tl = StreamTimeline::new(c, tracing)?;
+                let mut bytes = rt
+                    .params
+                    .start_reload(c, "reloading bf16 parameters", &mut tl)?;
+                bytes += rt.main.start_reload(c, "reloading main params", &mut tl)?;
+                bytes += rt.adam_m.start_reload(c, "reloading Adam m", &mut tl)?;
+                bytes += rt.adam_v.start_reload(c, "reloading Adam v", &mut tl)?;
                 if rt.grads.is_none() {
                     rt.grads = Some(alloc_zeros(&c.compute, rt.params.len, c.rank, "gradients")?);
                 }
@@ -1180,10 +1297,12 @@ impl Reshard for MegatronGpuBackend {
                 rt.main.release_host(c.rank, pinned);
                 rt.adam_m.release_host(c.rank, pinned);
                 rt.adam_v.release_host(c.rank, pinned);
-                Ok(bytes)
+                Ok((bytes, tl.finish()?))
             })?;
-            scope.add_bytes(Link::HostToDevice, moved.iter().sum());
-            Ok::<(), MegatronGpuError>(())
-        })
+            scope.add_bytes(Link::HostToDevice, moved.iter().map(|m| m.0).sum());
+            Ok::<Vec<RankSpans>, MegatronGpuError>(moved.into_iter().map(|m| m.1).collect())
+        })?;
+        self.record_spans(ctx, &spans);
+        Ok(())
     }
 }

@@ -26,6 +26,13 @@
 //!   `offload_params` moves the bf16 parameters and the fp32 main params, `offload_optimizer`
 //!   Adam m and v, to pinned host memory from a [`PinnedPool`] kept between switches; grads are
 //!   freed at every switch and come back as zeros. Exit releases the rollout and reloads.
+//! - **Tracing** (off by default; `Lifecycle::enable_trace`): every piece of device work is a
+//!   span measured by CUDA events on the stream that ran it
+//!   ([`StreamTimeline`](lifecycle_cuda::StreamTimeline)), read once the streams are
+//!   synchronised: zeroing and local copies (`aux`), packs and unpacks (`compute`), each step's
+//!   grouped send/receive (`nccl`, received bytes), offload and reload copies (`copy`), with
+//!   bytes and link, on one track per rank and stream next to the host's phase spans. When
+//!   tracing is off no event is created.
 //! - **Errors**: [`MegatronGpuError`]; layout errors come from `plan`, before anything moves;
 //!   out-of-memory is a typed error, and a failed enter leaves the training state as it was.
 //!

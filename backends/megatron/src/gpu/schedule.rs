@@ -303,6 +303,27 @@ impl RankSchedule {
             .collect()
     }
 
+    /// Elements the tiles `range` copy.
+    pub fn tile_elems(&self, range: Range<usize>) -> usize {
+        self.tiles
+            .get(range)
+            .map_or(0, |t| t.iter().map(Tile::numel).sum())
+    }
+
+    /// Elements one chunk of [`RankSchedule::local_chunks`] copies (its tiles and bulk runs).
+    pub fn chunk_elems(&self, chunk: &(Range<usize>, Range<usize>)) -> usize {
+        let bulk = self
+            .local_bulk
+            .get(chunk.1.clone())
+            .map_or(0, |r| r.iter().map(Run::numel).sum());
+        self.tile_elems(chunk.0.clone()) + bulk
+    }
+
+    /// Elements of the rollout buffer zeroed as vocabulary padding.
+    pub fn zero_elems(&self) -> usize {
+        self.zero.iter().map(Range::len).sum()
+    }
+
     /// The tiles as the kernel reads them ([`Tile::write_bytes`]).
     pub fn tile_bytes(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.tiles.len() * TILE_BYTES);
@@ -799,6 +820,8 @@ mod tests {
             for (s, rp) in scheds.iter().zip(&plan.ranks) {
                 assert_eq!((s.recv_elems * 2) as u64, rp.remote_bytes());
                 assert_eq!((s.local_elems * 2) as u64, rp.local_bytes());
+                // Every rollout element is copied, received or zeroed as padding.
+                assert_eq!(s.local_elems + s.recv_elems + s.zero_elems(), len, "T {t}");
                 assert!((s.recv_slot_elems * 2) as u64 <= budget);
                 let (sent, got) = s.messages();
                 assert!(sent + got > 0);
@@ -810,8 +833,16 @@ mod tests {
                 let direct = direct(|st| &st.sends) && direct(|st| &st.recvs);
                 assert!(direct, "T {t}: some runs travel without staging");
                 assert!(s.steps.len() > 1, "T {t}: several steps");
+                for st in &s.steps {
+                    // The pack and unpack tiles fill exactly the slot elements a step uses.
+                    assert_eq!(s.tile_elems(st.pack.clone()), st.send_slot, "T {t}");
+                    assert_eq!(s.tile_elems(st.unpack.clone()), st.recv_slot, "T {t}");
+                }
+                assert_eq!(s.tile_elems(s.tiles.len()..s.tiles.len() + 1), 0);
             }
             assert_eq!((sent * 2) as u64, plan.remote_bytes());
+            // Vocabulary 37 padded to a multiple of 4 per rank: some rank zeroes padding rows.
+            assert!(scheds.iter().any(|s| s.zero_elems() > 0), "T {t}");
         }
     }
 
@@ -913,6 +944,11 @@ mod tests {
         for n in [1, 2, 3, 7, 1000] {
             let chunks = s.local_chunks(n);
             assert_eq!(chunks.len(), n);
+            let elems: usize = chunks.iter().map(|c| s.chunk_elems(c)).sum();
+            assert_eq!(
+                elems, s.local_elems,
+                "n = {n}: chunks copy every local element"
+            );
             let tiles: Vec<Range<usize>> = chunks.iter().map(|c| c.0.clone()).collect();
             let bulk: Vec<Range<usize>> = chunks.iter().map(|c| c.1.clone()).collect();
             for (parts, whole) in [(tiles, s.local.clone()), (bulk, 0..s.local_bulk.len())] {

@@ -4,7 +4,8 @@ use std::ops::Range;
 
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use half::bf16;
-use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
+use lifecycle_core::{Link, Phase};
+use lifecycle_cuda::{alloc_device, CudaError, RankCtx, StreamTimeline};
 
 use super::pinned::{HostCopy, PinnedPool};
 use crate::layout::MegatronLayout;
@@ -32,12 +33,14 @@ impl<T: DeviceRepr> GpuBuffer<T> {
     }
 
     /// Queues the device→host copy of this buffer on the copy stream (pinned chunks taken from
-    /// `pinned` first). Returns the bytes queued; 0 when already offloaded.
+    /// `pinned` first), marked on `tl` as an offload span named `what`. Returns the bytes
+    /// queued; 0 when already offloaded.
     pub(crate) fn start_offload(
         &mut self,
         ctx: &RankCtx,
         pinned: &PinnedPool,
         what: &str,
+        tl: &mut StreamTimeline,
     ) -> Result<u64, CudaError> {
         let Some(dev) = self.dev.as_ref() else {
             return Ok(0);
@@ -46,12 +49,26 @@ impl<T: DeviceRepr> GpuBuffer<T> {
             self.host = Some(pinned.take(ctx, self.bytes(), what)?);
         }
         let (src, _sync) = dev.device_ptr(&ctx.copy);
+        let bytes = self.bytes() as u64;
         if let Some(host) = self.host.as_mut() {
+            // The mark starts after the pinned chunks are taken: the span is the copy alone.
+            let mark = tl.begin(ctx, &ctx.copy)?;
             // SAFETY: `dev` holds at least `len` elements (= host.bytes()) and is only read until
             // the caller synchronises the copy stream (finish_offload) before freeing it.
             unsafe { host.download_from(src, &ctx.copy, ctx.rank, what)? };
+            let link = Some(Link::DeviceToHost);
+            tl.end(
+                ctx,
+                &ctx.copy,
+                mark,
+                Phase::Offload,
+                what,
+                "copy",
+                bytes,
+                link,
+            )?;
         }
-        Ok(self.bytes() as u64)
+        Ok(bytes)
     }
 
     /// Frees the device copy (after the offload copies finished: the caller synchronised).
@@ -63,8 +80,14 @@ impl<T: DeviceRepr> GpuBuffer<T> {
         }
     }
 
-    /// Queues the host→device copy of an offloaded buffer on the copy stream. Returns the bytes.
-    pub(crate) fn start_reload(&mut self, ctx: &RankCtx, what: &str) -> Result<u64, CudaError> {
+    /// Queues the host→device copy of an offloaded buffer on the copy stream, marked on `tl` as
+    /// a reload span named `what`. Returns the bytes.
+    pub(crate) fn start_reload(
+        &mut self,
+        ctx: &RankCtx,
+        what: &str,
+        tl: &mut StreamTimeline,
+    ) -> Result<u64, CudaError> {
         if self.dev.is_some() {
             return Ok(0);
         }
@@ -88,11 +111,24 @@ impl<T: DeviceRepr> GpuBuffer<T> {
             let (dst, _sync) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut dev, &ctx.copy);
             dst
         };
+        let bytes = self.bytes() as u64;
+        let mark = tl.begin(ctx, &ctx.copy)?;
         // SAFETY: `dev` holds `len` elements = host.bytes(); the chunks stay in `self.host` until
         // the caller synchronised the copy stream and gave them back.
         unsafe { host.upload_to(dst, &ctx.copy, ctx.rank, what)? };
+        let link = Some(Link::HostToDevice);
+        tl.end(
+            ctx,
+            &ctx.copy,
+            mark,
+            Phase::Reload,
+            what,
+            "copy",
+            bytes,
+            link,
+        )?;
         self.dev = Some(dev);
-        Ok(self.bytes() as u64)
+        Ok(bytes)
     }
 
     /// Gives the host chunks back once the device copy is authoritative (streams synchronised).
