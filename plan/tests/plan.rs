@@ -152,3 +152,17 @@ fn the_command_prints_a_plan_and_a_prediction() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("pick a degree dividing 28"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn the_32b_shape_at_eight_ranks_receives_a_fraction_of_a_full_gather() {
+    let c = ModelConfig::from_json_str(include_str!("../configs/qwen2.5-32b.json")).unwrap();
+    let full = 2.0 * c.params() as f64 * 7.0 / 8.0;
+    // T = 8 on FSDP W = 8: each rank receives 2.35 GB instead of 57.3 GB of a full gather.
+    let t8 = plan_fsdp(&c, 8, 8, 256 << 20, 2, Offload::NONE).unwrap();
+    let most = t8.iter().map(|r| r.recv_bytes).max().unwrap() as f64;
+    assert!((most / GB - 2.35).abs() < 0.01, "{}", most / GB);
+    assert!(most / full < 0.05);
+    // T = 1 is a full gather by construction.
+    let t1 = plan_fsdp(&c, 8, 1, 4 << 30, 2, Offload::NONE).unwrap();
+    assert!((t1[0].recv_bytes as f64 - full).abs() / full < 1e-3);
+}
