@@ -796,61 +796,36 @@ impl FsdpBackend {
             let mut tl = StreamTimeline::new(ctx, tracing)?;
             // Offload copies on the copy stream: they overlap the NVLink work below.
             let bytes = (len * 4) as u64;
-            let d2h = Some(Link::DeviceToHost);
-            if memory.offload_optimizer {
-                if let (Some(m), Some(h)) = (rt.m.as_ref(), rt.m_host.as_mut()) {
-                    let mark = tl.begin(ctx, &ctx.copy)?;
-                    ctx.copy
-                        .memcpy_dtoh(m, h)
-                        .map_err(ctx.drv("offloading Adam m", 0))?;
-                    let p = Phase::Offload;
-                    tl.end(
-                        ctx,
-                        &ctx.copy,
-                        mark,
-                        p,
-                        "offload Adam m",
-                        "copy",
-                        bytes,
-                        d2h,
-                    )?;
-                }
-                if let (Some(v), Some(h)) = (rt.v.as_ref(), rt.v_host.as_mut()) {
-                    let mark = tl.begin(ctx, &ctx.copy)?;
-                    ctx.copy
-                        .memcpy_dtoh(v, h)
-                        .map_err(ctx.drv("offloading Adam v", 0))?;
-                    let p = Phase::Offload;
-                    tl.end(
-                        ctx,
-                        &ctx.copy,
-                        mark,
-                        p,
-                        "offload Adam v",
-                        "copy",
-                        bytes,
-                        d2h,
-                    )?;
-                }
-            }
-            if memory.offload_params {
-                if let Some(h) = rt.master_host.as_mut() {
-                    let mark = tl.begin(ctx, &ctx.copy)?;
-                    ctx.copy
-                        .memcpy_dtoh(master, h)
-                        .map_err(ctx.drv("offloading master", 0))?;
-                    let p = Phase::Offload;
-                    tl.end(
-                        ctx,
-                        &ctx.copy,
-                        mark,
-                        p,
-                        "offload master",
-                        "copy",
-                        bytes,
-                        d2h,
-                    )?;
-                }
+            let opt = memory.offload_optimizer;
+            let copies = [
+                (opt, rt.m.as_ref(), rt.m_host.as_mut(), "Adam m"),
+                (opt, rt.v.as_ref(), rt.v_host.as_mut(), "Adam v"),
+                (
+                    memory.offload_params,
+                    Some(master),
+                    rt.master_host.as_mut(),
+                    "master",
+                ),
+            ];
+            for (on, dev, host, what) in copies {
+                let (true, Some(dev), Some(host)) = (on, dev, host) else {
+                    continue;
+                };
+                let mark = tl.begin(ctx, &ctx.copy)?;
+                ctx.copy
+                    .memcpy_dtoh(dev, host)
+                    .map_err(ctx.drv(&format!("offloading {what}"), 0))?;
+                let (name, link) = (format!("offload {what}"), Some(Link::DeviceToHost));
+                tl.end(
+                    ctx,
+                    &ctx.copy,
+                    mark,
+                    Phase::Offload,
+                    name,
+                    "copy",
+                    bytes,
+                    link,
+                )?;
             }
             let mut moved = run_buckets(ctx, plan, master, roll, mode, &mut tl)?;
             moved.timeline = Some(tl);

@@ -4,7 +4,13 @@
 /// 18944, vocab 152064, kv dim 512, q/k/v biases, untied head; 28 layers make the real model,
 /// 7.615 B parameters).
 pub fn qwen2_5_7b(layers: usize) -> Vec<(String, Vec<usize>)> {
-    let (h, i, v, kv) = (3584, 18944, 152064, 512);
+    qwen2(layers, 3584, 18944, 152064, 512)
+}
+
+/// Qwen2-style parameter names and shapes: `layers` decoder layers of hidden size `h`,
+/// intermediate size `i`, vocabulary `v` and key/value width `kv`, with q/k/v biases and an
+/// untied head.
+pub fn qwen2(layers: usize, h: usize, i: usize, v: usize, kv: usize) -> Vec<(String, Vec<usize>)> {
     let mut t = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
     for l in 0..layers {
         let p = format!("model.layers.{l}");

@@ -88,26 +88,7 @@ fn parse_args() -> Result<Args, String> {
 
 /// Qwen-shaped parameter names and shapes.
 fn model(layers: usize, h: usize) -> Vec<(String, Vec<usize>)> {
-    let (i, v, kv) = (h * 11 / 2, 32_000, h / 8);
-    let mut t = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
-    for l in 0..layers {
-        let p = format!("model.layers.{l}");
-        t.push((format!("{p}.input_layernorm.weight"), vec![h]));
-        t.push((format!("{p}.self_attn.q_proj.weight"), vec![h, h]));
-        t.push((format!("{p}.self_attn.q_proj.bias"), vec![h]));
-        t.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h]));
-        t.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
-        t.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h]));
-        t.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
-        t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, h]));
-        t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
-        t.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
-        t.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
-        t.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
-    }
-    t.push(("model.norm.weight".to_string(), vec![h]));
-    t.push(("lm_head.weight".to_string(), vec![v, h]));
-    t
+    lifecycle_fsdp::shapes::qwen2(layers, h, h * 11 / 2, 32_000, h / 8)
 }
 
 fn host_twin(
