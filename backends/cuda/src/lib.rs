@@ -30,6 +30,7 @@ mod deadline;
 mod env;
 mod error;
 mod kernels;
+mod peer;
 mod pool;
 mod timeline;
 mod verify;
@@ -51,6 +52,7 @@ pub use kernels::{
     compile_kernels, fill_uniform_value, CastBatch, Kernels, Region2d, CAST_CHUNK_ELEMS,
     DEFAULT_MULTI_BLOCKS_PER_SM, KERNEL_SRC,
 };
+pub use peer::copy_2d;
 pub use pool::{RankCtx, RankExecutor, RankFn, ThreadRankPool};
 pub use timeline::{DeviceSpan, Mark, RankSpans, StreamTimeline};
 pub use verify::{

@@ -293,6 +293,8 @@ pub struct ThreadRankPool {
     world: usize,
     ranks: Vec<usize>,
     health: Arc<CommHealth>,
+    /// Whether peer access is set up (`None` until [`ThreadRankPool::peer_access`] ran).
+    peer: std::sync::Mutex<Option<bool>>,
 }
 
 impl std::fmt::Debug for ThreadRankPool {
@@ -321,6 +323,11 @@ impl ThreadRankPool {
         let id = Id::new().map_err(|e| CudaError::nccl(0, "creating the NCCL unique id", e))?;
         let assignments: Vec<(usize, usize)> = (0..world).map(|r| (r, r)).collect();
         Self::start(world, assignments, *id.internal(), settings)
+    }
+
+    /// The cached answer of [`ThreadRankPool::peer_access`].
+    pub(crate) fn peer_state(&self) -> &std::sync::Mutex<Option<bool>> {
+        &self.peer
     }
 
     /// The deadline of every wait on NCCL work.
@@ -453,6 +460,7 @@ impl ThreadRankPool {
             world,
             ranks,
             health,
+            peer: std::sync::Mutex::new(None),
         };
         let mut first_err = None;
         for _ in 0..assignments.len() {

@@ -14,7 +14,7 @@ use lifecycle_core::{
 use lifecycle_cuda::{device_count, CudaError, ThreadRankPool};
 use lifecycle_host::{AdamParams, HostRollout};
 use lifecycle_megatron::gpu::{
-    GpuConfig, MegatronGpuBackend, MegatronGpuError, MegatronGpuPlan, MegatronGpuState,
+    GpuConfig, MegatronGpuBackend, MegatronGpuError, MegatronGpuPlan, MegatronGpuState, Transport,
 };
 use lifecycle_megatron::layout::{
     plan_megatron_to_tp, BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab,
@@ -90,8 +90,16 @@ fn check(pool: &Arc<ThreadRankPool>, name: &str, c: &Case) -> Res {
     let reference = reference_rollout(&host, &rollout)?;
     let cpu = via_host(&host, rollout, c.config.bucket_bytes);
     let case = format!(
-        "{name} TP{} PP{} DP{} -> T{} {:?} bucket {} x{} {:?}",
-        c.tp, c.pp, c.dp, c.t, c.vocab, c.config.bucket_bytes, c.config.in_flight, c.memory
+        "{name} TP{} PP{} DP{} -> T{} {:?} {:?} bucket {} x{} {:?}",
+        c.tp,
+        c.pp,
+        c.dp,
+        c.t,
+        c.vocab,
+        c.config.transport,
+        c.config.bucket_bytes,
+        c.config.in_flight,
+        c.memory
     );
     assert_eq!(
         cpu.first_difference(&reference),
@@ -220,13 +228,36 @@ fn check_device_spans(
         // One NCCL group per step.
         let nccl = on("nccl", Phase::Transfer);
         assert_eq!(nccl.len(), s.steps.len(), "{what}: NCCL spans {nccl:#?}");
-        assert_eq!(bytes(&nccl), (s.recv_elems * 2) as u64, "{what}");
+        let (received, sent) = if plan.peer_copy() {
+            (0, s.send_elems * 2)
+        } else {
+            (s.recv_elems * 2, 0)
+        };
+        assert_eq!(bytes(&nccl), received as u64, "{what}");
         assert!(nccl.iter().all(|x| x.link == Some(Link::DeviceToDevice)));
-        if world > 1 && plan.plan().remote_bytes() > 0 {
+        if world > 1 && plan.plan().remote_bytes() > 0 && !plan.peer_copy() {
             assert!(
                 nccl.iter().any(|x| x.duration_us > 0.0),
                 "{what}: no NCCL span on W = {world}"
             );
+        }
+        // Peer copies: one span per destination, the bytes this rank sends.
+        let peer = on("peer", Phase::Transfer);
+        let mut dests: Vec<usize> = s.pushes.iter().map(|p| p.peer).collect();
+        dests.dedup();
+        assert_eq!(peer.len(), dests.len(), "{what}: peer spans {peer:#?}");
+        assert_eq!(bytes(&peer), sent as u64, "{what}");
+        assert!(peer.iter().all(|x| x.link == Some(Link::DeviceToDevice)));
+        if plan.peer_copy() {
+            assert!(s.steps.is_empty(), "{what}: NCCL steps with peer copies");
+            if s.send_elems > 0 {
+                assert!(
+                    peer.iter().any(|x| x.duration_us > 0.0),
+                    "{what}: no peer-copy span though it sends"
+                );
+            }
+        } else {
+            assert!(s.pushes.is_empty(), "{what}: peer copies with NCCL steps");
         }
         // Packs and unpacks.
         let compute = on("compute", Phase::Transfer);
@@ -274,7 +305,7 @@ fn check_device_spans(
         // Every span of this rank is one of the above, inside its phase.
         assert_eq!(
             mine.len(),
-            aux.len() + nccl.len() + compute.len() + off.len() + back.len(),
+            aux.len() + nccl.len() + peer.len() + compute.len() + off.len() + back.len(),
             "{what}: unexpected spans {mine:#?}"
         );
         for x in &mine {
@@ -306,7 +337,13 @@ fn matrix(world: usize, layouts: &[(usize, usize, usize)]) -> Res {
         for &(tp, pp, dp) in layouts {
             for t in [1, 2].into_iter().filter(|t| world.is_multiple_of(*t)) {
                 let small = if name == "medium" { 256 << 10 } else { 64 };
-                for (k, bucket) in [small, 256 << 20].into_iter().enumerate() {
+                // NCCL steps with a tiny and a large budget, then peer copies.
+                for (k, bucket) in [small, 256 << 20, 256 << 20].into_iter().enumerate() {
+                    let transport = if k == 2 {
+                        Transport::PeerCopy
+                    } else {
+                        Transport::Nccl
+                    };
                     let vocab = [
                         RolloutVocab::PadToMultipleOf(1),
                         RolloutVocab::PadToMultipleOf(7),
@@ -324,6 +361,7 @@ fn matrix(world: usize, layouts: &[(usize, usize, usize)]) -> Res {
                         t,
                         vocab,
                         config: GpuConfig {
+                            transport,
                             bucket_bytes: bucket,
                             in_flight: 1 + (n + k) % 3,
                             // Every remote run its own message / everything packed / a mix.

@@ -22,13 +22,15 @@ use std::error::Error;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Phase, Reshard, Span, Switching};
 use lifecycle_cuda::{
-    alloc_device, alloc_pinned, check_environment, CudaError, RankExecutor, ThreadRankPool,
+    alloc_device, alloc_pinned, check_environment, copy_2d, CudaError, RankExecutor, ThreadRankPool,
 };
-use lifecycle_megatron::gpu::{GpuConfig, MegatronGpuBackend, MegatronGpuState, PinnedPool};
+use lifecycle_megatron::gpu::{
+    GpuConfig, MegatronGpuBackend, MegatronGpuState, PinnedPool, Transport,
+};
 use lifecycle_megatron::layout::{MegatronLayout, RolloutLayout, RolloutVocab};
 use lifecycle_megatron::ModelSpec;
 
@@ -219,6 +221,59 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
             ms(t),
             rate / GB
         ));
+    }
+    // Copy-engine writes into the peer's memory (the peer-copy transport), both ranks at once.
+    if pool.peer_access()? {
+        for mib in [1024usize, 4096] {
+            let nb = mib << 20;
+            let mut bufs: Vec<(CudaSlice<u8>, CudaSlice<u8>)> = pool.run(&|ctx| {
+                // SAFETY: contents irrelevant to the timing.
+                let a = unsafe { alloc_device::<u8>(&ctx.compute, nb, ctx.rank, "peer src")? };
+                // SAFETY: as above.
+                let b = unsafe { alloc_device::<u8>(&ctx.compute, nb, ctx.rank, "peer dst")? };
+                ctx.compute.synchronize().map_err(ctx.drv("sync", 0))?;
+                Ok((a, b))
+            })?;
+            let dsts: Vec<u64> = pool.run_each(&mut bufs, &|ctx, (_, b)| {
+                let (p, _sync) = b.device_ptr_mut(&ctx.compute);
+                Ok(p)
+            })?;
+            let t = pool.run_each(&mut bufs, &|ctx, (a, _)| {
+                let (src, _sync) = a.device_ptr(&ctx.compute);
+                let to = dsts[(ctx.rank + 1) % WORLD];
+                let stream = ctx.nccl_stream();
+                timed(iters, || {
+                    // SAFETY: both buffers hold `nb` bytes and live until the end of this
+                    // call; peer access is enabled; nothing else touches them.
+                    unsafe {
+                        copy_2d(
+                            ctx,
+                            &stream,
+                            (to, nb),
+                            (src, nb),
+                            nb,
+                            1,
+                            "peer copy ceiling",
+                        )?
+                    };
+                    stream.synchronize().map_err(ctx.drv("sync", 0))
+                })
+            })?;
+            pool.run_each(&mut bufs, &|ctx, _| {
+                ctx.nccl_stream().synchronize().map_err(ctx.drv("sync", 0))
+            })?;
+            drop(bufs);
+            let t = t.iter().cloned().fold(0.0, f64::max);
+            let rate = nb as f64 / t;
+            link = link.max(rate);
+            lines.push(format!(
+                "peer copy (copy engines) {mib} MiB each way: {} -> receive {:.1} GB/s per rank",
+                ms(t),
+                rate / GB
+            ));
+        }
+    } else {
+        lines.push("peer copy: no peer access between the GPUs (not measured)".into());
     }
     let nb = 4usize << 30;
     let d2d = pool.run(&|ctx| {
@@ -505,43 +560,36 @@ fn run() -> Result<(), Box<dyn Error>> {
             }
             let remote = plan.plan().remote_bytes() > 0;
             let d = GpuConfig::default();
+            let nccl = GpuConfig {
+                transport: Transport::Nccl,
+                ..d
+            };
             let gib = 1u64 << 30;
             // Large runs as their own messages, large local runs by the driver's copy.
             let direct = GpuConfig {
                 direct_min_bytes: 4 << 20,
                 memcpy_min_bytes: 16 << 20,
                 overlap_blocks_per_sm: 2,
-                ..d
+                ..nccl
             };
             let configs: Vec<GpuConfig> = if remote {
                 vec![
                     d,
                     GpuConfig {
-                        bucket_bytes: gib,
+                        memcpy_min_bytes: 16 << 20,
                         ..d
                     },
-                    direct,
+                    nccl,
                     GpuConfig {
                         bucket_bytes: gib,
-                        ..direct
+                        ..nccl
                     },
                     GpuConfig {
                         bucket_bytes: 2 * gib,
-                        ..direct
+                        ..nccl
                     },
                     GpuConfig {
                         bucket_bytes: gib,
-                        overlap_blocks_per_sm: 8,
-                        ..direct
-                    },
-                    GpuConfig {
-                        bucket_bytes: gib,
-                        memcpy_min_bytes: u64::MAX,
-                        ..direct
-                    },
-                    GpuConfig {
-                        bucket_bytes: gib,
-                        direct_min_bytes: 1 << 20,
                         ..direct
                     },
                 ]
@@ -554,7 +602,7 @@ fn run() -> Result<(), Box<dyn Error>> {
                     },
                 ]
             };
-            let mut best = (f64::INFINITY, GpuConfig::default());
+            let mut best = (f64::INFINITY, GpuConfig::default(), false);
             for cfg in configs {
                 backend = backend.with_config(cfg)?;
                 let mut lc = lifecycle(backend, state, MemoryPolicy::resident())?;
@@ -562,8 +610,10 @@ fn run() -> Result<(), Box<dyn Error>> {
                 let m = lc.metrics().clone();
                 let tr = m.phase(Phase::Transfer);
                 let msgs = plan_messages(&lc)?;
+                let peer = lc.backend().plan(lc.peek_state())?.peer_copy();
                 println!(
-                    "  T={t} resident, bucket {:>4} MiB x {}, direct >= {}, memcpy >= {}, {} blocks/SM: enter {} (transfer phase {} avg), exit {}; {msgs}; received {:.3} GB per switch (all ranks), peak staging {:.0} MB",
+                    "  T={t} resident, {}, bucket {:>4} MiB x {}, direct >= {}, memcpy >= {}, {} blocks/SM: enter {} (transfer phase {} avg), exit {}; {msgs}; received {:.3} GB per switch (all ranks), peak staging {:.0} MB",
+                    if peer { "peer copies" } else { "NCCL steps " },
                     cfg.bucket_bytes >> 20,
                     cfg.in_flight,
                     mib(cfg.direct_min_bytes),
@@ -576,7 +626,7 @@ fn run() -> Result<(), Box<dyn Error>> {
                     tr.peak_extra_bytes as f64 / 1e6
                 );
                 if en < best.0 {
-                    best = (en, cfg);
+                    best = (en, cfg, peer);
                 }
                 let (b, s) = lc.into_parts()?;
                 backend = b;
@@ -596,13 +646,18 @@ fn run() -> Result<(), Box<dyn Error>> {
                 .iter()
                 .find(|(mib, _)| *mib == best.1.bucket_bytes >> 20)
                 .map(|x| x.1);
+            let sr_rate = sr_rate.filter(|_| !best.2);
             rows.push(Row {
-                what: format!(
-                    "TP{tp}/PP{pp} -> T={t} enter ({} MiB x {}, direct {})",
-                    best.1.bucket_bytes >> 20,
-                    best.1.in_flight,
-                    mib(best.1.direct_min_bytes)
-                ),
+                what: if best.2 {
+                    format!("TP{tp}/PP{pp} -> T={t} enter (peer copies)")
+                } else {
+                    format!(
+                        "TP{tp}/PP{pp} -> T={t} enter ({} MiB x {}, direct {})",
+                        best.1.bucket_bytes >> 20,
+                        best.1.in_flight,
+                        mib(best.1.direct_min_bytes)
+                    )
+                },
                 ours: best.0,
                 floor,
                 floor_sr: sr_rate

@@ -26,9 +26,26 @@ use crate::layout::{
 };
 use crate::state::{MegatronTrainState, RankTrain, Resident};
 
+/// How remote runs travel between GPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Transport {
+    /// Peer copies when every rank lives in this process and every pair of GPUs has peer
+    /// access ([`ThreadRankPool::peer_access`]); NCCL otherwise (one process per GPU).
+    #[default]
+    Auto,
+    /// NCCL send/recv, step by step through send and receive slots.
+    Nccl,
+    /// Each sender's copy engines write its remote runs straight into the receivers' rollout
+    /// buffers (no slots, packing or NCCL); planning fails when the pool cannot.
+    PeerCopy,
+}
+
 /// Settings of the GPU executor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GpuConfig {
+    /// How remote runs travel ([`Transport::Auto`]: peer copies where possible). The fields
+    /// below on buckets, slots and messages apply to NCCL steps only.
+    pub transport: Transport,
     /// The most bf16 bytes one rank receives from peers in one step: the plan's bucket budget
     /// ([`BucketConfig::bucket_bytes`]) and the size of a receive slot.
     pub bucket_bytes: u64,
@@ -48,23 +65,25 @@ pub struct GpuConfig {
 }
 
 impl GpuConfig {
-    /// The schedule options these settings give.
-    pub fn schedule_options(&self) -> ScheduleOptions {
+    /// The schedule options these settings give, with peer copies or NCCL steps.
+    pub fn schedule_options(&self, peer_copy: bool) -> ScheduleOptions {
         let elems = |b: u64| usize::try_from(b / 2).unwrap_or(usize::MAX);
         ScheduleOptions {
             direct_min: elems(self.direct_min_bytes),
             memcpy_min: elems(self.memcpy_min_bytes),
+            peer_copy,
         }
     }
 }
 
 impl Default for GpuConfig {
-    /// 256 MiB buckets, 2 in flight, every remote run packed into the slots, local runs copied
-    /// by the tile kernel, 4 blocks per SM while the network runs. Direct messages
-    /// (`direct_min_bytes`, e.g. 4 MiB) and driver copies (`memcpy_min_bytes`, e.g. 16 MiB) are
-    /// opt-in.
+    /// Peer copies where possible; for NCCL steps 256 MiB buckets, 2 in flight, every remote
+    /// run packed into the slots, 4 blocks per SM while the network runs; local runs copied by
+    /// the tile kernel. Direct messages (`direct_min_bytes`, e.g. 4 MiB) and driver copies
+    /// (`memcpy_min_bytes`, e.g. 16 MiB) are opt-in.
     fn default() -> Self {
         GpuConfig {
+            transport: Transport::Auto,
             bucket_bytes: 256 << 20,
             in_flight: 2,
             direct_min_bytes: u64::MAX,
@@ -135,6 +154,7 @@ static NEXT_PLAN: AtomicU64 = AtomicU64::new(1);
 pub struct MegatronGpuPlan {
     id: u64,
     config: GpuConfig,
+    peer_copy: bool,
     plan: MegatronPlan,
     offsets: Vec<usize>,
     len: usize,
@@ -155,6 +175,11 @@ impl MegatronGpuPlan {
     /// Elements of one rank's rollout buffer.
     pub fn rollout_len(&self) -> usize {
         self.len
+    }
+
+    /// Whether remote runs travel as peer copies (else as NCCL steps).
+    pub fn peer_copy(&self) -> bool {
+        self.peer_copy
     }
 }
 
@@ -688,6 +713,17 @@ impl MegatronGpuBackend {
     ) -> Result<Vec<RankMoved>, MegatronGpuError> {
         let pinned = &*self.pinned;
         let config = plan.config;
+        // Peer copies write into every rank's rollout buffer: their addresses by global rank.
+        let mut bases = vec![0u64; self.pool.world()];
+        if plan.peer_copy {
+            let got = self
+                .pool
+                .run_each(rolls, &|ctx, roll| Ok(ptr_mut(roll, ctx)))?;
+            for (&r, b) in self.locals().iter().zip(got) {
+                bases[r] = b;
+            }
+        }
+        let bases = &bases;
         let mut items: Vec<(
             &mut GpuRank,
             &mut RankRes,
@@ -737,7 +773,11 @@ impl MegatronGpuBackend {
                 ));
             };
             let k = &res.kernel;
-            let out = run_steps(ctx, s, k, ptr(tiles, ctx), params, roll, config, &mut tl);
+            let out = if !plan.peer_copy {
+                run_steps(ctx, s, k, ptr(tiles, ctx), params, roll, config, &mut tl)
+            } else {
+                run_peer_copies(ctx, s, k, ptr(tiles, ctx), params, roll, bases, &mut tl)
+            };
             match out {
                 Ok(mut moved) => {
                     moved.timeline = Some(tl);
@@ -1148,6 +1188,100 @@ fn run_steps(
     })
 }
 
+/// One rank's peer-copy schedule: zero the padding rows and copy the local runs (auxiliary
+/// stream, tile kernel) while the copy engines write this rank's remote runs into its peers'
+/// rollout buffers (NCCL's stream, which is otherwise idle; one span per destination).
+/// `bases` holds every rank's rollout buffer address, by global rank.
+#[allow(clippy::too_many_arguments)]
+fn run_peer_copies(
+    ctx: &RankCtx,
+    s: &RankSchedule,
+    k: &CopyKernel,
+    tiles: u64,
+    params: &CudaSlice<bf16>,
+    roll: &mut CudaSlice<bf16>,
+    bases: &[u64],
+    tl: &mut StreamTimeline,
+) -> Result<RankMoved, CudaError> {
+    let peer = ctx.nccl_stream();
+    ctx.order(&ctx.compute, &peer)?;
+    ctx.order(&ctx.compute, &ctx.aux)?;
+    let pbase = ptr(params, ctx);
+    let rbase = ptr_mut(roll, ctx);
+    // Remote runs first: the copy engines start while the local work is being queued.
+    let mut i = 0;
+    while i < s.pushes.len() {
+        let to = s.pushes[i].peer;
+        let end = s.pushes[i..]
+            .iter()
+            .position(|p| p.peer != to)
+            .map_or(s.pushes.len(), |n| i + n);
+        let group = &s.pushes[i..end];
+        let dst_base = bases.get(to).copied().filter(|&b| b != 0).ok_or_else(|| {
+            CudaError::Invalid(format!(
+                "rank {to}'s rollout buffer is not known to rank {}",
+                ctx.rank
+            ))
+        })?;
+        let mark = tl.begin(ctx, &peer)?;
+        for p in group {
+            let r = &p.run;
+            // SAFETY: the run lies inside this rank's parameter buffer and the peer's rollout
+            // buffer (the planner's offsets), both alive until every rank has synchronised at
+            // the end of the transfer; the pool enabled peer access (plans with peer copies
+            // exist only then); no other copy writes these destination elements.
+            unsafe {
+                lifecycle_cuda::copy_2d(
+                    ctx,
+                    &peer,
+                    (dst_base + 2 * r.dst as u64, 2 * r.dst_ld),
+                    (pbase + 2 * r.src as u64, 2 * r.src_ld),
+                    2 * r.cols,
+                    r.rows,
+                    "copying runs into a peer's rollout buffer",
+                )?
+            };
+        }
+        let what = || {
+            (
+                format!("peer copies to rank {to}"),
+                group.iter().map(|p| p.run.numel()).sum(),
+            )
+        };
+        end_transfer(tl, ctx, (&peer, "peer"), mark, what, Link::DeviceToDevice)?;
+        i = end;
+    }
+    let aux = (&*ctx.aux, "aux");
+    if !s.zero.is_empty() {
+        let mark = tl.begin(ctx, &ctx.aux)?;
+        for z in &s.zero {
+            ctx.aux
+                .memset_zeros(&mut roll.slice_mut(z.clone()))
+                .map_err(ctx.drv("zeroing vocabulary padding", (z.len() * 2) as u64))?;
+        }
+        let what = || ("zero padding".to_string(), s.zero_elems());
+        end_transfer(tl, ctx, aux, mark, what, Link::Local)?;
+    }
+    for (i, c) in s.local_chunks(1).iter().enumerate() {
+        let mark = tl.begin(ctx, &ctx.aux)?;
+        // SAFETY: local tiles and bulk runs lie inside the parameter buffer (source) and the
+        // rollout buffer (destination), both alive until the synchronisation below; peers write
+        // only other elements of the rollout buffer.
+        unsafe { local_chunk(ctx, s, k, tiles, c, (pbase, rbase), &ctx.aux, 8)? };
+        let what = || (format!("local copies c{i}"), s.chunk_elems(c));
+        end_transfer(tl, ctx, aux, mark, what, Link::Local)?;
+    }
+    ctx.order(&peer, &ctx.compute)?;
+    ctx.order(&ctx.aux, &ctx.compute)?;
+    ctx.wait(&[&ctx.compute, &peer], "the transfer's peer copies")?;
+    Ok(RankMoved {
+        recv: (s.recv_elems * 2) as u64,
+        local: (s.local_elems * 2) as u64,
+        staging: 0,
+        timeline: None,
+    })
+}
+
 impl Reshard for MegatronGpuBackend {
     type TrainState = MegatronGpuState;
     type Rollout = MegatronGpuRollout;
@@ -1172,9 +1306,24 @@ impl Reshard for MegatronGpuBackend {
                 return Ok(p.clone());
             }
         }
+        let peer_copy = match self.config.transport {
+            Transport::Nccl => false,
+            Transport::Auto => self.pool.peer_access()?,
+            Transport::PeerCopy => {
+                if !self.pool.peer_access()? {
+                    return Err(MegatronGpuError::Config(
+                        "transport PeerCopy needs every rank in this process and peer access \
+                         between every pair of GPUs; this pool has neither or not both: use \
+                         Transport::Auto or Transport::Nccl"
+                            .into(),
+                    ));
+                }
+                true
+            }
+        };
         let plan = plan_megatron_to_tp(&state.layout, &self.rollout, bucket)?;
         let (offsets, len) = rollout_offsets(&plan);
-        let opts = self.config.schedule_options();
+        let opts = self.config.schedule_options(peer_copy);
         let ranks = self
             .locals()
             .iter()
@@ -1183,6 +1332,7 @@ impl Reshard for MegatronGpuBackend {
         let p = Arc::new(MegatronGpuPlan {
             id: NEXT_PLAN.fetch_add(1, Ordering::Relaxed),
             config: self.config,
+            peer_copy,
             plan,
             offsets,
             len,
@@ -1210,7 +1360,12 @@ impl Reshard for MegatronGpuBackend {
         let mut rolls = self.pool.run_each(&mut unit, &|c, _| {
             // SAFETY: every element is written by a local or unpack tile or zeroed as vocabulary
             // padding (the schedule covers the buffer exactly) before the buffer is handed out.
-            unsafe { alloc_device::<bf16>(&c.compute, len, c.rank, "rollout weights") }
+            let roll = unsafe { alloc_device::<bf16>(&c.compute, len, c.rank, "rollout weights") }?;
+            // Peers may write into the buffer as soon as the transfer starts.
+            c.compute
+                .synchronize()
+                .map_err(c.drv("allocating the rollout weights", (len * 2) as u64))?;
+            Ok(roll)
         })?;
         let start = Instant::now();
         let tracing = ctx.rec.tracing();

@@ -54,7 +54,7 @@ pub mod schedule;
 mod state;
 
 pub use backend::{
-    GpuConfig, MegatronGpuBackend, MegatronGpuPlan, MegatronGpuRollout, RolloutEntry,
+    GpuConfig, MegatronGpuBackend, MegatronGpuPlan, MegatronGpuRollout, RolloutEntry, Transport,
 };
 pub use error::MegatronGpuError;
 pub use pinned::{PinnedPool, DEFAULT_CHUNK_BYTES};

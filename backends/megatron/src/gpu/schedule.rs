@@ -205,6 +205,10 @@ pub struct ScheduleOptions {
     /// Local runs contiguous on both sides with at least this many elements are copied with the
     /// driver's device-to-device copy instead of the tile kernel. `usize::MAX`: tiles only.
     pub memcpy_min: usize,
+    /// Remote runs are written by their sender straight into the receiver's rollout buffer
+    /// with the copy engines (ranks of one process with peer access): no steps, slots,
+    /// packing or NCCL ([`RankSchedule::pushes`]).
+    pub peer_copy: bool,
 }
 
 impl Default for ScheduleOptions {
@@ -213,8 +217,20 @@ impl Default for ScheduleOptions {
         ScheduleOptions {
             direct_min: 2 << 20,
             memcpy_min: 8 << 20,
+            peer_copy: false,
         }
     }
+}
+
+/// A remote run its sender writes straight into a peer's rollout buffer (peer copies): `run.src`
+/// is an element offset in the sender's parameter buffer, `run.dst` one in `peer`'s rollout
+/// buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Push {
+    /// The destination rank.
+    pub peer: usize,
+    /// The 2-D copy.
+    pub run: Run,
 }
 
 /// One step of a rank: what it packs and sends, receives and unpacks.
@@ -253,8 +269,11 @@ pub struct RankSchedule {
     /// Local runs copied with the driver's device-to-device copy (one row each: source offset
     /// in the parameter buffer, destination offset in the rollout buffer).
     pub local_bulk: Vec<Run>,
-    /// Steps with at least one message, in global step order.
+    /// Steps with at least one message, in global step order (none with peer copies).
     pub steps: Vec<Step>,
+    /// With peer copies: the runs this rank writes into its peers' rollout buffers, by
+    /// destination rank, then in plan order (consecutive runs merged).
+    pub pushes: Vec<Push>,
     /// Element ranges of the rollout buffer to zero (vocabulary padding rows).
     pub zero: Vec<Range<usize>>,
     /// Elements of one send slot (the largest step).
@@ -398,6 +417,19 @@ pub fn build_rank(
         push_tiles(r, &mut tiles);
     }
     let local = 0..tiles.len();
+    let zero = zero_ranges(plan, offsets, rank);
+    if opts.peer_copy {
+        return peer_schedule(
+            plan,
+            offsets,
+            rank,
+            tiles,
+            local,
+            local_bulk,
+            local_elems,
+            zero,
+        );
+    }
     let direct = |x: &&Transfer| x.numel() >= opts.direct_min;
     let nsteps = plan
         .ranks
@@ -539,6 +571,25 @@ pub fn build_rank(
             recv_slot: off,
         });
     }
+    RankSchedule {
+        rank,
+        local,
+        local_bulk,
+        send_slot_elems: steps.iter().map(|s| s.send_slot).max().unwrap_or(0),
+        recv_slot_elems: steps.iter().map(|s| s.recv_slot).max().unwrap_or(0),
+        recv_elems: steps.iter().map(|s| s.recv_elems).sum(),
+        send_elems: steps.iter().map(|s| s.send_elems).sum(),
+        local_elems,
+        steps,
+        pushes: Vec::new(),
+        zero,
+        tiles,
+    }
+}
+
+/// Element ranges of `rank`'s rollout buffer that hold vocabulary padding rows.
+fn zero_ranges(plan: &MegatronPlan, offsets: &[usize], rank: usize) -> Vec<Range<usize>> {
+    let me = &plan.ranks[rank];
     let mut zero = Vec::new();
     let vocab = plan.train.model().vocab;
     for (i, spec) in plan.tensors.iter().enumerate() {
@@ -551,16 +602,59 @@ pub fn build_rank(
             }
         }
     }
+    zero
+}
+
+/// The peer-copy schedule of `rank`: its local work as given, plus the runs it writes into
+/// every peer's rollout buffer.
+#[allow(clippy::too_many_arguments)]
+fn peer_schedule(
+    plan: &MegatronPlan,
+    offsets: &[usize],
+    rank: usize,
+    tiles: Vec<Tile>,
+    local: Range<usize>,
+    local_bulk: Vec<Run>,
+    local_elems: usize,
+    zero: Vec<Range<usize>>,
+) -> RankSchedule {
+    let mut pushes = Vec::new();
+    let mut send_elems = 0;
+    for (d, dp) in plan.ranks.iter().enumerate().filter(|(d, _)| *d != rank) {
+        let mut runs = Vec::new();
+        for x in dp.transfers.iter().filter(|x| x.src_rank == rank) {
+            push_run(
+                &mut runs,
+                Run {
+                    src: x.src_offset,
+                    src_ld: x.src_pitch,
+                    dst: offsets[x.tensor] + x.dst_offset,
+                    dst_ld: x.dst_pitch,
+                    rows: x.rows,
+                    cols: x.cols,
+                },
+            );
+        }
+        send_elems += runs.iter().map(Run::numel).sum::<usize>();
+        pushes.extend(runs.into_iter().map(|run| Push { peer: d, run }));
+    }
+    let recv_elems = plan.ranks[rank]
+        .transfers
+        .iter()
+        .filter(|x| x.src_rank != rank)
+        .map(Transfer::numel)
+        .sum();
     RankSchedule {
         rank,
         local,
         local_bulk,
-        send_slot_elems: steps.iter().map(|s| s.send_slot).max().unwrap_or(0),
-        recv_slot_elems: steps.iter().map(|s| s.recv_slot).max().unwrap_or(0),
-        recv_elems: steps.iter().map(|s| s.recv_elems).sum(),
-        send_elems: steps.iter().map(|s| s.send_elems).sum(),
+        send_slot_elems: 0,
+        recv_slot_elems: 0,
+        recv_elems,
+        send_elems,
         local_elems,
-        steps,
+        steps: Vec::new(),
+        pushes,
         zero,
         tiles,
     }
@@ -589,6 +683,14 @@ mod tests {
         }
     }
 
+    fn apply_run(r: &Run, src: &[bf16], dst: &mut [bf16]) {
+        for row in 0..r.rows {
+            let s = r.src + row * r.src_ld;
+            let d = r.dst + row * r.dst_ld;
+            dst[d..d + r.cols].copy_from_slice(&src[s..s + r.cols]);
+        }
+    }
+
     /// Runs every rank's schedule on host buffers, messages matched step by step and pair by
     /// pair in issue order, as NCCL matches them.
     fn simulate(
@@ -612,6 +714,15 @@ mod tests {
             for b in &s.local_bulk {
                 assert_eq!(b.rows, 1);
                 roll[b.dst..b.dst + b.cols].copy_from_slice(&params[s.rank][b.src..b.src + b.cols]);
+            }
+        }
+        for s in &scheds {
+            if opts.peer_copy {
+                assert!(s.steps.is_empty() && s.send_slot_elems + s.recv_slot_elems == 0);
+            }
+            for p in &s.pushes {
+                assert_ne!(p.peer, s.rank, "a push goes to a peer");
+                apply_run(&p.run, params[s.rank], &mut rolls[p.peer]);
             }
         }
         let nsteps = plan.ranks.iter().map(|p| p.buckets.len()).max().unwrap();
@@ -743,6 +854,7 @@ mod tests {
                                 ScheduleOptions {
                                     direct_min: usize::MAX,
                                     memcpy_min: usize::MAX,
+                                    peer_copy: false,
                                 },
                             ),
                             (
@@ -750,6 +862,7 @@ mod tests {
                                 ScheduleOptions {
                                     direct_min: 0,
                                     memcpy_min: 0,
+                                    peer_copy: false,
                                 },
                             ),
                             (
@@ -757,14 +870,24 @@ mod tests {
                                 ScheduleOptions {
                                     direct_min: 5,
                                     memcpy_min: 20,
+                                    peer_copy: false,
                                 },
                             ),
                             (1 << 20, ScheduleOptions::default()),
+                            (
+                                64,
+                                ScheduleOptions {
+                                    direct_min: usize::MAX,
+                                    memcpy_min: 20,
+                                    peer_copy: true,
+                                },
+                            ),
                             (
                                 1 << 20,
                                 ScheduleOptions {
                                     direct_min: 16,
                                     memcpy_min: 1,
+                                    peer_copy: false,
                                 },
                             ),
                         ] {
@@ -812,6 +935,7 @@ mod tests {
             let opts = ScheduleOptions {
                 direct_min: 8,
                 memcpy_min: 8,
+                peer_copy: false,
             };
             let scheds: Vec<RankSchedule> = (0..4)
                 .map(|r| build_rank(&plan, &offsets, r, opts))
@@ -938,6 +1062,7 @@ mod tests {
             ScheduleOptions {
                 direct_min: 0,
                 memcpy_min: 100,
+                peer_copy: false,
             },
         );
         assert!(!s.local_bulk.is_empty() && !s.local.is_empty());

@@ -1,0 +1,322 @@
+//! Measures how fast GPUs of one process move bytes between each other without NCCL: copy
+//! engines (`cuMemcpyDtoDAsync` / `cuMemcpy2DAsync` between peer-mapped buffers) and SM copy
+//! kernels that read or write the peer's memory directly, all GPUs at once in both directions,
+//! alone and next to a local device-to-device copy that loads HBM.
+//!
+//! ```text
+//! peer_probe [--gpus 2] [--mib 1024] [--iters 5]
+//! ```
+//!
+//! Prints, per method, the best time of `--iters` runs and the receive rate per GPU.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::sys;
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
+use cudarc::driver::{DevicePtrMut, PushKernelArg};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+
+const SRC: &str = r#"
+typedef unsigned long long u64;
+extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict__ d, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) d[i] = s[i];
+}
+// rows x cols16 of 16-byte words; source rows spl words apart, destination rows dpl apart.
+extern "C" __global__ void copy2d16(const uint4* __restrict__ s, uint4* __restrict__ d, u64 rows, u64 cols, u64 spl, u64 dpl) {
+    u64 n = rows * cols;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        u64 r = i / cols, c = i - r * cols;
+        d[r * dpl + c] = s[r * spl + c];
+    }
+}
+"#;
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+struct Gpu {
+    ctx: Arc<CudaContext>,
+    net: Arc<CudaStream>,
+    local: Arc<CudaStream>,
+    copy16: CudaFunction,
+    copy2d: CudaFunction,
+    sms: u32,
+    /// Source of outgoing bytes (read by peers or pushed), 2x the message for 2-D runs.
+    send: CudaSlice<u8>,
+    /// Destination of incoming bytes.
+    recv: CudaSlice<u8>,
+    /// Local copy load.
+    load_src: CudaSlice<u8>,
+    load_dst: CudaSlice<u8>,
+}
+
+fn ptr(s: &CudaSlice<u8>, st: &CudaStream) -> u64 {
+    let (p, _g) = s.device_ptr(st);
+    p
+}
+
+fn ptr_mut(s: &mut CudaSlice<u8>, st: &CudaStream) -> u64 {
+    let (p, _g) = s.device_ptr_mut(st);
+    p
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Method {
+    CePush,
+    CePull,
+    SmPull,
+    SmPush,
+    SmPull2d,
+    CePull2d,
+}
+
+fn main() -> Res<()> {
+    let mut gpus_n = 2usize;
+    let mut mib = 1024usize;
+    let mut iters = 5usize;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut val = || -> Res<usize> { Ok(args.next().ok_or("missing value")?.parse()?) };
+        match a.as_str() {
+            "--gpus" => gpus_n = val()?,
+            "--mib" => mib = val()?,
+            "--iters" => iters = val()?,
+            _ => return Err(format!("unknown argument {a}").into()),
+        }
+    }
+    // SAFETY: only probes whether the library can be loaded.
+    if !unsafe { sys::is_culib_present() } {
+        return Err("libcuda not found".into());
+    }
+    let bytes = mib << 20;
+    let mut gpus = Vec::new();
+    for g in 0..gpus_n {
+        let ctx = CudaContext::new(g)?;
+        let (major, minor) = ctx.compute_capability()?;
+        let opts = CompileOptions {
+            options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
+            ..Default::default()
+        };
+        let ptx = compile_ptx_with_opts(SRC, opts)?;
+        let m = ctx.load_module(ptx)?;
+        let net = ctx.new_stream()?;
+        let local = ctx.new_stream()?;
+        let sms =
+            ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        gpus.push(Gpu {
+            copy16: m.load_function("copy16")?,
+            copy2d: m.load_function("copy2d16")?,
+            sms: sms as u32,
+            send: net.alloc_zeros::<u8>(2 * bytes)?,
+            recv: net.alloc_zeros::<u8>(2 * bytes)?,
+            load_src: local.alloc_zeros::<u8>(4 << 30)?,
+            load_dst: local.alloc_zeros::<u8>(4 << 30)?,
+            ctx,
+            net,
+            local,
+        });
+    }
+    for g in &gpus {
+        g.net.synchronize()?;
+        g.local.synchronize()?;
+    }
+    // Peer access both ways.
+    for (i, g) in gpus.iter().enumerate() {
+        g.ctx.bind_to_thread()?;
+        for (j, h) in gpus.iter().enumerate() {
+            if i == j {
+                continue;
+            }
+            let mut can = 0i32;
+            // SAFETY: valid out-pointer and device ordinals of this machine.
+            unsafe { sys::cuDeviceCanAccessPeer(&mut can, g.ctx.cu_device(), h.ctx.cu_device()) }
+                .result()?;
+            println!("GPU {i} can access GPU {j}: {}", can != 0);
+            // SAFETY: both contexts are alive; flags must be 0.
+            let r = unsafe { sys::cuCtxEnablePeerAccess(h.ctx.cu_ctx(), 0) };
+            if r != sys::CUresult::CUDA_SUCCESS
+                && r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+            {
+                return Err(format!("enabling peer access {i} -> {j}: {r:?}").into());
+            }
+            // Stream-ordered pool memory needs the pool's own grant for the peer device.
+            let mut pool = std::mem::MaybeUninit::uninit();
+            // SAFETY: valid out-pointer; device of a live context.
+            unsafe { sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), h.ctx.cu_device()) }
+                .result()?;
+            // SAFETY: initialised by the call above.
+            let pool = unsafe { pool.assume_init() };
+            let desc = sys::CUmemAccessDesc {
+                location: sys::CUmemLocation {
+                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: g.ctx.cu_device(),
+                },
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: one valid descriptor.
+            unsafe { sys::cuMemPoolSetAccess(pool, &desc, 1) }.result()?;
+        }
+    }
+    let n = gpus.len();
+    let sends: Vec<u64> = gpus.iter().map(|g| ptr(&g.send, &g.net)).collect();
+    let recvs: Vec<u64> = gpus
+        .iter_mut()
+        .map(|g| {
+            let st = g.net.clone();
+            ptr_mut(&mut g.recv, &st)
+        })
+        .collect();
+    let launch = |g: &Gpu, i: usize, m: Method, blocks_per_sm: u32| -> Res<()> {
+        let peer = (i + 1) % n;
+        g.ctx.bind_to_thread()?;
+        let cfg = LaunchConfig {
+            grid_dim: (g.sms * blocks_per_sm, 1, 1),
+            block_dim: (512, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        match m {
+            // SAFETY (all arms): buffers of `bytes` (2x for 2-D sources) alive for the run,
+            // peer access enabled above.
+            Method::CePush => unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    recvs[peer],
+                    sends[i],
+                    bytes,
+                    g.net.cu_stream(),
+                )?
+            },
+            Method::CePull => unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    recvs[i],
+                    sends[peer],
+                    bytes,
+                    g.net.cu_stream(),
+                )?
+            },
+            Method::SmPull | Method::SmPush => {
+                let (s, d) = if m == Method::SmPull {
+                    (sends[peer], recvs[i])
+                } else {
+                    (sends[i], recvs[peer])
+                };
+                let words = (bytes / 16) as u64;
+                let mut b = g.net.launch_builder(&g.copy16);
+                b.arg(&s).arg(&d).arg(&words);
+                unsafe { b.launch(cfg)? };
+            }
+            Method::SmPull2d => {
+                // Rows of 3584 bytes (224 words) from a source with twice that pitch.
+                let cols = 224u64;
+                let rows = (bytes as u64 / 16) / cols;
+                let (spl, dpl) = (2 * cols, cols);
+                let mut b = g.net.launch_builder(&g.copy2d);
+                b.arg(&sends[peer])
+                    .arg(&recvs[i])
+                    .arg(&rows)
+                    .arg(&cols)
+                    .arg(&spl)
+                    .arg(&dpl);
+                unsafe { b.launch(cfg)? };
+            }
+            Method::CePull2d => {
+                let w = 3584usize;
+                let rows = bytes / w;
+                let c = sys::CUDA_MEMCPY2D {
+                    srcXInBytes: 0,
+                    srcY: 0,
+                    srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                    srcHost: std::ptr::null(),
+                    srcDevice: sends[peer],
+                    srcArray: std::ptr::null_mut(),
+                    srcPitch: 2 * w,
+                    dstXInBytes: 0,
+                    dstY: 0,
+                    dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                    dstHost: std::ptr::null_mut(),
+                    dstDevice: recvs[i],
+                    dstArray: std::ptr::null_mut(),
+                    dstPitch: w,
+                    WidthInBytes: w,
+                    Height: rows,
+                };
+                unsafe { sys::cuMemcpy2DAsync_v2(&c, g.net.cu_stream()) }.result()?;
+            }
+        }
+        Ok(())
+    };
+    let load = |g: &Gpu| -> Res<()> {
+        g.ctx.bind_to_thread()?;
+        let (s, _a) = g.load_src.device_ptr(&g.local);
+        let (d, _b) = g.load_dst.device_ptr(&g.local);
+        // SAFETY: both 4 GiB buffers are alive for the run.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(d, s, 4 << 30, g.local.cu_stream())? };
+        Ok(())
+    };
+    let methods = [
+        ("CE push (cuMemcpyDtoD to peer)", Method::CePush, 0),
+        ("CE pull (cuMemcpyDtoD from peer)", Method::CePull, 0),
+        ("SM pull, 1 block/SM", Method::SmPull, 1),
+        ("SM pull, 2 blocks/SM", Method::SmPull, 2),
+        ("SM pull, 4 blocks/SM", Method::SmPull, 4),
+        ("SM push, 2 blocks/SM", Method::SmPush, 2),
+        ("SM push, 4 blocks/SM", Method::SmPush, 4),
+        ("SM pull 2-D rows 3584 B, 2 blocks/SM", Method::SmPull2d, 2),
+        ("CE pull 2-D rows 3584 B", Method::CePull2d, 0),
+    ];
+    println!(
+        "peer_probe: {n} GPUs, {mib} MiB per GPU and direction, all GPUs at once, best of {iters}"
+    );
+    for with_load in [false, true] {
+        for (name, m, bps) in methods {
+            let mut best = f64::MAX;
+            let mut best_load = f64::MAX;
+            for _ in 0..iters + 1 {
+                for g in &gpus {
+                    g.net.synchronize()?;
+                    g.local.synchronize()?;
+                }
+                let t = Instant::now();
+                for (i, g) in gpus.iter().enumerate() {
+                    if with_load {
+                        load(g)?;
+                    }
+                    launch(g, i, m, bps.max(1))?;
+                }
+                for g in &gpus {
+                    g.net.synchronize()?;
+                }
+                let net = t.elapsed().as_secs_f64();
+                for g in &gpus {
+                    g.local.synchronize()?;
+                }
+                let all = t.elapsed().as_secs_f64();
+                best = best.min(net);
+                best_load = best_load.min(all);
+            }
+            let rate = bytes as f64 / best / 1e9;
+            if with_load {
+                println!(
+                    "  {name:<40} + 4 GiB local copy: peer {:.2} ms ({rate:.1} GB/s), all done {:.2} ms",
+                    best * 1e3,
+                    best_load * 1e3
+                );
+            } else {
+                println!("  {name:<40} {:.2} ms ({rate:.1} GB/s)", best * 1e3);
+            }
+        }
+    }
+    // Local copy alone, for the contention lines.
+    let mut best = f64::MAX;
+    for _ in 0..iters {
+        let t = Instant::now();
+        for g in &gpus {
+            load(g)?;
+        }
+        for g in &gpus {
+            g.local.synchronize()?;
+        }
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    println!("  4 GiB local copy alone: {:.2} ms", best * 1e3);
+    Ok(())
+}
