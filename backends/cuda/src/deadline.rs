@@ -30,10 +30,10 @@ pub(crate) trait WaitProbe {
 const DRAIN_GRACE: Duration = Duration::from_secs(10);
 
 /// The pause before the next poll, growing with the time waited so far: short waits (a bucket's
-/// collective) pay a few microseconds of latency, long ones (a 10-minute stall) poll at most
-/// every 200 µs.
+/// collective) pay a few microseconds of latency, long ones (a switch of tens of milliseconds,
+/// a 10-minute stall) poll every 50 µs, so a wait ends at most 50 µs after its work.
 pub(crate) fn poll_pause(waited: Duration) -> Duration {
-    (waited / 32).clamp(Duration::from_micros(2), Duration::from_micros(200))
+    (waited / 128).clamp(Duration::from_micros(2), Duration::from_micros(50))
 }
 
 fn pause(waited: Duration) {
@@ -258,10 +258,10 @@ mod tests {
     #[test]
     fn the_poll_pause_grows_and_is_capped() {
         assert_eq!(poll_pause(Duration::ZERO), Duration::from_micros(2));
-        assert!(poll_pause(Duration::from_millis(1)) < Duration::from_micros(40));
+        assert!(poll_pause(Duration::from_millis(1)) < Duration::from_micros(10));
         assert_eq!(
             poll_pause(Duration::from_secs(600)),
-            Duration::from_micros(200)
+            Duration::from_micros(50)
         );
     }
 }

@@ -52,7 +52,7 @@ pub use kernels::{
     compile_kernels, fill_uniform_value, CastBatch, Kernels, Region2d, CAST_CHUNK_ELEMS,
     DEFAULT_MULTI_BLOCKS_PER_SM, KERNEL_SRC,
 };
-pub use peer::copy_2d;
+pub use peer::{copy_2d, peer_copy_rate, Transport};
 pub use pool::{RankCtx, RankExecutor, RankFn, ThreadRankPool};
 pub use timeline::{DeviceSpan, Mark, RankSpans, StreamTimeline};
 pub use verify::{

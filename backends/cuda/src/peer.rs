@@ -9,12 +9,51 @@
 //! sets all of it up once.
 
 use std::mem::MaybeUninit;
+use std::time::Instant;
 
 use cudarc::driver::sys;
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use crate::pool::{RankCtx, ThreadRankPool};
 use crate::{CudaError, RankExecutor};
+
+/// How a GPU backend moves bytes between ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Transport {
+    /// Peer copies when every rank lives in this process and every pair of GPUs has peer
+    /// access ([`ThreadRankPool::peer_access`]); NCCL otherwise (one process per GPU).
+    #[default]
+    Auto,
+    /// NCCL send/recv (and collectives), whatever the pool.
+    Nccl,
+    /// Each sender's copy engines write its bytes straight into the receivers' buffers (no
+    /// NCCL); planning fails when the pool cannot.
+    PeerCopy,
+}
+
+impl Transport {
+    /// Whether transfers on `pool` use peer copies: [`Transport::Auto`] asks the pool
+    /// ([`ThreadRankPool::peer_access`]), [`Transport::PeerCopy`] requires it (an
+    /// [`CudaError::Invalid`] saying why otherwise), [`Transport::Nccl`] never does.
+    pub fn resolve(self, pool: &ThreadRankPool) -> Result<bool, CudaError> {
+        match self {
+            Transport::Nccl => Ok(false),
+            Transport::Auto => pool.peer_access(),
+            Transport::PeerCopy => {
+                if pool.peer_access()? {
+                    Ok(true)
+                } else {
+                    Err(CudaError::Invalid(
+                        "transport PeerCopy needs every rank in this process and peer access \
+                         between every pair of GPUs, which this pool lacks: use Transport::Auto \
+                         or Transport::Nccl"
+                            .into(),
+                    ))
+                }
+            }
+        }
+    }
+}
 
 /// Raw handles of one rank's device, sent between the pool's threads.
 #[derive(Debug, Clone, Copy)]
@@ -163,4 +202,71 @@ pub unsafe fn copy_2d(
     unsafe { sys::cuMemcpy2DAsync_v2(&c, stream.cu_stream()) }
         .result()
         .map_err(ctx.drv(what, bytes))
+}
+
+/// The copy-engine peer-copy ceiling of `pool`: every rank writes `bytes` into the next rank's
+/// memory at once (`iters` timed rounds after 2 warm-ups); the slowest rank's median rate in
+/// bytes per second. `None` when the pool has no peer access ([`ThreadRankPool::peer_access`])
+/// or a single rank.
+pub fn peer_copy_rate(
+    pool: &ThreadRankPool,
+    bytes: usize,
+    iters: usize,
+) -> Result<Option<f64>, CudaError> {
+    let world = pool.world();
+    if world < 2 || !pool.peer_access()? {
+        return Ok(None);
+    }
+    let mut bufs: Vec<(CudaSlice<u8>, CudaSlice<u8>)> = pool.run(&|ctx| {
+        // SAFETY: contents are irrelevant to the timing and never read.
+        let a = unsafe { crate::alloc_device::<u8>(&ctx.compute, bytes, ctx.rank, "peer src")? };
+        // SAFETY: as above.
+        let b = unsafe { crate::alloc_device::<u8>(&ctx.compute, bytes, ctx.rank, "peer dst")? };
+        ctx.compute
+            .synchronize()
+            .map_err(ctx.drv("allocating peer-copy buffers", 0))?;
+        Ok((a, b))
+    })?;
+    let dsts: Vec<u64> = pool.run_each(&mut bufs, &|ctx, (_, b)| {
+        let (p, _sync) = b.device_ptr_mut(&ctx.compute);
+        Ok(p)
+    })?;
+    let times = pool.run_each(&mut bufs, &|ctx, (a, _)| {
+        let (src, _sync) = a.device_ptr(&ctx.compute);
+        let to = dsts[(ctx.rank + 1) % world];
+        let stream = ctx.nccl_stream();
+        let mut ts = Vec::with_capacity(iters);
+        for k in 0..iters + 2 {
+            let t = Instant::now();
+            // SAFETY: both buffers hold `bytes` and outlive the synchronisation below; peer
+            // access is enabled; nothing else touches them.
+            unsafe {
+                copy_2d(
+                    ctx,
+                    &stream,
+                    (to, bytes),
+                    (src, bytes),
+                    bytes,
+                    1,
+                    "peer copy",
+                )?
+            };
+            stream
+                .synchronize()
+                .map_err(ctx.drv("timing a peer copy", bytes as u64))?;
+            if k >= 2 {
+                ts.push(t.elapsed().as_secs_f64());
+            }
+        }
+        ts.sort_by(f64::total_cmp);
+        Ok(ts.get(ts.len() / 2).copied().unwrap_or(f64::NAN))
+    })?;
+    pool.run_each(&mut bufs, &|ctx, _| {
+        ctx.nccl_stream()
+            .synchronize()
+            .map_err(ctx.drv("synchronizing", 0))
+    })?;
+    drop(bufs);
+    let slowest = times.iter().cloned().fold(0.0, f64::max);
+    Ok(Some(bytes as f64 / slowest))
 }

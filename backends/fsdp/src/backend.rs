@@ -9,7 +9,7 @@ use lifecycle_core::layout::{plan_fsdp_to_tp, FsdpLayout, RolloutLayout};
 use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
 use lifecycle_cuda::{
     alloc_device, alloc_pinned, alloc_zeros, CastBatch, CudaError, RankCtx, RankExecutor,
-    RankSpans, StreamTimeline, ThreadRankPool,
+    RankSpans, StreamTimeline, ThreadRankPool, Transport,
 };
 use lifecycle_host::{
     HostRollout, HostTensor, HostTrainState, RankRollout, RolloutTensor, TensorData,
@@ -117,6 +117,7 @@ pub struct FsdpBackend {
     verify: bool,
     /// Verification mode: hashes of the resident rollout weights.
     rollout_sums: Option<RolloutSums>,
+    transport: Transport,
 }
 
 /// Hashes of the resident rollout weights, per local rank, per chunk of `table`.
@@ -255,7 +256,25 @@ impl FsdpBackend {
             update_kernels: UpdateKernelCache::default(),
             verify: false,
             rollout_sums: None,
+            transport: Transport::Auto,
         }
+    }
+
+    /// How bytes cross between ranks. [`Transport::Auto`] (the default): peer copies (each
+    /// sender's copy engines write its pieces straight into the receivers' rollout buffers, no
+    /// NCCL) when every rank lives in this process, every pair of GPUs has peer access and the
+    /// plan's [`GatherMode`](crate::plan::GatherMode) places every piece in the rollout buffer
+    /// (`SendRecv`, or `AllGather` at T > 1); NCCL otherwise. [`Transport::PeerCopy`] makes
+    /// planning fail where that is impossible; [`Transport::Nccl`] always uses NCCL.
+    pub fn with_transport(mut self, transport: Transport) -> Self {
+        self.transport = transport;
+        self.plan_cache = Mutex::new(None);
+        self
+    }
+
+    /// The transport setting.
+    pub fn transport(&self) -> Transport {
+        self.transport
     }
 
     /// Whether casts are launched many per kernel (the default: one multi-tensor launch per
@@ -762,6 +781,17 @@ impl FsdpBackend {
         memory: MemoryPolicy,
         tracing: bool,
     ) -> Result<Vec<RankMoved>, FsdpError> {
+        // Peer copies write into every rank's rollout buffer: their addresses by global rank.
+        let mut bases = vec![0u64; self.pool.world()];
+        if plan.peer_copy {
+            let got = self
+                .pool
+                .run_each(rolls, &|ctx, roll| Ok(ptr_mut(roll, ctx)))?;
+            for (&r, b) in self.pool.local_ranks().iter().zip(got) {
+                bases[r] = b;
+            }
+        }
+        let bases = &bases;
         let mut items: Vec<(&mut RankTrain, &mut CudaSlice<bf16>)> =
             state.ranks.iter_mut().zip(rolls.iter_mut()).collect();
         let len = state.shards.rank_len as usize;
@@ -827,7 +857,7 @@ impl FsdpBackend {
                     link,
                 )?;
             }
-            let mut moved = run_buckets(ctx, plan, master, roll, mode, &mut tl)?;
+            let mut moved = run_buckets(ctx, plan, master, roll, mode, bases, &mut tl)?;
             moved.timeline = Some(tl);
             Ok(moved)
         })?;
@@ -1011,9 +1041,10 @@ fn run_buckets(
     master: &CudaSlice<f32>,
     roll: &mut CudaSlice<bf16>,
     mode: CastMode,
+    bases: &[u64],
     tl: &mut StreamTimeline,
 ) -> Result<RankMoved, CudaError> {
-    let out = run_buckets_inner(ctx, plan, master, roll, mode, tl);
+    let out = run_buckets_inner(ctx, plan, master, roll, mode, bases, tl);
     if out.is_err() {
         // Nothing may still read or write the rollout or staging buffers when they are freed
         // after an error part-way through: wait for every stream first.
@@ -1028,6 +1059,7 @@ fn run_buckets_inner(
     master: &CudaSlice<f32>,
     roll: &mut CudaSlice<bf16>,
     mode: CastMode,
+    bases: &[u64],
     tl: &mut StreamTimeline,
 ) -> Result<RankMoved, CudaError> {
     let rank = ctx.rank;
@@ -1201,7 +1233,11 @@ fn run_buckets_inner(
         }
         // The NCCL work of this bucket starts after its staged casts (compute stream) and, when
         // it sends from or gathers into the rollout buffer, after its local casts (aux stream).
-        let has_net = !b.sends.is_empty() || !b.recvs.is_empty() || !b.gathers.is_empty();
+        let has_net = if plan.peer_copy {
+            !b.sends.is_empty()
+        } else {
+            !b.sends.is_empty() || !b.recvs.is_empty() || !b.gathers.is_empty()
+        };
         if has_net {
             let ev = ctx.event()?;
             ev.record(&ctx.compute)
@@ -1214,9 +1250,24 @@ fn run_buckets_inner(
                 }
             }
         }
-        let net_mark = if has_net { tl.begin(ctx, &nccl)? } else { None };
+        let mut net_mark = if has_net { tl.begin(ctx, &nccl)? } else { None };
         let recv_before = moved.recv;
-        if !b.sends.is_empty() || !b.recvs.is_empty() {
+        if plan.peer_copy {
+            let sent = peer_copies(ctx, &nccl, b, bases, rbase, sbases.get(slot).copied())?;
+            moved.recv += b.recvs.iter().map(|r| r.count * 2).sum::<u64>();
+            if has_net {
+                tl.end(
+                    ctx,
+                    &nccl,
+                    net_mark.take(),
+                    Phase::Transfer,
+                    format!("peer copies b{k}"),
+                    "peer",
+                    sent,
+                    Some(Link::DeviceToDevice),
+                )?;
+            }
+        } else if !b.sends.is_empty() || !b.recvs.is_empty() {
             ctx.group_start()?;
             let mut res = Ok(());
             for s in &b.sends {
@@ -1302,7 +1353,7 @@ fn run_buckets_inner(
             res?;
             end?;
         }
-        if has_net {
+        if has_net && !plan.peer_copy {
             let what = if b.gathers.is_empty() {
                 "send/recv"
             } else {
@@ -1337,6 +1388,59 @@ fn run_buckets_inner(
     Ok(moved)
 }
 
+/// Bucket `b`'s sends as peer copies on `stream`: each piece written by the copy engines from
+/// this rank's rollout buffer (`rbase`) or staging slot (`staging`) straight to its place in the
+/// receiver's rollout buffer (`bases`, by global rank). Returns the bytes sent.
+fn peer_copies(
+    ctx: &RankCtx,
+    stream: &cudarc::driver::CudaStream,
+    b: &BucketOps,
+    bases: &[u64],
+    rbase: u64,
+    staging: Option<u64>,
+) -> Result<u64, CudaError> {
+    let mut sent = 0;
+    for s in &b.sends {
+        let missing = |what: &str| {
+            CudaError::Invalid(format!(
+                "peer copy from rank {} to rank {}: {what}",
+                ctx.rank, s.peer
+            ))
+        };
+        let dst_off = s
+            .dst_off
+            .ok_or_else(|| missing("the piece has no place in the receiver's rollout buffer"))?;
+        let base = bases
+            .get(s.peer)
+            .copied()
+            .filter(|&b| b != 0)
+            .ok_or_else(|| missing("the receiver's rollout buffer is unknown"))?;
+        let src = match s.buf {
+            Buf::Rollout => rbase,
+            Buf::Staging => staging.ok_or_else(|| missing("no staging slot"))?,
+        };
+        let bytes = (s.count * 2) as usize;
+        // SAFETY: the plan keeps the piece inside this rank's rollout buffer or staging slot and
+        // inside the receiver's rollout buffer (roll_len elements on every rank), whose address
+        // came from the receiver; both stay alive until every rank synchronised at the end of
+        // the transfer; peer access is enabled (plans with peer copies exist only then); no
+        // other work writes these receiver elements.
+        unsafe {
+            lifecycle_cuda::copy_2d(
+                ctx,
+                stream,
+                (base + 2 * dst_off, bytes),
+                (src + 2 * s.off, bytes),
+                bytes,
+                1,
+                "copying a piece into a peer's rollout buffer",
+            )?
+        };
+        sent += bytes as u64;
+    }
+    Ok(sent)
+}
+
 impl Reshard for FsdpBackend {
     type TrainState = FsdpTrainState;
     type Rollout = FsdpRollout;
@@ -1361,7 +1465,18 @@ impl Reshard for FsdpBackend {
             }
         }
         let core = plan_fsdp_to_tp(&state.layout, &self.layout)?;
-        let plan = Arc::new(build_plan(core, &state.layout, self.config));
+        let mut plan = build_plan(core, &state.layout, self.config);
+        let peer = self.transport.resolve(&self.pool)?;
+        if self.transport == Transport::PeerCopy && !plan.peer_copyable() {
+            return Err(FsdpError::Config(format!(
+                "transport PeerCopy needs every piece placed in the receivers' rollout buffers, \
+                 which gather mode {:?} does not do at T = {}: use GatherMode::SendRecv or \
+                 Transport::Auto",
+                self.config.mode, plan.core.tp
+            )));
+        }
+        plan.peer_copy = peer && plan.peer_copyable();
+        let plan = Arc::new(plan);
         if self.verify {
             self.check_finite(state)?;
         }
@@ -1386,7 +1501,12 @@ impl Reshard for FsdpBackend {
         let mut rolls = self.pool.run_each(&mut unit, &|c, _| {
             // SAFETY: every element of the rollout buffer is written by a cast or a receive of
             // the plan (the pieces tile every slice exactly) before the buffer is handed out.
-            unsafe { alloc_device::<bf16>(&c.compute, len, c.rank, "rollout weights") }
+            let roll = unsafe { alloc_device::<bf16>(&c.compute, len, c.rank, "rollout weights") }?;
+            // Peers may write into the buffer as soon as the transfer starts.
+            c.compute
+                .synchronize()
+                .map_err(c.drv("allocating the rollout weights", (len * 2) as u64))?;
+            Ok(roll)
         })?;
         // The transfer phase's wall time starts after the rollout allocation (reported apart:
         // enter's total includes it).

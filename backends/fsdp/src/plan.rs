@@ -109,6 +109,10 @@ pub struct SendOp {
     pub off: u64,
     /// Elements.
     pub count: u64,
+    /// Where the receiver's matching [`RecvOp`] puts these elements in its rollout buffer
+    /// (element offset), which is what a peer copy writes; `None` when they land in a receive
+    /// staging slot instead ([`GatherMode::Packed`]).
+    pub dst_off: Option<u64>,
 }
 
 /// A contiguous run of bf16 received from a peer: straight into the rollout buffer
@@ -228,9 +232,24 @@ pub struct FsdpPlan {
     pub recv_slot_elems: u64,
     /// Settings used.
     pub config: BucketConfig,
+    /// Whether the executor writes each send straight into the receiver's rollout buffer with
+    /// the copy engines (peer copies) instead of NCCL; set by the backend, `false` from
+    /// [`build_plan`]. Only plans that are [`FsdpPlan::peer_copyable`] may set it.
+    pub peer_copy: bool,
 }
 
 impl FsdpPlan {
+    /// Whether every byte that crosses ranks is a send with a known place in the receiver's
+    /// rollout buffer ([`SendOp::dst_off`]): no all-gathers, no receive staging. Such a plan
+    /// can run as peer copies.
+    pub fn peer_copyable(&self) -> bool {
+        self.ranks.iter().flatten().all(|b| {
+            b.gathers.is_empty()
+                && b.unpacks.is_empty()
+                && b.sends.iter().all(|s| s.dst_off.is_some())
+        })
+    }
+
     /// Number of buckets.
     pub fn buckets(&self) -> usize {
         self.ranks.first().map_or(0, Vec::len)
@@ -349,6 +368,7 @@ fn build_gather_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig
         ranks,
         slot_elems: 0,
         recv_slot_elems: 0,
+        peer_copy: false,
         config,
     }
 }
@@ -501,6 +521,7 @@ pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -
             buf,
             off,
             count: n,
+            dst_off: Some(roll_off),
         });
         cur[it.dst].recvs.push(RecvOp {
             peer: it.src,
@@ -532,6 +553,7 @@ pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -
             0
         },
         config,
+        peer_copy: false,
     }
 }
 
@@ -583,6 +605,7 @@ fn pack_bucket(ranks: &mut [Vec<BucketOps>], k: usize) -> u64 {
                 buf: Buf::Staging,
                 off: start,
                 count: len,
+                dst_off: None,
             })
             .collect();
         b.staging_elems = cursor;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
 use lifecycle_core::{Lifecycle, LifecycleConfig, LifecycleError, MemoryPolicy, Phase, Switching};
-use lifecycle_cuda::{device_count, CudaError, RankExecutor, ThreadRankPool};
+use lifecycle_cuda::{device_count, CudaError, RankExecutor, ThreadRankPool, Transport};
 use lifecycle_fsdp::{BucketConfig, FsdpBackend, FsdpError, GatherMode};
 use lifecycle_host::{reference_rollout, HostBackend, HostRollout, HostTensor, HostTrainState};
 
@@ -88,9 +88,14 @@ fn host_via_lifecycle(
     Ok((*w).clone())
 }
 
+/// NCCL with batched and per-piece casts, then peer copies where the plan allows them.
 fn check_bits(world: usize, tp: usize, memory: MemoryPolicy, config: BucketConfig) -> Res {
-    for batched in [true, false] {
-        check_bits_with(world, tp, memory, config, batched)?;
+    for (batched, transport) in [
+        (true, Transport::Nccl),
+        (false, Transport::Nccl),
+        (true, Transport::Auto),
+    ] {
+        check_bits_with(world, tp, memory, config, batched, transport)?;
     }
     Ok(())
 }
@@ -101,6 +106,7 @@ fn check_bits_with(
     memory: MemoryPolicy,
     config: BucketConfig,
     batched: bool,
+    transport: Transport,
 ) -> Res {
     let specs = specs(tp);
     let host = HostTrainState::from_tensors(world, host_tensors(&specs))?;
@@ -112,7 +118,8 @@ fn check_bits_with(
     let pool = Arc::new(ThreadRankPool::new(world)?);
     let backend = FsdpBackend::new(pool, layout)
         .with_config(config)?
-        .with_batched_casts(batched);
+        .with_batched_casts(batched)
+        .with_transport(transport);
     let state = backend.state_from_host(&host)?;
     let mut lc = Lifecycle::with_config(
         backend,
@@ -131,15 +138,19 @@ fn check_bits_with(
         assert_eq!(
             got.first_difference(&reference),
             None,
-            "W={world} T={tp} batched={batched} round {round}: differs from reference_rollout"
+            "W={world} T={tp} batched={batched} {transport:?} round {round}: differs from reference_rollout"
         );
         assert_eq!(got.first_difference(&via_host), None);
         drop(session);
         lc.train()?; // exit (and reload when offloaded)
     }
-    check_device_spans(lc.trace(), world, memory);
+    let peer = lifecycle_core::Reshard::plan(lc.backend(), lc.peek_state())?.peer_copy;
+    if transport == Transport::Nccl {
+        assert!(!peer, "Transport::Nccl planned peer copies");
+    }
+    check_device_spans(lc.trace(), world, memory, peer);
     let m = lc.metrics();
-    eprintln!("W={world} T={tp} {memory:?} batched={batched}:\n{m}");
+    eprintln!("W={world} T={tp} {memory:?} batched={batched} peer copies {peer}:\n{m}");
     let (backend, state) = lc.into_parts()?;
     for spec in &backend.layout().tensors {
         let a = backend.full_master(&state, &spec.name)?;
@@ -155,7 +166,12 @@ fn check_bits_with(
 
 /// The traced cycle has device spans on every rank: casts on a compute stream, NCCL work when
 /// W > 1, copies when offloading; each inside the host span of its phase (within 1 ms).
-fn check_device_spans(trace: &lifecycle_core::Trace, world: usize, memory: MemoryPolicy) {
+fn check_device_spans(
+    trace: &lifecycle_core::Trace,
+    world: usize,
+    memory: MemoryPolicy,
+    peer: bool,
+) {
     let spans = trace.spans();
     let host_transfer: Vec<_> = spans
         .iter()
@@ -175,7 +191,16 @@ fn check_device_spans(trace: &lifecycle_core::Trace, world: usize, memory: Memor
         let on = |track: &str| mine.iter().any(|s| s.track == track && s.duration_us > 0.0);
         assert!(on("aux"), "rank {rank}: no local-cast span: {mine:#?}");
         if world > 1 {
-            assert!(on("nccl"), "rank {rank}: no NCCL span: {mine:#?}");
+            let (yes, no) = if peer {
+                ("peer", "nccl")
+            } else {
+                ("nccl", "peer")
+            };
+            assert!(on(yes), "rank {rank}: no {yes} span: {mine:#?}");
+            assert!(
+                !mine.iter().any(|s| s.track == no),
+                "rank {rank}: {no} spans with peer copies {peer}: {mine:#?}"
+            );
         }
         if memory.offload_params || memory.offload_optimizer {
             assert!(on("copy"), "rank {rank}: no copy span: {mine:#?}");

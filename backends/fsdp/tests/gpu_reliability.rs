@@ -22,7 +22,8 @@ use lifecycle_core::{
     SwitchContext, Switching,
 };
 use lifecycle_cuda::{
-    device_count, ChunkTable, CollectiveSettings, CudaError, RankExecutor, ThreadRankPool, WordSize,
+    device_count, ChunkTable, CollectiveSettings, CudaError, RankExecutor, ThreadRankPool,
+    Transport, WordSize,
 };
 use lifecycle_fsdp::{BucketConfig, FsdpBackend, FsdpError, FsdpTrainState, GatherMode, RankDump};
 use lifecycle_host::{reference_rollout, HostRollout, HostTensor, HostTrainState};
@@ -112,8 +113,11 @@ fn stall_case(tp: usize, mode: GatherMode, warm_up: bool) -> Res {
     pool.set_collective_timeout(DEADLINE);
     assert_eq!(pool.collective_timeout(), DEADLINE);
     let specs = specs(tp);
+    // The deadline guards NCCL work: peer copies (the default in one process) have no
+    // collective a peer could stall.
     let backend = FsdpBackend::new(pool.clone(), RolloutLayout::new(tp, specs.clone())?)
-        .with_config(BucketConfig { mode, ..config() })?;
+        .with_config(BucketConfig { mode, ..config() })?
+        .with_transport(Transport::Nccl);
     let state = backend.synthetic_state(&shapes(&specs), 5, 0.05)?;
     let before = backend.download_state(&state)?;
     let mut lc = Lifecycle::new(backend, state);

@@ -39,8 +39,11 @@ fn host_state(world: usize, specs: &[TensorSpec]) -> HostTrainState {
     HostTrainState::from_tensors(world, tensors).expect("valid state")
 }
 
-/// Executes `plan` on flat host buffers, bucket by bucket, like the GPU does.
-fn simulate(plan: &FsdpPlan, state: &HostTrainState) -> Vec<Vec<bf16>> {
+/// Executes `plan` on flat host buffers, bucket by bucket, like the GPU does: sends matched with
+/// receives as NCCL does, or, with `peer`, each send written straight to its place in the
+/// receiver's rollout buffer ([`SendOp::dst_off`](lifecycle_fsdp::plan::SendOp)) with the
+/// receives ignored, as peer copies do.
+fn simulate(plan: &FsdpPlan, state: &HostTrainState, peer: bool) -> Vec<Vec<bf16>> {
     let world = plan.core.world;
     let shards = &plan.shards;
     let masters: Vec<Vec<f32>> = (0..world)
@@ -94,6 +97,21 @@ fn simulate(plan: &FsdpPlan, state: &HostTrainState) -> Vec<Vec<bf16>> {
                 }
             }
         }
+        if peer {
+            assert!(plan.peer_copyable());
+            for src in 0..world {
+                for snd in &plan.ranks[src][k].sends {
+                    let (lo, n) = (snd.off as usize, snd.count as usize);
+                    let data: Vec<bf16> = match snd.buf {
+                        Buf::Rollout => rolls[src][lo..lo + n].to_vec(),
+                        Buf::Staging => staging[src][lo..lo + n].to_vec(),
+                    };
+                    let at = snd.dst_off.expect("peer-copyable") as usize;
+                    rolls[snd.peer][at..at + n].copy_from_slice(&data);
+                }
+            }
+            continue;
+        }
         // Match sends and receives per (src, dst) pair in order.
         for src in 0..world {
             for dst in 0..world {
@@ -110,6 +128,9 @@ fn simulate(plan: &FsdpPlan, state: &HostTrainState) -> Vec<Vec<bf16>> {
                 assert_eq!(sends.len(), recvs.len(), "bucket {k}: {src} -> {dst}");
                 for (s, rv) in sends.iter().zip(&recvs) {
                     assert_eq!(s.count, rv.count);
+                    if rv.into == Buf::Rollout {
+                        assert_eq!(s.dst_off, Some(rv.off), "a send knows where it lands");
+                    }
                     let data: Vec<bf16> = match s.buf {
                         Buf::Rollout => {
                             rolls[src][s.off as usize..(s.off + s.count) as usize].to_vec()
@@ -155,7 +176,44 @@ fn check(world: usize, tp: usize, bucket_bytes: u64, mode: GatherMode) {
         },
     );
     let reference = reference_rollout(&state, &layout).expect("reference");
-    let rolls = simulate(&plan, &state);
+    let peer_copyable = plan.peer_copyable();
+    assert_eq!(
+        peer_copyable,
+        mode == GatherMode::SendRecv
+            || (mode == GatherMode::AllGather && (tp > 1 || world == 1))
+            || (mode == GatherMode::Packed && (tp == 1 || world == 1)),
+        "W={world} T={tp} {mode:?}"
+    );
+    for peer in [false, true].into_iter().filter(|p| !p || peer_copyable) {
+        check_rolls(
+            &plan,
+            &simulate(&plan, &state, peer),
+            &reference,
+            bucket_bytes,
+        );
+    }
+    if mode == GatherMode::Packed && tp > 1 && world > 1 {
+        assert!(plan.ranks.iter().flatten().any(|b| !b.unpacks.is_empty()));
+    }
+    if mode == GatherMode::AllGather && tp == 1 {
+        return;
+    }
+    // Every rank receives exactly the remote bytes of the core plan.
+    for r in 0..world {
+        assert_eq!(
+            plan.recv_bytes(r),
+            2 * plan.core.ranks[r].remote_elements() as u64
+        );
+    }
+}
+
+fn check_rolls(
+    plan: &FsdpPlan,
+    rolls: &[Vec<bf16>],
+    reference: &lifecycle_host::HostRollout,
+    bucket_bytes: u64,
+) {
+    let (world, tp) = (plan.core.world, plan.core.tp);
     for (r, rank) in reference.ranks.iter().enumerate() {
         for (j, t) in rank.tensors.iter().enumerate() {
             let off = plan.roll_offsets[j] as usize;
@@ -172,19 +230,6 @@ fn check(world: usize, tp: usize, bucket_bytes: u64, mode: GatherMode) {
         if tp == 1 {
             assert_eq!(plan.slot_elems, 0, "T = 1 needs no staging");
         }
-    }
-    if mode == GatherMode::Packed && tp > 1 && world > 1 {
-        assert!(plan.ranks.iter().flatten().any(|b| !b.unpacks.is_empty()));
-    }
-    if mode == GatherMode::AllGather && tp == 1 {
-        return;
-    }
-    // Every rank receives exactly the remote bytes of the core plan.
-    for r in 0..world {
-        assert_eq!(
-            plan.recv_bytes(r),
-            2 * plan.core.ranks[r].remote_elements() as u64
-        );
     }
 }
 

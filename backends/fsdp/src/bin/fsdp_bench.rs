@@ -18,7 +18,9 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 use lifecycle_core::layout::RolloutLayout;
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Phase, Reshard, Switching};
-use lifecycle_cuda::{alloc_device, alloc_pinned, check_environment, RankExecutor, ThreadRankPool};
+use lifecycle_cuda::{
+    alloc_device, alloc_pinned, check_environment, RankExecutor, ThreadRankPool, Transport,
+};
 use lifecycle_fsdp::{BucketConfig, FsdpBackend, FsdpTrainState, GatherMode};
 
 const GB: f64 = 1e9;
@@ -89,6 +91,8 @@ struct Ceilings {
     /// (output bytes per rank, per-rank receive rate B/s).
     allgather: Vec<(u64, f64)>,
     best_recv: f64,
+    /// Copy-engine peer-copy rate per rank (None: no peer access).
+    peer: Option<f64>,
     d2d: f64,
     h2d: f64,
     d2h: f64,
@@ -139,6 +143,16 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
         allgather.push((n as u64 * 2, rate));
     }
     let best_recv = allgather.iter().map(|a| a.1).fold(0.0, f64::max);
+    let mut peer: Option<f64> = None;
+    for gb in [1usize, 4] {
+        if let Some(rate) = lifecycle_cuda::peer_copy_rate(pool, gb * 1_000_000_000, iters)? {
+            println!(
+                "ceiling  peer copy (copy engines) {gb} GB per rank to the next: per-rank receive {:.1} GB/s",
+                rate / GB
+            );
+            peer = Some(peer.map_or(rate, |p: f64| p.max(rate)));
+        }
+    }
 
     let nb = 4_000_000_000usize;
     let d2d = pool.run(&|ctx| {
@@ -311,6 +325,7 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
     Ok(Ceilings {
         allgather,
         best_recv,
+        peer,
         d2d,
         h2d,
         d2h,
@@ -354,14 +369,15 @@ fn traced_enter(
     state: FsdpTrainState,
     tensors: &[(String, Vec<usize>)],
     tp: usize,
-    cfg: BucketConfig,
+    (cfg, transport): (BucketConfig, Transport),
     dir: &std::path::Path,
 ) -> Result<FsdpTrainState, Box<dyn Error>> {
     let b = FsdpBackend::new(
         pool.clone(),
         RolloutLayout::from_hf_names(tp, tensors.to_vec())?,
     )
-    .with_config(cfg)?;
+    .with_config(cfg)?
+    .with_transport(transport);
     let mut lc = Lifecycle::with_config(
         b,
         state,
@@ -506,6 +522,15 @@ fn run() -> Result<(), Box<dyn Error>> {
         let floor_net = if recv > 0.0 { recv / c.best_recv } else { 0.0 };
         let floor_local = 3.0 * cast / c.d2d;
         let floor = floor_net.max(floor_local);
+        let floor_peer = c
+            .peer
+            .map(|p| (if recv > 0.0 { recv / p } else { 0.0 }).max(floor_local));
+        if let Some(fp) = floor_peer {
+            println!(
+                "T = {tp}: floor at the peer-copy rate instead of the all-gather rate: {}",
+                ms(fp)
+            );
+        }
         println!(
             "\nT = {tp}: per rank {:.3} GB rollout weights, receives {:.3} GB, casts {:.3} GB bf16 ({} buckets at default budget); floor = max({} net, {} local) = {}",
             plan.rollout_bytes() as f64 / GB,
@@ -516,7 +541,7 @@ fn run() -> Result<(), Box<dyn Error>> {
             ms(floor_local),
             ms(floor)
         );
-        let mut best = (f64::INFINITY, BucketConfig::default());
+        let mut best = (f64::INFINITY, BucketConfig::default(), Transport::Nccl);
         let mut configs: Vec<BucketConfig> = Vec::new();
         let budgets: &[u64] = match (tp, args.quick) {
             (1, false) => &[256 << 20, 1 << 30, 4 << 30],
@@ -556,10 +581,13 @@ fn run() -> Result<(), Box<dyn Error>> {
                 });
             }
         }
-        // Every configuration with batched casts; the first of each T also one kernel per piece.
-        let mut runs: Vec<(BucketConfig, bool)> = configs.iter().map(|&c| (c, true)).collect();
+        // Every configuration with batched casts over NCCL; the first of each T also one kernel
+        // per piece; the SendRecv ones also as peer copies (where the pool has peer access).
+        let nccl = Transport::Nccl;
+        let mut runs: Vec<(BucketConfig, bool, Transport)> =
+            configs.iter().map(|&c| (c, true, nccl)).collect();
         if let Some(&first) = configs.first() {
-            runs.push((first, false));
+            runs.push((first, false, nccl));
         }
         if tp == 1 && args.world > 1 {
             runs.push((
@@ -569,15 +597,32 @@ fn run() -> Result<(), Box<dyn Error>> {
                     mode: GatherMode::AllGather,
                 },
                 false,
+                nccl,
             ));
         }
-        for (cfg, batched) in runs {
+        if c.peer.is_some() {
+            let peer_budgets: &[u64] = if args.quick {
+                &[128 << 20, 256 << 20]
+            } else {
+                &[64 << 20, 128 << 20, 256 << 20, 1 << 30]
+            };
+            for &bucket_bytes in peer_budgets {
+                let cfg = BucketConfig {
+                    bucket_bytes,
+                    in_flight: 2,
+                    mode: GatherMode::SendRecv,
+                };
+                runs.push((cfg, true, Transport::PeerCopy));
+            }
+        }
+        for (cfg, batched, transport) in runs {
             let b = FsdpBackend::new(
                 pool.clone(),
                 RolloutLayout::from_hf_names(tp, tensors.clone())?,
             )
             .with_config(cfg)?
-            .with_batched_casts(batched);
+            .with_batched_casts(batched)
+            .with_transport(transport);
             let mut lc = Lifecycle::with_config(
                 b,
                 state,
@@ -590,8 +635,9 @@ fn run() -> Result<(), Box<dyn Error>> {
             let m = lc.metrics().clone();
             let tr = m.phase(Phase::Transfer);
             println!(
-                "  resident, {} casts, {:?} bucket {:>4} MiB x {} in flight: enter {} (transfer phase {} avg), exit {}; d2d {:.3} GB, peak extra {:.1} MB",
+                "  resident, {} casts, {}, {:?} bucket {:>4} MiB x {} in flight: enter {} (transfer phase {} avg), exit {}; d2d {:.3} GB, peak extra {:.1} MB",
                 if batched { "batched" } else { "per-piece" },
+                if transport == Transport::PeerCopy { "peer copies" } else { "NCCL" },
                 cfg.mode,
                 cfg.bucket_bytes >> 20,
                 cfg.in_flight,
@@ -602,7 +648,7 @@ fn run() -> Result<(), Box<dyn Error>> {
                 tr.peak_extra_bytes as f64 / 1e6
             );
             if batched && en < best.0 {
-                best = (en, cfg);
+                best = (en, cfg, transport);
             }
             let (backend, s) = lc.into_parts()?;
             state = s;
@@ -629,7 +675,7 @@ fn run() -> Result<(), Box<dyn Error>> {
                 state = s;
             }
         }
-        let best_cfg = best.1;
+        let (best_cfg, best_transport) = (best.1, best.2);
         // Blocks per SM of the multi-tensor cast kernel, at the best configuration.
         let sweep: &[u32] = if args.quick { &[2] } else { &[1, 2, 4] };
         for &per_sm in sweep {
@@ -641,7 +687,8 @@ fn run() -> Result<(), Box<dyn Error>> {
                 pool.clone(),
                 RolloutLayout::from_hf_names(tp, tensors.clone())?,
             )
-            .with_config(best_cfg)?;
+            .with_config(best_cfg)?
+            .with_transport(best_transport);
             let mut lc = Lifecycle::with_config(
                 b,
                 state,
@@ -665,7 +712,7 @@ fn run() -> Result<(), Box<dyn Error>> {
             Ok(())
         })?;
         if let Some(dir) = &args.trace {
-            state = traced_enter(&pool, state, &tensors, tp, best_cfg, dir)?;
+            state = traced_enter(&pool, state, &tensors, tp, (best_cfg, best_transport), dir)?;
         }
         let (target_x, peer) = if tp == 1 {
             (1.1, "torch: 129 ms per-tensor fp32 (verl 2025), 63 ms 2 GiB bf16 buckets, 27 ms hand-coalesced gather")
@@ -674,9 +721,14 @@ fn run() -> Result<(), Box<dyn Error>> {
         };
         rows.push(Row {
             what: format!(
-                "T={tp} enter ({:?}, {} MiB)",
+                "T={tp} enter ({:?}, {} MiB{})",
                 best_cfg.mode,
-                best_cfg.bucket_bytes >> 20
+                best_cfg.bucket_bytes >> 20,
+                if best_transport == Transport::PeerCopy {
+                    ", peer copies"
+                } else {
+                    ""
+                }
             ),
             ours: best.0,
             ceiling: floor,
@@ -689,7 +741,8 @@ fn run() -> Result<(), Box<dyn Error>> {
                 pool.clone(),
                 RolloutLayout::from_hf_names(tp, tensors.clone())?,
             )
-            .with_config(best_cfg)?;
+            .with_config(best_cfg)?
+            .with_transport(best_transport);
             let mut lc = Lifecycle::with_config(
                 b,
                 state,

@@ -22,11 +22,12 @@ use std::error::Error;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::CudaSlice;
 use half::bf16;
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Phase, Reshard, Span, Switching};
 use lifecycle_cuda::{
-    alloc_device, alloc_pinned, check_environment, copy_2d, CudaError, RankExecutor, ThreadRankPool,
+    alloc_device, alloc_pinned, check_environment, peer_copy_rate, CudaError, RankExecutor,
+    ThreadRankPool,
 };
 use lifecycle_megatron::gpu::{
     GpuConfig, MegatronGpuBackend, MegatronGpuState, PinnedPool, Transport,
@@ -223,57 +224,18 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
         ));
     }
     // Copy-engine writes into the peer's memory (the peer-copy transport), both ranks at once.
-    if pool.peer_access()? {
-        for mib in [1024usize, 4096] {
-            let nb = mib << 20;
-            let mut bufs: Vec<(CudaSlice<u8>, CudaSlice<u8>)> = pool.run(&|ctx| {
-                // SAFETY: contents irrelevant to the timing.
-                let a = unsafe { alloc_device::<u8>(&ctx.compute, nb, ctx.rank, "peer src")? };
-                // SAFETY: as above.
-                let b = unsafe { alloc_device::<u8>(&ctx.compute, nb, ctx.rank, "peer dst")? };
-                ctx.compute.synchronize().map_err(ctx.drv("sync", 0))?;
-                Ok((a, b))
-            })?;
-            let dsts: Vec<u64> = pool.run_each(&mut bufs, &|ctx, (_, b)| {
-                let (p, _sync) = b.device_ptr_mut(&ctx.compute);
-                Ok(p)
-            })?;
-            let t = pool.run_each(&mut bufs, &|ctx, (a, _)| {
-                let (src, _sync) = a.device_ptr(&ctx.compute);
-                let to = dsts[(ctx.rank + 1) % WORLD];
-                let stream = ctx.nccl_stream();
-                timed(iters, || {
-                    // SAFETY: both buffers hold `nb` bytes and live until the end of this
-                    // call; peer access is enabled; nothing else touches them.
-                    unsafe {
-                        copy_2d(
-                            ctx,
-                            &stream,
-                            (to, nb),
-                            (src, nb),
-                            nb,
-                            1,
-                            "peer copy ceiling",
-                        )?
-                    };
-                    stream.synchronize().map_err(ctx.drv("sync", 0))
-                })
-            })?;
-            pool.run_each(&mut bufs, &|ctx, _| {
-                ctx.nccl_stream().synchronize().map_err(ctx.drv("sync", 0))
-            })?;
-            drop(bufs);
-            let t = t.iter().cloned().fold(0.0, f64::max);
-            let rate = nb as f64 / t;
-            link = link.max(rate);
-            lines.push(format!(
-                "peer copy (copy engines) {mib} MiB each way: {} -> receive {:.1} GB/s per rank",
-                ms(t),
-                rate / GB
-            ));
+    for mib in [1024usize, 4096] {
+        match peer_copy_rate(pool, mib << 20, iters)? {
+            Some(rate) => {
+                link = link.max(rate);
+                lines.push(format!(
+                    "peer copy (copy engines) {mib} MiB each way: {} -> receive {:.1} GB/s per rank",
+                    ms((mib << 20) as f64 / rate),
+                    rate / GB
+                ));
+            }
+            None => lines.push("peer copy: no peer access between the GPUs (not measured)".into()),
         }
-    } else {
-        lines.push("peer copy: no peer access between the GPUs (not measured)".into());
     }
     let nb = 4usize << 30;
     let d2d = pool.run(&|ctx| {
@@ -576,7 +538,19 @@ fn run() -> Result<(), Box<dyn Error>> {
                 vec![
                     d,
                     GpuConfig {
-                        memcpy_min_bytes: 16 << 20,
+                        memcpy_min_bytes: u64::MAX,
+                        ..d
+                    },
+                    GpuConfig {
+                        overlap_blocks_per_sm: 1,
+                        ..d
+                    },
+                    GpuConfig {
+                        overlap_blocks_per_sm: 2,
+                        ..d
+                    },
+                    GpuConfig {
+                        overlap_blocks_per_sm: 8,
                         ..d
                     },
                     nccl,
@@ -597,7 +571,11 @@ fn run() -> Result<(), Box<dyn Error>> {
                 vec![
                     d,
                     GpuConfig {
-                        memcpy_min_bytes: 16 << 20,
+                        memcpy_min_bytes: u64::MAX,
+                        ..d
+                    },
+                    GpuConfig {
+                        memcpy_min_bytes: 1 << 20,
                         ..d
                     },
                 ]

@@ -9,7 +9,7 @@ use half::bf16;
 use lifecycle_core::{Link, MemoryPolicy, Phase, PhaseSample, Reshard, SwitchContext};
 use lifecycle_cuda::{
     alloc_device, alloc_zeros, CudaError, Mark, RankCtx, RankExecutor, RankSpans, Region2d,
-    StreamTimeline, ThreadRankPool,
+    StreamTimeline, ThreadRankPool, Transport,
 };
 use lifecycle_host::{HostRollout, HostTensor, MemoryMeter, RankRollout, RolloutTensor};
 
@@ -25,20 +25,6 @@ use crate::layout::{
     RolloutLayout,
 };
 use crate::state::{MegatronTrainState, RankTrain, Resident};
-
-/// How remote runs travel between GPUs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Transport {
-    /// Peer copies when every rank lives in this process and every pair of GPUs has peer
-    /// access ([`ThreadRankPool::peer_access`]); NCCL otherwise (one process per GPU).
-    #[default]
-    Auto,
-    /// NCCL send/recv, step by step through send and receive slots.
-    Nccl,
-    /// Each sender's copy engines write its remote runs straight into the receivers' rollout
-    /// buffers (no slots, packing or NCCL); planning fails when the pool cannot.
-    PeerCopy,
-}
 
 /// Settings of the GPU executor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,8 +45,8 @@ pub struct GpuConfig {
     /// Contiguous local runs of at least this many bytes are copied with the driver's
     /// device-to-device copy instead of the tile kernel; `u64::MAX`: tiles only.
     pub memcpy_min_bytes: u64,
-    /// Thread blocks per SM of the tile kernel while network steps run (fewer leave the SMs and
-    /// memory bandwidth to NCCL); a transfer without network steps uses 8.
+    /// Thread blocks per SM of the tile kernel while remote work runs (fewer leave the SMs and
+    /// memory bandwidth to NCCL or the copy engines); a transfer without remote work uses 8.
     pub overlap_blocks_per_sm: u32,
 }
 
@@ -78,16 +64,16 @@ impl GpuConfig {
 
 impl Default for GpuConfig {
     /// Peer copies where possible; for NCCL steps 256 MiB buckets, 2 in flight, every remote
-    /// run packed into the slots, 4 blocks per SM while the network runs; local runs copied by
-    /// the tile kernel. Direct messages (`direct_min_bytes`, e.g. 4 MiB) and driver copies
-    /// (`memcpy_min_bytes`, e.g. 16 MiB) are opt-in.
+    /// run packed into the slots; 4 blocks per SM for local copies next to remote work;
+    /// contiguous local runs from 16 MiB by the driver's copy, the rest by the tile kernel.
+    /// Direct messages (`direct_min_bytes`, e.g. 4 MiB) are opt-in.
     fn default() -> Self {
         GpuConfig {
             transport: Transport::Auto,
             bucket_bytes: 256 << 20,
             in_flight: 2,
             direct_min_bytes: u64::MAX,
-            memcpy_min_bytes: u64::MAX,
+            memcpy_min_bytes: 16 << 20,
             overlap_blocks_per_sm: 4,
         }
     }
@@ -715,7 +701,7 @@ impl MegatronGpuBackend {
         let config = plan.config;
         // Peer copies write into every rank's rollout buffer: their addresses by global rank.
         let mut bases = vec![0u64; self.pool.world()];
-        if plan.peer_copy {
+        if plan.ranks.iter().any(|s| !s.pushes.is_empty()) {
             let got = self
                 .pool
                 .run_each(rolls, &|ctx, roll| Ok(ptr_mut(roll, ctx)))?;
@@ -776,7 +762,18 @@ impl MegatronGpuBackend {
             let out = if !plan.peer_copy {
                 run_steps(ctx, s, k, ptr(tiles, ctx), params, roll, config, &mut tl)
             } else {
-                run_peer_copies(ctx, s, k, ptr(tiles, ctx), params, roll, bases, &mut tl)
+                let bps = config.overlap_blocks_per_sm;
+                run_peer_copies(
+                    ctx,
+                    s,
+                    k,
+                    ptr(tiles, ctx),
+                    params,
+                    roll,
+                    bases,
+                    bps,
+                    &mut tl,
+                )
             };
             match out {
                 Ok(mut moved) => {
@@ -1201,9 +1198,15 @@ fn run_peer_copies(
     params: &CudaSlice<bf16>,
     roll: &mut CudaSlice<bf16>,
     bases: &[u64],
+    blocks_per_sm: u32,
     tl: &mut StreamTimeline,
 ) -> Result<RankMoved, CudaError> {
     let peer = ctx.nccl_stream();
+    let bps = if s.pushes.is_empty() {
+        8
+    } else {
+        blocks_per_sm.max(1)
+    };
     ctx.order(&ctx.compute, &peer)?;
     ctx.order(&ctx.compute, &ctx.aux)?;
     let pbase = ptr(params, ctx);
@@ -1267,7 +1270,7 @@ fn run_peer_copies(
         // SAFETY: local tiles and bulk runs lie inside the parameter buffer (source) and the
         // rollout buffer (destination), both alive until the synchronisation below; peers write
         // only other elements of the rollout buffer.
-        unsafe { local_chunk(ctx, s, k, tiles, c, (pbase, rbase), &ctx.aux, 8)? };
+        unsafe { local_chunk(ctx, s, k, tiles, c, (pbase, rbase), &ctx.aux, bps)? };
         let what = || (format!("local copies c{i}"), s.chunk_elems(c));
         end_transfer(tl, ctx, aux, mark, what, Link::Local)?;
     }
@@ -1306,21 +1309,7 @@ impl Reshard for MegatronGpuBackend {
                 return Ok(p.clone());
             }
         }
-        let peer_copy = match self.config.transport {
-            Transport::Nccl => false,
-            Transport::Auto => self.pool.peer_access()?,
-            Transport::PeerCopy => {
-                if !self.pool.peer_access()? {
-                    return Err(MegatronGpuError::Config(
-                        "transport PeerCopy needs every rank in this process and peer access \
-                         between every pair of GPUs; this pool has neither or not both: use \
-                         Transport::Auto or Transport::Nccl"
-                            .into(),
-                    ));
-                }
-                true
-            }
-        };
+        let peer_copy = self.config.transport.resolve(&self.pool)?;
         let plan = plan_megatron_to_tp(&state.layout, &self.rollout, bucket)?;
         let (offsets, len) = rollout_offsets(&plan);
         let opts = self.config.schedule_options(peer_copy);

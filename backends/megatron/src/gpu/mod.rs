@@ -54,8 +54,9 @@ pub mod schedule;
 mod state;
 
 pub use backend::{
-    GpuConfig, MegatronGpuBackend, MegatronGpuPlan, MegatronGpuRollout, RolloutEntry, Transport,
+    GpuConfig, MegatronGpuBackend, MegatronGpuPlan, MegatronGpuRollout, RolloutEntry,
 };
 pub use error::MegatronGpuError;
+pub use lifecycle_cuda::Transport;
 pub use pinned::{PinnedPool, DEFAULT_CHUNK_BYTES};
 pub use state::MegatronGpuState;
