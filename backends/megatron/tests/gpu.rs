@@ -212,24 +212,32 @@ fn check_device_spans(
         };
         let bytes = |v: &[&Span]| v.iter().map(|x| x.bytes).sum::<u64>();
         let what = format!("{case}: rank {rank}");
-        // Local work on the auxiliary stream.
+        // Local work: on the auxiliary stream, the driver's bulk copies possibly on compute.
+        let is_local = |x: &&Span| x.name.starts_with("local copies") || x.name == "zero padding";
         let aux = on("aux", Phase::Transfer);
+        assert!(aux.iter().all(is_local), "{what}: aux spans {aux:#?}");
+        let local: Vec<&Span> = mine
+            .iter()
+            .copied()
+            .filter(|x| x.phase == Phase::Transfer && is_local(x))
+            .collect();
         assert_eq!(
-            bytes(&aux),
+            bytes(&local),
             ((s.local_elems + s.zero_elems()) * 2) as u64,
-            "{what}: aux spans {aux:#?}"
+            "{what}: local spans {local:#?}"
         );
         if s.local_elems > 0 {
             assert!(
-                aux.iter().any(|x| x.duration_us > 0.0),
+                local.iter().any(|x| x.duration_us > 0.0),
                 "{what}: no local-copy span"
             );
         }
         // One NCCL group per step.
         let nccl = on("nccl", Phase::Transfer);
         assert_eq!(nccl.len(), s.steps.len(), "{what}: NCCL spans {nccl:#?}");
+        let pushed: usize = s.pushes.iter().map(|p| p.run.numel()).sum();
         let (received, sent) = if plan.peer_copy() {
-            (0, s.send_elems * 2)
+            (0, pushed * 2)
         } else {
             (s.recv_elems * 2, 0)
         };
@@ -250,7 +258,7 @@ fn check_device_spans(
         assert!(peer.iter().all(|x| x.link == Some(Link::DeviceToDevice)));
         if plan.peer_copy() {
             assert!(s.steps.is_empty(), "{what}: NCCL steps with peer copies");
-            if s.send_elems > 0 {
+            if pushed > 0 {
                 assert!(
                     peer.iter().any(|x| x.duration_us > 0.0),
                     "{what}: no peer-copy span though it sends"
@@ -259,14 +267,34 @@ fn check_device_spans(
         } else {
             assert!(s.pushes.is_empty(), "{what}: peer copies with NCCL steps");
         }
-        // Packs and unpacks.
-        let compute = on("compute", Phase::Transfer);
-        let staged: usize = s.steps.iter().map(|st| st.send_slot + st.recv_slot).sum();
-        let launches = s
+        // Packs and unpacks, or the tile launches writing small runs into peers.
+        let compute: Vec<&Span> = on("compute", Phase::Transfer)
+            .into_iter()
+            .filter(|x| !is_local(x))
+            .collect();
+        let staged: usize = s
             .steps
             .iter()
-            .map(|st| usize::from(!st.pack.is_empty()) + usize::from(!st.unpack.is_empty()))
-            .sum::<usize>();
+            .map(|st| st.send_slot + st.recv_slot)
+            .sum::<usize>()
+            + s.peer_tiles
+                .iter()
+                .map(|(_, r)| s.tile_elems(r.clone()))
+                .sum::<usize>();
+        assert_eq!(
+            pushed + staged,
+            if plan.peer_copy() {
+                s.send_elems
+            } else {
+                staged
+            },
+            "{what}: every element sent is pushed or tiled"
+        );
+        let launches = s.peer_tiles.len()
+            + s.steps
+                .iter()
+                .map(|st| usize::from(!st.pack.is_empty()) + usize::from(!st.unpack.is_empty()))
+                .sum::<usize>();
         assert_eq!(
             compute.len(),
             launches,
@@ -305,7 +333,7 @@ fn check_device_spans(
         // Every span of this rank is one of the above, inside its phase.
         assert_eq!(
             mine.len(),
-            aux.len() + nccl.len() + peer.len() + compute.len() + off.len() + back.len(),
+            local.len() + nccl.len() + peer.len() + compute.len() + off.len() + back.len(),
             "{what}: unexpected spans {mine:#?}"
         );
         for x in &mine {
@@ -367,6 +395,9 @@ fn matrix(world: usize, layouts: &[(usize, usize, usize)]) -> Res {
                             // Every remote run its own message / everything packed / a mix.
                             direct_min_bytes: [0, u64::MAX, 16][(n + 2 * k) % 3],
                             memcpy_min_bytes: [0, u64::MAX, 64][(n + k) % 3],
+                            // Copy engines only / tiles below 64 B / tiles only.
+                            peer_tile_max_bytes: [0, 64, u64::MAX][n % 3],
+                            split_local_bulk: (n + k).is_multiple_of(2),
                             overlap_blocks_per_sm: [1, 8, 2][(n + k) % 3],
                         },
                         memory,

@@ -37,6 +37,7 @@ type Res<T> = Result<T, Box<dyn std::error::Error>>;
 struct Gpu {
     ctx: Arc<CudaContext>,
     net: Arc<CudaStream>,
+    net2: Arc<CudaStream>,
     local: Arc<CudaStream>,
     copy16: CudaFunction,
     copy2d: CudaFunction,
@@ -68,6 +69,11 @@ enum Method {
     SmPush,
     SmPull2d,
     CePull2d,
+    CePush2d,
+    CePush2dDst,
+    CePull2dDst,
+    CePush2dTwo,
+    CePushTwo,
 }
 
 fn main() -> Res<()> {
@@ -100,6 +106,7 @@ fn main() -> Res<()> {
         let ptx = compile_ptx_with_opts(SRC, opts)?;
         let m = ctx.load_module(ptx)?;
         let net = ctx.new_stream()?;
+        let net2 = ctx.new_stream()?;
         let local = ctx.new_stream()?;
         let sms =
             ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
@@ -113,6 +120,7 @@ fn main() -> Res<()> {
             load_dst: local.alloc_zeros::<u8>(4 << 30)?,
             ctx,
             net,
+            net2,
             local,
         });
     }
@@ -218,6 +226,76 @@ fn main() -> Res<()> {
                     .arg(&dpl);
                 unsafe { b.launch(cfg)? };
             }
+            Method::CePush2d | Method::CePush2dTwo => {
+                let w = 3584usize;
+                let rows = bytes / w;
+                let parts = if m == Method::CePush2dTwo { 2 } else { 1 };
+                for p in 0..parts {
+                    let (r0, r1) = (rows * p / parts, rows * (p + 1) / parts);
+                    let c = sys::CUDA_MEMCPY2D {
+                        srcXInBytes: 0,
+                        srcY: 0,
+                        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                        srcHost: std::ptr::null(),
+                        srcDevice: sends[i] + (r0 * 2 * w) as u64,
+                        srcArray: std::ptr::null_mut(),
+                        srcPitch: 2 * w,
+                        dstXInBytes: 0,
+                        dstY: 0,
+                        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                        dstHost: std::ptr::null_mut(),
+                        dstDevice: recvs[peer] + (r0 * w) as u64,
+                        dstArray: std::ptr::null_mut(),
+                        dstPitch: w,
+                        WidthInBytes: w,
+                        Height: r1 - r0,
+                    };
+                    let st = if p == 0 { &g.net } else { &g.net2 };
+                    unsafe { sys::cuMemcpy2DAsync_v2(&c, st.cu_stream()) }.result()?;
+                }
+            }
+            Method::CePush2dDst | Method::CePull2dDst => {
+                // Dense rows of 3584 bytes into a destination with twice that pitch.
+                let w = 3584usize;
+                let rows = bytes / w;
+                let (src, dst) = if m == Method::CePush2dDst {
+                    (sends[i], recvs[peer])
+                } else {
+                    (sends[peer], recvs[i])
+                };
+                let c = sys::CUDA_MEMCPY2D {
+                    srcXInBytes: 0,
+                    srcY: 0,
+                    srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                    srcHost: std::ptr::null(),
+                    srcDevice: src,
+                    srcArray: std::ptr::null_mut(),
+                    srcPitch: w,
+                    dstXInBytes: 0,
+                    dstY: 0,
+                    dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                    dstHost: std::ptr::null_mut(),
+                    dstDevice: dst,
+                    dstArray: std::ptr::null_mut(),
+                    dstPitch: 2 * w,
+                    WidthInBytes: w,
+                    Height: rows,
+                };
+                unsafe { sys::cuMemcpy2DAsync_v2(&c, g.net.cu_stream()) }.result()?;
+            }
+            Method::CePushTwo => {
+                let half = bytes / 2;
+                for (p, st) in [&g.net, &g.net2].into_iter().enumerate() {
+                    unsafe {
+                        cudarc::driver::result::memcpy_dtod_async(
+                            recvs[peer] + (p * half) as u64,
+                            sends[i] + (p * half) as u64,
+                            half,
+                            st.cu_stream(),
+                        )?
+                    };
+                }
+            }
             Method::CePull2d => {
                 let w = 3584usize;
                 let rows = bytes / w;
@@ -262,6 +340,11 @@ fn main() -> Res<()> {
         ("SM push, 4 blocks/SM", Method::SmPush, 4),
         ("SM pull 2-D rows 3584 B, 2 blocks/SM", Method::SmPull2d, 2),
         ("CE pull 2-D rows 3584 B", Method::CePull2d, 0),
+        ("CE push 2-D rows 3584 B", Method::CePush2d, 0),
+        ("CE push 2-D rows 3584 B, 2 streams", Method::CePush2dTwo, 0),
+        ("CE push 2-D into pitch 7168 B", Method::CePush2dDst, 0),
+        ("CE pull 2-D into pitch 7168 B", Method::CePull2dDst, 0),
+        ("CE push, 2 streams", Method::CePushTwo, 0),
     ];
     println!(
         "peer_probe: {n} GPUs, {mib} MiB per GPU and direction, all GPUs at once, best of {iters}"
@@ -273,6 +356,7 @@ fn main() -> Res<()> {
             for _ in 0..iters + 1 {
                 for g in &gpus {
                     g.net.synchronize()?;
+                    g.net2.synchronize()?;
                     g.local.synchronize()?;
                 }
                 let t = Instant::now();
@@ -284,6 +368,7 @@ fn main() -> Res<()> {
                 }
                 for g in &gpus {
                     g.net.synchronize()?;
+                    g.net2.synchronize()?;
                 }
                 let net = t.elapsed().as_secs_f64();
                 for g in &gpus {

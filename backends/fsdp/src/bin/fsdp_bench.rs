@@ -503,6 +503,8 @@ fn run() -> Result<(), Box<dyn Error>> {
     );
 
     let mut rows: Vec<Row> = Vec::new();
+    // (T, enter floor at the peer-copy rate, our best enter).
+    let mut peer_floors: Vec<(usize, f64, f64)> = Vec::new();
     let mut offload_rows: Vec<Row> = Vec::new();
     for tp in [1usize, 2] {
         if args.world % tp != 0 || args.tp.is_some_and(|t| t != tp) {
@@ -719,6 +721,9 @@ fn run() -> Result<(), Box<dyn Error>> {
         } else {
             (1.5, "torch: 79 ms per-tensor fp32, 60 ms bf16 buckets")
         };
+        if let Some(fp) = floor_peer {
+            peer_floors.push((tp, fp, best.0));
+        }
         rows.push(Row {
             what: format!(
                 "T={tp} enter ({:?}, {} MiB{})",
@@ -843,6 +848,17 @@ fn run() -> Result<(), Box<dyn Error>> {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    if let Some(p) = c.peer {
+        println!(
+            "  peer copy (copy engines) per-rank receive: {:.0} GB/s; enter floors at this rate: {}",
+            p / GB,
+            peer_floors
+                .iter()
+                .map(|(tp, f, ours)| format!("T={tp} {} (ours {:.2}x)", ms(*f), ours / f))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     println!(
         "  d2d {:.0} GB/s; pinned H2D {:.1} / D2H {:.1} GB/s (all GPUs at once), {:.1} / {:.1} GB/s (one GPU)",
         c.d2d / GB,

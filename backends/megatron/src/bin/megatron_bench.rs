@@ -117,8 +117,9 @@ fn plan_messages(lc: &Lifecycle<MegatronGpuBackend>) -> Result<String, Box<dyn E
     Ok(plan.schedule(0).map_or(String::new(), |s| {
         let (sent, got) = s.messages();
         format!(
-            "rank 0: {} steps, {sent} sends, {got} receives, {} tiles, {} driver copies",
+            "rank 0: {} steps, {sent} sends, {got} receives, {} peer copies, {} tiles, {} driver copies",
             s.steps.len(),
+            s.pushes.len(),
             s.tiles.len(),
             s.local_bulk.len()
         )
@@ -542,15 +543,15 @@ fn run() -> Result<(), Box<dyn Error>> {
                         ..d
                     },
                     GpuConfig {
-                        overlap_blocks_per_sm: 1,
+                        peer_tile_max_bytes: 0,
                         ..d
                     },
                     GpuConfig {
-                        overlap_blocks_per_sm: 2,
+                        peer_tile_max_bytes: 4 << 20,
                         ..d
                     },
                     GpuConfig {
-                        overlap_blocks_per_sm: 8,
+                        split_local_bulk: true,
                         ..d
                     },
                     nccl,
@@ -578,6 +579,15 @@ fn run() -> Result<(), Box<dyn Error>> {
                         memcpy_min_bytes: 1 << 20,
                         ..d
                     },
+                    GpuConfig {
+                        split_local_bulk: true,
+                        ..d
+                    },
+                    GpuConfig {
+                        memcpy_min_bytes: 1 << 20,
+                        split_local_bulk: true,
+                        ..d
+                    },
                 ]
             };
             let mut best = (f64::INFINITY, GpuConfig::default(), false);
@@ -590,12 +600,14 @@ fn run() -> Result<(), Box<dyn Error>> {
                 let msgs = plan_messages(&lc)?;
                 let peer = lc.backend().plan(lc.peek_state())?.peer_copy();
                 println!(
-                    "  T={t} resident, {}, bucket {:>4} MiB x {}, direct >= {}, memcpy >= {}, {} blocks/SM: enter {} (transfer phase {} avg), exit {}; {msgs}; received {:.3} GB per switch (all ranks), peak staging {:.0} MB",
+                    "  T={t} resident, {}, bucket {:>4} MiB x {}, direct >= {}, memcpy >= {}, peer tiles < {}, split bulk {}, {} blocks/SM: enter {} (transfer phase {} avg), exit {}; {msgs}; received {:.3} GB per switch (all ranks), peak staging {:.0} MB",
                     if peer { "peer copies" } else { "NCCL steps " },
                     cfg.bucket_bytes >> 20,
                     cfg.in_flight,
                     mib(cfg.direct_min_bytes),
                     mib(cfg.memcpy_min_bytes),
+                    mib(cfg.peer_tile_max_bytes),
+                    cfg.split_local_bulk,
                     cfg.overlap_blocks_per_sm,
                     ms(en),
                     ms(tr.wall.as_secs_f64() / tr.count.max(1) as f64),

@@ -45,6 +45,13 @@ pub struct GpuConfig {
     /// Contiguous local runs of at least this many bytes are copied with the driver's
     /// device-to-device copy instead of the tile kernel; `u64::MAX`: tiles only.
     pub memcpy_min_bytes: u64,
+    /// With peer copies, remote runs below this many bytes are written by one tile-kernel
+    /// launch per peer instead of one copy-engine copy each (see
+    /// [`ScheduleOptions::peer_tile_max`]); `0`: copy engines only.
+    pub peer_tile_max_bytes: u64,
+    /// With peer copies, the driver's copies of large local runs (`memcpy_min_bytes`) run on
+    /// their own stream beside the tile kernel instead of after it.
+    pub split_local_bulk: bool,
     /// Thread blocks per SM of the tile kernel while remote work runs (fewer leave the SMs and
     /// memory bandwidth to NCCL or the copy engines); a transfer without remote work uses 8.
     pub overlap_blocks_per_sm: u32,
@@ -58,6 +65,7 @@ impl GpuConfig {
             direct_min: elems(self.direct_min_bytes),
             memcpy_min: elems(self.memcpy_min_bytes),
             peer_copy,
+            peer_tile_max: elems(self.peer_tile_max_bytes),
         }
     }
 }
@@ -65,7 +73,8 @@ impl GpuConfig {
 impl Default for GpuConfig {
     /// Peer copies where possible; for NCCL steps 256 MiB buckets, 2 in flight, every remote
     /// run packed into the slots; 4 blocks per SM for local copies next to remote work;
-    /// contiguous local runs from 16 MiB by the driver's copy, the rest by the tile kernel.
+    /// contiguous local runs from 16 MiB by the driver's copy, the rest by the tile kernel;
+    /// remote runs under 1 MiB by the tile kernel, larger ones by the copy engines.
     /// Direct messages (`direct_min_bytes`, e.g. 4 MiB) are opt-in.
     fn default() -> Self {
         GpuConfig {
@@ -74,6 +83,8 @@ impl Default for GpuConfig {
             in_flight: 2,
             direct_min_bytes: u64::MAX,
             memcpy_min_bytes: 16 << 20,
+            peer_tile_max_bytes: 1 << 20,
+            split_local_bulk: false,
             overlap_blocks_per_sm: 4,
         }
     }
@@ -701,7 +712,11 @@ impl MegatronGpuBackend {
         let config = plan.config;
         // Peer copies write into every rank's rollout buffer: their addresses by global rank.
         let mut bases = vec![0u64; self.pool.world()];
-        if plan.ranks.iter().any(|s| !s.pushes.is_empty()) {
+        if plan
+            .ranks
+            .iter()
+            .any(|s| !s.pushes.is_empty() || !s.peer_tiles.is_empty())
+        {
             let got = self
                 .pool
                 .run_each(rolls, &|ctx, roll| Ok(ptr_mut(roll, ctx)))?;
@@ -762,7 +777,7 @@ impl MegatronGpuBackend {
             let out = if !plan.peer_copy {
                 run_steps(ctx, s, k, ptr(tiles, ctx), params, roll, config, &mut tl)
             } else {
-                let bps = config.overlap_blocks_per_sm;
+                let opts = (config.overlap_blocks_per_sm, config.split_local_bulk);
                 run_peer_copies(
                     ctx,
                     s,
@@ -771,7 +786,7 @@ impl MegatronGpuBackend {
                     params,
                     roll,
                     bases,
-                    bps,
+                    opts,
                     &mut tl,
                 )
             };
@@ -1198,11 +1213,11 @@ fn run_peer_copies(
     params: &CudaSlice<bf16>,
     roll: &mut CudaSlice<bf16>,
     bases: &[u64],
-    blocks_per_sm: u32,
+    (blocks_per_sm, split_bulk): (u32, bool),
     tl: &mut StreamTimeline,
 ) -> Result<RankMoved, CudaError> {
     let peer = ctx.nccl_stream();
-    let bps = if s.pushes.is_empty() {
+    let bps = if s.pushes.is_empty() && s.peer_tiles.is_empty() {
         8
     } else {
         blocks_per_sm.max(1)
@@ -1254,6 +1269,44 @@ fn run_peer_copies(
         end_transfer(tl, ctx, (&peer, "peer"), mark, what, Link::DeviceToDevice)?;
         i = end;
     }
+    // Small remote runs: one tile-kernel launch per peer writes them into its memory.
+    for (to, range) in &s.peer_tiles {
+        let dst_base = bases.get(*to).copied().filter(|&b| b != 0).ok_or_else(|| {
+            CudaError::Invalid(format!(
+                "rank {to}'s rollout buffer is not known to rank {}",
+                ctx.rank
+            ))
+        })?;
+        let mark = tl.begin(ctx, &ctx.compute)?;
+        // SAFETY: the tiles lie inside this rank's parameter buffer and the peer's rollout
+        // buffer (the planner's offsets), both alive until every rank has synchronised at the
+        // end of the transfer; peer access is enabled; no other copy writes these elements.
+        unsafe {
+            k.launch(
+                &ctx.compute,
+                tiles,
+                range.clone(),
+                pbase,
+                dst_base,
+                8,
+                ctx.rank,
+            )?
+        };
+        let what = || {
+            (
+                format!("peer tiles to rank {to}"),
+                s.tile_elems(range.clone()),
+            )
+        };
+        end_transfer(
+            tl,
+            ctx,
+            (&ctx.compute, "compute"),
+            mark,
+            what,
+            Link::DeviceToDevice,
+        )?;
+    }
     let aux = (&*ctx.aux, "aux");
     if !s.zero.is_empty() {
         let mark = tl.begin(ctx, &ctx.aux)?;
@@ -1265,14 +1318,26 @@ fn run_peer_copies(
         let what = || ("zero padding".to_string(), s.zero_elems());
         end_transfer(tl, ctx, aux, mark, what, Link::Local)?;
     }
-    for (i, c) in s.local_chunks(1).iter().enumerate() {
-        let mark = tl.begin(ctx, &ctx.aux)?;
+    let all = (s.local.clone(), 0..s.local_bulk.len());
+    // The driver's copies of large local runs on the compute stream (after any peer tiles),
+    // beside the tile kernel on the auxiliary one, when split.
+    let (tiled, bulk) = if split_bulk {
+        ((all.0.clone(), 0..0), Some((0..0, all.1.clone())))
+    } else {
+        (all.clone(), None)
+    };
+    let mut parts = vec![(&ctx.aux, "aux", tiled)];
+    if let Some(b) = bulk.filter(|b| !b.1.is_empty()) {
+        parts.push((&ctx.compute, "compute", b));
+    }
+    for (stream, track, c) in parts {
+        let mark = tl.begin(ctx, stream)?;
         // SAFETY: local tiles and bulk runs lie inside the parameter buffer (source) and the
         // rollout buffer (destination), both alive until the synchronisation below; peers write
         // only other elements of the rollout buffer.
-        unsafe { local_chunk(ctx, s, k, tiles, c, (pbase, rbase), &ctx.aux, bps)? };
-        let what = || (format!("local copies c{i}"), s.chunk_elems(c));
-        end_transfer(tl, ctx, aux, mark, what, Link::Local)?;
+        unsafe { local_chunk(ctx, s, k, tiles, &c, (pbase, rbase), stream, bps)? };
+        let what = || ("local copies".to_string(), s.chunk_elems(&c));
+        end_transfer(tl, ctx, (stream, track), mark, what, Link::Local)?;
     }
     ctx.order(&peer, &ctx.compute)?;
     ctx.order(&ctx.aux, &ctx.compute)?;
@@ -1344,16 +1409,22 @@ impl Reshard for MegatronGpuBackend {
             });
         }
         let len = plan.len;
+        let peers_write = plan
+            .ranks
+            .iter()
+            .any(|s| !s.pushes.is_empty() || !s.peer_tiles.is_empty());
         let mut unit: Vec<()> = vec![(); self.locals().len()];
         // Rollout buffers first: an OOM here leaves the training state untouched.
         let mut rolls = self.pool.run_each(&mut unit, &|c, _| {
             // SAFETY: every element is written by a local or unpack tile or zeroed as vocabulary
             // padding (the schedule covers the buffer exactly) before the buffer is handed out.
             let roll = unsafe { alloc_device::<bf16>(&c.compute, len, c.rank, "rollout weights") }?;
-            // Peers may write into the buffer as soon as the transfer starts.
-            c.compute
-                .synchronize()
-                .map_err(c.drv("allocating the rollout weights", (len * 2) as u64))?;
+            if peers_write {
+                // Peers may write into the buffer as soon as the transfer starts.
+                c.compute
+                    .synchronize()
+                    .map_err(c.drv("allocating the rollout weights", (len * 2) as u64))?;
+            }
             Ok(roll)
         })?;
         let start = Instant::now();

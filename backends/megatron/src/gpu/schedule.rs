@@ -209,15 +209,22 @@ pub struct ScheduleOptions {
     /// with the copy engines (ranks of one process with peer access): no steps, slots,
     /// packing or NCCL ([`RankSchedule::pushes`]).
     pub peer_copy: bool,
+    /// With peer copies, remote runs below this many elements are written by the tile kernel
+    /// straight into the peer's memory, all in one launch per peer
+    /// ([`RankSchedule::peer_tiles`]), instead of one copy-engine copy each: every copy-engine
+    /// copy costs microseconds of setup, which hundreds of bias and norm vectors add up to
+    /// milliseconds. `0`: copy engines only.
+    pub peer_tile_max: usize,
 }
 
 impl Default for ScheduleOptions {
-    /// Direct messages from 4 MiB, driver copies from 16 MiB.
+    /// Direct messages from 4 MiB, driver copies from 16 MiB, peer tiles below 1 MiB.
     fn default() -> Self {
         ScheduleOptions {
             direct_min: 2 << 20,
             memcpy_min: 8 << 20,
             peer_copy: false,
+            peer_tile_max: 1 << 19,
         }
     }
 }
@@ -271,9 +278,13 @@ pub struct RankSchedule {
     pub local_bulk: Vec<Run>,
     /// Steps with at least one message, in global step order (none with peer copies).
     pub steps: Vec<Step>,
-    /// With peer copies: the runs this rank writes into its peers' rollout buffers, by
-    /// destination rank, then in plan order (consecutive runs merged).
+    /// With peer copies: the runs of at least [`ScheduleOptions::peer_tile_max`] elements this
+    /// rank's copy engines write into its peers' rollout buffers, by destination rank, then in plan order
+    /// (consecutive runs merged).
     pub pushes: Vec<Push>,
+    /// With peer copies: per destination rank, the tiles (of [`RankSchedule::tiles`]) that
+    /// write its smaller runs into that peer's rollout buffer, one kernel launch each.
+    pub peer_tiles: Vec<(usize, Range<usize>)>,
     /// Element ranges of the rollout buffer to zero (vocabulary padding rows).
     pub zero: Vec<Range<usize>>,
     /// Elements of one send slot (the largest step).
@@ -419,16 +430,8 @@ pub fn build_rank(
     let local = 0..tiles.len();
     let zero = zero_ranges(plan, offsets, rank);
     if opts.peer_copy {
-        return peer_schedule(
-            plan,
-            offsets,
-            rank,
-            tiles,
-            local,
-            local_bulk,
-            local_elems,
-            zero,
-        );
+        let local = (tiles, local, local_bulk, local_elems);
+        return peer_schedule(plan, offsets, rank, local, zero, opts.peer_tile_max);
     }
     let direct = |x: &&Transfer| x.numel() >= opts.direct_min;
     let nsteps = plan
@@ -582,6 +585,7 @@ pub fn build_rank(
         local_elems,
         steps,
         pushes: Vec::new(),
+        peer_tiles: Vec::new(),
         zero,
         tiles,
     }
@@ -605,20 +609,19 @@ fn zero_ranges(plan: &MegatronPlan, offsets: &[usize], rank: usize) -> Vec<Range
     zero
 }
 
-/// The peer-copy schedule of `rank`: its local work as given, plus the runs it writes into
-/// every peer's rollout buffer.
-#[allow(clippy::too_many_arguments)]
+/// The peer-copy schedule of `rank`: its local work as given (tiles, local tile range, bulk
+/// runs, elements), plus the runs it writes into every peer's rollout buffer: those of at
+/// least `tile_max` elements by the copy engines, the rest as tiles.
 fn peer_schedule(
     plan: &MegatronPlan,
     offsets: &[usize],
     rank: usize,
-    tiles: Vec<Tile>,
-    local: Range<usize>,
-    local_bulk: Vec<Run>,
-    local_elems: usize,
+    (mut tiles, local, local_bulk, local_elems): (Vec<Tile>, Range<usize>, Vec<Run>, usize),
     zero: Vec<Range<usize>>,
+    tile_max: usize,
 ) -> RankSchedule {
     let mut pushes = Vec::new();
+    let mut peer_tiles = Vec::new();
     let mut send_elems = 0;
     for (d, dp) in plan.ranks.iter().enumerate().filter(|(d, _)| *d != rank) {
         let mut runs = Vec::new();
@@ -636,7 +639,17 @@ fn peer_schedule(
             );
         }
         send_elems += runs.iter().map(Run::numel).sum::<usize>();
-        pushes.extend(runs.into_iter().map(|run| Push { peer: d, run }));
+        let first = tiles.len();
+        for run in runs {
+            if run.numel() < tile_max {
+                push_tiles(&run, &mut tiles);
+            } else {
+                pushes.push(Push { peer: d, run });
+            }
+        }
+        if tiles.len() > first {
+            peer_tiles.push((d, first..tiles.len()));
+        }
     }
     let recv_elems = plan.ranks[rank]
         .transfers
@@ -655,6 +668,7 @@ fn peer_schedule(
         local_elems,
         steps: Vec::new(),
         pushes,
+        peer_tiles,
         zero,
         tiles,
     }
@@ -722,7 +736,12 @@ mod tests {
             }
             for p in &s.pushes {
                 assert_ne!(p.peer, s.rank, "a push goes to a peer");
+                assert!(p.run.numel() >= opts.peer_tile_max);
                 apply_run(&p.run, params[s.rank], &mut rolls[p.peer]);
+            }
+            for (peer, range) in &s.peer_tiles {
+                assert_ne!(*peer, s.rank, "peer tiles go to a peer");
+                apply(&s.tiles[range.clone()], params[s.rank], &mut rolls[*peer]);
             }
         }
         let nsteps = plan.ranks.iter().map(|p| p.buckets.len()).max().unwrap();
@@ -855,6 +874,7 @@ mod tests {
                                     direct_min: usize::MAX,
                                     memcpy_min: usize::MAX,
                                     peer_copy: false,
+                                    peer_tile_max: 0,
                                 },
                             ),
                             (
@@ -863,6 +883,7 @@ mod tests {
                                     direct_min: 0,
                                     memcpy_min: 0,
                                     peer_copy: false,
+                                    peer_tile_max: 0,
                                 },
                             ),
                             (
@@ -871,6 +892,7 @@ mod tests {
                                     direct_min: 5,
                                     memcpy_min: 20,
                                     peer_copy: false,
+                                    peer_tile_max: 0,
                                 },
                             ),
                             (1 << 20, ScheduleOptions::default()),
@@ -880,6 +902,25 @@ mod tests {
                                     direct_min: usize::MAX,
                                     memcpy_min: 20,
                                     peer_copy: true,
+                                    peer_tile_max: 0,
+                                },
+                            ),
+                            (
+                                64,
+                                ScheduleOptions {
+                                    direct_min: usize::MAX,
+                                    memcpy_min: usize::MAX,
+                                    peer_copy: true,
+                                    peer_tile_max: 8,
+                                },
+                            ),
+                            (
+                                64,
+                                ScheduleOptions {
+                                    direct_min: usize::MAX,
+                                    memcpy_min: usize::MAX,
+                                    peer_copy: true,
+                                    peer_tile_max: usize::MAX,
                                 },
                             ),
                             (
@@ -888,6 +929,7 @@ mod tests {
                                     direct_min: 16,
                                     memcpy_min: 1,
                                     peer_copy: false,
+                                    peer_tile_max: 0,
                                 },
                             ),
                         ] {
@@ -936,6 +978,7 @@ mod tests {
                 direct_min: 8,
                 memcpy_min: 8,
                 peer_copy: false,
+                peer_tile_max: 0,
             };
             let scheds: Vec<RankSchedule> = (0..4)
                 .map(|r| build_rank(&plan, &offsets, r, opts))
@@ -1063,6 +1106,7 @@ mod tests {
                 direct_min: 0,
                 memcpy_min: 100,
                 peer_copy: false,
+                peer_tile_max: 0,
             },
         );
         assert!(!s.local_bulk.is_empty() && !s.local.is_empty());
