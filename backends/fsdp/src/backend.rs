@@ -118,6 +118,7 @@ pub struct FsdpBackend {
     /// Verification mode: hashes of the resident rollout weights.
     rollout_sums: Option<RolloutSums>,
     transport: Transport,
+    offload_chunk_bytes: usize,
 }
 
 /// Hashes of the resident rollout weights, per local rank, per chunk of `table`.
@@ -257,7 +258,15 @@ impl FsdpBackend {
             verify: false,
             rollout_sums: None,
             transport: Transport::Auto,
+            offload_chunk_bytes: DEFAULT_OFFLOAD_CHUNK_BYTES,
         }
+    }
+
+    /// Cuts each offload copy (device → pinned host) into copies of at most `bytes` (`0`: one
+    /// copy per buffer). Default [`DEFAULT_OFFLOAD_CHUNK_BYTES`].
+    pub fn with_offload_chunk_bytes(mut self, bytes: usize) -> Self {
+        self.offload_chunk_bytes = bytes;
+        self
     }
 
     /// How bytes cross between ranks. [`Transport::Auto`] (the default): peer copies (each
@@ -798,6 +807,7 @@ impl FsdpBackend {
         let mode = CastMode {
             batched: self.batched_casts,
         };
+        let chunk = self.offload_chunk_bytes;
         let moved = self.pool.run_each(&mut items, &|ctx, (rt, roll)| {
             // Pinned host buffers first (allocated once, reused): failing here changes nothing.
             if memory.offload_params && rt.master_host.is_none() {
@@ -842,9 +852,7 @@ impl FsdpBackend {
                     continue;
                 };
                 let mark = tl.begin(ctx, &ctx.copy)?;
-                ctx.copy
-                    .memcpy_dtoh(dev, host)
-                    .map_err(ctx.drv(&format!("offloading {what}"), 0))?;
+                offload_copy(ctx, dev, host, chunk, what)?;
                 let (name, link) = (format!("offload {what}"), Some(Link::DeviceToHost));
                 tl.end(
                     ctx,
@@ -1386,6 +1394,50 @@ fn run_buckets_inner(
         .synchronize()
         .map_err(ctx.drv("freeing staging", 0))?;
     Ok(moved)
+}
+
+/// Default of [`FsdpBackend::with_offload_chunk_bytes`]: 1 GiB.
+pub const DEFAULT_OFFLOAD_CHUNK_BYTES: usize = 1 << 30;
+
+/// Queues the device → pinned host copy of `dev` into `host` on the copy stream, in copies of at
+/// most `chunk` bytes (`0`: one copy).
+fn offload_copy(
+    ctx: &RankCtx,
+    dev: &CudaSlice<f32>,
+    host: &mut PinnedHostSlice<f32>,
+    chunk: usize,
+    what: &str,
+) -> Result<(), CudaError> {
+    let n = dev.len();
+    let per = chunk / 4;
+    if per == 0 || per >= n || host.len() < n {
+        return ctx
+            .copy
+            .memcpy_dtoh(dev, host)
+            .map_err(ctx.drv(&format!("offloading {what}"), (n * 4) as u64));
+    }
+    let hp = host
+        .as_mut_ptr()
+        .map_err(ctx.drv(&format!("offloading {what}"), 0))?;
+    let (dp, _read) = dev.device_ptr(&ctx.copy);
+    let mut off = 0;
+    while off < n {
+        let m = per.min(n - off);
+        // SAFETY: `off + m <= n <= host.len()`, so the piece lies inside the pinned buffer, which
+        // the caller keeps (and nothing else reads or writes) until the offload wait; the device
+        // piece lies inside `dev`, alive and unwritten until then (the wait precedes its free).
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(hp.add(off), m);
+            cudarc::driver::result::memcpy_dtoh_async(
+                dst,
+                dp + (off * 4) as u64,
+                ctx.copy.cu_stream(),
+            )
+        }
+        .map_err(ctx.drv(&format!("offloading {what}"), (m * 4) as u64))?;
+        off += m;
+    }
+    Ok(())
 }
 
 /// Bucket `b`'s sends as peer copies on `stream`: each piece written by the copy engines from

@@ -49,7 +49,7 @@ mod state;
 mod update;
 mod verify;
 
-pub use backend::{FsdpBackend, FsdpRollout, RolloutEntry};
+pub use backend::{FsdpBackend, FsdpRollout, RolloutEntry, DEFAULT_OFFLOAD_CHUNK_BYTES};
 pub use error::FsdpError;
 pub use plan::{BucketConfig, FsdpPlan, GatherMode};
 pub use state::{FsdpTrainState, RankDump, RankTrain};

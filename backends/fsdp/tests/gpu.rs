@@ -317,11 +317,15 @@ fn offload_reload_round_trip_bit_exact_100_cycles() -> Res {
     let pool = Arc::new(ThreadRankPool::new(world)?);
     let specs = specs(world);
     let layout = RolloutLayout::new(world, specs.clone())?;
-    let backend = FsdpBackend::new(pool, layout).with_config(BucketConfig {
-        bucket_bytes: 1 << 20,
-        in_flight: 2,
-        ..Default::default()
-    })?;
+    // Offload copies cut into 1 MiB pieces (the last one shorter): the chunked path runs on
+    // every buffer.
+    let backend = FsdpBackend::new(pool, layout)
+        .with_config(BucketConfig {
+            bucket_bytes: 1 << 20,
+            in_flight: 2,
+            ..Default::default()
+        })?
+        .with_offload_chunk_bytes(1 << 20);
     let tensors: Vec<(String, Vec<usize>)> = specs
         .iter()
         .map(|s| (s.name.clone(), s.shape.clone()))

@@ -742,54 +742,68 @@ fn run() -> Result<(), Box<dyn Error>> {
         });
 
         if args.offload {
-            let b = FsdpBackend::new(
-                pool.clone(),
-                RolloutLayout::from_hf_names(tp, tensors.clone())?,
-            )
-            .with_config(best_cfg)?
-            .with_transport(best_transport);
-            let mut lc = Lifecycle::with_config(
-                b,
-                state,
-                LifecycleConfig {
-                    switching: Switching::Lazy,
-                    memory: MemoryPolicy::default(),
-                },
-            )?;
-            let t = Instant::now();
-            let (en, ex) = time_cycles(&mut lc, args.iters.min(3))?;
-            let m = lc.metrics().clone();
-            let per = |p: Phase| m.phase(p).wall.as_secs_f64() / m.phase(p).count.max(1) as f64;
-            let off_bytes = 3.0 * lc.peek_state().rank_buffer_bytes() as f64;
-            println!(
-                "  offload master + Adam ({:.1} GB/rank): enter {} (transfer {}, offload wait {}), exit {} (release {}, reload {}); full switch {}; [{:.1} s incl. warm-up]",
-                off_bytes / GB,
-                ms(en),
-                ms(per(Phase::Transfer)),
-                ms(per(Phase::Offload)),
-                ms(ex),
-                ms(per(Phase::Release)),
-                ms(per(Phase::Reload)),
-                ms(en + ex),
-                t.elapsed().as_secs_f64()
-            );
-            println!("{m}");
-            offload_rows.push(Row {
-                what: format!("T={tp} enter with offload"),
-                ours: en,
-                ceiling: off_bytes / c.d2h,
-                target: 1.1 * off_bytes / c.d2h,
-                peer: "torch: ~0.85 s offload + reshard, sequential".into(),
-            });
-            offload_rows.push(Row {
-                what: format!("T={tp} exit with reload"),
-                ours: ex,
-                ceiling: off_bytes / c.h2d,
-                target: 1.1 * off_bytes / c.h2d,
-                peer: "torch: ~0.85 s reload".into(),
-            });
-            let (_, s) = lc.into_parts()?;
-            state = s;
+            // (enter, exit, chunk) of the best chunking of the offload copies.
+            let mut best_off: Option<(f64, f64, usize)> = None;
+            let mut off_bytes = 0.0;
+            for chunk in [0usize, 1 << 30, 256 << 20] {
+                let b = FsdpBackend::new(
+                    pool.clone(),
+                    RolloutLayout::from_hf_names(tp, tensors.clone())?,
+                )
+                .with_config(best_cfg)?
+                .with_transport(best_transport)
+                .with_offload_chunk_bytes(chunk);
+                let mut lc = Lifecycle::with_config(
+                    b,
+                    state,
+                    LifecycleConfig {
+                        switching: Switching::Lazy,
+                        memory: MemoryPolicy::default(),
+                    },
+                )?;
+                let t = Instant::now();
+                let (en, ex) = time_cycles(&mut lc, args.iters.min(3))?;
+                let m = lc.metrics().clone();
+                let per = |p: Phase| m.phase(p).wall.as_secs_f64() / m.phase(p).count.max(1) as f64;
+                off_bytes = 3.0 * lc.peek_state().rank_buffer_bytes() as f64;
+                println!(
+                    "  offload master + Adam ({:.1} GB/rank), offload copies of {}: enter {} (transfer {}, offload wait {}), exit {} (release {}, reload {}); full switch {}; [{:.1} s incl. warm-up]",
+                    off_bytes / GB,
+                    if chunk == 0 { "whole buffers".to_string() } else { format!("{} MiB", chunk >> 20) },
+                    ms(en),
+                    ms(per(Phase::Transfer)),
+                    ms(per(Phase::Offload)),
+                    ms(ex),
+                    ms(per(Phase::Release)),
+                    ms(per(Phase::Reload)),
+                    ms(en + ex),
+                    t.elapsed().as_secs_f64()
+                );
+                if chunk == 0 {
+                    println!("{m}");
+                }
+                if best_off.is_none_or(|b| en < b.0) {
+                    best_off = Some((en, ex, chunk));
+                }
+                let (_, s) = lc.into_parts()?;
+                state = s;
+            }
+            if let Some((en, ex, chunk)) = best_off {
+                offload_rows.push(Row {
+                    what: format!("T={tp} enter with offload ({} MiB copies)", chunk >> 20),
+                    ours: en,
+                    ceiling: off_bytes / c.d2h,
+                    target: 1.1 * off_bytes / c.d2h,
+                    peer: "torch: ~0.85 s offload + reshard, sequential".into(),
+                });
+                offload_rows.push(Row {
+                    what: format!("T={tp} exit with reload"),
+                    ours: ex,
+                    ceiling: off_bytes / c.h2d,
+                    target: 1.1 * off_bytes / c.h2d,
+                    peer: "torch: ~0.85 s reload".into(),
+                });
+            }
         }
     }
 
