@@ -8,6 +8,9 @@
 //!   a copy and an NCCL stream, loads the [`Kernels`] and creates its own non-blocking
 //!   [`NcclComm`] from one NCCL `Id`. Backends run per-rank closures through the [`RankExecutor`]
 //!   seam, which a multi-process launcher can implement later.
+//! - Peer copies ([`ThreadRankPool::peer_access`], [`copy_2d`], [`Transport`]): ranks of one
+//!   process write straight into each other's device memory with the copy engines, faster than
+//!   NCCL on NVLink and without SMs; [`peer_copy_rate`] measures that ceiling.
 //! - Every wait on NCCL work has a deadline ([`CollectiveSettings`], env `LIFECYCLE_NCCL_TIMEOUT_S`):
 //!   a peer that stalls or dies ends in [`CudaError::CollectiveTimeout`], not a hang.
 //! - [`VerifyKernels`]: device hashes of buffers (chunk by chunk) and a non-finite scan, for the

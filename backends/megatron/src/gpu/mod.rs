@@ -11,15 +11,19 @@
 //!   ([`MegatronGpuBackend::synthetic_state`]); [`MegatronGpuBackend::download_state`] gives it
 //!   back as a [`MegatronTrainState`](crate::MegatronTrainState).
 //! - **Schedule** ([`schedule`], pure): each rank copies the runs of its fused slices it holds
-//!   itself, and receives the others from their owners step by step (step `k` = bucket `k` of
-//!   every destination), all messages of a step in one NCCL group: large runs as their own
+//!   itself. With peer copies ([`Transport`], the default where every rank lives in this process
+//!   and the GPUs have peer access), each owner writes the runs its peers need straight into
+//!   their rollout buffers: runs of 1 MiB and more by its copy engines (2-D copies for strided
+//!   runs), smaller ones by one tile-kernel launch per peer; no slots, packing or NCCL. With NCCL
+//!   (one process per GPU), each rank receives the others' runs from their owners step by step
+//!   (step `k` = bucket `k` of every destination), all messages of a step in one NCCL group: large runs as their own
 //!   messages, straight from the owner's parameter buffer and into the rollout buffer where they
 //!   are contiguous; small runs (and strided sides) packed into a send slot and unpacked from a
 //!   receive slot. Only the bytes of the fused slices move (`[q; k; v]`, `[gate; up]`,
 //!   vocabulary padding removed); bf16 to bf16, no cast. Large local runs go through the
 //!   driver's device-to-device copy, the rest through one tile-kernel launch.
 //! - **Streams**: local copies on the auxiliary stream (they never wait for the network), packs
-//!   and unpacks on the compute stream, NCCL on its own stream, offload and reload on the copy
+//!   and unpacks (or peer tiles) on the compute stream, NCCL (or peer copies) on its own stream, offload and reload on the copy
 //!   stream; `in_flight` slots let step `k`'s network work overlap packing `k + 1` and unpacking
 //!   `k - 1`. One launch of the tile copy kernel moves a whole list of runs.
 //! - **Offload** ([`MemoryPolicy`](lifecycle_core::MemoryPolicy), as the CPU executor):
@@ -29,8 +33,9 @@
 //! - **Tracing** (off by default; `Lifecycle::enable_trace`): every piece of device work is a
 //!   span measured by CUDA events on the stream that ran it
 //!   ([`StreamTimeline`](lifecycle_cuda::StreamTimeline)), read once the streams are
-//!   synchronised: zeroing and local copies (`aux`), packs and unpacks (`compute`), each step's
-//!   grouped send/receive (`nccl`, received bytes), offload and reload copies (`copy`), with
+//!   synchronised: zeroing and local copies (`aux`), packs and unpacks or peer tiles
+//!   (`compute`), each step's grouped send/receive (`nccl`, received bytes) or the peer copies
+//!   to each destination (`peer`, sent bytes), offload and reload copies (`copy`), with
 //!   bytes and link, on one track per rank and stream next to the host's phase spans. When
 //!   tracing is off no event is created.
 //! - **Errors**: [`MegatronGpuError`]; layout errors come from `plan`, before anything moves;
