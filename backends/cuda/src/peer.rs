@@ -18,6 +18,18 @@ use crate::pool::{RankCtx, ThreadRankPool};
 use crate::{CudaError, RankExecutor};
 
 /// How a GPU backend moves bytes between ranks.
+///
+/// ```no_run
+/// use lifecycle_cuda::{peer_copy_rate, ThreadRankPool, Transport};
+///
+/// let pool = ThreadRankPool::new(2)?;
+/// // true on one machine whose GPUs map each other's memory (NVLink or PCIe peer access)
+/// let peer = Transport::Auto.resolve(&pool)?;
+/// if let Some(rate) = peer_copy_rate(&pool, 1 << 30, 5)? {
+///     println!("peer copies: {peer}, {:.0} GB/s per rank", rate / 1e9);
+/// }
+/// # Ok::<(), lifecycle_cuda::CudaError>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Transport {
     /// Peer copies when every rank lives in this process and every pair of GPUs has peer
