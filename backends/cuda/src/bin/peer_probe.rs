@@ -183,8 +183,8 @@ fn main() -> Res<()> {
             shared_mem_bytes: 0,
         };
         match m {
-            // SAFETY (all arms): buffers of `bytes` (2x for 2-D sources) alive for the run,
-            // peer access enabled above.
+            // SAFETY: both buffers hold at least `bytes` and stay alive until the streams are
+            // synchronised; peer access is enabled above.
             Method::CePush => unsafe {
                 cudarc::driver::result::memcpy_dtod_async(
                     recvs[peer],
@@ -193,6 +193,8 @@ fn main() -> Res<()> {
                     g.net.cu_stream(),
                 )?
             },
+            // SAFETY: both buffers hold at least `bytes` and stay alive until the streams are
+            // synchronised; peer access is enabled above.
             Method::CePull => unsafe {
                 cudarc::driver::result::memcpy_dtod_async(
                     recvs[i],
@@ -210,6 +212,8 @@ fn main() -> Res<()> {
                 let words = (bytes / 16) as u64;
                 let mut b = g.net.launch_builder(&g.copy16);
                 b.arg(&s).arg(&d).arg(&words);
+                // SAFETY: arguments match the kernel's parameters; every index stays inside the
+                // buffers (2 × `bytes` each), alive until the streams are synchronised.
                 unsafe { b.launch(cfg)? };
             }
             Method::SmPull2d => {
@@ -224,6 +228,8 @@ fn main() -> Res<()> {
                     .arg(&cols)
                     .arg(&spl)
                     .arg(&dpl);
+                // SAFETY: arguments match the kernel's parameters; every index stays inside the
+                // buffers (2 × `bytes` each), alive until the streams are synchronised.
                 unsafe { b.launch(cfg)? };
             }
             Method::CePush2d | Method::CePush2dTwo => {
@@ -251,6 +257,8 @@ fn main() -> Res<()> {
                         Height: r1 - r0,
                     };
                     let st = if p == 0 { &g.net } else { &g.net2 };
+                    // SAFETY: the descriptor is valid for the call; every row lies inside buffers of
+                    // 2 × `bytes`, alive until the streams are synchronised; peer access is enabled.
                     unsafe { sys::cuMemcpy2DAsync_v2(&c, st.cu_stream()) }.result()?;
                 }
             }
@@ -281,11 +289,15 @@ fn main() -> Res<()> {
                     WidthInBytes: w,
                     Height: rows,
                 };
+                // SAFETY: the descriptor is valid for the call; every row lies inside buffers of
+                // 2 × `bytes`, alive until the streams are synchronised; peer access is enabled.
                 unsafe { sys::cuMemcpy2DAsync_v2(&c, g.net.cu_stream()) }.result()?;
             }
             Method::CePushTwo => {
                 let half = bytes / 2;
                 for (p, st) in [&g.net, &g.net2].into_iter().enumerate() {
+                    // SAFETY: both halves lie inside buffers of 2 × `bytes`, alive until the streams
+                    // are synchronised; peer access is enabled.
                     unsafe {
                         cudarc::driver::result::memcpy_dtod_async(
                             recvs[peer] + (p * half) as u64,
@@ -317,6 +329,8 @@ fn main() -> Res<()> {
                     WidthInBytes: w,
                     Height: rows,
                 };
+                // SAFETY: the descriptor is valid for the call; every row lies inside buffers of
+                // 2 × `bytes`, alive until the streams are synchronised; peer access is enabled.
                 unsafe { sys::cuMemcpy2DAsync_v2(&c, g.net.cu_stream()) }.result()?;
             }
         }
