@@ -1548,16 +1548,19 @@ impl Reshard for FsdpBackend {
             });
         }
         let len = plan.roll_len as usize;
+        let peers_write = plan.peer_copy;
         let mut unit: Vec<()> = vec![(); self.pool.local_ranks().len()];
         // Rollout buffers first: an OOM here leaves the training state untouched.
         let mut rolls = self.pool.run_each(&mut unit, &|c, _| {
             // SAFETY: every element of the rollout buffer is written by a cast or a receive of
             // the plan (the pieces tile every slice exactly) before the buffer is handed out.
             let roll = unsafe { alloc_device::<bf16>(&c.compute, len, c.rank, "rollout weights") }?;
-            // Peers may write into the buffer as soon as the transfer starts.
-            c.compute
-                .synchronize()
-                .map_err(c.drv("allocating the rollout weights", (len * 2) as u64))?;
+            if peers_write {
+                // Peers may write into the buffer as soon as the transfer starts.
+                c.compute
+                    .synchronize()
+                    .map_err(c.drv("allocating the rollout weights", (len * 2) as u64))?;
+            }
             Ok(roll)
         })?;
         // The transfer phase's wall time starts after the rollout allocation (reported apart:
