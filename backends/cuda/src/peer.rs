@@ -67,16 +67,13 @@ impl Transport {
     }
 }
 
-/// Raw handles of one rank's device, sent between the pool's threads.
+/// Raw handles of one rank's device, sent between the pool's threads (the context as an
+/// address: a process-wide handle, used only while the pool keeps every context alive).
 #[derive(Debug, Clone, Copy)]
 struct DeviceHandles {
     ctx: usize,
     device: sys::CUdevice,
 }
-
-// SAFETY: a CUcontext handle is a process-wide identifier; the driver allows passing it between
-// threads, and it is only used while the pool (which keeps every context alive) exists.
-unsafe impl Send for DeviceHandles {}
 
 impl ThreadRankPool {
     /// Whether ranks can write into each other's device memory: `true` once every rank of the
