@@ -996,6 +996,26 @@ fn end_transfer(
     )
 }
 
+/// Zeroes the vocabulary padding rows of `roll` on the auxiliary stream (one span when traced).
+fn zero_padding(
+    ctx: &RankCtx,
+    s: &RankSchedule,
+    roll: &mut CudaSlice<bf16>,
+    tl: &mut StreamTimeline,
+) -> Result<(), CudaError> {
+    if s.zero.is_empty() {
+        return Ok(());
+    }
+    let mark = tl.begin(ctx, &ctx.aux)?;
+    for z in &s.zero {
+        ctx.aux
+            .memset_zeros(&mut roll.slice_mut(z.clone()))
+            .map_err(ctx.drv("zeroing vocabulary padding", (z.len() * 2) as u64))?;
+    }
+    let what = || ("zero padding".to_string(), s.zero_elems());
+    end_transfer(tl, ctx, (&ctx.aux, "aux"), mark, what, Link::Local)
+}
+
 /// One rank's schedule: zero the padding rows and copy the local runs (auxiliary stream), pack
 /// (compute stream), send/receive (NCCL stream) and unpack (compute stream) the steps, with
 /// `in_flight` send and receive slots; events order the streams. Each piece of work is marked on
@@ -1043,16 +1063,7 @@ fn run_steps(
     let rbases: Vec<u64> = rslots.iter_mut().map(|x| ptr_mut(x, ctx)).collect();
     let aux = (&*ctx.aux, "aux");
     let compute = (&*ctx.compute, "compute");
-    if !s.zero.is_empty() {
-        let mark = tl.begin(ctx, &ctx.aux)?;
-        for z in &s.zero {
-            ctx.aux
-                .memset_zeros(&mut roll.slice_mut(z.clone()))
-                .map_err(ctx.drv("zeroing vocabulary padding", (z.len() * 2) as u64))?;
-        }
-        let what = || ("zero padding".to_string(), s.zero_elems());
-        end_transfer(tl, ctx, aux, mark, what, Link::Local)?;
-    }
+    zero_padding(ctx, s, roll, tl)?;
     let chunks = s.local_chunks(n);
     if n == 0 {
         for (i, c) in chunks.iter().enumerate() {
@@ -1307,17 +1318,7 @@ fn run_peer_copies(
             Link::DeviceToDevice,
         )?;
     }
-    let aux = (&*ctx.aux, "aux");
-    if !s.zero.is_empty() {
-        let mark = tl.begin(ctx, &ctx.aux)?;
-        for z in &s.zero {
-            ctx.aux
-                .memset_zeros(&mut roll.slice_mut(z.clone()))
-                .map_err(ctx.drv("zeroing vocabulary padding", (z.len() * 2) as u64))?;
-        }
-        let what = || ("zero padding".to_string(), s.zero_elems());
-        end_transfer(tl, ctx, aux, mark, what, Link::Local)?;
-    }
+    zero_padding(ctx, s, roll, tl)?;
     let all = (s.local.clone(), 0..s.local_bulk.len());
     // The driver's copies of large local runs on the compute stream (after any peer tiles),
     // beside the tile kernel on the auxiliary one, when split.
