@@ -12,10 +12,11 @@
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
 use lifecycle_core::{HumanBytes, HumanDuration, Lifecycle, LifecycleConfig, MemoryPolicy, Phase};
 use lifecycle_examples::rng::SplitMix64;
-use lifecycle_host::{HostBackend, HostTensor, HostTrainState};
+use lifecycle_host::{HostBackend, HostTrainState};
+use lifecycle_layout::HostTensor;
+use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 
 /// Host reshard throughput benchmark.
 #[derive(Debug, Parser)]

@@ -3,12 +3,13 @@
 
 use std::time::{Duration, Instant};
 
-use lifecycle_core::layout::RolloutLayout;
 use lifecycle_core::{
     sharded_rollout, Lifecycle, LifecycleConfig, LifecycleError, LinkBytes, MemoryPolicy, Metrics,
     RolloutView, Switching, Trace,
 };
-use lifecycle_host::{AdamParams, HostBackend, HostError, HostRollout, HostTrainState};
+use lifecycle_host::{HostBackend, HostError, HostRollout, HostTrainState};
+use lifecycle_layout::AdamParams;
+use lifecycle_layout::RolloutLayout;
 
 use crate::rng::SplitMix64;
 use crate::toy_policy::{PolicyConfig, TpGroup};

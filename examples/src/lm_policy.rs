@@ -2,10 +2,10 @@
 //! state is the checkpoint's weights, the rollout runs [`CpuDecoder`] on the resharded bf16 TP
 //! slices, the reward is the same verifiable rule as the toy policy's.
 
-use lifecycle_core::layout::RolloutLayout;
 use lifecycle_core::{sharded_rollout, RolloutView, Switching};
 use lifecycle_decoder::{Checkpoint, CpuDecoder, DecodeError, Decoder, ModelConfig, Sampling};
 use lifecycle_host::{HostRollout, HostTrainState};
+use lifecycle_layout::RolloutLayout;
 
 use crate::dapo::{
     prompt, reward, run_loop, validate, DapoConfig, DapoError, Group, RunReport, StepReport,

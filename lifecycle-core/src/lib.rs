@@ -13,8 +13,8 @@
 //! - Switching is lazy by default: a rollout that finds current weights resident moves zero bytes.
 //!   [`Switching::Eager`] exits after every call, for comparison with stacks that do.
 //! - [`Metrics`] records count, time, bytes per link class and peak extra memory of each phase.
-//! - [`layout`] is the pure planner that maps FSDP training shards to tensor-parallel rollout
-//!   slices, shared by every backend.
+//! - The core knows no layout and no device: planners live in `lifecycle-layout`, executors in
+//!   the backend crates.
 //! - [`macro@sharded_rollout`] turns a rollout function into the enter / rollout / exit plumbing.
 //!
 //! ```compile_fail
@@ -89,7 +89,6 @@
 
 mod error;
 mod fault;
-pub mod layout;
 mod lifecycle;
 mod metrics;
 mod policy;

@@ -2,8 +2,8 @@
 //! layout (`fsdp:W` or `megatron:tp=…,pp=…,dp=…`) to a rollout TP degree, for a model given by its
 //! Hugging Face `config.json`, and a predicted switch time from link bandwidths.
 //!
-//! The plans are the backends' own planners ([`lifecycle_core::layout::plan_fsdp_to_tp`] with the
-//! FSDP backend's buckets, [`lifecycle_megatron::layout::plan_megatron_to_tp`]); nothing is
+//! The plans are the backends' own planners ([`lifecycle_layout::plan_fsdp_to_tp`] with the
+//! FSDP backend's buckets, [`lifecycle_layout::megatron::plan_megatron_to_tp`]); nothing is
 //! allocated. The prediction model:
 //!
 //! - transfer = max(bytes received from peers ÷ device↔device rate, local copy/cast traffic ÷
@@ -30,15 +30,15 @@
 mod rates;
 mod train_arg;
 
-use lifecycle_core::layout::{plan_fsdp_to_tp, FsdpLayout};
 use lifecycle_decoder::ModelConfig;
-use lifecycle_fsdp::plan::{build_plan, ShardLayout};
 use lifecycle_fsdp::{BucketConfig as FsdpBuckets, GatherMode};
-use lifecycle_megatron::layout::{
+use lifecycle_layout::fsdp::{build_plan, ShardLayout};
+use lifecycle_layout::megatron::ModelSpec;
+use lifecycle_layout::megatron::{
     plan_megatron_to_tp, BucketConfig as MegatronBuckets, MegatronLayout, RolloutLayout,
     RolloutVocab,
 };
-use lifecycle_megatron::ModelSpec;
+use lifecycle_layout::{plan_fsdp_to_tp, FsdpLayout};
 
 pub use rates::{LinkRates, RatesSource};
 pub use train_arg::TrainLayout;
@@ -51,10 +51,10 @@ pub enum PlanError {
     Model(#[from] lifecycle_decoder::DecodeError),
     /// The FSDP layouts are inconsistent.
     #[error(transparent)]
-    Layout(#[from] lifecycle_core::layout::LayoutError),
+    Layout(#[from] lifecycle_layout::LayoutError),
     /// The Megatron layouts are inconsistent.
     #[error(transparent)]
-    Megatron(#[from] lifecycle_megatron::layout::MegatronLayoutError),
+    Megatron(#[from] lifecycle_layout::megatron::MegatronLayoutError),
     /// A command-line value is malformed.
     #[error("{0}")]
     Arg(String),

@@ -4,9 +4,10 @@
 mod common;
 
 use half::bf16;
-use lifecycle_core::layout::{LayoutError, Parallel, RolloutLayout, TensorSpec};
 use lifecycle_core::{Lifecycle, LifecycleError, Mode};
-use lifecycle_host::{HostBackend, HostError, HostTensor, HostTrainState, TensorData};
+use lifecycle_host::{HostBackend, HostError, HostTrainState};
+use lifecycle_layout::{HostTensor, TensorData};
+use lifecycle_layout::{LayoutError, Parallel, RolloutLayout, TensorSpec};
 
 fn assert_mentions(err: &dyn std::error::Error, needles: &[&str]) {
     let text = err.to_string();

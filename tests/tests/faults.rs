@@ -31,7 +31,7 @@ fn setup(
 ) -> (
     Lc,
     lifecycle_core::FaultHandle,
-    lifecycle_core::layout::RolloutLayout,
+    lifecycle_layout::RolloutLayout,
 ) {
     let specs = common::specs(2);
     let layout = common::layout(2, specs.clone());
@@ -57,7 +57,7 @@ fn setup(
     )
 }
 
-fn check_rollout_works(lc: &mut Lc, layout: &lifecycle_core::layout::RolloutLayout) {
+fn check_rollout_works(lc: &mut Lc, layout: &lifecycle_layout::RolloutLayout) {
     let expected = reference_rollout(lc.peek_state(), layout).unwrap();
     let session = lc
         .rollout()

@@ -35,16 +35,8 @@ fn bytes_reported_match_the_shard_aware_plan() {
     // W = T = 2: column-parallel slices are the rank's own shard; row-parallel needs a quarter
     // of the tensor from the peer.
     let specs = vec![
-        lifecycle_core::layout::TensorSpec::new(
-            "col",
-            [8, 4],
-            lifecycle_core::layout::Parallel::Column,
-        ),
-        lifecycle_core::layout::TensorSpec::new(
-            "row",
-            [4, 8],
-            lifecycle_core::layout::Parallel::Row,
-        ),
+        lifecycle_layout::TensorSpec::new("col", [8, 4], lifecycle_layout::Parallel::Column),
+        lifecycle_layout::TensorSpec::new("row", [4, 8], lifecycle_layout::Parallel::Row),
     ];
     let state = common::state(2, &specs, 1);
     let mut lc = Lifecycle::new(HostBackend::new(common::layout(2, specs)), state);

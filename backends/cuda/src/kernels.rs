@@ -10,6 +10,7 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
 use crate::env::{arch_candidates, find_cuda_include};
 use crate::CudaError;
+use lifecycle_layout::Region2d;
 
 /// CUDA C source of the kernels. No header is included: bf16 rounding is done with integer
 /// arithmetic exactly as `half` does it, so the module compiles without the toolkit's headers.
@@ -214,41 +215,6 @@ pub struct Kernels {
     multi_blocks_per_sm: Arc<AtomicU32>,
 }
 
-/// A strided 2-D region: `rows` × `cols` elements, row pitches `src_ld` / `dst_ld` in elements.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Region2d {
-    /// Rows.
-    pub rows: u64,
-    /// Elements per row.
-    pub cols: u64,
-    /// Source row pitch in elements.
-    pub src_ld: u64,
-    /// Destination row pitch in elements.
-    pub dst_ld: u64,
-}
-
-impl Region2d {
-    /// Elements in the region.
-    pub fn numel(&self) -> u64 {
-        self.rows * self.cols
-    }
-
-    /// The same region as one row when both sides are dense (`src_ld == dst_ld == cols`).
-    pub fn normalized(self) -> Region2d {
-        if self.rows > 1 && self.src_ld == self.cols && self.dst_ld == self.cols {
-            let n = self.rows * self.cols;
-            Region2d {
-                rows: 1,
-                cols: n,
-                src_ld: n,
-                dst_ld: n,
-            }
-        } else {
-            self
-        }
-    }
-}
-
 /// Elements of one chunk of [`CastBatch`] work (the kernel's `CAST_CHUNK4` × 4).
 pub const CAST_CHUNK_ELEMS: u64 = 1024 * 4;
 
@@ -267,7 +233,8 @@ pub const DEFAULT_MULTI_BLOCKS_PER_SM: u32 = 0;
 /// says `false` for the others so the caller casts them one by one.
 ///
 /// ```
-/// use lifecycle_cuda::{CastBatch, Region2d};
+/// use lifecycle_cuda::CastBatch;
+/// use lifecycle_layout::Region2d;
 /// let mut batch = CastBatch::default();
 /// assert!(batch.push(0, 0, Region2d { rows: 3, cols: 8, src_ld: 16, dst_ld: 8 }));
 /// assert!(!batch.push(64, 32, Region2d { rows: 1, cols: 5, src_ld: 5, dst_ld: 5 })); // width 5

@@ -52,7 +52,7 @@ pub use env::{
 };
 pub use error::{CudaError, NcclFailure};
 pub use kernels::{
-    compile_kernels, fill_uniform_value, CastBatch, Kernels, Region2d, CAST_CHUNK_ELEMS,
+    compile_kernels, fill_uniform_value, CastBatch, Kernels, CAST_CHUNK_ELEMS,
     DEFAULT_MULTI_BLOCKS_PER_SM, KERNEL_SRC,
 };
 pub use peer::{copy_2d, peer_copy_rate, Transport};
@@ -167,19 +167,5 @@ mod tests {
         assert!(a.iter().all(|x| (-0.5..0.5).contains(x)));
         let mean: f32 = a.iter().sum::<f32>() / a.len() as f32;
         assert!(mean.abs() < 0.05, "{mean}");
-    }
-
-    #[test]
-    fn region_normalization_flattens_dense_regions() {
-        let r = Region2d {
-            rows: 3,
-            cols: 4,
-            src_ld: 4,
-            dst_ld: 4,
-        };
-        assert_eq!(r.normalized().rows, 1);
-        assert_eq!(r.normalized().cols, 12);
-        let s = Region2d { src_ld: 8, ..r };
-        assert_eq!(s.normalized(), s);
     }
 }

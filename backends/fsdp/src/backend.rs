@@ -5,21 +5,22 @@ use std::time::Instant;
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice};
 use half::bf16;
-use lifecycle_core::layout::{plan_fsdp_to_tp, FsdpLayout, RolloutLayout};
 use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
 use lifecycle_cuda::{
     alloc_device, alloc_pinned, alloc_zeros, CastBatch, CudaError, RankCtx, RankExecutor,
     RankSpans, StreamTimeline, ThreadRankPool, Transport,
 };
-use lifecycle_host::{
-    HostRollout, HostTensor, HostTrainState, RankRollout, RolloutTensor, TensorData,
-};
+use lifecycle_host::{HostRollout, HostTrainState, RankRollout, RolloutTensor};
+use lifecycle_layout::{plan_fsdp_to_tp, FsdpLayout, RolloutLayout};
+use lifecycle_layout::{HostTensor, TensorData};
 
-use crate::plan::{build_plan, BucketConfig, BucketOps, Buf, CastOp, FsdpPlan, ShardLayout};
 use crate::state::{FsdpTrainState, RankDump, RankTrain};
 use crate::update::UpdateKernelCache;
 use crate::verify::{self, Buffer, Mismatch};
 use crate::FsdpError;
+use lifecycle_layout::fsdp::{
+    build_plan, BucketConfig, BucketOps, Buf, CastOp, FsdpPlan, ShardLayout,
+};
 
 /// One rollout tensor's place in a rank's flat rollout buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,10 +90,11 @@ impl FsdpRollout {
 ///
 /// ```no_run
 /// use std::sync::Arc;
-/// use lifecycle_core::{layout::{Parallel, RolloutLayout, TensorSpec}, Lifecycle};
+/// use lifecycle_core::Lifecycle;
+/// use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 /// use lifecycle_cuda::ThreadRankPool;
 /// use lifecycle_fsdp::FsdpBackend;
-/// use lifecycle_host::HostTensor;
+/// use lifecycle_layout::HostTensor;
 ///
 /// let pool = Arc::new(ThreadRankPool::new(2)?);
 /// let layout = RolloutLayout::new(2, vec![TensorSpec::new("w", [6, 4], Parallel::Column)])?;
@@ -272,7 +274,7 @@ impl FsdpBackend {
     /// How bytes cross between ranks. [`Transport::Auto`] (the default): peer copies (each
     /// sender's copy engines write its pieces straight into the receivers' rollout buffers, no
     /// NCCL) when every rank lives in this process, every pair of GPUs has peer access and the
-    /// plan's [`GatherMode`](crate::plan::GatherMode) places every piece in the rollout buffer
+    /// plan's [`GatherMode`](lifecycle_layout::fsdp::GatherMode) places every piece in the rollout buffer
     /// (`SendRecv`, or `AllGather` at T > 1); NCCL otherwise. [`Transport::PeerCopy`] makes
     /// planning fail where that is impossible; [`Transport::Nccl`] always uses NCCL.
     pub fn with_transport(mut self, transport: Transport) -> Self {
@@ -1314,7 +1316,7 @@ fn run_buckets_inner(
         }
         for u in &b.unpacks {
             moved.recv += u.count * 2;
-            let region = lifecycle_cuda::Region2d {
+            let region = lifecycle_layout::Region2d {
                 rows: 1,
                 cols: u.count,
                 src_ld: u.count,

@@ -6,7 +6,7 @@
 //!
 //! - **Training state** ([`FsdpTrainState`]): per rank, flat fp32 buffers of FSDP2 dim-0 shards
 //!   (uneven shards padded to `⌈rows / W⌉` rows) for master weights, grads, Adam m and v.
-//! - **Plan** ([`FsdpPlan`]): the core planner's pieces ([`plan_fsdp_to_tp`](lifecycle_core::layout::plan_fsdp_to_tp),
+//! - **Plan** ([`FsdpPlan`]): the core planner's pieces ([`plan_fsdp_to_tp`](lifecycle_layout::plan_fsdp_to_tp),
 //!   every validation there) cut into buckets under a byte budget. Each rank casts fp32 → bf16 at
 //!   the source; pieces it keeps are cast straight into its rollout buffer, pieces a peer needs are
 //!   sent from its own rollout buffer when the peer needs the same slice (T = 1: the all-gather
@@ -49,7 +49,7 @@
 
 mod backend;
 mod error;
-pub mod plan;
+
 pub mod shapes;
 mod state;
 mod update;
@@ -57,6 +57,6 @@ mod verify;
 
 pub use backend::{FsdpBackend, FsdpRollout, RolloutEntry, DEFAULT_OFFLOAD_CHUNK_BYTES};
 pub use error::FsdpError;
-pub use plan::{BucketConfig, FsdpPlan, GatherMode};
+pub use lifecycle_layout::fsdp::{BucketConfig, FsdpPlan, GatherMode};
 pub use state::{FsdpTrainState, RankDump, RankTrain};
 pub use update::{check_adam_params, synthetic_grad_value, UPDATE_KERNEL_SRC};

@@ -2,11 +2,11 @@
 //! grads, Adam m and v), and pinned host copies while offloaded.
 
 use cudarc::driver::{CudaSlice, PinnedHostSlice};
-use lifecycle_core::layout::FsdpLayout;
+use lifecycle_layout::FsdpLayout;
 
-use crate::plan::ShardLayout;
 use crate::verify::{Buffer, OffloadSums};
 use crate::FsdpError;
+use lifecycle_layout::fsdp::ShardLayout;
 
 /// One rank's training buffers. A buffer is on the device (`Some` device slice) or offloaded (the
 /// pinned host copy is authoritative); pinned copies are kept after reload for the next offload.

@@ -25,12 +25,12 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use lifecycle_cuda::{arch_candidates, CudaError, RankCtx, RankExecutor};
-use lifecycle_host::{AdamParams, HostTensor};
+use lifecycle_layout::{AdamParams, HostTensor};
 
 use crate::backend::{fill_shards_uniform, ptr_mut, shard_host_tensors};
-use crate::plan::ShardLayout;
 use crate::state::RankTrain;
 use crate::{FsdpBackend, FsdpError, FsdpTrainState};
+use lifecycle_layout::fsdp::ShardLayout;
 
 /// CUDA C source of the update kernels (no headers). Compile with `--fmad=false`: the Adam step
 /// must round every product and sum on its own, as the host does.

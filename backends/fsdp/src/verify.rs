@@ -21,7 +21,7 @@ use lifecycle_cuda::{
 };
 
 use crate::backend::RolloutEntry;
-use crate::plan::ShardLayout;
+use lifecycle_layout::fsdp::ShardLayout;
 
 /// One of the training buffers that can be offloaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -237,7 +237,7 @@ fn check_len(table: &ChunkTable, len: usize, rank: usize, what: &str) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lifecycle_core::layout::FsdpLayout;
+    use lifecycle_layout::FsdpLayout;
 
     #[test]
     fn shard_tables_cover_every_padded_shard_and_name_its_tensor() {

@@ -5,11 +5,12 @@
 
 use std::sync::Arc;
 
-use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
 use lifecycle_core::{Lifecycle, LifecycleConfig, LifecycleError, MemoryPolicy, Phase, Switching};
 use lifecycle_cuda::{device_count, CudaError, RankExecutor, ThreadRankPool, Transport};
 use lifecycle_fsdp::{BucketConfig, FsdpBackend, FsdpError, GatherMode};
-use lifecycle_host::{reference_rollout, HostBackend, HostRollout, HostTensor, HostTrainState};
+use lifecycle_host::{reference_rollout, HostBackend, HostRollout, HostTrainState};
+use lifecycle_layout::HostTensor;
+use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 
 type Res = Result<(), Box<dyn std::error::Error>>;
 

@@ -15,7 +15,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::DevicePtr;
-use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
 use lifecycle_core::{
     AfterFailure, Fault, FaultAt, FaultError, FaultInjector, FaultKind, Lifecycle, LifecycleConfig,
     LifecycleError, MemoryPolicy, Metrics, Mode, Operation, Phase, PhaseRecorder, Reshard,
@@ -26,7 +25,9 @@ use lifecycle_cuda::{
     Transport, WordSize,
 };
 use lifecycle_fsdp::{BucketConfig, FsdpBackend, FsdpError, FsdpTrainState, GatherMode, RankDump};
-use lifecycle_host::{reference_rollout, HostRollout, HostTensor, HostTrainState};
+use lifecycle_host::{reference_rollout, HostRollout, HostTrainState};
+use lifecycle_layout::HostTensor;
+use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 
 type Res = Result<(), Box<dyn std::error::Error>>;
 

@@ -6,14 +6,15 @@
 
 use std::sync::Arc;
 
-use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
 use lifecycle_core::{
     Lifecycle, LifecycleConfig, MemoryPolicy, Metrics, PhaseRecorder, Reshard, SwitchContext,
     Switching,
 };
 use lifecycle_cuda::{device_count, ThreadRankPool};
 use lifecycle_fsdp::{synthetic_grad_value, FsdpBackend, FsdpError, FsdpTrainState};
-use lifecycle_host::{reference_rollout, AdamParams, HostTensor, HostTrainState};
+use lifecycle_host::{reference_rollout, HostTrainState};
+use lifecycle_layout::{AdamParams, HostTensor};
+use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 
 type Res = Result<(), Box<dyn std::error::Error>>;
 

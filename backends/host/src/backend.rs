@@ -1,8 +1,8 @@
 use std::time::{Duration, Instant};
 
 use half::bf16;
-use lifecycle_core::layout::{plan_fsdp_to_tp, RankPlan, ReshardPlan, RolloutLayout};
 use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
+use lifecycle_layout::{plan_fsdp_to_tp, RankPlan, ReshardPlan, RolloutLayout};
 
 use crate::cast::cast_f32_to_bf16;
 use crate::checksum::checksum_bf16;
@@ -16,8 +16,9 @@ use crate::state::{HostTrainState, RankState};
 /// reloads.
 ///
 /// ```
-/// use lifecycle_core::{Lifecycle, layout::RolloutLayout};
-/// use lifecycle_host::{HostBackend, HostTensor, HostTrainState};
+/// use lifecycle_core::Lifecycle;
+/// use lifecycle_host::{HostBackend, HostTrainState};
+/// use lifecycle_layout::{HostTensor, RolloutLayout};
 ///
 /// let state = HostTrainState::from_tensors(2, vec![
 ///     HostTensor::f32("model.layers.0.mlp.up_proj.weight", [4, 2], (0..8).map(|x| x as f32).collect()),

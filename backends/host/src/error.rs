@@ -1,4 +1,4 @@
-use lifecycle_core::layout::{DType, LayoutError};
+use lifecycle_layout::{DType, LayoutError};
 
 /// Errors of the host backend; each names the tensor or argument and the fix.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -1,5 +1,5 @@
 use half::bf16;
-use lifecycle_core::layout::{plan_fsdp_to_tp, RolloutLayout};
+use lifecycle_layout::{plan_fsdp_to_tp, RolloutLayout};
 
 use crate::error::HostError;
 use crate::state::HostTrainState;

@@ -1,10 +1,10 @@
 use std::ops::Range;
 
-use lifecycle_core::layout::{fsdp_rows, FsdpLayout};
+use lifecycle_layout::{fsdp_rows, FsdpLayout};
 
 use crate::checksum::checksum_f32;
 use crate::error::HostError;
-use crate::tensor::HostTensor;
+use lifecycle_layout::{AdamParams, HostTensor};
 
 /// Where a buffer of one rank lives.
 #[derive(Debug, Clone)]
@@ -156,35 +156,12 @@ pub struct ShardMut<'a> {
     pub adam_v: &'a mut [f32],
 }
 
-/// Adam hyper-parameters.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamParams {
-    /// Learning rate.
-    pub lr: f32,
-    /// First-moment decay.
-    pub beta1: f32,
-    /// Second-moment decay.
-    pub beta2: f32,
-    /// Denominator epsilon.
-    pub eps: f32,
-}
-
-impl Default for AdamParams {
-    fn default() -> Self {
-        AdamParams {
-            lr: 1e-3,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-        }
-    }
-}
-
 /// The training state of `W` ranks: FSDP2 dim-0 shards of fp32 master weights, grads and Adam
 /// moments, with real device-memory accounting per rank.
 ///
 /// ```
-/// use lifecycle_host::{HostTensor, HostTrainState};
+/// use lifecycle_host::HostTrainState;
+/// use lifecycle_layout::HostTensor;
 /// let state = HostTrainState::from_tensors(2, vec![
 ///     HostTensor::f32("w", [3, 2], vec![1., 2., 3., 4., 5., 6.]),
 /// ])?;

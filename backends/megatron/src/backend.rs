@@ -5,11 +5,11 @@ use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
 use lifecycle_host::{per_rank, HostRollout, RankRollout, RolloutTensor};
 
 use crate::error::MegatronError;
-use crate::layout::{
+use crate::state::{MegatronTrainState, RankTrain};
+use lifecycle_layout::megatron::{
     plan_megatron_to_tp, BucketConfig, MegatronLayoutError, MegatronPlan, RankPlan, RolloutLayout,
     Transfer,
 };
-use crate::state::{MegatronTrainState, RankTrain};
 
 /// The CPU Megatron backend: ranks are threads of this process, peers' parameter buffers are read
 /// through shared memory. Enter copies bf16 runs from the training ranks' parameter buffers into
@@ -19,8 +19,9 @@ use crate::state::{MegatronTrainState, RankTrain};
 ///
 /// ```
 /// use lifecycle_core::Lifecycle;
-/// use lifecycle_host::HostTensor;
-/// use lifecycle_megatron::{layout::*, MegatronHostBackend, MegatronTrainState, ModelSpec};
+/// use lifecycle_layout::HostTensor;
+/// use lifecycle_layout::megatron::*;
+/// use lifecycle_megatron::{MegatronHostBackend, MegatronTrainState};
 ///
 /// let model = ModelSpec::tiny();
 /// let tensors = model.hf_tensors().into_iter().map(|(name, shape)| {

@@ -1,6 +1,6 @@
-use lifecycle_core::layout::DType;
+use lifecycle_layout::DType;
 
-use crate::layout::MegatronLayoutError;
+use lifecycle_layout::megatron::MegatronLayoutError;
 
 /// Errors of the Megatron host backend; each names the tensor or argument and the fix.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -1,6 +1,6 @@
 //! Megatron-Core training layouts to the fused tensor-parallel rollout layout.
 //!
-//! - [`layout`] (pure, no memory touched): the Megatron training layout (TP × PP × DP in
+//! - `lifecycle_layout::megatron` (pure, no memory touched): the Megatron training layout (TP × PP × DP in
 //!   Megatron-Core's rank order, fused `linear_qkv` per query group, fused `linear_fc1` =
 //!   `[gate; up]`, vocab-parallel embedding and output layer with Megatron's padding, pipeline
 //!   stages, distributed-optimizer shards), the fused rollout layout of degree `T`, and the
@@ -42,8 +42,6 @@
 mod backend;
 mod error;
 pub mod gpu;
-pub mod layout;
-mod model;
 mod reference;
 mod shard;
 mod state;
@@ -51,7 +49,6 @@ mod unfused;
 
 pub use backend::MegatronHostBackend;
 pub use error::MegatronError;
-pub use model::{hf, ModelSpec};
 pub use reference::{rebuild_hf_tensors, reference_rollout, FullTensor};
 pub use state::MegatronTrainState;
 pub use unfused::{fuse_unfused_rollout, unfused_rollout_specs};

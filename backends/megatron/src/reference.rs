@@ -8,9 +8,9 @@ use half::bf16;
 use lifecycle_host::{HostRollout, RankRollout, RolloutTensor};
 
 use crate::error::MegatronError;
-use crate::layout::{MegatronLayout, ParamKind, RolloutKind, RolloutLayout};
-use crate::model::{hf, ModelSpec};
 use crate::state::MegatronTrainState;
+use lifecycle_layout::megatron::{hf, ModelSpec};
+use lifecycle_layout::megatron::{MegatronLayout, ParamKind, RolloutKind, RolloutLayout};
 
 /// A full Hugging Face tensor in bf16.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,8 +29,9 @@ pub struct FullTensor {
 /// drops vocabulary padding. Works on offloaded state too.
 ///
 /// ```
-/// use lifecycle_host::HostTensor;
-/// use lifecycle_megatron::{layout::MegatronLayout, rebuild_hf_tensors, MegatronTrainState, ModelSpec};
+/// use lifecycle_layout::HostTensor;
+/// use lifecycle_layout::megatron::{MegatronLayout, ModelSpec};
+/// use lifecycle_megatron::{rebuild_hf_tensors, MegatronTrainState};
 /// let model = ModelSpec::tiny();
 /// let tensors: Vec<HostTensor> = model.hf_tensors().into_iter().map(|(name, shape)| {
 ///     let n = shape.iter().product();

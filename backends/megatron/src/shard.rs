@@ -2,8 +2,8 @@
 
 use std::collections::HashMap;
 
-use crate::layout::{MegatronLayout, ParamKind, ParamSlot};
-use crate::model::hf;
+use lifecycle_layout::megatron::hf;
+use lifecycle_layout::megatron::{MegatronLayout, ParamKind, ParamSlot};
 
 /// Full fp32 values by Hugging Face name.
 pub(crate) type FullTensors<'a> = HashMap<&'a str, &'a [f32]>;

@@ -4,11 +4,12 @@ use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
 use half::bf16;
-use lifecycle_host::{cast_f32_to_bf16, AdamParams, HostTensor, MemoryMeter};
+use lifecycle_host::{cast_f32_to_bf16, MemoryMeter};
+use lifecycle_layout::{AdamParams, HostTensor};
 
 use crate::error::MegatronError;
-use crate::layout::{MegatronLayout, ParamKind};
 use crate::shard::{stage_buffer, FullTensors};
+use lifecycle_layout::megatron::{MegatronLayout, ParamKind};
 
 /// Where a buffer of one rank lives.
 #[derive(Debug, Clone)]
@@ -88,8 +89,9 @@ pub(crate) struct RankTrain {
 /// main params and Adam m, v. Every rank keeps a [`MemoryMeter`] of its device memory.
 ///
 /// ```
-/// use lifecycle_megatron::{ModelSpec, MegatronTrainState, layout::MegatronLayout};
-/// use lifecycle_host::HostTensor;
+/// use lifecycle_layout::megatron::{MegatronLayout, ModelSpec};
+/// use lifecycle_megatron::MegatronTrainState;
+/// use lifecycle_layout::HostTensor;
 /// let model = ModelSpec::tiny();
 /// let tensors: Vec<HostTensor> = model.hf_tensors().into_iter().map(|(name, shape)| {
 ///     let n = shape.iter().product();

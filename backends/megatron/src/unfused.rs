@@ -1,13 +1,13 @@
 //! Bridging to unfused Hugging Face TP rollouts (the FSDP backends'): their layout and fusing.
 
-use lifecycle_core::layout::{Parallel, TensorSpec};
 use lifecycle_host::{HostRollout, RankRollout, RolloutTensor};
+use lifecycle_layout::{Parallel, TensorSpec};
 
 use crate::error::MegatronError;
-use crate::layout::{RolloutKind, RolloutLayout, RolloutVocab};
-use crate::model::{hf, ModelSpec};
+use lifecycle_layout::megatron::{hf, ModelSpec};
+use lifecycle_layout::megatron::{RolloutKind, RolloutLayout, RolloutVocab};
 
-/// The unfused rollout layout of degree `t` for the core planner ([`lifecycle_core::layout`]):
+/// The unfused rollout layout of degree `t` for the core planner ([`lifecycle_layout`]):
 /// Hugging Face names with their usual splits ([`Parallel::for_hf_name`]), except that k and v
 /// (weights and biases) are replicated when the query groups are fewer than `t`.
 pub fn unfused_rollout_specs(model: &ModelSpec, t: usize) -> Vec<TensorSpec> {

@@ -3,12 +3,13 @@
 mod common;
 
 use lifecycle_core::Lifecycle;
-use lifecycle_host::HostTensor;
-use lifecycle_megatron::layout::{
+use lifecycle_layout::megatron::ModelSpec;
+use lifecycle_layout::megatron::{
     plan_megatron_to_tp, BucketConfig, MegatronLayout, MegatronLayoutError, RolloutLayout,
     RolloutVocab,
 };
-use lifecycle_megatron::{MegatronError, MegatronHostBackend, MegatronTrainState, ModelSpec};
+use lifecycle_layout::HostTensor;
+use lifecycle_megatron::{MegatronError, MegatronHostBackend, MegatronTrainState};
 
 fn layout_err(model: ModelSpec, tp: usize, pp: usize, dp: usize) -> String {
     MegatronLayout::new(model, tp, pp, dp)

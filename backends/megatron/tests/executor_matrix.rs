@@ -5,12 +5,14 @@
 mod common;
 
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Phase, Switching};
-use lifecycle_host::{AdamParams, HostRollout, HostTensor};
-use lifecycle_megatron::layout::{
+use lifecycle_host::HostRollout;
+use lifecycle_layout::megatron::ModelSpec;
+use lifecycle_layout::megatron::{
     plan_megatron_to_tp, BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab,
 };
+use lifecycle_layout::{AdamParams, HostTensor};
 use lifecycle_megatron::{
-    rebuild_hf_tensors, reference_rollout, MegatronHostBackend, MegatronTrainState, ModelSpec,
+    rebuild_hf_tensors, reference_rollout, MegatronHostBackend, MegatronTrainState,
 };
 
 fn assert_same(case: &str, got: &HostRollout, want: &HostRollout) {

@@ -6,12 +6,14 @@ mod common;
 
 use std::collections::HashMap;
 
-use lifecycle_core::layout::RolloutLayout as CoreRolloutLayout;
 use lifecycle_core::Lifecycle;
-use lifecycle_host::{AdamParams, HostBackend, HostRollout, HostTensor, HostTrainState};
-use lifecycle_megatron::layout::{MegatronLayout, RolloutLayout, RolloutVocab};
+use lifecycle_host::{HostBackend, HostRollout, HostTrainState};
+use lifecycle_layout::megatron::ModelSpec;
+use lifecycle_layout::megatron::{MegatronLayout, RolloutLayout, RolloutVocab};
+use lifecycle_layout::RolloutLayout as CoreRolloutLayout;
+use lifecycle_layout::{AdamParams, HostTensor};
 use lifecycle_megatron::{
-    fuse_unfused_rollout, unfused_rollout_specs, MegatronHostBackend, MegatronTrainState, ModelSpec,
+    fuse_unfused_rollout, unfused_rollout_specs, MegatronHostBackend, MegatronTrainState,
 };
 
 fn rollout_of<B>(lc: &mut Lifecycle<B>) -> HostRollout

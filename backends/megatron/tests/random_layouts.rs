@@ -4,9 +4,10 @@
 mod common;
 
 use lifecycle_core::{MemoryPolicy, Metrics, PhaseRecorder, Reshard, SwitchContext};
-use lifecycle_host::HostTensor;
-use lifecycle_megatron::layout::{BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab};
-use lifecycle_megatron::{reference_rollout, MegatronHostBackend, MegatronTrainState, ModelSpec};
+use lifecycle_layout::megatron::ModelSpec;
+use lifecycle_layout::megatron::{BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab};
+use lifecycle_layout::HostTensor;
+use lifecycle_megatron::{reference_rollout, MegatronHostBackend, MegatronTrainState};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]

@@ -9,12 +9,12 @@ use std::sync::Arc;
 use cudarc::cublas::{result as cublas_result, sys as cublas_sys, CudaBlas};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice};
 use cudarc::nccl::ReduceOp;
-use lifecycle_core::layout::RolloutLayout;
 use lifecycle_cuda::{
     alloc_device, alloc_pinned, alloc_zeros, CudaError, RankCtx, RankExecutor, ThreadRankPool,
 };
 use lifecycle_decoder::{DecodeError, Decoder, ModelConfig, PrefillLogits, Sampling, SplitMix64};
 use lifecycle_fsdp::{FsdpBackend, FsdpRollout};
+use lifecycle_layout::RolloutLayout;
 
 use crate::error::GpuDecodeError;
 use crate::kernels::{launch, Arg, DecoderKernels};

@@ -7,7 +7,7 @@ use lifecycle_core::Lifecycle;
 use lifecycle_cuda::ThreadRankPool;
 use lifecycle_decoder::{load_checkpoint, ModelConfig};
 use lifecycle_fsdp::FsdpBackend;
-use lifecycle_host::HostTensor;
+use lifecycle_layout::HostTensor;
 
 use crate::error::GpuDecodeError;
 

@@ -1,9 +1,9 @@
 //! Where each weight of one TP rank lies in the FSDP backend's flat rollout buffer, checked
 //! against the config and the layout with the same rules (and errors) as the CPU decoder.
 
-use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
 use lifecycle_decoder::{head_shares, rollout_spec, DecodeError, HeadShare, ModelConfig};
 use lifecycle_fsdp::RolloutEntry;
+use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 
 /// Element offsets (bf16) of one rank's share of one layer.
 #[derive(Debug, Clone, Copy)]

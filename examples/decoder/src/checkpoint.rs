@@ -4,7 +4,7 @@ use std::borrow::Cow;
 use std::path::Path;
 
 use half::{bf16, f16};
-use lifecycle_host::{HostTensor, TensorData};
+use lifecycle_layout::{HostTensor, TensorData};
 use safetensors::tensor::{Dtype, SafeTensors, View};
 
 use crate::config::{ConfigStyle, ModelConfig};

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
+use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 use serde_json::{Map, Value};
 
 use crate::error::{CheckpointError, DecodeError};
@@ -39,7 +39,7 @@ pub enum ConfigStyle {
 /// // 61 is not divisible by 2: the embedding is replicated, not vocabulary-parallel
 /// let layout = config.rollout_layout(2)?;
 /// assert!(layout.tensors.iter().any(|t| t.name == "model.embed_tokens.weight"
-///     && t.parallel == lifecycle_core::layout::Parallel::Replicated));
+///     && t.parallel == lifecycle_layout::Parallel::Replicated));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone, PartialEq)]

@@ -1,8 +1,8 @@
 //! The CPU reference decoder: runs a TP group's rollout slices rank by rank, sums the row-parallel
 //! partial outputs (the all-reduce), and keeps a KV cache per sequence and rank.
 
-use lifecycle_core::layout::RolloutLayout;
 use lifecycle_host::RankRollout;
+use lifecycle_layout::RolloutLayout;
 
 use crate::config::ModelConfig;
 use crate::decoder::{Decoder, PrefillLogits};
@@ -73,7 +73,7 @@ impl<'w> CpuDecoder<'w> {
     /// A decoder over `group` in the fused rollout layout of the Megatron backend
     /// ([`lifecycle_megatron::MegatronHostBackend`]): per rank `qkv_proj` = `[q; k; v]` of its
     /// heads, `gate_up_proj` = `[gate; up]`, a vocabulary-parallel embedding and head that may
-    /// carry padding rows ([`RolloutVocab`](lifecycle_megatron::layout::RolloutVocab)), which are
+    /// carry padding rows ([`RolloutVocab`](lifecycle_layout::megatron::RolloutVocab)), which are
     /// never read. `group` is TP ranks `0..T` of one replica, in order. Every tensor is checked
     /// against `config` and `layout` here; the fused tensors are viewed, not copied, as the q, k,
     /// v, gate and up weights [`CpuDecoder::new`] reads, so the logits are bit for bit those of
@@ -82,7 +82,7 @@ impl<'w> CpuDecoder<'w> {
     /// ```
     /// use lifecycle_core::Lifecycle;
     /// use lifecycle_decoder::{random_tensors, CpuDecoder, Decoder, MegatronParallel, ModelConfig, Sampling};
-    /// use lifecycle_megatron::layout::{RolloutLayout, RolloutVocab};
+    /// use lifecycle_layout::megatron::{RolloutLayout, RolloutVocab};
     /// use lifecycle_megatron::MegatronHostBackend;
     ///
     /// let config = ModelConfig::from_json_str(r#"{"model_type": "qwen2", "vocab_size": 31,
@@ -102,7 +102,7 @@ impl<'w> CpuDecoder<'w> {
     /// ```
     pub fn new_fused(
         config: &ModelConfig,
-        layout: &lifecycle_megatron::layout::RolloutLayout,
+        layout: &lifecycle_layout::megatron::RolloutLayout,
         group: &[&'w RankRollout],
     ) -> Result<Self, DecodeError> {
         Ok(CpuDecoder {

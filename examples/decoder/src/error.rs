@@ -2,8 +2,8 @@
 
 use std::path::PathBuf;
 
-use lifecycle_core::layout::LayoutError;
-use lifecycle_megatron::layout::MegatronLayoutError;
+use lifecycle_layout::megatron::MegatronLayoutError;
+use lifecycle_layout::LayoutError;
 use lifecycle_megatron::MegatronError;
 
 /// Why a checkpoint could not be read or written.

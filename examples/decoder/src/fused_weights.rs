@@ -1,14 +1,14 @@
 //! One tensor-parallel group's weights in the fused rollout layout of the Megatron backend
-//! (`lifecycle_megatron::layout::RolloutLayout`), read into the same views as the unfused layout:
+//! (`lifecycle_layout::megatron::RolloutLayout`), read into the same views as the unfused layout:
 //! a rank's `qkv_proj` is `[q; k; v]` of its heads, so q, k and v are three consecutive row
 //! blocks of it; `gate_up_proj` is `[gate; up]`, two row blocks; the vocabulary-parallel
 //! embedding and head may carry padding rows, which the decoder never reads. No weight is copied.
 
 use half::bf16;
-use lifecycle_core::layout::Parallel;
 use lifecycle_host::RankRollout;
-use lifecycle_megatron::hf;
-use lifecycle_megatron::layout::RolloutLayout;
+use lifecycle_layout::megatron::hf;
+use lifecycle_layout::megatron::RolloutLayout;
+use lifecycle_layout::Parallel;
 
 use crate::config::ModelConfig;
 use crate::error::DecodeError;

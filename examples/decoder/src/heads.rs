@@ -1,6 +1,6 @@
 //! Which attention heads each rank of a tensor-parallel group computes.
 
-use lifecycle_core::layout::Parallel;
+use lifecycle_layout::Parallel;
 
 use crate::config::ModelConfig;
 use crate::error::DecodeError;
@@ -22,7 +22,7 @@ pub struct HeadShare {
 /// heads than ranks.
 ///
 /// ```
-/// use lifecycle_core::layout::Parallel;
+/// use lifecycle_layout::Parallel;
 /// use lifecycle_decoder::{head_shares, ModelConfig};
 /// let config = ModelConfig::from_json_str(r#"{"model_type": "qwen2", "vocab_size": 64, "rope_theta": 10000.0,
 ///     "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,

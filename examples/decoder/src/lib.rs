@@ -5,7 +5,7 @@
 //!   5.x `rope_parameters`/`dtype`), the tensors a config implies, and
 //!   [`ModelConfig::rollout_layout`], which picks every split for a TP degree `T` (vocabulary
 //!   replicated when it does not divide by `T`, kv heads replicated when there are fewer than `T`).
-//! - [`load_checkpoint`] / [`save_checkpoint`]: safetensors ⇄ [`lifecycle_host::HostTensor`].
+//! - [`load_checkpoint`] / [`save_checkpoint`]: safetensors ⇄ [`lifecycle_layout::HostTensor`].
 //! - [`Decoder`]: batched prefill, decode steps with a KV cache, greedy or temperature sampling;
 //!   [`CpuDecoder`] is the CPU reference (bf16 weights, f32 accumulation). A GPU implementation is
 //!   meant to sit behind the same trait.

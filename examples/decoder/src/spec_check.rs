@@ -1,6 +1,6 @@
 //! Checking one rollout tensor of a layout against a model config.
 
-use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
+use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 
 use crate::error::DecodeError;
 
@@ -9,7 +9,7 @@ use crate::error::DecodeError;
 /// one of the `allowed` splits. Errors name the tensor.
 ///
 /// ```
-/// use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
+/// use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 /// use lifecycle_decoder::rollout_spec;
 /// let layout = RolloutLayout::new(1, vec![TensorSpec::new("w", [4, 2], Parallel::Column)])?;
 /// let shapes = vec![("w".to_string(), vec![4, 2])];

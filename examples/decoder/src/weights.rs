@@ -4,8 +4,8 @@
 //! into the same views.
 
 use half::bf16;
-use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
 use lifecycle_host::RankRollout;
+use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 
 use crate::config::ModelConfig;
 use crate::error::DecodeError;

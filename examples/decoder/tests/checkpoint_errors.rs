@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use lifecycle_decoder::{
     load_checkpoint, random_tensors, save_checkpoint, CheckpointError, ConfigStyle, ModelConfig,
 };
-use lifecycle_host::HostTensor;
+use lifecycle_layout::HostTensor;
 
 const V4: &str = r#"{"model_type": "qwen2", "vocab_size": 40, "hidden_size": 16,
   "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -163,7 +163,7 @@ fn integer_weights_are_rejected_by_name() {
         .iter_mut()
         .find(|t| t.name == "model.norm.weight")
         .unwrap();
-    t.data = lifecycle_host::TensorData::I32(vec![1; 16]);
+    t.data = lifecycle_layout::TensorData::I32(vec![1; 16]);
     let dir = write("dtype", &tensors);
     let err = load_checkpoint(&dir).unwrap_err().to_string();
     assert!(

@@ -1,12 +1,12 @@
 //! The decoder on random weights: every tensor-parallel degree gives the same logits, bad layouts
 //! are clear errors, sampling is reproducible from its seed.
 
-use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
 use lifecycle_core::Lifecycle;
 use lifecycle_decoder::{
     random_tensors, CpuDecoder, DecodeError, Decoder, ModelConfig, PrefillLogits, Sampling,
 };
 use lifecycle_host::{HostBackend, HostTrainState};
+use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 
 fn config(model_type: &str, vocab: usize, kv: usize) -> ModelConfig {
     ModelConfig::from_json_str(&format!(

@@ -30,8 +30,9 @@ use lifecycle_decoder::{
     argmax, load_checkpoint, random_tensors, CpuDecoder, DecodeError, Decoder, MegatronParallel,
     ModelConfig, PrefillLogits, Sampling,
 };
-use lifecycle_host::{HostBackend, HostRollout, HostTensor, HostTrainState, RankRollout};
-use lifecycle_megatron::layout::{RolloutLayout, RolloutVocab};
+use lifecycle_host::{HostBackend, HostRollout, HostTrainState, RankRollout};
+use lifecycle_layout::megatron::{RolloutLayout, RolloutVocab};
+use lifecycle_layout::HostTensor;
 use lifecycle_megatron::MegatronHostBackend;
 use serde_json::Value;
 

@@ -105,7 +105,7 @@ fn cpu_decoder_matches_transformers_at_t1_and_t2() {
 
 #[test]
 fn fixture_configs_cover_both_styles_and_the_hard_cases() {
-    use lifecycle_core::layout::Parallel;
+    use lifecycle_layout::Parallel;
     let gqa = load_checkpoint(&fixtures().join("gqa_untied"))
         .unwrap()
         .config;

@@ -1,8 +1,9 @@
 //! Shared helpers of the integration tests: a small model with awkward shapes.
 #![allow(dead_code)]
 
-use lifecycle_core::layout::{Parallel, RolloutLayout, TensorSpec};
-use lifecycle_host::{HostTensor, HostTrainState};
+use lifecycle_host::HostTrainState;
+use lifecycle_layout::HostTensor;
+use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 
 /// Deterministic pseudo-random values (splitmix64), with a spread of magnitudes so bf16 rounding
 /// is exercised.

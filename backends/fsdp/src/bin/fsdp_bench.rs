@@ -16,12 +16,12 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use lifecycle_core::layout::RolloutLayout;
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Phase, Reshard, Switching};
 use lifecycle_cuda::{
     alloc_device, alloc_pinned, check_environment, RankExecutor, ThreadRankPool, Transport,
 };
 use lifecycle_fsdp::{BucketConfig, FsdpBackend, FsdpTrainState, GatherMode};
+use lifecycle_layout::RolloutLayout;
 
 const GB: f64 = 1e9;
 
@@ -193,13 +193,13 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
         let (dp, _h) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut dst, &ctx.compute);
         let mut out = Vec::new();
         for region in [
-            lifecycle_cuda::Region2d {
+            lifecycle_layout::Region2d {
                 rows: 1,
                 cols: n as u64,
                 src_ld: n as u64,
                 dst_ld: n as u64,
             },
-            lifecycle_cuda::Region2d {
+            lifecycle_layout::Region2d {
                 rows: 1 << 16,
                 cols: 8192,
                 src_ld: 16384,

@@ -17,12 +17,13 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lifecycle_core::layout::RolloutLayout;
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy};
 use lifecycle_cuda::{RankExecutor, ThreadRankPool};
 use lifecycle_dist::RankEnv;
 use lifecycle_fsdp::{BucketConfig, FsdpBackend, GatherMode};
-use lifecycle_host::{reference_rollout, HostTensor, HostTrainState};
+use lifecycle_host::{reference_rollout, HostTrainState};
+use lifecycle_layout::HostTensor;
+use lifecycle_layout::RolloutLayout;
 
 struct Args {
     world: usize,

@@ -23,13 +23,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::nccl::ReduceOp;
-use lifecycle_core::layout::RolloutLayout;
 use lifecycle_core::{HumanDuration, Lifecycle};
 use lifecycle_cuda::{
     alloc_zeros, check_environment, CollectiveSettings, RankExecutor, ThreadRankPool,
 };
 use lifecycle_fsdp::{FsdpBackend, FsdpTrainState, RankDump};
 use lifecycle_host::{reference_rollout, HostTrainState};
+use lifecycle_layout::RolloutLayout;
 
 struct Args {
     cycles: u64,

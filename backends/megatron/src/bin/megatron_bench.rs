@@ -29,11 +29,11 @@ use lifecycle_cuda::{
     alloc_device, alloc_pinned, check_environment, peer_copy_rate, CudaError, RankExecutor,
     ThreadRankPool,
 };
+use lifecycle_layout::megatron::ModelSpec;
+use lifecycle_layout::megatron::{MegatronLayout, RolloutLayout, RolloutVocab};
 use lifecycle_megatron::gpu::{
     GpuConfig, MegatronGpuBackend, MegatronGpuState, PinnedPool, Transport,
 };
-use lifecycle_megatron::layout::{MegatronLayout, RolloutLayout, RolloutVocab};
-use lifecycle_megatron::ModelSpec;
 
 const GB: f64 = 1e9;
 const WORLD: usize = 2;

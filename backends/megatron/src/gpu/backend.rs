@@ -8,23 +8,24 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr}
 use half::bf16;
 use lifecycle_core::{Link, MemoryPolicy, Phase, PhaseSample, Reshard, SwitchContext};
 use lifecycle_cuda::{
-    alloc_device, alloc_zeros, CudaError, Mark, RankCtx, RankExecutor, RankSpans, Region2d,
-    StreamTimeline, ThreadRankPool, Transport,
+    alloc_device, alloc_zeros, CudaError, Mark, RankCtx, RankExecutor, RankSpans, StreamTimeline,
+    ThreadRankPool, Transport,
 };
-use lifecycle_host::{HostRollout, HostTensor, MemoryMeter, RankRollout, RolloutTensor};
+use lifecycle_host::{HostRollout, MemoryMeter, RankRollout, RolloutTensor};
+use lifecycle_layout::{HostTensor, Region2d};
 
 use super::error::MegatronGpuError;
 use super::kernel::CopyKernel;
 use super::pinned::PinnedPool;
-use super::schedule::{
+use super::state::{GpuBuffer, GpuRank, MegatronGpuState};
+use crate::state::{MegatronTrainState, RankTrain, Resident};
+use lifecycle_layout::megatron::schedule::{
     build_rank, rollout_offsets, Place, RankSchedule, ScheduleOptions, TILE_BYTES,
 };
-use super::state::{GpuBuffer, GpuRank, MegatronGpuState};
-use crate::layout::{
+use lifecycle_layout::megatron::{
     plan_megatron_to_tp, BucketConfig, MegatronLayout, MegatronPlan, ParamKind, ParamSlot,
     RolloutLayout,
 };
-use crate::state::{MegatronTrainState, RankTrain, Resident};
 
 /// Settings of the GPU executor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -221,10 +222,10 @@ fn ptr_mut<T>(s: &mut CudaSlice<T>, ctx: &RankCtx) -> u64 {
 /// use std::sync::Arc;
 /// use lifecycle_core::Lifecycle;
 /// use lifecycle_cuda::ThreadRankPool;
-/// use lifecycle_host::HostTensor;
+/// use lifecycle_layout::HostTensor;
 /// use lifecycle_megatron::gpu::MegatronGpuBackend;
-/// use lifecycle_megatron::layout::{MegatronLayout, RolloutLayout, RolloutVocab};
-/// use lifecycle_megatron::ModelSpec;
+/// use lifecycle_layout::megatron::{MegatronLayout, RolloutLayout, RolloutVocab};
+/// use lifecycle_layout::megatron::ModelSpec;
 ///
 /// let pool = Arc::new(ThreadRankPool::new(2)?);
 /// let model = ModelSpec::tiny();

@@ -3,7 +3,7 @@
 use lifecycle_cuda::CudaError;
 
 use crate::error::MegatronError;
-use crate::layout::MegatronLayoutError;
+use lifecycle_layout::megatron::MegatronLayoutError;
 
 /// What the GPU Megatron backend can fail with; each names the argument and the fix.
 #[derive(Debug, thiserror::Error)]

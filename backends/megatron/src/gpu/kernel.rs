@@ -8,7 +8,7 @@ use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use lifecycle_cuda::{arch_candidates, CudaError, RankCtx};
 
-use super::schedule::TILE_BYTES;
+use lifecycle_layout::megatron::schedule::TILE_BYTES;
 
 /// CUDA C source of the tile copy kernel (no header needed).
 pub const COPY_KERNEL_SRC: &str = r#"

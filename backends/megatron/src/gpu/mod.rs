@@ -10,7 +10,7 @@
 //!   ([`MegatronGpuBackend::state_from_host`]), or on the devices for benchmarks
 //!   ([`MegatronGpuBackend::synthetic_state`]); [`MegatronGpuBackend::download_state`] gives it
 //!   back as a [`MegatronTrainState`](crate::MegatronTrainState).
-//! - **Schedule** ([`schedule`], pure): each rank copies the runs of its fused slices it holds
+//! - **Schedule** (`lifecycle_layout::megatron::schedule`, pure): each rank copies the runs of its fused slices it holds
 //!   itself. With peer copies ([`Transport`], the default where every rank lives in this process
 //!   and the GPUs have peer access), each owner writes the runs its peers need straight into
 //!   their rollout buffers: runs of 1 MiB and more by its copy engines (2-D copies for strided
@@ -49,13 +49,13 @@
 //! cargo run --release -p lifecycle-megatron --bin megatron_bench     # Qwen2.5-7B shapes, W = 2
 //! ```
 //!
-//! [`MegatronPlan`]: crate::layout::MegatronPlan
+//! [`MegatronPlan`]: lifecycle_layout::megatron::MegatronPlan
 
 mod backend;
 mod error;
 mod kernel;
 mod pinned;
-pub mod schedule;
+
 mod state;
 
 pub use backend::{

@@ -8,7 +8,7 @@ use lifecycle_core::{Link, Phase};
 use lifecycle_cuda::{alloc_device, CudaError, RankCtx, StreamTimeline};
 
 use super::pinned::{HostCopy, PinnedPool};
-use crate::layout::MegatronLayout;
+use lifecycle_layout::megatron::MegatronLayout;
 
 /// One training buffer of a rank: on the device (`dev`, authoritative when present) and/or in
 /// pinned host chunks (`host`: authoritative while `dev` is `None`; a stale copy otherwise, given

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::ValueEnum;
 use lifecycle_fsdp::check_adam_params;
-use lifecycle_host::AdamParams;
+use lifecycle_layout::AdamParams;
 
 use super::DapoGpuError;
 

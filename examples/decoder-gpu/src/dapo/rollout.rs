@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use lifecycle_core::Lifecycle;
 use lifecycle_decoder::{Decoder, ModelConfig, Sampling};
 use lifecycle_fsdp::{FsdpBackend, FsdpTrainState};
-use lifecycle_host::AdamParams;
+use lifecycle_layout::AdamParams;
 
 use super::{DapoGpuError, Options};
 use crate::GpuDecoder;

@@ -3,7 +3,7 @@
 
 use lifecycle_decoder::{load_checkpoint, ModelConfig};
 use lifecycle_fsdp::{FsdpBackend, FsdpTrainState};
-use lifecycle_host::HostTensor;
+use lifecycle_layout::HostTensor;
 
 use super::{DapoGpuError, Options, SyntheticModel};
 

@@ -1,8 +1,8 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use super::spec::{FsdpLayout, Parallel, RolloutLayout, TensorSpec};
-use super::LayoutError;
+use crate::spec::{FsdpLayout, Parallel, RolloutLayout, TensorSpec};
+use crate::LayoutError;
 
 /// A rectangle of one tensor (rows × columns of its 2-D view) that one source rank holds and one
 /// destination rank needs.
@@ -242,7 +242,7 @@ fn plan_tensor(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::TensorSpec;
+    use crate::TensorSpec;
 
     fn layouts(
         world: usize,

@@ -142,7 +142,7 @@ impl MegatronPlan {
 /// Runs that continue one another in source and destination are merged.
 ///
 /// ```
-/// use lifecycle_megatron::{ModelSpec, layout::*};
+/// use lifecycle_layout::megatron::*;
 /// let m = ModelSpec::tiny();
 /// let train = MegatronLayout::new(m, 2, 1, 2)?;
 /// let rollout = RolloutLayout::new(2, RolloutVocab::PadToMultipleOf(4));
@@ -295,8 +295,8 @@ fn bucketize(transfers: &[Transfer], rank: usize, budget: u64) -> Vec<Range<usiz
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::RolloutVocab;
-    use crate::model::ModelSpec;
+    use crate::megatron::ModelSpec;
+    use crate::megatron::RolloutVocab;
 
     /// Every element of every slice is written exactly once, except vocabulary padding rows.
     fn check_coverage(plan: &MegatronPlan) {

@@ -1,4 +1,15 @@
-//! Pure layout planning: which bytes of which training shard land where in the rollout layout.
+//! Pure planning for weight switches: which bytes of which training shard land where in the
+//! rollout layout, and the step plans the CPU and GPU executors run.
+//!
+//! This crate links no GPU library; everything here is computed and tested on the CPU.
+//!
+//! - The root: the FSDP2 → tensor-parallel planner ([`plan_fsdp_to_tp`]) and the types every
+//!   layout shares ([`TensorSpec`], [`DType`], [`Parallel`], [`Region2d`], [`HostTensor`],
+//!   [`AdamParams`]).
+//! - [`fsdp`]: the FSDP executors' flat shard buffers and their per-bucket cast / send / receive
+//!   steps.
+//! - [`megatron`]: the model description ([`megatron::ModelSpec`]), Megatron-Core training
+//!   layouts, the fused rollout layout, their planner and the per-rank schedule.
 //!
 //! Nothing here touches memory: the planner turns tensor descriptions into a [`ReshardPlan`] that
 //! the host and GPU executors run. Every inconsistency is a [`LayoutError`] naming the tensor and
@@ -11,7 +22,7 @@
 //!   dim 1, [`Parallel::Replicated`] tensors whole on every rank.
 //!
 //! ```
-//! use lifecycle_core::layout::{FsdpLayout, Parallel, RolloutLayout, TensorSpec, plan_fsdp_to_tp};
+//! use lifecycle_layout::{FsdpLayout, Parallel, RolloutLayout, TensorSpec, plan_fsdp_to_tp};
 //! let specs = vec![
 //!     TensorSpec::new("up", [6, 4], Parallel::Column),
 //!     TensorSpec::new("down", [4, 6], Parallel::Row),
@@ -23,13 +34,23 @@
 //! // With W = T = 2, a column-parallel slice is the rank's own shard: nothing crosses a link.
 //! let up = &plan.ranks[0].tensors[0];
 //! assert!(up.pieces.iter().all(|p| p.src_rank == 0));
-//! # Ok::<(), lifecycle_core::layout::LayoutError>(())
+//! # Ok::<(), lifecycle_layout::LayoutError>(())
 //! ```
 
-mod error;
-mod plan;
-mod spec;
+#![warn(missing_docs)]
 
+mod adam;
+mod error;
+pub mod fsdp;
+pub mod megatron;
+mod plan;
+mod region;
+mod spec;
+mod tensor;
+
+pub use adam::AdamParams;
 pub use error::LayoutError;
 pub use plan::{plan_fsdp_to_tp, Piece, RankPlan, ReshardPlan, TensorPlan};
+pub use region::Region2d;
 pub use spec::{fsdp_rows, tp_range, DType, FsdpLayout, Parallel, RolloutLayout, TensorSpec};
+pub use tensor::{HostTensor, TensorData};

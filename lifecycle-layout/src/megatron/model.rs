@@ -1,11 +1,11 @@
 //! The model description and its Hugging Face (Qwen2 / Llama) parameter names.
 
-use crate::layout::MegatronLayoutError;
+use super::error::MegatronLayoutError;
 
 /// Shape of a decoder-only transformer (Qwen2 / Llama family), independent of any layout.
 ///
 /// ```
-/// use lifecycle_megatron::ModelSpec;
+/// use lifecycle_layout::megatron::ModelSpec;
 /// let m = ModelSpec::tiny();
 /// let names: Vec<String> = m.hf_tensors().into_iter().map(|(n, _)| n).collect();
 /// assert_eq!(names[0], "model.embed_tokens.weight");

@@ -1,5 +1,5 @@
+use crate::DType;
 use half::{bf16, f16};
-use lifecycle_core::layout::DType;
 
 /// Data of a full (unsharded) tensor given to the host backend.
 #[derive(Debug, Clone, PartialEq)]

@@ -3,7 +3,7 @@
 use std::ops::Range;
 
 use super::error::MegatronLayoutError;
-use crate::model::ModelSpec;
+use super::model::ModelSpec;
 
 /// What one parameter of a Megatron stage is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -88,12 +88,12 @@ pub struct RankCoords {
 ///   `c = ⌈L / DP⌉`.
 ///
 /// ```
-/// use lifecycle_megatron::{ModelSpec, layout::MegatronLayout};
+/// use lifecycle_layout::megatron::{ModelSpec, MegatronLayout};
 /// let layout = MegatronLayout::new(ModelSpec::tiny(), 2, 2, 2)?;
 /// assert_eq!(layout.world(), 8);
 /// assert_eq!(layout.rank(1, 0, 1), 5); // tp 1, dp 0, stage 1
 /// assert_eq!(layout.padded_vocab(), 40); // 37 padded to a multiple of 4 × TP
-/// # Ok::<(), lifecycle_megatron::layout::MegatronLayoutError>(())
+/// # Ok::<(), lifecycle_layout::megatron::MegatronLayoutError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MegatronLayout {

@@ -2,9 +2,10 @@
 //! bit-identical to the host backend's reference rollout. No GPU needed: runs in CI.
 
 use half::bf16;
-use lifecycle_core::layout::{plan_fsdp_to_tp, FsdpLayout, Parallel, RolloutLayout, TensorSpec};
-use lifecycle_fsdp::plan::{build_plan, BucketConfig, Buf, FsdpPlan, GatherMode, ShardLayout};
-use lifecycle_host::{reference_rollout, HostTensor, HostTrainState};
+use lifecycle_host::{reference_rollout, HostTrainState};
+use lifecycle_layout::fsdp::{build_plan, BucketConfig, Buf, FsdpPlan, GatherMode, ShardLayout};
+use lifecycle_layout::HostTensor;
+use lifecycle_layout::{plan_fsdp_to_tp, FsdpLayout, Parallel, RolloutLayout, TensorSpec};
 
 fn specs(tp: usize) -> Vec<TensorSpec> {
     // Dims not divisible by W (3 rows, 7 rows, ...) but split dims divisible by T.
@@ -41,7 +42,7 @@ fn host_state(world: usize, specs: &[TensorSpec]) -> HostTrainState {
 
 /// Executes `plan` on flat host buffers, bucket by bucket, like the GPU does: sends matched with
 /// receives as NCCL does, or, with `peer`, each send written straight to its place in the
-/// receiver's rollout buffer ([`SendOp::dst_off`](lifecycle_fsdp::plan::SendOp)) with the
+/// receiver's rollout buffer ([`SendOp::dst_off`](lifecycle_layout::fsdp::SendOp)) with the
 /// receives ignored, as peer copies do.
 fn simulate(plan: &FsdpPlan, state: &HostTrainState, peer: bool) -> Vec<Vec<bf16>> {
     let world = plan.core.world;
@@ -268,7 +269,7 @@ fn w2_t2_column_slices_move_nothing_and_row_slices_a_quarter() {
 
 #[test]
 fn first_buckets_ramp_up_to_the_budget() {
-    use lifecycle_fsdp::plan::{bucket_budget, RAMP_MIN_BYTES};
+    use lifecycle_layout::fsdp::{bucket_budget, RAMP_MIN_BYTES};
     let mib = 1u64 << 20;
     assert_eq!(
         (0..5)

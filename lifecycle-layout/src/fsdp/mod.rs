@@ -1,8 +1,8 @@
 //! The executable plan: the core planner's pieces turned into per-rank, per-bucket lists of casts,
 //! sends and receives over flat device buffers. Pure: computed on the CPU, tested without a GPU.
 
-use lifecycle_core::layout::{fsdp_rows, FsdpLayout, ReshardPlan};
-use lifecycle_cuda::Region2d;
+use crate::Region2d;
+use crate::{fsdp_rows, FsdpLayout, ReshardPlan};
 
 /// Alignment of every tensor inside a flat buffer, in elements (256 bytes of f32, 128 of bf16):
 /// keeps the vectorised cast kernel usable for every tensor.

@@ -1,8 +1,8 @@
 //! The fused tensor-parallel rollout layout (vLLM / SGLang style).
 
 use super::error::{divisors, MegatronLayoutError};
+use super::model::{hf, ModelSpec};
 use super::train::{check_tp, local_kv_heads};
-use crate::model::{hf, ModelSpec};
 
 /// How the rollout side sizes the vocabulary of the embedding and the output layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -73,13 +73,13 @@ impl RolloutTensorSpec {
 /// vocab-parallel ([`RolloutVocab`]), norms replicated.
 ///
 /// ```
-/// use lifecycle_megatron::{ModelSpec, layout::{RolloutLayout, RolloutVocab}};
+/// use lifecycle_layout::megatron::{ModelSpec, RolloutLayout, RolloutVocab};
 /// let m = ModelSpec::tiny();
 /// let specs = RolloutLayout::new(2, RolloutVocab::PadToMultipleOf(4)).tensors(&m)?;
 /// let qkv = specs.iter().find(|s| s.name == "model.layers.0.self_attn.qkv_proj.weight").unwrap();
 /// assert_eq!(qkv.shape, vec![(4 + 2 * 1) * 2, 16]); // 4 q heads, 1 kv head, head_dim 2
 /// assert_eq!(specs[0].shape, vec![20, 16]); // vocab 37 padded to 40, split 2 ways
-/// # Ok::<(), lifecycle_megatron::layout::MegatronLayoutError>(())
+/// # Ok::<(), lifecycle_layout::megatron::MegatronLayoutError>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RolloutLayout {

@@ -2,7 +2,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::ops::Range;
 
-use super::LayoutError;
+use crate::LayoutError;
 
 /// Element types a training state may be built from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -166,7 +166,7 @@ impl TensorSpec {
 /// `[r·c, min((r+1)·c, n))` with `c = ⌈n / W⌉` (trailing ranks may hold fewer rows or none).
 ///
 /// ```
-/// use lifecycle_core::layout::fsdp_rows;
+/// use lifecycle_layout::fsdp_rows;
 /// assert_eq!(fsdp_rows(5, 4, 0), 0..2);
 /// assert_eq!(fsdp_rows(5, 4, 2), 4..5);
 /// assert_eq!(fsdp_rows(5, 4, 3), 5..5);
