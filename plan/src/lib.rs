@@ -31,8 +31,8 @@ mod rates;
 mod train_arg;
 
 use lifecycle_decoder::ModelConfig;
-use lifecycle_fsdp::{BucketConfig as FsdpBuckets, GatherMode};
 use lifecycle_layout::fsdp::{build_plan, ShardLayout};
+use lifecycle_layout::fsdp::{BucketConfig as FsdpBuckets, GatherMode};
 use lifecycle_layout::megatron::ModelSpec;
 use lifecycle_layout::megatron::{
     plan_megatron_to_tp, BucketConfig as MegatronBuckets, MegatronLayout, RolloutLayout,

@@ -1,4 +1,4 @@
-//! The CPU reference backend of `lifecycle-core`.
+//! The CPU executors: the reference every GPU executor is checked against, bit for bit.
 //!
 //! Ranks are threads of one process and collectives are shared-memory copies. The training layout
 //! is FSDP2's dim-0 sharding of fp32 master weights, grads and Adam moments; the rollout layout is
@@ -6,6 +6,9 @@
 //! really copies buffers into separate host allocations and frees the originals, and every rank
 //! keeps a [`MemoryMeter`] of its "device" memory. The GPU backends are checked against this one
 //! bit for bit.
+//!
+//! [`megatron`] is the CPU executor of Megatron-Core training layouts (TP × PP × DP, fused QKV and
+//! gate/up, padded vocabulary, distributed optimizer).
 
 #![warn(missing_docs)]
 
@@ -13,6 +16,7 @@ mod backend;
 mod cast;
 mod checksum;
 mod error;
+pub mod megatron;
 mod rollout;
 mod state;
 

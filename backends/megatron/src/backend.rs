@@ -1,67 +1,313 @@
-//! The CPU executor: runs a [`MegatronPlan`] with ranks as threads.
+//! [`MegatronGpuBackend`]: the [`Reshard`] implementation on NVIDIA GPUs.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 use half::bf16;
-use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
-use lifecycle_host::{per_rank, HostRollout, RankRollout, RolloutTensor};
+use lifecycle_core::{Link, MemoryPolicy, Phase, PhaseSample, Reshard, SwitchContext};
+use lifecycle_cuda::{
+    alloc_device, alloc_zeros, CudaError, Mark, RankCtx, RankExecutor, RankSpans, StreamTimeline,
+    ThreadRankPool, Transport,
+};
+use lifecycle_host::{HostRollout, MemoryMeter, RankRollout, RolloutTensor};
+use lifecycle_layout::{HostTensor, Region2d};
 
-use crate::error::MegatronError;
-use crate::state::{MegatronTrainState, RankTrain};
+use crate::error::MegatronGpuError;
+use crate::kernel::CopyKernel;
+use crate::pinned::PinnedPool;
+use crate::state::{GpuBuffer, GpuRank, MegatronGpuState};
+use lifecycle_host::megatron::{MegatronTrainState, RankTrain, Resident};
+use lifecycle_layout::megatron::schedule::{
+    build_rank, rollout_offsets, Place, RankSchedule, ScheduleOptions, TILE_BYTES,
+};
 use lifecycle_layout::megatron::{
-    plan_megatron_to_tp, BucketConfig, MegatronLayoutError, MegatronPlan, RankPlan, RolloutLayout,
-    Transfer,
+    plan_megatron_to_tp, BucketConfig, MegatronLayout, MegatronPlan, ParamKind, ParamSlot,
+    RolloutLayout,
 };
 
-/// The CPU Megatron backend: ranks are threads of this process, peers' parameter buffers are read
-/// through shared memory. Enter copies bf16 runs from the training ranks' parameter buffers into
-/// each rank's fused rollout slices, bucket by bucket (remote runs land in a staging buffer of at
-/// most the bucket budget first, as received bytes would), then frees grads and offloads as the
-/// memory policy says; exit releases the slices, reloads and reallocates zero grads.
+/// Settings of the GPU executor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuConfig {
+    /// How remote runs travel ([`Transport::Auto`]: peer copies where possible). The fields
+    /// below on buckets, slots and messages apply to NCCL steps only.
+    pub transport: Transport,
+    /// The most bf16 bytes one rank receives from peers in one step: the plan's bucket budget
+    /// ([`BucketConfig::bucket_bytes`]) and the size of a receive slot.
+    pub bucket_bytes: u64,
+    /// Steps in flight, i.e. send and receive slots per rank: with 2 or more, packing step
+    /// `k + 1` and unpacking step `k - 1` overlap the network work of step `k`.
+    pub in_flight: usize,
+    /// Remote runs of at least this many bytes travel as their own NCCL message, straight from
+    /// the sender's parameter buffer and into the receiver's rollout buffer where they are
+    /// contiguous (see [`ScheduleOptions::direct_min`]); `u64::MAX` packs everything.
+    pub direct_min_bytes: u64,
+    /// Contiguous local runs of at least this many bytes are copied with the driver's
+    /// device-to-device copy instead of the tile kernel; `u64::MAX`: tiles only.
+    pub memcpy_min_bytes: u64,
+    /// With peer copies, remote runs below this many bytes are written by one tile-kernel
+    /// launch per peer instead of one copy-engine copy each (see
+    /// [`ScheduleOptions::peer_tile_max`]); `0`: copy engines only.
+    pub peer_tile_max_bytes: u64,
+    /// With peer copies, the driver's copies of large local runs (`memcpy_min_bytes`) run on
+    /// their own stream beside the tile kernel instead of after it.
+    pub split_local_bulk: bool,
+    /// Thread blocks per SM of the tile kernel while remote work runs (fewer leave the SMs and
+    /// memory bandwidth to NCCL or the copy engines); a transfer without remote work uses 8.
+    pub overlap_blocks_per_sm: u32,
+}
+
+impl GpuConfig {
+    /// The schedule options these settings give, with peer copies or NCCL steps.
+    pub fn schedule_options(&self, peer_copy: bool) -> ScheduleOptions {
+        let elems = |b: u64| usize::try_from(b / 2).unwrap_or(usize::MAX);
+        ScheduleOptions {
+            direct_min: elems(self.direct_min_bytes),
+            memcpy_min: elems(self.memcpy_min_bytes),
+            peer_copy,
+            peer_tile_max: elems(self.peer_tile_max_bytes),
+        }
+    }
+}
+
+impl Default for GpuConfig {
+    /// Peer copies where possible; for NCCL steps 256 MiB buckets, 2 in flight, every remote
+    /// run packed into the slots; 4 blocks per SM for local copies next to remote work;
+    /// contiguous local runs from 16 MiB by the driver's copy, the rest by the tile kernel;
+    /// remote runs under 1 MiB by the tile kernel, larger ones by the copy engines.
+    /// Direct messages (`direct_min_bytes`, e.g. 4 MiB) are opt-in.
+    fn default() -> Self {
+        GpuConfig {
+            transport: Transport::Auto,
+            bucket_bytes: 256 << 20,
+            in_flight: 2,
+            direct_min_bytes: u64::MAX,
+            memcpy_min_bytes: 16 << 20,
+            peer_tile_max_bytes: 1 << 20,
+            split_local_bulk: false,
+            overlap_blocks_per_sm: 4,
+        }
+    }
+}
+
+/// One rollout tensor's place in a rank's flat rollout buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RolloutEntry {
+    /// Name (fused rollout names, e.g. `model.layers.0.self_attn.qkv_proj.weight`).
+    pub name: String,
+    /// Shape of the rank's slice.
+    pub shape: Vec<usize>,
+    /// Element offset.
+    pub offset: usize,
+    /// Elements.
+    pub numel: usize,
+}
+
+/// The rollout weights of the ranks this process drives: one flat bf16 device buffer per rank,
+/// the fused tensors at the same offsets on every rank ([`MegatronGpuRollout::entries`]).
+pub struct MegatronGpuRollout {
+    pub(crate) ranks: Vec<CudaSlice<bf16>>,
+    pub(crate) local: Vec<usize>,
+    pub(crate) entries: Vec<RolloutEntry>,
+    pub(crate) len: usize,
+}
+
+impl std::fmt::Debug for MegatronGpuRollout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MegatronGpuRollout")
+            .field("ranks", &self.local)
+            .field("tensors", &self.entries.len())
+            .field("elements_per_rank", &self.len)
+            .finish()
+    }
+}
+
+impl MegatronGpuRollout {
+    /// The tensors of each rank's buffer, in rollout order.
+    pub fn entries(&self) -> &[RolloutEntry] {
+        &self.entries
+    }
+
+    /// Bytes of rollout weights on each rank.
+    pub fn bytes_per_rank(&self) -> u64 {
+        (self.len * 2) as u64
+    }
+
+    /// The global ranks held, in the order of [`MegatronGpuRollout::rank_buffer`].
+    pub fn local_ranks(&self) -> &[usize] {
+        &self.local
+    }
+
+    /// The device buffer of the `i`-th local rank (flat, at least `bytes_per_rank / 2` elements).
+    pub fn rank_buffer(&self, i: usize) -> Option<&CudaSlice<bf16>> {
+        self.ranks.get(i)
+    }
+}
+
+static NEXT_PLAN: AtomicU64 = AtomicU64::new(1);
+
+/// A validated plan and the schedules of this process's ranks.
+#[derive(Debug)]
+pub struct MegatronGpuPlan {
+    id: u64,
+    config: GpuConfig,
+    peer_copy: bool,
+    plan: MegatronPlan,
+    offsets: Vec<usize>,
+    len: usize,
+    ranks: Vec<RankSchedule>,
+}
+
+impl MegatronGpuPlan {
+    /// The planner's plan (every rank).
+    pub fn plan(&self) -> &MegatronPlan {
+        &self.plan
+    }
+
+    /// The schedule of global rank `rank`, when this process drives it.
+    pub fn schedule(&self, rank: usize) -> Option<&RankSchedule> {
+        self.ranks.iter().find(|s| s.rank == rank)
+    }
+
+    /// Elements of one rank's rollout buffer.
+    pub fn rollout_len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether remote runs travel as peer copies (else as NCCL steps).
+    pub fn peer_copy(&self) -> bool {
+        self.peer_copy
+    }
+}
+
+/// Per-rank resources of the backend: the copy kernel and the tile table of the last plan.
+struct RankRes {
+    kernel: CopyKernel,
+    tiles: Option<(u64, CudaSlice<u8>)>,
+}
+
+/// What one rank's transfer did, and its device timeline (read once the offload copies it also
+/// marks have finished).
+#[derive(Default)]
+struct RankMoved {
+    recv: u64,
+    local: u64,
+    staging: u64,
+    timeline: Option<StreamTimeline>,
+}
+
+fn ptr<T>(s: &CudaSlice<T>, ctx: &RankCtx) -> u64 {
+    let (p, _sync) = s.device_ptr(&ctx.compute);
+    p
+}
+
+fn ptr_mut<T>(s: &mut CudaSlice<T>, ctx: &RankCtx) -> u64 {
+    let (p, _sync) = s.device_ptr_mut(&ctx.compute);
+    p
+}
+
+/// Reshards the Megatron training layout into the fused bf16 tensor-parallel rollout layout on
+/// the GPUs of a [`ThreadRankPool`].
 ///
-/// ```
+/// Enter runs the plan ([`plan_megatron_to_tp`]): each rank copies the runs it holds itself from
+/// its parameter buffer into its rollout buffer (auxiliary stream), and receives only the bytes
+/// of its fused slices it does not hold, step by step, one NCCL group per step (NCCL stream):
+/// large contiguous runs straight between the parameter and rollout buffers, the rest packed by
+/// the sender into a send slot and unpacked by the receiver from a receive slot (compute stream);
+/// steps overlap with [`GpuConfig::in_flight`] slots. bf16 to bf16: no cast. Offload copies (pinned host memory from a [`PinnedPool`] kept between switches)
+/// run on the copy stream meanwhile. Exit releases the rollout and reloads.
+///
+/// ```no_run
+/// use std::sync::Arc;
 /// use lifecycle_core::Lifecycle;
+/// use lifecycle_cuda::ThreadRankPool;
 /// use lifecycle_layout::HostTensor;
-/// use lifecycle_layout::megatron::*;
-/// use lifecycle_megatron::{MegatronHostBackend, MegatronTrainState};
+/// use lifecycle_megatron::MegatronGpuBackend;
+/// use lifecycle_layout::megatron::{MegatronLayout, RolloutLayout, RolloutVocab};
+/// use lifecycle_layout::megatron::ModelSpec;
 ///
+/// let pool = Arc::new(ThreadRankPool::new(2)?);
 /// let model = ModelSpec::tiny();
 /// let tensors = model.hf_tensors().into_iter().map(|(name, shape)| {
 ///     let n = shape.iter().product();
-///     HostTensor::f32(name, shape, (0..n).map(|i| i as f32).collect())
+///     HostTensor::f32(name, shape, vec![0.5; n])
 /// }).collect();
-/// let state = MegatronTrainState::from_hf(MegatronLayout::new(model, 2, 2, 1)?, tensors)?;
-/// let backend = MegatronHostBackend::new(RolloutLayout::new(4, RolloutVocab::PadToMultipleOf(1)));
+/// let backend = MegatronGpuBackend::new(pool, RolloutLayout::new(2, RolloutVocab::PadToMultipleOf(1)))?;
+/// let state = backend.state_from_hf(MegatronLayout::new(model, 1, 2, 1)?, tensors)?;
 /// let mut lc = Lifecycle::new(backend, state);
 /// let session = lc.rollout()?;
-/// let weights = session.weights();
-/// let qkv = weights.ranks[3].tensor("model.layers.1.self_attn.qkv_proj.weight").unwrap();
-/// assert_eq!(qkv.shape, vec![(2 + 2) * 2, 16]); // 2 q heads, replicated k and v heads
+/// let host = session.backend().download_rollout(&session.weights())?;
+/// assert_eq!(host.ranks.len(), 2);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-#[derive(Debug, Clone)]
-pub struct MegatronHostBackend {
+pub struct MegatronGpuBackend {
+    pool: Arc<ThreadRankPool>,
     rollout: RolloutLayout,
-    config: BucketConfig,
+    config: GpuConfig,
+    pinned: Arc<PinnedPool>,
+    ranks: Vec<RankRes>,
+    cached: Mutex<Option<Arc<MegatronGpuPlan>>>,
 }
 
-impl MegatronHostBackend {
-    /// A backend producing `rollout`, with default buckets.
-    pub fn new(rollout: RolloutLayout) -> Self {
-        MegatronHostBackend {
+impl std::fmt::Debug for MegatronGpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MegatronGpuBackend")
+            .field("world", &self.pool.world())
+            .field("rollout", &self.rollout)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl MegatronGpuBackend {
+    /// A backend over `pool`'s GPUs producing `rollout`, with [`GpuConfig::default`] and a fresh
+    /// [`PinnedPool`]; compiles the copy kernel on every rank.
+    pub fn new(
+        pool: Arc<ThreadRankPool>,
+        rollout: RolloutLayout,
+    ) -> Result<Self, MegatronGpuError> {
+        let kernels = pool.run(&CopyKernel::load)?;
+        Ok(MegatronGpuBackend {
+            pool,
             rollout,
-            config: BucketConfig::default(),
-        }
+            config: GpuConfig::default(),
+            pinned: Arc::new(PinnedPool::default()),
+            ranks: kernels
+                .into_iter()
+                .map(|kernel| RankRes {
+                    kernel,
+                    tiles: None,
+                })
+                .collect(),
+            cached: Mutex::new(None),
+        })
     }
 
-    /// Changes the bucket budget (at least 2 bytes: one bf16 element).
-    pub fn with_config(mut self, config: BucketConfig) -> Result<Self, MegatronError> {
-        if config.bucket_bytes < 2 {
-            return Err(MegatronLayoutError::BucketTooSmall {
-                bytes: config.bucket_bytes,
-            }
-            .into());
+    /// Changes the settings (checked: a budget of at least 2 bytes, at least 1 step in flight).
+    pub fn with_config(mut self, config: GpuConfig) -> Result<Self, MegatronGpuError> {
+        if config.bucket_bytes < 2 || config.in_flight == 0 || config.overlap_blocks_per_sm == 0 {
+            return Err(MegatronGpuError::Config(format!(
+                "bucket_bytes must be at least 2 (one bf16 element), in_flight at least 1 (2 or \
+                 more to overlap packing with the network) and overlap_blocks_per_sm at least 1; \
+                 found {} bytes, {} in flight, {} blocks per SM",
+                config.bucket_bytes, config.in_flight, config.overlap_blocks_per_sm
+            )));
         }
         self.config = config;
         Ok(self)
+    }
+
+    /// Uses `pinned` for offloaded state (share one pool between backends so they reuse the
+    /// same pinned memory).
+    pub fn with_pinned_pool(mut self, pinned: Arc<PinnedPool>) -> Self {
+        self.pinned = pinned;
+        self
+    }
+
+    /// The settings.
+    pub fn config(&self) -> GpuConfig {
+        self.config
     }
 
     /// The rollout layout.
@@ -69,252 +315,1211 @@ impl MegatronHostBackend {
         &self.rollout
     }
 
-    /// The bucket settings.
-    pub fn config(&self) -> BucketConfig {
-        self.config
+    /// The rank pool.
+    pub fn pool(&self) -> &Arc<ThreadRankPool> {
+        &self.pool
     }
-}
 
-/// What one rank's transfer did.
-#[derive(Default, Clone, Copy)]
-struct Moved {
-    remote: u64,
-    local: u64,
-    staging_peak: u64,
-}
-
-/// Copies the rows of transfer `x` from `src` (starting at `src_offset`, rows `src_pitch`
-/// apart) to their place in `dst`.
-fn copy_run(src: &[bf16], src_offset: usize, src_pitch: usize, dst: &mut [bf16], x: &Transfer) {
-    for r in 0..x.rows {
-        let (s, d) = (src_offset + r * src_pitch, x.dst_offset + r * x.dst_pitch);
-        dst[d..d + x.cols].copy_from_slice(&src[s..s + x.cols]);
+    /// The pinned host memory of offloads.
+    pub fn pinned_pool(&self) -> &Arc<PinnedPool> {
+        &self.pinned
     }
-}
 
-/// Fills one rank's slices from every rank's parameter buffer, bucket by bucket.
-fn fill_rank(params: &[&[bf16]], plan: &RankPlan, out: &mut RankRollout) -> Moved {
-    let mut moved = Moved::default();
-    let mut staging: Vec<bf16> = Vec::new();
-    for bucket in &plan.buckets {
-        let xs = &plan.transfers[bucket.clone()];
-        // "Receive": remote runs packed into the staging buffer.
-        staging.clear();
-        for x in xs.iter().filter(|x| x.src_rank != plan.rank) {
-            let src = params[x.src_rank];
-            for r in 0..x.rows {
-                let s = x.src_offset + r * x.src_pitch;
-                staging.extend_from_slice(&src[s..s + x.cols]);
-            }
-        }
-        moved.staging_peak = moved.staging_peak.max((staging.len() * 2) as u64);
-        // Scatter: local runs from the own buffer, remote runs from staging.
-        let mut cursor = 0;
-        for x in xs {
-            let dst = &mut out.tensors[x.tensor].data;
-            if x.src_rank == plan.rank {
-                let src = params[x.src_rank];
-                copy_run(src, x.src_offset, x.src_pitch, dst, x);
-                moved.local += x.bytes();
-            } else {
-                copy_run(&staging, cursor, x.cols, dst, x);
-                cursor += x.numel();
-                moved.remote += x.bytes();
-            }
+    fn locals(&self) -> &[usize] {
+        self.pool.local_ranks()
+    }
+
+    fn world_mismatch(&self, state_world: usize, state_local: usize) -> MegatronGpuError {
+        MegatronGpuError::WorldMismatch {
+            state: state_world,
+            state_local,
+            pool: self.pool.world(),
+            pool_local: self.locals().len(),
         }
     }
-    moved
-}
 
-fn transfer(
-    plan: &MegatronPlan,
-    state: &mut MegatronTrainState,
-    outs: Vec<&mut RankRollout>,
-    ctx: &mut SwitchContext<'_>,
-) -> Result<(), MegatronError> {
-    let params: Vec<&[bf16]> = state
-        .ranks
-        .iter()
-        .map(|r| r.params.on_device())
-        .collect::<Option<_>>()
-        .ok_or(MegatronError::Offloaded {
-            operation: "moving weights into the rollout layout",
+    fn check_state(&self, state: &MegatronGpuState) -> Result<(), MegatronGpuError> {
+        if state.world() != self.pool.world() || state.local_ranks() != self.locals() {
+            return Err(self.world_mismatch(state.world(), state.ranks.len()));
+        }
+        Ok(())
+    }
+
+    fn check_plan(
+        &self,
+        plan: &MegatronGpuPlan,
+        state: &MegatronGpuState,
+    ) -> Result<(), MegatronGpuError> {
+        self.check_state(state)?;
+        let ranks_match = plan
+            .ranks
+            .iter()
+            .map(|s| s.rank)
+            .eq(self.locals().iter().copied());
+        if plan.plan.train != state.layout || plan.plan.rollout != self.rollout || !ranks_match {
+            return Err(MegatronGpuError::PlanMismatch);
+        }
+        Ok(())
+    }
+
+    /// Builds the training state from the CPU backend's state (the same model on the same W):
+    /// bf16 params, main params, Adam m, v and grads (zeros where the host freed them) of this
+    /// process's ranks uploaded as they are, offloaded or not.
+    pub fn state_from_host(
+        &self,
+        host: &MegatronTrainState,
+    ) -> Result<MegatronGpuState, MegatronGpuError> {
+        if host.world() != self.pool.world() {
+            return Err(self.world_mismatch(host.world(), host.world()));
+        }
+        let mut items: Vec<(&RankTrain, usize, Option<GpuRank>)> = self
+            .locals()
+            .iter()
+            .filter_map(|&r| Some((host.rank(r)?, r, None)))
+            .collect();
+        self.pool.run_each(&mut items, &|ctx, (src, rank, out)| {
+            let n = src.params.values().len();
+            let params = upload(ctx, src.params.values(), "bf16 parameters")?;
+            let grads = match &src.grads {
+                Some(g) => upload(ctx, g, "gradients")?,
+                None => alloc_zeros(&ctx.compute, n, ctx.rank, "gradients")?,
+            };
+            let main = upload(ctx, src.main.values(), "fp32 main params")?;
+            let m = upload(ctx, src.adam_m.values(), "Adam m")?;
+            let v = upload(ctx, src.adam_v.values(), "Adam v")?;
+            ctx.compute
+                .synchronize()
+                .map_err(ctx.drv("uploading the training state", 0))?;
+            let k = src.shard.len();
+            *out = Some(GpuRank {
+                rank: *rank,
+                params: GpuBuffer::on_device(params, n),
+                grads: Some(grads),
+                shard: src.shard.clone(),
+                main: GpuBuffer::on_device(main, k),
+                adam_m: GpuBuffer::on_device(m, k),
+                adam_v: GpuBuffer::on_device(v, k),
+            });
+            Ok(())
         })?;
-    let moved = ctx.rec.phase(Phase::Transfer, |scope| {
-        let moved = per_rank(outs, |rank, out| fill_rank(&params, &plan.ranks[rank], out));
-        for m in &moved {
-            scope.add_bytes(Link::DeviceToDevice, m.remote);
-            scope.add_bytes(Link::Local, m.local);
-            scope.note_peak_extra(m.staging_peak);
+        Ok(MegatronGpuState {
+            layout: host.layout().clone(),
+            ranks: items.into_iter().filter_map(|(_, _, r)| r).collect(),
+            adam_steps: host.adam_steps(),
+        })
+    }
+
+    /// Builds the training state from full Hugging Face tensors (checked and sharded as
+    /// [`MegatronTrainState::from_hf`] does, then uploaded).
+    pub fn state_from_hf(
+        &self,
+        layout: MegatronLayout,
+        tensors: Vec<HostTensor>,
+    ) -> Result<MegatronGpuState, MegatronGpuError> {
+        if layout.world() != self.pool.world() {
+            return Err(self.world_mismatch(layout.world(), layout.world()));
         }
-        Ok::<_, MegatronError>(moved)
-    })?;
-    for (r, m) in state.ranks.iter_mut().zip(moved) {
-        // The staging buffer lived on top of everything else during the transfer.
-        r.meter.peak = r.meter.peak.max(r.meter.current + m.staging_peak);
+        self.state_from_host(&MegatronTrainState::from_hf(layout, tensors)?)
+    }
+
+    /// Builds a synthetic training state directly on the GPUs (no host data), for benchmarks:
+    /// every parameter of a (stage, TP rank) buffer is filled by the counter-based hash of
+    /// [`lifecycle_cuda::fill_uniform_value`] (seeded by parameter kind, layer and TP rank;
+    /// norms the same on every TP rank, a tied output layer the same as the embedding), scaled
+    /// by `scale`; main params are those values in fp32, bf16 params their rounding; Adam m and v
+    /// hold small hash values too (so round trips check real bits); grads are zero. DP replicas
+    /// are identical. Replicated kv heads (query groups < TP) are not made equal across TP ranks.
+    pub fn synthetic_state(
+        &self,
+        layout: MegatronLayout,
+        seed: u64,
+        scale: f32,
+    ) -> Result<MegatronGpuState, MegatronGpuError> {
+        if layout.world() != self.pool.world() {
+            return Err(self.world_mismatch(layout.world(), layout.world()));
+        }
+        let l = &layout;
+        let mut items: Vec<Option<GpuRank>> = self.locals().iter().map(|_| None).collect();
+        self.pool.run_each(&mut items, &|ctx, out| {
+            let c = l.coords(ctx.rank);
+            let n = l.stage_len(c.pp);
+            let shard = l.dp_shard(c.pp, c.dp);
+            let rank = ctx.rank;
+            // The fp32 values are made in the grads buffer, which is zeroed at the end.
+            let mut grads = alloc_zeros::<f32>(&ctx.compute, n, rank, "gradients")?;
+            let gp = ptr_mut(&mut grads, ctx);
+            for slot in l.stage_slots(c.pp) {
+                let s = slot_seed(seed, l, slot, c.tp);
+                // SAFETY: the slot lies inside the stage buffer of n elements.
+                unsafe {
+                    ctx.kernels.fill_uniform(
+                        &ctx.compute,
+                        gp + 4 * slot.offset as u64,
+                        slot.numel() as u64,
+                        s,
+                        0,
+                        scale,
+                        rank,
+                    )?
+                };
+            }
+            // SAFETY: fully written by the cast right after.
+            let mut params = unsafe { alloc_device::<bf16>(&ctx.compute, n, rank, "parameters")? };
+            let pp = ptr_mut(&mut params, ctx);
+            let all = Region2d {
+                rows: 1,
+                cols: n as u64,
+                src_ld: n as u64,
+                dst_ld: n as u64,
+            };
+            // SAFETY: both buffers hold n elements and live until the synchronisation below.
+            unsafe { ctx.kernels.cast_f32_bf16(&ctx.compute, gp, pp, all, rank)? };
+            let k = shard.len();
+            // SAFETY: fully written by the copy right after (a zero-length shard is never read).
+            let mut main = unsafe { alloc_device::<f32>(&ctx.compute, k, rank, "main params")? };
+            if k > 0 {
+                ctx.compute
+                    .memcpy_dtod(&grads.slice(shard.clone()), &mut main.slice_mut(0..k))
+                    .map_err(ctx.drv("copying main params", (k * 4) as u64))?;
+            }
+            let mut moments = Vec::new();
+            for (i, what) in ["Adam m", "Adam v"].into_iter().enumerate() {
+                let mut b = alloc_zeros::<f32>(&ctx.compute, k, rank, what)?;
+                let bp = ptr_mut(&mut b, ctx);
+                let s = seed ^ (0xA5A5_0000 + i as u64) ^ ((c.pp * l.tp() + c.tp) as u64) << 32;
+                // SAFETY: `b` holds k elements.
+                unsafe {
+                    ctx.kernels.fill_uniform(
+                        &ctx.compute,
+                        bp,
+                        k as u64,
+                        s,
+                        shard.start as u64,
+                        scale * 1e-3,
+                        rank,
+                    )?
+                };
+                moments.push(b);
+            }
+            ctx.compute
+                .memset_zeros(&mut grads)
+                .map_err(ctx.drv("zeroing gradients", (n * 4) as u64))?;
+            ctx.compute
+                .synchronize()
+                .map_err(ctx.drv("building the synthetic state", 0))?;
+            let v = moments.pop();
+            let m = moments.pop();
+            let (Some(m), Some(v)) = (m, v) else {
+                return Err(CudaError::Invalid("Adam moments were not built".into()));
+            };
+            *out = Some(GpuRank {
+                rank,
+                params: GpuBuffer::on_device(params, n),
+                grads: Some(grads),
+                shard,
+                main: GpuBuffer::on_device(main, k),
+                adam_m: GpuBuffer::on_device(m, k),
+                adam_v: GpuBuffer::on_device(v, k),
+            });
+            Ok(())
+        })?;
+        Ok(MegatronGpuState {
+            layout,
+            ranks: items.into_iter().flatten().collect(),
+            adam_steps: 0,
+        })
+    }
+
+    /// The training state downloaded into the CPU backend's state (single-process mode): bf16
+    /// params, grads, main params and Adam moments bit for bit; buffers offloaded on the GPU side
+    /// are offloaded in the copy too. For round-trip checks and comparisons with the CPU backend.
+    pub fn download_state(
+        &self,
+        state: &MegatronGpuState,
+    ) -> Result<MegatronTrainState, MegatronGpuError> {
+        self.check_state(state)?;
+        if self.locals().len() != self.pool.world() {
+            return Err(MegatronGpuError::NotAllLocal {
+                operation: "downloading the whole training state",
+                world: self.pool.world(),
+                local: self.locals().len(),
+            });
+        }
+        let mut items: Vec<&GpuRank> = state.ranks.iter().collect();
+        let ranks = self.pool.run_each(&mut items, &|ctx, r| {
+            ctx.sync_all()?;
+            let params = r.params.download(ctx, "downloading bf16 parameters")?;
+            let main = r.main.download(ctx, "downloading main params")?;
+            let m = r.adam_m.download(ctx, "downloading Adam m")?;
+            let v = r.adam_v.download(ctx, "downloading Adam v")?;
+            let grads = match &r.grads {
+                Some(g) => {
+                    let mut g = ctx
+                        .compute
+                        .clone_dtoh(g)
+                        .map_err(ctx.drv("downloading grads", 0))?;
+                    g.truncate(r.params.len);
+                    Some(g)
+                }
+                None => None,
+            };
+            let mut current = grads.as_ref().map_or(0, |g| g.len() * 4);
+            for (on, bytes) in [
+                (r.params.dev.is_some(), r.params.bytes()),
+                (r.main.dev.is_some(), r.main.bytes()),
+                (r.adam_m.dev.is_some(), r.adam_m.bytes()),
+                (r.adam_v.dev.is_some(), r.adam_v.bytes()),
+            ] {
+                if on {
+                    current += bytes;
+                }
+            }
+            Ok(RankTrain {
+                params: resident(r.params.dev.is_some(), params),
+                grads,
+                shard: r.shard.clone(),
+                main: resident(r.main.dev.is_some(), main),
+                adam_m: resident(r.adam_m.dev.is_some(), m),
+                adam_v: resident(r.adam_v.dev.is_some(), v),
+                meter: MemoryMeter {
+                    current: current as u64,
+                    peak: current as u64,
+                },
+            })
+        })?;
+        Ok(MegatronTrainState::from_ranks(
+            state.layout.clone(),
+            ranks,
+            state.adam_steps,
+        )?)
+    }
+
+    /// Downloads the rollout weights of this process's ranks to host memory (rollout order,
+    /// the CPU backend's layout), for bit comparisons.
+    pub fn download_rollout(
+        &self,
+        rollout: &MegatronGpuRollout,
+    ) -> Result<HostRollout, MegatronGpuError> {
+        if rollout.local != self.locals() {
+            return Err(MegatronGpuError::RolloutMismatch {
+                expected: rollout.len,
+                expected_ranks: self.locals().len(),
+                found: rollout.len,
+                found_ranks: rollout.local.len(),
+            });
+        }
+        let len = rollout.len;
+        let mut items: Vec<&CudaSlice<bf16>> = rollout.ranks.iter().collect();
+        let flats = self.pool.run_each(&mut items, &|ctx, buf| {
+            ctx.sync_all()?;
+            let mut v = ctx
+                .compute
+                .clone_dtoh(*buf)
+                .map_err(ctx.drv("downloading rollout weights", 0))?;
+            v.truncate(len);
+            Ok(v)
+        })?;
+        let ranks = flats
+            .into_iter()
+            .map(|flat| RankRollout {
+                tensors: rollout
+                    .entries
+                    .iter()
+                    .map(|e| RolloutTensor {
+                        name: e.name.clone(),
+                        shape: e.shape.clone(),
+                        data: flat[e.offset..e.offset + e.numel].to_vec(),
+                    })
+                    .collect(),
+            })
+            .collect();
+        Ok(HostRollout { ranks })
+    }
+
+    /// Allocates the pinned host memory an offload of `state` under `memory` needs, into the
+    /// pinned pool (so the first switch does not pay for pinning). Returns the bytes the pool
+    /// caches for this process's ranks afterwards.
+    pub fn reserve_pinned(
+        &self,
+        state: &MegatronGpuState,
+        memory: MemoryPolicy,
+    ) -> Result<u64, MegatronGpuError> {
+        self.check_state(state)?;
+        let pinned = &*self.pinned;
+        let mut items: Vec<&GpuRank> = state.ranks.iter().collect();
+        let cached = self.pool.run_each(&mut items, &|ctx, r| {
+            let mut sizes = Vec::new();
+            if memory.offload_params {
+                sizes.extend([r.params.bytes(), r.main.bytes()]);
+            }
+            if memory.offload_optimizer {
+                sizes.extend([r.adam_m.bytes(), r.adam_v.bytes()]);
+            }
+            let mut taken = Vec::new();
+            let mut failure = None;
+            for n in sizes {
+                match pinned.take(ctx, n, "reserved pinned memory") {
+                    Ok(c) => taken.push(c),
+                    Err(e) => {
+                        failure = Some(e);
+                        break;
+                    }
+                }
+            }
+            for c in taken {
+                pinned.give(ctx.rank, c);
+            }
+            match failure {
+                Some(e) => Err(e),
+                None => Ok(pinned.cached_bytes(ctx.rank)),
+            }
+        })?;
+        Ok(cached.iter().sum())
+    }
+
+    /// Gives the device memory cached by each rank's stream-ordered pool (freed rollout weights,
+    /// offloaded state, staging) back to the driver.
+    pub fn trim_device_memory(&self) -> Result<(), MegatronGpuError> {
+        self.pool.run(&|ctx| ctx.trim_pool())?;
+        Ok(())
+    }
+
+    fn entries(plan: &MegatronGpuPlan) -> Vec<RolloutEntry> {
+        plan.plan
+            .tensors
+            .iter()
+            .zip(&plan.offsets)
+            .map(|(t, &offset)| RolloutEntry {
+                name: t.name.clone(),
+                shape: t.shape.clone(),
+                offset,
+                numel: t.numel(),
+            })
+            .collect()
+    }
+
+    /// Runs every local rank's schedule into `rolls`, starting the offload copies of `memory`
+    /// first so they overlap it. With `tracing`, each rank's work is marked on a
+    /// [`StreamTimeline`] (returned in its [`RankMoved`], read by [`Self::finish_offload`]).
+    fn transfer(
+        &mut self,
+        plan: &MegatronGpuPlan,
+        state: &mut MegatronGpuState,
+        rolls: &mut [CudaSlice<bf16>],
+        memory: MemoryPolicy,
+        tracing: bool,
+    ) -> Result<Vec<RankMoved>, MegatronGpuError> {
+        let pinned = &*self.pinned;
+        let config = plan.config;
+        // Peer copies write into every rank's rollout buffer: their addresses by global rank.
+        let mut bases = vec![0u64; self.pool.world()];
+        if plan
+            .ranks
+            .iter()
+            .any(|s| !s.pushes.is_empty() || !s.peer_tiles.is_empty())
+        {
+            let got = self
+                .pool
+                .run_each(rolls, &|ctx, roll| Ok(ptr_mut(roll, ctx)))?;
+            for (&r, b) in self.locals().iter().zip(got) {
+                bases[r] = b;
+            }
+        }
+        let bases = &bases;
+        let mut items: Vec<(
+            &mut GpuRank,
+            &mut RankRes,
+            &mut CudaSlice<bf16>,
+            &RankSchedule,
+        )> = state
+            .ranks
+            .iter_mut()
+            .zip(self.ranks.iter_mut())
+            .zip(rolls.iter_mut())
+            .zip(&plan.ranks)
+            .map(|(((rt, res), roll), s)| (rt, res, roll, s))
+            .collect();
+        let id = plan.id;
+        let moved = self.pool.run_each(&mut items, &|ctx, (rt, res, roll, s)| {
+            let mut tl = StreamTimeline::new(ctx, tracing)?;
+            ctx.order(&ctx.compute, &ctx.copy)?;
+            // Offload copies first, on the copy stream: they overlap everything below.
+            if memory.offload_optimizer {
+                rt.adam_m
+                    .start_offload(ctx, pinned, "offloading Adam m", &mut tl)?;
+                rt.adam_v
+                    .start_offload(ctx, pinned, "offloading Adam v", &mut tl)?;
+            }
+            if memory.offload_params {
+                rt.main
+                    .start_offload(ctx, pinned, "offloading main params", &mut tl)?;
+                rt.params
+                    .start_offload(ctx, pinned, "offloading bf16 parameters", &mut tl)?;
+            }
+            if res.tiles.as_ref().map(|t| t.0) != Some(id) {
+                res.tiles = None;
+                let mut bytes = s.tile_bytes();
+                if bytes.is_empty() {
+                    bytes.resize(TILE_BYTES, 0);
+                }
+                let d = ctx
+                    .compute
+                    .clone_htod(&bytes)
+                    .map_err(ctx.drv("uploading the copy tiles", bytes.len() as u64))?;
+                res.tiles = Some((id, d));
+            }
+            let (Some(params), Some((_, tiles))) = (rt.params.dev.as_ref(), res.tiles.as_ref())
+            else {
+                return Err(CudaError::Invalid(
+                    "the bf16 parameters are offloaded: leave rollout mode first".into(),
+                ));
+            };
+            let k = &res.kernel;
+            let out = if !plan.peer_copy {
+                run_steps(ctx, s, k, ptr(tiles, ctx), params, roll, config, &mut tl)
+            } else {
+                let opts = (config.overlap_blocks_per_sm, config.split_local_bulk);
+                run_peer_copies(
+                    ctx,
+                    s,
+                    k,
+                    ptr(tiles, ctx),
+                    params,
+                    roll,
+                    bases,
+                    opts,
+                    &mut tl,
+                )
+            };
+            match out {
+                Ok(mut moved) => {
+                    moved.timeline = Some(tl);
+                    Ok(moved)
+                }
+                Err(e) => {
+                    // Nothing may still read or write the rollout or staging buffers when they
+                    // are freed after an error part-way through.
+                    let _ = ctx.sync_all();
+                    Err(e)
+                }
+            }
+        })?;
+        Ok(moved)
+    }
+
+    /// Records the transfer phase (metrics, and its host span when tracing) started at `start`.
+    fn record_transfer(ctx: &mut SwitchContext<'_>, moved: &[RankMoved], start: Instant) {
+        let wall = start.elapsed();
+        let mut sample = PhaseSample::default();
+        for m in moved {
+            sample.bytes.add(Link::DeviceToDevice, m.recv);
+            sample.bytes.add(Link::Local, m.local);
+            sample.peak_extra_bytes = sample.peak_extra_bytes.max(m.staging);
+        }
+        ctx.rec.record(Phase::Transfer, wall, sample);
+        if let Some(trace) = ctx.rec.trace() {
+            let b = sample.bytes;
+            trace.record_host(
+                "transfer",
+                Phase::Transfer,
+                None,
+                "switch",
+                start,
+                wall,
+                b.moved() + b.local,
+                None,
+            );
+        }
+    }
+
+    /// Waits for the offload copies, then frees what the policy moved out, and the grads; reads
+    /// the transfer's device timelines (every stream is synchronised by then) into the trace.
+    fn finish_offload(
+        &self,
+        state: &mut MegatronGpuState,
+        ctx: &mut SwitchContext<'_>,
+        moved: &mut [RankMoved],
+    ) -> Result<(), MegatronGpuError> {
+        let memory = ctx.memory;
+        let spans = ctx.rec.phase(Phase::Offload, |scope| {
+            let mut items: Vec<(&mut GpuRank, Option<StreamTimeline>)> = state
+                .ranks
+                .iter_mut()
+                .zip(moved.iter_mut().map(|m| m.timeline.take()))
+                .collect();
+            let out = self.pool.run_each(&mut items, &|c, (rt, tl)| {
+                c.sync_all()?;
+                let spans = match tl.take() {
+                    Some(tl) => tl.finish()?,
+                    None => RankSpans::default(),
+                };
+                let mut bytes = 0;
+                if memory.offload_params {
+                    bytes += rt.params.drop_device() + rt.main.drop_device();
+                }
+                if memory.offload_optimizer {
+                    bytes += rt.adam_m.drop_device() + rt.adam_v.drop_device();
+                }
+                rt.grads = None;
+                c.sync_all()?;
+                Ok((bytes, spans))
+            })?;
+            scope.add_bytes(Link::DeviceToHost, out.iter().map(|o| o.0).sum());
+            Ok::<Vec<RankSpans>, MegatronGpuError>(out.into_iter().map(|o| o.1).collect())
+        })?;
+        self.record_spans(ctx, &spans);
+        Ok(())
+    }
+
+    /// Adds per-rank device spans to the trace (when one is being recorded), on the ranks'
+    /// global numbers.
+    fn record_spans(&self, ctx: &mut SwitchContext<'_>, spans: &[RankSpans]) {
+        if let Some(trace) = ctx.rec.trace() {
+            for (local, s) in spans.iter().enumerate() {
+                let rank = self.locals().get(local).copied().unwrap_or(local);
+                s.record_into(trace, rank);
+            }
+        }
+    }
+}
+
+/// `Resident::Device` or `Resident::Host` as the GPU buffer is.
+fn resident<T>(on_device: bool, v: Vec<T>) -> Resident<T> {
+    if on_device {
+        Resident::Device(v)
+    } else {
+        Resident::Host(v.into_boxed_slice())
+    }
+}
+
+/// Uploads `data` to a new device buffer on the compute stream.
+fn upload<T: DeviceRepr>(ctx: &RankCtx, data: &[T], what: &str) -> Result<CudaSlice<T>, CudaError> {
+    let bytes = std::mem::size_of_val(data) as u64;
+    // SAFETY: fully written by the copy right after (an empty buffer is never read).
+    let mut d = unsafe { alloc_device::<T>(&ctx.compute, data.len(), ctx.rank, what)? };
+    if !data.is_empty() {
+        ctx.compute
+            .memcpy_htod(data, &mut d.slice_mut(0..data.len()))
+            .map_err(ctx.drv(what, bytes))?;
+    }
+    Ok(d)
+}
+
+/// The fill seed of a parameter: by kind, layer and TP rank (replicated norms: TP rank 0; a tied
+/// output layer: the embedding's).
+fn slot_seed(seed: u64, layout: &MegatronLayout, slot: &ParamSlot, tp: usize) -> u64 {
+    let tied_head = slot.kind == ParamKind::OutputLayer && layout.model().tied_embeddings;
+    let kind = if tied_head {
+        ParamKind::WordEmbedding
+    } else {
+        slot.kind
+    };
+    let replicated = matches!(
+        kind,
+        ParamKind::InputNorm | ParamKind::PreMlpNorm | ParamKind::FinalNorm
+    );
+    let t = if replicated { 0 } else { tp as u64 };
+    let layer = slot.layer.map_or(0xFFFF, |l| l as u64);
+    seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ ((kind as u64) << 56) ^ (layer << 24) ^ (t << 8)
+}
+
+/// Copies one chunk of the local work: its tiles with the kernel and its bulk runs with the
+/// driver's device-to-device copy, on `stream`.
+///
+/// # Safety
+/// As for [`CopyKernel::launch`]: every local tile and bulk run lies inside the parameter buffer
+/// at `pbase` and the rollout buffer at `rbase`, both alive until the stream has run the copies,
+/// and nothing else writes their destination elements.
+#[allow(clippy::too_many_arguments)]
+unsafe fn local_chunk(
+    ctx: &RankCtx,
+    s: &RankSchedule,
+    k: &CopyKernel,
+    tiles: u64,
+    chunk: &(std::ops::Range<usize>, std::ops::Range<usize>),
+    (pbase, rbase): (u64, u64),
+    stream: &Arc<cudarc::driver::CudaStream>,
+    blocks_per_sm: u32,
+) -> Result<(), CudaError> {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        k.launch(
+            stream,
+            tiles,
+            chunk.0.clone(),
+            pbase,
+            rbase,
+            blocks_per_sm,
+            ctx.rank,
+        )?
+    };
+    for r in &s.local_bulk[chunk.1.clone()] {
+        let bytes = r.cols * 2;
+        // SAFETY: the run lies inside both buffers (the caller's promise), 2 bytes per element.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                rbase + 2 * r.dst as u64,
+                pbase + 2 * r.src as u64,
+                bytes,
+                stream.cu_stream(),
+            )
+        }
+        .map_err(ctx.drv("copying a local run", bytes as u64))?;
     }
     Ok(())
 }
 
-fn offload(state: &mut MegatronTrainState, memory: MemoryPolicy, ctx: &mut SwitchContext<'_>) {
-    let _ = ctx.rec.phase(Phase::Offload, |scope| {
-        let ranks: Vec<&mut RankTrain> = state.ranks.iter_mut().collect();
-        let moved = per_rank(ranks, |_, r| {
-            let mut bytes = 0;
-            if let Some(g) = r.grads.take() {
-                r.meter.free((g.len() * 4) as u64);
-            }
-            if memory.offload_params {
-                bytes += r.params.offload(&mut r.meter);
-                bytes += r.main.offload(&mut r.meter);
-            }
-            if memory.offload_optimizer {
-                bytes += r.adam_m.offload(&mut r.meter);
-                bytes += r.adam_v.offload(&mut r.meter);
-            }
-            bytes
-        });
-        scope.add_bytes(Link::DeviceToHost, moved.iter().sum());
-        Ok::<(), MegatronError>(())
-    });
-}
-
-fn empty_rollout(plan: &MegatronPlan) -> RankRollout {
-    RankRollout {
-        tensors: plan
-            .tensors
-            .iter()
-            .map(|t| RolloutTensor {
-                name: t.name.clone(),
-                shape: t.shape.clone(),
-                data: vec![bf16::ZERO; t.numel()],
-            })
-            .collect(),
+/// Ends `mark` on `stream` as a transfer span on the track `track`: `what` gives its name and
+/// the bf16 elements it moved, worked out only when the timeline records (a mark is `None`
+/// when it does not).
+fn end_transfer(
+    tl: &mut StreamTimeline,
+    ctx: &RankCtx,
+    (stream, track): (&CudaStream, &'static str),
+    mark: Mark,
+    what: impl FnOnce() -> (String, usize),
+    link: Link,
+) -> Result<(), CudaError> {
+    if mark.is_none() {
+        return Ok(());
     }
+    let (name, elems) = what();
+    let bytes = (elems * 2) as u64;
+    tl.end(
+        ctx,
+        stream,
+        mark,
+        Phase::Transfer,
+        name,
+        track,
+        bytes,
+        Some(link),
+    )
 }
 
-impl Reshard for MegatronHostBackend {
-    type TrainState = MegatronTrainState;
-    type Rollout = HostRollout;
-    type Plan = MegatronPlan;
-    type Error = MegatronError;
+/// Zeroes the vocabulary padding rows of `roll` on the auxiliary stream (one span when traced).
+fn zero_padding(
+    ctx: &RankCtx,
+    s: &RankSchedule,
+    roll: &mut CudaSlice<bf16>,
+    tl: &mut StreamTimeline,
+) -> Result<(), CudaError> {
+    if s.zero.is_empty() {
+        return Ok(());
+    }
+    let mark = tl.begin(ctx, &ctx.aux)?;
+    for z in &s.zero {
+        ctx.aux
+            .memset_zeros(&mut roll.slice_mut(z.clone()))
+            .map_err(ctx.drv("zeroing vocabulary padding", (z.len() * 2) as u64))?;
+    }
+    let what = || ("zero padding".to_string(), s.zero_elems());
+    end_transfer(tl, ctx, (&ctx.aux, "aux"), mark, what, Link::Local)
+}
 
-    fn plan(&self, state: &MegatronTrainState) -> Result<MegatronPlan, MegatronError> {
-        state.layout.check_world(state.world())?;
-        Ok(plan_megatron_to_tp(
-            state.layout(),
-            &self.rollout,
-            self.config,
-        )?)
+/// One rank's schedule: zero the padding rows and copy the local runs (auxiliary stream), pack
+/// (compute stream), send/receive (NCCL stream) and unpack (compute stream) the steps, with
+/// `in_flight` send and receive slots; events order the streams. Each piece of work is marked on
+/// `tl` on the stream that runs it (after that stream's waits, so a span is the work alone).
+#[allow(clippy::too_many_arguments)]
+fn run_steps(
+    ctx: &RankCtx,
+    s: &RankSchedule,
+    k: &CopyKernel,
+    tiles: u64,
+    params: &CudaSlice<bf16>,
+    roll: &mut CudaSlice<bf16>,
+    config: GpuConfig,
+    tl: &mut StreamTimeline,
+) -> Result<RankMoved, CudaError> {
+    let rank = ctx.rank;
+    let n = s.steps.len();
+    let f = config.in_flight.max(1).min(n.max(1));
+    let bps = config.overlap_blocks_per_sm.max(1);
+    let nccl = ctx.nccl_stream();
+    let mut sslots: Vec<CudaSlice<bf16>> = Vec::new();
+    let mut rslots: Vec<CudaSlice<bf16>> = Vec::new();
+    if n > 0 {
+        for _ in 0..f {
+            if s.send_slot_elems > 0 {
+                // SAFETY: a step's sends read only slot elements its pack tiles wrote first.
+                sslots.push(unsafe {
+                    alloc_device::<bf16>(&ctx.compute, s.send_slot_elems, rank, "send staging")?
+                });
+            }
+            if s.recv_slot_elems > 0 {
+                // SAFETY: a step's unpack reads only slot elements its receives wrote first.
+                rslots.push(unsafe {
+                    alloc_device::<bf16>(&ctx.compute, s.recv_slot_elems, rank, "receive staging")?
+                });
+            }
+        }
+    }
+    // Allocations (stream-ordered on compute) and earlier writes are visible to the other streams.
+    ctx.order(&ctx.compute, &nccl)?;
+    ctx.order(&ctx.compute, &ctx.aux)?;
+    let pbase = ptr(params, ctx);
+    let rbase = ptr_mut(roll, ctx);
+    let sbases: Vec<u64> = sslots.iter_mut().map(|x| ptr_mut(x, ctx)).collect();
+    let rbases: Vec<u64> = rslots.iter_mut().map(|x| ptr_mut(x, ctx)).collect();
+    let aux = (&*ctx.aux, "aux");
+    let compute = (&*ctx.compute, "compute");
+    zero_padding(ctx, s, roll, tl)?;
+    let chunks = s.local_chunks(n);
+    if n == 0 {
+        for (i, c) in chunks.iter().enumerate() {
+            let mark = tl.begin(ctx, &ctx.aux)?;
+            // SAFETY: local tiles and bulk runs lie inside the parameter buffer (source) and the
+            // rollout buffer (destination), both alive until the synchronisation below; nothing
+            // else writes their destination elements.
+            unsafe { local_chunk(ctx, s, k, tiles, c, (pbase, rbase), &ctx.aux, 8)? };
+            let what = || (format!("local copies c{i}"), s.chunk_elems(c));
+            end_transfer(tl, ctx, aux, mark, what, Link::Local)?;
+        }
+    }
+    let rec =
+        |stream: &cudarc::driver::CudaStream| -> Result<cudarc::driver::CudaEvent, CudaError> {
+            let e = ctx.event()?;
+            e.record(stream).map_err(ctx.drv("recording an event", 0))?;
+            Ok(e)
+        };
+    let pack =
+        |j: usize, tl: &mut StreamTimeline| -> Result<cudarc::driver::CudaEvent, CudaError> {
+            let st = &s.steps[j];
+            if !st.pack.is_empty() {
+                let mark = tl.begin(ctx, &ctx.compute)?;
+                // SAFETY: pack tiles read the parameter buffer and write inside send slot j mod f,
+                // whose previous sends finished (the compute stream waited for them).
+                unsafe {
+                    k.launch(
+                        &ctx.compute,
+                        tiles,
+                        st.pack.clone(),
+                        pbase,
+                        sbases[j % f],
+                        bps,
+                        rank,
+                    )?
+                };
+                let what = || (format!("pack s{}", st.step), st.send_slot);
+                end_transfer(tl, ctx, compute, mark, what, Link::Local)?;
+            }
+            rec(&ctx.compute)
+        };
+    let mut packed = Vec::with_capacity(n);
+    for j in 0..f.min(n) {
+        packed.push(pack(j, tl)?);
+    }
+    for j in 0..n {
+        let st = &s.steps[j];
+        nccl.wait(&packed[j])
+            .map_err(ctx.drv("waiting on an event", 0))?;
+        let net_mark = tl.begin(ctx, &nccl)?;
+        ctx.group_start()?;
+        let mut res = Ok(());
+        for m in &st.sends {
+            let peer = m.peer as i32;
+            let r = match m.place {
+                Place::Slot(o) => ctx.comm.send(&sslots[j % f].slice(o..o + m.count), peer),
+                Place::Buffer(o) => ctx.comm.send(&params.slice(o..o + m.count), peer),
+            };
+            if let Err(e) = r {
+                res = Err(CudaError::nccl(rank, "ncclSend", e));
+                break;
+            }
+        }
+        if res.is_ok() {
+            for m in &st.recvs {
+                let peer = m.peer as i32;
+                let r = match m.place {
+                    Place::Slot(o) => ctx
+                        .comm
+                        .recv(&mut rslots[j % f].slice_mut(o..o + m.count), peer),
+                    Place::Buffer(o) => ctx.comm.recv(&mut roll.slice_mut(o..o + m.count), peer),
+                };
+                if let Err(e) = r {
+                    res = Err(CudaError::nccl(rank, "ncclRecv", e));
+                    break;
+                }
+            }
+        }
+        // Waits (with the pool's deadline) until the group's work is on the NCCL stream.
+        let end = ctx.group_end();
+        res?;
+        end?;
+        let what = || (format!("send/recv s{}", st.step), st.recv_elems);
+        end_transfer(
+            tl,
+            ctx,
+            (&nccl, "nccl"),
+            net_mark,
+            what,
+            Link::DeviceToDevice,
+        )?;
+        let net = rec(&nccl)?;
+        ctx.compute
+            .wait(&net)
+            .map_err(ctx.drv("waiting on an event", 0))?;
+        if !st.unpack.is_empty() {
+            let mark = tl.begin(ctx, &ctx.compute)?;
+            // SAFETY: unpack tiles read receive slot j mod f (filled by this step's receives,
+            // which the compute stream waited for) and write rollout elements no other copy
+            // writes.
+            unsafe {
+                k.launch(
+                    &ctx.compute,
+                    tiles,
+                    st.unpack.clone(),
+                    rbases[j % f],
+                    rbase,
+                    bps,
+                    rank,
+                )?
+            };
+            let what = || (format!("unpack s{}", st.step), st.recv_slot);
+            end_transfer(tl, ctx, compute, mark, what, Link::Local)?;
+        }
+        if j + f < n {
+            packed.push(pack(j + f, tl)?);
+        }
+        if let Some(c) = chunks.get(j) {
+            // The local copies give way to the packing the next network step needs.
+            ctx.aux
+                .wait(&packed[(j + 1).min(n - 1)])
+                .map_err(ctx.drv("waiting on an event", 0))?;
+            let mark = tl.begin(ctx, &ctx.aux)?;
+            // SAFETY: as for the local copies above.
+            unsafe { local_chunk(ctx, s, k, tiles, c, (pbase, rbase), &ctx.aux, bps)? };
+            let what = || (format!("local copies c{j}"), s.chunk_elems(c));
+            end_transfer(tl, ctx, aux, mark, what, Link::Local)?;
+        }
+    }
+    ctx.order(&nccl, &ctx.compute)?;
+    ctx.order(&ctx.aux, &ctx.compute)?;
+    // With the pool's deadline: a stalled peer ends in a timeout error, not a hang.
+    ctx.wait(&[&ctx.compute, &nccl], "the transfer's NCCL work")?;
+    let staging = (sslots.len() * s.send_slot_elems + rslots.len() * s.recv_slot_elems) * 2;
+    drop(sslots);
+    drop(rslots);
+    ctx.compute
+        .synchronize()
+        .map_err(ctx.drv("freeing staging", 0))?;
+    Ok(RankMoved {
+        recv: (s.recv_elems * 2) as u64,
+        local: (s.local_elems * 2) as u64,
+        staging: staging as u64,
+        timeline: None,
+    })
+}
+
+/// One rank's peer-copy schedule: zero the padding rows and copy the local runs (auxiliary
+/// stream, tile kernel) while the copy engines write this rank's remote runs into its peers'
+/// rollout buffers (NCCL's stream, which is otherwise idle; one span per destination).
+/// `bases` holds every rank's rollout buffer address, by global rank.
+#[allow(clippy::too_many_arguments)]
+fn run_peer_copies(
+    ctx: &RankCtx,
+    s: &RankSchedule,
+    k: &CopyKernel,
+    tiles: u64,
+    params: &CudaSlice<bf16>,
+    roll: &mut CudaSlice<bf16>,
+    bases: &[u64],
+    (blocks_per_sm, split_bulk): (u32, bool),
+    tl: &mut StreamTimeline,
+) -> Result<RankMoved, CudaError> {
+    let peer = ctx.nccl_stream();
+    let bps = if s.pushes.is_empty() && s.peer_tiles.is_empty() {
+        8
+    } else {
+        blocks_per_sm.max(1)
+    };
+    ctx.order(&ctx.compute, &peer)?;
+    ctx.order(&ctx.compute, &ctx.aux)?;
+    let pbase = ptr(params, ctx);
+    let rbase = ptr_mut(roll, ctx);
+    // Remote runs first: the copy engines start while the local work is being queued.
+    let mut i = 0;
+    while i < s.pushes.len() {
+        let to = s.pushes[i].peer;
+        let end = s.pushes[i..]
+            .iter()
+            .position(|p| p.peer != to)
+            .map_or(s.pushes.len(), |n| i + n);
+        let group = &s.pushes[i..end];
+        let dst_base = bases.get(to).copied().filter(|&b| b != 0).ok_or_else(|| {
+            CudaError::Invalid(format!(
+                "rank {to}'s rollout buffer is not known to rank {}",
+                ctx.rank
+            ))
+        })?;
+        let mark = tl.begin(ctx, &peer)?;
+        for p in group {
+            let r = &p.run;
+            // SAFETY: the run lies inside this rank's parameter buffer and the peer's rollout
+            // buffer (the planner's offsets), both alive until every rank has synchronised at
+            // the end of the transfer; the pool enabled peer access (plans with peer copies
+            // exist only then); no other copy writes these destination elements.
+            unsafe {
+                lifecycle_cuda::copy_2d(
+                    ctx,
+                    &peer,
+                    (dst_base + 2 * r.dst as u64, 2 * r.dst_ld),
+                    (pbase + 2 * r.src as u64, 2 * r.src_ld),
+                    2 * r.cols,
+                    r.rows,
+                    "copying runs into a peer's rollout buffer",
+                )?
+            };
+        }
+        let what = || {
+            (
+                format!("peer copies to rank {to}"),
+                group.iter().map(|p| p.run.numel()).sum(),
+            )
+        };
+        end_transfer(tl, ctx, (&peer, "peer"), mark, what, Link::DeviceToDevice)?;
+        i = end;
+    }
+    // Small remote runs: one tile-kernel launch per peer writes them into its memory.
+    for (to, range) in &s.peer_tiles {
+        let dst_base = bases.get(*to).copied().filter(|&b| b != 0).ok_or_else(|| {
+            CudaError::Invalid(format!(
+                "rank {to}'s rollout buffer is not known to rank {}",
+                ctx.rank
+            ))
+        })?;
+        let mark = tl.begin(ctx, &ctx.compute)?;
+        // SAFETY: the tiles lie inside this rank's parameter buffer and the peer's rollout
+        // buffer (the planner's offsets), both alive until every rank has synchronised at the
+        // end of the transfer; peer access is enabled; no other copy writes these elements.
+        unsafe {
+            k.launch(
+                &ctx.compute,
+                tiles,
+                range.clone(),
+                pbase,
+                dst_base,
+                8,
+                ctx.rank,
+            )?
+        };
+        let what = || {
+            (
+                format!("peer tiles to rank {to}"),
+                s.tile_elems(range.clone()),
+            )
+        };
+        end_transfer(
+            tl,
+            ctx,
+            (&ctx.compute, "compute"),
+            mark,
+            what,
+            Link::DeviceToDevice,
+        )?;
+    }
+    zero_padding(ctx, s, roll, tl)?;
+    let all = (s.local.clone(), 0..s.local_bulk.len());
+    // The driver's copies of large local runs on the compute stream (after any peer tiles),
+    // beside the tile kernel on the auxiliary one, when split.
+    let (tiled, bulk) = if split_bulk {
+        ((all.0.clone(), 0..0), Some((0..0, all.1.clone())))
+    } else {
+        (all.clone(), None)
+    };
+    let mut parts = vec![(&ctx.aux, "aux", tiled)];
+    if let Some(b) = bulk.filter(|b| !b.1.is_empty()) {
+        parts.push((&ctx.compute, "compute", b));
+    }
+    for (stream, track, c) in parts {
+        let mark = tl.begin(ctx, stream)?;
+        // SAFETY: local tiles and bulk runs lie inside the parameter buffer (source) and the
+        // rollout buffer (destination), both alive until the synchronisation below; peers write
+        // only other elements of the rollout buffer.
+        unsafe { local_chunk(ctx, s, k, tiles, &c, (pbase, rbase), stream, bps)? };
+        let what = || ("local copies".to_string(), s.chunk_elems(&c));
+        end_transfer(tl, ctx, (stream, track), mark, what, Link::Local)?;
+    }
+    ctx.order(&peer, &ctx.compute)?;
+    ctx.order(&ctx.aux, &ctx.compute)?;
+    ctx.wait(&[&ctx.compute, &peer], "the transfer's peer copies")?;
+    Ok(RankMoved {
+        recv: (s.recv_elems * 2) as u64,
+        local: (s.local_elems * 2) as u64,
+        staging: 0,
+        timeline: None,
+    })
+}
+
+impl Reshard for MegatronGpuBackend {
+    type TrainState = MegatronGpuState;
+    type Rollout = MegatronGpuRollout;
+    type Plan = Arc<MegatronGpuPlan>;
+    type Error = MegatronGpuError;
+
+    fn plan(&self, state: &MegatronGpuState) -> Result<Arc<MegatronGpuPlan>, MegatronGpuError> {
+        self.check_state(state)?;
+        let bucket = BucketConfig {
+            bucket_bytes: self.config.bucket_bytes,
+        };
+        let mut cached = self.cached.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = cached.as_ref() {
+            let same = p.plan.train == state.layout
+                && p.plan.rollout == self.rollout
+                && p.config == self.config
+                && p.ranks
+                    .iter()
+                    .map(|s| s.rank)
+                    .eq(self.locals().iter().copied());
+            if same {
+                return Ok(p.clone());
+            }
+        }
+        let peer_copy = self.config.transport.resolve(&self.pool)?;
+        let plan = plan_megatron_to_tp(&state.layout, &self.rollout, bucket)?;
+        let (offsets, len) = rollout_offsets(&plan);
+        let opts = self.config.schedule_options(peer_copy);
+        let ranks = self
+            .locals()
+            .iter()
+            .map(|&r| build_rank(&plan, &offsets, r, opts))
+            .collect();
+        let p = Arc::new(MegatronGpuPlan {
+            id: NEXT_PLAN.fetch_add(1, Ordering::Relaxed),
+            config: self.config,
+            peer_copy,
+            plan,
+            offsets,
+            len,
+            ranks,
+        });
+        *cached = Some(p.clone());
+        Ok(p)
     }
 
     fn enter(
         &mut self,
-        plan: &MegatronPlan,
-        state: &mut MegatronTrainState,
+        plan: &Arc<MegatronGpuPlan>,
+        state: &mut MegatronGpuState,
         ctx: &mut SwitchContext<'_>,
-    ) -> Result<HostRollout, MegatronError> {
-        if plan.train != state.layout {
-            return Err(MegatronError::PlanMismatch);
-        }
+    ) -> Result<MegatronGpuRollout, MegatronGpuError> {
+        self.check_plan(plan, state)?;
         if state.is_offloaded() {
-            return Err(MegatronError::Offloaded {
+            return Err(MegatronGpuError::Offloaded {
                 operation: "entering rollout mode",
             });
         }
-        let mut rollout = HostRollout {
-            ranks: plan.ranks.iter().map(|_| empty_rollout(plan)).collect(),
-        };
-        for (r, out) in state.ranks.iter_mut().zip(&rollout.ranks) {
-            r.meter.alloc(out.bytes());
-        }
-        if let Err(e) = transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx) {
-            for (r, out) in state.ranks.iter_mut().zip(&rollout.ranks) {
-                r.meter.free(out.bytes());
+        let len = plan.len;
+        let peers_write = plan
+            .ranks
+            .iter()
+            .any(|s| !s.pushes.is_empty() || !s.peer_tiles.is_empty());
+        let mut unit: Vec<()> = vec![(); self.locals().len()];
+        // Rollout buffers first: an OOM here leaves the training state untouched.
+        let mut rolls = self.pool.run_each(&mut unit, &|c, _| {
+            // SAFETY: every element is written by a local or unpack tile or zeroed as vocabulary
+            // padding (the schedule covers the buffer exactly) before the buffer is handed out.
+            let roll = unsafe { alloc_device::<bf16>(&c.compute, len, c.rank, "rollout weights") }?;
+            if peers_write {
+                // Peers may write into the buffer as soon as the transfer starts.
+                c.compute
+                    .synchronize()
+                    .map_err(c.drv("allocating the rollout weights", (len * 2) as u64))?;
             }
-            return Err(e);
-        }
-        offload(state, ctx.memory, ctx);
-        Ok(rollout)
+            Ok(roll)
+        })?;
+        let start = Instant::now();
+        let tracing = ctx.rec.tracing();
+        let mut moved = self.transfer(plan, state, &mut rolls, ctx.memory, tracing)?;
+        Self::record_transfer(ctx, &moved, start);
+        self.finish_offload(state, ctx, &mut moved)?;
+        Ok(MegatronGpuRollout {
+            ranks: rolls,
+            local: self.locals().to_vec(),
+            entries: Self::entries(plan),
+            len,
+        })
     }
 
     fn refresh(
         &mut self,
-        plan: &MegatronPlan,
-        state: &mut MegatronTrainState,
-        rollout: &mut HostRollout,
+        plan: &Arc<MegatronGpuPlan>,
+        state: &mut MegatronGpuState,
+        rollout: &mut MegatronGpuRollout,
         ctx: &mut SwitchContext<'_>,
-    ) -> Result<(), MegatronError> {
-        if plan.train != state.layout {
-            return Err(MegatronError::PlanMismatch);
-        }
+    ) -> Result<(), MegatronGpuError> {
+        self.check_plan(plan, state)?;
         if state.is_offloaded() {
-            return Err(MegatronError::Offloaded {
+            return Err(MegatronGpuError::Offloaded {
                 operation: "refreshing rollout weights",
             });
         }
-        if rollout.ranks.len() != plan.ranks.len() {
-            return Err(MegatronError::RolloutMismatch {
-                name: "<rank count>".into(),
-                rank: rollout.ranks.len(),
-                expected: plan.ranks.len(),
-                found: rollout.ranks.len(),
+        if rollout.len != plan.len || rollout.local != self.locals() {
+            return Err(MegatronGpuError::RolloutMismatch {
+                expected: plan.len,
+                expected_ranks: self.locals().len(),
+                found: rollout.len,
+                found_ranks: rollout.local.len(),
             });
         }
-        for rank_plan in &plan.ranks {
-            let resident = rollout.ranks.get(rank_plan.rank);
-            for (i, spec) in plan.tensors.iter().enumerate() {
-                let found = resident
-                    .and_then(|r| r.tensors.get(i))
-                    .filter(|t| t.name == spec.name)
-                    .map_or(0, |t| t.data.len());
-                if found != spec.numel() {
-                    return Err(MegatronError::RolloutMismatch {
-                        name: spec.name.clone(),
-                        rank: rank_plan.rank,
-                        expected: spec.numel(),
-                        found,
-                    });
-                }
-            }
-        }
-        transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx)?;
-        offload(state, ctx.memory, ctx);
-        Ok(())
+        let start = Instant::now();
+        let tracing = ctx.rec.tracing();
+        let mut moved = self.transfer(plan, state, &mut rollout.ranks, ctx.memory, tracing)?;
+        Self::record_transfer(ctx, &moved, start);
+        self.finish_offload(state, ctx, &mut moved)
     }
 
     fn exit(
         &mut self,
-        state: &mut MegatronTrainState,
-        rollout: Option<HostRollout>,
+        state: &mut MegatronGpuState,
+        rollout: Option<MegatronGpuRollout>,
         ctx: &mut SwitchContext<'_>,
-    ) -> Result<(), MegatronError> {
+    ) -> Result<(), MegatronGpuError> {
         if let Some(rollout) = rollout {
             ctx.rec.phase(Phase::Release, |_| {
-                for (rank, r) in rollout.ranks.into_iter().enumerate() {
-                    if let Some(s) = state.ranks.get_mut(rank) {
-                        s.meter.free(r.bytes());
-                    }
+                let mut items: Vec<Option<CudaSlice<bf16>>> =
+                    rollout.ranks.into_iter().map(Some).collect();
+                if items.len() == self.locals().len() {
+                    self.pool.run_each(&mut items, &|c, buf| {
+                        c.sync_all()?;
+                        drop(buf.take());
+                        c.compute
+                            .synchronize()
+                            .map_err(c.drv("releasing rollout weights", 0))
+                    })?;
                 }
-                Ok::<(), MegatronError>(())
+                Ok::<(), MegatronGpuError>(())
             })?;
         }
-        ctx.rec.phase(Phase::Reload, |scope| {
-            let ranks: Vec<&mut RankTrain> = state.ranks.iter_mut().collect();
-            let moved = per_rank(ranks, |_, r| {
-                let mut bytes = r.params.reload(&mut r.meter);
-                bytes += r.main.reload(&mut r.meter);
-                bytes += r.adam_m.reload(&mut r.meter);
-                bytes += r.adam_v.reload(&mut r.meter);
-                if r.grads.is_none() {
-                    let n = r.params.values().len();
-                    r.meter.alloc((n * 4) as u64);
-                    r.grads = Some(vec![0.0; n]);
+        self.check_state(state)?;
+        let pinned = &*self.pinned;
+        let tracing = ctx.rec.tracing();
+        let spans = ctx.rec.phase(Phase::Reload, |scope| {
+            let mut items: Vec<&mut GpuRank> = state.ranks.iter_mut().collect();
+            let moved = self.pool.run_each(&mut items, &|c, rt| {
+                c.sync_all()?;
+                let mut tl = StreamTimeline::new(c, tracing)?;
+                let mut bytes = rt
+                    .params
+                    .start_reload(c, "reloading bf16 parameters", &mut tl)?;
+                bytes += rt.main.start_reload(c, "reloading main params", &mut tl)?;
+                bytes += rt.adam_m.start_reload(c, "reloading Adam m", &mut tl)?;
+                bytes += rt.adam_v.start_reload(c, "reloading Adam v", &mut tl)?;
+                if rt.grads.is_none() {
+                    rt.grads = Some(alloc_zeros(&c.compute, rt.params.len, c.rank, "gradients")?);
                 }
-                bytes
-            });
-            scope.add_bytes(Link::HostToDevice, moved.iter().sum());
-            Ok(())
-        })
+                c.sync_all()?;
+                rt.params.release_host(c.rank, pinned);
+                rt.main.release_host(c.rank, pinned);
+                rt.adam_m.release_host(c.rank, pinned);
+                rt.adam_v.release_host(c.rank, pinned);
+                Ok((bytes, tl.finish()?))
+            })?;
+            scope.add_bytes(Link::HostToDevice, moved.iter().map(|m| m.0).sum());
+            Ok::<Vec<RankSpans>, MegatronGpuError>(moved.into_iter().map(|m| m.1).collect())
+        })?;
+        self.record_spans(ctx, &spans);
+        Ok(())
     }
 }

@@ -1,88 +1,70 @@
-use lifecycle_layout::DType;
+//! The GPU executor's error type.
 
+use lifecycle_cuda::CudaError;
+
+use lifecycle_host::megatron::MegatronError;
 use lifecycle_layout::megatron::MegatronLayoutError;
 
-/// Errors of the Megatron host backend; each names the tensor or argument and the fix.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum MegatronError {
-    /// The layouts are inconsistent (see [`MegatronLayoutError`]).
+/// What the GPU Megatron backend can fail with; each names the argument and the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum MegatronGpuError {
+    /// The layouts are inconsistent (found by the planner before any data moves).
     #[error(transparent)]
     Layout(#[from] MegatronLayoutError),
-    /// A Hugging Face tensor the model needs was not given.
-    #[error("tensor `{name}` is missing: the model description needs it (check the layer count, qkv bias and tied embeddings)")]
-    MissingTensor {
-        /// The name.
-        name: String,
-    },
-    /// A tensor the model description does not have.
-    #[error("tensor `{name}` is not a parameter of the described model: remove it or fix the model description (layers, qkv bias, tied embeddings)")]
-    UnexpectedTensor {
-        /// The name.
-        name: String,
-    },
-    /// The same name twice.
-    #[error("tensor `{name}` is given twice: names must be unique")]
-    DuplicateTensor {
-        /// The name.
-        name: String,
-    },
-    /// A shape that contradicts the model description.
-    #[error("tensor `{name}` has shape {found:?} but the model description gives {expected:?}")]
-    ShapeMismatch {
-        /// The name.
-        name: String,
-        /// From the model description.
-        expected: Vec<usize>,
-        /// Given.
-        found: Vec<usize>,
-    },
-    /// A tensor whose dtype cannot be a trainable weight.
+    /// Host tensors or a host state that cannot become the training state.
+    #[error(transparent)]
+    Host(#[from] MegatronError),
+    /// A GPU, driver, NCCL or allocation failure.
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    /// The training state and the rank pool disagree on W or on the ranks this process drives.
     #[error(
-        "tensor `{name}` has dtype {found}: weights must be floating point (f32, bf16 or f16)"
+        "the training state has W = {state} ranks ({state_local} in this process) but the rank \
+         pool has W = {pool} ({pool_local} in this process): build the state with the pool the \
+         backend uses, for a layout with TP × PP × DP = {pool}"
     )]
-    DType {
-        /// The name.
-        name: String,
-        /// Its dtype.
-        found: DType,
+    WorldMismatch {
+        /// W of the state.
+        state: usize,
+        /// Ranks of the state held by this process.
+        state_local: usize,
+        /// W of the pool.
+        pool: usize,
+        /// Ranks of the pool driven by this process.
+        pool_local: usize,
     },
-    /// Data length does not match the shape.
-    #[error("tensor `{name}` has {found} elements but its shape {shape:?} needs {expected}")]
-    ElementCount {
-        /// The name.
-        name: String,
-        /// Its declared shape.
-        shape: Vec<usize>,
-        /// Elements the shape needs.
-        expected: usize,
-        /// Elements given.
-        found: usize,
-    },
-    /// An operation that needs the training state on the device found it offloaded.
+    /// The training state is not on the device where the operation needs it.
     #[error("{operation} needs the training state on the device, but it is offloaded: leave rollout mode first (`lifecycle.train()`)")]
     Offloaded {
         /// What was attempted.
         operation: &'static str,
     },
-    /// A training state whose buffers contradict its own layout (a bug, not a user error).
-    #[error("training state is inconsistent with its layout: {what}")]
-    Inconsistent {
-        /// What was found.
-        what: String,
-    },
-    /// A plan made for another training layout.
-    #[error("the plan was made for another training layout than the state's: plan again from this state")]
+    /// A plan made for another training layout or another backend.
+    #[error("the plan was made for another training layout or rollout layout than this backend and state use: plan again")]
     PlanMismatch,
-    /// Resident rollout weights do not match the plan.
-    #[error("resident rollout tensor `{name}` on rank {rank} has {found} elements but the plan needs {expected}: exit and enter again")]
+    /// Resident rollout weights that do not match the plan.
+    #[error("the resident rollout weights hold {found} elements per rank on {found_ranks} ranks, the plan needs {expected} on {expected_ranks}: exit and enter again")]
     RolloutMismatch {
-        /// The tensor.
-        name: String,
-        /// The rank.
-        rank: usize,
-        /// Elements the plan needs.
+        /// Elements per rank the plan needs.
         expected: usize,
-        /// Elements resident.
+        /// Ranks the plan needs in this process.
+        expected_ranks: usize,
+        /// Elements per rank resident.
         found: usize,
+        /// Ranks resident.
+        found_ranks: usize,
+    },
+    /// Invalid settings.
+    #[error("invalid setting: {0}")]
+    Config(String),
+    /// An operation that needs every rank in this process (one process driving all GPUs).
+    #[error("{operation} needs every rank in this process (W = {world}, this process drives {local}): run it in the single-process mode, or read each rank's part in its own process")]
+    NotAllLocal {
+        /// What was attempted.
+        operation: &'static str,
+        /// W.
+        world: usize,
+        /// Ranks of this process.
+        local: usize,
     },
 }

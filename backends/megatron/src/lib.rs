@@ -1,54 +1,72 @@
-//! Megatron-Core training layouts to the fused tensor-parallel rollout layout.
+//! Megatron-Core training layouts to the fused tensor-parallel rollout layout, on NVIDIA GPUs.
 //!
-//! - `lifecycle_layout::megatron` (pure, no memory touched): the Megatron training layout (TP × PP × DP in
-//!   Megatron-Core's rank order, fused `linear_qkv` per query group, fused `linear_fc1` =
-//!   `[gate; up]`, vocab-parallel embedding and output layer with Megatron's padding, pipeline
-//!   stages, distributed-optimizer shards), the fused rollout layout of degree `T`, and the
-//!   planner that says which element runs each rollout rank reads from which training rank.
-//! - [`MegatronTrainState`] / [`MegatronHostBackend`]: the CPU executor implementing
-//!   [`Reshard`](lifecycle_core::Reshard), ranks as threads, real offload accounting; the rollout
-//!   is a [`lifecycle_host::HostRollout`] with one tensor per fused rollout tensor per rank.
-//! - [`gpu`]: the executor on NVIDIA GPUs ([`gpu::MegatronGpuBackend`]), the same plan run with
-//!   NCCL send/receive steps, bit-identical to the CPU executor.
-//! - [`reference_rollout`]: the independent reference (rebuild full Hugging Face tensors, slice
-//!   them) the executor is checked against bit for bit; [`fuse_unfused_rollout`] fuses the FSDP
-//!   backends' unfused rollout for cross-backend checks.
+//! The layouts, the planner and the per-rank schedule are pure and live in
+//! `lifecycle_layout::megatron`; the CPU executor is `lifecycle_host::megatron`. This crate is the
+//! GPU executor: [`MegatronGpuBackend`] implements
+//! [`Reshard`](lifecycle_core::Reshard) over a [`ThreadRankPool`](lifecycle_cuda::ThreadRankPool)
+//! (one thread and one NCCL communicator per GPU), running the same [`MegatronPlan`] as the CPU
+//! executor ([`MegatronHostBackend`](lifecycle_host::megatron::MegatronHostBackend)), bit for bit.
 //!
-//! Layout facts checked against Megatron-LM (read for facts only):
-//! - `megatron/core/parallel_state.py`: `RankGenerator` with the default order
-//!   `"tp-cp-ep-dp-pp"` builds ranks from prefix products of the sizes in that order, so with
-//!   CP = EP = 1 `rank = tp + TP · (dp + DP · pp)`.
-//! - `megatron/core/transformer/attention.py` (`SelfAttention.get_query_key_value_tensors`): the
-//!   local `linear_qkv` output is viewed as `[groups_per_partition, (heads_per_partition /
-//!   groups_per_partition + 2) · head_dim]` and split into `[q heads; k; v]` per group;
-//!   `num_query_groups_per_partition = divide(num_query_groups, TP)`. Megatron-Core itself thus
-//!   requires TP | groups; the case groups | TP (groups < TP) is this crate's extension, as RL
-//!   stacks lay it out: each TP rank holds one group — its `heads / TP` q heads and a replica of
-//!   the group's k and v heads (ranks `g · TP/groups .. (g+1) · TP/groups` share group `g`).
-//! - `megatron/core/transformer/mlp.py` (`glu`): `linear_fc1`'s local output is
-//!   `torch.chunk(x, 2, dim=-1)`, first half gate (activated), second half up, so each TP rank
-//!   holds `[its gate rows; its up rows]`.
-//! - `megatron/training/tokenizer/tokenizer.py` (`_vocab_size_with_padding`): the vocabulary is
-//!   padded up to a multiple of `make_vocab_size_divisible_by × TP`; the vocab-parallel embedding
-//!   gives TP rank `t` rows `[t · V/TP, (t+1) · V/TP)` of the padded table.
+//! - **Training state** ([`MegatronGpuState`]): per rank the bf16 parameters of its (stage, TP
+//!   rank) in one contiguous device buffer and fp32 grads of the same length, plus its DP shard of
+//!   the fp32 main params and Adam m, v (Megatron's distributed optimizer). Built from host tensors
+//!   ([`MegatronGpuBackend::state_from_hf`]), from the CPU backend's state
+//!   ([`MegatronGpuBackend::state_from_host`]), or on the devices for benchmarks
+//!   ([`MegatronGpuBackend::synthetic_state`]); [`MegatronGpuBackend::download_state`] gives it
+//!   back as a [`MegatronTrainState`](lifecycle_host::megatron::MegatronTrainState).
+//! - **Schedule** (`lifecycle_layout::megatron::schedule`, pure): each rank copies the runs of its fused slices it holds
+//!   itself. With peer copies ([`Transport`], the default where every rank lives in this process
+//!   and the GPUs have peer access), each owner writes the runs its peers need straight into
+//!   their rollout buffers: runs of 1 MiB and more by its copy engines (2-D copies for strided
+//!   runs), smaller ones by one tile-kernel launch per peer; no slots, packing or NCCL. With NCCL
+//!   (one process per GPU), each rank receives the others' runs from their owners step by step
+//!   (step `k` = bucket `k` of every destination), all messages of a step in one NCCL group: large runs as their own
+//!   messages, straight from the owner's parameter buffer and into the rollout buffer where they
+//!   are contiguous; small runs (and strided sides) packed into a send slot and unpacked from a
+//!   receive slot. Only the bytes of the fused slices move (`[q; k; v]`, `[gate; up]`,
+//!   vocabulary padding removed); bf16 to bf16, no cast. Large local runs go through the
+//!   driver's device-to-device copy, the rest through one tile-kernel launch.
+//! - **Streams**: local copies on the auxiliary stream (they never wait for the network), packs
+//!   and unpacks (or peer tiles) on the compute stream, NCCL (or peer copies) on its own stream, offload and reload on the copy
+//!   stream; `in_flight` slots let step `k`'s network work overlap packing `k + 1` and unpacking
+//!   `k - 1`. One launch of the tile copy kernel moves a whole list of runs.
+//! - **Offload** ([`MemoryPolicy`](lifecycle_core::MemoryPolicy), as the CPU executor):
+//!   `offload_params` moves the bf16 parameters and the fp32 main params, `offload_optimizer`
+//!   Adam m and v, to pinned host memory from a [`PinnedPool`] kept between switches; grads are
+//!   freed at every switch and come back as zeros. Exit releases the rollout and reloads.
+//! - **Tracing** (off by default; `Lifecycle::enable_trace`): every piece of device work is a
+//!   span measured by CUDA events on the stream that ran it
+//!   ([`StreamTimeline`](lifecycle_cuda::StreamTimeline)), read once the streams are
+//!   synchronised: zeroing and local copies (`aux`), packs and unpacks or peer tiles
+//!   (`compute`), each step's grouped send/receive (`nccl`, received bytes) or the peer copies
+//!   to each destination (`peer`, sent bytes), offload and reload copies (`copy`), with
+//!   bytes and link, on one track per rank and stream next to the host's phase spans. When
+//!   tracing is off no event is created.
+//! - **Errors**: [`MegatronGpuError`]; layout errors come from `plan`, before anything moves;
+//!   out-of-memory is a typed error, and a failed enter leaves the training state as it was.
 //!
-//! The rollout side follows vLLM's `QKVParallelLinear` (`vllm/model_executor/layers/linear.py`,
-//! `weight_loader`): a rank's fused weight is `[q; k; v]` with q at 0, k at `heads_local ·
-//! head_dim`, v after k, and when kv heads are fewer than T, rank `t` loads kv head
-//! `t / (T / kv_heads)` — the same replication rule as the training side above.
+//! On a machine with NVIDIA GPUs (2 for the W = 2 cases; `export NCCL_NVLS_ENABLE=0` where
+//! NVLink multicast must stay off):
+//!
+//! ```text
+//! cargo test --release -p lifecycle-megatron --test gpu -- --ignored --test-threads=1
+//! cargo run --release -p lifecycle-megatron --bin megatron_bench     # Qwen2.5-7B shapes, W = 2
+//! ```
+//!
+//! [`MegatronPlan`]: lifecycle_layout::megatron::MegatronPlan
 
 #![warn(missing_docs)]
 
 mod backend;
 mod error;
-pub mod gpu;
-mod reference;
-mod shard;
+mod kernel;
+mod pinned;
 mod state;
-mod unfused;
 
-pub use backend::MegatronHostBackend;
-pub use error::MegatronError;
-pub use reference::{rebuild_hf_tensors, reference_rollout, FullTensor};
-pub use state::MegatronTrainState;
-pub use unfused::{fuse_unfused_rollout, unfused_rollout_specs};
+pub use backend::{
+    GpuConfig, MegatronGpuBackend, MegatronGpuPlan, MegatronGpuRollout, RolloutEntry,
+};
+pub use error::MegatronGpuError;
+pub use lifecycle_cuda::Transport;
+pub use pinned::{PinnedPool, DEFAULT_CHUNK_BYTES};
+pub use state::MegatronGpuState;

@@ -1,163 +1,240 @@
-//! Per-rank Megatron training state with real offload accounting.
+//! The Megatron training state on the GPUs.
 
-use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use half::bf16;
-use lifecycle_host::{cast_f32_to_bf16, MemoryMeter};
-use lifecycle_layout::{AdamParams, HostTensor};
+use lifecycle_core::{Link, Phase};
+use lifecycle_cuda::{alloc_device, CudaError, RankCtx, StreamTimeline};
 
-use crate::error::MegatronError;
-use crate::shard::{stage_buffer, FullTensors};
-use lifecycle_layout::megatron::{MegatronLayout, ParamKind};
+use crate::pinned::{HostCopy, PinnedPool};
+use lifecycle_layout::megatron::MegatronLayout;
 
-/// Where a buffer of one rank lives.
-#[derive(Debug, Clone)]
-pub(crate) enum Resident<T> {
-    /// In the rank's device memory (counted by its meter).
-    Device(Vec<T>),
-    /// Offloaded: a separate host allocation; the device original was freed.
-    Host(Box<[T]>),
+/// One training buffer of a rank: on the device (`dev`, authoritative when present) and/or in
+/// pinned host chunks (`host`: authoritative while `dev` is `None`; a stale copy otherwise, given
+/// back at the next reload).
+pub(crate) struct GpuBuffer<T> {
+    pub(crate) len: usize,
+    pub(crate) dev: Option<CudaSlice<T>>,
+    pub(crate) host: Option<HostCopy>,
 }
 
-impl<T: Copy> Resident<T> {
-    pub(crate) fn values(&self) -> &[T] {
-        match self {
-            Resident::Device(v) => v,
-            Resident::Host(v) => v,
+impl<T: DeviceRepr> GpuBuffer<T> {
+    pub(crate) fn on_device(dev: CudaSlice<T>, len: usize) -> Self {
+        GpuBuffer {
+            len,
+            dev: Some(dev),
+            host: None,
         }
     }
 
-    pub(crate) fn on_device(&self) -> Option<&[T]> {
-        match self {
-            Resident::Device(v) => Some(v),
-            Resident::Host(_) => None,
+    pub(crate) fn bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+
+    /// Queues the device→host copy of this buffer on the copy stream (pinned chunks taken from
+    /// `pinned` first), marked on `tl` as an offload span named `what`. Returns the bytes
+    /// queued; 0 when already offloaded.
+    pub(crate) fn start_offload(
+        &mut self,
+        ctx: &RankCtx,
+        pinned: &PinnedPool,
+        what: &str,
+        tl: &mut StreamTimeline,
+    ) -> Result<u64, CudaError> {
+        let Some(dev) = self.dev.as_ref() else {
+            return Ok(0);
+        };
+        if self.host.is_none() {
+            self.host = Some(pinned.take(ctx, self.bytes(), what)?);
         }
+        let (src, _sync) = dev.device_ptr(&ctx.copy);
+        let bytes = self.bytes() as u64;
+        if let Some(host) = self.host.as_mut() {
+            // The mark starts after the pinned chunks are taken: the span is the copy alone.
+            let mark = tl.begin(ctx, &ctx.copy)?;
+            // SAFETY: `dev` holds at least `len` elements (= host.bytes()) and is only read until
+            // the caller synchronises the copy stream (finish_offload) before freeing it.
+            unsafe { host.download_from(src, &ctx.copy, ctx.rank, what)? };
+            let link = Some(Link::DeviceToHost);
+            tl.end(
+                ctx,
+                &ctx.copy,
+                mark,
+                Phase::Offload,
+                what,
+                "copy",
+                bytes,
+                link,
+            )?;
+        }
+        Ok(bytes)
     }
 
-    fn bytes(&self) -> u64 {
-        std::mem::size_of_val(self.values()) as u64
-    }
-
-    /// Copies a device buffer to a fresh host allocation and frees the original; the bytes moved.
-    pub(crate) fn offload(&mut self, meter: &mut MemoryMeter) -> u64 {
-        if let Resident::Device(v) = self {
-            let host: Box<[T]> = v.as_slice().into();
-            let bytes = self.bytes();
-            *self = Resident::Host(host);
-            meter.free(bytes);
-            bytes
+    /// Frees the device copy (after the offload copies finished: the caller synchronised).
+    pub(crate) fn drop_device(&mut self) -> u64 {
+        if self.host.is_some() && self.dev.take().is_some() {
+            self.bytes() as u64
         } else {
             0
         }
     }
 
-    /// Copies a host buffer back to a fresh device allocation; the bytes moved.
-    pub(crate) fn reload(&mut self, meter: &mut MemoryMeter) -> u64 {
-        if let Resident::Host(h) = self {
-            let bytes = std::mem::size_of_val(&h[..]) as u64;
-            meter.alloc(bytes);
-            *self = Resident::Device(h.to_vec());
-            bytes
-        } else {
-            0
+    /// Queues the host→device copy of an offloaded buffer on the copy stream, marked on `tl` as
+    /// a reload span named `what`. Returns the bytes.
+    pub(crate) fn start_reload(
+        &mut self,
+        ctx: &RankCtx,
+        what: &str,
+        tl: &mut StreamTimeline,
+    ) -> Result<u64, CudaError> {
+        if self.dev.is_some() {
+            return Ok(0);
+        }
+        let host = self.host.as_ref().ok_or_else(|| {
+            CudaError::Invalid(format!(
+                "{what} of rank {} is neither on the device nor on the host",
+                ctx.rank
+            ))
+        })?;
+        if host.bytes() != self.bytes() {
+            return Err(CudaError::Invalid(format!(
+                "{what} of rank {}: the host copy holds {} bytes, the buffer {}",
+                ctx.rank,
+                host.bytes(),
+                self.bytes()
+            )));
+        }
+        // SAFETY: fully written by the host→device copy queued right after on the same stream.
+        let mut dev = unsafe { alloc_device::<T>(&ctx.copy, self.len, ctx.rank, what)? };
+        let dst = {
+            let (dst, _sync) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut dev, &ctx.copy);
+            dst
+        };
+        let bytes = self.bytes() as u64;
+        let mark = tl.begin(ctx, &ctx.copy)?;
+        // SAFETY: `dev` holds `len` elements = host.bytes(); the chunks stay in `self.host` until
+        // the caller synchronised the copy stream and gave them back.
+        unsafe { host.upload_to(dst, &ctx.copy, ctx.rank, what)? };
+        let link = Some(Link::HostToDevice);
+        tl.end(
+            ctx,
+            &ctx.copy,
+            mark,
+            Phase::Reload,
+            what,
+            "copy",
+            bytes,
+            link,
+        )?;
+        self.dev = Some(dev);
+        Ok(bytes)
+    }
+
+    /// Gives the host chunks back once the device copy is authoritative (streams synchronised).
+    pub(crate) fn release_host(&mut self, rank: usize, pinned: &PinnedPool) {
+        if self.dev.is_some() {
+            if let Some(h) = self.host.take() {
+                pinned.give(rank, h);
+            }
+        }
+    }
+
+    /// The buffer's elements on the host, from the device or from the pinned copy (streams
+    /// synchronised by the caller).
+    pub(crate) fn download(&self, ctx: &RankCtx, what: &str) -> Result<Vec<T>, CudaError>
+    where
+        T: Default + Copy + FromLe,
+    {
+        match (&self.dev, &self.host) {
+            (Some(d), _) => {
+                let mut v = ctx.compute.clone_dtoh(d).map_err(ctx.drv(what, 0))?;
+                v.truncate(self.len);
+                Ok(v)
+            }
+            (None, Some(h)) => {
+                let bytes = h.read(ctx.rank, what)?;
+                Ok(bytes
+                    .chunks_exact(std::mem::size_of::<T>())
+                    .map(T::from_le)
+                    .collect())
+            }
+            (None, None) => Err(CudaError::Invalid(format!(
+                "{what}: neither on the device nor on the host"
+            ))),
         }
     }
 }
 
-/// Everything one training rank holds.
-#[derive(Debug, Clone)]
-pub(crate) struct RankTrain {
-    /// bf16 parameters of its (stage, TP rank), the whole stage buffer.
-    pub(crate) params: Resident<bf16>,
-    /// fp32 grads of the whole stage buffer; freed in rollout mode.
-    pub(crate) grads: Option<Vec<f32>>,
+/// Element types read back from little-endian bytes.
+pub(crate) trait FromLe {
+    fn from_le(b: &[u8]) -> Self;
+}
+
+impl FromLe for f32 {
+    fn from_le(b: &[u8]) -> Self {
+        f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+}
+
+impl FromLe for bf16 {
+    fn from_le(b: &[u8]) -> Self {
+        bf16::from_bits(u16::from_le_bytes([b[0], b[1]]))
+    }
+}
+
+/// One training rank on its GPU.
+pub(crate) struct GpuRank {
+    /// The global rank.
+    pub(crate) rank: usize,
+    /// bf16 parameters of its (stage, TP rank): the whole stage buffer.
+    pub(crate) params: GpuBuffer<bf16>,
+    /// fp32 grads of the stage buffer; freed in rollout mode.
+    pub(crate) grads: Option<CudaSlice<f32>>,
     /// Elements of the stage buffer this DP rank's optimizer owns.
     pub(crate) shard: Range<usize>,
     /// fp32 main params of `shard`.
-    pub(crate) main: Resident<f32>,
+    pub(crate) main: GpuBuffer<f32>,
     /// Adam first moment of `shard`.
-    pub(crate) adam_m: Resident<f32>,
+    pub(crate) adam_m: GpuBuffer<f32>,
     /// Adam second moment of `shard`.
-    pub(crate) adam_v: Resident<f32>,
-    pub(crate) meter: MemoryMeter,
+    pub(crate) adam_v: GpuBuffer<f32>,
 }
 
-/// The training state of `W = TP × PP × DP` ranks in Megatron-Core's layout (see
-/// [`MegatronLayout`]): per rank the bf16 parameters of its (stage, TP rank) in one contiguous
-/// buffer and fp32 grads of the same length, plus its distributed-optimizer shard of the fp32
-/// main params and Adam m, v. Every rank keeps a [`MemoryMeter`] of its device memory.
-///
-/// ```
-/// use lifecycle_layout::megatron::{MegatronLayout, ModelSpec};
-/// use lifecycle_megatron::MegatronTrainState;
-/// use lifecycle_layout::HostTensor;
-/// let model = ModelSpec::tiny();
-/// let tensors: Vec<HostTensor> = model.hf_tensors().into_iter().map(|(name, shape)| {
-///     let n = shape.iter().product();
-///     HostTensor::f32(name, shape, vec![0.5; n])
-/// }).collect();
-/// let state = MegatronTrainState::from_hf(MegatronLayout::new(model, 2, 2, 1)?, tensors)?;
-/// assert_eq!(state.world(), 4);
-/// assert_eq!(state.params(0).unwrap()[0].to_f32(), 0.5);
-/// # Ok::<(), lifecycle_megatron::MegatronError>(())
-/// ```
-#[derive(Debug, Clone)]
-pub struct MegatronTrainState {
+impl GpuRank {
+    fn offloaded(&self) -> bool {
+        self.params.dev.is_none()
+            || self.main.dev.is_none()
+            || self.adam_m.dev.is_none()
+            || self.adam_v.dev.is_none()
+    }
+}
+
+/// The Megatron training state of the ranks this process drives, on their GPUs: per rank the bf16
+/// parameters of its (stage, TP rank) in one contiguous buffer and fp32 grads of the same length
+/// (as Megatron's distributed optimizer keeps them), plus its DP shard of the fp32 main params
+/// and Adam m, v. While offloaded, parameters, main params and Adam moments live in pinned host
+/// memory. Built by [`MegatronGpuBackend`](super::MegatronGpuBackend)'s constructors.
+pub struct MegatronGpuState {
     pub(crate) layout: MegatronLayout,
-    pub(crate) ranks: Vec<RankTrain>,
+    pub(crate) ranks: Vec<GpuRank>,
     pub(crate) adam_steps: u64,
 }
 
-impl MegatronTrainState {
-    /// Shards full Hugging Face tensors into the Megatron layout: bf16 params are the fp32 main
-    /// params rounded to nearest even; vocabulary padding rows are zero; grads and Adam moments
-    /// start at zero. Checks every tensor (present, expected, unique, shape, float dtype, element
-    /// count) before building anything.
-    pub fn from_hf(
-        layout: MegatronLayout,
-        tensors: Vec<HostTensor>,
-    ) -> Result<Self, MegatronError> {
-        let values = check_hf(&layout, &tensors)?;
-        let full: FullTensors<'_> = values
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.as_slice()))
-            .collect();
-        let buffers: Vec<Vec<Vec<f32>>> = (0..layout.pp())
-            .map(|s| {
-                (0..layout.tp())
-                    .map(|t| stage_buffer(&layout, s, t, &full))
-                    .collect()
-            })
-            .collect();
-        let ranks = (0..layout.world())
-            .map(|rank| {
-                let c = layout.coords(rank);
-                let buf = &buffers[c.pp][c.tp];
-                let shard = layout.dp_shard(c.pp, c.dp);
-                let mut params = vec![bf16::ZERO; buf.len()];
-                cast_f32_to_bf16(buf, &mut params);
-                let n = shard.len();
-                let mut meter = MemoryMeter::default();
-                meter.alloc((buf.len() * (2 + 4) + n * 4 * 3) as u64);
-                RankTrain {
-                    params: Resident::Device(params),
-                    grads: Some(vec![0.0; buf.len()]),
-                    main: Resident::Device(buf[shard.clone()].to_vec()),
-                    adam_m: Resident::Device(vec![0.0; n]),
-                    adam_v: Resident::Device(vec![0.0; n]),
-                    shard,
-                    meter,
-                }
-            })
-            .collect();
-        Ok(MegatronTrainState {
-            layout,
-            ranks,
-            adam_steps: 0,
-        })
+impl std::fmt::Debug for MegatronGpuState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MegatronGpuState")
+            .field("tp", &self.layout.tp())
+            .field("pp", &self.layout.pp())
+            .field("dp", &self.layout.dp())
+            .field("local_ranks", &self.local_ranks())
+            .field("offloaded", &self.is_offloaded())
+            .field("grads", &self.has_grads())
+            .finish()
     }
+}
 
+impl MegatronGpuState {
     /// The training layout.
     pub fn layout(&self) -> &MegatronLayout {
         &self.layout
@@ -165,254 +242,38 @@ impl MegatronTrainState {
 
     /// W.
     pub fn world(&self) -> usize {
-        self.ranks.len()
+        self.layout.world()
     }
 
-    /// The bf16 parameter buffer of `rank` (its (stage, TP rank)); `None` while offloaded.
-    pub fn params(&self, rank: usize) -> Option<&[bf16]> {
-        self.ranks.get(rank)?.params.on_device()
+    /// The global ranks this process holds, in the pool's order.
+    pub fn local_ranks(&self) -> Vec<usize> {
+        self.ranks.iter().map(|r| r.rank).collect()
     }
 
-    /// The bf16 parameter buffer of `rank`, offloaded or not.
-    pub fn params_anywhere(&self, rank: usize) -> Option<&[bf16]> {
-        Some(self.ranks.get(rank)?.params.values())
-    }
-
-    /// The fp32 main-param shard of `rank` and the buffer elements it covers; `None` while
-    /// offloaded.
-    pub fn main_shard(&self, rank: usize) -> Option<(Range<usize>, &[f32])> {
-        let r = self.ranks.get(rank)?;
-        Some((r.shard.clone(), r.main.on_device()?))
-    }
-
-    /// Device-memory accounting of `rank`.
-    pub fn memory(&self, rank: usize) -> Option<MemoryMeter> {
-        self.ranks.get(rank).map(|r| r.meter)
-    }
-
-    /// Whether any params, main params or optimizer state are offloaded.
+    /// Whether any parameters, main params or Adam moments are offloaded.
     pub fn is_offloaded(&self) -> bool {
-        self.ranks.iter().any(|r| {
-            r.params.on_device().is_none()
-                || r.main.on_device().is_none()
-                || r.adam_m.on_device().is_none()
-                || r.adam_v.on_device().is_none()
-        })
+        self.ranks.iter().any(GpuRank::offloaded)
     }
 
-    /// Calls `f(rank, grads)` on every rank's fp32 grad buffer (stage-buffer order). Fails if the
-    /// grads are freed (rollout mode).
-    pub fn for_each_grads_mut(
-        &mut self,
-        mut f: impl FnMut(usize, &mut [f32]),
-    ) -> Result<(), MegatronError> {
-        if self.ranks.iter().any(|r| r.grads.is_none()) {
-            return Err(MegatronError::Offloaded {
-                operation: "writing grads",
-            });
-        }
-        for (rank, r) in self.ranks.iter_mut().enumerate() {
-            if let Some(g) = r.grads.as_mut() {
-                f(rank, g);
-            }
-        }
-        Ok(())
+    /// Whether every rank's gradients are allocated.
+    pub fn has_grads(&self) -> bool {
+        self.ranks.iter().all(|r| r.grads.is_some())
     }
 
-    /// Sets every rank's grads from full Hugging Face-named gradients (checked like
-    /// [`MegatronTrainState::from_hf`]): each DP replica gets the same grads; with tied
-    /// embeddings and PP > 1 the last stage's output-layer copy gets zeros (the full gradient is
-    /// on the embedding, and the tied all-reduce in [`MegatronTrainState::adam_step`] sums them).
-    pub fn set_grads_from_hf(&mut self, grads: Vec<HostTensor>) -> Result<(), MegatronError> {
-        if self.ranks.iter().any(|r| r.grads.is_none()) {
-            return Err(MegatronError::Offloaded {
-                operation: "writing grads",
-            });
-        }
-        let l = &self.layout;
-        let values = check_hf(l, &grads)?;
-        let full: FullTensors<'_> = values
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.as_slice()))
-            .collect();
-        let mut buffers: Vec<Vec<Vec<f32>>> = (0..l.pp())
-            .map(|s| (0..l.tp()).map(|t| stage_buffer(l, s, t, &full)).collect())
-            .collect();
-        if l.model().tied_embeddings && l.pp() > 1 {
-            if let Some(slot) = l.slot(l.pp() - 1, ParamKind::OutputLayer, None) {
-                for b in &mut buffers[l.pp() - 1] {
-                    b[slot.offset..slot.offset + slot.numel()].fill(0.0);
-                }
-            }
-        }
-        for rank in 0..self.ranks.len() {
-            let c = l.coords(rank);
-            if let Some(g) = self.ranks[rank].grads.as_mut() {
-                g.copy_from_slice(&buffers[c.pp][c.tp]);
-            }
-        }
-        Ok(())
+    /// Bytes of device memory the training state of `rank` takes when fully resident (bf16
+    /// params, fp32 grads, main params, Adam m and v); `None` for a rank not in this process.
+    pub fn rank_bytes(&self, rank: usize) -> Option<u64> {
+        let r = self.ranks.iter().find(|r| r.rank == rank)?;
+        Some((r.params.len * (2 + 4) + r.shard.len() * 12) as u64)
     }
 
-    /// One optimizer step as Megatron runs it: tied-embedding grads all-reduced between the first
-    /// and last stage (PP > 1), grads averaged over the DP group into each rank's shard
-    /// (reduce-scatter), Adam with bias correction on the fp32 main shard, then the updated
-    /// shards rounded to bf16 and gathered into every DP replica's parameter buffer.
-    pub fn adam_step(&mut self, p: AdamParams) -> Result<(), MegatronError> {
-        if self.is_offloaded() || self.ranks.iter().any(|r| r.grads.is_none()) {
-            return Err(MegatronError::Offloaded {
-                operation: "the optimizer step",
-            });
-        }
-        let l = self.layout.clone();
-        if l.model().tied_embeddings && l.pp() > 1 {
-            self.all_reduce_tied_grads(&l);
-        }
-        let t = (self.adam_steps + 1) as i32;
-        let (c1, c2) = (1.0 - p.beta1.powi(t), 1.0 - p.beta2.powi(t));
-        let dp = l.dp();
-        for stage in 0..l.pp() {
-            for tp in 0..l.tp() {
-                let group: Vec<usize> = (0..dp).map(|d| l.rank(tp, d, stage)).collect();
-                let mut gathered = vec![bf16::ZERO; l.stage_len(stage)];
-                for &rank in &group {
-                    let shard = self.ranks[rank].shard.clone();
-                    let reduced: Vec<f32> = shard
-                        .clone()
-                        .map(|i| {
-                            let sum: f32 = group
-                                .iter()
-                                .map(|&o| self.ranks[o].grads.as_ref().map_or(0.0, |g| g[i]))
-                                .sum();
-                            sum / dp as f32
-                        })
-                        .collect();
-                    let r = &mut self.ranks[rank];
-                    let (Resident::Device(main), Resident::Device(m), Resident::Device(v)) =
-                        (&mut r.main, &mut r.adam_m, &mut r.adam_v)
-                    else {
-                        continue; // unreachable: checked above
-                    };
-                    for (i, g) in reduced.into_iter().enumerate() {
-                        m[i] = p.beta1 * m[i] + (1.0 - p.beta1) * g;
-                        v[i] = p.beta2 * v[i] + (1.0 - p.beta2) * g * g;
-                        main[i] -= p.lr * (m[i] / c1) / ((v[i] / c2).sqrt() + p.eps);
-                    }
-                    cast_f32_to_bf16(main, &mut gathered[shard]);
-                }
-                for &rank in &group {
-                    if let Resident::Device(params) = &mut self.ranks[rank].params {
-                        params.copy_from_slice(&gathered);
-                    }
-                }
-            }
-        }
-        self.adam_steps += 1;
-        Ok(())
+    /// Bytes `rank` moves to host memory when offloading parameters (bf16 params and fp32 main
+    /// params) and optimizer state (Adam m, v): `(params, optimizer)`.
+    pub fn offload_bytes(&self, rank: usize) -> Option<(u64, u64)> {
+        let r = self.ranks.iter().find(|r| r.rank == rank)?;
+        Some((
+            (r.params.bytes() + r.main.bytes()) as u64,
+            (r.adam_m.bytes() + r.adam_v.bytes()) as u64,
+        ))
     }
-
-    /// Sums the grads of the embedding (first stage) and its output-layer copy (last stage) so
-    /// both copies stay identical, as Megatron's embedding group does.
-    fn all_reduce_tied_grads(&mut self, l: &MegatronLayout) {
-        let (Some(emb), Some(out)) = (
-            l.slot(0, ParamKind::WordEmbedding, None),
-            l.slot(l.pp() - 1, ParamKind::OutputLayer, None),
-        ) else {
-            return;
-        };
-        let (e, o, n) = (emb.offset, out.offset, emb.numel());
-        for tp in 0..l.tp() {
-            for d in 0..l.dp() {
-                let (first, last) = (l.rank(tp, d, 0), l.rank(tp, d, l.pp() - 1));
-                let a: Vec<f32> = self.ranks[first]
-                    .grads
-                    .as_ref()
-                    .map_or_else(Vec::new, |g| g[e..e + n].to_vec());
-                if let Some(g) = self.ranks[last].grads.as_mut() {
-                    for (x, y) in g[o..o + n].iter_mut().zip(&a) {
-                        *x += *y;
-                    }
-                    let sum = g[o..o + n].to_vec();
-                    if let Some(g0) = self.ranks[first].grads.as_mut() {
-                        g0[e..e + n].copy_from_slice(&sum);
-                    }
-                }
-            }
-        }
-    }
-
-    /// A bitwise snapshot of every buffer (params, grads, main, m, v) for round-trip tests.
-    pub fn snapshot(&self) -> Vec<Vec<u32>> {
-        self.ranks
-            .iter()
-            .flat_map(|r| {
-                let params: Vec<u32> = r
-                    .params
-                    .values()
-                    .iter()
-                    .map(|x| x.to_bits().into())
-                    .collect();
-                let f = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-                [
-                    params,
-                    f(r.grads.as_deref().unwrap_or(&[])),
-                    f(r.main.values()),
-                    f(r.adam_m.values()),
-                    f(r.adam_v.values()),
-                ]
-            })
-            .collect()
-    }
-}
-
-/// Checks full Hugging Face tensors against the model (present, expected, unique, shape, float
-/// dtype, element count) and widens them to fp32.
-fn check_hf(
-    layout: &MegatronLayout,
-    tensors: &[HostTensor],
-) -> Result<HashMap<String, Vec<f32>>, MegatronError> {
-    let expected: HashMap<String, Vec<usize>> = layout.model().hf_tensors().into_iter().collect();
-    let mut seen = HashSet::new();
-    let mut values: HashMap<String, Vec<f32>> = HashMap::new();
-    for t in tensors {
-        let Some(shape) = expected.get(&t.name) else {
-            return Err(MegatronError::UnexpectedTensor {
-                name: t.name.clone(),
-            });
-        };
-        if !seen.insert(t.name.as_str()) {
-            return Err(MegatronError::DuplicateTensor {
-                name: t.name.clone(),
-            });
-        }
-        if *shape != t.shape {
-            return Err(MegatronError::ShapeMismatch {
-                name: t.name.clone(),
-                expected: shape.clone(),
-                found: t.shape.clone(),
-            });
-        }
-        let n: usize = shape.iter().product();
-        if t.data.len() != n {
-            return Err(MegatronError::ElementCount {
-                name: t.name.clone(),
-                shape: t.shape.clone(),
-                expected: n,
-                found: t.data.len(),
-            });
-        }
-        let Some(v) = t.data.to_f32() else {
-            return Err(MegatronError::DType {
-                name: t.name.clone(),
-                found: t.data.dtype(),
-            });
-        };
-        values.insert(t.name.clone(), v);
-    }
-    for (name, _) in layout.model().hf_tensors() {
-        if !values.contains_key(&name) {
-            return Err(MegatronError::MissingTensor { name });
-        }
-    }
-    Ok(values)
 }

@@ -12,16 +12,16 @@ use lifecycle_core::{
     MemoryPolicy, Mode, Phase, Reshard, Span, Switching, Trace,
 };
 use lifecycle_cuda::{device_count, CudaError, ThreadRankPool};
+use lifecycle_host::megatron::{reference_rollout, MegatronHostBackend, MegatronTrainState};
 use lifecycle_host::HostRollout;
 use lifecycle_layout::megatron::ModelSpec;
 use lifecycle_layout::megatron::{
     plan_megatron_to_tp, BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab,
 };
 use lifecycle_layout::AdamParams;
-use lifecycle_megatron::gpu::{
+use lifecycle_megatron::{
     GpuConfig, MegatronGpuBackend, MegatronGpuError, MegatronGpuPlan, MegatronGpuState, Transport,
 };
-use lifecycle_megatron::{reference_rollout, MegatronHostBackend, MegatronTrainState};
 
 type Res = Result<(), Box<dyn std::error::Error>>;
 

@@ -71,7 +71,7 @@ impl<'w> CpuDecoder<'w> {
     }
 
     /// A decoder over `group` in the fused rollout layout of the Megatron backend
-    /// ([`lifecycle_megatron::MegatronHostBackend`]): per rank `qkv_proj` = `[q; k; v]` of its
+    /// ([`lifecycle_host::megatron::MegatronHostBackend`]): per rank `qkv_proj` = `[q; k; v]` of its
     /// heads, `gate_up_proj` = `[gate; up]`, a vocabulary-parallel embedding and head that may
     /// carry padding rows ([`RolloutVocab`](lifecycle_layout::megatron::RolloutVocab)), which are
     /// never read. `group` is TP ranks `0..T` of one replica, in order. Every tensor is checked
@@ -83,7 +83,7 @@ impl<'w> CpuDecoder<'w> {
     /// use lifecycle_core::Lifecycle;
     /// use lifecycle_decoder::{random_tensors, CpuDecoder, Decoder, MegatronParallel, ModelConfig, Sampling};
     /// use lifecycle_layout::megatron::{RolloutLayout, RolloutVocab};
-    /// use lifecycle_megatron::MegatronHostBackend;
+    /// use lifecycle_host::megatron::MegatronHostBackend;
     ///
     /// let config = ModelConfig::from_json_str(r#"{"model_type": "qwen2", "vocab_size": 31,
     ///   "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,

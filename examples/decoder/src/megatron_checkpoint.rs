@@ -4,10 +4,10 @@
 
 use std::path::Path;
 
+use lifecycle_host::megatron::MegatronTrainState;
 use lifecycle_layout::megatron::ModelSpec;
 use lifecycle_layout::megatron::{MegatronLayout, MegatronLayoutError};
 use lifecycle_layout::HostTensor;
-use lifecycle_megatron::MegatronTrainState;
 
 use crate::checkpoint::{read_tensors, Checkpoint};
 use crate::config::ModelConfig;

@@ -9,7 +9,7 @@ use lifecycle_decoder::{
     load_checkpoint, load_megatron_checkpoint, save_checkpoint, Checkpoint, ConfigStyle,
     MegatronCheckpointError, MegatronParallel, ModelConfig,
 };
-use lifecycle_megatron::rebuild_hf_tensors;
+use lifecycle_host::megatron::rebuild_hf_tensors;
 
 const MODELS: [&str; 3] = ["gqa_untied", "tied_vocab61", "kv1_headdim16"];
 

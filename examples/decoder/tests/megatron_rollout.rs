@@ -30,10 +30,10 @@ use lifecycle_decoder::{
     argmax, load_checkpoint, random_tensors, CpuDecoder, DecodeError, Decoder, MegatronParallel,
     ModelConfig, PrefillLogits, Sampling,
 };
+use lifecycle_host::megatron::MegatronHostBackend;
 use lifecycle_host::{HostBackend, HostRollout, HostTrainState, RankRollout};
 use lifecycle_layout::megatron::{RolloutLayout, RolloutVocab};
 use lifecycle_layout::HostTensor;
-use lifecycle_megatron::MegatronHostBackend;
 use serde_json::Value;
 
 const MODELS: [&str; 3] = ["gqa_untied", "tied_vocab61", "kv1_headdim16"];

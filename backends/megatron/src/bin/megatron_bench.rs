@@ -31,9 +31,7 @@ use lifecycle_cuda::{
 };
 use lifecycle_layout::megatron::ModelSpec;
 use lifecycle_layout::megatron::{MegatronLayout, RolloutLayout, RolloutVocab};
-use lifecycle_megatron::gpu::{
-    GpuConfig, MegatronGpuBackend, MegatronGpuState, PinnedPool, Transport,
-};
+use lifecycle_megatron::{GpuConfig, MegatronGpuBackend, MegatronGpuState, PinnedPool, Transport};
 
 const GB: f64 = 1e9;
 const WORLD: usize = 2;

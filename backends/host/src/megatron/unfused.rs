@@ -1,9 +1,9 @@
 //! Bridging to unfused Hugging Face TP rollouts (the FSDP backends'): their layout and fusing.
 
-use lifecycle_host::{HostRollout, RankRollout, RolloutTensor};
+use crate::{HostRollout, RankRollout, RolloutTensor};
 use lifecycle_layout::{Parallel, TensorSpec};
 
-use crate::error::MegatronError;
+use super::error::MegatronError;
 use lifecycle_layout::megatron::{hf, ModelSpec};
 use lifecycle_layout::megatron::{RolloutKind, RolloutLayout, RolloutVocab};
 

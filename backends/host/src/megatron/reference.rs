@@ -4,11 +4,11 @@
 
 use std::collections::HashMap;
 
+use crate::{HostRollout, RankRollout, RolloutTensor};
 use half::bf16;
-use lifecycle_host::{HostRollout, RankRollout, RolloutTensor};
 
-use crate::error::MegatronError;
-use crate::state::MegatronTrainState;
+use super::error::MegatronError;
+use super::state::MegatronTrainState;
 use lifecycle_layout::megatron::{hf, ModelSpec};
 use lifecycle_layout::megatron::{MegatronLayout, ParamKind, RolloutKind, RolloutLayout};
 
@@ -31,7 +31,7 @@ pub struct FullTensor {
 /// ```
 /// use lifecycle_layout::HostTensor;
 /// use lifecycle_layout::megatron::{MegatronLayout, ModelSpec};
-/// use lifecycle_megatron::{rebuild_hf_tensors, MegatronTrainState};
+/// use lifecycle_host::megatron::{rebuild_hf_tensors, MegatronTrainState};
 /// let model = ModelSpec::tiny();
 /// let tensors: Vec<HostTensor> = model.hf_tensors().into_iter().map(|(name, shape)| {
 ///     let n = shape.iter().product();
@@ -41,7 +41,7 @@ pub struct FullTensor {
 /// let full = rebuild_hf_tensors(&state)?;
 /// let k = full.iter().find(|t| t.name == "model.layers.1.self_attn.k_proj.weight").unwrap();
 /// assert_eq!(k.data[5].to_f32(), 5.0);
-/// # Ok::<(), lifecycle_megatron::MegatronError>(())
+/// # Ok::<(), lifecycle_host::megatron::MegatronError>(())
 /// ```
 pub fn rebuild_hf_tensors(state: &MegatronTrainState) -> Result<Vec<FullTensor>, MegatronError> {
     let l = state.layout();

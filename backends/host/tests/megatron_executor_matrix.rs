@@ -2,18 +2,19 @@
 //! TP ∈ {1, 2, 4, 8}, PP ∈ {1, 2, 4}, DP ∈ {1, 2} (W ≤ 16), T ∈ {1, 2, 4, 8} dividing W,
 //! query groups ∈ {1, 2, 8}, tied and untied embeddings, vocab 37 (not a multiple of the padding).
 
+#[path = "common/megatron.rs"]
 mod common;
 
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Phase, Switching};
+use lifecycle_host::megatron::{
+    rebuild_hf_tensors, reference_rollout, MegatronHostBackend, MegatronTrainState,
+};
 use lifecycle_host::HostRollout;
 use lifecycle_layout::megatron::ModelSpec;
 use lifecycle_layout::megatron::{
     plan_megatron_to_tp, BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab,
 };
 use lifecycle_layout::{AdamParams, HostTensor};
-use lifecycle_megatron::{
-    rebuild_hf_tensors, reference_rollout, MegatronHostBackend, MegatronTrainState,
-};
 
 fn assert_same(case: &str, got: &HostRollout, want: &HostRollout) {
     if let Some((rank, name)) = got.first_difference(want) {

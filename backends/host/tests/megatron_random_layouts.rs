@@ -1,13 +1,14 @@
 //! Property: for random model shapes and degrees, the executor equals the reference and a
 //! round trip (enter, exit) leaves the training state bit-identical.
 
+#[path = "common/megatron.rs"]
 mod common;
 
 use lifecycle_core::{MemoryPolicy, Metrics, PhaseRecorder, Reshard, SwitchContext};
+use lifecycle_host::megatron::{reference_rollout, MegatronHostBackend, MegatronTrainState};
 use lifecycle_layout::megatron::ModelSpec;
 use lifecycle_layout::megatron::{BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab};
 use lifecycle_layout::HostTensor;
-use lifecycle_megatron::{reference_rollout, MegatronHostBackend, MegatronTrainState};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]

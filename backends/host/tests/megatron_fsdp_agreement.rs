@@ -2,19 +2,20 @@
 //! afterwards) and for this backend (fused rollout) gives bit-identical rollout weights, before
 //! and after one optimizer step with the same gradients.
 
+#[path = "common/megatron.rs"]
 mod common;
 
 use std::collections::HashMap;
 
 use lifecycle_core::Lifecycle;
+use lifecycle_host::megatron::{
+    fuse_unfused_rollout, unfused_rollout_specs, MegatronHostBackend, MegatronTrainState,
+};
 use lifecycle_host::{HostBackend, HostRollout, HostTrainState};
 use lifecycle_layout::megatron::ModelSpec;
 use lifecycle_layout::megatron::{MegatronLayout, RolloutLayout, RolloutVocab};
 use lifecycle_layout::RolloutLayout as CoreRolloutLayout;
 use lifecycle_layout::{AdamParams, HostTensor};
-use lifecycle_megatron::{
-    fuse_unfused_rollout, unfused_rollout_specs, MegatronHostBackend, MegatronTrainState,
-};
 
 fn rollout_of<B>(lc: &mut Lifecycle<B>) -> HostRollout
 where

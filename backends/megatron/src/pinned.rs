@@ -18,7 +18,7 @@ pub const DEFAULT_CHUNK_BYTES: usize = 1 << 30;
 /// Page-locked host chunks per rank, reused by every offload (see the module docs).
 ///
 /// ```
-/// use lifecycle_megatron::gpu::PinnedPool;
+/// use lifecycle_megatron::PinnedPool;
 /// let pool = PinnedPool::new(64 << 20, 4);
 /// assert_eq!(pool.cached_bytes(0), 0);
 /// assert_eq!(pool.pieces(200 << 20), vec![64 << 20, 64 << 20, 64 << 20, 8 << 20]);

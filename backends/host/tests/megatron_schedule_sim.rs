@@ -3,6 +3,7 @@
 use std::ops::Range;
 
 use half::bf16;
+use lifecycle_host::megatron::{reference_rollout, MegatronTrainState};
 use lifecycle_host::{HostRollout, RankRollout, RolloutTensor};
 use lifecycle_layout::megatron::schedule::*;
 use lifecycle_layout::megatron::{
@@ -10,7 +11,6 @@ use lifecycle_layout::megatron::{
     RolloutVocab,
 };
 use lifecycle_layout::HostTensor;
-use lifecycle_megatron::{reference_rollout, MegatronTrainState};
 
 fn apply(tiles: &[Tile], src: &[bf16], dst: &mut [bf16]) {
     for t in tiles {

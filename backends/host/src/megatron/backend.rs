@@ -1,0 +1,320 @@
+//! The CPU executor: runs a [`MegatronPlan`] with ranks as threads.
+
+use crate::{per_rank, HostRollout, RankRollout, RolloutTensor};
+use half::bf16;
+use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
+
+use super::error::MegatronError;
+use super::state::{MegatronTrainState, RankTrain};
+use lifecycle_layout::megatron::{
+    plan_megatron_to_tp, BucketConfig, MegatronLayoutError, MegatronPlan, RankPlan, RolloutLayout,
+    Transfer,
+};
+
+/// The CPU Megatron backend: ranks are threads of this process, peers' parameter buffers are read
+/// through shared memory. Enter copies bf16 runs from the training ranks' parameter buffers into
+/// each rank's fused rollout slices, bucket by bucket (remote runs land in a staging buffer of at
+/// most the bucket budget first, as received bytes would), then frees grads and offloads as the
+/// memory policy says; exit releases the slices, reloads and reallocates zero grads.
+///
+/// ```
+/// use lifecycle_core::Lifecycle;
+/// use lifecycle_layout::HostTensor;
+/// use lifecycle_layout::megatron::*;
+/// use lifecycle_host::megatron::{MegatronHostBackend, MegatronTrainState};
+///
+/// let model = ModelSpec::tiny();
+/// let tensors = model.hf_tensors().into_iter().map(|(name, shape)| {
+///     let n = shape.iter().product();
+///     HostTensor::f32(name, shape, (0..n).map(|i| i as f32).collect())
+/// }).collect();
+/// let state = MegatronTrainState::from_hf(MegatronLayout::new(model, 2, 2, 1)?, tensors)?;
+/// let backend = MegatronHostBackend::new(RolloutLayout::new(4, RolloutVocab::PadToMultipleOf(1)));
+/// let mut lc = Lifecycle::new(backend, state);
+/// let session = lc.rollout()?;
+/// let weights = session.weights();
+/// let qkv = weights.ranks[3].tensor("model.layers.1.self_attn.qkv_proj.weight").unwrap();
+/// assert_eq!(qkv.shape, vec![(2 + 2) * 2, 16]); // 2 q heads, replicated k and v heads
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct MegatronHostBackend {
+    rollout: RolloutLayout,
+    config: BucketConfig,
+}
+
+impl MegatronHostBackend {
+    /// A backend producing `rollout`, with default buckets.
+    pub fn new(rollout: RolloutLayout) -> Self {
+        MegatronHostBackend {
+            rollout,
+            config: BucketConfig::default(),
+        }
+    }
+
+    /// Changes the bucket budget (at least 2 bytes: one bf16 element).
+    pub fn with_config(mut self, config: BucketConfig) -> Result<Self, MegatronError> {
+        if config.bucket_bytes < 2 {
+            return Err(MegatronLayoutError::BucketTooSmall {
+                bytes: config.bucket_bytes,
+            }
+            .into());
+        }
+        self.config = config;
+        Ok(self)
+    }
+
+    /// The rollout layout.
+    pub fn rollout_layout(&self) -> &RolloutLayout {
+        &self.rollout
+    }
+
+    /// The bucket settings.
+    pub fn config(&self) -> BucketConfig {
+        self.config
+    }
+}
+
+/// What one rank's transfer did.
+#[derive(Default, Clone, Copy)]
+struct Moved {
+    remote: u64,
+    local: u64,
+    staging_peak: u64,
+}
+
+/// Copies the rows of transfer `x` from `src` (starting at `src_offset`, rows `src_pitch`
+/// apart) to their place in `dst`.
+fn copy_run(src: &[bf16], src_offset: usize, src_pitch: usize, dst: &mut [bf16], x: &Transfer) {
+    for r in 0..x.rows {
+        let (s, d) = (src_offset + r * src_pitch, x.dst_offset + r * x.dst_pitch);
+        dst[d..d + x.cols].copy_from_slice(&src[s..s + x.cols]);
+    }
+}
+
+/// Fills one rank's slices from every rank's parameter buffer, bucket by bucket.
+fn fill_rank(params: &[&[bf16]], plan: &RankPlan, out: &mut RankRollout) -> Moved {
+    let mut moved = Moved::default();
+    let mut staging: Vec<bf16> = Vec::new();
+    for bucket in &plan.buckets {
+        let xs = &plan.transfers[bucket.clone()];
+        // "Receive": remote runs packed into the staging buffer.
+        staging.clear();
+        for x in xs.iter().filter(|x| x.src_rank != plan.rank) {
+            let src = params[x.src_rank];
+            for r in 0..x.rows {
+                let s = x.src_offset + r * x.src_pitch;
+                staging.extend_from_slice(&src[s..s + x.cols]);
+            }
+        }
+        moved.staging_peak = moved.staging_peak.max((staging.len() * 2) as u64);
+        // Scatter: local runs from the own buffer, remote runs from staging.
+        let mut cursor = 0;
+        for x in xs {
+            let dst = &mut out.tensors[x.tensor].data;
+            if x.src_rank == plan.rank {
+                let src = params[x.src_rank];
+                copy_run(src, x.src_offset, x.src_pitch, dst, x);
+                moved.local += x.bytes();
+            } else {
+                copy_run(&staging, cursor, x.cols, dst, x);
+                cursor += x.numel();
+                moved.remote += x.bytes();
+            }
+        }
+    }
+    moved
+}
+
+fn transfer(
+    plan: &MegatronPlan,
+    state: &mut MegatronTrainState,
+    outs: Vec<&mut RankRollout>,
+    ctx: &mut SwitchContext<'_>,
+) -> Result<(), MegatronError> {
+    let params: Vec<&[bf16]> = state
+        .ranks
+        .iter()
+        .map(|r| r.params.on_device())
+        .collect::<Option<_>>()
+        .ok_or(MegatronError::Offloaded {
+            operation: "moving weights into the rollout layout",
+        })?;
+    let moved = ctx.rec.phase(Phase::Transfer, |scope| {
+        let moved = per_rank(outs, |rank, out| fill_rank(&params, &plan.ranks[rank], out));
+        for m in &moved {
+            scope.add_bytes(Link::DeviceToDevice, m.remote);
+            scope.add_bytes(Link::Local, m.local);
+            scope.note_peak_extra(m.staging_peak);
+        }
+        Ok::<_, MegatronError>(moved)
+    })?;
+    for (r, m) in state.ranks.iter_mut().zip(moved) {
+        // The staging buffer lived on top of everything else during the transfer.
+        r.meter.peak = r.meter.peak.max(r.meter.current + m.staging_peak);
+    }
+    Ok(())
+}
+
+fn offload(state: &mut MegatronTrainState, memory: MemoryPolicy, ctx: &mut SwitchContext<'_>) {
+    let _ = ctx.rec.phase(Phase::Offload, |scope| {
+        let ranks: Vec<&mut RankTrain> = state.ranks.iter_mut().collect();
+        let moved = per_rank(ranks, |_, r| {
+            let mut bytes = 0;
+            if let Some(g) = r.grads.take() {
+                r.meter.free((g.len() * 4) as u64);
+            }
+            if memory.offload_params {
+                bytes += r.params.offload(&mut r.meter);
+                bytes += r.main.offload(&mut r.meter);
+            }
+            if memory.offload_optimizer {
+                bytes += r.adam_m.offload(&mut r.meter);
+                bytes += r.adam_v.offload(&mut r.meter);
+            }
+            bytes
+        });
+        scope.add_bytes(Link::DeviceToHost, moved.iter().sum());
+        Ok::<(), MegatronError>(())
+    });
+}
+
+fn empty_rollout(plan: &MegatronPlan) -> RankRollout {
+    RankRollout {
+        tensors: plan
+            .tensors
+            .iter()
+            .map(|t| RolloutTensor {
+                name: t.name.clone(),
+                shape: t.shape.clone(),
+                data: vec![bf16::ZERO; t.numel()],
+            })
+            .collect(),
+    }
+}
+
+impl Reshard for MegatronHostBackend {
+    type TrainState = MegatronTrainState;
+    type Rollout = HostRollout;
+    type Plan = MegatronPlan;
+    type Error = MegatronError;
+
+    fn plan(&self, state: &MegatronTrainState) -> Result<MegatronPlan, MegatronError> {
+        state.layout.check_world(state.world())?;
+        Ok(plan_megatron_to_tp(
+            state.layout(),
+            &self.rollout,
+            self.config,
+        )?)
+    }
+
+    fn enter(
+        &mut self,
+        plan: &MegatronPlan,
+        state: &mut MegatronTrainState,
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<HostRollout, MegatronError> {
+        if plan.train != state.layout {
+            return Err(MegatronError::PlanMismatch);
+        }
+        if state.is_offloaded() {
+            return Err(MegatronError::Offloaded {
+                operation: "entering rollout mode",
+            });
+        }
+        let mut rollout = HostRollout {
+            ranks: plan.ranks.iter().map(|_| empty_rollout(plan)).collect(),
+        };
+        for (r, out) in state.ranks.iter_mut().zip(&rollout.ranks) {
+            r.meter.alloc(out.bytes());
+        }
+        if let Err(e) = transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx) {
+            for (r, out) in state.ranks.iter_mut().zip(&rollout.ranks) {
+                r.meter.free(out.bytes());
+            }
+            return Err(e);
+        }
+        offload(state, ctx.memory, ctx);
+        Ok(rollout)
+    }
+
+    fn refresh(
+        &mut self,
+        plan: &MegatronPlan,
+        state: &mut MegatronTrainState,
+        rollout: &mut HostRollout,
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<(), MegatronError> {
+        if plan.train != state.layout {
+            return Err(MegatronError::PlanMismatch);
+        }
+        if state.is_offloaded() {
+            return Err(MegatronError::Offloaded {
+                operation: "refreshing rollout weights",
+            });
+        }
+        if rollout.ranks.len() != plan.ranks.len() {
+            return Err(MegatronError::RolloutMismatch {
+                name: "<rank count>".into(),
+                rank: rollout.ranks.len(),
+                expected: plan.ranks.len(),
+                found: rollout.ranks.len(),
+            });
+        }
+        for rank_plan in &plan.ranks {
+            let resident = rollout.ranks.get(rank_plan.rank);
+            for (i, spec) in plan.tensors.iter().enumerate() {
+                let found = resident
+                    .and_then(|r| r.tensors.get(i))
+                    .filter(|t| t.name == spec.name)
+                    .map_or(0, |t| t.data.len());
+                if found != spec.numel() {
+                    return Err(MegatronError::RolloutMismatch {
+                        name: spec.name.clone(),
+                        rank: rank_plan.rank,
+                        expected: spec.numel(),
+                        found,
+                    });
+                }
+            }
+        }
+        transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx)?;
+        offload(state, ctx.memory, ctx);
+        Ok(())
+    }
+
+    fn exit(
+        &mut self,
+        state: &mut MegatronTrainState,
+        rollout: Option<HostRollout>,
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<(), MegatronError> {
+        if let Some(rollout) = rollout {
+            ctx.rec.phase(Phase::Release, |_| {
+                for (rank, r) in rollout.ranks.into_iter().enumerate() {
+                    if let Some(s) = state.ranks.get_mut(rank) {
+                        s.meter.free(r.bytes());
+                    }
+                }
+                Ok::<(), MegatronError>(())
+            })?;
+        }
+        ctx.rec.phase(Phase::Reload, |scope| {
+            let ranks: Vec<&mut RankTrain> = state.ranks.iter_mut().collect();
+            let moved = per_rank(ranks, |_, r| {
+                let mut bytes = r.params.reload(&mut r.meter);
+                bytes += r.main.reload(&mut r.meter);
+                bytes += r.adam_m.reload(&mut r.meter);
+                bytes += r.adam_v.reload(&mut r.meter);
+                if r.grads.is_none() {
+                    let n = r.params.values().len();
+                    r.meter.alloc((n * 4) as u64);
+                    r.grads = Some(vec![0.0; n]);
+                }
+                bytes
+            });
+            scope.add_bytes(Link::HostToDevice, moved.iter().sum());
+            Ok(())
+        })
+    }
+}

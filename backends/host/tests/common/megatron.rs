@@ -1,0 +1,50 @@
+//! Shared helpers: a tiny model shape and deterministic full tensors.
+#![allow(dead_code)]
+
+use lifecycle_layout::megatron::ModelSpec;
+use lifecycle_layout::HostTensor;
+
+/// Deterministic values in about [-2, 2) with varied low mantissa bits (so bf16 rounding
+/// matters), from a splitmix64 stream.
+pub fn values(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xd1b5_4a32_d192_ed03;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            ((z >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        })
+        .collect()
+}
+
+/// A tiny model: 8 heads in `groups` groups, 4 layers, vocab 37 (not a multiple of the padding).
+pub fn model(groups: usize, tied: bool) -> ModelSpec {
+    ModelSpec {
+        hidden: 8,
+        heads: 8,
+        query_groups: groups,
+        head_dim: 2,
+        ffn: 16,
+        vocab: 37,
+        layers: 4,
+        qkv_bias: true,
+        tied_embeddings: tied,
+        make_vocab_size_divisible_by: 4,
+    }
+}
+
+/// Every Hugging Face tensor of `model` with distinct deterministic values.
+pub fn hf_tensors(model: &ModelSpec, seed: u64) -> Vec<HostTensor> {
+    model
+        .hf_tensors()
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, shape))| {
+            let n = shape.iter().product();
+            HostTensor::f32(name, shape, values(seed * 1000 + i as u64, n))
+        })
+        .collect()
+}
