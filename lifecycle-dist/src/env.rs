@@ -1,4 +1,4 @@
-//! Rank discovery from the variables torchrun and Slurm set.
+//! Rank discovery from the variables torchrun and Slurm set, and the choice of rendezvous.
 
 use crate::error::DistError;
 
@@ -28,6 +28,87 @@ pub struct RankEnv {
     pub master_port: u16,
     /// Where the values came from.
     pub launcher: Launcher,
+    /// How [`share_from_root`](crate::share_from_root) meets the other ranks: through
+    /// torchrun's agent store when torchrun advertises it, else through a rendezvous rank 0
+    /// hosts.
+    pub rendezvous: Rendezvous,
+}
+
+/// How the ranks of a job meet to share rank 0's bytes (the NCCL unique id).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rendezvous {
+    /// Rank 0 listens at `MASTER_ADDR:MASTER_PORT` and the other ranks connect to it: under
+    /// `lifecycle-launch`, Slurm's `srun`, or any launcher that leaves that port free.
+    Host,
+    /// torchrun's elastic agent already hosts a c10d `TCPStore` at `MASTER_ADDR:MASTER_PORT`
+    /// (it sets `TORCHELASTIC_USE_AGENT_STORE=True` for its workers); every rank joins it as a
+    /// client and rank 0 publishes the bytes under a key of this job.
+    AgentStore(AgentStore),
+}
+
+/// torchrun's agent store, as advertised to the workers: which run and which restart attempt
+/// this process belongs to. The store itself is at the [`RankEnv`]'s `master_addr` and
+/// `master_port`.
+///
+/// Keys of one exchange start with [`key_prefix`](AgentStore::key_prefix), so that two jobs
+/// sharing a store, and the restarts of one job, never read each other's ids.
+///
+/// ```
+/// use lifecycle_dist::AgentStore;
+/// let store = AgentStore::new(Some("job-7".into()), 2)?;
+/// assert_eq!(store.key_prefix(), "lifecycle/job-7/attempt_2");
+/// assert_eq!(AgentStore::new(None, 0)?.key_prefix(), "lifecycle/attempt_0");
+/// # Ok::<(), lifecycle_dist::DistError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentStore {
+    run_id: Option<String>,
+    restart_count: u64,
+}
+
+/// The longest `TORCHELASTIC_RUN_ID` accepted (keys must stay below the store's 8 KiB limit).
+const MAX_RUN_ID: usize = 1024;
+
+impl AgentStore {
+    /// The agent store of run `run_id` (`TORCHELASTIC_RUN_ID`; `None` or empty when unknown) at
+    /// restart attempt `restart_count` (`TORCHELASTIC_RESTART_COUNT`). Fails if the run id is
+    /// longer than 1024 bytes.
+    pub fn new(run_id: Option<String>, restart_count: u64) -> Result<AgentStore, DistError> {
+        let run_id = run_id.filter(|r| !r.is_empty());
+        if let Some(r) = &run_id {
+            if r.len() > MAX_RUN_ID {
+                return Err(DistError::BadVar {
+                    var: "TORCHELASTIC_RUN_ID",
+                    value: r.clone(),
+                    expected: "a run id of at most 1024 bytes",
+                });
+            }
+        }
+        Ok(AgentStore {
+            run_id,
+            restart_count,
+        })
+    }
+
+    /// The run id, when torchrun gave one.
+    pub fn run_id(&self) -> Option<&str> {
+        self.run_id.as_deref()
+    }
+
+    /// The restart attempt (0 for the first start of the workers).
+    pub fn restart_count(&self) -> u64 {
+        self.restart_count
+    }
+
+    /// The start of every key this process writes: `lifecycle/<run id>/attempt_<n>`, or
+    /// `lifecycle/attempt_<n>` without a run id. (On the server, like every `TCPStore` key, it
+    /// is preceded by `/`.)
+    pub fn key_prefix(&self) -> String {
+        match &self.run_id {
+            Some(run) => format!("lifecycle/{run}/attempt_{}", self.restart_count),
+            None => format!("lifecycle/attempt_{}", self.restart_count),
+        }
+    }
 }
 
 /// The port used under Slurm when `MASTER_PORT` is not set (torchrun's default).
@@ -42,6 +123,10 @@ impl RankEnv {
 
     /// Like [`from_env`](RankEnv::from_env) with variables from `get`.
     ///
+    /// Under torchrun (`RANK` or `WORLD_SIZE` set), `TORCHELASTIC_USE_AGENT_STORE=True` selects
+    /// [`Rendezvous::AgentStore`], with `TORCHELASTIC_RUN_ID` and `TORCHELASTIC_RESTART_COUNT`;
+    /// otherwise, and always under Slurm, the rendezvous is [`Rendezvous::Host`].
+    ///
     /// ```
     /// use lifecycle_dist::RankEnv;
     /// let vars = [("RANK", "3"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1"),
@@ -49,6 +134,7 @@ impl RankEnv {
     /// let env = RankEnv::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string()))?
     ///     .expect("launcher variables are set");
     /// assert_eq!((env.rank, env.world_size, env.local_rank), (3, 4, 1));
+    /// assert_eq!(env.rendezvous, lifecycle_dist::Rendezvous::Host);
     /// # Ok::<(), lifecycle_dist::DistError>(())
     /// ```
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Option<RankEnv>, DistError> {
@@ -153,7 +239,41 @@ fn torchrun(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, DistError>
         master_addr: required(get("MASTER_ADDR"), "MASTER_ADDR", TORCHRUN_HINT)?,
         master_port: required(port(get)?, "MASTER_PORT", TORCHRUN_HINT)?,
         launcher: Launcher::Torchrun,
+        rendezvous: agent_store(get)?,
     })
+}
+
+/// The rendezvous torchrun advertises: its agent store when `TORCHELASTIC_USE_AGENT_STORE` is
+/// true (torchrun writes Python's `str(True)`).
+fn agent_store(get: &impl Fn(&str) -> Option<String>) -> Result<Rendezvous, DistError> {
+    const VAR: &str = "TORCHELASTIC_USE_AGENT_STORE";
+    let use_store = match get(VAR) {
+        None => false,
+        Some(v) => match v.trim() {
+            "True" | "true" | "TRUE" | "1" => true,
+            "False" | "false" | "FALSE" | "0" | "" => false,
+            _ => {
+                return Err(DistError::BadVar {
+                    var: VAR,
+                    value: v,
+                    expected: "True or False (torchrun sets it)",
+                })
+            }
+        },
+    };
+    if !use_store {
+        return Ok(Rendezvous::Host);
+    }
+    let restart = parse(
+        get,
+        "TORCHELASTIC_RESTART_COUNT",
+        "a non-negative integer (torchrun sets it)",
+    )?
+    .unwrap_or(0);
+    Ok(Rendezvous::AgentStore(AgentStore::new(
+        get("TORCHELASTIC_RUN_ID"),
+        restart,
+    )?))
 }
 
 fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, DistError> {
@@ -188,6 +308,7 @@ fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, DistError> {
         master_addr,
         master_port: port(get)?.unwrap_or(DEFAULT_PORT),
         launcher: Launcher::Slurm,
+        rendezvous: Rendezvous::Host,
     })
 }
 
@@ -326,6 +447,67 @@ mod tests {
     }
 
     #[test]
+    fn torchrun_agent_store() {
+        let base = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ];
+        let with = |extra: &[(&'static str, &'static str)]| {
+            let mut v = base.to_vec();
+            v.extend_from_slice(extra);
+            env(&v)
+        };
+        let e = with(&[
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RUN_ID", "job-7"),
+            ("TORCHELASTIC_RESTART_COUNT", "3"),
+        ])
+        .unwrap()
+        .unwrap();
+        let Rendezvous::AgentStore(store) = &e.rendezvous else {
+            panic!("agent store expected, got {:?}", e.rendezvous);
+        };
+        assert_eq!(store.run_id(), Some("job-7"));
+        assert_eq!(store.restart_count(), 3);
+        assert_eq!(store.key_prefix(), "lifecycle/job-7/attempt_3");
+        let e = with(&[("TORCHELASTIC_USE_AGENT_STORE", "True")])
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            e.rendezvous,
+            Rendezvous::AgentStore(AgentStore::new(None, 0).unwrap())
+        );
+        for off in ["False", "0", ""] {
+            let e = with(&[("TORCHELASTIC_USE_AGENT_STORE", off)])
+                .unwrap()
+                .unwrap();
+            assert_eq!(e.rendezvous, Rendezvous::Host, "{off:?}");
+        }
+        assert_eq!(with(&[]).unwrap().unwrap().rendezvous, Rendezvous::Host);
+        let err = with(&[("TORCHELASTIC_USE_AGENT_STORE", "yes please")]).unwrap_err();
+        assert!(err.to_string().contains("True or False"), "{err}");
+        let err = with(&[
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RESTART_COUNT", "-1"),
+        ])
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("TORCHELASTIC_RESTART_COUNT=\"-1\""),
+            "{err}"
+        );
+        let long = "r".repeat(MAX_RUN_ID + 1);
+        assert!(AgentStore::new(Some(long), 0).is_err());
+        assert_eq!(
+            AgentStore::new(Some(String::new()), 0).unwrap().run_id(),
+            None
+        );
+    }
+
+    #[test]
     fn slurm_variables() {
         let e = env(&[
             ("SLURM_PROCID", "6"),
@@ -340,6 +522,7 @@ mod tests {
         assert_eq!(e.master_port, DEFAULT_PORT);
         assert_eq!(e.local_world_size, Some(8));
         assert_eq!(e.launcher, Launcher::Slurm);
+        assert_eq!(e.rendezvous, Rendezvous::Host);
         let err = env(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2")]).unwrap_err();
         assert!(err.to_string().contains("SLURM_LOCALID"), "{err}");
     }

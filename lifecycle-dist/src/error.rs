@@ -123,6 +123,69 @@ pub enum DistError {
     /// Something spoke to the rendezvous port that is not a rank of this job.
     #[error("rendezvous protocol error: {0}")]
     Protocol(String),
+    /// torchrun's agent store could not be reached before the deadline.
+    #[error(
+        "rank {rank} could not reach torchrun's agent store (a c10d TCPStore) at {addr}:{port} \
+         within {waited:?} (last error: {last_error}): TORCHELASTIC_USE_AGENT_STORE=True says \
+         torchrun's agent hosts it there; check that the torchrun agent is still running, that \
+         MASTER_ADDR / MASTER_PORT are the ones torchrun set, and that this node can reach that \
+         port (firewall, network interface)"
+    )]
+    StoreUnreachable {
+        /// This rank.
+        rank: usize,
+        /// The store's address (`MASTER_ADDR`).
+        addr: String,
+        /// The store's port (`MASTER_PORT`).
+        port: u16,
+        /// How long it retried.
+        waited: Duration,
+        /// The last connection error.
+        last_error: String,
+    },
+    /// The server at the store address does not speak the c10d TCPStore protocol this crate
+    /// speaks: it refused the validation handshake or answered it wrongly.
+    #[error(
+        "the server at {addr}:{port} refused the c10d TCPStore handshake (VALIDATE with the magic \
+         number, then PING): {reason}; this client speaks the protocol of torch 2.x TCPStore \
+         servers that answer PING (torch 2.11 does): run the job with such a torch, or check that \
+         MASTER_PORT is the port of torchrun's agent store and not another service"
+    )]
+    StoreRefused {
+        /// The store's address.
+        addr: String,
+        /// The store's port.
+        port: u16,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A key in torchrun's store did not appear before the deadline.
+    #[error(
+        "rank {rank} waited {waited:?} for key {key:?} in torchrun's store at {addr}:{port}, which \
+         never arrived: rank 0 may have died or hung before sharing it (check rank 0's log), or was \
+         started with another TORCHELASTIC_RUN_ID / TORCHELASTIC_RESTART_COUNT, or made a different \
+         number of communicators than this rank"
+    )]
+    KeyTimeout {
+        /// The rank that waited.
+        rank: usize,
+        /// The key it waited for, as stored on the server.
+        key: String,
+        /// The store's address.
+        addr: String,
+        /// The store's port.
+        port: u16,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// A name given to [`share_from_root_named`](crate::share_from_root_named) cannot be used.
+    #[error("rendezvous name {name:?} is invalid: expected {expected}")]
+    BadName {
+        /// The name.
+        name: String,
+        /// What was expected.
+        expected: &'static str,
+    },
     /// A socket or process operation failed.
     #[error("{context}: {source}")]
     Io {

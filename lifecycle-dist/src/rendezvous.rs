@@ -1,28 +1,52 @@
-//! Rendezvous over TCP: rank 0 listens at `MASTER_ADDR:MASTER_PORT`, every other rank connects
-//! (retrying while rank 0 comes up), and rank 0 hands each of them the same payload — the NCCL
-//! unique id — once all have arrived. Only this bootstrap goes over TCP; the data moves over NCCL.
+//! The rendezvous that shares rank 0's bytes (the NCCL unique id) with every rank, in one of two
+//! ways picked by [`RankEnv::rendezvous`]:
 //!
-//! Wire format (little endian): a rank sends `b"LCRDV1"`, its rank (u32) and its world size
+//! - [`Rendezvous::Host`]: rank 0 listens at `MASTER_ADDR:MASTER_PORT`, every other rank connects
+//!   (retrying while rank 0 comes up), and rank 0 hands each of them the same payload once all
+//!   have arrived.
+//! - [`Rendezvous::AgentStore`]: torchrun's agent already serves a c10d `TCPStore` on that port;
+//!   every rank joins it as a client and rank 0 publishes the payload under a key of this job
+//!   (see the `agent` module).
+//!
+//! Only this bootstrap goes over TCP; the data moves over NCCL.
+//!
+//! Host wire format (little endian): a rank sends `b"LCRDV1"`, its rank (u32) and its world size
 //! (u32); rank 0 answers a status byte (0 = accepted, 1 = refused) and a length-prefixed (u32)
 //! payload or refusal message.
 
 use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::env::RankEnv;
+use crate::env::{RankEnv, Rendezvous};
 use crate::error::DistError;
 
 const MAGIC: &[u8; 6] = b"LCRDV1";
 const MAX_PAYLOAD: usize = 1 << 16;
 const RETRY: Duration = Duration::from_millis(100);
+/// The longest name [`share_from_root_named`] accepts.
+const MAX_NAME: usize = 1024;
+
+/// Calls of [`share_from_root`] so far in this process: the `n` of its `nccl-id/<n>` name.
+static CALLS: AtomicU64 = AtomicU64::new(0);
 
 /// Shares `root_payload()` (evaluated on rank 0 only) with every rank; returns it on every rank.
 ///
-/// Rank 0 fails if a rank does not arrive within `timeout`, if two processes claim one rank or if
-/// a rank has another world size (the offending rank is refused with the reason). Other ranks
-/// retry the connection until `timeout` while rank 0 comes up.
+/// The way the ranks meet comes from the environment ([`RankEnv::rendezvous`]):
+///
+/// - under torchrun, which hosts a c10d `TCPStore` at `MASTER_ADDR:MASTER_PORT` and says so with
+///   `TORCHELASTIC_USE_AGENT_STORE=True`, every rank joins that store as a client and rank 0
+///   publishes the bytes under `lifecycle/<run id>/attempt_<restart>/nccl-id/<n>/`, `n`
+///   counting this process's calls, so every rank must make its calls in the same order;
+/// - otherwise (`lifecycle-launch`, Slurm's `srun`, variables set by hand) rank 0 listens at
+///   `MASTER_ADDR:MASTER_PORT` and the other ranks connect to it.
+///
+/// Either way rank 0 fails if a rank does not arrive within `timeout`, if two processes claim
+/// one rank or if a rank has another world size, and tells the other ranks why. The other ranks
+/// retry until `timeout` while rank 0 or the store comes up, and wait up to `1.5 × timeout + 1 s`
+/// in all for rank 0's answer.
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -35,11 +59,63 @@ pub fn share_from_root(
     root_payload: impl FnOnce() -> Vec<u8>,
     timeout: Duration,
 ) -> Result<Vec<u8>, DistError> {
-    if env.rank == 0 {
-        serve(env, root_payload(), timeout)
-    } else {
-        join(env, timeout)
+    let n = CALLS.fetch_add(1, Ordering::Relaxed);
+    share_from_root_named(env, &format!("nccl-id/{n}"), root_payload, timeout)
+}
+
+/// [`share_from_root`] under an explicit `name` instead of the per-process call count: in the
+/// agent-store rendezvous its keys are `lifecycle/<run id>/attempt_<restart>/<name>/…`, so ranks
+/// that share several ids need not make their calls in the same order, only use the same names.
+/// Each name must be used once per run and attempt. The rendezvous hosted by rank 0 does not
+/// use the name. Names are 1 to 1024 bytes.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// let env = lifecycle_dist::RankEnv::from_env()?.expect("started by a launcher");
+/// let id = lifecycle_dist::share_from_root_named(
+///     &env,
+///     "tensor-parallel/nccl-id",
+///     || b"nccl unique id".to_vec(),
+///     Duration::from_secs(60),
+/// )?;
+/// # Ok::<(), lifecycle_dist::DistError>(())
+/// ```
+pub fn share_from_root_named(
+    env: &RankEnv,
+    name: &str,
+    root_payload: impl FnOnce() -> Vec<u8>,
+    timeout: Duration,
+) -> Result<Vec<u8>, DistError> {
+    if name.is_empty() || name.len() > MAX_NAME {
+        return Err(DistError::BadName {
+            name: name.to_string(),
+            expected: "1 to 1024 bytes",
+        });
     }
+    match &env.rendezvous {
+        Rendezvous::Host if env.rank == 0 => serve(env, root_payload(), timeout),
+        Rendezvous::Host => join(env, timeout),
+        Rendezvous::AgentStore(store) => {
+            let payload = if env.rank == 0 {
+                let payload = root_payload();
+                check_size(&payload)?;
+                Some(payload)
+            } else {
+                None
+            };
+            crate::agent::share(env, store, name, payload, timeout)
+        }
+    }
+}
+
+fn check_size(payload: &[u8]) -> Result<(), DistError> {
+    if payload.len() > MAX_PAYLOAD {
+        return Err(DistError::Protocol(format!(
+            "payload of {} bytes exceeds {MAX_PAYLOAD}",
+            payload.len()
+        )));
+    }
+    Ok(())
 }
 
 fn resolve(env: &RankEnv) -> Result<SocketAddr, DistError> {
@@ -56,12 +132,7 @@ fn resolve(env: &RankEnv) -> Result<SocketAddr, DistError> {
 }
 
 fn serve(env: &RankEnv, payload: Vec<u8>, timeout: Duration) -> Result<Vec<u8>, DistError> {
-    if payload.len() > MAX_PAYLOAD {
-        return Err(DistError::Protocol(format!(
-            "payload of {} bytes exceeds {MAX_PAYLOAD}",
-            payload.len()
-        )));
-    }
+    check_size(&payload)?;
     let addr = resolve(env)?;
     let listener = TcpListener::bind(addr).map_err(|e| match e.kind() {
         ErrorKind::AddrInUse => DistError::PortInUse {

@@ -25,6 +25,7 @@ fn rank(rank: usize, world: usize, port: u16, timeout_ms: u64) -> Child {
         .env("LOCAL_RANK", rank.to_string())
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", port.to_string())
+        .env_remove("TORCHELASTIC_USE_AGENT_STORE")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

@@ -1,5 +1,7 @@
 //! Starts `N` processes of a program on this node with the variables torchrun would set, so the
 //! program's `RankEnv::from_env()` finds its rank; stops the others as soon as one fails.
+//! It hosts no store: rank 0 of the program hosts the rendezvous, so the children do not inherit
+//! the `TORCHELASTIC_*` variables of an enclosing torchrun.
 //!
 //! ```text
 //! lifecycle-launch --nproc-per-node 2 -- ./my_program --its --args
@@ -69,6 +71,9 @@ fn main() -> ExitCode {
             .env("GROUP_RANK", args.node_rank.to_string())
             .env("MASTER_ADDR", &args.master_addr)
             .env("MASTER_PORT", args.master_port.to_string())
+            .env_remove("TORCHELASTIC_USE_AGENT_STORE")
+            .env_remove("TORCHELASTIC_RUN_ID")
+            .env_remove("TORCHELASTIC_RESTART_COUNT")
             .spawn();
         match spawned {
             Ok(child) => children.push((rank, child)),

@@ -1,8 +1,11 @@
 //! Joins the rendezvous as the launcher says and prints the shared id: a check that every rank
 //! of a job receives the same bytes. Rank 0 makes a 128-byte id (the size of an NCCL unique id).
+//! Under torchrun the ranks meet in torchrun's agent store, otherwise rank 0 hosts the rendezvous.
 //!
 //! ```text
 //! lifecycle-launch --nproc-per-node 4 -- rendezvous-check
+//! torchrun --nproc_per_node=4 --no-python rendezvous-check
+//! srun --ntasks=8 --ntasks-per-node=4 rendezvous-check --timeout-ms 60000
 //! ```
 
 use std::process::ExitCode;
