@@ -5,7 +5,7 @@
 //! ```text
 //! cargo run --release --example dapo                 # host backend: lazy vs eager, default sizes
 //! cargo run --release --example dapo -- --help       # every option
-//! cargo run --release --example dapo -- --checkpoint examples/decoder/fixtures/gqa_untied
+//! cargo run --release --example dapo -- --checkpoint models/decoder/fixtures/gqa_untied
 //! cargo run --release --example dapo -- --backend fsdp --gpus 2 --tp 2 --steps 1
 //! cargo run --release --example dapo -- --backend fsdp --gpus 2 --tp 2 --synthetic 7b
 //! cargo run --release --example dapo -- --backend fsdp --gpus 2 --tp 2 --checkpoint path/to/hf-model
@@ -18,7 +18,7 @@
 //! toy-policy size options are then ignored.
 //!
 //! `--backend fsdp`: the FSDP backend on `--gpus` GPUs, rollouts by the GPU decoder, an in-place
-//! Adam step on synthetic gradients between steps (`lifecycle_decoder_gpu::dapo`, also the
+//! Adam step on synthetic gradients between steps (`lifecycle_examples::gpu_dapo`, also the
 //! `dapo_gpu` binary). `--synthetic 7b|small` picks a model with random weights when there is no
 //! `--checkpoint`. Without a GPU it stops with an error saying what is missing.
 //!
@@ -35,8 +35,8 @@ use clap::parser::ValueSource;
 use clap::{ArgMatches, Args as _, CommandFactory, FromArgMatches, Parser, ValueEnum};
 use lifecycle_core::{Ceilings, HumanBytes, HumanDuration, MemoryPolicy, Switching};
 use lifecycle_decoder::{load_checkpoint, Checkpoint};
-use lifecycle_decoder_gpu::dapo::{self as gpu_dapo, GpuOptions, LifecycleChoice, LoopOptions};
 use lifecycle_examples::dapo::{self, DapoConfig, RunReport, StepReport};
+use lifecycle_examples::gpu_dapo::{self as gpu_dapo, GpuOptions, LifecycleChoice, LoopOptions};
 use lifecycle_examples::lm_policy::run_checkpoint;
 use lifecycle_examples::toy_policy::PolicyConfig;
 
@@ -582,7 +582,7 @@ fn main() -> ExitCode {
 mod tests {
     use super::*;
     use lifecycle_cuda::{driver_present, CudaError};
-    use lifecycle_decoder_gpu::dapo::{DapoGpuError, SyntheticModel};
+    use lifecycle_examples::gpu_dapo::{DapoGpuError, SyntheticModel};
 
     fn plan(argv: &[&str]) -> Result<Plan, ArgsError> {
         let (args, matches) =

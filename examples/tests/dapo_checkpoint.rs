@@ -27,7 +27,7 @@ fn small(world: usize, tp: usize) -> DapoConfig {
 
 #[test]
 fn checkpoint_dapo_lazy_one_switch_per_step_eager_one_per_gen_batch() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("decoder/fixtures/gqa_untied");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/decoder/fixtures/gqa_untied");
     let ckpt = load_checkpoint(&dir).unwrap();
     let config = small(2, 2);
     let lazy = run_checkpoint(&config, &ckpt, Switching::Lazy, |_| {}).unwrap();

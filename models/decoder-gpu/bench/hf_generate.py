@@ -3,7 +3,7 @@ on a random Qwen2.5-0.5B-shaped model (the same shape as `decode_throughput_qwen
 tests/gpu.rs), bf16 weights, one GPU, batch 64, prompt 32, greedy, 128 new tokens.
 
 Run on the GPU machine (PyTorch + transformers installed):
-    python3 examples/decoder-gpu/bench/hf_generate.py
+    python3 models/decoder-gpu/bench/hf_generate.py
 """
 import time
 

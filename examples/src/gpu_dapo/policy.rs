@@ -10,7 +10,7 @@ use lifecycle_fsdp::FsdpBackend;
 use super::rollout::{rollout_batch, Ctx, Group};
 use super::source::Source;
 use super::DapoGpuError;
-use crate::GpuDecoder;
+use lifecycle_decoder_gpu::GpuDecoder;
 
 /// What one training step measured.
 pub(crate) struct StepReport {

@@ -1,5 +1,5 @@
 //! GPU tests: the GPU decoder against Hugging Face `transformers` (the CPU decoder's oracle
-//! fixtures, `examples/decoder/fixtures`) at T ∈ {1, 2}, W = T, through the FSDP backend's real
+//! fixtures, `models/decoder/fixtures`) at T ∈ {1, 2}, W = T, through the FSDP backend's real
 //! switch into the rollout layout; and a decode throughput measurement. Run on a machine with 2
 //! NVIDIA GPUs:
 //!
@@ -45,7 +45,7 @@ fn fixtures() -> PathBuf {
     if here.join("references.json").is_file() {
         return here;
     }
-    PathBuf::from("examples/decoder/fixtures")
+    PathBuf::from("models/decoder/fixtures")
 }
 
 fn floats(v: &Value) -> Vec<f32> {

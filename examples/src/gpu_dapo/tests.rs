@@ -4,7 +4,7 @@ use clap::Parser;
 use lifecycle_cuda::{driver_present, CudaError};
 
 use super::*;
-use crate::GpuDecodeError;
+use lifecycle_decoder_gpu::GpuDecodeError;
 
 #[derive(Parser)]
 struct Cli {

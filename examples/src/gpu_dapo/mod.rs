@@ -16,7 +16,7 @@
 //! ```
 //!
 //! Per training step: gen batches of `--prompts-per-batch` prompts × `--group-size` samples are
-//! generated with temperature sampling by [`GpuDecoder`](crate::GpuDecoder) on the resident
+//! generated with temperature sampling by [`GpuDecoder`](lifecycle_decoder_gpu::GpuDecoder) on the resident
 //! rollout weights; each sample is rewarded by a verifiable rule (1 if one of its generated
 //! tokens `t` has `t mod M == target(prompt)`, `M = --reward-modulus`); groups whose rewards all
 //! agree are dropped; gen batches continue until `--batch-groups` groups are kept (at most
@@ -38,7 +38,7 @@
 //!
 //! ```
 //! use clap::Parser;
-//! use lifecycle_decoder_gpu::dapo::{Options, SyntheticModel};
+//! use lifecycle_examples::gpu_dapo::{Options, SyntheticModel};
 //!
 //! #[derive(Parser)]
 //! struct Cli {
@@ -49,7 +49,7 @@
 //! let cli = Cli::try_parse_from(["dapo_gpu", "--gpus", "2", "--tp", "2", "--synthetic", "7b"])?;
 //! assert_eq!(cli.options.gpu.synthetic, Some(SyntheticModel::Qwen7b));
 //! assert_eq!(cli.options.run.steps, Options::default().run.steps);
-//! // lifecycle_decoder_gpu::dapo::run(&cli.options)?;   // on a machine with 2 GPUs
+//! // lifecycle_examples::gpu_dapo::run(&cli.options)?;   // on a machine with 2 GPUs
 //! # Ok::<(), clap::Error>(())
 //! ```
 
@@ -64,7 +64,7 @@ use lifecycle_cuda::{check_environment, ThreadRankPool};
 use lifecycle_dist::RankEnv;
 use lifecycle_fsdp::FsdpBackend;
 
-use crate::{decode_topology, DecodeTopology};
+use lifecycle_decoder_gpu::{decode_topology, DecodeTopology};
 
 /// `println!` on the rank that reports (every rank but 0 is silent in process mode).
 macro_rules! say {
@@ -105,14 +105,14 @@ use source::Model;
 /// panic.
 ///
 /// ```no_run
-/// use lifecycle_decoder_gpu::dapo::{run, Options};
+/// use lifecycle_examples::gpu_dapo::{run, Options};
 ///
 /// let mut options = Options::default();
 /// options.gpu.gpus = 2;
 /// options.run.tp = 2;
 /// options.run.steps = 1;
 /// run(&options)?;
-/// # Ok::<(), lifecycle_decoder_gpu::dapo::DapoGpuError>(())
+/// # Ok::<(), lifecycle_examples::gpu_dapo::DapoGpuError>(())
 /// ```
 pub fn run(options: &Options) -> Result<(), DapoGpuError> {
     let env = RankEnv::from_env().map_err(DapoGpuError::Launcher)?;

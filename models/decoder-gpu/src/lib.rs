@@ -13,15 +13,12 @@
 //! - NCCL all-reduce (sum) after the row-parallel o/down projections; NCCL all-gather of
 //!   vocabulary-parallel logits.
 //! - [`GpuModel`] builds pool, backend and lifecycle from a checkpoint in one call.
-//! - [`dapo`] runs DAPO on the GPUs (the `dapo` example's `--backend fsdp`, and the `dapo_gpu`
-//!   binary).
 //!
 //! This crate builds without CUDA (cudarc loads the libraries at run time); without a driver
 //! every constructor returns a typed error. The GPU tests (`tests/gpu.rs`) are `#[ignore]`d.
 
 #![warn(missing_docs)]
 
-pub mod dapo;
 mod decoder;
 mod error;
 mod kernels;

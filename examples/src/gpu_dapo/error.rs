@@ -6,7 +6,7 @@ use lifecycle_decoder::{CheckpointError, DecodeError};
 use lifecycle_dist::DistError;
 use lifecycle_fsdp::FsdpError;
 
-use crate::GpuDecodeError;
+use lifecycle_decoder_gpu::GpuDecodeError;
 
 /// Why a GPU DAPO run ([`run`](super::run)) failed. Settings are checked before any GPU work;
 /// a missing driver, NCCL or GPU is a value (`Cuda` or `Gpu`), never a panic.

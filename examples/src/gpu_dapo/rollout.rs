@@ -9,7 +9,7 @@ use lifecycle_fsdp::{FsdpBackend, FsdpTrainState};
 use lifecycle_layout::AdamParams;
 
 use super::{DapoGpuError, Options};
-use crate::GpuDecoder;
+use lifecycle_decoder_gpu::GpuDecoder;
 
 /// Prompt `id`'s tokens and its reward target.
 pub(crate) fn prompt(id: u64, len: usize, vocab: usize, modulus: u32) -> (Vec<u32>, u32) {
