@@ -89,21 +89,26 @@
 
 mod error;
 mod fault;
+mod injector;
 mod lifecycle;
 mod metrics;
+mod phase;
 mod policy;
+mod recorder;
 mod reshard;
 mod session;
 mod trace;
 
 pub use error::{panic_message, AfterFailure, LifecycleError, Operation};
-pub use fault::{Fault, FaultAt, FaultError, FaultHandle, FaultInjector, FaultKind, InjectedFault};
+pub use fault::{Fault, FaultAt, FaultHandle, FaultKind, InjectedFault};
+pub use injector::{FaultError, FaultInjector};
 pub use lifecycle::{Lifecycle, Mode};
 pub use metrics::{
-    Ceilings, HumanBytes, HumanDuration, Link, LinkBytes, Metrics, Phase, PhaseRecorder,
-    PhaseSample, PhaseScope, PhaseStats,
+    Ceilings, HumanBytes, HumanDuration, LinkBytes, Metrics, PhaseSample, PhaseStats,
 };
+pub use phase::{Link, Phase};
 pub use policy::{LifecycleConfig, MemoryPolicy, Switching};
+pub use recorder::{PhaseRecorder, PhaseScope};
 pub use reshard::{Reshard, SwitchContext};
 pub use session::{RolloutSession, RolloutView, TrainSession};
 pub use trace::{Span, Trace};

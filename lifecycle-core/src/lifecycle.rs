@@ -1,8 +1,10 @@
 //! The [`Lifecycle`]: owner of the training state, the backend and the resident rollout weights.
 
 use crate::error::{guarded, AfterFailure, Failure, LifecycleError, Operation};
-use crate::metrics::{Metrics, Phase, PhaseRecorder};
+use crate::metrics::Metrics;
+use crate::phase::Phase;
 use crate::policy::{LifecycleConfig, Switching};
+use crate::recorder::PhaseRecorder;
 use crate::reshard::{Reshard, SwitchContext};
 use crate::session::{RolloutSession, TrainSession};
 use crate::trace::Trace;

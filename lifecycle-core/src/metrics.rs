@@ -1,73 +1,12 @@
 //! Per-phase switch metrics: counts, wall time, bytes per link class and peak extra memory.
 //!
-//! Backends report what each phase did through a [`PhaseRecorder`]; the lifecycle owns the
+//! Backends report what each phase did through a [`PhaseRecorder`](crate::PhaseRecorder); the lifecycle owns the
 //! resulting [`Metrics`], which users read as a struct or print as one line or a table.
 
 use std::fmt;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::fault::{Armed, FaultAt};
-use crate::trace::Trace;
-
-/// One phase of a switch between the training and the rollout layout.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Phase {
-    /// Validating the layouts and computing the transfer plan (enter, refresh).
-    Plan,
-    /// Moving (and casting) weights into the rollout layout (enter, refresh).
-    Transfer,
-    /// Moving training state out of device memory (enter, refresh).
-    Offload,
-    /// Freeing the rollout weights (exit).
-    Release,
-    /// Bringing the offloaded training state back (exit).
-    Reload,
-}
-
-impl Phase {
-    /// Every phase, in the order a full switch runs them.
-    pub const ALL: [Phase; 5] = [
-        Phase::Plan,
-        Phase::Transfer,
-        Phase::Offload,
-        Phase::Release,
-        Phase::Reload,
-    ];
-
-    /// Lower-case name used in renderings.
-    pub fn name(self) -> &'static str {
-        match self {
-            Phase::Plan => "plan",
-            Phase::Transfer => "transfer",
-            Phase::Offload => "offload",
-            Phase::Release => "release",
-            Phase::Reload => "reload",
-        }
-    }
-
-    fn index(self) -> usize {
-        self as usize
-    }
-}
-
-impl fmt::Display for Phase {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// The class of link a byte crossed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Link {
-    /// Between two devices (NVLink / shared memory between host-backend ranks).
-    DeviceToDevice,
-    /// From a device to host memory (offload).
-    DeviceToHost,
-    /// From host memory to a device (reload).
-    HostToDevice,
-    /// Within one device (local copies and casts).
-    Local,
-}
+use crate::phase::{Link, Phase};
 
 /// Bytes moved, split by link class.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -124,7 +63,7 @@ pub struct PhaseStats {
     pub peak_extra_bytes: u64,
 }
 
-/// What one run of a phase reports; filled by the backend through [`PhaseScope`].
+/// What one run of a phase reports; filled by the backend through [`PhaseScope`](crate::PhaseScope).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PhaseSample {
     /// Bytes moved, by link class.
@@ -340,147 +279,6 @@ pub struct Ceilings {
     pub local_gbps: Option<f64>,
 }
 
-/// Where a backend reports the phases of one switch.
-///
-/// ```
-/// use lifecycle_core::{Link, Phase, PhaseRecorder, Metrics};
-/// let mut metrics = Metrics::default();
-/// let mut rec = PhaseRecorder::new(&mut metrics);
-/// let copied: Result<u64, std::convert::Infallible> = rec.phase(Phase::Transfer, |scope| {
-///     scope.add_bytes(Link::DeviceToDevice, 1024);
-///     Ok(1024)
-/// });
-/// assert_eq!(copied.unwrap(), 1024);
-/// assert_eq!(metrics.phase(Phase::Transfer).bytes.device_to_device, 1024);
-/// ```
-pub struct PhaseRecorder<'m> {
-    metrics: &'m mut Metrics,
-    trace: Option<&'m mut Trace>,
-    armed: Option<Armed>,
-}
-
-impl<'m> PhaseRecorder<'m> {
-    /// A recorder that adds to `metrics`.
-    pub fn new(metrics: &'m mut Metrics) -> Self {
-        PhaseRecorder {
-            metrics,
-            trace: None,
-            armed: None,
-        }
-    }
-
-    /// A recorder that adds to `metrics` and, when `trace` is enabled, records spans in it.
-    pub fn with_trace(metrics: &'m mut Metrics, trace: &'m mut Trace) -> Self {
-        PhaseRecorder {
-            metrics,
-            trace: Some(trace),
-            armed: None,
-        }
-    }
-
-    /// Whether spans are being recorded: backends skip collecting per-rank spans when not.
-    pub fn tracing(&self) -> bool {
-        self.trace.as_ref().is_some_and(|t| t.is_enabled())
-    }
-
-    /// The trace, when spans are being recorded.
-    pub fn trace(&mut self) -> Option<&mut Trace> {
-        self.trace.as_deref_mut().filter(|t| t.is_enabled())
-    }
-
-    /// Runs `f` as one instance of `phase`, timing it and recording what it reported in its
-    /// [`PhaseScope`]. The phase is recorded whether `f` succeeds or not.
-    pub fn phase<T, E>(
-        &mut self,
-        phase: Phase,
-        f: impl FnOnce(&mut PhaseScope) -> Result<T, E>,
-    ) -> Result<T, E> {
-        self.check_fault(phase, FaultAt::Start);
-        let mut scope = PhaseScope::default();
-        let start = Instant::now();
-        let out = f(&mut scope);
-        let wall = start.elapsed();
-        tracing::debug!(
-            phase = phase.name(),
-            ?wall,
-            bytes = scope.sample.bytes.moved(),
-            "phase"
-        );
-        self.metrics.record(phase, wall, &scope.sample);
-        if let Some(trace) = self.trace() {
-            let b = &scope.sample.bytes;
-            trace.record_host(
-                phase.name(),
-                phase,
-                None,
-                "switch",
-                start,
-                wall,
-                b.moved() + b.local,
-                None,
-            );
-        }
-        self.check_fault(phase, FaultAt::End);
-        out
-    }
-
-    fn check_fault(&mut self, phase: Phase, at: FaultAt) {
-        if let Some(armed) = self.armed.as_mut() {
-            armed.check(phase, at);
-        }
-    }
-
-    pub(crate) fn arm(&mut self, armed: Armed) {
-        self.armed = Some(armed);
-    }
-
-    pub(crate) fn disarm(&mut self) -> Option<Armed> {
-        self.armed.take()
-    }
-
-    /// Records a phase measured by the backend itself (for example from device events).
-    pub fn record(&mut self, phase: Phase, wall: Duration, sample: PhaseSample) {
-        self.check_fault(phase, FaultAt::Start);
-        self.metrics.record(phase, wall, &sample);
-        self.check_fault(phase, FaultAt::End);
-    }
-}
-
-/// What a running phase reports: bytes per link and peak extra memory.
-#[derive(Debug, Default)]
-pub struct PhaseScope {
-    sample: PhaseSample,
-    current_extra: u64,
-}
-
-impl PhaseScope {
-    /// Counts `bytes` moved over `link`.
-    pub fn add_bytes(&mut self, link: Link, bytes: u64) {
-        self.sample.bytes.add(link, bytes);
-    }
-
-    /// Notes that the phase now holds `bytes` more extra memory (staging buffers, buckets).
-    pub fn alloc_extra(&mut self, bytes: u64) {
-        self.current_extra += bytes;
-        self.sample.peak_extra_bytes = self.sample.peak_extra_bytes.max(self.current_extra);
-    }
-
-    /// Notes that `bytes` of extra memory were freed.
-    pub fn free_extra(&mut self, bytes: u64) {
-        self.current_extra = self.current_extra.saturating_sub(bytes);
-    }
-
-    /// Raises the recorded peak to at least `bytes` (for peaks measured by the backend).
-    pub fn note_peak_extra(&mut self, bytes: u64) {
-        self.sample.peak_extra_bytes = self.sample.peak_extra_bytes.max(bytes);
-    }
-
-    /// What has been reported so far.
-    pub fn sample(&self) -> &PhaseSample {
-        &self.sample
-    }
-}
-
 /// Formats a byte count with a decimal unit (B, kB, MB, GB).
 #[derive(Debug, Clone, Copy)]
 pub struct HumanBytes(pub u64);
@@ -520,6 +318,7 @@ impl fmt::Display for HumanDuration {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::PhaseRecorder;
 
     #[test]
     fn recorder_accumulates_and_since_subtracts() {

@@ -1,7 +1,7 @@
 //! The [`Reshard`] trait: the contract every backend implements.
 
-use crate::metrics::PhaseRecorder;
 use crate::policy::MemoryPolicy;
+use crate::recorder::PhaseRecorder;
 
 /// Moves a policy model's weights between the training layout and the rollout layout.
 ///

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use crate::metrics::{Link, Phase};
+use crate::phase::{Link, Phase};
 
 /// One interval of work.
 #[derive(Debug, Clone, PartialEq)]

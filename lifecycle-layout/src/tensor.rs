@@ -55,7 +55,8 @@ impl TensorData {
     }
 }
 
-/// A named full tensor, the input of [`HostTrainState::from_tensors`](crate::HostTrainState::from_tensors).
+/// A named full tensor with its data: the input every executor builds a training state from
+/// (for example `lifecycle_host::HostTrainState::from_tensors`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostTensor {
     /// Unique name.

@@ -1,0 +1,149 @@
+//! Where a backend reports the phases of one switch: time, bytes per link, peak extra memory.
+
+use std::time::{Duration, Instant};
+
+use crate::fault::{Armed, FaultAt};
+use crate::metrics::{Metrics, PhaseSample};
+use crate::phase::{Link, Phase};
+use crate::trace::Trace;
+
+/// Where a backend reports the phases of one switch.
+///
+/// ```
+/// use lifecycle_core::{Link, Phase, PhaseRecorder, Metrics};
+/// let mut metrics = Metrics::default();
+/// let mut rec = PhaseRecorder::new(&mut metrics);
+/// let copied: Result<u64, std::convert::Infallible> = rec.phase(Phase::Transfer, |scope| {
+///     scope.add_bytes(Link::DeviceToDevice, 1024);
+///     Ok(1024)
+/// });
+/// assert_eq!(copied.unwrap(), 1024);
+/// assert_eq!(metrics.phase(Phase::Transfer).bytes.device_to_device, 1024);
+/// ```
+pub struct PhaseRecorder<'m> {
+    metrics: &'m mut Metrics,
+    trace: Option<&'m mut Trace>,
+    armed: Option<Armed>,
+}
+
+impl<'m> PhaseRecorder<'m> {
+    /// A recorder that adds to `metrics`.
+    pub fn new(metrics: &'m mut Metrics) -> Self {
+        PhaseRecorder {
+            metrics,
+            trace: None,
+            armed: None,
+        }
+    }
+
+    /// A recorder that adds to `metrics` and, when `trace` is enabled, records spans in it.
+    pub fn with_trace(metrics: &'m mut Metrics, trace: &'m mut Trace) -> Self {
+        PhaseRecorder {
+            metrics,
+            trace: Some(trace),
+            armed: None,
+        }
+    }
+
+    /// Whether spans are being recorded: backends skip collecting per-rank spans when not.
+    pub fn tracing(&self) -> bool {
+        self.trace.as_ref().is_some_and(|t| t.is_enabled())
+    }
+
+    /// The trace, when spans are being recorded.
+    pub fn trace(&mut self) -> Option<&mut Trace> {
+        self.trace.as_deref_mut().filter(|t| t.is_enabled())
+    }
+
+    /// Runs `f` as one instance of `phase`, timing it and recording what it reported in its
+    /// [`PhaseScope`]. The phase is recorded whether `f` succeeds or not.
+    pub fn phase<T, E>(
+        &mut self,
+        phase: Phase,
+        f: impl FnOnce(&mut PhaseScope) -> Result<T, E>,
+    ) -> Result<T, E> {
+        self.check_fault(phase, FaultAt::Start);
+        let mut scope = PhaseScope::default();
+        let start = Instant::now();
+        let out = f(&mut scope);
+        let wall = start.elapsed();
+        tracing::debug!(
+            phase = phase.name(),
+            ?wall,
+            bytes = scope.sample.bytes.moved(),
+            "phase"
+        );
+        self.metrics.record(phase, wall, &scope.sample);
+        if let Some(trace) = self.trace() {
+            let b = &scope.sample.bytes;
+            trace.record_host(
+                phase.name(),
+                phase,
+                None,
+                "switch",
+                start,
+                wall,
+                b.moved() + b.local,
+                None,
+            );
+        }
+        self.check_fault(phase, FaultAt::End);
+        out
+    }
+
+    fn check_fault(&mut self, phase: Phase, at: FaultAt) {
+        if let Some(armed) = self.armed.as_mut() {
+            armed.check(phase, at);
+        }
+    }
+
+    pub(crate) fn arm(&mut self, armed: Armed) {
+        self.armed = Some(armed);
+    }
+
+    pub(crate) fn disarm(&mut self) -> Option<Armed> {
+        self.armed.take()
+    }
+
+    /// Records a phase measured by the backend itself (for example from device events).
+    pub fn record(&mut self, phase: Phase, wall: Duration, sample: PhaseSample) {
+        self.check_fault(phase, FaultAt::Start);
+        self.metrics.record(phase, wall, &sample);
+        self.check_fault(phase, FaultAt::End);
+    }
+}
+
+/// What a running phase reports: bytes per link and peak extra memory.
+#[derive(Debug, Default)]
+pub struct PhaseScope {
+    sample: PhaseSample,
+    current_extra: u64,
+}
+
+impl PhaseScope {
+    /// Counts `bytes` moved over `link`.
+    pub fn add_bytes(&mut self, link: Link, bytes: u64) {
+        self.sample.bytes.add(link, bytes);
+    }
+
+    /// Notes that the phase now holds `bytes` more extra memory (staging buffers, buckets).
+    pub fn alloc_extra(&mut self, bytes: u64) {
+        self.current_extra += bytes;
+        self.sample.peak_extra_bytes = self.sample.peak_extra_bytes.max(self.current_extra);
+    }
+
+    /// Notes that `bytes` of extra memory were freed.
+    pub fn free_extra(&mut self, bytes: u64) {
+        self.current_extra = self.current_extra.saturating_sub(bytes);
+    }
+
+    /// Raises the recorded peak to at least `bytes` (for peaks measured by the backend).
+    pub fn note_peak_extra(&mut self, bytes: u64) {
+        self.sample.peak_extra_bytes = self.sample.peak_extra_bytes.max(bytes);
+    }
+
+    /// What has been reported so far.
+    pub fn sample(&self) -> &PhaseSample {
+        &self.sample
+    }
+}
