@@ -6,9 +6,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use cudarc::nvrtc::Ptx;
 
-use crate::env::{arch_candidates, find_cuda_include};
+use crate::modules::{compile, read_sm_count, KernelSet};
 use crate::CudaError;
 use lifecycle_layout::Region2d;
 
@@ -171,35 +171,14 @@ pub fn fill_uniform_value(seed: u64, i: u64, scale: f32) -> f32 {
     scale * (2.0 * u - 1.0)
 }
 
-/// Compiles [`KERNEL_SRC`] for a device of compute capability (`major`, `minor`), trying the
-/// architectures of [`arch_candidates`] in order; the error lists every attempt and the fix.
+/// The cast, copy and fill kernels every rank loads at start ([`KERNEL_SRC`]).
+pub const MAIN_KERNELS: KernelSet =
+    KernelSet::new("lifecycle_cuda kernels", KERNEL_SRC).with_cuda_headers();
+
+/// Compiles [`KERNEL_SRC`] for a device of compute capability (`major`, `minor`) (once per
+/// process, see [`compile`]); the error lists every attempt and the fix.
 pub fn compile_kernels(major: i32, minor: i32) -> Result<Ptx, CudaError> {
-    let include = find_cuda_include();
-    let mut failures = Vec::new();
-    let mut last_options = Vec::new();
-    for arch in arch_candidates(major, minor) {
-        let mut opts = CompileOptions {
-            options: vec![format!("--gpu-architecture={arch}")],
-            ..Default::default()
-        };
-        if let Some(p) = &include {
-            opts.include_paths.push(p.display().to_string());
-        }
-        last_options = opts.options.clone();
-        match compile_ptx_with_opts(KERNEL_SRC, opts) {
-            Ok(ptx) => return Ok(ptx),
-            Err(e) => failures.push(format!("{arch}: {e:?}")),
-        }
-    }
-    Err(CudaError::Compile {
-        module: "lifecycle_cuda kernels".into(),
-        options: last_options,
-        detail: format!(
-            "{}; set LIFECYCLE_CUDA_ARCH (e.g. sm_90) to the GPU's architecture and \
-             LIFECYCLE_CUDA_INCLUDE to the folder holding cuda_bf16.h if the defaults do not fit",
-            failures.join("; ")
-        ),
-    })
+    compile(&MAIN_KERNELS, major, minor)
 }
 
 /// The kernels loaded into one device's context.
@@ -322,6 +301,11 @@ fn grid_for(units: u64, sm_count: u32) -> LaunchConfig {
 }
 
 impl Kernels {
+    /// Streaming multiprocessors of the device.
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+
     /// Loads `ptx` into the context of `stream`.
     pub fn load(stream: &Arc<CudaStream>, ptx: Ptx, rank: usize) -> Result<Self, CudaError> {
         let ctx = stream.context();
@@ -333,11 +317,7 @@ impl Kernels {
                 .load_function(name)
                 .map_err(|e| CudaError::driver(rank, format!("loading kernel {name}"), 0, e))
         };
-        let sm_count = ctx
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-            .map_err(|e| CudaError::driver(rank, "reading the SM count", 0, e))?;
+        let sm_count = read_sm_count(ctx, rank)?;
         Ok(Kernels {
             cast: f("cast_f32_bf16_2d")?,
             cast_v4: f("cast_f32_bf16_2d_v4")?,
@@ -345,7 +325,7 @@ impl Kernels {
             fill: f("fill_uniform_f32")?,
             multi: f("cast_f32_bf16_multi")?,
             _module: module,
-            sm_count: sm_count.max(1) as u32,
+            sm_count,
             multi_blocks_per_sm: Arc::new(AtomicU32::new(DEFAULT_MULTI_BLOCKS_PER_SM)),
         })
     }

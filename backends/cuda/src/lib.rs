@@ -33,6 +33,7 @@ mod deadline;
 mod env;
 mod error;
 mod kernels;
+mod modules;
 mod peer;
 mod pool;
 mod timeline;
@@ -53,14 +54,15 @@ pub use env::{
 pub use error::{CudaError, NcclFailure};
 pub use kernels::{
     compile_kernels, fill_uniform_value, CastBatch, Kernels, CAST_CHUNK_ELEMS,
-    DEFAULT_MULTI_BLOCKS_PER_SM, KERNEL_SRC,
+    DEFAULT_MULTI_BLOCKS_PER_SM, KERNEL_SRC, MAIN_KERNELS,
 };
+pub use modules::{compile, KernelSet, LoadedModule};
 pub use peer::{copy_2d, peer_copy_rate, Transport};
 pub use pool::{RankCtx, RankExecutor, RankFn, ThreadRankPool};
 pub use timeline::{DeviceSpan, Mark, RankSpans, StreamTimeline};
 pub use verify::{
     chunk_hash_u16, chunk_hash_u32, ChunkTable, PendingHashes, VerifyKernels, WordSize,
-    DEFAULT_CHUNK_WORDS, VERIFY_SRC,
+    DEFAULT_CHUNK_WORDS, VERIFY_KERNELS, VERIFY_SRC,
 };
 
 /// Re-export of the cudarc version this crate is built against.

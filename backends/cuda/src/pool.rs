@@ -22,6 +22,7 @@ use cudarc::nccl::Id;
 use crate::comm::{group_start, CollectiveSettings, CommFault, CommHealth, NcclComm};
 use crate::deadline::{wait_with_deadline, WaitProbe};
 use crate::kernels::{compile_kernels, Kernels};
+use crate::modules::{KernelSet, LoadedModule, ModuleCache};
 use crate::verify::VerifyKernels;
 use crate::{check_environment, CudaError};
 
@@ -47,6 +48,8 @@ pub struct RankCtx {
     pub kernels: Kernels,
     /// Verification kernels, compiled and loaded on first use.
     verify: OnceCell<VerifyKernels>,
+    /// Kernel sets loaded into this context.
+    modules: ModuleCache,
 }
 
 impl RankCtx {
@@ -153,8 +156,20 @@ impl RankCtx {
         if let Some(k) = self.verify.get() {
             return Ok(k);
         }
-        let k = VerifyKernels::compile_and_load(&self.compute, self.rank)?;
+        let k = VerifyKernels::load(self)?;
         Ok(self.verify.get_or_init(|| k))
+    }
+
+    /// `set` loaded into this rank's context: compiled once per process and architecture, loaded
+    /// once per context, then shared by every caller.
+    pub fn module(&self, set: &KernelSet) -> Result<Arc<LoadedModule>, CudaError> {
+        self.modules
+            .get(&self.ctx, set, self.rank, self.kernels.sm_count())
+    }
+
+    /// Streaming multiprocessors of this rank's device (read once, when the rank started).
+    pub fn sm_count(&self) -> u32 {
+        self.kernels.sm_count()
     }
 }
 
@@ -525,6 +540,7 @@ fn init_rank(
         comm,
         kernels,
         verify: OnceCell::new(),
+        modules: ModuleCache::default(),
     })
 }
 

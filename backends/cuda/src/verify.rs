@@ -10,13 +10,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
-};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
-use crate::env::arch_candidates;
-use crate::CudaError;
+use crate::modules::{KernelSet, LoadedModule};
+use crate::{CudaError, RankCtx};
 
 /// CUDA C source of the verification kernels (no headers needed).
 pub const VERIFY_SRC: &str = r#"
@@ -77,6 +74,10 @@ extern "C" __global__ void first_nonfinite_f32(const u32* __restrict__ data,
     }
 }
 "#;
+
+/// [`VERIFY_SRC`] as a kernel set.
+pub const VERIFY_KERNELS: KernelSet =
+    KernelSet::new("lifecycle_cuda verification kernels", VERIFY_SRC);
 
 const PHI: u64 = 0x9E37_79B9_7F4A_7C15;
 
@@ -227,7 +228,7 @@ impl PendingHashes {
 /// The verification kernels loaded into one device's context.
 #[derive(Debug, Clone)]
 pub struct VerifyKernels {
-    _module: Arc<CudaModule>,
+    _module: Arc<LoadedModule>,
     hash32: CudaFunction,
     hash16: CudaFunction,
     nonfinite: CudaFunction,
@@ -235,59 +236,15 @@ pub struct VerifyKernels {
 }
 
 impl VerifyKernels {
-    /// Compiles [`VERIFY_SRC`] for the device of `stream` and loads it there.
-    pub(crate) fn compile_and_load(
-        stream: &Arc<CudaStream>,
-        rank: usize,
-    ) -> Result<Self, CudaError> {
-        let ctx = stream.context();
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(|e| CudaError::driver(rank, "reading the compute capability", 0, e))?;
-        let mut failures = Vec::new();
-        let mut ptx = None;
-        let mut last_options = Vec::new();
-        for arch in arch_candidates(major, minor) {
-            let opts = CompileOptions {
-                options: vec![format!("--gpu-architecture={arch}")],
-                ..Default::default()
-            };
-            last_options = opts.options.clone();
-            match compile_ptx_with_opts(VERIFY_SRC, opts) {
-                Ok(p) => {
-                    ptx = Some(p);
-                    break;
-                }
-                Err(e) => failures.push(format!("{arch}: {e:?}")),
-            }
-        }
-        let ptx = ptx.ok_or_else(|| CudaError::Compile {
-            module: "lifecycle_cuda verification kernels".into(),
-            options: last_options,
-            detail: format!(
-                "{}; set LIFECYCLE_CUDA_ARCH (e.g. sm_90) to the GPU's architecture",
-                failures.join("; ")
-            ),
-        })?;
-        let module = ctx
-            .load_module(ptx)
-            .map_err(|e| CudaError::driver(rank, "loading the verification kernels", 0, e))?;
-        let f = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(|e| CudaError::driver(rank, format!("loading kernel {name}"), 0, e))
-        };
-        let sm_count = ctx
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-            .map_err(|e| CudaError::driver(rank, "reading the SM count", 0, e))?;
+    /// Loads the verification kernels ([`VERIFY_KERNELS`]) into the context of `ctx`.
+    pub(crate) fn load(ctx: &RankCtx) -> Result<Self, CudaError> {
+        let m = ctx.module(&VERIFY_KERNELS)?;
         Ok(VerifyKernels {
-            hash32: f("hash_chunks_b32")?,
-            hash16: f("hash_chunks_b16")?,
-            nonfinite: f("first_nonfinite_f32")?,
-            _module: module,
-            sm_count: sm_count.max(1) as u32,
+            hash32: m.function("hash_chunks_b32")?,
+            hash16: m.function("hash_chunks_b16")?,
+            nonfinite: m.function("first_nonfinite_f32")?,
+            sm_count: m.sm_count(),
+            _module: m,
         })
     }
 

@@ -20,11 +20,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
-};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
-use lifecycle_cuda::{arch_candidates, CudaError, RankCtx, RankExecutor};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use lifecycle_cuda::{CudaError, KernelSet, LoadedModule, RankCtx, RankExecutor};
 use lifecycle_layout::{AdamParams, HostTensor};
 
 use crate::backend::{fill_shards_uniform, ptr_mut, shard_host_tensors};
@@ -76,6 +73,11 @@ extern "C" __global__ void adam_step(float* __restrict__ w, float* __restrict__ 
     }
 }
 "#;
+
+/// [`UPDATE_KERNEL_SRC`] as a kernel set, with IEEE-exact arithmetic so it matches the CPU
+/// executor's Adam bit for bit.
+pub const UPDATE_KERNELS: KernelSet =
+    KernelSet::new("lifecycle_fsdp update kernels", UPDATE_KERNEL_SRC).exact();
 
 /// The splitmix64 finaliser (the kernels' `mix64`).
 fn mix64(mut x: u64) -> u64 {
@@ -134,7 +136,7 @@ pub fn check_adam_params(p: &AdamParams) -> Result<(), FsdpError> {
 /// The update kernels loaded into one rank's context.
 #[derive(Debug)]
 pub(crate) struct UpdateKernels {
-    _module: Arc<CudaModule>,
+    _module: Arc<LoadedModule>,
     grads: CudaFunction,
     adam: CudaFunction,
     sm_count: u32,
@@ -145,68 +147,14 @@ pub(crate) struct UpdateKernels {
 pub(crate) struct UpdateKernelCache(Mutex<Option<Arc<Vec<UpdateKernels>>>>);
 
 impl UpdateKernels {
-    /// Compiles [`UPDATE_KERNEL_SRC`] for this rank's device and loads it.
+    /// Loads [`UPDATE_KERNELS`] into this rank's context (compiled once per process).
     fn load(ctx: &RankCtx) -> Result<Self, CudaError> {
-        let rank = ctx.rank;
-        let (major, minor) = ctx
-            .ctx
-            .compute_capability()
-            .map_err(ctx.drv("reading the compute capability", 0))?;
-        let mut failures = Vec::new();
-        let mut last = Vec::new();
-        let mut ptx = None;
-        for arch in arch_candidates(major, minor) {
-            let opts = CompileOptions {
-                options: vec![format!("--gpu-architecture={arch}")],
-                fmad: Some(false),
-                prec_div: Some(true),
-                prec_sqrt: Some(true),
-                ftz: Some(false),
-                ..Default::default()
-            };
-            last = vec![
-                format!("--gpu-architecture={arch}"),
-                "--fmad=false".into(),
-                "--prec-div=true".into(),
-                "--prec-sqrt=true".into(),
-                "--ftz=false".into(),
-            ];
-            match compile_ptx_with_opts(UPDATE_KERNEL_SRC, opts) {
-                Ok(p) => {
-                    ptx = Some(p);
-                    break;
-                }
-                Err(e) => failures.push(format!("{arch}: {e:?}")),
-            }
-        }
-        let ptx = ptx.ok_or_else(|| CudaError::Compile {
-            module: "lifecycle_fsdp update kernels".into(),
-            options: last,
-            detail: format!(
-                "{}; set LIFECYCLE_CUDA_ARCH (e.g. sm_90) to the GPU's architecture",
-                failures.join("; ")
-            ),
-        })?;
-        let module = ctx
-            .ctx
-            .load_module(ptx)
-            .map_err(ctx.drv("loading the update kernel module", 0))?;
-        let f = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(|e| CudaError::driver(rank, format!("loading kernel {name}"), 0, e))
-        };
-        let sm_count = ctx
-            .ctx
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-            .map_err(ctx.drv("reading the SM count", 0))?;
+        let m = ctx.module(&UPDATE_KERNELS)?;
         Ok(UpdateKernels {
-            grads: f("synthetic_grads")?,
-            adam: f("adam_step")?,
-            _module: module,
-            sm_count: sm_count.max(1) as u32,
+            grads: m.function("synthetic_grads")?,
+            adam: m.function("adam_step")?,
+            sm_count: m.sm_count(),
+            _module: m,
         })
     }
 

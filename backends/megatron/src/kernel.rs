@@ -5,8 +5,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
-use lifecycle_cuda::{arch_candidates, CudaError, RankCtx};
+use lifecycle_cuda::{CudaError, KernelSet, RankCtx};
 
 use lifecycle_layout::megatron::schedule::TILE_BYTES;
 
@@ -58,6 +57,10 @@ extern "C" __global__ void copy_tiles_u16(const Tile* __restrict__ tiles, u32 nt
 }
 "#;
 
+/// [`COPY_KERNEL_SRC`] as a kernel set.
+pub(crate) const COPY_KERNELS: KernelSet =
+    KernelSet::new("lifecycle_megatron tile copy", COPY_KERNEL_SRC);
+
 /// The copy kernel loaded on one rank's device.
 #[derive(Debug, Clone)]
 pub(crate) struct CopyKernel {
@@ -66,54 +69,12 @@ pub(crate) struct CopyKernel {
 }
 
 impl CopyKernel {
-    /// Compiles [`COPY_KERNEL_SRC`] for this rank's device (trying [`arch_candidates`] in order)
-    /// and loads it.
+    /// Loads [`COPY_KERNELS`] into this rank's context (compiled once per process).
     pub fn load(ctx: &RankCtx) -> Result<Self, CudaError> {
-        let (major, minor) = ctx
-            .ctx
-            .compute_capability()
-            .map_err(ctx.drv("reading the compute capability", 0))?;
-        let mut failures = Vec::new();
-        let mut last = Vec::new();
-        let mut ptx = None;
-        for arch in arch_candidates(major, minor) {
-            let opts = CompileOptions {
-                options: vec![format!("--gpu-architecture={arch}")],
-                ..Default::default()
-            };
-            last = opts.options.clone();
-            match compile_ptx_with_opts(COPY_KERNEL_SRC, opts) {
-                Ok(p) => {
-                    ptx = Some(p);
-                    break;
-                }
-                Err(e) => failures.push(format!("{arch}: {e:?}")),
-            }
-        }
-        let ptx = ptx.ok_or_else(|| CudaError::Compile {
-            module: "lifecycle_megatron tile copy".into(),
-            options: last,
-            detail: format!(
-                "{}; set LIFECYCLE_CUDA_ARCH (e.g. sm_90) to the GPU's architecture",
-                failures.join("; ")
-            ),
-        })?;
-        let module = ctx
-            .ctx
-            .load_module(ptx)
-            .map_err(ctx.drv("loading the tile copy module", 0))?;
-        let func = module
-            .load_function("copy_tiles_u16")
-            .map_err(ctx.drv("loading kernel copy_tiles_u16", 0))?;
-        let sm_count = ctx
-            .ctx
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-            .map_err(ctx.drv("reading the SM count", 0))?;
+        let m = ctx.module(&COPY_KERNELS)?;
         Ok(CopyKernel {
-            func,
-            sm_count: sm_count.max(1) as u32,
+            func: m.function("copy_tiles_u16")?,
+            sm_count: m.sm_count(),
         })
     }
 

@@ -9,8 +9,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
-use lifecycle_cuda::{arch_candidates, CudaError, RankCtx};
+use lifecycle_cuda::{CudaError, KernelSet, RankCtx};
 
 /// CUDA C source of the decoder kernels.
 pub const DECODER_KERNEL_SRC: &str = r#"
@@ -303,6 +302,11 @@ extern "C" __global__ void sample_rows(const float* __restrict__ x, const float*
 }
 "#;
 
+/// [`DECODER_KERNEL_SRC`] as a kernel set; no contraction into FMAs, so the element-wise kernels
+/// round like the CPU decoder.
+pub const DECODER_KERNELS: KernelSet =
+    KernelSet::new("lifecycle_decoder_gpu kernels", DECODER_KERNEL_SRC).exact();
+
 /// The decoder kernels loaded into one rank's context.
 #[derive(Debug, Clone)]
 pub(crate) struct DecoderKernels {
@@ -331,67 +335,22 @@ pub(crate) enum Arg {
 }
 
 impl DecoderKernels {
-    /// Compiles the source for this rank's device and loads it.
+    /// Loads [`DECODER_KERNELS`] into this rank's context (compiled once per process, loaded
+    /// once per context).
     pub fn load(ctx: &RankCtx) -> Result<Self, CudaError> {
-        let rank = ctx.rank;
-        let (major, minor) = ctx
-            .ctx
-            .compute_capability()
-            .map_err(ctx.drv("reading the compute capability", 0))?;
-        let mut failures = Vec::new();
-        let mut ptx = None;
-        let mut last = Vec::new();
-        for arch in arch_candidates(major, minor) {
-            let opts = CompileOptions {
-                options: vec![format!("--gpu-architecture={arch}")],
-                // no contraction into FMAs: the element-wise kernels round like the CPU decoder
-                fmad: Some(false),
-                ..Default::default()
-            };
-            last = opts.options.clone();
-            match compile_ptx_with_opts(DECODER_KERNEL_SRC, opts) {
-                Ok(p) => {
-                    ptx = Some(p);
-                    break;
-                }
-                Err(e) => failures.push(format!("{arch}: {e:?}")),
-            }
-        }
-        let ptx = ptx.ok_or_else(|| CudaError::Compile {
-            module: "lifecycle_decoder_gpu kernels".into(),
-            options: last,
-            detail: format!(
-                "{}; set LIFECYCLE_CUDA_ARCH (e.g. sm_90) to the GPU's architecture",
-                failures.join("; ")
-            ),
-        })?;
-        let module = ctx
-            .ctx
-            .load_module(ptx)
-            .map_err(ctx.drv("loading the decoder kernel module", 0))?;
-        let f = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(|e| CudaError::driver(rank, format!("loading kernel {name}"), 0, e))
-        };
-        let sm_count = ctx
-            .ctx
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-            .map_err(ctx.drv("reading the SM count", 0))?;
+        let m = ctx.module(&DECODER_KERNELS)?;
         Ok(DecoderKernels {
-            embed: f("embed")?,
-            rms_norm_split: f("rms_norm_split")?,
-            combine: f("combine")?,
-            swiglu_split: f("swiglu_split")?,
-            rope_store: f("rope_store")?,
-            attention: f("attention")?,
-            grow_blocks: f("grow_blocks")?,
-            argmax_rows: f("argmax_rows")?,
-            unshard: f("unshard")?,
-            sample_rows: f("sample_rows")?,
-            sm_count: sm_count.max(1) as u32,
+            embed: m.function("embed")?,
+            rms_norm_split: m.function("rms_norm_split")?,
+            combine: m.function("combine")?,
+            swiglu_split: m.function("swiglu_split")?,
+            rope_store: m.function("rope_store")?,
+            attention: m.function("attention")?,
+            grow_blocks: m.function("grow_blocks")?,
+            argmax_rows: m.function("argmax_rows")?,
+            unshard: m.function("unshard")?,
+            sample_rows: m.function("sample_rows")?,
+            sm_count: m.sm_count(),
         })
     }
 
