@@ -7,8 +7,9 @@ use lifecycle_core::{
     sharded_rollout, Lifecycle, LifecycleConfig, LifecycleError, LinkBytes, MemoryPolicy, Metrics,
     RolloutView, Switching, Trace,
 };
-use lifecycle_host::{HostBackend, HostError, HostRollout, HostTrainState};
+use lifecycle_host::{HostBackend, HostError, HostTrainState};
 use lifecycle_layout::AdamParams;
+use lifecycle_layout::HostRollout;
 use lifecycle_layout::RolloutLayout;
 
 use crate::rng::SplitMix64;

@@ -4,7 +4,8 @@
 
 use lifecycle_core::{sharded_rollout, RolloutView, Switching};
 use lifecycle_decoder::{Checkpoint, CpuDecoder, DecodeError, Decoder, ModelConfig, Sampling};
-use lifecycle_host::{HostRollout, HostTrainState};
+use lifecycle_host::HostTrainState;
+use lifecycle_layout::HostRollout;
 use lifecycle_layout::RolloutLayout;
 
 use crate::dapo::{

@@ -8,8 +8,9 @@
 //! sampling from stale weights changes the samples.
 
 use half::bf16;
-use lifecycle_host::{HostError, RankRollout};
+use lifecycle_host::HostError;
 use lifecycle_layout::HostTensor;
+use lifecycle_layout::RankRollout;
 use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 
 use lifecycle_decoder::{dot, sample_token};

@@ -40,8 +40,10 @@
 #![warn(missing_docs)]
 
 mod adam;
+mod entry;
 mod error;
 pub mod fsdp;
+mod host_rollout;
 pub mod megatron;
 mod plan;
 mod region;
@@ -49,7 +51,9 @@ mod spec;
 mod tensor;
 
 pub use adam::AdamParams;
+pub use entry::RolloutEntry;
 pub use error::LayoutError;
+pub use host_rollout::{HostRollout, RankRollout, RolloutTensor};
 pub use plan::{plan_fsdp_to_tp, Piece, RankPlan, ReshardPlan, TensorPlan};
 pub use region::Region2d;
 pub use spec::{fsdp_rows, tp_range, DType, FsdpLayout, Parallel, RolloutLayout, TensorSpec};

@@ -240,7 +240,7 @@ fn a_failing_retry_keeps_the_lifecycle_faulted_and_a_later_one_recovers() {
 
 #[lifecycle_core::sharded_rollout]
 fn body(
-    weights: lifecycle_core::RolloutView<'_, lifecycle_host::HostRollout>,
+    weights: lifecycle_core::RolloutView<'_, lifecycle_layout::HostRollout>,
     fail: u8,
 ) -> Result<usize, String> {
     match fail {

@@ -36,6 +36,7 @@ mod kernels;
 mod modules;
 mod peer;
 mod pool;
+mod rollout;
 mod timeline;
 mod verify;
 
@@ -59,6 +60,7 @@ pub use kernels::{
 pub use modules::{compile, KernelSet, LoadedModule};
 pub use peer::{copy_2d, peer_copy_rate, Transport};
 pub use pool::{RankCtx, RankExecutor, RankFn, ThreadRankPool};
+pub use rollout::RolloutBuffer;
 pub use timeline::{DeviceSpan, Mark, RankSpans, StreamTimeline};
 pub use verify::{
     chunk_hash_u16, chunk_hash_u32, ChunkTable, PendingHashes, VerifyKernels, WordSize,

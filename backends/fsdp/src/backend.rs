@@ -8,11 +8,12 @@ use half::bf16;
 use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
 use lifecycle_cuda::{
     alloc_device, alloc_pinned, alloc_zeros, CastBatch, CudaError, RankCtx, RankExecutor,
-    RankSpans, StreamTimeline, ThreadRankPool, Transport,
+    RankSpans, RolloutBuffer, StreamTimeline, ThreadRankPool, Transport,
 };
-use lifecycle_host::{HostRollout, HostTrainState, RankRollout, RolloutTensor};
-use lifecycle_layout::{plan_fsdp_to_tp, FsdpLayout, RolloutLayout};
-use lifecycle_layout::{HostTensor, TensorData};
+use lifecycle_host::HostTrainState;
+use lifecycle_layout::{
+    plan_fsdp_to_tp, FsdpLayout, HostRollout, HostTensor, RolloutEntry, RolloutLayout, TensorData,
+};
 
 use crate::state::{FsdpTrainState, RankDump, RankTrain};
 use crate::update::UpdateKernelCache;
@@ -21,54 +22,6 @@ use crate::FsdpError;
 use lifecycle_layout::fsdp::{
     build_plan, BucketConfig, BucketOps, Buf, CastOp, FsdpPlan, ShardLayout,
 };
-
-/// One rollout tensor's place in a rank's flat rollout buffer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RolloutEntry {
-    /// Name.
-    pub name: String,
-    /// Shape of the rank's slice.
-    pub shape: Vec<usize>,
-    /// Element offset.
-    pub offset: u64,
-    /// Elements.
-    pub numel: u64,
-}
-
-/// The rollout weights of every rank: one flat bf16 device buffer per rank, tensors at the plan's
-/// offsets (the same on every rank).
-pub struct FsdpRollout {
-    pub(crate) ranks: Vec<CudaSlice<bf16>>,
-    pub(crate) entries: Vec<RolloutEntry>,
-    pub(crate) len: u64,
-}
-
-impl std::fmt::Debug for FsdpRollout {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FsdpRollout")
-            .field("ranks", &self.ranks.len())
-            .field("tensors", &self.entries.len())
-            .field("elements_per_rank", &self.len)
-            .finish()
-    }
-}
-
-impl FsdpRollout {
-    /// The tensors of each rank's buffer, in rollout order.
-    pub fn entries(&self) -> &[RolloutEntry] {
-        &self.entries
-    }
-
-    /// Bytes of rollout weights on each rank.
-    pub fn bytes_per_rank(&self) -> u64 {
-        self.len * 2
-    }
-
-    /// The device buffer of the `i`-th local rank (flat; see [`FsdpRollout::entries`]).
-    pub fn rank_buffer(&self, rank: usize) -> Option<&CudaSlice<bf16>> {
-        self.ranks.get(rank)
-    }
-}
 
 /// Reshards FSDP training shards into bf16 tensor-parallel rollout weights on the GPUs of a
 /// [`ThreadRankPool`], with bucketed, shard-aware NCCL transfers and overlapped offload.
@@ -327,26 +280,22 @@ impl FsdpBackend {
     /// of range); an unknown tensor is an error.
     pub fn inject_rollout_bit_flip(
         &self,
-        rollout: &mut FsdpRollout,
+        rollout: &mut RolloutBuffer,
         rank: usize,
         tensor: &str,
         index: usize,
         bit: u32,
     ) -> Result<bool, FsdpError> {
-        let entry = rollout
-            .entries
-            .iter()
-            .find(|e| e.name == tensor)
-            .ok_or_else(|| FsdpError::Tensor {
-                name: tensor.to_string(),
-                problem: "no such tensor in the rollout weights".into(),
-            })?;
-        if index as u64 >= entry.numel || rank >= rollout.ranks.len() {
+        let entry = rollout.entry(tensor).ok_or_else(|| FsdpError::Tensor {
+            name: tensor.to_string(),
+            problem: "no such tensor in the rollout weights".into(),
+        })?;
+        if index >= entry.numel() || rank >= rollout.local_ranks().len() {
             return Ok(false);
         }
-        let at = (entry.offset as usize) + index;
+        let at = entry.offset() + index;
         let mut items: Vec<(usize, &mut CudaSlice<bf16>)> =
-            rollout.ranks.iter_mut().enumerate().collect();
+            rollout.buffers_mut().iter_mut().enumerate().collect();
         self.pool.run_each(&mut items, &|ctx, (i, buf)| {
             if *i != rank {
                 return Ok(());
@@ -447,7 +396,7 @@ impl FsdpBackend {
         })?;
         self.rollout_sums = Some(RolloutSums {
             table,
-            names: entries.iter().map(|e| e.name.clone()).collect(),
+            names: entries.iter().map(|e| e.name().to_string()).collect(),
             sums,
         });
         Ok(())
@@ -455,14 +404,14 @@ impl FsdpBackend {
 
     /// Verification mode: checks the rollout weights about to be released against the hashes
     /// taken after their transfer (and forgets those).
-    fn check_rollout_sums(&mut self, rollout: &FsdpRollout) -> Result<(), FsdpError> {
+    fn check_rollout_sums(&mut self, rollout: &RolloutBuffer) -> Result<(), FsdpError> {
         let Some(rs) = self.rollout_sums.take() else {
             return Ok(());
         };
-        if !self.verify || rs.sums.len() != rollout.ranks.len() {
+        if !self.verify || rs.sums.len() != rollout.local_ranks().len() {
             return Ok(());
         }
-        let mut items: Vec<&CudaSlice<bf16>> = rollout.ranks.iter().collect();
+        let mut items: Vec<&CudaSlice<bf16>> = rollout.buffers().iter().collect();
         let table = &rs.table;
         let found = self.pool.run_each(&mut items, &|ctx, buf| {
             verify::rollout_hashes(ctx, buf, table)
@@ -633,31 +582,8 @@ impl FsdpBackend {
     /// Downloads the rollout weights of this process's ranks ([`RankExecutor::local_ranks`], all
     /// ranks in the single-process mode) to host memory (rollout order, same layout as the host
     /// backend's), for bit comparisons.
-    pub fn download_rollout(&self, rollout: &FsdpRollout) -> Result<HostRollout, FsdpError> {
-        let mut items: Vec<&CudaSlice<bf16>> = rollout.ranks.iter().collect();
-        let flats = self.pool.run_each(&mut items, &|ctx, buf| {
-            ctx.compute
-                .synchronize()
-                .map_err(ctx.drv("synchronizing", 0))?;
-            ctx.compute
-                .clone_dtoh(*buf)
-                .map_err(ctx.drv("downloading rollout weights", 0))
-        })?;
-        let ranks = flats
-            .into_iter()
-            .map(|flat| RankRollout {
-                tensors: rollout
-                    .entries
-                    .iter()
-                    .map(|e| RolloutTensor {
-                        name: e.name.clone(),
-                        shape: e.shape.clone(),
-                        data: flat[e.offset as usize..(e.offset + e.numel) as usize].to_vec(),
-                    })
-                    .collect(),
-            })
-            .collect();
-        Ok(HostRollout { ranks })
+    pub fn download_rollout(&self, rollout: &RolloutBuffer) -> Result<HostRollout, FsdpError> {
+        Ok(rollout.download(&*self.pool)?)
     }
 
     /// Downloads the training buffers of this process's ranks (from the device, or from the pinned
@@ -771,11 +697,12 @@ impl FsdpBackend {
                 r0.tensors
                     .iter()
                     .zip(&plan.roll_offsets)
-                    .map(|(t, &offset)| RolloutEntry {
-                        name: plan.core.tensors[t.tensor].name.clone(),
-                        shape: t.shape.clone(),
-                        offset,
-                        numel: t.numel() as u64,
+                    .map(|(t, &offset)| {
+                        RolloutEntry::new(
+                            plan.core.tensors[t.tensor].name.clone(),
+                            t.shape.clone(),
+                            offset as usize,
+                        )
                     })
                     .collect()
             })
@@ -1497,7 +1424,7 @@ fn peer_copies(
 
 impl Reshard for FsdpBackend {
     type TrainState = FsdpTrainState;
-    type Rollout = FsdpRollout;
+    type Rollout = RolloutBuffer;
     /// Shared, so a cached plan is handed out without copying it.
     type Plan = Arc<FsdpPlan>;
     type Error = FsdpError;
@@ -1543,7 +1470,7 @@ impl Reshard for FsdpBackend {
         plan: &Arc<FsdpPlan>,
         state: &mut FsdpTrainState,
         ctx: &mut SwitchContext<'_>,
-    ) -> Result<FsdpRollout, FsdpError> {
+    ) -> Result<RolloutBuffer, FsdpError> {
         if state.master_offloaded() || state.optimizer_offloaded() {
             return Err(FsdpError::Offloaded {
                 operation: "entering rollout mode",
@@ -1579,18 +1506,19 @@ impl Reshard for FsdpBackend {
             self.record_rollout_sums(&rolls, &entries)?;
         }
         self.finish_offload(state, ctx, &mut moved)?;
-        Ok(FsdpRollout {
-            ranks: rolls,
+        Ok(RolloutBuffer::new(
+            rolls,
+            self.pool.local_ranks().to_vec(),
             entries,
-            len: plan.roll_len,
-        })
+            plan.roll_len as usize,
+        )?)
     }
 
     fn refresh(
         &mut self,
         plan: &Arc<FsdpPlan>,
         state: &mut FsdpTrainState,
-        rollout: &mut FsdpRollout,
+        rollout: &mut RolloutBuffer,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<(), FsdpError> {
         if state.master_offloaded() {
@@ -1598,10 +1526,12 @@ impl Reshard for FsdpBackend {
                 operation: "refreshing rollout weights",
             });
         }
-        if rollout.len != plan.roll_len || rollout.ranks.len() != self.pool.local_ranks().len() {
+        if rollout.len_per_rank() as u64 != plan.roll_len
+            || rollout.local_ranks() != self.pool.local_ranks()
+        {
             return Err(FsdpError::RolloutMismatch {
                 expected: plan.roll_len,
-                found: rollout.len,
+                found: rollout.len_per_rank() as u64,
             });
         }
         let start = Instant::now();
@@ -1611,10 +1541,10 @@ impl Reshard for FsdpBackend {
         }
         // The old hashes no longer describe the weights, whatever happens next.
         self.rollout_sums = None;
-        let mut moved = self.transfer(plan, state, &mut rollout.ranks, ctx.memory, tracing)?;
+        let mut moved = self.transfer(plan, state, rollout.buffers_mut(), ctx.memory, tracing)?;
         Self::record_transfer(ctx, &moved, start);
         if self.verify {
-            self.record_rollout_sums(&rollout.ranks, &rollout.entries)?;
+            self.record_rollout_sums(rollout.buffers(), rollout.entries())?;
         }
         self.finish_offload(state, ctx, &mut moved)
     }
@@ -1622,7 +1552,7 @@ impl Reshard for FsdpBackend {
     fn exit(
         &mut self,
         state: &mut FsdpTrainState,
-        rollout: Option<FsdpRollout>,
+        rollout: Option<RolloutBuffer>,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<(), FsdpError> {
         let mut rollout_check = Ok(());
@@ -1630,7 +1560,7 @@ impl Reshard for FsdpBackend {
             rollout_check = self.check_rollout_sums(&rollout);
             ctx.rec.phase(Phase::Release, |_| {
                 let mut items: Vec<Option<CudaSlice<bf16>>> =
-                    rollout.ranks.into_iter().map(Some).collect();
+                    rollout.into_buffers().into_iter().map(Some).collect();
                 self.pool.run_each(&mut items, &|c, buf| {
                     drop(buf.take());
                     c.compute

@@ -42,7 +42,7 @@
 //! - **Verification** ([`FsdpBackend::with_verification`]): device hashes of every offloaded
 //!   buffer and of the rollout weights, and a non-finite scan of the master weights.
 //!
-//! [`FsdpBackend::download_rollout`] returns a [`HostRollout`](lifecycle_host::HostRollout) for bit
+//! [`FsdpBackend::download_rollout`] returns a [`HostRollout`](lifecycle_layout::HostRollout) for bit
 //! comparison with the host backend; [`FsdpBackend::download_state`] returns the training buffers.
 
 #![warn(missing_docs)]
@@ -55,7 +55,7 @@ mod state;
 mod update;
 mod verify;
 
-pub use backend::{FsdpBackend, FsdpRollout, RolloutEntry, DEFAULT_OFFLOAD_CHUNK_BYTES};
+pub use backend::{FsdpBackend, DEFAULT_OFFLOAD_CHUNK_BYTES};
 pub use error::FsdpError;
 pub use lifecycle_layout::fsdp::{BucketConfig, FsdpPlan, GatherMode};
 pub use state::{FsdpTrainState, RankDump, RankTrain};

@@ -20,8 +20,8 @@ use lifecycle_cuda::{
     ChunkTable, CudaError, PendingHashes, RankCtx, WordSize, DEFAULT_CHUNK_WORDS,
 };
 
-use crate::backend::RolloutEntry;
 use lifecycle_layout::fsdp::ShardLayout;
+use lifecycle_layout::RolloutEntry;
 
 /// One of the training buffers that can be offloaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,7 +88,9 @@ pub(crate) fn shard_table(shards: &ShardLayout) -> ChunkTable {
 /// Chunks of every rollout tensor in a rank's flat bf16 rollout buffer.
 pub(crate) fn rollout_table(entries: &[RolloutEntry]) -> ChunkTable {
     ChunkTable::new(
-        entries.iter().map(|e| (e.offset, e.numel)),
+        entries
+            .iter()
+            .map(|e| (e.offset() as u64, e.numel() as u64)),
         DEFAULT_CHUNK_WORDS,
     )
 }
@@ -276,18 +278,8 @@ mod tests {
     #[test]
     fn rollout_tables_follow_the_entries() {
         let entries = vec![
-            RolloutEntry {
-                name: "x".into(),
-                shape: vec![2, 2],
-                offset: 0,
-                numel: 4,
-            },
-            RolloutEntry {
-                name: "y".into(),
-                shape: vec![3],
-                offset: 64,
-                numel: 3,
-            },
+            RolloutEntry::new("x", vec![2, 2], 0),
+            RolloutEntry::new("y", vec![3], 64),
         ];
         let t = rollout_table(&entries);
         assert_eq!((t.len(), t.end()), (2, 67));

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use lifecycle_core::{Lifecycle, LifecycleConfig, LifecycleError, MemoryPolicy, Phase, Switching};
 use lifecycle_cuda::{device_count, CudaError, RankExecutor, ThreadRankPool, Transport};
 use lifecycle_fsdp::{BucketConfig, FsdpBackend, FsdpError, GatherMode};
-use lifecycle_host::{reference_rollout, HostBackend, HostRollout, HostTrainState};
+use lifecycle_host::{reference_rollout, HostBackend, HostTrainState};
+use lifecycle_layout::HostRollout;
 use lifecycle_layout::HostTensor;
 use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 

@@ -25,7 +25,8 @@ use lifecycle_cuda::{
     Transport, WordSize,
 };
 use lifecycle_fsdp::{BucketConfig, FsdpBackend, FsdpError, FsdpTrainState, GatherMode, RankDump};
-use lifecycle_host::{reference_rollout, HostRollout, HostTrainState};
+use lifecycle_host::{reference_rollout, HostTrainState};
+use lifecycle_layout::HostRollout;
 use lifecycle_layout::HostTensor;
 use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 

@@ -7,8 +7,8 @@ use lifecycle_layout::{plan_fsdp_to_tp, RankPlan, ReshardPlan, RolloutLayout};
 use crate::cast::cast_f32_to_bf16;
 use crate::checksum::checksum_bf16;
 use crate::error::HostError;
-use crate::rollout::{HostRollout, RankRollout, RolloutTensor};
 use crate::state::{HostTrainState, RankState};
+use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 
 /// The CPU reference backend: ranks are threads of this process, collectives are shared-memory
 /// copies. Enter casts fp32 master shards to bf16 (round to nearest even) straight into each

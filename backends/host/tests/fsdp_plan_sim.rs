@@ -211,7 +211,7 @@ fn check(world: usize, tp: usize, bucket_bytes: u64, mode: GatherMode) {
 fn check_rolls(
     plan: &FsdpPlan,
     rolls: &[Vec<bf16>],
-    reference: &lifecycle_host::HostRollout,
+    reference: &lifecycle_layout::HostRollout,
     bucket_bytes: u64,
 ) {
     let (world, tp) = (plan.core.world, plan.core.tp);

@@ -8,11 +8,11 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr}
 use half::bf16;
 use lifecycle_core::{Link, MemoryPolicy, Phase, PhaseSample, Reshard, SwitchContext};
 use lifecycle_cuda::{
-    alloc_device, alloc_zeros, CudaError, Mark, RankCtx, RankExecutor, RankSpans, StreamTimeline,
-    ThreadRankPool, Transport,
+    alloc_device, alloc_zeros, CudaError, Mark, RankCtx, RankExecutor, RankSpans, RolloutBuffer,
+    StreamTimeline, ThreadRankPool, Transport,
 };
-use lifecycle_host::{HostRollout, MemoryMeter, RankRollout, RolloutTensor};
-use lifecycle_layout::{HostTensor, Region2d};
+use lifecycle_host::MemoryMeter;
+use lifecycle_layout::{HostRollout, HostTensor, Region2d, RolloutEntry};
 
 use crate::error::MegatronGpuError;
 use crate::kernel::CopyKernel;
@@ -88,60 +88,6 @@ impl Default for GpuConfig {
             split_local_bulk: false,
             overlap_blocks_per_sm: 4,
         }
-    }
-}
-
-/// One rollout tensor's place in a rank's flat rollout buffer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RolloutEntry {
-    /// Name (fused rollout names, e.g. `model.layers.0.self_attn.qkv_proj.weight`).
-    pub name: String,
-    /// Shape of the rank's slice.
-    pub shape: Vec<usize>,
-    /// Element offset.
-    pub offset: usize,
-    /// Elements.
-    pub numel: usize,
-}
-
-/// The rollout weights of the ranks this process drives: one flat bf16 device buffer per rank,
-/// the fused tensors at the same offsets on every rank ([`MegatronGpuRollout::entries`]).
-pub struct MegatronGpuRollout {
-    pub(crate) ranks: Vec<CudaSlice<bf16>>,
-    pub(crate) local: Vec<usize>,
-    pub(crate) entries: Vec<RolloutEntry>,
-    pub(crate) len: usize,
-}
-
-impl std::fmt::Debug for MegatronGpuRollout {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MegatronGpuRollout")
-            .field("ranks", &self.local)
-            .field("tensors", &self.entries.len())
-            .field("elements_per_rank", &self.len)
-            .finish()
-    }
-}
-
-impl MegatronGpuRollout {
-    /// The tensors of each rank's buffer, in rollout order.
-    pub fn entries(&self) -> &[RolloutEntry] {
-        &self.entries
-    }
-
-    /// Bytes of rollout weights on each rank.
-    pub fn bytes_per_rank(&self) -> u64 {
-        (self.len * 2) as u64
-    }
-
-    /// The global ranks held, in the order of [`MegatronGpuRollout::rank_buffer`].
-    pub fn local_ranks(&self) -> &[usize] {
-        &self.local
-    }
-
-    /// The device buffer of the `i`-th local rank (flat, at least `bytes_per_rank / 2` elements).
-    pub fn rank_buffer(&self, i: usize) -> Option<&CudaSlice<bf16>> {
-        self.ranks.get(i)
     }
 }
 
@@ -598,42 +544,9 @@ impl MegatronGpuBackend {
     /// the CPU backend's layout), for bit comparisons.
     pub fn download_rollout(
         &self,
-        rollout: &MegatronGpuRollout,
+        rollout: &RolloutBuffer,
     ) -> Result<HostRollout, MegatronGpuError> {
-        if rollout.local != self.locals() {
-            return Err(MegatronGpuError::RolloutMismatch {
-                expected: rollout.len,
-                expected_ranks: self.locals().len(),
-                found: rollout.len,
-                found_ranks: rollout.local.len(),
-            });
-        }
-        let len = rollout.len;
-        let mut items: Vec<&CudaSlice<bf16>> = rollout.ranks.iter().collect();
-        let flats = self.pool.run_each(&mut items, &|ctx, buf| {
-            ctx.sync_all()?;
-            let mut v = ctx
-                .compute
-                .clone_dtoh(*buf)
-                .map_err(ctx.drv("downloading rollout weights", 0))?;
-            v.truncate(len);
-            Ok(v)
-        })?;
-        let ranks = flats
-            .into_iter()
-            .map(|flat| RankRollout {
-                tensors: rollout
-                    .entries
-                    .iter()
-                    .map(|e| RolloutTensor {
-                        name: e.name.clone(),
-                        shape: e.shape.clone(),
-                        data: flat[e.offset..e.offset + e.numel].to_vec(),
-                    })
-                    .collect(),
-            })
-            .collect();
-        Ok(HostRollout { ranks })
+        Ok(rollout.download(&*self.pool)?)
     }
 
     /// Allocates the pinned host memory an offload of `state` under `memory` needs, into the
@@ -689,12 +602,7 @@ impl MegatronGpuBackend {
             .tensors
             .iter()
             .zip(&plan.offsets)
-            .map(|(t, &offset)| RolloutEntry {
-                name: t.name.clone(),
-                shape: t.shape.clone(),
-                offset,
-                numel: t.numel(),
-            })
+            .map(|(t, &offset)| RolloutEntry::new(t.name.clone(), t.shape.clone(), offset))
             .collect()
     }
 
@@ -1354,7 +1262,7 @@ fn run_peer_copies(
 
 impl Reshard for MegatronGpuBackend {
     type TrainState = MegatronGpuState;
-    type Rollout = MegatronGpuRollout;
+    type Rollout = RolloutBuffer;
     type Plan = Arc<MegatronGpuPlan>;
     type Error = MegatronGpuError;
 
@@ -1403,7 +1311,7 @@ impl Reshard for MegatronGpuBackend {
         plan: &Arc<MegatronGpuPlan>,
         state: &mut MegatronGpuState,
         ctx: &mut SwitchContext<'_>,
-    ) -> Result<MegatronGpuRollout, MegatronGpuError> {
+    ) -> Result<RolloutBuffer, MegatronGpuError> {
         self.check_plan(plan, state)?;
         if state.is_offloaded() {
             return Err(MegatronGpuError::Offloaded {
@@ -1434,19 +1342,19 @@ impl Reshard for MegatronGpuBackend {
         let mut moved = self.transfer(plan, state, &mut rolls, ctx.memory, tracing)?;
         Self::record_transfer(ctx, &moved, start);
         self.finish_offload(state, ctx, &mut moved)?;
-        Ok(MegatronGpuRollout {
-            ranks: rolls,
-            local: self.locals().to_vec(),
-            entries: Self::entries(plan),
+        Ok(RolloutBuffer::new(
+            rolls,
+            self.locals().to_vec(),
+            Self::entries(plan),
             len,
-        })
+        )?)
     }
 
     fn refresh(
         &mut self,
         plan: &Arc<MegatronGpuPlan>,
         state: &mut MegatronGpuState,
-        rollout: &mut MegatronGpuRollout,
+        rollout: &mut RolloutBuffer,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<(), MegatronGpuError> {
         self.check_plan(plan, state)?;
@@ -1455,17 +1363,17 @@ impl Reshard for MegatronGpuBackend {
                 operation: "refreshing rollout weights",
             });
         }
-        if rollout.len != plan.len || rollout.local != self.locals() {
+        if rollout.len_per_rank() != plan.len || rollout.local_ranks() != self.locals() {
             return Err(MegatronGpuError::RolloutMismatch {
                 expected: plan.len,
                 expected_ranks: self.locals().len(),
-                found: rollout.len,
-                found_ranks: rollout.local.len(),
+                found: rollout.len_per_rank(),
+                found_ranks: rollout.local_ranks().len(),
             });
         }
         let start = Instant::now();
         let tracing = ctx.rec.tracing();
-        let mut moved = self.transfer(plan, state, &mut rollout.ranks, ctx.memory, tracing)?;
+        let mut moved = self.transfer(plan, state, rollout.buffers_mut(), ctx.memory, tracing)?;
         Self::record_transfer(ctx, &moved, start);
         self.finish_offload(state, ctx, &mut moved)
     }
@@ -1473,13 +1381,13 @@ impl Reshard for MegatronGpuBackend {
     fn exit(
         &mut self,
         state: &mut MegatronGpuState,
-        rollout: Option<MegatronGpuRollout>,
+        rollout: Option<RolloutBuffer>,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<(), MegatronGpuError> {
         if let Some(rollout) = rollout {
             ctx.rec.phase(Phase::Release, |_| {
                 let mut items: Vec<Option<CudaSlice<bf16>>> =
-                    rollout.ranks.into_iter().map(Some).collect();
+                    rollout.into_buffers().into_iter().map(Some).collect();
                 if items.len() == self.locals().len() {
                     self.pool.run_each(&mut items, &|c, buf| {
                         c.sync_all()?;

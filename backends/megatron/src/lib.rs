@@ -63,9 +63,7 @@ mod kernel;
 mod pinned;
 mod state;
 
-pub use backend::{
-    GpuConfig, MegatronGpuBackend, MegatronGpuPlan, MegatronGpuRollout, RolloutEntry,
-};
+pub use backend::{GpuConfig, MegatronGpuBackend, MegatronGpuPlan};
 pub use error::MegatronGpuError;
 pub use lifecycle_cuda::Transport;
 pub use pinned::{PinnedPool, DEFAULT_CHUNK_BYTES};

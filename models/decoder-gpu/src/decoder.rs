@@ -9,11 +9,12 @@ use std::sync::Arc;
 use cudarc::cublas::{result as cublas_result, sys as cublas_sys, CudaBlas};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice};
 use cudarc::nccl::ReduceOp;
+use lifecycle_cuda::RolloutBuffer;
 use lifecycle_cuda::{
     alloc_device, alloc_pinned, alloc_zeros, CudaError, RankCtx, RankExecutor, ThreadRankPool,
 };
 use lifecycle_decoder::{DecodeError, Decoder, ModelConfig, PrefillLogits, Sampling, SplitMix64};
-use lifecycle_fsdp::{FsdpBackend, FsdpRollout};
+use lifecycle_fsdp::FsdpBackend;
 use lifecycle_layout::RolloutLayout;
 
 use crate::error::GpuDecodeError;
@@ -104,7 +105,7 @@ enum StepOut {
 
 /// The Qwen2 / Llama decoder on NVIDIA GPUs: one tensor-parallel group of `T` ranks (the whole
 /// [`ThreadRankPool`] of the [`FsdpBackend`], `W = T`), reading the backend's resident bf16
-/// rollout weights ([`FsdpRollout`]) in place.
+/// rollout weights ([`RolloutBuffer`]) in place.
 ///
 /// - Topology ([`decode_topology`]): a group of `W = T` ranks (threads of this process, or one
 ///   process per rank: every process gets the full logits after the all-gather and picks the
@@ -157,7 +158,7 @@ pub struct GpuDecoder<'w> {
     vocab_parallel: bool,
     lens: Vec<usize>,
     cap: usize,
-    _weights: PhantomData<&'w FsdpRollout>,
+    _weights: PhantomData<&'w RolloutBuffer>,
 }
 
 impl std::fmt::Debug for GpuDecoder<'_> {
@@ -242,7 +243,7 @@ impl<'w> GpuDecoder<'w> {
     pub fn new(
         config: &ModelConfig,
         backend: &'w FsdpBackend,
-        weights: &'w FsdpRollout,
+        weights: &'w RolloutBuffer,
     ) -> Result<Self, GpuDecodeError> {
         Self::with_pool(config, backend.layout(), backend.pool(), weights)
     }
@@ -252,7 +253,7 @@ impl<'w> GpuDecoder<'w> {
         config: &ModelConfig,
         layout: &RolloutLayout,
         pool: &'w ThreadRankPool,
-        weights: &'w FsdpRollout,
+        weights: &'w RolloutBuffer,
     ) -> Result<Self, GpuDecodeError> {
         let tp = layout.tp;
         let topology = decode_topology(pool.world(), tp, pool.local_ranks().len())?;

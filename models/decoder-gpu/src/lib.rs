@@ -1,6 +1,6 @@
 //! The Qwen2 / Llama decoder of [`lifecycle_decoder`] on NVIDIA GPUs: [`GpuDecoder`] implements
 //! the same [`Decoder`](lifecycle_decoder::Decoder) trait as the CPU reference and reads the FSDP
-//! backend's resident rollout weights ([`lifecycle_fsdp::FsdpRollout`]) in place, on every GPU of
+//! backend's resident rollout weights ([`lifecycle_cuda::RolloutBuffer`]) in place, on every GPU of
 //! the backend's rank pool: one tensor-parallel group (`W = T`, threads of one process or one
 //! process per rank), or, at `T = 1` in one process, `W` data-parallel replicas that each decode
 //! a share of the batch ([`decode_topology`]).

@@ -2,7 +2,7 @@
 //! against the config and the layout with the same rules (and errors) as the CPU decoder.
 
 use lifecycle_decoder::{head_shares, rollout_spec, DecodeError, HeadShare, ModelConfig};
-use lifecycle_fsdp::RolloutEntry;
+use lifecycle_layout::RolloutEntry;
 use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 
 /// Element offsets (bf16) of one rank's share of one layer.
@@ -66,22 +66,22 @@ impl Reader<'_> {
         let e = self
             .entries
             .iter()
-            .find(|e| e.name == name)
+            .find(|e| e.name() == name)
             .ok_or_else(|| DecodeError::MissingTensor {
                 name: name.to_string(),
                 rank: 0,
             })?;
         let numel: usize = expected.iter().product();
-        if e.shape != expected || e.numel != numel as u64 {
+        if e.shape() != expected.as_slice() || e.numel() != numel {
             return Err(DecodeError::Shape {
                 name: name.to_string(),
                 rank: 0,
                 expected,
-                found: e.shape.clone(),
+                found: e.shape().to_vec(),
             });
         }
-        self.min_len = self.min_len.max(e.offset + e.numel);
-        Ok(e.offset)
+        self.min_len = self.min_len.max(e.range().end as u64);
+        Ok(e.offset() as u64)
     }
 }
 

@@ -1,7 +1,7 @@
 //! The CPU reference decoder: runs a TP group's rollout slices rank by rank, sums the row-parallel
 //! partial outputs (the all-reduce), and keeps a KV cache per sequence and rank.
 
-use lifecycle_host::RankRollout;
+use lifecycle_layout::RankRollout;
 use lifecycle_layout::RolloutLayout;
 
 use crate::config::ModelConfig;

@@ -5,10 +5,10 @@
 //! embedding and head may carry padding rows, which the decoder never reads. No weight is copied.
 
 use half::bf16;
-use lifecycle_host::RankRollout;
 use lifecycle_layout::megatron::hf;
 use lifecycle_layout::megatron::RolloutLayout;
 use lifecycle_layout::Parallel;
+use lifecycle_layout::RankRollout;
 
 use crate::config::ModelConfig;
 use crate::error::DecodeError;

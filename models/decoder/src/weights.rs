@@ -4,7 +4,7 @@
 //! into the same views.
 
 use half::bf16;
-use lifecycle_host::RankRollout;
+use lifecycle_layout::RankRollout;
 use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 
 use crate::config::ModelConfig;

@@ -31,9 +31,10 @@ use lifecycle_decoder::{
     ModelConfig, PrefillLogits, Sampling,
 };
 use lifecycle_host::megatron::MegatronHostBackend;
-use lifecycle_host::{HostBackend, HostRollout, HostTrainState, RankRollout};
+use lifecycle_host::{HostBackend, HostTrainState};
 use lifecycle_layout::megatron::{RolloutLayout, RolloutVocab};
 use lifecycle_layout::HostTensor;
+use lifecycle_layout::{HostRollout, RankRollout};
 use serde_json::Value;
 
 const MODELS: [&str; 3] = ["gqa_untied", "tied_vocab61", "kv1_headdim16"];

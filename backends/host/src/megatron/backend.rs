@@ -1,8 +1,9 @@
 //! The CPU executor: runs a [`MegatronPlan`] with ranks as threads.
 
-use crate::{per_rank, HostRollout, RankRollout, RolloutTensor};
+use crate::per_rank;
 use half::bf16;
 use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
+use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 
 use super::error::MegatronError;
 use super::state::{MegatronTrainState, RankTrain};

@@ -4,8 +4,8 @@
 
 use std::collections::HashMap;
 
-use crate::{HostRollout, RankRollout, RolloutTensor};
 use half::bf16;
+use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 
 use super::error::MegatronError;
 use super::state::MegatronTrainState;

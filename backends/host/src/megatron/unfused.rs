@@ -1,6 +1,6 @@
 //! Bridging to unfused Hugging Face TP rollouts (the FSDP backends'): their layout and fusing.
 
-use crate::{HostRollout, RankRollout, RolloutTensor};
+use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 use lifecycle_layout::{Parallel, TensorSpec};
 
 use super::error::MegatronError;

@@ -1,0 +1,141 @@
+//! [`RolloutBuffer`]: the rollout weights every GPU executor produces and every GPU reader (the
+//! decoder, downloads, verification) consumes, whatever training layout they came from.
+
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use lifecycle_layout::{HostRollout, RolloutEntry};
+
+use crate::{CudaError, RankExecutor};
+
+/// The rollout weights of the ranks this process drives: one flat bf16 device buffer per rank,
+/// the tensors at the same offsets on every rank ([`RolloutBuffer::entries`]).
+pub struct RolloutBuffer {
+    ranks: Vec<CudaSlice<bf16>>,
+    local: Vec<usize>,
+    entries: Vec<RolloutEntry>,
+    len: usize,
+}
+
+impl std::fmt::Debug for RolloutBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RolloutBuffer")
+            .field("ranks", &self.local)
+            .field("tensors", &self.entries.len())
+            .field("elements_per_rank", &self.len)
+            .finish()
+    }
+}
+
+impl RolloutBuffer {
+    /// Wraps the buffers of `local` ranks (global rank numbers, in buffer order), each holding at
+    /// least `len` elements, with `entries` inside `0..len`. Checked before anything is kept.
+    pub fn new(
+        ranks: Vec<CudaSlice<bf16>>,
+        local: Vec<usize>,
+        entries: Vec<RolloutEntry>,
+        len: usize,
+    ) -> Result<Self, CudaError> {
+        let bad = CudaError::Invalid;
+        if ranks.len() != local.len() {
+            return Err(bad(format!(
+                "rollout buffer: {} device buffers for {} local ranks",
+                ranks.len(),
+                local.len()
+            )));
+        }
+        if let Some((i, b)) = ranks.iter().enumerate().find(|(_, b)| b.len() < len) {
+            return Err(bad(format!(
+                "rollout buffer of rank {}: {} elements, the entries need {len}",
+                local[i],
+                b.len()
+            )));
+        }
+        if let Some(e) = entries.iter().find(|e| e.range().end > len) {
+            return Err(bad(format!(
+                "rollout tensor `{}` ends at element {}, past the buffer's {len}",
+                e.name(),
+                e.range().end
+            )));
+        }
+        Ok(RolloutBuffer {
+            ranks,
+            local,
+            entries,
+            len,
+        })
+    }
+
+    /// The tensors of each rank's buffer, in rollout order.
+    pub fn entries(&self) -> &[RolloutEntry] {
+        &self.entries
+    }
+
+    /// The entry of tensor `name`.
+    pub fn entry(&self, name: &str) -> Option<&RolloutEntry> {
+        self.entries.iter().find(|e| e.name() == name)
+    }
+
+    /// Elements of rollout weights on each rank.
+    pub fn len_per_rank(&self) -> usize {
+        self.len
+    }
+
+    /// Bytes of rollout weights on each rank.
+    pub fn bytes_per_rank(&self) -> u64 {
+        (self.len * 2) as u64
+    }
+
+    /// The global ranks held, in the order of [`RolloutBuffer::rank_buffer`].
+    pub fn local_ranks(&self) -> &[usize] {
+        &self.local
+    }
+
+    /// The device buffer of the `i`-th local rank (flat, at least
+    /// [`len_per_rank`](RolloutBuffer::len_per_rank) elements).
+    pub fn rank_buffer(&self, i: usize) -> Option<&CudaSlice<bf16>> {
+        self.ranks.get(i)
+    }
+
+    /// Every local rank's buffer, to rewrite their contents in place (a refresh); the buffers
+    /// themselves stay (readers check their lengths against the entries).
+    pub fn buffers(&self) -> &[CudaSlice<bf16>] {
+        &self.ranks
+    }
+
+    /// Every local rank's buffer, to rewrite their contents in place (a refresh).
+    pub fn buffers_mut(&mut self) -> &mut [CudaSlice<bf16>] {
+        &mut self.ranks
+    }
+
+    /// Downloads every local rank's weights to host memory (rollout order, the CPU executors'
+    /// layout), after all work queued on the ranks' streams; for bit comparisons. `pool` must
+    /// drive the ranks this buffer holds.
+    pub fn download(&self, pool: &impl RankExecutor) -> Result<HostRollout, CudaError> {
+        if pool.local_ranks() != self.local.as_slice() {
+            return Err(CudaError::Invalid(format!(
+                "downloading rollout weights of ranks {:?} through a pool driving ranks {:?}",
+                self.local,
+                pool.local_ranks()
+            )));
+        }
+        let len = self.len;
+        let mut items: Vec<&CudaSlice<bf16>> = self.ranks.iter().collect();
+        let flats = pool.run_each(&mut items, &|ctx, buf| {
+            ctx.sync_all()?;
+            let mut v = ctx
+                .compute
+                .clone_dtoh(*buf)
+                .map_err(ctx.drv("downloading rollout weights", 0))?;
+            v.truncate(len);
+            Ok(v)
+        })?;
+        HostRollout::from_flat(&self.entries, flats).ok_or_else(|| {
+            CudaError::Invalid("a downloaded rollout buffer is shorter than its entries".into())
+        })
+    }
+
+    /// The device buffers, in local-rank order (to free them).
+    pub fn into_buffers(self) -> Vec<CudaSlice<bf16>> {
+        self.ranks
+    }
+}
