@@ -45,7 +45,7 @@ pub fn generate_lm(
     weights: RolloutView<'_, HostRollout>,
     job: &LmJob,
 ) -> Result<Vec<Group>, DecodeError> {
-    let tp = job.layout.tp;
+    let tp = job.layout.tp();
     let replicas = weights.ranks.len() / tp;
     let vocab = job.model.vocab_size;
     let per_replica: Vec<Result<Samples, DecodeError>> = std::thread::scope(|scope| {

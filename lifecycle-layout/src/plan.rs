@@ -124,7 +124,7 @@ pub fn plan_fsdp_to_tp(
     train: &FsdpLayout,
     rollout: &RolloutLayout,
 ) -> Result<ReshardPlan, LayoutError> {
-    let (world, tp) = (train.world, rollout.tp);
+    let (world, tp) = (train.world(), rollout.tp());
     if world == 0 {
         return Err(LayoutError::ZeroDegree {
             what: "world size W",
@@ -147,20 +147,20 @@ pub fn plan_fsdp_to_tp(
         });
     }
     let train_index: HashMap<&str, usize> = train
-        .tensors
+        .tensors()
         .iter()
         .enumerate()
         .map(|(i, (n, _))| (n.as_str(), i))
         .collect();
-    let mut placed = vec![false; train.tensors.len()];
-    let mut sources = Vec::with_capacity(rollout.tensors.len());
-    for spec in &rollout.tensors {
+    let mut placed = vec![false; train.tensors().len()];
+    let mut sources = Vec::with_capacity(rollout.tensors().len());
+    for spec in rollout.tensors() {
         let Some(&i) = train_index.get(spec.name.as_str()) else {
             return Err(LayoutError::MissingTensor {
                 name: spec.name.clone(),
             });
         };
-        let train_shape = &train.tensors[i].1;
+        let train_shape = &train.tensors()[i].1;
         if *train_shape != spec.shape {
             return Err(LayoutError::ShapeMismatch {
                 name: spec.name.clone(),
@@ -173,7 +173,7 @@ pub fn plan_fsdp_to_tp(
     }
     if let Some(i) = placed.iter().position(|p| !p) {
         return Err(LayoutError::ExtraTensor {
-            name: train.tensors[i].0.clone(),
+            name: train.tensors()[i].0.clone(),
         });
     }
 
@@ -181,7 +181,7 @@ pub fn plan_fsdp_to_tp(
         .map(|rank| {
             let tp_rank = rank % tp;
             let tensors = rollout
-                .tensors
+                .tensors()
                 .iter()
                 .zip(&sources)
                 .enumerate()
@@ -199,7 +199,7 @@ pub fn plan_fsdp_to_tp(
     Ok(ReshardPlan {
         world,
         tp,
-        tensors: rollout.tensors.clone(),
+        tensors: rollout.tensors().to_vec(),
         ranks,
     })
 }

@@ -187,10 +187,8 @@ pub fn tp_range(n: usize, t: usize, tp_rank: usize) -> Range<usize> {
 /// The training layout: every tensor split on dim 0 across `world` ranks (FSDP2).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FsdpLayout {
-    /// W: number of ranks.
-    pub world: usize,
-    /// Tensors in training order: name and full shape.
-    pub tensors: Vec<(String, Vec<usize>)>,
+    world: usize,
+    tensors: Vec<(String, Vec<usize>)>,
 }
 
 impl FsdpLayout {
@@ -212,6 +210,16 @@ impl FsdpLayout {
         Ok(FsdpLayout { world, tensors })
     }
 
+    /// W: number of ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Tensors in training order: name and full shape.
+    pub fn tensors(&self) -> &[(String, Vec<usize>)] {
+        &self.tensors
+    }
+
     /// Rows of tensor dim 0 that `rank` holds.
     pub fn shard_rows(&self, tensor: usize, rank: usize) -> Range<usize> {
         let rows = self.tensors[tensor].1.first().copied().unwrap_or(1);
@@ -219,13 +227,22 @@ impl FsdpLayout {
     }
 }
 
-/// The rollout layout: tensor parallel of degree `tp` over the listed tensors.
+/// The rollout layout: tensor parallel of degree `tp` over the listed tensors. Its fields are
+/// read-only: what [`RolloutLayout::new`] checked (every split divisible by T) holds for as long
+/// as the layout lives.
+///
+/// ```
+/// use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
+/// let layout = RolloutLayout::new(1, vec![TensorSpec::new("lm_head.weight", [1001, 8], Parallel::Column)])?;
+/// assert_eq!(layout.tp(), 1);
+/// // The same tensors at T = 2 are refused: 1001 rows do not split in two.
+/// assert!(RolloutLayout::new(2, layout.tensors().to_vec()).is_err());
+/// # Ok::<(), lifecycle_layout::LayoutError>(())
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RolloutLayout {
-    /// T: tensor-parallel degree.
-    pub tp: usize,
-    /// Every tensor the inference side expects.
-    pub tensors: Vec<TensorSpec>,
+    tp: usize,
+    tensors: Vec<TensorSpec>,
 }
 
 impl RolloutLayout {
@@ -268,6 +285,21 @@ impl RolloutLayout {
             }
         }
         Ok(RolloutLayout { tp, tensors })
+    }
+
+    /// T: tensor-parallel degree.
+    pub fn tp(&self) -> usize {
+        self.tp
+    }
+
+    /// Every tensor the inference side expects.
+    pub fn tensors(&self) -> &[TensorSpec] {
+        &self.tensors
+    }
+
+    /// The same tensors at another degree `tp`, checked again.
+    pub fn with_tp(&self, tp: usize) -> Result<Self, LayoutError> {
+        RolloutLayout::new(tp, self.tensors.clone())
     }
 
     /// The same tensors with Hugging Face default splits ([`Parallel::for_hf_name`]).

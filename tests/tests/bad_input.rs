@@ -210,3 +210,14 @@ fn updating_while_offloaded_is_refused() {
     assert_mentions(&err, &["offloaded", "lifecycle.train()"]);
     state.for_each_shard_mut(|_| {}).unwrap();
 }
+
+#[test]
+fn a_layout_cannot_take_a_degree_its_tensors_do_not_split_at() {
+    let head = TensorSpec::new("lm_head.weight", [1001, 8], Parallel::Column);
+    let layout = RolloutLayout::new(1, vec![head]).unwrap();
+    // The only way to another degree checks the tensors again.
+    let err = layout.with_tp(2).unwrap_err();
+    assert!(matches!(err, LayoutError::NotDivisible { .. }), "{err}");
+    assert_mentions(&err, &["lm_head.weight", "1001"]);
+    assert_eq!(layout.tp(), 1);
+}

@@ -87,7 +87,7 @@ impl std::fmt::Debug for FsdpBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FsdpBackend")
             .field("world", &self.pool.world())
-            .field("tp", &self.layout.tp)
+            .field("tp", &self.layout.tp())
             .field("config", &self.config)
             .field("batched_casts", &self.batched_casts)
             .field("verify", &self.verify)
@@ -508,7 +508,7 @@ impl FsdpBackend {
         }
         let tensors = host
             .layout()
-            .tensors
+            .tensors()
             .iter()
             .map(|(name, shape)| {
                 Ok(HostTensor {
@@ -633,7 +633,7 @@ impl FsdpBackend {
         }
         let i = state
             .layout
-            .tensors
+            .tensors()
             .iter()
             .position(|(n, _)| n == name)
             .ok_or_else(|| FsdpError::Tensor {
@@ -665,7 +665,7 @@ impl FsdpBackend {
         let dumps = self.download_state(state)?;
         Ok(state
             .layout
-            .tensors
+            .tensors()
             .iter()
             .zip(&state.shards.slots)
             .enumerate()

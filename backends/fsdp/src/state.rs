@@ -65,8 +65,8 @@ pub struct FsdpTrainState {
 impl std::fmt::Debug for FsdpTrainState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FsdpTrainState")
-            .field("world", &self.layout.world)
-            .field("tensors", &self.layout.tensors.len())
+            .field("world", &self.layout.world())
+            .field("tensors", &self.layout.tensors().len())
             .field("rank_len", &self.shards.rank_len)
             .field("master_offloaded", &self.master_offloaded())
             .field("optimizer_offloaded", &self.optimizer_offloaded())
@@ -78,7 +78,7 @@ impl std::fmt::Debug for FsdpTrainState {
 impl FsdpTrainState {
     /// W.
     pub fn world(&self) -> usize {
-        self.layout.world
+        self.layout.world()
     }
 
     /// Names and full shapes, in training order.

@@ -559,7 +559,7 @@ impl FsdpBackend {
         tensors: &[HostTensor],
     ) -> Result<(), FsdpError> {
         self.check_state(state)?;
-        let expected = &state.layout.tensors;
+        let expected = state.layout.tensors();
         if tensors.len() != expected.len() {
             return Err(FsdpError::Tensor {
                 name: tensors

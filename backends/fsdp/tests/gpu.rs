@@ -154,7 +154,7 @@ fn check_bits_with(
     let m = lc.metrics();
     eprintln!("W={world} T={tp} {memory:?} batched={batched} peer copies {peer}:\n{m}");
     let (backend, state) = lc.into_parts()?;
-    for spec in &backend.layout().tensors {
+    for spec in backend.layout().tensors() {
         let a = backend.full_master(&state, &spec.name)?;
         let b = host.full_master(&spec.name)?;
         assert!(

@@ -108,7 +108,7 @@ fn assert_same(
 ) -> Res {
     let dumps = backend.download_state(state)?;
     let snap = host.snapshot();
-    let ntensors = host.layout().tensors.len();
+    let ntensors = host.layout().tensors().len();
     let shards = state.shard_layout();
     for (rank, d) in dumps.iter().enumerate() {
         for (i, slot) in shards.slots.iter().enumerate() {

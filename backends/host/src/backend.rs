@@ -141,7 +141,7 @@ struct Moved {
 fn fill_rank(state: &HostTrainState, rank_plan: &RankPlan, out: &mut RankRollout) -> Moved {
     let mut moved = Moved::default();
     for (t, dst) in rank_plan.tensors.iter().zip(out.tensors.iter_mut()) {
-        let width = state.layout.tensors[t.train_index]
+        let width = state.layout.tensors()[t.train_index]
             .1
             .iter()
             .skip(1)
@@ -385,7 +385,7 @@ impl Reshard for HostBackend {
         }
         let names: Vec<&str> = state
             .layout
-            .tensors
+            .tensors()
             .iter()
             .map(|(n, _)| n.as_str())
             .collect();
@@ -453,7 +453,7 @@ fn check_finite(state: &HostTrainState) -> Result<(), HostError> {
                     values.iter().enumerate().find(|(_, v)| !v.is_finite())
                 {
                     return Err(HostError::NonFinite {
-                        tensor: state.layout.tensors[tensor].0.clone(),
+                        tensor: state.layout.tensors()[tensor].0.clone(),
                         rank,
                         index,
                         value,

@@ -14,18 +14,18 @@ pub fn reference_rollout(
     // Validation only: the same errors the backends report.
     plan_fsdp_to_tp(state.layout(), layout)?;
     let full: Vec<Vec<f32>> = layout
-        .tensors
+        .tensors()
         .iter()
         .map(|s| state.full_master(&s.name))
         .collect::<Result<_, _>>()?;
     let ranks = (0..state.world())
         .map(|rank| RankRollout {
             tensors: layout
-                .tensors
+                .tensors()
                 .iter()
                 .zip(&full)
                 .map(|(spec, values)| {
-                    let (rows, cols) = spec.tp_slice(layout.tp, rank % layout.tp);
+                    let (rows, cols) = spec.tp_slice(layout.tp(), rank % layout.tp());
                     let width = spec.cols();
                     let data = rows
                         .flat_map(|r| cols.clone().map(move |c| r * width + c))
@@ -33,7 +33,7 @@ pub fn reference_rollout(
                         .collect();
                     RolloutTensor {
                         name: spec.name.clone(),
-                        shape: spec.slice_shape(layout.tp),
+                        shape: spec.slice_shape(layout.tp()),
                         data,
                     }
                 })

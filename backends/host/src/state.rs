@@ -238,7 +238,7 @@ impl HostTrainState {
 
     /// W.
     pub fn world(&self) -> usize {
-        self.layout.world
+        self.layout.world()
     }
 
     /// Names and full shapes, in training order.
@@ -249,7 +249,7 @@ impl HostTrainState {
     /// Index of a tensor by name.
     pub fn tensor_index(&self, name: &str) -> Result<usize, HostError> {
         self.layout
-            .tensors
+            .tensors()
             .iter()
             .position(|(n, _)| n == name)
             .ok_or_else(|| HostError::UnknownTensor {
@@ -302,7 +302,7 @@ impl HostTrainState {
         }
         for (rank, state) in self.ranks.iter_mut().enumerate() {
             for (tensor, shard) in state.shards.iter_mut().enumerate() {
-                let (name, shape) = &self.layout.tensors[tensor];
+                let (name, shape) = &self.layout.tensors()[tensor];
                 let (
                     Residence::Device(master),
                     Some(grad),

@@ -43,9 +43,9 @@ impl ShardLayout {
     /// Computes the flat layout of an FSDP layout.
     pub fn new(layout: &FsdpLayout) -> Self {
         let mut offset = 0u64;
-        let world = layout.world;
+        let world = layout.world();
         let slots = layout
-            .tensors
+            .tensors()
             .iter()
             .map(|(name, shape)| {
                 let rows = shape.first().copied().unwrap_or(1);

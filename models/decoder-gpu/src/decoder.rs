@@ -255,7 +255,7 @@ impl<'w> GpuDecoder<'w> {
         pool: &'w ThreadRankPool,
         weights: &'w RolloutBuffer,
     ) -> Result<Self, GpuDecodeError> {
-        let tp = layout.tp;
+        let tp = layout.tp();
         let topology = decode_topology(pool.world(), tp, pool.local_ranks().len())?;
         let plan = GroupOffsets::new(config, layout, weights.entries())?;
         // SAFETY: only asks the dynamic loader whether the library can be opened.

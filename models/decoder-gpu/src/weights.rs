@@ -62,7 +62,7 @@ impl Reader<'_> {
     /// The offset of `name` in every rank's buffer (the same on every rank), shape-checked.
     fn offset(&mut self, name: &str, allowed: &[Parallel]) -> Result<u64, DecodeError> {
         let spec = self.spec(name, allowed)?;
-        let expected = spec.slice_shape(self.layout.tp);
+        let expected = spec.slice_shape(self.layout.tp());
         let e = self
             .entries
             .iter()
@@ -92,7 +92,7 @@ impl GroupOffsets {
         layout: &RolloutLayout,
         entries: &[RolloutEntry],
     ) -> Result<Self, DecodeError> {
-        let tp = layout.tp;
+        let tp = layout.tp();
         let degree = |reason: String| DecodeError::Degree { tp, reason };
         if tp == 0 {
             return Err(degree("T must be at least 1".into()));

@@ -25,7 +25,7 @@ pub fn rollout_spec<'l>(
     allowed: &[Parallel],
 ) -> Result<&'l TensorSpec, DecodeError> {
     let spec = layout
-        .tensors
+        .tensors()
         .iter()
         .find(|t| t.name == name)
         .ok_or_else(|| DecodeError::MissingTensor {

@@ -80,7 +80,7 @@ impl<'w> Reader<'_, 'w> {
                 name: spec.name.clone(),
                 rank,
             })?;
-        let expected = spec.slice_shape(self.layout.tp);
+        let expected = spec.slice_shape(self.layout.tp());
         if t.shape != expected || t.data.len() != expected.iter().product::<usize>() {
             return Err(DecodeError::Shape {
                 name: spec.name.clone(),
@@ -122,7 +122,7 @@ impl<'w> GroupWeights<'w> {
         layout: &RolloutLayout,
         ranks: &[&'w RankRollout],
     ) -> Result<Self, DecodeError> {
-        let tp = layout.tp;
+        let tp = layout.tp();
         if ranks.len() != tp {
             return Err(DecodeError::GroupSize {
                 tp,

@@ -139,7 +139,7 @@ fn fixture_configs_cover_both_styles_and_the_hard_cases() {
     let split = |c: &lifecycle_decoder::ModelConfig, name: &str| {
         let layout = c.rollout_layout(2).unwrap();
         layout
-            .tensors
+            .tensors()
             .iter()
             .find(|t| t.name == name)
             .unwrap()

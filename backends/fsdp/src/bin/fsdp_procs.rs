@@ -105,7 +105,7 @@ fn run(pool: Arc<ThreadRankPool>, args: &Args) -> Result<bool, Box<dyn Error>> {
     let tensors = small_model();
     let host = HostTrainState::from_tensors(world, tensors.clone())?;
     for tp in [1, world] {
-        let names = host.layout().tensors.clone();
+        let names = host.layout().tensors().to_vec();
         let layout = RolloutLayout::from_hf_names(tp, names)?;
         let expected = reference_rollout(&host, &layout)?;
         let backend = FsdpBackend::new(pool.clone(), layout);
