@@ -3,12 +3,13 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice};
+use cudarc::driver::{CudaSlice, DevicePtr, PinnedHostSlice};
 use half::bf16;
 use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
 use lifecycle_cuda::{
-    alloc_device, alloc_pinned, alloc_zeros, CastBatch, CudaError, RankCtx, RankExecutor,
-    RankSpans, RolloutBuffer, StreamTimeline, ThreadRankPool, Transport,
+    alloc_device, alloc_pinned, alloc_zeros, peer_base, peer_bases, record_spans, record_transfer,
+    CastBatch, CudaError, RankCtx, RankExecutor, RankMoved, RankSpans, RolloutBuffer,
+    StreamTimeline, ThreadRankPool, Transport,
 };
 use lifecycle_host::HostTrainState;
 use lifecycle_layout::{
@@ -95,16 +96,6 @@ impl std::fmt::Debug for FsdpBackend {
     }
 }
 
-fn ptr<T>(s: &CudaSlice<T>, ctx: &RankCtx) -> u64 {
-    let (p, _sync) = s.device_ptr(&ctx.compute);
-    p
-}
-
-pub(crate) fn ptr_mut<T>(s: &mut CudaSlice<T>, ctx: &RankCtx) -> u64 {
-    let (p, _sync) = s.device_ptr_mut(&ctx.compute);
-    p
-}
-
 /// Each local rank's flat fp32 master buffer (padded layout `shards`) cut from full host tensors
 /// (in the layout's order; element counts and dtypes checked, floating point widened to fp32).
 pub(crate) fn shard_host_tensors(
@@ -167,7 +158,7 @@ pub(crate) fn fill_shards_uniform(
             shards.rank_len
         )));
     }
-    let base = ptr_mut(buf, ctx);
+    let base = ctx.addr_mut(buf);
     for (i, slot) in shards.slots.iter().enumerate() {
         let held = shards.held_rows(i, ctx.rank);
         let n = (held.len() * slot.cols) as u64;
@@ -187,16 +178,6 @@ pub(crate) fn fill_shards_uniform(
         }
     }
     Ok(())
-}
-
-/// Statistics of one rank's transfer, and its device timeline (read once the offload copies
-/// it also marks have finished).
-#[derive(Default)]
-struct RankMoved {
-    recv: u64,
-    local: u64,
-    staging: u64,
-    timeline: Option<StreamTimeline>,
 }
 
 impl FsdpBackend {
@@ -720,15 +701,11 @@ impl FsdpBackend {
         tracing: bool,
     ) -> Result<Vec<RankMoved>, FsdpError> {
         // Peer copies write into every rank's rollout buffer: their addresses by global rank.
-        let mut bases = vec![0u64; self.pool.world()];
-        if plan.peer_copy {
-            let got = self
-                .pool
-                .run_each(rolls, &|ctx, roll| Ok(ptr_mut(roll, ctx)))?;
-            for (&r, b) in self.pool.local_ranks().iter().zip(got) {
-                bases[r] = b;
-            }
-        }
+        let bases = if plan.peer_copy {
+            peer_bases(&*self.pool, rolls)?
+        } else {
+            vec![0u64; self.pool.world()]
+        };
         let bases = &bases;
         let mut items: Vec<(&mut RankTrain, &mut CudaSlice<bf16>)> =
             state.ranks.iter_mut().zip(rolls.iter_mut()).collect();
@@ -801,31 +778,6 @@ impl FsdpBackend {
         Ok(moved)
     }
 
-    fn record_transfer(ctx: &mut SwitchContext<'_>, moved: &[RankMoved], start: Instant) {
-        let wall = start.elapsed();
-        let mut sample = lifecycle_core::PhaseSample::default();
-        for m in moved {
-            sample.bytes.add(Link::DeviceToDevice, m.recv);
-            sample.bytes.add(Link::Local, m.local);
-            sample.peak_extra_bytes = sample.peak_extra_bytes.max(m.staging);
-        }
-        ctx.rec.record(Phase::Transfer, wall, sample);
-        if let Some(trace) = ctx.rec.trace() {
-            let b = sample.bytes;
-            let bytes = b.moved() + b.local;
-            trace.record_host(
-                "transfer",
-                Phase::Transfer,
-                None,
-                "switch",
-                start,
-                wall,
-                bytes,
-                None,
-            );
-        }
-    }
-
     /// Waits for the offload copies, then frees what the policy moves out and the gradients.
     fn finish_offload(
         &self,
@@ -872,18 +824,8 @@ impl FsdpBackend {
             scope.add_bytes(Link::DeviceToHost, per_rank * state.ranks.len() as u64);
             Ok::<Vec<RankSpans>, FsdpError>(spans)
         })?;
-        self.record_spans(ctx, &spans);
+        record_spans(ctx, self.pool.local_ranks(), &spans);
         Ok(())
-    }
-
-    /// Adds per-rank device spans to the trace (when one is being recorded).
-    fn record_spans(&self, ctx: &mut SwitchContext<'_>, spans: &[RankSpans]) {
-        if let Some(trace) = ctx.rec.trace() {
-            for (local, s) in spans.iter().enumerate() {
-                let rank = self.pool.local_ranks().get(local).copied().unwrap_or(local);
-                s.record_into(trace, rank);
-            }
-        }
     }
 }
 
@@ -1043,11 +985,11 @@ fn run_buckets_inner(
     // visible to NCCL and to the auxiliary stream that runs the local casts.
     ctx.order(&ctx.compute, &nccl)?;
     ctx.order(&ctx.compute, &ctx.aux)?;
-    let mbase = ptr(master, ctx);
-    let rbase = ptr_mut(roll, ctx);
-    let dbase = descs.as_ref().map_or(0, |d| ptr(d, ctx));
-    let sbases: Vec<u64> = staging.iter_mut().map(|s| ptr_mut(s, ctx)).collect();
-    let rsbases: Vec<u64> = rstaging.iter_mut().map(|s| ptr_mut(s, ctx)).collect();
+    let mbase = ctx.addr(master);
+    let rbase = ctx.addr_mut(roll);
+    let dbase = descs.as_ref().map_or(0, |d| ctx.addr(d));
+    let sbases: Vec<u64> = staging.iter_mut().map(|s| ctx.addr_mut(s)).collect();
+    let rsbases: Vec<u64> = rstaging.iter_mut().map(|s| ctx.addr_mut(s)).collect();
     let mut moved = RankMoved {
         staging: (nslots as u64 * plan.slot_elems + nrslots as u64 * plan.recv_slot_elems) * 2,
         ..Default::default()
@@ -1391,11 +1333,7 @@ fn peer_copies(
         let dst_off = s
             .dst_off
             .ok_or_else(|| missing("the piece has no place in the receiver's rollout buffer"))?;
-        let base = bases
-            .get(s.peer)
-            .copied()
-            .filter(|&b| b != 0)
-            .ok_or_else(|| missing("the receiver's rollout buffer is unknown"))?;
+        let base = peer_base(bases, s.peer, ctx.rank)?;
         let src = match s.buf {
             Buf::Rollout => rbase,
             Buf::Staging => staging.ok_or_else(|| missing("no staging slot"))?,
@@ -1500,7 +1438,7 @@ impl Reshard for FsdpBackend {
             self.queue_offload_hashes(state, ctx.memory)?;
         }
         let mut moved = self.transfer(plan, state, &mut rolls, ctx.memory, tracing)?;
-        Self::record_transfer(ctx, &moved, start);
+        record_transfer(ctx, &moved, start);
         let entries = Self::entries(plan);
         if self.verify {
             self.record_rollout_sums(&rolls, &entries)?;
@@ -1542,7 +1480,7 @@ impl Reshard for FsdpBackend {
         // The old hashes no longer describe the weights, whatever happens next.
         self.rollout_sums = None;
         let mut moved = self.transfer(plan, state, rollout.buffers_mut(), ctx.memory, tracing)?;
-        Self::record_transfer(ctx, &moved, start);
+        record_transfer(ctx, &moved, start);
         if self.verify {
             self.record_rollout_sums(rollout.buffers(), rollout.entries())?;
         }
@@ -1663,7 +1601,7 @@ impl Reshard for FsdpBackend {
             }
             Ok::<Vec<RankSpans>, FsdpError>(moved.into_iter().map(|m| m.2).collect())
         })?;
-        self.record_spans(ctx, &out);
+        record_spans(ctx, self.pool.local_ranks(), &out);
         rollout_check
     }
 }

@@ -24,7 +24,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKern
 use lifecycle_cuda::{CudaError, KernelSet, LoadedModule, RankCtx, RankExecutor};
 use lifecycle_layout::{AdamParams, HostTensor};
 
-use crate::backend::{fill_shards_uniform, ptr_mut, shard_host_tensors};
+use crate::backend::{fill_shards_uniform, shard_host_tensors};
 use crate::state::RankTrain;
 use crate::{FsdpBackend, FsdpError, FsdpTrainState};
 use lifecycle_layout::fsdp::ShardLayout;
@@ -405,7 +405,7 @@ impl FsdpBackend {
                     shards.rank_len
                 )));
             }
-            let base = ptr_mut(g, ctx);
+            let base = ctx.addr_mut(g);
             for (i, slot) in shards.slots.iter().enumerate() {
                 let held = shards.held_rows(i, ctx.rank);
                 let n = (held.len() * slot.cols) as u64;
@@ -470,7 +470,7 @@ impl FsdpBackend {
                         shards.rank_len
                     )));
                 }
-                *p = ptr_mut(b, ctx);
+                *p = ctx.addr_mut(b);
             }
             for (i, slot) in shards.slots.iter().enumerate() {
                 let n = (shards.held_rows(i, rank).len() * slot.cols) as u64;

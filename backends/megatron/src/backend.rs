@@ -4,12 +4,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 use half::bf16;
-use lifecycle_core::{Link, MemoryPolicy, Phase, PhaseSample, Reshard, SwitchContext};
+use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
 use lifecycle_cuda::{
-    alloc_device, alloc_zeros, CudaError, Mark, RankCtx, RankExecutor, RankSpans, RolloutBuffer,
-    StreamTimeline, ThreadRankPool, Transport,
+    alloc_device, alloc_zeros, peer_base, peer_bases, record_spans, record_transfer, CudaError,
+    Mark, RankCtx, RankExecutor, RankMoved, RankSpans, RolloutBuffer, StreamTimeline,
+    ThreadRankPool, Transport,
 };
 use lifecycle_host::MemoryMeter;
 use lifecycle_layout::{HostRollout, HostTensor, Region2d, RolloutEntry};
@@ -131,26 +132,6 @@ impl MegatronGpuPlan {
 struct RankRes {
     kernel: CopyKernel,
     tiles: Option<(u64, CudaSlice<u8>)>,
-}
-
-/// What one rank's transfer did, and its device timeline (read once the offload copies it also
-/// marks have finished).
-#[derive(Default)]
-struct RankMoved {
-    recv: u64,
-    local: u64,
-    staging: u64,
-    timeline: Option<StreamTimeline>,
-}
-
-fn ptr<T>(s: &CudaSlice<T>, ctx: &RankCtx) -> u64 {
-    let (p, _sync) = s.device_ptr(&ctx.compute);
-    p
-}
-
-fn ptr_mut<T>(s: &mut CudaSlice<T>, ctx: &RankCtx) -> u64 {
-    let (p, _sync) = s.device_ptr_mut(&ctx.compute);
-    p
 }
 
 /// Reshards the Megatron training layout into the fused bf16 tensor-parallel rollout layout on
@@ -393,7 +374,7 @@ impl MegatronGpuBackend {
             let rank = ctx.rank;
             // The fp32 values are made in the grads buffer, which is zeroed at the end.
             let mut grads = alloc_zeros::<f32>(&ctx.compute, n, rank, "gradients")?;
-            let gp = ptr_mut(&mut grads, ctx);
+            let gp = ctx.addr_mut(&mut grads);
             for slot in l.stage_slots(c.pp) {
                 let s = slot_seed(seed, l, slot, c.tp);
                 // SAFETY: the slot lies inside the stage buffer of n elements.
@@ -411,7 +392,7 @@ impl MegatronGpuBackend {
             }
             // SAFETY: fully written by the cast right after.
             let mut params = unsafe { alloc_device::<bf16>(&ctx.compute, n, rank, "parameters")? };
-            let pp = ptr_mut(&mut params, ctx);
+            let pp = ctx.addr_mut(&mut params);
             let all = Region2d {
                 rows: 1,
                 cols: n as u64,
@@ -431,7 +412,7 @@ impl MegatronGpuBackend {
             let mut moments = Vec::new();
             for (i, what) in ["Adam m", "Adam v"].into_iter().enumerate() {
                 let mut b = alloc_zeros::<f32>(&ctx.compute, k, rank, what)?;
-                let bp = ptr_mut(&mut b, ctx);
+                let bp = ctx.addr_mut(&mut b);
                 let s = seed ^ (0xA5A5_0000 + i as u64) ^ ((c.pp * l.tp() + c.tp) as u64) << 32;
                 // SAFETY: `b` holds k elements.
                 unsafe {
@@ -620,19 +601,15 @@ impl MegatronGpuBackend {
         let pinned = &*self.pinned;
         let config = plan.config;
         // Peer copies write into every rank's rollout buffer: their addresses by global rank.
-        let mut bases = vec![0u64; self.pool.world()];
-        if plan
+        let bases = if plan
             .ranks
             .iter()
             .any(|s| !s.pushes.is_empty() || !s.peer_tiles.is_empty())
         {
-            let got = self
-                .pool
-                .run_each(rolls, &|ctx, roll| Ok(ptr_mut(roll, ctx)))?;
-            for (&r, b) in self.locals().iter().zip(got) {
-                bases[r] = b;
-            }
-        }
+            peer_bases(&*self.pool, rolls)?
+        } else {
+            vec![0u64; self.pool.world()]
+        };
         let bases = &bases;
         let mut items: Vec<(
             &mut GpuRank,
@@ -684,14 +661,14 @@ impl MegatronGpuBackend {
             };
             let k = &res.kernel;
             let out = if !plan.peer_copy {
-                run_steps(ctx, s, k, ptr(tiles, ctx), params, roll, config, &mut tl)
+                run_steps(ctx, s, k, ctx.addr(tiles), params, roll, config, &mut tl)
             } else {
                 let opts = (config.overlap_blocks_per_sm, config.split_local_bulk);
                 run_peer_copies(
                     ctx,
                     s,
                     k,
-                    ptr(tiles, ctx),
+                    ctx.addr(tiles),
                     params,
                     roll,
                     bases,
@@ -716,30 +693,6 @@ impl MegatronGpuBackend {
     }
 
     /// Records the transfer phase (metrics, and its host span when tracing) started at `start`.
-    fn record_transfer(ctx: &mut SwitchContext<'_>, moved: &[RankMoved], start: Instant) {
-        let wall = start.elapsed();
-        let mut sample = PhaseSample::default();
-        for m in moved {
-            sample.bytes.add(Link::DeviceToDevice, m.recv);
-            sample.bytes.add(Link::Local, m.local);
-            sample.peak_extra_bytes = sample.peak_extra_bytes.max(m.staging);
-        }
-        ctx.rec.record(Phase::Transfer, wall, sample);
-        if let Some(trace) = ctx.rec.trace() {
-            let b = sample.bytes;
-            trace.record_host(
-                "transfer",
-                Phase::Transfer,
-                None,
-                "switch",
-                start,
-                wall,
-                b.moved() + b.local,
-                None,
-            );
-        }
-    }
-
     /// Waits for the offload copies, then frees what the policy moved out, and the grads; reads
     /// the transfer's device timelines (every stream is synchronised by then) into the trace.
     fn finish_offload(
@@ -775,19 +728,8 @@ impl MegatronGpuBackend {
             scope.add_bytes(Link::DeviceToHost, out.iter().map(|o| o.0).sum());
             Ok::<Vec<RankSpans>, MegatronGpuError>(out.into_iter().map(|o| o.1).collect())
         })?;
-        self.record_spans(ctx, &spans);
+        record_spans(ctx, self.locals(), &spans);
         Ok(())
-    }
-
-    /// Adds per-rank device spans to the trace (when one is being recorded), on the ranks'
-    /// global numbers.
-    fn record_spans(&self, ctx: &mut SwitchContext<'_>, spans: &[RankSpans]) {
-        if let Some(trace) = ctx.rec.trace() {
-            for (local, s) in spans.iter().enumerate() {
-                let rank = self.locals().get(local).copied().unwrap_or(local);
-                s.record_into(trace, rank);
-            }
-        }
     }
 }
 
@@ -966,10 +908,10 @@ fn run_steps(
     // Allocations (stream-ordered on compute) and earlier writes are visible to the other streams.
     ctx.order(&ctx.compute, &nccl)?;
     ctx.order(&ctx.compute, &ctx.aux)?;
-    let pbase = ptr(params, ctx);
-    let rbase = ptr_mut(roll, ctx);
-    let sbases: Vec<u64> = sslots.iter_mut().map(|x| ptr_mut(x, ctx)).collect();
-    let rbases: Vec<u64> = rslots.iter_mut().map(|x| ptr_mut(x, ctx)).collect();
+    let pbase = ctx.addr(params);
+    let rbase = ctx.addr_mut(roll);
+    let sbases: Vec<u64> = sslots.iter_mut().map(|x| ctx.addr_mut(x)).collect();
+    let rbases: Vec<u64> = rslots.iter_mut().map(|x| ctx.addr_mut(x)).collect();
     let aux = (&*ctx.aux, "aux");
     let compute = (&*ctx.compute, "compute");
     zero_padding(ctx, s, roll, tl)?;
@@ -1144,8 +1086,8 @@ fn run_peer_copies(
     };
     ctx.order(&ctx.compute, &peer)?;
     ctx.order(&ctx.compute, &ctx.aux)?;
-    let pbase = ptr(params, ctx);
-    let rbase = ptr_mut(roll, ctx);
+    let pbase = ctx.addr(params);
+    let rbase = ctx.addr_mut(roll);
     // Remote runs first: the copy engines start while the local work is being queued.
     let mut i = 0;
     while i < s.pushes.len() {
@@ -1155,12 +1097,7 @@ fn run_peer_copies(
             .position(|p| p.peer != to)
             .map_or(s.pushes.len(), |n| i + n);
         let group = &s.pushes[i..end];
-        let dst_base = bases.get(to).copied().filter(|&b| b != 0).ok_or_else(|| {
-            CudaError::Invalid(format!(
-                "rank {to}'s rollout buffer is not known to rank {}",
-                ctx.rank
-            ))
-        })?;
+        let dst_base = peer_base(bases, to, ctx.rank)?;
         let mark = tl.begin(ctx, &peer)?;
         for p in group {
             let r = &p.run;
@@ -1191,12 +1128,7 @@ fn run_peer_copies(
     }
     // Small remote runs: one tile-kernel launch per peer writes them into its memory.
     for (to, range) in &s.peer_tiles {
-        let dst_base = bases.get(*to).copied().filter(|&b| b != 0).ok_or_else(|| {
-            CudaError::Invalid(format!(
-                "rank {to}'s rollout buffer is not known to rank {}",
-                ctx.rank
-            ))
-        })?;
+        let dst_base = peer_base(bases, *to, ctx.rank)?;
         let mark = tl.begin(ctx, &ctx.compute)?;
         // SAFETY: the tiles lie inside this rank's parameter buffer and the peer's rollout
         // buffer (the planner's offsets), both alive until every rank has synchronised at the
@@ -1340,7 +1272,7 @@ impl Reshard for MegatronGpuBackend {
         let start = Instant::now();
         let tracing = ctx.rec.tracing();
         let mut moved = self.transfer(plan, state, &mut rolls, ctx.memory, tracing)?;
-        Self::record_transfer(ctx, &moved, start);
+        record_transfer(ctx, &moved, start);
         self.finish_offload(state, ctx, &mut moved)?;
         Ok(RolloutBuffer::new(
             rolls,
@@ -1374,7 +1306,7 @@ impl Reshard for MegatronGpuBackend {
         let start = Instant::now();
         let tracing = ctx.rec.tracing();
         let mut moved = self.transfer(plan, state, rollout.buffers_mut(), ctx.memory, tracing)?;
-        Self::record_transfer(ctx, &moved, start);
+        record_transfer(ctx, &moved, start);
         self.finish_offload(state, ctx, &mut moved)
     }
 
@@ -1427,7 +1359,7 @@ impl Reshard for MegatronGpuBackend {
             scope.add_bytes(Link::HostToDevice, moved.iter().map(|m| m.0).sum());
             Ok::<Vec<RankSpans>, MegatronGpuError>(moved.into_iter().map(|m| m.1).collect())
         })?;
-        self.record_spans(ctx, &spans);
+        record_spans(ctx, self.locals(), &spans);
         Ok(())
     }
 }

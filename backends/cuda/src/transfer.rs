@@ -1,0 +1,112 @@
+//! What every GPU executor's transfer shares, whatever plan it runs: device addresses, the
+//! rollout buffers peers write into, and how a transfer's statistics and device spans reach the
+//! lifecycle's metrics and trace.
+
+use std::time::Instant;
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use half::bf16;
+use lifecycle_core::{Link, Phase, PhaseSample, SwitchContext};
+
+use crate::{CudaError, RankCtx, RankExecutor, RankSpans, StreamTimeline};
+
+impl RankCtx {
+    /// The device address of `s`, for work queued on the compute stream (where every executor's
+    /// kernels read and write).
+    pub fn addr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        let (p, _sync) = s.device_ptr(&self.compute);
+        p
+    }
+
+    /// The device address of `s`, to be written by work on the compute stream.
+    pub fn addr_mut<T>(&self, s: &mut CudaSlice<T>) -> u64 {
+        let (p, _sync) = s.device_ptr_mut(&self.compute);
+        p
+    }
+}
+
+/// What one rank's transfer moved.
+#[derive(Default)]
+pub struct RankMoved {
+    /// Bytes received from other ranks (NCCL or peer copies).
+    pub recv: u64,
+    /// Bytes cast or copied within the rank.
+    pub local: u64,
+    /// Peak staging memory the transfer held (slots, packing buffers).
+    pub staging: u64,
+    /// The device spans of the transfer, when tracing.
+    pub timeline: Option<StreamTimeline>,
+}
+
+impl std::fmt::Debug for RankMoved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankMoved")
+            .field("recv", &self.recv)
+            .field("local", &self.local)
+            .field("staging", &self.staging)
+            .field("traced", &self.timeline.is_some())
+            .finish()
+    }
+}
+
+/// The device address of every rank's rollout buffer by global rank (0 for ranks of other
+/// processes): where peer copies write. `rolls` holds this process's buffers in local-rank order.
+pub fn peer_bases(
+    pool: &impl RankExecutor,
+    rolls: &mut [CudaSlice<bf16>],
+) -> Result<Vec<u64>, CudaError> {
+    let mut bases = vec![0u64; pool.world()];
+    let got = pool.run_each(rolls, &|ctx, roll| Ok(ctx.addr_mut(roll)))?;
+    for (&r, b) in pool.local_ranks().iter().zip(got) {
+        bases[r] = b;
+    }
+    Ok(bases)
+}
+
+/// The rollout buffer address of rank `to` in `bases` ([`peer_bases`]), for rank `from`'s peer
+/// copies; an error naming both when it is unknown.
+pub fn peer_base(bases: &[u64], to: usize, from: usize) -> Result<u64, CudaError> {
+    bases.get(to).copied().filter(|&b| b != 0).ok_or_else(|| {
+        CudaError::Invalid(format!(
+            "rank {to}'s rollout buffer is not known to rank {from}: peer copies need every rank in this process"
+        ))
+    })
+}
+
+/// Records a transfer that began at `start` in the switch's metrics (bytes received as
+/// device-to-device, local casts and copies as local, peak staging) and, when tracing, as one
+/// host span.
+pub fn record_transfer(ctx: &mut SwitchContext<'_>, moved: &[RankMoved], start: Instant) {
+    let wall = start.elapsed();
+    let mut sample = PhaseSample::default();
+    for m in moved {
+        sample.bytes.add(Link::DeviceToDevice, m.recv);
+        sample.bytes.add(Link::Local, m.local);
+        sample.peak_extra_bytes = sample.peak_extra_bytes.max(m.staging);
+    }
+    ctx.rec.record(Phase::Transfer, wall, sample);
+    if let Some(trace) = ctx.rec.trace() {
+        let b = sample.bytes;
+        trace.record_host(
+            "transfer",
+            Phase::Transfer,
+            None,
+            "switch",
+            start,
+            wall,
+            b.moved() + b.local,
+            None,
+        );
+    }
+}
+
+/// Adds each local rank's device spans to the switch's trace (when tracing); `spans` in the
+/// order of `local_ranks`.
+pub fn record_spans(ctx: &mut SwitchContext<'_>, local_ranks: &[usize], spans: &[RankSpans]) {
+    if let Some(trace) = ctx.rec.trace() {
+        for (local, s) in spans.iter().enumerate() {
+            let rank = local_ranks.get(local).copied().unwrap_or(local);
+            s.record_into(trace, rank);
+        }
+    }
+}
