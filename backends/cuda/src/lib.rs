@@ -63,7 +63,9 @@ pub use peer::{copy_2d, peer_copy_rate, Transport};
 pub use pool::{RankCtx, RankExecutor, RankFn, ThreadRankPool};
 pub use rollout::RolloutBuffer;
 pub use timeline::{DeviceSpan, Mark, RankSpans, StreamTimeline};
-pub use transfer::{peer_base, peer_bases, record_spans, record_transfer, RankMoved};
+pub use transfer::{
+    alloc_rollout_buffers, peer_base, peer_bases, record_spans, record_transfer, RankMoved,
+};
 pub use verify::{
     chunk_hash_u16, chunk_hash_u32, ChunkTable, PendingHashes, VerifyKernels, WordSize,
     DEFAULT_CHUNK_WORDS, VERIFY_KERNELS, VERIFY_SRC,

@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 use lifecycle_core::{Link, Phase, PhaseSample, SwitchContext};
 
-use crate::{CudaError, RankCtx, RankExecutor, RankSpans, StreamTimeline};
+use crate::{alloc_device, CudaError, RankCtx, RankExecutor, RankSpans, StreamTimeline};
 
 impl RankCtx {
     /// The device address of `s`, for work queued on the compute stream (where every executor's
@@ -109,4 +109,30 @@ pub fn record_spans(ctx: &mut SwitchContext<'_>, local_ranks: &[usize], spans: &
             s.record_into(trace, rank);
         }
     }
+}
+
+/// Allocates every local rank's rollout buffer of `len` bf16 elements, uninitialised, before any
+/// data moves (an out-of-memory error here leaves the training state untouched). With
+/// `peers_write`, each allocation is complete before this returns, as peers may write into it
+/// as soon as the transfer starts.
+///
+/// # Safety
+/// The caller's plan must write every element of every buffer (the pieces or tiles cover the
+/// buffer exactly) before anything reads it.
+pub unsafe fn alloc_rollout_buffers(
+    pool: &impl RankExecutor,
+    len: usize,
+    peers_write: bool,
+) -> Result<Vec<CudaSlice<bf16>>, CudaError> {
+    let mut unit: Vec<()> = vec![(); pool.local_ranks().len()];
+    pool.run_each(&mut unit, &|c, _| {
+        // SAFETY: the caller's plan writes every element before it is read.
+        let roll = unsafe { alloc_device::<bf16>(&c.compute, len, c.rank, "rollout weights") }?;
+        if peers_write {
+            c.compute
+                .synchronize()
+                .map_err(c.drv("allocating the rollout weights", (len * 2) as u64))?;
+        }
+        Ok(roll)
+    })
 }

@@ -7,9 +7,9 @@ use cudarc::driver::{CudaSlice, DevicePtr, PinnedHostSlice};
 use half::bf16;
 use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
 use lifecycle_cuda::{
-    alloc_device, alloc_pinned, alloc_zeros, peer_base, peer_bases, record_spans, record_transfer,
-    CastBatch, CudaError, RankCtx, RankExecutor, RankMoved, RankSpans, RolloutBuffer,
-    StreamTimeline, ThreadRankPool, Transport,
+    alloc_device, alloc_pinned, alloc_rollout_buffers, alloc_zeros, peer_base, peer_bases,
+    record_spans, record_transfer, CastBatch, CudaError, RankCtx, RankExecutor, RankMoved,
+    RankSpans, RolloutBuffer, StreamTimeline, ThreadRankPool, Transport,
 };
 use lifecycle_host::HostTrainState;
 use lifecycle_layout::{
@@ -1416,20 +1416,10 @@ impl Reshard for FsdpBackend {
         }
         let len = plan.roll_len as usize;
         let peers_write = plan.peer_copy;
-        let mut unit: Vec<()> = vec![(); self.pool.local_ranks().len()];
         // Rollout buffers first: an OOM here leaves the training state untouched.
-        let mut rolls = self.pool.run_each(&mut unit, &|c, _| {
-            // SAFETY: every element of the rollout buffer is written by a cast or a receive of
-            // the plan (the pieces tile every slice exactly) before the buffer is handed out.
-            let roll = unsafe { alloc_device::<bf16>(&c.compute, len, c.rank, "rollout weights") }?;
-            if peers_write {
-                // Peers may write into the buffer as soon as the transfer starts.
-                c.compute
-                    .synchronize()
-                    .map_err(c.drv("allocating the rollout weights", (len * 2) as u64))?;
-            }
-            Ok(roll)
-        })?;
+        // SAFETY: the plan's casts and receives tile every rollout slice exactly, so every element
+        // is written before the buffers are handed out.
+        let mut rolls = unsafe { alloc_rollout_buffers(&*self.pool, len, peers_write)? };
         // The transfer phase's wall time starts after the rollout allocation (reported apart:
         // enter's total includes it).
         let start = Instant::now();

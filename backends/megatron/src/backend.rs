@@ -8,9 +8,9 @@ use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 use half::bf16;
 use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
 use lifecycle_cuda::{
-    alloc_device, alloc_zeros, peer_base, peer_bases, record_spans, record_transfer, CudaError,
-    Mark, RankCtx, RankExecutor, RankMoved, RankSpans, RolloutBuffer, StreamTimeline,
-    ThreadRankPool, Transport,
+    alloc_device, alloc_rollout_buffers, alloc_zeros, peer_base, peer_bases, record_spans,
+    record_transfer, CudaError, Mark, RankCtx, RankExecutor, RankMoved, RankSpans, RolloutBuffer,
+    StreamTimeline, ThreadRankPool, Transport,
 };
 use lifecycle_host::MemoryMeter;
 use lifecycle_layout::{HostRollout, HostTensor, Region2d, RolloutEntry};
@@ -1255,20 +1255,10 @@ impl Reshard for MegatronGpuBackend {
             .ranks
             .iter()
             .any(|s| !s.pushes.is_empty() || !s.peer_tiles.is_empty());
-        let mut unit: Vec<()> = vec![(); self.locals().len()];
         // Rollout buffers first: an OOM here leaves the training state untouched.
-        let mut rolls = self.pool.run_each(&mut unit, &|c, _| {
-            // SAFETY: every element is written by a local or unpack tile or zeroed as vocabulary
-            // padding (the schedule covers the buffer exactly) before the buffer is handed out.
-            let roll = unsafe { alloc_device::<bf16>(&c.compute, len, c.rank, "rollout weights") }?;
-            if peers_write {
-                // Peers may write into the buffer as soon as the transfer starts.
-                c.compute
-                    .synchronize()
-                    .map_err(c.drv("allocating the rollout weights", (len * 2) as u64))?;
-            }
-            Ok(roll)
-        })?;
+        // SAFETY: the schedule's local and unpack tiles and the zeroed vocabulary padding cover
+        // each buffer exactly, so every element is written before the buffers are handed out.
+        let mut rolls = unsafe { alloc_rollout_buffers(&*self.pool, len, peers_write)? };
         let start = Instant::now();
         let tracing = ctx.rec.tracing();
         let mut moved = self.transfer(plan, state, &mut rolls, ctx.memory, tracing)?;
