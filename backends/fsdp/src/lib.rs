@@ -48,15 +48,23 @@
 #![warn(missing_docs)]
 
 mod backend;
+mod buckets;
+mod build;
+mod checks;
+mod download;
 mod error;
 
+mod reshard;
 pub mod shapes;
 mod state;
+mod transfer;
 mod update;
+mod update_kernels;
 mod verify;
 
 pub use backend::{FsdpBackend, DEFAULT_OFFLOAD_CHUNK_BYTES};
 pub use error::FsdpError;
 pub use lifecycle_layout::fsdp::{BucketConfig, FsdpPlan, GatherMode};
 pub use state::{FsdpTrainState, RankDump, RankTrain};
-pub use update::{check_adam_params, synthetic_grad_value, UPDATE_KERNEL_SRC};
+pub use update::{check_adam_params, synthetic_grad_value};
+pub use update_kernels::UPDATE_KERNEL_SRC;

@@ -18,66 +18,17 @@
 //! Every call checks its inputs and that the buffers it touches are on the device before
 //! anything moves; an offloaded or freed buffer is [`FsdpError::NotResident`].
 
-use std::sync::{Arc, Mutex};
+use crate::state::RankTrain;
+use lifecycle_layout::fsdp::ShardLayout;
+use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
-use lifecycle_cuda::{CudaError, KernelSet, LoadedModule, RankCtx, RankExecutor};
+use cudarc::driver::CudaSlice;
+use lifecycle_cuda::{CudaError, RankCtx, RankExecutor};
 use lifecycle_layout::{AdamParams, HostTensor};
 
-use crate::backend::{fill_shards_uniform, shard_host_tensors};
-use crate::state::RankTrain;
+use crate::build::{fill_shards_uniform, shard_host_tensors};
+use crate::update_kernels::{AdamConstants, UpdateKernels};
 use crate::{FsdpBackend, FsdpError, FsdpTrainState};
-use lifecycle_layout::fsdp::ShardLayout;
-
-/// CUDA C source of the update kernels (no headers). Compile with `--fmad=false`: the Adam step
-/// must round every product and sum on its own, as the host does.
-pub const UPDATE_KERNEL_SRC: &str = r#"
-typedef unsigned long long u64;
-
-__device__ __forceinline__ u64 mix64(u64 x) {
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
-}
-
-// g[i] = scale * (2u - 1), u = (top 24 bits of mix64(key + index_offset + i)) / 2^24.
-extern "C" __global__ void synthetic_grads(float* __restrict__ g, u64 n, u64 key,
-                                           u64 index_offset, float scale) {
-    u64 stride = (u64)gridDim.x * blockDim.x;
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        u64 x = mix64(key + index_offset + i);
-        float u = (float)(x >> 40) * (1.0f / 16777216.0f);
-        g[i] = scale * (2.0f * u - 1.0f);
-    }
-}
-
-// One Adam step with bias corrections c1 = 1 - beta1^t, c2 = 1 - beta2^t, in the host's order:
-//   m = beta1*m + (1-beta1)*g;  v = beta2*v + ((1-beta2)*g)*g;
-//   w = w - (lr * (m/c1)) / (sqrt(v/c2) + eps)
-extern "C" __global__ void adam_step(float* __restrict__ w, float* __restrict__ m,
-                                     float* __restrict__ v, const float* __restrict__ g, u64 n,
-                                     float beta1, float beta2, float one_minus_beta1,
-                                     float one_minus_beta2, float c1, float c2, float lr,
-                                     float eps) {
-    u64 stride = (u64)gridDim.x * blockDim.x;
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        float gi = g[i];
-        float mi = beta1 * m[i] + one_minus_beta1 * gi;
-        float vi = beta2 * v[i] + one_minus_beta2 * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        float m_hat = mi / c1;
-        float v_hat = vi / c2;
-        w[i] = w[i] - lr * m_hat / (sqrtf(v_hat) + eps);
-    }
-}
-"#;
-
-/// [`UPDATE_KERNEL_SRC`] as a kernel set, with IEEE-exact arithmetic so it matches the CPU
-/// executor's Adam bit for bit.
-pub const UPDATE_KERNELS: KernelSet =
-    KernelSet::new("lifecycle_fsdp update kernels", UPDATE_KERNEL_SRC).exact();
 
 /// The splitmix64 finaliser (the kernels' `mix64`).
 fn mix64(mut x: u64) -> u64 {
@@ -130,135 +81,6 @@ pub fn check_adam_params(p: &AdamParams) -> Result<(), FsdpError> {
             expected,
         }),
         None => Ok(()),
-    }
-}
-
-/// The update kernels loaded into one rank's context.
-#[derive(Debug)]
-pub(crate) struct UpdateKernels {
-    _module: Arc<LoadedModule>,
-    grads: CudaFunction,
-    adam: CudaFunction,
-    sm_count: u32,
-}
-
-/// The kernels of every local rank, compiled and loaded on first use (the backend's cache).
-#[derive(Debug, Default)]
-pub(crate) struct UpdateKernelCache(Mutex<Option<Arc<Vec<UpdateKernels>>>>);
-
-impl UpdateKernels {
-    /// Loads [`UPDATE_KERNELS`] into this rank's context (compiled once per process).
-    fn load(ctx: &RankCtx) -> Result<Self, CudaError> {
-        let m = ctx.module(&UPDATE_KERNELS)?;
-        Ok(UpdateKernels {
-            grads: m.function("synthetic_grads")?,
-            adam: m.function("adam_step")?,
-            sm_count: m.sm_count(),
-            _module: m,
-        })
-    }
-
-    fn grid(&self, n: u64) -> LaunchConfig {
-        let blocks = n.div_ceil(256).clamp(1, self.sm_count as u64 * 16) as u32;
-        LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        }
-    }
-
-    /// Writes `n` synthetic gradients at `dst`.
-    ///
-    /// # Safety
-    /// `dst` must point to `n` writable f32 of the stream's device, alive until the kernel ran.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn synthetic_grads(
-        &self,
-        stream: &CudaStream,
-        dst: u64,
-        n: u64,
-        key: u64,
-        index_offset: u64,
-        scale: f32,
-        rank: usize,
-    ) -> Result<(), CudaError> {
-        if n == 0 {
-            return Ok(());
-        }
-        let mut b = stream.launch_builder(&self.grads);
-        b.arg(&dst).arg(&n).arg(&key).arg(&index_offset).arg(&scale);
-        // SAFETY: the caller guarantees `dst` holds `n` f32; the arguments match the kernel's
-        // parameters (pointer, 3 × u64, f32).
-        unsafe { b.launch(self.grid(n)) }
-            .map(|_| ())
-            .map_err(|e| CudaError::driver(rank, "launching the synthetic gradient kernel", 0, e))
-    }
-
-    /// One Adam step on `n` elements at `w`, `m`, `v` from the gradients at `g`.
-    ///
-    /// # Safety
-    /// `w`, `m`, `v` must point to `n` writable and `g` to `n` readable f32 of the stream's
-    /// device, none overlapping another, alive until the kernel ran.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn adam_step(
-        &self,
-        stream: &CudaStream,
-        [w, m, v, g]: [u64; 4],
-        n: u64,
-        c: &AdamConstants,
-        rank: usize,
-    ) -> Result<(), CudaError> {
-        if n == 0 {
-            return Ok(());
-        }
-        let mut b = stream.launch_builder(&self.adam);
-        b.arg(&w)
-            .arg(&m)
-            .arg(&v)
-            .arg(&g)
-            .arg(&n)
-            .arg(&c.beta1)
-            .arg(&c.beta2)
-            .arg(&c.one_minus_beta1)
-            .arg(&c.one_minus_beta2)
-            .arg(&c.c1)
-            .arg(&c.c2)
-            .arg(&c.lr)
-            .arg(&c.eps);
-        // SAFETY: the caller guarantees the four buffers; the arguments match the kernel's
-        // parameters (4 pointers, u64, 8 × f32).
-        unsafe { b.launch(self.grid(n)) }
-            .map(|_| ())
-            .map_err(|e| CudaError::driver(rank, "launching the Adam kernel", 0, e))
-    }
-}
-
-/// The scalars of one Adam step, computed on the host exactly as
-/// [`HostTrainState::adam_step`](lifecycle_host::HostTrainState::adam_step) computes them.
-#[derive(Debug, Clone, Copy)]
-struct AdamConstants {
-    beta1: f32,
-    beta2: f32,
-    one_minus_beta1: f32,
-    one_minus_beta2: f32,
-    c1: f32,
-    c2: f32,
-    lr: f32,
-    eps: f32,
-}
-
-impl AdamConstants {
-    fn new(p: &AdamParams, t: i32) -> Self {
-        AdamConstants {
-            beta1: p.beta1,
-            beta2: p.beta2,
-            one_minus_beta1: 1.0 - p.beta1,
-            one_minus_beta2: 1.0 - p.beta2,
-            c1: 1.0 - p.beta1.powi(t),
-            c2: 1.0 - p.beta2.powi(t),
-            lr: p.lr,
-            eps: p.eps,
-        }
     }
 }
 

@@ -2,7 +2,7 @@
 //!
 //! - [`MegatronTrainState`] / [`MegatronHostBackend`]: ranks as threads, real offload accounting,
 //!   implementing [`Reshard`](lifecycle_core::Reshard); the rollout is a
-//!   [`HostRollout`](crate::HostRollout) with one tensor per fused rollout tensor per rank.
+//!   [`HostRollout`](lifecycle_layout::HostRollout) with one tensor per fused rollout tensor per rank.
 //! - [`reference_rollout`]: the independent reference (rebuild full Hugging Face tensors, slice
 //!   them) every Megatron executor is checked against bit for bit; [`fuse_unfused_rollout`] fuses
 //!   the FSDP executors' unfused rollout for cross-layout checks.

@@ -1,0 +1,169 @@
+//! The backend's verification duties (see [`crate::verify`] for the device hashes): non-finite
+//! masters refused at plan time, offload and rollout hashes recorded and checked, and a bit-flip
+//! hook that shows the checks fire.
+
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use lifecycle_core::MemoryPolicy;
+use lifecycle_cuda::{RankExecutor, RolloutBuffer};
+use lifecycle_layout::RolloutEntry;
+
+use crate::backend::{FsdpBackend, RolloutSums};
+use crate::state::{FsdpTrainState, RankTrain};
+use crate::verify::{self, Buffer};
+use crate::FsdpError;
+
+impl FsdpBackend {
+    /// Flips bit `bit` of element `index` of rollout tensor `tensor` on local rank `rank` (the
+    /// global rank in the single-process mode), in device memory: fault injection for testing
+    /// verification mode. Returns whether a bit was flipped (false when `rank` or `index` is out
+    /// of range); an unknown tensor is an error.
+    pub fn inject_rollout_bit_flip(
+        &self,
+        rollout: &mut RolloutBuffer,
+        rank: usize,
+        tensor: &str,
+        index: usize,
+        bit: u32,
+    ) -> Result<bool, FsdpError> {
+        let entry = rollout.entry(tensor).ok_or_else(|| FsdpError::Tensor {
+            name: tensor.to_string(),
+            problem: "no such tensor in the rollout weights".into(),
+        })?;
+        if index >= entry.numel() || rank >= rollout.local_ranks().len() {
+            return Ok(false);
+        }
+        let at = entry.offset() + index;
+        let mut items: Vec<(usize, &mut CudaSlice<bf16>)> =
+            rollout.buffers_mut().iter_mut().enumerate().collect();
+        self.pool.run_each(&mut items, &|ctx, (i, buf)| {
+            if *i != rank {
+                return Ok(());
+            }
+            let mut one = buf.slice_mut(at..at + 1);
+            let old = ctx
+                .compute
+                .clone_dtoh(&one)
+                .map_err(ctx.drv("reading a rollout weight", 2))?;
+            let flipped: Vec<bf16> = old
+                .iter()
+                .map(|x| bf16::from_bits(x.to_bits() ^ (1 << (bit % 16))))
+                .collect();
+            ctx.compute
+                .memcpy_htod(&flipped, &mut one)
+                .map_err(ctx.drv("writing a rollout weight", 2))?;
+            ctx.compute
+                .synchronize()
+                .map_err(ctx.drv("synchronizing", 0))
+        })?;
+        Ok(true)
+    }
+
+    /// Verification mode: every master weight on the devices must be finite.
+    pub(crate) fn check_finite(&self, state: &FsdpTrainState) -> Result<(), FsdpError> {
+        let table = verify::shard_table(&state.shards);
+        let mut items: Vec<&RankTrain> = state.ranks.iter().collect();
+        let found = self
+            .pool
+            .run_each(&mut items, &|ctx, rt| match &rt.master {
+                Some(m) => verify::first_nonfinite(ctx, m, &table),
+                None => Ok(None),
+            })?;
+        for (i, f) in found.into_iter().enumerate() {
+            if let Some((at, value)) = f {
+                let slot = table
+                    .segment_of(at)
+                    .and_then(|t| state.shards.slots.get(t))
+                    .ok_or_else(|| {
+                        FsdpError::Config(format!(
+                            "a non-finite value at element {at} lies outside every tensor"
+                        ))
+                    })?;
+                return Err(FsdpError::NonFinite {
+                    tensor: slot.name.clone(),
+                    rank: self.pool.local_ranks()[i],
+                    index: at - slot.offset,
+                    value,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Verification mode: queues the hashes of the buffers `memory` offloads, on each rank's
+    /// copy stream ahead of the offload copies.
+    pub(crate) fn queue_offload_hashes(
+        &self,
+        state: &mut FsdpTrainState,
+        memory: MemoryPolicy,
+    ) -> Result<(), FsdpError> {
+        let table = verify::shard_table(&state.shards);
+        let mut items: Vec<&mut RankTrain> = state.ranks.iter_mut().collect();
+        self.pool.run_each(&mut items, &|ctx, rt| {
+            rt.sums.clear();
+            for b in Buffer::ALL {
+                let offloads = match b {
+                    Buffer::Master => memory.offload_params,
+                    Buffer::AdamM | Buffer::AdamV => memory.offload_optimizer,
+                };
+                if !offloads {
+                    continue;
+                }
+                let (dev, sums) = match b {
+                    Buffer::Master => (&rt.master, &mut rt.sums),
+                    Buffer::AdamM => (&rt.m, &mut rt.sums),
+                    Buffer::AdamV => (&rt.v, &mut rt.sums),
+                };
+                if let Some(d) = dev {
+                    verify::queue_offload_hash(ctx, sums, b, d, &table)?;
+                }
+            }
+            Ok(())
+        })?;
+        Ok(())
+    }
+
+    /// Verification mode: hashes the rollout weights just written.
+    pub(crate) fn record_rollout_sums(
+        &mut self,
+        rolls: &[CudaSlice<bf16>],
+        entries: &[RolloutEntry],
+    ) -> Result<(), FsdpError> {
+        let table = verify::rollout_table(entries);
+        let mut items: Vec<&CudaSlice<bf16>> = rolls.iter().collect();
+        let sums = self.pool.run_each(&mut items, &|ctx, buf| {
+            verify::rollout_hashes(ctx, buf, &table)
+        })?;
+        self.rollout_sums = Some(RolloutSums {
+            table,
+            names: entries.iter().map(|e| e.name().to_string()).collect(),
+            sums,
+        });
+        Ok(())
+    }
+
+    /// Verification mode: checks the rollout weights about to be released against the hashes
+    /// taken after their transfer (and forgets those).
+    pub(crate) fn check_rollout_sums(&mut self, rollout: &RolloutBuffer) -> Result<(), FsdpError> {
+        let Some(rs) = self.rollout_sums.take() else {
+            return Ok(());
+        };
+        if !self.verify || rs.sums.len() != rollout.local_ranks().len() {
+            return Ok(());
+        }
+        let mut items: Vec<&CudaSlice<bf16>> = rollout.buffers().iter().collect();
+        let table = &rs.table;
+        let found = self.pool.run_each(&mut items, &|ctx, buf| {
+            verify::rollout_hashes(ctx, buf, table)
+        })?;
+        for (i, (expected, found)) in rs.sums.iter().zip(&found).enumerate() {
+            if let Some(m) = verify::first_mismatch(table, expected, found) {
+                return Err(FsdpError::RolloutCorrupted {
+                    rank: self.pool.local_ranks()[i],
+                    tensor: rs.names.get(m.tensor).cloned().unwrap_or_default(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
