@@ -34,7 +34,9 @@ mod env;
 mod error;
 mod kernels;
 mod modules;
+mod offload;
 mod peer;
+mod pinned;
 mod pool;
 mod rollout;
 mod timeline;
@@ -59,7 +61,9 @@ pub use kernels::{
     DEFAULT_MULTI_BLOCKS_PER_SM, KERNEL_SRC, MAIN_KERNELS,
 };
 pub use modules::{compile, KernelSet, LoadedModule};
+pub use offload::{FromLe, OffloadBuffer};
 pub use peer::{copy_2d, peer_copy_rate, Transport};
+pub use pinned::{HostCopy, PinnedPool, DEFAULT_CHUNK_BYTES};
 pub use pool::{RankCtx, RankExecutor, RankFn, ThreadRankPool};
 pub use rollout::RolloutBuffer;
 pub use timeline::{DeviceSpan, Mark, RankSpans, StreamTimeline};

@@ -9,16 +9,16 @@ use half::bf16;
 use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
 use lifecycle_cuda::{
     alloc_device, alloc_rollout_buffers, alloc_zeros, peer_base, peer_bases, record_spans,
-    record_transfer, CudaError, Mark, RankCtx, RankExecutor, RankMoved, RankSpans, RolloutBuffer,
-    StreamTimeline, ThreadRankPool, Transport,
+    record_transfer, CudaError, Mark, OffloadBuffer, RankCtx, RankExecutor, RankMoved, RankSpans,
+    RolloutBuffer, StreamTimeline, ThreadRankPool, Transport,
 };
 use lifecycle_host::MemoryMeter;
 use lifecycle_layout::{HostRollout, HostTensor, Region2d, RolloutEntry};
 
 use crate::error::MegatronGpuError;
 use crate::kernel::CopyKernel;
-use crate::pinned::PinnedPool;
-use crate::state::{GpuBuffer, GpuRank, MegatronGpuState};
+use crate::state::{GpuRank, MegatronGpuState};
+use lifecycle_cuda::PinnedPool;
 use lifecycle_host::megatron::{MegatronTrainState, RankTrain, Resident};
 use lifecycle_layout::megatron::schedule::{
     build_rank, rollout_offsets, Place, RankSchedule, ScheduleOptions, TILE_BYTES,
@@ -320,12 +320,12 @@ impl MegatronGpuBackend {
             let k = src.shard.len();
             *out = Some(GpuRank {
                 rank: *rank,
-                params: GpuBuffer::on_device(params, n),
+                params: OffloadBuffer::on_device(params, n),
                 grads: Some(grads),
                 shard: src.shard.clone(),
-                main: GpuBuffer::on_device(main, k),
-                adam_m: GpuBuffer::on_device(m, k),
-                adam_v: GpuBuffer::on_device(v, k),
+                main: OffloadBuffer::on_device(main, k),
+                adam_m: OffloadBuffer::on_device(m, k),
+                adam_v: OffloadBuffer::on_device(v, k),
             });
             Ok(())
         })?;
@@ -441,12 +441,12 @@ impl MegatronGpuBackend {
             };
             *out = Some(GpuRank {
                 rank,
-                params: GpuBuffer::on_device(params, n),
+                params: OffloadBuffer::on_device(params, n),
                 grads: Some(grads),
                 shard,
-                main: GpuBuffer::on_device(main, k),
-                adam_m: GpuBuffer::on_device(m, k),
-                adam_v: GpuBuffer::on_device(v, k),
+                main: OffloadBuffer::on_device(main, k),
+                adam_m: OffloadBuffer::on_device(m, k),
+                adam_v: OffloadBuffer::on_device(v, k),
             });
             Ok(())
         })?;
@@ -485,29 +485,29 @@ impl MegatronGpuBackend {
                         .compute
                         .clone_dtoh(g)
                         .map_err(ctx.drv("downloading grads", 0))?;
-                    g.truncate(r.params.len);
+                    g.truncate(r.params.len());
                     Some(g)
                 }
                 None => None,
             };
             let mut current = grads.as_ref().map_or(0, |g| g.len() * 4);
             for (on, bytes) in [
-                (r.params.dev.is_some(), r.params.bytes()),
-                (r.main.dev.is_some(), r.main.bytes()),
-                (r.adam_m.dev.is_some(), r.adam_m.bytes()),
-                (r.adam_v.dev.is_some(), r.adam_v.bytes()),
+                (!r.params.is_offloaded(), r.params.bytes()),
+                (!r.main.is_offloaded(), r.main.bytes()),
+                (!r.adam_m.is_offloaded(), r.adam_m.bytes()),
+                (!r.adam_v.is_offloaded(), r.adam_v.bytes()),
             ] {
                 if on {
                     current += bytes;
                 }
             }
             Ok(RankTrain {
-                params: resident(r.params.dev.is_some(), params),
+                params: resident(!r.params.is_offloaded(), params),
                 grads,
                 shard: r.shard.clone(),
-                main: resident(r.main.dev.is_some(), main),
-                adam_m: resident(r.adam_m.dev.is_some(), m),
-                adam_v: resident(r.adam_v.dev.is_some(), v),
+                main: resident(!r.main.is_offloaded(), main),
+                adam_m: resident(!r.adam_m.is_offloaded(), m),
+                adam_v: resident(!r.adam_v.is_offloaded(), v),
                 meter: MemoryMeter {
                     current: current as u64,
                     peak: current as u64,
@@ -653,8 +653,7 @@ impl MegatronGpuBackend {
                     .map_err(ctx.drv("uploading the copy tiles", bytes.len() as u64))?;
                 res.tiles = Some((id, d));
             }
-            let (Some(params), Some((_, tiles))) = (rt.params.dev.as_ref(), res.tiles.as_ref())
-            else {
+            let (Some(params), Some((_, tiles))) = (rt.params.device(), res.tiles.as_ref()) else {
                 return Err(CudaError::Invalid(
                     "the bf16 parameters are offloaded: leave rollout mode first".into(),
                 ));
@@ -1337,7 +1336,12 @@ impl Reshard for MegatronGpuBackend {
                 bytes += rt.adam_m.start_reload(c, "reloading Adam m", &mut tl)?;
                 bytes += rt.adam_v.start_reload(c, "reloading Adam v", &mut tl)?;
                 if rt.grads.is_none() {
-                    rt.grads = Some(alloc_zeros(&c.compute, rt.params.len, c.rank, "gradients")?);
+                    rt.grads = Some(alloc_zeros(
+                        &c.compute,
+                        rt.params.len(),
+                        c.rank,
+                        "gradients",
+                    )?);
                 }
                 c.sync_all()?;
                 rt.params.release_host(c.rank, pinned);

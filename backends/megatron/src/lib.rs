@@ -60,11 +60,10 @@
 mod backend;
 mod error;
 mod kernel;
-mod pinned;
 mod state;
 
 pub use backend::{GpuConfig, MegatronGpuBackend, MegatronGpuPlan};
 pub use error::MegatronGpuError;
 pub use lifecycle_cuda::Transport;
-pub use pinned::{PinnedPool, DEFAULT_CHUNK_BYTES};
+pub use lifecycle_cuda::{PinnedPool, DEFAULT_CHUNK_BYTES};
 pub use state::MegatronGpuState;

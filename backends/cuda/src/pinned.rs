@@ -4,13 +4,13 @@
 //! seconds), so it is done once: a [`PinnedPool`] keeps page-locked chunks per rank, an offloaded
 //! buffer borrows as many chunks as its bytes need ([`HostCopy`]) and gives them back when it is
 //! reloaded. Any buffer can use any chunk large enough for its piece, so states of different
-//! layouts (and backends sharing the pool) reuse the same memory.
+//! layouts (and backends sharing the pool: FSDP and Megatron alike) reuse the same memory.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use crate::{alloc_pinned, CudaError, RankCtx};
 use cudarc::driver::{CudaStream, PinnedHostSlice};
-use lifecycle_cuda::{alloc_pinned, CudaError, RankCtx};
 
 /// Default chunk size: 1 GiB.
 pub const DEFAULT_CHUNK_BYTES: usize = 1 << 30;
@@ -18,7 +18,7 @@ pub const DEFAULT_CHUNK_BYTES: usize = 1 << 30;
 /// Page-locked host chunks per rank, reused by every offload (see the module docs).
 ///
 /// ```
-/// use lifecycle_megatron::PinnedPool;
+/// use lifecycle_cuda::PinnedPool;
 /// let pool = PinnedPool::new(64 << 20, 4);
 /// assert_eq!(pool.cached_bytes(0), 0);
 /// assert_eq!(pool.pieces(200 << 20), vec![64 << 20, 64 << 20, 64 << 20, 8 << 20]);
@@ -48,7 +48,7 @@ impl Default for PinnedPool {
 
 /// An offloaded buffer's bytes in pinned chunks: piece `i` holds bytes `[i·C, min((i+1)·C, n))`
 /// of the buffer (`C` the pool's chunk size) in a chunk of at least that length.
-pub(crate) struct HostCopy {
+pub struct HostCopy {
     pieces: Vec<(PinnedHostSlice<u8>, usize)>,
     bytes: usize,
 }
@@ -100,12 +100,7 @@ impl PinnedPool {
     /// Chunks for a buffer of `bytes` bytes on `ctx`'s rank: cached chunks first (the smallest
     /// that fits each piece), the rest allocated with up to `threads` threads. On failure every
     /// chunk taken goes back to the pool.
-    pub(crate) fn take(
-        &self,
-        ctx: &RankCtx,
-        bytes: usize,
-        what: &str,
-    ) -> Result<HostCopy, CudaError> {
+    pub fn take(&self, ctx: &RankCtx, bytes: usize, what: &str) -> Result<HostCopy, CudaError> {
         let sizes = self.pieces(bytes);
         let mut got: Vec<Option<PinnedHostSlice<u8>>> = (0..sizes.len()).map(|_| None).collect();
         {
@@ -158,7 +153,7 @@ impl PinnedPool {
 
     /// Returns the chunks of `copy` to `rank`'s cache. The caller must have synchronised every
     /// stream that copied to or from them.
-    pub(crate) fn give(&self, rank: usize, copy: HostCopy) {
+    pub fn give(&self, rank: usize, copy: HostCopy) {
         self.give_chunks(rank, copy.pieces.into_iter().map(|(c, _)| c));
     }
 
@@ -213,7 +208,7 @@ fn alloc_parallel(
 
 impl HostCopy {
     /// Bytes of the buffer.
-    pub(crate) fn bytes(&self) -> usize {
+    pub fn bytes(&self) -> usize {
         self.bytes
     }
 
@@ -223,7 +218,7 @@ impl HostCopy {
     /// `src` must point to at least [`HostCopy::bytes`] readable bytes of the stream's device,
     /// alive and unwritten until the stream has run the copies; the chunks must not be read or
     /// given back before that.
-    pub(crate) unsafe fn download_from(
+    pub unsafe fn download_from(
         &mut self,
         src: u64,
         stream: &CudaStream,
@@ -256,7 +251,7 @@ impl HostCopy {
     /// `dst` must point to at least [`HostCopy::bytes`] writable bytes of the stream's device,
     /// not used by other work until the stream has run the copies; the chunks must hold the
     /// buffer (a finished [`HostCopy::download_from`]) and stay alive until then.
-    pub(crate) unsafe fn upload_to(
+    pub unsafe fn upload_to(
         &self,
         dst: u64,
         stream: &CudaStream,
@@ -283,7 +278,7 @@ impl HostCopy {
     }
 
     /// The buffer's bytes, read on the host. The stream that wrote them must be synchronised.
-    pub(crate) fn read(&self, rank: usize, what: &str) -> Result<Vec<u8>, CudaError> {
+    pub fn read(&self, rank: usize, what: &str) -> Result<Vec<u8>, CudaError> {
         let mut out = Vec::with_capacity(self.bytes);
         for (chunk, n) in &self.pieces {
             let host = chunk
