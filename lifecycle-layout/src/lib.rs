@@ -8,8 +8,10 @@
 //!   [`AdamParams`]).
 //! - [`fsdp`]: the FSDP executors' flat shard buffers and their per-bucket cast / send / receive
 //!   steps.
-//! - [`megatron`]: the model description ([`megatron::ModelSpec`]), Megatron-Core training
-//!   layouts, the fused rollout layout, their planner and the per-rank schedule.
+//! - [`ModelSpec`]: the one model description (shapes, heads, vocabulary padding, tied head) that
+//!   planners, executors, decoders and `lifecycle-plan` share, with its Hugging Face names ([`hf`]).
+//! - [`megatron`]: Megatron-Core training layouts, the fused rollout layout, their planner and the
+//!   per-rank schedule.
 //!
 //! Nothing here touches memory: the planner turns tensor descriptions into a [`ReshardPlan`] that
 //! the host and GPU executors run. Every inconsistency is a [`LayoutError`] naming the tensor and
@@ -45,6 +47,7 @@ mod error;
 pub mod fsdp;
 mod host_rollout;
 pub mod megatron;
+mod model;
 mod plan;
 mod region;
 mod spec;
@@ -54,6 +57,7 @@ pub use adam::AdamParams;
 pub use entry::RolloutEntry;
 pub use error::LayoutError;
 pub use host_rollout::{HostRollout, RankRollout, RolloutTensor};
+pub use model::{hf, ModelSpec};
 pub use plan::{plan_fsdp_to_tp, Piece, RankPlan, ReshardPlan, TensorPlan};
 pub use region::Region2d;
 pub use spec::{fsdp_rows, tp_range, DType, FsdpLayout, Parallel, RolloutLayout, TensorSpec};

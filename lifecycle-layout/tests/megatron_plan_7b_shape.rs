@@ -2,10 +2,10 @@
 //! groups, ffn 18944, vocab 152064, 28 layers) on 2 ranks: every rollout byte is planned once,
 //! and the remote bytes are what the layouts force.
 
-use lifecycle_layout::megatron::ModelSpec;
 use lifecycle_layout::megatron::{
     plan_megatron_to_tp, BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab,
 };
+use lifecycle_layout::ModelSpec;
 
 fn qwen_7b() -> ModelSpec {
     ModelSpec {

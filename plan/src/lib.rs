@@ -33,7 +33,6 @@ mod train_arg;
 use lifecycle_decoder::ModelConfig;
 use lifecycle_layout::fsdp::{build_plan, ShardLayout};
 use lifecycle_layout::fsdp::{BucketConfig as FsdpBuckets, GatherMode};
-use lifecycle_layout::megatron::ModelSpec;
 use lifecycle_layout::megatron::{
     plan_megatron_to_tp, BucketConfig as MegatronBuckets, MegatronLayout, RolloutLayout,
     RolloutVocab,
@@ -203,22 +202,6 @@ pub fn plan_fsdp(
         .collect())
 }
 
-/// The model description Megatron needs, from a Hugging Face config.
-pub fn megatron_model(config: &ModelConfig, make_vocab_size_divisible_by: usize) -> ModelSpec {
-    ModelSpec {
-        hidden: config.hidden_size,
-        heads: config.num_heads,
-        query_groups: config.num_kv_heads,
-        head_dim: config.head_dim,
-        ffn: config.intermediate_size,
-        vocab: config.vocab_size,
-        layers: config.num_layers,
-        qkv_bias: config.qkv_bias,
-        tied_embeddings: config.tie_word_embeddings,
-        make_vocab_size_divisible_by,
-    }
-}
-
 /// The Megatron planner's plan for TP × PP × DP to rollout degree `t` (vocabulary unpadded when
 /// `t` divides it, padded to a multiple of 64 × `t` otherwise).
 #[allow(clippy::too_many_arguments)]
@@ -232,7 +215,7 @@ pub fn plan_megatron(
     bucket_bytes: u64,
     offload: Offload,
 ) -> Result<Vec<RankCost>, PlanError> {
-    let model = megatron_model(config, make_vocab_size_divisible_by);
+    let model = config.model_spec(make_vocab_size_divisible_by);
     let train = MegatronLayout::new(model, tp, pp, dp)?;
     let vocab = if t > 0 && config.vocab_size.is_multiple_of(t) {
         RolloutVocab::Unpadded

@@ -24,7 +24,7 @@ use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 ///     HostTensor::f32("model.layers.0.mlp.up_proj.weight", [4, 2], (0..8).map(|x| x as f32).collect()),
 ///     HostTensor::f32("model.norm.weight", [2], vec![1.0, 1.0]),
 /// ])?;
-/// let layout = RolloutLayout::from_hf_names(2, state.layout().tensors.clone())?;
+/// let layout = RolloutLayout::from_hf_names(2, state.layout().tensors().to_vec())?;
 /// let mut lc = Lifecycle::new(HostBackend::new(layout), state);
 /// let session = lc.rollout()?;
 /// let weights = session.weights();

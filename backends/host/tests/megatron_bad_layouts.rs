@@ -5,12 +5,12 @@ mod common;
 
 use lifecycle_core::Lifecycle;
 use lifecycle_host::megatron::{MegatronError, MegatronHostBackend, MegatronTrainState};
-use lifecycle_layout::megatron::ModelSpec;
 use lifecycle_layout::megatron::{
     plan_megatron_to_tp, BucketConfig, MegatronLayout, MegatronLayoutError, RolloutLayout,
     RolloutVocab,
 };
 use lifecycle_layout::HostTensor;
+use lifecycle_layout::ModelSpec;
 
 fn layout_err(model: ModelSpec, tp: usize, pp: usize, dp: usize) -> String {
     MegatronLayout::new(model, tp, pp, dp)

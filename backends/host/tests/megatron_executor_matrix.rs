@@ -9,11 +9,11 @@ use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Phase, Switching}
 use lifecycle_host::megatron::{
     rebuild_hf_tensors, reference_rollout, MegatronHostBackend, MegatronTrainState,
 };
-use lifecycle_layout::megatron::ModelSpec;
 use lifecycle_layout::megatron::{
     plan_megatron_to_tp, BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab,
 };
 use lifecycle_layout::HostRollout;
+use lifecycle_layout::ModelSpec;
 use lifecycle_layout::{AdamParams, HostTensor};
 
 fn assert_same(case: &str, got: &HostRollout, want: &HostRollout) {

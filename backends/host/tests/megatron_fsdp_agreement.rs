@@ -12,9 +12,9 @@ use lifecycle_host::megatron::{
     fuse_unfused_rollout, unfused_rollout_specs, MegatronHostBackend, MegatronTrainState,
 };
 use lifecycle_host::{HostBackend, HostTrainState};
-use lifecycle_layout::megatron::ModelSpec;
 use lifecycle_layout::megatron::{MegatronLayout, RolloutLayout, RolloutVocab};
 use lifecycle_layout::HostRollout;
+use lifecycle_layout::ModelSpec;
 use lifecycle_layout::RolloutLayout as CoreRolloutLayout;
 use lifecycle_layout::{AdamParams, HostTensor};
 

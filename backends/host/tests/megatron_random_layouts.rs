@@ -6,9 +6,9 @@ mod common;
 
 use lifecycle_core::{MemoryPolicy, Metrics, PhaseRecorder, Reshard, SwitchContext};
 use lifecycle_host::megatron::{reference_rollout, MegatronHostBackend, MegatronTrainState};
-use lifecycle_layout::megatron::ModelSpec;
 use lifecycle_layout::megatron::{BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab};
 use lifecycle_layout::HostTensor;
+use lifecycle_layout::ModelSpec;
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]

@@ -6,10 +6,10 @@ use half::bf16;
 use lifecycle_host::megatron::{reference_rollout, MegatronTrainState};
 use lifecycle_layout::megatron::schedule::*;
 use lifecycle_layout::megatron::{
-    plan_megatron_to_tp, BucketConfig, MegatronLayout, MegatronPlan, ModelSpec, RolloutLayout,
-    RolloutVocab,
+    plan_megatron_to_tp, BucketConfig, MegatronLayout, MegatronPlan, RolloutLayout, RolloutVocab,
 };
 use lifecycle_layout::HostTensor;
+use lifecycle_layout::ModelSpec;
 use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 
 fn apply(tiles: &[Tile], src: &[bf16], dst: &mut [bf16]) {

@@ -152,7 +152,7 @@ struct RankRes {
 /// use lifecycle_layout::HostTensor;
 /// use lifecycle_megatron::MegatronGpuBackend;
 /// use lifecycle_layout::megatron::{MegatronLayout, RolloutLayout, RolloutVocab};
-/// use lifecycle_layout::megatron::ModelSpec;
+/// use lifecycle_layout::ModelSpec;
 ///
 /// let pool = Arc::new(ThreadRankPool::new(2)?);
 /// let model = ModelSpec::tiny();

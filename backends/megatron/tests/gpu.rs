@@ -13,12 +13,12 @@ use lifecycle_core::{
 };
 use lifecycle_cuda::{device_count, CudaError, ThreadRankPool};
 use lifecycle_host::megatron::{reference_rollout, MegatronHostBackend, MegatronTrainState};
-use lifecycle_layout::megatron::ModelSpec;
 use lifecycle_layout::megatron::{
     plan_megatron_to_tp, BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab,
 };
 use lifecycle_layout::AdamParams;
 use lifecycle_layout::HostRollout;
+use lifecycle_layout::ModelSpec;
 use lifecycle_megatron::{
     GpuConfig, MegatronGpuBackend, MegatronGpuError, MegatronGpuPlan, MegatronGpuState, Transport,
 };

@@ -35,12 +35,12 @@
 //!
 //! ```
 //! use lifecycle_layout::megatron::*;
+//! use lifecycle_layout::ModelSpec;
 //! let err = MegatronLayout::new(ModelSpec::tiny(), 3, 1, 1).unwrap_err();
 //! assert!(err.to_string().contains("attention heads = 8 is not divisible"));
 //! ```
 
 mod error;
-mod model;
 mod plan;
 mod rollout;
 pub mod schedule;
@@ -48,7 +48,6 @@ mod sources;
 mod train;
 
 pub use error::MegatronLayoutError;
-pub use model::{hf, ModelSpec};
 pub use plan::{plan_megatron_to_tp, BucketConfig, MegatronPlan, RankPlan, Transfer};
 pub use rollout::{RolloutKind, RolloutLayout, RolloutTensorSpec, RolloutVocab};
 pub use train::{local_kv_heads, MegatronLayout, ParamKind, ParamSlot, RankCoords};

@@ -143,6 +143,7 @@ impl MegatronPlan {
 ///
 /// ```
 /// use lifecycle_layout::megatron::*;
+/// use lifecycle_layout::ModelSpec;
 /// let m = ModelSpec::tiny();
 /// let train = MegatronLayout::new(m, 2, 1, 2)?;
 /// let rollout = RolloutLayout::new(2, RolloutVocab::PadToMultipleOf(4));
@@ -295,8 +296,8 @@ fn bucketize(transfers: &[Transfer], rank: usize, budget: u64) -> Vec<Range<usiz
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::megatron::ModelSpec;
     use crate::megatron::RolloutVocab;
+    use crate::ModelSpec;
 
     /// Every element of every slice is written exactly once, except vocabulary padding rows.
     fn check_coverage(plan: &MegatronPlan) {

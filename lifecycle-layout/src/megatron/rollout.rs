@@ -1,8 +1,8 @@
 //! The fused tensor-parallel rollout layout (vLLM / SGLang style).
 
 use super::error::{divisors, MegatronLayoutError};
-use super::model::{hf, ModelSpec};
 use super::train::{check_tp, local_kv_heads};
+use crate::model::{hf, ModelSpec};
 
 /// How the rollout side sizes the vocabulary of the embedding and the output layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -73,7 +73,8 @@ impl RolloutTensorSpec {
 /// vocab-parallel ([`RolloutVocab`]), norms replicated.
 ///
 /// ```
-/// use lifecycle_layout::megatron::{ModelSpec, RolloutLayout, RolloutVocab};
+/// use lifecycle_layout::megatron::{RolloutLayout, RolloutVocab};
+/// use lifecycle_layout::ModelSpec;
 /// let m = ModelSpec::tiny();
 /// let specs = RolloutLayout::new(2, RolloutVocab::PadToMultipleOf(4)).tensors(&m)?;
 /// let qkv = specs.iter().find(|s| s.name == "model.layers.0.self_attn.qkv_proj.weight").unwrap();

@@ -3,7 +3,7 @@
 use std::ops::Range;
 
 use super::error::MegatronLayoutError;
-use super::model::ModelSpec;
+use crate::model::ModelSpec;
 
 /// What one parameter of a Megatron stage is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -88,7 +88,8 @@ pub struct RankCoords {
 ///   `c = ⌈L / DP⌉`.
 ///
 /// ```
-/// use lifecycle_layout::megatron::{ModelSpec, MegatronLayout};
+/// use lifecycle_layout::megatron::MegatronLayout;
+/// use lifecycle_layout::ModelSpec;
 /// let layout = MegatronLayout::new(ModelSpec::tiny(), 2, 2, 2)?;
 /// assert_eq!(layout.world(), 8);
 /// assert_eq!(layout.rank(1, 0, 1), 5); // tp 1, dp 0, stage 1

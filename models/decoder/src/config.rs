@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
+use lifecycle_layout::{ModelSpec, Parallel, RolloutLayout, TensorSpec};
 use serde_json::{Map, Value};
 
 use crate::error::{CheckpointError, DecodeError};
@@ -38,7 +38,7 @@ pub enum ConfigStyle {
 /// assert_eq!((config.head_dim, config.rope_theta), (8, 10000.0));
 /// // 61 is not divisible by 2: the embedding is replicated, not vocabulary-parallel
 /// let layout = config.rollout_layout(2)?;
-/// assert!(layout.tensors.iter().any(|t| t.name == "model.embed_tokens.weight"
+/// assert!(layout.tensors().iter().any(|t| t.name == "model.embed_tokens.weight"
 ///     && t.parallel == lifecycle_layout::Parallel::Replicated));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -361,40 +361,41 @@ impl ModelConfig {
         serde_json::to_string_pretty(&Value::Object(map)).unwrap_or_default()
     }
 
+    /// The Megatron-Core description of this model: `num_attention_heads` → heads,
+    /// `num_key_value_heads` → query groups, `head_dim` → kv channels, `intermediate_size` →
+    /// ffn hidden size, `hidden_size`, `vocab_size`, `num_hidden_layers`, q/k/v biases (Qwen2,
+    /// or Llama's `attention_bias`), `tie_word_embeddings` → shared embedding and output layer.
+    /// The rotary base, norm epsilon and dtype do not change the layout and are not carried.
+    ///
+    /// ```
+    /// use lifecycle_decoder::ModelConfig;
+    /// let config = ModelConfig::from_json_str(r#"{"model_type": "qwen2", "vocab_size": 61,
+    ///   "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 2, "head_dim": 16,
+    ///   "num_attention_heads": 4, "num_key_value_heads": 1, "rope_theta": 10000.0,
+    ///   "tie_word_embeddings": true}"#)?;
+    /// let spec = config.model_spec(128);
+    /// assert_eq!((spec.heads, spec.query_groups, spec.head_dim, spec.ffn), (4, 1, 16, 80));
+    /// assert!(spec.qkv_bias && spec.tied_embeddings);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn model_spec(&self, make_vocab_size_divisible_by: usize) -> ModelSpec {
+        ModelSpec {
+            hidden: self.hidden_size,
+            heads: self.num_heads,
+            query_groups: self.num_kv_heads,
+            head_dim: self.head_dim,
+            ffn: self.intermediate_size,
+            vocab: self.vocab_size,
+            layers: self.num_layers,
+            qkv_bias: self.qkv_bias,
+            tied_embeddings: self.tie_word_embeddings,
+            make_vocab_size_divisible_by,
+        }
+    }
+
     /// Every parameter with its full shape, Hugging Face names, in checkpoint order.
     pub fn tensor_shapes(&self) -> Vec<(String, Vec<usize>)> {
-        let (h, f, d) = (self.hidden_size, self.intermediate_size, self.head_dim);
-        let (q, kv) = (self.num_heads * d, self.num_kv_heads * d);
-        let mut out = vec![(
-            "model.embed_tokens.weight".to_string(),
-            vec![self.vocab_size, h],
-        )];
-        for l in 0..self.num_layers {
-            let p = format!("model.layers.{l}");
-            out.push((format!("{p}.input_layernorm.weight"), vec![h]));
-            out.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h]));
-            if self.qkv_bias {
-                out.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
-            }
-            out.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h]));
-            if self.qkv_bias {
-                out.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
-            }
-            out.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h]));
-            if self.qkv_bias {
-                out.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
-            }
-            out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
-            out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
-            out.push((format!("{p}.mlp.gate_proj.weight"), vec![f, h]));
-            out.push((format!("{p}.mlp.up_proj.weight"), vec![f, h]));
-            out.push((format!("{p}.mlp.down_proj.weight"), vec![h, f]));
-        }
-        out.push(("model.norm.weight".to_string(), vec![h]));
-        if !self.tie_word_embeddings {
-            out.push(("lm_head.weight".to_string(), vec![self.vocab_size, h]));
-        }
-        out
+        self.model_spec(128).hf_tensors()
     }
 
     /// Parameter count.

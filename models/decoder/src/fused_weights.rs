@@ -5,7 +5,7 @@
 //! embedding and head may carry padding rows, which the decoder never reads. No weight is copied.
 
 use half::bf16;
-use lifecycle_layout::megatron::hf;
+use lifecycle_layout::hf;
 use lifecycle_layout::megatron::RolloutLayout;
 use lifecycle_layout::Parallel;
 use lifecycle_layout::RankRollout;
@@ -39,7 +39,7 @@ impl<'w> GroupWeights<'w> {
             });
         }
         // the padding multiple of the training side plays no part in the rollout layout
-        let model = config.megatron_spec(MEGATRON_VOCAB_MULTIPLE);
+        let model = config.model_spec(MEGATRON_VOCAB_MULTIPLE);
         let specs = layout.tensors(&model)?;
         for spec in &specs {
             for (rank, r) in ranks.iter().enumerate() {

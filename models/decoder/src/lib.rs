@@ -10,7 +10,7 @@
 //!   [`CpuDecoder`] is the CPU reference (bf16 weights, f32 accumulation). A GPU implementation is
 //!   meant to sit behind the same trait.
 //!
-//! - Megatron: [`ModelConfig::megatron_spec`] / [`ModelConfig::megatron_layout`] map a config to
+//! - Megatron: [`ModelConfig::model_spec`] / [`ModelConfig::megatron_layout`] map a config to
 //!   `lifecycle_megatron`'s model description and training layout (errors name the `config.json`
 //!   field Megatron cannot split), [`Checkpoint::megatron_state`] and [`load_megatron_checkpoint`]
 //!   build a [`lifecycle_host::megatron::MegatronTrainState`] from a checkpoint at any TP × PP × DP, and

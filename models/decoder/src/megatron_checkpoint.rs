@@ -5,7 +5,6 @@
 use std::path::Path;
 
 use lifecycle_host::megatron::MegatronTrainState;
-use lifecycle_layout::megatron::ModelSpec;
 use lifecycle_layout::megatron::{MegatronLayout, MegatronLayoutError};
 use lifecycle_layout::HostTensor;
 
@@ -83,38 +82,6 @@ fn config_field(e: &MegatronLayoutError) -> Option<&'static str> {
 }
 
 impl ModelConfig {
-    /// The Megatron-Core description of this model: `num_attention_heads` → heads,
-    /// `num_key_value_heads` → query groups, `head_dim` → kv channels, `intermediate_size` →
-    /// ffn hidden size, `hidden_size`, `vocab_size`, `num_hidden_layers`, q/k/v biases (Qwen2,
-    /// or Llama's `attention_bias`), `tie_word_embeddings` → shared embedding and output layer.
-    /// The rotary base, norm epsilon and dtype do not change the layout and are not carried.
-    ///
-    /// ```
-    /// use lifecycle_decoder::ModelConfig;
-    /// let config = ModelConfig::from_json_str(r#"{"model_type": "qwen2", "vocab_size": 61,
-    ///   "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 2, "head_dim": 16,
-    ///   "num_attention_heads": 4, "num_key_value_heads": 1, "rope_theta": 10000.0,
-    ///   "tie_word_embeddings": true}"#)?;
-    /// let spec = config.megatron_spec(128);
-    /// assert_eq!((spec.heads, spec.query_groups, spec.head_dim, spec.ffn), (4, 1, 16, 80));
-    /// assert!(spec.qkv_bias && spec.tied_embeddings);
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
-    pub fn megatron_spec(&self, make_vocab_size_divisible_by: usize) -> ModelSpec {
-        ModelSpec {
-            hidden: self.hidden_size,
-            heads: self.num_heads,
-            query_groups: self.num_kv_heads,
-            head_dim: self.head_dim,
-            ffn: self.intermediate_size,
-            vocab: self.vocab_size,
-            layers: self.num_layers,
-            qkv_bias: self.qkv_bias,
-            tied_embeddings: self.tie_word_embeddings,
-            make_vocab_size_divisible_by,
-        }
-    }
-
     /// The Megatron-Core training layout of this model at `parallel`, checked by the planner;
     /// an error names the `config.json` field that does not split (e.g. `num_attention_heads`
     /// not divisible by TP, `num_key_value_heads` and TP not dividing one another,
@@ -136,7 +103,7 @@ impl ModelConfig {
         parallel: MegatronParallel,
     ) -> Result<MegatronLayout, MegatronCheckpointError> {
         let MegatronParallel { tp, pp, dp, .. } = parallel;
-        let spec = self.megatron_spec(parallel.make_vocab_size_divisible_by);
+        let spec = self.model_spec(parallel.make_vocab_size_divisible_by);
         MegatronLayout::new(spec, tp, pp, dp).map_err(|source| match config_field(&source) {
             Some(field) => MegatronCheckpointError::ConfigField {
                 field,

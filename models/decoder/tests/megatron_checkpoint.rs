@@ -25,7 +25,7 @@ fn config(json: &str) -> ModelConfig {
 fn configs_map_to_megatron_specs_field_by_field() {
     let load = |n: &str| load_checkpoint(&fixtures().join(n)).unwrap().config;
     let spec = |c: &ModelConfig| {
-        let s = c.megatron_spec(128);
+        let s = c.model_spec(128);
         (
             s.hidden,
             s.heads,
@@ -64,7 +64,7 @@ fn configs_map_to_megatron_specs_field_by_field() {
         spec(&llama(false)),
         (24, 6, 6, 4, 40, 50, 3, false, false, 128)
     );
-    assert!(llama(true).megatron_spec(8).qkv_bias);
+    assert!(llama(true).model_spec(8).qkv_bias);
     // the Megatron model has exactly the checkpoint's tensors, with the same shapes
     for c in [
         load("gqa_untied"),
@@ -74,7 +74,7 @@ fn configs_map_to_megatron_specs_field_by_field() {
         llama(false),
     ] {
         let mut ours = c.tensor_shapes();
-        let mut theirs = c.megatron_spec(128).hf_tensors();
+        let mut theirs = c.model_spec(128).hf_tensors();
         ours.sort();
         theirs.sort();
         assert_eq!(ours, theirs);

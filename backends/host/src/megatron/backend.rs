@@ -22,6 +22,7 @@ use lifecycle_layout::megatron::{
 /// use lifecycle_core::Lifecycle;
 /// use lifecycle_layout::HostTensor;
 /// use lifecycle_layout::megatron::*;
+/// use lifecycle_layout::ModelSpec;
 /// use lifecycle_host::megatron::{MegatronHostBackend, MegatronTrainState};
 ///
 /// let model = ModelSpec::tiny();

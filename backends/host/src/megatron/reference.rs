@@ -9,8 +9,8 @@ use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 
 use super::error::MegatronError;
 use super::state::MegatronTrainState;
-use lifecycle_layout::megatron::{hf, ModelSpec};
 use lifecycle_layout::megatron::{MegatronLayout, ParamKind, RolloutKind, RolloutLayout};
+use lifecycle_layout::{hf, ModelSpec};
 
 /// A full Hugging Face tensor in bf16.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,7 +30,8 @@ pub struct FullTensor {
 ///
 /// ```
 /// use lifecycle_layout::HostTensor;
-/// use lifecycle_layout::megatron::{MegatronLayout, ModelSpec};
+/// use lifecycle_layout::megatron::MegatronLayout;
+/// use lifecycle_layout::ModelSpec;
 /// use lifecycle_host::megatron::{rebuild_hf_tensors, MegatronTrainState};
 /// let model = ModelSpec::tiny();
 /// let tensors: Vec<HostTensor> = model.hf_tensors().into_iter().map(|(name, shape)| {

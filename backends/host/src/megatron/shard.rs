@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use lifecycle_layout::megatron::hf;
+use lifecycle_layout::hf;
 use lifecycle_layout::megatron::{MegatronLayout, ParamKind, ParamSlot};
 
 /// Full fp32 values by Hugging Face name.

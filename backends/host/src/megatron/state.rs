@@ -94,7 +94,8 @@ pub struct RankTrain {
 /// main params and Adam m, v. Every rank keeps a [`MemoryMeter`] of its device memory.
 ///
 /// ```
-/// use lifecycle_layout::megatron::{MegatronLayout, ModelSpec};
+/// use lifecycle_layout::megatron::MegatronLayout;
+/// use lifecycle_layout::ModelSpec;
 /// use lifecycle_host::megatron::MegatronTrainState;
 /// use lifecycle_layout::HostTensor;
 /// let model = ModelSpec::tiny();

@@ -4,8 +4,8 @@ use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 use lifecycle_layout::{Parallel, TensorSpec};
 
 use super::error::MegatronError;
-use lifecycle_layout::megatron::{hf, ModelSpec};
 use lifecycle_layout::megatron::{RolloutKind, RolloutLayout, RolloutVocab};
+use lifecycle_layout::{hf, ModelSpec};
 
 /// The unfused rollout layout of degree `t` for the core planner ([`lifecycle_layout`]):
 /// Hugging Face names with their usual splits ([`Parallel::for_hf_name`]), except that k and v

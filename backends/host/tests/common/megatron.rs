@@ -1,8 +1,8 @@
 //! Shared helpers: a tiny model shape and deterministic full tensors.
 #![allow(dead_code)]
 
-use lifecycle_layout::megatron::ModelSpec;
 use lifecycle_layout::HostTensor;
+use lifecycle_layout::ModelSpec;
 
 /// Deterministic values in about [-2, 2) with varied low mantissa bits (so bf16 rounding
 /// matters), from a splitmix64 stream.

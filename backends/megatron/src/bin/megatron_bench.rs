@@ -29,8 +29,8 @@ use lifecycle_cuda::{
     alloc_device, alloc_pinned, check_environment, peer_copy_rate, CudaError, RankExecutor,
     ThreadRankPool,
 };
-use lifecycle_layout::megatron::ModelSpec;
 use lifecycle_layout::megatron::{MegatronLayout, RolloutLayout, RolloutVocab};
+use lifecycle_layout::ModelSpec;
 use lifecycle_megatron::{GpuConfig, MegatronGpuBackend, MegatronGpuState, PinnedPool, Transport};
 
 const GB: f64 = 1e9;

@@ -1,11 +1,11 @@
 //! The model description and its Hugging Face (Qwen2 / Llama) parameter names.
 
-use super::error::MegatronLayoutError;
+use crate::megatron::MegatronLayoutError;
 
 /// Shape of a decoder-only transformer (Qwen2 / Llama family), independent of any layout.
 ///
 /// ```
-/// use lifecycle_layout::megatron::ModelSpec;
+/// use lifecycle_layout::ModelSpec;
 /// let m = ModelSpec::tiny();
 /// let names: Vec<String> = m.hf_tensors().into_iter().map(|(n, _)| n).collect();
 /// assert_eq!(names[0], "model.embed_tokens.weight");
@@ -36,6 +36,31 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
+    /// Qwen2.5-7B with `layers` decoder layers (28 make the real model, 7.615 B parameters):
+    /// hidden 3584, MLP 18944, vocabulary 152064, 28 heads in 4 query groups of head dim 128,
+    /// q/k/v biases, untied head.
+    ///
+    /// ```
+    /// use lifecycle_layout::ModelSpec;
+    /// let m = ModelSpec::qwen2_5_7b(28);
+    /// let n: usize = m.hf_tensors().iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    /// assert_eq!(n, 7_615_616_512);
+    /// ```
+    pub fn qwen2_5_7b(layers: usize) -> Self {
+        ModelSpec {
+            hidden: 3584,
+            heads: 28,
+            query_groups: 4,
+            head_dim: 128,
+            ffn: 18944,
+            vocab: 152_064,
+            layers,
+            qkv_bias: true,
+            tied_embeddings: false,
+            make_vocab_size_divisible_by: 128,
+        }
+    }
+
     /// A small model for examples and tests: 2 layers, 8 heads in 2 groups, vocab 37.
     pub fn tiny() -> Self {
         ModelSpec {
@@ -96,19 +121,22 @@ impl ModelSpec {
         self.query_groups * self.head_dim
     }
 
-    /// Every Hugging Face parameter with its full shape, in checkpoint order.
+    /// Every Hugging Face parameter with its full shape, in checkpoint order (each projection's
+    /// bias right after its weight, as `state_dict()` lists them).
     pub fn hf_tensors(&self) -> Vec<(String, Vec<usize>)> {
         let h = self.hidden;
         let mut out = vec![(hf::EMBED.to_string(), vec![self.vocab, h])];
         for i in 0..self.layers {
             out.push((hf::layer(i, hf::INPUT_NORM), vec![h]));
-            out.push((hf::layer(i, hf::Q), vec![self.q_rows(), h]));
-            out.push((hf::layer(i, hf::K), vec![self.kv_rows(), h]));
-            out.push((hf::layer(i, hf::V), vec![self.kv_rows(), h]));
-            if self.qkv_bias {
-                out.push((hf::layer(i, hf::Q_BIAS), vec![self.q_rows()]));
-                out.push((hf::layer(i, hf::K_BIAS), vec![self.kv_rows()]));
-                out.push((hf::layer(i, hf::V_BIAS), vec![self.kv_rows()]));
+            for (w, b, rows) in [
+                (hf::Q, hf::Q_BIAS, self.q_rows()),
+                (hf::K, hf::K_BIAS, self.kv_rows()),
+                (hf::V, hf::V_BIAS, self.kv_rows()),
+            ] {
+                out.push((hf::layer(i, w), vec![rows, h]));
+                if self.qkv_bias {
+                    out.push((hf::layer(i, b), vec![rows]));
+                }
             }
             out.push((hf::layer(i, hf::O), vec![h, self.q_rows()]));
             out.push((hf::layer(i, hf::POST_NORM), vec![h]));
