@@ -4,7 +4,7 @@
 //! verification, to measure its overhead.
 //!
 //! ```text
-//! cargo run --release --example host_soak -- --cycles 1000
+//! cargo run --release -p lifecycle-bench --bin host_soak -- --cycles 1000
 //! ```
 
 use std::process::ExitCode;
@@ -17,7 +17,8 @@ use lifecycle_host::{reference_rollout, HostBackend, HostTrainState};
 
 /// Host soak with checksums.
 #[derive(Debug, Parser)]
-struct Args {
+#[command(name = "host_soak")]
+struct Cli {
     /// Switch cycles per run.
     #[arg(long, default_value_t = 1000)]
     cycles: u64,
@@ -43,7 +44,7 @@ fn preserved(s: &HostTrainState) -> Vec<Vec<u32>> {
 
 /// Runs the cycles; returns (mismatches, switch time).
 fn soak(
-    args: &Args,
+    args: &Cli,
     policy: &PolicyConfig,
     verify: bool,
 ) -> Result<(u64, Duration), Box<dyn std::error::Error>> {
@@ -89,7 +90,7 @@ fn soak(
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let args = Cli::parse();
     let policy = PolicyConfig {
         vocab: 64,
         hidden: args.hidden,
@@ -132,5 +133,20 @@ fn main() -> ExitCode {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn command_line() {
+        Cli::command().debug_assert();
+        let d = Cli::try_parse_from(["host_soak"]).unwrap();
+        assert_eq!((d.cycles, d.world, d.tp, d.hidden), (1000, 2, 2, 256));
+        let c = Cli::try_parse_from(["host_soak", "--cycles", "1000"]).unwrap();
+        assert_eq!(c.cycles, 1000);
     }
 }

@@ -1,11 +1,14 @@
 //! Benchmark of the GPU Megatron executor on a synthetic Qwen2.5-7B-shaped model (hidden 3584,
 //! ffn 18944, vocab 152064, 28 layers, 28 heads in 4 query groups, head dim 128, q/k/v biases,
-//! untied head), W = 2, training layouts TP2/PP1 and TP1/PP2 to rollout T ∈ {1, 2}, with the
-//! hardware ceilings measured in the same process.
+//! untied head), W = 2 by default: training layouts TP2/PP1 and TP1/PP2 to rollout T ∈ {1, 2},
+//! with the hardware ceilings measured in the same process. At `--world 1` (one GPU) the only
+//! layout is TP1/PP1 → T = 1; the layouts whose TP × PP is not W, and the T that do not divide
+//! W, are skipped (the run says which), and the link ceilings read `n/a (W = 1)`.
 //!
 //! ```text
 //! export NCCL_NVLS_ENABLE=0
-//! megatron_bench [--layers 28] [--iters 5] [--offload-iters 2] [--skip-offload] [--trace DIR]
+//! cargo run --release -p lifecycle-bench --bin megatron_bench -- [--layers 28] [--iters 5]
+//!     [--offload-iters 2] [--world 2] [--skip-offload] [--trace DIR]
 //! ```
 //!
 //! With `--trace DIR`, one more enter + exit per layout and T (with offload unless
@@ -19,66 +22,53 @@
 //! pinned device→host rate; of the exit = the same bytes ÷ the host→device rate.
 
 use std::error::Error;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::CudaSlice;
-use half::bf16;
-use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Phase, Reshard, Span, Switching};
-use lifecycle_cuda::{
-    alloc_device, alloc_pinned, check_environment, peer_copy_rate, CudaError, RankExecutor,
-    ThreadRankPool,
+use clap::Parser;
+use lifecycle_bench::ceilings::{self, PinnedOrder, Timing, NO_LINK};
+use lifecycle_bench::cli::positive;
+use lifecycle_bench::cycles::{
+    lazy_lifecycle, offload_times, phase_d2d_bytes, resident_times, time_cycles,
 };
+use lifecycle_bench::timing::{gbps, ms, ratio, GB};
+use lifecycle_bench::trace::trace_cycle;
+use lifecycle_core::{Lifecycle, MemoryPolicy, Phase, Reshard};
+use lifecycle_cuda::{check_environment, peer_copy_rate, RankExecutor, ThreadRankPool};
 use lifecycle_layout::megatron::ModelSpec;
 use lifecycle_layout::megatron::{MegatronLayout, RolloutLayout, RolloutVocab};
-use lifecycle_megatron::{GpuConfig, MegatronGpuBackend, MegatronGpuState, PinnedPool, Transport};
+use lifecycle_megatron::{GpuConfig, MegatronGpuBackend, PinnedPool, Transport};
 
-const GB: f64 = 1e9;
-const WORLD: usize = 2;
+/// Training layouts (TP, PP) tried, in this order; those whose TP × PP is not W are skipped.
+const LAYOUTS: [(usize, usize); 3] = [(2, 1), (1, 2), (1, 1)];
+/// Rollout tensor-parallel degrees tried; those that do not divide W are skipped.
+const ROLLOUT_TP: [usize; 2] = [1, 2];
 
-struct Args {
+/// Benchmark of the GPU Megatron executor on a synthetic Qwen2.5-7B-shaped model: resident and
+/// offloaded switches from each training layout with TP × PP = W to each rollout T dividing W,
+/// next to the hardware ceilings measured in the same process.
+#[derive(Debug, Parser)]
+#[command(name = "megatron_bench")]
+struct Cli {
+    /// Decoder layers of the model.
+    #[arg(long, default_value_t = 28, value_parser = positive::<usize>)]
     layers: usize,
+    /// Timed resident cycles (and runs of each ceiling); the median is reported.
+    #[arg(long, default_value_t = 5, value_parser = positive::<usize>)]
     iters: usize,
+    /// Timed cycles with the training state offloaded; the median is reported.
+    #[arg(long, default_value_t = 2, value_parser = positive::<usize>)]
     offload_iters: usize,
-    offload: bool,
-    trace: Option<std::path::PathBuf>,
-}
-
-fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        layers: 28,
-        iters: 5,
-        offload_iters: 2,
-        offload: true,
-        trace: None,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut num = |name: &str| -> Result<usize, String> {
-            it.next()
-                .and_then(|v| v.parse().ok())
-                .filter(|&v: &usize| v > 0)
-                .ok_or_else(|| format!("{name} needs a positive integer"))
-        };
-        match arg.as_str() {
-            "--layers" => a.layers = num("--layers")?,
-            "--iters" => a.iters = num("--iters")?,
-            "--offload-iters" => a.offload_iters = num("--offload-iters")?,
-            "--skip-offload" => a.offload = false,
-            "--trace" => {
-                a.trace = Some(
-                    it.next()
-                        .ok_or("--trace needs a folder for the trace files")?
-                        .into(),
-                )
-            }
-            "-h" | "--help" => {
-                return Err("usage: megatron_bench [--layers 28] [--iters 5] [--offload-iters 2] [--skip-offload] [--trace DIR]".into())
-            }
-            other => return Err(format!("unknown argument `{other}` (try --help)")),
-        }
-    }
-    Ok(a)
+    /// Ranks, one GPU each (1: TP1/PP1 → T = 1 only).
+    #[arg(long, default_value_t = 2, value_parser = positive::<usize>)]
+    world: usize,
+    /// Skip the switches with the parameters, main weights and Adam state offloaded.
+    #[arg(long)]
+    skip_offload: bool,
+    /// Trace one more enter + exit per layout and T into DIR/megatron_tp{TP}_pp{PP}_t{T}.json.
+    #[arg(long, value_name = "DIR")]
+    trace: Option<PathBuf>,
 }
 
 fn qwen_7b(layers: usize) -> ModelSpec {
@@ -94,11 +84,6 @@ fn qwen_7b(layers: usize) -> ModelSpec {
         tied_embeddings: false,
         make_vocab_size_divisible_by: 128,
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 fn mib(b: u64) -> String {
@@ -124,12 +109,9 @@ fn plan_messages(lc: &Lifecycle<MegatronGpuBackend>) -> Result<String, Box<dyn E
     }))
 }
 
-fn ms(s: f64) -> String {
-    format!("{:.2} ms", s * 1e3)
-}
-
 struct Ceilings {
-    link: f64,
+    /// The best per-rank receive rate of the link figures (`None` at W = 1: no link).
+    link: Option<f64>,
     /// (message MiB, per-rank receive rate) of grouped send/receive.
     sendrecv: Vec<(u64, f64)>,
     d2d: f64,
@@ -138,149 +120,90 @@ struct Ceilings {
     lines: Vec<String>,
 }
 
-/// Times `f` (which queues work and synchronises) `iters` times after 2 warm-ups; the median.
-fn timed(iters: usize, mut f: impl FnMut() -> Result<(), CudaError>) -> Result<f64, CudaError> {
-    let mut ts = Vec::new();
-    for k in 0..iters + 2 {
-        let t = Instant::now();
-        f()?;
-        if k >= 2 {
-            ts.push(t.elapsed().as_secs_f64());
-        }
+/// The GPUs of a W-rank run, for the report: `both GPUs at once` at W = 2.
+fn all_gpus(world: usize) -> String {
+    match world {
+        1 => "one GPU".into(),
+        2 => "both GPUs at once".into(),
+        w => format!("all {w} GPUs at once"),
     }
-    Ok(median(ts))
+}
+
+/// The ranks of a W-rank run, for the report: `both ranks` at W = 2.
+fn all_ranks(world: usize) -> String {
+    match world {
+        1 => "the one rank".into(),
+        2 => "both ranks".into(),
+        w => format!("all {w} ranks"),
+    }
 }
 
 fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Error>> {
+    let world = pool.world();
+    // Two warm-up runs, then `iters` timed ones, back to back.
+    let timing = Timing::back_to_back(2, iters);
     let mut lines = Vec::new();
-    let mut link: f64 = 0.0;
+    let mut link: Option<f64> = None;
+    let mut best_link = |rate: f64| link = Some(link.map_or(rate, |l| l.max(rate)));
     let mut sendrecv = Vec::new();
-    // Grouped send + receive between the two ranks, both directions at once.
+    // Grouped send + receive with the next and the previous rank (at W = 2 both ways between
+    // the two ranks), all at once.
     for mib in [128usize, 256, 1024, 2048, 4096] {
-        let n = (mib << 20) / 2;
-        let t = pool.run(&|ctx| {
-            // SAFETY: contents irrelevant to the timing; never read on the host.
-            let a: CudaSlice<bf16> = unsafe { alloc_device(&ctx.compute, n, ctx.rank, "send")? };
-            // SAFETY: as above.
-            let mut b: CudaSlice<bf16> =
-                unsafe { alloc_device(&ctx.compute, n, ctx.rank, "recv")? };
-            let nccl = ctx.nccl_stream();
-            ctx.order(&ctx.compute, &nccl)?;
-            let peer = (1 - ctx.rank) as i32;
-            let t = timed(iters, || {
-                ctx.group_start()?;
-                let s = ctx.comm.send(&a, peer);
-                let r = ctx.comm.recv(&mut b, peer);
-                ctx.group_end()?;
-                s.map_err(|e| CudaError::nccl(ctx.rank, "ncclSend", e))?;
-                r.map_err(|e| CudaError::nccl(ctx.rank, "ncclRecv", e))?;
-                ctx.wait(&[&nccl], "send/recv ceiling")
-            })?;
-            ctx.order(&nccl, &ctx.compute)?;
-            drop((a, b));
-            ctx.compute.synchronize().map_err(ctx.drv("sync", 0))?;
-            Ok(t)
-        })?;
-        let t = t.iter().cloned().fold(0.0, f64::max);
-        let rate = (n * 2) as f64 / t;
-        link = link.max(rate);
-        sendrecv.push((mib as u64, rate));
+        let Some(sr) = ceilings::send_recv(pool, mib << 20, timing)? else {
+            lines.push(format!("NCCL send/recv: {NO_LINK}"));
+            break;
+        };
+        best_link(sr.recv_rate);
+        sendrecv.push((mib as u64, sr.recv_rate));
         lines.push(format!(
             "NCCL send/recv {mib} MiB each way: {} -> receive {:.1} GB/s per rank",
-            ms(t),
-            rate / GB
+            ms(sr.secs),
+            sr.recv_rate / GB
         ));
     }
     for mib in [2048usize, 4096] {
-        let n = (mib << 20) / 2 / WORLD * WORLD;
-        let t = pool.run(&|ctx| {
-            // SAFETY: contents irrelevant to the timing.
-            let a: CudaSlice<bf16> =
-                unsafe { alloc_device(&ctx.compute, n / WORLD, ctx.rank, "gather in")? };
-            // SAFETY: as above.
-            let mut b: CudaSlice<bf16> =
-                unsafe { alloc_device(&ctx.compute, n, ctx.rank, "gather out")? };
-            let nccl = ctx.nccl_stream();
-            ctx.order(&ctx.compute, &nccl)?;
-            let t = timed(iters, || {
-                ctx.comm
-                    .all_gather(&a, &mut b)
-                    .map_err(|e| CudaError::nccl(ctx.rank, "all_gather", e))?;
-                nccl.synchronize().map_err(ctx.drv("sync", 0))
-            })?;
-            ctx.order(&nccl, &ctx.compute)?;
-            drop((a, b));
-            ctx.compute.synchronize().map_err(ctx.drv("sync", 0))?;
-            Ok(t)
-        })?;
-        let t = t.iter().cloned().fold(0.0, f64::max);
-        let rate = (n * 2) as f64 * (WORLD - 1) as f64 / WORLD as f64 / t;
-        link = link.max(rate);
+        let a = ceilings::all_gather(pool, mib << 20, timing)?;
+        if let Some(rate) = a.recv_rate {
+            best_link(rate);
+        }
         lines.push(format!(
-            "NCCL all-gather {mib} MiB out per rank: {} -> receive {:.1} GB/s per rank",
-            ms(t),
-            rate / GB
+            "NCCL all-gather {mib} MiB out per rank: {} -> receive {} per rank",
+            ms(a.secs),
+            gbps(a.recv_rate, 1, NO_LINK)
         ));
     }
-    // Copy-engine writes into the peer's memory (the peer-copy transport), both ranks at once.
+    // Copy-engine writes into the peer's memory (the peer-copy transport), all ranks at once.
     for mib in [1024usize, 4096] {
         match peer_copy_rate(pool, mib << 20, iters)? {
             Some(rate) => {
-                link = link.max(rate);
+                best_link(rate);
                 lines.push(format!(
                     "peer copy (copy engines) {mib} MiB each way: {} -> receive {:.1} GB/s per rank",
                     ms((mib << 20) as f64 / rate),
                     rate / GB
                 ));
             }
+            None if world == 1 => lines.push(format!("peer copy: {NO_LINK}")),
             None => lines.push("peer copy: no peer access between the GPUs (not measured)".into()),
         }
     }
-    let nb = 4usize << 30;
-    let d2d = pool.run(&|ctx| {
-        // SAFETY: contents irrelevant to the timing.
-        let a: CudaSlice<u8> = unsafe { alloc_device(&ctx.compute, nb, ctx.rank, "d2d src")? };
-        // SAFETY: as above.
-        let mut b: CudaSlice<u8> = unsafe { alloc_device(&ctx.compute, nb, ctx.rank, "d2d dst")? };
-        let t = timed(iters, || {
-            ctx.compute
-                .memcpy_dtod(&a, &mut b)
-                .map_err(ctx.drv("dtod", 0))?;
-            ctx.compute.synchronize().map_err(ctx.drv("sync", 0))
-        })?;
-        Ok(2.0 * nb as f64 / t)
-    })?;
-    let d2d = d2d.iter().cloned().fold(f64::INFINITY, f64::min);
+    let d2d = ceilings::device_copy(pool, 4 << 30, timing)?;
     lines.push(format!(
         "device-to-device copy 4 GiB: {:.0} GB/s (read + written)",
         d2d / GB
     ));
-    let hb = 1usize << 30;
-    let pinned = pool.run(&|ctx| {
-        // SAFETY: contents irrelevant to the timing.
-        let mut h = unsafe { alloc_pinned::<u8>(&ctx.copy, hb, ctx.rank, "pinned bench")? };
-        // SAFETY: as above.
-        let mut d: CudaSlice<u8> = unsafe { alloc_device(&ctx.copy, hb, ctx.rank, "pinned dev")? };
-        let up = timed(iters, || {
-            ctx.copy
-                .memcpy_htod(&h, &mut d)
-                .map_err(ctx.drv("h2d", 0))?;
-            ctx.copy.synchronize().map_err(ctx.drv("sync", 0))
-        })?;
-        let down = timed(iters, || {
-            ctx.copy
-                .memcpy_dtoh(&d, &mut h)
-                .map_err(ctx.drv("d2h", 0))?;
-            ctx.copy.synchronize().map_err(ctx.drv("sync", 0))
-        })?;
-        Ok((hb as f64 / up, hb as f64 / down))
-    })?;
-    let h2d = pinned.iter().map(|x| x.0).fold(f64::INFINITY, f64::min);
-    let d2h = pinned.iter().map(|x| x.1).fold(f64::INFINITY, f64::min);
+    let pinned = ceilings::slowest_pinned(&ceilings::pinned(
+        pool,
+        1 << 30,
+        timing,
+        PinnedOrder::Separate,
+        None,
+    )?);
     lines.push(format!(
-        "pinned 1 GiB, both GPUs at once (slowest rank): H2D {:.1} GB/s, D2H {:.1} GB/s",
-        h2d / GB,
-        d2h / GB
+        "pinned 1 GiB, {} (slowest rank): H2D {:.1} GB/s, D2H {:.1} GB/s",
+        all_gpus(world),
+        pinned.h2d / GB,
+        pinned.d2h / GB
     ));
     for l in &lines {
         println!("ceiling  {l}");
@@ -289,10 +212,20 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
         link,
         sendrecv,
         d2d,
-        h2d,
-        d2h,
+        h2d: pinned.h2d,
+        d2h: pinned.d2h,
         lines,
     })
+}
+
+/// Time to receive `bytes` at `link` bytes per second: 0 when nothing is received, infinite
+/// when bytes must cross a link that has no figure.
+fn net_floor(bytes: usize, link: Option<f64>) -> f64 {
+    match (bytes, link) {
+        (0, _) => 0.0,
+        (b, Some(l)) => b as f64 / l,
+        (_, None) => f64::INFINITY,
+    }
 }
 
 struct Row {
@@ -303,93 +236,6 @@ struct Row {
     floor_sr: Option<f64>,
 }
 
-fn time_cycles(
-    lc: &mut Lifecycle<MegatronGpuBackend>,
-    iters: usize,
-    warm_up: bool,
-) -> Result<(f64, f64), Box<dyn Error>> {
-    if warm_up {
-        lc.enter()?;
-        lc.exit()?;
-    }
-    lc.reset_metrics();
-    let (mut en, mut ex) = (Vec::new(), Vec::new());
-    for _ in 0..iters {
-        let t = Instant::now();
-        lc.enter()?;
-        en.push(t.elapsed().as_secs_f64());
-        let t = Instant::now();
-        lc.exit()?;
-        ex.push(t.elapsed().as_secs_f64());
-    }
-    Ok((median(en), median(ex)))
-}
-
-fn lifecycle(
-    backend: MegatronGpuBackend,
-    state: MegatronGpuState,
-    memory: MemoryPolicy,
-) -> Result<Lifecycle<MegatronGpuBackend>, Box<dyn Error>> {
-    Ok(Lifecycle::with_config(
-        backend,
-        state,
-        LifecycleConfig {
-            switching: Switching::Lazy,
-            memory,
-        },
-    )?)
-}
-
-/// The work of one track (a rank's stream, or the host's row) of a trace.
-#[derive(Debug, Clone, PartialEq)]
-struct TrackSummary {
-    /// The rank (`None`: the lifecycle's host row).
-    rank: Option<usize>,
-    /// The stream (`compute`, `aux`, `nccl`, `copy`) or `switch` for the host row.
-    track: String,
-    /// Start of the first span, in microseconds of the trace.
-    first_us: f64,
-    /// End of the last span.
-    last_us: f64,
-    /// Sum of the span durations.
-    busy_us: f64,
-    /// Spans.
-    spans: usize,
-    /// Bytes the spans moved.
-    bytes: u64,
-}
-
-/// One [`TrackSummary`] per (rank, track) of `spans`, the host row first, then by rank and
-/// track name.
-fn summarise(spans: &[Span]) -> Vec<TrackSummary> {
-    let mut keys: Vec<(Option<usize>, &str)> =
-        spans.iter().map(|s| (s.rank, s.track.as_str())).collect();
-    keys.sort_unstable();
-    keys.dedup();
-    keys.into_iter()
-        .map(|(rank, track)| {
-            let mine = spans.iter().filter(|s| s.rank == rank && s.track == track);
-            let mut t = TrackSummary {
-                rank,
-                track: track.to_string(),
-                first_us: f64::INFINITY,
-                last_us: f64::NEG_INFINITY,
-                busy_us: 0.0,
-                spans: 0,
-                bytes: 0,
-            };
-            for s in mine {
-                t.first_us = t.first_us.min(s.start_us);
-                t.last_us = t.last_us.max(s.start_us + s.duration_us);
-                t.busy_us += s.duration_us;
-                t.spans += 1;
-                t.bytes += s.bytes;
-            }
-            t
-        })
-        .collect()
-}
-
 /// One traced enter + exit of `lc`: writes the Chrome trace to `dir/name.json` and prints, per
 /// rank and stream, when the device work started and ended, how long it was busy, the bytes it
 /// moved and its first spans.
@@ -398,36 +244,13 @@ fn traced_cycle(
     dir: &std::path::Path,
     name: &str,
 ) -> Result<(), Box<dyn Error>> {
-    lc.enable_trace();
-    lc.enter()?;
-    lc.exit()?;
-    std::fs::create_dir_all(dir)?;
-    let path = dir.join(format!("{name}.json"));
-    lc.trace().write_chrome(&path)?;
-    let spans = lc.trace().spans();
-    let t0 = spans
-        .iter()
-        .map(|s| s.start_us)
-        .fold(f64::INFINITY, f64::min);
+    let traced = trace_cycle(lc, dir, name, 8)?;
     println!(
-        "  trace of one enter + exit ({} spans) written to {}; work per rank and stream (ms after the first span):",
-        spans.len(),
-        path.display()
+        "  trace of one enter + exit {}; work per rank and stream (ms after the first span):",
+        traced.written()
     );
-    for t in summarise(spans) {
-        let detail: Vec<String> = spans
-            .iter()
-            .filter(|s| s.rank == t.rank && s.track == t.track)
-            .take(8)
-            .map(|s| {
-                format!(
-                    "{} {:.3}+{:.3}",
-                    s.name,
-                    (s.start_us - t0) / 1e3,
-                    s.duration_us / 1e3
-                )
-            })
-            .collect();
+    for r in &traced.tracks {
+        let t = &r.summary;
         let who = t.rank.map_or("host  ".to_string(), |r| format!("rank {r}"));
         let rate = if t.busy_us > 0.0 {
             format!(
@@ -438,14 +261,11 @@ fn traced_cycle(
             String::new()
         };
         println!(
-            "    {who} {:>8}: {:.3} .. {:.3} ms, busy {:.3} ms, {} spans, {:.3} GB{rate}: {}",
+            "    {who} {:>8}: {}, {:.3} GB{rate}: {}",
             t.track,
-            (t.first_us - t0) / 1e3,
-            (t.last_us - t0) / 1e3,
-            t.busy_us / 1e3,
-            t.spans,
+            r.times,
             t.bytes as f64 / GB,
-            detail.join(", ")
+            r.first
         );
     }
     Ok(())
@@ -459,12 +279,13 @@ fn main() {
 }
 
 fn run() -> Result<(), Box<dyn Error>> {
-    let args = parse_args()?;
+    let args = Cli::parse();
+    let world = args.world;
     let wall = Instant::now();
-    check_environment(WORLD)?;
-    let pool = Arc::new(ThreadRankPool::new(WORLD)?);
+    check_environment(world)?;
+    let pool = Arc::new(ThreadRankPool::new(world)?);
     println!(
-        "megatron_bench: W = {WORLD}, {} layers, median of {} resident / {} offload cycles",
+        "megatron_bench: W = {world}, {} layers, median of {} resident / {} offload cycles",
         args.layers, args.iters, args.offload_iters
     );
     let c = ceilings(&pool, args.iters)?;
@@ -478,10 +299,34 @@ fn run() -> Result<(), Box<dyn Error>> {
         "model: Qwen2.5-7B shapes, {:.3} B parameters",
         params as f64 / 1e9
     );
+    let (layouts, skipped): (Vec<_>, Vec<_>) =
+        LAYOUTS.iter().partition(|(tp, pp)| tp * pp == world);
+    if !skipped.is_empty() {
+        println!(
+            "training layouts skipped at W = {world} (TP × PP must equal W): {}",
+            skipped
+                .iter()
+                .map(|(tp, pp)| format!("TP{tp}/PP{pp}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    let (rollouts, skipped): (Vec<usize>, Vec<usize>) =
+        ROLLOUT_TP.iter().partition(|&&t| world.is_multiple_of(t));
+    if !skipped.is_empty() {
+        println!(
+            "rollout T skipped at W = {world} (T must divide W): {}",
+            skipped
+                .iter()
+                .map(|t| format!("T={t}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     let pinned = Arc::new(PinnedPool::default());
     let mut rows: Vec<Row> = Vec::new();
     let mut offload_rows: Vec<Row> = Vec::new();
-    for (tp, pp) in [(2usize, 1usize), (1, 2)] {
+    for (tp, pp) in layouts {
         let layout = MegatronLayout::new(model, tp, pp, 1)?;
         let t0 = Instant::now();
         let mut state =
@@ -492,17 +337,17 @@ fn run() -> Result<(), Box<dyn Error>> {
             t0.elapsed().as_secs_f64(),
             state.rank_bytes(0).unwrap_or(0) as f64 / GB
         );
-        for t in [1usize, 2] {
+        for &t in &rollouts {
             let rollout = RolloutLayout::new(t, RolloutVocab::Unpadded);
             let mut backend =
                 MegatronGpuBackend::new(pool.clone(), rollout)?.with_pinned_pool(pinned.clone());
             let plan = backend.plan(&state)?;
             let mut floor: f64 = 0.0;
             let (mut max_recv, mut local_floor) = (0usize, 0.0f64);
-            for r in 0..WORLD {
+            for r in 0..world {
                 let Some(s) = plan.schedule(r) else { continue };
                 let (recv, sent, local) = (s.recv_elems * 2, s.send_elems * 2, s.local_elems * 2);
-                let f_net = recv as f64 / c.link;
+                let f_net = net_floor(recv, c.link);
                 let f_local = 2.0 * local as f64 / c.d2d;
                 floor = floor.max(f_net).max(f_local);
                 max_recv = max_recv.max(recv);
@@ -591,14 +436,14 @@ fn run() -> Result<(), Box<dyn Error>> {
             let mut best = (f64::INFINITY, GpuConfig::default(), false);
             for cfg in configs {
                 backend = backend.with_config(cfg)?;
-                let mut lc = lifecycle(backend, state, MemoryPolicy::resident())?;
+                let mut lc = lazy_lifecycle(backend, state, MemoryPolicy::resident())?;
                 let (en, ex) = time_cycles(&mut lc, args.iters, true)?;
                 let m = lc.metrics().clone();
                 let tr = m.phase(Phase::Transfer);
                 let msgs = plan_messages(&lc)?;
                 let peer = lc.backend().plan(lc.peek_state())?.peer_copy();
                 println!(
-                    "  T={t} resident, {}, bucket {:>4} MiB x {}, direct >= {}, memcpy >= {}, peer tiles < {}, split bulk {}, {} blocks/SM: enter {} (transfer phase {} avg), exit {}; {msgs}; received {:.3} GB per switch (all ranks), peak staging {:.0} MB",
+                    "  T={t} resident, {}, bucket {:>4} MiB x {}, direct >= {}, memcpy >= {}, peer tiles < {}, split bulk {}, {} blocks/SM: {}; {msgs}; received {:.3} GB per switch (all ranks), peak staging {:.0} MB",
                     if peer { "peer copies" } else { "NCCL steps " },
                     cfg.bucket_bytes >> 20,
                     cfg.in_flight,
@@ -607,10 +452,8 @@ fn run() -> Result<(), Box<dyn Error>> {
                     mib(cfg.peer_tile_max_bytes),
                     cfg.split_local_bulk,
                     cfg.overlap_blocks_per_sm,
-                    ms(en),
-                    ms(tr.wall.as_secs_f64() / tr.count.max(1) as f64),
-                    ms(ex),
-                    tr.bytes.device_to_device as f64 / tr.count.max(1) as f64 / GB,
+                    resident_times(en, ex, &m),
+                    phase_d2d_bytes(&m, Phase::Transfer) / GB,
                     tr.peak_extra_bytes as f64 / 1e6
                 );
                 if en < best.0 {
@@ -621,9 +464,9 @@ fn run() -> Result<(), Box<dyn Error>> {
                 state = s;
             }
             let trace_name = format!("megatron_tp{tp}_pp{pp}_t{t}");
-            if let (Some(dir), false) = (&args.trace, args.offload) {
+            if let (Some(dir), false) = (&args.trace, !args.skip_offload) {
                 backend = backend.with_config(best.1)?;
-                let mut lc = lifecycle(backend, state, MemoryPolicy::resident())?;
+                let mut lc = lazy_lifecycle(backend, state, MemoryPolicy::resident())?;
                 traced_cycle(&mut lc, dir, &trace_name)?;
                 let (b, s) = lc.into_parts()?;
                 backend = b;
@@ -652,32 +495,27 @@ fn run() -> Result<(), Box<dyn Error>> {
                     .filter(|_| max_recv > 0)
                     .map(|r| (max_recv as f64 / r).max(local_floor)),
             });
-            if args.offload {
+            if !args.skip_offload {
                 backend = backend.with_config(best.1)?;
                 let t1 = Instant::now();
                 let cached = backend.reserve_pinned(&state, MemoryPolicy::default())?;
                 println!(
-                    "  pinned host memory for the offload: {:.1} GB cached for both ranks ({:.1} s to reserve)",
+                    "  pinned host memory for the offload: {:.1} GB cached for {} ({:.1} s to reserve)",
                     cached as f64 / GB,
+                    all_ranks(world),
                     t1.elapsed().as_secs_f64()
                 );
-                let bytes = (0..WORLD)
+                let bytes = (0..world)
                     .filter_map(|r| state.offload_bytes(r))
                     .map(|(p, o)| (p + o) as f64)
                     .fold(0.0, f64::max);
-                let mut lc = lifecycle(backend, state, MemoryPolicy::default())?;
+                let mut lc = lazy_lifecycle(backend, state, MemoryPolicy::default())?;
                 let (en, ex) = time_cycles(&mut lc, args.offload_iters, false)?;
                 let m = lc.metrics().clone();
-                let per = |p: Phase| m.phase(p).wall.as_secs_f64() / m.phase(p).count.max(1) as f64;
                 println!(
-                    "  T={t} offload params + main + Adam ({:.1} GB/rank): enter {} (transfer {}, offload wait {}), exit {} (release {}, reload {})",
+                    "  T={t} offload params + main + Adam ({:.1} GB/rank): {}",
                     bytes / GB,
-                    ms(en),
-                    ms(per(Phase::Transfer)),
-                    ms(per(Phase::Offload)),
-                    ms(ex),
-                    ms(per(Phase::Release)),
-                    ms(per(Phase::Reload))
+                    offload_times(en, ex, &m)
                 );
                 offload_rows.push(Row {
                     what: format!("TP{tp}/PP{pp} -> T={t} enter with offload"),
@@ -701,13 +539,13 @@ fn run() -> Result<(), Box<dyn Error>> {
         }
         drop(state);
     }
-    println!("\nSUMMARY (W = {WORLD}, ceilings measured above in this process)");
+    println!("\nSUMMARY (W = {world}, ceilings measured above in this process)");
     for l in &c.lines {
         println!("  {l}");
     }
     println!(
-        "  link rate used for floors: {:.1} GB/s (best of the NCCL figures); d2d {:.0} GB/s",
-        c.link / GB,
+        "  link rate used for floors: {} (best of the NCCL figures); d2d {:.0} GB/s",
+        gbps(c.link, 1, NO_LINK),
         c.d2d / GB
     );
     println!(
@@ -719,11 +557,11 @@ fn run() -> Result<(), Box<dyn Error>> {
             format!("   ({}, {:.2}x)", ms(f), r.ours / f)
         });
         println!(
-            "  {:<46} {:>10} {:>10} {:>7.2}x {:>5}{sr}",
+            "  {:<46} {:>10} {:>10} {:>8} {:>5}{sr}",
             r.what,
             ms(r.ours),
             ms(r.floor),
-            r.ours / r.floor,
+            ratio(r.ours, r.floor).map_or("n/a (floor 0)".to_string(), |x| format!("{x:.2}x")),
             if r.ours <= 1.1 * r.floor { "yes" } else { "NO" }
         );
     }
@@ -736,44 +574,76 @@ fn run() -> Result<(), Box<dyn Error>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::CommandFactory;
 
-    fn span(rank: Option<usize>, track: &str, start_us: f64, duration_us: f64, bytes: u64) -> Span {
-        Span {
-            name: "x".into(),
-            phase: Phase::Transfer,
-            rank,
-            track: track.into(),
-            start_us,
-            duration_us,
-            bytes,
-            link: None,
-        }
+    fn parse(argv: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("megatron_bench").chain(argv.iter().copied()))
     }
 
     #[test]
-    fn summaries_per_rank_and_stream() {
-        let spans = vec![
-            span(Some(1), "nccl", 10.0, 5.0, 100),
-            span(None, "switch", 0.0, 50.0, 0),
-            span(Some(0), "nccl", 12.0, 4.0, 40),
-            span(Some(1), "nccl", 20.0, 10.0, 300),
-            span(Some(1), "aux", 2.0, 1.0, 8),
-        ];
-        let got = summarise(&spans);
-        let keys: Vec<(Option<usize>, &str)> =
-            got.iter().map(|t| (t.rank, t.track.as_str())).collect();
-        assert_eq!(
-            keys,
-            [
-                (None, "switch"),
-                (Some(0), "nccl"),
-                (Some(1), "aux"),
-                (Some(1), "nccl")
-            ]
-        );
-        let n1 = &got[3];
-        assert_eq!((n1.first_us, n1.last_us, n1.busy_us), (10.0, 30.0, 15.0));
-        assert_eq!((n1.spans, n1.bytes), (2, 400));
-        assert!(summarise(&[]).is_empty());
+    fn command_line_is_valid() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn defaults() {
+        let d = parse(&[]).unwrap();
+        assert_eq!((d.layers, d.iters, d.offload_iters, d.world), (28, 5, 2, 2));
+        assert!(!d.skip_offload && d.trace.is_none());
+    }
+
+    #[test]
+    fn documented_invocations_parse() {
+        let c = parse(&["--world", "1", "--skip-offload"]).unwrap();
+        assert!(c.skip_offload);
+        assert_eq!(c.world, 1);
+        let c = parse(&["--skip-offload", "--trace", "/tmp/t"]).unwrap();
+        assert_eq!(c.trace.as_deref(), Some(std::path::Path::new("/tmp/t")));
+        let c = parse(&["--layers", "2", "--iters", "3", "--offload-iters", "1"]).unwrap();
+        assert_eq!((c.layers, c.iters, c.offload_iters), (2, 3, 1));
+    }
+
+    #[test]
+    fn counts_must_be_positive() {
+        for flag in ["--layers", "--iters", "--offload-iters", "--world"] {
+            assert!(parse(&[flag, "0"]).is_err(), "{flag} 0");
+        }
+        assert!(parse(&["--bogus"]).is_err());
+        let help = parse(&["--help"]).map(|_| ()).unwrap_err();
+        assert_eq!(help.kind(), clap::error::ErrorKind::DisplayHelp);
+    }
+
+    #[test]
+    fn layouts_and_rollout_degrees_per_world() {
+        let runs = |w: usize| -> Vec<(usize, usize)> {
+            LAYOUTS
+                .iter()
+                .copied()
+                .filter(|(tp, pp)| tp * pp == w)
+                .collect()
+        };
+        assert_eq!(runs(1), [(1, 1)]);
+        assert_eq!(runs(2), [(2, 1), (1, 2)]);
+        let ts = |w: usize| -> Vec<usize> {
+            ROLLOUT_TP
+                .iter()
+                .copied()
+                .filter(|&t| w.is_multiple_of(t))
+                .collect()
+        };
+        assert_eq!(ts(1), [1]);
+        assert_eq!(ts(2), [1, 2]);
+    }
+
+    #[test]
+    fn floors_and_report_text_without_a_link() {
+        assert_eq!(net_floor(0, None), 0.0);
+        assert_eq!(net_floor(0, Some(1e9)), 0.0);
+        assert_eq!(net_floor(2_000_000_000, Some(1e9)), 2.0);
+        assert_eq!(net_floor(1, None), f64::INFINITY);
+        assert_eq!(all_gpus(2), "both GPUs at once");
+        assert_eq!(all_gpus(1), "one GPU");
+        assert_eq!(all_ranks(2), "both ranks");
+        assert_eq!(all_ranks(4), "all 4 ranks");
     }
 }
