@@ -212,23 +212,28 @@ pub fn pinned(
             unsafe { alloc_device(&ctx.copy, bytes, ctx.rank, "pinned bench dev")? };
         let sync = || ctx.copy.synchronize().map_err(ctx.drv("sync", 0));
         let before = || drain(timing, sync);
+        // One copy (host to device when `up`) and the wait for it; its time in seconds.
+        let mut copy = |up: bool| -> Result<f64, CudaError> {
+            let t = Instant::now();
+            if up {
+                ctx.copy
+                    .memcpy_htod(&h, &mut d)
+                    .map_err(ctx.drv("h2d", 0))?;
+            } else {
+                ctx.copy
+                    .memcpy_dtoh(&d, &mut h)
+                    .map_err(ctx.drv("d2h", 0))?;
+            }
+            sync()?;
+            Ok(t.elapsed().as_secs_f64())
+        };
         let rates = match order {
             PinnedOrder::Interleaved => {
                 let (mut up, mut down) = (Vec::new(), Vec::new());
                 for k in 0..timing.repeats.total() {
                     before()?;
-                    let t = Instant::now();
-                    ctx.copy
-                        .memcpy_htod(&h, &mut d)
-                        .map_err(ctx.drv("h2d", 0))?;
-                    sync()?;
-                    let t1 = t.elapsed().as_secs_f64();
-                    let t = Instant::now();
-                    ctx.copy
-                        .memcpy_dtoh(&d, &mut h)
-                        .map_err(ctx.drv("d2h", 0))?;
-                    sync()?;
-                    let t2 = t.elapsed().as_secs_f64();
+                    let t1 = copy(true)?;
+                    let t2 = copy(false)?;
                     if timing.repeats.is_timed(k) {
                         up.push(bytes as f64 / t1);
                         down.push(bytes as f64 / t2);
@@ -240,18 +245,8 @@ pub fn pinned(
                 }
             }
             PinnedOrder::Separate => {
-                let up = timing.repeats.median_secs(before, || {
-                    ctx.copy
-                        .memcpy_htod(&h, &mut d)
-                        .map_err(ctx.drv("h2d", 0))?;
-                    sync()
-                })?;
-                let down = timing.repeats.median_secs(before, || {
-                    ctx.copy
-                        .memcpy_dtoh(&d, &mut h)
-                        .map_err(ctx.drv("d2h", 0))?;
-                    sync()
-                })?;
+                let up = timing.repeats.median_of(before, || copy(true))?;
+                let down = timing.repeats.median_of(before, || copy(false))?;
                 PinnedRates {
                     h2d: bytes as f64 / up,
                     d2h: bytes as f64 / down,

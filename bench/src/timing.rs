@@ -66,16 +66,29 @@ impl Repeats {
     /// runs before each run, outside the timer (e.g. waiting for a stream to be idle).
     pub fn median_secs<E>(
         self,
-        mut before: impl FnMut() -> Result<(), E>,
+        before: impl FnMut() -> Result<(), E>,
         mut run: impl FnMut() -> Result<(), E>,
+    ) -> Result<f64, E> {
+        self.median_of(before, || {
+            let t = Instant::now();
+            run()?;
+            Ok(t.elapsed().as_secs_f64())
+        })
+    }
+
+    /// The median of the seconds `run` measures itself (e.g. of one of several steps); `before`
+    /// runs before each run.
+    pub fn median_of<E>(
+        self,
+        mut before: impl FnMut() -> Result<(), E>,
+        mut run: impl FnMut() -> Result<f64, E>,
     ) -> Result<f64, E> {
         let mut ts = Vec::with_capacity(self.timed);
         for k in 0..self.total() {
             before()?;
-            let t = Instant::now();
-            run()?;
+            let t = run()?;
             if self.is_timed(k) {
-                ts.push(t.elapsed().as_secs_f64());
+                ts.push(t);
             }
         }
         Ok(median(ts))
@@ -132,5 +145,11 @@ mod tests {
         assert_eq!((before, runs), (5, 5));
         assert!(t >= 0.0);
         assert_eq!(r.median_secs(nothing, || Err("stop")), Err("stop"));
+        let mut k = 0.0;
+        let got = r.median_of::<()>(nothing, || {
+            k += 1.0;
+            Ok(k)
+        });
+        assert_eq!(got, Ok(4.0)); // runs 3, 4, 5 are timed
     }
 }

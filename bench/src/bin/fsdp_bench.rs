@@ -701,51 +701,31 @@ fn run() -> Result<(), Box<dyn Error>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::CommandFactory;
-
-    fn parse(argv: &[&str]) -> Result<Cli, clap::Error> {
-        Cli::try_parse_from(std::iter::once("fsdp_bench").chain(argv.iter().copied()))
-    }
+    use lifecycle_bench::cli::{assert_parses, assert_refused};
 
     #[test]
-    fn command_line_is_valid() {
-        Cli::command().debug_assert();
-    }
-
-    #[test]
-    fn defaults() {
-        let d = parse(&[]).unwrap();
+    fn documented_command_lines() {
+        let [d, traced, quick, launched, one] = assert_parses::<Cli, 5>([
+            "",
+            "--skip-dapo --trace /tmp/x",
+            "--quick --skip-offload --skip-dapo",
+            "--skip-offload --skip-dapo --iters 5",
+            "--layers 4 --world 1 --tp 1",
+        ]);
         assert_eq!((d.layers, d.iters, d.world, d.tp), (28, 5, 2, None));
         assert!(!d.skip_offload && !d.skip_dapo && !d.quick && d.trace.is_none());
-    }
-
-    #[test]
-    fn documented_invocations_parse() {
-        let c = parse(&["--skip-dapo", "--trace", "/tmp/x"]).unwrap();
-        assert!(c.skip_dapo && !c.skip_offload);
-        assert_eq!(c.trace.as_deref(), Some(std::path::Path::new("/tmp/x")));
-        let c = parse(&["--quick", "--skip-offload", "--skip-dapo"]).unwrap();
-        assert!(c.quick && c.skip_offload && c.skip_dapo);
-        let c = parse(&["--skip-offload", "--skip-dapo", "--iters", "5"]).unwrap();
-        assert_eq!(c.iters, 5);
-        let c = parse(&["--layers", "4", "--world", "1", "--tp", "1"]).unwrap();
-        assert_eq!((c.layers, c.world, c.tp), (4, 1, Some(1)));
+        assert!(traced.skip_dapo && !traced.skip_offload);
+        assert_eq!(traced.trace, Some(PathBuf::from("/tmp/x")));
+        assert!(quick.quick && quick.skip_offload && quick.skip_dapo);
+        assert_eq!(launched.iters, 5);
+        assert_eq!((one.layers, one.world, one.tp), (4, 1, Some(1)));
+        assert_refused::<Cli>(&["--bogus", "--iters many", "--trace", "--tp"]);
     }
 
     #[test]
     fn zero_iterations_and_ranks_count_as_one() {
-        let c = parse(&["--iters", "0", "--world", "0"])
-            .unwrap()
-            .normalised();
+        let [c] = assert_parses::<Cli, 1>(["--iters 0 --world 0"]);
+        let c = c.normalised();
         assert_eq!((c.iters, c.world), (1, 1));
-    }
-
-    #[test]
-    fn bad_arguments_and_help() {
-        assert!(parse(&["--bogus"]).is_err());
-        assert!(parse(&["--iters", "many"]).is_err());
-        assert!(parse(&["--trace"]).is_err());
-        let help = parse(&["--help"]).map(|_| ()).unwrap_err();
-        assert_eq!(help.kind(), clap::error::ErrorKind::DisplayHelp);
     }
 }

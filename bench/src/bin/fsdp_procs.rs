@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use lifecycle_bench::cli::positive;
+use lifecycle_bench::cli::{exit_code, positive};
 use lifecycle_bench::timing::median_duration;
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy};
 use lifecycle_cuda::{RankExecutor, ThreadRankPool};
@@ -214,20 +214,13 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match run(pool, &args) {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::FAILURE,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    exit_code(run(pool, &args))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::CommandFactory;
+    use lifecycle_bench::cli::{assert_parses, assert_refused};
 
     #[test]
     fn each_rollout_degree_once() {
@@ -236,24 +229,13 @@ mod tests {
         assert_eq!(rollout_tps(4), [1, 4]);
     }
 
-    fn parse(argv: &[&str]) -> Result<Cli, clap::Error> {
-        Cli::try_parse_from(std::iter::once("fsdp_procs").chain(argv.iter().copied()))
-    }
-
     #[test]
-    fn command_line_is_valid() {
-        Cli::command().debug_assert();
-    }
-
-    #[test]
-    fn defaults_and_documented_invocations() {
-        let d = parse(&[]).unwrap();
+    fn documented_command_lines() {
+        let [d, two, short] =
+            assert_parses::<Cli, 3>(["", "--world 2", "--world 1 --layers 2 --iters 3"]);
         assert_eq!((d.world, d.layers, d.iters), (2, 28, 7));
-        let c = parse(&["--world", "2"]).unwrap();
-        assert_eq!(c.world, 2);
-        let c = parse(&["--world", "1", "--layers", "2", "--iters", "3"]).unwrap();
-        assert_eq!((c.world, c.layers, c.iters), (1, 2, 3));
-        assert!(parse(&["--world", "0"]).is_err());
-        assert!(parse(&["--bogus"]).is_err());
+        assert_eq!(two.world, 2);
+        assert_eq!((short.world, short.layers, short.iters), (1, 2, 3));
+        assert_refused::<Cli>(&["--world 0", "--iters", "--bogus"]);
     }
 }

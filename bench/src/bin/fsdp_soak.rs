@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use cudarc::nccl::ReduceOp;
-use lifecycle_bench::cli::positive;
+use lifecycle_bench::cli::{exit_code, positive};
 use lifecycle_core::{HumanDuration, Lifecycle};
 use lifecycle_cuda::{
     alloc_zeros, check_environment, CollectiveSettings, RankExecutor, ThreadRankPool,
@@ -318,50 +318,35 @@ fn run(args: &Cli) -> Result<bool, Box<dyn Error>> {
 }
 
 fn main() -> ExitCode {
-    let args = Cli::parse();
-    match run(&args) {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::FAILURE,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    exit_code(run(&Cli::parse()))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::CommandFactory;
-
-    fn parse(argv: &[&str]) -> Result<Cli, clap::Error> {
-        Cli::try_parse_from(std::iter::once("fsdp_soak").chain(argv.iter().copied()))
-    }
+    use lifecycle_bench::cli::{assert_parses, assert_refused};
 
     #[test]
-    fn command_line_is_valid() {
-        Cli::command().debug_assert();
-    }
-
-    #[test]
-    fn defaults_and_documented_invocations() {
-        let d = parse(&[]).unwrap();
-        assert_eq!((d.cycles, d.layers, d.hidden, d.world), (100, 6, 2048, 2));
-        assert_eq!(d.tp(), 2);
-        assert!(!d.skip_launch_bench);
-        let c = parse(&["--cycles", "100", "--skip-launch-bench"]).unwrap();
-        assert!(c.skip_launch_bench);
-        let c = parse(&["--world", "4", "--tp", "2", "--hidden", "1024"]).unwrap();
-        assert_eq!((c.world, c.tp(), c.hidden), (4, 2, 1024));
-        assert_eq!(parse(&["--world", "1"]).unwrap().tp(), 1);
-    }
-
-    #[test]
-    fn bad_values() {
-        assert!(parse(&["--hidden", "1000"]).is_err());
-        assert!(parse(&["--hidden", "0"]).is_err());
-        assert!(parse(&["--cycles", "0"]).is_err());
-        assert!(parse(&["--tp", "0"]).is_err());
-        assert!(parse(&["--bogus"]).is_err());
+    fn documented_command_lines() {
+        let [d, soak, wide, one] = assert_parses::<Cli, 4>([
+            "",
+            "--cycles 100 --skip-launch-bench",
+            "--world 4 --tp 2 --hidden 1024",
+            "--world 1",
+        ]);
+        assert_eq!(
+            (d.cycles, d.layers, d.hidden, d.world, d.tp()),
+            (100, 6, 2048, 2, 2)
+        );
+        assert!(!d.skip_launch_bench && soak.skip_launch_bench);
+        assert_eq!((wide.world, wide.tp(), wide.hidden), (4, 2, 1024));
+        assert_eq!(one.tp(), 1);
+        assert_refused::<Cli>(&[
+            "--hidden 1000",
+            "--hidden 0",
+            "--cycles 0",
+            "--tp 0",
+            "--bogus",
+        ]);
     }
 }

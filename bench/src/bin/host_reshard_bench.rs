@@ -183,21 +183,12 @@ fn main() {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::CommandFactory;
+    use lifecycle_bench::cli::assert_parses;
 
     #[test]
-    fn command_line() {
-        Cli::command().debug_assert();
-        let d = Cli::try_parse_from(["host_reshard_bench"]).unwrap();
+    fn documented_command_lines() {
+        let [d, big] = assert_parses::<Cli, 2>(["", "--params 100000000 --world 2"]);
         assert_eq!((d.params, d.world, d.reps), (64_000_000, 2, 10));
-        let c = Cli::try_parse_from([
-            "host_reshard_bench",
-            "--params",
-            "100000000",
-            "--world",
-            "2",
-        ])
-        .unwrap();
-        assert_eq!((c.params, c.world), (100_000_000, 2));
+        assert_eq!((big.params, big.world), (100_000_000, 2));
     }
 }

@@ -11,6 +11,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use lifecycle_bench::cli::exit_code;
 use lifecycle_core::{HumanDuration, Lifecycle};
 use lifecycle_examples::toy_policy::PolicyConfig;
 use lifecycle_host::{reference_rollout, HostBackend, HostTrainState};
@@ -107,46 +108,35 @@ fn main() -> ExitCode {
     let start = Instant::now();
     let verified = soak(&args, &policy, true);
     let plain = soak(&args, &policy, false);
-    match (verified, plain) {
-        (Ok((bad, t_on)), Ok((_, t_off))) => {
-            println!(
-                "verification on: {} mismatches in {} cycles; switch time {} ({} per cycle)",
-                bad,
-                args.cycles,
-                HumanDuration(t_on),
-                HumanDuration(t_on / args.cycles.max(1) as u32)
-            );
-            println!(
-                "verification off: switch time {} ({} per cycle); overhead of verification {:.1}%",
-                HumanDuration(t_off),
-                HumanDuration(t_off / args.cycles.max(1) as u32),
-                100.0 * (t_on.as_secs_f64() / t_off.as_secs_f64() - 1.0)
-            );
-            println!("total {}", HumanDuration(start.elapsed()));
-            if bad == 0 {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            }
-        }
-        (Err(e), _) | (_, Err(e)) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    exit_code(verified.and_then(|(bad, t_on)| {
+        let (_, t_off) = plain?;
+        println!(
+            "verification on: {} mismatches in {} cycles; switch time {} ({} per cycle)",
+            bad,
+            args.cycles,
+            HumanDuration(t_on),
+            HumanDuration(t_on / args.cycles.max(1) as u32)
+        );
+        println!(
+            "verification off: switch time {} ({} per cycle); overhead of verification {:.1}%",
+            HumanDuration(t_off),
+            HumanDuration(t_off / args.cycles.max(1) as u32),
+            100.0 * (t_on.as_secs_f64() / t_off.as_secs_f64() - 1.0)
+        );
+        println!("total {}", HumanDuration(start.elapsed()));
+        Ok(bad == 0)
+    }))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::CommandFactory;
+    use lifecycle_bench::cli::assert_parses;
 
     #[test]
-    fn command_line() {
-        Cli::command().debug_assert();
-        let d = Cli::try_parse_from(["host_soak"]).unwrap();
+    fn documented_command_lines() {
+        let [d, long] = assert_parses::<Cli, 2>(["", "--cycles 1000 --hidden 128"]);
         assert_eq!((d.cycles, d.world, d.tp, d.hidden), (1000, 2, 2, 256));
-        let c = Cli::try_parse_from(["host_soak", "--cycles", "1000"]).unwrap();
-        assert_eq!(c.cycles, 1000);
+        assert_eq!((long.cycles, long.hidden), (1000, 128));
     }
 }

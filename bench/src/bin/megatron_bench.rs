@@ -574,60 +574,43 @@ fn run() -> Result<(), Box<dyn Error>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::CommandFactory;
-
-    fn parse(argv: &[&str]) -> Result<Cli, clap::Error> {
-        Cli::try_parse_from(std::iter::once("megatron_bench").chain(argv.iter().copied()))
-    }
+    use lifecycle_bench::cli::{assert_parses, assert_refused};
 
     #[test]
-    fn command_line_is_valid() {
-        Cli::command().debug_assert();
-    }
-
-    #[test]
-    fn defaults() {
-        let d = parse(&[]).unwrap();
+    fn documented_command_lines() {
+        let [d, one, traced, short] = assert_parses::<Cli, 4>([
+            "",
+            "--world 1 --skip-offload",
+            "--skip-offload --trace /tmp/t",
+            "--layers 2 --iters 3 --offload-iters 1",
+        ]);
         assert_eq!((d.layers, d.iters, d.offload_iters, d.world), (28, 5, 2, 2));
         assert!(!d.skip_offload && d.trace.is_none());
-    }
-
-    #[test]
-    fn documented_invocations_parse() {
-        let c = parse(&["--world", "1", "--skip-offload"]).unwrap();
-        assert!(c.skip_offload);
-        assert_eq!(c.world, 1);
-        let c = parse(&["--skip-offload", "--trace", "/tmp/t"]).unwrap();
-        assert_eq!(c.trace.as_deref(), Some(std::path::Path::new("/tmp/t")));
-        let c = parse(&["--layers", "2", "--iters", "3", "--offload-iters", "1"]).unwrap();
-        assert_eq!((c.layers, c.iters, c.offload_iters), (2, 3, 1));
-    }
-
-    #[test]
-    fn counts_must_be_positive() {
-        for flag in ["--layers", "--iters", "--offload-iters", "--world"] {
-            assert!(parse(&[flag, "0"]).is_err(), "{flag} 0");
-        }
-        assert!(parse(&["--bogus"]).is_err());
-        let help = parse(&["--help"]).map(|_| ()).unwrap_err();
-        assert_eq!(help.kind(), clap::error::ErrorKind::DisplayHelp);
+        assert!(one.skip_offload && one.world == 1);
+        assert_eq!(traced.trace, Some(PathBuf::from("/tmp/t")));
+        assert_eq!((short.layers, short.iters, short.offload_iters), (2, 3, 1));
+        assert_refused::<Cli>(&[
+            "--layers 0",
+            "--iters 0",
+            "--offload-iters 0",
+            "--world 0",
+            "--bogus",
+        ]);
     }
 
     #[test]
     fn layouts_and_rollout_degrees_per_world() {
-        let runs = |w: usize| -> Vec<(usize, usize)> {
+        let layouts = |w: usize| -> Vec<(usize, usize)> {
             LAYOUTS
-                .iter()
-                .copied()
+                .into_iter()
                 .filter(|(tp, pp)| tp * pp == w)
                 .collect()
         };
-        assert_eq!(runs(1), [(1, 1)]);
-        assert_eq!(runs(2), [(2, 1), (1, 2)]);
+        assert_eq!(layouts(1), [(1, 1)]);
+        assert_eq!(layouts(2), [(2, 1), (1, 2)]);
         let ts = |w: usize| -> Vec<usize> {
             ROLLOUT_TP
-                .iter()
-                .copied()
+                .into_iter()
                 .filter(|&t| w.is_multiple_of(t))
                 .collect()
         };

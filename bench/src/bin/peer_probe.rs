@@ -407,34 +407,21 @@ fn main() -> Res<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::CommandFactory;
-
-    fn parse(argv: &[&str]) -> Result<Cli, clap::Error> {
-        Cli::try_parse_from(std::iter::once("peer_probe").chain(argv.iter().copied()))
-    }
-
-    #[test]
-    fn command_line_is_valid() {
-        Cli::command().debug_assert();
-    }
-
-    #[test]
-    fn defaults_and_documented_invocations() {
-        let d = parse(&[]).unwrap();
-        assert_eq!((d.gpus, d.mib, d.iters), (2, 1024, 5));
-        let c = parse(&["--gpus", "2", "--mib", "1024", "--iters", "5"]).unwrap();
-        assert_eq!((c.gpus, c.mib, c.iters), (2, 1024, 5));
-        assert!(parse(&["--mib"]).is_err());
-        assert!(parse(&["--bogus"]).is_err());
-    }
+    use lifecycle_bench::cli::{assert_parses, assert_refused};
 
     #[test]
     fn copy_descriptors() {
         let c = copy_2d((0x1000, 7168), (0x9000, 3584), 3584, 10);
-        assert_eq!(
-            (c.srcDevice, c.srcPitch, c.dstDevice, c.dstPitch),
-            (0x1000, 7168, 0x9000, 3584)
-        );
+        assert_eq!((c.srcDevice, c.srcPitch), (0x1000, 7168));
+        assert_eq!((c.dstDevice, c.dstPitch), (0x9000, 3584));
         assert_eq!((c.WidthInBytes, c.Height), (3584, 10));
+    }
+
+    #[test]
+    fn documented_command_lines() {
+        let [d, all] = assert_parses::<Cli, 2>(["", "--gpus 2 --mib 1024 --iters 5"]);
+        assert_eq!((d.gpus, d.mib, d.iters), (2, 1024, 5));
+        assert_eq!((all.gpus, all.mib, all.iters), (2, 1024, 5));
+        assert_refused::<Cli>(&["--mib", "--gpus two", "--bogus"]);
     }
 }
