@@ -300,7 +300,7 @@ fn run() -> Result<(), Box<dyn Error>> {
         params as f64 / 1e9
     );
     let (layouts, skipped): (Vec<_>, Vec<_>) =
-        LAYOUTS.iter().partition(|(tp, pp)| tp * pp == world);
+        LAYOUTS.into_iter().partition(|&(tp, pp)| tp * pp == world);
     if !skipped.is_empty() {
         println!(
             "training layouts skipped at W = {world} (TP × PP must equal W): {}",
@@ -311,8 +311,9 @@ fn run() -> Result<(), Box<dyn Error>> {
                 .join(", ")
         );
     }
-    let (rollouts, skipped): (Vec<usize>, Vec<usize>) =
-        ROLLOUT_TP.iter().partition(|&&t| world.is_multiple_of(t));
+    let (rollouts, skipped): (Vec<_>, Vec<_>) = ROLLOUT_TP
+        .into_iter()
+        .partition(|&t| world.is_multiple_of(t));
     if !skipped.is_empty() {
         println!(
             "rollout T skipped at W = {world} (T must divide W): {}",
