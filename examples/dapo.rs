@@ -198,14 +198,23 @@ fn given(matches: &ArgMatches, group: clap::Command) -> Vec<String> {
 }
 
 impl Args {
-    /// Parses `argv` (the program name first), or returns clap's error (usage, --help,
-    /// --version).
+    /// Parses the process's command line, or returns clap's error (usage, --help, --version).
+    fn parse_command_line() -> Result<(Args, ArgMatches), clap::Error> {
+        Args::with_matches(Args::command().try_get_matches()?)
+    }
+
+    /// Parses `argv` (the program name first), or returns clap's error.
+    #[cfg(test)]
     fn parse_from_argv<I, T>(argv: I) -> Result<(Args, ArgMatches), clap::Error>
     where
         I: IntoIterator<Item = T>,
         T: Into<std::ffi::OsString> + Clone,
     {
-        let matches = Args::command().try_get_matches_from(argv)?;
+        Args::with_matches(Args::command().try_get_matches_from(argv)?)
+    }
+
+    /// The arguments `matches` holds, with the matches (which say what the command line gave).
+    fn with_matches(matches: ArgMatches) -> Result<(Args, ArgMatches), clap::Error> {
         let args = Args::from_arg_matches(&matches)?;
         Ok((args, matches))
     }
@@ -559,7 +568,7 @@ fn run_host(
 }
 
 fn main() -> ExitCode {
-    let (args, matches) = match Args::parse_from_argv(std::env::args_os()) {
+    let (args, matches) = match Args::parse_command_line() {
         Ok(parsed) => parsed,
         Err(e) => e.exit(),
     };

@@ -11,14 +11,21 @@
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use clap::Parser;
 use lifecycle_dist::{share_from_root, RankEnv};
 
+/// Joins the rendezvous as the launcher says and prints the id rank 0 shared: every rank of the
+/// job must print the same digest.
+#[derive(Debug, Parser)]
+#[command(name = "rendezvous-check")]
+struct Cli {
+    /// How long a rank waits for the others, in milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    timeout_ms: u64,
+}
+
 fn main() -> ExitCode {
-    let timeout_ms: u64 = std::env::args()
-        .skip_while(|a| a != "--timeout-ms")
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(30_000);
+    let timeout_ms = Cli::parse().timeout_ms;
     let env = match RankEnv::from_env() {
         Ok(Some(env)) => env,
         Ok(None) => {
@@ -56,5 +63,19 @@ fn main() -> ExitCode {
             eprintln!("rank {}: error: {e}", env.rank);
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn command_line() {
+        Cli::command().debug_assert();
+        assert_eq!(Cli::parse_from(["rendezvous-check"]).timeout_ms, 30_000);
+        let cli = Cli::parse_from(["rendezvous-check", "--timeout-ms", "60000"]);
+        assert_eq!(cli.timeout_ms, 60_000);
     }
 }

@@ -6,18 +6,32 @@
 
 use std::time::Instant;
 
+use clap::Parser;
 use lifecycle_core::Lifecycle;
 use lifecycle_decoder::{random_tensors, CpuDecoder, Decoder, ModelConfig, Sampling};
 use lifecycle_host::{HostBackend, HostTrainState};
 
+/// Throughput of the CPU decoder on a random Qwen2-shaped model through the host backend.
+#[derive(Debug, Parser)]
+#[command(name = "cpu_decode_bench")]
+struct Cli {
+    /// Prompts decoded together.
+    #[arg(default_value_t = 16)]
+    batch: usize,
+    /// Rollout tensor-parallel degree (also the ranks of the training state).
+    #[arg(default_value_t = 1)]
+    tp: usize,
+    /// Tokens generated per prompt.
+    #[arg(default_value_t = 32)]
+    new_tokens: usize,
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let arg = |i: usize, default: usize| -> Result<usize, Box<dyn std::error::Error>> {
-        Ok(match std::env::args().nth(i) {
-            Some(s) => s.parse()?,
-            None => default,
-        })
-    };
-    let (batch, tp, new_tokens) = (arg(1, 16)?, arg(2, 1)?, arg(3, 32)?);
+    let Cli {
+        batch,
+        tp,
+        new_tokens,
+    } = Cli::parse();
     let config = ModelConfig::from_json_str(
         r#"{"model_type": "qwen2", "vocab_size": 8192, "hidden_size": 512,
         "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,

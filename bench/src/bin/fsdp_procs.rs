@@ -7,9 +7,12 @@
 //! 2. speed: the Qwen2.5-7B-shaped model (synthetic weights made on the GPUs), resident enters at
 //!    T = 1 (all-gather mode, 4 GiB groups) and T = W (send/receive, 256 MiB buckets).
 //!
+//! At W = 1 the two T are one: each check runs once.
+//!
 //! ```text
 //! lifecycle-launch --nproc-per-node 2 -- fsdp_procs        # one process per GPU
 //! fsdp_procs --world 2                                     # one process, a thread per GPU
+//! cargo run --release -p lifecycle-bench --bin fsdp_procs -- --world 2 [--layers 28] [--iters 7]
 //! ```
 
 use std::error::Error;
@@ -17,6 +20,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use clap::Parser;
+use lifecycle_bench::cli::{exit_code, positive};
+use lifecycle_bench::timing::median_duration;
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy};
 use lifecycle_cuda::{RankExecutor, ThreadRankPool};
 use lifecycle_dist::RankEnv;
@@ -25,38 +31,28 @@ use lifecycle_host::{reference_rollout, HostTrainState};
 use lifecycle_layout::HostTensor;
 use lifecycle_layout::RolloutLayout;
 
-struct Args {
+/// The FSDP backend with one process per GPU (launched like PyTorch) or one process with a
+/// thread per GPU: rollouts checked bit for bit against the host reference at T = 1 and T = W,
+/// then resident enters of the Qwen2.5-7B-shaped model timed at both.
+#[derive(Debug, Parser)]
+#[command(name = "fsdp_procs")]
+struct Cli {
+    /// Ranks, one GPU each, with no launcher variables (under a launcher: its world size).
+    #[arg(long, default_value_t = 2, value_parser = positive::<usize>)]
     world: usize,
+    /// Decoder layers of the 7.6B-shaped model of the speed check.
+    #[arg(long, default_value_t = 28, value_parser = positive::<usize>)]
     layers: usize,
+    /// Timed enters of each speed figure; the median is reported.
+    #[arg(long, default_value_t = 7, value_parser = positive::<usize>)]
     iters: usize,
 }
 
-fn parse() -> Result<Args, String> {
-    let mut a = Args {
-        world: 2,
-        layers: 28,
-        iters: 7,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut num = |name: &str| -> Result<usize, String> {
-            it.next()
-                .and_then(|v| v.parse().ok())
-                .filter(|&n: &usize| n > 0)
-                .ok_or_else(|| format!("{name} needs a positive integer"))
-        };
-        match arg.as_str() {
-            "--world" => a.world = num("--world")?,
-            "--layers" => a.layers = num("--layers")?,
-            "--iters" => a.iters = num("--iters")?,
-            _ => {
-                return Err(format!(
-                    "unknown argument `{arg}`: fsdp_procs [--world W] [--layers L] [--iters N]"
-                ))
-            }
-        }
-    }
-    Ok(a)
+/// The rollout degrees checked at W ranks: 1 and W, once each.
+fn rollout_tps(world: usize) -> Vec<usize> {
+    let mut tps = vec![1, world];
+    tps.dedup();
+    tps
 }
 
 /// Deterministic values with a spread of magnitudes (identical in every process).
@@ -91,12 +87,7 @@ fn small_model() -> Vec<HostTensor> {
     .collect()
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
-fn run(pool: Arc<ThreadRankPool>, args: &Args) -> Result<bool, Box<dyn Error>> {
+fn run(pool: Arc<ThreadRankPool>, args: &Cli) -> Result<bool, Box<dyn Error>> {
     let world = pool.world();
     let locals = pool.local_ranks().to_vec();
     let mut all_ok = true;
@@ -104,7 +95,7 @@ fn run(pool: Arc<ThreadRankPool>, args: &Args) -> Result<bool, Box<dyn Error>> {
     // 1. correctness against the host reference
     let tensors = small_model();
     let host = HostTrainState::from_tensors(world, tensors.clone())?;
-    for tp in [1, world] {
+    for tp in rollout_tps(world) {
         let names = host.layout().tensors().to_vec();
         let layout = RolloutLayout::from_hf_names(tp, names)?;
         let expected = reference_rollout(&host, &layout)?;
@@ -137,17 +128,16 @@ fn run(pool: Arc<ThreadRankPool>, args: &Args) -> Result<bool, Box<dyn Error>> {
         RolloutLayout::from_hf_names(1, shapes.clone())?,
     );
     let mut state = first.synthetic_state(&shapes, 1234, 0.02)?;
-    for (tp, config) in [
-        (
-            1,
+    for tp in rollout_tps(world) {
+        let config = if tp == 1 {
             BucketConfig {
                 bucket_bytes: 4 << 30,
                 in_flight: 2,
                 mode: GatherMode::AllGather,
-            },
-        ),
-        (world, BucketConfig::default()),
-    ] {
+            }
+        } else {
+            BucketConfig::default()
+        };
         let backend = FsdpBackend::new(
             pool.clone(),
             RolloutLayout::from_hf_names(tp, shapes.clone())?,
@@ -181,7 +171,7 @@ fn run(pool: Arc<ThreadRankPool>, args: &Args) -> Result<bool, Box<dyn Error>> {
             locals,
             config_mode(tp),
             if tp == 1 { 4096 } else { 256 },
-            median(times).as_secs_f64() * 1e3,
+            median_duration(times).unwrap_or_default().as_secs_f64() * 1e3,
             args.iters,
             bytes as f64 / 1e9
         );
@@ -199,13 +189,7 @@ fn config_mode(tp: usize) -> GatherMode {
 }
 
 fn main() -> ExitCode {
-    let args = match parse() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
-    };
+    let args = Cli::parse();
     let pool = match RankEnv::from_env() {
         Ok(Some(env)) => {
             println!(
@@ -230,12 +214,28 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match run(pool, &args) {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::FAILURE,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
+    exit_code(run(pool, &args))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lifecycle_bench::cli::{assert_parses, assert_refused};
+
+    #[test]
+    fn each_rollout_degree_once() {
+        assert_eq!(rollout_tps(1), [1]);
+        assert_eq!(rollout_tps(2), [1, 2]);
+        assert_eq!(rollout_tps(4), [1, 4]);
+    }
+
+    #[test]
+    fn documented_command_lines() {
+        let [d, two, short] =
+            assert_parses::<Cli, 3>(["", "--world 2", "--world 1 --layers 2 --iters 3"]);
+        assert_eq!((d.world, d.layers, d.iters), (2, 28, 7));
+        assert_eq!(two.world, 2);
+        assert_eq!((short.world, short.layers, short.iters), (1, 2, 3));
+        assert_refused::<Cli>(&["--world 0", "--iters", "--bogus"]);
     }
 }

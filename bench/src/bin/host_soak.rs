@@ -4,20 +4,22 @@
 //! verification, to measure its overhead.
 //!
 //! ```text
-//! cargo run --release --example host_soak -- --cycles 1000
+//! cargo run --release -p lifecycle-bench --bin host_soak -- --cycles 1000
 //! ```
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use lifecycle_bench::cli::exit_code;
 use lifecycle_core::{HumanDuration, Lifecycle};
 use lifecycle_examples::toy_policy::PolicyConfig;
 use lifecycle_host::{reference_rollout, HostBackend, HostTrainState};
 
 /// Host soak with checksums.
 #[derive(Debug, Parser)]
-struct Args {
+#[command(name = "host_soak")]
+struct Cli {
     /// Switch cycles per run.
     #[arg(long, default_value_t = 1000)]
     cycles: u64,
@@ -43,7 +45,7 @@ fn preserved(s: &HostTrainState) -> Vec<Vec<u32>> {
 
 /// Runs the cycles; returns (mismatches, switch time).
 fn soak(
-    args: &Args,
+    args: &Cli,
     policy: &PolicyConfig,
     verify: bool,
 ) -> Result<(u64, Duration), Box<dyn std::error::Error>> {
@@ -89,7 +91,7 @@ fn soak(
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let args = Cli::parse();
     let policy = PolicyConfig {
         vocab: 64,
         hidden: args.hidden,
@@ -106,31 +108,35 @@ fn main() -> ExitCode {
     let start = Instant::now();
     let verified = soak(&args, &policy, true);
     let plain = soak(&args, &policy, false);
-    match (verified, plain) {
-        (Ok((bad, t_on)), Ok((_, t_off))) => {
-            println!(
-                "verification on: {} mismatches in {} cycles; switch time {} ({} per cycle)",
-                bad,
-                args.cycles,
-                HumanDuration(t_on),
-                HumanDuration(t_on / args.cycles.max(1) as u32)
-            );
-            println!(
-                "verification off: switch time {} ({} per cycle); overhead of verification {:.1}%",
-                HumanDuration(t_off),
-                HumanDuration(t_off / args.cycles.max(1) as u32),
-                100.0 * (t_on.as_secs_f64() / t_off.as_secs_f64() - 1.0)
-            );
-            println!("total {}", HumanDuration(start.elapsed()));
-            if bad == 0 {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            }
-        }
-        (Err(e), _) | (_, Err(e)) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
+    exit_code(verified.and_then(|(bad, t_on)| {
+        let (_, t_off) = plain?;
+        println!(
+            "verification on: {} mismatches in {} cycles; switch time {} ({} per cycle)",
+            bad,
+            args.cycles,
+            HumanDuration(t_on),
+            HumanDuration(t_on / args.cycles.max(1) as u32)
+        );
+        println!(
+            "verification off: switch time {} ({} per cycle); overhead of verification {:.1}%",
+            HumanDuration(t_off),
+            HumanDuration(t_off / args.cycles.max(1) as u32),
+            100.0 * (t_on.as_secs_f64() / t_off.as_secs_f64() - 1.0)
+        );
+        println!("total {}", HumanDuration(start.elapsed()));
+        Ok(bad == 0)
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lifecycle_bench::cli::assert_parses;
+
+    #[test]
+    fn documented_command_lines() {
+        let [d, long] = assert_parses::<Cli, 2>(["", "--cycles 1000 --hidden 128"]);
+        assert_eq!((d.cycles, d.world, d.tp, d.hidden), (1000, 2, 2, 256));
+        assert_eq!((long.cycles, long.hidden), (1000, 128));
     }
 }

@@ -4,7 +4,7 @@
 //! alone and next to a local device-to-device copy that loads HBM.
 //!
 //! ```text
-//! peer_probe [--gpus 2] [--mib 1024] [--iters 5]
+//! cargo run --release -p lifecycle-bench --bin peer_probe -- [--gpus 2] [--mib 1024] [--iters 5]
 //! ```
 //!
 //! Prints, per method, the best time of `--iters` runs and the receive rate per GPU.
@@ -12,6 +12,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use clap::Parser;
 use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
 use cudarc::driver::{DevicePtrMut, PushKernelArg};
@@ -33,6 +34,23 @@ extern "C" __global__ void copy2d16(const uint4* __restrict__ s, uint4* __restri
 "#;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Measures how fast the GPUs of one process move bytes between each other without NCCL: copy
+/// engines and SM copy kernels reading or writing the peer's memory, all GPUs at once in both
+/// directions, alone and next to a local device-to-device copy.
+#[derive(Debug, Parser)]
+#[command(name = "peer_probe")]
+struct Cli {
+    /// GPUs, each copying to the next (the last to the first).
+    #[arg(long, default_value_t = 2)]
+    gpus: usize,
+    /// MiB each GPU sends and receives per run.
+    #[arg(long, default_value_t = 1024)]
+    mib: usize,
+    /// Timed runs of each method; the best is reported.
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+}
 
 struct Gpu {
     ctx: Arc<CudaContext>,
@@ -61,6 +79,34 @@ fn ptr_mut(s: &mut CudaSlice<u8>, st: &CudaStream) -> u64 {
     p
 }
 
+/// The descriptor of a device-to-device 2-D copy of `rows` rows of `width` bytes, from rows
+/// `src_pitch` bytes apart at `src` to rows `dst_pitch` bytes apart at `dst`.
+fn copy_2d(
+    (src, src_pitch): (u64, usize),
+    (dst, dst_pitch): (u64, usize),
+    width: usize,
+    rows: usize,
+) -> sys::CUDA_MEMCPY2D {
+    sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        srcHost: std::ptr::null(),
+        srcDevice: src,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: src_pitch,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: dst,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: dst_pitch,
+        WidthInBytes: width,
+        Height: rows,
+    }
+}
+
 #[derive(Clone, Copy, PartialEq)]
 enum Method {
     CePush,
@@ -77,19 +123,11 @@ enum Method {
 }
 
 fn main() -> Res<()> {
-    let mut gpus_n = 2usize;
-    let mut mib = 1024usize;
-    let mut iters = 5usize;
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut val = || -> Res<usize> { Ok(args.next().ok_or("missing value")?.parse()?) };
-        match a.as_str() {
-            "--gpus" => gpus_n = val()?,
-            "--mib" => mib = val()?,
-            "--iters" => iters = val()?,
-            _ => return Err(format!("unknown argument {a}").into()),
-        }
-    }
+    let Cli {
+        gpus: gpus_n,
+        mib,
+        iters,
+    } = Cli::parse();
     // SAFETY: only probes whether the library can be loaded.
     if !unsafe { sys::is_culib_present() } {
         return Err("libcuda not found".into());
@@ -183,26 +221,18 @@ fn main() -> Res<()> {
             shared_mem_bytes: 0,
         };
         match m {
-            // SAFETY: both buffers hold at least `bytes` and stay alive until the streams are
-            // synchronised; peer access is enabled above.
-            Method::CePush => unsafe {
-                cudarc::driver::result::memcpy_dtod_async(
-                    recvs[peer],
-                    sends[i],
-                    bytes,
-                    g.net.cu_stream(),
-                )?
-            },
-            // SAFETY: both buffers hold at least `bytes` and stay alive until the streams are
-            // synchronised; peer access is enabled above.
-            Method::CePull => unsafe {
-                cudarc::driver::result::memcpy_dtod_async(
-                    recvs[i],
-                    sends[peer],
-                    bytes,
-                    g.net.cu_stream(),
-                )?
-            },
+            Method::CePush | Method::CePull => {
+                let (dst, src) = if m == Method::CePush {
+                    (recvs[peer], sends[i])
+                } else {
+                    (recvs[i], sends[peer])
+                };
+                // SAFETY: both buffers hold at least `bytes` and stay alive until the streams are
+                // synchronised; peer access is enabled above.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, g.net.cu_stream())?
+                }
+            }
             Method::SmPull | Method::SmPush => {
                 let (s, d) = if m == Method::SmPull {
                     (sends[peer], recvs[i])
@@ -238,24 +268,12 @@ fn main() -> Res<()> {
                 let parts = if m == Method::CePush2dTwo { 2 } else { 1 };
                 for p in 0..parts {
                     let (r0, r1) = (rows * p / parts, rows * (p + 1) / parts);
-                    let c = sys::CUDA_MEMCPY2D {
-                        srcXInBytes: 0,
-                        srcY: 0,
-                        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-                        srcHost: std::ptr::null(),
-                        srcDevice: sends[i] + (r0 * 2 * w) as u64,
-                        srcArray: std::ptr::null_mut(),
-                        srcPitch: 2 * w,
-                        dstXInBytes: 0,
-                        dstY: 0,
-                        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-                        dstHost: std::ptr::null_mut(),
-                        dstDevice: recvs[peer] + (r0 * w) as u64,
-                        dstArray: std::ptr::null_mut(),
-                        dstPitch: w,
-                        WidthInBytes: w,
-                        Height: r1 - r0,
-                    };
+                    let c = copy_2d(
+                        (sends[i] + (r0 * 2 * w) as u64, 2 * w),
+                        (recvs[peer] + (r0 * w) as u64, w),
+                        w,
+                        r1 - r0,
+                    );
                     let st = if p == 0 { &g.net } else { &g.net2 };
                     // SAFETY: the descriptor is valid for the call; every row lies inside buffers of
                     // 2 × `bytes`, alive until the streams are synchronised; peer access is enabled.
@@ -271,24 +289,7 @@ fn main() -> Res<()> {
                 } else {
                     (sends[peer], recvs[i])
                 };
-                let c = sys::CUDA_MEMCPY2D {
-                    srcXInBytes: 0,
-                    srcY: 0,
-                    srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-                    srcHost: std::ptr::null(),
-                    srcDevice: src,
-                    srcArray: std::ptr::null_mut(),
-                    srcPitch: w,
-                    dstXInBytes: 0,
-                    dstY: 0,
-                    dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-                    dstHost: std::ptr::null_mut(),
-                    dstDevice: dst,
-                    dstArray: std::ptr::null_mut(),
-                    dstPitch: 2 * w,
-                    WidthInBytes: w,
-                    Height: rows,
-                };
+                let c = copy_2d((src, w), (dst, 2 * w), w, rows);
                 // SAFETY: the descriptor is valid for the call; every row lies inside buffers of
                 // 2 × `bytes`, alive until the streams are synchronised; peer access is enabled.
                 unsafe { sys::cuMemcpy2DAsync_v2(&c, g.net.cu_stream()) }.result()?;
@@ -311,24 +312,7 @@ fn main() -> Res<()> {
             Method::CePull2d => {
                 let w = 3584usize;
                 let rows = bytes / w;
-                let c = sys::CUDA_MEMCPY2D {
-                    srcXInBytes: 0,
-                    srcY: 0,
-                    srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-                    srcHost: std::ptr::null(),
-                    srcDevice: sends[peer],
-                    srcArray: std::ptr::null_mut(),
-                    srcPitch: 2 * w,
-                    dstXInBytes: 0,
-                    dstY: 0,
-                    dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-                    dstHost: std::ptr::null_mut(),
-                    dstDevice: recvs[i],
-                    dstArray: std::ptr::null_mut(),
-                    dstPitch: w,
-                    WidthInBytes: w,
-                    Height: rows,
-                };
+                let c = copy_2d((sends[peer], 2 * w), (recvs[i], w), w, rows);
                 // SAFETY: the descriptor is valid for the call; every row lies inside buffers of
                 // 2 × `bytes`, alive until the streams are synchronised; peer access is enabled.
                 unsafe { sys::cuMemcpy2DAsync_v2(&c, g.net.cu_stream()) }.result()?;
@@ -418,4 +402,26 @@ fn main() -> Res<()> {
     }
     println!("  4 GiB local copy alone: {:.2} ms", best * 1e3);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lifecycle_bench::cli::{assert_parses, assert_refused};
+
+    #[test]
+    fn copy_descriptors() {
+        let c = copy_2d((0x1000, 7168), (0x9000, 3584), 3584, 10);
+        assert_eq!((c.srcDevice, c.srcPitch), (0x1000, 7168));
+        assert_eq!((c.dstDevice, c.dstPitch), (0x9000, 3584));
+        assert_eq!((c.WidthInBytes, c.Height), (3584, 10));
+    }
+
+    #[test]
+    fn documented_command_lines() {
+        let [d, all] = assert_parses::<Cli, 2>(["", "--gpus 2 --mib 1024 --iters 5"]);
+        assert_eq!((d.gpus, d.mib, d.iters), (2, 1024, 5));
+        assert_eq!((all.gpus, all.mib, all.iters), (2, 1024, 5));
+        assert_refused::<Cli>(&["--mib", "--gpus two", "--bogus"]);
+    }
 }

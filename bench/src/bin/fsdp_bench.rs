@@ -3,146 +3,111 @@
 //!
 //! ```text
 //! export NCCL_NVLS_ENABLE=0
-//! fsdp_bench [--layers 28] [--iters 5] [--world 2] [--skip-offload] [--skip-dapo]
+//! cargo run --release -p lifecycle-bench --bin fsdp_bench -- [--layers 28] [--iters 5] [--world 2]
+//!     [--skip-offload] [--skip-dapo] [--quick] [--tp T] [--trace DIR]
 //! ```
+//!
+//! Under a launcher (torchrun, Slurm, `lifecycle-launch`) it runs one rank per process and each
+//! process prints its own rank's figures. At W = 1 the link ceilings (all-gather receive rate,
+//! peer copies) read `n/a (W = 1)`: nothing crosses a link.
 //!
 //! The model's weights are generated on the GPUs directly (`FsdpBackend::synthetic_state`: a
 //! counter-based hash kernel fills each rank's shard of the fp32 master weights and Adam m, v), so
 //! no 30 GB host upload is needed.
 
 use std::error::Error;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use clap::Parser;
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Phase, Reshard, Switching};
-use lifecycle_cuda::{
-    alloc_device, alloc_pinned, check_environment, RankExecutor, ThreadRankPool, Transport,
+use lifecycle_bench::ceilings::{self, PinnedOrder, PinnedRates, Timing, NO_LINK};
+use lifecycle_bench::cycles::{
+    lazy_lifecycle, offload_times, phase_d2d_bytes, resident_times, time_cycles,
 };
+use lifecycle_bench::timing::{gbps, ms, GB};
+use lifecycle_bench::trace::trace_cycle;
+use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Phase, Reshard, Switching};
+use lifecycle_cuda::{alloc_device, check_environment, RankExecutor, ThreadRankPool, Transport};
 use lifecycle_fsdp::{BucketConfig, FsdpBackend, FsdpTrainState, GatherMode};
 use lifecycle_layout::RolloutLayout;
 
-const GB: f64 = 1e9;
-
-struct Args {
+/// Benchmark of the FSDP backend on a synthetic Qwen2.5-7B-shaped model: resident enters and
+/// exits at each bucket configuration, switches with the master weights and Adam state
+/// offloaded, and a DAPO-shaped loop, next to the hardware ceilings measured in the same process.
+#[derive(Debug, Parser)]
+#[command(name = "fsdp_bench")]
+struct Cli {
+    /// Decoder layers of the model.
+    #[arg(long, default_value_t = 28)]
     layers: usize,
+    /// Timed cycles of each figure; the median is reported (0 counts as 1).
+    #[arg(long, default_value_t = 5)]
     iters: usize,
+    /// Ranks, one GPU each, in one process (0 counts as 1); under a launcher (torchrun, Slurm,
+    /// lifecycle-launch) its world size instead.
+    #[arg(long, default_value_t = 2)]
     world: usize,
-    offload: bool,
-    dapo: bool,
+    /// Skip the switches with the master weights and Adam state offloaded.
+    #[arg(long)]
+    skip_offload: bool,
+    /// Skip the DAPO-shaped loop.
+    #[arg(long)]
+    skip_dapo: bool,
+    /// Fewer bucket configurations, and one setting of the cast kernel's blocks per SM.
+    #[arg(long)]
     quick: bool,
-    trace: Option<std::path::PathBuf>,
+    /// Only this rollout tensor-parallel degree (1 or 2).
+    #[arg(long, value_name = "T")]
     tp: Option<usize>,
+    /// Write one traced resident enter + exit per T to DIR/fsdp_enter_t{T}.json (Chrome /
+    /// Perfetto) and print its device work per rank and stream.
+    #[arg(long, value_name = "DIR")]
+    trace: Option<PathBuf>,
 }
 
-fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        layers: 28,
-        iters: 5,
-        world: 2,
-        offload: true,
-        dapo: true,
-        quick: false,
-        trace: None,
-        tp: None,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut num = |name: &str| -> Result<usize, String> {
-            it.next()
-                .and_then(|v| v.parse().ok())
-                .ok_or_else(|| format!("{name} needs a positive integer"))
-        };
-        match arg.as_str() {
-            "--layers" => a.layers = num("--layers")?,
-            "--iters" => a.iters = num("--iters")?.max(1),
-            "--world" => a.world = num("--world")?.max(1),
-            "--skip-offload" => a.offload = false,
-            "--skip-dapo" => a.dapo = false,
-            "--quick" => a.quick = true,
-            "--tp" => a.tp = Some(num("--tp")?),
-            "--trace" => {
-                a.trace = Some(
-                    it.next()
-                        .ok_or("--trace needs a folder for the trace files")?
-                        .into(),
-                )
-            }
-            "-h" | "--help" => {
-                return Err("usage: fsdp_bench [--layers 28] [--iters 5] [--world 2] [--skip-offload] [--skip-dapo] [--quick] [--tp T] [--trace DIR]".into())
-            }
-            other => return Err(format!("unknown argument `{other}` (try --help)")),
-        }
+impl Cli {
+    /// The arguments with `--iters 0` and `--world 0` counted as 1.
+    fn normalised(mut self) -> Cli {
+        self.iters = self.iters.max(1);
+        self.world = self.world.max(1);
+        self
     }
-    Ok(a)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
-fn ms(s: f64) -> String {
-    format!("{:.2} ms", s * 1e3)
 }
 
 struct Ceilings {
-    /// (output bytes per rank, per-rank receive rate B/s).
-    allgather: Vec<(u64, f64)>,
+    /// (output bytes per rank, per-rank receive rate B/s; `None` at W = 1).
+    allgather: Vec<(u64, Option<f64>)>,
     best_recv: f64,
-    /// Copy-engine peer-copy rate per rank (None: no peer access).
+    /// Copy-engine peer-copy rate per rank (None: no peer access, or W = 1).
     peer: Option<f64>,
     d2d: f64,
     h2d: f64,
     d2h: f64,
-    h2d_one: f64,
-    d2h_one: f64,
+    /// GPU 0 alone (`None` when rank 0 runs in another process).
+    one: Option<PinnedRates>,
 }
+
+/// What the figures of GPU 0 alone read when rank 0 runs in another process.
+const NOT_HERE: &str = "n/a (rank 0 runs in another process)";
 
 fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Error>> {
     let world = pool.world();
+    // Two warm-up runs, then `iters` timed ones, each starting on an idle stream.
+    let timing = Timing::after_idle(2, iters);
     let mut allgather = Vec::new();
-    for gb in [1u64, 2, 4] {
-        let bytes = gb * 1_000_000_000;
-        let n = (bytes / 2) as usize / world * world;
-        let times = pool.run(&|ctx| {
-            // SAFETY: contents are irrelevant to the timing; nothing reads them on the host.
-            let inp: CudaSlice<bf16> =
-                unsafe { alloc_device(&ctx.compute, n / world, ctx.rank, "all-gather input")? };
-            // SAFETY: as above.
-            let mut out: CudaSlice<bf16> =
-                unsafe { alloc_device(&ctx.compute, n, ctx.rank, "all-gather output")? };
-            let nccl = ctx.nccl_stream();
-            ctx.order(&ctx.compute, &nccl)?;
-            let mut ts = Vec::new();
-            for k in 0..iters + 2 {
-                nccl.synchronize().map_err(ctx.drv("sync", 0))?;
-                let t = Instant::now();
-                ctx.comm
-                    .all_gather(&inp, &mut out)
-                    .map_err(|e| lifecycle_cuda::CudaError::nccl(ctx.rank, "all_gather", e))?;
-                nccl.synchronize().map_err(ctx.drv("sync", 0))?;
-                if k >= 2 {
-                    ts.push(t.elapsed().as_secs_f64());
-                }
-            }
-            ctx.order(&nccl, &ctx.compute)?;
-            drop((inp, out));
-            ctx.compute.synchronize().map_err(ctx.drv("sync", 0))?;
-            Ok(median(ts))
-        })?;
-        let t = times.iter().cloned().fold(0.0, f64::max);
-        let recv = (n as f64 * 2.0) * (world as f64 - 1.0) / world as f64;
-        let rate = if world > 1 { recv / t } else { f64::NAN };
+    for gb in [1usize, 2, 4] {
+        let a = ceilings::all_gather(pool, gb * 1_000_000_000, timing)?;
         println!(
-            "ceiling  NCCL all-gather {gb} GB out/rank: {} -> per-rank receive {:.1} GB/s (bus bw)",
-            ms(t),
-            rate / GB
+            "ceiling  NCCL all-gather {gb} GB out/rank: {} -> per-rank receive {} (bus bw)",
+            ms(a.secs),
+            gbps(a.recv_rate, 1, NO_LINK)
         );
-        allgather.push((n as u64 * 2, rate));
+        allgather.push((a.out_bytes, a.recv_rate));
     }
-    let best_recv = allgather.iter().map(|a| a.1).fold(0.0, f64::max);
+    let best_recv = allgather.iter().filter_map(|a| a.1).fold(0.0, f64::max);
     let mut peer: Option<f64> = None;
     for gb in [1usize, 4] {
         if let Some(rate) = lifecycle_cuda::peer_copy_rate(pool, gb * 1_000_000_000, iters)? {
@@ -153,29 +118,12 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
             peer = Some(peer.map_or(rate, |p: f64| p.max(rate)));
         }
     }
+    if world == 1 {
+        println!("ceiling  peer copy (copy engines): {NO_LINK}");
+    }
 
     let nb = 4_000_000_000usize;
-    let d2d = pool.run(&|ctx| {
-        // SAFETY: contents irrelevant to the timing.
-        let a: CudaSlice<f32> = unsafe { alloc_device(&ctx.compute, nb / 4, ctx.rank, "d2d src")? };
-        // SAFETY: as above.
-        let mut b: CudaSlice<f32> =
-            unsafe { alloc_device(&ctx.compute, nb / 4, ctx.rank, "d2d dst")? };
-        let mut ts = Vec::new();
-        for k in 0..iters + 2 {
-            ctx.compute.synchronize().map_err(ctx.drv("sync", 0))?;
-            let t = Instant::now();
-            ctx.compute
-                .memcpy_dtod(&a, &mut b)
-                .map_err(ctx.drv("dtod", 0))?;
-            ctx.compute.synchronize().map_err(ctx.drv("sync", 0))?;
-            if k >= 2 {
-                ts.push(t.elapsed().as_secs_f64());
-            }
-        }
-        Ok(2.0 * nb as f64 / median(ts))
-    })?;
-    let d2d = d2d.iter().cloned().fold(f64::INFINITY, f64::min);
+    let d2d = ceilings::device_copy(pool, nb, timing)?;
     println!(
         "ceiling  device-to-device copy 4 GB: {:.0} GB/s (read + write)",
         d2d / GB
@@ -191,6 +139,7 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
             unsafe { alloc_device(&ctx.compute, n, ctx.rank, "cast dst")? };
         let (sp, _g) = cudarc::driver::DevicePtr::device_ptr(&src, &ctx.compute);
         let (dp, _h) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut dst, &ctx.compute);
+        let sync = || ctx.compute.synchronize().map_err(ctx.drv("sync", 0));
         let mut out = Vec::new();
         for region in [
             lifecycle_layout::Region2d {
@@ -206,21 +155,15 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
                 dst_ld: 8192,
             },
         ] {
-            let mut ts = Vec::new();
-            for k in 0..iters + 2 {
-                ctx.compute.synchronize().map_err(ctx.drv("sync", 0))?;
-                let t = Instant::now();
+            let t = timing.repeats.median_secs(sync, || {
                 // SAFETY: both regions lie inside the n-element buffers above.
                 unsafe {
                     ctx.kernels
                         .cast_f32_bf16(&ctx.compute, sp, dp, region, ctx.rank)?
                 };
-                ctx.compute.synchronize().map_err(ctx.drv("sync", 0))?;
-                if k >= 2 {
-                    ts.push(t.elapsed().as_secs_f64());
-                }
-            }
-            out.push(6.0 * region.numel() as f64 / median(ts));
+                sync()
+            })?;
+            out.push(6.0 * region.numel() as f64 / t);
             // The same region through the multi-tensor kernel, with one block per chunk (the
             // default) and capped at 4 blocks per SM.
             let mut batch = lifecycle_cuda::CastBatch::default();
@@ -234,10 +177,7 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
             let (descp, _d) = cudarc::driver::DevicePtr::device_ptr(&descs, &ctx.compute);
             for cap in [0, 4] {
                 ctx.kernels.set_multi_blocks_per_sm(cap);
-                let mut ts = Vec::new();
-                for k in 0..iters + 2 {
-                    ctx.compute.synchronize().map_err(ctx.drv("sync", 0))?;
-                    let t = Instant::now();
+                let t = timing.repeats.median_secs(sync, || {
                     // SAFETY: the descriptor's region lies inside the n-element buffers above.
                     unsafe {
                         ctx.kernels.cast_multi(
@@ -251,12 +191,9 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
                             ctx.rank,
                         )?
                     };
-                    ctx.compute.synchronize().map_err(ctx.drv("sync", 0))?;
-                    if k >= 2 {
-                        ts.push(t.elapsed().as_secs_f64());
-                    }
-                }
-                out.push(6.0 * region.numel() as f64 / median(ts));
+                    sync()
+                })?;
+                out.push(6.0 * region.numel() as f64 / t);
             }
             ctx.kernels
                 .set_multi_blocks_per_sm(lifecycle_cuda::DEFAULT_MULTI_BLOCKS_PER_SM);
@@ -276,61 +213,32 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
         cast[0][5] / GB
     );
 
-    let pinned = |only_rank0: bool| -> Result<Vec<(f64, f64)>, lifecycle_cuda::CudaError> {
-        pool.run(&|ctx| {
-            if only_rank0 && ctx.rank != 0 {
-                return Ok((f64::NAN, f64::NAN));
-            }
-            // SAFETY: contents irrelevant to the timing.
-            let mut h =
-                unsafe { alloc_pinned::<f32>(&ctx.copy, nb / 4, ctx.rank, "pinned bench")? };
-            // SAFETY: as above.
-            let mut d: CudaSlice<f32> =
-                unsafe { alloc_device(&ctx.copy, nb / 4, ctx.rank, "pinned bench dev")? };
-            let (mut up, mut down) = (Vec::new(), Vec::new());
-            for k in 0..iters + 1 {
-                ctx.copy.synchronize().map_err(ctx.drv("sync", 0))?;
-                let t = Instant::now();
-                ctx.copy
-                    .memcpy_htod(&h, &mut d)
-                    .map_err(ctx.drv("h2d", 0))?;
-                ctx.copy.synchronize().map_err(ctx.drv("sync", 0))?;
-                let t1 = t.elapsed().as_secs_f64();
-                let t = Instant::now();
-                ctx.copy
-                    .memcpy_dtoh(&d, &mut h)
-                    .map_err(ctx.drv("d2h", 0))?;
-                ctx.copy.synchronize().map_err(ctx.drv("sync", 0))?;
-                let t2 = t.elapsed().as_secs_f64();
-                if k >= 1 {
-                    up.push(nb as f64 / t1);
-                    down.push(nb as f64 / t2);
-                }
-            }
-            Ok((median(up), median(down)))
-        })
+    // One warm-up run; each run uploads then downloads, starting on an idle stream.
+    let pinned = |only: Option<usize>| {
+        let timing = Timing::after_idle(1, iters);
+        ceilings::pinned(pool, nb, timing, PinnedOrder::Interleaved, only)
     };
-    let both = pinned(false)?;
-    let one = pinned(true)?;
-    let h2d = both.iter().map(|x| x.0).fold(f64::INFINITY, f64::min);
-    let d2h = both.iter().map(|x| x.1).fold(f64::INFINITY, f64::min);
+    let all = ceilings::slowest_pinned(&pinned(None)?);
+    let one = pinned(Some(0))?.first().copied().flatten();
     println!(
-        "ceiling  pinned 4 GB, all {} GPUs at once (slowest rank): H2D {:.1} GB/s, D2H {:.1} GB/s; GPU 0 alone: H2D {:.1}, D2H {:.1}",
+        "ceiling  pinned 4 GB, all {} GPUs at once (slowest rank): H2D {:.1} GB/s, D2H {:.1} GB/s; GPU 0 alone: {}",
         world,
-        h2d / GB,
-        d2h / GB,
-        one[0].0 / GB,
-        one[0].1 / GB
+        all.h2d / GB,
+        all.d2h / GB,
+        one.map_or(NOT_HERE.to_string(), |o| format!(
+            "H2D {:.1}, D2H {:.1}",
+            o.h2d / GB,
+            o.d2h / GB
+        ))
     );
     Ok(Ceilings {
         allgather,
         best_recv,
         peer,
         d2d,
-        h2d,
-        d2h,
-        h2d_one: one[0].0,
-        d2h_one: one[0].1,
+        h2d: all.h2d,
+        d2h: all.d2h,
+        one,
     })
 }
 
@@ -342,24 +250,19 @@ struct Row {
     peer: String,
 }
 
-fn time_cycles(
-    lc: &mut Lifecycle<FsdpBackend>,
-    iters: usize,
-) -> Result<(f64, f64), Box<dyn Error>> {
-    // Warm-up cycle (pinned buffers, NCCL p2p connections, allocator pools).
-    lc.enter()?;
-    lc.exit()?;
-    lc.reset_metrics();
-    let (mut en, mut ex) = (Vec::new(), Vec::new());
-    for _ in 0..iters {
-        let t = Instant::now();
-        lc.enter()?;
-        en.push(t.elapsed().as_secs_f64());
-        let t = Instant::now();
-        lc.exit()?;
-        ex.push(t.elapsed().as_secs_f64());
-    }
-    Ok((median(en), median(ex)))
+/// The backend at rollout degree `tp` with `cfg` over `transport`.
+fn backend_at(
+    pool: &Arc<ThreadRankPool>,
+    tensors: &[(String, Vec<usize>)],
+    tp: usize,
+    (cfg, transport): (BucketConfig, Transport),
+) -> Result<FsdpBackend, Box<dyn Error>> {
+    Ok(FsdpBackend::new(
+        pool.clone(),
+        RolloutLayout::from_hf_names(tp, tensors.to_vec())?,
+    )
+    .with_config(cfg)?
+    .with_transport(transport))
 }
 
 /// One traced resident enter + exit at `cfg`: writes the Chrome trace and prints, per rank and
@@ -372,76 +275,20 @@ fn traced_enter(
     (cfg, transport): (BucketConfig, Transport),
     dir: &std::path::Path,
 ) -> Result<FsdpTrainState, Box<dyn Error>> {
-    let b = FsdpBackend::new(
-        pool.clone(),
-        RolloutLayout::from_hf_names(tp, tensors.to_vec())?,
-    )
-    .with_config(cfg)?
-    .with_transport(transport);
-    let mut lc = Lifecycle::with_config(
-        b,
-        state,
-        LifecycleConfig {
-            switching: Switching::Lazy,
-            memory: MemoryPolicy::resident(),
-        },
-    )?;
+    let b = backend_at(pool, tensors, tp, (cfg, transport))?;
+    let mut lc = lazy_lifecycle(b, state, MemoryPolicy::resident())?;
     lc.enter()?;
     lc.exit()?;
-    lc.enable_trace();
-    lc.enter()?;
-    lc.exit()?;
-    std::fs::create_dir_all(dir)?;
-    let path = dir.join(format!("fsdp_enter_t{tp}.json"));
-    lc.trace().write_chrome(&path)?;
-    let spans = lc.trace().spans();
-    let t0 = spans
-        .iter()
-        .map(|s| s.start_us)
-        .fold(f64::INFINITY, f64::min);
+    let traced = trace_cycle(&mut lc, dir, &format!("fsdp_enter_t{tp}"), 12)?;
     println!(
-        "  trace of one resident enter + exit at T = {tp} ({} spans) written to {}; device work per rank and stream (ms after the first span):",
-        spans.len(),
-        path.display()
+        "  trace of one resident enter + exit at T = {tp} {}; device work per rank and stream (ms after the first span):",
+        traced.written()
     );
-    let mut keys: Vec<(Option<usize>, String)> =
-        spans.iter().map(|s| (s.rank, s.track.clone())).collect();
-    keys.sort();
-    keys.dedup();
-    for (rank, track) in keys {
-        let mine: Vec<_> = spans
-            .iter()
-            .filter(|s| s.rank == rank && s.track == track)
-            .collect();
-        let first = mine
-            .iter()
-            .map(|s| s.start_us)
-            .fold(f64::INFINITY, f64::min);
-        let last = mine
-            .iter()
-            .map(|s| s.start_us + s.duration_us)
-            .fold(f64::NEG_INFINITY, f64::max);
-        let busy: f64 = mine.iter().map(|s| s.duration_us).sum();
-        let detail: Vec<String> = mine
-            .iter()
-            .take(12)
-            .map(|s| {
-                format!(
-                    "{} {:.3}+{:.3}",
-                    s.name,
-                    (s.start_us - t0) / 1e3,
-                    s.duration_us / 1e3
-                )
-            })
-            .collect();
+    for r in &traced.tracks {
+        let t = &r.summary;
         println!(
-            "    rank {:?} {track:>8}: {:.3} .. {:.3} ms, busy {:.3} ms, {} spans: {}",
-            rank,
-            (first - t0) / 1e3,
-            (last - t0) / 1e3,
-            busy / 1e3,
-            mine.len(),
-            detail.join(", ")
+            "    rank {:?} {:>8}: {}: {}",
+            t.rank, t.track, r.times, r.first
         );
     }
     let (_, s) = lc.into_parts()?;
@@ -456,7 +303,7 @@ fn main() {
 }
 
 fn run() -> Result<(), Box<dyn Error>> {
-    let mut args = parse_args()?;
+    let mut args = Cli::parse().normalised();
     // Launched like PyTorch (torchrun, Slurm, lifecycle-launch): one rank per process, and each
     // process prints the figures of its own rank. Otherwise one process with a thread per GPU.
     let pool = match lifecycle_dist::RankEnv::from_env()? {
@@ -618,35 +465,20 @@ fn run() -> Result<(), Box<dyn Error>> {
             }
         }
         for (cfg, batched, transport) in runs {
-            let b = FsdpBackend::new(
-                pool.clone(),
-                RolloutLayout::from_hf_names(tp, tensors.clone())?,
-            )
-            .with_config(cfg)?
-            .with_batched_casts(batched)
-            .with_transport(transport);
-            let mut lc = Lifecycle::with_config(
-                b,
-                state,
-                LifecycleConfig {
-                    switching: Switching::Lazy,
-                    memory: MemoryPolicy::resident(),
-                },
-            )?;
-            let (en, ex) = time_cycles(&mut lc, args.iters)?;
+            let b = backend_at(&pool, &tensors, tp, (cfg, transport))?.with_batched_casts(batched);
+            let mut lc = lazy_lifecycle(b, state, MemoryPolicy::resident())?;
+            let (en, ex) = time_cycles(&mut lc, args.iters, true)?;
             let m = lc.metrics().clone();
             let tr = m.phase(Phase::Transfer);
             println!(
-                "  resident, {} casts, {}, {:?} bucket {:>4} MiB x {} in flight: enter {} (transfer phase {} avg), exit {}; d2d {:.3} GB, peak extra {:.1} MB",
+                "  resident, {} casts, {}, {:?} bucket {:>4} MiB x {} in flight: {}; d2d {:.3} GB, peak extra {:.1} MB",
                 if batched { "batched" } else { "per-piece" },
                 if transport == Transport::PeerCopy { "peer copies" } else { "NCCL" },
                 cfg.mode,
                 cfg.bucket_bytes >> 20,
                 cfg.in_flight,
-                ms(en),
-                ms(tr.wall.as_secs_f64() / tr.count.max(1) as f64),
-                ms(ex),
-                tr.bytes.device_to_device as f64 / tr.count.max(1) as f64 / GB,
+                resident_times(en, ex, &m),
+                phase_d2d_bytes(&m, Phase::Transfer) / GB,
                 tr.peak_extra_bytes as f64 / 1e6
             );
             if batched && en < best.0 {
@@ -660,14 +492,7 @@ fn run() -> Result<(), Box<dyn Error>> {
                 let t = Instant::now();
                 backend.trim_device_memory()?;
                 let trim = t.elapsed().as_secs_f64();
-                let mut lc = Lifecycle::with_config(
-                    backend,
-                    state,
-                    LifecycleConfig {
-                        switching: Switching::Lazy,
-                        memory: MemoryPolicy::resident(),
-                    },
-                )?;
+                let mut lc = lazy_lifecycle(backend, state, MemoryPolicy::resident())?;
                 let t = Instant::now();
                 lc.enter()?;
                 let cold = t.elapsed().as_secs_f64();
@@ -685,21 +510,9 @@ fn run() -> Result<(), Box<dyn Error>> {
                 ctx.kernels.set_multi_blocks_per_sm(per_sm);
                 Ok(())
             })?;
-            let b = FsdpBackend::new(
-                pool.clone(),
-                RolloutLayout::from_hf_names(tp, tensors.clone())?,
-            )
-            .with_config(best_cfg)?
-            .with_transport(best_transport);
-            let mut lc = Lifecycle::with_config(
-                b,
-                state,
-                LifecycleConfig {
-                    switching: Switching::Lazy,
-                    memory: MemoryPolicy::resident(),
-                },
-            )?;
-            let (en, _) = time_cycles(&mut lc, args.iters)?;
+            let b = backend_at(&pool, &tensors, tp, (best_cfg, best_transport))?;
+            let mut lc = lazy_lifecycle(b, state, MemoryPolicy::resident())?;
+            let (en, _) = time_cycles(&mut lc, args.iters, true)?;
             println!(
                 "  multi-tensor cast capped at {per_sm} blocks/SM (default {}, 0 = one block per chunk): enter {}",
                 lifecycle_cuda::DEFAULT_MULTI_BLOCKS_PER_SM,
@@ -741,41 +554,23 @@ fn run() -> Result<(), Box<dyn Error>> {
             peer: peer.into(),
         });
 
-        if args.offload {
+        if !args.skip_offload {
             // (enter, exit, chunk) of the best chunking of the offload copies.
             let mut best_off: Option<(f64, f64, usize)> = None;
             let mut off_bytes = 0.0;
             for chunk in [0usize, 1 << 30, 256 << 20] {
-                let b = FsdpBackend::new(
-                    pool.clone(),
-                    RolloutLayout::from_hf_names(tp, tensors.clone())?,
-                )
-                .with_config(best_cfg)?
-                .with_transport(best_transport)
-                .with_offload_chunk_bytes(chunk);
-                let mut lc = Lifecycle::with_config(
-                    b,
-                    state,
-                    LifecycleConfig {
-                        switching: Switching::Lazy,
-                        memory: MemoryPolicy::default(),
-                    },
-                )?;
+                let b = backend_at(&pool, &tensors, tp, (best_cfg, best_transport))?
+                    .with_offload_chunk_bytes(chunk);
+                let mut lc = lazy_lifecycle(b, state, MemoryPolicy::default())?;
                 let t = Instant::now();
-                let (en, ex) = time_cycles(&mut lc, args.iters.min(3))?;
+                let (en, ex) = time_cycles(&mut lc, args.iters.min(3), true)?;
                 let m = lc.metrics().clone();
-                let per = |p: Phase| m.phase(p).wall.as_secs_f64() / m.phase(p).count.max(1) as f64;
                 off_bytes = 3.0 * lc.peek_state().rank_buffer_bytes() as f64;
                 println!(
-                    "  offload master + Adam ({:.1} GB/rank), offload copies of {}: enter {} (transfer {}, offload wait {}), exit {} (release {}, reload {}); full switch {}; [{:.1} s incl. warm-up]",
+                    "  offload master + Adam ({:.1} GB/rank), offload copies of {}: {}; full switch {}; [{:.1} s incl. warm-up]",
                     off_bytes / GB,
                     if chunk == 0 { "whole buffers".to_string() } else { format!("{} MiB", chunk >> 20) },
-                    ms(en),
-                    ms(per(Phase::Transfer)),
-                    ms(per(Phase::Offload)),
-                    ms(ex),
-                    ms(per(Phase::Release)),
-                    ms(per(Phase::Reload)),
+                    offload_times(en, ex, &m),
                     ms(en + ex),
                     t.elapsed().as_secs_f64()
                 );
@@ -807,7 +602,7 @@ fn run() -> Result<(), Box<dyn Error>> {
         }
     }
 
-    if args.dapo {
+    if !args.skip_dapo {
         let tp = args.world.min(2);
         println!("\nDAPO-shaped loop: 2 steps x 3 rollout calls, T = {tp}, master + Adam offloaded during rollout");
         for switching in [Switching::Lazy, Switching::Eager] {
@@ -858,7 +653,7 @@ fn run() -> Result<(), Box<dyn Error>> {
         "  all-gather per-rank receive: {}",
         c.allgather
             .iter()
-            .map(|(b, r)| format!("{:.0} GB/s @ {:.0} GB", r / GB, *b as f64 / GB))
+            .map(|(b, r)| format!("{} @ {:.0} GB", gbps(*r, 0, NO_LINK), *b as f64 / GB))
             .collect::<Vec<_>>()
             .join(", ")
     );
@@ -874,12 +669,15 @@ fn run() -> Result<(), Box<dyn Error>> {
         );
     }
     println!(
-        "  d2d {:.0} GB/s; pinned H2D {:.1} / D2H {:.1} GB/s (all GPUs at once), {:.1} / {:.1} GB/s (one GPU)",
+        "  d2d {:.0} GB/s; pinned H2D {:.1} / D2H {:.1} GB/s (all GPUs at once), {} (one GPU)",
         c.d2d / GB,
         c.h2d / GB,
         c.d2h / GB,
-        c.h2d_one / GB,
-        c.d2h_one / GB
+        c.one.map_or(NOT_HERE.to_string(), |o| format!(
+            "{:.1} / {:.1} GB/s",
+            o.h2d / GB,
+            o.d2h / GB
+        ))
     );
     println!(
         "  {:<44} {:>10} {:>10} {:>8} {:>10} {:>5}  peer",
@@ -897,6 +695,37 @@ fn run() -> Result<(), Box<dyn Error>> {
             r.peer
         );
     }
-    let _ = Duration::ZERO;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lifecycle_bench::cli::{assert_parses, assert_refused};
+
+    #[test]
+    fn documented_command_lines() {
+        let [d, traced, quick, launched, one] = assert_parses::<Cli, 5>([
+            "",
+            "--skip-dapo --trace /tmp/x",
+            "--quick --skip-offload --skip-dapo",
+            "--skip-offload --skip-dapo --iters 5",
+            "--layers 4 --world 1 --tp 1",
+        ]);
+        assert_eq!((d.layers, d.iters, d.world, d.tp), (28, 5, 2, None));
+        assert!(!d.skip_offload && !d.skip_dapo && !d.quick && d.trace.is_none());
+        assert!(traced.skip_dapo && !traced.skip_offload);
+        assert_eq!(traced.trace, Some(PathBuf::from("/tmp/x")));
+        assert!(quick.quick && quick.skip_offload && quick.skip_dapo);
+        assert_eq!(launched.iters, 5);
+        assert_eq!((one.layers, one.world, one.tp), (4, 1, Some(1)));
+        assert_refused::<Cli>(&["--bogus", "--iters many", "--trace", "--tp"]);
+    }
+
+    #[test]
+    fn zero_iterations_and_ranks_count_as_one() {
+        let [c] = assert_parses::<Cli, 1>(["--iters 0 --world 0"]);
+        let c = c.normalised();
+        assert_eq!((c.iters, c.world), (1, 1));
+    }
 }

@@ -6,7 +6,7 @@
 //! (1.0 = as fast as memcpy of the output bytes).
 //!
 //! ```text
-//! cargo run --release --example host_reshard_bench -- --params 100000000 --world 2
+//! cargo run --release -p lifecycle-bench --bin host_reshard_bench -- --params 100000000 --world 2
 //! ```
 
 use std::time::{Duration, Instant};
@@ -20,7 +20,8 @@ use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 
 /// Host reshard throughput benchmark.
 #[derive(Debug, Parser)]
-struct Args {
+#[command(name = "host_reshard_bench")]
+struct Cli {
     /// Approximate parameter count of the synthetic model.
     #[arg(long, default_value_t = 64_000_000)]
     params: usize,
@@ -75,7 +76,7 @@ fn memcpy_time(bytes_per_rank: &[usize]) -> Duration {
 }
 
 fn main() {
-    let args = Args::parse();
+    let args = Cli::parse();
     let specs = specs(args.params, args.world);
     let params: usize = specs.iter().map(TensorSpec::numel).sum();
     println!(
@@ -176,5 +177,18 @@ fn main() {
             copy.as_secs_f64() / best.as_secs_f64(),
         );
         state = lc.into_parts().ok().map(|(_, s)| s);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lifecycle_bench::cli::assert_parses;
+
+    #[test]
+    fn documented_command_lines() {
+        let [d, big] = assert_parses::<Cli, 2>(["", "--params 100000000 --world 2"]);
+        assert_eq!((d.params, d.world, d.reps), (64_000_000, 2, 10));
+        assert_eq!((big.params, big.world), (100_000_000, 2));
     }
 }

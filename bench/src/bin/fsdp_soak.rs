@@ -11,7 +11,8 @@
 //!
 //! ```text
 //! export NCCL_NVLS_ENABLE=0
-//! fsdp_soak [--cycles 100] [--layers 6] [--hidden 2048] [--world 2] [--tp 2] [--skip-launch-bench]
+//! cargo run --release -p lifecycle-bench --bin fsdp_soak -- [--cycles 100] [--layers 6]
+//!     [--hidden 2048] [--world 2] [--tp W] [--skip-launch-bench]
 //! ```
 //!
 //! The model is Qwen-shaped (hidden `h`, MLP `5.5 h`, kv `h / 8`, vocabulary 32 000, untied
@@ -22,7 +23,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use clap::Parser;
 use cudarc::nccl::ReduceOp;
+use lifecycle_bench::cli::{exit_code, positive};
 use lifecycle_core::{HumanDuration, Lifecycle};
 use lifecycle_cuda::{
     alloc_zeros, check_environment, CollectiveSettings, RankExecutor, ThreadRankPool,
@@ -31,59 +34,50 @@ use lifecycle_fsdp::{FsdpBackend, FsdpTrainState, RankDump};
 use lifecycle_host::{reference_rollout, HostTrainState};
 use lifecycle_layout::RolloutLayout;
 
-struct Args {
+/// Soak of the FSDP backend on GPUs in verification mode: enter / exit cycles with the master
+/// weights and Adam state offloaded and reloaded each cycle, the rollout weights and the
+/// training state checked bit for bit, and the same cycles without verification to measure its
+/// overhead.
+#[derive(Debug, Parser)]
+#[command(name = "fsdp_soak")]
+struct Cli {
+    /// Enter / exit cycles of each soak.
+    #[arg(long, default_value_t = 100, value_parser = positive::<u64>)]
     cycles: u64,
+    /// Decoder layers of the model.
+    #[arg(long, default_value_t = 6, value_parser = positive::<usize>)]
     layers: usize,
+    /// Hidden size of the model: a multiple of 64 (heads of 64, kv = hidden / 8).
+    #[arg(long, default_value_t = 2048, value_parser = hidden_size)]
     hidden: usize,
+    /// Ranks, one GPU each.
+    #[arg(long, default_value_t = 2, value_parser = positive::<usize>)]
     world: usize,
-    tp: usize,
-    launch_bench: bool,
+    /// Rollout tensor-parallel degree [default: W].
+    #[arg(long, value_name = "T", value_parser = positive::<usize>)]
+    tp: Option<usize>,
+    /// Skip the measurement of what the non-blocking communicators cost per NCCL operation.
+    #[arg(long)]
+    skip_launch_bench: bool,
 }
 
-fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        cycles: 100,
-        layers: 6,
-        hidden: 2048,
-        world: 2,
-        tp: 0,
-        launch_bench: true,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut num = |name: &str| -> Result<usize, String> {
-            it.next()
-                .and_then(|v| v.parse().ok())
-                .filter(|&v: &usize| v > 0)
-                .ok_or_else(|| format!("{name} needs a positive integer"))
-        };
-        match arg.as_str() {
-            "--cycles" => a.cycles = num("--cycles")? as u64,
-            "--layers" => a.layers = num("--layers")?,
-            "--hidden" => a.hidden = num("--hidden")?,
-            "--world" => a.world = num("--world")?,
-            "--tp" => a.tp = num("--tp")?,
-            "--skip-launch-bench" => a.launch_bench = false,
-            "-h" | "--help" => {
-                return Err(
-                    "usage: fsdp_soak [--cycles 100] [--layers 6] [--hidden 2048] \
-                            [--world 2] [--tp W] [--skip-launch-bench]"
-                        .into(),
-                )
-            }
-            other => return Err(format!("unknown argument `{other}` (try --help)")),
-        }
+impl Cli {
+    /// The rollout tensor-parallel degree: `--tp`, or W.
+    fn tp(&self) -> usize {
+        self.tp.unwrap_or(self.world)
     }
-    if a.tp == 0 {
-        a.tp = a.world;
+}
+
+/// Parses `--hidden`: a positive multiple of 64.
+fn hidden_size(s: &str) -> Result<usize, String> {
+    let h = positive::<usize>(s)?;
+    if h.is_multiple_of(64) {
+        Ok(h)
+    } else {
+        Err(format!(
+            "must be a multiple of 64 (heads of 64, kv = hidden / 8), found {h}"
+        ))
     }
-    if !a.hidden.is_multiple_of(64) {
-        return Err(format!(
-            "--hidden must be a multiple of 64 (heads of 64, kv = hidden / 8), found {}",
-            a.hidden
-        ));
-    }
-    Ok(a)
 }
 
 /// Qwen-shaped parameter names and shapes.
@@ -121,7 +115,7 @@ impl Outcome {
 }
 
 fn soak(
-    args: &Args,
+    args: &Cli,
     pool: &Arc<ThreadRankPool>,
     layout: &RolloutLayout,
     shapes: &[(String, Vec<usize>)],
@@ -255,9 +249,9 @@ fn launch_cost(world: usize, nonblocking: bool, ops: usize) -> Result<(f64, f64)
         .fold((0.0, 0.0), |m, t| (f64::max(m.0, t.0), f64::max(m.1, t.1))))
 }
 
-fn run(args: &Args) -> Result<bool, Box<dyn Error>> {
+fn run(args: &Cli) -> Result<bool, Box<dyn Error>> {
     check_environment(args.world)?;
-    if args.launch_bench && args.world > 1 {
+    if !args.skip_launch_bench && args.world > 1 {
         let ops = 500;
         let blocking = launch_cost(args.world, false, ops)?;
         let nonblocking = launch_cost(args.world, true, ops)?;
@@ -275,7 +269,7 @@ fn run(args: &Args) -> Result<bool, Box<dyn Error>> {
     }
     let pool = Arc::new(ThreadRankPool::new(args.world)?);
     let shapes = model(args.layers, args.hidden);
-    let layout = RolloutLayout::from_hf_names(args.tp, shapes.clone())?;
+    let layout = RolloutLayout::from_hf_names(args.tp(), shapes.clone())?;
     let params: usize = shapes
         .iter()
         .map(|(_, s)| s.iter().product::<usize>())
@@ -286,7 +280,7 @@ fn run(args: &Args) -> Result<bool, Box<dyn Error>> {
          fp32 per rank and buffer), master + Adam offloaded and reloaded each cycle; deadline {}",
         args.cycles,
         args.world,
-        args.tp,
+        args.tp(),
         args.layers,
         args.hidden,
         params as f64 / 1e6,
@@ -324,19 +318,35 @@ fn run(args: &Args) -> Result<bool, Box<dyn Error>> {
 }
 
 fn main() -> ExitCode {
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match run(&args) {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::FAILURE,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
+    exit_code(run(&Cli::parse()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lifecycle_bench::cli::{assert_parses, assert_refused};
+
+    #[test]
+    fn documented_command_lines() {
+        let [d, soak, wide, one] = assert_parses::<Cli, 4>([
+            "",
+            "--cycles 100 --skip-launch-bench",
+            "--world 4 --tp 2 --hidden 1024",
+            "--world 1",
+        ]);
+        assert_eq!(
+            (d.cycles, d.layers, d.hidden, d.world, d.tp()),
+            (100, 6, 2048, 2, 2)
+        );
+        assert!(!d.skip_launch_bench && soak.skip_launch_bench);
+        assert_eq!((wide.world, wide.tp(), wide.hidden), (4, 2, 1024));
+        assert_eq!(one.tp(), 1);
+        assert_refused::<Cli>(&[
+            "--hidden 1000",
+            "--hidden 0",
+            "--cycles 0",
+            "--tp 0",
+            "--bogus",
+        ]);
     }
 }
