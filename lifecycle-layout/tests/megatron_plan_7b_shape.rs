@@ -7,24 +7,9 @@ use lifecycle_layout::megatron::{
 };
 use lifecycle_layout::ModelSpec;
 
-fn qwen_7b() -> ModelSpec {
-    ModelSpec {
-        hidden: 3584,
-        heads: 28,
-        query_groups: 4,
-        head_dim: 128,
-        ffn: 18944,
-        vocab: 152_064,
-        layers: 28,
-        qkv_bias: true,
-        tied_embeddings: false,
-        make_vocab_size_divisible_by: 128,
-    }
-}
-
 #[test]
 fn two_rank_plans_of_the_7b_shape() {
-    let m = qwen_7b();
+    let m = ModelSpec::qwen2_5_7b(28);
     let bf16_params: u64 = m
         .hf_tensors()
         .iter()

@@ -55,7 +55,6 @@ mod download;
 mod error;
 
 mod reshard;
-pub mod shapes;
 mod state;
 mod transfer;
 mod update;

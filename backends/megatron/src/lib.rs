@@ -50,7 +50,7 @@
 //!
 //! ```text
 //! cargo test --release -p lifecycle-megatron --test gpu -- --ignored --test-threads=1
-//! cargo run --release -p lifecycle-megatron --bin megatron_bench     # Qwen2.5-7B shapes, W = 2
+//! cargo run --release -p lifecycle-bench --bin megatron_bench     # Qwen2.5-7B shapes, W = 2
 //! ```
 //!
 //! [`MegatronPlan`]: lifecycle_layout::megatron::MegatronPlan

@@ -328,7 +328,7 @@ fn run() -> Result<(), Box<dyn Error>> {
         args.iters
     );
     let c = ceilings(&pool, args.iters)?;
-    let tensors = lifecycle_fsdp::shapes::qwen2_5_7b(args.layers);
+    let tensors = lifecycle_layout::ModelSpec::qwen2_5_7b(args.layers).hf_tensors();
     let params: usize = tensors
         .iter()
         .map(|(_, s)| s.iter().product::<usize>())

@@ -122,7 +122,7 @@ fn run(pool: Arc<ThreadRankPool>, args: &Cli) -> Result<bool, Box<dyn Error>> {
     }
 
     // 2. speed on the 7.6B-shaped model
-    let shapes = lifecycle_fsdp::shapes::qwen2_5_7b(args.layers);
+    let shapes = lifecycle_layout::ModelSpec::qwen2_5_7b(args.layers).hf_tensors();
     let first = FsdpBackend::new(
         pool.clone(),
         RolloutLayout::from_hf_names(1, shapes.clone())?,

@@ -80,9 +80,22 @@ fn hidden_size(s: &str) -> Result<usize, String> {
     }
 }
 
-/// Qwen-shaped parameter names and shapes.
+/// Qwen-shaped parameter names and shapes: hidden `h` (a multiple of 64), MLP `11h / 2`, kv
+/// width `h / 8`, vocabulary 32000, q/k/v biases, untied head.
 fn model(layers: usize, h: usize) -> Vec<(String, Vec<usize>)> {
-    lifecycle_fsdp::shapes::qwen2(layers, h, h * 11 / 2, 32_000, h / 8)
+    lifecycle_layout::ModelSpec {
+        hidden: h,
+        heads: h / 8,
+        query_groups: h / 64,
+        head_dim: 8,
+        ffn: h * 11 / 2,
+        vocab: 32_000,
+        layers,
+        qkv_bias: true,
+        tied_embeddings: false,
+        make_vocab_size_divisible_by: 128,
+    }
+    .hf_tensors()
 }
 
 fn host_twin(

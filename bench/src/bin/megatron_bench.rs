@@ -71,21 +71,6 @@ struct Cli {
     trace: Option<PathBuf>,
 }
 
-fn qwen_7b(layers: usize) -> ModelSpec {
-    ModelSpec {
-        hidden: 3584,
-        heads: 28,
-        query_groups: 4,
-        head_dim: 128,
-        ffn: 18944,
-        vocab: 152_064,
-        layers,
-        qkv_bias: true,
-        tied_embeddings: false,
-        make_vocab_size_divisible_by: 128,
-    }
-}
-
 fn mib(b: u64) -> String {
     if b == u64::MAX {
         "never".into()
@@ -289,7 +274,7 @@ fn run() -> Result<(), Box<dyn Error>> {
         args.layers, args.iters, args.offload_iters
     );
     let c = ceilings(&pool, args.iters)?;
-    let model = qwen_7b(args.layers);
+    let model = ModelSpec::qwen2_5_7b(args.layers);
     let params: usize = model
         .hf_tensors()
         .iter()

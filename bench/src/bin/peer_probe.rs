@@ -16,7 +16,7 @@ use clap::Parser;
 use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
 use cudarc::driver::{DevicePtrMut, PushKernelArg};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use lifecycle_cuda::KernelSet;
 
 const SRC: &str = r#"
 typedef unsigned long long u64;
@@ -32,6 +32,8 @@ extern "C" __global__ void copy2d16(const uint4* __restrict__ s, uint4* __restri
     }
 }
 "#;
+
+const PROBE_KERNELS: KernelSet = KernelSet::new("peer probe kernels", SRC);
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -137,11 +139,7 @@ fn main() -> Res<()> {
     for g in 0..gpus_n {
         let ctx = CudaContext::new(g)?;
         let (major, minor) = ctx.compute_capability()?;
-        let opts = CompileOptions {
-            options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
-            ..Default::default()
-        };
-        let ptx = compile_ptx_with_opts(SRC, opts)?;
+        let ptx = lifecycle_cuda::compile(&PROBE_KERNELS, major, minor)?;
         let m = ctx.load_module(ptx)?;
         let net = ctx.new_stream()?;
         let net2 = ctx.new_stream()?;

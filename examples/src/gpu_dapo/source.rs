@@ -7,7 +7,7 @@ use lifecycle_layout::HostTensor;
 
 use super::{DapoGpuError, Options, SyntheticModel};
 
-/// The Qwen2.5-7B config (the shapes of `lifecycle_fsdp::shapes::qwen2_5_7b(28)`).
+/// The Qwen2.5-7B config (the model of `lifecycle_layout::ModelSpec::qwen2_5_7b(28)`).
 pub(crate) const QWEN2_5_7B_CONFIG: &str = r#"{
   "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
   "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
@@ -74,14 +74,7 @@ impl Model {
             }
             (None, Some(SyntheticModel::Qwen7b)) => {
                 let config = ModelConfig::from_json_str(QWEN2_5_7B_CONFIG)?;
-                let shapes = lifecycle_fsdp::shapes::qwen2_5_7b(config.num_layers);
-                if shapes != config.tensor_shapes() {
-                    return Err(DapoGpuError::Usage(
-                        "the Qwen2.5-7B config does not give lifecycle_fsdp::shapes::qwen2_5_7b's \
-                         tensors"
-                            .into(),
-                    ));
-                }
+                let shapes = config.tensor_shapes();
                 Ok(Model {
                     config,
                     source: Source::Synthetic {
@@ -145,11 +138,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn seven_b_config_matches_the_fsdp_shapes() {
+    fn seven_b_config_is_the_shared_model_description() {
         let config = ModelConfig::from_json_str(QWEN2_5_7B_CONFIG).unwrap();
         assert_eq!(
             config.tensor_shapes(),
-            lifecycle_fsdp::shapes::qwen2_5_7b(28)
+            lifecycle_layout::ModelSpec::qwen2_5_7b(28).hf_tensors()
         );
         assert_eq!(config.params(), 7_615_616_512);
         assert!(config.rollout_layout(2).is_ok());
