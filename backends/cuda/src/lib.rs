@@ -8,6 +8,11 @@
 //!   a copy and an NCCL stream, loads the [`Kernels`] and creates its own non-blocking
 //!   [`NcclComm`] from one NCCL `Id`. Backends run per-rank closures through the [`RankExecutor`]
 //!   seam, which a multi-process launcher can implement later.
+//! - [`RankPlacement`]: several ranks may share one GPU ([`ThreadRankPool::on_devices`]); such a
+//!   pool has no NCCL communicators and moves bytes with peer copies only, so the backends'
+//!   multi-rank logic runs on a machine with fewer GPUs than ranks.
+//! - [`testing`]: what every GPU test starts with ([`testing::require_gpus`]), so a test that
+//!   needs more GPUs than the machine shows fails saying so.
 //! - Peer copies ([`ThreadRankPool::peer_access`], [`copy_2d`], [`Transport`]): ranks of one
 //!   process write straight into each other's device memory with the copy engines, faster than
 //!   NCCL on NVLink and without SMs; [`peer_copy_rate`] measures that ceiling.
@@ -34,7 +39,9 @@ mod env;
 mod error;
 mod kernels;
 mod peer;
+mod placement;
 mod pool;
+pub mod testing;
 mod timeline;
 mod verify;
 
@@ -56,6 +63,7 @@ pub use kernels::{
     DEFAULT_MULTI_BLOCKS_PER_SM, KERNEL_SRC,
 };
 pub use peer::{copy_2d, peer_copy_rate, Transport};
+pub use placement::{RankPlacement, SharedGpu};
 pub use pool::{RankCtx, RankExecutor, RankFn, ThreadRankPool};
 pub use timeline::{DeviceSpan, Mark, RankSpans, StreamTimeline};
 pub use verify::{
@@ -157,6 +165,14 @@ mod tests {
             other => panic!("expected NoDriver, got {other:?}"),
         }
         assert!(matches!(ThreadRankPool::new(0), Err(CudaError::ZeroWorld)));
+        assert!(matches!(
+            ThreadRankPool::on_devices(&[0, 0]),
+            Err(CudaError::NoDriver)
+        ));
+        assert!(matches!(
+            ThreadRankPool::on_devices(&[]),
+            Err(CudaError::ZeroWorld)
+        ));
     }
 
     #[test]
