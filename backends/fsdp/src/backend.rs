@@ -276,7 +276,8 @@ impl FsdpBackend {
     /// NCCL) when every rank lives in this process, every pair of GPUs has peer access and the
     /// plan's [`GatherMode`](lifecycle_layout::fsdp::GatherMode) places every piece in the rollout buffer
     /// (`SendRecv`, or `AllGather` at T > 1); NCCL otherwise. [`Transport::PeerCopy`] makes
-    /// planning fail where that is impossible; [`Transport::Nccl`] always uses NCCL.
+    /// planning fail where that is impossible; [`Transport::Nccl`] always uses NCCL. A pool
+    /// with ranks sharing a GPU has no NCCL: planning refuses `Nccl` and NCCL-only gather modes.
     pub fn with_transport(mut self, transport: Transport) -> Self {
         self.transport = transport;
         self.plan_cache = Mutex::new(None);
@@ -1530,6 +1531,16 @@ impl Reshard for FsdpBackend {
             )));
         }
         plan.peer_copy = peer && plan.peer_copyable();
+        if !plan.peer_copy {
+            // This plan moves bytes with NCCL, which a pool with ranks on one GPU lacks.
+            self.pool.require_nccl().map_err(|e| {
+                FsdpError::Config(format!(
+                    "gather mode {:?} at T = {} needs NCCL: {e}; GatherMode::SendRecv uses peer \
+                     copies",
+                    self.config.mode, plan.core.tp
+                ))
+            })?;
+        }
         let plan = Arc::new(plan);
         if self.verify {
             self.check_finite(state)?;
