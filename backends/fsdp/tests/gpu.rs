@@ -19,8 +19,9 @@ use lifecycle_cuda::{
 };
 use lifecycle_fsdp::{BucketConfig, FsdpBackend, FsdpError, GatherMode};
 use lifecycle_host::{reference_rollout, HostBackend, HostRollout, HostTrainState};
+use lifecycle_layout::fsdp::build_plan;
 use lifecycle_layout::HostTensor;
-use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
+use lifecycle_layout::{plan_fsdp_to_tp, Parallel, RolloutLayout, TensorSpec};
 
 type Res = Result<(), Box<dyn std::error::Error>>;
 
@@ -482,8 +483,24 @@ fn the_shared_gpu_cases_cover_t_below_and_at_w() {
         let layout = RolloutLayout::new(t, specs).unwrap();
         let reference = reference_rollout(&host, &layout).unwrap();
         assert_eq!(reference.ranks.len(), w);
-        let via_host = host_via_lifecycle(host, layout).unwrap();
+        let via_host = host_via_lifecycle(host.clone(), layout.clone()).unwrap();
         assert_eq!(reference.first_difference(&via_host), None, "W={w} T={t}");
+        // The default gather mode places every piece in the receivers' buffers, so the plans
+        // run as peer copies on ranks sharing a GPU; the modes that need NCCL do not.
+        let plan = |mode| {
+            let core = plan_fsdp_to_tp(host.layout(), &layout).unwrap();
+            let config = BucketConfig {
+                mode,
+                ..Default::default()
+            };
+            build_plan(core, host.layout(), config).peer_copyable()
+        };
+        assert!(plan(GatherMode::SendRecv), "W={w} T={t}");
+        if t == 1 {
+            assert!(!plan(GatherMode::AllGather), "W={w} T={t}: all-gathers");
+        } else {
+            assert!(!plan(GatherMode::Packed), "W={w} T={t}: packed messages");
+        }
     }
 }
 
