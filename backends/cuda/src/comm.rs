@@ -544,6 +544,7 @@ impl NcclComm {
         send: &S,
         recv: &mut R,
     ) -> Result<(), CudaError> {
+        self.require_available()?;
         let n = send.len();
         if recv.len() != n * self.world {
             return Err(CudaError::Invalid(format!(
@@ -572,6 +573,7 @@ impl NcclComm {
         recv: &mut R,
         op: &ReduceOp,
     ) -> Result<(), CudaError> {
+        self.require_available()?;
         let n = send.len();
         if recv.len() != n {
             return Err(CudaError::Invalid(format!(
