@@ -27,6 +27,7 @@ use cudarc::nccl::sys::{self, ncclResult_t};
 use cudarc::nccl::{NcclType, ReduceOp};
 
 use crate::deadline::{wait_with_deadline, WaitProbe};
+use crate::placement::SharedGpu;
 use crate::CudaError;
 
 /// The environment variable that overrides the collective deadline, in seconds (decimals
@@ -266,9 +267,16 @@ pub(crate) fn config_initializer(nonblocking: bool) -> sys::ncclConfig_t {
 
 /// One rank's NCCL communicator (raw handle) and the stream its collectives run on. `!Send`: it
 /// lives and dies on its rank's thread.
+///
+/// On a pool that places two ranks on one GPU ([`RankPlacement`](crate::RankPlacement)) the
+/// communicator is *unavailable* ([`NcclComm::is_available`] is `false`): it was never created,
+/// its stream still exists (peer copies run on it), and every operation returns
+/// [`CudaError::NcclNeedsOneGpuPerRank`] without calling NCCL.
 pub struct NcclComm {
-    /// Null once aborted.
+    /// Null once aborted, and for an unavailable communicator.
     raw: Cell<sys::ncclComm_t>,
+    /// Why there is no communicator: two ranks of the pool share a GPU.
+    unavailable: Option<SharedGpu>,
     /// An abort asked for inside a group, run when the group ends.
     abort_due: Cell<bool>,
     stream: Arc<CudaStream>,
@@ -282,7 +290,8 @@ impl std::fmt::Debug for NcclComm {
         f.debug_struct("NcclComm")
             .field("rank", &self.rank)
             .field("world", &self.world)
-            .field("aborted", &self.raw.get().is_null())
+            .field("aborted", &self.is_aborted())
+            .field("unavailable", &self.unavailable)
             .finish()
     }
 }
@@ -337,6 +346,7 @@ impl NcclComm {
         }
         let comm = NcclComm {
             raw: Cell::new(raw),
+            unavailable: None,
             abort_due: Cell::new(false),
             stream,
             rank,
@@ -345,6 +355,41 @@ impl NcclComm {
         };
         comm.wait_ready("creating the NCCL communicator")?;
         Ok(comm)
+    }
+
+    /// A communicator that was never created because ranks `shared.first` and `shared.second`
+    /// share GPU `shared.device` (NCCL refuses that): its operations return
+    /// [`SharedGpu::nccl_error`]; `stream` is still the rank's stream for network work.
+    pub(crate) fn unavailable(
+        stream: Arc<CudaStream>,
+        rank: usize,
+        world: usize,
+        health: Arc<CommHealth>,
+        shared: SharedGpu,
+    ) -> Self {
+        NcclComm {
+            raw: Cell::new(std::ptr::null_mut()),
+            unavailable: Some(shared),
+            abort_due: Cell::new(false),
+            stream,
+            rank,
+            world,
+            health,
+        }
+    }
+
+    /// Whether this rank has an NCCL communicator: `false` on a pool that places two ranks on
+    /// one GPU, whose NCCL operations all return [`CudaError::NcclNeedsOneGpuPerRank`].
+    pub fn is_available(&self) -> bool {
+        self.unavailable.is_none()
+    }
+
+    /// `Ok` when this rank has a communicator, else [`CudaError::NcclNeedsOneGpuPerRank`].
+    pub fn require_available(&self) -> Result<(), CudaError> {
+        match self.unavailable {
+            None => Ok(()),
+            Some(shared) => Err(shared.nccl_error()),
+        }
     }
 
     /// The stream collectives run on.
@@ -363,9 +408,10 @@ impl NcclComm {
     }
 
     /// Whether this communicator was aborted (after a timeout or an NCCL error on any rank of
-    /// the pool); every collective then returns [`CudaError::CommAborted`].
+    /// the pool); every collective then returns [`CudaError::CommAborted`]. An unavailable
+    /// communicator ([`NcclComm::is_available`]) was never created, so never aborted.
     pub fn is_aborted(&self) -> bool {
-        self.raw.get().is_null() || self.abort_due.get()
+        self.is_available() && (self.raw.get().is_null() || self.abort_due.get())
     }
 
     pub(crate) fn health(&self) -> &Arc<CommHealth> {
@@ -422,6 +468,7 @@ impl NcclComm {
     /// The checks every operation starts with: a live communicator, the test stall, a ready
     /// communicator.
     fn live(&self, op: &str) -> Result<sys::ncclComm_t, CudaError> {
+        self.require_available()?;
         if let Some(d) = self.health.take_stall(self.rank) {
             let start = Instant::now();
             while start.elapsed() < d && !self.health.is_faulted() {
@@ -497,6 +544,7 @@ impl NcclComm {
         send: &S,
         recv: &mut R,
     ) -> Result<(), CudaError> {
+        self.require_available()?;
         let n = send.len();
         if recv.len() != n * self.world {
             return Err(CudaError::Invalid(format!(
@@ -525,6 +573,7 @@ impl NcclComm {
         recv: &mut R,
         op: &ReduceOp,
     ) -> Result<(), CudaError> {
+        self.require_available()?;
         let n = send.len();
         if recv.len() != n {
             return Err(CudaError::Invalid(format!(
@@ -580,6 +629,8 @@ impl NcclComm {
     /// `ncclGroupEnd`, then waits until the group's work is enqueued (the group is launched by
     /// a helper thread on non-blocking communicators); runs an abort deferred inside the group.
     pub(crate) fn group_end(&self) -> Result<(), CudaError> {
+        // No communicator: no group was started either (`RankCtx::group_start` refuses too).
+        self.require_available()?;
         // SAFETY: ncclGroupEnd takes no arguments; it launches the thread's group.
         let r = unsafe { sys::ncclGroupEnd() };
         GROUP_DEPTH.with(|d| d.set(d.get().saturating_sub(1)));

@@ -50,6 +50,38 @@ pub enum CudaError {
         /// GPUs the driver reports.
         available: usize,
     },
+    /// A rank placed on a GPU the machine does not show ([`RankPlacement::check`]).
+    ///
+    /// [`RankPlacement::check`]: crate::RankPlacement::check
+    #[error(
+        "rank {rank} is placed on GPU {device}, but only {available} GPU(s) are visible \
+         (indices 0..{available}): place the ranks on visible GPUs, or make more GPUs visible \
+         (CUDA_VISIBLE_DEVICES)"
+    )]
+    NoSuchGpu {
+        /// The first rank placed on a missing GPU.
+        rank: usize,
+        /// Its GPU index.
+        device: usize,
+        /// GPUs the driver reports.
+        available: usize,
+    },
+    /// An NCCL operation (or [`Transport::Nccl`](crate::Transport::Nccl)) on a pool that places
+    /// two ranks on one GPU: NCCL refuses that, so such a pool creates no communicators.
+    #[error(
+        "the NCCL transport needs one GPU per rank; this pool places ranks {first} and {second} \
+         on GPU {device}: on such a pool ranks move bytes with peer copies only (Transport::Auto \
+         or Transport::PeerCopy; between ranks on one GPU they are device-local copies), or \
+         build the pool with one GPU per rank for NCCL"
+    )]
+    NcclNeedsOneGpuPerRank {
+        /// The lower rank of the first pair on one GPU.
+        first: usize,
+        /// The higher rank of that pair.
+        second: usize,
+        /// The GPU they share.
+        device: usize,
+    },
     /// The multi-process rendezvous that shares the NCCL id failed.
     #[error("rank rendezvous failed: {0}")]
     Rendezvous(#[from] lifecycle_dist::DistError),

@@ -8,6 +8,11 @@
 //!   a copy and an NCCL stream, loads the [`Kernels`] and creates its own non-blocking
 //!   [`NcclComm`] from one NCCL `Id`. Backends run per-rank closures through the [`RankExecutor`]
 //!   seam, which a multi-process launcher can implement later.
+//! - [`RankPlacement`]: several ranks may share one GPU ([`ThreadRankPool::on_devices`]); such a
+//!   pool has no NCCL communicators and moves bytes with peer copies only, so the backends'
+//!   multi-rank logic runs on a machine with fewer GPUs than ranks.
+//! - [`testing`]: what every GPU test starts with ([`testing::require_gpus`]), so a test that
+//!   needs more GPUs than the machine shows fails saying so.
 //! - Peer copies ([`ThreadRankPool::peer_access`], [`copy_2d`], [`Transport`]): ranks of one
 //!   process write straight into each other's device memory with the copy engines, faster than
 //!   NCCL on NVLink and without SMs; [`peer_copy_rate`] measures that ceiling.
@@ -37,8 +42,10 @@ mod modules;
 mod offload;
 mod peer;
 mod pinned;
+mod placement;
 mod pool;
 mod rollout;
+pub mod testing;
 mod timeline;
 mod transfer;
 mod verify;
@@ -64,6 +71,7 @@ pub use modules::{compile, KernelSet, LoadedModule};
 pub use offload::{FromLe, OffloadBuffer};
 pub use peer::{copy_2d, peer_copy_rate, Transport};
 pub use pinned::{HostCopy, PinnedPool, DEFAULT_CHUNK_BYTES};
+pub use placement::{RankPlacement, SharedGpu};
 pub use pool::{RankCtx, RankExecutor, RankFn, ThreadRankPool};
 pub use rollout::RolloutBuffer;
 pub use timeline::{DeviceSpan, Mark, RankSpans, StreamTimeline};
@@ -169,6 +177,14 @@ mod tests {
             other => panic!("expected NoDriver, got {other:?}"),
         }
         assert!(matches!(ThreadRankPool::new(0), Err(CudaError::ZeroWorld)));
+        assert!(matches!(
+            ThreadRankPool::on_devices(&[0, 0]),
+            Err(CudaError::NoDriver)
+        ));
+        assert!(matches!(
+            ThreadRankPool::on_devices(&[]),
+            Err(CudaError::ZeroWorld)
+        ));
     }
 
     #[test]

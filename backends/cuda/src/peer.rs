@@ -14,6 +14,7 @@ use std::time::Instant;
 use cudarc::driver::sys;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
+use crate::placement::SharedGpu;
 use crate::pool::{RankCtx, ThreadRankPool};
 use crate::{CudaError, RankExecutor};
 
@@ -33,10 +34,12 @@ use crate::{CudaError, RankExecutor};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Transport {
     /// Peer copies when every rank lives in this process and every pair of GPUs has peer
-    /// access ([`ThreadRankPool::peer_access`]); NCCL otherwise (one process per GPU).
+    /// access ([`ThreadRankPool::peer_access`]); NCCL otherwise (one process per GPU). Always
+    /// peer copies on a pool that places ranks on one GPU (it has no NCCL).
     #[default]
     Auto,
-    /// NCCL send/recv (and collectives), whatever the pool.
+    /// NCCL send/recv (and collectives), whatever the pool; refused on a pool that places two
+    /// ranks on one GPU ([`CudaError::NcclNeedsOneGpuPerRank`]).
     Nccl,
     /// Each sender's copy engines write its bytes straight into the receivers' buffers (no
     /// NCCL); planning fails when the pool cannot.
@@ -46,13 +49,46 @@ pub enum Transport {
 impl Transport {
     /// Whether transfers on `pool` use peer copies: [`Transport::Auto`] asks the pool
     /// ([`ThreadRankPool::peer_access`]), [`Transport::PeerCopy`] requires it (an
-    /// [`CudaError::Invalid`] saying why otherwise), [`Transport::Nccl`] never does.
+    /// [`CudaError::Invalid`] saying why otherwise), [`Transport::Nccl`] never does. On a pool
+    /// that places two ranks on one GPU ([`ThreadRankPool::shared_gpu`]) see
+    /// [`Transport::resolve_with`].
     pub fn resolve(self, pool: &ThreadRankPool) -> Result<bool, CudaError> {
-        match self {
-            Transport::Nccl => Ok(false),
-            Transport::Auto => pool.peer_access(),
-            Transport::PeerCopy => {
-                if pool.peer_access()? {
+        self.resolve_with(pool.shared_gpu(), || pool.peer_access())
+    }
+
+    /// The decision of [`Transport::resolve`] from what it asks of a pool: `shared`, the first
+    /// pair of ranks the pool places on one GPU ([`ThreadRankPool::shared_gpu`]), and
+    /// `peer_access`, whether its ranks can write into each other's memory (called at most once,
+    /// and not at all for [`Transport::Nccl`]).
+    ///
+    /// Without a shared GPU: `Auto` gives `peer_access()`, `PeerCopy` requires it, `Nccl` gives
+    /// `false`. With one the pool has no NCCL communicators: `Nccl` is refused
+    /// ([`SharedGpu::nccl_error`]), `Auto` and `PeerCopy` give peer copies, which need
+    /// `peer_access()` (true when every rank shares one GPU: copies between them are
+    /// device-local; ranks on different GPUs need the driver's peer access).
+    ///
+    /// ```
+    /// use lifecycle_cuda::{RankPlacement, Transport};
+    ///
+    /// let shared = RankPlacement::on_devices(&[0, 0, 0])?.shared_gpu();
+    /// assert!(Transport::Auto.resolve_with(shared, || Ok(true))?);
+    /// let refused = Transport::Nccl.resolve_with(shared, || Ok(true)).unwrap_err();
+    /// assert!(refused.to_string().contains("places ranks 0 and 1 on GPU 0"));
+    /// // One rank per GPU: what the pool's peer access says.
+    /// assert!(!Transport::Auto.resolve_with(None, || Ok(false))?);
+    /// # Ok::<(), lifecycle_cuda::CudaError>(())
+    /// ```
+    pub fn resolve_with(
+        self,
+        shared: Option<SharedGpu>,
+        peer_access: impl FnOnce() -> Result<bool, CudaError>,
+    ) -> Result<bool, CudaError> {
+        match (self, shared) {
+            (Transport::Nccl, None) => Ok(false),
+            (Transport::Nccl, Some(s)) => Err(s.nccl_error()),
+            (Transport::Auto, None) => peer_access(),
+            (Transport::PeerCopy, None) => {
+                if peer_access()? {
                     Ok(true)
                 } else {
                     Err(CudaError::Invalid(
@@ -61,6 +97,19 @@ impl Transport {
                          or Transport::Nccl"
                             .into(),
                     ))
+                }
+            }
+            (Transport::Auto | Transport::PeerCopy, Some(s)) => {
+                if peer_access()? {
+                    Ok(true)
+                } else {
+                    Err(CudaError::Invalid(format!(
+                        "this pool places ranks {} and {} on GPU {}, so it has no NCCL \
+                         communicators and moves bytes with peer copies only, but some of its \
+                         GPUs cannot access each other's memory: place the ranks on GPUs with \
+                         peer access (or all on one GPU), or one rank per GPU for NCCL",
+                        s.first, s.second, s.device
+                    )))
                 }
             }
         }
@@ -80,7 +129,9 @@ impl ThreadRankPool {
     /// world lives in this process and every pair of GPUs has peer access, which this call
     /// enables (contexts and memory pools) the first time. `false`, with nothing changed, when
     /// the pool drives only some ranks (one process per GPU) or a pair of GPUs cannot map each
-    /// other's memory; errors are the driver's.
+    /// other's memory; errors are the driver's. Ranks on one GPU
+    /// ([`RankPlacement`](crate::RankPlacement)) need nothing enabled between them: they share
+    /// the GPU's context, and copies between their buffers are device-local.
     pub fn peer_access(&self) -> Result<bool, CudaError> {
         let mut state = self.peer_state().lock().unwrap_or_else(|e| e.into_inner());
         if let Some(known) = *state {
@@ -278,4 +329,88 @@ pub fn peer_copy_rate(
     drop(bufs);
     let slowest = times.iter().cloned().fold(0.0, f64::max);
     Ok(Some(bytes as f64 / slowest))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+    use crate::RankPlacement;
+
+    fn shared(devices: &[usize]) -> Option<SharedGpu> {
+        RankPlacement::on_devices(devices).unwrap().shared_gpu()
+    }
+
+    /// Resolves `t` and counts the calls of the peer-access probe.
+    fn resolve(t: Transport, s: Option<SharedGpu>, peer: bool) -> (Result<bool, CudaError>, u32) {
+        let calls = Cell::new(0);
+        let r = t.resolve_with(s, || {
+            calls.set(calls.get() + 1);
+            Ok(peer)
+        });
+        (r, calls.get())
+    }
+
+    #[test]
+    fn one_gpu_per_rank_resolves_as_the_peer_access_says() {
+        for peer in [false, true] {
+            let (auto, n) = resolve(Transport::Auto, shared(&[0, 1]), peer);
+            assert_eq!((auto.unwrap(), n), (peer, 1));
+            let (nccl, n) = resolve(Transport::Nccl, shared(&[0, 1]), peer);
+            assert_eq!((nccl.unwrap(), n), (false, 0));
+        }
+        assert!(resolve(Transport::PeerCopy, None, true).0.unwrap());
+        let e = resolve(Transport::PeerCopy, None, false).0.unwrap_err();
+        assert!(e.to_string().contains("transport PeerCopy needs"), "{e}");
+    }
+
+    #[test]
+    fn repeated_gpus_resolve_to_peer_copies_and_refuse_nccl() {
+        for devices in [&[0, 0][..], &[0, 0, 0, 0], &[1, 0, 1]] {
+            let s = shared(devices);
+            assert!(s.is_some(), "{devices:?}");
+            for t in [Transport::Auto, Transport::PeerCopy] {
+                let (r, n) = resolve(t, s, true);
+                assert_eq!((r.unwrap(), n), (true, 1), "{t:?} on {devices:?}");
+            }
+            let (r, n) = resolve(Transport::Nccl, s, true);
+            assert_eq!(n, 0, "Nccl asks nothing of the pool");
+            match r {
+                Err(e @ CudaError::NcclNeedsOneGpuPerRank { .. }) => assert!(
+                    e.to_string()
+                        .starts_with("the NCCL transport needs one GPU per rank; this pool places"),
+                    "{e}"
+                ),
+                other => panic!("{devices:?}: expected the NCCL refusal, got {other:?}"),
+            }
+        }
+        let e = resolve(Transport::Nccl, shared(&[1, 0, 1]), true)
+            .0
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("places ranks 0 and 2 on GPU 1"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn repeated_gpus_without_peer_access_have_no_transport() {
+        for t in [Transport::Auto, Transport::PeerCopy] {
+            let e = resolve(t, shared(&[0, 0, 1, 1]), false).0.unwrap_err();
+            let msg = e.to_string();
+            assert!(
+                msg.contains("places ranks 0 and 1 on GPU 0") && msg.contains("peer access"),
+                "{msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn probe_errors_pass_through() {
+        for s in [None, shared(&[0, 0])] {
+            let r = Transport::Auto.resolve_with(s, || Err(CudaError::Invalid("probe".into())));
+            assert!(matches!(r, Err(CudaError::Invalid(m)) if m == "probe"));
+        }
+    }
 }

@@ -1,5 +1,7 @@
-//! Ranks: one persistent thread per GPU, each owning its context, streams, kernels and NCCL
-//! communicator ([`NcclComm`] is `!Send`, so it never leaves its thread).
+//! Ranks: one persistent thread per rank, each owning its context, streams, kernels and NCCL
+//! communicator ([`NcclComm`] is `!Send`, so it never leaves its thread). Ranks run one per GPU,
+//! or several on one GPU ([`RankPlacement`]); a pool with ranks sharing a GPU has no NCCL
+//! communicators (NCCL refuses two ranks of one communicator on one GPU).
 //!
 //! The [`RankExecutor`] trait is the seam where a multi-process launcher (one rank per process)
 //! plugs in later: backends only ever run per-rank closures through it.
@@ -23,6 +25,7 @@ use crate::comm::{group_start, CollectiveSettings, CommFault, CommHealth, NcclCo
 use crate::deadline::{wait_with_deadline, WaitProbe};
 use crate::kernels::{compile_kernels, Kernels};
 use crate::modules::{KernelSet, LoadedModule, ModuleCache};
+use crate::placement::{RankPlacement, SharedGpu};
 use crate::verify::VerifyKernels;
 use crate::{check_environment, CudaError};
 
@@ -42,7 +45,8 @@ pub struct RankCtx {
     /// Stream for host↔device copies (offload / reload), so they overlap NVLink work.
     pub copy: Arc<CudaStream>,
     /// The NCCL communicator (non-blocking by default); its stream is a third stream
-    /// dedicated to collectives.
+    /// dedicated to collectives (and to peer copies). Unavailable
+    /// ([`NcclComm::is_available`]) on a pool whose ranks share a GPU.
     pub comm: NcclComm,
     /// Kernels loaded into this context.
     pub kernels: Kernels,
@@ -132,8 +136,10 @@ impl RankCtx {
         wait_with_deadline(&mut probe, self.collective_timeout(), self.rank, op)
     }
 
-    /// `ncclGroupStart` (pair with [`RankCtx::group_end`]).
+    /// `ncclGroupStart` (pair with [`RankCtx::group_end`]). On a pool whose ranks share a GPU
+    /// (no communicator) it starts nothing and returns [`CudaError::NcclNeedsOneGpuPerRank`].
     pub fn group_start(&self) -> Result<(), CudaError> {
+        self.comm.require_available()?;
         group_start(self.rank)
     }
 
@@ -221,7 +227,8 @@ impl WaitProbe for StreamsProbe<'_> {
 
     fn pool_fault(&self) -> Option<String> {
         let comm = &self.ctx.comm;
-        if comm.is_aborted() {
+        if comm.is_aborted() || !comm.is_available() {
+            // No NCCL work of this rank can wait for a peer: wait for the copies and kernels.
             return None;
         }
         let fault = comm.health().fault()?;
@@ -279,14 +286,38 @@ struct Worker {
     handle: Option<JoinHandle<()>>,
 }
 
-/// One persistent thread per GPU this process drives: ranks `0..world` on devices `0..world`
-/// ([`ThreadRankPool::new`], the single-process mode), or this process's one rank on its local
-/// GPU ([`ThreadRankPool::for_process`], launched like PyTorch with torchrun, Slurm or
-/// `lifecycle-launch`).
+/// One persistent thread per rank this process drives: ranks `0..world` on devices `0..world`
+/// ([`ThreadRankPool::new`], the single-process mode), ranks `0..world` on the GPUs of a
+/// [`RankPlacement`] ([`ThreadRankPool::on_devices`], [`ThreadRankPool::with_placement`]; GPUs
+/// may repeat), or this process's one rank on its local GPU ([`ThreadRankPool::for_process`],
+/// launched like PyTorch with torchrun, Slurm or `lifecycle-launch`).
 ///
 /// Each thread creates its context, streams (compute, copy, NCCL), loads the NVRTC kernels and
 /// creates its own non-blocking NCCL communicator from one NCCL `Id` (made by the pool, or by
 /// rank 0 and shared over the TCP rendezvous).
+///
+/// # Several ranks on one GPU
+/// NCCL refuses two ranks of one communicator on one GPU, so a pool whose placement repeats a
+/// GPU creates no communicators ([`ThreadRankPool::shared_gpu`] names the first such pair): its
+/// ranks share the GPU's primary context, each with its own thread, streams and buffers, and
+/// move bytes with peer copies only (copies between ranks on one GPU are device-local; ranks on
+/// different GPUs need peer access, see [`ThreadRankPool::peer_access`]).
+/// [`Transport::Auto`](crate::Transport::Auto) resolves to peer copies there,
+/// [`Transport::Nccl`](crate::Transport::Nccl) and every NCCL operation are refused with
+/// [`CudaError::NcclNeedsOneGpuPerRank`]. This runs the multi-rank logic of the backends on a
+/// machine with fewer GPUs than ranks; it measures nothing about the links.
+///
+/// ```no_run
+/// use lifecycle_cuda::{RankExecutor, ThreadRankPool, Transport};
+///
+/// // Three ranks on GPU 0.
+/// let pool = ThreadRankPool::on_devices(&[0, 0, 0])?;
+/// assert_eq!(pool.world(), 3);
+/// assert!(pool.shared_gpu().is_some());
+/// assert!(Transport::Auto.resolve(&pool)?); // peer copies
+/// assert!(Transport::Nccl.resolve(&pool).is_err());
+/// # Ok::<(), lifecycle_cuda::CudaError>(())
+/// ```
 ///
 /// # When a peer stalls or dies
 /// Every wait on NCCL work is bounded by [`CollectiveSettings::timeout`] (10 minutes by
@@ -307,6 +338,10 @@ pub struct ThreadRankPool {
     workers: Vec<Worker>,
     world: usize,
     ranks: Vec<usize>,
+    /// The GPU of each local rank, in the order of `ranks`.
+    devices: Vec<usize>,
+    /// The first pair of ranks on one GPU: the pool then has no NCCL communicators.
+    shared: Option<SharedGpu>,
     health: Arc<CommHealth>,
     /// Whether peer access is set up (`None` until [`ThreadRankPool::peer_access`] ran).
     peer: std::sync::Mutex<Option<bool>>,
@@ -317,6 +352,8 @@ impl std::fmt::Debug for ThreadRankPool {
         f.debug_struct("ThreadRankPool")
             .field("world", &self.world)
             .field("ranks", &self.ranks)
+            .field("devices", &self.devices)
+            .field("shared", &self.shared)
             .finish()
     }
 }
@@ -331,13 +368,60 @@ impl ThreadRankPool {
 
     /// [`ThreadRankPool::new`] with explicit collective settings.
     pub fn with_settings(world: usize, settings: CollectiveSettings) -> Result<Self, CudaError> {
-        if world == 0 {
-            return Err(CudaError::ZeroWorld);
+        Self::with_placement(RankPlacement::one_per_gpu(world)?, settings)
+    }
+
+    /// Ranks `0..devices.len()`, rank `r` on GPU `devices[r]` (GPUs may repeat: see
+    /// [several ranks on one GPU](ThreadRankPool#several-ranks-on-one-gpu)), with
+    /// [`CollectiveSettings::from_env`]. Errors as [`ThreadRankPool::with_placement`].
+    pub fn on_devices(devices: &[usize]) -> Result<Self, CudaError> {
+        Self::with_placement(
+            RankPlacement::on_devices(devices)?,
+            CollectiveSettings::from_env()?,
+        )
+    }
+
+    /// Checks the environment ([`check_environment`]) and the placement against the visible
+    /// GPUs ([`RankPlacement::check`]), then starts one rank per entry of `placement`. Every rank
+    /// gets an NCCL communicator when each has a GPU of its own; none does when a GPU repeats
+    /// ([`ThreadRankPool::shared_gpu`]).
+    pub fn with_placement(
+        placement: RankPlacement,
+        settings: CollectiveSettings,
+    ) -> Result<Self, CudaError> {
+        let env = check_environment(1)?;
+        placement.check(env.devices)?;
+        let comms = match placement.shared_gpu() {
+            Some(shared) => Comms::Unavailable(shared),
+            None => {
+                let id =
+                    Id::new().map_err(|e| CudaError::nccl(0, "creating the NCCL unique id", e))?;
+                Comms::Nccl(*id.internal())
+            }
+        };
+        let assignments: Vec<(usize, usize)> =
+            placement.devices().iter().copied().enumerate().collect();
+        Self::start(placement.world(), assignments, comms, settings)
+    }
+
+    /// The GPU of each local rank, in the order of [`RankExecutor::local_ranks`].
+    pub fn devices(&self) -> &[usize] {
+        &self.devices
+    }
+
+    /// The first pair of ranks this pool places on one GPU; `None` when every rank has a GPU of
+    /// its own. A pool with such a pair has no NCCL communicators.
+    pub fn shared_gpu(&self) -> Option<SharedGpu> {
+        self.shared
+    }
+
+    /// `Ok` when the ranks have NCCL communicators; [`CudaError::NcclNeedsOneGpuPerRank`] on a
+    /// pool whose ranks share a GPU. Backends call it before choosing work that needs NCCL.
+    pub fn require_nccl(&self) -> Result<(), CudaError> {
+        match self.shared {
+            None => Ok(()),
+            Some(shared) => Err(shared.nccl_error()),
         }
-        check_environment(world)?;
-        let id = Id::new().map_err(|e| CudaError::nccl(0, "creating the NCCL unique id", e))?;
-        let assignments: Vec<(usize, usize)> = (0..world).map(|r| (r, r)).collect();
-        Self::start(world, assignments, *id.internal(), settings)
     }
 
     /// The cached answer of [`ThreadRankPool::peer_access`].
@@ -413,7 +497,7 @@ impl ThreadRankPool {
         Self::start(
             env.world_size,
             vec![(env.rank, env.local_rank)],
-            internal,
+            Comms::Nccl(internal),
             settings,
         )
     }
@@ -422,7 +506,7 @@ impl ThreadRankPool {
     fn start(
         world: usize,
         assignments: Vec<(usize, usize)>,
-        internal: [core::ffi::c_char; 128],
+        comms: Comms,
         settings: CollectiveSettings,
     ) -> Result<Self, CudaError> {
         let health = Arc::new(CommHealth::new(settings.timeout));
@@ -444,7 +528,7 @@ impl ThreadRankPool {
             let handle = std::thread::Builder::new()
                 .name(format!("lifecycle-rank-{rank}"))
                 .spawn(move || {
-                    let init = init_rank(rank, device, world, internal, ptx, &health, nonblocking);
+                    let init = init_rank(rank, device, world, comms, ptx, &health, nonblocking);
                     match init {
                         Ok(ctx) => {
                             let _ = ready.send((rank, Ok(())));
@@ -470,10 +554,17 @@ impl ThreadRankPool {
         }
         drop(ready_tx);
         let ranks = assignments.iter().map(|a| a.0).collect();
+        let devices = assignments.iter().map(|a| a.1).collect();
+        let shared = match comms {
+            Comms::Unavailable(s) => Some(s),
+            Comms::Nccl(_) => None,
+        };
         let pool = ThreadRankPool {
             workers,
             world,
             ranks,
+            devices,
+            shared,
             health,
             peer: std::sync::Mutex::new(None),
         };
@@ -499,11 +590,20 @@ impl ThreadRankPool {
     }
 }
 
+/// How the ranks of a pool get their communicators.
+#[derive(Clone, Copy)]
+enum Comms {
+    /// From this NCCL unique id.
+    Nccl([core::ffi::c_char; 128]),
+    /// Not at all: these two ranks share a GPU.
+    Unavailable(SharedGpu),
+}
+
 fn init_rank(
     rank: usize,
     device: usize,
     world: usize,
-    id: [core::ffi::c_char; 128],
+    comms: Comms,
     ptx: cudarc::nvrtc::Ptx,
     health: &Arc<CommHealth>,
     nonblocking: bool,
@@ -529,7 +629,12 @@ fn init_rank(
     let copy = mk("copy", least)?;
     let nccl = mk("NCCL", greatest)?;
     let kernels = Kernels::load(&compute, ptx, rank)?;
-    let comm = NcclComm::init(nccl, rank, world, id, health.clone(), nonblocking)?;
+    let comm = match comms {
+        Comms::Nccl(id) => NcclComm::init(nccl, rank, world, id, health.clone(), nonblocking)?,
+        Comms::Unavailable(shared) => {
+            NcclComm::unavailable(nccl, rank, world, health.clone(), shared)
+        }
+    };
     Ok(RankCtx {
         rank,
         world,

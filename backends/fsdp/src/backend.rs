@@ -111,7 +111,8 @@ impl FsdpBackend {
     /// NCCL) when every rank lives in this process, every pair of GPUs has peer access and the
     /// plan's [`GatherMode`](lifecycle_layout::fsdp::GatherMode) places every piece in the rollout buffer
     /// (`SendRecv`, or `AllGather` at T > 1); NCCL otherwise. [`Transport::PeerCopy`] makes
-    /// planning fail where that is impossible; [`Transport::Nccl`] always uses NCCL.
+    /// planning fail where that is impossible; [`Transport::Nccl`] always uses NCCL. A pool
+    /// with ranks sharing a GPU has no NCCL: planning refuses `Nccl` and NCCL-only gather modes.
     pub fn with_transport(mut self, transport: Transport) -> Self {
         self.transport = transport;
         self.plan_cache = Mutex::new(None);

@@ -52,6 +52,16 @@ impl Reshard for FsdpBackend {
             )));
         }
         plan.peer_copy = peer && plan.peer_copyable();
+        if !plan.peer_copy {
+            // This plan moves bytes with NCCL, which a pool with ranks on one GPU lacks.
+            self.pool.require_nccl().map_err(|e| {
+                FsdpError::Config(format!(
+                    "gather mode {:?} at T = {} needs NCCL: {e}; GatherMode::SendRecv uses peer \
+                     copies",
+                    self.config.mode, plan.core.tp
+                ))
+            })?;
+        }
         let plan = Arc::new(plan);
         if self.verify {
             self.check_finite(state)?;

@@ -1,17 +1,28 @@
-//! GPU tests: run on a machine with NVIDIA GPUs (2 for the W = 2 cases) with
+//! GPU tests: run on a machine with NVIDIA GPUs with
 //! `cargo test --release -p lifecycle-fsdp --test gpu -- --ignored --test-threads=1`
-//! (on the project's test machine also `export NCCL_NVLS_ENABLE=0`).
-//! In CI (no GPU) they are reported as ignored, not passed.
+//! (on the project's test machine also `export NCCL_NVLS_ENABLE=0`), or through
+//! `scripts/gpu-suite.sh`. In CI (no GPU) they are reported as ignored, not passed. A test that
+//! needs more GPUs than the machine shows fails saying so ([`require_gpus`]).
+//!
+//! - 1 GPU: W = 1; W = 2, 3, 4 ranks sharing GPU 0 (peer copies between ranks of one GPU, no
+//!   NCCL), bit for bit against the CPU executor; the refusal of NCCL on such a pool.
+//! - 2 GPUs: W = 2 over NCCL (batched and per-piece casts, all-gather and packed gather modes)
+//!   and peer copies over the link; four ranks on two GPUs.
 
 use std::sync::Arc;
 
 use lifecycle_core::{Lifecycle, LifecycleConfig, LifecycleError, MemoryPolicy, Phase, Switching};
-use lifecycle_cuda::{device_count, CudaError, RankExecutor, ThreadRankPool, Transport};
+use lifecycle_cuda::cudarc::nccl::ReduceOp;
+use lifecycle_cuda::testing::require_gpus;
+use lifecycle_cuda::{
+    alloc_zeros, peer_copy_rate, CudaError, RankExecutor, SharedGpu, ThreadRankPool, Transport,
+};
 use lifecycle_fsdp::{BucketConfig, FsdpBackend, FsdpError, GatherMode};
 use lifecycle_host::{reference_rollout, HostBackend, HostTrainState};
+use lifecycle_layout::fsdp::build_plan;
 use lifecycle_layout::HostRollout;
 use lifecycle_layout::HostTensor;
-use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
+use lifecycle_layout::{plan_fsdp_to_tp, Parallel, RolloutLayout, TensorSpec};
 
 type Res = Result<(), Box<dyn std::error::Error>>;
 
@@ -70,16 +81,6 @@ fn host_tensors(specs: &[TensorSpec]) -> Vec<HostTensor> {
         .collect()
 }
 
-fn need_gpus(n: usize) -> bool {
-    match device_count() {
-        Ok(c) if c >= n => true,
-        other => {
-            eprintln!("skipping: needs {n} GPUs, found {other:?}");
-            false
-        }
-    }
-}
-
 fn host_via_lifecycle(
     state: HostTrainState,
     layout: RolloutLayout,
@@ -90,6 +91,11 @@ fn host_via_lifecycle(
     Ok((*w).clone())
 }
 
+/// GPUs `0..world`, one rank each.
+fn one_per_gpu(world: usize) -> Vec<usize> {
+    (0..world).collect()
+}
+
 /// NCCL with batched and per-piece casts, then peer copies where the plan allows them.
 fn check_bits(world: usize, tp: usize, memory: MemoryPolicy, config: BucketConfig) -> Res {
     for (batched, transport) in [
@@ -97,19 +103,23 @@ fn check_bits(world: usize, tp: usize, memory: MemoryPolicy, config: BucketConfi
         (false, Transport::Nccl),
         (true, Transport::Auto),
     ] {
-        check_bits_with(world, tp, memory, config, batched, transport)?;
+        check_bits_with(&one_per_gpu(world), tp, memory, config, batched, transport)?;
     }
     Ok(())
 }
 
+/// Three rollout → train cycles on ranks placed on `devices` (rank r on GPU `devices[r]`):
+/// every rollout bit-identical to `reference_rollout` and to the CPU executor's, the master
+/// weights unchanged at the end, device spans on every rank.
 fn check_bits_with(
-    world: usize,
+    devices: &[usize],
     tp: usize,
     memory: MemoryPolicy,
     config: BucketConfig,
     batched: bool,
     transport: Transport,
 ) -> Res {
+    let world = devices.len();
     let specs = specs(tp);
     let host = HostTrainState::from_tensors(world, host_tensors(&specs))?;
     let layout = RolloutLayout::new(tp, specs)?;
@@ -117,7 +127,8 @@ fn check_bits_with(
     let via_host = host_via_lifecycle(host.clone(), layout.clone())?;
     assert_eq!(reference.first_difference(&via_host), None);
 
-    let pool = Arc::new(ThreadRankPool::new(world)?);
+    let pool = Arc::new(ThreadRankPool::on_devices(devices)?);
+    let shared = pool.shared_gpu().is_some();
     let backend = FsdpBackend::new(pool, layout)
         .with_config(config)?
         .with_batched_casts(batched)
@@ -140,7 +151,8 @@ fn check_bits_with(
         assert_eq!(
             got.first_difference(&reference),
             None,
-            "W={world} T={tp} batched={batched} {transport:?} round {round}: differs from reference_rollout"
+            "W={world} on GPUs {devices:?} T={tp} batched={batched} {transport:?} round {round}: \
+             differs from reference_rollout"
         );
         assert_eq!(got.first_difference(&via_host), None);
         drop(session);
@@ -150,9 +162,14 @@ fn check_bits_with(
     if transport == Transport::Nccl {
         assert!(!peer, "Transport::Nccl planned peer copies");
     }
+    if shared {
+        assert!(peer, "GPUs {devices:?}: ranks sharing a GPU planned NCCL");
+    }
     check_device_spans(lc.trace(), world, memory, peer);
     let m = lc.metrics();
-    eprintln!("W={world} T={tp} {memory:?} batched={batched} peer copies {peer}:\n{m}");
+    eprintln!(
+        "W={world} on GPUs {devices:?} T={tp} {memory:?} batched={batched} peer copies {peer}:\n{m}"
+    );
     let (backend, state) = lc.into_parts()?;
     for spec in backend.layout().tensors() {
         let a = backend.full_master(&state, &spec.name)?;
@@ -222,18 +239,16 @@ fn check_device_spans(
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn rollout_bit_identical_w1_t1() -> Res {
-    if !need_gpus(1) {
-        return Ok(());
-    }
+    require_gpus(1)?;
     check_bits(1, 1, MemoryPolicy::default(), BucketConfig::default())
 }
 
+/// Needs 2 GPUs: its subject is NCCL (send/recv, all-gather) and peer copies over the link,
+/// which ranks on one GPU do not have.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn rollout_bit_identical_w2_t1() -> Res {
-    if !need_gpus(2) {
-        return Ok(());
-    }
+    require_gpus(2)?;
     check_bits(2, 1, MemoryPolicy::resident(), BucketConfig::default())?;
     check_bits(
         2,
@@ -262,12 +277,11 @@ fn rollout_bit_identical_w2_t1() -> Res {
     )
 }
 
+/// Needs 2 GPUs: NCCL send/recv and packed messages, and peer copies over the link.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn rollout_bit_identical_w2_t2() -> Res {
-    if !need_gpus(2) {
-        return Ok(());
-    }
+    require_gpus(2)?;
     check_bits(2, 2, MemoryPolicy::resident(), BucketConfig::default())?;
     check_bits(
         2,
@@ -309,13 +323,8 @@ fn rollout_bit_identical_w2_t2() -> Res {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn offload_reload_round_trip_bit_exact_100_cycles() -> Res {
-    let world = if need_gpus(2) {
-        2
-    } else if need_gpus(1) {
-        1
-    } else {
-        return Ok(());
-    };
+    // W = 2 where the machine has 2 GPUs, W = 1 on one.
+    let world = require_gpus(1)?.min(2);
     let pool = Arc::new(ThreadRankPool::new(world)?);
     let specs = specs(world);
     let layout = RolloutLayout::new(world, specs.clone())?;
@@ -376,7 +385,7 @@ fn offload_reload_round_trip_bit_exact_100_cycles() -> Res {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn errors_are_typed_and_leave_the_state_intact() -> Res {
-    let n = device_count()?;
+    let n = require_gpus(1)?;
     // More ranks than GPUs: a typed error, not a panic.
     match ThreadRankPool::new(n + 1) {
         Err(CudaError::TooFewGpus {
@@ -386,6 +395,21 @@ fn errors_are_typed_and_leave_the_state_intact() -> Res {
             assert_eq!((requested, available), (n + 1, n));
         }
         other => panic!("expected TooFewGpus, got {other:?}"),
+    }
+    // A placement on a GPU that does not exist: the rank is named.
+    match ThreadRankPool::on_devices(&[0, 0, n]) {
+        Err(e @ CudaError::NoSuchGpu { .. }) => {
+            assert!(
+                matches!(e, CudaError::NoSuchGpu { rank: 2, device, available } if device == n && available == n),
+                "{e:?}"
+            );
+            assert!(
+                e.to_string()
+                    .contains(&format!("rank 2 is placed on GPU {n}")),
+                "{e}"
+            );
+        }
+        other => panic!("expected NoSuchGpu, got {other:?}"),
     }
     let world = n.min(2);
     let pool = Arc::new(ThreadRankPool::new(world)?);
@@ -430,6 +454,220 @@ fn errors_are_typed_and_leave_the_state_intact() -> Res {
     match oom {
         Err(e) => assert!(e.is_oom(), "{e:?}"),
         Ok(_) => panic!("a 64 TiB allocation succeeded"),
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Several ranks on one GPU: the multi-rank logic of the plans without a second GPU
+// ---------------------------------------------------------------------------------------------
+
+/// Every (W, T) with T dividing W, for W = 2, 3, 4: T < W (replicated TP groups) and T = W.
+fn shared_cases() -> Vec<(usize, usize)> {
+    (2..=4)
+        .flat_map(|w| (1..=w).filter(move |t| w % t == 0).map(move |t| (w, t)))
+        .collect()
+}
+
+#[test]
+fn the_shared_gpu_cases_cover_t_below_and_at_w() {
+    let cases = shared_cases();
+    assert_eq!(
+        cases,
+        [(2, 1), (2, 2), (3, 1), (3, 3), (4, 1), (4, 2), (4, 4)]
+    );
+    // Every case is a valid layout whose host rollout matches the reference: the GPU test
+    // compares against a real answer.
+    for (w, t) in cases {
+        let specs = specs(t);
+        let host = HostTrainState::from_tensors(w, host_tensors(&specs)).unwrap();
+        let layout = RolloutLayout::new(t, specs).unwrap();
+        let reference = reference_rollout(&host, &layout).unwrap();
+        assert_eq!(reference.ranks.len(), w);
+        let via_host = host_via_lifecycle(host.clone(), layout.clone()).unwrap();
+        assert_eq!(reference.first_difference(&via_host), None, "W={w} T={t}");
+        // The default gather mode places every piece in the receivers' buffers, so the plans
+        // run as peer copies on ranks sharing a GPU; the modes that need NCCL do not.
+        let plan = |mode| {
+            let core = plan_fsdp_to_tp(host.layout(), &layout).unwrap();
+            let config = BucketConfig {
+                mode,
+                ..Default::default()
+            };
+            build_plan(core, host.layout(), config).peer_copyable()
+        };
+        assert!(plan(GatherMode::SendRecv), "W={w} T={t}");
+        if t == 1 {
+            assert!(!plan(GatherMode::AllGather), "W={w} T={t}: all-gathers");
+        } else {
+            assert!(!plan(GatherMode::Packed), "W={w} T={t}: packed messages");
+        }
+    }
+}
+
+/// W = 2, 3, 4 ranks all on GPU 0, every T dividing W: peer copies between ranks of one GPU
+/// (device-local), under both memory policies, small and large buckets, batched and per-piece
+/// casts; every rollout bit-identical to the CPU executor (`HostBackend`).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn ranks_sharing_one_gpu_match_the_cpu_executor_bit_for_bit() -> Res {
+    require_gpus(1)?;
+    let small = |in_flight| BucketConfig {
+        bucket_bytes: 1 << 20,
+        in_flight,
+        ..Default::default()
+    };
+    let mut n = 0;
+    for (world, tp) in shared_cases() {
+        let devices = vec![0; world];
+        for (memory, config, batched, transport) in [
+            (
+                MemoryPolicy::resident(),
+                BucketConfig::default(),
+                true,
+                Transport::Auto,
+            ),
+            (
+                MemoryPolicy::default(),
+                small(2),
+                false,
+                Transport::PeerCopy,
+            ),
+            (MemoryPolicy::default(), small(3), true, Transport::Auto),
+        ] {
+            check_bits_with(&devices, tp, memory, config, batched, transport)?;
+            n += 1;
+        }
+    }
+    assert_eq!(n, 21);
+    Ok(())
+}
+
+/// Ranks on one GPU have no NCCL communicators: every NCCL entry point is the typed error
+/// naming the ranks and the GPU, `Transport::Nccl` and NCCL-only gather modes fail in planning
+/// before anything moves, `Transport::Auto` resolves to peer copies.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn ranks_sharing_one_gpu_refuse_nccl_up_front() -> Res {
+    require_gpus(1)?;
+    let pool = Arc::new(ThreadRankPool::on_devices(&[0, 0])?);
+    assert_eq!(pool.devices(), &[0, 0]);
+    assert_eq!(
+        pool.shared_gpu(),
+        Some(SharedGpu {
+            first: 0,
+            second: 1,
+            device: 0
+        })
+    );
+    let refusal =
+        "the NCCL transport needs one GPU per rank; this pool places ranks 0 and 1 on GPU 0";
+    let e = pool.require_nccl().expect_err("no NCCL on a shared GPU");
+    assert!(e.to_string().starts_with(refusal), "{e}");
+    assert!(pool.peer_access()?, "ranks of one GPU copy device-locally");
+    assert!(Transport::Auto.resolve(&pool)?);
+    assert!(Transport::PeerCopy.resolve(&pool)?);
+    assert!(matches!(
+        Transport::Nccl.resolve(&pool),
+        Err(CudaError::NcclNeedsOneGpuPerRank {
+            first: 0,
+            second: 1,
+            device: 0
+        })
+    ));
+    // On the ranks: no communicator, and every NCCL call fails at once with the same error.
+    let seen = pool.run(&|ctx| {
+        let mut buf = alloc_zeros::<f32>(&ctx.compute, 16, ctx.rank, "a test buffer")?;
+        let errors = [
+            ctx.group_start().err(),
+            ctx.comm.all_reduce_in_place(&mut buf, &ReduceOp::Sum).err(),
+            ctx.comm.broadcast_in_place(&mut buf, 0).err(),
+            ctx.group_end().err(),
+        ];
+        ctx.sync_all()?;
+        Ok((
+            ctx.comm.is_available(),
+            ctx.comm.is_aborted(),
+            errors.map(|e| e.map(|e| e.to_string())),
+        ))
+    })?;
+    for (rank, (available, aborted, errors)) in seen.into_iter().enumerate() {
+        assert!(!available && !aborted, "rank {rank}");
+        for e in errors {
+            let e = e.ok_or(format!("rank {rank}: an NCCL call succeeded"))?;
+            assert!(e.starts_with(refusal), "rank {rank}: {e}");
+        }
+    }
+    assert!(pool.comm_fault().is_none(), "a refusal is not a fault");
+    // Peer copies between the ranks run (device-local copies).
+    let rate = peer_copy_rate(&pool, 64 << 20, 3)?.ok_or("no peer-copy rate on W = 2")?;
+    assert!(rate > 0.0, "{rate}");
+    // The FSDP backend: what needs NCCL fails in planning, the state untouched.
+    let gather = |mode| BucketConfig {
+        mode,
+        ..Default::default()
+    };
+    for (tp, transport, config, expect) in [
+        (1, Transport::Nccl, BucketConfig::default(), refusal),
+        (2, Transport::Nccl, BucketConfig::default(), refusal),
+        (
+            1,
+            Transport::Auto,
+            gather(GatherMode::AllGather),
+            "gather mode AllGather at T = 1 needs NCCL",
+        ),
+        (
+            2,
+            Transport::Auto,
+            gather(GatherMode::Packed),
+            "gather mode Packed at T = 2 needs NCCL",
+        ),
+    ] {
+        let what = format!("T={tp} {transport:?} {:?}", config.mode);
+        let specs = specs(tp);
+        let backend = FsdpBackend::new(pool.clone(), RolloutLayout::new(tp, specs.clone())?)
+            .with_config(config)?
+            .with_transport(transport);
+        let state = backend.state_from_tensors(host_tensors(&specs))?;
+        let before = backend.download_state(&state)?;
+        let mut lc = Lifecycle::new(backend, state);
+        let err = lc.rollout().map(|_| ()).expect_err(&what);
+        let msg = err.to_string();
+        assert!(matches!(err, LifecycleError::Plan(_)), "{what}: {msg}");
+        assert!(
+            msg.contains(expect) && msg.contains("GPU 0"),
+            "{what}: {msg}"
+        );
+        assert_eq!(lc.mode(), lifecycle_core::Mode::Train, "{what}");
+        assert_eq!(lc.metrics().bytes().moved() + lc.metrics().bytes().local, 0);
+        let after = lc.backend().download_state(lc.peek_state())?;
+        assert!(
+            before.iter().zip(&after).all(|(a, b)| a.same_bits(b)),
+            "{what}: state changed"
+        );
+    }
+    Ok(())
+}
+
+/// Needs 2 GPUs: four ranks, two on each GPU: peer copies device-local between ranks of one GPU
+/// and over the link between GPUs, in one plan.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn two_ranks_on_each_of_two_gpus_match_the_cpu_executor() -> Res {
+    require_gpus(2)?;
+    for tp in [1, 2, 4] {
+        check_bits_with(
+            &[0, 0, 1, 1],
+            tp,
+            MemoryPolicy::default(),
+            BucketConfig {
+                bucket_bytes: 1 << 20,
+                in_flight: 2,
+                ..Default::default()
+            },
+            true,
+            Transport::Auto,
+        )?;
     }
     Ok(())
 }

@@ -1,15 +1,19 @@
-//! Reliability of the FSDP backend on GPUs (2 GPUs for most cases):
+//! Reliability of the FSDP backend on GPUs:
 //! - a rank that stalls before its part of a collective: the others return
 //!   [`CudaError::CollectiveTimeout`] within the deadline, the training state survives on the
-//!   devices, the lifecycle is restored and the pool refuses later collectives at once;
+//!   devices, the lifecycle is restored and the pool refuses later collectives at once (2 GPUs:
+//!   the deadline guards NCCL work, and NCCL needs one GPU per rank);
 //! - the fault matrix of [`FaultInjector`] around [`FsdpBackend`]: every phase × {error, panic} ×
-//!   {start, end} under the offloading and keep-resident policies;
+//!   {start, end} under the offloading and keep-resident policies, at W = 1 and W = 2;
 //! - verification mode: device hashes equal their host twin, corrupted offloads and rollout
-//!   weights are reported with their tensor, non-finite weights are refused.
+//!   weights are reported with their tensor, non-finite weights are refused, at W = 1 and W = 2.
+//!
+//! The W = 2 cases without NCCL place their two ranks on two GPUs where the machine has them and
+//! on one GPU otherwise ([`spread`]), so every test but the stall tests runs on one GPU.
 //!
 //! `cargo test --release -p lifecycle-fsdp --test gpu_reliability -- --ignored --test-threads=1`
-//! (on the project's test machine also `export NCCL_NVLS_ENABLE=0`). Without GPUs they are
-//! reported as ignored.
+//! (on the project's test machine also `export NCCL_NVLS_ENABLE=0`), or `scripts/gpu-suite.sh`.
+//! Without GPUs they are reported as ignored; with too few, a test fails saying how many it needs.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,9 +24,9 @@ use lifecycle_core::{
     LifecycleError, MemoryPolicy, Metrics, Mode, Operation, Phase, PhaseRecorder, Reshard,
     SwitchContext, Switching,
 };
+use lifecycle_cuda::testing::{require_gpus, spread};
 use lifecycle_cuda::{
-    device_count, ChunkTable, CollectiveSettings, CudaError, RankExecutor, ThreadRankPool,
-    Transport, WordSize,
+    ChunkTable, CollectiveSettings, CudaError, RankExecutor, ThreadRankPool, Transport, WordSize,
 };
 use lifecycle_fsdp::{BucketConfig, FsdpBackend, FsdpError, FsdpTrainState, GatherMode, RankDump};
 use lifecycle_host::{reference_rollout, HostTrainState};
@@ -32,15 +36,15 @@ use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 
 type Res = Result<(), Box<dyn std::error::Error>>;
 
-fn need_gpus(n: usize) -> bool {
-    match device_count() {
-        Ok(c) if c >= n => true,
-        other => {
-            eprintln!("skipping: needs {n} GPUs, found {other:?}");
-            false
-        }
-    }
+/// `world` ranks over this machine's GPUs, sharing one where there are fewer GPUs than ranks.
+fn pool(world: usize) -> Result<Arc<ThreadRankPool>, Box<dyn std::error::Error>> {
+    Ok(Arc::new(ThreadRankPool::on_devices(
+        spread(world)?.devices(),
+    )?))
 }
+
+/// The worlds of the tests that run at W = 1 and W = 2.
+const WORLDS: [usize; 2] = [1, 2];
 
 /// A small model: dims not divisible by W = 2, one tensor spanning several 1 MiB buckets.
 fn specs(tp: usize) -> Vec<TensorSpec> {
@@ -188,27 +192,21 @@ fn stall_case(tp: usize, mode: GatherMode, warm_up: bool) -> Res {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn a_stalled_rank_times_out_after_warm_up_and_the_state_survives() -> Res {
-    if !need_gpus(2) {
-        return Ok(());
-    }
+    require_gpus(2)?;
     stall_case(2, GatherMode::SendRecv, true)
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn a_rank_stalled_before_the_first_collective_times_out_too() -> Res {
-    if !need_gpus(2) {
-        return Ok(());
-    }
+    require_gpus(2)?;
     stall_case(1, GatherMode::AllGather, false)
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn a_new_pool_after_a_timeout_works() -> Res {
-    if !need_gpus(2) {
-        return Ok(());
-    }
+    require_gpus(2)?;
     stall_case(2, GatherMode::SendRecv, false)?;
     let pool = Arc::new(ThreadRankPool::new(2)?);
     assert!(pool.comm_fault().is_none());
@@ -241,13 +239,15 @@ struct Case {
     before: Vec<RankDump>,
 }
 
+/// A lifecycle on `pool` with T = W.
 fn setup(
     pool: &Arc<ThreadRankPool>,
     memory: MemoryPolicy,
     seed: u64,
 ) -> Result<Case, Box<dyn std::error::Error>> {
-    let specs = specs(2);
-    let layout = RolloutLayout::new(2, specs.clone())?;
+    let tp = pool.world();
+    let specs = specs(tp);
+    let layout = RolloutLayout::new(tp, specs.clone())?;
     let backend = FsdpBackend::new(pool.clone(), layout.clone()).with_config(config())?;
     let state = backend.synthetic_state(&shapes(&specs), seed, 0.05)?;
     let before = backend.download_state(&state)?;
@@ -320,17 +320,23 @@ fn is_injected(e: &LifecycleError<FaultError<FsdpError>>) -> bool {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn fault_matrix_on_gpus_restores_the_training_state_bit_for_bit() -> Res {
-    if !need_gpus(2) {
-        return Ok(());
+    require_gpus(1)?;
+    for world in WORLDS {
+        fault_matrix(&pool(world)?)?;
     }
-    let pool = Arc::new(ThreadRankPool::new(2)?);
+    Ok(())
+}
+
+fn fault_matrix(pool: &Arc<ThreadRankPool>) -> Res {
+    let w = pool.world();
+    let pool = pool.clone();
     let mut cases = 0;
     // Entering: plan, transfer, offload.
     for (name, memory) in policies() {
         for phase in [Phase::Plan, Phase::Transfer, Phase::Offload] {
             for kind in KINDS {
                 for at in ATS {
-                    let what = format!("enter, {name}: {kind:?} at {at:?} of {phase}");
+                    let what = format!("W={w} enter, {name}: {kind:?} at {at:?} of {phase}");
                     let mut c = setup(&pool, memory, 11)?;
                     c.faults.inject(Fault::new(phase, at, kind));
                     let err = c.lc.rollout().map(|_| ()).expect_err(&what);
@@ -385,7 +391,7 @@ fn fault_matrix_on_gpus_restores_the_training_state_bit_for_bit() -> Res {
     let memory = policies()[1].1;
     for kind in KINDS {
         for at in ATS {
-            let what = format!("refresh: {kind:?} at {at:?} of the transfer");
+            let what = format!("W={w} refresh: {kind:?} at {at:?} of the transfer");
             let mut c = setup(&pool, memory, 12)?;
             c.lc.enter()?;
             let _ = c.lc.train()?.state_mut(); // a training step: the resident weights are stale
@@ -428,7 +434,7 @@ fn fault_matrix_on_gpus_restores_the_training_state_bit_for_bit() -> Res {
             }
             for kind in KINDS {
                 for at in ATS {
-                    let what = format!("exit, {name}: {kind:?} at {at:?} of {phase}");
+                    let what = format!("W={w} exit, {name}: {kind:?} at {at:?} of {phase}");
                     let mut c = setup(&pool, memory, 13)?;
                     c.lc.enter()?;
                     c.faults.inject(Fault::new(phase, at, kind));
@@ -466,7 +472,9 @@ fn fault_matrix_on_gpus_restores_the_training_state_bit_for_bit() -> Res {
         }
     }
     eprintln!(
-        "fault matrix: {cases} cases, state bit-identical and the next rollout correct after each"
+        "fault matrix, W = {w} on GPUs {:?}: {cases} cases, state bit-identical and the next \
+         rollout correct after each",
+        pool.devices()
     );
     assert_eq!(cases, 24 + 4 + 12);
     Ok(())
@@ -479,9 +487,7 @@ fn fault_matrix_on_gpus_restores_the_training_state_bit_for_bit() -> Res {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn device_hashes_and_the_non_finite_scan_match_the_host() -> Res {
-    if !need_gpus(1) {
-        return Ok(());
-    }
+    require_gpus(1)?;
     let pool = ThreadRankPool::new(1)?;
     let n = 3_000_001usize;
     let words: Vec<u32> = (0..n as u64)
@@ -545,12 +551,19 @@ fn direct_ctx(metrics: &mut Metrics) -> SwitchContext<'_> {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn a_flipped_bit_in_offloaded_state_is_reported_with_its_tensor() -> Res {
-    if !need_gpus(2) {
-        return Ok(());
+    require_gpus(1)?;
+    for world in WORLDS {
+        flipped_offload_bit(world)?;
     }
-    let pool = Arc::new(ThreadRankPool::new(2)?);
-    let specs = specs(2);
-    let mut backend = FsdpBackend::new(pool, RolloutLayout::new(2, specs.clone())?)
+    Ok(())
+}
+
+/// The flip lands on the last rank.
+fn flipped_offload_bit(world: usize) -> Res {
+    let rank = world - 1;
+    let pool = pool(world)?;
+    let specs = specs(world);
+    let mut backend = FsdpBackend::new(pool, RolloutLayout::new(world, specs.clone())?)
         .with_config(config())?
         .with_verification(true);
     assert!(backend.verifies());
@@ -560,22 +573,22 @@ fn a_flipped_bit_in_offloaded_state_is_reported_with_its_tensor() -> Res {
     let plan = backend.plan(&state)?;
     let rollout = backend.enter(&plan, &mut state, &mut direct_ctx(&mut metrics))?;
     let tensor = "model.layers.0.mlp.up_proj.weight";
-    assert!(state.inject_offloaded_bit_flip(1, tensor, "adam_m", 7, 17)?);
+    assert!(state.inject_offloaded_bit_flip(rank, tensor, "adam_m", 7, 17)?);
     let err = backend
         .exit(&mut state, Some(rollout), &mut direct_ctx(&mut metrics))
         .expect_err("the flip is detected");
     match &err {
         FsdpError::Corrupted {
-            rank: 1,
+            rank: r,
             tensor: t,
             buffer: "adam_m",
             ..
-        } if t == tensor => {}
-        other => panic!("expected adam_m of {tensor} on rank 1: {other}"),
+        } if t == tensor && *r == rank => {}
+        other => panic!("W={world}: expected adam_m of {tensor} on rank {rank}: {other}"),
     }
     assert!(
         err.to_string().contains(&format!(
-            "adam_m of tensor `{tensor}` on rank 1 is corrupted"
+            "adam_m of tensor `{tensor}` on rank {rank} is corrupted"
         )),
         "{err}"
     );
@@ -588,7 +601,7 @@ fn a_flipped_bit_in_offloaded_state_is_reported_with_its_tensor() -> Res {
     assert!(backend
         .exit(&mut state, None, &mut direct_ctx(&mut metrics))
         .is_err());
-    assert!(state.inject_offloaded_bit_flip(1, tensor, "adam_m", 7, 17)?);
+    assert!(state.inject_offloaded_bit_flip(rank, tensor, "adam_m", 7, 17)?);
     backend.exit(&mut state, None, &mut direct_ctx(&mut metrics))?;
     assert!(same_state(&before, &backend.download_state(&state)?));
 
@@ -607,12 +620,19 @@ fn a_flipped_bit_in_offloaded_state_is_reported_with_its_tensor() -> Res {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn a_changed_rollout_tensor_is_reported_before_release() -> Res {
-    if !need_gpus(2) {
-        return Ok(());
+    require_gpus(1)?;
+    for world in WORLDS {
+        changed_rollout_tensor(world)?;
     }
-    let pool = Arc::new(ThreadRankPool::new(2)?);
-    let specs = specs(2);
-    let mut backend = FsdpBackend::new(pool, RolloutLayout::new(2, specs.clone())?)
+    Ok(())
+}
+
+/// The change lands on the last rank.
+fn changed_rollout_tensor(world: usize) -> Res {
+    let rank = world - 1;
+    let pool = pool(world)?;
+    let specs = specs(world);
+    let mut backend = FsdpBackend::new(pool, RolloutLayout::new(world, specs.clone())?)
         .with_config(config())?
         .with_verification(true);
     let mut state = backend.synthetic_state(&shapes(&specs), 22, 0.05)?;
@@ -624,17 +644,17 @@ fn a_changed_rollout_tensor_is_reported_before_release() -> Res {
     backend.exit(&mut state, Some(rollout), &mut direct_ctx(&mut metrics))?;
     let mut rollout = backend.enter(&plan, &mut state, &mut direct_ctx(&mut metrics))?;
     let tensor = "model.layers.0.self_attn.o_proj.weight";
-    assert!(backend.inject_rollout_bit_flip(&mut rollout, 1, tensor, 4, 0)?);
+    assert!(backend.inject_rollout_bit_flip(&mut rollout, rank, tensor, 4, 0)?);
     let err = backend
         .exit(&mut state, Some(rollout), &mut direct_ctx(&mut metrics))
         .expect_err("the flip is detected");
     match &err {
-        FsdpError::RolloutCorrupted { rank: 1, tensor: t } if t == tensor => {}
-        other => panic!("expected {tensor} on rank 1: {other}"),
+        FsdpError::RolloutCorrupted { rank: r, tensor: t } if t == tensor && *r == rank => {}
+        other => panic!("W={world}: expected {tensor} on rank {rank}: {other}"),
     }
     assert!(err
         .to_string()
-        .contains(&format!("`{tensor}` on rank 1 changed while resident")));
+        .contains(&format!("`{tensor}` on rank {rank} changed while resident")));
     assert!(
         !state.master_offloaded() && !state.optimizer_offloaded(),
         "reloaded intact"
@@ -646,13 +666,25 @@ fn a_changed_rollout_tensor_is_reported_before_release() -> Res {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn non_finite_master_weights_are_refused_before_anything_moves() -> Res {
-    if !need_gpus(2) {
-        return Ok(());
+    require_gpus(1)?;
+    for world in WORLDS {
+        non_finite_refused(world)?;
     }
-    let pool = Arc::new(ThreadRankPool::new(2)?);
-    let specs = specs(2);
-    let layout = RolloutLayout::new(2, specs.clone())?;
-    // o_proj is [23, 12]: rank 1 holds rows 12..23, so full element 12·12 + 5 is its element 5.
+    Ok(())
+}
+
+fn non_finite_refused(world: usize) -> Res {
+    let pool = pool(world)?;
+    let specs = specs(world);
+    let layout = RolloutLayout::new(world, specs.clone())?;
+    // The bad value is row 12, column 5 of o_proj, [23, 6·W]. At W = 2 rank 1 holds rows 12..23,
+    // so it is rank 1's element 5; at W = 1 rank 0 holds every row: element 12·6 + 5.
+    let cols = 6 * world;
+    let (rank, index) = if world == 2 {
+        (1, 5)
+    } else {
+        (0, 12 * cols + 5)
+    };
     for (bad, text) in [
         (f32::NAN, "NaN"),
         (f32::INFINITY, "inf"),
@@ -666,7 +698,7 @@ fn non_finite_master_weights_are_refused_before_anything_moves() -> Res {
                     .map(|e| lifecycle_cuda::fill_uniform_value(i as u64, e as u64, 0.1))
                     .collect();
                 if s.name == "model.layers.0.self_attn.o_proj.weight" {
-                    data[12 * 12 + 5] = bad;
+                    data[12 * cols + 5] = bad;
                 }
                 HostTensor::f32(s.name.clone(), s.shape.clone(), data)
             })
@@ -681,16 +713,17 @@ fn non_finite_master_weights_are_refused_before_anything_moves() -> Res {
         match &err {
             LifecycleError::Plan(FsdpError::NonFinite {
                 tensor,
-                rank: 1,
-                index: 5,
+                rank: r,
+                index: i,
                 value,
             }) if tensor == "model.layers.0.self_attn.o_proj.weight"
+                && (*r, *i) == (rank, index as u64)
                 && value.to_bits() == bad.to_bits() => {}
-            other => panic!("{text}: {other}"),
+            other => panic!("W={world} {text}: {other}"),
         }
         let msg = err.to_string();
         assert!(
-            msg.contains(text) && msg.contains("element 5 of rank 1"),
+            msg.contains(text) && msg.contains(&format!("element {index} of rank {rank}")),
             "{msg}"
         );
         assert_eq!(lc.metrics().bytes().moved() + lc.metrics().bytes().local, 0);
@@ -710,14 +743,20 @@ fn non_finite_master_weights_are_refused_before_anything_moves() -> Res {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn verified_cycles_keep_the_state_and_rollouts_exact() -> Res {
-    if !need_gpus(2) {
-        return Ok(());
+    require_gpus(1)?;
+    for world in WORLDS {
+        verified_cycles(world)?;
     }
-    let pool = Arc::new(ThreadRankPool::new(2)?);
-    assert!(pool.local_ranks().len() == 2);
+    Ok(())
+}
+
+fn verified_cycles(world: usize) -> Res {
+    let pool = pool(world)?;
+    assert!(pool.local_ranks().len() == world);
     for (name, memory) in policies() {
-        let specs = specs(2);
-        let layout = RolloutLayout::new(2, specs.clone())?;
+        let name = format!("W={world} {name}");
+        let specs = specs(world);
+        let layout = RolloutLayout::new(world, specs.clone())?;
         let backend = FsdpBackend::new(pool.clone(), layout.clone())
             .with_config(config())?
             .with_verification(true);

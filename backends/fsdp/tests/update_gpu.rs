@@ -1,8 +1,11 @@
 //! GPU tests of the in-place updates (synthetic gradients, Adam step) against the host backend,
-//! bit for bit. Run on a machine with NVIDIA GPUs (2 for the W = 2 cases) with
+//! bit for bit. Run on a machine with NVIDIA GPUs with
 //! `cargo test --release -p lifecycle-fsdp --test update_gpu -- --ignored --test-threads=1`
-//! (on the project's test machine also `export NCCL_NVLS_ENABLE=0`).
+//! (on the project's test machine also `export NCCL_NVLS_ENABLE=0`), or `scripts/gpu-suite.sh`.
 //! In CI (no GPU) they are reported as ignored.
+//!
+//! Every test runs on one GPU: the W = 2 cases (each rank updates its own shard; switches use
+//! peer copies) place both ranks on one GPU when the machine has only one ([`spread`]).
 
 use std::sync::Arc;
 
@@ -10,7 +13,8 @@ use lifecycle_core::{
     Lifecycle, LifecycleConfig, MemoryPolicy, Metrics, PhaseRecorder, Reshard, SwitchContext,
     Switching,
 };
-use lifecycle_cuda::{device_count, ThreadRankPool};
+use lifecycle_cuda::testing::{require_gpus, spread};
+use lifecycle_cuda::ThreadRankPool;
 use lifecycle_fsdp::{synthetic_grad_value, FsdpBackend, FsdpError, FsdpTrainState};
 use lifecycle_host::{reference_rollout, HostTrainState};
 use lifecycle_layout::{AdamParams, HostTensor};
@@ -67,14 +71,11 @@ fn host_tensors(specs: &[TensorSpec]) -> Vec<HostTensor> {
         .collect()
 }
 
-fn need_gpus(n: usize) -> bool {
-    match device_count() {
-        Ok(c) if c >= n => true,
-        other => {
-            eprintln!("skipping: needs {n} GPUs, found {other:?}");
-            false
-        }
-    }
+/// `world` ranks over this machine's GPUs, sharing one where there are fewer GPUs than ranks.
+fn pool(world: usize) -> Result<Arc<ThreadRankPool>, Box<dyn std::error::Error>> {
+    Ok(Arc::new(ThreadRankPool::on_devices(
+        spread(world)?.devices(),
+    )?))
 }
 
 /// The host twin of `fill_synthetic_grads`.
@@ -152,7 +153,7 @@ fn adam_matches_host(world: usize) -> Res {
     let specs = specs(1);
     let mut host = HostTrainState::from_tensors(world, host_tensors(&specs))?;
     let before = host.clone();
-    let pool = Arc::new(ThreadRankPool::new(world)?);
+    let pool = pool(world)?;
     let backend = FsdpBackend::new(pool, RolloutLayout::new(1, specs)?);
     let mut state = backend.state_from_host(&host)?;
     let params = AdamParams {
@@ -209,18 +210,14 @@ fn adam_matches_host(world: usize) -> Res {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn adam_step_bit_identical_to_host_w1() -> Res {
-    if !need_gpus(1) {
-        return Ok(());
-    }
+    require_gpus(1)?;
     adam_matches_host(1)
 }
 
 #[test]
-#[ignore = "needs 2 NVIDIA GPUs"]
+#[ignore = "needs an NVIDIA GPU"]
 fn adam_step_bit_identical_to_host_w2() -> Res {
-    if !need_gpus(2) {
-        return Ok(());
-    }
+    require_gpus(1)?;
     adam_matches_host(2)
 }
 
@@ -230,7 +227,7 @@ fn cycle(world: usize, tp: usize, memory: MemoryPolicy) -> Res {
     let specs = specs(tp);
     let layout = RolloutLayout::new(tp, specs.clone())?;
     let mut host = HostTrainState::from_tensors(world, host_tensors(&specs))?;
-    let pool = Arc::new(ThreadRankPool::new(world)?);
+    let pool = pool(world)?;
     let backend = FsdpBackend::new(pool, layout.clone());
     let state = backend.state_from_host(&host)?;
     let mut lc = Lifecycle::with_config(
@@ -283,9 +280,7 @@ fn cycle(world: usize, tp: usize, memory: MemoryPolicy) -> Res {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn lifecycle_cycle_with_in_place_step_w1() -> Res {
-    if !need_gpus(1) {
-        return Ok(());
-    }
+    require_gpus(1)?;
     cycle(1, 1, MemoryPolicy::default())?;
     cycle(
         1,
@@ -298,11 +293,9 @@ fn lifecycle_cycle_with_in_place_step_w1() -> Res {
 }
 
 #[test]
-#[ignore = "needs 2 NVIDIA GPUs"]
+#[ignore = "needs an NVIDIA GPU"]
 fn lifecycle_cycle_with_in_place_step_w2() -> Res {
-    if !need_gpus(2) {
-        return Ok(());
-    }
+    require_gpus(1)?;
     cycle(2, 2, MemoryPolicy::default())?;
     cycle(2, 1, MemoryPolicy::default())?;
     cycle(
@@ -320,12 +313,16 @@ fn lifecycle_cycle_with_in_place_step_w2() -> Res {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn updates_on_an_offloaded_state_are_typed_errors() -> Res {
-    if !need_gpus(1) {
-        return Ok(());
+    require_gpus(1)?;
+    for world in [1, 2] {
+        offloaded_updates_refused(world)?;
     }
-    let world = if need_gpus(2) { 2 } else { 1 };
+    Ok(())
+}
+
+fn offloaded_updates_refused(world: usize) -> Res {
     let specs = specs(1);
-    let pool = Arc::new(ThreadRankPool::new(world)?);
+    let pool = pool(world)?;
     let mut backend = FsdpBackend::new(pool, RolloutLayout::new(1, specs.clone())?);
     let mut state = backend.state_from_tensors(host_tensors(&specs))?;
     backend.fill_synthetic_grads(&mut state, 1, 0.1)?;

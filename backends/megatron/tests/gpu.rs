@@ -1,7 +1,13 @@
-//! GPU tests of the Megatron executor: run on a machine with NVIDIA GPUs (2 for the W = 2 cases)
-//! with `cargo test --release -p lifecycle-megatron --test gpu -- --ignored --test-threads=1`
-//! (on the project's test machine also `export NCCL_NVLS_ENABLE=0`).
-//! In CI (no GPU) they are reported as ignored, not passed.
+//! GPU tests of the Megatron executor: run on a machine with NVIDIA GPUs with
+//! `cargo test --release -p lifecycle-megatron --test gpu -- --ignored --test-threads=1`
+//! (on the project's test machine also `export NCCL_NVLS_ENABLE=0`), or `scripts/gpu-suite.sh`.
+//! In CI (no GPU) they are reported as ignored, not passed. A test that needs more GPUs than the
+//! machine shows fails saying so ([`require_gpus`]).
+//!
+//! - 1 GPU: W = 1 (TP = PP = DP = 1); W = 2, 3, 4 ranks sharing GPU 0 in every TP/PP/DP layout
+//!   the models allow (peer copies between ranks of one GPU, no NCCL), bit for bit against the
+//!   CPU executor; the refusal of NCCL on such a pool.
+//! - 2 GPUs: W = 2 with NCCL steps and peer copies over the link; four ranks on two GPUs.
 
 mod common;
 
@@ -11,7 +17,8 @@ use lifecycle_core::{
     Fault, FaultAt, FaultInjector, FaultKind, Lifecycle, LifecycleConfig, LifecycleError, Link,
     MemoryPolicy, Mode, Phase, Reshard, Span, Switching, Trace,
 };
-use lifecycle_cuda::{device_count, CudaError, ThreadRankPool};
+use lifecycle_cuda::testing::require_gpus;
+use lifecycle_cuda::{CudaError, ThreadRankPool};
 use lifecycle_host::megatron::{reference_rollout, MegatronHostBackend, MegatronTrainState};
 use lifecycle_layout::megatron::{
     plan_megatron_to_tp, BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab,
@@ -24,16 +31,6 @@ use lifecycle_megatron::{
 };
 
 type Res = Result<(), Box<dyn std::error::Error>>;
-
-fn need_gpus(n: usize) -> bool {
-    match device_count() {
-        Ok(c) if c >= n => true,
-        other => {
-            eprintln!("skipping: needs {n} GPUs, found {other:?}");
-            false
-        }
-    }
-}
 
 /// Tiny models (odd vocabulary, odd layer count, 1 or 2 query groups, tied and untied) and one
 /// with tensors larger than a copy tile and widths that allow 16-byte copies.
@@ -84,8 +81,13 @@ struct Case {
 
 /// Enter `cycles` times: every rollout bit-identical to `reference_rollout` and to the CPU
 /// executor; after every exit the training state bit-identical to the start; metrics as planned;
-/// the last cycle traced, with the device spans its schedules call for.
-fn check(pool: &Arc<ThreadRankPool>, name: &str, c: &Case) -> Res {
+/// the last cycle traced, with the device spans its schedules call for. Returns whether the plan
+/// used peer copies.
+fn check(
+    pool: &Arc<ThreadRankPool>,
+    name: &str,
+    c: &Case,
+) -> Result<bool, Box<dyn std::error::Error>> {
     let layout = MegatronLayout::new(c.model, c.tp, c.pp, c.dp)?;
     let host = MegatronTrainState::from_hf(layout, common::hf_tensors(&c.model, 5))?;
     let rollout = RolloutLayout::new(c.t, c.vocab);
@@ -158,7 +160,7 @@ fn check(pool: &Arc<ThreadRankPool>, name: &str, c: &Case) -> Res {
         c.memory.offload_params || c.memory.offload_optimizer,
         "{case}"
     );
-    Ok(())
+    Ok(gpu_plan.peer_copy())
 }
 
 /// The host span of `phase` (the lifecycle's row; at most one): start and end in microseconds.
@@ -418,31 +420,24 @@ fn matrix(world: usize, layouts: &[(usize, usize, usize)]) -> Res {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn rollout_bit_identical_w1() -> Res {
-    if !need_gpus(1) {
-        return Ok(());
-    }
+    require_gpus(1)?;
     matrix(1, &[(1, 1, 1)])
 }
 
+/// Needs 2 GPUs: NCCL steps (packed and direct messages) and peer copies over the link, which
+/// ranks on one GPU do not have.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn rollout_bit_identical_w2() -> Res {
-    if !need_gpus(2) {
-        return Ok(());
-    }
+    require_gpus(2)?;
     matrix(2, &[(2, 1, 1), (1, 2, 1), (1, 1, 2)])
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn offload_reload_round_trip_and_refresh() -> Res {
-    let world = if need_gpus(2) {
-        2
-    } else if need_gpus(1) {
-        1
-    } else {
-        return Ok(());
-    };
+    // W = 2 where the machine has 2 GPUs, W = 1 on one.
+    let world = require_gpus(1)?.min(2);
     let pool = Arc::new(ThreadRankPool::new(world)?);
     let model = models()[2].1;
     let layout = MegatronLayout::from_world(model, world, 1, world)?;
@@ -556,7 +551,7 @@ fn weight_bits(state: &MegatronTrainState) -> Vec<Vec<u32>> {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn errors_are_typed_and_leave_the_state_intact() -> Res {
-    let n = device_count()?;
+    let n = require_gpus(1)?;
     match ThreadRankPool::new(n + 1) {
         Err(CudaError::TooFewGpus {
             requested,
@@ -652,5 +647,226 @@ fn errors_are_typed_and_leave_the_state_intact() -> Res {
         Err(MegatronGpuError::Cuda(e)) => assert!(e.is_oom(), "{e:?}"),
         other => panic!("expected out of memory, got {other:?}"),
     }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Several ranks on one GPU: the multi-rank logic of the plans without a second GPU
+// ---------------------------------------------------------------------------------------------
+
+/// One layout case of the shared-GPU matrix: model, TP, PP, DP (W = TP · PP · DP) and rollout T.
+type Layout = (&'static str, ModelSpec, usize, usize, usize, usize);
+
+fn divisors(n: usize) -> impl Iterator<Item = usize> {
+    (1..=n).filter(move |d| n.is_multiple_of(*d))
+}
+
+/// For W = 2, 3, 4: every TP · PP · DP = W layout of every model of [`models`] and every rollout
+/// degree T dividing W that the model allows (heads, query groups and layers must split).
+fn shared_layouts() -> Vec<Layout> {
+    let mut out = Vec::new();
+    for (name, model) in models() {
+        for world in 2..=4 {
+            for tp in divisors(world) {
+                for pp in divisors(world / tp) {
+                    let dp = world / tp / pp;
+                    let Ok(layout) = MegatronLayout::new(model, tp, pp, dp) else {
+                        continue;
+                    };
+                    for t in divisors(world) {
+                        let rollout = RolloutLayout::new(t, RolloutVocab::PadToMultipleOf(1));
+                        let bucket = BucketConfig {
+                            bucket_bytes: 256 << 20,
+                        };
+                        if plan_megatron_to_tp(&layout, &rollout, bucket).is_ok() {
+                            out.push((name, model, tp, pp, dp, t));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_shared_gpu_layouts_cover_tp_pp_dp_and_t() {
+    let cases = shared_layouts();
+    for (name, _, tp, pp, dp, t) in &cases {
+        eprintln!("{name}: TP{tp} PP{pp} DP{dp} -> T{t}");
+    }
+    let any = |f: &dyn Fn(&Layout) -> bool| cases.iter().any(f);
+    for w in [2, 4] {
+        let of_w = |c: &Layout| c.2 * c.3 * c.4 == w;
+        assert!(any(&|c| of_w(c) && c.2 > 1), "W={w}: no TP > 1");
+        assert!(any(&|c| of_w(c) && c.3 > 1), "W={w}: no PP > 1");
+        assert!(any(&|c| of_w(c) && c.4 > 1), "W={w}: no DP > 1");
+        assert!(any(&|c| of_w(c) && c.5 < w), "W={w}: no T < W");
+        assert!(any(&|c| of_w(c) && c.5 == w), "W={w}: no T = W");
+    }
+    assert!(any(&|c| c.2 * c.3 * c.4 == 3 && c.3 == 3), "W=3: no PP = 3");
+    assert!(any(&|c| c.2 * c.3 * c.4 == 3 && c.4 == 3), "W=3: no DP = 3");
+    assert!(any(&|c| c.2 > 1 && c.3 > 1), "no TP and PP together");
+    assert!(any(&|c| c.2 > 1 && c.4 > 1), "no TP and DP together");
+    assert!(any(&|c| c.3 > 1 && c.4 > 1), "no PP and DP together");
+    assert_eq!(cases.len(), SHARED_LAYOUTS, "the layout matrix changed");
+    // The CPU executor agrees with the reference on every case: the GPU test compares against a
+    // real answer.
+    for (name, model, tp, pp, dp, t) in cases {
+        let layout = MegatronLayout::new(model, tp, pp, dp).unwrap();
+        let host = MegatronTrainState::from_hf(layout, common::hf_tensors(&model, 5)).unwrap();
+        let rollout = RolloutLayout::new(t, RolloutVocab::PadToMultipleOf(7));
+        let reference = reference_rollout(&host, &rollout).unwrap();
+        let cpu = via_host(&host, rollout, 256 << 20);
+        assert_eq!(
+            cpu.first_difference(&reference),
+            None,
+            "{name} TP{tp} PP{pp} DP{dp} -> T{t}"
+        );
+    }
+}
+
+/// Cases of [`shared_layouts`] (pinned, so a change of the matrix is seen).
+const SHARED_LAYOUTS: usize = 72;
+
+/// The settings of the `k`-th shared-GPU case, varied over the cases: peer copies by
+/// [`Transport::Auto`] and [`Transport::PeerCopy`], copy engines and tile kernels for remote
+/// runs, both memory policies, both vocabulary paddings.
+fn shared_case(layout: &Layout, k: usize) -> Case {
+    let &(_, model, tp, pp, dp, t) = layout;
+    Case {
+        model,
+        tp,
+        pp,
+        dp,
+        t,
+        vocab: [
+            RolloutVocab::PadToMultipleOf(1),
+            RolloutVocab::PadToMultipleOf(7),
+        ][k % 2],
+        config: GpuConfig {
+            transport: [Transport::Auto, Transport::PeerCopy][k % 2],
+            // Copy engines only / tiles below 64 B / tiles only.
+            peer_tile_max_bytes: [0, 64, u64::MAX][k % 3],
+            memcpy_min_bytes: [0, u64::MAX, 64][(k + 1) % 3],
+            split_local_bulk: k % 2 == 1,
+            overlap_blocks_per_sm: [1, 8, 2][k % 3],
+            ..GpuConfig::default()
+        },
+        memory: if k.is_multiple_of(2) {
+            MemoryPolicy::default()
+        } else {
+            MemoryPolicy::resident()
+        },
+        cycles: 2,
+    }
+}
+
+/// Runs every case of `layouts` whose W equals the pool's (settings by [`shared_case`]): peer
+/// copies are planned, every rollout and the training state bit for bit as on the CPU.
+fn shared_matrix(
+    pool: &Arc<ThreadRankPool>,
+    layouts: &[Layout],
+) -> Result<usize, Box<dyn std::error::Error>> {
+    let world = pool.devices().len();
+    let mut n = 0;
+    for (i, layout) in layouts.iter().enumerate() {
+        if layout.2 * layout.3 * layout.4 != world {
+            continue;
+        }
+        let case = shared_case(layout, i);
+        let peer = check(pool, layout.0, &case)?;
+        assert!(
+            peer,
+            "{} TP{} PP{} DP{} on GPUs {:?}: NCCL steps planned",
+            layout.0,
+            layout.2,
+            layout.3,
+            layout.4,
+            pool.devices()
+        );
+        n += 1;
+    }
+    eprintln!(
+        "{n} layout cases checked on W = {world}, GPUs {:?}",
+        pool.devices()
+    );
+    Ok(n)
+}
+
+/// W = 2, 3, 4 ranks all on GPU 0, every layout of [`shared_layouts`]: peer copies between
+/// ranks of one GPU (device-local), every rollout bit-identical to the CPU executor
+/// (`MegatronHostBackend`) and to `reference_rollout`, the training state unchanged.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn ranks_sharing_one_gpu_match_the_cpu_executor_bit_for_bit() -> Res {
+    require_gpus(1)?;
+    let layouts = shared_layouts();
+    let mut n = 0;
+    for world in 2..=4 {
+        let pool = Arc::new(ThreadRankPool::on_devices(&vec![0; world])?);
+        n += shared_matrix(&pool, &layouts)?;
+    }
+    assert_eq!(n, SHARED_LAYOUTS);
+    Ok(())
+}
+
+/// On ranks sharing one GPU, `Transport::Nccl` fails in planning with the error naming the
+/// ranks and the GPU; nothing moves and the state is intact.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn ranks_sharing_one_gpu_refuse_nccl_up_front() -> Res {
+    require_gpus(1)?;
+    let pool = Arc::new(ThreadRankPool::on_devices(&[0, 0, 0, 0])?);
+    let model = models()[0].1;
+    let layout = MegatronLayout::new(model, 2, 1, 2)?;
+    let host = MegatronTrainState::from_hf(layout, common::hf_tensors(&model, 8))?;
+    let rollout = RolloutLayout::new(2, RolloutVocab::PadToMultipleOf(1));
+    let backend = MegatronGpuBackend::new(pool.clone(), rollout)?.with_config(GpuConfig {
+        transport: Transport::Nccl,
+        ..GpuConfig::default()
+    })?;
+    let state = backend.state_from_host(&host)?;
+    let mut lc = Lifecycle::new(backend, state);
+    match lc.rollout() {
+        Err(LifecycleError::Plan(MegatronGpuError::Cuda(
+            e @ CudaError::NcclNeedsOneGpuPerRank { .. },
+        ))) => {
+            assert!(
+                e.to_string().starts_with(
+                    "the NCCL transport needs one GPU per rank; this pool places ranks 0 and 1 on GPU 0"
+                ),
+                "{e}"
+            );
+        }
+        Err(e) => panic!("expected the NCCL refusal, got {e}"),
+        Ok(_) => panic!("Transport::Nccl planned on ranks sharing a GPU"),
+    }
+    assert_eq!(lc.mode(), Mode::Train);
+    assert_eq!(lc.metrics().bytes().moved() + lc.metrics().bytes().local, 0);
+    let now = lc.backend().download_state(lc.peek_state())?;
+    assert!(now.snapshot() == host.snapshot(), "state changed");
+    // The same backend with the default transport works on this pool.
+    let (backend, state) = lc.into_parts()?;
+    let backend = backend.with_config(GpuConfig::default())?;
+    let mut lc = Lifecycle::new(backend, state);
+    let s = lc.rollout()?;
+    let got = s.backend().download_rollout(&s.weights())?;
+    assert_eq!(
+        got.first_difference(&reference_rollout(&host, &rollout)?),
+        None
+    );
+    Ok(())
+}
+
+/// Needs 2 GPUs: four ranks, two on each GPU: device-local copies between ranks of one GPU and
+/// copies over the link between GPUs, in one plan.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn two_ranks_on_each_of_two_gpus_match_the_cpu_executor() -> Res {
+    require_gpus(2)?;
+    let pool = Arc::new(ThreadRankPool::on_devices(&[0, 0, 1, 1])?);
+    let n = shared_matrix(&pool, &shared_layouts())?;
+    assert!(n > 0);
     Ok(())
 }
