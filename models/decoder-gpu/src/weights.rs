@@ -1,7 +1,7 @@
 //! Where each weight of one TP rank lies in the FSDP backend's flat rollout buffer, checked
 //! against the config and the layout with the same rules (and errors) as the CPU decoder.
 
-use lifecycle_decoder::{head_shares, rollout_spec, DecodeError, HeadShare, ModelConfig};
+use lifecycle_decoder::{layout_heads, rollout_spec, DecodeError, HeadShare, ModelConfig};
 use lifecycle_layout::RolloutEntry;
 use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 
@@ -117,14 +117,7 @@ impl GroupOffsets {
         };
         let (d, h) = (config.head_dim, config.hidden_size);
         let q_heads = config.num_heads / tp;
-        let k_name = "model.layers.0.self_attn.k_proj.weight";
-        let kv_split = if config.num_layers > 0 {
-            r.spec(k_name, &[Parallel::Column, Parallel::Replicated])?
-                .parallel
-        } else {
-            Parallel::Column
-        };
-        let shares = head_shares(config, tp, kv_split)?;
+        let (kv_split, shares) = layout_heads(config, layout)?;
         if shares.iter().any(|s| s.kv_heads != shares[0].kv_heads) {
             return Err(degree(
                 "the ranks would compute different numbers of kv heads".into(),

@@ -1,9 +1,10 @@
 //! Which attention heads each rank of a tensor-parallel group computes.
 
-use lifecycle_layout::Parallel;
+use lifecycle_layout::{Parallel, RolloutLayout};
 
 use crate::config::ModelConfig;
 use crate::error::DecodeError;
+use crate::spec_check::rollout_spec;
 
 /// The heads one TP rank computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,7 +23,7 @@ pub struct HeadShare {
 /// heads than ranks.
 ///
 /// ```
-/// use lifecycle_layout::Parallel;
+/// use lifecycle_layout::{Parallel, RolloutLayout};
 /// use lifecycle_decoder::{head_shares, ModelConfig};
 /// let config = ModelConfig::from_json_str(r#"{"model_type": "qwen2", "vocab_size": 64, "rope_theta": 10000.0,
 ///     "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
@@ -76,4 +77,24 @@ pub fn head_shares(
             }
         })
         .collect())
+}
+
+/// How `layout` splits k/v (read from its first k projection, checked against `config`'s shapes:
+/// column-parallel or replicated) and the head shares of its TP ranks ([`head_shares`]).
+pub fn layout_heads(
+    config: &ModelConfig,
+    layout: &RolloutLayout,
+) -> Result<(Parallel, Vec<HeadShare>), DecodeError> {
+    let kv_split = if config.num_layers > 0 {
+        rollout_spec(
+            layout,
+            &config.tensor_shapes(),
+            "model.layers.0.self_attn.k_proj.weight",
+            &[Parallel::Column, Parallel::Replicated],
+        )?
+        .parallel
+    } else {
+        Parallel::Column
+    };
+    Ok((kv_split, head_shares(config, layout.tp(), kv_split)?))
 }

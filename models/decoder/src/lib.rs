@@ -42,7 +42,7 @@ pub use config::{Architecture, ConfigStyle, ModelConfig};
 pub use cpu::CpuDecoder;
 pub use decoder::{Decoder, PrefillLogits};
 pub use error::{CheckpointError, DecodeError, MegatronCheckpointError};
-pub use heads::{head_shares, HeadShare};
+pub use heads::{head_shares, layout_heads, HeadShare};
 pub use math::dot;
 pub use megatron_checkpoint::{
     load_megatron_checkpoint, MegatronCheckpoint, MegatronParallel, MEGATRON_VOCAB_MULTIPLE,

@@ -9,7 +9,7 @@ use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 
 use crate::config::ModelConfig;
 use crate::error::DecodeError;
-use crate::heads::{head_shares, HeadShare};
+use crate::heads::{layout_heads, HeadShare};
 use crate::spec_check::rollout_spec;
 
 /// A weight that is either vocabulary-parallel (one slice per rank) or replicated.
@@ -144,14 +144,7 @@ impl<'w> GroupWeights<'w> {
         let d = config.head_dim;
         let h = config.hidden_size;
         let q_heads = config.num_heads / tp;
-        let k_name = "model.layers.0.self_attn.k_proj.weight";
-        let kv_split = if config.num_layers > 0 {
-            r.spec(k_name, &[Parallel::Column, Parallel::Replicated])?
-                .parallel
-        } else {
-            Parallel::Column
-        };
-        let shares = head_shares(config, tp, kv_split)?;
+        let (kv_split, shares) = layout_heads(config, layout)?;
         let mut layers = Vec::with_capacity(config.num_layers);
         for l in 0..config.num_layers {
             let p = format!("model.layers.{l}");
