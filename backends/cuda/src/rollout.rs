@@ -134,6 +134,28 @@ impl RolloutBuffer {
         })
     }
 
+    /// Frees every local rank's buffer on its own thread, after all work queued on the rank's
+    /// streams (the memory returns to the device's pool at once). `pool` must drive the ranks
+    /// this buffer holds.
+    pub fn release(self, pool: &impl RankExecutor) -> Result<(), CudaError> {
+        if pool.local_ranks() != self.local.as_slice() {
+            return Err(CudaError::Invalid(format!(
+                "releasing rollout weights of ranks {:?} through a pool driving ranks {:?}",
+                self.local,
+                pool.local_ranks()
+            )));
+        }
+        let mut items: Vec<Option<CudaSlice<bf16>>> = self.ranks.into_iter().map(Some).collect();
+        pool.run_each(&mut items, &|c, buf| {
+            c.sync_all()?;
+            drop(buf.take());
+            c.compute
+                .synchronize()
+                .map_err(c.drv("releasing rollout weights", 0))
+        })?;
+        Ok(())
+    }
+
     /// The device buffers, in local-rank order (to free them).
     pub fn into_buffers(self) -> Vec<CudaSlice<bf16>> {
         self.ranks

@@ -3,7 +3,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::{CudaSlice, PinnedHostSlice};
-use half::bf16;
 use lifecycle_core::{Link, Phase, Reshard, SwitchContext};
 use lifecycle_cuda::{
     alloc_device, alloc_rollout_buffers, alloc_zeros, record_spans, record_transfer, CudaError,
@@ -153,17 +152,8 @@ impl Reshard for FsdpBackend {
         let mut rollout_check = Ok(());
         if let Some(rollout) = rollout {
             rollout_check = self.check_rollout_sums(&rollout);
-            ctx.rec.phase(Phase::Release, |_| {
-                let mut items: Vec<Option<CudaSlice<bf16>>> =
-                    rollout.into_buffers().into_iter().map(Some).collect();
-                self.pool.run_each(&mut items, &|c, buf| {
-                    drop(buf.take());
-                    c.compute
-                        .synchronize()
-                        .map_err(c.drv("releasing rollout weights", 0))
-                })?;
-                Ok::<(), FsdpError>(())
-            })?;
+            ctx.rec
+                .phase(Phase::Release, |_| rollout.release(&*self.pool))?;
         }
         let len = state.shards.rank_len as usize;
         let bytes_each = state.shards.rank_len * 4;

@@ -1306,20 +1306,8 @@ impl Reshard for MegatronGpuBackend {
         ctx: &mut SwitchContext<'_>,
     ) -> Result<(), MegatronGpuError> {
         if let Some(rollout) = rollout {
-            ctx.rec.phase(Phase::Release, |_| {
-                let mut items: Vec<Option<CudaSlice<bf16>>> =
-                    rollout.into_buffers().into_iter().map(Some).collect();
-                if items.len() == self.locals().len() {
-                    self.pool.run_each(&mut items, &|c, buf| {
-                        c.sync_all()?;
-                        drop(buf.take());
-                        c.compute
-                            .synchronize()
-                            .map_err(c.drv("releasing rollout weights", 0))
-                    })?;
-                }
-                Ok::<(), MegatronGpuError>(())
-            })?;
+            ctx.rec
+                .phase(Phase::Release, |_| rollout.release(&*self.pool))?;
         }
         self.check_state(state)?;
         let pinned = &*self.pinned;
