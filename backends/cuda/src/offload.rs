@@ -17,6 +17,18 @@ pub struct OffloadBuffer<T> {
     host: Option<HostCopy>,
 }
 
+impl<T> Default for OffloadBuffer<T> {
+    /// An empty buffer (no elements, nothing on the device or the host), to be replaced by
+    /// [`OffloadBuffer::on_device`].
+    fn default() -> Self {
+        OffloadBuffer {
+            len: 0,
+            dev: None,
+            host: None,
+        }
+    }
+}
+
 impl<T: DeviceRepr> OffloadBuffer<T> {
     /// A buffer of `len` elements held in `dev` (which may be longer: allocations can be padded).
     pub fn on_device(dev: CudaSlice<T>, len: usize) -> Self {
@@ -75,6 +87,21 @@ impl<T: DeviceRepr> OffloadBuffer<T> {
         self.len * std::mem::size_of::<T>()
     }
 
+    /// Takes the pinned chunks an offload of this buffer needs from `pinned` (cached chunks first),
+    /// unless it holds them already; nothing is copied. Lets an executor take every buffer's chunks
+    /// before it queues any copy, so that running out of pinned memory changes nothing.
+    pub fn reserve_host(
+        &mut self,
+        ctx: &RankCtx,
+        pinned: &PinnedPool,
+        what: &str,
+    ) -> Result<(), CudaError> {
+        if self.host.is_none() {
+            self.host = Some(pinned.take(ctx, self.bytes(), what)?);
+        }
+        Ok(())
+    }
+
     /// Queues the device→host copy of this buffer on the copy stream (pinned chunks taken from
     /// `pinned` first), marked on `tl` as an offload span named `what`. Returns the bytes
     /// queued; 0 when already offloaded.
@@ -85,12 +112,13 @@ impl<T: DeviceRepr> OffloadBuffer<T> {
         what: &str,
         tl: &mut StreamTimeline,
     ) -> Result<u64, CudaError> {
+        if self.dev.is_none() {
+            return Ok(0);
+        }
+        self.reserve_host(ctx, pinned, what)?;
         let Some(dev) = self.dev.as_ref() else {
             return Ok(0);
         };
-        if self.host.is_none() {
-            self.host = Some(pinned.take(ctx, self.bytes(), what)?);
-        }
         let (src, _sync) = dev.device_ptr(&ctx.copy);
         let bytes = self.bytes() as u64;
         if let Some(host) = self.host.as_mut() {

@@ -277,6 +277,22 @@ impl HostCopy {
         Ok(())
     }
 
+    /// Byte `index` of the buffer, to change on the host (fault injection in tests); `None` past
+    /// the end. The stream that wrote the chunks must be synchronised.
+    pub fn byte_mut(&mut self, index: usize, rank: usize) -> Result<Option<&mut u8>, CudaError> {
+        let mut start = 0;
+        for (chunk, n) in &mut self.pieces {
+            if index < start + *n {
+                let host = chunk
+                    .as_mut_slice()
+                    .map_err(|e| CudaError::driver(rank, "reading an offloaded buffer", 0, e))?;
+                return Ok(host.get_mut(index - start));
+            }
+            start += *n;
+        }
+        Ok(None)
+    }
+
     /// The buffer's bytes, read on the host. The stream that wrote them must be synchronised.
     pub fn read(&self, rank: usize, what: &str) -> Result<Vec<u8>, CudaError> {
         let mut out = Vec::with_capacity(self.bytes);

@@ -4,7 +4,7 @@ use crate::update_kernels::UpdateKernelCache;
 use crate::FsdpError;
 use std::sync::{Arc, Mutex};
 
-use lifecycle_cuda::{RankExecutor, ThreadRankPool, Transport};
+use lifecycle_cuda::{PinnedPool, RankExecutor, ThreadRankPool, Transport};
 use lifecycle_layout::{FsdpLayout, RolloutLayout};
 
 use lifecycle_layout::fsdp::{BucketConfig, FsdpPlan};
@@ -59,7 +59,7 @@ pub struct FsdpBackend {
     /// Verification mode: hashes of the resident rollout weights.
     pub(crate) rollout_sums: Option<RolloutSums>,
     pub(crate) transport: Transport,
-    pub(crate) offload_chunk_bytes: usize,
+    pub(crate) pinned: Arc<PinnedPool>,
 }
 
 /// Hashes of the resident rollout weights, per local rank, per chunk of `table`.
@@ -95,15 +95,30 @@ impl FsdpBackend {
             verify: false,
             rollout_sums: None,
             transport: Transport::Auto,
-            offload_chunk_bytes: DEFAULT_OFFLOAD_CHUNK_BYTES,
+            pinned: Arc::new(PinnedPool::new(DEFAULT_OFFLOAD_CHUNK_BYTES, 1)),
         }
     }
 
     /// Cuts each offload copy (device → pinned host) into copies of at most `bytes` (`0`: one
-    /// copy per buffer). Default [`DEFAULT_OFFLOAD_CHUNK_BYTES`].
+    /// copy per buffer), with a pinned pool of chunks of that size of its own. Default
+    /// [`DEFAULT_OFFLOAD_CHUNK_BYTES`].
     pub fn with_offload_chunk_bytes(mut self, bytes: usize) -> Self {
-        self.offload_chunk_bytes = bytes;
+        let chunk = if bytes == 0 { usize::MAX } else { bytes };
+        self.pinned = Arc::new(PinnedPool::new(chunk, 1));
         self
+    }
+
+    /// Offloads into the pinned chunks of `pinned` (shared with other backends of the process,
+    /// e.g. a Megatron one: pinned memory is slow to allocate, so it is allocated once); offload
+    /// copies are cut into pieces of its chunk size.
+    pub fn with_pinned_pool(mut self, pinned: Arc<PinnedPool>) -> Self {
+        self.pinned = pinned;
+        self
+    }
+
+    /// The pinned pool offloads take their host memory from.
+    pub fn pinned_pool(&self) -> &Arc<PinnedPool> {
+        &self.pinned
     }
 
     /// How bytes cross between ranks. [`Transport::Auto`] (the default): peer copies (each

@@ -7,7 +7,7 @@ use lifecycle_host::HostTrainState;
 use lifecycle_layout::fsdp::ShardLayout;
 
 use cudarc::driver::CudaSlice;
-use lifecycle_cuda::{alloc_zeros, CudaError, RankCtx, RankExecutor};
+use lifecycle_cuda::{alloc_zeros, CudaError, OffloadBuffer, RankCtx, RankExecutor};
 use lifecycle_layout::{FsdpLayout, HostTensor, TensorData};
 
 use crate::state::{FsdpTrainState, RankTrain};
@@ -121,10 +121,12 @@ impl FsdpBackend {
             ctx.compute
                 .memcpy_htod(host.as_slice(), &mut master)
                 .map_err(ctx.drv("uploading master shards", 0))?;
-            rt.master = Some(master);
+            rt.master = OffloadBuffer::on_device(master, len);
             rt.grads = Some(alloc_zeros(&ctx.compute, len, ctx.rank, "gradients")?);
-            rt.m = Some(alloc_zeros(&ctx.compute, len, ctx.rank, "Adam m")?);
-            rt.v = Some(alloc_zeros(&ctx.compute, len, ctx.rank, "Adam v")?);
+            rt.m =
+                OffloadBuffer::on_device(alloc_zeros(&ctx.compute, len, ctx.rank, "Adam m")?, len);
+            rt.v =
+                OffloadBuffer::on_device(alloc_zeros(&ctx.compute, len, ctx.rank, "Adam v")?, len);
             ctx.compute
                 .synchronize()
                 .map_err(ctx.drv("synchronizing", 0))?;
@@ -201,11 +203,14 @@ impl FsdpBackend {
                 )?;
                 bufs.push(b);
             }
-            let v = bufs.pop();
-            let m = bufs.pop();
-            rt.master = bufs.pop();
-            rt.m = m;
-            rt.v = v;
+            let mut take = |what: &str| {
+                bufs.pop()
+                    .map(|b| OffloadBuffer::on_device(b, len))
+                    .ok_or_else(|| CudaError::Invalid(format!("no synthetic {what} buffer")))
+            };
+            rt.v = take("Adam v")?;
+            rt.m = take("Adam m")?;
+            rt.master = take("master")?;
             rt.grads = Some(alloc_zeros(&ctx.compute, len, ctx.rank, "gradients")?);
             ctx.compute
                 .synchronize()

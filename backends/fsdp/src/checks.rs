@@ -65,7 +65,7 @@ impl FsdpBackend {
         let mut items: Vec<&RankTrain> = state.ranks.iter().collect();
         let found = self
             .pool
-            .run_each(&mut items, &|ctx, rt| match &rt.master {
+            .run_each(&mut items, &|ctx, rt| match rt.master.device() {
                 Some(m) => verify::first_nonfinite(ctx, m, &table),
                 None => Ok(None),
             })?;
@@ -109,12 +109,8 @@ impl FsdpBackend {
                 if !offloads {
                     continue;
                 }
-                let (dev, sums) = match b {
-                    Buffer::Master => (&rt.master, &mut rt.sums),
-                    Buffer::AdamM => (&rt.m, &mut rt.sums),
-                    Buffer::AdamV => (&rt.v, &mut rt.sums),
-                };
-                if let Some(d) = dev {
+                let (buf, sums) = rt.buffer_and_sums(b);
+                if let Some(d) = buf.device() {
                     verify::queue_offload_hash(ctx, sums, b, d, &table)?;
                 }
             }

@@ -3,8 +3,7 @@
 use crate::backend::FsdpBackend;
 use crate::FsdpError;
 
-use cudarc::driver::{CudaSlice, PinnedHostSlice};
-use lifecycle_cuda::{CudaError, RankExecutor, RolloutBuffer};
+use lifecycle_cuda::{RankExecutor, RolloutBuffer};
 use lifecycle_layout::{HostRollout, HostTensor};
 
 use crate::state::{FsdpTrainState, RankDump, RankTrain};
@@ -23,20 +22,8 @@ impl FsdpBackend {
         let mut items: Vec<&RankTrain> = state.ranks.iter().collect();
         Ok(self.pool.run_each(&mut items, &|ctx, rt| {
             ctx.sync_all()?;
-            let get = |dev: &Option<CudaSlice<f32>>,
-                       host: &Option<PinnedHostSlice<f32>>,
-                       what: &str|
-             -> Result<Vec<f32>, CudaError> {
-                match (dev, host) {
-                    (Some(d), _) => ctx.compute.clone_dtoh(d).map_err(ctx.drv(what, 0)),
-                    (None, Some(h)) => Ok(h.as_slice().map_err(ctx.drv(what, 0))?.to_vec()),
-                    (None, None) => Err(CudaError::Invalid(format!(
-                        "{what}: neither on the device nor on the host"
-                    ))),
-                }
-            };
             Ok(RankDump {
-                master: get(&rt.master, &rt.master_host, "downloading master")?,
+                master: rt.master.download(ctx, "downloading master")?,
                 grads: match &rt.grads {
                     Some(g) => Some(
                         ctx.compute
@@ -45,8 +32,8 @@ impl FsdpBackend {
                     ),
                     None => None,
                 },
-                m: get(&rt.m, &rt.m_host, "downloading Adam m")?,
-                v: get(&rt.v, &rt.v_host, "downloading Adam v")?,
+                m: rt.m.download(ctx, "downloading Adam m")?,
+                v: rt.v.download(ctx, "downloading Adam v")?,
             })
         })?)
     }

@@ -1,19 +1,19 @@
 //! [`Reshard`] for [`FsdpBackend`]: plan, enter, refresh and exit as glue over the transfer.
+
+use crate::backend::FsdpBackend;
+use crate::FsdpError;
+use lifecycle_layout::plan_fsdp_to_tp;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::{CudaSlice, PinnedHostSlice};
 use lifecycle_core::{Link, Phase, Reshard, SwitchContext};
 use lifecycle_cuda::{
-    alloc_device, alloc_rollout_buffers, alloc_zeros, record_spans, record_transfer, CudaError,
-    RankExecutor, RankSpans, RolloutBuffer, StreamTimeline, Transport,
+    alloc_rollout_buffers, alloc_zeros, record_spans, record_transfer, RankExecutor, RankSpans,
+    RolloutBuffer, StreamTimeline, Transport,
 };
-use lifecycle_layout::plan_fsdp_to_tp;
 
-use crate::backend::FsdpBackend;
 use crate::state::{FsdpTrainState, RankTrain};
 use crate::verify::{self, Buffer, Mismatch};
-use crate::FsdpError;
 use lifecycle_layout::fsdp::{build_plan, FsdpPlan};
 
 impl Reshard for FsdpBackend {
@@ -156,58 +156,25 @@ impl Reshard for FsdpBackend {
                 .phase(Phase::Release, |_| rollout.release(&*self.pool))?;
         }
         let len = state.shards.rank_len as usize;
-        let bytes_each = state.shards.rank_len * 4;
         let tracing = ctx.rec.tracing();
         let verify_on = self.verify;
         let table = verify::shard_table(&state.shards);
         let local_ranks = self.pool.local_ranks().to_vec();
         let slots = &state.shards.slots;
+        let pinned = &*self.pinned;
         let out = ctx.rec.phase(Phase::Reload, |scope| {
             let mut items: Vec<&mut RankTrain> = state.ranks.iter_mut().collect();
             let moved = self.pool.run_each(&mut items, &|c, rt| {
                 let mut h2d = 0u64;
                 let mut tl = StreamTimeline::new(c, tracing)?;
                 let offloaded = Buffer::ALL.map(|b| rt.device(b).is_none());
-                let mut reload = |dev: &mut Option<CudaSlice<f32>>,
-                                  host: &Option<PinnedHostSlice<f32>>,
-                                  what: &str,
-                                  h2d: &mut u64|
-                 -> Result<(), CudaError> {
-                    if dev.is_some() {
-                        return Ok(());
-                    }
-                    let host = host.as_ref().ok_or_else(|| {
-                        CudaError::Invalid(format!(
-                            "{what} is neither on the device nor on the host"
-                        ))
-                    })?;
-                    // SAFETY: fully written by the host→device copy right after.
-                    let mut d = unsafe { alloc_device::<f32>(&c.copy, len, c.rank, what)? };
-                    let mark = tl.begin(c, &c.copy)?;
-                    c.copy.memcpy_htod(host, &mut d).map_err(c.drv(what, 0))?;
-                    let h2d_link = Some(Link::HostToDevice);
-                    tl.end(
-                        c,
-                        &c.copy,
-                        mark,
-                        Phase::Reload,
-                        what,
-                        "copy",
-                        bytes_each,
-                        h2d_link,
-                    )?;
-                    *h2d += bytes_each;
-                    *dev = Some(d);
-                    Ok(())
-                };
-                reload(
-                    &mut rt.master,
-                    &rt.master_host,
-                    "reloading master",
-                    &mut h2d,
-                )?;
-                reload(&mut rt.m, &rt.m_host, "reloading Adam m", &mut h2d)?;
-                reload(&mut rt.v, &rt.v_host, "reloading Adam v", &mut h2d)?;
+                for (buf, what) in [
+                    (&mut rt.master, "reloading master"),
+                    (&mut rt.m, "reloading Adam m"),
+                    (&mut rt.v, "reloading Adam v"),
+                ] {
+                    h2d += buf.start_reload(c, what, &mut tl)?;
+                }
                 if rt.grads.is_none() {
                     rt.grads = Some(alloc_zeros(&c.compute, len, c.rank, "gradients")?);
                 }
@@ -217,17 +184,21 @@ impl Reshard for FsdpBackend {
                     if !(verify_on && offloaded[b.index()] && rt.sums.has(b)) {
                         continue;
                     }
-                    let Some(d) = rt.device_slot(b).take() else {
+                    let (buf, sums) = rt.buffer_and_sums(b);
+                    let Some(d) = buf.device() else {
                         continue;
                     };
-                    match verify::check_reloaded(c, &mut rt.sums, b, &d, &table)? {
-                        // The reloaded copy differs: it stays offloaded (its device copy is
-                        // dropped) and keeps its hashes, so a retry fails the same way.
-                        Some(m) => {
-                            corrupted.get_or_insert((b, m));
-                        }
-                        None => *rt.device_slot(b) = Some(d),
+                    // The reloaded copy differs: it stays offloaded (its device copy is dropped,
+                    // its pinned copy kept) and keeps its hashes, so a retry fails the same way.
+                    if let Some(m) = verify::check_reloaded(c, sums, b, d, &table)? {
+                        corrupted.get_or_insert((b, m));
+                        rt.buffer_mut(b).discard_device();
                     }
+                }
+                // The device copies are authoritative again: their pinned chunks go back to the
+                // pool for the next offload.
+                for b in Buffer::ALL {
+                    rt.buffer_mut(b).release_host(c.rank, pinned);
                 }
                 Ok((h2d, corrupted, tl.finish()?))
             })?;

@@ -1,24 +1,23 @@
 //! The training state on the GPUs: per rank, flat fp32 buffers of padded FSDP shards (master,
 //! grads, Adam m and v), and pinned host copies while offloaded.
 
-use cudarc::driver::{CudaSlice, PinnedHostSlice};
+use cudarc::driver::CudaSlice;
+use lifecycle_cuda::OffloadBuffer;
 use lifecycle_layout::FsdpLayout;
 
 use crate::verify::{Buffer, OffloadSums};
 use crate::FsdpError;
 use lifecycle_layout::fsdp::ShardLayout;
 
-/// One rank's training buffers. A buffer is on the device (`Some` device slice) or offloaded (the
-/// pinned host copy is authoritative); pinned copies are kept after reload for the next offload.
+/// One rank's training buffers. Master, Adam m and v are on the device or offloaded to pinned
+/// chunks of the backend's [`PinnedPool`](lifecycle_cuda::PinnedPool) (given back at reload, so
+/// the next offload reuses them); grads are freed in rollout mode.
 #[derive(Default)]
 pub struct RankTrain {
-    pub(crate) master: Option<CudaSlice<f32>>,
+    pub(crate) master: OffloadBuffer<f32>,
     pub(crate) grads: Option<CudaSlice<f32>>,
-    pub(crate) m: Option<CudaSlice<f32>>,
-    pub(crate) v: Option<CudaSlice<f32>>,
-    pub(crate) master_host: Option<PinnedHostSlice<f32>>,
-    pub(crate) m_host: Option<PinnedHostSlice<f32>>,
-    pub(crate) v_host: Option<PinnedHostSlice<f32>>,
+    pub(crate) m: OffloadBuffer<f32>,
+    pub(crate) v: OffloadBuffer<f32>,
     /// Verification mode: hashes of the offloaded buffers.
     pub(crate) sums: OffloadSums,
 }
@@ -26,16 +25,20 @@ pub struct RankTrain {
 impl RankTrain {
     /// The device copy of `buffer` (`None` while offloaded).
     pub(crate) fn device(&self, buffer: Buffer) -> Option<&CudaSlice<f32>> {
-        match buffer {
-            Buffer::Master => self.master.as_ref(),
-            Buffer::AdamM => self.m.as_ref(),
-            Buffer::AdamV => self.v.as_ref(),
-        }
-        .map(|s| s as _)
+        self.buffer(buffer).device()
     }
 
-    /// The device slot of `buffer`.
-    pub(crate) fn device_slot(&mut self, buffer: Buffer) -> &mut Option<CudaSlice<f32>> {
+    /// `buffer` itself.
+    pub(crate) fn buffer(&self, buffer: Buffer) -> &OffloadBuffer<f32> {
+        match buffer {
+            Buffer::Master => &self.master,
+            Buffer::AdamM => &self.m,
+            Buffer::AdamV => &self.v,
+        }
+    }
+
+    /// `buffer` itself, to offload, reload or discard.
+    pub(crate) fn buffer_mut(&mut self, buffer: Buffer) -> &mut OffloadBuffer<f32> {
         match buffer {
             Buffer::Master => &mut self.master,
             Buffer::AdamM => &mut self.m,
@@ -43,12 +46,17 @@ impl RankTrain {
         }
     }
 
-    fn host_mut(&mut self, buffer: Buffer) -> Option<&mut PinnedHostSlice<f32>> {
-        match buffer {
-            Buffer::Master => self.master_host.as_mut(),
-            Buffer::AdamM => self.m_host.as_mut(),
-            Buffer::AdamV => self.v_host.as_mut(),
-        }
+    /// `buffer` and the verification hashes, borrowed together.
+    pub(crate) fn buffer_and_sums(
+        &mut self,
+        buffer: Buffer,
+    ) -> (&OffloadBuffer<f32>, &mut OffloadSums) {
+        let b = match buffer {
+            Buffer::Master => &self.master,
+            Buffer::AdamM => &self.m,
+            Buffer::AdamV => &self.v,
+        };
+        (b, &mut self.sums)
     }
 }
 
@@ -93,12 +101,14 @@ impl FsdpTrainState {
 
     /// Whether the master weights are offloaded.
     pub fn master_offloaded(&self) -> bool {
-        self.ranks.iter().any(|r| r.master.is_none())
+        self.ranks.iter().any(|r| r.master.is_offloaded())
     }
 
     /// Whether Adam m, v are offloaded.
     pub fn optimizer_offloaded(&self) -> bool {
-        self.ranks.iter().any(|r| r.m.is_none() || r.v.is_none())
+        self.ranks
+            .iter()
+            .any(|r| r.m.is_offloaded() || r.v.is_offloaded())
     }
 
     /// Whether gradients are allocated.
@@ -112,13 +122,14 @@ impl FsdpTrainState {
         self.adam_steps
     }
 
-    /// Bytes of pinned host memory held for offloading by this process's ranks (allocated at the
-    /// first offload, then reused by every later one).
+    /// Bytes of pinned host memory the offloaded buffers of this process's ranks hold (taken
+    /// from the backend's pinned pool at offload, given back at reload; the pool pins each chunk
+    /// once and reuses it).
     pub fn pinned_host_bytes(&self) -> u64 {
         self.ranks
             .iter()
-            .flat_map(|r| [&r.master_host, &r.m_host, &r.v_host])
-            .map(|h| h.as_ref().map_or(0, |h| h.len() as u64 * 4))
+            .flat_map(|r| [&r.master, &r.m, &r.v])
+            .map(|b| b.host_bytes() as u64)
             .sum()
     }
 
@@ -164,20 +175,13 @@ impl FsdpTrainState {
         if rt.device(b).is_some() {
             return Ok(false);
         }
-        let Some(host) = rt.host_mut(b) else {
+        let Some(host) = rt.buffer_mut(b).host_mut() else {
             return Ok(false);
         };
-        let values = host.as_mut_slice().map_err(|e| {
-            FsdpError::Cuda(lifecycle_cuda::CudaError::driver(
-                rank,
-                "reading an offloaded buffer",
-                0,
-                e,
-            ))
-        })?;
-        match values.get_mut(at) {
+        let byte = at * 4 + (bit % 32) as usize / 8;
+        match host.byte_mut(byte, rank)? {
             Some(v) => {
-                *v = f32::from_bits(v.to_bits() ^ (1 << (bit % 32)));
+                *v ^= 1 << (bit % 8);
                 Ok(true)
             }
             None => Ok(false),

@@ -1,21 +1,21 @@
 //! One transfer: offload copies started first on the copy stream, every rank's bucket loop
 //! ([`crate::buckets`]), then the offload finished and what the policy moves out freed.
 
-use cudarc::driver::{CudaSlice, DevicePtr, PinnedHostSlice};
+use crate::backend::FsdpBackend;
+use crate::FsdpError;
 use half::bf16;
-use lifecycle_core::{Link, MemoryPolicy, Phase, SwitchContext};
-use lifecycle_cuda::{
-    alloc_pinned, peer_bases, record_spans, CudaError, RankCtx, RankExecutor, RankMoved, RankSpans,
-    StreamTimeline,
-};
+use lifecycle_layout::fsdp::FsdpPlan;
 use lifecycle_layout::RolloutEntry;
 
-use crate::backend::FsdpBackend;
+use cudarc::driver::CudaSlice;
+use lifecycle_core::{Link, MemoryPolicy, Phase, SwitchContext};
+use lifecycle_cuda::{
+    peer_bases, record_spans, CudaError, RankExecutor, RankMoved, RankSpans, StreamTimeline,
+};
+
 use crate::buckets::{run_buckets, CastMode};
 use crate::state::{FsdpTrainState, RankTrain};
-use crate::verify;
-use crate::FsdpError;
-use lifecycle_layout::fsdp::FsdpPlan;
+use crate::verify::{self, Buffer};
 
 impl FsdpBackend {
     pub(crate) fn entries(plan: &FsdpPlan) -> Vec<RolloutEntry> {
@@ -57,68 +57,36 @@ impl FsdpBackend {
         let bases = &bases;
         let mut items: Vec<(&mut RankTrain, &mut CudaSlice<bf16>)> =
             state.ranks.iter_mut().zip(rolls.iter_mut()).collect();
-        let len = state.shards.rank_len as usize;
         let mode = CastMode {
             batched: self.batched_casts,
         };
-        let chunk = self.offload_chunk_bytes;
+        let pinned = &*self.pinned;
+        let opt = memory.offload_optimizer;
+        let offloads = [
+            (opt, Buffer::AdamM, "offload Adam m"),
+            (opt, Buffer::AdamV, "offload Adam v"),
+            (memory.offload_params, Buffer::Master, "offload master"),
+        ];
         let moved = self.pool.run_each(&mut items, &|ctx, (rt, roll)| {
-            // Pinned host buffers first (allocated once, reused): failing here changes nothing.
-            if memory.offload_params && rt.master_host.is_none() {
-                // SAFETY: written by the device→host copy below before anything reads it.
-                rt.master_host =
-                    Some(unsafe { alloc_pinned(&ctx.copy, len, ctx.rank, "offloaded master")? });
-            }
-            if memory.offload_optimizer {
-                if rt.m_host.is_none() {
-                    // SAFETY: as above.
-                    rt.m_host = Some(unsafe {
-                        alloc_pinned(&ctx.copy, len, ctx.rank, "offloaded Adam m")?
-                    });
+            // Pinned chunks first (from the pool: pinned once, then reused): failing here
+            // changes nothing.
+            for (on, b, what) in offloads {
+                if on {
+                    rt.buffer_mut(b).reserve_host(ctx, pinned, what)?;
                 }
-                if rt.v_host.is_none() {
-                    // SAFETY: as above.
-                    rt.v_host = Some(unsafe {
-                        alloc_pinned(&ctx.copy, len, ctx.rank, "offloaded Adam v")?
-                    });
+            }
+            let mut tl = StreamTimeline::new(ctx, tracing)?;
+            // Offload copies on the copy stream: they overlap the NVLink work below (master
+            // last: the casts read it meanwhile, which the copy does not disturb).
+            for (on, b, what) in offloads {
+                if on {
+                    rt.buffer_mut(b).start_offload(ctx, pinned, what, &mut tl)?;
                 }
             }
             let master = rt
                 .master
-                .as_ref()
+                .device()
                 .ok_or_else(|| CudaError::Invalid("master weights are offloaded".into()))?;
-            let mut tl = StreamTimeline::new(ctx, tracing)?;
-            // Offload copies on the copy stream: they overlap the NVLink work below.
-            let bytes = (len * 4) as u64;
-            let opt = memory.offload_optimizer;
-            let copies = [
-                (opt, rt.m.as_ref(), rt.m_host.as_mut(), "Adam m"),
-                (opt, rt.v.as_ref(), rt.v_host.as_mut(), "Adam v"),
-                (
-                    memory.offload_params,
-                    Some(master),
-                    rt.master_host.as_mut(),
-                    "master",
-                ),
-            ];
-            for (on, dev, host, what) in copies {
-                let (true, Some(dev), Some(host)) = (on, dev, host) else {
-                    continue;
-                };
-                let mark = tl.begin(ctx, &ctx.copy)?;
-                offload_copy(ctx, dev, host, chunk, what)?;
-                let (name, link) = (format!("offload {what}"), Some(Link::DeviceToHost));
-                tl.end(
-                    ctx,
-                    &ctx.copy,
-                    mark,
-                    Phase::Offload,
-                    name,
-                    "copy",
-                    bytes,
-                    link,
-                )?;
-            }
             let mut moved = run_buckets(ctx, plan, master, roll, mode, bases, &mut tl)?;
             moved.timeline = Some(tl);
             Ok(moved)
@@ -155,11 +123,11 @@ impl FsdpBackend {
                     None => RankSpans::default(),
                 };
                 if memory.offload_params {
-                    rt.master = None;
+                    rt.master.drop_device();
                 }
                 if memory.offload_optimizer {
-                    rt.m = None;
-                    rt.v = None;
+                    rt.m.drop_device();
+                    rt.v.drop_device();
                 }
                 if free_grads {
                     rt.grads = None;
@@ -175,45 +143,4 @@ impl FsdpBackend {
         record_spans(ctx, self.pool.local_ranks(), &spans);
         Ok(())
     }
-}
-
-/// Queues the device → pinned host copy of `dev` into `host` on the copy stream, in copies of at
-/// most `chunk` bytes (`0`: one copy).
-pub(crate) fn offload_copy(
-    ctx: &RankCtx,
-    dev: &CudaSlice<f32>,
-    host: &mut PinnedHostSlice<f32>,
-    chunk: usize,
-    what: &str,
-) -> Result<(), CudaError> {
-    let n = dev.len();
-    let per = chunk / 4;
-    if per == 0 || per >= n || host.len() < n {
-        return ctx
-            .copy
-            .memcpy_dtoh(dev, host)
-            .map_err(ctx.drv(&format!("offloading {what}"), (n * 4) as u64));
-    }
-    let hp = host
-        .as_mut_ptr()
-        .map_err(ctx.drv(&format!("offloading {what}"), 0))?;
-    let (dp, _read) = dev.device_ptr(&ctx.copy);
-    let mut off = 0;
-    while off < n {
-        let m = per.min(n - off);
-        // SAFETY: `off + m <= n <= host.len()`, so the piece lies inside the pinned buffer, which
-        // the caller keeps (and nothing else reads or writes) until the offload wait; the device
-        // piece lies inside `dev`, alive and unwritten until then (the wait precedes its free).
-        unsafe {
-            let dst = std::slice::from_raw_parts_mut(hp.add(off), m);
-            cudarc::driver::result::memcpy_dtoh_async(
-                dst,
-                dp + (off * 4) as u64,
-                ctx.copy.cu_stream(),
-            )
-        }
-        .map_err(ctx.drv(&format!("offloading {what}"), (m * 4) as u64))?;
-        off += m;
-    }
-    Ok(())
 }

@@ -104,12 +104,12 @@ fn require(
         let missing: [(bool, bool, &'static str, &'static str); 4] = [
             (
                 needs.master,
-                rt.master.is_none(),
+                rt.master.is_offloaded(),
                 "fp32 master weights",
                 offloaded,
             ),
-            (needs.moments, rt.m.is_none(), "Adam m", offloaded),
-            (needs.moments, rt.v.is_none(), "Adam v", offloaded),
+            (needs.moments, rt.m.is_offloaded(), "Adam m", offloaded),
+            (needs.moments, rt.v.is_offloaded(), "Adam v", offloaded),
             (
                 needs.grads,
                 rt.grads.is_none(),
@@ -131,12 +131,11 @@ fn require(
 
 /// A device buffer the residency check has already found (an internal error otherwise).
 fn on_device<'a>(
-    buf: &'a mut Option<CudaSlice<f32>>,
+    buf: Option<&'a mut CudaSlice<f32>>,
     what: &str,
     rank: usize,
 ) -> Result<&'a mut CudaSlice<f32>, CudaError> {
-    buf.as_mut()
-        .ok_or_else(|| CudaError::Invalid(format!("rank {rank}: {what} is not on the device")))
+    buf.ok_or_else(|| CudaError::Invalid(format!("rank {rank}: {what} is not on the device")))
 }
 
 /// The per-rank work of an in-place update: context, kernels, the rank's buffers, the layout.
@@ -218,7 +217,7 @@ impl FsdpBackend {
             needs,
         )?;
         self.run_update(state, &|ctx, k, rt, shards| {
-            let g = on_device(&mut rt.grads, "gradients", ctx.rank)?;
+            let g = on_device(rt.grads.as_mut(), "gradients", ctx.rank)?;
             if (g.len() as u64) < shards.rank_len {
                 return Err(CudaError::Invalid(format!(
                     "rank {}: a gradient buffer of {} elements for a layout of {}",
@@ -279,10 +278,10 @@ impl FsdpBackend {
             let rank = ctx.rank;
             let mut ptrs = [0u64; 4];
             for (p, (buf, what)) in ptrs.iter_mut().zip([
-                (&mut rt.master, "fp32 master weights"),
-                (&mut rt.m, "Adam m"),
-                (&mut rt.v, "Adam v"),
-                (&mut rt.grads, "gradients"),
+                (rt.master.device_mut(), "fp32 master weights"),
+                (rt.m.device_mut(), "Adam m"),
+                (rt.v.device_mut(), "Adam v"),
+                (rt.grads.as_mut(), "gradients"),
             ]) {
                 let b = on_device(buf, what, rank)?;
                 if (b.len() as u64) < shards.rank_len {
@@ -325,9 +324,9 @@ impl FsdpBackend {
         )?;
         self.run_update(state, &|ctx, _, rt, _| {
             for (buf, what) in [
-                (&mut rt.m, "Adam m"),
-                (&mut rt.v, "Adam v"),
-                (&mut rt.grads, "gradients"),
+                (rt.m.device_mut(), "Adam m"),
+                (rt.v.device_mut(), "Adam v"),
+                (rt.grads.as_mut(), "gradients"),
             ] {
                 let b = on_device(buf, what, ctx.rank)?;
                 ctx.compute
@@ -367,7 +366,7 @@ impl FsdpBackend {
             needs,
         )?;
         self.run_update(state, &|ctx, _, rt, shards| {
-            let master = on_device(&mut rt.master, "fp32 master weights", ctx.rank)?;
+            let master = on_device(rt.master.device_mut(), "fp32 master weights", ctx.rank)?;
             fill_shards_uniform(ctx, master, shards, seed, scale)
         })
     }
@@ -423,7 +422,7 @@ impl FsdpBackend {
             hosts.iter().zip(state.ranks.iter_mut()).collect();
         self.pool().run_each(&mut items, &|ctx, (host, rt)| {
             ctx.sync_all()?;
-            let master = on_device(&mut rt.master, "fp32 master weights", ctx.rank)?;
+            let master = on_device(rt.master.device_mut(), "fp32 master weights", ctx.rank)?;
             ctx.compute
                 .memcpy_htod(host.as_slice(), master)
                 .map_err(ctx.drv("uploading master shards", 0))?;
