@@ -18,8 +18,8 @@
 //! toy-policy size options are then ignored.
 //!
 //! `--backend fsdp`: the FSDP backend on `--gpus` GPUs, rollouts by the GPU decoder, an in-place
-//! Adam step on synthetic gradients between steps (`lifecycle_examples::gpu_dapo`, also the
-//! `dapo_gpu` binary). `--synthetic 7b|small` picks a model with random weights when there is no
+//! Adam step on synthetic gradients between steps (`lifecycle_examples::gpu_dapo`).
+//! `--synthetic 7b|small` picks a model with random weights when there is no
 //! `--checkpoint`. Without a GPU it stops with an error saying what is missing.
 //!
 //! The loop options (`--lifecycle`, `--steps`, `--tp`, `--seed`, `--checkpoint`, ...) apply to

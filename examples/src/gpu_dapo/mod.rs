@@ -2,17 +2,16 @@
 //! resharded rollout weights, an in-place Adam step on synthetic gradients between training
 //! steps, and the lazy and eager lifecycles compared on the same seeds.
 //!
-//! Two command lines run it: the `dapo` example with `--backend fsdp` (the same example runs the
-//! loop on the CPU reference backend by default), and the `dapo_gpu` binary of this crate.
+//! The `dapo` example runs it with `--backend fsdp` (the same example runs the loop on the CPU
+//! reference backend by default):
 //!
 //! ```text
-//! cargo run --release --example dapo -- --backend fsdp --gpus 2 --tp 2 --synthetic 7b
-//! cargo run --release --example dapo -- --backend fsdp --gpus 2 --tp 2 --checkpoint path/to/hf-model
-//! dapo_gpu --gpus 2 --tp 2 --synthetic 7b --lifecycle both    # Qwen2.5-7B shapes, random weights
-//! dapo_gpu --gpus 2 --tp 1 --synthetic 7b                      # 2 data-parallel decoder replicas
-//! dapo_gpu --gpus 2 --tp 2 --checkpoint path/to/hf-model       # config.json + model.safetensors
-//! lifecycle-launch --nproc-per-node 2 -- dapo_gpu --gpus 2 --tp 2   # one process per GPU
-//! dapo_gpu --help                                              # every option
+//! dapo --backend fsdp --gpus 2 --tp 2 --synthetic 7b --lifecycle both   # Qwen2.5-7B shapes, random weights
+//! dapo --backend fsdp --gpus 2 --tp 1 --synthetic 7b                    # 2 data-parallel decoder replicas
+//! dapo --backend fsdp --gpus 1 --tp 1 --synthetic 7b                    # one GPU
+//! dapo --backend fsdp --gpus 2 --tp 2 --checkpoint path/to/hf-model     # config.json + model.safetensors
+//! lifecycle-launch --nproc-per-node 2 -- dapo --backend fsdp --gpus 2 --tp 2   # one process per GPU
+//! dapo --help                                                            # every option
 //! ```
 //!
 //! Per training step: gen batches of `--prompts-per-batch` prompts × `--group-size` samples are
@@ -46,7 +45,7 @@
 //!     options: Options,
 //! }
 //!
-//! let cli = Cli::try_parse_from(["dapo_gpu", "--gpus", "2", "--tp", "2", "--synthetic", "7b"])?;
+//! let cli = Cli::try_parse_from(["dapo", "--gpus", "2", "--tp", "2", "--synthetic", "7b"])?;
 //! assert_eq!(cli.options.gpu.synthetic, Some(SyntheticModel::Qwen7b));
 //! assert_eq!(cli.options.run.steps, Options::default().run.steps);
 //! // lifecycle_examples::gpu_dapo::run(&cli.options)?;   // on a machine with 2 GPUs
