@@ -9,6 +9,7 @@
 //!   CPU executor; the refusal of NCCL on such a pool.
 //! - 2 GPUs: W = 2 with NCCL steps and peer copies over the link; four ranks on two GPUs.
 
+#[path = "../../host/tests/common/megatron.rs"]
 mod common;
 
 use std::sync::Arc;

@@ -1,4 +1,5 @@
-//! Shared helpers: a tiny model shape and deterministic full tensors.
+//! Shared helpers of the Megatron CPU and GPU executor tests (the GPU tests include this file):
+//! a tiny model shape and deterministic full tensors.
 #![allow(dead_code)]
 
 use lifecycle_layout::HostTensor;
