@@ -94,4 +94,13 @@ pub enum LayoutError {
         /// Its shape.
         shape: Vec<usize>,
     },
+    /// A step plan that would touch memory outside its buffers (a planner bug, refused before
+    /// anything runs).
+    #[error("rank {rank}: invalid step plan: {what}")]
+    InvalidSteps {
+        /// The rank whose steps are wrong.
+        rank: usize,
+        /// What is wrong.
+        what: String,
+    },
 }

@@ -12,6 +12,8 @@
 //!   planners, executors, decoders and `lifecycle-plan` share, with its Hugging Face names ([`hf`]).
 //! - [`megatron`]: Megatron-Core training layouts, the fused rollout layout, their planner and the
 //!   per-rank schedule.
+//! - [`steps`]: the step plans both layouts produce and every executor runs (copies, network
+//!   steps, staging slots), compiled into stream programs.
 //!
 //! Nothing here touches memory: the planner turns tensor descriptions into a [`ReshardPlan`] that
 //! the host and GPU executors run. Every inconsistency is a [`LayoutError`] naming the tensor and
@@ -51,6 +53,7 @@ mod model;
 mod plan;
 mod region;
 mod spec;
+pub mod steps;
 mod tensor;
 
 pub use adam::AdamParams;

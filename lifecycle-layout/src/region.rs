@@ -14,6 +14,16 @@ pub struct Region2d {
 }
 
 impl Region2d {
+    /// One dense row of `n` elements.
+    pub fn flat(n: u64) -> Region2d {
+        Region2d {
+            rows: 1,
+            cols: n,
+            src_ld: n,
+            dst_ld: n,
+        }
+    }
+
     /// Elements in the region.
     pub fn numel(&self) -> u64 {
         self.rows * self.cols

@@ -19,6 +19,7 @@ mod error;
 pub mod megatron;
 mod rollout;
 mod state;
+pub mod steps;
 
 pub use backend::{per_rank, HostBackend};
 pub use cast::cast_f32_to_bf16;

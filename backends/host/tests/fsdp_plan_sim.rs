@@ -1,9 +1,12 @@
-//! Runs the executable plan on the CPU (a simulator of the GPU op lists) and checks the result is
+//! Runs the executable plan's steps on the CPU (the executor of step programs, with random
+//! stream interleavings) and checks the result is
 //! bit-identical to the host backend's reference rollout. No GPU needed: runs in CI.
 
 use half::bf16;
+use lifecycle_host::steps::{run_steps, Source};
 use lifecycle_host::{reference_rollout, HostTrainState};
-use lifecycle_layout::fsdp::{build_plan, BucketConfig, Buf, FsdpPlan, GatherMode, ShardLayout};
+use lifecycle_layout::fsdp::{build_plan, BucketConfig, FsdpPlan, GatherMode, ShardLayout};
+use lifecycle_layout::steps::RankSteps;
 use lifecycle_layout::HostTensor;
 use lifecycle_layout::{plan_fsdp_to_tp, FsdpLayout, Parallel, RolloutLayout, TensorSpec};
 
@@ -40,16 +43,14 @@ fn host_state(world: usize, specs: &[TensorSpec]) -> HostTrainState {
     HostTrainState::from_tensors(world, tensors).expect("valid state")
 }
 
-/// Executes `plan` on flat host buffers, bucket by bucket, like the GPU does: sends matched with
-/// receives as NCCL does, or, with `peer`, each send written straight to its place in the
-/// receiver's rollout buffer ([`SendOp::dst_off`](lifecycle_layout::fsdp::SendOp)) with the
-/// receives ignored, as peer copies do.
+/// Runs `plan`'s steps (with `peer`, as peer copies) through the CPU executor of step programs
+/// under several stream interleavings, as the GPU engine issues them.
 fn simulate(plan: &FsdpPlan, state: &HostTrainState, peer: bool) -> Vec<Vec<bf16>> {
     let world = plan.core.world;
     let shards = &plan.shards;
     let masters: Vec<Vec<f32>> = (0..world)
         .map(|r| {
-            let mut flat = vec![f32::NAN; shards.rank_len as usize];
+            let mut flat = vec![0.0; shards.rank_len as usize];
             for (i, slot) in shards.slots.iter().enumerate() {
                 let shard = state.master_shard(r, i).expect("resident");
                 flat[slot.offset as usize..slot.offset as usize + shard.len()]
@@ -58,108 +59,17 @@ fn simulate(plan: &FsdpPlan, state: &HostTrainState, peer: bool) -> Vec<Vec<bf16
             flat
         })
         .collect();
-    let mut rolls = vec![vec![bf16::from_bits(0x7FAA); plan.roll_len as usize]; world];
-    for k in 0..plan.buckets() {
-        let mut staging = vec![vec![bf16::from_bits(0x7FBB); plan.slot_elems as usize]; world];
-        for r in 0..world {
-            let b = &plan.ranks[r][k];
-            assert!(b.staging_elems <= plan.slot_elems);
-            for c in &b.casts {
-                let reg = c.region;
-                for row in 0..reg.rows {
-                    for col in 0..reg.cols {
-                        let v = masters[r][(c.src_off + row * reg.src_ld + col) as usize];
-                        let d = (c.dst_off + row * reg.dst_ld + col) as usize;
-                        match c.dst {
-                            Buf::Rollout => rolls[r][d] = bf16::from_f32(v),
-                            Buf::Staging => staging[r][d] = bf16::from_f32(v),
-                        }
-                    }
-                }
-            }
-        }
-        let mut recv_staging =
-            vec![vec![bf16::from_bits(0x7FCC); plan.recv_slot_elems as usize]; world];
-        // In-place all-gathers: every rank's part lands on every other rank.
-        for g in &plan.ranks[0][k].gathers {
-            for r in 1..world {
-                assert_eq!(
-                    plan.ranks[r][k].gathers.iter().find(|x| x.off == g.off),
-                    Some(g)
-                );
-            }
-            for src in 0..world {
-                let at = (g.off + src as u64 * g.count) as usize;
-                let part = rolls[src][at..at + g.count as usize].to_vec();
-                for (dst, roll) in rolls.iter_mut().enumerate() {
-                    if dst != src {
-                        roll[at..at + g.count as usize].copy_from_slice(&part);
-                    }
-                }
-            }
-        }
-        if peer {
-            assert!(plan.peer_copyable());
-            for src in 0..world {
-                for snd in &plan.ranks[src][k].sends {
-                    let (lo, n) = (snd.off as usize, snd.count as usize);
-                    let data: Vec<bf16> = match snd.buf {
-                        Buf::Rollout => rolls[src][lo..lo + n].to_vec(),
-                        Buf::Staging => staging[src][lo..lo + n].to_vec(),
-                    };
-                    let at = snd.dst_off.expect("peer-copyable") as usize;
-                    rolls[snd.peer][at..at + n].copy_from_slice(&data);
-                }
-            }
-            continue;
-        }
-        // Match sends and receives per (src, dst) pair in order.
-        for src in 0..world {
-            for dst in 0..world {
-                let sends: Vec<_> = plan.ranks[src][k]
-                    .sends
-                    .iter()
-                    .filter(|s| s.peer == dst)
-                    .collect();
-                let recvs: Vec<_> = plan.ranks[dst][k]
-                    .recvs
-                    .iter()
-                    .filter(|r| r.peer == src)
-                    .collect();
-                assert_eq!(sends.len(), recvs.len(), "bucket {k}: {src} -> {dst}");
-                for (s, rv) in sends.iter().zip(&recvs) {
-                    assert_eq!(s.count, rv.count);
-                    if rv.into == Buf::Rollout {
-                        assert_eq!(s.dst_off, Some(rv.off), "a send knows where it lands");
-                    }
-                    let data: Vec<bf16> = match s.buf {
-                        Buf::Rollout => {
-                            rolls[src][s.off as usize..(s.off + s.count) as usize].to_vec()
-                        }
-                        Buf::Staging => {
-                            staging[src][s.off as usize..(s.off + s.count) as usize].to_vec()
-                        }
-                    };
-                    match rv.into {
-                        Buf::Rollout => rolls[dst][rv.off as usize..(rv.off + rv.count) as usize]
-                            .copy_from_slice(&data),
-                        Buf::Staging => recv_staging[dst]
-                            [rv.off as usize..(rv.off + rv.count) as usize]
-                            .copy_from_slice(&data),
-                    }
-                }
-            }
-        }
-        for (r, roll) in rolls.iter_mut().enumerate() {
-            let b = &plan.ranks[r][k];
-            assert!(b.recv_staging_elems <= plan.recv_slot_elems);
-            for u in &b.unpacks {
-                let src = &recv_staging[r][u.src_off as usize..(u.src_off + u.count) as usize];
-                roll[u.dst_off as usize..(u.dst_off + u.count) as usize].copy_from_slice(src);
-            }
-        }
-    }
-    rolls
+    let mut plan = plan.clone();
+    plan.peer_copy = peer;
+    let steps: Vec<RankSteps> = (0..world)
+        .map(|r| plan.rank_steps(r).expect("valid steps"))
+        .collect();
+    let sources: Vec<Source<'_>> = masters.iter().map(|m| Source::F32(m)).collect();
+    run_steps(steps, &sources, &[1, 2, 3])
+        .expect("the programs run")
+        .into_iter()
+        .map(|r| r.into_iter().map(bf16::from_bits).collect())
+        .collect()
 }
 
 fn check(world: usize, tp: usize, bucket_bytes: u64, mode: GatherMode) {
@@ -298,4 +208,83 @@ fn first_buckets_ramp_up_to_the_budget() {
     assert_eq!(staged[0], 1792 * 9472 * 2, "{staged:?}");
     assert!(staged.iter().all(|&b| b <= 256 * mib), "{staged:?}");
     assert!(staged[0] < staged[3], "{staged:?}");
+}
+
+/// The executor of step programs notices a missing dependency: dropping the wait before an
+/// unpack (it then reads the receive slot before the network filled it) or before a pack that
+/// reuses a slot (it overwrites data not yet sent) changes the rollout in some interleaving.
+#[test]
+fn a_program_missing_a_wait_is_caught() {
+    use lifecycle_host::steps::run_programs;
+    use lifecycle_layout::steps::{compile, CopyRole, Op, Stream};
+    let (world, tp) = (2, 2);
+    let specs = specs(tp);
+    let state = host_state(world, &specs);
+    let layout = RolloutLayout::new(tp, specs).expect("layout");
+    let masters: Vec<Vec<f32>> = (0..world)
+        .map(|r| {
+            let shards = ShardLayout::new(state.layout());
+            let mut flat = vec![0.0; shards.rank_len as usize];
+            for (i, slot) in shards.slots.iter().enumerate() {
+                let shard = state.master_shard(r, i).expect("resident");
+                flat[slot.offset as usize..slot.offset as usize + shard.len()]
+                    .copy_from_slice(shard);
+            }
+            flat
+        })
+        .collect();
+    let sources: Vec<Source<'_>> = masters.iter().map(|m| Source::F32(m)).collect();
+    for (role, mode) in [
+        ("unpack", GatherMode::Packed),
+        ("pack", GatherMode::SendRecv),
+    ] {
+        let core = plan_fsdp_to_tp(state.layout(), &layout).expect("plan");
+        let config = BucketConfig {
+            bucket_bytes: 64,
+            in_flight: 1,
+            mode,
+        };
+        let plan = build_plan(core, state.layout(), config);
+        let ranks: Vec<_> = (0..world)
+            .map(|r| {
+                let s = plan.rank_steps(r).expect("steps");
+                let p = compile(&s).expect("program");
+                (s, p)
+            })
+            .collect();
+        let good = run_programs(&ranks, &sources, 0).expect("runs");
+        let ops = ranks[0].1.ops();
+        // The compute-stream wait right before the first unpack / the first slot-reusing pack.
+        let target = (0..ops.len())
+            .find(|&i| {
+                let next = ops.get(i + 1);
+                matches!(
+                    ops[i],
+                    Op::Wait {
+                        stream: Stream::Compute,
+                        ..
+                    }
+                ) && match role {
+                    "unpack" => {
+                        matches!(
+                            next,
+                            Some(Op::Copies {
+                                role: CopyRole::Unpack(_),
+                                ..
+                            })
+                        )
+                    }
+                    _ => matches!(
+                        next,
+                        Some(Op::Copies { role: CopyRole::Pack(k), .. }) if *k > 0
+                    ),
+                }
+            })
+            .unwrap_or_else(|| panic!("a wait before a {role}"));
+        let mut broken = ranks.clone();
+        broken[0].1 = ranks[0].1.without(|i, _| i != target);
+        let caught = (0..64)
+            .any(|seed| run_programs(&broken, &sources, seed).map_or(true, |out| out != good));
+        assert!(caught, "dropping the wait before a {role} went unnoticed");
+    }
 }

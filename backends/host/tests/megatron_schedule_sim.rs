@@ -4,10 +4,13 @@ use std::ops::Range;
 
 use half::bf16;
 use lifecycle_host::megatron::{reference_rollout, MegatronTrainState};
+use lifecycle_host::steps::{run_steps, Source};
 use lifecycle_layout::megatron::schedule::*;
 use lifecycle_layout::megatron::{
     plan_megatron_to_tp, BucketConfig, MegatronLayout, MegatronPlan, RolloutLayout, RolloutVocab,
+    StepShape,
 };
+use lifecycle_layout::steps::RankSteps;
 use lifecycle_layout::HostTensor;
 use lifecycle_layout::ModelSpec;
 use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
@@ -24,94 +27,46 @@ fn apply(tiles: &[Tile], src: &[bf16], dst: &mut [bf16]) {
     }
 }
 
-fn apply_run(r: &Run, src: &[bf16], dst: &mut [bf16]) {
-    for row in 0..r.rows {
-        let s = r.src + row * r.src_ld;
-        let d = r.dst + row * r.dst_ld;
-        dst[d..d + r.cols].copy_from_slice(&src[s..s + r.cols]);
-    }
-}
-
-/// Runs every rank's schedule on host buffers, messages matched step by step and pair by
-/// pair in issue order, as NCCL matches them.
-fn simulate(plan: &MegatronPlan, state: &MegatronTrainState, opts: ScheduleOptions) -> HostRollout {
+/// Runs every rank's schedule as steps through the CPU executor of step programs, under several
+/// stream interleavings, with `in_flight` steps in flight.
+fn simulate(
+    plan: &MegatronPlan,
+    state: &MegatronTrainState,
+    opts: ScheduleOptions,
+    in_flight: usize,
+    split_local_bulk: bool,
+) -> HostRollout {
     let world = plan.ranks.len();
     let (offsets, len) = rollout_offsets(plan);
-    let scheds: Vec<RankSchedule> = (0..world)
-        .map(|r| build_rank(plan, &offsets, r, opts))
+    let params: Vec<Vec<u16>> = (0..world)
+        .map(|r| {
+            state
+                .params(r)
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect()
+        })
         .collect();
-    let params: Vec<&[bf16]> = (0..world).map(|r| state.params(r).unwrap()).collect();
-    // Garbage everywhere first: an element no tile or zero range writes is caught.
-    let mut rolls = vec![vec![bf16::from_bits(0x7fc1); len]; world];
-    for (s, roll) in scheds.iter().zip(&mut rolls) {
-        for z in &s.zero {
-            roll[z.clone()].fill(bf16::ZERO);
-        }
-        apply(&s.tiles[s.local.clone()], params[s.rank], roll);
-        for b in &s.local_bulk {
-            assert_eq!(b.rows, 1);
-            roll[b.dst..b.dst + b.cols].copy_from_slice(&params[s.rank][b.src..b.src + b.cols]);
-        }
-    }
-    for s in &scheds {
-        if opts.peer_copy {
-            assert!(s.steps.is_empty() && s.send_slot_elems + s.recv_slot_elems == 0);
-        }
-        for p in &s.pushes {
-            assert_ne!(p.peer, s.rank, "a push goes to a peer");
-            assert!(p.run.numel() >= opts.peer_tile_max);
-            apply_run(&p.run, params[s.rank], &mut rolls[p.peer]);
-        }
-        for (peer, range) in &s.peer_tiles {
-            assert_ne!(*peer, s.rank, "peer tiles go to a peer");
-            apply(&s.tiles[range.clone()], params[s.rank], &mut rolls[*peer]);
-        }
-    }
-    let nsteps = plan.ranks.iter().map(|p| p.buckets.len()).max().unwrap();
-    for k in 0..nsteps {
-        let send_slots: Vec<Option<Vec<bf16>>> = scheds
-            .iter()
-            .map(|s| {
-                s.steps.iter().find(|st| st.step == k).map(|st| {
-                    assert!(st.send_slot <= s.send_slot_elems);
-                    let mut slot = vec![bf16::from_bits(0x7fc2); s.send_slot_elems];
-                    apply(&s.tiles[st.pack.clone()], params[s.rank], &mut slot);
-                    slot
-                })
+    let steps: Vec<RankSteps> = (0..world)
+        .map(|r| {
+            let s = build_rank(plan, &offsets, r, opts);
+            if opts.peer_copy {
+                assert!(s.steps.is_empty() && s.send_slot_elems + s.recv_slot_elems == 0);
+            }
+            s.rank_steps(StepShape {
+                world,
+                source_elems: params[r].len() as u64,
+                rollout_elems: len as u64,
+                in_flight,
+                peer_copy: opts.peer_copy,
+                split_local_bulk,
             })
-            .collect();
-        for (s, roll) in scheds.iter().zip(&mut rolls) {
-            let Some(st) = s.steps.iter().find(|st| st.step == k) else {
-                continue;
-            };
-            let mut slot = vec![bf16::from_bits(0x7fc3); s.recv_slot_elems];
-            let mut nth = vec![0usize; world];
-            for m in &st.recvs {
-                let pst = scheds[m.peer].steps.iter().find(|p| p.step == k).unwrap();
-                let sent: Vec<&Message> = pst.sends.iter().filter(|x| x.peer == s.rank).collect();
-                let x = sent[nth[m.peer]];
-                nth[m.peer] += 1;
-                assert_eq!(x.count, m.count, "matching counts");
-                let src: &[bf16] = match x.place {
-                    Place::Slot(o) => &send_slots[m.peer].as_ref().unwrap()[o..o + x.count],
-                    Place::Buffer(o) => &params[m.peer][o..o + x.count],
-                };
-                match m.place {
-                    Place::Slot(o) => slot[o..o + m.count].copy_from_slice(src),
-                    Place::Buffer(o) => roll[o..o + m.count].copy_from_slice(src),
-                }
-            }
-            for (p, &n) in nth.iter().enumerate() {
-                if p != s.rank {
-                    let pst = scheds[p].steps.iter().find(|q| q.step == k);
-                    let sent =
-                        pst.map_or(0, |q| q.sends.iter().filter(|x| x.peer == s.rank).count());
-                    assert_eq!(n, sent, "every message sent is received");
-                }
-            }
-            apply(&s.tiles[st.unpack.clone()], &slot, roll);
-        }
-    }
+            .unwrap()
+        })
+        .collect();
+    let sources: Vec<Source<'_>> = params.iter().map(|p| Source::Bf16(p)).collect();
+    let rolls = run_steps(steps, &sources, &[1, 2]).unwrap();
     HostRollout {
         ranks: rolls
             .into_iter()
@@ -123,7 +78,10 @@ fn simulate(plan: &MegatronPlan, state: &MegatronTrainState, opts: ScheduleOptio
                     .map(|(t, &o)| RolloutTensor {
                         name: t.name.clone(),
                         shape: t.shape.clone(),
-                        data: roll[o..o + t.numel()].to_vec(),
+                        data: roll[o..o + t.numel()]
+                            .iter()
+                            .map(|&b| bf16::from_bits(b))
+                            .collect(),
                     })
                     .collect(),
             })
@@ -263,7 +221,7 @@ fn simulated_schedules_match_the_reference() {
                             },
                         )
                         .unwrap();
-                        let got = simulate(&plan, &state, opts);
+                        let got = simulate(&plan, &state, opts, 1 + cases % 3, cases % 2 == 0);
                         let want = reference_rollout(&state, &rollout).unwrap();
                         assert_eq!(
                             got.first_difference(&want),

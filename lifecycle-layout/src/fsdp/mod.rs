@@ -1,6 +1,8 @@
 //! The executable plan: the core planner's pieces turned into per-rank, per-bucket lists of casts,
 //! sends and receives over flat device buffers. Pure: computed on the CPU, tested without a GPU.
 
+mod steps;
+
 use crate::Region2d;
 use crate::{fsdp_rows, FsdpLayout, ReshardPlan};
 

@@ -45,9 +45,11 @@ mod plan;
 mod rollout;
 pub mod schedule;
 mod sources;
+mod steps;
 mod train;
 
 pub use error::MegatronLayoutError;
 pub use plan::{plan_megatron_to_tp, BucketConfig, MegatronPlan, RankPlan, Transfer};
 pub use rollout::{RolloutKind, RolloutLayout, RolloutTensorSpec, RolloutVocab};
+pub use steps::StepShape;
 pub use train::{local_kv_heads, MegatronLayout, ParamKind, ParamSlot, RankCoords};

@@ -1,0 +1,447 @@
+//! The step plans every executor runs, whatever layout produced them.
+//!
+//! A rank's [`RankSteps`] says, in data, everything its switch does:
+//! - **copies** ([`Copy`]): 2-D regions copied (or cast, when the source is fp32) between the
+//!   rank's buffers — its training buffer ([`Buf::Source`]), its rollout buffer, and the send and
+//!   receive staging slots;
+//! - **local chunks** ([`LocalChunk`]): runs of copies from the training buffer straight into the
+//!   rollout buffer, with the stream they run on and when they are issued;
+//! - **network steps** ([`NetStep`]): per step, the copies that pack the send slot, the grouped
+//!   NCCL sends / receives / all-gathers, the peer copies written by the copy engines into other
+//!   ranks' rollout buffers, and the copies that unpack the receive slot;
+//! - **zero ranges**: rollout elements no transfer writes (vocabulary padding).
+//!
+//! The FSDP bucket plans ([`crate::fsdp::FsdpPlan::rank_steps`]) and the Megatron schedules
+//! ([`crate::megatron::schedule::RankSchedule::rank_steps`]) are two producers of steps;
+//! [`compile`] turns steps into the [`Program`] of stream operations and events that the GPU
+//! engine issues and the CPU executor simulates.
+//!
+//! ```
+//! use lifecycle_layout::steps::{compile, Buf, Copy, LocalChunk, RankSteps, SourceType, Stream};
+//! use lifecycle_layout::Region2d;
+//! // One rank, one local cast of 8 fp32 into its rollout buffer: no network step.
+//! let steps = RankSteps {
+//!     rank: 0,
+//!     world: 1,
+//!     source: SourceType::F32,
+//!     copies: vec![Copy::kernel(Buf::Source, 0, Buf::Rollout, 0, Region2d::flat(8))],
+//!     local: vec![LocalChunk::upfront(0..1, Stream::Aux)],
+//!     source_elems: 8,
+//!     rollout_elems: 8,
+//!     ..RankSteps::default()
+//! };
+//! steps.validate()?;
+//! let program = compile(&steps)?;
+//! assert_eq!(program.events(), 4);
+//! # Ok::<(), lifecycle_layout::LayoutError>(())
+//! ```
+
+use std::ops::Range;
+
+use crate::{LayoutError, Region2d};
+
+mod program;
+
+pub use program::{compile, CopyRole, Op, Program};
+
+/// A buffer of one rank that a step reads or writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Buf {
+    /// The training buffer the switch reads: fp32 masters (FSDP) or bf16 parameters (Megatron).
+    Source,
+    /// The rank's flat bf16 rollout buffer.
+    Rollout,
+    /// The current step's send staging slot (bf16).
+    SendSlot,
+    /// The current step's receive staging slot (bf16).
+    RecvSlot,
+}
+
+/// Element type of a rank's [`Buf::Source`] (every other buffer holds bf16).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SourceType {
+    /// fp32 masters: a copy out of the source is a round-to-nearest-even cast to bf16.
+    #[default]
+    F32,
+    /// bf16 parameters: copies are bit copies.
+    Bf16,
+}
+
+/// Which hardware moves a [`Copy`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Engine {
+    /// A copy (or cast) kernel.
+    #[default]
+    Kernel,
+    /// The driver's device-to-device copy on the copy engines (one dense bf16 row).
+    Driver,
+}
+
+/// A 2-D copy between two buffers of one rank: `region.rows` rows of `region.cols` elements,
+/// rows `src_ld` / `dst_ld` elements apart, starting at element offsets `src_off` / `dst_off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Copy {
+    /// Source buffer.
+    pub src: Buf,
+    /// First source element.
+    pub src_off: u64,
+    /// Destination buffer (never [`Buf::Source`]).
+    pub dst: Buf,
+    /// First destination element.
+    pub dst_off: u64,
+    /// Shape and pitches.
+    pub region: Region2d,
+    /// Which hardware moves it.
+    pub engine: Engine,
+}
+
+impl Copy {
+    /// A copy run by a kernel.
+    pub fn kernel(src: Buf, src_off: u64, dst: Buf, dst_off: u64, region: Region2d) -> Self {
+        Copy {
+            src,
+            src_off,
+            dst,
+            dst_off,
+            region,
+            engine: Engine::Kernel,
+        }
+    }
+
+    /// Elements copied.
+    pub fn numel(&self) -> u64 {
+        self.region.numel()
+    }
+}
+
+/// A contiguous run of bf16 sent to or received from a peer by NCCL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Message {
+    /// The other rank (global).
+    pub peer: usize,
+    /// The buffer it is read from (sends) or written to (receives).
+    pub buf: Buf,
+    /// Element offset in that buffer.
+    pub off: u64,
+    /// Elements.
+    pub count: u64,
+}
+
+/// An in-place all-gather into the rollout buffer: rank `r` contributes `count` elements at
+/// `off + r · count`, every rank ends with `W · count` elements at `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gather {
+    /// Element offset in the rollout buffer.
+    pub off: u64,
+    /// Elements each rank contributes.
+    pub count: u64,
+}
+
+/// A 2-D region the copy engines write from one of this rank's buffers straight into a peer's
+/// rollout buffer (peer copies; every rank's rollout buffer has the same length).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerRun {
+    /// Destination rank (global).
+    pub peer: usize,
+    /// Source buffer ([`Buf::Source`] only when it holds bf16).
+    pub src: Buf,
+    /// First source element.
+    pub src_off: u64,
+    /// First element in the peer's rollout buffer.
+    pub dst_off: u64,
+    /// Shape and pitches.
+    pub region: Region2d,
+}
+
+/// The streams of a rank, as executors name them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Stream {
+    /// Packs, unpacks, remote copies; everything else joins it at the end.
+    Compute,
+    /// Local copies and zeroing, which never wait for the network.
+    Aux,
+    /// NCCL groups and peer copies.
+    Net,
+}
+
+impl Stream {
+    /// Every stream.
+    pub const ALL: [Stream; 3] = [Stream::Compute, Stream::Aux, Stream::Net];
+
+    /// The trace track of the stream's spans.
+    pub fn track(self) -> &'static str {
+        match self {
+            Stream::Compute => "compute",
+            Stream::Aux => "aux",
+            Stream::Net => "nccl",
+        }
+    }
+}
+
+/// A run of [`RankSteps::copies`] from the training buffer into the rollout buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalChunk {
+    /// Its copies.
+    pub copies: Range<usize>,
+    /// The stream that runs it.
+    pub stream: Stream,
+    /// Issued after the network work of this step (position in [`RankSteps::steps`]); `None`:
+    /// before any network step.
+    pub after_step: Option<usize>,
+    /// Waits until the pack of this step (position) is done, giving way to it.
+    pub gate: Option<usize>,
+    /// Shares the GPU with network copies (executors launch it on fewer blocks).
+    pub overlap: bool,
+}
+
+impl LocalChunk {
+    /// A chunk issued before any network step, gated by nothing, on `stream`.
+    pub fn upfront(copies: Range<usize>, stream: Stream) -> Self {
+        LocalChunk {
+            copies,
+            stream,
+            after_step: None,
+            gate: None,
+            overlap: false,
+        }
+    }
+}
+
+/// One network step of a rank. Steps with the same [`NetStep::index`] on two ranks exchange
+/// their messages: the `i`-th send of rank `a` to rank `b` matches the `i`-th receive of `b`
+/// from `a`, with the same element count.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NetStep {
+    /// The step's number, the same on every rank.
+    pub index: usize,
+    /// Copies filling the send slot (compute stream).
+    pub pack: Range<usize>,
+    /// NCCL sends, in the order the peers post the matching receives.
+    pub sends: Vec<Message>,
+    /// NCCL receives.
+    pub recvs: Vec<Message>,
+    /// In-place NCCL all-gathers into the rollout buffer (every rank has the same list).
+    pub gathers: Vec<Gather>,
+    /// Peer copies (net stream), grouped by destination.
+    pub pushes: Vec<PeerRun>,
+    /// Per destination rank, copies a kernel writes straight into its rollout buffer (compute
+    /// stream; [`Buf::Rollout`] destinations name the peer's buffer).
+    pub remote: Vec<(usize, Range<usize>)>,
+    /// Copies out of the receive slot (compute stream, after the network work).
+    pub unpack: Range<usize>,
+    /// The network work waits for this local chunk (it sends from or gathers into rollout
+    /// elements the chunk writes).
+    pub wait_local: Option<usize>,
+    /// bf16 elements this rank receives in the step (its span's size).
+    pub recv_elems: u64,
+}
+
+impl NetStep {
+    /// Whether the step has NCCL work (sends, receives or all-gathers).
+    pub fn has_nccl(&self) -> bool {
+        !(self.sends.is_empty() && self.recvs.is_empty() && self.gathers.is_empty())
+    }
+}
+
+/// Everything one rank does in a switch, as data (see the [module docs](self)).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RankSteps {
+    /// The rank (global).
+    pub rank: usize,
+    /// Ranks taking part in the switch.
+    pub world: usize,
+    /// Element type of the training buffer.
+    pub source: SourceType,
+    /// Every copy; local chunks, packs, unpacks and remote copies name ranges of it.
+    pub copies: Vec<Copy>,
+    /// Rollout element ranges to zero (vocabulary padding), on the auxiliary stream first.
+    pub zero: Vec<Range<u64>>,
+    /// Local chunks, in issue order.
+    pub local: Vec<LocalChunk>,
+    /// Network steps, in order.
+    pub steps: Vec<NetStep>,
+    /// Staging slots in flight (steps `j` and `j + in_flight` share a slot); at least 1 when
+    /// there are steps.
+    pub in_flight: usize,
+    /// Elements of one send slot (0: none allocated).
+    pub send_slot_elems: u64,
+    /// Elements of one receive slot (0: none allocated).
+    pub recv_slot_elems: u64,
+    /// Elements of the training buffer.
+    pub source_elems: u64,
+    /// Elements of every rank's rollout buffer.
+    pub rollout_elems: u64,
+    /// bf16 elements the rank writes from its own training buffer into its rollout buffer.
+    pub local_elems: u64,
+    /// bf16 elements the rank receives from peers.
+    pub recv_elems: u64,
+}
+
+impl RankSteps {
+    /// Elements of copies `range`.
+    pub fn copy_elems(&self, range: Range<usize>) -> u64 {
+        self.copies
+            .get(range)
+            .map_or(0, |c| c.iter().map(Copy::numel).sum())
+    }
+
+    /// Elements of the zero ranges.
+    pub fn zero_elems(&self) -> u64 {
+        self.zero.iter().map(|z| z.end - z.start).sum()
+    }
+
+    /// Bytes of staging slots the rank allocates.
+    pub fn staging_bytes(&self) -> u64 {
+        if self.steps.is_empty() {
+            return 0;
+        }
+        self.in_flight as u64 * (self.send_slot_elems + self.recv_slot_elems) * 2
+    }
+
+    /// Elements of buffer `buf` (slots: one slot).
+    pub fn buf_elems(&self, buf: Buf) -> u64 {
+        match buf {
+            Buf::Source => self.source_elems,
+            Buf::Rollout => self.rollout_elems,
+            Buf::SendSlot => self.send_slot_elems,
+            Buf::RecvSlot => self.recv_slot_elems,
+        }
+    }
+
+    /// Checks that every copy, message, gather and peer run lies inside its buffers, that every
+    /// range names existing copies, and that steps and chunks refer to existing steps and
+    /// chunks — what the executors rely on to touch memory.
+    pub fn validate(&self) -> Result<(), LayoutError> {
+        let bad = |what: String| LayoutError::InvalidSteps {
+            rank: self.rank,
+            what,
+        };
+        let inside = |buf: Buf, off: u64, r: &Region2d, ld: u64| -> bool {
+            let r = r.normalized();
+            if r.numel() == 0 {
+                return true;
+            }
+            let ld = if r.rows == 1 { r.cols } else { ld };
+            ld >= r.cols
+                && off
+                    .checked_add((r.rows - 1) * ld + r.cols)
+                    .is_some_and(|end| end <= self.buf_elems(buf))
+        };
+        for (i, c) in self.copies.iter().enumerate() {
+            if c.dst == Buf::Source {
+                return Err(bad(format!("copy {i} writes the training buffer")));
+            }
+            if !inside(c.src, c.src_off, &c.region, c.region.src_ld)
+                || !inside(c.dst, c.dst_off, &c.region, c.region.dst_ld)
+            {
+                return Err(bad(format!(
+                    "copy {i} ({:?} {} → {:?} {}, {:?}) leaves its buffers",
+                    c.src, c.src_off, c.dst, c.dst_off, c.region
+                )));
+            }
+            if c.engine == Engine::Driver
+                && (c.region.normalized().rows != 1
+                    || (c.src == Buf::Source && self.source == SourceType::F32))
+            {
+                return Err(bad(format!(
+                    "copy {i}: the driver copies one dense bf16 row only"
+                )));
+            }
+        }
+        let range_ok = |r: &Range<usize>| r.start <= r.end && r.end <= self.copies.len();
+        for (c, chunk) in self.local.iter().enumerate() {
+            if !range_ok(&chunk.copies) {
+                return Err(bad(format!("local chunk {c} names missing copies")));
+            }
+            let out = |s: Option<usize>| s.is_some_and(|s| s >= self.steps.len());
+            if out(chunk.after_step) || out(chunk.gate) {
+                return Err(bad(format!("local chunk {c} names a missing step")));
+            }
+            if let (Some(after), Some(gate)) = (chunk.after_step, chunk.gate) {
+                if gate > after + self.in_flight {
+                    return Err(bad(format!(
+                        "local chunk {c} waits for the pack of step {gate}, not issued by step \
+                         {after}"
+                    )));
+                }
+            }
+            if chunk.stream == Stream::Net {
+                return Err(bad(format!("local chunk {c} runs on the network stream")));
+            }
+        }
+        if !self.steps.is_empty() && self.in_flight == 0 {
+            return Err(bad("steps with no staging slot in flight".into()));
+        }
+        for (j, st) in self.steps.iter().enumerate() {
+            if !range_ok(&st.pack) || !range_ok(&st.unpack) {
+                return Err(bad(format!("step {j} names missing copies")));
+            }
+            if st.remote.iter().any(|(_, r)| !range_ok(r)) {
+                return Err(bad(format!("step {j}: remote copies name missing copies")));
+            }
+            if st.wait_local.is_some_and(|c| c >= self.local.len()) {
+                return Err(bad(format!("step {j} waits for a missing local chunk")));
+            }
+            for (what, m) in st
+                .sends
+                .iter()
+                .map(|m| ("send", m))
+                .chain(st.recvs.iter().map(|m| ("receive", m)))
+            {
+                let flat = Region2d::flat(m.count);
+                if !inside(m.buf, m.off, &flat, m.count)
+                    || m.peer == self.rank
+                    || m.peer >= self.world
+                {
+                    return Err(bad(format!(
+                        "step {j}: {what} of {} elements at {:?} {} with rank {} leaves its \
+                         buffer or names this rank",
+                        m.count, m.buf, m.off, m.peer
+                    )));
+                }
+                if what == "receive" && m.buf == Buf::Source {
+                    return Err(bad(format!("step {j} receives into the training buffer")));
+                }
+            }
+            for g in &st.gathers {
+                let end = (self.world as u64)
+                    .checked_mul(g.count)
+                    .and_then(|n| n.checked_add(g.off));
+                if end.is_none_or(|e| e > self.rollout_elems) {
+                    return Err(bad(format!(
+                        "step {j}: all-gather of {} elements per rank at {} leaves the rollout \
+                         buffer",
+                        g.count, g.off
+                    )));
+                }
+            }
+            if st
+                .remote
+                .iter()
+                .any(|(p, _)| *p >= self.world || *p == self.rank)
+            {
+                return Err(bad(format!("step {j}: remote copies name a bad rank")));
+            }
+            for p in &st.pushes {
+                if p.peer >= self.world || p.peer == self.rank {
+                    return Err(bad(format!("step {j}: peer copy to bad rank {}", p.peer)));
+                }
+                if !inside(p.src, p.src_off, &p.region, p.region.src_ld)
+                    || !inside(Buf::Rollout, p.dst_off, &p.region, p.region.dst_ld)
+                    || (p.src == Buf::Source && self.source == SourceType::F32)
+                {
+                    return Err(bad(format!(
+                        "step {j}: peer copy to rank {} leaves its buffers",
+                        p.peer
+                    )));
+                }
+            }
+        }
+        for z in &self.zero {
+            if z.start > z.end || z.end > self.rollout_elems {
+                return Err(bad(format!("zero range {z:?} leaves the rollout buffer")));
+            }
+        }
+        Ok(())
+    }
+}
