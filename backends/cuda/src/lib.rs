@@ -45,7 +45,9 @@ mod pinned;
 mod placement;
 mod pool;
 mod rollout;
+mod steps;
 pub mod testing;
+mod tiles;
 mod timeline;
 mod transfer;
 mod verify;
@@ -74,6 +76,8 @@ pub use pinned::{HostCopy, PinnedPool, DEFAULT_CHUNK_BYTES};
 pub use placement::{RankPlacement, SharedGpu};
 pub use pool::{RankCtx, RankExecutor, RankFn, ThreadRankPool};
 pub use rollout::RolloutBuffer;
+pub use steps::{run_program, DeviceProgram, RunOptions, SourceBuf};
+pub use tiles::{TileKernel, TILE_KERNELS, TILE_KERNEL_SRC};
 pub use timeline::{DeviceSpan, Mark, RankSpans, StreamTimeline};
 pub use transfer::{
     alloc_rollout_buffers, peer_base, peer_bases, record_spans, record_transfer, RankMoved,

@@ -17,8 +17,12 @@
 //!   sender's copy engines write every piece straight into its place in the receiver's rollout
 //!   buffer (peer copies: ~390 GB/s per GPU on 2×H200, no SMs, no NCCL); with one process per
 //!   GPU, grouped NCCL sends / receives (or all-gathers).
-//! - **Overlap**: local casts on an auxiliary stream, staged casts on the compute stream, peer
-//!   copies or NCCL on their own stream; bucket `k + 1`'s casts overlap bucket `k`'s transfers;
+//! - **Execution**: each rank's buckets become steps
+//!   ([`FsdpPlan::rank_steps`](lifecycle_layout::fsdp::FsdpPlan::rank_steps)) that the engine's
+//!   step runner ([`lifecycle_cuda::run_program`]) issues, the same runner as Megatron's.
+//! - **Overlap**: local casts on an auxiliary stream, staged casts and unpacks on the compute
+//!   stream, peer copies or NCCL on their own stream; bucket `k + 1`'s casts overlap bucket `k`'s
+//!   transfers;
 //!   offload copies (master, Adam m, v → pinned host, in 1 GiB pieces) run on a fourth stream
 //!   during the transfer; grads are freed, not copied.
 //! - **Exit**: rollout buffers released, offloaded state reloaded on the copy stream, grads
@@ -48,7 +52,6 @@
 #![warn(missing_docs)]
 
 mod backend;
-mod buckets;
 mod build;
 mod checks;
 mod download;

@@ -1,5 +1,6 @@
-//! One transfer: offload copies started first on the copy stream, every rank's bucket loop
-//! ([`crate::buckets`]), then the offload finished and what the policy moves out freed.
+//! One transfer: offload copies started first on the copy stream, every rank's bucket plan run
+//! as steps by the engine's step runner ([`lifecycle_cuda::run_program`]), then the offload
+//! finished and what the policy moves out freed.
 
 use crate::backend::FsdpBackend;
 use crate::FsdpError;
@@ -10,10 +11,10 @@ use lifecycle_layout::RolloutEntry;
 use cudarc::driver::CudaSlice;
 use lifecycle_core::{Link, MemoryPolicy, Phase, SwitchContext};
 use lifecycle_cuda::{
-    peer_bases, record_spans, CudaError, RankExecutor, RankMoved, RankSpans, StreamTimeline,
+    peer_bases, record_spans, run_program, CudaError, DeviceProgram, RankExecutor, RankMoved,
+    RankSpans, RunOptions, SourceBuf, StreamTimeline,
 };
 
-use crate::buckets::{run_buckets, CastMode};
 use crate::state::{FsdpTrainState, RankTrain};
 use crate::verify::{self, Buffer};
 
@@ -57,9 +58,7 @@ impl FsdpBackend {
         let bases = &bases;
         let mut items: Vec<(&mut RankTrain, &mut CudaSlice<bf16>)> =
             state.ranks.iter_mut().zip(rolls.iter_mut()).collect();
-        let mode = CastMode {
-            batched: self.batched_casts,
-        };
+        let batched = self.batched_casts;
         let pinned = &*self.pinned;
         let opt = memory.offload_optimizer;
         let offloads = [
@@ -87,7 +86,13 @@ impl FsdpBackend {
                 .master
                 .device()
                 .ok_or_else(|| CudaError::Invalid("master weights are offloaded".into()))?;
-            let mut moved = run_buckets(ctx, plan, master, roll, mode, bases, &mut tl)?;
+            let steps = plan
+                .rank_steps(ctx.rank)
+                .map_err(|e| CudaError::Invalid(e.to_string()))?;
+            let program = DeviceProgram::new(ctx, steps, batched)?;
+            let source = SourceBuf::F32(master);
+            let opts = RunOptions::default();
+            let mut moved = run_program(ctx, &program, source, roll, bases, opts, &mut tl)?;
             moved.timeline = Some(tl);
             Ok(moved)
         })?;

@@ -4,28 +4,28 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
 use lifecycle_cuda::{
-    alloc_device, alloc_rollout_buffers, alloc_zeros, peer_base, peer_bases, record_spans,
-    record_transfer, CudaError, Mark, OffloadBuffer, RankCtx, RankExecutor, RankMoved, RankSpans,
-    RolloutBuffer, StreamTimeline, ThreadRankPool, Transport,
+    alloc_device, alloc_rollout_buffers, alloc_zeros, peer_bases, record_spans, record_transfer,
+    run_program, CudaError, DeviceProgram, OffloadBuffer, RankCtx, RankExecutor, RankMoved,
+    RankSpans, RolloutBuffer, RunOptions, SourceBuf, StreamTimeline, ThreadRankPool, TileKernel,
+    Transport,
 };
 use lifecycle_host::MemoryMeter;
 use lifecycle_layout::{HostRollout, HostTensor, Region2d, RolloutEntry};
 
 use crate::error::MegatronGpuError;
-use crate::kernel::CopyKernel;
 use crate::state::{GpuRank, MegatronGpuState};
 use lifecycle_cuda::PinnedPool;
 use lifecycle_host::megatron::{MegatronTrainState, RankTrain, Resident};
 use lifecycle_layout::megatron::schedule::{
-    build_rank, rollout_offsets, Place, RankSchedule, ScheduleOptions, TILE_BYTES,
+    build_rank, rollout_offsets, RankSchedule, ScheduleOptions,
 };
 use lifecycle_layout::megatron::{
     plan_megatron_to_tp, BucketConfig, MegatronLayout, MegatronPlan, ParamKind, ParamSlot,
-    RolloutLayout,
+    RolloutLayout, StepShape,
 };
 
 /// Settings of the GPU executor.
@@ -128,10 +128,10 @@ impl MegatronGpuPlan {
     }
 }
 
-/// Per-rank resources of the backend: the copy kernel and the tile table of the last plan.
+/// Per-rank resources of the backend: the step program of the last plan (its copy tables
+/// uploaded once per plan).
 struct RankRes {
-    kernel: CopyKernel,
-    tiles: Option<(u64, CudaSlice<u8>)>,
+    program: Option<(u64, DeviceProgram)>,
 }
 
 /// Reshards the Megatron training layout into the fused bf16 tensor-parallel rollout layout on
@@ -194,19 +194,15 @@ impl MegatronGpuBackend {
         pool: Arc<ThreadRankPool>,
         rollout: RolloutLayout,
     ) -> Result<Self, MegatronGpuError> {
-        let kernels = pool.run(&CopyKernel::load)?;
+        // Compiles (once per process) and loads the tile kernel now: a missing NVRTC or a bad
+        // architecture shows here, not at the first switch.
+        let loaded = pool.run(&|ctx| TileKernel::load(ctx).map(|_| ()))?;
         Ok(MegatronGpuBackend {
             pool,
             rollout,
             config: GpuConfig::default(),
             pinned: Arc::new(PinnedPool::default()),
-            ranks: kernels
-                .into_iter()
-                .map(|kernel| RankRes {
-                    kernel,
-                    tiles: None,
-                })
-                .collect(),
+            ranks: loaded.iter().map(|()| RankRes { program: None }).collect(),
             cached: Mutex::new(None),
         })
     }
@@ -641,52 +637,37 @@ impl MegatronGpuBackend {
                 rt.params
                     .start_offload(ctx, pinned, "offloading bf16 parameters", &mut tl)?;
             }
-            if res.tiles.as_ref().map(|t| t.0) != Some(id) {
-                res.tiles = None;
-                let mut bytes = s.tile_bytes();
-                if bytes.is_empty() {
-                    bytes.resize(TILE_BYTES, 0);
-                }
-                let d = ctx
-                    .compute
-                    .clone_htod(&bytes)
-                    .map_err(ctx.drv("uploading the copy tiles", bytes.len() as u64))?;
-                res.tiles = Some((id, d));
-            }
-            let (Some(params), Some((_, tiles))) = (rt.params.device(), res.tiles.as_ref()) else {
+            let Some(params) = rt.params.device() else {
                 return Err(CudaError::Invalid(
                     "the bf16 parameters are offloaded: leave rollout mode first".into(),
                 ));
             };
-            let k = &res.kernel;
-            let out = if !plan.peer_copy {
-                run_steps(ctx, s, k, ctx.addr(tiles), params, roll, config, &mut tl)
-            } else {
-                let opts = (config.overlap_blocks_per_sm, config.split_local_bulk);
-                run_peer_copies(
-                    ctx,
-                    s,
-                    k,
-                    ctx.addr(tiles),
-                    params,
-                    roll,
-                    bases,
-                    opts,
-                    &mut tl,
-                )
-            };
-            match out {
-                Ok(mut moved) => {
-                    moved.timeline = Some(tl);
-                    Ok(moved)
-                }
-                Err(e) => {
-                    // Nothing may still read or write the rollout or staging buffers when they
-                    // are freed after an error part-way through.
-                    let _ = ctx.sync_all();
-                    Err(e)
-                }
+            if res.program.as_ref().map(|p| p.0) != Some(id) {
+                res.program = None;
+                let shape = StepShape {
+                    world: ctx.world,
+                    source_elems: params.len() as u64,
+                    rollout_elems: plan.len as u64,
+                    in_flight: config.in_flight,
+                    peer_copy: plan.peer_copy,
+                    split_local_bulk: config.split_local_bulk,
+                };
+                let steps = s
+                    .rank_steps(shape)
+                    .map_err(|e| CudaError::Invalid(e.to_string()))?;
+                res.program = Some((id, DeviceProgram::new(ctx, steps, true)?));
             }
+            let Some((_, program)) = res.program.as_ref() else {
+                return Err(CudaError::Invalid("no step program".into()));
+            };
+            let opts = RunOptions {
+                overlap_blocks_per_sm: config.overlap_blocks_per_sm,
+            };
+            let source = SourceBuf::Bf16(params);
+            let out = run_program(ctx, program, source, roll, bases, opts, &mut tl);
+            let mut moved = out?;
+            moved.timeline = Some(tl);
+            Ok(moved)
         })?;
         Ok(moved)
     }
@@ -770,425 +751,6 @@ fn slot_seed(seed: u64, layout: &MegatronLayout, slot: &ParamSlot, tp: usize) ->
     let t = if replicated { 0 } else { tp as u64 };
     let layer = slot.layer.map_or(0xFFFF, |l| l as u64);
     seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ ((kind as u64) << 56) ^ (layer << 24) ^ (t << 8)
-}
-
-/// Copies one chunk of the local work: its tiles with the kernel and its bulk runs with the
-/// driver's device-to-device copy, on `stream`.
-///
-/// # Safety
-/// As for [`CopyKernel::launch`]: every local tile and bulk run lies inside the parameter buffer
-/// at `pbase` and the rollout buffer at `rbase`, both alive until the stream has run the copies,
-/// and nothing else writes their destination elements.
-#[allow(clippy::too_many_arguments)]
-unsafe fn local_chunk(
-    ctx: &RankCtx,
-    s: &RankSchedule,
-    k: &CopyKernel,
-    tiles: u64,
-    chunk: &(std::ops::Range<usize>, std::ops::Range<usize>),
-    (pbase, rbase): (u64, u64),
-    stream: &Arc<cudarc::driver::CudaStream>,
-    blocks_per_sm: u32,
-) -> Result<(), CudaError> {
-    // SAFETY: forwarded to the caller.
-    unsafe {
-        k.launch(
-            stream,
-            tiles,
-            chunk.0.clone(),
-            pbase,
-            rbase,
-            blocks_per_sm,
-            ctx.rank,
-        )?
-    };
-    for r in &s.local_bulk[chunk.1.clone()] {
-        let bytes = r.cols * 2;
-        // SAFETY: the run lies inside both buffers (the caller's promise), 2 bytes per element.
-        unsafe {
-            cudarc::driver::result::memcpy_dtod_async(
-                rbase + 2 * r.dst as u64,
-                pbase + 2 * r.src as u64,
-                bytes,
-                stream.cu_stream(),
-            )
-        }
-        .map_err(ctx.drv("copying a local run", bytes as u64))?;
-    }
-    Ok(())
-}
-
-/// Ends `mark` on `stream` as a transfer span on the track `track`: `what` gives its name and
-/// the bf16 elements it moved, worked out only when the timeline records (a mark is `None`
-/// when it does not).
-fn end_transfer(
-    tl: &mut StreamTimeline,
-    ctx: &RankCtx,
-    (stream, track): (&CudaStream, &'static str),
-    mark: Mark,
-    what: impl FnOnce() -> (String, usize),
-    link: Link,
-) -> Result<(), CudaError> {
-    if mark.is_none() {
-        return Ok(());
-    }
-    let (name, elems) = what();
-    let bytes = (elems * 2) as u64;
-    tl.end(
-        ctx,
-        stream,
-        mark,
-        Phase::Transfer,
-        name,
-        track,
-        bytes,
-        Some(link),
-    )
-}
-
-/// Zeroes the vocabulary padding rows of `roll` on the auxiliary stream (one span when traced).
-fn zero_padding(
-    ctx: &RankCtx,
-    s: &RankSchedule,
-    roll: &mut CudaSlice<bf16>,
-    tl: &mut StreamTimeline,
-) -> Result<(), CudaError> {
-    if s.zero.is_empty() {
-        return Ok(());
-    }
-    let mark = tl.begin(ctx, &ctx.aux)?;
-    for z in &s.zero {
-        ctx.aux
-            .memset_zeros(&mut roll.slice_mut(z.clone()))
-            .map_err(ctx.drv("zeroing vocabulary padding", (z.len() * 2) as u64))?;
-    }
-    let what = || ("zero padding".to_string(), s.zero_elems());
-    end_transfer(tl, ctx, (&ctx.aux, "aux"), mark, what, Link::Local)
-}
-
-/// One rank's schedule: zero the padding rows and copy the local runs (auxiliary stream), pack
-/// (compute stream), send/receive (NCCL stream) and unpack (compute stream) the steps, with
-/// `in_flight` send and receive slots; events order the streams. Each piece of work is marked on
-/// `tl` on the stream that runs it (after that stream's waits, so a span is the work alone).
-#[allow(clippy::too_many_arguments)]
-fn run_steps(
-    ctx: &RankCtx,
-    s: &RankSchedule,
-    k: &CopyKernel,
-    tiles: u64,
-    params: &CudaSlice<bf16>,
-    roll: &mut CudaSlice<bf16>,
-    config: GpuConfig,
-    tl: &mut StreamTimeline,
-) -> Result<RankMoved, CudaError> {
-    let rank = ctx.rank;
-    let n = s.steps.len();
-    let f = config.in_flight.max(1).min(n.max(1));
-    let bps = config.overlap_blocks_per_sm.max(1);
-    let nccl = ctx.nccl_stream();
-    let mut sslots: Vec<CudaSlice<bf16>> = Vec::new();
-    let mut rslots: Vec<CudaSlice<bf16>> = Vec::new();
-    if n > 0 {
-        for _ in 0..f {
-            if s.send_slot_elems > 0 {
-                // SAFETY: a step's sends read only slot elements its pack tiles wrote first.
-                sslots.push(unsafe {
-                    alloc_device::<bf16>(&ctx.compute, s.send_slot_elems, rank, "send staging")?
-                });
-            }
-            if s.recv_slot_elems > 0 {
-                // SAFETY: a step's unpack reads only slot elements its receives wrote first.
-                rslots.push(unsafe {
-                    alloc_device::<bf16>(&ctx.compute, s.recv_slot_elems, rank, "receive staging")?
-                });
-            }
-        }
-    }
-    // Allocations (stream-ordered on compute) and earlier writes are visible to the other streams.
-    ctx.order(&ctx.compute, &nccl)?;
-    ctx.order(&ctx.compute, &ctx.aux)?;
-    let pbase = ctx.addr(params);
-    let rbase = ctx.addr_mut(roll);
-    let sbases: Vec<u64> = sslots.iter_mut().map(|x| ctx.addr_mut(x)).collect();
-    let rbases: Vec<u64> = rslots.iter_mut().map(|x| ctx.addr_mut(x)).collect();
-    let aux = (&*ctx.aux, "aux");
-    let compute = (&*ctx.compute, "compute");
-    zero_padding(ctx, s, roll, tl)?;
-    let chunks = s.local_chunks(n);
-    if n == 0 {
-        for (i, c) in chunks.iter().enumerate() {
-            let mark = tl.begin(ctx, &ctx.aux)?;
-            // SAFETY: local tiles and bulk runs lie inside the parameter buffer (source) and the
-            // rollout buffer (destination), both alive until the synchronisation below; nothing
-            // else writes their destination elements.
-            unsafe { local_chunk(ctx, s, k, tiles, c, (pbase, rbase), &ctx.aux, 8)? };
-            let what = || (format!("local copies c{i}"), s.chunk_elems(c));
-            end_transfer(tl, ctx, aux, mark, what, Link::Local)?;
-        }
-    }
-    let rec =
-        |stream: &cudarc::driver::CudaStream| -> Result<cudarc::driver::CudaEvent, CudaError> {
-            let e = ctx.event()?;
-            e.record(stream).map_err(ctx.drv("recording an event", 0))?;
-            Ok(e)
-        };
-    let pack =
-        |j: usize, tl: &mut StreamTimeline| -> Result<cudarc::driver::CudaEvent, CudaError> {
-            let st = &s.steps[j];
-            if !st.pack.is_empty() {
-                let mark = tl.begin(ctx, &ctx.compute)?;
-                // SAFETY: pack tiles read the parameter buffer and write inside send slot j mod f,
-                // whose previous sends finished (the compute stream waited for them).
-                unsafe {
-                    k.launch(
-                        &ctx.compute,
-                        tiles,
-                        st.pack.clone(),
-                        pbase,
-                        sbases[j % f],
-                        bps,
-                        rank,
-                    )?
-                };
-                let what = || (format!("pack s{}", st.step), st.send_slot);
-                end_transfer(tl, ctx, compute, mark, what, Link::Local)?;
-            }
-            rec(&ctx.compute)
-        };
-    let mut packed = Vec::with_capacity(n);
-    for j in 0..f.min(n) {
-        packed.push(pack(j, tl)?);
-    }
-    for j in 0..n {
-        let st = &s.steps[j];
-        nccl.wait(&packed[j])
-            .map_err(ctx.drv("waiting on an event", 0))?;
-        let net_mark = tl.begin(ctx, &nccl)?;
-        ctx.group_start()?;
-        let mut res = Ok(());
-        for m in &st.sends {
-            let peer = m.peer as i32;
-            let r = match m.place {
-                Place::Slot(o) => ctx.comm.send(&sslots[j % f].slice(o..o + m.count), peer),
-                Place::Buffer(o) => ctx.comm.send(&params.slice(o..o + m.count), peer),
-            };
-            if let Err(e) = r {
-                res = Err(CudaError::nccl(rank, "ncclSend", e));
-                break;
-            }
-        }
-        if res.is_ok() {
-            for m in &st.recvs {
-                let peer = m.peer as i32;
-                let r = match m.place {
-                    Place::Slot(o) => ctx
-                        .comm
-                        .recv(&mut rslots[j % f].slice_mut(o..o + m.count), peer),
-                    Place::Buffer(o) => ctx.comm.recv(&mut roll.slice_mut(o..o + m.count), peer),
-                };
-                if let Err(e) = r {
-                    res = Err(CudaError::nccl(rank, "ncclRecv", e));
-                    break;
-                }
-            }
-        }
-        // Waits (with the pool's deadline) until the group's work is on the NCCL stream.
-        let end = ctx.group_end();
-        res?;
-        end?;
-        let what = || (format!("send/recv s{}", st.step), st.recv_elems);
-        end_transfer(
-            tl,
-            ctx,
-            (&nccl, "nccl"),
-            net_mark,
-            what,
-            Link::DeviceToDevice,
-        )?;
-        let net = rec(&nccl)?;
-        ctx.compute
-            .wait(&net)
-            .map_err(ctx.drv("waiting on an event", 0))?;
-        if !st.unpack.is_empty() {
-            let mark = tl.begin(ctx, &ctx.compute)?;
-            // SAFETY: unpack tiles read receive slot j mod f (filled by this step's receives,
-            // which the compute stream waited for) and write rollout elements no other copy
-            // writes.
-            unsafe {
-                k.launch(
-                    &ctx.compute,
-                    tiles,
-                    st.unpack.clone(),
-                    rbases[j % f],
-                    rbase,
-                    bps,
-                    rank,
-                )?
-            };
-            let what = || (format!("unpack s{}", st.step), st.recv_slot);
-            end_transfer(tl, ctx, compute, mark, what, Link::Local)?;
-        }
-        if j + f < n {
-            packed.push(pack(j + f, tl)?);
-        }
-        if let Some(c) = chunks.get(j) {
-            // The local copies give way to the packing the next network step needs.
-            ctx.aux
-                .wait(&packed[(j + 1).min(n - 1)])
-                .map_err(ctx.drv("waiting on an event", 0))?;
-            let mark = tl.begin(ctx, &ctx.aux)?;
-            // SAFETY: as for the local copies above.
-            unsafe { local_chunk(ctx, s, k, tiles, c, (pbase, rbase), &ctx.aux, bps)? };
-            let what = || (format!("local copies c{j}"), s.chunk_elems(c));
-            end_transfer(tl, ctx, aux, mark, what, Link::Local)?;
-        }
-    }
-    ctx.order(&nccl, &ctx.compute)?;
-    ctx.order(&ctx.aux, &ctx.compute)?;
-    // With the pool's deadline: a stalled peer ends in a timeout error, not a hang.
-    ctx.wait(&[&ctx.compute, &nccl], "the transfer's NCCL work")?;
-    let staging = (sslots.len() * s.send_slot_elems + rslots.len() * s.recv_slot_elems) * 2;
-    drop(sslots);
-    drop(rslots);
-    ctx.compute
-        .synchronize()
-        .map_err(ctx.drv("freeing staging", 0))?;
-    Ok(RankMoved {
-        recv: (s.recv_elems * 2) as u64,
-        local: (s.local_elems * 2) as u64,
-        staging: staging as u64,
-        timeline: None,
-    })
-}
-
-/// One rank's peer-copy schedule: zero the padding rows and copy the local runs (auxiliary
-/// stream, tile kernel) while the copy engines write this rank's remote runs into its peers'
-/// rollout buffers (NCCL's stream, which is otherwise idle; one span per destination).
-/// `bases` holds every rank's rollout buffer address, by global rank.
-#[allow(clippy::too_many_arguments)]
-fn run_peer_copies(
-    ctx: &RankCtx,
-    s: &RankSchedule,
-    k: &CopyKernel,
-    tiles: u64,
-    params: &CudaSlice<bf16>,
-    roll: &mut CudaSlice<bf16>,
-    bases: &[u64],
-    (blocks_per_sm, split_bulk): (u32, bool),
-    tl: &mut StreamTimeline,
-) -> Result<RankMoved, CudaError> {
-    let peer = ctx.nccl_stream();
-    let bps = if s.pushes.is_empty() && s.peer_tiles.is_empty() {
-        8
-    } else {
-        blocks_per_sm.max(1)
-    };
-    ctx.order(&ctx.compute, &peer)?;
-    ctx.order(&ctx.compute, &ctx.aux)?;
-    let pbase = ctx.addr(params);
-    let rbase = ctx.addr_mut(roll);
-    // Remote runs first: the copy engines start while the local work is being queued.
-    let mut i = 0;
-    while i < s.pushes.len() {
-        let to = s.pushes[i].peer;
-        let end = s.pushes[i..]
-            .iter()
-            .position(|p| p.peer != to)
-            .map_or(s.pushes.len(), |n| i + n);
-        let group = &s.pushes[i..end];
-        let dst_base = peer_base(bases, to, ctx.rank)?;
-        let mark = tl.begin(ctx, &peer)?;
-        for p in group {
-            let r = &p.run;
-            // SAFETY: the run lies inside this rank's parameter buffer and the peer's rollout
-            // buffer (the planner's offsets), both alive until every rank has synchronised at
-            // the end of the transfer; the pool enabled peer access (plans with peer copies
-            // exist only then); no other copy writes these destination elements.
-            unsafe {
-                lifecycle_cuda::copy_2d(
-                    ctx,
-                    &peer,
-                    (dst_base + 2 * r.dst as u64, 2 * r.dst_ld),
-                    (pbase + 2 * r.src as u64, 2 * r.src_ld),
-                    2 * r.cols,
-                    r.rows,
-                    "copying runs into a peer's rollout buffer",
-                )?
-            };
-        }
-        let what = || {
-            (
-                format!("peer copies to rank {to}"),
-                group.iter().map(|p| p.run.numel()).sum(),
-            )
-        };
-        end_transfer(tl, ctx, (&peer, "peer"), mark, what, Link::DeviceToDevice)?;
-        i = end;
-    }
-    // Small remote runs: one tile-kernel launch per peer writes them into its memory.
-    for (to, range) in &s.peer_tiles {
-        let dst_base = peer_base(bases, *to, ctx.rank)?;
-        let mark = tl.begin(ctx, &ctx.compute)?;
-        // SAFETY: the tiles lie inside this rank's parameter buffer and the peer's rollout
-        // buffer (the planner's offsets), both alive until every rank has synchronised at the
-        // end of the transfer; peer access is enabled; no other copy writes these elements.
-        unsafe {
-            k.launch(
-                &ctx.compute,
-                tiles,
-                range.clone(),
-                pbase,
-                dst_base,
-                8,
-                ctx.rank,
-            )?
-        };
-        let what = || {
-            (
-                format!("peer tiles to rank {to}"),
-                s.tile_elems(range.clone()),
-            )
-        };
-        end_transfer(
-            tl,
-            ctx,
-            (&ctx.compute, "compute"),
-            mark,
-            what,
-            Link::DeviceToDevice,
-        )?;
-    }
-    zero_padding(ctx, s, roll, tl)?;
-    let all = (s.local.clone(), 0..s.local_bulk.len());
-    // The driver's copies of large local runs on the compute stream (after any peer tiles),
-    // beside the tile kernel on the auxiliary one, when split.
-    let (tiled, bulk) = if split_bulk {
-        ((all.0.clone(), 0..0), Some((0..0, all.1.clone())))
-    } else {
-        (all.clone(), None)
-    };
-    let mut parts = vec![(&ctx.aux, "aux", tiled)];
-    if let Some(b) = bulk.filter(|b| !b.1.is_empty()) {
-        parts.push((&ctx.compute, "compute", b));
-    }
-    for (stream, track, c) in parts {
-        let mark = tl.begin(ctx, stream)?;
-        // SAFETY: local tiles and bulk runs lie inside the parameter buffer (source) and the
-        // rollout buffer (destination), both alive until the synchronisation below; peers write
-        // only other elements of the rollout buffer.
-        unsafe { local_chunk(ctx, s, k, tiles, &c, (pbase, rbase), stream, bps)? };
-        let what = || ("local copies".to_string(), s.chunk_elems(&c));
-        end_transfer(tl, ctx, (stream, track), mark, what, Link::Local)?;
-    }
-    ctx.order(&peer, &ctx.compute)?;
-    ctx.order(&ctx.aux, &ctx.compute)?;
-    ctx.wait(&[&ctx.compute, &peer], "the transfer's peer copies")?;
-    Ok(RankMoved {
-        recv: (s.recv_elems * 2) as u64,
-        local: (s.local_elems * 2) as u64,
-        staging: 0,
-        timeline: None,
-    })
 }
 
 impl Reshard for MegatronGpuBackend {

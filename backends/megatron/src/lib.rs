@@ -25,7 +25,10 @@
 //!   are contiguous; small runs (and strided sides) packed into a send slot and unpacked from a
 //!   receive slot. Only the bytes of the fused slices move (`[q; k; v]`, `[gate; up]`,
 //!   vocabulary padding removed); bf16 to bf16, no cast. Large local runs go through the
-//!   driver's device-to-device copy, the rest through one tile-kernel launch.
+//!   driver's device-to-device copy, the rest through one tile-kernel launch. Each rank's
+//!   schedule becomes steps ([`RankSchedule::rank_steps`](lifecycle_layout::megatron::schedule::RankSchedule::rank_steps))
+//!   that the engine's step runner ([`lifecycle_cuda::run_program`]) issues, the same runner as
+//!   FSDP's.
 //! - **Streams**: local copies on the auxiliary stream (they never wait for the network), packs
 //!   and unpacks (or peer tiles) on the compute stream, NCCL (or peer copies) on its own stream, offload and reload on the copy
 //!   stream; `in_flight` slots let step `k`'s network work overlap packing `k + 1` and unpacking
@@ -59,7 +62,6 @@
 
 mod backend;
 mod error;
-mod kernel;
 mod state;
 
 pub use backend::{GpuConfig, MegatronGpuBackend, MegatronGpuPlan};

@@ -16,15 +16,9 @@
 
 use std::ops::Range;
 
+pub use crate::steps::{Tile, TILE_BYTES, TILE_ELEMS};
+
 use super::{MegatronPlan, RolloutKind, Transfer};
-
-/// The most elements one tile copies (64 KiB of bf16); a multiple of 8, so column splits keep
-/// 16-byte alignment. Small tiles keep a launch's tail short: its last tiles run on a few blocks
-/// while the rest of the GPU idles (512 KiB tiles cost ~0.13 ms per launch of 7.6 GB).
-pub const TILE_ELEMS: usize = 1 << 15;
-
-/// Bytes of one [`Tile`] as the copy kernel reads it.
-pub const TILE_BYTES: usize = 40;
 
 /// A 2-D copy between two bf16 buffers: `rows` rows of `cols` elements, rows `src_ld` / `dst_ld`
 /// elements apart (element offsets).
@@ -97,82 +91,16 @@ pub fn push_run(runs: &mut Vec<Run>, run: Run) {
     runs.push(run);
 }
 
-/// One unit of the copy kernel (one thread block): a 2-D copy of at most [`TILE_ELEMS`]
-/// elements. Single-row tiles carry `src_ld = dst_ld = cols`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Tile {
-    /// First source element.
-    pub src: u64,
-    /// First destination element.
-    pub dst: u64,
-    /// Source row pitch.
-    pub src_ld: u64,
-    /// Destination row pitch.
-    pub dst_ld: u64,
-    /// Rows.
-    pub rows: u32,
-    /// Elements per row.
-    pub cols: u32,
-}
-
-impl Tile {
-    /// Elements copied.
-    pub fn numel(&self) -> usize {
-        self.rows as usize * self.cols as usize
-    }
-
-    /// Appends the kernel's view of the tile (`struct { u64 src, dst, src_ld, dst_ld; u32 rows,
-    /// cols; }`, little-endian, [`TILE_BYTES`] bytes).
-    pub fn write_bytes(&self, out: &mut Vec<u8>) {
-        for v in [self.src, self.dst, self.src_ld, self.dst_ld] {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
-        out.extend_from_slice(&self.rows.to_le_bytes());
-        out.extend_from_slice(&self.cols.to_le_bytes());
-    }
-}
-
 /// Cuts `run` into tiles: row blocks of at most [`TILE_ELEMS`] elements, and rows longer than
 /// that into column blocks.
 pub fn push_tiles(run: &Run, out: &mut Vec<Tile>) {
-    let u = |x: usize| x as u64;
-    if run.cols >= TILE_ELEMS {
-        for r in 0..run.rows {
-            let mut c = 0;
-            while c < run.cols {
-                let n = TILE_ELEMS.min(run.cols - c);
-                out.push(Tile {
-                    src: u(run.src + r * run.src_ld + c),
-                    dst: u(run.dst + r * run.dst_ld + c),
-                    src_ld: u(n),
-                    dst_ld: u(n),
-                    rows: 1,
-                    cols: n as u32,
-                });
-                c += n;
-            }
-        }
-    } else if let Some(per) = TILE_ELEMS.checked_div(run.cols) {
-        let per = per.max(1);
-        let mut r = 0;
-        while r < run.rows {
-            let n = per.min(run.rows - r);
-            let (src_ld, dst_ld) = if n == 1 {
-                (run.cols, run.cols)
-            } else {
-                (run.src_ld, run.dst_ld)
-            };
-            out.push(Tile {
-                src: u(run.src + r * run.src_ld),
-                dst: u(run.dst + r * run.dst_ld),
-                src_ld: u(src_ld),
-                dst_ld: u(dst_ld),
-                rows: n as u32,
-                cols: run.cols as u32,
-            });
-            r += n;
-        }
-    }
+    let region = crate::Region2d {
+        rows: run.rows as u64,
+        cols: run.cols as u64,
+        src_ld: run.src_ld as u64,
+        dst_ld: run.dst_ld as u64,
+    };
+    crate::steps::push_tiles(run.src as u64, run.dst as u64, region, out);
 }
 
 /// Where a message's elements are: in the step's slot, or straight in the rank's own buffer.

@@ -1,7 +1,7 @@
 //! The step plans every executor runs, whatever layout produced them.
 //!
 //! A rank's [`RankSteps`] says, in data, everything its switch does:
-//! - **copies** ([`Copy`]): 2-D regions copied (or cast, when the source is fp32) between the
+//! - **copies** ([`Copy`](struct@Copy)): 2-D regions copied (or cast, when the source is fp32) between the
 //!   rank's buffers — its training buffer ([`Buf::Source`]), its rollout buffer, and the send and
 //!   receive staging slots;
 //! - **local chunks** ([`LocalChunk`]): runs of copies from the training buffer straight into the
@@ -41,8 +41,10 @@ use std::ops::Range;
 use crate::{LayoutError, Region2d};
 
 mod program;
+mod tiles;
 
 pub use program::{compile, CopyRole, Op, Program};
+pub use tiles::{push_tiles, Tile, TILE_BYTES, TILE_ELEMS};
 
 /// A buffer of one rank that a step reads or writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -67,7 +69,7 @@ pub enum SourceType {
     Bf16,
 }
 
-/// Which hardware moves a [`Copy`].
+/// Which hardware moves a [`Copy`](struct@Copy).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Engine {
     /// A copy (or cast) kernel.

@@ -89,7 +89,7 @@ pub enum Op {
     },
 }
 
-/// A rank's switch as stream operations in issue order (see the [module docs](self)).
+/// A rank's switch as stream operations in issue order (see [`compile`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Program {
     ops: Vec<Op>,

@@ -1,16 +1,16 @@
-//! The tile copy kernel: one launch copies a list of [`Tile`](super::schedule::Tile)s between two
+//! The tile copy kernel: one launch copies a list of [`Tile`](lifecycle_layout::steps::Tile)s between two
 //! bf16 buffers, one thread block per tile, with 16-byte loads and stores when a tile's offsets,
 //! pitches and width are multiples of 8 elements.
 
 use std::sync::Arc;
 
+use crate::{CudaError, KernelSet, RankCtx};
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
-use lifecycle_cuda::{CudaError, KernelSet, RankCtx};
 
-use lifecycle_layout::megatron::schedule::TILE_BYTES;
+use lifecycle_layout::steps::TILE_BYTES;
 
 /// CUDA C source of the tile copy kernel (no header needed).
-pub const COPY_KERNEL_SRC: &str = r#"
+pub const TILE_KERNEL_SRC: &str = r#"
 typedef unsigned long long u64;
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -57,22 +57,21 @@ extern "C" __global__ void copy_tiles_u16(const Tile* __restrict__ tiles, u32 nt
 }
 "#;
 
-/// [`COPY_KERNEL_SRC`] as a kernel set.
-pub(crate) const COPY_KERNELS: KernelSet =
-    KernelSet::new("lifecycle_megatron tile copy", COPY_KERNEL_SRC);
+/// [`TILE_KERNEL_SRC`] as a kernel set.
+pub const TILE_KERNELS: KernelSet = KernelSet::new("lifecycle tile copy", TILE_KERNEL_SRC);
 
 /// The copy kernel loaded on one rank's device.
 #[derive(Debug, Clone)]
-pub(crate) struct CopyKernel {
+pub struct TileKernel {
     func: CudaFunction,
     sm_count: u32,
 }
 
-impl CopyKernel {
-    /// Loads [`COPY_KERNELS`] into this rank's context (compiled once per process).
+impl TileKernel {
+    /// Loads [`TILE_KERNELS`] into this rank's context (compiled once per process).
     pub fn load(ctx: &RankCtx) -> Result<Self, CudaError> {
-        let m = ctx.module(&COPY_KERNELS)?;
-        Ok(CopyKernel {
+        let m = ctx.module(&TILE_KERNELS)?;
+        Ok(TileKernel {
             func: m.function("copy_tiles_u16")?,
             sm_count: m.sm_count(),
         })

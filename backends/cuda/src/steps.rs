@@ -1,0 +1,596 @@
+//! The step runner: one rank's [`RankSteps`], compiled into its [`Program`], issued on the rank's
+//! streams. Every layout's switch runs here (FSDP buckets and Megatron schedules alike).
+//!
+//! [`DeviceProgram::new`] compiles the steps and uploads, once, the tables their copies need:
+//! the multi-tensor cast descriptors for fp32 sources ([`CastBatch`]) and the tile table of the
+//! bf16 copy kernel ([`TileKernel`]). [`run_program`] then walks the program's operations in
+//! order: events become CUDA events, copies become kernel launches or driver copies, network
+//! steps become grouped NCCL calls or peer copies, and each piece of work is marked on the
+//! [`StreamTimeline`] of the stream that runs it. The final wait carries the pool's deadline, so a
+//! stalled peer ends in a timeout error, not a hang.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
+use half::bf16;
+
+use lifecycle_core::{Link, Phase};
+use lifecycle_layout::steps::{
+    compile, push_tiles, Buf, CopyRole, Engine, Op, Program, RankSteps, SourceType, Stream, Tile,
+    TILE_BYTES,
+};
+
+use crate::{
+    alloc_device, copy_2d, peer_base, CastBatch, CudaError, RankCtx, RankMoved, StreamTimeline,
+    TileKernel,
+};
+
+/// How one run of copies is launched.
+#[derive(Debug, Clone)]
+struct Launch {
+    src: Buf,
+    dst: Buf,
+    /// Descriptors `first .. first + count` of the cast batch, covering chunks `chunks`.
+    casts: Option<(usize, usize, Range<u64>)>,
+    /// Copies cast by a launch of their own (regions the batched kernel does not take).
+    single_casts: Vec<usize>,
+    /// Tiles of the tile table.
+    tiles: Range<usize>,
+    /// Copies run by the driver.
+    driver: Vec<usize>,
+}
+
+/// A rank's compiled steps with their copy tables on the rank's device.
+#[derive(Debug)]
+pub struct DeviceProgram {
+    steps: RankSteps,
+    program: Program,
+    launches: Vec<Option<Launch>>,
+    descs: Option<CudaSlice<u64>>,
+    tiles: CudaSlice<u8>,
+    tile_kernel: TileKernel,
+}
+
+/// The training buffer a rank's switch reads.
+#[derive(Debug, Clone, Copy)]
+pub enum SourceBuf<'a> {
+    /// fp32 masters.
+    F32(&'a CudaSlice<f32>),
+    /// bf16 parameters.
+    Bf16(&'a CudaSlice<bf16>),
+}
+
+impl SourceBuf<'_> {
+    fn len(&self) -> usize {
+        match self {
+            SourceBuf::F32(s) => s.len(),
+            SourceBuf::Bf16(s) => s.len(),
+        }
+    }
+
+    fn dtype(&self) -> SourceType {
+        match self {
+            SourceBuf::F32(_) => SourceType::F32,
+            SourceBuf::Bf16(_) => SourceType::Bf16,
+        }
+    }
+}
+
+/// Launch settings of [`run_program`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunOptions {
+    /// Thread blocks per SM of the tile kernel for copies that share the GPU with network work
+    /// (others use 8).
+    pub overlap_blocks_per_sm: u32,
+}
+
+impl Default for RunOptions {
+    /// 4 blocks per SM next to network work.
+    fn default() -> Self {
+        RunOptions {
+            overlap_blocks_per_sm: 4,
+        }
+    }
+}
+
+impl DeviceProgram {
+    /// Compiles `steps` and uploads their copy tables on this rank's compute stream. With
+    /// `batched_casts`, fp32 casts go through the multi-tensor kernel (one launch per run of
+    /// copies); otherwise each cast is a launch of its own.
+    pub fn new(ctx: &RankCtx, steps: RankSteps, batched_casts: bool) -> Result<Self, CudaError> {
+        let program = compile(&steps).map_err(|e| CudaError::Invalid(e.to_string()))?;
+        let mut batch = CastBatch::default();
+        let mut tiles: Vec<Tile> = Vec::new();
+        let mut launches = Vec::with_capacity(program.ops().len());
+        for op in program.ops() {
+            let Op::Copies { copies, .. } = op else {
+                launches.push(None);
+                continue;
+            };
+            let Some(first) = steps.copies.get(copies.start) else {
+                launches.push(None);
+                continue;
+            };
+            let mut l = Launch {
+                src: first.src,
+                dst: first.dst,
+                casts: None,
+                single_casts: Vec::new(),
+                tiles: 0..0,
+                driver: Vec::new(),
+            };
+            let (d0, c0, t0) = (batch.len(), batch.chunks(), tiles.len());
+            for i in copies.clone() {
+                let c = &steps.copies[i];
+                if (c.src, c.dst) != (l.src, l.dst) {
+                    return Err(CudaError::Invalid(format!(
+                        "rank {}: copies {copies:?} mix buffers ({:?} → {:?} and {:?} → {:?}); \
+                         one run of copies reads one buffer and writes one",
+                        steps.rank, l.src, l.dst, c.src, c.dst
+                    )));
+                }
+                match c.engine {
+                    Engine::Driver => l.driver.push(i),
+                    Engine::Kernel if c.src == Buf::Source && steps.source == SourceType::F32 => {
+                        if !(batched_casts && batch.push(c.src_off, c.dst_off, c.region)) {
+                            l.single_casts.push(i);
+                        }
+                    }
+                    Engine::Kernel => push_tiles(c.src_off, c.dst_off, c.region, &mut tiles),
+                }
+            }
+            if batch.len() > d0 {
+                l.casts = Some((d0, batch.len() - d0, c0..batch.chunks()));
+            }
+            l.tiles = t0..tiles.len();
+            launches.push(Some(l));
+        }
+        let upload = |what: &str, n: u64| ctx.drv(what, n);
+        let descs = if batch.is_empty() {
+            None
+        } else {
+            let words = batch.words();
+            Some(
+                ctx.compute
+                    .clone_htod(words)
+                    .map_err(upload("uploading cast descriptors", 8 * words.len() as u64))?,
+            )
+        };
+        let mut bytes = Vec::with_capacity(tiles.len().max(1) * TILE_BYTES);
+        for t in &tiles {
+            t.write_bytes(&mut bytes);
+        }
+        bytes.resize(bytes.len().max(TILE_BYTES), 0);
+        let tiles = ctx
+            .compute
+            .clone_htod(&bytes)
+            .map_err(upload("uploading the copy tiles", bytes.len() as u64))?;
+        Ok(DeviceProgram {
+            steps,
+            program,
+            launches,
+            descs,
+            tiles,
+            tile_kernel: TileKernel::load(ctx)?,
+        })
+    }
+
+    /// The steps this program runs.
+    pub fn steps(&self) -> &RankSteps {
+        &self.steps
+    }
+
+    /// The compiled program.
+    pub fn program(&self) -> &Program {
+        &self.program
+    }
+}
+
+fn span_name(role: CopyRole) -> (String, Link) {
+    match role {
+        CopyRole::Local(c) => (format!("local c{c}"), Link::Local),
+        CopyRole::Pack(k) => (format!("pack s{k}"), Link::Local),
+        CopyRole::Unpack(k) => (format!("unpack s{k}"), Link::Local),
+        CopyRole::Remote { index, peer } => (
+            format!("peer tiles s{index} to rank {peer}"),
+            Link::DeviceToDevice,
+        ),
+    }
+}
+
+/// Runs `prog` on this rank: reads `source`, writes `roll` (and, with peer copies or remote
+/// copies, the peers' rollout buffers at `bases`, by global rank), marks every piece of work on
+/// `tl`. Returns what the rank moved. On an error every stream is synchronised before the
+/// staging buffers are freed.
+pub fn run_program(
+    ctx: &RankCtx,
+    prog: &DeviceProgram,
+    source: SourceBuf<'_>,
+    roll: &mut CudaSlice<bf16>,
+    bases: &[u64],
+    opts: RunOptions,
+    tl: &mut StreamTimeline,
+) -> Result<RankMoved, CudaError> {
+    let out = run_inner(ctx, prog, source, roll, bases, opts, tl);
+    if out.is_err() {
+        // Nothing may still read or write the rollout or staging buffers when they are freed
+        // after an error part-way through.
+        let _ = ctx.sync_all();
+    }
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_inner(
+    ctx: &RankCtx,
+    prog: &DeviceProgram,
+    source: SourceBuf<'_>,
+    roll: &mut CudaSlice<bf16>,
+    bases: &[u64],
+    opts: RunOptions,
+    tl: &mut StreamTimeline,
+) -> Result<RankMoved, CudaError> {
+    let s = &prog.steps;
+    let rank = ctx.rank;
+    if source.dtype() != s.source
+        || (source.len() as u64) < s.source_elems
+        || (roll.len() as u64) < s.rollout_elems
+    {
+        return Err(CudaError::Invalid(format!(
+            "rank {rank}: the steps read a {:?} training buffer of {} elements into a rollout \
+             buffer of {}, given a {:?} one of {} and a rollout buffer of {}",
+            s.source,
+            s.source_elems,
+            s.rollout_elems,
+            source.dtype(),
+            source.len(),
+            roll.len()
+        )));
+    }
+    let slots = if s.steps.is_empty() { 0 } else { s.in_flight };
+    let mut sslots: Vec<CudaSlice<bf16>> = Vec::new();
+    let mut rslots: Vec<CudaSlice<bf16>> = Vec::new();
+    for _ in 0..slots {
+        if s.send_slot_elems > 0 {
+            // SAFETY: a step's sends read only slot elements its pack wrote first (the program
+            // orders the network work after the pack).
+            sslots.push(unsafe {
+                alloc_device::<bf16>(
+                    &ctx.compute,
+                    s.send_slot_elems as usize,
+                    rank,
+                    "send staging",
+                )?
+            });
+        }
+        if s.recv_slot_elems > 0 {
+            // SAFETY: a step's unpack reads only slot elements its receives wrote first.
+            rslots.push(unsafe {
+                alloc_device::<bf16>(
+                    &ctx.compute,
+                    s.recv_slot_elems as usize,
+                    rank,
+                    "receive staging",
+                )?
+            });
+        }
+    }
+    let nccl = ctx.nccl_stream();
+    let stream = |st: Stream| -> &Arc<CudaStream> {
+        match st {
+            Stream::Compute => &ctx.compute,
+            Stream::Aux => &ctx.aux,
+            Stream::Net => &nccl,
+        }
+    };
+    let src_base = match source {
+        SourceBuf::F32(m) => ctx.addr(m),
+        SourceBuf::Bf16(p) => ctx.addr(p),
+    };
+    let rbase = ctx.addr_mut(roll);
+    let sbases: Vec<u64> = sslots.iter_mut().map(|x| ctx.addr_mut(x)).collect();
+    let rbases: Vec<u64> = rslots.iter_mut().map(|x| ctx.addr_mut(x)).collect();
+    let missing = |what: &str| CudaError::Invalid(format!("rank {rank}: {what}"));
+    let base_of = |buf: Buf, slot: usize| -> Result<u64, CudaError> {
+        match buf {
+            Buf::Source => Ok(src_base),
+            Buf::Rollout => Ok(rbase),
+            Buf::SendSlot => sbases
+                .get(slot)
+                .copied()
+                .ok_or_else(|| missing("no send slot")),
+            Buf::RecvSlot => rbases
+                .get(slot)
+                .copied()
+                .ok_or_else(|| missing("no receive slot")),
+        }
+    };
+    let descs = prog.descs.as_ref().map_or(0, |d| ctx.addr(d));
+    let tiles = ctx.addr(&prog.tiles);
+    let mut events: Vec<Option<CudaEvent>> = (0..prog.program.events()).map(|_| None).collect();
+    let mut used_nccl = false;
+    for (i, op) in prog.program.ops().iter().enumerate() {
+        match op {
+            Op::Record { stream: st, event } => {
+                let e = ctx.event()?;
+                e.record(stream(*st))
+                    .map_err(ctx.drv("recording an event", 0))?;
+                events[*event] = Some(e);
+            }
+            Op::Wait { stream: st, event } => {
+                let e = events[*event]
+                    .as_ref()
+                    .ok_or_else(|| missing("the program waits for an event not yet recorded"))?;
+                stream(*st)
+                    .wait(e)
+                    .map_err(ctx.drv("waiting on an event", 0))?;
+            }
+            Op::Zero => {
+                let mark = tl.begin(ctx, &ctx.aux)?;
+                for z in &s.zero {
+                    let r = z.start as usize..z.end as usize;
+                    ctx.aux
+                        .memset_zeros(&mut roll.slice_mut(r))
+                        .map_err(ctx.drv("zeroing vocabulary padding", (z.end - z.start) * 2))?;
+                }
+                let bytes = s.zero_elems() * 2;
+                let link = Some(Link::Local);
+                tl.end(
+                    ctx,
+                    &ctx.aux,
+                    mark,
+                    Phase::Transfer,
+                    "zero padding",
+                    "aux",
+                    bytes,
+                    link,
+                )?;
+            }
+            Op::Copies {
+                stream: st,
+                copies,
+                slot,
+                peer,
+                overlap,
+                role,
+            } => {
+                let l = prog.launches[i]
+                    .as_ref()
+                    .ok_or_else(|| missing("copies without a launch"))?;
+                let strm = stream(*st);
+                let src = base_of(l.src, *slot)?;
+                let dst = match peer {
+                    Some(p) if l.dst == Buf::Rollout => peer_base(bases, *p, rank)?,
+                    Some(_) => return Err(missing("remote copies must write a rollout buffer")),
+                    None => base_of(l.dst, *slot)?,
+                };
+                let bps = if *overlap {
+                    opts.overlap_blocks_per_sm.max(1)
+                } else {
+                    8
+                };
+                let mark = tl.begin(ctx, strm)?;
+                // SAFETY: the steps were validated: every copy of this run lies inside its
+                // source and destination buffers (the training buffer, the rollout buffer of
+                // this rank or, for remote copies, of the peer — the same length on every rank —
+                // or staging slot `slot`), whose sizes were checked above; the tables were
+                // uploaded from the same steps; all buffers stay alive until the final
+                // synchronisation below (peers' until every rank synchronised at the end of the
+                // transfer); the program's events order every other reader and writer of these
+                // elements.
+                unsafe {
+                    if let (Some((first, count, chunks)), Some(_)) = (&l.casts, &prog.descs) {
+                        ctx.kernels.cast_multi(
+                            strm,
+                            src,
+                            dst,
+                            descs,
+                            *first,
+                            *count,
+                            chunks.clone(),
+                            rank,
+                        )?;
+                    }
+                    for &c in &l.single_casts {
+                        let c = &s.copies[c];
+                        ctx.kernels.cast_f32_bf16(
+                            strm,
+                            src + 4 * c.src_off,
+                            dst + 2 * c.dst_off,
+                            c.region,
+                            rank,
+                        )?;
+                    }
+                    prog.tile_kernel
+                        .launch(strm, tiles, l.tiles.clone(), src, dst, bps, rank)?;
+                    for &c in &l.driver {
+                        let c = &s.copies[c];
+                        let bytes = (c.numel() * 2) as usize;
+                        cudarc::driver::result::memcpy_dtod_async(
+                            dst + 2 * c.dst_off,
+                            src + 2 * c.src_off,
+                            bytes,
+                            strm.cu_stream(),
+                        )
+                        .map_err(ctx.drv("copying a local run", bytes as u64))?;
+                    }
+                }
+                if tl.enabled() {
+                    let (name, link) = span_name(*role);
+                    let bytes = s.copy_elems(copies.clone()) * 2;
+                    let track = st.track();
+                    tl.end(
+                        ctx,
+                        strm,
+                        mark,
+                        Phase::Transfer,
+                        name,
+                        track,
+                        bytes,
+                        Some(link),
+                    )?;
+                }
+            }
+            Op::Nccl { step, slot } => {
+                used_nccl = true;
+                let st = &s.steps[*step];
+                let mark = tl.begin(ctx, &nccl)?;
+                if !st.sends.is_empty() || !st.recvs.is_empty() {
+                    ctx.group_start()?;
+                    let mut res = Ok(());
+                    for m in &st.sends {
+                        let (lo, hi, peer) =
+                            (m.off as usize, (m.off + m.count) as usize, m.peer as i32);
+                        let r = match (m.buf, source) {
+                            (Buf::Source, SourceBuf::Bf16(p)) => {
+                                ctx.comm.send(&p.slice(lo..hi), peer)
+                            }
+                            (Buf::Rollout, _) => ctx.comm.send(&roll.slice(lo..hi), peer),
+                            (Buf::SendSlot, _) if *slot < sslots.len() => {
+                                ctx.comm.send(&sslots[*slot].slice(lo..hi), peer)
+                            }
+                            _ => Err(missing("a send from a buffer NCCL cannot read here")),
+                        };
+                        if let Err(e) = r {
+                            res = Err(CudaError::nccl(rank, "ncclSend", e));
+                            break;
+                        }
+                    }
+                    if res.is_ok() {
+                        for m in &st.recvs {
+                            let (lo, hi, peer) =
+                                (m.off as usize, (m.off + m.count) as usize, m.peer as i32);
+                            let r = match m.buf {
+                                Buf::Rollout => ctx.comm.recv(&mut roll.slice_mut(lo..hi), peer),
+                                Buf::RecvSlot if *slot < rslots.len() => {
+                                    ctx.comm.recv(&mut rslots[*slot].slice_mut(lo..hi), peer)
+                                }
+                                _ => Err(missing("a receive into a buffer NCCL cannot write here")),
+                            };
+                            if let Err(e) = r {
+                                res = Err(CudaError::nccl(rank, "ncclRecv", e));
+                                break;
+                            }
+                        }
+                    }
+                    // Waits (with the pool's deadline) until the group's work is on the stream.
+                    let end = ctx.group_end();
+                    res?;
+                    end?;
+                }
+                if !st.gathers.is_empty() {
+                    all_gather(ctx, st, roll, rbase, s.rollout_elems)?;
+                }
+                if tl.enabled() {
+                    let what = if st.gathers.is_empty() {
+                        "send/recv"
+                    } else {
+                        "all-gather"
+                    };
+                    let name = format!("{what} s{}", st.index);
+                    let link = Some(Link::DeviceToDevice);
+                    tl.end(
+                        ctx,
+                        &nccl,
+                        mark,
+                        Phase::Transfer,
+                        name,
+                        "nccl",
+                        st.recv_elems * 2,
+                        link,
+                    )?;
+                }
+            }
+            Op::Push {
+                step,
+                peer,
+                runs,
+                slot,
+            } => {
+                let st = &s.steps[*step];
+                let dst_base = peer_base(bases, *peer, rank)?;
+                let mark = tl.begin(ctx, &nccl)?;
+                let mut bytes = 0;
+                for r in &st.pushes[runs.clone()] {
+                    let src = base_of(r.src, *slot)?;
+                    let g = r.region;
+                    // SAFETY: the run lies inside this rank's buffer (validated steps, sizes
+                    // checked above) and the peer's rollout buffer (the same length on every
+                    // rank; its address came from the peer), both alive until every rank has
+                    // synchronised at the end of the transfer; peer access is enabled (plans with
+                    // peer copies exist only then); no other copy writes these elements.
+                    unsafe {
+                        copy_2d(
+                            ctx,
+                            &nccl,
+                            (dst_base + 2 * r.dst_off, 2 * g.dst_ld as usize),
+                            (src + 2 * r.src_off, 2 * g.src_ld as usize),
+                            2 * g.cols as usize,
+                            g.rows as usize,
+                            "copying runs into a peer's rollout buffer",
+                        )?
+                    };
+                    bytes += g.numel() * 2;
+                }
+                let name = format!("peer copies s{} to rank {peer}", st.index);
+                let link = Some(Link::DeviceToDevice);
+                tl.end(ctx, &nccl, mark, Phase::Transfer, name, "peer", bytes, link)?;
+            }
+        }
+    }
+    // With the pool's deadline: a stalled peer ends in a timeout error, not a hang.
+    let what = if used_nccl {
+        "the transfer's NCCL work"
+    } else {
+        "the transfer's peer copies"
+    };
+    ctx.wait(&[&ctx.compute, &nccl], what)?;
+    let staging = s.staging_bytes();
+    drop(sslots);
+    drop(rslots);
+    ctx.compute
+        .synchronize()
+        .map_err(ctx.drv("freeing staging", 0))?;
+    Ok(RankMoved {
+        recv: s.recv_elems * 2,
+        local: s.local_elems * 2,
+        staging,
+        timeline: None,
+    })
+}
+
+/// The step's in-place all-gathers into the rollout buffer, as one NCCL group.
+fn all_gather(
+    ctx: &RankCtx,
+    st: &lifecycle_layout::steps::NetStep,
+    roll: &mut CudaSlice<bf16>,
+    rbase: u64,
+    rollout_elems: u64,
+) -> Result<(), CudaError> {
+    let (rank, w) = (ctx.rank, ctx.world as u64);
+    // SAFETY: an alias of the rollout buffer (same pointer, the validated length) so the
+    // in-place all-gather can name its send part (inside the receive range), which NCCL supports
+    // when sendbuff == recvbuff + rank * count. It is leaked (not freed) right after the group;
+    // the real buffer outlives the transfer's final synchronisation.
+    let alias: CudaSlice<bf16> = unsafe {
+        ctx.compute
+            .upgrade_device_ptr(rbase, rollout_elems as usize)
+    };
+    let mut res = ctx.group_start();
+    if res.is_ok() {
+        for g in &st.gathers {
+            let mine = (g.off + rank as u64 * g.count) as usize;
+            let send = alias.slice(mine..mine + g.count as usize);
+            let mut recv = roll.slice_mut(g.off as usize..(g.off + w * g.count) as usize);
+            if let Err(e) = ctx.comm.all_gather(&send, &mut recv) {
+                res = Err(CudaError::nccl(rank, "ncclAllGather", e));
+                break;
+            }
+        }
+    }
+    let end = ctx.group_end();
+    alias.leak();
+    res?;
+    end
+}
