@@ -189,7 +189,7 @@ impl DeviceProgram {
 
 fn span_name(role: CopyRole) -> (String, Link) {
     match role {
-        CopyRole::Local(c) => (format!("local c{c}"), Link::Local),
+        CopyRole::Local(c) => (format!("local copies c{c}"), Link::Local),
         CopyRole::Pack(k) => (format!("pack s{k}"), Link::Local),
         CopyRole::Unpack(k) => (format!("unpack s{k}"), Link::Local),
         CopyRole::Remote { index, peer } => (

@@ -4,7 +4,7 @@ use crate::update_kernels::UpdateKernelCache;
 use crate::FsdpError;
 use std::sync::{Arc, Mutex};
 
-use lifecycle_cuda::{PinnedPool, RankExecutor, ThreadRankPool, Transport};
+use lifecycle_cuda::{DeviceProgram, PinnedPool, RankExecutor, ThreadRankPool, Transport};
 use lifecycle_layout::{FsdpLayout, RolloutLayout};
 
 use lifecycle_layout::fsdp::{BucketConfig, FsdpPlan};
@@ -60,6 +60,9 @@ pub struct FsdpBackend {
     pub(crate) rollout_sums: Option<RolloutSums>,
     pub(crate) transport: Transport,
     pub(crate) pinned: Arc<PinnedPool>,
+    /// Per local rank, the step program of the last plan run (its copy tables uploaded once
+    /// per plan; the plan is held so its identity cannot be reused).
+    pub(crate) programs: Mutex<Vec<Option<(Arc<FsdpPlan>, DeviceProgram)>>>,
 }
 
 /// Hashes of the resident rollout weights, per local rank, per chunk of `table`.
@@ -91,6 +94,7 @@ impl FsdpBackend {
             config: BucketConfig::default(),
             batched_casts: true,
             plan_cache: Mutex::new(None),
+            programs: Mutex::new(Vec::new()),
             update_kernels: UpdateKernelCache::default(),
             verify: false,
             rollout_sums: None,

@@ -7,6 +7,7 @@ use crate::FsdpError;
 use half::bf16;
 use lifecycle_layout::fsdp::FsdpPlan;
 use lifecycle_layout::RolloutEntry;
+use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 use lifecycle_core::{Link, MemoryPolicy, Phase, SwitchContext};
@@ -43,7 +44,7 @@ impl FsdpBackend {
     /// first so they overlap it. Returns per-rank statistics.
     pub(crate) fn transfer(
         &self,
-        plan: &FsdpPlan,
+        plan: &Arc<FsdpPlan>,
         state: &mut FsdpTrainState,
         rolls: &mut [CudaSlice<bf16>],
         memory: MemoryPolicy,
@@ -56,8 +57,18 @@ impl FsdpBackend {
             vec![0u64; self.pool.world()]
         };
         let bases = &bases;
-        let mut items: Vec<(&mut RankTrain, &mut CudaSlice<bf16>)> =
-            state.ranks.iter_mut().zip(rolls.iter_mut()).collect();
+        let mut programs = self
+            .programs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        programs.resize_with(state.ranks.len(), || None);
+        let mut items: Vec<_> = state
+            .ranks
+            .iter_mut()
+            .zip(rolls.iter_mut())
+            .zip(programs.iter_mut())
+            .map(|((rt, roll), prog)| (rt, roll, prog))
+            .collect();
         let batched = self.batched_casts;
         let pinned = &*self.pinned;
         let opt = memory.offload_optimizer;
@@ -66,7 +77,7 @@ impl FsdpBackend {
             (opt, Buffer::AdamV, "offload Adam v"),
             (memory.offload_params, Buffer::Master, "offload master"),
         ];
-        let moved = self.pool.run_each(&mut items, &|ctx, (rt, roll)| {
+        let moved = self.pool.run_each(&mut items, &|ctx, (rt, roll, prog)| {
             // Pinned chunks first (from the pool: pinned once, then reused): failing here
             // changes nothing.
             for (on, b, what) in offloads {
@@ -86,13 +97,19 @@ impl FsdpBackend {
                 .master
                 .device()
                 .ok_or_else(|| CudaError::Invalid("master weights are offloaded".into()))?;
-            let steps = plan
-                .rank_steps(ctx.rank)
-                .map_err(|e| CudaError::Invalid(e.to_string()))?;
-            let program = DeviceProgram::new(ctx, steps, batched)?;
+            if !prog.as_ref().is_some_and(|(p, _)| Arc::ptr_eq(p, plan)) {
+                **prog = None;
+                let steps = plan
+                    .rank_steps(ctx.rank)
+                    .map_err(|e| CudaError::Invalid(e.to_string()))?;
+                **prog = Some((plan.clone(), DeviceProgram::new(ctx, steps, batched)?));
+            }
+            let Some((_, program)) = prog.as_ref() else {
+                return Err(CudaError::Invalid("no step program".into()));
+            };
             let source = SourceBuf::F32(master);
             let opts = RunOptions::default();
-            let mut moved = run_program(ctx, &program, source, roll, bases, opts, &mut tl)?;
+            let mut moved = run_program(ctx, program, source, roll, bases, opts, &mut tl)?;
             moved.timeline = Some(tl);
             Ok(moved)
         })?;
