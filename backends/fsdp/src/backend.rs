@@ -9,6 +9,9 @@ use lifecycle_layout::{FsdpLayout, RolloutLayout};
 
 use lifecycle_layout::fsdp::{BucketConfig, FsdpPlan};
 
+/// A rank's step program and the plan it was built from.
+pub(crate) type CachedProgram = (Arc<FsdpPlan>, DeviceProgram);
+
 /// Reshards FSDP training shards into bf16 tensor-parallel rollout weights on the GPUs of a
 /// [`ThreadRankPool`], with bucketed, shard-aware NCCL transfers and overlapped offload.
 ///
@@ -62,7 +65,7 @@ pub struct FsdpBackend {
     pub(crate) pinned: Arc<PinnedPool>,
     /// Per local rank, the step program of the last plan run (its copy tables uploaded once
     /// per plan; the plan is held so its identity cannot be reused).
-    pub(crate) programs: Mutex<Vec<Option<(Arc<FsdpPlan>, DeviceProgram)>>>,
+    pub(crate) programs: Mutex<Vec<Option<CachedProgram>>>,
 }
 
 /// Hashes of the resident rollout weights, per local rank, per chunk of `table`.
