@@ -87,6 +87,8 @@
 
 #![warn(missing_docs)]
 
+mod cache;
+mod engine;
 mod error;
 mod fault;
 mod injector;
@@ -99,6 +101,11 @@ mod reshard;
 mod session;
 mod trace;
 
+pub use cache::{Branded, CacheStats, PrefixCache, Stamp, VersionedCache, WeightsVersion};
+pub use engine::{
+    EngineAfter, EngineBytes, EngineHook, EngineMemory, EngineMut, EngineState, EngineStats,
+    RolloutEngine,
+};
 pub use error::{panic_message, AfterFailure, LifecycleError, Operation};
 pub use fault::{Fault, FaultAt, FaultHandle, FaultKind, InjectedFault};
 pub use injector::{FaultError, FaultInjector};
@@ -118,6 +125,7 @@ pub use lifecycle_macros::sharded_rollout;
 
 #[doc(hidden)]
 pub mod __private {
+    pub use crate::engine::{EngineMut, RolloutEngine};
     pub use crate::error::LifecycleError;
     pub use crate::lifecycle::Lifecycle;
     pub use crate::reshard::Reshard;
@@ -125,13 +133,10 @@ pub mod __private {
     pub use core::result::Result;
 
     /// Ends a rollout call keeping the weights resident, whatever the lifecycle's switching policy
-    /// (`#[sharded_rollout(switching = "lazy")]`).
-    ///
-    /// [`RolloutSession::finish`] would apply the lifecycle's policy, and dropping the session
-    /// under [`Switching::Eager`](crate::Switching::Eager) defers an exit to the next operation.
-    /// The session owns nothing but its borrow of the lifecycle and a flag, so forgetting it ends
-    /// the call with the lifecycle left as it is: in rollout mode with current weights resident.
-    pub fn finish_lazy<B: Reshard>(session: RolloutSession<'_, B>) {
-        core::mem::forget(session);
+    /// (`#[sharded_rollout(switching = "lazy")]`); the engine's memory policy still applies.
+    pub fn finish_lazy<B: Reshard, E: RolloutEngine<B::Rollout>>(
+        session: RolloutSession<'_, B, E>,
+    ) -> Result<(), LifecycleError<B::Error>> {
+        session.end(crate::Switching::Lazy)
     }
 }
