@@ -802,11 +802,15 @@ fn check_engine(param: &PatType, errors: &mut Errors) -> Option<(Type, bool)> {
                 );
                 return None;
             }
-            _ => {
+            other => {
+                let ty = other.to_token_stream();
                 errors.at(
-                    ty,
-                    "the engine parameter must have type `EngineMut<'_, E>` or `&mut E`, where `E` \
-                     is the lifecycle's `RolloutEngine`",
+                    other,
+                    format_args!(
+                        "the engine parameter `{}` must have type `EngineMut<'_, {ty}>` or `&mut \
+                         {ty}`: the lifecycle owns the engine, a rollout call borrows it",
+                        param_name(param),
+                    ),
                 );
                 return None;
             }
