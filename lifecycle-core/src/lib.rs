@@ -12,6 +12,11 @@
 //!   rejects a rollout view used across a training update or after exit.
 //! - Switching is lazy by default: a rollout that finds current weights resident moves zero bytes.
 //!   [`Switching::Eager`] exits after every call, for comparison with stacks that do.
+//! - A [`RolloutEngine`] (the decoder) lives as long as the lifecycle
+//!   ([`Lifecycle::with_engine`]); its rollout memory wakes after the backend's enter and sleeps
+//!   before its exit, once per weight version under the lazy policy. [`RolloutSession::parts`]
+//!   lends it next to the weights view; [`VersionedCache`] / [`PrefixCache`] keep KV across calls
+//!   without ever serving another weight version.
 //! - [`Metrics`] records count, time, bytes per link class and peak extra memory of each phase.
 //! - The core knows no layout and no device: planners live in `lifecycle-layout`, executors in
 //!   the backend crates.
@@ -83,7 +88,56 @@
 //!
 //! Methods (`&self` / `&mut self`) and `async` functions work the same way; the attribute takes
 //! `switching = "eager" | "lazy"` to force a policy for one function, `weights = name` to select
-//! the view and `crate = "path"` when `lifecycle_core` is re-exported.
+//! the view, `engine = name` to select the engine and `crate = "path"` when `lifecycle_core` is
+//! re-exported.
+//!
+//! A function may also take the lifecycle's engine, next to the view, as `EngineMut<'_, E>` (or a
+//! `&mut E` marked `#[engine]`); the generated function then takes a `&mut Lifecycle<_, E>`:
+//!
+//! ```
+//! use lifecycle_core::{sharded_rollout, EngineBytes, EngineMut, Lifecycle, PhaseScope};
+//! use lifecycle_core::{RolloutEngine, RolloutView};
+//! # use lifecycle_core::{Reshard, SwitchContext};
+//! # struct Copying;
+//! # impl Reshard for Copying {
+//! #     type TrainState = Vec<f32>; type Rollout = Vec<f32>; type Plan = (); type Error = std::io::Error;
+//! #     fn plan(&self, _: &Vec<f32>) -> std::io::Result<()> { Ok(()) }
+//! #     fn enter(&mut self, _: &(), s: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<Vec<f32>> { Ok(s.clone()) }
+//! #     fn refresh(&mut self, _: &(), s: &mut Vec<f32>, r: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { r.clone_from(s); Ok(()) }
+//! #     fn exit(&mut self, _: &mut Vec<f32>, _: Option<Vec<f32>>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { Ok(()) }
+//! # }
+//! /// A running sum per position, allocated when the engine wakes.
+//! #[derive(Default)]
+//! struct Accumulator { kv: Vec<f32> }
+//! impl RolloutEngine<Vec<f32>> for Accumulator {
+//!     type Error = std::convert::Infallible;
+//!     fn wake(&mut self, w: RolloutView<'_, Vec<f32>>, _: &mut PhaseScope) -> Result<(), Self::Error> {
+//!         self.kv = vec![0.0; w.len()];
+//!         Ok(())
+//!     }
+//!     fn sleep(&mut self, _: &mut PhaseScope) -> Result<(), Self::Error> {
+//!         self.kv = Vec::new();
+//!         Ok(())
+//!     }
+//!     fn memory(&self) -> EngineBytes { EngineBytes::device(4 * self.kv.len() as u64) }
+//! }
+//!
+//! #[sharded_rollout]
+//! fn step(weights: RolloutView<'_, Vec<f32>>, mut acc: EngineMut<'_, Accumulator>) -> f32 {
+//!     for (kv, w) in acc.kv.iter_mut().zip(weights.iter()) {
+//!         *kv += w;
+//!     }
+//!     acc.kv.iter().sum()
+//! }
+//!
+//! let mut lc = Lifecycle::new(Copying, vec![1.0, 2.0]).with_engine(Accumulator::default());
+//! assert_eq!(step(&mut lc)?, 3.0);
+//! assert_eq!(step(&mut lc)?, 6.0);             // the KV cache lives across lazy calls
+//! lc.train()?.state_mut()[0] = 0.0;            // sleep, exit: the cache is freed
+//! assert_eq!(step(&mut lc)?, 2.0);
+//! assert_eq!(lc.metrics().engine.wakes, 2);
+//! # Ok::<(), lifecycle_core::LifecycleError<std::io::Error>>(())
+//! ```
 
 #![warn(missing_docs)]
 

@@ -539,13 +539,14 @@ impl<B: Reshard, E: RolloutEngine<B::Rollout>> Lifecycle<B, E> {
             None => unreachable!("the engine wakes only after weights were made resident"),
         };
         let engine = &mut self.engine;
-        let mut rec = PhaseRecorder::with_trace(&mut self.metrics, &mut self.trace);
-        let Ok(woken) = rec.phase(Phase::Wake, |scope| {
-            let woken = guarded(|| engine.wake(weights, scope));
-            scope.set_engine_bytes(engine.memory().device);
-            Ok::<_, std::convert::Infallible>(woken)
-        });
-        drop(rec);
+        let Ok(woken) = PhaseRecorder::with_trace(&mut self.metrics, &mut self.trace).phase(
+            Phase::Wake,
+            |scope| {
+                let woken = guarded(|| engine.wake(weights, scope));
+                scope.set_engine_bytes(engine.memory().device);
+                Ok::<_, std::convert::Infallible>(woken)
+            },
+        );
         match woken {
             Ok(()) => {
                 self.engine_state = EngineState::Awake;
@@ -590,14 +591,12 @@ impl<B: Reshard, E: RolloutEngine<B::Rollout>> Lifecycle<B, E> {
             return Ok(());
         }
         let engine = &mut self.engine;
-        let mut rec = PhaseRecorder::with_trace(&mut self.metrics, &mut self.trace);
-        let Ok(slept) = rec.phase(Phase::Sleep, |scope| {
-            let before = engine.memory();
-            scope.set_engine_bytes(before.device);
-            Ok::<_, std::convert::Infallible>((before, guarded(|| engine.sleep(scope))))
-        });
-        drop(rec);
-        let (before, slept) = slept;
+        let Ok((before, slept)) = PhaseRecorder::with_trace(&mut self.metrics, &mut self.trace)
+            .phase(Phase::Sleep, |scope| {
+                let before = engine.memory();
+                scope.set_engine_bytes(before.device);
+                Ok::<_, std::convert::Infallible>((before, guarded(|| engine.sleep(scope))))
+            });
         self.metrics.engine.observe(before);
         match slept {
             Ok(()) => {

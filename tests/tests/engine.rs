@@ -19,8 +19,8 @@ use std::sync::{Arc, Mutex};
 use lifecycle_core::{
     sharded_rollout, EngineAfter, EngineBytes, EngineHook, EngineMemory, EngineMut, EngineState,
     Fault, FaultAt, FaultInjector, FaultKind, Lifecycle, LifecycleConfig, LifecycleError,
-    MemoryPolicy, Metrics, Mode, Phase, PhaseScope, PrefixCache, Reshard, RolloutEngine, RolloutView,
-    SwitchContext, Switching,
+    MemoryPolicy, Metrics, Mode, Phase, PhaseScope, PrefixCache, Reshard, RolloutEngine,
+    RolloutView, SwitchContext, Switching,
 };
 use lifecycle_host::{HostBackend, HostError, HostTrainState};
 use lifecycle_layout::HostRollout;
@@ -308,7 +308,11 @@ fn update(lc: &mut Lc, step: u64) -> TestResult {
 fn masters(state: &HostTrainState) -> Vec<Vec<f32>> {
     common::specs(2)
         .iter()
-        .map(|s| state.full_master(&s.name).expect("every tensor has masters"))
+        .map(|s| {
+            state
+                .full_master(&s.name)
+                .expect("every tensor has masters")
+        })
         .collect()
 }
 
@@ -323,11 +327,19 @@ fn lazy_wakes_once_per_version_and_keeps_rollout_memory_until_exit() -> TestResu
     for _ in 0..3 {
         let out = generate(&mut lc, PROMPT)?;
         assert!(out.kv_ready, "the KV cache is allocated during every call");
-        assert_eq!(lc.engine().memory().device, KV_BYTES, "kept across lazy calls");
+        assert_eq!(
+            lc.engine().memory().device,
+            KV_BYTES,
+            "kept across lazy calls"
+        );
         assert_eq!(lc.engine_state(), EngineState::Awake);
     }
     update(&mut lc, 1)?;
-    assert_eq!(lc.engine().memory().device, 0, "released when training takes over");
+    assert_eq!(
+        lc.engine().memory().device,
+        0,
+        "released when training takes over"
+    );
     assert_eq!(lc.engine_state(), EngineState::Asleep);
     for _ in 0..3 {
         generate(&mut lc, PROMPT)?;
@@ -368,7 +380,11 @@ fn free_each_call_wakes_and_sleeps_around_every_call() -> TestResult {
     for _ in 0..3 {
         let out = generate(&mut lc, PROMPT)?;
         assert!(out.kv_ready);
-        assert_eq!(lc.engine().memory().device, 0, "freed at the end of the call");
+        assert_eq!(
+            lc.engine().memory().device,
+            0,
+            "freed at the end of the call"
+        );
         assert_eq!(lc.mode(), Mode::Rollout, "the weights stay resident (lazy)");
     }
     update(&mut lc, 1)?;
@@ -378,7 +394,13 @@ fn free_each_call_wakes_and_sleeps_around_every_call() -> TestResult {
     for _ in 0..3 {
         expected.extend([Wake { version: 0 }, call, Sleep]);
     }
-    expected.extend([EXITING, ENTERED, Wake { version: 1 }, Call { version: 1 }, Sleep]);
+    expected.extend([
+        EXITING,
+        ENTERED,
+        Wake { version: 1 },
+        Call { version: 1 },
+        Sleep,
+    ]);
     assert_eq!(events(&log), expected);
     assert_eq!((lc.metrics().enters, lc.metrics().engine.wakes), (2, 4));
     // explicit enter does not wake under this policy: the next call does
@@ -397,9 +419,18 @@ fn eager_switching_sleeps_before_every_exit() -> TestResult {
     let (mut lc, log) = setup(config, EngineMemory::KeepAcrossCalls);
     for _ in 0..2 {
         generate(&mut lc, PROMPT)?;
-        assert_eq!((lc.mode(), lc.engine_state()), (Mode::Train, EngineState::Asleep));
+        assert_eq!(
+            (lc.mode(), lc.engine_state()),
+            (Mode::Train, EngineState::Asleep)
+        );
     }
-    let one = [ENTERED, Wake { version: 0 }, Call { version: 0 }, Sleep, EXITING];
+    let one = [
+        ENTERED,
+        Wake { version: 0 },
+        Call { version: 0 },
+        Sleep,
+        EXITING,
+    ];
     assert_eq!(events(&log), [one, one].concat());
     Ok(())
 }
@@ -446,7 +477,10 @@ fn a_failed_enter_never_wakes_the_engine() {
     faults.inject(Fault::new(Phase::Offload, FaultAt::End, FaultKind::Error));
     let err = generate(&mut lc, PROMPT).expect_err("the enter fails");
     assert!(err.to_string().contains("injected fault"), "{err}");
-    assert_eq!((lc.mode(), lc.engine_state()), (Mode::Train, EngineState::Asleep));
+    assert_eq!(
+        (lc.mode(), lc.engine_state()),
+        (Mode::Train, EngineState::Asleep)
+    );
     assert_eq!(lc.engine().wakes, 0);
     assert!(!events(&log).contains(&Wake { version: 0 }));
     assert!(generate(&mut lc, PROMPT).is_ok_and(|g| g.kv_ready));
@@ -475,11 +509,20 @@ fn peak_memory_of_each_phase_includes_the_engine() -> TestResult {
         );
     }
     assert_eq!(m.engine.peak_device_bytes, KV_BYTES);
-    assert_eq!(m.engine.peak_host_bytes, 8, "two prefix entries at version 0");
+    assert_eq!(
+        m.engine.peak_host_bytes, 8,
+        "two prefix entries at version 0"
+    );
     assert_eq!(m.peak_engine_bytes(), KV_BYTES);
     let table = m.table();
-    assert!(table.contains("wake") && table.contains("engine mem"), "{table}");
-    assert!(m.summary_line().contains("engine wakes 2 / sleeps 2"), "{table}");
+    assert!(
+        table.contains("wake") && table.contains("engine mem"),
+        "{table}"
+    );
+    assert!(
+        m.summary_line().contains("engine wakes 2 / sleeps 2"),
+        "{table}"
+    );
     let delta = m.since(&Metrics::default());
     assert_eq!(delta.engine.wakes, 2);
 
@@ -533,7 +576,10 @@ fn a_failed_wake_leaves_rollout_mode_with_the_engine_asleep() -> TestResult {
             ) => assert!(message.contains("injected panic"), "{message}"),
             _ => panic!("{kind:?}: unexpected error {err}"),
         }
-        assert!(err.to_string().contains("next rollout() retries the wake"), "{err}");
+        assert!(
+            err.to_string().contains("next rollout() retries the wake"),
+            "{err}"
+        );
         // Rollout mode, current weights resident, no engine memory left (the recovery sleep
         // freed the half-allocated cache).
         assert_eq!(lc.mode(), Mode::Rollout);
@@ -580,9 +626,16 @@ fn a_failed_wake_whose_recovery_fails_is_retried_first() -> TestResult {
         other => panic!("unexpected {other:?}: {err}"),
     }
     assert_eq!(lc.engine_state(), EngineState::SleepFailed);
-    assert_eq!(lc.engine().memory().device, KV_BYTES / 2, "the half cache is still held");
+    assert_eq!(
+        lc.engine().memory().device,
+        KV_BYTES / 2,
+        "the half cache is still held"
+    );
     generate(&mut lc, PROMPT)?;
-    assert_eq!(events(&log), [ENTERED, Sleep, Wake { version: 0 }, Call { version: 0 }]);
+    assert_eq!(
+        events(&log),
+        [ENTERED, Sleep, Wake { version: 0 }, Call { version: 0 }]
+    );
     Ok(())
 }
 
@@ -616,7 +669,10 @@ fn a_failed_sleep_keeps_the_training_state_away_until_the_engine_sleeps() -> Tes
             ),
             "{kind:?}: {err}"
         );
-        assert!(err.to_string().contains("before the backend's exit"), "{err}");
+        assert!(
+            err.to_string().contains("before the backend's exit"),
+            "{err}"
+        );
         // The backend's exit did not run: the KV cache may still be on the device.
         assert_eq!(events(&log), []);
         assert_eq!(lc.mode(), Mode::Rollout);
@@ -660,10 +716,17 @@ fn the_prefix_cache_is_served_within_a_version_and_never_across() -> TestResult 
     }
     // A training update: the prefix (kept in host memory across the sleep) is not served.
     update(&mut lc, 1)?;
-    assert_eq!(lc.engine().prefix.len(), 1, "still stored, branded with version 0");
+    assert_eq!(
+        lc.engine().prefix.len(),
+        1,
+        "still stored, branded with version 0"
+    );
     let after = generate(&mut lc, PROMPT)?;
     assert_eq!(after.version, built.version + 1);
-    assert!(!after.from_cache, "an entry of version 0 must not be served at version 1");
+    assert!(
+        !after.from_cache,
+        "an entry of version 0 must not be served at version 1"
+    );
     assert_eq!(after.logit, fresh_score(&mut lc, PROMPT)?);
     assert_ne!(after.logit, built.logit, "the update changed the logit");
     let stats = lc.engine().prefix.stats();
