@@ -461,6 +461,53 @@ mod tests {
     }
 
     #[test]
+    fn an_engine_parameter_takes_the_session_parts_and_names_the_engine_type() {
+        let out = expand(
+            quote!(),
+            quote!(
+                fn f(w: RolloutView<'_, Vec<f32>>, #[engine] kv: &mut Kv, n: usize) -> f32 {
+                    todo!()
+                }
+            ),
+        );
+        assert!(out.contains("let mut __session"), "{out}");
+        assert!(
+            out.contains("let (__weights , __engine) = __session . parts ()"),
+            "{out}"
+        );
+        assert!(
+            out.contains("__f_body (__weights , __engine . into_inner () , __arg0)"),
+            "{out}"
+        );
+        assert!(
+            out.contains("Lifecycle < __LifecycleBackend , Kv >"),
+            "{out}"
+        );
+        assert!(
+            out.contains("Kv : :: lifecycle_core :: __private :: RolloutEngine < Vec < f32 > >"),
+            "{out}"
+        );
+        assert!(!out.contains("# [engine]"), "{out}");
+    }
+
+    #[test]
+    fn without_an_engine_parameter_any_engine_is_accepted() {
+        let out = expand(
+            quote!(),
+            quote!(
+                fn f(w: RolloutView<'_, Vec<f32>>) {}
+            ),
+        );
+        assert!(
+            out.contains(
+                "Lifecycle < __LifecycleBackend , impl :: lifecycle_core :: __private :: RolloutEngine < Vec < f32 > > >"
+            ),
+            "{out}"
+        );
+        assert!(!out.contains("parts ()"), "{out}");
+    }
+
+    #[test]
     fn the_crate_argument_moves_every_runtime_path() {
         let out = expand(
             quote!(crate = "my::rt"),

@@ -1050,6 +1050,79 @@ mod tests {
     }
 
     #[test]
+    fn engine_mistakes_are_reported_together() {
+        let found = errors(
+            quote!(engine = nothing),
+            quote!(
+                fn f(w: RolloutView<'_, W>, e: EngineMut<'_, Kv>, #[engine] g: &Kv) {}
+            ),
+        );
+        assert_eq!(found.len(), 1, "{found:#?}");
+        assert!(
+            found[0].contains("`engine = nothing` names no parameter"),
+            "{found:#?}"
+        );
+        let found = errors(
+            quote!(),
+            quote!(
+                fn f(a: EngineMut<'_, Kv>, b: EngineMut<'_, Kv>) {}
+            ),
+        );
+        assert_eq!(found.len(), 2, "{found:#?}");
+        assert!(
+            found[0].contains("a second engine parameter `b`"),
+            "{found:#?}"
+        );
+        assert!(
+            found[1].contains("needs one parameter of type"),
+            "{found:#?}"
+        );
+        let found = errors(
+            quote!(),
+            quote!(
+                fn f(w: RolloutView<'_, W>, e: EngineMut<'_, Kv<&u8>>) {}
+            ),
+        );
+        assert_eq!(found.len(), 1, "{found:#?}");
+        assert!(
+            found[0].contains("engine type cannot contain elided"),
+            "{found:#?}"
+        );
+    }
+
+    #[test]
+    fn accepted_engine_shapes() {
+        for (args, item) in [
+            (
+                quote!(),
+                quote!(
+                    fn f(w: RolloutView<'_, W>, e: EngineMut<'_, Kv>) {}
+                ),
+            ),
+            (
+                quote!(),
+                quote!(
+                    fn f(w: RolloutView<'_, W>, e: lifecycle_core::EngineMut<E>) {}
+                ),
+            ),
+            (
+                quote!(),
+                quote!(
+                    fn f(&self, #[engine] e: &'_ mut Kv, w: RolloutView<'_, W>) {}
+                ),
+            ),
+            (
+                quote!(engine = e),
+                quote!(
+                    fn f(w: RolloutView<'_, W>, e: &mut Kv, other: EngineMut<'_, Kv>) {}
+                ),
+            ),
+        ] {
+            assert_eq!(errors(args, item.clone()), Vec::<String>::new(), "{item}");
+        }
+    }
+
+    #[test]
     fn variadic_functions_are_rejected() {
         let found = errors(
             quote!(),
