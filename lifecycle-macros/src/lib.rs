@@ -51,8 +51,8 @@ use proc_macro::TokenStream;
 /// Items other than functions; `const`, `unsafe`, `extern` and variadic functions; receivers other
 /// than `&self` and `&mut self`; zero or two weights views; two engine parameters, an engine
 /// without a weights view, an engine taken by value, by shared reference, as `&EngineMut`, with a
-/// named lifetime, or a parameter marked both `#[weights]` and `#[engine]`; a named lifetime on the view (it is
-/// borrowed for one call only: write `'_`); a return type that borrows through an elided lifetime
+/// named lifetime, or a parameter marked both `#[weights]` and `#[engine]`; a named lifetime on
+/// the view (it is borrowed for one call only: write `'_`); a return type that borrows through an elided lifetime
 /// (`&T`, `'_`), which would outlive the session. Methods of trait impls are not supported (the
 /// macro adds items to the impl block), nor associated functions without a receiver (the
 /// generated entry point calls the body as a free function).
