@@ -3,6 +3,8 @@
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use crate::engine::{EngineAfter, EngineHook};
+
 /// Which backend operation failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Operation {
@@ -106,6 +108,29 @@ pub enum LifecycleError<E: std::error::Error + 'static> {
     /// The configuration is inconsistent.
     #[error("invalid lifecycle configuration: {0}")]
     Config(String),
+    /// A hook of the rollout engine returned an error; `after` says where the lifecycle stands
+    /// (the training state is never touched by the engine's hooks).
+    #[error("the rollout engine's {hook} failed: {source}; {after}")]
+    Engine {
+        /// Which hook.
+        hook: EngineHook,
+        /// The engine's error (its [`RolloutEngine::Error`](crate::RolloutEngine::Error);
+        /// [`engine_source`](LifecycleError::engine_source) downcasts it).
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+        /// The state the lifecycle is in now.
+        after: EngineAfter,
+    },
+    /// A hook of the rollout engine panicked; the panic was caught.
+    #[error("the rollout engine panicked during {hook}: {message}; {after}")]
+    EnginePanicked {
+        /// Which hook.
+        hook: EngineHook,
+        /// The panic message.
+        message: String,
+        /// The state the lifecycle is in now.
+        after: EngineAfter,
+    },
 }
 
 impl<E: std::error::Error + 'static> LifecycleError<E> {
@@ -116,6 +141,43 @@ impl<E: std::error::Error + 'static> LifecycleError<E> {
             | LifecycleError::Refresh { after, .. }
             | LifecycleError::Panicked { after, .. } => Some(after),
             _ => None,
+        }
+    }
+
+    /// Where the lifecycle stands after a failed engine hook.
+    pub fn engine_after(&self) -> Option<&EngineAfter> {
+        match self {
+            LifecycleError::Engine { after, .. } | LifecycleError::EnginePanicked { after, .. } => {
+                Some(after)
+            }
+            _ => None,
+        }
+    }
+
+    /// The engine's own error, when a hook failed with one of type `T`.
+    pub fn engine_source<T: std::error::Error + 'static>(&self) -> Option<&T> {
+        match self {
+            LifecycleError::Engine { source, .. } => source.downcast_ref::<T>(),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn engine<G: std::error::Error + Send + Sync + 'static>(
+        hook: EngineHook,
+        failure: Failure<G>,
+        after: EngineAfter,
+    ) -> Self {
+        match failure {
+            Failure::Error(source) => LifecycleError::Engine {
+                hook,
+                source: Box::new(source),
+                after,
+            },
+            Failure::Panic(message) => LifecycleError::EnginePanicked {
+                hook,
+                message,
+                after,
+            },
         }
     }
 }

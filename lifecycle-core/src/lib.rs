@@ -12,6 +12,11 @@
 //!   rejects a rollout view used across a training update or after exit.
 //! - Switching is lazy by default: a rollout that finds current weights resident moves zero bytes.
 //!   [`Switching::Eager`] exits after every call, for comparison with stacks that do.
+//! - A [`RolloutEngine`] (the decoder) lives as long as the lifecycle
+//!   ([`Lifecycle::with_engine`]); its rollout memory wakes after the backend's enter and sleeps
+//!   before its exit, once per weight version under the lazy policy. [`RolloutSession::parts`]
+//!   lends it next to the weights view; [`VersionedCache`] / [`PrefixCache`] keep KV across calls
+//!   without ever serving another weight version.
 //! - [`Metrics`] records count, time, bytes per link class and peak extra memory of each phase.
 //! - The core knows no layout and no device: planners live in `lifecycle-layout`, executors in
 //!   the backend crates.
@@ -83,10 +88,61 @@
 //!
 //! Methods (`&self` / `&mut self`) and `async` functions work the same way; the attribute takes
 //! `switching = "eager" | "lazy"` to force a policy for one function, `weights = name` to select
-//! the view and `crate = "path"` when `lifecycle_core` is re-exported.
+//! the view, `engine = name` to select the engine and `crate = "path"` when `lifecycle_core` is
+//! re-exported.
+//!
+//! A function may also take the lifecycle's engine, next to the view, as `EngineMut<'_, E>` (or a
+//! `&mut E` marked `#[engine]`); the generated function then takes a `&mut Lifecycle<_, E>`:
+//!
+//! ```
+//! use lifecycle_core::{sharded_rollout, EngineBytes, EngineMut, Lifecycle, PhaseScope};
+//! use lifecycle_core::{RolloutEngine, RolloutView};
+//! # use lifecycle_core::{Reshard, SwitchContext};
+//! # struct Copying;
+//! # impl Reshard for Copying {
+//! #     type TrainState = Vec<f32>; type Rollout = Vec<f32>; type Plan = (); type Error = std::io::Error;
+//! #     fn plan(&self, _: &Vec<f32>) -> std::io::Result<()> { Ok(()) }
+//! #     fn enter(&mut self, _: &(), s: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<Vec<f32>> { Ok(s.clone()) }
+//! #     fn refresh(&mut self, _: &(), s: &mut Vec<f32>, r: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { r.clone_from(s); Ok(()) }
+//! #     fn exit(&mut self, _: &mut Vec<f32>, _: Option<Vec<f32>>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { Ok(()) }
+//! # }
+//! /// A running sum per position, allocated when the engine wakes.
+//! #[derive(Default)]
+//! struct Accumulator { kv: Vec<f32> }
+//! impl RolloutEngine<Vec<f32>> for Accumulator {
+//!     type Error = std::convert::Infallible;
+//!     fn wake(&mut self, w: RolloutView<'_, Vec<f32>>, _: &mut PhaseScope) -> Result<(), Self::Error> {
+//!         self.kv = vec![0.0; w.len()];
+//!         Ok(())
+//!     }
+//!     fn sleep(&mut self, _: &mut PhaseScope) -> Result<(), Self::Error> {
+//!         self.kv = Vec::new();
+//!         Ok(())
+//!     }
+//!     fn memory(&self) -> EngineBytes { EngineBytes::device(4 * self.kv.len() as u64) }
+//! }
+//!
+//! #[sharded_rollout]
+//! fn step(weights: RolloutView<'_, Vec<f32>>, mut acc: EngineMut<'_, Accumulator>) -> f32 {
+//!     for (kv, w) in acc.kv.iter_mut().zip(weights.iter()) {
+//!         *kv += w;
+//!     }
+//!     acc.kv.iter().sum()
+//! }
+//!
+//! let mut lc = Lifecycle::new(Copying, vec![1.0, 2.0]).with_engine(Accumulator::default());
+//! assert_eq!(step(&mut lc)?, 3.0);
+//! assert_eq!(step(&mut lc)?, 6.0);             // the KV cache lives across lazy calls
+//! lc.train()?.state_mut()[0] = 0.0;            // sleep, exit: the cache is freed
+//! assert_eq!(step(&mut lc)?, 2.0);
+//! assert_eq!(lc.metrics().engine.wakes, 2);
+//! # Ok::<(), lifecycle_core::LifecycleError<std::io::Error>>(())
+//! ```
 
 #![warn(missing_docs)]
 
+mod cache;
+mod engine;
 mod error;
 mod fault;
 mod injector;
@@ -99,6 +155,11 @@ mod reshard;
 mod session;
 mod trace;
 
+pub use cache::{Branded, CacheStats, PrefixCache, Stamp, VersionedCache, WeightsVersion};
+pub use engine::{
+    EngineAfter, EngineBytes, EngineHook, EngineMemory, EngineMut, EngineState, EngineStats,
+    RolloutEngine,
+};
 pub use error::{panic_message, AfterFailure, LifecycleError, Operation};
 pub use fault::{Fault, FaultAt, FaultHandle, FaultKind, InjectedFault};
 pub use injector::{FaultError, FaultInjector};
@@ -118,6 +179,7 @@ pub use lifecycle_macros::sharded_rollout;
 
 #[doc(hidden)]
 pub mod __private {
+    pub use crate::engine::{EngineMut, RolloutEngine};
     pub use crate::error::LifecycleError;
     pub use crate::lifecycle::Lifecycle;
     pub use crate::reshard::Reshard;
@@ -125,13 +187,10 @@ pub mod __private {
     pub use core::result::Result;
 
     /// Ends a rollout call keeping the weights resident, whatever the lifecycle's switching policy
-    /// (`#[sharded_rollout(switching = "lazy")]`).
-    ///
-    /// [`RolloutSession::finish`] would apply the lifecycle's policy, and dropping the session
-    /// under [`Switching::Eager`](crate::Switching::Eager) defers an exit to the next operation.
-    /// The session owns nothing but its borrow of the lifecycle and a flag, so forgetting it ends
-    /// the call with the lifecycle left as it is: in rollout mode with current weights resident.
-    pub fn finish_lazy<B: Reshard>(session: RolloutSession<'_, B>) {
-        core::mem::forget(session);
+    /// (`#[sharded_rollout(switching = "lazy")]`); the engine's memory policy still applies.
+    pub fn finish_lazy<B: Reshard, E: RolloutEngine<B::Rollout>>(
+        session: RolloutSession<'_, B, E>,
+    ) -> Result<(), LifecycleError<B::Error>> {
+        session.end(crate::Switching::Lazy)
     }
 }

@@ -1,12 +1,13 @@
 //! The [`Lifecycle`]: owner of the training state, the backend and the resident rollout weights.
 
+use crate::engine::{EngineAfter, EngineHook, EngineMemory, EngineState, RolloutEngine};
 use crate::error::{guarded, AfterFailure, Failure, LifecycleError, Operation};
 use crate::metrics::Metrics;
 use crate::phase::Phase;
 use crate::policy::{LifecycleConfig, Switching};
 use crate::recorder::PhaseRecorder;
 use crate::reshard::{Reshard, SwitchContext};
-use crate::session::{RolloutSession, TrainSession};
+use crate::session::{RolloutSession, RolloutView, TrainSession};
 use crate::trace::Trace;
 
 /// Which layout is live.
@@ -31,7 +32,8 @@ pub(crate) struct Resident<W> {
     pub(crate) version: Option<u64>,
 }
 
-/// Owns a backend, its training state and (while resident) its rollout weights.
+/// Owns a backend, its training state, (while resident) its rollout weights and, when one is
+/// attached, the rollout engine `E` (see [`RolloutEngine`]; `()` is the no-op engine).
 ///
 /// Rollout weights are reachable only through a [`RolloutSession`] and the training state only
 /// through a [`TrainSession`]; both borrow the lifecycle mutably, so rollout weights cannot be
@@ -60,7 +62,7 @@ pub(crate) struct Resident<W> {
 /// assert_eq!(lc.metrics().reuses, 2);
 /// # Ok::<(), lifecycle_core::LifecycleError<std::io::Error>>(())
 /// ```
-pub struct Lifecycle<B: Reshard> {
+pub struct Lifecycle<B: Reshard, E = ()> {
     pub(crate) backend: B,
     pub(crate) state: B::TrainState,
     pub(crate) resident: Option<Resident<B::Rollout>>,
@@ -71,11 +73,17 @@ pub struct Lifecycle<B: Reshard> {
     /// A session ended without `finish` under the eager policy: exit before the next operation.
     pub(crate) exit_due: bool,
     pub(crate) trace: Trace,
+    pub(crate) engine: E,
+    pub(crate) engine_state: EngineState,
+    pub(crate) engine_memory: EngineMemory,
+    /// A session ended without `finish` under [`EngineMemory::FreeEachCall`]: sleep before the
+    /// next operation.
+    pub(crate) sleep_due: bool,
 }
 
-impl<B: Reshard> Lifecycle<B> {
+impl<B: Reshard> Lifecycle<B, ()> {
     /// A lifecycle in train mode with the default configuration (lazy switching, master weights
-    /// and optimizer state offloaded during rollout).
+    /// and optimizer state offloaded during rollout) and no engine.
     pub fn new(backend: B, state: B::TrainState) -> Self {
         Lifecycle {
             backend,
@@ -87,6 +95,10 @@ impl<B: Reshard> Lifecycle<B> {
             metrics: Metrics::default(),
             exit_due: false,
             trace: Trace::disabled(),
+            engine: (),
+            engine_state: EngineState::Asleep,
+            engine_memory: EngineMemory::default(),
+            sleep_due: false,
         }
     }
 
@@ -102,6 +114,31 @@ impl<B: Reshard> Lifecycle<B> {
         Ok(lc)
     }
 
+    /// Attaches a rollout engine, asleep, with [`EngineMemory::KeepAcrossCalls`] (change it with
+    /// [`set_engine_memory`](Lifecycle::set_engine_memory)). It lives as long as the lifecycle:
+    /// from now on every switch into rollout mode wakes it after the backend's enter, and every
+    /// switch back puts it to sleep before the backend's exit. See [`RolloutEngine`] for an
+    /// example.
+    pub fn with_engine<E: RolloutEngine<B::Rollout>>(self, engine: E) -> Lifecycle<B, E> {
+        Lifecycle {
+            backend: self.backend,
+            state: self.state,
+            resident: self.resident,
+            version: self.version,
+            mode: self.mode,
+            config: self.config,
+            metrics: self.metrics,
+            exit_due: self.exit_due,
+            trace: self.trace,
+            engine,
+            engine_state: EngineState::Asleep,
+            engine_memory: self.engine_memory,
+            sleep_due: false,
+        }
+    }
+}
+
+impl<B: Reshard, E> Lifecycle<B, E> {
     /// The current configuration.
     pub fn config(&self) -> &LifecycleConfig {
         &self.config
@@ -110,6 +147,17 @@ impl<B: Reshard> Lifecycle<B> {
     /// Changes the switching policy; takes effect at the next rollout call.
     pub fn set_switching(&mut self, switching: Switching) {
         self.config.switching = switching;
+    }
+
+    /// When the engine's rollout memory is released.
+    pub fn engine_memory(&self) -> EngineMemory {
+        self.engine_memory
+    }
+
+    /// Changes when the engine's rollout memory is released; takes effect at the end of the next
+    /// rollout call.
+    pub fn set_engine_memory(&mut self, memory: EngineMemory) {
+        self.engine_memory = memory;
     }
 
     /// The version of the training weights: bumped by every mutable access to them.
@@ -162,31 +210,73 @@ impl<B: Reshard> Lifecycle<B> {
         &self.state
     }
 
+    /// The engine, read-only (for example its statistics or its memory).
+    pub fn engine(&self) -> &E {
+        &self.engine
+    }
+
+    /// The engine, mutable, outside of a rollout session: for settings between calls. Rollouts
+    /// go through a session ([`RolloutSession::parts`]), which proves the weights are current.
+    pub fn engine_mut(&mut self) -> &mut E {
+        &mut self.engine
+    }
+
+    /// Where the engine stands: awake only in rollout mode, after the backend's enter.
+    pub fn engine_state(&self) -> EngineState {
+        self.engine_state
+    }
+
+    pub(crate) fn resident_weights(&self) -> &B::Rollout {
+        match &self.resident {
+            Some(r) => &r.weights,
+            // A session exists only after ensure_rollout succeeded, which leaves weights resident.
+            None => unreachable!("rollout session without resident weights"),
+        }
+    }
+
+    /// The resident weights and the engine, borrowed together, with the version.
+    pub(crate) fn weights_and_engine(&mut self) -> (&B::Rollout, &mut E, u64) {
+        match &self.resident {
+            Some(r) => (&r.weights, &mut self.engine, self.version),
+            None => unreachable!("rollout session without resident weights"),
+        }
+    }
+}
+
+impl<B: Reshard, E: RolloutEngine<B::Rollout>> Lifecycle<B, E> {
     /// Opens a rollout session: enters rollout mode only if the resident weights are missing or
-    /// older than the training weights.
-    pub fn rollout(&mut self) -> Result<RolloutSession<'_, B>, LifecycleError<B::Error>> {
+    /// older than the training weights, then wakes the engine if it is asleep.
+    pub fn rollout(&mut self) -> Result<RolloutSession<'_, B, E>, LifecycleError<B::Error>> {
         self.ensure_rollout()?;
+        self.wake_engine()?;
         self.metrics.rollout_calls += 1;
         Ok(RolloutSession::new(self))
     }
 
-    /// Opens a training session: leaves rollout mode if needed (releasing rollout weights and
-    /// bringing offloaded state back).
-    pub fn train(&mut self) -> Result<TrainSession<'_, B>, LifecycleError<B::Error>> {
+    /// Opens a training session: leaves rollout mode if needed (the engine sleeps, then the
+    /// backend releases rollout weights and brings offloaded state back).
+    pub fn train(&mut self) -> Result<TrainSession<'_, B, E>, LifecycleError<B::Error>> {
         self.ensure_train()?;
         Ok(TrainSession::new(self))
     }
 
-    /// Enters rollout mode now (no-op when current weights are resident).
+    /// Enters rollout mode now (no-op when current weights are resident). Under
+    /// [`EngineMemory::KeepAcrossCalls`] it also wakes the engine; under
+    /// [`EngineMemory::FreeEachCall`] the engine wakes at the next rollout call.
     pub fn enter(&mut self) -> Result<(), LifecycleError<B::Error>> {
-        self.ensure_rollout()
+        self.ensure_rollout()?;
+        if self.engine_memory == EngineMemory::KeepAcrossCalls {
+            self.wake_engine()?;
+        }
+        Ok(())
     }
 
     /// Leaves rollout mode now, releasing the rollout weights even if the memory policy would keep
-    /// them resident. No-op in train mode with nothing resident. In [`Mode::Faulted`] it retries
-    /// bringing the training state back.
+    /// them resident; the engine sleeps first. No-op in train mode with nothing resident. In
+    /// [`Mode::Faulted`] it retries bringing the training state back.
     pub fn exit(&mut self) -> Result<(), LifecycleError<B::Error>> {
         self.recover_if_faulted()?;
+        self.settle_engine()?;
         self.exit_due = false;
         if self.mode == Mode::Rollout || self.resident.is_some() {
             self.run_exit(true)?;
@@ -194,13 +284,21 @@ impl<B: Reshard> Lifecycle<B> {
         Ok(())
     }
 
-    /// Leaves rollout mode and returns the backend and the training state.
+    /// Leaves rollout mode and returns the backend and the training state (the engine is dropped).
     ///
     /// If leaving fails, the lifecycle (and the state in it) is dropped with the error: call
     /// [`exit`](Lifecycle::exit) first, which keeps the lifecycle for a retry, when that matters.
-    pub fn into_parts(mut self) -> Result<(B, B::TrainState), LifecycleError<B::Error>> {
+    pub fn into_parts(self) -> Result<(B, B::TrainState), LifecycleError<B::Error>> {
+        let (backend, state, _) = self.into_parts_with_engine()?;
+        Ok((backend, state))
+    }
+
+    /// Leaves rollout mode and returns the backend, the training state and the engine (asleep).
+    pub fn into_parts_with_engine(
+        mut self,
+    ) -> Result<(B, B::TrainState, E), LifecycleError<B::Error>> {
         self.exit()?;
-        Ok((self.backend, self.state))
+        Ok((self.backend, self.state, self.engine))
     }
 
     fn settle_due_exit(&mut self) -> Result<(), LifecycleError<B::Error>> {
@@ -211,6 +309,25 @@ impl<B: Reshard> Lifecycle<B> {
             }
         }
         Ok(())
+    }
+
+    /// Retries a failed sleep and runs a sleep deferred by a dropped session.
+    fn settle_engine(&mut self) -> Result<(), LifecycleError<B::Error>> {
+        if self.sleep_due || self.engine_state == EngineState::SleepFailed {
+            self.sleep_due = false;
+            self.sleep_engine()?;
+        }
+        Ok(())
+    }
+
+    /// Called when a session is dropped without `finish`: defers what `finish` would have done.
+    pub(crate) fn session_dropped(&mut self) {
+        if self.config.switching == Switching::Eager {
+            self.exit_due = true;
+        }
+        if self.engine_memory == EngineMemory::FreeEachCall {
+            self.sleep_due = true;
+        }
     }
 
     /// In [`Mode::Faulted`], retries `exit(state, None)`: on success the lifecycle is back in
@@ -237,9 +354,12 @@ impl<B: Reshard> Lifecycle<B> {
 
     /// Runs `exit(state, rollout)` with panics caught.
     fn guarded_exit(&mut self, rollout: Option<B::Rollout>) -> Result<(), Failure<B::Error>> {
+        let held = self.engine.memory().device;
+        let mut rec = PhaseRecorder::with_trace(&mut self.metrics, &mut self.trace);
+        rec.set_engine_held(held);
         let mut ctx = SwitchContext {
             memory: self.config.memory,
-            rec: PhaseRecorder::with_trace(&mut self.metrics, &mut self.trace),
+            rec,
         };
         let (backend, state) = (&mut self.backend, &mut self.state);
         guarded(|| backend.exit(state, rollout, &mut ctx))
@@ -265,6 +385,7 @@ impl<B: Reshard> Lifecycle<B> {
 
     pub(crate) fn ensure_rollout(&mut self) -> Result<(), LifecycleError<B::Error>> {
         self.recover_if_faulted()?;
+        self.settle_engine()?;
         self.settle_due_exit()?;
         if self.rollout_is_current() {
             if self.mode == Mode::Rollout {
@@ -276,7 +397,11 @@ impl<B: Reshard> Lifecycle<B> {
             return Ok(());
         }
         debug_assert!(self.mode == Mode::Train || self.resident.is_none());
+        debug_assert!(self.engine_state == EngineState::Asleep);
+        // The engine memory held while the backend's phases run (zero: the engine is asleep).
+        let held = self.engine.memory().device;
         let mut rec = PhaseRecorder::with_trace(&mut self.metrics, &mut self.trace);
+        rec.set_engine_held(held);
         let (backend, state) = (&self.backend, &self.state);
         let plan = match rec.phase(Phase::Plan, |_| Ok(guarded(|| backend.plan(state)))) {
             Ok(Ok(plan)) => plan,
@@ -337,6 +462,7 @@ impl<B: Reshard> Lifecycle<B> {
 
     pub(crate) fn ensure_train(&mut self) -> Result<(), LifecycleError<B::Error>> {
         self.recover_if_faulted()?;
+        self.settle_engine()?;
         self.settle_due_exit()?;
         if self.mode == Mode::Rollout {
             // Under keep_rollout_resident nothing was offloaded: exit only reallocates what enter
@@ -347,20 +473,26 @@ impl<B: Reshard> Lifecycle<B> {
         Ok(())
     }
 
-    /// Called when a rollout call ends: applies the switching policy.
-    pub(crate) fn after_rollout_call(&mut self) -> Result<(), LifecycleError<B::Error>> {
-        match self.config.switching {
-            Switching::Lazy => Ok(()),
-            Switching::Eager => {
-                if self.mode == Mode::Rollout {
-                    self.run_exit(true)?;
-                }
-                Ok(())
-            }
+    /// Called when a rollout call ends: applies `switching` and the engine's memory policy.
+    pub(crate) fn after_rollout_call(
+        &mut self,
+        switching: Switching,
+    ) -> Result<(), LifecycleError<B::Error>> {
+        if self.engine_state == EngineState::Awake {
+            self.metrics.engine.observe(self.engine.memory());
+        }
+        match switching {
+            Switching::Eager if self.mode == Mode::Rollout => self.run_exit(true),
+            _ if self.engine_memory == EngineMemory::FreeEachCall => self.sleep_engine(),
+            _ => Ok(()),
         }
     }
 
+    /// Puts the engine to sleep (if awake), then runs the backend's exit. A failed sleep returns
+    /// before the exit: the training state does not come back while the engine may still hold its
+    /// rollout memory.
     fn run_exit(&mut self, release: bool) -> Result<(), LifecycleError<B::Error>> {
+        self.sleep_engine()?;
         let rollout = if release {
             self.resident.take().map(|r| r.weights)
         } else {
@@ -392,21 +524,102 @@ impl<B: Reshard> Lifecycle<B> {
         }
     }
 
-    pub(crate) fn resident_weights(&self) -> &B::Rollout {
-        match &self.resident {
-            Some(r) => &r.weights,
-            // A session exists only after ensure_rollout succeeded, which leaves weights resident.
-            None => unreachable!("rollout session without resident weights"),
+    /// Wakes the engine for the resident weights (in rollout mode, after the backend's enter). On
+    /// failure the engine is put back to sleep and the lifecycle stays in rollout mode.
+    fn wake_engine(&mut self) -> Result<(), LifecycleError<B::Error>> {
+        if self.engine_state == EngineState::Awake {
+            return Ok(());
+        }
+        if E::IS_NOOP {
+            self.engine_state = EngineState::Awake;
+            return Ok(());
+        }
+        let weights = match &self.resident {
+            Some(r) => RolloutView::new(&r.weights, self.version),
+            None => unreachable!("the engine wakes only after weights were made resident"),
+        };
+        let engine = &mut self.engine;
+        let Ok(woken) = PhaseRecorder::with_trace(&mut self.metrics, &mut self.trace).phase(
+            Phase::Wake,
+            |scope| {
+                let woken = guarded(|| engine.wake(weights, scope));
+                scope.set_engine_bytes(engine.memory().device);
+                Ok::<_, std::convert::Infallible>(woken)
+            },
+        );
+        match woken {
+            Ok(()) => {
+                self.engine_state = EngineState::Awake;
+                self.metrics.engine.wakes += 1;
+                self.metrics.engine.observe(self.engine.memory());
+                Ok(())
+            }
+            Err(failure) => {
+                self.metrics.engine.failed_wakes += 1;
+                // Recovery: `sleep` frees whatever the failed wake allocated.
+                let after = match self.run_sleep() {
+                    Ok(()) => EngineAfter::Asleep,
+                    Err(f) => EngineAfter::SleepFailed {
+                        recovery: f.describe(),
+                    },
+                };
+                Err(LifecycleError::engine(EngineHook::Wake, failure, after))
+            }
+        }
+    }
+
+    /// Puts the engine to sleep if it may hold rollout memory.
+    fn sleep_engine(&mut self) -> Result<(), LifecycleError<B::Error>> {
+        if self.engine_state == EngineState::Asleep {
+            return Ok(());
+        }
+        self.run_sleep().map_err(|failure| {
+            LifecycleError::engine(
+                EngineHook::Sleep,
+                failure,
+                EngineAfter::SleepFailed {
+                    recovery: "not attempted yet".into(),
+                },
+            )
+        })
+    }
+
+    /// Runs `sleep` with panics caught, recording the phase; updates the engine's state.
+    fn run_sleep(&mut self) -> Result<(), Failure<E::Error>> {
+        if E::IS_NOOP {
+            self.engine_state = EngineState::Asleep;
+            return Ok(());
+        }
+        let engine = &mut self.engine;
+        let Ok((before, slept)) = PhaseRecorder::with_trace(&mut self.metrics, &mut self.trace)
+            .phase(Phase::Sleep, |scope| {
+                let before = engine.memory();
+                scope.set_engine_bytes(before.device);
+                Ok::<_, std::convert::Infallible>((before, guarded(|| engine.sleep(scope))))
+            });
+        self.metrics.engine.observe(before);
+        match slept {
+            Ok(()) => {
+                self.engine_state = EngineState::Asleep;
+                self.metrics.engine.sleeps += 1;
+                Ok(())
+            }
+            Err(failure) => {
+                self.engine_state = EngineState::SleepFailed;
+                self.metrics.engine.failed_sleeps += 1;
+                Err(failure)
+            }
         }
     }
 }
 
-impl<B: Reshard> std::fmt::Debug for Lifecycle<B> {
+impl<B: Reshard, E> std::fmt::Debug for Lifecycle<B, E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Lifecycle")
             .field("mode", &self.mode)
             .field("version", &self.version)
             .field("rollout_is_current", &self.rollout_is_current())
+            .field("engine_state", &self.engine_state)
             .field("config", &self.config)
             .finish_non_exhaustive()
     }

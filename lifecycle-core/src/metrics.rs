@@ -6,6 +6,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::engine::EngineStats;
 use crate::phase::{Link, Phase};
 
 /// Bytes moved, split by link class.
@@ -61,6 +62,11 @@ pub struct PhaseStats {
     pub bytes: LinkBytes,
     /// Largest extra memory (bytes, on any one device) the phase held above its inputs and outputs.
     pub peak_extra_bytes: u64,
+    /// Largest device memory the rollout engine held while the phase ran: its KV cache and
+    /// workspace during [`Phase::Wake`] and [`Phase::Sleep`], and zero during the backend's phases
+    /// (the engine sleeps before the exit and wakes after the enter), so the peak of a switch is
+    /// never the training state, the rollout weights and the KV cache together.
+    pub peak_engine_bytes: u64,
 }
 
 /// What one run of a phase reports; filled by the backend through [`PhaseScope`](crate::PhaseScope).
@@ -75,7 +81,7 @@ pub struct PhaseSample {
 /// Counters and per-phase statistics of every switch a lifecycle ran.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Metrics {
-    phases: [PhaseStats; 5],
+    phases: [PhaseStats; 7],
     /// Full enters (rollout weights materialised from nothing).
     pub enters: u64,
     /// In-place refreshes of resident rollout weights.
@@ -86,6 +92,8 @@ pub struct Metrics {
     pub rollout_calls: u64,
     /// Rollout calls that found current weights resident and moved zero bytes.
     pub reuses: u64,
+    /// The rollout engine's wakes, sleeps and peak memory (all zero without an engine).
+    pub engine: EngineStats,
 }
 
 impl Metrics {
@@ -138,23 +146,66 @@ impl Metrics {
         out.exits -= earlier.exits.min(out.exits);
         out.rollout_calls -= earlier.rollout_calls.min(out.rollout_calls);
         out.reuses -= earlier.reuses.min(out.reuses);
+        out.engine = self.engine.since(&earlier.engine);
         out
     }
 
-    pub(crate) fn record(&mut self, phase: Phase, wall: Duration, sample: &PhaseSample) {
+    /// Largest device memory the rollout engine held in any phase or while serving calls.
+    pub fn peak_engine_bytes(&self) -> u64 {
+        self.phases
+            .iter()
+            .map(|p| p.peak_engine_bytes)
+            .max()
+            .unwrap_or(0)
+            .max(self.engine.peak_device_bytes)
+    }
+
+    pub(crate) fn record(
+        &mut self,
+        phase: Phase,
+        wall: Duration,
+        sample: &PhaseSample,
+        engine_bytes: u64,
+    ) {
         let stats = &mut self.phases[phase.index()];
         stats.count += 1;
         stats.wall += wall;
         stats.bytes.merge(&sample.bytes);
         stats.peak_extra_bytes = stats.peak_extra_bytes.max(sample.peak_extra_bytes);
+        stats.peak_engine_bytes = stats.peak_engine_bytes.max(engine_bytes);
+    }
+
+    /// Whether an engine's hooks ran (then renderings show the wake and sleep phases).
+    fn engine_ran(&self) -> bool {
+        Phase::ENGINE.iter().any(|p| self.phase(*p).count > 0)
+    }
+
+    /// The phases renderings show: the backend's, then the engine's when it ran.
+    fn shown_phases(&self) -> Vec<Phase> {
+        let mut phases = Phase::ALL.to_vec();
+        if self.engine_ran() {
+            phases.extend(Phase::ENGINE);
+        }
+        phases
     }
 
     /// One-line summary, e.g. `switches 1 (enter 1, refresh 0), exits 1, calls 3 (2 reused), moved 1.2 MB in 3.1 ms`.
     pub fn summary_line(&self) -> String {
         let bytes = self.bytes();
+        let engine = if self.engine_ran() {
+            format!(
+                ", engine wakes {} / sleeps {}, rollout memory peak {} device, {} host",
+                self.engine.wakes,
+                self.engine.sleeps,
+                HumanBytes(self.peak_engine_bytes()),
+                HumanBytes(self.engine.peak_host_bytes),
+            )
+        } else {
+            String::new()
+        };
         format!(
             "switches {} (enter {}, refresh {}), exits {}, calls {} ({} reused), \
-             moved {} (d2d {}, d2h {}, h2d {}), switch time {}",
+             moved {} (d2d {}, d2h {}, h2d {}), switch time {}{engine}",
             self.switches(),
             self.enters,
             self.refreshes,
@@ -187,7 +238,7 @@ impl Metrics {
             "{:<9} {:>6} {:>11} {:>11} {:>9} {:>22} {:>7}\n",
             "phase", "count", "time", "bytes", "GB/s", "ceiling", "of it"
         );
-        for phase in Phase::ALL {
+        for phase in self.shown_phases() {
             let s = self.phase(phase);
             let b = &s.bytes;
             let links = [
@@ -241,14 +292,19 @@ impl Metrics {
 
 impl fmt::Display for Metrics {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
+        let engine = self.engine_ran();
+        write!(
             f,
             "{:<9} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
             "phase", "count", "wall", "d2d", "d2h", "h2d", "local", "peak extra"
         )?;
-        for phase in Phase::ALL {
+        if engine {
+            write!(f, " {:>11}", "engine mem")?;
+        }
+        writeln!(f)?;
+        for phase in self.shown_phases() {
             let s = self.phase(phase);
-            writeln!(
+            write!(
                 f,
                 "{:<9} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
                 phase.name(),
@@ -260,6 +316,10 @@ impl fmt::Display for Metrics {
                 HumanBytes(s.bytes.local).to_string(),
                 HumanBytes(s.peak_extra_bytes).to_string(),
             )?;
+            if engine {
+                write!(f, " {:>11}", HumanBytes(s.peak_engine_bytes).to_string())?;
+            }
+            writeln!(f)?;
         }
         write!(f, "{}", self.summary_line())
     }

@@ -15,10 +15,15 @@ pub enum Phase {
     Release,
     /// Bringing the offloaded training state back (exit).
     Reload,
+    /// The rollout engine allocating its rollout memory, after the backend's enter (see
+    /// [`RolloutEngine`](crate::RolloutEngine)).
+    Wake,
+    /// The rollout engine freeing its rollout memory, before the backend's exit.
+    Sleep,
 }
 
 impl Phase {
-    /// Every phase, in the order a full switch runs them.
+    /// Every phase a backend reports, in the order a full switch runs them.
     pub const ALL: [Phase; 5] = [
         Phase::Plan,
         Phase::Transfer,
@@ -26,6 +31,10 @@ impl Phase {
         Phase::Release,
         Phase::Reload,
     ];
+
+    /// The phases of the rollout engine's hooks, recorded by the lifecycle when an engine is
+    /// attached: wake after the backend's enter, sleep before its exit.
+    pub const ENGINE: [Phase; 2] = [Phase::Wake, Phase::Sleep];
 
     /// Lower-case name used in renderings.
     pub fn name(self) -> &'static str {
@@ -35,6 +44,8 @@ impl Phase {
             Phase::Offload => "offload",
             Phase::Release => "release",
             Phase::Reload => "reload",
+            Phase::Wake => "wake",
+            Phase::Sleep => "sleep",
         }
     }
 

@@ -24,6 +24,8 @@ pub struct PhaseRecorder<'m> {
     metrics: &'m mut Metrics,
     trace: Option<&'m mut Trace>,
     armed: Option<Armed>,
+    /// Device memory the rollout engine holds while the phases recorded here run.
+    engine_held: u64,
 }
 
 impl<'m> PhaseRecorder<'m> {
@@ -33,6 +35,7 @@ impl<'m> PhaseRecorder<'m> {
             metrics,
             trace: None,
             armed: None,
+            engine_held: 0,
         }
     }
 
@@ -42,6 +45,7 @@ impl<'m> PhaseRecorder<'m> {
             metrics,
             trace: Some(trace),
             armed: None,
+            engine_held: 0,
         }
     }
 
@@ -73,7 +77,8 @@ impl<'m> PhaseRecorder<'m> {
             bytes = scope.sample.bytes.moved(),
             "phase"
         );
-        self.metrics.record(phase, wall, &scope.sample);
+        let engine = self.engine_held.max(scope.engine_bytes);
+        self.metrics.record(phase, wall, &scope.sample, engine);
         if let Some(trace) = self.trace() {
             let b = &scope.sample.bytes;
             trace.record_host(
@@ -108,8 +113,13 @@ impl<'m> PhaseRecorder<'m> {
     /// Records a phase measured by the backend itself (for example from device events).
     pub fn record(&mut self, phase: Phase, wall: Duration, sample: PhaseSample) {
         self.check_fault(phase, FaultAt::Start);
-        self.metrics.record(phase, wall, &sample);
+        self.metrics.record(phase, wall, &sample, self.engine_held);
         self.check_fault(phase, FaultAt::End);
+    }
+
+    /// Notes the rollout engine's device memory held while the following phases run.
+    pub(crate) fn set_engine_held(&mut self, bytes: u64) {
+        self.engine_held = bytes;
     }
 }
 
@@ -118,6 +128,8 @@ impl<'m> PhaseRecorder<'m> {
 pub struct PhaseScope {
     sample: PhaseSample,
     current_extra: u64,
+    /// The engine's device memory, for the engine's own phases (wake, sleep).
+    engine_bytes: u64,
 }
 
 impl PhaseScope {
@@ -145,5 +157,9 @@ impl PhaseScope {
     /// What has been reported so far.
     pub fn sample(&self) -> &PhaseSample {
         &self.sample
+    }
+
+    pub(crate) fn set_engine_bytes(&mut self, bytes: u64) {
+        self.engine_bytes = bytes;
     }
 }

@@ -16,6 +16,12 @@ use proc_macro::TokenStream;
 /// `RolloutView<'_, W>`: the rollout weights view. When several parameters have that type, or to
 /// be explicit, mark the view with `#[weights]` or name it with `weights = name`.
 ///
+/// Next to the view, the function may take the lifecycle's rollout engine: a parameter of type
+/// `EngineMut<'_, E>`, or a `&mut E` marked `#[engine]` (or named with `engine = name`). The
+/// generated function then takes a `&mut Lifecycle<B, E>` and passes the engine borrowed from the
+/// same session as the view (`RolloutSession::parts`), awake for the current weights. Without an
+/// engine parameter it takes a lifecycle with any engine.
+///
 /// For a function `name` it generates, in the same module (or the same impl block):
 ///
 /// - `name`, with the same visibility, asyncness, receiver and generics, whose first parameter
@@ -35,6 +41,7 @@ use proc_macro::TokenStream;
 /// - `crate = "path"`: where the runtime crate is (default `::lifecycle_core`), for crates that
 ///   re-export it.
 /// - `weights = ident`: the weights view parameter.
+/// - `engine = ident`: the engine parameter.
 /// - `switching = "inherit" | "eager" | "lazy"`: `inherit` (default) applies the lifecycle's
 ///   switching policy after each call; `eager` always leaves rollout mode after each call; `lazy`
 ///   always keeps the weights resident after each call.
@@ -42,8 +49,10 @@ use proc_macro::TokenStream;
 /// # Rejected
 ///
 /// Items other than functions; `const`, `unsafe`, `extern` and variadic functions; receivers other
-/// than `&self` and `&mut self`; zero or two weights views; a named lifetime on the view (it is
-/// borrowed for one call only: write `'_`); a return type that borrows through an elided lifetime
+/// than `&self` and `&mut self`; zero or two weights views; two engine parameters, an engine
+/// without a weights view, an engine taken by value, by shared reference, as `&EngineMut`, with a
+/// named lifetime, or a parameter marked both `#[weights]` and `#[engine]`; a named lifetime on
+/// the view (it is borrowed for one call only: write `'_`); a return type that borrows through an elided lifetime
 /// (`&T`, `'_`), which would outlive the session. Methods of trait impls are not supported (the
 /// macro adds items to the impl block), nor associated functions without a receiver (the
 /// generated entry point calls the body as a free function).

@@ -18,9 +18,13 @@ use crate::parse::{Input, RawArg, RawArgs};
 const VIEW: &str = "RolloutView";
 /// The parameter attribute that selects the weights view.
 const WEIGHTS_ATTR: &str = "weights";
+/// The name of the engine access type, matched on a parameter type's last path segment.
+const ENGINE: &str = "EngineMut";
+/// The parameter attribute that selects the engine.
+const ENGINE_ATTR: &str = "engine";
 /// The known attribute arguments, for the "unknown argument" message.
-const KNOWN_ARGS: &str =
-    "`crate = \"path\"`, `weights = ident` or `switching = \"eager\" | \"lazy\" | \"inherit\"`";
+const KNOWN_ARGS: &str = "`crate = \"path\"`, `weights = ident`, `engine = ident` or \
+                          `switching = \"eager\" | \"lazy\" | \"inherit\"`";
 
 /// What a call does when the body returns.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
@@ -48,6 +52,20 @@ pub struct Model {
     pub view_ty: Type,
     /// `W` in `RolloutView<'_, W>`: the backend's `Reshard::Rollout`.
     pub weights_ty: Type,
+    /// The engine parameter, when the function takes one.
+    pub engine: Option<EngineParam>,
+}
+
+/// How the function takes the rollout engine.
+pub struct EngineParam {
+    /// Index in `func.sig.inputs` (counting the receiver).
+    pub index: usize,
+    /// The parameter's type as written (for spans).
+    pub param_ty: Type,
+    /// `E` in `EngineMut<'_, E>` or `&mut E`: the lifecycle's engine type.
+    pub engine_ty: Type,
+    /// Taken as `&mut E` (else as `EngineMut<'_, E>`).
+    pub by_reference: bool,
 }
 
 /// Collects errors so they can be reported together.
@@ -76,6 +94,7 @@ impl Errors {
 struct Args {
     krate: Option<Path>,
     weights: Option<Ident>,
+    engine: Option<Ident>,
     switching: Switching,
 }
 
@@ -103,13 +122,37 @@ pub fn validate(args: syn::Result<RawArgs>, input: Input) -> syn::Result<Model> 
     };
     check_qualifiers(&func.sig, &mut errors);
     check_receiver(&func.sig, &mut errors);
-    let weights = find_weights(&mut func.sig, args.weights.as_ref(), &mut errors);
+    let engine = find_engine(&mut func.sig, args.engine.as_ref(), &mut errors);
+    let engine_index = match engine {
+        EngineSearch::Found(index) => Some(index),
+        EngineSearch::None | EngineSearch::Failed => None,
+    };
+    let weights = find_weights(
+        &mut func.sig,
+        args.weights.as_ref(),
+        engine_index,
+        &mut errors,
+    );
     let view = weights.and_then(|index| {
         let FnArg::Typed(param) = &func.sig.inputs[index] else {
             unreachable!("the receiver is never the weights view")
         };
         check_view(param, &mut errors).map(|w| (index, (*param.ty).clone(), w))
     });
+    let engine = match engine_index {
+        Some(index) => {
+            let FnArg::Typed(param) = &func.sig.inputs[index] else {
+                unreachable!("the receiver is never the engine")
+            };
+            check_engine(param, &mut errors).map(|(engine_ty, by_reference)| EngineParam {
+                index,
+                param_ty: (*param.ty).clone(),
+                engine_ty,
+                by_reference,
+            })
+        }
+        None => None,
+    };
     check_return(&func.sig.output, &mut errors);
     errors.finish()?;
     let (weights_index, view_ty, weights_ty) = view.expect("no error means a weights view");
@@ -122,15 +165,18 @@ pub fn validate(args: syn::Result<RawArgs>, input: Input) -> syn::Result<Model> 
         weights_index,
         view_ty,
         weights_ty,
+        engine,
     })
 }
 
-/// Removes the `#[weights]` marker from every parameter, so the item can be emitted as written
-/// (beside the errors) without a second "cannot find attribute" error.
-pub fn strip_weights_attrs(func: &mut ItemFn) {
+/// Removes the `#[weights]` and `#[engine]` markers from every parameter, so the item can be
+/// emitted as written (beside the errors) without a second "cannot find attribute" error.
+pub fn strip_markers(func: &mut ItemFn) {
     for input in &mut func.sig.inputs {
         if let FnArg::Typed(param) = input {
-            param.attrs.retain(|a| !a.path().is_ident(WEIGHTS_ATTR));
+            param
+                .attrs
+                .retain(|a| !a.path().is_ident(WEIGHTS_ATTR) && !a.path().is_ident(ENGINE_ATTR));
         }
     }
 }
@@ -178,6 +224,17 @@ fn check_args(raw: RawArgs, errors: &mut Errors) -> Args {
                 other => errors.at(
                     other,
                     "expected the name of the weights parameter: `weights = w`",
+                ),
+            },
+            "engine" => match &value {
+                Expr::Path(ExprPath {
+                    qself: None, path, ..
+                }) if path.get_ident().is_some() => {
+                    args.engine = path.get_ident().cloned();
+                }
+                other => errors.at(
+                    other,
+                    "expected the name of the engine parameter: `engine = decoder`",
                 ),
             },
             "switching" => match string(&value).map(|s| (s, s.value())) {
@@ -357,7 +414,12 @@ fn is_reference_to_view(ty: &Type) -> bool {
 }
 
 /// Finds the weights parameter (removing `#[weights]` markers); `None` after reporting an error.
-fn find_weights(sig: &mut Signature, by_arg: Option<&Ident>, errors: &mut Errors) -> Option<usize> {
+fn find_weights(
+    sig: &mut Signature,
+    by_arg: Option<&Ident>,
+    engine: Option<usize>,
+    errors: &mut Errors,
+) -> Option<usize> {
     // Explicit selections, in parameter order: `#[weights]` markers and `weights = name`.
     let mut explicit: Vec<(usize, TokenStream, &'static str)> = Vec::new();
     let mut arg_found = false;
@@ -443,6 +505,17 @@ fn find_weights(sig: &mut Signature, by_arg: Option<&Ident>, errors: &mut Errors
                     "take the rollout weights view by value: `RolloutView<'_, W>` is `Copy` and \
                      already a borrow",
                 );
+            } else if let Some(index) = engine {
+                let engine = typed(index);
+                errors.at(
+                    &engine.ty,
+                    format_args!(
+                        "the engine parameter `{}` needs the rollout weights view next to it: add a \
+                         parameter of type `RolloutView<'_, W>` (the engine is borrowed from the \
+                         rollout session that yields the weights, and wakes for them)",
+                        param_name(engine)
+                    ),
+                );
             } else {
                 errors.at(
                     signature_head(sig),
@@ -469,6 +542,291 @@ fn find_weights(sig: &mut Signature, by_arg: Option<&Ident>, errors: &mut Errors
             None
         }
     }
+}
+
+/// The outcome of looking for the engine parameter.
+enum EngineSearch {
+    /// The function takes no engine.
+    None,
+    /// The engine parameter, at this index of the inputs.
+    Found(usize),
+    /// The selection itself was wrong (already reported).
+    Failed,
+}
+
+fn is_engine(ty: &Type) -> bool {
+    engine_path(ty).is_some()
+}
+
+fn engine_path(ty: &Type) -> Option<&TypePath> {
+    match ty {
+        Type::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == ENGINE) => Some(p),
+        Type::Group(g) => engine_path(&g.elem),
+        Type::Paren(p) => engine_path(&p.elem),
+        _ => None,
+    }
+}
+
+fn is_reference_to_engine(ty: &Type) -> bool {
+    matches!(ty, Type::Reference(r) if is_engine(&r.elem))
+}
+
+/// Finds the engine parameter (removing `#[engine]` markers): the one marked `#[engine]`, named
+/// by `engine = name`, or typed `EngineMut<..>`.
+fn find_engine(sig: &mut Signature, by_arg: Option<&Ident>, errors: &mut Errors) -> EngineSearch {
+    let mut explicit: Vec<(usize, TokenStream, &'static str)> = Vec::new();
+    let mut arg_found = false;
+    for (index, input) in sig.inputs.iter_mut().enumerate() {
+        let FnArg::Typed(param) = input else { continue };
+        let mut marker = None;
+        let weights_marker = param
+            .attrs
+            .iter()
+            .find(|a| a.path().is_ident(WEIGHTS_ATTR))
+            .map(ToTokens::to_token_stream);
+        param.attrs.retain(|attr| {
+            if !attr.path().is_ident(ENGINE_ATTR) {
+                return true;
+            }
+            if let syn::Meta::Path(_) = &attr.meta {
+                if marker.is_some() {
+                    errors.at(attr, "duplicate #[engine] marker");
+                }
+            } else {
+                errors.at(&attr.meta, "#[engine] takes no arguments");
+            }
+            marker = Some(attr.to_token_stream());
+            false
+        });
+        let named =
+            by_arg.is_some_and(|name| matches!(&*param.pat, Pat::Ident(p) if p.ident == *name));
+        arg_found |= named;
+        let selection = match (marker, named) {
+            (Some(m), _) => Some((m, "#[engine]")),
+            (None, true) => Some((by_arg.to_token_stream(), "`engine = ...`")),
+            (None, false) => None,
+        };
+        if let Some((tokens, how)) = selection {
+            if let Some(weights) = weights_marker {
+                let mut e = syn::Error::new_spanned(
+                    tokens,
+                    format_args!(
+                        "`{}` is selected as the engine (by {how}) and as the weights view: a \
+                         parameter is one or the other",
+                        param_name(param)
+                    ),
+                );
+                e.combine(syn::Error::new_spanned(
+                    weights,
+                    "selected as the weights view here",
+                ));
+                errors.push(e);
+                return EngineSearch::Failed;
+            }
+            explicit.push((index, tokens, how));
+        }
+    }
+    let typed = |sig: &Signature, index: usize| match &sig.inputs[index] {
+        FnArg::Typed(p) => param_name(p),
+        FnArg::Receiver(_) => unreachable!("receivers are skipped"),
+    };
+    if let (Some(name), false) = (by_arg, arg_found) {
+        let params: Vec<String> = sig
+            .inputs
+            .iter()
+            .filter_map(|i| match i {
+                FnArg::Typed(p) => Some(format!("`{}`", param_name(p))),
+                FnArg::Receiver(_) => None,
+            })
+            .collect();
+        errors.at(
+            name,
+            format_args!(
+                "`engine = {name}` names no parameter of this function (its parameters: {})",
+                if params.is_empty() {
+                    "none".to_owned()
+                } else {
+                    params.join(", ")
+                }
+            ),
+        );
+        return EngineSearch::Failed;
+    }
+    if let Some(&(first, _, how)) = explicit.first() {
+        if explicit.len() > 1 {
+            for (second, marker, _) in &explicit[1..] {
+                errors.at(
+                    marker,
+                    format_args!(
+                        "a second engine parameter `{}`: `{}` is already the rollout engine \
+                         (selected by {how}); a #[sharded_rollout] function takes at most one",
+                        typed(sig, *second),
+                        typed(sig, first),
+                    ),
+                );
+            }
+            return EngineSearch::Failed;
+        }
+        return EngineSearch::Found(first);
+    }
+    let engines: Vec<usize> = (0..sig.inputs.len())
+        .filter(|&i| matches!(&sig.inputs[i], FnArg::Typed(p) if is_engine(&p.ty)))
+        .collect();
+    match engines.as_slice() {
+        [] => {
+            let by_reference = sig.inputs.iter().find_map(|i| match i {
+                FnArg::Typed(p) if is_reference_to_engine(&p.ty) => Some(p),
+                _ => None,
+            });
+            match by_reference {
+                Some(p) => {
+                    errors.at(
+                        &p.ty,
+                        "take the engine by value: `EngineMut<'_, E>` is already a borrow of the \
+                         session's engine",
+                    );
+                    EngineSearch::Failed
+                }
+                None => EngineSearch::None,
+            }
+        }
+        [one] => EngineSearch::Found(*one),
+        [first, rest @ ..] => {
+            for &second in rest {
+                let FnArg::Typed(param) = &sig.inputs[second] else {
+                    unreachable!("receivers are never engines")
+                };
+                errors.at(
+                    &param.ty,
+                    format_args!(
+                        "a second engine parameter `{}`: `{}` is already the rollout engine; a \
+                         #[sharded_rollout] function takes at most one",
+                        param_name(param),
+                        typed(sig, *first),
+                    ),
+                );
+            }
+            EngineSearch::Failed
+        }
+    }
+}
+
+/// Checks the engine parameter's type is `EngineMut<'_, E>` or `&mut E`; returns `E` and whether
+/// it is taken by reference.
+fn check_engine(param: &PatType, errors: &mut Errors) -> Option<(Type, bool)> {
+    let ty = &param.ty;
+    let (engine, by_reference) = if let Some(path) = engine_path(ty) {
+        let segment = path
+            .path
+            .segments
+            .last()
+            .expect("engine_path checked the last segment");
+        let PathArguments::AngleBracketed(args) = &segment.arguments else {
+            errors.at(
+                ty,
+                "write the engine type: `EngineMut<'_, E>`, where `E` is the lifecycle's \
+                 `RolloutEngine`",
+            );
+            return None;
+        };
+        let mut engine = None;
+        let mut ok = true;
+        for arg in &args.args {
+            match arg {
+                GenericArgument::Lifetime(l) if l.ident == "_" => {}
+                GenericArgument::Lifetime(l) => {
+                    errors.at(
+                        l,
+                        format_args!(
+                            "the engine is borrowed for one call only; write `'_` instead of \
+                             `{l}`"
+                        ),
+                    );
+                    ok = false;
+                }
+                GenericArgument::Type(t) if engine.is_none() => engine = Some(t.clone()),
+                other => {
+                    errors.at(
+                        other,
+                        "unexpected generic argument: the engine is `EngineMut<'_, E>`",
+                    );
+                    ok = false;
+                }
+            }
+        }
+        let Some(engine) = engine else {
+            errors.at(
+                ty,
+                "write the engine type: `EngineMut<'_, E>`, where `E` is the lifecycle's \
+                 `RolloutEngine`",
+            );
+            return None;
+        };
+        if !ok {
+            return None;
+        }
+        (engine, false)
+    } else {
+        match ty.as_ref() {
+            Type::Reference(r) if is_engine(&r.elem) => {
+                errors.at(
+                    ty,
+                    "take the engine by value: `EngineMut<'_, E>` is already a borrow of the \
+                     session's engine",
+                );
+                return None;
+            }
+            Type::Reference(r) if r.mutability.is_some() => {
+                if let Some(l) = r.lifetime.as_ref().filter(|l| l.ident != "_") {
+                    errors.at(
+                        l,
+                        format_args!(
+                            "the engine is borrowed for one call only; write `&mut E` or `&'_ mut \
+                             E` instead of naming `{l}`"
+                        ),
+                    );
+                    return None;
+                }
+                ((*r.elem).clone(), true)
+            }
+            Type::Reference(r) => {
+                errors.at(
+                    ty,
+                    format_args!(
+                        "the engine parameter `{}` must be mutable: write `&mut {}` or \
+                         `EngineMut<'_, {}>`",
+                        param_name(param),
+                        r.elem.to_token_stream(),
+                        r.elem.to_token_stream(),
+                    ),
+                );
+                return None;
+            }
+            other => {
+                let ty = other.to_token_stream();
+                errors.at(
+                    other,
+                    format_args!(
+                        "the engine parameter `{}` must have type `EngineMut<'_, {ty}>` or `&mut \
+                         {ty}`: the lifecycle owns the engine, a rollout call borrows it",
+                        param_name(param),
+                    ),
+                );
+                return None;
+            }
+        }
+    };
+    let mut elided = Elided::default();
+    elided.visit_type(&engine);
+    let found = !elided.found.is_empty();
+    for tokens in elided.found {
+        errors.at(
+            tokens,
+            "the engine type cannot contain elided lifetimes: it is the lifecycle's engine type; \
+             name the lifetime",
+        );
+    }
+    (!found).then_some((engine, by_reference))
 }
 
 /// `fn name(..)`: where to report a problem with the parameter list as a whole.
@@ -687,6 +1045,79 @@ mod tests {
             } else {
                 quote!()
             };
+            assert_eq!(errors(args, item.clone()), Vec::<String>::new(), "{item}");
+        }
+    }
+
+    #[test]
+    fn engine_mistakes_are_reported_together() {
+        let found = errors(
+            quote!(engine = nothing),
+            quote!(
+                fn f(w: RolloutView<'_, W>, e: EngineMut<'_, Kv>, #[engine] g: &Kv) {}
+            ),
+        );
+        assert_eq!(found.len(), 1, "{found:#?}");
+        assert!(
+            found[0].contains("`engine = nothing` names no parameter"),
+            "{found:#?}"
+        );
+        let found = errors(
+            quote!(),
+            quote!(
+                fn f(a: EngineMut<'_, Kv>, b: EngineMut<'_, Kv>) {}
+            ),
+        );
+        assert_eq!(found.len(), 2, "{found:#?}");
+        assert!(
+            found[0].contains("a second engine parameter `b`"),
+            "{found:#?}"
+        );
+        assert!(
+            found[1].contains("needs one parameter of type"),
+            "{found:#?}"
+        );
+        let found = errors(
+            quote!(),
+            quote!(
+                fn f(w: RolloutView<'_, W>, e: EngineMut<'_, Kv<&u8>>) {}
+            ),
+        );
+        assert_eq!(found.len(), 1, "{found:#?}");
+        assert!(
+            found[0].contains("engine type cannot contain elided"),
+            "{found:#?}"
+        );
+    }
+
+    #[test]
+    fn accepted_engine_shapes() {
+        for (args, item) in [
+            (
+                quote!(),
+                quote!(
+                    fn f(w: RolloutView<'_, W>, e: EngineMut<'_, Kv>) {}
+                ),
+            ),
+            (
+                quote!(),
+                quote!(
+                    fn f(w: RolloutView<'_, W>, e: lifecycle_core::EngineMut<E>) {}
+                ),
+            ),
+            (
+                quote!(),
+                quote!(
+                    fn f(&self, #[engine] e: &'_ mut Kv, w: RolloutView<'_, W>) {}
+                ),
+            ),
+            (
+                quote!(engine = e),
+                quote!(
+                    fn f(w: RolloutView<'_, W>, e: &mut Kv, other: EngineMut<'_, Kv>) {}
+                ),
+            ),
+        ] {
             assert_eq!(errors(args, item.clone()), Vec::<String>::new(), "{item}");
         }
     }
