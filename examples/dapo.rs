@@ -272,6 +272,8 @@ impl Args {
             tokens: self.tokens.unwrap_or(d.tokens),
             temperature: self.temperature.unwrap_or(d.temperature),
             seed: self.seed.unwrap_or(d.seed),
+            reward_modulus: d.reward_modulus,
+            update: d.update,
             policy: PolicyConfig {
                 vocab: h.vocab,
                 hidden: h.hidden,

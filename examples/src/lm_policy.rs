@@ -1,6 +1,8 @@
 //! DAPO rollouts through the Qwen2 / Llama decoder on a Hugging Face checkpoint: the training
 //! state is the checkpoint's weights, the rollout runs [`CpuDecoder`] on the resharded bf16 TP
-//! slices, the reward is the same verifiable rule as the toy policy's.
+//! slices, the reward is the same verifiable rule as the toy policy's ([`RewardRule`]: token
+//! classes, so its hit rate does not shrink with the vocabulary). The update is the synthetic
+//! stand-in ([`synthetic_update`]): there is no backward pass for the decoder here.
 
 use lifecycle_core::{sharded_rollout, RolloutView, Switching};
 use lifecycle_decoder::{Checkpoint, CpuDecoder, DecodeError, Decoder, ModelConfig, Sampling};
@@ -9,7 +11,8 @@ use lifecycle_layout::HostRollout;
 use lifecycle_layout::RolloutLayout;
 
 use crate::dapo::{
-    prompt, reward, run_loop, validate, DapoConfig, DapoError, Group, RunReport, StepReport,
+    prompt, rewarded_group, run_loop, synthetic_update, validate, DapoConfig, DapoError, Group,
+    RewardRule, RunReport, StepReport, UpdateOutcome,
 };
 use crate::rng::SplitMix64;
 
@@ -29,6 +32,8 @@ pub struct LmJob {
     pub temperature: f32,
     /// Sampling seed.
     pub seed: u64,
+    /// Classes of the reward rule.
+    pub reward_modulus: usize,
     /// The model.
     pub model: ModelConfig,
     /// The rollout layout the weights are in.
@@ -63,7 +68,7 @@ pub fn generate_lm(
                         .collect();
                     let prompts: Vec<Vec<u32>> = ids
                         .iter()
-                        .map(|&id| prompt(id, vocab).0.iter().map(|&t| t as u32).collect())
+                        .map(|&id| prompt(id, vocab).iter().map(|&t| t as u32).collect())
                         .collect();
                     let sampling = Sampling {
                         temperature: job.temperature,
@@ -85,28 +90,24 @@ pub fn generate_lm(
     for r in per_replica {
         samples.extend(r?);
     }
+    let rule = RewardRule::new(job.reward_modulus, vocab);
     Ok(job
         .prompts
         .iter()
         .map(|&id| {
-            let (_, target) = prompt(id, vocab);
             let samples: Vec<Vec<usize>> = samples
                 .iter()
                 .filter(|(p, _)| *p == id)
                 .map(|(_, t)| t.iter().map(|&x| x as usize).collect())
                 .collect();
-            let rewards = samples.iter().map(|s| reward(s, target)).collect();
-            Group {
-                prompt: id,
-                samples,
-                rewards,
-            }
+            rewarded_group(id, vocab, rule, samples)
         })
-        .collect())
+        .collect::<Vec<Group>>())
 }
 
-/// Runs DAPO on `checkpoint` with `switching`: the same dynamic sampling and update step as
-/// [`crate::dapo::run`], rollouts through [`generate_lm`]. `config.policy` is not used.
+/// Runs DAPO on `checkpoint` with `switching`: the same dynamic sampling as [`crate::dapo::run`],
+/// rollouts through [`generate_lm`], the synthetic update ([`synthetic_update`], Adam at
+/// `config.update.lr`). `config.policy` is not used.
 pub fn run_checkpoint(
     config: &DapoConfig,
     checkpoint: &Checkpoint,
@@ -130,10 +131,15 @@ pub fn run_checkpoint(
                 tokens: config.tokens,
                 temperature: config.temperature,
                 seed: req.seed,
+                reward_modulus: config.reward_modulus,
                 model: model.clone(),
                 layout: layout.clone(),
             };
             Ok(generate_lm(lc, &job)??)
+        },
+        |state, step, kept| {
+            synthetic_update(state, config.seed, step, kept, config.update.adam())?;
+            Ok(UpdateOutcome::Synthetic)
         },
     )
 }

@@ -6,6 +6,10 @@
 //! a final RMSNorm and a vocabulary-parallel `lm_head`. A recurrent mix of the previous hidden
 //! state makes each token depend on the whole history. Every output depends on every weight, so
 //! sampling from stale weights changes the samples.
+//!
+//! The rollout side ([`TpGroup`]) reads the bf16 tensor-parallel slices; the training side
+//! ([`train::Params`]) runs the same function on the full fp32 master tensors and backpropagates
+//! through it.
 
 use half::bf16;
 use lifecycle_host::HostError;
@@ -16,6 +20,10 @@ use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 use lifecycle_decoder::{dot, sample_token};
 
 use crate::rng::SplitMix64;
+
+pub mod train;
+
+pub use train::{Forward, ForwardError, Params, Sequence};
 
 /// Sizes of the toy policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
