@@ -7,9 +7,10 @@
 use lifecycle_core::{sharded_rollout, RolloutView, Switching};
 use lifecycle_decoder::{Checkpoint, CpuDecoder, DecodeError, Decoder, ModelConfig, Sampling};
 use lifecycle_host::HostTrainState;
-use lifecycle_layout::HostRollout;
+use lifecycle_layout::{AdamParams, HostRollout};
 use lifecycle_layout::RolloutLayout;
 
+use crate::dapo::update::SYNTHETIC_LR;
 use crate::dapo::{
     prompt, rewarded_group, run_loop, synthetic_update, validate, DapoConfig, DapoError, Group,
     RewardRule, RunReport, StepReport, UpdateOutcome,
@@ -32,8 +33,8 @@ pub struct LmJob {
     pub temperature: f32,
     /// Sampling seed.
     pub seed: u64,
-    /// Classes of the reward rule.
-    pub reward_modulus: usize,
+    /// The reward rule (built for the model's vocabulary by [`RewardRule::new`]).
+    pub reward: RewardRule,
     /// The model.
     pub model: ModelConfig,
     /// The rollout layout the weights are in.
@@ -90,7 +91,6 @@ pub fn generate_lm(
     for r in per_replica {
         samples.extend(r?);
     }
-    let rule = RewardRule::new(job.reward_modulus, vocab);
     Ok(job
         .prompts
         .iter()
@@ -100,14 +100,14 @@ pub fn generate_lm(
                 .filter(|(p, _)| *p == id)
                 .map(|(_, t)| t.iter().map(|&x| x as usize).collect())
                 .collect();
-            rewarded_group(id, vocab, rule, samples)
+            rewarded_group(id, job.reward, samples)
         })
         .collect::<Vec<Group>>())
 }
 
 /// Runs DAPO on `checkpoint` with `switching`: the same dynamic sampling as [`crate::dapo::run`],
-/// rollouts through [`generate_lm`], the synthetic update ([`synthetic_update`], Adam at
-/// `config.update.lr`). `config.policy` is not used.
+/// rollouts through [`generate_lm`], the synthetic update ([`synthetic_update`]).
+/// `config.policy` and `config.update` are not used.
 pub fn run_checkpoint(
     config: &DapoConfig,
     checkpoint: &Checkpoint,
@@ -131,14 +131,22 @@ pub fn run_checkpoint(
                 tokens: config.tokens,
                 temperature: config.temperature,
                 seed: req.seed,
-                reward_modulus: config.reward_modulus,
+                reward: RewardRule::new(
+                    config.reward_modulus,
+                    config.reward_quota,
+                    model.vocab_size,
+                ),
                 model: model.clone(),
                 layout: layout.clone(),
             };
             Ok(generate_lm(lc, &job)??)
         },
         |state, step, kept| {
-            synthetic_update(state, config.seed, step, kept, config.update.adam())?;
+            let adam = AdamParams {
+                lr: SYNTHETIC_LR,
+                ..AdamParams::default()
+            };
+            synthetic_update(state, config.seed, step, kept, adam)?;
             Ok(UpdateOutcome::Synthetic)
         },
     )

@@ -50,6 +50,8 @@ pub struct DapoConfig {
     pub seed: u64,
     /// Classes of the reward rule ([`RewardRule`]; capped at the vocabulary size).
     pub reward_modulus: usize,
+    /// Target-class tokens a sample needs for reward 1 ([`RewardRule::quota`]).
+    pub reward_quota: usize,
     /// The policy-gradient update (toy policy).
     pub update: UpdateConfig,
     /// Policy sizes.
@@ -63,17 +65,18 @@ pub struct DapoConfig {
 impl Default for DapoConfig {
     fn default() -> Self {
         DapoConfig {
-            steps: 4,
+            steps: 16,
             world: 2,
             tp: 2,
             prompts_per_batch: 4,
             group_size: 8,
             batch_groups: 8,
-            max_gen_batches: 16,
-            tokens: 12,
+            max_gen_batches: 32,
+            tokens: 8,
             temperature: 1.0,
             seed: 2026,
-            reward_modulus: 32,
+            reward_modulus: 4,
+            reward_quota: 4,
             update: UpdateConfig::default(),
             policy: PolicyConfig {
                 vocab: 64,
@@ -99,7 +102,8 @@ pub enum DapoError {
     /// Dynamic sampling could not fill the batch.
     #[error(
         "step {step}: {kept} of {needed} groups with mixed rewards after {gen_batches} gen batches \
-         (the limit, --max-gen-batches): raise the limit, lower --batch-groups, or raise the \
+         (the limit, --max-gen-batches; the samples' mean reward is {mean_reward:.3}, and near 0 \
+         or 1 almost every group is uniform): raise the limit, lower --batch-groups, or raise the \
          group size so fewer groups have uniform rewards"
     )]
     BatchNotFilled {
@@ -111,6 +115,8 @@ pub enum DapoError {
         needed: usize,
         /// Gen batches run.
         gen_batches: usize,
+        /// Mean reward of every sample generated in the step.
+        mean_reward: f32,
     },
     /// Inconsistent settings.
     #[error("invalid setting: {0}")]
@@ -157,16 +163,15 @@ pub struct GenJob {
     pub temperature: f32,
     /// Sampling seed (mixed with prompt and sample index).
     pub seed: u64,
-    /// Classes of the reward rule.
-    pub reward_modulus: usize,
+    /// The reward rule (built for the vocabulary by [`RewardRule::new`]).
+    pub reward: RewardRule,
     /// Policy sizes.
     pub policy: PolicyConfig,
     /// Rollout tensor-parallel degree.
     pub tp: usize,
 }
 
-/// The tokens of prompt `id` (four, each below `vocab`); its reward target is
-/// [`RewardRule::target`] of them.
+/// The tokens of prompt `id` (four, each below `vocab`).
 pub fn prompt(id: u64, vocab: usize) -> Vec<usize> {
     let v = vocab.max(1) as u64;
     (0..4)
@@ -175,9 +180,8 @@ pub fn prompt(id: u64, vocab: usize) -> Vec<usize> {
 }
 
 /// The group of prompt `id`: its samples, rewarded by `rule`.
-pub fn rewarded_group(id: u64, vocab: usize, rule: RewardRule, samples: Vec<Vec<usize>>) -> Group {
-    let target = rule.target(&prompt(id, vocab));
-    let rewards = samples.iter().map(|s| rule.reward(s, target)).collect();
+pub fn rewarded_group(id: u64, rule: RewardRule, samples: Vec<Vec<usize>>) -> Group {
+    let rewards = samples.iter().map(|s| rule.reward(s)).collect();
     Group {
         prompt: id,
         samples,
@@ -245,7 +249,6 @@ pub fn generate(weights: RolloutView<'_, HostRollout>, job: &GenJob) -> Vec<Grou
             .collect()
     });
     done.sort_by_key(|&(id, s, _)| (id, s));
-    let rule = RewardRule::new(job.reward_modulus, job.policy.vocab);
     job.prompts
         .iter()
         .map(|&id| {
@@ -254,7 +257,7 @@ pub fn generate(weights: RolloutView<'_, HostRollout>, job: &GenJob) -> Vec<Grou
                 .filter(|(p, _, _)| *p == id)
                 .map(|(_, _, tokens)| tokens.clone())
                 .collect();
-            rewarded_group(id, job.policy.vocab, rule, samples)
+            rewarded_group(id, job.reward, samples)
         })
         .collect()
 }
@@ -366,6 +369,13 @@ pub fn validate(config: &DapoConfig) -> Result<(), DapoError> {
             "the reward modulus must be at least 1".to_string(),
         ),
         (
+            c.reward_quota == 0 || c.reward_quota > c.tokens,
+            format!(
+                "the reward quota must be between 1 and --tokens ({}), found {}",
+                c.tokens, c.reward_quota
+            ),
+        ),
+        (
             c.update.minibatches == 0,
             "the update needs at least one mini-batch".to_string(),
         ),
@@ -422,7 +432,7 @@ pub fn run(
             tokens: config.tokens,
             temperature: config.temperature,
             seed: req.seed,
-            reward_modulus: config.reward_modulus,
+            reward: RewardRule::new(config.reward_modulus, config.reward_quota, config.policy.vocab),
             policy: config.policy,
             tp: config.tp,
         };
@@ -473,6 +483,7 @@ pub fn run_loop(
                     kept: kept.len(),
                     needed: config.batch_groups,
                     gen_batches,
+                    mean_reward: (reward_sum / samples.max(1) as f64) as f32,
                 });
             }
             let request = GenRequest {

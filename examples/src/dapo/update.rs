@@ -48,10 +48,10 @@ pub struct UpdateConfig {
 impl Default for UpdateConfig {
     fn default() -> Self {
         UpdateConfig {
-            lr: 2e-3,
+            lr: 1e-5,
             clip_low: 0.2,
             clip_high: 0.28,
-            minibatches: 2,
+            minibatches: 4,
             adv_eps: 1e-6,
         }
     }
@@ -373,9 +373,13 @@ pub fn dapo_update(
     })
 }
 
+/// Adam's learning rate in [`synthetic_update`]: large enough that the bf16 rollout copy of every
+/// weight changes too.
+pub const SYNTHETIC_LR: f32 = 1e-2;
+
 /// The stand-in update for models without a backward pass here (checkpoints): seeded noise
 /// scaled by the batch's mean absolute advantage in every gradient shard, then a real Adam step
-/// that changes every master weight. Not a learned update.
+/// (see [`SYNTHETIC_LR`]) that changes every master weight. Not a learned update.
 pub fn synthetic_update(
     state: &mut HostTrainState,
     seed: u64,
