@@ -494,7 +494,10 @@ fn step_table(report: &RunReport, runs: &[&RunReport]) -> String {
         "step", "gen", "kept/gen", "reward", "kept r", "loss", "clip", "|r-1|", "update"
     );
     for r in runs {
-        out.push_str(&format!(" {:>13}", format!("{} sw/moved", name(r.switching))));
+        out.push_str(&format!(
+            " {:>13}",
+            format!("{} sw/moved", name(r.switching))
+        ));
     }
     out.push('\n');
     for (i, s) in report.steps.iter().enumerate() {

@@ -7,8 +7,8 @@
 use lifecycle_core::{sharded_rollout, RolloutView, Switching};
 use lifecycle_decoder::{Checkpoint, CpuDecoder, DecodeError, Decoder, ModelConfig, Sampling};
 use lifecycle_host::HostTrainState;
-use lifecycle_layout::{AdamParams, HostRollout};
 use lifecycle_layout::RolloutLayout;
+use lifecycle_layout::{AdamParams, HostRollout};
 
 use crate::dapo::update::SYNTHETIC_LR;
 use crate::dapo::{

@@ -7,7 +7,7 @@ use lifecycle_core::{Lifecycle, Switching};
 use lifecycle_decoder::{
     load_checkpoint, random_tensors, save_checkpoint, ConfigStyle, ModelConfig,
 };
-use lifecycle_examples::dapo::DapoConfig;
+use lifecycle_examples::dapo::{DapoConfig, RewardRule, UpdateOutcome};
 use lifecycle_examples::lm_policy::{generate_lm, run_checkpoint, LmJob};
 use lifecycle_host::{HostBackend, HostTrainState};
 
@@ -43,6 +43,11 @@ fn checkpoint_dapo_lazy_one_switch_per_step_eager_one_per_gen_batch() {
     for s in &eager.steps {
         assert_eq!(s.switches as usize, s.gen_batches);
     }
+    // no backward pass for checkpoint models: the update says it is synthetic
+    assert!(lazy
+        .steps
+        .iter()
+        .all(|s| s.update == UpdateOutcome::Synthetic));
     assert_eq!(
         lazy.groups, eager.groups,
         "both policies must sample from the same weights"
@@ -92,6 +97,7 @@ fn checkpoint_samples_follow_the_weights_on_two_replicas() {
         tokens: 6,
         temperature: 1.0,
         seed: 5,
+        reward: RewardRule::new(4, 2, config.vocab_size),
         model: config.clone(),
         layout,
     };

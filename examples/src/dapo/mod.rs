@@ -381,7 +381,10 @@ pub fn validate(config: &DapoConfig) -> Result<(), DapoError> {
         ),
         (
             !(c.update.lr.is_finite() && c.update.lr > 0.0),
-            format!("the learning rate must be a finite number > 0, found {}", c.update.lr),
+            format!(
+                "the learning rate must be a finite number > 0, found {}",
+                c.update.lr
+            ),
         ),
         (
             !(c.update.clip_low >= 0.0 && c.update.clip_low < 1.0 && c.update.clip_high >= 0.0),
@@ -425,22 +428,40 @@ pub fn run(
     validate(config)?;
     let state = HostTrainState::from_tensors(config.world, config.policy.init(config.seed))?;
     let layout = config.policy.rollout_layout(config.tp)?;
-    run_loop(config, state, layout, switching, on_step, |lc, req| {
-        let job = GenJob {
-            prompts: req.prompts.clone(),
-            group_size: config.group_size,
-            tokens: config.tokens,
-            temperature: config.temperature,
-            seed: req.seed,
-            reward: RewardRule::new(config.reward_modulus, config.reward_quota, config.policy.vocab),
-            policy: config.policy,
-            tp: config.tp,
-        };
-        Ok(generate(lc, &job)?)
-    }, |state, _step, kept| {
-        dapo_update(state, config.policy, kept, &config.update, config.temperature)
+    run_loop(
+        config,
+        state,
+        layout,
+        switching,
+        on_step,
+        |lc, req| {
+            let job = GenJob {
+                prompts: req.prompts.clone(),
+                group_size: config.group_size,
+                tokens: config.tokens,
+                temperature: config.temperature,
+                seed: req.seed,
+                reward: RewardRule::new(
+                    config.reward_modulus,
+                    config.reward_quota,
+                    config.policy.vocab,
+                ),
+                policy: config.policy,
+                tp: config.tp,
+            };
+            Ok(generate(lc, &job)?)
+        },
+        |state, _step, kept| {
+            dapo_update(
+                state,
+                config.policy,
+                kept,
+                &config.update,
+                config.temperature,
+            )
             .map(UpdateOutcome::Dapo)
-    })
+        },
+    )
 }
 
 /// The DAPO loop over any policy: per step, gen batches from `rollout` until `batch_groups`

@@ -297,7 +297,10 @@ pub fn dapo_update(
             "the update needs at least one kept group".to_string(),
         ));
     }
-    let prompts: Vec<Vec<usize>> = groups.iter().map(|g| prompt(g.prompt, policy.vocab)).collect();
+    let prompts: Vec<Vec<usize>> = groups
+        .iter()
+        .map(|g| prompt(g.prompt, policy.vocab))
+        .collect();
     let advantages: Vec<Vec<f32>> = groups
         .iter()
         .map(|g| group_advantages(&g.rewards, config.adv_eps))
@@ -315,7 +318,8 @@ pub fn dapo_update(
     // π_old: the masters before the first Adam step of this training step
     let old = forward(&params, &all)?;
     let minibatches = config.minibatches.clamp(1, groups.len());
-    let (mut loss, mut grad_norm, mut clipped, mut tokens, mut max_dev) = (0.0f64, 0.0f64, 0, 0, 0.0f32);
+    let (mut loss, mut grad_norm, mut clipped, mut tokens, mut max_dev) =
+        (0.0f64, 0.0f64, 0, 0, 0.0f32);
     for k in 0..minibatches {
         // near-equal contiguous parts
         let mb = &all[k * groups.len() / minibatches..(k + 1) * groups.len() / minibatches];

@@ -27,7 +27,11 @@ pub struct Params {
 impl Params {
     /// Zeros of every tensor (a gradient accumulator).
     pub fn zeros(config: PolicyConfig) -> Self {
-        let tensors = config.specs().iter().map(|s| vec![0.0; s.numel()]).collect();
+        let tensors = config
+            .specs()
+            .iter()
+            .map(|s| vec![0.0; s.numel()])
+            .collect();
         Params { config, tensors }
     }
 
@@ -38,11 +42,12 @@ impl Params {
             .specs()
             .iter()
             .map(|spec| {
-                let t = tensors.iter().find(|t| t.name == spec.name).ok_or_else(|| {
-                    HostError::UnknownTensor {
+                let t = tensors
+                    .iter()
+                    .find(|t| t.name == spec.name)
+                    .ok_or_else(|| HostError::UnknownTensor {
                         name: spec.name.clone(),
-                    }
-                })?;
+                    })?;
                 let data = t.data.to_f32().ok_or_else(|| HostError::DType {
                     name: t.name.clone(),
                     found: t.data.dtype(),
@@ -307,7 +312,11 @@ impl Params {
     /// The forward pass of `seqs` in lockstep (equal prompt and completion lengths), with
     /// log-probabilities of the completion tokens under `softmax(logits / temperature)`
     /// (temperature 0, greedy sampling, scores at temperature 1).
-    pub fn forward(&self, seqs: &[Sequence<'_>], temperature: f32) -> Result<Forward, ForwardError> {
+    pub fn forward(
+        &self,
+        seqs: &[Sequence<'_>],
+        temperature: f32,
+    ) -> Result<Forward, ForwardError> {
         let c = self.config;
         let (h, f, v, layers) = (c.hidden, c.ffn, c.vocab, c.layers);
         let Some(first) = seqs.first() else {
