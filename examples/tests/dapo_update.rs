@@ -314,3 +314,56 @@ fn one_update_moves_the_policy_along_the_advantages() {
     dapo_update(&mut again, policy, &groups, &config, 1.0).unwrap();
     assert_eq!(state.snapshot(), again.snapshot());
 }
+
+#[test]
+fn the_training_forward_computes_the_rollout_forward() {
+    use half::bf16;
+    use lifecycle_core::Lifecycle;
+    use lifecycle_examples::toy_policy::TpGroup;
+    use lifecycle_host::HostBackend;
+    use lifecycle_layout::HostTensor;
+
+    let policy = PolicyConfig {
+        vocab: 16,
+        hidden: 24,
+        ffn: 32,
+        layers: 2,
+    };
+    // masters already on the bf16 grid: the two forwards then differ only in summation order
+    let tensors: Vec<HostTensor> = policy
+        .init(8)
+        .into_iter()
+        .map(|t| {
+            let data = t.data.to_f32().unwrap();
+            let rounded = data.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
+            HostTensor::f32(t.name, t.shape, rounded)
+        })
+        .collect();
+    let params = Params::from_tensors(policy, &tensors).unwrap();
+    let state = HostTrainState::from_tensors(2, tensors).unwrap();
+    let layout = policy.rollout_layout(2).unwrap();
+    let mut lc = Lifecycle::new(HostBackend::new(layout), state);
+    let session = lc.rollout().unwrap();
+    let weights = session.weights();
+    let group = TpGroup::new(weights.ranks.iter().collect(), policy);
+    let p = prompt(3, policy.vocab);
+    let completions: Vec<Vec<usize>> = vec![vec![1, 9, 4, 4, 15], vec![0, 2, 7, 11, 3]];
+    for temperature in [1.0, 0.6] {
+        let seqs: Vec<Sequence<'_>> = completions
+            .iter()
+            .map(|c| Sequence {
+                prompt: &p,
+                completion: c,
+            })
+            .collect();
+        let fwd = params.forward(&seqs, temperature).unwrap();
+        for (c, train) in completions.iter().zip(fwd.logprobs()) {
+            let rollout = group.score(&p, c, temperature);
+            for (a, b) in train.iter().zip(&rollout) {
+                assert!((a - b).abs() < 1e-4, "{train:?} vs {rollout:?}");
+            }
+        }
+    }
+    drop(group);
+    session.finish().unwrap();
+}
