@@ -1,6 +1,10 @@
 //! DAPO with dynamic sampling: several rollout calls per training step, one update that changes
 //! every weight. Runs the lazy and the eager lifecycle on the same seed and compares them, on the
 //! CPU reference backend (`--backend host`, the default) or on NVIDIA GPUs (`--backend fsdp`).
+//! On the host backend the report starts with what a newcomer looks for: switches per step,
+//! bytes moved and switch time of each lifecycle (measured), the learning curve, and whether
+//! lazy and eager agree (they must: a difference is an error); then one line per step;
+//! `--verbose` adds the per-phase detail.
 //!
 //! ```text
 //! cargo run --release --example dapo                 # host backend: lazy vs eager, default sizes
@@ -12,10 +16,14 @@
 //! ```
 //!
 //! `--backend host`: ranks are threads, the policy is a toy MLP (`--vocab`, `--hidden`, `--ffn`,
-//! `--layers`), or with `--checkpoint DIR` (a Hugging Face `config.json` + `model.safetensors`,
+//! `--layers`) trained by a real DAPO step (clipped token-level loss with clip-higher,
+//! group-normalised advantages, gradients by backpropagation, Adam on the FSDP shards:
+//! `lifecycle_examples::dapo::update`), or with `--checkpoint DIR` (a Hugging Face `config.json` + `model.safetensors`,
 //! Qwen2 or Llama) the training state is the checkpoint's weights and every rollout runs the Qwen2
-//! / Llama decoder (`lifecycle-decoder`) on the resharded bf16 tensor-parallel slices; the
-//! toy-policy size options are then ignored.
+//! / Llama decoder (`lifecycle-decoder`) on the resharded bf16 tensor-parallel slices and the
+//! update is a synthetic stand-in (no backward pass for checkpoint models); the toy-policy size
+//! options are then ignored. The reward (token classes, `lifecycle_examples::dapo::reward`) hits
+//! as often on any vocabulary.
 //!
 //! `--backend fsdp`: the FSDP backend on `--gpus` GPUs, rollouts by the GPU decoder, an in-place
 //! Adam step on synthetic gradients between steps (`lifecycle_examples::gpu_dapo`).

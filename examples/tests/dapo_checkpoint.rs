@@ -113,3 +113,40 @@ fn checkpoint_samples_follow_the_weights_on_two_replicas() {
     assert_ne!(first, after, "new weights must change the samples");
     assert_eq!(lc.metrics().switches(), 2);
 }
+
+#[test]
+fn checkpoint_dapo_defaults_fill_their_batches_on_a_qwen2_vocabulary() {
+    // Qwen2's 151 936-token vocabulary on a tiny random model: the default reward rule must fill
+    // the batch, as it does on the toy policy's 64 tokens
+    let config = ModelConfig::from_json_str(
+        r#"{"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 16,
+        "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "rope_theta": 10000.0, "tie_word_embeddings": true}"#,
+    )
+    .unwrap();
+    let dir = std::env::temp_dir().join(format!("lc-dapo-qwen-vocab-{}", std::process::id()));
+    save_checkpoint(&dir, &config, &random_tensors(&config, 7), ConfigStyle::V5).unwrap();
+    let ckpt = load_checkpoint(&dir).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    // the default reward rule, tokens and group size; fewer groups keep the test quick
+    let dapo = DapoConfig {
+        steps: 1,
+        prompts_per_batch: 2,
+        batch_groups: 2,
+        ..DapoConfig::default()
+    };
+    let report = run_checkpoint(&dapo, &ckpt, Switching::Lazy, |_| {}).unwrap();
+    for s in &report.steps {
+        assert_eq!(s.kept, dapo.batch_groups, "step {}", s.step);
+        assert!(
+            s.mean_reward > 0.0 && s.mean_reward < 1.0,
+            "{}",
+            s.mean_reward
+        );
+    }
+    assert!(report
+        .groups
+        .iter()
+        .flat_map(|g| g.samples.iter().flatten())
+        .any(|&t| t >= 1000));
+}
