@@ -1,6 +1,10 @@
 //! DAPO with dynamic sampling: several rollout calls per training step, one update that changes
 //! every weight. Runs the lazy and the eager lifecycle on the same seed and compares them, on the
 //! CPU reference backend (`--backend host`, the default) or on NVIDIA GPUs (`--backend fsdp`).
+//! On the host backend the report starts with what a newcomer looks for: switches per step,
+//! bytes moved and switch time of each lifecycle (measured), the learning curve, and whether
+//! lazy and eager agree (they must: a difference is an error); then one line per step;
+//! `--verbose` adds the per-phase detail.
 //!
 //! ```text
 //! cargo run --release --example dapo                 # host backend: lazy vs eager, default sizes
@@ -12,10 +16,14 @@
 //! ```
 //!
 //! `--backend host`: ranks are threads, the policy is a toy MLP (`--vocab`, `--hidden`, `--ffn`,
-//! `--layers`), or with `--checkpoint DIR` (a Hugging Face `config.json` + `model.safetensors`,
+//! `--layers`) trained by a real DAPO step (clipped token-level loss with clip-higher,
+//! group-normalised advantages, gradients by backpropagation, Adam on the FSDP shards:
+//! `lifecycle_examples::dapo::update`), or with `--checkpoint DIR` (a Hugging Face `config.json` + `model.safetensors`,
 //! Qwen2 or Llama) the training state is the checkpoint's weights and every rollout runs the Qwen2
-//! / Llama decoder (`lifecycle-decoder`) on the resharded bf16 tensor-parallel slices; the
-//! toy-policy size options are then ignored.
+//! / Llama decoder (`lifecycle-decoder`) on the resharded bf16 tensor-parallel slices and the
+//! update is a synthetic stand-in (no backward pass for checkpoint models); the toy-policy size
+//! options are then ignored. The reward (token classes, `lifecycle_examples::dapo::reward`) hits
+//! as often on any vocabulary.
 //!
 //! `--backend fsdp`: the FSDP backend on `--gpus` GPUs, rollouts by the GPU decoder, an in-place
 //! Adam step on synthetic gradients between steps (`lifecycle_examples::gpu_dapo`).
@@ -35,7 +43,9 @@ use clap::parser::ValueSource;
 use clap::{ArgMatches, Args as _, CommandFactory, FromArgMatches, Parser, ValueEnum};
 use lifecycle_core::{Ceilings, HumanBytes, HumanDuration, MemoryPolicy, Switching};
 use lifecycle_decoder::{load_checkpoint, Checkpoint};
-use lifecycle_examples::dapo::{self, DapoConfig, RunReport, StepReport};
+use lifecycle_examples::dapo::{
+    self, DapoConfig, RewardRule, RunReport, StepReport, UpdateOutcome,
+};
 use lifecycle_examples::gpu_dapo::{self as gpu_dapo, GpuOptions, LifecycleChoice, LoopOptions};
 use lifecycle_examples::lm_policy::run_checkpoint;
 use lifecycle_examples::toy_policy::PolicyConfig;
@@ -146,6 +156,10 @@ struct HostOptions {
     /// PATH.eager.json (open them at ui.perfetto.dev).
     #[arg(long, value_name = "PATH")]
     trace: Option<String>,
+    /// Per-phase detail after the report: each lifecycle's metrics table (plan, transfer,
+    /// offload, release, reload) and its phases against this host's copy rate.
+    #[arg(long)]
+    verbose: bool,
 }
 
 /// A command line that does not fit its backend.
@@ -180,6 +194,7 @@ enum Plan {
         lifecycle: LifecycleChoice,
         checkpoint: Option<PathBuf>,
         trace: Option<String>,
+        verbose: bool,
     },
     /// The FSDP backend on GPUs.
     Fsdp(gpu_dapo::Options),
@@ -272,6 +287,9 @@ impl Args {
             tokens: self.tokens.unwrap_or(d.tokens),
             temperature: self.temperature.unwrap_or(d.temperature),
             seed: self.seed.unwrap_or(d.seed),
+            reward_modulus: d.reward_modulus,
+            reward_quota: d.reward_quota,
+            update: d.update,
             policy: PolicyConfig {
                 vocab: h.vocab,
                 hidden: h.hidden,
@@ -290,6 +308,7 @@ impl Args {
             lifecycle: self.lifecycle.unwrap_or(HOST_LIFECYCLE),
             checkpoint: self.checkpoint.clone(),
             trace: h.trace.clone(),
+            verbose: h.verbose,
         }
     }
 
@@ -350,38 +369,24 @@ fn run_dapo(
     }
 }
 
+fn name(switching: Switching) -> &'static str {
+    match switching {
+        Switching::Lazy => "lazy",
+        Switching::Eager => "eager",
+    }
+}
+
+/// Runs one lifecycle; returns its report and its per-phase detail (for `--verbose`).
 fn run_one(
     config: &DapoConfig,
     checkpoint: Option<&Checkpoint>,
     switching: Switching,
     trace: Option<&str>,
-) -> Result<RunReport, dapo::DapoError> {
-    let name = match switching {
-        Switching::Lazy => "lazy",
-        Switching::Eager => "eager",
-    };
-    println!("\n== {name} lifecycle ==");
-    let report = run_dapo(config, checkpoint, switching, |s| {
-        println!(
-            "step {}: gen batches {}, kept {}/{} groups, mean reward {:.3}, switches {}, exits {}, \
-             moved {} (d2d {}, d2h {}, h2d {}), rollout {}, switch {}, update {}",
-            s.step,
-            s.gen_batches,
-            s.kept,
-            s.groups,
-            s.mean_reward,
-            s.switches,
-            s.exits,
-            HumanBytes(s.bytes.moved()),
-            HumanBytes(s.bytes.device_to_device),
-            HumanBytes(s.bytes.device_to_host),
-            HumanBytes(s.bytes.host_to_device),
-            ms(s.rollout_time),
-            ms(s.switch_time),
-            ms(s.update_time),
-        );
-    })?;
-    println!("{}", report.metrics.table());
+) -> Result<(RunReport, String), dapo::DapoError> {
+    let name = name(switching);
+    eprint!("running the {name} lifecycle ({} steps):", config.steps);
+    let report = run_dapo(config, checkpoint, switching, |s| eprint!(" {}", s.step))?;
+    eprintln!(" done in {}", ms(report.total_time));
     let rate = host_copy_rate();
     let ceilings = Ceilings {
         device_to_device_gbps: Some(rate),
@@ -389,92 +394,152 @@ fn run_one(
         host_to_device_gbps: Some(rate),
         local_gbps: Some(rate),
     };
-    println!(
-        "per phase against this host's copy rate ({rate:.1} GB/s copied; for the host backend every link is a copy in one memory):\n{}",
+    let mut detail = format!(
+        "\n== {name} lifecycle: per phase ==\n{}\nagainst this host's copy rate ({rate:.1} GB/s \
+         copied; for the host backend every link is a copy in one memory):\n{}",
+        report.metrics.table(),
         report.metrics.report(&ceilings)
     );
     if let Some(base) = trace {
         let path = format!("{base}.{name}.json");
         match report.trace.write_chrome(&path) {
-            Ok(()) => println!(
-                "switch timeline: {path} ({} spans; open it at ui.perfetto.dev)",
+            Ok(()) => detail.push_str(&format!(
+                "\nswitch timeline: {path} ({} spans; open it at ui.perfetto.dev)\n",
                 report.trace.spans().len()
-            ),
+            )),
             Err(e) => eprintln!("warning: could not write the trace {path}: {e}"),
         }
     }
-    Ok(report)
+    Ok((report, detail))
 }
 
-fn compare(lazy: &RunReport, eager: &RunReport) {
-    println!("\n== lazy vs eager (same seed) ==");
-    println!(
-        "{:<6} {:>6} {:>11} {:>9} {:>6} {:>11} {:>12} {:>14} {:>10}",
-        "policy",
-        "steps",
-        "gen batches",
-        "switches",
-        "exits",
-        "bytes",
-        "switch time",
-        "rollout phase",
-        "total"
-    );
-    for r in [lazy, eager] {
-        let name = if r.switching == Switching::Lazy {
-            "lazy"
-        } else {
-            "eager"
-        };
-        println!(
-            "{:<6} {:>6} {:>11} {:>9} {:>6} {:>11} {:>12} {:>14} {:>10}",
-            name,
-            r.steps.len(),
-            r.gen_batches(),
-            r.metrics.switches(),
-            r.metrics.exits,
-            HumanBytes(r.metrics.bytes().moved()).to_string(),
-            ms(r.metrics.switch_time()),
-            ms(r.rollout_time()),
-            ms(r.total_time),
-        );
-    }
-    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
-    let per_step = lazy.metrics.switches() as f64 / lazy.steps.len() as f64;
-    println!(
-        "lazy: {per_step:.2} switches per training step; eager: {:.2} per step ({} gen batches over {} steps)",
-        eager.metrics.switches() as f64 / eager.steps.len() as f64,
-        eager.gen_batches(),
-        eager.steps.len()
-    );
-    println!(
-        "eager / lazy: switches {:.2}x, bytes {:.2}x, switch time {:.2}x, rollout phase {:.2}x",
-        ratio(
-            eager.metrics.switches() as f64,
-            lazy.metrics.switches() as f64
-        ),
-        ratio(
-            eager.metrics.bytes().moved() as f64,
-            lazy.metrics.bytes().moved() as f64
-        ),
-        ratio(
-            eager.metrics.switch_time().as_secs_f64(),
-            lazy.metrics.switch_time().as_secs_f64()
-        ),
-        ratio(
-            eager.rollout_time().as_secs_f64(),
-            lazy.rollout_time().as_secs_f64()
-        ),
-    );
-    let identical = lazy.groups == eager.groups;
-    println!(
-        "samples identical across policies: {}",
-        if identical {
-            "yes"
-        } else {
-            "NO (a lifecycle bug: both must see the same weights)"
+/// Whether two runs have the same learning curve (bit for bit) and the same samples.
+fn same_run(a: &RunReport, b: &RunReport) -> bool {
+    let bits = |r: &RunReport| -> Vec<u32> { r.curve().iter().map(|x| x.to_bits()).collect() };
+    bits(a) == bits(b) && a.groups == b.groups
+}
+
+/// The report's first lines: per lifecycle, switches per step, bytes moved and switch time
+/// (measured); then the learning curve.
+fn summary(runs: &[&RunReport]) -> String {
+    let mut out = String::new();
+    let per_step = |r: &RunReport, x: f64| x / r.steps.len().max(1) as f64;
+    let row = |label: &str, cell: &dyn Fn(&RunReport) -> String| {
+        let mut line = format!("{label:<22}");
+        for r in runs {
+            line.push_str(&format!("{:>14}", cell(r)));
         }
+        line.push('\n');
+        line
+    };
+    out.push_str(&row("", &|r| name(r.switching).to_string()));
+    out.push_str(&row("switches per step", &|r| {
+        format!("{:.2}", per_step(r, r.metrics.switches() as f64))
+    }));
+    out.push_str(&row("gen batches per step", &|r| {
+        format!("{:.2}", per_step(r, r.gen_batches() as f64))
+    }));
+    out.push_str(&row("bytes moved per step", &|r| {
+        HumanBytes((per_step(r, r.metrics.bytes().moved() as f64)) as u64).to_string()
+    }));
+    out.push_str(&row("switch time per step", &|r| {
+        ms(r.metrics.switch_time() / r.steps.len().max(1) as u32)
+    }));
+    out.push_str(&row("switch time, run", &|r| ms(r.metrics.switch_time())));
+    out.push_str(&row("run time", &|r| ms(r.total_time)));
+    if let [lazy, eager] = runs {
+        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+        out.push_str(&format!(
+            "eager / lazy: switches {:.2}x, bytes {:.2}x, switch time {:.2}x (measured on this \
+             host: ranks are threads, links are memory copies)\n",
+            ratio(
+                eager.metrics.switches() as f64,
+                lazy.metrics.switches() as f64
+            ),
+            ratio(
+                eager.metrics.bytes().moved() as f64,
+                lazy.metrics.bytes().moved() as f64
+            ),
+            ratio(
+                eager.metrics.switch_time().as_secs_f64(),
+                lazy.metrics.switch_time().as_secs_f64()
+            ),
+        ));
+    }
+    if let Some(first) = runs.first() {
+        let curve = first.curve();
+        let (early, late) = first.quarters();
+        let q = (curve.len() / 4).max(1);
+        out.push_str(&format!(
+            "learning curve (mean reward of every sample generated, per step):\n  {}\n  first \
+             quarter (steps 1-{q}) {early:.3} -> last quarter (steps {}-{}) {late:.3}\n",
+            curve
+                .iter()
+                .map(|r| format!("{r:.3}"))
+                .collect::<Vec<_>>()
+                .join(" "),
+            curve.len() - q + 1,
+            curve.len(),
+        ));
+        if first
+            .steps
+            .iter()
+            .any(|s| matches!(s.update, UpdateOutcome::Synthetic))
+        {
+            out.push_str(
+                "  (the update is synthetic — seeded noise, then Adam: there is no backward pass \
+                 for checkpoint models, so this curve is not expected to rise)\n",
+            );
+        }
+    }
+    out
+}
+
+/// One line per step of `report`: sampling, the update and the switches of each lifecycle.
+fn step_table(report: &RunReport, runs: &[&RunReport]) -> String {
+    let mut out = format!(
+        "{:>4} {:>5} {:>9} {:>7} {:>7} {:>8} {:>6} {:>7} {:>10}",
+        "step", "gen", "kept/gen", "reward", "kept r", "loss", "clip", "|r-1|", "update"
     );
+    for r in runs {
+        out.push_str(&format!(
+            " {:>13}",
+            format!("{} sw/moved", name(r.switching))
+        ));
+    }
+    out.push('\n');
+    for (i, s) in report.steps.iter().enumerate() {
+        let (loss, clip, ratio) = match &s.update {
+            UpdateOutcome::Dapo(pg) => (
+                format!("{:.4}", pg.loss),
+                format!("{:.3}", pg.clip_fraction),
+                format!("{:.3}", pg.max_ratio_deviation),
+            ),
+            UpdateOutcome::Synthetic => ("synth".to_string(), "-".to_string(), "-".to_string()),
+        };
+        out.push_str(&format!(
+            "{:>4} {:>5} {:>9} {:>7.3} {:>7.3} {:>8} {:>6} {:>7} {:>10}",
+            s.step,
+            s.gen_batches,
+            format!("{}/{}", s.kept, s.groups),
+            s.mean_reward,
+            s.kept_reward,
+            loss,
+            clip,
+            ratio,
+            ms(s.update_time),
+        ));
+        for r in runs {
+            if let Some(t) = r.steps.get(i) {
+                out.push_str(&format!(
+                    " {:>13}",
+                    format!("{} / {}", t.switches, HumanBytes(t.bytes.moved()))
+                ));
+            }
+        }
+        out.push('\n');
+    }
+    out
 }
 
 /// The host backend's run: the toy policy or the checkpoint, one lifecycle or both compared.
@@ -483,6 +548,7 @@ fn run_host(
     lifecycle: LifecycleChoice,
     checkpoint_path: Option<PathBuf>,
     trace: Option<String>,
+    verbose: bool,
 ) -> ExitCode {
     let checkpoint = match &checkpoint_path {
         None => None,
@@ -499,6 +565,10 @@ fn run_host(
     } else {
         "master + Adam"
     };
+    let vocab = checkpoint
+        .as_ref()
+        .map_or(config.policy.vocab, |c| c.config.vocab_size);
+    let rule = RewardRule::new(config.reward_modulus, config.reward_quota, vocab);
     match (&checkpoint, &checkpoint_path) {
         (Some(ckpt), Some(path)) => {
             let m = &ckpt.config;
@@ -521,22 +591,42 @@ fn run_host(
                 config.group_size,
                 config.batch_groups,
             );
+            println!(
+                "update: synthetic (seeded noise in the gradient shards, then Adam; no backward \
+                 pass for checkpoint models)"
+            );
         }
-        _ => println!(
-            "DAPO on the host backend: W = {}, T = {}, policy {} params ({} layers, hidden {}, ffn {}, vocab {}), \
-             {} prompts x {} samples per gen batch, {} groups per step, offload {offload}",
-            config.world,
-            config.tp,
-            config.policy.params(),
-            config.policy.layers,
-            config.policy.hidden,
-            config.policy.ffn,
-            config.policy.vocab,
-            config.prompts_per_batch,
-            config.group_size,
-            config.batch_groups,
-        ),
+        _ => {
+            println!(
+                "DAPO on the host backend: W = {}, T = {}, policy {} params ({} layers, hidden {}, ffn {}, vocab {}), \
+                 {} prompts x {} samples per gen batch, {} groups per step, offload {offload}",
+                config.world,
+                config.tp,
+                config.policy.params(),
+                config.policy.layers,
+                config.policy.hidden,
+                config.policy.ffn,
+                config.policy.vocab,
+                config.prompts_per_batch,
+                config.group_size,
+                config.batch_groups,
+            );
+            let u = &config.update;
+            println!(
+                "update: DAPO (token-level clipped loss, ε_low {} / ε_high {}, group-normalised \
+                 advantages, {} mini-batches per step, Adam lr {:e}; gradients by backpropagation)",
+                u.clip_low, u.clip_high, u.minibatches, u.lr
+            );
+        }
     }
+    println!(
+        "reward: 1 if at least {} of the {} generated tokens t have t mod {} == 0 (a uniform \
+         policy scores {:.3})",
+        rule.quota(),
+        config.tokens,
+        rule.modulus(),
+        rule.sample_hit_rate(vocab, config.tokens)
+    );
     let ckpt = checkpoint.as_ref();
     let trace = trace.as_deref();
     // Warm the allocator and caches once, untimed, so neither policy pays the first-touch cost.
@@ -549,21 +639,54 @@ fn run_host(
         eprintln!("error: {e}");
         return ExitCode::FAILURE;
     }
-    let result = match lifecycle {
-        LifecycleChoice::Lazy => run_one(&config, ckpt, Switching::Lazy, trace).map(|_| ()),
-        LifecycleChoice::Eager => run_one(&config, ckpt, Switching::Eager, trace).map(|_| ()),
-        LifecycleChoice::Both => run_one(&config, ckpt, Switching::Lazy, trace).and_then(|lazy| {
-            let eager = run_one(&config, ckpt, Switching::Eager, trace)?;
-            compare(&lazy, &eager);
-            Ok(())
-        }),
+    let choices: &[Switching] = match lifecycle {
+        LifecycleChoice::Lazy => &[Switching::Lazy],
+        LifecycleChoice::Eager => &[Switching::Eager],
+        LifecycleChoice::Both => &[Switching::Lazy, Switching::Eager],
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
+    let mut runs = Vec::new();
+    for &switching in choices {
+        match run_one(&config, ckpt, switching, trace) {
+            Ok(run) => runs.push(run),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
         }
+    }
+    let reports: Vec<&RunReport> = runs.iter().map(|(r, _)| r).collect();
+    println!();
+    print!("{}", summary(&reports));
+    let identical = match reports.as_slice() {
+        [lazy, eager] => {
+            let same = same_run(lazy, eager);
+            println!(
+                "lazy vs eager on the same seed: {}",
+                if same {
+                    "identical learning curves and samples"
+                } else {
+                    "DIFFERENT learning curves or samples (a lifecycle bug: both must see the \
+                     same weights)"
+                }
+            );
+            same
+        }
+        _ => true,
+    };
+    if let Some(first) = reports.first() {
+        println!("\nper step ({}):", name(first.switching));
+        print!("{}", step_table(first, &reports));
+    }
+    if verbose {
+        for (_, detail) in &runs {
+            print!("{detail}");
+        }
+    }
+    if identical {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("error: the lazy and eager lifecycles gave different learning curves or samples");
+        ExitCode::FAILURE
     }
 }
 
@@ -582,7 +705,8 @@ fn main() -> ExitCode {
             lifecycle,
             checkpoint,
             trace,
-        }) => run_host(config, lifecycle, checkpoint, trace),
+            verbose,
+        }) => run_host(config, lifecycle, checkpoint, trace, verbose),
         Ok(Plan::Fsdp(options)) => gpu_dapo::run_cli(&options),
     }
 }
@@ -614,13 +738,14 @@ mod tests {
                 lifecycle,
                 checkpoint,
                 trace,
+                verbose,
             } => {
                 assert_eq!(
                     format!("{config:?}"),
                     format!("{:?}", DapoConfig::default())
                 );
                 assert_eq!(lifecycle, LifecycleChoice::Both);
-                assert!(checkpoint.is_none() && trace.is_none());
+                assert!(checkpoint.is_none() && trace.is_none() && !verbose);
             }
             other => panic!("expected the host backend, got {other:?}"),
         }
@@ -641,6 +766,7 @@ mod tests {
             "eager",
             "--trace",
             "/tmp/t",
+            "--verbose",
         ])
         .unwrap()
         {
@@ -648,8 +774,10 @@ mod tests {
                 config,
                 lifecycle,
                 trace,
+                verbose,
                 ..
             } => {
+                assert!(verbose);
                 assert_eq!((config.steps, config.tp, config.world), (3, 1, 3));
                 assert_eq!((config.policy.vocab, config.seed), (32, 9));
                 assert_eq!(config.memory, MemoryPolicy::resident());

@@ -1,6 +1,8 @@
-//! Code shared by the examples: a toy policy that reads the rollout layout, a DAPO loop on the CPU
-//! backend with DAPO rollouts through the Qwen2 / Llama decoder on a checkpoint, and the DAPO loop
-//! on GPUs ([`gpu_dapo`]: FSDP training state, GPU decoder rollouts).
+//! Code shared by the examples: a toy policy that reads the rollout layout and trains on full f32
+//! tensors ([`toy_policy`]: forward and backward), a DAPO loop on the CPU backend ([`dapo`]: the
+//! policy-gradient update, the reward rule) with rollouts through the Qwen2 / Llama decoder on a
+//! checkpoint ([`lm_policy`]), and the DAPO loop on GPUs ([`gpu_dapo`]: FSDP training state, GPU
+//! decoder rollouts).
 
 pub mod dapo;
 pub mod gpu_dapo;

@@ -1,15 +1,19 @@
 //! DAPO rollouts through the Qwen2 / Llama decoder on a Hugging Face checkpoint: the training
 //! state is the checkpoint's weights, the rollout runs [`CpuDecoder`] on the resharded bf16 TP
-//! slices, the reward is the same verifiable rule as the toy policy's.
+//! slices, the reward is the same verifiable rule as the toy policy's ([`RewardRule`]: token
+//! classes, so its hit rate does not shrink with the vocabulary). The update is the synthetic
+//! stand-in ([`synthetic_update`]): there is no backward pass for the decoder here.
 
 use lifecycle_core::{sharded_rollout, RolloutView, Switching};
 use lifecycle_decoder::{Checkpoint, CpuDecoder, DecodeError, Decoder, ModelConfig, Sampling};
 use lifecycle_host::HostTrainState;
-use lifecycle_layout::HostRollout;
 use lifecycle_layout::RolloutLayout;
+use lifecycle_layout::{AdamParams, HostRollout};
 
+use crate::dapo::update::SYNTHETIC_LR;
 use crate::dapo::{
-    prompt, reward, run_loop, validate, DapoConfig, DapoError, Group, RunReport, StepReport,
+    prompt, rewarded_group, run_loop, synthetic_update, validate, DapoConfig, DapoError, Group,
+    RewardRule, RunReport, StepReport, UpdateOutcome,
 };
 use crate::rng::SplitMix64;
 
@@ -29,6 +33,8 @@ pub struct LmJob {
     pub temperature: f32,
     /// Sampling seed.
     pub seed: u64,
+    /// The reward rule (built for the model's vocabulary by [`RewardRule::new`]).
+    pub reward: RewardRule,
     /// The model.
     pub model: ModelConfig,
     /// The rollout layout the weights are in.
@@ -63,7 +69,7 @@ pub fn generate_lm(
                         .collect();
                     let prompts: Vec<Vec<u32>> = ids
                         .iter()
-                        .map(|&id| prompt(id, vocab).0.iter().map(|&t| t as u32).collect())
+                        .map(|&id| prompt(id, vocab).iter().map(|&t| t as u32).collect())
                         .collect();
                     let sampling = Sampling {
                         temperature: job.temperature,
@@ -89,24 +95,19 @@ pub fn generate_lm(
         .prompts
         .iter()
         .map(|&id| {
-            let (_, target) = prompt(id, vocab);
             let samples: Vec<Vec<usize>> = samples
                 .iter()
                 .filter(|(p, _)| *p == id)
                 .map(|(_, t)| t.iter().map(|&x| x as usize).collect())
                 .collect();
-            let rewards = samples.iter().map(|s| reward(s, target)).collect();
-            Group {
-                prompt: id,
-                samples,
-                rewards,
-            }
+            rewarded_group(id, job.reward, samples)
         })
-        .collect())
+        .collect::<Vec<Group>>())
 }
 
-/// Runs DAPO on `checkpoint` with `switching`: the same dynamic sampling and update step as
-/// [`crate::dapo::run`], rollouts through [`generate_lm`]. `config.policy` is not used.
+/// Runs DAPO on `checkpoint` with `switching`: the same dynamic sampling as [`crate::dapo::run`],
+/// rollouts through [`generate_lm`], the synthetic update ([`synthetic_update`]).
+/// `config.policy` and `config.update` are not used.
 pub fn run_checkpoint(
     config: &DapoConfig,
     checkpoint: &Checkpoint,
@@ -130,10 +131,23 @@ pub fn run_checkpoint(
                 tokens: config.tokens,
                 temperature: config.temperature,
                 seed: req.seed,
+                reward: RewardRule::new(
+                    config.reward_modulus,
+                    config.reward_quota,
+                    model.vocab_size,
+                ),
                 model: model.clone(),
                 layout: layout.clone(),
             };
             Ok(generate_lm(lc, &job)??)
+        },
+        |state, step, kept| {
+            let adam = AdamParams {
+                lr: SYNTHETIC_LR,
+                ..AdamParams::default()
+            };
+            synthetic_update(state, config.seed, step, kept, adam)?;
+            Ok(UpdateOutcome::Synthetic)
         },
     )
 }

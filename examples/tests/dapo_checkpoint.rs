@@ -7,7 +7,7 @@ use lifecycle_core::{Lifecycle, Switching};
 use lifecycle_decoder::{
     load_checkpoint, random_tensors, save_checkpoint, ConfigStyle, ModelConfig,
 };
-use lifecycle_examples::dapo::DapoConfig;
+use lifecycle_examples::dapo::{DapoConfig, RewardRule, UpdateOutcome};
 use lifecycle_examples::lm_policy::{generate_lm, run_checkpoint, LmJob};
 use lifecycle_host::{HostBackend, HostTrainState};
 
@@ -43,6 +43,11 @@ fn checkpoint_dapo_lazy_one_switch_per_step_eager_one_per_gen_batch() {
     for s in &eager.steps {
         assert_eq!(s.switches as usize, s.gen_batches);
     }
+    // no backward pass for checkpoint models: the update says it is synthetic
+    assert!(lazy
+        .steps
+        .iter()
+        .all(|s| s.update == UpdateOutcome::Synthetic));
     assert_eq!(
         lazy.groups, eager.groups,
         "both policies must sample from the same weights"
@@ -92,6 +97,7 @@ fn checkpoint_samples_follow_the_weights_on_two_replicas() {
         tokens: 6,
         temperature: 1.0,
         seed: 5,
+        reward: RewardRule::new(4, 2, config.vocab_size),
         model: config.clone(),
         layout,
     };
@@ -106,4 +112,41 @@ fn checkpoint_samples_follow_the_weights_on_two_replicas() {
     let after = generate_lm(&mut lc, &job).unwrap().unwrap();
     assert_ne!(first, after, "new weights must change the samples");
     assert_eq!(lc.metrics().switches(), 2);
+}
+
+#[test]
+fn checkpoint_dapo_defaults_fill_their_batches_on_a_qwen2_vocabulary() {
+    // Qwen2's 151 936-token vocabulary on a tiny random model: the default reward rule must fill
+    // the batch, as it does on the toy policy's 64 tokens
+    let config = ModelConfig::from_json_str(
+        r#"{"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 16,
+        "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "rope_theta": 10000.0, "tie_word_embeddings": true}"#,
+    )
+    .unwrap();
+    let dir = std::env::temp_dir().join(format!("lc-dapo-qwen-vocab-{}", std::process::id()));
+    save_checkpoint(&dir, &config, &random_tensors(&config, 7), ConfigStyle::V5).unwrap();
+    let ckpt = load_checkpoint(&dir).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    // the default reward rule, tokens and group size; fewer groups keep the test quick
+    let dapo = DapoConfig {
+        steps: 1,
+        prompts_per_batch: 2,
+        batch_groups: 2,
+        ..DapoConfig::default()
+    };
+    let report = run_checkpoint(&dapo, &ckpt, Switching::Lazy, |_| {}).unwrap();
+    for s in &report.steps {
+        assert_eq!(s.kept, dapo.batch_groups, "step {}", s.step);
+        assert!(
+            s.mean_reward > 0.0 && s.mean_reward < 1.0,
+            "{}",
+            s.mean_reward
+        );
+    }
+    assert!(report
+        .groups
+        .iter()
+        .flat_map(|g| g.samples.iter().flatten())
+        .any(|&t| t >= 1000));
 }

@@ -1,8 +1,11 @@
 //! The DAPO loop: lazy spends one switch per training step whatever the number of gen batches,
-//! eager one per gen batch, and both see the same weights (identical samples).
+//! eager one per gen batch, and both see the same weights (identical samples and learning
+//! curves); the policy learns the reward rule.
 
 use lifecycle_core::{Lifecycle, MemoryPolicy, Switching};
-use lifecycle_examples::dapo::{generate, run, DapoConfig, DapoError, GenJob};
+use lifecycle_examples::dapo::{
+    generate, run, DapoConfig, DapoError, GenJob, RewardRule, UpdateConfig, UpdateOutcome,
+};
 use lifecycle_examples::toy_policy::PolicyConfig;
 use lifecycle_host::{HostBackend, HostTrainState};
 
@@ -16,6 +19,7 @@ fn small() -> DapoConfig {
         batch_groups: 4,
         max_gen_batches: 32,
         tokens: 6,
+        reward_quota: 2,
         policy: PolicyConfig {
             vocab: 32,
             hidden: 32,
@@ -51,7 +55,64 @@ fn lazy_costs_one_switch_per_step_and_eager_one_per_gen_batch() {
         lazy.groups, eager.groups,
         "both policies must sample from the same weights"
     );
+    let bits = |c: Vec<f32>| c.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    assert_eq!(
+        bits(lazy.curve()),
+        bits(eager.curve()),
+        "identical learning curves"
+    );
+    for (a, b) in lazy.steps.iter().zip(&eager.steps) {
+        assert_eq!(a.update, b.update, "identical updates at step {}", a.step);
+        assert!(matches!(a.update, UpdateOutcome::Dapo(_)));
+    }
     assert!(eager.metrics.bytes().moved() > lazy.metrics.bytes().moved());
+}
+
+#[test]
+fn the_toy_policy_learns_the_reward_rule() {
+    let config = DapoConfig {
+        steps: 10,
+        update: UpdateConfig {
+            lr: 3e-4,
+            ..UpdateConfig::default()
+        },
+        ..small()
+    };
+    let report = run(&config, Switching::Lazy, |_| {}).unwrap();
+    let (early, late) = report.quarters();
+    eprintln!("learning curve {:?}", report.curve());
+    assert!(
+        late > early + 0.25,
+        "mean reward {early:.3} -> {late:.3}: {:?}",
+        report.curve()
+    );
+    for s in &report.steps {
+        let UpdateOutcome::Dapo(pg) = &s.update else {
+            panic!("step {}: {:?}", s.step, s.update);
+        };
+        assert_eq!(
+            pg.tokens,
+            config.batch_groups * config.group_size * config.tokens
+        );
+        assert!(pg.loss.is_finite() && pg.grad_norm > 0.0, "{pg:?}");
+    }
+}
+
+#[test]
+fn the_default_run_is_set_up_to_learn() {
+    // the settings the example runs by default: the update is DAPO with clip-higher
+    let d = DapoConfig::default();
+    assert_eq!((d.update.clip_low, d.update.clip_high), (0.2, 0.28));
+    assert!(
+        d.update.minibatches >= 2,
+        "ratios other than 1 need a second mini-batch"
+    );
+    let rule = RewardRule::new(d.reward_modulus, d.reward_quota, d.policy.vocab);
+    let p = rule.sample_hit_rate(d.policy.vocab, d.tokens);
+    assert!(
+        (0.05..0.5).contains(&p),
+        "a uniform policy scores {p}: room to learn"
+    );
 }
 
 #[test]
@@ -66,6 +127,7 @@ fn samples_follow_the_weights() {
         tokens: 8,
         temperature: 1.0,
         seed: 3,
+        reward: RewardRule::new(4, 2, config.policy.vocab),
         policy: config.policy,
         tp: 2,
     };

@@ -1,5 +1,13 @@
-//! A DAPO-style training loop on the host backend: dynamic sampling calls the rollout several
-//! times per training step with no weight change in between, then one update changes every weight.
+//! A DAPO training loop on the host backend: dynamic sampling calls the rollout several times per
+//! training step with no weight change in between, then the update changes every weight.
+//!
+//! On the toy policy ([`run`]) the update is DAPO's policy-gradient step ([`update`]: clipped
+//! token-level loss with clip-higher, group-normalised advantages, gradients by backpropagation,
+//! Adam on the FSDP shards), and the policy learns the reward rule ([`reward`]). On a checkpoint
+//! ([`crate::lm_policy`]) the update is a synthetic stand-in ([`update::synthetic_update`]).
+
+pub mod reward;
+pub mod update;
 
 use std::time::{Duration, Instant};
 
@@ -8,12 +16,14 @@ use lifecycle_core::{
     RolloutView, Switching, Trace,
 };
 use lifecycle_host::{HostBackend, HostError, HostTrainState};
-use lifecycle_layout::AdamParams;
 use lifecycle_layout::HostRollout;
 use lifecycle_layout::RolloutLayout;
 
 use crate::rng::SplitMix64;
-use crate::toy_policy::{PolicyConfig, TpGroup};
+use crate::toy_policy::{ForwardError, PolicyConfig, TpGroup};
+
+pub use reward::RewardRule;
+pub use update::{dapo_update, synthetic_update, PgStats, UpdateConfig, UpdateOutcome};
 
 /// Settings of a DAPO run.
 #[derive(Debug, Clone, Copy)]
@@ -38,6 +48,12 @@ pub struct DapoConfig {
     pub temperature: f32,
     /// Seed of weights, prompts and sampling.
     pub seed: u64,
+    /// Classes of the reward rule ([`RewardRule`]; capped at the vocabulary size).
+    pub reward_modulus: usize,
+    /// Target-class tokens a sample needs for reward 1 ([`RewardRule::quota`]).
+    pub reward_quota: usize,
+    /// The policy-gradient update (toy policy).
+    pub update: UpdateConfig,
     /// Policy sizes.
     pub policy: PolicyConfig,
     /// What to offload during rollout.
@@ -49,16 +65,19 @@ pub struct DapoConfig {
 impl Default for DapoConfig {
     fn default() -> Self {
         DapoConfig {
-            steps: 4,
+            steps: 16,
             world: 2,
             tp: 2,
             prompts_per_batch: 4,
             group_size: 8,
             batch_groups: 8,
-            max_gen_batches: 16,
-            tokens: 12,
+            max_gen_batches: 32,
+            tokens: 8,
             temperature: 1.0,
             seed: 2026,
+            reward_modulus: 4,
+            reward_quota: 4,
+            update: UpdateConfig::default(),
             policy: PolicyConfig {
                 vocab: 64,
                 hidden: 256,
@@ -83,7 +102,8 @@ pub enum DapoError {
     /// Dynamic sampling could not fill the batch.
     #[error(
         "step {step}: {kept} of {needed} groups with mixed rewards after {gen_batches} gen batches \
-         (the limit, --max-gen-batches): raise the limit, lower --batch-groups, or raise the \
+         (the limit, --max-gen-batches; the samples' mean reward is {mean_reward:.3}, and near 0 \
+         or 1 almost every group is uniform): raise the limit, lower --batch-groups, or raise the \
          group size so fewer groups have uniform rewards"
     )]
     BatchNotFilled {
@@ -95,6 +115,8 @@ pub enum DapoError {
         needed: usize,
         /// Gen batches run.
         gen_batches: usize,
+        /// Mean reward of every sample generated in the step.
+        mean_reward: f32,
     },
     /// Inconsistent settings.
     #[error("invalid setting: {0}")]
@@ -105,6 +127,9 @@ pub enum DapoError {
     /// The decoder rejected the model, its layout or a token.
     #[error(transparent)]
     Decode(#[from] lifecycle_decoder::DecodeError),
+    /// The training forward pass rejected a batch.
+    #[error(transparent)]
+    Forward(#[from] ForwardError),
 }
 
 /// The samples of one prompt.
@@ -138,27 +163,29 @@ pub struct GenJob {
     pub temperature: f32,
     /// Sampling seed (mixed with prompt and sample index).
     pub seed: u64,
+    /// The reward rule (built for the vocabulary by [`RewardRule::new`]).
+    pub reward: RewardRule,
     /// Policy sizes.
     pub policy: PolicyConfig,
     /// Rollout tensor-parallel degree.
     pub tp: usize,
 }
 
-/// The prompt tokens and the verifiable target of prompt `id`.
-pub fn prompt(id: u64, vocab: usize) -> (Vec<usize>, usize) {
-    let v = vocab as u64;
-    let tokens = (0..4)
+/// The tokens of prompt `id` (four, each below `vocab`).
+pub fn prompt(id: u64, vocab: usize) -> Vec<usize> {
+    let v = vocab.max(1) as u64;
+    (0..4)
         .map(|k| ((id * 31 + k * 7 + 3) % v) as usize)
-        .collect();
-    (tokens, ((id * 13 + 5) % v) as usize)
+        .collect()
 }
 
-/// Reward rule: 1 if the sample contains the prompt's target token, else 0.
-pub fn reward(sample: &[usize], target: usize) -> f32 {
-    if sample.contains(&target) {
-        1.0
-    } else {
-        0.0
+/// The group of prompt `id`: its samples, rewarded by `rule`.
+pub fn rewarded_group(id: u64, rule: RewardRule, samples: Vec<Vec<usize>>) -> Group {
+    let rewards = samples.iter().map(|s| rule.reward(s)).collect();
+    Group {
+        prompt: id,
+        samples,
+        rewards,
     }
 }
 
@@ -199,7 +226,7 @@ pub fn generate(weights: RolloutView<'_, HostRollout>, job: &GenJob) -> Vec<Grou
                         .skip(t)
                         .step_by(threads)
                         .map(|&(replica, id, s)| {
-                            let (tokens, _) = prompt(id, job.policy.vocab);
+                            let tokens = prompt(id, job.policy.vocab);
                             let mut rng = SplitMix64::from_keys(&[job.seed, id, s as u64]);
                             (
                                 id,
@@ -225,18 +252,12 @@ pub fn generate(weights: RolloutView<'_, HostRollout>, job: &GenJob) -> Vec<Grou
     job.prompts
         .iter()
         .map(|&id| {
-            let (_, target) = prompt(id, job.policy.vocab);
             let samples: Vec<Vec<usize>> = done
                 .iter()
                 .filter(|(p, _, _)| *p == id)
                 .map(|(_, _, tokens)| tokens.clone())
                 .collect();
-            let rewards = samples.iter().map(|s| reward(s, target)).collect();
-            Group {
-                prompt: id,
-                samples,
-                rewards,
-            }
+            rewarded_group(id, job.reward, samples)
         })
         .collect()
 }
@@ -252,8 +273,11 @@ pub struct StepReport {
     pub groups: usize,
     /// Groups with mixed rewards kept for training.
     pub kept: usize,
-    /// Mean reward of the kept groups.
+    /// Mean reward of every sample generated in the step (the learning curve: the policy's
+    /// success rate on fresh prompts, before dynamic sampling filters groups).
     pub mean_reward: f32,
+    /// Mean reward of the kept groups.
+    pub kept_reward: f32,
     /// Switches into rollout mode during the step.
     pub switches: u64,
     /// Exits during the step.
@@ -266,6 +290,8 @@ pub struct StepReport {
     pub switch_time: Duration,
     /// Time of the update.
     pub update_time: Duration,
+    /// What the update did.
+    pub update: UpdateOutcome,
 }
 
 /// What a whole run did.
@@ -294,6 +320,20 @@ impl RunReport {
     /// Time in rollout calls over all steps, switches included.
     pub fn rollout_time(&self) -> Duration {
         self.steps.iter().map(|s| s.rollout_time).sum()
+    }
+
+    /// The learning curve: [`StepReport::mean_reward`] per step.
+    pub fn curve(&self) -> Vec<f32> {
+        self.steps.iter().map(|s| s.mean_reward).collect()
+    }
+
+    /// Mean of the learning curve over its first and its last quarter of steps (at least one
+    /// step each).
+    pub fn quarters(&self) -> (f32, f32) {
+        let curve = self.curve();
+        let q = (curve.len() / 4).max(1).min(curve.len());
+        let mean = |s: &[f32]| s.iter().sum::<f32>() / s.len().max(1) as f32;
+        (mean(&curve[..q]), mean(&curve[curve.len() - q..]))
     }
 }
 
@@ -325,6 +365,35 @@ pub fn validate(config: &DapoConfig) -> Result<(), DapoError> {
         ),
         (c.tokens == 0, "--tokens must be at least 1".to_string()),
         (
+            c.reward_modulus == 0,
+            "the reward modulus must be at least 1".to_string(),
+        ),
+        (
+            c.reward_quota == 0 || c.reward_quota > c.tokens,
+            format!(
+                "the reward quota must be between 1 and --tokens ({}), found {}",
+                c.tokens, c.reward_quota
+            ),
+        ),
+        (
+            c.update.minibatches == 0,
+            "the update needs at least one mini-batch".to_string(),
+        ),
+        (
+            !(c.update.lr.is_finite() && c.update.lr > 0.0),
+            format!(
+                "the learning rate must be a finite number > 0, found {}",
+                c.update.lr
+            ),
+        ),
+        (
+            !(c.update.clip_low >= 0.0 && c.update.clip_low < 1.0 && c.update.clip_high >= 0.0),
+            format!(
+                "the clip range needs 0 ≤ ε_low < 1 and ε_high ≥ 0, found {} and {}",
+                c.update.clip_low, c.update.clip_high
+            ),
+        ),
+        (
             !(c.temperature.is_finite() && c.temperature >= 0.0),
             format!(
                 "--temperature must be a finite number ≥ 0, found {}",
@@ -349,7 +418,8 @@ pub struct GenRequest {
     pub seed: u64,
 }
 
-/// Runs DAPO with `switching`, calling `on_step` after each step.
+/// Runs DAPO on the toy policy with `switching`, calling `on_step` after each step: the update is
+/// [`dapo_update`].
 pub fn run(
     config: &DapoConfig,
     switching: Switching,
@@ -358,23 +428,46 @@ pub fn run(
     validate(config)?;
     let state = HostTrainState::from_tensors(config.world, config.policy.init(config.seed))?;
     let layout = config.policy.rollout_layout(config.tp)?;
-    run_loop(config, state, layout, switching, on_step, |lc, req| {
-        let job = GenJob {
-            prompts: req.prompts.clone(),
-            group_size: config.group_size,
-            tokens: config.tokens,
-            temperature: config.temperature,
-            seed: req.seed,
-            policy: config.policy,
-            tp: config.tp,
-        };
-        Ok(generate(lc, &job)?)
-    })
+    run_loop(
+        config,
+        state,
+        layout,
+        switching,
+        on_step,
+        |lc, req| {
+            let job = GenJob {
+                prompts: req.prompts.clone(),
+                group_size: config.group_size,
+                tokens: config.tokens,
+                temperature: config.temperature,
+                seed: req.seed,
+                reward: RewardRule::new(
+                    config.reward_modulus,
+                    config.reward_quota,
+                    config.policy.vocab,
+                ),
+                policy: config.policy,
+                tp: config.tp,
+            };
+            Ok(generate(lc, &job)?)
+        },
+        |state, _step, kept| {
+            dapo_update(
+                state,
+                config.policy,
+                kept,
+                &config.update,
+                config.temperature,
+            )
+            .map(UpdateOutcome::Dapo)
+        },
+    )
 }
 
 /// The DAPO loop over any policy: per step, gen batches from `rollout` until `batch_groups`
-/// groups with mixed rewards are kept (dynamic sampling), then one update that changes every
-/// weight. `config.policy` is not read here (the state and layout are given).
+/// groups with mixed rewards are kept (dynamic sampling), then `update(state, step, kept)` in
+/// train mode (it writes the gradient shards and steps the optimizer). `config.policy` is not
+/// read here (the state and layout are given).
 pub fn run_loop(
     config: &DapoConfig,
     state: HostTrainState,
@@ -382,6 +475,7 @@ pub fn run_loop(
     switching: Switching,
     mut on_step: impl FnMut(&StepReport),
     mut rollout: impl FnMut(&mut Lifecycle<HostBackend>, &GenRequest) -> Result<Vec<Group>, DapoError>,
+    mut update: impl FnMut(&mut HostTrainState, usize, &[Group]) -> Result<UpdateOutcome, DapoError>,
 ) -> Result<RunReport, DapoError> {
     validate(config)?;
     let start = Instant::now();
@@ -394,10 +488,6 @@ pub fn run_loop(
     if config.trace {
         lc.enable_trace();
     }
-    let adam = AdamParams {
-        lr: 1e-2,
-        ..AdamParams::default()
-    };
     let mut next_prompt = 0u64;
     let mut steps = Vec::new();
     let mut all_groups = Vec::new();
@@ -405,6 +495,7 @@ pub fn run_loop(
         let before = lc.metrics().clone();
         let mut kept: Vec<Group> = Vec::new();
         let (mut gen_batches, mut generated) = (0, 0);
+        let (mut reward_sum, mut samples) = (0.0f64, 0usize);
         let rollout_start = Instant::now();
         while kept.len() < config.batch_groups {
             if gen_batches == config.max_gen_batches {
@@ -413,6 +504,7 @@ pub fn run_loop(
                     kept: kept.len(),
                     needed: config.batch_groups,
                     gen_batches,
+                    mean_reward: (reward_sum / samples.max(1) as f64) as f32,
                 });
             }
             let request = GenRequest {
@@ -424,42 +516,24 @@ pub fn run_loop(
             let groups = rollout(&mut lc, &request)?;
             gen_batches += 1;
             generated += groups.len();
+            for g in &groups {
+                reward_sum += g.rewards.iter().map(|&r| f64::from(r)).sum::<f64>();
+                samples += g.rewards.len();
+            }
             all_groups.extend(groups.iter().cloned());
             kept.extend(groups.into_iter().filter(|g| !g.uniform()));
         }
         let rollout_time = rollout_start.elapsed();
         kept.truncate(config.batch_groups);
-        let mean_reward = kept.iter().flat_map(|g| &g.rewards).sum::<f32>()
-            / (kept.len() * config.group_size) as f32;
+        let mean_reward = (reward_sum / samples.max(1) as f64) as f32;
+        let kept_reward = kept.iter().flat_map(|g| &g.rewards).sum::<f32>()
+            / kept.iter().map(|g| g.rewards.len()).sum::<usize>().max(1) as f32;
 
-        // The update: an honest stand-in for a policy-gradient optimizer step. Gradients are
-        // synthetic (seeded noise scaled by the batch's mean absolute advantage), then a real Adam
-        // step changes every master weight.
         let update_start = Instant::now();
-        let signal = kept
-            .iter()
-            .map(|g| {
-                let mean = g.rewards.iter().sum::<f32>() / g.rewards.len() as f32;
-                g.rewards.iter().map(|r| (r - mean).abs()).sum::<f32>() / g.rewards.len() as f32
-            })
-            .sum::<f32>()
-            / kept.len().max(1) as f32;
-        {
+        let outcome = {
             let mut train = lc.train()?;
-            let state = train.state_mut();
-            state.for_each_shard_mut(|s| {
-                let mut rng = SplitMix64::from_keys(&[
-                    config.seed,
-                    step as u64,
-                    s.tensor as u64,
-                    s.rank as u64,
-                ]);
-                for g in s.grad.iter_mut() {
-                    *g = rng.symmetric(1.0) * (0.5 + signal);
-                }
-            })?;
-            state.adam_step(adam)?;
-        }
+            update(train.state_mut(), step, &kept)?
+        };
         let update_time = update_start.elapsed();
         let delta = lc.metrics().since(&before);
         let report = StepReport {
@@ -468,12 +542,14 @@ pub fn run_loop(
             groups: generated,
             kept: kept.len(),
             mean_reward,
+            kept_reward,
             switches: delta.switches(),
             exits: delta.exits,
             bytes: delta.bytes(),
             rollout_time,
             switch_time: delta.switch_time(),
             update_time,
+            update: outcome,
         };
         on_step(&report);
         steps.push(report);

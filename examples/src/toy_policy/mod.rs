@@ -6,6 +6,10 @@
 //! a final RMSNorm and a vocabulary-parallel `lm_head`. A recurrent mix of the previous hidden
 //! state makes each token depend on the whole history. Every output depends on every weight, so
 //! sampling from stale weights changes the samples.
+//!
+//! The rollout side ([`TpGroup`]) reads the bf16 tensor-parallel slices; the training side
+//! ([`train::Params`]) runs the same function on the full fp32 master tensors and backpropagates
+//! through it.
 
 use half::bf16;
 use lifecycle_host::HostError;
@@ -16,6 +20,10 @@ use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 use lifecycle_decoder::{dot, sample_token};
 
 use crate::rng::SplitMix64;
+
+pub mod train;
+
+pub use train::{Forward, ForwardError, Params, Sequence};
 
 /// Sizes of the toy policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,6 +188,32 @@ impl<'w> TpGroup<'w> {
             matvec_into(tensor(rank, "lm_head.weight"), &h, out);
         }
         logits
+    }
+
+    /// The log-probability of each token of `completion` after `prompt` under
+    /// `softmax(logits / temperature)` on these rollout weights (temperature 0 scores at 1, as
+    /// [`train::Params::forward`] does); tokens outside the vocabulary score `-inf`.
+    pub fn score(&self, prompt: &[usize], completion: &[usize], temperature: f32) -> Vec<f32> {
+        let t = if temperature > 0.0 { temperature } else { 1.0 };
+        let mut state = vec![0.0f32; self.config.hidden];
+        let mut logits = Vec::new();
+        for &tok in prompt {
+            logits = self.step(tok % self.config.vocab, &mut state);
+        }
+        let mut out = Vec::with_capacity(completion.len());
+        for &tok in completion {
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) / t;
+            let total: f32 = logits.iter().map(|l| (l / t - max).exp()).sum();
+            out.push(match logits.get(tok) {
+                Some(l) => l / t - max - total.ln(),
+                None => f32::NEG_INFINITY,
+            });
+            if tok >= self.config.vocab {
+                break;
+            }
+            logits = self.step(tok, &mut state);
+        }
+        out
     }
 
     /// Samples `len` tokens after `prompt` at `temperature` with `rng`.
