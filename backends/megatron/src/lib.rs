@@ -61,10 +61,16 @@
 #![warn(missing_docs)]
 
 mod backend;
+mod build;
+mod config;
+mod download;
 mod error;
+mod reshard;
 mod state;
+mod transfer;
 
-pub use backend::{GpuConfig, MegatronGpuBackend, MegatronGpuPlan};
+pub use backend::{MegatronGpuBackend, MegatronGpuPlan};
+pub use config::GpuConfig;
 pub use error::MegatronGpuError;
 pub use lifecycle_cuda::Transport;
 pub use lifecycle_cuda::{PinnedPool, DEFAULT_CHUNK_BYTES};

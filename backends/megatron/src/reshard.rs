@@ -1,0 +1,172 @@
+//! The [`Reshard`] implementation: plan, enter, refresh, exit.
+
+use crate::backend::{MegatronGpuBackend, MegatronGpuPlan, NEXT_PLAN};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use lifecycle_core::{Link, Phase, Reshard, SwitchContext};
+use lifecycle_cuda::{
+    alloc_rollout_buffers, alloc_zeros, record_spans, record_transfer, RankExecutor, RankSpans,
+    RolloutBuffer, StreamTimeline,
+};
+
+use crate::error::MegatronGpuError;
+use crate::state::{GpuRank, MegatronGpuState};
+use lifecycle_layout::megatron::schedule::{build_rank, rollout_offsets};
+use lifecycle_layout::megatron::{plan_megatron_to_tp, BucketConfig};
+
+impl Reshard for MegatronGpuBackend {
+    type TrainState = MegatronGpuState;
+    type Rollout = RolloutBuffer;
+    type Plan = Arc<MegatronGpuPlan>;
+    type Error = MegatronGpuError;
+
+    fn plan(&self, state: &MegatronGpuState) -> Result<Arc<MegatronGpuPlan>, MegatronGpuError> {
+        self.check_state(state)?;
+        let bucket = BucketConfig {
+            bucket_bytes: self.config.bucket_bytes,
+        };
+        let mut cached = self.cached.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = cached.as_ref() {
+            let same = p.plan.train == state.layout
+                && p.plan.rollout == self.rollout
+                && p.config == self.config
+                && p.ranks
+                    .iter()
+                    .map(|s| s.rank)
+                    .eq(self.locals().iter().copied());
+            if same {
+                return Ok(p.clone());
+            }
+        }
+        let peer_copy = self.config.transport.resolve(&self.pool)?;
+        let plan = plan_megatron_to_tp(&state.layout, &self.rollout, bucket)?;
+        let (offsets, len) = rollout_offsets(&plan);
+        let opts = self.config.schedule_options(peer_copy);
+        let ranks = self
+            .locals()
+            .iter()
+            .map(|&r| build_rank(&plan, &offsets, r, opts))
+            .collect();
+        let p = Arc::new(MegatronGpuPlan {
+            id: NEXT_PLAN.fetch_add(1, Ordering::Relaxed),
+            config: self.config,
+            peer_copy,
+            plan,
+            offsets,
+            len,
+            ranks,
+        });
+        *cached = Some(p.clone());
+        Ok(p)
+    }
+
+    fn enter(
+        &mut self,
+        plan: &Arc<MegatronGpuPlan>,
+        state: &mut MegatronGpuState,
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<RolloutBuffer, MegatronGpuError> {
+        self.check_plan(plan, state)?;
+        if state.is_offloaded() {
+            return Err(MegatronGpuError::Offloaded {
+                operation: "entering rollout mode",
+            });
+        }
+        let len = plan.len;
+        let peers_write = plan
+            .ranks
+            .iter()
+            .any(|s| !s.pushes.is_empty() || !s.peer_tiles.is_empty());
+        // Rollout buffers first: an OOM here leaves the training state untouched.
+        // SAFETY: the schedule's local and unpack tiles and the zeroed vocabulary padding cover
+        // each buffer exactly, so every element is written before the buffers are handed out.
+        let mut rolls = unsafe { alloc_rollout_buffers(&*self.pool, len, peers_write)? };
+        let start = Instant::now();
+        let tracing = ctx.rec.tracing();
+        let mut moved = self.transfer(plan, state, &mut rolls, ctx.memory, tracing)?;
+        record_transfer(ctx, &moved, start);
+        self.finish_offload(state, ctx, &mut moved)?;
+        Ok(RolloutBuffer::new(
+            rolls,
+            self.locals().to_vec(),
+            Self::entries(plan),
+            len,
+        )?)
+    }
+
+    fn refresh(
+        &mut self,
+        plan: &Arc<MegatronGpuPlan>,
+        state: &mut MegatronGpuState,
+        rollout: &mut RolloutBuffer,
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<(), MegatronGpuError> {
+        self.check_plan(plan, state)?;
+        if state.is_offloaded() {
+            return Err(MegatronGpuError::Offloaded {
+                operation: "refreshing rollout weights",
+            });
+        }
+        if rollout.len_per_rank() != plan.len || rollout.local_ranks() != self.locals() {
+            return Err(MegatronGpuError::RolloutMismatch {
+                expected: plan.len,
+                expected_ranks: self.locals().len(),
+                found: rollout.len_per_rank(),
+                found_ranks: rollout.local_ranks().len(),
+            });
+        }
+        let start = Instant::now();
+        let tracing = ctx.rec.tracing();
+        let mut moved = self.transfer(plan, state, rollout.buffers_mut(), ctx.memory, tracing)?;
+        record_transfer(ctx, &moved, start);
+        self.finish_offload(state, ctx, &mut moved)
+    }
+
+    fn exit(
+        &mut self,
+        state: &mut MegatronGpuState,
+        rollout: Option<RolloutBuffer>,
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<(), MegatronGpuError> {
+        if let Some(rollout) = rollout {
+            ctx.rec
+                .phase(Phase::Release, |_| rollout.release(&*self.pool))?;
+        }
+        self.check_state(state)?;
+        let pinned = &*self.pinned;
+        let tracing = ctx.rec.tracing();
+        let spans = ctx.rec.phase(Phase::Reload, |scope| {
+            let mut items: Vec<&mut GpuRank> = state.ranks.iter_mut().collect();
+            let moved = self.pool.run_each(&mut items, &|c, rt| {
+                c.sync_all()?;
+                let mut tl = StreamTimeline::new(c, tracing)?;
+                let mut bytes = rt
+                    .params
+                    .start_reload(c, "reloading bf16 parameters", &mut tl)?;
+                bytes += rt.main.start_reload(c, "reloading main params", &mut tl)?;
+                bytes += rt.adam_m.start_reload(c, "reloading Adam m", &mut tl)?;
+                bytes += rt.adam_v.start_reload(c, "reloading Adam v", &mut tl)?;
+                if rt.grads.is_none() {
+                    rt.grads = Some(alloc_zeros(
+                        &c.compute,
+                        rt.params.len(),
+                        c.rank,
+                        "gradients",
+                    )?);
+                }
+                c.sync_all()?;
+                rt.params.release_host(c.rank, pinned);
+                rt.main.release_host(c.rank, pinned);
+                rt.adam_m.release_host(c.rank, pinned);
+                rt.adam_v.release_host(c.rank, pinned);
+                Ok((bytes, tl.finish()?))
+            })?;
+            scope.add_bytes(Link::HostToDevice, moved.iter().map(|m| m.0).sum());
+            Ok::<Vec<RankSpans>, MegatronGpuError>(moved.into_iter().map(|m| m.1).collect())
+        })?;
+        record_spans(ctx, self.locals(), &spans);
+        Ok(())
+    }
+}
