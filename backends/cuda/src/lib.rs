@@ -76,11 +76,12 @@ pub use pinned::{HostCopy, PinnedPool, DEFAULT_CHUNK_BYTES};
 pub use placement::{RankPlacement, SharedGpu};
 pub use pool::{RankCtx, RankExecutor, RankFn, ThreadRankPool};
 pub use rollout::RolloutBuffer;
-pub use steps::{run_program, DeviceProgram, RunOptions, SourceBuf};
+pub use steps::{run_program, DeviceProgram, ProgramSlot, RunOptions, SourceBuf};
 pub use tiles::{TileKernel, TILE_KERNELS, TILE_KERNEL_SRC};
 pub use timeline::{DeviceSpan, Mark, RankSpans, StreamTimeline};
 pub use transfer::{
-    alloc_rollout_buffers, peer_base, peer_bases, record_spans, record_transfer, RankMoved,
+    alloc_rollout_buffers, finish_offload, peer_base, peer_bases, record_spans, record_transfer,
+    RankMoved,
 };
 pub use verify::{
     chunk_hash_u16, chunk_hash_u32, ChunkTable, PendingHashes, VerifyKernels, WordSize,

@@ -187,6 +187,44 @@ impl DeviceProgram {
     }
 }
 
+/// A rank's step program kept while the plan it was built for is current (`K` names the plan:
+/// an id, or a handle that compares by identity).
+#[derive(Debug)]
+pub struct ProgramSlot<K> {
+    entry: Option<(K, DeviceProgram)>,
+}
+
+impl<K> Default for ProgramSlot<K> {
+    fn default() -> Self {
+        ProgramSlot { entry: None }
+    }
+}
+
+impl<K: PartialEq> ProgramSlot<K> {
+    /// The program built for `key`: the kept one, or a new one from `steps()` (compiled and
+    /// uploaded on this rank, replacing the old one).
+    pub fn get_or_build(
+        &mut self,
+        ctx: &RankCtx,
+        key: K,
+        batched_casts: bool,
+        steps: impl FnOnce() -> Result<RankSteps, lifecycle_layout::LayoutError>,
+    ) -> Result<&DeviceProgram, CudaError> {
+        if !self.entry.as_ref().is_some_and(|(k, _)| *k == key) {
+            self.entry = None;
+            let steps = steps().map_err(|e| CudaError::Invalid(e.to_string()))?;
+            self.entry = Some((key, DeviceProgram::new(ctx, steps, batched_casts)?));
+        }
+        match &self.entry {
+            Some((_, program)) => Ok(program),
+            None => Err(CudaError::Invalid(format!(
+                "rank {}: no step program",
+                ctx.rank
+            ))),
+        }
+    }
+}
+
 fn span_name(role: CopyRole) -> (String, Link) {
     match role {
         CopyRole::Local(c) => (format!("local copies c{c}"), Link::Local),

@@ -111,6 +111,37 @@ pub fn record_spans(ctx: &mut SwitchContext<'_>, local_ranks: &[usize], spans: &
     }
 }
 
+/// The offload phase that ends a transfer, for any layout: on every local rank `free` waits for
+/// the rank's offload copies and frees what the memory policy moved out, returning the bytes it
+/// moved to the host; then the transfer's device timeline (in `moved`, every stream synchronised
+/// by then) is read into the trace. The phase's bytes are the sum of what `free` returned.
+pub fn finish_offload<P: RankExecutor, T: Send, E: From<CudaError>>(
+    pool: &P,
+    ctx: &mut SwitchContext<'_>,
+    ranks: &mut [T],
+    moved: &mut [RankMoved],
+    free: &(dyn Fn(&RankCtx, &mut T) -> Result<u64, CudaError> + Sync),
+) -> Result<(), E> {
+    let spans = ctx.rec.phase(Phase::Offload, |scope| {
+        let mut items: Vec<(&mut T, Option<StreamTimeline>)> = ranks
+            .iter_mut()
+            .zip(moved.iter_mut().map(|m| m.timeline.take()))
+            .collect();
+        let out = pool.run_each(&mut items, &|c, (rt, tl)| {
+            let bytes = free(c, rt)?;
+            let spans = match tl.take() {
+                Some(tl) => tl.finish()?,
+                None => RankSpans::default(),
+            };
+            Ok((bytes, spans))
+        })?;
+        scope.add_bytes(Link::DeviceToHost, out.iter().map(|o| o.0).sum());
+        Ok::<Vec<RankSpans>, E>(out.into_iter().map(|o| o.1).collect())
+    })?;
+    record_spans(ctx, pool.local_ranks(), &spans);
+    Ok(())
+}
+
 /// Allocates every local rank's rollout buffer of `len` bf16 elements, uninitialised, before any
 /// data moves (an out-of-memory error here leaves the training state untouched). With
 /// `peers_write`, each allocation is complete before this returns, as peers may write into it

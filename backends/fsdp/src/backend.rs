@@ -4,13 +4,21 @@ use crate::update_kernels::UpdateKernelCache;
 use crate::FsdpError;
 use std::sync::{Arc, Mutex};
 
-use lifecycle_cuda::{DeviceProgram, PinnedPool, RankExecutor, ThreadRankPool, Transport};
+use lifecycle_cuda::{PinnedPool, ProgramSlot, RankExecutor, ThreadRankPool, Transport};
 use lifecycle_layout::{FsdpLayout, RolloutLayout};
 
 use lifecycle_layout::fsdp::{BucketConfig, FsdpPlan};
 
-/// A rank's step program and the plan it was built from.
-pub(crate) type CachedProgram = (Arc<FsdpPlan>, DeviceProgram);
+/// A plan compared by identity: the key of a rank's kept step program (held, so the identity
+/// cannot be reused by another plan).
+#[derive(Debug, Clone)]
+pub(crate) struct PlanRef(pub(crate) Arc<FsdpPlan>);
+
+impl PartialEq for PlanRef {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
 
 /// Reshards FSDP training shards into bf16 tensor-parallel rollout weights on the GPUs of a
 /// [`ThreadRankPool`], with bucketed, shard-aware NCCL transfers and overlapped offload.
@@ -65,7 +73,7 @@ pub struct FsdpBackend {
     pub(crate) pinned: Arc<PinnedPool>,
     /// Per local rank, the step program of the last plan run (its copy tables uploaded once
     /// per plan; the plan is held so its identity cannot be reused).
-    pub(crate) programs: Mutex<Vec<Option<CachedProgram>>>,
+    pub(crate) programs: Mutex<Vec<ProgramSlot<PlanRef>>>,
 }
 
 /// Hashes of the resident rollout weights, per local rank, per chunk of `table`.

@@ -3,6 +3,7 @@
 //! finished and what the policy moves out freed.
 
 use crate::backend::FsdpBackend;
+use crate::backend::PlanRef;
 use crate::FsdpError;
 use half::bf16;
 use lifecycle_layout::fsdp::FsdpPlan;
@@ -10,10 +11,10 @@ use lifecycle_layout::RolloutEntry;
 use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
-use lifecycle_core::{Link, MemoryPolicy, Phase, SwitchContext};
+use lifecycle_core::{MemoryPolicy, SwitchContext};
 use lifecycle_cuda::{
-    peer_bases, record_spans, run_program, CudaError, DeviceProgram, RankExecutor, RankMoved,
-    RankSpans, RunOptions, SourceBuf, StreamTimeline,
+    peer_bases, run_program, CudaError, ProgramSlot, RankExecutor, RankMoved, RunOptions,
+    SourceBuf, StreamTimeline,
 };
 
 use crate::state::{FsdpTrainState, RankTrain};
@@ -61,7 +62,7 @@ impl FsdpBackend {
             .programs
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        programs.resize_with(state.ranks.len(), || None);
+        programs.resize_with(state.ranks.len(), ProgramSlot::default);
         let mut items: Vec<_> = state
             .ranks
             .iter_mut()
@@ -97,16 +98,8 @@ impl FsdpBackend {
                 .master
                 .device()
                 .ok_or_else(|| CudaError::Invalid("master weights are offloaded".into()))?;
-            if !prog.as_ref().is_some_and(|(p, _)| Arc::ptr_eq(p, plan)) {
-                **prog = None;
-                let steps = plan
-                    .rank_steps(ctx.rank)
-                    .map_err(|e| CudaError::Invalid(e.to_string()))?;
-                **prog = Some((plan.clone(), DeviceProgram::new(ctx, steps, batched)?));
-            }
-            let Some((_, program)) = prog.as_ref() else {
-                return Err(CudaError::Invalid("no step program".into()));
-            };
+            let key = PlanRef(plan.clone());
+            let program = prog.get_or_build(ctx, key, batched, || plan.rank_steps(ctx.rank))?;
             let source = SourceBuf::F32(master);
             let opts = RunOptions::default();
             let mut moved = run_program(ctx, program, source, roll, bases, opts, &mut tl)?;
@@ -125,44 +118,32 @@ impl FsdpBackend {
     ) -> Result<(), FsdpError> {
         let memory = ctx.memory;
         let free_grads = !memory.keep_rollout_resident;
-        let bytes_each = state.shards.rank_len * 4;
-        let spans = ctx.rec.phase(Phase::Offload, |scope| {
-            let mut items: Vec<(&mut RankTrain, Option<StreamTimeline>)> = state
-                .ranks
-                .iter_mut()
-                .zip(moved.iter_mut().map(|m| m.timeline.take()))
-                .collect();
-            let copies = memory.offload_params || memory.offload_optimizer;
-            let spans = self.pool.run_each(&mut items, &|ctx, (rt, tl)| {
-                // The transfer waited for its own streams; only the offload copies (copy
-                // stream) and the verification hashes queued before them may still run.
+        let copies = memory.offload_params || memory.offload_optimizer;
+        lifecycle_cuda::finish_offload(
+            &*self.pool,
+            ctx,
+            &mut state.ranks,
+            moved,
+            &|ctx, rt: &mut RankTrain| {
+                // The transfer waited for its own streams; only the offload copies (copy stream)
+                // and the verification hashes queued before them may still run.
                 if copies {
                     ctx.wait(&[&ctx.copy], "waiting for the offload copies")?;
                 }
                 verify::settle_offload_hashes(&mut rt.sums)?;
-                let spans = match tl.take() {
-                    Some(tl) => tl.finish()?,
-                    None => RankSpans::default(),
-                };
+                let mut bytes = 0;
                 if memory.offload_params {
-                    rt.master.drop_device();
+                    bytes += rt.master.drop_device();
                 }
                 if memory.offload_optimizer {
-                    rt.m.drop_device();
-                    rt.v.drop_device();
+                    bytes += rt.m.drop_device() + rt.v.drop_device();
                 }
                 if free_grads {
                     rt.grads = None;
                 }
                 // Frees are stream-ordered: the memory returns to the pool without a wait.
-                Ok(spans)
-            })?;
-            let per_rank =
-                bytes_each * (memory.offload_params as u64 + 2 * memory.offload_optimizer as u64);
-            scope.add_bytes(Link::DeviceToHost, per_rank * state.ranks.len() as u64);
-            Ok::<Vec<RankSpans>, FsdpError>(spans)
-        })?;
-        record_spans(ctx, self.pool.local_ranks(), &spans);
-        Ok(())
+                Ok(bytes)
+            },
+        )
     }
 }

@@ -5,7 +5,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
 use lifecycle_core::MemoryPolicy;
-use lifecycle_cuda::{DeviceProgram, RankExecutor, ThreadRankPool, TileKernel};
+use lifecycle_cuda::{ProgramSlot, RankExecutor, ThreadRankPool, TileKernel};
 
 use crate::error::MegatronGpuError;
 use crate::state::{GpuRank, MegatronGpuState};
@@ -52,7 +52,7 @@ impl MegatronGpuPlan {
 /// Per-rank resources of the backend: the step program of the last plan (its copy tables
 /// uploaded once per plan).
 pub(crate) struct RankRes {
-    pub(crate) program: Option<(u64, DeviceProgram)>,
+    pub(crate) program: ProgramSlot<u64>,
 }
 
 /// Reshards the Megatron training layout into the fused bf16 tensor-parallel rollout layout on
@@ -127,7 +127,12 @@ impl MegatronGpuBackend {
             rollout,
             config: GpuConfig::default(),
             pinned: Arc::new(PinnedPool::default()),
-            ranks: loaded.iter().map(|()| RankRes { program: None }).collect(),
+            ranks: loaded
+                .iter()
+                .map(|()| RankRes {
+                    program: ProgramSlot::default(),
+                })
+                .collect(),
             cached: Mutex::new(None),
         })
     }

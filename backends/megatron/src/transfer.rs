@@ -5,10 +5,10 @@ use crate::backend::{MegatronGpuBackend, MegatronGpuPlan, RankRes};
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use lifecycle_core::{Link, MemoryPolicy, Phase, SwitchContext};
+use lifecycle_core::{MemoryPolicy, SwitchContext};
 use lifecycle_cuda::{
-    peer_bases, record_spans, run_program, CudaError, DeviceProgram, RankExecutor, RankMoved,
-    RankSpans, RunOptions, SourceBuf, StreamTimeline,
+    peer_bases, run_program, CudaError, RankExecutor, RankMoved, RunOptions, SourceBuf,
+    StreamTimeline,
 };
 use lifecycle_layout::RolloutEntry;
 
@@ -86,24 +86,17 @@ impl MegatronGpuBackend {
                     "the bf16 parameters are offloaded: leave rollout mode first".into(),
                 ));
             };
-            if res.program.as_ref().map(|p| p.0) != Some(id) {
-                res.program = None;
-                let shape = StepShape {
-                    world: ctx.world,
-                    source_elems: params.len() as u64,
-                    rollout_elems: plan.len as u64,
-                    in_flight: config.in_flight,
-                    peer_copy: plan.peer_copy,
-                    split_local_bulk: config.split_local_bulk,
-                };
-                let steps = s
-                    .rank_steps(shape)
-                    .map_err(|e| CudaError::Invalid(e.to_string()))?;
-                res.program = Some((id, DeviceProgram::new(ctx, steps, true)?));
-            }
-            let Some((_, program)) = res.program.as_ref() else {
-                return Err(CudaError::Invalid("no step program".into()));
+            let shape = StepShape {
+                world: ctx.world,
+                source_elems: params.len() as u64,
+                rollout_elems: plan.len as u64,
+                in_flight: config.in_flight,
+                peer_copy: plan.peer_copy,
+                split_local_bulk: config.split_local_bulk,
             };
+            let program = res
+                .program
+                .get_or_build(ctx, id, true, || s.rank_steps(shape))?;
             let opts = RunOptions {
                 overlap_blocks_per_sm: config.overlap_blocks_per_sm,
             };
@@ -116,7 +109,6 @@ impl MegatronGpuBackend {
         Ok(moved)
     }
 
-    /// Records the transfer phase (metrics, and its host span when tracing) started at `start`.
     /// Waits for the offload copies, then frees what the policy moved out, and the grads; reads
     /// the transfer's device timelines (every stream is synchronised by then) into the trace.
     pub(crate) fn finish_offload(
@@ -126,18 +118,13 @@ impl MegatronGpuBackend {
         moved: &mut [RankMoved],
     ) -> Result<(), MegatronGpuError> {
         let memory = ctx.memory;
-        let spans = ctx.rec.phase(Phase::Offload, |scope| {
-            let mut items: Vec<(&mut GpuRank, Option<StreamTimeline>)> = state
-                .ranks
-                .iter_mut()
-                .zip(moved.iter_mut().map(|m| m.timeline.take()))
-                .collect();
-            let out = self.pool.run_each(&mut items, &|c, (rt, tl)| {
+        lifecycle_cuda::finish_offload(
+            &*self.pool,
+            ctx,
+            &mut state.ranks,
+            moved,
+            &|c, rt: &mut GpuRank| {
                 c.sync_all()?;
-                let spans = match tl.take() {
-                    Some(tl) => tl.finish()?,
-                    None => RankSpans::default(),
-                };
                 let mut bytes = 0;
                 if memory.offload_params {
                     bytes += rt.params.drop_device() + rt.main.drop_device();
@@ -147,12 +134,8 @@ impl MegatronGpuBackend {
                 }
                 rt.grads = None;
                 c.sync_all()?;
-                Ok((bytes, spans))
-            })?;
-            scope.add_bytes(Link::DeviceToHost, out.iter().map(|o| o.0).sum());
-            Ok::<Vec<RankSpans>, MegatronGpuError>(out.into_iter().map(|o| o.1).collect())
-        })?;
-        record_spans(ctx, self.locals(), &spans);
-        Ok(())
+                Ok(bytes)
+            },
+        )
     }
 }
