@@ -103,4 +103,11 @@ pub enum LayoutError {
         /// What is wrong.
         what: String,
     },
+    /// The FSDP planner was given a fused rollout layout.
+    #[error(
+        "the FSDP executors produce the unfused rollout layout (one tensor per training tensor, \
+         split by its Parallel kind): build it with RolloutLayout::new(T, specs); fused layouts \
+         (RolloutLayout::fused) are the Megatron executors'"
+    )]
+    FusedLayout,
 }

@@ -63,5 +63,8 @@ pub use host_rollout::{HostRollout, RankRollout, RolloutTensor};
 pub use model::{hf, ModelSpec};
 pub use plan::{plan_fsdp_to_tp, Piece, RankPlan, ReshardPlan, TensorPlan};
 pub use region::Region2d;
-pub use spec::{fsdp_rows, tp_range, DType, FsdpLayout, Parallel, RolloutLayout, TensorSpec};
+pub use spec::{
+    fsdp_rows, tp_range, DType, FsdpLayout, Parallel, RolloutFormat, RolloutLayout, RolloutVocab,
+    TensorSpec,
+};
 pub use tensor::{HostTensor, TensorData};

@@ -125,6 +125,9 @@ pub fn plan_fsdp_to_tp(
     rollout: &RolloutLayout,
 ) -> Result<ReshardPlan, LayoutError> {
     let (world, tp) = (train.world(), rollout.tp());
+    if rollout.format() != crate::RolloutFormat::Unfused {
+        return Err(LayoutError::FusedLayout);
+    }
     if world == 0 {
         return Err(LayoutError::ZeroDegree {
             what: "world size W",

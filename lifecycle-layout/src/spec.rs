@@ -227,6 +227,30 @@ impl FsdpLayout {
     }
 }
 
+/// How the rollout side sizes the vocabulary of the embedding and the output layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RolloutVocab {
+    /// Exactly `vocab` rows, split `T` ways (T must divide the vocabulary).
+    #[default]
+    Unpadded,
+    /// Padded to a multiple of `multiple × T` (as Megatron pads), padding rows zero.
+    PadToMultipleOf(usize),
+}
+
+/// How a rollout layout names and cuts its tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RolloutFormat {
+    /// One rollout tensor per training tensor, with its name, cut by its [`Parallel`] split
+    /// (what the FSDP executors produce).
+    #[default]
+    Unfused,
+    /// Fused as inference engines hold them (vLLM / SGLang): `qkv_proj` = `[q; k; v]` of the
+    /// rank, `gate_up_proj` = `[gate; up]`, the vocabulary sized by a [`RolloutVocab`] (what the
+    /// Megatron executors produce; the tensors follow from the model:
+    /// [`RolloutLayout::fused_tensors`]).
+    Fused,
+}
+
 /// The rollout layout: tensor parallel of degree `tp` over the listed tensors. Its fields are
 /// read-only: what [`RolloutLayout::new`] checked (every split divisible by T) holds for as long
 /// as the layout lives.
@@ -242,6 +266,8 @@ impl FsdpLayout {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RolloutLayout {
     tp: usize,
+    format: RolloutFormat,
+    vocab: RolloutVocab,
     tensors: Vec<TensorSpec>,
 }
 
@@ -284,7 +310,24 @@ impl RolloutLayout {
                 });
             }
         }
-        Ok(RolloutLayout { tp, tensors })
+        Ok(RolloutLayout {
+            tp,
+            format: RolloutFormat::Unfused,
+            vocab: RolloutVocab::Unpadded,
+            tensors,
+        })
+    }
+
+    /// The fused layout of degree `tp` with vocabulary sizing `vocab`; its tensors follow from
+    /// the model ([`RolloutLayout::fused_tensors`]), checked against it (and `tp` against the
+    /// world) when a plan is made.
+    pub fn fused(tp: usize, vocab: RolloutVocab) -> Self {
+        RolloutLayout {
+            tp,
+            format: RolloutFormat::Fused,
+            vocab,
+            tensors: Vec::new(),
+        }
     }
 
     /// T: tensor-parallel degree.
@@ -292,14 +335,29 @@ impl RolloutLayout {
         self.tp
     }
 
-    /// Every tensor the inference side expects.
+    /// Unfused or fused.
+    pub fn format(&self) -> RolloutFormat {
+        self.format
+    }
+
+    /// How the vocabulary is sized ([`RolloutVocab::Unpadded`] for unfused layouts, whose
+    /// shapes are given).
+    pub fn vocab(&self) -> RolloutVocab {
+        self.vocab
+    }
+
+    /// Every tensor of an unfused layout (empty for a fused one: see
+    /// [`RolloutLayout::fused_tensors`]).
     pub fn tensors(&self) -> &[TensorSpec] {
         &self.tensors
     }
 
-    /// The same tensors at another degree `tp`, checked again.
+    /// The same layout at another degree `tp`, checked again (unfused) or at plan time (fused).
     pub fn with_tp(&self, tp: usize) -> Result<Self, LayoutError> {
-        RolloutLayout::new(tp, self.tensors.clone())
+        match self.format {
+            RolloutFormat::Unfused => RolloutLayout::new(tp, self.tensors.clone()),
+            RolloutFormat::Fused => Ok(RolloutLayout::fused(tp, self.vocab)),
+        }
     }
 
     /// The same tensors with Hugging Face default splits ([`Parallel::for_hf_name`]).
@@ -385,5 +443,44 @@ mod tests {
             Parallel::Replicated
         );
         assert_eq!(Parallel::for_hf_name("lm_head.weight"), Parallel::Column);
+    }
+}
+
+#[cfg(test)]
+mod rollout_format_tests {
+    use super::*;
+    use crate::{plan_fsdp_to_tp, LayoutError};
+
+    #[test]
+    fn each_planner_refuses_the_other_format() {
+        let specs = vec![TensorSpec::new("w", [4, 2], Parallel::Column)];
+        let train =
+            FsdpLayout::new(2, specs.iter().map(|s| (s.name.clone(), s.shape.clone()))).unwrap();
+        let fused = RolloutLayout::fused(2, RolloutVocab::PadToMultipleOf(4));
+        assert_eq!(fused.format(), RolloutFormat::Fused);
+        assert!(fused.tensors().is_empty());
+        let err = plan_fsdp_to_tp(&train, &fused).unwrap_err();
+        assert_eq!(err, LayoutError::FusedLayout);
+        assert!(err.to_string().contains("RolloutLayout::new"), "{err}");
+        let unfused = RolloutLayout::new(2, specs).unwrap();
+        assert_eq!(unfused.vocab(), RolloutVocab::Unpadded);
+        let err = unfused
+            .fused_tensors(&crate::ModelSpec::tiny())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("RolloutLayout::fused"), "{err}");
+    }
+
+    #[test]
+    fn with_tp_keeps_the_format() {
+        let fused = RolloutLayout::fused(2, RolloutVocab::PadToMultipleOf(4));
+        let four = fused.with_tp(4).unwrap();
+        assert_eq!(
+            (four.tp(), four.format(), four.vocab()),
+            (4, RolloutFormat::Fused, fused.vocab())
+        );
+        let unfused =
+            RolloutLayout::new(1, vec![TensorSpec::new("w", [3, 2], Parallel::Column)]).unwrap();
+        assert!(unfused.with_tp(2).is_err(), "3 rows do not split 2 ways");
     }
 }

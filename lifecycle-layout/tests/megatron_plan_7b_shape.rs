@@ -2,10 +2,9 @@
 //! groups, ffn 18944, vocab 152064, 28 layers) on 2 ranks: every rollout byte is planned once,
 //! and the remote bytes are what the layouts force.
 
-use lifecycle_layout::megatron::{
-    plan_megatron_to_tp, BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab,
-};
+use lifecycle_layout::megatron::{plan_megatron_to_tp, BucketConfig, MegatronLayout};
 use lifecycle_layout::ModelSpec;
+use lifecycle_layout::{RolloutLayout, RolloutVocab};
 
 #[test]
 fn two_rank_plans_of_the_7b_shape() {
@@ -18,7 +17,7 @@ fn two_rank_plans_of_the_7b_shape() {
     for (tp, pp) in [(2, 1), (1, 2)] {
         for t in [1, 2] {
             let train = MegatronLayout::new(m, tp, pp, 1).unwrap();
-            let rollout = RolloutLayout::new(t, RolloutVocab::Unpadded);
+            let rollout = RolloutLayout::fused(t, RolloutVocab::Unpadded);
             let plan = plan_megatron_to_tp(&train, &rollout, BucketConfig::default()).unwrap();
             let rollout_bytes: u64 = plan.tensors.iter().map(|s| s.numel() as u64 * 2).sum();
             for rp in &plan.ranks {

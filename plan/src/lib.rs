@@ -34,10 +34,10 @@ use lifecycle_decoder::ModelConfig;
 use lifecycle_layout::fsdp::{build_plan, ShardLayout};
 use lifecycle_layout::fsdp::{BucketConfig as FsdpBuckets, GatherMode};
 use lifecycle_layout::megatron::{
-    plan_megatron_to_tp, BucketConfig as MegatronBuckets, MegatronLayout, RolloutLayout,
-    RolloutVocab,
+    plan_megatron_to_tp, BucketConfig as MegatronBuckets, MegatronLayout,
 };
 use lifecycle_layout::{plan_fsdp_to_tp, FsdpLayout};
+use lifecycle_layout::{RolloutLayout, RolloutVocab};
 
 pub use rates::{LinkRates, RatesSource};
 pub use train_arg::TrainLayout;
@@ -222,7 +222,7 @@ pub fn plan_megatron(
     } else {
         RolloutVocab::PadToMultipleOf(64)
     };
-    let rollout = RolloutLayout::new(t, vocab);
+    let rollout = RolloutLayout::fused(t, vocab);
     let plan = plan_megatron_to_tp(&train, &rollout, MegatronBuckets { bucket_bytes })?;
     let rollout_bytes: u64 = plan.tensors.iter().map(|s| s.numel() as u64 * 2).sum();
     Ok(plan

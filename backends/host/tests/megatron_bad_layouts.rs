@@ -6,11 +6,11 @@ mod common;
 use lifecycle_core::Lifecycle;
 use lifecycle_host::megatron::{MegatronError, MegatronHostBackend, MegatronTrainState};
 use lifecycle_layout::megatron::{
-    plan_megatron_to_tp, BucketConfig, MegatronLayout, MegatronLayoutError, RolloutLayout,
-    RolloutVocab,
+    plan_megatron_to_tp, BucketConfig, MegatronLayout, MegatronLayoutError,
 };
 use lifecycle_layout::HostTensor;
 use lifecycle_layout::ModelSpec;
+use lifecycle_layout::{RolloutLayout, RolloutVocab};
 
 fn layout_err(model: ModelSpec, tp: usize, pp: usize, dp: usize) -> String {
     MegatronLayout::new(model, tp, pp, dp)
@@ -53,7 +53,7 @@ fn tp_and_groups_must_divide_one_another() {
         1,
         1,
         2,
-        RolloutLayout::new(2, RolloutVocab::PadToMultipleOf(1)),
+        RolloutLayout::fused(2, RolloutVocab::PadToMultipleOf(1)),
     );
     assert!(
         e.contains("rollout T tensor-parallel degree 2 and query groups = 3"),
@@ -84,7 +84,7 @@ fn rollout_degree_must_divide_world() {
         2,
         1,
         2,
-        RolloutLayout::new(8, RolloutVocab::PadToMultipleOf(1)),
+        RolloutLayout::fused(8, RolloutVocab::PadToMultipleOf(1)),
     );
     assert!(
         e.contains("T = 8 does not divide the world size W = 4"),
@@ -131,7 +131,7 @@ fn unpadded_rollout_vocab_must_split() {
         2,
         1,
         1,
-        RolloutLayout::new(2, RolloutVocab::Unpadded),
+        RolloutLayout::fused(2, RolloutVocab::Unpadded),
     );
     assert!(
         e.contains("vocab size 37 of `model.embed_tokens.weight`"),
@@ -158,13 +158,13 @@ fn zero_sizes() {
         1,
         1,
         1,
-        RolloutLayout::new(0, RolloutVocab::Unpadded),
+        RolloutLayout::fused(0, RolloutVocab::Unpadded),
     );
     assert!(
         e.contains("rollout tensor-parallel degree T must be at least 1"),
         "{e}"
     );
-    let e = MegatronHostBackend::new(RolloutLayout::new(1, RolloutVocab::Unpadded))
+    let e = MegatronHostBackend::new(RolloutLayout::fused(1, RolloutVocab::Unpadded))
         .with_config(BucketConfig { bucket_bytes: 1 })
         .unwrap_err();
     assert_eq!(
@@ -212,7 +212,8 @@ fn plan_errors_surface_through_the_lifecycle_before_anything_moves() {
     )
     .unwrap();
     let before = state.snapshot();
-    let backend = MegatronHostBackend::new(RolloutLayout::new(4, RolloutVocab::PadToMultipleOf(1)));
+    let backend =
+        MegatronHostBackend::new(RolloutLayout::fused(4, RolloutVocab::PadToMultipleOf(1)));
     let mut lc = Lifecycle::new(backend, state);
     let e = lc.rollout().unwrap_err().to_string();
     assert!(

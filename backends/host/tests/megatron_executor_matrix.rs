@@ -9,12 +9,11 @@ use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Phase, Switching}
 use lifecycle_host::megatron::{
     rebuild_hf_tensors, reference_rollout, MegatronHostBackend, MegatronTrainState,
 };
-use lifecycle_layout::megatron::{
-    plan_megatron_to_tp, BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab,
-};
+use lifecycle_layout::megatron::{plan_megatron_to_tp, BucketConfig, MegatronLayout};
 use lifecycle_layout::HostRollout;
 use lifecycle_layout::ModelSpec;
 use lifecycle_layout::{AdamParams, HostTensor};
+use lifecycle_layout::{RolloutLayout, RolloutVocab};
 
 fn assert_same(case: &str, got: &HostRollout, want: &HostRollout) {
     if let Some((rank, name)) = got.first_difference(want) {
@@ -54,9 +53,9 @@ fn run_case(model: ModelSpec, tp: usize, pp: usize, dp: usize, t: usize, case_no
         .collect();
     // Vary the rollout vocabulary, the bucket budget and the memory policy across cases.
     let vocab = RolloutVocab::PadToMultipleOf([1, 4, 3][case_no % 3]);
-    let rollout = RolloutLayout::new(t, vocab);
+    let rollout = RolloutLayout::fused(t, vocab);
     let budget = [64, 1 << 20, 6][case_no % 3];
-    let backend = MegatronHostBackend::new(rollout)
+    let backend = MegatronHostBackend::new(rollout.clone())
         .with_config(BucketConfig {
             bucket_bytes: budget,
         })

@@ -12,11 +12,12 @@ use lifecycle_host::megatron::{
     fuse_unfused_rollout, unfused_rollout_specs, MegatronHostBackend, MegatronTrainState,
 };
 use lifecycle_host::{HostBackend, HostTrainState};
-use lifecycle_layout::megatron::{MegatronLayout, RolloutLayout, RolloutVocab};
+use lifecycle_layout::megatron::MegatronLayout;
 use lifecycle_layout::HostRollout;
 use lifecycle_layout::ModelSpec;
 use lifecycle_layout::RolloutLayout as CoreRolloutLayout;
 use lifecycle_layout::{AdamParams, HostTensor};
+use lifecycle_layout::{RolloutLayout, RolloutVocab};
 
 fn rollout_of<B>(lc: &mut Lifecycle<B>) -> HostRollout
 where
@@ -58,7 +59,7 @@ fn check(model: ModelSpec, tp: usize, pp: usize, dp: usize, t: usize) {
 
     let layout = MegatronLayout::new(model, tp, pp, dp).unwrap();
     let state = MegatronTrainState::from_hf(layout, tensors).unwrap();
-    let rollout = RolloutLayout::new(t, RolloutVocab::Unpadded);
+    let rollout = RolloutLayout::fused(t, RolloutVocab::Unpadded);
     let mut meg = Lifecycle::new(MegatronHostBackend::new(rollout), state);
 
     for step in 0..2 {

@@ -6,9 +6,10 @@ mod common;
 
 use lifecycle_core::{MemoryPolicy, Metrics, PhaseRecorder, Reshard, SwitchContext};
 use lifecycle_host::megatron::{reference_rollout, MegatronHostBackend, MegatronTrainState};
-use lifecycle_layout::megatron::{BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab};
+use lifecycle_layout::megatron::{BucketConfig, MegatronLayout};
 use lifecycle_layout::HostTensor;
 use lifecycle_layout::ModelSpec;
+use lifecycle_layout::{RolloutLayout, RolloutVocab};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -93,8 +94,8 @@ proptest! {
         let layout = MegatronLayout::with_padded_vocab(c.model, c.tp, c.pp, c.dp, padded).unwrap();
         let mut state = MegatronTrainState::from_hf(layout, tensors(&c.model)).unwrap();
         let before = state.snapshot();
-        let rollout = RolloutLayout::new(c.t, RolloutVocab::PadToMultipleOf(c.pad));
-        let mut backend = MegatronHostBackend::new(rollout)
+        let rollout = RolloutLayout::fused(c.t, RolloutVocab::PadToMultipleOf(c.pad));
+        let mut backend = MegatronHostBackend::new(rollout.clone())
             .with_config(BucketConfig { bucket_bytes: c.budget })
             .unwrap();
         let plan = backend.plan(&state).unwrap();

@@ -7,13 +7,13 @@ use lifecycle_host::megatron::{reference_rollout, MegatronTrainState};
 use lifecycle_host::steps::{run_steps, Source};
 use lifecycle_layout::megatron::schedule::*;
 use lifecycle_layout::megatron::{
-    plan_megatron_to_tp, BucketConfig, MegatronLayout, MegatronPlan, RolloutLayout, RolloutVocab,
-    StepShape,
+    plan_megatron_to_tp, BucketConfig, MegatronLayout, MegatronPlan, StepShape,
 };
 use lifecycle_layout::steps::RankSteps;
 use lifecycle_layout::HostTensor;
 use lifecycle_layout::ModelSpec;
 use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
+use lifecycle_layout::{RolloutLayout, RolloutVocab};
 
 fn apply(tiles: &[Tile], src: &[bf16], dst: &mut [bf16]) {
     for t in tiles {
@@ -146,7 +146,7 @@ fn simulated_schedules_match_the_reference() {
                         RolloutVocab::PadToMultipleOf(1),
                         RolloutVocab::PadToMultipleOf(5),
                     ][cases % 2];
-                    let rollout = RolloutLayout::new(t, vocab);
+                    let rollout = RolloutLayout::fused(t, vocab);
                     for (budget, opts) in [
                         (
                             6,
@@ -242,7 +242,7 @@ fn byte_counts_match_the_plan_and_slots_the_budget() {
     let m = model(2, false);
     let layout = MegatronLayout::new(m, 2, 2, 1).unwrap();
     for t in [1, 2, 4] {
-        let rollout = RolloutLayout::new(t, RolloutVocab::PadToMultipleOf(4));
+        let rollout = RolloutLayout::fused(t, RolloutVocab::PadToMultipleOf(4));
         let budget = 100;
         let plan = plan_megatron_to_tp(
             &layout,
@@ -375,7 +375,7 @@ fn runs_merge_when_they_continue() {
 fn local_chunks_partition_the_local_tiles() {
     let m = model(2, false);
     let layout = MegatronLayout::new(m, 1, 1, 1).unwrap();
-    let rollout = RolloutLayout::new(1, RolloutVocab::PadToMultipleOf(1));
+    let rollout = RolloutLayout::fused(1, RolloutVocab::PadToMultipleOf(1));
     let plan = plan_megatron_to_tp(&layout, &rollout, BucketConfig::default()).unwrap();
     let (offsets, _) = rollout_offsets(&plan);
     let s = build_rank(

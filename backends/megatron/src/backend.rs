@@ -11,7 +11,8 @@ use crate::error::MegatronGpuError;
 use crate::state::{GpuRank, MegatronGpuState};
 use lifecycle_cuda::PinnedPool;
 use lifecycle_layout::megatron::schedule::RankSchedule;
-use lifecycle_layout::megatron::{MegatronPlan, RolloutLayout};
+use lifecycle_layout::megatron::MegatronPlan;
+use lifecycle_layout::RolloutLayout;
 
 pub(crate) static NEXT_PLAN: AtomicU64 = AtomicU64::new(1);
 
@@ -76,7 +77,8 @@ pub(crate) struct RankRes {
 /// use lifecycle_cuda::ThreadRankPool;
 /// use lifecycle_layout::HostTensor;
 /// use lifecycle_megatron::MegatronGpuBackend;
-/// use lifecycle_layout::megatron::{MegatronLayout, RolloutLayout, RolloutVocab};
+/// use lifecycle_layout::megatron::{MegatronLayout};
+/// use lifecycle_layout::{RolloutLayout, RolloutVocab};
 /// use lifecycle_layout::ModelSpec;
 ///
 /// let pool = Arc::new(ThreadRankPool::new(2)?);
@@ -85,7 +87,7 @@ pub(crate) struct RankRes {
 ///     let n = shape.iter().product();
 ///     HostTensor::f32(name, shape, vec![0.5; n])
 /// }).collect();
-/// let backend = MegatronGpuBackend::new(pool, RolloutLayout::new(2, RolloutVocab::PadToMultipleOf(1)))?;
+/// let backend = MegatronGpuBackend::new(pool, RolloutLayout::fused(2, RolloutVocab::PadToMultipleOf(1)))?;
 /// let state = backend.state_from_hf(MegatronLayout::new(model, 1, 2, 1)?, tensors)?;
 /// let mut lc = Lifecycle::new(backend, state);
 /// let session = lc.rollout()?;

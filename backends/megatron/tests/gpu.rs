@@ -21,12 +21,11 @@ use lifecycle_core::{
 use lifecycle_cuda::testing::require_gpus;
 use lifecycle_cuda::{CudaError, ThreadRankPool};
 use lifecycle_host::megatron::{reference_rollout, MegatronHostBackend, MegatronTrainState};
-use lifecycle_layout::megatron::{
-    plan_megatron_to_tp, BucketConfig, MegatronLayout, RolloutLayout, RolloutVocab,
-};
+use lifecycle_layout::megatron::{plan_megatron_to_tp, BucketConfig, MegatronLayout};
 use lifecycle_layout::AdamParams;
 use lifecycle_layout::HostRollout;
 use lifecycle_layout::ModelSpec;
+use lifecycle_layout::{RolloutLayout, RolloutVocab};
 use lifecycle_megatron::{
     GpuConfig, MegatronGpuBackend, MegatronGpuError, MegatronGpuPlan, MegatronGpuState, Transport,
 };
@@ -91,9 +90,9 @@ fn check(
 ) -> Result<bool, Box<dyn std::error::Error>> {
     let layout = MegatronLayout::new(c.model, c.tp, c.pp, c.dp)?;
     let host = MegatronTrainState::from_hf(layout, common::hf_tensors(&c.model, 5))?;
-    let rollout = RolloutLayout::new(c.t, c.vocab);
+    let rollout = RolloutLayout::fused(c.t, c.vocab);
     let reference = reference_rollout(&host, &rollout)?;
-    let cpu = via_host(&host, rollout, c.config.bucket_bytes);
+    let cpu = via_host(&host, rollout.clone(), c.config.bucket_bytes);
     let case = format!(
         "{name} TP{} PP{} DP{} -> T{} {:?} {:?} bucket {} x{} {:?}",
         c.tp,
@@ -111,7 +110,7 @@ fn check(
         None,
         "{case}: CPU executor"
     );
-    let backend = MegatronGpuBackend::new(pool.clone(), rollout)?.with_config(c.config)?;
+    let backend = MegatronGpuBackend::new(pool.clone(), rollout.clone())?.with_config(c.config)?;
     let state = backend.state_from_host(&host)?;
     let start = backend.download_state(&state)?.snapshot();
     assert!(start == host.snapshot(), "{case}: upload is not bit-exact");
@@ -442,13 +441,14 @@ fn offload_reload_round_trip_and_refresh() -> Res {
     let pool = Arc::new(ThreadRankPool::new(world)?);
     let model = models()[2].1;
     let layout = MegatronLayout::from_world(model, world, 1, world)?;
-    let rollout = RolloutLayout::new(world, RolloutVocab::PadToMultipleOf(1));
+    let rollout = RolloutLayout::fused(world, RolloutVocab::PadToMultipleOf(1));
     // Synthetic state made on the devices: its rollout matches the reference built from its
     // own download, and 10 offload/reload cycles give it back bit for bit.
-    let backend = MegatronGpuBackend::new(pool.clone(), rollout)?.with_config(GpuConfig {
-        bucket_bytes: 64 << 10,
-        ..GpuConfig::default()
-    })?;
+    let backend =
+        MegatronGpuBackend::new(pool.clone(), rollout.clone())?.with_config(GpuConfig {
+            bucket_bytes: 64 << 10,
+            ..GpuConfig::default()
+        })?;
     let state = backend.synthetic_state(layout.clone(), 99, 0.05)?;
     let start = backend.download_state(&state)?;
     // Adam m of rank 0 is non-zero, so the round trip checks real bits.
@@ -566,8 +566,8 @@ fn errors_are_typed_and_leave_the_state_intact() -> Res {
     // A host state of another W: typed error before anything is uploaded.
     let other = MegatronLayout::new(model, 1, 1, world + 1)?;
     let host_other = MegatronTrainState::from_hf(other, common::hf_tensors(&model, 1))?;
-    let ok_rollout = RolloutLayout::new(1, RolloutVocab::PadToMultipleOf(1));
-    let b = MegatronGpuBackend::new(pool.clone(), ok_rollout)?;
+    let ok_rollout = RolloutLayout::fused(1, RolloutVocab::PadToMultipleOf(1));
+    let b = MegatronGpuBackend::new(pool.clone(), ok_rollout.clone())?;
     assert!(matches!(
         b.state_from_host(&host_other),
         Err(MegatronGpuError::WorldMismatch { .. })
@@ -582,7 +582,7 @@ fn errors_are_typed_and_leave_the_state_intact() -> Res {
     let host = MegatronTrainState::from_hf(layout, common::hf_tensors(&model, 2))?;
     let bad = MegatronGpuBackend::new(
         pool.clone(),
-        RolloutLayout::new(world + 1, RolloutVocab::PadToMultipleOf(1)),
+        RolloutLayout::fused(world + 1, RolloutVocab::PadToMultipleOf(1)),
     )?;
     let state = bad.state_from_host(&host)?;
     let mut lc = Lifecycle::new(bad, state);
@@ -597,7 +597,8 @@ fn errors_are_typed_and_leave_the_state_intact() -> Res {
     assert!(now.snapshot() == host.snapshot());
     // Faults in every phase of a switch: the lifecycle restores the state bit for bit.
     let (_, state) = lc.into_parts()?;
-    let (faulty, faults) = FaultInjector::new(MegatronGpuBackend::new(pool.clone(), ok_rollout)?);
+    let (faulty, faults) =
+        FaultInjector::new(MegatronGpuBackend::new(pool.clone(), ok_rollout.clone())?);
     let mut lc = Lifecycle::new(faulty, state); // offloads params and optimizer state
     let reference = reference_rollout(&host, &ok_rollout)?;
     // Every phase x {start, end} x {error, panic}.
@@ -675,7 +676,7 @@ fn shared_layouts() -> Vec<Layout> {
                         continue;
                     };
                     for t in divisors(world) {
-                        let rollout = RolloutLayout::new(t, RolloutVocab::PadToMultipleOf(1));
+                        let rollout = RolloutLayout::fused(t, RolloutVocab::PadToMultipleOf(1));
                         let bucket = BucketConfig {
                             bucket_bytes: 256 << 20,
                         };
@@ -716,7 +717,7 @@ fn the_shared_gpu_layouts_cover_tp_pp_dp_and_t() {
     for (name, model, tp, pp, dp, t) in cases {
         let layout = MegatronLayout::new(model, tp, pp, dp).unwrap();
         let host = MegatronTrainState::from_hf(layout, common::hf_tensors(&model, 5)).unwrap();
-        let rollout = RolloutLayout::new(t, RolloutVocab::PadToMultipleOf(7));
+        let rollout = RolloutLayout::fused(t, RolloutVocab::PadToMultipleOf(7));
         let reference = reference_rollout(&host, &rollout).unwrap();
         let cpu = via_host(&host, rollout, 256 << 20);
         assert_eq!(
@@ -822,11 +823,12 @@ fn ranks_sharing_one_gpu_refuse_nccl_up_front() -> Res {
     let model = models()[0].1;
     let layout = MegatronLayout::new(model, 2, 1, 2)?;
     let host = MegatronTrainState::from_hf(layout, common::hf_tensors(&model, 8))?;
-    let rollout = RolloutLayout::new(2, RolloutVocab::PadToMultipleOf(1));
-    let backend = MegatronGpuBackend::new(pool.clone(), rollout)?.with_config(GpuConfig {
-        transport: Transport::Nccl,
-        ..GpuConfig::default()
-    })?;
+    let rollout = RolloutLayout::fused(2, RolloutVocab::PadToMultipleOf(1));
+    let backend =
+        MegatronGpuBackend::new(pool.clone(), rollout.clone())?.with_config(GpuConfig {
+            transport: Transport::Nccl,
+            ..GpuConfig::default()
+        })?;
     let state = backend.state_from_host(&host)?;
     let mut lc = Lifecycle::new(backend, state);
     match lc.rollout() {

@@ -36,8 +36,9 @@ use lifecycle_bench::timing::{gbps, ms, ratio, GB};
 use lifecycle_bench::trace::trace_cycle;
 use lifecycle_core::{Lifecycle, MemoryPolicy, Phase, Reshard};
 use lifecycle_cuda::{check_environment, peer_copy_rate, RankExecutor, ThreadRankPool};
-use lifecycle_layout::megatron::{MegatronLayout, RolloutLayout, RolloutVocab};
+use lifecycle_layout::megatron::MegatronLayout;
 use lifecycle_layout::ModelSpec;
+use lifecycle_layout::{RolloutLayout, RolloutVocab};
 use lifecycle_megatron::{GpuConfig, MegatronGpuBackend, PinnedPool, Transport};
 
 /// Training layouts (TP, PP) tried, in this order; those whose TP × PP is not W are skipped.
@@ -315,16 +316,18 @@ fn run() -> Result<(), Box<dyn Error>> {
     for (tp, pp) in layouts {
         let layout = MegatronLayout::new(model, tp, pp, 1)?;
         let t0 = Instant::now();
-        let mut state =
-            MegatronGpuBackend::new(pool.clone(), RolloutLayout::new(1, RolloutVocab::Unpadded))?
-                .synthetic_state(layout, 1234, 0.02)?;
+        let mut state = MegatronGpuBackend::new(
+            pool.clone(),
+            RolloutLayout::fused(1, RolloutVocab::Unpadded),
+        )?
+        .synthetic_state(layout, 1234, 0.02)?;
         println!(
             "\nTP{tp}/PP{pp}: synthetic state made on the GPUs in {:.2} s; per rank {:.2} GB of training state",
             t0.elapsed().as_secs_f64(),
             state.rank_bytes(0).unwrap_or(0) as f64 / GB
         );
         for &t in &rollouts {
-            let rollout = RolloutLayout::new(t, RolloutVocab::Unpadded);
+            let rollout = RolloutLayout::fused(t, RolloutVocab::Unpadded);
             let mut backend =
                 MegatronGpuBackend::new(pool.clone(), rollout)?.with_pinned_pool(pinned.clone());
             let plan = backend.plan(&state)?;

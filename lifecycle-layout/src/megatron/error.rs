@@ -81,6 +81,12 @@ pub enum MegatronLayoutError {
         /// TP · PP · DP.
         product: usize,
     },
+    /// A Megatron plan asked for an unfused rollout layout.
+    #[error(
+        "the Megatron executors produce the fused rollout layout (`qkv_proj`, `gate_up_proj`): \
+         build it with RolloutLayout::fused(T, vocab); unfused layouts are the FSDP executors'"
+    )]
+    NotFused,
     /// The rollout TP degree does not divide the world size.
     #[error(
         "rollout tensor-parallel degree T = {t} does not divide the world size W = {world}: \

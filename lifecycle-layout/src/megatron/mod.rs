@@ -4,7 +4,8 @@
 //! - [`MegatronLayout`]: TP × PP × DP ranks in Megatron-Core's rank order, per-(stage, TP rank)
 //!   parameter buffers with fused QKV and gate/up, vocab-parallel embedding and output layer with
 //!   Megatron's vocabulary padding, distributed-optimizer shards.
-//! - [`RolloutLayout`]: fused TP rollout tensors of degree `T` dividing W.
+//! - [`RolloutLayout::fused`](crate::RolloutLayout::fused): the fused TP rollout layout of degree
+//!   `T` dividing W ([`crate::RolloutLayout::fused_tensors`]).
 //! - [`plan_megatron_to_tp`]: per rollout rank, the element runs read from each training rank,
 //!   grouped in buckets under a byte budget.
 //!
@@ -50,6 +51,6 @@ mod train;
 
 pub use error::MegatronLayoutError;
 pub use plan::{plan_megatron_to_tp, BucketConfig, MegatronPlan, RankPlan, Transfer};
-pub use rollout::{RolloutKind, RolloutLayout, RolloutTensorSpec, RolloutVocab};
+pub use rollout::{RolloutKind, RolloutTensorSpec};
 pub use steps::StepShape;
 pub use train::{local_kv_heads, MegatronLayout, ParamKind, ParamSlot, RankCoords};

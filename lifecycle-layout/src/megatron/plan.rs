@@ -3,9 +3,10 @@
 use std::ops::Range;
 
 use super::error::MegatronLayoutError;
-use super::rollout::{RolloutLayout, RolloutTensorSpec};
+use super::rollout::RolloutTensorSpec;
 use super::sources::{wants, Want};
 use super::train::MegatronLayout;
+use crate::RolloutLayout;
 
 /// Bucket settings of a plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -143,10 +144,10 @@ impl MegatronPlan {
 ///
 /// ```
 /// use lifecycle_layout::megatron::*;
-/// use lifecycle_layout::ModelSpec;
+/// use lifecycle_layout::{ModelSpec, RolloutLayout, RolloutVocab};
 /// let m = ModelSpec::tiny();
 /// let train = MegatronLayout::new(m, 2, 1, 2)?;
-/// let rollout = RolloutLayout::new(2, RolloutVocab::PadToMultipleOf(4));
+/// let rollout = RolloutLayout::fused(2, RolloutVocab::PadToMultipleOf(4));
 /// let plan = plan_megatron_to_tp(&train, &rollout, BucketConfig::default())?;
 /// assert_eq!(plan.remote_bytes(), 0); // T = TP, PP = 1: every rank holds its own slice
 /// # Ok::<(), MegatronLayoutError>(())
@@ -163,9 +164,9 @@ pub fn plan_megatron_to_tp(
     }
     let world = train.world();
     rollout.check_world(world)?;
-    let tensors = rollout.tensors(train.model())?;
+    let tensors = rollout.fused_tensors(train.model())?;
     let vocab_rows = rollout.vocab_rows(train.model())?;
-    let t_deg = rollout.tp;
+    let t_deg = rollout.tp();
     let ranks = (0..world)
         .map(|rank| {
             let t = rank % t_deg;
@@ -191,7 +192,7 @@ pub fn plan_megatron_to_tp(
         .collect();
     Ok(MegatronPlan {
         train: train.clone(),
-        rollout: *rollout,
+        rollout: rollout.clone(),
         tensors,
         ranks,
         config,
@@ -296,13 +297,13 @@ fn bucketize(transfers: &[Transfer], rank: usize, budget: u64) -> Vec<Range<usiz
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::megatron::RolloutVocab;
     use crate::ModelSpec;
+    use crate::RolloutVocab;
 
     /// Every element of every slice is written exactly once, except vocabulary padding rows.
     fn check_coverage(plan: &MegatronPlan) {
         let m = plan.train.model();
-        let vocab_rows = plan.rollout.vocab_rows(m).unwrap() / plan.rollout.tp;
+        let vocab_rows = plan.rollout.vocab_rows(m).unwrap() / plan.rollout.tp();
         for rp in &plan.ranks {
             let mut seen: Vec<Vec<u8>> = plan.tensors.iter().map(|t| vec![0; t.numel()]).collect();
             for x in &rp.transfers {
@@ -345,7 +346,7 @@ mod tests {
             let mut m = ModelSpec::tiny();
             m.query_groups = groups;
             let train = MegatronLayout::new(m, tp, pp, dp).unwrap();
-            let rollout = RolloutLayout::new(t, RolloutVocab::PadToMultipleOf(2));
+            let rollout = RolloutLayout::fused(t, RolloutVocab::PadToMultipleOf(2));
             let plan = plan_megatron_to_tp(
                 &train,
                 &rollout,
@@ -365,7 +366,7 @@ mod tests {
         for tp in [1, 2, 4] {
             let train = MegatronLayout::new(m, tp, 1, 2).unwrap();
             let pad = RolloutVocab::PadToMultipleOf(m.make_vocab_size_divisible_by);
-            let rollout = RolloutLayout::new(tp, pad);
+            let rollout = RolloutLayout::fused(tp, pad);
             let plan = plan_megatron_to_tp(&train, &rollout, BucketConfig::default()).unwrap();
             assert_eq!(plan.remote_bytes(), 0);
         }
@@ -375,7 +376,7 @@ mod tests {
     fn nearest_replica_is_read() {
         let m = ModelSpec::tiny();
         let train = MegatronLayout::new(m, 2, 1, 2).unwrap();
-        let rollout = RolloutLayout::new(1, RolloutVocab::PadToMultipleOf(4));
+        let rollout = RolloutLayout::fused(1, RolloutVocab::PadToMultipleOf(4));
         let plan = plan_megatron_to_tp(&train, &rollout, BucketConfig::default()).unwrap();
         let peers = |r: usize| -> Vec<usize> {
             let mut p: Vec<usize> = plan.ranks[r]
@@ -398,7 +399,7 @@ mod tests {
         let mut m = ModelSpec::tiny();
         m.tied_embeddings = true;
         let train = MegatronLayout::new(m, 1, 2, 1).unwrap();
-        let rollout = RolloutLayout::new(1, RolloutVocab::PadToMultipleOf(1));
+        let rollout = RolloutLayout::fused(1, RolloutVocab::PadToMultipleOf(1));
         let plan = plan_megatron_to_tp(&train, &rollout, BucketConfig::default()).unwrap();
         // rank 1 is the last stage: it reads the embedding from its own output-layer copy.
         let emb = plan.ranks[1]

@@ -3,16 +3,7 @@
 use super::error::{divisors, MegatronLayoutError};
 use super::train::{check_tp, local_kv_heads};
 use crate::model::{hf, ModelSpec};
-
-/// How the rollout side sizes the vocabulary of the embedding and the output layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum RolloutVocab {
-    /// Exactly `vocab` rows, split `T` ways (T must divide the vocabulary).
-    #[default]
-    Unpadded,
-    /// Padded to a multiple of `multiple × T` (as Megatron pads), padding rows zero.
-    PadToMultipleOf(usize),
-}
+use crate::{RolloutFormat, RolloutLayout, RolloutVocab};
 
 /// What a rollout tensor is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -64,48 +55,19 @@ impl RolloutTensorSpec {
     }
 }
 
-/// The rollout layout: tensor parallel of degree `T` (dividing W), all layers on every rank,
-/// bf16; rank `r` is TP rank `r mod T`.
-///
-/// Per rank: `qkv_proj` = `[q heads of this rank; its kv heads' k; their v]` (kv heads replicated
-/// when `query_groups < T`: rank `t` holds group `t / (T / groups)`), `gate_up_proj` =
-/// `[gate rows; up rows]` of this rank, `o_proj` / `down_proj` row-parallel, embedding and head
-/// vocab-parallel ([`RolloutVocab`]), norms replicated.
-///
-/// ```
-/// use lifecycle_layout::megatron::{RolloutLayout, RolloutVocab};
-/// use lifecycle_layout::ModelSpec;
-/// let m = ModelSpec::tiny();
-/// let specs = RolloutLayout::new(2, RolloutVocab::PadToMultipleOf(4)).tensors(&m)?;
-/// let qkv = specs.iter().find(|s| s.name == "model.layers.0.self_attn.qkv_proj.weight").unwrap();
-/// assert_eq!(qkv.shape, vec![(4 + 2 * 1) * 2, 16]); // 4 q heads, 1 kv head, head_dim 2
-/// assert_eq!(specs[0].shape, vec![20, 16]); // vocab 37 padded to 40, split 2 ways
-/// # Ok::<(), lifecycle_layout::megatron::MegatronLayoutError>(())
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RolloutLayout {
-    /// T.
-    pub tp: usize,
-    /// Vocabulary sizing.
-    pub vocab: RolloutVocab,
-}
-
+/// The fused layout's tensors, sizes and checks (a [`RolloutLayout`] built with
+/// [`RolloutLayout::fused`]).
 impl RolloutLayout {
-    /// A layout of degree `tp`.
-    pub fn new(tp: usize, vocab: RolloutVocab) -> Self {
-        RolloutLayout { tp, vocab }
-    }
-
     /// Checks `T` divides `world`.
     pub fn check_world(&self, world: usize) -> Result<(), MegatronLayoutError> {
-        if self.tp == 0 {
+        if self.tp() == 0 {
             return Err(MegatronLayoutError::ZeroSize {
                 what: "rollout tensor-parallel degree T",
             });
         }
-        if !world.is_multiple_of(self.tp) {
+        if !world.is_multiple_of(self.tp()) {
             return Err(MegatronLayoutError::RolloutTpNotDividingWorld {
-                t: self.tp,
+                t: self.tp(),
                 world,
                 divisors: divisors(world),
             });
@@ -115,8 +77,8 @@ impl RolloutLayout {
 
     /// Rows of the rollout vocabulary (all ranks together).
     pub fn vocab_rows(&self, model: &ModelSpec) -> Result<usize, MegatronLayoutError> {
-        let t = self.tp.max(1);
-        match self.vocab {
+        let t = self.tp().max(1);
+        match self.vocab() {
             RolloutVocab::Unpadded => {
                 if !model.vocab.is_multiple_of(t) {
                     return Err(MegatronLayoutError::RolloutVocab {
@@ -134,20 +96,39 @@ impl RolloutLayout {
         }
     }
 
-    /// Every tensor of one rank, in rollout order (embedding, per layer input norm, qkv weight,
-    /// qkv bias, o, post-attention norm, gate-up, down; final norm; head).
-    pub fn tensors(
+    /// Every tensor of one rank of the fused layout, in rollout order (embedding, per layer input
+    /// norm, qkv weight, qkv bias, o, post-attention norm, gate-up, down; final norm; head).
+    ///
+    /// Per rank: `qkv_proj` = `[q heads of this rank; its kv heads' k; their v]` (kv heads
+    /// replicated when `query_groups < T`: rank `t` holds group `t / (T / groups)`),
+    /// `gate_up_proj` = `[gate rows; up rows]` of this rank, `o_proj` / `down_proj`
+    /// row-parallel, embedding and head vocab-parallel ([`RolloutVocab`]), norms replicated.
+    ///
+    /// ```
+    /// use lifecycle_layout::{RolloutLayout, RolloutVocab};
+    /// use lifecycle_layout::ModelSpec;
+    /// let m = ModelSpec::tiny();
+    /// let specs = RolloutLayout::fused(2, RolloutVocab::PadToMultipleOf(4)).fused_tensors(&m)?;
+    /// let qkv = specs.iter().find(|s| s.name == "model.layers.0.self_attn.qkv_proj.weight").unwrap();
+    /// assert_eq!(qkv.shape, vec![(4 + 2 * 1) * 2, 16]); // 4 q heads, 1 kv head, head_dim 2
+    /// assert_eq!(specs[0].shape, vec![20, 16]); // vocab 37 padded to 40, split 2 ways
+    /// # Ok::<(), lifecycle_layout::megatron::MegatronLayoutError>(())
+    /// ```
+    pub fn fused_tensors(
         &self,
         model: &ModelSpec,
     ) -> Result<Vec<RolloutTensorSpec>, MegatronLayoutError> {
+        if self.format() != RolloutFormat::Fused {
+            return Err(MegatronLayoutError::NotFused);
+        }
         model.validate()?;
-        if self.tp == 0 {
+        if self.tp() == 0 {
             return Err(MegatronLayoutError::ZeroSize {
                 what: "rollout tensor-parallel degree T",
             });
         }
-        check_tp(model, "rollout T", self.tp)?;
-        let t = self.tp;
+        check_tp(model, "rollout T", self.tp())?;
+        let t = self.tp();
         let h = model.hidden;
         let vocab_rows = self.vocab_rows(model)? / t;
         let qkv_rows =

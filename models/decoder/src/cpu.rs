@@ -73,7 +73,7 @@ impl<'w> CpuDecoder<'w> {
     /// A decoder over `group` in the fused rollout layout of the Megatron backend
     /// ([`lifecycle_host::megatron::MegatronHostBackend`]): per rank `qkv_proj` = `[q; k; v]` of its
     /// heads, `gate_up_proj` = `[gate; up]`, a vocabulary-parallel embedding and head that may
-    /// carry padding rows ([`RolloutVocab`](lifecycle_layout::megatron::RolloutVocab)), which are
+    /// carry padding rows ([`RolloutVocab`](lifecycle_layout::RolloutVocab)), which are
     /// never read. `group` is TP ranks `0..T` of one replica, in order. Every tensor is checked
     /// against `config` and `layout` here; the fused tensors are viewed, not copied, as the q, k,
     /// v, gate and up weights [`CpuDecoder::new`] reads, so the logits are bit for bit those of
@@ -82,7 +82,7 @@ impl<'w> CpuDecoder<'w> {
     /// ```
     /// use lifecycle_core::Lifecycle;
     /// use lifecycle_decoder::{random_tensors, CpuDecoder, Decoder, MegatronParallel, ModelConfig, Sampling};
-    /// use lifecycle_layout::megatron::{RolloutLayout, RolloutVocab};
+    /// use lifecycle_layout::{RolloutLayout, RolloutVocab};
     /// use lifecycle_host::megatron::MegatronHostBackend;
     ///
     /// let config = ModelConfig::from_json_str(r#"{"model_type": "qwen2", "vocab_size": 31,
@@ -90,8 +90,8 @@ impl<'w> CpuDecoder<'w> {
     ///   "num_attention_heads": 4, "num_key_value_heads": 1, "rope_theta": 10000.0}"#)?;
     /// let state = config.megatron_state(random_tensors(&config, 1), MegatronParallel::new(2, 2, 1))?;
     /// // 31 rows padded to 32 for T = 2; the one kv head replicated on both ranks
-    /// let layout = RolloutLayout::new(2, RolloutVocab::PadToMultipleOf(8));
-    /// let mut lc = Lifecycle::new(MegatronHostBackend::new(layout), state);
+    /// let layout = RolloutLayout::fused(2, RolloutVocab::PadToMultipleOf(8));
+    /// let mut lc = Lifecycle::new(MegatronHostBackend::new(layout.clone()), state);
     /// let session = lc.rollout()?;
     /// let weights = session.weights();
     /// let group: Vec<_> = weights.ranks[2..].iter().collect(); // the second replica
@@ -102,7 +102,7 @@ impl<'w> CpuDecoder<'w> {
     /// ```
     pub fn new_fused(
         config: &ModelConfig,
-        layout: &lifecycle_layout::megatron::RolloutLayout,
+        layout: &lifecycle_layout::RolloutLayout,
         group: &[&'w RankRollout],
     ) -> Result<Self, DecodeError> {
         Ok(CpuDecoder {

@@ -1,14 +1,14 @@
 //! One tensor-parallel group's weights in the fused rollout layout of the Megatron backend
-//! (`lifecycle_layout::megatron::RolloutLayout`), read into the same views as the unfused layout:
+//! (`lifecycle_layout::RolloutLayout`), read into the same views as the unfused layout:
 //! a rank's `qkv_proj` is `[q; k; v]` of its heads, so q, k and v are three consecutive row
 //! blocks of it; `gate_up_proj` is `[gate; up]`, two row blocks; the vocabulary-parallel
 //! embedding and head may carry padding rows, which the decoder never reads. No weight is copied.
 
 use half::bf16;
 use lifecycle_layout::hf;
-use lifecycle_layout::megatron::RolloutLayout;
 use lifecycle_layout::Parallel;
 use lifecycle_layout::RankRollout;
+use lifecycle_layout::RolloutLayout;
 
 use crate::config::ModelConfig;
 use crate::error::DecodeError;
@@ -31,7 +31,7 @@ impl<'w> GroupWeights<'w> {
         layout: &RolloutLayout,
         ranks: &[&'w RankRollout],
     ) -> Result<Self, DecodeError> {
-        let tp = layout.tp;
+        let tp = layout.tp();
         if ranks.len() != tp {
             return Err(DecodeError::GroupSize {
                 tp,
@@ -40,7 +40,7 @@ impl<'w> GroupWeights<'w> {
         }
         // the padding multiple of the training side plays no part in the rollout layout
         let model = config.model_spec(MEGATRON_VOCAB_MULTIPLE);
-        let specs = layout.tensors(&model)?;
+        let specs = layout.fused_tensors(&model)?;
         for spec in &specs {
             for (rank, r) in ranks.iter().enumerate() {
                 let t = r

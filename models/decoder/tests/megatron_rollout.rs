@@ -32,9 +32,9 @@ use lifecycle_decoder::{
 };
 use lifecycle_host::megatron::MegatronHostBackend;
 use lifecycle_host::{HostBackend, HostTrainState};
-use lifecycle_layout::megatron::{RolloutLayout, RolloutVocab};
 use lifecycle_layout::HostTensor;
 use lifecycle_layout::{HostRollout, RankRollout};
+use lifecycle_layout::{RolloutLayout, RolloutVocab};
 use serde_json::Value;
 
 const MODELS: [&str; 3] = ["gqa_untied", "tied_vocab61", "kv1_headdim16"];
@@ -220,7 +220,7 @@ fn matrix(vocab: usize, rotation: Option<usize>) -> Vec<(MegatronParallel, Rollo
                         1 => RolloutVocab::PadToMultipleOf(64),
                         _ => RolloutVocab::PadToMultipleOf(8),
                     };
-                    out.push((parallel, RolloutLayout::new(t, sizing)));
+                    out.push((parallel, RolloutLayout::fused(t, sizing)));
                     case += 1;
                 }
                 j += 1;
@@ -236,7 +236,7 @@ fn the_matrix_covers_every_layout_and_degree() {
     assert_eq!(all.len(), 31);
     let mut rotated: Vec<_> = (0..3).flat_map(|m| matrix(61, Some(m))).collect();
     assert_eq!(rotated.len(), 36);
-    let key = |(p, r): &(MegatronParallel, RolloutLayout)| (p.tp, p.pp, p.dp, r.tp);
+    let key = |(p, r): &(MegatronParallel, RolloutLayout)| (p.tp, p.pp, p.dp, r.tp());
     rotated.sort_by_key(key);
     rotated.dedup_by_key(|c| key(c));
     assert_eq!(rotated.len(), 31);
@@ -244,11 +244,11 @@ fn the_matrix_covers_every_layout_and_degree() {
         RolloutVocab::PadToMultipleOf(8),
         RolloutVocab::PadToMultipleOf(64),
     ] {
-        assert!(all.iter().any(|(_, r)| r.vocab == pad && r.tp > 1));
+        assert!(all.iter().any(|(_, r)| r.vocab() == pad && r.tp() > 1));
     }
     assert!(matrix(96, None)
         .iter()
-        .any(|(_, r)| r.vocab == RolloutVocab::Unpadded && r.tp == 4));
+        .any(|(_, r)| r.vocab() == RolloutVocab::Unpadded && r.tp() == 4));
 }
 
 /// Decodes the last replica of every case of `matrix(vocab, rotation)` (and checks every other
@@ -270,12 +270,15 @@ fn check_matrix(
         .collect();
     let mut checked = 0;
     for (parallel, rollout) in matrix(config.vocab_size, rotation) {
-        let t = rollout.tp;
+        let t = rollout.tp();
         let want = &unfused[t.trailing_zeros() as usize];
-        let weights = megatron_rollout(config, tensors, parallel, rollout);
+        let weights = megatron_rollout(config, tensors, parallel, rollout.clone());
         let what = format!(
             "{name} TP={} PP={} DP={} T={t} {:?}",
-            parallel.tp, parallel.pp, parallel.dp, rollout.vocab
+            parallel.tp,
+            parallel.pp,
+            parallel.dp,
+            rollout.vocab()
         );
         let last = parallel.world() / t - 1;
         for (rank, r) in weights.ranks.iter().enumerate() {
@@ -369,9 +372,9 @@ fn padding_rows_of_the_fused_vocabulary_are_never_read() {
         let ckpt = load_checkpoint(&fixtures().join(name)).unwrap();
         let (config, tensors) = (&ckpt.config, &ckpt.tensors);
         // 61 → 128 rows (64 per rank); 96 → 256 rows (64 per rank, ranks 2 and 3 all padding)
-        let rollout = RolloutLayout::new(t, RolloutVocab::PadToMultipleOf(64));
+        let rollout = RolloutLayout::fused(t, RolloutVocab::PadToMultipleOf(64));
         let parallel = MegatronParallel::new(2, 1, 2);
-        let clean = megatron_rollout(config, tensors, parallel, rollout);
+        let clean = megatron_rollout(config, tensors, parallel, rollout.clone());
         let mut poisoned = clean.clone();
         let h = config.hidden_size;
         let mut padding = 0;
@@ -410,8 +413,13 @@ fn padding_rows_of_the_fused_vocabulary_are_never_read() {
 fn fused_weights_the_decoder_cannot_read_are_clear_errors() {
     let ckpt = load_checkpoint(&fixtures().join("gqa_untied")).unwrap();
     let (config, tensors) = (&ckpt.config, &ckpt.tensors);
-    let layout = RolloutLayout::new(2, RolloutVocab::Unpadded);
-    let weights = megatron_rollout(config, tensors, MegatronParallel::new(2, 1, 1), layout);
+    let layout = RolloutLayout::fused(2, RolloutVocab::Unpadded);
+    let weights = megatron_rollout(
+        config,
+        tensors,
+        MegatronParallel::new(2, 1, 1),
+        layout.clone(),
+    );
     let group: Vec<&RankRollout> = weights.ranks.iter().collect();
     let err_of = |c: &ModelConfig, l: &RolloutLayout, g: &[&RankRollout]| {
         CpuDecoder::new_fused(c, l, g).unwrap_err()
@@ -422,7 +430,7 @@ fn fused_weights_the_decoder_cannot_read_are_clear_errors() {
         DecodeError::GroupSize { tp: 2, found: 1 }
     );
     // weights of another degree: T = 4 slices read as T = 2
-    let wide = RolloutLayout::new(4, RolloutVocab::Unpadded);
+    let wide = RolloutLayout::fused(4, RolloutVocab::Unpadded);
     let four = megatron_rollout(config, tensors, MegatronParallel::new(2, 1, 2), wide);
     let four_group: Vec<&RankRollout> = four.ranks[..2].iter().collect();
     let err = err_of(config, &layout, &four_group).to_string();
@@ -464,7 +472,7 @@ fn fused_weights_the_decoder_cannot_read_are_clear_errors() {
     let three: Vec<&RankRollout> = four.ranks[..3].iter().collect();
     let err = err_of(
         config,
-        &RolloutLayout::new(3, RolloutVocab::Unpadded),
+        &RolloutLayout::fused(3, RolloutVocab::Unpadded),
         &three,
     )
     .to_string();

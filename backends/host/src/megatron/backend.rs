@@ -8,9 +8,9 @@ use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 use super::error::MegatronError;
 use super::state::{MegatronTrainState, RankTrain};
 use lifecycle_layout::megatron::{
-    plan_megatron_to_tp, BucketConfig, MegatronLayoutError, MegatronPlan, RankPlan, RolloutLayout,
-    Transfer,
+    plan_megatron_to_tp, BucketConfig, MegatronLayoutError, MegatronPlan, RankPlan, Transfer,
 };
+use lifecycle_layout::RolloutLayout;
 
 /// The CPU Megatron backend: ranks are threads of this process, peers' parameter buffers are read
 /// through shared memory. Enter copies bf16 runs from the training ranks' parameter buffers into
@@ -31,7 +31,7 @@ use lifecycle_layout::megatron::{
 ///     HostTensor::f32(name, shape, (0..n).map(|i| i as f32).collect())
 /// }).collect();
 /// let state = MegatronTrainState::from_hf(MegatronLayout::new(model, 2, 2, 1)?, tensors)?;
-/// let backend = MegatronHostBackend::new(RolloutLayout::new(4, RolloutVocab::PadToMultipleOf(1)));
+/// let backend = MegatronHostBackend::new(RolloutLayout::fused(4, RolloutVocab::PadToMultipleOf(1)));
 /// let mut lc = Lifecycle::new(backend, state);
 /// let session = lc.rollout()?;
 /// let weights = session.weights();

@@ -9,7 +9,8 @@ use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 
 use super::error::MegatronError;
 use super::state::MegatronTrainState;
-use lifecycle_layout::megatron::{MegatronLayout, ParamKind, RolloutKind, RolloutLayout};
+use lifecycle_layout::megatron::{MegatronLayout, ParamKind, RolloutKind};
+use lifecycle_layout::RolloutLayout;
 use lifecycle_layout::{hf, ModelSpec};
 
 /// A full Hugging Face tensor in bf16.
@@ -186,14 +187,14 @@ pub fn reference_rollout(
 ) -> Result<HostRollout, MegatronError> {
     let m = *state.layout().model();
     rollout.check_world(state.world())?;
-    let specs = rollout.tensors(&m)?;
+    let specs = rollout.fused_tensors(&m)?;
     let vocab_rows = rollout.vocab_rows(&m)?;
     let full: HashMap<String, Vec<bf16>> = rebuild_hf_tensors(state)?
         .into_iter()
         .map(|t| (t.name, t.data))
         .collect();
     let get = |name: &str| full.get(name).map_or(&[][..], Vec::as_slice);
-    let t_deg = rollout.tp;
+    let t_deg = rollout.tp();
     let h = m.hidden;
     let hd = m.head_dim;
     let ranks = (0..state.world())

@@ -4,8 +4,9 @@ use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 use lifecycle_layout::{Parallel, TensorSpec};
 
 use super::error::MegatronError;
-use lifecycle_layout::megatron::{RolloutKind, RolloutLayout, RolloutVocab};
+use lifecycle_layout::megatron::RolloutKind;
 use lifecycle_layout::{hf, ModelSpec};
+use lifecycle_layout::{RolloutLayout, RolloutVocab};
 
 /// The unfused rollout layout of degree `t` for the core planner ([`lifecycle_layout`]):
 /// Hugging Face names with their usual splits ([`Parallel::for_hf_name`]), except that k and v
@@ -36,7 +37,7 @@ pub fn fuse_unfused_rollout(
     unfused: &HostRollout,
     t: usize,
 ) -> Result<HostRollout, MegatronError> {
-    let specs = RolloutLayout::new(t, RolloutVocab::Unpadded).tensors(model)?;
+    let specs = RolloutLayout::fused(t, RolloutVocab::Unpadded).fused_tensors(model)?;
     let hd = model.head_dim;
     let ranks = unfused
         .ranks
