@@ -21,9 +21,12 @@
 //!
 //! - Training layout ([`FsdpLayout`]): every tensor split on dim 0 across `W` ranks by PyTorch
 //!   FSDP2's rule: rank `r` holds rows `[r·c, min((r+1)·c, n))` with `c = ⌈n / W⌉`.
-//! - Rollout layout ([`RolloutLayout`]): tensor parallel of degree `T` dividing `W`; rank `r` is
-//!   TP rank `r mod T`. [`Parallel::Column`] tensors split on dim 0, [`Parallel::Row`] tensors on
-//!   dim 1, [`Parallel::Replicated`] tensors whole on every rank.
+//! - Rollout layout ([`RolloutLayout`], one type for both formats): tensor parallel of degree
+//!   `T` dividing `W`; rank `r` is TP rank `r mod T`. Unfused ([`RolloutLayout::new`], what the
+//!   FSDP planner produces): [`Parallel::Column`] tensors split on dim 0, [`Parallel::Row`]
+//!   tensors on dim 1, [`Parallel::Replicated`] tensors whole on every rank. Fused
+//!   ([`RolloutLayout::fused`], what the Megatron planner produces): `[q; k; v]` and
+//!   `[gate; up]` per rank, the vocabulary sized by a [`RolloutVocab`].
 //!
 //! ```
 //! use lifecycle_layout::{FsdpLayout, Parallel, RolloutLayout, TensorSpec, plan_fsdp_to_tp};
