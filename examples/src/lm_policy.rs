@@ -51,8 +51,10 @@ pub fn generate_lm(
     weights: RolloutView<'_, HostRollout>,
     job: &LmJob,
 ) -> Result<Vec<Group>, DecodeError> {
-    let mut engine =
-        CpuDecoderEngine::new(job.model.clone(), DecoderLayout::Unfused(job.layout.clone()));
+    let mut engine = CpuDecoderEngine::new(
+        job.model.clone(),
+        DecoderLayout::Unfused(job.layout.clone()),
+    );
     let (groups, _, _) = engine.generate(
         weights.get(),
         &DecodeJob {
@@ -174,7 +176,11 @@ impl DapoBackend<HostBackend, CpuDecoderEngine> for CheckpointDriver {
 }
 
 /// The driver of a checkpoint run on the host FSDP backend (for its header).
-pub fn checkpoint_driver(config: &DapoConfig, checkpoint: &Checkpoint, path: &Path) -> CheckpointDriver {
+pub fn checkpoint_driver(
+    config: &DapoConfig,
+    checkpoint: &Checkpoint,
+    path: &Path,
+) -> CheckpointDriver {
     CheckpointDriver::new(
         *config,
         checkpoint.config.clone(),

@@ -36,7 +36,11 @@ impl ToyEngine {
 impl RolloutEngine<HostRollout> for ToyEngine {
     type Error = Infallible;
 
-    fn wake(&mut self, _: RolloutView<'_, HostRollout>, _: &mut PhaseScope) -> Result<(), Infallible> {
+    fn wake(
+        &mut self,
+        _: RolloutView<'_, HostRollout>,
+        _: &mut PhaseScope,
+    ) -> Result<(), Infallible> {
         Ok(())
     }
 

@@ -113,12 +113,14 @@ impl MegatronDriver {
     }
 }
 
-/// Seeded full-size gradients of `model`, scaled by the kept groups' mean absolute advantage.
+/// Seeded full-size gradients of `model`, scaled by the kept groups' mean absolute advantage
+/// and by `scale`.
 pub fn synthetic_hf_grads(
     model: &ModelConfig,
     seed: u64,
     step: usize,
     groups: &[Group],
+    scale: f32,
 ) -> Vec<HostTensor> {
     let signal = groups
         .iter()
@@ -135,7 +137,9 @@ pub fn synthetic_hf_grads(
         .map(|(i, (name, shape))| {
             let mut rng = SplitMix64::from_keys(&[seed, step as u64, i as u64]);
             let n = shape.iter().product();
-            let data = (0..n).map(|_| rng.symmetric(1.0) * (0.5 + signal)).collect();
+            let data = (0..n)
+                .map(|_| rng.symmetric(1.0) * (0.5 + signal) * scale)
+                .collect();
             HostTensor::f32(name, shape, data)
         })
         .collect()
@@ -194,7 +198,7 @@ impl DapoBackend<MegatronHostBackend, CpuDecoderEngine> for MegatronDriver {
         step: usize,
         kept: &[Group],
     ) -> Result<UpdateOutcome, DapoError> {
-        let grads = synthetic_hf_grads(&self.model, self.config.seed, step, kept);
+        let grads = synthetic_hf_grads(&self.model, self.config.seed, step, kept, 1.0);
         let state: &mut MegatronTrainState = train.state_mut();
         state.set_grads_from_hf(grads)?;
         state.adam_step(AdamParams {
