@@ -37,7 +37,10 @@ fn megatron_on_the_host_runs_end_to_end_and_lazy_matches_eager() {
         assert_eq!(lazy.groups, eager.groups, "TP {tp} PP {pp}: same samples");
         assert!(eager.metrics.bytes().moved() >= lazy.metrics.bytes().moved());
         // the update changes the weights: the samples of step 2 differ from a run without it
-        assert!(lazy.groups.iter().all(|g| g.samples.iter().all(|s| s.len() == 6)));
+        assert!(lazy
+            .groups
+            .iter()
+            .all(|g| g.samples.iter().all(|s| s.len() == 6)));
     }
 }
 
@@ -50,5 +53,9 @@ fn megatron_degrees_that_do_not_divide_the_world_are_refused() {
     };
     let err = run_megatron(&config, None, Switching::Lazy, |_| {}).unwrap_err();
     assert!(matches!(err, DapoError::Config(_)), "{err:?}");
-    assert!(err.to_string().contains("--train-tp 2 x --pp 1 must divide --world 3"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("--train-tp 2 x --pp 1 must divide --world 3"),
+        "{err}"
+    );
 }
