@@ -43,11 +43,15 @@ use clap::parser::ValueSource;
 use clap::{ArgMatches, Args as _, CommandFactory, FromArgMatches, Parser, ValueEnum};
 use lifecycle_core::{Ceilings, HumanBytes, HumanDuration, MemoryPolicy, Switching};
 use lifecycle_decoder::{load_checkpoint, Checkpoint};
+use lifecycle_examples::dapo::megatron::{run_megatron, MegatronDriver};
 use lifecycle_examples::dapo::{
-    self, DapoConfig, RewardRule, RunReport, StepReport, UpdateOutcome,
+    self, DapoBackend, DapoConfig, HostTrain, RunReport, StepReport, ToyDriver, UpdateOutcome,
 };
-use lifecycle_examples::gpu_dapo::{self as gpu_dapo, GpuOptions, LifecycleChoice, LoopOptions};
-use lifecycle_examples::lm_policy::run_checkpoint;
+use lifecycle_examples::gpu_dapo::{
+    self as gpu_dapo, GpuLayout, GpuOptions, LifecycleChoice, LoopOptions,
+};
+use lifecycle_examples::lm_policy::{checkpoint_driver, run_checkpoint};
+use lifecycle_examples::prediction;
 use lifecycle_examples::toy_policy::PolicyConfig;
 
 /// Where the loop runs.
@@ -57,6 +61,8 @@ enum Backend {
     Host,
     /// The FSDP backend on NVIDIA GPUs, rollouts by the GPU decoder.
     Fsdp,
+    /// The Megatron backend on NVIDIA GPUs (TP x PP x DP -> fused TP rollout).
+    Megatron,
 }
 
 impl std::fmt::Display for Backend {
@@ -64,8 +70,18 @@ impl std::fmt::Display for Backend {
         f.write_str(match self {
             Backend::Host => "host",
             Backend::Fsdp => "fsdp",
+            Backend::Megatron => "megatron",
         })
     }
+}
+
+/// The training layout of the host backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Train {
+    /// FSDP shards (the toy policy, or a checkpoint).
+    Fsdp,
+    /// Megatron-Core TP x PP x DP (a checkpoint, or a small random Qwen2 model).
+    Megatron,
 }
 
 /// The host backend's lifecycle default (the others are `DapoConfig::default()`'s).
@@ -128,10 +144,37 @@ struct Args {
     /// instead of the toy policy / a synthetic model.
     #[arg(long, value_name = "PATH")]
     checkpoint: Option<PathBuf>,
+    /// Write the switch timeline of each run as a Chrome / Perfetto trace: PATH.lazy.json and
+    /// PATH.eager.json (open them at ui.perfetto.dev).
+    #[arg(long, value_name = "PATH")]
+    trace: Option<String>,
+    /// Per-phase detail after the report: each lifecycle's metrics table (plan, transfer,
+    /// offload, release, reload, wake, sleep) and its phases against the link ceilings.
+    #[arg(long)]
+    verbose: bool,
     #[command(flatten, next_help_heading = "Host backend only (--backend host)")]
     host: HostOptions,
-    #[command(flatten, next_help_heading = "FSDP backend only (--backend fsdp)")]
+    #[command(
+        flatten,
+        next_help_heading = "Megatron training layout (--train megatron, --backend megatron)"
+    )]
+    megatron: MegatronOptions,
+    #[command(
+        flatten,
+        next_help_heading = "GPU backends only (--backend fsdp, --backend megatron)"
+    )]
     fsdp: GpuOptions,
+}
+
+/// The degrees of the Megatron training layout (DP = W / (TP x PP)).
+#[derive(Debug, Clone, clap::Args)]
+struct MegatronOptions {
+    /// Megatron training tensor-parallel degree.
+    #[arg(long, default_value_t = 1)]
+    train_tp: usize,
+    /// Megatron pipeline stages.
+    #[arg(long, default_value_t = 2)]
+    pp: usize,
 }
 
 /// The options of the host backend only.
@@ -152,14 +195,11 @@ struct HostOptions {
     /// MLP blocks.
     #[arg(long, default_value_t = DapoConfig::default().policy.layers)]
     layers: usize,
-    /// Write the switch timeline of each run as a Chrome / Perfetto trace: PATH.lazy.json and
-    /// PATH.eager.json (open them at ui.perfetto.dev).
-    #[arg(long, value_name = "PATH")]
-    trace: Option<String>,
-    /// Per-phase detail after the report: each lifecycle's metrics table (plan, transfer,
-    /// offload, release, reload) and its phases against this host's copy rate.
-    #[arg(long)]
-    verbose: bool,
+    /// The training layout: `fsdp` (the toy policy or a checkpoint) or `megatron` (TP x PP x
+    /// DP, --train-tp / --pp; a checkpoint or a small random Qwen2 model, rollouts by the CPU
+    /// decoder reading the fused layout).
+    #[arg(long, value_enum, default_value_t = Train::Fsdp)]
+    train: Train,
 }
 
 /// A command line that does not fit its backend.
@@ -183,6 +223,18 @@ enum ArgsError {
         /// Where the chosen backend's counterpart is, if any.
         hint: &'static str,
     },
+    /// Megatron layout options without a Megatron layout.
+    #[error(
+        "{} only appl{} to the Megatron training layout (--backend host --train megatron, or \
+         --backend megatron): add --train megatron, or remove {}",
+        options.join(", "),
+        if options.len() == 1 { "ies" } else { "y" },
+        if options.len() == 1 { "it" } else { "them" },
+    )]
+    NotMegatron {
+        /// The options, as typed.
+        options: Vec<String>,
+    },
 }
 
 /// What a command line runs.
@@ -196,8 +248,8 @@ enum Plan {
         trace: Option<String>,
         verbose: bool,
     },
-    /// The FSDP backend on GPUs.
-    Fsdp(gpu_dapo::Options),
+    /// A GPU backend (FSDP or Megatron: `options.layout`).
+    Gpu(gpu_dapo::Options),
 }
 
 /// The options of `group` given on the command line, as `--name`.
@@ -237,7 +289,7 @@ impl Args {
     /// The run of the chosen backend, with its defaults for the loop options not given; an
     /// option of the other backend only is an error.
     fn plan(&self, matches: &ArgMatches) -> Result<Plan, ArgsError> {
-        let (host_only, fsdp_only) = (
+        let (host_only, gpu_only, megatron_only) = (
             given(
                 matches,
                 HostOptions::augment_args(clap::Command::new("host")),
@@ -246,30 +298,48 @@ impl Args {
                 matches,
                 GpuOptions::augment_args(clap::Command::new("fsdp")),
             ),
+            given(
+                matches,
+                MegatronOptions::augment_args(clap::Command::new("megatron")),
+            ),
         );
+        let megatron_layout = match self.backend {
+            Backend::Host => self.host.train == Train::Megatron,
+            Backend::Fsdp => false,
+            Backend::Megatron => true,
+        };
+        if !megatron_layout && !megatron_only.is_empty() {
+            return Err(ArgsError::NotMegatron {
+                options: megatron_only,
+            });
+        }
         match self.backend {
-            Backend::Host if !fsdp_only.is_empty() => Err(ArgsError::WrongBackend {
-                hint: if fsdp_only.iter().any(|o| o == "--gpus") {
-                    " (the host backend's ranks are --world)"
+            Backend::Host if !gpu_only.is_empty() => Err(ArgsError::WrongBackend {
+                hint: if gpu_only.iter().any(|o| o == "--gpus") {
+                    " or --backend megatron (the host backend's ranks are --world)"
                 } else {
-                    ""
+                    " or --backend megatron"
                 },
-                options: fsdp_only,
+                options: gpu_only,
                 only: Backend::Fsdp,
                 chosen: Backend::Host,
             }),
-            Backend::Fsdp if !host_only.is_empty() => Err(ArgsError::WrongBackend {
-                hint: if host_only.iter().any(|o| o == "--world") {
-                    " (the FSDP backend's ranks are --gpus)"
-                } else {
-                    ""
-                },
-                options: host_only,
-                only: Backend::Host,
-                chosen: Backend::Fsdp,
-            }),
+            gpu @ (Backend::Fsdp | Backend::Megatron) if !host_only.is_empty() => {
+                Err(ArgsError::WrongBackend {
+                    hint: if host_only.iter().any(|o| o == "--world") {
+                        " (the GPU backends' ranks are --gpus)"
+                    } else if host_only.iter().any(|o| o == "--train") {
+                        " (the GPU Megatron layout is --backend megatron)"
+                    } else {
+                        ""
+                    },
+                    options: host_only,
+                    only: Backend::Host,
+                    chosen: gpu,
+                })
+            }
             Backend::Host => Ok(self.host_plan()),
-            Backend::Fsdp => Ok(Plan::Fsdp(self.fsdp_options())),
+            Backend::Fsdp | Backend::Megatron => Ok(Plan::Gpu(self.gpu_options())),
         }
     }
 
@@ -301,20 +371,34 @@ impl Args {
             } else {
                 MemoryPolicy::default()
             },
-            trace: h.trace.is_some(),
+            trace: self.trace.is_some(),
+            train: match h.train {
+                Train::Fsdp => HostTrain::Fsdp,
+                Train::Megatron => HostTrain::Megatron {
+                    tp: self.megatron.train_tp,
+                    pp: self.megatron.pp,
+                },
+            },
         };
         Plan::Host {
             config,
             lifecycle: self.lifecycle.unwrap_or(HOST_LIFECYCLE),
             checkpoint: self.checkpoint.clone(),
-            trace: h.trace.clone(),
-            verbose: h.verbose,
+            trace: self.trace.clone(),
+            verbose: self.verbose,
         }
     }
 
-    fn fsdp_options(&self) -> gpu_dapo::Options {
+    fn gpu_options(&self) -> gpu_dapo::Options {
         let d = LoopOptions::DEFAULTS;
         gpu_dapo::Options {
+            layout: match self.backend {
+                Backend::Megatron => GpuLayout::Megatron {
+                    tp: self.megatron.train_tp,
+                    pp: self.megatron.pp,
+                },
+                Backend::Host | Backend::Fsdp => GpuLayout::Fsdp,
+            },
             gpu: self.fsdp.clone(),
             run: LoopOptions {
                 tp: self.tp.unwrap_or(d.tp),
@@ -329,6 +413,8 @@ impl Args {
                 temperature: self.temperature.unwrap_or(d.temperature),
                 seed: self.seed.unwrap_or(d.seed),
                 no_offload: self.no_offload,
+                verbose: self.verbose,
+                trace: self.trace.clone(),
             },
         }
     }
@@ -363,9 +449,10 @@ fn run_dapo(
     switching: Switching,
     on_step: impl FnMut(&StepReport),
 ) -> Result<RunReport, dapo::DapoError> {
-    match checkpoint {
-        Some(ckpt) => run_checkpoint(config, ckpt, switching, on_step),
-        None => dapo::run(config, switching, on_step),
+    match (config.train, checkpoint) {
+        (HostTrain::Megatron { .. }, ckpt) => run_megatron(config, ckpt, switching, on_step),
+        (HostTrain::Fsdp, Some(ckpt)) => run_checkpoint(config, ckpt, switching, on_step),
+        (HostTrain::Fsdp, None) => dapo::run(config, switching, on_step),
     }
 }
 
@@ -417,6 +504,28 @@ fn run_one(
 fn same_run(a: &RunReport, b: &RunReport) -> bool {
     let bits = |r: &RunReport| -> Vec<u32> { r.curve().iter().map(|x| x.to_bits()).collect() };
     bits(a) == bits(b) && a.groups == b.groups
+}
+
+/// The prediction line of a host run: the same switch at 7.6B on GPUs (`lifecycle-plan`).
+fn prediction_line(config: &DapoConfig, checkpoint: Option<&Checkpoint>) -> Option<String> {
+    let _ = checkpoint;
+    let train = match config.train {
+        HostTrain::Fsdp => prediction::TrainSide::Fsdp {
+            world: config.world,
+        },
+        HostTrain::Megatron { tp, pp } => prediction::TrainSide::Megatron {
+            tp,
+            pp,
+            dp: config.world / (tp * pp).max(1),
+        },
+    };
+    let offload = config.memory != MemoryPolicy::resident();
+    match prediction::qwen7b_switch(train, config.tp, offload) {
+        Ok(p) => Some(p.line()),
+        Err(e) => Some(format!(
+            "prediction (lifecycle-plan): not available for this layout: {e}"
+        )),
+    }
 }
 
 /// The report's first lines: per lifecycle, switches per step, bytes moved and switch time
@@ -560,73 +669,28 @@ fn run_host(
             }
         },
     };
-    let offload = if config.memory == MemoryPolicy::resident() {
-        "off"
-    } else {
-        "master + Adam"
+    let header = match (config.train, &checkpoint, &checkpoint_path) {
+        (HostTrain::Megatron { .. }, ckpt, path) => {
+            let run = match (ckpt, path) {
+                (Some(c), Some(p)) => Some((c, p.as_path())),
+                _ => None,
+            };
+            match MegatronDriver::for_run(&config, run) {
+                Ok(d) => DapoBackend::describe(&d),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+        (HostTrain::Fsdp, Some(ckpt), Some(path)) => {
+            DapoBackend::describe(&checkpoint_driver(&config, ckpt, path))
+        }
+        _ => DapoBackend::describe(&ToyDriver::new(config)),
     };
-    let vocab = checkpoint
-        .as_ref()
-        .map_or(config.policy.vocab, |c| c.config.vocab_size);
-    let rule = RewardRule::new(config.reward_modulus, config.reward_quota, vocab);
-    match (&checkpoint, &checkpoint_path) {
-        (Some(ckpt), Some(path)) => {
-            let m = &ckpt.config;
-            println!(
-                "DAPO on the host backend: W = {}, T = {}, checkpoint {} ({:?}, {} params, {} layers, \
-                 hidden {}, heads {}/{} kv, vocab {}, {} head), rollouts through the CPU decoder, \
-                 {} prompts x {} samples per gen batch, {} groups per step, offload {offload}",
-                config.world,
-                config.tp,
-                path.display(),
-                m.architecture,
-                m.params(),
-                m.num_layers,
-                m.hidden_size,
-                m.num_heads,
-                m.num_kv_heads,
-                m.vocab_size,
-                if m.tie_word_embeddings { "tied" } else { "untied" },
-                config.prompts_per_batch,
-                config.group_size,
-                config.batch_groups,
-            );
-            println!(
-                "update: synthetic (seeded noise in the gradient shards, then Adam; no backward \
-                 pass for checkpoint models)"
-            );
-        }
-        _ => {
-            println!(
-                "DAPO on the host backend: W = {}, T = {}, policy {} params ({} layers, hidden {}, ffn {}, vocab {}), \
-                 {} prompts x {} samples per gen batch, {} groups per step, offload {offload}",
-                config.world,
-                config.tp,
-                config.policy.params(),
-                config.policy.layers,
-                config.policy.hidden,
-                config.policy.ffn,
-                config.policy.vocab,
-                config.prompts_per_batch,
-                config.group_size,
-                config.batch_groups,
-            );
-            let u = &config.update;
-            println!(
-                "update: DAPO (token-level clipped loss, ε_low {} / ε_high {}, group-normalised \
-                 advantages, {} mini-batches per step, Adam lr {:e}; gradients by backpropagation)",
-                u.clip_low, u.clip_high, u.minibatches, u.lr
-            );
-        }
+    for line in header {
+        println!("{line}");
     }
-    println!(
-        "reward: 1 if at least {} of the {} generated tokens t have t mod {} == 0 (a uniform \
-         policy scores {:.3})",
-        rule.quota(),
-        config.tokens,
-        rule.modulus(),
-        rule.sample_hit_rate(vocab, config.tokens)
-    );
     let ckpt = checkpoint.as_ref();
     let trace = trace.as_deref();
     // Warm the allocator and caches once, untimed, so neither policy pays the first-touch cost.
@@ -673,6 +737,9 @@ fn run_host(
         }
         _ => true,
     };
+    if let Some(line) = prediction_line(&config, checkpoint.as_ref()) {
+        println!("{line}");
+    }
     if let Some(first) = reports.first() {
         println!("\nper step ({}):", name(first.switching));
         print!("{}", step_table(first, &reports));
@@ -707,7 +774,7 @@ fn main() -> ExitCode {
             trace,
             verbose,
         }) => run_host(config, lifecycle, checkpoint, trace, verbose),
-        Ok(Plan::Fsdp(options)) => gpu_dapo::run_cli(&options),
+        Ok(Plan::Gpu(options)) => gpu_dapo::run_cli(&options),
     }
 }
 
@@ -725,7 +792,7 @@ mod tests {
 
     fn fsdp(argv: &[&str]) -> gpu_dapo::Options {
         match plan(argv) {
-            Ok(Plan::Fsdp(o)) => o,
+            Ok(Plan::Gpu(o)) => o,
             other => panic!("expected the fsdp backend, got {other:?}"),
         }
     }
@@ -830,18 +897,21 @@ mod tests {
 
     #[test]
     fn options_of_the_other_backend_are_errors() {
-        let e = plan(&["--backend", "fsdp", "--vocab", "32", "--trace", "/tmp/t"]).unwrap_err();
+        let e = plan(&["--backend", "fsdp", "--vocab", "32", "--world", "3"]).unwrap_err();
         let ArgsError::WrongBackend {
             options,
             only,
             chosen,
             ..
-        } = &e;
-        assert_eq!(options, &["--vocab", "--trace"]);
+        } = &e
+        else {
+            panic!("expected WrongBackend, got {e:?}");
+        };
+        assert_eq!(options, &["--world", "--vocab"]);
         assert_eq!((*only, *chosen), (Backend::Host, Backend::Fsdp));
         let msg = e.to_string();
         assert!(
-            msg.contains("--vocab, --trace only apply to --backend host")
+            msg.contains("--world, --vocab only apply to --backend host")
                 && msg.contains("this run is --backend fsdp"),
             "{msg}"
         );
@@ -877,6 +947,90 @@ mod tests {
         ])
         .unwrap_err();
         assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{e}");
+    }
+
+    #[test]
+    fn every_backend_parses_its_options() {
+        // host, Megatron training layout: the degrees reach the config
+        match plan(&[
+            "--train",
+            "megatron",
+            "--train-tp",
+            "2",
+            "--pp",
+            "1",
+            "--verbose",
+        ])
+        .unwrap()
+        {
+            Plan::Host {
+                config, verbose, ..
+            } => {
+                assert_eq!(config.train, HostTrain::Megatron { tp: 2, pp: 1 });
+                assert!(verbose);
+            }
+            other => panic!("expected the host backend, got {other:?}"),
+        }
+        // host default: FSDP layout, Megatron defaults unused
+        match plan(&[]).unwrap() {
+            Plan::Host { config, .. } => assert_eq!(config.train, HostTrain::Fsdp),
+            other => panic!("expected the host backend, got {other:?}"),
+        }
+        // fsdp on GPUs
+        let o = fsdp(&["--backend", "fsdp", "--verbose", "--trace", "/tmp/t"]);
+        assert_eq!(o.layout, GpuLayout::Fsdp);
+        assert!(o.run.verbose && o.run.trace.as_deref() == Some("/tmp/t"));
+        // megatron on GPUs: its degrees, the GPU options, the loop options
+        let o = fsdp(&[
+            "--backend",
+            "megatron",
+            "--gpus",
+            "2",
+            "--train-tp",
+            "1",
+            "--pp",
+            "2",
+            "--tp",
+            "2",
+            "--steps",
+            "1",
+            "--lr",
+            "0.001",
+        ]);
+        assert_eq!(o.layout, GpuLayout::Megatron { tp: 1, pp: 2 });
+        assert_eq!(
+            (o.gpu.gpus, o.run.tp, o.run.steps, o.gpu.lr),
+            (2, 2, 1, 0.001)
+        );
+        let o = fsdp(&["--backend", "megatron"]);
+        assert_eq!(o.layout, GpuLayout::Megatron { tp: 1, pp: 2 });
+        assert_eq!(o.run, gpu_dapo::Options::default().run);
+        // Megatron degrees without a Megatron layout
+        let msg = plan(&["--pp", "2"]).unwrap_err().to_string();
+        assert!(
+            msg.contains("--pp only applies to the Megatron training layout"),
+            "{msg}"
+        );
+        let msg = plan(&["--backend", "fsdp", "--train-tp", "2"])
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("--train-tp only applies"), "{msg}");
+        // --train is the host's: on GPUs the layout is the backend
+        let msg = plan(&["--backend", "megatron", "--train", "megatron"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("--train only applies to --backend host"),
+            "{msg}"
+        );
+        assert!(msg.contains("--backend megatron"), "{msg}");
+        let msg = plan(&["--backend", "megatron", "--world", "2"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("--world only applies") && msg.contains("--gpus"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -7,5 +7,6 @@
 pub mod dapo;
 pub mod gpu_dapo;
 pub mod lm_policy;
+pub mod prediction;
 pub mod rng;
 pub mod toy_policy;

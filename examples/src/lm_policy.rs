@@ -4,21 +4,20 @@
 //! classes, so its hit rate does not shrink with the vocabulary). The update is the synthetic
 //! stand-in ([`synthetic_update`]): there is no backward pass for the decoder here.
 
-use lifecycle_core::{sharded_rollout, RolloutView, Switching};
-use lifecycle_decoder::{Checkpoint, CpuDecoder, DecodeError, Decoder, ModelConfig, Sampling};
-use lifecycle_host::HostTrainState;
+use std::path::Path;
+
+use lifecycle_core::{sharded_rollout, RolloutSession, RolloutView, Switching, TrainSession};
+use lifecycle_decoder::{Checkpoint, DecodeError, ModelConfig};
+use lifecycle_host::{HostBackend, HostTrainState};
 use lifecycle_layout::RolloutLayout;
 use lifecycle_layout::{AdamParams, HostRollout};
 
 use crate::dapo::update::SYNTHETIC_LR;
 use crate::dapo::{
-    prompt, rewarded_group, run_loop, synthetic_update, validate, DapoConfig, DapoError, Group,
-    RewardRule, RunReport, StepReport, UpdateOutcome,
+    offload_name, reward_line, run_host, synthetic_update, validate, CpuDecoderEngine, DapoBackend,
+    DapoConfig, DapoError, DecodeJob, DecoderLayout, GenBatch, GenRequest, Group, RewardRule,
+    RunReport, StepReport, UpdateOutcome,
 };
-use crate::rng::SplitMix64;
-
-/// Generated sequences of one replica: prompt id and tokens.
-type Samples = Vec<(u64, Vec<u32>)>;
 
 /// One rollout call's work on a checkpoint model.
 #[derive(Debug, Clone)]
@@ -43,7 +42,8 @@ pub struct LmJob {
 
 /// Rolls out one gen batch through the decoder: prompt `i` goes to data-parallel replica
 /// `i mod (W / T)`; each replica decodes all its `prompts × group_size` sequences as one batch
-/// (batched prefill, then decode steps with the KV cache), replicas on threads of their own.
+/// (batched prefill, then decode steps with the KV cache), replicas on threads of their own
+/// ([`CpuDecoderEngine::generate`], with an engine made for the call).
 ///
 /// `#[sharded_rollout]` turns this into `generate_lm(&mut lifecycle, job)`.
 #[sharded_rollout]
@@ -51,62 +51,145 @@ pub fn generate_lm(
     weights: RolloutView<'_, HostRollout>,
     job: &LmJob,
 ) -> Result<Vec<Group>, DecodeError> {
-    let tp = job.layout.tp();
-    let replicas = weights.ranks.len() / tp;
-    let vocab = job.model.vocab_size;
-    let per_replica: Vec<Result<Samples, DecodeError>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..replicas)
-            .map(|d| {
-                let group: Vec<_> = weights.ranks[d * tp..(d + 1) * tp].iter().collect();
-                scope.spawn(move || {
-                    let mut decoder = CpuDecoder::new(&job.model, &job.layout, &group)?;
-                    let ids: Vec<u64> = job
-                        .prompts
-                        .iter()
-                        .enumerate()
-                        .filter(|(i, _)| i % replicas == d)
-                        .flat_map(|(_, &id)| std::iter::repeat_n(id, job.group_size))
-                        .collect();
-                    let prompts: Vec<Vec<u32>> = ids
-                        .iter()
-                        .map(|&id| prompt(id, vocab).iter().map(|&t| t as u32).collect())
-                        .collect();
-                    let sampling = Sampling {
-                        temperature: job.temperature,
-                        max_new_tokens: job.tokens,
-                        seed: SplitMix64::from_keys(&[job.seed, d as u64]).next_u64(),
-                        stop_token: None,
-                    };
-                    let out = decoder.generate(&prompts, &sampling)?;
-                    Ok(ids.into_iter().zip(out).collect())
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .collect()
-    });
-    let mut samples: Samples = Vec::new();
-    for r in per_replica {
-        samples.extend(r?);
+    let mut engine = CpuDecoderEngine::new(
+        job.model.clone(),
+        DecoderLayout::Unfused(job.layout.clone()),
+    );
+    let (groups, _, _) = engine.generate(
+        weights.get(),
+        &DecodeJob {
+            prompts: job.prompts.clone(),
+            group_size: job.group_size,
+            tokens: job.tokens,
+            temperature: job.temperature,
+            seed: job.seed,
+            reward: job.reward,
+        },
+    )?;
+    Ok(groups)
+}
+
+/// The decode job of `request` under `config` for a model of `vocab` tokens.
+pub(crate) fn decode_job(config: &DapoConfig, request: &GenRequest, vocab: usize) -> DecodeJob {
+    DecodeJob {
+        prompts: request.prompts.clone(),
+        group_size: config.group_size,
+        tokens: config.tokens,
+        temperature: config.temperature,
+        seed: request.seed,
+        reward: RewardRule::new(config.reward_modulus, config.reward_quota, vocab),
     }
-    Ok(job
-        .prompts
-        .iter()
-        .map(|&id| {
-            let samples: Vec<Vec<usize>> = samples
-                .iter()
-                .filter(|(p, _)| *p == id)
-                .map(|(_, t)| t.iter().map(|&x| x as usize).collect())
-                .collect();
-            rewarded_group(id, job.reward, samples)
+}
+
+/// The header line of a checkpoint run: what the model is.
+pub(crate) fn checkpoint_line(model: &ModelConfig, path: &Path) -> String {
+    format!(
+        "checkpoint {} ({:?}, {} params, {} layers, hidden {}, heads {}/{} kv, vocab {}, {} head)",
+        path.display(),
+        model.architecture,
+        model.params(),
+        model.num_layers,
+        model.hidden_size,
+        model.num_heads,
+        model.num_kv_heads,
+        model.vocab_size,
+        if model.tie_word_embeddings {
+            "tied"
+        } else {
+            "untied"
+        },
+    )
+}
+
+/// A checkpoint on the host FSDP backend: rollouts by [`CpuDecoderEngine`] on the unfused
+/// layout, the synthetic update ([`synthetic_update`]).
+#[derive(Debug, Clone)]
+pub struct CheckpointDriver {
+    config: DapoConfig,
+    model: ModelConfig,
+    what: String,
+}
+
+impl CheckpointDriver {
+    /// The driver of `config`'s run on `model` (`what`: how the header names it).
+    pub fn new(config: DapoConfig, model: ModelConfig, what: String) -> Self {
+        CheckpointDriver {
+            config,
+            model,
+            what,
+        }
+    }
+}
+
+impl DapoBackend<HostBackend, CpuDecoderEngine> for CheckpointDriver {
+    type Error = DapoError;
+
+    fn describe(&self) -> Vec<String> {
+        let config = &self.config;
+        vec![
+            format!(
+                "DAPO on the host backend: W = {}, T = {}, {}, rollouts through the CPU decoder, \
+                 {} prompts x {} samples per gen batch, {} groups per step, offload {}",
+                config.world,
+                config.tp,
+                self.what,
+                config.prompts_per_batch,
+                config.group_size,
+                config.batch_groups,
+                offload_name(config),
+            ),
+            "update: synthetic (seeded noise in the gradient shards, then Adam; no backward pass \
+             for checkpoint models)"
+                .to_string(),
+            reward_line(config, self.model.vocab_size),
+        ]
+    }
+
+    fn generate(
+        &mut self,
+        session: &mut RolloutSession<'_, HostBackend, CpuDecoderEngine>,
+        request: &GenRequest,
+    ) -> Result<GenBatch, DapoError> {
+        let job = decode_job(&self.config, request, self.model.vocab_size);
+        let (weights, mut engine) = session.parts();
+        let (groups, setup, generate) = engine.generate(weights.get(), &job)?;
+        Ok(GenBatch {
+            groups,
+            setup,
+            generate,
         })
-        .collect::<Vec<Group>>())
+    }
+
+    fn update(
+        &mut self,
+        train: &mut TrainSession<'_, HostBackend, CpuDecoderEngine>,
+        step: usize,
+        kept: &[Group],
+    ) -> Result<UpdateOutcome, DapoError> {
+        let adam = AdamParams {
+            lr: SYNTHETIC_LR,
+            ..AdamParams::default()
+        };
+        synthetic_update(train.state_mut(), self.config.seed, step, kept, adam)?;
+        Ok(UpdateOutcome::Synthetic)
+    }
+}
+
+/// The driver of a checkpoint run on the host FSDP backend (for its header).
+pub fn checkpoint_driver(
+    config: &DapoConfig,
+    checkpoint: &Checkpoint,
+    path: &Path,
+) -> CheckpointDriver {
+    CheckpointDriver::new(
+        *config,
+        checkpoint.config.clone(),
+        checkpoint_line(&checkpoint.config, path),
+    )
 }
 
 /// Runs DAPO on `checkpoint` with `switching`: the same dynamic sampling as [`crate::dapo::run`],
-/// rollouts through [`generate_lm`], the synthetic update ([`synthetic_update`]).
+/// rollouts through [`CpuDecoderEngine`], the synthetic update ([`synthetic_update`]).
 /// `config.policy` and `config.update` are not used.
 pub fn run_checkpoint(
     config: &DapoConfig,
@@ -118,36 +201,15 @@ pub fn run_checkpoint(
     let model = checkpoint.config.clone();
     let layout = model.rollout_layout(config.tp)?;
     let state = HostTrainState::from_tensors(config.world, checkpoint.tensors.clone())?;
-    run_loop(
+    let engine = CpuDecoderEngine::new(model.clone(), DecoderLayout::Unfused(layout.clone()));
+    let mut driver = CheckpointDriver::new(*config, model, String::new());
+    run_host(
         config,
+        HostBackend::new(layout),
         state,
-        layout.clone(),
+        engine,
+        &mut driver,
         switching,
         on_step,
-        |lc, req| {
-            let job = LmJob {
-                prompts: req.prompts.clone(),
-                group_size: config.group_size,
-                tokens: config.tokens,
-                temperature: config.temperature,
-                seed: req.seed,
-                reward: RewardRule::new(
-                    config.reward_modulus,
-                    config.reward_quota,
-                    model.vocab_size,
-                ),
-                model: model.clone(),
-                layout: layout.clone(),
-            };
-            Ok(generate_lm(lc, &job)??)
-        },
-        |state, step, kept| {
-            let adam = AdamParams {
-                lr: SYNTHETIC_LR,
-                ..AdamParams::default()
-            };
-            synthetic_update(state, config.seed, step, kept, adam)?;
-            Ok(UpdateOutcome::Synthetic)
-        },
     )
 }

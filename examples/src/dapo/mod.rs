@@ -6,24 +6,47 @@
 //! Adam on the FSDP shards), and the policy learns the reward rule ([`reward`]). On a checkpoint
 //! ([`crate::lm_policy`]) the update is a synthetic stand-in ([`update::synthetic_update`]).
 
+pub mod driver;
+pub mod engines;
+pub mod megatron;
 pub mod reward;
 pub mod update;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use lifecycle_core::{
     sharded_rollout, Lifecycle, LifecycleConfig, LifecycleError, LinkBytes, MemoryPolicy, Metrics,
-    RolloutView, Switching, Trace,
+    Reshard, RolloutEngine, RolloutSession, RolloutView, Switching, Trace, TrainSession,
 };
+use lifecycle_host::megatron::MegatronError;
 use lifecycle_host::{HostBackend, HostError, HostTrainState};
 use lifecycle_layout::HostRollout;
-use lifecycle_layout::RolloutLayout;
 
 use crate::rng::SplitMix64;
 use crate::toy_policy::{ForwardError, PolicyConfig, TpGroup};
 
+pub use driver::{
+    run_steps, BatchNotFilled, BatchReport, DapoBackend, GenBatch, LoopEvent, LoopSettings,
+};
+pub use engines::{CpuDecoderEngine, DecodeJob, DecoderLayout, ToyEngine};
 pub use reward::RewardRule;
 pub use update::{dapo_update, synthetic_update, PgStats, UpdateConfig, UpdateOutcome};
+
+/// The training layout of a host run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostTrain {
+    /// FSDP shards ([`HostBackend`]): the toy policy, or a checkpoint.
+    Fsdp,
+    /// Megatron-Core TP × PP × DP (`lifecycle_host::megatron::MegatronHostBackend`, DP = W /
+    /// (TP × PP)) with its fused rollout read by the CPU decoder: a checkpoint or a small
+    /// random Qwen2 model ([`megatron`]).
+    Megatron {
+        /// Training tensor-parallel degree.
+        tp: usize,
+        /// Pipeline stages.
+        pp: usize,
+    },
+}
 
 /// Settings of a DAPO run.
 #[derive(Debug, Clone, Copy)]
@@ -60,6 +83,8 @@ pub struct DapoConfig {
     pub memory: MemoryPolicy,
     /// Record a timeline of every switch ([`RunReport::trace`]).
     pub trace: bool,
+    /// The training layout.
+    pub train: HostTrain,
 }
 
 impl Default for DapoConfig {
@@ -86,6 +111,7 @@ impl Default for DapoConfig {
             },
             memory: MemoryPolicy::default(),
             trace: false,
+            train: HostTrain::Fsdp,
         }
     }
 }
@@ -99,6 +125,15 @@ pub enum DapoError {
     /// The host backend rejected the model or an update.
     #[error(transparent)]
     Host(#[from] HostError),
+    /// A lifecycle operation of the Megatron host backend failed (boxed: the error is large).
+    #[error(transparent)]
+    MegatronLifecycle(Box<LifecycleError<MegatronError>>),
+    /// The Megatron host backend rejected the model, a layout or an update.
+    #[error(transparent)]
+    Megatron(#[from] MegatronError),
+    /// The checkpoint does not fit the Megatron layout.
+    #[error(transparent)]
+    MegatronCheckpoint(#[from] lifecycle_decoder::MegatronCheckpointError),
     /// Dynamic sampling could not fill the batch.
     #[error(
         "step {step}: {kept} of {needed} groups with mixed rewards after {gen_batches} gen batches \
@@ -130,6 +165,24 @@ pub enum DapoError {
     /// The training forward pass rejected a batch.
     #[error(transparent)]
     Forward(#[from] ForwardError),
+}
+
+impl From<LifecycleError<MegatronError>> for DapoError {
+    fn from(e: LifecycleError<MegatronError>) -> Self {
+        DapoError::MegatronLifecycle(Box::new(e))
+    }
+}
+
+impl From<BatchNotFilled> for DapoError {
+    fn from(b: BatchNotFilled) -> Self {
+        DapoError::BatchNotFilled {
+            step: b.step,
+            kept: b.kept,
+            needed: b.needed,
+            gen_batches: b.gen_batches,
+            mean_reward: b.mean_reward,
+        }
+    }
 }
 
 /// The samples of one prompt.
@@ -196,6 +249,11 @@ pub fn rewarded_group(id: u64, rule: RewardRule, samples: Vec<Vec<usize>>) -> Gr
 /// only when the resident weights are missing or stale.
 #[sharded_rollout]
 pub fn generate(weights: RolloutView<'_, HostRollout>, job: &GenJob) -> Vec<Group> {
+    sample_gen_batch(weights.get(), job)
+}
+
+/// The body of [`generate`] on resident weights (what [`ToyEngine`] runs).
+pub(crate) fn sample_gen_batch(weights: &HostRollout, job: &GenJob) -> Vec<Group> {
     let replicas = weights.ranks.len() / job.tp;
     let groups: Vec<TpGroup<'_>> = (0..replicas)
         .map(|d| {
@@ -288,8 +346,16 @@ pub struct StepReport {
     pub rollout_time: Duration,
     /// Time in switch phases (enter + exit).
     pub switch_time: Duration,
-    /// Time of the update.
+    /// Time of the update phase: `lc.train()` (the exit under lazy) and the update.
     pub update_time: Duration,
+    /// The update alone (gradients and optimizer step), without the exit.
+    pub update_apply: Duration,
+    /// Generation alone, over the step's gen batches.
+    pub generate: Duration,
+    /// Per-call engine setup, over the step's gen batches.
+    pub setup: Duration,
+    /// Switch time of each gen batch's rollout call.
+    pub batch_switch: Vec<Duration>,
     /// What the update did.
     pub update: UpdateOutcome,
 }
@@ -346,6 +412,21 @@ pub fn validate(config: &DapoConfig) -> Result<(), DapoError> {
         (
             c.tp == 0 || !c.world.is_multiple_of(c.tp),
             format!("--tp {} must divide --world {}", c.tp, c.world),
+        ),
+        (
+            match c.train {
+                HostTrain::Fsdp => false,
+                HostTrain::Megatron { tp, pp } => {
+                    tp == 0 || pp == 0 || !c.world.is_multiple_of(tp * pp)
+                }
+            },
+            match c.train {
+                HostTrain::Fsdp => String::new(),
+                HostTrain::Megatron { tp, pp } => format!(
+                    "--train-tp {tp} x --pp {pp} must divide --world {} (DP = W / (TP x PP))",
+                    c.world
+                ),
+            },
         ),
         (
             c.group_size < 2,
@@ -412,10 +493,166 @@ pub fn validate(config: &DapoConfig) -> Result<(), DapoError> {
 pub struct GenRequest {
     /// 1-based training step.
     pub step: usize,
+    /// Gen batches already run in this step (0 for the first).
+    pub batch: usize,
     /// Prompt ids of the batch.
     pub prompts: Vec<u64>,
     /// Sampling seed of the step.
     pub seed: u64,
+}
+
+/// The loop settings of `config`.
+pub fn loop_settings(config: &DapoConfig) -> LoopSettings {
+    LoopSettings {
+        steps: config.steps,
+        prompts_per_batch: config.prompts_per_batch,
+        batch_groups: config.batch_groups,
+        max_gen_batches: config.max_gen_batches,
+        seed: config.seed,
+    }
+}
+
+/// Builds the lifecycle of a host run (`config`'s memory policy and trace, `engine` attached)
+/// and runs the DAPO loop on it with `driver`, calling `on_step` after each step.
+pub fn run_host<B, E, D>(
+    config: &DapoConfig,
+    backend: B,
+    state: B::TrainState,
+    engine: E,
+    driver: &mut D,
+    switching: Switching,
+    mut on_step: impl FnMut(&StepReport),
+) -> Result<RunReport, DapoError>
+where
+    B: Reshard,
+    E: RolloutEngine<B::Rollout>,
+    D: DapoBackend<B, E, Error = DapoError>,
+    DapoError: From<LifecycleError<B::Error>>,
+{
+    validate(config)?;
+    let lc_config = LifecycleConfig {
+        switching,
+        memory: config.memory,
+    };
+    let mut lc = Lifecycle::with_config(backend, state, lc_config)?.with_engine(engine);
+    if config.trace {
+        lc.enable_trace();
+    }
+    run_steps(&mut lc, driver, &loop_settings(config), |e| {
+        if let LoopEvent::Step(s) = e {
+            on_step(s)
+        }
+    })
+}
+
+/// The toy policy on the host FSDP backend: rollouts by [`ToyEngine`], the update
+/// [`dapo_update`].
+#[derive(Debug, Clone)]
+pub struct ToyDriver {
+    config: DapoConfig,
+}
+
+impl ToyDriver {
+    /// The driver of `config`'s toy-policy run.
+    pub fn new(config: DapoConfig) -> Self {
+        ToyDriver { config }
+    }
+
+    fn rule(&self) -> RewardRule {
+        let c = &self.config;
+        RewardRule::new(c.reward_modulus, c.reward_quota, c.policy.vocab)
+    }
+}
+
+/// The report's "DAPO on the host backend" line and its offload setting.
+pub(crate) fn offload_name(config: &DapoConfig) -> &'static str {
+    if config.memory == MemoryPolicy::resident() {
+        "off"
+    } else {
+        "master + Adam"
+    }
+}
+
+/// The report's reward line.
+pub fn reward_line(config: &DapoConfig, vocab: usize) -> String {
+    let rule = RewardRule::new(config.reward_modulus, config.reward_quota, vocab);
+    format!(
+        "reward: 1 if at least {} of the {} generated tokens t have t mod {} == 0 (a uniform \
+         policy scores {:.3})",
+        rule.quota(),
+        config.tokens,
+        rule.modulus(),
+        rule.sample_hit_rate(vocab, config.tokens)
+    )
+}
+
+impl DapoBackend<HostBackend, ToyEngine> for ToyDriver {
+    type Error = DapoError;
+
+    fn describe(&self) -> Vec<String> {
+        let config = &self.config;
+        let u = &config.update;
+        vec![
+            format!(
+                "DAPO on the host backend: W = {}, T = {}, policy {} params ({} layers, hidden {}, ffn {}, vocab {}), \
+                 {} prompts x {} samples per gen batch, {} groups per step, offload {}",
+                config.world,
+                config.tp,
+                config.policy.params(),
+                config.policy.layers,
+                config.policy.hidden,
+                config.policy.ffn,
+                config.policy.vocab,
+                config.prompts_per_batch,
+                config.group_size,
+                config.batch_groups,
+                offload_name(config),
+            ),
+            format!(
+                "update: DAPO (token-level clipped loss, ε_low {} / ε_high {}, group-normalised \
+                 advantages, {} mini-batches per step, Adam lr {:e}; gradients by backpropagation)",
+                u.clip_low, u.clip_high, u.minibatches, u.lr
+            ),
+            reward_line(config, config.policy.vocab),
+        ]
+    }
+
+    fn generate(
+        &mut self,
+        session: &mut RolloutSession<'_, HostBackend, ToyEngine>,
+        request: &GenRequest,
+    ) -> Result<GenBatch, DapoError> {
+        let c = &self.config;
+        let job = GenJob {
+            prompts: request.prompts.clone(),
+            group_size: c.group_size,
+            tokens: c.tokens,
+            temperature: c.temperature,
+            seed: request.seed,
+            reward: self.rule(),
+            policy: c.policy,
+            tp: c.tp,
+        };
+        let (weights, mut engine) = session.parts();
+        let t = std::time::Instant::now();
+        let groups = engine.generate(weights, &job);
+        Ok(GenBatch {
+            groups,
+            setup: Duration::ZERO,
+            generate: t.elapsed(),
+        })
+    }
+
+    fn update(
+        &mut self,
+        train: &mut TrainSession<'_, HostBackend, ToyEngine>,
+        _step: usize,
+        kept: &[Group],
+    ) -> Result<UpdateOutcome, DapoError> {
+        let c = &self.config;
+        dapo_update(train.state_mut(), c.policy, kept, &c.update, c.temperature)
+            .map(UpdateOutcome::Dapo)
+    }
 }
 
 /// Runs DAPO on the toy policy with `switching`, calling `on_step` after each step: the update is
@@ -426,140 +663,23 @@ pub fn run(
     on_step: impl FnMut(&StepReport),
 ) -> Result<RunReport, DapoError> {
     validate(config)?;
+    if config.train != HostTrain::Fsdp {
+        return Err(DapoError::Config(
+            "the toy policy trains in the FSDP layout only (--train megatron needs a decoder \
+             model: a --checkpoint or the built-in small Qwen2 model)"
+                .to_string(),
+        ));
+    }
     let state = HostTrainState::from_tensors(config.world, config.policy.init(config.seed))?;
     let layout = config.policy.rollout_layout(config.tp)?;
-    run_loop(
+    let mut driver = ToyDriver::new(*config);
+    run_host(
         config,
+        HostBackend::new(layout),
         state,
-        layout,
+        ToyEngine,
+        &mut driver,
         switching,
         on_step,
-        |lc, req| {
-            let job = GenJob {
-                prompts: req.prompts.clone(),
-                group_size: config.group_size,
-                tokens: config.tokens,
-                temperature: config.temperature,
-                seed: req.seed,
-                reward: RewardRule::new(
-                    config.reward_modulus,
-                    config.reward_quota,
-                    config.policy.vocab,
-                ),
-                policy: config.policy,
-                tp: config.tp,
-            };
-            Ok(generate(lc, &job)?)
-        },
-        |state, _step, kept| {
-            dapo_update(
-                state,
-                config.policy,
-                kept,
-                &config.update,
-                config.temperature,
-            )
-            .map(UpdateOutcome::Dapo)
-        },
     )
-}
-
-/// The DAPO loop over any policy: per step, gen batches from `rollout` until `batch_groups`
-/// groups with mixed rewards are kept (dynamic sampling), then `update(state, step, kept)` in
-/// train mode (it writes the gradient shards and steps the optimizer). `config.policy` is not
-/// read here (the state and layout are given).
-pub fn run_loop(
-    config: &DapoConfig,
-    state: HostTrainState,
-    layout: RolloutLayout,
-    switching: Switching,
-    mut on_step: impl FnMut(&StepReport),
-    mut rollout: impl FnMut(&mut Lifecycle<HostBackend>, &GenRequest) -> Result<Vec<Group>, DapoError>,
-    mut update: impl FnMut(&mut HostTrainState, usize, &[Group]) -> Result<UpdateOutcome, DapoError>,
-) -> Result<RunReport, DapoError> {
-    validate(config)?;
-    let start = Instant::now();
-    let backend = HostBackend::new(layout);
-    let lc_config = LifecycleConfig {
-        switching,
-        memory: config.memory,
-    };
-    let mut lc = Lifecycle::with_config(backend, state, lc_config)?;
-    if config.trace {
-        lc.enable_trace();
-    }
-    let mut next_prompt = 0u64;
-    let mut steps = Vec::new();
-    let mut all_groups = Vec::new();
-    for step in 1..=config.steps {
-        let before = lc.metrics().clone();
-        let mut kept: Vec<Group> = Vec::new();
-        let (mut gen_batches, mut generated) = (0, 0);
-        let (mut reward_sum, mut samples) = (0.0f64, 0usize);
-        let rollout_start = Instant::now();
-        while kept.len() < config.batch_groups {
-            if gen_batches == config.max_gen_batches {
-                return Err(DapoError::BatchNotFilled {
-                    step,
-                    kept: kept.len(),
-                    needed: config.batch_groups,
-                    gen_batches,
-                    mean_reward: (reward_sum / samples.max(1) as f64) as f32,
-                });
-            }
-            let request = GenRequest {
-                step,
-                prompts: (next_prompt..next_prompt + config.prompts_per_batch as u64).collect(),
-                seed: config.seed ^ ((step as u64) << 32),
-            };
-            next_prompt += config.prompts_per_batch as u64;
-            let groups = rollout(&mut lc, &request)?;
-            gen_batches += 1;
-            generated += groups.len();
-            for g in &groups {
-                reward_sum += g.rewards.iter().map(|&r| f64::from(r)).sum::<f64>();
-                samples += g.rewards.len();
-            }
-            all_groups.extend(groups.iter().cloned());
-            kept.extend(groups.into_iter().filter(|g| !g.uniform()));
-        }
-        let rollout_time = rollout_start.elapsed();
-        kept.truncate(config.batch_groups);
-        let mean_reward = (reward_sum / samples.max(1) as f64) as f32;
-        let kept_reward = kept.iter().flat_map(|g| &g.rewards).sum::<f32>()
-            / kept.iter().map(|g| g.rewards.len()).sum::<usize>().max(1) as f32;
-
-        let update_start = Instant::now();
-        let outcome = {
-            let mut train = lc.train()?;
-            update(train.state_mut(), step, &kept)?
-        };
-        let update_time = update_start.elapsed();
-        let delta = lc.metrics().since(&before);
-        let report = StepReport {
-            step,
-            gen_batches,
-            groups: generated,
-            kept: kept.len(),
-            mean_reward,
-            kept_reward,
-            switches: delta.switches(),
-            exits: delta.exits,
-            bytes: delta.bytes(),
-            rollout_time,
-            switch_time: delta.switch_time(),
-            update_time,
-            update: outcome,
-        };
-        on_step(&report);
-        steps.push(report);
-    }
-    Ok(RunReport {
-        switching,
-        steps,
-        metrics: lc.metrics().clone(),
-        total_time: start.elapsed(),
-        groups: all_groups,
-        trace: lc.trace().clone(),
-    })
 }

@@ -24,6 +24,15 @@ pub enum DapoGpuError {
     /// The FSDP backend failed.
     #[error(transparent)]
     Fsdp(#[from] FsdpError),
+    /// The Megatron GPU backend failed.
+    #[error(transparent)]
+    Megatron(#[from] lifecycle_megatron::MegatronGpuError),
+    /// The Megatron CPU executor (the update of `--backend megatron`) failed.
+    #[error(transparent)]
+    MegatronHost(#[from] lifecycle_host::megatron::MegatronError),
+    /// A lifecycle operation of the Megatron backend failed (boxed: the error is large).
+    #[error(transparent)]
+    MegatronLifecycle(Box<LifecycleError<lifecycle_megatron::MegatronGpuError>>),
     /// A GPU, driver, NCCL or allocation failure (no driver is `Cuda(CudaError::NoDriver)`).
     #[error(transparent)]
     Cuda(#[from] CudaError),
@@ -57,6 +66,23 @@ pub enum DapoGpuError {
 impl From<LifecycleError<FsdpError>> for DapoGpuError {
     fn from(e: LifecycleError<FsdpError>) -> Self {
         DapoGpuError::Lifecycle(Box::new(e))
+    }
+}
+
+impl From<LifecycleError<lifecycle_megatron::MegatronGpuError>> for DapoGpuError {
+    fn from(e: LifecycleError<lifecycle_megatron::MegatronGpuError>) -> Self {
+        DapoGpuError::MegatronLifecycle(Box::new(e))
+    }
+}
+
+impl From<crate::dapo::BatchNotFilled> for DapoGpuError {
+    fn from(b: crate::dapo::BatchNotFilled) -> Self {
+        DapoGpuError::BatchNotFilled {
+            step: b.step,
+            kept: b.kept,
+            needed: b.needed,
+            gen_batches: b.gen_batches,
+        }
     }
 }
 

@@ -79,6 +79,7 @@ macro_rules! say {
     };
 }
 
+pub mod engine;
 mod error;
 mod options;
 mod policy;
@@ -86,13 +87,22 @@ mod report;
 mod rollout;
 mod source;
 
+pub use engine::{FsdpEngine, FusedHostFallback, GpuGenerate, MegatronEngine, PerCallGpuDecoder};
 pub use error::DapoGpuError;
-pub use options::{GpuOptions, LifecycleChoice, LoopOptions, Options, SyntheticModel};
+pub use options::{GpuLayout, GpuOptions, LifecycleChoice, LoopOptions, Options, SyntheticModel};
+pub(crate) use source::QWEN2_5_7B_CONFIG;
 
-use policy::{name, run_policy};
+use crate::dapo::megatron::fused_layout;
+use crate::prediction::{qwen7b_switch, TrainSide};
+use engine::ForFsdpRun;
+use lifecycle_decoder::MegatronParallel;
+use lifecycle_megatron::MegatronGpuBackend;
+use policy::{
+    name, run_policy, FsdpTrainer, GpuDriver, MegatronSource, MegatronTrainer, PolicyReport,
+};
 use report::{compare, samples_digest, secs};
 use rollout::{Ctx, Update};
-use source::Model;
+use source::{Model, Source};
 
 /// Runs DAPO on the GPUs with `options`: in one process with a thread per GPU, or, when the
 /// launcher variables are set (torchrun, Slurm, `lifecycle-launch`), as one rank of a
@@ -244,62 +254,151 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
         grad_scale: g.grad_scale,
         seed: r.seed ^ 0x5EED_6AAD,
     };
-    say!(root, "  {}", update.describe());
-    let t = Instant::now();
-    let layout = config.rollout_layout(r.tp)?;
-    let pool = match &launch {
-        Launch::Threads => ThreadRankPool::new(g.gpus)?,
-        Launch::Process(env) => ThreadRankPool::for_process(env, Duration::from_secs(120))?,
-    };
-    let backend = FsdpBackend::new(Arc::new(pool), layout);
-    let state = source.initial(&backend)?;
     let policies: &[Switching] = match r.lifecycle {
         LifecycleChoice::Lazy => &[Switching::Lazy],
         LifecycleChoice::Eager => &[Switching::Eager],
         LifecycleChoice::Both => &[Switching::Lazy, Switching::Eager],
     };
-    let mut lc = Lifecycle::with_config(
-        backend,
-        state,
-        LifecycleConfig {
-            switching: policies[0],
-            memory,
-        },
-    )?;
-    say!(
-        root,
-        "  setup (GPUs, NCCL, training state): {}",
-        HumanDuration(t.elapsed())
-    );
+    let lc_config = LifecycleConfig {
+        switching: policies[0],
+        memory,
+    };
     let cx = Ctx {
         options: a,
         config: &config,
         modulus,
         root,
-        update,
     };
-    let mut reports = Vec::new();
-    for (i, &p) in policies.iter().enumerate() {
-        reports.push(run_policy(&mut lc, &cx, &source, p, i == 0)?);
-    }
+    let t = Instant::now();
+    let pool = Arc::new(match &launch {
+        Launch::Threads => ThreadRankPool::new(g.gpus)?,
+        Launch::Process(env) => ThreadRankPool::for_process(env, Duration::from_secs(120))?,
+    });
+    let reports = match a.layout {
+        GpuLayout::Fsdp => {
+            let layout = config.rollout_layout(r.tp)?;
+            let engine = FsdpEngine::for_run(&config, &layout, &pool)?;
+            let backend = FsdpBackend::new(Arc::clone(&pool), layout);
+            let state = source.initial(&backend)?;
+            let mut lc = Lifecycle::with_config(backend, state, lc_config)?.with_engine(engine);
+            let mut driver = GpuDriver {
+                cx: &cx,
+                trainer: FsdpTrainer {
+                    update,
+                    source: &source,
+                },
+            };
+            let reports = run_policies(&mut lc, &mut driver, policies, t)?;
+            lc.exit()?;
+            let state = lc.peek_state();
+            say!(
+                root,
+                "  pinned host memory for the offload (this process's ranks): {}, allocated at \
+                 the first switch and reused by every later one; {} Adam steps applied since the \
+                 last reset",
+                HumanBytes(state.pinned_host_bytes()),
+                state.adam_steps()
+            );
+            reports
+        }
+        GpuLayout::Megatron { tp, pp } => {
+            let parallel = MegatronParallel::new(tp, pp, g.gpus / (tp * pp).max(1));
+            if parallel.world() != g.gpus {
+                return Err(DapoGpuError::Usage(format!(
+                    "--train-tp {tp} x --pp {pp} must divide --gpus {} (DP = GPUs / (TP x PP))",
+                    g.gpus
+                )));
+            }
+            let train_layout = config
+                .megatron_layout(parallel)
+                .map_err(|e| DapoGpuError::Usage(e.to_string()))?;
+            let rollout = fused_layout(&config, r.tp);
+            let engine = MegatronEngine::new(&config, rollout, &pool);
+            let backend = MegatronGpuBackend::new(Arc::clone(&pool), rollout)?;
+            let trainer = MegatronTrainer {
+                params: a.adam_params(),
+                grad_scale: g.grad_scale,
+                seed: r.seed ^ 0x5EED_6AAD,
+                model: config.clone(),
+                layout: train_layout,
+                source: match &source {
+                    Source::Synthetic { seed, scale, .. } => MegatronSource::Synthetic {
+                        seed: *seed,
+                        scale: *scale,
+                    },
+                    Source::Host { tensors } => MegatronSource::Host {
+                        tensors: tensors.clone(),
+                    },
+                },
+            };
+            let state = trainer.initial(&backend)?;
+            let mut lc = Lifecycle::with_config(backend, state, lc_config)?.with_engine(engine);
+            say!(
+                root,
+                "  Megatron training layout TP {} x PP {} x DP {} -> fused rollout T = {}; rollout \
+                 engine: {}",
+                parallel.tp,
+                parallel.pp,
+                parallel.dp,
+                r.tp,
+                GpuGenerate::describe(lc.engine())
+            );
+            let mut driver = GpuDriver { cx: &cx, trainer };
+            let reports = run_policies(&mut lc, &mut driver, policies, t)?;
+            lc.exit()?;
+            reports
+        }
+    };
     for rep in &reports {
         say!(
             root,
             "[{}] total: {} steps, {} gen batches, rollout phase {:.3} s, switches {}, exits {}, \
-             bytes {}, switch time {:.3} s, Adam steps on synthetic gradients {:.3} s",
-            name(rep.switching),
-            rep.steps.len(),
-            rep.steps.iter().map(|s| s.gen_batches).sum::<usize>(),
-            secs(rep.sum(|s| s.rollout)),
+             bytes {}, switch time {:.3} s, updates (synthetic gradients) {:.3} s",
+            name(rep.run.switching),
+            rep.run.steps.len(),
+            rep.run.gen_batches(),
+            secs(rep.sum(|s| s.rollout_time)),
             rep.switches(),
             rep.exits(),
             HumanBytes(rep.bytes()),
-            secs(rep.sum(|s| s.switch)),
-            secs(rep.sum(|s| s.adam)),
+            secs(rep.sum(|s| s.switch_time)),
+            secs(rep.sum(|s| s.update_apply)),
         );
     }
     if let ([lazy, eager], true) = (reports.as_slice(), root) {
         compare(lazy, eager);
+    }
+    if root {
+        let train = match a.layout {
+            GpuLayout::Fsdp => TrainSide::Fsdp { world: g.gpus },
+            GpuLayout::Megatron { tp, pp } => TrainSide::Megatron {
+                tp,
+                pp,
+                dp: g.gpus / (tp * pp).max(1),
+            },
+        };
+        match qwen7b_switch(train, r.tp, !r.no_offload) {
+            Ok(p) => println!("{}", p.line()),
+            Err(e) => println!("prediction (lifecycle-plan): not available for this layout: {e}"),
+        }
+    }
+    if r.verbose && root {
+        for rep in &reports {
+            println!(
+                "\n== {} lifecycle: per phase ==\n{}",
+                name(rep.run.switching),
+                rep.run.metrics.table()
+            );
+        }
+    }
+    if let (Some(base), true) = (&r.trace, root) {
+        for rep in &reports {
+            let path = format!("{base}.{}.json", name(rep.run.switching));
+            match rep.run.trace.write_chrome(&path) {
+                Ok(()) => println!("switch timeline: {path}"),
+                Err(e) => eprintln!("warning: could not write the trace {path}: {e}"),
+            }
+        }
     }
     if g.samples_digest {
         let rank = match &launch {
@@ -307,23 +406,51 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
             Launch::Process(env) => format!("rank {} of {}", env.rank, env.world_size),
         };
         for rep in &reports {
-            let (digest, samples) = samples_digest(&rep.groups);
+            let (digest, samples) = samples_digest(&rep.run.groups);
             println!(
                 "[{}] {rank}: samples digest {digest:016x} over {samples} samples",
-                name(rep.switching)
+                name(rep.run.switching)
             );
         }
     }
-    lc.exit()?;
-    let state = lc.peek_state();
+    Ok(())
+}
+
+/// Runs every policy of `policies` on `lc` (the setup line first: `t` is when setup began).
+fn run_policies<B, E, T>(
+    lc: &mut Lifecycle<B, E>,
+    driver: &mut GpuDriver<'_, T>,
+    policies: &[Switching],
+    t: Instant,
+) -> Result<Vec<PolicyReport>, DapoGpuError>
+where
+    B: lifecycle_core::Reshard<Rollout = lifecycle_cuda::RolloutBuffer>,
+    E: GpuGenerate,
+    T: policy::Trainer<B>,
+    DapoGpuError: From<lifecycle_core::LifecycleError<B::Error>>,
+{
+    let root = driver.cx.root;
+    if driver.cx.options.run.trace.is_some() {
+        lc.enable_trace();
+    }
+    say!(root, "  {}", lifecycle_examples_describe(driver));
     say!(
         root,
-        "  pinned host memory for the offload (this process's ranks): {}, allocated at the first \
-         switch and reused by every later one; {} Adam steps applied since the last reset",
-        HumanBytes(state.pinned_host_bytes()),
-        state.adam_steps()
+        "  setup (GPUs, NCCL, training state): {}",
+        HumanDuration(t.elapsed())
     );
-    Ok(())
+    let mut reports = Vec::new();
+    for (i, &p) in policies.iter().enumerate() {
+        reports.push(run_policy(lc, driver, p, i == 0)?);
+    }
+    Ok(reports)
+}
+
+/// The update line of the header.
+fn lifecycle_examples_describe<B: lifecycle_core::Reshard, T: policy::Trainer<B>>(
+    driver: &GpuDriver<'_, T>,
+) -> String {
+    driver.trainer.describe()
 }
 
 #[cfg(test)]

@@ -40,11 +40,30 @@ pub enum SyntheticModel {
     Small,
 }
 
+/// The training layout of a GPU run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GpuLayout {
+    /// FSDP shards ([`lifecycle_fsdp::FsdpBackend`]).
+    #[default]
+    Fsdp,
+    /// Megatron-Core TP × PP × DP ([`lifecycle_megatron::MegatronGpuBackend`], DP = GPUs /
+    /// (TP × PP)).
+    Megatron {
+        /// Training tensor-parallel degree.
+        tp: usize,
+        /// Pipeline stages.
+        pp: usize,
+    },
+}
+
 /// Everything a GPU DAPO run takes: the settings any DAPO loop has ([`LoopOptions`]) and those of
 /// the GPU run only ([`GpuOptions`]). Flatten it into a `clap` parser (`#[command(flatten)]`), or
 /// start from [`Options::default`] and set fields.
 #[derive(Debug, Clone, PartialEq, Default, clap::Args)]
 pub struct Options {
+    /// The training layout (the `dapo` example's `--backend fsdp | megatron`).
+    #[arg(skip)]
+    pub layout: GpuLayout,
     /// GPUs, model, update and reward settings of the GPU run.
     #[command(flatten)]
     pub gpu: GpuOptions,
@@ -93,6 +112,12 @@ pub struct LoopOptions {
     /// Keep master weights and Adam moments on the GPUs during rollout (default: offloaded).
     #[arg(long)]
     pub no_offload: bool,
+    /// Per-phase detail after the report: each policy's metrics table.
+    #[arg(long)]
+    pub verbose: bool,
+    /// Write each policy's switch timeline as a Chrome / Perfetto trace: PATH.lazy.json, ...
+    #[arg(long, value_name = "PATH")]
+    pub trace: Option<String>,
 }
 
 impl LoopOptions {
@@ -110,6 +135,8 @@ impl LoopOptions {
         temperature: 1.0,
         seed: 2026,
         no_offload: false,
+        verbose: false,
+        trace: None,
     };
 }
 

@@ -1,58 +1,49 @@
-//! The training steps of one switching policy: dynamic sampling until the batch is full, then
-//! the in-place update; what each step measured.
+//! The GPU side of the one DAPO loop ([`crate::dapo::driver`]): [`GpuDriver`] generates gen
+//! batches through the lifecycle's engine ([`GpuGenerate`]) and applies the update through a
+//! [`Trainer`] (FSDP: in place on the GPUs; Megatron: through the state download / upload APIs);
+//! [`run_policy`] runs one switching policy and prints its lines.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use lifecycle_core::{HumanBytes, HumanDuration, Lifecycle, LinkBytes, Metrics, Switching};
-use lifecycle_decoder::{Decoder, Sampling};
+use lifecycle_core::{
+    HumanBytes, HumanDuration, Lifecycle, LifecycleError, Reshard, RolloutSession, Switching,
+    TrainSession,
+};
+use lifecycle_cuda::RolloutBuffer;
+use lifecycle_decoder::{ModelConfig, Sampling};
 use lifecycle_fsdp::FsdpBackend;
+use lifecycle_layout::megatron::MegatronLayout;
+use lifecycle_layout::{AdamParams, HostTensor};
+use lifecycle_megatron::MegatronGpuBackend;
 
-use super::rollout::{rollout_batch, Ctx, Group};
+use super::engine::GpuGenerate;
+use super::rollout::{prompt, reward, Ctx, Update};
 use super::source::Source;
 use super::DapoGpuError;
-use lifecycle_decoder_gpu::GpuDecoder;
+use crate::dapo::megatron::synthetic_hf_grads;
+use crate::dapo::{
+    run_steps, DapoBackend, GenBatch, GenRequest, Group, LoopEvent, LoopSettings, RunReport,
+    StepReport, UpdateOutcome,
+};
 
-/// What one training step measured.
-pub(crate) struct StepReport {
-    pub(crate) gen_batches: usize,
-    pub(crate) kept_groups: usize,
-    pub(crate) generated_groups: usize,
-    pub(crate) mean_reward: f32,
-    pub(crate) switches: u64,
-    pub(crate) exits: u64,
-    pub(crate) bytes: LinkBytes,
-    pub(crate) rollout: Duration,
-    pub(crate) generate: Duration,
-    pub(crate) setup: Duration,
-    pub(crate) switch: Duration,
-    /// The update phase: `lc.train()` (lazy's exit) and the in-place step.
-    pub(crate) update: Duration,
-    /// The in-place step alone (synthetic gradients + Adam).
-    pub(crate) adam: Duration,
-    /// Switch time of each gen batch's rollout call.
-    pub(crate) batch_switch: Vec<Duration>,
-}
-
-/// What one policy's run measured, and every group it generated.
+/// One policy's run and its untimed warm-up.
 pub(crate) struct PolicyReport {
-    pub(crate) switching: Switching,
-    pub(crate) steps: Vec<StepReport>,
-    pub(crate) groups: Vec<Group>,
+    pub(crate) run: RunReport,
     pub(crate) warmup: Duration,
 }
 
 impl PolicyReport {
     pub(crate) fn sum(&self, f: impl Fn(&StepReport) -> Duration) -> Duration {
-        self.steps.iter().map(f).sum()
+        self.run.steps.iter().map(f).sum()
     }
     pub(crate) fn switches(&self) -> u64 {
-        self.steps.iter().map(|s| s.switches).sum()
+        self.run.steps.iter().map(|s| s.switches).sum()
     }
     pub(crate) fn exits(&self) -> u64 {
-        self.steps.iter().map(|s| s.exits).sum()
+        self.run.steps.iter().map(|s| s.exits).sum()
     }
     pub(crate) fn bytes(&self) -> u64 {
-        self.steps.iter().map(|s| s.bytes.moved()).sum()
+        self.run.steps.iter().map(|s| s.bytes.moved()).sum()
     }
 }
 
@@ -64,150 +55,287 @@ pub(crate) fn name(s: Switching) -> &'static str {
     }
 }
 
+/// How a GPU backend's training state is updated and reset.
+pub(crate) trait Trainer<B: Reshard> {
+    /// The update of `step` (synthetic gradients, then Adam).
+    fn update<E>(
+        &self,
+        train: &mut TrainSession<'_, B, E>,
+        step: usize,
+        kept: &[Group],
+    ) -> Result<(), DapoGpuError>;
+    /// Back to the initial weights and a fresh optimizer.
+    fn reset<E>(&self, train: &mut TrainSession<'_, B, E>) -> Result<(), DapoGpuError>;
+    /// What the update is, for the output.
+    fn describe(&self) -> String;
+}
+
+/// FSDP: synthetic gradients and Adam in place on the GPUs.
+pub(crate) struct FsdpTrainer<'a> {
+    pub(crate) update: Update,
+    pub(crate) source: &'a Source,
+}
+
+impl Trainer<FsdpBackend> for FsdpTrainer<'_> {
+    fn update<E>(
+        &self,
+        train: &mut TrainSession<'_, FsdpBackend, E>,
+        step: usize,
+        _kept: &[Group],
+    ) -> Result<(), DapoGpuError> {
+        let (backend, state) = train.backend_and_state_mut();
+        self.update.apply(backend, state, step)
+    }
+    fn reset<E>(&self, train: &mut TrainSession<'_, FsdpBackend, E>) -> Result<(), DapoGpuError> {
+        let (backend, state) = train.backend_and_state_mut();
+        self.source.reset(backend, state)
+    }
+    fn describe(&self) -> String {
+        self.update.describe()
+    }
+}
+
+/// Where a Megatron run's initial weights come from.
+pub(crate) enum MegatronSource {
+    /// Made on the GPUs ([`MegatronGpuBackend::synthetic_state`]).
+    Synthetic { seed: u64, scale: f32 },
+    /// Host tensors ([`MegatronGpuBackend::state_from_hf`]).
+    Host { tensors: Vec<HostTensor> },
+}
+
+/// Megatron: there is no in-place Adam step on the GPUs for Megatron, so the update downloads
+/// the training state ([`MegatronGpuBackend::download_state`]), sets seeded synthetic gradients
+/// and runs the CPU executor's distributed-optimizer Adam step, then uploads the state again
+/// ([`MegatronGpuBackend::state_from_host`]).
+pub(crate) struct MegatronTrainer {
+    pub(crate) params: AdamParams,
+    pub(crate) grad_scale: f32,
+    pub(crate) seed: u64,
+    pub(crate) model: ModelConfig,
+    pub(crate) layout: MegatronLayout,
+    pub(crate) source: MegatronSource,
+}
+
+impl MegatronTrainer {
+    /// The initial training state on `backend`'s GPUs.
+    pub(crate) fn initial(
+        &self,
+        backend: &MegatronGpuBackend,
+    ) -> Result<lifecycle_megatron::MegatronGpuState, DapoGpuError> {
+        Ok(match &self.source {
+            MegatronSource::Synthetic { seed, scale } => {
+                backend.synthetic_state(self.layout.clone(), *seed, *scale)?
+            }
+            MegatronSource::Host { tensors } => {
+                backend.state_from_hf(self.layout.clone(), tensors.clone())?
+            }
+        })
+    }
+}
+
+impl Trainer<MegatronGpuBackend> for MegatronTrainer {
+    fn update<E>(
+        &self,
+        train: &mut TrainSession<'_, MegatronGpuBackend, E>,
+        step: usize,
+        kept: &[Group],
+    ) -> Result<(), DapoGpuError> {
+        let (backend, state) = train.backend_and_state_mut();
+        let mut host = backend.download_state(state)?;
+        let grads = synthetic_hf_grads(&self.model, self.seed, step, kept, self.grad_scale);
+        host.set_grads_from_hf(grads)?;
+        host.adam_step(self.params)?;
+        *state = backend.state_from_host(&host)?;
+        Ok(())
+    }
+    fn reset<E>(
+        &self,
+        train: &mut TrainSession<'_, MegatronGpuBackend, E>,
+    ) -> Result<(), DapoGpuError> {
+        let (backend, state) = train.backend_and_state_mut();
+        *state = self.initial(backend)?;
+        Ok(())
+    }
+    fn describe(&self) -> String {
+        let p = self.params;
+        format!(
+            "update: synthetic gradients, not a learned update: seeded noise (x {}) as full \
+             gradients, then Megatron's distributed-optimizer Adam step (lr {}, betas {} / {}, \
+             eps {}) run by the CPU executor on the downloaded state, uploaded again \
+             (MegatronGpuBackend::download_state + state_from_host; there is no in-place Adam \
+             on the GPUs for Megatron)",
+            self.grad_scale, p.lr, p.beta1, p.beta2, p.eps
+        )
+    }
+}
+
+/// The GPU runs' side of the DAPO loop.
+pub(crate) struct GpuDriver<'a, T> {
+    pub(crate) cx: &'a Ctx<'a>,
+    pub(crate) trainer: T,
+}
+
+impl<B, E, T> DapoBackend<B, E> for GpuDriver<'_, T>
+where
+    B: Reshard<Rollout = RolloutBuffer>,
+    E: GpuGenerate,
+    T: Trainer<B>,
+    DapoGpuError: From<LifecycleError<B::Error>>,
+{
+    type Error = DapoGpuError;
+
+    fn describe(&self) -> Vec<String> {
+        vec![self.trainer.describe()]
+    }
+
+    fn generate(
+        &mut self,
+        session: &mut RolloutSession<'_, B, E>,
+        request: &GenRequest,
+    ) -> Result<GenBatch, DapoGpuError> {
+        let cx = self.cx;
+        let (r, g) = (&cx.options.run, &cx.options.gpu);
+        let prompts: Vec<(Vec<u32>, u32)> = request
+            .prompts
+            .iter()
+            .map(|&id| prompt(id, g.prompt_len, cx.config.vocab_size, cx.modulus))
+            .collect();
+        let seqs: Vec<Vec<u32>> = prompts
+            .iter()
+            .flat_map(|(p, _)| std::iter::repeat_n(p.clone(), r.group_size))
+            .collect();
+        let sampling = Sampling {
+            temperature: r.temperature,
+            max_new_tokens: r.tokens,
+            seed: request.seed ^ ((request.batch as u64) << 16),
+            stop_token: None,
+        };
+        let (weights, mut engine) = session.parts();
+        let (out, setup, generate) = engine.generate_seqs(weights.get(), &seqs, &sampling)?;
+        let groups = request
+            .prompts
+            .iter()
+            .zip(&prompts)
+            .zip(out.chunks(r.group_size))
+            .map(|((&id, (_, target)), samples)| Group {
+                prompt: id,
+                rewards: samples
+                    .iter()
+                    .map(|s| reward(s, *target, cx.modulus))
+                    .collect(),
+                samples: samples
+                    .iter()
+                    .map(|s| s.iter().map(|&t| t as usize).collect())
+                    .collect(),
+            })
+            .collect();
+        Ok(GenBatch {
+            groups,
+            setup,
+            generate,
+        })
+    }
+
+    fn update(
+        &mut self,
+        train: &mut TrainSession<'_, B, E>,
+        step: usize,
+        kept: &[Group],
+    ) -> Result<UpdateOutcome, DapoGpuError> {
+        self.trainer.update(train, step, kept)?;
+        Ok(UpdateOutcome::Synthetic)
+    }
+
+    fn warm_up(&mut self, session: &mut RolloutSession<'_, B, E>) -> Result<(), DapoGpuError> {
+        let (weights, mut engine) = session.parts();
+        engine.generate_seqs(weights.get(), &[vec![1, 2, 3]], &Sampling::greedy(1))?;
+        Ok(())
+    }
+}
+
 /// Runs `--steps` training steps under `switching`; a policy after the first starts again from
 /// the initial weights and a fresh optimizer.
-pub(crate) fn run_policy(
-    lc: &mut Lifecycle<FsdpBackend>,
-    cx: &Ctx<'_>,
-    source: &Source,
+pub(crate) fn run_policy<B, E, T>(
+    lc: &mut Lifecycle<B, E>,
+    driver: &mut GpuDriver<'_, T>,
     switching: Switching,
     first: bool,
-) -> Result<PolicyReport, DapoGpuError> {
+) -> Result<PolicyReport, DapoGpuError>
+where
+    B: Reshard<Rollout = RolloutBuffer>,
+    E: GpuGenerate,
+    T: Trainer<B>,
+    DapoGpuError: From<LifecycleError<B::Error>>,
+{
+    let cx = driver.cx;
     let r = &cx.options.run;
     let root = cx.root;
     lc.set_switching(switching);
     if !first {
-        // Back to the initial weights and a fresh optimizer, in place, so both policies see the
-        // same weights at every step.
+        // Back to the initial weights and a fresh optimizer, so both policies see the same
+        // weights at every step.
         let mut tr = lc.train()?;
-        let (backend, state) = tr.backend_and_state_mut();
-        source.reset(backend, state)?;
+        driver.trainer.reset(&mut tr)?;
     }
     // Warm-up (not measured): one switch and a one-token generation, so host memory for the
-    // offload is pinned (the first policy only: the buffers are kept) and the decoder's kernels,
-    // cuBLAS and NCCL are initialised.
-    let t = Instant::now();
-    {
-        let session = lc.rollout()?;
-        {
-            let w = session.weights();
-            let mut decoder = GpuDecoder::new(cx.config, session.backend(), w.get())?;
-            decoder.generate(&[vec![1, 2, 3]], &Sampling::greedy(1))?;
-        }
-        session.exit()?;
-    }
-    let warmup = t.elapsed();
+    // offload is pinned and the decoder's kernels, cuBLAS and NCCL are initialised.
+    let warmup = crate::dapo::driver::warm_up(lc, driver)?;
     say!(
         root,
         "[{}] warm-up (switch + exit + 1-token generation, not measured): {}",
         name(switching),
         HumanDuration(warmup)
     );
-    let mut next_prompt = 0u64;
-    let mut steps = Vec::new();
-    let mut all_groups = Vec::new();
-    for step in 1..=r.steps {
-        let before = lc.metrics().clone();
-        let start = Instant::now();
-        let mut kept: Vec<Group> = Vec::new();
-        let (mut gen_batches, mut generated) = (0usize, 0usize);
-        let (mut generate, mut setup) = (Duration::ZERO, Duration::ZERO);
-        let mut batch_switch = Vec::new();
-        while kept.len() < r.batch_groups {
-            if gen_batches == r.max_gen_batches {
-                return Err(DapoGpuError::BatchNotFilled {
-                    step,
-                    kept: kept.len(),
-                    needed: r.batch_groups,
-                    gen_batches,
-                });
-            }
-            let ids: Vec<u64> = (next_prompt..next_prompt + r.prompts_per_batch as u64).collect();
-            next_prompt += r.prompts_per_batch as u64;
-            let seed = r.seed ^ ((step as u64) << 32) ^ ((gen_batches as u64) << 16);
-            let b = rollout_batch(lc, cx, &ids, seed)?;
-            gen_batches += 1;
-            generated += b.groups.len();
-            generate += b.generate;
-            setup += b.setup;
-            batch_switch.push(b.switch);
-            let n_kept = b.groups.iter().filter(|g| !g.uniform()).count();
-            say!(
-                root,
-                "[{}] step {step} gen batch {gen_batches}: {} sequences, {n_kept} of {} groups \
-                 mixed, call {} (switch {} x{}, decoder setup {}, generate {})",
-                name(switching),
-                ids.len() * r.group_size,
-                b.groups.len(),
-                HumanDuration(b.wall),
-                HumanDuration(b.switch),
-                b.switches,
-                HumanDuration(b.setup),
-                HumanDuration(b.generate),
-            );
-            all_groups.extend(b.groups.iter().cloned());
-            kept.extend(b.groups.into_iter().filter(|g| !g.uniform()));
-        }
-        let rollout = start.elapsed();
-        kept.truncate(r.batch_groups);
-        let mean_reward = kept.iter().flat_map(|g| &g.rewards).sum::<f32>()
-            / (kept.len() * r.group_size).max(1) as f32;
-        let t = Instant::now();
-        let adam = {
-            let mut tr = lc.train()?;
-            let (backend, state) = tr.backend_and_state_mut();
-            let t = Instant::now();
-            cx.update.apply(backend, state, step)?;
-            t.elapsed()
-        };
-        let update = t.elapsed();
-        let delta: Metrics = lc.metrics().since(&before);
-        let s = StepReport {
-            gen_batches,
-            kept_groups: kept.len(),
-            generated_groups: generated,
-            mean_reward,
-            switches: delta.switches(),
-            exits: delta.exits,
-            bytes: delta.bytes(),
-            rollout,
-            generate,
-            setup,
-            switch: delta.switch_time(),
-            update,
-            adam,
-            batch_switch,
-        };
-        say!(
+    let settings = LoopSettings {
+        steps: r.steps,
+        prompts_per_batch: r.prompts_per_batch,
+        batch_groups: r.batch_groups,
+        max_gen_batches: r.max_gen_batches,
+        seed: r.seed,
+    };
+    let run = run_steps(lc, driver, &settings, |e| match e {
+        LoopEvent::Batch(b) => say!(
             root,
-            "[{}] step {step}: gen batches {}, groups {} generated / {} kept, mean reward {:.3}, \
-             switches {}, exits {}, bytes {} (d2d {}, d2h {}, h2d {}), rollout phase {} (generate \
-             {}, decoder setup {}), switch time {}, update {} (of which Adam step on synthetic \
-             gradients {}; the rest is the exit under lazy)",
+            "[{}] step {} gen batch {}: {} sequences, {} of {} groups mixed, call {} (switch {} \
+             x{}, decoder setup {}, generate {})",
             name(switching),
+            b.step,
+            b.index,
+            b.sequences,
+            b.mixed,
+            b.groups,
+            HumanDuration(b.wall),
+            HumanDuration(b.switch),
+            b.switches,
+            HumanDuration(b.setup),
+            HumanDuration(b.generate),
+        ),
+        LoopEvent::Step(s) => say!(
+            root,
+            "[{}] step {}: gen batches {}, groups {} generated / {} kept, mean reward {:.3} (kept \
+             {:.3}), switches {}, exits {}, bytes {} (d2d {}, d2h {}, h2d {}), rollout phase {} \
+             (generate {}, decoder setup {}), switch time {}, update {} (of which the update \
+             itself {}; the rest is the exit under lazy)",
+            name(switching),
+            s.step,
             s.gen_batches,
-            s.generated_groups,
-            s.kept_groups,
+            s.groups,
+            s.kept,
             s.mean_reward,
+            s.kept_reward,
             s.switches,
             s.exits,
             HumanBytes(s.bytes.moved()),
             HumanBytes(s.bytes.device_to_device),
             HumanBytes(s.bytes.device_to_host),
             HumanBytes(s.bytes.host_to_device),
-            HumanDuration(s.rollout),
+            HumanDuration(s.rollout_time),
             HumanDuration(s.generate),
             HumanDuration(s.setup),
-            HumanDuration(s.switch),
-            HumanDuration(s.update),
-            HumanDuration(s.adam),
-        );
-        steps.push(s);
-    }
-    Ok(PolicyReport {
-        switching,
-        steps,
-        groups: all_groups,
-        warmup,
-    })
+            HumanDuration(s.switch_time),
+            HumanDuration(s.update_time),
+            HumanDuration(s.update_apply),
+        ),
+    })?;
+    Ok(PolicyReport { run, warmup })
 }

@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use lifecycle_core::HumanBytes;
 
-use super::policy::{PolicyReport, StepReport};
-use super::rollout::Group;
+use super::policy::PolicyReport;
+use crate::dapo::{Group, StepReport};
 
 /// Seconds, for the tables.
 pub(crate) fn secs(d: Duration) -> f64 {
@@ -15,7 +15,7 @@ pub(crate) fn secs(d: Duration) -> f64 {
 /// Prints lazy against eager: phases, switches, bytes, and the measured saving next to the
 /// prediction (gen batches - 1) x switch time.
 pub(crate) fn compare(lazy: &PolicyReport, eager: &PolicyReport) {
-    let identical = lazy.groups == eager.groups;
+    let identical = lazy.run.groups == eager.run.groups;
     println!();
     println!(
         "lazy vs eager (same seeds; samples identical: {})",
@@ -24,19 +24,21 @@ pub(crate) fn compare(lazy: &PolicyReport, eager: &PolicyReport) {
     let row = |what: &str, l: String, e: String| println!("  {what:<34} {l:>14} {e:>14}");
     row("", "lazy".into(), "eager".into());
     let gb = |p: &PolicyReport| {
-        p.steps
+        p.run
+            .steps
             .iter()
             .map(|s| s.gen_batches.to_string())
             .collect::<Vec<_>>()
             .join("+")
     };
     row("gen batches (per step)", gb(lazy), gb(eager));
-    let d =
-        |p: &PolicyReport, f: &dyn Fn(&StepReport) -> Duration| format!("{:.3} s", secs(p.sum(f)));
+    let d = |p: &PolicyReport, f: &dyn Fn(&StepReport) -> Duration| {
+        format!("{:.3} s", secs(p.sum(|s| f(s))))
+    };
     row(
         "rollout phase",
-        d(lazy, &|s| s.rollout),
-        d(eager, &|s| s.rollout),
+        d(lazy, &|s| s.rollout_time),
+        d(eager, &|s| s.rollout_time),
     );
     row(
         "  of which generate",
@@ -50,18 +52,18 @@ pub(crate) fn compare(lazy: &PolicyReport, eager: &PolicyReport) {
     );
     row(
         "update phase (incl. lazy's exit)",
-        d(lazy, &|s| s.update),
-        d(eager, &|s| s.update),
+        d(lazy, &|s| s.update_time),
+        d(eager, &|s| s.update_time),
     );
     row(
-        "  of which Adam step (synthetic g)",
-        d(lazy, &|s| s.adam),
-        d(eager, &|s| s.adam),
+        "  of which the update itself",
+        d(lazy, &|s| s.update_apply),
+        d(eager, &|s| s.update_apply),
     );
     row(
         "rollout + update",
-        d(lazy, &|s| s.rollout + s.update),
-        d(eager, &|s| s.rollout + s.update),
+        d(lazy, &|s| s.rollout_time + s.update_time),
+        d(eager, &|s| s.rollout_time + s.update_time),
     );
     row(
         "switches",
@@ -76,17 +78,18 @@ pub(crate) fn compare(lazy: &PolicyReport, eager: &PolicyReport) {
     );
     row(
         "switch time (enter + exit)",
-        d(lazy, &|s| s.switch),
-        d(eager, &|s| s.switch),
+        d(lazy, &|s| s.switch_time),
+        d(eager, &|s| s.switch_time),
     );
     let per = |p: &PolicyReport| {
         let n = p.switches().max(1) as f64;
-        format!("{:.3} s", secs(p.sum(|s| s.switch)) / n)
+        format!("{:.3} s", secs(p.sum(|s| s.switch_time)) / n)
     };
     row("time per switch", per(lazy), per(eager));
     // Eager's switch per rollout call (enter + exit): the updates are in place, so every call
     // does the same work (no host memory pinned anew after an update).
     let steady: Vec<Duration> = eager
+        .run
         .steps
         .iter()
         .flat_map(|s| s.batch_switch.iter().copied())
@@ -96,10 +99,11 @@ pub(crate) fn compare(lazy: &PolicyReport, eager: &PolicyReport) {
     } else {
         Some(secs(steady.iter().sum::<Duration>()) / steady.len() as f64)
     };
-    let saving_rollout = secs(eager.sum(|s| s.rollout)) - secs(lazy.sum(|s| s.rollout));
-    let saving_step =
-        secs(eager.sum(|s| s.rollout + s.update)) - secs(lazy.sum(|s| s.rollout + s.update));
+    let saving_rollout = secs(eager.sum(|s| s.rollout_time)) - secs(lazy.sum(|s| s.rollout_time));
+    let saving_step = secs(eager.sum(|s| s.rollout_time + s.update_time))
+        - secs(lazy.sum(|s| s.rollout_time + s.update_time));
     let extra: usize = lazy
+        .run
         .steps
         .iter()
         .map(|s| s.gen_batches.saturating_sub(1))
@@ -151,7 +155,7 @@ pub(crate) fn samples_digest(groups: &[Group]) -> (u64, usize) {
         for s in &g.samples {
             samples += 1;
             eat(s.len() as u64);
-            s.iter().for_each(|&t| eat(u64::from(t)));
+            s.iter().for_each(|&t| eat(t as u64));
         }
     }
     (h, samples)
@@ -163,7 +167,7 @@ mod tests {
 
     #[test]
     fn samples_digest_sees_every_token() {
-        let g = |t: u32| Group {
+        let g = |t: usize| Group {
             prompt: 1,
             samples: vec![vec![1, 2], vec![3, t]],
             rewards: vec![0.0, 1.0],

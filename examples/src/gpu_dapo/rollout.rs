@@ -1,15 +1,11 @@
-//! One gen batch: prompts, generation by the GPU decoder on the resident rollout weights, and the
-//! verifiable reward; and the in-place update between training steps.
+//! The GPU runs' prompts and verifiable reward, what a run shares, and the FSDP update between
+//! training steps.
 
-use std::time::{Duration, Instant};
-
-use lifecycle_core::Lifecycle;
-use lifecycle_decoder::{Decoder, ModelConfig, Sampling};
+use lifecycle_decoder::ModelConfig;
 use lifecycle_fsdp::{FsdpBackend, FsdpTrainState};
 use lifecycle_layout::AdamParams;
 
 use super::{DapoGpuError, Options};
-use lifecycle_decoder_gpu::GpuDecoder;
 
 /// Prompt `id`'s tokens and its reward target.
 pub(crate) fn prompt(id: u64, len: usize, vocab: usize, modulus: u32) -> (Vec<u32>, u32) {
@@ -29,35 +25,6 @@ pub(crate) fn reward(sample: &[u32], target: u32, modulus: u32) -> f32 {
     }
 }
 
-/// The samples of one prompt and their rewards.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Group {
-    pub(crate) prompt: u64,
-    pub(crate) samples: Vec<Vec<u32>>,
-    pub(crate) rewards: Vec<f32>,
-}
-
-impl Group {
-    /// Whether every sample has the same reward (DAPO drops such groups).
-    pub(crate) fn uniform(&self) -> bool {
-        self.rewards.windows(2).all(|w| w[0] == w[1])
-    }
-}
-
-/// One gen batch: switch (if needed), decoder setup, generation, rewards.
-pub(crate) struct Batch {
-    pub(crate) groups: Vec<Group>,
-    /// Time of the whole rollout call (switch, decoder setup, generation, eager exit).
-    pub(crate) wall: Duration,
-    /// Decoder setup (weight checks, cuBLAS handles, NVRTC kernels).
-    pub(crate) setup: Duration,
-    /// `generate` alone.
-    pub(crate) generate: Duration,
-    /// Switch time (enter, and the exit under eager) during the call.
-    pub(crate) switch: Duration,
-    pub(crate) switches: u64,
-}
-
 /// What every gen batch and step of a run shares.
 pub(crate) struct Ctx<'a> {
     pub(crate) options: &'a Options,
@@ -66,67 +33,6 @@ pub(crate) struct Ctx<'a> {
     pub(crate) modulus: u32,
     /// Whether this process prints the report (rank 0, or the only process).
     pub(crate) root: bool,
-    pub(crate) update: Update,
-}
-
-/// Generates `--group-size` samples for each prompt of `ids` and rewards them.
-pub(crate) fn rollout_batch(
-    lc: &mut Lifecycle<FsdpBackend>,
-    cx: &Ctx<'_>,
-    ids: &[u64],
-    seed: u64,
-) -> Result<Batch, DapoGpuError> {
-    let (r, g) = (&cx.options.run, &cx.options.gpu);
-    let before = lc.metrics().clone();
-    let start = Instant::now();
-    let prompts: Vec<(Vec<u32>, u32)> = ids
-        .iter()
-        .map(|&id| prompt(id, g.prompt_len, cx.config.vocab_size, cx.modulus))
-        .collect();
-    let seqs: Vec<Vec<u32>> = prompts
-        .iter()
-        .flat_map(|(p, _)| std::iter::repeat_n(p.clone(), r.group_size))
-        .collect();
-    let sampling = Sampling {
-        temperature: r.temperature,
-        max_new_tokens: r.tokens,
-        seed,
-        stop_token: None,
-    };
-    let session = lc.rollout()?;
-    let (out, setup, generate) = {
-        let weights = session.weights();
-        let t = Instant::now();
-        let mut decoder = GpuDecoder::new(cx.config, session.backend(), weights.get())?;
-        let setup = t.elapsed();
-        let t = Instant::now();
-        let out = decoder.generate(&seqs, &sampling)?;
-        (out, setup, t.elapsed())
-    };
-    session.finish()?;
-    let wall = start.elapsed();
-    let delta = lc.metrics().since(&before);
-    let groups = ids
-        .iter()
-        .zip(&prompts)
-        .zip(out.chunks(r.group_size))
-        .map(|((&id, (_, target)), samples)| Group {
-            prompt: id,
-            rewards: samples
-                .iter()
-                .map(|s| reward(s, *target, cx.modulus))
-                .collect(),
-            samples: samples.to_vec(),
-        })
-        .collect();
-    Ok(Batch {
-        groups,
-        wall,
-        setup,
-        generate,
-        switch: delta.switch_time(),
-        switches: delta.switches(),
-    })
 }
 
 /// The update between training steps: synthetic gradients and one Adam step, in place.
@@ -170,6 +76,7 @@ impl Update {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dapo::Group;
 
     #[test]
     fn reward_rule_and_groups() {

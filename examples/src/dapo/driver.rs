@@ -1,0 +1,295 @@
+//! The DAPO loop, written once for every backend: dynamic sampling (gen batches through the
+//! session's weights view and the lifecycle's rollout engine until enough groups have mixed
+//! rewards), the update in train mode, and what every gen batch and step measured.
+//!
+//! What differs per backend is a [`DapoBackend`]: how one gen batch is generated (from the
+//! [`RolloutSession`]: its weights view and the awake engine), how the update is applied to the
+//! training state (from the [`TrainSession`]), and how the run is described. The CPU example
+//! (toy policy, checkpoint, Megatron layout) and the GPU programs (FSDP, Megatron) all run
+//! [`run_steps`].
+//!
+//! ```text
+//! for step in 1..=steps:
+//!     while kept < batch_groups:                       # dynamic sampling
+//!         session = lc.rollout()                       # enters only when the weights are stale
+//!         batch = backend.generate(&mut session, req)  # weights view + engine
+//!         session.finish()                             # eager exits here, lazy keeps the weights
+//!         kept += groups of batch with mixed rewards
+//!     backend.update(&mut lc.train(), step, kept)      # exits (lazy), bumps the version
+//! ```
+
+use std::time::{Duration, Instant};
+
+use lifecycle_core::{
+    Lifecycle, LifecycleError, Reshard, RolloutEngine, RolloutSession, TrainSession,
+};
+
+use super::{GenRequest, Group, RunReport, StepReport, UpdateOutcome};
+
+/// The settings of the loop itself (the same on every backend).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoopSettings {
+    /// Training steps.
+    pub steps: usize,
+    /// Prompts per gen batch.
+    pub prompts_per_batch: usize,
+    /// Groups with mixed rewards a training batch needs.
+    pub batch_groups: usize,
+    /// Most gen batches per step before giving up.
+    pub max_gen_batches: usize,
+    /// Seed of the run: gen batches of step `s` get `seed ^ (s << 32)` ([`GenRequest::seed`]).
+    pub seed: u64,
+}
+
+/// Dynamic sampling did not fill a training batch within [`LoopSettings::max_gen_batches`]; each
+/// backend's error type turns it into its own message (`From<BatchNotFilled>`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BatchNotFilled {
+    /// The step (1-based).
+    pub step: usize,
+    /// Groups kept.
+    pub kept: usize,
+    /// Groups needed.
+    pub needed: usize,
+    /// Gen batches run.
+    pub gen_batches: usize,
+    /// Mean reward of every sample generated in the step.
+    pub mean_reward: f32,
+}
+
+/// One generated gen batch, with the time its engine spent.
+#[derive(Debug, Clone, Default)]
+pub struct GenBatch {
+    /// The groups, one per prompt of the request, in order.
+    pub groups: Vec<Group>,
+    /// Per-call engine setup (decoder construction, weight checks); zero for an engine bound
+    /// once at wake.
+    pub setup: Duration,
+    /// Generation alone.
+    pub generate: Duration,
+}
+
+/// What one gen batch (one rollout call) measured.
+#[derive(Debug, Clone)]
+pub struct BatchReport {
+    /// The training step (1-based).
+    pub step: usize,
+    /// The gen batch within the step (1-based).
+    pub index: usize,
+    /// Sequences generated (prompts × group size).
+    pub sequences: usize,
+    /// Groups generated.
+    pub groups: usize,
+    /// Groups with mixed rewards.
+    pub mixed: usize,
+    /// The whole rollout call: switch (if any), engine wake, generation, eager exit.
+    pub wall: Duration,
+    /// Switch time (enter, and the exit under eager) during the call.
+    pub switch: Duration,
+    /// Switches into rollout mode during the call.
+    pub switches: u64,
+    /// Per-call engine setup ([`GenBatch::setup`]).
+    pub setup: Duration,
+    /// Generation alone ([`GenBatch::generate`]).
+    pub generate: Duration,
+}
+
+/// What the loop reports while it runs.
+#[derive(Debug, Clone, Copy)]
+pub enum LoopEvent<'a> {
+    /// A gen batch is done.
+    Batch(&'a BatchReport),
+    /// A training step (sampling and update) is done.
+    Step(&'a StepReport),
+}
+
+/// What differs per backend in the DAPO loop: `B` the backend, `E` the rollout engine attached
+/// to its lifecycle.
+pub trait DapoBackend<B: Reshard, E: RolloutEngine<B::Rollout>> {
+    /// The run's error: lifecycle failures and an unfilled batch convert into it.
+    type Error: From<LifecycleError<B::Error>> + From<BatchNotFilled>;
+
+    /// The report's header: what runs (backend, layouts, model, engine, update, reward).
+    fn describe(&self) -> Vec<String>;
+
+    /// Generates and rewards one gen batch from the session's weights view and engine
+    /// ([`RolloutSession::parts`]); one group per prompt of `request`, in order.
+    fn generate(
+        &mut self,
+        session: &mut RolloutSession<'_, B, E>,
+        request: &GenRequest,
+    ) -> Result<GenBatch, Self::Error>;
+
+    /// Applies the update of `step` (1-based) from the kept groups to the training state.
+    fn update(
+        &mut self,
+        train: &mut TrainSession<'_, B, E>,
+        step: usize,
+        kept: &[Group],
+    ) -> Result<UpdateOutcome, Self::Error>;
+
+    /// An untimed warm-up call (kernels, libraries, first-touch memory) before the measured
+    /// steps; nothing by default.
+    fn warm_up(&mut self, session: &mut RolloutSession<'_, B, E>) -> Result<(), Self::Error> {
+        let _ = session;
+        Ok(())
+    }
+}
+
+/// Ends a rollout call: the body's error first, then the lifecycle's.
+fn finish_call<B: Reshard, E: RolloutEngine<B::Rollout>, T, X>(
+    session: RolloutSession<'_, B, E>,
+    result: Result<T, X>,
+) -> Result<T, X>
+where
+    X: From<LifecycleError<B::Error>>,
+{
+    let finished = session.finish();
+    let value = result?;
+    finished?;
+    Ok(value)
+}
+
+/// Runs the backend's warm-up in one rollout session, then exits; its wall time.
+pub fn warm_up<B, E, D>(lc: &mut Lifecycle<B, E>, backend: &mut D) -> Result<Duration, D::Error>
+where
+    B: Reshard,
+    E: RolloutEngine<B::Rollout>,
+    D: DapoBackend<B, E>,
+{
+    let t = Instant::now();
+    let mut session = lc.rollout()?;
+    let result = backend.warm_up(&mut session);
+    let exited = session.exit();
+    result?;
+    exited?;
+    Ok(t.elapsed())
+}
+
+/// The DAPO loop on `lc` under its current switching policy: per step, gen batches (prompt ids
+/// counting up from 0 over the run) until `batch_groups` groups with mixed rewards are kept,
+/// then the update. `on` sees every gen batch and step. The report's metrics are those of this
+/// run (the lifecycle's metrics since the call began).
+pub fn run_steps<B, E, D>(
+    lc: &mut Lifecycle<B, E>,
+    backend: &mut D,
+    settings: &LoopSettings,
+    mut on: impl FnMut(LoopEvent<'_>),
+) -> Result<RunReport, D::Error>
+where
+    B: Reshard,
+    E: RolloutEngine<B::Rollout>,
+    D: DapoBackend<B, E>,
+{
+    let s = settings;
+    let start = Instant::now();
+    let at_start = lc.metrics().clone();
+    let mut next_prompt = 0u64;
+    let mut steps = Vec::new();
+    let mut all_groups = Vec::new();
+    for step in 1..=s.steps {
+        let before = lc.metrics().clone();
+        let mut kept: Vec<Group> = Vec::new();
+        let (mut gen_batches, mut generated) = (0, 0);
+        let (mut reward_sum, mut samples) = (0.0f64, 0usize);
+        let (mut generate, mut setup) = (Duration::ZERO, Duration::ZERO);
+        let mut batch_switch = Vec::new();
+        let rollout_start = Instant::now();
+        while kept.len() < s.batch_groups {
+            if gen_batches == s.max_gen_batches {
+                return Err(BatchNotFilled {
+                    step,
+                    kept: kept.len(),
+                    needed: s.batch_groups,
+                    gen_batches,
+                    mean_reward: (reward_sum / samples.max(1) as f64) as f32,
+                }
+                .into());
+            }
+            let request = GenRequest {
+                step,
+                batch: gen_batches,
+                prompts: (next_prompt..next_prompt + s.prompts_per_batch as u64).collect(),
+                seed: s.seed ^ ((step as u64) << 32),
+            };
+            next_prompt += s.prompts_per_batch as u64;
+            let call_before = lc.metrics().clone();
+            let call_start = Instant::now();
+            let batch = {
+                let mut session = lc.rollout()?;
+                let result = backend.generate(&mut session, &request);
+                finish_call(session, result)?
+            };
+            let wall = call_start.elapsed();
+            let call = lc.metrics().since(&call_before);
+            gen_batches += 1;
+            generated += batch.groups.len();
+            generate += batch.generate;
+            setup += batch.setup;
+            batch_switch.push(call.switch_time());
+            for g in &batch.groups {
+                reward_sum += g.rewards.iter().map(|&r| f64::from(r)).sum::<f64>();
+                samples += g.rewards.len();
+            }
+            let report = BatchReport {
+                step,
+                index: gen_batches,
+                sequences: batch.groups.iter().map(|g| g.samples.len()).sum(),
+                groups: batch.groups.len(),
+                mixed: batch.groups.iter().filter(|g| !g.uniform()).count(),
+                wall,
+                switch: call.switch_time(),
+                switches: call.switches(),
+                setup: batch.setup,
+                generate: batch.generate,
+            };
+            on(LoopEvent::Batch(&report));
+            all_groups.extend(batch.groups.iter().cloned());
+            kept.extend(batch.groups.into_iter().filter(|g| !g.uniform()));
+        }
+        let rollout_time = rollout_start.elapsed();
+        kept.truncate(s.batch_groups);
+        let mean_reward = (reward_sum / samples.max(1) as f64) as f32;
+        let kept_reward = kept.iter().flat_map(|g| &g.rewards).sum::<f32>()
+            / kept.iter().map(|g| g.rewards.len()).sum::<usize>().max(1) as f32;
+
+        let update_start = Instant::now();
+        let (outcome, update_apply) = {
+            let mut train = lc.train()?;
+            let t = Instant::now();
+            let outcome = backend.update(&mut train, step, &kept)?;
+            (outcome, t.elapsed())
+        };
+        let update_time = update_start.elapsed();
+        let delta = lc.metrics().since(&before);
+        let report = StepReport {
+            step,
+            gen_batches,
+            groups: generated,
+            kept: kept.len(),
+            mean_reward,
+            kept_reward,
+            switches: delta.switches(),
+            exits: delta.exits,
+            bytes: delta.bytes(),
+            rollout_time,
+            switch_time: delta.switch_time(),
+            update_time,
+            update_apply,
+            generate,
+            setup,
+            batch_switch,
+            update: outcome,
+        };
+        on(LoopEvent::Step(&report));
+        steps.push(report);
+    }
+    Ok(RunReport {
+        switching: lc.config().switching,
+        steps,
+        metrics: lc.metrics().since(&at_start),
+        total_time: start.elapsed(),
+        groups: all_groups,
+        trace: lc.trace().clone(),
+    })
+}

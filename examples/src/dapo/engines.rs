@@ -1,0 +1,255 @@
+//! The rollout engines of the CPU runs, created once per lifecycle
+//! ([`Lifecycle::with_engine`](lifecycle_core::Lifecycle::with_engine)):
+//!
+//! - [`ToyEngine`]: the toy policy over [`HostRollout`]. It holds nothing: the policy's TP
+//!   groups are views of the resident weights, and a sequence's recurrent state lives inside
+//!   the call that samples it.
+//! - [`CpuDecoderEngine`]: the Qwen2 / Llama CPU decoder ([`CpuDecoder`]) over the FSDP
+//!   backends' unfused layout or Megatron's fused one. Its wake checks every replica's weights
+//!   against the model (the decoder's own checks); its KV cache is allocated by the decoder in
+//!   each call and freed at the end of it, so between calls it holds nothing
+//!   ([`CpuDecoderEngine::kv_bytes_per_call`] says how much one call allocates).
+
+use std::convert::Infallible;
+use std::time::{Duration, Instant};
+
+use lifecycle_core::{EngineBytes, PhaseScope, RolloutEngine, RolloutView};
+use lifecycle_decoder::{CpuDecoder, DecodeError, Decoder, ModelConfig, Sampling};
+use lifecycle_layout::megatron::RolloutLayout as FusedLayout;
+use lifecycle_layout::{HostRollout, RankRollout, RolloutLayout};
+
+use super::{prompt, rewarded_group, sample_gen_batch, GenJob, Group, RewardRule};
+use crate::rng::SplitMix64;
+
+/// The toy policy's engine (see the module docs): nothing to allocate at wake, nothing held.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ToyEngine;
+
+impl ToyEngine {
+    /// Samples one gen batch on the resident weights (the toy policy's
+    /// [`generate`](super::generate), without the switch).
+    pub fn generate(&mut self, weights: RolloutView<'_, HostRollout>, job: &GenJob) -> Vec<Group> {
+        sample_gen_batch(weights.get(), job)
+    }
+}
+
+impl RolloutEngine<HostRollout> for ToyEngine {
+    type Error = Infallible;
+
+    fn wake(
+        &mut self,
+        _: RolloutView<'_, HostRollout>,
+        _: &mut PhaseScope,
+    ) -> Result<(), Infallible> {
+        Ok(())
+    }
+
+    fn sleep(&mut self, _: &mut PhaseScope) -> Result<(), Infallible> {
+        Ok(())
+    }
+
+    /// Nothing: a sequence's recurrent state (hidden-size floats) lives inside the call.
+    fn memory(&self) -> EngineBytes {
+        EngineBytes::default()
+    }
+}
+
+/// The rollout layout the CPU decoder reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DecoderLayout {
+    /// The FSDP backends' unfused TP layout ([`CpuDecoder::new`]).
+    Unfused(RolloutLayout),
+    /// The Megatron backends' fused TP layout: `[q; k; v]`, `[gate; up]`
+    /// ([`CpuDecoder::new_fused`]).
+    Fused(FusedLayout),
+}
+
+impl DecoderLayout {
+    /// The rollout tensor-parallel degree.
+    pub fn tp(&self) -> usize {
+        match self {
+            DecoderLayout::Unfused(l) => l.tp(),
+            DecoderLayout::Fused(l) => l.tp,
+        }
+    }
+
+    /// A decoder over one TP group's weights (checked against `model` and the layout).
+    pub fn decoder<'w>(
+        &self,
+        model: &ModelConfig,
+        group: &[&'w RankRollout],
+    ) -> Result<CpuDecoder<'w>, DecodeError> {
+        match self {
+            DecoderLayout::Unfused(l) => CpuDecoder::new(model, l, group),
+            DecoderLayout::Fused(l) => CpuDecoder::new_fused(model, l, group),
+        }
+    }
+}
+
+/// One gen batch for the CPU decoder.
+#[derive(Debug, Clone)]
+pub struct DecodeJob {
+    /// Prompt ids.
+    pub prompts: Vec<u64>,
+    /// Samples per prompt.
+    pub group_size: usize,
+    /// Tokens generated per sample.
+    pub tokens: usize,
+    /// Temperature.
+    pub temperature: f32,
+    /// Sampling seed.
+    pub seed: u64,
+    /// The reward rule.
+    pub reward: RewardRule,
+}
+
+/// The CPU decoder as a rollout engine (see the module docs).
+#[derive(Debug, Clone)]
+pub struct CpuDecoderEngine {
+    model: ModelConfig,
+    layout: DecoderLayout,
+    last_kv_bytes: u64,
+}
+
+/// Generated sequences of one replica: prompt id and tokens.
+type Samples = Vec<(u64, Vec<u32>)>;
+
+impl CpuDecoderEngine {
+    /// An engine decoding `model` from weights laid out as `layout`.
+    pub fn new(model: ModelConfig, layout: DecoderLayout) -> Self {
+        CpuDecoderEngine {
+            model,
+            layout,
+            last_kv_bytes: 0,
+        }
+    }
+
+    /// The model.
+    pub fn model(&self) -> &ModelConfig {
+        &self.model
+    }
+
+    /// The layout it reads.
+    pub fn layout(&self) -> &DecoderLayout {
+        &self.layout
+    }
+
+    /// The KV cache (fp32 keys and values of every position of every sequence, all layers, over
+    /// the TP ranks of every replica) the last call allocated and freed; 0 before the first.
+    pub fn kv_bytes_per_call(&self) -> u64 {
+        self.last_kv_bytes
+    }
+
+    /// The KV bytes of `sequences` sequences of `positions` positions: per layer, keys and
+    /// values of every kv head a TP rank holds (replicated heads counted on each rank).
+    fn kv_bytes(&self, sequences: usize, positions: usize) -> u64 {
+        let c = &self.model;
+        let tp = self.layout.tp().max(1);
+        let kv_heads_per_rank = c.num_kv_heads.div_ceil(tp).max(1);
+        (sequences * positions * c.num_layers * 2 * kv_heads_per_rank * tp * c.head_dim * 4) as u64
+    }
+
+    /// Decodes one gen batch on `weights`: prompt `i` goes to data-parallel replica
+    /// `i mod (W / T)`; each replica decodes its `prompts × group_size` sequences as one batch
+    /// (batched prefill, then decode steps with the KV cache) on a thread of its own. The time
+    /// spent building the decoders (weight checks) and generating.
+    pub fn generate(
+        &mut self,
+        weights: &HostRollout,
+        job: &DecodeJob,
+    ) -> Result<(Vec<Group>, Duration, Duration), DecodeError> {
+        let tp = self.layout.tp();
+        let replicas = weights.ranks.len() / tp.max(1);
+        let vocab = self.model.vocab_size;
+        let (model, layout) = (&self.model, &self.layout);
+        let per_replica: Vec<Result<(Samples, Duration, Duration), DecodeError>> =
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = (0..replicas)
+                    .map(|d| {
+                        let group: Vec<_> = weights.ranks[d * tp..(d + 1) * tp].iter().collect();
+                        scope.spawn(move || {
+                            let t = Instant::now();
+                            let mut decoder = layout.decoder(model, &group)?;
+                            let setup = t.elapsed();
+                            let ids: Vec<u64> = job
+                                .prompts
+                                .iter()
+                                .enumerate()
+                                .filter(|(i, _)| i % replicas == d)
+                                .flat_map(|(_, &id)| std::iter::repeat_n(id, job.group_size))
+                                .collect();
+                            let prompts: Vec<Vec<u32>> = ids
+                                .iter()
+                                .map(|&id| prompt(id, vocab).iter().map(|&t| t as u32).collect())
+                                .collect();
+                            let sampling = Sampling {
+                                temperature: job.temperature,
+                                max_new_tokens: job.tokens,
+                                seed: SplitMix64::from_keys(&[job.seed, d as u64]).next_u64(),
+                                stop_token: None,
+                            };
+                            let t = Instant::now();
+                            let out = decoder.generate(&prompts, &sampling)?;
+                            Ok((ids.into_iter().zip(out).collect(), setup, t.elapsed()))
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                    .collect()
+            });
+        let mut samples: Samples = Vec::new();
+        let (mut setup, mut generate) = (Duration::ZERO, Duration::ZERO);
+        for r in per_replica {
+            let (s, a, b) = r?;
+            samples.extend(s);
+            // replicas run side by side: the slowest one is the call's
+            setup = setup.max(a);
+            generate = generate.max(b);
+        }
+        let positions = 4 + job.tokens;
+        self.last_kv_bytes = self.kv_bytes(samples.len(), positions);
+        let groups = job
+            .prompts
+            .iter()
+            .map(|&id| {
+                let samples: Vec<Vec<usize>> = samples
+                    .iter()
+                    .filter(|(p, _)| *p == id)
+                    .map(|(_, t)| t.iter().map(|&x| x as usize).collect())
+                    .collect();
+                rewarded_group(id, job.reward, samples)
+            })
+            .collect();
+        Ok((groups, setup, generate))
+    }
+}
+
+impl RolloutEngine<HostRollout> for CpuDecoderEngine {
+    type Error = DecodeError;
+
+    /// Checks every replica's weights against the model (present, shaped as the layout says).
+    fn wake(
+        &mut self,
+        weights: RolloutView<'_, HostRollout>,
+        _: &mut PhaseScope,
+    ) -> Result<(), DecodeError> {
+        let tp = self.layout.tp().max(1);
+        for group in weights.get().ranks.chunks(tp) {
+            let group: Vec<&RankRollout> = group.iter().collect();
+            self.layout.decoder(&self.model, &group)?;
+        }
+        Ok(())
+    }
+
+    fn sleep(&mut self, _: &mut PhaseScope) -> Result<(), DecodeError> {
+        Ok(())
+    }
+
+    /// Nothing between calls: the decoder allocates its KV cache inside each call and frees it
+    /// at the end ([`CpuDecoderEngine::kv_bytes_per_call`]).
+    fn memory(&self) -> EngineBytes {
+        EngineBytes::default()
+    }
+}
