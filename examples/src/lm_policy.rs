@@ -1,5 +1,5 @@
 //! DAPO rollouts through the Qwen2 / Llama decoder on a Hugging Face checkpoint: the training
-//! state is the checkpoint's weights, the rollout runs [`CpuDecoder`] on the resharded bf16 TP
+//! state is the checkpoint's weights, the rollout runs [`CpuDecoder`](lifecycle_decoder::CpuDecoder) on the resharded bf16 TP
 //! slices, the reward is the same verifiable rule as the toy policy's ([`RewardRule`]: token
 //! classes, so its hit rate does not shrink with the vocabulary). The update is the synthetic
 //! stand-in ([`synthetic_update`]): there is no backward pass for the decoder here.

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use lifecycle_core::{EngineBytes, PhaseScope, RolloutEngine, RolloutView};
 use lifecycle_decoder::{CpuDecoder, DecodeError, Decoder, ModelConfig, Sampling};
-use lifecycle_layout::megatron::RolloutLayout as FusedLayout;
+use lifecycle_layout::RolloutLayout as FusedLayout;
 use lifecycle_layout::{HostRollout, RankRollout, RolloutLayout};
 
 use super::{prompt, rewarded_group, sample_gen_batch, GenJob, Group, RewardRule};
@@ -69,7 +69,7 @@ impl DecoderLayout {
     pub fn tp(&self) -> usize {
         match self {
             DecoderLayout::Unfused(l) => l.tp(),
-            DecoderLayout::Fused(l) => l.tp,
+            DecoderLayout::Fused(l) => l.tp(),
         }
     }
 

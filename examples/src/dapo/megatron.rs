@@ -13,8 +13,8 @@ use std::path::Path;
 use lifecycle_core::{RolloutSession, Switching, TrainSession};
 use lifecycle_decoder::{random_tensors, Checkpoint, MegatronParallel, ModelConfig};
 use lifecycle_host::megatron::{MegatronHostBackend, MegatronTrainState};
-use lifecycle_layout::megatron::{RolloutLayout as FusedLayout, RolloutVocab};
 use lifecycle_layout::{AdamParams, HostTensor};
+use lifecycle_layout::{RolloutLayout as FusedLayout, RolloutVocab};
 
 use super::update::SYNTHETIC_LR;
 use super::{
@@ -42,7 +42,7 @@ pub fn fused_layout(model: &ModelConfig, t: usize) -> FusedLayout {
     } else {
         RolloutVocab::PadToMultipleOf(64)
     };
-    FusedLayout::new(t, vocab)
+    FusedLayout::fused(t, vocab)
 }
 
 /// The Megatron degrees of `config` (`HostTrain::Megatron`; TP = PP = 1 otherwise).
@@ -223,7 +223,7 @@ pub fn run_megatron(
     let layout = fused_layout(&model, config.tp);
     // the decoder's own checks of the degree (heads, ffn, vocabulary) before anything moves
     model.rollout_layout(config.tp)?;
-    let engine = CpuDecoderEngine::new(model.clone(), DecoderLayout::Fused(layout));
+    let engine = CpuDecoderEngine::new(model.clone(), DecoderLayout::Fused(layout.clone()));
     let mut driver = MegatronDriver::new(*config, model, String::new());
     run_host(
         config,

@@ -17,7 +17,7 @@ use lifecycle_core::{EngineBytes, PhaseScope, RolloutEngine, RolloutView};
 use lifecycle_cuda::{RolloutBuffer, ThreadRankPool};
 use lifecycle_decoder::{Decoder, ModelConfig, Sampling};
 use lifecycle_decoder_gpu::GpuDecoder;
-use lifecycle_layout::megatron::RolloutLayout as FusedLayout;
+use lifecycle_layout::RolloutLayout as FusedLayout;
 use lifecycle_layout::{HostRollout, RolloutLayout};
 
 use super::DapoGpuError;
@@ -179,10 +179,11 @@ impl GpuGenerate for FusedHostFallback {
         let host = self.host.as_ref().ok_or_else(|| {
             DapoGpuError::Usage("the Megatron fallback engine was called asleep".to_string())
         })?;
-        let tp = self.layout.tp;
+        let tp = self.layout.tp();
         let group: Vec<_> = host.ranks.iter().take(tp).collect();
         let t = Instant::now();
-        let mut decoder = DecoderLayout::Fused(self.layout).decoder(&self.config, &group)?;
+        let mut decoder =
+            DecoderLayout::Fused(self.layout.clone()).decoder(&self.config, &group)?;
         let setup = t.elapsed();
         let t = Instant::now();
         let out = decoder.generate(seqs, sampling)?;

@@ -313,7 +313,7 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
                 .megatron_layout(parallel)
                 .map_err(|e| DapoGpuError::Usage(e.to_string()))?;
             let rollout = fused_layout(&config, r.tp);
-            let engine = MegatronEngine::new(&config, rollout, &pool);
+            let engine = MegatronEngine::new(&config, rollout.clone(), &pool);
             let backend = MegatronGpuBackend::new(Arc::clone(&pool), rollout)?;
             let trainer = MegatronTrainer {
                 params: a.adam_params(),
