@@ -443,3 +443,127 @@ impl GroupOffsets {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lifecycle_layout::megatron::RolloutVocab;
+
+    fn config(vocab: usize, kv: usize, bias: bool) -> ModelConfig {
+        ModelConfig::from_json_str(&format!(
+            r#"{{"model_type": "{}", "vocab_size": {vocab}, "hidden_size": 16,
+            "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": {kv}, "rope_theta": 10000.0,
+            "tie_word_embeddings": false}}"#,
+            // Qwen2 has q/k/v biases, Llama none
+            if bias { "qwen2" } else { "llama" }
+        ))
+        .unwrap()
+    }
+
+    /// The entries of one rank of `layout`, packed in order.
+    fn fused_entries(config: &ModelConfig, layout: &FusedLayout) -> Vec<RolloutEntry> {
+        let specs = layout
+            .tensors(&config.model_spec(MEGATRON_VOCAB_MULTIPLE))
+            .unwrap();
+        let mut at = 0;
+        specs
+            .into_iter()
+            .map(|s| {
+                let e = RolloutEntry::new(s.name.clone(), s.shape.clone(), at);
+                at += s.numel();
+                e
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fused_offsets_split_qkv_and_gate_up_and_keep_the_padded_vocab() {
+        // vocab 31 padded to 32 at T = 1; 4 q heads, 2 kv heads, head_dim 4
+        let c = config(31, 2, true);
+        let layout = FusedLayout::new(1, RolloutVocab::PadToMultipleOf(8));
+        let entries = fused_entries(&c, &layout);
+        let plan = GroupOffsets::fused(&c, &layout, &entries).unwrap();
+        assert!(plan.fused);
+        assert!(!plan.vocab_parallel);
+        assert_eq!(plan.vocab_part, 32);
+        assert_eq!((plan.q_heads, plan.ffn_part), (4, 32));
+        let find = |n: &str| entries.iter().find(|e| e.name() == n).unwrap().offset() as u64;
+        let l = plan.ranks[0].layers[1];
+        let qkv = find("model.layers.1.self_attn.qkv_proj.weight");
+        let (q_rows, kv_rows, h) = (16u64, 8u64, 16u64);
+        assert_eq!(l.q_w, qkv);
+        assert_eq!(l.k_w, qkv + q_rows * h);
+        assert_eq!(l.v_w, qkv + (q_rows + kv_rows) * h);
+        let b = find("model.layers.1.self_attn.qkv_proj.bias");
+        assert_eq!(
+            (l.q_b, l.k_b, l.v_b),
+            (Some(b), Some(b + q_rows), Some(b + 24))
+        );
+        let gu = find("model.layers.1.mlp.gate_up_proj.weight");
+        assert_eq!((l.gate_w, l.up_w), (gu, gu + 32 * h));
+        assert_eq!(plan.ranks[0].head, find("lm_head.weight"));
+        let end = entries.iter().map(|e| e.range().end).max().unwrap() as u64;
+        assert_eq!(plan.min_len, end);
+    }
+
+    #[test]
+    fn fused_offsets_at_t2_are_vocab_parallel_with_replicated_kv() {
+        // one kv head for T = 2: each rank holds a copy of it
+        let c = config(31, 1, false);
+        let layout = FusedLayout::new(2, RolloutVocab::PadToMultipleOf(8));
+        let entries = fused_entries(&c, &layout);
+        let plan = GroupOffsets::fused(&c, &layout, &entries).unwrap();
+        assert!(plan.vocab_parallel);
+        assert_eq!(plan.vocab_part, 16);
+        assert_eq!(plan.ranks.len(), 2);
+        assert!(plan.ranks.iter().all(|r| r.share.kv_heads == 1));
+        assert_eq!(plan.ranks[0].layers, plan.ranks[1].layers);
+    }
+
+    #[test]
+    fn a_wrong_or_missing_fused_tensor_is_named() {
+        let c = config(32, 2, false);
+        let layout = FusedLayout::new(1, RolloutVocab::Unpadded);
+        let mut entries = fused_entries(&c, &layout);
+        let i = entries
+            .iter()
+            .position(|e| e.name() == "model.layers.0.mlp.gate_up_proj.weight")
+            .unwrap();
+        let off = entries[i].offset();
+        entries[i] = RolloutEntry::new("model.layers.0.mlp.gate_up_proj.weight", vec![32, 16], off);
+        let msg = GroupOffsets::fused(&c, &layout, &entries)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("gate_up_proj"), "{msg}");
+        entries.remove(i);
+        match GroupOffsets::fused(&c, &layout, &entries) {
+            Err(DecodeError::MissingTensor { name, .. }) => assert!(name.contains("gate_up")),
+            other => panic!("expected MissingTensor, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn layouts_are_told_apart_by_their_names() {
+        let c = config(32, 2, false);
+        let fused = fused_entries(&c, &FusedLayout::new(1, RolloutVocab::Unpadded));
+        assert_eq!(detect_layout(&fused).unwrap(), Some(LayoutKind::Fused));
+        let unfused: Vec<RolloutEntry> = c
+            .tensor_shapes()
+            .into_iter()
+            .map(|(n, s)| RolloutEntry::new(n, s, 0))
+            .collect();
+        assert_eq!(detect_layout(&unfused).unwrap(), Some(LayoutKind::Unfused));
+        // the unfused names are not the fused layout
+        assert!(
+            GroupOffsets::fused(&c, &FusedLayout::new(1, RolloutVocab::Unpadded), &unfused)
+                .is_err()
+        );
+        let both: Vec<RolloutEntry> = fused.iter().chain(&unfused).cloned().collect();
+        assert!(detect_layout(&both)
+            .unwrap_err()
+            .to_string()
+            .contains("both"));
+        assert_eq!(detect_layout(&[]).unwrap(), None);
+    }
+}
