@@ -1,5 +1,6 @@
-//! [`GpuDecoder`]: the decoder on the GPUs of the FSDP backend's rank pool, reading the resident
-//! rollout weights in place.
+//! [`GpuDecoder`]: the decoder on the GPUs of a backend's rank pool, reading the resident
+//! rollout weights in place; and the machinery it shares with the persistent
+//! [`GpuEngine`](crate::GpuEngine) (`Core`).
 
 use std::ffi::c_void;
 use std::marker::PhantomData;
@@ -19,11 +20,20 @@ use lifecycle_layout::RolloutLayout;
 
 use crate::error::GpuDecodeError;
 use crate::kernels::{launch, Arg, DecoderKernels};
+use crate::prefill::PrefillRows;
 use crate::topology::{decode_topology, replica_rows, DecodeTopology};
 use crate::weights::{GroupOffsets, RankOffsets};
 
 /// Longest sequence (prompt + generated tokens) the attention kernel's shared memory holds.
 pub const MAX_CONTEXT: usize = 8192;
+
+/// Where one rank reads its weights: the device address of its flat bf16 rollout buffer and the
+/// checked offsets in it.
+#[derive(Debug, Clone)]
+struct RankBind {
+    base: u64,
+    w: RankOffsets,
+}
 
 /// One rank's resources: cuBLAS handle, kernels, weight addresses, KV cache.
 struct RankState {
@@ -36,11 +46,11 @@ struct RankState {
     reports: bool,
     blas: CudaBlas,
     k: DecoderKernels,
-    /// Device address of the rank's flat bf16 rollout buffer.
-    base: u64,
-    w: RankOffsets,
+    /// The weights this rank reads; `None` while unbound (an engine asleep).
+    bind: Option<RankBind>,
     inv_freq: CudaSlice<f32>,
-    /// `[layer][k | v][sequence][cap][kv_heads · head_dim]` f32, `None` before the first prefill.
+    /// `[layer][k | v][slot][cap][kv_heads · head_dim]` f32, `None` before the first prefill
+    /// (or while an engine sleeps).
     cache: Option<CudaSlice<f32>>,
     ev_compute: CudaEvent,
     ev_nccl: CudaEvent,
@@ -49,17 +59,19 @@ struct RankState {
 }
 
 /// Inputs of one forward pass of one replica (the same on every rank of a group); sequence
-/// indices are the replica's own, `0..batch`.
+/// indices are the replica's own cache slots.
 struct Step<'a> {
     tokens: Vec<u32>,
     seqs: Vec<u32>,
     poss: Vec<u32>,
     /// Rows whose logits are wanted.
     logit_rows: Vec<u32>,
-    /// Sequences in the batch (cache layout).
+    /// Cache slots per block of the cache (its layout).
     batch: usize,
     /// Cache capacity in positions.
     cap: usize,
+    /// `[leader slot, slot, length]` per forked sequence: copied after the layers ran.
+    forks: Vec<u32>,
     /// What to bring back.
     pick: Pick<'a>,
 }
@@ -130,6 +142,17 @@ enum StepOut {
 ///   downloads only them.
 ///
 /// Built from a rollout session of an FSDP [`Lifecycle`](lifecycle_core::Lifecycle), so it
+/// - Both rollout layouts: the FSDP backends' unfused one ([`GpuDecoder::new`],
+///   [`GpuDecoder::with_pool`]) and the Megatron backends' fused one
+///   ([`GpuDecoder::with_fused_layout`]: one GEMM for `qkv_proj`, one for `gate_up_proj`; padded
+///   vocabulary rows are dropped from the logits, so they are never sampled).
+///
+/// Building it checks every weight and creates cuBLAS handles and kernels (about a millisecond);
+/// a rollout loop that calls it often keeps a [`GpuEngine`](crate::GpuEngine) attached to the
+/// lifecycle instead, which does that once and keeps its KV cache across the calls of one weight
+/// version.
+///
+/// Built from a rollout session of an FSDP [`Lifecycle`](lifecycle_core::Lifecycle), so it
 /// cannot outlive the weights it reads:
 ///
 /// ```no_run
@@ -145,134 +168,90 @@ enum StepOut {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct GpuDecoder<'w> {
-    config: ModelConfig,
+    core: Core,
     pool: &'w ThreadRankPool,
-    ranks: Vec<RankState>,
-    topology: DecodeTopology,
-    /// The sequences of the current batch each replica decodes (one range in a group).
-    parts: Vec<Range<usize>>,
-    tp: usize,
-    q_heads: usize,
-    kv_heads: usize,
-    ffn_part: usize,
-    vocab_parallel: bool,
-    lens: Vec<usize>,
-    cap: usize,
     _weights: PhantomData<&'w RolloutBuffer>,
 }
 
 impl std::fmt::Debug for GpuDecoder<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuDecoder")
-            .field("tp", &self.tp)
-            .field("topology", &self.topology)
-            .field("vocab_parallel", &self.vocab_parallel)
-            .field("sequences", &self.lens.len())
-            .field("cache_capacity", &self.cap)
+            .field("tp", &self.core.tp)
+            .field("topology", &self.core.topology)
+            .field("geometry", &self.core.geo)
+            .field("sequences", &self.core.lens.len())
+            .field("cache_capacity", &self.core.cap)
             .finish()
     }
 }
 
-fn ptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
-    let (p, _sync) = s.device_ptr(stream);
-    p
+/// Head counts and widths of the bound weights, per rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub ffn_part: usize,
+    pub vocab_parallel: bool,
+    /// Embedding / head rows per rank (padding included).
+    pub vocab_part: usize,
+    pub fused: bool,
 }
 
-fn cublas_err(rank: usize, op: &str, e: cublas_result::CublasError) -> CudaError {
-    CudaError::Driver {
-        rank,
-        op: format!("cuBLAS {op}"),
-        detail: format!("{:?}", e.0),
+impl Geometry {
+    fn of(plan: &GroupOffsets) -> Self {
+        Geometry {
+            q_heads: plan.q_heads,
+            kv_heads: plan.ranks.first().map_or(0, |r| r.share.kv_heads),
+            ffn_part: plan.ffn_part,
+            vocab_parallel: plan.vocab_parallel,
+            vocab_part: plan.vocab_part,
+            fused: plan.fused,
+        }
     }
 }
 
-/// `y[2n × out] = x[2n × inp] · wᵀ` for a row-major bf16 `w[out × inp]` (a PyTorch linear) and
-/// bf16 `x`, f32 accumulation and output.
-///
-/// # Safety
-/// `w`, `x`, `y` must be device addresses of this handle's context holding at least
-/// `out · inp` bf16, `rows · inp` bf16 and `rows · out` f32, alive until the stream ran the GEMM.
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm(
-    blas: &CudaBlas,
-    w: u64,
-    x: u64,
-    y: u64,
-    out: usize,
-    rows: usize,
-    inp: usize,
-    rank: usize,
-) -> Result<(), CudaError> {
-    let (alpha, beta) = (1.0f32, 0.0f32);
-    let dim = |v: usize| {
-        i32::try_from(v).map_err(|_| CudaError::Invalid(format!("GEMM dimension {v} > i32::MAX")))
-    };
-    // SAFETY: column-major view: C[out × rows] = op(A) · B with A = w as a col-major
-    // [inp × out] matrix (transposed), B = x as col-major [inp × rows]; sizes per the caller;
-    // alpha/beta are host scalars (the handle's default pointer mode).
-    unsafe {
-        cublas_result::gemm_ex(
-            *blas.handle(),
-            cublas_sys::cublasOperation_t::CUBLAS_OP_T,
-            cublas_sys::cublasOperation_t::CUBLAS_OP_N,
-            dim(out)?,
-            dim(rows)?,
-            dim(inp)?,
-            (&alpha as *const f32).cast::<c_void>(),
-            w as *const c_void,
-            cublas_sys::cudaDataType::CUDA_R_16BF,
-            dim(inp)?,
-            x as *const c_void,
-            cublas_sys::cudaDataType::CUDA_R_16BF,
-            dim(inp)?,
-            (&beta as *const f32).cast::<c_void>(),
-            y as *mut c_void,
-            cublas_sys::cudaDataType::CUDA_R_32F,
-            dim(out)?,
-            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }
-    .map_err(|e| cublas_err(rank, "GemmEx (bf16 x bf16 -> f32)", e))
+/// How the KV cache is sized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KvMode {
+    /// Allocated per prefill for the batch at hand and grown while decoding ([`GpuDecoder`]).
+    Grow,
+    /// Allocated once for `slots` sequences per replica of `cap` positions ([`GpuEngine`]'s
+    /// wake); a call that does not fit is an error.
+    ///
+    /// [`GpuEngine`]: crate::GpuEngine
+    Fixed { slots: usize },
 }
 
-impl<'w> GpuDecoder<'w> {
-    /// A decoder over the rollout weights `weights` of `backend` (its rank pool is the TP group,
-    /// `W = T`, or `W` replicas at `T = 1`; see [`decode_topology`]). Every tensor is checked against `config` and the
-    /// backend's layout here; each rank creates its cuBLAS handle and compiles the kernels.
+/// What [`GpuDecoder`] and [`GpuEngine`](crate::GpuEngine) share: per-rank handles, kernels and
+/// KV cache, the weights binding, and the passes. Every method that runs on the ranks takes the
+/// pool the ranks were created on.
+pub(crate) struct Core {
+    pub config: ModelConfig,
+    ranks: Vec<RankState>,
+    pub topology: DecodeTopology,
+    /// The sequences of the current batch each replica decodes (one range in a group).
+    parts: Vec<Range<usize>>,
+    pub tp: usize,
+    /// Set while bound to weights.
+    pub geo: Option<Geometry>,
+    lens: Vec<usize>,
+    pub cap: usize,
+    pub kv: KvMode,
+}
+
+impl Core {
+    /// Per-rank handles and kernels on `pool` for a layout of degree `tp` (no weights yet).
     pub fn new(
         config: &ModelConfig,
-        backend: &'w FsdpBackend,
-        weights: &'w RolloutBuffer,
+        tp: usize,
+        pool: &ThreadRankPool,
     ) -> Result<Self, GpuDecodeError> {
-        Self::with_pool(config, backend.layout(), backend.pool(), weights)
-    }
-
-    /// As [`GpuDecoder::new`] with the layout and pool given separately.
-    pub fn with_pool(
-        config: &ModelConfig,
-        layout: &RolloutLayout,
-        pool: &'w ThreadRankPool,
-        weights: &'w RolloutBuffer,
-    ) -> Result<Self, GpuDecodeError> {
-        let tp = layout.tp();
         let topology = decode_topology(pool.world(), tp, pool.local_ranks().len())?;
-        let plan = GroupOffsets::new(config, layout, weights.entries())?;
         // SAFETY: only asks the dynamic loader whether the library can be opened.
         if !unsafe { cublas_sys::is_culib_present() } {
             return Err(GpuDecodeError::NoCublas);
         }
         let locals = pool.local_ranks().to_vec();
-        for (i, _) in locals.iter().enumerate() {
-            let len = weights.rank_buffer(i).map_or(0, |b| b.len() as u64);
-            if len < plan.min_len {
-                return Err(DecodeError::Usage(format!(
-                    "the rollout buffer of local rank {i} holds {len} elements, its entries need {}",
-                    plan.min_len
-                ))
-                .into());
-            }
-        }
         let inv_freq: Vec<f32> = (0..config.head_dim / 2)
             .map(|i| {
                 1.0 / (config
@@ -281,20 +260,14 @@ impl<'w> GpuDecoder<'w> {
             })
             .collect();
         let mut items: Vec<Option<RankState>> = locals.iter().map(|_| None).collect();
-        let plan_ref = &plan;
         let freq = &inv_freq;
         pool.run_each(&mut items, &|ctx, slot| {
             let local = locals.iter().position(|&r| r == ctx.rank).ok_or_else(|| {
                 CudaError::Invalid(format!("rank {} is not a local rank", ctx.rank))
             })?;
-            ctx.sync_all()?;
-            let buf = weights.rank_buffer(local).ok_or_else(|| {
-                CudaError::Invalid(format!("no rollout buffer for local rank {local}"))
-            })?;
             let blas = CudaBlas::new(ctx.compute.clone())
                 .map_err(|e| cublas_err(ctx.rank, "creating a handle", e))?;
             let k = DecoderKernels::load(ctx)?;
-            let tp_rank = ctx.rank % tp;
             let inv = ctx
                 .compute
                 .clone_htod(freq.as_slice())
@@ -304,19 +277,12 @@ impl<'w> GpuDecoder<'w> {
                 DecodeTopology::Replicas(_) => (local, true),
             };
             *slot = Some(RankState {
-                tp_rank,
+                tp_rank: ctx.rank % tp,
                 replica,
                 reports,
                 blas,
                 k,
-                base: ptr(buf, &ctx.compute),
-                w: plan_ref
-                    .ranks
-                    .get(tp_rank)
-                    .ok_or_else(|| {
-                        CudaError::Invalid(format!("no weight offsets for TP rank {tp_rank}"))
-                    })?
-                    .clone(),
+                bind: None,
                 inv_freq: inv,
                 cache: None,
                 ev_compute: ctx.event()?,
@@ -334,20 +300,125 @@ impl<'w> GpuDecoder<'w> {
                 CudaError::Invalid("a rank did not set up its decoder state".into()).into(),
             );
         }
-        Ok(GpuDecoder {
+        Ok(Core {
             config: config.clone(),
-            pool,
             ranks,
             topology,
             parts: Vec::new(),
             tp,
-            q_heads: plan.q_heads,
-            kv_heads: plan.ranks[0].share.kv_heads,
-            ffn_part: plan.ffn_part,
-            vocab_parallel: plan.vocab_parallel,
+            geo: None,
             lens: Vec::new(),
             cap: 0,
-            _weights: PhantomData,
+            kv: KvMode::Grow,
+        })
+    }
+
+    /// Binds every rank to its buffer of `weights` at the offsets of `plan` (checked against the
+    /// buffers' lengths first). Waits for the work queued on the weights (the switch) to finish.
+    pub fn bind(
+        &mut self,
+        pool: &ThreadRankPool,
+        plan: &GroupOffsets,
+        weights: &RolloutBuffer,
+    ) -> Result<(), GpuDecodeError> {
+        let locals = pool.local_ranks().to_vec();
+        for (i, _) in locals.iter().enumerate() {
+            let len = weights.rank_buffer(i).map_or(0, |b| b.len() as u64);
+            if len < plan.min_len {
+                return Err(DecodeError::Usage(format!(
+                    "the rollout buffer of local rank {i} holds {len} elements, its entries need {}",
+                    plan.min_len
+                ))
+                .into());
+            }
+        }
+        pool.run_each(&mut self.ranks, &|ctx, st| {
+            let local = locals.iter().position(|&r| r == ctx.rank).ok_or_else(|| {
+                CudaError::Invalid(format!("rank {} is not a local rank", ctx.rank))
+            })?;
+            ctx.sync_all()?;
+            let buf = weights.rank_buffer(local).ok_or_else(|| {
+                CudaError::Invalid(format!("no rollout buffer for local rank {local}"))
+            })?;
+            let w = plan
+                .ranks
+                .get(st.tp_rank)
+                .ok_or_else(|| {
+                    CudaError::Invalid(format!("no weight offsets for TP rank {}", st.tp_rank))
+                })?
+                .clone();
+            st.bind = Some(RankBind {
+                base: ptr(buf, &ctx.compute),
+                w,
+            });
+            ctx.compute
+                .synchronize()
+                .map_err(ctx.drv("synchronizing", 0))?;
+            Ok(())
+        })?;
+        self.geo = Some(Geometry::of(plan));
+        Ok(())
+    }
+
+    /// Forgets the weights and frees the KV cache (host side only: cannot fail). Frees are
+    /// stream-ordered on each rank's compute stream.
+    pub fn unbind(&mut self) {
+        for st in &mut self.ranks {
+            st.bind = None;
+            st.cache = None;
+        }
+        self.geo = None;
+        self.lens.clear();
+        self.parts.clear();
+        self.cap = 0;
+    }
+
+    /// Allocates the KV cache of `slots` sequences per replica × `cap` positions on every rank
+    /// (zeroed; needs the weights bound for the kv-head count), replacing any cache.
+    pub fn alloc_fixed(
+        &mut self,
+        pool: &ThreadRankPool,
+        slots: usize,
+        cap: usize,
+    ) -> Result<(), GpuDecodeError> {
+        let geo = self.geometry()?;
+        let len = kv_elements(
+            self.config.num_layers,
+            slots,
+            cap,
+            geo.kv_heads * self.config.head_dim,
+        );
+        self.lens.clear();
+        self.parts.clear();
+        pool.run_each(&mut self.ranks, &|ctx, st| {
+            st.cache = None;
+            st.cache = Some(alloc_zeros::<f32>(
+                &ctx.compute,
+                len,
+                ctx.rank,
+                "the KV cache",
+            )?);
+            ctx.compute
+                .synchronize()
+                .map_err(ctx.drv("synchronizing", 0))
+        })?;
+        self.kv = KvMode::Fixed { slots };
+        self.cap = cap;
+        Ok(())
+    }
+
+    /// Bytes of the KV cache on the rank that holds the most.
+    pub fn kv_bytes(&self) -> u64 {
+        self.ranks
+            .iter()
+            .map(|st| st.cache.as_ref().map_or(0, |c| 4 * c.len() as u64))
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn geometry(&self) -> Result<Geometry, GpuDecodeError> {
+        self.geo.ok_or_else(|| {
+            DecodeError::Usage("the decoder is not bound to rollout weights".into()).into()
         })
     }
 
@@ -368,19 +439,40 @@ impl<'w> GpuDecoder<'w> {
         }
     }
 
-    fn kv_width(&self) -> usize {
-        self.kv_heads * self.config.head_dim
+    /// Cache slots per block for replica share `part` (the cache's layout).
+    fn slots(&self, part: &Range<usize>) -> usize {
+        match self.kv {
+            KvMode::Grow => part.len(),
+            KvMode::Fixed { slots } => slots,
+        }
     }
 
     /// Makes room for `needed` positions per sequence of each replica's share of the batch
     /// (`self.parts`; `fresh`: a new batch, the old cache is dropped; otherwise the cache is
-    /// grown, its contents kept).
-    fn reserve(&mut self, needed: usize, fresh: bool) -> Result<(), GpuDecodeError> {
+    /// grown, its contents kept). A fixed cache is only checked.
+    fn reserve(
+        &mut self,
+        pool: &ThreadRankPool,
+        needed: usize,
+        fresh: bool,
+    ) -> Result<(), GpuDecodeError> {
         if needed > MAX_CONTEXT {
             return Err(DecodeError::Usage(format!(
                 "a sequence would hold {needed} tokens; the GPU decoder holds at most {MAX_CONTEXT}"
             ))
             .into());
+        }
+        if let KvMode::Fixed { slots } = self.kv {
+            let widest = self.parts.iter().map(Range::len).max().unwrap_or(0);
+            if needed > self.cap || widest > slots {
+                return Err(DecodeError::Usage(format!(
+                    "the KV cache holds {slots} sequences of {} positions per replica; this pass \
+                     needs {widest} of {needed}",
+                    self.cap
+                ))
+                .into());
+            }
+            return Ok(());
         }
         if !fresh && needed <= self.cap {
             return Ok(());
@@ -392,9 +484,9 @@ impl<'w> GpuDecoder<'w> {
         };
         let layers = self.config.num_layers;
         let parts = &self.parts;
-        let w = self.kv_width() as u64;
+        let w = (self.geometry()?.kv_heads * self.config.head_dim) as u64;
         let old_cap = self.cap as u64;
-        self.pool.run_each(&mut self.ranks, &|ctx, st| {
+        pool.run_each(&mut self.ranks, &|ctx, st| {
             let batch = parts.get(st.replica).map_or(0, Range::len);
             let blocks = (layers * 2 * batch) as u64;
             let len = (blocks * new_cap as u64 * w) as usize;
@@ -431,7 +523,12 @@ impl<'w> GpuDecoder<'w> {
 
     /// Runs one forward pass on every rank, `steps[r]` on the ranks of replica `r`; the logits
     /// (`[m × vocab]`) or tokens of the whole batch, in sequence order.
-    fn forward(&mut self, steps: &[Step<'_>]) -> Result<StepOut, GpuDecodeError> {
+    fn forward(
+        &mut self,
+        pool: &ThreadRankPool,
+        steps: &[Step<'_>],
+    ) -> Result<StepOut, GpuDecodeError> {
+        let geo = self.geometry()?;
         let c = &self.config;
         let dims: Vec<Dims> = steps
             .iter()
@@ -440,18 +537,20 @@ impl<'w> GpuDecoder<'w> {
                 m: step.logit_rows.len(),
                 h: c.hidden_size,
                 d: c.head_dim,
-                qh: self.q_heads,
-                kvh: self.kv_heads,
-                f: self.ffn_part,
+                qh: geo.q_heads,
+                kvh: geo.kv_heads,
+                f: geo.ffn_part,
                 vocab: c.vocab_size,
+                part: geo.vocab_part,
                 tp: self.tp,
                 layers: c.num_layers,
                 eps: c.rms_norm_eps as f32,
                 group: c.num_heads / c.num_kv_heads,
-                vocab_parallel: self.vocab_parallel,
+                vocab_parallel: geo.vocab_parallel,
+                fused: geo.fused,
             })
             .collect();
-        let outs = self.pool.run_each(&mut self.ranks, &|ctx, st| {
+        let outs = pool.run_each(&mut self.ranks, &|ctx, st| {
             let (Some(step), Some(z)) = (steps.get(st.replica), dims.get(st.replica)) else {
                 return Err(CudaError::Invalid(format!(
                     "no forward pass for replica {} ({} given)",
@@ -514,11 +613,16 @@ impl<'w> GpuDecoder<'w> {
         self.parts = (0..r).map(|k| replica_rows(batch, r, k)).collect();
     }
 
+    /// Prefill of `prompts` (a new batch); `fork`: prompts equal to an earlier one of the same
+    /// replica are not run through the model but get a copy of its KV rows (only with
+    /// [`PrefillLogits::Last`]).
     fn prefill_rows(
         &mut self,
+        pool: &ThreadRankPool,
         prompts: &[Vec<u32>],
         which: PrefillLogits,
         pick: Pick<'_>,
+        fork: bool,
     ) -> Result<StepOut, GpuDecodeError> {
         for (s, p) in prompts.iter().enumerate() {
             if p.is_empty() {
@@ -534,40 +638,35 @@ impl<'w> GpuDecoder<'w> {
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
         self.lens.clear();
         self.split_batch(prompts.len());
-        self.reserve(longest, true)?;
+        self.reserve(pool, longest, true)?;
         let mut steps = Vec::with_capacity(self.parts.len());
         let mut wanted = 0usize;
         for part in &self.parts {
-            let (mut seqs, mut poss, mut tokens, mut logit_rows) =
-                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            for (local, p) in prompts[part.clone()].iter().enumerate() {
-                for (pos, &t) in p.iter().enumerate() {
-                    if which == PrefillLogits::All || pos + 1 == p.len() {
-                        logit_rows.push(tokens.len() as u32);
-                    }
-                    seqs.push(local as u32);
-                    poss.push(pos as u32);
-                    tokens.push(t);
-                }
-            }
-            let want = wanted..wanted + logit_rows.len();
+            let rows = PrefillRows::new(&prompts[part.clone()], which == PrefillLogits::All, fork);
+            let want = wanted..wanted + rows.logit_rows.len();
             wanted = want.end;
             steps.push(Step {
-                tokens,
-                seqs,
-                poss,
-                logit_rows,
-                batch: part.len(),
+                tokens: rows.tokens,
+                seqs: rows.seqs,
+                poss: rows.poss,
+                logit_rows: rows.logit_rows,
+                batch: self.slots(part),
                 cap: self.cap,
+                forks: rows.forks,
                 pick: pick.rows(want),
             });
         }
-        let out = self.forward(&steps)?;
+        let out = self.forward(pool, &steps)?;
         self.lens = prompts.iter().map(Vec::len).collect();
         Ok(out)
     }
 
-    fn decode_rows(&mut self, tokens: &[u32], pick: Pick<'_>) -> Result<StepOut, GpuDecodeError> {
+    fn decode_rows(
+        &mut self,
+        pool: &ThreadRankPool,
+        tokens: &[u32],
+        pick: Pick<'_>,
+    ) -> Result<StepOut, GpuDecodeError> {
         if tokens.len() != self.lens.len() || self.lens.is_empty() {
             return Err(DecodeError::Usage(format!(
                 "decode_step got {} tokens for a batch of {} sequences (call prefill first)",
@@ -580,7 +679,7 @@ impl<'w> GpuDecoder<'w> {
             self.check_token(s, t)?;
         }
         let longest = self.lens.iter().copied().max().unwrap_or(0);
-        self.reserve(longest + 1, false)?;
+        self.reserve(pool, longest + 1, false)?;
         let steps: Vec<Step<'_>> = self
             .parts
             .iter()
@@ -591,13 +690,14 @@ impl<'w> GpuDecoder<'w> {
                     poss: self.lens[part.clone()].iter().map(|&l| l as u32).collect(),
                     logit_rows: seqs.clone(),
                     seqs,
-                    batch: part.len(),
+                    batch: self.slots(part),
                     cap: self.cap,
+                    forks: Vec::new(),
                     pick: pick.rows(part.clone()),
                 }
             })
             .collect();
-        let out = self.forward(&steps)?;
+        let out = self.forward(pool, &steps)?;
         self.lens.iter_mut().for_each(|l| *l += 1);
         Ok(out)
     }
@@ -615,6 +715,238 @@ impl<'w> GpuDecoder<'w> {
             _ => Err(CudaError::Invalid("no rank returned tokens".into()).into()),
         }
     }
+
+    /// [`Decoder::prefill`].
+    pub fn prefill(
+        &mut self,
+        pool: &ThreadRankPool,
+        prompts: &[Vec<u32>],
+        which: PrefillLogits,
+    ) -> Result<Vec<Vec<f32>>, GpuDecodeError> {
+        let mut rows =
+            Self::logits(self.prefill_rows(pool, prompts, which, Pick::Logits, false)?)?
+                .into_iter();
+        match which {
+            PrefillLogits::Last => Ok(rows.collect()),
+            PrefillLogits::All => Ok(prompts
+                .iter()
+                .map(|p| rows.by_ref().take(p.len()).flatten().collect())
+                .collect()),
+        }
+    }
+
+    /// [`Decoder::decode_step`].
+    pub fn decode_step(
+        &mut self,
+        pool: &ThreadRankPool,
+        tokens: &[u32],
+    ) -> Result<Vec<Vec<f32>>, GpuDecodeError> {
+        Self::logits(self.decode_rows(pool, tokens, Pick::Logits)?)
+    }
+
+    /// [`Decoder::generate`] on the device (see [`GpuDecoder`]'s), prefilling each distinct
+    /// prompt of a replica once when `fork` is set.
+    pub fn generate(
+        &mut self,
+        pool: &ThreadRankPool,
+        prompts: &[Vec<u32>],
+        sampling: &Sampling,
+        fork: bool,
+    ) -> Result<Vec<Vec<u32>>, GpuDecodeError> {
+        let mut out: Vec<Vec<u32>> =
+            vec![Vec::with_capacity(sampling.max_new_tokens); prompts.len()];
+        if sampling.max_new_tokens == 0 || prompts.is_empty() {
+            return Ok(out);
+        }
+        let greedy = sampling.temperature <= 0.0;
+        let mut rngs: Vec<SplitMix64> = (0..prompts.len())
+            .map(|i| SplitMix64::from_keys(&[sampling.seed, i as u64]))
+            .collect();
+        let draw = |rngs: &mut [SplitMix64]| -> Vec<f32> {
+            if greedy {
+                Vec::new()
+            } else {
+                rngs.iter_mut().map(SplitMix64::next_f32).collect()
+            }
+        };
+        let temperature = sampling.temperature;
+        fn pick(greedy: bool, temperature: f32, u: &[f32]) -> Pick<'_> {
+            if greedy {
+                Pick::Argmax
+            } else {
+                Pick::Sample {
+                    temperature,
+                    uniforms: u,
+                }
+            }
+        }
+        let mut done = vec![false; prompts.len()];
+        let u = draw(&mut rngs);
+        let mut next = Self::tokens(self.prefill_rows(
+            pool,
+            prompts,
+            PrefillLogits::Last,
+            pick(greedy, temperature, &u),
+            fork,
+        )?)?;
+        for step in 0..sampling.max_new_tokens {
+            for ((o, d), &t) in out.iter_mut().zip(done.iter_mut()).zip(&next) {
+                if !*d {
+                    o.push(t);
+                    *d = sampling.stop_token == Some(t);
+                }
+            }
+            if step + 1 == sampling.max_new_tokens || done.iter().all(|&d| d) {
+                break;
+            }
+            let u = draw(&mut rngs);
+            next = Self::tokens(self.decode_rows(pool, &next, pick(greedy, temperature, &u))?)?;
+        }
+        Ok(out)
+    }
+}
+
+/// f32 elements of a KV cache of `slots` sequences × `cap` positions × `width` (kv heads ·
+/// head dim) for k and v of `layers` layers.
+pub(crate) fn kv_elements(layers: usize, slots: usize, cap: usize, width: usize) -> usize {
+    2 * layers * slots * cap * width
+}
+
+impl<'w> GpuDecoder<'w> {
+    /// A decoder over the rollout weights `weights` of `backend` (its rank pool is the TP group,
+    /// `W = T`, or `W` replicas at `T = 1`; see [`decode_topology`]). Every tensor is checked
+    /// against `config` and the backend's layout here; each rank creates its cuBLAS handle and
+    /// compiles the kernels.
+    pub fn new(
+        config: &ModelConfig,
+        backend: &'w FsdpBackend,
+        weights: &'w RolloutBuffer,
+    ) -> Result<Self, GpuDecodeError> {
+        Self::with_pool(config, backend.layout(), backend.pool(), weights)
+    }
+
+    /// As [`GpuDecoder::new`] with the layout and pool given separately.
+    pub fn with_pool(
+        config: &ModelConfig,
+        layout: &RolloutLayout,
+        pool: &'w ThreadRankPool,
+        weights: &'w RolloutBuffer,
+    ) -> Result<Self, GpuDecodeError> {
+        let tp = layout.tp();
+        decode_topology(pool.world(), tp, pool.local_ranks().len())?;
+        let plan = GroupOffsets::new(config, layout, weights.entries())?;
+        Self::build(config, tp, &plan, pool, weights)
+    }
+
+    /// A decoder over rollout weights in the Megatron backends' fused layout `layout`
+    /// (`MegatronGpuBackend::rollout_layout`): per rank `qkv_proj` = `[q; k; v]` and
+    /// `gate_up_proj` = `[gate; up]`, each one GEMM; a vocabulary-parallel embedding and head
+    /// whose padding rows are never read or sampled.
+    ///
+    /// ```no_run
+    /// # fn demo(config: &lifecycle_decoder::ModelConfig,
+    /// #         layout: &lifecycle_layout::megatron::RolloutLayout,
+    /// #         pool: &lifecycle_cuda::ThreadRankPool,
+    /// #         weights: &lifecycle_cuda::RolloutBuffer) -> Result<(), Box<dyn std::error::Error>> {
+    /// use lifecycle_decoder::{Decoder, Sampling};
+    /// use lifecycle_decoder_gpu::GpuDecoder;
+    /// let mut decoder = GpuDecoder::with_fused_layout(config, layout, pool, weights)?;
+    /// let out = decoder.generate(&[vec![1, 2, 3]], &Sampling::greedy(8))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn with_fused_layout(
+        config: &ModelConfig,
+        layout: &lifecycle_layout::megatron::RolloutLayout,
+        pool: &'w ThreadRankPool,
+        weights: &'w RolloutBuffer,
+    ) -> Result<Self, GpuDecodeError> {
+        decode_topology(pool.world(), layout.tp, pool.local_ranks().len())?;
+        let plan = GroupOffsets::fused(config, layout, weights.entries())?;
+        Self::build(config, layout.tp, &plan, pool, weights)
+    }
+
+    fn build(
+        config: &ModelConfig,
+        tp: usize,
+        plan: &GroupOffsets,
+        pool: &'w ThreadRankPool,
+        weights: &'w RolloutBuffer,
+    ) -> Result<Self, GpuDecodeError> {
+        let mut core = Core::new(config, tp, pool)?;
+        core.bind(pool, plan, weights)?;
+        Ok(GpuDecoder {
+            core,
+            pool,
+            _weights: PhantomData,
+        })
+    }
+
+    /// Tokens in each sequence's cache.
+    pub fn lengths(&self) -> Vec<usize> {
+        self.core.lengths()
+    }
+}
+
+fn ptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
+fn cublas_err(rank: usize, op: &str, e: cublas_result::CublasError) -> CudaError {
+    CudaError::Driver {
+        rank,
+        op: format!("cuBLAS {op}"),
+        detail: format!("{:?}", e.0),
+    }
+}
+
+/// `y[2n × out] = x[2n × inp] · wᵀ` for a row-major bf16 `w[out × inp]` (a PyTorch linear) and
+/// bf16 `x`, f32 accumulation and output.
+///
+/// # Safety
+/// `w`, `x`, `y` must be device addresses of this handle's context holding at least
+/// `out · inp` bf16, `rows · inp` bf16 and `rows · out` f32, alive until the stream ran the GEMM.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm(
+    blas: &CudaBlas,
+    w: u64,
+    x: u64,
+    y: u64,
+    out: usize,
+    rows: usize,
+    inp: usize,
+    rank: usize,
+) -> Result<(), CudaError> {
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let dim = |v: usize| {
+        i32::try_from(v).map_err(|_| CudaError::Invalid(format!("GEMM dimension {v} > i32::MAX")))
+    };
+    // SAFETY: column-major view: C[out × rows] = op(A) · B with A = w as a col-major
+    // [inp × out] matrix (transposed), B = x as col-major [inp × rows]; sizes per the caller;
+    // alpha/beta are host scalars (the handle's default pointer mode).
+    unsafe {
+        cublas_result::gemm_ex(
+            *blas.handle(),
+            cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+            cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+            dim(out)?,
+            dim(rows)?,
+            dim(inp)?,
+            (&alpha as *const f32).cast::<c_void>(),
+            w as *const c_void,
+            cublas_sys::cudaDataType::CUDA_R_16BF,
+            dim(inp)?,
+            x as *const c_void,
+            cublas_sys::cudaDataType::CUDA_R_16BF,
+            dim(inp)?,
+            (&beta as *const f32).cast::<c_void>(),
+            y as *mut c_void,
+            cublas_sys::cudaDataType::CUDA_R_32F,
+            dim(out)?,
+            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| cublas_err(rank, "GemmEx (bf16 x bf16 -> f32)", e))
 }
 
 /// Sizes of one forward pass.
@@ -627,11 +959,14 @@ struct Dims {
     kvh: usize,
     f: usize,
     vocab: usize,
+    /// Embedding / head rows per rank (padding included).
+    part: usize,
     tp: usize,
     layers: usize,
     eps: f32,
     group: usize,
     vocab_parallel: bool,
+    fused: bool,
 }
 
 /// Makes `waiter` wait for the work queued so far on `on`, through `event`.
@@ -694,14 +1029,25 @@ fn rank_forward(
     let poss = up(&step.poss, "uploading positions")?;
     let rows = up(&step.logit_rows, "uploading logit rows")?;
     let widest = h.max(qw).max(f);
+    // a fused product writes [q; k; v] or [gate; up] at once
+    let out_widest = if z.fused {
+        widest.max(qw + 2 * kvw).max(2 * f)
+    } else {
+        widest
+    };
     // SAFETY: every element of these scratch buffers is written by a kernel, a GEMM or the
     // all-reduce before it is read, as the pass below does in order on this one stream.
     let (mut x, xs, y2, y2b, q, kb, vb, partial) = unsafe {
         (
             alloc_device::<f32>(s, n * h, rank, "hidden states")?,
             alloc_device::<u16>(s, 2 * n * widest, rank, "split activations")?,
-            alloc_device::<f32>(s, 2 * n * widest, rank, "GEMM outputs")?,
-            alloc_device::<f32>(s, 2 * n * f, rank, "GEMM outputs (up)")?,
+            alloc_device::<f32>(s, 2 * n * out_widest, rank, "GEMM outputs")?,
+            alloc_device::<f32>(
+                s,
+                if z.fused { 1 } else { 2 * n * f },
+                rank,
+                "GEMM outputs (up)",
+            )?,
             alloc_device::<f32>(s, n * qw, rank, "queries")?,
             alloc_device::<f32>(s, n * kvw, rank, "keys")?,
             alloc_device::<f32>(s, n * kvw, rank, "values")?,
@@ -726,7 +1072,11 @@ fn rank_forward(
     let (xp, xsp, y2p, y2bp, qp, kp, vp) =
         (p(&x), ptr(&xs, s), p(&y2), p(&y2b), p(&q), p(&kb), p(&vb));
     let (tokp, seqp, posp, rowp) = (ptr(&tokens, s), ptr(&seqs, s), ptr(&poss, s), ptr(&rows, s));
-    let wp = |off: u64| st.base + 2 * off;
+    let bind = st
+        .bind
+        .as_ref()
+        .ok_or_else(|| CudaError::Invalid("the decoder is not bound to rollout weights".into()))?;
+    let wp = |off: u64| bind.base + 2 * off;
     let k = &st.k;
     let u32a = |v: usize| Arg::U32(v as u32);
     let block_rows = |rows: usize| LaunchConfig {
@@ -741,11 +1091,9 @@ fn rank_forward(
     // and collectives are ordered with events both ways.
     unsafe {
         // embedding
-        let part = if z.vocab_parallel {
-            z.vocab / z.tp
-        } else {
-            z.vocab
-        };
+        // rows per rank (the padded vocabulary's share in the fused layout); tokens are checked
+        // against the real vocabulary, so padding rows are never gathered
+        let part = z.part;
         let lo = if z.vocab_parallel {
             st.tp_rank * part
         } else {
@@ -756,7 +1104,7 @@ fn rank_forward(
             &k.embed,
             k.elementwise((n * h) as u64),
             &[
-                Arg::U64(wp(st.w.embed)),
+                Arg::U64(wp(bind.w.embed)),
                 Arg::U64(tokp),
                 Arg::U64(xp),
                 u32a(n),
@@ -828,6 +1176,24 @@ fn rank_forward(
                 "combine",
             )
         };
+        let combine_cols = |out: u64, bias: Option<u64>, ld: usize, col0: usize, width: usize| {
+            launch(
+                s,
+                &k.combine_cols,
+                k.elementwise((n * width) as u64),
+                &[
+                    Arg::U64(y2p),
+                    Arg::U64(bias.map_or(0, wp)),
+                    Arg::U64(out),
+                    u32a(n),
+                    u32a(ld),
+                    u32a(col0),
+                    u32a(width),
+                ],
+                rank,
+                "combine_cols",
+            )
+        };
         let norm = |w: u64, rows_p: u64, count: usize| {
             launch(
                 s,
@@ -848,16 +1214,26 @@ fn rank_forward(
         };
         let smem = ((d + step.cap) * 4) as u32;
         for l in 0..z.layers {
-            let lw = st.w.layers[l];
+            let lw = bind.w.layers[l];
             let kc = cache_p + 4 * (2 * l as u64) * cache_layer;
             let vc = cache_p + 4 * (2 * l as u64 + 1) * cache_layer;
             norm(lw.input_norm, 0, n)?;
-            gemm(&st.blas, wp(lw.q_w), xsp, y2p, qw, 2 * n, h, rank)?;
-            combine_into(qp, lw.q_b, qw)?;
-            gemm(&st.blas, wp(lw.k_w), xsp, y2p, kvw, 2 * n, h, rank)?;
-            combine_into(kp, lw.k_b, kvw)?;
-            gemm(&st.blas, wp(lw.v_w), xsp, y2p, kvw, 2 * n, h, rank)?;
-            combine_into(vp, lw.v_b, kvw)?;
+            if z.fused {
+                // one GEMM over [q; k; v] (k_w, v_w follow q_w in the fused tensor), then its
+                // column blocks
+                let ld = qw + 2 * kvw;
+                gemm(&st.blas, wp(lw.q_w), xsp, y2p, ld, 2 * n, h, rank)?;
+                combine_cols(qp, lw.q_b, ld, 0, qw)?;
+                combine_cols(kp, lw.k_b, ld, qw, kvw)?;
+                combine_cols(vp, lw.v_b, ld, qw + kvw, kvw)?;
+            } else {
+                gemm(&st.blas, wp(lw.q_w), xsp, y2p, qw, 2 * n, h, rank)?;
+                combine_into(qp, lw.q_b, qw)?;
+                gemm(&st.blas, wp(lw.k_w), xsp, y2p, kvw, 2 * n, h, rank)?;
+                combine_into(kp, lw.k_b, kvw)?;
+                gemm(&st.blas, wp(lw.v_w), xsp, y2p, kvw, 2 * n, h, rank)?;
+                combine_into(vp, lw.v_b, kvw)?;
+            }
             launch(
                 s,
                 &k.rope_store,
@@ -900,9 +1276,9 @@ fn rank_forward(
                     u32a(kvh),
                     u32a(d),
                     u32a(step.cap),
-                    u32a(st.w.share.q_base),
+                    u32a(bind.w.share.q_base),
                     u32a(z.group),
-                    u32a(st.w.share.kv_base),
+                    u32a(bind.w.share.kv_base),
                     Arg::F32(1.0 / (d as f32).sqrt()),
                 ],
                 rank,
@@ -911,24 +1287,64 @@ fn rank_forward(
             gemm(&st.blas, wp(lw.o_w), xsp, y2p, h, 2 * n, qw, rank)?;
             finish(&mut x)?;
             norm(lw.post_norm, 0, n)?;
-            gemm(&st.blas, wp(lw.gate_w), xsp, y2p, f, 2 * n, h, rank)?;
-            gemm(&st.blas, wp(lw.up_w), xsp, y2bp, f, 2 * n, h, rank)?;
-            launch(
-                s,
-                &k.swiglu_split,
-                k.elementwise((n * f) as u64),
-                &[
-                    Arg::U64(y2p),
-                    Arg::U64(y2bp),
-                    Arg::U64(xsp),
-                    u32a(n),
-                    u32a(f),
-                ],
-                rank,
-                "swiglu_split",
-            )?;
+            if z.fused {
+                // one GEMM over [gate; up] (up_w follows gate_w in the fused tensor)
+                gemm(&st.blas, wp(lw.gate_w), xsp, y2p, 2 * f, 2 * n, h, rank)?;
+                launch(
+                    s,
+                    &k.swiglu_fused_split,
+                    k.elementwise((n * f) as u64),
+                    &[Arg::U64(y2p), Arg::U64(xsp), u32a(n), u32a(f)],
+                    rank,
+                    "swiglu_fused_split",
+                )?;
+            } else {
+                gemm(&st.blas, wp(lw.gate_w), xsp, y2p, f, 2 * n, h, rank)?;
+                gemm(&st.blas, wp(lw.up_w), xsp, y2bp, f, 2 * n, h, rank)?;
+                launch(
+                    s,
+                    &k.swiglu_split,
+                    k.elementwise((n * f) as u64),
+                    &[
+                        Arg::U64(y2p),
+                        Arg::U64(y2bp),
+                        Arg::U64(xsp),
+                        u32a(n),
+                        u32a(f),
+                    ],
+                    rank,
+                    "swiglu_split",
+                )?;
+            }
             gemm(&st.blas, wp(lw.down_w), xsp, y2p, h, 2 * n, f, rank)?;
             finish(&mut x)?;
+        }
+        // forked sequences: copy their leaders' KV rows (every layer's k and v, positions
+        // 0..prompt length) into their slots, ordered after the layers on this stream
+        // (the slots are below step.batch and the lengths at most the prompt's, which `reserve`
+        // checked against the cache's capacity: every copy stays inside the cache)
+        let forked = step.forks.len() / 3;
+        if forked > 0 {
+            let longest = step.forks.chunks_exact(3).map(|f| f[2]).max().unwrap_or(0);
+            let fk = up(&step.forks, "uploading KV forks")?;
+            let blocks = 2 * z.layers;
+            launch(
+                s,
+                &k.fork_kv,
+                k.elementwise((forked * blocks * longest as usize * kvw) as u64),
+                &[
+                    Arg::U64(cache_p),
+                    Arg::U64(ptr(&fk, s)),
+                    u32a(forked),
+                    u32a(blocks),
+                    u32a(step.batch),
+                    u32a(step.cap),
+                    u32a(kvw),
+                    Arg::U32(longest),
+                ],
+                rank,
+                "fork_kv",
+            )?;
         }
         // final norm of the wanted rows, head
         if m == 0 {
@@ -941,7 +1357,7 @@ fn rank_forward(
             block_rows(m),
             &[
                 Arg::U64(xp),
-                Arg::U64(wp(st.w.final_norm)),
+                Arg::U64(wp(bind.w.final_norm)),
                 Arg::U64(rowp),
                 Arg::U64(ptr(&xh, s)),
                 u32a(m),
@@ -954,7 +1370,7 @@ fn rank_forward(
         let yh = alloc_device::<f32>(s, 2 * m * part, rank, "head GEMM output")?;
         gemm(
             &st.blas,
-            wp(st.w.head),
+            wp(bind.w.head),
             ptr(&xh, s),
             ptr(&yh, s),
             part,
@@ -978,6 +1394,23 @@ fn rank_forward(
             rank,
             "combine",
         )?;
+        // [T][m][part] → [m][vocab] without the padding columns (never sampled or picked)
+        let gather_real = |from: &CudaSlice<f32>, to: &CudaSlice<f32>| {
+            launch(
+                s,
+                &k.gather_vocab,
+                k.elementwise((m * z.vocab) as u64),
+                &[
+                    Arg::U64(ptr(from, s)),
+                    Arg::U64(ptr(to, s)),
+                    u32a(m),
+                    u32a(part),
+                    u32a(z.vocab),
+                ],
+                rank,
+                "gather_vocab",
+            )
+        };
         // full logits [m × vocab] on the device
         let full = if z.vocab_parallel {
             // [T][m][part] on every rank, then [m][vocab]
@@ -989,20 +1422,29 @@ fn rank_forward(
             })?;
             order(ctx, &st.ev_nccl, &nccl, s)?;
             let full = alloc_device::<f32>(s, m * z.vocab, rank, "logits")?;
-            launch(
-                s,
-                &k.unshard,
-                k.elementwise((m * z.vocab) as u64),
-                &[
-                    Arg::U64(ptr(&gathered, s)),
-                    Arg::U64(ptr(&full, s)),
-                    u32a(z.tp),
-                    u32a(m),
-                    u32a(part),
-                ],
-                rank,
-                "unshard",
-            )?;
+            if crate::vocab::padded(z.tp, part, z.vocab) {
+                gather_real(&gathered, &full)?;
+            } else {
+                launch(
+                    s,
+                    &k.unshard,
+                    k.elementwise((m * z.vocab) as u64),
+                    &[
+                        Arg::U64(ptr(&gathered, s)),
+                        Arg::U64(ptr(&full, s)),
+                        u32a(z.tp),
+                        u32a(m),
+                        u32a(part),
+                    ],
+                    rank,
+                    "unshard",
+                )?;
+            }
+            full
+        } else if crate::vocab::padded(1, part, z.vocab) {
+            // one rank holding padded rows: keep the real columns
+            let full = alloc_device::<f32>(s, m * z.vocab, rank, "logits")?;
+            gather_real(&logits, &full)?;
             full
         } else {
             logits
@@ -1101,7 +1543,7 @@ impl Decoder for GpuDecoder<'_> {
     type Error = GpuDecodeError;
 
     fn vocab_size(&self) -> usize {
-        self.config.vocab_size
+        self.core.config.vocab_size
     }
 
     fn prefill(
@@ -1109,18 +1551,11 @@ impl Decoder for GpuDecoder<'_> {
         prompts: &[Vec<u32>],
         which: PrefillLogits,
     ) -> Result<Vec<Vec<f32>>, GpuDecodeError> {
-        let mut rows = Self::logits(self.prefill_rows(prompts, which, Pick::Logits)?)?.into_iter();
-        match which {
-            PrefillLogits::Last => Ok(rows.collect()),
-            PrefillLogits::All => Ok(prompts
-                .iter()
-                .map(|p| rows.by_ref().take(p.len()).flatten().collect())
-                .collect()),
-        }
+        self.core.prefill(self.pool, prompts, which)
     }
 
     fn decode_step(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>, GpuDecodeError> {
-        Self::logits(self.decode_rows(tokens, Pick::Logits)?)
+        self.core.decode_step(self.pool, tokens)
     }
 
     /// As the trait's default (same seeding: sequence `i` draws one uniform per token from
@@ -1134,53 +1569,6 @@ impl Decoder for GpuDecoder<'_> {
         prompts: &[Vec<u32>],
         sampling: &Sampling,
     ) -> Result<Vec<Vec<u32>>, GpuDecodeError> {
-        let mut out: Vec<Vec<u32>> =
-            vec![Vec::with_capacity(sampling.max_new_tokens); prompts.len()];
-        if sampling.max_new_tokens == 0 || prompts.is_empty() {
-            return Ok(out);
-        }
-        let greedy = sampling.temperature <= 0.0;
-        let mut rngs: Vec<SplitMix64> = (0..prompts.len())
-            .map(|i| SplitMix64::from_keys(&[sampling.seed, i as u64]))
-            .collect();
-        let draw = |rngs: &mut [SplitMix64]| -> Vec<f32> {
-            if greedy {
-                Vec::new()
-            } else {
-                rngs.iter_mut().map(SplitMix64::next_f32).collect()
-            }
-        };
-        let temperature = sampling.temperature;
-        fn pick(greedy: bool, temperature: f32, u: &[f32]) -> Pick<'_> {
-            if greedy {
-                Pick::Argmax
-            } else {
-                Pick::Sample {
-                    temperature,
-                    uniforms: u,
-                }
-            }
-        }
-        let mut done = vec![false; prompts.len()];
-        let u = draw(&mut rngs);
-        let mut next = Self::tokens(self.prefill_rows(
-            prompts,
-            PrefillLogits::Last,
-            pick(greedy, temperature, &u),
-        )?)?;
-        for step in 0..sampling.max_new_tokens {
-            for ((o, d), &t) in out.iter_mut().zip(done.iter_mut()).zip(&next) {
-                if !*d {
-                    o.push(t);
-                    *d = sampling.stop_token == Some(t);
-                }
-            }
-            if step + 1 == sampling.max_new_tokens || done.iter().all(|&d| d) {
-                break;
-            }
-            let u = draw(&mut rngs);
-            next = Self::tokens(self.decode_rows(&next, pick(greedy, temperature, &u))?)?;
-        }
-        Ok(out)
+        self.core.generate(self.pool, prompts, sampling, false)
     }
 }

@@ -101,6 +101,36 @@ extern "C" __global__ void combine(const float* __restrict__ y2, const u16* __re
     }
 }
 
+// out[r, c] = y2[r, col0 + c] + y2[n + r, col0 + c] (+ bias[c]); y2 is [2n x ld]: the columns
+// [col0, col0 + width) of a fused product (q, k or v of [q; k; v]).
+extern "C" __global__ void combine_cols(const float* __restrict__ y2, const u16* __restrict__ bias,
+                                        float* __restrict__ out, u32 n, u32 ld, u32 col0, u32 width) {
+    u64 total = (u64)n * width;
+    u64 half_len = (u64)n * ld;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 r = i / width, c = i % width;
+        u64 at = r * ld + col0 + c;
+        float v = y2[at] + y2[half_len + at];
+        if (bias) v += bf(bias[c]);
+        out[i] = v;
+    }
+}
+
+// SiLU(gate) * up of a fused [gate; up] product gu2 [2n x 2f] (hi/lo rows); out split [2n x f].
+extern "C" __global__ void swiglu_fused_split(const float* __restrict__ gu2, u16* __restrict__ out,
+                                              u32 n, u32 f) {
+    u64 total = (u64)n * f;
+    u64 ld = 2ull * f;
+    u64 half_len = (u64)n * ld;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 r = i / f, c = i % f;
+        u64 at = r * ld + c;
+        float g = gu2[at] + gu2[half_len + at];
+        float u = gu2[at + f] + gu2[half_len + at + f];
+        split_store(out, i, total, g / (1.0f + expf(-g)) * u);
+    }
+}
+
 // SiLU(gate) * up with gate, up given as [2n x f] hi/lo products; out split [2n x f].
 extern "C" __global__ void swiglu_split(const float* __restrict__ g2, const float* __restrict__ u2,
                                         u16* __restrict__ out, u32 n, u32 f) {
@@ -244,6 +274,38 @@ extern "C" __global__ void unshard(const float* __restrict__ g, float* __restric
     }
 }
 
+// out[row, col] = g[col / part][row][col % part] for col < vocab: per-rank logits [T][m][part]
+// whose rows past the real vocabulary are padding -> [m][vocab]. Padding columns are dropped, so
+// they can never be picked (the host mirror is `vocab::gather_vocab`).
+extern "C" __global__ void gather_vocab(const float* __restrict__ g, float* __restrict__ out,
+                                        u32 m, u32 part, u32 vocab) {
+    u64 total = (u64)m * vocab;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 row = i / vocab, col = i % vocab;
+        u64 r = col / part, c = col % part;
+        out[i] = g[(r * m + row) * part + c];
+    }
+}
+
+// The KV cache [blocks][slots][cap][width] (block = layer x {k, v}): for each fork f, positions
+// 0..len of slot src are copied to slot dst in every block (forks = [src, dst, len] x count,
+// len <= longest; a src is never a dst).
+extern "C" __global__ void fork_kv(float* __restrict__ cache, const u32* __restrict__ forks,
+                                   u32 count, u32 blocks, u32 slots, u32 cap, u32 width, u32 longest) {
+    u64 per = (u64)longest * width;
+    u64 total = (u64)count * blocks * per;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 f = i / ((u64)blocks * per);
+        u64 rem = i % ((u64)blocks * per);
+        u64 b = rem / per, e = rem % per;
+        u32 src = forks[3 * f], dst = forks[3 * f + 1], len = forks[3 * f + 2];
+        if (e < (u64)len * width) {
+            u64 base = b * slots;
+            cache[(base + dst) * cap * width + e] = cache[(base + src) * cap * width + e];
+        }
+    }
+}
+
 // One block of 256 threads per row: the CPU sampler's rule, softmax(x / temperature) sampled with
 // the uniform u = uni[row]: the first index where u * total minus the running sum of weights
 // reaches <= 0 (chunk sums in parallel, then one thread walks the chunk that holds the pick);
@@ -313,7 +375,11 @@ pub(crate) struct DecoderKernels {
     pub embed: CudaFunction,
     pub rms_norm_split: CudaFunction,
     pub combine: CudaFunction,
+    pub combine_cols: CudaFunction,
     pub swiglu_split: CudaFunction,
+    pub swiglu_fused_split: CudaFunction,
+    pub gather_vocab: CudaFunction,
+    pub fork_kv: CudaFunction,
     pub rope_store: CudaFunction,
     pub attention: CudaFunction,
     pub grow_blocks: CudaFunction,
@@ -343,7 +409,11 @@ impl DecoderKernels {
             embed: m.function("embed")?,
             rms_norm_split: m.function("rms_norm_split")?,
             combine: m.function("combine")?,
+            combine_cols: m.function("combine_cols")?,
             swiglu_split: m.function("swiglu_split")?,
+            swiglu_fused_split: m.function("swiglu_fused_split")?,
+            gather_vocab: m.function("gather_vocab")?,
+            fork_kv: m.function("fork_kv")?,
             rope_store: m.function("rope_store")?,
             attention: m.function("attention")?,
             grow_blocks: m.function("grow_blocks")?,

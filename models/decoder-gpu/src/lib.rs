@@ -13,6 +13,12 @@
 //! - NCCL all-reduce (sum) after the row-parallel o/down projections; NCCL all-gather of
 //!   vocabulary-parallel logits.
 //! - [`GpuModel`] builds pool, backend and lifecycle from a checkpoint in one call.
+//! - [`GpuEngine`] is the decoder as a persistent rollout engine of a
+//!   [`Lifecycle`](lifecycle_core::Lifecycle): handles and kernels built once, the KV cache
+//!   allocated at wake and freed at sleep, each group of samples of one prompt prefilled once.
+//! - Both rollout layouts: the FSDP backends' unfused one and the Megatron backends' fused one
+//!   (`qkv_proj`, `gate_up_proj`, padded vocabulary), detected from the buffer's tensor names
+//!   ([`detect_layout`]).
 //!
 //! This crate builds without CUDA (cudarc loads the libraries at run time); without a driver
 //! every constructor returns a typed error. The GPU tests (`tests/gpu.rs`) are `#[ignore]`d.
@@ -20,14 +26,19 @@
 #![warn(missing_docs)]
 
 mod decoder;
+mod engine;
 mod error;
 mod kernels;
 mod model;
+mod prefill;
 mod topology;
+mod vocab;
 mod weights;
 
 pub use decoder::{GpuDecoder, MAX_CONTEXT};
+pub use engine::{EngineSettings, GpuEngine, GpuLayout};
 pub use error::GpuDecodeError;
 pub use kernels::DECODER_KERNEL_SRC;
 pub use model::GpuModel;
 pub use topology::{decode_topology, replica_rows, DecodeTopology};
+pub use weights::{detect_layout, LayoutKind};

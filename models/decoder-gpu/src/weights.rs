@@ -1,12 +1,22 @@
-//! Where each weight of one TP rank lies in the FSDP backend's flat rollout buffer, checked
-//! against the config and the layout with the same rules (and errors) as the CPU decoder.
+//! Where each weight of one TP rank lies in a flat rollout buffer, checked against the config and
+//! the layout with the same rules (and errors) as the CPU decoder: the FSDP backend's unfused
+//! layout (`q_proj`, `k_proj`, ...) or the Megatron backend's fused one (`qkv_proj` = `[q; k; v]`,
+//! `gate_up_proj` = `[gate; up]`, vocabulary possibly padded).
 
-use lifecycle_decoder::{layout_heads, rollout_spec, DecodeError, HeadShare, ModelConfig};
+use std::collections::HashMap;
+
+use lifecycle_decoder::{
+    head_shares, layout_heads, rollout_spec, DecodeError, HeadShare, ModelConfig,
+    MEGATRON_VOCAB_MULTIPLE,
+};
+use lifecycle_layout::megatron::RolloutLayout as FusedLayout;
 use lifecycle_layout::RolloutEntry;
-use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
+use lifecycle_layout::{hf, Parallel, RolloutLayout, TensorSpec};
 
-/// Element offsets (bf16) of one rank's share of one layer.
-#[derive(Debug, Clone, Copy)]
+/// Element offsets (bf16) of one rank's share of one layer. In the fused layout `k_w` / `v_w`
+/// point into `qkv_proj` right after the q / k rows, `up_w` into `gate_up_proj` after the gate
+/// rows, so `[q_w, v_w + kv rows)` and `[gate_w, up_w + ffn rows)` are one matrix each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct LayerOffsets {
     pub input_norm: u64,
     pub post_norm: u64,
@@ -24,7 +34,7 @@ pub(crate) struct LayerOffsets {
 }
 
 /// One rank's weight offsets and head share.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct RankOffsets {
     pub embed: u64,
     pub head: u64,
@@ -43,8 +53,62 @@ pub(crate) struct GroupOffsets {
     pub ffn_part: usize,
     /// Whether embedding / head rows are split over the ranks.
     pub vocab_parallel: bool,
+    /// Embedding / head rows each rank holds (`vocab / T` or `vocab` unfused; the padded
+    /// vocabulary over `T` fused, rows at or past the real vocabulary being padding).
+    pub vocab_part: usize,
+    /// Whether q/k/v and gate/up are fused matrices (one GEMM each).
+    pub fused: bool,
     /// Elements every rank's buffer must hold at least.
     pub min_len: u64,
+}
+
+/// Which rollout layout a buffer's tensor names say it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayoutKind {
+    /// Separate `q_proj` / `k_proj` / `v_proj`, `gate_proj` / `up_proj` (the FSDP backends).
+    Unfused,
+    /// `qkv_proj` = `[q; k; v]`, `gate_up_proj` = `[gate; up]` per rank (the Megatron backends).
+    Fused,
+}
+
+impl LayoutKind {
+    /// A short name for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            LayoutKind::Unfused => "unfused (q_proj / k_proj / v_proj, gate_proj / up_proj)",
+            LayoutKind::Fused => "fused (qkv_proj, gate_up_proj)",
+        }
+    }
+}
+
+/// The layout the names of `entries` belong to: fused when they hold a `self_attn.qkv_proj`
+/// weight, unfused when they hold a `self_attn.q_proj` one; `None` when they hold neither (a
+/// model without layers). Both at once is an error.
+///
+/// ```
+/// use lifecycle_decoder_gpu::{detect_layout, LayoutKind};
+/// use lifecycle_layout::RolloutEntry;
+/// let fused = [RolloutEntry::new("model.layers.0.self_attn.qkv_proj.weight", vec![8, 4], 0)];
+/// assert_eq!(detect_layout(&fused)?, Some(LayoutKind::Fused));
+/// let unfused = [RolloutEntry::new("model.layers.0.self_attn.q_proj.weight", vec![4, 4], 0)];
+/// assert_eq!(detect_layout(&unfused)?, Some(LayoutKind::Unfused));
+/// # Ok::<(), lifecycle_decoder::DecodeError>(())
+/// ```
+pub fn detect_layout(entries: &[RolloutEntry]) -> Result<Option<LayoutKind>, DecodeError> {
+    let has = |suffix: &str| entries.iter().any(|e| e.name().ends_with(suffix));
+    match (
+        has(".self_attn.qkv_proj.weight"),
+        has(".self_attn.q_proj.weight"),
+    ) {
+        (true, true) => Err(DecodeError::Usage(
+            "the rollout buffer holds both fused (qkv_proj) and unfused (q_proj) attention \
+             weights: it must hold one rollout layout"
+                .into(),
+        )),
+        (true, false) => Ok(Some(LayoutKind::Fused)),
+        (false, true) => Ok(Some(LayoutKind::Unfused)),
+        (false, false) => Ok(None),
+    }
 }
 
 struct Reader<'a> {
@@ -217,12 +281,289 @@ impl GroupOffsets {
                 }
             })
             .collect();
+        let vocab_part = if vocab_parallel {
+            config.vocab_size / tp
+        } else {
+            config.vocab_size
+        };
         Ok(GroupOffsets {
             ranks,
             q_heads,
             ffn_part: config.intermediate_size / tp,
             vocab_parallel,
+            vocab_part,
+            fused: false,
             min_len: r.min_len,
         })
+    }
+
+    /// Checks every tensor of the fused rollout layout `layout` (Megatron's: per rank
+    /// `qkv_proj` = `[q; k; v]` of its heads, `gate_up_proj` = `[gate; up]`, a vocabulary-parallel
+    /// embedding and head whose rows may be padded) against the config and the rollout entries,
+    /// with the CPU decoder's rules ([`lifecycle_decoder::CpuDecoder::new_fused`]).
+    pub(crate) fn fused(
+        config: &ModelConfig,
+        layout: &FusedLayout,
+        entries: &[RolloutEntry],
+    ) -> Result<Self, DecodeError> {
+        let tp = layout.tp;
+        let degree = |reason: String| DecodeError::Degree { tp, reason };
+        if tp == 0 {
+            return Err(degree("T must be at least 1".into()));
+        }
+        if !config.intermediate_size.is_multiple_of(tp) {
+            return Err(degree(format!(
+                "intermediate_size {} is not divisible by T",
+                config.intermediate_size
+            )));
+        }
+        // the padding multiple of the training side plays no part in the rollout layout
+        let specs = layout.tensors(&config.model_spec(MEGATRON_VOCAB_MULTIPLE))?;
+        let by_name: HashMap<&str, &RolloutEntry> = entries.iter().map(|e| (e.name(), e)).collect();
+        let mut offsets: HashMap<&str, u64> = HashMap::with_capacity(specs.len());
+        let mut min_len = 0u64;
+        for spec in &specs {
+            let e = by_name
+                .get(spec.name.as_str())
+                .ok_or_else(|| DecodeError::MissingTensor {
+                    name: spec.name.clone(),
+                    rank: 0,
+                })?;
+            if e.shape() != spec.shape.as_slice() || e.numel() != spec.numel() {
+                return Err(DecodeError::Shape {
+                    name: spec.name.clone(),
+                    rank: 0,
+                    expected: spec.shape.clone(),
+                    found: e.shape().to_vec(),
+                });
+            }
+            min_len = min_len.max(e.range().end as u64);
+            offsets.insert(e.name(), e.offset() as u64);
+        }
+        let at = |name: &str| -> Result<u64, DecodeError> {
+            offsets
+                .get(name)
+                .copied()
+                .ok_or_else(|| DecodeError::MissingTensor {
+                    name: name.to_string(),
+                    rank: 0,
+                })
+        };
+        let kv_split = if config.num_kv_heads.is_multiple_of(tp) {
+            Parallel::Column
+        } else {
+            Parallel::Replicated
+        };
+        let shares = head_shares(config, tp, kv_split)?;
+        if shares.iter().any(|s| s.kv_heads != shares[0].kv_heads) {
+            return Err(degree(
+                "the ranks would compute different numbers of kv heads".into(),
+            ));
+        }
+        let (h, d) = (config.hidden_size, config.head_dim);
+        let q_heads = config.num_heads / tp;
+        let ffn_part = config.intermediate_size / tp;
+        let (q_rows, kv_rows) = (q_heads * d, shares[0].kv_heads * d);
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for l in 0..config.num_layers {
+            let qkv_name = hf::layer(l, hf::QKV);
+            let rows = by_name
+                .get(qkv_name.as_str())
+                .and_then(|e| e.shape().first().copied())
+                .unwrap_or(0);
+            if rows != q_rows + 2 * kv_rows {
+                // the layout's kv heads per rank differ from the decoder's head shares
+                return Err(DecodeError::Shape {
+                    name: qkv_name,
+                    rank: 0,
+                    expected: vec![q_rows + 2 * kv_rows, h],
+                    found: vec![rows, h],
+                });
+            }
+            let qkv = at(&qkv_name)?;
+            let bias = if config.qkv_bias {
+                Some(at(&hf::layer(l, hf::QKV_BIAS))?)
+            } else {
+                None
+            };
+            let gate_up = at(&hf::layer(l, hf::GATE_UP))?;
+            layers.push(LayerOffsets {
+                input_norm: at(&hf::layer(l, hf::INPUT_NORM))?,
+                post_norm: at(&hf::layer(l, hf::POST_NORM))?,
+                q_w: qkv,
+                q_b: bias,
+                k_w: qkv + (q_rows * h) as u64,
+                k_b: bias.map(|b| b + q_rows as u64),
+                v_w: qkv + ((q_rows + kv_rows) * h) as u64,
+                v_b: bias.map(|b| b + (q_rows + kv_rows) as u64),
+                o_w: at(&hf::layer(l, hf::O))?,
+                gate_w: gate_up,
+                up_w: gate_up + (ffn_part * h) as u64,
+                down_w: at(&hf::layer(l, hf::DOWN))?,
+            });
+        }
+        let embed = at(hf::EMBED)?;
+        let vocab_part = specs
+            .iter()
+            .find(|s| s.name == hf::EMBED)
+            .and_then(|s| s.shape.first().copied())
+            .unwrap_or(0);
+        if vocab_part * tp < config.vocab_size {
+            return Err(DecodeError::Shape {
+                name: hf::EMBED.into(),
+                rank: 0,
+                expected: vec![config.vocab_size.div_ceil(tp), h],
+                found: vec![vocab_part, h],
+            });
+        }
+        let head = if config.tie_word_embeddings {
+            embed
+        } else {
+            at(hf::LM_HEAD)?
+        };
+        let final_norm = at(hf::NORM)?;
+        let ranks = shares
+            .iter()
+            .map(|&share| RankOffsets {
+                embed,
+                head,
+                final_norm,
+                share,
+                layers: layers.clone(),
+            })
+            .collect();
+        Ok(GroupOffsets {
+            ranks,
+            q_heads,
+            ffn_part,
+            vocab_parallel: tp > 1,
+            vocab_part,
+            fused: true,
+            min_len,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lifecycle_layout::megatron::RolloutVocab;
+
+    fn config(vocab: usize, kv: usize, bias: bool) -> ModelConfig {
+        ModelConfig::from_json_str(&format!(
+            r#"{{"model_type": "{}", "vocab_size": {vocab}, "hidden_size": 16,
+            "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": {kv}, "rope_theta": 10000.0,
+            "tie_word_embeddings": false}}"#,
+            // Qwen2 has q/k/v biases, Llama none
+            if bias { "qwen2" } else { "llama" }
+        ))
+        .unwrap()
+    }
+
+    /// The entries of one rank of `layout`, packed in order.
+    fn fused_entries(config: &ModelConfig, layout: &FusedLayout) -> Vec<RolloutEntry> {
+        let specs = layout
+            .tensors(&config.model_spec(MEGATRON_VOCAB_MULTIPLE))
+            .unwrap();
+        let mut at = 0;
+        specs
+            .into_iter()
+            .map(|s| {
+                let e = RolloutEntry::new(s.name.clone(), s.shape.clone(), at);
+                at += s.numel();
+                e
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fused_offsets_split_qkv_and_gate_up_and_keep_the_padded_vocab() {
+        // vocab 31 padded to 32 at T = 1; 4 q heads, 2 kv heads, head_dim 4
+        let c = config(31, 2, true);
+        let layout = FusedLayout::new(1, RolloutVocab::PadToMultipleOf(8));
+        let entries = fused_entries(&c, &layout);
+        let plan = GroupOffsets::fused(&c, &layout, &entries).unwrap();
+        assert!(plan.fused);
+        assert!(!plan.vocab_parallel);
+        assert_eq!(plan.vocab_part, 32);
+        assert_eq!((plan.q_heads, plan.ffn_part), (4, 32));
+        let find = |n: &str| entries.iter().find(|e| e.name() == n).unwrap().offset() as u64;
+        let l = plan.ranks[0].layers[1];
+        let qkv = find("model.layers.1.self_attn.qkv_proj.weight");
+        let (q_rows, kv_rows, h) = (16u64, 8u64, 16u64);
+        assert_eq!(l.q_w, qkv);
+        assert_eq!(l.k_w, qkv + q_rows * h);
+        assert_eq!(l.v_w, qkv + (q_rows + kv_rows) * h);
+        let b = find("model.layers.1.self_attn.qkv_proj.bias");
+        assert_eq!(
+            (l.q_b, l.k_b, l.v_b),
+            (Some(b), Some(b + q_rows), Some(b + 24))
+        );
+        let gu = find("model.layers.1.mlp.gate_up_proj.weight");
+        assert_eq!((l.gate_w, l.up_w), (gu, gu + 32 * h));
+        assert_eq!(plan.ranks[0].head, find("lm_head.weight"));
+        let end = entries.iter().map(|e| e.range().end).max().unwrap() as u64;
+        assert_eq!(plan.min_len, end);
+    }
+
+    #[test]
+    fn fused_offsets_at_t2_are_vocab_parallel_with_replicated_kv() {
+        // one kv head for T = 2: each rank holds a copy of it
+        let c = config(31, 1, false);
+        let layout = FusedLayout::new(2, RolloutVocab::PadToMultipleOf(8));
+        let entries = fused_entries(&c, &layout);
+        let plan = GroupOffsets::fused(&c, &layout, &entries).unwrap();
+        assert!(plan.vocab_parallel);
+        assert_eq!(plan.vocab_part, 16);
+        assert_eq!(plan.ranks.len(), 2);
+        assert!(plan.ranks.iter().all(|r| r.share.kv_heads == 1));
+        assert_eq!(plan.ranks[0].layers, plan.ranks[1].layers);
+    }
+
+    #[test]
+    fn a_wrong_or_missing_fused_tensor_is_named() {
+        let c = config(32, 2, false);
+        let layout = FusedLayout::new(1, RolloutVocab::Unpadded);
+        let mut entries = fused_entries(&c, &layout);
+        let i = entries
+            .iter()
+            .position(|e| e.name() == "model.layers.0.mlp.gate_up_proj.weight")
+            .unwrap();
+        let off = entries[i].offset();
+        entries[i] = RolloutEntry::new("model.layers.0.mlp.gate_up_proj.weight", vec![32, 16], off);
+        let msg = GroupOffsets::fused(&c, &layout, &entries)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("gate_up_proj"), "{msg}");
+        entries.remove(i);
+        match GroupOffsets::fused(&c, &layout, &entries) {
+            Err(DecodeError::MissingTensor { name, .. }) => assert!(name.contains("gate_up")),
+            other => panic!("expected MissingTensor, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn layouts_are_told_apart_by_their_names() {
+        let c = config(32, 2, false);
+        let fused = fused_entries(&c, &FusedLayout::new(1, RolloutVocab::Unpadded));
+        assert_eq!(detect_layout(&fused).unwrap(), Some(LayoutKind::Fused));
+        let unfused: Vec<RolloutEntry> = c
+            .tensor_shapes()
+            .into_iter()
+            .map(|(n, s)| RolloutEntry::new(n, s, 0))
+            .collect();
+        assert_eq!(detect_layout(&unfused).unwrap(), Some(LayoutKind::Unfused));
+        // the unfused names are not the fused layout
+        assert!(
+            GroupOffsets::fused(&c, &FusedLayout::new(1, RolloutVocab::Unpadded), &unfused)
+                .is_err()
+        );
+        let both: Vec<RolloutEntry> = fused.iter().chain(&unfused).cloned().collect();
+        assert!(detect_layout(&both)
+            .unwrap_err()
+            .to_string()
+            .contains("both"));
+        assert_eq!(detect_layout(&[]).unwrap(), None);
     }
 }

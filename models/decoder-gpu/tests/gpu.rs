@@ -8,6 +8,12 @@
 //! cargo test --release -p lifecycle-decoder-gpu --test gpu -- --ignored --test-threads=1 --nocapture
 //! ```
 //!
+//! The rollout engine ([`GpuEngine`]) runs at W = 1 on one GPU: against the per-call
+//! [`GpuDecoder`] through an FSDP lifecycle (tokens, wakes, KV memory, device memory after exit,
+//! per-call overhead), the fused Megatron layout against the CPU decoder (W = 1, and W = 2 ranks
+//! sharing GPU 0 for TP / PP / DP training placements), and forked against per-sequence
+//! prefill.
+//!
 //! or `scripts/gpu-suite.sh`. In CI (no GPU) they are reported as ignored; a test that needs more
 //! GPUs than the machine shows fails saying so.
 //!
@@ -24,15 +30,19 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use lifecycle_core::Lifecycle;
+use lifecycle_core::{Lifecycle, RolloutEngine};
 use lifecycle_cuda::testing::{require_gpus, spread};
-use lifecycle_cuda::ThreadRankPool;
+use lifecycle_cuda::{RankExecutor, ThreadRankPool};
 use lifecycle_decoder::{
-    load_checkpoint, random_tensors, CpuDecoder, Decoder, ModelConfig, PrefillLogits, Sampling,
+    load_checkpoint, random_tensors, CpuDecoder, Decoder, MegatronParallel, ModelConfig,
+    PrefillLogits, Sampling,
 };
-use lifecycle_decoder_gpu::{GpuDecoder, GpuModel};
+use lifecycle_decoder_gpu::{EngineSettings, GpuDecoder, GpuEngine, GpuModel};
 use lifecycle_fsdp::FsdpBackend;
+use lifecycle_host::megatron::MegatronHostBackend;
 use lifecycle_host::{HostBackend, HostTrainState};
+use lifecycle_layout::megatron::{RolloutLayout as FusedLayout, RolloutVocab};
+use lifecycle_megatron::{GpuConfig, MegatronGpuBackend, Transport};
 use serde_json::Value;
 
 const MODELS: [&str; 3] = ["gqa_untied", "tied_vocab61", "kv1_headdim16"];
@@ -366,4 +376,381 @@ fn replicas_w2_t1_give_the_same_tokens_as_w1() -> Res {
     assert_eq!(one.single, two.single, "batch of one");
     assert!(one.sampled.iter().all(|s| s.len() == 12));
     Ok(())
+}
+
+/// Free and total device memory of each local rank's GPU (the driver's `cuMemGetInfo`).
+fn device_memory(pool: &ThreadRankPool) -> Result<Vec<(usize, usize)>, Box<dyn std::error::Error>> {
+    Ok(pool.run(&|ctx| {
+        ctx.ctx
+            .mem_get_info()
+            .map_err(ctx.drv("reading free device memory", 0))
+    })?)
+}
+
+fn mib(bytes: i64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// DAPO-shaped prompts: `prompts` prompts of `len` tokens, each repeated `group` times in a row.
+fn grouped_prompts(prompts: u32, group: usize, len: u32, vocab: u32, salt: u32) -> Vec<Vec<u32>> {
+    (0..prompts)
+        .flat_map(|p| {
+            let tokens: Vec<u32> = (0..len + p % 3)
+                .map(|k| (p * 31 + k * 7 + 3 + salt * 101) % vocab)
+                .collect();
+            std::iter::repeat_n(tokens, group)
+        })
+        .collect()
+}
+
+fn small_config() -> Result<ModelConfig, Box<dyn std::error::Error>> {
+    Ok(ModelConfig::from_json_str(
+        r#"{"model_type": "qwen2", "vocab_size": 4096, "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": false}"#,
+    )?)
+}
+
+/// The engine built once and attached to an FSDP lifecycle at W = 1, over two weight versions
+/// of three lazy rollout calls each: every call's tokens (greedy and sampled) equal those of a
+/// `GpuDecoder` built per call on the same weights; one wake per version; the KV cache reported
+/// while awake and 0 after exit; the device's free memory after exit (pools trimmed) within
+/// 128 MiB of what it was after the training state was built (the KV cache alone is 512 MiB, so
+/// a cache kept after sleep fails); the per-call overhead outside `generate` printed next to the
+/// per-call decoder's setup time.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn engine_matches_the_per_call_decoder_and_frees_its_kv_cache_w1() -> Res {
+    require_gpus(1)?;
+    let config = small_config()?;
+    let pool = Arc::new(ThreadRankPool::new(1)?);
+    let backend = FsdpBackend::new(pool.clone(), config.rollout_layout(1)?);
+    let state = backend.state_from_tensors(random_tensors(&config, 5))?;
+    backend.trim_device_memory()?;
+    let (free_built, total) = device_memory(&pool)?[0];
+    // 64 sequences × 2048 positions × 4 layers × (k, v) × 2 kv heads × 64 × 4 bytes = 512 MiB
+    let settings = EngineSettings::new(64, 2048);
+    let kv_expected = settings.kv_bytes_per_rank(&config, 2, 1);
+    let engine = GpuEngine::for_fsdp(&backend, &config, settings)?;
+    let mut lc = Lifecycle::new(backend, state).with_engine(engine);
+    let layout = config.rollout_layout(1)?;
+    let (mut overhead, mut setup, mut mismatches) = (Vec::new(), Vec::new(), Vec::new());
+    let mut calls = 0;
+    for version in 0..2u64 {
+        for call in 0..3u32 {
+            let prompts = grouped_prompts(4, 8, 12, 4096, call);
+            let sampling = Sampling {
+                temperature: if call == 1 { 0.0 } else { 1.0 },
+                max_new_tokens: 24,
+                seed: 100 * version + u64::from(call),
+                stop_token: None,
+            };
+            // the engine's call: rollout() and parts() before generate, finish() after it (the
+            // per-call decoder's run in between is timed apart and left out)
+            let start = Instant::now();
+            let mut session = lc.rollout()?;
+            let (weights, mut engine) = session.parts();
+            let before_generate = start.elapsed();
+            let got = engine.generate(weights, &prompts, &sampling)?;
+            let awake_bytes = engine.memory().device;
+            // the per-call path on the same resident weights
+            let t_dec = Instant::now();
+            let mut dec = GpuDecoder::with_pool(&config, &layout, &pool, weights.get())?;
+            setup.push(t_dec.elapsed().as_secs_f64() * 1e6);
+            let want = dec.generate(&prompts, &sampling)?;
+            drop(dec);
+            let t_finish = Instant::now();
+            session.finish()?;
+            let per_call = before_generate + t_finish.elapsed();
+            if call > 0 {
+                // the first call of a version includes the switch and the wake
+                overhead.push(per_call.as_secs_f64() * 1e6);
+            }
+            calls += 1;
+            assert_eq!(awake_bytes, kv_expected, "KV cache bytes while awake");
+            if got != want {
+                let first = got.iter().zip(&want).position(|(a, b)| a != b);
+                mismatches.push(format!(
+                    "version {version} call {call} (temperature {}): first differing sequence {first:?}",
+                    sampling.temperature
+                ));
+            }
+        }
+        assert_eq!(
+            lc.metrics().engine.wakes,
+            version + 1,
+            "one wake per weight version under the lazy policy"
+        );
+        // a training step: the next rollout builds new weights and wakes again
+        lc.train()?.state_mut();
+        assert_eq!(lc.engine().memory().device, 0, "KV cache after train()");
+    }
+    lc.exit()?;
+    let stats = lc.metrics().engine;
+    assert_eq!(lc.engine().memory().device, 0, "KV cache after exit");
+    lc.backend().trim_device_memory()?;
+    let (free_after, _) = device_memory(&pool)?[0];
+    let diff = free_built as i64 - free_after as i64;
+    let tolerance: i64 = 128 << 20;
+    println!(
+        "engine over {calls} calls: wakes {} sleeps {} (2 weight versions), peak engine device \
+         bytes {} (expected KV {kv_expected} = {:.1} MiB); device free memory of {:.0} MiB: \
+         {:.1} MiB after the training state was built, {:.1} MiB after exit (pools trimmed), \
+         difference {:.1} MiB (tolerance {:.0} MiB)",
+        stats.wakes,
+        stats.sleeps,
+        stats.peak_device_bytes,
+        mib(kv_expected as i64),
+        mib(total as i64),
+        mib(free_built as i64),
+        mib(free_after as i64),
+        mib(diff),
+        mib(tolerance)
+    );
+    println!(
+        "per-call overhead outside generate on the engine (lazy calls, no switch): median {:.1} µs \
+         over {} calls; per-call GpuDecoder setup (weight checks, cuBLAS handle, kernels): median \
+         {:.1} µs over {} calls",
+        median(overhead.clone()),
+        overhead.len(),
+        median(setup.clone()),
+        setup.len()
+    );
+    println!(
+        "engine tokens equal to the per-call GpuDecoder's in {} of {calls} calls{}",
+        calls - mismatches.len(),
+        if mismatches.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", mismatches.join("; "))
+        }
+    );
+    assert_eq!(stats.wakes, 2);
+    assert_eq!(stats.sleeps, 2);
+    assert_eq!(stats.peak_device_bytes, kv_expected);
+    assert!(mismatches.is_empty(), "{mismatches:?}");
+    assert!(
+        diff.abs() <= tolerance,
+        "free device memory after exit differs by {:.1} MiB from after the state was built",
+        mib(diff)
+    );
+    Ok(())
+}
+
+type Batches = [(String, Vec<Vec<u32>>)];
+
+/// Every batch greedy and at temperature 1 in one rollout call.
+fn run_batches(
+    fork: bool,
+    batches: &Batches,
+    lc: &mut Lifecycle<FsdpBackend, GpuEngine>,
+) -> Result<Vec<Vec<Vec<u32>>>, Box<dyn std::error::Error>> {
+    let mut out = Vec::new();
+    let mut session = lc.rollout()?;
+    let (weights, mut engine) = session.parts();
+    assert_eq!(engine.settings().fork_prefill, fork);
+    for (_, prompts) in batches {
+        for temperature in [0.0f32, 1.0] {
+            let sampling = Sampling {
+                temperature,
+                max_new_tokens: 20,
+                seed: 17,
+                stop_token: None,
+            };
+            out.push(engine.generate(weights, prompts, &sampling)?);
+        }
+    }
+    session.finish()?;
+    Ok(out)
+}
+
+/// Greedy and sampled generation with forked prefill (each prompt of a group prefilled once, its
+/// KV rows copied to the group) equals per-sequence prefill, at W = 1 on one engine woken twice
+/// (fork on, then off), for groups of 1, 4 and 16 samples and interleaved duplicates.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn forked_prefill_equals_per_sequence_prefill_w1() -> Res {
+    require_gpus(1)?;
+    let config = small_config()?;
+    let pool = Arc::new(ThreadRankPool::new(1)?);
+    let backend = FsdpBackend::new(pool.clone(), config.rollout_layout(1)?);
+    let state = backend.state_from_tensors(random_tensors(&config, 8))?;
+    let mut batches: Vec<(String, Vec<Vec<u32>>)> = [1usize, 4, 16]
+        .iter()
+        .map(|&g| {
+            (
+                format!("4 prompts x {g}"),
+                grouped_prompts(4, g, 9, 4096, g as u32),
+            )
+        })
+        .collect();
+    let mut mixed = grouped_prompts(3, 1, 5, 4096, 7);
+    mixed.extend(mixed.clone());
+    mixed.push(vec![5, 6]);
+    batches.push(("interleaved duplicates".into(), mixed));
+    let settings = EngineSettings::new(64, 64);
+    let engine = GpuEngine::for_fsdp(&backend, &config, settings)?;
+    let mut lc = Lifecycle::new(backend, state).with_engine(engine);
+    let forked = run_batches(true, &batches, &mut lc)?;
+    // the same weights, per-sequence prefill: another engine on the same lifecycle
+    lc.exit()?;
+    let engine = GpuEngine::for_fsdp(lc.backend(), &config, settings.with_fork_prefill(false))?;
+    *lc.engine_mut() = engine;
+    let per_seq = run_batches(false, &batches, &mut lc)?;
+    let mut report = Vec::new();
+    let mut i = 0;
+    for (name, _) in &batches {
+        for temperature in [0.0f32, 1.0] {
+            report.push(format!(
+                "{name}, temperature {temperature}: equal {}",
+                forked[i] == per_seq[i]
+            ));
+            i += 1;
+        }
+    }
+    println!("forked vs per-sequence prefill: {}", report.join("; "));
+    assert_eq!(forked, per_seq, "forked prefill changed the tokens");
+    Ok(())
+}
+
+/// The fused Megatron rollout layout through `MegatronGpuBackend`, decoded by the engine, against
+/// the CPU decoder on the same fused layout (`CpuDecoder::new_fused` over the CPU executor's
+/// rollout of the same training state): prefill and decode-step logits within the tolerance of
+/// the module docs, greedy tokens equal, sampled tokens compared (printed), no padding token
+/// ever produced. The vocabulary (4093) is padded to 4096 rows for the rollout. Placements: W = 1
+/// (TP = PP = DP = 1), and W = 2 ranks sharing GPU 0 (peer copies, no NCCL) trained at TP 2,
+/// PP 2 or DP 2 and decoded at T = 1 by two replicas.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn fused_megatron_layout_matches_the_cpu_decoder() -> Res {
+    require_gpus(1)?;
+    let config = ModelConfig::from_json_str(
+        r#"{"model_type": "qwen2", "vocab_size": 4093, "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": false}"#,
+    )?;
+    let vocab = config.vocab_size as u32;
+    let layout = FusedLayout::new(1, RolloutVocab::PadToMultipleOf(64));
+    let prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|i| {
+            (0..3 + i % 4)
+                .map(|j| (i * 31 + j * 7 + 3) % vocab)
+                .collect()
+        })
+        .collect();
+    let steps = 8;
+    let hot = Sampling {
+        temperature: 1.0,
+        max_new_tokens: 12,
+        seed: 5,
+        stop_token: None,
+    };
+    let mut failures = Vec::new();
+    for (world, parallel) in [
+        (1, MegatronParallel::new(1, 1, 1)),
+        (2, MegatronParallel::new(2, 1, 1)),
+        (2, MegatronParallel::new(1, 2, 1)),
+        (2, MegatronParallel::new(1, 1, 2)),
+    ] {
+        let case = format!("W = {world}, training {parallel:?}, rollout T = 1");
+        let host = config.megatron_state(random_tensors(&config, 3), parallel)?;
+        // the CPU decoder on the CPU executor's fused rollout (replica 0)
+        let mut hlc = Lifecycle::new(MegatronHostBackend::new(layout), host.clone());
+        let hs = hlc.rollout()?;
+        let hw = hs.weights();
+        let group: Vec<_> = hw.ranks[..1].iter().collect();
+        let mut cpu = CpuDecoder::new_fused(&config, &layout, &group)?;
+        let cpu_prefill = cpu.prefill(&prompts, PrefillLogits::All)?;
+        let cpu_greedy = cpu.generate(&prompts, &Sampling::greedy(steps))?;
+        let mut cpu_decode = Vec::new();
+        cpu.prefill(&prompts, PrefillLogits::Last)?;
+        for k in 0..steps {
+            let feed: Vec<u32> = cpu_greedy.iter().map(|g| g[k]).collect();
+            cpu_decode.push(cpu.decode_step(&feed)?);
+        }
+        let cpu_hot = cpu.generate(&prompts, &hot)?;
+        drop(hs);
+        // the GPU: Megatron backend + engine
+        let pool = Arc::new(ThreadRankPool::on_devices(spread(world)?.devices())?);
+        let backend = MegatronGpuBackend::new(pool.clone(), layout)?.with_config(GpuConfig {
+            transport: if world > 1 {
+                Transport::PeerCopy
+            } else {
+                Transport::Auto
+            },
+            ..GpuConfig::default()
+        })?;
+        let state = backend.state_from_host(&host)?;
+        let engine = GpuEngine::new(pool.clone(), &config, layout, EngineSettings::new(8, 64))?;
+        let mut lc = Lifecycle::new(backend, state).with_engine(engine);
+        let mut session = lc.rollout()?;
+        let (weights, mut engine) = session.parts();
+        let gpu_prefill = engine.prefill(weights, &prompts, PrefillLogits::All)?;
+        let greedy = engine.generate(weights, &prompts, &Sampling::greedy(steps))?;
+        engine.prefill(weights, &prompts, PrefillLogits::Last)?;
+        let mut gpu_decode = Vec::new();
+        for k in 0..steps {
+            let feed: Vec<u32> = cpu_greedy.iter().map(|g| g[k]).collect();
+            gpu_decode.push(engine.decode_step(weights, &feed)?);
+        }
+        let sampled = engine.generate(weights, &prompts, &hot)?;
+        session.finish()?;
+        let (mut worst, mut worst_tol, mut worst_ratio) = (0.0f32, 0.0f32, 0.0f32);
+        let mut check = |what: String, got: &[f32], want: &[f32]| {
+            if got.len() != want.len() {
+                failures.push(format!(
+                    "{what}: {} logits, {} wanted",
+                    got.len(),
+                    want.len()
+                ));
+                return;
+            }
+            let (err, tol) = compare(got, want);
+            if err / tol > worst_ratio {
+                (worst, worst_tol, worst_ratio) = (err, tol, err / tol);
+            }
+            if err > tol || err.is_nan() {
+                failures.push(format!("{what}: max |error| {err} > tolerance {tol}"));
+            }
+        };
+        for (i, (g, c)) in gpu_prefill.iter().zip(&cpu_prefill).enumerate() {
+            check(format!("{case}: prompt {i} prefill"), g, c);
+        }
+        for (k, (g, c)) in gpu_decode.iter().zip(&cpu_decode).enumerate() {
+            for (i, (gr, cr)) in g.iter().zip(c).enumerate() {
+                check(format!("{case}: prompt {i} decode step {k}"), gr, cr);
+            }
+        }
+        if greedy != cpu_greedy {
+            failures.push(format!("{case}: greedy {greedy:?} != CPU {cpu_greedy:?}"));
+        }
+        let padding = greedy
+            .iter()
+            .chain(&sampled)
+            .flatten()
+            .filter(|&&t| t >= vocab)
+            .count();
+        if padding > 0 {
+            failures.push(format!("{case}: {padding} tokens from padding rows"));
+        }
+        println!(
+            "fused layout, {case}: max |logit error| vs the CPU decoder {worst:.3e} (tolerance \
+             there {worst_tol:.3e}), greedy tokens equal: {}, sampled (temperature 1, seed 5) \
+             equal: {}, tokens >= vocab {vocab}: {padding}",
+            greedy == cpu_greedy,
+            sampled == cpu_hot
+        );
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join("\n").into())
+    }
 }

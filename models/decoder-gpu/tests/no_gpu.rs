@@ -64,3 +64,30 @@ fn unsupported_topologies_are_typed_errors_before_any_gpu_work() {
         other => panic!("expected Topology, got {other:?}"),
     }
 }
+
+#[test]
+fn building_the_engine_without_a_gpu_is_a_typed_error() {
+    use lifecycle_decoder_gpu::{EngineSettings, GpuEngine};
+    let config = config();
+    if driver_present() {
+        return;
+    }
+    // no driver: the pool cannot start, so the engine is never reached; the settings are
+    // checked first, before any GPU work, by the engine itself
+    let bad = EngineSettings::new(0, 8).check().unwrap_err().to_string();
+    assert!(bad.contains("at least 1"), "{bad}");
+    match lifecycle_cuda::ThreadRankPool::new(1) {
+        Err(CudaError::NoDriver) => {}
+        Ok(pool) => {
+            let layout = config.rollout_layout(1).unwrap();
+            let r = GpuEngine::new(
+                std::sync::Arc::new(pool),
+                &config,
+                layout,
+                EngineSettings::new(1, 8),
+            );
+            assert!(r.is_err());
+        }
+        Err(other) => panic!("expected NoDriver, got {other:?}"),
+    }
+}

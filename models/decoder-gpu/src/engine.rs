@@ -1,0 +1,532 @@
+//! [`GpuEngine`]: the GPU decoder as a persistent rollout engine of a
+//! [`Lifecycle`](lifecycle_core::Lifecycle). It is built once (cuBLAS handles, kernels, rotary
+//! tables per rank); `wake` binds it to the resident rollout weights and allocates the KV cache,
+//! `sleep` frees the cache and forgets the weights.
+
+use std::sync::Arc;
+
+use lifecycle_core::{EngineBytes, PhaseScope, RolloutEngine, RolloutView};
+use lifecycle_cuda::{RankExecutor, RolloutBuffer, ThreadRankPool};
+use lifecycle_decoder::{DecodeError, ModelConfig, PrefillLogits, Sampling};
+use lifecycle_fsdp::FsdpBackend;
+use lifecycle_layout::megatron::RolloutLayout as FusedLayout;
+use lifecycle_layout::RolloutLayout;
+
+use crate::decoder::{kv_elements, Core, MAX_CONTEXT};
+use crate::error::GpuDecodeError;
+use crate::topology::decode_topology;
+use crate::weights::{detect_layout, GroupOffsets, LayoutKind};
+
+/// The rollout layout the engine reads: the FSDP backends' unfused one or the Megatron
+/// backends' fused one. Converts from either layout type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GpuLayout {
+    /// `FsdpBackend::layout()`: separate q/k/v and gate/up tensors.
+    Unfused(RolloutLayout),
+    /// `MegatronGpuBackend::rollout_layout()`: `qkv_proj` = `[q; k; v]`, `gate_up_proj` =
+    /// `[gate; up]` per rank, vocabulary possibly padded.
+    Fused(FusedLayout),
+}
+
+impl GpuLayout {
+    /// The tensor-parallel degree T.
+    pub fn tp(&self) -> usize {
+        match self {
+            GpuLayout::Unfused(l) => l.tp(),
+            GpuLayout::Fused(l) => l.tp,
+        }
+    }
+
+    /// Which tensor names the layout has.
+    pub fn kind(&self) -> LayoutKind {
+        match self {
+            GpuLayout::Unfused(_) => LayoutKind::Unfused,
+            GpuLayout::Fused(_) => LayoutKind::Fused,
+        }
+    }
+}
+
+impl From<RolloutLayout> for GpuLayout {
+    fn from(l: RolloutLayout) -> Self {
+        GpuLayout::Unfused(l)
+    }
+}
+
+impl From<FusedLayout> for GpuLayout {
+    fn from(l: FusedLayout) -> Self {
+        GpuLayout::Fused(l)
+    }
+}
+
+/// The engine's capacity and prefill policy.
+///
+/// The KV cache is allocated at wake for `max_sequences` sequences (per generate call, all
+/// replicas together) of `max_tokens` positions each (prompt + generated tokens); a call that
+/// needs more is [`GpuDecodeError::KvCapacity`], before any GPU work. Its size per rank is
+/// `2 · layers · ⌈max_sequences / replicas⌉ · max_tokens · kv_heads_per_rank · head_dim · 4`
+/// bytes ([`EngineSettings::kv_bytes_per_rank`]).
+///
+/// ```
+/// use lifecycle_decoder::Sampling;
+/// use lifecycle_decoder_gpu::{EngineSettings, GpuDecodeError};
+/// let s = EngineSettings::new(8, 64);
+/// assert!(s.fork_prefill);
+/// s.check_call(&vec![vec![1, 2, 3]; 8], &Sampling::greedy(61))?;
+/// let e = s.check_call(&vec![vec![1, 2, 3]; 8], &Sampling::greedy(62)).unwrap_err();
+/// assert!(matches!(e, GpuDecodeError::KvCapacity { tokens: 65, max_tokens: 64, .. }));
+/// # Ok::<(), GpuDecodeError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineSettings {
+    /// Sequences one generate call may hold (all replicas together).
+    pub max_sequences: usize,
+    /// Tokens one sequence may hold: longest prompt + `max_new_tokens` (at most
+    /// [`MAX_CONTEXT`]).
+    pub max_tokens: usize,
+    /// Prefill each distinct prompt of a call once and copy its KV rows to the other sequences
+    /// with the same prompt (a group of samples), instead of prefilling every sequence. On by
+    /// default.
+    pub fork_prefill: bool,
+}
+
+impl EngineSettings {
+    /// `max_sequences` sequences of `max_tokens` tokens, forked prefill on.
+    pub fn new(max_sequences: usize, max_tokens: usize) -> Self {
+        EngineSettings {
+            max_sequences,
+            max_tokens,
+            fork_prefill: true,
+        }
+    }
+
+    /// The same settings with forked prefill on or off.
+    pub fn with_fork_prefill(mut self, on: bool) -> Self {
+        self.fork_prefill = on;
+        self
+    }
+
+    /// Checks the settings themselves.
+    pub fn check(&self) -> Result<(), GpuDecodeError> {
+        if self.max_sequences == 0 || self.max_tokens == 0 {
+            return Err(GpuDecodeError::Settings(format!(
+                "max_sequences ({}) and max_tokens ({}) must be at least 1",
+                self.max_sequences, self.max_tokens
+            )));
+        }
+        if self.max_tokens > MAX_CONTEXT {
+            return Err(GpuDecodeError::Settings(format!(
+                "max_tokens {} is more than the {MAX_CONTEXT} positions the attention kernel holds",
+                self.max_tokens
+            )));
+        }
+        Ok(())
+    }
+
+    /// Checks that a call of `prompts` with `sampling` fits the KV cache.
+    pub fn check_call(
+        &self,
+        prompts: &[Vec<u32>],
+        sampling: &Sampling,
+    ) -> Result<(), GpuDecodeError> {
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        self.check_fit(prompts.len(), longest + sampling.max_new_tokens)
+    }
+
+    fn check_fit(&self, sequences: usize, tokens: usize) -> Result<(), GpuDecodeError> {
+        if sequences > self.max_sequences || tokens > self.max_tokens {
+            return Err(GpuDecodeError::KvCapacity {
+                sequences,
+                tokens,
+                max_sequences: self.max_sequences,
+                max_tokens: self.max_tokens,
+            });
+        }
+        Ok(())
+    }
+
+    /// Sequences of the KV cache per replica (the largest share [`replica_rows`] gives).
+    ///
+    /// [`replica_rows`]: crate::replica_rows
+    pub fn slots_per_replica(&self, replicas: usize) -> usize {
+        self.max_sequences.div_ceil(replicas.max(1))
+    }
+
+    /// Bytes of the KV cache on one rank that computes `kv_heads_per_rank` kv heads (f32 keys
+    /// and values).
+    ///
+    /// ```
+    /// use lifecycle_decoder::ModelConfig;
+    /// use lifecycle_decoder_gpu::EngineSettings;
+    /// let config = ModelConfig::from_json_str(r#"{"model_type": "qwen2", "vocab_size": 32,
+    ///   "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+    ///   "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0}"#)?;
+    /// // 2 layers × (k, v) × 8 sequences × 64 positions × 2 kv heads × head_dim 4 × 4 bytes
+    /// assert_eq!(EngineSettings::new(8, 64).kv_bytes_per_rank(&config, 2, 1), 2 * 2 * 8 * 64 * 2 * 4 * 4);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn kv_bytes_per_rank(
+        &self,
+        config: &ModelConfig,
+        kv_heads_per_rank: usize,
+        replicas: usize,
+    ) -> u64 {
+        4 * kv_elements(
+            config.num_layers,
+            self.slots_per_replica(replicas),
+            self.max_tokens,
+            kv_heads_per_rank * config.head_dim,
+        ) as u64
+    }
+}
+
+/// What the engine was woken for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Bound {
+    version: u64,
+    /// Address of the [`RolloutBuffer`] (identity only, never dereferenced).
+    buffer: usize,
+}
+
+fn describe(buffer: usize) -> String {
+    format!("rollout buffer at {buffer:#x}")
+}
+
+/// The GPU decoder as a persistent [`RolloutEngine`] of a lifecycle over a backend whose rollout
+/// weights are a [`RolloutBuffer`] (`FsdpBackend`, `MegatronGpuBackend`).
+///
+/// - Built once from the rank pool, the model config and the rollout layout: every rank creates
+///   its cuBLAS handle, loads the kernels and uploads its rotary tables here, for the engine's
+///   lifetime.
+/// - [`wake`](RolloutEngine::wake) (after the backend's enter, once per weight version under the
+///   lazy policy) checks the buffer's tensors against the config and the layout (names, shapes,
+///   fused or unfused), binds each rank to its buffer and allocates the KV cache for
+///   [`EngineSettings`]; [`sleep`](RolloutEngine::sleep) (before the backend's exit) frees the
+///   cache and forgets the weights. [`memory`](RolloutEngine::memory) reports the KV cache;
+///   per-pass activations come from the stream-ordered pool and are freed after each pass.
+/// - [`generate`](GpuEngine::generate) takes the session's weights view and refuses a view of
+///   another version or buffer than the one the engine was woken for, so it only ever reads the
+///   weights it was bound to, while the session keeps them alive.
+/// - Tokens are those of [`GpuDecoder`](crate::GpuDecoder)'s `generate` for the same prompts and
+///   sampling (same kernels, seeding and sampling rule). With
+///   [`fork_prefill`](EngineSettings::fork_prefill), sequences of one call with the same prompt
+///   are prefilled once and get copies of its KV rows.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use lifecycle_core::Lifecycle;
+/// use lifecycle_cuda::ThreadRankPool;
+/// use lifecycle_decoder::{random_tensors, ModelConfig, Sampling};
+/// use lifecycle_decoder_gpu::{EngineSettings, GpuEngine};
+/// use lifecycle_fsdp::FsdpBackend;
+///
+/// let config = ModelConfig::from_json_str(r#"{"model_type": "qwen2", "vocab_size": 32,
+///   "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+///   "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0}"#)?;
+/// let pool = Arc::new(ThreadRankPool::new(1)?);
+/// let backend = FsdpBackend::new(pool, config.rollout_layout(1)?);
+/// let state = backend.state_from_tensors(random_tensors(&config, 1))?;
+/// // 4 prompts × 8 samples, prompts of up to 16 tokens, 32 new tokens
+/// let engine = GpuEngine::for_fsdp(&backend, &config, EngineSettings::new(32, 48))?;
+/// let mut lc = Lifecycle::new(backend, state).with_engine(engine);
+/// let prompts: Vec<Vec<u32>> = (0..4u32)
+///     .flat_map(|p| std::iter::repeat_n(vec![p + 1; 16], 8))
+///     .collect();
+/// let mut session = lc.rollout()?; // enter, then wake: bind + KV cache
+/// let (weights, mut engine) = session.parts();
+/// let samples = engine.generate(weights, &prompts, &Sampling::greedy(32))?;
+/// session.finish()?;
+/// assert_eq!(samples.len(), 32);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct GpuEngine {
+    pool: Arc<ThreadRankPool>,
+    core: Core,
+    layout: GpuLayout,
+    settings: EngineSettings,
+    bound: Option<Bound>,
+}
+
+impl std::fmt::Debug for GpuEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuEngine")
+            .field("layout", &self.layout)
+            .field("settings", &self.settings)
+            .field("topology", &self.core.topology)
+            .field("awake_for_version", &self.bound.map(|b| b.version))
+            .field("kv_bytes", &self.core.kv_bytes())
+            .finish()
+    }
+}
+
+impl GpuEngine {
+    /// An engine on the ranks of `pool` for `config` in `layout` (the backend's rollout layout;
+    /// a pool of `W = T` ranks, or `W` replicas at `T = 1`, see
+    /// [`decode_topology`](crate::decode_topology)). Checks the settings and the topology, then
+    /// creates the per-rank handles and kernels; no weights are read until wake.
+    pub fn new(
+        pool: Arc<ThreadRankPool>,
+        config: &ModelConfig,
+        layout: impl Into<GpuLayout>,
+        settings: EngineSettings,
+    ) -> Result<Self, GpuDecodeError> {
+        let layout = layout.into();
+        settings.check()?;
+        decode_topology(pool.world(), layout.tp(), pool.local_ranks().len())?;
+        if let GpuLayout::Fused(l) = &layout {
+            // shapes of the fused layout for this config: refused now, not at the first wake
+            l.tensors(&config.model_spec(lifecycle_decoder::MEGATRON_VOCAB_MULTIPLE))
+                .map_err(DecodeError::from)?;
+        }
+        let core = Core::new(config, layout.tp(), &pool)?;
+        Ok(GpuEngine {
+            pool,
+            core,
+            layout,
+            settings,
+            bound: None,
+        })
+    }
+
+    /// An engine for the FSDP backend `backend` (its pool and layout).
+    pub fn for_fsdp(
+        backend: &FsdpBackend,
+        config: &ModelConfig,
+        settings: EngineSettings,
+    ) -> Result<Self, GpuDecodeError> {
+        Self::new(
+            backend.pool().clone(),
+            config,
+            backend.layout().clone(),
+            settings,
+        )
+    }
+
+    /// The settings.
+    pub fn settings(&self) -> EngineSettings {
+        self.settings
+    }
+
+    /// The model config.
+    pub fn config(&self) -> &ModelConfig {
+        &self.core.config
+    }
+
+    /// The rollout layout.
+    pub fn layout(&self) -> &GpuLayout {
+        &self.layout
+    }
+
+    /// The weight version the engine is awake for (`None` asleep).
+    pub fn awake_for(&self) -> Option<u64> {
+        self.bound.map(|b| b.version)
+    }
+
+    /// Checks that `weights` are the ones the engine was woken for.
+    fn check_weights(
+        &self,
+        weights: &RolloutView<'_, RolloutBuffer>,
+    ) -> Result<(), GpuDecodeError> {
+        let bound = self.bound.ok_or(GpuDecodeError::Asleep)?;
+        let buffer = weights.get() as *const RolloutBuffer as usize;
+        if weights.version() != bound.version || buffer != bound.buffer {
+            return Err(GpuDecodeError::OtherWeights {
+                bound: bound.version,
+                given: weights.version(),
+                bound_buffer: describe(bound.buffer),
+                given_buffer: describe(buffer),
+            });
+        }
+        Ok(())
+    }
+
+    /// Generates up to `sampling.max_new_tokens` tokens for each prompt on the weights the
+    /// engine was woken for; `weights` is the session's view (from `session.parts()`), checked
+    /// to be those weights ([`GpuDecodeError::OtherWeights`]). Same tokens as
+    /// [`GpuDecoder`](crate::GpuDecoder)'s `generate`: sequence `i` draws from
+    /// `SplitMix64::from_keys(&[seed, i])`, greedy when `temperature <= 0`, a stop token ends a
+    /// sequence. A call beyond the settings is [`GpuDecodeError::KvCapacity`].
+    pub fn generate(
+        &mut self,
+        weights: RolloutView<'_, RolloutBuffer>,
+        prompts: &[Vec<u32>],
+        sampling: &Sampling,
+    ) -> Result<Vec<Vec<u32>>, GpuDecodeError> {
+        self.check_weights(&weights)?;
+        self.settings.check_call(prompts, sampling)?;
+        let fork = self.settings.fork_prefill;
+        self.core.generate(&self.pool, prompts, sampling, fork)
+    }
+
+    /// The logits of a prefill of `prompts` (every sequence prefilled, no forking), as
+    /// [`Decoder::prefill`](lifecycle_decoder::Decoder::prefill); decode on with
+    /// [`decode_step`](GpuEngine::decode_step).
+    pub fn prefill(
+        &mut self,
+        weights: RolloutView<'_, RolloutBuffer>,
+        prompts: &[Vec<u32>],
+        which: PrefillLogits,
+    ) -> Result<Vec<Vec<f32>>, GpuDecodeError> {
+        self.check_weights(&weights)?;
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        self.settings.check_fit(prompts.len(), longest)?;
+        self.core.prefill(&self.pool, prompts, which)
+    }
+
+    /// The logits after feeding one token per sequence of the last prefill, as
+    /// [`Decoder::decode_step`](lifecycle_decoder::Decoder::decode_step).
+    pub fn decode_step(
+        &mut self,
+        weights: RolloutView<'_, RolloutBuffer>,
+        tokens: &[u32],
+    ) -> Result<Vec<Vec<f32>>, GpuDecodeError> {
+        self.check_weights(&weights)?;
+        let longest = self.core.lengths().into_iter().max().unwrap_or(0);
+        self.settings.check_fit(tokens.len(), longest + 1)?;
+        self.core.decode_step(&self.pool, tokens)
+    }
+
+    fn bind(&mut self, weights: &RolloutBuffer) -> Result<(), GpuDecodeError> {
+        let config = &self.core.config;
+        let entries = weights.entries();
+        let found = detect_layout(entries)?;
+        let configured = self.layout.kind();
+        if found.is_some_and(|f| f != configured) {
+            return Err(GpuDecodeError::LayoutMismatch {
+                configured: configured.name(),
+                found: found.map_or("unknown", LayoutKind::name),
+            });
+        }
+        let plan = match &self.layout {
+            GpuLayout::Unfused(l) => GroupOffsets::new(config, l, entries)?,
+            GpuLayout::Fused(l) => GroupOffsets::fused(config, l, entries)?,
+        };
+        self.core.bind(&self.pool, &plan, weights)?;
+        let slots = self
+            .settings
+            .slots_per_replica(self.core.topology.replicas());
+        self.core
+            .alloc_fixed(&self.pool, slots, self.settings.max_tokens)
+    }
+}
+
+impl RolloutEngine<RolloutBuffer> for GpuEngine {
+    type Error = GpuDecodeError;
+
+    fn wake(
+        &mut self,
+        weights: RolloutView<'_, RolloutBuffer>,
+        scope: &mut PhaseScope,
+    ) -> Result<(), GpuDecodeError> {
+        // a wake after a failed one starts clean (the lifecycle has run sleep in between)
+        self.core.unbind();
+        self.bound = None;
+        self.bind(weights.get())?;
+        scope.alloc_extra(self.core.kv_bytes());
+        self.bound = Some(Bound {
+            version: weights.version(),
+            buffer: weights.get() as *const RolloutBuffer as usize,
+        });
+        Ok(())
+    }
+
+    fn sleep(&mut self, _scope: &mut PhaseScope) -> Result<(), GpuDecodeError> {
+        // idempotent; also undoes a wake that failed part way
+        self.core.unbind();
+        self.bound = None;
+        Ok(())
+    }
+
+    fn memory(&self) -> EngineBytes {
+        EngineBytes::device(self.core.kv_bytes())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> ModelConfig {
+        ModelConfig::from_json_str(
+            r#"{"model_type": "qwen2", "vocab_size": 32, "hidden_size": 16,
+            "intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "rope_theta": 10000.0}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn calls_beyond_the_kv_capacity_are_refused_with_both_numbers() {
+        let s = EngineSettings::new(4, 10);
+        let prompts = vec![vec![1u32; 6]; 4];
+        assert!(s.check_call(&prompts, &Sampling::greedy(4)).is_ok());
+        // one token too many
+        let e = s.check_call(&prompts, &Sampling::greedy(5)).unwrap_err();
+        match &e {
+            GpuDecodeError::KvCapacity {
+                sequences,
+                tokens,
+                max_sequences,
+                max_tokens,
+            } => assert_eq!(
+                (*sequences, *tokens, *max_sequences, *max_tokens),
+                (4, 11, 4, 10)
+            ),
+            other => panic!("expected KvCapacity, got {other:?}"),
+        }
+        let msg = e.to_string();
+        assert!(msg.contains("4 sequences of at most 10 tokens"), "{msg}");
+        assert!(msg.contains("up to 11 tokens"), "{msg}");
+        // one sequence too many
+        let five = vec![vec![1u32; 2]; 5];
+        let e = s.check_call(&five, &Sampling::greedy(1)).unwrap_err();
+        assert!(
+            matches!(e, GpuDecodeError::KvCapacity { sequences: 5, .. }),
+            "{e:?}"
+        );
+        // an empty call always fits
+        assert!(s.check_call(&[], &Sampling::greedy(3)).is_ok());
+    }
+
+    #[test]
+    fn settings_are_checked() {
+        assert!(EngineSettings::new(1, 1).check().is_ok());
+        for bad in [EngineSettings::new(0, 8), EngineSettings::new(8, 0)] {
+            let msg = bad.check().unwrap_err().to_string();
+            assert!(msg.contains("at least 1"), "{msg}");
+        }
+        let msg = EngineSettings::new(1, MAX_CONTEXT + 1)
+            .check()
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains(&MAX_CONTEXT.to_string()), "{msg}");
+        assert!(
+            !EngineSettings::new(1, 1)
+                .with_fork_prefill(false)
+                .fork_prefill
+        );
+    }
+
+    #[test]
+    fn kv_size_follows_the_replica_shares() {
+        let c = config();
+        let s = EngineSettings::new(7, 100);
+        assert_eq!(s.slots_per_replica(1), 7);
+        assert_eq!(s.slots_per_replica(2), 4);
+        assert_eq!(s.slots_per_replica(3), 3);
+        // 3 layers × (k, v) × 4 slots × 100 positions × 1 kv head × head_dim 4 × 4 bytes
+        assert_eq!(s.kv_bytes_per_rank(&c, 1, 2), 3 * 2 * 4 * 100 * 4 * 4);
+    }
+
+    #[test]
+    fn layouts_convert_and_name_their_kind() {
+        let c = config();
+        let unfused: GpuLayout = c.rollout_layout(2).unwrap().into();
+        assert_eq!((unfused.tp(), unfused.kind()), (2, LayoutKind::Unfused));
+        let fused: GpuLayout = FusedLayout::new(
+            2,
+            lifecycle_layout::megatron::RolloutVocab::PadToMultipleOf(8),
+        )
+        .into();
+        assert_eq!((fused.tp(), fused.kind()), (2, LayoutKind::Fused));
+    }
+}
