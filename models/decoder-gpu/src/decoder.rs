@@ -845,7 +845,7 @@ impl<'w> GpuDecoder<'w> {
     ///
     /// ```no_run
     /// # fn demo(config: &lifecycle_decoder::ModelConfig,
-    /// #         layout: &lifecycle_layout::megatron::RolloutLayout,
+    /// #         layout: &lifecycle_layout::RolloutLayout,
     /// #         pool: &lifecycle_cuda::ThreadRankPool,
     /// #         weights: &lifecycle_cuda::RolloutBuffer) -> Result<(), Box<dyn std::error::Error>> {
     /// use lifecycle_decoder::{Decoder, Sampling};
@@ -856,13 +856,13 @@ impl<'w> GpuDecoder<'w> {
     /// ```
     pub fn with_fused_layout(
         config: &ModelConfig,
-        layout: &lifecycle_layout::megatron::RolloutLayout,
+        layout: &lifecycle_layout::RolloutLayout,
         pool: &'w ThreadRankPool,
         weights: &'w RolloutBuffer,
     ) -> Result<Self, GpuDecodeError> {
-        decode_topology(pool.world(), layout.tp, pool.local_ranks().len())?;
+        decode_topology(pool.world(), layout.tp(), pool.local_ranks().len())?;
         let plan = GroupOffsets::fused(config, layout, weights.entries())?;
-        Self::build(config, layout.tp, &plan, pool, weights)
+        Self::build(config, layout.tp(), &plan, pool, weights)
     }
 
     fn build(

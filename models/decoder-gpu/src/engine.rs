@@ -9,52 +9,18 @@ use lifecycle_core::{EngineBytes, PhaseScope, RolloutEngine, RolloutView};
 use lifecycle_cuda::{RankExecutor, RolloutBuffer, ThreadRankPool};
 use lifecycle_decoder::{DecodeError, ModelConfig, PrefillLogits, Sampling};
 use lifecycle_fsdp::FsdpBackend;
-use lifecycle_layout::megatron::RolloutLayout as FusedLayout;
-use lifecycle_layout::RolloutLayout;
+use lifecycle_layout::{RolloutFormat, RolloutLayout};
 
 use crate::decoder::{kv_elements, Core, MAX_CONTEXT};
 use crate::error::GpuDecodeError;
 use crate::topology::decode_topology;
 use crate::weights::{detect_layout, GroupOffsets, LayoutKind};
 
-/// The rollout layout the engine reads: the FSDP backends' unfused one or the Megatron
-/// backends' fused one. Converts from either layout type.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum GpuLayout {
-    /// `FsdpBackend::layout()`: separate q/k/v and gate/up tensors.
-    Unfused(RolloutLayout),
-    /// `MegatronGpuBackend::rollout_layout()`: `qkv_proj` = `[q; k; v]`, `gate_up_proj` =
-    /// `[gate; up]` per rank, vocabulary possibly padded.
-    Fused(FusedLayout),
-}
-
-impl GpuLayout {
-    /// The tensor-parallel degree T.
-    pub fn tp(&self) -> usize {
-        match self {
-            GpuLayout::Unfused(l) => l.tp(),
-            GpuLayout::Fused(l) => l.tp,
-        }
-    }
-
-    /// Which tensor names the layout has.
-    pub fn kind(&self) -> LayoutKind {
-        match self {
-            GpuLayout::Unfused(_) => LayoutKind::Unfused,
-            GpuLayout::Fused(_) => LayoutKind::Fused,
-        }
-    }
-}
-
-impl From<RolloutLayout> for GpuLayout {
-    fn from(l: RolloutLayout) -> Self {
-        GpuLayout::Unfused(l)
-    }
-}
-
-impl From<FusedLayout> for GpuLayout {
-    fn from(l: FusedLayout) -> Self {
-        GpuLayout::Fused(l)
+/// Which tensor names a rollout layout of `format` has.
+pub(crate) fn kind_of(layout: &RolloutLayout) -> LayoutKind {
+    match layout.format() {
+        RolloutFormat::Unfused => LayoutKind::Unfused,
+        RolloutFormat::Fused => LayoutKind::Fused,
     }
 }
 
@@ -241,7 +207,7 @@ fn describe(buffer: usize) -> String {
 pub struct GpuEngine {
     pool: Arc<ThreadRankPool>,
     core: Core,
-    layout: GpuLayout,
+    layout: RolloutLayout,
     settings: EngineSettings,
     bound: Option<Bound>,
 }
@@ -266,15 +232,15 @@ impl GpuEngine {
     pub fn new(
         pool: Arc<ThreadRankPool>,
         config: &ModelConfig,
-        layout: impl Into<GpuLayout>,
+        layout: RolloutLayout,
         settings: EngineSettings,
     ) -> Result<Self, GpuDecodeError> {
-        let layout = layout.into();
         settings.check()?;
         decode_topology(pool.world(), layout.tp(), pool.local_ranks().len())?;
-        if let GpuLayout::Fused(l) = &layout {
+        if layout.format() == RolloutFormat::Fused {
             // shapes of the fused layout for this config: refused now, not at the first wake
-            l.tensors(&config.model_spec(lifecycle_decoder::MEGATRON_VOCAB_MULTIPLE))
+            layout
+                .fused_tensors(&config.model_spec(lifecycle_decoder::MEGATRON_VOCAB_MULTIPLE))
                 .map_err(DecodeError::from)?;
         }
         let core = Core::new(config, layout.tp(), &pool)?;
@@ -312,7 +278,7 @@ impl GpuEngine {
     }
 
     /// The rollout layout.
-    pub fn layout(&self) -> &GpuLayout {
+    pub fn layout(&self) -> &RolloutLayout {
         &self.layout
     }
 
@@ -389,16 +355,16 @@ impl GpuEngine {
         let config = &self.core.config;
         let entries = weights.entries();
         let found = detect_layout(entries)?;
-        let configured = self.layout.kind();
+        let configured = kind_of(&self.layout);
         if found.is_some_and(|f| f != configured) {
             return Err(GpuDecodeError::LayoutMismatch {
                 configured: configured.name(),
                 found: found.map_or("unknown", LayoutKind::name),
             });
         }
-        let plan = match &self.layout {
-            GpuLayout::Unfused(l) => GroupOffsets::new(config, l, entries)?,
-            GpuLayout::Fused(l) => GroupOffsets::fused(config, l, entries)?,
+        let plan = match self.layout.format() {
+            RolloutFormat::Unfused => GroupOffsets::new(config, &self.layout, entries)?,
+            RolloutFormat::Fused => GroupOffsets::fused(config, &self.layout, entries)?,
         };
         self.core.bind(&self.pool, &plan, weights)?;
         let slots = self
@@ -518,15 +484,11 @@ mod tests {
     }
 
     #[test]
-    fn layouts_convert_and_name_their_kind() {
+    fn layouts_name_their_kind() {
         let c = config();
-        let unfused: GpuLayout = c.rollout_layout(2).unwrap().into();
-        assert_eq!((unfused.tp(), unfused.kind()), (2, LayoutKind::Unfused));
-        let fused: GpuLayout = FusedLayout::new(
-            2,
-            lifecycle_layout::megatron::RolloutVocab::PadToMultipleOf(8),
-        )
-        .into();
-        assert_eq!((fused.tp(), fused.kind()), (2, LayoutKind::Fused));
+        let unfused = c.rollout_layout(2).unwrap();
+        assert_eq!((unfused.tp(), kind_of(&unfused)), (2, LayoutKind::Unfused));
+        let fused = RolloutLayout::fused(2, lifecycle_layout::RolloutVocab::PadToMultipleOf(8));
+        assert_eq!((fused.tp(), kind_of(&fused)), (2, LayoutKind::Fused));
     }
 }

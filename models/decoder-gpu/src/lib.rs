@@ -36,7 +36,7 @@ mod vocab;
 mod weights;
 
 pub use decoder::{GpuDecoder, MAX_CONTEXT};
-pub use engine::{EngineSettings, GpuEngine, GpuLayout};
+pub use engine::{EngineSettings, GpuEngine};
 pub use error::GpuDecodeError;
 pub use kernels::DECODER_KERNEL_SRC;
 pub use model::GpuModel;

@@ -9,8 +9,8 @@ use lifecycle_decoder::{
     head_shares, layout_heads, rollout_spec, DecodeError, HeadShare, ModelConfig,
     MEGATRON_VOCAB_MULTIPLE,
 };
-use lifecycle_layout::megatron::RolloutLayout as FusedLayout;
 use lifecycle_layout::RolloutEntry;
+use lifecycle_layout::RolloutLayout as FusedLayout;
 use lifecycle_layout::{hf, Parallel, RolloutLayout, TensorSpec};
 
 /// Element offsets (bf16) of one rank's share of one layer. In the fused layout `k_w` / `v_w`
@@ -306,7 +306,7 @@ impl GroupOffsets {
         layout: &FusedLayout,
         entries: &[RolloutEntry],
     ) -> Result<Self, DecodeError> {
-        let tp = layout.tp;
+        let tp = layout.tp();
         let degree = |reason: String| DecodeError::Degree { tp, reason };
         if tp == 0 {
             return Err(degree("T must be at least 1".into()));
@@ -318,7 +318,7 @@ impl GroupOffsets {
             )));
         }
         // the padding multiple of the training side plays no part in the rollout layout
-        let specs = layout.tensors(&config.model_spec(MEGATRON_VOCAB_MULTIPLE))?;
+        let specs = layout.fused_tensors(&config.model_spec(MEGATRON_VOCAB_MULTIPLE))?;
         let by_name: HashMap<&str, &RolloutEntry> = entries.iter().map(|e| (e.name(), e)).collect();
         let mut offsets: HashMap<&str, u64> = HashMap::with_capacity(specs.len());
         let mut min_len = 0u64;
@@ -447,7 +447,7 @@ impl GroupOffsets {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lifecycle_layout::megatron::RolloutVocab;
+    use lifecycle_layout::RolloutVocab;
 
     fn config(vocab: usize, kv: usize, bias: bool) -> ModelConfig {
         ModelConfig::from_json_str(&format!(
@@ -464,7 +464,7 @@ mod tests {
     /// The entries of one rank of `layout`, packed in order.
     fn fused_entries(config: &ModelConfig, layout: &FusedLayout) -> Vec<RolloutEntry> {
         let specs = layout
-            .tensors(&config.model_spec(MEGATRON_VOCAB_MULTIPLE))
+            .fused_tensors(&config.model_spec(MEGATRON_VOCAB_MULTIPLE))
             .unwrap();
         let mut at = 0;
         specs
@@ -481,7 +481,7 @@ mod tests {
     fn fused_offsets_split_qkv_and_gate_up_and_keep_the_padded_vocab() {
         // vocab 31 padded to 32 at T = 1; 4 q heads, 2 kv heads, head_dim 4
         let c = config(31, 2, true);
-        let layout = FusedLayout::new(1, RolloutVocab::PadToMultipleOf(8));
+        let layout = FusedLayout::fused(1, RolloutVocab::PadToMultipleOf(8));
         let entries = fused_entries(&c, &layout);
         let plan = GroupOffsets::fused(&c, &layout, &entries).unwrap();
         assert!(plan.fused);
@@ -511,7 +511,7 @@ mod tests {
     fn fused_offsets_at_t2_are_vocab_parallel_with_replicated_kv() {
         // one kv head for T = 2: each rank holds a copy of it
         let c = config(31, 1, false);
-        let layout = FusedLayout::new(2, RolloutVocab::PadToMultipleOf(8));
+        let layout = FusedLayout::fused(2, RolloutVocab::PadToMultipleOf(8));
         let entries = fused_entries(&c, &layout);
         let plan = GroupOffsets::fused(&c, &layout, &entries).unwrap();
         assert!(plan.vocab_parallel);
@@ -524,7 +524,7 @@ mod tests {
     #[test]
     fn a_wrong_or_missing_fused_tensor_is_named() {
         let c = config(32, 2, false);
-        let layout = FusedLayout::new(1, RolloutVocab::Unpadded);
+        let layout = FusedLayout::fused(1, RolloutVocab::Unpadded);
         let mut entries = fused_entries(&c, &layout);
         let i = entries
             .iter()
@@ -546,7 +546,7 @@ mod tests {
     #[test]
     fn layouts_are_told_apart_by_their_names() {
         let c = config(32, 2, false);
-        let fused = fused_entries(&c, &FusedLayout::new(1, RolloutVocab::Unpadded));
+        let fused = fused_entries(&c, &FusedLayout::fused(1, RolloutVocab::Unpadded));
         assert_eq!(detect_layout(&fused).unwrap(), Some(LayoutKind::Fused));
         let unfused: Vec<RolloutEntry> = c
             .tensor_shapes()
@@ -556,7 +556,7 @@ mod tests {
         assert_eq!(detect_layout(&unfused).unwrap(), Some(LayoutKind::Unfused));
         // the unfused names are not the fused layout
         assert!(
-            GroupOffsets::fused(&c, &FusedLayout::new(1, RolloutVocab::Unpadded), &unfused)
+            GroupOffsets::fused(&c, &FusedLayout::fused(1, RolloutVocab::Unpadded), &unfused)
                 .is_err()
         );
         let both: Vec<RolloutEntry> = fused.iter().chain(&unfused).cloned().collect();

@@ -41,7 +41,7 @@ use lifecycle_decoder_gpu::{EngineSettings, GpuDecoder, GpuEngine, GpuModel};
 use lifecycle_fsdp::FsdpBackend;
 use lifecycle_host::megatron::MegatronHostBackend;
 use lifecycle_host::{HostBackend, HostTrainState};
-use lifecycle_layout::megatron::{RolloutLayout as FusedLayout, RolloutVocab};
+use lifecycle_layout::{RolloutLayout as FusedLayout, RolloutVocab};
 use lifecycle_megatron::{GpuConfig, MegatronGpuBackend, Transport};
 use serde_json::Value;
 
@@ -637,7 +637,7 @@ fn fused_megatron_layout_matches_the_cpu_decoder() -> Res {
         "tie_word_embeddings": false}"#,
     )?;
     let vocab = config.vocab_size as u32;
-    let layout = FusedLayout::new(1, RolloutVocab::PadToMultipleOf(64));
+    let layout = FusedLayout::fused(1, RolloutVocab::PadToMultipleOf(64));
     let prompts: Vec<Vec<u32>> = (0..6u32)
         .map(|i| {
             (0..3 + i % 4)
@@ -662,7 +662,7 @@ fn fused_megatron_layout_matches_the_cpu_decoder() -> Res {
         let case = format!("W = {world}, training {parallel:?}, rollout T = 1");
         let host = config.megatron_state(random_tensors(&config, 3), parallel)?;
         // the CPU decoder on the CPU executor's fused rollout (replica 0)
-        let mut hlc = Lifecycle::new(MegatronHostBackend::new(layout), host.clone());
+        let mut hlc = Lifecycle::new(MegatronHostBackend::new(layout.clone()), host.clone());
         let hs = hlc.rollout()?;
         let hw = hs.weights();
         let group: Vec<_> = hw.ranks[..1].iter().collect();
@@ -679,16 +679,22 @@ fn fused_megatron_layout_matches_the_cpu_decoder() -> Res {
         drop(hs);
         // the GPU: Megatron backend + engine
         let pool = Arc::new(ThreadRankPool::on_devices(spread(world)?.devices())?);
-        let backend = MegatronGpuBackend::new(pool.clone(), layout)?.with_config(GpuConfig {
-            transport: if world > 1 {
-                Transport::PeerCopy
-            } else {
-                Transport::Auto
-            },
-            ..GpuConfig::default()
-        })?;
+        let backend =
+            MegatronGpuBackend::new(pool.clone(), layout.clone())?.with_config(GpuConfig {
+                transport: if world > 1 {
+                    Transport::PeerCopy
+                } else {
+                    Transport::Auto
+                },
+                ..GpuConfig::default()
+            })?;
         let state = backend.state_from_host(&host)?;
-        let engine = GpuEngine::new(pool.clone(), &config, layout, EngineSettings::new(8, 64))?;
+        let engine = GpuEngine::new(
+            pool.clone(),
+            &config,
+            layout.clone(),
+            EngineSettings::new(8, 64),
+        )?;
         let mut lc = Lifecycle::new(backend, state).with_engine(engine);
         let mut session = lc.rollout()?;
         let (weights, mut engine) = session.parts();

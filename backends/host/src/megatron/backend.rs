@@ -22,7 +22,7 @@ use lifecycle_layout::RolloutLayout;
 /// use lifecycle_core::Lifecycle;
 /// use lifecycle_layout::HostTensor;
 /// use lifecycle_layout::megatron::*;
-/// use lifecycle_layout::ModelSpec;
+/// use lifecycle_layout::{ModelSpec, RolloutLayout, RolloutVocab};
 /// use lifecycle_host::megatron::{MegatronHostBackend, MegatronTrainState};
 ///
 /// let model = ModelSpec::tiny();
