@@ -1,13 +1,10 @@
-//! The rollout engines of the GPU runs, attached once per lifecycle.
-//!
-//! **Where the persistent GPU engine plugs in**: [`FsdpEngine`] below. Today it is
-//! [`PerCallGpuDecoder`], which builds a [`GpuDecoder`] in every call (its setup time is
-//! reported as "decoder setup"); a persistent engine that implements [`GpuGenerate`] replaces it
-//! by changing that one type alias.
-//!
-//! The Megatron backend's fused rollout is not read by the GPU decoder yet:
-//! [`MegatronEngine`] is [`FusedHostFallback`], which downloads the fused rollout weights to host
-//! memory at wake and decodes with the CPU decoder, a labelled fallback (the report says so).
+//! The rollout engine of the GPU runs, attached once per lifecycle: the GPU decoder's
+//! persistent engine ([`GpuEngine`]) for both backends. It is built once (cuBLAS handles,
+//! kernels, rotary tables per rank); at wake it binds the resident rollout weights (the FSDP
+//! backend's unfused layout or the Megatron backend's fused one) and allocates its KV cache for
+//! the run's gen batches; at sleep it frees the cache. Within a gen batch the samples of a prompt
+//! share one prefill (forked KV). [`PerCallGpuDecoder`] (a decoder built in every call, what
+//! the loop did before) stays for comparisons.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -16,28 +13,70 @@ use std::time::{Duration, Instant};
 use lifecycle_core::{EngineBytes, PhaseScope, RolloutEngine, RolloutView};
 use lifecycle_cuda::{RolloutBuffer, ThreadRankPool};
 use lifecycle_decoder::{Decoder, ModelConfig, Sampling};
-use lifecycle_decoder_gpu::GpuDecoder;
-use lifecycle_layout::RolloutLayout as FusedLayout;
-use lifecycle_layout::{HostRollout, RolloutLayout};
+use lifecycle_decoder_gpu::{EngineSettings, GpuDecoder, GpuEngine};
+use lifecycle_layout::RolloutLayout;
 
 use super::DapoGpuError;
-use crate::dapo::DecoderLayout;
 
-/// The engine of `--backend fsdp`: **the one line to change for a persistent GPU engine**.
-pub type FsdpEngine = PerCallGpuDecoder;
+/// The engine of `--backend fsdp` and `--backend megatron`.
+pub type RunEngine = GpuEngine;
 
-/// The engine of `--backend megatron`: the GPU decoder does not read the fused layout yet, so
-/// this is the CPU-decoder fallback.
-pub type MegatronEngine = FusedHostFallback;
-
-/// How the FSDP run builds its engine (once per lifecycle).
-pub trait ForFsdpRun: GpuGenerate + Sized {
-    /// The engine for a run of `config` on `pool`'s GPUs, rollout layout `layout`.
+/// How a run builds its engine (once per lifecycle).
+pub trait ForRun: GpuGenerate + Sized {
+    /// The engine for a run of `config` on `pool`'s GPUs, rollout layout `layout` (unfused or
+    /// fused), for gen batches of at most `capacity.0` sequences of at most `capacity.1` tokens.
     fn for_run(
         config: &ModelConfig,
         layout: &RolloutLayout,
         pool: &Arc<ThreadRankPool>,
+        capacity: (usize, usize),
     ) -> Result<Self, DapoGpuError>;
+}
+
+impl ForRun for GpuEngine {
+    fn for_run(
+        config: &ModelConfig,
+        layout: &RolloutLayout,
+        pool: &Arc<ThreadRankPool>,
+        (sequences, tokens): (usize, usize),
+    ) -> Result<Self, DapoGpuError> {
+        let settings = EngineSettings::new(sequences, tokens);
+        Ok(GpuEngine::new(
+            Arc::clone(pool),
+            config,
+            layout.clone(),
+            settings,
+        )?)
+    }
+}
+
+impl GpuGenerate for GpuEngine {
+    /// Generates with the engine bound at wake: no per-call setup (the setup time is zero).
+    fn generate_seqs(
+        &mut self,
+        weights: RolloutView<'_, RolloutBuffer>,
+        seqs: &[Vec<u32>],
+        sampling: &Sampling,
+    ) -> Result<(Vec<Vec<u32>>, Duration, Duration), DapoGpuError> {
+        let t = Instant::now();
+        let out = self.generate(weights, seqs, sampling)?;
+        Ok((out, Duration::ZERO, t.elapsed()))
+    }
+
+    fn describe(&self) -> String {
+        let s = self.settings();
+        format!(
+            "GPU decoder engine, built once per lifecycle: KV cache for {} sequences x {} tokens \
+             allocated at wake, freed at sleep; {}",
+            s.max_sequences,
+            s.max_tokens,
+            if s.fork_prefill {
+                "one prefill per prompt, its KV forked to the group's samples"
+            } else {
+                "every sequence prefilled"
+            }
+        )
+    }
 }
 
 /// What the GPU loop needs from an engine besides the wake / sleep contract.
@@ -46,7 +85,7 @@ pub trait GpuGenerate: RolloutEngine<RolloutBuffer> {
     /// per-call setup time and the generation time.
     fn generate_seqs(
         &mut self,
-        weights: &RolloutBuffer,
+        weights: RolloutView<'_, RolloutBuffer>,
         seqs: &[Vec<u32>],
         sampling: &Sampling,
     ) -> Result<(Vec<Vec<u32>>, Duration, Duration), DapoGpuError>;
@@ -82,11 +121,12 @@ impl RolloutEngine<RolloutBuffer> for PerCallGpuDecoder {
     }
 }
 
-impl ForFsdpRun for PerCallGpuDecoder {
+impl ForRun for PerCallGpuDecoder {
     fn for_run(
         config: &ModelConfig,
         layout: &RolloutLayout,
         pool: &Arc<ThreadRankPool>,
+        _capacity: (usize, usize),
     ) -> Result<Self, DapoGpuError> {
         Ok(PerCallGpuDecoder {
             config: config.clone(),
@@ -99,91 +139,13 @@ impl ForFsdpRun for PerCallGpuDecoder {
 impl GpuGenerate for PerCallGpuDecoder {
     fn generate_seqs(
         &mut self,
-        weights: &RolloutBuffer,
-        seqs: &[Vec<u32>],
-        sampling: &Sampling,
-    ) -> Result<(Vec<Vec<u32>>, Duration, Duration), DapoGpuError> {
-        let t = Instant::now();
-        let mut decoder = GpuDecoder::with_pool(&self.config, &self.layout, &self.pool, weights)?;
-        let setup = t.elapsed();
-        let t = Instant::now();
-        let out = decoder.generate(seqs, sampling)?;
-        Ok((out, setup, t.elapsed()))
-    }
-
-    fn describe(&self) -> String {
-        "GPU decoder, built per call (persistent engine: not yet)".to_string()
-    }
-}
-
-/// The Megatron fallback: at wake, the fused rollout weights are downloaded to host memory
-/// (held until sleep, counted as host memory); calls decode with the CPU decoder on the first
-/// replica's TP group. Clearly slower than a GPU decoder: a stand-in until the GPU decoder reads
-/// the fused layout.
-pub struct FusedHostFallback {
-    config: ModelConfig,
-    layout: FusedLayout,
-    pool: Arc<ThreadRankPool>,
-    host: Option<HostRollout>,
-}
-
-impl FusedHostFallback {
-    /// The fallback for `config` on `pool`, fused rollout `layout`.
-    pub fn new(config: &ModelConfig, layout: FusedLayout, pool: &Arc<ThreadRankPool>) -> Self {
-        FusedHostFallback {
-            config: config.clone(),
-            layout,
-            pool: Arc::clone(pool),
-            host: None,
-        }
-    }
-}
-
-impl RolloutEngine<RolloutBuffer> for FusedHostFallback {
-    type Error = lifecycle_cuda::CudaError;
-    fn wake(
-        &mut self,
         weights: RolloutView<'_, RolloutBuffer>,
-        scope: &mut PhaseScope,
-    ) -> Result<(), Self::Error> {
-        let host = weights.get().download(&*self.pool)?;
-        scope.alloc_extra(rollout_bytes(&host));
-        self.host = Some(host);
-        Ok(())
-    }
-    fn sleep(&mut self, _: &mut PhaseScope) -> Result<(), Self::Error> {
-        self.host = None;
-        Ok(())
-    }
-    fn memory(&self) -> EngineBytes {
-        EngineBytes::host(self.host.as_ref().map_or(0, rollout_bytes))
-    }
-}
-
-fn rollout_bytes(r: &HostRollout) -> u64 {
-    r.ranks
-        .iter()
-        .flat_map(|rank| rank.tensors.iter())
-        .map(|t| 2 * t.data.len() as u64)
-        .sum()
-}
-
-impl GpuGenerate for FusedHostFallback {
-    /// Generates on the host copy of the weights (CPU decoder, fused layout).
-    fn generate_seqs(
-        &mut self,
-        _weights: &RolloutBuffer,
         seqs: &[Vec<u32>],
         sampling: &Sampling,
     ) -> Result<(Vec<Vec<u32>>, Duration, Duration), DapoGpuError> {
-        let host = self.host.as_ref().ok_or_else(|| {
-            DapoGpuError::Usage("the Megatron fallback engine was called asleep".to_string())
-        })?;
-        let tp = self.layout.tp();
-        let group: Vec<_> = host.ranks.iter().take(tp).collect();
         let t = Instant::now();
         let mut decoder =
-            DecoderLayout::Fused(self.layout.clone()).decoder(&self.config, &group)?;
+            GpuDecoder::with_pool(&self.config, &self.layout, &self.pool, weights.get())?;
         let setup = t.elapsed();
         let t = Instant::now();
         let out = decoder.generate(seqs, sampling)?;
@@ -191,8 +153,6 @@ impl GpuGenerate for FusedHostFallback {
     }
 
     fn describe(&self) -> String {
-        "FALLBACK: the GPU decoder does not read the fused layout yet; the fused rollout is \
-         downloaded to host memory at wake and decoded by the CPU decoder"
-            .to_string()
+        "GPU decoder built in every call (KV cache per call)".to_string()
     }
 }

@@ -57,7 +57,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lifecycle_core::{
-    HumanBytes, HumanDuration, Lifecycle, LifecycleConfig, MemoryPolicy, Switching,
+    HumanBytes, HumanDuration, Lifecycle, LifecycleConfig, MemoryPolicy, RolloutEngine, Switching,
 };
 use lifecycle_cuda::{check_environment, ThreadRankPool};
 use lifecycle_dist::RankEnv;
@@ -87,14 +87,13 @@ mod report;
 mod rollout;
 mod source;
 
-pub use engine::{FsdpEngine, FusedHostFallback, GpuGenerate, MegatronEngine, PerCallGpuDecoder};
+pub use engine::{ForRun, GpuGenerate, PerCallGpuDecoder, RunEngine};
 pub use error::DapoGpuError;
 pub use options::{GpuLayout, GpuOptions, LifecycleChoice, LoopOptions, Options, SyntheticModel};
 pub(crate) use source::QWEN2_5_7B_CONFIG;
 
 use crate::dapo::megatron::fused_layout;
 use crate::prediction::{qwen7b_switch, TrainSide};
-use engine::ForFsdpRun;
 use lifecycle_decoder::MegatronParallel;
 use lifecycle_megatron::MegatronGpuBackend;
 use policy::{
@@ -274,10 +273,15 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
         Launch::Threads => ThreadRankPool::new(g.gpus)?,
         Launch::Process(env) => ThreadRankPool::for_process(env, Duration::from_secs(120))?,
     });
+    // The engine's KV cache holds one gen batch (or the warm-up call) of prompt + new tokens.
+    let capacity = (
+        (r.prompts_per_batch * r.group_size).max(1),
+        g.prompt_len.max(3) + r.tokens.max(1),
+    );
     let reports = match a.layout {
         GpuLayout::Fsdp => {
             let layout = config.rollout_layout(r.tp)?;
-            let engine = FsdpEngine::for_run(&config, &layout, &pool)?;
+            let engine = RunEngine::for_run(&config, &layout, &pool, capacity)?;
             let backend = FsdpBackend::new(Arc::clone(&pool), layout);
             let state = source.initial(&backend)?;
             let mut lc = Lifecycle::with_config(backend, state, lc_config)?.with_engine(engine);
@@ -290,6 +294,14 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
             };
             let reports = run_policies(&mut lc, &mut driver, policies, t)?;
             lc.exit()?;
+            say!(
+                root,
+                "  rollout engine after exit: {} on the device (KV cache released; peak while \
+                 awake {}), {} wakes",
+                HumanBytes(lc.engine().memory().device),
+                HumanBytes(lc.metrics().peak_engine_bytes()),
+                lc.metrics().engine.wakes
+            );
             let state = lc.peek_state();
             say!(
                 root,
@@ -313,7 +325,7 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
                 .megatron_layout(parallel)
                 .map_err(|e| DapoGpuError::Usage(e.to_string()))?;
             let rollout = fused_layout(&config, r.tp);
-            let engine = MegatronEngine::new(&config, rollout.clone(), &pool);
+            let engine = RunEngine::for_run(&config, &rollout, &pool, capacity)?;
             let backend = MegatronGpuBackend::new(Arc::clone(&pool), rollout)?;
             let trainer = MegatronTrainer {
                 params: a.adam_params(),
@@ -346,6 +358,14 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
             let mut driver = GpuDriver { cx: &cx, trainer };
             let reports = run_policies(&mut lc, &mut driver, policies, t)?;
             lc.exit()?;
+            say!(
+                root,
+                "  rollout engine after exit: {} on the device (KV cache released; peak while \
+                 awake {}), {} wakes",
+                HumanBytes(lc.engine().memory().device),
+                HumanBytes(lc.metrics().peak_engine_bytes()),
+                lc.metrics().engine.wakes
+            );
             reports
         }
     };
@@ -434,6 +454,7 @@ where
         lc.enable_trace();
     }
     say!(root, "  {}", lifecycle_examples_describe(driver));
+    say!(root, "  rollout engine: {}", lc.engine().describe());
     say!(
         root,
         "  setup (GPUs, NCCL, training state): {}",

@@ -211,7 +211,7 @@ where
             stop_token: None,
         };
         let (weights, mut engine) = session.parts();
-        let (out, setup, generate) = engine.generate_seqs(weights.get(), &seqs, &sampling)?;
+        let (out, setup, generate) = engine.generate_seqs(weights, &seqs, &sampling)?;
         let groups = request
             .prompts
             .iter()
@@ -248,7 +248,7 @@ where
 
     fn warm_up(&mut self, session: &mut RolloutSession<'_, B, E>) -> Result<(), DapoGpuError> {
         let (weights, mut engine) = session.parts();
-        engine.generate_seqs(weights.get(), &[vec![1, 2, 3]], &Sampling::greedy(1))?;
+        engine.generate_seqs(weights, &[vec![1, 2, 3]], &Sampling::greedy(1))?;
         Ok(())
     }
 }
