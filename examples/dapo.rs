@@ -172,9 +172,22 @@ struct MegatronOptions {
     /// Megatron training tensor-parallel degree.
     #[arg(long, default_value_t = 1)]
     train_tp: usize,
-    /// Megatron pipeline stages.
-    #[arg(long, default_value_t = 2)]
-    pp: usize,
+    /// Megatron pipeline stages [default: 2, or 1 when the ranks do not make two stages of
+    /// --train-tp ranks]
+    #[arg(long)]
+    pp: Option<usize>,
+}
+
+impl MegatronOptions {
+    /// The pipeline stages for `world` ranks: as given, else 2 where `world` holds two stages
+    /// of `train_tp` ranks, else 1.
+    fn pp(&self, world: usize) -> usize {
+        self.pp.unwrap_or(if world / self.train_tp.max(1) >= 2 {
+            2
+        } else {
+            1
+        })
+    }
 }
 
 /// The options of the host backend only.
@@ -376,7 +389,7 @@ impl Args {
                 Train::Fsdp => HostTrain::Fsdp,
                 Train::Megatron => HostTrain::Megatron {
                     tp: self.megatron.train_tp,
-                    pp: self.megatron.pp,
+                    pp: self.megatron.pp(h.world),
                 },
             },
         };
@@ -395,7 +408,7 @@ impl Args {
             layout: match self.backend {
                 Backend::Megatron => GpuLayout::Megatron {
                     tp: self.megatron.train_tp,
-                    pp: self.megatron.pp,
+                    pp: self.megatron.pp(self.fsdp.gpus),
                 },
                 Backend::Host | Backend::Fsdp => GpuLayout::Fsdp,
             },
@@ -1005,6 +1018,9 @@ mod tests {
         let o = fsdp(&["--backend", "megatron"]);
         assert_eq!(o.layout, GpuLayout::Megatron { tp: 1, pp: 2 });
         assert_eq!(o.run, gpu_dapo::Options::default().run);
+        // One GPU makes one stage unless told otherwise.
+        let o = fsdp(&["--backend", "megatron", "--gpus", "1", "--tp", "1"]);
+        assert_eq!(o.layout, GpuLayout::Megatron { tp: 1, pp: 1 });
         // Megatron degrees without a Megatron layout
         let msg = plan(&["--pp", "2"]).unwrap_err().to_string();
         assert!(
