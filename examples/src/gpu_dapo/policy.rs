@@ -124,7 +124,11 @@ impl MegatronTrainer {
     ) -> Result<lifecycle_megatron::MegatronGpuState, DapoGpuError> {
         Ok(match &self.source {
             MegatronSource::Synthetic { seed, scale } => {
-                backend.synthetic_state(self.layout.clone(), *seed, *scale)?
+                // The synthetic state's m and v are test data (v negative): a fresh optimizer.
+                let state = backend.synthetic_state(self.layout.clone(), *seed, *scale)?;
+                let mut host = backend.download_state(&state)?;
+                host.reset_optimizer()?;
+                backend.state_from_host(&host)?
             }
             MegatronSource::Host { tensors } => {
                 backend.state_from_hf(self.layout.clone(), tensors.clone())?

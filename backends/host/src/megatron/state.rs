@@ -332,6 +332,26 @@ impl MegatronTrainState {
         Ok(())
     }
 
+    /// Zeroes Adam's moments and its step count: a fresh optimizer on the current weights (the
+    /// GPU backend's synthetic states hold round-trip test data in m and v, with negative v,
+    /// which no Adam step may read).
+    pub fn reset_optimizer(&mut self) -> Result<(), MegatronError> {
+        if self.is_offloaded() {
+            return Err(MegatronError::Offloaded {
+                operation: "resetting the optimizer",
+            });
+        }
+        for r in &mut self.ranks {
+            for b in [&mut r.adam_m, &mut r.adam_v] {
+                if let Resident::Device(v) = b {
+                    v.fill(0.0);
+                }
+            }
+        }
+        self.adam_steps = 0;
+        Ok(())
+    }
+
     /// One optimizer step as Megatron runs it: tied-embedding grads all-reduced between the first
     /// and last stage (PP > 1), grads averaged over the DP group into each rank's shard
     /// (reduce-scatter), Adam with bias correction on the fp32 main shard, then the updated
