@@ -24,12 +24,14 @@ pub type RunEngine = GpuEngine;
 /// How a run builds its engine (once per lifecycle).
 pub trait ForRun: GpuGenerate + Sized {
     /// The engine for a run of `config` on `pool`'s GPUs, rollout layout `layout` (unfused or
-    /// fused), for gen batches of at most `capacity.0` sequences of at most `capacity.1` tokens.
+    /// fused), for gen batches of at most `capacity.0` sequences of at most `capacity.1` tokens,
+    /// with one prefill per prompt when `fork_prefill`.
     fn for_run(
         config: &ModelConfig,
         layout: &RolloutLayout,
         pool: &Arc<ThreadRankPool>,
         capacity: (usize, usize),
+        fork_prefill: bool,
     ) -> Result<Self, DapoGpuError>;
 }
 
@@ -39,8 +41,9 @@ impl ForRun for GpuEngine {
         layout: &RolloutLayout,
         pool: &Arc<ThreadRankPool>,
         (sequences, tokens): (usize, usize),
+        fork_prefill: bool,
     ) -> Result<Self, DapoGpuError> {
-        let settings = EngineSettings::new(sequences, tokens);
+        let settings = EngineSettings::new(sequences, tokens).with_fork_prefill(fork_prefill);
         Ok(GpuEngine::new(
             Arc::clone(pool),
             config,
@@ -127,6 +130,7 @@ impl ForRun for PerCallGpuDecoder {
         layout: &RolloutLayout,
         pool: &Arc<ThreadRankPool>,
         _capacity: (usize, usize),
+        _fork_prefill: bool,
     ) -> Result<Self, DapoGpuError> {
         Ok(PerCallGpuDecoder {
             config: config.clone(),

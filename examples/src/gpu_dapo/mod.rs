@@ -278,10 +278,11 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
         (r.prompts_per_batch * r.group_size).max(1),
         g.prompt_len.max(3) + r.tokens.max(1),
     );
+    let fork = !g.no_fork_prefill;
     let reports = match a.layout {
         GpuLayout::Fsdp => {
             let layout = config.rollout_layout(r.tp)?;
-            let engine = RunEngine::for_run(&config, &layout, &pool, capacity)?;
+            let engine = RunEngine::for_run(&config, &layout, &pool, capacity, fork)?;
             let backend = FsdpBackend::new(Arc::clone(&pool), layout);
             let state = source.initial(&backend)?;
             let mut lc = Lifecycle::with_config(backend, state, lc_config)?.with_engine(engine);
@@ -325,7 +326,7 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
                 .megatron_layout(parallel)
                 .map_err(|e| DapoGpuError::Usage(e.to_string()))?;
             let rollout = fused_layout(&config, r.tp);
-            let engine = RunEngine::for_run(&config, &rollout, &pool, capacity)?;
+            let engine = RunEngine::for_run(&config, &rollout, &pool, capacity, fork)?;
             let backend = MegatronGpuBackend::new(Arc::clone(&pool), rollout)?;
             let trainer = MegatronTrainer {
                 params: a.adam_params(),

@@ -178,6 +178,11 @@ pub struct GpuOptions {
     /// that the processes of a one-process-per-GPU run picked the same tokens.
     #[arg(long)]
     pub samples_digest: bool,
+    /// Prefill every sequence of a gen batch instead of once per prompt with its KV forked to
+    /// the group's samples (the default; the prompt GEMMs then run on fewer rows, which can
+    /// round differently).
+    #[arg(long)]
+    pub no_fork_prefill: bool,
 }
 
 impl GpuOptions {
@@ -191,6 +196,7 @@ impl GpuOptions {
         lr: 1e-4,
         grad_scale: 1e-2,
         samples_digest: false,
+        no_fork_prefill: false,
     };
 }
 
