@@ -278,7 +278,7 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
         (r.prompts_per_batch * r.group_size).max(1),
         g.prompt_len.max(3) + r.tokens.max(1),
     );
-    let fork = !g.no_fork_prefill;
+    let fork = g.fork_prefill;
     let reports = match a.layout {
         GpuLayout::Fsdp => {
             let layout = config.rollout_layout(r.tp)?;

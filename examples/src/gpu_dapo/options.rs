@@ -178,11 +178,12 @@ pub struct GpuOptions {
     /// that the processes of a one-process-per-GPU run picked the same tokens.
     #[arg(long)]
     pub samples_digest: bool,
-    /// Prefill every sequence of a gen batch instead of once per prompt with its KV forked to
-    /// the group's samples (the default; the prompt GEMMs then run on fewer rows, which can
-    /// round differently).
+    /// Prefill each prompt of a gen batch once and fork its KV to the group's samples, instead
+    /// of prefilling every sequence (G times less prefill work; the prompt GEMMs then run on
+    /// fewer rows, which can round differently: at 7.6B shapes some samples differ from the
+    /// per-sequence prefill's).
     #[arg(long)]
-    pub no_fork_prefill: bool,
+    pub fork_prefill: bool,
 }
 
 impl GpuOptions {
@@ -196,7 +197,7 @@ impl GpuOptions {
         lr: 1e-4,
         grad_scale: 1e-2,
         samples_digest: false,
-        no_fork_prefill: false,
+        fork_prefill: false,
     };
 }
 

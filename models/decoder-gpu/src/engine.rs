@@ -36,7 +36,7 @@ pub(crate) fn kind_of(layout: &RolloutLayout) -> LayoutKind {
 /// use lifecycle_decoder::Sampling;
 /// use lifecycle_decoder_gpu::{EngineSettings, GpuDecodeError};
 /// let s = EngineSettings::new(8, 64);
-/// assert!(s.fork_prefill);
+/// assert!(!s.fork_prefill);
 /// s.check_call(&vec![vec![1, 2, 3]; 8], &Sampling::greedy(61))?;
 /// let e = s.check_call(&vec![vec![1, 2, 3]; 8], &Sampling::greedy(62)).unwrap_err();
 /// assert!(matches!(e, GpuDecodeError::KvCapacity { tokens: 65, max_tokens: 64, .. }));
@@ -50,18 +50,21 @@ pub struct EngineSettings {
     /// [`MAX_CONTEXT`]).
     pub max_tokens: usize,
     /// Prefill each distinct prompt of a call once and copy its KV rows to the other sequences
-    /// with the same prompt (a group of samples), instead of prefilling every sequence. On by
-    /// default.
+    /// with the same prompt (a group of samples), instead of prefilling every sequence. Off by
+    /// default: the prompt GEMMs then run on fewer rows, which cuBLAS may round differently, so
+    /// a sample's tokens would depend on whether its group-mates share its prompt (measured at
+    /// Qwen2.5-7B shapes: some samples of a DAPO run differ); with it off, every sequence's
+    /// tokens are the same however the call groups them.
     pub fork_prefill: bool,
 }
 
 impl EngineSettings {
-    /// `max_sequences` sequences of `max_tokens` tokens, forked prefill on.
+    /// `max_sequences` sequences of `max_tokens` tokens, forked prefill off.
     pub fn new(max_sequences: usize, max_tokens: usize) -> Self {
         EngineSettings {
             max_sequences,
             max_tokens,
-            fork_prefill: true,
+            fork_prefill: false,
         }
     }
 
@@ -466,8 +469,8 @@ mod tests {
             .to_string();
         assert!(msg.contains(&MAX_CONTEXT.to_string()), "{msg}");
         assert!(
-            !EngineSettings::new(1, 1)
-                .with_fork_prefill(false)
+            EngineSettings::new(1, 1)
+                .with_fork_prefill(true)
                 .fork_prefill
         );
     }

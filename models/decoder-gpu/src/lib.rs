@@ -15,7 +15,8 @@
 //! - [`GpuModel`] builds pool, backend and lifecycle from a checkpoint in one call.
 //! - [`GpuEngine`] is the decoder as a persistent rollout engine of a
 //!   [`Lifecycle`](lifecycle_core::Lifecycle): handles and kernels built once, the KV cache
-//!   allocated at wake and freed at sleep, each group of samples of one prompt prefilled once.
+//!   allocated at wake and freed at sleep; optionally each group of samples of one prompt
+//!   prefilled once (`EngineSettings::with_fork_prefill`).
 //! - Both rollout layouts: the FSDP backends' unfused one and the Megatron backends' fused one
 //!   (`qkv_proj`, `gate_up_proj`, padded vocabulary), detected from the buffer's tensor names
 //!   ([`detect_layout`]).

@@ -595,7 +595,7 @@ fn forked_prefill_equals_per_sequence_prefill_w1() -> Res {
     mixed.push(vec![5, 6]);
     batches.push(("interleaved duplicates".into(), mixed));
     let settings = EngineSettings::new(64, 64);
-    let engine = GpuEngine::for_fsdp(&backend, &config, settings)?;
+    let engine = GpuEngine::for_fsdp(&backend, &config, settings.with_fork_prefill(true))?;
     let mut lc = Lifecycle::new(backend, state).with_engine(engine);
     let forked = run_batches(true, &batches, &mut lc)?;
     // the same weights, per-sequence prefill: another engine on the same lifecycle
