@@ -239,8 +239,8 @@ fn span_name(role: CopyRole) -> (String, Link) {
 
 /// Runs `prog` on this rank: reads `source`, writes `roll` (and, with peer copies or remote
 /// copies, the peers' rollout buffers at `bases`, by global rank), marks every piece of work on
-/// `tl`. Returns what the rank moved. On an error every stream is synchronised before the
-/// staging buffers are freed.
+/// `tl`. Returns what the rank moved, with `tl` in it (read once the offload finished). On an
+/// error every stream is synchronised before the staging buffers are freed.
 pub fn run_program(
     ctx: &RankCtx,
     prog: &DeviceProgram,
@@ -248,15 +248,20 @@ pub fn run_program(
     roll: &mut CudaSlice<bf16>,
     bases: &[u64],
     opts: RunOptions,
-    tl: &mut StreamTimeline,
+    mut tl: StreamTimeline,
 ) -> Result<RankMoved, CudaError> {
-    let out = run_inner(ctx, prog, source, roll, bases, opts, tl);
-    if out.is_err() {
-        // Nothing may still read or write the rollout or staging buffers when they are freed
-        // after an error part-way through.
-        let _ = ctx.sync_all();
+    match run_inner(ctx, prog, source, roll, bases, opts, &mut tl) {
+        Ok(moved) => Ok(RankMoved {
+            timeline: Some(tl),
+            ..moved
+        }),
+        Err(e) => {
+            // Nothing may still read or write the rollout or staging buffers when they are
+            // freed after an error part-way through.
+            let _ = ctx.sync_all();
+            Err(e)
+        }
     }
-    out
 }
 
 #[allow(clippy::too_many_arguments)]

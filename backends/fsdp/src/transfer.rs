@@ -102,9 +102,7 @@ impl FsdpBackend {
             let program = prog.get_or_build(ctx, key, batched, || plan.rank_steps(ctx.rank))?;
             let source = SourceBuf::F32(master);
             let opts = RunOptions::default();
-            let mut moved = run_program(ctx, program, source, roll, bases, opts, &mut tl)?;
-            moved.timeline = Some(tl);
-            Ok(moved)
+            run_program(ctx, program, source, roll, bases, opts, tl)
         })?;
         Ok(moved)
     }

@@ -101,10 +101,7 @@ impl MegatronGpuBackend {
                 overlap_blocks_per_sm: config.overlap_blocks_per_sm,
             };
             let source = SourceBuf::Bf16(params);
-            let out = run_program(ctx, program, source, roll, bases, opts, &mut tl);
-            let mut moved = out?;
-            moved.timeline = Some(tl);
-            Ok(moved)
+            run_program(ctx, program, source, roll, bases, opts, tl)
         })?;
         Ok(moved)
     }

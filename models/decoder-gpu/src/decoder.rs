@@ -427,18 +427,6 @@ impl Core {
         self.lens.clone()
     }
 
-    fn check_token(&self, sequence: usize, token: u32) -> Result<(), DecodeError> {
-        if (token as usize) < self.config.vocab_size {
-            Ok(())
-        } else {
-            Err(DecodeError::Token {
-                sequence,
-                token,
-                vocab: self.config.vocab_size,
-            })
-        }
-    }
-
     /// Cache slots per block for replica share `part` (the cache's layout).
     fn slots(&self, part: &Range<usize>) -> usize {
         match self.kv {
@@ -632,7 +620,7 @@ impl Core {
                 .into());
             }
             for &t in p {
-                self.check_token(s, t)?;
+                self.config.check_token(s, t)?;
             }
         }
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
@@ -676,7 +664,7 @@ impl Core {
             .into());
         }
         for (s, &t) in tokens.iter().enumerate() {
-            self.check_token(s, t)?;
+            self.config.check_token(s, t)?;
         }
         let longest = self.lens.iter().copied().max().unwrap_or(0);
         self.reserve(pool, longest + 1, false)?;

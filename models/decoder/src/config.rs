@@ -196,6 +196,30 @@ fn rope_theta(map: &Map<String, Value>) -> Result<f64, CheckpointError> {
 }
 
 impl ModelConfig {
+    /// `token` of sequence `sequence` as a decoder input: an error unless it is inside the
+    /// vocabulary.
+    ///
+    /// ```
+    /// use lifecycle_decoder::ModelConfig;
+    /// let c = ModelConfig::from_json_str(r#"{"model_type": "qwen2", "vocab_size": 31,
+    ///   "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+    ///   "num_attention_heads": 4, "num_key_value_heads": 1}"#)?;
+    /// assert!(c.check_token(0, 30).is_ok());
+    /// assert!(c.check_token(2, 31).unwrap_err().to_string().contains("31"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn check_token(&self, sequence: usize, token: u32) -> Result<(), DecodeError> {
+        if (token as usize) < self.vocab_size {
+            Ok(())
+        } else {
+            Err(DecodeError::Token {
+                sequence,
+                token,
+                vocab: self.vocab_size,
+            })
+        }
+    }
+
     /// Parses the text of a Hugging Face `config.json`.
     pub fn from_json_str(text: &str) -> Result<Self, CheckpointError> {
         let value: Value = serde_json::from_str(text).map_err(|e| CheckpointError::ConfigJson {

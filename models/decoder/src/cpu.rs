@@ -118,18 +118,6 @@ impl<'w> CpuDecoder<'w> {
         self.seqs.iter().map(|s| s.len).collect()
     }
 
-    fn check_token(&self, sequence: usize, token: u32) -> Result<(), DecodeError> {
-        if (token as usize) < self.config.vocab_size {
-            Ok(())
-        } else {
-            Err(DecodeError::Token {
-                sequence,
-                token,
-                vocab: self.config.vocab_size,
-            })
-        }
-    }
-
     fn embed(&self, tokens: &[u32]) -> Vec<f32> {
         let h = self.config.hidden_size;
         let mut x = Vec::with_capacity(tokens.len() * h);
@@ -286,7 +274,7 @@ impl Decoder for CpuDecoder<'_> {
                 )));
             }
             for (pos, &t) in p.iter().enumerate() {
-                self.check_token(s, t)?;
+                self.config.check_token(s, t)?;
                 rows.push((s, pos));
                 tokens.push(t);
             }
@@ -325,7 +313,7 @@ impl Decoder for CpuDecoder<'_> {
             )));
         }
         for (s, &t) in tokens.iter().enumerate() {
-            self.check_token(s, t)?;
+            self.config.check_token(s, t)?;
         }
         let rows: Vec<(usize, usize)> = self
             .seqs
