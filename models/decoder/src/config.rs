@@ -203,7 +203,7 @@ impl ModelConfig {
     /// use lifecycle_decoder::ModelConfig;
     /// let c = ModelConfig::from_json_str(r#"{"model_type": "qwen2", "vocab_size": 31,
     ///   "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-    ///   "num_attention_heads": 4, "num_key_value_heads": 1}"#)?;
+    ///   "num_attention_heads": 4, "num_key_value_heads": 1, "rope_theta": 10000.0}"#)?;
     /// assert!(c.check_token(0, 30).is_ok());
     /// assert!(c.check_token(2, 31).unwrap_err().to_string().contains("31"));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
