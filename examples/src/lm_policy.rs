@@ -70,6 +70,24 @@ pub fn generate_lm(
 }
 
 /// The decode job of `request` under `config` for a model of `vocab` tokens.
+/// One gen batch of `request` through the session's CPU decoder engine, on any backend whose
+/// rollout is host tensors (the FSDP and Megatron CPU executors).
+pub(crate) fn decoder_batch<B: lifecycle_core::Reshard<Rollout = HostRollout>>(
+    session: &mut RolloutSession<'_, B, CpuDecoderEngine>,
+    config: &DapoConfig,
+    request: &GenRequest,
+    vocab: usize,
+) -> Result<GenBatch, DapoError> {
+    let job = decode_job(config, request, vocab);
+    let (weights, mut engine) = session.parts();
+    let (groups, setup, generate) = engine.generate(weights.get(), &job)?;
+    Ok(GenBatch {
+        groups,
+        setup,
+        generate,
+    })
+}
+
 pub(crate) fn decode_job(config: &DapoConfig, request: &GenRequest, vocab: usize) -> DecodeJob {
     DecodeJob {
         prompts: request.prompts.clone(),
@@ -150,14 +168,7 @@ impl DapoBackend<HostBackend, CpuDecoderEngine> for CheckpointDriver {
         session: &mut RolloutSession<'_, HostBackend, CpuDecoderEngine>,
         request: &GenRequest,
     ) -> Result<GenBatch, DapoError> {
-        let job = decode_job(&self.config, request, self.model.vocab_size);
-        let (weights, mut engine) = session.parts();
-        let (groups, setup, generate) = engine.generate(weights.get(), &job)?;
-        Ok(GenBatch {
-            groups,
-            setup,
-            generate,
-        })
+        decoder_batch(session, &self.config, request, self.model.vocab_size)
     }
 
     fn update(

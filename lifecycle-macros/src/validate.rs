@@ -451,23 +451,11 @@ fn find_weights(
         }
     }
     if let (Some(name), false) = (by_arg, arg_found) {
-        let params: Vec<String> = sig
-            .inputs
-            .iter()
-            .filter_map(|i| match i {
-                FnArg::Typed(p) => Some(format!("`{}`", param_name(p))),
-                FnArg::Receiver(_) => None,
-            })
-            .collect();
         errors.at(
             name,
             format_args!(
                 "`weights = {name}` names no parameter of this function (its parameters: {})",
-                if params.is_empty() {
-                    "none".to_owned()
-                } else {
-                    params.join(", ")
-                }
+                parameter_list(sig)
             ),
         );
         return None;
@@ -631,23 +619,11 @@ fn find_engine(sig: &mut Signature, by_arg: Option<&Ident>, errors: &mut Errors)
         FnArg::Receiver(_) => unreachable!("receivers are skipped"),
     };
     if let (Some(name), false) = (by_arg, arg_found) {
-        let params: Vec<String> = sig
-            .inputs
-            .iter()
-            .filter_map(|i| match i {
-                FnArg::Typed(p) => Some(format!("`{}`", param_name(p))),
-                FnArg::Receiver(_) => None,
-            })
-            .collect();
         errors.at(
             name,
             format_args!(
                 "`engine = {name}` names no parameter of this function (its parameters: {})",
-                if params.is_empty() {
-                    "none".to_owned()
-                } else {
-                    params.join(", ")
-                }
+                parameter_list(sig)
             ),
         );
         return EngineSearch::Failed;
@@ -966,6 +942,23 @@ impl<'ast> Visit<'ast> for Elided {
 
     fn visit_type(&mut self, ty: &'ast Type) {
         visit::visit_type(self, ty);
+    }
+}
+
+/// The typed parameters of `sig` as the error messages list them (`none` when there is none).
+fn parameter_list(sig: &Signature) -> String {
+    let params: Vec<String> = sig
+        .inputs
+        .iter()
+        .filter_map(|i| match i {
+            FnArg::Typed(p) => Some(format!("`{}`", param_name(p))),
+            FnArg::Receiver(_) => None,
+        })
+        .collect();
+    if params.is_empty() {
+        "none".to_owned()
+    } else {
+        params.join(", ")
     }
 }
 

@@ -22,7 +22,7 @@ use super::{
     DapoError, DecoderLayout, GenBatch, GenRequest, Group, HostTrain, RunReport, StepReport,
     UpdateOutcome,
 };
-use crate::lm_policy::{checkpoint_line, decode_job};
+use crate::lm_policy::{checkpoint_line, decoder_batch};
 use crate::rng::SplitMix64;
 
 /// The model of `--train megatron` without `--checkpoint`: a small Qwen2 config (vocab 256,
@@ -182,14 +182,7 @@ impl DapoBackend<MegatronHostBackend, CpuDecoderEngine> for MegatronDriver {
         session: &mut RolloutSession<'_, MegatronHostBackend, CpuDecoderEngine>,
         request: &GenRequest,
     ) -> Result<GenBatch, DapoError> {
-        let job = decode_job(&self.config, request, self.model.vocab_size);
-        let (weights, mut engine) = session.parts();
-        let (groups, setup, generate) = engine.generate(weights.get(), &job)?;
-        Ok(GenBatch {
-            groups,
-            setup,
-            generate,
-        })
+        decoder_batch(session, &self.config, request, self.model.vocab_size)
     }
 
     fn update(
