@@ -42,6 +42,33 @@ pub enum LayoutError {
         /// Its shape.
         shape: Vec<usize>,
     },
+    /// An owned tensor's rank is not a rank of the rollout group.
+    #[error(
+        "tensor `{name}` is owned by TP rank {rank}, but the rollout layout has T = {t} ranks \
+         (0..{t}): place it on one of them"
+    )]
+    OwnerOutOfRange {
+        /// The tensor.
+        name: String,
+        /// Its owner.
+        rank: usize,
+        /// T.
+        t: usize,
+    },
+    /// Experts do not partition evenly over the rollout ranks.
+    #[error(
+        "layer {layer} has {experts} experts, which do not partition over T = {t} rollout ranks \
+         (num_experts must be a multiple of T for expert parallelism): choose T dividing \
+         {experts}, or split every expert by tensor parallelism instead"
+    )]
+    ExpertsNotDivisible {
+        /// The layer.
+        layer: usize,
+        /// Experts in it.
+        experts: usize,
+        /// T.
+        t: usize,
+    },
     /// A tensor the rollout layout needs is absent from the training state.
     #[error("tensor `{name}` required by the rollout layout is missing from the training state")]
     MissingTensor {

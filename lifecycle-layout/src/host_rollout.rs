@@ -55,10 +55,25 @@ impl HostRollout {
     /// assert_eq!(r.ranks[0].tensor("b").unwrap().data[0].to_f32(), 3.0);
     /// ```
     pub fn from_flat(entries: &[RolloutEntry], flats: Vec<Vec<bf16>>) -> Option<HostRollout> {
+        let per_rank = vec![entries; flats.len()];
+        Self::from_rank_flats(&per_rank, flats)
+    }
+
+    /// As [`HostRollout::from_flat`] with each rank's own entries (`entries[r]` for `flats[r]`:
+    /// layouts whose ranks hold different tensors, such as partitioned experts).
+    pub fn from_rank_flats(
+        entries: &[impl AsRef<[RolloutEntry]>],
+        flats: Vec<Vec<bf16>>,
+    ) -> Option<HostRollout> {
+        if entries.len() != flats.len() {
+            return None;
+        }
         let ranks = flats
             .into_iter()
-            .map(|flat| {
+            .zip(entries)
+            .map(|(flat, entries)| {
                 let tensors = entries
+                    .as_ref()
                     .iter()
                     .map(|e| {
                         Some(RolloutTensor {

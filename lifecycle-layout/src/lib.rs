@@ -63,11 +63,11 @@ pub use adam::AdamParams;
 pub use entry::RolloutEntry;
 pub use error::LayoutError;
 pub use host_rollout::{HostRollout, RankRollout, RolloutTensor};
-pub use model::{hf, ModelSpec};
+pub use model::{hf, LayerSet, ModelSpec, MoeSpec};
 pub use plan::{plan_fsdp_to_tp, Piece, RankPlan, ReshardPlan, TensorPlan};
 pub use region::Region2d;
 pub use spec::{
-    fsdp_rows, tp_range, DType, FsdpLayout, Parallel, RolloutFormat, RolloutLayout, RolloutVocab,
-    TensorSpec,
+    fsdp_rows, tp_range, DType, ExpertPlacement, FsdpLayout, Parallel, RolloutFormat,
+    RolloutLayout, RolloutVocab, TensorSpec,
 };
 pub use tensor::{HostTensor, TensorData};

@@ -1,6 +1,73 @@
-//! The model description and its Hugging Face (Qwen2 / Llama) parameter names.
+//! The model description and its Hugging Face (Qwen2 / Llama / Qwen3 / Qwen3-MoE) parameter
+//! names.
 
 use crate::megatron::MegatronLayoutError;
+
+/// A set of layer indices below 128 (`mlp_only_layers`: the layers of a mixture-of-experts model
+/// that keep a dense MLP). `Copy`, so [`ModelSpec`] stays a plain value.
+///
+/// ```
+/// use lifecycle_layout::LayerSet;
+/// let dense = LayerSet::from_layers(&[0, 3]).unwrap();
+/// assert!(dense.contains(3) && !dense.contains(1));
+/// assert!(LayerSet::from_layers(&[200]).is_err());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct LayerSet(u128);
+
+impl LayerSet {
+    /// The empty set.
+    pub const EMPTY: LayerSet = LayerSet(0);
+
+    /// The set of `layers`; an index of 128 or more is refused (returned as the error).
+    pub fn from_layers(layers: &[usize]) -> Result<Self, usize> {
+        let mut bits = 0u128;
+        for &l in layers {
+            if l >= 128 {
+                return Err(l);
+            }
+            bits |= 1 << l;
+        }
+        Ok(LayerSet(bits))
+    }
+
+    /// Whether layer `l` is in the set.
+    pub fn contains(&self, l: usize) -> bool {
+        l < 128 && self.0 & (1 << l) != 0
+    }
+
+    /// The layers in the set, ascending.
+    pub fn layers(&self) -> Vec<usize> {
+        (0..128).filter(|&l| self.contains(l)).collect()
+    }
+}
+
+/// The mixture-of-experts MLP of a Qwen3-MoE style model: every MoE layer has a router
+/// (`mlp.gate.weight`, `[experts, hidden]`) and `experts` SwiGLU experts of intermediate size
+/// `ffn`, of which each token uses the `top_k` with the largest routing probability.
+///
+/// ```
+/// use lifecycle_layout::{LayerSet, ModelSpec, MoeSpec};
+/// let m = ModelSpec::qwen3_30b_a3b(48);
+/// let moe = m.moe.unwrap();
+/// assert_eq!((moe.experts, moe.top_k, moe.ffn), (128, 8, 768));
+/// assert!(m.moe_layer(0) && m.moe_layer(47));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MoeSpec {
+    /// Experts per MoE layer (`num_experts`).
+    pub experts: usize,
+    /// Experts each token is routed to (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// Intermediate size of one expert (`moe_intermediate_size`).
+    pub ffn: usize,
+    /// Whether the top-k routing weights are renormalised to sum to one (`norm_topk_prob`).
+    pub norm_topk_prob: bool,
+    /// Every `sparse_step`-th layer is a MoE layer (`decoder_sparse_step`; 1: all of them).
+    pub sparse_step: usize,
+    /// Layers that keep a dense MLP of size [`ModelSpec::ffn`] (`mlp_only_layers`).
+    pub dense_layers: LayerSet,
+}
 
 /// Shape of a decoder-only transformer (Qwen2 / Llama family), independent of any layout.
 ///
@@ -33,6 +100,11 @@ pub struct ModelSpec {
     pub tied_embeddings: bool,
     /// Megatron's `--make-vocab-size-divisible-by` (128 by default).
     pub make_vocab_size_divisible_by: usize,
+    /// Whether attention normalises every q and k head (RMSNorm over `head_dim`, weights
+    /// `self_attn.q_norm.weight` / `k_norm.weight`, before the rotary embedding): Qwen3.
+    pub qk_norm: bool,
+    /// The mixture-of-experts MLP, if any (Qwen3-MoE); `None` for dense models.
+    pub moe: Option<MoeSpec>,
 }
 
 impl ModelSpec {
@@ -58,7 +130,93 @@ impl ModelSpec {
             qkv_bias: true,
             tied_embeddings: false,
             make_vocab_size_divisible_by: 128,
+            qk_norm: false,
+            moe: None,
         }
+    }
+
+    /// Qwen3-30B-A3B with `layers` decoder layers (48 make the real model, 30.5 B parameters):
+    /// hidden 2048, 32 heads in 4 query groups of head dim 128, q/k norms, 128 experts of
+    /// intermediate size 768 in every layer, top-8 with renormalised weights, vocabulary 151936,
+    /// untied head.
+    ///
+    /// ```
+    /// use lifecycle_layout::ModelSpec;
+    /// let m = ModelSpec::qwen3_30b_a3b(48);
+    /// let n: usize = m.hf_tensors().iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    /// assert_eq!(n, 30_532_122_624);
+    /// ```
+    pub fn qwen3_30b_a3b(layers: usize) -> Self {
+        ModelSpec {
+            hidden: 2048,
+            heads: 32,
+            query_groups: 4,
+            head_dim: 128,
+            ffn: 6144,
+            vocab: 151_936,
+            layers,
+            qkv_bias: false,
+            tied_embeddings: false,
+            make_vocab_size_divisible_by: 128,
+            qk_norm: true,
+            moe: Some(MoeSpec {
+                experts: 128,
+                top_k: 8,
+                ffn: 768,
+                norm_topk_prob: true,
+                sparse_step: 1,
+                dense_layers: LayerSet::EMPTY,
+            }),
+        }
+    }
+
+    /// Qwen3-235B-A22B with `layers` decoder layers (94 make the real model, 235 B parameters):
+    /// hidden 4096, 64 heads in 4 query groups of head dim 128, q/k norms, 128 experts of
+    /// intermediate size 1536, top-8, vocabulary 151936, untied head.
+    ///
+    /// ```
+    /// use lifecycle_layout::ModelSpec;
+    /// let m = ModelSpec::qwen3_235b_a22b(94);
+    /// let n: usize = m.hf_tensors().iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    /// assert_eq!(n, 235_093_634_560);
+    /// ```
+    pub fn qwen3_235b_a22b(layers: usize) -> Self {
+        let base = Self::qwen3_30b_a3b(layers);
+        ModelSpec {
+            hidden: 4096,
+            heads: 64,
+            ffn: 12288,
+            moe: base.moe.map(|m| MoeSpec { ffn: 1536, ..m }),
+            ..base
+        }
+    }
+
+    /// A small mixture-of-experts model for tests: [`ModelSpec::tiny`] with q/k norms and 4
+    /// experts of intermediate size 6 (top-2) in layer 1; layer 0 dense.
+    pub fn tiny_moe() -> Self {
+        ModelSpec {
+            qkv_bias: false,
+            qk_norm: true,
+            moe: Some(MoeSpec {
+                experts: 4,
+                top_k: 2,
+                ffn: 6,
+                norm_topk_prob: true,
+                sparse_step: 1,
+                dense_layers: LayerSet(1),
+            }),
+            ..Self::tiny()
+        }
+    }
+
+    /// Whether layer `l` has a mixture-of-experts MLP (a MoE model, `l` not among its dense
+    /// layers, and `(l + 1)` a multiple of the sparse step, as transformers decides).
+    pub fn moe_layer(&self, l: usize) -> bool {
+        self.moe.is_some_and(|m| {
+            !m.dense_layers.contains(l)
+                && m.sparse_step > 0
+                && (l + 1).is_multiple_of(m.sparse_step)
+        })
     }
 
     /// A small model for examples and tests: 2 layers, 8 heads in 2 groups, vocab 37.
@@ -74,6 +232,8 @@ impl ModelSpec {
             qkv_bias: true,
             tied_embeddings: false,
             make_vocab_size_divisible_by: 4,
+            qk_norm: false,
+            moe: None,
         }
     }
 
@@ -102,6 +262,24 @@ impl ModelSpec {
                 heads: self.heads,
                 groups: self.query_groups,
             });
+        }
+        if let Some(m) = self.moe {
+            for (what, size) in [
+                ("num_experts", m.experts),
+                ("num_experts_per_tok (top-k)", m.top_k),
+                ("moe_intermediate_size", m.ffn),
+                ("decoder_sparse_step", m.sparse_step),
+            ] {
+                if size == 0 {
+                    return Err(MegatronLayoutError::ZeroSize { what });
+                }
+            }
+            if m.top_k > m.experts {
+                return Err(MegatronLayoutError::TopK {
+                    top_k: m.top_k,
+                    experts: m.experts,
+                });
+            }
         }
         Ok(())
     }
@@ -139,10 +317,26 @@ impl ModelSpec {
                 }
             }
             out.push((hf::layer(i, hf::O), vec![h, self.q_rows()]));
+            if self.qk_norm {
+                out.push((hf::layer(i, hf::Q_NORM), vec![self.head_dim]));
+                out.push((hf::layer(i, hf::K_NORM), vec![self.head_dim]));
+            }
             out.push((hf::layer(i, hf::POST_NORM), vec![h]));
-            out.push((hf::layer(i, hf::GATE), vec![self.ffn, h]));
-            out.push((hf::layer(i, hf::UP), vec![self.ffn, h]));
-            out.push((hf::layer(i, hf::DOWN), vec![h, self.ffn]));
+            match self.moe {
+                Some(m) if self.moe_layer(i) => {
+                    out.push((hf::layer(i, hf::ROUTER), vec![m.experts, h]));
+                    for e in 0..m.experts {
+                        out.push((hf::expert(i, e, hf::EXPERT_GATE), vec![m.ffn, h]));
+                        out.push((hf::expert(i, e, hf::EXPERT_UP), vec![m.ffn, h]));
+                        out.push((hf::expert(i, e, hf::EXPERT_DOWN), vec![h, m.ffn]));
+                    }
+                }
+                _ => {
+                    out.push((hf::layer(i, hf::GATE), vec![self.ffn, h]));
+                    out.push((hf::layer(i, hf::UP), vec![self.ffn, h]));
+                    out.push((hf::layer(i, hf::DOWN), vec![h, self.ffn]));
+                }
+            }
         }
         out.push((hf::NORM.to_string(), vec![h]));
         if !self.tied_embeddings {
@@ -191,8 +385,41 @@ pub mod hf {
     /// Per-layer suffix of the rollout layout: fused `[gate; up]` weight.
     pub const GATE_UP: &str = "mlp.gate_up_proj.weight";
 
+    /// Per-layer suffix (Qwen3): RMSNorm weight of every q head, `[head_dim]`.
+    pub const Q_NORM: &str = "self_attn.q_norm.weight";
+    /// Per-layer suffix (Qwen3): RMSNorm weight of every k head, `[head_dim]`.
+    pub const K_NORM: &str = "self_attn.k_norm.weight";
+    /// Per-layer suffix (MoE layers): the router, `[experts, hidden]`.
+    pub const ROUTER: &str = "mlp.gate.weight";
+    /// Per-expert suffix: gate projection, `[moe_ffn, hidden]`.
+    pub const EXPERT_GATE: &str = "gate_proj.weight";
+    /// Per-expert suffix: up projection, `[moe_ffn, hidden]`.
+    pub const EXPERT_UP: &str = "up_proj.weight";
+    /// Per-expert suffix: down projection, `[hidden, moe_ffn]`.
+    pub const EXPERT_DOWN: &str = "down_proj.weight";
+
     /// `model.layers.{i}.{suffix}`.
     pub fn layer(i: usize, suffix: &str) -> String {
         format!("model.layers.{i}.{suffix}")
+    }
+
+    /// `model.layers.{i}.mlp.experts.{e}.{suffix}` (the published per-expert names).
+    pub fn expert(i: usize, e: usize, suffix: &str) -> String {
+        format!("model.layers.{i}.mlp.experts.{e}.{suffix}")
+    }
+
+    /// The layer and expert of a per-expert name (`model.layers.{i}.mlp.experts.{e}.…`).
+    ///
+    /// ```
+    /// use lifecycle_layout::hf;
+    /// assert_eq!(hf::parse_expert("model.layers.3.mlp.experts.17.up_proj.weight"), Some((3, 17)));
+    /// assert_eq!(hf::parse_expert("model.layers.3.mlp.up_proj.weight"), None);
+    /// ```
+    pub fn parse_expert(name: &str) -> Option<(usize, usize)> {
+        let rest = name.strip_prefix("model.layers.")?;
+        let (layer, rest) = rest.split_once('.')?;
+        let rest = rest.strip_prefix("mlp.experts.")?;
+        let (expert, _) = rest.split_once('.')?;
+        Some((layer.parse().ok()?, expert.parse().ok()?))
     }
 }

@@ -59,7 +59,8 @@ pub struct RankPlan {
     pub rank: usize,
     /// Its tensor-parallel rank in the rollout layout (`rank mod T`).
     pub tp_rank: usize,
-    /// One entry per rollout tensor, in rollout order.
+    /// One entry per rollout tensor this rank holds (all of them, except the
+    /// [`Parallel::Owned`] tensors of other TP ranks), in rollout order.
     pub tensors: Vec<TensorPlan>,
 }
 
@@ -188,6 +189,7 @@ pub fn plan_fsdp_to_tp(
                 .iter()
                 .zip(&sources)
                 .enumerate()
+                .filter(|(_, (spec, _))| spec.held_by(tp_rank))
                 .map(|(tensor, (spec, &train_index))| {
                     plan_tensor(spec, tensor, train_index, world, tp, tp_rank)
                 })
@@ -229,7 +231,7 @@ fn plan_tensor(
         })
         .collect();
     let shape = match spec.parallel {
-        Parallel::Replicated => spec.shape.clone(),
+        Parallel::Replicated | Parallel::Owned { .. } => spec.shape.clone(),
         _ => spec.slice_shape(tp),
     };
     TensorPlan {

@@ -63,6 +63,12 @@ pub enum Parallel {
     Row,
     /// Whole on every rank (norms, small tensors).
     Replicated,
+    /// Whole on TP rank `rank` only (of every replica), absent from the others: the experts
+    /// of a mixture-of-experts layer partitioned over the rollout ranks (expert parallelism).
+    Owned {
+        /// The TP rank that holds the tensor.
+        rank: usize,
+    },
 }
 
 impl Parallel {
@@ -72,7 +78,14 @@ impl Parallel {
             Parallel::Column => "column-parallel",
             Parallel::Row => "row-parallel",
             Parallel::Replicated => "replicated",
+            Parallel::Owned { .. } => "owned by one rank",
         }
+    }
+
+    /// Whether `self` and `other` are the same kind of split (the owner rank of
+    /// [`Parallel::Owned`] aside).
+    pub fn same_kind(self, other: Parallel) -> bool {
+        std::mem::discriminant(&self) == std::mem::discriminant(&other)
     }
 
     /// The usual split of a Hugging Face Qwen2 / Llama parameter name: q/k/v, gate/up, embedding and
@@ -147,9 +160,18 @@ impl TensorSpec {
         match self.parallel {
             Parallel::Column => shape[0] /= t,
             Parallel::Row => shape[1] /= t,
-            Parallel::Replicated => {}
+            Parallel::Replicated | Parallel::Owned { .. } => {}
         }
         shape
+    }
+
+    /// Whether TP rank `tp_rank` holds (a slice of) this tensor: every rank does, except for
+    /// [`Parallel::Owned`] tensors, which only their owner holds.
+    pub fn held_by(&self, tp_rank: usize) -> bool {
+        match self.parallel {
+            Parallel::Owned { rank } => rank == tp_rank,
+            _ => true,
+        }
     }
 
     /// Rows and columns (of the 2-D view) that TP rank `tp_rank` holds at degree `t`.
@@ -157,7 +179,7 @@ impl TensorSpec {
         match self.parallel {
             Parallel::Column => (tp_range(self.rows(), t, tp_rank), 0..self.cols()),
             Parallel::Row => (0..self.rows(), tp_range(self.cols(), t, tp_rank)),
-            Parallel::Replicated => (0..self.rows(), 0..self.cols()),
+            Parallel::Replicated | Parallel::Owned { .. } => (0..self.rows(), 0..self.cols()),
         }
     }
 }
@@ -227,6 +249,76 @@ impl FsdpLayout {
     }
 }
 
+/// How a rollout layout places the experts of a mixture-of-experts model.
+///
+/// ```
+/// use lifecycle_layout::{ExpertPlacement, ModelSpec, Parallel, RolloutLayout};
+/// let m = ModelSpec::tiny_moe(); // 4 experts in layer 1
+/// let specs = RolloutLayout::from_hf_names(1, m.hf_tensors())?.tensors().to_vec();
+/// let ep = ExpertPlacement::Partitioned.apply(specs, 4, 2)?;
+/// let owner = |n: &str| ep.iter().find(|t| t.name == n).unwrap().parallel;
+/// assert_eq!(owner("model.layers.1.mlp.experts.1.up_proj.weight"), Parallel::Owned { rank: 0 });
+/// assert_eq!(owner("model.layers.1.mlp.experts.2.down_proj.weight"), Parallel::Owned { rank: 1 });
+/// assert_eq!(owner("model.layers.1.mlp.gate.weight"), Parallel::Replicated);
+/// // 4 experts do not partition over 3 ranks
+/// assert!(ExpertPlacement::Partitioned.apply(ep.clone(), 4, 3).is_err());
+/// # Ok::<(), lifecycle_layout::LayoutError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExpertPlacement {
+    /// Every expert split by tensor parallelism like a dense MLP (gate and up column-parallel,
+    /// down row-parallel): each rank holds `1/T` of every expert (vLLM's default).
+    #[default]
+    TensorParallel,
+    /// The experts partitioned over the rollout ranks (expert parallelism, EP = T): rank `r`
+    /// holds experts `[r·E/T, (r+1)·E/T)` whole ([`Parallel::Owned`]) and none of the others.
+    Partitioned,
+}
+
+impl ExpertPlacement {
+    /// Its name in messages and on command lines (`tp`, `ep`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertPlacement::TensorParallel => "tp",
+            ExpertPlacement::Partitioned => "ep",
+        }
+    }
+
+    /// `specs` with the per-expert tensors (`model.layers.{l}.mlp.experts.{e}.…`) placed:
+    /// unchanged for [`ExpertPlacement::TensorParallel`]; owned by rank `e / (E/T)` for
+    /// [`ExpertPlacement::Partitioned`], which needs `T` to divide the `experts` per layer.
+    pub fn apply(
+        self,
+        mut specs: Vec<TensorSpec>,
+        experts: usize,
+        tp: usize,
+    ) -> Result<Vec<TensorSpec>, LayoutError> {
+        if self == ExpertPlacement::TensorParallel {
+            return Ok(specs);
+        }
+        if tp == 0 {
+            return Err(LayoutError::ZeroDegree {
+                what: "rollout tensor-parallel degree T",
+            });
+        }
+        for spec in &mut specs {
+            if let Some((layer, e)) = crate::hf::parse_expert(&spec.name) {
+                if experts == 0 || !experts.is_multiple_of(tp) || e >= experts {
+                    return Err(LayoutError::ExpertsNotDivisible {
+                        layer,
+                        experts,
+                        t: tp,
+                    });
+                }
+                spec.parallel = Parallel::Owned {
+                    rank: e / (experts / tp),
+                };
+            }
+        }
+        Ok(specs)
+    }
+}
+
 /// How the rollout side sizes the vocabulary of the embedding and the output layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum RolloutVocab {
@@ -288,6 +380,14 @@ impl RolloutLayout {
         for t in &tensors {
             let (dim, size) = match t.parallel {
                 Parallel::Replicated => continue,
+                Parallel::Owned { rank } if rank < tp => continue,
+                Parallel::Owned { rank } => {
+                    return Err(LayoutError::OwnerOutOfRange {
+                        name: t.name.clone(),
+                        rank,
+                        t: tp,
+                    })
+                }
                 Parallel::Column => (0, t.shape[0]),
                 Parallel::Row => {
                     if t.shape.len() != 2 {
@@ -333,6 +433,15 @@ impl RolloutLayout {
     /// T: tensor-parallel degree.
     pub fn tp(&self) -> usize {
         self.tp
+    }
+
+    /// The TP rank that holds tensor `name` when it is [`Parallel::Owned`]; `None` for tensors
+    /// every rank holds a slice of, and for names not in the layout.
+    pub fn owner(&self, name: &str) -> Option<usize> {
+        match self.tensors.iter().find(|t| t.name == name)?.parallel {
+            Parallel::Owned { rank } => Some(rank),
+            _ => None,
+        }
     }
 
     /// Unfused or fused.

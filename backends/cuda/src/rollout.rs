@@ -7,12 +7,13 @@ use lifecycle_layout::{HostRollout, RolloutEntry};
 
 use crate::{CudaError, RankExecutor};
 
-/// The rollout weights of the ranks this process drives: one flat bf16 device buffer per rank,
-/// the tensors at the same offsets on every rank ([`RolloutBuffer::entries`]).
+/// The rollout weights of the ranks this process drives: one flat bf16 device buffer per rank
+/// and where each tensor sits in it ([`RolloutBuffer::rank_entries`]): the same on every rank,
+/// except in layouts whose ranks hold different tensors (partitioned experts).
 pub struct RolloutBuffer {
     ranks: Vec<CudaSlice<bf16>>,
     local: Vec<usize>,
-    entries: Vec<RolloutEntry>,
+    entries: Vec<Vec<RolloutEntry>>,
     len: usize,
 }
 
@@ -20,7 +21,7 @@ impl std::fmt::Debug for RolloutBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RolloutBuffer")
             .field("ranks", &self.local)
-            .field("tensors", &self.entries.len())
+            .field("tensors", &self.entries.first().map_or(0, Vec::len))
             .field("elements_per_rank", &self.len)
             .finish()
     }
@@ -35,7 +36,26 @@ impl RolloutBuffer {
         entries: Vec<RolloutEntry>,
         len: usize,
     ) -> Result<Self, CudaError> {
+        let per_rank = vec![entries; local.len()];
+        Self::per_rank(ranks, local, per_rank, len)
+    }
+
+    /// As [`RolloutBuffer::new`] with each local rank's own entries (`entries[i]` for the
+    /// `i`-th local rank).
+    pub fn per_rank(
+        ranks: Vec<CudaSlice<bf16>>,
+        local: Vec<usize>,
+        entries: Vec<Vec<RolloutEntry>>,
+        len: usize,
+    ) -> Result<Self, CudaError> {
         let bad = CudaError::Invalid;
+        if entries.len() != local.len() {
+            return Err(bad(format!(
+                "rollout buffer: entry lists for {} ranks, {} local ranks",
+                entries.len(),
+                local.len()
+            )));
+        }
         if ranks.len() != local.len() {
             return Err(bad(format!(
                 "rollout buffer: {} device buffers for {} local ranks",
@@ -50,7 +70,7 @@ impl RolloutBuffer {
                 b.len()
             )));
         }
-        if let Some(e) = entries.iter().find(|e| e.range().end > len) {
+        if let Some(e) = entries.iter().flatten().find(|e| e.range().end > len) {
             return Err(bad(format!(
                 "rollout tensor `{}` ends at element {}, past the buffer's {len}",
                 e.name(),
@@ -65,14 +85,26 @@ impl RolloutBuffer {
         })
     }
 
-    /// The tensors of each rank's buffer, in rollout order.
+    /// The tensors of the first local rank's buffer, in rollout order: every rank's when
+    /// [`RolloutBuffer::uniform`].
     pub fn entries(&self) -> &[RolloutEntry] {
-        &self.entries
+        self.entries.first().map_or(&[], Vec::as_slice)
     }
 
-    /// The entry of tensor `name`.
-    pub fn entry(&self, name: &str) -> Option<&RolloutEntry> {
-        self.entries.iter().find(|e| e.name() == name)
+    /// Whether every local rank holds the same tensors at the same offsets (false only for
+    /// layouts with tensors owned by one rank).
+    pub fn uniform(&self) -> bool {
+        self.entries.windows(2).all(|w| w[0] == w[1])
+    }
+
+    /// The tensors of the `i`-th local rank's buffer, in rollout order (empty past the last).
+    pub fn rank_entries(&self, i: usize) -> &[RolloutEntry] {
+        self.entries.get(i).map_or(&[], Vec::as_slice)
+    }
+
+    /// The entry of tensor `name` on the `i`-th local rank, if that rank holds it.
+    pub fn rank_entry(&self, i: usize, name: &str) -> Option<&RolloutEntry> {
+        self.rank_entries(i).iter().find(|e| e.name() == name)
     }
 
     /// Elements of rollout weights on each rank.
@@ -129,7 +161,7 @@ impl RolloutBuffer {
             v.truncate(len);
             Ok(v)
         })?;
-        HostRollout::from_flat(&self.entries, flats).ok_or_else(|| {
+        HostRollout::from_rank_flats(&self.entries, flats).ok_or_else(|| {
             CudaError::Invalid("a downloaded rollout buffer is shorter than its entries".into())
         })
     }

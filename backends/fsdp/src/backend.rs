@@ -76,10 +76,10 @@ pub struct FsdpBackend {
     pub(crate) programs: Mutex<Vec<ProgramSlot<PlanRef>>>,
 }
 
-/// Hashes of the resident rollout weights, per local rank, per chunk of `table`.
+/// Hashes of the resident rollout weights, per local rank, per chunk of that rank's table.
 pub(crate) struct RolloutSums {
-    pub(crate) table: lifecycle_cuda::ChunkTable,
-    pub(crate) names: Vec<String>,
+    pub(crate) tables: Vec<lifecycle_cuda::ChunkTable>,
+    pub(crate) names: Vec<Vec<String>>,
     pub(crate) sums: Vec<Vec<u64>>,
 }
 

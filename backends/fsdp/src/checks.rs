@@ -26,11 +26,16 @@ impl FsdpBackend {
         index: usize,
         bit: u32,
     ) -> Result<bool, FsdpError> {
-        let entry = rollout.entry(tensor).ok_or_else(|| FsdpError::Tensor {
-            name: tensor.to_string(),
-            problem: "no such tensor in the rollout weights".into(),
-        })?;
-        if index >= entry.numel() || rank >= rollout.local_ranks().len() {
+        if rank >= rollout.local_ranks().len() {
+            return Ok(false);
+        }
+        let entry = rollout
+            .rank_entry(rank, tensor)
+            .ok_or_else(|| FsdpError::Tensor {
+                name: tensor.to_string(),
+                problem: format!("no such tensor in the rollout weights of local rank {rank}"),
+            })?;
+        if index >= entry.numel() {
             return Ok(false);
         }
         let at = entry.offset() + index;
@@ -123,16 +128,20 @@ impl FsdpBackend {
     pub(crate) fn record_rollout_sums(
         &mut self,
         rolls: &[CudaSlice<bf16>],
-        entries: &[RolloutEntry],
+        entries: &[Vec<RolloutEntry>],
     ) -> Result<(), FsdpError> {
-        let table = verify::rollout_table(entries);
-        let mut items: Vec<&CudaSlice<bf16>> = rolls.iter().collect();
-        let sums = self.pool.run_each(&mut items, &|ctx, buf| {
-            verify::rollout_hashes(ctx, buf, &table)
+        let tables: Vec<_> = entries.iter().map(|e| verify::rollout_table(e)).collect();
+        let mut items: Vec<(&CudaSlice<bf16>, &lifecycle_cuda::ChunkTable)> =
+            rolls.iter().zip(&tables).collect();
+        let sums = self.pool.run_each(&mut items, &|ctx, (buf, table)| {
+            verify::rollout_hashes(ctx, buf, table)
         })?;
         self.rollout_sums = Some(RolloutSums {
-            table,
-            names: entries.iter().map(|e| e.name().to_string()).collect(),
+            tables,
+            names: entries
+                .iter()
+                .map(|e| e.iter().map(|e| e.name().to_string()).collect())
+                .collect(),
             sums,
         });
         Ok(())
@@ -147,16 +156,16 @@ impl FsdpBackend {
         if !self.verify || rs.sums.len() != rollout.local_ranks().len() {
             return Ok(());
         }
-        let mut items: Vec<&CudaSlice<bf16>> = rollout.buffers().iter().collect();
-        let table = &rs.table;
-        let found = self.pool.run_each(&mut items, &|ctx, buf| {
+        let mut items: Vec<(&CudaSlice<bf16>, &lifecycle_cuda::ChunkTable)> =
+            rollout.buffers().iter().zip(&rs.tables).collect();
+        let found = self.pool.run_each(&mut items, &|ctx, (buf, table)| {
             verify::rollout_hashes(ctx, buf, table)
         })?;
         for (i, (expected, found)) in rs.sums.iter().zip(&found).enumerate() {
-            if let Some(m) = verify::first_mismatch(table, expected, found) {
+            if let Some(m) = verify::first_mismatch(&rs.tables[i], expected, found) {
                 return Err(FsdpError::RolloutCorrupted {
                     rank: self.pool.local_ranks()[i],
-                    tensor: rs.names.get(m.tensor).cloned().unwrap_or_default(),
+                    tensor: rs.names[i].get(m.tensor).cloned().unwrap_or_default(),
                 });
             }
         }

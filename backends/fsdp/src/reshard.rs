@@ -2,7 +2,7 @@
 
 use crate::backend::FsdpBackend;
 use crate::FsdpError;
-use lifecycle_layout::plan_fsdp_to_tp;
+use lifecycle_layout::{plan_fsdp_to_tp, RolloutEntry};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -95,12 +95,12 @@ impl Reshard for FsdpBackend {
         }
         let mut moved = self.transfer(plan, state, &mut rolls, ctx.memory, tracing)?;
         record_transfer(ctx, &moved, start);
-        let entries = Self::entries(plan);
+        let entries = self.entries(plan);
         if self.verify {
             self.record_rollout_sums(&rolls, &entries)?;
         }
         self.finish_offload(state, ctx, &mut moved)?;
-        Ok(RolloutBuffer::new(
+        Ok(RolloutBuffer::per_rank(
             rolls,
             self.pool.local_ranks().to_vec(),
             entries,
@@ -138,7 +138,10 @@ impl Reshard for FsdpBackend {
         let mut moved = self.transfer(plan, state, rollout.buffers_mut(), ctx.memory, tracing)?;
         record_transfer(ctx, &moved, start);
         if self.verify {
-            self.record_rollout_sums(rollout.buffers(), rollout.entries())?;
+            let entries: Vec<Vec<RolloutEntry>> = (0..rollout.local_ranks().len())
+                .map(|i| rollout.rank_entries(i).to_vec())
+                .collect();
+            self.record_rollout_sums(rollout.buffers(), &entries)?;
         }
         self.finish_offload(state, ctx, &mut moved)
     }

@@ -21,24 +21,13 @@ use crate::state::{FsdpTrainState, RankTrain};
 use crate::verify::{self, Buffer};
 
 impl FsdpBackend {
-    pub(crate) fn entries(plan: &FsdpPlan) -> Vec<RolloutEntry> {
-        plan.core
-            .ranks
-            .first()
-            .map(|r0| {
-                r0.tensors
-                    .iter()
-                    .zip(&plan.roll_offsets)
-                    .map(|(t, &offset)| {
-                        RolloutEntry::new(
-                            plan.core.tensors[t.tensor].name.clone(),
-                            t.shape.clone(),
-                            offset as usize,
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
+    /// Each local rank's rollout entries.
+    pub(crate) fn entries(&self, plan: &FsdpPlan) -> Vec<Vec<RolloutEntry>> {
+        self.pool
+            .local_ranks()
+            .iter()
+            .map(|&r| plan.entries(r))
+            .collect()
     }
 
     /// Runs the transfer into `rolls` (one per rank), starting the offload copies of `memory`

@@ -24,6 +24,7 @@ pub fn reference_rollout(
                 .tensors()
                 .iter()
                 .zip(&full)
+                .filter(|(spec, _)| spec.held_by(rank % layout.tp()))
                 .map(|(spec, values)| {
                     let (rows, cols) = spec.tp_slice(layout.tp(), rank % layout.tp());
                     let width = spec.cols();

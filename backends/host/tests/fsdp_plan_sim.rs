@@ -11,8 +11,9 @@ use lifecycle_layout::HostTensor;
 use lifecycle_layout::{plan_fsdp_to_tp, FsdpLayout, Parallel, RolloutLayout, TensorSpec};
 
 fn specs(tp: usize) -> Vec<TensorSpec> {
-    // Dims not divisible by W (3 rows, 7 rows, ...) but split dims divisible by T.
-    vec![
+    // Dims not divisible by W (3 rows, 7 rows, ...) but split dims divisible by T; and experts
+    // partitioned over the T ranks (two per rank, of uneven FSDP shards: 5 and 3 rows).
+    let mut specs = vec![
         TensorSpec::new("embed", [7 * tp, 5], Parallel::Column),
         TensorSpec::new("q.weight", [4 * tp + 2 * tp + tp, 6], Parallel::Column),
         TensorSpec::new("q.bias", [7 * tp], Parallel::Column),
@@ -21,7 +22,21 @@ fn specs(tp: usize) -> Vec<TensorSpec> {
         TensorSpec::new("norm", [5], Parallel::Replicated),
         TensorSpec::new("conv", [3 * tp, 2, 3], Parallel::Column),
         TensorSpec::new("tiny", [1, 3], Parallel::Replicated),
-    ]
+    ];
+    for e in 0..2 * tp {
+        let rank = e / 2;
+        specs.push(TensorSpec::new(
+            format!("expert{e}.up"),
+            [5, 3],
+            Parallel::Owned { rank },
+        ));
+        specs.push(TensorSpec::new(
+            format!("expert{e}.down"),
+            [3, 5],
+            Parallel::Owned { rank },
+        ));
+    }
+    specs
 }
 
 fn host_state(world: usize, specs: &[TensorSpec]) -> HostTrainState {
@@ -126,8 +141,9 @@ fn check_rolls(
 ) {
     let (world, tp) = (plan.core.world, plan.core.tp);
     for (r, rank) in reference.ranks.iter().enumerate() {
+        assert_eq!(rank.tensors.len(), plan.roll_offsets[r].len(), "rank {r}");
         for (j, t) in rank.tensors.iter().enumerate() {
-            let off = plan.roll_offsets[j] as usize;
+            let off = plan.roll_offsets[r][j] as usize;
             let got = &rolls[r][off..off + t.data.len()];
             assert!(
                 got.iter()

@@ -65,6 +65,8 @@ fn case() -> impl Strategy<Value = Case> {
                         qkv_bias: bias,
                         tied_embeddings: tied,
                         make_vocab_size_divisible_by: divisible_by,
+                        qk_norm: false,
+                        moe: None,
                     },
                     tp,
                     pp,

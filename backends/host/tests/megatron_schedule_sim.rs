@@ -101,6 +101,8 @@ fn model(groups: usize, tied: bool) -> ModelSpec {
         qkv_bias: groups != 2,
         tied_embeddings: tied,
         make_vocab_size_divisible_by: 4,
+        qk_norm: false,
+        moe: None,
     }
 }
 

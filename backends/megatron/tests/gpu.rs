@@ -50,6 +50,8 @@ fn models() -> Vec<(&'static str, ModelSpec)> {
         qkv_bias: true,
         tied_embeddings: false,
         make_vocab_size_divisible_by: 64,
+        qk_norm: false,
+        moe: None,
     };
     vec![("tiny", tiny), ("tied", tied), ("medium", medium)]
 }

@@ -94,6 +94,8 @@ fn model(layers: usize, h: usize) -> Vec<(String, Vec<usize>)> {
         qkv_bias: true,
         tied_embeddings: false,
         make_vocab_size_divisible_by: 128,
+        qk_norm: false,
+        moe: None,
     }
     .hf_tensors()
 }

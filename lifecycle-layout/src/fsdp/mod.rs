@@ -222,9 +222,11 @@ pub struct FsdpPlan {
     pub core: ReshardPlan,
     /// Flat training layout.
     pub shards: ShardLayout,
-    /// Element offset of each rollout tensor (rollout order) in a rank's flat rollout buffer.
-    pub roll_offsets: Vec<u64>,
-    /// Elements of each rank's flat rollout buffer.
+    /// `roll_offsets[r][i]`: element offset of rank `r`'s `i`-th rollout tensor
+    /// (`core.ranks[r].tensors[i]`) in its flat rollout buffer. The same on every rank unless
+    /// the layout has [`Parallel::Owned`](crate::Parallel::Owned) tensors.
+    pub roll_offsets: Vec<Vec<u64>>,
+    /// Elements of each rank's flat rollout buffer (the largest rank's).
     pub roll_len: u64,
     /// `ranks[r][k]`: what rank `r` does in bucket `k` (every rank has the same bucket count).
     pub ranks: Vec<Vec<BucketOps>>,
@@ -301,19 +303,41 @@ impl FsdpPlan {
         }
     }
 
-    /// Bytes of rollout weights per rank.
+    /// Bytes of rollout weights on the rank that holds the most.
     pub fn rollout_bytes(&self) -> u64 {
         self.core
             .ranks
-            .first()
-            .map_or(0, |r| r.total_elements() as u64 * 2)
+            .iter()
+            .map(|r| r.total_elements() as u64 * 2)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Where rank `r`'s rollout tensors sit in its flat buffer: one [`RolloutEntry`] per
+    /// tensor it holds, in rollout order.
+    ///
+    /// [`RolloutEntry`]: crate::RolloutEntry
+    pub fn entries(&self, r: usize) -> Vec<crate::RolloutEntry> {
+        self.core.ranks[r]
+            .tensors
+            .iter()
+            .zip(&self.roll_offsets[r])
+            .map(|(t, &offset)| {
+                crate::RolloutEntry::new(
+                    self.core.tensors[t.tensor].name.clone(),
+                    t.shape.clone(),
+                    offset as usize,
+                )
+            })
+            .collect()
     }
 }
 
 struct Item {
     src: usize,
     dst: usize,
-    tensor: usize,
+    /// Position of the tensor in the destination's tensor list.
+    at: usize,
     rows: std::ops::Range<usize>,
 }
 
@@ -365,7 +389,7 @@ fn build_gather_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig
     FsdpPlan {
         core,
         shards,
-        roll_offsets,
+        roll_offsets: vec![roll_offsets; world],
         roll_len: off.max(ALIGN_ELEMS),
         ranks,
         slot_elems: 0,
@@ -393,28 +417,36 @@ pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -
     }
     let world = core.world;
     let shards = ShardLayout::new(train);
-    let mut roll_offsets = Vec::with_capacity(core.tensors.len());
-    let mut off = 0u64;
-    if let Some(r0) = core.ranks.first() {
-        for t in &r0.tensors {
-            roll_offsets.push(off);
+    // Each rank's tensors packed in rollout order: the same offsets on every rank unless some
+    // tensors are owned by one rank (partitioned experts), which only that rank's buffer holds.
+    let mut roll_offsets = Vec::with_capacity(world);
+    let mut roll_len = ALIGN_ELEMS;
+    // pos[j][r]: where rollout tensor j sits in rank r's tensor list, if r holds it
+    let mut pos = vec![vec![None; world]; core.tensors.len()];
+    for (r, rank) in core.ranks.iter().enumerate() {
+        let mut off = 0u64;
+        let mut offsets = Vec::with_capacity(rank.tensors.len());
+        for (i, t) in rank.tensors.iter().enumerate() {
+            pos[t.tensor][r] = Some(i);
+            offsets.push(off);
             off = align(off + t.numel() as u64);
         }
+        roll_len = roll_len.max(off);
+        roll_offsets.push(offsets);
     }
-    let roll_len = off.max(ALIGN_ELEMS);
     let slot_elems_cfg = (config.bucket_bytes / 2).max(1);
 
     // Global item list: per tensor, per source rank, first the source's own piece (cast into its
     // rollout buffer), then the pieces it sends, each cut into row chunks of at most one bucket.
     let mut items = Vec::new();
-    for j in 0..core.tensors.len() {
-        let width = core.ranks[0].tensors[j].cols.len().max(1);
-        let chunk = (slot_elems_cfg as usize / width).max(1);
+    for held in &pos {
         for src in 0..world {
             let mut dsts: Vec<usize> = (0..world).collect();
             dsts.sort_by_key(|&d| (d != src, d));
             for dst in dsts {
-                let tp = &core.ranks[dst].tensors[j];
+                let Some(at) = held[dst] else { continue };
+                let tp = &core.ranks[dst].tensors[at];
+                let chunk = (slot_elems_cfg as usize / tp.cols.len().max(1)).max(1);
                 for p in tp.pieces.iter().filter(|p| p.src_rank == src) {
                     let mut r = p.rows.start;
                     while r < p.rows.end {
@@ -422,7 +454,7 @@ pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -
                         items.push(Item {
                             src,
                             dst,
-                            tensor: j,
+                            at,
                             rows: r..end,
                         });
                         r = end;
@@ -454,7 +486,7 @@ pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -
         local.iter_mut().for_each(|x| *x = 0);
     };
     for it in &items {
-        let tp_dst = &core.ranks[it.dst].tensors[it.tensor];
+        let tp_dst = &core.ranks[it.dst].tensors[it.at];
         let ti = tp_dst.train_index;
         let slot = &shards.slots[ti];
         let held = shards.held_rows(ti, it.src);
@@ -462,8 +494,8 @@ pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -
         let n = it.rows.len() as u64 * ncols;
         let src_off =
             slot.offset + ((it.rows.start - held.start) * slot.cols + tp_dst.cols.start) as u64;
-        let roll_off =
-            roll_offsets[it.tensor] + tp_dst.dst_offset(it.rows.start, tp_dst.cols.start) as u64;
+        let roll_off = roll_offsets[it.dst][it.at]
+            + tp_dst.dst_offset(it.rows.start, tp_dst.cols.start) as u64;
         let region = Region2d {
             rows: it.rows.len() as u64,
             cols: ncols,

@@ -131,6 +131,16 @@ impl MegatronLayout {
         padded_vocab: usize,
     ) -> Result<Self, MegatronLayoutError> {
         model.validate()?;
+        if model.moe.is_some() {
+            return Err(MegatronLayoutError::Unsupported {
+                what: "mixture-of-experts MLPs (expert parallelism)",
+            });
+        }
+        if model.qk_norm {
+            return Err(MegatronLayoutError::Unsupported {
+                what: "q/k head norms (Qwen3)",
+            });
+        }
         for (what, d) in [
             ("training tensor-parallel degree TP", tp),
             ("pipeline-parallel degree PP", pp),

@@ -3,18 +3,24 @@
 
 use std::path::Path;
 
-use lifecycle_layout::{ModelSpec, Parallel, RolloutLayout, TensorSpec};
+use lifecycle_layout::{
+    ExpertPlacement, LayerSet, ModelSpec, MoeSpec, Parallel, RolloutLayout, TensorSpec,
+};
 use serde_json::{Map, Value};
 
 use crate::error::{CheckpointError, DecodeError};
 
-/// Which family of decoder-only transformer (they differ only in the attention biases here).
+/// Which family of decoder-only transformer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
     /// Qwen2: q/k/v projections carry biases.
     Qwen2,
     /// Llama (and Mistral-style configs): q/k/v biases only when `attention_bias` is true.
     Llama,
+    /// Qwen3: q/k RMS norms per head, biases only when `attention_bias` is true.
+    Qwen3,
+    /// Qwen3-MoE: Qwen3 attention and a mixture-of-experts MLP ([`MoeSpec`]).
+    Qwen3Moe,
 }
 
 /// Spelling of `config.json` to write.
@@ -70,6 +76,10 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     /// Storage dtype the config names (`dtype` or `torch_dtype`), if any.
     pub dtype: Option<String>,
+    /// Whether q and k heads are RMS-normalised before the rotary embedding (Qwen3).
+    pub qk_norm: bool,
+    /// The mixture-of-experts MLP (Qwen3-MoE), `None` for dense models.
+    pub moe: Option<MoeSpec>,
 }
 
 fn field_err(field: &'static str, problem: impl Into<String>) -> CheckpointError {
@@ -195,6 +205,81 @@ fn rope_theta(map: &Map<String, Value>) -> Result<f64, CheckpointError> {
     }
 }
 
+/// The model types [`ModelConfig`] reads, for messages.
+const SUPPORTED: &str = "\"qwen2\", \"llama\", \"mistral\", \"qwen3\" or \"qwen3_moe\"";
+
+/// The mixture-of-experts fields of a Qwen3-MoE `config.json` (`num_experts`, or
+/// `num_local_experts` as transformers 5 writes it).
+fn moe_spec(map: &Map<String, Value>) -> Result<MoeSpec, CheckpointError> {
+    let experts = match (
+        get_usize(map, "num_experts")?,
+        get_usize(map, "num_local_experts")?,
+    ) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(field_err(
+                "num_experts",
+                format!("{a} disagrees with num_local_experts {b}"),
+            ))
+        }
+        (Some(n), _) | (None, Some(n)) => n,
+        (None, None) => {
+            return Err(field_err(
+                "num_experts",
+                "missing (or num_local_experts): a qwen3_moe config needs its expert count",
+            ))
+        }
+    };
+    let top_k = need_usize(map, "num_experts_per_tok")?;
+    if top_k > experts {
+        return Err(field_err(
+            "num_experts_per_tok",
+            format!(
+                "{top_k} exceeds num_experts {experts}: a token is routed to at most every expert"
+            ),
+        ));
+    }
+    let dense = match map.get("mlp_only_layers") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| {
+                v.as_u64().map(|n| n as usize).ok_or_else(|| {
+                    field_err(
+                        "mlp_only_layers",
+                        format!("must hold layer indices, found {v}"),
+                    )
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(v) => {
+            return Err(field_err(
+                "mlp_only_layers",
+                format!("must be a list of layer indices, found {v}"),
+            ))
+        }
+    };
+    let dense_layers = LayerSet::from_layers(&dense).map_err(|l| {
+        field_err(
+            "mlp_only_layers",
+            format!("layer {l} is past the 128 layers supported"),
+        )
+    })?;
+    if get_usize(map, "shared_expert_intermediate_size")?.is_some() {
+        return Err(field_err(
+            "shared_expert_intermediate_size",
+            "shared experts are not supported (Qwen3-MoE has none)",
+        ));
+    }
+    Ok(MoeSpec {
+        experts,
+        top_k,
+        ffn: need_usize(map, "moe_intermediate_size")?,
+        norm_topk_prob: get_bool(map, "norm_topk_prob")?.unwrap_or(false),
+        sparse_step: get_usize(map, "decoder_sparse_step")?.unwrap_or(1),
+        dense_layers,
+    })
+}
+
 impl ModelConfig {
     /// `token` of sequence `sequence` as a decoder input: an error unless it is inside the
     /// vocabulary.
@@ -255,11 +340,13 @@ impl ModelConfig {
         let architecture = match model_type {
             "qwen2" => Architecture::Qwen2,
             "llama" | "mistral" => Architecture::Llama,
-            "" => return Err(field_err("model_type", "missing (\"qwen2\" or \"llama\")")),
+            "qwen3" => Architecture::Qwen3,
+            "qwen3_moe" => Architecture::Qwen3Moe,
+            "" => return Err(field_err("model_type", format!("missing ({SUPPORTED})"))),
             other => {
                 return Err(field_err(
                     "model_type",
-                    format!("\"{other}\" is not supported (\"qwen2\", \"llama\" or \"mistral\")"),
+                    format!("\"{other}\" is not supported ({SUPPORTED})"),
                 ))
             }
         };
@@ -301,7 +388,17 @@ impl ModelConfig {
         }
         let qkv_bias = match architecture {
             Architecture::Qwen2 => true,
-            Architecture::Llama => get_bool(map, "attention_bias")?.unwrap_or(false),
+            _ => get_bool(map, "attention_bias")?.unwrap_or(false),
+        };
+        let moe = match architecture {
+            Architecture::Qwen3Moe => Some(moe_spec(map)?),
+            _ => None,
+        };
+        let intermediate_size = match (get_usize(map, "intermediate_size")?, moe) {
+            (Some(n), _) => n,
+            // a MoE model without dense layers needs no dense intermediate size
+            (None, Some(m)) if m.dense_layers == LayerSet::EMPTY && m.sparse_step == 1 => m.ffn,
+            (None, _) => need_usize(map, "intermediate_size")?,
         };
         let dtype = match get_str(map, "dtype")? {
             Some(d) => Some(d.to_string()),
@@ -311,7 +408,7 @@ impl ModelConfig {
             architecture,
             vocab_size: need_usize(map, "vocab_size")?,
             hidden_size,
-            intermediate_size: need_usize(map, "intermediate_size")?,
+            intermediate_size,
             num_layers: need_usize(map, "num_hidden_layers")?,
             num_heads,
             num_kv_heads,
@@ -321,6 +418,8 @@ impl ModelConfig {
             tie_word_embeddings: get_bool(map, "tie_word_embeddings")?.unwrap_or(false),
             qkv_bias,
             dtype,
+            qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Qwen3Moe),
+            moe,
         })
     }
 
@@ -341,6 +440,8 @@ impl ModelConfig {
         let (model_type, arch) = match self.architecture {
             Architecture::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
             Architecture::Llama => ("llama", "LlamaForCausalLM"),
+            Architecture::Qwen3 => ("qwen3", "Qwen3ForCausalLM"),
+            Architecture::Qwen3Moe => ("qwen3_moe", "Qwen3MoeForCausalLM"),
         };
         map.insert("model_type".into(), model_type.into());
         map.insert("architectures".into(), Value::Array(vec![arch.into()]));
@@ -361,8 +462,27 @@ impl ModelConfig {
             "tie_word_embeddings".into(),
             self.tie_word_embeddings.into(),
         );
-        if self.architecture == Architecture::Llama {
+        if self.architecture != Architecture::Qwen2 {
             map.insert("attention_bias".into(), self.qkv_bias.into());
+        }
+        if let Some(m) = self.moe {
+            for (k, v) in [
+                ("num_experts", m.experts),
+                ("num_experts_per_tok", m.top_k),
+                ("moe_intermediate_size", m.ffn),
+                ("decoder_sparse_step", m.sparse_step),
+            ] {
+                map.insert(k.into(), v.into());
+            }
+            map.insert("norm_topk_prob".into(), m.norm_topk_prob.into());
+            map.insert(
+                "mlp_only_layers".into(),
+                m.dense_layers
+                    .layers()
+                    .into_iter()
+                    .map(Value::from)
+                    .collect(),
+            );
         }
         let dtype: Value = self
             .dtype
@@ -414,6 +534,8 @@ impl ModelConfig {
             qkv_bias: self.qkv_bias,
             tied_embeddings: self.tie_word_embeddings,
             make_vocab_size_divisible_by,
+            qk_norm: self.qk_norm,
+            moe: self.moe,
         }
     }
 
@@ -438,6 +560,33 @@ impl ModelConfig {
     /// and uses its own); o and down row-parallel; embedding and head vocabulary-parallel when the
     /// vocabulary divides by `tp`, replicated otherwise; norms replicated.
     pub fn rollout_layout(&self, tp: usize) -> Result<RolloutLayout, DecodeError> {
+        self.rollout_layout_with(tp, ExpertPlacement::TensorParallel)
+    }
+
+    /// [`ModelConfig::rollout_layout`] with the experts of a mixture-of-experts model placed by
+    /// `experts`: split by TP inside every expert, or partitioned over the ranks (rank `r` holds
+    /// experts `[r·E/T, (r+1)·E/T)` whole; `T` must divide `num_experts`). The router is
+    /// replicated either way; dense models ignore the setting.
+    ///
+    /// ```
+    /// use lifecycle_decoder::ModelConfig;
+    /// use lifecycle_layout::{ExpertPlacement, Parallel};
+    /// let c = ModelConfig::from_json_str(r#"{"model_type": "qwen3_moe", "vocab_size": 64,
+    ///   "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4,
+    ///   "num_key_value_heads": 2, "head_dim": 8, "rope_theta": 10000.0, "num_experts": 6,
+    ///   "num_experts_per_tok": 2, "moe_intermediate_size": 8}"#)?;
+    /// let ep = c.rollout_layout_with(2, ExpertPlacement::Partitioned)?;
+    /// assert_eq!(ep.owner("model.layers.0.mlp.experts.4.gate_proj.weight"), Some(1));
+    /// // 6 experts do not partition over 4 ranks: the error names num_experts
+    /// let err = c.rollout_layout_with(4, ExpertPlacement::Partitioned).unwrap_err();
+    /// assert!(err.to_string().contains("num_experts"), "{err}");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn rollout_layout_with(
+        &self,
+        tp: usize,
+        experts: ExpertPlacement,
+    ) -> Result<RolloutLayout, DecodeError> {
         let degree = |reason: String| DecodeError::Degree { tp, reason };
         if tp == 0 {
             return Err(degree("T must be at least 1".into()));
@@ -448,7 +597,25 @@ impl ModelConfig {
                 self.num_heads
             )));
         }
-        if !self.intermediate_size.is_multiple_of(tp) {
+        if let Some(m) = self.moe {
+            if experts == ExpertPlacement::Partitioned && !m.experts.is_multiple_of(tp) {
+                return Err(degree(format!(
+                    "num_experts {} is not divisible by T: expert parallelism gives every rank \
+                     the same number of whole experts; choose T dividing it, or split every \
+                     expert by tensor parallelism (ExpertPlacement::TensorParallel)",
+                    m.experts
+                )));
+            }
+            if experts == ExpertPlacement::TensorParallel && !m.ffn.is_multiple_of(tp) {
+                return Err(degree(format!(
+                    "moe_intermediate_size {} is not divisible by T: choose T dividing it (the \
+                     experts are split by tensor parallelism inside every expert)",
+                    m.ffn
+                )));
+            }
+        }
+        let dense_mlp = (0..self.num_layers).any(|l| !self.model_spec(128).moe_layer(l));
+        if dense_mlp && !self.intermediate_size.is_multiple_of(tp) {
             return Err(degree(format!(
                 "intermediate_size {} is not divisible by T: choose T dividing it",
                 self.intermediate_size
@@ -483,6 +650,10 @@ impl ModelConfig {
                 TensorSpec::new(name, shape, parallel)
             })
             .collect();
+        let specs = match self.moe {
+            Some(m) => experts.apply(specs, m.experts, tp)?,
+            None => specs,
+        };
         Ok(RolloutLayout::new(tp, specs)?)
     }
 }

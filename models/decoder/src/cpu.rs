@@ -8,7 +8,8 @@ use crate::config::ModelConfig;
 use crate::decoder::{Decoder, PrefillLogits};
 use crate::error::DecodeError;
 use crate::math::{linear, rms_norm, softmax, swiglu, Rope};
-use crate::weights::{GroupWeights, VocabWeight};
+use crate::weights::{GroupWeights, Mlp, MlpPart, Routing, VocabWeight};
+use half::bf16;
 
 /// Keys and values of one rank's kv heads for one layer, `[position][kv_heads · head_dim]`.
 #[derive(Debug, Clone, Default)]
@@ -161,6 +162,10 @@ impl<'w> CpuDecoder<'w> {
                 linear(&xn, rw.q_w, rw.q_b, h, &mut q);
                 linear(&xn, rw.k_w, rw.k_b, h, &mut k);
                 linear(&xn, rw.v_w, rw.v_b, h, &mut v);
+                if let Some((qn, kn)) = layer.qk_norm {
+                    head_norm(&mut q, qn, eps);
+                    head_norm(&mut k, kn, eps);
+                }
                 for (i, &(seq, pos)) in rows.iter().enumerate() {
                     for head in q[i * qh * d..(i + 1) * qh * d].chunks_exact_mut(d) {
                         self.rope.apply(head, pos);
@@ -198,18 +203,11 @@ impl<'w> CpuDecoder<'w> {
             x.iter_mut().zip(&acc).for_each(|(a, b)| *a += b);
             // MLP
             rms_norm(&x, layer.post_norm, eps, &mut xn);
-            acc.iter_mut().for_each(|v| *v = 0.0);
-            let f = self.w.ffn_part;
-            let mut gate = vec![0.0f32; n * f];
-            let mut up = vec![0.0f32; n * f];
-            for rw in &layer.ranks {
-                linear(&xn, rw.gate_w, None, h, &mut gate);
-                linear(&xn, rw.up_w, None, h, &mut up);
-                swiglu(&mut gate, &up);
-                linear(&gate, rw.down_w, None, f, &mut partial);
-                acc.iter_mut().zip(&partial).for_each(|(a, p)| *a += p);
-            }
-            x.iter_mut().zip(&acc).for_each(|(a, b)| *a += b);
+            let out = match &layer.mlp {
+                Mlp::Dense(parts) => mlp(&xn, parts, h),
+                Mlp::Moe { router, experts } => moe(&xn, router, experts, h, &self.w.routing),
+            };
+            x.iter_mut().zip(&out).for_each(|(a, b)| *a += b);
         }
         for &(seq, _) in rows {
             self.seqs[seq].len += 1;
@@ -251,6 +249,95 @@ impl<'w> CpuDecoder<'w> {
         }
         out
     }
+}
+
+/// RMSNorm of every `head_dim`-sized head of `x`, in place (Qwen3's q/k norms).
+fn head_norm(x: &mut [f32], w: &[bf16], eps: f32) {
+    let src = x.to_vec();
+    rms_norm(&src, w, eps, x);
+}
+
+/// `Σ_parts down · (silu(gate · x) ⊙ up · x)` for rows `x` (`[n × h]`): one SwiGLU MLP whose
+/// intermediate rows are split over `parts` (the row-parallel outputs summed, the all-reduce).
+fn mlp(x: &[f32], parts: &[MlpPart<'_>], h: usize) -> Vec<f32> {
+    let n = x.len() / h;
+    let mut acc = vec![0.0f32; n * h];
+    let mut partial = vec![0.0f32; n * h];
+    for p in parts {
+        let f = p.gate.len() / h;
+        let mut gate = vec![0.0f32; n * f];
+        let mut up = vec![0.0f32; n * f];
+        linear(x, p.gate, None, h, &mut gate);
+        linear(x, p.up, None, h, &mut up);
+        swiglu(&mut gate, &up);
+        linear(&gate, p.down, None, f, &mut partial);
+        acc.iter_mut().zip(&partial).for_each(|(a, b)| *a += b);
+    }
+    acc
+}
+
+/// A mixture-of-experts MLP over rows `x`: each row's router probabilities (softmax of
+/// `router · x` in f32), its `top_k` experts (ties to the lower index), their weights
+/// (renormalised to sum to one when `norm_topk_prob`), and the weighted sum of those experts'
+/// outputs. Each expert runs once over the rows routed to it.
+fn moe(
+    x: &[f32],
+    router: &[bf16],
+    experts: &[Vec<MlpPart<'_>>],
+    h: usize,
+    routing: &Routing,
+) -> Vec<f32> {
+    let n = x.len() / h;
+    let e_count = experts.len();
+    let mut logits = vec![0.0f32; n * e_count];
+    linear(x, router, None, h, &mut logits);
+    // rows routed to each expert, with their weights
+    let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e_count];
+    for (row, l) in logits.chunks_exact_mut(e_count).enumerate() {
+        for (e, w) in route(l, routing) {
+            routed[e].push((row, w));
+        }
+    }
+    let mut out = vec![0.0f32; n * h];
+    for (parts, rows) in experts.iter().zip(&routed) {
+        if rows.is_empty() {
+            continue;
+        }
+        let xs: Vec<f32> = rows
+            .iter()
+            .flat_map(|&(r, _)| x[r * h..(r + 1) * h].iter().copied())
+            .collect();
+        let y = mlp(&xs, parts, h);
+        for (&(r, w), yr) in rows.iter().zip(y.chunks_exact(h)) {
+            out[r * h..(r + 1) * h]
+                .iter_mut()
+                .zip(yr)
+                .for_each(|(o, v)| *o += w * v);
+        }
+    }
+    out
+}
+
+/// The `top_k` experts of one row of router logits and their weights, as Qwen3-MoE computes
+/// them: softmax over every expert, the `top_k` largest probabilities (the lower index first
+/// among equals), divided by their sum when `norm_topk_prob`.
+pub(crate) fn route(logits: &mut [f32], routing: &Routing) -> Vec<(usize, f32)> {
+    softmax(logits);
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    order.truncate(routing.top_k);
+    let sum: f32 = order.iter().map(|&e| logits[e]).sum();
+    order
+        .into_iter()
+        .map(|e| {
+            let w = if routing.norm_topk_prob {
+                logits[e] / sum
+            } else {
+                logits[e]
+            };
+            (e, w)
+        })
+        .collect()
 }
 
 impl Decoder for CpuDecoder<'_> {

@@ -54,6 +54,17 @@ pub enum CheckpointError {
         /// Extra advice.
         hint: &'static str,
     },
+    /// An expert tensor the config has no place for (an expert index past `num_experts`, a layer
+    /// the config makes dense, a dense model).
+    #[error("tensor `{name}` in {path} has no place in the model: {reason}")]
+    UnexpectedTensor {
+        /// The tensor.
+        name: String,
+        /// The file.
+        path: PathBuf,
+        /// Why, naming the config field.
+        reason: String,
+    },
     /// A tensor has another shape than the config implies.
     #[error("tensor `{name}` has shape {found:?} but the config implies {expected:?}")]
     Shape {

@@ -14,7 +14,7 @@ use crate::config::ModelConfig;
 use crate::error::DecodeError;
 use crate::heads::head_shares;
 use crate::megatron_checkpoint::MEGATRON_VOCAB_MULTIPLE;
-use crate::weights::{GroupWeights, Layer, RankLayer, VocabWeight};
+use crate::weights::{GroupWeights, Layer, Mlp, MlpPart, RankLayer, Routing, VocabWeight};
 
 /// `w` cut after `a` and `a + b` elements.
 fn split3(w: &[bf16], a: usize, b: usize) -> (&[bf16], &[bf16], &[bf16]) {
@@ -37,6 +37,13 @@ impl<'w> GroupWeights<'w> {
                 tp,
                 found: ranks.len(),
             });
+        }
+        if config.moe.is_some() || config.qk_norm {
+            return Err(DecodeError::Usage(
+                "the fused (Megatron) rollout layout has no q/k norms or experts yet: roll out \
+                 Qwen3 and Qwen3-MoE models from the unfused layout (CpuDecoder::new)"
+                    .into(),
+            ));
         }
         // the padding multiple of the training side plays no part in the rollout layout
         let model = config.model_spec(MEGATRON_VOCAB_MULTIPLE);
@@ -81,6 +88,7 @@ impl<'w> GroupWeights<'w> {
         let mut layers = Vec::with_capacity(config.num_layers);
         for l in 0..config.num_layers {
             let mut rank_layers = Vec::with_capacity(tp);
+            let mut mlp_parts = Vec::with_capacity(tp);
             for (rank, share) in shares.iter().enumerate() {
                 let (q_rows, kv_rows) = (q_heads * d, share.kv_heads * d);
                 let qkv_name = hf::layer(l, hf::QKV);
@@ -102,7 +110,12 @@ impl<'w> GroupWeights<'w> {
                 } else {
                     (None, None, None)
                 };
-                let (gate_w, up_w) = get(&hf::layer(l, hf::GATE_UP), rank)?.split_at(ffn_part * h);
+                let (gate, up) = get(&hf::layer(l, hf::GATE_UP), rank)?.split_at(ffn_part * h);
+                mlp_parts.push(MlpPart {
+                    gate,
+                    up,
+                    down: get(&hf::layer(l, hf::DOWN), rank)?,
+                });
                 rank_layers.push(RankLayer {
                     q_w,
                     q_b,
@@ -111,15 +124,14 @@ impl<'w> GroupWeights<'w> {
                     v_w,
                     v_b,
                     o_w: get(&hf::layer(l, hf::O), rank)?,
-                    gate_w,
-                    up_w,
-                    down_w: get(&hf::layer(l, hf::DOWN), rank)?,
                 });
             }
             layers.push(Layer {
                 input_norm: get(&hf::layer(l, hf::INPUT_NORM), 0)?,
                 post_norm: get(&hf::layer(l, hf::POST_NORM), 0)?,
+                qk_norm: None,
                 ranks: rank_layers,
+                mlp: Mlp::Dense(mlp_parts),
             });
         }
         let vocab = |name: &str| -> Result<VocabWeight<'w>, DecodeError> {
@@ -140,7 +152,7 @@ impl<'w> GroupWeights<'w> {
             layers,
             shares,
             q_heads,
-            ffn_part,
+            routing: Routing::default(),
         })
     }
 }

@@ -66,6 +66,8 @@ fn config_field(e: &MegatronLayoutError) -> Option<&'static str> {
             _ => None,
         },
         MegatronLayoutError::PpExceedsLayers { .. } => Some("num_hidden_layers"),
+        MegatronLayoutError::Unsupported { .. } => Some("model_type"),
+        MegatronLayoutError::TopK { .. } => Some("num_experts_per_tok"),
         MegatronLayoutError::PaddedVocab { .. } => Some("vocab_size"),
         MegatronLayoutError::ZeroSize { what } => match *what {
             "hidden size" => Some("hidden_size"),

@@ -6,7 +6,8 @@ use crate::error::DecodeError;
 
 /// The spec of `name` in `layout`, checked to have the shape the config gives it (in
 /// `config_shapes`, e.g. [`ModelConfig::tensor_shapes`](crate::ModelConfig::tensor_shapes)) and
-/// one of the `allowed` splits. Errors name the tensor.
+/// one of the `allowed` kinds of split (any owner rank matches [`Parallel::Owned`]). Errors name
+/// the tensor.
 ///
 /// ```
 /// use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
@@ -42,11 +43,10 @@ pub fn rollout_spec<'l>(
             });
         }
     }
-    if !allowed.contains(&spec.parallel) {
+    if !allowed.iter().any(|a| a.same_kind(spec.parallel)) {
         let expected = match allowed {
-            [Parallel::Column] => "column-parallel",
-            [Parallel::Row] => "row-parallel",
-            [Parallel::Replicated] => "replicated",
+            [one] => one.name(),
+            [Parallel::Column, Parallel::Owned { .. }] => "column-parallel or owned by one rank",
             _ => "column-parallel or replicated",
         };
         return Err(DecodeError::Split {

@@ -5,7 +5,7 @@
 
 use half::bf16;
 use lifecycle_layout::RankRollout;
-use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
+use lifecycle_layout::{hf, Parallel, RolloutLayout, TensorSpec};
 
 use crate::config::ModelConfig;
 use crate::error::DecodeError;
@@ -33,9 +33,28 @@ pub(crate) struct RankLayer<'w> {
     pub v_w: &'w [bf16],
     pub v_b: Option<&'w [bf16]>,
     pub o_w: &'w [bf16],
-    pub gate_w: &'w [bf16],
-    pub up_w: &'w [bf16],
-    pub down_w: &'w [bf16],
+}
+
+/// One SwiGLU MLP's share on one rank: `down · (silu(gate · x) ⊙ up · x)` over this rank's
+/// intermediate rows (all of them when the MLP is not split).
+#[derive(Debug, Clone)]
+pub(crate) struct MlpPart<'w> {
+    pub gate: &'w [bf16],
+    pub up: &'w [bf16],
+    pub down: &'w [bf16],
+}
+
+/// A layer's MLP: dense, or a mixture of experts.
+#[derive(Debug, Clone)]
+pub(crate) enum Mlp<'w> {
+    /// One part per TP rank; the outputs are summed (the all-reduce).
+    Dense(Vec<MlpPart<'w>>),
+    /// The router `[experts, hidden]` and, per expert, its parts (one per rank when every expert
+    /// is split by TP; the owner's whole expert when the experts are partitioned).
+    Moe {
+        router: &'w [bf16],
+        experts: Vec<Vec<MlpPart<'w>>>,
+    },
 }
 
 /// One layer: replicated norms and every rank's share.
@@ -43,7 +62,17 @@ pub(crate) struct RankLayer<'w> {
 pub(crate) struct Layer<'w> {
     pub input_norm: &'w [bf16],
     pub post_norm: &'w [bf16],
+    /// Per-head RMSNorm weights of q and k (Qwen3), `[head_dim]`.
+    pub qk_norm: Option<(&'w [bf16], &'w [bf16])>,
     pub ranks: Vec<RankLayer<'w>>,
+    pub mlp: Mlp<'w>,
+}
+
+/// How a mixture-of-experts layer weighs its experts.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Routing {
+    pub top_k: usize,
+    pub norm_topk_prob: bool,
 }
 
 /// The whole group's weights.
@@ -56,8 +85,8 @@ pub(crate) struct GroupWeights<'w> {
     pub shares: Vec<HeadShare>,
     /// Query heads per rank.
     pub q_heads: usize,
-    /// Intermediate rows per rank.
-    pub ffn_part: usize,
+    /// Routing of the MoE layers (unused by dense models).
+    pub routing: Routing,
 }
 
 struct Reader<'a, 'w> {
@@ -102,6 +131,47 @@ impl<'w> Reader<'_, 'w> {
         self.slice(spec, rank)
     }
 
+    /// The parts of one SwiGLU MLP (`names` maps the gate, up and down suffixes to tensor
+    /// names): one per rank when it is split by TP (gate and up column-parallel, down
+    /// row-parallel), or the whole MLP from the one rank that holds it.
+    fn mlp_parts(
+        &self,
+        names: impl Fn(&str) -> String,
+        [gate, up, down]: [&str; 3],
+    ) -> Result<Vec<MlpPart<'w>>, DecodeError> {
+        let (gate, up, down) = (names(gate), names(up), names(down));
+        let g = self.spec(&gate, &[Parallel::Column, Parallel::Owned { rank: 0 }])?;
+        if g.parallel == Parallel::Column {
+            let col = [Parallel::Column];
+            return (0..self.ranks.len())
+                .map(|rank| {
+                    Ok(MlpPart {
+                        gate: self.slice(g, rank)?,
+                        up: self.get(&up, &col, rank)?,
+                        down: self.get(&down, &[Parallel::Row], rank)?,
+                    })
+                })
+                .collect();
+        }
+        let own = [Parallel::Owned { rank: 0 }];
+        let rank = self.layout.owner(&g.name).unwrap_or(0);
+        let (u, d) = (self.spec(&up, &own)?, self.spec(&down, &own)?);
+        for spec in [u, d] {
+            if self.layout.owner(&spec.name) != Some(rank) {
+                return Err(DecodeError::Usage(format!(
+                    "`{}` and `{}` of one expert live on different ranks: the decoder needs an \
+                     expert's gate, up and down projections on one rank",
+                    g.name, spec.name
+                )));
+            }
+        }
+        Ok(vec![MlpPart {
+            gate: self.slice(g, rank)?,
+            up: self.slice(u, rank)?,
+            down: self.slice(d, rank)?,
+        }])
+    }
+
     fn vocab(&self, name: &str) -> Result<VocabWeight<'w>, DecodeError> {
         let spec = self.spec(name, &[Parallel::Column, Parallel::Replicated])?;
         Ok(match spec.parallel {
@@ -111,6 +181,15 @@ impl<'w> Reader<'_, 'w> {
                     .collect::<Result<_, _>>()?,
             ),
             _ => VocabWeight::Replicated(self.slice(spec, 0)?),
+        })
+    }
+}
+
+impl Routing {
+    pub(crate) fn of(config: &ModelConfig) -> Self {
+        config.moe.map_or(Routing::default(), |m| Routing {
+            top_k: m.top_k,
+            norm_topk_prob: m.norm_topk_prob,
         })
     }
 }
@@ -184,16 +263,37 @@ impl<'w> GroupWeights<'w> {
                         &[Parallel::Row],
                         rank,
                     )?,
-                    gate_w: r.get(&format!("{p}.mlp.gate_proj.weight"), &col, rank)?,
-                    up_w: r.get(&format!("{p}.mlp.up_proj.weight"), &col, rank)?,
-                    down_w: r.get(&format!("{p}.mlp.down_proj.weight"), &[Parallel::Row], rank)?,
                 });
             }
             let rep = [Parallel::Replicated];
+            let qk_norm = if config.qk_norm {
+                Some((
+                    r.get(&hf::layer(l, hf::Q_NORM), &rep, 0)?,
+                    r.get(&hf::layer(l, hf::K_NORM), &rep, 0)?,
+                ))
+            } else {
+                None
+            };
+            let mlp = match config.moe {
+                Some(moe) if config.model_spec(128).moe_layer(l) => Mlp::Moe {
+                    router: r.get(&hf::layer(l, hf::ROUTER), &rep, 0)?,
+                    experts: (0..moe.experts)
+                        .map(|e| {
+                            r.mlp_parts(
+                                |s| hf::expert(l, e, s),
+                                [hf::EXPERT_GATE, hf::EXPERT_UP, hf::EXPERT_DOWN],
+                            )
+                        })
+                        .collect::<Result<_, _>>()?,
+                },
+                _ => Mlp::Dense(r.mlp_parts(|s| hf::layer(l, s), [hf::GATE, hf::UP, hf::DOWN])?),
+            };
             layers.push(Layer {
                 input_norm: r.get(&format!("{p}.input_layernorm.weight"), &rep, 0)?,
                 post_norm: r.get(&format!("{p}.post_attention_layernorm.weight"), &rep, 0)?,
+                qk_norm,
                 ranks: rank_layers,
+                mlp,
             });
         }
         let embed = r.vocab("model.embed_tokens.weight")?;
@@ -209,7 +309,7 @@ impl<'w> GroupWeights<'w> {
             layers,
             shares,
             q_heads,
-            ffn_part: config.intermediate_size / tp,
+            routing: Routing::of(config),
         })
     }
 }

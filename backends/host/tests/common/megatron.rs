@@ -34,6 +34,8 @@ pub fn model(groups: usize, tied: bool) -> ModelSpec {
         qkv_bias: true,
         tied_embeddings: tied,
         make_vocab_size_divisible_by: 4,
+        qk_norm: false,
+        moe: None,
     }
 }
 
