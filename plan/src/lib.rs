@@ -37,7 +37,7 @@ use lifecycle_layout::megatron::{
     plan_megatron_to_tp, BucketConfig as MegatronBuckets, MegatronLayout,
 };
 use lifecycle_layout::{plan_fsdp_to_tp, FsdpLayout};
-use lifecycle_layout::{RolloutLayout, RolloutVocab};
+use lifecycle_layout::{ExpertPlacement, RolloutLayout, RolloutVocab};
 
 pub use rates::{LinkRates, RatesSource};
 pub use train_arg::TrainLayout;
@@ -157,7 +157,8 @@ pub fn job_prediction(ranks: &[RankCost], rates: &LinkRates) -> Prediction {
 }
 
 /// The FSDP backend's plan for `world` ranks to rollout degree `tp`, with its bucket settings
-/// (T = 1 uses the all-gather mode, as the benchmark's fastest T = 1 configuration).
+/// (T = 1 uses the all-gather mode, as the benchmark's fastest T = 1 configuration); the experts
+/// of a mixture-of-experts model split by TP inside every expert ([`plan_fsdp_experts`] chooses).
 pub fn plan_fsdp(
     config: &ModelConfig,
     world: usize,
@@ -166,8 +167,41 @@ pub fn plan_fsdp(
     in_flight: usize,
     offload: Offload,
 ) -> Result<Vec<RankCost>, PlanError> {
+    plan_fsdp_experts(
+        config,
+        world,
+        tp,
+        bucket_bytes,
+        in_flight,
+        offload,
+        ExpertPlacement::TensorParallel,
+    )
+}
+
+/// [`plan_fsdp`] with the experts placed by `experts`: with [`ExpertPlacement::Partitioned`]
+/// each rollout rank receives only its own experts' bytes.
+///
+/// ```
+/// use lifecycle_decoder::ModelConfig;
+/// use lifecycle_layout::ExpertPlacement;
+/// use lifecycle_plan::{full_gather_bytes, plan_fsdp_experts, Offload};
+/// let config = ModelConfig::from_json_str(include_str!("../configs/qwen3-30b-a3b.json"))?;
+/// let ep = plan_fsdp_experts(&config, 8, 8, 256 << 20, 2, Offload::NONE, ExpertPlacement::Partitioned)?;
+/// // every rank holds 16 of the 128 experts: far less than the whole model a full gather moves
+/// assert!(ep[0].rollout_bytes * 5 < full_gather_bytes(&config));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn plan_fsdp_experts(
+    config: &ModelConfig,
+    world: usize,
+    tp: usize,
+    bucket_bytes: u64,
+    in_flight: usize,
+    offload: Offload,
+    experts: ExpertPlacement,
+) -> Result<Vec<RankCost>, PlanError> {
     let train = FsdpLayout::new(world, config.tensor_shapes())?;
-    let rollout = config.rollout_layout(tp)?;
+    let rollout = config.rollout_layout_with(tp, experts)?;
     let core = plan_fsdp_to_tp(&train, &rollout)?;
     let mode = if tp == 1 && world > 1 {
         GatherMode::AllGather
@@ -188,7 +222,7 @@ pub fn plan_fsdp(
     Ok((0..world)
         .map(|r| RankCost {
             rank: r,
-            rollout_bytes: plan.rollout_bytes(),
+            rollout_bytes: plan.core.ranks[r].total_elements() as u64 * 2,
             recv_bytes: plan.recv_bytes(r),
             // each cast element reads 4 bytes of fp32 and writes 2 of bf16
             local_traffic_bytes: plan.cast_bytes(r) * 3,
@@ -200,6 +234,13 @@ pub fn plan_fsdp(
             reload_bytes: state_bytes,
         })
         .collect())
+}
+
+/// The bf16 bytes of the whole model: what each rank would hold after a full gather of every
+/// tensor (the unsharded approach, which materialises the full model on every rank and then
+/// slices it).
+pub fn full_gather_bytes(config: &ModelConfig) -> u64 {
+    config.params() as u64 * 2
 }
 
 /// The Megatron planner's plan for TP × PP × DP to rollout degree `t` (vocabulary unpadded when

@@ -3,6 +3,7 @@
 //! ```text
 //! lifecycle-plan --config plan/configs/qwen2.5-7b.json --train fsdp:2 --rollout-tp 2
 //! lifecycle-plan --config config.json --train megatron:tp=2,pp=1,dp=1 --rollout-tp 1 --rates rates.json
+//! lifecycle-plan --config plan/configs/qwen3-30b-a3b.json --train fsdp:16 --rollout-tp 8 --experts ep
 //! ```
 
 use std::path::PathBuf;
@@ -11,9 +12,10 @@ use std::process::ExitCode;
 use clap::Parser;
 use lifecycle_core::HumanBytes;
 use lifecycle_decoder::ModelConfig;
+use lifecycle_layout::ExpertPlacement;
 use lifecycle_plan::{
-    job_prediction, plan_fsdp, plan_megatron, LinkRates, Offload, RankCost, RatesSource,
-    TrainLayout,
+    full_gather_bytes, job_prediction, plan_fsdp_experts, plan_megatron, LinkRates, Offload,
+    RankCost, RatesSource, TrainLayout,
 };
 
 /// Print a switch's transfer plan per rank and predict its time, before launching.
@@ -29,6 +31,10 @@ struct Args {
     /// Rollout tensor-parallel degree T (divides the world size).
     #[arg(long)]
     rollout_tp: usize,
+    /// Mixture-of-experts models: `tp` splits every expert by tensor parallelism, `ep`
+    /// partitions the experts over the T rollout ranks (each receives only its own experts).
+    #[arg(long, default_value = "tp", value_parser = experts)]
+    experts: ExpertPlacement,
     /// Bucket byte budget, MiB.
     #[arg(long, default_value_t = 256)]
     bucket_mib: u64,
@@ -89,6 +95,14 @@ fn rates(args: &Args) -> Result<(LinkRates, RatesSource), String> {
         }
     }
     Ok((r, source))
+}
+
+fn experts(s: &str) -> Result<ExpertPlacement, String> {
+    match s {
+        "tp" => Ok(ExpertPlacement::TensorParallel),
+        "ep" => Ok(ExpertPlacement::Partitioned),
+        other => Err(format!("`{other}`: expected tp or ep")),
+    }
 }
 
 fn offload(s: &str) -> Result<Offload, String> {
@@ -156,27 +170,34 @@ fn run(args: &Args) -> Result<(), String> {
     let (rates, source) = rates(args)?;
     let offload = offload(&args.offload)?;
     let bucket = args.bucket_mib.max(1) << 20;
-    let ranks = match args.train {
-        TrainLayout::Fsdp { world } => plan_fsdp(
-            &config,
-            world,
-            args.rollout_tp,
-            bucket,
-            args.in_flight,
-            offload,
-        ),
-        TrainLayout::Megatron { tp, pp, dp } => plan_megatron(
-            &config,
-            tp,
-            pp,
-            dp,
-            args.rollout_tp,
-            args.make_vocab_size_divisible_by,
-            bucket,
-            offload,
-        ),
-    }
-    .map_err(|e| e.to_string())?;
+    let ranks =
+        match args.train {
+            TrainLayout::Fsdp { world } => plan_fsdp_experts(
+                &config,
+                world,
+                args.rollout_tp,
+                bucket,
+                args.in_flight,
+                offload,
+                args.experts,
+            ),
+            TrainLayout::Megatron { .. } if config.moe.is_some() => return Err(
+                "the Megatron training layout of mixture-of-experts models is not supported yet: \
+                 plan them with --train fsdp:W"
+                    .into(),
+            ),
+            TrainLayout::Megatron { tp, pp, dp } => plan_megatron(
+                &config,
+                tp,
+                pp,
+                dp,
+                args.rollout_tp,
+                args.make_vocab_size_divisible_by,
+                bucket,
+                offload,
+            ),
+        }
+        .map_err(|e| e.to_string())?;
     println!(
         "model {} ({:.3} B params); training {}; rollout T = {}; buckets of {} MiB; offload {}",
         args.config.display(),
@@ -186,7 +207,31 @@ fn run(args: &Args) -> Result<(), String> {
         args.bucket_mib,
         args.offload
     );
+    if let Some(m) = config.moe {
+        println!(
+            "mixture of experts: {} experts of {} per layer, top-{}; experts {}",
+            m.experts,
+            m.ffn,
+            m.top_k,
+            match args.experts {
+                ExpertPlacement::TensorParallel => "split by TP inside every expert",
+                ExpertPlacement::Partitioned => "partitioned over the rollout ranks (EP = T)",
+            }
+        );
+    }
     print(&ranks, &rates);
+    let full = full_gather_bytes(&config);
+    let most_recv = ranks.iter().map(|r| r.recv_bytes).max().unwrap_or(0);
+    let most_held = ranks.iter().map(|r| r.rollout_bytes).max().unwrap_or(0);
+    println!(
+        "against a full gather (every rank materialises the whole model, {}, receiving {} of it): \
+         this plan receives at most {} per rank ({:.1}x less) and holds at most {}",
+        HumanBytes(full),
+        HumanBytes(full - full / ranks.len().max(1) as u64),
+        HumanBytes(most_recv),
+        (full - full / ranks.len().max(1) as u64) as f64 / most_recv.max(1) as f64,
+        HumanBytes(most_held),
+    );
     let p = job_prediction(&ranks, &rates);
     println!(
         "predicted (slowest rank): transfer {}, enter {}, exit {}, full switch {}",

@@ -166,3 +166,77 @@ fn the_32b_shape_at_eight_ranks_receives_a_fraction_of_a_full_gather() {
     let t1 = plan_fsdp(&c, 8, 1, 4 << 30, 2, Offload::NONE).unwrap();
     assert!((t1[0].recv_bytes as f64 - full).abs() / full < 1e-3);
 }
+
+/// Qwen3-30B-A3B at `layers` layers (its published config, reduced in depth for debug builds).
+fn qwen3_30b(layers: usize) -> ModelConfig {
+    let text = include_str!("../configs/qwen3-30b-a3b.json").replace(
+        "\"num_hidden_layers\": 48",
+        &format!("\"num_hidden_layers\": {layers}"),
+    );
+    ModelConfig::from_json_str(&text).unwrap()
+}
+
+#[test]
+fn moe_plans_receive_only_each_ranks_experts() {
+    use lifecycle_layout::ExpertPlacement::{Partitioned, TensorParallel};
+    use lifecycle_plan::{full_gather_bytes, plan_fsdp_experts};
+    let c = qwen3_30b(2);
+    let m = c.moe.unwrap();
+    let expert_bytes = (2 * m.experts * 3 * m.ffn * c.hidden_size * 2) as u64; // 2 layers, bf16
+    let full = full_gather_bytes(&c);
+    let other = full - expert_bytes;
+    for (w, t) in [(8, 8), (16, 8), (64, 8)] {
+        let ep = plan_fsdp_experts(&c, w, t, 256 << 20, 2, Offload::NONE, Partitioned).unwrap();
+        let tp = plan_fsdp_experts(&c, w, t, 256 << 20, 2, Offload::NONE, TensorParallel).unwrap();
+        for (e, p) in ep.iter().zip(&tp) {
+            // either way a rank holds 1/T of the experts; EP holds them whole
+            assert_eq!(e.rollout_bytes, p.rollout_bytes, "W={w} T={t}");
+            // the experts' share of what it holds is exactly E/T experts, nothing of the rest
+            let dense_share = p.rollout_bytes - expert_bytes / t as u64;
+            assert!(dense_share < other, "W={w} T={t}");
+            // never more than what a rank holds; a full gather would move the whole model
+            assert!(e.recv_bytes <= e.rollout_bytes && e.recv_bytes * 7 < full);
+        }
+    }
+    // W = T: FSDP shards every expert's rows over all ranks, so TP inside each expert finds
+    // its slice local while EP gathers 7/8 of each whole expert from the peers
+    let ep = plan_fsdp_experts(&c, 8, 8, 256 << 20, 2, Offload::NONE, Partitioned).unwrap();
+    let tp = plan_fsdp_experts(&c, 8, 8, 256 << 20, 2, Offload::NONE, TensorParallel).unwrap();
+    assert!(tp[0].recv_bytes < ep[0].recv_bytes);
+}
+
+#[test]
+fn moe_bad_input_names_the_field() {
+    use lifecycle_layout::ExpertPlacement::Partitioned;
+    use lifecycle_plan::plan_fsdp_experts;
+    let text = include_str!("../configs/qwen3-30b-a3b.json")
+        .replace("\"num_experts\": 128", "\"num_experts\": 100")
+        .replace("\"num_hidden_layers\": 48", "\"num_hidden_layers\": 1");
+    let c = ModelConfig::from_json_str(&text).unwrap();
+    // 100 experts over 8 ranks
+    let e = plan_fsdp_experts(&c, 8, 8, 256 << 20, 2, Offload::NONE, Partitioned)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("num_experts 100"), "{e}");
+    // the CLI refuses Megatron for MoE models and names the way out
+    let out = Command::new(env!("CARGO_BIN_EXE_lifecycle-plan"))
+        .args([
+            "--config",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/configs/qwen3-30b-a3b.json"),
+        ])
+        .args(["--train", "megatron:tp=1,pp=1,dp=1", "--rollout-tp", "1"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("fsdp:W"), "{err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_lifecycle-plan"))
+        .args([
+            "--config",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/configs/qwen3-30b-a3b.json"),
+        ])
+        .args(["--train", "fsdp:2", "--rollout-tp", "2", "--experts", "xp"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("tp or ep"), "{err}");
+}
