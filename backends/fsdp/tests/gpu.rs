@@ -27,9 +27,11 @@ use lifecycle_layout::{plan_fsdp_to_tp, Parallel, RolloutLayout, TensorSpec};
 type Res = Result<(), Box<dyn std::error::Error>>;
 
 /// Shapes with dims not divisible by W = 2, split dims divisible by T; one tensor large enough
-/// (~4 MB fp32) to span several 1 MiB buckets and reuse staging slots.
+/// (~4 MB fp32) to span several 1 MiB buckets and reuse staging slots; and the experts of a
+/// mixture-of-experts layer partitioned over the T rollout ranks (two whole experts per rank,
+/// only on their owner), with uneven FSDP shards.
 fn specs(tp: usize) -> Vec<TensorSpec> {
-    vec![
+    let mut specs = vec![
         TensorSpec::new("model.embed_tokens.weight", [37 * tp, 24], Parallel::Column),
         TensorSpec::new(
             "model.layers.0.self_attn.q_proj.weight",
@@ -62,7 +64,19 @@ fn specs(tp: usize) -> Vec<TensorSpec> {
             Parallel::Replicated,
         ),
         TensorSpec::new("model.norm.weight", [5], Parallel::Replicated),
-    ]
+        TensorSpec::new(
+            "model.layers.0.mlp.gate.weight",
+            [2 * tp, 24],
+            Parallel::Replicated,
+        ),
+    ];
+    for e in 0..2 * tp {
+        let owner = Parallel::Owned { rank: e / 2 };
+        let name = |p: &str| format!("model.layers.0.mlp.experts.{e}.{p}.weight");
+        specs.push(TensorSpec::new(name("up_proj"), [37, 24], owner));
+        specs.push(TensorSpec::new(name("down_proj"), [24, 37], owner));
+    }
+    specs
 }
 
 fn host_tensors(specs: &[TensorSpec]) -> Vec<HostTensor> {

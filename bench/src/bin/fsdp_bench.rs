@@ -32,7 +32,7 @@ use lifecycle_bench::trace::trace_cycle;
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Phase, Reshard, Switching};
 use lifecycle_cuda::{alloc_device, check_environment, RankExecutor, ThreadRankPool, Transport};
 use lifecycle_fsdp::{BucketConfig, FsdpBackend, FsdpTrainState, GatherMode};
-use lifecycle_layout::RolloutLayout;
+use lifecycle_layout::{ExpertPlacement, ModelSpec, RolloutLayout};
 
 /// Benchmark of the FSDP backend on a synthetic Qwen2.5-7B-shaped model: resident enters and
 /// exits at each bucket configuration, switches with the master weights and Adam state
@@ -43,6 +43,14 @@ struct Cli {
     /// Decoder layers of the model.
     #[arg(long, default_value_t = 28)]
     layers: usize,
+    /// The model's shape: qwen2.5-7b (dense) or qwen3-30b-a3b (128 experts per layer; 8 layers
+    /// fit one H200 with fp32 masters and Adam state).
+    #[arg(long, default_value = "qwen2.5-7b", value_parser = BenchModel::parse)]
+    model: BenchModel,
+    /// Experts of a mixture-of-experts model: tp (split by TP inside every expert) or ep
+    /// (partitioned over the rollout ranks).
+    #[arg(long, default_value = "tp", value_parser = parse_experts)]
+    experts: ExpertPlacement,
     /// Timed cycles of each figure; the median is reported (0 counts as 1).
     #[arg(long, default_value_t = 5)]
     iters: usize,
@@ -66,6 +74,72 @@ struct Cli {
     /// Perfetto) and print its device work per rank and stream.
     #[arg(long, value_name = "DIR")]
     trace: Option<PathBuf>,
+}
+
+/// The model shapes the benchmark builds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BenchModel {
+    Qwen25_7b,
+    Qwen3_30bA3b,
+}
+
+impl BenchModel {
+    fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "qwen2.5-7b" => Ok(BenchModel::Qwen25_7b),
+            "qwen3-30b-a3b" => Ok(BenchModel::Qwen3_30bA3b),
+            other => Err(format!("`{other}`: expected qwen2.5-7b or qwen3-30b-a3b")),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            BenchModel::Qwen25_7b => "qwen2.5-7b",
+            BenchModel::Qwen3_30bA3b => "qwen3-30b-a3b",
+        }
+    }
+}
+
+fn parse_experts(s: &str) -> Result<ExpertPlacement, String> {
+    match s {
+        "tp" => Ok(ExpertPlacement::TensorParallel),
+        "ep" => Ok(ExpertPlacement::Partitioned),
+        other => Err(format!("`{other}`: expected tp or ep")),
+    }
+}
+
+/// The benchmarked model: its tensors and how its rollout layout places the experts.
+struct Model {
+    tensors: Vec<(String, Vec<usize>)>,
+    experts: Option<usize>,
+    placement: ExpertPlacement,
+    moe: bool,
+}
+
+impl Model {
+    fn new(shape: BenchModel, layers: usize, placement: ExpertPlacement) -> Self {
+        let spec = match shape {
+            BenchModel::Qwen25_7b => ModelSpec::qwen2_5_7b(layers),
+            BenchModel::Qwen3_30bA3b => ModelSpec::qwen3_30b_a3b(layers),
+        };
+        Model {
+            tensors: spec.hf_tensors(),
+            experts: spec.moe.map(|m| m.experts),
+            placement,
+            moe: spec.moe.is_some(),
+        }
+    }
+
+    /// The rollout layout at degree `tp`: Hugging Face splits, experts placed.
+    fn layout(&self, tp: usize) -> Result<RolloutLayout, lifecycle_layout::LayoutError> {
+        let layout = RolloutLayout::from_hf_names(tp, self.tensors.clone())?;
+        match self.experts {
+            Some(n) => {
+                RolloutLayout::new(tp, self.placement.apply(layout.tensors().to_vec(), n, tp)?)
+            }
+            None => Ok(layout),
+        }
+    }
 }
 
 impl Cli {
@@ -253,16 +327,13 @@ struct Row {
 /// The backend at rollout degree `tp` with `cfg` over `transport`.
 fn backend_at(
     pool: &Arc<ThreadRankPool>,
-    tensors: &[(String, Vec<usize>)],
+    model: &Model,
     tp: usize,
     (cfg, transport): (BucketConfig, Transport),
 ) -> Result<FsdpBackend, Box<dyn Error>> {
-    Ok(FsdpBackend::new(
-        pool.clone(),
-        RolloutLayout::from_hf_names(tp, tensors.to_vec())?,
-    )
-    .with_config(cfg)?
-    .with_transport(transport))
+    Ok(FsdpBackend::new(pool.clone(), model.layout(tp)?)
+        .with_config(cfg)?
+        .with_transport(transport))
 }
 
 /// One traced resident enter + exit at `cfg`: writes the Chrome trace and prints, per rank and
@@ -270,12 +341,12 @@ fn backend_at(
 fn traced_enter(
     pool: &Arc<ThreadRankPool>,
     state: FsdpTrainState,
-    tensors: &[(String, Vec<usize>)],
+    model: &Model,
     tp: usize,
     (cfg, transport): (BucketConfig, Transport),
     dir: &std::path::Path,
 ) -> Result<FsdpTrainState, Box<dyn Error>> {
-    let b = backend_at(pool, tensors, tp, (cfg, transport))?;
+    let b = backend_at(pool, model, tp, (cfg, transport))?;
     let mut lc = lazy_lifecycle(b, state, MemoryPolicy::resident())?;
     lc.enter()?;
     lc.exit()?;
@@ -328,7 +399,13 @@ fn run() -> Result<(), Box<dyn Error>> {
         args.iters
     );
     let c = ceilings(&pool, args.iters)?;
-    let tensors = lifecycle_layout::ModelSpec::qwen2_5_7b(args.layers).hf_tensors();
+    let model = Model::new(args.model, args.layers, args.experts);
+    let tensors = model.tensors.clone();
+    println!(
+        "model shape: {}, experts {}",
+        args.model.name(),
+        args.experts.name()
+    );
     let params: usize = tensors
         .iter()
         .map(|(_, s)| s.iter().product::<usize>())
@@ -357,7 +434,7 @@ fn run() -> Result<(), Box<dyn Error>> {
         if args.world % tp != 0 || args.tp.is_some_and(|t| t != tp) {
             continue;
         }
-        let layout = RolloutLayout::from_hf_names(tp, tensors.clone())?;
+        let layout = model.layout(tp)?;
         backend = FsdpBackend::new(pool.clone(), layout);
         let plan = backend.plan(&state)?;
         let recv = (0..args.world)
@@ -465,7 +542,7 @@ fn run() -> Result<(), Box<dyn Error>> {
             }
         }
         for (cfg, batched, transport) in runs {
-            let b = backend_at(&pool, &tensors, tp, (cfg, transport))?.with_batched_casts(batched);
+            let b = backend_at(&pool, &model, tp, (cfg, transport))?.with_batched_casts(batched);
             let mut lc = lazy_lifecycle(b, state, MemoryPolicy::resident())?;
             let (en, ex) = time_cycles(&mut lc, args.iters, true)?;
             let m = lc.metrics().clone();
@@ -510,7 +587,7 @@ fn run() -> Result<(), Box<dyn Error>> {
                 ctx.kernels.set_multi_blocks_per_sm(per_sm);
                 Ok(())
             })?;
-            let b = backend_at(&pool, &tensors, tp, (best_cfg, best_transport))?;
+            let b = backend_at(&pool, &model, tp, (best_cfg, best_transport))?;
             let mut lc = lazy_lifecycle(b, state, MemoryPolicy::resident())?;
             let (en, _) = time_cycles(&mut lc, args.iters, true)?;
             println!(
@@ -527,7 +604,7 @@ fn run() -> Result<(), Box<dyn Error>> {
             Ok(())
         })?;
         if let Some(dir) = &args.trace {
-            state = traced_enter(&pool, state, &tensors, tp, (best_cfg, best_transport), dir)?;
+            state = traced_enter(&pool, state, &model, tp, (best_cfg, best_transport), dir)?;
         }
         let (target_x, peer) = if tp == 1 {
             (1.1, "torch: 129 ms per-tensor fp32 (verl 2025), 63 ms 2 GiB bf16 buckets, 27 ms hand-coalesced gather")
@@ -559,7 +636,7 @@ fn run() -> Result<(), Box<dyn Error>> {
             let mut best_off: Option<(f64, f64, usize)> = None;
             let mut off_bytes = 0.0;
             for chunk in [0usize, 1 << 30, 256 << 20] {
-                let b = backend_at(&pool, &tensors, tp, (best_cfg, best_transport))?
+                let b = backend_at(&pool, &model, tp, (best_cfg, best_transport))?
                     .with_offload_chunk_bytes(chunk);
                 let mut lc = lazy_lifecycle(b, state, MemoryPolicy::default())?;
                 let t = Instant::now();
@@ -602,14 +679,13 @@ fn run() -> Result<(), Box<dyn Error>> {
         }
     }
 
-    if !args.skip_dapo {
+    if !args.skip_dapo && model.moe {
+        println!("\nDAPO-shaped loop skipped: it runs the dense Qwen2.5-7B shape only");
+    } else if !args.skip_dapo {
         let tp = args.world.min(2);
         println!("\nDAPO-shaped loop: 2 steps x 3 rollout calls, T = {tp}, master + Adam offloaded during rollout");
         for switching in [Switching::Lazy, Switching::Eager] {
-            let b = FsdpBackend::new(
-                pool.clone(),
-                RolloutLayout::from_hf_names(tp, tensors.clone())?,
-            );
+            let b = FsdpBackend::new(pool.clone(), model.layout(tp)?);
             let mut lc = Lifecycle::with_config(
                 b,
                 state,
@@ -719,6 +795,16 @@ mod tests {
         assert!(quick.quick && quick.skip_offload && quick.skip_dapo);
         assert_eq!(launched.iters, 5);
         assert_eq!((one.layers, one.world, one.tp), (4, 1, Some(1)));
+        assert_eq!(
+            (d.model, d.experts),
+            (BenchModel::Qwen25_7b, ExpertPlacement::TensorParallel)
+        );
+        let [moe] = assert_parses::<Cli, 1>(["--model qwen3-30b-a3b --experts ep --layers 8"]);
+        assert_eq!(
+            (moe.model, moe.experts),
+            (BenchModel::Qwen3_30bA3b, ExpertPlacement::Partitioned)
+        );
+        assert_refused::<Cli>(&["--model qwen9", "--experts both"]);
         assert_refused::<Cli>(&["--bogus", "--iters many", "--trace", "--tp"]);
     }
 

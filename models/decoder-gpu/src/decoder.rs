@@ -16,7 +16,7 @@ use lifecycle_cuda::{
 };
 use lifecycle_decoder::{DecodeError, Decoder, ModelConfig, PrefillLogits, Sampling, SplitMix64};
 use lifecycle_fsdp::FsdpBackend;
-use lifecycle_layout::RolloutLayout;
+use lifecycle_layout::{RolloutEntry, RolloutLayout};
 
 use crate::error::GpuDecodeError;
 use crate::kernels::{launch, Arg, DecoderKernels};
@@ -536,6 +536,8 @@ impl Core {
                 group: c.num_heads / c.num_kv_heads,
                 vocab_parallel: geo.vocab_parallel,
                 fused: geo.fused,
+                top_k: c.moe.map_or(0, |m| m.top_k),
+                norm_topk_prob: c.moe.is_some_and(|m| m.norm_topk_prob),
             })
             .collect();
         let outs = pool.run_each(&mut self.ranks, &|ctx, st| {
@@ -822,7 +824,7 @@ impl<'w> GpuDecoder<'w> {
     ) -> Result<Self, GpuDecodeError> {
         let tp = layout.tp();
         decode_topology(pool.world(), tp, pool.local_ranks().len())?;
-        let plan = GroupOffsets::new(config, layout, weights.entries())?;
+        let plan = GroupOffsets::new(config, layout, &group_entries(weights, tp)?)?;
         Self::build(config, tp, &plan, pool, weights)
     }
 
@@ -873,6 +875,28 @@ impl<'w> GpuDecoder<'w> {
     pub fn lengths(&self) -> Vec<usize> {
         self.core.lengths()
     }
+}
+
+/// The rollout entries of TP ranks `0..tp` for [`GroupOffsets::new`]: one list when every rank
+/// holds the same tensors; each rank's own when they differ (partitioned experts), which needs
+/// this process to drive the group's ranks.
+pub(crate) fn group_entries(
+    weights: &RolloutBuffer,
+    tp: usize,
+) -> Result<Vec<&[RolloutEntry]>, GpuDecodeError> {
+    if weights.uniform() {
+        return Ok(vec![weights.entries()]);
+    }
+    let locals = weights.local_ranks();
+    if locals.len() < tp || (0..tp).any(|t| locals[t] != t) {
+        return Err(DecodeError::Usage(format!(
+            "the ranks hold different tensors (experts partitioned over the ranks), and this \
+             process drives ranks {locals:?}: decoding such weights needs one process driving \
+             ranks 0..{tp}"
+        ))
+        .into());
+    }
+    Ok((0..tp).map(|t| weights.rank_entries(t)).collect())
 }
 
 fn ptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
@@ -937,6 +961,207 @@ unsafe fn gemm(
     .map_err(|e| cublas_err(rank, "GemmEx (bf16 x bf16 -> f32)", e))
 }
 
+/// Device scratch of the mixture-of-experts layers of one pass, sized for every row reaching one
+/// expert (`None` for dense models).
+struct MoeScratch {
+    /// Router products `[2n × experts]` and router logits `[n × experts]`.
+    router2: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    /// The rows routed to one expert, split `[2n × h]`.
+    xg: CudaSlice<u16>,
+    /// Gate and up products `[2n × ffn]`, the SwiGLU output split `[2n × ffn]`.
+    g2: CudaSlice<f32>,
+    u2: CudaSlice<f32>,
+    act: CudaSlice<u16>,
+    /// Down products `[2n × h]`.
+    y2: CudaSlice<f32>,
+    /// The weighted sum of the experts' outputs `[n × h]`.
+    acc: CudaSlice<f32>,
+}
+
+impl MoeScratch {
+    fn new(
+        s: &Arc<CudaStream>,
+        rank: usize,
+        n: usize,
+        h: usize,
+        w: &RankOffsets,
+    ) -> Result<Option<Self>, CudaError> {
+        let layers: Vec<&crate::weights::MoeOffsets> = w.moe.iter().flatten().collect();
+        let Some(first) = layers.first() else {
+            return Ok(None);
+        };
+        let experts = first.experts.len();
+        let ffn = layers
+            .iter()
+            .flat_map(|m| m.experts.iter().flatten())
+            .map(|e| e.ffn)
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        // SAFETY: each buffer is written (GEMM, kernel or memset) before it is read, in order on
+        // this stream, in `moe_layer`.
+        unsafe {
+            Ok(Some(MoeScratch {
+                router2: alloc_device(s, 2 * n * experts, rank, "router products")?,
+                logits: alloc_device(s, n * experts, rank, "router logits")?,
+                xg: alloc_device(s, 2 * n * h, rank, "routed rows")?,
+                g2: alloc_device(s, 2 * n * ffn, rank, "expert gate products")?,
+                u2: alloc_device(s, 2 * n * ffn, rank, "expert up products")?,
+                act: alloc_device(s, 2 * n * ffn, rank, "expert activations")?,
+                y2: alloc_device(s, 2 * n * h, rank, "expert down products")?,
+                acc: alloc_device(s, n * h, rank, "expert sums")?,
+            }))
+        }
+    }
+}
+
+/// One mixture-of-experts MLP on this rank: the router's logits of the `n` rows of `xs` (split
+/// activations at `xsp`), routed on the host with the CPU decoder's rule
+/// ([`lifecycle_decoder::route_top_k`], one device→host copy of `n × experts` floats), then for
+/// every expert this rank holds and that received rows: its rows gathered, its gate / up GEMMs,
+/// SwiGLU, its down GEMM, and the weighted rows added into `scratch.acc` (zeroed first). The
+/// caller adds `acc` to the residual and sums it over the group, as for a row-parallel output.
+fn moe_layer(
+    ctx: &RankCtx,
+    st: &RankState,
+    z: &Dims,
+    moe: &crate::weights::MoeOffsets,
+    scratch: &mut MoeScratch,
+    xsp: u64,
+    base: u64,
+) -> Result<(), CudaError> {
+    let s = &ctx.compute;
+    let rank = ctx.rank;
+    let k = &st.k;
+    let (n, h) = (z.n, z.h);
+    let experts = moe.experts.len();
+    let wp = |off: u64| base + 2 * off;
+    let p = |b: &CudaSlice<f32>| ptr(b, s);
+    let u32a = |v: usize| Arg::U32(v as u32);
+    // SAFETY (every GEMM and launch): the weight addresses are offsets checked against this
+    // rank's rollout buffer; the scratch buffers hold the sizes each product writes (rows of
+    // one expert ≤ n); everything runs in order on the compute stream.
+    unsafe {
+        gemm(
+            &st.blas,
+            wp(moe.router),
+            xsp,
+            p(&scratch.router2),
+            experts,
+            2 * n,
+            h,
+            rank,
+        )?;
+        launch(
+            s,
+            &k.combine,
+            k.elementwise((n * experts) as u64),
+            &[
+                Arg::U64(p(&scratch.router2)),
+                Arg::U64(0),
+                Arg::U64(0),
+                Arg::U64(p(&scratch.logits)),
+                u32a(n),
+                u32a(experts),
+            ],
+            rank,
+            "combine",
+        )?;
+    }
+    let mut logits = s
+        .clone_dtoh(&scratch.logits)
+        .map_err(ctx.drv("downloading router logits", (n * experts * 4) as u64))?;
+    s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
+    let mut routed: Vec<Vec<(u32, f32)>> = vec![Vec::new(); experts];
+    for (row, l) in logits.chunks_exact_mut(experts).enumerate() {
+        for (e, w) in lifecycle_decoder::route_top_k(l, z.top_k, z.norm_topk_prob) {
+            routed[e].push((row as u32, w));
+        }
+    }
+    // one upload of every held expert's rows and weights
+    let mut idx = Vec::new();
+    let mut wts = Vec::new();
+    let mut runs = Vec::new();
+    for (e, rows) in routed.iter().enumerate() {
+        if let (Some(off), false) = (moe.experts[e], rows.is_empty()) {
+            runs.push((off, idx.len(), rows.len()));
+            idx.extend(rows.iter().map(|r| r.0));
+            wts.extend(rows.iter().map(|r| r.1));
+        }
+    }
+    s.memset_zeros(&mut scratch.acc)
+        .map_err(ctx.drv("zeroing the expert sums", 0))?;
+    if runs.is_empty() {
+        return Ok(());
+    }
+    let idx_d = s
+        .clone_htod(&idx)
+        .map_err(ctx.drv("uploading routed rows", 0))?;
+    let wts_d = s
+        .clone_htod(&wts)
+        .map_err(ctx.drv("uploading routing weights", 0))?;
+    let (idxp, wtsp) = (ptr(&idx_d, s), ptr(&wts_d, s));
+    let (xg, act) = (ptr(&scratch.xg, s), ptr(&scratch.act, s));
+    for (e, start, r) in runs {
+        let f = e.ffn;
+        let (ri, rw) = (idxp + 4 * start as u64, wtsp + 4 * start as u64);
+        // SAFETY: as above; `ri` / `rw` address `r` entries of the uploads.
+        unsafe {
+            launch(
+                s,
+                &k.gather_split_rows,
+                k.elementwise((r * h) as u64),
+                &[
+                    Arg::U64(xsp),
+                    Arg::U64(ri),
+                    Arg::U64(xg),
+                    u32a(n),
+                    u32a(r),
+                    u32a(h),
+                ],
+                rank,
+                "gather_split_rows",
+            )?;
+            gemm(&st.blas, wp(e.gate), xg, p(&scratch.g2), f, 2 * r, h, rank)?;
+            gemm(&st.blas, wp(e.up), xg, p(&scratch.u2), f, 2 * r, h, rank)?;
+            launch(
+                s,
+                &k.swiglu_split,
+                k.elementwise((r * f) as u64),
+                &[
+                    Arg::U64(p(&scratch.g2)),
+                    Arg::U64(p(&scratch.u2)),
+                    Arg::U64(act),
+                    u32a(r),
+                    u32a(f),
+                ],
+                rank,
+                "swiglu_split",
+            )?;
+            gemm(&st.blas, wp(e.down), act, p(&scratch.y2), h, 2 * r, f, rank)?;
+            launch(
+                s,
+                &k.scatter_add_rows,
+                k.elementwise((r * h) as u64),
+                &[
+                    Arg::U64(p(&scratch.y2)),
+                    Arg::U64(ri),
+                    Arg::U64(rw),
+                    Arg::U64(p(&scratch.acc)),
+                    u32a(r),
+                    u32a(h),
+                ],
+                rank,
+                "scatter_add_rows",
+            )?;
+        }
+    }
+    // the uploads are freed stream-ordered after the kernels that read them
+    drop((idx_d, wts_d));
+    Ok(())
+}
+
 /// Sizes of one forward pass.
 struct Dims {
     n: usize,
@@ -955,6 +1180,9 @@ struct Dims {
     group: usize,
     vocab_parallel: bool,
     fused: bool,
+    /// Routing of the mixture-of-experts layers.
+    top_k: usize,
+    norm_topk_prob: bool,
 }
 
 /// Makes `waiter` wait for the work queued so far on `on`, through `event`.
@@ -1201,11 +1429,30 @@ fn rank_forward(
             )
         };
         let smem = ((d + step.cap) * 4) as u32;
+        let mut moe_scratch = MoeScratch::new(s, rank, n, h, &bind.w)?;
         for l in 0..z.layers {
             let lw = bind.w.layers[l];
             let kc = cache_p + 4 * (2 * l as u64) * cache_layer;
             let vc = cache_p + 4 * (2 * l as u64 + 1) * cache_layer;
             norm(lw.input_norm, 0, n)?;
+            let head_norms = |qk: Option<(u64, u64)>| -> Result<(), CudaError> {
+                let Some((qn, kn)) = qk else { return Ok(()) };
+                for (buf, w, heads) in [(qp, qn, n * qh), (kp, kn, n * kvh)] {
+                    launch(
+                        s,
+                        &k.head_norm,
+                        LaunchConfig {
+                            grid_dim: (heads.max(1) as u32, 1, 1),
+                            block_dim: (32 * d.div_ceil(32).clamp(1, 8) as u32, 1, 1),
+                            shared_mem_bytes: 0,
+                        },
+                        &[Arg::U64(buf), Arg::U64(wp(w)), u32a(d), Arg::F32(z.eps)],
+                        rank,
+                        "head_norm",
+                    )?;
+                }
+                Ok(())
+            };
             if z.fused {
                 // one GEMM over [q; k; v] (k_w, v_w follow q_w in the fused tensor), then its
                 // column blocks
@@ -1222,6 +1469,7 @@ fn rank_forward(
                 gemm(&st.blas, wp(lw.v_w), xsp, y2p, kvw, 2 * n, h, rank)?;
                 combine_into(vp, lw.v_b, kvw)?;
             }
+            head_norms(lw.qk_norm)?;
             launch(
                 s,
                 &k.rope_store,
@@ -1275,6 +1523,46 @@ fn rank_forward(
             gemm(&st.blas, wp(lw.o_w), xsp, y2p, h, 2 * n, qw, rank)?;
             finish(&mut x)?;
             norm(lw.post_norm, 0, n)?;
+            if let Some(moe) = &bind.w.moe[l] {
+                let scratch = moe_scratch.as_mut().ok_or_else(|| {
+                    CudaError::Invalid("no scratch buffers for a mixture-of-experts layer".into())
+                })?;
+                moe_layer(ctx, st, z, moe, scratch, xsp, bind.base)?;
+                // the experts' sum plus the residual (rank 0 adds it), summed over the group
+                match &partial {
+                    None => launch(
+                        s,
+                        &k.add_rows,
+                        k.elementwise((n * h) as u64),
+                        &[
+                            Arg::U64(p(&scratch.acc)),
+                            Arg::U64(xp),
+                            Arg::U64(xp),
+                            Arg::U64((n * h) as u64),
+                        ],
+                        rank,
+                        "add_rows",
+                    )?,
+                    Some(part) => {
+                        let res = if st.tp_rank == 0 { xp } else { 0 };
+                        launch(
+                            s,
+                            &k.add_rows,
+                            k.elementwise((n * h) as u64),
+                            &[
+                                Arg::U64(p(&scratch.acc)),
+                                Arg::U64(res),
+                                Arg::U64(p(part)),
+                                Arg::U64((n * h) as u64),
+                            ],
+                            rank,
+                            "add_rows",
+                        )?;
+                        all_reduce(ctx, st, part, &mut x)?;
+                    }
+                }
+                continue;
+            }
             if z.fused {
                 // one GEMM over [gate; up] (up_w follows gate_w in the fused tensor)
                 gemm(&st.blas, wp(lw.gate_w), xsp, y2p, 2 * f, 2 * n, h, rank)?;

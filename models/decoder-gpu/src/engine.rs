@@ -366,7 +366,11 @@ impl GpuEngine {
             });
         }
         let plan = match self.layout.format() {
-            RolloutFormat::Unfused => GroupOffsets::new(config, &self.layout, entries)?,
+            RolloutFormat::Unfused => GroupOffsets::new(
+                config,
+                &self.layout,
+                &crate::decoder::group_entries(weights, self.layout.tp())?,
+            )?,
             RolloutFormat::Fused => GroupOffsets::fused(config, &self.layout, entries)?,
         };
         self.core.bind(&self.pool, &plan, weights)?;

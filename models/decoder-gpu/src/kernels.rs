@@ -142,6 +142,54 @@ extern "C" __global__ void swiglu_split(const float* __restrict__ g2, const floa
     }
 }
 
+// One block per head: RMSNorm over its d values of x (rows of d: [n x heads x d]) in place with
+// weight w (Qwen3's q/k norms, before the rotary embedding).
+extern "C" __global__ void head_norm(float* __restrict__ x, const u16* __restrict__ w, u32 d,
+                                     float eps) {
+    __shared__ float red[32];
+    float* xr = x + (u64)blockIdx.x * d;
+    float s = 0.0f;
+    for (u32 c = threadIdx.x; c < d; c += blockDim.x) s += xr[c] * xr[c];
+    s = block_sum(s, red);
+    float inv = 1.0f / sqrtf(s / (float)d + eps);
+    for (u32 c = threadIdx.x; c < d; c += blockDim.x) xr[c] = bf(w[c]) * (xr[c] * inv);
+}
+
+// Rows idx[0..r) of a split activation xs [2n x h] (hi rows 0..n, lo rows n..2n) into the split
+// activation out [2r x h]: the tokens routed to one expert.
+extern "C" __global__ void gather_split_rows(const u16* __restrict__ xs, const u32* __restrict__ idx,
+                                             u16* __restrict__ out, u32 n, u32 r, u32 h) {
+    u64 total = (u64)r * h;
+    u64 lo = (u64)n * h;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 row = i / h, c = i % h;
+        u64 src = (u64)idx[row] * h + c;
+        out[i] = xs[src];
+        out[total + i] = xs[lo + src];
+    }
+}
+
+// acc[idx[i], c] += wt[i] * (y2[i, c] + y2[r + i, c]) for the r rows of one expert's output
+// y2 [2r x h] (hi/lo products); the rows of one expert are distinct, so no two threads add to
+// one element.
+extern "C" __global__ void scatter_add_rows(const float* __restrict__ y2, const u32* __restrict__ idx,
+                                            const float* __restrict__ wt, float* __restrict__ acc,
+                                            u32 r, u32 h) {
+    u64 total = (u64)r * h;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 row = i / h, c = i % h;
+        acc[(u64)idx[row] * h + c] += wt[row] * (y2[i] + y2[total + i]);
+    }
+}
+
+// out[i] = a[i] (+ res[i]).
+extern "C" __global__ void add_rows(const float* __restrict__ a, const float* res, float* out,
+                                    u64 total) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        out[i] = res ? a[i] + res[i] : a[i];
+    }
+}
+
 // Rotary embedding (pairs (j, j + d/2)) of q [n x qh x d] in place; k rotated and v copied into
 // the caches [seq][cap][kvh][d] at (seqs[r], poss[r]).
 extern "C" __global__ void rope_store(float* __restrict__ q, const float* __restrict__ k,
@@ -386,6 +434,10 @@ pub(crate) struct DecoderKernels {
     pub argmax_rows: CudaFunction,
     pub unshard: CudaFunction,
     pub sample_rows: CudaFunction,
+    pub head_norm: CudaFunction,
+    pub gather_split_rows: CudaFunction,
+    pub scatter_add_rows: CudaFunction,
+    pub add_rows: CudaFunction,
     pub sm_count: u32,
 }
 
@@ -420,6 +472,10 @@ impl DecoderKernels {
             argmax_rows: m.function("argmax_rows")?,
             unshard: m.function("unshard")?,
             sample_rows: m.function("sample_rows")?,
+            head_norm: m.function("head_norm")?,
+            gather_split_rows: m.function("gather_split_rows")?,
+            scatter_add_rows: m.function("scatter_add_rows")?,
+            add_rows: m.function("add_rows")?,
             sm_count: m.sm_count(),
         })
     }

@@ -28,9 +28,30 @@ pub(crate) struct LayerOffsets {
     pub v_w: u64,
     pub v_b: Option<u64>,
     pub o_w: u64,
+    /// Dense MLP weights (unused, 0, in a mixture-of-experts layer: see [`RankOffsets::moe`]).
     pub gate_w: u64,
     pub up_w: u64,
     pub down_w: u64,
+    /// Per-head RMSNorm weights of q and k (Qwen3).
+    pub qk_norm: Option<(u64, u64)>,
+}
+
+/// One expert's share on one rank: gate, up (`[ffn × hidden]`) and down (`[hidden × ffn]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ExpertOffsets {
+    pub gate: u64,
+    pub up: u64,
+    pub down: u64,
+    /// Intermediate rows of this share (`moe_ffn / T` split by TP, `moe_ffn` whole).
+    pub ffn: usize,
+}
+
+/// One rank's mixture-of-experts layer: the replicated router and the experts it holds (every
+/// expert's TP share, or its own experts whole when they are partitioned).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct MoeOffsets {
+    pub router: u64,
+    pub experts: Vec<Option<ExpertOffsets>>,
 }
 
 /// One rank's weight offsets and head share.
@@ -40,6 +61,8 @@ pub(crate) struct RankOffsets {
     pub head: u64,
     pub final_norm: u64,
     pub layers: Vec<LayerOffsets>,
+    /// Per layer, its experts when it is a mixture-of-experts layer.
+    pub moe: Vec<Option<MoeOffsets>>,
     pub share: HeadShare,
 }
 
@@ -149,13 +172,79 @@ impl Reader<'_> {
     }
 }
 
+impl Reader<'_> {
+    /// TP rank `t`'s share of expert `e` of layer `l`: its TP slices (gate and up
+    /// column-parallel, down row-parallel), the whole expert when `t` owns it, or `None` when
+    /// another rank owns it.
+    fn expert(
+        &mut self,
+        l: usize,
+        e: usize,
+        t: usize,
+        ffn: usize,
+    ) -> Result<Option<ExpertOffsets>, DecodeError> {
+        let name = |s: &str| hf::expert(l, e, s);
+        let (g, u, d) = (
+            name(hf::EXPERT_GATE),
+            name(hf::EXPERT_UP),
+            name(hf::EXPERT_DOWN),
+        );
+        let owned = [Parallel::Owned { rank: 0 }];
+        match self
+            .spec(&g, &[Parallel::Column, Parallel::Owned { rank: 0 }])?
+            .parallel
+        {
+            Parallel::Owned { rank } => {
+                for other in [&u, &d] {
+                    if self.layout.owner(other) != Some(rank) {
+                        return Err(DecodeError::Usage(format!(
+                            "`{g}` and `{other}` of one expert live on different ranks: the \
+                             decoder needs an expert's gate, up and down projections on one rank"
+                        )));
+                    }
+                }
+                if rank != t {
+                    return Ok(None);
+                }
+                Ok(Some(ExpertOffsets {
+                    gate: self.offset(&g, &owned)?,
+                    up: self.offset(&u, &owned)?,
+                    down: self.offset(&d, &owned)?,
+                    ffn,
+                }))
+            }
+            _ => Ok(Some(ExpertOffsets {
+                gate: self.offset(&g, &[Parallel::Column])?,
+                up: self.offset(&u, &[Parallel::Column])?,
+                down: self.offset(&d, &[Parallel::Row])?,
+                ffn: ffn / self.layout.tp(),
+            })),
+        }
+    }
+}
+
 impl GroupOffsets {
-    /// Checks every tensor the config needs against the layout and the rollout entries.
+    /// Checks every tensor the config needs against the layout and the rollout entries:
+    /// `entries[t]` those of TP rank `t`, or one list standing for every rank when the layout
+    /// places the same tensors on all of them.
     pub(crate) fn new(
         config: &ModelConfig,
         layout: &RolloutLayout,
-        entries: &[RolloutEntry],
+        entries: &[&[RolloutEntry]],
     ) -> Result<Self, DecodeError> {
+        let tp_ranks = layout.tp();
+        let rank_entries = |t: usize| -> Result<&[RolloutEntry], DecodeError> {
+            match entries {
+                [one] => Ok(one),
+                many => many.get(t).copied().ok_or_else(|| {
+                    DecodeError::Usage(format!(
+                        "rollout entries for {} ranks, the layout has T = {tp_ranks}",
+                        many.len()
+                    ))
+                }),
+            }
+        };
+        let entries = rank_entries(0)?;
         let tp = layout.tp();
         let degree = |reason: String| DecodeError::Degree { tp, reason };
         if tp == 0 {
@@ -167,7 +256,9 @@ impl GroupOffsets {
                 config.num_heads
             )));
         }
-        if !config.intermediate_size.is_multiple_of(tp) {
+        let spec = config.model_spec(MEGATRON_VOCAB_MULTIPLE);
+        let dense_layers = (0..config.num_layers).any(|l| !spec.moe_layer(l));
+        if dense_layers && !config.intermediate_size.is_multiple_of(tp) {
             return Err(degree(format!(
                 "intermediate_size {} is not divisible by T",
                 config.intermediate_size
@@ -192,6 +283,8 @@ impl GroupOffsets {
         let rep = [Parallel::Replicated];
         let row = [Parallel::Row];
         let mut per_layer = Vec::with_capacity(config.num_layers);
+        let mut qk_norms = Vec::with_capacity(config.num_layers);
+        let mut moe_layers = Vec::with_capacity(config.num_layers);
         for l in 0..config.num_layers {
             let p = format!("model.layers.{l}");
             let mut bias =
@@ -205,6 +298,26 @@ impl GroupOffsets {
             let q_b = bias(format!("{p}.self_attn.q_proj.bias"), &col)?;
             let k_b = bias(format!("{p}.self_attn.k_proj.bias"), &kv)?;
             let v_b = bias(format!("{p}.self_attn.v_proj.bias"), &kv)?;
+            let qk_norm = if config.qk_norm {
+                Some((
+                    r.offset(&hf::layer(l, hf::Q_NORM), &rep)?,
+                    r.offset(&hf::layer(l, hf::K_NORM), &rep)?,
+                ))
+            } else {
+                None
+            };
+            qk_norms.push(qk_norm);
+            let mlp = if spec.moe_layer(l) {
+                moe_layers.push(Some(r.offset(&hf::layer(l, hf::ROUTER), &rep)?));
+                (0, 0, 0)
+            } else {
+                moe_layers.push(None);
+                (
+                    r.offset(&format!("{p}.mlp.gate_proj.weight"), &col)?,
+                    r.offset(&format!("{p}.mlp.up_proj.weight"), &col)?,
+                    r.offset(&format!("{p}.mlp.down_proj.weight"), &row)?,
+                )
+            };
             per_layer.push((
                 r.offset(&format!("{p}.input_layernorm.weight"), &rep)?,
                 r.offset(&format!("{p}.post_attention_layernorm.weight"), &rep)?,
@@ -215,9 +328,9 @@ impl GroupOffsets {
                 r.offset(&format!("{p}.self_attn.v_proj.weight"), &kv)?,
                 v_b,
                 r.offset(&format!("{p}.self_attn.o_proj.weight"), &row)?,
-                r.offset(&format!("{p}.mlp.gate_proj.weight"), &col)?,
-                r.offset(&format!("{p}.mlp.up_proj.weight"), &col)?,
-                r.offset(&format!("{p}.mlp.down_proj.weight"), &row)?,
+                mlp.0,
+                mlp.1,
+                mlp.2,
             ));
         }
         let vocab_spec = r.spec(
@@ -241,9 +354,36 @@ impl GroupOffsets {
             r.offset("lm_head.weight", &vocab_allowed)?
         };
         let final_norm = r.offset("model.norm.weight", &rep)?;
+        // every rank's experts, from its own entries
+        let mut moe_ranks = Vec::with_capacity(shares.len());
+        for t in 0..shares.len() {
+            let mut rr = Reader {
+                layout,
+                entries: rank_entries(t)?,
+                shapes: std::mem::take(&mut r.shapes),
+                min_len: r.min_len,
+            };
+            let layers = moe_layers
+                .iter()
+                .enumerate()
+                .map(|(l, router)| match (router, config.moe) {
+                    (Some(router), Some(m)) => Ok(Some(MoeOffsets {
+                        router: *router,
+                        experts: (0..m.experts)
+                            .map(|e| rr.expert(l, e, t, m.ffn))
+                            .collect::<Result<_, _>>()?,
+                    })),
+                    _ => Ok(None),
+                })
+                .collect::<Result<Vec<_>, DecodeError>>()?;
+            r.shapes = rr.shapes;
+            r.min_len = rr.min_len;
+            moe_ranks.push(layers);
+        }
         let ranks = shares
             .iter()
-            .map(|&share| {
+            .zip(moe_ranks)
+            .map(|(&share, moe)| {
                 // replicated k/v: start at the rows of the kv heads this rank uses
                 let kv_shift = |off: u64, width: usize| -> u64 {
                     if kv_split == Parallel::Column {
@@ -257,10 +397,15 @@ impl GroupOffsets {
                     head,
                     final_norm,
                     share,
+                    moe,
                     layers: per_layer
                         .iter()
+                        .zip(&qk_norms)
                         .map(
-                            |&(inn, post, q_w, q_b, k_w, k_b, v_w, v_b, o_w, g, u, dn)| {
+                            |(
+                                &(inn, post, q_w, q_b, k_w, k_b, v_w, v_b, o_w, g, u, dn),
+                                &qk_norm,
+                            )| {
                                 LayerOffsets {
                                     input_norm: inn,
                                     post_norm: post,
@@ -274,6 +419,7 @@ impl GroupOffsets {
                                     gate_w: g,
                                     up_w: u,
                                     down_w: dn,
+                                    qk_norm,
                                 }
                             },
                         )
@@ -400,6 +546,7 @@ impl GroupOffsets {
                 gate_w: gate_up,
                 up_w: gate_up + (ffn_part * h) as u64,
                 down_w: at(&hf::layer(l, hf::DOWN))?,
+                qk_norm: None,
             });
         }
         let embed = at(hf::EMBED)?;
@@ -430,6 +577,7 @@ impl GroupOffsets {
                 final_norm,
                 share,
                 layers: layers.clone(),
+                moe: vec![None; config.num_layers],
             })
             .collect();
         Ok(GroupOffsets {

@@ -7,7 +7,7 @@ use lifecycle_layout::RolloutLayout;
 use crate::config::ModelConfig;
 use crate::decoder::{Decoder, PrefillLogits};
 use crate::error::DecodeError;
-use crate::math::{linear, rms_norm, softmax, swiglu, Rope};
+use crate::math::{linear, rms_norm, route_top_k, softmax, swiglu, Rope};
 use crate::weights::{GroupWeights, Mlp, MlpPart, Routing, VocabWeight};
 use half::bf16;
 
@@ -294,7 +294,7 @@ fn moe(
     // rows routed to each expert, with their weights
     let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e_count];
     for (row, l) in logits.chunks_exact_mut(e_count).enumerate() {
-        for (e, w) in route(l, routing) {
+        for (e, w) in route_top_k(l, routing.top_k, routing.norm_topk_prob) {
             routed[e].push((row, w));
         }
     }
@@ -316,28 +316,6 @@ fn moe(
         }
     }
     out
-}
-
-/// The `top_k` experts of one row of router logits and their weights, as Qwen3-MoE computes
-/// them: softmax over every expert, the `top_k` largest probabilities (the lower index first
-/// among equals), divided by their sum when `norm_topk_prob`.
-pub(crate) fn route(logits: &mut [f32], routing: &Routing) -> Vec<(usize, f32)> {
-    softmax(logits);
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-    order.truncate(routing.top_k);
-    let sum: f32 = order.iter().map(|&e| logits[e]).sum();
-    order
-        .into_iter()
-        .map(|e| {
-            let w = if routing.norm_topk_prob {
-                logits[e] / sum
-            } else {
-                logits[e]
-            };
-            (e, w)
-        })
-        .collect()
 }
 
 impl Decoder for CpuDecoder<'_> {

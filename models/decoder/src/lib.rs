@@ -43,7 +43,7 @@ pub use cpu::CpuDecoder;
 pub use decoder::{Decoder, PrefillLogits};
 pub use error::{CheckpointError, DecodeError, MegatronCheckpointError};
 pub use heads::{head_shares, layout_heads, HeadShare};
-pub use math::dot;
+pub use math::{dot, route_top_k};
 pub use megatron_checkpoint::{
     load_megatron_checkpoint, MegatronCheckpoint, MegatronParallel, MEGATRON_VOCAB_MULTIPLE,
 };

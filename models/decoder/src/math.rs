@@ -125,6 +125,37 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
+/// The `top_k` experts of one row of router logits and their weights, as Qwen3-MoE computes
+/// them: softmax over every expert (in place: `logits` ends as the probabilities), the `top_k`
+/// largest probabilities (the lower index first among equals), divided by their sum when
+/// `norm_topk_prob`. Both decoders route with it.
+///
+/// ```
+/// use lifecycle_decoder::route_top_k;
+/// let mut logits = [0.0f32, 2.0, 1.0, 2.0];
+/// let picked = route_top_k(&mut logits, 2, true);
+/// assert_eq!(picked.iter().map(|p| p.0).collect::<Vec<_>>(), vec![1, 3]); // a tie: lower first
+/// assert!((picked[0].1 - 0.5).abs() < 1e-6);
+/// ```
+pub fn route_top_k(logits: &mut [f32], top_k: usize, norm_topk_prob: bool) -> Vec<(usize, f32)> {
+    softmax(logits);
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    order.truncate(top_k);
+    let sum: f32 = order.iter().map(|&e| logits[e]).sum();
+    order
+        .into_iter()
+        .map(|e| {
+            let w = if norm_topk_prob {
+                logits[e] / sum
+            } else {
+                logits[e]
+            };
+            (e, w)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
