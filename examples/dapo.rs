@@ -53,6 +53,7 @@ use lifecycle_examples::gpu_dapo::{
 use lifecycle_examples::lm_policy::{checkpoint_driver, run_checkpoint};
 use lifecycle_examples::prediction;
 use lifecycle_examples::toy_policy::PolicyConfig;
+use lifecycle_layout::ExpertPlacement;
 
 /// Where the loop runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -115,6 +116,10 @@ struct Args {
     #[arg(long, help = help("Rollout tensor-parallel degree (T; on host it must divide --world)",
         DapoConfig::default().tp, LoopOptions::DEFAULTS.tp))]
     tp: Option<usize>,
+    /// Experts of a mixture-of-experts checkpoint (Qwen3-MoE): `tp` splits every expert by
+    /// tensor parallelism, `ep` partitions them over the rollout ranks.
+    #[arg(long, default_value = "tp", value_parser = <ExpertPlacement as std::str::FromStr>::from_str)]
+    experts: ExpertPlacement,
     #[arg(long, help = help("Prompts per rollout call (gen batch)",
         DapoConfig::default().prompts_per_batch, LoopOptions::DEFAULTS.prompts_per_batch))]
     prompts_per_batch: Option<usize>,
@@ -363,6 +368,7 @@ impl Args {
             steps: self.steps.unwrap_or(d.steps),
             world: h.world,
             tp: self.tp.unwrap_or(d.tp),
+            experts: self.experts,
             prompts_per_batch: self.prompts_per_batch.unwrap_or(d.prompts_per_batch),
             group_size: self.group_size.unwrap_or(d.group_size),
             batch_groups: self.batch_groups.unwrap_or(d.batch_groups),
@@ -415,6 +421,7 @@ impl Args {
             gpu: self.fsdp.clone(),
             run: LoopOptions {
                 tp: self.tp.unwrap_or(d.tp),
+                experts: self.experts,
                 checkpoint: self.checkpoint.clone(),
                 lifecycle: self.lifecycle.unwrap_or(d.lifecycle),
                 steps: self.steps.unwrap_or(d.steps),

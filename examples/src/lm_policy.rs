@@ -210,7 +210,7 @@ pub fn run_checkpoint(
 ) -> Result<RunReport, DapoError> {
     validate(config)?;
     let model = checkpoint.config.clone();
-    let layout = model.rollout_layout(config.tp)?;
+    let layout = model.rollout_layout_with(config.tp, config.experts)?;
     let state = HostTrainState::from_tensors(config.world, checkpoint.tensors.clone())?;
     let engine = CpuDecoderEngine::new(model.clone(), DecoderLayout::Unfused(layout.clone()));
     let mut driver = CheckpointDriver::new(*config, model, String::new());

@@ -275,6 +275,25 @@ pub enum ExpertPlacement {
     Partitioned,
 }
 
+impl std::str::FromStr for ExpertPlacement {
+    type Err = String;
+
+    /// `tp` or `ep`, as [`ExpertPlacement::name`] writes them (command lines).
+    ///
+    /// ```
+    /// use lifecycle_layout::ExpertPlacement;
+    /// assert_eq!("ep".parse::<ExpertPlacement>(), Ok(ExpertPlacement::Partitioned));
+    /// assert!("both".parse::<ExpertPlacement>().unwrap_err().contains("tp or ep"));
+    /// ```
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "tp" => Ok(ExpertPlacement::TensorParallel),
+            "ep" => Ok(ExpertPlacement::Partitioned),
+            other => Err(format!("`{other}`: expected tp or ep")),
+        }
+    }
+}
+
 impl ExpertPlacement {
     /// Its name in messages and on command lines (`tp`, `ep`).
     pub fn name(self) -> &'static str {

@@ -33,7 +33,7 @@ struct Args {
     rollout_tp: usize,
     /// Mixture-of-experts models: `tp` splits every expert by tensor parallelism, `ep`
     /// partitions the experts over the T rollout ranks (each receives only its own experts).
-    #[arg(long, default_value = "tp", value_parser = experts)]
+    #[arg(long, default_value = "tp", value_parser = <ExpertPlacement as std::str::FromStr>::from_str)]
     experts: ExpertPlacement,
     /// Bucket byte budget, MiB.
     #[arg(long, default_value_t = 256)]
@@ -95,14 +95,6 @@ fn rates(args: &Args) -> Result<(LinkRates, RatesSource), String> {
         }
     }
     Ok((r, source))
-}
-
-fn experts(s: &str) -> Result<ExpertPlacement, String> {
-    match s {
-        "tp" => Ok(ExpertPlacement::TensorParallel),
-        "ep" => Ok(ExpertPlacement::Partitioned),
-        other => Err(format!("`{other}`: expected tp or ep")),
-    }
 }
 
 fn offload(s: &str) -> Result<Offload, String> {

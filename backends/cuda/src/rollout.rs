@@ -1,6 +1,8 @@
 //! [`RolloutBuffer`]: the rollout weights every GPU executor produces and every GPU reader (the
 //! decoder, downloads, verification) consumes, whatever training layout they came from.
 
+use std::sync::Arc;
+
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use lifecycle_layout::{HostRollout, RolloutEntry};
@@ -13,7 +15,7 @@ use crate::{CudaError, RankExecutor};
 pub struct RolloutBuffer {
     ranks: Vec<CudaSlice<bf16>>,
     local: Vec<usize>,
-    entries: Vec<Vec<RolloutEntry>>,
+    entries: Arc<Vec<Vec<RolloutEntry>>>,
     len: usize,
 }
 
@@ -46,6 +48,17 @@ impl RolloutBuffer {
         ranks: Vec<CudaSlice<bf16>>,
         local: Vec<usize>,
         entries: Vec<Vec<RolloutEntry>>,
+        len: usize,
+    ) -> Result<Self, CudaError> {
+        Self::per_rank_shared(ranks, local, Arc::new(entries), len)
+    }
+
+    /// As [`RolloutBuffer::per_rank`] with entry lists shared with the caller (a backend that
+    /// keeps them per plan hands them to every rollout without copying them).
+    pub fn per_rank_shared(
+        ranks: Vec<CudaSlice<bf16>>,
+        local: Vec<usize>,
+        entries: Arc<Vec<Vec<RolloutEntry>>>,
         len: usize,
     ) -> Result<Self, CudaError> {
         let bad = CudaError::Invalid;
@@ -95,6 +108,11 @@ impl RolloutBuffer {
     /// layouts with tensors owned by one rank).
     pub fn uniform(&self) -> bool {
         self.entries.windows(2).all(|w| w[0] == w[1])
+    }
+
+    /// Every local rank's entries, in local-rank order.
+    pub fn all_entries(&self) -> &[Vec<RolloutEntry>] {
+        &self.entries
     }
 
     /// The tensors of the `i`-th local rank's buffer, in rollout order (empty past the last).
@@ -161,7 +179,7 @@ impl RolloutBuffer {
             v.truncate(len);
             Ok(v)
         })?;
-        HostRollout::from_rank_flats(&self.entries, flats).ok_or_else(|| {
+        HostRollout::from_rank_flats(&self.entries[..], flats).ok_or_else(|| {
             CudaError::Invalid("a downloaded rollout buffer is shorter than its entries".into())
         })
     }

@@ -5,7 +5,7 @@ use crate::FsdpError;
 use std::sync::{Arc, Mutex};
 
 use lifecycle_cuda::{PinnedPool, ProgramSlot, RankExecutor, ThreadRankPool, Transport};
-use lifecycle_layout::{FsdpLayout, RolloutLayout};
+use lifecycle_layout::{FsdpLayout, RolloutEntry, RolloutLayout};
 
 use lifecycle_layout::fsdp::{BucketConfig, FsdpPlan};
 
@@ -74,6 +74,8 @@ pub struct FsdpBackend {
     /// Per local rank, the step program of the last plan run (its copy tables uploaded once
     /// per plan; the plan is held so its identity cannot be reused).
     pub(crate) programs: Mutex<Vec<ProgramSlot<PlanRef>>>,
+    /// Each local rank's rollout entries of the last plan entered.
+    pub(crate) entries_cache: Mutex<Option<(PlanRef, Arc<Vec<Vec<RolloutEntry>>>)>>,
 }
 
 /// Hashes of the resident rollout weights, per local rank, per chunk of that rank's table.
@@ -106,6 +108,7 @@ impl FsdpBackend {
             batched_casts: true,
             plan_cache: Mutex::new(None),
             programs: Mutex::new(Vec::new()),
+            entries_cache: Mutex::new(None),
             update_kernels: UpdateKernelCache::default(),
             verify: false,
             rollout_sums: None,

@@ -2,7 +2,7 @@
 
 use crate::backend::FsdpBackend;
 use crate::FsdpError;
-use lifecycle_layout::{plan_fsdp_to_tp, RolloutEntry};
+use lifecycle_layout::plan_fsdp_to_tp;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -100,7 +100,7 @@ impl Reshard for FsdpBackend {
             self.record_rollout_sums(&rolls, &entries)?;
         }
         self.finish_offload(state, ctx, &mut moved)?;
-        Ok(RolloutBuffer::per_rank(
+        Ok(RolloutBuffer::per_rank_shared(
             rolls,
             self.pool.local_ranks().to_vec(),
             entries,
@@ -138,9 +138,7 @@ impl Reshard for FsdpBackend {
         let mut moved = self.transfer(plan, state, rollout.buffers_mut(), ctx.memory, tracing)?;
         record_transfer(ctx, &moved, start);
         if self.verify {
-            let entries: Vec<Vec<RolloutEntry>> = (0..rollout.local_ranks().len())
-                .map(|i| rollout.rank_entries(i).to_vec())
-                .collect();
+            let entries = rollout.all_entries().to_vec();
             self.record_rollout_sums(rollout.buffers(), &entries)?;
         }
         self.finish_offload(state, ctx, &mut moved)

@@ -21,13 +21,26 @@ use crate::state::{FsdpTrainState, RankTrain};
 use crate::verify::{self, Buffer};
 
 impl FsdpBackend {
-    /// Each local rank's rollout entries.
-    pub(crate) fn entries(&self, plan: &FsdpPlan) -> Vec<Vec<RolloutEntry>> {
-        self.pool
-            .local_ranks()
-            .iter()
-            .map(|&r| plan.entries(r))
-            .collect()
+    /// Each local rank's rollout entries, made once per plan and shared by its rollouts.
+    pub(crate) fn entries(&self, plan: &Arc<FsdpPlan>) -> Arc<Vec<Vec<RolloutEntry>>> {
+        let mut cache = self
+            .entries_cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((p, e)) = cache.as_ref() {
+            if Arc::ptr_eq(&p.0, plan) {
+                return e.clone();
+            }
+        }
+        let entries: Arc<Vec<Vec<RolloutEntry>>> = Arc::new(
+            self.pool
+                .local_ranks()
+                .iter()
+                .map(|&r| plan.entries(r))
+                .collect(),
+        );
+        *cache = Some((PlanRef(plan.clone()), entries.clone()));
+        entries
     }
 
     /// Runs the transfer into `rolls` (one per rank), starting the offload copies of `memory`

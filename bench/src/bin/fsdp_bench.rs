@@ -49,7 +49,7 @@ struct Cli {
     model: BenchModel,
     /// Experts of a mixture-of-experts model: tp (split by TP inside every expert) or ep
     /// (partitioned over the rollout ranks).
-    #[arg(long, default_value = "tp", value_parser = parse_experts)]
+    #[arg(long, default_value = "tp", value_parser = <ExpertPlacement as std::str::FromStr>::from_str)]
     experts: ExpertPlacement,
     /// Timed cycles of each figure; the median is reported (0 counts as 1).
     #[arg(long, default_value_t = 5)]
@@ -97,14 +97,6 @@ impl BenchModel {
             BenchModel::Qwen25_7b => "qwen2.5-7b",
             BenchModel::Qwen3_30bA3b => "qwen3-30b-a3b",
         }
-    }
-}
-
-fn parse_experts(s: &str) -> Result<ExpertPlacement, String> {
-    match s {
-        "tp" => Ok(ExpertPlacement::TensorParallel),
-        "ep" => Ok(ExpertPlacement::Partitioned),
-        other => Err(format!("`{other}`: expected tp or ep")),
     }
 }
 

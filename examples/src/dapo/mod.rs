@@ -20,7 +20,7 @@ use lifecycle_core::{
 };
 use lifecycle_host::megatron::MegatronError;
 use lifecycle_host::{HostBackend, HostError, HostTrainState};
-use lifecycle_layout::HostRollout;
+use lifecycle_layout::{ExpertPlacement, HostRollout};
 
 use crate::rng::SplitMix64;
 use crate::toy_policy::{ForwardError, PolicyConfig, TpGroup};
@@ -85,6 +85,8 @@ pub struct DapoConfig {
     pub trace: bool,
     /// The training layout.
     pub train: HostTrain,
+    /// Experts of a mixture-of-experts checkpoint in the rollout layout.
+    pub experts: ExpertPlacement,
 }
 
 impl Default for DapoConfig {
@@ -112,6 +114,7 @@ impl Default for DapoConfig {
             memory: MemoryPolicy::default(),
             trace: false,
             train: HostTrain::Fsdp,
+            experts: ExpertPlacement::TensorParallel,
         }
     }
 }

@@ -281,7 +281,7 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
     let fork = g.fork_prefill;
     let reports = match a.layout {
         GpuLayout::Fsdp => {
-            let layout = config.rollout_layout(r.tp)?;
+            let layout = config.rollout_layout_with(r.tp, r.experts)?;
             let engine = RunEngine::for_run(&config, &layout, &pool, capacity, fork)?;
             let backend = FsdpBackend::new(Arc::clone(&pool), layout);
             let state = source.initial(&backend)?;

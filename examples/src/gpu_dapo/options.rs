@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::ValueEnum;
 use lifecycle_fsdp::check_adam_params;
-use lifecycle_layout::AdamParams;
+use lifecycle_layout::{AdamParams, ExpertPlacement};
 
 use super::DapoGpuError;
 
@@ -118,6 +118,10 @@ pub struct LoopOptions {
     /// Write each policy's switch timeline as a Chrome / Perfetto trace: PATH.lazy.json, ...
     #[arg(long, value_name = "PATH")]
     pub trace: Option<String>,
+    /// Experts of a mixture-of-experts checkpoint: split by TP inside every expert, or
+    /// partitioned over the rollout ranks.
+    #[arg(skip)]
+    pub experts: ExpertPlacement,
 }
 
 impl LoopOptions {
@@ -137,6 +141,7 @@ impl LoopOptions {
         no_offload: false,
         verbose: false,
         trace: None,
+        experts: ExpertPlacement::TensorParallel,
     };
 }
 
