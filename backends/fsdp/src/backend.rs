@@ -75,8 +75,11 @@ pub struct FsdpBackend {
     /// per plan; the plan is held so its identity cannot be reused).
     pub(crate) programs: Mutex<Vec<ProgramSlot<PlanRef>>>,
     /// Each local rank's rollout entries of the last plan entered.
-    pub(crate) entries_cache: Mutex<Option<(PlanRef, Arc<Vec<Vec<RolloutEntry>>>)>>,
+    pub(crate) entries_cache: Mutex<Option<(PlanRef, RankEntries)>>,
 }
+
+/// Each local rank's rollout entries, shared by the rollouts of one plan.
+pub(crate) type RankEntries = Arc<Vec<Vec<RolloutEntry>>>;
 
 /// Hashes of the resident rollout weights, per local rank, per chunk of that rank's table.
 pub(crate) struct RolloutSums {

@@ -22,7 +22,7 @@ use crate::verify::{self, Buffer};
 
 impl FsdpBackend {
     /// Each local rank's rollout entries, made once per plan and shared by its rollouts.
-    pub(crate) fn entries(&self, plan: &Arc<FsdpPlan>) -> Arc<Vec<Vec<RolloutEntry>>> {
+    pub(crate) fn entries(&self, plan: &Arc<FsdpPlan>) -> crate::backend::RankEntries {
         let mut cache = self
             .entries_cache
             .lock()
@@ -32,7 +32,7 @@ impl FsdpBackend {
                 return e.clone();
             }
         }
-        let entries: Arc<Vec<Vec<RolloutEntry>>> = Arc::new(
+        let entries: crate::backend::RankEntries = Arc::new(
             self.pool
                 .local_ranks()
                 .iter()
