@@ -7,7 +7,6 @@ use crate::backend::PlanRef;
 use crate::FsdpError;
 use half::bf16;
 use lifecycle_layout::fsdp::FsdpPlan;
-use lifecycle_layout::RolloutEntry;
 use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
