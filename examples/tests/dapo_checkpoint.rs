@@ -159,7 +159,10 @@ fn dapo_on_a_qwen3_moe_checkpoint_with_both_expert_placements() {
     let ckpt = load_checkpoint(&dir).unwrap();
     assert!(ckpt.config.moe.is_some());
     let mut groups = Vec::new();
-    for experts in [ExpertPlacement::TensorParallel, ExpertPlacement::Partitioned] {
+    for experts in [
+        ExpertPlacement::TensorParallel,
+        ExpertPlacement::Partitioned,
+    ] {
         let config = DapoConfig {
             experts,
             ..small(2, 2)
@@ -167,7 +170,12 @@ fn dapo_on_a_qwen3_moe_checkpoint_with_both_expert_placements() {
         let lazy = run_checkpoint(&config, &ckpt, Switching::Lazy, |_| {}).unwrap();
         let eager = run_checkpoint(&config, &ckpt, Switching::Eager, |_| {}).unwrap();
         for s in &lazy.steps {
-            assert_eq!((s.switches, s.exits), (1, 1), "{experts:?} lazy step {}", s.step);
+            assert_eq!(
+                (s.switches, s.exits),
+                (1, 1),
+                "{experts:?} lazy step {}",
+                s.step
+            );
         }
         assert_eq!(lazy.groups, eager.groups, "{experts:?}");
         assert!(lazy

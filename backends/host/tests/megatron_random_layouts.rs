@@ -58,7 +58,9 @@ fn case() -> impl Strategy<Value = Case> {
                         hidden,
                         heads,
                         query_groups: 1 << groups_log,
-                        head_dim,
+                        // even head sizes: Megatron-Core needs TP to divide the fused
+                        // linear_qkv's rows, and a rank's chunk may end inside a head
+                        head_dim: 2 * head_dim,
                         ffn: 8 * ffn_k,
                         vocab,
                         layers: pp + extra_layers,

@@ -43,8 +43,8 @@ pub enum MegatronLayoutError {
     /// Neither the query groups nor the TP degree divides the other.
     #[error(
         "{side} tensor-parallel degree {tp} and query groups = {groups} do not divide one another: \
-         kv heads are split across TP ranks when TP divides the groups and replicated when the \
-         groups divide TP; choose a degree among {choices}"
+         kv heads are split across TP ranks when TP divides the groups and shared by TP / groups \
+         ranks when the groups divide TP; choose a degree among {choices}"
     )]
     TpGroups {
         /// `training TP` or `rollout T`.

@@ -16,10 +16,14 @@
 //! - `megatron/core/transformer/attention.py` (`SelfAttention.get_query_key_value_tensors`): the
 //!   local `linear_qkv` output is viewed as `[groups_per_partition, (heads_per_partition /
 //!   groups_per_partition + 2) · head_dim]` and split into `[q heads; k; v]` per group;
-//!   `num_query_groups_per_partition = divide(num_query_groups, TP)`. Megatron-Core itself thus
-//!   requires TP | groups; the case groups | TP (groups < TP) is this crate's extension, as RL
-//!   stacks lay it out: each TP rank holds one group — its `heads / TP` q heads and a replica of
-//!   the group's k and v heads (ranks `g · TP/groups .. (g+1) · TP/groups` share group `g`).
+//!   `num_query_groups_per_partition = divide(num_query_groups, TP)`. When the groups are fewer
+//!   than TP (supported since Megatron-LM #2565, 2025-12), `linear_qkv` stays an ordinary
+//!   column-parallel weight, a plain `1/TP` chunk on dim 0 of the group-interleaved tensor, with
+//!   no k/v replicas; attention all-gathers the activations and each rank picks its group. So a
+//!   rank's chunk may end inside a head ([`qkv_head_row`], [`MegatronLayout::qkv_local_rows`]):
+//!   with 4 heads, 1 group, head dim 16 and TP 2 each rank holds 48 rows (`[q0; q1; q2]` and
+//!   `[q3; k; v]`). An earlier version of this crate gave each rank its q heads plus a copy of
+//!   its group's k and v (`[64, 48]` there); that layout is gone.
 //! - `megatron/core/transformer/mlp.py` (`glu`): `linear_fc1`'s local output is
 //!   `torch.chunk(x, 2, dim=-1)`, first half gate (activated), second half up, so each TP rank
 //!   holds `[its gate rows; its up rows]`.
@@ -30,7 +34,7 @@
 //! The rollout side follows vLLM's `QKVParallelLinear` (`vllm/model_executor/layers/linear.py`,
 //! `weight_loader`): a rank's fused weight is `[q; k; v]` with q at 0, k at `heads_local ·
 //! head_dim`, v after k, and when kv heads are fewer than T, rank `t` loads kv head
-//! `t / (T / kv_heads)` — the same replication rule as the training side above.
+//! `t / (T / kv_heads)` (the rollout side replicates kv heads; the training side does not).
 //!
 //! Every inconsistency is a [`MegatronLayoutError`] naming the parameter and the fix.
 //!
@@ -53,4 +57,6 @@ pub use error::MegatronLayoutError;
 pub use plan::{plan_megatron_to_tp, BucketConfig, MegatronPlan, RankPlan, Transfer};
 pub use rollout::{RolloutKind, RolloutTensorSpec};
 pub use steps::StepShape;
-pub use train::{local_kv_heads, MegatronLayout, ParamKind, ParamSlot, RankCoords};
+pub use train::{
+    local_kv_heads, qkv_head_row, MegatronLayout, ParamKind, ParamSlot, QkvHead, RankCoords,
+};

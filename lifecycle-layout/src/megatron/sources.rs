@@ -5,7 +5,8 @@
 //! (stage, TP rank) location holding it; the DP replicas of each location hold it too.
 
 use super::rollout::{RolloutKind, RolloutTensorSpec};
-use super::train::{local_kv_heads, MegatronLayout, ParamKind};
+use super::train::{local_kv_heads, qkv_head_row, MegatronLayout, ParamKind, QkvHead};
+use crate::ModelSpec;
 
 /// A (stage, TP rank) buffer and an element offset in it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,57 +34,36 @@ fn overlap(a: std::ops::Range<usize>, b: std::ops::Range<usize>) -> Option<(usiz
     (s < e).then(|| (s, e - s))
 }
 
-/// Rows of a q head, a k head or a v head inside one TP rank's `linear_qkv`.
-///
-/// Megatron's fused order (`megatron/core/transformer/attention.py`,
-/// `get_query_key_value_tensors`): the local part is viewed as `[groups_local, (heads_per_group +
-/// 2) · head_dim, hidden]`, each group being its q heads, then its k head, then its v head. When
-/// the groups are fewer than TP, each TP rank holds one group: its own `heads / TP` q heads and a
-/// replica of the group's k and v heads (so `t` in `[g · TP/groups, (g+1) · TP/groups)` all hold
-/// group `g`).
+/// Rows of a q head, a k head or a v head inside the TP ranks' `linear_qkv`: each rank holds a
+/// plain `1/TP` chunk of the full fused tensor ([`qkv_head_row`]), so a head may start on one
+/// rank and end on the next (heads + 2 · groups not a multiple of TP).
 pub(crate) struct QkvRows {
-    heads: usize,
-    groups: usize,
-    head_dim: usize,
-    tp: usize,
+    model: ModelSpec,
+    chunk: usize,
 }
 
 impl QkvRows {
     pub(crate) fn new(layout: &MegatronLayout) -> Self {
-        let m = layout.model();
         QkvRows {
-            heads: m.heads,
-            groups: m.query_groups,
-            head_dim: m.head_dim,
-            tp: layout.tp(),
+            model: *layout.model(),
+            chunk: layout.qkv_local_rows(),
         }
     }
 
-    /// (TP rank, first row) of q head `h`.
-    pub(crate) fn q(&self, h: usize) -> (usize, usize) {
-        let qpg = self.heads / self.groups;
-        if self.groups >= self.tp {
-            let gl = self.groups / self.tp;
-            let g = h / qpg;
-            (g / gl, ((g % gl) * (qpg + 2) + h % qpg) * self.head_dim)
-        } else {
-            let hpr = self.heads / self.tp;
-            (h / hpr, (h % hpr) * self.head_dim)
+    /// The runs of `head`'s `head_dim` rows: (TP rank, first row there, first row of the
+    /// head it covers, rows), in order; one run unless the head crosses a chunk boundary.
+    pub(crate) fn runs(&self, head: QkvHead) -> Vec<(usize, usize, usize, usize)> {
+        let hd = self.model.head_dim;
+        let start = qkv_head_row(&self.model, head) * hd;
+        let mut out = Vec::new();
+        let mut row = start;
+        while row < start + hd {
+            let (tp, local) = (row / self.chunk, row % self.chunk);
+            let len = (self.chunk - local).min(start + hd - row);
+            out.push((tp, local, row - start, len));
+            row += len;
         }
-    }
-
-    /// Every (TP rank, first row) holding the k head of group `g` (`v`: the v head).
-    pub(crate) fn kv(&self, g: usize, v: bool) -> Vec<(usize, usize)> {
-        let qpg = self.heads / self.groups;
-        let shift = usize::from(v) * self.head_dim;
-        if self.groups >= self.tp {
-            let gl = self.groups / self.tp;
-            vec![(g / gl, ((g % gl) * (qpg + 2) + qpg) * self.head_dim + shift)]
-        } else {
-            let rpg = self.tp / self.groups;
-            let row = (self.heads / self.tp) * self.head_dim + shift;
-            (g * rpg..(g + 1) * rpg).map(|t| (t, row)).collect()
-        }
+        out
     }
 }
 
@@ -169,24 +149,25 @@ pub(crate) fn wants(
             let off = slot_offset(layer_stage, kind, spec.layer);
             let hd = m.head_dim;
             let rows = QkvRows::new(train);
-            let head = |dst_row: usize, locs: Vec<(usize, usize)>| Want {
-                dst_offset: dst_row * cols,
-                dst_pitch: cols,
-                src_pitch: cols,
-                rows: hd,
-                cols,
-                locs: locs
-                    .into_iter()
-                    .map(|(tau, row)| Loc {
-                        stage: layer_stage,
-                        tp: tau,
-                        offset: off + row * cols,
-                    })
-                    .collect(),
+            let mut head = |dst_row: usize, which: QkvHead| {
+                for (tau, row, within, n) in rows.runs(which) {
+                    out.push(Want {
+                        dst_offset: (dst_row + within) * cols,
+                        dst_pitch: cols,
+                        src_pitch: cols,
+                        rows: n,
+                        cols,
+                        locs: vec![Loc {
+                            stage: layer_stage,
+                            tp: tau,
+                            offset: off + row * cols,
+                        }],
+                    });
+                }
             };
             let qh = m.heads / rollout_tp;
             for j in 0..qh {
-                out.push(head(j * hd, vec![rows.q(t * qh + j)]));
+                head(j * hd, QkvHead::Q(t * qh + j));
             }
             let kvl = local_kv_heads(m.query_groups, rollout_tp);
             let g0 = if m.query_groups >= rollout_tp {
@@ -195,10 +176,10 @@ pub(crate) fn wants(
                 t / (rollout_tp / m.query_groups)
             };
             for j in 0..kvl {
-                out.push(head((qh + j) * hd, rows.kv(g0 + j, false)));
+                head((qh + j) * hd, QkvHead::K(g0 + j));
             }
             for j in 0..kvl {
-                out.push(head((qh + kvl + j) * hd, rows.kv(g0 + j, true)));
+                head((qh + kvl + j) * hd, QkvHead::V(g0 + j));
             }
         }
         RolloutKind::O | RolloutKind::Down => {

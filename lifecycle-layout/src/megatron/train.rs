@@ -316,10 +316,23 @@ impl MegatronLayout {
         !self.model.tied_embeddings || self.pp > 1
     }
 
-    /// Rows of the local `linear_qkv` of one TP rank.
+    /// Rows of the local `linear_qkv` of one TP rank: a plain `1/TP` chunk of the full fused
+    /// tensor ([`qkv_head_row`]), as Megatron-Core lays it out. When TP divides the query groups
+    /// the chunk holds whole groups; when the groups are fewer than TP (Megatron-Core since
+    /// Megatron-LM #2565) there are no k/v replicas: with 4 heads, 1 group and TP 2, rank 0 holds
+    /// q heads 0–2 and rank 1 q head 3, k and v.
+    ///
+    /// ```
+    /// use lifecycle_layout::megatron::MegatronLayout;
+    /// use lifecycle_layout::ModelSpec;
+    /// let model = ModelSpec { heads: 4, query_groups: 1, head_dim: 16, hidden: 48, ..ModelSpec::tiny() };
+    /// let layout = MegatronLayout::new(model, 2, 1, 1)?;
+    /// assert_eq!(layout.qkv_local_rows(), 48); // (4 + 2) heads of 16 rows, halved
+    /// # Ok::<(), lifecycle_layout::megatron::MegatronLayoutError>(())
+    /// ```
     pub fn qkv_local_rows(&self) -> usize {
         let m = &self.model;
-        (m.heads / self.tp + 2 * local_kv_heads(m.query_groups, self.tp)) * m.head_dim
+        (m.heads + 2 * m.query_groups) * m.head_dim / self.tp
     }
 
     fn build_slots(&self, stage: usize) -> Vec<ParamSlot> {
@@ -416,9 +429,42 @@ impl MegatronLayout {
     }
 }
 
-/// kv heads one TP rank holds at degree `tp`: `groups / tp`, or 1 (replicated) when `groups < tp`.
+/// kv heads one rank of the fused rollout layout holds at degree `tp`: `groups / tp`, or 1
+/// (replicated, as vLLM does) when `groups < tp`. The Megatron training layout has no replicas:
+/// see [`MegatronLayout::qkv_local_rows`].
 pub fn local_kv_heads(groups: usize, tp: usize) -> usize {
     (groups / tp).max(1)
+}
+
+/// A head of the fused `linear_qkv`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkvHead {
+    /// Query head `h`.
+    Q(usize),
+    /// The key head of query group `g`.
+    K(usize),
+    /// The value head of query group `g`.
+    V(usize),
+}
+
+/// The first row, in units of `head_dim` rows, of `head` in the full (unsharded) fused
+/// `linear_qkv` of Megatron-Core: the query groups in order, each its q heads, then its k head,
+/// then its v head (`megatron/core/transformer/attention.py`, `get_query_key_value_tensors`).
+///
+/// ```
+/// use lifecycle_layout::megatron::{qkv_head_row, QkvHead};
+/// use lifecycle_layout::ModelSpec;
+/// let m = ModelSpec::tiny(); // 8 heads in 2 groups: [q0..q3, k0, v0, q4..q7, k1, v1]
+/// assert_eq!(qkv_head_row(&m, QkvHead::Q(5)), 7);
+/// assert_eq!(qkv_head_row(&m, QkvHead::V(0)), 5);
+/// ```
+pub fn qkv_head_row(model: &ModelSpec, head: QkvHead) -> usize {
+    let qpg = model.heads_per_group();
+    match head {
+        QkvHead::Q(h) => (h / qpg) * (qpg + 2) + h % qpg,
+        QkvHead::K(g) => g * (qpg + 2) + qpg,
+        QkvHead::V(g) => g * (qpg + 2) + qpg + 1,
+    }
 }
 
 /// Checks the head, group and ffn splits for a TP degree (`side`: `training TP` / `rollout T`).
@@ -452,6 +498,16 @@ pub(crate) fn check_tp(
             tp,
             groups: g,
             choices: choices.join(", "),
+        });
+    }
+    let fused_rows = (model.heads + 2 * g) * model.head_dim;
+    if side == "training TP" && !fused_rows.is_multiple_of(tp) {
+        return Err(MegatronLayoutError::NotDivisible {
+            side,
+            what: "rows of the fused linear_qkv ((heads + 2 · query groups) · head dim)",
+            size: fused_rows,
+            tp,
+            param: qkv,
         });
     }
     if !model.ffn.is_multiple_of(tp) {

@@ -9,7 +9,7 @@ use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 
 use super::error::MegatronError;
 use super::state::MegatronTrainState;
-use lifecycle_layout::megatron::{MegatronLayout, ParamKind, RolloutKind};
+use lifecycle_layout::megatron::{qkv_head_row, MegatronLayout, ParamKind, QkvHead, RolloutKind};
 use lifecycle_layout::RolloutLayout;
 use lifecycle_layout::{hf, ModelSpec};
 
@@ -117,30 +117,23 @@ fn rebuild_one<'a>(
                 (ParamKind::Qkv, h)
             };
             let head = hd * cols;
-            // Each TP rank's linear_qkv viewed as [local groups][q heads of the group, k, v].
-            let (local_groups, local_q) = if m.query_groups >= tp {
-                (m.query_groups / tp, m.heads_per_group())
-            } else {
-                (1, m.heads / tp)
-            };
-            let block = (local_q + 2) * head;
-            let mut v = Vec::new();
+            // The TP chunks concatenated are the full fused tensor: per query group its q
+            // heads, its k head, its v head.
+            let mut fused = Vec::new();
             for t in 0..tp {
-                let w = get(t, kind)?;
-                for g in 0..local_groups {
-                    let b = &w[g * block..(g + 1) * block];
-                    if suffix.starts_with("self_attn.q_proj") {
-                        v.extend_from_slice(&b[..local_q * head]);
-                    } else {
-                        // With replicated kv heads, only the first replica of each group counts.
-                        let first_replica = m.query_groups >= tp || t % (tp / m.query_groups) == 0;
-                        if first_replica {
-                            let k_or_v = usize::from(suffix.starts_with("self_attn.v_proj"));
-                            let s = (local_q + k_or_v) * head;
-                            v.extend_from_slice(&b[s..s + head]);
-                        }
-                    }
-                }
+                fused.extend_from_slice(get(t, kind)?);
+            }
+            let heads: Vec<QkvHead> = if suffix.starts_with("self_attn.q_proj") {
+                (0..m.heads).map(QkvHead::Q).collect()
+            } else if suffix.starts_with("self_attn.k_proj") {
+                (0..m.query_groups).map(QkvHead::K).collect()
+            } else {
+                (0..m.query_groups).map(QkvHead::V).collect()
+            };
+            let mut v = Vec::with_capacity(heads.len() * head);
+            for h in heads {
+                let at = qkv_head_row(m, h) * head;
+                v.extend_from_slice(&fused[at..at + head]);
             }
             v
         }

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use lifecycle_layout::hf;
-use lifecycle_layout::megatron::{MegatronLayout, ParamKind, ParamSlot};
+use lifecycle_layout::megatron::{qkv_head_row, MegatronLayout, ParamKind, ParamSlot, QkvHead};
 
 /// Full fp32 values by Hugging Face name.
 pub(crate) type FullTensors<'a> = HashMap<&'a str, &'a [f32]>;
@@ -65,26 +65,22 @@ fn fill_slot(
             };
             let [q, k, v] = names.map(|n| get(full, &layer(n)));
             let head_len = m.head_dim * cols;
-            let mut out: Vec<f32> = Vec::with_capacity(dst.len());
-            let qpg = m.heads_per_group();
-            // Per local query group: its q heads, its k head, its v head.
-            let groups: Vec<(usize, std::ops::Range<usize>)> = if m.query_groups >= n_tp {
-                let gl = m.query_groups / n_tp;
-                (tp * gl..(tp + 1) * gl)
-                    .map(|g| (g, g * qpg..(g + 1) * qpg))
-                    .collect()
-            } else {
-                let hpr = m.heads / n_tp;
-                vec![(tp / (n_tp / m.query_groups), tp * hpr..(tp + 1) * hpr)]
+            // The full fused tensor (per query group: its q heads, its k head, its v head), of
+            // which this rank holds the tp-th 1/TP chunk.
+            let mut fused = vec![0.0f32; (m.heads + 2 * m.query_groups) * head_len];
+            let mut put = |head: QkvHead, src: &[f32], i: usize| {
+                let at = qkv_head_row(m, head) * head_len;
+                fused[at..at + head_len].copy_from_slice(&src[i * head_len..(i + 1) * head_len]);
             };
-            for (g, q_heads) in groups {
-                for qh in q_heads {
-                    out.extend_from_slice(&q[qh * head_len..(qh + 1) * head_len]);
-                }
-                out.extend_from_slice(&k[g * head_len..(g + 1) * head_len]);
-                out.extend_from_slice(&v[g * head_len..(g + 1) * head_len]);
+            for h in 0..m.heads {
+                put(QkvHead::Q(h), q, h);
             }
-            dst.copy_from_slice(&out);
+            for g in 0..m.query_groups {
+                put(QkvHead::K(g), k, g);
+                put(QkvHead::V(g), v, g);
+            }
+            let chunk = dst.len();
+            dst.copy_from_slice(&fused[tp * chunk..(tp + 1) * chunk]);
         }
         ParamKind::Proj | ParamKind::Fc2 => {
             let (name, full_cols) = if slot.kind == ParamKind::Proj {

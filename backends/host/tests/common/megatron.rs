@@ -27,7 +27,9 @@ pub fn model(groups: usize, tied: bool) -> ModelSpec {
         hidden: 8,
         heads: 8,
         query_groups: groups,
-        head_dim: 2,
+        // 4 rows per head: at TP 8 with one group a rank's 1/8 of the fused linear_qkv (40
+        // rows) ends inside a head, as Megatron-Core's plain chunks do
+        head_dim: 4,
         ffn: 16,
         vocab: 37,
         layers: 4,
