@@ -88,7 +88,16 @@ fn simulate(plan: &FsdpPlan, state: &HostTrainState, peer: bool) -> Vec<Vec<bf16
 }
 
 fn check(world: usize, tp: usize, bucket_bytes: u64, mode: GatherMode) {
-    let specs = specs(tp);
+    check_specs(specs(tp), world, tp, bucket_bytes, mode);
+}
+
+fn check_specs(
+    specs: Vec<TensorSpec>,
+    world: usize,
+    tp: usize,
+    bucket_bytes: u64,
+    mode: GatherMode,
+) {
     let state = host_state(world, &specs);
     let layout = RolloutLayout::new(tp, specs.clone()).expect("layout");
     let core = plan_fsdp_to_tp(state.layout(), &layout).expect("plan");
@@ -302,5 +311,48 @@ fn a_program_missing_a_wait_is_caught() {
         let caught = (0..64)
             .any(|seed| run_programs(&broken, &sources, seed).map_or(true, |out| out != good));
         assert!(caught, "dropping the wait before a {role} went unnoticed");
+    }
+}
+
+/// A small Qwen3-MoE model (q/k norms, a dense layer and a layer of 4 experts with a router) with
+/// its experts split by TP and partitioned over the ranks: the step programs against the
+/// reference at W ≤ 4 (W = 3: uneven FSDP shards of every expert), every T, every gather mode.
+#[test]
+fn qwen3_moe_plans_match_reference_for_both_expert_placements() {
+    use lifecycle_layout::{ExpertPlacement, ModelSpec};
+    let m = ModelSpec {
+        vocab: 40,
+        moe: ModelSpec::tiny_moe()
+            .moe
+            .map(|e| lifecycle_layout::MoeSpec { ffn: 8, ..e }),
+        ..ModelSpec::tiny_moe()
+    };
+    let experts = m.moe.map_or(0, |e| e.experts);
+    for world in [1, 2, 3, 4] {
+        // T dividing W and the model's heads (8) and experts (4)
+        for tp in [1, 2, 4].into_iter().filter(|t| world % t == 0) {
+            for placement in [
+                ExpertPlacement::TensorParallel,
+                ExpertPlacement::Partitioned,
+            ] {
+                let specs = RolloutLayout::from_hf_names(tp, m.hf_tensors())
+                    .expect("layout")
+                    .tensors()
+                    .to_vec();
+                let specs = placement.apply(specs, experts, tp).expect("placement");
+                if placement == ExpertPlacement::Partitioned && tp > 1 {
+                    assert!(specs
+                        .iter()
+                        .any(|s| matches!(s.parallel, Parallel::Owned { rank } if rank == tp - 1)));
+                }
+                for mode in [
+                    GatherMode::SendRecv,
+                    GatherMode::AllGather,
+                    GatherMode::Packed,
+                ] {
+                    check_specs(specs.clone(), world, tp, 96, mode);
+                }
+            }
+        }
     }
 }

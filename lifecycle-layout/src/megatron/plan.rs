@@ -376,7 +376,10 @@ mod tests {
                 // from a neighbour, and nothing else crosses
                 let qkv_layer = (m.heads + 2 * m.query_groups) * m.head_dim * m.hidden;
                 let bound = 2 * m.layers * tp * qkv_layer * 2; // bf16, both bias and weight
-                assert!(plan.remote_bytes() > 0 && plan.remote_bytes() < bound as u64, "TP {tp}");
+                assert!(
+                    plan.remote_bytes() > 0 && plan.remote_bytes() < bound as u64,
+                    "TP {tp}"
+                );
             }
         }
     }

@@ -92,6 +92,57 @@ fn compare(got: &[f32], want: &[f32]) -> (f32, f32) {
     (err, 1e-3 + 1e-3 * scale)
 }
 
+/// `dec` on the fixture `cases`: prefill logits of every position and the decode-step logits fed
+/// with the reference greedy tokens, each within [`compare`]'s tolerance, then free-running
+/// greedy generation; a miss is pushed to `failures` (named by `tag`). Returns the largest error
+/// relative to its tolerance, that tolerance, and whether the greedy tokens were equal.
+fn against_references(
+    dec: &mut GpuDecoder<'_>,
+    cases: &[Value],
+    tag: &str,
+    failures: &mut Vec<String>,
+) -> Result<(f32, f32, bool), Box<dyn std::error::Error>> {
+    let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
+    let greedy: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["greedy_tokens"])).collect();
+    let (mut worst, mut worst_tol, mut worst_ratio) = (0.0f32, 0.0f32, 0.0f32);
+    let mut check = |what: String, got: &[f32], want: &[f32]| {
+        let (err, tol) = compare(got, want);
+        if err / tol > worst_ratio {
+            (worst, worst_tol, worst_ratio) = (err, tol, err / tol);
+        }
+        if err > tol || err.is_nan() {
+            failures.push(format!("{what}: max |error| {err} > tolerance {tol}"));
+        }
+    };
+    let prefill = dec.prefill(&prompts, PrefillLogits::All)?;
+    for (i, c) in cases.iter().enumerate() {
+        check(
+            format!("{tag} prompt {i} prefill"),
+            &prefill[i],
+            &floats(&c["prefill_logits"]),
+        );
+    }
+    let steps = greedy[0].len();
+    for k in 0..steps {
+        let feed: Vec<u32> = greedy.iter().map(|g| g[k]).collect();
+        let logits = dec.decode_step(&feed)?;
+        for (i, c) in cases.iter().enumerate() {
+            check(
+                format!("{tag} prompt {i} decode step {k}"),
+                &logits[i],
+                &floats(&c["decode_logits"][k]),
+            );
+        }
+    }
+    // greedy on the device
+    let out = dec.generate(&prompts, &Sampling::greedy(steps))?;
+    let same = out == greedy;
+    if !same {
+        failures.push(format!("{tag}: greedy tokens {out:?} != {greedy:?}"));
+    }
+    Ok((worst, worst_tol, same))
+}
+
 fn oracle(tp: usize) -> Res {
     require_gpus(tp)?;
     let text = std::fs::read_to_string(fixtures().join("references.json"))?;
@@ -107,46 +158,9 @@ fn oracle(tp: usize) -> Res {
         let session = gm.lifecycle_mut().rollout()?;
         let weights = session.weights();
         let mut dec = GpuDecoder::new(&config, session.backend(), weights.get())?;
-        let (mut worst, mut worst_tol, mut worst_ratio) = (0.0f32, 0.0f32, 0.0f32);
-        let mut check = |what: String, got: &[f32], want: &[f32]| {
-            let (err, tol) = compare(got, want);
-            if err / tol > worst_ratio {
-                (worst, worst_tol, worst_ratio) = (err, tol, err / tol);
-            }
-            if err > tol || err.is_nan() {
-                failures.push(format!("{what}: max |error| {err} > tolerance {tol}"));
-            }
-        };
-        let prefill = dec.prefill(&prompts, PrefillLogits::All)?;
-        for (i, c) in cases.iter().enumerate() {
-            check(
-                format!("{name} T={tp} prompt {i} prefill"),
-                &prefill[i],
-                &floats(&c["prefill_logits"]),
-            );
-        }
-        let greedy: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["greedy_tokens"])).collect();
-        let steps = greedy[0].len();
-        for k in 0..steps {
-            let feed: Vec<u32> = greedy.iter().map(|g| g[k]).collect();
-            let logits = dec.decode_step(&feed)?;
-            for (i, c) in cases.iter().enumerate() {
-                check(
-                    format!("{name} T={tp} prompt {i} decode step {k}"),
-                    &logits[i],
-                    &floats(&c["decode_logits"][k]),
-                );
-            }
-        }
-        // greedy on the device, and greedy through sampled logits (temperature 0 path of the
-        // trait's sampler is the same argmax)
-        let out = dec.generate(&prompts, &Sampling::greedy(steps))?;
-        let same = out == greedy;
-        if !same {
-            failures.push(format!(
-                "{name} T={tp}: greedy tokens {out:?} != {greedy:?}"
-            ));
-        }
+        let tag = format!("{name} T={tp}");
+        let (worst, worst_tol, same) = against_references(&mut dec, cases, &tag, &mut failures)?;
+        let steps = cases[0]["greedy_tokens"].as_array().map_or(0, Vec::len);
         // temperature sampling: same seeding as the CPU decoder, reproducible
         let hot = Sampling {
             temperature: 0.8,
@@ -236,40 +250,7 @@ fn moe_oracle(tp: usize) -> Res {
             let session = lc.rollout()?;
             let weights = session.weights();
             let mut dec = GpuDecoder::new(&ckpt.config, session.backend(), weights.get())?;
-            let mut worst = (0.0f32, 0.0f32);
-            let mut check = |what: String, got: &[f32], want: &[f32]| {
-                let (err, tol) = compare(got, want);
-                if err / tol > worst.0 / worst.1.max(f32::MIN_POSITIVE) {
-                    worst = (err, tol);
-                }
-                if err > tol || err.is_nan() {
-                    failures.push(format!("{what}: max |error| {err} > tolerance {tol}"));
-                }
-            };
-            let prefill = dec.prefill(&prompts, PrefillLogits::All)?;
-            for (i, c) in cases.iter().enumerate() {
-                check(
-                    format!("{tag} prompt {i} prefill"),
-                    &prefill[i],
-                    &floats(&c["prefill_logits"]),
-                );
-            }
-            for k in 0..greedy[0].len() {
-                let feed: Vec<u32> = greedy.iter().map(|g| g[k]).collect();
-                let logits = dec.decode_step(&feed)?;
-                for (i, c) in cases.iter().enumerate() {
-                    let want = floats(&c["decode_logits"][k]);
-                    check(
-                        format!("{tag} prompt {i} decode step {k}"),
-                        &logits[i],
-                        &want,
-                    );
-                }
-            }
-            let out = dec.generate(&prompts, &Sampling::greedy(greedy[0].len()))?;
-            if out != greedy {
-                failures.push(format!("{tag}: greedy tokens {out:?} != {greedy:?}"));
-            }
+            let (err, tol, same) = against_references(&mut dec, cases, &tag, &mut failures)?;
             let hot = Sampling {
                 temperature: 0.8,
                 max_new_tokens: greedy[0].len(),
@@ -287,11 +268,8 @@ fn moe_oracle(tp: usize) -> Res {
                 failures.push(format!("{tag}: sampled {a:?} on the GPU, {c:?} on the CPU"));
             }
             println!(
-                "{tag}: max |logit error| {:.3e} (tolerance there {:.3e}), greedy equal: {}, \
-                 samples equal to the CPU decoder's: {}",
-                worst.0,
-                worst.1,
-                out == greedy,
+                "{tag}: max |logit error| {err:.3e} (tolerance there {tol:.3e}), greedy equal: \
+                 {same}, samples equal to the CPU decoder's: {}",
                 a == c
             );
             runs += 1;

@@ -1,5 +1,7 @@
-//! The CPU decoder against Hugging Face `transformers` (fixtures/make_fixtures.py) at T ∈ {1, 2},
-//! W = T, through the host backend's real switch into the rollout layout.
+//! The CPU decoder against Hugging Face `transformers` (fixtures/make_fixtures.py: Qwen2 / Llama;
+//! fixtures/make_moe_fixtures.py: Qwen3 and Qwen3-MoE, with the experts split by TP and
+//! partitioned over the ranks) at T ∈ {1, 2}, W = T, through the host backend's real switch into
+//! the rollout layout; and the MoE checkpoint and config errors.
 //!
 //! Tolerance: the checkpoints hold f32 weights; the rollout layout holds them rounded to bf16
 //! (round to nearest even), and the references were computed by transformers in f32 *with the
@@ -12,14 +14,34 @@
 use std::path::{Path, PathBuf};
 
 use lifecycle_core::Lifecycle;
-use lifecycle_decoder::{load_checkpoint, CpuDecoder, Decoder, PrefillLogits, Sampling};
+use lifecycle_decoder::{
+    load_checkpoint, save_checkpoint, ConfigStyle, CpuDecoder, Decoder, PrefillLogits, Sampling,
+};
 use lifecycle_host::{HostBackend, HostTrainState};
+use lifecycle_layout::{hf, ExpertPlacement, HostTensor, Parallel, TensorData};
 use serde_json::Value;
 
 const MODELS: [&str; 3] = ["gqa_untied", "tied_vocab61", "kv1_headdim16"];
 
+/// The Qwen3 / Qwen3-MoE fixtures (fixtures/moe, made by fixtures/make_moe_fixtures.py with
+/// transformers 5.17): Qwen3 dense, a per-expert sharded MoE, and a MoE with a dense layer as
+/// `save_pretrained` writes it. The same tolerance holds: their references were computed in f32
+/// with the bf16-rounded weights, and every router margin (the gap between the k-th and
+/// (k+1)-th routing probability) is at least 4e-4, far above the rounding, so the decoder must
+/// pick the same experts.
+const MOE_MODELS: [&str; 3] = ["qwen3_dense", "moe_e4_untied_v61", "moe_e6_tied_dense0"];
+
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+}
+
+fn moe_fixtures() -> PathBuf {
+    fixtures().join("moe")
+}
+
+fn moe_references() -> Value {
+    let text = std::fs::read_to_string(moe_fixtures().join("moe_references.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
 }
 
 fn references() -> Value {
@@ -158,4 +180,272 @@ fn fixture_configs_cover_both_styles_and_the_hard_cases() {
         split(&gqa, "model.layers.0.self_attn.k_proj.weight"),
         Parallel::Column
     );
+}
+
+#[test]
+fn cpu_decoder_matches_transformers_on_qwen3_and_qwen3_moe() {
+    let refs = moe_references();
+    let mut worst = 0.0f32;
+    let mut runs = 0;
+    for name in MOE_MODELS {
+        let model = &refs["models"][name];
+        let ckpt = load_checkpoint(&moe_fixtures().join(name)).unwrap();
+        let cases = model["cases"].as_array().unwrap();
+        let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
+        let placements: &[ExpertPlacement] = if ckpt.config.moe.is_some() {
+            &[
+                ExpertPlacement::TensorParallel,
+                ExpertPlacement::Partitioned,
+            ]
+        } else {
+            &[ExpertPlacement::TensorParallel]
+        };
+        for tp in [1, 2] {
+            for &placement in placements {
+                let what = |s: String| format!("{name} T={tp} experts={}: {s}", placement.name());
+                let layout = ckpt.config.rollout_layout_with(tp, placement).unwrap();
+                let state = HostTrainState::from_tensors(tp, ckpt.tensors.clone()).unwrap();
+                let mut lc = Lifecycle::new(HostBackend::new(layout.clone()), state);
+                let session = lc.rollout().unwrap();
+                let weights = session.weights();
+                if placement == ExpertPlacement::Partitioned && tp == 2 {
+                    // each rank received its own experts and none of the others
+                    let e = ckpt.config.moe.unwrap().experts;
+                    let l = (0..ckpt.config.num_layers)
+                        .find(|&l| ckpt.config.model_spec(128).moe_layer(l))
+                        .unwrap();
+                    for (rank, r) in weights.ranks.iter().enumerate() {
+                        for x in 0..e {
+                            let held = r.tensor(&hf::expert(l, x, hf::EXPERT_UP)).is_some();
+                            assert_eq!(
+                                held,
+                                x / (e / 2) == rank,
+                                "{}",
+                                what(format!("expert {x}"))
+                            );
+                        }
+                    }
+                }
+                let group: Vec<_> = weights.ranks.iter().collect();
+                let mut dec = CpuDecoder::new(&ckpt.config, &layout, &group).unwrap();
+                let prefill = dec.prefill(&prompts, PrefillLogits::All).unwrap();
+                for (i, c) in cases.iter().enumerate() {
+                    let w = what(format!("prompt {i} prefill"));
+                    worst = worst.max(compare(&w, &prefill[i], &floats(&c["prefill_logits"])));
+                }
+                let greedy: Vec<Vec<u32>> =
+                    cases.iter().map(|c| tokens(&c["greedy_tokens"])).collect();
+                let steps = greedy[0].len();
+                for k in 0..steps {
+                    let feed: Vec<u32> = greedy.iter().map(|g| g[k]).collect();
+                    let logits = dec.decode_step(&feed).unwrap();
+                    for (i, c) in cases.iter().enumerate() {
+                        let w = what(format!("prompt {i} decode step {k}"));
+                        let want = floats(&c["decode_logits"][k]);
+                        worst = worst.max(compare(&w, &logits[i], &want));
+                    }
+                }
+                let out = dec.generate(&prompts, &Sampling::greedy(steps)).unwrap();
+                assert_eq!(out, greedy, "{}", what("greedy tokens".into()));
+                runs += 1;
+            }
+        }
+    }
+    assert_eq!(runs, 2 + 4 + 4);
+    println!("max |logit error| over Qwen3 / Qwen3-MoE, T = 1 and 2, both placements: {worst:e}");
+}
+
+#[test]
+fn fixtures_cover_sharded_per_expert_and_dense_layers() {
+    let e4 = load_checkpoint(&moe_fixtures().join("moe_e4_untied_v61")).unwrap();
+    let e6 = load_checkpoint(&moe_fixtures().join("moe_e6_tied_dense0")).unwrap();
+    let dense = load_checkpoint(&moe_fixtures().join("qwen3_dense")).unwrap();
+    for dir in ["moe_e4_untied_v61", "moe_e6_tied_dense0", "qwen3_dense"] {
+        assert!(moe_fixtures()
+            .join(dir)
+            .join("model.safetensors.index.json")
+            .exists());
+    }
+    let m4 = e4.config.moe.unwrap();
+    assert_eq!(
+        (m4.experts, m4.top_k, m4.ffn, m4.norm_topk_prob),
+        (4, 2, 24, true)
+    );
+    let m6 = e6.config.moe.unwrap();
+    // transformers 5.17 writes the expert count as num_local_experts
+    assert_eq!((m6.experts, m6.norm_topk_prob), (6, false));
+    assert_eq!(m6.dense_layers.layers(), vec![0]);
+    let spec = e6.config.model_spec(128);
+    assert!(!spec.moe_layer(0) && spec.moe_layer(1) && spec.moe_layer(2));
+    assert!(dense.config.qk_norm && dense.config.moe.is_none());
+    assert_eq!((dense.config.head_dim, dense.config.hidden_size), (16, 32));
+    assert!(e6.config.tie_word_embeddings && !e4.config.tie_word_embeddings);
+}
+
+/// The per-expert tensors of `tensors` stacked as transformers 5 holds them in memory.
+fn stacked(tensors: &[HostTensor], layers: usize, experts: usize) -> Vec<HostTensor> {
+    let f32s = |t: &HostTensor| match &t.data {
+        TensorData::F32(v) => v.clone(),
+        other => panic!("{} is {other:?}", t.name),
+    };
+    let find = |n: &str| tensors.iter().find(|t| t.name == n);
+    let mut out: Vec<HostTensor> = tensors
+        .iter()
+        .filter(|t| hf::parse_expert(&t.name).is_none())
+        .cloned()
+        .collect();
+    for l in 0..layers {
+        let Some(g0) = find(&hf::expert(l, 0, hf::EXPERT_GATE)) else {
+            continue;
+        };
+        let (f, h) = (g0.shape[0], g0.shape[1]);
+        let mut gate_up = Vec::new();
+        let mut down = Vec::new();
+        for e in 0..experts {
+            gate_up.extend(f32s(find(&hf::expert(l, e, hf::EXPERT_GATE)).unwrap()));
+            gate_up.extend(f32s(find(&hf::expert(l, e, hf::EXPERT_UP)).unwrap()));
+            down.extend(f32s(find(&hf::expert(l, e, hf::EXPERT_DOWN)).unwrap()));
+        }
+        let name = |s: &str| format!("model.layers.{l}.mlp.experts.{s}");
+        out.push(HostTensor::f32(
+            name("gate_up_proj"),
+            vec![experts, 2 * f, h],
+            gate_up,
+        ));
+        out.push(HostTensor::f32(
+            name("down_proj"),
+            vec![experts, h, f],
+            down,
+        ));
+    }
+    out
+}
+
+#[test]
+fn stacked_expert_checkpoints_load_to_the_same_tensors() {
+    let dir = std::env::temp_dir().join(format!("lc-moe-stacked-{}", std::process::id()));
+    for name in ["moe_e4_untied_v61", "moe_e6_tied_dense0"] {
+        let ckpt = load_checkpoint(&moe_fixtures().join(name)).unwrap();
+        let moe = ckpt.config.moe.unwrap();
+        let tensors = stacked(&ckpt.tensors, ckpt.config.num_layers, moe.experts);
+        save_checkpoint(&dir, &ckpt.config, &tensors, ConfigStyle::V5).unwrap();
+        let back = load_checkpoint(&dir).unwrap();
+        assert_eq!(back.tensors, ckpt.tensors, "{name}");
+        // a stack of the wrong shape is named in the error
+        let mut bad = tensors.clone();
+        let i = bad
+            .iter()
+            .position(|t| t.name.ends_with("experts.down_proj"))
+            .unwrap();
+        bad[i].shape[0] -= 1;
+        bad[i].data = TensorData::F32(vec![0.0; bad[i].shape.iter().product()]);
+        save_checkpoint(&dir, &ckpt.config, &bad, ConfigStyle::V5).unwrap();
+        let err = load_checkpoint(&dir).unwrap_err().to_string();
+        assert!(err.contains("experts.down_proj"), "{err}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn moe_configs_and_layouts_refuse_bad_input_with_the_field_named() {
+    use lifecycle_decoder::ModelConfig;
+    let base = r#""model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 16,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "rope_theta": 10000.0, "moe_intermediate_size": 6"#;
+    let cfg = |extra: &str| ModelConfig::from_json_str(&format!("{{{base}, {extra}}}"));
+    let err = |extra: &str| cfg(extra).unwrap_err().to_string();
+    // top-k larger than the expert count
+    let e = err(r#""num_experts": 4, "num_experts_per_tok": 5"#);
+    assert!(e.contains("num_experts_per_tok") && e.contains("5"), "{e}");
+    // no expert count at all
+    assert!(err(r#""num_experts_per_tok": 2"#).contains("num_experts"));
+    // two spellings that disagree
+    let e = err(r#""num_experts": 4, "num_local_experts": 6, "num_experts_per_tok": 2"#);
+    assert!(e.contains("num_local_experts"), "{e}");
+    // a dense layer past what the set holds, and a malformed list
+    let e = err(r#""num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": [300]"#);
+    assert!(e.contains("mlp_only_layers"), "{e}");
+    let e = err(r#""num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": "0""#);
+    assert!(e.contains("mlp_only_layers"), "{e}");
+    // shared experts are named as unsupported
+    let e =
+        err(r#""num_experts": 4, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 8"#);
+    assert!(e.contains("shared_expert_intermediate_size"), "{e}");
+    // an expert count that T does not divide (expert parallelism) and an expert size that T does
+    // not divide (TP inside every expert), each naming its field
+    let c = cfg(r#""num_experts": 6, "num_experts_per_tok": 2"#).unwrap();
+    let e = c
+        .rollout_layout_with(4, ExpertPlacement::Partitioned)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("num_experts 6"), "{e}");
+    let e = c
+        .rollout_layout_with(4, ExpertPlacement::TensorParallel)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("moe_intermediate_size 6"), "{e}");
+    // the router is replicated, the experts owned, in the EP layout
+    let ep = c
+        .rollout_layout_with(2, ExpertPlacement::Partitioned)
+        .unwrap();
+    let split = |n: &str| ep.tensors().iter().find(|t| t.name == n).unwrap().parallel;
+    assert_eq!(
+        split("model.layers.1.mlp.gate.weight"),
+        Parallel::Replicated
+    );
+    assert_eq!(
+        split("model.layers.1.mlp.experts.5.down_proj.weight"),
+        Parallel::Owned { rank: 1 }
+    );
+    // the Megatron layouts refuse MoE models instead of mis-laying them out
+    let e = c
+        .megatron_layout(lifecycle_decoder::MegatronParallel::new(1, 1, 1))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("mixture-of-experts"), "{e}");
+}
+
+#[test]
+fn missing_and_misshaped_expert_tensors_are_named() {
+    let ckpt = load_checkpoint(&moe_fixtures().join("moe_e4_untied_v61")).unwrap();
+    let dir = std::env::temp_dir().join(format!("lc-moe-missing-{}", std::process::id()));
+    let gone = hf::expert(1, 3, hf::EXPERT_DOWN);
+    let fewer: Vec<_> = ckpt
+        .tensors
+        .iter()
+        .filter(|t| t.name != gone)
+        .cloned()
+        .collect();
+    save_checkpoint(&dir, &ckpt.config, &fewer, ConfigStyle::V5).unwrap();
+    let e = load_checkpoint(&dir).unwrap_err().to_string();
+    assert!(e.contains(&gone) && e.contains("gate_up_proj"), "{e}");
+    // an expert more than num_experts says
+    let mut extra = ckpt.tensors.clone();
+    let mut fifth = extra
+        .iter()
+        .find(|t| t.name == hf::expert(0, 0, hf::EXPERT_UP))
+        .unwrap()
+        .clone();
+    fifth.name = hf::expert(0, 4, hf::EXPERT_UP);
+    extra.push(fifth);
+    save_checkpoint(&dir, &ckpt.config, &extra, ConfigStyle::V5).unwrap();
+    let e = load_checkpoint(&dir).unwrap_err().to_string();
+    assert!(
+        e.contains("experts.4.up_proj") && e.contains("num_experts = 4"),
+        "{e}"
+    );
+    let mut router_bad = ckpt.tensors.clone();
+    let r = router_bad
+        .iter_mut()
+        .find(|t| t.name == hf::layer(0, hf::ROUTER))
+        .unwrap();
+    r.shape = vec![3, 32];
+    r.data = TensorData::F32(vec![0.0; 96]);
+    save_checkpoint(&dir, &ckpt.config, &router_bad, ConfigStyle::V5).unwrap();
+    let e = load_checkpoint(&dir).unwrap_err().to_string();
+    assert!(
+        e.contains("mlp.gate.weight") && e.contains("[4, 32]"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
 }
