@@ -42,6 +42,28 @@ pub enum LayoutError {
         /// Its shape.
         shape: Vec<usize>,
     },
+    /// A value that fp8 quantisation cannot scale.
+    #[error(
+        "tensor `{name}` holds a non-finite value at element {index}: its fp8 block's scale \
+         would be poisoned; fix the training state (a NaN or infinite master weight) before \
+         switching"
+    )]
+    NonFinite {
+        /// The tensor.
+        name: String,
+        /// Element index (row-major).
+        index: usize,
+    },
+    /// A tensor's values do not fill its shape.
+    #[error("tensor `{name}` has {found} values, its shape needs {expected}")]
+    ValueCount {
+        /// The tensor.
+        name: String,
+        /// Values given.
+        found: usize,
+        /// Values the shape needs.
+        expected: usize,
+    },
     /// An owned tensor's rank is not a rank of the rollout group.
     #[error(
         "tensor `{name}` is owned by TP rank {rank}, but the rollout layout has T = {t} ranks \

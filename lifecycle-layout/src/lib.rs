@@ -12,6 +12,8 @@
 //!   planners, executors, decoders and `lifecycle-plan` share, with its Hugging Face names ([`hf`]).
 //! - [`megatron`]: Megatron-Core training layouts, the fused rollout layout, their planner and the
 //!   per-rank schedule.
+//! - [`fp8`]: block-scaled float8 e4m3 (128 × 128 blocks, fp32 `scale_inv`), the format of the
+//!   published fp8 checkpoints, checked bit for bit against PyTorch.
 //! - [`steps`]: the step plans both layouts produce and every executor runs (copies, network
 //!   steps, staging slots), compiled into stream programs.
 //!
@@ -49,6 +51,7 @@
 mod adam;
 mod entry;
 mod error;
+pub mod fp8;
 pub mod fsdp;
 mod host_rollout;
 pub mod megatron;

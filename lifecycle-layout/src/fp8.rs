@@ -1,0 +1,245 @@
+//! Block-scaled float8 e4m3: the rollout weight format of the published fp8 checkpoints
+//! (DeepSeek-V3, Qwen3-FP8): `float8_e4m3fn` weights and one fp32 `weight_scale_inv` per
+//! 128 × 128 block of the 2-D view, dequantised as `fp8 × scale_inv`.
+//!
+//! The block formula (checked bit for bit against PyTorch by `fixtures/fp8/make_fp8_fixtures.py`):
+//! `amax = max |x|` over the block, `scale_inv = amax / 448` (f32), or 1 for an all-zero block,
+//! and every element `e4m3(x / scale_inv)`, rounded to nearest even as PyTorch's
+//! `.to(torch.float8_e4m3fn)` does. Edge blocks are partial. Non-finite values are refused: they
+//! would poison their block's scale.
+//!
+//! ```
+//! use lifecycle_layout::fp8::{quantize_blocks, e4m3_to_f32};
+//! let x: Vec<f32> = (0..6).map(|i| i as f32 - 2.5).collect();
+//! let q = quantize_blocks("w", &x, 2, 3)?;
+//! assert_eq!(q.scale_inv(), &[2.5 / 448.0]);
+//! // dequantised, each value is within e4m3's half-ulp (1/16 relative) of the input
+//! for (b, v) in q.data().iter().zip(&x) {
+//!     let d = e4m3_to_f32(*b) * q.scale_inv()[0];
+//!     assert!((d - v).abs() <= v.abs() / 16.0 + 1e-6);
+//! }
+//! # Ok::<(), lifecycle_layout::LayoutError>(())
+//! ```
+
+use crate::LayoutError;
+
+/// Rows and columns of one scale block.
+pub const FP8_BLOCK: usize = 128;
+
+/// The largest finite e4m3 value.
+pub const E4M3_MAX: f32 = 448.0;
+
+/// `x` as a `float8_e4m3fn` byte, rounded to nearest even; magnitudes above 464 (which round
+/// past 448) and non-finite values give NaN (`0x7f` with the sign), as PyTorch's cast does. The
+/// block formula never scales a value above 448.
+///
+/// ```
+/// use lifecycle_layout::fp8::e4m3_from_f32;
+/// assert_eq!(e4m3_from_f32(1.0), 0x38);
+/// assert_eq!(e4m3_from_f32(448.0), 0x7e);
+/// assert_eq!(e4m3_from_f32(-2f32.powi(-9)), 0x81); // the smallest subnormal
+/// assert_eq!(e4m3_from_f32(500.0), 0x7f);
+/// ```
+pub fn e4m3_from_f32(x: f32) -> u8 {
+    // 480: from here on (and for infinities and NaN) the result is NaN without rounding
+    const NAN_FROM: u32 = 1087 << 20;
+    // 2^-6, the smallest normal e4m3 value
+    const NORMAL_FROM: u32 = 121 << 23;
+    let bits = x.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    let mag = bits & 0x7fff_ffff;
+    let byte = if mag >= NAN_FROM {
+        0x7f
+    } else if mag < NORMAL_FROM {
+        // subnormal: adding 2^14, whose f32 ulp is 2^-9 (the e4m3 subnormal step), rounds the
+        // value to nearest even in steps of 2^-9; the low bits of the sum are then the e4m3
+        // byte (8 steps carrying into the smallest normal, 2^-6 = 0x08)
+        let magic = f32::from_bits(141 << 23);
+        let sum = (f32::from_bits(mag) + magic).to_bits();
+        sum.wrapping_sub(141 << 23) as u8
+    } else {
+        let odd = (mag >> 20) & 1;
+        let rebased = mag
+            .wrapping_add(((7u32).wrapping_sub(127) << 23).wrapping_add(0x7ffff))
+            .wrapping_add(odd);
+        (rebased >> 20) as u8
+    };
+    byte | sign
+}
+
+/// The value of a `float8_e4m3fn` byte (`0x7f` / `0xff` are NaN; there are no infinities).
+///
+/// ```
+/// use lifecycle_layout::fp8::e4m3_to_f32;
+/// assert_eq!(e4m3_to_f32(0x38), 1.0);
+/// assert_eq!(e4m3_to_f32(0xfe), -448.0);
+/// assert!(e4m3_to_f32(0x7f).is_nan());
+/// ```
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let exp = i32::from((b >> 3) & 0x0f);
+    let mant = f32::from(b & 0x07);
+    if b & 0x7f == 0x7f {
+        f32::NAN
+    } else if exp == 0 {
+        sign * mant * 2f32.powi(-9)
+    } else {
+        sign * (1.0 + mant / 8.0) * 2f32.powi(exp - 7)
+    }
+}
+
+/// The `scale_inv` of a block whose largest magnitude is `amax`: `amax / 448`, or 1 for an
+/// all-zero block (whose elements quantise to zero whatever the scale).
+pub fn block_scale_inv(amax: f32) -> f32 {
+    if amax > 0.0 {
+        amax / E4M3_MAX
+    } else {
+        1.0
+    }
+}
+
+/// A 2-D tensor in block-scaled e4m3: `rows × cols` bytes, row-major, and one `scale_inv` per
+/// block (`⌈rows/128⌉ × ⌈cols/128⌉`, row-major). Built only by [`quantize_blocks`], so the sizes
+/// always agree.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockQuantized {
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+    scale_inv: Vec<f32>,
+}
+
+impl BlockQuantized {
+    /// Rows of the 2-D view.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns of the 2-D view.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The e4m3 bytes, row-major.
+    pub fn data(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// One `scale_inv` per block, row-major over the blocks.
+    pub fn scale_inv(&self) -> &[f32] {
+        &self.scale_inv
+    }
+
+    /// Blocks per row and per column: `(⌈rows/128⌉, ⌈cols/128⌉)`.
+    pub fn blocks(&self) -> (usize, usize) {
+        (self.rows.div_ceil(FP8_BLOCK), self.cols.div_ceil(FP8_BLOCK))
+    }
+
+    /// Every element dequantised (`e4m3 × scale_inv`), row-major.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let bc = self.cols.div_ceil(FP8_BLOCK);
+        (0..self.rows * self.cols)
+            .map(|i| {
+                let (r, c) = (i / self.cols, i % self.cols);
+                e4m3_to_f32(self.data[i]) * self.scale_inv[(r / FP8_BLOCK) * bc + c / FP8_BLOCK]
+            })
+            .collect()
+    }
+}
+
+/// Quantises the `rows × cols` f32 values `x` (row-major; `name` names the tensor in errors)
+/// block by block with the formula of the module docs. A non-finite value is
+/// [`LayoutError::NonFinite`], checked before anything is built.
+pub fn quantize_blocks(
+    name: &str,
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+) -> Result<BlockQuantized, LayoutError> {
+    if x.len() != rows * cols {
+        return Err(LayoutError::ValueCount {
+            name: name.to_string(),
+            found: x.len(),
+            expected: rows * cols,
+        });
+    }
+    if let Some(index) = x.iter().position(|v| !v.is_finite()) {
+        return Err(LayoutError::NonFinite {
+            name: name.to_string(),
+            index,
+        });
+    }
+    let (br, bc) = (rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK));
+    let mut amax = vec![0.0f32; br * bc];
+    for (i, v) in x.iter().enumerate() {
+        let b = (i / cols / FP8_BLOCK) * bc + (i % cols) / FP8_BLOCK;
+        amax[b] = amax[b].max(v.abs());
+    }
+    let scale_inv: Vec<f32> = amax.into_iter().map(block_scale_inv).collect();
+    let data = x
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let b = (i / cols / FP8_BLOCK) * bc + (i % cols) / FP8_BLOCK;
+            e4m3_from_f32(v / scale_inv[b])
+        })
+        .collect();
+    Ok(BlockQuantized {
+        rows,
+        cols,
+        data,
+        scale_inv,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_byte_round_trips_and_encoding_rounds_to_nearest_even() {
+        for b in 0..=255u8 {
+            let v = e4m3_to_f32(b);
+            if v.is_nan() {
+                continue;
+            }
+            // -0.0 keeps its sign byte
+            assert_eq!(e4m3_from_f32(v), b, "byte {b:#04x} = {v}");
+        }
+        // halfway between 1.0 (0x38) and 1.125 (0x39): to the even mantissa, 1.0
+        assert_eq!(e4m3_from_f32(1.0625), 0x38);
+        // halfway between 1.125 and 1.25 (0x3a): to 1.25
+        assert_eq!(e4m3_from_f32(1.1875), 0x3a);
+        // 464 is halfway between 448 and 480 (which would be 0x7f, NaN): to even, 448; above
+        // it rounding carries into the NaN pattern, as PyTorch's cast does
+        assert_eq!(e4m3_from_f32(464.0), 0x7e);
+        assert_eq!(e4m3_from_f32(464.5), 0x7f);
+        assert_eq!(e4m3_from_f32(480.0), 0x7f);
+        assert_eq!(e4m3_from_f32(f32::INFINITY), 0x7f);
+        assert_eq!(e4m3_from_f32(f32::NEG_INFINITY), 0xff);
+        // half the smallest subnormal rounds to zero (even), a bit more to the subnormal
+        assert_eq!(e4m3_from_f32(2f32.powi(-10)), 0x00);
+        assert_eq!(e4m3_from_f32(2f32.powi(-10) * 1.01), 0x01);
+    }
+
+    #[test]
+    fn blocks_are_partial_at_the_edges_and_zero_blocks_scale_by_one() {
+        let (rows, cols) = (130, 129);
+        let mut x = vec![0.0f32; rows * cols];
+        x[0] = 2.0; // block (0, 0)
+        x[129 * cols + 128] = -7.0; // block (1, 1): the corner element alone
+        let q = quantize_blocks("w", &x, rows, cols).unwrap();
+        assert_eq!(q.blocks(), (2, 2));
+        assert_eq!(q.scale_inv(), &[2.0 / 448.0, 1.0, 1.0, 7.0 / 448.0]);
+        assert_eq!(q.data()[0], 0x7e);
+        assert_eq!(q.data()[129 * cols + 128], 0xfe);
+        let back = q.dequantize();
+        assert_eq!((back[0], back[129 * cols + 128]), (2.0, -7.0));
+        let mut bad = x.clone();
+        bad[77] = f32::NAN;
+        let err = quantize_blocks("model.layers.0.mlp.up_proj.weight", &bad, rows, cols)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("up_proj") && err.contains("77"), "{err}");
+    }
+}
