@@ -54,6 +54,20 @@ pub enum LayoutError {
         /// Element index (row-major).
         index: usize,
     },
+    /// A rollout slice of an fp8 tensor cuts a 128 × 128 scale block.
+    #[error(
+        "tensor `{name}`: a rank's slice holds rows {rows:?} and columns {cols:?} of its 2-D \
+         view, which cut its 128 x 128 fp8 scale blocks; choose a rollout degree T whose slices \
+         are whole blocks (split dims multiples of 128 x T), or keep the tensor bf16"
+    )]
+    Fp8BlockSplit {
+        /// The tensor.
+        name: String,
+        /// Rows of the slice.
+        rows: std::ops::Range<usize>,
+        /// Columns of the slice.
+        cols: std::ops::Range<usize>,
+    },
     /// A tensor's values do not fill its shape.
     #[error("tensor `{name}` has {found} values, its shape needs {expected}")]
     ValueCount {

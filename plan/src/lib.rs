@@ -236,6 +236,35 @@ pub fn plan_fsdp_experts(
         .collect())
 }
 
+/// What an fp8 rollout (block-scaled e4m3, [`lifecycle_layout::fp8`]) would hold and receive
+/// per rank for the FSDP plan of `world` ranks to degree `tp`, against bf16: one entry per rank.
+/// Blocks that cut a TP slice are an error naming the tensor.
+///
+/// ```
+/// use lifecycle_decoder::ModelConfig;
+/// use lifecycle_layout::ExpertPlacement;
+/// use lifecycle_plan::plan_fsdp_fp8;
+/// let config = ModelConfig::from_json_str(include_str!("../configs/qwen2.5-7b.json"))?;
+/// let ranks = plan_fsdp_fp8(&config, 2, 2, ExpertPlacement::TensorParallel)?;
+/// // the projections halve; the embedding and head (1.09 B of the 7.6 B) stay bf16
+/// let r = ranks[0];
+/// assert!(r.rollout_bytes * 10 < r.rollout_bytes_bf16 * 6 && r.recv_bytes * 2 <= r.recv_bytes_bf16 + 4096);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn plan_fsdp_fp8(
+    config: &ModelConfig,
+    world: usize,
+    tp: usize,
+    experts: ExpertPlacement,
+) -> Result<Vec<lifecycle_layout::fp8::Fp8Traffic>, PlanError> {
+    let train = FsdpLayout::new(world, config.tensor_shapes())?;
+    let rollout = config.rollout_layout_with(tp, experts)?;
+    let core = plan_fsdp_to_tp(&train, &rollout)?;
+    (0..world)
+        .map(|r| Ok(lifecycle_layout::fp8::fp8_rank_traffic(&core, r)?))
+        .collect()
+}
+
 /// The bf16 bytes of the whole model: what each rank would hold after a full gather of every
 /// tensor (the unsharded approach, which materialises the full model on every rank and then
 /// slices it).

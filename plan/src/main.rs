@@ -14,8 +14,8 @@ use lifecycle_core::HumanBytes;
 use lifecycle_decoder::ModelConfig;
 use lifecycle_layout::ExpertPlacement;
 use lifecycle_plan::{
-    full_gather_bytes, job_prediction, plan_fsdp_experts, plan_megatron, LinkRates, Offload,
-    RankCost, RatesSource, TrainLayout,
+    full_gather_bytes, job_prediction, plan_fsdp_experts, plan_fsdp_fp8, plan_megatron, LinkRates,
+    Offload, RankCost, RatesSource, TrainLayout,
 };
 
 /// Print a switch's transfer plan per rank and predict its time, before launching.
@@ -35,6 +35,10 @@ struct Args {
     /// partitions the experts over the T rollout ranks (each receives only its own experts).
     #[arg(long, default_value = "tp", value_parser = <ExpertPlacement as std::str::FromStr>::from_str)]
     experts: ExpertPlacement,
+    /// Rollout weight format: `bf16`, or `fp8` (block-scaled e4m3, 128 x 128 blocks; embeddings,
+    /// head, norms and router stay bf16) to see what each rank would hold and receive (FSDP).
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "fp8"])]
+    rollout_dtype: String,
     /// Bucket byte budget, MiB.
     #[arg(long, default_value_t = 256)]
     bucket_mib: u64,
@@ -224,6 +228,28 @@ fn run(args: &Args) -> Result<(), String> {
         (full - full / ranks.len().max(1) as u64) as f64 / most_recv.max(1) as f64,
         HumanBytes(most_held),
     );
+    if args.rollout_dtype == "fp8" {
+        let TrainLayout::Fsdp { world } = args.train else {
+            return Err("--rollout-dtype fp8 is planned for --train fsdp:W only".into());
+        };
+        let fp8 = plan_fsdp_fp8(&config, world, args.rollout_tp, args.experts)
+            .map_err(|e| e.to_string())?;
+        let most =
+            |f: fn(&lifecycle_layout::fp8::Fp8Traffic) -> u64| fp8.iter().map(f).max().unwrap_or(0);
+        let shared: u64 = fp8.iter().map(|t| t.shared_blocks).sum();
+        let amax: u64 = fp8.iter().map(|t| t.amax_bytes).sum();
+        println!(
+            "fp8 rollout (block-scaled e4m3, 128 x 128 blocks, fp32 scales; embeddings, head, \
+             norms and router bf16): per rank holds at most {} (bf16: {}) and receives at most \
+             {} (bf16: {}); {shared} scale blocks span FSDP shards, agreed by {} of amax messages \
+             before quantising (not timed by the prediction)",
+            HumanBytes(most(|t| t.rollout_bytes)),
+            HumanBytes(most(|t| t.rollout_bytes_bf16)),
+            HumanBytes(most(|t| t.recv_bytes)),
+            HumanBytes(most(|t| t.recv_bytes_bf16)),
+            HumanBytes(amax),
+        );
+    }
     let p = job_prediction(&ranks, &rates);
     println!(
         "predicted (slowest rank): transfer {}, enter {}, exit {}, full switch {}",

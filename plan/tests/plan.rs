@@ -240,3 +240,33 @@ fn moe_bad_input_names_the_field() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("tp or ep"), "{err}");
 }
+
+#[test]
+fn fp8_plans_halve_the_quantised_bytes_and_refuse_split_blocks() {
+    use lifecycle_layout::ExpertPlacement;
+    use lifecycle_plan::plan_fsdp_fp8;
+    let c = qwen7b();
+    let t2 = plan_fsdp_fp8(&c, 2, 2, ExpertPlacement::TensorParallel).unwrap();
+    let bf16 = plan_fsdp(&c, 2, 2, 256 << 20, 2, Offload::NONE).unwrap();
+    // the bf16 side of the fp8 figures is the plan's own
+    assert_eq!(t2[1].recv_bytes_bf16, bf16[1].recv_bytes);
+    assert_eq!(t2[1].rollout_bytes_bf16, bf16[1].rollout_bytes);
+    // what crosses the link is the row-parallel halves: fp8 bytes plus one scale per block
+    assert!(t2[1].recv_bytes * 2 > t2[1].recv_bytes_bf16);
+    assert!(t2[1].recv_bytes * 2 < t2[1].recv_bytes_bf16 + t2[1].recv_bytes_bf16 / 100);
+    // 152064 vocabulary rows, kept bf16, split over T = 2 like the rest
+    let embed = 152_064 * 3584 / 2 * 2;
+    assert!(t2[1].rollout_bytes > (t2[1].rollout_bytes_bf16 - 2 * embed as u64) / 2);
+    // a T whose slices cut 128-row blocks: T = 7 would also split heads, so use a model whose
+    // intermediate size is not a multiple of 128 x 2
+    let text = include_str!("../configs/qwen2.5-7b.json").replace("18944", "18960");
+    let odd = ModelConfig::from_json_str(&text).unwrap();
+    let e = plan_fsdp_fp8(&odd, 2, 2, ExpertPlacement::TensorParallel)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("gate_proj") || e.contains("up_proj") || e.contains("down_proj"),
+        "{e}"
+    );
+    assert!(e.contains("128"), "{e}");
+}
