@@ -445,7 +445,7 @@ impl Reshard for HostBackend {
 }
 
 /// Verification mode: every master weight on the device must be finite.
-fn check_finite(state: &HostTrainState) -> Result<(), HostError> {
+pub(crate) fn check_finite(state: &HostTrainState) -> Result<(), HostError> {
     for (rank, r) in state.ranks.iter().enumerate() {
         for (tensor, shard) in r.shards.iter().enumerate() {
             if let Some(values) = shard.master.on_device() {

@@ -9,6 +9,11 @@
 //!
 //! [`megatron`] is the CPU executor of Megatron-Core training layouts (TP × PP × DP, fused QKV and
 //! gate/up, padded vocabulary, distributed optimizer).
+//!
+//! [`fp8`] makes fp8 rollout weights (block-scaled e4m3) from the FSDP masters as a switch would:
+//! each block's amax agreed between the ranks holding its rows, every piece quantised by its
+//! source; checked against quantising the full tensors. (It is not yet a `Reshard` backend: the
+//! rollout buffers and decoders hold bf16.)
 
 #![warn(missing_docs)]
 
@@ -16,6 +21,7 @@ mod backend;
 mod cast;
 mod checksum;
 mod error;
+pub mod fp8;
 pub mod megatron;
 mod rollout;
 mod state;

@@ -1,0 +1,239 @@
+//! fp8 rollout weights made in the switch on the CPU: the FSDP plan's pieces quantised to
+//! block-scaled e4m3 ([`lifecycle_layout::fp8`]) from the fp32 masters, never from a bf16 copy.
+//!
+//! A block's rows may live on several FSDP ranks. The switch agrees each block's amax without
+//! gathering the block: every source rank computes the partial amax of the rows it holds
+//! ([`partial_amax`]), the partials are combined by max (4-byte messages between the block's
+//! sources, counted by [`lifecycle_layout::fp8::fp8_rank_traffic`]), and each source then
+//! quantises its own rows with the agreed scale, so only fp8 bytes cross the links. Max is exact
+//! in any order, so the result is bit-identical to quantising the full tensor
+//! ([`fp8_reference`]).
+
+use half::bf16;
+use lifecycle_layout::fp8::{block_scale_inv, e4m3_from_f32, fp8_rank_traffic, keeps_bf16};
+use lifecycle_layout::fp8::{quantize_blocks, FP8_BLOCK};
+use lifecycle_layout::{plan_fsdp_to_tp, RolloutLayout, TensorPlan};
+
+use crate::backend::check_finite;
+use crate::{cast_f32_to_bf16, HostError, HostTrainState};
+
+/// One rollout tensor of one rank in an fp8 rollout.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Fp8Tensor {
+    /// A tensor kept bf16 ([`keeps_bf16`]): its slice, row-major.
+    Bf16 {
+        /// Tensor name.
+        name: String,
+        /// Shape of the slice.
+        shape: Vec<usize>,
+        /// Values.
+        data: Vec<bf16>,
+    },
+    /// A quantised tensor: its slice's e4m3 bytes and the `scale_inv` of each of the slice's
+    /// blocks (row-major over the blocks; the blocks are the full tensor's).
+    Fp8 {
+        /// Tensor name.
+        name: String,
+        /// Shape of the slice.
+        shape: Vec<usize>,
+        /// e4m3 bytes, row-major.
+        data: Vec<u8>,
+        /// One per block of the slice.
+        scale_inv: Vec<f32>,
+    },
+}
+
+/// Every rank's fp8 rollout tensors, in rollout order (`ranks[r]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fp8Rollout {
+    /// Per rank.
+    pub ranks: Vec<Vec<Fp8Tensor>>,
+}
+
+/// The fp8 rollout of `state` in `layout`, made as the switch makes it: per destination block,
+/// partial amaxes on the source ranks, combined, then every piece quantised by its source.
+/// Non-finite masters and slices that cut a block are refused before anything is built.
+///
+/// ```
+/// use lifecycle_host::fp8::{fp8_reference, fp8_switch};
+/// use lifecycle_host::HostTrainState;
+/// use lifecycle_layout::{HostTensor, Parallel, RolloutLayout, TensorSpec};
+/// let specs = vec![TensorSpec::new("model.layers.0.mlp.up_proj.weight", [300, 256], Parallel::Column)];
+/// let data = (0..300 * 256).map(|i| ((i * 7919) % 1000) as f32 / 977.0 - 0.5).collect();
+/// let state = HostTrainState::from_tensors(3, vec![HostTensor::f32(specs[0].name.clone(), vec![300, 256], data)])?;
+/// let layout = RolloutLayout::new(1, specs)?;
+/// assert_eq!(fp8_switch(&state, &layout)?, fp8_reference(&state, &layout)?);
+/// # Ok::<(), lifecycle_host::HostError>(())
+/// ```
+pub fn fp8_switch(state: &HostTrainState, layout: &RolloutLayout) -> Result<Fp8Rollout, HostError> {
+    let plan = plan_fsdp_to_tp(state.layout(), layout)?;
+    check_finite(state)?;
+    for r in 0..plan.world {
+        fp8_rank_traffic(&plan, r)?;
+    }
+    let ranks = plan
+        .ranks
+        .iter()
+        .map(|rp| {
+            rp.tensors
+                .iter()
+                .map(|t| {
+                    let spec = &plan.tensors[t.tensor];
+                    if keeps_bf16(&spec.name, &spec.shape) {
+                        Ok(Fp8Tensor::Bf16 {
+                            name: spec.name.clone(),
+                            shape: t.shape.clone(),
+                            data: bf16_slice(state, t),
+                        })
+                    } else {
+                        fp8_slice(state, t, &spec.name)
+                    }
+                })
+                .collect::<Result<Vec<_>, HostError>>()
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(Fp8Rollout { ranks })
+}
+
+/// Blocks of a slice: row and column block counts.
+fn slice_blocks(t: &TensorPlan) -> (usize, usize) {
+    (
+        t.rows.len().div_ceil(FP8_BLOCK),
+        t.cols.len().div_ceil(FP8_BLOCK),
+    )
+}
+
+/// The partial amax, per block of slice `t`, of the rows source rank `src` holds (0 for the
+/// blocks it holds nothing of): what that rank contributes to the agreement.
+pub fn partial_amax(state: &HostTrainState, t: &TensorPlan, src: usize) -> Vec<f32> {
+    let (rb, cb) = slice_blocks(t);
+    let mut amax = vec![0.0f32; rb * cb];
+    let width = state.layout().tensors()[t.train_index]
+        .1
+        .iter()
+        .skip(1)
+        .product::<usize>();
+    for piece in t.pieces.iter().filter(|p| p.src_rank == src) {
+        let shard = &state.ranks[src].shards[t.train_index];
+        let values = shard.master.values();
+        for row in piece.rows.clone() {
+            let base = (row - shard.rows.start) * width;
+            let b_row = (row - t.rows.start) / FP8_BLOCK;
+            for col in piece.cols.clone() {
+                let b = b_row * cb + (col - t.cols.start) / FP8_BLOCK;
+                amax[b] = amax[b].max(values[base + col].abs());
+            }
+        }
+    }
+    amax
+}
+
+fn fp8_slice(state: &HostTrainState, t: &TensorPlan, name: &str) -> Result<Fp8Tensor, HostError> {
+    let (_, cb) = slice_blocks(t);
+    let mut sources: Vec<usize> = t.pieces.iter().map(|p| p.src_rank).collect();
+    sources.sort_unstable();
+    sources.dedup();
+    // the agreement: every source's partials, combined by max
+    let mut amax = vec![0.0f32; slice_blocks(t).0 * cb];
+    for &src in &sources {
+        for (a, p) in amax.iter_mut().zip(partial_amax(state, t, src)) {
+            *a = a.max(p);
+        }
+    }
+    let scale_inv: Vec<f32> = amax.into_iter().map(block_scale_inv).collect();
+    // every source quantises its own rows with the agreed scales
+    let width = state.layout().tensors()[t.train_index]
+        .1
+        .iter()
+        .skip(1)
+        .product::<usize>();
+    let mut data = vec![0u8; t.numel()];
+    for piece in &t.pieces {
+        let shard = &state.ranks[piece.src_rank].shards[t.train_index];
+        let values = shard.master.values();
+        for row in piece.rows.clone() {
+            let base = (row - shard.rows.start) * width;
+            let b_row = (row - t.rows.start) / FP8_BLOCK;
+            for col in piece.cols.clone() {
+                let b = b_row * cb + (col - t.cols.start) / FP8_BLOCK;
+                data[t.dst_offset(row, col)] = e4m3_from_f32(values[base + col] / scale_inv[b]);
+            }
+        }
+    }
+    Ok(Fp8Tensor::Fp8 {
+        name: name.to_string(),
+        shape: t.shape.clone(),
+        data,
+        scale_inv,
+    })
+}
+
+fn bf16_slice(state: &HostTrainState, t: &TensorPlan) -> Vec<bf16> {
+    let width = state.layout().tensors()[t.train_index]
+        .1
+        .iter()
+        .skip(1)
+        .product::<usize>();
+    let mut out = vec![bf16::ZERO; t.numel()];
+    for piece in &t.pieces {
+        let shard = &state.ranks[piece.src_rank].shards[t.train_index];
+        let values = shard.master.values();
+        for row in piece.rows.clone() {
+            let s = (row - shard.rows.start) * width;
+            let d = t.dst_offset(row, piece.cols.start);
+            cast_f32_to_bf16(
+                &values[s + piece.cols.start..s + piece.cols.end],
+                &mut out[d..d + piece.cols.len()],
+            );
+        }
+    }
+    out
+}
+
+/// The independent reference: every full fp32 tensor quantised whole
+/// ([`quantize_blocks`]), then each rank's slice and its blocks cut out.
+pub fn fp8_reference(
+    state: &HostTrainState,
+    layout: &RolloutLayout,
+) -> Result<Fp8Rollout, HostError> {
+    let plan = plan_fsdp_to_tp(state.layout(), layout)?;
+    let ranks = plan
+        .ranks
+        .iter()
+        .map(|rp| {
+            rp.tensors
+                .iter()
+                .map(|t| {
+                    let spec = &plan.tensors[t.tensor];
+                    let full = state.full_master(&spec.name)?;
+                    let (rows, cols) = (spec.rows(), spec.cols());
+                    let cells = t
+                        .rows
+                        .clone()
+                        .flat_map(|r| t.cols.clone().map(move |c| r * cols + c));
+                    if keeps_bf16(&spec.name, &spec.shape) {
+                        return Ok(Fp8Tensor::Bf16 {
+                            name: spec.name.clone(),
+                            shape: t.shape.clone(),
+                            data: cells.map(|i| bf16::from_f32(full[i])).collect(),
+                        });
+                    }
+                    let q = quantize_blocks(&spec.name, &full, rows, cols)?;
+                    let bc_full = cols.div_ceil(FP8_BLOCK);
+                    let rb0 = t.rows.start / FP8_BLOCK;
+                    let cb0 = t.cols.start / FP8_BLOCK;
+                    let (rb, cb) = slice_blocks(t);
+                    Ok(Fp8Tensor::Fp8 {
+                        name: spec.name.clone(),
+                        shape: t.shape.clone(),
+                        data: cells.map(|i| q.data()[i]).collect(),
+                        scale_inv: (0..rb * cb)
+                            .map(|b| q.scale_inv()[(rb0 + b / cb) * bc_full + cb0 + b % cb])
+                            .collect(),
+                    })
+                })
+                .collect::<Result<Vec<_>, HostError>>()
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(Fp8Rollout { ranks })
+}

@@ -1,0 +1,135 @@
+//! The fp8 switch on the CPU (partial amaxes on the source ranks, agreed by max, each piece
+//! quantised by its source) against the independent reference (every full tensor quantised
+//! whole, then sliced): bit for bit over W ≤ 4, T ∈ {1, 2, 4} dividing W, with blocks that span
+//! FSDP shard boundaries (W = 3), partial edge blocks, TP slices of whole blocks, experts owned
+//! by one rank and tensors kept bf16.
+
+use lifecycle_host::fp8::{fp8_reference, fp8_switch, Fp8Tensor};
+use lifecycle_host::HostTrainState;
+use lifecycle_layout::fp8::e4m3_to_f32;
+use lifecycle_layout::{HostTensor, Parallel, RolloutLayout, TensorSpec};
+
+fn specs() -> Vec<TensorSpec> {
+    vec![
+        TensorSpec::new("model.embed_tokens.weight", [40, 256], Parallel::Column),
+        TensorSpec::new(
+            "model.layers.0.self_attn.q_proj.weight",
+            [512, 256],
+            Parallel::Column,
+        ),
+        TensorSpec::new(
+            "model.layers.0.self_attn.o_proj.weight",
+            [260, 512],
+            Parallel::Row,
+        ),
+        TensorSpec::new(
+            "model.layers.0.input_layernorm.weight",
+            [256],
+            Parallel::Replicated,
+        ),
+        TensorSpec::new(
+            "model.layers.0.mlp.gate.weight",
+            [4, 256],
+            Parallel::Replicated,
+        ),
+        TensorSpec::new(
+            "model.layers.0.mlp.experts.0.up_proj.weight",
+            [300, 129],
+            Parallel::Owned { rank: 0 },
+        ),
+        TensorSpec::new(
+            "model.layers.0.mlp.experts.1.up_proj.weight",
+            [300, 129],
+            Parallel::Owned { rank: 0 },
+        ),
+    ]
+}
+
+fn state(world: usize, specs: &[TensorSpec]) -> HostTrainState {
+    let tensors = specs
+        .iter()
+        .enumerate()
+        .map(|(k, s)| {
+            let data = (0..s.numel())
+                .map(|i| {
+                    // magnitudes spread over blocks, signed, some exact zeros
+                    let x = ((i * 2_654_435_761 + k * 97) % 10_007) as f32 / 10_007.0 - 0.5;
+                    let scale = 1.0 + ((i / 128) % 7) as f32 * 3.0;
+                    if i % 53 == 0 {
+                        0.0
+                    } else {
+                        x * scale * 0.01
+                    }
+                })
+                .collect();
+            HostTensor::f32(s.name.clone(), s.shape.clone(), data)
+        })
+        .collect();
+    HostTrainState::from_tensors(world, tensors).unwrap()
+}
+
+#[test]
+fn the_fp8_switch_equals_the_full_tensor_reference() {
+    let mut checked = 0;
+    for world in [1, 2, 3, 4] {
+        for tp in [1, 2, 4].into_iter().filter(|t| world % t == 0) {
+            let mut specs = specs();
+            // the experts partitioned: one per rank where there are two ranks or more
+            specs[6].parallel = Parallel::Owned {
+                rank: tp.min(2) - 1,
+            };
+            let st = state(world, &specs);
+            let layout = RolloutLayout::new(tp, specs).unwrap();
+            let got = fp8_switch(&st, &layout).unwrap();
+            let want = fp8_reference(&st, &layout).unwrap();
+            assert_eq!(got, want, "W={world} T={tp}");
+            // and the values are the masters within e4m3's half-ulp of their block's scale
+            for (r, rank) in got.ranks.iter().enumerate() {
+                for t in rank {
+                    if let Fp8Tensor::Fp8 {
+                        data, scale_inv, ..
+                    } = t
+                    {
+                        assert!(!scale_inv.is_empty() && data.iter().all(|b| b & 0x7f != 0x7f));
+                        let worst = data
+                            .iter()
+                            .map(|b| e4m3_to_f32(*b).abs())
+                            .fold(0.0f32, f32::max);
+                        assert!(worst <= 448.0, "W={world} T={tp} rank {r}");
+                    }
+                }
+            }
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 7);
+}
+
+#[test]
+fn non_finite_masters_and_split_blocks_are_refused_by_name() {
+    let specs = specs();
+    let mut tensors: Vec<HostTensor> = specs
+        .iter()
+        .map(|s| HostTensor::f32(s.name.clone(), s.shape.clone(), vec![0.25; s.numel()]))
+        .collect();
+    if let lifecycle_layout::TensorData::F32(v) = &mut tensors[1].data {
+        v[1000] = f32::INFINITY;
+    }
+    let st = HostTrainState::from_tensors(2, tensors).unwrap();
+    let err = fp8_switch(&st, &RolloutLayout::new(2, specs.clone()).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("q_proj"), "{err}");
+    // T = 4 over the 260 x 512 row-parallel tensor: 128 columns per rank, whole blocks; over a
+    // 384-row column-parallel one at T = 4: 96 rows per rank cut the first block
+    let cut = vec![TensorSpec::new(
+        "model.layers.0.mlp.up_proj.weight",
+        [384, 128],
+        Parallel::Column,
+    )];
+    let st = state(4, &cut);
+    let err = fp8_switch(&st, &RolloutLayout::new(4, cut).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("up_proj") && err.contains("128"), "{err}");
+}
