@@ -15,7 +15,7 @@ use lifecycle_layout::fp8::{quantize_blocks, FP8_BLOCK};
 use lifecycle_layout::{plan_fsdp_to_tp, RolloutLayout, TensorPlan};
 
 use crate::backend::check_finite;
-use crate::{cast_f32_to_bf16, HostError, HostTrainState};
+use crate::{HostError, HostTrainState};
 
 /// One rollout tensor of one rank in an fp8 rollout.
 #[derive(Debug, Clone, PartialEq)]
@@ -95,6 +95,35 @@ pub fn fp8_switch(state: &HostTrainState, layout: &RolloutLayout) -> Result<Fp8R
     Ok(Fp8Rollout { ranks })
 }
 
+/// Calls `f(row, col, value)` for every element of slice `t` that source rank `src` (every
+/// source when `None`) holds, reading its fp32 master shard: what that rank reads in the switch.
+fn each_held(
+    state: &HostTrainState,
+    t: &TensorPlan,
+    src: Option<usize>,
+    mut f: impl FnMut(usize, usize, f32),
+) {
+    let width = state.layout().tensors()[t.train_index]
+        .1
+        .iter()
+        .skip(1)
+        .product::<usize>();
+    for piece in t
+        .pieces
+        .iter()
+        .filter(|p| src.is_none_or(|s| p.src_rank == s))
+    {
+        let shard = &state.ranks[piece.src_rank].shards[t.train_index];
+        let values = shard.master.values();
+        for row in piece.rows.clone() {
+            let base = (row - shard.rows.start) * width;
+            for col in piece.cols.clone() {
+                f(row, col, values[base + col]);
+            }
+        }
+    }
+}
+
 /// Blocks of a slice: row and column block counts.
 fn slice_blocks(t: &TensorPlan) -> (usize, usize) {
     (
@@ -108,24 +137,17 @@ fn slice_blocks(t: &TensorPlan) -> (usize, usize) {
 pub fn partial_amax(state: &HostTrainState, t: &TensorPlan, src: usize) -> Vec<f32> {
     let (rb, cb) = slice_blocks(t);
     let mut amax = vec![0.0f32; rb * cb];
-    let width = state.layout().tensors()[t.train_index]
-        .1
-        .iter()
-        .skip(1)
-        .product::<usize>();
-    for piece in t.pieces.iter().filter(|p| p.src_rank == src) {
-        let shard = &state.ranks[src].shards[t.train_index];
-        let values = shard.master.values();
-        for row in piece.rows.clone() {
-            let base = (row - shard.rows.start) * width;
-            let b_row = (row - t.rows.start) / FP8_BLOCK;
-            for col in piece.cols.clone() {
-                let b = b_row * cb + (col - t.cols.start) / FP8_BLOCK;
-                amax[b] = amax[b].max(values[base + col].abs());
-            }
-        }
-    }
+    each_held(state, t, Some(src), |row, col, v| {
+        let b = block_of(t, cb, row, col);
+        amax[b] = amax[b].max(v.abs());
+    });
     amax
+}
+
+/// The index of the block of slice `t` (`cb` blocks per row) holding element (`row`, `col`) of
+/// the full tensor.
+fn block_of(t: &TensorPlan, cb: usize, row: usize, col: usize) -> usize {
+    (row - t.rows.start) / FP8_BLOCK * cb + (col - t.cols.start) / FP8_BLOCK
 }
 
 fn fp8_slice(state: &HostTrainState, t: &TensorPlan, name: &str) -> Result<Fp8Tensor, HostError> {
@@ -142,24 +164,10 @@ fn fp8_slice(state: &HostTrainState, t: &TensorPlan, name: &str) -> Result<Fp8Te
     }
     let scale_inv: Vec<f32> = amax.into_iter().map(block_scale_inv).collect();
     // every source quantises its own rows with the agreed scales
-    let width = state.layout().tensors()[t.train_index]
-        .1
-        .iter()
-        .skip(1)
-        .product::<usize>();
     let mut data = vec![0u8; t.numel()];
-    for piece in &t.pieces {
-        let shard = &state.ranks[piece.src_rank].shards[t.train_index];
-        let values = shard.master.values();
-        for row in piece.rows.clone() {
-            let base = (row - shard.rows.start) * width;
-            let b_row = (row - t.rows.start) / FP8_BLOCK;
-            for col in piece.cols.clone() {
-                let b = b_row * cb + (col - t.cols.start) / FP8_BLOCK;
-                data[t.dst_offset(row, col)] = e4m3_from_f32(values[base + col] / scale_inv[b]);
-            }
-        }
-    }
+    each_held(state, t, None, |row, col, v| {
+        data[t.dst_offset(row, col)] = e4m3_from_f32(v / scale_inv[block_of(t, cb, row, col)]);
+    });
     Ok(Fp8Tensor::Fp8 {
         name: name.to_string(),
         shape: t.shape.clone(),
@@ -169,24 +177,10 @@ fn fp8_slice(state: &HostTrainState, t: &TensorPlan, name: &str) -> Result<Fp8Te
 }
 
 fn bf16_slice(state: &HostTrainState, t: &TensorPlan) -> Vec<bf16> {
-    let width = state.layout().tensors()[t.train_index]
-        .1
-        .iter()
-        .skip(1)
-        .product::<usize>();
     let mut out = vec![bf16::ZERO; t.numel()];
-    for piece in &t.pieces {
-        let shard = &state.ranks[piece.src_rank].shards[t.train_index];
-        let values = shard.master.values();
-        for row in piece.rows.clone() {
-            let s = (row - shard.rows.start) * width;
-            let d = t.dst_offset(row, piece.cols.start);
-            cast_f32_to_bf16(
-                &values[s + piece.cols.start..s + piece.cols.end],
-                &mut out[d..d + piece.cols.len()],
-            );
-        }
-    }
+    each_held(state, t, None, |row, col, v| {
+        out[t.dst_offset(row, col)] = bf16::from_f32(v);
+    });
     out
 }
 
