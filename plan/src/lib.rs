@@ -248,7 +248,9 @@ pub fn plan_fsdp_experts(
 /// let ranks = plan_fsdp_fp8(&config, 2, 2, ExpertPlacement::TensorParallel)?;
 /// // the projections halve; the embedding and head (1.09 B of the 7.6 B) stay bf16
 /// let r = ranks[0];
-/// assert!(r.rollout_bytes * 10 < r.rollout_bytes_bf16 * 6 && r.recv_bytes * 2 <= r.recv_bytes_bf16 + 4096);
+/// assert!(r.rollout_bytes * 10 < r.rollout_bytes_bf16 * 6);
+/// // what crosses the link halves too, plus one 4-byte scale per 128 x 128 block
+/// assert!(r.recv_bytes * 2 < r.recv_bytes_bf16 * 101 / 100);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn plan_fsdp_fp8(
