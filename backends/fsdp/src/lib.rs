@@ -56,6 +56,7 @@ mod build;
 mod checks;
 mod download;
 mod error;
+pub mod fp8;
 
 mod reshard;
 mod state;

@@ -64,6 +64,10 @@ struct Cli {
     /// Skip the DAPO-shaped loop.
     #[arg(long)]
     skip_dapo: bool,
+    /// Also time the fp8 quantisation of the model's projections on the GPU (W = 1 only),
+    /// against its floor (4 bytes read and 1 written per element).
+    #[arg(long)]
+    fp8: bool,
     /// Fewer bucket configurations, and one setting of the cast kernel's blocks per SM.
     #[arg(long)]
     quick: bool,
@@ -418,6 +422,25 @@ fn run() -> Result<(), Box<dyn Error>> {
         state.rank_buffer_bytes() as f64 / GB
     );
 
+    if args.fp8 {
+        let (q, time) = backend.fp8_quantize_w1(&state, args.iters)?;
+        let n: usize = q.iter().map(|t| t.data.len()).sum();
+        let floor = 5.0 * n as f64 / c.d2d;
+        let bf16_floor = 6.0 * n as f64 / c.d2d;
+        println!(
+            "fp8: {} tensors, {:.3} G elements quantised to block-scaled e4m3 in {} (median of {}); \
+             floor {} (5 B per element at {:.0} GB/s), ratio {:.2}x; the same elements cast to \
+             bf16 have a floor of {}",
+            q.len(),
+            n as f64 / 1e9,
+            ms(time.as_secs_f64()),
+            args.iters,
+            ms(floor),
+            c.d2d / GB,
+            time.as_secs_f64() / floor,
+            ms(bf16_floor)
+        );
+    }
     let mut rows: Vec<Row> = Vec::new();
     // (T, enter floor at the peer-copy rate, our best enter).
     let mut peer_floors: Vec<(usize, f64, f64)> = Vec::new();
