@@ -144,7 +144,8 @@ struct Args {
     /// Keep master weights and optimizer state on the device during rollout.
     #[arg(long)]
     no_offload: bool,
-    /// A Hugging Face checkpoint folder (config.json + model.safetensors, Qwen2 or Llama): train
+    /// A Hugging Face checkpoint folder (config.json + safetensors, Qwen2, Llama, Qwen3 or
+    /// Qwen3-MoE; sharded or not): train
     /// its weights and roll out through the decoder (CPU decoder on host, GPU decoder on fsdp)
     /// instead of the toy policy / a synthetic model.
     #[arg(long, value_name = "PATH")]

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The two-GPU job in one call: the GPU suite at W = 2, the headline benchmarks with the PyTorch
+# peer right after them, one process per GPU (lifecycle-launch and torchrun), and the GPU DAPO
+# loop lazy vs eager on the 7.6B shape. Every part writes its log under OUT (default ./out) and
+# the job goes on when a part fails; the summary at the end says which part exited how.
+#
+#   scripts/two-gpu-job.sh BIN [OUT]
+#
+# BIN holds the binaries (built on a CPU machine, stripped):
+#   scripts/collect-gpu-tests.sh BIN
+#   cargo build --release -p lifecycle-bench -p lifecycle-dist --bins && cargo build --release --example dapo
+#   cp target/release/{fsdp_bench,megatron_bench,fsdp_procs,lifecycle-launch} target/release/examples/dapo BIN/
+#   cp ../shared/bench/torch_reshard_baseline.py bench/torch_moe_cast_peer.py BIN/
+# Run from the repository root (the decoder fixtures and MoE checkpoints are read from there).
+# GPUS (default 2) sets W; with GPUS=1 the job is a dry run on one GPU: every command runs at
+# W = 1 where it can, and the tests that need two GPUs fail saying so.
+set -uo pipefail
+
+BIN=${1:?usage: scripts/two-gpu-job.sh BIN [OUT]}
+OUT=${2:-${OUT:-out}}
+W=${GPUS:-2}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0
+declare -a SUMMARY=()
+
+part() {
+    local name=$1 limit=$2
+    shift 2
+    { date -u; echo "+ $*"; } > "$OUT/$name.log"
+    timeout "$limit" "$@" >> "$OUT/$name.log" 2>&1
+    local rc=$?
+    SUMMARY+=("$name: exit $rc")
+    tail -n 4 "$OUT/$name.log"
+}
+
+{ date -u; nvidia-smi -L; } > "$OUT/machine.log" 2>&1
+
+# 1. the whole GPU suite
+part suite 900 env GPU_SUITE_LOGS="$OUT/suite-logs" GPU_SUITE_TIMEOUT=400 "$BIN/gpu-suite.sh" "$BIN" --nocapture
+
+# 2. benchmarks, then the PyTorch peer right after
+part fsdp_bench 600 "$BIN/fsdp_bench" --world "$W" --skip-dapo
+part megatron_bench 600 "$BIN/megatron_bench" --world "$W"
+part moe_bench 300 "$BIN/fsdp_bench" --world "$W" --model qwen3-30b-a3b --layers 8 --skip-dapo --fp8 --experts ep
+for tp in 1 "$W"; do
+    part "torch_peer_t$tp" 600 torchrun --nproc_per_node="$W" "$BIN/torch_reshard_baseline.py" --model 7b --tp "$tp"
+done
+part torch_moe_peer 120 python3 "$BIN/torch_moe_cast_peer.py" --layers 8
+
+# 3. one process per GPU
+part launch_fsdp 300 "$BIN/lifecycle-launch" --nproc-per-node "$W" -- "$BIN/fsdp_procs" --layers 4
+part torchrun_fsdp 300 torchrun --nproc_per_node="$W" --no-python "$BIN/fsdp_procs" --layers 4
+part launch_dapo 300 "$BIN/lifecycle-launch" --nproc-per-node "$W" -- "$BIN/dapo" --backend fsdp --gpus "$W" --tp "$W"
+
+# 4. DAPO lazy vs eager, 7.6B shape, engine kept alive
+part dapo_fsdp_7b 600 "$BIN/dapo" --backend fsdp --gpus "$W" --tp "$W" --synthetic 7b --steps 2
+part dapo_megatron_7b 600 "$BIN/dapo" --backend megatron --gpus "$W" --tp "$W" --synthetic 7b --steps 2
+
+printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.log"
