@@ -18,8 +18,8 @@
 //! `--backend host`: ranks are threads, the policy is a toy MLP (`--vocab`, `--hidden`, `--ffn`,
 //! `--layers`) trained by a real DAPO step (clipped token-level loss with clip-higher,
 //! group-normalised advantages, gradients by backpropagation, Adam on the FSDP shards:
-//! `lifecycle_examples::dapo::update`), or with `--checkpoint DIR` (a Hugging Face `config.json` + `model.safetensors`,
-//! Qwen2 or Llama) the training state is the checkpoint's weights and every rollout runs the Qwen2
+//! `lifecycle_examples::dapo::update`), or with `--checkpoint DIR` (a Hugging Face `config.json` +
+//! safetensors, Qwen2, Llama, Qwen3 or Qwen3-MoE) the training state is the checkpoint's weights and every rollout runs the Qwen2
 //! / Llama decoder (`lifecycle-decoder`) on the resharded bf16 tensor-parallel slices and the
 //! update is a synthetic stand-in (no backward pass for checkpoint models); the toy-policy size
 //! options are then ignored. The reward (token classes, `lifecycle_examples::dapo::reward`) hits
@@ -144,10 +144,9 @@ struct Args {
     /// Keep master weights and optimizer state on the device during rollout.
     #[arg(long)]
     no_offload: bool,
-    /// A Hugging Face checkpoint folder (config.json + safetensors, Qwen2, Llama, Qwen3 or
-    /// Qwen3-MoE; sharded or not): train
-    /// its weights and roll out through the decoder (CPU decoder on host, GPU decoder on fsdp)
-    /// instead of the toy policy / a synthetic model.
+    /// A Hugging Face checkpoint folder (config.json + safetensors, sharded or not; Qwen2, Llama,
+    /// Qwen3 or Qwen3-MoE): train its weights and roll out through the decoder (CPU decoder on
+    /// host, GPU decoder on fsdp) instead of the toy policy / a synthetic model.
     #[arg(long, value_name = "PATH")]
     checkpoint: Option<PathBuf>,
     /// Write the switch timeline of each run as a Chrome / Perfetto trace: PATH.lazy.json and
