@@ -135,6 +135,71 @@ impl BlockQuantized {
         (self.rows.div_ceil(FP8_BLOCK), self.cols.div_ceil(FP8_BLOCK))
     }
 
+    /// A block-scaled tensor from its parts: `data` (`rows × cols` e4m3 bytes, row-major) and
+    /// one `scale_inv` per 128 × 128 block (row-major over the blocks). A rank's slice of a
+    /// quantised tensor is one of these when the slice starts on block boundaries, which the
+    /// fp8 plan checks ([`fp8_rank_traffic`]). Sizes that disagree are
+    /// [`LayoutError::ValueCount`], naming `name`; so is a `scale_inv` that is not finite and
+    /// positive.
+    ///
+    /// ```
+    /// use lifecycle_layout::fp8::BlockQuantized;
+    /// let q = BlockQuantized::from_parts("w", 2, 130, vec![0x38; 260], vec![0.5, 2.0])?;
+    /// assert_eq!(q.value(1, 129), 2.0); // 1.0 × the second block's scale
+    /// assert!(BlockQuantized::from_parts("w", 2, 130, vec![0x38; 260], vec![0.5]).is_err());
+    /// # Ok::<(), lifecycle_layout::LayoutError>(())
+    /// ```
+    pub fn from_parts(
+        name: &str,
+        rows: usize,
+        cols: usize,
+        data: Vec<u8>,
+        scale_inv: Vec<f32>,
+    ) -> Result<BlockQuantized, LayoutError> {
+        let blocks = rows.div_ceil(FP8_BLOCK) * cols.div_ceil(FP8_BLOCK);
+        if data.len() != rows * cols {
+            return Err(LayoutError::ValueCount {
+                name: name.to_string(),
+                found: data.len(),
+                expected: rows * cols,
+            });
+        }
+        if scale_inv.len() != blocks {
+            return Err(LayoutError::ValueCount {
+                name: format!("{name} (weight_scale_inv)"),
+                found: scale_inv.len(),
+                expected: blocks,
+            });
+        }
+        if let Some(index) = scale_inv.iter().position(|s| !(s.is_finite() && *s > 0.0)) {
+            return Err(LayoutError::NonFinite {
+                name: format!("{name} (weight_scale_inv)"),
+                index,
+            });
+        }
+        Ok(BlockQuantized {
+            rows,
+            cols,
+            data,
+            scale_inv,
+        })
+    }
+
+    /// The `scale_inv` of the block holding element (`row`, `col`).
+    pub fn scale_at(&self, row: usize, col: usize) -> f32 {
+        self.scale_inv[(row / FP8_BLOCK) * self.cols.div_ceil(FP8_BLOCK) + col / FP8_BLOCK]
+    }
+
+    /// Element (`row`, `col`) dequantised.
+    pub fn value(&self, row: usize, col: usize) -> f32 {
+        e4m3_to_f32(self.data[row * self.cols + col]) * self.scale_at(row, col)
+    }
+
+    /// Bytes it occupies: one per element and four per scale.
+    pub fn bytes(&self) -> u64 {
+        (self.data.len() + 4 * self.scale_inv.len()) as u64
+    }
+
     /// Every element dequantised (`e4m3 × scale_inv`), row-major.
     pub fn dequantize(&self) -> Vec<f32> {
         let bc = self.cols.div_ceil(FP8_BLOCK);
@@ -274,6 +339,54 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("q_proj") && err.contains("100..200"), "{err}");
+    }
+}
+
+/// The element type of the rollout weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RolloutDtype {
+    /// Every tensor in bf16, cast from the fp32 masters (round to nearest even).
+    #[default]
+    Bf16,
+    /// Block-scaled e4m3 for the matrices [`keeps_bf16`] does not exempt, quantised from the
+    /// fp32 masters in the switch; the exempt tensors in bf16.
+    Fp8,
+}
+
+impl RolloutDtype {
+    /// The setting's name: `bf16` or `fp8`.
+    pub fn name(self) -> &'static str {
+        match self {
+            RolloutDtype::Bf16 => "bf16",
+            RolloutDtype::Fp8 => "fp8",
+        }
+    }
+}
+
+impl std::fmt::Display for RolloutDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for RolloutDtype {
+    type Err = String;
+
+    /// `bf16` or `fp8`.
+    ///
+    /// ```
+    /// use lifecycle_layout::fp8::RolloutDtype;
+    /// assert_eq!("fp8".parse::<RolloutDtype>(), Ok(RolloutDtype::Fp8));
+    /// assert!("fp16".parse::<RolloutDtype>().unwrap_err().contains("bf16 or fp8"));
+    /// ```
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "bf16" => Ok(RolloutDtype::Bf16),
+            "fp8" => Ok(RolloutDtype::Fp8),
+            other => Err(format!(
+                "unknown rollout dtype `{other}`: expected bf16 or fp8"
+            )),
+        }
     }
 }
 

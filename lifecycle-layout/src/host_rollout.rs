@@ -3,17 +3,64 @@
 
 use half::bf16;
 
+use crate::fp8::BlockQuantized;
 use crate::RolloutEntry;
 
-/// One rollout tensor slice of one rank, in bf16.
+/// One rollout tensor slice of one rank: bf16 values, or block-scaled e4m3 in an fp8 rollout
+/// ([`RolloutDtype::Fp8`](crate::fp8::RolloutDtype)).
 #[derive(Debug, Clone, PartialEq)]
 pub struct RolloutTensor {
     /// Name (as in the rollout layout).
     pub name: String,
     /// Shape of this rank's slice.
     pub shape: Vec<usize>,
-    /// Row-major values.
+    /// Row-major bf16 values; empty when the slice is held in fp8 (`fp8`).
     pub data: Vec<bf16>,
+    /// The slice in block-scaled e4m3 (its 2-D view: the first dimension by the rest), when the
+    /// rollout is fp8 and the tensor is quantised.
+    pub fp8: Option<BlockQuantized>,
+}
+
+impl RolloutTensor {
+    /// A bf16 slice.
+    pub fn bf16(name: impl Into<String>, shape: Vec<usize>, data: Vec<bf16>) -> Self {
+        RolloutTensor {
+            name: name.into(),
+            shape,
+            data,
+            fp8: None,
+        }
+    }
+
+    /// An fp8 slice of shape `shape` (whose 2-D view `q` holds).
+    pub fn fp8(name: impl Into<String>, shape: Vec<usize>, q: BlockQuantized) -> Self {
+        RolloutTensor {
+            name: name.into(),
+            shape,
+            data: Vec::new(),
+            fp8: Some(q),
+        }
+    }
+
+    /// Bytes of the slice as held: two per bf16 element, or the fp8 bytes and their scales.
+    pub fn bytes(&self) -> u64 {
+        self.fp8
+            .as_ref()
+            .map_or((self.data.len() * 2) as u64, BlockQuantized::bytes)
+    }
+
+    /// Elements of the slice.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Element `i` (row-major) as f32: the bf16 value, or the fp8 value dequantised.
+    pub fn value(&self, i: usize) -> f32 {
+        match &self.fp8 {
+            Some(q) => q.value(i / q.cols(), i % q.cols()),
+            None => self.data[i].to_f32(),
+        }
+    }
 }
 
 /// The rollout weights of one rank, in rollout-layout order.
@@ -31,7 +78,7 @@ impl RankRollout {
 
     /// Bytes of all slices.
     pub fn bytes(&self) -> u64 {
-        self.tensors.iter().map(|t| (t.data.len() * 2) as u64).sum()
+        self.tensors.iter().map(RolloutTensor::bytes).sum()
     }
 }
 
@@ -76,11 +123,11 @@ impl HostRollout {
                     .as_ref()
                     .iter()
                     .map(|e| {
-                        Some(RolloutTensor {
-                            name: e.name().to_string(),
-                            shape: e.shape().to_vec(),
-                            data: flat.get(e.range())?.to_vec(),
-                        })
+                        Some(RolloutTensor::bf16(
+                            e.name(),
+                            e.shape().to_vec(),
+                            flat.get(e.range())?.to_vec(),
+                        ))
                     })
                     .collect::<Option<Vec<_>>>()?;
                 Some(RankRollout { tensors })
@@ -109,7 +156,8 @@ impl HostRollout {
                     && x.data
                         .iter()
                         .zip(&y.data)
-                        .all(|(p, q)| p.to_bits() == q.to_bits());
+                        .all(|(p, q)| p.to_bits() == q.to_bits())
+                    && x.fp8 == y.fp8;
                 if !same {
                     return Some((rank, x.name.clone()));
                 }

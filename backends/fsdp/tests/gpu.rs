@@ -692,7 +692,7 @@ fn two_ranks_on_each_of_two_gpus_match_the_cpu_executor() -> Res {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn fp8_quantisation_matches_the_cpu_executor_at_w1() -> Res {
-    use lifecycle_host::fp8::{fp8_switch, Fp8Tensor};
+    use lifecycle_host::fp8::fp8_switch;
     require_gpus(1)?;
     let specs = vec![
         TensorSpec::new("model.embed_tokens.weight", [40, 256], Parallel::Column),
@@ -735,14 +735,9 @@ fn fp8_quantisation_matches_the_cpu_executor_at_w1() -> Res {
     let state = backend.state_from_host(&host)?;
     let (got, time) = backend.fp8_quantize_w1(&state, 3)?;
     let mut compared = 0;
-    for t in &want.ranks[0] {
-        if let Fp8Tensor::Fp8 {
-            name,
-            data,
-            scale_inv,
-            ..
-        } = t
-        {
+    for t in &want.ranks[0].tensors {
+        if let Some(q) = &t.fp8 {
+            let (name, data, scale_inv) = (&t.name, q.data(), q.scale_inv());
             let g = got
                 .iter()
                 .find(|g| &g.name == name)

@@ -5,7 +5,9 @@ use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
 use lifecycle_layout::{plan_fsdp_to_tp, RankPlan, ReshardPlan, RolloutLayout};
 
 use crate::cast::cast_f32_to_bf16;
-use crate::checksum::checksum_bf16;
+use crate::checksum::checksum_tensor;
+use crate::fp8::{check_fp8_plan, fp8_rollout};
+use lifecycle_layout::fp8::RolloutDtype;
 use crate::error::HostError;
 use crate::state::{HostTrainState, RankState};
 use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
@@ -36,6 +38,7 @@ use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 #[derive(Debug, Clone)]
 pub struct HostBackend {
     layout: RolloutLayout,
+    dtype: RolloutDtype,
     verify: bool,
     /// Checksums of the resident rollout slices, per rank and tensor (verification mode).
     rollout_sums: Vec<Vec<u64>>,
@@ -46,6 +49,7 @@ impl HostBackend {
     pub fn new(layout: RolloutLayout) -> Self {
         HostBackend {
             layout,
+            dtype: RolloutDtype::Bf16,
             verify: false,
             rollout_sums: Vec::new(),
         }
@@ -65,10 +69,46 @@ impl HostBackend {
         self.verify
     }
 
+    /// Sets the rollout weights' dtype (bf16 by default). With [`RolloutDtype::Fp8`] enter and
+    /// refresh quantise the matrices to block-scaled e4m3 from the fp32 masters as
+    /// [`fp8_switch`](crate::fp8::fp8_switch) does (the bf16-exempt tensors are cast), and
+    /// `plan` refuses non-finite masters and tensor-parallel slices that cut a 128 × 128 block,
+    /// naming the tensor, before anything moves.
+    ///
+    /// ```
+    /// use lifecycle_core::Lifecycle;
+    /// use lifecycle_host::{HostBackend, HostTrainState};
+    /// use lifecycle_layout::fp8::RolloutDtype;
+    /// use lifecycle_layout::{HostTensor, RolloutLayout};
+    ///
+    /// let state = HostTrainState::from_tensors(2, vec![
+    ///     HostTensor::f32("model.layers.0.mlp.up_proj.weight", [256, 4], vec![0.5; 1024]),
+    ///     HostTensor::f32("model.norm.weight", [4], vec![1.0; 4]),
+    /// ])?;
+    /// let layout = RolloutLayout::from_hf_names(2, state.layout().tensors().to_vec())?;
+    /// let backend = HostBackend::new(layout).with_rollout_dtype(RolloutDtype::Fp8);
+    /// let mut lc = Lifecycle::new(backend, state);
+    /// let session = lc.rollout()?;
+    /// let weights = session.weights();
+    /// let up = weights.ranks[1].tensor("model.layers.0.mlp.up_proj.weight").unwrap();
+    /// let q = up.fp8.as_ref().unwrap(); // 128 rows of e4m3 and one scale
+    /// assert_eq!((q.data().len(), q.scale_inv(), up.value(0)), (512, &[0.5 / 448.0][..], 0.5));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_rollout_dtype(mut self, dtype: RolloutDtype) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// The rollout weights' dtype.
+    pub fn rollout_dtype(&self) -> RolloutDtype {
+        self.dtype
+    }
+
     fn record_rollout_sums(&mut self, rollout: &HostRollout) {
         self.rollout_sums = if self.verify {
             per_rank(rollout.ranks.iter().collect(), |_, r| {
-                r.tensors.iter().map(|t| checksum_bf16(&t.data)).collect()
+                r.tensors.iter().map(|t| checksum_tensor(t)).collect()
             })
         } else {
             Vec::new()
@@ -81,7 +121,7 @@ impl HostBackend {
         }
         for (rank, (r, sums)) in rollout.ranks.iter().zip(&self.rollout_sums).enumerate() {
             for (t, &expected) in r.tensors.iter().zip(sums) {
-                if checksum_bf16(&t.data) != expected {
+                if checksum_tensor(t) != expected {
                     return Err(HostError::RolloutCorrupted {
                         rank,
                         tensor: t.name.clone(),
@@ -178,6 +218,7 @@ fn empty_rollout(plan: &ReshardPlan, rank_plan: &RankPlan) -> RankRollout {
                 name: plan.tensors[t.tensor].name.clone(),
                 shape: t.shape.clone(),
                 data: vec![bf16::ZERO; t.numel()],
+                fp8: None,
             })
             .collect(),
     }
@@ -264,6 +305,33 @@ fn transfer(
     Ok(())
 }
 
+/// The fp8 transfer: every rank's slices quantised from the masters ([`fp8_rollout`]), timed as
+/// the transfer phase; the bytes are those of the fp8 rollout (what crosses the links).
+fn quantise(
+    plan: &ReshardPlan,
+    state: &HostTrainState,
+    ctx: &mut SwitchContext<'_>,
+) -> Result<HostRollout, HostError> {
+    let start = Instant::now();
+    let rollout = ctx.rec.phase(Phase::Transfer, |scope| {
+        let rollout = fp8_rollout(state, plan)?;
+        scope.add_bytes(Link::Local, rollout.ranks.iter().map(RankRollout::bytes).sum());
+        Ok::<_, HostError>(rollout)
+    })?;
+    let spans: Vec<RankSpan> = rollout
+        .ranks
+        .iter()
+        .map(|r| RankSpan {
+            start,
+            duration: start.elapsed(),
+            bytes: r.bytes(),
+            link: Link::Local,
+        })
+        .collect();
+    record_rank_spans(ctx, Phase::Transfer, &spans);
+    Ok(rollout)
+}
+
 fn offload(
     state: &mut HostTrainState,
     memory: MemoryPolicy,
@@ -304,7 +372,10 @@ impl Reshard for HostBackend {
 
     fn plan(&self, state: &HostTrainState) -> Result<ReshardPlan, HostError> {
         let plan = plan_fsdp_to_tp(state.layout(), &self.layout)?;
-        if self.verify {
+        if self.dtype == RolloutDtype::Fp8 {
+            check_fp8_plan(&plan)?;
+        }
+        if self.verify || self.dtype == RolloutDtype::Fp8 {
             check_finite(state)?;
         }
         Ok(plan)
@@ -321,13 +392,22 @@ impl Reshard for HostBackend {
                 operation: "entering rollout mode",
             });
         }
-        let mut rollout = HostRollout {
-            ranks: plan.ranks.iter().map(|r| empty_rollout(plan, r)).collect(),
+        let rollout = if self.dtype == RolloutDtype::Fp8 {
+            let rollout = quantise(plan, state, ctx)?;
+            for (rank, r) in rollout.ranks.iter().enumerate() {
+                state.ranks[rank].meter.alloc(r.bytes());
+            }
+            rollout
+        } else {
+            let mut rollout = HostRollout {
+                ranks: plan.ranks.iter().map(|r| empty_rollout(plan, r)).collect(),
+            };
+            for (rank, r) in rollout.ranks.iter().enumerate() {
+                state.ranks[rank].meter.alloc(r.bytes());
+            }
+            transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx)?;
+            rollout
         };
-        for (rank, r) in rollout.ranks.iter().enumerate() {
-            state.ranks[rank].meter.alloc(r.bytes());
-        }
-        transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx)?;
         self.record_rollout_sums(&rollout);
         offload(state, ctx.memory, self.verify, ctx);
         Ok(rollout)
@@ -347,17 +427,22 @@ impl Reshard for HostBackend {
         }
         for (rank_plan, resident) in plan.ranks.iter().zip(&rollout.ranks) {
             for (t, r) in rank_plan.tensors.iter().zip(&resident.tensors) {
-                if r.data.len() != t.numel() || r.name != plan.tensors[t.tensor].name {
+                let held = r.fp8.as_ref().map_or(r.data.len(), |q| q.data().len());
+                if held != t.numel() || r.name != plan.tensors[t.tensor].name {
                     return Err(HostError::RolloutMismatch {
                         name: plan.tensors[t.tensor].name.clone(),
                         rank: rank_plan.rank,
                         expected: t.numel(),
-                        found: r.data.len(),
+                        found: held,
                     });
                 }
             }
         }
-        transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx)?;
+        if self.dtype == RolloutDtype::Fp8 {
+            *rollout = quantise(plan, state, ctx)?;
+        } else {
+            transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx)?;
+        }
         self.record_rollout_sums(rollout);
         offload(state, ctx.memory, self.verify, ctx);
         Ok(())

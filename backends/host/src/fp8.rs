@@ -11,44 +11,12 @@
 
 use half::bf16;
 use lifecycle_layout::fp8::{block_scale_inv, e4m3_from_f32, fp8_rank_traffic, keeps_bf16};
-use lifecycle_layout::fp8::{quantize_blocks, FP8_BLOCK};
-use lifecycle_layout::{plan_fsdp_to_tp, RolloutLayout, TensorPlan};
+use lifecycle_layout::fp8::{quantize_blocks, BlockQuantized, FP8_BLOCK};
+use lifecycle_layout::{plan_fsdp_to_tp, HostRollout, RankRollout, RolloutLayout, RolloutTensor};
+use lifecycle_layout::{ReshardPlan, TensorPlan};
 
 use crate::backend::check_finite;
 use crate::{HostError, HostTrainState};
-
-/// One rollout tensor of one rank in an fp8 rollout.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Fp8Tensor {
-    /// A tensor kept bf16 ([`keeps_bf16`]): its slice, row-major.
-    Bf16 {
-        /// Tensor name.
-        name: String,
-        /// Shape of the slice.
-        shape: Vec<usize>,
-        /// Values.
-        data: Vec<bf16>,
-    },
-    /// A quantised tensor: its slice's e4m3 bytes and the `scale_inv` of each of the slice's
-    /// blocks (row-major over the blocks; the blocks are the full tensor's).
-    Fp8 {
-        /// Tensor name.
-        name: String,
-        /// Shape of the slice.
-        shape: Vec<usize>,
-        /// e4m3 bytes, row-major.
-        data: Vec<u8>,
-        /// One per block of the slice.
-        scale_inv: Vec<f32>,
-    },
-}
-
-/// Every rank's fp8 rollout tensors, in rollout order (`ranks[r]`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Fp8Rollout {
-    /// Per rank.
-    pub ranks: Vec<Vec<Fp8Tensor>>,
-}
 
 /// The fp8 rollout of `state` in `layout`, made as the switch makes it: per destination block,
 /// partial amaxes on the source ranks, combined, then every piece quantised by its source.
@@ -65,12 +33,26 @@ pub struct Fp8Rollout {
 /// assert_eq!(fp8_switch(&state, &layout)?, fp8_reference(&state, &layout)?);
 /// # Ok::<(), lifecycle_host::HostError>(())
 /// ```
-pub fn fp8_switch(state: &HostTrainState, layout: &RolloutLayout) -> Result<Fp8Rollout, HostError> {
+pub fn fp8_switch(state: &HostTrainState, layout: &RolloutLayout) -> Result<HostRollout, HostError> {
     let plan = plan_fsdp_to_tp(state.layout(), layout)?;
     check_finite(state)?;
+    check_fp8_plan(&plan)?;
+    fp8_rollout(state, &plan)
+}
+
+/// The plan-time fp8 checks of `plan`: every rank's slice of every quantised tensor starts and
+/// ends on 128 × 128 block boundaries ([`LayoutError::Fp8BlockSplit`](lifecycle_layout::LayoutError)
+/// otherwise, naming the tensor).
+pub fn check_fp8_plan(plan: &ReshardPlan) -> Result<(), HostError> {
     for r in 0..plan.world {
-        fp8_rank_traffic(&plan, r)?;
+        fp8_rank_traffic(plan, r)?;
     }
+    Ok(())
+}
+
+/// The fp8 rollout of `state` along a checked `plan` ([`check_fp8_plan`], finite masters): the
+/// quantisation [`fp8_switch`] runs.
+pub fn fp8_rollout(state: &HostTrainState, plan: &ReshardPlan) -> Result<HostRollout, HostError> {
     let ranks = plan
         .ranks
         .iter()
@@ -80,19 +62,20 @@ pub fn fp8_switch(state: &HostTrainState, layout: &RolloutLayout) -> Result<Fp8R
                 .map(|t| {
                     let spec = &plan.tensors[t.tensor];
                     if keeps_bf16(&spec.name, &spec.shape) {
-                        Ok(Fp8Tensor::Bf16 {
-                            name: spec.name.clone(),
-                            shape: t.shape.clone(),
-                            data: bf16_slice(state, t),
-                        })
+                        Ok(RolloutTensor::bf16(
+                            spec.name.clone(),
+                            t.shape.clone(),
+                            bf16_slice(state, t),
+                        ))
                     } else {
                         fp8_slice(state, t, &spec.name)
                     }
                 })
                 .collect::<Result<Vec<_>, HostError>>()
+                .map(|tensors| RankRollout { tensors })
         })
         .collect::<Result<_, _>>()?;
-    Ok(Fp8Rollout { ranks })
+    Ok(HostRollout { ranks })
 }
 
 /// Calls `f(row, col, value)` for every element of slice `t` that source rank `src` (every
@@ -150,7 +133,11 @@ fn block_of(t: &TensorPlan, cb: usize, row: usize, col: usize) -> usize {
     (row - t.rows.start) / FP8_BLOCK * cb + (col - t.cols.start) / FP8_BLOCK
 }
 
-fn fp8_slice(state: &HostTrainState, t: &TensorPlan, name: &str) -> Result<Fp8Tensor, HostError> {
+fn fp8_slice(
+    state: &HostTrainState,
+    t: &TensorPlan,
+    name: &str,
+) -> Result<RolloutTensor, HostError> {
     let (_, cb) = slice_blocks(t);
     let mut sources: Vec<usize> = t.pieces.iter().map(|p| p.src_rank).collect();
     sources.sort_unstable();
@@ -168,12 +155,8 @@ fn fp8_slice(state: &HostTrainState, t: &TensorPlan, name: &str) -> Result<Fp8Te
     each_held(state, t, None, |row, col, v| {
         data[t.dst_offset(row, col)] = e4m3_from_f32(v / scale_inv[block_of(t, cb, row, col)]);
     });
-    Ok(Fp8Tensor::Fp8 {
-        name: name.to_string(),
-        shape: t.shape.clone(),
-        data,
-        scale_inv,
-    })
+    let q = BlockQuantized::from_parts(name, t.rows.len(), t.cols.len(), data, scale_inv)?;
+    Ok(RolloutTensor::fp8(name, t.shape.clone(), q))
 }
 
 fn bf16_slice(state: &HostTrainState, t: &TensorPlan) -> Vec<bf16> {
@@ -189,7 +172,7 @@ fn bf16_slice(state: &HostTrainState, t: &TensorPlan) -> Vec<bf16> {
 pub fn fp8_reference(
     state: &HostTrainState,
     layout: &RolloutLayout,
-) -> Result<Fp8Rollout, HostError> {
+) -> Result<HostRollout, HostError> {
     let plan = plan_fsdp_to_tp(state.layout(), layout)?;
     let ranks = plan
         .ranks
@@ -206,28 +189,31 @@ pub fn fp8_reference(
                         .clone()
                         .flat_map(|r| t.cols.clone().map(move |c| r * cols + c));
                     if keeps_bf16(&spec.name, &spec.shape) {
-                        return Ok(Fp8Tensor::Bf16 {
-                            name: spec.name.clone(),
-                            shape: t.shape.clone(),
-                            data: cells.map(|i| bf16::from_f32(full[i])).collect(),
-                        });
+                        return Ok(RolloutTensor::bf16(
+                            spec.name.clone(),
+                            t.shape.clone(),
+                            cells.map(|i| bf16::from_f32(full[i])).collect(),
+                        ));
                     }
                     let q = quantize_blocks(&spec.name, &full, rows, cols)?;
                     let bc_full = cols.div_ceil(FP8_BLOCK);
                     let rb0 = t.rows.start / FP8_BLOCK;
                     let cb0 = t.cols.start / FP8_BLOCK;
                     let (rb, cb) = slice_blocks(t);
-                    Ok(Fp8Tensor::Fp8 {
-                        name: spec.name.clone(),
-                        shape: t.shape.clone(),
-                        data: cells.map(|i| q.data()[i]).collect(),
-                        scale_inv: (0..rb * cb)
+                    let slice = BlockQuantized::from_parts(
+                        &spec.name,
+                        t.rows.len(),
+                        t.cols.len(),
+                        cells.map(|i| q.data()[i]).collect(),
+                        (0..rb * cb)
                             .map(|b| q.scale_inv()[(rb0 + b / cb) * bc_full + cb0 + b % cb])
                             .collect(),
-                    })
+                    )?;
+                    Ok(RolloutTensor::fp8(spec.name.clone(), t.shape.clone(), slice))
                 })
                 .collect::<Result<Vec<_>, HostError>>()
+                .map(|tensors| RankRollout { tensors })
         })
         .collect::<Result<_, _>>()?;
-    Ok(Fp8Rollout { ranks })
+    Ok(HostRollout { ranks })
 }

@@ -29,7 +29,7 @@ pub mod steps;
 
 pub use backend::{per_rank, HostBackend};
 pub use cast::cast_f32_to_bf16;
-pub use checksum::{checksum_bf16, checksum_f32};
+pub use checksum::{checksum_bf16, checksum_f32, checksum_tensor};
 pub use error::HostError;
 pub use rollout::reference_rollout;
 pub use state::{HostTrainState, MemoryMeter, ShardMut};

@@ -36,6 +36,7 @@ pub fn reference_rollout(
                         name: spec.name.clone(),
                         shape: spec.slice_shape(layout.tp()),
                         data,
+                        fp8: None,
                     }
                 })
                 .collect(),

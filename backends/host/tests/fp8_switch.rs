@@ -4,7 +4,7 @@
 //! FSDP shard boundaries (W = 3), partial edge blocks, TP slices of whole blocks, experts owned
 //! by one rank and tensors kept bf16.
 
-use lifecycle_host::fp8::{fp8_reference, fp8_switch, Fp8Tensor};
+use lifecycle_host::fp8::{fp8_reference, fp8_switch};
 use lifecycle_host::HostTrainState;
 use lifecycle_layout::fp8::e4m3_to_f32;
 use lifecycle_layout::{HostTensor, Parallel, RolloutLayout, TensorSpec};
@@ -85,11 +85,9 @@ fn the_fp8_switch_equals_the_full_tensor_reference() {
             assert_eq!(got, want, "W={world} T={tp}");
             // and the values are the masters within e4m3's half-ulp of their block's scale
             for (r, rank) in got.ranks.iter().enumerate() {
-                for t in rank {
-                    if let Fp8Tensor::Fp8 {
-                        data, scale_inv, ..
-                    } = t
-                    {
+                for t in &rank.tensors {
+                    if let Some(q) = &t.fp8 {
+                        let (data, scale_inv) = (q.data(), q.scale_inv());
                         assert!(!scale_inv.is_empty() && data.iter().all(|b| b & 0x7f != 0x7f));
                         let worst = data
                             .iter()

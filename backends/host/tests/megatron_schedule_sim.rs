@@ -82,6 +82,7 @@ fn simulate(
                             .iter()
                             .map(|&b| bf16::from_bits(b))
                             .collect(),
+                        fp8: None,
                     })
                     .collect(),
             })

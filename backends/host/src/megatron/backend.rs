@@ -190,6 +190,7 @@ fn empty_rollout(plan: &MegatronPlan) -> RankRollout {
                 name: t.name.clone(),
                 shape: t.shape.clone(),
                 data: vec![bf16::ZERO; t.numel()],
+                fp8: None,
             })
             .collect(),
     }

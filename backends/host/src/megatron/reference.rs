@@ -260,6 +260,7 @@ pub fn reference_rollout(
                         name: spec.name.clone(),
                         shape: spec.shape.clone(),
                         data,
+                        fp8: None,
                     }
                 })
                 .collect();

@@ -84,6 +84,7 @@ pub fn fuse_unfused_rollout(
                         name: spec.name.clone(),
                         shape: spec.shape.clone(),
                         data,
+                        fp8: None,
                     })
                 })
                 .collect::<Result<Vec<_>, MegatronError>>()?;
