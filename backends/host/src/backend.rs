@@ -6,10 +6,10 @@ use lifecycle_layout::{plan_fsdp_to_tp, RankPlan, ReshardPlan, RolloutLayout};
 
 use crate::cast::cast_f32_to_bf16;
 use crate::checksum::checksum_tensor;
-use crate::fp8::{check_fp8_plan, fp8_rollout};
-use lifecycle_layout::fp8::RolloutDtype;
 use crate::error::HostError;
+use crate::fp8::{check_fp8_plan, fp8_rollout};
 use crate::state::{HostTrainState, RankState};
+use lifecycle_layout::fp8::RolloutDtype;
 use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 
 /// The CPU reference backend: ranks are threads of this process, collectives are shared-memory
@@ -315,7 +315,10 @@ fn quantise(
     let start = Instant::now();
     let rollout = ctx.rec.phase(Phase::Transfer, |scope| {
         let rollout = fp8_rollout(state, plan)?;
-        scope.add_bytes(Link::Local, rollout.ranks.iter().map(RankRollout::bytes).sum());
+        scope.add_bytes(
+            Link::Local,
+            rollout.ranks.iter().map(RankRollout::bytes).sum(),
+        );
         Ok::<_, HostError>(rollout)
     })?;
     let spans: Vec<RankSpan> = rollout

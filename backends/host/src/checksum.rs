@@ -41,10 +41,7 @@ pub fn checksum_bf16(values: &[bf16]) -> u64 {
 /// Checksum of one rollout slice as held: its bf16 bits, or its fp8 bytes and block scales.
 pub fn checksum_tensor(t: &lifecycle_layout::RolloutTensor) -> u64 {
     match &t.fp8 {
-        Some(q) => {
-            lanes(q.data(), u64::from)
-                ^ checksum_f32(q.scale_inv()).rotate_left(17)
-        }
+        Some(q) => lanes(q.data(), u64::from) ^ checksum_f32(q.scale_inv()).rotate_left(17),
         None => checksum_bf16(&t.data),
     }
 }

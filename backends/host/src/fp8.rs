@@ -33,7 +33,10 @@ use crate::{HostError, HostTrainState};
 /// assert_eq!(fp8_switch(&state, &layout)?, fp8_reference(&state, &layout)?);
 /// # Ok::<(), lifecycle_host::HostError>(())
 /// ```
-pub fn fp8_switch(state: &HostTrainState, layout: &RolloutLayout) -> Result<HostRollout, HostError> {
+pub fn fp8_switch(
+    state: &HostTrainState,
+    layout: &RolloutLayout,
+) -> Result<HostRollout, HostError> {
     let plan = plan_fsdp_to_tp(state.layout(), layout)?;
     check_finite(state)?;
     check_fp8_plan(&plan)?;
@@ -209,7 +212,11 @@ pub fn fp8_reference(
                             .map(|b| q.scale_inv()[(rb0 + b / cb) * bc_full + cb0 + b % cb])
                             .collect(),
                     )?;
-                    Ok(RolloutTensor::fp8(spec.name.clone(), t.shape.clone(), slice))
+                    Ok(RolloutTensor::fp8(
+                        spec.name.clone(),
+                        t.shape.clone(),
+                        slice,
+                    ))
                 })
                 .collect::<Result<Vec<_>, HostError>>()
                 .map(|tensors| RankRollout { tensors })

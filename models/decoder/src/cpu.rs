@@ -26,7 +26,8 @@ struct SeqCache {
 }
 
 /// The Qwen2 / Llama decoder on the CPU, reading one tensor-parallel group's rollout weights
-/// (bf16) directly; activations and accumulation in f32.
+/// directly: bf16, or block-scaled e4m3 (an fp8 rollout, each weight row dequantised once per
+/// product as `e4m3 × scale_inv`); activations and accumulation in f32.
 ///
 /// ```
 /// use lifecycle_core::Lifecycle;
@@ -228,7 +229,7 @@ impl<'w> CpuDecoder<'w> {
         );
         let mut out = vec![0.0f32; n * vocab];
         match &self.w.head {
-            VocabWeight::Replicated(all) => linear(&xn, all, None, h, &mut out),
+            VocabWeight::Replicated(all) => linear(&xn, *all, None, h, &mut out),
             VocabWeight::Parallel(parts) => {
                 let part = parts[0].len() / h;
                 for (r, w) in parts.iter().enumerate() {

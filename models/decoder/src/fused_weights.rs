@@ -56,6 +56,13 @@ impl<'w> GroupWeights<'w> {
                         name: spec.name.clone(),
                         rank,
                     })?;
+                if t.fp8.is_some() {
+                    return Err(DecodeError::Usage(format!(
+                        "`{}` on rank {rank} is fp8: the fused (Megatron) rollout layout is read \
+                         in bf16 only",
+                        spec.name
+                    )));
+                }
                 if t.shape != spec.shape || t.data.len() != spec.numel() {
                     return Err(DecodeError::Shape {
                         name: spec.name.clone(),
@@ -112,18 +119,18 @@ impl<'w> GroupWeights<'w> {
                 };
                 let (gate, up) = get(&hf::layer(l, hf::GATE_UP), rank)?.split_at(ffn_part * h);
                 mlp_parts.push(MlpPart {
-                    gate,
-                    up,
-                    down: get(&hf::layer(l, hf::DOWN), rank)?,
+                    gate: gate.into(),
+                    up: up.into(),
+                    down: get(&hf::layer(l, hf::DOWN), rank)?.into(),
                 });
                 rank_layers.push(RankLayer {
-                    q_w,
+                    q_w: q_w.into(),
                     q_b,
-                    k_w,
+                    k_w: k_w.into(),
                     k_b,
-                    v_w,
+                    v_w: v_w.into(),
                     v_b,
-                    o_w: get(&hf::layer(l, hf::O), rank)?,
+                    o_w: get(&hf::layer(l, hf::O), rank)?.into(),
                 });
             }
             layers.push(Layer {

@@ -1,6 +1,7 @@
 //! CPU kernels: bf16 weights, f32 activations and accumulation.
 
 use half::bf16;
+use lifecycle_layout::fp8::{e4m3_to_f32, BlockQuantized, FP8_BLOCK};
 
 /// Multiply-adds above which [`linear`] splits the batch rows over threads.
 const PARALLEL_MACS: usize = 1 << 20;
@@ -29,9 +30,68 @@ pub fn dot(w: &[bf16], x: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// A weight matrix as a rollout holds it: bf16 values, or rows of a block-scaled e4m3 matrix
+/// ([`BlockQuantized`]), read as `e4m3 × scale_inv` in f32.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Mat<'w> {
+    /// Row-major bf16.
+    Bf16(&'w [bf16]),
+    /// Rows `row0 .. row0 + rows` of `q`.
+    Fp8 {
+        q: &'w BlockQuantized,
+        row0: usize,
+        rows: usize,
+    },
+}
+
+impl<'w> From<&'w [bf16]> for Mat<'w> {
+    fn from(w: &'w [bf16]) -> Self {
+        Mat::Bf16(w)
+    }
+}
+
+impl<'w> Mat<'w> {
+    /// The whole of `q`.
+    pub(crate) fn fp8(q: &'w BlockQuantized) -> Self {
+        Mat::Fp8 {
+            q,
+            row0: 0,
+            rows: q.rows(),
+        }
+    }
+
+    /// Elements.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Mat::Bf16(w) => w.len(),
+            Mat::Fp8 { q, rows, .. } => rows * q.cols(),
+        }
+    }
+
+    /// Rows `range` of this matrix, whose rows hold `width` elements.
+    pub(crate) fn rows(self, range: std::ops::Range<usize>, width: usize) -> Mat<'w> {
+        match self {
+            Mat::Bf16(w) => Mat::Bf16(&w[range.start * width..range.end * width]),
+            Mat::Fp8 { q, row0, .. } => Mat::Fp8 {
+                q,
+                row0: row0 + range.start,
+                rows: range.len(),
+            },
+        }
+    }
+}
+
 /// `y[n × out] = x[n × in] · wᵀ (+ bias)` for a row-major `w[out × in]` (a PyTorch linear).
-/// Each weight row is read once for all `n` rows; large products split the rows over threads.
-pub fn linear(x: &[f32], w: &[bf16], bias: Option<&[bf16]>, inp: usize, y: &mut [f32]) {
+/// Each weight row is read once for all `n` rows (an fp8 row dequantised once); large products
+/// split the rows over threads.
+pub(crate) fn linear<'w>(
+    x: &[f32],
+    w: impl Into<Mat<'w>>,
+    bias: Option<&[bf16]>,
+    inp: usize,
+    y: &mut [f32],
+) {
+    let w = w.into();
     let out = w.len() / inp;
     let n = x.len() / inp;
     let threads = if n >= 2 && n * out * inp >= PARALLEL_MACS {
@@ -53,14 +113,66 @@ pub fn linear(x: &[f32], w: &[bf16], bias: Option<&[bf16]>, inp: usize, y: &mut 
     });
 }
 
-fn linear_rows(x: &[f32], w: &[bf16], bias: Option<&[bf16]>, inp: usize, y: &mut [f32]) {
+fn linear_rows(x: &[f32], w: Mat<'_>, bias: Option<&[bf16]>, inp: usize, y: &mut [f32]) {
     let out = w.len() / inp;
-    for (o, row) in w.chunks_exact(inp).enumerate() {
-        let b = bias.map_or(0.0, |b| widen(b[o]));
-        for (xi, yi) in x.chunks_exact(inp).zip(y.chunks_exact_mut(out)) {
-            yi[o] = dot(row, xi) + b;
+    match w {
+        Mat::Bf16(w) => {
+            for (o, row) in w.chunks_exact(inp).enumerate() {
+                let b = bias.map_or(0.0, |b| widen(b[o]));
+                for (xi, yi) in x.chunks_exact(inp).zip(y.chunks_exact_mut(out)) {
+                    yi[o] = dot(row, xi) + b;
+                }
+            }
+        }
+        Mat::Fp8 { q, row0, .. } => {
+            let lut = e4m3_table();
+            let mut row = vec![0.0f32; inp];
+            for o in 0..out {
+                let r = row0 + o;
+                let bytes = &q.data()[r * inp..(r + 1) * inp];
+                // one scale per 128 columns
+                for (blk, (vs, bs)) in row
+                    .chunks_mut(FP8_BLOCK)
+                    .zip(bytes.chunks(FP8_BLOCK))
+                    .enumerate()
+                {
+                    let scale = q.scale_at(r, blk * FP8_BLOCK);
+                    for (v, b) in vs.iter_mut().zip(bs) {
+                        *v = lut[usize::from(*b)] * scale;
+                    }
+                }
+                let b = bias.map_or(0.0, |b| widen(b[o]));
+                for (xi, yi) in x.chunks_exact(inp).zip(y.chunks_exact_mut(out)) {
+                    yi[o] = dot_f32(&row, xi) + b;
+                }
+            }
         }
     }
+}
+
+/// Every e4m3 byte's value.
+fn e4m3_table() -> &'static [f32; 256] {
+    static TABLE: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| std::array::from_fn(|b| e4m3_to_f32(b as u8)))
+}
+
+/// Dot product of two f32 rows, eight accumulators as [`dot`].
+#[inline]
+fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (wc, xc) = (w.chunks_exact(8), x.chunks_exact(8));
+    let tail: f32 = wc
+        .remainder()
+        .iter()
+        .zip(xc.remainder())
+        .map(|(a, b)| a * b)
+        .sum();
+    for (a, b) in wc.zip(xc) {
+        for i in 0..8 {
+            acc[i] += a[i] * b[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }
 
 /// RMSNorm of every `hidden`-sized row of `x` into `y`: `x / sqrt(mean(x²) + eps) · w`.
@@ -171,7 +283,7 @@ mod tests {
                 .collect();
             let b: Vec<bf16> = (0..out).map(|i| bf16::from_f32(i as f32)).collect();
             let mut y = vec![0.0; n * out];
-            linear(&x, &w, Some(&b), inp, &mut y);
+            linear(&x, &w[..], Some(&b), inp, &mut y);
             for r in 0..n {
                 for o in 0..out {
                     let want: f32 = (0..inp)

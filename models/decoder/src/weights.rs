@@ -4,12 +4,13 @@
 //! into the same views.
 
 use half::bf16;
-use lifecycle_layout::RankRollout;
 use lifecycle_layout::{hf, Parallel, RolloutLayout, TensorSpec};
+use lifecycle_layout::{RankRollout, RolloutTensor};
 
 use crate::config::ModelConfig;
 use crate::error::DecodeError;
 use crate::heads::{layout_heads, HeadShare};
+use crate::math::Mat;
 use crate::spec_check::rollout_spec;
 
 /// A weight that is either vocabulary-parallel (one slice per rank) or replicated.
@@ -25,23 +26,23 @@ pub(crate) enum VocabWeight<'w> {
 /// One rank's share of one layer.
 #[derive(Debug, Clone)]
 pub(crate) struct RankLayer<'w> {
-    pub q_w: &'w [bf16],
+    pub q_w: Mat<'w>,
     pub q_b: Option<&'w [bf16]>,
     /// Rows of this rank's kv heads only (`kv_heads` of them, starting at global `kv_base`).
-    pub k_w: &'w [bf16],
+    pub k_w: Mat<'w>,
     pub k_b: Option<&'w [bf16]>,
-    pub v_w: &'w [bf16],
+    pub v_w: Mat<'w>,
     pub v_b: Option<&'w [bf16]>,
-    pub o_w: &'w [bf16],
+    pub o_w: Mat<'w>,
 }
 
 /// One SwiGLU MLP's share on one rank: `down · (silu(gate · x) ⊙ up · x)` over this rank's
 /// intermediate rows (all of them when the MLP is not split).
 #[derive(Debug, Clone)]
 pub(crate) struct MlpPart<'w> {
-    pub gate: &'w [bf16],
-    pub up: &'w [bf16],
-    pub down: &'w [bf16],
+    pub gate: Mat<'w>,
+    pub up: Mat<'w>,
+    pub down: Mat<'w>,
 }
 
 /// A layer's MLP: dense, or a mixture of experts.
@@ -102,7 +103,7 @@ impl<'w> Reader<'_, 'w> {
     }
 
     /// TP rank `rank`'s slice of `name`, checked against the layout.
-    fn slice(&self, spec: &TensorSpec, rank: usize) -> Result<&'w [bf16], DecodeError> {
+    fn tensor(&self, spec: &TensorSpec, rank: usize) -> Result<&'w RolloutTensor, DecodeError> {
         let t = self.ranks[rank]
             .tensor(&spec.name)
             .ok_or_else(|| DecodeError::MissingTensor {
@@ -110,7 +111,8 @@ impl<'w> Reader<'_, 'w> {
                 rank,
             })?;
         let expected = spec.slice_shape(self.layout.tp());
-        if t.shape != expected || t.data.len() != expected.iter().product::<usize>() {
+        let held = t.fp8.as_ref().map_or(t.data.len(), |q| q.data().len());
+        if t.shape != expected || held != expected.iter().product::<usize>() {
             return Err(DecodeError::Shape {
                 name: spec.name.clone(),
                 rank,
@@ -118,7 +120,29 @@ impl<'w> Reader<'_, 'w> {
                 found: t.shape.clone(),
             });
         }
+        Ok(t)
+    }
+
+    /// A slice read in bf16 (norms, biases, embeddings, the router): an fp8 one is an error.
+    fn slice(&self, spec: &TensorSpec, rank: usize) -> Result<&'w [bf16], DecodeError> {
+        let t = self.tensor(spec, rank)?;
+        if t.fp8.is_some() {
+            return Err(DecodeError::Usage(format!(
+                "`{}` on rank {rank} is fp8, but the decoder reads it in bf16: an fp8 rollout \
+                 quantises matrix weights only (lifecycle_layout::fp8::keeps_bf16)",
+                spec.name
+            )));
+        }
         Ok(&t.data)
+    }
+
+    /// A weight matrix, bf16 or fp8.
+    fn matrix(&self, spec: &TensorSpec, rank: usize) -> Result<Mat<'w>, DecodeError> {
+        let t = self.tensor(spec, rank)?;
+        Ok(match &t.fp8 {
+            Some(q) => Mat::fp8(q),
+            None => Mat::Bf16(&t.data),
+        })
     }
 
     fn get(
@@ -129,6 +153,16 @@ impl<'w> Reader<'_, 'w> {
     ) -> Result<&'w [bf16], DecodeError> {
         let spec = self.spec(name, allowed)?;
         self.slice(spec, rank)
+    }
+
+    fn get_matrix(
+        &self,
+        name: &str,
+        allowed: &[Parallel],
+        rank: usize,
+    ) -> Result<Mat<'w>, DecodeError> {
+        let spec = self.spec(name, allowed)?;
+        self.matrix(spec, rank)
     }
 
     /// The parts of one SwiGLU MLP (`names` maps the gate, up and down suffixes to tensor
@@ -146,9 +180,9 @@ impl<'w> Reader<'_, 'w> {
             return (0..self.ranks.len())
                 .map(|rank| {
                     Ok(MlpPart {
-                        gate: self.slice(g, rank)?,
-                        up: self.get(&up, &col, rank)?,
-                        down: self.get(&down, &[Parallel::Row], rank)?,
+                        gate: self.matrix(g, rank)?,
+                        up: self.get_matrix(&up, &col, rank)?,
+                        down: self.get_matrix(&down, &[Parallel::Row], rank)?,
                     })
                 })
                 .collect();
@@ -166,9 +200,9 @@ impl<'w> Reader<'_, 'w> {
             }
         }
         Ok(vec![MlpPart {
-            gate: self.slice(g, rank)?,
-            up: self.slice(u, rank)?,
-            down: self.slice(d, rank)?,
+            gate: self.matrix(g, rank)?,
+            up: self.matrix(u, rank)?,
+            down: self.matrix(d, rank)?,
         }])
     }
 
@@ -240,25 +274,33 @@ impl<'w> GroupWeights<'w> {
                         }
                     };
                 // replicated k/v: keep only the rows of the kv heads this rank uses
+                let kv_range = share.kv_base * d..(share.kv_base + share.kv_heads) * d;
                 let kv_rows = |w: &'w [bf16], width: usize| -> &'w [bf16] {
                     if kv_split == Parallel::Column {
                         w
                     } else {
-                        &w[share.kv_base * d * width..(share.kv_base + share.kv_heads) * d * width]
+                        &w[kv_range.start * width..kv_range.end * width]
                     }
                 };
-                let k_w = r.get(&format!("{p}.self_attn.k_proj.weight"), &kv, rank)?;
-                let v_w = r.get(&format!("{p}.self_attn.v_proj.weight"), &kv, rank)?;
+                let kv_matrix = |w: Mat<'w>| -> Mat<'w> {
+                    if kv_split == Parallel::Column {
+                        w
+                    } else {
+                        w.rows(kv_range.clone(), h)
+                    }
+                };
+                let k_w = r.get_matrix(&format!("{p}.self_attn.k_proj.weight"), &kv, rank)?;
+                let v_w = r.get_matrix(&format!("{p}.self_attn.v_proj.weight"), &kv, rank)?;
                 let k_b = bias(&format!("{p}.self_attn.k_proj.bias"), &kv)?;
                 let v_b = bias(&format!("{p}.self_attn.v_proj.bias"), &kv)?;
                 rank_layers.push(RankLayer {
-                    q_w: r.get(&format!("{p}.self_attn.q_proj.weight"), &col, rank)?,
+                    q_w: r.get_matrix(&format!("{p}.self_attn.q_proj.weight"), &col, rank)?,
                     q_b: bias(&format!("{p}.self_attn.q_proj.bias"), &col)?,
-                    k_w: kv_rows(k_w, h),
+                    k_w: kv_matrix(k_w),
                     k_b: k_b.map(|b| kv_rows(b, 1)),
-                    v_w: kv_rows(v_w, h),
+                    v_w: kv_matrix(v_w),
                     v_b: v_b.map(|b| kv_rows(b, 1)),
-                    o_w: r.get(
+                    o_w: r.get_matrix(
                         &format!("{p}.self_attn.o_proj.weight"),
                         &[Parallel::Row],
                         rank,
