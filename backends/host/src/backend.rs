@@ -108,7 +108,7 @@ impl HostBackend {
     fn record_rollout_sums(&mut self, rollout: &HostRollout) {
         self.rollout_sums = if self.verify {
             per_rank(rollout.ranks.iter().collect(), |_, r| {
-                r.tensors.iter().map(|t| checksum_tensor(t)).collect()
+                r.tensors.iter().map(checksum_tensor).collect()
             })
         } else {
             Vec::new()
