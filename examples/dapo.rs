@@ -53,6 +53,7 @@ use lifecycle_examples::gpu_dapo::{
 use lifecycle_examples::lm_policy::{checkpoint_driver, run_checkpoint};
 use lifecycle_examples::prediction;
 use lifecycle_examples::toy_policy::PolicyConfig;
+use lifecycle_layout::fp8::RolloutDtype;
 use lifecycle_layout::ExpertPlacement;
 
 /// Where the loop runs.
@@ -120,6 +121,10 @@ struct Args {
     /// tensor parallelism, `ep` partitions them over the rollout ranks.
     #[arg(long, default_value = "tp", value_parser = <ExpertPlacement as std::str::FromStr>::from_str)]
     experts: ExpertPlacement,
+    /// The rollout weights' dtype: `bf16`, or `fp8` (block-scaled e4m3 quantised from the fp32
+    /// masters in the switch; a --checkpoint model in the FSDP layout).
+    #[arg(long, default_value = "bf16", value_parser = <RolloutDtype as std::str::FromStr>::from_str)]
+    rollout_dtype: RolloutDtype,
     #[arg(long, help = help("Prompts per rollout call (gen batch)",
         DapoConfig::default().prompts_per_batch, LoopOptions::DEFAULTS.prompts_per_batch))]
     prompts_per_batch: Option<usize>,
@@ -369,6 +374,7 @@ impl Args {
             world: h.world,
             tp: self.tp.unwrap_or(d.tp),
             experts: self.experts,
+            rollout_dtype: self.rollout_dtype,
             prompts_per_batch: self.prompts_per_batch.unwrap_or(d.prompts_per_batch),
             group_size: self.group_size.unwrap_or(d.group_size),
             batch_groups: self.batch_groups.unwrap_or(d.batch_groups),

@@ -146,11 +146,13 @@ impl DapoBackend<HostBackend, CpuDecoderEngine> for CheckpointDriver {
         let config = &self.config;
         vec![
             format!(
-                "DAPO on the host backend: W = {}, T = {}, {}, rollouts through the CPU decoder, \
-                 {} prompts x {} samples per gen batch, {} groups per step, offload {}",
+                "DAPO on the host backend: W = {}, T = {}, {}, rollouts through the CPU decoder \
+                 on {} weights, {} prompts x {} samples per gen batch, {} groups per step, \
+                 offload {}",
                 config.world,
                 config.tp,
                 self.what,
+                config.rollout_dtype,
                 config.prompts_per_batch,
                 config.group_size,
                 config.batch_groups,
@@ -216,7 +218,7 @@ pub fn run_checkpoint(
     let mut driver = CheckpointDriver::new(*config, model, String::new());
     run_host(
         config,
-        HostBackend::new(layout),
+        HostBackend::new(layout).with_rollout_dtype(config.rollout_dtype),
         state,
         engine,
         &mut driver,

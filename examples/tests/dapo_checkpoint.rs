@@ -189,3 +189,57 @@ fn dapo_on_a_qwen3_moe_checkpoint_with_both_expert_placements() {
     // summation order differs, far below what would move a sample here
     assert_eq!(groups[0], groups[1]);
 }
+
+/// A Qwen3-MoE model whose matrices split into whole 128 x 128 fp8 blocks at T = 2.
+fn blocky_moe() -> lifecycle_decoder::Checkpoint {
+    let config = ModelConfig::from_json_str(
+        r#"{"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 256,
+            "intermediate_size": 512, "moe_intermediate_size": 256, "num_experts": 4,
+            "num_experts_per_tok": 2, "norm_topk_prob": true, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+            "rope_theta": 10000.0, "tie_word_embeddings": false}"#,
+    )
+    .unwrap();
+    let tensors = random_tensors(&config, 5);
+    lifecycle_decoder::Checkpoint { config, tensors }
+}
+
+#[test]
+fn dapo_with_fp8_rollout_weights_on_a_qwen3_moe_model() {
+    use lifecycle_layout::fp8::RolloutDtype;
+    use lifecycle_layout::ExpertPlacement;
+    let ckpt = blocky_moe();
+    let run = |tp, experts, rollout_dtype, switching| {
+        let config = DapoConfig {
+            experts,
+            rollout_dtype,
+            steps: 2,
+            ..small(2, tp)
+        };
+        run_checkpoint(&config, &ckpt, switching, |_| {}).unwrap()
+    };
+    let moved = |r: &lifecycle_examples::dapo::RunReport| -> u64 {
+        r.steps
+            .iter()
+            .map(|s| s.bytes.device_to_device + s.bytes.local)
+            .sum()
+    };
+    for (tp, experts) in [
+        (1, ExpertPlacement::TensorParallel),
+        (2, ExpertPlacement::TensorParallel),
+        (2, ExpertPlacement::Partitioned),
+    ] {
+        let lazy = run(tp, experts, RolloutDtype::Fp8, Switching::Lazy);
+        let eager = run(tp, experts, RolloutDtype::Fp8, Switching::Eager);
+        assert_eq!(lazy.groups, eager.groups, "T = {tp} {experts:?}");
+        assert!(lazy.steps.iter().all(|s| s.switches == 1));
+        let bf16 = run(tp, experts, RolloutDtype::Bf16, Switching::Lazy);
+        // the matrices travel at one byte per element (plus a scale per block), the norms,
+        // embeddings, head and routers in bf16
+        let (f, b) = (moved(&lazy), moved(&bf16));
+        assert!(
+            f * 10 < b * 7 && f * 2 > b,
+            "T = {tp} {experts:?}: fp8 moved {f} bytes, bf16 {b}"
+        );
+    }
+}

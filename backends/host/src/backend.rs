@@ -9,7 +9,7 @@ use crate::checksum::checksum_tensor;
 use crate::error::HostError;
 use crate::fp8::{check_fp8_plan, fp8_rollout};
 use crate::state::{HostTrainState, RankState};
-use lifecycle_layout::fp8::RolloutDtype;
+use lifecycle_layout::fp8::{fp8_rank_traffic, RolloutDtype};
 use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 
 /// The CPU reference backend: ranks are threads of this process, collectives are shared-memory
@@ -78,7 +78,7 @@ impl HostBackend {
     /// ```
     /// use lifecycle_core::Lifecycle;
     /// use lifecycle_host::{HostBackend, HostTrainState};
-    /// use lifecycle_layout::fp8::RolloutDtype;
+    /// use lifecycle_layout::fp8::{fp8_rank_traffic, RolloutDtype};
     /// use lifecycle_layout::{HostTensor, RolloutLayout};
     ///
     /// let state = HostTrainState::from_tensors(2, vec![
@@ -306,29 +306,37 @@ fn transfer(
 }
 
 /// The fp8 transfer: every rank's slices quantised from the masters ([`fp8_rollout`]), timed as
-/// the transfer phase; the bytes are those of the fp8 rollout (what crosses the links).
+/// the transfer phase. The bytes are the fp8 plan's ([`fp8_rank_traffic`]): what a rank receives
+/// from peers (fp8 rows, scales, amax messages) as device-to-device, the rest of its rollout as
+/// local writes.
 fn quantise(
     plan: &ReshardPlan,
     state: &HostTrainState,
     ctx: &mut SwitchContext<'_>,
 ) -> Result<HostRollout, HostError> {
     let start = Instant::now();
+    let traffic = (0..plan.world)
+        .map(|r| fp8_rank_traffic(plan, r))
+        .collect::<Result<Vec<_>, _>>()?;
     let rollout = ctx.rec.phase(Phase::Transfer, |scope| {
         let rollout = fp8_rollout(state, plan)?;
-        scope.add_bytes(
-            Link::Local,
-            rollout.ranks.iter().map(RankRollout::bytes).sum(),
-        );
+        for t in &traffic {
+            scope.add_bytes(Link::DeviceToDevice, t.recv_bytes + t.amax_bytes);
+            scope.add_bytes(Link::Local, t.rollout_bytes.saturating_sub(t.recv_bytes));
+        }
         Ok::<_, HostError>(rollout)
     })?;
-    let spans: Vec<RankSpan> = rollout
-        .ranks
+    let spans: Vec<RankSpan> = traffic
         .iter()
-        .map(|r| RankSpan {
+        .map(|t| RankSpan {
             start,
             duration: start.elapsed(),
-            bytes: r.bytes(),
-            link: Link::Local,
+            bytes: t.rollout_bytes + t.amax_bytes,
+            link: if t.recv_bytes > 0 {
+                Link::DeviceToDevice
+            } else {
+                Link::Local
+            },
         })
         .collect();
     record_rank_spans(ctx, Phase::Transfer, &spans);

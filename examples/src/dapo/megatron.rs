@@ -8,6 +8,7 @@
 //! batch's mean absolute advantage, set on every rank ([`MegatronTrainState::set_grads_from_hf`]),
 //! then Megatron's distributed-optimizer Adam step ([`MegatronTrainState::adam_step`]).
 
+use lifecycle_layout::fp8::RolloutDtype;
 use std::path::Path;
 
 use lifecycle_core::{RolloutSession, Switching, TrainSession};
@@ -211,6 +212,13 @@ pub fn run_megatron(
     on_step: impl FnMut(&StepReport),
 ) -> Result<RunReport, DapoError> {
     validate(config)?;
+    if config.rollout_dtype != RolloutDtype::Bf16 {
+        return Err(DapoError::Config(
+            "--rollout-dtype fp8 is implemented for the FSDP training layout: the Megatron \
+             layout's fused rollout is bf16 only"
+                .to_string(),
+        ));
+    }
     let (model, tensors) = model_and_tensors(config, checkpoint)?;
     let state = model.megatron_state(tensors, parallel(config))?;
     let layout = fused_layout(&model, config.tp);

@@ -20,6 +20,7 @@ use lifecycle_core::{
 };
 use lifecycle_host::megatron::MegatronError;
 use lifecycle_host::{HostBackend, HostError, HostTrainState};
+use lifecycle_layout::fp8::RolloutDtype;
 use lifecycle_layout::{ExpertPlacement, HostRollout};
 
 use crate::rng::SplitMix64;
@@ -87,6 +88,9 @@ pub struct DapoConfig {
     pub train: HostTrain,
     /// Experts of a mixture-of-experts checkpoint in the rollout layout.
     pub experts: ExpertPlacement,
+    /// The rollout weights' dtype: fp8 quantises the matrices in the switch (a decoder model
+    /// in the FSDP layout: `--checkpoint`).
+    pub rollout_dtype: RolloutDtype,
 }
 
 impl Default for DapoConfig {
@@ -115,6 +119,7 @@ impl Default for DapoConfig {
             trace: false,
             train: HostTrain::Fsdp,
             experts: ExpertPlacement::TensorParallel,
+            rollout_dtype: RolloutDtype::Bf16,
         }
     }
 }
@@ -670,6 +675,13 @@ pub fn run(
         return Err(DapoError::Config(
             "the toy policy trains in the FSDP layout only (--train megatron needs a decoder \
              model: a --checkpoint or the built-in small Qwen2 model)"
+                .to_string(),
+        ));
+    }
+    if config.rollout_dtype != RolloutDtype::Bf16 {
+        return Err(DapoError::Config(
+            "the toy policy rolls out in bf16 only: --rollout-dtype fp8 needs a decoder model \
+             (--checkpoint)"
                 .to_string(),
         ));
     }
