@@ -15,6 +15,14 @@ pub struct RolloutEntry {
     shape: Vec<usize>,
     offset: usize,
     numel: usize,
+    /// Slots of the e4m3 bytes, when the slice is fp8 (its scales follow them).
+    fp8_slots: Option<usize>,
+}
+
+/// Buffer slots (two bytes each) that `numel` e4m3 bytes take, rounded up to 8 slots so the
+/// scales after them start on 16 bytes.
+fn fp8_data_slots(numel: usize) -> usize {
+    numel.div_ceil(2).div_ceil(8) * 8
 }
 
 impl RolloutEntry {
@@ -26,6 +34,71 @@ impl RolloutEntry {
             shape,
             offset,
             numel,
+            fp8_slots: None,
+        }
+    }
+
+    /// The entry of an fp8 slice (block-scaled e4m3, [`crate::fp8`]) at slot `offset` of a
+    /// rank's buffer (slots of two bytes, the buffer's bf16 elements): its e4m3 bytes, row-major,
+    /// from byte `2 · offset`, then one f32 `scale_inv` per 128 × 128 block of its 2-D view
+    /// (the first dimension by the rest) from slot [`RolloutEntry::scale_offset`].
+    ///
+    /// ```
+    /// use lifecycle_layout::RolloutEntry;
+    /// let e = RolloutEntry::fp8("model.layers.0.mlp.up_proj.weight", vec![256, 130], 64);
+    /// assert_eq!((e.numel(), e.blocks()), (256 * 130, (2, 2)));
+    /// // 33280 bytes in 16640 slots, then 4 scales of two slots each
+    /// assert_eq!(e.scale_offset(), Some(64 + 16640));
+    /// assert_eq!(e.range(), 64..64 + 16640 + 8);
+    /// ```
+    pub fn fp8(name: impl Into<String>, shape: Vec<usize>, offset: usize) -> Self {
+        let numel = shape.iter().product();
+        RolloutEntry {
+            name: name.into(),
+            shape,
+            offset,
+            numel,
+            fp8_slots: Some(fp8_data_slots(numel)),
+        }
+    }
+
+    /// Whether the slice is fp8.
+    pub fn is_fp8(&self) -> bool {
+        self.fp8_slots.is_some()
+    }
+
+    /// Rows and columns of the 2-D view (the first dimension by the rest).
+    pub fn matrix(&self) -> (usize, usize) {
+        let rows = self.shape.first().copied().unwrap_or(1);
+        (rows, self.numel / rows.max(1))
+    }
+
+    /// Scale blocks of an fp8 slice's 2-D view, `(⌈rows/128⌉, ⌈cols/128⌉)`; `(0, 0)` for bf16.
+    pub fn blocks(&self) -> (usize, usize) {
+        if !self.is_fp8() {
+            return (0, 0);
+        }
+        let (rows, cols) = self.matrix();
+        (
+            rows.div_ceil(crate::fp8::FP8_BLOCK),
+            cols.div_ceil(crate::fp8::FP8_BLOCK),
+        )
+    }
+
+    /// Slot of an fp8 slice's first block scale (`None` for bf16).
+    pub fn scale_offset(&self) -> Option<usize> {
+        self.fp8_slots.map(|s| self.offset + s)
+    }
+
+    /// Buffer slots the slice takes: its elements in bf16; its bytes (rounded up to 16) and
+    /// its scales in fp8.
+    pub fn slots(&self) -> usize {
+        match self.fp8_slots {
+            Some(data) => {
+                let (r, c) = self.blocks();
+                data + 2 * r * c
+            }
+            None => self.numel,
         }
     }
 
@@ -40,18 +113,29 @@ impl RolloutEntry {
         &self.shape
     }
 
-    /// Element offset in the rank's buffer.
+    /// Element (slot) offset in the rank's buffer.
     pub fn offset(&self) -> usize {
         self.offset
     }
 
-    /// Elements.
+    /// Elements of the slice.
     pub fn numel(&self) -> usize {
         self.numel
     }
 
-    /// The elements of the buffer it covers.
+    /// The slots of the buffer it covers ([`RolloutEntry::slots`]).
     pub fn range(&self) -> std::ops::Range<usize> {
-        self.offset..self.offset + self.numel
+        self.offset..self.offset + self.slots()
+    }
+
+    /// Bytes of the slice as held.
+    pub fn bytes(&self) -> u64 {
+        match self.fp8_slots {
+            Some(_) => {
+                let (r, c) = self.blocks();
+                (self.numel + 4 * r * c) as u64
+            }
+            None => 2 * self.numel as u64,
+        }
     }
 }

@@ -82,6 +82,33 @@ impl RankRollout {
     }
 }
 
+/// Entry `e` of a flat buffer: its bf16 values, or its e4m3 bytes (two per slot, low byte
+/// first, as device memory holds them) and f32 block scales.
+fn cut(e: &RolloutEntry, flat: &[bf16]) -> Option<RolloutTensor> {
+    let Some(scale_at) = e.scale_offset() else {
+        return Some(RolloutTensor::bf16(
+            e.name(),
+            e.shape().to_vec(),
+            flat.get(e.range())?.to_vec(),
+        ));
+    };
+    let slots = flat.get(e.range())?;
+    let data: Vec<u8> = slots
+        .iter()
+        .flat_map(|v| v.to_bits().to_le_bytes())
+        .take(e.numel())
+        .collect();
+    let (br, bc) = e.blocks();
+    let scale_inv: Vec<f32> = flat
+        .get(scale_at..scale_at + 2 * br * bc)?
+        .chunks_exact(2)
+        .map(|p| f32::from_bits(u32::from(p[0].to_bits()) | (u32::from(p[1].to_bits()) << 16)))
+        .collect();
+    let (rows, cols) = e.matrix();
+    let q = BlockQuantized::from_parts(e.name(), rows, cols, data, scale_inv).ok()?;
+    Some(RolloutTensor::fp8(e.name(), e.shape().to_vec(), q))
+}
+
 /// Rollout weights of every rank.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct HostRollout {
@@ -122,18 +149,68 @@ impl HostRollout {
                 let tensors = entries
                     .as_ref()
                     .iter()
-                    .map(|e| {
-                        Some(RolloutTensor::bf16(
-                            e.name(),
-                            e.shape().to_vec(),
-                            flat.get(e.range())?.to_vec(),
-                        ))
-                    })
+                    .map(|e| cut(e, &flat))
                     .collect::<Option<Vec<_>>>()?;
                 Some(RankRollout { tensors })
             })
             .collect::<Option<Vec<_>>>()?;
         Some(HostRollout { ranks })
+    }
+
+    /// Each rank's flat buffer of `len` slots with its tensors at `entries[r]`, the inverse of
+    /// [`HostRollout::from_rank_flats`] (fp8 bytes two per slot, low byte first; scales as two
+    /// slots, low half first); `None` if a tensor is missing, of another dtype than its entry,
+    /// or does not fit.
+    ///
+    /// ```
+    /// use half::bf16;
+    /// use lifecycle_layout::fp8::quantize_blocks;
+    /// use lifecycle_layout::{HostRollout, RankRollout, RolloutEntry, RolloutTensor};
+    /// let q = quantize_blocks("w", &[1.0, -2.0, 0.5], 1, 3).unwrap();
+    /// let r = HostRollout { ranks: vec![RankRollout { tensors: vec![
+    ///     RolloutTensor::bf16("n", vec![2], vec![bf16::ONE; 2]),
+    ///     RolloutTensor::fp8("w", vec![1, 3], q),
+    /// ] }] };
+    /// let entries = vec![vec![RolloutEntry::new("n", vec![2], 0), RolloutEntry::fp8("w", vec![1, 3], 64)]];
+    /// let flats = r.to_rank_flats(&entries, 128).unwrap();
+    /// assert_eq!(HostRollout::from_rank_flats(&entries, flats), Some(r));
+    /// ```
+    pub fn to_rank_flats(
+        &self,
+        entries: &[impl AsRef<[RolloutEntry]>],
+        len: usize,
+    ) -> Option<Vec<Vec<bf16>>> {
+        if entries.len() != self.ranks.len() {
+            return None;
+        }
+        self.ranks
+            .iter()
+            .zip(entries)
+            .map(|(rank, entries)| {
+                let mut flat = vec![bf16::ZERO; len];
+                for e in entries.as_ref() {
+                    let t = rank.tensor(e.name())?;
+                    let dst = flat.get_mut(e.range())?;
+                    match (&t.fp8, e.scale_offset()) {
+                        (None, None) => dst.copy_from_slice(t.data.get(..e.numel())?),
+                        (Some(q), Some(at)) => {
+                            for (slot, pair) in dst.iter_mut().zip(q.data().chunks(2)) {
+                                let hi = pair.get(1).copied().unwrap_or(0);
+                                *slot = bf16::from_bits(u16::from_le_bytes([pair[0], hi]));
+                            }
+                            let scales = flat.get_mut(at..at + 2 * q.scale_inv().len())?;
+                            for (pair, s) in scales.chunks_exact_mut(2).zip(q.scale_inv()) {
+                                let bits = s.to_bits();
+                                pair[0] = bf16::from_bits(bits as u16);
+                                pair[1] = bf16::from_bits((bits >> 16) as u16);
+                            }
+                        }
+                        _ => return None,
+                    }
+                }
+                Some(flat)
+            })
+            .collect()
     }
 
     /// Index of the first tensor whose bits differ between `self` and `other`, with its rank and

@@ -90,7 +90,7 @@ pub(crate) fn rollout_table(entries: &[RolloutEntry]) -> ChunkTable {
     ChunkTable::new(
         entries
             .iter()
-            .map(|e| (e.offset() as u64, e.numel() as u64)),
+            .map(|e| (e.offset() as u64, e.slots() as u64)),
         DEFAULT_CHUNK_WORDS,
     )
 }

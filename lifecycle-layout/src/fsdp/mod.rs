@@ -1,7 +1,10 @@
 //! The executable plan: the core planner's pieces turned into per-rank, per-bucket lists of casts,
 //! sends and receives over flat device buffers. Pure: computed on the CPU, tested without a GPU.
 
+mod fp8;
 mod steps;
+
+pub use fp8::{build_fp8_plan, Fp8Slice};
 
 use crate::Region2d;
 use crate::{fsdp_rows, FsdpLayout, ReshardPlan};
@@ -240,6 +243,9 @@ pub struct FsdpPlan {
     /// the copy engines (peer copies) instead of NCCL; set by the backend, `false` from
     /// [`build_plan`]. Only plans that are [`FsdpPlan::peer_copyable`] may set it.
     pub peer_copy: bool,
+    /// `fp8[r]`: the fp8 slices of rank `r` ([`build_fp8_plan`]), quantised from the masters
+    /// after the buckets ran, placed after the bf16 tensors; empty in a bf16 plan.
+    pub fp8: Vec<Vec<Fp8Slice>>,
 }
 
 impl FsdpPlan {
@@ -318,18 +324,27 @@ impl FsdpPlan {
     ///
     /// [`RolloutEntry`]: crate::RolloutEntry
     pub fn entries(&self, r: usize) -> Vec<crate::RolloutEntry> {
-        self.core.ranks[r]
+        let bf16 = self.core.ranks[r]
             .tensors
             .iter()
             .zip(&self.roll_offsets[r])
             .map(|(t, &offset)| {
-                crate::RolloutEntry::new(
+                let e = crate::RolloutEntry::new(
                     self.core.tensors[t.tensor].name.clone(),
                     t.shape.clone(),
                     offset as usize,
-                )
-            })
-            .collect()
+                );
+                (t.tensor, e)
+            });
+        let fp8 = self
+            .fp8
+            .get(r)
+            .into_iter()
+            .flatten()
+            .map(|f| (f.tensor.tensor, f.entry.clone()));
+        let mut all: Vec<_> = bf16.chain(fp8).collect();
+        all.sort_by_key(|(tensor, _)| *tensor);
+        all.into_iter().map(|(_, e)| e).collect()
     }
 }
 
@@ -396,6 +411,7 @@ fn build_gather_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig
         recv_slot_elems: 0,
         peer_copy: false,
         config,
+        fp8: vec![Vec::new(); world],
     }
 }
 
@@ -588,6 +604,7 @@ pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -
         },
         config,
         peer_copy: false,
+        fp8: vec![Vec::new(); world],
     }
 }
 
