@@ -2,6 +2,7 @@
 
 use crate::update_kernels::UpdateKernelCache;
 use crate::FsdpError;
+use lifecycle_layout::fp8::RolloutDtype;
 use std::sync::{Arc, Mutex};
 
 use lifecycle_cuda::{PinnedPool, ProgramSlot, RankExecutor, ThreadRankPool, Transport};
@@ -76,6 +77,8 @@ pub struct FsdpBackend {
     pub(crate) programs: Mutex<Vec<ProgramSlot<PlanRef>>>,
     /// Each local rank's rollout entries of the last plan entered.
     pub(crate) entries_cache: Mutex<Option<(PlanRef, RankEntries)>>,
+    /// The rollout weights' dtype.
+    pub(crate) dtype: RolloutDtype,
 }
 
 /// Each local rank's rollout entries, shared by the rollouts of one plan.
@@ -112,6 +115,7 @@ impl FsdpBackend {
             plan_cache: Mutex::new(None),
             programs: Mutex::new(Vec::new()),
             entries_cache: Mutex::new(None),
+            dtype: RolloutDtype::Bf16,
             update_kernels: UpdateKernelCache::default(),
             verify: false,
             rollout_sums: None,
@@ -186,6 +190,21 @@ impl FsdpBackend {
         self.verify = on;
         self.rollout_sums = None;
         self
+    }
+
+    /// Sets the rollout weights' dtype (bf16 by default). With [`RolloutDtype::Fp8`] the
+    /// matrices ([`lifecycle_layout::fp8::keeps_bf16`] false) are quantised in enter and refresh
+    /// from the fp32 masters to block-scaled e4m3, into the same rollout buffer (fp8
+    /// [`RolloutEntry`] places), bit-identical to [`lifecycle_host::fp8::fp8_switch`]. So far at
+    /// W = 1: `plan` refuses a larger pool, and non-finite masters, before anything moves.
+    pub fn with_rollout_dtype(mut self, dtype: RolloutDtype) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// The rollout weights' dtype.
+    pub fn rollout_dtype(&self) -> RolloutDtype {
+        self.dtype
     }
 
     /// Whether verification mode is on.

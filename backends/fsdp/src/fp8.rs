@@ -1,22 +1,21 @@
-//! fp8 rollout weights on the GPU, so far at W = 1: every tensor that an fp8 rollout quantises
-//! ([`lifecycle_layout::fp8::keeps_bf16`] false) cast from the fp32 masters into block-scaled
-//! e4m3 ([`lifecycle_layout::fp8`]). One launch covers every tensor: one thread block per
-//! 128 × 128 block reads the block, agrees its amax, writes its `scale_inv` and its bytes; the
-//! amax is fused with the cast, so the masters are read from device memory once (the second read
-//! hits L2). Bit-identical to the host
-//! ([`lifecycle_host::fp8::fp8_switch`] at W = 1), tested on one H200.
+//! fp8 rollout weights on the GPU, in the switch: the slices of an fp8 plan
+//! ([`lifecycle_layout::fsdp::build_fp8_plan`]) quantised from the fp32 masters into the rank's
+//! rollout buffer (e4m3 bytes, then one f32 `scale_inv` per 128 × 128 block), after the bucket
+//! plan cast the bf16 tensors. One launch covers every slice: one thread block per scale block
+//! finds its tensor in the job table, reads the block, agrees its amax, writes its scale and
+//! its bytes; the amax is fused with the cast (the second read of the block hits L2).
+//! Bit-identical to the host executor ([`lifecycle_host::fp8::fp8_switch`]), tested on one H200.
 //!
-//! Not yet part of the switch: the rollout buffers the backend hands out stay bf16.
+//! So far at W = 1: every slice is a whole tensor of the rank's own master shard. At W > 1 a
+//! slice's rows come from several ranks and their amax must be agreed before quantising
+//! ([`lifecycle_layout::fp8::fp8_rank_traffic`] counts those messages); the backend refuses fp8
+//! there at plan time.
 
-use std::time::{Duration, Instant};
-
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-use lifecycle_cuda::{alloc_device, CudaError, KernelSet, RankExecutor};
-use lifecycle_layout::fp8::{keeps_bf16, FP8_BLOCK};
-
-use crate::backend::FsdpBackend;
-use crate::state::{FsdpTrainState, RankTrain};
-use crate::FsdpError;
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use half::bf16;
+use lifecycle_cuda::{CudaError, KernelSet, RankCtx};
+use lifecycle_layout::fp8::FP8_BLOCK;
+use lifecycle_layout::fsdp::FsdpPlan;
 
 /// CUDA C source of the fp8 kernels (no headers; e4m3 by integer arithmetic, as
 /// `lifecycle_layout::fp8::e4m3_from_f32`).
@@ -42,24 +41,34 @@ __device__ __forceinline__ unsigned char e4m3(float x) {
     return (unsigned char)(b | sign);
 }
 
-// One block of 256 threads per 128 x 128 scale block, all tensors in one launch: tile t is
-// tiles[5t .. 5t + 5] = (master offset of its first element, byte offset of its first output,
-// its scale's index, the tensor's row pitch (its columns), rows << 32 | columns of the tile).
-// amax over the tile, scale_inv = amax / 448 (1 for an all-zero tile) to scales, every element
-// e4m3(x / scale_inv) to dst (row pitch: the tensor's columns).
-extern "C" __global__ void quantize_e4m3_tiles(const float* __restrict__ master,
-                                               const u64* __restrict__ tiles,
-                                               unsigned char* __restrict__ dst,
-                                               float* __restrict__ scales) {
+// One block of 256 threads per 128 x 128 scale block of every job, all jobs in one launch. Job j
+// is jobs[6j .. 6j + 6] = (master offset of its first element, byte offset of its first e4m3
+// byte, index of its first scale, rows, columns, its first tile); a tile's block is
+// found by binary search over the first tiles. amax over the block, scale_inv = amax / 448 (1 for
+// an all-zero block) to scales, every element e4m3(x / scale_inv) to dst (row pitch: the
+// columns, for the masters and the bytes alike).
+extern "C" __global__ void quantize_e4m3_jobs(const float* __restrict__ master,
+                                              const u64* __restrict__ jobs, u32 njobs,
+                                              unsigned char* __restrict__ dst,
+                                              float* __restrict__ scales) {
     __shared__ float red[8];
-    const u64* t = tiles + 5ull * blockIdx.x;
-    const float* src = master + t[0];
-    unsigned char* out = dst + t[1];
-    u64 ld = t[3];
-    u32 h = (u32)(t[4] >> 32), w = (u32)(t[4] & 0xffffffffull);
+    u32 lo = 0, hi = njobs;
+    while (hi - lo > 1) {
+        u32 mid = (lo + hi) / 2;
+        if (jobs[6ull * mid + 5] <= blockIdx.x) lo = mid; else hi = mid;
+    }
+    const u64* j = jobs + 6ull * lo;
+    u64 k = blockIdx.x - j[5];
+    u64 ld = j[4];
+    u64 bc = (ld + 127) / 128;
+    u64 r0 = (k / bc) * 128, c0 = (k % bc) * 128;
+    u32 h = (u32)min(128ull, j[3] - r0), w = (u32)min(128ull, ld - c0);
+    u64 src_off = j[0] + r0 * ld + c0, dst_off = j[1] + r0 * ld + c0;
+    const float* src = master + src_off;
+    unsigned char* out = dst + dst_off;
     // vectorised when every row of the tile starts on 16 bytes (4 in the output) and holds whole
     // float4s: thread (tx, ty) of 32 x 8 reads columns 4tx .. 4tx + 3 of rows ty, ty + 8, ...
-    bool vec = (ld % 4 == 0) && (w % 4 == 0) && (t[0] % 4 == 0) && (t[1] % 4 == 0);
+    bool vec = (ld % 4 == 0) && (w % 4 == 0) && (src_off % 4 == 0) && (dst_off % 4 == 0);
     u32 tx = threadIdx.x & 31u, ty = threadIdx.x >> 5;
     float m = 0.0f;
     if (vec) {
@@ -79,9 +88,9 @@ extern "C" __global__ void quantize_e4m3_tiles(const float* __restrict__ master,
     if (tx == 0) red[ty] = m;
     __syncthreads();
     float amax = 0.0f;
-    for (u32 k = 0; k < (blockDim.x + 31u) / 32u; ++k) amax = fmaxf(amax, red[k]);
+    for (u32 q = 0; q < (blockDim.x + 31u) / 32u; ++q) amax = fmaxf(amax, red[q]);
     float s = amax > 0.0f ? amax / 448.0f : 1.0f;
-    if (threadIdx.x == 0) scales[t[2]] = s;
+    if (threadIdx.x == 0) scales[j[2] + k] = s;
     if (vec) {
         for (u32 r = ty; r < h; r += 8) {
             for (u32 c = 4 * tx; c < w; c += 128) {
@@ -104,161 +113,67 @@ extern "C" __global__ void quantize_e4m3_tiles(const float* __restrict__ master,
 pub const FP8_KERNELS: KernelSet =
     KernelSet::new("lifecycle_fsdp fp8 kernels", FP8_KERNEL_SRC).exact();
 
-/// One tensor of a GPU fp8 quantisation, downloaded: its e4m3 bytes (row-major) and one
-/// `scale_inv` per 128 × 128 block (row-major over the blocks).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Fp8Download {
-    /// Tensor name.
-    pub name: String,
-    /// e4m3 bytes.
-    pub data: Vec<u8>,
-    /// Block scales.
-    pub scale_inv: Vec<f32>,
-}
-
-/// One quantised tensor's place: master slot and output offsets.
-struct Job {
-    name: String,
-    master_off: u64,
-    rows: u64,
-    cols: u64,
-    data_off: u64,
-    scale_off: u64,
-    blocks: u64,
-}
-
-impl FsdpBackend {
-    /// Quantises every fp8 tensor of `state` on the GPU (W = 1 only so far), `iters` times,
-    /// and returns the tensors of the last run downloaded and the median wall time of one run
-    /// (all kernels launched, then the stream synchronised). Non-finite masters are refused
-    /// first, naming the tensor.
-    pub fn fp8_quantize_w1(
-        &self,
-        state: &FsdpTrainState,
-        iters: usize,
-    ) -> Result<(Vec<Fp8Download>, Duration), FsdpError> {
-        if self.pool.world() != 1 || self.pool.local_ranks().len() != 1 {
-            return Err(FsdpError::Config(format!(
-                "fp8 quantisation on the GPU runs at W = 1 so far (this pool has W = {})",
-                self.pool.world()
-            )));
-        }
-        if state.master_offloaded() {
-            return Err(FsdpError::Offloaded {
-                operation: "quantising rollout weights to fp8",
-            });
-        }
-        self.check_finite(state)?;
-        let mut jobs = Vec::new();
-        let (mut data_len, mut scale_len) = (0u64, 0u64);
-        for slot in &state.shards.slots {
-            if keeps_bf16(&slot.name, &slot.shape) {
-                continue;
-            }
-            let rows = slot.shape.first().copied().unwrap_or(1) as u64;
-            let cols = slot.cols as u64;
-            let blocks = rows.div_ceil(FP8_BLOCK as u64) * cols.div_ceil(FP8_BLOCK as u64);
-            jobs.push(Job {
-                name: slot.name.clone(),
-                master_off: slot.offset,
-                rows,
-                cols,
-                data_off: data_len,
-                scale_off: scale_len,
-                blocks,
-            });
-            data_len += rows * cols;
-            scale_len += blocks;
-        }
-        // one tile per 128 x 128 block of every job
-        let mut table: Vec<u64> = Vec::with_capacity(5 * scale_len as usize);
-        let b = FP8_BLOCK as u64;
-        for j in &jobs {
-            let bc = j.cols.div_ceil(b);
-            for k in 0..j.blocks {
-                let (r0, c0) = ((k / bc) * b, (k % bc) * b);
-                let (h, w) = ((j.rows - r0).min(b), (j.cols - c0).min(b));
-                table.extend_from_slice(&[
-                    j.master_off + r0 * j.cols + c0,
-                    j.data_off + r0 * j.cols + c0,
-                    j.scale_off + k,
-                    j.cols,
-                    (h << 32) | w,
-                ]);
-            }
-        }
-        let tiles = scale_len;
-        if tiles > u64::from(u32::MAX >> 1) {
-            return Err(FsdpError::Config(format!(
-                "{tiles} fp8 blocks are more than one launch takes"
-            )));
-        }
-        let table = &table;
-        let mut items: Vec<&RankTrain> = state.ranks.iter().collect();
-        let out = self.pool.run_each(&mut items, &|ctx, rt| {
-            let s = &ctx.compute;
-            let master = rt
-                .master
-                .device()
-                .ok_or_else(|| CudaError::Invalid("the master weights are not resident".into()))?;
-            let m = ctx.module(&FP8_KERNELS)?;
-            let f = m.function("quantize_e4m3_tiles")?;
-            let table_d = s
-                .clone_htod(table)
-                .map_err(ctx.drv("uploading the fp8 tile table", 8 * table.len() as u64))?;
-            // SAFETY: every byte and scale is written by the kernels below before the
-            // download reads them (the jobs tile both buffers exactly).
-            let (mut data, mut scales): (CudaSlice<u8>, CudaSlice<f32>) = unsafe {
-                (
-                    alloc_device(s, data_len.max(1) as usize, ctx.rank, "fp8 rollout bytes")?,
-                    alloc_device(s, scale_len.max(1) as usize, ctx.rank, "fp8 block scales")?,
-                )
-            };
-            let mut times = Vec::with_capacity(iters.max(1));
-            for _ in 0..iters.max(1) {
-                s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
-                let start = Instant::now();
-                if tiles > 0 {
-                    let cfg = LaunchConfig {
-                        grid_dim: (tiles as u32, 1, 1),
-                        block_dim: (256, 1, 1),
-                        shared_mem_bytes: 0,
-                    };
-                    let mut b = s.launch_builder(&f);
-                    b.arg(master).arg(&table_d).arg(&mut data).arg(&mut scales);
-                    // SAFETY: each tile addresses its tensor's masters inside the master
-                    // buffer (the slots' offsets, W = 1: whole tensors of pitch cols), its bytes
-                    // inside `data` and its scale inside `scales` (the offsets above tile both
-                    // exactly); the argument list matches the kernel's.
-                    unsafe { b.launch(cfg) }.map_err(|e| {
-                        CudaError::driver(ctx.rank, "quantising the rollout weights to fp8", 0, e)
-                    })?;
-                }
-                s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
-                times.push(start.elapsed());
-            }
-            times.sort();
-            let median = times[times.len() / 2];
-            let bytes = s
-                .clone_dtoh(&data)
-                .map_err(ctx.drv("downloading fp8 bytes", data_len))?;
-            let scale_host = s
-                .clone_dtoh(&scales)
-                .map_err(ctx.drv("downloading fp8 scales", 4 * scale_len))?;
-            Ok((bytes, scale_host, median))
-        })?;
-        let (bytes, scales, median) = out
-            .into_iter()
-            .next()
-            .ok_or_else(|| FsdpError::Config("no rank ran the fp8 quantisation".into()))?;
-        let tensors = jobs
-            .iter()
-            .map(|j| Fp8Download {
-                name: j.name.clone(),
-                data: bytes[j.data_off as usize..(j.data_off + j.rows * j.cols) as usize].to_vec(),
-                scale_inv: scales[j.scale_off as usize..(j.scale_off + j.blocks) as usize].to_vec(),
-            })
-            .collect();
-        Ok((tensors, median))
+/// Rank `rank`'s quantisation jobs of `plan` (six words each, as the kernel reads them) and its
+/// tile count; `None` when the rank has no fp8 slice. Each slice must be a whole tensor of the
+/// rank's own master shard (W = 1), which the backend checked at plan time.
+pub(crate) fn rank_jobs(plan: &FsdpPlan, rank: usize) -> Option<(Vec<u64>, u32)> {
+    let slices = plan.fp8.get(rank).filter(|s| !s.is_empty())?;
+    let mut jobs = Vec::with_capacity(6 * slices.len());
+    let mut tiles = 0u64;
+    let b = FP8_BLOCK as u64;
+    for s in slices {
+        let slot = &plan.shards.slots[s.tensor.train_index];
+        let (rows, cols) = (s.tensor.rows.len() as u64, s.tensor.cols.len() as u64);
+        let master = slot.offset + s.tensor.rows.start as u64 * slot.cols as u64;
+        let scale = s.entry.scale_offset().unwrap_or(0) as u64 / 2;
+        jobs.extend_from_slice(&[
+            master,
+            2 * s.entry.offset() as u64,
+            scale,
+            rows,
+            cols,
+            tiles,
+        ]);
+        tiles += rows.div_ceil(b) * cols.div_ceil(b);
     }
+    Some((jobs, u32::try_from(tiles).ok()?))
+}
+
+/// Quantises rank `ctx.rank`'s fp8 slices of `plan` from `master` into `roll` on the compute
+/// stream and waits for it; returns the bytes written.
+pub(crate) fn quantise_rank(
+    ctx: &RankCtx,
+    plan: &FsdpPlan,
+    master: &CudaSlice<f32>,
+    roll: &mut CudaSlice<bf16>,
+) -> Result<u64, CudaError> {
+    let Some((jobs, tiles)) = rank_jobs(plan, ctx.rank) else {
+        return Ok(0);
+    };
+    let s = &ctx.compute;
+    let m = ctx.module(&FP8_KERNELS)?;
+    let f = m.function("quantize_e4m3_jobs")?;
+    let jobs_d = s
+        .clone_htod(&jobs)
+        .map_err(ctx.drv("uploading the fp8 jobs", 8 * jobs.len() as u64))?;
+    let njobs = (jobs.len() / 6) as u32;
+    let (base, _sync) = roll.device_ptr(s);
+    let cfg = LaunchConfig {
+        grid_dim: (tiles, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = s.launch_builder(&f);
+    b.arg(master).arg(&jobs_d).arg(&njobs).arg(&base).arg(&base);
+    // SAFETY: the rollout buffer is passed as both the byte and the scale pointer; every job
+    // writes its bytes at 2 · entry offset and its scales at the entry's scale slots, inside the
+    // buffer and disjoint from every other entry (the plan's entries tile it without overlap),
+    // and reads its master rows inside the master shard (the slot's offset and pitch, W = 1);
+    // the argument list matches the kernel's. The stream is synchronised below, before the
+    // jobs' upload is dropped.
+    unsafe { b.launch(cfg) }
+        .map_err(|e| CudaError::driver(ctx.rank, "quantising the rollout weights to fp8", 0, e))?;
+    s.synchronize()
+        .map_err(ctx.drv("waiting for the fp8 quantisation", 0))?;
+    Ok(plan.fp8[ctx.rank].iter().map(|x| x.entry.bytes()).sum())
 }

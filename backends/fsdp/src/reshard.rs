@@ -14,7 +14,8 @@ use lifecycle_cuda::{
 
 use crate::state::{FsdpTrainState, RankTrain};
 use crate::verify::{self, Buffer, Mismatch};
-use lifecycle_layout::fsdp::{build_plan, FsdpPlan};
+use lifecycle_layout::fp8::RolloutDtype;
+use lifecycle_layout::fsdp::{build_fp8_plan, build_plan, FsdpPlan};
 
 impl Reshard for FsdpBackend {
     type TrainState = FsdpTrainState;
@@ -40,7 +41,21 @@ impl Reshard for FsdpBackend {
             }
         }
         let core = plan_fsdp_to_tp(&state.layout, &self.layout)?;
-        let mut plan = build_plan(core, &state.layout, self.config);
+        let mut plan = match self.dtype {
+            RolloutDtype::Bf16 => build_plan(core, &state.layout, self.config),
+            RolloutDtype::Fp8 => {
+                if self.pool.world() != 1 {
+                    return Err(FsdpError::Config(format!(
+                        "fp8 rollout weights on the GPU are quantised at W = 1 so far (this pool \
+                         has W = {}): at W > 1 the amax of blocks whose rows live on several \
+                         ranks must be agreed first; use RolloutDtype::Bf16",
+                        self.pool.world()
+                    )));
+                }
+                self.check_finite(state)?;
+                build_fp8_plan(core, &state.layout, self.config)?
+            }
+        };
         let peer = self.transport.resolve(&self.pool)?;
         if self.transport == Transport::PeerCopy && !plan.peer_copyable() {
             return Err(FsdpError::Config(format!(

@@ -103,7 +103,10 @@ impl FsdpBackend {
             let program = prog.get_or_build(ctx, key, batched, || plan.rank_steps(ctx.rank))?;
             let source = SourceBuf::F32(master);
             let opts = RunOptions::default();
-            run_program(ctx, program, source, roll, bases, opts, tl)
+            let mut moved = run_program(ctx, program, source, roll, bases, opts, tl)?;
+            // an fp8 plan's quantised slices, from the masters into the same buffer
+            moved.local += crate::fp8::quantise_rank(ctx, plan, master, roll)?;
+            Ok(moved)
         })?;
         Ok(moved)
     }

@@ -15,6 +15,7 @@
 //! counter-based hash kernel fills each rank's shard of the fp32 master weights and Adam m, v), so
 //! no 30 GB host upload is needed.
 
+use lifecycle_layout::fp8::RolloutDtype;
 use std::error::Error;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -64,8 +65,8 @@ struct Cli {
     /// Skip the DAPO-shaped loop.
     #[arg(long)]
     skip_dapo: bool,
-    /// Also time the fp8 quantisation of the model's projections on the GPU (W = 1 only),
-    /// against its floor (4 bytes read and 1 written per element).
+    /// Also time the resident switch with fp8 rollout weights against bf16 (W = 1 only), each
+    /// against its floor (4 bytes read and 1 written per quantised element, 2 per bf16 one).
     #[arg(long)]
     fp8: bool,
     /// Fewer bucket configurations, and one setting of the cast kernel's blocks per SM.
@@ -332,6 +333,53 @@ fn backend_at(
         .with_transport(transport))
 }
 
+/// The resident switch at W = T = 1 with fp8 rollout weights against the same switch in bf16:
+/// medians of `iters` enters and exits each, against their floors at the device copy rate `d2d`
+/// (fp32 masters read, rollout bytes written: 5 bytes per quantised element, 6 per bf16 one).
+fn fp8_against_bf16(
+    pool: &Arc<ThreadRankPool>,
+    model: &Model,
+    mut state: FsdpTrainState,
+    iters: usize,
+    d2d: f64,
+) -> Result<FsdpTrainState, Box<dyn Error>> {
+    if pool.world() != 1 {
+        println!("fp8: skipped (fp8 switches on the GPU run at W = 1)");
+        return Ok(state);
+    }
+    let mut times = Vec::new();
+    for dtype in [RolloutDtype::Bf16, RolloutDtype::Fp8] {
+        let backend = FsdpBackend::new(pool.clone(), model.layout(1)?).with_rollout_dtype(dtype);
+        let plan = backend.plan(&state)?;
+        let entries = plan.entries(0);
+        let held: u64 = entries.iter().map(|e| e.bytes()).sum();
+        let elems: u64 = entries.iter().map(|e| e.numel() as u64).sum();
+        let floor = (4 * elems + held) as f64 / d2d;
+        let mut lc = lazy_lifecycle(backend, state, MemoryPolicy::resident())?;
+        let (en, ex) = time_cycles(&mut lc, iters, true)?;
+        let m = lc.metrics().clone();
+        println!(
+            "{dtype} rollout weights, W = T = 1, resident: {}; {:.3} GB held, floor {} (fp32 \
+             read + rollout written at {:.0} GB/s), ratio {:.2}x",
+            resident_times(en, ex, &m),
+            held as f64 / GB,
+            ms(floor),
+            d2d / GB,
+            en / floor
+        );
+        times.push((en, held));
+        state = lc.into_parts()?.1;
+    }
+    if let [(bf, bf_held), (f8, f8_held)] = times[..] {
+        println!(
+            "fp8 vs bf16 at W = T = 1: enter {:.2}x, rollout weights {:.2}x the bytes",
+            f8 / bf,
+            f8_held as f64 / bf_held as f64
+        );
+    }
+    Ok(state)
+}
+
 /// One traced resident enter + exit at `cfg`: writes the Chrome trace and prints, per rank and
 /// stream, when the device work started and ended and how long it was busy.
 fn traced_enter(
@@ -423,23 +471,7 @@ fn run() -> Result<(), Box<dyn Error>> {
     );
 
     if args.fp8 {
-        let (q, time) = backend.fp8_quantize_w1(&state, args.iters)?;
-        let n: usize = q.iter().map(|t| t.data.len()).sum();
-        let floor = 5.0 * n as f64 / c.d2d;
-        let bf16_floor = 6.0 * n as f64 / c.d2d;
-        println!(
-            "fp8: {} tensors, {:.3} G elements quantised to block-scaled e4m3 in {} (median of {}); \
-             floor {} (5 B per element at {:.0} GB/s), ratio {:.2}x; the same elements cast to \
-             bf16 have a floor of {}",
-            q.len(),
-            n as f64 / 1e9,
-            ms(time.as_secs_f64()),
-            args.iters,
-            ms(floor),
-            c.d2d / GB,
-            time.as_secs_f64() / floor,
-            ms(bf16_floor)
-        );
+        state = fp8_against_bf16(&pool, &model, state, args.iters, c.d2d)?;
     }
     let mut rows: Vec<Row> = Vec::new();
     // (T, enter floor at the peer-copy rate, our best enter).
