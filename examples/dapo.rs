@@ -122,7 +122,7 @@ struct Args {
     #[arg(long, default_value = "tp", value_parser = <ExpertPlacement as std::str::FromStr>::from_str)]
     experts: ExpertPlacement,
     /// The rollout weights' dtype: `bf16`, or `fp8` (block-scaled e4m3 quantised from the fp32
-    /// masters in the switch; a --checkpoint model in the FSDP layout).
+    /// masters in the switch; a --checkpoint model in the FSDP layout, on the GPU at --gpus 1).
     #[arg(long, default_value = "bf16", value_parser = <RolloutDtype as std::str::FromStr>::from_str)]
     rollout_dtype: RolloutDtype,
     #[arg(long, help = help("Prompts per rollout call (gen batch)",
@@ -428,6 +428,7 @@ impl Args {
             run: LoopOptions {
                 tp: self.tp.unwrap_or(d.tp),
                 experts: self.experts,
+                rollout_dtype: self.rollout_dtype,
                 checkpoint: self.checkpoint.clone(),
                 lifecycle: self.lifecycle.unwrap_or(d.lifecycle),
                 steps: self.steps.unwrap_or(d.steps),

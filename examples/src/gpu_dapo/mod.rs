@@ -283,7 +283,8 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
         GpuLayout::Fsdp => {
             let layout = config.rollout_layout_with(r.tp, r.experts)?;
             let engine = RunEngine::for_run(&config, &layout, &pool, capacity, fork)?;
-            let backend = FsdpBackend::new(Arc::clone(&pool), layout);
+            let backend =
+                FsdpBackend::new(Arc::clone(&pool), layout).with_rollout_dtype(r.rollout_dtype);
             let state = source.initial(&backend)?;
             let mut lc = Lifecycle::with_config(backend, state, lc_config)?.with_engine(engine);
             let mut driver = GpuDriver {
@@ -315,6 +316,13 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
             reports
         }
         GpuLayout::Megatron { tp, pp } => {
+            if r.rollout_dtype != lifecycle_layout::fp8::RolloutDtype::Bf16 {
+                return Err(DapoGpuError::Usage(
+                    "--rollout-dtype fp8 is implemented for the FSDP layout (--backend fsdp): \
+                     the Megatron layout's fused rollout is bf16 only"
+                        .into(),
+                ));
+            }
             let parallel = MegatronParallel::new(tp, pp, g.gpus / (tp * pp).max(1));
             if parallel.world() != g.gpus {
                 return Err(DapoGpuError::Usage(format!(

@@ -1,5 +1,6 @@
 //! The settings of a GPU DAPO run, as command-line options (`clap`), and their checks.
 
+use lifecycle_layout::fp8::RolloutDtype;
 use std::fmt;
 use std::path::PathBuf;
 
@@ -122,6 +123,9 @@ pub struct LoopOptions {
     /// partitioned over the rollout ranks.
     #[arg(skip)]
     pub experts: ExpertPlacement,
+    /// The rollout weights' dtype (fp8: quantised in the switch; the FSDP layout at W = 1).
+    #[arg(skip)]
+    pub rollout_dtype: RolloutDtype,
 }
 
 impl LoopOptions {
@@ -142,6 +146,7 @@ impl LoopOptions {
         verbose: false,
         trace: None,
         experts: ExpertPlacement::TensorParallel,
+        rollout_dtype: RolloutDtype::Bf16,
     };
 }
 

@@ -19,10 +19,11 @@ use lifecycle_fsdp::FsdpBackend;
 use lifecycle_layout::{RolloutEntry, RolloutLayout};
 
 use crate::error::GpuDecodeError;
+use crate::fp8::{fp8_gemm, Fp8Kernels, Fp8Weight};
 use crate::kernels::{launch, Arg, DecoderKernels};
 use crate::prefill::PrefillRows;
 use crate::topology::{decode_topology, replica_rows, DecodeTopology};
-use crate::weights::{GroupOffsets, RankOffsets};
+use crate::weights::{GroupOffsets, MatAt, RankOffsets};
 
 /// Longest sequence (prompt + generated tokens) the attention kernel's shared memory holds.
 pub const MAX_CONTEXT: usize = 8192;
@@ -56,6 +57,61 @@ struct RankState {
     ev_nccl: CudaEvent,
     /// Page-locked host buffer for logits downloads, grown on demand.
     pinned: Option<PinnedHostSlice<f32>>,
+    /// The fp8 matrix kernels, loaded when weights with fp8 matrices are first bound.
+    fp8: Option<Fp8Kernels>,
+    /// bf16 scratch of the fp8 prefill products (hi and lo of the largest fp8 matrix), held
+    /// while bound to fp8 weights.
+    dequant: Option<CudaSlice<u16>>,
+}
+
+impl RankState {
+    /// `y[rows × out] = x[rows × inp] · wᵀ` for weight `w` of the bound buffer at `base`:
+    /// [`gemm`] for bf16, [`fp8_gemm`] for fp8.
+    ///
+    /// # Safety
+    /// As [`gemm`]: `w` inside the bound rollout buffer, `x` and `y` holding the sizes given.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn wgemm(
+        &self,
+        s: &Arc<CudaStream>,
+        base: u64,
+        w: MatAt,
+        x: u64,
+        y: u64,
+        (out, rows, inp): (usize, usize, usize),
+        rank: usize,
+    ) -> Result<(), CudaError> {
+        let Some(f) = w.fp8 else {
+            // SAFETY: forwarded to the caller.
+            return unsafe { gemm(&self.blas, base + 2 * w.off, x, y, out, rows, inp, rank) };
+        };
+        let k = self.fp8.as_ref().ok_or_else(|| {
+            CudaError::Invalid("fp8 weights bound without the fp8 kernels".into())
+        })?;
+        let weight = Fp8Weight {
+            data: base + 2 * w.off,
+            scales: base + 2 * f.scales,
+            row0: f.row0,
+            cols: f.cols,
+        };
+        let scratch = self.dequant.as_ref().map(|d| ptr(d, s));
+        // SAFETY: the matrix and its scales are the bound entry's (checked against the buffer
+        // length at bind); the scratch was sized at bind for the largest fp8 matrix; x and y per
+        // the caller.
+        unsafe {
+            fp8_gemm(
+                s,
+                &self.blas,
+                k,
+                weight,
+                x,
+                y,
+                (out, rows, inp),
+                scratch,
+                rank,
+            )
+        }
+    }
 }
 
 /// Inputs of one forward pass of one replica (the same on every rank of a group); sequence
@@ -288,6 +344,8 @@ impl Core {
                 ev_compute: ctx.event()?,
                 ev_nccl: ctx.event()?,
                 pinned: None,
+                fp8: None,
+                dequant: None,
             });
             ctx.compute
                 .synchronize()
@@ -347,6 +405,24 @@ impl Core {
                     CudaError::Invalid(format!("no weight offsets for TP rank {}", st.tp_rank))
                 })?
                 .clone();
+            if plan.fp8_max > 0 {
+                if st.fp8.is_none() {
+                    st.fp8 = Some(Fp8Kernels::load(ctx)?);
+                }
+                let need = 2 * plan.fp8_max as usize;
+                if st.dequant.as_ref().is_none_or(|d| d.len() < need) {
+                    st.dequant = None;
+                    // SAFETY: scratch: every product writes the rows it reads first.
+                    st.dequant = Some(unsafe {
+                        lifecycle_cuda::alloc_device(
+                            &ctx.compute,
+                            need,
+                            ctx.rank,
+                            "the fp8 dequantisation scratch",
+                        )?
+                    });
+                }
+            }
             st.bind = Some(RankBind {
                 base: ptr(buf, &ctx.compute),
                 w,
@@ -366,6 +442,7 @@ impl Core {
         for st in &mut self.ranks {
             st.bind = None;
             st.cache = None;
+            st.dequant = None;
         }
         self.geo = None;
         self.lens.clear();
@@ -928,7 +1005,27 @@ unsafe fn gemm(
     inp: usize,
     rank: usize,
 ) -> Result<(), CudaError> {
-    let (alpha, beta) = (1.0f32, 0.0f32);
+    // SAFETY: forwarded to the caller.
+    unsafe { gemm_beta(blas, w, x, y, out, rows, inp, 0.0, rank) }
+}
+
+/// [`gemm`] adding `beta · y` to the product (`beta` 0 or 1 here).
+///
+/// # Safety
+/// As [`gemm`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_beta(
+    blas: &CudaBlas,
+    w: u64,
+    x: u64,
+    y: u64,
+    out: usize,
+    rows: usize,
+    inp: usize,
+    beta: f32,
+    rank: usize,
+) -> Result<(), CudaError> {
+    let alpha = 1.0f32;
     let dim = |v: usize| {
         i32::try_from(v).map_err(|_| CudaError::Invalid(format!("GEMM dimension {v} > i32::MAX")))
     };
@@ -1123,8 +1220,8 @@ fn moe_layer(
                 rank,
                 "gather_split_rows",
             )?;
-            gemm(&st.blas, wp(e.gate), xg, p(&scratch.g2), f, 2 * r, h, rank)?;
-            gemm(&st.blas, wp(e.up), xg, p(&scratch.u2), f, 2 * r, h, rank)?;
+            st.wgemm(s, base, e.gate, xg, p(&scratch.g2), (f, 2 * r, h), rank)?;
+            st.wgemm(s, base, e.up, xg, p(&scratch.u2), (f, 2 * r, h), rank)?;
             launch(
                 s,
                 &k.swiglu_split,
@@ -1139,7 +1236,7 @@ fn moe_layer(
                 rank,
                 "swiglu_split",
             )?;
-            gemm(&st.blas, wp(e.down), act, p(&scratch.y2), h, 2 * r, f, rank)?;
+            st.wgemm(s, base, e.down, act, p(&scratch.y2), (h, 2 * r, f), rank)?;
             launch(
                 s,
                 &k.scatter_add_rows,
@@ -1457,16 +1554,16 @@ fn rank_forward(
                 // one GEMM over [q; k; v] (k_w, v_w follow q_w in the fused tensor), then its
                 // column blocks
                 let ld = qw + 2 * kvw;
-                gemm(&st.blas, wp(lw.q_w), xsp, y2p, ld, 2 * n, h, rank)?;
+                gemm(&st.blas, wp(lw.q_w.off), xsp, y2p, ld, 2 * n, h, rank)?;
                 combine_cols(qp, lw.q_b, ld, 0, qw)?;
                 combine_cols(kp, lw.k_b, ld, qw, kvw)?;
                 combine_cols(vp, lw.v_b, ld, qw + kvw, kvw)?;
             } else {
-                gemm(&st.blas, wp(lw.q_w), xsp, y2p, qw, 2 * n, h, rank)?;
+                st.wgemm(s, bind.base, lw.q_w, xsp, y2p, (qw, 2 * n, h), rank)?;
                 combine_into(qp, lw.q_b, qw)?;
-                gemm(&st.blas, wp(lw.k_w), xsp, y2p, kvw, 2 * n, h, rank)?;
+                st.wgemm(s, bind.base, lw.k_w, xsp, y2p, (kvw, 2 * n, h), rank)?;
                 combine_into(kp, lw.k_b, kvw)?;
-                gemm(&st.blas, wp(lw.v_w), xsp, y2p, kvw, 2 * n, h, rank)?;
+                st.wgemm(s, bind.base, lw.v_w, xsp, y2p, (kvw, 2 * n, h), rank)?;
                 combine_into(vp, lw.v_b, kvw)?;
             }
             head_norms(lw.qk_norm)?;
@@ -1520,7 +1617,7 @@ fn rank_forward(
                 rank,
                 "attention",
             )?;
-            gemm(&st.blas, wp(lw.o_w), xsp, y2p, h, 2 * n, qw, rank)?;
+            st.wgemm(s, bind.base, lw.o_w, xsp, y2p, (h, 2 * n, qw), rank)?;
             finish(&mut x)?;
             norm(lw.post_norm, 0, n)?;
             if let Some(moe) = &bind.w.moe[l] {
@@ -1565,7 +1662,7 @@ fn rank_forward(
             }
             if z.fused {
                 // one GEMM over [gate; up] (up_w follows gate_w in the fused tensor)
-                gemm(&st.blas, wp(lw.gate_w), xsp, y2p, 2 * f, 2 * n, h, rank)?;
+                gemm(&st.blas, wp(lw.gate_w.off), xsp, y2p, 2 * f, 2 * n, h, rank)?;
                 launch(
                     s,
                     &k.swiglu_fused_split,
@@ -1575,8 +1672,8 @@ fn rank_forward(
                     "swiglu_fused_split",
                 )?;
             } else {
-                gemm(&st.blas, wp(lw.gate_w), xsp, y2p, f, 2 * n, h, rank)?;
-                gemm(&st.blas, wp(lw.up_w), xsp, y2bp, f, 2 * n, h, rank)?;
+                st.wgemm(s, bind.base, lw.gate_w, xsp, y2p, (f, 2 * n, h), rank)?;
+                st.wgemm(s, bind.base, lw.up_w, xsp, y2bp, (f, 2 * n, h), rank)?;
                 launch(
                     s,
                     &k.swiglu_split,
@@ -1592,7 +1689,7 @@ fn rank_forward(
                     "swiglu_split",
                 )?;
             }
-            gemm(&st.blas, wp(lw.down_w), xsp, y2p, h, 2 * n, f, rank)?;
+            st.wgemm(s, bind.base, lw.down_w, xsp, y2p, (h, 2 * n, f), rank)?;
             finish(&mut x)?;
         }
         // forked sequences: copy their leaders' KV rows (every layer's k and v, positions

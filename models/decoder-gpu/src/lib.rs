@@ -29,6 +29,7 @@
 mod decoder;
 mod engine;
 mod error;
+mod fp8;
 mod kernels;
 mod model;
 mod prefill;

@@ -13,6 +13,44 @@ use lifecycle_layout::RolloutEntry;
 use lifecycle_layout::RolloutLayout as FusedLayout;
 use lifecycle_layout::{hf, Parallel, RolloutLayout, TensorSpec};
 
+/// Where a weight matrix lies in a rank's buffer: bf16 from slot `off` (its first used row), or
+/// fp8 ([`Fp8At`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct MatAt {
+    /// Slot of the first used row (bf16), or of the stored matrix's first byte (fp8).
+    pub off: u64,
+    pub fp8: Option<Fp8At>,
+}
+
+/// An fp8 matrix's block scales (slot), the first row a product uses, and its columns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Fp8At {
+    pub scales: u64,
+    pub row0: u64,
+    pub cols: u64,
+}
+
+impl MatAt {
+    /// A bf16 matrix at slot `off`.
+    pub fn bf16(off: u64) -> Self {
+        MatAt { off, fp8: None }
+    }
+
+    /// The same matrix from row `rows` on, of `width` columns.
+    pub fn skip_rows(self, rows: usize, width: usize) -> Self {
+        match self.fp8 {
+            None => MatAt::bf16(self.off + (rows * width) as u64),
+            Some(f) => MatAt {
+                off: self.off,
+                fp8: Some(Fp8At {
+                    row0: f.row0 + rows as u64,
+                    ..f
+                }),
+            },
+        }
+    }
+}
+
 /// Element offsets (bf16) of one rank's share of one layer. In the fused layout `k_w` / `v_w`
 /// point into `qkv_proj` right after the q / k rows, `up_w` into `gate_up_proj` after the gate
 /// rows, so `[q_w, v_w + kv rows)` and `[gate_w, up_w + ffn rows)` are one matrix each.
@@ -20,18 +58,18 @@ use lifecycle_layout::{hf, Parallel, RolloutLayout, TensorSpec};
 pub(crate) struct LayerOffsets {
     pub input_norm: u64,
     pub post_norm: u64,
-    pub q_w: u64,
+    pub q_w: MatAt,
     pub q_b: Option<u64>,
     /// First row of this rank's kv heads (replicated k/v: offset into the full tensor).
-    pub k_w: u64,
+    pub k_w: MatAt,
     pub k_b: Option<u64>,
-    pub v_w: u64,
+    pub v_w: MatAt,
     pub v_b: Option<u64>,
-    pub o_w: u64,
+    pub o_w: MatAt,
     /// Dense MLP weights (unused, 0, in a mixture-of-experts layer: see [`RankOffsets::moe`]).
-    pub gate_w: u64,
-    pub up_w: u64,
-    pub down_w: u64,
+    pub gate_w: MatAt,
+    pub up_w: MatAt,
+    pub down_w: MatAt,
     /// Per-head RMSNorm weights of q and k (Qwen3).
     pub qk_norm: Option<(u64, u64)>,
 }
@@ -39,9 +77,9 @@ pub(crate) struct LayerOffsets {
 /// One expert's share on one rank: gate, up (`[ffn × hidden]`) and down (`[hidden × ffn]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct ExpertOffsets {
-    pub gate: u64,
-    pub up: u64,
-    pub down: u64,
+    pub gate: MatAt,
+    pub up: MatAt,
+    pub down: MatAt,
     /// Intermediate rows of this share (`moe_ffn / T` split by TP, `moe_ffn` whole).
     pub ffn: usize,
 }
@@ -83,6 +121,9 @@ pub(crate) struct GroupOffsets {
     pub fused: bool,
     /// Elements every rank's buffer must hold at least.
     pub min_len: u64,
+    /// Elements of the largest fp8 matrix (0 without fp8 weights): the prefill products'
+    /// dequantisation scratch holds twice as many bf16.
+    pub fp8_max: u64,
 }
 
 /// Which rollout layout a buffer's tensor names say it holds.
@@ -139,6 +180,7 @@ struct Reader<'a> {
     entries: &'a [RolloutEntry],
     shapes: Vec<(String, Vec<usize>)>,
     min_len: u64,
+    fp8_max: u64,
 }
 
 impl Reader<'_> {
@@ -146,8 +188,8 @@ impl Reader<'_> {
         rollout_spec(self.layout, &self.shapes, name, allowed)
     }
 
-    /// The offset of `name` in every rank's buffer (the same on every rank), shape-checked.
-    fn offset(&mut self, name: &str, allowed: &[Parallel]) -> Result<u64, DecodeError> {
+    /// The entry of `name` in every rank's buffer (the same on every rank), shape-checked.
+    fn entry(&mut self, name: &str, allowed: &[Parallel]) -> Result<&RolloutEntry, DecodeError> {
         let spec = self.spec(name, allowed)?;
         let expected = spec.slice_shape(self.layout.tp());
         let e = self
@@ -168,7 +210,39 @@ impl Reader<'_> {
             });
         }
         self.min_len = self.min_len.max(e.range().end as u64);
+        Ok(e)
+    }
+
+    /// The offset of a tensor read in bf16 (norms, biases, embeddings, the router).
+    fn offset(&mut self, name: &str, allowed: &[Parallel]) -> Result<u64, DecodeError> {
+        let e = self.entry(name, allowed)?;
+        if e.is_fp8() {
+            return Err(DecodeError::Usage(format!(
+                "`{name}` is fp8, but the decoder reads it in bf16: an fp8 rollout quantises \
+                 matrix weights only (lifecycle_layout::fp8::keeps_bf16)"
+            )));
+        }
         Ok(e.offset() as u64)
+    }
+
+    /// Where a weight matrix lies, bf16 or fp8.
+    fn matrix(&mut self, name: &str, allowed: &[Parallel]) -> Result<MatAt, DecodeError> {
+        let e = self.entry(name, allowed)?;
+        let (numel, at) = (
+            e.numel() as u64,
+            MatAt {
+                off: e.offset() as u64,
+                fp8: e.scale_offset().map(|scales| Fp8At {
+                    scales: scales as u64,
+                    row0: 0,
+                    cols: e.matrix().1 as u64,
+                }),
+            },
+        );
+        if at.fp8.is_some() {
+            self.fp8_max = self.fp8_max.max(numel);
+        }
+        Ok(at)
     }
 }
 
@@ -207,16 +281,16 @@ impl Reader<'_> {
                     return Ok(None);
                 }
                 Ok(Some(ExpertOffsets {
-                    gate: self.offset(&g, &owned)?,
-                    up: self.offset(&u, &owned)?,
-                    down: self.offset(&d, &owned)?,
+                    gate: self.matrix(&g, &owned)?,
+                    up: self.matrix(&u, &owned)?,
+                    down: self.matrix(&d, &owned)?,
                     ffn,
                 }))
             }
             _ => Ok(Some(ExpertOffsets {
-                gate: self.offset(&g, &[Parallel::Column])?,
-                up: self.offset(&u, &[Parallel::Column])?,
-                down: self.offset(&d, &[Parallel::Row])?,
+                gate: self.matrix(&g, &[Parallel::Column])?,
+                up: self.matrix(&u, &[Parallel::Column])?,
+                down: self.matrix(&d, &[Parallel::Row])?,
                 ffn: ffn / self.layout.tp(),
             })),
         }
@@ -269,6 +343,7 @@ impl GroupOffsets {
             entries,
             shapes: config.tensor_shapes(),
             min_len: 0,
+            fp8_max: 0,
         };
         let (d, h) = (config.head_dim, config.hidden_size);
         let q_heads = config.num_heads / tp;
@@ -309,25 +384,25 @@ impl GroupOffsets {
             qk_norms.push(qk_norm);
             let mlp = if spec.moe_layer(l) {
                 moe_layers.push(Some(r.offset(&hf::layer(l, hf::ROUTER), &rep)?));
-                (0, 0, 0)
+                (MatAt::default(), MatAt::default(), MatAt::default())
             } else {
                 moe_layers.push(None);
                 (
-                    r.offset(&format!("{p}.mlp.gate_proj.weight"), &col)?,
-                    r.offset(&format!("{p}.mlp.up_proj.weight"), &col)?,
-                    r.offset(&format!("{p}.mlp.down_proj.weight"), &row)?,
+                    r.matrix(&format!("{p}.mlp.gate_proj.weight"), &col)?,
+                    r.matrix(&format!("{p}.mlp.up_proj.weight"), &col)?,
+                    r.matrix(&format!("{p}.mlp.down_proj.weight"), &row)?,
                 )
             };
             per_layer.push((
                 r.offset(&format!("{p}.input_layernorm.weight"), &rep)?,
                 r.offset(&format!("{p}.post_attention_layernorm.weight"), &rep)?,
-                r.offset(&format!("{p}.self_attn.q_proj.weight"), &col)?,
+                r.matrix(&format!("{p}.self_attn.q_proj.weight"), &col)?,
                 q_b,
-                r.offset(&format!("{p}.self_attn.k_proj.weight"), &kv)?,
+                r.matrix(&format!("{p}.self_attn.k_proj.weight"), &kv)?,
                 k_b,
-                r.offset(&format!("{p}.self_attn.v_proj.weight"), &kv)?,
+                r.matrix(&format!("{p}.self_attn.v_proj.weight"), &kv)?,
                 v_b,
-                r.offset(&format!("{p}.self_attn.o_proj.weight"), &row)?,
+                r.matrix(&format!("{p}.self_attn.o_proj.weight"), &row)?,
                 mlp.0,
                 mlp.1,
                 mlp.2,
@@ -362,6 +437,7 @@ impl GroupOffsets {
                 entries: rank_entries(t)?,
                 shapes: std::mem::take(&mut r.shapes),
                 min_len: r.min_len,
+                fp8_max: r.fp8_max,
             };
             let layers = moe_layers
                 .iter()
@@ -378,6 +454,7 @@ impl GroupOffsets {
                 .collect::<Result<Vec<_>, DecodeError>>()?;
             r.shapes = rr.shapes;
             r.min_len = rr.min_len;
+            r.fp8_max = rr.fp8_max;
             moe_ranks.push(layers);
         }
         let ranks = shares
@@ -390,6 +467,13 @@ impl GroupOffsets {
                         off
                     } else {
                         off + (share.kv_base * d * width) as u64
+                    }
+                };
+                let kv_rows = |w: MatAt| -> MatAt {
+                    if kv_split == Parallel::Column {
+                        w
+                    } else {
+                        w.skip_rows(share.kv_base * d, h)
                     }
                 };
                 RankOffsets {
@@ -411,9 +495,9 @@ impl GroupOffsets {
                                     post_norm: post,
                                     q_w,
                                     q_b,
-                                    k_w: kv_shift(k_w, h),
+                                    k_w: kv_rows(k_w),
                                     k_b: k_b.map(|b| kv_shift(b, 1)),
-                                    v_w: kv_shift(v_w, h),
+                                    v_w: kv_rows(v_w),
                                     v_b: v_b.map(|b| kv_shift(b, 1)),
                                     o_w,
                                     gate_w: g,
@@ -440,6 +524,7 @@ impl GroupOffsets {
             vocab_part,
             fused: false,
             min_len: r.min_len,
+            fp8_max: r.fp8_max,
         })
     }
 
@@ -475,6 +560,12 @@ impl GroupOffsets {
                     name: spec.name.clone(),
                     rank: 0,
                 })?;
+            if e.is_fp8() {
+                return Err(DecodeError::Usage(format!(
+                    "`{}` is fp8: the fused (Megatron) rollout layout is read in bf16 only",
+                    spec.name
+                )));
+            }
             if e.shape() != spec.shape.as_slice() || e.numel() != spec.numel() {
                 return Err(DecodeError::Shape {
                     name: spec.name.clone(),
@@ -536,16 +627,16 @@ impl GroupOffsets {
             layers.push(LayerOffsets {
                 input_norm: at(&hf::layer(l, hf::INPUT_NORM))?,
                 post_norm: at(&hf::layer(l, hf::POST_NORM))?,
-                q_w: qkv,
+                q_w: MatAt::bf16(qkv),
                 q_b: bias,
-                k_w: qkv + (q_rows * h) as u64,
+                k_w: MatAt::bf16(qkv + (q_rows * h) as u64),
                 k_b: bias.map(|b| b + q_rows as u64),
-                v_w: qkv + ((q_rows + kv_rows) * h) as u64,
+                v_w: MatAt::bf16(qkv + ((q_rows + kv_rows) * h) as u64),
                 v_b: bias.map(|b| b + (q_rows + kv_rows) as u64),
-                o_w: at(&hf::layer(l, hf::O))?,
-                gate_w: gate_up,
-                up_w: gate_up + (ffn_part * h) as u64,
-                down_w: at(&hf::layer(l, hf::DOWN))?,
+                o_w: MatAt::bf16(at(&hf::layer(l, hf::O))?),
+                gate_w: MatAt::bf16(gate_up),
+                up_w: MatAt::bf16(gate_up + (ffn_part * h) as u64),
+                down_w: MatAt::bf16(at(&hf::layer(l, hf::DOWN))?),
                 qk_norm: None,
             });
         }
@@ -588,6 +679,7 @@ impl GroupOffsets {
             vocab_part,
             fused: true,
             min_len,
+            fp8_max: 0,
         })
     }
 }
@@ -640,16 +732,16 @@ mod tests {
         let l = plan.ranks[0].layers[1];
         let qkv = find("model.layers.1.self_attn.qkv_proj.weight");
         let (q_rows, kv_rows, h) = (16u64, 8u64, 16u64);
-        assert_eq!(l.q_w, qkv);
-        assert_eq!(l.k_w, qkv + q_rows * h);
-        assert_eq!(l.v_w, qkv + (q_rows + kv_rows) * h);
+        assert_eq!(l.q_w.off, qkv);
+        assert_eq!(l.k_w.off, qkv + q_rows * h);
+        assert_eq!(l.v_w.off, qkv + (q_rows + kv_rows) * h);
         let b = find("model.layers.1.self_attn.qkv_proj.bias");
         assert_eq!(
             (l.q_b, l.k_b, l.v_b),
             (Some(b), Some(b + q_rows), Some(b + 24))
         );
         let gu = find("model.layers.1.mlp.gate_up_proj.weight");
-        assert_eq!((l.gate_w, l.up_w), (gu, gu + 32 * h));
+        assert_eq!((l.gate_w.off, l.up_w.off), (gu, gu + 32 * h));
         assert_eq!(plan.ranks[0].head, find("lm_head.weight"));
         let end = entries.iter().map(|e| e.range().end).max().unwrap() as u64;
         assert_eq!(plan.min_len, end);

@@ -1,0 +1,135 @@
+//! Decode throughput of the GPU decoder on bf16 and on fp8 rollout weights (W = T = 1), from one
+//! FSDP training state switched once per dtype, against the weight-streaming floor: a decode
+//! step reads every rollout weight once, so at small batches its time is at least the rollout
+//! bytes over the device's copy rate (read half of it: the copy rate counts both directions).
+//!
+//! ```text
+//! decode_bench --layers 4 --batches 1,8,32 --new-tokens 64
+//! ```
+
+use std::error::Error;
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::Parser;
+use lifecycle_bench::ceilings::{device_copy, Timing};
+use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Switching};
+use lifecycle_cuda::ThreadRankPool;
+use lifecycle_decoder::{Decoder, ModelConfig, Sampling};
+use lifecycle_decoder_gpu::GpuDecoder;
+use lifecycle_fsdp::FsdpBackend;
+use lifecycle_layout::fp8::RolloutDtype;
+
+const GB: f64 = 1e9;
+
+/// Decode throughput, bf16 against fp8 rollout weights, on one GPU.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// Decoder layers of the Qwen2.5-7B shape (hidden 3584, 28 heads / 4 kv, ffn 18944,
+    /// vocabulary 152064).
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    /// Batch sizes (sequences decoded together), comma-separated.
+    #[arg(long, default_value = "1,8,32", value_delimiter = ',')]
+    batches: Vec<usize>,
+    /// Prompt tokens per sequence.
+    #[arg(long, default_value_t = 32)]
+    prompt: usize,
+    /// Tokens generated per sequence (greedy, on the device).
+    #[arg(long, default_value_t = 64)]
+    new_tokens: usize,
+}
+
+fn config(layers: usize) -> Result<ModelConfig, Box<dyn Error>> {
+    Ok(ModelConfig::from_json_str(&format!(
+        r#"{{"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584,
+            "intermediate_size": 18944, "num_hidden_layers": {layers},
+            "num_attention_heads": 28, "num_key_value_heads": 4, "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": false}}"#
+    ))?)
+}
+
+fn main() -> Result<(), Box<dyn Error>> {
+    let args = Args::parse();
+    if args.new_tokens < 2 || args.batches.is_empty() {
+        return Err("--new-tokens must be at least 2 and --batches not empty".into());
+    }
+    let config = config(args.layers)?;
+    let pool = Arc::new(ThreadRankPool::new(1)?);
+    let copy = device_copy(&*pool, 1 << 30, Timing::after_idle(1, 5))?;
+    println!(
+        "Qwen2.5-7B shape, {} layers; device copy rate {:.0} GB/s (read + write)",
+        args.layers,
+        copy / GB
+    );
+    let shapes = config.tensor_shapes();
+    let mut state = FsdpBackend::new(pool.clone(), config.rollout_layout(1)?)
+        .synthetic_state(&shapes, 7, 0.02)?;
+    let mut rates: Vec<(RolloutDtype, usize, f64)> = Vec::new();
+    for dtype in [RolloutDtype::Bf16, RolloutDtype::Fp8] {
+        let backend =
+            FsdpBackend::new(pool.clone(), config.rollout_layout(1)?).with_rollout_dtype(dtype);
+        let lc_config = LifecycleConfig {
+            switching: Switching::Lazy,
+            memory: MemoryPolicy::resident(),
+        };
+        let mut lc = Lifecycle::with_config(backend, state, lc_config)?;
+        {
+            let session = lc.rollout()?;
+            let weights = session.weights();
+            let held = weights.get().bytes_per_rank();
+            // a decode step streams every weight once: the read half of the copy rate
+            let floor = held as f64 / (copy / 2.0);
+            let mut dec = GpuDecoder::new(&config, session.backend(), weights.get())?;
+            println!(
+                "\n{dtype}: rollout weights {:.3} GB; weight-streaming floor {:.3} ms per step",
+                held as f64 / GB,
+                floor * 1e3
+            );
+            for &batch in &args.batches {
+                let prompts: Vec<Vec<u32>> = (0..batch)
+                    .map(|i| {
+                        (0..args.prompt)
+                            .map(|j| ((i * 7919 + j * 104729) % 152064) as u32)
+                            .collect()
+                    })
+                    .collect();
+                // warm-up, then the prefill alone (one token) and the whole generation
+                dec.generate(&prompts, &Sampling::greedy(4))?;
+                let t = Instant::now();
+                dec.generate(&prompts, &Sampling::greedy(1))?;
+                let prefill = t.elapsed().as_secs_f64();
+                let t = Instant::now();
+                dec.generate(&prompts, &Sampling::greedy(args.new_tokens))?;
+                let total = t.elapsed().as_secs_f64();
+                let step = (total - prefill).max(1e-9) / (args.new_tokens - 1) as f64;
+                let rate = batch as f64 / step;
+                println!(
+                    "  batch {batch:>3}: prefill {:.2} ms, decode {:.3} ms/step ({:.2}x the \
+                     floor), {rate:.0} tokens/s",
+                    prefill * 1e3,
+                    step * 1e3,
+                    step / floor
+                );
+                rates.push((dtype, batch, rate));
+            }
+        }
+        state = lc.into_parts()?.1;
+    }
+    println!("\nfp8 against bf16, decode tokens/s:");
+    for &batch in &args.batches {
+        let of = |d| {
+            rates
+                .iter()
+                .find(|r| r.0 == d && r.1 == batch)
+                .map_or(0.0, |r| r.2)
+        };
+        let (b, f) = (of(RolloutDtype::Bf16), of(RolloutDtype::Fp8));
+        println!(
+            "  batch {batch:>3}: bf16 {b:.0}, fp8 {f:.0} ({:.2}x)",
+            f / b.max(1e-9)
+        );
+    }
+    Ok(())
+}
