@@ -19,7 +19,7 @@ use lifecycle_fsdp::FsdpBackend;
 use lifecycle_layout::{RolloutEntry, RolloutLayout};
 
 use crate::error::GpuDecodeError;
-use crate::fp8::{fp8_gemm, Fp8Kernels, Fp8Weight};
+use crate::fp8::{fp8_gemm, Fp8Kernels, Fp8Scratch, Fp8Weight, GEMV_TOKENS};
 use crate::kernels::{launch, Arg, DecoderKernels};
 use crate::prefill::PrefillRows;
 use crate::topology::{decode_topology, replica_rows, DecodeTopology};
@@ -62,6 +62,8 @@ struct RankState {
     /// bf16 scratch of the fp8 prefill products (hi and lo of the largest fp8 matrix), held
     /// while bound to fp8 weights.
     dequant: Option<CudaSlice<u16>>,
+    /// f32 activations of the fp8 decode products (`GEMV_TOKENS` rows of the widest matrix).
+    x32: Option<CudaSlice<f32>>,
 }
 
 impl RankState {
@@ -94,7 +96,10 @@ impl RankState {
             row0: f.row0,
             cols: f.cols,
         };
-        let scratch = self.dequant.as_ref().map(|d| ptr(d, s));
+        let scratch = Fp8Scratch {
+            x32: self.x32.as_ref().map(|d| ptr(d, s)),
+            dequant: self.dequant.as_ref().map(|d| ptr(d, s)),
+        };
         // SAFETY: the matrix and its scales are the bound entry's (checked against the buffer
         // length at bind); the scratch was sized at bind for the largest fp8 matrix; x and y per
         // the caller.
@@ -346,6 +351,7 @@ impl Core {
                 pinned: None,
                 fp8: None,
                 dequant: None,
+                x32: None,
             });
             ctx.compute
                 .synchronize()
@@ -410,6 +416,19 @@ impl Core {
                     st.fp8 = Some(Fp8Kernels::load(ctx)?);
                 }
                 let need = 2 * plan.fp8_max as usize;
+                let need_x = GEMV_TOKENS * plan.fp8_max_cols as usize;
+                if st.x32.as_ref().is_none_or(|d| d.len() < need_x) {
+                    st.x32 = None;
+                    // SAFETY: scratch: the join kernel writes the rows a product reads first.
+                    st.x32 = Some(unsafe {
+                        lifecycle_cuda::alloc_device(
+                            &ctx.compute,
+                            need_x,
+                            ctx.rank,
+                            "the fp8 activation scratch",
+                        )?
+                    });
+                }
                 if st.dequant.as_ref().is_none_or(|d| d.len() < need) {
                     st.dequant = None;
                     // SAFETY: scratch: every product writes the rows it reads first.
@@ -443,6 +462,7 @@ impl Core {
             st.bind = None;
             st.cache = None;
             st.dequant = None;
+            st.x32 = None;
         }
         self.geo = None;
         self.lens.clear();

@@ -1,9 +1,9 @@
 //! Matrix products with fp8 rollout weights (block-scaled e4m3, [`lifecycle_layout::fp8`]): every
 //! weight is read as `e4m3 × scale_inv` in f32, as the CPU decoder reads it.
 //!
-//! - Up to [`GEMV_ROWS`] product rows (decoding): one kernel reads each weight byte once,
-//!   dequantises it in registers and accumulates all rows in f32: the weights cross device
-//!   memory at one byte per element, half of bf16.
+//! - Up to [`GEMV_TOKENS`] tokens (decoding): the split activations are joined back into f32
+//!   and one kernel reads each weight byte once, dequantises it in registers and accumulates
+//!   every token in f32: the weights cross device memory at one byte per element.
 //! - More rows (prefill): the weights are dequantised into a scratch as two bf16 matrices,
 //!   `hi = bf16(w)` and `lo = bf16(w − hi)`, and multiplied by cuBLAS as two accumulating GEMMs,
 //!   so the product sees each weight to about 16 significant bits (the dequantised value has
@@ -17,9 +17,17 @@ use lifecycle_cuda::{CudaError, KernelSet, RankCtx};
 
 use crate::kernels::{launch, Arg};
 
-/// Product rows up to which the weight-streaming kernel runs (split activations: twice the
-/// tokens).
-pub(crate) const GEMV_ROWS: usize = 16;
+/// Tokens (half the split product rows) up to which the weight-streaming kernel runs; beyond,
+/// the dequantised GEMMs.
+pub(crate) const GEMV_TOKENS: usize = 8;
+
+/// Device scratch of the fp8 products: the f32 activations of the weight-streaming kernel
+/// (`GEMV_TOKENS` rows of the widest fp8 matrix) and the dequantisation scratch of the GEMMs.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Fp8Scratch {
+    pub x32: Option<u64>,
+    pub dequant: Option<u64>,
+}
 
 /// CUDA C source of the fp8 matrix kernels (no headers).
 pub const FP8_DECODER_KERNEL_SRC: &str = r#"
@@ -36,67 +44,157 @@ __device__ __forceinline__ float e4m3_val(u32 b) {
 
 __device__ __forceinline__ float bf(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
+// The four e4m3 bytes of word (lowest first) as f32: by the hardware conversion where there is
+// one (sm_89 and later: two bytes to f16x2 per instruction, then to f32, all exact), else by
+// e4m3_val.
+__device__ __forceinline__ void e4m3x4(u32 word, float* v) {
+#if __CUDA_ARCH__ >= 890
+    u32 lo2, hi2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(lo2) : "h"((unsigned short)(word & 0xffffu)));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hi2) : "h"((unsigned short)(word >> 16)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v[0]) : "h"((unsigned short)(lo2 & 0xffffu)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v[1]) : "h"((unsigned short)(lo2 >> 16)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v[2]) : "h"((unsigned short)(hi2 & 0xffffu)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v[3]) : "h"((unsigned short)(hi2 >> 16)));
+#else
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = e4m3_val((word >> (8 * k)) & 0xffu);
+#endif
+}
+
 // round to nearest even
 __device__ __forceinline__ u16 f2bf_rne(float f) {
     u32 x = __float_as_uint(f);
     return (u16)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
-// y[r * out + o] = sum_c x[r * inp + c] * w(row0 + o, c) for r < rows (<= 16): one warp per
-// output o. w is row-major e4m3 [.. x inp] with one scale per 128 x 128 block (bc = ceil(inp /
-// 128) per block row); x is bf16.
-extern "C" __global__ void fp8_gemv(const unsigned char* __restrict__ w,
-                                    const float* __restrict__ scales, u32 row0, u32 out, u32 inp,
-                                    const u16* __restrict__ x, u32 rows, float* __restrict__ y) {
-    u32 lane = threadIdx.x & 31u;
-    u32 o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (o >= out) return;
-    u64 r = (u64)row0 + o;
-    const unsigned char* wr = w + r * inp;
-    const float* sr = scales + (r / 128) * ((inp + 127) / 128);
-    float acc[16];
+// The split activations (hi rows 0 .. n, lo rows n .. 2n of xs, bf16 [2n x inp]) recombined in
+// f32: x[t * inp + c] = hi + lo.
+extern "C" __global__ void fp8_join_split(const u16* __restrict__ xs, u32 n, u32 inp,
+                                          float* __restrict__ x) {
+    u64 len = (u64)n * inp;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < len; i += (u64)gridDim.x * blockDim.x) {
+        x[i] = bf(xs[i]) + bf(xs[len + i]);
+    }
+}
+
+#define FP8_RO 4
+
+// y[t * out + o] = sum_c x[t * inp + c] * w(row0 + o, c) for tokens t < n (n <= N), and 0 in the
+// lo rows y[(n + t) * out + o] (the caller's combine adds the two halves). One block of 8 warps
+// per 4 outputs, the columns split over its 256 threads 16 at a time (every activation load
+// used by the 4 rows); each weight is dequantised (e4m3 x its block's scale) four at a time, so
+// few registers stay live and many blocks share an SM. The partial sums are reduced per warp,
+// then over the warps. w is row-major e4m3 [.. x inp] with one scale per 128 x 128 block; x f32.
+template <int N>
+__device__ __forceinline__ void fp8_gemv_body(const unsigned char* __restrict__ w,
+                                              const float* __restrict__ scales, u32 row0,
+                                              u32 out, u32 inp, const float* __restrict__ x,
+                                              u32 n, float* __restrict__ y) {
+    __shared__ float red[8][FP8_RO][N];
+    u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    u32 o0 = blockIdx.x * FP8_RO;
+    u64 bc = (inp + 127) / 128;
+    float acc[FP8_RO][N];
     #pragma unroll
-    for (int k = 0; k < 16; ++k) acc[k] = 0.0f;
+    for (int i = 0; i < FP8_RO; ++i) {
+        #pragma unroll
+        for (int t = 0; t < N; ++t) acc[i][t] = 0.0f;
+    }
     if (inp % 16 == 0) {
-        for (u32 c = 16 * lane; c < inp; c += 512) {
-            uint4 q = *reinterpret_cast<const uint4*>(wr + c);
-            float s = sr[c / 128];
-            u32 words[4] = {q.x, q.y, q.z, q.w};
-            float wv[16];
+        for (u32 c = 16 * threadIdx.x; c < inp; c += 16 * blockDim.x) {
+            uint4 q[FP8_RO];
+            float sc[FP8_RO];
             #pragma unroll
-            for (int k = 0; k < 16; ++k) wv[k] = e4m3_val((words[k / 4] >> (8 * (k % 4))) & 0xffu) * s;
+            for (int i = 0; i < FP8_RO; ++i) {
+                u32 o = o0 + i;
+                q[i] = make_uint4(0, 0, 0, 0);
+                sc[i] = 0.0f;
+                if (o < out) {
+                    u64 r = (u64)row0 + o;
+                    q[i] = *reinterpret_cast<const uint4*>(w + r * inp + c);
+                    sc[i] = scales[(r / 128) * bc + c / 128];
+                }
+            }
             #pragma unroll
-            for (int rr = 0; rr < 16; ++rr) {
-                if (rr < rows) {
-                    const uint4* xp = reinterpret_cast<const uint4*>(x + (u64)rr * inp + c);
-                    uint4 a = xp[0], b = xp[1];
-                    u32 xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                    float sum = acc[rr];
+            for (int j = 0; j < 4; ++j) {
+                float wq[FP8_RO][4];
+                #pragma unroll
+                for (int i = 0; i < FP8_RO; ++i) {
+                    u32 word = j == 0 ? q[i].x : j == 1 ? q[i].y : j == 2 ? q[i].z : q[i].w;
+                    e4m3x4(word, wq[i]);
                     #pragma unroll
-                    for (int k = 0; k < 16; ++k) {
-                        u16 h = (u16)((xs[k / 2] >> (16 * (k % 2))) & 0xffffu);
-                        sum = fmaf(wv[k], bf(h), sum);
+                    for (int k = 0; k < 4; ++k) wq[i][k] *= sc[i];
+                }
+                #pragma unroll
+                for (int t = 0; t < N; ++t) {
+                    if (t < n) {
+                        float4 xv = *reinterpret_cast<const float4*>(x + (u64)t * inp + c + 4 * j);
+                        #pragma unroll
+                        for (int i = 0; i < FP8_RO; ++i) {
+                            float a = acc[i][t];
+                            a = fmaf(wq[i][0], xv.x, a);
+                            a = fmaf(wq[i][1], xv.y, a);
+                            a = fmaf(wq[i][2], xv.z, a);
+                            a = fmaf(wq[i][3], xv.w, a);
+                            acc[i][t] = a;
+                        }
                     }
-                    acc[rr] = sum;
                 }
             }
         }
     } else {
-        for (u32 c = lane; c < inp; c += 32) {
-            float wv = e4m3_val(wr[c]) * sr[c / 128];
+        for (u32 c = threadIdx.x; c < inp; c += blockDim.x) {
             #pragma unroll
-            for (int rr = 0; rr < 16; ++rr) {
-                if (rr < rows) acc[rr] = fmaf(wv, bf(x[(u64)rr * inp + c]), acc[rr]);
+            for (int i = 0; i < FP8_RO; ++i) {
+                u32 o = o0 + i;
+                if (o < out) {
+                    u64 r = (u64)row0 + o;
+                    float wvs = e4m3_val(w[r * inp + c]) * scales[(r / 128) * bc + c / 128];
+                    #pragma unroll
+                    for (int t = 0; t < N; ++t) {
+                        if (t < n) acc[i][t] = fmaf(wvs, x[(u64)t * inp + c], acc[i][t]);
+                    }
+                }
             }
         }
     }
+    // n is the same for the whole block: only the tokens in use are reduced
     #pragma unroll
-    for (int rr = 0; rr < 16; ++rr) {
-        float v = acc[rr];
-        for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
-        if (lane == 0 && rr < rows) y[(u64)rr * out + o] = v;
+    for (int i = 0; i < FP8_RO; ++i) {
+        #pragma unroll
+        for (int t = 0; t < N; ++t) {
+            if (t < n) {
+                float v = acc[i][t];
+                #pragma unroll
+                for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+                if (lane == 0) red[warp][i][t] = v;
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < FP8_RO * n) {
+        u32 i = threadIdx.x / n, t = threadIdx.x % n;
+        u32 o = o0 + i;
+        if (o < out) {
+            float v = 0.0f;
+            for (u32 k = 0; k < (blockDim.x >> 5); ++k) v += red[k][i][t];
+            y[(u64)t * out + o] = v;
+            y[(u64)(n + t) * out + o] = 0.0f;
+        }
     }
 }
+
+#define FP8_GEMV(N)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) fp8_gemv_##N(                            \
+        const unsigned char* __restrict__ w, const float* __restrict__ scales, u32 row0,      \
+        u32 out, u32 inp, const float* __restrict__ x, u32 n, float* __restrict__ y) {         \
+        fp8_gemv_body<N>(w, scales, row0, out, inp, x, n, y);                                  \
+    }
+FP8_GEMV(1)
+FP8_GEMV(2)
+FP8_GEMV(4)
+FP8_GEMV(8)
 
 // Rows row0 .. row0 + out of an e4m3 matrix [.. x inp] dequantised into hi (bf16 of the value)
 // and lo (bf16 of the rest), each [out x inp] row-major, hi first in dst.
@@ -123,7 +221,9 @@ pub const FP8_DECODER_KERNELS: KernelSet =
 /// The fp8 kernels loaded into one rank's context.
 #[derive(Debug, Clone)]
 pub(crate) struct Fp8Kernels {
-    gemv: CudaFunction,
+    join: CudaFunction,
+    /// The weight-streaming kernel for up to 1, 2, 4 and 8 tokens.
+    gemv: [CudaFunction; 4],
     dequant: CudaFunction,
 }
 
@@ -131,7 +231,13 @@ impl Fp8Kernels {
     pub fn load(ctx: &RankCtx) -> Result<Self, CudaError> {
         let m = ctx.module(&FP8_DECODER_KERNELS)?;
         Ok(Fp8Kernels {
-            gemv: m.function("fp8_gemv")?,
+            join: m.function("fp8_join_split")?,
+            gemv: [
+                m.function("fp8_gemv_1")?,
+                m.function("fp8_gemv_2")?,
+                m.function("fp8_gemv_4")?,
+                m.function("fp8_gemv_8")?,
+            ],
             dequant: m.function("fp8_dequant_split")?,
         })
     }
@@ -148,8 +254,10 @@ pub(crate) struct Fp8Weight {
 }
 
 /// `y[rows × out] = x[rows × inp] · wᵀ` for fp8 `w` (rows `row0 .. row0 + out` of it, `inp`
-/// its columns), bf16 `x`, f32 `y`: the weight-streaming kernel up to [`GEMV_ROWS`] rows, else
-/// the dequantised hi/lo GEMMs through `scratch` (at least `2 · out · inp` bf16).
+/// its columns), bf16 split `x` (hi rows, then lo rows), f32 `y`: the weight-streaming kernel up
+/// to [`GEMV_TOKENS`] tokens (through `scratch.x32`, at least `GEMV_TOKENS · inp` f32; the lo
+/// rows of `y` are written 0), else the dequantised hi/lo GEMMs through `scratch.dequant` (at
+/// least `2 · out · inp` bf16).
 ///
 /// # Safety
 /// The addresses must be device memory of this context: `w` its matrix and scales (rows
@@ -164,7 +272,7 @@ pub(crate) unsafe fn fp8_gemm(
     x: u64,
     y: u64,
     (out, rows, inp): (usize, usize, usize),
-    scratch: Option<u64>,
+    scratch: Fp8Scratch,
     rank: usize,
 ) -> Result<(), CudaError> {
     let u32a = |v: u64, what: &str| {
@@ -181,9 +289,29 @@ pub(crate) unsafe fn fp8_gemm(
         u32a(out as u64, "rows")?,
         u32a(inp as u64, "columns")?,
     );
-    if rows <= GEMV_ROWS {
+    let tokens = rows / 2;
+    if rows % 2 == 0 && tokens <= GEMV_TOKENS {
+        let x32 = scratch.x32.ok_or_else(|| {
+            CudaError::Invalid("an fp8 product without its activation scratch".into())
+        })?;
+        let n = (tokens * inp) as u64;
+        let join = [
+            Arg::U64(x),
+            Arg::U32(tokens as u32),
+            Arg::U32(inps),
+            Arg::U64(x32),
+        ];
         let cfg = LaunchConfig {
-            grid_dim: (outs.div_ceil(8).max(1), 1, 1),
+            grid_dim: (n.div_ceil(256).clamp(1, 1 << 12) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the argument list matches fp8_join_split; x holds 2 · tokens rows of inp bf16
+        // and the activation scratch at least tokens · inp f32 (sized at bind for the widest
+        // fp8 matrix).
+        unsafe { launch(stream, &k.join, cfg, &join, rank, "fp8_join_split")? };
+        let cfg = LaunchConfig {
+            grid_dim: (outs.div_ceil(4).max(1), 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -193,14 +321,16 @@ pub(crate) unsafe fn fp8_gemm(
             Arg::U32(row0),
             Arg::U32(outs),
             Arg::U32(inps),
-            Arg::U64(x),
-            Arg::U32(rows as u32),
+            Arg::U64(x32),
+            Arg::U32(tokens as u32),
             Arg::U64(y),
         ];
-        // SAFETY: the argument list matches fp8_gemv; the addresses per the caller.
-        return unsafe { launch(stream, &k.gemv, cfg, &args, rank, "fp8_gemv") };
+        let gemv = &k.gemv[tokens.next_power_of_two().trailing_zeros() as usize];
+        // SAFETY: the argument list matches fp8_gemv_N (N ≥ tokens); y holds 2 · tokens rows
+        // of out f32.
+        return unsafe { launch(stream, gemv, cfg, &args, rank, "fp8_gemv") };
     }
-    let scratch = scratch.ok_or_else(|| {
+    let scratch = scratch.dequant.ok_or_else(|| {
         CudaError::Invalid("an fp8 prefill product without its dequantisation scratch".into())
     })?;
     let n = out as u64 * inp as u64;

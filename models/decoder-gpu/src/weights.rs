@@ -124,6 +124,8 @@ pub(crate) struct GroupOffsets {
     /// Elements of the largest fp8 matrix (0 without fp8 weights): the prefill products'
     /// dequantisation scratch holds twice as many bf16.
     pub fp8_max: u64,
+    /// Columns of the widest fp8 matrix (0 without fp8 weights).
+    pub fp8_max_cols: u64,
 }
 
 /// Which rollout layout a buffer's tensor names say it holds.
@@ -181,6 +183,7 @@ struct Reader<'a> {
     shapes: Vec<(String, Vec<usize>)>,
     min_len: u64,
     fp8_max: u64,
+    fp8_max_cols: u64,
 }
 
 impl Reader<'_> {
@@ -239,8 +242,9 @@ impl Reader<'_> {
                 }),
             },
         );
-        if at.fp8.is_some() {
+        if let Some(f) = at.fp8 {
             self.fp8_max = self.fp8_max.max(numel);
+            self.fp8_max_cols = self.fp8_max_cols.max(f.cols);
         }
         Ok(at)
     }
@@ -344,6 +348,7 @@ impl GroupOffsets {
             shapes: config.tensor_shapes(),
             min_len: 0,
             fp8_max: 0,
+            fp8_max_cols: 0,
         };
         let (d, h) = (config.head_dim, config.hidden_size);
         let q_heads = config.num_heads / tp;
@@ -438,6 +443,7 @@ impl GroupOffsets {
                 shapes: std::mem::take(&mut r.shapes),
                 min_len: r.min_len,
                 fp8_max: r.fp8_max,
+                fp8_max_cols: r.fp8_max_cols,
             };
             let layers = moe_layers
                 .iter()
@@ -455,6 +461,7 @@ impl GroupOffsets {
             r.shapes = rr.shapes;
             r.min_len = rr.min_len;
             r.fp8_max = rr.fp8_max;
+            r.fp8_max_cols = rr.fp8_max_cols;
             moe_ranks.push(layers);
         }
         let ranks = shares
@@ -525,6 +532,7 @@ impl GroupOffsets {
             fused: false,
             min_len: r.min_len,
             fp8_max: r.fp8_max,
+            fp8_max_cols: r.fp8_max_cols,
         })
     }
 
@@ -680,6 +688,7 @@ impl GroupOffsets {
             fused: true,
             min_len,
             fp8_max: 0,
+            fp8_max_cols: 0,
         })
     }
 }

@@ -10,7 +10,8 @@
 //! Tolerance: the two decoders read identical fp8 weights (the switch is bit-identical on the
 //! GPU and the CPU) and dequantise them to the same f32 values. The GPU splits activations into
 //! two bf16 rows, and its prefill products read each dequantised weight as two bf16 values (to
-//! about 2⁻¹⁷ relative); decode steps of up to 8 sequences read the e4m3 bytes directly. So the
+//! about 2⁻¹⁷ relative) beyond 8 tokens; decode steps of up to 8 sequences read the e4m3 bytes
+//! directly, with the activations joined back into f32. So the
 //! bound is that of the bf16 GPU tests, `1e-3 + 1e-3 · max|logit|`; greedy tokens must be equal.
 
 use std::sync::Arc;
@@ -31,27 +32,34 @@ type Res = Result<(), Box<dyn std::error::Error>>;
 /// Logits rows and greedy tokens of one decoder.
 type Outputs = (Vec<Vec<f32>>, Vec<Vec<u32>>);
 
-/// Prefill logits of every position of `prompts` (more than 8 rows: the dequantised products),
-/// decode-step logits of a batch of 2 (the e4m3 kernel), and 6 greedy tokens.
+/// Every path of the fp8 products: prefill logits of every position of `long` and of `short`
+/// (more than 8 tokens: the dequantised GEMMs), two decode steps of 2 sequences (the e4m3
+/// kernel), and 6 greedy tokens.
 fn run<D: Decoder>(
     dec: &mut D,
-    prompts: &[Vec<u32>],
+    long: &[Vec<u32>],
+    short: &[Vec<u32>],
 ) -> Result<Outputs, Box<dyn std::error::Error>>
 where
     D::Error: 'static,
 {
-    let mut logits = dec.prefill(prompts, PrefillLogits::All)?;
+    let mut logits = dec.prefill(long, PrefillLogits::All)?;
     logits.extend(dec.decode_step(&[8, 77])?);
     logits.extend(dec.decode_step(&[3, 1])?);
-    let tokens = dec.generate(prompts, &Sampling::greedy(6))?;
+    logits.extend(dec.prefill(short, PrefillLogits::All)?);
+    let tokens = dec.generate(short, &Sampling::greedy(6))?;
     Ok((logits, tokens))
 }
 
 fn check(name: &str, config: &ModelConfig, seed: u64) -> Res {
     let tensors = random_tensors(config, seed);
-    let prompts = vec![
+    let short = vec![
         vec![3, 1, 4, 1, 5, 9, 2, 6, 5, 3],
         vec![27, 18, 28, 18, 28, 4],
+    ];
+    let long = vec![
+        (0..40).map(|i| (i * 37 + 11) % 300).collect(),
+        vec![5, 6, 7],
     ];
     let layout = config.rollout_layout(1)?;
     // the CPU: the host executor's fp8 switch, the CPU decoder
@@ -64,7 +72,7 @@ fn check(name: &str, config: &ModelConfig, seed: u64) -> Res {
     let cpu_weights = cpu_session.weights();
     let group: Vec<_> = cpu_weights.ranks.iter().collect();
     let mut cpu = CpuDecoder::new(config, &layout, &group)?;
-    let (want, want_tokens) = run(&mut cpu, &prompts)?;
+    let (want, want_tokens) = run(&mut cpu, &long, &short)?;
     // the GPU: the FSDP backend's fp8 switch, the GPU decoder
     let pool = Arc::new(ThreadRankPool::new(1)?);
     let backend = FsdpBackend::new(pool, layout).with_rollout_dtype(RolloutDtype::Fp8);
@@ -78,7 +86,7 @@ fn check(name: &str, config: &ModelConfig, seed: u64) -> Res {
         "{name}: the GPU fp8 switch differs from the CPU executor's"
     );
     let mut gpu = GpuDecoder::new(config, session.backend(), weights.get())?;
-    let (got, got_tokens) = run(&mut gpu, &prompts)?;
+    let (got, got_tokens) = run(&mut gpu, &long, &short)?;
     let mut worst = 0.0f32;
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs()));
