@@ -100,6 +100,74 @@ pub struct RankCost {
     pub offload_bytes: u64,
     /// Bytes it copies back at exit.
     pub reload_bytes: u64,
+    /// Bytes of its training state (weights and optimizer state, gradients freed) on the
+    /// device while nothing is offloaded.
+    pub train_state_bytes: u64,
+}
+
+/// One rank's device memory during rollout: what stays of its training state, its rollout
+/// weights and transfer staging, and the room left for the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RolloutMemory {
+    /// The device's memory.
+    pub device_bytes: u64,
+    /// Training state left on the device by the offload policy.
+    pub train_resident_bytes: u64,
+    /// Rollout weights.
+    pub rollout_bytes: u64,
+    /// Transfer staging (freed after enter, but its peak must fit).
+    pub staging_bytes: u64,
+    /// KV cache bytes per token of one sequence on this rank (every layer's K and V of the
+    /// rank's kv heads, f32 as the GPU decoder keeps them).
+    pub kv_bytes_per_token: u64,
+}
+
+impl RolloutMemory {
+    /// Bytes left for the KV cache (0 when the rest does not fit).
+    pub fn kv_room(&self) -> u64 {
+        self.device_bytes
+            .saturating_sub(self.train_resident_bytes + self.rollout_bytes)
+    }
+
+    /// Tokens of KV cache (summed over the sequences) that fit in [`RolloutMemory::kv_room`].
+    pub fn kv_tokens(&self) -> u64 {
+        self.kv_room() / self.kv_bytes_per_token.max(1)
+    }
+}
+
+/// The rollout memory of `cost`'s rank holding `rollout_bytes` of weights (bf16, or an fp8
+/// rollout's), on a device of `device_bytes`, for `config` at rollout degree `tp`.
+///
+/// ```
+/// use lifecycle_decoder::ModelConfig;
+/// use lifecycle_plan::{plan_fsdp, rollout_memory, Offload};
+/// let config = ModelConfig::from_file("configs/qwen2.5-7b.json".as_ref())?;
+/// let ranks = plan_fsdp(&config, 2, 2, 256 << 20, 2, Offload::ALL)?;
+/// let m = rollout_memory(&config, 2, &ranks[0], ranks[0].rollout_bytes, 139 << 30);
+/// // 28 layers x (k + v) x 2 kv heads x 128 x 4 bytes
+/// assert_eq!((m.train_resident_bytes, m.kv_bytes_per_token), (0, 28 * 2 * 2 * 128 * 4));
+/// assert!(m.kv_tokens() > 300_000);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn rollout_memory(
+    config: &ModelConfig,
+    tp: usize,
+    cost: &RankCost,
+    rollout_bytes: u64,
+    device_bytes: u64,
+) -> RolloutMemory {
+    let kv_heads = if config.num_kv_heads >= tp {
+        config.num_kv_heads / tp.max(1)
+    } else {
+        1
+    };
+    RolloutMemory {
+        device_bytes,
+        train_resident_bytes: cost.train_state_bytes.saturating_sub(cost.offload_bytes),
+        rollout_bytes,
+        staging_bytes: cost.peak_extra_bytes,
+        kv_bytes_per_token: (config.num_layers * 2 * kv_heads * config.head_dim * 4) as u64,
+    }
 }
 
 /// Predicted times of one rank's switch, in seconds.
@@ -232,6 +300,8 @@ pub fn plan_fsdp_experts(
                 * 2,
             offload_bytes: state_bytes,
             reload_bytes: state_bytes,
+            // fp32 master, Adam m and v
+            train_state_bytes: shard * 12,
         })
         .collect())
 }
@@ -319,6 +389,8 @@ pub fn plan_megatron(
                     .unwrap_or(0),
                 offload_bytes: state,
                 reload_bytes: state,
+                // bf16 params, fp32 main params of the DP shard, Adam m and v
+                train_state_bytes: 2 * params + 12 * shard,
             }
         })
         .collect())

@@ -14,8 +14,8 @@ use lifecycle_core::HumanBytes;
 use lifecycle_decoder::ModelConfig;
 use lifecycle_layout::ExpertPlacement;
 use lifecycle_plan::{
-    full_gather_bytes, job_prediction, plan_fsdp_experts, plan_fsdp_fp8, plan_megatron, LinkRates,
-    Offload, RankCost, RatesSource, TrainLayout,
+    full_gather_bytes, job_prediction, plan_fsdp_experts, plan_fsdp_fp8, plan_megatron,
+    rollout_memory, LinkRates, Offload, RankCost, RatesSource, TrainLayout,
 };
 
 /// Print a switch's transfer plan per rank and predict its time, before launching.
@@ -45,6 +45,9 @@ struct Args {
     /// Buckets in flight (FSDP).
     #[arg(long, default_value_t = 2)]
     in_flight: usize,
+    /// Device memory per GPU, GiB, for the memory accounting (the H200's 139 by default).
+    #[arg(long, default_value_t = 139.0)]
+    device_gib: f64,
     /// What is offloaded during rollout: `all`, `params`, `optimizer` or `none`.
     #[arg(long, default_value = "all")]
     offload: String,
@@ -228,6 +231,7 @@ fn run(args: &Args) -> Result<(), String> {
         (full - full / ranks.len().max(1) as u64) as f64 / most_recv.max(1) as f64,
         HumanBytes(most_held),
     );
+    let mut fp8_held: Vec<u64> = Vec::new();
     if args.rollout_dtype == "fp8" {
         let TrainLayout::Fsdp { world } = args.train else {
             return Err("--rollout-dtype fp8 is planned for --train fsdp:W only".into());
@@ -236,6 +240,7 @@ fn run(args: &Args) -> Result<(), String> {
             .map_err(|e| e.to_string())?;
         let most =
             |f: fn(&lifecycle_layout::fp8::Fp8Traffic) -> u64| fp8.iter().map(f).max().unwrap_or(0);
+        fp8_held = fp8.iter().map(|t| t.rollout_bytes).collect();
         let shared: u64 = fp8.iter().map(|t| t.shared_blocks).sum();
         let amax: u64 = fp8.iter().map(|t| t.amax_bytes).sum();
         println!(
@@ -249,6 +254,46 @@ fn run(args: &Args) -> Result<(), String> {
             HumanBytes(most(|t| t.recv_bytes_bf16)),
             HumanBytes(amax),
         );
+    }
+    // the memory of the rank holding the most rollout weights
+    if let Some(r) = ranks.iter().max_by_key(|r| r.rollout_bytes) {
+        let device = (args.device_gib * (1u64 << 30) as f64) as u64;
+        let fp8_held = fp8_held.get(r.rank).copied();
+        let m = rollout_memory(
+            &config,
+            args.rollout_tp,
+            r,
+            fp8_held.unwrap_or(r.rollout_bytes),
+            device,
+        );
+        let share = |b: u64| 100.0 * b as f64 / device.max(1) as f64;
+        println!(
+            "memory of rank {} during rollout ({:.0} GiB device): training state kept {} \
+             ({:.0}%), rollout weights {} in {} ({:.0}%), staging peak {} (freed after enter), \
+             KV cache room {} ({:.0}%) = {} tokens at {} per token (f32 K and V of its {} \
+             layers)",
+            r.rank,
+            args.device_gib,
+            HumanBytes(m.train_resident_bytes),
+            share(m.train_resident_bytes),
+            HumanBytes(m.rollout_bytes),
+            args.rollout_dtype,
+            share(m.rollout_bytes),
+            HumanBytes(m.staging_bytes),
+            HumanBytes(m.kv_room()),
+            share(m.kv_room()),
+            m.kv_tokens(),
+            HumanBytes(m.kv_bytes_per_token),
+            config.num_layers,
+        );
+        if fp8_held.is_some() {
+            let bf16 = rollout_memory(&config, args.rollout_tp, r, r.rollout_bytes, device);
+            println!(
+                "  (bf16 rollout weights would leave {} tokens: fp8 adds {:.0}%)",
+                bf16.kv_tokens(),
+                100.0 * (m.kv_tokens() as f64 / bf16.kv_tokens().max(1) as f64 - 1.0)
+            );
+        }
     }
     let p = job_prediction(&ranks, &rates);
     println!(
