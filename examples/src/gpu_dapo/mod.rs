@@ -463,7 +463,12 @@ where
         lc.enable_trace();
     }
     say!(root, "  {}", lifecycle_examples_describe(driver));
-    say!(root, "  rollout engine: {}", lc.engine().describe());
+    say!(
+        root,
+        "  rollout engine: {}; {} rollout weights",
+        lc.engine().describe(),
+        driver.cx.options.run.rollout_dtype
+    );
     say!(
         root,
         "  setup (GPUs, NCCL, training state): {}",
