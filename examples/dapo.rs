@@ -53,7 +53,7 @@ use lifecycle_examples::gpu_dapo::{
 use lifecycle_examples::lm_policy::{checkpoint_driver, run_checkpoint};
 use lifecycle_examples::prediction;
 use lifecycle_examples::toy_policy::PolicyConfig;
-use lifecycle_layout::fp8::RolloutDtype;
+use lifecycle_layout::fp8::{Fp8Keep, RolloutDtype};
 use lifecycle_layout::ExpertPlacement;
 
 /// Where the loop runs.
@@ -125,6 +125,10 @@ struct Args {
     /// masters in the switch; a --checkpoint model in the FSDP layout, on the GPU at --gpus 1).
     #[arg(long, default_value = "bf16", value_parser = <RolloutDtype as std::str::FromStr>::from_str)]
     rollout_dtype: RolloutDtype,
+    /// With --rollout-dtype fp8: matrices kept bf16 beyond the embedding, head, norms and router
+    /// (a comma-separated list of `attention` and `layer:N`, or `none`).
+    #[arg(long, default_value = "none", value_parser = <Fp8Keep as std::str::FromStr>::from_str)]
+    fp8_keep: Fp8Keep,
     #[arg(long, help = help("Prompts per rollout call (gen batch)",
         DapoConfig::default().prompts_per_batch, LoopOptions::DEFAULTS.prompts_per_batch))]
     prompts_per_batch: Option<usize>,
@@ -375,6 +379,7 @@ impl Args {
             tp: self.tp.unwrap_or(d.tp),
             experts: self.experts,
             rollout_dtype: self.rollout_dtype,
+            fp8_keep: self.fp8_keep,
             prompts_per_batch: self.prompts_per_batch.unwrap_or(d.prompts_per_batch),
             group_size: self.group_size.unwrap_or(d.group_size),
             batch_groups: self.batch_groups.unwrap_or(d.batch_groups),
@@ -429,6 +434,7 @@ impl Args {
                 tp: self.tp.unwrap_or(d.tp),
                 experts: self.experts,
                 rollout_dtype: self.rollout_dtype,
+                fp8_keep: self.fp8_keep,
                 checkpoint: self.checkpoint.clone(),
                 lifecycle: self.lifecycle.unwrap_or(d.lifecycle),
                 steps: self.steps.unwrap_or(d.steps),

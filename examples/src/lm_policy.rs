@@ -218,7 +218,9 @@ pub fn run_checkpoint(
     let mut driver = CheckpointDriver::new(*config, model, String::new());
     run_host(
         config,
-        HostBackend::new(layout).with_rollout_dtype(config.rollout_dtype),
+        HostBackend::new(layout)
+            .with_rollout_dtype(config.rollout_dtype)
+            .with_fp8_keep(config.fp8_keep),
         state,
         engine,
         &mut driver,

@@ -213,7 +213,10 @@ fn dapo_with_fp8_rollout_weights_on_a_qwen3_moe_model() {
         let config = DapoConfig {
             experts,
             rollout_dtype,
-            steps: 2,
+            steps: 1,
+            batch_groups: 2,
+            tokens: 4,
+            reward_quota: 2,
             ..small(2, tp)
         };
         run_checkpoint(&config, &ckpt, switching, |_| {}).unwrap()

@@ -328,14 +328,14 @@ mod tests {
         // W = 3, T = 1, 256 rows: shards 0..86, 86..172, 172..256; blocks 0..128 (ranks 0, 1)
         // and 128..256 (ranks 1, 2) both span two shards
         let p = plan(3, 1, [256, 128]);
-        let t = fp8_rank_traffic(&p, 0).unwrap();
+        let t = fp8_rank_traffic(&p, 0, Fp8Keep::default()).unwrap();
         assert_eq!(t.shared_blocks, 2);
         assert_eq!(t.amax_bytes, 2 * (2 * 4));
         // rank 0 receives rows 86..256 in fp8 and both scales
         assert_eq!(t.recv_bytes, (256 - 86) * 128 + 2 * 4);
         assert_eq!(t.recv_bytes_bf16, 2 * (256 - 86) * 128);
         // T = 2 over 200 rows: a slice of 100 rows cuts a block
-        let err = fp8_rank_traffic(&plan(2, 2, [200, 128]), 1)
+        let err = fp8_rank_traffic(&plan(2, 2, [200, 128]), 1, Fp8Keep::default())
             .unwrap_err()
             .to_string();
         assert!(err.contains("q_proj") && err.contains("100..200"), "{err}");
@@ -409,6 +409,90 @@ pub fn keeps_bf16(name: &str, shape: &[usize]) -> bool {
         || name.ends_with(crate::hf::ROUTER)
 }
 
+/// Which matrices an fp8 rollout keeps in bf16 beyond the published exemptions of
+/// [`keeps_bf16`] (1-D tensors, the embedding, the head and the router always stay bf16): the
+/// attention projections, and every matrix of chosen decoder layers (recipes that keep the first
+/// and last layers in higher precision). The default keeps nothing more: the published fp8
+/// checkpoints' choice. Parsed from a comma-separated list of `attention` and `layer:N`
+/// (`none` or empty for the default).
+///
+/// ```
+/// use lifecycle_layout::fp8::Fp8Keep;
+/// let keep: Fp8Keep = "attention,layer:0".parse()?;
+/// assert!(keep.keeps_bf16("model.layers.5.self_attn.q_proj.weight", &[64, 64]));
+/// assert!(keep.keeps_bf16("model.layers.0.mlp.down_proj.weight", &[64, 64]));
+/// assert!(!keep.keeps_bf16("model.layers.5.mlp.down_proj.weight", &[64, 64]));
+/// assert!(Fp8Keep::default().keeps_bf16("lm_head.weight", &[64, 64]));
+/// assert!("layer:200".parse::<Fp8Keep>().is_err());
+/// # Ok::<(), String>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Fp8Keep {
+    /// Keep q, k, v and o projections bf16.
+    pub attention: bool,
+    /// Keep every matrix of these decoder layers bf16.
+    pub layers: crate::LayerSet,
+}
+
+impl Fp8Keep {
+    /// Whether tensor `name` of shape `shape` stays bf16: [`keeps_bf16`], or chosen here.
+    pub fn keeps_bf16(&self, name: &str, shape: &[usize]) -> bool {
+        if keeps_bf16(name, shape) {
+            return true;
+        }
+        let layer = name
+            .strip_prefix("model.layers.")
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|l| l.parse::<usize>().ok());
+        (self.attention && name.contains(".self_attn."))
+            || layer.is_some_and(|l| self.layers.contains(l))
+    }
+}
+
+impl std::fmt::Display for Fp8Keep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut parts: Vec<String> = Vec::new();
+        if self.attention {
+            parts.push("attention".into());
+        }
+        parts.extend(self.layers.layers().iter().map(|l| format!("layer:{l}")));
+        if parts.is_empty() {
+            f.write_str("none")
+        } else {
+            f.write_str(&parts.join(","))
+        }
+    }
+}
+
+impl std::str::FromStr for Fp8Keep {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut keep = Fp8Keep::default();
+        let mut layers = Vec::new();
+        for part in s
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty() && *p != "none")
+        {
+            match part.strip_prefix("layer:") {
+                _ if part == "attention" => keep.attention = true,
+                Some(l) => layers.push(l.parse::<usize>().map_err(|_| {
+                    format!("fp8 keep `{part}`: expected layer:N with N a layer index")
+                })?),
+                None => {
+                    return Err(format!(
+                        "fp8 keep `{part}`: expected attention, layer:N or none"
+                    ))
+                }
+            }
+        }
+        keep.layers = crate::LayerSet::from_layers(&layers)
+            .map_err(|l| format!("fp8 keep layer:{l}: layers are numbered below 128"))?;
+        Ok(keep)
+    }
+}
+
 /// What an fp8 rollout costs one destination rank of a plan, against the same plan in bf16.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Fp8Traffic {
@@ -428,25 +512,29 @@ pub struct Fp8Traffic {
     pub amax_bytes: u64,
 }
 
-/// The fp8 cost of rank `rank` of `plan` (tensors chosen by [`keeps_bf16`]): blocks are the
+/// The fp8 cost of rank `rank` of `plan` (the tensors `keep` leaves bf16 stay bf16): blocks are the
 /// full tensor's 128 × 128 blocks of its 2-D view, so every rank's slice of a quantised tensor
 /// must start and end on block boundaries; a split that cuts a block is
 /// [`LayoutError::Fp8BlockSplit`], naming the tensor.
 ///
 /// ```
-/// use lifecycle_layout::fp8::fp8_rank_traffic;
+/// use lifecycle_layout::fp8::{fp8_rank_traffic, Fp8Keep};
 /// use lifecycle_layout::{plan_fsdp_to_tp, FsdpLayout, Parallel, RolloutLayout, TensorSpec};
 /// let specs = vec![TensorSpec::new("model.layers.0.mlp.up_proj.weight", [512, 256], Parallel::Column)];
 /// let train = FsdpLayout::new(2, specs.iter().map(|s| (s.name.clone(), s.shape.clone())))?;
 /// let plan = plan_fsdp_to_tp(&train, &RolloutLayout::new(2, specs)?)?;
-/// let t = fp8_rank_traffic(&plan, 0)?;
+/// let t = fp8_rank_traffic(&plan, 0, Fp8Keep::default())?;
 /// // 256 x 256 of fp8 and 2 x 2 scales, against 2 bytes per element
 /// assert_eq!((t.rollout_bytes, t.rollout_bytes_bf16), (65536 + 16, 131072));
 /// // W = T: each rank's rows are its own FSDP shard, nothing crosses a link
 /// assert_eq!(t.recv_bytes, 0);
 /// # Ok::<(), lifecycle_layout::LayoutError>(())
 /// ```
-pub fn fp8_rank_traffic(plan: &crate::ReshardPlan, rank: usize) -> Result<Fp8Traffic, LayoutError> {
+pub fn fp8_rank_traffic(
+    plan: &crate::ReshardPlan,
+    rank: usize,
+    keep: Fp8Keep,
+) -> Result<Fp8Traffic, LayoutError> {
     let mut t = Fp8Traffic::default();
     let Some(rp) = plan.ranks.get(rank) else {
         return Ok(t);
@@ -462,7 +550,7 @@ pub fn fp8_rank_traffic(plan: &crate::ReshardPlan, rank: usize) -> Result<Fp8Tra
             .sum();
         t.rollout_bytes_bf16 += 2 * n;
         t.recv_bytes_bf16 += 2 * remote;
-        if keeps_bf16(&spec.name, &spec.shape) {
+        if keep.keeps_bf16(&spec.name, &spec.shape) {
             t.rollout_bytes += 2 * n;
             t.recv_bytes += 2 * remote;
             continue;

@@ -315,7 +315,7 @@ pub fn plan_fsdp_experts(
 /// use lifecycle_layout::ExpertPlacement;
 /// use lifecycle_plan::plan_fsdp_fp8;
 /// let config = ModelConfig::from_json_str(include_str!("../configs/qwen2.5-7b.json"))?;
-/// let ranks = plan_fsdp_fp8(&config, 2, 2, ExpertPlacement::TensorParallel)?;
+/// let ranks = plan_fsdp_fp8(&config, 2, 2, ExpertPlacement::TensorParallel, Default::default())?;
 /// // the projections halve; the embedding and head (1.09 B of the 7.6 B) stay bf16
 /// let r = ranks[0];
 /// assert!(r.rollout_bytes * 10 < r.rollout_bytes_bf16 * 6);
@@ -328,12 +328,13 @@ pub fn plan_fsdp_fp8(
     world: usize,
     tp: usize,
     experts: ExpertPlacement,
+    keep: lifecycle_layout::fp8::Fp8Keep,
 ) -> Result<Vec<lifecycle_layout::fp8::Fp8Traffic>, PlanError> {
     let train = FsdpLayout::new(world, config.tensor_shapes())?;
     let rollout = config.rollout_layout_with(tp, experts)?;
     let core = plan_fsdp_to_tp(&train, &rollout)?;
     (0..world)
-        .map(|r| Ok(lifecycle_layout::fp8::fp8_rank_traffic(&core, r)?))
+        .map(|r| Ok(lifecycle_layout::fp8::fp8_rank_traffic(&core, r, keep)?))
         .collect()
 }
 

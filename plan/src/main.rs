@@ -6,6 +6,7 @@
 //! lifecycle-plan --config plan/configs/qwen3-30b-a3b.json --train fsdp:16 --rollout-tp 8 --experts ep
 //! ```
 
+use lifecycle_layout::fp8::Fp8Keep;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -45,6 +46,10 @@ struct Args {
     /// Buckets in flight (FSDP).
     #[arg(long, default_value_t = 2)]
     in_flight: usize,
+    /// fp8: matrices kept bf16 beyond the embedding, head, norms and router: a comma-separated
+    /// list of `attention` and `layer:N`, or `none`.
+    #[arg(long, default_value = "none", value_parser = <Fp8Keep as std::str::FromStr>::from_str)]
+    fp8_keep: Fp8Keep,
     /// Device memory per GPU, GiB, for the memory accounting (the H200's 139 by default).
     #[arg(long, default_value_t = 139.0)]
     device_gib: f64,
@@ -236,7 +241,7 @@ fn run(args: &Args) -> Result<(), String> {
         let TrainLayout::Fsdp { world } = args.train else {
             return Err("--rollout-dtype fp8 is planned for --train fsdp:W only".into());
         };
-        let fp8 = plan_fsdp_fp8(&config, world, args.rollout_tp, args.experts)
+        let fp8 = plan_fsdp_fp8(&config, world, args.rollout_tp, args.experts, args.fp8_keep)
             .map_err(|e| e.to_string())?;
         let most =
             |f: fn(&lifecycle_layout::fp8::Fp8Traffic) -> u64| fp8.iter().map(f).max().unwrap_or(0);
@@ -245,9 +250,10 @@ fn run(args: &Args) -> Result<(), String> {
         let amax: u64 = fp8.iter().map(|t| t.amax_bytes).sum();
         println!(
             "fp8 rollout (block-scaled e4m3, 128 x 128 blocks, fp32 scales; embeddings, head, \
-             norms and router bf16): per rank holds at most {} (bf16: {}) and receives at most \
+             norms and router bf16; also kept bf16: {}): per rank holds at most {} (bf16: {}) and receives at most \
              {} (bf16: {}); {shared} scale blocks span FSDP shards, agreed by {} of amax messages \
              before quantising (not timed by the prediction)",
+            args.fp8_keep,
             HumanBytes(most(|t| t.rollout_bytes)),
             HumanBytes(most(|t| t.rollout_bytes_bf16)),
             HumanBytes(most(|t| t.recv_bytes)),

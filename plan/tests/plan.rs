@@ -246,7 +246,14 @@ fn fp8_plans_halve_the_quantised_bytes_and_refuse_split_blocks() {
     use lifecycle_layout::ExpertPlacement;
     use lifecycle_plan::plan_fsdp_fp8;
     let c = qwen7b();
-    let t2 = plan_fsdp_fp8(&c, 2, 2, ExpertPlacement::TensorParallel).unwrap();
+    let t2 = plan_fsdp_fp8(
+        &c,
+        2,
+        2,
+        ExpertPlacement::TensorParallel,
+        Default::default(),
+    )
+    .unwrap();
     let bf16 = plan_fsdp(&c, 2, 2, 256 << 20, 2, Offload::NONE).unwrap();
     // the bf16 side of the fp8 figures is the plan's own
     assert_eq!(t2[1].recv_bytes_bf16, bf16[1].recv_bytes);
@@ -261,9 +268,15 @@ fn fp8_plans_halve_the_quantised_bytes_and_refuse_split_blocks() {
     // intermediate size is not a multiple of 128 x 2
     let text = include_str!("../configs/qwen2.5-7b.json").replace("18944", "18960");
     let odd = ModelConfig::from_json_str(&text).unwrap();
-    let e = plan_fsdp_fp8(&odd, 2, 2, ExpertPlacement::TensorParallel)
-        .unwrap_err()
-        .to_string();
+    let e = plan_fsdp_fp8(
+        &odd,
+        2,
+        2,
+        ExpertPlacement::TensorParallel,
+        Default::default(),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(
         e.contains("gate_proj") || e.contains("up_proj") || e.contains("down_proj"),
         "{e}"

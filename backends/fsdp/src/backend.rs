@@ -2,7 +2,7 @@
 
 use crate::update_kernels::UpdateKernelCache;
 use crate::FsdpError;
-use lifecycle_layout::fp8::RolloutDtype;
+use lifecycle_layout::fp8::{Fp8Keep, RolloutDtype};
 use std::sync::{Arc, Mutex};
 
 use lifecycle_cuda::{PinnedPool, ProgramSlot, RankExecutor, ThreadRankPool, Transport};
@@ -79,6 +79,8 @@ pub struct FsdpBackend {
     pub(crate) entries_cache: Mutex<Option<(PlanRef, RankEntries)>>,
     /// The rollout weights' dtype.
     pub(crate) dtype: RolloutDtype,
+    /// Which matrices an fp8 rollout keeps bf16 beyond the published exemptions.
+    pub(crate) fp8_keep: Fp8Keep,
 }
 
 /// Each local rank's rollout entries, shared by the rollouts of one plan.
@@ -116,6 +118,7 @@ impl FsdpBackend {
             programs: Mutex::new(Vec::new()),
             entries_cache: Mutex::new(None),
             dtype: RolloutDtype::Bf16,
+            fp8_keep: Fp8Keep::default(),
             update_kernels: UpdateKernelCache::default(),
             verify: false,
             rollout_sums: None,
@@ -205,6 +208,13 @@ impl FsdpBackend {
     /// The rollout weights' dtype.
     pub fn rollout_dtype(&self) -> RolloutDtype {
         self.dtype
+    }
+
+    /// Which matrices an fp8 rollout keeps bf16 beyond the published exemptions (none by
+    /// default).
+    pub fn with_fp8_keep(mut self, keep: Fp8Keep) -> Self {
+        self.fp8_keep = keep;
+        self
     }
 
     /// Whether verification mode is on.

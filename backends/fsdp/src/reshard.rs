@@ -53,7 +53,7 @@ impl Reshard for FsdpBackend {
                     )));
                 }
                 self.check_finite(state)?;
-                build_fp8_plan(core, &state.layout, self.config)?
+                build_fp8_plan(core, &state.layout, self.config, self.fp8_keep)?
             }
         };
         let peer = self.transport.resolve(&self.pool)?;

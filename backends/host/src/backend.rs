@@ -9,7 +9,7 @@ use crate::checksum::checksum_tensor;
 use crate::error::HostError;
 use crate::fp8::{check_fp8_plan, fp8_rollout};
 use crate::state::{HostTrainState, RankState};
-use lifecycle_layout::fp8::{fp8_rank_traffic, RolloutDtype};
+use lifecycle_layout::fp8::{fp8_rank_traffic, Fp8Keep, RolloutDtype};
 use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 
 /// The CPU reference backend: ranks are threads of this process, collectives are shared-memory
@@ -39,6 +39,7 @@ use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 pub struct HostBackend {
     layout: RolloutLayout,
     dtype: RolloutDtype,
+    fp8_keep: Fp8Keep,
     verify: bool,
     /// Checksums of the resident rollout slices, per rank and tensor (verification mode).
     rollout_sums: Vec<Vec<u64>>,
@@ -50,6 +51,7 @@ impl HostBackend {
         HostBackend {
             layout,
             dtype: RolloutDtype::Bf16,
+            fp8_keep: Fp8Keep::default(),
             verify: false,
             rollout_sums: Vec::new(),
         }
@@ -78,7 +80,7 @@ impl HostBackend {
     /// ```
     /// use lifecycle_core::Lifecycle;
     /// use lifecycle_host::{HostBackend, HostTrainState};
-    /// use lifecycle_layout::fp8::{fp8_rank_traffic, RolloutDtype};
+    /// use lifecycle_layout::fp8::{fp8_rank_traffic, Fp8Keep, RolloutDtype};
     /// use lifecycle_layout::{HostTensor, RolloutLayout};
     ///
     /// let state = HostTrainState::from_tensors(2, vec![
@@ -103,6 +105,13 @@ impl HostBackend {
     /// The rollout weights' dtype.
     pub fn rollout_dtype(&self) -> RolloutDtype {
         self.dtype
+    }
+
+    /// Which matrices an fp8 rollout keeps bf16 beyond the published exemptions (none by
+    /// default).
+    pub fn with_fp8_keep(mut self, keep: Fp8Keep) -> Self {
+        self.fp8_keep = keep;
+        self
     }
 
     fn record_rollout_sums(&mut self, rollout: &HostRollout) {
@@ -312,14 +321,15 @@ fn transfer(
 fn quantise(
     plan: &ReshardPlan,
     state: &HostTrainState,
+    keep: Fp8Keep,
     ctx: &mut SwitchContext<'_>,
 ) -> Result<HostRollout, HostError> {
     let start = Instant::now();
     let traffic = (0..plan.world)
-        .map(|r| fp8_rank_traffic(plan, r))
+        .map(|r| fp8_rank_traffic(plan, r, keep))
         .collect::<Result<Vec<_>, _>>()?;
     let rollout = ctx.rec.phase(Phase::Transfer, |scope| {
-        let rollout = fp8_rollout(state, plan)?;
+        let rollout = fp8_rollout(state, plan, keep)?;
         for t in &traffic {
             scope.add_bytes(Link::DeviceToDevice, t.recv_bytes + t.amax_bytes);
             scope.add_bytes(Link::Local, t.rollout_bytes.saturating_sub(t.recv_bytes));
@@ -384,7 +394,7 @@ impl Reshard for HostBackend {
     fn plan(&self, state: &HostTrainState) -> Result<ReshardPlan, HostError> {
         let plan = plan_fsdp_to_tp(state.layout(), &self.layout)?;
         if self.dtype == RolloutDtype::Fp8 {
-            check_fp8_plan(&plan)?;
+            check_fp8_plan(&plan, self.fp8_keep)?;
         }
         if self.verify || self.dtype == RolloutDtype::Fp8 {
             check_finite(state)?;
@@ -404,7 +414,7 @@ impl Reshard for HostBackend {
             });
         }
         let rollout = if self.dtype == RolloutDtype::Fp8 {
-            let rollout = quantise(plan, state, ctx)?;
+            let rollout = quantise(plan, state, self.fp8_keep, ctx)?;
             for (rank, r) in rollout.ranks.iter().enumerate() {
                 state.ranks[rank].meter.alloc(r.bytes());
             }
@@ -450,7 +460,7 @@ impl Reshard for HostBackend {
             }
         }
         if self.dtype == RolloutDtype::Fp8 {
-            *rollout = quantise(plan, state, ctx)?;
+            *rollout = quantise(plan, state, self.fp8_keep, ctx)?;
         } else {
             transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx)?;
         }

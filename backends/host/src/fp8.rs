@@ -10,7 +10,7 @@
 //! ([`fp8_reference`]).
 
 use half::bf16;
-use lifecycle_layout::fp8::{block_scale_inv, e4m3_from_f32, fp8_rank_traffic, keeps_bf16};
+use lifecycle_layout::fp8::{block_scale_inv, e4m3_from_f32, fp8_rank_traffic, Fp8Keep};
 use lifecycle_layout::fp8::{quantize_blocks, BlockQuantized, FP8_BLOCK};
 use lifecycle_layout::{plan_fsdp_to_tp, HostRollout, RankRollout, RolloutLayout, RolloutTensor};
 use lifecycle_layout::{ReshardPlan, TensorPlan};
@@ -30,32 +30,45 @@ use crate::{HostError, HostTrainState};
 /// let data = (0..300 * 256).map(|i| ((i * 7919) % 1000) as f32 / 977.0 - 0.5).collect();
 /// let state = HostTrainState::from_tensors(3, vec![HostTensor::f32(specs[0].name.clone(), vec![300, 256], data)])?;
 /// let layout = RolloutLayout::new(1, specs)?;
-/// assert_eq!(fp8_switch(&state, &layout)?, fp8_reference(&state, &layout)?);
+/// assert_eq!(fp8_switch(&state, &layout)?, fp8_reference(&state, &layout, Default::default())?);
 /// # Ok::<(), lifecycle_host::HostError>(())
 /// ```
 pub fn fp8_switch(
     state: &HostTrainState,
     layout: &RolloutLayout,
 ) -> Result<HostRollout, HostError> {
-    let plan = plan_fsdp_to_tp(state.layout(), layout)?;
-    check_finite(state)?;
-    check_fp8_plan(&plan)?;
-    fp8_rollout(state, &plan)
+    fp8_switch_with(state, layout, Fp8Keep::default())
 }
 
-/// The plan-time fp8 checks of `plan`: every rank's slice of every quantised tensor starts and
+/// [`fp8_switch`] keeping the tensors `keep` chooses in bf16.
+pub fn fp8_switch_with(
+    state: &HostTrainState,
+    layout: &RolloutLayout,
+    keep: Fp8Keep,
+) -> Result<HostRollout, HostError> {
+    let plan = plan_fsdp_to_tp(state.layout(), layout)?;
+    check_finite(state)?;
+    check_fp8_plan(&plan, keep)?;
+    fp8_rollout(state, &plan, keep)
+}
+
+/// The plan-time fp8 checks of `plan` (`keep` choosing the bf16 tensors): every rank's slice of every quantised tensor starts and
 /// ends on 128 × 128 block boundaries ([`LayoutError::Fp8BlockSplit`](lifecycle_layout::LayoutError)
 /// otherwise, naming the tensor).
-pub fn check_fp8_plan(plan: &ReshardPlan) -> Result<(), HostError> {
+pub fn check_fp8_plan(plan: &ReshardPlan, keep: Fp8Keep) -> Result<(), HostError> {
     for r in 0..plan.world {
-        fp8_rank_traffic(plan, r)?;
+        fp8_rank_traffic(plan, r, keep)?;
     }
     Ok(())
 }
 
-/// The fp8 rollout of `state` along a checked `plan` ([`check_fp8_plan`], finite masters): the
-/// quantisation [`fp8_switch`] runs.
-pub fn fp8_rollout(state: &HostTrainState, plan: &ReshardPlan) -> Result<HostRollout, HostError> {
+/// The fp8 rollout of `state` along a checked `plan` ([`check_fp8_plan`], finite masters), the
+/// tensors `keep` chooses cast to bf16: the quantisation [`fp8_switch`] runs.
+pub fn fp8_rollout(
+    state: &HostTrainState,
+    plan: &ReshardPlan,
+    keep: Fp8Keep,
+) -> Result<HostRollout, HostError> {
     let ranks = plan
         .ranks
         .iter()
@@ -64,7 +77,7 @@ pub fn fp8_rollout(state: &HostTrainState, plan: &ReshardPlan) -> Result<HostRol
                 .iter()
                 .map(|t| {
                     let spec = &plan.tensors[t.tensor];
-                    if keeps_bf16(&spec.name, &spec.shape) {
+                    if keep.keeps_bf16(&spec.name, &spec.shape) {
                         Ok(RolloutTensor::bf16(
                             spec.name.clone(),
                             t.shape.clone(),
@@ -170,11 +183,12 @@ fn bf16_slice(state: &HostTrainState, t: &TensorPlan) -> Vec<bf16> {
     out
 }
 
-/// The independent reference: every full fp32 tensor quantised whole
+/// The independent reference (`keep` choosing the bf16 tensors): every full fp32 tensor quantised whole
 /// ([`quantize_blocks`]), then each rank's slice and its blocks cut out.
 pub fn fp8_reference(
     state: &HostTrainState,
     layout: &RolloutLayout,
+    keep: Fp8Keep,
 ) -> Result<HostRollout, HostError> {
     let plan = plan_fsdp_to_tp(state.layout(), layout)?;
     let ranks = plan
@@ -191,7 +205,7 @@ pub fn fp8_reference(
                         .rows
                         .clone()
                         .flat_map(|r| t.cols.clone().map(move |c| r * cols + c));
-                    if keeps_bf16(&spec.name, &spec.shape) {
+                    if keep.keeps_bf16(&spec.name, &spec.shape) {
                         return Ok(RolloutTensor::bf16(
                             spec.name.clone(),
                             t.shape.clone(),

@@ -4,9 +4,9 @@
 //! FSDP shard boundaries (W = 3), partial edge blocks, TP slices of whole blocks, experts owned
 //! by one rank and tensors kept bf16.
 
-use lifecycle_host::fp8::{fp8_reference, fp8_switch};
+use lifecycle_host::fp8::{fp8_reference, fp8_switch, fp8_switch_with};
 use lifecycle_host::HostTrainState;
-use lifecycle_layout::fp8::e4m3_to_f32;
+use lifecycle_layout::fp8::{e4m3_to_f32, Fp8Keep};
 use lifecycle_layout::{HostTensor, Parallel, RolloutLayout, TensorSpec};
 
 fn specs() -> Vec<TensorSpec> {
@@ -81,7 +81,7 @@ fn the_fp8_switch_equals_the_full_tensor_reference() {
             let st = state(world, &specs);
             let layout = RolloutLayout::new(tp, specs).unwrap();
             let got = fp8_switch(&st, &layout).unwrap();
-            let want = fp8_reference(&st, &layout).unwrap();
+            let want = fp8_reference(&st, &layout, Fp8Keep::default()).unwrap();
             assert_eq!(got, want, "W={world} T={tp}");
             // and the values are the masters within e4m3's half-ulp of their block's scale
             for (r, rank) in got.ranks.iter().enumerate() {
@@ -130,4 +130,30 @@ fn non_finite_masters_and_split_blocks_are_refused_by_name() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("up_proj") && err.contains("128"), "{err}");
+}
+
+#[test]
+fn the_fp8_keep_setting_keeps_attention_or_layers_bf16_and_the_reference_agrees() {
+    let specs = specs();
+    let st = state(3, &specs);
+    let layout = RolloutLayout::new(1, specs.clone()).unwrap();
+    for (setting, bf16) in [
+        ("none", vec![0, 3, 4]),
+        ("attention", vec![0, 1, 2, 3, 4]),
+        ("layer:0", vec![0, 1, 2, 3, 4, 5, 6]),
+    ] {
+        let keep: Fp8Keep = setting.parse().unwrap();
+        let got = fp8_switch_with(&st, &layout, keep).unwrap();
+        assert_eq!(got, fp8_reference(&st, &layout, keep).unwrap(), "{setting}");
+        let kept: Vec<usize> = got.ranks[0]
+            .tensors
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.fp8.is_none())
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(kept, bf16, "{setting}: the tensors kept bf16");
+    }
+    let err = "layers:0".parse::<Fp8Keep>().unwrap_err();
+    assert!(err.contains("layers:0") && err.contains("layer:N"), "{err}");
 }

@@ -20,7 +20,7 @@ use lifecycle_core::{
 };
 use lifecycle_host::megatron::MegatronError;
 use lifecycle_host::{HostBackend, HostError, HostTrainState};
-use lifecycle_layout::fp8::RolloutDtype;
+use lifecycle_layout::fp8::{Fp8Keep, RolloutDtype};
 use lifecycle_layout::{ExpertPlacement, HostRollout};
 
 use crate::rng::SplitMix64;
@@ -91,6 +91,8 @@ pub struct DapoConfig {
     /// The rollout weights' dtype: fp8 quantises the matrices in the switch (a decoder model
     /// in the FSDP layout: `--checkpoint`).
     pub rollout_dtype: RolloutDtype,
+    /// Matrices an fp8 rollout keeps bf16 beyond the published exemptions.
+    pub fp8_keep: Fp8Keep,
 }
 
 impl Default for DapoConfig {
@@ -120,6 +122,7 @@ impl Default for DapoConfig {
             train: HostTrain::Fsdp,
             experts: ExpertPlacement::TensorParallel,
             rollout_dtype: RolloutDtype::Bf16,
+            fp8_keep: Fp8Keep::default(),
         }
     }
 }

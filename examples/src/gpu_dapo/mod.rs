@@ -283,8 +283,9 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
         GpuLayout::Fsdp => {
             let layout = config.rollout_layout_with(r.tp, r.experts)?;
             let engine = RunEngine::for_run(&config, &layout, &pool, capacity, fork)?;
-            let backend =
-                FsdpBackend::new(Arc::clone(&pool), layout).with_rollout_dtype(r.rollout_dtype);
+            let backend = FsdpBackend::new(Arc::clone(&pool), layout)
+                .with_rollout_dtype(r.rollout_dtype)
+                .with_fp8_keep(r.fp8_keep);
             let state = source.initial(&backend)?;
             let mut lc = Lifecycle::with_config(backend, state, lc_config)?.with_engine(engine);
             let mut driver = GpuDriver {

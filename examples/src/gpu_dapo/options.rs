@@ -1,6 +1,6 @@
 //! The settings of a GPU DAPO run, as command-line options (`clap`), and their checks.
 
-use lifecycle_layout::fp8::RolloutDtype;
+use lifecycle_layout::fp8::{Fp8Keep, RolloutDtype};
 use std::fmt;
 use std::path::PathBuf;
 
@@ -126,6 +126,9 @@ pub struct LoopOptions {
     /// The rollout weights' dtype (fp8: quantised in the switch; the FSDP layout at W = 1).
     #[arg(skip)]
     pub rollout_dtype: RolloutDtype,
+    /// Matrices an fp8 rollout keeps bf16 beyond the published exemptions.
+    #[arg(skip)]
+    pub fp8_keep: Fp8Keep,
 }
 
 impl LoopOptions {
@@ -147,6 +150,10 @@ impl LoopOptions {
         trace: None,
         experts: ExpertPlacement::TensorParallel,
         rollout_dtype: RolloutDtype::Bf16,
+        fp8_keep: Fp8Keep {
+            attention: false,
+            layers: lifecycle_layout::LayerSet::EMPTY,
+        },
     };
 }
 

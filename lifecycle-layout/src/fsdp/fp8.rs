@@ -1,10 +1,10 @@
 //! The FSDP plan of an fp8 rollout ([`RolloutDtype::Fp8`](crate::fp8::RolloutDtype)): the
-//! tensors kept bf16 ([`keeps_bf16`]) run through the bucket plan as in a bf16 rollout; the
+//! tensors kept bf16 ([`Fp8Keep`]) run through the bucket plan as in a bf16 rollout; the
 //! quantised ones are listed per rank as [`Fp8Slice`]s, placed after the bf16 tensors in the
 //! rank's buffer (e4m3 bytes, then one f32 scale per 128 × 128 block), for the executor to
 //! quantise from the fp32 masters.
 
-use crate::fp8::{fp8_rank_traffic, keeps_bf16};
+use crate::fp8::{fp8_rank_traffic, Fp8Keep};
 use crate::{FsdpLayout, LayoutError, ReshardPlan, RolloutEntry, TensorPlan};
 
 use super::{align, build_plan, BucketConfig, FsdpPlan};
@@ -19,7 +19,8 @@ pub struct Fp8Slice {
     pub entry: RolloutEntry,
 }
 
-/// The FSDP plan of an fp8 rollout over `core`: the bucket plan of the bf16 tensors
+/// The FSDP plan of an fp8 rollout over `core` (`keep` choosing the bf16 tensors): the bucket
+/// plan of the bf16 tensors
 /// ([`build_plan`]) and, per rank, the fp8 slices after them. Every rank's slice of a quantised
 /// tensor must start and end on 128 × 128 block boundaries
 /// ([`LayoutError::Fp8BlockSplit`] otherwise, naming the tensor).
@@ -33,7 +34,7 @@ pub struct Fp8Slice {
 /// ];
 /// let train = FsdpLayout::new(1, specs.iter().map(|s| (s.name.clone(), s.shape.clone())))?;
 /// let core = plan_fsdp_to_tp(&train, &RolloutLayout::new(1, specs)?)?;
-/// let plan = build_fp8_plan(core, &train, BucketConfig::default())?;
+/// let plan = build_fp8_plan(core, &train, BucketConfig::default(), Default::default())?;
 /// let entries = plan.entries(0);
 /// assert!(entries[0].is_fp8() && !entries[1].is_fp8());
 /// // the norm first (bf16, 64-slot aligned), then 256 x 128 bytes in 16384 slots and 2 scales
@@ -46,9 +47,10 @@ pub fn build_fp8_plan(
     core: ReshardPlan,
     train: &FsdpLayout,
     config: BucketConfig,
+    keep: Fp8Keep,
 ) -> Result<FsdpPlan, LayoutError> {
     for r in 0..core.world {
-        fp8_rank_traffic(&core, r)?;
+        fp8_rank_traffic(&core, r, keep)?;
     }
     let mut bf16 = core.clone();
     let mut quantised: Vec<Vec<TensorPlan>> = Vec::with_capacity(core.world);
@@ -57,7 +59,7 @@ pub fn build_fp8_plan(
             .into_iter()
             .partition(|t| {
                 let spec = &core.tensors[t.tensor];
-                keeps_bf16(&spec.name, &spec.shape)
+                keep.keeps_bf16(&spec.name, &spec.shape)
             });
         rank.tensors = keep;
         quantised.push(fp8);
@@ -112,7 +114,8 @@ mod tests {
         let train =
             FsdpLayout::new(2, specs.iter().map(|s| (s.name.clone(), s.shape.clone()))).unwrap();
         let core = plan_fsdp_to_tp(&train, &RolloutLayout::new(1, specs.clone()).unwrap()).unwrap();
-        let plan = build_fp8_plan(core, &train, BucketConfig::default()).unwrap();
+        let plan =
+            build_fp8_plan(core, &train, BucketConfig::default(), Fp8Keep::default()).unwrap();
         for r in 0..2 {
             let e = plan.entries(r);
             let names: Vec<&str> = e.iter().map(|e| e.name()).collect();
@@ -146,7 +149,7 @@ mod tests {
         let train =
             FsdpLayout::new(2, specs.iter().map(|s| (s.name.clone(), s.shape.clone()))).unwrap();
         let core = plan_fsdp_to_tp(&train, &RolloutLayout::new(2, specs).unwrap()).unwrap();
-        let err = build_fp8_plan(core, &train, BucketConfig::default())
+        let err = build_fp8_plan(core, &train, BucketConfig::default(), Fp8Keep::default())
             .unwrap_err()
             .to_string();
         assert!(err.contains("up_proj"), "{err}");
