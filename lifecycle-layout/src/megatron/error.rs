@@ -151,6 +151,34 @@ pub enum MegatronLayoutError {
         /// T.
         t: usize,
     },
+    /// The expert layers' degrees do not tile the world.
+    #[error(
+        "world size W = {world} is not a multiple of ETP × EP × PP = {etp} × {ep} × {pp}: the \
+         expert layers split the ranks into expert tensor-parallel × expert-parallel × expert \
+         data-parallel × pipeline groups; pick EP and the expert tensor-parallel degree so that \
+         their product with PP divides {world}"
+    )]
+    ExpertWorld {
+        /// W.
+        world: usize,
+        /// Expert tensor-parallel degree.
+        etp: usize,
+        /// Expert-parallel degree.
+        ep: usize,
+        /// PP.
+        pp: usize,
+    },
+    /// The experts do not split evenly over the expert-parallel ranks.
+    #[error(
+        "num_experts = {experts} is not divisible by the expert-parallel degree EP = {ep}: every \
+         expert-parallel rank holds the same number of whole experts; pick EP dividing {experts}"
+    )]
+    ExpertsNotDivisible {
+        /// Experts.
+        experts: usize,
+        /// EP.
+        ep: usize,
+    },
     /// A bucket budget that cannot hold one bf16 element.
     #[error("bucket budget of {bytes} bytes cannot hold one bf16 element: use at least 2 bytes")]
     BucketTooSmall {

@@ -46,6 +46,7 @@
 //! ```
 
 mod error;
+mod experts;
 mod plan;
 mod rollout;
 pub mod schedule;
@@ -54,6 +55,7 @@ mod steps;
 mod train;
 
 pub use error::MegatronLayoutError;
+pub use experts::{ExpertCoords, ExpertParallel, ExpertPart, ExpertShard};
 pub use plan::{plan_megatron_to_tp, BucketConfig, MegatronPlan, RankPlan, Transfer};
 pub use rollout::{RolloutKind, RolloutTensorSpec};
 pub use steps::StepShape;
