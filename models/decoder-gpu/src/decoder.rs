@@ -415,32 +415,10 @@ impl Core {
                 if st.fp8.is_none() {
                     st.fp8 = Some(Fp8Kernels::load(ctx)?);
                 }
-                let need = 2 * plan.fp8_max as usize;
                 let need_x = GEMV_TOKENS * plan.fp8_max_cols as usize;
-                if st.x32.as_ref().is_none_or(|d| d.len() < need_x) {
-                    st.x32 = None;
-                    // SAFETY: scratch: the join kernel writes the rows a product reads first.
-                    st.x32 = Some(unsafe {
-                        lifecycle_cuda::alloc_device(
-                            &ctx.compute,
-                            need_x,
-                            ctx.rank,
-                            "the fp8 activation scratch",
-                        )?
-                    });
-                }
-                if st.dequant.as_ref().is_none_or(|d| d.len() < need) {
-                    st.dequant = None;
-                    // SAFETY: scratch: every product writes the rows it reads first.
-                    st.dequant = Some(unsafe {
-                        lifecycle_cuda::alloc_device(
-                            &ctx.compute,
-                            need,
-                            ctx.rank,
-                            "the fp8 dequantisation scratch",
-                        )?
-                    });
-                }
+                grow_scratch(ctx, &mut st.x32, need_x, "the fp8 activation scratch")?;
+                let need = 2 * plan.fp8_max as usize;
+                grow_scratch(ctx, &mut st.dequant, need, "the fp8 dequantisation scratch")?;
             }
             st.bind = Some(RankBind {
                 base: ptr(buf, &ctx.compute),
@@ -994,6 +972,22 @@ pub(crate) fn group_entries(
         .into());
     }
     Ok((0..tp).map(|t| weights.rank_entries(t)).collect())
+}
+
+/// Makes `slot` a device scratch of at least `len` elements (kept when it is large enough).
+fn grow_scratch<T: cudarc::driver::DeviceRepr>(
+    ctx: &RankCtx,
+    slot: &mut Option<CudaSlice<T>>,
+    len: usize,
+    what: &str,
+) -> Result<(), CudaError> {
+    if slot.as_ref().is_none_or(|d| d.len() < len) {
+        *slot = None;
+        // SAFETY: a scratch: every kernel that reads it writes what it reads first (the join
+        // kernel its activation rows, the dequantisation its hi / lo rows).
+        *slot = Some(unsafe { lifecycle_cuda::alloc_device(&ctx.compute, len, ctx.rank, what)? });
+    }
+    Ok(())
 }
 
 fn ptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {

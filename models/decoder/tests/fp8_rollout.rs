@@ -16,7 +16,9 @@
 //!   Greedy agreement with the references is reported, not asserted (near-ties may flip):
 //!   104 of 108 tokens up to the first difference.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::{fixtures, floats, json, tokens};
 
 use lifecycle_core::Lifecycle;
 use lifecycle_decoder::{
@@ -25,34 +27,6 @@ use lifecycle_decoder::{
 use lifecycle_host::{HostBackend, HostTrainState};
 use lifecycle_layout::fp8::{e4m3_from_f32, e4m3_to_f32, keeps_bf16, RolloutDtype, FP8_BLOCK};
 use lifecycle_layout::{ExpertPlacement, HostTensor, RolloutLayout, TensorData};
-use serde_json::Value;
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
-}
-
-fn json(path: PathBuf) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
-fn floats(v: &Value) -> Vec<f32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|x| match x {
-            Value::Array(row) => row.iter().map(|y| y.as_f64().unwrap() as f32).collect(),
-            other => vec![other.as_f64().unwrap() as f32],
-        })
-        .collect()
-}
-
-fn tokens(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
 
 /// Max |a − b| over max |b|.
 fn relative_error(got: &[f32], want: &[f32]) -> f32 {
@@ -106,8 +80,8 @@ fn with_decoder<T>(
 
 #[test]
 fn fp8_logits_stay_near_the_transformers_references_on_every_fixture() {
-    let dense = json(fixtures().join("references.json"));
-    let moe = json(fixtures().join("moe/moe_references.json"));
+    let dense = json("references.json");
+    let moe = json("moe/moe_references.json");
     let models = [
         ("gqa_untied", fixtures().join("gqa_untied"), &dense),
         ("tied_vocab61", fixtures().join("tied_vocab61"), &dense),

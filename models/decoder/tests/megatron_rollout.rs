@@ -23,7 +23,9 @@
 //! untied heads, and a vocabulary not divisible by T (61). Padding rows are shown never to be
 //! read by poisoning them with NaN.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::{fixtures, floats, references, tokens};
 
 use lifecycle_core::Lifecycle;
 use lifecycle_decoder::{
@@ -35,37 +37,8 @@ use lifecycle_host::{HostBackend, HostTrainState};
 use lifecycle_layout::HostTensor;
 use lifecycle_layout::{HostRollout, RankRollout};
 use lifecycle_layout::{RolloutLayout, RolloutVocab};
-use serde_json::Value;
 
 const MODELS: [&str; 3] = ["gqa_untied", "tied_vocab61", "kv1_headdim16"];
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
-}
-
-fn references() -> Value {
-    let text = std::fs::read_to_string(fixtures().join("references.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
-}
-
-fn floats(v: &Value) -> Vec<f32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|x| match x {
-            Value::Array(row) => row.iter().map(|y| y.as_f64().unwrap() as f32).collect(),
-            other => vec![other.as_f64().unwrap() as f32],
-        })
-        .collect()
-}
-
-fn tokens(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
 
 /// What one decoder run produced.
 #[derive(Debug, PartialEq)]

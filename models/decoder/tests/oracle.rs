@@ -11,7 +11,11 @@
 //! `max_logit_change_f32_vs_bf16_weights` the fixture records, 6e-3 to 5e-2 here, which is what a
 //! bf16-weight tolerance would have to absorb.) Greedy tokens must be equal.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::PathBuf;
+
+use common::{fixtures, floats, moe_references, references, tokens};
 
 use lifecycle_core::Lifecycle;
 use lifecycle_decoder::{
@@ -19,7 +23,6 @@ use lifecycle_decoder::{
 };
 use lifecycle_host::{HostBackend, HostTrainState};
 use lifecycle_layout::{hf, ExpertPlacement, HostTensor, Parallel, TensorData};
-use serde_json::Value;
 
 const MODELS: [&str; 3] = ["gqa_untied", "tied_vocab61", "kv1_headdim16"];
 
@@ -31,41 +34,8 @@ const MODELS: [&str; 3] = ["gqa_untied", "tied_vocab61", "kv1_headdim16"];
 /// pick the same experts.
 const MOE_MODELS: [&str; 3] = ["qwen3_dense", "moe_e4_untied_v61", "moe_e6_tied_dense0"];
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
-}
-
 fn moe_fixtures() -> PathBuf {
     fixtures().join("moe")
-}
-
-fn moe_references() -> Value {
-    let text = std::fs::read_to_string(moe_fixtures().join("moe_references.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
-}
-
-fn references() -> Value {
-    let text = std::fs::read_to_string(fixtures().join("references.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
-}
-
-fn floats(v: &Value) -> Vec<f32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|x| match x {
-            Value::Array(row) => row.iter().map(|y| y.as_f64().unwrap() as f32).collect(),
-            other => vec![other.as_f64().unwrap() as f32],
-        })
-        .collect()
-}
-
-fn tokens(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
 }
 
 /// Largest |a − b| after checking it is within tolerance.
