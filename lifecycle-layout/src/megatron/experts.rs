@@ -1,5 +1,6 @@
 //! Megatron-Core's expert layout: the parallel state of the mixture-of-experts layers and the
-//! grouped-GEMM expert tensors each rank holds. The first piece of the Megatron MoE training
+//! grouped-GEMM expert tensors each rank holds, in an expert buffer per rank whose fp32 copy and
+//! Adam state the expert data-parallel group shards. The first piece of the Megatron MoE training
 //! layout; the planner does not read it yet (`MegatronLayout` refuses MoE models).
 //!
 //! Megatron-Core decomposes the same ranks twice ("MoE parallel folding"): the attention and
@@ -54,6 +55,9 @@ pub struct ExpertShard {
     pub shape: [usize; 2],
     /// The intermediate rows (fc1: of gate and of up) or columns (fc2: of down) it covers.
     pub ffn: Range<usize>,
+    /// Element offset in the rank's expert buffer ([`ExpertParallel::stage_shards`]; within
+    /// the layer for [`ExpertParallel::shards`]).
+    pub offset: usize,
 }
 
 /// The expert layers' decomposition of `W` ranks: `ETP × EP × EDP × PP`.
@@ -174,11 +178,12 @@ impl ExpertParallel {
     }
 
     /// The expert tensors of layer `layer` on global rank `rank` (`hidden` the model width), in
-    /// grouped-GEMM order: per local expert, fc1 then fc2.
+    /// grouped-GEMM order: per local expert, fc1 then fc2, densely packed from offset 0.
     pub fn shards(&self, layer: usize, rank: usize, hidden: usize) -> Vec<ExpertShard> {
         let c = self.coords(rank);
         let part = self.moe.ffn / self.etp;
         let ffn = c.etp * part..(c.etp + 1) * part;
+        let per_expert = 3 * part * hidden;
         self.local_experts(c.ep)
             .enumerate()
             .flat_map(|(local, expert)| {
@@ -193,6 +198,7 @@ impl ExpertParallel {
                         part: ExpertPart::Fc1,
                         shape: [2 * part, hidden],
                         ffn: ffn.clone(),
+                        offset: local * per_expert,
                     },
                     ExpertShard {
                         name: name(2),
@@ -201,10 +207,66 @@ impl ExpertParallel {
                         part: ExpertPart::Fc2,
                         shape: [hidden, part],
                         ffn: ffn.clone(),
+                        offset: local * per_expert + 2 * part * hidden,
                     },
                 ]
             })
             .collect()
+    }
+
+    /// The expert buffer of global rank `rank` for the pipeline stage owning `layers` of
+    /// `model`: the expert tensors of every mixture-of-experts layer among them, in layer order,
+    /// densely packed. Megatron-Core keeps expert parameters in buffers of their own (their
+    /// gradients reduce over the expert data-parallel group, not the dense one); the ranks of
+    /// one expert data-parallel group hold the same buffer.
+    ///
+    /// ```
+    /// use lifecycle_layout::megatron::ExpertParallel;
+    /// use lifecycle_layout::ModelSpec;
+    /// // 3 layers, the first dense: layers 1 and 2 hold 4 experts of intermediate size 6
+    /// let model = ModelSpec { layers: 3, ..ModelSpec::tiny_moe() };
+    /// let ex = ExpertParallel::new(4, 1, 2, 2, model.moe.unwrap())?;
+    /// let shards = ex.stage_shards(&model, 0..3, 0);
+    /// // per layer: 2 local experts x (fc1 [6, h] + fc2 [h, 3])
+    /// let per_layer = 2 * 3 * 3 * model.hidden;
+    /// assert_eq!((shards.len(), ex.stage_len(&model, 0..3)), (8, 2 * per_layer));
+    /// assert_eq!(shards[4].name, "decoder.layers.2.mlp.experts.linear_fc1.weight0");
+    /// assert_eq!(shards[4].offset, per_layer);
+    /// # Ok::<(), lifecycle_layout::megatron::MegatronLayoutError>(())
+    /// ```
+    pub fn stage_shards(
+        &self,
+        model: &crate::ModelSpec,
+        layers: Range<usize>,
+        rank: usize,
+    ) -> Vec<ExpertShard> {
+        let mut base = 0;
+        let mut out = Vec::new();
+        for l in layers.filter(|&l| model.moe_layer(l)) {
+            let shards = self.shards(l, rank, model.hidden);
+            let len: usize = shards.iter().map(|s| s.shape[0] * s.shape[1]).sum();
+            out.extend(shards.into_iter().map(|mut s| {
+                s.offset += base;
+                s
+            }));
+            base += len;
+        }
+        out
+    }
+
+    /// Elements of a rank's expert buffer for the stage owning `layers`.
+    pub fn stage_len(&self, model: &crate::ModelSpec, layers: Range<usize>) -> usize {
+        let part = self.moe.ffn / self.etp;
+        let experts = self.moe.experts / self.ep;
+        layers.filter(|&l| model.moe_layer(l)).count() * experts * 3 * part * model.hidden
+    }
+
+    /// The fp32 elements of an expert buffer of `len` elements that expert data-parallel rank
+    /// `edp` owns (the distributed optimizer over the expert data-parallel group), as
+    /// [`MegatronLayout::dp_shard`](super::MegatronLayout::dp_shard) splits the dense buffer.
+    pub fn edp_shard(&self, len: usize, edp: usize) -> Range<usize> {
+        let c = len.div_ceil(self.edp);
+        (edp * c).min(len)..((edp + 1) * c).min(len)
     }
 
     /// The ranks of one expert-parallel group (fixed ETP rank, expert DP rank and stage): the
@@ -290,6 +352,27 @@ mod tests {
         }
         // EDP = 1: each (expert, ETP share) exactly once
         assert!(seen.iter().all(|&n| n == 1), "{seen:?}");
+    }
+
+    #[test]
+    fn expert_buffers_pack_the_stages_moe_layers_and_edp_shards_tile_them() {
+        let model = crate::ModelSpec::tiny_moe();
+        let m = model.moe.unwrap();
+        // W = 8, PP 2, EP 2, ETP 1: EDP 2
+        let ex = ExpertParallel::new(8, 2, 2, 1, m).unwrap();
+        let stage1 = model.layers / 2..model.layers;
+        for r in 0..8 {
+            let shards = ex.stage_shards(&model, stage1.clone(), r);
+            let len = ex.stage_len(&model, stage1.clone());
+            let mut end = 0;
+            for s in &shards {
+                assert_eq!(s.offset, end, "rank {r} {}", s.name);
+                end += s.shape[0] * s.shape[1];
+            }
+            assert_eq!(end, len);
+            let (a, b) = (ex.edp_shard(len, 0), ex.edp_shard(len, 1));
+            assert_eq!((a.start, a.end, b.end), (0, b.start, len));
+        }
     }
 
     #[test]
