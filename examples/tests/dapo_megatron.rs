@@ -59,3 +59,28 @@ fn megatron_degrees_that_do_not_divide_the_world_are_refused() {
         "{err}"
     );
 }
+
+/// Qwen3 (q/k head norms) trained in the Megatron layout: the checkpoint's norms reach the
+/// fused rollout, lazy and eager sample alike, and fp8 is refused by name (bf16 only there).
+#[test]
+fn megatron_trains_a_qwen3_checkpoint_and_refuses_fp8() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/decoder/fixtures/moe/qwen3_dense");
+    let ckpt = lifecycle_decoder::load_checkpoint(&dir).unwrap();
+    assert!(ckpt.config.qk_norm);
+    for (tp, pp) in [(2, 1), (1, 2)] {
+        let config = small(tp, pp);
+        let lazy = run_megatron(&config, Some(&ckpt), Switching::Lazy, |_| {}).unwrap();
+        let eager = run_megatron(&config, Some(&ckpt), Switching::Eager, |_| {}).unwrap();
+        assert_eq!(lazy.groups, eager.groups, "TP {tp} PP {pp}");
+        assert!(lazy.steps.iter().all(|s| s.switches == 1));
+    }
+    let fp8 = DapoConfig {
+        rollout_dtype: lifecycle_layout::fp8::RolloutDtype::Fp8,
+        ..small(2, 1)
+    };
+    let err = run_megatron(&fp8, Some(&ckpt), Switching::Lazy, |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("fp8") && err.contains("FSDP"), "{err}");
+}

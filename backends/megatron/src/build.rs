@@ -220,7 +220,11 @@ pub(crate) fn slot_seed(seed: u64, layout: &MegatronLayout, slot: &ParamSlot, tp
     };
     let replicated = matches!(
         kind,
-        ParamKind::InputNorm | ParamKind::PreMlpNorm | ParamKind::FinalNorm
+        ParamKind::InputNorm
+            | ParamKind::PreMlpNorm
+            | ParamKind::FinalNorm
+            | ParamKind::QNorm
+            | ParamKind::KNorm
     );
     let t = if replicated { 0 } else { tp as u64 };
     let layer = slot.layer.map_or(0xFFFF, |l| l as u64);

@@ -18,6 +18,10 @@ pub enum RolloutKind {
     Qkv,
     /// `model.layers.{i}.self_attn.qkv_proj.bias`: `[q_local; k_local; v_local]`.
     QkvBias,
+    /// `model.layers.{i}.self_attn.q_norm.weight` (Qwen3, `[head_dim]`, replicated).
+    QNorm,
+    /// `model.layers.{i}.self_attn.k_norm.weight` (Qwen3, `[head_dim]`, replicated).
+    KNorm,
     /// `model.layers.{i}.self_attn.o_proj.weight`: row-parallel (columns split).
     O,
     /// `model.layers.{i}.post_attention_layernorm.weight` (replicated).
@@ -97,7 +101,8 @@ impl RolloutLayout {
     }
 
     /// Every tensor of one rank of the fused layout, in rollout order (embedding, per layer input
-    /// norm, qkv weight, qkv bias, o, post-attention norm, gate-up, down; final norm; head).
+    /// norm, qkv weight, qkv bias, q and k norms (Qwen3), o, post-attention norm, gate-up, down;
+    /// final norm; head).
     ///
     /// Per rank: `qkv_proj` = `[q heads of this rank; its kv heads' k; their v]` (kv heads
     /// replicated when `query_groups < T`: rank `t` holds group `t / (T / groups)`),
@@ -168,6 +173,20 @@ impl RolloutLayout {
                     RolloutKind::QkvBias,
                     l,
                     vec![qkv_rows],
+                );
+            }
+            if model.qk_norm {
+                push(
+                    hf::layer(i, hf::Q_NORM),
+                    RolloutKind::QNorm,
+                    l,
+                    vec![model.head_dim],
+                );
+                push(
+                    hf::layer(i, hf::K_NORM),
+                    RolloutKind::KNorm,
+                    l,
+                    vec![model.head_dim],
                 );
             }
             push(

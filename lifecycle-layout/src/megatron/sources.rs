@@ -118,19 +118,25 @@ pub(crate) fn wants(
                 }
             }
         }
-        RolloutKind::InputNorm | RolloutKind::PostNorm | RolloutKind::Norm => {
-            let kind = match spec.kind {
-                RolloutKind::InputNorm => ParamKind::InputNorm,
-                RolloutKind::PostNorm => ParamKind::PreMlpNorm,
-                _ => ParamKind::FinalNorm,
+        RolloutKind::InputNorm
+        | RolloutKind::PostNorm
+        | RolloutKind::Norm
+        | RolloutKind::QNorm
+        | RolloutKind::KNorm => {
+            let (kind, width) = match spec.kind {
+                RolloutKind::InputNorm => (ParamKind::InputNorm, h),
+                RolloutKind::PostNorm => (ParamKind::PreMlpNorm, h),
+                RolloutKind::QNorm => (ParamKind::QNorm, m.head_dim),
+                RolloutKind::KNorm => (ParamKind::KNorm, m.head_dim),
+                _ => (ParamKind::FinalNorm, h),
             };
             let off = slot_offset(layer_stage, kind, spec.layer);
             out.push(Want {
                 dst_offset: 0,
-                dst_pitch: h,
-                src_pitch: h,
+                dst_pitch: width,
+                src_pitch: width,
                 rows: 1,
-                cols: h,
+                cols: width,
                 locs: (0..tp)
                     .map(|tau| Loc {
                         stage: layer_stage,

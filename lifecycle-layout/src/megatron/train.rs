@@ -16,6 +16,11 @@ pub enum ParamKind {
     Qkv,
     /// `decoder.layers.{i}.self_attention.linear_qkv.bias`.
     QkvBias,
+    /// `decoder.layers.{i}.self_attention.q_layernorm.weight` (Qwen3: per-head RMSNorm of q,
+    /// `[head_dim]`, replicated).
+    QNorm,
+    /// `decoder.layers.{i}.self_attention.k_layernorm.weight` (as `QNorm`, of k).
+    KNorm,
     /// `decoder.layers.{i}.self_attention.linear_proj.weight` (row-parallel: columns split).
     Proj,
     /// `decoder.layers.{i}.pre_mlp_layernorm.weight` (replicated).
@@ -79,7 +84,7 @@ pub struct RankCoords {
 ///   holds the embedding; the last stage the final norm and the output layer.
 /// - **Buffer order** of one (stage, TP rank), element offsets in [`MegatronLayout::stage_slots`]:
 ///   word embedding (first stage); then per layer `input_layernorm`, `linear_qkv.weight`,
-///   `linear_qkv.bias` (with qkv bias), `linear_proj`, `pre_mlp_layernorm`, `linear_fc1`,
+///   `linear_qkv.bias` (with qkv bias), `q_layernorm` and `k_layernorm` (Qwen3), `linear_proj`, `pre_mlp_layernorm`, `linear_fc1`,
 ///   `linear_fc2`; then (last stage) `final_layernorm` and `output_layer` (untied, or tied with
 ///   PP > 1). This is module registration order, densely packed; Megatron's DDP buffer stores the
 ///   same tensors in reverse order with bucket padding — contents per rank are what matter here.
@@ -134,11 +139,6 @@ impl MegatronLayout {
         if model.moe.is_some() {
             return Err(MegatronLayoutError::Unsupported {
                 what: "mixture-of-experts MLPs (expert parallelism)",
-            });
-        }
-        if model.qk_norm {
-            return Err(MegatronLayoutError::Unsupported {
-                what: "q/k head norms (Qwen3)",
             });
         }
         for (what, d) in [
@@ -383,6 +383,14 @@ impl MegatronLayout {
                     l,
                     vec![qkv_rows],
                 );
+            }
+            if m.qk_norm {
+                for (name, kind) in [
+                    ("self_attention.q_layernorm.weight", ParamKind::QNorm),
+                    ("self_attention.k_layernorm.weight", ParamKind::KNorm),
+                ] {
+                    push(p(name), kind, l, vec![m.head_dim]);
+                }
             }
             push(
                 p("self_attention.linear_proj.weight"),

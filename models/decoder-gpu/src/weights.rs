@@ -645,7 +645,14 @@ impl GroupOffsets {
                 gate_w: MatAt::bf16(gate_up),
                 up_w: MatAt::bf16(gate_up + (ffn_part * h) as u64),
                 down_w: MatAt::bf16(at(&hf::layer(l, hf::DOWN))?),
-                qk_norm: None,
+                qk_norm: if config.qk_norm {
+                    Some((
+                        at(&hf::layer(l, hf::Q_NORM))?,
+                        at(&hf::layer(l, hf::K_NORM))?,
+                    ))
+                } else {
+                    None
+                },
             });
         }
         let embed = at(hf::EMBED)?;

@@ -724,12 +724,30 @@ fn forked_prefill_equals_per_sequence_prefill_w1() -> Res {
 #[ignore = "needs an NVIDIA GPU"]
 fn fused_megatron_layout_matches_the_cpu_decoder() -> Res {
     require_gpus(1)?;
-    let config = ModelConfig::from_json_str(
+    fused_megatron_against_cpu(
         r#"{"model_type": "qwen2", "vocab_size": 4093, "hidden_size": 256,
         "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
         "num_key_value_heads": 2, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
         "tie_word_embeddings": false}"#,
-    )?;
+    )
+}
+
+/// The same with Qwen3's per-head q/k norms (the Megatron layouts' `q_layernorm` /
+/// `k_layernorm`).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn fused_megatron_layout_matches_the_cpu_decoder_on_qwen3() -> Res {
+    require_gpus(1)?;
+    fused_megatron_against_cpu(
+        r#"{"model_type": "qwen3", "vocab_size": 4093, "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 32, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": false}"#,
+    )
+}
+
+fn fused_megatron_against_cpu(config_json: &str) -> Res {
+    let config = ModelConfig::from_json_str(config_json)?;
     let vocab = config.vocab_size as u32;
     let layout = FusedLayout::fused(1, RolloutVocab::PadToMultipleOf(64));
     let prompts: Vec<Vec<u32>> = (0..6u32)

@@ -38,10 +38,10 @@ impl<'w> GroupWeights<'w> {
                 found: ranks.len(),
             });
         }
-        if config.moe.is_some() || config.qk_norm {
+        if config.moe.is_some() {
             return Err(DecodeError::Usage(
-                "the fused (Megatron) rollout layout has no q/k norms or experts yet: roll out \
-                 Qwen3 and Qwen3-MoE models from the unfused layout (CpuDecoder::new)"
+                "the fused (Megatron) rollout layout has no experts yet: roll out Qwen3-MoE \
+                 models from the unfused layout (CpuDecoder::new)"
                     .into(),
             ));
         }
@@ -136,7 +136,14 @@ impl<'w> GroupWeights<'w> {
             layers.push(Layer {
                 input_norm: get(&hf::layer(l, hf::INPUT_NORM), 0)?,
                 post_norm: get(&hf::layer(l, hf::POST_NORM), 0)?,
-                qk_norm: None,
+                qk_norm: if config.qk_norm {
+                    Some((
+                        get(&hf::layer(l, hf::Q_NORM), 0)?,
+                        get(&hf::layer(l, hf::K_NORM), 0)?,
+                    ))
+                } else {
+                    None
+                },
                 ranks: rank_layers,
                 mlp: Mlp::Dense(mlp_parts),
             });

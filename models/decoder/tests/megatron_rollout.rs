@@ -25,7 +25,7 @@
 
 mod common;
 
-use common::{fixtures, floats, references, tokens};
+use common::{fixtures, floats, moe_references, references, tokens};
 
 use lifecycle_core::Lifecycle;
 use lifecycle_decoder::{
@@ -320,6 +320,42 @@ fn fused_megatron_rollout_decodes_like_the_unfused_one_and_like_transformers() {
     // 12 training layouts per model, one T each; together every (layout, T) pair
     assert_eq!(checked, 3 * 12);
     println!("{checked} Megatron-resharded decodes; max |logit error| vs transformers {worst:e}");
+}
+
+/// Qwen3 dense (q/k head norms) through every Megatron layout of one rotation, against the
+/// unfused decoder bit for bit and against transformers 5.17 (`fixtures/moe/qwen3_dense`).
+#[test]
+fn qwen3_with_head_norms_decodes_through_the_megatron_layouts() {
+    let refs = moe_references();
+    let model = &refs["models"]["qwen3_dense"];
+    let ckpt = load_checkpoint(&fixtures().join("moe/qwen3_dense")).unwrap();
+    assert!(ckpt.config.qk_norm);
+    let cases = model["cases"].as_array().unwrap();
+    let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
+    let greedy: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["greedy_tokens"])).collect();
+    let mut want: Vec<Vec<f32>> = cases.iter().map(|c| floats(&c["prefill_logits"])).collect();
+    for k in 0..greedy[0].len() {
+        want.extend(cases.iter().map(|c| floats(&c["decode_logits"][k])));
+    }
+    let vocab = ckpt.config.vocab_size;
+    let mut worst = 0.0f32;
+    let checked = check_matrix(
+        "qwen3_dense",
+        Some(1),
+        &ckpt.config,
+        &ckpt.tensors,
+        &prompts,
+        &greedy,
+        |what, got| {
+            let tokens = got.argmax_tokens(&prompts, &greedy, vocab);
+            assert_eq!(tokens, greedy, "{what}: greedy tokens vs transformers");
+            for (i, (g, w)) in got.logits.iter().zip(&want).enumerate() {
+                worst = worst.max(oracle_error(&format!("{what} logits row {i}"), g, w));
+            }
+        },
+    );
+    assert_eq!(checked, 12);
+    println!("qwen3_dense through {checked} Megatron layouts: max |logit error| {worst:e}");
 }
 
 #[test]

@@ -109,6 +109,8 @@ fn rebuild_one<'a>(
     let v = match suffix {
         hf::INPUT_NORM => get(0, ParamKind::InputNorm)?.to_vec(),
         hf::POST_NORM => get(0, ParamKind::PreMlpNorm)?.to_vec(),
+        hf::Q_NORM => get(0, ParamKind::QNorm)?.to_vec(),
+        hf::K_NORM => get(0, ParamKind::KNorm)?.to_vec(),
         hf::Q | hf::K | hf::V | hf::Q_BIAS | hf::K_BIAS | hf::V_BIAS => {
             let bias = suffix.ends_with("bias");
             let (kind, cols) = if bias {
@@ -221,6 +223,8 @@ pub fn reference_rollout(
                         RolloutKind::InputNorm => get(&layer(hf::INPUT_NORM)).to_vec(),
                         RolloutKind::PostNorm => get(&layer(hf::POST_NORM)).to_vec(),
                         RolloutKind::Norm => get(hf::NORM).to_vec(),
+                        RolloutKind::QNorm => get(&layer(hf::Q_NORM)).to_vec(),
+                        RolloutKind::KNorm => get(&layer(hf::K_NORM)).to_vec(),
                         RolloutKind::Qkv | RolloutKind::QkvBias => {
                             let (names, cols) = if spec.kind == RolloutKind::Qkv {
                                 ([hf::Q, hf::K, hf::V], h)

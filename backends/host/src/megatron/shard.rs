@@ -57,6 +57,8 @@ fn fill_slot(
         ParamKind::InputNorm => dst.copy_from_slice(get(full, &layer(hf::INPUT_NORM))),
         ParamKind::PreMlpNorm => dst.copy_from_slice(get(full, &layer(hf::POST_NORM))),
         ParamKind::FinalNorm => dst.copy_from_slice(get(full, hf::NORM)),
+        ParamKind::QNorm => dst.copy_from_slice(get(full, &layer(hf::Q_NORM))),
+        ParamKind::KNorm => dst.copy_from_slice(get(full, &layer(hf::K_NORM))),
         ParamKind::Qkv | ParamKind::QkvBias => {
             let (names, cols) = if slot.kind == ParamKind::Qkv {
                 ([hf::Q, hf::K, hf::V], h)

@@ -36,7 +36,8 @@ pub fn model(groups: usize, tied: bool) -> ModelSpec {
         qkv_bias: true,
         tied_embeddings: tied,
         make_vocab_size_divisible_by: 4,
-        qk_norm: false,
+        // Qwen3's per-head q/k norms in the two-group models
+        qk_norm: groups == 2,
         moe: None,
     }
 }
