@@ -277,6 +277,19 @@ fn check_matrix(
     checked
 }
 
+/// A fixture model's prompts, greedy tokens and logits (prefill of every position, then each
+/// decode step fed the greedy tokens: the order `run` produces them).
+fn oracle(model: &serde_json::Value) -> (Vec<Vec<u32>>, Vec<Vec<u32>>, Vec<Vec<f32>>) {
+    let cases = model["cases"].as_array().unwrap();
+    let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
+    let greedy: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["greedy_tokens"])).collect();
+    let mut want: Vec<Vec<f32>> = cases.iter().map(|c| floats(&c["prefill_logits"])).collect();
+    for k in 0..greedy[0].len() {
+        want.extend(cases.iter().map(|c| floats(&c["decode_logits"][k])));
+    }
+    (prompts, greedy, want)
+}
+
 #[test]
 fn fused_megatron_rollout_decodes_like_the_unfused_one_and_like_transformers() {
     let refs = references();
@@ -285,14 +298,7 @@ fn fused_megatron_rollout_decodes_like_the_unfused_one_and_like_transformers() {
     for (m, name) in MODELS.into_iter().enumerate() {
         let model = &refs["models"][name];
         let ckpt = load_checkpoint(&fixtures().join(name)).unwrap();
-        let cases = model["cases"].as_array().unwrap();
-        let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
-        let greedy: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["greedy_tokens"])).collect();
-        // the oracle's logits in the order `run` produces them
-        let mut want: Vec<Vec<f32>> = cases.iter().map(|c| floats(&c["prefill_logits"])).collect();
-        for k in 0..greedy[0].len() {
-            want.extend(cases.iter().map(|c| floats(&c["decode_logits"][k])));
-        }
+        let (prompts, greedy, want) = oracle(model);
         let vocab = ckpt.config.vocab_size;
         checked += check_matrix(
             name,
@@ -330,13 +336,7 @@ fn qwen3_with_head_norms_decodes_through_the_megatron_layouts() {
     let model = &refs["models"]["qwen3_dense"];
     let ckpt = load_checkpoint(&fixtures().join("moe/qwen3_dense")).unwrap();
     assert!(ckpt.config.qk_norm);
-    let cases = model["cases"].as_array().unwrap();
-    let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
-    let greedy: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["greedy_tokens"])).collect();
-    let mut want: Vec<Vec<f32>> = cases.iter().map(|c| floats(&c["prefill_logits"])).collect();
-    for k in 0..greedy[0].len() {
-        want.extend(cases.iter().map(|c| floats(&c["decode_logits"][k])));
-    }
+    let (prompts, greedy, want) = oracle(model);
     let vocab = ckpt.config.vocab_size;
     let mut worst = 0.0f32;
     let checked = check_matrix(
