@@ -277,9 +277,12 @@ fn check_matrix(
     checked
 }
 
+/// A fixture model's prompts, greedy tokens and logits.
+type Oracle = (Vec<Vec<u32>>, Vec<Vec<u32>>, Vec<Vec<f32>>);
+
 /// A fixture model's prompts, greedy tokens and logits (prefill of every position, then each
 /// decode step fed the greedy tokens: the order `run` produces them).
-fn oracle(model: &serde_json::Value) -> (Vec<Vec<u32>>, Vec<Vec<u32>>, Vec<Vec<f32>>) {
+fn oracle(model: &serde_json::Value) -> Oracle {
     let cases = model["cases"].as_array().unwrap();
     let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
     let greedy: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["greedy_tokens"])).collect();
