@@ -16,7 +16,7 @@ use lifecycle_decoder::ModelConfig;
 use lifecycle_layout::ExpertPlacement;
 use lifecycle_plan::{
     full_gather_bytes, job_prediction, plan_fsdp_experts, plan_fsdp_fp8, plan_megatron,
-    rollout_memory, LinkRates, Offload, RankCost, RatesSource, TrainLayout,
+    plan_megatron_experts, rollout_memory, LinkRates, Offload, RankCost, RatesSource, TrainLayout,
 };
 
 /// Print a switch's transfer plan per rank and predict its time, before launching.
@@ -174,34 +174,37 @@ fn run(args: &Args) -> Result<(), String> {
     let (rates, source) = rates(args)?;
     let offload = offload(&args.offload)?;
     let bucket = args.bucket_mib.max(1) << 20;
-    let ranks =
-        match args.train {
-            TrainLayout::Fsdp { world } => plan_fsdp_experts(
-                &config,
-                world,
-                args.rollout_tp,
-                bucket,
-                args.in_flight,
-                offload,
-                args.experts,
-            ),
-            TrainLayout::Megatron { .. } if config.moe.is_some() => return Err(
-                "the Megatron training layout of mixture-of-experts models is not supported yet: \
-                 plan them with --train fsdp:W"
-                    .into(),
-            ),
-            TrainLayout::Megatron { tp, pp, dp } => plan_megatron(
-                &config,
-                tp,
-                pp,
-                dp,
-                args.rollout_tp,
-                args.make_vocab_size_divisible_by,
-                bucket,
-                offload,
-            ),
+    let ranks = match args.train {
+        TrainLayout::Fsdp { world } => plan_fsdp_experts(
+            &config,
+            world,
+            args.rollout_tp,
+            bucket,
+            args.in_flight,
+            offload,
+            args.experts,
+        ),
+        TrainLayout::Megatron {
+            tp,
+            pp,
+            dp,
+            ep,
+            etp,
+        } if config.moe.is_some() => {
+            return experts_only(&config, args, (tp, pp, dp), (ep, etp));
         }
-        .map_err(|e| e.to_string())?;
+        TrainLayout::Megatron { tp, pp, dp, .. } => plan_megatron(
+            &config,
+            tp,
+            pp,
+            dp,
+            args.rollout_tp,
+            args.make_vocab_size_divisible_by,
+            bucket,
+            offload,
+        ),
+    }
+    .map_err(|e| e.to_string())?;
     println!(
         "model {} ({:.3} B params); training {}; rollout T = {}; buckets of {} MiB; offload {}",
         args.config.display(),
@@ -317,6 +320,49 @@ fn run(args: &Args) -> Result<(), String> {
     println!(
         "rates ({from}): device-device {:.0} GB/s, device memory {:.0} GB/s, host->device {:.1} GB/s, device->host {:.1} GB/s",
         rates.nvlink_gbps, rates.hbm_gbps, rates.h2d_gbps, rates.d2h_gbps
+    );
+    Ok(())
+}
+
+/// A mixture-of-experts model trained by Megatron-Core: the expert layout's accounting (what
+/// each rank trains, holds for the rollout and receives), which is all there is until the
+/// Megatron planner moves experts.
+fn experts_only(
+    config: &ModelConfig,
+    args: &Args,
+    dense: (usize, usize, usize),
+    experts: (usize, usize),
+) -> Result<(), String> {
+    let r = plan_megatron_experts(config, dense, experts, args.rollout_tp, args.experts)
+        .map_err(|e| e.to_string())?;
+    let m = config.moe.map(|m| (m.experts, m.ffn)).unwrap_or_default();
+    println!(
+        "model {} ({:.3} B params, {} experts of {} per MoE layer); training {}; rollout T = {}, \
+         experts {}",
+        args.config.display(),
+        config.params() as f64 / 1e9,
+        m.0,
+        m.1,
+        args.train,
+        args.rollout_tp,
+        args.experts.name()
+    );
+    println!("rank  experts trained  experts in rollout  from peers");
+    for x in &r {
+        println!(
+            "{:>4}  {:>15}  {:>18}  {:>10}",
+            x.rank,
+            HumanBytes(x.train_bytes).to_string(),
+            HumanBytes(x.rollout_bytes).to_string(),
+            HumanBytes(x.remote_bytes).to_string()
+        );
+    }
+    let full: u64 = r.iter().map(|x| x.train_bytes).sum::<u64>();
+    println!(
+        "the Megatron planner does not move experts yet: this is the expert layout's accounting \
+         (Megatron-Core's ETP x EP x EDP x PP ranks), not a plan; the experts of one model \
+         replica are {} (every expert data-parallel replica trains a copy)",
+        HumanBytes(full / (args.train.world() / (experts.0 * experts.1 * dense.1)).max(1) as u64)
     );
     Ok(())
 }

@@ -8,7 +8,8 @@ pub enum TrainLayout {
         /// W.
         world: usize,
     },
-    /// Megatron with tensor, pipeline and data parallel degrees.
+    /// Megatron with tensor, pipeline and data parallel degrees, and for mixture-of-experts
+    /// models the expert-parallel and expert tensor-parallel degrees.
     Megatron {
         /// TP.
         tp: usize,
@@ -16,6 +17,10 @@ pub enum TrainLayout {
         pp: usize,
         /// DP.
         dp: usize,
+        /// EP (1 by default).
+        ep: usize,
+        /// Expert TP (Megatron's default: TP).
+        etp: usize,
     },
 }
 
@@ -24,7 +29,7 @@ impl TrainLayout {
     pub fn world(&self) -> usize {
         match *self {
             TrainLayout::Fsdp { world } => world,
-            TrainLayout::Megatron { tp, pp, dp } => tp * pp * dp,
+            TrainLayout::Megatron { tp, pp, dp, .. } => tp * pp * dp,
         }
     }
 }
@@ -33,12 +38,25 @@ impl std::fmt::Display for TrainLayout {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             TrainLayout::Fsdp { world } => write!(f, "fsdp:{world}"),
-            TrainLayout::Megatron { tp, pp, dp } => write!(f, "megatron:tp={tp},pp={pp},dp={dp}"),
+            TrainLayout::Megatron {
+                tp,
+                pp,
+                dp,
+                ep,
+                etp,
+            } => {
+                write!(f, "megatron:tp={tp},pp={pp},dp={dp}")?;
+                if *ep > 1 || etp != tp {
+                    write!(f, ",ep={ep},etp={etp}")?;
+                }
+                Ok(())
+            }
         }
     }
 }
 
-const USAGE: &str = "expected `fsdp:W` or `megatron:tp=N,pp=N,dp=N` (pp and dp default to 1)";
+const USAGE: &str = "expected `fsdp:W` or `megatron:tp=N,pp=N,dp=N[,ep=N,etp=N]` (pp, dp and ep \
+                     default to 1, etp to tp)";
 
 impl FromStr for TrainLayout {
     type Err = String;
@@ -46,8 +64,15 @@ impl FromStr for TrainLayout {
     /// ```
     /// use lifecycle_plan::TrainLayout;
     /// assert_eq!("fsdp:8".parse(), Ok(TrainLayout::Fsdp { world: 8 }));
-    /// assert_eq!("megatron:tp=2,pp=2".parse(), Ok(TrainLayout::Megatron { tp: 2, pp: 2, dp: 1 }));
-    /// assert!("megatron:tp=2,ep=2".parse::<TrainLayout>().unwrap_err().contains("ep"));
+    /// assert_eq!(
+    ///     "megatron:tp=2,pp=2".parse(),
+    ///     Ok(TrainLayout::Megatron { tp: 2, pp: 2, dp: 1, ep: 1, etp: 2 })
+    /// );
+    /// assert_eq!(
+    ///     "megatron:tp=2,dp=4,ep=4,etp=1".parse(),
+    ///     Ok(TrainLayout::Megatron { tp: 2, pp: 1, dp: 4, ep: 4, etp: 1 })
+    /// );
+    /// assert!("megatron:tp=2,cp=2".parse::<TrainLayout>().unwrap_err().contains("cp"));
     /// ```
     fn from_str(s: &str) -> Result<Self, String> {
         let positive = |what: &str, v: &str| -> Result<usize, String> {
@@ -64,7 +89,7 @@ impl FromStr for TrainLayout {
                 world: positive("W", w)?,
             }),
             Some(("megatron", rest)) => {
-                let (mut tp, mut pp, mut dp) = (None, 1, 1);
+                let (mut tp, mut pp, mut dp, mut ep, mut etp) = (None, 1, 1, 1, None);
                 for part in rest.split(',').filter(|p| !p.is_empty()) {
                     let (k, v) = part.split_once('=').ok_or_else(|| {
                         format!("training layout `{s}`: `{part}` is not key=value; {USAGE}")
@@ -73,6 +98,8 @@ impl FromStr for TrainLayout {
                         "tp" => tp = Some(positive("tp", v)?),
                         "pp" => pp = positive("pp", v)?,
                         "dp" => dp = positive("dp", v)?,
+                        "ep" => ep = positive("ep", v)?,
+                        "etp" => etp = Some(positive("etp", v)?),
                         other => {
                             return Err(format!(
                                 "training layout `{s}`: unknown degree `{other}`; {USAGE}"
@@ -82,7 +109,13 @@ impl FromStr for TrainLayout {
                 }
                 let tp =
                     tp.ok_or_else(|| format!("training layout `{s}`: tp is missing; {USAGE}"))?;
-                Ok(TrainLayout::Megatron { tp, pp, dp })
+                Ok(TrainLayout::Megatron {
+                    tp,
+                    pp,
+                    dp,
+                    ep,
+                    etp: etp.unwrap_or(tp),
+                })
             }
             _ => Err(format!("training layout `{s}`: {USAGE}")),
         }

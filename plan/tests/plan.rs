@@ -218,17 +218,35 @@ fn moe_bad_input_names_the_field() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("num_experts 100"), "{e}");
-    // the CLI refuses Megatron for MoE models and names the way out
-    let out = Command::new(env!("CARGO_BIN_EXE_lifecycle-plan"))
-        .args([
-            "--config",
-            concat!(env!("CARGO_MANIFEST_DIR"), "/configs/qwen3-30b-a3b.json"),
-        ])
-        .args(["--train", "megatron:tp=1,pp=1,dp=1", "--rollout-tp", "1"])
-        .output()
-        .unwrap();
+    // Megatron with experts: the expert layout's accounting, said to be no plan; expert degrees
+    // that do not tile the world are named
+    let run = |train: &str, t: &str| {
+        Command::new(env!("CARGO_BIN_EXE_lifecycle-plan"))
+            .args([
+                "--config",
+                concat!(env!("CARGO_MANIFEST_DIR"), "/configs/qwen3-30b-a3b.json"),
+            ])
+            .args(["--train", train, "--rollout-tp", t, "--experts", "ep"])
+            .output()
+            .unwrap()
+    };
+    let out = run("megatron:tp=1,dp=8,ep=8,etp=1", "8");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("from peers") && text.contains("not a plan"),
+        "{text}"
+    );
+    let out = run("megatron:tp=1,dp=8,ep=3", "8");
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("fsdp:W"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("ETP × EP × PP"),
+        "{err}"
+    );
     let out = Command::new(env!("CARGO_BIN_EXE_lifecycle-plan"))
         .args([
             "--config",
