@@ -219,6 +219,12 @@ impl ModelSpec {
         })
     }
 
+    /// Whether any layer has a dense MLP of size [`ModelSpec::ffn`] (every layer of a dense
+    /// model; the dense layers of a mixture-of-experts one).
+    pub fn has_dense_mlp(&self) -> bool {
+        (0..self.layers).any(|l| !self.moe_layer(l))
+    }
+
     /// A small model for examples and tests: 2 layers, 8 heads in 2 groups, vocab 37.
     pub fn tiny() -> Self {
         ModelSpec {
@@ -391,6 +397,13 @@ pub mod hf {
     pub const K_NORM: &str = "self_attn.k_norm.weight";
     /// Per-layer suffix (MoE layers): the router, `[experts, hidden]`.
     pub const ROUTER: &str = "mlp.gate.weight";
+    /// Per-layer suffix of the fused rollout layout (MoE layers): the rank's experts stacked,
+    /// each `[gate rows; up rows]` of its share, `[local experts, 2 · moe_ffn share, hidden]`
+    /// (vLLM's `FusedMoE.w13_weight`).
+    pub const EXPERTS_W13: &str = "mlp.experts.w13_weight";
+    /// Per-layer suffix of the fused rollout layout (MoE layers): the rank's experts' `down`
+    /// columns stacked, `[local experts, hidden, moe_ffn share]` (vLLM's `FusedMoE.w2_weight`).
+    pub const EXPERTS_W2: &str = "mlp.experts.w2_weight";
     /// Per-expert suffix: gate projection, `[moe_ffn, hidden]`.
     pub const EXPERT_GATE: &str = "gate_proj.weight";
     /// Per-expert suffix: up projection, `[moe_ffn, hidden]`.

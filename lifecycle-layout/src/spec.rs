@@ -379,6 +379,7 @@ pub struct RolloutLayout {
     tp: usize,
     format: RolloutFormat,
     vocab: RolloutVocab,
+    experts: ExpertPlacement,
     tensors: Vec<TensorSpec>,
 }
 
@@ -433,6 +434,7 @@ impl RolloutLayout {
             tp,
             format: RolloutFormat::Unfused,
             vocab: RolloutVocab::Unpadded,
+            experts: ExpertPlacement::TensorParallel,
             tensors,
         })
     }
@@ -440,13 +442,42 @@ impl RolloutLayout {
     /// The fused layout of degree `tp` with vocabulary sizing `vocab`; its tensors follow from
     /// the model ([`RolloutLayout::fused_tensors`]), checked against it (and `tp` against the
     /// world) when a plan is made.
+    /// Experts, if the model has them, are split by tensor parallelism
+    /// ([`RolloutLayout::with_expert_placement`] partitions them instead).
     pub fn fused(tp: usize, vocab: RolloutVocab) -> Self {
         RolloutLayout {
             tp,
             format: RolloutFormat::Fused,
             vocab,
+            experts: ExpertPlacement::TensorParallel,
             tensors: Vec::new(),
         }
+    }
+
+    /// The fused layout with the experts of a mixture-of-experts model placed by `experts`
+    /// (checked against the model when a plan is made). An unfused layout places its experts
+    /// per tensor ([`ExpertPlacement::apply`]) and is returned unchanged.
+    ///
+    /// ```
+    /// use lifecycle_layout::{ExpertPlacement, ModelSpec, RolloutLayout, RolloutVocab};
+    /// let layout = RolloutLayout::fused(2, RolloutVocab::PadToMultipleOf(4))
+    ///     .with_expert_placement(ExpertPlacement::Partitioned);
+    /// let specs = layout.fused_tensors(&ModelSpec::tiny_moe())?;
+    /// let w13 = specs.iter().find(|s| s.name == "model.layers.1.mlp.experts.w13_weight").unwrap();
+    /// assert_eq!(w13.shape, vec![2, 2 * 6, 16]); // 2 of the 4 experts, whole
+    /// # Ok::<(), lifecycle_layout::megatron::MegatronLayoutError>(())
+    /// ```
+    pub fn with_expert_placement(mut self, experts: ExpertPlacement) -> Self {
+        if self.format == RolloutFormat::Fused {
+            self.experts = experts;
+        }
+        self
+    }
+
+    /// How a fused layout places the experts ([`ExpertPlacement::TensorParallel`] for unfused
+    /// layouts, whose tensors carry their own placement).
+    pub fn expert_placement(&self) -> ExpertPlacement {
+        self.experts
     }
 
     /// T: tensor-parallel degree.
@@ -484,7 +515,9 @@ impl RolloutLayout {
     pub fn with_tp(&self, tp: usize) -> Result<Self, LayoutError> {
         match self.format {
             RolloutFormat::Unfused => RolloutLayout::new(tp, self.tensors.clone()),
-            RolloutFormat::Fused => Ok(RolloutLayout::fused(tp, self.vocab)),
+            RolloutFormat::Fused => {
+                Ok(RolloutLayout::fused(tp, self.vocab).with_expert_placement(self.experts))
+            }
         }
     }
 

@@ -75,12 +75,13 @@ impl MegatronGpuBackend {
     }
 
     /// Builds a synthetic training state directly on the GPUs (no host data), for benchmarks:
-    /// every parameter of a (stage, TP rank) buffer is filled by the counter-based hash of
-    /// [`lifecycle_cuda::fill_uniform_value`] (seeded by parameter kind, layer and TP rank;
-    /// norms the same on every TP rank, a tied output layer the same as the embedding), scaled
-    /// by `scale`; main params are those values in fp32, bf16 params their rounding; Adam m and v
-    /// hold small hash values too (so round trips check real bits); grads are zero. DP replicas
-    /// are identical. Replicated kv heads (query groups < TP) are not made equal across TP ranks.
+    /// every parameter of a rank's buffer is filled by the counter-based hash of
+    /// [`lifecycle_cuda::fill_uniform_value`] (seeded by parameter kind, layer and TP rank, an
+    /// expert tensor by its global expert and expert TP rank; norms and routers the same on every
+    /// TP rank, a tied output layer the same as the embedding), scaled by `scale`; main params
+    /// are those values in fp32, bf16 params their rounding; Adam m and v hold small hash values
+    /// too (so round trips check real bits); grads are zero. DP (and expert DP) replicas are
+    /// identical. Replicated kv heads (query groups < TP) are not made equal across TP ranks.
     pub fn synthetic_state(
         &self,
         layout: MegatronLayout,
@@ -95,13 +96,13 @@ impl MegatronGpuBackend {
         self.pool.run_each(&mut items, &|ctx, out| {
             let c = l.coords(ctx.rank);
             let n = l.stage_len(c.pp);
-            let shard = l.dp_shard(c.pp, c.dp);
+            let shard = l.optimizer_shard(ctx.rank);
             let rank = ctx.rank;
             // The fp32 values are made in the grads buffer, which is zeroed at the end.
             let mut grads = alloc_zeros::<f32>(&ctx.compute, n, rank, "gradients")?;
             let gp = ctx.addr_mut(&mut grads);
             for slot in l.stage_slots(c.pp) {
-                let s = slot_seed(seed, l, slot, c.tp);
+                let s = slot_seed(seed, l, slot, rank);
                 // SAFETY: the slot lies inside the stage buffer of n elements.
                 unsafe {
                     ctx.kernels.fill_uniform(
@@ -129,28 +130,33 @@ impl MegatronGpuBackend {
             let k = shard.len();
             // SAFETY: fully written by the copy right after (a zero-length shard is never read).
             let mut main = unsafe { alloc_device::<f32>(&ctx.compute, k, rank, "main params")? };
-            if k > 0 {
-                ctx.compute
-                    .memcpy_dtod(&grads.slice(shard.clone()), &mut main.slice_mut(0..k))
-                    .map_err(ctx.drv("copying main params", (k * 4) as u64))?;
+            for (range, at) in shard.parts() {
+                if !range.is_empty() {
+                    let len = range.len();
+                    ctx.compute
+                        .memcpy_dtod(&grads.slice(range), &mut main.slice_mut(at..at + len))
+                        .map_err(ctx.drv("copying main params", (len * 4) as u64))?;
+                }
             }
             let mut moments = Vec::new();
             for (i, what) in ["Adam m", "Adam v"].into_iter().enumerate() {
                 let mut b = alloc_zeros::<f32>(&ctx.compute, k, rank, what)?;
                 let bp = ctx.addr_mut(&mut b);
                 let s = seed ^ (0xA5A5_0000 + i as u64) ^ ((c.pp * l.tp() + c.tp) as u64) << 32;
-                // SAFETY: `b` holds k elements.
-                unsafe {
-                    ctx.kernels.fill_uniform(
-                        &ctx.compute,
-                        bp,
-                        k as u64,
-                        s,
-                        shard.start as u64,
-                        scale * 1e-3,
-                        rank,
-                    )?
-                };
+                for (range, at) in shard.parts() {
+                    // SAFETY: `b` holds k elements, `at + range.len()` of them in this part.
+                    unsafe {
+                        ctx.kernels.fill_uniform(
+                            &ctx.compute,
+                            bp + 4 * at as u64,
+                            range.len() as u64,
+                            s,
+                            range.start as u64,
+                            scale * 1e-3,
+                            rank,
+                        )?
+                    };
+                }
                 moments.push(b);
             }
             ctx.compute
@@ -209,9 +215,14 @@ pub(crate) fn upload<T: DeviceRepr>(
     Ok(d)
 }
 
-/// The fill seed of a parameter: by kind, layer and TP rank (replicated norms: TP rank 0; a tied
-/// output layer: the embedding's).
-pub(crate) fn slot_seed(seed: u64, layout: &MegatronLayout, slot: &ParamSlot, tp: usize) -> u64 {
+/// The fill seed of a parameter of `rank`: by kind, layer and TP rank (replicated norms and
+/// routers: TP rank 0; a tied output layer: the embedding's); an expert tensor by its global
+/// expert and expert tensor-parallel rank, so its expert data-parallel replicas are equal.
+pub(crate) fn slot_seed(seed: u64, layout: &MegatronLayout, slot: &ParamSlot, rank: usize) -> u64 {
+    let tp = match (slot.expert, layout.expert_coords(rank)) {
+        (Some(local), Some(c)) => layout.global_expert(rank, local) * 0x1_0000 + c.etp,
+        _ => layout.coords(rank).tp,
+    };
     let tied_head = slot.kind == ParamKind::OutputLayer && layout.model().tied_embeddings;
     let kind = if tied_head {
         ParamKind::WordEmbedding
@@ -225,6 +236,7 @@ pub(crate) fn slot_seed(seed: u64, layout: &MegatronLayout, slot: &ParamSlot, tp
             | ParamKind::FinalNorm
             | ParamKind::QNorm
             | ParamKind::KNorm
+            | ParamKind::Router
     );
     let t = if replicated { 0 } else { tp as u64 };
     let layer = slot.layer.map_or(0xFFFF, |l| l as u64);

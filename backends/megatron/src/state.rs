@@ -1,23 +1,21 @@
 //! The Megatron training state on the GPUs.
 
-use std::ops::Range;
-
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use lifecycle_cuda::OffloadBuffer;
 
-use lifecycle_layout::megatron::MegatronLayout;
+use lifecycle_layout::megatron::{MegatronLayout, OptimizerShard};
 
 /// One training rank on its GPU.
 pub(crate) struct GpuRank {
     /// The global rank.
     pub(crate) rank: usize,
-    /// bf16 parameters of its (stage, TP rank): the whole stage buffer.
+    /// bf16 parameters of the rank: the whole buffer (dense part, then expert part).
     pub(crate) params: OffloadBuffer<bf16>,
-    /// fp32 grads of the stage buffer; freed in rollout mode.
+    /// fp32 grads of the buffer; freed in rollout mode.
     pub(crate) grads: Option<CudaSlice<f32>>,
-    /// Elements of the stage buffer this DP rank's optimizer owns.
-    pub(crate) shard: Range<usize>,
+    /// Elements of the buffer this rank's optimizer owns.
+    pub(crate) shard: OptimizerShard,
     /// fp32 main params of `shard`.
     pub(crate) main: OffloadBuffer<f32>,
     /// Adam first moment of `shard`.

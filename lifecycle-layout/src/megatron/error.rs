@@ -179,6 +179,34 @@ pub enum MegatronLayoutError {
         /// EP.
         ep: usize,
     },
+    /// Expert parallelism asked of a dense model.
+    #[error(
+        "expert-parallel degree EP = {ep} needs a mixture-of-experts model, and this one has no \
+         experts (no `num_experts` in its config): use EP = 1"
+    )]
+    NoExperts {
+        /// EP.
+        ep: usize,
+    },
+    /// The rollout degree splits neither the experts nor their intermediate size.
+    #[error(
+        "{what} = {size} is not divisible by the rollout tensor-parallel degree T = {t}: with \
+         experts {placement} the rollout splits `{param}` {t} ways; {fix}"
+    )]
+    RolloutExperts {
+        /// `num_experts` or `moe_intermediate_size`.
+        what: &'static str,
+        /// Its size.
+        size: usize,
+        /// T.
+        t: usize,
+        /// `partitioned over the rollout ranks` or `split by tensor parallelism`.
+        placement: &'static str,
+        /// The rollout tensor.
+        param: &'static str,
+        /// The fix.
+        fix: &'static str,
+    },
     /// A bucket budget that cannot hold one bf16 element.
     #[error("bucket budget of {bytes} bytes cannot hold one bf16 element: use at least 2 bytes")]
     BucketTooSmall {

@@ -1,7 +1,6 @@
 //! Megatron-Core's expert layout: the parallel state of the mixture-of-experts layers and the
 //! grouped-GEMM expert tensors each rank holds, in an expert buffer per rank whose fp32 copy and
-//! Adam state the expert data-parallel group shards. The first piece of the Megatron MoE training
-//! layout; the planner does not read it yet (`MegatronLayout` refuses MoE models).
+//! Adam state the expert data-parallel group shards.
 //!
 //! Megatron-Core decomposes the same ranks twice ("MoE parallel folding"): the attention and
 //! dense layers by TP × CP × DP × PP, the expert layers by ETP × EP × EDP × PP, both in the
@@ -11,6 +10,8 @@
 //! `ETP` ways as a dense MLP is split by TP: `linear_fc1.weight{i}` is `[gate rows; up rows]` of
 //! this ETP rank's share of the intermediate size, `linear_fc2.weight{i}` its columns of `down`
 //! (`{i}` the local expert index of the grouped GEMM). The router is replicated.
+//! [`MegatronLayout::new_moe`](super::MegatronLayout::new_moe) puts
+//! these tensors in the expert part of each rank's buffer.
 
 use std::ops::Range;
 
@@ -45,6 +46,8 @@ pub enum ExpertPart {
 pub struct ExpertShard {
     /// `decoder.layers.{l}.mlp.experts.linear_fc{1,2}.weight{i}`.
     pub name: String,
+    /// The layer `{l}`.
+    pub layer: usize,
     /// The global expert.
     pub expert: usize,
     /// The local index `{i}`.
@@ -193,6 +196,7 @@ impl ExpertParallel {
                 [
                     ExpertShard {
                         name: name(1),
+                        layer,
                         expert,
                         local,
                         part: ExpertPart::Fc1,
@@ -202,6 +206,7 @@ impl ExpertParallel {
                     },
                     ExpertShard {
                         name: name(2),
+                        layer,
                         expert,
                         local,
                         part: ExpertPart::Fc2,

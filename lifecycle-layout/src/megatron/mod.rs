@@ -57,8 +57,9 @@ mod train;
 pub use error::MegatronLayoutError;
 pub use experts::{ExpertCoords, ExpertParallel, ExpertPart, ExpertShard};
 pub use plan::{plan_megatron_to_tp, BucketConfig, MegatronPlan, RankPlan, Transfer};
-pub use rollout::{RolloutKind, RolloutTensorSpec};
+pub use rollout::{ExpertShare, RolloutKind, RolloutTensorSpec};
 pub use steps::StepShape;
 pub use train::{
-    local_kv_heads, qkv_head_row, MegatronLayout, ParamKind, ParamSlot, QkvHead, RankCoords,
+    local_kv_heads, qkv_head_row, MegatronLayout, OptimizerShard, ParamKind, ParamSlot, QkvHead,
+    RankCoords,
 };

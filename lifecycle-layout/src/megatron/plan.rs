@@ -172,7 +172,7 @@ pub fn plan_megatron_to_tp(
             let t = rank % t_deg;
             let mut transfers: Vec<Transfer> = Vec::new();
             for (i, spec) in tensors.iter().enumerate() {
-                for want in wants(train, spec, t_deg, vocab_rows, t) {
+                for want in wants(train, rollout, spec, vocab_rows, t) {
                     let x = choose(train, rank, i, &want);
                     match transfers.last_mut() {
                         Some(prev) if continues(prev, &x) => prev.rows += x.rows,
@@ -204,7 +204,12 @@ fn choose(train: &MegatronLayout, rank: usize, tensor: usize, want: &Want) -> Tr
     let mut candidates: Vec<(usize, usize)> = want
         .locs
         .iter()
-        .flat_map(|l| (0..train.dp()).map(move |d| (train.rank(l.tp, d, l.stage), l.offset)))
+        .flat_map(|l| {
+            l.holder
+                .ranks(train)
+                .into_iter()
+                .map(move |r| (r, l.offset))
+        })
         .collect();
     let me = train.coords(rank);
     candidates.sort_unstable_by_key(|&(r, _)| {
@@ -356,6 +361,54 @@ mod tests {
             )
             .unwrap();
             check_coverage(&plan);
+        }
+    }
+
+    #[test]
+    fn moe_slices_are_covered_exactly_once() {
+        use crate::ExpertPlacement;
+        let mut m = ModelSpec::tiny_moe(); // 4 experts of intermediate size 6, layer 0 dense
+        m.layers = 3;
+        // (tp, pp, dp, ep, etp, T, placement, budget)
+        for (tp, pp, dp, ep, etp, t, placement, budget) in [
+            (1, 1, 4, 4, 1, 2, ExpertPlacement::Partitioned, 1 << 20),
+            (2, 1, 2, 2, 1, 4, ExpertPlacement::Partitioned, 64),
+            (2, 2, 1, 1, 2, 1, ExpertPlacement::TensorParallel, 1 << 20),
+            (1, 2, 2, 2, 1, 2, ExpertPlacement::TensorParallel, 10),
+            (2, 1, 4, 2, 2, 2, ExpertPlacement::TensorParallel, 100),
+            (4, 1, 2, 4, 2, 4, ExpertPlacement::Partitioned, 1 << 20),
+            (1, 3, 2, 2, 1, 2, ExpertPlacement::TensorParallel, 1 << 20),
+        ] {
+            let train = MegatronLayout::new_moe(m, tp, pp, dp, ep, etp).unwrap();
+            let rollout = RolloutLayout::fused(t, RolloutVocab::PadToMultipleOf(2))
+                .with_expert_placement(placement);
+            let plan = plan_megatron_to_tp(
+                &train,
+                &rollout,
+                BucketConfig {
+                    bucket_bytes: budget,
+                },
+            )
+            .unwrap();
+            check_coverage(&plan);
+        }
+    }
+
+    #[test]
+    fn matching_expert_parallelism_reads_experts_locally() {
+        use crate::ExpertPlacement;
+        // EP 4 = T 4, experts whole on both sides: every rank holds its rollout experts
+        let m = ModelSpec::tiny_moe();
+        let train = MegatronLayout::new_moe(m, 1, 1, 4, 4, 1).unwrap();
+        let rollout = RolloutLayout::fused(4, RolloutVocab::PadToMultipleOf(1))
+            .with_expert_placement(ExpertPlacement::Partitioned);
+        let plan = plan_megatron_to_tp(&train, &rollout, BucketConfig::default()).unwrap();
+        for rp in &plan.ranks {
+            for x in &rp.transfers {
+                if plan.tensors[x.tensor].name.contains("mlp.experts") {
+                    assert_eq!(x.src_rank, rp.rank, "{}", plan.tensors[x.tensor].name);
+                }
+            }
         }
     }
 

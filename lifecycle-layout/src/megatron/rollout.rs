@@ -3,7 +3,7 @@
 use super::error::{divisors, MegatronLayoutError};
 use super::train::{check_tp, local_kv_heads};
 use crate::model::{hf, ModelSpec};
-use crate::{RolloutFormat, RolloutLayout, RolloutVocab};
+use crate::{ExpertPlacement, RolloutFormat, RolloutLayout, RolloutVocab};
 
 /// What a rollout tensor is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -32,6 +32,23 @@ pub enum RolloutKind {
     Down,
     /// `model.norm.weight` (replicated).
     Norm,
+    /// `model.layers.{i}.mlp.gate.weight` (mixture-of-experts layers: the router, `[experts,
+    /// hidden]`, replicated).
+    Router,
+    /// `model.layers.{i}.mlp.experts.w13_weight`: the rank's experts stacked, each `[gate rows;
+    /// up rows]` of its share ([`RolloutLayout::expert_share`]).
+    ExpertsW13,
+    /// `model.layers.{i}.mlp.experts.w2_weight`: the rank's experts' columns of `down` stacked.
+    ExpertsW2,
+}
+
+/// The experts and the intermediate rows of each that one rank of a fused rollout layout holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpertShare {
+    /// The global experts, in the order of the stacked tensors.
+    pub experts: std::ops::Range<usize>,
+    /// The intermediate rows of gate and up (columns of down) of each.
+    pub ffn: std::ops::Range<usize>,
 }
 
 /// One tensor of a rollout rank: name, this rank's shape, what it is.
@@ -100,9 +117,46 @@ impl RolloutLayout {
         }
     }
 
+    /// The experts and intermediate rows rollout TP rank `t` holds in every mixture-of-experts
+    /// layer of `model`: all experts, rows `[t·F/T, (t+1)·F/T)` of each when they are split by
+    /// tensor parallelism; experts `[t·E/T, (t+1)·E/T)` whole when they are partitioned. `None`
+    /// for a dense model. The degree must have been checked ([`RolloutLayout::fused_tensors`]).
+    ///
+    /// ```
+    /// use lifecycle_layout::{ExpertPlacement, ModelSpec, RolloutLayout, RolloutVocab};
+    /// let m = ModelSpec::tiny_moe(); // 4 experts of intermediate size 6
+    /// let tp = RolloutLayout::fused(2, RolloutVocab::Unpadded);
+    /// let share = tp.expert_share(&m, 1).unwrap();
+    /// assert_eq!((share.experts, share.ffn), (0..4, 3..6));
+    /// let ep = tp.with_expert_placement(ExpertPlacement::Partitioned);
+    /// let share = ep.expert_share(&m, 1).unwrap();
+    /// assert_eq!((share.experts, share.ffn), (2..4, 0..6));
+    /// ```
+    pub fn expert_share(&self, model: &ModelSpec, t: usize) -> Option<ExpertShare> {
+        let moe = model.moe?;
+        let deg = self.tp().max(1);
+        Some(match self.expert_placement() {
+            ExpertPlacement::TensorParallel => {
+                let per = moe.ffn / deg;
+                ExpertShare {
+                    experts: 0..moe.experts,
+                    ffn: t * per..(t + 1) * per,
+                }
+            }
+            ExpertPlacement::Partitioned => {
+                let per = moe.experts / deg;
+                ExpertShare {
+                    experts: t * per..(t + 1) * per,
+                    ffn: 0..moe.ffn,
+                }
+            }
+        })
+    }
+
     /// Every tensor of one rank of the fused layout, in rollout order (embedding, per layer input
-    /// norm, qkv weight, qkv bias, q and k norms (Qwen3), o, post-attention norm, gate-up, down;
-    /// final norm; head).
+    /// norm, qkv weight, qkv bias, q and k norms (Qwen3), o, post-attention norm, then gate-up and
+    /// down (dense layers) or the router, `w13` and `w2` (mixture-of-experts layers); final norm;
+    /// head).
     ///
     /// Per rank: `qkv_proj` = `[q heads of this rank; its kv heads' k; their v]` (kv heads
     /// replicated when `query_groups < T`: rank `t` holds group `t / (T / groups)`),
@@ -134,6 +188,39 @@ impl RolloutLayout {
         }
         check_tp(model, "rollout T", self.tp())?;
         let t = self.tp();
+        if let Some(moe) = model.moe {
+            let err = |what, size, placement, param, fix| MegatronLayoutError::RolloutExperts {
+                what,
+                size,
+                t,
+                placement,
+                param,
+                fix,
+            };
+            match self.expert_placement() {
+                ExpertPlacement::TensorParallel if !moe.ffn.is_multiple_of(t) => {
+                    return Err(err(
+                        "moe_intermediate_size",
+                        moe.ffn,
+                        "split by tensor parallelism",
+                        "mlp.experts.w13_weight",
+                        "pick T dividing it, or partition the experts (ExpertPlacement::Partitioned)",
+                    ));
+                }
+                ExpertPlacement::Partitioned if !moe.experts.is_multiple_of(t) => {
+                    return Err(err(
+                        "num_experts",
+                        moe.experts,
+                        "partitioned over the rollout ranks",
+                        "mlp.experts.w13_weight",
+                        "pick T dividing it, or split every expert by tensor parallelism \
+                         (ExpertPlacement::TensorParallel)",
+                    ));
+                }
+                _ => {}
+            }
+        }
+        let share = self.expert_share(model, 0);
         let h = model.hidden;
         let vocab_rows = self.vocab_rows(model)? / t;
         let qkv_rows =
@@ -201,18 +288,43 @@ impl RolloutLayout {
                 l,
                 vec![h],
             );
-            push(
-                hf::layer(i, hf::GATE_UP),
-                RolloutKind::GateUp,
-                l,
-                vec![2 * model.ffn / t, h],
-            );
-            push(
-                hf::layer(i, hf::DOWN),
-                RolloutKind::Down,
-                l,
-                vec![h, model.ffn / t],
-            );
+            match (&share, model.moe) {
+                (Some(share), Some(moe)) if model.moe_layer(i) => {
+                    let (e, f) = (share.experts.len(), share.ffn.len());
+                    push(
+                        hf::layer(i, hf::ROUTER),
+                        RolloutKind::Router,
+                        l,
+                        vec![moe.experts, h],
+                    );
+                    push(
+                        hf::layer(i, hf::EXPERTS_W13),
+                        RolloutKind::ExpertsW13,
+                        l,
+                        vec![e, 2 * f, h],
+                    );
+                    push(
+                        hf::layer(i, hf::EXPERTS_W2),
+                        RolloutKind::ExpertsW2,
+                        l,
+                        vec![e, h, f],
+                    );
+                }
+                _ => {
+                    push(
+                        hf::layer(i, hf::GATE_UP),
+                        RolloutKind::GateUp,
+                        l,
+                        vec![2 * model.ffn / t, h],
+                    );
+                    push(
+                        hf::layer(i, hf::DOWN),
+                        RolloutKind::Down,
+                        l,
+                        vec![h, model.ffn / t],
+                    );
+                }
+            }
         }
         push(hf::NORM.into(), RolloutKind::Norm, None, vec![h]);
         if !model.tied_embeddings {

@@ -2,18 +2,61 @@
 //!
 //! A rollout slice is cut into [`Want`]s: 2-D regions (rows × columns) that are contiguous row
 //! runs both in the slice and in every training buffer that holds them. Each want lists every
-//! (stage, TP rank) location holding it; the DP replicas of each location hold it too.
+//! location holding it: a (stage, TP rank) dense part, whose DP replicas hold it too, or a
+//! (stage, ETP rank, EP rank) expert part, whose expert data-parallel replicas hold it too.
 
+use super::experts::{ExpertCoords, ExpertPart};
 use super::rollout::{RolloutKind, RolloutTensorSpec};
 use super::train::{local_kv_heads, qkv_head_row, MegatronLayout, ParamKind, QkvHead};
-use crate::ModelSpec;
+use crate::{ModelSpec, RolloutLayout};
 
-/// A (stage, TP rank) buffer and an element offset in it.
+/// Which ranks' buffers hold a part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Holder {
+    /// The dense part of (stage, TP rank): its DP replicas.
+    Dense { stage: usize, tp: usize },
+    /// The expert part of (stage, ETP rank, EP rank): its expert data-parallel replicas.
+    Expert { stage: usize, etp: usize, ep: usize },
+}
+
+impl Holder {
+    /// The ranks holding it.
+    pub(crate) fn ranks(self, train: &MegatronLayout) -> Vec<usize> {
+        match self {
+            Holder::Dense { stage, tp } => {
+                (0..train.dp()).map(|d| train.rank(tp, d, stage)).collect()
+            }
+            Holder::Expert { stage, etp, ep } => match train.expert_parallel() {
+                Some(ex) => (0..ex.edp())
+                    .map(|edp| {
+                        ex.rank(ExpertCoords {
+                            etp,
+                            ep,
+                            edp,
+                            pp: stage,
+                        })
+                    })
+                    .collect(),
+                None => Vec::new(),
+            },
+        }
+    }
+}
+
+/// A part of some ranks' buffers and an element offset in it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Loc {
-    pub stage: usize,
-    pub tp: usize,
+    pub holder: Holder,
     pub offset: usize,
+}
+
+impl Loc {
+    fn dense(stage: usize, tp: usize, offset: usize) -> Self {
+        Loc {
+            holder: Holder::Dense { stage, tp },
+            offset,
+        }
+    }
 }
 
 /// One region of a rollout slice and the places it can be read from.
@@ -70,11 +113,12 @@ impl QkvRows {
 /// The wants of rollout TP rank `t` (of `rollout_tp`) for one rollout tensor.
 pub(crate) fn wants(
     train: &MegatronLayout,
+    rollout: &RolloutLayout,
     spec: &RolloutTensorSpec,
-    rollout_tp: usize,
     vocab_rows: usize,
     t: usize,
 ) -> Vec<Want> {
+    let rollout_tp = rollout.tp();
     let m = train.model();
     let (tp, pp) = (train.tp(), train.pp());
     let h = m.hidden;
@@ -108,10 +152,8 @@ pub(crate) fn wants(
                         cols: h,
                         locs: slots
                             .iter()
-                            .map(|&(stage, off)| Loc {
-                                stage,
-                                tp: tau,
-                                offset: off + (r0 - tau * tper) * h,
+                            .map(|&(stage, off)| {
+                                Loc::dense(stage, tau, off + (r0 - tau * tper) * h)
                             })
                             .collect(),
                     });
@@ -122,29 +164,30 @@ pub(crate) fn wants(
         | RolloutKind::PostNorm
         | RolloutKind::Norm
         | RolloutKind::QNorm
-        | RolloutKind::KNorm => {
-            let (kind, width) = match spec.kind {
-                RolloutKind::InputNorm => (ParamKind::InputNorm, h),
-                RolloutKind::PostNorm => (ParamKind::PreMlpNorm, h),
-                RolloutKind::QNorm => (ParamKind::QNorm, m.head_dim),
-                RolloutKind::KNorm => (ParamKind::KNorm, m.head_dim),
-                _ => (ParamKind::FinalNorm, h),
+        | RolloutKind::KNorm
+        | RolloutKind::Router => {
+            let (kind, rows, width) = match spec.kind {
+                RolloutKind::InputNorm => (ParamKind::InputNorm, 1, h),
+                RolloutKind::PostNorm => (ParamKind::PreMlpNorm, 1, h),
+                RolloutKind::QNorm => (ParamKind::QNorm, 1, m.head_dim),
+                RolloutKind::KNorm => (ParamKind::KNorm, 1, m.head_dim),
+                RolloutKind::Router => (ParamKind::Router, spec.shape[0], h),
+                _ => (ParamKind::FinalNorm, 1, h),
             };
             let off = slot_offset(layer_stage, kind, spec.layer);
             out.push(Want {
                 dst_offset: 0,
                 dst_pitch: width,
                 src_pitch: width,
-                rows: 1,
+                rows,
                 cols: width,
                 locs: (0..tp)
-                    .map(|tau| Loc {
-                        stage: layer_stage,
-                        tp: tau,
-                        offset: off,
-                    })
+                    .map(|tau| Loc::dense(layer_stage, tau, off))
                     .collect(),
             });
+        }
+        RolloutKind::ExpertsW13 | RolloutKind::ExpertsW2 => {
+            expert_wants(train, rollout, spec, t, &mut out);
         }
         RolloutKind::Qkv | RolloutKind::QkvBias => {
             let (kind, cols) = if spec.kind == RolloutKind::Qkv {
@@ -163,11 +206,7 @@ pub(crate) fn wants(
                         src_pitch: cols,
                         rows: n,
                         cols,
-                        locs: vec![Loc {
-                            stage: layer_stage,
-                            tp: tau,
-                            offset: off + row * cols,
-                        }],
+                        locs: vec![Loc::dense(layer_stage, tau, off + row * cols)],
                     });
                 }
             };
@@ -206,11 +245,7 @@ pub(crate) fn wants(
                         src_pitch: per_tp,
                         rows: h,
                         cols: n,
-                        locs: vec![Loc {
-                            stage: layer_stage,
-                            tp: tau,
-                            offset: off + (c0 - tau * per_tp),
-                        }],
+                        locs: vec![Loc::dense(layer_stage, tau, off + (c0 - tau * per_tp))],
                     });
                 }
             }
@@ -231,11 +266,7 @@ pub(crate) fn wants(
                             src_pitch: h,
                             rows: n,
                             cols: h,
-                            locs: vec![Loc {
-                                stage: layer_stage,
-                                tp: tau,
-                                offset: off + src_row * h,
-                            }],
+                            locs: vec![Loc::dense(layer_stage, tau, off + src_row * h)],
                         });
                     }
                 }
@@ -243,4 +274,79 @@ pub(crate) fn wants(
         }
     }
     out
+}
+
+/// The wants of rollout TP rank `t` for a stacked expert tensor: per expert of its share, per
+/// expert tensor-parallel rank whose intermediate rows overlap the share's, the gate and up rows
+/// (`w13`) or the down columns (`w2`) from the grouped-GEMM tensor of the expert-parallel rank
+/// that owns the expert.
+fn expert_wants(
+    train: &MegatronLayout,
+    rollout: &RolloutLayout,
+    spec: &RolloutTensorSpec,
+    t: usize,
+    out: &mut Vec<Want>,
+) {
+    let m = train.model();
+    let (Some(ex), Some(share), Some(layer)) = (
+        train.expert_parallel(),
+        rollout.expert_share(m, t),
+        spec.layer,
+    ) else {
+        return;
+    };
+    let h = m.hidden;
+    let stage = train.stage_of_layer(layer);
+    let (f0, f) = (share.ffn.start, share.ffn.len());
+    let per_etp = m.moe.map_or(0, |moe| moe.ffn) / ex.etp();
+    let per_ep = m.moe.map_or(0, |moe| moe.experts) / ex.ep();
+    let w13 = spec.kind == RolloutKind::ExpertsW13;
+    for (j, e) in share.experts.clone().enumerate() {
+        let (ep, local) = (e / per_ep, e % per_ep);
+        let part = if w13 {
+            ExpertPart::Fc1
+        } else {
+            ExpertPart::Fc2
+        };
+        let Some(slot) = train.expert_slot(layer, local, part) else {
+            continue;
+        };
+        for etp in 0..ex.etp() {
+            let Some((r0, n)) = overlap(share.ffn.clone(), etp * per_etp..(etp + 1) * per_etp)
+            else {
+                continue;
+            };
+            let holder = Holder::Expert { stage, etp, ep };
+            let within = r0 - etp * per_etp;
+            if w13 {
+                for up in [false, true] {
+                    let dst_row = usize::from(up) * f + r0 - f0;
+                    let src_row = usize::from(up) * per_etp + within;
+                    out.push(Want {
+                        dst_offset: j * 2 * f * h + dst_row * h,
+                        dst_pitch: h,
+                        src_pitch: h,
+                        rows: n,
+                        cols: h,
+                        locs: vec![Loc {
+                            holder,
+                            offset: slot.offset + src_row * h,
+                        }],
+                    });
+                }
+            } else {
+                out.push(Want {
+                    dst_offset: j * h * f + (r0 - f0),
+                    dst_pitch: f,
+                    src_pitch: per_etp,
+                    rows: h,
+                    cols: n,
+                    locs: vec![Loc {
+                        holder,
+                        offset: slot.offset + within,
+                    }],
+                });
+            }
+        }
+    }
 }

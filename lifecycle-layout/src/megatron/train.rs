@@ -3,6 +3,7 @@
 use std::ops::Range;
 
 use super::error::MegatronLayoutError;
+use super::experts::{ExpertCoords, ExpertParallel, ExpertPart};
 use crate::model::ModelSpec;
 
 /// What one parameter of a Megatron stage is.
@@ -29,6 +30,15 @@ pub enum ParamKind {
     Fc1,
     /// `decoder.layers.{i}.mlp.linear_fc2.weight` (row-parallel: columns split).
     Fc2,
+    /// `decoder.layers.{i}.mlp.router.weight` (mixture-of-experts layers: `[experts, hidden]`,
+    /// replicated).
+    Router,
+    /// `decoder.layers.{i}.mlp.experts.linear_fc1.weight{j}`: local expert `j`'s `[gate rows;
+    /// up rows]` of this expert tensor-parallel rank (the expert part of the buffer).
+    ExpertFc1,
+    /// `decoder.layers.{i}.mlp.experts.linear_fc2.weight{j}`: local expert `j`'s columns of
+    /// `down` of this expert tensor-parallel rank.
+    ExpertFc2,
     /// `decoder.final_layernorm.weight` (replicated, last stage).
     FinalNorm,
     /// `output_layer.weight`: vocab-parallel, last stage (a copy of the embedding when tied and
@@ -46,6 +56,10 @@ pub struct ParamSlot {
     pub kind: ParamKind,
     /// Global layer index for per-layer parameters.
     pub layer: Option<usize>,
+    /// The local expert index `{j}` of an expert tensor ([`ParamKind::ExpertFc1`] /
+    /// [`ParamKind::ExpertFc2`]); which global expert it is depends on the rank's
+    /// expert-parallel rank ([`MegatronLayout::global_expert`]).
+    pub expert: Option<usize>,
     /// Shape of this TP rank's part.
     pub shape: Vec<usize>,
     /// Element offset in the stage buffer.
@@ -75,22 +89,85 @@ pub struct RankCoords {
     pub pp: usize,
 }
 
+/// The elements of a rank's parameter buffer that its distributed-optimizer shard covers: a
+/// part of the dense parameters (split over the DP group) and a part of the expert parameters
+/// (split over the expert data-parallel group); the fp32 main params and the Adam moments hold
+/// the dense part first, then the expert part. Built by [`MegatronLayout::optimizer_shard`].
+///
+/// ```
+/// use lifecycle_layout::megatron::MegatronLayout;
+/// use lifecycle_layout::ModelSpec;
+/// let l = MegatronLayout::new(ModelSpec::tiny(), 1, 1, 2)?;
+/// let s = l.optimizer_shard(1);
+/// assert_eq!((s.dense().end, s.experts().len()), (l.stage_len(0), 0)); // dense: no experts
+/// assert_eq!(s.indices().count(), s.len());
+/// # Ok::<(), lifecycle_layout::megatron::MegatronLayoutError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct OptimizerShard {
+    dense: Range<usize>,
+    experts: Range<usize>,
+}
+
+impl OptimizerShard {
+    /// The dense elements owned.
+    pub fn dense(&self) -> Range<usize> {
+        self.dense.clone()
+    }
+
+    /// The expert elements owned (after every dense element of the buffer).
+    pub fn experts(&self) -> Range<usize> {
+        self.experts.clone()
+    }
+
+    /// Elements owned: the length of the main params and of each Adam moment.
+    pub fn len(&self) -> usize {
+        self.dense.len() + self.experts.len()
+    }
+
+    /// Whether nothing is owned.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The buffer elements owned, in main-param order.
+    pub fn indices(&self) -> impl Iterator<Item = usize> + '_ {
+        self.dense.clone().chain(self.experts.clone())
+    }
+
+    /// Both ranges, dense first; `(buffer range, offset in the main params)`.
+    pub fn parts(&self) -> [(Range<usize>, usize); 2] {
+        [
+            (self.dense.clone(), 0),
+            (self.experts.clone(), self.dense.len()),
+        ]
+    }
+}
+
 /// The Megatron-Core training layout of `W = TP × PP × DP` ranks.
 ///
-/// - **Rank order** (Megatron-Core's default `order="tp-cp-ep-dp-pp"`, context and expert
-///   parallel of size 1): `rank = tp + TP · (dp + DP · pp)`.
+/// - **Rank order** (Megatron-Core's default `order="tp-cp-ep-dp-pp"`, context parallel of size
+///   1): `rank = tp + TP · (dp + DP · pp)` for the attention and dense layers; the expert layers
+///   of a mixture-of-experts model decompose the same ranks by ETP × EP × EDP × PP
+///   ([`ExpertParallel`], [`MegatronLayout::new_moe`]).
 /// - **Stages** own contiguous layer ranges: `layers / PP` each, the first `layers mod PP` stages
 ///   one more (Megatron's default requires `PP | layers`; the remainder rule is ours). Stage 0
 ///   holds the embedding; the last stage the final norm and the output layer.
-/// - **Buffer order** of one (stage, TP rank), element offsets in [`MegatronLayout::stage_slots`]:
-///   word embedding (first stage); then per layer `input_layernorm`, `linear_qkv.weight`,
-///   `linear_qkv.bias` (with qkv bias), `q_layernorm` and `k_layernorm` (Qwen3), `linear_proj`, `pre_mlp_layernorm`, `linear_fc1`,
-///   `linear_fc2`; then (last stage) `final_layernorm` and `output_layer` (untied, or tied with
-///   PP > 1). This is module registration order, densely packed; Megatron's DDP buffer stores the
-///   same tensors in reverse order with bucket padding — contents per rank are what matter here.
-/// - **Distributed optimizer**: the fp32 main params, Adam m and v of a (stage, TP rank) buffer of
+/// - **Buffer order** of one rank, element offsets in [`MegatronLayout::stage_slots`]: word
+///   embedding (first stage); then per layer `input_layernorm`, `linear_qkv.weight`,
+///   `linear_qkv.bias` (with qkv bias), `q_layernorm` and `k_layernorm` (Qwen3), `linear_proj`,
+///   `pre_mlp_layernorm`, then `linear_fc1` and `linear_fc2` (dense layers) or `router`
+///   (mixture-of-experts layers); then (last stage) `final_layernorm` and `output_layer`
+///   (untied, or tied with PP > 1); then the expert part: per mixture-of-experts layer, per
+///   local expert `j`, `experts.linear_fc1.weight{j}` and `experts.linear_fc2.weight{j}`. This is
+///   module registration order, densely packed; Megatron's DDP buffers store the dense and the
+///   expert parameters in two buffers, in reverse order with bucket padding — contents per rank
+///   are what matter here. The dense part is the same on the DP replicas of a (stage, TP rank),
+///   the expert part on the expert data-parallel replicas of a (stage, ETP rank, EP rank).
+/// - **Distributed optimizer**: the fp32 main params, Adam m and v of a buffer's dense part of
 ///   `L` elements are split across its DP group: DP rank `d` owns `[d·c, min((d+1)·c, L))` with
-///   `c = ⌈L / DP⌉`.
+///   `c = ⌈L / DP⌉`; the expert part likewise across the expert data-parallel group
+///   ([`MegatronLayout::optimizer_shard`]).
 ///
 /// ```
 /// use lifecycle_layout::megatron::MegatronLayout;
@@ -108,13 +185,16 @@ pub struct MegatronLayout {
     pp: usize,
     dp: usize,
     padded_vocab: usize,
+    experts: Option<ExpertParallel>,
     stage_layers: Vec<Range<usize>>,
     stage_slots: Vec<Vec<ParamSlot>>,
+    dense_len: Vec<usize>,
 }
 
 impl MegatronLayout {
     /// Validates the model and degrees; pads the vocabulary by Megatron's rule (a multiple of
-    /// `make_vocab_size_divisible_by × TP`).
+    /// `make_vocab_size_divisible_by × TP`). A mixture-of-experts model gets Megatron's default
+    /// expert layout, EP = 1 and expert TP = TP ([`MegatronLayout::new_moe`] sets both).
     pub fn new(
         model: ModelSpec,
         tp: usize,
@@ -135,12 +215,50 @@ impl MegatronLayout {
         dp: usize,
         padded_vocab: usize,
     ) -> Result<Self, MegatronLayoutError> {
+        Self::build(model, tp, pp, dp, padded_vocab, (1, tp))
+    }
+
+    /// The layout of a mixture-of-experts model with expert parallelism `ep` and expert tensor
+    /// parallelism `etp` (Megatron's `--expert-model-parallel-size` and
+    /// `--expert-tensor-parallel-size`), checked as [`ExpertParallel::new`] checks them, beside
+    /// what [`MegatronLayout::new`] checks. A dense model accepts only `ep = 1`.
+    ///
+    /// ```
+    /// use lifecycle_layout::megatron::MegatronLayout;
+    /// use lifecycle_layout::ModelSpec;
+    /// // W = 4 = TP 2 x DP 2; the 4 experts split over EP 2, whole (ETP 1): expert DP = 2
+    /// let l = MegatronLayout::new_moe(ModelSpec::tiny_moe(), 2, 1, 2, 2, 1)?;
+    /// assert_eq!(l.global_expert(3, 1), 3); // rank 3 is EP rank 1: its local expert 1 is 3
+    /// assert_eq!(l.expert_dp_group(0), vec![0, 2]);
+    /// assert!(MegatronLayout::new_moe(ModelSpec::tiny_moe(), 2, 1, 2, 3, 1).is_err());
+    /// # Ok::<(), lifecycle_layout::megatron::MegatronLayoutError>(())
+    /// ```
+    pub fn new_moe(
+        model: ModelSpec,
+        tp: usize,
+        pp: usize,
+        dp: usize,
+        ep: usize,
+        etp: usize,
+    ) -> Result<Self, MegatronLayoutError> {
         model.validate()?;
-        if model.moe.is_some() {
-            return Err(MegatronLayoutError::Unsupported {
-                what: "mixture-of-experts MLPs (expert parallelism)",
-            });
+        if model.moe.is_none() && ep != 1 {
+            return Err(MegatronLayoutError::NoExperts { ep });
         }
+        let multiple = model.make_vocab_size_divisible_by * tp.max(1);
+        let padded = model.vocab.div_ceil(multiple) * multiple;
+        Self::build(model, tp, pp, dp, padded, (ep, etp))
+    }
+
+    fn build(
+        model: ModelSpec,
+        tp: usize,
+        pp: usize,
+        dp: usize,
+        padded_vocab: usize,
+        (ep, etp): (usize, usize),
+    ) -> Result<Self, MegatronLayoutError> {
+        model.validate()?;
         for (what, d) in [
             ("training tensor-parallel degree TP", tp),
             ("pipeline-parallel degree PP", pp),
@@ -167,6 +285,10 @@ impl MegatronLayout {
                 expected,
             });
         }
+        let experts = match model.moe {
+            Some(moe) => Some(ExpertParallel::new(tp * pp * dp, pp, ep, etp, moe)?),
+            None => None,
+        };
         let (base, rem) = (model.layers / pp, model.layers % pp);
         let mut start = 0;
         let stage_layers: Vec<Range<usize>> = (0..pp)
@@ -183,10 +305,16 @@ impl MegatronLayout {
             pp,
             dp,
             padded_vocab,
+            experts,
             stage_layers,
             stage_slots: Vec::new(),
+            dense_len: Vec::new(),
         };
-        layout.stage_slots = (0..pp).map(|s| layout.build_slots(s)).collect();
+        for s in 0..pp {
+            let (slots, dense) = layout.build_slots(s);
+            layout.stage_slots.push(slots);
+            layout.dense_len.push(dense);
+        }
         Ok(layout)
     }
 
@@ -284,31 +412,101 @@ impl MegatronLayout {
             .unwrap_or(self.pp - 1)
     }
 
-    /// The parameters of every (stage, TP rank) of `stage`, in buffer order (the same for every
-    /// TP rank of the stage).
+    /// The parameters of every rank of `stage`, in buffer order (the same names and shapes on
+    /// every rank of the stage): the dense part, then the expert part.
     pub fn stage_slots(&self, stage: usize) -> &[ParamSlot] {
         &self.stage_slots[stage]
     }
 
-    /// Elements of the bf16 buffer of a (stage, TP rank).
+    /// Elements of the bf16 buffer of a rank of `stage`: its dense part and its expert part.
     pub fn stage_len(&self, stage: usize) -> usize {
         self.stage_slots[stage]
             .last()
             .map_or(0, |s| s.offset + s.numel())
     }
 
-    /// The slot of `kind` (and `layer` for per-layer parameters) on `stage`.
+    /// Elements of the dense part of a rank's buffer on `stage` (the expert part starts there).
+    pub fn dense_len(&self, stage: usize) -> usize {
+        self.dense_len[stage]
+    }
+
+    /// The slot of `kind` (and `layer` for per-layer parameters) on `stage`; for expert tensors
+    /// the one of local expert 0 ([`MegatronLayout::expert_slot`] names the local expert).
     pub fn slot(&self, stage: usize, kind: ParamKind, layer: Option<usize>) -> Option<&ParamSlot> {
         self.stage_slots[stage]
             .iter()
             .find(|s| s.kind == kind && s.layer == layer)
     }
 
-    /// The fp32 elements of its stage buffer that DP rank `dp` owns (distributed optimizer).
+    /// The slot of local expert `local`'s `part` in mixture-of-experts layer `layer`.
+    pub fn expert_slot(&self, layer: usize, local: usize, part: ExpertPart) -> Option<&ParamSlot> {
+        let kind = match part {
+            ExpertPart::Fc1 => ParamKind::ExpertFc1,
+            ExpertPart::Fc2 => ParamKind::ExpertFc2,
+        };
+        self.stage_slots[self.stage_of_layer(layer)]
+            .iter()
+            .find(|s| s.kind == kind && s.layer == Some(layer) && s.expert == Some(local))
+    }
+
+    /// The fp32 elements of the dense part of its stage buffer that DP rank `dp` owns
+    /// (distributed optimizer).
     pub fn dp_shard(&self, stage: usize, dp: usize) -> Range<usize> {
-        let len = self.stage_len(stage);
+        let len = self.dense_len(stage);
         let c = len.div_ceil(self.dp);
         (dp * c).min(len)..((dp + 1) * c).min(len)
+    }
+
+    /// What the distributed optimizer of `rank` owns: its DP rank's share of the dense part
+    /// ([`MegatronLayout::dp_shard`]) and its expert data-parallel rank's share of the expert
+    /// part.
+    pub fn optimizer_shard(&self, rank: usize) -> OptimizerShard {
+        let c = self.coords(rank);
+        let dense = self.dp_shard(c.pp, c.dp);
+        let base = self.dense_len(c.pp);
+        let experts = match (&self.experts, self.expert_coords(rank)) {
+            (Some(ex), Some(ec)) => {
+                let r = ex.edp_shard(self.stage_len(c.pp) - base, ec.edp);
+                base + r.start..base + r.end
+            }
+            _ => base..base,
+        };
+        OptimizerShard { dense, experts }
+    }
+
+    /// The ranks holding the same dense part as `rank` (its DP group, in DP order).
+    pub fn dp_group(&self, rank: usize) -> Vec<usize> {
+        let c = self.coords(rank);
+        (0..self.dp).map(|d| self.rank(c.tp, d, c.pp)).collect()
+    }
+
+    /// The ranks holding the same expert part as `rank` (its expert data-parallel group, in
+    /// order); just `rank` for a dense model.
+    pub fn expert_dp_group(&self, rank: usize) -> Vec<usize> {
+        match (&self.experts, self.expert_coords(rank)) {
+            (Some(ex), Some(c)) => (0..ex.edp())
+                .map(|edp| ex.rank(ExpertCoords { edp, ..c }))
+                .collect(),
+            _ => vec![rank],
+        }
+    }
+
+    /// The expert layers' decomposition (mixture-of-experts models).
+    pub fn expert_parallel(&self) -> Option<&ExpertParallel> {
+        self.experts.as_ref()
+    }
+
+    /// The expert-layer coordinates of `rank` (mixture-of-experts models).
+    pub fn expert_coords(&self, rank: usize) -> Option<ExpertCoords> {
+        self.experts.map(|ex| ex.coords(rank))
+    }
+
+    /// The global expert that local expert `local` of `rank` is (`local` for a dense model).
+    pub fn global_expert(&self, rank: usize, local: usize) -> usize {
+        match (&self.experts, self.expert_coords(rank)) {
+            (Some(ex), Some(c)) => ex.local_experts(c.ep).start + local,
+            _ => local,
+        }
     }
 
     /// Whether the last stage holds an `output_layer` (untied, or tied with PP > 1).
@@ -335,7 +533,7 @@ impl MegatronLayout {
         (m.heads + 2 * m.query_groups) * m.head_dim / self.tp
     }
 
-    fn build_slots(&self, stage: usize) -> Vec<ParamSlot> {
+    fn build_slots(&self, stage: usize) -> (Vec<ParamSlot>, usize) {
         let m = &self.model;
         let h = m.hidden;
         let tp = self.tp;
@@ -347,6 +545,7 @@ impl MegatronLayout {
                 name,
                 kind,
                 layer,
+                expert: None,
                 shape,
                 offset,
             });
@@ -404,18 +603,28 @@ impl MegatronLayout {
                 l,
                 vec![h],
             );
-            push(
-                p("mlp.linear_fc1.weight"),
-                ParamKind::Fc1,
-                l,
-                vec![2 * m.ffn / tp, h],
-            );
-            push(
-                p("mlp.linear_fc2.weight"),
-                ParamKind::Fc2,
-                l,
-                vec![h, m.ffn / tp],
-            );
+            match m.moe {
+                Some(moe) if m.moe_layer(i) => push(
+                    p("mlp.router.weight"),
+                    ParamKind::Router,
+                    l,
+                    vec![moe.experts, h],
+                ),
+                _ => {
+                    push(
+                        p("mlp.linear_fc1.weight"),
+                        ParamKind::Fc1,
+                        l,
+                        vec![2 * m.ffn / tp, h],
+                    );
+                    push(
+                        p("mlp.linear_fc2.weight"),
+                        ParamKind::Fc2,
+                        l,
+                        vec![h, m.ffn / tp],
+                    );
+                }
+            }
         }
         if stage + 1 == self.pp {
             push(
@@ -433,7 +642,25 @@ impl MegatronLayout {
                 );
             }
         }
-        slots
+        let dense = offset;
+        if let Some(ex) = &self.experts {
+            // names and shapes are the same on every rank of the stage: rank 0's
+            for shard in ex.stage_shards(m, self.stage_layers[stage].clone(), 0) {
+                let kind = match shard.part {
+                    ExpertPart::Fc1 => ParamKind::ExpertFc1,
+                    ExpertPart::Fc2 => ParamKind::ExpertFc2,
+                };
+                slots.push(ParamSlot {
+                    name: shard.name,
+                    kind,
+                    layer: Some(shard.layer),
+                    expert: Some(shard.local),
+                    shape: shard.shape.to_vec(),
+                    offset: dense + shard.offset,
+                });
+            }
+        }
+        (slots, dense)
     }
 }
 
@@ -518,7 +745,7 @@ pub(crate) fn check_tp(
             param: qkv,
         });
     }
-    if !model.ffn.is_multiple_of(tp) {
+    if model.has_dense_mlp() && !model.ffn.is_multiple_of(tp) {
         return Err(MegatronLayoutError::NotDivisible {
             side,
             what: "ffn hidden size",

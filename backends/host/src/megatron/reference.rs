@@ -9,7 +9,10 @@ use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 
 use super::error::MegatronError;
 use super::state::MegatronTrainState;
-use lifecycle_layout::megatron::{qkv_head_row, MegatronLayout, ParamKind, QkvHead, RolloutKind};
+use lifecycle_layout::megatron::{
+    qkv_head_row, ExpertCoords, ExpertPart, ExpertShare, MegatronLayout, ParamKind, QkvHead,
+    RolloutKind,
+};
 use lifecycle_layout::RolloutLayout;
 use lifecycle_layout::{hf, ModelSpec};
 
@@ -27,7 +30,8 @@ pub struct FullTensor {
 /// Rebuilds every Hugging Face tensor (checkpoint order) from the bf16 parameters of DP rank 0:
 /// picks the stage owning each layer, concatenates TP shards (rows for column-parallel, columns
 /// for row-parallel), un-fuses `linear_qkv` per query group and `linear_fc1` into gate and up,
-/// drops vocabulary padding. Works on offloaded state too.
+/// drops vocabulary padding; reads each expert from expert data-parallel rank 0 of the
+/// expert-parallel rank owning it, its ETP shards concatenated. Works on offloaded state too.
 ///
 /// ```
 /// use lifecycle_layout::HostTensor;
@@ -65,10 +69,74 @@ pub fn rebuild_hf_tensors(state: &MegatronTrainState) -> Result<Vec<FullTensor>,
     };
     let mut out = Vec::new();
     for (name, shape) in m.hf_tensors() {
-        let data = rebuild_one(l, &m, &name, &part)?;
+        let data = match hf::parse_expert(&name) {
+            Some((layer, e)) => rebuild_expert(state, &name, layer, e)?,
+            None => rebuild_one(l, &m, &name, &part)?,
+        };
         out.push(FullTensor { name, shape, data });
     }
     Ok(out)
+}
+
+/// One per-expert Hugging Face tensor from the grouped-GEMM tensors of its expert-parallel rank.
+fn rebuild_expert(
+    state: &MegatronTrainState,
+    name: &str,
+    layer: usize,
+    e: usize,
+) -> Result<Vec<bf16>, MegatronError> {
+    let l = state.layout();
+    let m = l.model();
+    let missing = || MegatronError::Inconsistent {
+        what: format!("no expert layout holds `{name}`"),
+    };
+    let (Some(ex), Some(moe)) = (l.expert_parallel(), m.moe) else {
+        return Err(missing());
+    };
+    let per_ep = moe.experts / ex.ep();
+    let (ep, local) = (e / per_ep, e % per_ep);
+    let is_down = name.ends_with(hf::EXPERT_DOWN);
+    let part = if is_down {
+        ExpertPart::Fc2
+    } else {
+        ExpertPart::Fc1
+    };
+    let slot = l.expert_slot(layer, local, part).ok_or_else(missing)?;
+    let pp = l.stage_of_layer(layer);
+    let shards: Vec<&[bf16]> = (0..ex.etp())
+        .map(|etp| {
+            let rank = ex.rank(ExpertCoords {
+                etp,
+                ep,
+                edp: 0,
+                pp,
+            });
+            let buf = state.params_anywhere(rank).ok_or_else(missing)?;
+            Ok(&buf[slot.offset..slot.offset + slot.numel()])
+        })
+        .collect::<Result<_, MegatronError>>()?;
+    let h = m.hidden;
+    let per = moe.ffn / ex.etp();
+    Ok(if is_down {
+        (0..h)
+            .flat_map(|r| shards.iter().flat_map(move |s| &s[r * per..(r + 1) * per]))
+            .copied()
+            .collect()
+    } else {
+        let up = name.ends_with(hf::EXPERT_UP);
+        shards
+            .iter()
+            .flat_map(|s| {
+                let half = s.len() / 2;
+                if up {
+                    &s[half..]
+                } else {
+                    &s[..half]
+                }
+            })
+            .copied()
+            .collect()
+    })
 }
 
 type PartFn<'a> =
@@ -109,6 +177,7 @@ fn rebuild_one<'a>(
     let v = match suffix {
         hf::INPUT_NORM => get(0, ParamKind::InputNorm)?.to_vec(),
         hf::POST_NORM => get(0, ParamKind::PreMlpNorm)?.to_vec(),
+        hf::ROUTER => get(0, ParamKind::Router)?.to_vec(),
         hf::Q_NORM => get(0, ParamKind::QNorm)?.to_vec(),
         hf::K_NORM => get(0, ParamKind::KNorm)?.to_vec(),
         hf::Q | hf::K | hf::V | hf::Q_BIAS | hf::K_BIAS | hf::V_BIAS => {
@@ -192,6 +261,14 @@ pub fn reference_rollout(
     let t_deg = rollout.tp();
     let h = m.hidden;
     let hd = m.head_dim;
+    let shares: Vec<ExpertShare> = (0..t_deg)
+        .map(|t| {
+            rollout.expert_share(&m, t).unwrap_or(ExpertShare {
+                experts: 0..0,
+                ffn: 0..0,
+            })
+        })
+        .collect();
     let ranks = (0..state.world())
         .map(|rank| {
             let t = rank % t_deg;
@@ -257,6 +334,26 @@ pub fn reference_rollout(
                             let per = m.ffn / t_deg;
                             let mut v = rows(get(&layer(hf::GATE)), h, t * per..(t + 1) * per);
                             v.extend(rows(get(&layer(hf::UP)), h, t * per..(t + 1) * per));
+                            v
+                        }
+                        RolloutKind::Router => get(&layer(hf::ROUTER)).to_vec(),
+                        RolloutKind::ExpertsW13 | RolloutKind::ExpertsW2 => {
+                            let (l, share) = (spec.layer.unwrap_or_default(), shares[t].clone());
+                            let mut v = Vec::with_capacity(spec.numel());
+                            for e in share.experts {
+                                let expert = |s: &str| get(&hf::expert(l, e, s));
+                                if spec.kind == RolloutKind::ExpertsW13 {
+                                    v.extend(rows(expert(hf::EXPERT_GATE), h, share.ffn.clone()));
+                                    v.extend(rows(expert(hf::EXPERT_UP), h, share.ffn.clone()));
+                                } else {
+                                    let width = m.moe.map_or(0, |moe| moe.ffn);
+                                    v.extend(columns(
+                                        expert(hf::EXPERT_DOWN),
+                                        width,
+                                        share.ffn.clone(),
+                                    ));
+                                }
+                            }
                             v
                         }
                     };

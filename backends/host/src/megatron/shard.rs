@@ -1,4 +1,4 @@
-//! Hugging Face full tensors → one (stage, TP rank) buffer of the Megatron layout.
+//! Hugging Face full tensors → one rank's buffer of the Megatron layout.
 
 use std::collections::HashMap;
 
@@ -8,18 +8,32 @@ use lifecycle_layout::megatron::{qkv_head_row, MegatronLayout, ParamKind, ParamS
 /// Full fp32 values by Hugging Face name.
 pub(crate) type FullTensors<'a> = HashMap<&'a str, &'a [f32]>;
 
-/// The fp32 buffer of (stage, TP rank `tp`): every slot filled from the full tensors in
-/// Megatron's layout (padding rows of the vocabulary zero). The names must have been checked.
-pub(crate) fn stage_buffer(
-    layout: &MegatronLayout,
-    stage: usize,
-    tp: usize,
-    full: &FullTensors<'_>,
-) -> Vec<f32> {
+/// The fp32 buffers of every rank (rank order): every slot filled from the full tensors in
+/// Megatron's layout (padding rows of the vocabulary zero); replicas are built once and cloned.
+/// The names must have been checked.
+pub(crate) fn rank_buffers(layout: &MegatronLayout, full: &FullTensors<'_>) -> Vec<Vec<f32>> {
+    let mut built: HashMap<(usize, usize, usize, usize), Vec<f32>> = HashMap::new();
+    (0..layout.world())
+        .map(|rank| {
+            let c = layout.coords(rank);
+            let e = layout.expert_coords(rank);
+            let key = (c.pp, c.tp, e.map_or(0, |e| e.etp), e.map_or(0, |e| e.ep));
+            built
+                .entry(key)
+                .or_insert_with(|| rank_buffer(layout, rank, full))
+                .clone()
+        })
+        .collect()
+}
+
+/// The fp32 buffer of `rank`: its stage's slots, the dense ones of its TP rank, the expert ones
+/// of its expert-parallel and expert tensor-parallel ranks.
+fn rank_buffer(layout: &MegatronLayout, rank: usize, full: &FullTensors<'_>) -> Vec<f32> {
+    let stage = layout.coords(rank).pp;
     let mut buf = vec![0.0f32; layout.stage_len(stage)];
     for slot in layout.stage_slots(stage) {
         let dst = &mut buf[slot.offset..slot.offset + slot.numel()];
-        fill_slot(layout, slot, tp, full, dst);
+        fill_slot(layout, slot, rank, full, dst);
     }
     buf
 }
@@ -31,10 +45,11 @@ fn get<'a>(full: &FullTensors<'a>, name: &str) -> &'a [f32] {
 fn fill_slot(
     layout: &MegatronLayout,
     slot: &ParamSlot,
-    tp: usize,
+    rank: usize,
     full: &FullTensors<'_>,
     dst: &mut [f32],
 ) {
+    let tp = layout.coords(rank).tp;
     let m = layout.model();
     let h = m.hidden;
     let n_tp = layout.tp();
@@ -95,6 +110,31 @@ fn fill_slot(
             for r in 0..h {
                 let s = r * full_cols + tp * per;
                 dst[r * per..(r + 1) * per].copy_from_slice(&src[s..s + per]);
+            }
+        }
+        ParamKind::Router => dst.copy_from_slice(get(full, &layer(hf::ROUTER))),
+        ParamKind::ExpertFc1 | ParamKind::ExpertFc2 => {
+            let (Some(ex), Some(c), Some(moe)) =
+                (layout.expert_parallel(), layout.expert_coords(rank), m.moe)
+            else {
+                return;
+            };
+            let e = layout.global_expert(rank, slot.expert.unwrap_or_default());
+            let l = slot.layer.unwrap_or_default();
+            let per = moe.ffn / ex.etp();
+            if slot.kind == ParamKind::ExpertFc1 {
+                let rows = c.etp * per * h..(c.etp + 1) * per * h;
+                let half = per * h;
+                let gate = get(full, &hf::expert(l, e, hf::EXPERT_GATE));
+                let up = get(full, &hf::expert(l, e, hf::EXPERT_UP));
+                dst[..half].copy_from_slice(&gate[rows.clone()]);
+                dst[half..].copy_from_slice(&up[rows]);
+            } else {
+                let down = get(full, &hf::expert(l, e, hf::EXPERT_DOWN));
+                for r in 0..h {
+                    let s = r * moe.ffn + c.etp * per;
+                    dst[r * per..(r + 1) * per].copy_from_slice(&down[s..s + per]);
+                }
             }
         }
         ParamKind::Fc1 => {

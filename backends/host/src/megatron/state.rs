@@ -1,15 +1,14 @@
 //! Per-rank Megatron training state with real offload accounting.
 
 use std::collections::{HashMap, HashSet};
-use std::ops::Range;
 
 use crate::{cast_f32_to_bf16, MemoryMeter};
 use half::bf16;
 use lifecycle_layout::{AdamParams, HostTensor};
 
 use super::error::MegatronError;
-use super::shard::{stage_buffer, FullTensors};
-use lifecycle_layout::megatron::{MegatronLayout, ParamKind};
+use super::shard::{rank_buffers, FullTensors};
+use lifecycle_layout::megatron::{MegatronLayout, OptimizerShard, ParamKind};
 
 /// Where a buffer of one rank lives, with its values.
 #[derive(Debug, Clone)]
@@ -72,12 +71,13 @@ impl<T: Copy> Resident<T> {
 /// [`MegatronTrainState::rank`].
 #[derive(Debug, Clone)]
 pub struct RankTrain {
-    /// bf16 parameters of its (stage, TP rank), the whole stage buffer.
+    /// bf16 parameters of the rank, the whole buffer (dense part, then expert part).
     pub params: Resident<bf16>,
-    /// fp32 grads of the whole stage buffer; freed in rollout mode.
+    /// fp32 grads of the whole buffer; freed in rollout mode.
     pub grads: Option<Vec<f32>>,
-    /// Elements of the stage buffer this DP rank's optimizer owns.
-    pub shard: Range<usize>,
+    /// Elements of the buffer this rank's optimizer owns
+    /// ([`MegatronLayout::optimizer_shard`]).
+    pub shard: OptimizerShard,
     /// fp32 main params of `shard`.
     pub main: Resident<f32>,
     /// Adam first moment of `shard`.
@@ -129,18 +129,12 @@ impl MegatronTrainState {
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_slice()))
             .collect();
-        let buffers: Vec<Vec<Vec<f32>>> = (0..layout.pp())
-            .map(|s| {
-                (0..layout.tp())
-                    .map(|t| stage_buffer(&layout, s, t, &full))
-                    .collect()
-            })
-            .collect();
-        let ranks = (0..layout.world())
-            .map(|rank| {
-                let c = layout.coords(rank);
-                let buf = &buffers[c.pp][c.tp];
-                let shard = layout.dp_shard(c.pp, c.dp);
+        let buffers = rank_buffers(&layout, &full);
+        let ranks = buffers
+            .iter()
+            .enumerate()
+            .map(|(rank, buf)| {
+                let shard = layout.optimizer_shard(rank);
                 let mut params = vec![bf16::ZERO; buf.len()];
                 cast_f32_to_bf16(buf, &mut params);
                 let n = shard.len();
@@ -149,7 +143,7 @@ impl MegatronTrainState {
                 RankTrain {
                     params: Resident::Device(params),
                     grads: Some(vec![0.0; buf.len()]),
-                    main: Resident::Device(buf[shard.clone()].to_vec()),
+                    main: Resident::Device(shard.indices().map(|i| buf[i]).collect()),
                     adam_m: Resident::Device(vec![0.0; n]),
                     adam_v: Resident::Device(vec![0.0; n]),
                     shard,
@@ -183,7 +177,7 @@ impl MegatronTrainState {
         }
         for (rank, r) in ranks.iter().enumerate() {
             let c = layout.coords(rank);
-            let (len, shard) = (layout.stage_len(c.pp), layout.dp_shard(c.pp, c.dp));
+            let (len, shard) = (layout.stage_len(c.pp), layout.optimizer_shard(rank));
             let bad = |what: &str, found: usize, expected: usize| MegatronError::Inconsistent {
                 what: format!(
                     "rank {rank}: {what} has {found} elements, the layout needs {expected}"
@@ -258,7 +252,7 @@ impl MegatronTrainState {
 
     /// The fp32 main-param shard of `rank` and the buffer elements it covers; `None` while
     /// offloaded.
-    pub fn main_shard(&self, rank: usize) -> Option<(Range<usize>, &[f32])> {
+    pub fn main_shard(&self, rank: usize) -> Option<(OptimizerShard, &[f32])> {
         let r = self.ranks.get(rank)?;
         Some((r.shard.clone(), r.main.on_device()?))
     }
@@ -313,20 +307,19 @@ impl MegatronTrainState {
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_slice()))
             .collect();
-        let mut buffers: Vec<Vec<Vec<f32>>> = (0..l.pp())
-            .map(|s| (0..l.tp()).map(|t| stage_buffer(l, s, t, &full)).collect())
-            .collect();
+        let mut buffers = rank_buffers(l, &full);
         if l.model().tied_embeddings && l.pp() > 1 {
             if let Some(slot) = l.slot(l.pp() - 1, ParamKind::OutputLayer, None) {
-                for b in &mut buffers[l.pp() - 1] {
-                    b[slot.offset..slot.offset + slot.numel()].fill(0.0);
+                for (rank, b) in buffers.iter_mut().enumerate() {
+                    if l.coords(rank).pp == l.pp() - 1 {
+                        b[slot.offset..slot.offset + slot.numel()].fill(0.0);
+                    }
                 }
             }
         }
-        for rank in 0..self.ranks.len() {
-            let c = l.coords(rank);
-            if let Some(g) = self.ranks[rank].grads.as_mut() {
-                g.copy_from_slice(&buffers[c.pp][c.tp]);
+        for (r, b) in self.ranks.iter_mut().zip(&buffers) {
+            if let Some(g) = r.grads.as_mut() {
+                g.copy_from_slice(b);
             }
         }
         Ok(())
@@ -353,9 +346,10 @@ impl MegatronTrainState {
     }
 
     /// One optimizer step as Megatron runs it: tied-embedding grads all-reduced between the first
-    /// and last stage (PP > 1), grads averaged over the DP group into each rank's shard
-    /// (reduce-scatter), Adam with bias correction on the fp32 main shard, then the updated
-    /// shards rounded to bf16 and gathered into every DP replica's parameter buffer.
+    /// and last stage (PP > 1), grads averaged into each rank's shard (reduce-scatter) over the
+    /// DP group for the dense part and over the expert data-parallel group for the expert part,
+    /// Adam with bias correction on the fp32 main shard, then the updated shards rounded to bf16
+    /// and gathered into every replica's parameter buffer.
     pub fn adam_step(&mut self, p: AdamParams) -> Result<(), MegatronError> {
         if self.is_offloaded() || self.ranks.iter().any(|r| r.grads.is_none()) {
             return Err(MegatronError::Offloaded {
@@ -368,42 +362,56 @@ impl MegatronTrainState {
         }
         let t = (self.adam_steps + 1) as i32;
         let (c1, c2) = (1.0 - p.beta1.powi(t), 1.0 - p.beta2.powi(t));
-        let dp = l.dp();
-        for stage in 0..l.pp() {
-            for tp in 0..l.tp() {
-                let group: Vec<usize> = (0..dp).map(|d| l.rank(tp, d, stage)).collect();
-                let mut gathered = vec![bf16::ZERO; l.stage_len(stage)];
-                for &rank in &group {
-                    let shard = self.ranks[rank].shard.clone();
-                    let reduced: Vec<f32> = shard
-                        .clone()
-                        .map(|i| {
-                            let sum: f32 = group
-                                .iter()
-                                .map(|&o| self.ranks[o].grads.as_ref().map_or(0.0, |g| g[i]))
-                                .sum();
-                            sum / dp as f32
-                        })
-                        .collect();
-                    let r = &mut self.ranks[rank];
-                    let (Resident::Device(main), Resident::Device(m), Resident::Device(v)) =
-                        (&mut r.main, &mut r.adam_m, &mut r.adam_v)
-                    else {
-                        continue; // unreachable: checked above
-                    };
-                    for (i, g) in reduced.into_iter().enumerate() {
-                        m[i] = p.beta1 * m[i] + (1.0 - p.beta1) * g;
-                        v[i] = p.beta2 * v[i] + (1.0 - p.beta2) * g * g;
-                        main[i] -= p.lr * (m[i] / c1) / ((v[i] / c2).sqrt() + p.eps);
-                    }
-                    cast_f32_to_bf16(main, &mut gathered[shard]);
-                }
-                for &rank in &group {
-                    if let Resident::Device(params) = &mut self.ranks[rank].params {
-                        params.copy_from_slice(&gathered);
-                    }
-                }
+        let groups: Vec<[Vec<usize>; 2]> = (0..self.ranks.len())
+            .map(|rank| [l.dp_group(rank), l.expert_dp_group(rank)])
+            .collect();
+        let average = |ranks: &[RankTrain], group: &[usize], i: usize| -> f32 {
+            let sum: f32 = group
+                .iter()
+                .map(|&o| ranks[o].grads.as_ref().map_or(0.0, |g| g[i]))
+                .sum();
+            sum / group.len() as f32
+        };
+        for (rank, [dense, experts]) in groups.iter().enumerate() {
+            let shard = self.ranks[rank].shard.clone();
+            let reduced: Vec<f32> = shard
+                .dense()
+                .map(|i| average(&self.ranks, dense, i))
+                .chain(shard.experts().map(|i| average(&self.ranks, experts, i)))
+                .collect();
+            let r = &mut self.ranks[rank];
+            let (Resident::Device(main), Resident::Device(m), Resident::Device(v)) =
+                (&mut r.main, &mut r.adam_m, &mut r.adam_v)
+            else {
+                continue; // unreachable: checked above
+            };
+            for (i, g) in reduced.into_iter().enumerate() {
+                m[i] = p.beta1 * m[i] + (1.0 - p.beta1) * g;
+                v[i] = p.beta2 * v[i] + (1.0 - p.beta2) * g * g;
+                main[i] -= p.lr * (m[i] / c1) / ((v[i] / c2).sqrt() + p.eps);
             }
+        }
+        // all-gather: every replica's buffer from the owners' updated shards
+        let gathered: Vec<Vec<bf16>> = groups
+            .iter()
+            .enumerate()
+            .map(|(rank, groups)| {
+                let mut params = vec![bf16::ZERO; l.stage_len(l.coords(rank).pp)];
+                for (part, group) in groups.iter().enumerate() {
+                    for &owner in group {
+                        let o = &self.ranks[owner];
+                        let (range, at) = o.shard.parts()[part].clone();
+                        cast_f32_to_bf16(
+                            &o.main.values()[at..at + range.len()],
+                            &mut params[range],
+                        );
+                    }
+                }
+                params
+            })
+            .collect();
+        for (r, g) in self.ranks.iter_mut().zip(gathered) {
+            r.params = Resident::Device(g);
         }
         self.adam_steps += 1;
         Ok(())
