@@ -1,6 +1,8 @@
 //! The host executor against the independent reference over the layout matrix:
 //! TP ∈ {1, 2, 4, 8}, PP ∈ {1, 2, 4}, DP ∈ {1, 2} (W ≤ 16), T ∈ {1, 2, 4, 8} dividing W,
-//! query groups ∈ {1, 2, 8}, tied and untied embeddings, vocab 37 (not a multiple of the padding).
+//! query groups ∈ {1, 2, 8}, tied and untied embeddings, vocab 37 (not a multiple of the padding);
+//! and for a mixture-of-experts model EP × ETP × TP × PP × DP × T with the experts split by TP
+//! or partitioned on the rollout side.
 
 #[path = "common/megatron.rs"]
 mod common;
@@ -13,7 +15,7 @@ use lifecycle_layout::megatron::{plan_megatron_to_tp, BucketConfig, MegatronLayo
 use lifecycle_layout::HostRollout;
 use lifecycle_layout::ModelSpec;
 use lifecycle_layout::{AdamParams, HostTensor};
-use lifecycle_layout::{RolloutLayout, RolloutVocab};
+use lifecycle_layout::{ExpertPlacement, RolloutLayout, RolloutVocab};
 
 fn assert_same(case: &str, got: &HostRollout, want: &HostRollout) {
     if let Some((rank, name)) = got.first_difference(want) {
@@ -28,6 +30,22 @@ fn grads(model: &ModelSpec, seed: u64) -> Vec<HostTensor> {
 /// Enter, compare; train (one Adam step), re-enter or refresh, compare; exit; check memory.
 fn run_case(model: ModelSpec, tp: usize, pp: usize, dp: usize, t: usize, case_no: usize) {
     let layout = MegatronLayout::new(model, tp, pp, dp).unwrap();
+    let case = format!(
+        "groups {} tied {} TP {tp} PP {pp} DP {dp} T {t}",
+        model.query_groups, model.tied_embeddings
+    );
+    run_layout(layout, t, ExpertPlacement::TensorParallel, case, case_no);
+}
+
+/// [`run_case`] on a given training layout and rollout degree and expert placement.
+fn run_layout(
+    layout: MegatronLayout,
+    t: usize,
+    placement: ExpertPlacement,
+    case: String,
+    case_no: usize,
+) {
+    let model = *layout.model();
     let inputs = common::hf_tensors(&model, 7);
     let state = MegatronTrainState::from_hf(layout, inputs.clone()).unwrap();
     // Round trip: sharding then rebuilding gives the inputs rounded to bf16.
@@ -53,7 +71,7 @@ fn run_case(model: ModelSpec, tp: usize, pp: usize, dp: usize, t: usize, case_no
         .collect();
     // Vary the rollout vocabulary, the bucket budget and the memory policy across cases.
     let vocab = RolloutVocab::PadToMultipleOf([1, 4, 3][case_no % 3]);
-    let rollout = RolloutLayout::fused(t, vocab);
+    let rollout = RolloutLayout::fused(t, vocab).with_expert_placement(placement);
     let budget = [64, 1 << 20, 6][case_no % 3];
     let backend = MegatronHostBackend::new(rollout.clone())
         .with_config(BucketConfig {
@@ -73,10 +91,7 @@ fn run_case(model: ModelSpec, tp: usize, pp: usize, dp: usize, t: usize, case_no
         switching: Switching::Lazy,
         memory,
     };
-    let case = format!(
-        "groups {} tied {} TP {tp} PP {pp} DP {dp} T {t} vocab {vocab:?} budget {budget}",
-        model.query_groups, model.tied_embeddings
-    );
+    let case = format!("{case} vocab {vocab:?} budget {budget}");
     let mut lc = Lifecycle::with_config(backend, state, config).unwrap();
     let rollout_now = |lc: &mut Lifecycle<MegatronHostBackend>| -> HostRollout {
         let session = lc.rollout().unwrap();
@@ -160,4 +175,46 @@ fn executor_matches_reference_over_the_matrix() {
         }
     }
     assert!(case_no > 300, "{case_no} cases");
+}
+
+#[test]
+fn executor_matches_reference_over_the_expert_grid() {
+    let mut case_no = 0;
+    for tp in [1usize, 2, 4] {
+        for pp in [1, 2] {
+            for dp in [1, 2, 4] {
+                let world = tp * pp * dp;
+                if world > 16 {
+                    continue;
+                }
+                for (ep, etp) in [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)] {
+                    if !world.is_multiple_of(ep * etp * pp) {
+                        continue;
+                    }
+                    for t in [1, 2, 4, 8].into_iter().filter(|t| world % t == 0) {
+                        for placement in [
+                            ExpertPlacement::TensorParallel,
+                            ExpertPlacement::Partitioned,
+                        ] {
+                            // 4 experts of intermediate size 12: T 8 splits neither
+                            if t == 8 {
+                                continue;
+                            }
+                            let model = common::moe_model(case_no % 2 == 1);
+                            let layout =
+                                MegatronLayout::new_moe(model, tp, pp, dp, ep, etp).unwrap();
+                            let case = format!(
+                                "MoE tied {} TP {tp} PP {pp} DP {dp} EP {ep} ETP {etp} T {t} experts {}",
+                                model.tied_embeddings,
+                                placement.name()
+                            );
+                            run_layout(layout, t, placement, case, case_no);
+                            case_no += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(case_no > 100, "{case_no} cases");
 }

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use lifecycle_layout::HostTensor;
-use lifecycle_layout::ModelSpec;
+use lifecycle_layout::{LayerSet, ModelSpec, MoeSpec};
 
 /// Deterministic values in about [-2, 2) with varied low mantissa bits (so bf16 rounding
 /// matters), from a splitmix64 stream.
@@ -39,6 +39,23 @@ pub fn model(groups: usize, tied: bool) -> ModelSpec {
         // Qwen3's per-head q/k norms in the two-group models
         qk_norm: groups == 2,
         moe: None,
+    }
+}
+
+/// A tiny mixture-of-experts model (Qwen3-MoE): [`model`] with two query groups, its layers
+/// 1–3 holding 4 experts of intermediate size 12 (top-2) and layer 0 a dense MLP.
+pub fn moe_model(tied: bool) -> ModelSpec {
+    ModelSpec {
+        qkv_bias: false,
+        moe: Some(MoeSpec {
+            experts: 4,
+            top_k: 2,
+            ffn: 12,
+            norm_topk_prob: true,
+            sparse_step: 1,
+            dense_layers: LayerSet::from_layers(&[0]).unwrap_or(LayerSet::EMPTY),
+        }),
+        ..model(2, tied)
     }
 }
 
