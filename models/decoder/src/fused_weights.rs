@@ -2,13 +2,16 @@
 //! (`lifecycle_layout::RolloutLayout`), read into the same views as the unfused layout:
 //! a rank's `qkv_proj` is `[q; k; v]` of its heads, so q, k and v are three consecutive row
 //! blocks of it; `gate_up_proj` is `[gate; up]`, two row blocks; the vocabulary-parallel
-//! embedding and head may carry padding rows, which the decoder never reads. No weight is copied.
+//! embedding and head may carry padding rows, which the decoder never reads. A mixture-of-experts
+//! layer's stacked `w13` / `w2` hold the rank's experts in order, each `[gate; up]` and `down` of
+//! its share ([`RolloutLayout::expert_share`]): expert `j` of the stack is one `2F × H` and one
+//! `H × F` block. No weight is copied.
 
 use half::bf16;
 use lifecycle_layout::hf;
-use lifecycle_layout::Parallel;
 use lifecycle_layout::RankRollout;
 use lifecycle_layout::RolloutLayout;
+use lifecycle_layout::{ModelSpec, Parallel};
 
 use crate::config::ModelConfig;
 use crate::error::DecodeError;
@@ -37,13 +40,6 @@ impl<'w> GroupWeights<'w> {
                 tp,
                 found: ranks.len(),
             });
-        }
-        if config.moe.is_some() {
-            return Err(DecodeError::Usage(
-                "the fused (Megatron) rollout layout has no experts yet: roll out Qwen3-MoE \
-                 models from the unfused layout (CpuDecoder::new)"
-                    .into(),
-            ));
         }
         // the padding multiple of the training side plays no part in the rollout layout
         let model = config.model_spec(MEGATRON_VOCAB_MULTIPLE);
@@ -117,12 +113,14 @@ impl<'w> GroupWeights<'w> {
                 } else {
                     (None, None, None)
                 };
-                let (gate, up) = get(&hf::layer(l, hf::GATE_UP), rank)?.split_at(ffn_part * h);
-                mlp_parts.push(MlpPart {
-                    gate: gate.into(),
-                    up: up.into(),
-                    down: get(&hf::layer(l, hf::DOWN), rank)?.into(),
-                });
+                if !model.moe_layer(l) {
+                    let (gate, up) = get(&hf::layer(l, hf::GATE_UP), rank)?.split_at(ffn_part * h);
+                    mlp_parts.push(MlpPart {
+                        gate: gate.into(),
+                        up: up.into(),
+                        down: get(&hf::layer(l, hf::DOWN), rank)?.into(),
+                    });
+                }
                 rank_layers.push(RankLayer {
                     q_w: q_w.into(),
                     q_b,
@@ -145,7 +143,11 @@ impl<'w> GroupWeights<'w> {
                     None
                 },
                 ranks: rank_layers,
-                mlp: Mlp::Dense(mlp_parts),
+                mlp: if model.moe_layer(l) {
+                    fused_experts(&model, layout, l, &get)?
+                } else {
+                    Mlp::Dense(mlp_parts)
+                },
             });
         }
         let vocab = |name: &str| -> Result<VocabWeight<'w>, DecodeError> {
@@ -166,7 +168,40 @@ impl<'w> GroupWeights<'w> {
             layers,
             shares,
             q_heads,
-            routing: Routing::default(),
+            routing: Routing::of(config),
         })
     }
+}
+
+/// A mixture-of-experts layer of the fused layout: the router of rank 0 and, per expert, its
+/// part on every rank (split by TP) or on its owner (partitioned), cut from the stacks.
+fn fused_experts<'w>(
+    model: &ModelSpec,
+    layout: &RolloutLayout,
+    l: usize,
+    get: &dyn Fn(&str, usize) -> Result<&'w [bf16], DecodeError>,
+) -> Result<Mlp<'w>, DecodeError> {
+    let h = model.hidden;
+    let experts = model.moe.map_or(0, |m| m.experts);
+    let shares: Vec<_> = (0..layout.tp())
+        .filter_map(|t| layout.expert_share(model, t))
+        .collect();
+    let (w13, w2) = (hf::layer(l, hf::EXPERTS_W13), hf::layer(l, hf::EXPERTS_W2));
+    let mut parts: Vec<Vec<MlpPart<'w>>> = vec![Vec::new(); experts];
+    for (rank, share) in shares.iter().enumerate() {
+        let f = share.ffn.len();
+        let (a, b) = (get(&w13, rank)?, get(&w2, rank)?);
+        for (j, e) in share.experts.clone().enumerate() {
+            let (gate, up) = a[j * 2 * f * h..(j + 1) * 2 * f * h].split_at(f * h);
+            parts[e].push(MlpPart {
+                gate: gate.into(),
+                up: up.into(),
+                down: b[j * h * f..(j + 1) * h * f].into(),
+            });
+        }
+    }
+    Ok(Mlp::Moe {
+        router: get(&hf::layer(l, hf::ROUTER), 0)?,
+        experts: parts,
+    })
 }

@@ -27,17 +27,35 @@ pub struct MegatronParallel {
     /// `--make-vocab-size-divisible-by`: the training vocabulary is padded to a multiple of this
     /// times TP.
     pub make_vocab_size_divisible_by: usize,
+    /// Expert-parallel degree EP of the mixture-of-experts layers (1 for dense models).
+    pub ep: usize,
+    /// Expert tensor-parallel degree ETP (Megatron's default: TP).
+    pub etp: usize,
 }
 
 impl MegatronParallel {
-    /// TP × PP × DP with Megatron's default padding ([`MEGATRON_VOCAB_MULTIPLE`]).
+    /// TP × PP × DP with Megatron's defaults: padding [`MEGATRON_VOCAB_MULTIPLE`], EP 1,
+    /// ETP = TP.
     pub fn new(tp: usize, pp: usize, dp: usize) -> Self {
         MegatronParallel {
             tp,
             pp,
             dp,
             make_vocab_size_divisible_by: MEGATRON_VOCAB_MULTIPLE,
+            ep: 1,
+            etp: tp,
         }
+    }
+
+    /// The same degrees with expert parallelism `ep` and expert tensor parallelism `etp`.
+    ///
+    /// ```
+    /// use lifecycle_decoder::MegatronParallel;
+    /// let p = MegatronParallel::new(2, 1, 2).with_experts(4, 1);
+    /// assert_eq!((p.world(), p.ep, p.etp), (4, 4, 1));
+    /// ```
+    pub fn with_experts(self, ep: usize, etp: usize) -> Self {
+        MegatronParallel { ep, etp, ..self }
     }
 
     /// World size TP · PP · DP.
@@ -63,8 +81,10 @@ fn config_field(e: &MegatronLayoutError) -> Option<&'static str> {
         MegatronLayoutError::NotDivisible { what, .. } => match *what {
             "attention heads" => Some("num_attention_heads"),
             "ffn hidden size" => Some("intermediate_size"),
+            "moe_intermediate_size" => Some("moe_intermediate_size"),
             _ => None,
         },
+        MegatronLayoutError::ExpertsNotDivisible { .. } => Some("num_experts"),
         MegatronLayoutError::PpExceedsLayers { .. } => Some("num_hidden_layers"),
         MegatronLayoutError::Unsupported { .. } => Some("model_type"),
         MegatronLayoutError::TopK { .. } => Some("num_experts_per_tok"),
@@ -104,17 +124,26 @@ impl ModelConfig {
         &self,
         parallel: MegatronParallel,
     ) -> Result<MegatronLayout, MegatronCheckpointError> {
-        let MegatronParallel { tp, pp, dp, .. } = parallel;
+        let MegatronParallel {
+            tp,
+            pp,
+            dp,
+            ep,
+            etp,
+            ..
+        } = parallel;
         let spec = self.model_spec(parallel.make_vocab_size_divisible_by);
-        MegatronLayout::new(spec, tp, pp, dp).map_err(|source| match config_field(&source) {
-            Some(field) => MegatronCheckpointError::ConfigField {
-                field,
-                tp,
-                pp,
-                dp,
-                source,
-            },
-            None => MegatronCheckpointError::Degrees { tp, pp, dp, source },
+        MegatronLayout::new_moe(spec, tp, pp, dp, ep, etp).map_err(|source| {
+            match config_field(&source) {
+                Some(field) => MegatronCheckpointError::ConfigField {
+                    field,
+                    tp,
+                    pp,
+                    dp,
+                    source,
+                },
+                None => MegatronCheckpointError::Degrees { tp, pp, dp, source },
+            }
         })
     }
 

@@ -35,8 +35,8 @@ use lifecycle_decoder::{
 use lifecycle_host::megatron::MegatronHostBackend;
 use lifecycle_host::{HostBackend, HostTrainState};
 use lifecycle_layout::HostTensor;
+use lifecycle_layout::{ExpertPlacement, RolloutLayout, RolloutVocab};
 use lifecycle_layout::{HostRollout, RankRollout};
-use lifecycle_layout::{RolloutLayout, RolloutVocab};
 
 const MODELS: [&str; 3] = ["gqa_untied", "tied_vocab61", "kv1_headdim16"];
 
@@ -123,7 +123,26 @@ fn unfused_trace(
     prompts: &[Vec<u32>],
     feed: &[Vec<u32>],
 ) -> Trace {
-    let layout = config.rollout_layout(t).unwrap();
+    unfused_trace_with(
+        config,
+        tensors,
+        t,
+        ExpertPlacement::TensorParallel,
+        prompts,
+        feed,
+    )
+}
+
+/// [`unfused_trace`] with the experts placed by `experts`.
+fn unfused_trace_with(
+    config: &ModelConfig,
+    tensors: &[HostTensor],
+    t: usize,
+    experts: ExpertPlacement,
+    prompts: &[Vec<u32>],
+    feed: &[Vec<u32>],
+) -> Trace {
+    let layout = config.rollout_layout_with(t, experts).unwrap();
     let state = HostTrainState::from_tensors(t, tensors.to_vec()).unwrap();
     let mut lc = Lifecycle::new(HostBackend::new(layout.clone()), state);
     let session = lc.rollout().unwrap();
@@ -359,6 +378,87 @@ fn qwen3_with_head_norms_decodes_through_the_megatron_layouts() {
     );
     assert_eq!(checked, 12);
     println!("qwen3_dense through {checked} Megatron layouts: max |logit error| {worst:e}");
+}
+
+/// Qwen3-MoE (`fixtures/moe`) trained in Megatron-Core's expert layouts (EP × ETP × TP × PP ×
+/// DP) and resharded into the fused rollout with its experts split by TP or partitioned, at
+/// T ∈ {1, 2, 4}: bit for bit the unfused decoder on the same placement, and within the oracle's
+/// tolerance of transformers 5.17 with the same greedy tokens.
+#[test]
+fn qwen3_moe_decodes_through_the_megatron_expert_layouts() {
+    use ExpertPlacement::{Partitioned as Ep, TensorParallel as Tp};
+    let refs = moe_references();
+    let mut worst = 0.0f32;
+    let mut checked = 0;
+    // (fixture, [(TP, PP, DP, EP, ETP, T, rollout placement)])
+    let grid: [(
+        &str,
+        &[(usize, usize, usize, usize, usize, usize, ExpertPlacement)],
+    ); 2] = [
+        (
+            // 4 experts of 24, 2 kv heads, 2 MoE layers, untied, vocab 61
+            "moe_e4_untied_v61",
+            &[
+                (1, 1, 1, 1, 1, 1, Tp),
+                (2, 1, 1, 2, 1, 2, Ep),
+                (2, 1, 2, 4, 1, 2, Tp),
+                (1, 2, 2, 2, 1, 2, Ep),
+                (2, 2, 1, 1, 2, 1, Tp),
+                (4, 1, 1, 2, 2, 4, Ep),
+                (2, 1, 2, 2, 2, 4, Tp),
+            ],
+        ),
+        (
+            // 6 experts of 16, 1 kv head, layer 0 dense, tied
+            "moe_e6_tied_dense0",
+            &[
+                (1, 1, 2, 2, 1, 2, Ep),
+                (2, 1, 1, 1, 2, 2, Tp),
+                (1, 3, 2, 2, 1, 2, Tp),
+                (2, 1, 3, 3, 1, 2, Tp),
+                (1, 1, 4, 2, 2, 4, Tp),
+                (2, 1, 3, 6, 1, 2, Ep),
+            ],
+        ),
+    ];
+    for (name, cases) in grid {
+        let model = &refs["models"][name];
+        let ckpt = load_checkpoint(&fixtures().join("moe").join(name)).unwrap();
+        let config = &ckpt.config;
+        assert!(config.moe.is_some(), "{name}");
+        let (prompts, greedy, want) = oracle(model);
+        for (i, &(tp, pp, dp, ep, etp, t, placement)) in cases.iter().enumerate() {
+            let parallel = MegatronParallel {
+                make_vocab_size_divisible_by: if i % 2 == 0 { 128 } else { 8 },
+                ..MegatronParallel::new(tp, pp, dp).with_experts(ep, etp)
+            };
+            let rollout = RolloutLayout::fused(t, RolloutVocab::PadToMultipleOf(8))
+                .with_expert_placement(placement);
+            let what = format!(
+                "{name} TP={tp} PP={pp} DP={dp} EP={ep} ETP={etp} T={t} experts {}",
+                placement.name()
+            );
+            let weights = megatron_rollout(config, &ckpt.tensors, parallel, rollout.clone());
+            let last = parallel.world() / t - 1;
+            let group: Vec<&RankRollout> = weights.ranks[last * t..].iter().collect();
+            let mut dec = CpuDecoder::new_fused(config, &rollout, &group).unwrap();
+            let got = run(&mut dec, &prompts, &greedy, false);
+            let unfused =
+                unfused_trace_with(config, &ckpt.tensors, t, placement, &prompts, &greedy);
+            assert!(
+                got.bits() == unfused.bits(),
+                "{what}: logits differ from the unfused decoder's"
+            );
+            let tokens = got.argmax_tokens(&prompts, &greedy, config.vocab_size);
+            assert_eq!(tokens, greedy, "{what}: greedy tokens vs transformers");
+            for (row, (g, w)) in got.logits.iter().zip(&want).enumerate() {
+                worst = worst.max(oracle_error(&format!("{what} logits row {row}"), g, w));
+            }
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 13);
+    println!("Qwen3-MoE through {checked} Megatron expert layouts: max |logit error| {worst:e}");
 }
 
 #[test]
