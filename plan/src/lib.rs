@@ -345,140 +345,10 @@ pub fn full_gather_bytes(config: &ModelConfig) -> u64 {
     config.params() as u64 * 2
 }
 
-/// What the experts of a Megatron-Core expert-parallel training layout cost one rank of a
-/// rollout: an estimate from the expert layout ([`ExpertParallel`]) alone, since the Megatron
-/// planner does not move experts yet.
-///
-/// [`ExpertParallel`]: lifecycle_layout::megatron::ExpertParallel
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ExpertTraffic {
-    /// The rank.
-    pub rank: usize,
-    /// bf16 bytes of the expert weights it trains (its grouped-GEMM tensors).
-    pub train_bytes: u64,
-    /// bf16 bytes of the experts its rollout slice holds.
-    pub rollout_bytes: u64,
-    /// Of those, the bytes another rank holds (what it must receive).
-    pub remote_bytes: u64,
-}
-
-/// The expert accounting of `config` trained by Megatron-Core at `W = tp · pp · dp` with
-/// expert parallelism `ep` and expert TP `etp`, rolled out at degree `t` with `placement`: per
-/// rank, what it trains, what its rollout holds and what of that lives on another rank (rank
-/// `r` keeps the part it trains itself). A rollout rank's experts are those of every layer.
-///
-/// ```
-/// use lifecycle_decoder::ModelConfig;
-/// use lifecycle_layout::ExpertPlacement;
-/// use lifecycle_plan::plan_megatron_experts;
-/// let config = ModelConfig::from_file("configs/qwen3-30b-a3b.json".as_ref())?;
-/// // W = 8 (TP 1, DP 8), EP 8: each rank trains 16 of the 128 experts of every layer
-/// let r = plan_megatron_experts(&config, (1, 1, 8), (8, 1), 8, ExpertPlacement::Partitioned)?;
-/// // rolled out at T = 8 with the experts partitioned, each rank holds exactly its own
-/// assert!(r.iter().all(|x| x.remote_bytes == 0 && x.rollout_bytes == x.train_bytes));
-/// let tp = plan_megatron_experts(&config, (1, 1, 8), (8, 1), 8, ExpertPlacement::TensorParallel)?;
-/// // split by TP inside every expert, 7/8 of what a rank holds comes from its peers
-/// assert_eq!(tp[0].remote_bytes * 8, tp[0].rollout_bytes * 7);
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-pub fn plan_megatron_experts(
-    config: &ModelConfig,
-    (tp, pp, dp): (usize, usize, usize),
-    (ep, etp): (usize, usize),
-    t: usize,
-    placement: ExpertPlacement,
-) -> Result<Vec<ExpertTraffic>, PlanError> {
-    use lifecycle_layout::megatron::{ExpertParallel, MegatronLayoutError};
-    let world = tp * pp * dp;
-    let model = config.model_spec(128);
-    let moe = model.moe.ok_or(MegatronLayoutError::Unsupported {
-        what: "expert parallelism for a dense model (ep > 1 needs num_experts)",
-    })?;
-    if pp > model.layers {
-        return Err(MegatronLayoutError::PpExceedsLayers {
-            pp,
-            layers: model.layers,
-        }
-        .into());
-    }
-    let ex = ExpertParallel::new(world, pp, ep, etp, moe)?;
-    // rollout degree checks of the FSDP layouts (experts divisible by T, ffn by T)
-    config.rollout_layout_with(t, placement)?;
-    if t == 0 || !world.is_multiple_of(t) {
-        return Err(MegatronLayoutError::RolloutTpNotDividingWorld {
-            t,
-            world,
-            divisors: (1..=world)
-                .filter(|d| world.is_multiple_of(*d))
-                .map(|d| d.to_string())
-                .collect::<Vec<_>>()
-                .join(", "),
-        }
-        .into());
-    }
-    let (h, f, e_all) = (model.hidden as u64, moe.ffn as u64, moe.experts);
-    let layers: Vec<usize> = (0..model.layers).filter(|&l| model.moe_layer(l)).collect();
-    // stage of each layer, as MegatronLayout splits them
-    let (base, rem) = (model.layers / pp, model.layers % pp);
-    let stage_of = |l: usize| {
-        let big = (base + 1) * rem;
-        if l < big {
-            l / (base + 1)
-        } else {
-            rem + (l - big) / base.max(1)
-        }
-    };
-    let per_ep = e_all / ep;
-    let train_part = f / etp as u64;
-    Ok((0..world)
-        .map(|rank| {
-            let c = ex.coords(rank);
-            let mine = c.ep * per_ep..(c.ep + 1) * per_ep;
-            let my_ffn = c.etp as u64 * train_part..(c.etp as u64 + 1) * train_part;
-            let tau = rank % t;
-            let (mut held, mut remote) = (0u64, 0u64);
-            let mut trained = 0u64;
-            for &l in &layers {
-                let on_stage = stage_of(l) == c.pp;
-                if on_stage {
-                    trained += per_ep as u64 * 3 * train_part * h * 2;
-                }
-                let (experts, ffn): (std::ops::Range<usize>, std::ops::Range<u64>) = match placement
-                {
-                    ExpertPlacement::Partitioned => {
-                        let per = e_all / t;
-                        (tau * per..(tau + 1) * per, 0..f)
-                    }
-                    ExpertPlacement::TensorParallel => {
-                        let per = f / t as u64;
-                        (0..e_all, tau as u64 * per..(tau as u64 + 1) * per)
-                    }
-                };
-                for e in experts {
-                    let bytes = 3 * (ffn.end - ffn.start) * h * 2;
-                    held += bytes;
-                    let local = if on_stage && mine.contains(&e) {
-                        let lo = ffn.start.max(my_ffn.start);
-                        let hi = ffn.end.min(my_ffn.end);
-                        3 * hi.saturating_sub(lo) * h * 2
-                    } else {
-                        0
-                    };
-                    remote += bytes - local;
-                }
-            }
-            ExpertTraffic {
-                rank,
-                train_bytes: trained,
-                rollout_bytes: held,
-                remote_bytes: remote,
-            }
-        })
-        .collect())
-}
-
 /// The Megatron planner's plan for TP × PP × DP to rollout degree `t` (vocabulary unpadded when
-/// `t` divides it, padded to a multiple of 64 × `t` otherwise).
+/// `t` divides it, padded to a multiple of 64 × `t` otherwise). A mixture-of-experts model gets
+/// Megatron's default expert layout, EP 1 and expert TP = TP, and its experts split by TP in
+/// the rollout ([`plan_megatron_moe`] chooses both).
 #[allow(clippy::too_many_arguments)]
 pub fn plan_megatron(
     config: &ModelConfig,
@@ -490,14 +360,55 @@ pub fn plan_megatron(
     bucket_bytes: u64,
     offload: Offload,
 ) -> Result<Vec<RankCost>, PlanError> {
+    plan_megatron_moe(
+        config,
+        (tp, pp, dp),
+        (1, tp),
+        (t, ExpertPlacement::TensorParallel),
+        make_vocab_size_divisible_by,
+        bucket_bytes,
+        offload,
+    )
+}
+
+/// [`plan_megatron`] for a mixture-of-experts model trained with expert parallelism `ep` and
+/// expert TP `etp` (Megatron-Core's ETP × EP × EDP × PP expert ranks), rolled out at degree `t`
+/// with the experts placed by `placement`. Each rank receives only the expert bytes of its
+/// rollout slice that it does not train itself.
+///
+/// ```
+/// use lifecycle_decoder::ModelConfig;
+/// use lifecycle_layout::ExpertPlacement;
+/// use lifecycle_plan::{plan_megatron_moe, Offload};
+/// let config = ModelConfig::from_file("configs/qwen3-30b-a3b.json".as_ref())?;
+/// let plan = |placement| {
+///     // W = 8 (TP 1, DP 8), EP 8: each rank trains 16 of the 128 experts of every layer
+///     plan_megatron_moe(&config, (1, 1, 8), (8, 1), (8, placement), 128, 256 << 20, Offload::NONE)
+/// };
+/// let ep = plan(ExpertPlacement::Partitioned)?;
+/// let tp = plan(ExpertPlacement::TensorParallel)?;
+/// // rolled out at T = 8 with the experts partitioned, a rank receives only attention and
+/// // embedding slices; split by TP inside every expert, 7/8 of its experts come from peers
+/// assert!(ep[0].recv_bytes * 20 < tp[0].recv_bytes);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn plan_megatron_moe(
+    config: &ModelConfig,
+    (tp, pp, dp): (usize, usize, usize),
+    (ep, etp): (usize, usize),
+    (t, placement): (usize, ExpertPlacement),
+    make_vocab_size_divisible_by: usize,
+    bucket_bytes: u64,
+    offload: Offload,
+) -> Result<Vec<RankCost>, PlanError> {
     let model = config.model_spec(make_vocab_size_divisible_by);
-    let train = MegatronLayout::new(model, tp, pp, dp)?;
+    let train = MegatronLayout::new_moe(model, tp, pp, dp, ep, etp)?;
     let vocab = if t > 0 && config.vocab_size.is_multiple_of(t) {
         RolloutVocab::Unpadded
     } else {
         RolloutVocab::PadToMultipleOf(64)
     };
-    let rollout = RolloutLayout::fused(t, vocab);
+    let rollout = RolloutLayout::fused(t, vocab).with_expert_placement(placement);
     let plan = plan_megatron_to_tp(&train, &rollout, MegatronBuckets { bucket_bytes })?;
     let rollout_bytes: u64 = plan.tensors.iter().map(|s| s.numel() as u64 * 2).sum();
     Ok(plan
@@ -506,7 +417,7 @@ pub fn plan_megatron(
         .map(|r| {
             let c = train.coords(r.rank);
             let params = train.stage_len(c.pp) as u64;
-            let shard = train.dp_shard(c.pp, c.dp).len() as u64;
+            let shard = train.optimizer_shard(r.rank).len() as u64;
             let state = u64::from(offload.params) * (2 * params + 4 * shard)
                 + u64::from(offload.optimizer) * 8 * shard;
             RankCost {
@@ -522,7 +433,7 @@ pub fn plan_megatron(
                     .unwrap_or(0),
                 offload_bytes: state,
                 reload_bytes: state,
-                // bf16 params, fp32 main params of the DP shard, Adam m and v
+                // bf16 params, fp32 main params of the optimizer shard, Adam m and v
                 train_state_bytes: 2 * params + 12 * shard,
             }
         })

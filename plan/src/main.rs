@@ -15,8 +15,8 @@ use lifecycle_core::HumanBytes;
 use lifecycle_decoder::ModelConfig;
 use lifecycle_layout::ExpertPlacement;
 use lifecycle_plan::{
-    full_gather_bytes, job_prediction, plan_fsdp_experts, plan_fsdp_fp8, plan_megatron,
-    plan_megatron_experts, rollout_memory, LinkRates, Offload, RankCost, RatesSource, TrainLayout,
+    full_gather_bytes, job_prediction, plan_fsdp_experts, plan_fsdp_fp8, plan_megatron_moe,
+    rollout_memory, LinkRates, Offload, RankCost, RatesSource, TrainLayout,
 };
 
 /// Print a switch's transfer plan per rank and predict its time, before launching.
@@ -190,15 +190,11 @@ fn run(args: &Args) -> Result<(), String> {
             dp,
             ep,
             etp,
-        } if config.moe.is_some() => {
-            return experts_only(&config, args, (tp, pp, dp), (ep, etp));
-        }
-        TrainLayout::Megatron { tp, pp, dp, .. } => plan_megatron(
+        } => plan_megatron_moe(
             &config,
-            tp,
-            pp,
-            dp,
-            args.rollout_tp,
+            (tp, pp, dp),
+            (ep, etp),
+            (args.rollout_tp, args.experts),
             args.make_vocab_size_divisible_by,
             bucket,
             offload,
@@ -320,49 +316,6 @@ fn run(args: &Args) -> Result<(), String> {
     println!(
         "rates ({from}): device-device {:.0} GB/s, device memory {:.0} GB/s, host->device {:.1} GB/s, device->host {:.1} GB/s",
         rates.nvlink_gbps, rates.hbm_gbps, rates.h2d_gbps, rates.d2h_gbps
-    );
-    Ok(())
-}
-
-/// A mixture-of-experts model trained by Megatron-Core: the expert layout's accounting (what
-/// each rank trains, holds for the rollout and receives), which is all there is until the
-/// Megatron planner moves experts.
-fn experts_only(
-    config: &ModelConfig,
-    args: &Args,
-    dense: (usize, usize, usize),
-    experts: (usize, usize),
-) -> Result<(), String> {
-    let r = plan_megatron_experts(config, dense, experts, args.rollout_tp, args.experts)
-        .map_err(|e| e.to_string())?;
-    let m = config.moe.map(|m| (m.experts, m.ffn)).unwrap_or_default();
-    println!(
-        "model {} ({:.3} B params, {} experts of {} per MoE layer); training {}; rollout T = {}, \
-         experts {}",
-        args.config.display(),
-        config.params() as f64 / 1e9,
-        m.0,
-        m.1,
-        args.train,
-        args.rollout_tp,
-        args.experts.name()
-    );
-    println!("rank  experts trained  experts in rollout  from peers");
-    for x in &r {
-        println!(
-            "{:>4}  {:>15}  {:>18}  {:>10}",
-            x.rank,
-            HumanBytes(x.train_bytes).to_string(),
-            HumanBytes(x.rollout_bytes).to_string(),
-            HumanBytes(x.remote_bytes).to_string()
-        );
-    }
-    let full: u64 = r.iter().map(|x| x.train_bytes).sum::<u64>();
-    println!(
-        "the Megatron planner does not move experts yet: this is the expert layout's accounting \
-         (Megatron-Core's ETP x EP x EDP x PP ranks), not a plan; the experts of one model \
-         replica are {} (every expert data-parallel replica trains a copy)",
-        HumanBytes(full / (args.train.world() / (experts.0 * experts.1 * dense.1)).max(1) as u64)
     );
     Ok(())
 }

@@ -218,8 +218,8 @@ fn moe_bad_input_names_the_field() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("num_experts 100"), "{e}");
-    // Megatron with experts: the expert layout's accounting, said to be no plan; expert degrees
-    // that do not tile the world are named
+    // Megatron with experts: the plan of the expert layout; expert degrees that do not tile the
+    // world are named
     let run = |train: &str, t: &str| {
         Command::new(env!("CARGO_BIN_EXE_lifecycle-plan"))
             .args([
@@ -238,7 +238,7 @@ fn moe_bad_input_names_the_field() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        text.contains("from peers") && text.contains("not a plan"),
+        text.contains("recv d2d") && text.contains("ep=8,etp=1"),
         "{text}"
     );
     let out = run("megatron:tp=1,dp=8,ep=3", "8");
