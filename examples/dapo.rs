@@ -190,9 +190,22 @@ struct MegatronOptions {
     /// --train-tp ranks]
     #[arg(long)]
     pp: Option<usize>,
+    /// Megatron expert-parallel degree of a mixture-of-experts checkpoint (Megatron-Core's
+    /// --expert-model-parallel-size).
+    #[arg(long, default_value_t = 1)]
+    ep: usize,
+    /// Megatron expert tensor-parallel degree [default: --train-tp, as Megatron-Core's
+    /// --expert-tensor-parallel-size]
+    #[arg(long)]
+    etp: Option<usize>,
 }
 
 impl MegatronOptions {
+    /// The expert tensor-parallel degree: as given, else --train-tp.
+    fn etp(&self) -> usize {
+        self.etp.unwrap_or(self.train_tp)
+    }
+
     /// The pipeline stages for `world` ranks: as given, else 2 where `world` holds two stages
     /// of `train_tp` ranks, else 1.
     fn pp(&self, world: usize) -> usize {
@@ -407,6 +420,8 @@ impl Args {
                 Train::Megatron => HostTrain::Megatron {
                     tp: self.megatron.train_tp,
                     pp: self.megatron.pp(h.world),
+                    ep: self.megatron.ep,
+                    etp: self.megatron.etp(),
                 },
             },
         };
@@ -426,6 +441,8 @@ impl Args {
                 Backend::Megatron => GpuLayout::Megatron {
                     tp: self.megatron.train_tp,
                     pp: self.megatron.pp(self.fsdp.gpus),
+                    ep: self.megatron.ep,
+                    etp: self.megatron.etp(),
                 },
                 Backend::Host | Backend::Fsdp => GpuLayout::Fsdp,
             },
@@ -546,7 +563,7 @@ fn prediction_line(config: &DapoConfig, checkpoint: Option<&Checkpoint>) -> Opti
         HostTrain::Fsdp => prediction::TrainSide::Fsdp {
             world: config.world,
         },
-        HostTrain::Megatron { tp, pp } => prediction::TrainSide::Megatron {
+        HostTrain::Megatron { tp, pp, .. } => prediction::TrainSide::Megatron {
             tp,
             pp,
             dp: config.world / (tp * pp).max(1),
@@ -999,7 +1016,15 @@ mod tests {
             Plan::Host {
                 config, verbose, ..
             } => {
-                assert_eq!(config.train, HostTrain::Megatron { tp: 2, pp: 1 });
+                assert_eq!(
+                    config.train,
+                    HostTrain::Megatron {
+                        tp: 2,
+                        pp: 1,
+                        ep: 1,
+                        etp: 2
+                    }
+                );
                 assert!(verbose);
             }
             other => panic!("expected the host backend, got {other:?}"),
@@ -1030,17 +1055,41 @@ mod tests {
             "--lr",
             "0.001",
         ]);
-        assert_eq!(o.layout, GpuLayout::Megatron { tp: 1, pp: 2 });
+        assert_eq!(
+            o.layout,
+            GpuLayout::Megatron {
+                tp: 1,
+                pp: 2,
+                ep: 1,
+                etp: 1
+            }
+        );
         assert_eq!(
             (o.gpu.gpus, o.run.tp, o.run.steps, o.gpu.lr),
             (2, 2, 1, 0.001)
         );
         let o = fsdp(&["--backend", "megatron"]);
-        assert_eq!(o.layout, GpuLayout::Megatron { tp: 1, pp: 2 });
+        assert_eq!(
+            o.layout,
+            GpuLayout::Megatron {
+                tp: 1,
+                pp: 2,
+                ep: 1,
+                etp: 1
+            }
+        );
         assert_eq!(o.run, gpu_dapo::Options::default().run);
         // One GPU makes one stage unless told otherwise.
         let o = fsdp(&["--backend", "megatron", "--gpus", "1", "--tp", "1"]);
-        assert_eq!(o.layout, GpuLayout::Megatron { tp: 1, pp: 1 });
+        assert_eq!(
+            o.layout,
+            GpuLayout::Megatron {
+                tp: 1,
+                pp: 1,
+                ep: 1,
+                etp: 1
+            }
+        );
         // Megatron degrees without a Megatron layout
         let msg = plan(&["--pp", "2"]).unwrap_err().to_string();
         assert!(

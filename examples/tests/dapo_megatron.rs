@@ -15,7 +15,12 @@ fn small(tp: usize, pp: usize) -> DapoConfig {
         batch_groups: 2,
         tokens: 6,
         reward_quota: 2,
-        train: HostTrain::Megatron { tp, pp },
+        train: HostTrain::Megatron {
+            tp,
+            pp,
+            ep: 1,
+            etp: tp,
+        },
         ..DapoConfig::default()
     }
 }
@@ -83,4 +88,52 @@ fn megatron_trains_a_qwen3_checkpoint_and_refuses_fp8() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("fp8") && err.contains("FSDP"), "{err}");
+}
+
+/// Qwen3-MoE trained in Megatron-Core's expert layouts (EP × ETP beside TP × PP × DP), rolled
+/// out with its experts split by TP or partitioned: lazy equals eager, one switch per step, and
+/// a bad expert degree is refused by name before anything moves.
+#[test]
+fn megatron_trains_a_mixture_of_experts_checkpoint_in_expert_parallel_layouts() {
+    use lifecycle_layout::ExpertPlacement;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/decoder/fixtures/moe/moe_e4_untied_v61");
+    let ckpt = lifecycle_decoder::load_checkpoint(&dir).unwrap();
+    assert!(ckpt.config.moe.is_some());
+    // (TP, PP, EP, ETP, world, T, placement)
+    for (tp, pp, ep, etp, world, t, experts) in [
+        (1, 1, 2, 1, 2, 2, ExpertPlacement::Partitioned),
+        (2, 1, 1, 2, 2, 1, ExpertPlacement::TensorParallel),
+        (1, 2, 2, 1, 4, 2, ExpertPlacement::TensorParallel),
+        (2, 1, 4, 1, 4, 4, ExpertPlacement::Partitioned),
+    ] {
+        let config = DapoConfig {
+            world,
+            tp: t,
+            experts,
+            train: HostTrain::Megatron { tp, pp, ep, etp },
+            ..small(tp, pp)
+        };
+        let what = format!("TP {tp} PP {pp} EP {ep} ETP {etp} W {world} T {t} {experts:?}");
+        let lazy = run_megatron(&config, Some(&ckpt), Switching::Lazy, |_| {}).unwrap();
+        let eager = run_megatron(&config, Some(&ckpt), Switching::Eager, |_| {}).unwrap();
+        assert_eq!(lazy.groups, eager.groups, "{what}");
+        assert!(lazy.steps.iter().all(|s| s.switches == 1), "{what}");
+        assert!(eager.metrics.bytes().moved() >= lazy.metrics.bytes().moved());
+    }
+    let bad = DapoConfig {
+        world: 2,
+        tp: 1,
+        train: HostTrain::Megatron {
+            tp: 1,
+            pp: 1,
+            ep: 3,
+            etp: 1,
+        },
+        ..small(1, 1)
+    };
+    let err = run_megatron(&bad, Some(&ckpt), Switching::Lazy, |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("EP") && err.contains("3"), "{err}");
 }

@@ -15,7 +15,7 @@ use lifecycle_core::{RolloutSession, Switching, TrainSession};
 use lifecycle_decoder::{random_tensors, Checkpoint, MegatronParallel, ModelConfig};
 use lifecycle_host::megatron::{MegatronHostBackend, MegatronTrainState};
 use lifecycle_layout::{AdamParams, HostTensor};
-use lifecycle_layout::{RolloutLayout as FusedLayout, RolloutVocab};
+use lifecycle_layout::{ExpertPlacement, RolloutLayout as FusedLayout, RolloutVocab};
 
 use super::update::SYNTHETIC_LR;
 use super::{
@@ -36,23 +36,24 @@ pub const SMALL_MEGATRON_CONFIG: &str = r#"{
 }"#;
 
 /// The fused rollout layout at degree `t` for `model` (vocabulary unpadded when `t` divides it,
-/// padded to a multiple of 64 otherwise, as `lifecycle-plan` assumes).
-pub fn fused_layout(model: &ModelConfig, t: usize) -> FusedLayout {
+/// padded to a multiple of 64 otherwise, as `lifecycle-plan` assumes), its experts (if any)
+/// placed by `experts`.
+pub fn fused_layout(model: &ModelConfig, t: usize, experts: ExpertPlacement) -> FusedLayout {
     let vocab = if t > 0 && model.vocab_size.is_multiple_of(t) {
         RolloutVocab::Unpadded
     } else {
         RolloutVocab::PadToMultipleOf(64)
     };
-    FusedLayout::fused(t, vocab)
+    FusedLayout::fused(t, vocab).with_expert_placement(experts)
 }
 
-/// The Megatron degrees of `config` (`HostTrain::Megatron`; TP = PP = 1 otherwise).
+/// The Megatron degrees of `config` (`HostTrain::Megatron`; TP = PP = EP = 1 otherwise).
 pub fn parallel(config: &DapoConfig) -> MegatronParallel {
-    let (tp, pp) = match config.train {
-        HostTrain::Megatron { tp, pp } => (tp, pp),
-        HostTrain::Fsdp => (1, 1),
+    let (tp, pp, ep, etp) = match config.train {
+        HostTrain::Megatron { tp, pp, ep, etp } => (tp, pp, ep, etp),
+        HostTrain::Fsdp => (1, 1, 1, 1),
     };
-    MegatronParallel::new(tp, pp, config.world / (tp * pp).max(1))
+    MegatronParallel::new(tp, pp, config.world / (tp * pp).max(1)).with_experts(ep, etp)
 }
 
 /// The model and initial weights of a Megatron run: the checkpoint's, or the small random model's.
@@ -152,12 +153,21 @@ impl DapoBackend<MegatronHostBackend, CpuDecoderEngine> for MegatronDriver {
     fn describe(&self) -> Vec<String> {
         let c = &self.config;
         let p = parallel(c);
+        let experts = match self.model.moe {
+            Some(_) => format!(
+                ", experts EP {} x ETP {} -> {}",
+                p.ep,
+                p.etp,
+                c.experts.name()
+            ),
+            None => String::new(),
+        };
         vec![
             format!(
                 "DAPO on the host backend, Megatron training layout: W = {} (TP {} x PP {} x DP \
-                 {}) -> fused rollout T = {}, {}, rollouts through the CPU decoder reading the \
-                 fused layout, {} prompts x {} samples per gen batch, {} groups per step, \
-                 offload {}",
+                 {}{experts}) -> fused rollout T = {}, {}, rollouts through the CPU decoder \
+                 reading the fused layout, {} prompts x {} samples per gen batch, {} groups per \
+                 step, offload {}",
                 c.world,
                 p.tp,
                 p.pp,
@@ -221,9 +231,10 @@ pub fn run_megatron(
     }
     let (model, tensors) = model_and_tensors(config, checkpoint)?;
     let state = model.megatron_state(tensors, parallel(config))?;
-    let layout = fused_layout(&model, config.tp);
-    // the decoder's own checks of the degree (heads, ffn, vocabulary) before anything moves
-    model.rollout_layout(config.tp)?;
+    let layout = fused_layout(&model, config.tp, config.experts);
+    // the decoder's own checks of the degree (heads, ffn, experts, vocabulary) before anything
+    // moves
+    model.rollout_layout_with(config.tp, config.experts)?;
     let engine = CpuDecoderEngine::new(model.clone(), DecoderLayout::Fused(layout.clone()));
     let mut driver = MegatronDriver::new(*config, model, String::new());
     run_host(

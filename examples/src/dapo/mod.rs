@@ -46,6 +46,10 @@ pub enum HostTrain {
         tp: usize,
         /// Pipeline stages.
         pp: usize,
+        /// Expert-parallel degree of a mixture-of-experts model (1 for dense models).
+        ep: usize,
+        /// Expert tensor-parallel degree (Megatron's default: TP).
+        etp: usize,
     },
 }
 
@@ -427,13 +431,13 @@ pub fn validate(config: &DapoConfig) -> Result<(), DapoError> {
         (
             match c.train {
                 HostTrain::Fsdp => false,
-                HostTrain::Megatron { tp, pp } => {
+                HostTrain::Megatron { tp, pp, .. } => {
                     tp == 0 || pp == 0 || !c.world.is_multiple_of(tp * pp)
                 }
             },
             match c.train {
                 HostTrain::Fsdp => String::new(),
-                HostTrain::Megatron { tp, pp } => format!(
+                HostTrain::Megatron { tp, pp, .. } => format!(
                     "--train-tp {tp} x --pp {pp} must divide --world {} (DP = W / (TP x PP))",
                     c.world
                 ),

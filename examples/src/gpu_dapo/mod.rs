@@ -316,7 +316,7 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
             );
             reports
         }
-        GpuLayout::Megatron { tp, pp } => {
+        GpuLayout::Megatron { tp, pp, ep, etp } => {
             if r.rollout_dtype != lifecycle_layout::fp8::RolloutDtype::Bf16 {
                 return Err(DapoGpuError::Usage(
                     "--rollout-dtype fp8 is implemented for the FSDP layout (--backend fsdp): \
@@ -324,7 +324,8 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
                         .into(),
                 ));
             }
-            let parallel = MegatronParallel::new(tp, pp, g.gpus / (tp * pp).max(1));
+            let parallel =
+                MegatronParallel::new(tp, pp, g.gpus / (tp * pp).max(1)).with_experts(ep, etp);
             if parallel.world() != g.gpus {
                 return Err(DapoGpuError::Usage(format!(
                     "--train-tp {tp} x --pp {pp} must divide --gpus {} (DP = GPUs / (TP x PP))",
@@ -334,7 +335,10 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
             let train_layout = config
                 .megatron_layout(parallel)
                 .map_err(|e| DapoGpuError::Usage(e.to_string()))?;
-            let rollout = fused_layout(&config, r.tp);
+            config
+                .rollout_layout_with(r.tp, r.experts)
+                .map_err(|e| DapoGpuError::Usage(e.to_string()))?;
+            let rollout = fused_layout(&config, r.tp, r.experts);
             let engine = RunEngine::for_run(&config, &rollout, &pool, capacity, fork)?;
             let backend = MegatronGpuBackend::new(Arc::clone(&pool), rollout)?;
             let trainer = MegatronTrainer {
@@ -401,7 +405,7 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
     if root {
         let train = match a.layout {
             GpuLayout::Fsdp => TrainSide::Fsdp { world: g.gpus },
-            GpuLayout::Megatron { tp, pp } => TrainSide::Megatron {
+            GpuLayout::Megatron { tp, pp, .. } => TrainSide::Megatron {
                 tp,
                 pp,
                 dp: g.gpus / (tp * pp).max(1),

@@ -54,6 +54,10 @@ pub enum GpuLayout {
         tp: usize,
         /// Pipeline stages.
         pp: usize,
+        /// Expert-parallel degree of a mixture-of-experts model (1 for dense models).
+        ep: usize,
+        /// Expert tensor-parallel degree (Megatron's default: TP).
+        etp: usize,
     },
 }
 
