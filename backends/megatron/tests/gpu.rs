@@ -6,7 +6,9 @@
 //!
 //! - 1 GPU: W = 1 (TP = PP = DP = 1); W = 2, 3, 4 ranks sharing GPU 0 in every TP/PP/DP layout
 //!   the models allow (peer copies between ranks of one GPU, no NCCL), bit for bit against the
-//!   CPU executor; the refusal of NCCL on such a pool.
+//!   CPU executor; mixture-of-experts models in Megatron-Core's expert layouts (EP × ETP, both
+//!   rollout expert placements) at W = 1 and on ranks sharing GPU 0; the refusal of NCCL on
+//!   such a pool.
 //! - 2 GPUs: W = 2 with NCCL steps and peer copies over the link; four ranks on two GPUs.
 
 #[path = "../../host/tests/common/megatron.rs"]
@@ -25,7 +27,7 @@ use lifecycle_layout::megatron::{plan_megatron_to_tp, BucketConfig, MegatronLayo
 use lifecycle_layout::AdamParams;
 use lifecycle_layout::HostRollout;
 use lifecycle_layout::ModelSpec;
-use lifecycle_layout::{RolloutLayout, RolloutVocab};
+use lifecycle_layout::{ExpertPlacement, LayerSet, MoeSpec, RolloutLayout, RolloutVocab};
 use lifecycle_megatron::{
     GpuConfig, MegatronGpuBackend, MegatronGpuError, MegatronGpuPlan, MegatronGpuState, Transport,
 };
@@ -74,6 +76,11 @@ struct Case {
     tp: usize,
     pp: usize,
     dp: usize,
+    /// Expert parallelism and expert TP (mixture-of-experts models; 1 and TP otherwise).
+    ep: usize,
+    etp: usize,
+    /// How the rollout places the experts.
+    experts: ExpertPlacement,
     t: usize,
     vocab: RolloutVocab,
     config: GpuConfig,
@@ -90,17 +97,20 @@ fn check(
     name: &str,
     c: &Case,
 ) -> Result<bool, Box<dyn std::error::Error>> {
-    let layout = MegatronLayout::new(c.model, c.tp, c.pp, c.dp)?;
+    let layout = MegatronLayout::new_moe(c.model, c.tp, c.pp, c.dp, c.ep, c.etp)?;
     let host = MegatronTrainState::from_hf(layout, common::hf_tensors(&c.model, 5))?;
-    let rollout = RolloutLayout::fused(c.t, c.vocab);
+    let rollout = RolloutLayout::fused(c.t, c.vocab).with_expert_placement(c.experts);
     let reference = reference_rollout(&host, &rollout)?;
     let cpu = via_host(&host, rollout.clone(), c.config.bucket_bytes);
     let case = format!(
-        "{name} TP{} PP{} DP{} -> T{} {:?} {:?} bucket {} x{} {:?}",
+        "{name} TP{} PP{} DP{} EP{} ETP{} -> T{} experts {} {:?} {:?} bucket {} x{} {:?}",
         c.tp,
         c.pp,
         c.dp,
+        c.ep,
+        c.etp,
         c.t,
+        c.experts.name(),
         c.vocab,
         c.config.transport,
         c.config.bucket_bytes,
@@ -392,6 +402,9 @@ fn matrix(world: usize, layouts: &[(usize, usize, usize)]) -> Res {
                         tp,
                         pp,
                         dp,
+                        ep: 1,
+                        etp: tp,
+                        experts: ExpertPlacement::TensorParallel,
                         t,
                         vocab,
                         config: GpuConfig {
@@ -743,6 +756,9 @@ fn shared_case(layout: &Layout, k: usize) -> Case {
         tp,
         pp,
         dp,
+        ep: 1,
+        etp: tp,
+        experts: ExpertPlacement::TensorParallel,
         t,
         vocab: [
             RolloutVocab::PadToMultipleOf(1),
@@ -874,4 +890,124 @@ fn two_ranks_on_each_of_two_gpus_match_the_cpu_executor() -> Res {
     let n = shared_matrix(&pool, &shared_layouts())?;
     assert!(n > 0);
     Ok(())
+}
+
+/// Mixture-of-experts models: the tiny one (4 experts of 12, layer 0 dense) and one with 8
+/// experts of 256 over hidden 256 (copies larger than a tile).
+fn moe_models() -> Vec<(&'static str, ModelSpec)> {
+    let medium = ModelSpec {
+        qk_norm: true,
+        qkv_bias: false,
+        moe: Some(MoeSpec {
+            experts: 8,
+            top_k: 2,
+            ffn: 256,
+            norm_topk_prob: true,
+            sparse_step: 1,
+            dense_layers: LayerSet::EMPTY,
+        }),
+        ..models()[2].1
+    };
+    vec![
+        ("moe-tiny", common::moe_model(false)),
+        ("moe-tied", common::moe_model(true)),
+        ("moe-medium", medium),
+    ]
+}
+
+/// Megatron-Core expert layouts on W ranks: (TP, PP, DP, EP, ETP, T, rollout placement).
+type MoeLayout = (usize, usize, usize, usize, usize, usize, ExpertPlacement);
+
+const MOE_LAYOUTS: [MoeLayout; 10] = {
+    use ExpertPlacement::{Partitioned as Ep, TensorParallel as Tp};
+    [
+        (1, 1, 1, 1, 1, 1, Tp),
+        (1, 1, 1, 1, 1, 1, Ep),
+        (1, 1, 2, 2, 1, 2, Ep),
+        (1, 1, 2, 2, 1, 1, Tp),
+        (2, 1, 1, 1, 2, 2, Tp),
+        (2, 1, 1, 2, 1, 1, Ep),
+        (1, 2, 2, 2, 1, 2, Tp),
+        (2, 1, 2, 4, 1, 4, Ep),
+        (1, 1, 4, 2, 2, 2, Tp),
+        (1, 3, 1, 1, 1, 1, Ep),
+    ]
+};
+
+/// W = 1 and W = 2, 3, 4 ranks on GPU 0: every expert layout of [`MOE_LAYOUTS`] with every
+/// MoE model, bit for bit against the CPU executor and the reference (settings varied as in the
+/// shared-GPU matrix); then a synthetic expert-parallel state made on the device rolls out as
+/// the reference of its own download says.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn moe_expert_layouts_match_the_cpu_executor_on_one_gpu() -> Res {
+    require_gpus(1)?;
+    let mut n = 0;
+    for world in 1..=4 {
+        let pool = Arc::new(ThreadRankPool::on_devices(&vec![0; world])?);
+        for (name, model) in moe_models() {
+            for (i, &(tp, pp, dp, ep, etp, t, experts)) in MOE_LAYOUTS.iter().enumerate() {
+                if tp * pp * dp != world {
+                    continue;
+                }
+                let mut case = shared_case(&(name, model, tp, pp, dp, t), i + n);
+                case.ep = ep;
+                case.etp = etp;
+                case.experts = experts;
+                check(&pool, name, &case)?;
+                n += 1;
+            }
+        }
+        // synthetic: the expert parts seeded per expert, equal on expert-DP replicas
+        if let Some(&(tp, pp, dp, ep, etp, t, experts)) =
+            MOE_LAYOUTS.iter().rev().find(|l| l.0 * l.1 * l.2 == world)
+        {
+            let model = moe_models()[2].1;
+            let layout = MegatronLayout::new_moe(model, tp, pp, dp, ep, etp)?;
+            let rollout = RolloutLayout::fused(t, RolloutVocab::PadToMultipleOf(1))
+                .with_expert_placement(experts);
+            let backend = MegatronGpuBackend::new(pool.clone(), rollout.clone())?;
+            let state = backend.synthetic_state(layout.clone(), 7, 0.05)?;
+            let host = backend.download_state(&state)?;
+            for rank in 0..world {
+                let group = layout.expert_dp_group(rank);
+                let base = layout.dense_len(layout.coords(rank).pp);
+                let mine = &host.params_anywhere(rank).unwrap_or_default()[base..];
+                for &other in &group {
+                    let theirs = &host.params_anywhere(other).unwrap_or_default()[base..];
+                    assert!(
+                        mine == theirs,
+                        "W{world}: expert parts of {rank} and {other}"
+                    );
+                }
+            }
+            let reference = reference_rollout(&host, &rollout)?;
+            let mut lc = Lifecycle::new(backend, state);
+            let s = lc.rollout()?;
+            let got = s.backend().download_rollout(&s.weights())?;
+            assert_eq!(got.first_difference(&reference), None, "W{world} synthetic");
+        }
+    }
+    eprintln!("{n} mixture-of-experts layout cases checked on GPU 0");
+    assert!(n >= 25, "{n} cases");
+    Ok(())
+}
+
+#[test]
+fn the_moe_gpu_layouts_are_valid_and_the_cpu_executor_agrees_with_the_reference() {
+    for (name, model) in moe_models() {
+        for &(tp, pp, dp, ep, etp, t, experts) in &MOE_LAYOUTS {
+            let layout = MegatronLayout::new_moe(model, tp, pp, dp, ep, etp).unwrap();
+            let host = MegatronTrainState::from_hf(layout, common::hf_tensors(&model, 5)).unwrap();
+            let rollout = RolloutLayout::fused(t, RolloutVocab::PadToMultipleOf(7))
+                .with_expert_placement(experts);
+            let reference = reference_rollout(&host, &rollout).unwrap();
+            let cpu = via_host(&host, rollout, 256 << 20);
+            assert_eq!(
+                cpu.first_difference(&reference),
+                None,
+                "{name} TP{tp} PP{pp} DP{dp} EP{ep} ETP{etp} -> T{t}"
+            );
+        }
+    }
 }

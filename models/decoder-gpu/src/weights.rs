@@ -550,14 +550,15 @@ impl GroupOffsets {
         if tp == 0 {
             return Err(degree("T must be at least 1".into()));
         }
-        if !config.intermediate_size.is_multiple_of(tp) {
+        // the padding multiple of the training side plays no part in the rollout layout
+        let model = config.model_spec(MEGATRON_VOCAB_MULTIPLE);
+        if model.has_dense_mlp() && !config.intermediate_size.is_multiple_of(tp) {
             return Err(degree(format!(
                 "intermediate_size {} is not divisible by T",
                 config.intermediate_size
             )));
         }
-        // the padding multiple of the training side plays no part in the rollout layout
-        let specs = layout.fused_tensors(&config.model_spec(MEGATRON_VOCAB_MULTIPLE))?;
+        let specs = layout.fused_tensors(&model)?;
         let by_name: HashMap<&str, &RolloutEntry> = entries.iter().map(|e| (e.name(), e)).collect();
         let mut offsets: HashMap<&str, u64> = HashMap::with_capacity(specs.len());
         let mut min_len = 0u64;
@@ -631,7 +632,15 @@ impl GroupOffsets {
             } else {
                 None
             };
-            let gate_up = at(&hf::layer(l, hf::GATE_UP))?;
+            // a mixture-of-experts layer has no dense MLP (its experts: `moe` below)
+            let (gate_up, down) = if model.moe_layer(l) {
+                (0, 0)
+            } else {
+                (
+                    at(&hf::layer(l, hf::GATE_UP))?,
+                    at(&hf::layer(l, hf::DOWN))?,
+                )
+            };
             layers.push(LayerOffsets {
                 input_norm: at(&hf::layer(l, hf::INPUT_NORM))?,
                 post_norm: at(&hf::layer(l, hf::POST_NORM))?,
@@ -644,7 +653,7 @@ impl GroupOffsets {
                 o_w: MatAt::bf16(at(&hf::layer(l, hf::O))?),
                 gate_w: MatAt::bf16(gate_up),
                 up_w: MatAt::bf16(gate_up + (ffn_part * h) as u64),
-                down_w: MatAt::bf16(at(&hf::layer(l, hf::DOWN))?),
+                down_w: MatAt::bf16(down),
                 qk_norm: if config.qk_norm {
                     Some((
                         at(&hf::layer(l, hf::Q_NORM))?,
@@ -675,15 +684,48 @@ impl GroupOffsets {
             at(hf::LM_HEAD)?
         };
         let final_norm = at(hf::NORM)?;
+        // every rank holds its experts at the same offsets: the stacks of its share
+        let mut moe_ranks = Vec::with_capacity(tp);
+        for t in 0..tp {
+            let mut per_layer = Vec::with_capacity(config.num_layers);
+            for l in 0..config.num_layers {
+                per_layer.push(match (layout.expert_share(&model, t), model.moe) {
+                    (Some(share), Some(m)) if model.moe_layer(l) => {
+                        let (w13, w2) = (
+                            at(&hf::layer(l, hf::EXPERTS_W13))?,
+                            at(&hf::layer(l, hf::EXPERTS_W2))?,
+                        );
+                        let f = share.ffn.len();
+                        let mut experts = vec![None; m.experts];
+                        for (j, e) in share.experts.enumerate() {
+                            let gate = w13 + (j * 2 * f * h) as u64;
+                            experts[e] = Some(ExpertOffsets {
+                                gate: MatAt::bf16(gate),
+                                up: MatAt::bf16(gate + (f * h) as u64),
+                                down: MatAt::bf16(w2 + (j * h * f) as u64),
+                                ffn: f,
+                            });
+                        }
+                        Some(MoeOffsets {
+                            router: at(&hf::layer(l, hf::ROUTER))?,
+                            experts,
+                        })
+                    }
+                    _ => None,
+                });
+            }
+            moe_ranks.push(per_layer);
+        }
         let ranks = shares
             .iter()
-            .map(|&share| RankOffsets {
+            .zip(moe_ranks)
+            .map(|(&share, moe)| RankOffsets {
                 embed,
                 head,
                 final_norm,
                 share,
                 layers: layers.clone(),
-                moe: vec![None; config.num_layers],
+                moe,
             })
             .collect();
         Ok(GroupOffsets {

@@ -41,7 +41,7 @@ use lifecycle_decoder_gpu::{EngineSettings, GpuDecoder, GpuEngine, GpuModel};
 use lifecycle_fsdp::FsdpBackend;
 use lifecycle_host::megatron::MegatronHostBackend;
 use lifecycle_host::{HostBackend, HostTrainState};
-use lifecycle_layout::{RolloutLayout as FusedLayout, RolloutVocab};
+use lifecycle_layout::{ExpertPlacement, RolloutLayout as FusedLayout, RolloutVocab};
 use lifecycle_megatron::{GpuConfig, MegatronGpuBackend, Transport};
 use serde_json::Value;
 
@@ -746,10 +746,65 @@ fn fused_megatron_layout_matches_the_cpu_decoder_on_qwen3() -> Res {
     )
 }
 
+/// Qwen3-MoE (8 experts of 128, top-2, layer 0 dense) trained in Megatron-Core expert layouts
+/// (EP 1 and 2, expert TP 1 and 2) and rolled out at T = 1 with the experts stacked in the fused
+/// layout, both placements: the GPU decoder against the CPU decoder.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn fused_megatron_layout_matches_the_cpu_decoder_on_qwen3_moe() -> Res {
+    require_gpus(1)?;
+    let config = r#"{"model_type": "qwen3_moe", "vocab_size": 4093, "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 32, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": false, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128, "norm_topk_prob": true, "mlp_only_layers": [0]}"#;
+    let mut failures = Vec::new();
+    for experts in [
+        ExpertPlacement::TensorParallel,
+        ExpertPlacement::Partitioned,
+    ] {
+        let cases = [
+            (1, MegatronParallel::new(1, 1, 1)),
+            (2, MegatronParallel::new(1, 1, 2).with_experts(2, 1)),
+            (2, MegatronParallel::new(2, 1, 1).with_experts(1, 2)),
+            (2, MegatronParallel::new(1, 2, 1)),
+        ];
+        if let Err(e) = fused_megatron_cases(config, experts, &cases) {
+            failures.push(format!("experts {}: {e}", experts.name()));
+        }
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join("\n").into())
+    }
+}
+
 fn fused_megatron_against_cpu(config_json: &str) -> Res {
+    fused_megatron_cases(
+        config_json,
+        ExpertPlacement::TensorParallel,
+        &[
+            (1, MegatronParallel::new(1, 1, 1)),
+            (2, MegatronParallel::new(2, 1, 1)),
+            (2, MegatronParallel::new(1, 2, 1)),
+            (2, MegatronParallel::new(1, 1, 2)),
+        ],
+    )
+}
+
+/// The GPU decoder on the GPU Megatron backend's fused rollout (T = 1, experts placed by
+/// `experts`) against the CPU decoder on the CPU executor's, for each `(world, training
+/// degrees)` of `cases`.
+fn fused_megatron_cases(
+    config_json: &str,
+    experts: ExpertPlacement,
+    cases: &[(usize, MegatronParallel)],
+) -> Res {
     let config = ModelConfig::from_json_str(config_json)?;
     let vocab = config.vocab_size as u32;
-    let layout = FusedLayout::fused(1, RolloutVocab::PadToMultipleOf(64));
+    let layout =
+        FusedLayout::fused(1, RolloutVocab::PadToMultipleOf(64)).with_expert_placement(experts);
     let prompts: Vec<Vec<u32>> = (0..6u32)
         .map(|i| {
             (0..3 + i % 4)
@@ -765,12 +820,7 @@ fn fused_megatron_against_cpu(config_json: &str) -> Res {
         stop_token: None,
     };
     let mut failures = Vec::new();
-    for (world, parallel) in [
-        (1, MegatronParallel::new(1, 1, 1)),
-        (2, MegatronParallel::new(2, 1, 1)),
-        (2, MegatronParallel::new(1, 2, 1)),
-        (2, MegatronParallel::new(1, 1, 2)),
-    ] {
+    for &(world, parallel) in cases {
         let case = format!("W = {world}, training {parallel:?}, rollout T = 1");
         let host = config.megatron_state(random_tensors(&config, 3), parallel)?;
         // the CPU decoder on the CPU executor's fused rollout (replica 0)
