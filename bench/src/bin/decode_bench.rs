@@ -2,10 +2,13 @@
 //! FSDP training state switched once per dtype, against the weight-streaming floor: a decode
 //! step reads every rollout weight but the (untied) embedding once, so at small batches its time
 //! is at least those bytes over the device's read rate (half the copy rate, which counts both
-//! directions).
+//! directions). With `--moe` the model is Qwen3-30B-A3B-shaped and the bf16 experts run both as
+//! grouped GEMMs and one GEMM per expert; its floor counts every expert, so at small batches,
+//! where a step reads only the routed experts, it is not a bound.
 //!
 //! ```text
 //! decode_bench --layers 4 --batches 1,8,32 --new-tokens 64
+//! decode_bench --moe --layers 4 --batches 1,8,32,64 --new-tokens 32
 //! ```
 
 use std::error::Error;
@@ -28,9 +31,13 @@ const GB: f64 = 1e9;
 #[command(version)]
 struct Args {
     /// Decoder layers of the Qwen2.5-7B shape (hidden 3584, 28 heads / 4 kv, ffn 18944,
-    /// vocabulary 152064).
+    /// vocabulary 152064), or of the Qwen3-30B-A3B one with --moe.
     #[arg(long, default_value_t = 4)]
     layers: usize,
+    /// The Qwen3-30B-A3B shape (hidden 2048, 32 heads / 4 kv of 128, 128 experts of 768,
+    /// top-8, vocabulary 151936): grouped and per-expert bf16 experts, and fp8.
+    #[arg(long)]
+    moe: bool,
     /// Batch sizes (sequences decoded together), comma-separated.
     #[arg(long, default_value = "1,8,32", value_delimiter = ',')]
     batches: Vec<usize>,
@@ -42,7 +49,17 @@ struct Args {
     new_tokens: usize,
 }
 
-fn config(layers: usize) -> Result<ModelConfig, Box<dyn Error>> {
+fn config(layers: usize, moe: bool) -> Result<ModelConfig, Box<dyn Error>> {
+    if moe {
+        return Ok(ModelConfig::from_json_str(&format!(
+            r#"{{"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+                "intermediate_size": 6144, "num_hidden_layers": {layers},
+                "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": false,
+                "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                "norm_topk_prob": true}}"#
+        ))?);
+    }
     Ok(ModelConfig::from_json_str(&format!(
         r#"{{"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584,
             "intermediate_size": 18944, "num_hidden_layers": {layers},
@@ -56,19 +73,34 @@ fn main() -> Result<(), Box<dyn Error>> {
     if args.new_tokens < 2 || args.batches.is_empty() {
         return Err("--new-tokens must be at least 2 and --batches not empty".into());
     }
-    let config = config(args.layers)?;
+    let config = config(args.layers, args.moe)?;
     let pool = Arc::new(ThreadRankPool::new(1)?);
     let copy = device_copy(&*pool, 1 << 30, Timing::after_idle(1, 5))?;
     println!(
-        "Qwen2.5-7B shape, {} layers; device copy rate {:.0} GB/s (read + write)",
+        "{} shape, {} layers; device copy rate {:.0} GB/s (read + write)",
+        if args.moe {
+            "Qwen3-30B-A3B"
+        } else {
+            "Qwen2.5-7B"
+        },
         args.layers,
         copy / GB
     );
+    // (dtype, grouped experts): the MoE shape runs its bf16 experts both ways
+    let variants: &[(RolloutDtype, bool)] = if args.moe {
+        &[
+            (RolloutDtype::Bf16, true),
+            (RolloutDtype::Bf16, false),
+            (RolloutDtype::Fp8, true),
+        ]
+    } else {
+        &[(RolloutDtype::Bf16, true), (RolloutDtype::Fp8, true)]
+    };
     let shapes = config.tensor_shapes();
     let mut state = FsdpBackend::new(pool.clone(), config.rollout_layout(1)?)
         .synthetic_state(&shapes, 7, 0.02)?;
-    let mut rates: Vec<(RolloutDtype, usize, f64)> = Vec::new();
-    for dtype in [RolloutDtype::Bf16, RolloutDtype::Fp8] {
+    let mut rates: Vec<(RolloutDtype, bool, usize, f64)> = Vec::new();
+    for &(dtype, grouped) in variants {
         let backend =
             FsdpBackend::new(pool.clone(), config.rollout_layout(1)?).with_rollout_dtype(dtype);
         let lc_config = LifecycleConfig {
@@ -90,8 +122,14 @@ fn main() -> Result<(), Box<dyn Error>> {
                 .map_or(0, |e| e.bytes());
             let floor = (held - embed) as f64 / (copy / 2.0);
             let mut dec = GpuDecoder::new(&config, session.backend(), weights.get())?;
+            let grouped = dec.set_grouped_experts(grouped);
+            let how = match (args.moe, grouped) {
+                (false, _) => "",
+                (true, true) => ", experts as grouped GEMMs",
+                (true, false) => ", one GEMM per expert",
+            };
             println!(
-                "\n{dtype}: rollout weights {:.3} GB ({:.3} GB streamed per step); floor {:.3} ms per step",
+                "\n{dtype}{how}: rollout weights {:.3} GB ({:.3} GB streamed per step); floor {:.3} ms per step",
                 held as f64 / GB,
                 (held - embed) as f64 / GB,
                 floor * 1e3
@@ -121,22 +159,36 @@ fn main() -> Result<(), Box<dyn Error>> {
                     step * 1e3,
                     step / floor
                 );
-                rates.push((dtype, batch, rate));
+                rates.push((dtype, grouped, batch, rate));
             }
         }
         state = lc.into_parts()?.1;
     }
     println!("\nfp8 against bf16, decode tokens/s:");
     for &batch in &args.batches {
-        let of = |d| {
+        let of = |d, g| {
             rates
                 .iter()
-                .find(|r| r.0 == d && r.1 == batch)
-                .map_or(0.0, |r| r.2)
+                .find(|r| r.0 == d && r.1 == g && r.2 == batch)
+                .map_or(0.0, |r| r.3)
         };
-        let (b, f) = (of(RolloutDtype::Bf16), of(RolloutDtype::Fp8));
+        let (b, f) = (of(RolloutDtype::Bf16, true), of(RolloutDtype::Fp8, true));
+        let f = if f > 0.0 {
+            f
+        } else {
+            of(RolloutDtype::Fp8, false)
+        };
+        let per_expert = of(RolloutDtype::Bf16, false);
+        let grouped = if per_expert > 0.0 {
+            format!(
+                "; bf16 one GEMM per expert {per_expert:.0} (grouped {:.2}x that)",
+                b / per_expert
+            )
+        } else {
+            String::new()
+        };
         println!(
-            "  batch {batch:>3}: bf16 {b:.0}, fp8 {f:.0} ({:.2}x)",
+            "  batch {batch:>3}: bf16 {b:.0}, fp8 {f:.0} ({:.2}x){grouped}",
             f / b.max(1e-9)
         );
     }

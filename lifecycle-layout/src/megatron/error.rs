@@ -188,24 +188,16 @@ pub enum MegatronLayoutError {
         /// EP.
         ep: usize,
     },
-    /// The rollout degree splits neither the experts nor their intermediate size.
-    #[error(
-        "{what} = {size} is not divisible by the rollout tensor-parallel degree T = {t}: with \
-         experts {placement} the rollout splits `{param}` {t} ways; {fix}"
-    )]
+    /// The rollout degree does not split what the expert placement splits: the experts
+    /// (partitioned) or their intermediate size (split by TP).
+    #[error("{}", rollout_experts(*placement, *size, *t))]
     RolloutExperts {
-        /// `num_experts` or `moe_intermediate_size`.
-        what: &'static str,
-        /// Its size.
+        /// How the rollout places the experts.
+        placement: crate::ExpertPlacement,
+        /// `num_experts` (partitioned) or `moe_intermediate_size` (split by TP).
         size: usize,
         /// T.
         t: usize,
-        /// `partitioned over the rollout ranks` or `split by tensor parallelism`.
-        placement: &'static str,
-        /// The rollout tensor.
-        param: &'static str,
-        /// The fix.
-        fix: &'static str,
     },
     /// A bucket budget that cannot hold one bf16 element.
     #[error("bucket budget of {bytes} bytes cannot hold one bf16 element: use at least 2 bytes")]
@@ -213,6 +205,27 @@ pub enum MegatronLayoutError {
         /// The budget.
         bytes: u64,
     },
+}
+
+/// The message of [`MegatronLayoutError::RolloutExperts`].
+fn rollout_experts(placement: crate::ExpertPlacement, size: usize, t: usize) -> String {
+    let (what, how, fix) = match placement {
+        crate::ExpertPlacement::Partitioned => (
+            "num_experts",
+            "partitioned over the rollout ranks",
+            "split every expert by tensor parallelism (ExpertPlacement::TensorParallel)",
+        ),
+        crate::ExpertPlacement::TensorParallel => (
+            "moe_intermediate_size",
+            "split by tensor parallelism",
+            "partition the experts (ExpertPlacement::Partitioned)",
+        ),
+    };
+    format!(
+        "{what} = {size} is not divisible by the rollout tensor-parallel degree T = {t}: with \
+         the experts {how} the rollout splits `mlp.experts.w13_weight` {t} ways; pick T dividing \
+         {size}, or {fix}"
+    )
 }
 
 /// Divisors of `n`, rendered for messages.

@@ -189,35 +189,13 @@ impl RolloutLayout {
         check_tp(model, "rollout T", self.tp())?;
         let t = self.tp();
         if let Some(moe) = model.moe {
-            let err = |what, size, placement, param, fix| MegatronLayoutError::RolloutExperts {
-                what,
-                size,
-                t,
-                placement,
-                param,
-                fix,
+            let placement = self.expert_placement();
+            let size = match placement {
+                ExpertPlacement::TensorParallel => moe.ffn,
+                ExpertPlacement::Partitioned => moe.experts,
             };
-            match self.expert_placement() {
-                ExpertPlacement::TensorParallel if !moe.ffn.is_multiple_of(t) => {
-                    return Err(err(
-                        "moe_intermediate_size",
-                        moe.ffn,
-                        "split by tensor parallelism",
-                        "mlp.experts.w13_weight",
-                        "pick T dividing it, or partition the experts (ExpertPlacement::Partitioned)",
-                    ));
-                }
-                ExpertPlacement::Partitioned if !moe.experts.is_multiple_of(t) => {
-                    return Err(err(
-                        "num_experts",
-                        moe.experts,
-                        "partitioned over the rollout ranks",
-                        "mlp.experts.w13_weight",
-                        "pick T dividing it, or split every expert by tensor parallelism \
-                         (ExpertPlacement::TensorParallel)",
-                    ));
-                }
-                _ => {}
+            if !size.is_multiple_of(t) {
+                return Err(MegatronLayoutError::RolloutExperts { placement, size, t });
             }
         }
         let share = self.expert_share(model, 0);

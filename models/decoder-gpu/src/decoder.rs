@@ -25,6 +25,9 @@ use crate::prefill::PrefillRows;
 use crate::topology::{decode_topology, replica_rows, DecodeTopology};
 use crate::weights::{GroupOffsets, MatAt, RankOffsets};
 
+mod moe;
+use moe::{has_grouped_gemm, moe_layer, MoeScratch};
+
 /// Longest sequence (prompt + generated tokens) the attention kernel's shared memory holds.
 pub const MAX_CONTEXT: usize = 8192;
 
@@ -64,6 +67,9 @@ struct RankState {
     dequant: Option<CudaSlice<u16>>,
     /// f32 activations of the fp8 decode products (`GEMV_TOKENS` rows of the widest matrix).
     x32: Option<CudaSlice<f32>>,
+    /// Whether cuBLAS has grouped GEMMs (12.5 or later): the bf16 experts of a
+    /// mixture-of-experts layer run as one GEMM per product ([`moe`]).
+    grouped: bool,
 }
 
 impl RankState {
@@ -328,6 +334,7 @@ impl Core {
             })?;
             let blas = CudaBlas::new(ctx.compute.clone())
                 .map_err(|e| cublas_err(ctx.rank, "creating a handle", e))?;
+            let grouped = has_grouped_gemm(&blas);
             let k = DecoderKernels::load(ctx)?;
             let inv = ctx
                 .compute
@@ -352,6 +359,7 @@ impl Core {
                 fp8: None,
                 dequant: None,
                 x32: None,
+                grouped,
             });
             ctx.compute
                 .synchronize()
@@ -950,6 +958,16 @@ impl<'w> GpuDecoder<'w> {
     pub fn lengths(&self) -> Vec<usize> {
         self.core.lengths()
     }
+
+    /// Whether the bf16 experts of mixture-of-experts layers run as grouped GEMMs (the default
+    /// where cuBLAS has them, 12.5 or later) or one GEMM per expert (`false`; for comparisons).
+    /// Returns what is in effect: `on` may be refused by an older cuBLAS.
+    pub fn set_grouped_experts(&mut self, on: bool) -> bool {
+        for r in &mut self.core.ranks {
+            r.grouped = on && has_grouped_gemm(&r.blas);
+        }
+        self.core.ranks.iter().all(|r| r.grouped)
+    }
 }
 
 /// The rollout entries of TP ranks `0..tp` for [`GroupOffsets::new`]: one list when every rank
@@ -1070,207 +1088,6 @@ pub(crate) unsafe fn gemm_beta(
         )
     }
     .map_err(|e| cublas_err(rank, "GemmEx (bf16 x bf16 -> f32)", e))
-}
-
-/// Device scratch of the mixture-of-experts layers of one pass, sized for every row reaching one
-/// expert (`None` for dense models).
-struct MoeScratch {
-    /// Router products `[2n × experts]` and router logits `[n × experts]`.
-    router2: CudaSlice<f32>,
-    logits: CudaSlice<f32>,
-    /// The rows routed to one expert, split `[2n × h]`.
-    xg: CudaSlice<u16>,
-    /// Gate and up products `[2n × ffn]`, the SwiGLU output split `[2n × ffn]`.
-    g2: CudaSlice<f32>,
-    u2: CudaSlice<f32>,
-    act: CudaSlice<u16>,
-    /// Down products `[2n × h]`.
-    y2: CudaSlice<f32>,
-    /// The weighted sum of the experts' outputs `[n × h]`.
-    acc: CudaSlice<f32>,
-}
-
-impl MoeScratch {
-    fn new(
-        s: &Arc<CudaStream>,
-        rank: usize,
-        n: usize,
-        h: usize,
-        w: &RankOffsets,
-    ) -> Result<Option<Self>, CudaError> {
-        let layers: Vec<&crate::weights::MoeOffsets> = w.moe.iter().flatten().collect();
-        let Some(first) = layers.first() else {
-            return Ok(None);
-        };
-        let experts = first.experts.len();
-        let ffn = layers
-            .iter()
-            .flat_map(|m| m.experts.iter().flatten())
-            .map(|e| e.ffn)
-            .max()
-            .unwrap_or(1)
-            .max(1);
-        // SAFETY: each buffer is written (GEMM, kernel or memset) before it is read, in order on
-        // this stream, in `moe_layer`.
-        unsafe {
-            Ok(Some(MoeScratch {
-                router2: alloc_device(s, 2 * n * experts, rank, "router products")?,
-                logits: alloc_device(s, n * experts, rank, "router logits")?,
-                xg: alloc_device(s, 2 * n * h, rank, "routed rows")?,
-                g2: alloc_device(s, 2 * n * ffn, rank, "expert gate products")?,
-                u2: alloc_device(s, 2 * n * ffn, rank, "expert up products")?,
-                act: alloc_device(s, 2 * n * ffn, rank, "expert activations")?,
-                y2: alloc_device(s, 2 * n * h, rank, "expert down products")?,
-                acc: alloc_device(s, n * h, rank, "expert sums")?,
-            }))
-        }
-    }
-}
-
-/// One mixture-of-experts MLP on this rank: the router's logits of the `n` rows of `xs` (split
-/// activations at `xsp`), routed on the host with the CPU decoder's rule
-/// ([`lifecycle_decoder::route_top_k`], one device→host copy of `n × experts` floats), then for
-/// every expert this rank holds and that received rows: its rows gathered, its gate / up GEMMs,
-/// SwiGLU, its down GEMM, and the weighted rows added into `scratch.acc` (zeroed first). The
-/// caller adds `acc` to the residual and sums it over the group, as for a row-parallel output.
-fn moe_layer(
-    ctx: &RankCtx,
-    st: &RankState,
-    z: &Dims,
-    moe: &crate::weights::MoeOffsets,
-    scratch: &mut MoeScratch,
-    xsp: u64,
-    base: u64,
-) -> Result<(), CudaError> {
-    let s = &ctx.compute;
-    let rank = ctx.rank;
-    let k = &st.k;
-    let (n, h) = (z.n, z.h);
-    let experts = moe.experts.len();
-    let wp = |off: u64| base + 2 * off;
-    let p = |b: &CudaSlice<f32>| ptr(b, s);
-    let u32a = |v: usize| Arg::U32(v as u32);
-    // SAFETY (every GEMM and launch): the weight addresses are offsets checked against this
-    // rank's rollout buffer; the scratch buffers hold the sizes each product writes (rows of
-    // one expert ≤ n); everything runs in order on the compute stream.
-    unsafe {
-        gemm(
-            &st.blas,
-            wp(moe.router),
-            xsp,
-            p(&scratch.router2),
-            experts,
-            2 * n,
-            h,
-            rank,
-        )?;
-        launch(
-            s,
-            &k.combine,
-            k.elementwise((n * experts) as u64),
-            &[
-                Arg::U64(p(&scratch.router2)),
-                Arg::U64(0),
-                Arg::U64(0),
-                Arg::U64(p(&scratch.logits)),
-                u32a(n),
-                u32a(experts),
-            ],
-            rank,
-            "combine",
-        )?;
-    }
-    let mut logits = s
-        .clone_dtoh(&scratch.logits)
-        .map_err(ctx.drv("downloading router logits", (n * experts * 4) as u64))?;
-    s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
-    let mut routed: Vec<Vec<(u32, f32)>> = vec![Vec::new(); experts];
-    for (row, l) in logits.chunks_exact_mut(experts).enumerate() {
-        for (e, w) in lifecycle_decoder::route_top_k(l, z.top_k, z.norm_topk_prob) {
-            routed[e].push((row as u32, w));
-        }
-    }
-    // one upload of every held expert's rows and weights
-    let mut idx = Vec::new();
-    let mut wts = Vec::new();
-    let mut runs = Vec::new();
-    for (e, rows) in routed.iter().enumerate() {
-        if let (Some(off), false) = (moe.experts[e], rows.is_empty()) {
-            runs.push((off, idx.len(), rows.len()));
-            idx.extend(rows.iter().map(|r| r.0));
-            wts.extend(rows.iter().map(|r| r.1));
-        }
-    }
-    s.memset_zeros(&mut scratch.acc)
-        .map_err(ctx.drv("zeroing the expert sums", 0))?;
-    if runs.is_empty() {
-        return Ok(());
-    }
-    let idx_d = s
-        .clone_htod(&idx)
-        .map_err(ctx.drv("uploading routed rows", 0))?;
-    let wts_d = s
-        .clone_htod(&wts)
-        .map_err(ctx.drv("uploading routing weights", 0))?;
-    let (idxp, wtsp) = (ptr(&idx_d, s), ptr(&wts_d, s));
-    let (xg, act) = (ptr(&scratch.xg, s), ptr(&scratch.act, s));
-    for (e, start, r) in runs {
-        let f = e.ffn;
-        let (ri, rw) = (idxp + 4 * start as u64, wtsp + 4 * start as u64);
-        // SAFETY: as above; `ri` / `rw` address `r` entries of the uploads.
-        unsafe {
-            launch(
-                s,
-                &k.gather_split_rows,
-                k.elementwise((r * h) as u64),
-                &[
-                    Arg::U64(xsp),
-                    Arg::U64(ri),
-                    Arg::U64(xg),
-                    u32a(n),
-                    u32a(r),
-                    u32a(h),
-                ],
-                rank,
-                "gather_split_rows",
-            )?;
-            st.wgemm(s, base, e.gate, xg, p(&scratch.g2), (f, 2 * r, h), rank)?;
-            st.wgemm(s, base, e.up, xg, p(&scratch.u2), (f, 2 * r, h), rank)?;
-            launch(
-                s,
-                &k.swiglu_split,
-                k.elementwise((r * f) as u64),
-                &[
-                    Arg::U64(p(&scratch.g2)),
-                    Arg::U64(p(&scratch.u2)),
-                    Arg::U64(act),
-                    u32a(r),
-                    u32a(f),
-                ],
-                rank,
-                "swiglu_split",
-            )?;
-            st.wgemm(s, base, e.down, act, p(&scratch.y2), (h, 2 * r, f), rank)?;
-            launch(
-                s,
-                &k.scatter_add_rows,
-                k.elementwise((r * h) as u64),
-                &[
-                    Arg::U64(p(&scratch.y2)),
-                    Arg::U64(ri),
-                    Arg::U64(rw),
-                    Arg::U64(p(&scratch.acc)),
-                    u32a(r),
-                    u32a(h),
-                ],
-                rank,
-                "scatter_add_rows",
-            )?;
-        }
-    }
-    // the uploads are freed stream-ordered after the kernels that read them
-    drop((idx_d, wts_d));
-    Ok(())
 }
 
 /// Sizes of one forward pass.
@@ -1540,7 +1357,7 @@ fn rank_forward(
             )
         };
         let smem = ((d + step.cap) * 4) as u32;
-        let mut moe_scratch = MoeScratch::new(s, rank, n, h, &bind.w)?;
+        let mut moe_scratch = MoeScratch::new(s, rank, (n, h, z.top_k), &bind.w)?;
         for l in 0..z.layers {
             let lw = bind.w.layers[l];
             let kc = cache_p + 4 * (2 * l as u64) * cache_layer;
@@ -1646,7 +1463,7 @@ fn rank_forward(
                         &k.add_rows,
                         k.elementwise((n * h) as u64),
                         &[
-                            Arg::U64(p(&scratch.acc)),
+                            Arg::U64(p(scratch.acc())),
                             Arg::U64(xp),
                             Arg::U64(xp),
                             Arg::U64((n * h) as u64),
@@ -1661,7 +1478,7 @@ fn rank_forward(
                             &k.add_rows,
                             k.elementwise((n * h) as u64),
                             &[
-                                Arg::U64(p(&scratch.acc)),
+                                Arg::U64(p(scratch.acc())),
                                 Arg::U64(res),
                                 Arg::U64(p(part)),
                                 Arg::U64((n * h) as u64),

@@ -182,6 +182,23 @@ extern "C" __global__ void scatter_add_rows(const float* __restrict__ y2, const 
     }
 }
 
+// acc[t, c] += wt[j] * (y2[pos[j], c] + y2[r + pos[j], c]) over the entries j of token t,
+// [ptr[t], ptr[t+1]) in expert order, for the r rows of a block of experts' outputs y2
+// [2r x h] (hi/lo products): each token adds its experts in the order the per-expert path does.
+extern "C" __global__ void scatter_add_grouped(const float* __restrict__ y2, const u32* __restrict__ ptr,
+                                               const u32* __restrict__ pos, const float* __restrict__ wt,
+                                               float* __restrict__ acc, u32 n, u32 r, u32 h) {
+    u64 total = (u64)n * h;
+    u64 lo = (u64)r * h;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 t = i / h, c = i % h;
+        for (u32 j = ptr[t]; j < ptr[t + 1]; j++) {
+            u64 src = (u64)pos[j] * h + c;
+            acc[i] += wt[j] * (y2[src] + y2[lo + src]);
+        }
+    }
+}
+
 // out[i] = a[i] (+ res[i]).
 extern "C" __global__ void add_rows(const float* __restrict__ a, const float* res, float* out,
                                     u64 total) {
@@ -437,6 +454,7 @@ pub(crate) struct DecoderKernels {
     pub head_norm: CudaFunction,
     pub gather_split_rows: CudaFunction,
     pub scatter_add_rows: CudaFunction,
+    pub scatter_add_grouped: CudaFunction,
     pub add_rows: CudaFunction,
     pub sm_count: u32,
 }
@@ -475,6 +493,7 @@ impl DecoderKernels {
             head_norm: m.function("head_norm")?,
             gather_split_rows: m.function("gather_split_rows")?,
             scatter_add_rows: m.function("scatter_add_rows")?,
+            scatter_add_grouped: m.function("scatter_add_grouped")?,
             add_rows: m.function("add_rows")?,
             sm_count: m.sm_count(),
         })

@@ -173,13 +173,16 @@ impl<'w> GroupWeights<'w> {
     }
 }
 
+/// Rank `r`'s slice of a checked tensor, by name.
+type TensorOf<'a, 'w> = dyn Fn(&str, usize) -> Result<&'w [bf16], DecodeError> + 'a;
+
 /// A mixture-of-experts layer of the fused layout: the router of rank 0 and, per expert, its
 /// part on every rank (split by TP) or on its owner (partitioned), cut from the stacks.
 fn fused_experts<'w>(
     model: &ModelSpec,
     layout: &RolloutLayout,
     l: usize,
-    get: &dyn Fn(&str, usize) -> Result<&'w [bf16], DecodeError>,
+    get: &TensorOf<'_, 'w>,
 ) -> Result<Mlp<'w>, DecodeError> {
     let h = model.hidden;
     let experts = model.moe.map_or(0, |m| m.experts);

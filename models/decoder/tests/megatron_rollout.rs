@@ -380,6 +380,9 @@ fn qwen3_with_head_norms_decodes_through_the_megatron_layouts() {
     println!("qwen3_dense through {checked} Megatron layouts: max |logit error| {worst:e}");
 }
 
+/// Training degrees and rollout of one expert case: (TP, PP, DP, EP, ETP, T, placement).
+type ExpertCase = (usize, usize, usize, usize, usize, usize, ExpertPlacement);
+
 /// Qwen3-MoE (`fixtures/moe`) trained in Megatron-Core's expert layouts (EP × ETP × TP × PP ×
 /// DP) and resharded into the fused rollout with its experts split by TP or partitioned, at
 /// T ∈ {1, 2, 4}: bit for bit the unfused decoder on the same placement, and within the oracle's
@@ -390,11 +393,7 @@ fn qwen3_moe_decodes_through_the_megatron_expert_layouts() {
     let refs = moe_references();
     let mut worst = 0.0f32;
     let mut checked = 0;
-    // (fixture, [(TP, PP, DP, EP, ETP, T, rollout placement)])
-    let grid: [(
-        &str,
-        &[(usize, usize, usize, usize, usize, usize, ExpertPlacement)],
-    ); 2] = [
+    let grid: [(&str, &[ExpertCase]); 2] = [
         (
             // 4 experts of 24, 2 kv heads, 2 MoE layers, untied, vocab 61
             "moe_e4_untied_v61",

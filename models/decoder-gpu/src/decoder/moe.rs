@@ -1,0 +1,521 @@
+//! The mixture-of-experts MLP of one rank: the router's logits, top-k routing on the host with
+//! the CPU decoder's rule ([`lifecycle_decoder::route_top_k`], one device→host copy of
+//! `n × experts` floats), then the experts this rank holds over the rows routed to them.
+//!
+//! bf16 experts run as grouped GEMMs (`cublasGemmGroupedBatchedEx`, cuBLAS 12.5 or later): the
+//! routed rows of consecutive experts are gathered into one block (as many as the scratch holds:
+//! every routed row of a decode step), and each of gate, up and down is one cuBLAS call over all
+//! of them, the SwiGLU and the weighted scatter one launch each. Every token adds its experts'
+//! outputs in expert order, as the per-expert path does. fp8 experts (and an older cuBLAS) take
+//! the per-expert path: one gather, three GEMMs, a SwiGLU and a scatter per expert.
+
+use std::ffi::c_void;
+use std::ops::Range;
+use std::sync::Arc;
+
+use cudarc::cublas::{sys as cublas_sys, CudaBlas};
+use cudarc::driver::{CudaSlice, CudaStream};
+use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
+
+use super::{cublas_err, gemm, ptr, Dims, RankState};
+use crate::kernels::{launch, Arg};
+use crate::weights::{ExpertOffsets, MoeOffsets, RankOffsets};
+
+/// The most bytes of down products (`[2 · rows × hidden]` f32) the grouped path's scratch may
+/// take beyond what one expert's rows need: 64 MiB.
+const GROUPED_SCRATCH_BYTES: usize = 64 << 20;
+
+/// The oldest cuBLAS with `cublasGemmGroupedBatchedEx` (12.5.0, as `cublasGetVersion` writes it).
+const GROUPED_CUBLAS_VERSION: i32 = 12_05_00;
+
+/// Whether the cuBLAS behind `blas` has grouped GEMMs.
+pub(super) fn has_grouped_gemm(blas: &CudaBlas) -> bool {
+    let mut version = 0i32;
+    // SAFETY: a live handle and a valid out-pointer.
+    let status = unsafe { cublas_sys::cublasGetVersion_v2(*blas.handle(), &mut version) };
+    status == cublas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS && version >= GROUPED_CUBLAS_VERSION
+}
+
+/// Device scratch of the mixture-of-experts layers of one pass (`None` for dense models), for
+/// `rows` routed rows at once: at least every row reaching one expert (`n`), up to every routed
+/// row (`n · top-k`) within [`GROUPED_SCRATCH_BYTES`].
+pub(super) struct MoeScratch {
+    /// Routed rows the buffers below hold.
+    rows: usize,
+    /// Router products `[2n × experts]` and router logits `[n × experts]`.
+    router2: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    /// The routed rows, split `[2 · rows × h]`.
+    xg: CudaSlice<u16>,
+    /// Gate and up products `[2 · rows × ffn]`, the SwiGLU output split `[2 · rows × ffn]`.
+    g2: CudaSlice<f32>,
+    u2: CudaSlice<f32>,
+    act: CudaSlice<u16>,
+    /// Down products `[2 · rows × h]`.
+    y2: CudaSlice<f32>,
+    /// The weighted sum of the experts' outputs `[n × h]`.
+    acc: CudaSlice<f32>,
+}
+
+impl MoeScratch {
+    pub(super) fn new(
+        s: &Arc<CudaStream>,
+        rank: usize,
+        (n, h, top_k): (usize, usize, usize),
+        w: &RankOffsets,
+    ) -> Result<Option<Self>, CudaError> {
+        let layers: Vec<&MoeOffsets> = w.moe.iter().flatten().collect();
+        let Some(first) = layers.first() else {
+            return Ok(None);
+        };
+        let experts = first.experts.len();
+        let ffn = layers
+            .iter()
+            .flat_map(|m| m.experts.iter().flatten())
+            .map(|e| e.ffn)
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let rows = (n * top_k.max(1))
+            .min(GROUPED_SCRATCH_BYTES / (8 * h.max(1)))
+            .max(n);
+        // SAFETY: each buffer is written (GEMM, kernel or memset) before it is read, in order on
+        // this stream, in `moe_layer`.
+        unsafe {
+            Ok(Some(MoeScratch {
+                rows,
+                router2: alloc_device(s, 2 * n * experts, rank, "router products")?,
+                logits: alloc_device(s, n * experts, rank, "router logits")?,
+                xg: alloc_device(s, 2 * rows * h, rank, "routed rows")?,
+                g2: alloc_device(s, 2 * rows * ffn, rank, "expert gate products")?,
+                u2: alloc_device(s, 2 * rows * ffn, rank, "expert up products")?,
+                act: alloc_device(s, 2 * rows * ffn, rank, "expert activations")?,
+                y2: alloc_device(s, 2 * rows * h, rank, "expert down products")?,
+                acc: alloc_device(s, n * h, rank, "expert sums")?,
+            }))
+        }
+    }
+
+    /// The weighted sum of the experts' outputs of the last layer, `[n × h]` f32.
+    pub(super) fn acc(&self) -> &CudaSlice<f32> {
+        &self.acc
+    }
+}
+
+/// One expert's routed rows: `rows` entries of the uploads from `start`.
+#[derive(Clone, Copy)]
+struct Run {
+    expert: ExpertOffsets,
+    start: usize,
+    rows: usize,
+}
+
+/// One mixture-of-experts MLP on this rank over the `n` rows of the split activations at `xsp`:
+/// the router's logits, routing on the host, then every expert this rank holds and that
+/// received rows, their weighted outputs added into the scratch's `acc` (zeroed first). The
+/// caller adds `acc` to the residual and sums it over the group, as for a row-parallel output.
+pub(super) fn moe_layer(
+    ctx: &RankCtx,
+    st: &RankState,
+    z: &Dims,
+    moe: &MoeOffsets,
+    scratch: &mut MoeScratch,
+    xsp: u64,
+    base: u64,
+) -> Result<(), CudaError> {
+    let s = &ctx.compute;
+    let rank = ctx.rank;
+    let k = &st.k;
+    let (n, h) = (z.n, z.h);
+    let experts = moe.experts.len();
+    let p = |b: &CudaSlice<f32>| ptr(b, s);
+    let u32a = |v: usize| Arg::U32(v as u32);
+    // SAFETY: the router's address is an offset checked against this rank's rollout buffer; the
+    // scratch holds `[2n × experts]` products and `[n × experts]` logits; in order on the
+    // compute stream.
+    unsafe {
+        gemm(
+            &st.blas,
+            base + 2 * moe.router,
+            xsp,
+            p(&scratch.router2),
+            experts,
+            2 * n,
+            h,
+            rank,
+        )?;
+        launch(
+            s,
+            &k.combine,
+            k.elementwise((n * experts) as u64),
+            &[
+                Arg::U64(p(&scratch.router2)),
+                Arg::U64(0),
+                Arg::U64(0),
+                Arg::U64(p(&scratch.logits)),
+                u32a(n),
+                u32a(experts),
+            ],
+            rank,
+            "combine",
+        )?;
+    }
+    let mut logits = s
+        .clone_dtoh(&scratch.logits)
+        .map_err(ctx.drv("downloading router logits", (n * experts * 4) as u64))?;
+    s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
+    let mut routed: Vec<Vec<(u32, f32)>> = vec![Vec::new(); experts];
+    for (row, l) in logits.chunks_exact_mut(experts).enumerate() {
+        for (e, w) in lifecycle_decoder::route_top_k(l, z.top_k, z.norm_topk_prob) {
+            routed[e].push((row as u32, w));
+        }
+    }
+    let mut idx = Vec::new();
+    let mut wts = Vec::new();
+    let mut runs = Vec::new();
+    for (e, rows) in routed.iter().enumerate() {
+        if let (Some(expert), false) = (moe.experts[e], rows.is_empty()) {
+            runs.push(Run {
+                expert,
+                start: idx.len(),
+                rows: rows.len(),
+            });
+            idx.extend(rows.iter().map(|r| r.0));
+            wts.extend(rows.iter().map(|r| r.1));
+        }
+    }
+    s.memset_zeros(&mut scratch.acc)
+        .map_err(ctx.drv("zeroing the expert sums", 0))?;
+    if runs.is_empty() {
+        return Ok(());
+    }
+    let ffn = runs[0].expert.ffn;
+    let grouped = st.grouped
+        && runs.iter().all(|r| {
+            let e = r.expert;
+            e.ffn == ffn && e.gate.fp8.is_none() && e.up.fp8.is_none() && e.down.fp8.is_none()
+        });
+    if grouped {
+        grouped_experts(ctx, st, z, scratch, (xsp, base), &runs, &idx, &wts)
+    } else {
+        per_expert(ctx, st, z, scratch, (xsp, base), &runs, &idx, &wts)
+    }
+}
+
+/// The experts one by one: gather, gate, up, SwiGLU, down, weighted scatter per expert.
+#[allow(clippy::too_many_arguments)]
+fn per_expert(
+    ctx: &RankCtx,
+    st: &RankState,
+    z: &Dims,
+    scratch: &mut MoeScratch,
+    (xsp, base): (u64, u64),
+    runs: &[Run],
+    idx: &[u32],
+    wts: &[f32],
+) -> Result<(), CudaError> {
+    let (s, rank, k) = (&ctx.compute, ctx.rank, &st.k);
+    let (n, h) = (z.n, z.h);
+    let p = |b: &CudaSlice<f32>| ptr(b, s);
+    let u32a = |v: usize| Arg::U32(v as u32);
+    let idx_d = s
+        .clone_htod(idx)
+        .map_err(ctx.drv("uploading routed rows", 0))?;
+    let wts_d = s
+        .clone_htod(wts)
+        .map_err(ctx.drv("uploading routing weights", 0))?;
+    let (idxp, wtsp) = (ptr(&idx_d, s), ptr(&wts_d, s));
+    let (xg, act) = (ptr(&scratch.xg, s), ptr(&scratch.act, s));
+    for run in runs {
+        let (e, r, f) = (run.expert, run.rows, run.expert.ffn);
+        let (ri, rw) = (idxp + 4 * run.start as u64, wtsp + 4 * run.start as u64);
+        // SAFETY: the weights are offsets checked against this rank's rollout buffer; the
+        // scratch holds `r ≤ n ≤ rows` routed rows of every product; `ri` / `rw` address `r`
+        // entries of the uploads; in order on the compute stream.
+        unsafe {
+            launch(
+                s,
+                &k.gather_split_rows,
+                k.elementwise((r * h) as u64),
+                &[
+                    Arg::U64(xsp),
+                    Arg::U64(ri),
+                    Arg::U64(xg),
+                    u32a(n),
+                    u32a(r),
+                    u32a(h),
+                ],
+                rank,
+                "gather_split_rows",
+            )?;
+            st.wgemm(s, base, e.gate, xg, p(&scratch.g2), (f, 2 * r, h), rank)?;
+            st.wgemm(s, base, e.up, xg, p(&scratch.u2), (f, 2 * r, h), rank)?;
+            launch(
+                s,
+                &k.swiglu_split,
+                k.elementwise((r * f) as u64),
+                &[
+                    Arg::U64(p(&scratch.g2)),
+                    Arg::U64(p(&scratch.u2)),
+                    Arg::U64(act),
+                    u32a(r),
+                    u32a(f),
+                ],
+                rank,
+                "swiglu_split",
+            )?;
+            st.wgemm(s, base, e.down, act, p(&scratch.y2), (h, 2 * r, f), rank)?;
+            launch(
+                s,
+                &k.scatter_add_rows,
+                k.elementwise((r * h) as u64),
+                &[
+                    Arg::U64(p(&scratch.y2)),
+                    Arg::U64(ri),
+                    Arg::U64(rw),
+                    Arg::U64(p(&scratch.acc)),
+                    u32a(r),
+                    u32a(h),
+                ],
+                rank,
+                "scatter_add_rows",
+            )?;
+        }
+    }
+    // the uploads are freed stream-ordered after the kernels that read them
+    drop((idx_d, wts_d));
+    Ok(())
+}
+
+/// A block of consecutive runs processed at once: `runs`, their first upload entry and rows;
+/// where its per-token lists (CSR offsets `n + 1`, then positions) start in the u32 upload, its
+/// weights in the f32 upload, its pointer arrays in the u64 upload.
+struct Chunk {
+    runs: Range<usize>,
+    row0: usize,
+    rows: usize,
+    csr: usize,
+    pos: usize,
+    wts: usize,
+    ptrs: usize,
+}
+
+/// The experts in blocks of routed rows: per block one gather, one grouped GEMM each for gate,
+/// up and down, one SwiGLU and one scatter that adds each token's experts in expert order.
+#[allow(clippy::too_many_arguments)]
+fn grouped_experts(
+    ctx: &RankCtx,
+    st: &RankState,
+    z: &Dims,
+    scratch: &mut MoeScratch,
+    (xsp, base): (u64, u64),
+    runs: &[Run],
+    idx: &[u32],
+    wts: &[f32],
+) -> Result<(), CudaError> {
+    let (s, rank, k) = (&ctx.compute, ctx.rank, &st.k);
+    let (n, h, f) = (z.n, z.h, runs[0].expert.ffn);
+    let addr = |b: &CudaSlice<f32>| ptr(b, s);
+    let (xg, act) = (ptr(&scratch.xg, s), ptr(&scratch.act, s));
+    let (g2, u2, y2) = (addr(&scratch.g2), addr(&scratch.u2), addr(&scratch.y2));
+    // the uploads: routed rows then every block's token lists; their weights; GEMM pointers
+    let mut u32s: Vec<u32> = idx.to_vec();
+    let mut f32s: Vec<f32> = Vec::new();
+    let mut ptrs: Vec<u64> = Vec::new();
+    let mut chunks = Vec::new();
+    let mut a = 0;
+    while a < runs.len() {
+        let (row0, mut rows, mut b) = (runs[a].start, 0, a);
+        while b < runs.len() && (b == a || rows + runs[b].rows <= scratch.rows) {
+            rows += runs[b].rows;
+            b += 1;
+        }
+        // each token's entries in this block, in expert order
+        let mut lists: Vec<Vec<(u32, f32)>> = vec![Vec::new(); n];
+        for q in row0..row0 + rows {
+            lists[idx[q] as usize].push(((q - row0) as u32, wts[q]));
+        }
+        let (csr, wts_at) = (u32s.len(), f32s.len());
+        let mut at = 0u32;
+        u32s.push(0);
+        for l in &lists {
+            at += l.len() as u32;
+            u32s.push(at);
+        }
+        let pos = u32s.len();
+        for &(q, w) in lists.iter().flatten() {
+            u32s.push(q);
+            f32s.push(w);
+        }
+        // per product: A, B, C pointer arrays, two problems (hi, lo rows) per expert
+        let ptrs_at = ptrs.len();
+        let problems = |run: &Run, half: usize| (half * rows + run.start - row0) as u64;
+        for (weight, x, width_in, y, width_out) in
+            [(0, xg, h, g2, f), (1, xg, h, u2, f), (2, act, f, y2, h)]
+        {
+            let blocks = &runs[a..b];
+            for run in blocks {
+                let w = match weight {
+                    0 => run.expert.gate,
+                    1 => run.expert.up,
+                    _ => run.expert.down,
+                };
+                ptrs.extend([base + 2 * w.off; 2]);
+            }
+            for run in blocks {
+                ptrs.extend((0..2).map(|half| x + 2 * problems(run, half) * width_in as u64));
+            }
+            for run in blocks {
+                ptrs.extend((0..2).map(|half| y + 4 * problems(run, half) * width_out as u64));
+            }
+        }
+        chunks.push(Chunk {
+            runs: a..b,
+            row0,
+            rows,
+            csr,
+            pos,
+            wts: wts_at,
+            ptrs: ptrs_at,
+        });
+        a = b;
+    }
+    let u32_d = s
+        .clone_htod(&u32s)
+        .map_err(ctx.drv("uploading routed rows", (u32s.len() * 4) as u64))?;
+    let f32_d = s
+        .clone_htod(&f32s)
+        .map_err(ctx.drv("uploading routing weights", (f32s.len() * 4) as u64))?;
+    let ptrs_d = s
+        .clone_htod(&ptrs)
+        .map_err(ctx.drv("uploading expert GEMM pointers", (ptrs.len() * 8) as u64))?;
+    let (u32p, f32p, ptrp) = (ptr(&u32_d, s), ptr(&f32_d, s), ptr(&ptrs_d, s));
+    let u32a = |v: usize| Arg::U32(v as u32);
+    for c in &chunks {
+        let blocks = &runs[c.runs.clone()];
+        let g = blocks.len();
+        let rows_of: Vec<usize> = blocks.iter().map(|r| r.rows).collect();
+        // pointer arrays of product `i`: A, B, C of 2g entries each
+        let arrays = |i: usize| {
+            let at = ptrp + 8 * (c.ptrs + i * 6 * g) as u64;
+            (at, at + 16 * g as u64, at + 32 * g as u64)
+        };
+        // SAFETY: the pointer arrays address the expert weights (offsets checked against this
+        // rank's rollout buffer) and scratch rows below `2 · rows` (`rows ≤ scratch.rows`); the
+        // token lists and weights are this block's entries of the uploads; in order on the
+        // compute stream.
+        unsafe {
+            launch(
+                s,
+                &k.gather_split_rows,
+                k.elementwise((c.rows * h) as u64),
+                &[
+                    Arg::U64(xsp),
+                    Arg::U64(u32p + 4 * c.row0 as u64),
+                    Arg::U64(xg),
+                    u32a(n),
+                    u32a(c.rows),
+                    u32a(h),
+                ],
+                rank,
+                "gather_split_rows",
+            )?;
+            for i in 0..2 {
+                grouped_gemm(&st.blas, arrays(i), (f, h), &rows_of, rank)?;
+            }
+            launch(
+                s,
+                &k.swiglu_split,
+                k.elementwise((c.rows * f) as u64),
+                &[
+                    Arg::U64(g2),
+                    Arg::U64(u2),
+                    Arg::U64(act),
+                    u32a(c.rows),
+                    u32a(f),
+                ],
+                rank,
+                "swiglu_split",
+            )?;
+            grouped_gemm(&st.blas, arrays(2), (h, f), &rows_of, rank)?;
+            launch(
+                s,
+                &k.scatter_add_grouped,
+                k.elementwise((n * h) as u64),
+                &[
+                    Arg::U64(y2),
+                    Arg::U64(u32p + 4 * c.csr as u64),
+                    Arg::U64(u32p + 4 * c.pos as u64),
+                    Arg::U64(f32p + 4 * c.wts as u64),
+                    Arg::U64(addr(&scratch.acc)),
+                    u32a(n),
+                    u32a(c.rows),
+                    u32a(h),
+                ],
+                rank,
+                "scatter_add_grouped",
+            )?;
+        }
+    }
+    // the uploads are freed stream-ordered after the kernels that read them
+    drop((u32_d, f32_d, ptrs_d));
+    Ok(())
+}
+
+/// One grouped GEMM: for every expert `i` two problems (its hi and lo rows), each
+/// `C[rows_i × out] = B[rows_i × inp] · Aᵀ` in row-major terms, A the expert's bf16
+/// `[out × inp]` weight, B bf16 activations, C f32; `arrays` the device addresses of the A, B
+/// and C pointer arrays (`2 · experts` entries each).
+///
+/// # Safety
+/// Every pointer of the arrays must address a matrix of the sizes given, alive until the
+/// products ran on the handle's stream.
+unsafe fn grouped_gemm(
+    blas: &CudaBlas,
+    (a, b, c): (u64, u64, u64),
+    (out, inp): (usize, usize),
+    rows: &[usize],
+    rank: usize,
+) -> Result<(), CudaError> {
+    let dim = |v: usize| {
+        i32::try_from(v).map_err(|_| CudaError::Invalid(format!("GEMM dimension {v} > i32::MAX")))
+    };
+    let g = rows.len();
+    let (m, kk) = (dim(out)?, dim(inp)?);
+    let n: Vec<i32> = rows.iter().map(|&r| dim(r)).collect::<Result<_, _>>()?;
+    let transa = vec![cublas_sys::cublasOperation_t::CUBLAS_OP_T; g];
+    let transb = vec![cublas_sys::cublasOperation_t::CUBLAS_OP_N; g];
+    let (ms, ks) = (vec![m; g], vec![kk; g]);
+    let (alpha, beta) = (vec![1.0f32; g], vec![0.0f32; g]);
+    let size = vec![2i32; g];
+    // SAFETY: column-major view as in `gemm`: C[out × rows] = op(A) · B with A col-major
+    // [inp × out] (transposed), B col-major [inp × rows]; the host arrays hold one entry per
+    // group and are read during the call; the pointer arrays are device memory per the caller.
+    let status = unsafe {
+        cublas_sys::cublasGemmGroupedBatchedEx(
+            *blas.handle(),
+            transa.as_ptr(),
+            transb.as_ptr(),
+            ms.as_ptr(),
+            n.as_ptr(),
+            ks.as_ptr(),
+            alpha.as_ptr().cast::<c_void>(),
+            a as *const *const c_void,
+            cublas_sys::cudaDataType_t::CUDA_R_16BF,
+            ks.as_ptr(),
+            b as *const *const c_void,
+            cublas_sys::cudaDataType_t::CUDA_R_16BF,
+            ks.as_ptr(),
+            beta.as_ptr().cast::<c_void>(),
+            c as *const *mut c_void,
+            cublas_sys::cudaDataType_t::CUDA_R_32F,
+            ms.as_ptr(),
+            dim(g)?,
+            size.as_ptr(),
+            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        )
+    };
+    status
+        .result()
+        .map_err(|e| cublas_err(rank, "GemmGroupedBatchedEx (bf16 x bf16 -> f32)", e))
+}
