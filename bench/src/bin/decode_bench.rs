@@ -123,10 +123,12 @@ fn main() -> Result<(), Box<dyn Error>> {
             let floor = (held - embed) as f64 / (copy / 2.0);
             let mut dec = GpuDecoder::new(&config, session.backend(), weights.get())?;
             let grouped = dec.set_grouped_experts(grouped);
-            let how = match (args.moe, grouped) {
-                (false, _) => "",
-                (true, true) => ", experts as grouped GEMMs",
-                (true, false) => ", one GEMM per expert",
+            let how = match (args.moe, grouped, dtype) {
+                (false, ..) => "",
+                // fp8 experts always take the per-expert path
+                (true, _, RolloutDtype::Fp8) => ", one GEMM per expert (fp8 experts)",
+                (true, true, _) => ", experts in blocks of one batched GEMM per product",
+                (true, false, _) => ", one GEMM per expert",
             };
             println!(
                 "\n{dtype}{how}: rollout weights {:.3} GB ({:.3} GB streamed per step); floor {:.3} ms per step",
@@ -138,7 +140,7 @@ fn main() -> Result<(), Box<dyn Error>> {
                 let prompts: Vec<Vec<u32>> = (0..batch)
                     .map(|i| {
                         (0..args.prompt)
-                            .map(|j| ((i * 7919 + j * 104729) % 152064) as u32)
+                            .map(|j| ((i * 7919 + j * 104729) % config.vocab_size) as u32)
                             .collect()
                     })
                     .collect();

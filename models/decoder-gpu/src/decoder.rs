@@ -26,7 +26,7 @@ use crate::topology::{decode_topology, replica_rows, DecodeTopology};
 use crate::weights::{GroupOffsets, MatAt, RankOffsets};
 
 mod moe;
-use moe::{has_grouped_gemm, moe_layer, MoeScratch};
+use moe::{moe_layer, MoeScratch};
 
 /// Longest sequence (prompt + generated tokens) the attention kernel's shared memory holds.
 pub const MAX_CONTEXT: usize = 8192;
@@ -67,8 +67,8 @@ struct RankState {
     dequant: Option<CudaSlice<u16>>,
     /// f32 activations of the fp8 decode products (`GEMV_TOKENS` rows of the widest matrix).
     x32: Option<CudaSlice<f32>>,
-    /// Whether cuBLAS has grouped GEMMs (12.5 or later): the bf16 experts of a
-    /// mixture-of-experts layer run as one GEMM per product ([`moe`]).
+    /// Whether the bf16 experts of a mixture-of-experts layer run in blocks, one batched GEMM
+    /// per product ([`moe`]; the default), or one GEMM per expert.
     grouped: bool,
 }
 
@@ -334,7 +334,6 @@ impl Core {
             })?;
             let blas = CudaBlas::new(ctx.compute.clone())
                 .map_err(|e| cublas_err(ctx.rank, "creating a handle", e))?;
-            let grouped = has_grouped_gemm(&blas);
             let k = DecoderKernels::load(ctx)?;
             let inv = ctx
                 .compute
@@ -359,7 +358,7 @@ impl Core {
                 fp8: None,
                 dequant: None,
                 x32: None,
-                grouped,
+                grouped: true,
             });
             ctx.compute
                 .synchronize()
@@ -959,14 +958,14 @@ impl<'w> GpuDecoder<'w> {
         self.core.lengths()
     }
 
-    /// Whether the bf16 experts of mixture-of-experts layers run as grouped GEMMs (the default
-    /// where cuBLAS has them, 12.5 or later) or one GEMM per expert (`false`; for comparisons).
-    /// Returns what is in effect: `on` may be refused by an older cuBLAS.
+    /// Whether the bf16 experts of mixture-of-experts layers run in blocks, one batched GEMM per
+    /// product over every expert of a block (`true`, the default), or one GEMM per expert
+    /// (`false`; for comparisons). Returns the setting.
     pub fn set_grouped_experts(&mut self, on: bool) -> bool {
         for r in &mut self.core.ranks {
-            r.grouped = on && has_grouped_gemm(&r.blas);
+            r.grouped = on;
         }
-        self.core.ranks.iter().all(|r| r.grouped)
+        on
     }
 }
 

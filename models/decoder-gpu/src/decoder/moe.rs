@@ -2,12 +2,14 @@
 //! the CPU decoder's rule ([`lifecycle_decoder::route_top_k`], one device→host copy of
 //! `n × experts` floats), then the experts this rank holds over the rows routed to them.
 //!
-//! bf16 experts run as grouped GEMMs (`cublasGemmGroupedBatchedEx`, cuBLAS 12.5 or later): the
-//! routed rows of consecutive experts are gathered into one block (as many as the scratch holds:
-//! every routed row of a decode step), and each of gate, up and down is one cuBLAS call over all
-//! of them, the SwiGLU and the weighted scatter one launch each. Every token adds its experts'
-//! outputs in expert order, as the per-expert path does. fp8 experts (and an older cuBLAS) take
-//! the per-expert path: one gather, three GEMMs, a SwiGLU and a scatter per expert.
+//! bf16 experts run in blocks: the routed rows of consecutive experts are gathered into one
+//! block (as many as the scratch holds: every routed row of a decode step), each expert padded to
+//! the block's busiest, and each of gate, up and down is one batched cuBLAS GEMM over all of them
+//! (`cublasGemmBatchedEx`; cuBLAS's grouped GEMM, `cublasGemmGroupedBatchedEx`, refuses bf16
+//! inputs with f32 outputs, which the split activations need), the SwiGLU and the weighted
+//! scatter one launch each. Every token adds its experts' outputs in expert order, as the
+//! per-expert path does. fp8 experts take the per-expert path: one gather, three GEMMs, a SwiGLU
+//! and a scatter per expert.
 
 use std::ffi::c_void;
 use std::ops::Range;
@@ -24,17 +26,6 @@ use crate::weights::{ExpertOffsets, MoeOffsets, RankOffsets};
 /// The most bytes of down products (`[2 · rows × hidden]` f32) the grouped path's scratch may
 /// take beyond what one expert's rows need: 64 MiB.
 const GROUPED_SCRATCH_BYTES: usize = 64 << 20;
-
-/// The oldest cuBLAS with `cublasGemmGroupedBatchedEx` (12.5.0, as `cublasGetVersion` writes it).
-const GROUPED_CUBLAS_VERSION: i32 = 12_05_00;
-
-/// Whether the cuBLAS behind `blas` has grouped GEMMs.
-pub(super) fn has_grouped_gemm(blas: &CudaBlas) -> bool {
-    let mut version = 0i32;
-    // SAFETY: a live handle and a valid out-pointer.
-    let status = unsafe { cublas_sys::cublasGetVersion_v2(*blas.handle(), &mut version) };
-    status == cublas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS && version >= GROUPED_CUBLAS_VERSION
-}
 
 /// Device scratch of the mixture-of-experts layers of one pass (`None` for dense models), for
 /// `rows` routed rows at once: at least every row reaching one expert (`n`), up to every routed
@@ -287,12 +278,15 @@ fn per_expert(
     Ok(())
 }
 
-/// A block of consecutive runs processed at once: `runs`, their first upload entry and rows;
-/// where its per-token lists (CSR offsets `n + 1`, then positions) start in the u32 upload, its
-/// weights in the f32 upload, its pointer arrays in the u64 upload.
-struct Chunk {
+/// A block of consecutive runs processed at once, each padded to the block's largest: `runs`,
+/// where its padded row list starts in the u32 upload (`list`), rows per expert slot (`slot`)
+/// and in all (`rows`), where its
+/// per-token lists (CSR offsets `n + 1`, then positions) in the u32 upload, its weights in the
+/// f32 upload, its pointer arrays in the u64 upload.
+struct Block {
     runs: Range<usize>,
-    row0: usize,
+    list: usize,
+    slot: usize,
     rows: usize,
     csr: usize,
     pos: usize,
@@ -300,8 +294,11 @@ struct Chunk {
     ptrs: usize,
 }
 
-/// The experts in blocks of routed rows: per block one gather, one grouped GEMM each for gate,
-/// up and down, one SwiGLU and one scatter that adds each token's experts in expert order.
+/// The experts in blocks: every expert of a block gets a slot of as many rows as the block's
+/// busiest expert (the spare rows repeat a routed row and are never read back), so each of
+/// gate, up and down is one batched GEMM over the block (`cublasGemmBatchedEx`, two problems
+/// per expert: its hi and lo rows), beside one gather, one SwiGLU and one scatter that adds
+/// each token's experts in expert order.
 #[allow(clippy::too_many_arguments)]
 fn grouped_experts(
     ctx: &RankCtx,
@@ -318,22 +315,32 @@ fn grouped_experts(
     let addr = |b: &CudaSlice<f32>| ptr(b, s);
     let (xg, act) = (ptr(&scratch.xg, s), ptr(&scratch.act, s));
     let (g2, u2, y2) = (addr(&scratch.g2), addr(&scratch.u2), addr(&scratch.y2));
-    // the uploads: routed rows then every block's token lists; their weights; GEMM pointers
-    let mut u32s: Vec<u32> = idx.to_vec();
+    // the uploads: every block's padded row list and token lists; their weights; GEMM pointers
+    let mut u32s: Vec<u32> = Vec::new();
     let mut f32s: Vec<f32> = Vec::new();
     let mut ptrs: Vec<u64> = Vec::new();
-    let mut chunks = Vec::new();
+    let mut blocks = Vec::new();
     let mut a = 0;
     while a < runs.len() {
-        let (row0, mut rows, mut b) = (runs[a].start, 0, a);
-        while b < runs.len() && (b == a || rows + runs[b].rows <= scratch.rows) {
-            rows += runs[b].rows;
+        // as many experts as fit the scratch with every slot as large as the busiest
+        let (mut slot, mut b) = (runs[a].rows, a + 1);
+        while b < runs.len() && (b - a + 1) * slot.max(runs[b].rows) <= scratch.rows {
+            slot = slot.max(runs[b].rows);
             b += 1;
         }
-        // each token's entries in this block, in expert order
+        let g = b - a;
+        let rows = g * slot;
+        let rows_at = u32s.len();
         let mut lists: Vec<Vec<(u32, f32)>> = vec![Vec::new(); n];
-        for q in row0..row0 + rows {
-            lists[idx[q] as usize].push(((q - row0) as u32, wts[q]));
+        for (j, run) in runs[a..b].iter().enumerate() {
+            let mine = &idx[run.start..run.start + run.rows];
+            u32s.extend_from_slice(mine);
+            // spare rows: the expert's last routed row again
+            let last = mine.last().copied().unwrap_or_default();
+            u32s.extend(std::iter::repeat_n(last, slot - run.rows));
+            for (i, &t) in mine.iter().enumerate() {
+                lists[t as usize].push(((j * slot + i) as u32, wts[run.start + i]));
+            }
         }
         let (csr, wts_at) = (u32s.len(), f32s.len());
         let mut at = 0u32;
@@ -347,31 +354,33 @@ fn grouped_experts(
             u32s.push(q);
             f32s.push(w);
         }
-        // per product: A, B, C pointer arrays, two problems (hi, lo rows) per expert
+        // per product: A, B, C pointer arrays of 2g problems (hi rows of every expert, then lo)
         let ptrs_at = ptrs.len();
-        let problems = |run: &Run, half: usize| (half * rows + run.start - row0) as u64;
         for (weight, x, width_in, y, width_out) in
             [(0, xg, h, g2, f), (1, xg, h, u2, f), (2, act, f, y2, h)]
         {
-            let blocks = &runs[a..b];
-            for run in blocks {
-                let w = match weight {
-                    0 => run.expert.gate,
-                    1 => run.expert.up,
-                    _ => run.expert.down,
-                };
-                ptrs.extend([base + 2 * w.off; 2]);
+            for _half in 0..2 {
+                for run in &runs[a..b] {
+                    let w = match weight {
+                        0 => run.expert.gate,
+                        1 => run.expert.up,
+                        _ => run.expert.down,
+                    };
+                    ptrs.push(base + 2 * w.off);
+                }
             }
-            for run in blocks {
-                ptrs.extend((0..2).map(|half| x + 2 * problems(run, half) * width_in as u64));
+            let row = |half: usize, j: usize| (half * rows + j * slot) as u64;
+            for half in 0..2 {
+                ptrs.extend((0..g).map(|j| x + 2 * row(half, j) * width_in as u64));
             }
-            for run in blocks {
-                ptrs.extend((0..2).map(|half| y + 4 * problems(run, half) * width_out as u64));
+            for half in 0..2 {
+                ptrs.extend((0..g).map(|j| y + 4 * row(half, j) * width_out as u64));
             }
         }
-        chunks.push(Chunk {
+        blocks.push(Block {
             runs: a..b,
-            row0,
+            list: rows_at,
+            slot,
             rows,
             csr,
             pos,
@@ -391,10 +400,8 @@ fn grouped_experts(
         .map_err(ctx.drv("uploading expert GEMM pointers", (ptrs.len() * 8) as u64))?;
     let (u32p, f32p, ptrp) = (ptr(&u32_d, s), ptr(&f32_d, s), ptr(&ptrs_d, s));
     let u32a = |v: usize| Arg::U32(v as u32);
-    for c in &chunks {
-        let blocks = &runs[c.runs.clone()];
-        let g = blocks.len();
-        let rows_of: Vec<usize> = blocks.iter().map(|r| r.rows).collect();
+    for c in &blocks {
+        let g = c.runs.len();
         // pointer arrays of product `i`: A, B, C of 2g entries each
         let arrays = |i: usize| {
             let at = ptrp + 8 * (c.ptrs + i * 6 * g) as u64;
@@ -402,8 +409,8 @@ fn grouped_experts(
         };
         // SAFETY: the pointer arrays address the expert weights (offsets checked against this
         // rank's rollout buffer) and scratch rows below `2 · rows` (`rows ≤ scratch.rows`); the
-        // token lists and weights are this block's entries of the uploads; in order on the
-        // compute stream.
+        // row and token lists and weights are this block's entries of the uploads; in order on
+        // the compute stream.
         unsafe {
             launch(
                 s,
@@ -411,7 +418,7 @@ fn grouped_experts(
                 k.elementwise((c.rows * h) as u64),
                 &[
                     Arg::U64(xsp),
-                    Arg::U64(u32p + 4 * c.row0 as u64),
+                    Arg::U64(u32p + 4 * c.list as u64),
                     Arg::U64(xg),
                     u32a(n),
                     u32a(c.rows),
@@ -421,7 +428,7 @@ fn grouped_experts(
                 "gather_split_rows",
             )?;
             for i in 0..2 {
-                grouped_gemm(&st.blas, arrays(i), (f, h), &rows_of, rank)?;
+                batched_gemm(&st.blas, arrays(i), (f, c.slot, h), 2 * g, rank)?;
             }
             launch(
                 s,
@@ -437,7 +444,7 @@ fn grouped_experts(
                 rank,
                 "swiglu_split",
             )?;
-            grouped_gemm(&st.blas, arrays(2), (h, f), &rows_of, rank)?;
+            batched_gemm(&st.blas, arrays(2), (h, c.slot, f), 2 * g, rank)?;
             launch(
                 s,
                 &k.scatter_add_grouped,
@@ -462,60 +469,52 @@ fn grouped_experts(
     Ok(())
 }
 
-/// One grouped GEMM: for every expert `i` two problems (its hi and lo rows), each
-/// `C[rows_i × out] = B[rows_i × inp] · Aᵀ` in row-major terms, A the expert's bf16
-/// `[out × inp]` weight, B bf16 activations, C f32; `arrays` the device addresses of the A, B
-/// and C pointer arrays (`2 · experts` entries each).
+/// One batched GEMM of `count` problems of one size, each `C[rows × out] = B[rows × inp] · Aᵀ`
+/// in row-major terms, A a bf16 `[out × inp]` weight, B bf16 activations, C f32; `arrays` the
+/// device addresses of the A, B and C pointer arrays (`count` entries each).
 ///
 /// # Safety
 /// Every pointer of the arrays must address a matrix of the sizes given, alive until the
 /// products ran on the handle's stream.
-unsafe fn grouped_gemm(
+unsafe fn batched_gemm(
     blas: &CudaBlas,
     (a, b, c): (u64, u64, u64),
-    (out, inp): (usize, usize),
-    rows: &[usize],
+    (out, rows, inp): (usize, usize, usize),
+    count: usize,
     rank: usize,
 ) -> Result<(), CudaError> {
     let dim = |v: usize| {
         i32::try_from(v).map_err(|_| CudaError::Invalid(format!("GEMM dimension {v} > i32::MAX")))
     };
-    let g = rows.len();
-    let (m, kk) = (dim(out)?, dim(inp)?);
-    let n: Vec<i32> = rows.iter().map(|&r| dim(r)).collect::<Result<_, _>>()?;
-    let transa = vec![cublas_sys::cublasOperation_t::CUBLAS_OP_T; g];
-    let transb = vec![cublas_sys::cublasOperation_t::CUBLAS_OP_N; g];
-    let (ms, ks) = (vec![m; g], vec![kk; g]);
-    let (alpha, beta) = (vec![1.0f32; g], vec![0.0f32; g]);
-    let size = vec![2i32; g];
+    let (alpha, beta) = (1.0f32, 0.0f32);
     // SAFETY: column-major view as in `gemm`: C[out × rows] = op(A) · B with A col-major
-    // [inp × out] (transposed), B col-major [inp × rows]; the host arrays hold one entry per
-    // group and are read during the call; the pointer arrays are device memory per the caller.
+    // [inp × out] (transposed), B col-major [inp × rows]; alpha/beta are host scalars; the
+    // pointer arrays are device memory per the caller.
     let status = unsafe {
-        cublas_sys::cublasGemmGroupedBatchedEx(
+        cublas_sys::cublasGemmBatchedEx(
             *blas.handle(),
-            transa.as_ptr(),
-            transb.as_ptr(),
-            ms.as_ptr(),
-            n.as_ptr(),
-            ks.as_ptr(),
-            alpha.as_ptr().cast::<c_void>(),
+            cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+            cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+            dim(out)?,
+            dim(rows)?,
+            dim(inp)?,
+            (&alpha as *const f32).cast::<c_void>(),
             a as *const *const c_void,
-            cublas_sys::cudaDataType_t::CUDA_R_16BF,
-            ks.as_ptr(),
+            cublas_sys::cudaDataType::CUDA_R_16BF,
+            dim(inp)?,
             b as *const *const c_void,
-            cublas_sys::cudaDataType_t::CUDA_R_16BF,
-            ks.as_ptr(),
-            beta.as_ptr().cast::<c_void>(),
+            cublas_sys::cudaDataType::CUDA_R_16BF,
+            dim(inp)?,
+            (&beta as *const f32).cast::<c_void>(),
             c as *const *mut c_void,
-            cublas_sys::cudaDataType_t::CUDA_R_32F,
-            ms.as_ptr(),
-            dim(g)?,
-            size.as_ptr(),
+            cublas_sys::cudaDataType::CUDA_R_32F,
+            dim(out)?,
+            dim(count)?,
             cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
     };
     status
         .result()
-        .map_err(|e| cublas_err(rank, "GemmGroupedBatchedEx (bf16 x bf16 -> f32)", e))
+        .map_err(|e| cublas_err(rank, "GemmBatchedEx (bf16 x bf16 -> f32)", e))
 }
