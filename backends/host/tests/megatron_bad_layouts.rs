@@ -222,3 +222,98 @@ fn plan_errors_surface_through_the_lifecycle_before_anything_moves() {
     );
     assert_eq!(lc.peek_state().snapshot(), before);
 }
+
+/// Mixture-of-experts models in the Megatron expert layouts: bad expert degrees, a rollout
+/// degree the expert placement cannot split, expert parallelism for a dense model, and
+/// missing, extra or mis-shaped expert tensors and routers are errors naming the degree, the
+/// config field or the tensor, before any rank is built.
+#[test]
+fn expert_layouts_and_expert_tensors_are_checked_by_name() {
+    use lifecycle_layout::ExpertPlacement;
+    let m = common::moe_model(false); // 4 experts of 12, layers 1-3 MoE
+    let moe_err = |tp, pp, dp, ep, etp| {
+        MegatronLayout::new_moe(m, tp, pp, dp, ep, etp)
+            .unwrap_err()
+            .to_string()
+    };
+    let e = moe_err(1, 1, 6, 3, 1);
+    assert!(
+        e.contains("num_experts = 4 is not divisible by the expert-parallel degree EP = 3"),
+        "{e}"
+    );
+    let e = moe_err(1, 1, 4, 1, 8);
+    assert!(e.contains("ETP × EP × PP = 8 × 1 × 1"), "{e}");
+    let e = moe_err(1, 1, 8, 1, 8);
+    assert!(e.contains("moe_intermediate_size = 12"), "{e}");
+    let e = MegatronLayout::new_moe(common::model(2, false), 1, 1, 2, 2, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("EP = 2 needs a mixture-of-experts model"), "{e}");
+    // T = 8 partitions neither 4 experts nor 12 rows of every expert
+    let train = MegatronLayout::new_moe(m, 1, 1, 8, 4, 1).unwrap();
+    for (placement, field) in [
+        (ExpertPlacement::Partitioned, "num_experts = 4"),
+        (
+            ExpertPlacement::TensorParallel,
+            "moe_intermediate_size = 12",
+        ),
+    ] {
+        let rollout = RolloutLayout::fused(8, RolloutVocab::PadToMultipleOf(1))
+            .with_expert_placement(placement);
+        let e = plan_megatron_to_tp(&train, &rollout, BucketConfig::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(field) && e.contains("T = 8") && e.contains("ExpertPlacement::"),
+            "{e}"
+        );
+    }
+    // expert tensors: missing, one past num_experts, a router of the wrong shape
+    let layout = MegatronLayout::new_moe(m, 1, 1, 2, 2, 1).unwrap();
+    let full = common::hf_tensors(&m, 3);
+    let missing: Vec<HostTensor> = full
+        .iter()
+        .filter(|t| t.name != "model.layers.2.mlp.experts.3.down_proj.weight")
+        .cloned()
+        .collect();
+    match MegatronTrainState::from_hf(layout.clone(), missing) {
+        Err(MegatronError::MissingTensor { name }) => {
+            assert_eq!(name, "model.layers.2.mlp.experts.3.down_proj.weight")
+        }
+        other => panic!("{other:?}"),
+    }
+    let mut extra = full.clone();
+    extra.push(HostTensor::f32(
+        "model.layers.1.mlp.experts.4.up_proj.weight",
+        vec![12, 8],
+        vec![0.0; 96],
+    ));
+    let e = MegatronTrainState::from_hf(layout.clone(), extra)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("model.layers.1.mlp.experts.4.up_proj.weight"),
+        "{e}"
+    );
+    let bad_router: Vec<HostTensor> = full
+        .iter()
+        .map(|t| {
+            if t.name == "model.layers.1.mlp.gate.weight" {
+                HostTensor::f32(t.name.clone(), vec![5, 8], vec![0.0; 40])
+            } else {
+                t.clone()
+            }
+        })
+        .collect();
+    match MegatronTrainState::from_hf(layout, bad_router) {
+        Err(MegatronError::ShapeMismatch {
+            name,
+            expected,
+            found,
+        }) => {
+            assert_eq!(name, "model.layers.1.mlp.gate.weight");
+            assert_eq!((expected, found), (vec![4, 8], vec![5, 8]));
+        }
+        other => panic!("{other:?}"),
+    }
+}

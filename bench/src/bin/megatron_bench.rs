@@ -1,6 +1,8 @@
 //! Benchmark of the GPU Megatron executor on a synthetic Qwen2.5-7B-shaped model (hidden 3584,
 //! ffn 18944, vocab 152064, 28 layers, 28 heads in 4 query groups, head dim 128, q/k/v biases,
-//! untied head), W = 2 by default: training layouts TP2/PP1 and TP1/PP2 to rollout T ∈ {1, 2},
+//! untied head), or with `--model qwen3-30b-a3b` the Qwen3-30B-A3B shapes (128 experts of 768
+//! per layer in Megatron-Core's grouped-GEMM expert layout, EP `--ep`, expert TP = TP; the
+//! rollout places them by `--experts tp|ep`), W = 2 by default: training layouts TP2/PP1 and TP1/PP2 to rollout T ∈ {1, 2},
 //! with the hardware ceilings measured in the same process. At `--world 1` (one GPU) the only
 //! layout is TP1/PP1 → T = 1; the layouts whose TP × PP is not W, and the T that do not divide
 //! W, are skipped (the run says which), and the link ceilings read `n/a (W = 1)`.
@@ -9,6 +11,7 @@
 //! export NCCL_NVLS_ENABLE=0
 //! cargo run --release -p lifecycle-bench --bin megatron_bench -- [--layers 28] [--iters 5]
 //!     [--offload-iters 2] [--world 2] [--skip-offload] [--trace DIR]
+//!     [--model qwen2.5-7b|qwen3-30b-a3b] [--ep 1] [--experts tp|ep]
 //! ```
 //!
 //! With `--trace DIR`, one more enter + exit per layout and T (with offload unless
@@ -37,7 +40,7 @@ use lifecycle_bench::trace::trace_cycle;
 use lifecycle_core::{Lifecycle, MemoryPolicy, Phase, Reshard};
 use lifecycle_cuda::{check_environment, peer_copy_rate, RankExecutor, ThreadRankPool};
 use lifecycle_layout::megatron::MegatronLayout;
-use lifecycle_layout::ModelSpec;
+use lifecycle_layout::{ExpertPlacement, ModelSpec};
 use lifecycle_layout::{RolloutLayout, RolloutVocab};
 use lifecycle_megatron::{GpuConfig, MegatronGpuBackend, PinnedPool, Transport};
 
@@ -70,6 +73,16 @@ struct Cli {
     /// Trace one more enter + exit per layout and T into DIR/megatron_tp{TP}_pp{PP}_t{T}.json.
     #[arg(long, value_name = "DIR")]
     trace: Option<PathBuf>,
+    /// The model's shapes: qwen2.5-7b (dense) or qwen3-30b-a3b (128 experts per layer; 8
+    /// layers of it hold 5.6 B parameters).
+    #[arg(long, default_value = "qwen2.5-7b", value_parser = ["qwen2.5-7b", "qwen3-30b-a3b"])]
+    model: String,
+    /// Expert-parallel degree of the training layout (mixture-of-experts models).
+    #[arg(long, default_value_t = 1, value_parser = positive::<usize>)]
+    ep: usize,
+    /// Experts in the rollout: tp (split by TP inside every expert) or ep (partitioned).
+    #[arg(long, default_value = "tp")]
+    experts: ExpertPlacement,
 }
 
 fn mib(b: u64) -> String {
@@ -275,15 +288,30 @@ fn run() -> Result<(), Box<dyn Error>> {
         args.layers, args.iters, args.offload_iters
     );
     let c = ceilings(&pool, args.iters)?;
-    let model = ModelSpec::qwen2_5_7b(args.layers);
+    let moe = args.model == "qwen3-30b-a3b";
+    let model = if moe {
+        ModelSpec::qwen3_30b_a3b(args.layers)
+    } else {
+        ModelSpec::qwen2_5_7b(args.layers)
+    };
     let params: usize = model
         .hf_tensors()
         .iter()
         .map(|(_, s)| s.iter().product::<usize>())
         .sum();
     println!(
-        "model: Qwen2.5-7B shapes, {:.3} B parameters",
-        params as f64 / 1e9
+        "model: {} shapes, {:.3} B parameters{}",
+        if moe { "Qwen3-30B-A3B" } else { "Qwen2.5-7B" },
+        params as f64 / 1e9,
+        if moe {
+            format!(
+                "; experts EP {} x expert TP = TP, rollout experts {}",
+                args.ep,
+                args.experts.name()
+            )
+        } else {
+            String::new()
+        }
     );
     let (layouts, skipped): (Vec<_>, Vec<_>) =
         LAYOUTS.into_iter().partition(|&(tp, pp)| tp * pp == world);
@@ -314,11 +342,11 @@ fn run() -> Result<(), Box<dyn Error>> {
     let mut rows: Vec<Row> = Vec::new();
     let mut offload_rows: Vec<Row> = Vec::new();
     for (tp, pp) in layouts {
-        let layout = MegatronLayout::new(model, tp, pp, 1)?;
+        let layout = MegatronLayout::new_moe(model, tp, pp, 1, args.ep, tp)?;
         let t0 = Instant::now();
         let mut state = MegatronGpuBackend::new(
             pool.clone(),
-            RolloutLayout::fused(1, RolloutVocab::Unpadded),
+            RolloutLayout::fused(1, RolloutVocab::Unpadded).with_expert_placement(args.experts),
         )?
         .synthetic_state(layout, 1234, 0.02)?;
         println!(
@@ -327,7 +355,8 @@ fn run() -> Result<(), Box<dyn Error>> {
             state.rank_bytes(0).unwrap_or(0) as f64 / GB
         );
         for &t in &rollouts {
-            let rollout = RolloutLayout::fused(t, RolloutVocab::Unpadded);
+            let rollout =
+                RolloutLayout::fused(t, RolloutVocab::Unpadded).with_expert_placement(args.experts);
             let mut backend =
                 MegatronGpuBackend::new(pool.clone(), rollout)?.with_pinned_pool(pinned.clone());
             let plan = backend.plan(&state)?;
