@@ -8,15 +8,6 @@ pub enum MegatronLayoutError {
         /// Which size or degree.
         what: &'static str,
     },
-    /// A model feature the Megatron layouts do not lay out yet.
-    #[error(
-        "the Megatron training layout does not support {what} yet: train this model with the \
-         FSDP layout (lifecycle-fsdp, or HostTrainState on the CPU)"
-    )]
-    Unsupported {
-        /// The feature.
-        what: &'static str,
-    },
     /// A mixture-of-experts model routes each token to more experts than it has.
     #[error(
         "num_experts_per_tok (top-k) = {top_k} exceeds num_experts = {experts}: a token cannot be \

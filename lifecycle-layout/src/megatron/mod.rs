@@ -3,9 +3,12 @@
 //!
 //! - [`MegatronLayout`]: TP × PP × DP ranks in Megatron-Core's rank order, per-(stage, TP rank)
 //!   parameter buffers with fused QKV and gate/up, vocab-parallel embedding and output layer with
-//!   Megatron's vocabulary padding, distributed-optimizer shards.
+//!   Megatron's vocabulary padding, distributed-optimizer shards; for mixture-of-experts models
+//!   the router and, per rank, an expert part in Megatron-Core's ETP × EP × EDP × PP expert
+//!   layout ([`ExpertParallel`], [`MegatronLayout::new_moe`]).
 //! - [`RolloutLayout::fused`](crate::RolloutLayout::fused): the fused TP rollout layout of degree
-//!   `T` dividing W ([`crate::RolloutLayout::fused_tensors`]).
+//!   `T` dividing W ([`crate::RolloutLayout::fused_tensors`]), experts stacked per rank (vLLM's
+//!   `w13` / `w2`), split by TP or partitioned ([`crate::RolloutLayout::expert_share`]).
 //! - [`plan_megatron_to_tp`]: per rollout rank, the element runs read from each training rank,
 //!   grouped in buckets under a byte budget.
 //!

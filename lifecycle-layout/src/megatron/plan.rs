@@ -132,9 +132,11 @@ impl MegatronPlan {
 /// Plans the move from the Megatron training layout to the fused TP rollout layout.
 ///
 /// Source choice: every run is read from the destination rank itself when it holds the bytes
-/// (its own stage and TP shard, or a replicated norm / kv head / tied-embedding copy); otherwise
-/// from one of the replicas holding them (every DP rank of the owning (stage, TP rank), every TP
-/// rank for replicated tensors, both copies of a tied embedding), preferring in order: the
+/// (its own stage and TP shard, its own experts, or a replicated norm / router / kv head /
+/// tied-embedding copy); otherwise from one of the replicas holding them (every DP rank of the
+/// owning (stage, TP rank), every expert data-parallel rank of the owning (stage, ETP rank, EP
+/// rank), every TP rank for replicated tensors, both copies of a tied embedding), preferring in
+/// order: the
 /// destination's own DP replica, its own pipeline stage (so its TP group), the nearest rank
 /// number, the lower rank. Remote bytes are thus minimal — a byte crosses a link only when the
 /// destination holds no copy of it — and traffic stays inside TP groups, then model-parallel

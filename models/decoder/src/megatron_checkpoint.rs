@@ -86,7 +86,6 @@ fn config_field(e: &MegatronLayoutError) -> Option<&'static str> {
         },
         MegatronLayoutError::ExpertsNotDivisible { .. } => Some("num_experts"),
         MegatronLayoutError::PpExceedsLayers { .. } => Some("num_hidden_layers"),
-        MegatronLayoutError::Unsupported { .. } => Some("model_type"),
         MegatronLayoutError::TopK { .. } => Some("num_experts_per_tok"),
         MegatronLayoutError::PaddedVocab { .. } => Some("vocab_size"),
         MegatronLayoutError::ZeroSize { what } => match *what {
