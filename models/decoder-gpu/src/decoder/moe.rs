@@ -93,12 +93,20 @@ impl MoeScratch {
     }
 }
 
-/// One expert's routed rows: `rows` entries of the uploads from `start`.
+/// One expert's routed rows: `rows` entries of [`Routed`]'s lists from `start`.
 #[derive(Clone, Copy)]
 struct Run {
     expert: ExpertOffsets,
     start: usize,
     rows: usize,
+}
+
+/// A layer's routing on this rank: per held expert that received rows, in expert order, its run
+/// of the token rows `idx` and their weights `wts`.
+struct Routed {
+    runs: Vec<Run>,
+    idx: Vec<u32>,
+    wts: Vec<f32>,
 }
 
 /// One mixture-of-experts MLP on this rank over the `n` rows of the split activations at `xsp`:
@@ -186,25 +194,24 @@ pub(super) fn moe_layer(
             let e = r.expert;
             e.ffn == ffn && e.gate.fp8.is_none() && e.up.fp8.is_none() && e.down.fp8.is_none()
         });
+    let routed = Routed { runs, idx, wts };
     if grouped {
-        grouped_experts(ctx, st, z, scratch, (xsp, base), &runs, &idx, &wts)
+        grouped_experts(ctx, st, z, scratch, (xsp, base), &routed)
     } else {
-        per_expert(ctx, st, z, scratch, (xsp, base), &runs, &idx, &wts)
+        per_expert(ctx, st, z, scratch, (xsp, base), &routed)
     }
 }
 
 /// The experts one by one: gather, gate, up, SwiGLU, down, weighted scatter per expert.
-#[allow(clippy::too_many_arguments)]
 fn per_expert(
     ctx: &RankCtx,
     st: &RankState,
     z: &Dims,
     scratch: &mut MoeScratch,
     (xsp, base): (u64, u64),
-    runs: &[Run],
-    idx: &[u32],
-    wts: &[f32],
+    routed: &Routed,
 ) -> Result<(), CudaError> {
+    let (runs, idx, wts) = (&routed.runs, &routed.idx[..], &routed.wts[..]);
     let (s, rank, k) = (&ctx.compute, ctx.rank, &st.k);
     let (n, h) = (z.n, z.h);
     let p = |b: &CudaSlice<f32>| ptr(b, s);
@@ -299,17 +306,15 @@ struct Block {
 /// gate, up and down is one batched GEMM over the block (`cublasGemmBatchedEx`, two problems
 /// per expert: its hi and lo rows), beside one gather, one SwiGLU and one scatter that adds
 /// each token's experts in expert order.
-#[allow(clippy::too_many_arguments)]
 fn grouped_experts(
     ctx: &RankCtx,
     st: &RankState,
     z: &Dims,
     scratch: &mut MoeScratch,
     (xsp, base): (u64, u64),
-    runs: &[Run],
-    idx: &[u32],
-    wts: &[f32],
+    routed: &Routed,
 ) -> Result<(), CudaError> {
+    let (runs, idx, wts) = (&routed.runs[..], &routed.idx[..], &routed.wts[..]);
     let (s, rank, k) = (&ctx.compute, ctx.rank, &st.k);
     let (n, h, f) = (z.n, z.h, runs[0].expert.ffn);
     let addr = |b: &CudaSlice<f32>| ptr(b, s);
