@@ -42,6 +42,7 @@ part suite 900 env GPU_SUITE_LOGS="$OUT/suite-logs" GPU_SUITE_TIMEOUT=400 "$BIN/
 part fsdp_bench 600 "$BIN/fsdp_bench" --world "$W" --skip-dapo
 part megatron_bench 600 "$BIN/megatron_bench" --world "$W"
 part moe_bench 300 "$BIN/fsdp_bench" --world "$W" --model qwen3-30b-a3b --layers 8 --skip-dapo --fp8 --experts ep
+part megatron_moe_bench 300 "$BIN/megatron_bench" --world "$W" --model qwen3-30b-a3b --layers 8 --ep "$W" --experts ep
 for tp in 1 "$W"; do
     part "torch_peer_t$tp" 600 torchrun --nproc_per_node="$W" "$BIN/torch_reshard_baseline.py" --model 7b --tp "$tp"
 done
@@ -55,5 +56,6 @@ part launch_dapo 300 "$BIN/lifecycle-launch" --nproc-per-node "$W" -- "$BIN/dapo
 # 4. DAPO lazy vs eager, 7.6B shape, engine kept alive
 part dapo_fsdp_7b 600 "$BIN/dapo" --backend fsdp --gpus "$W" --tp "$W" --synthetic 7b --steps 2
 part dapo_megatron_7b 600 "$BIN/dapo" --backend megatron --gpus "$W" --tp "$W" --synthetic 7b --steps 2
+part dapo_megatron_moe 300 "$BIN/dapo" --backend megatron --gpus "$W" --tp "$W" --train-tp 1 --pp 1 --ep "$W" --etp 1 --experts ep --checkpoint models/decoder/fixtures/moe/moe_e4_untied_v61 --steps 3
 
 printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.log"

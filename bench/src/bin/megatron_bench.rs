@@ -1,8 +1,9 @@
 //! Benchmark of the GPU Megatron executor on a synthetic Qwen2.5-7B-shaped model (hidden 3584,
 //! ffn 18944, vocab 152064, 28 layers, 28 heads in 4 query groups, head dim 128, q/k/v biases,
 //! untied head), or with `--model qwen3-30b-a3b` the Qwen3-30B-A3B shapes (128 experts of 768
-//! per layer in Megatron-Core's grouped-GEMM expert layout, EP `--ep`, expert TP = TP; the
-//! rollout places them by `--experts tp|ep`), W = 2 by default: training layouts TP2/PP1 and TP1/PP2 to rollout T ∈ {1, 2},
+//! per layer in Megatron-Core's grouped-GEMM expert layout, expert TP = TP; with `--ep N > 1`
+//! the one layout is TP1/PP1/DP W with EP N; the rollout places the experts by
+//! `--experts tp|ep`), W = 2 by default: training layouts TP2/PP1 and TP1/PP2 to rollout T ∈ {1, 2},
 //! with the hardware ceilings measured in the same process. At `--world 1` (one GPU) the only
 //! layout is TP1/PP1 → T = 1; the layouts whose TP × PP is not W, and the T that do not divide
 //! W, are skipped (the run says which), and the link ceilings read `n/a (W = 1)`.
@@ -313,11 +314,14 @@ fn run() -> Result<(), Box<dyn Error>> {
             String::new()
         }
     );
-    let (layouts, skipped): (Vec<_>, Vec<_>) =
-        LAYOUTS.into_iter().partition(|&(tp, pp)| tp * pp == world);
+    // expert parallelism needs expert data-parallel ranks: TP1/PP1 with DP = W then
+    let expert_parallel = moe && args.ep > 1;
+    let (layouts, skipped): (Vec<_>, Vec<_>) = LAYOUTS
+        .into_iter()
+        .partition(|&(tp, pp)| tp * pp == if expert_parallel { 1 } else { world });
     if !skipped.is_empty() {
         println!(
-            "training layouts skipped at W = {world} (TP × PP must equal W): {}",
+            "training layouts skipped at W = {world} (TP × PP must equal W; 1 with --ep > 1): {}",
             skipped
                 .iter()
                 .map(|(tp, pp)| format!("TP{tp}/PP{pp}"))
@@ -342,7 +346,13 @@ fn run() -> Result<(), Box<dyn Error>> {
     let mut rows: Vec<Row> = Vec::new();
     let mut offload_rows: Vec<Row> = Vec::new();
     for (tp, pp) in layouts {
-        let layout = MegatronLayout::new_moe(model, tp, pp, 1, args.ep, tp)?;
+        let dp = world / (tp * pp);
+        let layout = MegatronLayout::new_moe(model, tp, pp, dp, args.ep, tp)?;
+        let lname = if dp > 1 {
+            format!("TP{tp}/PP{pp}/DP{dp}/EP{}", args.ep)
+        } else {
+            format!("TP{tp}/PP{pp}")
+        };
         let t0 = Instant::now();
         let mut state = MegatronGpuBackend::new(
             pool.clone(),
@@ -350,7 +360,7 @@ fn run() -> Result<(), Box<dyn Error>> {
         )?
         .synthetic_state(layout, 1234, 0.02)?;
         println!(
-            "\nTP{tp}/PP{pp}: synthetic state made on the GPUs in {:.2} s; per rank {:.2} GB of training state",
+            "\n{lname}: synthetic state made on the GPUs in {:.2} s; per rank {:.2} GB of training state",
             t0.elapsed().as_secs_f64(),
             state.rank_bytes(0).unwrap_or(0) as f64 / GB
         );
@@ -498,10 +508,10 @@ fn run() -> Result<(), Box<dyn Error>> {
             let sr_rate = sr_rate.filter(|_| !best.2);
             rows.push(Row {
                 what: if best.2 {
-                    format!("TP{tp}/PP{pp} -> T={t} enter (peer copies)")
+                    format!("{lname} -> T={t} enter (peer copies)")
                 } else {
                     format!(
-                        "TP{tp}/PP{pp} -> T={t} enter ({} MiB x {}, direct {})",
+                        "{lname} -> T={t} enter ({} MiB x {}, direct {})",
                         best.1.bucket_bytes >> 20,
                         best.1.in_flight,
                         mib(best.1.direct_min_bytes)
@@ -536,13 +546,13 @@ fn run() -> Result<(), Box<dyn Error>> {
                     offload_times(en, ex, &m)
                 );
                 offload_rows.push(Row {
-                    what: format!("TP{tp}/PP{pp} -> T={t} enter with offload"),
+                    what: format!("{lname} -> T={t} enter with offload"),
                     ours: en,
                     floor: bytes / c.d2h,
                     floor_sr: None,
                 });
                 offload_rows.push(Row {
-                    what: format!("TP{tp}/PP{pp} -> T={t} exit with reload"),
+                    what: format!("{lname} -> T={t} exit with reload"),
                     ours: ex,
                     floor: bytes / c.h2d,
                     floor_sr: None,

@@ -367,12 +367,13 @@ fn moe_configs_and_layouts_refuse_bad_input_with_the_field_named() {
         split("model.layers.1.mlp.experts.5.down_proj.weight"),
         Parallel::Owned { rank: 1 }
     );
-    // the Megatron layouts refuse MoE models instead of mis-laying them out
+    // the Megatron expert layout: an expert-parallel degree the 6 experts do not split is
+    // named with the config field
     let e = c
-        .megatron_layout(lifecycle_decoder::MegatronParallel::new(1, 1, 1))
+        .megatron_layout(lifecycle_decoder::MegatronParallel::new(1, 1, 4).with_experts(4, 1))
         .unwrap_err()
         .to_string();
-    assert!(e.contains("mixture-of-experts"), "{e}");
+    assert!(e.contains("num_experts") && e.contains("EP = 4"), "{e}");
 }
 
 #[test]
