@@ -121,6 +121,26 @@ fn megatron_trains_a_mixture_of_experts_checkpoint_in_expert_parallel_layouts() 
         assert!(lazy.steps.iter().all(|s| s.switches == 1), "{what}");
         assert!(eager.metrics.bytes().moved() >= lazy.metrics.bytes().moved());
     }
+    // Qwen2-MoE: the shared expert and its gate through EP 2 and the partitioned rollout
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/decoder/fixtures/moe/qwen2moe_shared_e4");
+    let shared = lifecycle_decoder::load_checkpoint(&dir).unwrap();
+    assert!(shared.config.moe.is_some_and(|m| m.shared_ffn > 0));
+    let config = DapoConfig {
+        world: 2,
+        tp: 2,
+        experts: ExpertPlacement::Partitioned,
+        train: HostTrain::Megatron {
+            tp: 1,
+            pp: 1,
+            ep: 2,
+            etp: 1,
+        },
+        ..small(1, 1)
+    };
+    let lazy = run_megatron(&config, Some(&shared), Switching::Lazy, |_| {}).unwrap();
+    let eager = run_megatron(&config, Some(&shared), Switching::Eager, |_| {}).unwrap();
+    assert_eq!(lazy.groups, eager.groups, "qwen2_moe");
     let bad = DapoConfig {
         world: 2,
         tp: 1,

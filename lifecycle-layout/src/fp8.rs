@@ -407,6 +407,7 @@ pub fn keeps_bf16(name: &str, shape: &[usize]) -> bool {
         || name == crate::hf::EMBED
         || name == crate::hf::LM_HEAD
         || name.ends_with(crate::hf::ROUTER)
+        || name.ends_with(crate::hf::SHARED_EXPERT_GATE)
 }
 
 /// Which matrices an fp8 rollout keeps in bf16 beyond the published exemptions of

@@ -67,6 +67,10 @@ pub struct MoeSpec {
     pub sparse_step: usize,
     /// Layers that keep a dense MLP of size [`ModelSpec::ffn`] (`mlp_only_layers`).
     pub dense_layers: LayerSet,
+    /// Intermediate size of the shared expert every token also goes through, scaled by a
+    /// sigmoid gate (Qwen2-MoE's `shared_expert_intermediate_size`: `mlp.shared_expert.*` and
+    /// `mlp.shared_expert_gate.weight` `[1, hidden]`); 0 for none (Qwen3-MoE).
+    pub shared_ffn: usize,
 }
 
 /// Shape of a decoder-only transformer (Qwen2 / Llama family), independent of any layout.
@@ -166,6 +170,7 @@ impl ModelSpec {
                 norm_topk_prob: true,
                 sparse_step: 1,
                 dense_layers: LayerSet::EMPTY,
+                shared_ffn: 0,
             }),
         }
     }
@@ -204,6 +209,7 @@ impl ModelSpec {
                 norm_topk_prob: true,
                 sparse_step: 1,
                 dense_layers: LayerSet(1),
+                shared_ffn: 0,
             }),
             ..Self::tiny()
         }
@@ -336,6 +342,13 @@ impl ModelSpec {
                         out.push((hf::expert(i, e, hf::EXPERT_UP), vec![m.ffn, h]));
                         out.push((hf::expert(i, e, hf::EXPERT_DOWN), vec![h, m.ffn]));
                     }
+                    if m.shared_ffn > 0 {
+                        let s = m.shared_ffn;
+                        out.push((hf::layer(i, hf::SHARED_GATE), vec![s, h]));
+                        out.push((hf::layer(i, hf::SHARED_UP), vec![s, h]));
+                        out.push((hf::layer(i, hf::SHARED_DOWN), vec![h, s]));
+                        out.push((hf::layer(i, hf::SHARED_EXPERT_GATE), vec![1, h]));
+                    }
                 }
                 _ => {
                     out.push((hf::layer(i, hf::GATE), vec![self.ffn, h]));
@@ -404,6 +417,17 @@ pub mod hf {
     /// Per-layer suffix of the fused rollout layout (MoE layers): the rank's experts' `down`
     /// columns stacked, `[local experts, hidden, moe_ffn share]` (vLLM's `FusedMoE.w2_weight`).
     pub const EXPERTS_W2: &str = "mlp.experts.w2_weight";
+    /// Per-layer suffix (MoE layers with a shared expert): its gate projection,
+    /// `[shared_ffn, hidden]`.
+    pub const SHARED_GATE: &str = "mlp.shared_expert.gate_proj.weight";
+    /// Per-layer suffix: the shared expert's up projection, `[shared_ffn, hidden]`.
+    pub const SHARED_UP: &str = "mlp.shared_expert.up_proj.weight";
+    /// Per-layer suffix: the shared expert's down projection, `[hidden, shared_ffn]`.
+    pub const SHARED_DOWN: &str = "mlp.shared_expert.down_proj.weight";
+    /// Per-layer suffix: the shared expert's sigmoid gate, `[1, hidden]` (replicated).
+    pub const SHARED_EXPERT_GATE: &str = "mlp.shared_expert_gate.weight";
+    /// Per-layer suffix of the fused rollout layout: the shared expert's `[gate; up]`.
+    pub const SHARED_GATE_UP: &str = "mlp.shared_expert.gate_up_proj.weight";
     /// Per-expert suffix: gate projection, `[moe_ffn, hidden]`.
     pub const EXPERT_GATE: &str = "gate_proj.weight";
     /// Per-expert suffix: up projection, `[moe_ffn, hidden]`.

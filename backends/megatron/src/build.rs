@@ -237,6 +237,7 @@ pub(crate) fn slot_seed(seed: u64, layout: &MegatronLayout, slot: &ParamSlot, ra
             | ParamKind::QNorm
             | ParamKind::KNorm
             | ParamKind::Router
+            | ParamKind::SharedGate
     );
     let t = if replicated { 0 } else { tp as u64 };
     let layer = slot.layer.map_or(0xFFFF, |l| l as u64);

@@ -905,6 +905,7 @@ fn moe_models() -> Vec<(&'static str, ModelSpec)> {
             norm_topk_prob: true,
             sparse_step: 1,
             dense_layers: LayerSet::EMPTY,
+            shared_ffn: 0,
         }),
         ..models()[2].1
     };

@@ -296,6 +296,7 @@ mod tests {
             norm_topk_prob: true,
             sparse_step: 1,
             dense_layers: LayerSet::EMPTY,
+            shared_ffn: 0,
         }
     }
 

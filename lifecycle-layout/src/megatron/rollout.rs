@@ -40,6 +40,13 @@ pub enum RolloutKind {
     ExpertsW13,
     /// `model.layers.{i}.mlp.experts.w2_weight`: the rank's experts' columns of `down` stacked.
     ExpertsW2,
+    /// `model.layers.{i}.mlp.shared_expert.gate_up_proj.weight`: the shared expert's `[gate_local;
+    /// up_local]` (Qwen2-MoE).
+    SharedGateUp,
+    /// `model.layers.{i}.mlp.shared_expert.down_proj.weight`: row-parallel (columns split).
+    SharedDown,
+    /// `model.layers.{i}.mlp.shared_expert_gate.weight`: `[1, hidden]`, replicated.
+    SharedGate,
 }
 
 /// The experts and the intermediate rows of each that one rank of a fused rollout layout holds.
@@ -287,6 +294,27 @@ impl RolloutLayout {
                         l,
                         vec![e, h, f],
                     );
+                    if moe.shared_ffn > 0 {
+                        let sf = moe.shared_ffn / t;
+                        push(
+                            hf::layer(i, hf::SHARED_GATE_UP),
+                            RolloutKind::SharedGateUp,
+                            l,
+                            vec![2 * sf, h],
+                        );
+                        push(
+                            hf::layer(i, hf::SHARED_DOWN),
+                            RolloutKind::SharedDown,
+                            l,
+                            vec![h, sf],
+                        );
+                        push(
+                            hf::layer(i, hf::SHARED_EXPERT_GATE),
+                            RolloutKind::SharedGate,
+                            l,
+                            vec![1, h],
+                        );
+                    }
                 }
                 _ => {
                     push(

@@ -129,6 +129,7 @@ pub(crate) fn wants(
             .unwrap_or_default()
     };
     let layer_stage = spec.layer.map_or(pp - 1, |l| train.stage_of_layer(l));
+    let shared_ffn = m.moe.map_or(0, |moe| moe.shared_ffn);
     let mut out = Vec::new();
     match spec.kind {
         RolloutKind::Embedding | RolloutKind::LmHead => {
@@ -165,13 +166,15 @@ pub(crate) fn wants(
         | RolloutKind::Norm
         | RolloutKind::QNorm
         | RolloutKind::KNorm
-        | RolloutKind::Router => {
+        | RolloutKind::Router
+        | RolloutKind::SharedGate => {
             let (kind, rows, width) = match spec.kind {
                 RolloutKind::InputNorm => (ParamKind::InputNorm, 1, h),
                 RolloutKind::PostNorm => (ParamKind::PreMlpNorm, 1, h),
                 RolloutKind::QNorm => (ParamKind::QNorm, 1, m.head_dim),
                 RolloutKind::KNorm => (ParamKind::KNorm, 1, m.head_dim),
                 RolloutKind::Router => (ParamKind::Router, spec.shape[0], h),
+                RolloutKind::SharedGate => (ParamKind::SharedGate, 1, h),
                 _ => (ParamKind::FinalNorm, 1, h),
             };
             let off = slot_offset(layer_stage, kind, spec.layer);
@@ -227,11 +230,11 @@ pub(crate) fn wants(
                 head((qh + kvl + j) * hd, QkvHead::V(g0 + j));
             }
         }
-        RolloutKind::O | RolloutKind::Down => {
-            let (kind, full) = if spec.kind == RolloutKind::O {
-                (ParamKind::Proj, m.q_rows())
-            } else {
-                (ParamKind::Fc2, m.ffn)
+        RolloutKind::O | RolloutKind::Down | RolloutKind::SharedDown => {
+            let (kind, full) = match spec.kind {
+                RolloutKind::O => (ParamKind::Proj, m.q_rows()),
+                RolloutKind::Down => (ParamKind::Fc2, m.ffn),
+                _ => (ParamKind::SharedFc2, shared_ffn),
             };
             let off = slot_offset(layer_stage, kind, spec.layer);
             let (per_t, per_tp) = (full / rollout_tp, full / tp);
@@ -250,9 +253,14 @@ pub(crate) fn wants(
                 }
             }
         }
-        RolloutKind::GateUp => {
-            let off = slot_offset(layer_stage, ParamKind::Fc1, spec.layer);
-            let (per_t, per_tp) = (m.ffn / rollout_tp, m.ffn / tp);
+        RolloutKind::GateUp | RolloutKind::SharedGateUp => {
+            let (kind, full) = if spec.kind == RolloutKind::GateUp {
+                (ParamKind::Fc1, m.ffn)
+            } else {
+                (ParamKind::SharedFc1, shared_ffn)
+            };
+            let off = slot_offset(layer_stage, kind, spec.layer);
+            let (per_t, per_tp) = (full / rollout_tp, full / tp);
             for up in [false, true] {
                 for tau in 0..tp {
                     if let Some((r0, n)) =

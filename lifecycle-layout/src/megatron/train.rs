@@ -33,6 +33,14 @@ pub enum ParamKind {
     /// `decoder.layers.{i}.mlp.router.weight` (mixture-of-experts layers: `[experts, hidden]`,
     /// replicated).
     Router,
+    /// `decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight`: the shared expert's `[gate
+    /// rows; up rows]` of this TP rank (Qwen2-MoE; Megatron-Core's `SharedExpertMLP`).
+    SharedFc1,
+    /// `decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight` (row-parallel: columns split).
+    SharedFc2,
+    /// `decoder.layers.{i}.mlp.shared_experts.gate_weight`: the shared expert's sigmoid gate,
+    /// `[1, hidden]`, replicated.
+    SharedGate,
     /// `decoder.layers.{i}.mlp.experts.linear_fc1.weight{j}`: local expert `j`'s `[gate rows;
     /// up rows]` of this expert tensor-parallel rank (the expert part of the buffer).
     ExpertFc1,
@@ -156,8 +164,9 @@ impl OptimizerShard {
 /// - **Buffer order** of one rank, element offsets in [`MegatronLayout::stage_slots`]: word
 ///   embedding (first stage); then per layer `input_layernorm`, `linear_qkv.weight`,
 ///   `linear_qkv.bias` (with qkv bias), `q_layernorm` and `k_layernorm` (Qwen3), `linear_proj`,
-///   `pre_mlp_layernorm`, then `linear_fc1` and `linear_fc2` (dense layers) or `router`
-///   (mixture-of-experts layers); then (last stage) `final_layernorm` and `output_layer`
+///   `pre_mlp_layernorm`, then `linear_fc1` and `linear_fc2` (dense layers) or `router` and the
+///   shared expert's `shared_experts.linear_fc1`, `linear_fc2`, `gate_weight` (mixture-of-experts
+///   layers; the shared expert, if any, split by TP like a dense MLP); then (last stage) `final_layernorm` and `output_layer`
 ///   (untied, or tied with PP > 1); then the expert part: per mixture-of-experts layer, per
 ///   local expert `j`, `experts.linear_fc1.weight{j}` and `experts.linear_fc2.weight{j}`. This is
 ///   module registration order, densely packed; Megatron's DDP buffers store the dense and the
@@ -604,12 +613,35 @@ impl MegatronLayout {
                 vec![h],
             );
             match m.moe {
-                Some(moe) if m.moe_layer(i) => push(
-                    p("mlp.router.weight"),
-                    ParamKind::Router,
-                    l,
-                    vec![moe.experts, h],
-                ),
+                Some(moe) if m.moe_layer(i) => {
+                    push(
+                        p("mlp.router.weight"),
+                        ParamKind::Router,
+                        l,
+                        vec![moe.experts, h],
+                    );
+                    if moe.shared_ffn > 0 {
+                        let sf = moe.shared_ffn / tp;
+                        push(
+                            p("mlp.shared_experts.linear_fc1.weight"),
+                            ParamKind::SharedFc1,
+                            l,
+                            vec![2 * sf, h],
+                        );
+                        push(
+                            p("mlp.shared_experts.linear_fc2.weight"),
+                            ParamKind::SharedFc2,
+                            l,
+                            vec![h, sf],
+                        );
+                        push(
+                            p("mlp.shared_experts.gate_weight"),
+                            ParamKind::SharedGate,
+                            l,
+                            vec![1, h],
+                        );
+                    }
+                }
                 _ => {
                     push(
                         p("mlp.linear_fc1.weight"),
@@ -744,6 +776,21 @@ pub(crate) fn check_tp(
             tp,
             param: qkv,
         });
+    }
+    if let Some(moe) = model.moe {
+        if !moe.shared_ffn.is_multiple_of(tp) {
+            return Err(MegatronLayoutError::NotDivisible {
+                side,
+                what: "shared_expert_intermediate_size",
+                size: moe.shared_ffn,
+                tp,
+                param: if side == "training TP" {
+                    "mlp.shared_experts.linear_fc1.weight"
+                } else {
+                    "mlp.shared_expert.gate_up_proj.weight"
+                },
+            });
+        }
     }
     if model.has_dense_mlp() && !model.ffn.is_multiple_of(tp) {
         return Err(MegatronLayoutError::NotDivisible {

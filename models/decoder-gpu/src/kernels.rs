@@ -199,6 +199,18 @@ extern "C" __global__ void scatter_add_grouped(const float* __restrict__ y2, con
     }
 }
 
+// acc[t, c] += sigmoid(g[t] + g[n + t]) * (y2[t, c] + y2[n + t, c]) for n rows of h: a shared
+// expert's output y2 [2n x h] and its gate's logits g [2n] (hi/lo products), Qwen2-MoE.
+extern "C" __global__ void add_gated_rows(const float* __restrict__ y2, const float* __restrict__ g,
+                                          float* __restrict__ acc, u32 n, u32 h) {
+    u64 total = (u64)n * h;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 t = i / h;
+        float s = 1.0f / (1.0f + expf(-(g[t] + g[n + t])));
+        acc[i] += s * (y2[i] + y2[total + i]);
+    }
+}
+
 // out[i] = a[i] (+ res[i]).
 extern "C" __global__ void add_rows(const float* __restrict__ a, const float* res, float* out,
                                     u64 total) {
@@ -455,6 +467,7 @@ pub(crate) struct DecoderKernels {
     pub gather_split_rows: CudaFunction,
     pub scatter_add_rows: CudaFunction,
     pub scatter_add_grouped: CudaFunction,
+    pub add_gated_rows: CudaFunction,
     pub add_rows: CudaFunction,
     pub sm_count: u32,
 }
@@ -494,6 +507,7 @@ impl DecoderKernels {
             gather_split_rows: m.function("gather_split_rows")?,
             scatter_add_rows: m.function("scatter_add_rows")?,
             scatter_add_grouped: m.function("scatter_add_grouped")?,
+            add_gated_rows: m.function("add_gated_rows")?,
             add_rows: m.function("add_rows")?,
             sm_count: m.sm_count(),
         })

@@ -85,11 +85,20 @@ pub(crate) struct ExpertOffsets {
 }
 
 /// One rank's mixture-of-experts layer: the replicated router and the experts it holds (every
-/// expert's TP share, or its own experts whole when they are partitioned).
+/// expert's TP share, or its own experts whole when they are partitioned), and its share of the
+/// shared expert, if the model has one.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct MoeOffsets {
     pub router: u64,
     pub experts: Vec<Option<ExpertOffsets>>,
+    pub shared: Option<SharedOffsets>,
+}
+
+/// A rank's TP share of Qwen2-MoE's shared expert and its replicated sigmoid gate `[1, hidden]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SharedOffsets {
+    pub expert: ExpertOffsets,
+    pub gate: u64,
 }
 
 /// One rank's weight offsets and head share.
@@ -454,6 +463,23 @@ impl GroupOffsets {
                         experts: (0..m.experts)
                             .map(|e| rr.expert(l, e, t, m.ffn))
                             .collect::<Result<_, _>>()?,
+                        shared: if m.shared_ffn > 0 {
+                            let (col, row) = ([Parallel::Column], [Parallel::Row]);
+                            Some(SharedOffsets {
+                                expert: ExpertOffsets {
+                                    gate: rr.matrix(&hf::layer(l, hf::SHARED_GATE), &col)?,
+                                    up: rr.matrix(&hf::layer(l, hf::SHARED_UP), &col)?,
+                                    down: rr.matrix(&hf::layer(l, hf::SHARED_DOWN), &row)?,
+                                    ffn: m.shared_ffn / layout.tp(),
+                                },
+                                gate: rr.offset(
+                                    &hf::layer(l, hf::SHARED_EXPERT_GATE),
+                                    &[Parallel::Replicated],
+                                )?,
+                            })
+                        } else {
+                            None
+                        },
                     })),
                     _ => Ok(None),
                 })
@@ -706,9 +732,25 @@ impl GroupOffsets {
                                 ffn: f,
                             });
                         }
+                        let shared = if m.shared_ffn > 0 {
+                            let sf = m.shared_ffn / tp;
+                            let gate = at(&hf::layer(l, hf::SHARED_GATE_UP))?;
+                            Some(SharedOffsets {
+                                expert: ExpertOffsets {
+                                    gate: MatAt::bf16(gate),
+                                    up: MatAt::bf16(gate + (sf * h) as u64),
+                                    down: MatAt::bf16(at(&hf::layer(l, hf::SHARED_DOWN))?),
+                                    ffn: sf,
+                                },
+                                gate: at(&hf::layer(l, hf::SHARED_EXPERT_GATE))?,
+                            })
+                        } else {
+                            None
+                        };
                         Some(MoeOffsets {
                             router: at(&hf::layer(l, hf::ROUTER))?,
                             experts,
+                            shared,
                         })
                     }
                     _ => None,

@@ -228,7 +228,12 @@ fn moe_oracle(tp: usize) -> Res {
         serde_json::from_str(&std::fs::read_to_string(dir.join("moe_references.json"))?)?;
     let mut failures = Vec::new();
     let mut runs = 0;
-    for name in ["qwen3_dense", "moe_e4_untied_v61", "moe_e6_tied_dense0"] {
+    for name in [
+        "qwen3_dense",
+        "moe_e4_untied_v61",
+        "moe_e6_tied_dense0",
+        "qwen2moe_shared_e4",
+    ] {
         let ckpt = load_checkpoint(&dir.join(name))?;
         let cases = refs["models"][name]["cases"].as_array().ok_or("no cases")?;
         let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
@@ -275,7 +280,7 @@ fn moe_oracle(tp: usize) -> Res {
             runs += 1;
         }
     }
-    assert_eq!(runs, 5);
+    assert_eq!(runs, 7);
     if failures.is_empty() {
         Ok(())
     } else {
@@ -746,22 +751,31 @@ fn fused_megatron_layout_matches_the_cpu_decoder_on_qwen3() -> Res {
     )
 }
 
-/// Qwen3-MoE (8 experts of 128, top-2, layer 0 dense) trained in Megatron-Core expert layouts
-/// (EP 1 and 2, expert TP 1 and 2) and rolled out at T = 1 with the experts stacked in the fused
-/// layout, both placements: the GPU decoder against the CPU decoder.
+/// Qwen3-MoE (8 experts of 128, top-2, layer 0 dense) and Qwen2-MoE (a shared expert of 192
+/// with its sigmoid gate beside them) trained in Megatron-Core expert layouts (EP 1 and 2,
+/// expert TP 1 and 2) and rolled out at T = 1 with the experts stacked in the fused layout, both
+/// placements: the GPU decoder against the CPU decoder.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn fused_megatron_layout_matches_the_cpu_decoder_on_qwen3_moe() -> Res {
     require_gpus(1)?;
-    let config = r#"{"model_type": "qwen3_moe", "vocab_size": 4093, "hidden_size": 256,
+    let qwen3 = r#"{"model_type": "qwen3_moe", "vocab_size": 4093, "hidden_size": 256,
         "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
         "num_key_value_heads": 2, "head_dim": 32, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
         "tie_word_embeddings": false, "num_experts": 8, "num_experts_per_tok": 2,
         "moe_intermediate_size": 128, "norm_topk_prob": true, "mlp_only_layers": [0]}"#;
+    let qwen2 = r#"{"model_type": "qwen2_moe", "vocab_size": 4093, "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 3, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": false, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128, "shared_expert_intermediate_size": 192,
+        "norm_topk_prob": false}"#;
     let mut failures = Vec::new();
-    for experts in [
-        ExpertPlacement::TensorParallel,
-        ExpertPlacement::Partitioned,
+    for (config, experts) in [
+        (qwen3, ExpertPlacement::TensorParallel),
+        (qwen3, ExpertPlacement::Partitioned),
+        (qwen2, ExpertPlacement::TensorParallel),
+        (qwen2, ExpertPlacement::Partitioned),
     ] {
         let cases = [
             (1, MegatronParallel::new(1, 1, 1)),
@@ -770,7 +784,12 @@ fn fused_megatron_layout_matches_the_cpu_decoder_on_qwen3_moe() -> Res {
             (2, MegatronParallel::new(1, 2, 1)),
         ];
         if let Err(e) = fused_megatron_cases(config, experts, &cases) {
-            failures.push(format!("experts {}: {e}", experts.name()));
+            let model = if config == qwen2 {
+                "qwen2_moe"
+            } else {
+                "qwen3_moe"
+            };
+            failures.push(format!("{model} experts {}: {e}", experts.name()));
         }
     }
     if failures.is_empty() {

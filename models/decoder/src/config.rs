@@ -21,6 +21,9 @@ pub enum Architecture {
     Qwen3,
     /// Qwen3-MoE: Qwen3 attention and a mixture-of-experts MLP ([`MoeSpec`]).
     Qwen3Moe,
+    /// Qwen2-MoE: Qwen2 attention (q/k/v biases) and a mixture-of-experts MLP with a shared
+    /// expert behind a sigmoid gate ([`MoeSpec::shared_ffn`]).
+    Qwen2Moe,
 }
 
 /// Spelling of `config.json` to write.
@@ -206,11 +209,12 @@ fn rope_theta(map: &Map<String, Value>) -> Result<f64, CheckpointError> {
 }
 
 /// The model types [`ModelConfig`] reads, for messages.
-const SUPPORTED: &str = "\"qwen2\", \"llama\", \"mistral\", \"qwen3\" or \"qwen3_moe\"";
+const SUPPORTED: &str =
+    "\"qwen2\", \"llama\", \"mistral\", \"qwen3\", \"qwen3_moe\" or \"qwen2_moe\"";
 
-/// The mixture-of-experts fields of a Qwen3-MoE `config.json` (`num_experts`, or
-/// `num_local_experts` as transformers 5 writes it).
-fn moe_spec(map: &Map<String, Value>) -> Result<MoeSpec, CheckpointError> {
+/// The mixture-of-experts fields of a Qwen3-MoE or Qwen2-MoE `config.json` (`num_experts`, or
+/// `num_local_experts` as transformers 5 writes it; Qwen2-MoE's shared expert).
+fn moe_spec(map: &Map<String, Value>, shared: bool) -> Result<MoeSpec, CheckpointError> {
     let experts = match (
         get_usize(map, "num_experts")?,
         get_usize(map, "num_local_experts")?,
@@ -264,12 +268,22 @@ fn moe_spec(map: &Map<String, Value>) -> Result<MoeSpec, CheckpointError> {
             format!("layer {l} is past the 128 layers supported"),
         )
     })?;
-    if get_usize(map, "shared_expert_intermediate_size")?.is_some() {
-        return Err(field_err(
-            "shared_expert_intermediate_size",
-            "shared experts are not supported (Qwen3-MoE has none)",
-        ));
-    }
+    let shared_ffn = match (shared, get_usize(map, "shared_expert_intermediate_size")?) {
+        (true, Some(n)) => n,
+        (true, None) => {
+            return Err(field_err(
+                "shared_expert_intermediate_size",
+                "missing: a qwen2_moe config needs the shared expert's size (0 for none)",
+            ))
+        }
+        (false, Some(n)) if n > 0 => {
+            return Err(field_err(
+                "shared_expert_intermediate_size",
+                format!("{n}: a qwen3_moe model has no shared expert (use model_type qwen2_moe)"),
+            ))
+        }
+        (false, _) => 0,
+    };
     Ok(MoeSpec {
         experts,
         top_k,
@@ -277,6 +291,7 @@ fn moe_spec(map: &Map<String, Value>) -> Result<MoeSpec, CheckpointError> {
         norm_topk_prob: get_bool(map, "norm_topk_prob")?.unwrap_or(false),
         sparse_step: get_usize(map, "decoder_sparse_step")?.unwrap_or(1),
         dense_layers,
+        shared_ffn,
     })
 }
 
@@ -342,6 +357,7 @@ impl ModelConfig {
             "llama" | "mistral" => Architecture::Llama,
             "qwen3" => Architecture::Qwen3,
             "qwen3_moe" => Architecture::Qwen3Moe,
+            "qwen2_moe" => Architecture::Qwen2Moe,
             "" => return Err(field_err("model_type", format!("missing ({SUPPORTED})"))),
             other => {
                 return Err(field_err(
@@ -388,10 +404,12 @@ impl ModelConfig {
         }
         let qkv_bias = match architecture {
             Architecture::Qwen2 => true,
+            Architecture::Qwen2Moe => get_bool(map, "qkv_bias")?.unwrap_or(true),
             _ => get_bool(map, "attention_bias")?.unwrap_or(false),
         };
         let moe = match architecture {
-            Architecture::Qwen3Moe => Some(moe_spec(map)?),
+            Architecture::Qwen3Moe => Some(moe_spec(map, false)?),
+            Architecture::Qwen2Moe => Some(moe_spec(map, true)?),
             _ => None,
         };
         let intermediate_size = match (get_usize(map, "intermediate_size")?, moe) {
@@ -442,6 +460,7 @@ impl ModelConfig {
             Architecture::Llama => ("llama", "LlamaForCausalLM"),
             Architecture::Qwen3 => ("qwen3", "Qwen3ForCausalLM"),
             Architecture::Qwen3Moe => ("qwen3_moe", "Qwen3MoeForCausalLM"),
+            Architecture::Qwen2Moe => ("qwen2_moe", "Qwen2MoeForCausalLM"),
         };
         map.insert("model_type".into(), model_type.into());
         map.insert("architectures".into(), Value::Array(vec![arch.into()]));
@@ -462,8 +481,14 @@ impl ModelConfig {
             "tie_word_embeddings".into(),
             self.tie_word_embeddings.into(),
         );
-        if self.architecture != Architecture::Qwen2 {
-            map.insert("attention_bias".into(), self.qkv_bias.into());
+        match self.architecture {
+            Architecture::Qwen2 => {}
+            Architecture::Qwen2Moe => {
+                map.insert("qkv_bias".into(), self.qkv_bias.into());
+            }
+            _ => {
+                map.insert("attention_bias".into(), self.qkv_bias.into());
+            }
         }
         if let Some(m) = self.moe {
             for (k, v) in [
@@ -472,6 +497,10 @@ impl ModelConfig {
                 ("moe_intermediate_size", m.ffn),
                 ("decoder_sparse_step", m.sparse_step),
             ] {
+                map.insert(k.into(), v.into());
+            }
+            if self.architecture == Architecture::Qwen2Moe {
+                let (k, v) = ("shared_expert_intermediate_size", m.shared_ffn);
                 map.insert(k.into(), v.into());
             }
             map.insert("norm_topk_prob".into(), m.norm_topk_prob.into());
@@ -611,6 +640,15 @@ impl ModelConfig {
                     "moe_intermediate_size {} is not divisible by T: choose T dividing it (the \
                      experts are split by tensor parallelism inside every expert)",
                     m.ffn
+                )));
+            }
+        }
+        if let Some(m) = self.moe {
+            if !m.shared_ffn.is_multiple_of(tp) {
+                return Err(degree(format!(
+                    "shared_expert_intermediate_size {} is not divisible by T: choose T dividing \
+                     it (the shared expert is split by tensor parallelism like a dense MLP)",
+                    m.shared_ffn
                 )));
             }
         }

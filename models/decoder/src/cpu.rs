@@ -8,7 +8,7 @@ use crate::config::ModelConfig;
 use crate::decoder::{Decoder, PrefillLogits};
 use crate::error::DecodeError;
 use crate::math::{linear, rms_norm, route_top_k, softmax, swiglu, Rope};
-use crate::weights::{GroupWeights, Mlp, MlpPart, Routing, VocabWeight};
+use crate::weights::{GroupWeights, Mlp, MlpPart, Routing, SharedExpert, VocabWeight};
 use half::bf16;
 
 /// Keys and values of one rank's kv heads for one layer, `[position][kv_heads · head_dim]`.
@@ -206,7 +206,17 @@ impl<'w> CpuDecoder<'w> {
             rms_norm(&x, layer.post_norm, eps, &mut xn);
             let out = match &layer.mlp {
                 Mlp::Dense(parts) => mlp(&xn, parts, h),
-                Mlp::Moe { router, experts } => moe(&xn, router, experts, h, &self.w.routing),
+                Mlp::Moe {
+                    router,
+                    experts,
+                    shared,
+                } => {
+                    let mut out = moe(&xn, router, experts, h, &self.w.routing);
+                    if let Some(s) = shared {
+                        shared_expert(&xn, s, h, &mut out);
+                    }
+                    out
+                }
             };
             x.iter_mut().zip(&out).for_each(|(a, b)| *a += b);
         }
@@ -317,6 +327,19 @@ fn moe(
         }
     }
     out
+}
+
+/// Adds the shared expert of the rows `x` (`[n × hidden]`) to `out`, scaled per row by
+/// `sigmoid(gate · x)`, as Qwen2-MoE does.
+fn shared_expert(x: &[f32], s: &SharedExpert<'_>, h: usize, out: &mut [f32]) {
+    let n = x.len() / h;
+    let y = mlp(x, &s.parts, h);
+    let mut g = vec![0.0f32; n];
+    linear(x, s.gate, None, h, &mut g);
+    for ((o, yr), gr) in out.chunks_exact_mut(h).zip(y.chunks_exact(h)).zip(&g) {
+        let scale = 1.0 / (1.0 + (-gr).exp());
+        o.iter_mut().zip(yr).for_each(|(a, b)| *a += scale * b);
+    }
 }
 
 impl Decoder for CpuDecoder<'_> {

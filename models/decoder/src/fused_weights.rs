@@ -17,7 +17,9 @@ use crate::config::ModelConfig;
 use crate::error::DecodeError;
 use crate::heads::head_shares;
 use crate::megatron_checkpoint::MEGATRON_VOCAB_MULTIPLE;
-use crate::weights::{GroupWeights, Layer, Mlp, MlpPart, RankLayer, Routing, VocabWeight};
+use crate::weights::{
+    GroupWeights, Layer, Mlp, MlpPart, RankLayer, Routing, SharedExpert, VocabWeight,
+};
 
 /// `w` cut after `a` and `a + b` elements.
 fn split3(w: &[bf16], a: usize, b: usize) -> (&[bf16], &[bf16], &[bf16]) {
@@ -203,8 +205,29 @@ fn fused_experts<'w>(
             });
         }
     }
+    let shared = match model.moe {
+        Some(moe) if moe.shared_ffn > 0 => {
+            let sf = moe.shared_ffn / layout.tp();
+            let parts = (0..layout.tp())
+                .map(|rank| {
+                    let (gate, up) = get(&hf::layer(l, hf::SHARED_GATE_UP), rank)?.split_at(sf * h);
+                    Ok(MlpPart {
+                        gate: gate.into(),
+                        up: up.into(),
+                        down: get(&hf::layer(l, hf::SHARED_DOWN), rank)?.into(),
+                    })
+                })
+                .collect::<Result<_, DecodeError>>()?;
+            Some(SharedExpert {
+                parts,
+                gate: get(&hf::layer(l, hf::SHARED_EXPERT_GATE), 0)?,
+            })
+        }
+        _ => None,
+    };
     Ok(Mlp::Moe {
         router: get(&hf::layer(l, hf::ROUTER), 0)?,
         experts: parts,
+        shared,
     })
 }

@@ -51,11 +51,21 @@ pub(crate) enum Mlp<'w> {
     /// One part per TP rank; the outputs are summed (the all-reduce).
     Dense(Vec<MlpPart<'w>>),
     /// The router `[experts, hidden]` and, per expert, its parts (one per rank when every expert
-    /// is split by TP; the owner's whole expert when the experts are partitioned).
+    /// is split by TP; the owner's whole expert when the experts are partitioned); the shared
+    /// expert, if the model has one.
     Moe {
         router: &'w [bf16],
         experts: Vec<Vec<MlpPart<'w>>>,
+        shared: Option<SharedExpert<'w>>,
     },
+}
+
+/// Qwen2-MoE's shared expert: every token goes through it (its parts split by TP like a dense
+/// MLP), scaled by `sigmoid(gate · x)` with the replicated gate `[1, hidden]`.
+#[derive(Debug, Clone)]
+pub(crate) struct SharedExpert<'w> {
+    pub parts: Vec<MlpPart<'w>>,
+    pub gate: &'w [bf16],
 }
 
 /// One layer: replicated norms and every rank's share.
@@ -318,6 +328,17 @@ impl<'w> GroupWeights<'w> {
             };
             let mlp = match config.moe {
                 Some(moe) if config.model_spec(128).moe_layer(l) => Mlp::Moe {
+                    shared: if moe.shared_ffn > 0 {
+                        Some(SharedExpert {
+                            parts: r.mlp_parts(
+                                |s| hf::layer(l, s),
+                                [hf::SHARED_GATE, hf::SHARED_UP, hf::SHARED_DOWN],
+                            )?,
+                            gate: r.get(&hf::layer(l, hf::SHARED_EXPERT_GATE), &rep, 0)?,
+                        })
+                    } else {
+                        None
+                    },
                     router: r.get(&hf::layer(l, hf::ROUTER), &rep, 0)?,
                     experts: (0..moe.experts)
                         .map(|e| {

@@ -393,7 +393,7 @@ fn qwen3_moe_decodes_through_the_megatron_expert_layouts() {
     let refs = moe_references();
     let mut worst = 0.0f32;
     let mut checked = 0;
-    let grid: [(&str, &[ExpertCase]); 2] = [
+    let grid: [(&str, &[ExpertCase]); 3] = [
         (
             // 4 experts of 24, 2 kv heads, 2 MoE layers, untied, vocab 61
             "moe_e4_untied_v61",
@@ -417,6 +417,17 @@ fn qwen3_moe_decodes_through_the_megatron_expert_layouts() {
                 (2, 1, 3, 3, 1, 2, Tp),
                 (1, 1, 4, 2, 2, 4, Tp),
                 (2, 1, 3, 6, 1, 2, Ep),
+            ],
+        ),
+        (
+            // Qwen2-MoE: 4 experts of 16 and a shared expert of 24 with its sigmoid gate,
+            // q/k/v biases
+            "qwen2moe_shared_e4",
+            &[
+                (1, 1, 1, 1, 1, 1, Tp),
+                (2, 1, 2, 4, 1, 2, Ep),
+                (2, 2, 1, 1, 2, 2, Tp),
+                (1, 1, 4, 2, 2, 4, Tp),
             ],
         ),
     ];
@@ -456,7 +467,7 @@ fn qwen3_moe_decodes_through_the_megatron_expert_layouts() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 13);
+    assert_eq!(checked, 17);
     println!("Qwen3-MoE through {checked} Megatron expert layouts: max |logit error| {worst:e}");
 }
 

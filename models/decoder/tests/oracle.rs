@@ -32,7 +32,12 @@ const MODELS: [&str; 3] = ["gqa_untied", "tied_vocab61", "kv1_headdim16"];
 /// with the bf16-rounded weights, and every router margin (the gap between the k-th and
 /// (k+1)-th routing probability) is at least 4e-4, far above the rounding, so the decoder must
 /// pick the same experts.
-const MOE_MODELS: [&str; 3] = ["qwen3_dense", "moe_e4_untied_v61", "moe_e6_tied_dense0"];
+const MOE_MODELS: [&str; 4] = [
+    "qwen3_dense",
+    "moe_e4_untied_v61",
+    "moe_e6_tied_dense0",
+    "qwen2moe_shared_e4",
+];
 
 fn moe_fixtures() -> PathBuf {
     fixtures().join("moe")
@@ -221,7 +226,7 @@ fn cpu_decoder_matches_transformers_on_qwen3_and_qwen3_moe() {
             }
         }
     }
-    assert_eq!(runs, 2 + 4 + 4);
+    assert_eq!(runs, 2 + 4 + 4 + 4);
     println!("max |logit error| over Qwen3 / Qwen3-MoE, T = 1 and 2, both placements: {worst:e}");
 }
 

@@ -178,6 +178,7 @@ fn rebuild_one<'a>(
         hf::INPUT_NORM => get(0, ParamKind::InputNorm)?.to_vec(),
         hf::POST_NORM => get(0, ParamKind::PreMlpNorm)?.to_vec(),
         hf::ROUTER => get(0, ParamKind::Router)?.to_vec(),
+        hf::SHARED_EXPERT_GATE => get(0, ParamKind::SharedGate)?.to_vec(),
         hf::Q_NORM => get(0, ParamKind::QNorm)?.to_vec(),
         hf::K_NORM => get(0, ParamKind::KNorm)?.to_vec(),
         hf::Q | hf::K | hf::V | hf::Q_BIAS | hf::K_BIAS | hf::V_BIAS => {
@@ -208,11 +209,11 @@ fn rebuild_one<'a>(
             }
             v
         }
-        hf::O | hf::DOWN => {
-            let kind = if suffix == hf::O {
-                ParamKind::Proj
-            } else {
-                ParamKind::Fc2
+        hf::O | hf::DOWN | hf::SHARED_DOWN => {
+            let kind = match suffix {
+                hf::O => ParamKind::Proj,
+                hf::DOWN => ParamKind::Fc2,
+                _ => ParamKind::SharedFc2,
             };
             let parts: Vec<&[bf16]> = (0..tp).map(|t| get(t, kind)).collect::<Result<_, _>>()?;
             let per = parts[0].len() / h;
@@ -221,12 +222,17 @@ fn rebuild_one<'a>(
                 .copied()
                 .collect()
         }
-        hf::GATE | hf::UP => {
+        hf::GATE | hf::UP | hf::SHARED_GATE | hf::SHARED_UP => {
+            let kind = if suffix == hf::GATE || suffix == hf::UP {
+                ParamKind::Fc1
+            } else {
+                ParamKind::SharedFc1
+            };
             let mut v = Vec::new();
             for t in 0..tp {
-                let w = get(t, ParamKind::Fc1)?;
+                let w = get(t, kind)?;
                 let half = w.len() / 2;
-                v.extend_from_slice(if suffix == hf::GATE {
+                v.extend_from_slice(if suffix == hf::GATE || suffix == hf::SHARED_GATE {
                     &w[..half]
                 } else {
                     &w[half..]
@@ -261,6 +267,7 @@ pub fn reference_rollout(
     let t_deg = rollout.tp();
     let h = m.hidden;
     let hd = m.head_dim;
+    let shared_ffn = m.moe.map_or(0, |moe| moe.shared_ffn);
     let shares: Vec<ExpertShare> = (0..t_deg)
         .map(|t| {
             rollout.expert_share(&m, t).unwrap_or(ExpertShare {
@@ -337,6 +344,22 @@ pub fn reference_rollout(
                             v
                         }
                         RolloutKind::Router => get(&layer(hf::ROUTER)).to_vec(),
+                        RolloutKind::SharedGate => get(&layer(hf::SHARED_EXPERT_GATE)).to_vec(),
+                        RolloutKind::SharedGateUp => {
+                            let per = shared_ffn / t_deg;
+                            let r = t * per..(t + 1) * per;
+                            let mut v = rows(get(&layer(hf::SHARED_GATE)), h, r.clone());
+                            v.extend(rows(get(&layer(hf::SHARED_UP)), h, r));
+                            v
+                        }
+                        RolloutKind::SharedDown => {
+                            let per = shared_ffn / t_deg;
+                            columns(
+                                get(&layer(hf::SHARED_DOWN)),
+                                shared_ffn,
+                                t * per..(t + 1) * per,
+                            )
+                        }
                         RolloutKind::ExpertsW13 | RolloutKind::ExpertsW2 => {
                             let (l, share) = (spec.layer.unwrap_or_default(), shares[t].clone());
                             let mut v = Vec::with_capacity(spec.numel());

@@ -99,11 +99,12 @@ fn fill_slot(
             let chunk = dst.len();
             dst.copy_from_slice(&fused[tp * chunk..(tp + 1) * chunk]);
         }
-        ParamKind::Proj | ParamKind::Fc2 => {
-            let (name, full_cols) = if slot.kind == ParamKind::Proj {
-                (hf::O, m.q_rows())
-            } else {
-                (hf::DOWN, m.ffn)
+        ParamKind::SharedGate => dst.copy_from_slice(get(full, &layer(hf::SHARED_EXPERT_GATE))),
+        ParamKind::Proj | ParamKind::Fc2 | ParamKind::SharedFc2 => {
+            let (name, full_cols) = match slot.kind {
+                ParamKind::Proj => (hf::O, m.q_rows()),
+                ParamKind::Fc2 => (hf::DOWN, m.ffn),
+                _ => (hf::SHARED_DOWN, m.moe.map_or(0, |moe| moe.shared_ffn)),
             };
             let src = get(full, &layer(name));
             let per = full_cols / n_tp;
@@ -137,12 +138,18 @@ fn fill_slot(
                 }
             }
         }
-        ParamKind::Fc1 => {
-            let per = m.ffn / n_tp;
+        ParamKind::Fc1 | ParamKind::SharedFc1 => {
+            let (gate, up, ffn) = if slot.kind == ParamKind::Fc1 {
+                (hf::GATE, hf::UP, m.ffn)
+            } else {
+                let shared = m.moe.map_or(0, |moe| moe.shared_ffn);
+                (hf::SHARED_GATE, hf::SHARED_UP, shared)
+            };
+            let per = ffn / n_tp;
             let half = per * h;
             let rows = tp * per * h..(tp + 1) * per * h;
-            dst[..half].copy_from_slice(&get(full, &layer(hf::GATE))[rows.clone()]);
-            dst[half..].copy_from_slice(&get(full, &layer(hf::UP))[rows]);
+            dst[..half].copy_from_slice(&get(full, &layer(gate))[rows.clone()]);
+            dst[half..].copy_from_slice(&get(full, &layer(up))[rows]);
         }
     }
 }

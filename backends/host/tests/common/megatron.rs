@@ -43,7 +43,8 @@ pub fn model(groups: usize, tied: bool) -> ModelSpec {
 }
 
 /// A tiny mixture-of-experts model (Qwen3-MoE): [`model`] with two query groups, its layers
-/// 1–3 holding 4 experts of intermediate size 12 (top-2) and layer 0 a dense MLP.
+/// 1–3 holding 4 experts of intermediate size 12 (top-2) and layer 0 a dense MLP; the tied one
+/// also has a shared expert of intermediate size 8 (Qwen2-MoE style).
 pub fn moe_model(tied: bool) -> ModelSpec {
     ModelSpec {
         qkv_bias: false,
@@ -54,6 +55,7 @@ pub fn moe_model(tied: bool) -> ModelSpec {
             norm_topk_prob: true,
             sparse_step: 1,
             dense_layers: LayerSet::from_layers(&[0]).unwrap_or(LayerSet::EMPTY),
+            shared_ffn: if tied { 8 } else { 0 },
         }),
         ..model(2, tied)
     }

@@ -21,7 +21,7 @@ use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
 
 use super::{cublas_err, gemm, ptr, Dims, RankState};
 use crate::kernels::{launch, Arg};
-use crate::weights::{ExpertOffsets, MoeOffsets, RankOffsets};
+use crate::weights::{ExpertOffsets, MoeOffsets, RankOffsets, SharedOffsets};
 
 /// The most bytes of down products (`[2 · rows × hidden]` f32) the grouped path's scratch may
 /// take beyond what one expert's rows need: 64 MiB.
@@ -62,7 +62,12 @@ impl MoeScratch {
         let experts = first.experts.len();
         let ffn = layers
             .iter()
-            .flat_map(|m| m.experts.iter().flatten())
+            .flat_map(|m| {
+                m.experts
+                    .iter()
+                    .flatten()
+                    .chain(m.shared.iter().map(|s| &s.expert))
+            })
             .map(|e| e.ffn)
             .max()
             .unwrap_or(1)
@@ -196,10 +201,81 @@ pub(super) fn moe_layer(
         });
     let routed = Routed { runs, idx, wts };
     if grouped {
-        grouped_experts(ctx, st, z, scratch, (xsp, base), &routed)
+        grouped_experts(ctx, st, z, scratch, (xsp, base), &routed)?;
     } else {
-        per_expert(ctx, st, z, scratch, (xsp, base), &routed)
+        per_expert(ctx, st, z, scratch, (xsp, base), &routed)?;
     }
+    match &moe.shared {
+        Some(shared) => shared_expert(ctx, st, z, scratch, (xsp, base), shared),
+        None => Ok(()),
+    }
+}
+
+/// Qwen2-MoE's shared expert over all `n` rows, added into `acc` scaled per row by
+/// `sigmoid(gate · x)`: gate and up GEMMs, SwiGLU, down GEMM, the gate's logits, one fused add.
+fn shared_expert(
+    ctx: &RankCtx,
+    st: &RankState,
+    z: &Dims,
+    scratch: &mut MoeScratch,
+    (xsp, base): (u64, u64),
+    shared: &SharedOffsets,
+) -> Result<(), CudaError> {
+    let (s, rank, k) = (&ctx.compute, ctx.rank, &st.k);
+    let (n, h) = (z.n, z.h);
+    let e = shared.expert;
+    let f = e.ffn;
+    let p = |b: &CudaSlice<f32>| ptr(b, s);
+    let u32a = |v: usize| Arg::U32(v as u32);
+    let act = ptr(&scratch.act, s);
+    // SAFETY: the weights are offsets checked against this rank's rollout buffer; the scratch
+    // holds `[2n × ffn]` products (its ffn counts the shared expert's), `[2n × h]` down products
+    // and `[2n × experts]` router products, the first `2n` of which take the gate's logits; in
+    // order on the compute stream.
+    unsafe {
+        st.wgemm(s, base, e.gate, xsp, p(&scratch.g2), (f, 2 * n, h), rank)?;
+        st.wgemm(s, base, e.up, xsp, p(&scratch.u2), (f, 2 * n, h), rank)?;
+        launch(
+            s,
+            &k.swiglu_split,
+            k.elementwise((n * f) as u64),
+            &[
+                Arg::U64(p(&scratch.g2)),
+                Arg::U64(p(&scratch.u2)),
+                Arg::U64(act),
+                u32a(n),
+                u32a(f),
+            ],
+            rank,
+            "swiglu_split",
+        )?;
+        st.wgemm(s, base, e.down, act, p(&scratch.y2), (h, 2 * n, f), rank)?;
+        gemm(
+            &st.blas,
+            base + 2 * shared.gate,
+            xsp,
+            p(&scratch.router2),
+            1,
+            2 * n,
+            h,
+            rank,
+        )?;
+        launch(
+            s,
+            &k.add_gated_rows,
+            k.elementwise((n * h) as u64),
+            &[
+                Arg::U64(p(&scratch.y2)),
+                Arg::U64(p(&scratch.router2)),
+                Arg::U64(p(&scratch.acc)),
+                u32a(n),
+                u32a(h),
+            ],
+            rank,
+            "add_gated_rows",
+        )?;
+    }
+    Ok(())
 }
 
 /// The experts one by one: gather, gate, up, SwiGLU, down, weighted scatter per expert.
