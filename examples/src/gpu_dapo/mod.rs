@@ -222,8 +222,12 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
     };
     say!(
         root,
-        "DAPO on the FSDP backend: {what}: {:.3} B parameters, W = {}, T = {} ({mode}), offload \
+        "DAPO on the {} backend: {what}: {:.3} B parameters, W = {}, T = {} ({mode}), offload \
          master {} / Adam {}",
+        match a.layout {
+            GpuLayout::Fsdp => "FSDP",
+            GpuLayout::Megatron { .. } => "Megatron",
+        },
         config.params() as f64 / 1e9,
         g.gpus,
         r.tp,

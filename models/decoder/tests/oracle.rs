@@ -342,10 +342,37 @@ fn moe_configs_and_layouts_refuse_bad_input_with_the_field_named() {
     assert!(e.contains("mlp_only_layers"), "{e}");
     let e = err(r#""num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": "0""#);
     assert!(e.contains("mlp_only_layers"), "{e}");
-    // shared experts are named as unsupported
+    // a shared expert in a qwen3_moe config is named (Qwen2-MoE has them); a qwen2_moe config
+    // without its size is named; a shared expert that T does not split is named
     let e =
         err(r#""num_experts": 4, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 8"#);
+    assert!(
+        e.contains("shared_expert_intermediate_size") && e.contains("qwen2_moe"),
+        "{e}"
+    );
+    let qwen2 = |extra: &str| {
+        let text = format!("{{{base}, {extra}}}").replace("qwen3_moe", "qwen2_moe");
+        ModelConfig::from_json_str(&text)
+    };
+    let e = qwen2(r#""num_experts": 4, "num_experts_per_tok": 2"#)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("shared_expert_intermediate_size"), "{e}");
+    let c = qwen2(
+        r#""num_experts": 4, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 9"#,
+    )
+    .unwrap();
+    assert!(c.qkv_bias && c.moe.is_some_and(|m| m.shared_ffn == 9));
+    let back = ModelConfig::from_json_str(&c.to_json(lifecycle_decoder::ConfigStyle::V5)).unwrap();
+    assert_eq!(
+        back,
+        lifecycle_decoder::ModelConfig {
+            dtype: back.dtype.clone(),
+            ..c.clone()
+        }
+    );
+    let e = c.rollout_layout(2).unwrap_err().to_string();
+    assert!(e.contains("shared_expert_intermediate_size 9"), "{e}");
     // an expert count that T does not divide (expert parallelism) and an expert size that T does
     // not divide (TP inside every expert), each naming its field
     let c = cfg(r#""num_experts": 6, "num_experts_per_tok": 2"#).unwrap();
