@@ -1,7 +1,7 @@
 //! The host executor against the independent reference over the layout matrix:
 //! TP ∈ {1, 2, 4, 8}, PP ∈ {1, 2, 4}, DP ∈ {1, 2} (W ≤ 16), T ∈ {1, 2, 4, 8} dividing W,
-//! query groups ∈ {1, 2, 8}, tied and untied embeddings, vocab 37 (not a multiple of the padding);
-//! and for a mixture-of-experts model EP × ETP × TP × PP × DP × T with the experts split by TP
+//! query groups ∈ {1, 2, 8}, tied and untied embeddings, vocab 37 (not a multiple of the
+//! padding); and for a mixture-of-experts model (with and without a shared expert) EP × ETP × TP × PP × DP × T with the experts split by TP
 //! or partitioned on the rollout side.
 
 #[path = "common/megatron.rs"]

@@ -3,8 +3,8 @@
 //! untied head), or with `--model qwen3-30b-a3b` the Qwen3-30B-A3B shapes (128 experts of 768
 //! per layer in Megatron-Core's grouped-GEMM expert layout, expert TP = TP; with `--ep N > 1`
 //! the one layout is TP1/PP1/DP W with EP N; the rollout places the experts by
-//! `--experts tp|ep`), W = 2 by default: training layouts TP2/PP1 and TP1/PP2 to rollout T ∈ {1, 2},
-//! with the hardware ceilings measured in the same process. At `--world 1` (one GPU) the only
+//! `--experts tp|ep`), W = 2 by default: training layouts TP2/PP1 and TP1/PP2 to rollout
+//! T ∈ {1, 2}, with the hardware ceilings measured in the same process. At `--world 1` (one GPU) the only
 //! layout is TP1/PP1 → T = 1; the layouts whose TP × PP is not W, and the T that do not divide
 //! W, are skipped (the run says which), and the link ceilings read `n/a (W = 1)`.
 //!

@@ -166,8 +166,8 @@ impl OptimizerShard {
 ///   `linear_qkv.bias` (with qkv bias), `q_layernorm` and `k_layernorm` (Qwen3), `linear_proj`,
 ///   `pre_mlp_layernorm`, then `linear_fc1` and `linear_fc2` (dense layers) or `router` and the
 ///   shared expert's `shared_experts.linear_fc1`, `linear_fc2`, `gate_weight` (mixture-of-experts
-///   layers; the shared expert, if any, split by TP like a dense MLP); then (last stage) `final_layernorm` and `output_layer`
-///   (untied, or tied with PP > 1); then the expert part: per mixture-of-experts layer, per
+///   layers; the shared expert, if any, split by TP like a dense MLP); then (last stage)
+///   `final_layernorm` and `output_layer` (untied, or tied with PP > 1); then the expert part: per mixture-of-experts layer, per
 ///   local expert `j`, `experts.linear_fc1.weight{j}` and `experts.linear_fc2.weight{j}`. This is
 ///   module registration order, densely packed; Megatron's DDP buffers store the dense and the
 ///   expert parameters in two buffers, in reverse order with bucket padding — contents per rank
