@@ -81,7 +81,7 @@ extern "C" __global__ void fp8_join_split(const u16* __restrict__ xs, u32 n, u32
 #define FP8_RO 4
 
 // y[t * out + o] = sum_c x[t * inp + c] * w(row0 + o, c) for tokens t < n (n <= N), and 0 in the
-// lo rows y[(n + t) * out + o] (the caller's combine adds the two halves). One block of 8 warps
+// lo rows ylo[t * out + o] (the caller's combine adds the two halves). One block of 8 warps
 // per 4 outputs, the columns split over its 256 threads 16 at a time (every activation load
 // used by the 4 rows); each weight is dequantised (e4m3 x its block's scale) four at a time, so
 // few registers stay live and many blocks share an SM. The partial sums are reduced per warp,
@@ -90,7 +90,8 @@ template <int N>
 __device__ __forceinline__ void fp8_gemv_body(const unsigned char* __restrict__ w,
                                               const float* __restrict__ scales, u32 row0,
                                               u32 out, u32 inp, const float* __restrict__ x,
-                                              u32 n, float* __restrict__ y) {
+                                              u32 n, float* __restrict__ y,
+                                              float* __restrict__ ylo) {
     __shared__ float red[8][FP8_RO][N];
     u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     u32 o0 = blockIdx.x * FP8_RO;
@@ -180,7 +181,7 @@ __device__ __forceinline__ void fp8_gemv_body(const unsigned char* __restrict__ 
             float v = 0.0f;
             for (u32 k = 0; k < (blockDim.x >> 5); ++k) v += red[k][i][t];
             y[(u64)t * out + o] = v;
-            y[(u64)(n + t) * out + o] = 0.0f;
+            ylo[(u64)t * out + o] = 0.0f;
         }
     }
 }
@@ -189,12 +190,27 @@ __device__ __forceinline__ void fp8_gemv_body(const unsigned char* __restrict__ 
     extern "C" __global__ void __launch_bounds__(256) fp8_gemv_##N(                            \
         const unsigned char* __restrict__ w, const float* __restrict__ scales, u32 row0,      \
         u32 out, u32 inp, const float* __restrict__ x, u32 n, float* __restrict__ y) {         \
-        fp8_gemv_body<N>(w, scales, row0, out, inp, x, n, y);                                  \
+        fp8_gemv_body<N>(w, scales, row0, out, inp, x, n, y, y + (u64)n * out);               \
     }
 FP8_GEMV(1)
 FP8_GEMV(2)
 FP8_GEMV(4)
 FP8_GEMV(8)
+
+// Many products of one output size in one launch (a mixture-of-experts layer's experts):
+// blockIdx.y picks the problem, whose 8 entries of table are w, scales, row0, inp, x, n, y, ylo.
+#define FP8_GEMV_TABLE(N)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) fp8_gemv_table_##N(                      \
+        const u64* __restrict__ table, u32 out) {                                              \
+        const u64* e = table + 8 * (u64)blockIdx.y;                                            \
+        fp8_gemv_body<N>((const unsigned char*)e[0], (const float*)e[1], (u32)e[2], out,       \
+                         (u32)e[3], (const float*)e[4], (u32)e[5], (float*)e[6],               \
+                         (float*)e[7]);                                                        \
+    }
+FP8_GEMV_TABLE(1)
+FP8_GEMV_TABLE(2)
+FP8_GEMV_TABLE(4)
+FP8_GEMV_TABLE(8)
 
 // Rows row0 .. row0 + out of an e4m3 matrix [.. x inp] dequantised into hi (bf16 of the value)
 // and lo (bf16 of the rest), each [out x inp] row-major, hi first in dst.
@@ -224,6 +240,8 @@ pub(crate) struct Fp8Kernels {
     join: CudaFunction,
     /// The weight-streaming kernel for up to 1, 2, 4 and 8 tokens.
     gemv: [CudaFunction; 4],
+    /// The same over a table of products ([`fp8_gemv_table`]).
+    table: [CudaFunction; 4],
     dequant: CudaFunction,
 }
 
@@ -238,9 +256,77 @@ impl Fp8Kernels {
                 m.function("fp8_gemv_4")?,
                 m.function("fp8_gemv_8")?,
             ],
+            table: [
+                m.function("fp8_gemv_table_1")?,
+                m.function("fp8_gemv_table_2")?,
+                m.function("fp8_gemv_table_4")?,
+                m.function("fp8_gemv_table_8")?,
+            ],
             dequant: m.function("fp8_dequant_split")?,
         })
     }
+}
+
+/// The split activations `xs` (bf16 `[2 · rows × inp]`, hi rows then lo rows) recombined into
+/// f32 `x` (`[rows × inp]`).
+///
+/// # Safety
+/// `xs` and `x` must be device memory of this context holding those sizes, alive until the
+/// stream ran the kernel.
+pub(crate) unsafe fn fp8_join(
+    stream: &Arc<CudaStream>,
+    k: &Fp8Kernels,
+    (xs, x): (u64, u64),
+    (rows, inp): (usize, usize),
+    rank: usize,
+) -> Result<(), CudaError> {
+    let n = (rows * inp) as u64;
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 1 << 12) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let args = [
+        Arg::U64(xs),
+        Arg::U32(rows as u32),
+        Arg::U32(inp as u32),
+        Arg::U64(x),
+    ];
+    // SAFETY: the argument list matches fp8_join_split; the sizes per the caller.
+    unsafe { launch(stream, &k.join, cfg, &args, rank, "fp8_join_split") }
+}
+
+/// `problems` weight-streaming products of `out` outputs each in one launch: `table` the device
+/// address of `8 · problems` u64, per problem the e4m3 matrix, its block scales, its first row,
+/// its columns, the f32 activations, their rows (at most `max_rows` ≤ [`GEMV_TOKENS`]), and the
+/// f32 outputs of the hi rows and of the lo rows (written 0).
+///
+/// # Safety
+/// Every address of the table must be device memory of this context holding its sizes, alive
+/// until the stream ran the kernel.
+pub(crate) unsafe fn fp8_gemv_table(
+    stream: &Arc<CudaStream>,
+    k: &Fp8Kernels,
+    table: u64,
+    (problems, out, max_rows): (usize, usize, usize),
+    rank: usize,
+) -> Result<(), CudaError> {
+    if max_rows == 0 || max_rows > GEMV_TOKENS || problems == 0 || problems > 65_535 {
+        return Err(CudaError::Invalid(format!(
+            "fp8 product table of {problems} problems of up to {max_rows} rows: at most 65535 \
+             problems of 1 to {GEMV_TOKENS} rows"
+        )));
+    }
+    let cfg = LaunchConfig {
+        grid_dim: ((out as u32).div_ceil(4).max(1), problems as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let kernel = &k.table[max_rows.next_power_of_two().trailing_zeros() as usize];
+    let args = [Arg::U64(table), Arg::U32(out as u32)];
+    // SAFETY: the argument list matches fp8_gemv_table_N (N ≥ every problem's rows); the table
+    // per the caller.
+    unsafe { launch(stream, kernel, cfg, &args, rank, "fp8_gemv_table") }
 }
 
 /// Where an fp8 weight matrix lies: device addresses of its first e4m3 byte (row 0 of the

@@ -128,3 +128,62 @@ fn gpu_fp8_decoder_matches_the_cpu_fp8_decoder_w1() -> Res {
     )?;
     check("qwen3-moe 200-wide", &moe, 4)
 }
+
+/// The fp8 experts of a decode step in one weight-streaming launch per product (at most eight
+/// routed rows each: 8 sequences) against one product per expert, on a Qwen3-MoE shape with 16
+/// experts of 256, top-4: decode-step logits within the decoder's tolerance, greedy tokens equal
+/// (prefill, with more rows per expert, takes the per-expert path either way).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn fp8_experts_in_one_launch_match_the_per_expert_path() -> Result<(), Box<dyn std::error::Error>> {
+    require_gpus(1)?;
+    let config = ModelConfig::from_json_str(
+        r#"{"model_type": "qwen3_moe", "vocab_size": 1024, "hidden_size": 1024,
+        "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": false, "num_experts": 16, "num_experts_per_tok": 4,
+        "moe_intermediate_size": 256, "norm_topk_prob": true}"#,
+    )?;
+    let layout = config.rollout_layout(1)?;
+    let pool = Arc::new(ThreadRankPool::new(1)?);
+    let backend = FsdpBackend::new(pool, layout).with_rollout_dtype(RolloutDtype::Fp8);
+    let state = backend.synthetic_state(&config.tensor_shapes(), 5, 0.05)?;
+    let mut lc = Lifecycle::new(backend, state);
+    let session = lc.rollout()?;
+    let weights = session.weights();
+    let prompts: Vec<Vec<u32>> = (0..8u32)
+        .map(|i| (0..9).map(|j| (i * 97 + j * 31 + 3) % 1024).collect())
+        .collect();
+    let run = |grouped: bool| -> Result<_, Box<dyn std::error::Error>> {
+        let mut dec = GpuDecoder::new(&config, session.backend(), weights.get())?;
+        dec.set_grouped_experts(grouped);
+        let greedy = dec.generate(&prompts, &Sampling::greedy(6))?;
+        dec.prefill(&prompts, PrefillLogits::Last)?;
+        let mut steps = Vec::new();
+        for k in 0..6 {
+            let feed: Vec<u32> = greedy.iter().map(|g| g[k]).collect();
+            steps.push(dec.decode_step(&feed)?);
+        }
+        Ok((greedy, steps))
+    };
+    let (gg, gs) = run(true)?;
+    let (pg, ps) = run(false)?;
+    let mut worst = 0.0f32;
+    for (g, p) in gs.iter().flatten().zip(ps.iter().flatten()) {
+        let scale = p.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let err = g
+            .iter()
+            .zip(p)
+            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            err <= 1e-3 + 1e-3 * scale,
+            "one launch vs per expert: {err} (scale {scale})"
+        );
+        worst = worst.max(err);
+    }
+    assert_eq!(gg, pg, "greedy tokens");
+    println!(
+        "fp8 experts in one launch vs per expert: max |logit error| {worst:.3e}, greedy equal"
+    );
+    Ok(())
+}

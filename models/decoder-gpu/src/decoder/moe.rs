@@ -8,8 +8,10 @@
 //! (`cublasGemmBatchedEx`; cuBLAS's grouped GEMM, `cublasGemmGroupedBatchedEx`, refuses bf16
 //! inputs with f32 outputs, which the split activations need), the SwiGLU and the weighted
 //! scatter one launch each. Every token adds its experts' outputs in expert order, as the
-//! per-expert path does. fp8 experts take the per-expert path: one gather, three GEMMs, a SwiGLU
-//! and a scatter per expert.
+//! per-expert path does. fp8 experts with at most eight routed rows each (decode steps) run the
+//! same way through the weight-streaming e4m3 kernel over a table of products (one launch per
+//! product); with more rows (prefill), fp8 experts take the per-expert path: one gather, three
+//! GEMMs over the dequantised weights, a SwiGLU and a scatter per expert.
 
 use std::ffi::c_void;
 use std::ops::Range;
@@ -20,6 +22,7 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
 
 use super::{cublas_err, gemm, ptr, Dims, RankState};
+use crate::fp8::{fp8_gemv_table, fp8_join, GEMV_TOKENS};
 use crate::kernels::{launch, Arg};
 use crate::weights::{ExpertOffsets, MoeOffsets, RankOffsets, SharedOffsets};
 
@@ -46,6 +49,8 @@ pub(super) struct MoeScratch {
     y2: CudaSlice<f32>,
     /// The weighted sum of the experts' outputs `[n × h]`.
     acc: CudaSlice<f32>,
+    /// f32 activations of the fp8 experts' products `[rows × max(h, ffn)]` (fp8 weights only).
+    x32: Option<CudaSlice<f32>>,
 }
 
 impl MoeScratch {
@@ -75,6 +80,10 @@ impl MoeScratch {
         let rows = (n * top_k.max(1))
             .min(GROUPED_SCRATCH_BYTES / (8 * h.max(1)))
             .max(n);
+        let fp8 = layers
+            .iter()
+            .flat_map(|m| m.experts.iter().flatten())
+            .any(|e| e.gate.fp8.is_some());
         // SAFETY: each buffer is written (GEMM, kernel or memset) before it is read, in order on
         // this stream, in `moe_layer`.
         unsafe {
@@ -88,6 +97,16 @@ impl MoeScratch {
                 act: alloc_device(s, 2 * rows * ffn, rank, "expert activations")?,
                 y2: alloc_device(s, 2 * rows * h, rank, "expert down products")?,
                 acc: alloc_device(s, n * h, rank, "expert sums")?,
+                x32: if fp8 {
+                    Some(alloc_device(
+                        s,
+                        rows * h.max(ffn),
+                        rank,
+                        "fp8 expert activations",
+                    )?)
+                } else {
+                    None
+                },
             }))
         }
     }
@@ -194,14 +213,23 @@ pub(super) fn moe_layer(
         return Ok(());
     }
     let ffn = runs[0].expert.ffn;
-    let grouped = st.grouped
-        && runs.iter().all(|r| {
-            let e = r.expert;
-            e.ffn == ffn && e.gate.fp8.is_none() && e.up.fp8.is_none() && e.down.fp8.is_none()
-        });
+    let same = |r: &Run, fp8: bool| {
+        let e = r.expert;
+        e.ffn == ffn
+            && [e.gate, e.up, e.down]
+                .iter()
+                .all(|m| m.fp8.is_some() == fp8)
+    };
+    let bf16 = st.grouped && runs.iter().all(|r| same(r, false));
+    let fp8 = st.grouped
+        && st.fp8.is_some()
+        && scratch.x32.is_some()
+        && runs.iter().all(|r| same(r, true) && r.rows <= GEMV_TOKENS);
     let routed = Routed { runs, idx, wts };
-    if grouped {
+    if bf16 {
         grouped_experts(ctx, st, z, scratch, (xsp, base), &routed)?;
+    } else if fp8 {
+        fp8_experts(ctx, st, z, scratch, (xsp, base), &routed)?;
     } else {
         per_expert(ctx, st, z, scratch, (xsp, base), &routed)?;
     }
@@ -547,6 +575,193 @@ fn grouped_experts(
     }
     // the uploads are freed stream-ordered after the kernels that read them
     drop((u32_d, f32_d, ptrs_d));
+    Ok(())
+}
+
+/// A block of the fp8 path: its experts and rows, its first routed row, where its token lists
+/// (CSR offsets, positions) start in the u32 upload, its weights in the f32 upload, its product
+/// tables in the u64 upload, and the most rows of one of its experts.
+struct Fp8Block {
+    experts: usize,
+    rows: usize,
+    row0: usize,
+    csr: usize,
+    pos: usize,
+    wts: usize,
+    table: usize,
+    most: usize,
+}
+
+/// The fp8 experts of a decode step in blocks (each expert at most [`GEMV_TOKENS`] rows, laid
+/// out one after another): per block one gather, the activations joined to f32, one
+/// weight-streaming launch each for gate, up and down over a table of every expert's product,
+/// one SwiGLU and one scatter that adds each token's experts in expert order.
+fn fp8_experts(
+    ctx: &RankCtx,
+    st: &RankState,
+    z: &Dims,
+    scratch: &mut MoeScratch,
+    (xsp, base): (u64, u64),
+    routed: &Routed,
+) -> Result<(), CudaError> {
+    let (runs, idx, wts) = (&routed.runs[..], &routed.idx[..], &routed.wts[..]);
+    let (s, rank, k) = (&ctx.compute, ctx.rank, &st.k);
+    let kf = st
+        .fp8
+        .as_ref()
+        .ok_or_else(|| CudaError::Invalid("fp8 experts bound without the fp8 kernels".into()))?;
+    let x32 = match &scratch.x32 {
+        Some(b) => ptr(b, s),
+        None => {
+            return Err(CudaError::Invalid(
+                "fp8 experts without their scratch".into(),
+            ))
+        }
+    };
+    let (n, h, f) = (z.n, z.h, runs[0].expert.ffn);
+    let addr = |b: &CudaSlice<f32>| ptr(b, s);
+    let (xg, act) = (ptr(&scratch.xg, s), ptr(&scratch.act, s));
+    let (g2, u2, y2) = (addr(&scratch.g2), addr(&scratch.u2), addr(&scratch.y2));
+    let mut u32s: Vec<u32> = idx.to_vec();
+    let mut f32s: Vec<f32> = Vec::new();
+    let mut table: Vec<u64> = Vec::new();
+    let mut blocks: Vec<Fp8Block> = Vec::new();
+    let mut a = 0;
+    while a < runs.len() {
+        let (row0, mut rows, mut b) = (runs[a].start, 0, a);
+        while b < runs.len() && (b == a || rows + runs[b].rows <= scratch.rows) {
+            rows += runs[b].rows;
+            b += 1;
+        }
+        let mut lists: Vec<Vec<(u32, f32)>> = vec![Vec::new(); n];
+        for q in row0..row0 + rows {
+            lists[idx[q] as usize].push(((q - row0) as u32, wts[q]));
+        }
+        let (csr, wts_at) = (u32s.len(), f32s.len());
+        let mut at = 0u32;
+        u32s.push(0);
+        for l in &lists {
+            at += l.len() as u32;
+            u32s.push(at);
+        }
+        let pos = u32s.len();
+        for &(q, w) in lists.iter().flatten() {
+            u32s.push(q);
+            f32s.push(w);
+        }
+        // per product, per expert: e4m3 matrix, scales, first row, columns, activations, rows,
+        // hi outputs, lo outputs
+        let table_at = table.len();
+        for (weight, inp, y, out) in [(0, h, g2, f), (1, h, u2, f), (2, f, y2, h)] {
+            for run in &runs[a..b] {
+                let w = match weight {
+                    0 => run.expert.gate,
+                    1 => run.expert.up,
+                    _ => run.expert.down,
+                };
+                let q = w
+                    .fp8
+                    .ok_or_else(|| CudaError::Invalid("a bf16 expert among fp8".into()))?;
+                let o = (run.start - row0) as u64;
+                table.extend([
+                    base + 2 * w.off,
+                    base + 2 * q.scales,
+                    q.row0,
+                    inp as u64,
+                    x32 + 4 * o * inp as u64,
+                    run.rows as u64,
+                    y + 4 * o * out as u64,
+                    y + 4 * (rows as u64 + o) * out as u64,
+                ]);
+            }
+        }
+        blocks.push(Fp8Block {
+            experts: b - a,
+            rows,
+            row0,
+            csr,
+            pos,
+            wts: wts_at,
+            table: table_at,
+            most: runs[a..b].iter().map(|r| r.rows).max().unwrap_or(1),
+        });
+        a = b;
+    }
+    let u32_d = s
+        .clone_htod(&u32s)
+        .map_err(ctx.drv("uploading routed rows", (u32s.len() * 4) as u64))?;
+    let f32_d = s
+        .clone_htod(&f32s)
+        .map_err(ctx.drv("uploading routing weights", (f32s.len() * 4) as u64))?;
+    let table_d = s
+        .clone_htod(&table)
+        .map_err(ctx.drv("uploading the fp8 product table", (table.len() * 8) as u64))?;
+    let (u32p, f32p, tp) = (ptr(&u32_d, s), ptr(&f32_d, s), ptr(&table_d, s));
+    let u32a = |v: usize| Arg::U32(v as u32);
+    for c in &blocks {
+        let (g, rows, most) = (c.experts, c.rows, c.most);
+        // the table of product `i`: 8 entries per expert
+        let entry = |i: usize| tp + 8 * (c.table + i * 8 * g) as u64;
+        // SAFETY: the table addresses the experts' e4m3 matrices and scales (offsets checked
+        // against this rank's rollout buffer) and scratch rows below `2 · rows` (`rows ≤
+        // scratch.rows`; the f32 activations hold `rows · max(h, ffn)`); the row and token lists
+        // and weights are this block's entries of the uploads; in order on the compute stream.
+        unsafe {
+            launch(
+                s,
+                &k.gather_split_rows,
+                k.elementwise((rows * h) as u64),
+                &[
+                    Arg::U64(xsp),
+                    Arg::U64(u32p + 4 * c.row0 as u64),
+                    Arg::U64(xg),
+                    u32a(n),
+                    u32a(rows),
+                    u32a(h),
+                ],
+                rank,
+                "gather_split_rows",
+            )?;
+            fp8_join(s, kf, (xg, x32), (rows, h), rank)?;
+            fp8_gemv_table(s, kf, entry(0), (g, f, most), rank)?;
+            fp8_gemv_table(s, kf, entry(1), (g, f, most), rank)?;
+            launch(
+                s,
+                &k.swiglu_split,
+                k.elementwise((rows * f) as u64),
+                &[
+                    Arg::U64(g2),
+                    Arg::U64(u2),
+                    Arg::U64(act),
+                    u32a(rows),
+                    u32a(f),
+                ],
+                rank,
+                "swiglu_split",
+            )?;
+            fp8_join(s, kf, (act, x32), (rows, f), rank)?;
+            fp8_gemv_table(s, kf, entry(2), (g, h, most), rank)?;
+            launch(
+                s,
+                &k.scatter_add_grouped,
+                k.elementwise((n * h) as u64),
+                &[
+                    Arg::U64(y2),
+                    Arg::U64(u32p + 4 * c.csr as u64),
+                    Arg::U64(u32p + 4 * c.pos as u64),
+                    Arg::U64(f32p + 4 * c.wts as u64),
+                    Arg::U64(addr(&scratch.acc)),
+                    u32a(n),
+                    u32a(rows),
+                    u32a(h),
+                ],
+                rank,
+                "scatter_add_grouped",
+            )?;
+        }
+    }
+    // the uploads are freed stream-ordered after the kernels that read them
+    drop((u32_d, f32_d, table_d));
     Ok(())
 }
 
