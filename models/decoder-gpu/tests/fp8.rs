@@ -129,10 +129,11 @@ fn gpu_fp8_decoder_matches_the_cpu_fp8_decoder_w1() -> Res {
     check("qwen3-moe 200-wide", &moe, 4)
 }
 
-/// The fp8 experts of a decode step in one weight-streaming launch per product (at most eight
-/// routed rows each: 8 sequences) against one product per expert, on a Qwen3-MoE shape with 16
-/// experts of 256, top-4: decode-step logits within the decoder's tolerance, greedy tokens equal
-/// (prefill, with more rows per expert, takes the per-expert path either way).
+/// The fp8 experts of a decode step in one weight-streaming launch per product (24 sequences:
+/// up to 24 routed rows per expert, pieces of at most eight) against one product per expert, on
+/// a Qwen3-MoE shape with 16 experts of 256, top-4: decode-step logits within the decoder's
+/// tolerance, greedy tokens equal (prefill, with more rows per expert, takes the per-expert path
+/// either way).
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn fp8_experts_in_one_launch_match_the_per_expert_path() -> Result<(), Box<dyn std::error::Error>> {
@@ -151,7 +152,7 @@ fn fp8_experts_in_one_launch_match_the_per_expert_path() -> Result<(), Box<dyn s
     let mut lc = Lifecycle::new(backend, state);
     let session = lc.rollout()?;
     let weights = session.weights();
-    let prompts: Vec<Vec<u32>> = (0..8u32)
+    let prompts: Vec<Vec<u32>> = (0..24u32)
         .map(|i| (0..9).map(|j| (i * 97 + j * 31 + 3) % 1024).collect())
         .collect();
     let run = |grouped: bool| -> Result<_, Box<dyn std::error::Error>> {

@@ -8,10 +8,10 @@
 //! (`cublasGemmBatchedEx`; cuBLAS's grouped GEMM, `cublasGemmGroupedBatchedEx`, refuses bf16
 //! inputs with f32 outputs, which the split activations need), the SwiGLU and the weighted
 //! scatter one launch each. Every token adds its experts' outputs in expert order, as the
-//! per-expert path does. fp8 experts with at most eight routed rows each (decode steps) run the
-//! same way through the weight-streaming e4m3 kernel over a table of products (one launch per
-//! product); with more rows (prefill), fp8 experts take the per-expert path: one gather, three
-//! GEMMs over the dequantised weights, a SwiGLU and a scatter per expert.
+//! per-expert path does. fp8 experts with at most 32 routed rows each (decode steps) run the same
+//! way through the weight-streaming e4m3 kernel over a table of products, pieces of at most eight
+//! rows (one launch per product); with more rows (prefill), fp8 experts take the per-expert path:
+//! one gather, three GEMMs over the dequantised weights, a SwiGLU and a scatter per expert.
 
 use std::ffi::c_void;
 use std::ops::Range;
@@ -224,7 +224,9 @@ pub(super) fn moe_layer(
     let fp8 = st.grouped
         && st.fp8.is_some()
         && scratch.x32.is_some()
-        && runs.iter().all(|r| same(r, true) && r.rows <= GEMV_TOKENS);
+        && runs
+            .iter()
+            .all(|r| same(r, true) && r.rows <= FP8_PIECES * GEMV_TOKENS);
     let routed = Routed { runs, idx, wts };
     if bf16 {
         grouped_experts(ctx, st, z, scratch, (xsp, base), &routed)?;
@@ -578,11 +580,17 @@ fn grouped_experts(
     Ok(())
 }
 
-/// A block of the fp8 path: its experts and rows, its first routed row, where its token lists
-/// (CSR offsets, positions) start in the u32 upload, its weights in the f32 upload, its product
-/// tables in the u64 upload, and the most rows of one of its experts.
+/// The most pieces of [`GEMV_TOKENS`] rows one fp8 expert is cut into on the weight-streaming
+/// path (each piece reads the expert's weights again); an expert with more rows (prefill) sends
+/// the layer to the per-expert path, which dequantises each expert once for cuBLAS.
+const FP8_PIECES: usize = 4;
+
+/// A block of the fp8 path: its problems (pieces of at most [`GEMV_TOKENS`] rows of one
+/// expert) and rows, its first routed row, where its token lists (CSR offsets, positions) start
+/// in the u32 upload, its weights in the f32 upload, its product tables in the u64 upload, and
+/// the most rows of one problem.
 struct Fp8Block {
-    experts: usize,
+    problems: usize,
     rows: usize,
     row0: usize,
     csr: usize,
@@ -592,9 +600,9 @@ struct Fp8Block {
     most: usize,
 }
 
-/// The fp8 experts of a decode step in blocks (each expert at most [`GEMV_TOKENS`] rows, laid
-/// out one after another): per block one gather, the activations joined to f32, one
-/// weight-streaming launch each for gate, up and down over a table of every expert's product,
+/// The fp8 experts of a decode step in blocks (each expert's rows laid out one after another, cut
+/// into pieces of at most [`GEMV_TOKENS`]): per block one gather, the activations joined to f32,
+/// one weight-streaming launch each for gate, up and down over a table of every piece's product,
 /// one SwiGLU and one scatter that adds each token's experts in expert order.
 fn fp8_experts(
     ctx: &RankCtx,
@@ -652,8 +660,17 @@ fn fp8_experts(
         // per product, per expert: e4m3 matrix, scales, first row, columns, activations, rows,
         // hi outputs, lo outputs
         let table_at = table.len();
+        // pieces: (expert's run, first row in the block, rows)
+        let pieces: Vec<(&Run, usize, usize)> = runs[a..b]
+            .iter()
+            .flat_map(|run| {
+                (0..run.rows)
+                    .step_by(GEMV_TOKENS)
+                    .map(move |c| (run, run.start - row0 + c, GEMV_TOKENS.min(run.rows - c)))
+            })
+            .collect();
         for (weight, inp, y, out) in [(0, h, g2, f), (1, h, u2, f), (2, f, y2, h)] {
-            for run in &runs[a..b] {
+            for &(run, o, k_rows) in &pieces {
                 let w = match weight {
                     0 => run.expert.gate,
                     1 => run.expert.up,
@@ -662,28 +679,28 @@ fn fp8_experts(
                 let q = w
                     .fp8
                     .ok_or_else(|| CudaError::Invalid("a bf16 expert among fp8".into()))?;
-                let o = (run.start - row0) as u64;
+                let o = o as u64;
                 table.extend([
                     base + 2 * w.off,
                     base + 2 * q.scales,
                     q.row0,
                     inp as u64,
                     x32 + 4 * o * inp as u64,
-                    run.rows as u64,
+                    k_rows as u64,
                     y + 4 * o * out as u64,
                     y + 4 * (rows as u64 + o) * out as u64,
                 ]);
             }
         }
         blocks.push(Fp8Block {
-            experts: b - a,
+            problems: pieces.len(),
             rows,
             row0,
             csr,
             pos,
             wts: wts_at,
             table: table_at,
-            most: runs[a..b].iter().map(|r| r.rows).max().unwrap_or(1),
+            most: pieces.iter().map(|p| p.2).max().unwrap_or(1),
         });
         a = b;
     }
@@ -699,8 +716,8 @@ fn fp8_experts(
     let (u32p, f32p, tp) = (ptr(&u32_d, s), ptr(&f32_d, s), ptr(&table_d, s));
     let u32a = |v: usize| Arg::U32(v as u32);
     for c in &blocks {
-        let (g, rows, most) = (c.experts, c.rows, c.most);
-        // the table of product `i`: 8 entries per expert
+        let (g, rows, most) = (c.problems, c.rows, c.most);
+        // the table of product `i`: 8 entries per problem
         let entry = |i: usize| tp + 8 * (c.table + i * 8 * g) as u64;
         // SAFETY: the table addresses the experts' e4m3 matrices and scales (offsets checked
         // against this rank's rollout buffer) and scratch rows below `2 · rows` (`rows ≤
