@@ -8,7 +8,7 @@
 //! (`cublasGemmBatchedEx`; cuBLAS's grouped GEMM, `cublasGemmGroupedBatchedEx`, refuses bf16
 //! inputs with f32 outputs, which the split activations need), the SwiGLU and the weighted
 //! scatter one launch each. Every token adds its experts' outputs in expert order, as the
-//! per-expert path does. fp8 experts with at most 32 routed rows each (decode steps) run the same
+//! per-expert path does. fp8 experts with at most 64 routed rows each (decode steps) run the same
 //! way through the weight-streaming e4m3 kernel over a table of products, pieces of at most eight
 //! rows (one launch per product); with more rows (prefill), fp8 experts take the per-expert path:
 //! one gather, three GEMMs over the dequantised weights, a SwiGLU and a scatter per expert.
@@ -583,7 +583,7 @@ fn grouped_experts(
 /// The most pieces of [`GEMV_TOKENS`] rows one fp8 expert is cut into on the weight-streaming
 /// path (each piece reads the expert's weights again); an expert with more rows (prefill) sends
 /// the layer to the per-expert path, which dequantises each expert once for cuBLAS.
-const FP8_PIECES: usize = 4;
+const FP8_PIECES: usize = 8;
 
 /// A block of the fp8 path: its problems (pieces of at most [`GEMV_TOKENS`] rows of one
 /// expert) and rows, its first routed row, where its token lists (CSR offsets, positions) start
