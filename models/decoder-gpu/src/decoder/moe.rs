@@ -23,7 +23,7 @@ use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
 
 use super::{cublas_err, gemm, ptr, Dims, RankState};
 use crate::fp8::{fp8_gemv_table, fp8_join, GEMV_TOKENS};
-use crate::kernels::{launch, Arg};
+use crate::kernels::{launch, Arg, DecoderKernels};
 use crate::weights::{ExpertOffsets, MoeOffsets, RankOffsets, SharedOffsets};
 
 /// The most bytes of down products (`[2 · rows × hidden]` f32) the grouped path's scratch may
@@ -265,20 +265,7 @@ fn shared_expert(
     unsafe {
         st.wgemm(s, base, e.gate, xsp, p(&scratch.g2), (f, 2 * n, h), rank)?;
         st.wgemm(s, base, e.up, xsp, p(&scratch.u2), (f, 2 * n, h), rank)?;
-        launch(
-            s,
-            &k.swiglu_split,
-            k.elementwise((n * f) as u64),
-            &[
-                Arg::U64(p(&scratch.g2)),
-                Arg::U64(p(&scratch.u2)),
-                Arg::U64(act),
-                u32a(n),
-                u32a(f),
-            ],
-            rank,
-            "swiglu_split",
-        )?;
+        Steps { s, k, rank }.swiglu((p(&scratch.g2), p(&scratch.u2), act), (n, f))?;
         st.wgemm(s, base, e.down, act, p(&scratch.y2), (h, 2 * n, f), rank)?;
         gemm(
             &st.blas,
@@ -319,6 +306,7 @@ fn per_expert(
 ) -> Result<(), CudaError> {
     let (runs, idx, wts) = (&routed.runs, &routed.idx[..], &routed.wts[..]);
     let (s, rank, k) = (&ctx.compute, ctx.rank, &st.k);
+    let steps = Steps { s, k, rank };
     let (n, h) = (z.n, z.h);
     let p = |b: &CudaSlice<f32>| ptr(b, s);
     let u32a = |v: usize| Arg::U32(v as u32);
@@ -337,37 +325,10 @@ fn per_expert(
         // scratch holds `r ≤ n ≤ rows` routed rows of every product; `ri` / `rw` address `r`
         // entries of the uploads; in order on the compute stream.
         unsafe {
-            launch(
-                s,
-                &k.gather_split_rows,
-                k.elementwise((r * h) as u64),
-                &[
-                    Arg::U64(xsp),
-                    Arg::U64(ri),
-                    Arg::U64(xg),
-                    u32a(n),
-                    u32a(r),
-                    u32a(h),
-                ],
-                rank,
-                "gather_split_rows",
-            )?;
+            steps.gather((xsp, ri, xg), (n, r, h))?;
             st.wgemm(s, base, e.gate, xg, p(&scratch.g2), (f, 2 * r, h), rank)?;
             st.wgemm(s, base, e.up, xg, p(&scratch.u2), (f, 2 * r, h), rank)?;
-            launch(
-                s,
-                &k.swiglu_split,
-                k.elementwise((r * f) as u64),
-                &[
-                    Arg::U64(p(&scratch.g2)),
-                    Arg::U64(p(&scratch.u2)),
-                    Arg::U64(act),
-                    u32a(r),
-                    u32a(f),
-                ],
-                rank,
-                "swiglu_split",
-            )?;
+            steps.swiglu((p(&scratch.g2), p(&scratch.u2), act), (r, f))?;
             st.wgemm(s, base, e.down, act, p(&scratch.y2), (h, 2 * r, f), rank)?;
             launch(
                 s,
@@ -426,6 +387,7 @@ fn grouped_experts(
     let addr = |b: &CudaSlice<f32>| ptr(b, s);
     let (xg, act) = (ptr(&scratch.xg, s), ptr(&scratch.act, s));
     let (g2, u2, y2) = (addr(&scratch.g2), addr(&scratch.u2), addr(&scratch.y2));
+    let (acc, steps) = (addr(&scratch.acc), Steps { s, k, rank });
     // the uploads: every block's padded row list and token lists; their weights; GEMM pointers
     let mut u32s: Vec<u32> = Vec::new();
     let mut f32s: Vec<f32> = Vec::new();
@@ -442,29 +404,20 @@ fn grouped_experts(
         let g = b - a;
         let rows = g * slot;
         let rows_at = u32s.len();
-        let mut lists: Vec<Vec<(u32, f32)>> = vec![Vec::new(); n];
-        for (j, run) in runs[a..b].iter().enumerate() {
+        for run in &runs[a..b] {
             let mine = &idx[run.start..run.start + run.rows];
             u32s.extend_from_slice(mine);
             // spare rows: the expert's last routed row again
             let last = mine.last().copied().unwrap_or_default();
             u32s.extend(std::iter::repeat_n(last, slot - run.rows));
-            for (i, &t) in mine.iter().enumerate() {
-                lists[t as usize].push(((j * slot + i) as u32, wts[run.start + i]));
-            }
         }
-        let (csr, wts_at) = (u32s.len(), f32s.len());
-        let mut at = 0u32;
-        u32s.push(0);
-        for l in &lists {
-            at += l.len() as u32;
-            u32s.push(at);
-        }
-        let pos = u32s.len();
-        for &(q, w) in lists.iter().flatten() {
-            u32s.push(q);
-            f32s.push(w);
-        }
+        let entries = runs[a..b].iter().enumerate().flat_map(|(j, run)| {
+            (0..run.rows).map(move |i| {
+                let q = run.start + i;
+                (idx[q], (j * slot + i) as u32, wts[q])
+            })
+        });
+        let (csr, pos, wts_at) = push_token_lists(entries, n, &mut u32s, &mut f32s);
         // per product: A, B, C pointer arrays of 2g problems (hi rows of every expert, then lo)
         let ptrs_at = ptrs.len();
         for (weight, x, width_in, y, width_out) in
@@ -510,7 +463,6 @@ fn grouped_experts(
         .clone_htod(&ptrs)
         .map_err(ctx.drv("uploading expert GEMM pointers", (ptrs.len() * 8) as u64))?;
     let (u32p, f32p, ptrp) = (ptr(&u32_d, s), ptr(&f32_d, s), ptr(&ptrs_d, s));
-    let u32a = |v: usize| Arg::U32(v as u32);
     for c in &blocks {
         let g = c.runs.len();
         // pointer arrays of product `i`: A, B, C of 2g entries each
@@ -523,56 +475,18 @@ fn grouped_experts(
         // row and token lists and weights are this block's entries of the uploads; in order on
         // the compute stream.
         unsafe {
-            launch(
-                s,
-                &k.gather_split_rows,
-                k.elementwise((c.rows * h) as u64),
-                &[
-                    Arg::U64(xsp),
-                    Arg::U64(u32p + 4 * c.list as u64),
-                    Arg::U64(xg),
-                    u32a(n),
-                    u32a(c.rows),
-                    u32a(h),
-                ],
-                rank,
-                "gather_split_rows",
-            )?;
+            steps.gather((xsp, u32p + 4 * c.list as u64, xg), (n, c.rows, h))?;
             for i in 0..2 {
                 batched_gemm(&st.blas, arrays(i), (f, c.slot, h), 2 * g, rank)?;
             }
-            launch(
-                s,
-                &k.swiglu_split,
-                k.elementwise((c.rows * f) as u64),
-                &[
-                    Arg::U64(g2),
-                    Arg::U64(u2),
-                    Arg::U64(act),
-                    u32a(c.rows),
-                    u32a(f),
-                ],
-                rank,
-                "swiglu_split",
-            )?;
+            steps.swiglu((g2, u2, act), (c.rows, f))?;
             batched_gemm(&st.blas, arrays(2), (h, c.slot, f), 2 * g, rank)?;
-            launch(
-                s,
-                &k.scatter_add_grouped,
-                k.elementwise((n * h) as u64),
-                &[
-                    Arg::U64(y2),
-                    Arg::U64(u32p + 4 * c.csr as u64),
-                    Arg::U64(u32p + 4 * c.pos as u64),
-                    Arg::U64(f32p + 4 * c.wts as u64),
-                    Arg::U64(addr(&scratch.acc)),
-                    u32a(n),
-                    u32a(c.rows),
-                    u32a(h),
-                ],
-                rank,
-                "scatter_add_grouped",
-            )?;
+            let lists = (
+                u32p + 4 * c.csr as u64,
+                u32p + 4 * c.pos as u64,
+                f32p + 4 * c.wts as u64,
+            );
+            steps.scatter((y2, acc), lists, (n, c.rows, h))?;
         }
     }
     // the uploads are freed stream-ordered after the kernels that read them
@@ -630,6 +544,7 @@ fn fp8_experts(
     let addr = |b: &CudaSlice<f32>| ptr(b, s);
     let (xg, act) = (ptr(&scratch.xg, s), ptr(&scratch.act, s));
     let (g2, u2, y2) = (addr(&scratch.g2), addr(&scratch.u2), addr(&scratch.y2));
+    let (acc, steps) = (addr(&scratch.acc), Steps { s, k, rank });
     let mut u32s: Vec<u32> = idx.to_vec();
     let mut f32s: Vec<f32> = Vec::new();
     let mut table: Vec<u64> = Vec::new();
@@ -641,22 +556,8 @@ fn fp8_experts(
             rows += runs[b].rows;
             b += 1;
         }
-        let mut lists: Vec<Vec<(u32, f32)>> = vec![Vec::new(); n];
-        for q in row0..row0 + rows {
-            lists[idx[q] as usize].push(((q - row0) as u32, wts[q]));
-        }
-        let (csr, wts_at) = (u32s.len(), f32s.len());
-        let mut at = 0u32;
-        u32s.push(0);
-        for l in &lists {
-            at += l.len() as u32;
-            u32s.push(at);
-        }
-        let pos = u32s.len();
-        for &(q, w) in lists.iter().flatten() {
-            u32s.push(q);
-            f32s.push(w);
-        }
+        let entries = (row0..row0 + rows).map(|q| (idx[q], (q - row0) as u32, wts[q]));
+        let (csr, pos, wts_at) = push_token_lists(entries, n, &mut u32s, &mut f32s);
         // per product, per expert: e4m3 matrix, scales, first row, columns, activations, rows,
         // hi outputs, lo outputs
         let table_at = table.len();
@@ -714,7 +615,6 @@ fn fp8_experts(
         .clone_htod(&table)
         .map_err(ctx.drv("uploading the fp8 product table", (table.len() * 8) as u64))?;
     let (u32p, f32p, tp) = (ptr(&u32_d, s), ptr(&f32_d, s), ptr(&table_d, s));
-    let u32a = |v: usize| Arg::U32(v as u32);
     for c in &blocks {
         let (g, rows, most) = (c.problems, c.rows, c.most);
         // the table of product `i`: 8 entries per problem
@@ -724,62 +624,153 @@ fn fp8_experts(
         // scratch.rows`; the f32 activations hold `rows · max(h, ffn)`); the row and token lists
         // and weights are this block's entries of the uploads; in order on the compute stream.
         unsafe {
-            launch(
-                s,
-                &k.gather_split_rows,
-                k.elementwise((rows * h) as u64),
-                &[
-                    Arg::U64(xsp),
-                    Arg::U64(u32p + 4 * c.row0 as u64),
-                    Arg::U64(xg),
-                    u32a(n),
-                    u32a(rows),
-                    u32a(h),
-                ],
-                rank,
-                "gather_split_rows",
-            )?;
+            steps.gather((xsp, u32p + 4 * c.row0 as u64, xg), (n, rows, h))?;
             fp8_join(s, kf, (xg, x32), (rows, h), rank)?;
             fp8_gemv_table(s, kf, entry(0), (g, f, most), rank)?;
             fp8_gemv_table(s, kf, entry(1), (g, f, most), rank)?;
-            launch(
-                s,
-                &k.swiglu_split,
-                k.elementwise((rows * f) as u64),
-                &[
-                    Arg::U64(g2),
-                    Arg::U64(u2),
-                    Arg::U64(act),
-                    u32a(rows),
-                    u32a(f),
-                ],
-                rank,
-                "swiglu_split",
-            )?;
+            steps.swiglu((g2, u2, act), (rows, f))?;
             fp8_join(s, kf, (act, x32), (rows, f), rank)?;
             fp8_gemv_table(s, kf, entry(2), (g, h, most), rank)?;
-            launch(
-                s,
-                &k.scatter_add_grouped,
-                k.elementwise((n * h) as u64),
-                &[
-                    Arg::U64(y2),
-                    Arg::U64(u32p + 4 * c.csr as u64),
-                    Arg::U64(u32p + 4 * c.pos as u64),
-                    Arg::U64(f32p + 4 * c.wts as u64),
-                    Arg::U64(addr(&scratch.acc)),
-                    u32a(n),
-                    u32a(rows),
-                    u32a(h),
-                ],
-                rank,
-                "scatter_add_grouped",
-            )?;
+            let lists = (
+                u32p + 4 * c.csr as u64,
+                u32p + 4 * c.pos as u64,
+                f32p + 4 * c.wts as u64,
+            );
+            steps.scatter((y2, acc), lists, (n, rows, h))?;
         }
     }
     // the uploads are freed stream-ordered after the kernels that read them
     drop((u32_d, f32_d, table_d));
     Ok(())
+}
+
+/// Appends a block's per-token lists to the uploads: `n + 1` CSR offsets to `u32s`, then every
+/// token's entries (position in the block, in expert order) to `u32s` and their weights to
+/// `f32s`. `entries` are `(token, position, weight)` in expert order. Returns where the offsets,
+/// the positions and the weights start.
+fn push_token_lists(
+    entries: impl Iterator<Item = (u32, u32, f32)>,
+    n: usize,
+    u32s: &mut Vec<u32>,
+    f32s: &mut Vec<f32>,
+) -> (usize, usize, usize) {
+    let mut lists: Vec<Vec<(u32, f32)>> = vec![Vec::new(); n];
+    for (t, q, w) in entries {
+        lists[t as usize].push((q, w));
+    }
+    let (csr, wts) = (u32s.len(), f32s.len());
+    let mut at = 0u32;
+    u32s.push(0);
+    for l in &lists {
+        at += l.len() as u32;
+        u32s.push(at);
+    }
+    let pos = u32s.len();
+    for &(q, w) in lists.iter().flatten() {
+        u32s.push(q);
+        f32s.push(w);
+    }
+    (csr, pos, wts)
+}
+
+/// The kernels every expert path launches, on one rank's compute stream.
+struct Steps<'a> {
+    s: &'a Arc<CudaStream>,
+    k: &'a DecoderKernels,
+    rank: usize,
+}
+
+impl Steps<'_> {
+    /// `rows` rows of the split activations at `xsp` (`[2n × h]`), by the token indices at `idx`,
+    /// into the split `[2 · rows × h]` at `out`.
+    ///
+    /// # Safety
+    /// The addresses must hold those sizes, alive until the stream ran the kernel.
+    unsafe fn gather(
+        &self,
+        (xsp, idx, out): (u64, u64, u64),
+        (n, rows, h): (usize, usize, usize),
+    ) -> Result<(), CudaError> {
+        let u = |v: usize| Arg::U32(v as u32);
+        let args = [
+            Arg::U64(xsp),
+            Arg::U64(idx),
+            Arg::U64(out),
+            u(n),
+            u(rows),
+            u(h),
+        ];
+        // SAFETY: forwarded to the caller.
+        unsafe {
+            launch(
+                self.s,
+                &self.k.gather_split_rows,
+                self.k.elementwise((rows * h) as u64),
+                &args,
+                self.rank,
+                "gather_split_rows",
+            )
+        }
+    }
+
+    /// SwiGLU of the split gate and up products (`[2 · rows × f]` f32 each) into split bf16 `act`.
+    ///
+    /// # Safety
+    /// As [`Steps::gather`].
+    unsafe fn swiglu(
+        &self,
+        (g2, u2, act): (u64, u64, u64),
+        (rows, f): (usize, usize),
+    ) -> Result<(), CudaError> {
+        let u = |v: usize| Arg::U32(v as u32);
+        let args = [Arg::U64(g2), Arg::U64(u2), Arg::U64(act), u(rows), u(f)];
+        // SAFETY: forwarded to the caller.
+        unsafe {
+            launch(
+                self.s,
+                &self.k.swiglu_split,
+                self.k.elementwise((rows * f) as u64),
+                &args,
+                self.rank,
+                "swiglu_split",
+            )
+        }
+    }
+
+    /// Adds every token's weighted expert outputs of a block (`y2`, `[2 · rows × h]`) into `acc`
+    /// (`[n × h]`), by the token lists at `lists` (CSR offsets, positions, weights).
+    ///
+    /// # Safety
+    /// As [`Steps::gather`].
+    unsafe fn scatter(
+        &self,
+        (y2, acc): (u64, u64),
+        (csr, pos, wts): (u64, u64, u64),
+        (n, rows, h): (usize, usize, usize),
+    ) -> Result<(), CudaError> {
+        let u = |v: usize| Arg::U32(v as u32);
+        let args = [
+            Arg::U64(y2),
+            Arg::U64(csr),
+            Arg::U64(pos),
+            Arg::U64(wts),
+            Arg::U64(acc),
+            u(n),
+            u(rows),
+            u(h),
+        ];
+        // SAFETY: forwarded to the caller.
+        unsafe {
+            launch(
+                self.s,
+                &self.k.scatter_add_grouped,
+                self.k.elementwise((n * h) as u64),
+                &args,
+                self.rank,
+                "scatter_add_grouped",
+            )
+        }
+    }
 }
 
 /// One batched GEMM of `count` problems of one size, each `C[rows × out] = B[rows × inp] · Aᵀ`
