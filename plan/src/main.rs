@@ -226,13 +226,21 @@ fn run(args: &Args) -> Result<(), String> {
     let full = full_gather_bytes(&config);
     let most_recv = ranks.iter().map(|r| r.recv_bytes).max().unwrap_or(0);
     let most_held = ranks.iter().map(|r| r.rollout_bytes).max().unwrap_or(0);
+    let gathered = full - full / ranks.len().max(1) as u64;
+    let receives = if most_recv == 0 {
+        "nothing from its peers (every rank holds what it rolls out)".to_string()
+    } else {
+        format!(
+            "at most {} per rank ({:.1}x less)",
+            HumanBytes(most_recv),
+            gathered as f64 / most_recv as f64
+        )
+    };
     println!(
         "against a full gather (every rank materialises the whole model, {}, receiving {} of it): \
-         this plan receives at most {} per rank ({:.1}x less) and holds at most {}",
+         this plan receives {receives} and holds at most {}",
         HumanBytes(full),
-        HumanBytes(full - full / ranks.len().max(1) as u64),
-        HumanBytes(most_recv),
-        (full - full / ranks.len().max(1) as u64) as f64 / most_recv.max(1) as f64,
+        HumanBytes(gathered),
         HumanBytes(most_held),
     );
     let mut fp8_held: Vec<u64> = Vec::new();
