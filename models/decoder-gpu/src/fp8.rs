@@ -380,22 +380,9 @@ pub(crate) unsafe fn fp8_gemm(
         let x32 = scratch.x32.ok_or_else(|| {
             CudaError::Invalid("an fp8 product without its activation scratch".into())
         })?;
-        let n = (tokens * inp) as u64;
-        let join = [
-            Arg::U64(x),
-            Arg::U32(tokens as u32),
-            Arg::U32(inps),
-            Arg::U64(x32),
-        ];
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(256).clamp(1, 1 << 12) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the argument list matches fp8_join_split; x holds 2 · tokens rows of inp bf16
-        // and the activation scratch at least tokens · inp f32 (sized at bind for the widest
-        // fp8 matrix).
-        unsafe { launch(stream, &k.join, cfg, &join, rank, "fp8_join_split")? };
+        // SAFETY: x holds 2 · tokens rows of inp bf16 and the activation scratch at least
+        // tokens · inp f32 (sized at bind for the widest fp8 matrix).
+        unsafe { fp8_join(stream, k, (x, x32), (tokens, inp), rank)? };
         let cfg = LaunchConfig {
             grid_dim: (outs.div_ceil(4).max(1), 1, 1),
             block_dim: (256, 1, 1),
