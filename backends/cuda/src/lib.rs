@@ -35,6 +35,7 @@
 
 mod comm;
 mod deadline;
+pub mod driver;
 mod env;
 mod error;
 mod kernels;

@@ -62,11 +62,17 @@ pub enum SourceBuf<'a> {
 }
 
 impl SourceBuf<'_> {
-    fn len(&self) -> usize {
+    /// Elements of the buffer.
+    pub fn len(&self) -> usize {
         match self {
             SourceBuf::F32(s) => s.len(),
             SourceBuf::Bf16(s) => s.len(),
         }
+    }
+
+    /// Whether the buffer holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     fn dtype(&self) -> SourceType {

@@ -4,13 +4,12 @@
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use lifecycle_core::MemoryPolicy;
 use lifecycle_cuda::{RankExecutor, RolloutBuffer};
 use lifecycle_layout::RolloutEntry;
 
 use crate::backend::{FsdpBackend, RolloutSums};
 use crate::state::{FsdpTrainState, RankTrain};
-use crate::verify::{self, Buffer};
+use crate::verify;
 use crate::FsdpError;
 
 impl FsdpBackend {
@@ -92,35 +91,6 @@ impl FsdpBackend {
                 });
             }
         }
-        Ok(())
-    }
-
-    /// Verification mode: queues the hashes of the buffers `memory` offloads, on each rank's
-    /// copy stream ahead of the offload copies.
-    pub(crate) fn queue_offload_hashes(
-        &self,
-        state: &mut FsdpTrainState,
-        memory: MemoryPolicy,
-    ) -> Result<(), FsdpError> {
-        let table = verify::shard_table(&state.shards);
-        let mut items: Vec<&mut RankTrain> = state.ranks.iter_mut().collect();
-        self.pool.run_each(&mut items, &|ctx, rt| {
-            rt.sums.clear();
-            for b in Buffer::ALL {
-                let offloads = match b {
-                    Buffer::Master => memory.offload_params,
-                    Buffer::AdamM | Buffer::AdamV => memory.offload_optimizer,
-                };
-                if !offloads {
-                    continue;
-                }
-                let (buf, sums) = rt.buffer_and_sums(b);
-                if let Some(d) = buf.device() {
-                    verify::queue_offload_hash(ctx, sums, b, d, &table)?;
-                }
-            }
-            Ok(())
-        })?;
         Ok(())
     }
 

@@ -1,19 +1,15 @@
-//! [`Reshard`] for [`FsdpBackend`]: plan, enter, refresh and exit as glue over the transfer.
+//! [`Reshard`] for [`FsdpBackend`]: plan choice, then enter, refresh and exit as glue over the
+//! engine's [switch driver](lifecycle_cuda::driver).
 
 use crate::backend::FsdpBackend;
 use crate::FsdpError;
 use lifecycle_layout::plan_fsdp_to_tp;
 use std::sync::Arc;
-use std::time::Instant;
 
-use lifecycle_core::{Link, Phase, Reshard, SwitchContext};
-use lifecycle_cuda::{
-    alloc_rollout_buffers, alloc_zeros, record_spans, record_transfer, RankExecutor, RankSpans,
-    RolloutBuffer, StreamTimeline, Transport,
-};
+use lifecycle_core::{Phase, Reshard, SwitchContext};
+use lifecycle_cuda::{alloc_rollout_buffers, RankExecutor, RolloutBuffer, Transport};
 
-use crate::state::{FsdpTrainState, RankTrain};
-use crate::verify::{self, Buffer, Mismatch};
+use crate::state::FsdpTrainState;
 use lifecycle_layout::fp8::RolloutDtype;
 use lifecycle_layout::fsdp::{build_fp8_plan, build_plan, FsdpPlan};
 
@@ -103,18 +99,13 @@ impl Reshard for FsdpBackend {
         let mut rolls = unsafe { alloc_rollout_buffers(&*self.pool, len, peers_write)? };
         // The transfer phase's wall time starts after the rollout allocation (reported apart:
         // enter's total includes it).
-        let start = Instant::now();
-        let tracing = ctx.rec.tracing();
-        if self.verify {
-            self.queue_offload_hashes(state, ctx.memory)?;
-        }
-        let mut moved = self.transfer(plan, state, &mut rolls, ctx.memory, tracing)?;
-        record_transfer(ctx, &moved, start);
+        let hooks = self.hooks(&state.shards, Some(&**plan));
+        let mut moved = self.transfer(plan, &mut state.ranks, &mut rolls, &hooks, ctx)?;
         let entries = self.entries(plan);
         if self.verify {
             self.record_rollout_sums(&rolls, &entries)?;
         }
-        self.finish_offload(state, ctx, &mut moved)?;
+        self.finish_offload(&mut state.ranks, &hooks, ctx, &mut moved)?;
         Ok(RolloutBuffer::per_rank_shared(
             rolls,
             self.pool.local_ranks().to_vec(),
@@ -143,20 +134,15 @@ impl Reshard for FsdpBackend {
                 found: rollout.len_per_rank() as u64,
             });
         }
-        let start = Instant::now();
-        let tracing = ctx.rec.tracing();
-        if self.verify {
-            self.queue_offload_hashes(state, ctx.memory)?;
-        }
         // The old hashes no longer describe the weights, whatever happens next.
         self.rollout_sums = None;
-        let mut moved = self.transfer(plan, state, rollout.buffers_mut(), ctx.memory, tracing)?;
-        record_transfer(ctx, &moved, start);
+        let hooks = self.hooks(&state.shards, Some(&**plan));
+        let mut moved = self.transfer(plan, &mut state.ranks, rollout.buffers_mut(), &hooks, ctx)?;
         if self.verify {
             let entries = rollout.all_entries().to_vec();
             self.record_rollout_sums(rollout.buffers(), &entries)?;
         }
-        self.finish_offload(state, ctx, &mut moved)
+        self.finish_offload(&mut state.ranks, &hooks, ctx, &mut moved)
     }
 
     fn exit(
@@ -171,71 +157,19 @@ impl Reshard for FsdpBackend {
             ctx.rec
                 .phase(Phase::Release, |_| rollout.release(&*self.pool))?;
         }
-        let len = state.shards.rank_len as usize;
-        let tracing = ctx.rec.tracing();
-        let verify_on = self.verify;
-        let table = verify::shard_table(&state.shards);
-        let local_ranks = self.pool.local_ranks().to_vec();
-        let slots = &state.shards.slots;
-        let pinned = &*self.pinned;
-        let out = ctx.rec.phase(Phase::Reload, |scope| {
-            let mut items: Vec<&mut RankTrain> = state.ranks.iter_mut().collect();
-            let moved = self.pool.run_each(&mut items, &|c, rt| {
-                let mut h2d = 0u64;
-                let mut tl = StreamTimeline::new(c, tracing)?;
-                let offloaded = Buffer::ALL.map(|b| rt.device(b).is_none());
-                for (buf, what) in [
-                    (&mut rt.master, "reloading master"),
-                    (&mut rt.m, "reloading Adam m"),
-                    (&mut rt.v, "reloading Adam v"),
-                ] {
-                    h2d += buf.start_reload(c, what, &mut tl)?;
-                }
-                if rt.grads.is_none() {
-                    rt.grads = Some(alloc_zeros(&c.compute, len, c.rank, "gradients")?);
-                }
-                c.sync_all()?;
-                let mut corrupted: Option<(Buffer, Mismatch)> = None;
-                for b in Buffer::ALL {
-                    if !(verify_on && offloaded[b.index()] && rt.sums.has(b)) {
-                        continue;
-                    }
-                    let (buf, sums) = rt.buffer_and_sums(b);
-                    let Some(d) = buf.device() else {
-                        continue;
-                    };
-                    // The reloaded copy differs: it stays offloaded (its device copy is dropped,
-                    // its pinned copy kept) and keeps its hashes, so a retry fails the same way.
-                    if let Some(m) = verify::check_reloaded(c, sums, b, d, &table)? {
-                        corrupted.get_or_insert((b, m));
-                        rt.buffer_mut(b).discard_device();
-                    }
-                }
-                // The device copies are authoritative again: their pinned chunks go back to the
-                // pool for the next offload.
-                for b in Buffer::ALL {
-                    rt.buffer_mut(b).release_host(c.rank, pinned);
-                }
-                Ok((h2d, corrupted, tl.finish()?))
-            })?;
-            scope.add_bytes(Link::HostToDevice, moved.iter().map(|m| m.0).sum());
-            for (i, (_, corrupted, _)) in moved.iter().enumerate() {
-                if let Some((b, m)) = corrupted {
-                    return Err(FsdpError::Corrupted {
-                        rank: local_ranks[i],
-                        tensor: slots
-                            .get(m.tensor)
-                            .map(|s| s.name.clone())
-                            .unwrap_or_default(),
-                        buffer: b.name(),
-                        expected: m.expected,
-                        found: m.found,
-                    });
-                }
-            }
-            Ok::<Vec<RankSpans>, FsdpError>(moved.into_iter().map(|m| m.2).collect())
-        })?;
-        record_spans(ctx, self.pool.local_ranks(), &out);
+        let hooks = self.hooks(&state.shards, None);
+        let corrupted = self
+            .driver()
+            .reload::<_, FsdpError>(&mut state.ranks, ctx, &hooks)?;
+        if let Some((local, _, c)) = corrupted {
+            return Err(FsdpError::Corrupted {
+                rank: self.pool.local_ranks().get(local).copied().unwrap_or(local),
+                tensor: c.tensor,
+                buffer: c.buffer,
+                expected: c.expected,
+                found: c.found,
+            });
+        }
         rollout_check
     }
 }

@@ -1,6 +1,6 @@
-//! One transfer: offload copies started first on the copy stream, every rank's bucket plan run
-//! as steps by the engine's step runner ([`lifecycle_cuda::run_program`]), then the offload
-//! finished and what the policy moves out freed.
+//! The FSDP glue over the engine's [switch driver](lifecycle_cuda::driver): a rank's training
+//! buffers as [`RankBuffers`], verification and fp8 quantisation as [`SwitchHooks`], and the
+//! plan handed to the driver as a [`ProgramSpec`].
 
 use crate::backend::FsdpBackend;
 use crate::backend::PlanRef;
@@ -11,13 +11,137 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 use lifecycle_core::{MemoryPolicy, SwitchContext};
-use lifecycle_cuda::{
-    peer_bases, run_program, CudaError, ProgramSlot, RankExecutor, RankMoved, RunOptions,
-    SourceBuf, StreamTimeline,
+use lifecycle_cuda::driver::{
+    free_grads, restore_grads, BufferClass, Corruption, Movable, ProgramSpec, RankBuffers,
+    SwitchDriver, SwitchHooks,
 };
+use lifecycle_cuda::{ChunkTable, CudaError, RankCtx, RankExecutor, RankMoved, RunOptions, SourceBuf};
 
-use crate::state::{FsdpTrainState, RankTrain};
+use crate::state::RankTrain;
 use crate::verify::{self, Buffer};
+
+/// The buffers in the order of [`RankTrain::movable`]: Adam state first, the master (which the
+/// plan reads) last.
+const MOVABLE: [Buffer; 3] = [Buffer::AdamM, Buffer::AdamV, Buffer::Master];
+
+impl RankBuffers for RankTrain {
+    fn source(&self) -> Result<SourceBuf<'_>, CudaError> {
+        let master = self
+            .master
+            .device()
+            .ok_or_else(|| CudaError::Invalid("master weights are offloaded".into()))?;
+        Ok(SourceBuf::F32(master))
+    }
+
+    fn movable(&mut self) -> Vec<Movable<'_>> {
+        vec![
+            Movable::new(Buffer::AdamM.name(), BufferClass::Optimizer, &mut self.m),
+            Movable::new(Buffer::AdamV.name(), BufferClass::Optimizer, &mut self.v),
+            Movable::new(Buffer::Master.name(), BufferClass::Params, &mut self.master),
+        ]
+    }
+
+    fn release_scratch(&mut self, _ctx: &RankCtx) -> Result<u64, CudaError> {
+        Ok(free_grads(&mut self.grads))
+    }
+
+    fn restore_scratch(&mut self, ctx: &RankCtx) -> Result<(), CudaError> {
+        let len = self.master.len();
+        restore_grads(ctx, &mut self.grads, len)
+    }
+}
+
+/// The FSDP backend's hooks: verification (hashes of what leaves the device, checked when it
+/// returns) and the fp8 quantisation of an fp8 plan's slices.
+pub(crate) struct FsdpHooks<'a> {
+    /// Verification mode: the chunks of every tensor's shard.
+    pub(crate) verify: Option<ChunkTable>,
+    /// The plan run (its fp8 slices are quantised after the steps).
+    pub(crate) plan: Option<&'a FsdpPlan>,
+    /// Tensor names by shard slot, for corruption reports.
+    pub(crate) names: Vec<String>,
+}
+
+impl SwitchHooks<RankTrain> for FsdpHooks<'_> {
+    fn before_offload(
+        &self,
+        ctx: &RankCtx,
+        rt: &mut RankTrain,
+        memory: MemoryPolicy,
+    ) -> Result<(), CudaError> {
+        let Some(table) = &self.verify else {
+            return Ok(());
+        };
+        rt.sums.clear();
+        for b in Buffer::ALL {
+            let offloads = match b {
+                Buffer::Master => memory.offload_params,
+                Buffer::AdamM | Buffer::AdamV => memory.offload_optimizer,
+            };
+            if !offloads {
+                continue;
+            }
+            let (buf, sums) = rt.buffer_and_sums(b);
+            if let Some(d) = buf.device() {
+                verify::queue_offload_hash(ctx, sums, b, d, table)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn after_program(
+        &self,
+        ctx: &RankCtx,
+        source: SourceBuf<'_>,
+        roll: &mut CudaSlice<bf16>,
+    ) -> Result<u64, CudaError> {
+        match (self.plan, source) {
+            // an fp8 plan's quantised slices, from the masters into the same buffer
+            (Some(plan), SourceBuf::F32(master)) => crate::fp8::quantise_rank(ctx, plan, master, roll),
+            _ => Ok(0),
+        }
+    }
+
+    fn offload_settled(&self, _ctx: &RankCtx, rt: &mut RankTrain) -> Result<(), CudaError> {
+        verify::settle_offload_hashes(&mut rt.sums)
+    }
+
+    fn check_reloaded(
+        &self,
+        ctx: &RankCtx,
+        rt: &mut RankTrain,
+        reloaded: &[bool],
+    ) -> Result<Vec<(usize, Corruption)>, CudaError> {
+        let Some(table) = &self.verify else {
+            return Ok(Vec::new());
+        };
+        let mut found = Vec::new();
+        // In the order errors have always been reported: master, Adam m, Adam v.
+        for b in Buffer::ALL {
+            let Some(i) = MOVABLE.iter().position(|&x| x == b) else {
+                continue;
+            };
+            if !(reloaded.get(i).copied().unwrap_or(false) && rt.sums.has(b)) {
+                continue;
+            }
+            let (buf, sums) = rt.buffer_and_sums(b);
+            let Some(d) = buf.device() else {
+                continue;
+            };
+            if let Some(m) = verify::check_reloaded(ctx, sums, b, d, table)? {
+                let tensor = self.names.get(m.tensor).cloned().unwrap_or_default();
+                let c = Corruption {
+                    buffer: b.name(),
+                    tensor,
+                    expected: m.expected,
+                    found: m.found,
+                };
+                found.push((i, c));
+            }
+        }
+        Ok(found)
+    }
+}
 
 impl FsdpBackend {
     /// Each local rank's rollout entries, made once per plan and shared by its rollouts.
@@ -42,110 +166,62 @@ impl FsdpBackend {
         entries
     }
 
-    /// Runs the transfer into `rolls` (one per rank), starting the offload copies of `memory`
-    /// first so they overlap it. Returns per-rank statistics.
+    /// The driver over this backend's pool and pinned pool.
+    pub(crate) fn driver(&self) -> SwitchDriver<'_, lifecycle_cuda::ThreadRankPool> {
+        SwitchDriver::new(&*self.pool, &self.pinned)
+    }
+
+    /// The hooks of a switch running `plan` (`None` at exit).
+    pub(crate) fn hooks<'a>(
+        &self,
+        shards: &lifecycle_layout::fsdp::ShardLayout,
+        plan: Option<&'a FsdpPlan>,
+    ) -> FsdpHooks<'a> {
+        FsdpHooks {
+            verify: self.verify.then(|| verify::shard_table(shards)),
+            plan,
+            names: shards.slots.iter().map(|s| s.name.clone()).collect(),
+        }
+    }
+
+    /// Runs the transfer of `plan` from `ranks` into `rolls` (one per rank) through the driver,
+    /// the offload copies of the switch's memory policy overlapping it; records its metrics.
     pub(crate) fn transfer(
         &self,
         plan: &Arc<FsdpPlan>,
-        state: &mut FsdpTrainState,
+        ranks: &mut [RankTrain],
         rolls: &mut [CudaSlice<bf16>],
-        memory: MemoryPolicy,
-        tracing: bool,
+        hooks: &FsdpHooks<'_>,
+        ctx: &mut SwitchContext<'_>,
     ) -> Result<Vec<RankMoved>, FsdpError> {
-        // Peer copies write into every rank's rollout buffer: their addresses by global rank.
-        let bases = if plan.peer_copy {
-            peer_bases(&*self.pool, rolls)?
-        } else {
-            vec![0u64; self.pool.world()]
+        let steps = |c: &RankCtx, _local: usize, _len: u64| plan.rank_steps(c.rank);
+        let spec = ProgramSpec {
+            key: PlanRef(plan.clone()),
+            batched_casts: self.batched_casts,
+            opts: RunOptions::default(),
+            peers_write: plan.peer_copy,
+            steps: &steps,
         };
-        let bases = &bases;
         let mut programs = self
             .programs
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        programs.resize_with(state.ranks.len(), ProgramSlot::default);
-        let mut items: Vec<_> = state
-            .ranks
-            .iter_mut()
-            .zip(rolls.iter_mut())
-            .zip(programs.iter_mut())
-            .map(|((rt, roll), prog)| (rt, roll, prog))
-            .collect();
-        let batched = self.batched_casts;
-        let pinned = &*self.pinned;
-        let opt = memory.offload_optimizer;
-        let offloads = [
-            (opt, Buffer::AdamM, "offload Adam m"),
-            (opt, Buffer::AdamV, "offload Adam v"),
-            (memory.offload_params, Buffer::Master, "offload master"),
-        ];
-        let moved = self.pool.run_each(&mut items, &|ctx, (rt, roll, prog)| {
-            // Pinned chunks first (from the pool: pinned once, then reused): failing here
-            // changes nothing.
-            for (on, b, what) in offloads {
-                if on {
-                    rt.buffer_mut(b).reserve_host(ctx, pinned, what)?;
-                }
-            }
-            let mut tl = StreamTimeline::new(ctx, tracing)?;
-            // Offload copies on the copy stream: they overlap the NVLink work below (master
-            // last: the casts read it meanwhile, which the copy does not disturb).
-            for (on, b, what) in offloads {
-                if on {
-                    rt.buffer_mut(b).start_offload(ctx, pinned, what, &mut tl)?;
-                }
-            }
-            let master = rt
-                .master
-                .device()
-                .ok_or_else(|| CudaError::Invalid("master weights are offloaded".into()))?;
-            let key = PlanRef(plan.clone());
-            let program = prog.get_or_build(ctx, key, batched, || plan.rank_steps(ctx.rank))?;
-            let source = SourceBuf::F32(master);
-            let opts = RunOptions::default();
-            let mut moved = run_program(ctx, program, source, roll, bases, opts, tl)?;
-            // an fp8 plan's quantised slices, from the masters into the same buffer
-            moved.local += crate::fp8::quantise_rank(ctx, plan, master, roll)?;
-            Ok(moved)
-        })?;
-        Ok(moved)
+        Ok(self
+            .driver()
+            .timed_transfer(ranks, &mut programs, rolls, &spec, ctx, hooks)?)
     }
 
-    /// Waits for the offload copies, then frees what the policy moves out and the gradients.
+    /// Waits for the offload copies, then frees what the policy moves out and the gradients
+    /// (kept with `keep_rollout_resident`).
     pub(crate) fn finish_offload(
         &self,
-        state: &mut FsdpTrainState,
+        ranks: &mut [RankTrain],
+        hooks: &FsdpHooks<'_>,
         ctx: &mut SwitchContext<'_>,
         moved: &mut [RankMoved],
     ) -> Result<(), FsdpError> {
-        let memory = ctx.memory;
-        let free_grads = !memory.keep_rollout_resident;
-        let copies = memory.offload_params || memory.offload_optimizer;
-        lifecycle_cuda::finish_offload(
-            &*self.pool,
-            ctx,
-            &mut state.ranks,
-            moved,
-            &|ctx, rt: &mut RankTrain| {
-                // The transfer waited for its own streams; only the offload copies (copy stream)
-                // and the verification hashes queued before them may still run.
-                if copies {
-                    ctx.wait(&[&ctx.copy], "waiting for the offload copies")?;
-                }
-                verify::settle_offload_hashes(&mut rt.sums)?;
-                let mut bytes = 0;
-                if memory.offload_params {
-                    bytes += rt.master.drop_device();
-                }
-                if memory.offload_optimizer {
-                    bytes += rt.m.drop_device() + rt.v.drop_device();
-                }
-                if free_grads {
-                    rt.grads = None;
-                }
-                // Frees are stream-ordered: the memory returns to the pool without a wait.
-                Ok(bytes)
-            },
-        )
+        let keep_grads = ctx.memory.keep_rollout_resident;
+        self.driver()
+            .finish_offload(ranks, ctx, moved, hooks, keep_grads)
     }
 }

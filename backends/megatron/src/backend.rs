@@ -50,12 +50,6 @@ impl MegatronGpuPlan {
     }
 }
 
-/// Per-rank resources of the backend: the step program of the last plan (its copy tables
-/// uploaded once per plan).
-pub(crate) struct RankRes {
-    pub(crate) program: ProgramSlot<u64>,
-}
-
 /// Reshards the Megatron training layout into the fused bf16 tensor-parallel rollout layout on
 /// the GPUs of a [`ThreadRankPool`].
 ///
@@ -100,7 +94,9 @@ pub struct MegatronGpuBackend {
     pub(crate) rollout: RolloutLayout,
     pub(crate) config: GpuConfig,
     pub(crate) pinned: Arc<PinnedPool>,
-    pub(crate) ranks: Vec<RankRes>,
+    /// Per local rank, the step program of the last plan (its copy tables uploaded once per
+    /// plan), keyed by the plan's id.
+    pub(crate) programs: Vec<ProgramSlot<u64>>,
     pub(crate) cached: Mutex<Option<Arc<MegatronGpuPlan>>>,
 }
 
@@ -129,12 +125,7 @@ impl MegatronGpuBackend {
             rollout,
             config: GpuConfig::default(),
             pinned: Arc::new(PinnedPool::default()),
-            ranks: loaded
-                .iter()
-                .map(|()| RankRes {
-                    program: ProgramSlot::default(),
-                })
-                .collect(),
+            programs: loaded.iter().map(|()| ProgramSlot::default()).collect(),
             cached: Mutex::new(None),
         })
     }

@@ -1,18 +1,16 @@
-//! The [`Reshard`] implementation: plan, enter, refresh, exit.
+//! The [`Reshard`] implementation: plan choice, then enter, refresh and exit as glue over the
+//! engine's [switch driver](lifecycle_cuda::driver).
 
 use crate::backend::{MegatronGpuBackend, MegatronGpuPlan, NEXT_PLAN};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
 
-use lifecycle_core::{Link, Phase, Reshard, SwitchContext};
-use lifecycle_cuda::{
-    alloc_rollout_buffers, alloc_zeros, record_spans, record_transfer, RankExecutor, RankSpans,
-    RolloutBuffer, StreamTimeline,
-};
+use lifecycle_core::{Phase, Reshard, SwitchContext};
+use lifecycle_cuda::driver::NoHooks;
+use lifecycle_cuda::{alloc_rollout_buffers, RolloutBuffer};
 
 use crate::error::MegatronGpuError;
-use crate::state::{GpuRank, MegatronGpuState};
+use crate::state::MegatronGpuState;
 use lifecycle_layout::megatron::schedule::{build_rank, rollout_offsets};
 use lifecycle_layout::megatron::{plan_megatron_to_tp, BucketConfig};
 
@@ -83,11 +81,8 @@ impl Reshard for MegatronGpuBackend {
         // SAFETY: the schedule's local and unpack tiles and the zeroed vocabulary padding cover
         // each buffer exactly, so every element is written before the buffers are handed out.
         let mut rolls = unsafe { alloc_rollout_buffers(&*self.pool, len, peers_write)? };
-        let start = Instant::now();
-        let tracing = ctx.rec.tracing();
-        let mut moved = self.transfer(plan, state, &mut rolls, ctx.memory, tracing)?;
-        record_transfer(ctx, &moved, start);
-        self.finish_offload(state, ctx, &mut moved)?;
+        let mut moved = self.transfer(plan, &mut state.ranks, &mut rolls, ctx)?;
+        self.finish_offload(&mut state.ranks, ctx, &mut moved)?;
         Ok(RolloutBuffer::new(
             rolls,
             self.locals().to_vec(),
@@ -117,11 +112,8 @@ impl Reshard for MegatronGpuBackend {
                 found_ranks: rollout.local_ranks().len(),
             });
         }
-        let start = Instant::now();
-        let tracing = ctx.rec.tracing();
-        let mut moved = self.transfer(plan, state, rollout.buffers_mut(), ctx.memory, tracing)?;
-        record_transfer(ctx, &moved, start);
-        self.finish_offload(state, ctx, &mut moved)
+        let mut moved = self.transfer(plan, &mut state.ranks, rollout.buffers_mut(), ctx)?;
+        self.finish_offload(&mut state.ranks, ctx, &mut moved)
     }
 
     fn exit(
@@ -135,38 +127,9 @@ impl Reshard for MegatronGpuBackend {
                 .phase(Phase::Release, |_| rollout.release(&*self.pool))?;
         }
         self.check_state(state)?;
-        let pinned = &*self.pinned;
-        let tracing = ctx.rec.tracing();
-        let spans = ctx.rec.phase(Phase::Reload, |scope| {
-            let mut items: Vec<&mut GpuRank> = state.ranks.iter_mut().collect();
-            let moved = self.pool.run_each(&mut items, &|c, rt| {
-                c.sync_all()?;
-                let mut tl = StreamTimeline::new(c, tracing)?;
-                let mut bytes = rt
-                    .params
-                    .start_reload(c, "reloading bf16 parameters", &mut tl)?;
-                bytes += rt.main.start_reload(c, "reloading main params", &mut tl)?;
-                bytes += rt.adam_m.start_reload(c, "reloading Adam m", &mut tl)?;
-                bytes += rt.adam_v.start_reload(c, "reloading Adam v", &mut tl)?;
-                if rt.grads.is_none() {
-                    rt.grads = Some(alloc_zeros(
-                        &c.compute,
-                        rt.params.len(),
-                        c.rank,
-                        "gradients",
-                    )?);
-                }
-                c.sync_all()?;
-                rt.params.release_host(c.rank, pinned);
-                rt.main.release_host(c.rank, pinned);
-                rt.adam_m.release_host(c.rank, pinned);
-                rt.adam_v.release_host(c.rank, pinned);
-                Ok((bytes, tl.finish()?))
-            })?;
-            scope.add_bytes(Link::HostToDevice, moved.iter().map(|m| m.0).sum());
-            Ok::<Vec<RankSpans>, MegatronGpuError>(moved.into_iter().map(|m| m.1).collect())
-        })?;
-        record_spans(ctx, self.locals(), &spans);
+        // Megatron's buffers carry no verification hashes: nothing can be found corrupted.
+        self.driver()
+            .reload::<_, MegatronGpuError>(&mut state.ranks, ctx, &NoHooks)?;
         Ok(())
     }
 }

@@ -1,21 +1,49 @@
-//! One transfer: offload copies first on the copy stream, every rank's step program run by the
-//! engine's step runner, then the offload finished and what the policy moves out freed.
+//! The Megatron glue over the engine's [switch driver](lifecycle_cuda::driver): a rank's
+//! training buffers as [`RankBuffers`] and the plan's schedules handed to the driver as a
+//! [`ProgramSpec`].
 
-use crate::backend::{MegatronGpuBackend, MegatronGpuPlan, RankRes};
+use crate::backend::{MegatronGpuBackend, MegatronGpuPlan};
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use lifecycle_core::{MemoryPolicy, SwitchContext};
-use lifecycle_cuda::{
-    peer_bases, run_program, CudaError, RankExecutor, RankMoved, RunOptions, SourceBuf,
-    StreamTimeline,
+use lifecycle_core::SwitchContext;
+use lifecycle_cuda::driver::{
+    free_grads, restore_grads, BufferClass, Movable, NoHooks, ProgramSpec, RankBuffers,
+    SwitchDriver,
 };
+use lifecycle_cuda::{CudaError, RankCtx, RankMoved, RunOptions, SourceBuf};
+use lifecycle_layout::megatron::StepShape;
 use lifecycle_layout::RolloutEntry;
 
 use crate::error::MegatronGpuError;
-use crate::state::{GpuRank, MegatronGpuState};
-use lifecycle_layout::megatron::schedule::RankSchedule;
-use lifecycle_layout::megatron::StepShape;
+use crate::state::GpuRank;
+
+impl RankBuffers for GpuRank {
+    fn source(&self) -> Result<SourceBuf<'_>, CudaError> {
+        let params = self.params.device().ok_or_else(|| {
+            CudaError::Invalid("the bf16 parameters are offloaded: leave rollout mode first".into())
+        })?;
+        Ok(SourceBuf::Bf16(params))
+    }
+
+    fn movable(&mut self) -> Vec<Movable<'_>> {
+        vec![
+            Movable::new("adam_m", BufferClass::Optimizer, &mut self.adam_m),
+            Movable::new("adam_v", BufferClass::Optimizer, &mut self.adam_v),
+            Movable::new("main params", BufferClass::Params, &mut self.main),
+            Movable::new("bf16 parameters", BufferClass::Params, &mut self.params),
+        ]
+    }
+
+    fn release_scratch(&mut self, _ctx: &RankCtx) -> Result<u64, CudaError> {
+        Ok(free_grads(&mut self.grads))
+    }
+
+    fn restore_scratch(&mut self, ctx: &RankCtx) -> Result<(), CudaError> {
+        let len = self.params.len();
+        restore_grads(ctx, &mut self.grads, len)
+    }
+}
 
 impl MegatronGpuBackend {
     pub(crate) fn entries(plan: &MegatronGpuPlan) -> Vec<RolloutEntry> {
@@ -27,112 +55,62 @@ impl MegatronGpuBackend {
             .collect()
     }
 
-    /// Runs every local rank's schedule into `rolls`, starting the offload copies of `memory`
-    /// first so they overlap it. With `tracing`, each rank's work is marked on a
-    /// [`StreamTimeline`] (returned in its [`RankMoved`], read by [`Self::finish_offload`]).
+    /// The driver over this backend's pool and pinned pool.
+    pub(crate) fn driver(&self) -> SwitchDriver<'_, lifecycle_cuda::ThreadRankPool> {
+        SwitchDriver::new(&*self.pool, &self.pinned)
+    }
+
+    /// Runs every local rank's schedule into `rolls` through the driver, the offload copies of
+    /// the switch's memory policy overlapping it; records its metrics.
     pub(crate) fn transfer(
         &mut self,
         plan: &MegatronGpuPlan,
-        state: &mut MegatronGpuState,
+        ranks: &mut [GpuRank],
         rolls: &mut [CudaSlice<bf16>],
-        memory: MemoryPolicy,
-        tracing: bool,
+        ctx: &mut SwitchContext<'_>,
     ) -> Result<Vec<RankMoved>, MegatronGpuError> {
-        let pinned = &*self.pinned;
         let config = plan.config;
-        // Peer copies write into every rank's rollout buffer: their addresses by global rank.
-        let bases = if plan
-            .ranks
-            .iter()
-            .any(|s| !s.pushes.is_empty() || !s.peer_tiles.is_empty())
-        {
-            peer_bases(&*self.pool, rolls)?
-        } else {
-            vec![0u64; self.pool.world()]
-        };
-        let bases = &bases;
-        let mut items: Vec<(
-            &mut GpuRank,
-            &mut RankRes,
-            &mut CudaSlice<bf16>,
-            &RankSchedule,
-        )> = state
-            .ranks
-            .iter_mut()
-            .zip(self.ranks.iter_mut())
-            .zip(rolls.iter_mut())
-            .zip(&plan.ranks)
-            .map(|(((rt, res), roll), s)| (rt, res, roll, s))
-            .collect();
-        let id = plan.id;
-        let moved = self.pool.run_each(&mut items, &|ctx, (rt, res, roll, s)| {
-            let mut tl = StreamTimeline::new(ctx, tracing)?;
-            ctx.order(&ctx.compute, &ctx.copy)?;
-            // Offload copies first, on the copy stream: they overlap everything below.
-            if memory.offload_optimizer {
-                rt.adam_m
-                    .start_offload(ctx, pinned, "offloading Adam m", &mut tl)?;
-                rt.adam_v
-                    .start_offload(ctx, pinned, "offloading Adam v", &mut tl)?;
-            }
-            if memory.offload_params {
-                rt.main
-                    .start_offload(ctx, pinned, "offloading main params", &mut tl)?;
-                rt.params
-                    .start_offload(ctx, pinned, "offloading bf16 parameters", &mut tl)?;
-            }
-            let Some(params) = rt.params.device() else {
-                return Err(CudaError::Invalid(
-                    "the bf16 parameters are offloaded: leave rollout mode first".into(),
-                ));
-            };
-            let shape = StepShape {
-                world: ctx.world,
-                source_elems: params.len() as u64,
+        let steps = |c: &RankCtx, local: usize, source_elems: u64| {
+            let s = plan.ranks.get(local).ok_or_else(|| {
+                lifecycle_layout::LayoutError::InvalidSteps {
+                    rank: c.rank,
+                    what: format!("the plan has no schedule for local rank {local}"),
+                }
+            })?;
+            s.rank_steps(StepShape {
+                world: c.world,
+                source_elems,
                 rollout_elems: plan.len as u64,
                 in_flight: config.in_flight,
                 peer_copy: plan.peer_copy,
                 split_local_bulk: config.split_local_bulk,
-            };
-            let program = res
-                .program
-                .get_or_build(ctx, id, true, || s.rank_steps(shape))?;
-            let opts = RunOptions {
+            })
+        };
+        let spec = ProgramSpec {
+            key: plan.id,
+            batched_casts: true,
+            opts: RunOptions {
                 overlap_blocks_per_sm: config.overlap_blocks_per_sm,
-            };
-            let source = SourceBuf::Bf16(params);
-            run_program(ctx, program, source, roll, bases, opts, tl)
-        })?;
-        Ok(moved)
+            },
+            peers_write: plan
+                .ranks
+                .iter()
+                .any(|s| !s.pushes.is_empty() || !s.peer_tiles.is_empty()),
+            steps: &steps,
+        };
+        let driver = SwitchDriver::new(&*self.pool, &self.pinned);
+        Ok(driver.timed_transfer(ranks, &mut self.programs, rolls, &spec, ctx, &NoHooks)?)
     }
 
     /// Waits for the offload copies, then frees what the policy moved out, and the grads; reads
-    /// the transfer's device timelines (every stream is synchronised by then) into the trace.
+    /// the transfer's device timelines into the trace.
     pub(crate) fn finish_offload(
         &self,
-        state: &mut MegatronGpuState,
+        ranks: &mut [GpuRank],
         ctx: &mut SwitchContext<'_>,
         moved: &mut [RankMoved],
     ) -> Result<(), MegatronGpuError> {
-        let memory = ctx.memory;
-        lifecycle_cuda::finish_offload(
-            &*self.pool,
-            ctx,
-            &mut state.ranks,
-            moved,
-            &|c, rt: &mut GpuRank| {
-                c.sync_all()?;
-                let mut bytes = 0;
-                if memory.offload_params {
-                    bytes += rt.params.drop_device() + rt.main.drop_device();
-                }
-                if memory.offload_optimizer {
-                    bytes += rt.adam_m.drop_device() + rt.adam_v.drop_device();
-                }
-                rt.grads = None;
-                c.sync_all()?;
-                Ok(bytes)
-            },
-        )
+        self.driver()
+            .finish_offload(ranks, ctx, moved, &NoHooks, false)
     }
 }

@@ -1,0 +1,379 @@
+//! Training buffers the backend does not own: device memory lent by a caller (PyTorch's FSDP2
+//! shards, another framework's optimizer state), with the caller's CUDA stream.
+//!
+//! The driver reads a lent source in place (zero-copy), offloads lent buffers into its pinned
+//! pool, and asks the owner ([`LentMemory`]) to release the device memory after the copy and to
+//! give it back (perhaps at another address) before the reload: PyTorch's
+//! `untyped_storage().resize_(0)` and back. Work on the caller's stream before the switch is
+//! awaited by the switch's streams, and the caller's stream waits for the switch's work.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
+use half::bf16;
+
+use super::buffers::{BufferClass, Movable, Offloadable, RankBuffers};
+use crate::{CudaError, HostCopy, PinnedPool, RankCtx, SourceBuf, StreamTimeline};
+use lifecycle_core::{Link, Phase};
+
+/// A device slice whose memory belongs to someone else: used as a [`CudaSlice`], never freed.
+struct Borrowed<T: DeviceRepr>(Option<CudaSlice<T>>);
+
+impl<T: DeviceRepr> Borrowed<T> {
+    /// # Safety
+    /// `ptr` must point to `len` elements of `T` on `stream`'s device, alive and not written by
+    /// others while this value exists.
+    unsafe fn new(stream: &Arc<CudaStream>, ptr: u64, len: usize) -> Self {
+        // SAFETY: the caller's promise; the slice is leaked (not freed) on drop.
+        Borrowed(Some(unsafe { stream.upgrade_device_ptr::<T>(ptr, len) }))
+    }
+
+    fn get(&self) -> Option<&CudaSlice<T>> {
+        self.0.as_ref()
+    }
+}
+
+impl<T: DeviceRepr> Drop for Borrowed<T> {
+    fn drop(&mut self) {
+        if let Some(s) = self.0.take() {
+            // The memory is the owner's: forget it without freeing.
+            let _ = s.leak();
+        }
+    }
+}
+
+/// The caller's CUDA stream (a `CUstream` handle, as `torch.cuda.current_stream().cuda_stream`
+/// gives it; 0 is the legacy default stream).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LentStream(pub u64);
+
+impl LentStream {
+    fn handle(self) -> cudarc::driver::sys::CUstream {
+        self.0 as cudarc::driver::sys::CUstream
+    }
+
+    /// Makes `waiters` wait for the work queued so far on this stream.
+    fn order_before(self, ctx: &RankCtx, waiters: &[&CudaStream]) -> Result<(), CudaError> {
+        let event = ctx.event()?;
+        // SAFETY: the handle is the caller's live stream on this device (LentRank::new's
+        // contract); the event is alive until the waits below are queued.
+        unsafe { cudarc::driver::result::event::record(event.cu_event(), self.handle()) }
+            .map_err(ctx.drv("recording an event on the caller's stream", 0))?;
+        for w in waiters {
+            w.wait(&event)
+                .map_err(ctx.drv("waiting for the caller's stream", 0))?;
+        }
+        Ok(())
+    }
+
+    /// Makes this stream wait for the work queued so far on `streams`.
+    fn order_after(self, ctx: &RankCtx, streams: &[&CudaStream]) -> Result<(), CudaError> {
+        for s in streams {
+            let event = ctx.event()?;
+            event
+                .record(s)
+                .map_err(ctx.drv("recording an event for the caller's stream", 0))?;
+            // SAFETY: as in `order_before`; the event was recorded above.
+            unsafe {
+                cudarc::driver::result::stream::wait_event(
+                    self.handle(),
+                    event.cu_event(),
+                    cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(ctx.drv("making the caller's stream wait for the switch", 0))?;
+        }
+        Ok(())
+    }
+}
+
+/// The owner of a lent buffer's device memory, asked to release it once its contents are in
+/// pinned host memory and to give memory back before they return.
+pub trait LentMemory: Send {
+    /// The contents are safe on the host (the offload copy finished): the device memory at `ptr`
+    /// may be released (e.g. `untyped_storage().resize_(0)`).
+    fn release(&mut self, rank: usize, ptr: u64) -> Result<(), CudaError>;
+
+    /// Device memory of `bytes` bytes for the contents to return to; its address (it may differ
+    /// from the released one).
+    fn restore(&mut self, rank: usize, bytes: usize) -> Result<u64, CudaError>;
+}
+
+/// The buffer a lent rank's plan reads, in place.
+pub enum LentSource {
+    /// fp32 shards (FSDP masters).
+    F32 {
+        /// Device address.
+        ptr: u64,
+        /// Elements.
+        len: usize,
+    },
+    /// bf16 parameters.
+    Bf16 {
+        /// Device address.
+        ptr: u64,
+        /// Elements.
+        len: usize,
+    },
+}
+
+enum SourceSlice {
+    F32(Borrowed<f32>),
+    Bf16(Borrowed<bf16>),
+}
+
+/// One lent buffer an offload may move. See the [module docs](self).
+pub struct LentOffload {
+    name: &'static str,
+    class: BufferClass,
+    bytes: usize,
+    ptr: Option<u64>,
+    host: Option<HostCopy>,
+    owner: Box<dyn LentMemory>,
+}
+
+impl LentOffload {
+    /// A lent buffer of `bytes` bytes at device address `ptr`, called `name`, moved out with
+    /// `class`; `owner` releases and restores its memory.
+    pub fn new(
+        name: &'static str,
+        class: BufferClass,
+        ptr: u64,
+        bytes: usize,
+        owner: Box<dyn LentMemory>,
+    ) -> Self {
+        LentOffload {
+            name,
+            class,
+            bytes,
+            ptr: Some(ptr),
+            host: None,
+            owner,
+        }
+    }
+
+    /// The device address while on the device.
+    pub fn device_ptr(&self) -> Option<u64> {
+        self.ptr
+    }
+
+    /// Bytes of pinned memory it holds.
+    pub fn host_bytes(&self) -> usize {
+        self.host.as_ref().map_or(0, HostCopy::bytes)
+    }
+}
+
+impl Offloadable for LentOffload {
+    fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    fn is_offloaded(&self) -> bool {
+        self.ptr.is_none()
+    }
+
+    fn reserve_host(
+        &mut self,
+        ctx: &RankCtx,
+        pinned: &PinnedPool,
+        what: &str,
+    ) -> Result<(), CudaError> {
+        if self.host.is_none() {
+            self.host = Some(pinned.take(ctx, self.bytes, what)?);
+        }
+        Ok(())
+    }
+
+    fn start_offload(
+        &mut self,
+        ctx: &RankCtx,
+        pinned: &PinnedPool,
+        what: &str,
+        tl: &mut StreamTimeline,
+    ) -> Result<u64, CudaError> {
+        let Some(src) = self.ptr else {
+            return Ok(0);
+        };
+        self.reserve_host(ctx, pinned, what)?;
+        let bytes = self.bytes as u64;
+        if let Some(host) = self.host.as_mut() {
+            let mark = tl.begin(ctx, &ctx.copy)?;
+            // SAFETY: `src` holds `bytes` bytes (LentOffload::new's contract, the owner keeps it
+            // until `release`, which runs after the copy stream finished).
+            unsafe { host.download_from(src, &ctx.copy, ctx.rank, what)? };
+            let link = Some(Link::DeviceToHost);
+            tl.end(
+                ctx,
+                &ctx.copy,
+                mark,
+                Phase::Offload,
+                what,
+                "copy",
+                bytes,
+                link,
+            )?;
+        }
+        Ok(bytes)
+    }
+
+    fn drop_device(&mut self, ctx: &RankCtx) -> Result<u64, CudaError> {
+        match (self.ptr, &self.host) {
+            (Some(p), Some(_)) => {
+                self.owner.release(ctx.rank, p)?;
+                self.ptr = None;
+                Ok(self.bytes as u64)
+            }
+            _ => Ok(0),
+        }
+    }
+
+    fn start_reload(
+        &mut self,
+        ctx: &RankCtx,
+        what: &str,
+        tl: &mut StreamTimeline,
+    ) -> Result<u64, CudaError> {
+        if self.ptr.is_some() {
+            return Ok(0);
+        }
+        let host = self.host.as_ref().ok_or_else(|| {
+            CudaError::Invalid(format!(
+                "{what} of rank {} is neither on the device nor on the host",
+                ctx.rank
+            ))
+        })?;
+        let dst = self.owner.restore(ctx.rank, self.bytes)?;
+        let mark = tl.begin(ctx, &ctx.copy)?;
+        // SAFETY: the owner gave `bytes` writable bytes at `dst`; the chunks stay in `self.host`
+        // until the caller synchronised the copy stream and gave them back.
+        unsafe { host.upload_to(dst, &ctx.copy, ctx.rank, what)? };
+        let bytes = self.bytes as u64;
+        let link = Some(Link::HostToDevice);
+        tl.end(
+            ctx,
+            &ctx.copy,
+            mark,
+            Phase::Reload,
+            what,
+            "copy",
+            bytes,
+            link,
+        )?;
+        self.ptr = Some(dst);
+        Ok(bytes)
+    }
+
+    fn discard_device(&mut self, ctx: &RankCtx) -> Result<(), CudaError> {
+        if let (Some(p), Some(_)) = (self.ptr, &self.host) {
+            self.owner.release(ctx.rank, p)?;
+            self.ptr = None;
+        }
+        Ok(())
+    }
+
+    fn release_host(&mut self, rank: usize, pinned: &PinnedPool) {
+        if self.ptr.is_some() {
+            if let Some(h) = self.host.take() {
+                pinned.give(rank, h);
+            }
+        }
+    }
+}
+
+/// One rank's training buffers lent by a caller: the source the plan reads in place, the
+/// buffers an offload may move, and the caller's stream. See the [module docs](self).
+pub struct LentRank {
+    source: SourceSlice,
+    offload: Vec<LentOffload>,
+    stream: Option<LentStream>,
+}
+
+impl LentRank {
+    /// The lent buffers of the rank `ctx` drives: `source` read in place, `offload` moved by the
+    /// memory policy (in the order their copies are queued), `stream` the caller's stream.
+    /// The source must not be among `offload` (offload its owner's copy with a [`LentOffload`]
+    /// of the same address instead, released only after the transfer read it).
+    ///
+    /// # Safety
+    /// Every address must be device memory of `ctx`'s GPU of the stated size, alive (and the
+    /// source not written) until this value is dropped, except what the owner releases when
+    /// asked; `stream`, when given, a live stream of that device.
+    pub unsafe fn new(
+        ctx: &RankCtx,
+        source: LentSource,
+        offload: Vec<LentOffload>,
+        stream: Option<LentStream>,
+    ) -> Result<Self, CudaError> {
+        let source = match source {
+            LentSource::F32 { ptr, len } => {
+                check_ptr(ctx, ptr, len * 4, "the lent fp32 source")?;
+                // SAFETY: the caller's promise.
+                SourceSlice::F32(unsafe { Borrowed::new(&ctx.compute, ptr, len) })
+            }
+            LentSource::Bf16 { ptr, len } => {
+                check_ptr(ctx, ptr, len * 2, "the lent bf16 source")?;
+                // SAFETY: the caller's promise.
+                SourceSlice::Bf16(unsafe { Borrowed::new(&ctx.compute, ptr, len) })
+            }
+        };
+        for o in &offload {
+            if let Some(p) = o.ptr {
+                check_ptr(ctx, p, o.bytes, o.name)?;
+            }
+        }
+        Ok(LentRank {
+            source,
+            offload,
+            stream,
+        })
+    }
+
+    /// The lent buffers an offload may move.
+    pub fn offload(&self) -> &[LentOffload] {
+        &self.offload
+    }
+}
+
+fn check_ptr(ctx: &RankCtx, ptr: u64, bytes: usize, what: &str) -> Result<(), CudaError> {
+    if ptr == 0 && bytes > 0 {
+        return Err(CudaError::Invalid(format!(
+            "rank {}: {what} has a null device address for {bytes} bytes",
+            ctx.rank
+        )));
+    }
+    Ok(())
+}
+
+impl RankBuffers for LentRank {
+    fn source(&self) -> Result<SourceBuf<'_>, CudaError> {
+        let missing = || CudaError::Invalid("the lent source is not on the device".into());
+        Ok(match &self.source {
+            SourceSlice::F32(s) => SourceBuf::F32(s.get().ok_or_else(missing)?),
+            SourceSlice::Bf16(s) => SourceBuf::Bf16(s.get().ok_or_else(missing)?),
+        })
+    }
+
+    fn movable(&mut self) -> Vec<Movable<'_>> {
+        self.offload
+            .iter_mut()
+            .map(|o| {
+                let (name, class) = (o.name, o.class);
+                Movable::new(name, class, o as &mut dyn Offloadable)
+            })
+            .collect()
+    }
+
+    fn wait_for_owner(&self, ctx: &RankCtx) -> Result<(), CudaError> {
+        match self.stream {
+            Some(s) => s.order_before(ctx, &[&ctx.compute, &ctx.aux, &ctx.copy]),
+            None => Ok(()),
+        }
+    }
+
+    fn hand_back(&self, ctx: &RankCtx) -> Result<(), CudaError> {
+        match self.stream {
+            Some(s) => s.order_after(ctx, &[&ctx.compute, &ctx.aux, &ctx.copy]),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,316 @@
+//! The switch driver: the one sequence of a switch on the GPUs, for every training layout and
+//! every owner of the training buffers.
+//!
+//! A backend chooses a plan (a [`RankSteps`] program per rank) and hands its ranks' buffers
+//! ([`RankBuffers`]) to the driver, which runs the switch in one direction only:
+//!
+//! 1. [`SwitchDriver::transfer`]: per rank, the pinned chunks of every buffer the memory policy
+//!    moves out are taken first (running out changes nothing), the offload copies queued on the
+//!    copy stream, then the rank's step program run by the step runner ([`run_program`]);
+//! 2. [`SwitchDriver::finish_offload`]: the offload copies awaited, the moved buffers and the
+//!    scratch memory given up (the offload phase);
+//! 3. [`SwitchDriver::reload`] at exit: every offloaded buffer copied back, the scratch memory
+//!    restored, each reloaded buffer checked by the hooks (the reload phase).
+//!
+//! Verification and fault injection are [`SwitchHooks`]: the driver calls them at fixed points
+//! and never calls back into a backend otherwise. Buffers the backend does not own (device
+//! pointers lent by a caller, with the caller's stream) are [`LentRank`]s.
+
+mod buffers;
+mod lent;
+
+pub use buffers::{
+    free_grads, restore_grads, BufferClass, Movable, Offloadable, RankBuffers, RollSlice,
+};
+pub use lent::{LentMemory, LentOffload, LentRank, LentSource, LentStream};
+
+use std::time::Instant;
+
+use lifecycle_core::{Link, MemoryPolicy, Phase, SwitchContext};
+use lifecycle_layout::steps::RankSteps;
+use lifecycle_layout::LayoutError;
+
+use crate::{
+    peer_bases, record_spans, record_transfer, run_program, CudaError, PinnedPool, ProgramSlot,
+    RankCtx, RankExecutor, RankMoved, RankSpans, RunOptions, SourceBuf, StreamTimeline,
+};
+
+/// A reloaded buffer whose contents differ from what was offloaded, as a
+/// [`SwitchHooks::check_reloaded`] found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Corruption {
+    /// The buffer's name ([`Movable::name`]).
+    pub buffer: &'static str,
+    /// The tensor whose chunk differs, as the hook names it.
+    pub tensor: String,
+    /// The hash taken at offload.
+    pub expected: u64,
+    /// The hash of the reloaded copy.
+    pub found: u64,
+}
+
+/// Where a switch calls out: verification and fault injection. Every method has a default that
+/// does nothing.
+pub trait SwitchHooks<B>: Sync {
+    /// On each rank before its offload copies are queued (on the copy stream, ahead of them).
+    fn before_offload(
+        &self,
+        _ctx: &RankCtx,
+        _rank: &mut B,
+        _memory: MemoryPolicy,
+    ) -> Result<(), CudaError> {
+        Ok(())
+    }
+
+    /// After the rank's step program ran, with its rollout buffer (fp8 quantisation of the plan's
+    /// quantised slices runs here until it is a step). Returns bytes written locally.
+    fn after_program(
+        &self,
+        _ctx: &RankCtx,
+        _source: SourceBuf<'_>,
+        _roll: &mut RollSlice,
+    ) -> Result<u64, CudaError> {
+        Ok(0)
+    }
+
+    /// On each rank once its offload copies finished, before the device copies are given up.
+    fn offload_settled(&self, _ctx: &RankCtx, _rank: &mut B) -> Result<(), CudaError> {
+        Ok(())
+    }
+
+    /// On each rank after its reload (streams synchronised): `reloaded[i]` says whether
+    /// `movable()[i]` came back from the host. Every corruption it returns (by `movable()`
+    /// index) leaves that buffer offloaded (its device copy discarded), so a retry fails the
+    /// same way; the first one is reported.
+    fn check_reloaded(
+        &self,
+        _ctx: &RankCtx,
+        _rank: &mut B,
+        _reloaded: &[bool],
+    ) -> Result<Vec<(usize, Corruption)>, CudaError> {
+        Ok(Vec::new())
+    }
+}
+
+/// Hooks that do nothing.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoHooks;
+
+impl<B> SwitchHooks<B> for NoHooks {}
+
+/// The program a rank runs, as [`SwitchDriver::transfer`] asks for it.
+pub struct ProgramSpec<'a, K> {
+    /// The plan's identity: a rank's kept program is reused while the key is equal.
+    pub key: K,
+    /// Whether local casts run batched (one launch per step) when the program is built.
+    pub batched_casts: bool,
+    /// Launch settings.
+    pub opts: RunOptions,
+    /// Whether peers write into the rollout buffers (their addresses are then exchanged).
+    pub peers_write: bool,
+    /// The steps of the local rank at this index (position in `local_ranks()`), reading a source
+    /// of the given number of elements; called when the kept program is not this plan's.
+    #[allow(clippy::type_complexity)]
+    pub steps: &'a (dyn Fn(&RankCtx, usize, u64) -> Result<RankSteps, LayoutError> + Sync),
+}
+
+/// The switch driver over a rank pool and its pinned pool. See the [module docs](self).
+pub struct SwitchDriver<'a, P> {
+    pool: &'a P,
+    pinned: &'a PinnedPool,
+}
+
+impl<'a, P: RankExecutor> SwitchDriver<'a, P> {
+    /// A driver over the ranks of `pool`, offloading into `pinned`.
+    pub fn new(pool: &'a P, pinned: &'a PinnedPool) -> Self {
+        SwitchDriver { pool, pinned }
+    }
+
+    /// Runs a transfer into `rolls` (one buffer per local rank), starting the offload copies of
+    /// `memory` first so they overlap it; `programs` keeps each rank's compiled program between
+    /// switches. Returns what each rank moved, with its device timeline when `tracing`.
+    pub fn transfer<B: RankBuffers, K: Clone + PartialEq + Send + Sync>(
+        &self,
+        ranks: &mut [B],
+        programs: &mut Vec<ProgramSlot<K>>,
+        rolls: &mut [RollSlice],
+        spec: &ProgramSpec<'_, K>,
+        memory: MemoryPolicy,
+        hooks: &dyn SwitchHooks<B>,
+        tracing: bool,
+    ) -> Result<Vec<RankMoved>, CudaError> {
+        let locals = self.pool.local_ranks().len();
+        if ranks.len() != locals || rolls.len() != locals {
+            return Err(CudaError::Invalid(format!(
+                "the switch driver runs {locals} local ranks but was given {} training states \
+                 and {} rollout buffers",
+                ranks.len(),
+                rolls.len()
+            )));
+        }
+        // Peer copies write into every rank's rollout buffer: their addresses by global rank.
+        let bases = if spec.peers_write {
+            peer_bases(self.pool, rolls)?
+        } else {
+            vec![0u64; self.pool.world()]
+        };
+        let bases = &bases;
+        programs.resize_with(locals, ProgramSlot::default);
+        let mut items: Vec<_> = ranks
+            .iter_mut()
+            .zip(rolls.iter_mut())
+            .zip(programs.iter_mut())
+            .enumerate()
+            .map(|(i, ((rt, roll), prog))| (i, rt, roll, prog))
+            .collect();
+        let pinned = self.pinned;
+        self.pool.run_each(&mut items, &|ctx, (local, rt, roll, prog)| {
+            // The offload copies may read what the last update wrote on the compute stream.
+            ctx.order(&ctx.compute, &ctx.copy)?;
+            rt.wait_for_owner(ctx)?;
+            hooks.before_offload(ctx, rt, memory)?;
+            // Pinned chunks first (from the pool: pinned once, then reused): failing here
+            // changes nothing.
+            for m in rt.movable() {
+                if m.class.offloaded_by(memory) {
+                    m.buf.reserve_host(ctx, pinned, m.name)?;
+                }
+            }
+            let mut tl = StreamTimeline::new(ctx, tracing)?;
+            // Offload copies on the copy stream: they overlap the transfer below.
+            for m in rt.movable() {
+                if m.class.offloaded_by(memory) {
+                    let what = format!("offload {}", m.name);
+                    m.buf.start_offload(ctx, pinned, &what, &mut tl)?;
+                }
+            }
+            let source = rt.source()?;
+            let len = source.len() as u64;
+            let program =
+                prog.get_or_build(ctx, spec.key.clone(), spec.batched_casts, || {
+                    (spec.steps)(ctx, *local, len)
+                })?;
+            let mut moved = run_program(ctx, program, source, roll, bases, spec.opts, tl)?;
+            moved.local += hooks.after_program(ctx, source, roll)?;
+            Ok(moved)
+        })
+    }
+
+    /// The offload phase that ends a transfer: on every local rank the offload copies awaited,
+    /// the hooks told, the buffers `memory` moves out and (unless `keep_scratch`) the scratch
+    /// memory given up; then the transfer's device timeline read into the trace.
+    pub fn finish_offload<B: RankBuffers, E: From<CudaError>>(
+        &self,
+        ranks: &mut [B],
+        ctx: &mut SwitchContext<'_>,
+        moved: &mut [RankMoved],
+        hooks: &dyn SwitchHooks<B>,
+        keep_scratch: bool,
+    ) -> Result<(), E> {
+        let memory = ctx.memory;
+        let copies = memory.offload_params || memory.offload_optimizer;
+        crate::finish_offload(
+            self.pool,
+            ctx,
+            ranks,
+            moved,
+            &|c, rt: &mut B| {
+                // The transfer waited for its own streams; only the offload copies (copy stream)
+                // and what the hooks queued before them may still run.
+                if copies {
+                    c.wait(&[&c.copy], "waiting for the offload copies")?;
+                }
+                hooks.offload_settled(c, rt)?;
+                let mut bytes = 0;
+                for m in rt.movable() {
+                    if m.class.offloaded_by(memory) {
+                        bytes += m.buf.drop_device(c)?;
+                    }
+                }
+                if !keep_scratch {
+                    rt.release_scratch(c)?;
+                }
+                rt.hand_back(c)?;
+                Ok(bytes)
+            },
+        )
+    }
+
+    /// The reload phase of an exit: every offloaded buffer copied back on the copy stream, the
+    /// scratch memory restored, the hooks' check of each reloaded buffer, the pinned chunks of
+    /// every buffer now on the device given back. Returns the first corruption found, by local
+    /// rank (the buffer stays offloaded).
+    pub fn reload<B: RankBuffers, E: From<CudaError>>(
+        &self,
+        ranks: &mut [B],
+        ctx: &mut SwitchContext<'_>,
+        hooks: &dyn SwitchHooks<B>,
+    ) -> Result<Option<(usize, usize, Corruption)>, E> {
+        let tracing = ctx.rec.tracing();
+        let pinned = self.pinned;
+        let out = ctx.rec.phase(Phase::Reload, |scope| {
+            let moved = self.pool.run_each(ranks, &|c, rt| {
+                // What ran on the rollout (and peers' copies into it) is done first.
+                c.sync_all()?;
+                rt.wait_for_owner(c)?;
+                let mut tl = StreamTimeline::new(c, tracing)?;
+                let mut h2d = 0u64;
+                let mut movable = rt.movable();
+                let reloaded: Vec<bool> = movable.iter().map(|m| m.buf.is_offloaded()).collect();
+                // In the reverse order of the offload: the buffer the plan reads comes back first.
+                for m in movable.iter_mut().rev() {
+                    let what = format!("reload {}", m.name);
+                    h2d += m.buf.start_reload(c, &what, &mut tl)?;
+                }
+                drop(movable);
+                rt.restore_scratch(c)?;
+                c.sync_all()?;
+                let corrupted = hooks.check_reloaded(c, rt, &reloaded)?;
+                let mut movable = rt.movable();
+                for (i, _) in &corrupted {
+                    if let Some(m) = movable.get_mut(*i) {
+                        m.buf.discard_device(c)?;
+                    }
+                }
+                drop(movable);
+                // The device copies are authoritative again: their pinned chunks go back to the
+                // pool for the next offload.
+                for m in rt.movable() {
+                    m.buf.release_host(c.rank, pinned);
+                }
+                rt.hand_back(c)?;
+                Ok((h2d, corrupted.into_iter().next(), tl.finish()?))
+            })?;
+            scope.add_bytes(Link::HostToDevice, moved.iter().map(|m| m.0).sum());
+            let mut first = None;
+            let mut spans = Vec::with_capacity(moved.len());
+            for (local, (_, corrupted, s)) in moved.into_iter().enumerate() {
+                if first.is_none() {
+                    first = corrupted.map(|(i, c)| (local, i, c));
+                }
+                spans.push(s);
+            }
+            Ok::<(Option<(usize, usize, Corruption)>, Vec<RankSpans>), E>((first, spans))
+        })?;
+        record_spans(ctx, self.pool.local_ranks(), &out.1);
+        Ok(out.0)
+    }
+
+    /// [`SwitchDriver::transfer`] then the switch's transfer metrics, timed from now.
+    #[allow(clippy::too_many_arguments)]
+    pub fn timed_transfer<B: RankBuffers, K: Clone + PartialEq + Send + Sync>(
+        &self,
+        ranks: &mut [B],
+        programs: &mut Vec<ProgramSlot<K>>,
+        rolls: &mut [RollSlice],
+        spec: &ProgramSpec<'_, K>,
+        ctx: &mut SwitchContext<'_>,
+        hooks: &dyn SwitchHooks<B>,
+    ) -> Result<Vec<RankMoved>, CudaError> {
+        let start = Instant::now();
+        let tracing = ctx.rec.tracing();
+        let moved = self.transfer(ranks, programs, rolls, spec, ctx.memory, hooks, tracing)?;
+        record_transfer(ctx, &moved, start);
+        Ok(moved)
+    }
+}
