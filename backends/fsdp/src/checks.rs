@@ -4,11 +4,13 @@
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use lifecycle_cuda::{RankExecutor, RolloutBuffer};
+use lifecycle_cuda::driver::RankBuffers;
+use lifecycle_cuda::{RankExecutor, RolloutBuffer, SourceBuf};
+use lifecycle_layout::fsdp::ShardLayout;
 use lifecycle_layout::RolloutEntry;
 
 use crate::backend::{FsdpBackend, RolloutSums};
-use crate::state::{FsdpTrainState, RankTrain};
+use crate::state::FsdpTrainState;
 use crate::verify;
 use crate::FsdpError;
 
@@ -65,19 +67,29 @@ impl FsdpBackend {
 
     /// Verification mode: every master weight on the devices must be finite.
     pub(crate) fn check_finite(&self, state: &FsdpTrainState) -> Result<(), FsdpError> {
-        let table = verify::shard_table(&state.shards);
-        let mut items: Vec<&RankTrain> = state.ranks.iter().collect();
+        self.check_finite_ranks(&state.ranks, &state.shards)
+    }
+
+    /// Every master weight that `ranks` (of flat layout `shards`) hold on the devices must be
+    /// finite.
+    pub(crate) fn check_finite_ranks<B: RankBuffers + Sync>(
+        &self,
+        ranks: &[B],
+        shards: &ShardLayout,
+    ) -> Result<(), FsdpError> {
+        let table = verify::shard_table(shards);
+        let mut items: Vec<&B> = ranks.iter().collect();
         let found = self
             .pool
-            .run_each(&mut items, &|ctx, rt| match rt.master.device() {
-                Some(m) => verify::first_nonfinite(ctx, m, &table),
-                None => Ok(None),
+            .run_each(&mut items, &|ctx, rt| match rt.source() {
+                Ok(SourceBuf::F32(m)) => verify::first_nonfinite(ctx, m, &table),
+                _ => Ok(None),
             })?;
         for (i, f) in found.into_iter().enumerate() {
             if let Some((at, value)) = f {
                 let slot = table
                     .segment_of(at)
-                    .and_then(|t| state.shards.slots.get(t))
+                    .and_then(|t| shards.slots.get(t))
                     .ok_or_else(|| {
                         FsdpError::Config(format!(
                             "a non-finite value at element {at} lies outside every tensor"

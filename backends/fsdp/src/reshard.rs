@@ -12,18 +12,19 @@ use lifecycle_cuda::{alloc_rollout_buffers, RankExecutor, RolloutBuffer, Transpo
 use crate::state::FsdpTrainState;
 use lifecycle_layout::fp8::RolloutDtype;
 use lifecycle_layout::fsdp::{build_fp8_plan, build_plan, FsdpPlan};
+use lifecycle_layout::FsdpLayout;
 
-impl Reshard for FsdpBackend {
-    type TrainState = FsdpTrainState;
-    type Rollout = RolloutBuffer;
-    /// Shared, so a cached plan is handed out without copying it.
-    type Plan = Arc<FsdpPlan>;
-    type Error = FsdpError;
-
-    fn plan(&self, state: &FsdpTrainState) -> Result<Arc<FsdpPlan>, FsdpError> {
-        if state.world() != self.pool.world() {
+impl FsdpBackend {
+    /// The plan from training layout `train` to this backend's rollout (cached while the layout
+    /// is the same); `finite` checks the masters when fp8 or verification needs them finite.
+    pub(crate) fn plan_layout(
+        &self,
+        train: &FsdpLayout,
+        finite: &mut dyn FnMut() -> Result<(), FsdpError>,
+    ) -> Result<Arc<FsdpPlan>, FsdpError> {
+        if train.world() != self.pool.world() {
             return Err(FsdpError::WorldMismatch {
-                state: state.world(),
+                state: train.world(),
                 pool: self.pool.world(),
             });
         }
@@ -32,13 +33,13 @@ impl Reshard for FsdpBackend {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some((layout, plan)) = cache.as_ref() {
-            if *layout == state.layout {
+            if layout == train {
                 return Ok(plan.clone());
             }
         }
-        let core = plan_fsdp_to_tp(&state.layout, &self.layout)?;
+        let core = plan_fsdp_to_tp(train, &self.layout)?;
         let mut plan = match self.dtype {
-            RolloutDtype::Bf16 => build_plan(core, &state.layout, self.config),
+            RolloutDtype::Bf16 => build_plan(core, train, self.config),
             RolloutDtype::Fp8 => {
                 if self.pool.world() != 1 {
                     return Err(FsdpError::Config(format!(
@@ -48,8 +49,8 @@ impl Reshard for FsdpBackend {
                         self.pool.world()
                     )));
                 }
-                self.check_finite(state)?;
-                build_fp8_plan(core, &state.layout, self.config, self.fp8_keep)?
+                finite()?;
+                build_fp8_plan(core, train, self.config, self.fp8_keep)?
             }
         };
         let peer = self.transport.resolve(&self.pool)?;
@@ -74,10 +75,23 @@ impl Reshard for FsdpBackend {
         }
         let plan = Arc::new(plan);
         if self.verify {
-            self.check_finite(state)?;
+            finite()?;
         }
-        *cache = Some((state.layout.clone(), plan.clone()));
+        *cache = Some((train.clone(), plan.clone()));
         Ok(plan)
+    }
+}
+
+impl Reshard for FsdpBackend {
+    type TrainState = FsdpTrainState;
+    type Rollout = RolloutBuffer;
+    /// Shared, so a cached plan is handed out without copying it.
+    type Plan = Arc<FsdpPlan>;
+    type Error = FsdpError;
+
+    fn plan(&self, state: &FsdpTrainState) -> Result<Arc<FsdpPlan>, FsdpError> {
+        let mut finite = || self.check_finite(state);
+        self.plan_layout(&state.layout, &mut finite)
     }
 
     fn enter(
@@ -137,7 +151,8 @@ impl Reshard for FsdpBackend {
         // The old hashes no longer describe the weights, whatever happens next.
         self.rollout_sums = None;
         let hooks = self.hooks(&state.shards, Some(&**plan));
-        let mut moved = self.transfer(plan, &mut state.ranks, rollout.buffers_mut(), &hooks, ctx)?;
+        let mut moved =
+            self.transfer(plan, &mut state.ranks, rollout.buffers_mut(), &hooks, ctx)?;
         if self.verify {
             let entries = rollout.all_entries().to_vec();
             self.record_rollout_sums(rollout.buffers(), &entries)?;

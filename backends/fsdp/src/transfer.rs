@@ -15,7 +15,9 @@ use lifecycle_cuda::driver::{
     free_grads, restore_grads, BufferClass, Corruption, Movable, ProgramSpec, RankBuffers,
     SwitchDriver, SwitchHooks,
 };
-use lifecycle_cuda::{ChunkTable, CudaError, RankCtx, RankExecutor, RankMoved, RunOptions, SourceBuf};
+use lifecycle_cuda::{
+    ChunkTable, CudaError, RankCtx, RankExecutor, RankMoved, RunOptions, SourceBuf,
+};
 
 use crate::state::RankTrain;
 use crate::verify::{self, Buffer};
@@ -95,11 +97,7 @@ impl SwitchHooks<RankTrain> for FsdpHooks<'_> {
         source: SourceBuf<'_>,
         roll: &mut CudaSlice<bf16>,
     ) -> Result<u64, CudaError> {
-        match (self.plan, source) {
-            // an fp8 plan's quantised slices, from the masters into the same buffer
-            (Some(plan), SourceBuf::F32(master)) => crate::fp8::quantise_rank(ctx, plan, master, roll),
-            _ => Ok(0),
-        }
+        quantise(ctx, self.plan, source, roll)
     }
 
     fn offload_settled(&self, _ctx: &RankCtx, rt: &mut RankTrain) -> Result<(), CudaError> {
@@ -140,6 +138,34 @@ impl SwitchHooks<RankTrain> for FsdpHooks<'_> {
             }
         }
         Ok(found)
+    }
+}
+
+/// The hook of a switch over buffers without verification (lent ones): the fp8 quantisation of
+/// an fp8 plan's slices.
+pub(crate) struct Fp8Hook<'a>(pub(crate) &'a FsdpPlan);
+
+impl<B> SwitchHooks<B> for Fp8Hook<'_> {
+    fn after_program(
+        &self,
+        ctx: &RankCtx,
+        source: SourceBuf<'_>,
+        roll: &mut CudaSlice<bf16>,
+    ) -> Result<u64, CudaError> {
+        quantise(ctx, Some(self.0), source, roll)
+    }
+}
+
+/// An fp8 plan's quantised slices, from the fp32 masters into the rollout buffer.
+fn quantise(
+    ctx: &RankCtx,
+    plan: Option<&FsdpPlan>,
+    source: SourceBuf<'_>,
+    roll: &mut CudaSlice<bf16>,
+) -> Result<u64, CudaError> {
+    match (plan, source) {
+        (Some(plan), SourceBuf::F32(master)) => crate::fp8::quantise_rank(ctx, plan, master, roll),
+        _ => Ok(0),
     }
 }
 
@@ -186,12 +212,12 @@ impl FsdpBackend {
 
     /// Runs the transfer of `plan` from `ranks` into `rolls` (one per rank) through the driver,
     /// the offload copies of the switch's memory policy overlapping it; records its metrics.
-    pub(crate) fn transfer(
+    pub(crate) fn transfer<B: RankBuffers>(
         &self,
         plan: &Arc<FsdpPlan>,
-        ranks: &mut [RankTrain],
+        ranks: &mut [B],
         rolls: &mut [CudaSlice<bf16>],
-        hooks: &FsdpHooks<'_>,
+        hooks: &dyn SwitchHooks<B>,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<Vec<RankMoved>, FsdpError> {
         let steps = |c: &RankCtx, _local: usize, _len: u64| plan.rank_steps(c.rank);
@@ -213,10 +239,10 @@ impl FsdpBackend {
 
     /// Waits for the offload copies, then frees what the policy moves out and the gradients
     /// (kept with `keep_rollout_resident`).
-    pub(crate) fn finish_offload(
+    pub(crate) fn finish_offload<B: RankBuffers>(
         &self,
-        ranks: &mut [RankTrain],
-        hooks: &FsdpHooks<'_>,
+        ranks: &mut [B],
+        hooks: &dyn SwitchHooks<B>,
         ctx: &mut SwitchContext<'_>,
         moved: &mut [RankMoved],
     ) -> Result<(), FsdpError> {

@@ -40,8 +40,12 @@ pub trait Offloadable: Send {
     fn is_offloaded(&self) -> bool;
 
     /// Takes the pinned chunks an offload needs from `pinned`, unless held; copies nothing.
-    fn reserve_host(&mut self, ctx: &RankCtx, pinned: &PinnedPool, what: &str)
-        -> Result<(), CudaError>;
+    fn reserve_host(
+        &mut self,
+        ctx: &RankCtx,
+        pinned: &PinnedPool,
+        what: &str,
+    ) -> Result<(), CudaError>;
 
     /// Queues the device→host copy on the copy stream, marked on `tl` as an offload span named
     /// `what`. Returns the bytes queued (0 when already offloaded).
@@ -224,7 +228,12 @@ pub fn restore_grads(
     len: usize,
 ) -> Result<(), CudaError> {
     if grads.is_none() {
-        *grads = Some(crate::alloc_zeros(&ctx.compute, len, ctx.rank, "gradients")?);
+        *grads = Some(crate::alloc_zeros(
+            &ctx.compute,
+            len,
+            ctx.rank,
+            "gradients",
+        )?);
     }
     Ok(())
 }

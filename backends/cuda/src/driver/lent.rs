@@ -89,7 +89,7 @@ impl LentStream {
 
 /// The owner of a lent buffer's device memory, asked to release it once its contents are in
 /// pinned host memory and to give memory back before they return.
-pub trait LentMemory: Send {
+pub trait LentMemory: Send + Sync {
     /// The contents are safe on the host (the offload copy finished): the device memory at `ptr`
     /// may be released (e.g. `untyped_storage().resize_(0)`).
     fn release(&mut self, rank: usize, ptr: u64) -> Result<(), CudaError>;

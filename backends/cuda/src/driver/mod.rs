@@ -164,36 +164,37 @@ impl<'a, P: RankExecutor> SwitchDriver<'a, P> {
             .map(|(i, ((rt, roll), prog))| (i, rt, roll, prog))
             .collect();
         let pinned = self.pinned;
-        self.pool.run_each(&mut items, &|ctx, (local, rt, roll, prog)| {
-            // The offload copies may read what the last update wrote on the compute stream.
-            ctx.order(&ctx.compute, &ctx.copy)?;
-            rt.wait_for_owner(ctx)?;
-            hooks.before_offload(ctx, rt, memory)?;
-            // Pinned chunks first (from the pool: pinned once, then reused): failing here
-            // changes nothing.
-            for m in rt.movable() {
-                if m.class.offloaded_by(memory) {
-                    m.buf.reserve_host(ctx, pinned, m.name)?;
+        self.pool
+            .run_each(&mut items, &|ctx, (local, rt, roll, prog)| {
+                // The offload copies may read what the last update wrote on the compute stream.
+                ctx.order(&ctx.compute, &ctx.copy)?;
+                rt.wait_for_owner(ctx)?;
+                hooks.before_offload(ctx, rt, memory)?;
+                // Pinned chunks first (from the pool: pinned once, then reused): failing here
+                // changes nothing.
+                for m in rt.movable() {
+                    if m.class.offloaded_by(memory) {
+                        m.buf.reserve_host(ctx, pinned, m.name)?;
+                    }
                 }
-            }
-            let mut tl = StreamTimeline::new(ctx, tracing)?;
-            // Offload copies on the copy stream: they overlap the transfer below.
-            for m in rt.movable() {
-                if m.class.offloaded_by(memory) {
-                    let what = format!("offload {}", m.name);
-                    m.buf.start_offload(ctx, pinned, &what, &mut tl)?;
+                let mut tl = StreamTimeline::new(ctx, tracing)?;
+                // Offload copies on the copy stream: they overlap the transfer below.
+                for m in rt.movable() {
+                    if m.class.offloaded_by(memory) {
+                        let what = format!("offload {}", m.name);
+                        m.buf.start_offload(ctx, pinned, &what, &mut tl)?;
+                    }
                 }
-            }
-            let source = rt.source()?;
-            let len = source.len() as u64;
-            let program =
-                prog.get_or_build(ctx, spec.key.clone(), spec.batched_casts, || {
-                    (spec.steps)(ctx, *local, len)
-                })?;
-            let mut moved = run_program(ctx, program, source, roll, bases, spec.opts, tl)?;
-            moved.local += hooks.after_program(ctx, source, roll)?;
-            Ok(moved)
-        })
+                let source = rt.source()?;
+                let len = source.len() as u64;
+                let program =
+                    prog.get_or_build(ctx, spec.key.clone(), spec.batched_casts, || {
+                        (spec.steps)(ctx, *local, len)
+                    })?;
+                let mut moved = run_program(ctx, program, source, roll, bases, spec.opts, tl)?;
+                moved.local += hooks.after_program(ctx, source, roll)?;
+                Ok(moved)
+            })
     }
 
     /// The offload phase that ends a transfer: on every local rank the offload copies awaited,
@@ -209,31 +210,25 @@ impl<'a, P: RankExecutor> SwitchDriver<'a, P> {
     ) -> Result<(), E> {
         let memory = ctx.memory;
         let copies = memory.offload_params || memory.offload_optimizer;
-        crate::finish_offload(
-            self.pool,
-            ctx,
-            ranks,
-            moved,
-            &|c, rt: &mut B| {
-                // The transfer waited for its own streams; only the offload copies (copy stream)
-                // and what the hooks queued before them may still run.
-                if copies {
-                    c.wait(&[&c.copy], "waiting for the offload copies")?;
+        crate::finish_offload(self.pool, ctx, ranks, moved, &|c, rt: &mut B| {
+            // The transfer waited for its own streams; only the offload copies (copy stream)
+            // and what the hooks queued before them may still run.
+            if copies {
+                c.wait(&[&c.copy], "waiting for the offload copies")?;
+            }
+            hooks.offload_settled(c, rt)?;
+            let mut bytes = 0;
+            for m in rt.movable() {
+                if m.class.offloaded_by(memory) {
+                    bytes += m.buf.drop_device(c)?;
                 }
-                hooks.offload_settled(c, rt)?;
-                let mut bytes = 0;
-                for m in rt.movable() {
-                    if m.class.offloaded_by(memory) {
-                        bytes += m.buf.drop_device(c)?;
-                    }
-                }
-                if !keep_scratch {
-                    rt.release_scratch(c)?;
-                }
-                rt.hand_back(c)?;
-                Ok(bytes)
-            },
-        )
+            }
+            if !keep_scratch {
+                rt.release_scratch(c)?;
+            }
+            rt.hand_back(c)?;
+            Ok(bytes)
+        })
     }
 
     /// The reload phase of an exit: every offloaded buffer copied back on the copy stream, the
