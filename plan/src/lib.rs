@@ -118,8 +118,61 @@ pub struct RolloutMemory {
     /// Transfer staging (freed after enter, but its peak must fit).
     pub staging_bytes: u64,
     /// KV cache bytes per token of one sequence on this rank (every layer's K and V of the
-    /// rank's kv heads, f32 as the GPU decoder keeps them).
+    /// rank's kv heads, in the [`KvDtype`] asked for).
     pub kv_bytes_per_token: u64,
+}
+
+/// The element type of the rollout engine's KV cache, for the memory accounting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvDtype {
+    /// bf16 K and V, as vLLM and SGLang keep them by default.
+    #[default]
+    Bf16,
+    /// f32 K and V, as the project's GPU decoder keeps them today (its exact mode).
+    F32,
+    /// fp8 e4m3 K and V (scales not counted).
+    Fp8,
+}
+
+impl KvDtype {
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::Bf16 => 2,
+            KvDtype::F32 => 4,
+            KvDtype::Fp8 => 1,
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KvDtype::Bf16 => "bf16",
+            KvDtype::F32 => "f32",
+            KvDtype::Fp8 => "fp8",
+        })
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+
+    /// ```
+    /// use lifecycle_plan::KvDtype;
+    /// assert_eq!("f32".parse(), Ok(KvDtype::F32));
+    /// assert!("f16".parse::<KvDtype>().unwrap_err().contains("bf16, f32 or fp8"));
+    /// ```
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "bf16" => Ok(KvDtype::Bf16),
+            "f32" => Ok(KvDtype::F32),
+            "fp8" => Ok(KvDtype::Fp8),
+            other => Err(format!(
+                "KV cache dtype `{other}`: expected bf16, f32 or fp8"
+            )),
+        }
+    }
 }
 
 impl RolloutMemory {
@@ -136,16 +189,18 @@ impl RolloutMemory {
 }
 
 /// The rollout memory of `cost`'s rank holding `rollout_bytes` of weights (bf16, or an fp8
-/// rollout's), on a device of `device_bytes`, for `config` at rollout degree `tp`.
+/// rollout's), on a device of `device_bytes`, for `config` at rollout degree `tp` with a KV
+/// cache of `kv`.
 ///
 /// ```
 /// use lifecycle_decoder::ModelConfig;
-/// use lifecycle_plan::{plan_fsdp, rollout_memory, Offload};
+/// use lifecycle_plan::{plan_fsdp, rollout_memory, KvDtype, Offload};
 /// let config = ModelConfig::from_file("configs/qwen2.5-7b.json".as_ref())?;
 /// let ranks = plan_fsdp(&config, 2, 2, 256 << 20, 2, Offload::ALL)?;
-/// let m = rollout_memory(&config, 2, &ranks[0], ranks[0].rollout_bytes, 139 << 30);
-/// // 28 layers x (k + v) x 2 kv heads x 128 x 4 bytes
-/// assert_eq!((m.train_resident_bytes, m.kv_bytes_per_token), (0, 28 * 2 * 2 * 128 * 4));
+/// let r = &ranks[0];
+/// let m = rollout_memory(&config, 2, r, r.rollout_bytes, 139 << 30, KvDtype::Bf16);
+/// // 28 layers x (k + v) x 2 kv heads x 128 x 2 bytes
+/// assert_eq!((m.train_resident_bytes, m.kv_bytes_per_token), (0, 28 * 2 * 2 * 128 * 2));
 /// assert!(m.kv_tokens() > 300_000);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -155,6 +210,7 @@ pub fn rollout_memory(
     cost: &RankCost,
     rollout_bytes: u64,
     device_bytes: u64,
+    kv: KvDtype,
 ) -> RolloutMemory {
     let kv_heads = if config.num_kv_heads >= tp {
         config.num_kv_heads / tp.max(1)
@@ -166,7 +222,8 @@ pub fn rollout_memory(
         train_resident_bytes: cost.train_state_bytes.saturating_sub(cost.offload_bytes),
         rollout_bytes,
         staging_bytes: cost.peak_extra_bytes,
-        kv_bytes_per_token: (config.num_layers * 2 * kv_heads * config.head_dim * 4) as u64,
+        kv_bytes_per_token: (config.num_layers * 2 * kv_heads * config.head_dim * kv.bytes())
+            as u64,
     }
 }
 

@@ -16,7 +16,7 @@ use lifecycle_decoder::ModelConfig;
 use lifecycle_layout::ExpertPlacement;
 use lifecycle_plan::{
     full_gather_bytes, job_prediction, plan_fsdp_experts, plan_fsdp_fp8, plan_megatron_moe,
-    rollout_memory, LinkRates, Offload, RankCost, RatesSource, TrainLayout,
+    rollout_memory, KvDtype, LinkRates, Offload, RankCost, RatesSource, TrainLayout,
 };
 
 /// Print a switch's transfer plan per rank and predict its time, before launching.
@@ -26,9 +26,10 @@ struct Args {
     /// The model's Hugging Face config.json.
     #[arg(long)]
     config: PathBuf,
-    /// Training layout: `fsdp:W` or `megatron:tp=N,pp=N,dp=N`.
-    #[arg(long)]
-    train: TrainLayout,
+    /// Training layout: `fsdp:W` or `megatron:tp=N,pp=N,dp=N` (degrees left out are 1, and
+    /// said so in the output).
+    #[arg(long = "train", value_name = "LAYOUT")]
+    train_spec: String,
     /// Rollout tensor-parallel degree T (divides the world size).
     #[arg(long)]
     rollout_tp: usize,
@@ -50,6 +51,13 @@ struct Args {
     /// list of `attention` and `layer:N`, or `none`.
     #[arg(long, default_value = "none", value_parser = <Fp8Keep as std::str::FromStr>::from_str)]
     fp8_keep: Fp8Keep,
+    /// The rollout engine's KV cache dtype for the memory accounting: `bf16` (vLLM's default),
+    /// `f32` (the project's GPU decoder today) or `fp8`.
+    #[arg(long, default_value = "bf16", value_parser = <KvDtype as std::str::FromStr>::from_str)]
+    kv_dtype: KvDtype,
+    /// GPUs per node, for the pinned host memory a node needs.
+    #[arg(long, default_value_t = 8)]
+    gpus_per_node: usize,
     /// Device memory per GPU, GiB, for the memory accounting (the H200's 139 by default).
     #[arg(long, default_value_t = 139.0)]
     device_gib: f64,
@@ -169,12 +177,48 @@ fn print(ranks: &[RankCost], rates: &LinkRates) {
     }
 }
 
+/// The pinned host memory the offload needs: per rank and per node (ranks `n * gpus .. (n + 1) *
+/// gpus` on node `n`, as torchrun and Slurm place them).
+fn print_pinned(ranks: &[RankCost], gpus_per_node: usize) {
+    let most_rank = ranks.iter().map(|r| r.offload_bytes).max().unwrap_or(0);
+    if most_rank == 0 {
+        println!("pinned host memory: none (nothing is offloaded)");
+        return;
+    }
+    let mut nodes: Vec<u64> = Vec::new();
+    for r in ranks {
+        let n = r.rank / gpus_per_node;
+        if nodes.len() <= n {
+            nodes.resize(n + 1, 0);
+        }
+        nodes[n] += r.offload_bytes;
+    }
+    let (node, most_node) = nodes
+        .iter()
+        .copied()
+        .enumerate()
+        .max_by_key(|&(_, b)| b)
+        .unwrap_or((0, 0));
+    println!(
+        "pinned host memory: at most {} per rank, {} on node {node} ({} GPUs per node, {} \
+         node(s); --gpus-per-node)",
+        HumanBytes(most_rank),
+        HumanBytes(most_node),
+        gpus_per_node,
+        nodes.len()
+    );
+}
+
 fn run(args: &Args) -> Result<(), String> {
     let config = ModelConfig::from_file(&args.config).map_err(|e| e.to_string())?;
     let (rates, source) = rates(args)?;
     let offload = offload(&args.offload)?;
     let bucket = args.bucket_mib.max(1) << 20;
-    let ranks = match args.train {
+    let train: TrainLayout = args.train_spec.parse()?;
+    if args.gpus_per_node == 0 {
+        return Err("--gpus-per-node must be at least 1".into());
+    }
+    let ranks = match train {
         TrainLayout::Fsdp { world } => plan_fsdp_experts(
             &config,
             world,
@@ -205,11 +249,20 @@ fn run(args: &Args) -> Result<(), String> {
         "model {} ({:.3} B params); training {}; rollout T = {}; buckets of {} MiB; offload {}",
         args.config.display(),
         config.params() as f64 / 1e9,
-        args.train,
+        train,
         args.rollout_tp,
         args.bucket_mib,
         args.offload
     );
+    let defaulted = TrainLayout::defaulted(&args.train_spec);
+    if !defaulted.is_empty() {
+        println!(
+            "training layout `{}` leaves out {}: taken as {train} ({} ranks)",
+            args.train_spec,
+            defaulted.join(", "),
+            train.world()
+        );
+    }
     if let Some(m) = config.moe {
         println!(
             "mixture of experts: {} experts of {} per layer, top-{}; experts {}",
@@ -245,7 +298,7 @@ fn run(args: &Args) -> Result<(), String> {
     );
     let mut fp8_held: Vec<u64> = Vec::new();
     if args.rollout_dtype == "fp8" {
-        let TrainLayout::Fsdp { world } = args.train else {
+        let TrainLayout::Fsdp { world } = train else {
             return Err("--rollout-dtype fp8 is planned for --train fsdp:W only".into());
         };
         let fp8 = plan_fsdp_fp8(&config, world, args.rollout_tp, args.experts, args.fp8_keep)
@@ -278,13 +331,14 @@ fn run(args: &Args) -> Result<(), String> {
             r,
             fp8_held.unwrap_or(r.rollout_bytes),
             device,
+            args.kv_dtype,
         );
         let share = |b: u64| 100.0 * b as f64 / device.max(1) as f64;
         println!(
             "memory of rank {} during rollout ({:.0} GiB device): training state kept {} \
              ({:.0}%), rollout weights {} in {} ({:.0}%), staging peak {} (freed after enter), \
-             KV cache room {} ({:.0}%) = {} tokens at {} per token (f32 K and V of its {} \
-             layers)",
+             KV cache room {} ({:.0}%) = {} tokens at {} per token ({} K and V of its {} \
+             layers; --kv-dtype)",
             r.rank,
             args.device_gib,
             HumanBytes(m.train_resident_bytes),
@@ -297,10 +351,18 @@ fn run(args: &Args) -> Result<(), String> {
             share(m.kv_room()),
             m.kv_tokens(),
             HumanBytes(m.kv_bytes_per_token),
+            args.kv_dtype,
             config.num_layers,
         );
         if fp8_held.is_some() {
-            let bf16 = rollout_memory(&config, args.rollout_tp, r, r.rollout_bytes, device);
+            let bf16 = rollout_memory(
+                &config,
+                args.rollout_tp,
+                r,
+                r.rollout_bytes,
+                device,
+                args.kv_dtype,
+            );
             println!(
                 "  (bf16 rollout weights would leave {} tokens: fp8 adds {:.0}%)",
                 bf16.kv_tokens(),
@@ -308,6 +370,7 @@ fn run(args: &Args) -> Result<(), String> {
             );
         }
     }
+    print_pinned(&ranks, args.gpus_per_node);
     let p = job_prediction(&ranks, &rates);
     println!(
         "predicted (slowest rank): transfer {}, enter {}, exit {}, full switch {}",

@@ -34,6 +34,39 @@ impl TrainLayout {
     }
 }
 
+impl TrainLayout {
+    /// The degrees a spec leaves out and the parser fills with their defaults, e.g.
+    /// `["dp = 1"]` for `megatron:tp=2,pp=2`: what a command should print, so that a spec
+    /// missing a degree is never taken silently.
+    ///
+    /// ```
+    /// use lifecycle_plan::TrainLayout;
+    /// assert_eq!(TrainLayout::defaulted("megatron:tp=2,pp=2"), vec!["dp = 1"]);
+    /// assert!(TrainLayout::defaulted("megatron:tp=2,pp=1,dp=4").is_empty());
+    /// assert!(TrainLayout::defaulted("fsdp:8").is_empty());
+    /// ```
+    pub fn defaulted(spec: &str) -> Vec<String> {
+        let Ok(TrainLayout::Megatron { tp, ep, .. }) = spec.parse::<TrainLayout>() else {
+            return Vec::new();
+        };
+        let rest = spec.split_once(':').map_or("", |(_, r)| r);
+        let given: Vec<&str> = rest
+            .split(',')
+            .filter_map(|p| p.split_once('=').map(|(k, _)| k.trim()))
+            .collect();
+        let mut out = Vec::new();
+        for (key, value) in [("pp", 1), ("dp", 1)] {
+            if !given.contains(&key) {
+                out.push(format!("{key} = {value}"));
+            }
+        }
+        if ep > 1 && !given.contains(&"etp") {
+            out.push(format!("etp = {tp}"));
+        }
+        out
+    }
+}
+
 impl std::fmt::Display for TrainLayout {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

@@ -305,3 +305,79 @@ fn fp8_plans_halve_the_quantised_bytes_and_refuse_split_blocks() {
     );
     assert!(e.contains("128"), "{e}");
 }
+
+fn plan_output(args: &[&str]) -> (bool, String, String) {
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/qwen2.5-7b.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_lifecycle-plan"))
+        .args(["--config", config])
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn kv_dtype_defaults_and_pinned_memory_per_node_are_printed() {
+    // A Megatron spec without dp says what it was taken as.
+    let (ok, text, err) = plan_output(&["--train", "megatron:tp=2,pp=2", "--rollout-tp", "2"]);
+    assert!(ok, "{text}{err}");
+    assert!(
+        text.contains("leaves out dp = 1: taken as megatron:tp=2,pp=2,dp=1 (4 ranks)"),
+        "{text}"
+    );
+    let (ok, text, err) = plan_output(&["--train", "megatron:tp=2,pp=2,dp=1", "--rollout-tp", "2"]);
+    assert!(ok, "{text}{err}");
+    assert!(!text.contains("leaves out"), "{text}");
+
+    // bf16 K/V by default: half the bytes per token of f32 (28 layers x 2 x 2 kv heads x 128).
+    let per_token = |text: &str| -> String {
+        let tail = text.split("tokens at ").nth(1).unwrap_or_default();
+        tail.split(" per token")
+            .next()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let (_, bf16, _) = plan_output(&["--train", "fsdp:2", "--rollout-tp", "2"]);
+    let (_, f32, _) = plan_output(&[
+        "--train",
+        "fsdp:2",
+        "--rollout-tp",
+        "2",
+        "--kv-dtype",
+        "f32",
+    ]);
+    assert_eq!(per_token(&bf16), "28.7 kB", "{bf16}");
+    assert_eq!(per_token(&f32), "57.3 kB", "{f32}");
+    assert!(bf16.contains("(bf16 K and V of its 28 layers"), "{bf16}");
+    let (ok, _, err) = plan_output(&[
+        "--train",
+        "fsdp:2",
+        "--rollout-tp",
+        "2",
+        "--kv-dtype",
+        "f16",
+    ]);
+    assert!(!ok && err.contains("expected bf16, f32 or fp8"), "{err}");
+
+    // Pinned memory: 16 ranks on two nodes of 8, each rank offloading the same.
+    let (ok, text, err) = plan_output(&["--train", "fsdp:16", "--rollout-tp", "4"]);
+    assert!(ok, "{text}{err}");
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("pinned host memory"))
+        .unwrap_or_default();
+    assert!(line.contains("8 GPUs per node, 2 node(s)"), "{line}");
+    let (_, none, _) = plan_output(&[
+        "--train",
+        "fsdp:2",
+        "--rollout-tp",
+        "2",
+        "--offload",
+        "none",
+    ]);
+    assert!(none.contains("pinned host memory: none"), "{none}");
+}
