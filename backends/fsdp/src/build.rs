@@ -3,8 +3,8 @@
 
 use crate::backend::FsdpBackend;
 use crate::FsdpError;
-use lifecycle_host::HostTrainState;
 use lifecycle_layout::fsdp::ShardLayout;
+use lifecycle_state::HostTrainState;
 
 use cudarc::driver::CudaSlice;
 use lifecycle_cuda::{alloc_zeros, CudaError, OffloadBuffer, RankCtx, RankExecutor};

@@ -1,8 +1,8 @@
 //! The FSDP backend's error type.
 
 use lifecycle_cuda::CudaError;
-use lifecycle_host::HostError;
 use lifecycle_layout::LayoutError;
+use lifecycle_state::HostError;
 
 /// What the FSDP backend can fail with.
 #[derive(Debug, thiserror::Error)]

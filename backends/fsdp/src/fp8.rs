@@ -4,7 +4,7 @@
 //! plan cast the bf16 tensors. One launch covers every slice: one thread block per scale block
 //! finds its tensor in the job table, reads the block, agrees its amax, writes its scale and
 //! its bytes; the amax is fused with the cast (the second read of the block hits L2).
-//! Bit-identical to the host executor ([`lifecycle_host::fp8::fp8_switch`]), tested on one H200.
+//! Bit-identical to the host executor (`lifecycle_host::fp8::fp8_switch`), tested on one H200.
 //!
 //! So far at W = 1: every slice is a whole tensor of the rank's own master shard. At W > 1 a
 //! slice's rows come from several ranks and their amax must be agreed before quantising

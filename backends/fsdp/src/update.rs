@@ -8,7 +8,7 @@
 //!   `i` gets [`synthetic_grad_value`]`(seed, i, e, scale)`, a counter-based hash, so the
 //!   gradients do not depend on W and the host computes the same values.
 //! - [`FsdpBackend::adam_step`]: the formula and operation order of
-//!   [`HostTrainState::adam_step`](lifecycle_host::HostTrainState::adam_step), compiled with
+//!   [`HostTrainState::adam_step`](lifecycle_state::HostTrainState::adam_step), compiled with
 //!   `--fmad=false` (no contraction into fused multiply-adds), IEEE division and square root and
 //!   no flush-to-zero, so the result is bit-identical to the host's; the bias corrections are
 //!   computed on the host with the same expression.
@@ -250,7 +250,7 @@ impl FsdpBackend {
 
     /// One Adam step (with bias correction) of every fp32 master weight from the current
     /// gradients, in place on the device: the same formula, operation order and rounding as
-    /// [`HostTrainState::adam_step`](lifecycle_host::HostTrainState::adam_step), bit for bit.
+    /// [`HostTrainState::adam_step`](lifecycle_state::HostTrainState::adam_step), bit for bit.
     /// Bumps [`FsdpTrainState::adam_steps`]. Needs master, m, v and the gradients on the device
     /// (train mode: after an exit reloaded them); an offloaded buffer is
     /// [`FsdpError::NotResident`], checked before anything changes.

@@ -158,7 +158,7 @@ impl UpdateKernels {
 }
 
 /// The scalars of one Adam step, computed on the host exactly as
-/// [`HostTrainState::adam_step`](lifecycle_host::HostTrainState::adam_step) computes them.
+/// [`HostTrainState::adam_step`](lifecycle_state::HostTrainState::adam_step) computes them.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct AdamConstants {
     pub(crate) beta1: f32,

@@ -4,13 +4,13 @@ use half::bf16;
 use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
 use lifecycle_layout::{plan_fsdp_to_tp, RankPlan, ReshardPlan, RolloutLayout};
 
-use crate::cast::cast_f32_to_bf16;
-use crate::checksum::checksum_tensor;
-use crate::error::HostError;
 use crate::fp8::{check_fp8_plan, fp8_rollout};
-use crate::state::{HostTrainState, RankState};
 use lifecycle_layout::fp8::{fp8_rank_traffic, Fp8Keep, RolloutDtype};
 use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
+use lifecycle_state::cast_f32_to_bf16;
+use lifecycle_state::checksum_tensor;
+use lifecycle_state::HostError;
+use lifecycle_state::{HostTrainState, RankState};
 
 /// The CPU reference backend: ranks are threads of this process, collectives are shared-memory
 /// copies. Enter casts fp32 master shards to bf16 (round to nearest even) straight into each
@@ -190,13 +190,13 @@ struct Moved {
 fn fill_rank(state: &HostTrainState, rank_plan: &RankPlan, out: &mut RankRollout) -> Moved {
     let mut moved = Moved::default();
     for (t, dst) in rank_plan.tensors.iter().zip(out.tensors.iter_mut()) {
-        let width = state.layout.tensors()[t.train_index]
+        let width = state.layout().tensors()[t.train_index]
             .1
             .iter()
             .skip(1)
             .product::<usize>();
         for piece in &t.pieces {
-            let shard = &state.ranks[piece.src_rank].shards[t.train_index];
+            let shard = &state.ranks()[piece.src_rank].shards[t.train_index];
             let src = shard.master.values();
             for row in piece.rows.clone() {
                 let s = (row - shard.rows.start) * width;
@@ -360,7 +360,7 @@ fn offload(
     ctx: &mut SwitchContext<'_>,
 ) {
     let spans = ctx.rec.phase(Phase::Offload, |scope| {
-        let ranks: Vec<&mut RankState> = state.ranks.iter_mut().collect();
+        let ranks: Vec<&mut RankState> = state.ranks_mut().iter_mut().collect();
         let spans = timed_per_rank(ranks, |_, rank| {
             let mut bytes = 0;
             for shard in &mut rank.shards {
@@ -397,7 +397,7 @@ impl Reshard for HostBackend {
             check_fp8_plan(&plan, self.fp8_keep)?;
         }
         if self.verify || self.dtype == RolloutDtype::Fp8 {
-            check_finite(state)?;
+            state.check_finite()?;
         }
         Ok(plan)
     }
@@ -416,7 +416,7 @@ impl Reshard for HostBackend {
         let rollout = if self.dtype == RolloutDtype::Fp8 {
             let rollout = quantise(plan, state, self.fp8_keep, ctx)?;
             for (rank, r) in rollout.ranks.iter().enumerate() {
-                state.ranks[rank].meter.alloc(r.bytes());
+                state.ranks_mut()[rank].meter.alloc(r.bytes());
             }
             rollout
         } else {
@@ -424,7 +424,7 @@ impl Reshard for HostBackend {
                 ranks: plan.ranks.iter().map(|r| empty_rollout(plan, r)).collect(),
             };
             for (rank, r) in rollout.ranks.iter().enumerate() {
-                state.ranks[rank].meter.alloc(r.bytes());
+                state.ranks_mut()[rank].meter.alloc(r.bytes());
             }
             transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx)?;
             rollout
@@ -481,7 +481,7 @@ impl Reshard for HostBackend {
             self.rollout_sums.clear();
             ctx.rec.phase(Phase::Release, |_| {
                 for (rank, r) in rollout.ranks.into_iter().enumerate() {
-                    if let Some(s) = state.ranks.get_mut(rank) {
+                    if let Some(s) = state.ranks_mut().get_mut(rank) {
                         s.meter.free(r.bytes());
                     }
                     drop(r);
@@ -489,14 +489,14 @@ impl Reshard for HostBackend {
                 Ok::<(), HostError>(())
             })?;
         }
-        let names: Vec<&str> = state
-            .layout
+        let names: Vec<String> = state
+            .layout()
             .tensors()
             .iter()
-            .map(|(n, _)| n.as_str())
+            .map(|(n, _)| n.clone())
             .collect();
         let (spans, corrupted) = ctx.rec.phase(Phase::Reload, |scope| {
-            let ranks: Vec<&mut RankState> = state.ranks.iter_mut().collect();
+            let ranks: Vec<&mut RankState> = state.ranks_mut().iter_mut().collect();
             let results = per_rank(ranks, |rank_index, rank| {
                 let start = Instant::now();
                 let mut bytes = 0;
@@ -512,7 +512,7 @@ impl Reshard for HostBackend {
                             Err(m) => {
                                 corrupted.get_or_insert(HostError::Corrupted {
                                     rank: rank_index,
-                                    tensor: names[tensor].to_string(),
+                                    tensor: names[tensor].clone(),
                                     buffer,
                                     expected: m.expected,
                                     found: m.found,
@@ -548,25 +548,4 @@ impl Reshard for HostBackend {
         }
         rollout_check
     }
-}
-
-/// Verification mode: every master weight on the device must be finite.
-pub(crate) fn check_finite(state: &HostTrainState) -> Result<(), HostError> {
-    for (rank, r) in state.ranks.iter().enumerate() {
-        for (tensor, shard) in r.shards.iter().enumerate() {
-            if let Some(values) = shard.master.on_device() {
-                if let Some((index, &value)) =
-                    values.iter().enumerate().find(|(_, v)| !v.is_finite())
-                {
-                    return Err(HostError::NonFinite {
-                        tensor: state.layout.tensors()[tensor].0.clone(),
-                        rank,
-                        index,
-                        value,
-                    });
-                }
-            }
-        }
-    }
-    Ok(())
 }

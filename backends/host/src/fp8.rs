@@ -15,7 +15,6 @@ use lifecycle_layout::fp8::{quantize_blocks, BlockQuantized, FP8_BLOCK};
 use lifecycle_layout::{plan_fsdp_to_tp, HostRollout, RankRollout, RolloutLayout, RolloutTensor};
 use lifecycle_layout::{ReshardPlan, TensorPlan};
 
-use crate::backend::check_finite;
 use crate::{HostError, HostTrainState};
 
 /// The fp8 rollout of `state` in `layout`, made as the switch makes it: per destination block,
@@ -47,7 +46,7 @@ pub fn fp8_switch_with(
     keep: Fp8Keep,
 ) -> Result<HostRollout, HostError> {
     let plan = plan_fsdp_to_tp(state.layout(), layout)?;
-    check_finite(state)?;
+    state.check_finite()?;
     check_fp8_plan(&plan, keep)?;
     fp8_rollout(state, &plan, keep)
 }
@@ -112,7 +111,7 @@ fn each_held(
         .iter()
         .filter(|p| src.is_none_or(|s| p.src_rank == s))
     {
-        let shard = &state.ranks[piece.src_rank].shards[t.train_index];
+        let shard = &state.ranks()[piece.src_rank].shards[t.train_index];
         let values = shard.master.values();
         for row in piece.rows.clone() {
             let base = (row - shard.rows.start) * width;

@@ -12,24 +12,23 @@
 //!
 //! [`fp8`] makes fp8 rollout weights (block-scaled e4m3) from the FSDP masters as a switch would:
 //! each block's amax agreed between the ranks holding its rows, every piece quantised by its
-//! source; checked against quantising the full tensors. (It is not yet a `Reshard` backend: the
-//! rollout buffers and decoders hold bf16.)
+//! source; checked against quantising the full tensors. ([`HostBackend`] with
+//! `RolloutDtype::Fp8` runs it as a switch; the GPU FSDP backend quantises the same way on the
+//! device, bit for bit.)
+//!
+//! The training states they switch live below them, in `lifecycle-state` (re-exported here).
 
 #![warn(missing_docs)]
 
 mod backend;
-mod cast;
-mod checksum;
-mod error;
 pub mod fp8;
 pub mod megatron;
 mod rollout;
-mod state;
 pub mod steps;
 
 pub use backend::{per_rank, HostBackend};
-pub use cast::cast_f32_to_bf16;
-pub use checksum::{checksum_bf16, checksum_f32, checksum_tensor};
-pub use error::HostError;
+pub use lifecycle_state::{
+    cast_f32_to_bf16, checksum_bf16, checksum_f32, checksum_tensor, HostError, HostTrainState,
+    MemoryMeter, ShardMut,
+};
 pub use rollout::reference_rollout;
-pub use state::{HostTrainState, MemoryMeter, ShardMut};

@@ -1,8 +1,8 @@
 use half::bf16;
 use lifecycle_layout::{plan_fsdp_to_tp, HostRollout, RankRollout, RolloutLayout, RolloutTensor};
 
-use crate::error::HostError;
-use crate::state::HostTrainState;
+use lifecycle_state::HostError;
+use lifecycle_state::HostTrainState;
 
 /// Rollout weights built the direct way: gather each full fp32 tensor, slice rank `r`'s TP part
 /// (`r mod T`), round to bf16. Independent of the transfer plan; the reference every backend is

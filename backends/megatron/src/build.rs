@@ -10,8 +10,8 @@ use lifecycle_layout::{HostTensor, Region2d};
 
 use crate::error::MegatronGpuError;
 use crate::state::{GpuRank, MegatronGpuState};
-use lifecycle_host::megatron::{MegatronTrainState, RankTrain, Resident};
 use lifecycle_layout::megatron::{MegatronLayout, ParamKind, ParamSlot};
+use lifecycle_state::megatron::{MegatronTrainState, RankTrain, Resident};
 
 impl MegatronGpuBackend {
     /// Builds the training state from the CPU backend's state (the same model on the same W):

@@ -4,12 +4,12 @@ use crate::backend::MegatronGpuBackend;
 use crate::build::resident;
 
 use lifecycle_cuda::{RankExecutor, RolloutBuffer};
-use lifecycle_host::MemoryMeter;
 use lifecycle_layout::HostRollout;
+use lifecycle_state::MemoryMeter;
 
 use crate::error::MegatronGpuError;
 use crate::state::{GpuRank, MegatronGpuState};
-use lifecycle_host::megatron::{MegatronTrainState, RankTrain};
+use lifecycle_state::megatron::{MegatronTrainState, RankTrain};
 
 impl MegatronGpuBackend {
     /// The training state downloaded into the CPU backend's state (single-process mode): bf16

@@ -2,8 +2,8 @@
 
 use lifecycle_cuda::CudaError;
 
-use lifecycle_host::megatron::MegatronError;
 use lifecycle_layout::megatron::MegatronLayoutError;
+use lifecycle_state::megatron::MegatronError;
 
 /// What the GPU Megatron backend can fail with; each names the argument and the fix.
 #[derive(Debug, thiserror::Error)]

@@ -5,7 +5,7 @@
 //! GPU executor: [`MegatronGpuBackend`] implements
 //! [`Reshard`](lifecycle_core::Reshard) over a [`ThreadRankPool`](lifecycle_cuda::ThreadRankPool)
 //! (one thread and one NCCL communicator per GPU), running the same [`MegatronPlan`] as the CPU
-//! executor ([`MegatronHostBackend`](lifecycle_host::megatron::MegatronHostBackend)), bit for bit.
+//! executor (`lifecycle_host::megatron::MegatronHostBackend`), bit for bit.
 //!
 //! - **Training state** ([`MegatronGpuState`]): per rank the bf16 parameters of its (stage, TP
 //!   rank) in one contiguous device buffer and fp32 grads of the same length, plus its DP shard of
@@ -13,7 +13,7 @@
 //!   ([`MegatronGpuBackend::state_from_hf`]), from the CPU backend's state
 //!   ([`MegatronGpuBackend::state_from_host`]), or on the devices for benchmarks
 //!   ([`MegatronGpuBackend::synthetic_state`]); [`MegatronGpuBackend::download_state`] gives it
-//!   back as a [`MegatronTrainState`](lifecycle_host::megatron::MegatronTrainState).
+//!   back as a [`MegatronTrainState`](lifecycle_state::megatron::MegatronTrainState).
 //! - **Schedule** (`lifecycle_layout::megatron::schedule`, pure): each rank copies the runs of its fused slices it holds
 //!   itself. With peer copies ([`Transport`], the default where every rank lives in this process
 //!   and the GPUs have peer access), each owner writes the runs its peers need straight into

@@ -73,7 +73,7 @@ impl<'w> CpuDecoder<'w> {
     }
 
     /// A decoder over `group` in the fused rollout layout of the Megatron backend
-    /// ([`lifecycle_host::megatron::MegatronHostBackend`]): per rank `qkv_proj` = `[q; k; v]` of its
+    /// (`lifecycle_host::megatron::MegatronHostBackend`): per rank `qkv_proj` = `[q; k; v]` of its
     /// heads, `gate_up_proj` = `[gate; up]`, a vocabulary-parallel embedding and head that may
     /// carry padding rows ([`RolloutVocab`](lifecycle_layout::RolloutVocab)), which are
     /// never read. `group` is TP ranks `0..T` of one replica, in order. Every tensor is checked

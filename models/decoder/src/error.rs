@@ -2,9 +2,9 @@
 
 use std::path::PathBuf;
 
-use lifecycle_host::megatron::MegatronError;
 use lifecycle_layout::megatron::MegatronLayoutError;
 use lifecycle_layout::LayoutError;
+use lifecycle_state::megatron::MegatronError;
 
 /// Why a checkpoint could not be read or written.
 #[derive(Debug, thiserror::Error)]

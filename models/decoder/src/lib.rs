@@ -13,7 +13,7 @@
 //! - Megatron: [`ModelConfig::model_spec`] / [`ModelConfig::megatron_layout`] map a config to
 //!   `lifecycle_megatron`'s model description and training layout (errors name the `config.json`
 //!   field Megatron cannot split), [`Checkpoint::megatron_state`] and [`load_megatron_checkpoint`]
-//!   build a [`lifecycle_host::megatron::MegatronTrainState`] from a checkpoint at any TP × PP × DP, and
+//!   build a [`lifecycle_state::megatron::MegatronTrainState`] from a checkpoint at any TP × PP × DP, and
 //!   [`CpuDecoder::new_fused`] rolls out from the Megatron backend's fused rollout weights
 //!   (`[q; k; v]`, `[gate; up]`, padded vocabulary) with the same logits as from the unfused ones.
 //!   This crate depends on `lifecycle-megatron`, not the other way round: the backend stays free of

@@ -4,9 +4,9 @@
 
 use std::path::Path;
 
-use lifecycle_host::megatron::MegatronTrainState;
 use lifecycle_layout::megatron::{MegatronLayout, MegatronLayoutError};
 use lifecycle_layout::HostTensor;
+use lifecycle_state::megatron::MegatronTrainState;
 
 use crate::checkpoint::{read_tensors, Checkpoint};
 use crate::config::ModelConfig;

@@ -5,12 +5,12 @@ use half::bf16;
 use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
 use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 
-use super::error::MegatronError;
-use super::state::{MegatronTrainState, RankTrain};
 use lifecycle_layout::megatron::{
     plan_megatron_to_tp, BucketConfig, MegatronLayoutError, MegatronPlan, RankPlan, Transfer,
 };
 use lifecycle_layout::RolloutLayout;
+use lifecycle_state::megatron::MegatronError;
+use lifecycle_state::megatron::{MegatronTrainState, RankTrain};
 
 /// The CPU Megatron backend: ranks are threads of this process, peers' parameter buffers are read
 /// through shared memory. Enter copies bf16 runs from the training ranks' parameter buffers into
@@ -135,7 +135,7 @@ fn transfer(
     ctx: &mut SwitchContext<'_>,
 ) -> Result<(), MegatronError> {
     let params: Vec<&[bf16]> = state
-        .ranks
+        .ranks()
         .iter()
         .map(|r| r.params.on_device())
         .collect::<Option<_>>()
@@ -151,7 +151,7 @@ fn transfer(
         }
         Ok::<_, MegatronError>(moved)
     })?;
-    for (r, m) in state.ranks.iter_mut().zip(moved) {
+    for (r, m) in state.ranks_mut().iter_mut().zip(moved) {
         // The staging buffer lived on top of everything else during the transfer.
         r.meter.peak = r.meter.peak.max(r.meter.current + m.staging_peak);
     }
@@ -160,7 +160,7 @@ fn transfer(
 
 fn offload(state: &mut MegatronTrainState, memory: MemoryPolicy, ctx: &mut SwitchContext<'_>) {
     let _ = ctx.rec.phase(Phase::Offload, |scope| {
-        let ranks: Vec<&mut RankTrain> = state.ranks.iter_mut().collect();
+        let ranks: Vec<&mut RankTrain> = state.ranks_mut().iter_mut().collect();
         let moved = per_rank(ranks, |_, r| {
             let mut bytes = 0;
             if let Some(g) = r.grads.take() {
@@ -203,7 +203,7 @@ impl Reshard for MegatronHostBackend {
     type Error = MegatronError;
 
     fn plan(&self, state: &MegatronTrainState) -> Result<MegatronPlan, MegatronError> {
-        state.layout.check_world(state.world())?;
+        state.layout().check_world(state.world())?;
         Ok(plan_megatron_to_tp(
             state.layout(),
             &self.rollout,
@@ -217,7 +217,7 @@ impl Reshard for MegatronHostBackend {
         state: &mut MegatronTrainState,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<HostRollout, MegatronError> {
-        if plan.train != state.layout {
+        if plan.train != *state.layout() {
             return Err(MegatronError::PlanMismatch);
         }
         if state.is_offloaded() {
@@ -228,11 +228,11 @@ impl Reshard for MegatronHostBackend {
         let mut rollout = HostRollout {
             ranks: plan.ranks.iter().map(|_| empty_rollout(plan)).collect(),
         };
-        for (r, out) in state.ranks.iter_mut().zip(&rollout.ranks) {
+        for (r, out) in state.ranks_mut().iter_mut().zip(&rollout.ranks) {
             r.meter.alloc(out.bytes());
         }
         if let Err(e) = transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx) {
-            for (r, out) in state.ranks.iter_mut().zip(&rollout.ranks) {
+            for (r, out) in state.ranks_mut().iter_mut().zip(&rollout.ranks) {
                 r.meter.free(out.bytes());
             }
             return Err(e);
@@ -248,7 +248,7 @@ impl Reshard for MegatronHostBackend {
         rollout: &mut HostRollout,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<(), MegatronError> {
-        if plan.train != state.layout {
+        if plan.train != *state.layout() {
             return Err(MegatronError::PlanMismatch);
         }
         if state.is_offloaded() {
@@ -295,7 +295,7 @@ impl Reshard for MegatronHostBackend {
         if let Some(rollout) = rollout {
             ctx.rec.phase(Phase::Release, |_| {
                 for (rank, r) in rollout.ranks.into_iter().enumerate() {
-                    if let Some(s) = state.ranks.get_mut(rank) {
+                    if let Some(s) = state.ranks_mut().get_mut(rank) {
                         s.meter.free(r.bytes());
                     }
                 }
@@ -303,7 +303,7 @@ impl Reshard for MegatronHostBackend {
             })?;
         }
         ctx.rec.phase(Phase::Reload, |scope| {
-            let ranks: Vec<&mut RankTrain> = state.ranks.iter_mut().collect();
+            let ranks: Vec<&mut RankTrain> = state.ranks_mut().iter_mut().collect();
             let moved = per_rank(ranks, |_, r| {
                 let mut bytes = r.params.reload(&mut r.meter);
                 bytes += r.main.reload(&mut r.meter);

@@ -8,14 +8,10 @@
 //!   the FSDP executors' unfused rollout for cross-layout checks.
 
 mod backend;
-mod error;
 mod reference;
-mod shard;
-mod state;
 mod unfused;
 
 pub use backend::MegatronHostBackend;
-pub use error::MegatronError;
+pub use lifecycle_state::megatron::{MegatronError, MegatronTrainState, RankTrain, Resident};
 pub use reference::{rebuild_hf_tensors, reference_rollout, FullTensor};
-pub use state::{MegatronTrainState, RankTrain, Resident};
 pub use unfused::{fuse_unfused_rollout, unfused_rollout_specs};

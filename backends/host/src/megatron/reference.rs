@@ -7,14 +7,14 @@ use std::collections::HashMap;
 use half::bf16;
 use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 
-use super::error::MegatronError;
-use super::state::MegatronTrainState;
 use lifecycle_layout::megatron::{
     qkv_head_row, ExpertCoords, ExpertPart, ExpertShare, MegatronLayout, ParamKind, QkvHead,
     RolloutKind,
 };
 use lifecycle_layout::RolloutLayout;
 use lifecycle_layout::{hf, ModelSpec};
+use lifecycle_state::megatron::MegatronError;
+use lifecycle_state::megatron::MegatronTrainState;
 
 /// A full Hugging Face tensor in bf16.
 #[derive(Debug, Clone, PartialEq)]

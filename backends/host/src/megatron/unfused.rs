@@ -3,10 +3,10 @@
 use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 use lifecycle_layout::{Parallel, TensorSpec};
 
-use super::error::MegatronError;
 use lifecycle_layout::megatron::RolloutKind;
 use lifecycle_layout::{hf, ModelSpec};
 use lifecycle_layout::{RolloutLayout, RolloutVocab};
+use lifecycle_state::megatron::MegatronError;
 
 /// The unfused rollout layout of degree `t` for the core planner ([`lifecycle_layout`]):
 /// Hugging Face names with their usual splits ([`Parallel::for_hf_name`]), except that k and v

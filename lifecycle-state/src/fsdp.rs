@@ -8,7 +8,7 @@ use lifecycle_layout::{AdamParams, HostTensor};
 
 /// Where a buffer of one rank lives.
 #[derive(Debug, Clone)]
-pub(crate) enum Residence {
+pub enum Residence {
     /// In the rank's device memory (counted by its meter).
     Device(Vec<f32>),
     /// Offloaded to host memory: a separate allocation; the device original was freed. The
@@ -18,20 +18,24 @@ pub(crate) enum Residence {
 
 /// An offloaded buffer whose checksum no longer matches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Mismatch {
-    pub(crate) expected: u64,
-    pub(crate) found: u64,
+pub struct Mismatch {
+    /// The checksum taken at offload.
+    pub expected: u64,
+    /// The checksum of the copy found.
+    pub found: u64,
 }
 
 impl Residence {
-    pub(crate) fn values(&self) -> &[f32] {
+    /// The buffer's values, wherever they live.
+    pub fn values(&self) -> &[f32] {
         match self {
             Residence::Device(v) => v,
             Residence::Host(v, _) => v,
         }
     }
 
-    pub(crate) fn on_device(&self) -> Option<&[f32]> {
+    /// The values while on the device.
+    pub fn on_device(&self) -> Option<&[f32]> {
         match self {
             Residence::Device(v) => Some(v),
             Residence::Host(..) => None,
@@ -44,7 +48,7 @@ impl Residence {
 
     /// Copies a device buffer to a fresh host allocation and frees the original (checksumming
     /// the copy when `verify`). Returns the bytes moved (0 if already offloaded).
-    pub(crate) fn offload(&mut self, meter: &mut MemoryMeter, verify: bool) -> u64 {
+    pub fn offload(&mut self, meter: &mut MemoryMeter, verify: bool) -> u64 {
         if let Residence::Device(v) = self {
             let host: Box<[f32]> = v.as_slice().into();
             let sum = verify.then(|| checksum_f32(&host));
@@ -59,7 +63,7 @@ impl Residence {
 
     /// Copies a host buffer back to a fresh device allocation and frees the host copy. A buffer
     /// whose checksum no longer matches stays offloaded and is reported.
-    pub(crate) fn reload(&mut self, meter: &mut MemoryMeter) -> Result<u64, Mismatch> {
+    pub fn reload(&mut self, meter: &mut MemoryMeter) -> Result<u64, Mismatch> {
         if let Residence::Host(h, sum) = self {
             if let Some(expected) = *sum {
                 let found = checksum_f32(h);
@@ -78,7 +82,7 @@ impl Residence {
 
     /// Flips one bit of an offloaded buffer (fault injection); false if it is on the device or
     /// `index` is out of range.
-    pub(crate) fn flip_offloaded_bit(&mut self, index: usize, bit: u32) -> bool {
+    pub fn flip_offloaded_bit(&mut self, index: usize, bit: u32) -> bool {
         match self {
             Residence::Host(h, _) => match h.get_mut(index) {
                 Some(v) => {
@@ -116,21 +120,26 @@ impl MemoryMeter {
 
 /// One rank's FSDP shard of one tensor: fp32 master, grad, Adam m and v.
 #[derive(Debug, Clone)]
-pub(crate) struct Shard {
+pub struct Shard {
     /// Rows of the full tensor this shard holds.
-    pub(crate) rows: Range<usize>,
-    pub(crate) master: Residence,
+    pub rows: Range<usize>,
+    /// fp32 master weights.
+    pub master: Residence,
     /// Freed while in rollout mode.
-    pub(crate) grad: Option<Vec<f32>>,
-    pub(crate) adam_m: Residence,
-    pub(crate) adam_v: Residence,
+    pub grad: Option<Vec<f32>>,
+    /// Adam first moment.
+    pub adam_m: Residence,
+    /// Adam second moment.
+    pub adam_v: Residence,
 }
 
 /// Everything one rank holds.
 #[derive(Debug, Clone)]
-pub(crate) struct RankState {
-    pub(crate) shards: Vec<Shard>,
-    pub(crate) meter: MemoryMeter,
+pub struct RankState {
+    /// One shard per training tensor, in training order.
+    pub shards: Vec<Shard>,
+    /// The rank's "device" memory.
+    pub meter: MemoryMeter,
 }
 
 /// Mutable access to one shard in train mode, given to update functions.
@@ -160,7 +169,7 @@ pub struct ShardMut<'a> {
 /// moments, with real device-memory accounting per rank.
 ///
 /// ```
-/// use lifecycle_host::HostTrainState;
+/// use lifecycle_state::HostTrainState;
 /// use lifecycle_layout::HostTensor;
 /// let state = HostTrainState::from_tensors(2, vec![
 ///     HostTensor::f32("w", [3, 2], vec![1., 2., 3., 4., 5., 6.]),
@@ -168,13 +177,13 @@ pub struct ShardMut<'a> {
 /// assert_eq!(state.master_shard(0, 0), Some(&[1., 2., 3., 4.][..]));
 /// assert_eq!(state.master_shard(1, 0), Some(&[5., 6.][..]));
 /// assert_eq!(state.full_master("w")?, vec![1., 2., 3., 4., 5., 6.]);
-/// # Ok::<(), lifecycle_host::HostError>(())
+/// # Ok::<(), lifecycle_state::HostError>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct HostTrainState {
-    pub(crate) layout: FsdpLayout,
-    pub(crate) ranks: Vec<RankState>,
-    pub(crate) adam_steps: u64,
+    layout: FsdpLayout,
+    ranks: Vec<RankState>,
+    adam_steps: u64,
 }
 
 impl HostTrainState {
@@ -234,6 +243,46 @@ impl HostTrainState {
             ranks,
             adam_steps: 0,
         })
+    }
+
+    /// W.
+    /// Every rank's shards and memory meter, in rank order: the executors' view of the state
+    /// (the layout and the number of ranks cannot change through it).
+    pub fn ranks(&self) -> &[RankState] {
+        &self.ranks
+    }
+
+    /// Every rank's shards and memory meter, to offload, reload or rewrite in place.
+    pub fn ranks_mut(&mut self) -> &mut [RankState] {
+        &mut self.ranks
+    }
+
+    /// Every master weight on the device must be finite: the first NaN or infinity (by rank,
+    /// tensor, element) is [`HostError::NonFinite`].
+    pub fn check_finite(&self) -> Result<(), HostError> {
+        for (rank, r) in self.ranks.iter().enumerate() {
+            for (tensor, shard) in r.shards.iter().enumerate() {
+                let Some(values) = shard.master.on_device() else {
+                    continue;
+                };
+                if let Some((index, &value)) =
+                    values.iter().enumerate().find(|(_, v)| !v.is_finite())
+                {
+                    return Err(HostError::NonFinite {
+                        tensor: self.layout.tensors()[tensor].0.clone(),
+                        rank,
+                        index,
+                        value,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Adam steps applied so far.
+    pub fn adam_steps(&self) -> u64 {
+        self.adam_steps
     }
 
     /// W.

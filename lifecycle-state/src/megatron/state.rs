@@ -41,7 +41,7 @@ impl<T: Copy> Resident<T> {
     }
 
     /// Copies a device buffer to a fresh host allocation and frees the original; the bytes moved.
-    pub(crate) fn offload(&mut self, meter: &mut MemoryMeter) -> u64 {
+    pub fn offload(&mut self, meter: &mut MemoryMeter) -> u64 {
         if let Resident::Device(v) = self {
             let host: Box<[T]> = v.as_slice().into();
             let bytes = self.bytes();
@@ -54,7 +54,7 @@ impl<T: Copy> Resident<T> {
     }
 
     /// Copies a host buffer back to a fresh device allocation; the bytes moved.
-    pub(crate) fn reload(&mut self, meter: &mut MemoryMeter) -> u64 {
+    pub fn reload(&mut self, meter: &mut MemoryMeter) -> u64 {
         if let Resident::Host(h) = self {
             let bytes = std::mem::size_of_val(&h[..]) as u64;
             meter.alloc(bytes);
@@ -96,7 +96,7 @@ pub struct RankTrain {
 /// ```
 /// use lifecycle_layout::megatron::MegatronLayout;
 /// use lifecycle_layout::ModelSpec;
-/// use lifecycle_host::megatron::MegatronTrainState;
+/// use lifecycle_state::megatron::MegatronTrainState;
 /// use lifecycle_layout::HostTensor;
 /// let model = ModelSpec::tiny();
 /// let tensors: Vec<HostTensor> = model.hf_tensors().into_iter().map(|(name, shape)| {
@@ -106,13 +106,13 @@ pub struct RankTrain {
 /// let state = MegatronTrainState::from_hf(MegatronLayout::new(model, 2, 2, 1)?, tensors)?;
 /// assert_eq!(state.world(), 4);
 /// assert_eq!(state.params(0).unwrap()[0].to_f32(), 0.5);
-/// # Ok::<(), lifecycle_host::megatron::MegatronError>(())
+/// # Ok::<(), lifecycle_state::megatron::MegatronError>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct MegatronTrainState {
-    pub(crate) layout: MegatronLayout,
-    pub(crate) ranks: Vec<RankTrain>,
-    pub(crate) adam_steps: u64,
+    layout: MegatronLayout,
+    ranks: Vec<RankTrain>,
+    adam_steps: u64,
 }
 
 impl MegatronTrainState {
@@ -223,6 +223,17 @@ impl MegatronTrainState {
     /// Every buffer of `rank`, read-only.
     pub fn rank(&self, rank: usize) -> Option<&RankTrain> {
         self.ranks.get(rank)
+    }
+
+    /// Every rank's buffers, in rank order: the executors' view of the state (the layout and the
+    /// number of ranks cannot change through it).
+    pub fn ranks(&self) -> &[RankTrain] {
+        &self.ranks
+    }
+
+    /// Every rank's buffers, to offload, reload or rewrite in place.
+    pub fn ranks_mut(&mut self) -> &mut [RankTrain] {
+        &mut self.ranks
     }
 
     /// Adam steps taken so far.
