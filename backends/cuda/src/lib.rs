@@ -76,7 +76,7 @@ pub use peer::{copy_2d, peer_copy_rate, Transport};
 pub use pinned::{HostCopy, PinnedPool, DEFAULT_CHUNK_BYTES};
 pub use placement::{RankPlacement, SharedGpu};
 pub use pool::{RankCtx, RankExecutor, RankFn, ThreadRankPool};
-pub use rollout::RolloutBuffer;
+pub use rollout::{RolloutBuffer, RolloutSource};
 pub use steps::{run_program, DeviceProgram, ProgramSlot, RunOptions, SourceBuf};
 pub use tiles::{TileKernel, TILE_KERNELS, TILE_KERNEL_SRC};
 pub use timeline::{DeviceSpan, Mark, RankSpans, StreamTimeline};

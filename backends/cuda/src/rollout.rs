@@ -7,7 +7,8 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 use lifecycle_layout::{HostRollout, RolloutEntry};
 
-use crate::{CudaError, RankExecutor};
+use crate::{CudaError, RankExecutor, ThreadRankPool};
+use lifecycle_layout::RolloutLayout;
 
 /// The rollout weights of the ranks this process drives: one flat bf16 device buffer per rank
 /// and where each tensor sits in it ([`RolloutBuffer::rank_entries`]): the same on every rank,
@@ -210,4 +211,36 @@ impl RolloutBuffer {
     pub fn into_buffers(self) -> Vec<CudaSlice<bf16>> {
         self.ranks
     }
+}
+
+/// A backend whose rollout weights are [`RolloutBuffer`]s on a [`ThreadRankPool`]: what a GPU
+/// decoder or rollout engine needs of it (the layout the buffers follow and the pool they live
+/// on), so that models read rollouts without importing any backend. Implemented by the FSDP and
+/// Megatron GPU backends.
+///
+/// ```
+/// use std::sync::Arc;
+/// use lifecycle_cuda::{RolloutSource, ThreadRankPool};
+/// use lifecycle_layout::RolloutLayout;
+///
+/// struct MyBackend {
+///     pool: Arc<ThreadRankPool>,
+///     layout: RolloutLayout,
+/// }
+///
+/// impl RolloutSource for MyBackend {
+///     fn rollout_layout(&self) -> &RolloutLayout {
+///         &self.layout
+///     }
+///     fn rank_pool(&self) -> &Arc<ThreadRankPool> {
+///         &self.pool
+///     }
+/// }
+/// ```
+pub trait RolloutSource {
+    /// The layout of the rollout weights the backend produces.
+    fn rollout_layout(&self) -> &RolloutLayout;
+
+    /// The ranks (GPUs) holding them.
+    fn rank_pool(&self) -> &Arc<ThreadRankPool>;
 }

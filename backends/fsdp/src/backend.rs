@@ -262,3 +262,13 @@ impl FsdpBackend {
 
 /// Default of [`FsdpBackend::with_offload_chunk_bytes`]: 1 GiB.
 pub const DEFAULT_OFFLOAD_CHUNK_BYTES: usize = 1 << 30;
+
+impl lifecycle_cuda::RolloutSource for FsdpBackend {
+    fn rollout_layout(&self) -> &RolloutLayout {
+        &self.layout
+    }
+
+    fn rank_pool(&self) -> &Arc<ThreadRankPool> {
+        &self.pool
+    }
+}

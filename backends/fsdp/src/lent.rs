@@ -155,6 +155,16 @@ impl LentFsdpBackend {
     }
 }
 
+impl lifecycle_cuda::RolloutSource for LentFsdpBackend {
+    fn rollout_layout(&self) -> &lifecycle_layout::RolloutLayout {
+        &self.inner.layout
+    }
+
+    fn rank_pool(&self) -> &Arc<lifecycle_cuda::ThreadRankPool> {
+        &self.inner.pool
+    }
+}
+
 impl Reshard for LentFsdpBackend {
     type TrainState = LentFsdpState;
     type Rollout = RolloutBuffer;

@@ -260,3 +260,13 @@ impl MegatronGpuBackend {
         Ok(())
     }
 }
+
+impl lifecycle_cuda::RolloutSource for MegatronGpuBackend {
+    fn rollout_layout(&self) -> &RolloutLayout {
+        &self.rollout
+    }
+
+    fn rank_pool(&self) -> &Arc<ThreadRankPool> {
+        &self.pool
+    }
+}

@@ -10,12 +10,11 @@ use std::sync::Arc;
 use cudarc::cublas::{result as cublas_result, sys as cublas_sys, CudaBlas};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice};
 use cudarc::nccl::ReduceOp;
-use lifecycle_cuda::RolloutBuffer;
 use lifecycle_cuda::{
     alloc_device, alloc_pinned, alloc_zeros, CudaError, RankCtx, RankExecutor, ThreadRankPool,
 };
+use lifecycle_cuda::{RolloutBuffer, RolloutSource};
 use lifecycle_decoder::{DecodeError, Decoder, ModelConfig, PrefillLogits, Sampling, SplitMix64};
-use lifecycle_fsdp::FsdpBackend;
 use lifecycle_layout::{RolloutEntry, RolloutLayout};
 
 use crate::error::GpuDecodeError;
@@ -183,8 +182,8 @@ enum StepOut {
 }
 
 /// The Qwen2 / Llama decoder on NVIDIA GPUs: one tensor-parallel group of `T` ranks (the whole
-/// [`ThreadRankPool`] of the [`FsdpBackend`], `W = T`), reading the backend's resident bf16
-/// rollout weights ([`RolloutBuffer`]) in place.
+/// [`ThreadRankPool`] of a GPU backend ([`RolloutSource`]), `W = T`), reading the backend's
+/// resident bf16 rollout weights ([`RolloutBuffer`]) in place.
 ///
 /// - Topology ([`decode_topology`]): a group of `W = T` ranks (threads of this process, or one
 ///   process per rank: every process gets the full logits after the all-gather and picks the
@@ -208,7 +207,6 @@ enum StepOut {
 ///   on the host; `generate` picks greedy or temperature-sampled tokens on the device and
 ///   downloads only them.
 ///
-/// Built from a rollout session of an FSDP [`Lifecycle`](lifecycle_core::Lifecycle), so it
 /// - Both rollout layouts: the FSDP backends' unfused one ([`GpuDecoder::new`],
 ///   [`GpuDecoder::with_pool`]) and the Megatron backends' fused one
 ///   ([`GpuDecoder::with_fused_layout`]: one GEMM for `qkv_proj`, one for `gate_up_proj`; padded
@@ -219,18 +217,24 @@ enum StepOut {
 /// lifecycle instead, which does that once and keeps its KV cache across the calls of one weight
 /// version.
 ///
-/// Built from a rollout session of an FSDP [`Lifecycle`](lifecycle_core::Lifecycle), so it
-/// cannot outlive the weights it reads:
+/// Built from a rollout session of a [`Lifecycle`](lifecycle_core::Lifecycle) of a GPU backend
+/// (here the FSDP one), so it cannot outlive the weights it reads:
 ///
 /// ```no_run
+/// use std::sync::Arc;
+/// use lifecycle_core::Lifecycle;
+/// use lifecycle_cuda::ThreadRankPool;
 /// use lifecycle_decoder::{load_checkpoint, Decoder, Sampling};
-/// use lifecycle_decoder_gpu::{GpuDecoder, GpuModel};
+/// use lifecycle_decoder_gpu::GpuDecoder;
+/// use lifecycle_fsdp::FsdpBackend;
 ///
 /// let ckpt = load_checkpoint("path/to/checkpoint".as_ref())?;
-/// let mut model = GpuModel::from_tensors(&ckpt.config, ckpt.tensors, 2)?;
-/// let config = model.config().clone();
-/// let session = model.lifecycle_mut().rollout()?;
-/// let mut decoder = GpuDecoder::new(&config, session.backend(), session.weights().get())?;
+/// let pool = Arc::new(ThreadRankPool::new(2)?);
+/// let backend = FsdpBackend::new(pool, ckpt.config.rollout_layout(2)?);
+/// let state = backend.state_from_tensors(ckpt.tensors)?;
+/// let mut lc = Lifecycle::new(backend, state);
+/// let session = lc.rollout()?;
+/// let mut decoder = GpuDecoder::new(&ckpt.config, session.backend(), session.weights().get())?;
 /// let out = decoder.generate(&[vec![1, 2, 3]], &Sampling::greedy(8))?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -891,10 +895,15 @@ impl<'w> GpuDecoder<'w> {
     /// compiles the kernels.
     pub fn new(
         config: &ModelConfig,
-        backend: &'w FsdpBackend,
+        backend: &'w impl RolloutSource,
         weights: &'w RolloutBuffer,
     ) -> Result<Self, GpuDecodeError> {
-        Self::with_pool(config, backend.layout(), backend.pool(), weights)
+        Self::with_pool(
+            config,
+            backend.rollout_layout(),
+            backend.rank_pool(),
+            weights,
+        )
     }
 
     /// As [`GpuDecoder::new`] with the layout and pool given separately.

@@ -6,9 +6,8 @@
 use std::sync::Arc;
 
 use lifecycle_core::{EngineBytes, PhaseScope, RolloutEngine, RolloutView};
-use lifecycle_cuda::{RankExecutor, RolloutBuffer, ThreadRankPool};
+use lifecycle_cuda::{RankExecutor, RolloutBuffer, RolloutSource, ThreadRankPool};
 use lifecycle_decoder::{DecodeError, ModelConfig, PrefillLogits, Sampling};
-use lifecycle_fsdp::FsdpBackend;
 use lifecycle_layout::{RolloutFormat, RolloutLayout};
 
 use crate::decoder::{kv_elements, Core, MAX_CONTEXT};
@@ -195,7 +194,7 @@ fn describe(buffer: usize) -> String {
 /// let backend = FsdpBackend::new(pool, config.rollout_layout(1)?);
 /// let state = backend.state_from_tensors(random_tensors(&config, 1))?;
 /// // 4 prompts × 8 samples, prompts of up to 16 tokens, 32 new tokens
-/// let engine = GpuEngine::for_fsdp(&backend, &config, EngineSettings::new(32, 48))?;
+/// let engine = GpuEngine::for_backend(&backend, &config, EngineSettings::new(32, 48))?;
 /// let mut lc = Lifecycle::new(backend, state).with_engine(engine);
 /// let prompts: Vec<Vec<u32>> = (0..4u32)
 ///     .flat_map(|p| std::iter::repeat_n(vec![p + 1; 16], 8))
@@ -256,16 +255,16 @@ impl GpuEngine {
         })
     }
 
-    /// An engine for the FSDP backend `backend` (its pool and layout).
-    pub fn for_fsdp(
-        backend: &FsdpBackend,
+    /// An engine for the rollouts of `backend` (any GPU backend: its pool and layout).
+    pub fn for_backend(
+        backend: &impl RolloutSource,
         config: &ModelConfig,
         settings: EngineSettings,
     ) -> Result<Self, GpuDecodeError> {
         Self::new(
-            backend.pool().clone(),
+            backend.rank_pool().clone(),
             config,
-            backend.layout().clone(),
+            backend.rollout_layout().clone(),
             settings,
         )
     }

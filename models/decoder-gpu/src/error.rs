@@ -1,11 +1,9 @@
 //! The GPU decoder's error type.
 
-use lifecycle_core::LifecycleError;
 use lifecycle_cuda::CudaError;
 use lifecycle_decoder::{CheckpointError, DecodeError};
-use lifecycle_fsdp::FsdpError;
 
-/// Why the GPU decoder (or the model setup in [`GpuModel`](crate::GpuModel)) failed. Every
+/// Why the GPU decoder or its rollout engine failed. Every
 /// environment failure (no driver, no NCCL, no cuBLAS, too few GPUs) is a value, never a panic.
 #[derive(Debug, thiserror::Error)]
 pub enum GpuDecodeError {
@@ -16,12 +14,6 @@ pub enum GpuDecodeError {
     /// fit the decoder's state (the same checks and messages as the CPU decoder).
     #[error(transparent)]
     Decode(#[from] DecodeError),
-    /// The FSDP backend failed while building the model.
-    #[error(transparent)]
-    Fsdp(#[from] FsdpError),
-    /// Entering rollout mode failed (boxed: the lifecycle's error is large).
-    #[error(transparent)]
-    Lifecycle(Box<LifecycleError<FsdpError>>),
     /// The checkpoint could not be read.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
@@ -97,10 +89,4 @@ pub enum GpuDecodeError {
         /// What the buffer's names say.
         found: &'static str,
     },
-}
-
-impl From<LifecycleError<FsdpError>> for GpuDecodeError {
-    fn from(e: LifecycleError<FsdpError>) -> Self {
-        GpuDecodeError::Lifecycle(Box::new(e))
-    }
 }

@@ -1,5 +1,5 @@
 //! The Qwen2 / Llama decoder of [`lifecycle_decoder`] on NVIDIA GPUs: [`GpuDecoder`] implements
-//! the same [`Decoder`](lifecycle_decoder::Decoder) trait as the CPU reference and reads the FSDP
+//! the same [`Decoder`](lifecycle_decoder::Decoder) trait as the CPU reference and reads a GPU
 //! backend's resident rollout weights ([`lifecycle_cuda::RolloutBuffer`]) in place, on every GPU of
 //! the backend's rank pool: one tensor-parallel group (`W = T`, threads of one process or one
 //! process per rank), or, at `T = 1` in one process, `W` data-parallel replicas that each decode
@@ -12,7 +12,6 @@
 //!   over an f32 KV cache, SwiGLU, residual adds, argmax and temperature sampling.
 //! - NCCL all-reduce (sum) after the row-parallel o/down projections; NCCL all-gather of
 //!   vocabulary-parallel logits.
-//! - [`GpuModel`] builds pool, backend and lifecycle from a checkpoint in one call.
 //! - [`GpuEngine`] is the decoder as a persistent rollout engine of a
 //!   [`Lifecycle`](lifecycle_core::Lifecycle): handles and kernels built once, the KV cache
 //!   allocated at wake and freed at sleep; optionally each group of samples of one prompt
@@ -20,6 +19,10 @@
 //! - Both rollout layouts: the FSDP backends' unfused one and the Megatron backends' fused one
 //!   (`qkv_proj`, `gate_up_proj`, padded vocabulary), detected from the buffer's tensor names
 //!   ([`detect_layout`]).
+//!
+//! The crate imports no backend: it reads any backend that says where its rollouts live
+//! ([`lifecycle_cuda::RolloutSource`]); the glue of a model, a backend and a lifecycle built in
+//! one call is `lifecycle_examples::gpu_model::GpuModel`.
 //!
 //! This crate builds without CUDA (cudarc loads the libraries at run time); without a driver
 //! every constructor returns a typed error. The GPU tests (`tests/gpu.rs`) are `#[ignore]`d.
@@ -31,7 +34,6 @@ mod engine;
 mod error;
 mod fp8;
 mod kernels;
-mod model;
 mod prefill;
 mod topology;
 mod vocab;
@@ -41,6 +43,5 @@ pub use decoder::{GpuDecoder, MAX_CONTEXT};
 pub use engine::{EngineSettings, GpuEngine};
 pub use error::GpuDecodeError;
 pub use kernels::DECODER_KERNEL_SRC;
-pub use model::GpuModel;
 pub use topology::{decode_topology, replica_rows, DecodeTopology};
 pub use weights::{detect_layout, LayoutKind};

@@ -37,7 +37,7 @@ use lifecycle_decoder::{
     load_checkpoint, random_tensors, CpuDecoder, Decoder, MegatronParallel, ModelConfig,
     PrefillLogits, Sampling,
 };
-use lifecycle_decoder_gpu::{EngineSettings, GpuDecoder, GpuEngine, GpuModel};
+use lifecycle_decoder_gpu::{EngineSettings, GpuDecoder, GpuEngine};
 use lifecycle_fsdp::FsdpBackend;
 use lifecycle_host::megatron::MegatronHostBackend;
 use lifecycle_host::{HostBackend, HostTrainState};
@@ -51,6 +51,19 @@ type Res = Result<(), Box<dyn std::error::Error>>;
 
 /// The fixtures: `LIFECYCLE_DECODER_FIXTURES`, or next to this crate, or relative to the current
 /// folder (a test binary copied to another machine runs from the repository root).
+
+/// The FSDP backend's lifecycle of a model on GPUs `0..tp` (`W = T`).
+fn fsdp_lifecycle(
+    config: &lifecycle_decoder::ModelConfig,
+    tensors: Vec<lifecycle_layout::HostTensor>,
+    tp: usize,
+) -> Result<Lifecycle<FsdpBackend>, Box<dyn std::error::Error>> {
+    let pool = Arc::new(ThreadRankPool::new(tp)?);
+    let backend = FsdpBackend::new(pool, config.rollout_layout(tp)?);
+    let state = backend.state_from_tensors(tensors)?;
+    Ok(Lifecycle::new(backend, state))
+}
+
 fn fixtures() -> PathBuf {
     if let Ok(p) = std::env::var("LIFECYCLE_DECODER_FIXTURES") {
         return PathBuf::from(p);
@@ -153,9 +166,9 @@ fn oracle(tp: usize) -> Res {
         let ckpt = load_checkpoint(&fixtures().join(name))?;
         let cases = model["cases"].as_array().ok_or("no cases")?;
         let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
-        let mut gm = GpuModel::from_tensors(&ckpt.config, ckpt.tensors.clone(), tp)?;
-        let config = gm.config().clone();
-        let session = gm.lifecycle_mut().rollout()?;
+        let mut lc = fsdp_lifecycle(&ckpt.config, ckpt.tensors.clone(), tp)?;
+        let config = ckpt.config.clone();
+        let session = lc.rollout()?;
         let weights = session.weights();
         let mut dec = GpuDecoder::new(&config, session.backend(), weights.get())?;
         let tag = format!("{name} T={tp}");
@@ -317,8 +330,11 @@ fn decode_throughput_qwen05b_batch64() -> Res {
         .iter()
         .map(|(_, s)| s.iter().product::<usize>())
         .sum();
-    let mut gm = GpuModel::synthetic(&config, 1, 11, 0.05)?;
-    let session = gm.lifecycle_mut().rollout()?;
+    let pool = Arc::new(ThreadRankPool::new(1)?);
+    let backend = FsdpBackend::new(pool, config.rollout_layout(1)?);
+    let state = backend.synthetic_state(&config.tensor_shapes(), 11, 0.05)?;
+    let mut lc = Lifecycle::new(backend, state);
+    let session = lc.rollout()?;
     let weights = session.weights();
     let mut dec = GpuDecoder::new(&config, session.backend(), weights.get())?;
     let batch = 64;
@@ -536,7 +552,7 @@ fn engine_matches_the_per_call_decoder_and_frees_its_kv_cache_w1() -> Res {
     // 64 sequences × 2048 positions × 4 layers × (k, v) × 2 kv heads × 64 × 4 bytes = 512 MiB
     let settings = EngineSettings::new(64, 2048);
     let kv_expected = settings.kv_bytes_per_rank(&config, 2, 1);
-    let engine = GpuEngine::for_fsdp(&backend, &config, settings)?;
+    let engine = GpuEngine::for_backend(&backend, &config, settings)?;
     let mut lc = Lifecycle::new(backend, state).with_engine(engine);
     let layout = config.rollout_layout(1)?;
     let (mut overhead, mut setup, mut mismatches) = (Vec::new(), Vec::new(), Vec::new());
@@ -694,12 +710,12 @@ fn forked_prefill_equals_per_sequence_prefill_w1() -> Res {
     mixed.push(vec![5, 6]);
     batches.push(("interleaved duplicates".into(), mixed));
     let settings = EngineSettings::new(64, 64);
-    let engine = GpuEngine::for_fsdp(&backend, &config, settings.with_fork_prefill(true))?;
+    let engine = GpuEngine::for_backend(&backend, &config, settings.with_fork_prefill(true))?;
     let mut lc = Lifecycle::new(backend, state).with_engine(engine);
     let forked = run_batches(true, &batches, &mut lc)?;
     // the same weights, per-sequence prefill: another engine on the same lifecycle
     lc.exit()?;
-    let engine = GpuEngine::for_fsdp(lc.backend(), &config, settings.with_fork_prefill(false))?;
+    let engine = GpuEngine::for_backend(lc.backend(), &config, settings.with_fork_prefill(false))?;
     *lc.engine_mut() = engine;
     let per_seq = run_batches(false, &batches, &mut lc)?;
     let mut report = Vec::new();

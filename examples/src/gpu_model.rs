@@ -1,26 +1,59 @@
-//! [`GpuModel`]: a rank pool, the FSDP backend and its lifecycle for one model, built in one call.
+//! [`GpuModel`]: a rank pool, the FSDP backend and its lifecycle for one model, built in one
+//! call: the glue of a model ([`lifecycle_decoder::ModelConfig`]), a backend
+//! ([`lifecycle_fsdp::FsdpBackend`]) and the GPU decoder ([`lifecycle_decoder_gpu`]), which
+//! import no backend themselves.
 
 use std::path::Path;
 use std::sync::Arc;
 
-use lifecycle_core::Lifecycle;
-use lifecycle_cuda::ThreadRankPool;
-use lifecycle_decoder::{load_checkpoint, ModelConfig};
-use lifecycle_fsdp::FsdpBackend;
+use lifecycle_core::{Lifecycle, LifecycleError};
+use lifecycle_cuda::{CudaError, ThreadRankPool};
+use lifecycle_decoder::{load_checkpoint, CheckpointError, DecodeError, ModelConfig};
+use lifecycle_decoder_gpu::GpuDecodeError;
+use lifecycle_fsdp::{FsdpBackend, FsdpError};
 use lifecycle_layout::HostTensor;
 
-use crate::error::GpuDecodeError;
+/// Why building or switching a [`GpuModel`] failed. A missing driver, NCCL or GPU is a value
+/// (`Cuda`), never a panic.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuModelError {
+    /// The decoder's checks failed (the topology of `world` and `tp`, among others).
+    #[error(transparent)]
+    Gpu(#[from] GpuDecodeError),
+    /// A GPU, driver, NCCL or allocation failure.
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    /// The FSDP backend failed while building the model.
+    #[error(transparent)]
+    Fsdp(#[from] FsdpError),
+    /// A lifecycle operation failed (boxed: the lifecycle's error is large).
+    #[error(transparent)]
+    Lifecycle(Box<LifecycleError<FsdpError>>),
+    /// The checkpoint could not be read.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// The model config does not fit the rollout degree.
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+}
+
+impl From<LifecycleError<FsdpError>> for GpuModelError {
+    fn from(e: LifecycleError<FsdpError>) -> Self {
+        GpuModelError::Lifecycle(Box::new(e))
+    }
+}
 
 /// A model's FSDP training state on `T` GPUs (`W = T`) inside a [`Lifecycle`], with the rollout
 /// layout [`ModelConfig::rollout_layout`] picks: enter rollout mode with
-/// `lifecycle_mut().rollout()` and build a [`GpuDecoder`](crate::GpuDecoder) from the session.
+/// `lifecycle_mut().rollout()` and build a [`GpuDecoder`](lifecycle_decoder_gpu::GpuDecoder)
+/// from the session.
 ///
 /// Without an NVIDIA driver, NCCL or enough GPUs, construction returns
-/// [`GpuDecodeError::Cuda`] (never a panic):
+/// [`GpuModelError::Cuda`] (never a panic):
 ///
 /// ```
 /// use lifecycle_decoder::{random_tensors, ModelConfig};
-/// use lifecycle_decoder_gpu::GpuModel;
+/// use lifecycle_examples::gpu_model::GpuModel;
 /// let config = ModelConfig::from_json_str(r#"{"model_type": "qwen2", "vocab_size": 32,
 ///   "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
 ///   "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0}"#)?;
@@ -46,7 +79,7 @@ impl std::fmt::Debug for GpuModel {
 }
 
 impl GpuModel {
-    fn backend(config: &ModelConfig, tp: usize) -> Result<FsdpBackend, GpuDecodeError> {
+    fn backend(config: &ModelConfig, tp: usize) -> Result<FsdpBackend, GpuModelError> {
         let layout = config.rollout_layout(tp)?;
         let pool = Arc::new(ThreadRankPool::new(tp)?);
         Ok(FsdpBackend::new(pool, layout))
@@ -58,7 +91,7 @@ impl GpuModel {
         config: &ModelConfig,
         tensors: Vec<HostTensor>,
         tp: usize,
-    ) -> Result<Self, GpuDecodeError> {
+    ) -> Result<Self, GpuModelError> {
         let backend = Self::backend(config, tp)?;
         let state = backend.state_from_tensors(tensors)?;
         Ok(GpuModel {
@@ -71,14 +104,14 @@ impl GpuModel {
     /// The model from full host tensors on GPUs `0..world` (threads of this process) with rollout
     /// degree `tp`: `world = tp` is one tensor-parallel group ([`GpuModel::from_tensors`]),
     /// `tp = 1 < world` gives `world` data-parallel decoder replicas. Other pairs are
-    /// [`GpuDecodeError::Topology`], before any GPU work.
+    /// [`GpuDecodeError::Topology`] (in [`GpuModelError::Gpu`]), before any GPU work.
     pub fn from_tensors_on(
         config: &ModelConfig,
         tensors: Vec<HostTensor>,
         world: usize,
         tp: usize,
-    ) -> Result<Self, GpuDecodeError> {
-        crate::decode_topology(world, tp, world)?;
+    ) -> Result<Self, GpuModelError> {
+        lifecycle_decoder_gpu::decode_topology(world, tp, world)?;
         let layout = config.rollout_layout(tp)?;
         let pool = Arc::new(ThreadRankPool::new(world)?);
         let backend = FsdpBackend::new(pool, layout);
@@ -91,7 +124,7 @@ impl GpuModel {
     }
 
     /// The model of a Hugging Face checkpoint folder (`config.json` + `model.safetensors`).
-    pub fn from_checkpoint(dir: &Path, tp: usize) -> Result<Self, GpuDecodeError> {
+    pub fn from_checkpoint(dir: &Path, tp: usize) -> Result<Self, GpuModelError> {
         let ckpt = load_checkpoint(dir)?;
         Self::from_tensors(&ckpt.config, ckpt.tensors, tp)
     }
@@ -103,7 +136,7 @@ impl GpuModel {
         tp: usize,
         seed: u64,
         scale: f32,
-    ) -> Result<Self, GpuDecodeError> {
+    ) -> Result<Self, GpuModelError> {
         let backend = Self::backend(config, tp)?;
         let state = backend.synthetic_state(&config.tensor_shapes(), seed, scale)?;
         Ok(GpuModel {
