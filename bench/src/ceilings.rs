@@ -7,9 +7,9 @@
 
 use std::time::Instant;
 
-use cudarc::driver::CudaSlice;
-use cudarc::driver::CudaStream;
 use half::bf16;
+use lifecycle_cuda::cudarc::driver::CudaSlice;
+use lifecycle_cuda::cudarc::driver::CudaStream;
 use lifecycle_cuda::{alloc_device, alloc_pinned, CudaError, RankCtx, RankExecutor};
 
 use crate::timing::{median, nothing, Repeats};

@@ -6,7 +6,7 @@ use crate::FsdpError;
 use lifecycle_layout::fsdp::ShardLayout;
 use lifecycle_state::HostTrainState;
 
-use cudarc::driver::CudaSlice;
+use lifecycle_cuda::cudarc::driver::CudaSlice;
 use lifecycle_cuda::{alloc_zeros, CudaError, OffloadBuffer, RankCtx, RankExecutor};
 use lifecycle_layout::{FsdpLayout, HostTensor, TensorData};
 

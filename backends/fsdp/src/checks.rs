@@ -2,8 +2,8 @@
 //! masters refused at plan time, offload and rollout hashes recorded and checked, and a bit-flip
 //! hook that shows the checks fire.
 
-use cudarc::driver::CudaSlice;
 use half::bf16;
+use lifecycle_cuda::cudarc::driver::CudaSlice;
 use lifecycle_cuda::driver::RankBuffers;
 use lifecycle_cuda::{RankExecutor, RolloutBuffer, SourceBuf};
 use lifecycle_layout::fsdp::ShardLayout;

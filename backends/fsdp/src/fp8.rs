@@ -11,8 +11,8 @@
 //! ([`lifecycle_layout::fp8::fp8_rank_traffic`] counts those messages); the backend refuses fp8
 //! there at plan time.
 
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use half::bf16;
+use lifecycle_cuda::cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use lifecycle_cuda::{CudaError, KernelSet, RankCtx};
 use lifecycle_layout::fp8::FP8_BLOCK;
 use lifecycle_layout::fsdp::FsdpPlan;

@@ -1,7 +1,7 @@
 //! The training state on the GPUs: per rank, flat fp32 buffers of padded FSDP shards (master,
 //! grads, Adam m and v), and pinned host copies while offloaded.
 
-use cudarc::driver::CudaSlice;
+use lifecycle_cuda::cudarc::driver::CudaSlice;
 use lifecycle_cuda::OffloadBuffer;
 use lifecycle_layout::FsdpLayout;
 

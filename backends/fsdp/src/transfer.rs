@@ -9,8 +9,8 @@ use half::bf16;
 use lifecycle_layout::fsdp::FsdpPlan;
 use std::sync::Arc;
 
-use cudarc::driver::CudaSlice;
 use lifecycle_core::{MemoryPolicy, SwitchContext};
+use lifecycle_cuda::cudarc::driver::CudaSlice;
 use lifecycle_cuda::driver::{
     free_grads, restore_grads, BufferClass, Corruption, Movable, ProgramSpec, RankBuffers,
     SwitchDriver, SwitchHooks,

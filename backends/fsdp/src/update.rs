@@ -22,7 +22,7 @@ use crate::state::RankTrain;
 use lifecycle_layout::fsdp::ShardLayout;
 use std::sync::Arc;
 
-use cudarc::driver::CudaSlice;
+use lifecycle_cuda::cudarc::driver::CudaSlice;
 use lifecycle_cuda::{CudaError, RankCtx, RankExecutor};
 use lifecycle_layout::{AdamParams, HostTensor};
 

@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use lifecycle_cuda::cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use lifecycle_cuda::{CudaError, KernelSet, LoadedModule, RankCtx};
 use lifecycle_layout::AdamParams;
 

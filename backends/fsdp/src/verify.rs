@@ -15,7 +15,7 @@
 //! [`FsdpError::Corrupted`]: crate::FsdpError::Corrupted
 //! [`FsdpError::RolloutCorrupted`]: crate::FsdpError::RolloutCorrupted
 
-use cudarc::driver::{CudaSlice, DevicePtr};
+use lifecycle_cuda::cudarc::driver::{CudaSlice, DevicePtr};
 use lifecycle_cuda::{
     ChunkTable, CudaError, PendingHashes, RankCtx, WordSize, DEFAULT_CHUNK_WORDS,
 };

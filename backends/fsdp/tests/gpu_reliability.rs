@@ -18,12 +18,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::DevicePtr;
 use lifecycle_core::{
     AfterFailure, Fault, FaultAt, FaultError, FaultInjector, FaultKind, Lifecycle, LifecycleConfig,
     LifecycleError, MemoryPolicy, Metrics, Mode, Operation, Phase, PhaseRecorder, Reshard,
     SwitchContext, Switching,
 };
+use lifecycle_cuda::cudarc::driver::DevicePtr;
 use lifecycle_cuda::testing::{require_gpus, spread};
 use lifecycle_cuda::{
     ChunkTable, CollectiveSettings, CudaError, RankExecutor, ThreadRankPool, Transport, WordSize,

@@ -3,8 +3,8 @@
 
 use crate::backend::MegatronGpuBackend;
 
-use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
+use lifecycle_cuda::cudarc::driver::{CudaSlice, DeviceRepr};
 use lifecycle_cuda::{alloc_device, alloc_zeros, CudaError, OffloadBuffer, RankCtx, RankExecutor};
 use lifecycle_layout::{HostTensor, Region2d};
 

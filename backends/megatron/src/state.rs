@@ -1,7 +1,7 @@
 //! The Megatron training state on the GPUs.
 
-use cudarc::driver::CudaSlice;
 use half::bf16;
+use lifecycle_cuda::cudarc::driver::CudaSlice;
 use lifecycle_cuda::OffloadBuffer;
 
 use lifecycle_layout::megatron::{MegatronLayout, OptimizerShard};

@@ -4,9 +4,9 @@
 
 use crate::backend::{MegatronGpuBackend, MegatronGpuPlan};
 
-use cudarc::driver::CudaSlice;
 use half::bf16;
 use lifecycle_core::SwitchContext;
+use lifecycle_cuda::cudarc::driver::CudaSlice;
 use lifecycle_cuda::driver::{
     free_grads, restore_grads, BufferClass, Movable, NoHooks, ProgramSpec, RankBuffers,
     SwitchDriver,

@@ -22,7 +22,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use cudarc::driver::CudaSlice;
 use half::bf16;
 use lifecycle_bench::ceilings::{self, PinnedOrder, PinnedRates, Timing, NO_LINK};
 use lifecycle_bench::cycles::{
@@ -31,6 +30,7 @@ use lifecycle_bench::cycles::{
 use lifecycle_bench::timing::{gbps, ms, GB};
 use lifecycle_bench::trace::trace_cycle;
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Phase, Reshard, Switching};
+use lifecycle_cuda::cudarc::driver::CudaSlice;
 use lifecycle_cuda::{alloc_device, check_environment, RankExecutor, ThreadRankPool, Transport};
 use lifecycle_fsdp::{BucketConfig, FsdpBackend, FsdpTrainState, GatherMode};
 use lifecycle_layout::{ExpertPlacement, ModelSpec, RolloutLayout};
@@ -208,8 +208,9 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
         // SAFETY: as above.
         let mut dst: CudaSlice<bf16> =
             unsafe { alloc_device(&ctx.compute, n, ctx.rank, "cast dst")? };
-        let (sp, _g) = cudarc::driver::DevicePtr::device_ptr(&src, &ctx.compute);
-        let (dp, _h) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut dst, &ctx.compute);
+        let (sp, _g) = lifecycle_cuda::cudarc::driver::DevicePtr::device_ptr(&src, &ctx.compute);
+        let (dp, _h) =
+            lifecycle_cuda::cudarc::driver::DevicePtrMut::device_ptr_mut(&mut dst, &ctx.compute);
         let sync = || ctx.compute.synchronize().map_err(ctx.drv("sync", 0));
         let mut out = Vec::new();
         for region in [
@@ -245,7 +246,8 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
                 .compute
                 .clone_htod(batch.words())
                 .map_err(ctx.drv("descs", 0))?;
-            let (descp, _d) = cudarc::driver::DevicePtr::device_ptr(&descs, &ctx.compute);
+            let (descp, _d) =
+                lifecycle_cuda::cudarc::driver::DevicePtr::device_ptr(&descs, &ctx.compute);
             for cap in [0, 4] {
                 ctx.kernels.set_multi_blocks_per_sm(cap);
                 let t = timing.repeats.median_secs(sync, || {

@@ -24,9 +24,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use cudarc::nccl::ReduceOp;
 use lifecycle_bench::cli::{exit_code, positive};
 use lifecycle_core::{HumanDuration, Lifecycle};
+use lifecycle_cuda::cudarc::nccl::ReduceOp;
 use lifecycle_cuda::{
     alloc_zeros, check_environment, CollectiveSettings, RankExecutor, ThreadRankPool,
 };
@@ -228,8 +228,8 @@ fn launch_cost(world: usize, nonblocking: bool, ops: usize) -> Result<(f64, f64)
         let nccl = ctx.nccl_stream();
         ctx.order(&ctx.compute, &nccl)?;
         let (next, prev) = ((ctx.rank + 1) % world, (ctx.rank + world - 1) % world);
-        let pair = |b: &cudarc::driver::CudaSlice<f32>,
-                    c: &mut cudarc::driver::CudaSlice<f32>|
+        let pair = |b: &lifecycle_cuda::cudarc::driver::CudaSlice<f32>,
+                    c: &mut lifecycle_cuda::cudarc::driver::CudaSlice<f32>|
          -> Result<(), lifecycle_cuda::CudaError> {
             ctx.group_start()?;
             let sent = ctx.comm.send(b, next as i32);

@@ -13,9 +13,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use clap::Parser;
-use cudarc::driver::sys;
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
-use cudarc::driver::{DevicePtrMut, PushKernelArg};
+use lifecycle_cuda::cudarc::driver::sys;
+use lifecycle_cuda::cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+};
+use lifecycle_cuda::cudarc::driver::{DevicePtrMut, PushKernelArg};
 use lifecycle_cuda::KernelSet;
 
 const SRC: &str = r#"
@@ -228,7 +230,12 @@ fn main() -> Res<()> {
                 // SAFETY: both buffers hold at least `bytes` and stay alive until the streams are
                 // synchronised; peer access is enabled above.
                 unsafe {
-                    cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, g.net.cu_stream())?
+                    lifecycle_cuda::cudarc::driver::result::memcpy_dtod_async(
+                        dst,
+                        src,
+                        bytes,
+                        g.net.cu_stream(),
+                    )?
                 }
             }
             Method::SmPull | Method::SmPush => {
@@ -298,7 +305,7 @@ fn main() -> Res<()> {
                     // SAFETY: both halves lie inside buffers of 2 × `bytes`, alive until the streams
                     // are synchronised; peer access is enabled.
                     unsafe {
-                        cudarc::driver::result::memcpy_dtod_async(
+                        lifecycle_cuda::cudarc::driver::result::memcpy_dtod_async(
                             recvs[peer] + (p * half) as u64,
                             sends[i] + (p * half) as u64,
                             half,
@@ -323,7 +330,14 @@ fn main() -> Res<()> {
         let (s, _a) = g.load_src.device_ptr(&g.local);
         let (d, _b) = g.load_dst.device_ptr(&g.local);
         // SAFETY: both 4 GiB buffers are alive for the run.
-        unsafe { cudarc::driver::result::memcpy_dtod_async(d, s, 4 << 30, g.local.cu_stream())? };
+        unsafe {
+            lifecycle_cuda::cudarc::driver::result::memcpy_dtod_async(
+                d,
+                s,
+                4 << 30,
+                g.local.cu_stream(),
+            )?
+        };
         Ok(())
     };
     let methods = [

@@ -7,9 +7,11 @@ use std::marker::PhantomData;
 use std::ops::Range;
 use std::sync::Arc;
 
-use cudarc::cublas::{result as cublas_result, sys as cublas_sys, CudaBlas};
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice};
-use cudarc::nccl::ReduceOp;
+use lifecycle_cuda::cudarc::cublas::{result as cublas_result, sys as cublas_sys, CudaBlas};
+use lifecycle_cuda::cudarc::driver::{
+    CudaEvent, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
+};
+use lifecycle_cuda::cudarc::nccl::ReduceOp;
 use lifecycle_cuda::{
     alloc_device, alloc_pinned, alloc_zeros, CudaError, RankCtx, RankExecutor, ThreadRankPool,
 };
@@ -1001,7 +1003,7 @@ pub(crate) fn group_entries(
 }
 
 /// Makes `slot` a device scratch of at least `len` elements (kept when it is large enough).
-fn grow_scratch<T: cudarc::driver::DeviceRepr>(
+fn grow_scratch<T: lifecycle_cuda::cudarc::driver::DeviceRepr>(
     ctx: &RankCtx,
     slot: &mut Option<CudaSlice<T>>,
     len: usize,

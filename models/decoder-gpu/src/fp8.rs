@@ -11,8 +11,8 @@
 
 use std::sync::Arc;
 
-use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig};
+use lifecycle_cuda::cudarc::cublas::CudaBlas;
+use lifecycle_cuda::cudarc::driver::{CudaFunction, CudaStream, LaunchConfig};
 use lifecycle_cuda::{CudaError, KernelSet, RankCtx};
 
 use crate::kernels::{launch, Arg};

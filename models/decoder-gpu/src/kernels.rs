@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use lifecycle_cuda::cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use lifecycle_cuda::{CudaError, KernelSet, RankCtx};
 
 /// CUDA C source of the decoder kernels.

@@ -17,8 +17,8 @@ use std::ffi::c_void;
 use std::ops::Range;
 use std::sync::Arc;
 
-use cudarc::cublas::{sys as cublas_sys, CudaBlas};
-use cudarc::driver::{CudaSlice, CudaStream};
+use lifecycle_cuda::cudarc::cublas::{sys as cublas_sys, CudaBlas};
+use lifecycle_cuda::cudarc::driver::{CudaSlice, CudaStream};
 use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
 
 use super::{cublas_err, gemm, ptr, Dims, RankState};
