@@ -21,6 +21,7 @@ use lifecycle_layout::steps::{
     TILE_BYTES,
 };
 
+use crate::quantise::QuantiseJobs;
 use crate::{
     alloc_device, copy_2d, peer_base, CastBatch, CudaError, RankCtx, RankMoved, StreamTimeline,
     TileKernel,
@@ -50,6 +51,7 @@ pub struct DeviceProgram {
     descs: Option<CudaSlice<u64>>,
     tiles: CudaSlice<u8>,
     tile_kernel: TileKernel,
+    quantise: Option<QuantiseJobs>,
 }
 
 /// The training buffer a rank's switch reads.
@@ -172,6 +174,7 @@ impl DeviceProgram {
             .compute
             .clone_htod(&bytes)
             .map_err(upload("uploading the copy tiles", bytes.len() as u64))?;
+        let quantise = QuantiseJobs::upload(ctx, &steps.quantise)?;
         Ok(DeviceProgram {
             steps,
             program,
@@ -179,6 +182,7 @@ impl DeviceProgram {
             descs,
             tiles,
             tile_kernel: TileKernel::load(ctx)?,
+            quantise,
         })
     }
 
@@ -374,6 +378,33 @@ fn run_inner(
                 stream(*st)
                     .wait(e)
                     .map_err(ctx.drv("waiting on an event", 0))?;
+            }
+            Op::Quantise => {
+                let jobs = prog
+                    .quantise
+                    .as_ref()
+                    .ok_or_else(|| missing("a quantisation step without its job table"))?;
+                if !matches!(source, SourceBuf::F32(_)) {
+                    return Err(missing("a quantisation reads a bf16 training buffer"));
+                }
+                let mark = tl.begin(ctx, &ctx.aux)?;
+                // SAFETY: the program's steps were validated against a source of at least
+                // `source_elems` and a rollout buffer of at least `rollout_elems` elements (checked
+                // above against these buffers); both live until the runner synchronised; the
+                // regions' bytes are written by no other step.
+                unsafe { jobs.launch(ctx, &ctx.aux, src_base, rbase)? };
+                let bytes = jobs.bytes();
+                let link = Some(Link::Local);
+                tl.end(
+                    ctx,
+                    &ctx.aux,
+                    mark,
+                    Phase::Transfer,
+                    "fp8 quantisation",
+                    "aux",
+                    bytes,
+                    link,
+                )?;
             }
             Op::Zero => {
                 let mark = tl.begin(ctx, &ctx.aux)?;
@@ -603,7 +634,7 @@ fn run_inner(
         .map_err(ctx.drv("freeing staging", 0))?;
     Ok(RankMoved {
         recv: s.recv_elems * 2,
-        local: s.local_elems * 2,
+        local: s.local_elems * 2 + prog.quantise.as_ref().map_or(0, QuantiseJobs::bytes),
         staging,
         timeline: None,
     })

@@ -12,7 +12,6 @@ use lifecycle_cuda::{alloc_rollout_buffers, RankExecutor, RolloutBuffer};
 use lifecycle_layout::fsdp::{FsdpPlan, ShardLayout};
 use lifecycle_layout::FsdpLayout;
 
-use crate::transfer::Fp8Hook;
 use crate::{FsdpBackend, FsdpError};
 
 /// What a caller lends for one local rank: the flat fp32 master buffer in the padded layout of
@@ -194,9 +193,8 @@ impl Reshard for LentFsdpBackend {
         // is written before the buffers are handed out.
         let mut rolls =
             unsafe { alloc_rollout_buffers(&*inner.pool, plan.roll_len as usize, plan.peer_copy)? };
-        let hooks = Fp8Hook(plan);
-        let mut moved = inner.transfer(plan, &mut state.ranks, &mut rolls, &hooks, ctx)?;
-        inner.finish_offload(&mut state.ranks, &hooks, ctx, &mut moved)?;
+        let mut moved = inner.transfer(plan, &mut state.ranks, &mut rolls, &NoHooks, ctx)?;
+        inner.finish_offload(&mut state.ranks, &NoHooks, ctx, &mut moved)?;
         Ok(RolloutBuffer::per_rank_shared(
             rolls,
             inner.pool.local_ranks().to_vec(),
@@ -226,10 +224,9 @@ impl Reshard for LentFsdpBackend {
                 found: rollout.len_per_rank() as u64,
             });
         }
-        let hooks = Fp8Hook(plan);
         let mut moved =
-            inner.transfer(plan, &mut state.ranks, rollout.buffers_mut(), &hooks, ctx)?;
-        inner.finish_offload(&mut state.ranks, &hooks, ctx, &mut moved)
+            inner.transfer(plan, &mut state.ranks, rollout.buffers_mut(), &NoHooks, ctx)?;
+        inner.finish_offload(&mut state.ranks, &NoHooks, ctx, &mut moved)
     }
 
     fn exit(

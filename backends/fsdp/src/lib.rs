@@ -56,7 +56,6 @@ mod build;
 mod checks;
 mod download;
 mod error;
-pub mod fp8;
 mod lent;
 
 mod reshard;

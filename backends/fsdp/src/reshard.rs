@@ -113,7 +113,7 @@ impl Reshard for FsdpBackend {
         let mut rolls = unsafe { alloc_rollout_buffers(&*self.pool, len, peers_write)? };
         // The transfer phase's wall time starts after the rollout allocation (reported apart:
         // enter's total includes it).
-        let hooks = self.hooks(&state.shards, Some(&**plan));
+        let hooks = self.hooks(&state.shards);
         let mut moved = self.transfer(plan, &mut state.ranks, &mut rolls, &hooks, ctx)?;
         let entries = self.entries(plan);
         if self.verify {
@@ -150,7 +150,7 @@ impl Reshard for FsdpBackend {
         }
         // The old hashes no longer describe the weights, whatever happens next.
         self.rollout_sums = None;
-        let hooks = self.hooks(&state.shards, Some(&**plan));
+        let hooks = self.hooks(&state.shards);
         let mut moved =
             self.transfer(plan, &mut state.ranks, rollout.buffers_mut(), &hooks, ctx)?;
         if self.verify {
@@ -172,7 +172,7 @@ impl Reshard for FsdpBackend {
             ctx.rec
                 .phase(Phase::Release, |_| rollout.release(&*self.pool))?;
         }
-        let hooks = self.hooks(&state.shards, None);
+        let hooks = self.hooks(&state.shards);
         let corrupted = self
             .driver()
             .reload::<_, FsdpError>(&mut state.ranks, ctx, &hooks)?;

@@ -1,5 +1,5 @@
 //! The FSDP glue over the engine's [switch driver](lifecycle_cuda::driver): a rank's training
-//! buffers as [`RankBuffers`], verification and fp8 quantisation as [`SwitchHooks`], and the
+//! buffers as [`RankBuffers`], verification as [`SwitchHooks`], and the
 //! plan handed to the driver as a [`ProgramSpec`].
 
 use crate::backend::FsdpBackend;
@@ -54,17 +54,15 @@ impl RankBuffers for RankTrain {
 }
 
 /// The FSDP backend's hooks: verification (hashes of what leaves the device, checked when it
-/// returns) and the fp8 quantisation of an fp8 plan's slices.
-pub(crate) struct FsdpHooks<'a> {
+/// returns).
+pub(crate) struct FsdpHooks {
     /// Verification mode: the chunks of every tensor's shard.
     pub(crate) verify: Option<ChunkTable>,
-    /// The plan run (its fp8 slices are quantised after the steps).
-    pub(crate) plan: Option<&'a FsdpPlan>,
     /// Tensor names by shard slot, for corruption reports.
     pub(crate) names: Vec<String>,
 }
 
-impl SwitchHooks<RankTrain> for FsdpHooks<'_> {
+impl SwitchHooks<RankTrain> for FsdpHooks {
     fn before_offload(
         &self,
         ctx: &RankCtx,
@@ -89,15 +87,6 @@ impl SwitchHooks<RankTrain> for FsdpHooks<'_> {
             }
         }
         Ok(())
-    }
-
-    fn after_program(
-        &self,
-        ctx: &RankCtx,
-        source: SourceBuf<'_>,
-        roll: &mut CudaSlice<bf16>,
-    ) -> Result<u64, CudaError> {
-        quantise(ctx, self.plan, source, roll)
     }
 
     fn offload_settled(&self, _ctx: &RankCtx, rt: &mut RankTrain) -> Result<(), CudaError> {
@@ -141,34 +130,6 @@ impl SwitchHooks<RankTrain> for FsdpHooks<'_> {
     }
 }
 
-/// The hook of a switch over buffers without verification (lent ones): the fp8 quantisation of
-/// an fp8 plan's slices.
-pub(crate) struct Fp8Hook<'a>(pub(crate) &'a FsdpPlan);
-
-impl<B> SwitchHooks<B> for Fp8Hook<'_> {
-    fn after_program(
-        &self,
-        ctx: &RankCtx,
-        source: SourceBuf<'_>,
-        roll: &mut CudaSlice<bf16>,
-    ) -> Result<u64, CudaError> {
-        quantise(ctx, Some(self.0), source, roll)
-    }
-}
-
-/// An fp8 plan's quantised slices, from the fp32 masters into the rollout buffer.
-fn quantise(
-    ctx: &RankCtx,
-    plan: Option<&FsdpPlan>,
-    source: SourceBuf<'_>,
-    roll: &mut CudaSlice<bf16>,
-) -> Result<u64, CudaError> {
-    match (plan, source) {
-        (Some(plan), SourceBuf::F32(master)) => crate::fp8::quantise_rank(ctx, plan, master, roll),
-        _ => Ok(0),
-    }
-}
-
 impl FsdpBackend {
     /// Each local rank's rollout entries, made once per plan and shared by its rollouts.
     pub(crate) fn entries(&self, plan: &Arc<FsdpPlan>) -> crate::backend::RankEntries {
@@ -197,15 +158,10 @@ impl FsdpBackend {
         SwitchDriver::new(&*self.pool, &self.pinned)
     }
 
-    /// The hooks of a switch running `plan` (`None` at exit).
-    pub(crate) fn hooks<'a>(
-        &self,
-        shards: &lifecycle_layout::fsdp::ShardLayout,
-        plan: Option<&'a FsdpPlan>,
-    ) -> FsdpHooks<'a> {
+    /// The hooks of a switch of a state of layout `shards`.
+    pub(crate) fn hooks(&self, shards: &lifecycle_layout::fsdp::ShardLayout) -> FsdpHooks {
         FsdpHooks {
             verify: self.verify.then(|| verify::shard_table(shards)),
-            plan,
             names: shards.slots.iter().map(|s| s.name.clone()).collect(),
         }
     }

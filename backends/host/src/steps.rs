@@ -29,7 +29,10 @@
 //! # Ok::<(), lifecycle_host::HostError>(())
 //! ```
 
-use lifecycle_layout::steps::{Buf, Copy, NetStep, Op, Program, RankSteps, SourceType, Stream};
+use lifecycle_layout::fp8::{block_scale_inv, e4m3_from_f32, FP8_BLOCK};
+use lifecycle_layout::steps::{
+    Buf, Copy, NetStep, Op, Program, Quantise, RankSteps, SourceType, Stream,
+};
 use lifecycle_layout::{LayoutError, Region2d};
 
 use crate::HostError;
@@ -79,7 +82,7 @@ struct Rank<'a> {
 
 fn stream_of(op: &Op) -> Stream {
     match op {
-        Op::Zero => Stream::Aux,
+        Op::Zero | Op::Quantise => Stream::Aux,
         Op::Copies { stream, .. } | Op::Record { stream, .. } | Op::Wait { stream, .. } => *stream,
         Op::Nccl { .. } | Op::Push { .. } => Stream::Net,
     }
@@ -372,6 +375,18 @@ fn step(rs: &mut [Rank<'_>], r: usize, s: usize) -> Result<(), HostError> {
                 rs[r].rollout[z.start as usize..z.end as usize].fill(0);
             }
         }
+        Op::Quantise => {
+            let Source::F32(master) = rs[r].source else {
+                return Err(HostError::Layout(LayoutError::InvalidSteps {
+                    rank: rs[r].steps.rank,
+                    what: "a quantisation reads a bf16 training buffer".into(),
+                }));
+            };
+            let rank = &mut rs[r];
+            for q in &rank.steps.quantise {
+                quantise(master, &mut rank.rollout, q);
+            }
+        }
         Op::Copies {
             copies, slot, peer, ..
         } => {
@@ -413,6 +428,46 @@ fn step(rs: &mut [Rank<'_>], r: usize, s: usize) -> Result<(), HostError> {
     }
     rs[r].heads[s] += 1;
     Ok(())
+}
+
+/// Writes `q`'s e4m3 bytes and block scales into `rollout` (bf16 bits, little-endian bytes), as
+/// the GPU kernel does: per 128 × 128 block the amax, `scale_inv = block_scale_inv(amax)`, every
+/// value `e4m3(x / scale_inv)`. The regions were validated with the steps.
+fn quantise(master: &[f32], rollout: &mut [u16], q: &Quantise) {
+    let b = FP8_BLOCK as u64;
+    fn set_byte(rollout: &mut [u16], at: u64, v: u8) {
+        let e = &mut rollout[(at / 2) as usize];
+        *e = if at % 2 == 0 {
+            (*e & 0xff00) | v as u16
+        } else {
+            (*e & 0x00ff) | ((v as u16) << 8)
+        };
+    }
+    let bc = q.cols.div_ceil(b);
+    for br in 0..q.rows.div_ceil(b) {
+        for bcol in 0..bc {
+            let (r0, c0) = (br * b, bcol * b);
+            let (r1, c1) = ((r0 + b).min(q.rows), (c0 + b).min(q.cols));
+            let at = |r: u64, c: u64| (q.src_off + r * q.cols + c) as usize;
+            let mut amax = 0.0f32;
+            for r in r0..r1 {
+                for c in c0..c1 {
+                    amax = amax.max(master[at(r, c)].abs());
+                }
+            }
+            let s = block_scale_inv(amax);
+            for r in r0..r1 {
+                for c in c0..c1 {
+                    let v = e4m3_from_f32(master[at(r, c)] / s);
+                    set_byte(rollout, q.dst_byte + r * q.cols + c, v);
+                }
+            }
+            let bits = s.to_bits();
+            let k = q.scale + br * bc + bcol;
+            rollout[(2 * k) as usize] = bits as u16;
+            rollout[(2 * k + 1) as usize] = (bits >> 16) as u16;
+        }
+    }
 }
 
 /// Moves the messages between the posted groups of ranks `a` and `b`, both directions.

@@ -157,3 +157,58 @@ fn the_fp8_keep_setting_keeps_attention_or_layers_bf16_and_the_reference_agrees(
     let err = "layers:0".parse::<Fp8Keep>().unwrap_err();
     assert!(err.contains("layers:0") && err.contains("layer:N"), "{err}");
 }
+
+/// The fp8 plan's steps (bf16 casts and quantisations in one step program) run on the host step
+/// runner, under several stream interleavings, equal the fp8 switch bit for bit at W = 1; a
+/// quantisation reading a bf16 training buffer, or leaving the rollout buffer, is refused.
+#[test]
+fn fp8_quantisation_runs_as_a_step_and_matches_the_fp8_switch() {
+    use half::bf16;
+    use lifecycle_host::steps::{run_steps, Source};
+    use lifecycle_layout::fsdp::{build_fp8_plan, BucketConfig};
+    use lifecycle_layout::plan_fsdp_to_tp;
+    use lifecycle_layout::steps::SourceType;
+    use lifecycle_layout::HostRollout;
+
+    for keep in [Fp8Keep::default(), "attention".parse().unwrap()] {
+        let specs = specs();
+        let st = state(1, &specs);
+        let layout = RolloutLayout::new(1, specs).unwrap();
+        let core = plan_fsdp_to_tp(st.layout(), &layout).unwrap();
+        let plan = build_fp8_plan(core, st.layout(), BucketConfig::default(), keep).unwrap();
+        let steps = plan.rank_steps(0).unwrap();
+        assert!(
+            !steps.quantise.is_empty(),
+            "the plan quantises on the device"
+        );
+        let shards = &plan.shards;
+        let mut flat = vec![0.0f32; shards.rank_len as usize];
+        for (i, slot) in shards.slots.iter().enumerate() {
+            let shard = st.master_shard(0, i).unwrap();
+            flat[slot.offset as usize..slot.offset as usize + shard.len()].copy_from_slice(shard);
+        }
+        let out = run_steps(vec![steps.clone()], &[Source::F32(&flat)], &[1, 2, 3]).unwrap();
+        let rolls: Vec<Vec<bf16>> = out
+            .into_iter()
+            .map(|r| r.into_iter().map(bf16::from_bits).collect())
+            .collect();
+        let got = HostRollout::from_flat(&plan.entries(0), rolls).unwrap();
+        let want = fp8_switch_with(&st, &layout, keep).unwrap();
+        assert_eq!(got, want, "keep {keep}");
+
+        let mut bf16_source = steps.clone();
+        bf16_source.source = SourceType::Bf16;
+        let e = bf16_source.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("quantisation 0 reads a bf16 training buffer"),
+            "{e}"
+        );
+        let mut outside = steps.clone();
+        outside.quantise[0].dst_byte = 2 * outside.rollout_elems;
+        let e = outside.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("quantisation 0") && e.contains("leaves its buffers"),
+            "{e}"
+        );
+    }
+}

@@ -3,7 +3,8 @@
 
 use super::{BucketOps, Buf as FsdpBuf, FsdpPlan};
 use crate::steps::{
-    Buf, Copy, Gather, LocalChunk, Message, NetStep, PeerRun, RankSteps, SourceType, Stream,
+    Buf, Copy, Gather, LocalChunk, Message, NetStep, PeerRun, Quantise, RankSteps, SourceType,
+    Stream,
 };
 use crate::{LayoutError, Region2d};
 
@@ -155,12 +156,14 @@ impl FsdpPlan {
             }
             steps.push(st);
         }
+        let quantise = self.rank_quantise(rank)?;
         let steps = RankSteps {
             rank,
             world: self.core.world,
             source: SourceType::F32,
             copies,
             zero: Vec::new(),
+            quantise,
             local,
             in_flight: self.config.in_flight.min(buckets.len()).max(1),
             steps,
@@ -181,5 +184,45 @@ impl FsdpPlan {
         };
         steps.validate()?;
         Ok(steps)
+    }
+
+    /// Rank `rank`'s quantisations: one per fp8 slice of the plan, read from the rank's own
+    /// master shard. A slice whose rows the rank does not hold (fp8 at W > 1, where the amax of
+    /// a block whose rows live on several ranks must be agreed first) is refused by name.
+    fn rank_quantise(&self, rank: usize) -> Result<Vec<Quantise>, LayoutError> {
+        let Some(slices) = self.fp8.get(rank) else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::with_capacity(slices.len());
+        for s in slices {
+            let t = &s.tensor;
+            let bad = |what: String| LayoutError::InvalidSteps { rank, what };
+            let slot =
+                self.shards.slots.get(t.train_index).ok_or_else(|| {
+                    bad(format!("fp8 slice of training tensor {}", t.train_index))
+                })?;
+            let held = self.shards.held_rows(t.train_index, rank);
+            let whole_cols = t.cols.start == 0 && t.cols.end == slot.cols;
+            if t.rows.start < held.start || t.rows.end > held.end || !whole_cols {
+                return Err(bad(format!(
+                    "the fp8 slice of `{}` (rows {:?}, columns {:?}) is not a block of rank \
+                     {rank}'s own shard (rows {held:?}): quantising it needs the amax of \
+                     blocks on several ranks agreed first",
+                    slot.name, t.rows, t.cols
+                )));
+            }
+            let scale = s
+                .entry
+                .scale_offset()
+                .ok_or_else(|| bad(format!("the fp8 slice of `{}` has no scales", slot.name)))?;
+            out.push(Quantise {
+                src_off: slot.offset + ((t.rows.start - held.start) * slot.cols) as u64,
+                dst_byte: 2 * s.entry.offset() as u64,
+                scale: scale as u64 / 2,
+                rows: t.rows.len() as u64,
+                cols: t.cols.len() as u64,
+            });
+        }
+        Ok(out)
     }
 }

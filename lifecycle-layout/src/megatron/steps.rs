@@ -179,6 +179,7 @@ impl RankSchedule {
             world: shape.world,
             source: SourceType::Bf16,
             copies,
+            quantise: Vec::new(),
             zero: self
                 .zero
                 .iter()

@@ -9,7 +9,10 @@
 //! - **network steps** ([`NetStep`]): per step, the copies that pack the send slot, the grouped
 //!   NCCL sends / receives / all-gathers, the peer copies written by the copy engines into other
 //!   ranks' rollout buffers, and the copies that unpack the receive slot;
-//! - **zero ranges**: rollout elements no transfer writes (vocabulary padding).
+//! - **zero ranges**: rollout elements no transfer writes (vocabulary padding);
+//! - **quantisations** ([`Quantise`]): regions of the fp32 training buffer written into the
+//!   rollout buffer as block-scaled e4m3 (fp8 rollouts): one `scale_inv` per 128 × 128 block,
+//!   every element `e4m3(x / scale_inv)`.
 //!
 //! The FSDP bucket plans ([`crate::fsdp::FsdpPlan::rank_steps`]) and the Megatron schedules
 //! ([`crate::megatron::schedule::RankSchedule::rank_steps`]) are two producers of steps;
@@ -245,6 +248,40 @@ impl NetStep {
     }
 }
 
+/// A region of the fp32 training buffer quantised into the rollout buffer in block-scaled e4m3
+/// (the layout of [`crate::fp8`]): `rows × cols` values (row pitch `cols`) from element
+/// `src_off` become `rows × cols` bytes from byte `dst_byte` of the rollout buffer (row pitch
+/// `cols`) and one f32 `scale_inv` per 128 × 128 block, row-major, from f32 index `scale` of the
+/// rollout buffer (its bytes `4 · scale ..`). Each block's scale is
+/// [`block_scale_inv`](crate::fp8::block_scale_inv) of its amax; every value becomes
+/// [`e4m3_from_f32`](crate::fp8::e4m3_from_f32)`(x / scale_inv)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quantise {
+    /// First source element.
+    pub src_off: u64,
+    /// First e4m3 byte in the rollout buffer.
+    pub dst_byte: u64,
+    /// First scale, as an f32 index into the rollout buffer.
+    pub scale: u64,
+    /// Rows.
+    pub rows: u64,
+    /// Columns (the row pitch of source and bytes alike).
+    pub cols: u64,
+}
+
+impl Quantise {
+    /// 128 × 128 blocks (scales) of the region.
+    pub fn blocks(&self) -> u64 {
+        let b = crate::fp8::FP8_BLOCK as u64;
+        self.rows.div_ceil(b) * self.cols.div_ceil(b)
+    }
+
+    /// Bytes it writes into the rollout buffer (e4m3 bytes and scales).
+    pub fn bytes(&self) -> u64 {
+        self.rows * self.cols + 4 * self.blocks()
+    }
+}
+
 /// Everything one rank does in a switch, as data (see the [module docs](self)).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RankSteps {
@@ -258,6 +295,9 @@ pub struct RankSteps {
     pub copies: Vec<Copy>,
     /// Rollout element ranges to zero (vocabulary padding), on the auxiliary stream first.
     pub zero: Vec<Range<u64>>,
+    /// Regions of the fp32 training buffer quantised into the rollout buffer (fp8 rollouts),
+    /// on the auxiliary stream after the local chunks.
+    pub quantise: Vec<Quantise>,
     /// Local chunks, in issue order.
     pub local: Vec<LocalChunk>,
     /// Network steps, in order.
@@ -442,6 +482,31 @@ impl RankSteps {
         for z in &self.zero {
             if z.start > z.end || z.end > self.rollout_elems {
                 return Err(bad(format!("zero range {z:?} leaves the rollout buffer")));
+            }
+        }
+        let roll_bytes = 2 * self.rollout_elems;
+        for (i, q) in self.quantise.iter().enumerate() {
+            if self.source != SourceType::F32 {
+                return Err(bad(format!(
+                    "quantisation {i} reads a bf16 training buffer"
+                )));
+            }
+            let n = q.rows.checked_mul(q.cols);
+            let src_end = n.and_then(|n| n.checked_add(q.src_off));
+            let dst_end = n.and_then(|n| n.checked_add(q.dst_byte));
+            let scale_end = q
+                .scale
+                .checked_add(q.blocks())
+                .and_then(|e| e.checked_mul(4));
+            if src_end.is_none_or(|e| e > self.source_elems)
+                || dst_end.is_none_or(|e| e > roll_bytes)
+                || scale_end.is_none_or(|e| e > roll_bytes)
+            {
+                return Err(bad(format!(
+                    "quantisation {i} ({} × {} from element {}, bytes at {}, scales at f32 {}) \
+                     leaves its buffers",
+                    q.rows, q.cols, q.src_off, q.dst_byte, q.scale
+                )));
             }
         }
         Ok(())

@@ -73,6 +73,8 @@ pub enum Op {
         /// Staging slot index.
         slot: usize,
     },
+    /// The quantisations of [`RankSteps::quantise`] (all of them), on the auxiliary stream.
+    Quantise,
     /// Record event `event` on `stream` (each event is recorded once).
     Record {
         /// The stream.
@@ -265,6 +267,10 @@ pub fn compile(steps: &RankSteps) -> Result<Program, LayoutError> {
         for c in (0..steps.local.len()).filter(|&c| steps.local[c].after_step == Some(j)) {
             local(&mut p, &mut local_done, &packed, c)?;
         }
+    }
+    if !steps.quantise.is_empty() {
+        // After the local chunks on the same stream; the bytes it writes are its own.
+        p.ops.push(Op::Quantise);
     }
     let net = p.record(Stream::Net);
     p.wait(Stream::Compute, net);

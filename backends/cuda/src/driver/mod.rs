@@ -32,7 +32,7 @@ use lifecycle_layout::LayoutError;
 
 use crate::{
     peer_bases, record_spans, record_transfer, run_program, CudaError, PinnedPool, ProgramSlot,
-    RankCtx, RankExecutor, RankMoved, RankSpans, RunOptions, SourceBuf, StreamTimeline,
+    RankCtx, RankExecutor, RankMoved, RankSpans, RunOptions, StreamTimeline,
 };
 
 /// A reloaded buffer whose contents differ from what was offloaded, as a
@@ -60,17 +60,6 @@ pub trait SwitchHooks<B>: Sync {
         _memory: MemoryPolicy,
     ) -> Result<(), CudaError> {
         Ok(())
-    }
-
-    /// After the rank's step program ran, with its rollout buffer (fp8 quantisation of the plan's
-    /// quantised slices runs here until it is a step). Returns bytes written locally.
-    fn after_program(
-        &self,
-        _ctx: &RankCtx,
-        _source: SourceBuf<'_>,
-        _roll: &mut RollSlice,
-    ) -> Result<u64, CudaError> {
-        Ok(0)
     }
 
     /// On each rank once its offload copies finished, before the device copies are given up.
@@ -191,9 +180,7 @@ impl<'a, P: RankExecutor> SwitchDriver<'a, P> {
                     prog.get_or_build(ctx, spec.key.clone(), spec.batched_casts, || {
                         (spec.steps)(ctx, *local, len)
                     })?;
-                let mut moved = run_program(ctx, program, source, roll, bases, spec.opts, tl)?;
-                moved.local += hooks.after_program(ctx, source, roll)?;
-                Ok(moved)
+                run_program(ctx, program, source, roll, bases, spec.opts, tl)
             })
     }
 
