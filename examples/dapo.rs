@@ -640,6 +640,10 @@ fn summary(runs: &[&RunReport]) -> String {
             curve.len() - q + 1,
             curve.len(),
         ));
+        if let Some(line) = first.short_steps() {
+            out.push_str(&line);
+            out.push('\n');
+        }
         if first
             .steps
             .iter()

@@ -114,6 +114,27 @@ fn checkpoint_samples_follow_the_weights_on_two_replicas() {
     assert_eq!(lc.metrics().switches(), 2);
 }
 
+/// `dapo --checkpoint models/decoder/fixtures/tied_vocab61` at its default options runs to its
+/// end: the synthetic update drifts the tiny model's samples towards uniform groups, so some
+/// steps run out of gen batches and train on the groups gathered, which the report says.
+#[test]
+fn the_documented_checkpoint_run_reaches_its_end_at_default_options() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/decoder/fixtures/tied_vocab61");
+    let ckpt = load_checkpoint(&dir).unwrap();
+    let config = DapoConfig::default();
+    let report = run_checkpoint(&config, &ckpt, Switching::Lazy, |_| {}).unwrap();
+    assert_eq!(report.steps.len(), config.steps);
+    for s in &report.steps {
+        assert!(s.kept > 0, "step {} trained on nothing", s.step);
+        match s.short_of {
+            Some(n) => assert!(n == config.batch_groups && s.kept < n, "step {}", s.step),
+            None => assert_eq!(s.kept, config.batch_groups, "step {}", s.step),
+        }
+    }
+    let short = report.steps.iter().filter(|s| s.short_of.is_some()).count();
+    assert_eq!(report.short_steps().is_some(), short > 0);
+}
+
 #[test]
 fn checkpoint_dapo_defaults_fill_their_batches_on_a_qwen2_vocabulary() {
     // Qwen2's 151 936-token vocabulary on a tiny random model: the default reward rule must fill

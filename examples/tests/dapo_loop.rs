@@ -146,20 +146,56 @@ fn samples_follow_the_weights() {
 }
 
 #[test]
-fn an_unfillable_batch_is_a_clear_error() {
+fn a_step_whose_gen_batches_run_out_trains_on_the_groups_gathered() {
     let mut config = small();
     config.max_gen_batches = 1;
     config.batch_groups = 50;
+    config.steps = 2;
+    let report = run(&config, Switching::Lazy, |_| {}).unwrap();
+    assert_eq!(report.steps.len(), 2, "the run reaches its end");
+    for s in &report.steps {
+        assert_eq!(s.gen_batches, 1, "step {}", s.step);
+        assert_eq!(s.short_of, Some(50), "step {}", s.step);
+        assert!(
+            s.kept > 0 && s.kept < 50,
+            "step {}: kept {}",
+            s.step,
+            s.kept
+        );
+    }
+    let line = report.short_steps().unwrap();
+    assert!(line.contains("--max-gen-batches"), "{line}");
+    assert!(
+        line.contains(&format!("step 1 ({} of 50 groups)", report.steps[0].kept)),
+        "{line}"
+    );
+    // a full batch says nothing
+    let full = run(&small(), Switching::Lazy, |_| {}).unwrap();
+    assert!(full.steps.iter().all(|s| s.short_of.is_none()));
+    assert_eq!(full.short_steps(), None);
+}
+
+#[test]
+fn a_step_without_any_mixed_group_is_a_clear_error() {
+    // one class: every token is of the target class, every reward 1, every group uniform
+    let mut config = small();
+    config.max_gen_batches = 2;
+    config.reward_modulus = 1;
     let err = run(&config, Switching::Lazy, |_| {}).unwrap_err();
     assert!(matches!(
         err,
         DapoError::BatchNotFilled {
             step: 1,
-            gen_batches: 1,
+            kept: 0,
+            gen_batches: 2,
             ..
         }
     ));
-    assert!(err.to_string().contains("--max-gen-batches"), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("--max-gen-batches") && text.contains("nothing to train on"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -35,14 +35,17 @@ pub struct LoopSettings {
     pub prompts_per_batch: usize,
     /// Groups with mixed rewards a training batch needs.
     pub batch_groups: usize,
-    /// Most gen batches per step before giving up.
+    /// Most gen batches per step: when they are spent, the step trains on the groups with mixed
+    /// rewards gathered so far (said in its [`StepReport::short_of`]); with none gathered, the
+    /// run stops with [`BatchNotFilled`].
     pub max_gen_batches: usize,
     /// Seed of the run: gen batches of step `s` get `seed ^ (s << 32)` ([`GenRequest::seed`]).
     pub seed: u64,
 }
 
-/// Dynamic sampling did not fill a training batch within [`LoopSettings::max_gen_batches`]; each
-/// backend's error type turns it into its own message (`From<BatchNotFilled>`).
+/// Dynamic sampling found no group with mixed rewards within [`LoopSettings::max_gen_batches`]
+/// (nothing to train on); each backend's error type turns it into its own message
+/// (`From<BatchNotFilled>`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BatchNotFilled {
     /// The step (1-based).
@@ -196,6 +199,10 @@ where
         let mut batch_switch = Vec::new();
         let rollout_start = Instant::now();
         while kept.len() < s.batch_groups {
+            if gen_batches == s.max_gen_batches && !kept.is_empty() {
+                // The gen batches are spent: train on the groups gathered (said in the report).
+                break;
+            }
             if gen_batches == s.max_gen_batches {
                 return Err(BatchNotFilled {
                     step,
@@ -249,6 +256,7 @@ where
         }
         let rollout_time = rollout_start.elapsed();
         kept.truncate(s.batch_groups);
+        let short_of = (kept.len() < s.batch_groups).then_some(s.batch_groups);
         let mean_reward = (reward_sum / samples.max(1) as f64) as f32;
         let kept_reward = kept.iter().flat_map(|g| &g.rewards).sum::<f32>()
             / kept.iter().map(|g| g.rewards.len()).sum::<usize>().max(1) as f32;
@@ -267,6 +275,7 @@ where
             gen_batches,
             groups: generated,
             kept: kept.len(),
+            short_of,
             mean_reward,
             kept_reward,
             switches: delta.switches(),

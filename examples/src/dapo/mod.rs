@@ -149,12 +149,13 @@ pub enum DapoError {
     /// The checkpoint does not fit the Megatron layout.
     #[error(transparent)]
     MegatronCheckpoint(#[from] lifecycle_decoder::MegatronCheckpointError),
-    /// Dynamic sampling could not fill the batch.
+    /// Dynamic sampling found no group with mixed rewards within `--max-gen-batches` (a step
+    /// with some trains on those, [`StepReport::short_of`]).
     #[error(
         "step {step}: {kept} of {needed} groups with mixed rewards after {gen_batches} gen batches \
-         (the limit, --max-gen-batches; the samples' mean reward is {mean_reward:.3}, and near 0 \
-         or 1 almost every group is uniform): raise the limit, lower --batch-groups, or raise the \
-         group size so fewer groups have uniform rewards"
+         (the limit, --max-gen-batches), nothing to train on (the samples' mean reward is \
+         {mean_reward:.3}, and near 0 or 1 almost every group is uniform): raise the limit, or \
+         raise the group size so fewer groups have uniform rewards"
     )]
     BatchNotFilled {
         /// The step.
@@ -346,6 +347,9 @@ pub struct StepReport {
     pub groups: usize,
     /// Groups with mixed rewards kept for training.
     pub kept: usize,
+    /// `Some(needed)` when the step's gen batches ran out (`--max-gen-batches`) with fewer than
+    /// the `needed` groups and it trained on the `kept` ones; `None` for a full batch.
+    pub short_of: Option<usize>,
     /// Mean reward of every sample generated in the step (the learning curve: the policy's
     /// success rate on fresh prompts, before dynamic sampling filters groups).
     pub mean_reward: f32,
@@ -393,6 +397,35 @@ pub struct RunReport {
 }
 
 impl RunReport {
+    /// The steps that trained on fewer groups than a full batch because their gen batches ran
+    /// out (`--max-gen-batches`), as one line for a report; `None` when every batch was full.
+    ///
+    /// ```
+    /// # use lifecycle_examples::dapo::RunReport;
+    /// # fn show(report: &RunReport) {
+    /// if let Some(line) = report.short_steps() {
+    ///     println!("{line}");
+    /// }
+    /// # }
+    /// ```
+    pub fn short_steps(&self) -> Option<String> {
+        let short: Vec<String> = self
+            .steps
+            .iter()
+            .filter_map(|s| {
+                s.short_of
+                    .map(|n| format!("step {} ({} of {n} groups)", s.step, s.kept))
+            })
+            .collect();
+        (!short.is_empty()).then(|| {
+            format!(
+                "trained on the groups gathered when the gen batches ran out (--max-gen-batches): \
+                 {}",
+                short.join(", ")
+            )
+        })
+    }
+
     /// Gen batches over all steps.
     pub fn gen_batches(&self) -> usize {
         self.steps.iter().map(|s| s.gen_batches).sum()

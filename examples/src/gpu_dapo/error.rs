@@ -45,10 +45,11 @@ pub enum DapoGpuError {
     /// The model config does not fit the layout, or a decoder call failed its checks.
     #[error(transparent)]
     Decode(#[from] DecodeError),
-    /// Dynamic sampling did not fill a training batch within `--max-gen-batches`.
+    /// Dynamic sampling found no group with mixed rewards within `--max-gen-batches` (a step
+    /// with some trains on those).
     #[error(
         "step {step}: {kept} of {needed} groups with mixed rewards after {gen_batches} gen batches \
-         (the limit, --max-gen-batches): raise the limit, lower --batch-groups, or change \
+         (the limit, --max-gen-batches), nothing to train on: raise the limit, or change \
          --reward-modulus so fewer groups have uniform rewards"
     )]
     BatchNotFilled {

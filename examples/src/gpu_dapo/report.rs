@@ -71,6 +71,12 @@ pub(crate) fn compare(lazy: &PolicyReport, eager: &PolicyReport) {
         eager.switches().to_string(),
     );
     row("exits", lazy.exits().to_string(), eager.exits().to_string());
+    if let Some(line) = lazy.run.short_steps() {
+        println!("  lazy: {line}");
+    }
+    if let Some(line) = eager.run.short_steps() {
+        println!("  eager: {line}");
+    }
     row(
         "bytes moved",
         HumanBytes(lazy.bytes()).to_string(),
@@ -117,24 +123,31 @@ pub(crate) fn compare(lazy: &PolicyReport, eager: &PolicyReport) {
         "  measured saving, rollout phase: {saving_rollout:.3} s; rollout + update: \
          {saving_step:.3} s (lazy pays its exit in the update phase)"
     );
+    // The same samples cost the same generation work under both policies: the difference of
+    // their generation times is this run's timer noise.
+    let noise = (secs(eager.sum(|s| s.generate + s.setup))
+        - secs(lazy.sum(|s| s.generate + s.setup)))
+    .abs();
     match steady_mean {
         Some(t) => {
             let predicted = extra as f64 * t;
+            let ratios = if predicted > noise {
+                format!(
+                    "measured / predicted: rollout phase {:.2}, rollout + update {:.2}",
+                    saving_rollout / predicted,
+                    saving_step / predicted
+                )
+            } else {
+                format!(
+                    "measured / predicted: below timer noise (the prediction is within the \
+                     {noise:.3} s by which the two policies' generation of the same samples \
+                     differs)"
+                )
+            };
             println!(
                 "  prediction (gen batches - 1) x switch time = {extra} x {t:.3} s (eager's mean \
-                 enter + exit per rollout call, over {} calls) = {predicted:.3} s; measured / \
-                 predicted: rollout phase {:.2}, rollout + update {:.2}",
+                 enter + exit per rollout call, over {} calls) = {predicted:.3} s; {ratios}",
                 steady.len(),
-                if predicted > 0.0 {
-                    saving_rollout / predicted
-                } else {
-                    f64::NAN
-                },
-                if predicted > 0.0 {
-                    saving_step / predicted
-                } else {
-                    f64::NAN
-                },
             );
         }
         None => println!("  prediction: no step needed more than one gen batch"),
