@@ -2,16 +2,11 @@
 //! rollout weights in place; and the machinery it shares with the persistent
 //! [`GpuEngine`](crate::GpuEngine) (`Core`).
 
-use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::ops::Range;
-use std::sync::Arc;
 
-use lifecycle_cuda::cudarc::cublas::{result as cublas_result, sys as cublas_sys, CudaBlas};
-use lifecycle_cuda::cudarc::driver::{
-    CudaEvent, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
-};
-use lifecycle_cuda::cudarc::nccl::ReduceOp;
+use crate::blas::gemm;
+use lifecycle_cuda::cudarc::driver::{CudaSlice, LaunchConfig};
 use lifecycle_cuda::{
     alloc_device, alloc_pinned, alloc_zeros, CudaError, RankCtx, RankExecutor, ThreadRankPool,
 };
@@ -20,111 +15,19 @@ use lifecycle_decoder::{DecodeError, Decoder, ModelConfig, PrefillLogits, Sampli
 use lifecycle_layout::{RolloutEntry, RolloutLayout};
 
 use crate::error::GpuDecodeError;
-use crate::fp8::{fp8_gemm, Fp8Kernels, Fp8Scratch, Fp8Weight, GEMV_TOKENS};
+use crate::fp8::{Fp8Kernels, GEMV_TOKENS};
 use crate::kernels::{launch, Arg, DecoderKernels};
 use crate::prefill::PrefillRows;
 use crate::topology::{decode_topology, replica_rows, DecodeTopology};
-use crate::weights::{GroupOffsets, MatAt, RankOffsets};
+use crate::weights::GroupOffsets;
 
 mod moe;
+mod rank;
 use moe::{moe_layer, MoeScratch};
+use rank::{all_reduce, all_reduce_in_place, order, ptr, Dims, RankBind, RankState};
 
 /// Longest sequence (prompt + generated tokens) the attention kernel's shared memory holds.
 pub const MAX_CONTEXT: usize = 8192;
-
-/// Where one rank reads its weights: the device address of its flat bf16 rollout buffer and the
-/// checked offsets in it.
-#[derive(Debug, Clone)]
-struct RankBind {
-    base: u64,
-    w: RankOffsets,
-}
-
-/// One rank's resources: cuBLAS handle, kernels, weight addresses, KV cache.
-struct RankState {
-    /// This rank's place in its tensor-parallel group (`rank mod T`).
-    tp_rank: usize,
-    /// The replica (share of the batch) this rank decodes: 0 in a tensor-parallel group.
-    replica: usize,
-    /// Whether this rank brings back the pass's output (the first local rank of a group, every
-    /// replica).
-    reports: bool,
-    blas: CudaBlas,
-    k: DecoderKernels,
-    /// The weights this rank reads; `None` while unbound (an engine asleep).
-    bind: Option<RankBind>,
-    inv_freq: CudaSlice<f32>,
-    /// `[layer][k | v][slot][cap][kv_heads · head_dim]` f32, `None` before the first prefill
-    /// (or while an engine sleeps).
-    cache: Option<CudaSlice<f32>>,
-    ev_compute: CudaEvent,
-    ev_nccl: CudaEvent,
-    /// Page-locked host buffer for logits downloads, grown on demand.
-    pinned: Option<PinnedHostSlice<f32>>,
-    /// The fp8 matrix kernels, loaded when weights with fp8 matrices are first bound.
-    fp8: Option<Fp8Kernels>,
-    /// bf16 scratch of the fp8 prefill products (hi and lo of the largest fp8 matrix), held
-    /// while bound to fp8 weights.
-    dequant: Option<CudaSlice<u16>>,
-    /// f32 activations of the fp8 decode products (`GEMV_TOKENS` rows of the widest matrix).
-    x32: Option<CudaSlice<f32>>,
-    /// Whether the bf16 experts of a mixture-of-experts layer run in blocks, one batched GEMM
-    /// per product ([`moe`]; the default), or one GEMM per expert.
-    grouped: bool,
-}
-
-impl RankState {
-    /// `y[rows × out] = x[rows × inp] · wᵀ` for weight `w` of the bound buffer at `base`:
-    /// [`gemm`] for bf16, [`fp8_gemm`] for fp8.
-    ///
-    /// # Safety
-    /// As [`gemm`]: `w` inside the bound rollout buffer, `x` and `y` holding the sizes given.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn wgemm(
-        &self,
-        s: &Arc<CudaStream>,
-        base: u64,
-        w: MatAt,
-        x: u64,
-        y: u64,
-        (out, rows, inp): (usize, usize, usize),
-        rank: usize,
-    ) -> Result<(), CudaError> {
-        let Some(f) = w.fp8 else {
-            // SAFETY: forwarded to the caller.
-            return unsafe { gemm(&self.blas, base + 2 * w.off, x, y, out, rows, inp, rank) };
-        };
-        let k = self.fp8.as_ref().ok_or_else(|| {
-            CudaError::Invalid("fp8 weights bound without the fp8 kernels".into())
-        })?;
-        let weight = Fp8Weight {
-            data: base + 2 * w.off,
-            scales: base + 2 * f.scales,
-            row0: f.row0,
-            cols: f.cols,
-        };
-        let scratch = Fp8Scratch {
-            x32: self.x32.as_ref().map(|d| ptr(d, s)),
-            dequant: self.dequant.as_ref().map(|d| ptr(d, s)),
-        };
-        // SAFETY: the matrix and its scales are the bound entry's (checked against the buffer
-        // length at bind); the scratch was sized at bind for the largest fp8 matrix; x and y per
-        // the caller.
-        unsafe {
-            fp8_gemm(
-                s,
-                &self.blas,
-                k,
-                weight,
-                x,
-                y,
-                (out, rows, inp),
-                scratch,
-                rank,
-            )
-        }
-    }
-}
 
 /// Inputs of one forward pass of one replica (the same on every rank of a group); sequence
 /// indices are the replica's own cache slots.
@@ -320,10 +223,7 @@ impl Core {
         pool: &ThreadRankPool,
     ) -> Result<Self, GpuDecodeError> {
         let topology = decode_topology(pool.world(), tp, pool.local_ranks().len())?;
-        // SAFETY: only asks the dynamic loader whether the library can be opened.
-        if !unsafe { cublas_sys::is_culib_present() } {
-            return Err(GpuDecodeError::NoCublas);
-        }
+        crate::blas::require_cublas()?;
         let locals = pool.local_ranks().to_vec();
         let inv_freq: Vec<f32> = (0..config.head_dim / 2)
             .map(|i| {
@@ -338,8 +238,7 @@ impl Core {
             let local = locals.iter().position(|&r| r == ctx.rank).ok_or_else(|| {
                 CudaError::Invalid(format!("rank {} is not a local rank", ctx.rank))
             })?;
-            let blas = CudaBlas::new(ctx.compute.clone())
-                .map_err(|e| cublas_err(ctx.rank, "creating a handle", e))?;
+            let blas = crate::blas::handle(&ctx.compute, ctx.rank)?;
             let k = DecoderKernels::load(ctx)?;
             let inv = ctx
                 .compute
@@ -1016,154 +915,6 @@ fn grow_scratch<T: lifecycle_cuda::cudarc::driver::DeviceRepr>(
         *slot = Some(unsafe { lifecycle_cuda::alloc_device(&ctx.compute, len, ctx.rank, what)? });
     }
     Ok(())
-}
-
-fn ptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
-    let (p, _sync) = s.device_ptr(stream);
-    p
-}
-fn cublas_err(rank: usize, op: &str, e: cublas_result::CublasError) -> CudaError {
-    CudaError::Driver {
-        rank,
-        op: format!("cuBLAS {op}"),
-        detail: format!("{:?}", e.0),
-    }
-}
-
-/// `y[2n × out] = x[2n × inp] · wᵀ` for a row-major bf16 `w[out × inp]` (a PyTorch linear) and
-/// bf16 `x`, f32 accumulation and output.
-///
-/// # Safety
-/// `w`, `x`, `y` must be device addresses of this handle's context holding at least
-/// `out · inp` bf16, `rows · inp` bf16 and `rows · out` f32, alive until the stream ran the GEMM.
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm(
-    blas: &CudaBlas,
-    w: u64,
-    x: u64,
-    y: u64,
-    out: usize,
-    rows: usize,
-    inp: usize,
-    rank: usize,
-) -> Result<(), CudaError> {
-    // SAFETY: forwarded to the caller.
-    unsafe { gemm_beta(blas, w, x, y, out, rows, inp, 0.0, rank) }
-}
-
-/// [`gemm`] adding `beta · y` to the product (`beta` 0 or 1 here).
-///
-/// # Safety
-/// As [`gemm`].
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn gemm_beta(
-    blas: &CudaBlas,
-    w: u64,
-    x: u64,
-    y: u64,
-    out: usize,
-    rows: usize,
-    inp: usize,
-    beta: f32,
-    rank: usize,
-) -> Result<(), CudaError> {
-    let alpha = 1.0f32;
-    let dim = |v: usize| {
-        i32::try_from(v).map_err(|_| CudaError::Invalid(format!("GEMM dimension {v} > i32::MAX")))
-    };
-    // SAFETY: column-major view: C[out × rows] = op(A) · B with A = w as a col-major
-    // [inp × out] matrix (transposed), B = x as col-major [inp × rows]; sizes per the caller;
-    // alpha/beta are host scalars (the handle's default pointer mode).
-    unsafe {
-        cublas_result::gemm_ex(
-            *blas.handle(),
-            cublas_sys::cublasOperation_t::CUBLAS_OP_T,
-            cublas_sys::cublasOperation_t::CUBLAS_OP_N,
-            dim(out)?,
-            dim(rows)?,
-            dim(inp)?,
-            (&alpha as *const f32).cast::<c_void>(),
-            w as *const c_void,
-            cublas_sys::cudaDataType::CUDA_R_16BF,
-            dim(inp)?,
-            x as *const c_void,
-            cublas_sys::cudaDataType::CUDA_R_16BF,
-            dim(inp)?,
-            (&beta as *const f32).cast::<c_void>(),
-            y as *mut c_void,
-            cublas_sys::cudaDataType::CUDA_R_32F,
-            dim(out)?,
-            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }
-    .map_err(|e| cublas_err(rank, "GemmEx (bf16 x bf16 -> f32)", e))
-}
-
-/// Sizes of one forward pass.
-struct Dims {
-    n: usize,
-    m: usize,
-    h: usize,
-    d: usize,
-    qh: usize,
-    kvh: usize,
-    f: usize,
-    vocab: usize,
-    /// Embedding / head rows per rank (padding included).
-    part: usize,
-    tp: usize,
-    layers: usize,
-    eps: f32,
-    group: usize,
-    vocab_parallel: bool,
-    fused: bool,
-    /// Routing of the mixture-of-experts layers.
-    top_k: usize,
-    norm_topk_prob: bool,
-}
-
-/// Makes `waiter` wait for the work queued so far on `on`, through `event`.
-fn order(
-    ctx: &RankCtx,
-    event: &CudaEvent,
-    on: &CudaStream,
-    waiter: &CudaStream,
-) -> Result<(), CudaError> {
-    event.record(on).map_err(ctx.drv("recording an event", 0))?;
-    waiter
-        .wait(event)
-        .map_err(ctx.drv("waiting on an event", 0))
-}
-
-/// All-reduce (sum) of `send` into `recv` over the TP group, ordered after and before the
-/// compute stream's work.
-fn all_reduce(
-    ctx: &RankCtx,
-    st: &RankState,
-    send: &CudaSlice<f32>,
-    recv: &mut CudaSlice<f32>,
-) -> Result<(), CudaError> {
-    let nccl = ctx.nccl_stream();
-    order(ctx, &st.ev_compute, &ctx.compute, &nccl)?;
-    ctx.comm
-        .all_reduce(send, recv, &ReduceOp::Sum)
-        .map_err(|e| CudaError::nccl(ctx.rank, "all-reduce of row-parallel outputs", e))?;
-    order(ctx, &st.ev_nccl, &nccl, &ctx.compute)
-}
-
-/// In-place all-reduce (sum) of `buf` over the TP group.
-fn all_reduce_in_place(
-    ctx: &RankCtx,
-    st: &RankState,
-    buf: &mut CudaSlice<f32>,
-) -> Result<(), CudaError> {
-    let nccl = ctx.nccl_stream();
-    order(ctx, &st.ev_compute, &ctx.compute, &nccl)?;
-    ctx.comm
-        .all_reduce_in_place(buf, &ReduceOp::Sum)
-        .map_err(|e| CudaError::nccl(ctx.rank, "all-reduce of embedding rows", e))?;
-    order(ctx, &st.ev_nccl, &nccl, &ctx.compute)
 }
 
 fn rank_forward(

@@ -425,7 +425,7 @@ pub(crate) unsafe fn fp8_gemm(
     // SAFETY: hi then lo, each out · inp bf16 in the scratch; x and y per the caller; the second
     // product accumulates into the first.
     unsafe {
-        crate::decoder::gemm_beta(blas, scratch, x, y, out, rows, inp, 0.0, rank)?;
-        crate::decoder::gemm_beta(blas, scratch + 2 * n, x, y, out, rows, inp, 1.0, rank)
+        crate::blas::gemm_beta(blas, scratch, x, y, out, rows, inp, 0.0, rank)?;
+        crate::blas::gemm_beta(blas, scratch + 2 * n, x, y, out, rows, inp, 1.0, rank)
     }
 }

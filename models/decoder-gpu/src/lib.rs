@@ -29,6 +29,7 @@
 
 #![warn(missing_docs)]
 
+mod blas;
 mod decoder;
 mod engine;
 mod error;

@@ -13,15 +13,14 @@
 //! rows (one launch per product); with more rows (prefill), fp8 experts take the per-expert path:
 //! one gather, three GEMMs over the dequantised weights, a SwiGLU and a scatter per expert.
 
-use std::ffi::c_void;
 use std::ops::Range;
 use std::sync::Arc;
 
-use lifecycle_cuda::cudarc::cublas::{sys as cublas_sys, CudaBlas};
 use lifecycle_cuda::cudarc::driver::{CudaSlice, CudaStream};
 use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
 
-use super::{cublas_err, gemm, ptr, Dims, RankState};
+use super::rank::{ptr, Dims, RankState};
+use crate::blas::{batched_gemm, gemm};
 use crate::fp8::{fp8_gemv_table, fp8_join, GEMV_TOKENS};
 use crate::kernels::{launch, Arg, DecoderKernels};
 use crate::weights::{ExpertOffsets, MoeOffsets, RankOffsets, SharedOffsets};
@@ -771,54 +770,4 @@ impl Steps<'_> {
             )
         }
     }
-}
-
-/// One batched GEMM of `count` problems of one size, each `C[rows × out] = B[rows × inp] · Aᵀ`
-/// in row-major terms, A a bf16 `[out × inp]` weight, B bf16 activations, C f32; `arrays` the
-/// device addresses of the A, B and C pointer arrays (`count` entries each).
-///
-/// # Safety
-/// Every pointer of the arrays must address a matrix of the sizes given, alive until the
-/// products ran on the handle's stream.
-unsafe fn batched_gemm(
-    blas: &CudaBlas,
-    (a, b, c): (u64, u64, u64),
-    (out, rows, inp): (usize, usize, usize),
-    count: usize,
-    rank: usize,
-) -> Result<(), CudaError> {
-    let dim = |v: usize| {
-        i32::try_from(v).map_err(|_| CudaError::Invalid(format!("GEMM dimension {v} > i32::MAX")))
-    };
-    let (alpha, beta) = (1.0f32, 0.0f32);
-    // SAFETY: column-major view as in `gemm`: C[out × rows] = op(A) · B with A col-major
-    // [inp × out] (transposed), B col-major [inp × rows]; alpha/beta are host scalars; the
-    // pointer arrays are device memory per the caller.
-    let status = unsafe {
-        cublas_sys::cublasGemmBatchedEx(
-            *blas.handle(),
-            cublas_sys::cublasOperation_t::CUBLAS_OP_T,
-            cublas_sys::cublasOperation_t::CUBLAS_OP_N,
-            dim(out)?,
-            dim(rows)?,
-            dim(inp)?,
-            (&alpha as *const f32).cast::<c_void>(),
-            a as *const *const c_void,
-            cublas_sys::cudaDataType::CUDA_R_16BF,
-            dim(inp)?,
-            b as *const *const c_void,
-            cublas_sys::cudaDataType::CUDA_R_16BF,
-            dim(inp)?,
-            (&beta as *const f32).cast::<c_void>(),
-            c as *const *mut c_void,
-            cublas_sys::cudaDataType::CUDA_R_32F,
-            dim(out)?,
-            dim(count)?,
-            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    };
-    status
-        .result()
-        .map_err(|e| cublas_err(rank, "GemmBatchedEx (bf16 x bf16 -> f32)", e))
 }

@@ -1,0 +1,183 @@
+//! What every stage of a rank's forward pass shares: the rank's resources ([`RankState`]: cuBLAS
+//! handle, kernels, bound weights, KV cache), the pass's sizes ([`Dims`]), and the collectives
+//! of the tensor-parallel group.
+
+use std::sync::Arc;
+
+use lifecycle_cuda::cudarc::cublas::CudaBlas;
+use lifecycle_cuda::cudarc::driver::{
+    CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice,
+};
+use lifecycle_cuda::cudarc::nccl::ReduceOp;
+use lifecycle_cuda::{CudaError, RankCtx};
+
+use crate::blas::gemm;
+use crate::fp8::{fp8_gemm, Fp8Kernels, Fp8Scratch, Fp8Weight};
+use crate::kernels::DecoderKernels;
+use crate::weights::{MatAt, RankOffsets};
+
+/// Where one rank reads its weights: the device address of its flat bf16 rollout buffer and the
+/// checked offsets in it.
+#[derive(Debug, Clone)]
+pub(crate) struct RankBind {
+    pub(crate) base: u64,
+    pub(crate) w: RankOffsets,
+}
+
+/// One rank's resources: cuBLAS handle, kernels, weight addresses, KV cache.
+pub(crate) struct RankState {
+    /// This rank's place in its tensor-parallel group (`rank mod T`).
+    pub(crate) tp_rank: usize,
+    /// The replica (share of the batch) this rank decodes: 0 in a tensor-parallel group.
+    pub(crate) replica: usize,
+    /// Whether this rank brings back the pass's output (the first local rank of a group, every
+    /// replica).
+    pub(crate) reports: bool,
+    pub(crate) blas: CudaBlas,
+    pub(crate) k: DecoderKernels,
+    /// The weights this rank reads; `None` while unbound (an engine asleep).
+    pub(crate) bind: Option<RankBind>,
+    pub(crate) inv_freq: CudaSlice<f32>,
+    /// `[layer][k | v][slot][cap][kv_heads · head_dim]` f32, `None` before the first prefill
+    /// (or while an engine sleeps).
+    pub(crate) cache: Option<CudaSlice<f32>>,
+    pub(crate) ev_compute: CudaEvent,
+    pub(crate) ev_nccl: CudaEvent,
+    /// Page-locked host buffer for logits downloads, grown on demand.
+    pub(crate) pinned: Option<PinnedHostSlice<f32>>,
+    /// The fp8 matrix kernels, loaded when weights with fp8 matrices are first bound.
+    pub(crate) fp8: Option<Fp8Kernels>,
+    /// bf16 scratch of the fp8 prefill products (hi and lo of the largest fp8 matrix), held
+    /// while bound to fp8 weights.
+    pub(crate) dequant: Option<CudaSlice<u16>>,
+    /// f32 activations of the fp8 decode products (`GEMV_TOKENS` rows of the widest matrix).
+    pub(crate) x32: Option<CudaSlice<f32>>,
+    /// Whether the bf16 experts of a mixture-of-experts layer run in blocks, one batched GEMM
+    /// per product ([`moe`]; the default), or one GEMM per expert.
+    pub(crate) grouped: bool,
+}
+
+impl RankState {
+    /// `y[rows × out] = x[rows × inp] · wᵀ` for weight `w` of the bound buffer at `base`:
+    /// [`gemm`] for bf16, [`fp8_gemm`] for fp8.
+    ///
+    /// # Safety
+    /// As [`gemm`]: `w` inside the bound rollout buffer, `x` and `y` holding the sizes given.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn wgemm(
+        &self,
+        s: &Arc<CudaStream>,
+        base: u64,
+        w: MatAt,
+        x: u64,
+        y: u64,
+        (out, rows, inp): (usize, usize, usize),
+        rank: usize,
+    ) -> Result<(), CudaError> {
+        let Some(f) = w.fp8 else {
+            // SAFETY: forwarded to the caller.
+            return unsafe { gemm(&self.blas, base + 2 * w.off, x, y, out, rows, inp, rank) };
+        };
+        let k = self.fp8.as_ref().ok_or_else(|| {
+            CudaError::Invalid("fp8 weights bound without the fp8 kernels".into())
+        })?;
+        let weight = Fp8Weight {
+            data: base + 2 * w.off,
+            scales: base + 2 * f.scales,
+            row0: f.row0,
+            cols: f.cols,
+        };
+        let scratch = Fp8Scratch {
+            x32: self.x32.as_ref().map(|d| ptr(d, s)),
+            dequant: self.dequant.as_ref().map(|d| ptr(d, s)),
+        };
+        // SAFETY: the matrix and its scales are the bound entry's (checked against the buffer
+        // length at bind); the scratch was sized at bind for the largest fp8 matrix; x and y per
+        // the caller.
+        unsafe {
+            fp8_gemm(
+                s,
+                &self.blas,
+                k,
+                weight,
+                x,
+                y,
+                (out, rows, inp),
+                scratch,
+                rank,
+            )
+        }
+    }
+}
+
+/// Sizes of one forward pass.
+pub(crate) struct Dims {
+    pub(crate) n: usize,
+    pub(crate) m: usize,
+    pub(crate) h: usize,
+    pub(crate) d: usize,
+    pub(crate) qh: usize,
+    pub(crate) kvh: usize,
+    pub(crate) f: usize,
+    pub(crate) vocab: usize,
+    /// Embedding / head rows per rank (padding included).
+    pub(crate) part: usize,
+    pub(crate) tp: usize,
+    pub(crate) layers: usize,
+    pub(crate) eps: f32,
+    pub(crate) group: usize,
+    pub(crate) vocab_parallel: bool,
+    pub(crate) fused: bool,
+    /// Routing of the mixture-of-experts layers.
+    pub(crate) top_k: usize,
+    pub(crate) norm_topk_prob: bool,
+}
+
+/// Makes `waiter` wait for the work queued so far on `on`, through `event`.
+pub(crate) fn order(
+    ctx: &RankCtx,
+    event: &CudaEvent,
+    on: &CudaStream,
+    waiter: &CudaStream,
+) -> Result<(), CudaError> {
+    event.record(on).map_err(ctx.drv("recording an event", 0))?;
+    waiter
+        .wait(event)
+        .map_err(ctx.drv("waiting on an event", 0))
+}
+
+/// All-reduce (sum) of `send` into `recv` over the TP group, ordered after and before the
+/// compute stream's work.
+pub(crate) fn all_reduce(
+    ctx: &RankCtx,
+    st: &RankState,
+    send: &CudaSlice<f32>,
+    recv: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    let nccl = ctx.nccl_stream();
+    order(ctx, &st.ev_compute, &ctx.compute, &nccl)?;
+    ctx.comm
+        .all_reduce(send, recv, &ReduceOp::Sum)
+        .map_err(|e| CudaError::nccl(ctx.rank, "all-reduce of row-parallel outputs", e))?;
+    order(ctx, &st.ev_nccl, &nccl, &ctx.compute)
+}
+
+/// In-place all-reduce (sum) of `buf` over the TP group.
+pub(crate) fn all_reduce_in_place(
+    ctx: &RankCtx,
+    st: &RankState,
+    buf: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    let nccl = ctx.nccl_stream();
+    order(ctx, &st.ev_compute, &ctx.compute, &nccl)?;
+    ctx.comm
+        .all_reduce_in_place(buf, &ReduceOp::Sum)
+        .map_err(|e| CudaError::nccl(ctx.rank, "all-reduce of embedding rows", e))?;
+    order(ctx, &st.ev_nccl, &nccl, &ctx.compute)
+}
+
+/// The device address of `s` for work on `stream`.
+pub(crate) fn ptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
