@@ -437,7 +437,7 @@ fn quantise(master: &[f32], rollout: &mut [u16], q: &Quantise) {
     let b = FP8_BLOCK as u64;
     fn set_byte(rollout: &mut [u16], at: u64, v: u8) {
         let e = &mut rollout[(at / 2) as usize];
-        *e = if at % 2 == 0 {
+        *e = if at.is_multiple_of(2) {
             (*e & 0xff00) | v as u16
         } else {
             (*e & 0x00ff) | ((v as u16) << 8)

@@ -49,9 +49,6 @@ const MODELS: [&str; 3] = ["gqa_untied", "tied_vocab61", "kv1_headdim16"];
 
 type Res = Result<(), Box<dyn std::error::Error>>;
 
-/// The fixtures: `LIFECYCLE_DECODER_FIXTURES`, or next to this crate, or relative to the current
-/// folder (a test binary copied to another machine runs from the repository root).
-
 /// The FSDP backend's lifecycle of a model on GPUs `0..tp` (`W = T`).
 fn fsdp_lifecycle(
     config: &lifecycle_decoder::ModelConfig,
@@ -64,6 +61,8 @@ fn fsdp_lifecycle(
     Ok(Lifecycle::new(backend, state))
 }
 
+/// The fixtures: `LIFECYCLE_DECODER_FIXTURES`, or next to this crate, or relative to the current
+/// folder (a test binary copied to another machine runs from the repository root).
 fn fixtures() -> PathBuf {
     if let Ok(p) = std::env::var("LIFECYCLE_DECODER_FIXTURES") {
         return PathBuf::from(p);

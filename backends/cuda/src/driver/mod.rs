@@ -103,6 +103,16 @@ pub struct ProgramSpec<'a, K> {
     pub steps: &'a (dyn Fn(&RankCtx, usize, u64) -> Result<RankSteps, LayoutError> + Sync),
 }
 
+/// What a transfer does beside its plan: the offload of the memory policy, and whether the
+/// device spans are traced.
+#[derive(Debug, Clone, Copy)]
+pub struct TransferMode {
+    /// What the offload copies move out.
+    pub memory: MemoryPolicy,
+    /// Mark the device work on stream timelines (read into the switch's trace).
+    pub tracing: bool,
+}
+
 /// The switch driver over a rank pool and its pinned pool. See the [module docs](self).
 pub struct SwitchDriver<'a, P> {
     pool: &'a P,
@@ -116,18 +126,19 @@ impl<'a, P: RankExecutor> SwitchDriver<'a, P> {
     }
 
     /// Runs a transfer into `rolls` (one buffer per local rank), starting the offload copies of
-    /// `memory` first so they overlap it; `programs` keeps each rank's compiled program between
-    /// switches. Returns what each rank moved, with its device timeline when `tracing`.
+    /// `mode.memory` first so they overlap it; `programs` keeps each rank's compiled program
+    /// between switches. Returns what each rank moved, with its device timeline when
+    /// `mode.tracing`.
     pub fn transfer<B: RankBuffers, K: Clone + PartialEq + Send + Sync>(
         &self,
         ranks: &mut [B],
         programs: &mut Vec<ProgramSlot<K>>,
         rolls: &mut [RollSlice],
         spec: &ProgramSpec<'_, K>,
-        memory: MemoryPolicy,
+        mode: TransferMode,
         hooks: &dyn SwitchHooks<B>,
-        tracing: bool,
     ) -> Result<Vec<RankMoved>, CudaError> {
+        let TransferMode { memory, tracing } = mode;
         let locals = self.pool.local_ranks().len();
         if ranks.len() != locals || rolls.len() != locals {
             return Err(CudaError::Invalid(format!(
@@ -279,7 +290,6 @@ impl<'a, P: RankExecutor> SwitchDriver<'a, P> {
     }
 
     /// [`SwitchDriver::transfer`] then the switch's transfer metrics, timed from now.
-    #[allow(clippy::too_many_arguments)]
     pub fn timed_transfer<B: RankBuffers, K: Clone + PartialEq + Send + Sync>(
         &self,
         ranks: &mut [B],
@@ -291,7 +301,11 @@ impl<'a, P: RankExecutor> SwitchDriver<'a, P> {
     ) -> Result<Vec<RankMoved>, CudaError> {
         let start = Instant::now();
         let tracing = ctx.rec.tracing();
-        let moved = self.transfer(ranks, programs, rolls, spec, ctx.memory, hooks, tracing)?;
+        let mode = TransferMode {
+            memory: ctx.memory,
+            tracing,
+        };
+        let moved = self.transfer(ranks, programs, rolls, spec, mode, hooks)?;
         record_transfer(ctx, &moved, start);
         Ok(moved)
     }

@@ -1,0 +1,823 @@
+//! One rank's forward pass, in stages over one [`Pass`] (its scratch buffers and the addresses
+//! it reads): [`Pass::embed`], then per layer [`Pass::attention`] and [`Pass::mlp`] (or the
+//! mixture-of-experts layer of [`super::moe`]), then [`Pass::fork_kv`] and [`Pass::head`]; the
+//! head's logits become what the caller asked for in [`pick`].
+//!
+//! Every stage queues its kernels, GEMMs and collectives in order on the rank's compute stream;
+//! collectives are ordered with events both ways. Activations stay f32 and enter a product as
+//! two bf16 rows (`hi`, `lo`): the split buffer `xs` holds `2n` rows.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use lifecycle_cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
+use lifecycle_cuda::{alloc_device, alloc_pinned, CudaError, RankCtx};
+
+use super::moe::{moe_layer, MoeScratch};
+use super::rank::{all_reduce, all_reduce_in_place, order, ptr, Dims, RankBind, RankState};
+use crate::blas::gemm;
+use crate::kernels::{launch, Arg};
+
+/// Inputs of one forward pass of one replica (the same on every rank of a group); sequence
+/// indices are the replica's own cache slots.
+pub(super) struct Step<'a> {
+    pub(super) tokens: Vec<u32>,
+    pub(super) seqs: Vec<u32>,
+    pub(super) poss: Vec<u32>,
+    /// Rows whose logits are wanted.
+    pub(super) logit_rows: Vec<u32>,
+    /// Cache slots per block of the cache (its layout).
+    pub(super) batch: usize,
+    /// Cache capacity in positions.
+    pub(super) cap: usize,
+    /// `[leader slot, slot, length]` per forked sequence: copied after the layers ran.
+    pub(super) forks: Vec<u32>,
+    /// What to bring back.
+    pub(super) pick: Pick<'a>,
+}
+
+/// What a forward pass brings back to the host.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Pick<'a> {
+    /// Logits of the wanted rows.
+    Logits,
+    /// The argmax token of each wanted row (first index on ties).
+    Argmax,
+    /// A token per wanted row sampled from softmax(logits / temperature) with the uniform
+    /// draw given for that row.
+    Sample {
+        temperature: f32,
+        uniforms: &'a [f32],
+    },
+}
+
+impl<'a> Pick<'a> {
+    /// The pick for the wanted rows `want` of the whole batch (a replica's share).
+    pub(super) fn rows(self, want: Range<usize>) -> Pick<'a> {
+        match self {
+            Pick::Sample {
+                temperature,
+                uniforms,
+            } => Pick::Sample {
+                temperature,
+                uniforms: uniforms.get(want).unwrap_or(&[]),
+            },
+            other => other,
+        }
+    }
+}
+
+/// What a reporting rank brings back from a forward pass.
+pub(super) enum StepOut {
+    /// One row per wanted row.
+    Logits(Vec<Vec<f32>>),
+    Tokens(Vec<u32>),
+    Nothing,
+}
+
+/// One rank's forward pass of `step`: the stages in order, then the pick.
+pub(super) fn rank_forward(
+    ctx: &RankCtx,
+    st: &mut RankState,
+    z: &Dims,
+    step: &Step<'_>,
+) -> Result<StepOut, CudaError> {
+    let logits = {
+        let mut pass = Pass::new(ctx, st, z, step)?;
+        pass.embed()?;
+        for l in 0..z.layers {
+            pass.attention(l)?;
+            pass.mlp(l)?;
+        }
+        pass.fork_kv()?;
+        if z.m == 0 {
+            return Ok(StepOut::Nothing);
+        }
+        pass.head()?
+    };
+    if !st.reports {
+        ctx.compute
+            .synchronize()
+            .map_err(ctx.drv("synchronizing", 0))?;
+        return Ok(StepOut::Nothing);
+    }
+    pick(ctx, st, z, step.pick, &logits)
+}
+
+/// The scratch buffers of one pass (sized for its `n` rows in [`Pass::new`]) and its inputs on
+/// the device.
+struct Scratch {
+    /// Hidden states `[n × h]`.
+    x: CudaSlice<f32>,
+    /// Split activations: `hi` and `lo` rows of the widest product input, `[2n × widest]`.
+    xs: CudaSlice<u16>,
+    /// GEMM outputs `[2n × widest output]`.
+    y2: CudaSlice<f32>,
+    /// The up product's outputs (unfused layouts).
+    y2b: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    /// Row-parallel partial sums at T > 1.
+    partial: Option<CudaSlice<f32>>,
+    tokens: CudaSlice<u32>,
+    seqs: CudaSlice<u32>,
+    poss: CudaSlice<u32>,
+    rows: CudaSlice<u32>,
+}
+
+/// One forward pass of one rank in progress: what every stage reads and writes. Its invariant,
+/// which every stage's launches rely on: the weight addresses are the bound rollout buffer's
+/// (offsets checked against its length at bind), the cache is sized for `step` (checked by
+/// `reserve`), and every scratch buffer holds what the stages index for `z`'s sizes.
+struct Pass<'a> {
+    ctx: &'a RankCtx,
+    st: &'a RankState,
+    bind: &'a RankBind,
+    z: &'a Dims,
+    step: &'a Step<'a>,
+    sc: Scratch,
+    moe: Option<MoeScratch>,
+    cache: u64,
+}
+
+fn u32a(v: usize) -> Arg {
+    Arg::U32(v as u32)
+}
+
+/// One block of 256 threads per row.
+fn block_rows(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.max(1) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl<'a> Pass<'a> {
+    /// Uploads the step's inputs and allocates the scratch of its `n` rows.
+    fn new(
+        ctx: &'a RankCtx,
+        st: &'a RankState,
+        z: &'a Dims,
+        step: &'a Step<'a>,
+    ) -> Result<Self, CudaError> {
+        let s = &ctx.compute;
+        let rank = ctx.rank;
+        let (n, h, f) = (z.n, z.h, z.f);
+        let (qw, kvw) = (z.qh * z.d, z.kvh * z.d);
+        let up = |v: &[u32], what: &str| s.clone_htod(v).map_err(ctx.drv(what, 0));
+        let widest = h.max(qw).max(f);
+        // a fused product writes [q; k; v] or [gate; up] at once
+        let out_widest = if z.fused {
+            widest.max(qw + 2 * kvw).max(2 * f)
+        } else {
+            widest
+        };
+        let cache = st
+            .cache
+            .as_ref()
+            .ok_or_else(|| CudaError::Invalid("no KV cache: call prefill first".into()))?;
+        let bind = st.bind.as_ref().ok_or_else(|| {
+            CudaError::Invalid("the decoder is not bound to rollout weights".into())
+        })?;
+        // SAFETY: every element of these scratch buffers is written by a kernel, a GEMM or the
+        // all-reduce before it is read, as the stages do in order on this one stream.
+        let sc = unsafe {
+            Scratch {
+                x: alloc_device::<f32>(s, n * h, rank, "hidden states")?,
+                xs: alloc_device::<u16>(s, 2 * n * widest, rank, "split activations")?,
+                y2: alloc_device::<f32>(s, 2 * n * out_widest, rank, "GEMM outputs")?,
+                y2b: alloc_device::<f32>(
+                    s,
+                    if z.fused { 1 } else { 2 * n * f },
+                    rank,
+                    "GEMM outputs (up)",
+                )?,
+                q: alloc_device::<f32>(s, n * qw, rank, "queries")?,
+                k: alloc_device::<f32>(s, n * kvw, rank, "keys")?,
+                v: alloc_device::<f32>(s, n * kvw, rank, "values")?,
+                partial: if z.tp > 1 {
+                    Some(alloc_device::<f32>(
+                        s,
+                        n * h,
+                        rank,
+                        "row-parallel partial sums",
+                    )?)
+                } else {
+                    None
+                },
+                tokens: up(&step.tokens, "uploading tokens")?,
+                seqs: up(&step.seqs, "uploading sequence indices")?,
+                poss: up(&step.poss, "uploading positions")?,
+                rows: up(&step.logit_rows, "uploading logit rows")?,
+            }
+        };
+        let moe = MoeScratch::new(s, rank, (n, h, z.top_k), &bind.w)?;
+        Ok(Pass {
+            ctx,
+            st,
+            bind,
+            z,
+            step,
+            sc,
+            moe,
+            cache: ptr(cache, s),
+        })
+    }
+
+    fn s(&self) -> &'a Arc<CudaStream> {
+        &self.ctx.compute
+    }
+
+    /// The device address of `b` for this pass's stream.
+    fn at<T>(&self, b: &CudaSlice<T>) -> u64 {
+        ptr(b, self.s())
+    }
+
+    /// The device address of the bound weight at element offset `off`.
+    fn wp(&self, off: u64) -> u64 {
+        self.bind.base + 2 * off
+    }
+
+    /// Launches kernel `func` of this rank.
+    ///
+    /// # Safety
+    /// `args` must be addresses of this pass (its scratch, cache and bound weights) and sizes
+    /// that fit them, as the kernel's contract in `kernels.rs` states.
+    unsafe fn kernel(
+        &self,
+        func: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &[Arg],
+        what: &str,
+    ) -> Result<(), CudaError> {
+        // SAFETY: forwarded to the caller.
+        unsafe { launch(self.s(), func, cfg, args, self.ctx.rank, what) }
+    }
+
+    /// The elementwise launch shape of `count` elements.
+    fn elementwise(&self, count: usize) -> LaunchConfig {
+        self.st.k.elementwise(count as u64)
+    }
+
+    /// Embedding rows of the step's tokens into `x` (all-reduced when the vocabulary is
+    /// split over the group: each rank gathers the rows it holds, zeros elsewhere).
+    fn embed(&mut self) -> Result<(), CudaError> {
+        let z = self.z;
+        // rows per rank (the padded vocabulary's share in the fused layout); tokens are checked
+        // against the real vocabulary, so padding rows are never gathered
+        let part = z.part;
+        let lo = if z.vocab_parallel {
+            self.st.tp_rank * part
+        } else {
+            0
+        };
+        let args = [
+            Arg::U64(self.wp(self.bind.w.embed)),
+            Arg::U64(self.at(&self.sc.tokens)),
+            Arg::U64(self.at(&self.sc.x)),
+            u32a(z.n),
+            u32a(z.h),
+            u32a(lo),
+            u32a(part),
+        ];
+        // SAFETY: the pass's addresses and sizes (its invariant).
+        unsafe {
+            self.kernel(
+                &self.st.k.embed,
+                self.elementwise(z.n * z.h),
+                &args,
+                "embed",
+            )?
+        };
+        if z.vocab_parallel {
+            all_reduce_in_place(self.ctx, self.st, &mut self.sc.x)?;
+        }
+        Ok(())
+    }
+
+    /// RMSNorm of `count` rows of `x` (all of them, or the rows listed at `rows_p`) with weight
+    /// `w`, split into `hi` / `lo` rows of `xs`.
+    fn norm(&self, w: u64, rows_p: u64, count: usize) -> Result<(), CudaError> {
+        let args = [
+            Arg::U64(self.at(&self.sc.x)),
+            Arg::U64(self.wp(w)),
+            Arg::U64(rows_p),
+            Arg::U64(self.at(&self.sc.xs)),
+            u32a(count),
+            u32a(self.z.h),
+            Arg::F32(self.z.eps),
+        ];
+        let k = &self.st.k;
+        // SAFETY: the pass's addresses and sizes (its invariant).
+        unsafe {
+            self.kernel(
+                &k.rms_norm_split,
+                block_rows(count),
+                &args,
+                "rms_norm_split",
+            )
+        }
+    }
+
+    /// `out[n × width] = y2[hi] + y2[lo] (+ bias)`: a column-parallel product's halves joined.
+    fn combine_into(&self, out: u64, bias: Option<u64>, width: usize) -> Result<(), CudaError> {
+        let args = [
+            Arg::U64(self.at(&self.sc.y2)),
+            Arg::U64(bias.map_or(0, |b| self.wp(b))),
+            Arg::U64(0),
+            Arg::U64(out),
+            u32a(self.z.n),
+            u32a(width),
+        ];
+        let cfg = self.elementwise(self.z.n * width);
+        // SAFETY: the pass's addresses and sizes (its invariant).
+        unsafe { self.kernel(&self.st.k.combine, cfg, &args, "combine") }
+    }
+
+    /// As [`Pass::combine_into`] for columns `col0 .. col0 + width` of a fused product of row
+    /// pitch `ld`.
+    fn combine_cols(
+        &self,
+        out: u64,
+        bias: Option<u64>,
+        (ld, col0, width): (usize, usize, usize),
+    ) -> Result<(), CudaError> {
+        let args = [
+            Arg::U64(self.at(&self.sc.y2)),
+            Arg::U64(bias.map_or(0, |b| self.wp(b))),
+            Arg::U64(out),
+            u32a(self.z.n),
+            u32a(ld),
+            u32a(col0),
+            u32a(width),
+        ];
+        let cfg = self.elementwise(self.z.n * width);
+        // SAFETY: the pass's addresses and sizes (its invariant).
+        unsafe { self.kernel(&self.st.k.combine_cols, cfg, &args, "combine_cols") }
+    }
+
+    /// A row-parallel product's output `y2 [2n × h]` added to the residual `x` (over the group:
+    /// rank 0 adds the residual to its partial sum, then the all-reduce).
+    fn finish(&mut self) -> Result<(), CudaError> {
+        let (n, h) = (self.z.n, self.z.h);
+        let (y2, x) = (self.at(&self.sc.y2), self.at(&self.sc.x));
+        let cfg = self.elementwise(n * h);
+        let k = &self.st.k;
+        match &self.sc.partial {
+            None => {
+                let args = [
+                    Arg::U64(y2),
+                    Arg::U64(0),
+                    Arg::U64(x),
+                    Arg::U64(x),
+                    u32a(n),
+                    u32a(h),
+                ];
+                // SAFETY: the pass's addresses and sizes (its invariant).
+                unsafe { self.kernel(&k.combine, cfg, &args, "combine") }
+            }
+            Some(part) => {
+                // rank 0 adds the residual: x + Σ partials, the same on every rank
+                let res = if self.st.tp_rank == 0 { x } else { 0 };
+                let args = [
+                    Arg::U64(y2),
+                    Arg::U64(0),
+                    Arg::U64(res),
+                    Arg::U64(self.at(part)),
+                    u32a(n),
+                    u32a(h),
+                ];
+                // SAFETY: the pass's addresses and sizes (its invariant).
+                unsafe { self.kernel(&k.combine, cfg, &args, "combine")? };
+                all_reduce(self.ctx, self.st, part, &mut self.sc.x)
+            }
+        }
+    }
+
+    /// The addresses of layer `l`'s K and V cache blocks.
+    fn cache_blocks(&self, l: usize) -> (u64, u64) {
+        let kvw = self.z.kvh * self.z.d;
+        let layer = (self.step.batch * self.step.cap * kvw) as u64;
+        let kc = self.cache + 4 * (2 * l as u64) * layer;
+        (kc, kc + 4 * layer)
+    }
+
+    /// Layer `l`'s attention: input norm, q / k / v products (one fused GEMM or three), the
+    /// per-head norms of Qwen3, RoPE and the cache store, attention over the cache, the output
+    /// product and the residual.
+    fn attention(&mut self, l: usize) -> Result<(), CudaError> {
+        let (z, rank) = (self.z, self.ctx.rank);
+        let (n, h, d, qh, kvh) = (z.n, z.h, z.d, z.qh, z.kvh);
+        let (qw, kvw) = (qh * d, kvh * d);
+        let lw = self.bind.w.layers[l];
+        let base = self.bind.base;
+        let (xs, y2) = (self.at(&self.sc.xs), self.at(&self.sc.y2));
+        let (q, kb, vb) = (
+            self.at(&self.sc.q),
+            self.at(&self.sc.k),
+            self.at(&self.sc.v),
+        );
+        let (kc, vc) = self.cache_blocks(l);
+        let (s, st, k) = (self.s(), self.st, &self.st.k);
+        self.norm(lw.input_norm, 0, n)?;
+        // SAFETY (every GEMM and launch below): the pass's addresses and sizes (its invariant).
+        unsafe {
+            if z.fused {
+                // one GEMM over [q; k; v] (k_w, v_w follow q_w in the fused tensor), then its
+                // column blocks
+                let ld = qw + 2 * kvw;
+                gemm(&st.blas, self.wp(lw.q_w.off), xs, y2, ld, 2 * n, h, rank)?;
+                self.combine_cols(q, lw.q_b, (ld, 0, qw))?;
+                self.combine_cols(kb, lw.k_b, (ld, qw, kvw))?;
+                self.combine_cols(vb, lw.v_b, (ld, qw + kvw, kvw))?;
+            } else {
+                st.wgemm(s, base, lw.q_w, xs, y2, (qw, 2 * n, h), rank)?;
+                self.combine_into(q, lw.q_b, qw)?;
+                st.wgemm(s, base, lw.k_w, xs, y2, (kvw, 2 * n, h), rank)?;
+                self.combine_into(kb, lw.k_b, kvw)?;
+                st.wgemm(s, base, lw.v_w, xs, y2, (kvw, 2 * n, h), rank)?;
+                self.combine_into(vb, lw.v_b, kvw)?;
+            }
+            if let Some((qn, kn)) = lw.qk_norm {
+                for (buf, w, heads) in [(q, qn, n * qh), (kb, kn, n * kvh)] {
+                    let cfg = LaunchConfig {
+                        grid_dim: (heads.max(1) as u32, 1, 1),
+                        block_dim: (32 * d.div_ceil(32).clamp(1, 8) as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    let args = [
+                        Arg::U64(buf),
+                        Arg::U64(self.wp(w)),
+                        u32a(d),
+                        Arg::F32(z.eps),
+                    ];
+                    self.kernel(&k.head_norm, cfg, &args, "head_norm")?;
+                }
+            }
+            let args = [
+                Arg::U64(q),
+                Arg::U64(kb),
+                Arg::U64(vb),
+                Arg::U64(kc),
+                Arg::U64(vc),
+                Arg::U64(self.at(&self.sc.seqs)),
+                Arg::U64(self.at(&self.sc.poss)),
+                Arg::U64(self.at(&st.inv_freq)),
+                u32a(n),
+                u32a(qh),
+                u32a(kvh),
+                u32a(d),
+                u32a(self.step.cap),
+            ];
+            let cfg = self.elementwise(n * (qh + kvh) * d / 2);
+            self.kernel(&k.rope_store, cfg, &args, "rope_store")?;
+            let cfg = LaunchConfig {
+                grid_dim: ((n * qh) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: ((d + self.step.cap) * 4) as u32,
+            };
+            let args = [
+                Arg::U64(q),
+                Arg::U64(kc),
+                Arg::U64(vc),
+                Arg::U64(self.at(&self.sc.seqs)),
+                Arg::U64(self.at(&self.sc.poss)),
+                Arg::U64(xs),
+                u32a(n),
+                u32a(qh),
+                u32a(kvh),
+                u32a(d),
+                u32a(self.step.cap),
+                u32a(self.bind.w.share.q_base),
+                u32a(z.group),
+                u32a(self.bind.w.share.kv_base),
+                Arg::F32(1.0 / (d as f32).sqrt()),
+            ];
+            self.kernel(&k.attention, cfg, &args, "attention")?;
+            st.wgemm(s, base, lw.o_w, xs, y2, (h, 2 * n, qw), rank)?;
+        }
+        self.finish()
+    }
+
+    /// Layer `l`'s feed-forward part: post-attention norm, then the SwiGLU MLP (gate and up
+    /// products, fused or not, the down product and the residual) or the layer's mixture of
+    /// experts.
+    fn mlp(&mut self, l: usize) -> Result<(), CudaError> {
+        let (z, rank) = (self.z, self.ctx.rank);
+        let (n, h, f) = (z.n, z.h, z.f);
+        let lw = self.bind.w.layers[l];
+        self.norm(lw.post_norm, 0, n)?;
+        let bind = self.bind;
+        if let Some(moe) = &bind.w.moe[l] {
+            return self.experts(moe);
+        }
+        let base = self.bind.base;
+        let (xs, y2, y2b) = (
+            self.at(&self.sc.xs),
+            self.at(&self.sc.y2),
+            self.at(&self.sc.y2b),
+        );
+        let (s, st, k) = (self.s(), self.st, &self.st.k);
+        // SAFETY (every GEMM and launch below): the pass's addresses and sizes (its invariant).
+        unsafe {
+            if z.fused {
+                // one GEMM over [gate; up] (up_w follows gate_w in the fused tensor)
+                gemm(
+                    &st.blas,
+                    self.wp(lw.gate_w.off),
+                    xs,
+                    y2,
+                    2 * f,
+                    2 * n,
+                    h,
+                    rank,
+                )?;
+                let args = [Arg::U64(y2), Arg::U64(xs), u32a(n), u32a(f)];
+                let cfg = self.elementwise(n * f);
+                self.kernel(&k.swiglu_fused_split, cfg, &args, "swiglu_fused_split")?;
+            } else {
+                st.wgemm(s, base, lw.gate_w, xs, y2, (f, 2 * n, h), rank)?;
+                st.wgemm(s, base, lw.up_w, xs, y2b, (f, 2 * n, h), rank)?;
+                let args = [Arg::U64(y2), Arg::U64(y2b), Arg::U64(xs), u32a(n), u32a(f)];
+                let cfg = self.elementwise(n * f);
+                self.kernel(&k.swiglu_split, cfg, &args, "swiglu_split")?;
+            }
+            st.wgemm(s, base, lw.down_w, xs, y2, (h, 2 * n, f), rank)?;
+        }
+        self.finish()
+    }
+
+    /// A mixture-of-experts layer ([`moe_layer`]): the experts' sum plus the residual (rank 0
+    /// adds it), summed over the group.
+    fn experts(&mut self, moe: &crate::weights::MoeOffsets) -> Result<(), CudaError> {
+        let (n, h) = (self.z.n, self.z.h);
+        let (xs, x) = (self.at(&self.sc.xs), self.at(&self.sc.x));
+        let scratch = self.moe.as_mut().ok_or_else(|| {
+            CudaError::Invalid("no scratch buffers for a mixture-of-experts layer".into())
+        })?;
+        moe_layer(self.ctx, self.st, self.z, moe, scratch, xs, self.bind.base)?;
+        let acc = ptr(scratch.acc(), &self.ctx.compute);
+        let cfg = self.elementwise(n * h);
+        let k = &self.st.k;
+        match &self.sc.partial {
+            None => {
+                let args = [
+                    Arg::U64(acc),
+                    Arg::U64(x),
+                    Arg::U64(x),
+                    Arg::U64((n * h) as u64),
+                ];
+                // SAFETY: the pass's addresses and sizes (its invariant).
+                unsafe { self.kernel(&k.add_rows, cfg, &args, "add_rows") }
+            }
+            Some(part) => {
+                let res = if self.st.tp_rank == 0 { x } else { 0 };
+                let args = [
+                    Arg::U64(acc),
+                    Arg::U64(res),
+                    Arg::U64(self.at(part)),
+                    Arg::U64((n * h) as u64),
+                ];
+                // SAFETY: the pass's addresses and sizes (its invariant).
+                unsafe { self.kernel(&k.add_rows, cfg, &args, "add_rows")? };
+                all_reduce(self.ctx, self.st, part, &mut self.sc.x)
+            }
+        }
+    }
+
+    /// Forked sequences: their leaders' KV rows (every layer's k and v, positions 0..prompt
+    /// length) copied into their slots, ordered after the layers on this stream. The slots are
+    /// below `step.batch` and the lengths at most the prompt's, which `reserve` checked against
+    /// the cache's capacity: every copy stays inside the cache.
+    fn fork_kv(&self) -> Result<(), CudaError> {
+        let step = self.step;
+        let forked = step.forks.len() / 3;
+        if forked == 0 {
+            return Ok(());
+        }
+        let z = self.z;
+        let kvw = z.kvh * z.d;
+        let longest = step.forks.chunks_exact(3).map(|f| f[2]).max().unwrap_or(0);
+        let fk = self
+            .s()
+            .clone_htod(&step.forks)
+            .map_err(self.ctx.drv("uploading KV forks", 0))?;
+        let blocks = 2 * z.layers;
+        let args = [
+            Arg::U64(self.cache),
+            Arg::U64(self.at(&fk)),
+            u32a(forked),
+            u32a(blocks),
+            u32a(step.batch),
+            u32a(step.cap),
+            u32a(kvw),
+            Arg::U32(longest),
+        ];
+        let cfg = self.elementwise(forked * blocks * longest as usize * kvw);
+        // SAFETY: the pass's cache and the forks' table just uploaded (kept alive until the
+        // stream ran: `fk` is dropped after the launch is queued, and frees are stream-ordered).
+        unsafe { self.kernel(&self.st.k.fork_kv, cfg, &args, "fork_kv") }
+    }
+
+    /// The final norm of the wanted rows and the head product: the full logits `[m × vocab]` on
+    /// the device (gathered over the group when the vocabulary is split, padding columns
+    /// dropped).
+    fn head(&self) -> Result<CudaSlice<f32>, CudaError> {
+        let (ctx, st, z) = (self.ctx, self.st, self.z);
+        let (s, rank, k) = (self.s(), ctx.rank, &st.k);
+        let (m, h, part) = (z.m, z.h, z.part);
+        // SAFETY (allocations): each is written whole by the kernel or GEMM queued right after
+        // it on this stream, before anything reads it.
+        // SAFETY (launches and GEMMs): the pass's addresses and sizes (its invariant), and the
+        // buffers allocated here with the sizes each kernel indexes.
+        unsafe {
+            let xh = alloc_device::<u16>(s, 2 * m * h, rank, "split final hidden rows")?;
+            let args = [
+                Arg::U64(self.at(&self.sc.x)),
+                Arg::U64(self.wp(self.bind.w.final_norm)),
+                Arg::U64(self.at(&self.sc.rows)),
+                Arg::U64(self.at(&xh)),
+                u32a(m),
+                u32a(h),
+                Arg::F32(z.eps),
+            ];
+            self.kernel(&k.rms_norm_split, block_rows(m), &args, "rms_norm_split")?;
+            let yh = alloc_device::<f32>(s, 2 * m * part, rank, "head GEMM output")?;
+            let (xhp, yhp) = (self.at(&xh), self.at(&yh));
+            gemm(
+                &st.blas,
+                self.wp(self.bind.w.head),
+                xhp,
+                yhp,
+                part,
+                2 * m,
+                h,
+                rank,
+            )?;
+            let logits = alloc_device::<f32>(s, m * part, rank, "logits")?;
+            let args = [
+                Arg::U64(yhp),
+                Arg::U64(0),
+                Arg::U64(0),
+                Arg::U64(self.at(&logits)),
+                u32a(m),
+                u32a(part),
+            ];
+            self.kernel(&k.combine, self.elementwise(m * part), &args, "combine")?;
+            // [T][m][part] → [m][vocab] without the padding columns (never sampled or picked)
+            let gather_real = |from: &CudaSlice<f32>, to: &CudaSlice<f32>| {
+                let args = [
+                    Arg::U64(self.at(from)),
+                    Arg::U64(self.at(to)),
+                    u32a(m),
+                    u32a(part),
+                    u32a(z.vocab),
+                ];
+                let cfg = self.elementwise(m * z.vocab);
+                self.kernel(&k.gather_vocab, cfg, &args, "gather_vocab")
+            };
+            if z.vocab_parallel {
+                // [T][m][part] on every rank, then [m][vocab]
+                let mut gathered =
+                    alloc_device::<f32>(s, z.tp * m * part, rank, "gathered logits")?;
+                let nccl = ctx.nccl_stream();
+                order(ctx, &st.ev_compute, s, &nccl)?;
+                ctx.comm.all_gather(&logits, &mut gathered).map_err(|e| {
+                    CudaError::nccl(rank, "all-gather of vocabulary-parallel logits", e)
+                })?;
+                order(ctx, &st.ev_nccl, &nccl, s)?;
+                let full = alloc_device::<f32>(s, m * z.vocab, rank, "logits")?;
+                if crate::vocab::padded(z.tp, part, z.vocab) {
+                    gather_real(&gathered, &full)?;
+                } else {
+                    let args = [
+                        Arg::U64(self.at(&gathered)),
+                        Arg::U64(self.at(&full)),
+                        u32a(z.tp),
+                        u32a(m),
+                        u32a(part),
+                    ];
+                    let cfg = self.elementwise(m * z.vocab);
+                    self.kernel(&k.unshard, cfg, &args, "unshard")?;
+                }
+                Ok(full)
+            } else if crate::vocab::padded(1, part, z.vocab) {
+                // one rank holding padded rows: keep the real columns
+                let full = alloc_device::<f32>(s, m * z.vocab, rank, "logits")?;
+                gather_real(&logits, &full)?;
+                Ok(full)
+            } else {
+                Ok(logits)
+            }
+        }
+    }
+}
+
+/// What the caller asked of the full logits `[m × vocab]`: the argmax or sampled token of each
+/// row (picked on the device, only the tokens downloaded), or the logits themselves (through a
+/// pinned buffer kept on the rank).
+fn pick(
+    ctx: &RankCtx,
+    st: &mut RankState,
+    z: &Dims,
+    pick: Pick<'_>,
+    full: &CudaSlice<f32>,
+) -> Result<StepOut, CudaError> {
+    let (s, rank, m) = (&ctx.compute, ctx.rank, z.m);
+    let tokens_out = |toks: CudaSlice<u32>| -> Result<StepOut, CudaError> {
+        let out = s
+            .clone_dtoh(&toks)
+            .map_err(ctx.drv("downloading tokens", 0))?;
+        s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
+        Ok(StepOut::Tokens(out))
+    };
+    match pick {
+        Pick::Argmax => {
+            // SAFETY: written whole by the argmax kernel queued right after on this stream.
+            let toks = unsafe { alloc_device::<u32>(s, m, rank, "argmax tokens")? };
+            let args = [
+                Arg::U64(ptr(full, s)),
+                Arg::U64(ptr(&toks, s)),
+                u32a(z.vocab),
+            ];
+            // SAFETY: `full` holds m × vocab logits, `toks` m tokens; one block per row.
+            unsafe {
+                launch(
+                    s,
+                    &st.k.argmax_rows,
+                    block_rows(m),
+                    &args,
+                    rank,
+                    "argmax_rows",
+                )?
+            };
+            tokens_out(toks)
+        }
+        Pick::Sample {
+            temperature,
+            uniforms,
+        } => {
+            if uniforms.len() != m {
+                return Err(CudaError::Invalid(format!(
+                    "{} uniform draws for {m} rows",
+                    uniforms.len()
+                )));
+            }
+            let uni = s
+                .clone_htod(uniforms)
+                .map_err(ctx.drv("uploading uniform draws", 0))?;
+            // SAFETY: written whole by the sampling kernel queued right after on this stream.
+            let toks = unsafe { alloc_device::<u32>(s, m, rank, "sampled tokens")? };
+            let args = [
+                Arg::U64(ptr(full, s)),
+                Arg::U64(ptr(&uni, s)),
+                Arg::U64(ptr(&toks, s)),
+                u32a(z.vocab),
+                Arg::F32(temperature),
+            ];
+            // SAFETY: `full` holds m × vocab logits, `uni` m draws, `toks` m tokens.
+            unsafe {
+                launch(
+                    s,
+                    &st.k.sample_rows,
+                    block_rows(m),
+                    &args,
+                    rank,
+                    "sample_rows",
+                )?
+            };
+            tokens_out(toks)
+        }
+        Pick::Logits => {
+            // through a cached pinned buffer: one fast copy, then one copy per row. The
+            // buffer has exactly `len` elements: cudarc's device→host copy moves the whole
+            // destination, so a larger buffer would read past the logits' allocation.
+            let len = m * z.vocab;
+            if st.pinned.as_ref().is_none_or(|p| p.len() != len) {
+                st.pinned = None;
+                // SAFETY: alloc_pinned's contract: the buffer is written by the copy below
+                // before it is read.
+                st.pinned =
+                    Some(unsafe { alloc_pinned::<f32>(s, len, rank, "logits download buffer")? });
+            }
+            let pinned = st
+                .pinned
+                .as_mut()
+                .ok_or_else(|| CudaError::Invalid("no pinned logits buffer".into()))?;
+            s.memcpy_dtoh(&full.slice(0..len), pinned)
+                .map_err(ctx.drv("downloading logits", (len * 4) as u64))?;
+            s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
+            let host = pinned
+                .as_slice()
+                .map_err(ctx.drv("reading the pinned logits", 0))?;
+            Ok(StepOut::Logits(
+                host[..len]
+                    .chunks_exact(z.vocab)
+                    .map(<[f32]>::to_vec)
+                    .collect(),
+            ))
+        }
+    }
+}
