@@ -560,13 +560,15 @@ fn same_run(a: &RunReport, b: &RunReport) -> bool {
 fn prediction_line(config: &DapoConfig, checkpoint: Option<&Checkpoint>) -> Option<String> {
     let _ = checkpoint;
     let train = match config.train {
-        HostTrain::Fsdp => prediction::TrainSide::Fsdp {
+        HostTrain::Fsdp => lifecycle_plan::TrainLayout::Fsdp {
             world: config.world,
         },
-        HostTrain::Megatron { tp, pp, .. } => prediction::TrainSide::Megatron {
+        HostTrain::Megatron { tp, pp, .. } => lifecycle_plan::TrainLayout::Megatron {
             tp,
             pp,
             dp: config.world / (tp * pp).max(1),
+            ep: 1,
+            etp: tp,
         },
     };
     let offload = config.memory != MemoryPolicy::resident();

@@ -3,34 +3,17 @@
 //! [`LinkRates::default`]): the line every DAPO report prints, labelled as a prediction.
 
 use lifecycle_decoder::ModelConfig;
-use lifecycle_plan::{job_prediction, plan_fsdp, plan_megatron, LinkRates, Offload, PlanError};
+use lifecycle_plan::{
+    job_prediction, plan_fsdp, plan_megatron, LinkRates, Offload, PlanError, TrainLayout,
+};
 
 use crate::gpu_dapo::QWEN2_5_7B_CONFIG;
-
-/// The training side of the predicted switch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TrainSide {
-    /// FSDP over `world` GPUs.
-    Fsdp {
-        /// GPUs.
-        world: usize,
-    },
-    /// Megatron TP × PP × DP.
-    Megatron {
-        /// Training tensor-parallel degree.
-        tp: usize,
-        /// Pipeline stages.
-        pp: usize,
-        /// Data-parallel replicas.
-        dp: usize,
-    },
-}
 
 /// A predicted switch (the slowest rank's), in seconds.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SwitchPrediction {
-    /// The training side.
-    pub train: TrainSide,
+    /// The training layout.
+    pub train: TrainLayout,
     /// Rollout degree.
     pub tp: usize,
     /// Whether master weights and optimizer state are offloaded.
@@ -49,8 +32,10 @@ impl SwitchPrediction {
     /// The report's line, labelled as a prediction.
     pub fn line(&self) -> String {
         let train = match self.train {
-            TrainSide::Fsdp { world } => format!("FSDP W = {world}"),
-            TrainSide::Megatron { tp, pp, dp } => format!("Megatron TP {tp} x PP {pp} x DP {dp}"),
+            TrainLayout::Fsdp { world } => format!("FSDP W = {world}"),
+            TrainLayout::Megatron { tp, pp, dp, .. } => {
+                format!("Megatron TP {tp} x PP {pp} x DP {dp}")
+            }
         };
         let r = LinkRates::default();
         format!(
@@ -76,7 +61,7 @@ impl SwitchPrediction {
 /// offload, at `lifecycle-plan`'s default buckets (256 MiB, 2 in flight; Megatron's vocabulary
 /// padded to a multiple of 128).
 pub fn qwen7b_switch(
-    train: TrainSide,
+    train: TrainLayout,
     tp: usize,
     offload: bool,
 ) -> Result<SwitchPrediction, PlanError> {
@@ -85,10 +70,10 @@ pub fn qwen7b_switch(
     let what = if offload { Offload::ALL } else { Offload::NONE };
     let bucket = 256 << 20;
     let ranks = match train {
-        TrainSide::Fsdp { world } => plan_fsdp(&config, world, tp, bucket, 2, what)?,
-        TrainSide::Megatron { tp: mtp, pp, dp } => {
-            plan_megatron(&config, mtp, pp, dp, tp, 128, bucket, what)?
-        }
+        TrainLayout::Fsdp { world } => plan_fsdp(&config, world, tp, bucket, 2, what)?,
+        TrainLayout::Megatron {
+            tp: mtp, pp, dp, ..
+        } => plan_megatron(&config, mtp, pp, dp, tp, 128, bucket, what)?,
     };
     let p = job_prediction(&ranks, &LinkRates::default());
     Ok(SwitchPrediction {
@@ -108,15 +93,17 @@ mod tests {
 
     #[test]
     fn the_default_runs_have_a_prediction() {
-        let p = qwen7b_switch(TrainSide::Fsdp { world: 2 }, 2, true).unwrap();
+        let p = qwen7b_switch(TrainLayout::Fsdp { world: 2 }, 2, true).unwrap();
         assert!(p.enter_s > 0.5 && p.exit_s > 0.5, "{p:?}"); // ~45 GB at 55 GB/s
         assert!(p
             .line()
             .starts_with("prediction (lifecycle-plan, rates measured on 2×H200"));
-        let m = TrainSide::Megatron {
+        let m = TrainLayout::Megatron {
             tp: 1,
             pp: 2,
             dp: 1,
+            ep: 1,
+            etp: 1,
         };
         let p = qwen7b_switch(m, 2, false).unwrap();
         assert!(p.enter_s > 0.0 && p.exit_s == 0.0, "{p:?}");

@@ -93,9 +93,10 @@ pub use options::{GpuLayout, GpuOptions, LifecycleChoice, LoopOptions, Options, 
 pub(crate) use source::QWEN2_5_7B_CONFIG;
 
 use crate::dapo::megatron::fused_layout;
-use crate::prediction::{qwen7b_switch, TrainSide};
+use crate::prediction::qwen7b_switch;
 use lifecycle_decoder::MegatronParallel;
 use lifecycle_megatron::MegatronGpuBackend;
+use lifecycle_plan::TrainLayout;
 use policy::{
     name, run_policy, FsdpTrainer, GpuDriver, MegatronSource, MegatronTrainer, PolicyReport,
 };
@@ -408,11 +409,13 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
     }
     if root {
         let train = match a.layout {
-            GpuLayout::Fsdp => TrainSide::Fsdp { world: g.gpus },
-            GpuLayout::Megatron { tp, pp, .. } => TrainSide::Megatron {
+            GpuLayout::Fsdp => TrainLayout::Fsdp { world: g.gpus },
+            GpuLayout::Megatron { tp, pp, .. } => TrainLayout::Megatron {
                 tp,
                 pp,
                 dp: g.gpus / (tp * pp).max(1),
+                ep: 1,
+                etp: tp,
             },
         };
         match qwen7b_switch(train, r.tp, !r.no_offload) {
