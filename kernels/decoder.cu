@@ -1,0 +1,428 @@
+// Launched by lifecycle_decoder_gpu::DecoderKernels (models/decoder-gpu/src/kernels.rs): each launch's grid, block and argument contract is stated at its
+// launcher there; the kernels below document what they read and write.
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+#define NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ float bf(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+__device__ __forceinline__ u16 f2bf(float f) {
+    u32 x = __float_as_uint(f);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (u16)(((x >> 16) | 0x0040u) & 0xFFFFu);
+    if ((x & 0x8000u) != 0u && (x & 0x17FFFu) != 0u) return (u16)(((x >> 16) + 1u) & 0xFFFFu);
+    return (u16)(x >> 16);
+}
+
+__device__ __forceinline__ void split_store(u16* out, u64 i, u64 half_len, float v) {
+    u16 hi = f2bf(v);
+    out[i] = hi;
+    out[half_len + i] = f2bf(v - bf(hi));
+}
+
+__device__ float block_sum(float v, float* red) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    u32 warps = (blockDim.x + 31u) >> 5;
+    float t = 0.0f;
+    for (u32 w = 0; w < warps; ++w) t += red[w];
+    __syncthreads();
+    return t;
+}
+
+__device__ float block_max(float v, float* red) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    u32 warps = (blockDim.x + 31u) >> 5;
+    float t = NEG_INF;
+    for (u32 w = 0; w < warps; ++w) t = fmaxf(t, red[w]);
+    __syncthreads();
+    return t;
+}
+
+// x[r, c] = table[tokens[r] - lo, c] when the token is in [lo, lo + count), else 0.
+extern "C" __global__ void embed(const u16* __restrict__ table, const u32* __restrict__ tokens,
+                                 float* __restrict__ x, u32 n, u32 h, u32 lo, u32 count) {
+    u64 total = (u64)n * h;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u32 r = (u32)(i / h), c = (u32)(i % h);
+        u32 t = tokens[r];
+        x[i] = (t >= lo && t - lo < count) ? bf(table[(u64)(t - lo) * h + c]) : 0.0f;
+    }
+}
+
+// One block per output row r: RMSNorm of x[rows ? rows[r] : r] with weight w, split into
+// out[r] (hi) and out[m + r] (lo).
+extern "C" __global__ void rms_norm_split(const float* __restrict__ x, const u16* __restrict__ w,
+                                          const u32* __restrict__ rows, u16* __restrict__ out,
+                                          u32 m, u32 h, float eps) {
+    __shared__ float red[32];
+    u32 r = blockIdx.x;
+    u32 src = rows ? rows[r] : r;
+    const float* xr = x + (u64)src * h;
+    float s = 0.0f;
+    for (u32 c = threadIdx.x; c < h; c += blockDim.x) s += xr[c] * xr[c];
+    s = block_sum(s, red);
+    float inv = 1.0f / sqrtf(s / (float)h + eps);
+    for (u32 c = threadIdx.x; c < h; c += blockDim.x) {
+        float v = bf(w[c]) * (xr[c] * inv);
+        split_store(out, (u64)r * h + c, (u64)m * h, v);
+    }
+}
+
+// out[r, c] = y2[r, c] + y2[n + r, c] (+ bias[c]) (+ res[r, c]); y2 is [2n x m].
+extern "C" __global__ void combine(const float* __restrict__ y2, const u16* __restrict__ bias,
+                                   const float* res, float* out, u32 n, u32 m) {
+    u64 total = (u64)n * m;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        float v = y2[i] + y2[total + i];
+        if (bias) v += bf(bias[i % m]);
+        if (res) v += res[i];
+        out[i] = v;
+    }
+}
+
+// out[r, c] = y2[r, col0 + c] + y2[n + r, col0 + c] (+ bias[c]); y2 is [2n x ld]: the columns
+// [col0, col0 + width) of a fused product (q, k or v of [q; k; v]).
+extern "C" __global__ void combine_cols(const float* __restrict__ y2, const u16* __restrict__ bias,
+                                        float* __restrict__ out, u32 n, u32 ld, u32 col0, u32 width) {
+    u64 total = (u64)n * width;
+    u64 half_len = (u64)n * ld;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 r = i / width, c = i % width;
+        u64 at = r * ld + col0 + c;
+        float v = y2[at] + y2[half_len + at];
+        if (bias) v += bf(bias[c]);
+        out[i] = v;
+    }
+}
+
+// SiLU(gate) * up of a fused [gate; up] product gu2 [2n x 2f] (hi/lo rows); out split [2n x f].
+extern "C" __global__ void swiglu_fused_split(const float* __restrict__ gu2, u16* __restrict__ out,
+                                              u32 n, u32 f) {
+    u64 total = (u64)n * f;
+    u64 ld = 2ull * f;
+    u64 half_len = (u64)n * ld;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 r = i / f, c = i % f;
+        u64 at = r * ld + c;
+        float g = gu2[at] + gu2[half_len + at];
+        float u = gu2[at + f] + gu2[half_len + at + f];
+        split_store(out, i, total, g / (1.0f + expf(-g)) * u);
+    }
+}
+
+// SiLU(gate) * up with gate, up given as [2n x f] hi/lo products; out split [2n x f].
+extern "C" __global__ void swiglu_split(const float* __restrict__ g2, const float* __restrict__ u2,
+                                        u16* __restrict__ out, u32 n, u32 f) {
+    u64 total = (u64)n * f;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        float g = g2[i] + g2[total + i];
+        float u = u2[i] + u2[total + i];
+        split_store(out, i, total, g / (1.0f + expf(-g)) * u);
+    }
+}
+
+// One block per head: RMSNorm over its d values of x (rows of d: [n x heads x d]) in place with
+// weight w (Qwen3's q/k norms, before the rotary embedding).
+extern "C" __global__ void head_norm(float* __restrict__ x, const u16* __restrict__ w, u32 d,
+                                     float eps) {
+    __shared__ float red[32];
+    float* xr = x + (u64)blockIdx.x * d;
+    float s = 0.0f;
+    for (u32 c = threadIdx.x; c < d; c += blockDim.x) s += xr[c] * xr[c];
+    s = block_sum(s, red);
+    float inv = 1.0f / sqrtf(s / (float)d + eps);
+    for (u32 c = threadIdx.x; c < d; c += blockDim.x) xr[c] = bf(w[c]) * (xr[c] * inv);
+}
+
+// Rows idx[0..r) of a split activation xs [2n x h] (hi rows 0..n, lo rows n..2n) into the split
+// activation out [2r x h]: the tokens routed to one expert.
+extern "C" __global__ void gather_split_rows(const u16* __restrict__ xs, const u32* __restrict__ idx,
+                                             u16* __restrict__ out, u32 n, u32 r, u32 h) {
+    u64 total = (u64)r * h;
+    u64 lo = (u64)n * h;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 row = i / h, c = i % h;
+        u64 src = (u64)idx[row] * h + c;
+        out[i] = xs[src];
+        out[total + i] = xs[lo + src];
+    }
+}
+
+// acc[idx[i], c] += wt[i] * (y2[i, c] + y2[r + i, c]) for the r rows of one expert's output
+// y2 [2r x h] (hi/lo products); the rows of one expert are distinct, so no two threads add to
+// one element.
+extern "C" __global__ void scatter_add_rows(const float* __restrict__ y2, const u32* __restrict__ idx,
+                                            const float* __restrict__ wt, float* __restrict__ acc,
+                                            u32 r, u32 h) {
+    u64 total = (u64)r * h;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 row = i / h, c = i % h;
+        acc[(u64)idx[row] * h + c] += wt[row] * (y2[i] + y2[total + i]);
+    }
+}
+
+// acc[t, c] += wt[j] * (y2[pos[j], c] + y2[r + pos[j], c]) over the entries j of token t,
+// [ptr[t], ptr[t+1]) in expert order, for the r rows of a block of experts' outputs y2
+// [2r x h] (hi/lo products): each token adds its experts in the order the per-expert path does.
+extern "C" __global__ void scatter_add_grouped(const float* __restrict__ y2, const u32* __restrict__ ptr,
+                                               const u32* __restrict__ pos, const float* __restrict__ wt,
+                                               float* __restrict__ acc, u32 n, u32 r, u32 h) {
+    u64 total = (u64)n * h;
+    u64 lo = (u64)r * h;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 t = i / h, c = i % h;
+        for (u32 j = ptr[t]; j < ptr[t + 1]; j++) {
+            u64 src = (u64)pos[j] * h + c;
+            acc[i] += wt[j] * (y2[src] + y2[lo + src]);
+        }
+    }
+}
+
+// acc[t, c] += sigmoid(g[t] + g[n + t]) * (y2[t, c] + y2[n + t, c]) for n rows of h: a shared
+// expert's output y2 [2n x h] and its gate's logits g [2n] (hi/lo products), Qwen2-MoE.
+extern "C" __global__ void add_gated_rows(const float* __restrict__ y2, const float* __restrict__ g,
+                                          float* __restrict__ acc, u32 n, u32 h) {
+    u64 total = (u64)n * h;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 t = i / h;
+        float s = 1.0f / (1.0f + expf(-(g[t] + g[n + t])));
+        acc[i] += s * (y2[i] + y2[total + i]);
+    }
+}
+
+// out[i] = a[i] (+ res[i]).
+extern "C" __global__ void add_rows(const float* __restrict__ a, const float* res, float* out,
+                                    u64 total) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        out[i] = res ? a[i] + res[i] : a[i];
+    }
+}
+
+// Rotary embedding (pairs (j, j + d/2)) of q [n x qh x d] in place; k rotated and v copied into
+// the caches [seq][cap][kvh][d] at (seqs[r], poss[r]).
+extern "C" __global__ void rope_store(float* __restrict__ q, const float* __restrict__ k,
+                                      const float* __restrict__ v, float* __restrict__ kc,
+                                      float* __restrict__ vc, const u32* __restrict__ seqs,
+                                      const u32* __restrict__ poss, const float* __restrict__ inv_freq,
+                                      u32 n, u32 qh, u32 kvh, u32 d, u32 cap) {
+    u32 half = d / 2;
+    u64 per_row = (u64)(qh + kvh) * half;
+    u64 total = (u64)n * per_row;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u32 r = (u32)(i / per_row);
+        u32 rem = (u32)(i % per_row);
+        u32 head = rem / half, j = rem % half;
+        u32 pos = poss[r];
+        float s, c;
+        sincosf((float)pos * inv_freq[j], &s, &c);
+        if (head < qh) {
+            float* p = q + ((u64)r * qh + head) * d;
+            float a = p[j], b = p[j + half];
+            p[j] = a * c - b * s;
+            p[j + half] = b * c + a * s;
+        } else {
+            u32 kv = head - qh;
+            const float* p = k + ((u64)r * kvh + kv) * d;
+            u64 at = (((u64)seqs[r] * cap + pos) * kvh + kv) * d;
+            float a = p[j], b = p[j + half];
+            kc[at + j] = a * c - b * s;
+            kc[at + j + half] = b * c + a * s;
+            const float* pv = v + ((u64)r * kvh + kv) * d;
+            vc[at + j] = pv[j];
+            vc[at + j + half] = pv[j + half];
+        }
+    }
+}
+
+// One block per (row r, local query head j): softmax(q . k / sqrt(d)) over cache positions
+// 0..=poss[r] of sequence seqs[r], times v; output split into out [2n x qh x d].
+// Dynamic shared memory: (d + cap) floats.
+extern "C" __global__ void attention(const float* __restrict__ q, const float* __restrict__ kc,
+                                     const float* __restrict__ vc, const u32* __restrict__ seqs,
+                                     const u32* __restrict__ poss, u16* __restrict__ out,
+                                     u32 n, u32 qh, u32 kvh, u32 d, u32 cap,
+                                     u32 q_base, u32 group, u32 kv_base, float scale) {
+    extern __shared__ float sm[];
+    __shared__ float red[32];
+    u32 r = blockIdx.x / qh, j = blockIdx.x % qh;
+    u32 seq = seqs[r], len = poss[r] + 1;
+    u32 kv = (q_base + j) / group - kv_base;
+    float* qs = sm;
+    float* sc = sm + d;
+    for (u32 t = threadIdx.x; t < d; t += blockDim.x) qs[t] = q[((u64)r * qh + j) * d + t];
+    __syncthreads();
+    u64 stride = (u64)kvh * d;
+    const float* kb = kc + (u64)seq * cap * stride + (u64)kv * d;
+    const float* vb = vc + (u64)seq * cap * stride + (u64)kv * d;
+    float mx = NEG_INF;
+    for (u32 p = threadIdx.x; p < len; p += blockDim.x) {
+        const float* kp = kb + p * stride;
+        float s = 0.0f;
+        for (u32 t = 0; t < d; ++t) s += qs[t] * kp[t];
+        s *= scale;
+        sc[p] = s;
+        mx = fmaxf(mx, s);
+    }
+    mx = block_max(mx, red);
+    float tot = 0.0f;
+    for (u32 p = threadIdx.x; p < len; p += blockDim.x) {
+        float e = expf(sc[p] - mx);
+        sc[p] = e;
+        tot += e;
+    }
+    tot = block_sum(tot, red);
+    for (u32 p = threadIdx.x; p < len; p += blockDim.x) sc[p] = sc[p] / tot;
+    __syncthreads();
+    u64 half_len = (u64)n * qh * d;
+    for (u32 t = threadIdx.x; t < d; t += blockDim.x) {
+        float o = 0.0f;
+        for (u32 p = 0; p < len; ++p) o += sc[p] * vb[p * stride + t];
+        split_store(out, ((u64)r * qh + j) * d + t, half_len, o);
+    }
+}
+
+// Copies blocks of old_block floats to a buffer with blocks of new_block floats (cache growth).
+extern "C" __global__ void grow_blocks(const float* __restrict__ src, float* __restrict__ dst,
+                                       u64 blocks, u64 old_block, u64 new_block) {
+    u64 total = blocks * old_block;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 b = i / old_block, e = i % old_block;
+        dst[b * new_block + e] = src[i];
+    }
+}
+
+// One block per row: index of the largest value (the first one on ties), as the host argmax.
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, u32* __restrict__ out, u32 cols) {
+    __shared__ float bv[256];
+    __shared__ u32 bi[256];
+    const float* row = x + (u64)blockIdx.x * cols;
+    float best = NEG_INF;
+    u32 idx = 0;
+    for (u32 c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = row[c];
+        if (v > best) { best = v; idx = c; }
+    }
+    bv[threadIdx.x] = best;
+    bi[threadIdx.x] = idx;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            float ov = bv[threadIdx.x + s];
+            u32 oi = bi[threadIdx.x + s];
+            if (ov > bv[threadIdx.x] || (ov == bv[threadIdx.x] && oi < bi[threadIdx.x])) {
+                bv[threadIdx.x] = ov;
+                bi[threadIdx.x] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = bi[0];
+}
+
+// out[i, r * part + c] = g[r, i, c]: vocabulary-parallel logits [T][m][part] -> [m][T * part].
+extern "C" __global__ void unshard(const float* __restrict__ g, float* __restrict__ out,
+                                   u32 tp, u32 m, u32 part) {
+    u64 total = (u64)tp * m * part;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 c = i % part, rest = i / part;
+        u64 row = rest % m, r = rest / m;
+        out[row * ((u64)tp * part) + r * part + c] = g[i];
+    }
+}
+
+// out[row, col] = g[col / part][row][col % part] for col < vocab: per-rank logits [T][m][part]
+// whose rows past the real vocabulary are padding -> [m][vocab]. Padding columns are dropped, so
+// they can never be picked (the host mirror is `vocab::gather_vocab`).
+extern "C" __global__ void gather_vocab(const float* __restrict__ g, float* __restrict__ out,
+                                        u32 m, u32 part, u32 vocab) {
+    u64 total = (u64)m * vocab;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 row = i / vocab, col = i % vocab;
+        u64 r = col / part, c = col % part;
+        out[i] = g[(r * m + row) * part + c];
+    }
+}
+
+// The KV cache [blocks][slots][cap][width] (block = layer x {k, v}): for each fork f, positions
+// 0..len of slot src are copied to slot dst in every block (forks = [src, dst, len] x count,
+// len <= longest; a src is never a dst).
+extern "C" __global__ void fork_kv(float* __restrict__ cache, const u32* __restrict__ forks,
+                                   u32 count, u32 blocks, u32 slots, u32 cap, u32 width, u32 longest) {
+    u64 per = (u64)longest * width;
+    u64 total = (u64)count * blocks * per;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 f = i / ((u64)blocks * per);
+        u64 rem = i % ((u64)blocks * per);
+        u64 b = rem / per, e = rem % per;
+        u32 src = forks[3 * f], dst = forks[3 * f + 1], len = forks[3 * f + 2];
+        if (e < (u64)len * width) {
+            u64 base = b * slots;
+            cache[(base + dst) * cap * width + e] = cache[(base + src) * cap * width + e];
+        }
+    }
+}
+
+// One block of 256 threads per row: the CPU sampler's rule, softmax(x / temperature) sampled with
+// the uniform u = uni[row]: the first index where u * total minus the running sum of weights
+// reaches <= 0 (chunk sums in parallel, then one thread walks the chunk that holds the pick);
+// the argmax (first on ties) when rounding leaves nothing picked, as the CPU sampler does.
+extern "C" __global__ void sample_rows(const float* __restrict__ x, const float* __restrict__ uni,
+                                       u32* __restrict__ out, u32 cols, float temperature) {
+    __shared__ float bv[256];
+    __shared__ u32 bi[256];
+    __shared__ float part[256];
+    const float* row = x + (u64)blockIdx.x * cols;
+    float best = NEG_INF;
+    u32 idx = 0;
+    for (u32 c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = row[c];
+        if (v > best) { best = v; idx = c; }
+    }
+    bv[threadIdx.x] = best;
+    bi[threadIdx.x] = idx;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            float ov = bv[threadIdx.x + s];
+            u32 oi = bi[threadIdx.x + s];
+            if (ov > bv[threadIdx.x] || (ov == bv[threadIdx.x] && oi < bi[threadIdx.x])) {
+                bv[threadIdx.x] = ov;
+                bi[threadIdx.x] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    float mx = bv[0];
+    u32 am = bi[0];
+    u32 chunk = (cols + blockDim.x - 1) / blockDim.x;
+    u32 lo = threadIdx.x * chunk;
+    u32 hi = min(cols, lo + chunk);
+    float sum = 0.0f;
+    for (u32 c = lo; c < hi; ++c) sum += expf((row[c] - mx) / temperature);
+    part[threadIdx.x] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = 0.0f;
+        for (u32 t = 0; t < blockDim.x; ++t) total += part[t];
+        float pick = uni[blockIdx.x] * total;
+        u32 res = am;
+        bool found = false;
+        for (u32 t = 0; t < blockDim.x && !found; ++t) {
+            if (pick - part[t] > 0.0f) { pick -= part[t]; continue; }
+            u32 a = t * chunk, b = min(cols, a + chunk);
+            for (u32 c = a; c < b; ++c) {
+                pick -= expf((row[c] - mx) / temperature);
+                if (pick <= 0.0f) { res = c; found = true; break; }
+            }
+        }
+        out[blockIdx.x] = res;
+    }
+}

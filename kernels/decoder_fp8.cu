@@ -1,0 +1,199 @@
+// Launched by the fp8 decoder kernels (models/decoder-gpu/src/fp8.rs): each launch's grid, block and argument contract is stated at its
+// launcher there; the kernels below document what they read and write.
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// The value of an e4m3 byte (0x7f / 0xff, NaN, never appear in a quantised rollout).
+__device__ __forceinline__ float e4m3_val(u32 b) {
+    u32 e = (b >> 3) & 15u, m = b & 7u;
+    float v = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;
+    return (b & 0x80u) ? -v : v;
+}
+
+__device__ __forceinline__ float bf(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+// The four e4m3 bytes of word (lowest first) as f32: by the hardware conversion where there is
+// one (sm_89 and later: two bytes to f16x2 per instruction, then to f32, all exact), else by
+// e4m3_val.
+__device__ __forceinline__ void e4m3x4(u32 word, float* v) {
+#if __CUDA_ARCH__ >= 890
+    u32 lo2, hi2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(lo2) : "h"((unsigned short)(word & 0xffffu)));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hi2) : "h"((unsigned short)(word >> 16)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v[0]) : "h"((unsigned short)(lo2 & 0xffffu)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v[1]) : "h"((unsigned short)(lo2 >> 16)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v[2]) : "h"((unsigned short)(hi2 & 0xffffu)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v[3]) : "h"((unsigned short)(hi2 >> 16)));
+#else
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = e4m3_val((word >> (8 * k)) & 0xffu);
+#endif
+}
+
+// round to nearest even
+__device__ __forceinline__ u16 f2bf_rne(float f) {
+    u32 x = __float_as_uint(f);
+    return (u16)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+// The split activations (hi rows 0 .. n, lo rows n .. 2n of xs, bf16 [2n x inp]) recombined in
+// f32: x[t * inp + c] = hi + lo.
+extern "C" __global__ void fp8_join_split(const u16* __restrict__ xs, u32 n, u32 inp,
+                                          float* __restrict__ x) {
+    u64 len = (u64)n * inp;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < len; i += (u64)gridDim.x * blockDim.x) {
+        x[i] = bf(xs[i]) + bf(xs[len + i]);
+    }
+}
+
+#define FP8_RO 4
+
+// y[t * out + o] = sum_c x[t * inp + c] * w(row0 + o, c) for tokens t < n (n <= N), and 0 in the
+// lo rows ylo[t * out + o] (the caller's combine adds the two halves). One block of 8 warps
+// per 4 outputs, the columns split over its 256 threads 16 at a time (every activation load
+// used by the 4 rows); each weight is dequantised (e4m3 x its block's scale) four at a time, so
+// few registers stay live and many blocks share an SM. The partial sums are reduced per warp,
+// then over the warps. w is row-major e4m3 [.. x inp] with one scale per 128 x 128 block; x f32.
+template <int N>
+__device__ __forceinline__ void fp8_gemv_body(const unsigned char* __restrict__ w,
+                                              const float* __restrict__ scales, u32 row0,
+                                              u32 out, u32 inp, const float* __restrict__ x,
+                                              u32 n, float* __restrict__ y,
+                                              float* __restrict__ ylo) {
+    __shared__ float red[8][FP8_RO][N];
+    u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    u32 o0 = blockIdx.x * FP8_RO;
+    u64 bc = (inp + 127) / 128;
+    float acc[FP8_RO][N];
+    #pragma unroll
+    for (int i = 0; i < FP8_RO; ++i) {
+        #pragma unroll
+        for (int t = 0; t < N; ++t) acc[i][t] = 0.0f;
+    }
+    if (inp % 16 == 0) {
+        for (u32 c = 16 * threadIdx.x; c < inp; c += 16 * blockDim.x) {
+            uint4 q[FP8_RO];
+            float sc[FP8_RO];
+            #pragma unroll
+            for (int i = 0; i < FP8_RO; ++i) {
+                u32 o = o0 + i;
+                q[i] = make_uint4(0, 0, 0, 0);
+                sc[i] = 0.0f;
+                if (o < out) {
+                    u64 r = (u64)row0 + o;
+                    q[i] = *reinterpret_cast<const uint4*>(w + r * inp + c);
+                    sc[i] = scales[(r / 128) * bc + c / 128];
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float wq[FP8_RO][4];
+                #pragma unroll
+                for (int i = 0; i < FP8_RO; ++i) {
+                    u32 word = j == 0 ? q[i].x : j == 1 ? q[i].y : j == 2 ? q[i].z : q[i].w;
+                    e4m3x4(word, wq[i]);
+                    #pragma unroll
+                    for (int k = 0; k < 4; ++k) wq[i][k] *= sc[i];
+                }
+                #pragma unroll
+                for (int t = 0; t < N; ++t) {
+                    if (t < n) {
+                        float4 xv = *reinterpret_cast<const float4*>(x + (u64)t * inp + c + 4 * j);
+                        #pragma unroll
+                        for (int i = 0; i < FP8_RO; ++i) {
+                            float a = acc[i][t];
+                            a = fmaf(wq[i][0], xv.x, a);
+                            a = fmaf(wq[i][1], xv.y, a);
+                            a = fmaf(wq[i][2], xv.z, a);
+                            a = fmaf(wq[i][3], xv.w, a);
+                            acc[i][t] = a;
+                        }
+                    }
+                }
+            }
+        }
+    } else {
+        for (u32 c = threadIdx.x; c < inp; c += blockDim.x) {
+            #pragma unroll
+            for (int i = 0; i < FP8_RO; ++i) {
+                u32 o = o0 + i;
+                if (o < out) {
+                    u64 r = (u64)row0 + o;
+                    float wvs = e4m3_val(w[r * inp + c]) * scales[(r / 128) * bc + c / 128];
+                    #pragma unroll
+                    for (int t = 0; t < N; ++t) {
+                        if (t < n) acc[i][t] = fmaf(wvs, x[(u64)t * inp + c], acc[i][t]);
+                    }
+                }
+            }
+        }
+    }
+    // n is the same for the whole block: only the tokens in use are reduced
+    #pragma unroll
+    for (int i = 0; i < FP8_RO; ++i) {
+        #pragma unroll
+        for (int t = 0; t < N; ++t) {
+            if (t < n) {
+                float v = acc[i][t];
+                #pragma unroll
+                for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+                if (lane == 0) red[warp][i][t] = v;
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < FP8_RO * n) {
+        u32 i = threadIdx.x / n, t = threadIdx.x % n;
+        u32 o = o0 + i;
+        if (o < out) {
+            float v = 0.0f;
+            for (u32 k = 0; k < (blockDim.x >> 5); ++k) v += red[k][i][t];
+            y[(u64)t * out + o] = v;
+            ylo[(u64)t * out + o] = 0.0f;
+        }
+    }
+}
+
+#define FP8_GEMV(N)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) fp8_gemv_##N(                            \
+        const unsigned char* __restrict__ w, const float* __restrict__ scales, u32 row0,      \
+        u32 out, u32 inp, const float* __restrict__ x, u32 n, float* __restrict__ y) {         \
+        fp8_gemv_body<N>(w, scales, row0, out, inp, x, n, y, y + (u64)n * out);               \
+    }
+FP8_GEMV(1)
+FP8_GEMV(2)
+FP8_GEMV(4)
+FP8_GEMV(8)
+
+// Many products of one output size in one launch (a mixture-of-experts layer's experts):
+// blockIdx.y picks the problem, whose 8 entries of table are w, scales, row0, inp, x, n, y, ylo.
+#define FP8_GEMV_TABLE(N)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) fp8_gemv_table_##N(                      \
+        const u64* __restrict__ table, u32 out) {                                              \
+        const u64* e = table + 8 * (u64)blockIdx.y;                                            \
+        fp8_gemv_body<N>((const unsigned char*)e[0], (const float*)e[1], (u32)e[2], out,       \
+                         (u32)e[3], (const float*)e[4], (u32)e[5], (float*)e[6],               \
+                         (float*)e[7]);                                                        \
+    }
+FP8_GEMV_TABLE(1)
+FP8_GEMV_TABLE(2)
+FP8_GEMV_TABLE(4)
+FP8_GEMV_TABLE(8)
+
+// Rows row0 .. row0 + out of an e4m3 matrix [.. x inp] dequantised into hi (bf16 of the value)
+// and lo (bf16 of the rest), each [out x inp] row-major, hi first in dst.
+extern "C" __global__ void fp8_dequant_split(const unsigned char* __restrict__ w,
+                                             const float* __restrict__ scales, u32 row0, u32 out,
+                                             u32 inp, u16* __restrict__ dst) {
+    u64 n = (u64)out * inp;
+    u64 bc = (inp + 127) / 128;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        u64 o = i / inp, c = i - o * inp;
+        u64 r = row0 + o;
+        float v = e4m3_val(w[r * inp + c]) * scales[(r / 128) * bc + c / 128];
+        u16 hi = f2bf_rne(v);
+        dst[i] = hi;
+        dst[n + i] = f2bf_rne(v - bf(hi));
+    }
+}
