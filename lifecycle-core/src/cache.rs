@@ -4,8 +4,8 @@
 //! Two tools, for two lifetimes of a cached value:
 //!
 //! - Within one rollout session: [`RolloutView::brand`] ties a value (a KV handle, a batch's
-//!   blocks) to the view's lifetime. A [`Branded`] value cannot outlive the session, so keeping it
-//!   across a training update is a compile error, like keeping the view.
+//!   blocks) to the view's lifetime. A [`Branded`](crate::Branded) value cannot outlive the
+//!   session, so keeping it across a training update is a compile error, like keeping the view.
 //! - Across rollout calls: a [`VersionedCache`] (a [`PrefixCache`] for token prefixes) lives in
 //!   the engine. Every lookup and insertion takes a proof of the current version (a
 //!   [`RolloutView`] or a [`Stamp`], both only obtainable from a live session); when the version
@@ -16,17 +16,37 @@ use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::fmt;
 use std::hash::Hash;
-use std::marker::PhantomData;
-use std::ops::{Deref, DerefMut};
 
-use crate::session::RolloutView;
+use crate::view::{RolloutView, Stamp};
 
 mod sealed {
     pub trait Sealed {}
 }
 
 /// A proof of the current weight version: implemented only by values borrowed from a live
-/// rollout session ([`RolloutView`], [`Stamp`]), so a cache cannot be handed a stale number.
+/// rollout session ([`RolloutView`], [`Stamp`], and references to them), so a cache cannot be
+/// handed a stale number. The trait is sealed: a plain `u64` is not a proof.
+///
+/// ```
+/// use lifecycle_core::testing::{CopyBackend, CopyError};
+/// use lifecycle_core::{Lifecycle, LifecycleError, WeightsVersion};
+///
+/// /// Code that keys its own state by weight version takes the proof, not a number.
+/// fn built_at(at: impl WeightsVersion) -> u64 {
+///     at.weights_version()
+/// }
+///
+/// fn main() -> Result<(), LifecycleError<CopyError>> {
+///     let mut lc = Lifecycle::new(CopyBackend::new(), vec![1.0]);
+///     lc.train()?.state_mut()[0] = 2.0;                 // version 1
+///     let session = lc.rollout()?;
+///     let weights = session.weights();
+///     assert_eq!(built_at(weights), 1);
+///     assert_eq!(built_at(weights.stamp()), 1);
+///     assert_eq!(built_at(&weights), 1);
+///     session.finish()
+/// }
+/// ```
 pub trait WeightsVersion: sealed::Sealed {
     /// The version of the weights the session serves.
     fn weights_version(&self) -> u64;
@@ -48,112 +68,34 @@ impl<T: WeightsVersion> WeightsVersion for &T {
     }
 }
 
-/// The weight version of a live session, without a borrow of the weights: from
-/// [`RolloutView::stamp`] or [`EngineMut::stamp`](crate::EngineMut::stamp). It has the session's
-/// lifetime, so it cannot be kept for a later version.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub struct Stamp<'s> {
-    version: u64,
-    _session: PhantomData<&'s ()>,
-}
-
-impl Stamp<'_> {
-    pub(crate) fn new(version: u64) -> Self {
-        Stamp {
-            version,
-            _session: PhantomData,
-        }
-    }
-
-    /// The version.
-    pub fn version(&self) -> u64 {
-        self.version
-    }
-}
-
 impl sealed::Sealed for Stamp<'_> {}
 
 impl WeightsVersion for Stamp<'_> {
     fn weights_version(&self) -> u64 {
-        self.version
+        self.version()
     }
 }
 
-impl fmt::Debug for Stamp<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("Stamp").field(&self.version).finish()
-    }
-}
-
-/// A value tied to one rollout session: made by [`RolloutView::brand`], it cannot outlive the
-/// view's session (so it cannot be used after a training update or after exit), and it remembers
-/// the version it was made at. It dereferences to the value.
+/// What a [`VersionedCache`] did so far ([`VersionedCache::stats`]).
 ///
-/// ```compile_fail
-/// # use lifecycle_core::{Lifecycle, Reshard, SwitchContext};
-/// # struct Copying;
-/// # impl Reshard for Copying {
-/// #     type TrainState = Vec<f32>; type Rollout = Vec<f32>; type Plan = (); type Error = std::io::Error;
-/// #     fn plan(&self, _: &Vec<f32>) -> std::io::Result<()> { Ok(()) }
-/// #     fn enter(&mut self, _: &(), s: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<Vec<f32>> { Ok(s.clone()) }
-/// #     fn refresh(&mut self, _: &(), s: &mut Vec<f32>, r: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { r.clone_from(s); Ok(()) }
-/// #     fn exit(&mut self, _: &mut Vec<f32>, _: Option<Vec<f32>>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { Ok(()) }
-/// # }
-/// let mut lc = Lifecycle::new(Copying, vec![1.0]);
-/// let session = lc.rollout().unwrap();
-/// let kv = session.weights().brand(vec![0.5_f32; 4]); // KV blocks of this session
-/// lc.train().unwrap().state_mut()[0] = 2.0;            // error[E0499]: `kv` still borrows `lc`
-/// println!("{}", kv[0]);
 /// ```
-pub struct Branded<'s, T> {
-    value: T,
-    version: u64,
-    _session: PhantomData<&'s ()>,
-}
-
-impl<'s, T> Branded<'s, T> {
-    pub(crate) fn new(value: T, version: u64) -> Self {
-        Branded {
-            value,
-            version,
-            _session: PhantomData,
-        }
-    }
-
-    /// The version of the weights the value was made for.
-    pub fn version(&self) -> u64 {
-        self.version
-    }
-
-    /// Applies `f` to the value, keeping the brand.
-    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Branded<'s, U> {
-        Branded::new(f(self.value), self.version)
-    }
-}
-
-impl<T> Deref for Branded<'_, T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        &self.value
-    }
-}
-
-impl<T> DerefMut for Branded<'_, T> {
-    fn deref_mut(&mut self) -> &mut T {
-        &mut self.value
-    }
-}
-
-impl<T: fmt::Debug> fmt::Debug for Branded<'_, T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Branded")
-            .field("version", &self.version)
-            .field("value", &self.value)
-            .finish()
-    }
-}
-
-/// What a [`VersionedCache`] did so far.
+/// use lifecycle_core::testing::{CopyBackend, CopyError};
+/// use lifecycle_core::{CacheStats, Lifecycle, LifecycleError, VersionedCache};
+///
+/// fn main() -> Result<(), LifecycleError<CopyError>> {
+///     let mut lc = Lifecycle::new(CopyBackend::new(), vec![1.0]);
+///     let mut cache: VersionedCache<&str, f32> = VersionedCache::new();
+///     let session = lc.rollout()?;
+///     let w = session.weights();
+///     cache.insert(w, "prompt", 0.5);
+///     assert!(cache.get(w, "prompt").is_some());
+///     assert!(cache.get(w, "other").is_none());
+///     session.finish()?;
+///     let expected = CacheStats { hits: 1, misses: 1, inserts: 1, ..CacheStats::default() };
+///     assert_eq!(cache.stats(), expected);
+///     Ok(())
+/// }
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CacheStats {
     /// Lookups that found an entry of the current version.
@@ -176,34 +118,29 @@ pub struct CacheStats {
 /// is served only to sessions of the version it was built at.
 ///
 /// ```
-/// use lifecycle_core::{Lifecycle, PrefixCache};
-/// # use lifecycle_core::{Reshard, SwitchContext};
-/// # struct Copying;
-/// # impl Reshard for Copying {
-/// #     type TrainState = Vec<f32>; type Rollout = Vec<f32>; type Plan = (); type Error = std::io::Error;
-/// #     fn plan(&self, _: &Vec<f32>) -> std::io::Result<()> { Ok(()) }
-/// #     fn enter(&mut self, _: &(), s: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<Vec<f32>> { Ok(s.clone()) }
-/// #     fn refresh(&mut self, _: &(), s: &mut Vec<f32>, r: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { r.clone_from(s); Ok(()) }
-/// #     fn exit(&mut self, _: &mut Vec<f32>, _: Option<Vec<f32>>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { Ok(()) }
-/// # }
-/// let mut lc = Lifecycle::new(Copying, vec![1.0, 2.0]);
-/// let mut prefixes: PrefixCache<u32, f32> = PrefixCache::new();
+/// use lifecycle_core::testing::{CopyBackend, CopyError};
+/// use lifecycle_core::{Lifecycle, LifecycleError, VersionedCache};
 ///
-/// let session = lc.rollout()?;
-/// let w = session.weights();
-/// prefixes.insert(w, vec![7, 8], w[0] + w[1]);          // KV of the prefix [7, 8]
-/// assert_eq!(prefixes.longest_prefix(w, &[7, 8, 9]), Some((2, &3.0)));
-/// session.finish()?;
+/// fn main() -> Result<(), LifecycleError<CopyError>> {
+///     let mut lc = Lifecycle::new(CopyBackend::new(), vec![1.0, 2.0]);
+///     let mut scores: VersionedCache<String, f32> = VersionedCache::new();
 ///
-/// let session = lc.rollout()?;                           // same version: served
-/// assert!(prefixes.get(session.weights(), &[7, 8][..]).is_some());
-/// session.finish()?;
+///     let session = lc.rollout()?;
+///     let w = session.weights();
+///     let score = *scores.get_or_insert_with(w, "a prompt".to_string(), || w[0] + w[1]);
+///     assert_eq!(score, 3.0);
+///     session.finish()?;
 ///
-/// lc.train()?.state_mut()[0] = 5.0;                     // a training update
-/// let session = lc.rollout()?;                           // new version: never served
-/// assert_eq!(prefixes.get(session.weights(), &[7, 8][..]), None);
-/// assert_eq!(prefixes.stats().invalidations, 1);
-/// # Ok::<(), lifecycle_core::LifecycleError<std::io::Error>>(())
+///     let session = lc.rollout()?;                          // same version: served
+///     assert_eq!(scores.get(session.weights(), "a prompt"), Some(&3.0));
+///     session.finish()?;
+///
+///     lc.train()?.state_mut()[0] = 5.0;                    // a training update
+///     let session = lc.rollout()?;                          // new version: never served
+///     assert_eq!(scores.get(session.weights(), "a prompt"), None);
+///     assert_eq!(scores.stats().invalidations, 1);
+///     session.finish()
+/// }
 /// ```
 pub struct VersionedCache<K, V> {
     version: Option<u64>,
@@ -212,7 +149,30 @@ pub struct VersionedCache<K, V> {
 }
 
 /// A [`VersionedCache`] keyed by token sequences, with
-/// [`longest_prefix`](VersionedCache::longest_prefix) lookups.
+/// [`longest_prefix`](VersionedCache::longest_prefix) lookups: the KV of a prompt's longest
+/// cached prefix, built at the current weight version.
+///
+/// ```
+/// use lifecycle_core::testing::{CopyBackend, CopyError};
+/// use lifecycle_core::{Lifecycle, LifecycleError, PrefixCache};
+///
+/// fn main() -> Result<(), LifecycleError<CopyError>> {
+///     let mut lc = Lifecycle::new(CopyBackend::new(), vec![1.0, 2.0]);
+///     let mut prefixes: PrefixCache<u32, f32> = PrefixCache::new();
+///
+///     let session = lc.rollout()?;
+///     let w = session.weights();
+///     prefixes.insert(w, vec![7, 8], w[0] + w[1]);         // KV of the prefix [7, 8]
+///     assert_eq!(prefixes.longest_prefix(w, &[7, 8, 9]), Some((2, &3.0)));
+///     assert_eq!(prefixes.longest_prefix(w, &[9]), None);
+///     session.finish()?;
+///
+///     lc.train()?.state_mut()[0] = 5.0;                    // a training update
+///     let session = lc.rollout()?;                          // new version: never served
+///     assert_eq!(prefixes.longest_prefix(session.weights(), &[7, 8, 9]), None);
+///     session.finish()
+/// }
+/// ```
 pub type PrefixCache<T, V> = VersionedCache<Vec<T>, V>;
 
 impl<K, V> Default for VersionedCache<K, V> {

@@ -15,6 +15,22 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::phase::Phase;
 
 /// When in a phase a fault fires.
+///
+/// ```
+/// use lifecycle_core::testing::CopyBackend;
+/// use lifecycle_core::{Fault, FaultAt, FaultInjector, FaultKind, Lifecycle, Phase};
+///
+/// let (backend, faults) = FaultInjector::new(CopyBackend::new());
+/// let mut lc = Lifecycle::new(backend, vec![1.0]);
+/// // At the end of the transfer: the weights were copied, then the call fails.
+/// faults.inject(Fault::new(Phase::Transfer, FaultAt::End, FaultKind::Error));
+/// assert!(lc.rollout().is_err());
+/// assert_eq!(lc.backend().inner().copies(), 1);
+/// // At its start: nothing was copied.
+/// faults.inject(Fault::new(Phase::Transfer, FaultAt::Start, FaultKind::Error));
+/// assert!(lc.rollout().is_err());
+/// assert_eq!(lc.backend().inner().copies(), 1);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FaultAt {
     /// Before the phase does any work.
@@ -23,7 +39,20 @@ pub enum FaultAt {
     End,
 }
 
-/// What an injected fault does.
+/// What an injected fault does: an error return, or a real panic (which the lifecycle catches).
+///
+/// ```
+/// use lifecycle_core::testing::CopyBackend;
+/// use lifecycle_core::{Fault, FaultAt, FaultInjector, FaultKind, Lifecycle, LifecycleError};
+/// use lifecycle_core::Phase;
+///
+/// let (backend, faults) = FaultInjector::new(CopyBackend::new());
+/// let mut lc = Lifecycle::new(backend, vec![1.0]);
+/// faults.inject(Fault::new(Phase::Transfer, FaultAt::Start, FaultKind::Error));
+/// assert!(matches!(lc.rollout().map(|_| ()), Err(LifecycleError::Enter { .. })));
+/// faults.inject(Fault::new(Phase::Transfer, FaultAt::Start, FaultKind::Panic));
+/// assert!(matches!(lc.rollout().map(|_| ()), Err(LifecycleError::Panicked { .. })));
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FaultKind {
     /// The backend call returns an error.
@@ -33,6 +62,22 @@ pub enum FaultKind {
 }
 
 /// One fault to inject.
+///
+/// ```
+/// use lifecycle_core::testing::CopyBackend;
+/// use lifecycle_core::{Fault, FaultAt, FaultInjector, FaultKind, Lifecycle, Phase};
+///
+/// let (backend, faults) = FaultInjector::new(CopyBackend::new());
+/// let mut lc = Lifecycle::new(backend, vec![1.0]);
+/// // Let two reloads pass, fail the third.
+/// let fault = Fault { skip: 2, ..Fault::new(Phase::Reload, FaultAt::Start, FaultKind::Error) };
+/// faults.inject(fault);
+/// for round in 0..3 {
+///     assert!(lc.rollout().is_ok());
+///     let exited = lc.train().map(|_| ());
+///     assert_eq!(exited.is_err(), round == 2);
+/// }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fault {
     /// The phase that fails ([`Phase::Plan`] fails the `plan` call itself).
@@ -57,7 +102,21 @@ impl Fault {
     }
 }
 
-/// The error an injected fault produces.
+/// The error an injected fault produces ([`FaultError::Injected`](crate::FaultError::Injected)),
+/// and the record of a fault that fired ([`FaultHandle::fired`]).
+///
+/// ```
+/// use lifecycle_core::testing::CopyBackend;
+/// use lifecycle_core::{Fault, FaultAt, FaultInjector, FaultKind, InjectedFault, Lifecycle, Phase};
+///
+/// let (backend, faults) = FaultInjector::new(CopyBackend::new());
+/// let mut lc = Lifecycle::new(backend, vec![1.0]);
+/// faults.inject(Fault::new(Phase::Offload, FaultAt::Start, FaultKind::Error));
+/// assert!(lc.rollout().is_err());
+/// let fired = InjectedFault { phase: Phase::Offload, at: FaultAt::Start, kind: FaultKind::Error };
+/// assert_eq!(faults.fired(), [fired]);
+/// assert_eq!(fired.to_string(), "injected fault: Error at the Start of offload");
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("injected fault: {kind:?} at the {at:?} of {phase}")]
 pub struct InjectedFault {
@@ -76,7 +135,23 @@ pub(crate) struct Queue {
     pub(crate) fired: Vec<InjectedFault>,
 }
 
-/// Commands a [`FaultInjector`](crate::FaultInjector) that a lifecycle owns.
+/// Commands a [`FaultInjector`](crate::FaultInjector) that a lifecycle owns: clone it freely, every
+/// clone queues into the same injector.
+///
+/// ```
+/// use lifecycle_core::testing::CopyBackend;
+/// use lifecycle_core::{Fault, FaultAt, FaultInjector, FaultKind, Lifecycle, Phase};
+///
+/// let (backend, faults) = FaultInjector::new(CopyBackend::new());
+/// let mut lc = Lifecycle::new(backend, vec![1.0]);
+/// faults.inject(Fault::new(Phase::Release, FaultAt::Start, FaultKind::Error));
+/// assert_eq!(faults.pending(), 1);
+/// assert!(lc.rollout().is_ok());                      // no release during an enter: still pending
+/// assert_eq!(faults.pending(), 1);
+/// faults.clear();
+/// assert!(lc.exit().is_ok());
+/// assert!(faults.fired().is_empty());
+/// ```
 #[derive(Debug, Clone, Default)]
 pub struct FaultHandle {
     queue: Arc<Mutex<Queue>>,

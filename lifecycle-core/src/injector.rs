@@ -8,6 +8,18 @@ use crate::phase::Phase;
 use crate::reshard::{Reshard, SwitchContext};
 
 /// Errors of a [`FaultInjector`]: injected, or the wrapped backend's own.
+///
+/// ```
+/// use lifecycle_core::testing::{CopyBackend, CopyError};
+/// use lifecycle_core::{FaultError, FaultInjector, Lifecycle, LifecycleError};
+///
+/// let (backend, _faults) = FaultInjector::new(CopyBackend::new());
+/// let mut lc = Lifecycle::new(backend, Vec::new());
+/// assert!(matches!(
+///     lc.rollout().map(|_| ()),
+///     Err(LifecycleError::Plan(FaultError::Backend(CopyError::Empty)))
+/// ));
+/// ```
 #[derive(Debug, thiserror::Error)]
 pub enum FaultError<E: std::error::Error + 'static> {
     /// A fault injected on command.
@@ -21,25 +33,19 @@ pub enum FaultError<E: std::error::Error + 'static> {
 /// Wraps a backend and fails the phases its [`FaultHandle`] names.
 ///
 /// ```
+/// use lifecycle_core::testing::CopyBackend;
 /// use lifecycle_core::{Fault, FaultAt, FaultInjector, FaultKind, Lifecycle, Mode, Phase};
-/// # use lifecycle_core::{Reshard, SwitchContext, Link};
-/// # struct Copying;
-/// # impl Reshard for Copying {
-/// #     type TrainState = Vec<f32>; type Rollout = Vec<f32>; type Plan = (); type Error = std::io::Error;
-/// #     fn plan(&self, _: &Vec<f32>) -> std::io::Result<()> { Ok(()) }
-/// #     fn enter(&mut self, _: &(), s: &mut Vec<f32>, ctx: &mut SwitchContext<'_>) -> std::io::Result<Vec<f32>> {
-/// #         ctx.rec.phase(Phase::Transfer, |_| Ok(s.clone())) }
-/// #     fn refresh(&mut self, _: &(), s: &mut Vec<f32>, r: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { r.clone_from(s); Ok(()) }
-/// #     fn exit(&mut self, _: &mut Vec<f32>, _: Option<Vec<f32>>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { Ok(()) }
-/// # }
-/// let (backend, faults) = FaultInjector::new(Copying);
-/// let mut lc = Lifecycle::new(backend, vec![1.0, 2.0]);
-/// faults.inject(Fault::new(Phase::Transfer, FaultAt::Start, FaultKind::Error));
-/// let err = lc.rollout().map(|_| ()).unwrap_err();
-/// assert!(err.to_string().contains("injected fault"));
-/// assert_eq!(lc.mode(), Mode::Train);          // restored, usable
-/// assert_eq!(lc.rollout()?.weights()[1], 2.0); // the next call works
-/// # Ok::<(), Box<dyn std::error::Error>>(())
+///
+/// fn main() -> Result<(), Box<dyn std::error::Error>> {
+///     let (backend, faults) = FaultInjector::new(CopyBackend::new());
+///     let mut lc = Lifecycle::new(backend, vec![1.0, 2.0]);
+///     faults.inject(Fault::new(Phase::Transfer, FaultAt::Start, FaultKind::Error));
+///     let err = lc.rollout().map(|_| ()).err().ok_or("the transfer should fail")?;
+///     assert!(err.to_string().contains("injected fault"));
+///     assert_eq!(lc.mode(), Mode::Train);           // restored, usable
+///     assert_eq!(lc.rollout()?.weights()[1], 2.0);  // the next call works
+///     Ok(())
+/// }
 /// ```
 pub struct FaultInjector<B> {
     inner: B,

@@ -21,23 +21,44 @@
 //! - The core knows no layout and no device: planners live in `lifecycle-layout`, executors in
 //!   the backend crates.
 //! - [`macro@sharded_rollout`] turns a rollout function into the enter / rollout / exit plumbing.
+//! - [`testing`] holds a backend over a `Vec<f32>` ([`testing::CopyBackend`]) and a small engine
+//!   ([`testing::KvEngine`]): every example of this crate runs on them, and so can yours.
 //!
-//! ```compile_fail
-//! # use lifecycle_core::{Lifecycle, Reshard, SwitchContext};
-//! # struct Copying;
-//! # impl Reshard for Copying {
-//! #     type TrainState = Vec<f32>; type Rollout = Vec<f32>; type Plan = (); type Error = std::io::Error;
-//! #     fn plan(&self, _: &Vec<f32>) -> std::io::Result<()> { Ok(()) }
-//! #     fn enter(&mut self, _: &(), s: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<Vec<f32>> { Ok(s.clone()) }
-//! #     fn refresh(&mut self, _: &(), s: &mut Vec<f32>, r: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { r.clone_from(s); Ok(()) }
-//! #     fn exit(&mut self, _: &mut Vec<f32>, _: Option<Vec<f32>>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { Ok(()) }
-//! # }
-//! let mut lc = Lifecycle::new(Copying, vec![1.0]);
-//! let session = lc.rollout().unwrap();
-//! let weights = session.weights();
-//! lc.train().unwrap().state_mut()[0] = 2.0; // error[E0499]: the view still borrows `lc`
-//! println!("{}", weights[0]);
 //! ```
+//! use lifecycle_core::testing::{CopyBackend, CopyError};
+//! use lifecycle_core::{Lifecycle, LifecycleError};
+//!
+//! fn main() -> Result<(), LifecycleError<CopyError>> {
+//!     let mut lc = Lifecycle::new(CopyBackend::new(), vec![1.0, 2.0]);
+//!     let session = lc.rollout()?;                 // enter: the rollout weights are built
+//!     assert_eq!(session.weights()[1], 2.0);
+//!     session.finish()?;                           // lazy: they stay resident
+//!     lc.train()?.state_mut()[1] = 3.0;            // exit, then a training update
+//!     assert_eq!(lc.rollout()?.weights()[1], 3.0); // the next rollout sees it
+//!     Ok(())
+//! }
+//! ```
+//!
+//! Keeping a view across the update does not compile:
+//!
+//! ```compile_fail,E0499
+//! use lifecycle_core::testing::{CopyBackend, CopyError};
+//! use lifecycle_core::{Lifecycle, LifecycleError};
+//!
+//! fn main() -> Result<(), LifecycleError<CopyError>> {
+//!     let mut lc = Lifecycle::new(CopyBackend::new(), vec![1.0]);
+//!     let session = lc.rollout()?;
+//!     let weights = session.weights();
+//!     lc.train()?.state_mut()[0] = 2.0; // error[E0499]: the view still borrows `lc`
+//!     println!("{}", weights[0]);
+//!     Ok(())
+//! }
+//! ```
+//!
+//! Every error the compiler gives on views, sessions and engines (E0499, E0502, E0505, E0597, …)
+//! is listed with its fix on the compiler errors page, `docs/compiler-errors.md` at the root of
+//! the repository, which quotes the compiler's own text; its examples are compiled with this
+//! crate's doctests.
 //!
 //! # The attribute
 //!
@@ -48,16 +69,8 @@
 //! in a `Result`. `name_enter` and `name_exit` switch explicitly.
 //!
 //! ```
-//! use lifecycle_core::{sharded_rollout, Lifecycle, Mode, RolloutView, Switching};
-//! # use lifecycle_core::{Reshard, SwitchContext};
-//! # struct Copying;
-//! # impl Reshard for Copying {
-//! #     type TrainState = Vec<f32>; type Rollout = Vec<f32>; type Plan = (); type Error = std::io::Error;
-//! #     fn plan(&self, _: &Vec<f32>) -> std::io::Result<()> { Ok(()) }
-//! #     fn enter(&mut self, _: &(), s: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<Vec<f32>> { Ok(s.clone()) }
-//! #     fn refresh(&mut self, _: &(), s: &mut Vec<f32>, r: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { r.clone_from(s); Ok(()) }
-//! #     fn exit(&mut self, _: &mut Vec<f32>, _: Option<Vec<f32>>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { Ok(()) }
-//! # }
+//! use lifecycle_core::testing::{CopyBackend, CopyError};
+//! use lifecycle_core::{sharded_rollout, Lifecycle, LifecycleError, Mode, RolloutView, Switching};
 //!
 //! /// Scores a prompt with the current policy weights.
 //! #[sharded_rollout]
@@ -65,53 +78,51 @@
 //!     prompt.iter().map(|&token| weights[token]).sum()
 //! }
 //!
-//! let mut lc = Lifecycle::new(Copying, vec![0.5, 1.0, 2.0]);
-//! for _ in 0..3 {
-//!     assert_eq!(score(&mut lc, &[0, 2])?, 2.5); // lazy: enters on the first call only
+//! fn main() -> Result<(), LifecycleError<CopyError>> {
+//!     let mut lc = Lifecycle::new(CopyBackend::new(), vec![0.5, 1.0, 2.0]);
+//!     for _ in 0..3 {
+//!         assert_eq!(score(&mut lc, &[0, 2])?, 2.5); // lazy: enters on the first call only
+//!     }
+//!     assert_eq!(lc.metrics().enters, 1);
+//!
+//!     lc.train()?.state_mut()[0] = 1.5; // a training update: exits, bumps the version
+//!     assert_eq!(score(&mut lc, &[0, 2])?, 3.5); // the next call sees the new weights
+//!     assert_eq!(lc.metrics().enters, 2);
+//!
+//!     lc.set_switching(Switching::Eager);
+//!     score(&mut lc, &[1])?; // eager: leaves rollout mode after the call
+//!     assert_eq!(lc.mode(), Mode::Train);
+//!
+//!     score_enter(&mut lc)?; // explicit switches
+//!     assert_eq!(lc.mode(), Mode::Rollout);
+//!     score_exit(&mut lc)?;
+//!     assert_eq!(lc.mode(), Mode::Train);
+//!     Ok(())
 //! }
-//! assert_eq!(lc.metrics().enters, 1);
-//!
-//! lc.train()?.state_mut()[0] = 1.5; // a training update: exits, bumps the version
-//! assert_eq!(score(&mut lc, &[0, 2])?, 3.5); // the next call sees the new weights
-//! assert_eq!(lc.metrics().enters, 2);
-//!
-//! lc.set_switching(Switching::Eager);
-//! score(&mut lc, &[1])?; // eager: leaves rollout mode after the call
-//! assert_eq!(lc.mode(), Mode::Train);
-//!
-//! score_enter(&mut lc)?; // explicit switches
-//! assert_eq!(lc.mode(), Mode::Rollout);
-//! score_exit(&mut lc)?;
-//! assert_eq!(lc.mode(), Mode::Train);
-//! # Ok::<(), lifecycle_core::LifecycleError<std::io::Error>>(())
 //! ```
 //!
 //! Methods (`&self` / `&mut self`) and `async` functions work the same way; the attribute takes
 //! `switching = "eager" | "lazy"` to force a policy for one function, `weights = name` to select
 //! the view, `engine = name` to select the engine and `crate = "path"` when `lifecycle_core` is
-//! re-exported.
+//! re-exported. When the attribute rejects a function, its errors are the only ones: in place of
+//! the function it emits a stub with the signature it would have generated, so the function's
+//! callers still type-check.
 //!
 //! A function may also take the lifecycle's engine, next to the view, as `EngineMut<'_, E>` (or a
 //! `&mut E` marked `#[engine]`); the generated function then takes a `&mut Lifecycle<_, E>`:
 //!
 //! ```
-//! use lifecycle_core::{sharded_rollout, EngineBytes, EngineMut, Lifecycle, PhaseScope};
-//! use lifecycle_core::{RolloutEngine, RolloutView};
-//! # use lifecycle_core::{Reshard, SwitchContext};
-//! # struct Copying;
-//! # impl Reshard for Copying {
-//! #     type TrainState = Vec<f32>; type Rollout = Vec<f32>; type Plan = (); type Error = std::io::Error;
-//! #     fn plan(&self, _: &Vec<f32>) -> std::io::Result<()> { Ok(()) }
-//! #     fn enter(&mut self, _: &(), s: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<Vec<f32>> { Ok(s.clone()) }
-//! #     fn refresh(&mut self, _: &(), s: &mut Vec<f32>, r: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { r.clone_from(s); Ok(()) }
-//! #     fn exit(&mut self, _: &mut Vec<f32>, _: Option<Vec<f32>>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { Ok(()) }
-//! # }
+//! use lifecycle_core::testing::{CopyBackend, CopyError};
+//! use lifecycle_core::{sharded_rollout, EngineBytes, EngineMut, Lifecycle, LifecycleError};
+//! use lifecycle_core::{PhaseScope, RolloutEngine, RolloutView};
+//!
 //! /// A running sum per position, allocated when the engine wakes.
 //! #[derive(Default)]
 //! struct Accumulator { kv: Vec<f32> }
 //! impl RolloutEngine<Vec<f32>> for Accumulator {
 //!     type Error = std::convert::Infallible;
-//!     fn wake(&mut self, w: RolloutView<'_, Vec<f32>>, _: &mut PhaseScope) -> Result<(), Self::Error> {
+//!     fn wake(&mut self, w: RolloutView<'_, Vec<f32>>, _: &mut PhaseScope)
+//!         -> Result<(), Self::Error> {
 //!         self.kv = vec![0.0; w.len()];
 //!         Ok(())
 //!     }
@@ -130,13 +141,16 @@
 //!     acc.kv.iter().sum()
 //! }
 //!
-//! let mut lc = Lifecycle::new(Copying, vec![1.0, 2.0]).with_engine(Accumulator::default());
-//! assert_eq!(step(&mut lc)?, 3.0);
-//! assert_eq!(step(&mut lc)?, 6.0);             // the KV cache lives across lazy calls
-//! lc.train()?.state_mut()[0] = 0.0;            // sleep, exit: the cache is freed
-//! assert_eq!(step(&mut lc)?, 2.0);
-//! assert_eq!(lc.metrics().engine.wakes, 2);
-//! # Ok::<(), lifecycle_core::LifecycleError<std::io::Error>>(())
+//! fn main() -> Result<(), LifecycleError<CopyError>> {
+//!     let mut lc = Lifecycle::new(CopyBackend::new(), vec![1.0, 2.0])
+//!         .with_engine(Accumulator::default());
+//!     assert_eq!(step(&mut lc)?, 3.0);
+//!     assert_eq!(step(&mut lc)?, 6.0);             // the KV cache lives across lazy calls
+//!     lc.train()?.state_mut()[0] = 0.0;            // sleep, exit: the cache is freed
+//!     assert_eq!(step(&mut lc)?, 2.0);
+//!     assert_eq!(lc.metrics().engine.wakes, 2);
+//!     Ok(())
+//! }
 //! ```
 
 #![warn(missing_docs)]
@@ -153,37 +167,45 @@ mod policy;
 mod recorder;
 mod reshard;
 mod session;
+pub mod testing;
 mod trace;
+mod view;
 
-pub use cache::{Branded, CacheStats, PrefixCache, Stamp, VersionedCache, WeightsVersion};
-pub use engine::{
-    EngineAfter, EngineBytes, EngineHook, EngineMemory, EngineMut, EngineState, EngineStats,
-    RolloutEngine,
-};
-pub use error::{panic_message, AfterFailure, LifecycleError, Operation};
+pub use cache::{CacheStats, PrefixCache, VersionedCache, WeightsVersion};
+pub use engine::{EngineMemory, EngineState, RolloutEngine};
+pub use error::{panic_message, AfterFailure, EngineAfter, EngineHook, LifecycleError, Operation};
 pub use fault::{Fault, FaultAt, FaultHandle, FaultKind, InjectedFault};
 pub use injector::{FaultError, FaultInjector};
 pub use lifecycle::{Lifecycle, Mode};
 pub use metrics::{
-    Ceilings, HumanBytes, HumanDuration, LinkBytes, Metrics, PhaseSample, PhaseStats,
+    Ceilings, EngineBytes, EngineStats, HumanBytes, HumanDuration, LinkBytes, Metrics, PhaseSample,
+    PhaseStats,
 };
 pub use phase::{Link, Phase};
 pub use policy::{LifecycleConfig, MemoryPolicy, Switching};
 pub use recorder::{PhaseRecorder, PhaseScope};
 pub use reshard::{Reshard, SwitchContext};
-pub use session::{RolloutSession, RolloutView, TrainSession};
+pub use session::{RolloutSession, TrainSession};
 pub use trace::{Span, Trace};
+pub use view::{Branded, EngineMut, RolloutView, Stamp};
 
 /// See [the attribute](crate#the-attribute) in the crate documentation for a compiled example.
 pub use lifecycle_macros::sharded_rollout;
 
+/// The examples of `docs/compiler-errors.md`, compiled with the doctests so that the page keeps
+/// saying what the compiler says.
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/compiler-errors.md")]
+pub struct CompilerErrorsPage;
+
 #[doc(hidden)]
 pub mod __private {
-    pub use crate::engine::{EngineMut, RolloutEngine};
+    pub use crate::engine::RolloutEngine;
     pub use crate::error::LifecycleError;
     pub use crate::lifecycle::Lifecycle;
     pub use crate::reshard::Reshard;
-    pub use crate::session::{RolloutSession, RolloutView};
+    pub use crate::session::RolloutSession;
+    pub use crate::view::{EngineMut, RolloutView};
     pub use core::result::Result;
 
     /// Ends a rollout call keeping the weights resident, whatever the lifecycle's switching policy

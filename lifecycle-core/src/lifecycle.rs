@@ -1,16 +1,33 @@
 //! The [`Lifecycle`]: owner of the training state, the backend and the resident rollout weights.
 
-use crate::engine::{EngineAfter, EngineHook, EngineMemory, EngineState, RolloutEngine};
-use crate::error::{guarded, AfterFailure, Failure, LifecycleError, Operation};
+use crate::engine::{EngineMemory, EngineState, RolloutEngine};
+use crate::error::{
+    guarded, AfterFailure, EngineAfter, EngineHook, Failure, LifecycleError, Operation,
+};
 use crate::metrics::Metrics;
 use crate::phase::Phase;
 use crate::policy::{LifecycleConfig, Switching};
 use crate::recorder::PhaseRecorder;
 use crate::reshard::{Reshard, SwitchContext};
-use crate::session::{RolloutSession, RolloutView, TrainSession};
 use crate::trace::Trace;
+use crate::view::RolloutView;
 
-/// Which layout is live.
+/// Which layout is live ([`Lifecycle::mode`]).
+///
+/// ```
+/// use lifecycle_core::testing::{CopyBackend, CopyError};
+/// use lifecycle_core::{Lifecycle, LifecycleError, Mode};
+///
+/// fn main() -> Result<(), LifecycleError<CopyError>> {
+///     let mut lc = Lifecycle::new(CopyBackend::new(), vec![1.0]);
+///     assert_eq!(lc.mode(), Mode::Train);
+///     lc.rollout()?.finish()?;
+///     assert_eq!(lc.mode(), Mode::Rollout);            // lazy: stays until training asks
+///     lc.train()?;
+///     assert_eq!(lc.mode(), Mode::Train);
+///     Ok(())
+/// }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     /// The training state is on the device; rollout weights are absent (or kept resident, stale
@@ -35,32 +52,32 @@ pub(crate) struct Resident<W> {
 /// Owns a backend, its training state, (while resident) its rollout weights and, when one is
 /// attached, the rollout engine `E` (see [`RolloutEngine`]; `()` is the no-op engine).
 ///
-/// Rollout weights are reachable only through a [`RolloutSession`] and the training state only
-/// through a [`TrainSession`]; both borrow the lifecycle mutably, so rollout weights cannot be
-/// used across a training update. Every mutable access to the training state bumps the
-/// [`version`](Lifecycle::version); a rollout that finds weights of the current version resident
-/// moves zero bytes.
+/// Rollout weights are reachable only through a [`RolloutSession`](crate::RolloutSession) and the
+/// training state only through a [`TrainSession`](crate::TrainSession); both borrow the lifecycle
+/// mutably, so rollout weights cannot be used across a training update. Every mutable access to
+/// the training state bumps the [`version`](Lifecycle::version); a rollout that finds weights of
+/// the current version resident moves zero bytes.
 ///
 /// ```
-/// # use lifecycle_core::{Lifecycle, Reshard, SwitchContext};
-/// # struct Copying;
-/// # impl Reshard for Copying {
-/// #     type TrainState = Vec<f32>; type Rollout = Vec<f32>; type Plan = (); type Error = std::io::Error;
-/// #     fn plan(&self, _: &Vec<f32>) -> std::io::Result<()> { Ok(()) }
-/// #     fn enter(&mut self, _: &(), s: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<Vec<f32>> { Ok(s.clone()) }
-/// #     fn refresh(&mut self, _: &(), s: &mut Vec<f32>, r: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { r.clone_from(s); Ok(()) }
-/// #     fn exit(&mut self, _: &mut Vec<f32>, _: Option<Vec<f32>>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { Ok(()) }
-/// # }
-/// let mut lc = Lifecycle::new(Copying, vec![1.0, 2.0]);
-/// for _ in 0..3 {
-///     let session = lc.rollout()?;          // enters once, then reuses
-///     assert_eq!(session.weights()[1], 2.0);
+/// use lifecycle_core::testing::{CopyBackend, CopyError};
+/// use lifecycle_core::{Lifecycle, LifecycleError};
+///
+/// fn main() -> Result<(), LifecycleError<CopyError>> {
+///     let mut lc = Lifecycle::new(CopyBackend::new(), vec![1.0, 2.0]);
+///     for _ in 0..3 {
+///         let session = lc.rollout()?;              // enters once, then reuses
+///         assert_eq!(session.weights()[1], 2.0);
+///         session.finish()?;
+///     }
+///     lc.train()?.state_mut()[1] = 5.0;             // exits, bumps the version
+///     assert_eq!(lc.version(), 1);
+///     assert_eq!(lc.rollout()?.weights()[1], 5.0);
+///     assert_eq!(lc.metrics().enters, 2);
+///     assert_eq!(lc.metrics().reuses, 2);
+///     let (_backend, state) = lc.into_parts()?;     // leaves rollout mode, hands the state back
+///     assert_eq!(state, [1.0, 5.0]);
+///     Ok(())
 /// }
-/// lc.train()?.state_mut()[1] = 5.0;         // exits, bumps the version
-/// assert_eq!(lc.rollout()?.weights()[1], 5.0);
-/// assert_eq!(lc.metrics().enters, 2);
-/// assert_eq!(lc.metrics().reuses, 2);
-/// # Ok::<(), lifecycle_core::LifecycleError<std::io::Error>>(())
 /// ```
 pub struct Lifecycle<B: Reshard, E = ()> {
     pub(crate) backend: B,
@@ -216,7 +233,8 @@ impl<B: Reshard, E> Lifecycle<B, E> {
     }
 
     /// The engine, mutable, outside of a rollout session: for settings between calls. Rollouts
-    /// go through a session ([`RolloutSession::parts`]), which proves the weights are current.
+    /// go through a session ([`RolloutSession::parts`](crate::RolloutSession::parts)), which
+    /// proves the weights are current.
     pub fn engine_mut(&mut self) -> &mut E {
         &mut self.engine
     }
@@ -244,22 +262,6 @@ impl<B: Reshard, E> Lifecycle<B, E> {
 }
 
 impl<B: Reshard, E: RolloutEngine<B::Rollout>> Lifecycle<B, E> {
-    /// Opens a rollout session: enters rollout mode only if the resident weights are missing or
-    /// older than the training weights, then wakes the engine if it is asleep.
-    pub fn rollout(&mut self) -> Result<RolloutSession<'_, B, E>, LifecycleError<B::Error>> {
-        self.ensure_rollout()?;
-        self.wake_engine()?;
-        self.metrics.rollout_calls += 1;
-        Ok(RolloutSession::new(self))
-    }
-
-    /// Opens a training session: leaves rollout mode if needed (the engine sleeps, then the
-    /// backend releases rollout weights and brings offloaded state back).
-    pub fn train(&mut self) -> Result<TrainSession<'_, B, E>, LifecycleError<B::Error>> {
-        self.ensure_train()?;
-        Ok(TrainSession::new(self))
-    }
-
     /// Enters rollout mode now (no-op when current weights are resident). Under
     /// [`EngineMemory::KeepAcrossCalls`] it also wakes the engine; under
     /// [`EngineMemory::FreeEachCall`] the engine wakes at the next rollout call.
@@ -526,7 +528,7 @@ impl<B: Reshard, E: RolloutEngine<B::Rollout>> Lifecycle<B, E> {
 
     /// Wakes the engine for the resident weights (in rollout mode, after the backend's enter). On
     /// failure the engine is put back to sleep and the lifecycle stays in rollout mode.
-    fn wake_engine(&mut self) -> Result<(), LifecycleError<B::Error>> {
+    pub(crate) fn wake_engine(&mut self) -> Result<(), LifecycleError<B::Error>> {
         if self.engine_state == EngineState::Awake {
             return Ok(());
         }

@@ -6,10 +6,20 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::engine::EngineStats;
 use crate::phase::{Link, Phase};
 
 /// Bytes moved, split by link class.
+///
+/// ```
+/// use lifecycle_core::{Link, LinkBytes};
+///
+/// let mut bytes = LinkBytes::default();
+/// bytes.add(Link::DeviceToHost, 300);
+/// bytes.add(Link::HostToDevice, 300);
+/// bytes.add(Link::Local, 50);
+/// assert_eq!(bytes.moved(), 600);                  // local copies cross no link
+/// assert_eq!(bytes.device_host(), 600);
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LinkBytes {
     /// Bytes that crossed a device↔device link.
@@ -51,7 +61,24 @@ impl LinkBytes {
     }
 }
 
-/// Accumulated statistics of one phase.
+/// Accumulated statistics of one phase ([`Metrics::phase`]).
+///
+/// ```
+/// use lifecycle_core::testing::{CopyBackend, CopyError};
+/// use lifecycle_core::{Lifecycle, LifecycleError, Phase};
+///
+/// fn main() -> Result<(), LifecycleError<CopyError>> {
+///     let mut lc = Lifecycle::new(CopyBackend::new(), vec![0.0; 256]);
+///     for _ in 0..2 {
+///         lc.rollout()?.finish()?;
+///         lc.train()?;
+///     }
+///     let offload = lc.metrics().phase(Phase::Offload);
+///     assert_eq!(offload.count, 2);
+///     assert_eq!(offload.bytes.device_to_host, 2 * 256 * 4);
+///     Ok(())
+/// }
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PhaseStats {
     /// How many times the phase ran.
@@ -69,7 +96,21 @@ pub struct PhaseStats {
     pub peak_engine_bytes: u64,
 }
 
-/// What one run of a phase reports; filled by the backend through [`PhaseScope`](crate::PhaseScope).
+/// What one run of a phase reports; filled by the backend through
+/// [`PhaseScope`](crate::PhaseScope), or given whole to
+/// [`PhaseRecorder::record`](crate::PhaseRecorder::record) for a phase the backend timed itself.
+///
+/// ```
+/// use std::time::Duration;
+/// use lifecycle_core::{Link, LinkBytes, Metrics, Phase, PhaseRecorder, PhaseSample};
+///
+/// let mut metrics = Metrics::default();
+/// let mut bytes = LinkBytes::default();
+/// bytes.add(Link::DeviceToDevice, 4096);
+/// let sample = PhaseSample { bytes, peak_extra_bytes: 1024 };
+/// PhaseRecorder::new(&mut metrics).record(Phase::Transfer, Duration::from_micros(80), sample);
+/// assert_eq!(metrics.phase(Phase::Transfer).peak_extra_bytes, 1024);
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PhaseSample {
     /// Bytes moved, by link class.
@@ -78,7 +119,118 @@ pub struct PhaseSample {
     pub peak_extra_bytes: u64,
 }
 
-/// Counters and per-phase statistics of every switch a lifecycle ran.
+/// Memory an engine holds, in bytes: on the devices it drives (the largest of them for several)
+/// and in host memory; what [`RolloutEngine::memory`](crate::RolloutEngine::memory) reports.
+///
+/// ```
+/// use lifecycle_core::EngineBytes;
+///
+/// let kv = EngineBytes::device(1 << 20);
+/// let prefixes = EngineBytes::host(4096);
+/// let both = EngineBytes { device: kv.device, host: prefixes.host };
+/// assert_eq!((both.device, both.host), (1 << 20, 4096));
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineBytes {
+    /// Device memory (per device, the largest when the engine drives several).
+    pub device: u64,
+    /// Host memory (for example a prefix cache kept off the device, or a CPU decoder's KV cache).
+    pub host: u64,
+}
+
+impl EngineBytes {
+    /// `bytes` of device memory, no host memory.
+    pub fn device(bytes: u64) -> Self {
+        EngineBytes {
+            device: bytes,
+            host: 0,
+        }
+    }
+
+    /// `bytes` of host memory, no device memory.
+    pub fn host(bytes: u64) -> Self {
+        EngineBytes {
+            device: 0,
+            host: bytes,
+        }
+    }
+}
+
+/// Statistics of the attached engine's hooks and memory, in [`Metrics::engine`].
+///
+/// ```
+/// use lifecycle_core::testing::{CopyBackend, CopyError, KvEngine};
+/// use lifecycle_core::{Lifecycle, LifecycleError};
+///
+/// fn main() -> Result<(), LifecycleError<CopyError>> {
+///     let mut lc = Lifecycle::new(CopyBackend::new(), vec![0.0; 64]).with_engine(KvEngine::new());
+///     lc.rollout()?.finish()?;
+///     lc.train()?;
+///     let engine = lc.metrics().engine;
+///     assert_eq!((engine.wakes, engine.sleeps, engine.failed_wakes), (1, 1, 0));
+///     assert_eq!(engine.peak_device_bytes, 64 * 4);
+///     Ok(())
+/// }
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Successful wakes.
+    pub wakes: u64,
+    /// Successful sleeps.
+    pub sleeps: u64,
+    /// Wakes that failed (error or panic).
+    pub failed_wakes: u64,
+    /// Sleeps that failed (error or panic).
+    pub failed_sleeps: u64,
+    /// Largest device memory the engine held while awake (after a wake, after a call, before a
+    /// sleep).
+    pub peak_device_bytes: u64,
+    /// Largest host memory the engine held while awake.
+    pub peak_host_bytes: u64,
+}
+
+impl EngineStats {
+    pub(crate) fn observe(&mut self, bytes: EngineBytes) {
+        self.peak_device_bytes = self.peak_device_bytes.max(bytes.device);
+        self.peak_host_bytes = self.peak_host_bytes.max(bytes.host);
+    }
+
+    pub(crate) fn since(&self, earlier: &EngineStats) -> EngineStats {
+        EngineStats {
+            wakes: self.wakes - earlier.wakes.min(self.wakes),
+            sleeps: self.sleeps - earlier.sleeps.min(self.sleeps),
+            failed_wakes: self.failed_wakes - earlier.failed_wakes.min(self.failed_wakes),
+            failed_sleeps: self.failed_sleeps - earlier.failed_sleeps.min(self.failed_sleeps),
+            ..*self
+        }
+    }
+}
+
+/// Counters and per-phase statistics of every switch a lifecycle ran ([`Lifecycle::metrics`]),
+/// readable as fields, as one line ([`summary_line`](Metrics::summary_line)) or as a table
+/// ([`Display`](fmt::Display)).
+///
+/// [`Lifecycle::metrics`]: crate::Lifecycle::metrics
+///
+/// ```
+/// use lifecycle_core::testing::{CopyBackend, CopyError};
+/// use lifecycle_core::{Lifecycle, LifecycleError};
+///
+/// fn main() -> Result<(), LifecycleError<CopyError>> {
+///     let mut lc = Lifecycle::new(CopyBackend::new(), vec![0.0; 1000]);
+///     let before = lc.metrics().clone();
+///     for _ in 0..3 {
+///         lc.rollout()?.finish()?;                 // one switch for three calls
+///     }
+///     lc.train()?;
+///     let step = lc.metrics().since(&before);
+///     assert_eq!((step.switches(), step.exits, step.rollout_calls, step.reuses), (1, 1, 3, 2));
+///     assert_eq!(step.bytes().device_host(), 2 * 4000);  // offload and reload
+///     assert!(step.summary_line().starts_with("switches 1 (enter 1, refresh 0), exits 1"));
+///     println!("{step}");                           // one row per phase
+///     Ok(())
+/// }
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Metrics {
     phases: [PhaseStats; 7],
@@ -326,7 +478,20 @@ impl fmt::Display for Metrics {
 }
 
 /// Link bandwidths a run is measured against, in GB/s (10^9 bytes per second); `None` where
-/// unknown.
+/// unknown. [`Metrics::report`] prints each phase's achieved rate against them.
+///
+/// ```
+/// use lifecycle_core::{Ceilings, Metrics};
+///
+/// let h200 = Ceilings {
+///     device_to_device_gbps: Some(290.0),
+///     device_to_host_gbps: Some(55.0),
+///     host_to_device_gbps: Some(55.0),
+///     local_gbps: Some(4100.0),
+/// };
+/// let report = Metrics::default().report(&h200);
+/// assert!(report.starts_with("phase"));
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Ceilings {
     /// Device↔device (NVLink) receive rate per rank.
@@ -340,6 +505,14 @@ pub struct Ceilings {
 }
 
 /// Formats a byte count with a decimal unit (B, kB, MB, GB).
+///
+/// ```
+/// use lifecycle_core::HumanBytes;
+///
+/// assert_eq!(HumanBytes(999).to_string(), "999 B");
+/// assert_eq!(HumanBytes(1_500_000).to_string(), "1.5 MB");
+/// assert_eq!(HumanBytes(45_700_000_000).to_string(), "45.70 GB");
+/// ```
 #[derive(Debug, Clone, Copy)]
 pub struct HumanBytes(pub u64);
 
@@ -359,6 +532,15 @@ impl fmt::Display for HumanBytes {
 }
 
 /// Formats a duration in µs, ms or s.
+///
+/// ```
+/// use std::time::Duration;
+/// use lifecycle_core::HumanDuration;
+///
+/// assert_eq!(HumanDuration(Duration::from_micros(42)).to_string(), "42.0 µs");
+/// assert_eq!(HumanDuration(Duration::from_millis(12)).to_string(), "12.00 ms");
+/// assert_eq!(HumanDuration(Duration::from_millis(1500)).to_string(), "1.500 s");
+/// ```
 #[derive(Debug, Clone, Copy)]
 pub struct HumanDuration(pub Duration);
 

@@ -3,6 +3,24 @@
 use std::fmt;
 
 /// One phase of a switch between the training and the rollout layout.
+///
+/// ```
+/// use lifecycle_core::testing::{CopyBackend, CopyError};
+/// use lifecycle_core::{Lifecycle, LifecycleError, Phase};
+///
+/// fn main() -> Result<(), LifecycleError<CopyError>> {
+///     let mut lc = Lifecycle::new(CopyBackend::new(), vec![1.0]);
+///     lc.rollout()?.finish()?;
+///     lc.train()?;
+///     let ran: Vec<&str> = Phase::ALL
+///         .into_iter()
+///         .filter(|&p| lc.metrics().phase(p).count > 0)
+///         .map(Phase::name)
+///         .collect();
+///     assert_eq!(ran, ["plan", "transfer", "offload", "release", "reload"]);
+///     Ok(())
+/// }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Phase {
     /// Validating the layouts and computing the transfer plan (enter, refresh).
@@ -60,7 +78,19 @@ impl fmt::Display for Phase {
     }
 }
 
-/// The class of link a byte crossed.
+/// The class of link a byte crossed; a backend names it when it reports bytes
+/// ([`PhaseScope::add_bytes`](crate::PhaseScope::add_bytes)).
+///
+/// ```
+/// use lifecycle_core::{Link, Metrics, Phase, PhaseRecorder};
+///
+/// let mut metrics = Metrics::default();
+/// let _ = PhaseRecorder::new(&mut metrics).phase(Phase::Offload, |scope| {
+///     scope.add_bytes(Link::DeviceToHost, 1 << 20);
+///     Ok::<(), std::convert::Infallible>(())
+/// });
+/// assert_eq!(metrics.phase(Phase::Offload).bytes.device_to_host, 1 << 20);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Link {
     /// Between two devices (NVLink / shared memory between host-backend ranks).

@@ -17,7 +17,7 @@ use crate::trace::Trace;
 ///     scope.add_bytes(Link::DeviceToDevice, 1024);
 ///     Ok(1024)
 /// });
-/// assert_eq!(copied.unwrap(), 1024);
+/// assert_eq!(copied, Ok(1024));
 /// assert_eq!(metrics.phase(Phase::Transfer).bytes.device_to_device, 1024);
 /// ```
 pub struct PhaseRecorder<'m> {
@@ -124,6 +124,24 @@ impl<'m> PhaseRecorder<'m> {
 }
 
 /// What a running phase reports: bytes per link and peak extra memory.
+///
+/// ```
+/// use lifecycle_core::{Link, Metrics, Phase, PhaseRecorder};
+///
+/// let mut metrics = Metrics::default();
+/// let mut rec = PhaseRecorder::new(&mut metrics);
+/// let sent: Result<(), std::convert::Infallible> = rec.phase(Phase::Transfer, |scope| {
+///     for _bucket in 0..4 {
+///         scope.alloc_extra(1 << 20);                 // a staging buffer per bucket
+///         scope.add_bytes(Link::DeviceToDevice, 1 << 20);
+///         scope.free_extra(1 << 20);
+///     }
+///     assert_eq!(scope.sample().bytes.device_to_device, 4 << 20);
+///     Ok(())
+/// });
+/// assert!(sent.is_ok());
+/// assert_eq!(metrics.phase(Phase::Transfer).peak_extra_bytes, 1 << 20); // one at a time
+/// ```
 #[derive(Debug, Default)]
 pub struct PhaseScope {
     sample: PhaseSample,

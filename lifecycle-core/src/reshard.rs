@@ -65,13 +65,18 @@ use crate::recorder::PhaseRecorder;
 ///     }
 /// }
 ///
-/// let mut lc = Lifecycle::new(Rounding, vec![1.4, 2.6]);
-/// assert_eq!(*lc.rollout()?.weights(), vec![1, 3]);
-/// lc.train()?.state_mut()[0] = 7.2;
-/// assert_eq!(*lc.rollout()?.weights(), vec![7, 3]);
-/// assert_eq!(lc.metrics().enters, 2);
-/// # Ok::<(), lifecycle_core::LifecycleError<Empty>>(())
+/// fn main() -> Result<(), lifecycle_core::LifecycleError<Empty>> {
+///     let mut lc = Lifecycle::new(Rounding, vec![1.4, 2.6]);
+///     assert_eq!(*lc.rollout()?.weights(), vec![1, 3]);
+///     lc.train()?.state_mut()[0] = 7.2;
+///     assert_eq!(*lc.rollout()?.weights(), vec![7, 3]);
+///     assert_eq!(lc.metrics().enters, 2);
+///     Ok(())
+/// }
 /// ```
+///
+/// [`testing::CopyBackend`](crate::testing::CopyBackend) is a complete backend of this kind, with
+/// the offload and reload phases.
 pub trait Reshard {
     /// The training state of all ranks this backend drives (sharded weights, grads, optimizer state).
     type TrainState;
@@ -112,6 +117,32 @@ pub trait Reshard {
 }
 
 /// What a backend receives with each switch: the memory policy and the metrics recorder.
+///
+/// ```
+/// use lifecycle_core::{Link, Metrics, MemoryPolicy, Phase, PhaseRecorder, SwitchContext};
+///
+/// /// The part of a backend's enter that offloads, as the policy asks.
+/// fn offload(master: &[f32], ctx: &mut SwitchContext<'_>) -> Result<(), std::io::Error> {
+///     if ctx.memory.offload_params {
+///         ctx.rec.phase(Phase::Offload, |scope| {
+///             scope.add_bytes(Link::DeviceToHost, 4 * master.len() as u64);
+///             Ok::<(), std::io::Error>(())
+///         })?;
+///     }
+///     Ok(())
+/// }
+///
+/// fn main() -> Result<(), std::io::Error> {
+///     let mut metrics = Metrics::default();
+///     let mut ctx = SwitchContext {
+///         memory: MemoryPolicy::default(),
+///         rec: PhaseRecorder::new(&mut metrics),
+///     };
+///     offload(&[0.0; 8], &mut ctx)?;
+///     assert_eq!(metrics.phase(Phase::Offload).bytes.device_to_host, 32);
+///     Ok(())
+/// }
+/// ```
 pub struct SwitchContext<'m> {
     /// What to offload while in rollout mode.
     pub memory: MemoryPolicy,

@@ -1,14 +1,34 @@
-//! Sessions: the only ways to reach the rollout weights ([`RolloutSession`], [`RolloutView`]), the
-//! awake engine ([`EngineMut`]) and the training state ([`TrainSession`]).
+//! Sessions: the only ways to reach the rollout weights and the awake engine
+//! ([`RolloutSession`], which lends a [`RolloutView`] and an [`EngineMut`]) and the training state
+//! ([`TrainSession`]).
+//!
+//! They are opened here too, by [`Lifecycle::rollout`] and [`Lifecycle::train`]: the lifecycle
+//! runs the switches, the sessions are the borrow-checked access built on top of it.
 
-use std::ops::Deref;
-
-use crate::cache::{Branded, Stamp};
-use crate::engine::{EngineMut, RolloutEngine};
+use crate::engine::RolloutEngine;
 use crate::error::LifecycleError;
 use crate::lifecycle::Lifecycle;
 use crate::policy::Switching;
 use crate::reshard::Reshard;
+use crate::view::{EngineMut, RolloutView};
+
+impl<B: Reshard, E: RolloutEngine<B::Rollout>> Lifecycle<B, E> {
+    /// Opens a rollout session: enters rollout mode only if the resident weights are missing or
+    /// older than the training weights, then wakes the engine if it is asleep.
+    pub fn rollout(&mut self) -> Result<RolloutSession<'_, B, E>, LifecycleError<B::Error>> {
+        self.ensure_rollout()?;
+        self.wake_engine()?;
+        self.metrics.rollout_calls += 1;
+        Ok(RolloutSession::new(self))
+    }
+
+    /// Opens a training session: leaves rollout mode if needed (the engine sleeps, then the
+    /// backend releases rollout weights and brings offloaded state back).
+    pub fn train(&mut self) -> Result<TrainSession<'_, B, E>, LifecycleError<B::Error>> {
+        self.ensure_train()?;
+        Ok(TrainSession::new(self))
+    }
+}
 
 /// Access to resident rollout weights of the current version (and to the awake engine), borrowed
 /// from the lifecycle.
@@ -22,60 +42,67 @@ use crate::reshard::Reshard;
 /// Dropping a session without `finish` under [`Switching::Eager`] defers the exit to the next
 /// lifecycle operation (and under
 /// [`EngineMemory::FreeEachCall`](crate::EngineMemory::FreeEachCall), the engine's sleep).
+///
+/// ```
+/// use lifecycle_core::testing::{CopyBackend, CopyError};
+/// use lifecycle_core::{Lifecycle, LifecycleError, Mode, RolloutView, Switching};
+///
+/// fn greedy(weights: RolloutView<'_, Vec<f32>>) -> usize {
+///     (0..weights.len()).max_by(|&a, &b| weights[a].total_cmp(&weights[b])).unwrap_or(0)
+/// }
+///
+/// fn main() -> Result<(), LifecycleError<CopyError>> {
+///     let mut lc = Lifecycle::new(CopyBackend::new(), vec![0.1, 0.7, 0.2]);
+///     lc.set_switching(Switching::Eager);
+///     let session = lc.rollout()?;                  // enters rollout mode
+///     assert_eq!(session.version(), 0);
+///     assert_eq!(greedy(session.weights()), 1);
+///     session.finish()?;                            // eager: exits now
+///     assert_eq!(lc.mode(), Mode::Train);
+///
+///     let session = lc.rollout()?;
+///     session.exit()?;                              // leaves whatever the policy
+///     assert_eq!(lc.mode(), Mode::Train);
+///     Ok(())
+/// }
+/// ```
 pub struct RolloutSession<'lc, B: Reshard, E: RolloutEngine<B::Rollout> = ()> {
     lc: &'lc mut Lifecycle<B, E>,
     done: bool,
 }
 
 impl<'lc, B: Reshard, E: RolloutEngine<B::Rollout>> RolloutSession<'lc, B, E> {
-    pub(crate) fn new(lc: &'lc mut Lifecycle<B, E>) -> Self {
+    fn new(lc: &'lc mut Lifecycle<B, E>) -> Self {
         RolloutSession { lc, done: false }
     }
 
     /// A view of the rollout weights, valid while this session is borrowed.
     pub fn weights(&self) -> RolloutView<'_, B::Rollout> {
-        RolloutView {
-            weights: self.lc.resident_weights(),
-            version: self.lc.version(),
-        }
+        RolloutView::new(self.lc.resident_weights(), self.lc.version())
     }
 
     /// The weights view and the awake engine together, both borrowed from this session: what a
     /// rollout call needs.
     ///
     /// ```
-    /// # use lifecycle_core::{EngineBytes, Lifecycle, PhaseScope, RolloutEngine, RolloutView};
-    /// # use lifecycle_core::{Reshard, SwitchContext};
-    /// # struct Copying;
-    /// # impl Reshard for Copying {
-    /// #     type TrainState = Vec<f32>; type Rollout = Vec<f32>; type Plan = (); type Error = std::io::Error;
-    /// #     fn plan(&self, _: &Vec<f32>) -> std::io::Result<()> { Ok(()) }
-    /// #     fn enter(&mut self, _: &(), s: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<Vec<f32>> { Ok(s.clone()) }
-    /// #     fn refresh(&mut self, _: &(), s: &mut Vec<f32>, r: &mut Vec<f32>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { r.clone_from(s); Ok(()) }
-    /// #     fn exit(&mut self, _: &mut Vec<f32>, _: Option<Vec<f32>>, _: &mut SwitchContext<'_>) -> std::io::Result<()> { Ok(()) }
-    /// # }
-    /// /// Remembers the last logits it produced.
-    /// #[derive(Default)]
-    /// struct Scorer { last: Vec<f32> }
-    /// impl RolloutEngine<Vec<f32>> for Scorer {
-    ///     type Error = std::convert::Infallible;
-    ///     fn wake(&mut self, _: RolloutView<'_, Vec<f32>>, _: &mut PhaseScope) -> Result<(), Self::Error> { Ok(()) }
-    ///     fn sleep(&mut self, _: &mut PhaseScope) -> Result<(), Self::Error> { self.last.clear(); Ok(()) }
-    ///     fn memory(&self) -> EngineBytes { EngineBytes::host(4 * self.last.len() as u64) }
-    /// }
+    /// use lifecycle_core::testing::{CopyBackend, CopyError, KvEngine};
+    /// use lifecycle_core::{Lifecycle, LifecycleError};
     ///
-    /// let mut lc = Lifecycle::new(Copying, vec![1.0, 2.0]).with_engine(Scorer::default());
-    /// let mut session = lc.rollout()?;
-    /// let (weights, mut scorer) = session.parts();
-    /// scorer.last = weights.iter().map(|w| 2.0 * w).collect();
-    /// session.finish()?;
-    /// assert_eq!(lc.engine().last, vec![2.0, 4.0]);
-    /// # Ok::<(), lifecycle_core::LifecycleError<std::io::Error>>(())
+    /// fn main() -> Result<(), LifecycleError<CopyError>> {
+    ///     let engine = KvEngine::new();
+    ///     let mut lc = Lifecycle::new(CopyBackend::new(), vec![1.0, 2.0]).with_engine(engine);
+    ///     let mut session = lc.rollout()?;
+    ///     let (weights, mut engine) = session.parts();
+    ///     engine.kv = weights.iter().map(|w| 2.0 * w).collect();
+    ///     session.finish()?;
+    ///     assert_eq!(lc.engine().kv, [2.0, 4.0]);
+    ///     Ok(())
+    /// }
     /// ```
     pub fn parts(&mut self) -> (RolloutView<'_, B::Rollout>, EngineMut<'_, E>) {
         let (weights, engine, version) = self.lc.weights_and_engine();
         (
-            RolloutView { weights, version },
+            RolloutView::new(weights, version),
             EngineMut::new(engine, version),
         )
     }
@@ -138,78 +165,37 @@ impl<B: Reshard, E: RolloutEngine<B::Rollout>> std::fmt::Debug for RolloutSessio
     }
 }
 
-/// A shared view of rollout weights, borrowed from a [`RolloutSession`].
-///
-/// It dereferences to the backend's rollout weights. It cannot outlive its session, so it cannot
-/// be kept across a training update, used after exit, or sent to a thread that may outlive the
-/// session (scoped threads inside the session are fine when the weights are `Sync`).
-pub struct RolloutView<'s, W> {
-    weights: &'s W,
-    version: u64,
-}
-
-impl<W> Clone for RolloutView<'_, W> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-
-impl<W> Copy for RolloutView<'_, W> {}
-
-impl<'s, W> RolloutView<'s, W> {
-    pub(crate) fn new(weights: &'s W, version: u64) -> Self {
-        RolloutView { weights, version }
-    }
-
-    /// The version of the training weights these rollout weights were built from.
-    pub fn version(&self) -> u64 {
-        self.version
-    }
-
-    /// The weights, with the view's lifetime.
-    pub fn get(&self) -> &'s W {
-        self.weights
-    }
-
-    /// A proof of this view's weight version for [`VersionedCache`](crate::VersionedCache)
-    /// lookups, with the view's lifetime.
-    pub fn stamp(&self) -> Stamp<'s> {
-        Stamp::new(self.version)
-    }
-
-    /// Ties `value` (a KV handle, a batch's cache blocks) to this view: the result cannot outlive
-    /// the session, so it cannot be used across a training update or after exit.
-    pub fn brand<T>(&self, value: T) -> Branded<'s, T> {
-        Branded::new(value, self.version)
-    }
-}
-
-impl<W> Deref for RolloutView<'_, W> {
-    type Target = W;
-    fn deref(&self) -> &W {
-        self.weights
-    }
-}
-
-impl<W: std::fmt::Debug> std::fmt::Debug for RolloutView<'_, W> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RolloutView")
-            .field("version", &self.version)
-            .field("weights", self.weights)
-            .finish()
-    }
-}
-
 /// Access to the training state, borrowed from the lifecycle in train mode.
 ///
 /// [`state_mut`](TrainSession::state_mut) bumps the weight version, so the next rollout rebuilds
-/// its weights.
+/// its weights; [`state`](TrainSession::state) reads without bumping it.
+///
+/// ```
+/// use lifecycle_core::testing::{CopyBackend, CopyError};
+/// use lifecycle_core::{Lifecycle, LifecycleError};
+///
+/// fn main() -> Result<(), LifecycleError<CopyError>> {
+///     let mut lc = Lifecycle::new(CopyBackend::new(), vec![1.0, 2.0]);
+///     lc.rollout()?.finish()?;
+///
+///     let mut train = lc.train()?;                   // exits rollout mode
+///     let norm: f32 = train.state().iter().map(|w| w * w).sum();
+///     assert_eq!((norm, train.version()), (5.0, 0));  // reading does not bump the version
+///     for w in train.state_mut() {
+///         *w -= 0.5;                                 // an optimizer step
+///     }
+///     assert_eq!(train.version(), 1);
+///
+///     assert_eq!(*lc.rollout()?.weights(), [0.5, 1.5]); // rebuilt from the new state
+///     Ok(())
+/// }
+/// ```
 pub struct TrainSession<'lc, B: Reshard, E = ()> {
     lc: &'lc mut Lifecycle<B, E>,
 }
 
 impl<'lc, B: Reshard, E> TrainSession<'lc, B, E> {
-    pub(crate) fn new(lc: &'lc mut Lifecycle<B, E>) -> Self {
+    fn new(lc: &'lc mut Lifecycle<B, E>) -> Self {
         TrainSession { lc }
     }
 

@@ -9,6 +9,21 @@ use serde_json::json;
 use crate::phase::{Link, Phase};
 
 /// One interval of work.
+///
+/// ```
+/// use lifecycle_core::testing::{CopyBackend, CopyError};
+/// use lifecycle_core::{Lifecycle, LifecycleError, Phase};
+///
+/// fn main() -> Result<(), LifecycleError<CopyError>> {
+///     let mut lc = Lifecycle::new(CopyBackend::new(), vec![1.0]);
+///     lc.enable_trace();
+///     lc.rollout()?.finish()?;
+///     let transfer = lc.trace().spans().iter().find(|s| s.phase == Phase::Transfer);
+///     let transfer = transfer.map(|s| (s.name.as_str(), s.rank, s.bytes));
+///     assert_eq!(transfer, Some(("transfer", None, 4)));       // the lifecycle's row, 4 bytes
+///     Ok(())
+/// }
+/// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct Span {
     /// What ran (e.g. `transfer`, `bucket 3`, `offload master`).

@@ -3,44 +3,12 @@
 use proc_macro2::{Group, Span, TokenStream, TokenTree};
 use quote::{format_ident, quote, quote_spanned, ToTokens};
 use syn::spanned::Spanned;
-use syn::{Attribute, FnArg, GenericParam, Ident, ItemFn, ReturnType};
+use syn::{Attribute, FnArg, GenericParam, Ident, ItemFn, ReturnType, Visibility};
 
-use crate::parse::{self, Input, RawArgs};
-use crate::validate::{self, EngineParam, Model, Switching};
-
-/// The macro: parse, validate, expand; on error, the item as written plus every error.
-pub fn sharded_rollout(args: TokenStream, item: TokenStream) -> TokenStream {
-    let args = syn::parse2::<RawArgs>(args);
-    let input = match parse::item(item.clone()) {
-        Ok(input) => input,
-        Err(e) => {
-            let mut out = item;
-            out.extend(e.to_compile_error());
-            return out;
-        }
-    };
-    // Emitted beside the errors so that the rest of the crate (and IDE completion) still sees the
-    // item; without the `#[weights]` markers, which only this macro understands.
-    let fallback = match &input {
-        Input::Fn(func) => {
-            let mut func = func.clone();
-            validate::strip_markers(&mut func);
-            func.into_token_stream()
-        }
-        Input::Other(item) => item.to_token_stream(),
-    };
-    match validate::validate(args, input) {
-        Ok(model) => expand(model),
-        Err(errors) => {
-            let mut out = fallback;
-            out.extend(errors.to_compile_error());
-            out
-        }
-    }
-}
+use crate::validate::{EngineParam, Model, Switching};
 
 /// Name of the generic parameter standing for the backend.
-const BACKEND: &str = "__LifecycleBackend";
+pub const BACKEND: &str = "__LifecycleBackend";
 
 /// Attributes of the user's function that also apply to the generated entry point.
 fn forwarded_to_entry(attr: &Attribute) -> bool {
@@ -58,7 +26,8 @@ fn forwarded_to_entry(attr: &Attribute) -> bool {
     .any(|name| attr.path().is_ident(name))
 }
 
-fn expand(model: Model) -> TokenStream {
+/// The generated items of a validated function.
+pub fn expand(model: Model) -> TokenStream {
     let Model {
         krate,
         switching,
@@ -221,13 +190,6 @@ fn expand(model: Model) -> TokenStream {
              (`switching = \"lazy\"`): calls in a row between two training updates switch once"
         }
     };
-    let link = |target: &Ident| {
-        if is_method {
-            format!("[`{target}`](Self::{target})")
-        } else {
-            format!("[`{target}`]")
-        }
-    };
     let (instead_of, runs_with) = if engine.is_some() {
         (
             "the rollout weights view and the engine",
@@ -242,8 +204,8 @@ fn expand(model: Model) -> TokenStream {
          mode only when needed (when the resident rollout weights are missing or older than the \
          training weights), runs the body with {runs_with}, {policy}. {} and {} switch \
          explicitly.",
-        link(&enter_name),
-        link(&exit_name),
+        link(&enter_name, is_method),
+        link(&exit_name, is_method),
     );
     let errors_doc = " A `LifecycleError` when planning, entering, refreshing or leaving rollout \
                       mode fails. The body's own return value, whatever it is, comes back in `Ok`.";
@@ -292,8 +254,23 @@ fn expand(model: Model) -> TokenStream {
     };
 
     // Explicit switches. They name `W` when it does not depend on the function's own generics.
-    let own_generics: Vec<String> = sig
-        .generics
+    let switch_bound = if mentions(weights_ty.to_token_stream(), &own_generics(&sig)) {
+        quote!(#backend: #private::Reshard)
+    } else {
+        rollout_bound
+    };
+    let switches = switches(&private, &vis, &sig, &cfg_attrs, switch_bound, is_method);
+
+    quote! {
+        #body
+        #entry
+        #switches
+    }
+}
+
+/// Names of the function's own generic parameters (type, const, lifetime).
+pub fn own_generics(sig: &syn::Signature) -> Vec<String> {
+    sig.generics
         .params
         .iter()
         .map(|p| match p {
@@ -301,26 +278,47 @@ fn expand(model: Model) -> TokenStream {
             GenericParam::Const(c) => c.ident.to_string(),
             GenericParam::Lifetime(l) => l.lifetime.ident.to_string(),
         })
-        .collect();
-    let switch_bound = if mentions(weights_ty.to_token_stream(), &own_generics) {
-        quote!(#backend: #private::Reshard)
+        .collect()
+}
+
+/// How the generated docs link to an item generated next to the function.
+fn link(target: &Ident, is_method: bool) -> String {
+    if is_method {
+        format!("[`{target}`](Self::{target})")
     } else {
-        rollout_bound
-    };
+        format!("[`{target}`]")
+    }
+}
+
+/// The explicit switches `name_enter` and `name_exit`, bounded by `switch_bound`.
+pub fn switches(
+    private: &TokenStream,
+    vis: &Visibility,
+    sig: &syn::Signature,
+    cfg_attrs: &[&Attribute],
+    switch_bound: TokenStream,
+    is_method: bool,
+) -> TokenStream {
+    let name = &sig.ident;
+    let name_span = name.span();
+    let enter_name = format_ident!("{}_enter", name);
+    let exit_name = format_ident!("{}_exit", name);
+    let backend = Ident::new(BACKEND, Span::call_site());
+    let error_ty = quote!(#private::LifecycleError<<#backend as #private::Reshard>::Error>);
     let enter_doc = format!(
         " Enters rollout mode now for {}: builds the rollout weights unless weights of the current \
          version are resident (then it moves nothing), then wakes the engine unless it frees its \
          memory after each call. Generated by `#[sharded_rollout]`.",
-        link(name)
+        link(name, is_method)
     );
     let any_engine = quote!(impl #private::RolloutEngine<<#backend as #private::Reshard>::Rollout>);
     let exit_doc = format!(
         " Leaves rollout mode now, after {}: puts the engine to sleep, releases the rollout weights \
          and brings offloaded training state back (no-op in train mode with nothing resident). \
          Generated by `#[sharded_rollout]`.",
-        link(name)
+        link(name, is_method)
     );
-    let switches = quote_spanned! {name_span=>
+    quote_spanned! {name_span=>
         #(#cfg_attrs)*
         #[doc = #enter_doc]
         #[doc = ""]
@@ -346,12 +344,6 @@ fn expand(model: Model) -> TokenStream {
         ) -> #private::Result<(), #error_ty> {
             lifecycle.exit()
         }
-    };
-
-    quote! {
-        #body
-        #entry
-        #switches
     }
 }
 
@@ -373,7 +365,7 @@ fn respan(tokens: TokenStream, span: Span) -> TokenStream {
 }
 
 /// Whether `tokens` contain one of `idents` (a type or const parameter, or a lifetime's name).
-fn mentions(tokens: TokenStream, idents: &[String]) -> bool {
+pub fn mentions(tokens: TokenStream, idents: &[String]) -> bool {
     tokens.into_iter().any(|tt| match tt {
         TokenTree::Ident(i) => idents.iter().any(|n| i == n),
         TokenTree::Group(g) => mentions(g.stream(), idents),
@@ -385,8 +377,13 @@ fn mentions(tokens: TokenStream, idents: &[String]) -> bool {
 mod tests {
     use quote::quote;
 
+    /// The expansion of a function the attribute accepts.
     fn expand(args: proc_macro2::TokenStream, item: proc_macro2::TokenStream) -> String {
-        super::sharded_rollout(args, item).to_string()
+        let input = crate::parse::item(item).expect("an item");
+        match crate::validate::validate(syn::parse2(args), input) {
+            Ok(model) => super::expand(model).to_string(),
+            Err(rejected) => panic!("rejected: {}", rejected.errors),
+        }
     }
 
     #[test]
@@ -445,19 +442,6 @@ mod tests {
             ),
             "{generic}"
         );
-    }
-
-    #[test]
-    fn errors_keep_the_item_without_weights_markers() {
-        let out = expand(
-            quote!(bogus = 1),
-            quote!(
-                fn f(#[weights] w: RolloutView<'_, Vec<f32>>) {}
-            ),
-        );
-        assert!(out.starts_with("fn f (w : RolloutView"), "{out}");
-        assert!(out.contains("compile_error"), "{out}");
-        assert!(!out.contains("__f_body"), "{out}");
     }
 
     #[test]

@@ -2,13 +2,20 @@
 //!
 //! The crate is split like the usual derive crates: `parse` reads the attribute and the item into
 //! a small AST, `validate` checks every rule (each error on the offending tokens, all errors
-//! reported together) and `expand` writes the generated items.
+//! reported together), `expand` writes the generated items and `fallback` the stub emitted beside
+//! the errors of a rejected function, so that its callers still type-check and the errors are the
+//! only ones.
 
 mod expand;
+mod fallback;
 mod parse;
 mod validate;
 
 use proc_macro::TokenStream;
+use quote::ToTokens;
+
+use crate::parse::{Input, RawArgs};
+use crate::validate::Rejected;
 
 /// Turns a function that reads the rollout weights into one that drives the lifecycle.
 ///
@@ -57,8 +64,46 @@ use proc_macro::TokenStream;
 /// macro adds items to the impl block), nor associated functions without a receiver (the
 /// generated entry point calls the body as a free function).
 ///
+/// A rejected function is not emitted as written: beside the errors the attribute emits a stub of
+/// `name`, `name_enter` and `name_exit` with the signatures it would have generated (the view and
+/// engine replaced by the lifecycle, the other parameters as written), so callers type-check and
+/// the attribute's errors are the only ones.
+///
 /// See `lifecycle_core`'s crate documentation, "The attribute", for a compiled example.
 #[proc_macro_attribute]
 pub fn sharded_rollout(args: TokenStream, item: TokenStream) -> TokenStream {
-    expand::sharded_rollout(args.into(), item.into()).into()
+    attribute(args.into(), item.into()).into()
+}
+
+/// The macro: parse, validate, expand. On error: every error, and for a function the stub of what
+/// the expansion would have generated ([`fallback`]), so that the errors are the only ones; for
+/// any other item, the item as written.
+fn attribute(
+    args: proc_macro2::TokenStream,
+    item: proc_macro2::TokenStream,
+) -> proc_macro2::TokenStream {
+    let args = syn::parse2::<RawArgs>(args);
+    let input = match parse::item(item.clone()) {
+        Ok(input) => input,
+        Err(e) => {
+            let mut out = item;
+            out.extend(e.to_compile_error());
+            return out;
+        }
+    };
+    let as_written = match &input {
+        Input::Fn(_) => None,
+        Input::Other(item) => Some(item.to_token_stream()),
+    };
+    match validate::validate(args, input) {
+        Ok(model) => expand::expand(model),
+        Err(Rejected { errors, fallback }) => {
+            let mut out = errors.to_compile_error();
+            out.extend(match fallback {
+                Some(fallback) => fallback::stub(*fallback),
+                None => as_written.unwrap_or_default(),
+            });
+            out
+        }
+    }
 }

@@ -56,6 +56,32 @@ pub struct Model {
     pub engine: Option<EngineParam>,
 }
 
+/// A rejected item: every error found, and what the expansion would have generated from it, as
+/// far as it can be read.
+pub struct Rejected {
+    /// Every error, combined.
+    pub errors: syn::Error,
+    /// The function's reading for the stub emitted beside the errors; `None` for an item that is
+    /// not a function.
+    pub fallback: Option<Box<Fallback>>,
+}
+
+/// A rejected function, read leniently: enough to write the signature the expansion would have
+/// generated, so that its callers type-check and the macro's errors are the only ones.
+pub struct Fallback {
+    /// Path of the runtime crate (`::lifecycle_core` unless a valid `crate = "..."` was given).
+    pub krate: Path,
+    /// The function as written, without the `#[weights]` and `#[engine]` markers.
+    pub func: ItemFn,
+    /// Indices in `func.sig.inputs` of the parameters the generated function replaces by the
+    /// lifecycle: the weights view and the engine, found or, failing that, guessed.
+    pub replaced: Vec<usize>,
+    /// `W` of the view, when it can be read.
+    pub weights_ty: Option<Type>,
+    /// The engine type, when the engine parameter was valid.
+    pub engine_ty: Option<Type>,
+}
+
 /// How the function takes the rollout engine.
 pub struct EngineParam {
     /// Index in `func.sig.inputs` (counting the receiver).
@@ -98,8 +124,9 @@ struct Args {
     switching: Switching,
 }
 
-/// Checks the arguments and the item; on failure returns every error found, combined.
-pub fn validate(args: syn::Result<RawArgs>, input: Input) -> syn::Result<Model> {
+/// Checks the arguments and the item; on failure returns every error found, combined, with the
+/// lenient reading of the function for the stub.
+pub fn validate(args: syn::Result<RawArgs>, input: Input) -> Result<Model, Rejected> {
     let mut errors = Errors::default();
     let args = match args {
         Ok(raw) => check_args(raw, &mut errors),
@@ -112,14 +139,17 @@ pub fn validate(args: syn::Result<RawArgs>, input: Input) -> syn::Result<Model> 
         Input::Fn(func) => func,
         Input::Other(item) => {
             let (kind, tokens) = describe(&item);
-            errors.at(
-                tokens,
-                format_args!("#[sharded_rollout] applies to a function: found {kind}"),
-            );
-            errors.finish()?;
-            unreachable!("an error was just pushed");
+            return Err(Rejected {
+                errors: syn::Error::new_spanned(
+                    tokens,
+                    format_args!("#[sharded_rollout] applies to a function: found {kind}"),
+                ),
+                fallback: None,
+            });
         }
     };
+    // Read before the markers are removed, for the stub of a rejected function.
+    let marked = Marked::of(&func.sig);
     check_qualifiers(&func.sig, &mut errors);
     check_receiver(&func.sig, &mut errors);
     let engine = find_engine(&mut func.sig, args.engine.as_ref(), &mut errors);
@@ -154,7 +184,23 @@ pub fn validate(args: syn::Result<RawArgs>, input: Input) -> syn::Result<Model> 
         None => None,
     };
     check_return(&func.sig.output, &mut errors);
-    errors.finish()?;
+    if let Err(errors) = errors.finish() {
+        let engine_ty = engine.map(|e| e.engine_ty);
+        let weights_ty = view.map(|(_, _, w)| w);
+        let fallback = fallback(
+            args,
+            func,
+            &marked,
+            weights,
+            weights_ty,
+            engine_index,
+            engine_ty,
+        );
+        return Err(Rejected {
+            errors,
+            fallback: Some(Box::new(fallback)),
+        });
+    }
     let (weights_index, view_ty, weights_ty) = view.expect("no error means a weights view");
     Ok(Model {
         krate: args
@@ -167,6 +213,122 @@ pub fn validate(args: syn::Result<RawArgs>, input: Input) -> syn::Result<Model> 
         weights_ty,
         engine,
     })
+}
+
+/// The parameters marked `#[weights]` and `#[engine]`, in order.
+#[derive(Default)]
+struct Marked {
+    weights: Vec<usize>,
+    engine: Vec<usize>,
+}
+
+impl Marked {
+    fn of(sig: &Signature) -> Self {
+        let mut marked = Marked::default();
+        for (index, input) in sig.inputs.iter().enumerate() {
+            let FnArg::Typed(param) = input else { continue };
+            if param.attrs.iter().any(|a| a.path().is_ident(WEIGHTS_ATTR)) {
+                marked.weights.push(index);
+            }
+            if param.attrs.iter().any(|a| a.path().is_ident(ENGINE_ATTR)) {
+                marked.engine.push(index);
+            }
+        }
+        marked
+    }
+}
+
+/// The lenient reading of a rejected function. What validation found is taken as it is; what it
+/// could not find is guessed the way a caller would have read the function: the view is the
+/// marked parameter, else the first typed `RolloutView` (or a reference to one), else a parameter
+/// named like the weights; the engine is every parameter marked, named or typed as one.
+fn fallback(
+    args: Args,
+    mut func: ItemFn,
+    marked: &Marked,
+    weights: Option<usize>,
+    weights_ty: Option<Type>,
+    engine: Option<usize>,
+    engine_ty: Option<Type>,
+) -> Fallback {
+    strip_markers(&mut func);
+    let sig = &func.sig;
+    let typed = |index: usize| match &sig.inputs[index] {
+        FnArg::Typed(p) => Some(p),
+        FnArg::Receiver(_) => None,
+    };
+    let named = |index: usize, name: &Ident| {
+        typed(index).is_some_and(|p| matches!(&*p.pat, Pat::Ident(i) if i.ident == *name))
+    };
+    let indices = 0..sig.inputs.len();
+    let engines: Vec<usize> = indices
+        .clone()
+        .filter(|&i| {
+            engine == Some(i)
+                || marked.engine.contains(&i)
+                || args.engine.as_ref().is_some_and(|name| named(i, name))
+                || typed(i).is_some_and(|p| is_engine(&p.ty) || is_reference_to_engine(&p.ty))
+        })
+        .collect();
+    let weights = weights
+        .or_else(|| marked.weights.first().copied())
+        .or_else(|| {
+            let by_arg = args.weights.as_ref()?;
+            indices.clone().find(|&i| named(i, by_arg))
+        })
+        .or_else(|| {
+            indices
+                .clone()
+                .find(|&i| typed(i).is_some_and(|p| is_view(&p.ty) || is_reference_to_view(&p.ty)))
+        })
+        .or_else(|| {
+            indices.clone().filter(|i| !engines.contains(i)).find(|&i| {
+                typed(i).is_some_and(|p| {
+                    let name = param_name(p);
+                    name == "w" || name.contains("weights")
+                })
+            })
+        });
+    let weights_ty = weights_ty.or_else(|| {
+        let param = typed(weights?)?;
+        lenient_weights_type(&param.ty)
+    });
+    let mut replaced = engines;
+    if let Some(index) = weights {
+        if !replaced.contains(&index) {
+            replaced.push(index);
+        }
+    }
+    replaced.sort_unstable();
+    Fallback {
+        krate: args
+            .krate
+            .unwrap_or_else(|| syn::parse_quote!(::lifecycle_core)),
+        func,
+        replaced,
+        weights_ty,
+        engine_ty,
+    }
+}
+
+/// `W` of a view type that failed its checks, when it is still a type the stub can name: the
+/// first type argument of `RolloutView<..>` (behind references too), without elided lifetimes.
+fn lenient_weights_type(ty: &Type) -> Option<Type> {
+    let mut ty = ty;
+    while let Type::Reference(r) = ty {
+        ty = &r.elem;
+    }
+    let segment = view_path(ty)?.path.segments.last()?;
+    let PathArguments::AngleBracketed(args) = &segment.arguments else {
+        return None;
+    };
+    let weights = args.args.iter().find_map(|arg| match arg {
+        GenericArgument::Type(t) => Some(t.clone()),
+        _ => None,
+    })?;
+    let mut elided = Elided::default();
+    elided.visit_type(&weights);
+    elided.found.is_empty().then_some(weights)
 }
 
 /// Removes the `#[weights]` and `#[engine]` markers from every parameter, so the item can be
@@ -972,7 +1134,7 @@ mod tests {
         let input = parse::item(item).expect("an item");
         match super::validate(syn::parse2(args), input) {
             Ok(_) => Vec::new(),
-            Err(e) => e.into_iter().map(|e| e.to_string()).collect(),
+            Err(rejected) => rejected.errors.into_iter().map(|e| e.to_string()).collect(),
         }
     }
 

@@ -1,5 +1,5 @@
 // A rollout function cannot return borrows of the weights: they would outlive the session.
-use lifecycle_core::{sharded_rollout, RolloutView};
+use lifecycle_core::{sharded_rollout, Lifecycle, RolloutView};
 
 #[sharded_rollout]
 fn first(w: RolloutView<'_, Vec<f32>>) -> &f32 {
@@ -11,4 +11,14 @@ fn view(w: RolloutView<'_, Vec<f32>>) -> Option<RolloutView<'_, Vec<f32>>> {
     Some(w)
 }
 
-fn main() {}
+// The callers below type-check against the signature the attribute would have generated: its
+// errors are the only ones.
+fn main() -> LcResult {
+    let mut lc = Lifecycle::new(Copying, vec![1.0]);
+    let x: f32 = *first(&mut lc)?;
+    let v: Option<RolloutView<'_, Vec<f32>>> = view(&mut lc)?;
+    println!("{x} {}", v.is_some());
+    Ok(())
+}
+
+include!("../copying.rs");

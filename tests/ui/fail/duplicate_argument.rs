@@ -1,9 +1,17 @@
 // An attribute argument given twice is rejected, pointing at both.
-use lifecycle_core::{sharded_rollout, RolloutView};
+use lifecycle_core::{sharded_rollout, Lifecycle, RolloutView};
 
 #[sharded_rollout(switching = "eager", switching = "lazy")]
 fn first(w: RolloutView<'_, Vec<f32>>) -> f32 {
     w[0]
 }
 
-fn main() {}
+// The callers below type-check against the signature the attribute would have generated: its
+// errors are the only ones.
+fn main() -> LcResult {
+    let mut lc = Lifecycle::new(Copying, vec![1.0]);
+    println!("{}", first(&mut lc)?);
+    Ok(())
+}
+
+include!("../copying.rs");

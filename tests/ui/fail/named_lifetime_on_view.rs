@@ -1,9 +1,17 @@
 // The view is borrowed for one call only: a named lifetime on it is rejected.
-use lifecycle_core::{sharded_rollout, RolloutView};
+use lifecycle_core::{sharded_rollout, Lifecycle, RolloutView};
 
 #[sharded_rollout]
 fn first<'a>(w: RolloutView<'a, Vec<f32>>) -> f32 {
     w[0]
 }
 
-fn main() {}
+// The callers below type-check against the signature the attribute would have generated: its
+// errors are the only ones.
+fn main() -> LcResult {
+    let mut lc = Lifecycle::new(Copying, vec![1.0]);
+    println!("{}", first(&mut lc)?);
+    Ok(())
+}
+
+include!("../copying.rs");

@@ -1,5 +1,5 @@
 // Methods take `&self` or `&mut self`: `self` by value, `mut self` and `self: Box<Self>` are rejected.
-use lifecycle_core::{sharded_rollout, RolloutView};
+use lifecycle_core::{sharded_rollout, Lifecycle, RolloutView};
 
 struct Sampler;
 
@@ -22,4 +22,15 @@ impl Sampler {
     }
 }
 
-fn main() {}
+// The callers below type-check against the signature the attribute would have generated: its
+// errors are the only ones.
+fn main() -> LcResult {
+    let mut lc = Lifecycle::new(Copying, vec![1.0]);
+    let a: f32 = Sampler.by_value(&mut lc)?;
+    let b: f32 = Sampler.by_mut_value(&mut lc)?;
+    let c: f32 = Box::new(Sampler).boxed(&mut lc)?;
+    println!("{}", a + b + c);
+    Ok(())
+}
+
+include!("../copying.rs");
