@@ -166,10 +166,8 @@ impl<'a, P: RankExecutor> SwitchDriver<'a, P> {
         let pinned = self.pinned;
         self.pool
             .run_each(&mut items, &|ctx, (local, rt, roll, prog)| {
-                // The offload copies may read what the last update wrote on the compute stream.
-                ctx.order(&ctx.compute, &ctx.copy)?;
+                // The owner's pending work on its buffers first (a caller's stream).
                 rt.wait_for_owner(ctx)?;
-                hooks.before_offload(ctx, rt, memory)?;
                 // Pinned chunks first (from the pool: pinned once, then reused): failing here
                 // changes nothing.
                 for m in rt.movable() {
@@ -177,7 +175,13 @@ impl<'a, P: RankExecutor> SwitchDriver<'a, P> {
                         m.buf.reserve_host(ctx, pinned, m.name)?;
                     }
                 }
+                // The timeline's origin is recorded on the compute stream before the copy
+                // stream is ordered after it: no copy of this transfer starts before the origin.
                 let mut tl = StreamTimeline::new(ctx, tracing)?;
+                // The offload copies (and the hooks' work on the copy stream) may read what the
+                // last update wrote on the compute stream.
+                ctx.order(&ctx.compute, &ctx.copy)?;
+                hooks.before_offload(ctx, rt, memory)?;
                 // Offload copies on the copy stream: they overlap the transfer below.
                 for m in rt.movable() {
                     if m.class.offloaded_by(memory) {
