@@ -11,7 +11,7 @@ fn root() -> &'static Path {
 }
 
 fn page() -> String {
-    fs::read_to_string(root().join("../docs/compiler-errors.md"))
+    fs::read_to_string(root().join("../../docs/compiler-errors.md"))
         .unwrap_or_else(|e| panic!("docs/compiler-errors.md: {e}"))
 }
 

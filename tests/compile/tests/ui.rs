@@ -1,6 +1,6 @@
 //! Compile-fail and compile-pass cases: the borrow rules that keep rollout weights fresh, and
 //! every diagnostic of `#[sharded_rollout]`. Regenerate the expected output with
-//! `TRYBUILD=overwrite cargo test -p lifecycle-tests --test ui`, then read each `.stderr`.
+//! `TRYBUILD=overwrite cargo test -p lifecycle-compile-tests --test ui`, then read each `.stderr`.
 
 #[test]
 fn ui() {

@@ -1,0 +1,1 @@
+//! Compile-fail and compile-pass tests (trybuild): see `tests/ui.rs`.
