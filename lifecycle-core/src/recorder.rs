@@ -78,9 +78,23 @@ impl<'m> PhaseRecorder<'m> {
             "phase"
         );
         let engine = self.engine_held.max(scope.engine_bytes);
-        self.metrics.record(phase, wall, &scope.sample, engine);
+        self.note(phase, (start, wall), &scope.sample, engine);
+        self.check_fault(phase, FaultAt::End);
+        out
+    }
+
+    /// Records one instance of `phase` that began at `span.0` and took `span.1`: the metrics, and
+    /// the host span of the trace when tracing.
+    fn note(
+        &mut self,
+        phase: Phase,
+        (start, wall): (Instant, Duration),
+        sample: &PhaseSample,
+        engine: u64,
+    ) {
+        self.metrics.record(phase, wall, sample, engine);
         if let Some(trace) = self.trace() {
-            let b = &scope.sample.bytes;
+            let b = &sample.bytes;
             trace.record_host(
                 phase.name(),
                 phase,
@@ -92,8 +106,6 @@ impl<'m> PhaseRecorder<'m> {
                 None,
             );
         }
-        self.check_fault(phase, FaultAt::End);
-        out
     }
 
     fn check_fault(&mut self, phase: Phase, at: FaultAt) {
@@ -114,6 +126,26 @@ impl<'m> PhaseRecorder<'m> {
     pub fn record(&mut self, phase: Phase, wall: Duration, sample: PhaseSample) {
         self.check_fault(phase, FaultAt::Start);
         self.metrics.record(phase, wall, &sample, self.engine_held);
+        self.check_fault(phase, FaultAt::End);
+    }
+
+    /// Records a phase the backend timed itself from `start` until now (its work spread over
+    /// rank threads, say): the metrics and, when tracing, the host span of the trace, as
+    /// [`PhaseRecorder::phase`] records its own.
+    ///
+    /// ```
+    /// use std::time::Instant;
+    /// use lifecycle_core::{Metrics, Phase, PhaseRecorder, PhaseSample};
+    ///
+    /// let mut metrics = Metrics::default();
+    /// let start = Instant::now();
+    /// PhaseRecorder::new(&mut metrics).record_since(Phase::Transfer, start, PhaseSample::default());
+    /// assert_eq!(metrics.phase(Phase::Transfer).count, 1);
+    /// ```
+    pub fn record_since(&mut self, phase: Phase, start: Instant, sample: PhaseSample) {
+        self.check_fault(phase, FaultAt::Start);
+        let engine = self.engine_held;
+        self.note(phase, (start, start.elapsed()), &sample, engine);
         self.check_fault(phase, FaultAt::End);
     }
 

@@ -211,6 +211,40 @@ fn default_pool_of(device: sys::CUdevice, rank: usize) -> Result<sys::CUmemoryPo
     Ok(unsafe { pool.assume_init() })
 }
 
+/// The driver's descriptor of a device-to-device 2-D copy of `rows` rows of `width` bytes, from
+/// rows `src_pitch` bytes apart at `src` to rows `dst_pitch` bytes apart at `dst` (for
+/// `cuMemcpy2DAsync`, as [`copy_2d`] issues it).
+///
+/// ```
+/// let d = lifecycle_cuda::memcpy_2d_desc((0x1000, 256), (0x9000, 512), 128, 4);
+/// assert_eq!((d.srcPitch, d.dstPitch, d.WidthInBytes, d.Height), (256, 512, 128, 4));
+/// ```
+pub fn memcpy_2d_desc(
+    (src, src_pitch): (u64, usize),
+    (dst, dst_pitch): (u64, usize),
+    width: usize,
+    rows: usize,
+) -> sys::CUDA_MEMCPY2D {
+    sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        srcHost: std::ptr::null(),
+        srcDevice: src,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: src_pitch,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: dst,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: dst_pitch,
+        WidthInBytes: width,
+        Height: rows,
+    }
+}
+
 /// A 2-D copy of `rows` rows of `width` bytes on `stream`, rows `src_pitch` / `dst_pitch` bytes
 /// apart, between device addresses of this rank or of its peers (the copy engines carry it over
 /// NVLink when one side is a peer's). A single row is a plain device-to-device copy.
@@ -240,24 +274,7 @@ pub unsafe fn copy_2d(
         }
         .map_err(ctx.drv(what, bytes));
     }
-    let c = sys::CUDA_MEMCPY2D {
-        srcXInBytes: 0,
-        srcY: 0,
-        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-        srcHost: std::ptr::null(),
-        srcDevice: src,
-        srcArray: std::ptr::null_mut(),
-        srcPitch: src_pitch,
-        dstXInBytes: 0,
-        dstY: 0,
-        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-        dstHost: std::ptr::null_mut(),
-        dstDevice: dst,
-        dstArray: std::ptr::null_mut(),
-        dstPitch: dst_pitch,
-        WidthInBytes: width,
-        Height: rows,
-    };
+    let c = memcpy_2d_desc((src, src_pitch), (dst, dst_pitch), width, rows);
     // SAFETY: the descriptor is valid for the call; the regions are the caller's promise.
     unsafe { sys::cuMemcpy2DAsync_v2(&c, stream.cu_stream()) }
         .result()

@@ -77,27 +77,13 @@ pub fn peer_base(bases: &[u64], to: usize, from: usize) -> Result<u64, CudaError
 /// device-to-device, local casts and copies as local, peak staging) and, when tracing, as one
 /// host span.
 pub fn record_transfer(ctx: &mut SwitchContext<'_>, moved: &[RankMoved], start: Instant) {
-    let wall = start.elapsed();
     let mut sample = PhaseSample::default();
     for m in moved {
         sample.bytes.add(Link::DeviceToDevice, m.recv);
         sample.bytes.add(Link::Local, m.local);
         sample.peak_extra_bytes = sample.peak_extra_bytes.max(m.staging);
     }
-    ctx.rec.record(Phase::Transfer, wall, sample);
-    if let Some(trace) = ctx.rec.trace() {
-        let b = sample.bytes;
-        trace.record_host(
-            "transfer",
-            Phase::Transfer,
-            None,
-            "switch",
-            start,
-            wall,
-            b.moved() + b.local,
-            None,
-        );
-    }
+    ctx.rec.record_since(Phase::Transfer, start, sample);
 }
 
 /// Adds each local rank's device spans to the switch's trace (when tracing); `spans` in the

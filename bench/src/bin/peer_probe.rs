@@ -9,6 +9,7 @@
 //!
 //! Prints, per method, the best time of `--iters` runs and the receive rate per GPU.
 
+use lifecycle_cuda::memcpy_2d_desc as copy_2d;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -68,34 +69,6 @@ fn ptr(s: &CudaSlice<u8>, st: &CudaStream) -> u64 {
 fn ptr_mut(s: &mut CudaSlice<u8>, st: &CudaStream) -> u64 {
     let (p, _g) = s.device_ptr_mut(st);
     p
-}
-
-/// The descriptor of a device-to-device 2-D copy of `rows` rows of `width` bytes, from rows
-/// `src_pitch` bytes apart at `src` to rows `dst_pitch` bytes apart at `dst`.
-fn copy_2d(
-    (src, src_pitch): (u64, usize),
-    (dst, dst_pitch): (u64, usize),
-    width: usize,
-    rows: usize,
-) -> sys::CUDA_MEMCPY2D {
-    sys::CUDA_MEMCPY2D {
-        srcXInBytes: 0,
-        srcY: 0,
-        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-        srcHost: std::ptr::null(),
-        srcDevice: src,
-        srcArray: std::ptr::null_mut(),
-        srcPitch: src_pitch,
-        dstXInBytes: 0,
-        dstY: 0,
-        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-        dstHost: std::ptr::null_mut(),
-        dstDevice: dst,
-        dstArray: std::ptr::null_mut(),
-        dstPitch: dst_pitch,
-        WidthInBytes: width,
-        Height: rows,
-    }
 }
 
 #[derive(Clone, Copy, PartialEq)]
