@@ -209,6 +209,91 @@ fn print_pinned(ranks: &[RankCost], gpus_per_node: usize) {
     );
 }
 
+/// The fp8 rollout's plan of `--rollout-dtype fp8` (FSDP): what each rank would hold and
+/// receive, printed; the bytes each rank holds (empty for bf16).
+fn print_fp8(args: &Args, config: &ModelConfig, train: TrainLayout) -> Result<Vec<u64>, String> {
+    let mut fp8_held: Vec<u64> = Vec::new();
+    if args.rollout_dtype == "fp8" {
+        let TrainLayout::Fsdp { world } = train else {
+            return Err("--rollout-dtype fp8 is planned for --train fsdp:W only".into());
+        };
+        let fp8 = plan_fsdp_fp8(config, world, args.rollout_tp, args.experts, args.fp8_keep)
+            .map_err(|e| e.to_string())?;
+        let most =
+            |f: fn(&lifecycle_layout::fp8::Fp8Traffic) -> u64| fp8.iter().map(f).max().unwrap_or(0);
+        fp8_held = fp8.iter().map(|t| t.rollout_bytes).collect();
+        let shared: u64 = fp8.iter().map(|t| t.shared_blocks).sum();
+        let amax: u64 = fp8.iter().map(|t| t.amax_bytes).sum();
+        println!(
+            "fp8 rollout (block-scaled e4m3, 128 x 128 blocks, fp32 scales; embeddings, head, \
+             norms and router bf16; also kept bf16: {}): per rank holds at most {} (bf16: {}) and receives at most \
+             {} (bf16: {}); {shared} scale blocks span FSDP shards, agreed by {} of amax messages \
+             before quantising (not timed by the prediction)",
+            args.fp8_keep,
+            HumanBytes(most(|t| t.rollout_bytes)),
+            HumanBytes(most(|t| t.rollout_bytes_bf16)),
+            HumanBytes(most(|t| t.recv_bytes)),
+            HumanBytes(most(|t| t.recv_bytes_bf16)),
+            HumanBytes(amax),
+        );
+    }
+    Ok(fp8_held)
+}
+
+/// The device memory during rollout of the rank holding the most rollout weights (`fp8_held`:
+/// what each rank holds in an fp8 rollout, empty for bf16).
+fn print_memory(args: &Args, config: &ModelConfig, ranks: &[RankCost], fp8_held: &[u64]) {
+    // the memory of the rank holding the most rollout weights
+    if let Some(r) = ranks.iter().max_by_key(|r| r.rollout_bytes) {
+        let device = (args.device_gib * (1u64 << 30) as f64) as u64;
+        let fp8_held = fp8_held.get(r.rank).copied();
+        let m = rollout_memory(
+            config,
+            args.rollout_tp,
+            r,
+            fp8_held.unwrap_or(r.rollout_bytes),
+            device,
+            args.kv_dtype,
+        );
+        let share = |b: u64| 100.0 * b as f64 / device.max(1) as f64;
+        println!(
+            "memory of rank {} during rollout ({:.0} GiB device): training state kept {} \
+             ({:.0}%), rollout weights {} in {} ({:.0}%), staging peak {} (freed after enter), \
+             KV cache room {} ({:.0}%) = {} tokens at {} per token ({} K and V of its {} \
+             layers; --kv-dtype)",
+            r.rank,
+            args.device_gib,
+            HumanBytes(m.train_resident_bytes),
+            share(m.train_resident_bytes),
+            HumanBytes(m.rollout_bytes),
+            args.rollout_dtype,
+            share(m.rollout_bytes),
+            HumanBytes(m.staging_bytes),
+            HumanBytes(m.kv_room()),
+            share(m.kv_room()),
+            m.kv_tokens(),
+            HumanBytes(m.kv_bytes_per_token),
+            args.kv_dtype,
+            config.num_layers,
+        );
+        if fp8_held.is_some() {
+            let bf16 = rollout_memory(
+                config,
+                args.rollout_tp,
+                r,
+                r.rollout_bytes,
+                device,
+                args.kv_dtype,
+            );
+            println!(
+                "  (bf16 rollout weights would leave {} tokens: fp8 adds {:.0}%)",
+                bf16.kv_tokens(),
+                100.0 * (m.kv_tokens() as f64 / bf16.kv_tokens().max(1) as f64 - 1.0)
+            );
+        }
+    }
+}
+
 fn run(args: &Args) -> Result<(), String> {
     let config = ModelConfig::from_file(&args.config).map_err(|e| e.to_string())?;
     let (rates, source) = rates(args)?;
@@ -296,80 +381,8 @@ fn run(args: &Args) -> Result<(), String> {
         HumanBytes(gathered),
         HumanBytes(most_held),
     );
-    let mut fp8_held: Vec<u64> = Vec::new();
-    if args.rollout_dtype == "fp8" {
-        let TrainLayout::Fsdp { world } = train else {
-            return Err("--rollout-dtype fp8 is planned for --train fsdp:W only".into());
-        };
-        let fp8 = plan_fsdp_fp8(&config, world, args.rollout_tp, args.experts, args.fp8_keep)
-            .map_err(|e| e.to_string())?;
-        let most =
-            |f: fn(&lifecycle_layout::fp8::Fp8Traffic) -> u64| fp8.iter().map(f).max().unwrap_or(0);
-        fp8_held = fp8.iter().map(|t| t.rollout_bytes).collect();
-        let shared: u64 = fp8.iter().map(|t| t.shared_blocks).sum();
-        let amax: u64 = fp8.iter().map(|t| t.amax_bytes).sum();
-        println!(
-            "fp8 rollout (block-scaled e4m3, 128 x 128 blocks, fp32 scales; embeddings, head, \
-             norms and router bf16; also kept bf16: {}): per rank holds at most {} (bf16: {}) and receives at most \
-             {} (bf16: {}); {shared} scale blocks span FSDP shards, agreed by {} of amax messages \
-             before quantising (not timed by the prediction)",
-            args.fp8_keep,
-            HumanBytes(most(|t| t.rollout_bytes)),
-            HumanBytes(most(|t| t.rollout_bytes_bf16)),
-            HumanBytes(most(|t| t.recv_bytes)),
-            HumanBytes(most(|t| t.recv_bytes_bf16)),
-            HumanBytes(amax),
-        );
-    }
-    // the memory of the rank holding the most rollout weights
-    if let Some(r) = ranks.iter().max_by_key(|r| r.rollout_bytes) {
-        let device = (args.device_gib * (1u64 << 30) as f64) as u64;
-        let fp8_held = fp8_held.get(r.rank).copied();
-        let m = rollout_memory(
-            &config,
-            args.rollout_tp,
-            r,
-            fp8_held.unwrap_or(r.rollout_bytes),
-            device,
-            args.kv_dtype,
-        );
-        let share = |b: u64| 100.0 * b as f64 / device.max(1) as f64;
-        println!(
-            "memory of rank {} during rollout ({:.0} GiB device): training state kept {} \
-             ({:.0}%), rollout weights {} in {} ({:.0}%), staging peak {} (freed after enter), \
-             KV cache room {} ({:.0}%) = {} tokens at {} per token ({} K and V of its {} \
-             layers; --kv-dtype)",
-            r.rank,
-            args.device_gib,
-            HumanBytes(m.train_resident_bytes),
-            share(m.train_resident_bytes),
-            HumanBytes(m.rollout_bytes),
-            args.rollout_dtype,
-            share(m.rollout_bytes),
-            HumanBytes(m.staging_bytes),
-            HumanBytes(m.kv_room()),
-            share(m.kv_room()),
-            m.kv_tokens(),
-            HumanBytes(m.kv_bytes_per_token),
-            args.kv_dtype,
-            config.num_layers,
-        );
-        if fp8_held.is_some() {
-            let bf16 = rollout_memory(
-                &config,
-                args.rollout_tp,
-                r,
-                r.rollout_bytes,
-                device,
-                args.kv_dtype,
-            );
-            println!(
-                "  (bf16 rollout weights would leave {} tokens: fp8 adds {:.0}%)",
-                bf16.kv_tokens(),
-                100.0 * (m.kv_tokens() as f64 / bf16.kv_tokens().max(1) as f64 - 1.0)
-            );
-        }
-    }
+    let fp8_held = print_fp8(args, &config, train)?;
+    print_memory(args, &config, &ranks, &fp8_held);
     print_pinned(&ranks, args.gpus_per_node);
     let p = job_prediction(&ranks, &rates);
     println!(

@@ -354,29 +354,45 @@ impl RankSteps {
     /// range names existing copies, and that steps and chunks refer to existing steps and
     /// chunks — what the executors rely on to touch memory.
     pub fn validate(&self) -> Result<(), LayoutError> {
-        let bad = |what: String| LayoutError::InvalidSteps {
+        self.validate_copies()?;
+        self.validate_chunks()?;
+        self.validate_steps()?;
+        self.validate_zero_and_quantise()
+    }
+
+    fn bad(&self, what: String) -> LayoutError {
+        LayoutError::InvalidSteps {
             rank: self.rank,
             what,
-        };
-        let inside = |buf: Buf, off: u64, r: &Region2d, ld: u64| -> bool {
-            let r = r.normalized();
-            if r.numel() == 0 {
-                return true;
-            }
-            let ld = if r.rows == 1 { r.cols } else { ld };
-            ld >= r.cols
-                && off
-                    .checked_add((r.rows - 1) * ld + r.cols)
-                    .is_some_and(|end| end <= self.buf_elems(buf))
-        };
+        }
+    }
+
+    /// Whether `r` (row pitch `ld`) from element `off` lies inside `buf`.
+    fn inside(&self, buf: Buf, off: u64, r: &Region2d, ld: u64) -> bool {
+        let r = r.normalized();
+        if r.numel() == 0 {
+            return true;
+        }
+        let ld = if r.rows == 1 { r.cols } else { ld };
+        ld >= r.cols
+            && off
+                .checked_add((r.rows - 1) * ld + r.cols)
+                .is_some_and(|end| end <= self.buf_elems(buf))
+    }
+
+    fn range_ok(&self, r: &Range<usize>) -> bool {
+        r.start <= r.end && r.end <= self.copies.len()
+    }
+
+    fn validate_copies(&self) -> Result<(), LayoutError> {
         for (i, c) in self.copies.iter().enumerate() {
             if c.dst == Buf::Source {
-                return Err(bad(format!("copy {i} writes the training buffer")));
+                return Err(self.bad(format!("copy {i} writes the training buffer")));
             }
-            if !inside(c.src, c.src_off, &c.region, c.region.src_ld)
-                || !inside(c.dst, c.dst_off, &c.region, c.region.dst_ld)
+            if !self.inside(c.src, c.src_off, &c.region, c.region.src_ld)
+                || !self.inside(c.dst, c.dst_off, &c.region, c.region.dst_ld)
             {
-                return Err(bad(format!(
+                return Err(self.bad(format!(
                     "copy {i} ({:?} {} → {:?} {}, {:?}) leaves its buffers",
                     c.src, c.src_off, c.dst, c.dst_off, c.region
                 )));
@@ -385,44 +401,51 @@ impl RankSteps {
                 && (c.region.normalized().rows != 1
                     || (c.src == Buf::Source && self.source == SourceType::F32))
             {
-                return Err(bad(format!(
+                return Err(self.bad(format!(
                     "copy {i}: the driver copies one dense bf16 row only"
                 )));
             }
         }
-        let range_ok = |r: &Range<usize>| r.start <= r.end && r.end <= self.copies.len();
+        Ok(())
+    }
+
+    fn validate_chunks(&self) -> Result<(), LayoutError> {
         for (c, chunk) in self.local.iter().enumerate() {
-            if !range_ok(&chunk.copies) {
-                return Err(bad(format!("local chunk {c} names missing copies")));
+            if !self.range_ok(&chunk.copies) {
+                return Err(self.bad(format!("local chunk {c} names missing copies")));
             }
             let out = |s: Option<usize>| s.is_some_and(|s| s >= self.steps.len());
             if out(chunk.after_step) || out(chunk.gate) {
-                return Err(bad(format!("local chunk {c} names a missing step")));
+                return Err(self.bad(format!("local chunk {c} names a missing step")));
             }
             if let (Some(after), Some(gate)) = (chunk.after_step, chunk.gate) {
                 if gate > after + self.in_flight {
-                    return Err(bad(format!(
+                    return Err(self.bad(format!(
                         "local chunk {c} waits for the pack of step {gate}, not issued by step \
                          {after}"
                     )));
                 }
             }
             if chunk.stream == Stream::Net {
-                return Err(bad(format!("local chunk {c} runs on the network stream")));
+                return Err(self.bad(format!("local chunk {c} runs on the network stream")));
             }
         }
+        Ok(())
+    }
+
+    fn validate_steps(&self) -> Result<(), LayoutError> {
         if !self.steps.is_empty() && self.in_flight == 0 {
-            return Err(bad("steps with no staging slot in flight".into()));
+            return Err(self.bad("steps with no staging slot in flight".into()));
         }
         for (j, st) in self.steps.iter().enumerate() {
-            if !range_ok(&st.pack) || !range_ok(&st.unpack) {
-                return Err(bad(format!("step {j} names missing copies")));
+            if !self.range_ok(&st.pack) || !self.range_ok(&st.unpack) {
+                return Err(self.bad(format!("step {j} names missing copies")));
             }
-            if st.remote.iter().any(|(_, r)| !range_ok(r)) {
-                return Err(bad(format!("step {j}: remote copies name missing copies")));
+            if st.remote.iter().any(|(_, r)| !self.range_ok(r)) {
+                return Err(self.bad(format!("step {j}: remote copies name missing copies")));
             }
             if st.wait_local.is_some_and(|c| c >= self.local.len()) {
-                return Err(bad(format!("step {j} waits for a missing local chunk")));
+                return Err(self.bad(format!("step {j} waits for a missing local chunk")));
             }
             for (what, m) in st
                 .sends
@@ -431,18 +454,18 @@ impl RankSteps {
                 .chain(st.recvs.iter().map(|m| ("receive", m)))
             {
                 let flat = Region2d::flat(m.count);
-                if !inside(m.buf, m.off, &flat, m.count)
+                if !self.inside(m.buf, m.off, &flat, m.count)
                     || m.peer == self.rank
                     || m.peer >= self.world
                 {
-                    return Err(bad(format!(
+                    return Err(self.bad(format!(
                         "step {j}: {what} of {} elements at {:?} {} with rank {} leaves its \
                          buffer or names this rank",
                         m.count, m.buf, m.off, m.peer
                     )));
                 }
                 if what == "receive" && m.buf == Buf::Source {
-                    return Err(bad(format!("step {j} receives into the training buffer")));
+                    return Err(self.bad(format!("step {j} receives into the training buffer")));
                 }
             }
             for g in &st.gathers {
@@ -450,7 +473,7 @@ impl RankSteps {
                     .checked_mul(g.count)
                     .and_then(|n| n.checked_add(g.off));
                 if end.is_none_or(|e| e > self.rollout_elems) {
-                    return Err(bad(format!(
+                    return Err(self.bad(format!(
                         "step {j}: all-gather of {} elements per rank at {} leaves the rollout \
                          buffer",
                         g.count, g.off
@@ -462,34 +485,36 @@ impl RankSteps {
                 .iter()
                 .any(|(p, _)| *p >= self.world || *p == self.rank)
             {
-                return Err(bad(format!("step {j}: remote copies name a bad rank")));
+                return Err(self.bad(format!("step {j}: remote copies name a bad rank")));
             }
             for p in &st.pushes {
                 if p.peer >= self.world || p.peer == self.rank {
-                    return Err(bad(format!("step {j}: peer copy to bad rank {}", p.peer)));
+                    return Err(self.bad(format!("step {j}: peer copy to bad rank {}", p.peer)));
                 }
-                if !inside(p.src, p.src_off, &p.region, p.region.src_ld)
-                    || !inside(Buf::Rollout, p.dst_off, &p.region, p.region.dst_ld)
+                if !self.inside(p.src, p.src_off, &p.region, p.region.src_ld)
+                    || !self.inside(Buf::Rollout, p.dst_off, &p.region, p.region.dst_ld)
                     || (p.src == Buf::Source && self.source == SourceType::F32)
                 {
-                    return Err(bad(format!(
+                    return Err(self.bad(format!(
                         "step {j}: peer copy to rank {} leaves its buffers",
                         p.peer
                     )));
                 }
             }
         }
+        Ok(())
+    }
+
+    fn validate_zero_and_quantise(&self) -> Result<(), LayoutError> {
         for z in &self.zero {
             if z.start > z.end || z.end > self.rollout_elems {
-                return Err(bad(format!("zero range {z:?} leaves the rollout buffer")));
+                return Err(self.bad(format!("zero range {z:?} leaves the rollout buffer")));
             }
         }
         let roll_bytes = 2 * self.rollout_elems;
         for (i, q) in self.quantise.iter().enumerate() {
             if self.source != SourceType::F32 {
-                return Err(bad(format!(
-                    "quantisation {i} reads a bf16 training buffer"
-                )));
+                return Err(self.bad(format!("quantisation {i} reads a bf16 training buffer")));
             }
             let n = q.rows.checked_mul(q.cols);
             let src_end = n.and_then(|n| n.checked_add(q.src_off));
@@ -502,7 +527,7 @@ impl RankSteps {
                 || dst_end.is_none_or(|e| e > roll_bytes)
                 || scale_end.is_none_or(|e| e > roll_bytes)
             {
-                return Err(bad(format!(
+                return Err(self.bad(format!(
                     "quantisation {i} ({} × {} from element {}, bytes at {}, scales at f32 {}) \
                      leaves its buffers",
                     q.rows, q.cols, q.src_off, q.dst_byte, q.scale
