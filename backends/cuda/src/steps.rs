@@ -285,7 +285,87 @@ fn run_inner(
     tl: &mut StreamTimeline,
 ) -> Result<RankMoved, CudaError> {
     let s = &prog.steps;
-    let rank = ctx.rank;
+    check_buffers(ctx.rank, s, source, roll)?;
+    let (mut sslots, mut rslots) = alloc_slots(ctx, s)?;
+    let issuer = Issuer {
+        ctx,
+        prog,
+        source,
+        bases,
+        opts,
+        nccl: ctx.nccl_stream(),
+        src_base: match source {
+            SourceBuf::F32(m) => ctx.addr(m),
+            SourceBuf::Bf16(p) => ctx.addr(p),
+        },
+        rbase: ctx.addr_mut(roll),
+        sbases: sslots.iter_mut().map(|x| ctx.addr_mut(x)).collect(),
+        rbases: rslots.iter_mut().map(|x| ctx.addr_mut(x)).collect(),
+    };
+    let mut events: Vec<Option<CudaEvent>> = (0..prog.program.events()).map(|_| None).collect();
+    let mut used_nccl = false;
+    for (i, op) in prog.program.ops().iter().enumerate() {
+        match op {
+            Op::Record { stream: st, event } => {
+                let e = ctx.event()?;
+                e.record(issuer.stream(*st))
+                    .map_err(ctx.drv("recording an event", 0))?;
+                events[*event] = Some(e);
+            }
+            Op::Wait { stream: st, event } => {
+                let e = events[*event].as_ref().ok_or_else(|| {
+                    issuer.missing("the program waits for an event not yet recorded")
+                })?;
+                issuer
+                    .stream(*st)
+                    .wait(e)
+                    .map_err(ctx.drv("waiting on an event", 0))?;
+            }
+            Op::Quantise => issuer.quantise(tl)?,
+            Op::Zero => issuer.zero(roll, tl)?,
+            Op::Copies { .. } => issuer.copies(i, op, tl)?,
+            Op::Nccl { step, slot } => {
+                used_nccl = true;
+                let slots = (&sslots, &mut rslots);
+                issuer.nccl(*step, *slot, roll, slots, tl)?;
+            }
+            Op::Push {
+                step,
+                peer,
+                runs,
+                slot,
+            } => issuer.push(*step, *peer, runs.clone(), *slot, tl)?,
+        }
+    }
+    // With the pool's deadline: a stalled peer ends in a timeout error, not a hang.
+    let what = if used_nccl {
+        "the transfer's NCCL work"
+    } else {
+        "the transfer's peer copies"
+    };
+    ctx.wait(&[&ctx.compute, &issuer.nccl], what)?;
+    let staging = s.staging_bytes();
+    drop(sslots);
+    drop(rslots);
+    ctx.compute
+        .synchronize()
+        .map_err(ctx.drv("freeing staging", 0))?;
+    Ok(RankMoved {
+        recv: s.recv_elems * 2,
+        local: s.local_elems * 2 + prog.quantise.as_ref().map_or(0, QuantiseJobs::bytes),
+        staging,
+        timeline: None,
+    })
+}
+
+/// The training and rollout buffers must be those the steps were made for (dtype and lengths),
+/// which every launch of the run relies on.
+fn check_buffers(
+    rank: usize,
+    s: &RankSteps,
+    source: SourceBuf<'_>,
+    roll: &CudaSlice<bf16>,
+) -> Result<(), CudaError> {
     if source.dtype() != s.source
         || (source.len() as u64) < s.source_elems
         || (roll.len() as u64) < s.rollout_elems
@@ -301,9 +381,16 @@ fn run_inner(
             roll.len()
         )));
     }
+    Ok(())
+}
+
+type Slots = Vec<CudaSlice<bf16>>;
+
+/// The send and receive staging slots of the steps in flight.
+fn alloc_slots(ctx: &RankCtx, s: &RankSteps) -> Result<(Slots, Slots), CudaError> {
+    let rank = ctx.rank;
     let slots = if s.steps.is_empty() { 0 } else { s.in_flight };
-    let mut sslots: Vec<CudaSlice<bf16>> = Vec::new();
-    let mut rslots: Vec<CudaSlice<bf16>> = Vec::new();
+    let (mut sslots, mut rslots) = (Vec::new(), Vec::new());
     for _ in 0..slots {
         if s.send_slot_elems > 0 {
             // SAFETY: a step's sends read only slot elements its pack wrote first (the program
@@ -329,315 +416,336 @@ fn run_inner(
             });
         }
     }
-    let nccl = ctx.nccl_stream();
-    let stream = |st: Stream| -> &Arc<CudaStream> {
+    Ok((sslots, rslots))
+}
+
+/// What the operations of one run issue against: the program, the device addresses of the
+/// rank's buffers (checked against the steps by [`check_buffers`]) and of the staging slots,
+/// the peers' rollout buffers, and the streams.
+struct Issuer<'a> {
+    ctx: &'a RankCtx,
+    prog: &'a DeviceProgram,
+    source: SourceBuf<'a>,
+    bases: &'a [u64],
+    opts: RunOptions,
+    nccl: Arc<CudaStream>,
+    src_base: u64,
+    rbase: u64,
+    sbases: Vec<u64>,
+    rbases: Vec<u64>,
+}
+
+impl Issuer<'_> {
+    fn stream(&self, st: Stream) -> &Arc<CudaStream> {
         match st {
-            Stream::Compute => &ctx.compute,
-            Stream::Aux => &ctx.aux,
-            Stream::Net => &nccl,
-        }
-    };
-    let src_base = match source {
-        SourceBuf::F32(m) => ctx.addr(m),
-        SourceBuf::Bf16(p) => ctx.addr(p),
-    };
-    let rbase = ctx.addr_mut(roll);
-    let sbases: Vec<u64> = sslots.iter_mut().map(|x| ctx.addr_mut(x)).collect();
-    let rbases: Vec<u64> = rslots.iter_mut().map(|x| ctx.addr_mut(x)).collect();
-    let missing = |what: &str| CudaError::Invalid(format!("rank {rank}: {what}"));
-    let base_of = |buf: Buf, slot: usize| -> Result<u64, CudaError> {
-        match buf {
-            Buf::Source => Ok(src_base),
-            Buf::Rollout => Ok(rbase),
-            Buf::SendSlot => sbases
-                .get(slot)
-                .copied()
-                .ok_or_else(|| missing("no send slot")),
-            Buf::RecvSlot => rbases
-                .get(slot)
-                .copied()
-                .ok_or_else(|| missing("no receive slot")),
-        }
-    };
-    let descs = prog.descs.as_ref().map_or(0, |d| ctx.addr(d));
-    let tiles = ctx.addr(&prog.tiles);
-    let mut events: Vec<Option<CudaEvent>> = (0..prog.program.events()).map(|_| None).collect();
-    let mut used_nccl = false;
-    for (i, op) in prog.program.ops().iter().enumerate() {
-        match op {
-            Op::Record { stream: st, event } => {
-                let e = ctx.event()?;
-                e.record(stream(*st))
-                    .map_err(ctx.drv("recording an event", 0))?;
-                events[*event] = Some(e);
-            }
-            Op::Wait { stream: st, event } => {
-                let e = events[*event]
-                    .as_ref()
-                    .ok_or_else(|| missing("the program waits for an event not yet recorded"))?;
-                stream(*st)
-                    .wait(e)
-                    .map_err(ctx.drv("waiting on an event", 0))?;
-            }
-            Op::Quantise => {
-                let jobs = prog
-                    .quantise
-                    .as_ref()
-                    .ok_or_else(|| missing("a quantisation step without its job table"))?;
-                if !matches!(source, SourceBuf::F32(_)) {
-                    return Err(missing("a quantisation reads a bf16 training buffer"));
-                }
-                let mark = tl.begin(ctx, &ctx.aux)?;
-                // SAFETY: the program's steps were validated against a source of at least
-                // `source_elems` and a rollout buffer of at least `rollout_elems` elements (checked
-                // above against these buffers); both live until the runner synchronised; the
-                // regions' bytes are written by no other step.
-                unsafe { jobs.launch(ctx, &ctx.aux, src_base, rbase)? };
-                let bytes = jobs.bytes();
-                let link = Some(Link::Local);
-                tl.end(
-                    ctx,
-                    &ctx.aux,
-                    mark,
-                    Phase::Transfer,
-                    "fp8 quantisation",
-                    "aux",
-                    bytes,
-                    link,
-                )?;
-            }
-            Op::Zero => {
-                let mark = tl.begin(ctx, &ctx.aux)?;
-                for z in &s.zero {
-                    let r = z.start as usize..z.end as usize;
-                    ctx.aux
-                        .memset_zeros(&mut roll.slice_mut(r))
-                        .map_err(ctx.drv("zeroing vocabulary padding", (z.end - z.start) * 2))?;
-                }
-                let bytes = s.zero_elems() * 2;
-                let link = Some(Link::Local);
-                tl.end(
-                    ctx,
-                    &ctx.aux,
-                    mark,
-                    Phase::Transfer,
-                    "zero padding",
-                    "aux",
-                    bytes,
-                    link,
-                )?;
-            }
-            Op::Copies {
-                stream: st,
-                copies,
-                slot,
-                peer,
-                overlap,
-                role,
-            } => {
-                let l = prog.launches[i]
-                    .as_ref()
-                    .ok_or_else(|| missing("copies without a launch"))?;
-                let strm = stream(*st);
-                let src = base_of(l.src, *slot)?;
-                let dst = match peer {
-                    Some(p) if l.dst == Buf::Rollout => peer_base(bases, *p, rank)?,
-                    Some(_) => return Err(missing("remote copies must write a rollout buffer")),
-                    None => base_of(l.dst, *slot)?,
-                };
-                let bps = if *overlap {
-                    opts.overlap_blocks_per_sm.max(1)
-                } else {
-                    8
-                };
-                let mark = tl.begin(ctx, strm)?;
-                // SAFETY: the steps were validated: every copy of this run lies inside its
-                // source and destination buffers (the training buffer, the rollout buffer of
-                // this rank or, for remote copies, of the peer — the same length on every rank —
-                // or staging slot `slot`), whose sizes were checked above; the tables were
-                // uploaded from the same steps; all buffers stay alive until the final
-                // synchronisation below (peers' until every rank synchronised at the end of the
-                // transfer); the program's events order every other reader and writer of these
-                // elements.
-                unsafe {
-                    if let (Some((first, count, chunks)), Some(_)) = (&l.casts, &prog.descs) {
-                        ctx.kernels.cast_multi(
-                            strm,
-                            src,
-                            dst,
-                            descs,
-                            *first,
-                            *count,
-                            chunks.clone(),
-                            rank,
-                        )?;
-                    }
-                    for &c in &l.single_casts {
-                        let c = &s.copies[c];
-                        ctx.kernels.cast_f32_bf16(
-                            strm,
-                            src + 4 * c.src_off,
-                            dst + 2 * c.dst_off,
-                            c.region,
-                            rank,
-                        )?;
-                    }
-                    prog.tile_kernel
-                        .launch(strm, tiles, l.tiles.clone(), src, dst, bps, rank)?;
-                    for &c in &l.driver {
-                        let c = &s.copies[c];
-                        let bytes = (c.numel() * 2) as usize;
-                        cudarc::driver::result::memcpy_dtod_async(
-                            dst + 2 * c.dst_off,
-                            src + 2 * c.src_off,
-                            bytes,
-                            strm.cu_stream(),
-                        )
-                        .map_err(ctx.drv("copying a local run", bytes as u64))?;
-                    }
-                }
-                if tl.enabled() {
-                    let (name, link) = span_name(*role);
-                    let bytes = s.copy_elems(copies.clone()) * 2;
-                    let track = st.track();
-                    tl.end(
-                        ctx,
-                        strm,
-                        mark,
-                        Phase::Transfer,
-                        name,
-                        track,
-                        bytes,
-                        Some(link),
-                    )?;
-                }
-            }
-            Op::Nccl { step, slot } => {
-                used_nccl = true;
-                let st = &s.steps[*step];
-                let mark = tl.begin(ctx, &nccl)?;
-                if !st.sends.is_empty() || !st.recvs.is_empty() {
-                    ctx.group_start()?;
-                    let mut res = Ok(());
-                    for m in &st.sends {
-                        let (lo, hi, peer) =
-                            (m.off as usize, (m.off + m.count) as usize, m.peer as i32);
-                        let r = match (m.buf, source) {
-                            (Buf::Source, SourceBuf::Bf16(p)) => {
-                                ctx.comm.send(&p.slice(lo..hi), peer)
-                            }
-                            (Buf::Rollout, _) => ctx.comm.send(&roll.slice(lo..hi), peer),
-                            (Buf::SendSlot, _) if *slot < sslots.len() => {
-                                ctx.comm.send(&sslots[*slot].slice(lo..hi), peer)
-                            }
-                            _ => Err(missing("a send from a buffer NCCL cannot read here")),
-                        };
-                        if let Err(e) = r {
-                            res = Err(CudaError::nccl(rank, "ncclSend", e));
-                            break;
-                        }
-                    }
-                    if res.is_ok() {
-                        for m in &st.recvs {
-                            let (lo, hi, peer) =
-                                (m.off as usize, (m.off + m.count) as usize, m.peer as i32);
-                            let r = match m.buf {
-                                Buf::Rollout => ctx.comm.recv(&mut roll.slice_mut(lo..hi), peer),
-                                Buf::RecvSlot if *slot < rslots.len() => {
-                                    ctx.comm.recv(&mut rslots[*slot].slice_mut(lo..hi), peer)
-                                }
-                                _ => Err(missing("a receive into a buffer NCCL cannot write here")),
-                            };
-                            if let Err(e) = r {
-                                res = Err(CudaError::nccl(rank, "ncclRecv", e));
-                                break;
-                            }
-                        }
-                    }
-                    // Waits (with the pool's deadline) until the group's work is on the stream.
-                    let end = ctx.group_end();
-                    res?;
-                    end?;
-                }
-                if !st.gathers.is_empty() {
-                    all_gather(ctx, st, roll, rbase, s.rollout_elems)?;
-                }
-                if tl.enabled() {
-                    let what = if st.gathers.is_empty() {
-                        "send/recv"
-                    } else {
-                        "all-gather"
-                    };
-                    let name = format!("{what} s{}", st.index);
-                    let link = Some(Link::DeviceToDevice);
-                    tl.end(
-                        ctx,
-                        &nccl,
-                        mark,
-                        Phase::Transfer,
-                        name,
-                        "nccl",
-                        st.recv_elems * 2,
-                        link,
-                    )?;
-                }
-            }
-            Op::Push {
-                step,
-                peer,
-                runs,
-                slot,
-            } => {
-                let st = &s.steps[*step];
-                let dst_base = peer_base(bases, *peer, rank)?;
-                let mark = tl.begin(ctx, &nccl)?;
-                let mut bytes = 0;
-                for r in &st.pushes[runs.clone()] {
-                    let src = base_of(r.src, *slot)?;
-                    let g = r.region;
-                    // SAFETY: the run lies inside this rank's buffer (validated steps, sizes
-                    // checked above) and the peer's rollout buffer (the same length on every
-                    // rank; its address came from the peer), both alive until every rank has
-                    // synchronised at the end of the transfer; peer access is enabled (plans with
-                    // peer copies exist only then); no other copy writes these elements.
-                    unsafe {
-                        copy_2d(
-                            ctx,
-                            &nccl,
-                            (dst_base + 2 * r.dst_off, 2 * g.dst_ld as usize),
-                            (src + 2 * r.src_off, 2 * g.src_ld as usize),
-                            2 * g.cols as usize,
-                            g.rows as usize,
-                            "copying runs into a peer's rollout buffer",
-                        )?
-                    };
-                    bytes += g.numel() * 2;
-                }
-                let name = format!("peer copies s{} to rank {peer}", st.index);
-                let link = Some(Link::DeviceToDevice);
-                tl.end(ctx, &nccl, mark, Phase::Transfer, name, "peer", bytes, link)?;
-            }
+            Stream::Compute => &self.ctx.compute,
+            Stream::Aux => &self.ctx.aux,
+            Stream::Net => &self.nccl,
         }
     }
-    // With the pool's deadline: a stalled peer ends in a timeout error, not a hang.
-    let what = if used_nccl {
-        "the transfer's NCCL work"
-    } else {
-        "the transfer's peer copies"
-    };
-    ctx.wait(&[&ctx.compute, &nccl], what)?;
-    let staging = s.staging_bytes();
-    drop(sslots);
-    drop(rslots);
-    ctx.compute
-        .synchronize()
-        .map_err(ctx.drv("freeing staging", 0))?;
-    Ok(RankMoved {
-        recv: s.recv_elems * 2,
-        local: s.local_elems * 2 + prog.quantise.as_ref().map_or(0, QuantiseJobs::bytes),
-        staging,
-        timeline: None,
-    })
+
+    fn missing(&self, what: &str) -> CudaError {
+        CudaError::Invalid(format!("rank {}: {what}", self.ctx.rank))
+    }
+
+    /// The device address of `buf` (staging slot `slot` for the slots).
+    fn base_of(&self, buf: Buf, slot: usize) -> Result<u64, CudaError> {
+        match buf {
+            Buf::Source => Ok(self.src_base),
+            Buf::Rollout => Ok(self.rbase),
+            Buf::SendSlot => self
+                .sbases
+                .get(slot)
+                .copied()
+                .ok_or_else(|| self.missing("no send slot")),
+            Buf::RecvSlot => self
+                .rbases
+                .get(slot)
+                .copied()
+                .ok_or_else(|| self.missing("no receive slot")),
+        }
+    }
+
+    /// `Op::Quantise`: every quantisation of the steps in one launch on the auxiliary stream.
+    fn quantise(&self, tl: &mut StreamTimeline) -> Result<(), CudaError> {
+        let ctx = self.ctx;
+        let jobs = self
+            .prog
+            .quantise
+            .as_ref()
+            .ok_or_else(|| self.missing("a quantisation step without its job table"))?;
+        if !matches!(self.source, SourceBuf::F32(_)) {
+            return Err(self.missing("a quantisation reads a bf16 training buffer"));
+        }
+        let mark = tl.begin(ctx, &ctx.aux)?;
+        // SAFETY: the program's steps were validated against a source of at least
+        // `source_elems` and a rollout buffer of at least `rollout_elems` elements (checked
+        // against these buffers); both live until the runner synchronised; the regions' bytes
+        // are written by no other step.
+        unsafe { jobs.launch(ctx, &ctx.aux, self.src_base, self.rbase)? };
+        let bytes = jobs.bytes();
+        let link = Some(Link::Local);
+        let what = "fp8 quantisation";
+        tl.end(
+            ctx,
+            &ctx.aux,
+            mark,
+            Phase::Transfer,
+            what,
+            "aux",
+            bytes,
+            link,
+        )
+    }
+
+    /// `Op::Zero`: the zero ranges (vocabulary padding) on the auxiliary stream.
+    fn zero(&self, roll: &mut CudaSlice<bf16>, tl: &mut StreamTimeline) -> Result<(), CudaError> {
+        let (ctx, s) = (self.ctx, &self.prog.steps);
+        let mark = tl.begin(ctx, &ctx.aux)?;
+        for z in &s.zero {
+            let r = z.start as usize..z.end as usize;
+            ctx.aux
+                .memset_zeros(&mut roll.slice_mut(r))
+                .map_err(ctx.drv("zeroing vocabulary padding", (z.end - z.start) * 2))?;
+        }
+        let bytes = s.zero_elems() * 2;
+        let link = Some(Link::Local);
+        let what = "zero padding";
+        tl.end(
+            ctx,
+            &ctx.aux,
+            mark,
+            Phase::Transfer,
+            what,
+            "aux",
+            bytes,
+            link,
+        )
+    }
+
+    /// `Op::Copies` (operation `i` of the program): the run's multi-tensor casts, single casts,
+    /// tiles and driver copies on its stream.
+    fn copies(&self, i: usize, op: &Op, tl: &mut StreamTimeline) -> Result<(), CudaError> {
+        let Op::Copies {
+            stream: st,
+            copies,
+            slot,
+            peer,
+            overlap,
+            role,
+        } = op
+        else {
+            return Err(self.missing("a copy operation that is not one"));
+        };
+        let (ctx, prog, s, rank) = (self.ctx, self.prog, &self.prog.steps, self.ctx.rank);
+        let l = prog.launches[i]
+            .as_ref()
+            .ok_or_else(|| self.missing("copies without a launch"))?;
+        let strm = self.stream(*st);
+        let src = self.base_of(l.src, *slot)?;
+        let dst = match peer {
+            Some(p) if l.dst == Buf::Rollout => peer_base(self.bases, *p, rank)?,
+            Some(_) => return Err(self.missing("remote copies must write a rollout buffer")),
+            None => self.base_of(l.dst, *slot)?,
+        };
+        let bps = if *overlap {
+            self.opts.overlap_blocks_per_sm.max(1)
+        } else {
+            8
+        };
+        let descs = prog.descs.as_ref().map_or(0, |d| ctx.addr(d));
+        let tiles = ctx.addr(&prog.tiles);
+        let mark = tl.begin(ctx, strm)?;
+        // SAFETY: the steps were validated: every copy of this run lies inside its source and
+        // destination buffers (the training buffer, the rollout buffer of this rank or, for
+        // remote copies, of the peer — the same length on every rank — or staging slot `slot`),
+        // whose sizes were checked against the steps; the tables were uploaded from the same
+        // steps; all buffers stay alive until the run's final synchronisation (peers' until
+        // every rank synchronised at the end of the transfer); the program's events order every
+        // other reader and writer of these elements.
+        unsafe {
+            if let (Some((first, count, chunks)), Some(_)) = (&l.casts, &prog.descs) {
+                ctx.kernels.cast_multi(
+                    strm,
+                    src,
+                    dst,
+                    descs,
+                    *first,
+                    *count,
+                    chunks.clone(),
+                    rank,
+                )?;
+            }
+            for &c in &l.single_casts {
+                let c = &s.copies[c];
+                ctx.kernels.cast_f32_bf16(
+                    strm,
+                    src + 4 * c.src_off,
+                    dst + 2 * c.dst_off,
+                    c.region,
+                    rank,
+                )?;
+            }
+            prog.tile_kernel
+                .launch(strm, tiles, l.tiles.clone(), src, dst, bps, rank)?;
+            for &c in &l.driver {
+                let c = &s.copies[c];
+                let bytes = (c.numel() * 2) as usize;
+                cudarc::driver::result::memcpy_dtod_async(
+                    dst + 2 * c.dst_off,
+                    src + 2 * c.src_off,
+                    bytes,
+                    strm.cu_stream(),
+                )
+                .map_err(ctx.drv("copying a local run", bytes as u64))?;
+            }
+        }
+        if !tl.enabled() {
+            return Ok(());
+        }
+        let (name, link) = span_name(*role);
+        let bytes = s.copy_elems(copies.clone()) * 2;
+        let track = st.track();
+        tl.end(
+            ctx,
+            strm,
+            mark,
+            Phase::Transfer,
+            name,
+            track,
+            bytes,
+            Some(link),
+        )
+    }
+
+    /// `Op::Nccl`: network step `step`'s grouped sends and receives (staging slot `slot`),
+    /// then its all-gathers, on the network stream.
+    fn nccl(
+        &self,
+        step: usize,
+        slot: usize,
+        roll: &mut CudaSlice<bf16>,
+        (sslots, rslots): (&Slots, &mut Slots),
+        tl: &mut StreamTimeline,
+    ) -> Result<(), CudaError> {
+        let (ctx, s, rank) = (self.ctx, &self.prog.steps, self.ctx.rank);
+        let st = &s.steps[step];
+        let mark = tl.begin(ctx, &self.nccl)?;
+        if !st.sends.is_empty() || !st.recvs.is_empty() {
+            ctx.group_start()?;
+            let mut res = Ok(());
+            for m in &st.sends {
+                let (lo, hi, peer) = (m.off as usize, (m.off + m.count) as usize, m.peer as i32);
+                let r = match (m.buf, self.source) {
+                    (Buf::Source, SourceBuf::Bf16(p)) => ctx.comm.send(&p.slice(lo..hi), peer),
+                    (Buf::Rollout, _) => ctx.comm.send(&roll.slice(lo..hi), peer),
+                    (Buf::SendSlot, _) if slot < sslots.len() => {
+                        ctx.comm.send(&sslots[slot].slice(lo..hi), peer)
+                    }
+                    _ => Err(self.missing("a send from a buffer NCCL cannot read here")),
+                };
+                if let Err(e) = r {
+                    res = Err(CudaError::nccl(rank, "ncclSend", e));
+                    break;
+                }
+            }
+            if res.is_ok() {
+                for m in &st.recvs {
+                    let (lo, hi, peer) =
+                        (m.off as usize, (m.off + m.count) as usize, m.peer as i32);
+                    let r = match m.buf {
+                        Buf::Rollout => ctx.comm.recv(&mut roll.slice_mut(lo..hi), peer),
+                        Buf::RecvSlot if slot < rslots.len() => {
+                            ctx.comm.recv(&mut rslots[slot].slice_mut(lo..hi), peer)
+                        }
+                        _ => Err(self.missing("a receive into a buffer NCCL cannot write here")),
+                    };
+                    if let Err(e) = r {
+                        res = Err(CudaError::nccl(rank, "ncclRecv", e));
+                        break;
+                    }
+                }
+            }
+            // Waits (with the pool's deadline) until the group's work is on the stream.
+            let end = ctx.group_end();
+            res?;
+            end?;
+        }
+        if !st.gathers.is_empty() {
+            all_gather(ctx, st, roll, self.rbase, s.rollout_elems)?;
+        }
+        if !tl.enabled() {
+            return Ok(());
+        }
+        let what = if st.gathers.is_empty() {
+            "send/recv"
+        } else {
+            "all-gather"
+        };
+        let name = format!("{what} s{}", st.index);
+        let link = Some(Link::DeviceToDevice);
+        let bytes = st.recv_elems * 2;
+        tl.end(
+            ctx,
+            &self.nccl,
+            mark,
+            Phase::Transfer,
+            name,
+            "nccl",
+            bytes,
+            link,
+        )
+    }
+
+    /// `Op::Push`: network step `step`'s peer copies `runs` into rank `peer`'s rollout buffer,
+    /// on the network stream.
+    fn push(
+        &self,
+        step: usize,
+        peer: usize,
+        runs: Range<usize>,
+        slot: usize,
+        tl: &mut StreamTimeline,
+    ) -> Result<(), CudaError> {
+        let (ctx, s) = (self.ctx, &self.prog.steps);
+        let st = &s.steps[step];
+        let dst_base = peer_base(self.bases, peer, ctx.rank)?;
+        let mark = tl.begin(ctx, &self.nccl)?;
+        let mut bytes = 0;
+        for r in &st.pushes[runs] {
+            let src = self.base_of(r.src, slot)?;
+            let g = r.region;
+            // SAFETY: the run lies inside this rank's buffer (validated steps, sizes checked
+            // against the steps) and the peer's rollout buffer (the same length on every rank;
+            // its address came from the peer), both alive until every rank has synchronised at
+            // the end of the transfer; peer access is enabled (plans with peer copies exist only
+            // then); no other copy writes these elements.
+            unsafe {
+                copy_2d(
+                    ctx,
+                    &self.nccl,
+                    (dst_base + 2 * r.dst_off, 2 * g.dst_ld as usize),
+                    (src + 2 * r.src_off, 2 * g.src_ld as usize),
+                    2 * g.cols as usize,
+                    g.rows as usize,
+                    "copying runs into a peer's rollout buffer",
+                )?
+            };
+            bytes += g.numel() * 2;
+        }
+        let name = format!("peer copies s{} to rank {peer}", st.index);
+        let link = Some(Link::DeviceToDevice);
+        tl.end(
+            ctx,
+            &self.nccl,
+            mark,
+            Phase::Transfer,
+            name,
+            "peer",
+            bytes,
+            link,
+        )
+    }
 }
 
 /// The step's in-place all-gathers into the rollout buffer, as one NCCL group.
