@@ -48,6 +48,11 @@
 
 #![warn(missing_docs)]
 
+// `spec` first: rustdoc lists a type's inherent methods in the order of the modules that define
+// them, so `RolloutLayout`'s page opens with its own (`new`, `tp`, `tensors`, ...) before the
+// Megatron and mixture-of-experts ones of `megatron::rollout`.
+mod spec;
+
 mod adam;
 mod entry;
 mod error;
@@ -58,7 +63,6 @@ pub mod megatron;
 mod model;
 mod plan;
 mod region;
-mod spec;
 pub mod steps;
 mod tensor;
 

@@ -439,6 +439,66 @@ impl RolloutLayout {
         })
     }
 
+    /// T: tensor-parallel degree.
+    pub fn tp(&self) -> usize {
+        self.tp
+    }
+
+    /// Every tensor of an unfused layout (empty for a fused one: see
+    /// [`RolloutLayout::fused_tensors`]).
+    pub fn tensors(&self) -> &[TensorSpec] {
+        &self.tensors
+    }
+
+    /// The TP rank that holds tensor `name` when it is [`Parallel::Owned`]; `None` for tensors
+    /// every rank holds a slice of, and for names not in the layout.
+    pub fn owner(&self, name: &str) -> Option<usize> {
+        match self.tensors.iter().find(|t| t.name == name)?.parallel {
+            Parallel::Owned { rank } => Some(rank),
+            _ => None,
+        }
+    }
+
+    /// Unfused or fused.
+    pub fn format(&self) -> RolloutFormat {
+        self.format
+    }
+
+    /// How the vocabulary is sized ([`RolloutVocab::Unpadded`] for unfused layouts, whose
+    /// shapes are given).
+    pub fn vocab(&self) -> RolloutVocab {
+        self.vocab
+    }
+
+    /// The same layout at another degree `tp`, checked again (unfused) or at plan time (fused).
+    pub fn with_tp(&self, tp: usize) -> Result<Self, LayoutError> {
+        match self.format {
+            RolloutFormat::Unfused => RolloutLayout::new(tp, self.tensors.clone()),
+            RolloutFormat::Fused => {
+                Ok(RolloutLayout::fused(tp, self.vocab).with_expert_placement(self.experts))
+            }
+        }
+    }
+
+    /// The same tensors with Hugging Face default splits ([`Parallel::for_hf_name`]).
+    pub fn from_hf_names(
+        tp: usize,
+        tensors: impl IntoIterator<Item = (String, Vec<usize>)>,
+    ) -> Result<Self, LayoutError> {
+        let specs = tensors
+            .into_iter()
+            .map(|(name, shape)| {
+                let parallel = Parallel::for_hf_name(&name);
+                TensorSpec {
+                    name,
+                    shape,
+                    parallel,
+                }
+            })
+            .collect();
+        RolloutLayout::new(tp, specs)
+    }
+
     /// The fused layout of degree `tp` with vocabulary sizing `vocab`; its tensors follow from
     /// the model ([`RolloutLayout::fused_tensors`]), checked against it (and `tp` against the
     /// world) when a plan is made.
@@ -478,66 +538,6 @@ impl RolloutLayout {
     /// layouts, whose tensors carry their own placement).
     pub fn expert_placement(&self) -> ExpertPlacement {
         self.experts
-    }
-
-    /// T: tensor-parallel degree.
-    pub fn tp(&self) -> usize {
-        self.tp
-    }
-
-    /// The TP rank that holds tensor `name` when it is [`Parallel::Owned`]; `None` for tensors
-    /// every rank holds a slice of, and for names not in the layout.
-    pub fn owner(&self, name: &str) -> Option<usize> {
-        match self.tensors.iter().find(|t| t.name == name)?.parallel {
-            Parallel::Owned { rank } => Some(rank),
-            _ => None,
-        }
-    }
-
-    /// Unfused or fused.
-    pub fn format(&self) -> RolloutFormat {
-        self.format
-    }
-
-    /// How the vocabulary is sized ([`RolloutVocab::Unpadded`] for unfused layouts, whose
-    /// shapes are given).
-    pub fn vocab(&self) -> RolloutVocab {
-        self.vocab
-    }
-
-    /// Every tensor of an unfused layout (empty for a fused one: see
-    /// [`RolloutLayout::fused_tensors`]).
-    pub fn tensors(&self) -> &[TensorSpec] {
-        &self.tensors
-    }
-
-    /// The same layout at another degree `tp`, checked again (unfused) or at plan time (fused).
-    pub fn with_tp(&self, tp: usize) -> Result<Self, LayoutError> {
-        match self.format {
-            RolloutFormat::Unfused => RolloutLayout::new(tp, self.tensors.clone()),
-            RolloutFormat::Fused => {
-                Ok(RolloutLayout::fused(tp, self.vocab).with_expert_placement(self.experts))
-            }
-        }
-    }
-
-    /// The same tensors with Hugging Face default splits ([`Parallel::for_hf_name`]).
-    pub fn from_hf_names(
-        tp: usize,
-        tensors: impl IntoIterator<Item = (String, Vec<usize>)>,
-    ) -> Result<Self, LayoutError> {
-        let specs = tensors
-            .into_iter()
-            .map(|(name, shape)| {
-                let parallel = Parallel::for_hf_name(&name);
-                TensorSpec {
-                    name,
-                    shape,
-                    parallel,
-                }
-            })
-            .collect();
-        RolloutLayout::new(tp, specs)
     }
 }
 

@@ -27,6 +27,9 @@ fn forwarded_to_entry(attr: &Attribute) -> bool {
 }
 
 /// The generated items of a validated function.
+///
+/// Long by design: the expansion is the generated code itself, one `quote!` per item (the
+/// rollout function, its `_enter` and `_exit` companions) in the order they are emitted.
 pub fn expand(model: Model) -> TokenStream {
     let Model {
         krate,

@@ -419,6 +419,9 @@ fn main() {
     }
 }
 
+/// The benchmark. Long by design: it is the report's script, one measurement after another in
+/// the order the report prints them (each block sets up, times and prints one figure against
+/// its floor), so the code reads in the order of its output.
 fn run() -> Result<(), Box<dyn Error>> {
     let mut args = Cli::parse().normalised();
     // Launched like PyTorch (torchrun, Slurm, lifecycle-launch): one rank per process, and each

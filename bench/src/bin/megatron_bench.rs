@@ -278,6 +278,9 @@ fn main() {
     }
 }
 
+/// The benchmark. Long by design: it is the report's script, one measurement after another in
+/// the order the report prints them (each block sets up, times and prints one figure against
+/// its floor), so the code reads in the order of its output.
 fn run() -> Result<(), Box<dyn Error>> {
     let args = Cli::parse();
     let world = args.world;

@@ -86,6 +86,8 @@ enum Method {
     CePushTwo,
 }
 
+/// The probe. Long by design: it is the report's script, one copy method after another in the
+/// order the report prints them, each timed against the same buffers.
 fn main() -> Res<()> {
     let Cli {
         gpus: gpus_n,

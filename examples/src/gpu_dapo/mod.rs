@@ -179,6 +179,10 @@ fn check_launch(
 }
 
 /// [`run`] with the launch given: `None` for one process with a thread per GPU.
+///
+/// Long by design: the run's setup in the order its header prints it (launch, model, rollout
+/// layout, engine, backend and lifecycle per training layout), then the policies and the
+/// comparison; the two training layouts share everything around their own lifecycle.
 fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
     let (launch, topology) = check_launch(a, env)?;
     let root = match &launch {

@@ -427,6 +427,9 @@ pub fn bucket_budget(budget: u64, k: usize) -> u64 {
 pub const RAMP_MIN_BYTES: u64 = 16 << 20;
 
 /// Builds the executable plan from a validated core plan.
+///
+/// Long by design: one pass over the rollout tensors packs every rank's buckets (casts,
+/// sends, receives, unpacks) at once, so that the ranks' buckets stay in step.
 pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -> FsdpPlan {
     if config.mode == GatherMode::AllGather && core.tp == 1 && core.world > 1 {
         return build_gather_plan(core, train, config);

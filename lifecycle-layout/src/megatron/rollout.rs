@@ -170,6 +170,8 @@ impl RolloutLayout {
     /// `gate_up_proj` = `[gate rows; up rows]` of this rank, `o_proj` / `down_proj`
     /// row-parallel, embedding and head vocab-parallel ([`RolloutVocab`]), norms replicated.
     ///
+    /// Long by design: one spec per fused tensor kind, in the order of the layout's tensors.
+    ///
     /// ```
     /// use lifecycle_layout::{RolloutLayout, RolloutVocab};
     /// use lifecycle_layout::ModelSpec;

@@ -326,6 +326,9 @@ fn dst_dense(x: &Transfer) -> bool {
 }
 
 /// The schedule of `rank` (see the module docs); `offsets` from [`rollout_offsets`].
+///
+/// Long by design: the schedule's passes in the order the module docs describe them (local
+/// runs, then per step its sends, receives, peer runs and tiles), sharing one slot accounting.
 pub fn build_rank(
     plan: &MegatronPlan,
     offsets: &[usize],

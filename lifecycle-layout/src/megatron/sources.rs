@@ -111,6 +111,9 @@ impl QkvRows {
 }
 
 /// The wants of rollout TP rank `t` (of `rollout_tp`) for one rollout tensor.
+///
+/// Long by design: one arm per kind of rollout tensor (fused q/k/v, fused gate/up, stacked
+/// experts, vocabulary-parallel, replicated), each deriving the rows that kind takes.
 pub(crate) fn wants(
     train: &MegatronLayout,
     rollout: &RolloutLayout,

@@ -542,6 +542,8 @@ impl MegatronLayout {
         (m.heads + 2 * m.query_groups) * m.head_dim / self.tp
     }
 
+    /// The parameter slots of pipeline stage `stage` in Megatron-Core's buffer order, and the
+    /// buffer's length. Long by design: one slot per parameter kind, in that order.
     fn build_slots(&self, stage: usize) -> (Vec<ParamSlot>, usize) {
         let m = &self.model;
         let h = m.hidden;

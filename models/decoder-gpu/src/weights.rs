@@ -314,6 +314,10 @@ impl GroupOffsets {
     /// Checks every tensor the config needs against the layout and the rollout entries:
     /// `entries[t]` those of TP rank `t`, or one list standing for every rank when the layout
     /// places the same tensors on all of them.
+    ///
+    /// Long by design: one check per tensor family (embedding, each layer's attention, MLP or
+    /// experts and norms, final norm, head), each refusing its tensor by name, over the entry
+    /// tables built at the top.
     pub(crate) fn new(
         config: &ModelConfig,
         layout: &RolloutLayout,
@@ -566,6 +570,8 @@ impl GroupOffsets {
     /// `qkv_proj` = `[q; k; v]` of its heads, `gate_up_proj` = `[gate; up]`, a vocabulary-parallel
     /// embedding and head whose rows may be padded) against the config and the rollout entries,
     /// with the CPU decoder's rules ([`lifecycle_decoder::CpuDecoder::new_fused`]).
+    ///
+    /// Long by design: as [`GroupOffsets::new`], one check per tensor family of the fused layout.
     pub(crate) fn fused(
         config: &ModelConfig,
         layout: &FusedLayout,
