@@ -106,12 +106,12 @@ pub(crate) fn checkpoint_line(model: &ModelConfig, path: &Path) -> String {
         path.display(),
         model.architecture,
         model.params(),
-        model.num_layers,
-        model.hidden_size,
-        model.num_heads,
-        model.num_kv_heads,
-        model.vocab_size,
-        if model.tie_word_embeddings {
+        model.model.layers,
+        model.model.hidden,
+        model.model.heads,
+        model.model.query_groups,
+        model.model.vocab,
+        if model.model.tied_embeddings {
             "tied"
         } else {
             "untied"
@@ -161,7 +161,7 @@ impl DapoBackend<HostBackend, CpuDecoderEngine> for CheckpointDriver {
             "update: synthetic (seeded noise in the gradient shards, then Adam; no backward pass \
              for checkpoint models)"
                 .to_string(),
-            reward_line(config, self.model.vocab_size),
+            reward_line(config, self.model.model.vocab),
         ]
     }
 
@@ -170,7 +170,7 @@ impl DapoBackend<HostBackend, CpuDecoderEngine> for CheckpointDriver {
         session: &mut RolloutSession<'_, HostBackend, CpuDecoderEngine>,
         request: &GenRequest,
     ) -> Result<GenBatch, DapoError> {
-        decoder_batch(session, &self.config, request, self.model.vocab_size)
+        decoder_batch(session, &self.config, request, self.model.model.vocab)
     }
 
     fn update(

@@ -97,7 +97,7 @@ fn checkpoint_samples_follow_the_weights_on_two_replicas() {
         tokens: 6,
         temperature: 1.0,
         seed: 5,
-        reward: RewardRule::new(4, 2, config.vocab_size),
+        reward: RewardRule::new(4, 2, config.model.vocab),
         model: config.clone(),
         layout,
     };
@@ -178,7 +178,7 @@ fn dapo_on_a_qwen3_moe_checkpoint_with_both_expert_placements() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../models/decoder/fixtures/moe/moe_e4_untied_v61");
     let ckpt = load_checkpoint(&dir).unwrap();
-    assert!(ckpt.config.moe.is_some());
+    assert!(ckpt.config.model.moe.is_some());
     let mut groups = Vec::new();
     for experts in [
         ExpertPlacement::TensorParallel,

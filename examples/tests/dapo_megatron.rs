@@ -72,7 +72,7 @@ fn megatron_trains_a_qwen3_checkpoint_and_refuses_fp8() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../models/decoder/fixtures/moe/qwen3_dense");
     let ckpt = lifecycle_decoder::load_checkpoint(&dir).unwrap();
-    assert!(ckpt.config.qk_norm);
+    assert!(ckpt.config.model.qk_norm);
     for (tp, pp) in [(2, 1), (1, 2)] {
         let config = small(tp, pp);
         let lazy = run_megatron(&config, Some(&ckpt), Switching::Lazy, |_| {}).unwrap();
@@ -99,7 +99,7 @@ fn megatron_trains_a_mixture_of_experts_checkpoint_in_expert_parallel_layouts() 
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../models/decoder/fixtures/moe/moe_e4_untied_v61");
     let ckpt = lifecycle_decoder::load_checkpoint(&dir).unwrap();
-    assert!(ckpt.config.moe.is_some());
+    assert!(ckpt.config.model.moe.is_some());
     // (TP, PP, EP, ETP, world, T, placement)
     for (tp, pp, ep, etp, world, t, experts) in [
         (1, 1, 2, 1, 2, 2, ExpertPlacement::Partitioned),
@@ -125,7 +125,7 @@ fn megatron_trains_a_mixture_of_experts_checkpoint_in_expert_parallel_layouts() 
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../models/decoder/fixtures/moe/qwen2moe_shared_e4");
     let shared = lifecycle_decoder::load_checkpoint(&dir).unwrap();
-    assert!(shared.config.moe.is_some_and(|m| m.shared_ffn > 0));
+    assert!(shared.config.model.moe.is_some_and(|m| m.shared_ffn > 0));
     let config = DapoConfig {
         world: 2,
         tp: 2,

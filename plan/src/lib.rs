@@ -212,8 +212,8 @@ pub fn rollout_memory(
     device_bytes: u64,
     kv: KvDtype,
 ) -> RolloutMemory {
-    let kv_heads = if config.num_kv_heads >= tp {
-        config.num_kv_heads / tp.max(1)
+    let kv_heads = if config.model.query_groups >= tp {
+        config.model.query_groups / tp.max(1)
     } else {
         1
     };
@@ -222,8 +222,11 @@ pub fn rollout_memory(
         train_resident_bytes: cost.train_state_bytes.saturating_sub(cost.offload_bytes),
         rollout_bytes,
         staging_bytes: cost.peak_extra_bytes,
-        kv_bytes_per_token: (config.num_layers * 2 * kv_heads * config.head_dim * kv.bytes())
-            as u64,
+        kv_bytes_per_token: (config.model.layers
+            * 2
+            * kv_heads
+            * config.model.head_dim
+            * kv.bytes()) as u64,
     }
 }
 
@@ -460,7 +463,7 @@ pub fn plan_megatron_moe(
 ) -> Result<Vec<RankCost>, PlanError> {
     let model = config.model_spec(make_vocab_size_divisible_by);
     let train = MegatronLayout::new_moe(model, tp, pp, dp, ep, etp)?;
-    let vocab = if t > 0 && config.vocab_size.is_multiple_of(t) {
+    let vocab = if t > 0 && config.model.vocab.is_multiple_of(t) {
         RolloutVocab::Unpadded
     } else {
         RolloutVocab::PadToMultipleOf(64)

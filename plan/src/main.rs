@@ -274,7 +274,7 @@ fn print_memory(args: &Args, config: &ModelConfig, ranks: &[RankCost], fp8_held:
             m.kv_tokens(),
             HumanBytes(m.kv_bytes_per_token),
             args.kv_dtype,
-            config.num_layers,
+            config.model.layers,
         );
         if fp8_held.is_some() {
             let bf16 = rollout_memory(
@@ -348,7 +348,7 @@ fn run(args: &Args) -> Result<(), String> {
             train.world()
         );
     }
-    if let Some(m) = config.moe {
+    if let Some(m) = config.model.moe {
         println!(
             "mixture of experts: {} experts of {} per layer, top-{}; experts {}",
             m.experts,

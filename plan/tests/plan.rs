@@ -181,8 +181,8 @@ fn moe_plans_receive_only_each_ranks_experts() {
     use lifecycle_layout::ExpertPlacement::{Partitioned, TensorParallel};
     use lifecycle_plan::{full_gather_bytes, plan_fsdp_experts};
     let c = qwen3_30b(2);
-    let m = c.moe.unwrap();
-    let expert_bytes = (2 * m.experts * 3 * m.ffn * c.hidden_size * 2) as u64; // 2 layers, bf16
+    let m = c.model.moe.unwrap();
+    let expert_bytes = (2 * m.experts * 3 * m.ffn * c.model.hidden * 2) as u64; // 2 layers, bf16
     let full = full_gather_bytes(&c);
     let other = full - expert_bytes;
     for (w, t) in [(8, 8), (16, 8), (64, 8)] {

@@ -140,7 +140,7 @@ fn main() -> Result<(), Box<dyn Error>> {
                 let prompts: Vec<Vec<u32>> = (0..batch)
                     .map(|i| {
                         (0..args.prompt)
-                            .map(|j| ((i * 7919 + j * 104729) % config.vocab_size) as u32)
+                            .map(|j| ((i * 7919 + j * 104729) % config.model.vocab) as u32)
                             .collect()
                     })
                     .collect();

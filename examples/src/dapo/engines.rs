@@ -145,8 +145,9 @@ impl CpuDecoderEngine {
     fn kv_bytes(&self, sequences: usize, positions: usize) -> u64 {
         let c = &self.model;
         let tp = self.layout.tp().max(1);
-        let kv_heads_per_rank = c.num_kv_heads.div_ceil(tp).max(1);
-        (sequences * positions * c.num_layers * 2 * kv_heads_per_rank * tp * c.head_dim * 4) as u64
+        let kv_heads_per_rank = c.model.query_groups.div_ceil(tp).max(1);
+        (sequences * positions * c.model.layers * 2 * kv_heads_per_rank * tp * c.model.head_dim * 4)
+            as u64
     }
 
     /// Decodes one gen batch on `weights`: prompt `i` goes to data-parallel replica
@@ -160,7 +161,7 @@ impl CpuDecoderEngine {
     ) -> Result<(Vec<Group>, Duration, Duration), DecodeError> {
         let tp = self.layout.tp();
         let replicas = weights.ranks.len() / tp.max(1);
-        let vocab = self.model.vocab_size;
+        let vocab = self.model.model.vocab;
         let (model, layout) = (&self.model, &self.layout);
         let per_replica: Vec<Result<(Samples, Duration, Duration), DecodeError>> =
             std::thread::scope(|scope| {

@@ -39,7 +39,7 @@ pub const SMALL_MEGATRON_CONFIG: &str = r#"{
 /// padded to a multiple of 64 otherwise, as `lifecycle-plan` assumes), its experts (if any)
 /// placed by `experts`.
 pub fn fused_layout(model: &ModelConfig, t: usize, experts: ExpertPlacement) -> FusedLayout {
-    let vocab = if t > 0 && model.vocab_size.is_multiple_of(t) {
+    let vocab = if t > 0 && model.model.vocab.is_multiple_of(t) {
         RolloutVocab::Unpadded
     } else {
         RolloutVocab::PadToMultipleOf(64)
@@ -102,11 +102,11 @@ impl MegatronDriver {
                     "small random Qwen2 model ({} params, {} layers, hidden {}, heads {}/{} kv, \
                      vocab {})",
                     m.params(),
-                    m.num_layers,
-                    m.hidden_size,
-                    m.num_heads,
-                    m.num_kv_heads,
-                    m.vocab_size
+                    m.model.layers,
+                    m.model.hidden,
+                    m.model.heads,
+                    m.model.query_groups,
+                    m.model.vocab
                 );
                 (m, what)
             }
@@ -153,7 +153,7 @@ impl DapoBackend<MegatronHostBackend, CpuDecoderEngine> for MegatronDriver {
     fn describe(&self) -> Vec<String> {
         let c = &self.config;
         let p = parallel(c);
-        let experts = match self.model.moe {
+        let experts = match self.model.model.moe {
             Some(_) => format!(
                 ", experts EP {} x ETP {} -> {}",
                 p.ep,
@@ -184,7 +184,7 @@ impl DapoBackend<MegatronHostBackend, CpuDecoderEngine> for MegatronDriver {
                  distributed-optimizer Adam step, lr {SYNTHETIC_LR:e}; no backward pass for \
                  decoder models)"
             ),
-            reward_line(c, self.model.vocab_size),
+            reward_line(c, self.model.model.vocab),
         ]
     }
 
@@ -193,7 +193,7 @@ impl DapoBackend<MegatronHostBackend, CpuDecoderEngine> for MegatronDriver {
         session: &mut RolloutSession<'_, MegatronHostBackend, CpuDecoderEngine>,
         request: &GenRequest,
     ) -> Result<GenBatch, DapoError> {
-        decoder_batch(session, &self.config, request, self.model.vocab_size)
+        decoder_batch(session, &self.config, request, self.model.model.vocab)
     }
 
     fn update(

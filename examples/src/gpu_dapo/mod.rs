@@ -202,7 +202,7 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
     })?;
     let modulus = g
         .reward_modulus
-        .min(u32::try_from(config.vocab_size).unwrap_or(u32::MAX))
+        .min(u32::try_from(config.model.vocab).unwrap_or(u32::MAX))
         .max(1);
     let memory = if r.no_offload {
         MemoryPolicy {

@@ -202,7 +202,7 @@ where
         let prompts: Vec<(Vec<u32>, u32)> = request
             .prompts
             .iter()
-            .map(|&id| prompt(id, g.prompt_len, cx.config.vocab_size, cx.modulus))
+            .map(|&id| prompt(id, g.prompt_len, cx.config.model.vocab, cx.modulus))
             .collect();
         let seqs: Vec<Vec<u32>> = prompts
             .iter()
@@ -258,7 +258,7 @@ where
     fn warm_up(&mut self, session: &mut RolloutSession<'_, B, E>) -> Result<(), DapoGpuError> {
         let cx = self.cx;
         let (r, g) = (&cx.options.run, &cx.options.gpu);
-        let (p, _) = prompt(0, g.prompt_len, cx.config.vocab_size, cx.modulus);
+        let (p, _) = prompt(0, g.prompt_len, cx.config.model.vocab, cx.modulus);
         let seqs = vec![p; (r.prompts_per_batch * r.group_size).max(1)];
         let sampling = Sampling {
             temperature: r.temperature,

@@ -166,11 +166,12 @@ impl Core {
         let topology = decode_topology(pool.world(), tp, pool.local_ranks().len())?;
         crate::blas::require_cublas()?;
         let locals = pool.local_ranks().to_vec();
-        let inv_freq: Vec<f32> = (0..config.head_dim / 2)
+        let inv_freq: Vec<f32> = (0..config.model.head_dim / 2)
             .map(|i| {
                 1.0 / (config
                     .rope_theta
-                    .powf((2 * i) as f64 / config.head_dim as f64)) as f32
+                    .powf((2 * i) as f64 / config.model.head_dim as f64))
+                    as f32
             })
             .collect();
         let mut items: Vec<Option<RankState>> = locals.iter().map(|_| None).collect();
@@ -311,10 +312,10 @@ impl Core {
     ) -> Result<(), GpuDecodeError> {
         let geo = self.geometry()?;
         let len = kv_elements(
-            self.config.num_layers,
+            self.config.model.layers,
             slots,
             cap,
-            geo.kv_heads * self.config.head_dim,
+            geo.kv_heads * self.config.model.head_dim,
         );
         self.lens.clear();
         self.parts.clear();
@@ -398,9 +399,9 @@ impl Core {
         } else {
             needed.max(self.cap * 2).min(MAX_CONTEXT)
         };
-        let layers = self.config.num_layers;
+        let layers = self.config.model.layers;
         let parts = &self.parts;
-        let w = (self.geometry()?.kv_heads * self.config.head_dim) as u64;
+        let w = (self.geometry()?.kv_heads * self.config.model.head_dim) as u64;
         let old_cap = self.cap as u64;
         pool.run_each(&mut self.ranks, &|ctx, st| {
             let batch = parts.get(st.replica).map_or(0, Range::len);
@@ -451,21 +452,21 @@ impl Core {
             .map(|step| Dims {
                 n: step.tokens.len(),
                 m: step.logit_rows.len(),
-                h: c.hidden_size,
-                d: c.head_dim,
+                h: c.model.hidden,
+                d: c.model.head_dim,
                 qh: geo.q_heads,
                 kvh: geo.kv_heads,
                 f: geo.ffn_part,
-                vocab: c.vocab_size,
+                vocab: c.model.vocab,
                 part: geo.vocab_part,
                 tp: self.tp,
-                layers: c.num_layers,
+                layers: c.model.layers,
                 eps: c.rms_norm_eps as f32,
-                group: c.num_heads / c.num_kv_heads,
+                group: c.model.heads / c.model.query_groups,
                 vocab_parallel: geo.vocab_parallel,
                 fused: geo.fused,
-                top_k: c.moe.map_or(0, |m| m.top_k),
-                norm_topk_prob: c.moe.is_some_and(|m| m.norm_topk_prob),
+                top_k: c.model.moe.map_or(0, |m| m.top_k),
+                norm_topk_prob: c.model.moe.is_some_and(|m| m.norm_topk_prob),
             })
             .collect();
         let outs = pool.run_each(&mut self.ranks, &|ctx, st| {
@@ -862,7 +863,7 @@ impl Decoder for GpuDecoder<'_> {
     type Error = GpuDecodeError;
 
     fn vocab_size(&self) -> usize {
-        self.core.config.vocab_size
+        self.core.config.model.vocab
     }
 
     fn prefill(

@@ -139,10 +139,10 @@ impl EngineSettings {
         replicas: usize,
     ) -> u64 {
         4 * kv_elements(
-            config.num_layers,
+            config.model.layers,
             self.slots_per_replica(replicas),
             self.max_tokens,
-            kv_heads_per_rank * config.head_dim,
+            kv_heads_per_rank * config.model.head_dim,
         ) as u64
     }
 }

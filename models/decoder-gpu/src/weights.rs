@@ -341,18 +341,18 @@ impl GroupOffsets {
         if tp == 0 {
             return Err(degree("T must be at least 1".into()));
         }
-        if !config.num_heads.is_multiple_of(tp) {
+        if !config.model.heads.is_multiple_of(tp) {
             return Err(degree(format!(
                 "num_attention_heads {} is not divisible by T",
-                config.num_heads
+                config.model.heads
             )));
         }
         let spec = config.model_spec(MEGATRON_VOCAB_MULTIPLE);
-        let dense_layers = (0..config.num_layers).any(|l| !spec.moe_layer(l));
-        if dense_layers && !config.intermediate_size.is_multiple_of(tp) {
+        let dense_layers = (0..config.model.layers).any(|l| !spec.moe_layer(l));
+        if dense_layers && !config.model.ffn.is_multiple_of(tp) {
             return Err(degree(format!(
                 "intermediate_size {} is not divisible by T",
-                config.intermediate_size
+                config.model.ffn
             )));
         }
         let mut r = Reader {
@@ -363,8 +363,8 @@ impl GroupOffsets {
             fp8_max: 0,
             fp8_max_cols: 0,
         };
-        let (d, h) = (config.head_dim, config.hidden_size);
-        let q_heads = config.num_heads / tp;
+        let (d, h) = (config.model.head_dim, config.model.hidden);
+        let q_heads = config.model.heads / tp;
         let (kv_split, shares) = layout_heads(config, layout)?;
         if shares.iter().any(|s| s.kv_heads != shares[0].kv_heads) {
             return Err(degree(
@@ -375,14 +375,14 @@ impl GroupOffsets {
         let kv = [kv_split];
         let rep = [Parallel::Replicated];
         let row = [Parallel::Row];
-        let mut per_layer = Vec::with_capacity(config.num_layers);
-        let mut qk_norms = Vec::with_capacity(config.num_layers);
-        let mut moe_layers = Vec::with_capacity(config.num_layers);
-        for l in 0..config.num_layers {
+        let mut per_layer = Vec::with_capacity(config.model.layers);
+        let mut qk_norms = Vec::with_capacity(config.model.layers);
+        let mut moe_layers = Vec::with_capacity(config.model.layers);
+        for l in 0..config.model.layers {
             let p = format!("model.layers.{l}");
             let mut bias =
                 |name: String, allowed: &[Parallel]| -> Result<Option<u64>, DecodeError> {
-                    if config.qkv_bias {
+                    if config.model.qkv_bias {
                         r.offset(&name, allowed).map(Some)
                     } else {
                         Ok(None)
@@ -391,7 +391,7 @@ impl GroupOffsets {
             let q_b = bias(format!("{p}.self_attn.q_proj.bias"), &col)?;
             let k_b = bias(format!("{p}.self_attn.k_proj.bias"), &kv)?;
             let v_b = bias(format!("{p}.self_attn.v_proj.bias"), &kv)?;
-            let qk_norm = if config.qk_norm {
+            let qk_norm = if config.model.qk_norm {
                 Some((
                     r.offset(&hf::layer(l, hf::Q_NORM), &rep)?,
                     r.offset(&hf::layer(l, hf::K_NORM), &rep)?,
@@ -433,7 +433,7 @@ impl GroupOffsets {
         let vocab_parallel = vocab_spec.parallel == Parallel::Column && tp > 1;
         let vocab_allowed = [Parallel::Column, Parallel::Replicated];
         let embed = r.offset("model.embed_tokens.weight", &vocab_allowed)?;
-        let head = if config.tie_word_embeddings {
+        let head = if config.model.tied_embeddings {
             embed
         } else {
             let head_spec = r.spec("lm_head.weight", &vocab_allowed)?;
@@ -461,7 +461,7 @@ impl GroupOffsets {
             let layers = moe_layers
                 .iter()
                 .enumerate()
-                .map(|(l, router)| match (router, config.moe) {
+                .map(|(l, router)| match (router, config.model.moe) {
                     (Some(router), Some(m)) => Ok(Some(MoeOffsets {
                         router: *router,
                         experts: (0..m.experts)
@@ -549,14 +549,14 @@ impl GroupOffsets {
             })
             .collect();
         let vocab_part = if vocab_parallel {
-            config.vocab_size / tp
+            config.model.vocab / tp
         } else {
-            config.vocab_size
+            config.model.vocab
         };
         Ok(GroupOffsets {
             ranks,
             q_heads,
-            ffn_part: config.intermediate_size / tp,
+            ffn_part: config.model.ffn / tp,
             vocab_parallel,
             vocab_part,
             fused: false,
@@ -584,10 +584,10 @@ impl GroupOffsets {
         }
         // the padding multiple of the training side plays no part in the rollout layout
         let model = config.model_spec(MEGATRON_VOCAB_MULTIPLE);
-        if model.has_dense_mlp() && !config.intermediate_size.is_multiple_of(tp) {
+        if model.has_dense_mlp() && !config.model.ffn.is_multiple_of(tp) {
             return Err(degree(format!(
                 "intermediate_size {} is not divisible by T",
-                config.intermediate_size
+                config.model.ffn
             )));
         }
         let specs = layout.fused_tensors(&model)?;
@@ -627,7 +627,7 @@ impl GroupOffsets {
                     rank: 0,
                 })
         };
-        let kv_split = if config.num_kv_heads.is_multiple_of(tp) {
+        let kv_split = if config.model.query_groups.is_multiple_of(tp) {
             Parallel::Column
         } else {
             Parallel::Replicated
@@ -638,12 +638,12 @@ impl GroupOffsets {
                 "the ranks would compute different numbers of kv heads".into(),
             ));
         }
-        let (h, d) = (config.hidden_size, config.head_dim);
-        let q_heads = config.num_heads / tp;
-        let ffn_part = config.intermediate_size / tp;
+        let (h, d) = (config.model.hidden, config.model.head_dim);
+        let q_heads = config.model.heads / tp;
+        let ffn_part = config.model.ffn / tp;
         let (q_rows, kv_rows) = (q_heads * d, shares[0].kv_heads * d);
-        let mut layers = Vec::with_capacity(config.num_layers);
-        for l in 0..config.num_layers {
+        let mut layers = Vec::with_capacity(config.model.layers);
+        for l in 0..config.model.layers {
             let qkv_name = hf::layer(l, hf::QKV);
             let rows = by_name
                 .get(qkv_name.as_str())
@@ -659,7 +659,7 @@ impl GroupOffsets {
                 });
             }
             let qkv = at(&qkv_name)?;
-            let bias = if config.qkv_bias {
+            let bias = if config.model.qkv_bias {
                 Some(at(&hf::layer(l, hf::QKV_BIAS))?)
             } else {
                 None
@@ -686,7 +686,7 @@ impl GroupOffsets {
                 gate_w: MatAt::bf16(gate_up),
                 up_w: MatAt::bf16(gate_up + (ffn_part * h) as u64),
                 down_w: MatAt::bf16(down),
-                qk_norm: if config.qk_norm {
+                qk_norm: if config.model.qk_norm {
                     Some((
                         at(&hf::layer(l, hf::Q_NORM))?,
                         at(&hf::layer(l, hf::K_NORM))?,
@@ -702,15 +702,15 @@ impl GroupOffsets {
             .find(|s| s.name == hf::EMBED)
             .and_then(|s| s.shape.first().copied())
             .unwrap_or(0);
-        if vocab_part * tp < config.vocab_size {
+        if vocab_part * tp < config.model.vocab {
             return Err(DecodeError::Shape {
                 name: hf::EMBED.into(),
                 rank: 0,
-                expected: vec![config.vocab_size.div_ceil(tp), h],
+                expected: vec![config.model.vocab.div_ceil(tp), h],
                 found: vec![vocab_part, h],
             });
         }
-        let head = if config.tie_word_embeddings {
+        let head = if config.model.tied_embeddings {
             embed
         } else {
             at(hf::LM_HEAD)?
@@ -719,8 +719,8 @@ impl GroupOffsets {
         // every rank holds its experts at the same offsets: the stacks of its share
         let mut moe_ranks = Vec::with_capacity(tp);
         for t in 0..tp {
-            let mut per_layer = Vec::with_capacity(config.num_layers);
-            for l in 0..config.num_layers {
+            let mut per_layer = Vec::with_capacity(config.model.layers);
+            for l in 0..config.model.layers {
                 per_layer.push(match (layout.expert_share(&model, t), model.moe) {
                     (Some(share), Some(m)) if model.moe_layer(l) => {
                         let (w13, w2) = (

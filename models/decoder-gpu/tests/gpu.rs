@@ -250,7 +250,7 @@ fn moe_oracle(tp: usize) -> Res {
         let cases = refs["models"][name]["cases"].as_array().ok_or("no cases")?;
         let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
         let greedy: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["greedy_tokens"])).collect();
-        let placements: &[ExpertPlacement] = if ckpt.config.moe.is_some() {
+        let placements: &[ExpertPlacement] = if ckpt.config.model.moe.is_some() {
             &[
                 ExpertPlacement::TensorParallel,
                 ExpertPlacement::Partitioned,
@@ -836,7 +836,7 @@ fn fused_megatron_cases(
     cases: &[(usize, MegatronParallel)],
 ) -> Res {
     let config = ModelConfig::from_json_str(config_json)?;
-    let vocab = config.vocab_size as u32;
+    let vocab = config.model.vocab as u32;
     let layout =
         FusedLayout::fused(1, RolloutVocab::PadToMultipleOf(64)).with_expert_placement(experts);
     let prompts: Vec<Vec<u32>> = (0..6u32)

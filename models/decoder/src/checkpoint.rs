@@ -154,15 +154,15 @@ fn check_experts(
             let Some((l, e)) = hf::parse_expert(name) else {
                 continue;
             };
-            let reason = match config.moe {
+            let reason = match config.model.moe {
                 None => Some("the config describes a dense model (model_type has no experts)".to_string()),
                 Some(m) if e >= m.experts => Some(format!(
                     "expert {e} is past num_experts = {} (the checkpoint has more experts than the config)",
                     m.experts
                 )),
-                Some(_) if l >= config.num_layers => Some(format!(
+                Some(_) if l >= config.model.layers => Some(format!(
                     "layer {l} is past num_hidden_layers = {}",
-                    config.num_layers
+                    config.model.layers
                 )),
                 Some(_) if !spec.moe_layer(l) => Some(format!(
                     "the config makes layer {l} dense (mlp_only_layers / decoder_sparse_step)"
@@ -240,10 +240,11 @@ fn stacked_expert(
     files: &[(PathBuf, SafeTensors<'_>)],
     name: &str,
 ) -> Result<Option<Decoded>, CheckpointError> {
-    let (Some((l, e)), Some(moe)) = (lifecycle_layout::hf::parse_expert(name), config.moe) else {
+    let (Some((l, e)), Some(moe)) = (lifecycle_layout::hf::parse_expert(name), config.model.moe)
+    else {
         return Ok(None);
     };
-    let (h, f) = (config.hidden_size, moe.ffn);
+    let (h, f) = (config.model.hidden, moe.ffn);
     let (stack, want, rows) = if name.ends_with(hf::EXPERT_DOWN) {
         ("down_proj", vec![moe.experts, h, f], 0..h)
     } else if name.ends_with(hf::EXPERT_GATE) {

@@ -44,7 +44,7 @@ pub enum ConfigStyle {
 ///   "num_key_value_heads": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
 ///   "dtype": "float32", "tie_word_embeddings": true}"#;
 /// let config = ModelConfig::from_json_str(json)?;
-/// assert_eq!((config.head_dim, config.rope_theta), (8, 10000.0));
+/// assert_eq!((config.model.head_dim, config.rope_theta), (8, 10000.0));
 /// // 61 is not divisible by 2: the embedding is replicated, not vocabulary-parallel
 /// let layout = config.rollout_layout(2)?;
 /// assert!(layout.tensors().iter().any(|t| t.name == "model.embed_tokens.weight"
@@ -55,34 +55,16 @@ pub enum ConfigStyle {
 pub struct ModelConfig {
     /// Model family.
     pub architecture: Architecture,
-    /// Vocabulary size.
-    pub vocab_size: usize,
-    /// Hidden size.
-    pub hidden_size: usize,
-    /// MLP intermediate size.
-    pub intermediate_size: usize,
-    /// Decoder layers.
-    pub num_layers: usize,
-    /// Query heads.
-    pub num_heads: usize,
-    /// Key/value heads (divides `num_heads`).
-    pub num_kv_heads: usize,
-    /// Size of one head.
-    pub head_dim: usize,
+    /// The model's shapes: the one description the planners, the rollout layouts, the decoders
+    /// and `lifecycle-plan` read (its Megatron vocabulary padding is the default 128; see
+    /// [`ModelConfig::model_spec`] for another).
+    pub model: ModelSpec,
     /// Rotary base.
     pub rope_theta: f64,
     /// RMSNorm epsilon.
     pub rms_norm_eps: f64,
-    /// Whether the output head is the embedding (no `lm_head.weight`).
-    pub tie_word_embeddings: bool,
-    /// Whether q/k/v projections carry biases.
-    pub qkv_bias: bool,
     /// Storage dtype the config names (`dtype` or `torch_dtype`), if any.
     pub dtype: Option<String>,
-    /// Whether q and k heads are RMS-normalised before the rotary embedding (Qwen3).
-    pub qk_norm: bool,
-    /// The mixture-of-experts MLP (Qwen3-MoE), `None` for dense models.
-    pub moe: Option<MoeSpec>,
 }
 
 fn field_err(field: &'static str, problem: impl Into<String>) -> CheckpointError {
@@ -309,13 +291,13 @@ impl ModelConfig {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn check_token(&self, sequence: usize, token: u32) -> Result<(), DecodeError> {
-        if (token as usize) < self.vocab_size {
+        if (token as usize) < self.model.vocab {
             Ok(())
         } else {
             Err(DecodeError::Token {
                 sequence,
                 token,
-                vocab: self.vocab_size,
+                vocab: self.model.vocab,
             })
         }
     }
@@ -424,20 +406,23 @@ impl ModelConfig {
         };
         Ok(ModelConfig {
             architecture,
-            vocab_size: need_usize(map, "vocab_size")?,
-            hidden_size,
-            intermediate_size,
-            num_layers: need_usize(map, "num_hidden_layers")?,
-            num_heads,
-            num_kv_heads,
-            head_dim,
+            model: ModelSpec {
+                hidden: hidden_size,
+                heads: num_heads,
+                query_groups: num_kv_heads,
+                head_dim,
+                ffn: intermediate_size,
+                vocab: need_usize(map, "vocab_size")?,
+                layers: need_usize(map, "num_hidden_layers")?,
+                qkv_bias,
+                tied_embeddings: get_bool(map, "tie_word_embeddings")?.unwrap_or(false),
+                make_vocab_size_divisible_by: 128,
+                qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Qwen3Moe),
+                moe,
+            },
             rope_theta: rope_theta(map)?,
             rms_norm_eps: get_f64(map, "rms_norm_eps")?.unwrap_or(1e-6),
-            tie_word_embeddings: get_bool(map, "tie_word_embeddings")?.unwrap_or(false),
-            qkv_bias,
             dtype,
-            qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Qwen3Moe),
-            moe,
         })
     }
 
@@ -465,13 +450,13 @@ impl ModelConfig {
         map.insert("model_type".into(), model_type.into());
         map.insert("architectures".into(), Value::Array(vec![arch.into()]));
         for (k, v) in [
-            ("vocab_size", self.vocab_size),
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_hidden_layers", self.num_layers),
-            ("num_attention_heads", self.num_heads),
-            ("num_key_value_heads", self.num_kv_heads),
-            ("head_dim", self.head_dim),
+            ("vocab_size", self.model.vocab),
+            ("hidden_size", self.model.hidden),
+            ("intermediate_size", self.model.ffn),
+            ("num_hidden_layers", self.model.layers),
+            ("num_attention_heads", self.model.heads),
+            ("num_key_value_heads", self.model.query_groups),
+            ("head_dim", self.model.head_dim),
         ] {
             map.insert(k.into(), v.into());
         }
@@ -479,18 +464,18 @@ impl ModelConfig {
         map.insert("rms_norm_eps".into(), self.rms_norm_eps.into());
         map.insert(
             "tie_word_embeddings".into(),
-            self.tie_word_embeddings.into(),
+            self.model.tied_embeddings.into(),
         );
         match self.architecture {
             Architecture::Qwen2 => {}
             Architecture::Qwen2Moe => {
-                map.insert("qkv_bias".into(), self.qkv_bias.into());
+                map.insert("qkv_bias".into(), self.model.qkv_bias.into());
             }
             _ => {
-                map.insert("attention_bias".into(), self.qkv_bias.into());
+                map.insert("attention_bias".into(), self.model.qkv_bias.into());
             }
         }
-        if let Some(m) = self.moe {
+        if let Some(m) = self.model.moe {
             for (k, v) in [
                 ("num_experts", m.experts),
                 ("num_experts_per_tok", m.top_k),
@@ -553,18 +538,8 @@ impl ModelConfig {
     /// ```
     pub fn model_spec(&self, make_vocab_size_divisible_by: usize) -> ModelSpec {
         ModelSpec {
-            hidden: self.hidden_size,
-            heads: self.num_heads,
-            query_groups: self.num_kv_heads,
-            head_dim: self.head_dim,
-            ffn: self.intermediate_size,
-            vocab: self.vocab_size,
-            layers: self.num_layers,
-            qkv_bias: self.qkv_bias,
-            tied_embeddings: self.tie_word_embeddings,
             make_vocab_size_divisible_by,
-            qk_norm: self.qk_norm,
-            moe: self.moe,
+            ..self.model
         }
     }
 
@@ -620,13 +595,13 @@ impl ModelConfig {
         if tp == 0 {
             return Err(degree("T must be at least 1".into()));
         }
-        if !self.num_heads.is_multiple_of(tp) {
+        if !self.model.heads.is_multiple_of(tp) {
             return Err(degree(format!(
                 "num_attention_heads {} is not divisible by T: choose T dividing it",
-                self.num_heads
+                self.model.heads
             )));
         }
-        if let Some(m) = self.moe {
+        if let Some(m) = self.model.moe {
             if experts == ExpertPlacement::Partitioned && !m.experts.is_multiple_of(tp) {
                 return Err(degree(format!(
                     "num_experts {} is not divisible by T: expert parallelism gives every rank \
@@ -643,7 +618,7 @@ impl ModelConfig {
                 )));
             }
         }
-        if let Some(m) = self.moe {
+        if let Some(m) = self.model.moe {
             if !m.shared_ffn.is_multiple_of(tp) {
                 return Err(degree(format!(
                     "shared_expert_intermediate_size {} is not divisible by T: choose T dividing \
@@ -652,24 +627,24 @@ impl ModelConfig {
                 )));
             }
         }
-        let dense_mlp = (0..self.num_layers).any(|l| !self.model_spec(128).moe_layer(l));
-        if dense_mlp && !self.intermediate_size.is_multiple_of(tp) {
+        let dense_mlp = (0..self.model.layers).any(|l| !self.model_spec(128).moe_layer(l));
+        if dense_mlp && !self.model.ffn.is_multiple_of(tp) {
             return Err(degree(format!(
                 "intermediate_size {} is not divisible by T: choose T dividing it",
-                self.intermediate_size
+                self.model.ffn
             )));
         }
-        let kv_split = if self.num_kv_heads.is_multiple_of(tp) {
+        let kv_split = if self.model.query_groups.is_multiple_of(tp) {
             Parallel::Column
-        } else if tp.is_multiple_of(self.num_kv_heads) {
+        } else if tp.is_multiple_of(self.model.query_groups) {
             Parallel::Replicated
         } else {
             return Err(degree(format!(
                 "num_key_value_heads {} neither divides by T nor divides T (vLLM needs one of them)",
-                self.num_kv_heads
+                self.model.query_groups
             )));
         };
-        let vocab_split = if self.vocab_size.is_multiple_of(tp) {
+        let vocab_split = if self.model.vocab.is_multiple_of(tp) {
             Parallel::Column
         } else {
             Parallel::Replicated
@@ -688,7 +663,7 @@ impl ModelConfig {
                 TensorSpec::new(name, shape, parallel)
             })
             .collect();
-        let specs = match self.moe {
+        let specs = match self.model.moe {
             Some(m) => experts.apply(specs, m.experts, tp)?,
             None => specs,
         };

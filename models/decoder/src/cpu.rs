@@ -67,7 +67,7 @@ impl<'w> CpuDecoder<'w> {
         Ok(CpuDecoder {
             config: config.clone(),
             w: GroupWeights::new(config, layout, group)?,
-            rope: Rope::new(config.head_dim, config.rope_theta),
+            rope: Rope::new(config.model.head_dim, config.rope_theta),
             seqs: Vec::new(),
         })
     }
@@ -110,7 +110,7 @@ impl<'w> CpuDecoder<'w> {
         Ok(CpuDecoder {
             config: config.clone(),
             w: GroupWeights::fused(config, layout, group)?,
-            rope: Rope::new(config.head_dim, config.rope_theta),
+            rope: Rope::new(config.model.head_dim, config.rope_theta),
             seqs: Vec::new(),
         })
     }
@@ -121,7 +121,7 @@ impl<'w> CpuDecoder<'w> {
     }
 
     fn embed(&self, tokens: &[u32]) -> Vec<f32> {
-        let h = self.config.hidden_size;
+        let h = self.config.model.hidden;
         let mut x = Vec::with_capacity(tokens.len() * h);
         for &t in tokens {
             let t = t as usize;
@@ -142,9 +142,9 @@ impl<'w> CpuDecoder<'w> {
     /// the caches; returns the final hidden states.
     fn forward(&mut self, rows: &[(usize, usize)], tokens: &[u32]) -> Vec<f32> {
         let c = &self.config;
-        let (h, d, n) = (c.hidden_size, c.head_dim, rows.len());
+        let (h, d, n) = (c.model.hidden, c.model.head_dim, rows.len());
         let eps = c.rms_norm_eps as f32;
-        let group = c.num_heads / c.num_kv_heads;
+        let group = c.model.heads / c.model.query_groups;
         let scale = 1.0 / (d as f32).sqrt();
         let qh = self.w.q_heads;
         let mut x = self.embed(tokens);
@@ -228,7 +228,7 @@ impl<'w> CpuDecoder<'w> {
 
     /// Logits of hidden rows `x` (`[n × hidden]`), `[n × vocab]`.
     fn logits(&self, x: &[f32]) -> Vec<f32> {
-        let (h, vocab) = (self.config.hidden_size, self.config.vocab_size);
+        let (h, vocab) = (self.config.model.hidden, self.config.model.vocab);
         let n = x.len() / h;
         let mut xn = vec![0.0f32; x.len()];
         rms_norm(
@@ -346,7 +346,7 @@ impl Decoder for CpuDecoder<'_> {
     type Error = DecodeError;
 
     fn vocab_size(&self) -> usize {
-        self.config.vocab_size
+        self.config.model.vocab
     }
 
     fn prefill(
@@ -372,12 +372,12 @@ impl Decoder for CpuDecoder<'_> {
         self.seqs = vec![
             SeqCache {
                 len: 0,
-                layers: vec![vec![KvCache::default(); tp]; self.config.num_layers],
+                layers: vec![vec![KvCache::default(); tp]; self.config.model.layers],
             };
             prompts.len()
         ];
         let x = self.forward(&rows, &tokens);
-        let (h, vocab) = (self.config.hidden_size, self.config.vocab_size);
+        let (h, vocab) = (self.config.model.hidden, self.config.model.vocab);
         let mut out = Vec::with_capacity(prompts.len());
         let mut start = 0;
         for p in prompts {
@@ -413,7 +413,7 @@ impl Decoder for CpuDecoder<'_> {
         let x = self.forward(&rows, tokens);
         let logits = self.logits(&x);
         Ok(logits
-            .chunks_exact(self.config.vocab_size)
+            .chunks_exact(self.config.model.vocab)
             .map(<[f32]>::to_vec)
             .collect())
     }

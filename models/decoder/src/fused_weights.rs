@@ -81,17 +81,17 @@ impl<'w> GroupWeights<'w> {
                     rank,
                 })
         };
-        let kv_split = if config.num_kv_heads.is_multiple_of(tp) {
+        let kv_split = if config.model.query_groups.is_multiple_of(tp) {
             Parallel::Column
         } else {
             Parallel::Replicated
         };
         let shares = head_shares(config, tp, kv_split)?;
-        let (h, d) = (config.hidden_size, config.head_dim);
-        let q_heads = config.num_heads / tp;
-        let ffn_part = config.intermediate_size / tp;
-        let mut layers = Vec::with_capacity(config.num_layers);
-        for l in 0..config.num_layers {
+        let (h, d) = (config.model.hidden, config.model.head_dim);
+        let q_heads = config.model.heads / tp;
+        let ffn_part = config.model.ffn / tp;
+        let mut layers = Vec::with_capacity(config.model.layers);
+        for l in 0..config.model.layers {
             let mut rank_layers = Vec::with_capacity(tp);
             let mut mlp_parts = Vec::with_capacity(tp);
             for (rank, share) in shares.iter().enumerate() {
@@ -108,7 +108,7 @@ impl<'w> GroupWeights<'w> {
                     });
                 }
                 let (q_w, k_w, v_w) = split3(qkv, q_rows * h, kv_rows * h);
-                let (q_b, k_b, v_b) = if config.qkv_bias {
+                let (q_b, k_b, v_b) = if config.model.qkv_bias {
                     let (q, k, v) =
                         split3(get(&hf::layer(l, hf::QKV_BIAS), rank)?, q_rows, kv_rows);
                     (Some(q), Some(k), Some(v))
@@ -136,7 +136,7 @@ impl<'w> GroupWeights<'w> {
             layers.push(Layer {
                 input_norm: get(&hf::layer(l, hf::INPUT_NORM), 0)?,
                 post_norm: get(&hf::layer(l, hf::POST_NORM), 0)?,
-                qk_norm: if config.qk_norm {
+                qk_norm: if config.model.qk_norm {
                     Some((
                         get(&hf::layer(l, hf::Q_NORM), 0)?,
                         get(&hf::layer(l, hf::K_NORM), 0)?,
@@ -158,7 +158,7 @@ impl<'w> GroupWeights<'w> {
             ))
         };
         let embed = vocab(hf::EMBED)?;
-        let head = if config.tie_word_embeddings {
+        let head = if config.model.tied_embeddings {
             embed.clone()
         } else {
             vocab(hf::LM_HEAD)?

@@ -38,32 +38,32 @@ pub fn head_shares(
     tp: usize,
     kv_split: Parallel,
 ) -> Result<Vec<HeadShare>, DecodeError> {
-    if tp == 0 || !config.num_heads.is_multiple_of(tp) {
+    if tp == 0 || !config.model.heads.is_multiple_of(tp) {
         return Err(DecodeError::Degree {
             tp,
             reason: format!(
                 "num_attention_heads {} is not divisible by T",
-                config.num_heads
+                config.model.heads
             ),
         });
     }
-    if kv_split == Parallel::Column && !config.num_kv_heads.is_multiple_of(tp) {
+    if kv_split == Parallel::Column && !config.model.query_groups.is_multiple_of(tp) {
         return Err(DecodeError::Split {
             name: "model.layers.0.self_attn.k_proj.weight".into(),
             found: "column-parallel",
             expected: "replicated when num_key_value_heads does not divide by T (a column split would cut a kv head in pieces; build the layout with ModelConfig::rollout_layout)",
         });
     }
-    let q_heads = config.num_heads / tp;
-    let group = config.num_heads / config.num_kv_heads;
+    let q_heads = config.model.heads / tp;
+    let group = config.model.heads / config.model.query_groups;
     Ok((0..tp)
         .map(|rank| {
             let q_base = rank * q_heads;
             match kv_split {
                 Parallel::Column => HeadShare {
                     q_base,
-                    kv_base: rank * config.num_kv_heads / tp,
-                    kv_heads: config.num_kv_heads / tp,
+                    kv_base: rank * config.model.query_groups / tp,
+                    kv_heads: config.model.query_groups / tp,
                 },
                 _ => {
                     let first = q_base / group;
@@ -85,7 +85,7 @@ pub fn layout_heads(
     config: &ModelConfig,
     layout: &RolloutLayout,
 ) -> Result<(Parallel, Vec<HeadShare>), DecodeError> {
-    let kv_split = if config.num_layers > 0 {
+    let kv_split = if config.model.layers > 0 {
         rollout_spec(
             layout,
             &config.tensor_shapes(),

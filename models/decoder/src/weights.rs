@@ -231,7 +231,7 @@ impl<'w> Reader<'_, 'w> {
 
 impl Routing {
     pub(crate) fn of(config: &ModelConfig) -> Self {
-        config.moe.map_or(Routing::default(), |m| Routing {
+        config.model.moe.map_or(Routing::default(), |m| Routing {
             top_k: m.top_k,
             norm_topk_prob: m.norm_topk_prob,
         })
@@ -253,10 +253,10 @@ impl<'w> GroupWeights<'w> {
             });
         }
         let degree = |reason: String| DecodeError::Degree { tp, reason };
-        if !config.num_heads.is_multiple_of(tp) {
+        if !config.model.heads.is_multiple_of(tp) {
             return Err(degree(format!(
                 "num_attention_heads {} is not divisible by T",
-                config.num_heads
+                config.model.heads
             )));
         }
         let r = Reader {
@@ -264,12 +264,12 @@ impl<'w> GroupWeights<'w> {
             ranks,
             shapes: config.tensor_shapes(),
         };
-        let d = config.head_dim;
-        let h = config.hidden_size;
-        let q_heads = config.num_heads / tp;
+        let d = config.model.head_dim;
+        let h = config.model.hidden;
+        let q_heads = config.model.heads / tp;
         let (kv_split, shares) = layout_heads(config, layout)?;
-        let mut layers = Vec::with_capacity(config.num_layers);
-        for l in 0..config.num_layers {
+        let mut layers = Vec::with_capacity(config.model.layers);
+        for l in 0..config.model.layers {
             let p = format!("model.layers.{l}");
             let col = [Parallel::Column];
             let kv = [kv_split];
@@ -277,7 +277,7 @@ impl<'w> GroupWeights<'w> {
             for (rank, share) in shares.iter().enumerate() {
                 let bias =
                     |name: &str, allowed: &[Parallel]| -> Result<Option<&'w [bf16]>, DecodeError> {
-                        if config.qkv_bias {
+                        if config.model.qkv_bias {
                             r.get(name, allowed, rank).map(Some)
                         } else {
                             Ok(None)
@@ -318,7 +318,7 @@ impl<'w> GroupWeights<'w> {
                 });
             }
             let rep = [Parallel::Replicated];
-            let qk_norm = if config.qk_norm {
+            let qk_norm = if config.model.qk_norm {
                 Some((
                     r.get(&hf::layer(l, hf::Q_NORM), &rep, 0)?,
                     r.get(&hf::layer(l, hf::K_NORM), &rep, 0)?,
@@ -326,7 +326,7 @@ impl<'w> GroupWeights<'w> {
             } else {
                 None
             };
-            let mlp = match config.moe {
+            let mlp = match config.model.moe {
                 Some(moe) if config.model_spec(128).moe_layer(l) => Mlp::Moe {
                     shared: if moe.shared_ffn > 0 {
                         Some(SharedExpert {
@@ -360,7 +360,7 @@ impl<'w> GroupWeights<'w> {
             });
         }
         let embed = r.vocab("model.embed_tokens.weight")?;
-        let head = if config.tie_word_embeddings {
+        let head = if config.model.tied_embeddings {
             embed.clone()
         } else {
             r.vocab("lm_head.weight")?

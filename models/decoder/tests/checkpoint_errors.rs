@@ -41,14 +41,17 @@ fn both_config_styles_parse_to_the_same_config() {
     assert_eq!(a, b);
     assert_eq!(a.rope_theta, 500000.0);
     assert_eq!(a.dtype.as_deref(), Some("bfloat16"));
-    assert_eq!((a.head_dim, a.num_kv_heads, a.qkv_bias), (4, 2, true));
+    assert_eq!(
+        (a.model.head_dim, a.model.query_groups, a.model.qkv_bias),
+        (4, 2, true)
+    );
     // and the writer round-trips through both
     for style in [ConfigStyle::V4, ConfigStyle::V5] {
         assert_eq!(ModelConfig::from_json_str(&a.to_json(style)).unwrap(), a);
     }
     // Llama: biases only with attention_bias
     let llama = V4.replace("qwen2", "llama");
-    assert!(!ModelConfig::from_json_str(&llama).unwrap().qkv_bias);
+    assert!(!ModelConfig::from_json_str(&llama).unwrap().model.qkv_bias);
 }
 
 #[test]
@@ -207,14 +210,14 @@ fn truncated_or_corrupt_safetensors_is_an_error_not_a_panic() {
 #[test]
 fn tied_checkpoints_need_no_head_and_ignore_a_stale_one() {
     let mut config = small();
-    config.tie_word_embeddings = true;
+    config.model.tied_embeddings = true;
     let mut tensors = random_tensors(&config, 2);
     assert!(tensors.iter().all(|t| t.name != "lm_head.weight"));
     tensors.push(HostTensor::f32("lm_head.weight", [40, 16], vec![0.0; 640]));
     let dir = temp_dir("tied");
     save_checkpoint(&dir, &config, &tensors, ConfigStyle::V4).unwrap();
     let ckpt = load_checkpoint(&dir).unwrap();
-    assert!(ckpt.config.tie_word_embeddings);
+    assert!(ckpt.config.model.tied_embeddings);
     assert!(ckpt.tensors.iter().all(|t| t.name != "lm_head.weight"));
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -111,7 +111,7 @@ fn megatron_states_hold_the_checkpoint_at_every_layout() {
                     let multiple = 128 * tp;
                     assert_eq!(
                         layout.padded_vocab(),
-                        ckpt.config.vocab_size.div_ceil(multiple) * multiple
+                        ckpt.config.model.vocab.div_ceil(multiple) * multiple
                     );
                     let full = rebuild_hf_tensors(&state).unwrap();
                     let mut got: Vec<(String, Vec<u16>)> = full

@@ -261,7 +261,7 @@ fn check_matrix(
         .map(|&t| unfused_trace(config, tensors, t, prompts, feed))
         .collect();
     let mut checked = 0;
-    for (parallel, rollout) in matrix(config.vocab_size, rotation) {
+    for (parallel, rollout) in matrix(config.model.vocab, rotation) {
         let t = rollout.tp();
         let want = &unfused[t.trailing_zeros() as usize];
         let weights = megatron_rollout(config, tensors, parallel, rollout.clone());
@@ -321,7 +321,7 @@ fn fused_megatron_rollout_decodes_like_the_unfused_one_and_like_transformers() {
         let model = &refs["models"][name];
         let ckpt = load_checkpoint(&fixtures().join(name)).unwrap();
         let (prompts, greedy, want) = oracle(model);
-        let vocab = ckpt.config.vocab_size;
+        let vocab = ckpt.config.model.vocab;
         checked += check_matrix(
             name,
             Some(m),
@@ -357,9 +357,9 @@ fn qwen3_with_head_norms_decodes_through_the_megatron_layouts() {
     let refs = moe_references();
     let model = &refs["models"]["qwen3_dense"];
     let ckpt = load_checkpoint(&fixtures().join("moe/qwen3_dense")).unwrap();
-    assert!(ckpt.config.qk_norm);
+    assert!(ckpt.config.model.qk_norm);
     let (prompts, greedy, want) = oracle(model);
-    let vocab = ckpt.config.vocab_size;
+    let vocab = ckpt.config.model.vocab;
     let mut worst = 0.0f32;
     let checked = check_matrix(
         "qwen3_dense",
@@ -435,7 +435,7 @@ fn qwen3_moe_decodes_through_the_megatron_expert_layouts() {
         let model = &refs["models"][name];
         let ckpt = load_checkpoint(&fixtures().join("moe").join(name)).unwrap();
         let config = &ckpt.config;
-        assert!(config.moe.is_some(), "{name}");
+        assert!(config.model.moe.is_some(), "{name}");
         let (prompts, greedy, want) = oracle(model);
         for (i, &(tp, pp, dp, ep, etp, t, placement)) in cases.iter().enumerate() {
             let parallel = MegatronParallel {
@@ -459,7 +459,7 @@ fn qwen3_moe_decodes_through_the_megatron_expert_layouts() {
                 got.bits() == unfused.bits(),
                 "{what}: logits differ from the unfused decoder's"
             );
-            let tokens = got.argmax_tokens(&prompts, &greedy, config.vocab_size);
+            let tokens = got.argmax_tokens(&prompts, &greedy, config.model.vocab);
             assert_eq!(tokens, greedy, "{what}: greedy tokens vs transformers");
             for (row, (g, w)) in got.logits.iter().zip(&want).enumerate() {
                 worst = worst.max(oracle_error(&format!("{what} logits row {row}"), g, w));
@@ -480,7 +480,7 @@ fn llama_without_biases_decodes_like_the_unfused_one() {
         "num_key_value_heads": 4, "rope_theta": 10000.0}"#,
     )
     .unwrap();
-    assert!(!config.qkv_bias && !config.tie_word_embeddings);
+    assert!(!config.model.qkv_bias && !config.model.tied_embeddings);
     let tensors = random_tensors(&config, 11);
     let prompts = vec![vec![1, 2, 3, 4], vec![5], vec![29, 0]];
     let feed = vec![vec![3, 4, 5], vec![6, 7, 8], vec![9, 10, 11]];
@@ -498,14 +498,14 @@ fn padding_rows_of_the_fused_vocabulary_are_never_read() {
         let parallel = MegatronParallel::new(2, 1, 2);
         let clean = megatron_rollout(config, tensors, parallel, rollout.clone());
         let mut poisoned = clean.clone();
-        let h = config.hidden_size;
+        let h = config.model.hidden;
         let mut padding = 0;
         for (rank, r) in poisoned.ranks.iter_mut().enumerate() {
             let tp_rank = rank % t;
             for tensor in &mut r.tensors {
                 if tensor.name == "model.embed_tokens.weight" || tensor.name == "lm_head.weight" {
                     let rows = tensor.shape[0];
-                    let first_pad = config.vocab_size.saturating_sub(tp_rank * rows).min(rows);
+                    let first_pad = config.model.vocab.saturating_sub(tp_rank * rows).min(rows);
                     for v in &mut tensor.data[first_pad * h..] {
                         *v = half::bf16::NAN;
                         padding += 1;
@@ -514,8 +514,8 @@ fn padding_rows_of_the_fused_vocabulary_are_never_read() {
             }
         }
         assert!(padding > 0, "{name}: no padding rows to poison");
-        let prompts = vec![vec![1, 2, 3], vec![config.vocab_size as u32 - 1]];
-        let feed = vec![vec![0, 5], vec![7, config.vocab_size as u32 - 1]];
+        let prompts = vec![vec![1, 2, 3], vec![config.model.vocab as u32 - 1]];
+        let feed = vec![vec![0, 5], vec![7, config.model.vocab as u32 - 1]];
         let trace = |w: &HostRollout| {
             let group: Vec<&RankRollout> = w.ranks[..t].iter().collect();
             let mut dec = CpuDecoder::new_fused(config, &rollout, &group).unwrap();
@@ -562,7 +562,7 @@ fn fused_weights_the_decoder_cannot_read_are_clear_errors() {
     );
     // weights of another model (intermediate size 32 instead of 64)
     let mut other = config.clone();
-    other.intermediate_size = 32;
+    other.model.ffn = 32;
     let err = err_of(&other, &layout, &group).to_string();
     assert!(
         err.contains("`model.layers.0.mlp.gate_up_proj.weight` on TP rank 0 has shape [64, 32]"),

@@ -121,15 +121,23 @@ fn fixture_configs_cover_both_styles_and_the_hard_cases() {
             && !raw("tied_vocab61").contains("rope_parameters")
     );
     assert_eq!(
-        (gqa.rope_theta, gqa.tie_word_embeddings, gqa.num_kv_heads),
+        (
+            gqa.rope_theta,
+            gqa.model.tied_embeddings,
+            gqa.model.query_groups
+        ),
         (10000.0, false, 2)
     );
     assert_eq!(
-        (tied.rope_theta, tied.tie_word_embeddings, tied.vocab_size),
+        (
+            tied.rope_theta,
+            tied.model.tied_embeddings,
+            tied.model.vocab
+        ),
         (1e6, true, 61)
     );
     assert_eq!(
-        (kv1.head_dim, kv1.num_kv_heads, kv1.hidden_size),
+        (kv1.model.head_dim, kv1.model.query_groups, kv1.model.hidden),
         (16, 1, 48)
     );
     assert_eq!(tied.dtype.as_deref(), Some("float32"));
@@ -167,7 +175,7 @@ fn cpu_decoder_matches_transformers_on_qwen3_and_qwen3_moe() {
         let ckpt = load_checkpoint(&moe_fixtures().join(name)).unwrap();
         let cases = model["cases"].as_array().unwrap();
         let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
-        let placements: &[ExpertPlacement] = if ckpt.config.moe.is_some() {
+        let placements: &[ExpertPlacement] = if ckpt.config.model.moe.is_some() {
             &[
                 ExpertPlacement::TensorParallel,
                 ExpertPlacement::Partitioned,
@@ -185,8 +193,8 @@ fn cpu_decoder_matches_transformers_on_qwen3_and_qwen3_moe() {
                 let weights = session.weights();
                 if placement == ExpertPlacement::Partitioned && tp == 2 {
                     // each rank received its own experts and none of the others
-                    let e = ckpt.config.moe.unwrap().experts;
-                    let l = (0..ckpt.config.num_layers)
+                    let e = ckpt.config.model.moe.unwrap().experts;
+                    let l = (0..ckpt.config.model.layers)
                         .find(|&l| ckpt.config.model_spec(128).moe_layer(l))
                         .unwrap();
                     for (rank, r) in weights.ranks.iter().enumerate() {
@@ -241,20 +249,23 @@ fn fixtures_cover_sharded_per_expert_and_dense_layers() {
             .join("model.safetensors.index.json")
             .exists());
     }
-    let m4 = e4.config.moe.unwrap();
+    let m4 = e4.config.model.moe.unwrap();
     assert_eq!(
         (m4.experts, m4.top_k, m4.ffn, m4.norm_topk_prob),
         (4, 2, 24, true)
     );
-    let m6 = e6.config.moe.unwrap();
+    let m6 = e6.config.model.moe.unwrap();
     // transformers 5.17 writes the expert count as num_local_experts
     assert_eq!((m6.experts, m6.norm_topk_prob), (6, false));
     assert_eq!(m6.dense_layers.layers(), vec![0]);
     let spec = e6.config.model_spec(128);
     assert!(!spec.moe_layer(0) && spec.moe_layer(1) && spec.moe_layer(2));
-    assert!(dense.config.qk_norm && dense.config.moe.is_none());
-    assert_eq!((dense.config.head_dim, dense.config.hidden_size), (16, 32));
-    assert!(e6.config.tie_word_embeddings && !e4.config.tie_word_embeddings);
+    assert!(dense.config.model.qk_norm && dense.config.model.moe.is_none());
+    assert_eq!(
+        (dense.config.model.head_dim, dense.config.model.hidden),
+        (16, 32)
+    );
+    assert!(e6.config.model.tied_embeddings && !e4.config.model.tied_embeddings);
 }
 
 /// The per-expert tensors of `tensors` stacked as transformers 5 holds them in memory.
@@ -301,8 +312,8 @@ fn stacked_expert_checkpoints_load_to_the_same_tensors() {
     let dir = std::env::temp_dir().join(format!("lc-moe-stacked-{}", std::process::id()));
     for name in ["moe_e4_untied_v61", "moe_e6_tied_dense0"] {
         let ckpt = load_checkpoint(&moe_fixtures().join(name)).unwrap();
-        let moe = ckpt.config.moe.unwrap();
-        let tensors = stacked(&ckpt.tensors, ckpt.config.num_layers, moe.experts);
+        let moe = ckpt.config.model.moe.unwrap();
+        let tensors = stacked(&ckpt.tensors, ckpt.config.model.layers, moe.experts);
         save_checkpoint(&dir, &ckpt.config, &tensors, ConfigStyle::V5).unwrap();
         let back = load_checkpoint(&dir).unwrap();
         assert_eq!(back.tensors, ckpt.tensors, "{name}");
@@ -362,7 +373,7 @@ fn moe_configs_and_layouts_refuse_bad_input_with_the_field_named() {
         r#""num_experts": 4, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 9"#,
     )
     .unwrap();
-    assert!(c.qkv_bias && c.moe.is_some_and(|m| m.shared_ffn == 9));
+    assert!(c.model.qkv_bias && c.model.moe.is_some_and(|m| m.shared_ffn == 9));
     let back = ModelConfig::from_json_str(&c.to_json(lifecycle_decoder::ConfigStyle::V5)).unwrap();
     assert_eq!(
         back,
