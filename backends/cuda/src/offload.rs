@@ -122,22 +122,9 @@ impl<T: DeviceRepr> OffloadBuffer<T> {
         let (src, _sync) = dev.device_ptr(&ctx.copy);
         let bytes = self.bytes() as u64;
         if let Some(host) = self.host.as_mut() {
-            // The mark starts after the pinned chunks are taken: the span is the copy alone.
-            let mark = tl.begin(ctx, &ctx.copy)?;
             // SAFETY: `dev` holds at least `len` elements (= host.bytes()) and is only read until
             // the caller synchronises the copy stream (finish_offload) before freeing it.
-            unsafe { host.download_from(src, &ctx.copy, ctx.rank, what)? };
-            let link = Some(Link::DeviceToHost);
-            tl.end(
-                ctx,
-                &ctx.copy,
-                mark,
-                Phase::Offload,
-                what,
-                "copy",
-                bytes,
-                link,
-            )?;
+            unsafe { copy_out(ctx, host, src, what, tl)? };
         }
         Ok(bytes)
     }
@@ -183,21 +170,9 @@ impl<T: DeviceRepr> OffloadBuffer<T> {
             dst
         };
         let bytes = self.bytes() as u64;
-        let mark = tl.begin(ctx, &ctx.copy)?;
         // SAFETY: `dev` holds `len` elements = host.bytes(); the chunks stay in `self.host` until
         // the caller synchronised the copy stream and gave them back.
-        unsafe { host.upload_to(dst, &ctx.copy, ctx.rank, what)? };
-        let link = Some(Link::HostToDevice);
-        tl.end(
-            ctx,
-            &ctx.copy,
-            mark,
-            Phase::Reload,
-            what,
-            "copy",
-            bytes,
-            link,
-        )?;
+        unsafe { copy_in(ctx, host, dst, what, tl)? };
         self.dev = Some(dev);
         Ok(bytes)
     }
@@ -235,6 +210,67 @@ impl<T: DeviceRepr> OffloadBuffer<T> {
             ))),
         }
     }
+}
+
+/// Queues the device→host copy of `host.bytes()` bytes at `src` into `host` on the copy
+/// stream, marked on `tl` as an offload span named `what` (the span is the copy alone: the
+/// pinned chunks are taken before). Every offload of a training buffer goes through it.
+///
+/// # Safety
+/// As [`HostCopy::download_from`]: `src` holds `host.bytes()` readable bytes of the rank's
+/// device, alive and unwritten until the copy stream ran the copy.
+pub(crate) unsafe fn copy_out(
+    ctx: &RankCtx,
+    host: &mut HostCopy,
+    src: u64,
+    what: &str,
+    tl: &mut StreamTimeline,
+) -> Result<(), CudaError> {
+    let mark = tl.begin(ctx, &ctx.copy)?;
+    // SAFETY: the caller's promise.
+    unsafe { host.download_from(src, &ctx.copy, ctx.rank, what)? };
+    let (bytes, link) = (host.bytes() as u64, Some(Link::DeviceToHost));
+    tl.end(
+        ctx,
+        &ctx.copy,
+        mark,
+        Phase::Offload,
+        what,
+        "copy",
+        bytes,
+        link,
+    )
+}
+
+/// Queues the host→device copy of `host` into `host.bytes()` bytes at `dst` on the copy stream,
+/// marked on `tl` as a reload span named `what`. Every reload of a training buffer goes through
+/// it.
+///
+/// # Safety
+/// As [`HostCopy::upload_to`]: `dst` holds `host.bytes()` writable bytes of the rank's device,
+/// not used by other work until the copy stream ran the copy; `host` holds the buffer and stays
+/// alive until then.
+pub(crate) unsafe fn copy_in(
+    ctx: &RankCtx,
+    host: &HostCopy,
+    dst: u64,
+    what: &str,
+    tl: &mut StreamTimeline,
+) -> Result<(), CudaError> {
+    let mark = tl.begin(ctx, &ctx.copy)?;
+    // SAFETY: the caller's promise.
+    unsafe { host.upload_to(dst, &ctx.copy, ctx.rank, what)? };
+    let (bytes, link) = (host.bytes() as u64, Some(Link::HostToDevice));
+    tl.end(
+        ctx,
+        &ctx.copy,
+        mark,
+        Phase::Reload,
+        what,
+        "copy",
+        bytes,
+        link,
+    )
 }
 
 /// Element types read back from the little-endian bytes of a pinned copy.

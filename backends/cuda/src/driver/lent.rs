@@ -13,8 +13,8 @@ use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 use half::bf16;
 
 use super::buffers::{BufferClass, Movable, Offloadable, RankBuffers};
+use crate::offload::{copy_in, copy_out};
 use crate::{CudaError, HostCopy, PinnedPool, RankCtx, SourceBuf, StreamTimeline};
-use lifecycle_core::{Link, Phase};
 
 /// A device slice whose memory belongs to someone else: used as a [`CudaSlice`], never freed.
 struct Borrowed<T: DeviceRepr>(Option<CudaSlice<T>>);
@@ -195,25 +195,12 @@ impl Offloadable for LentOffload {
             return Ok(0);
         };
         self.reserve_host(ctx, pinned, what)?;
-        let bytes = self.bytes as u64;
         if let Some(host) = self.host.as_mut() {
-            let mark = tl.begin(ctx, &ctx.copy)?;
             // SAFETY: `src` holds `bytes` bytes (LentOffload::new's contract, the owner keeps it
             // until `release`, which runs after the copy stream finished).
-            unsafe { host.download_from(src, &ctx.copy, ctx.rank, what)? };
-            let link = Some(Link::DeviceToHost);
-            tl.end(
-                ctx,
-                &ctx.copy,
-                mark,
-                Phase::Offload,
-                what,
-                "copy",
-                bytes,
-                link,
-            )?;
+            unsafe { copy_out(ctx, host, src, what, tl)? };
         }
-        Ok(bytes)
+        Ok(self.bytes as u64)
     }
 
     fn drop_device(&mut self, ctx: &RankCtx) -> Result<u64, CudaError> {
@@ -243,22 +230,10 @@ impl Offloadable for LentOffload {
             ))
         })?;
         let dst = self.owner.restore(ctx.rank, self.bytes)?;
-        let mark = tl.begin(ctx, &ctx.copy)?;
         // SAFETY: the owner gave `bytes` writable bytes at `dst`; the chunks stay in `self.host`
         // until the caller synchronised the copy stream and gave them back.
-        unsafe { host.upload_to(dst, &ctx.copy, ctx.rank, what)? };
+        unsafe { copy_in(ctx, host, dst, what, tl)? };
         let bytes = self.bytes as u64;
-        let link = Some(Link::HostToDevice);
-        tl.end(
-            ctx,
-            &ctx.copy,
-            mark,
-            Phase::Reload,
-            what,
-            "copy",
-            bytes,
-            link,
-        )?;
         self.ptr = Some(dst);
         Ok(bytes)
     }
