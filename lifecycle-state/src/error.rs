@@ -6,6 +6,9 @@ pub enum HostError {
     /// The layouts are inconsistent (see [`LayoutError`]).
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    /// A training buffer named by a string that names none.
+    #[error("{0}")]
+    Buffer(String),
     /// A tensor whose dtype cannot be a trainable weight.
     #[error("tensor `{name}` has dtype {found}: master weights must be floating point (f32, bf16 or f16)")]
     DType {

@@ -6,6 +6,57 @@ use crate::checksum::checksum_f32;
 use crate::error::HostError;
 use lifecycle_layout::{AdamParams, HostTensor};
 
+/// One of the training buffers an offload moves: the fp32 master weights or an Adam moment. Its
+/// name (`"master"`, `"adam_m"`, `"adam_v"`) is how errors, fault injection and verification
+/// name it, on every executor.
+///
+/// ```
+/// use lifecycle_state::TrainBuffer;
+/// assert_eq!(TrainBuffer::from_name("adam_m"), Some(TrainBuffer::AdamM));
+/// assert_eq!(TrainBuffer::AdamV.name(), "adam_v");
+/// assert_eq!(TrainBuffer::from_name("grad"), None);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TrainBuffer {
+    /// fp32 master weights.
+    Master,
+    /// Adam's first moment.
+    AdamM,
+    /// Adam's second moment.
+    AdamV,
+}
+
+impl TrainBuffer {
+    /// Every buffer, in the order errors report them.
+    pub const ALL: [TrainBuffer; 3] = [TrainBuffer::Master, TrainBuffer::AdamM, TrainBuffer::AdamV];
+
+    /// The buffer's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            TrainBuffer::Master => "master",
+            TrainBuffer::AdamM => "adam_m",
+            TrainBuffer::AdamV => "adam_v",
+        }
+    }
+
+    /// Its position in [`TrainBuffer::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The buffer called `name`.
+    pub fn from_name(name: &str) -> Option<TrainBuffer> {
+        TrainBuffer::ALL.into_iter().find(|b| b.name() == name)
+    }
+
+    /// The buffer called `name`, or an error naming it and the names there are.
+    pub fn parse(name: &str) -> Result<TrainBuffer, String> {
+        TrainBuffer::from_name(name).ok_or_else(|| {
+            format!("buffer must be \"master\", \"adam_m\" or \"adam_v\", found {name:?}")
+        })
+    }
+}
+
 /// Where a buffer of one rank lives.
 #[derive(Debug, Clone)]
 pub enum Residence {
@@ -402,7 +453,8 @@ impl HostTrainState {
 
     /// Flips bit `bit` of element `index` of an **offloaded** buffer (`"master"`, `"adam_m"` or
     /// `"adam_v"`) of `tensor` on `rank`: fault injection for testing verification mode. Returns
-    /// whether a bit was flipped (false when the buffer is on the device or out of range).
+    /// whether a bit was flipped (false when the buffer is on the device or out of range); an
+    /// unknown tensor or buffer name is an error.
     pub fn inject_offloaded_bit_flip(
         &mut self,
         rank: usize,
@@ -411,15 +463,15 @@ impl HostTrainState {
         index: usize,
         bit: u32,
     ) -> Result<bool, HostError> {
+        let buffer = TrainBuffer::parse(buffer).map_err(HostError::Buffer)?;
         let i = self.tensor_index(tensor)?;
         let Some(shard) = self.ranks.get_mut(rank).and_then(|r| r.shards.get_mut(i)) else {
             return Ok(false);
         };
         Ok(match buffer {
-            "master" => shard.master.flip_offloaded_bit(index, bit),
-            "adam_m" => shard.adam_m.flip_offloaded_bit(index, bit),
-            "adam_v" => shard.adam_v.flip_offloaded_bit(index, bit),
-            _ => false,
+            TrainBuffer::Master => shard.master.flip_offloaded_bit(index, bit),
+            TrainBuffer::AdamM => shard.adam_m.flip_offloaded_bit(index, bit),
+            TrainBuffer::AdamV => shard.adam_v.flip_offloaded_bit(index, bit),
         })
     }
 

@@ -27,4 +27,4 @@ pub mod megatron;
 pub use cast::cast_f32_to_bf16;
 pub use checksum::{checksum_bf16, checksum_f32, checksum_tensor};
 pub use error::HostError;
-pub use fsdp::{HostTrainState, MemoryMeter, RankState, Residence, Shard, ShardMut};
+pub use fsdp::{HostTrainState, MemoryMeter, RankState, Residence, Shard, ShardMut, TrainBuffer};

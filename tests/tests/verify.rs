@@ -26,6 +26,12 @@ fn a_flipped_bit_in_offloaded_state_is_reported_with_its_tensor() {
     assert!(state
         .inject_offloaded_bit_flip(1, "q", "adam_m", 3, 17)
         .unwrap());
+    // a buffer name that names none is an error naming it, as on the GPU backend
+    let e = state
+        .inject_offloaded_bit_flip(1, "q", "grads", 3, 17)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("\"adam_m\"") && e.contains("\"grads\""), "{e}");
     let specs = common::specs(2);
     let mut backend = HostBackend::new(common::layout(2, specs)).with_verification(true);
     let mut metrics = Metrics::default();

@@ -160,11 +160,7 @@ impl FsdpTrainState {
                 name: tensor.to_string(),
                 problem: "no such tensor in the training state".into(),
             })?;
-        let b = Buffer::from_name(buffer).ok_or_else(|| {
-            FsdpError::Config(format!(
-                "buffer must be \"master\", \"adam_m\" or \"adam_v\", found {buffer:?}"
-            ))
-        })?;
+        let b = Buffer::parse(buffer).map_err(FsdpError::Config)?;
         if index >= slot.padded_rows * slot.cols {
             return Ok(false);
         }

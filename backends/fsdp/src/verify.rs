@@ -23,35 +23,8 @@ use lifecycle_cuda::{
 use lifecycle_layout::fsdp::ShardLayout;
 use lifecycle_layout::RolloutEntry;
 
-/// One of the training buffers that can be offloaded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Buffer {
-    Master,
-    AdamM,
-    AdamV,
-}
-
-impl Buffer {
-    pub(crate) const ALL: [Buffer; 3] = [Buffer::Master, Buffer::AdamM, Buffer::AdamV];
-
-    /// The name used in errors (as the host backend's).
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Buffer::Master => "master",
-            Buffer::AdamM => "adam_m",
-            Buffer::AdamV => "adam_v",
-        }
-    }
-
-    pub(crate) fn index(self) -> usize {
-        self as usize
-    }
-
-    /// The buffer called `name` (`"master"`, `"adam_m"`, `"adam_v"`).
-    pub(crate) fn from_name(name: &str) -> Option<Buffer> {
-        Buffer::ALL.into_iter().find(|b| b.name() == name)
-    }
-}
+/// One of the training buffers that can be offloaded (the name every executor uses).
+pub(crate) use lifecycle_state::TrainBuffer as Buffer;
 
 /// Hashes of one rank's offloaded buffers: queued at offload, downloaded when the offload
 /// finished, checked after the reload.
