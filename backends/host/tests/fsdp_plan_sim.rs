@@ -356,3 +356,71 @@ fn qwen3_moe_plans_match_reference_for_both_expert_placements() {
         }
     }
 }
+
+/// A rank's shards as separate allocations (PyTorch FSDP2's per-parameter shards), lent by
+/// address: the steps rebased onto them (`FsdpPlan::rank_steps_at`) and run on the host step
+/// runner with tensors in another order and gaps between them give the reference rollout bit for
+/// bit; a shard shorter than the plan reads is refused by name.
+#[test]
+fn steps_rebased_onto_separate_shards_match_the_reference() {
+    for (world, tp) in [(1, 1), (2, 1), (2, 2), (3, 1), (4, 2)] {
+        let specs = specs(tp);
+        let state = host_state(world, &specs);
+        let layout = RolloutLayout::new(tp, specs.clone()).expect("layout");
+        let core = plan_fsdp_to_tp(state.layout(), &layout).expect("plan");
+        let plan = build_plan(core, state.layout(), BucketConfig::default());
+        let reference = reference_rollout(&state, &layout).expect("reference");
+        let n = plan.shards.slots.len();
+        let mut sources = Vec::new();
+        let mut steps = Vec::new();
+        for r in 0..world {
+            // tensors laid out last to first, 7 elements apart
+            let mut at = vec![0u64; n];
+            let mut next = 3u64;
+            for i in (0..n).rev() {
+                at[i] = next;
+                next += state.master_shard(r, i).map_or(0, |s| s.len() as u64) + 7;
+            }
+            // the last tensor ends the buffer (its base is the first one's address)
+            let mut buf = vec![f32::NAN; (next - 7) as usize];
+            for i in 0..n {
+                let shard = state.master_shard(r, i).expect("resident");
+                buf[at[i] as usize..at[i] as usize + shard.len()].copy_from_slice(shard);
+            }
+            steps.push(plan.rank_steps_at(r, &at).expect("rebased steps"));
+            sources.push(buf);
+        }
+        let srcs: Vec<Source<'_>> = sources.iter().map(|m| Source::F32(m)).collect();
+        let got: Vec<Vec<bf16>> = run_steps(steps, &srcs, &[1, 2])
+            .expect("the programs run")
+            .into_iter()
+            .map(|r| r.into_iter().map(bf16::from_bits).collect())
+            .collect();
+        let got = lifecycle_layout::HostRollout::from_rank_flats(
+            &(0..world).map(|r| plan.entries(r)).collect::<Vec<_>>(),
+            got,
+        )
+        .expect("rollout buffers");
+        assert_eq!(reference.first_difference(&got), None, "W={world} T={tp}");
+    }
+    // a segment that does not hold the rows the plan reads
+    let specs = specs(1);
+    let state = host_state(1, &specs);
+    let layout = RolloutLayout::new(1, specs).expect("layout");
+    let core = plan_fsdp_to_tp(state.layout(), &layout).expect("plan");
+    let plan = build_plan(core, state.layout(), BucketConfig::default());
+    let mut steps = plan.rank_steps(0).expect("steps");
+    let n = plan.shards.slots.len();
+    let mut segments: Vec<(u64, u64)> = plan
+        .shards
+        .slots
+        .iter()
+        .map(|s| (s.offset, (s.padded_rows * s.cols) as u64))
+        .collect();
+    segments[0].1 -= 1;
+    let e = steps
+        .rebase_source(&segments, &vec![0; n])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("outside every segment"), "{e}");
+}

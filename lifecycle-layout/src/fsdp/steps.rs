@@ -225,4 +225,24 @@ impl FsdpPlan {
         }
         Ok(out)
     }
+
+    /// [`FsdpPlan::rank_steps`] reading rank `rank`'s shards where they are (`at[i]`: the first
+    /// element of training tensor `i`'s shard, the held rows only, in one address space whose
+    /// base is element 0) instead of at their offsets in the flat padded buffer: a state whose
+    /// shards are separate allocations lent by address ([`RankSteps::rebase_source`]).
+    pub fn rank_steps_at(&self, rank: usize, at: &[u64]) -> Result<RankSteps, LayoutError> {
+        let mut steps = self.rank_steps(rank)?;
+        let segments: Vec<(u64, u64)> = self
+            .shards
+            .slots
+            .iter()
+            .enumerate()
+            .map(|(i, slot)| {
+                let rows = self.shards.held_rows(i, rank).len();
+                (slot.offset, (rows * slot.cols) as u64)
+            })
+            .collect();
+        steps.rebase_source(&segments, at)?;
+        Ok(steps)
+    }
 }

@@ -350,6 +350,109 @@ impl RankSteps {
         }
     }
 
+    /// Moves every read of the training buffer from one layout of it to another: `segments[i]`
+    /// is segment `i`'s `(first element, elements)` where the steps read it now, `to[i]` its
+    /// first element in the new layout (segments keep their length and inner layout; gaps
+    /// between them are never read). A training state whose tensors are separate allocations
+    /// (PyTorch FSDP2's per-parameter shards, lent by address) is read in place this way, as
+    /// one source whose base is the lowest address. Every region that reads the source must lie
+    /// inside one segment, or the steps are refused naming it; `source_elems` becomes the new
+    /// layout's end.
+    ///
+    /// ```
+    /// use lifecycle_layout::steps::{Buf, Copy, LocalChunk, RankSteps, SourceType, Stream};
+    /// use lifecycle_layout::Region2d;
+    /// let mut steps = RankSteps {
+    ///     world: 1,
+    ///     source: SourceType::F32,
+    ///     copies: vec![
+    ///         Copy::kernel(Buf::Source, 0, Buf::Rollout, 0, Region2d::flat(4)),
+    ///         Copy::kernel(Buf::Source, 4, Buf::Rollout, 4, Region2d::flat(2)),
+    ///     ],
+    ///     local: vec![LocalChunk::upfront(0..2, Stream::Aux)],
+    ///     source_elems: 6,
+    ///     rollout_elems: 6,
+    ///     ..RankSteps::default()
+    /// };
+    /// // the second tensor lives 100 elements after the first
+    /// steps.rebase_source(&[(0, 4), (4, 2)], &[0, 100])?;
+    /// assert_eq!((steps.copies[1].src_off, steps.source_elems), (100, 102));
+    /// # Ok::<(), lifecycle_layout::LayoutError>(())
+    /// ```
+    pub fn rebase_source(
+        &mut self,
+        segments: &[(u64, u64)],
+        to: &[u64],
+    ) -> Result<(), LayoutError> {
+        if segments.len() != to.len() {
+            return Err(self.bad(format!(
+                "rebasing the training buffer: {} segments, {} new places",
+                segments.len(),
+                to.len()
+            )));
+        }
+        let rank = self.rank;
+        // The segment holding [off, off + span), by binary search over the segments' starts.
+        let mut order: Vec<usize> = (0..segments.len()).collect();
+        order.sort_by_key(|&i| segments[i].0);
+        let map = |off: u64, span: u64, what: &str| -> Result<u64, LayoutError> {
+            let k = order.partition_point(|&i| segments[i].0 <= off);
+            let found = k.checked_sub(1).map(|k| order[k]).filter(|&i| {
+                let (start, len) = segments[i];
+                off + span <= start + len
+            });
+            match found {
+                Some(i) => Ok(off - segments[i].0 + to[i]),
+                None => Err(LayoutError::InvalidSteps {
+                    rank,
+                    what: format!(
+                        "{what} reads training elements {off}..{} outside every segment of the \
+                         new layout",
+                        off + span
+                    ),
+                }),
+            }
+        };
+        let span = |r: &Region2d, ld: u64| {
+            let r = r.normalized();
+            if r.numel() == 0 {
+                0
+            } else if r.rows == 1 {
+                r.cols
+            } else {
+                (r.rows - 1) * ld + r.cols
+            }
+        };
+        for (i, c) in self.copies.iter_mut().enumerate() {
+            if c.src == Buf::Source {
+                c.src_off = map(
+                    c.src_off,
+                    span(&c.region, c.region.src_ld),
+                    &format!("copy {i}"),
+                )?;
+            }
+        }
+        for (j, st) in self.steps.iter_mut().enumerate() {
+            for m in st.sends.iter_mut().filter(|m| m.buf == Buf::Source) {
+                m.off = map(m.off, m.count, &format!("a send of step {j}"))?;
+            }
+            for p in st.pushes.iter_mut().filter(|p| p.src == Buf::Source) {
+                let what = format!("a peer copy of step {j}");
+                p.src_off = map(p.src_off, span(&p.region, p.region.src_ld), &what)?;
+            }
+        }
+        for (i, q) in self.quantise.iter_mut().enumerate() {
+            q.src_off = map(q.src_off, q.rows * q.cols, &format!("quantisation {i}"))?;
+        }
+        self.source_elems = segments
+            .iter()
+            .zip(to)
+            .map(|(&(_, len), &at)| at + len)
+            .max()
+            .unwrap_or(0);
+        self.validate()
+    }
+
     /// Checks that every copy, message, gather and peer run lies inside its buffers, that every
     /// range names existing copies, and that steps and chunks refer to existing steps and
     /// chunks — what the executors rely on to touch memory.
