@@ -4,25 +4,43 @@
 //! same rollout buffers as [`FsdpBackend`]'s own state; the caller keeps updating its buffers
 //! (the backend's Adam step refuses them, as it does not own them).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use lifecycle_core::{Phase, Reshard, SwitchContext};
+use lifecycle_cuda::driver::ProgramSpec;
 use lifecycle_cuda::driver::{LentOffload, LentRank, LentSource, LentStream, NoHooks, RankBuffers};
-use lifecycle_cuda::{alloc_rollout_buffers, RankExecutor, RolloutBuffer};
+use lifecycle_cuda::{
+    alloc_rollout_buffers, ChunkTable, ProgramSlot, RankCtx, RankExecutor, RankMoved,
+    RolloutBuffer, RunOptions, SourceBuf, DEFAULT_CHUNK_WORDS,
+};
 use lifecycle_layout::fsdp::{FsdpPlan, ShardLayout};
 use lifecycle_layout::FsdpLayout;
 
+use crate::backend::PlanRef;
 use crate::{FsdpBackend, FsdpError};
 
-/// What a caller lends for one local rank: the flat fp32 master buffer in the padded layout of
-/// [`ShardLayout::new`] (read in place), the buffers an offload may move, and the stream the
-/// caller's work on them runs on.
+/// Where a rank's fp32 master shards are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LentMaster {
+    /// One flat buffer in the padded layout of [`ShardLayout::new`] ([`ShardLayout::rank_len`]
+    /// elements at least, tensor `i`'s held rows at `slots[i].offset`).
+    Flat {
+        /// Device address.
+        ptr: u64,
+        /// Elements at `ptr`.
+        len: usize,
+    },
+    /// One allocation per training tensor, in training order, each holding the rank's rows of
+    /// the tensor and nothing else (FSDP2's `to_local()` of each parameter: dim-0 chunks by
+    /// [`lifecycle_layout::fsdp_rows`], empty on trailing ranks): `(address, elements)`.
+    Shards(Vec<(u64, usize)>),
+}
+
+/// What a caller lends for one local rank: the fp32 master shards (read in place), the buffers
+/// an offload may move, and the stream the caller's work on them runs on.
 pub struct LentParts {
-    /// Device address of the rank's flat fp32 master buffer ([`ShardLayout::rank_len`] elements
-    /// at least, tensor `i`'s held rows at `slots[i].offset`).
-    pub master: u64,
-    /// Elements at `master`.
-    pub master_len: usize,
+    /// The rank's fp32 master shards.
+    pub master: LentMaster,
     /// Buffers an offload may move, in the order their copies are queued.
     pub offload: Vec<LentOffload>,
     /// The caller's stream, awaited before the switch reads and made to wait after it.
@@ -73,6 +91,17 @@ impl LentFsdpState {
 /// [`LentFsdpState`] as the training state. Made by [`FsdpBackend::lending`].
 pub struct LentFsdpBackend {
     inner: FsdpBackend,
+    /// Per local rank, the step program of the last plan run over the last places of the lent
+    /// shards.
+    programs: Mutex<Vec<ProgramSlot<LentKey>>>,
+}
+
+/// A kept program's identity: the plan and, per local rank, where its lent shards are (`None`
+/// for a flat master buffer).
+#[derive(Debug, Clone, PartialEq)]
+struct LentKey {
+    plan: PlanRef,
+    at: Vec<Option<Vec<u64>>>,
 }
 
 impl FsdpBackend {
@@ -86,7 +115,10 @@ impl FsdpBackend {
                     .into(),
             ));
         }
-        Ok(LentFsdpBackend { inner: self })
+        Ok(LentFsdpBackend {
+            inner: self,
+            programs: Mutex::new(Vec::new()),
+        })
     }
 }
 
@@ -125,23 +157,17 @@ impl LentFsdpBackend {
             )));
         }
         let shards = ShardLayout::new(&layout);
-        for (i, p) in parts.iter().enumerate() {
-            if (p.master_len as u64) < shards.rank_len {
-                return Err(FsdpError::Config(format!(
-                    "lent master of local rank {i}: the padded shard layout needs {} fp32 \
-                     elements, {} lent",
-                    shards.rank_len, p.master_len
-                )));
-            }
+        for (i, (p, &rank)) in parts.iter().zip(pool.local_ranks()).enumerate() {
+            check_master(&shards, &p.master, i, rank)?;
         }
         let mut items: Vec<Option<LentParts>> = parts.into_iter().map(Some).collect();
         let ranks = pool.run_each(&mut items, &|ctx, p| {
             let p = p.take().ok_or_else(|| {
                 lifecycle_cuda::CudaError::Invalid("lent parts used twice".into())
             })?;
-            let source = LentSource::F32 {
-                ptr: p.master,
-                len: p.master_len,
+            let source = match p.master {
+                LentMaster::Flat { ptr, len } => LentSource::F32 { ptr, len },
+                LentMaster::Shards(tensors) => LentSource::F32Tensors(tensors),
             };
             // SAFETY: the caller's promise (this function's contract).
             unsafe { LentRank::new(ctx, source, p.offload, p.stream) }
@@ -151,6 +177,49 @@ impl LentFsdpBackend {
             shards,
             ranks,
         })
+    }
+}
+
+/// The lent master of local rank `local` (global `rank`) must fit the shard layout: a flat buffer
+/// long enough, or one shard per tensor holding exactly the rank's rows.
+fn check_master(
+    shards: &ShardLayout,
+    master: &LentMaster,
+    local: usize,
+    rank: usize,
+) -> Result<(), FsdpError> {
+    match master {
+        LentMaster::Flat { len, .. } if (*len as u64) < shards.rank_len => {
+            Err(FsdpError::Config(format!(
+                "lent master of local rank {local}: the padded shard layout needs {} fp32 \
+                 elements, {len} lent",
+                shards.rank_len
+            )))
+        }
+        LentMaster::Flat { .. } => Ok(()),
+        LentMaster::Shards(t) if t.len() != shards.slots.len() => Err(FsdpError::Config(format!(
+            "lent master of local rank {local}: {} shards lent, the model has {} tensors (one \
+             shard per tensor, in training order)",
+            t.len(),
+            shards.slots.len()
+        ))),
+        LentMaster::Shards(t) => {
+            for (i, (slot, &(_, n))) in shards.slots.iter().zip(t).enumerate() {
+                let rows = shards.held_rows(i, rank);
+                let want = rows.len() * slot.cols;
+                if n != want {
+                    return Err(FsdpError::Tensor {
+                        name: slot.name.clone(),
+                        problem: format!(
+                            "rank {rank} holds rows {rows:?} of shape {:?} ({want} elements), \
+                             its lent shard has {n}",
+                            slot.shape
+                        ),
+                    });
+                }
+            }
+            Ok(())
+        }
     }
 }
 
@@ -164,6 +233,101 @@ impl lifecycle_cuda::RolloutSource for LentFsdpBackend {
     }
 }
 
+impl LentFsdpBackend {
+    /// The transfer of `plan` from the lent state into `rolls` through the driver, each rank's
+    /// steps reading its shards where they are.
+    fn transfer(
+        &self,
+        plan: &Arc<FsdpPlan>,
+        state: &mut LentFsdpState,
+        rolls: &mut [lifecycle_cuda::cudarc::driver::CudaSlice<half::bf16>],
+        ctx: &mut SwitchContext<'_>,
+    ) -> Result<Vec<RankMoved>, FsdpError> {
+        let at: Vec<Option<Vec<u64>>> = state
+            .ranks
+            .iter()
+            .map(|r| r.source_offsets().map(<[u64]>::to_vec))
+            .collect();
+        let steps = |c: &RankCtx, local: usize, _len: u64| match at.get(local) {
+            Some(Some(a)) => plan.rank_steps_at(c.rank, a),
+            _ => plan.rank_steps(c.rank),
+        };
+        let spec = ProgramSpec {
+            key: LentKey {
+                plan: PlanRef(plan.clone()),
+                at: at.clone(),
+            },
+            batched_casts: self.inner.batched_casts,
+            opts: RunOptions::default(),
+            peers_write: plan.peer_copy,
+            steps: &steps,
+        };
+        let mut programs = self
+            .programs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        Ok(self.inner.driver().timed_transfer(
+            &mut state.ranks,
+            &mut programs,
+            rolls,
+            &spec,
+            ctx,
+            &NoHooks,
+        )?)
+    }
+
+    /// Every master weight the lent shards hold must be finite (fp8 rollouts): scanned where
+    /// each shard is, the first NaN or infinity named by tensor, rank and element.
+    fn check_finite(&self, state: &LentFsdpState) -> Result<(), FsdpError> {
+        let shards = &state.shards;
+        let locals = self.inner.pool.local_ranks().to_vec();
+        // per local rank: each tensor's (first element, elements) where its shard is
+        let segments: Vec<Vec<(u64, u64)>> = state
+            .ranks
+            .iter()
+            .zip(&locals)
+            .map(|(r, &rank)| {
+                let at = r.source_offsets();
+                let seg = |(i, slot): (usize, &lifecycle_layout::fsdp::ShardSlot)| {
+                    let n = (shards.held_rows(i, rank).len() * slot.cols) as u64;
+                    (at.map_or(slot.offset, |a| a[i]), n)
+                };
+                shards.slots.iter().enumerate().map(seg).collect()
+            })
+            .collect();
+        let tables: Vec<ChunkTable> = segments
+            .iter()
+            .map(|s| ChunkTable::new(s.iter().copied(), DEFAULT_CHUNK_WORDS))
+            .collect();
+        let mut items: Vec<(&LentRank, &ChunkTable)> = state.ranks.iter().zip(&tables).collect();
+        let found =
+            self.inner
+                .pool
+                .run_each(&mut items, &|ctx, (rt, table)| match rt.source() {
+                    Ok(SourceBuf::F32(m)) => crate::verify::first_nonfinite(ctx, m, table),
+                    _ => Ok(None),
+                })?;
+        for (local, f) in found.into_iter().enumerate() {
+            let Some((at, value)) = f else { continue };
+            let (i, start) = tables[local]
+                .segment_of(at)
+                .map(|i| (i, segments[local][i].0))
+                .ok_or_else(|| {
+                    FsdpError::Config(format!(
+                        "a non-finite value at element {at} lies outside every tensor"
+                    ))
+                })?;
+            return Err(FsdpError::NonFinite {
+                tensor: shards.slots[i].name.clone(),
+                rank: locals[local],
+                index: at - start,
+                value,
+            });
+        }
+        Ok(())
+    }
+}
+
 impl Reshard for LentFsdpBackend {
     type TrainState = LentFsdpState;
     type Rollout = RolloutBuffer;
@@ -171,9 +335,8 @@ impl Reshard for LentFsdpBackend {
     type Error = FsdpError;
 
     fn plan(&self, state: &LentFsdpState) -> Result<Arc<FsdpPlan>, FsdpError> {
-        let inner = &self.inner;
-        let mut finite = || inner.check_finite_ranks(&state.ranks, &state.shards);
-        inner.plan_layout(&state.layout, &mut finite)
+        let mut finite = || self.check_finite(state);
+        self.inner.plan_layout(&state.layout, &mut finite)
     }
 
     fn enter(
@@ -193,7 +356,7 @@ impl Reshard for LentFsdpBackend {
         // is written before the buffers are handed out.
         let mut rolls =
             unsafe { alloc_rollout_buffers(&*inner.pool, plan.roll_len as usize, plan.peer_copy)? };
-        let mut moved = inner.transfer(plan, &mut state.ranks, &mut rolls, &NoHooks, ctx)?;
+        let mut moved = self.transfer(plan, state, &mut rolls, ctx)?;
         inner.finish_offload(&mut state.ranks, &NoHooks, ctx, &mut moved)?;
         Ok(RolloutBuffer::per_rank_shared(
             rolls,

@@ -67,7 +67,7 @@ mod verify;
 
 pub use backend::{FsdpBackend, DEFAULT_OFFLOAD_CHUNK_BYTES};
 pub use error::FsdpError;
-pub use lent::{LentFsdpBackend, LentFsdpState, LentParts};
+pub use lent::{LentFsdpBackend, LentFsdpState, LentMaster, LentParts};
 pub use lifecycle_layout::fsdp::{BucketConfig, FsdpPlan, GatherMode};
 pub use state::{FsdpTrainState, RankDump, RankTrain};
 pub use update::{check_adam_params, synthetic_grad_value};

@@ -13,7 +13,7 @@ use lifecycle_cuda::cudarc::driver::{result, CudaContext};
 use lifecycle_cuda::driver::{BufferClass, LentMemory, LentOffload, LentStream};
 use lifecycle_cuda::testing::require_gpus;
 use lifecycle_cuda::{CudaError, RankExecutor, ThreadRankPool};
-use lifecycle_fsdp::{FsdpBackend, LentParts};
+use lifecycle_fsdp::{FsdpBackend, LentMaster, LentParts};
 use lifecycle_host::{reference_rollout, HostTrainState};
 use lifecycle_layout::fsdp::ShardLayout;
 use lifecycle_layout::{FsdpLayout, HostTensor, Parallel, RolloutLayout, TensorSpec};
@@ -169,8 +169,7 @@ fn an_fsdp_switch_over_buffers_allocated_outside_the_backend() -> Res {
     assert_eq!(pool.local_ranks(), &[0]);
     let backend = FsdpBackend::new(pool, layout.clone()).lending()?;
     let parts = vec![LentParts {
-        master,
-        master_len: len,
+        master: LentMaster::Flat { ptr: master, len },
         offload: vec![
             LentOffload::new("adam_m", BufferClass::Optimizer, m, len * 4, owner()),
             LentOffload::new("adam_v", BufferClass::Optimizer, v, len * 4, owner()),
@@ -253,5 +252,89 @@ fn an_fsdp_switch_over_buffers_allocated_outside_the_backend() -> Res {
     }
     // SAFETY: the test's stream, idle (everything above synchronised).
     unsafe { result::stream::destroy(stream) }?;
+    Ok(())
+}
+
+/// FSDP2's layout: one allocation per parameter shard (made in reverse order, so the addresses
+/// are neither in training order nor adjacent), lent by address and read in place: bf16 and fp8
+/// rollouts bit-identical to the CPU executor's; a shard of the wrong size is refused by name
+/// before anything moves.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn an_fsdp_switch_reads_per_parameter_shards_in_place() -> Res {
+    use lifecycle_layout::fp8::RolloutDtype;
+    require_gpus(1)?;
+    let (world, tp) = (1, 1);
+    let mut specs = specs(tp);
+    // a matrix of whole 128 x 128 blocks for the fp8 rollout as well
+    specs.push(TensorSpec::new(
+        "model.layers.0.mlp.up_proj.weight",
+        [256, 128],
+        Parallel::Column,
+    ));
+    let host = tensors(&specs, 5);
+    let layout = RolloutLayout::new(tp, specs.clone())?;
+    let train = FsdpLayout::new(
+        world,
+        specs.iter().map(|s| (s.name.clone(), s.shape.clone())),
+    )?;
+    let ctx = CudaContext::new(0)?;
+    let mut allocations = Vec::new();
+    let mut shards = vec![(0u64, 0usize); host.len()];
+    for (i, t) in host.iter().enumerate().rev() {
+        let data = t.data.to_f32().unwrap_or_default();
+        let p = upload(&ctx, &data)?;
+        allocations.push(p);
+        shards[i] = (p, data.len());
+    }
+    let reference = HostTrainState::from_tensors(world, host.clone())?;
+    for dtype in [RolloutDtype::Bf16, RolloutDtype::Fp8] {
+        let pool = Arc::new(ThreadRankPool::new(world)?);
+        let backend = FsdpBackend::new(pool, layout.clone())
+            .with_rollout_dtype(dtype)
+            .lending()?;
+        let parts = vec![LentParts {
+            master: LentMaster::Shards(shards.clone()),
+            offload: Vec::new(),
+            stream: None,
+        }];
+        // SAFETY: every shard is a live allocation of its stated size on GPU 0, kept until the
+        // end of the test.
+        let state = unsafe { backend.lend(train.clone(), parts)? };
+        let mut lc = Lifecycle::new(backend, state);
+        let s = lc.rollout()?;
+        let got = s.backend().inner().download_rollout(&s.weights())?;
+        let want = match dtype {
+            RolloutDtype::Bf16 => reference_rollout(&reference, &layout)?,
+            RolloutDtype::Fp8 => lifecycle_host::fp8::fp8_switch(&reference, &layout)?,
+        };
+        assert_eq!(
+            want.first_difference(&got),
+            None,
+            "{dtype:?}: rollout differs"
+        );
+        drop(s);
+        eprintln!("per-parameter shards, {dtype:?}: bit-identical to the CPU executor");
+    }
+    // a shard one element short, refused naming its tensor
+    let pool = Arc::new(ThreadRankPool::new(world)?);
+    let backend = FsdpBackend::new(pool, layout.clone()).lending()?;
+    let mut short = shards.clone();
+    short[1].1 -= 1;
+    let parts = vec![LentParts {
+        master: LentMaster::Shards(short),
+        offload: Vec::new(),
+        stream: None,
+    }];
+    // SAFETY: as above (refused before anything is read).
+    let err = unsafe { backend.lend(train.clone(), parts) }
+        .err()
+        .ok_or("a short shard must be refused")?
+        .to_string();
+    assert!(err.contains(&specs[1].name), "{err}");
+    for p in allocations {
+        // SAFETY: the test's allocations, no longer used.
+        unsafe { result::free_sync(p) }?;
+    }
     Ok(())
 }

@@ -108,6 +108,11 @@ pub enum LentSource {
         /// Elements.
         len: usize,
     },
+    /// fp32 tensors that are separate allocations (PyTorch FSDP2's per-parameter shards): each
+    /// `(address, elements)`, read in place as one source whose base is the lowest address (the
+    /// element offsets from it are [`LentRank::source_offsets`], which a plan rebases its reads
+    /// onto; the memory between the tensors is never read or written).
+    F32Tensors(Vec<(u64, usize)>),
     /// bf16 parameters.
     Bf16 {
         /// Device address.
@@ -259,6 +264,8 @@ impl Offloadable for LentOffload {
 /// buffers an offload may move, and the caller's stream. See the [module docs](self).
 pub struct LentRank {
     source: SourceSlice,
+    /// With [`LentSource::F32Tensors`]: each tensor's first element from the source's base.
+    offsets: Option<Vec<u64>>,
     offload: Vec<LentOffload>,
     stream: Option<LentStream>,
 }
@@ -279,11 +286,21 @@ impl LentRank {
         offload: Vec<LentOffload>,
         stream: Option<LentStream>,
     ) -> Result<Self, CudaError> {
+        let mut offsets = None;
         let source = match source {
             LentSource::F32 { ptr, len } => {
                 check_ptr(ctx, ptr, len * 4, "the lent fp32 source")?;
                 // SAFETY: the caller's promise.
                 SourceSlice::F32(unsafe { Borrowed::new(&ctx.compute, ptr, len) })
+            }
+            LentSource::F32Tensors(tensors) => {
+                let (base, at, len) = tensor_offsets(ctx, &tensors)?;
+                offsets = Some(at);
+                // SAFETY: the range spans the lent tensors (the caller's promise for each) and
+                // the memory between them, which is not ours: nothing reads or writes it, since
+                // every read of the source is rebased into a tensor and validated against it
+                // before a program runs (RankSteps::rebase_source).
+                SourceSlice::F32(unsafe { Borrowed::new(&ctx.compute, base, len) })
             }
             LentSource::Bf16 { ptr, len } => {
                 check_ptr(ctx, ptr, len * 2, "the lent bf16 source")?;
@@ -298,15 +315,61 @@ impl LentRank {
         }
         Ok(LentRank {
             source,
+            offsets,
             offload,
             stream,
         })
+    }
+
+    /// With a [`LentSource::F32Tensors`] source: each tensor's first element, counted in fp32
+    /// elements from the lowest address (what a plan's reads are rebased onto).
+    pub fn source_offsets(&self) -> Option<&[u64]> {
+        self.offsets.as_deref()
     }
 
     /// The lent buffers an offload may move.
     pub fn offload(&self) -> &[LentOffload] {
         &self.offload
     }
+}
+
+/// The base address of lent fp32 `tensors` (the lowest), each tensor's element offset from it and
+/// the elements up to the end of the last; empty tensors sit at offset 0.
+fn tensor_offsets(
+    ctx: &RankCtx,
+    tensors: &[(u64, usize)],
+) -> Result<(u64, Vec<u64>, usize), CudaError> {
+    for (i, &(p, n)) in tensors.iter().enumerate() {
+        check_ptr(ctx, p, n * 4, &format!("lent tensor {i}"))?;
+    }
+    let base = tensors
+        .iter()
+        .filter(|t| t.1 > 0)
+        .map(|t| t.0)
+        .min()
+        .unwrap_or(0);
+    let mut at = Vec::with_capacity(tensors.len());
+    let mut end = 0u64;
+    for (i, &(p, n)) in tensors.iter().enumerate() {
+        if n == 0 {
+            at.push(0);
+            continue;
+        }
+        let d = p - base;
+        if d % 4 != 0 {
+            return Err(CudaError::Invalid(format!(
+                "rank {}: lent tensor {i} at {p:#x} is not 4-byte aligned against the lowest \
+                 lent address {base:#x}: fp32 tensors are read as one source",
+                ctx.rank
+            )));
+        }
+        at.push(d / 4);
+        end = end.max(d / 4 + n as u64);
+    }
+    let len = usize::try_from(end).map_err(|_| {
+        CudaError::Invalid(format!("rank {}: the lent tensors span too much", ctx.rank))
+    })?;
+    Ok((base, at, len))
 }
 
 fn check_ptr(ctx: &RankCtx, ptr: u64, bytes: usize, what: &str) -> Result<(), CudaError> {
