@@ -89,6 +89,46 @@ impl LentFsdpState {
 
 /// An [`FsdpBackend`] that switches lent training buffers: [`Reshard`] with
 /// [`LentFsdpState`] as the training state. Made by [`FsdpBackend::lending`].
+///
+/// A trainer that holds its own shards (PyTorch's FSDP2: one allocation per parameter, the
+/// rank's dim-0 rows) lends their addresses and its stream; the rollout is read from them in
+/// place, and nothing of the trainer's memory is freed or moved unless it lends buffers to
+/// offload ([`LentOffload`](lifecycle_cuda::driver::LentOffload)):
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use lifecycle_core::Lifecycle;
+/// use lifecycle_cuda::driver::LentStream;
+/// use lifecycle_cuda::ThreadRankPool;
+/// use lifecycle_fsdp::{FsdpBackend, LentMaster, LentParts};
+/// use lifecycle_layout::{FsdpLayout, Parallel, RolloutLayout, TensorSpec};
+///
+/// # fn shard_address(_name: &str) -> u64 { 0 }
+/// # fn trainer_stream() -> u64 { 0 }
+/// let specs = vec![
+///     TensorSpec::new("model.layers.0.self_attn.q_proj.weight", [8, 4], Parallel::Column),
+///     TensorSpec::new("model.norm.weight", [4], Parallel::Replicated),
+/// ];
+/// let train = FsdpLayout::new(1, specs.iter().map(|s| (s.name.clone(), s.shape.clone())))?;
+/// let pool = Arc::new(ThreadRankPool::new(1)?);
+/// let backend = FsdpBackend::new(pool, RolloutLayout::new(1, specs)?).lending()?;
+/// // W = 1: the rank holds every row; each shard's address comes from the trainer
+/// let parts = vec![LentParts {
+///     master: LentMaster::Shards(vec![
+///         (shard_address("model.layers.0.self_attn.q_proj.weight"), 32),
+///         (shard_address("model.norm.weight"), 4),
+///     ]),
+///     offload: Vec::new(),
+///     stream: Some(LentStream(trainer_stream())),
+/// }];
+/// // SAFETY: the addresses are the trainer's live fp32 shards on GPU 0, kept while lent.
+/// let state = unsafe { backend.lend(train, parts)? };
+/// let mut lc = Lifecycle::new(backend, state);
+/// let session = lc.rollout()?;
+/// let host = session.backend().inner().download_rollout(&session.weights())?;
+/// assert_eq!(host.ranks[0].tensors.len(), 2);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct LentFsdpBackend {
     inner: FsdpBackend,
     /// Per local rank, the step program of the last plan run over the last places of the lent
