@@ -1,0 +1,371 @@
+//! A switch over GPU shards a trainer owns (PyTorch FSDP2's per-parameter `to_local()` shards),
+//! lent by address with the trainer's stream: [`LentFsdpBackend`] reads them in place, and
+//! what an offload moves is released and restored by its owner
+//! ([`LentOffload`](lifecycle_cuda::driver::LentOffload)). The shards may move between
+//! switches (a restored storage gets a new address): the switch lends them again when they did.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use lifecycle_core::{
+    EngineBytes, Lifecycle, LifecycleConfig, PhaseScope, RolloutEngine, RolloutView,
+};
+use lifecycle_cuda::driver::{LentOffload, LentStream};
+use lifecycle_cuda::{RankExecutor, RolloutBuffer, RolloutSource, ThreadRankPool};
+use lifecycle_decoder::Sampling;
+use lifecycle_decoder_gpu::{EngineSettings, GpuDecodeError, GpuEngine};
+use lifecycle_fsdp::{FsdpBackend, LentFsdpBackend, LentFsdpState, LentMaster, LentParts};
+use lifecycle_layout::FsdpLayout;
+
+use crate::error::BridgeError;
+use crate::host::{not_entered, SwitchSettings};
+use crate::model::ModelBinding;
+use crate::shards::{check_shards, Shard};
+use crate::switch::{Entered, SwitchStats};
+use crate::views::{buffer_views, Device, Leases, TensorView};
+
+/// What a trainer lends for one local rank at an enter.
+pub struct GpuRankParts {
+    /// Its fp32 shards, one per tensor in the binding's order.
+    pub shards: Vec<Shard>,
+    /// What an offload may move (used only when the shards are lent anew).
+    pub offload: Vec<LentOffload>,
+    /// The trainer's stream (`torch.cuda.current_stream().cuda_stream`).
+    pub stream: Option<u64>,
+}
+
+/// The project's GPU engine, when one is attached: the lifecycle wakes and puts it to sleep
+/// with the rollout weights.
+#[derive(Default)]
+pub struct EngineSlot(Option<GpuEngine>);
+
+impl RolloutEngine<RolloutBuffer> for EngineSlot {
+    type Error = GpuDecodeError;
+
+    fn wake(
+        &mut self,
+        weights: RolloutView<'_, RolloutBuffer>,
+        scope: &mut PhaseScope,
+    ) -> Result<(), GpuDecodeError> {
+        match &mut self.0 {
+            Some(e) => e.wake(weights, scope),
+            None => Ok(()),
+        }
+    }
+
+    fn sleep(&mut self, scope: &mut PhaseScope) -> Result<(), GpuDecodeError> {
+        match &mut self.0 {
+            Some(e) => e.sleep(scope),
+            None => Ok(()),
+        }
+    }
+
+    fn memory(&self) -> EngineBytes {
+        self.0
+            .as_ref()
+            .map_or_else(EngineBytes::default, GpuEngine::memory)
+    }
+}
+
+type GpuLifecycle = Lifecycle<LentFsdpBackend, EngineSlot>;
+
+enum Slot {
+    /// Nothing lent yet (or between lendings).
+    Idle(Box<(LentFsdpBackend, EngineSlot)>),
+    /// Lent, with the shards' addresses and the stream they were lent with.
+    Live(Box<GpuLifecycle>, Vec<(Vec<Shard>, Option<u64>)>),
+    /// A re-lending failed part way: the switch cannot be used again.
+    Broken,
+}
+
+/// A switch over lent GPU shards (see the [module docs](self)).
+pub struct GpuSwitch {
+    slot: Slot,
+    binding: ModelBinding,
+    train: FsdpLayout,
+    config: LifecycleConfig,
+    leases: Arc<Leases>,
+    generation: u64,
+    lendings: u64,
+}
+
+impl std::fmt::Debug for GpuSwitch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuSwitch")
+            .field("generation", &self.generation)
+            .field("lendings", &self.lendings)
+            .finish()
+    }
+}
+
+impl GpuSwitch {
+    /// A switch for `binding`'s model on the ranks of `pool` (W = the pool's world).
+    pub fn new(
+        binding: ModelBinding,
+        settings: SwitchSettings,
+        pool: Arc<ThreadRankPool>,
+    ) -> Result<Self, BridgeError> {
+        if pool.world() != settings.world {
+            return Err(BridgeError::Config(format!(
+                "world size {} given, the GPU ranks of this process form a world of {}",
+                settings.world,
+                pool.world()
+            )));
+        }
+        settings
+            .lifecycle
+            .memory
+            .validate()
+            .map_err(BridgeError::Config)?;
+        let train = binding.train_layout(settings.world)?;
+        let rollout = binding.rollout_layout(settings.tp, settings.experts)?;
+        let backend = FsdpBackend::new(pool, rollout)
+            .with_verification(false)
+            .with_rollout_dtype(settings.dtype)
+            .lending()
+            .map_err(BridgeError::backend)?;
+        Ok(GpuSwitch {
+            slot: Slot::Idle(Box::new((backend, EngineSlot::default()))),
+            binding,
+            train,
+            config: settings.lifecycle,
+            leases: Arc::new(Leases::default()),
+            generation: 0,
+            lendings: 0,
+        })
+    }
+
+    /// The model binding.
+    pub fn binding(&self) -> &ModelBinding {
+        &self.binding
+    }
+
+    /// The leases on handed-out views.
+    pub fn leases(&self) -> &Arc<Leases> {
+        &self.leases
+    }
+
+    /// Times the shards were lent (1 + the times they had moved at an enter).
+    pub fn lendings(&self) -> u64 {
+        self.lendings
+    }
+
+    fn backend(&self) -> Result<&LentFsdpBackend, BridgeError> {
+        match &self.slot {
+            Slot::Idle(idle) => Ok(&idle.0),
+            Slot::Live(lc, _) => Ok(lc.backend()),
+            Slot::Broken => Err(broken()),
+        }
+    }
+
+    /// Global ranks this process drives.
+    pub fn local_ranks(&self) -> Result<Vec<usize>, BridgeError> {
+        Ok(self.backend()?.rank_pool().local_ranks().to_vec())
+    }
+
+    /// Attaches the project's GPU engine (leaving rollout mode first: the next enter wakes it).
+    pub fn attach_engine(&mut self, settings: EngineSettings) -> Result<(), BridgeError> {
+        self.exit()?;
+        let backend = self.backend()?;
+        let engine = GpuEngine::for_backend(backend, self.binding.config(), settings)
+            .map_err(BridgeError::backend)?;
+        match &mut self.slot {
+            Slot::Idle(idle) => idle.1 .0 = Some(engine),
+            Slot::Live(lc, _) => lc.engine_mut().0 = Some(engine),
+            Slot::Broken => return Err(broken()),
+        }
+        Ok(())
+    }
+
+    /// Enters rollout mode: lends the shards anew if they moved (or at the first call), then
+    /// switches when `changed` (or when nothing is resident); otherwise reuses the resident
+    /// weights and moves nothing.
+    ///
+    /// # Safety
+    /// Every shard's address must be fp32 device memory of its rank's GPU, of that many elements,
+    /// alive (and not written during a switch) until the next enter that lends anew or the
+    /// switch is dropped, except what an offload's owner releases when asked; each stream a live
+    /// stream of that device.
+    pub unsafe fn enter(
+        &mut self,
+        parts: Vec<GpuRankParts>,
+        changed: bool,
+    ) -> Result<Entered, BridgeError> {
+        let ranks = self.local_ranks()?;
+        let shards: Vec<Vec<Shard>> = parts.iter().map(|p| p.shards.clone()).collect();
+        check_shards(&self.train, &ranks, &shards)?;
+        let key: Vec<(Vec<Shard>, Option<u64>)> =
+            parts.iter().map(|p| (p.shards.clone(), p.stream)).collect();
+        let moved = !matches!(&self.slot, Slot::Live(_, at) if *at == key);
+        if let Slot::Live(lc, _) = &self.slot {
+            if !moved && !changed && lc.rollout_is_current() {
+                return self.reuse();
+            }
+        }
+        let held = self.leases.held();
+        if !held.is_empty() {
+            return Err(BridgeError::InUse {
+                operation: "entering with changed weights",
+                held,
+            });
+        }
+        let start = Instant::now();
+        if moved {
+            // SAFETY: the caller's promise (this function's contract).
+            unsafe { self.lend(parts, key)? };
+        } else if let Slot::Live(lc, _) = &mut self.slot {
+            // a training session marks the weights changed (the next rollout refreshes them)
+            lc.train().map_err(BridgeError::backend)?;
+        }
+        let Slot::Live(lc, _) = &mut self.slot else {
+            return Err(broken());
+        };
+        rollout_call(lc)?;
+        self.generation += 1;
+        Ok(Entered::switched(self.generation, start.elapsed()))
+    }
+
+    fn reuse(&mut self) -> Result<Entered, BridgeError> {
+        let Slot::Live(lc, _) = &mut self.slot else {
+            return Err(broken());
+        };
+        rollout_call(lc)?;
+        Ok(Entered::reused(self.generation))
+    }
+
+    /// Lends `parts` (leaving rollout mode and dropping the previous lending first).
+    ///
+    /// # Safety
+    /// As [`GpuSwitch::enter`].
+    unsafe fn lend(
+        &mut self,
+        parts: Vec<GpuRankParts>,
+        key: Vec<(Vec<Shard>, Option<u64>)>,
+    ) -> Result<(), BridgeError> {
+        if let Slot::Live(lc, _) = &mut self.slot {
+            lc.exit().map_err(BridgeError::backend)?;
+        }
+        let (backend, engine) = match std::mem::replace(&mut self.slot, Slot::Broken) {
+            Slot::Idle(idle) => *idle,
+            Slot::Live(lc, _) => {
+                let (b, _old, e) = lc.into_parts_with_engine().map_err(BridgeError::backend)?;
+                (b, e)
+            }
+            Slot::Broken => return Err(broken()),
+        };
+        let lent: Vec<LentParts> = parts
+            .into_iter()
+            .map(|p| LentParts {
+                master: LentMaster::Shards(p.shards),
+                offload: p.offload,
+                stream: p.stream.map(LentStream),
+            })
+            .collect();
+        // SAFETY: the caller's promise (GpuSwitch::enter's contract).
+        let state: LentFsdpState = match unsafe { backend.lend(self.train.clone(), lent) } {
+            Ok(s) => s,
+            Err(e) => {
+                self.slot = Slot::Idle(Box::new((backend, engine)));
+                return Err(BridgeError::backend(e));
+            }
+        };
+        let lc = Lifecycle::with_config(backend, state, self.config)
+            .map_err(BridgeError::backend)?
+            .with_engine(engine);
+        self.slot = Slot::Live(Box::new(lc), key);
+        self.lendings += 1;
+        Ok(())
+    }
+
+    fn live(&mut self) -> Result<&mut GpuLifecycle, BridgeError> {
+        match &mut self.slot {
+            Slot::Live(lc, _) if lc.rollout_is_current() => Ok(lc),
+            Slot::Broken => Err(broken()),
+            _ => Err(not_entered()),
+        }
+    }
+
+    /// The views of local rank `local`'s rollout weights (in rollout mode only).
+    pub fn views(&mut self, local: usize) -> Result<Vec<TensorView>, BridgeError> {
+        let lc = self.live()?;
+        let session = lc.rollout().map_err(BridgeError::backend)?;
+        let weights = session.weights();
+        let buffer = weights.get();
+        let pool = session.backend().rank_pool().clone();
+        let mut items: Vec<&lifecycle_cuda::cudarc::driver::CudaSlice<half::bf16>> =
+            buffer.buffers().iter().collect();
+        let bases = pool
+            .run_each(&mut items, &|ctx, b| Ok((ctx.addr(*b), ctx.ctx.ordinal())))
+            .map_err(BridgeError::backend)?;
+        let Some(&(base, ordinal)) = bases.get(local) else {
+            return Err(BridgeError::Config(format!(
+                "local rank {local}: this switch drives {} ranks",
+                bases.len()
+            )));
+        };
+        let views = buffer_views(buffer.rank_entries(local), base, Device::Cuda(ordinal));
+        session.finish().map_err(BridgeError::backend)?;
+        Ok(views)
+    }
+
+    /// Generates with the attached engine on the resident weights (in rollout mode only).
+    pub fn generate(
+        &mut self,
+        prompts: &[Vec<u32>],
+        sampling: &Sampling,
+    ) -> Result<Vec<Vec<u32>>, BridgeError> {
+        let lc = self.live()?;
+        let mut session = lc.rollout().map_err(BridgeError::backend)?;
+        let (weights, mut engine) = session.parts();
+        let Some(e) = engine.0.as_mut() else {
+            return Err(BridgeError::Config(
+                "no engine attached to this switch (lifecycle.Engine(switch, ...))".into(),
+            ));
+        };
+        let out = e
+            .generate(weights, prompts, sampling)
+            .map_err(BridgeError::backend)?;
+        session.finish().map_err(BridgeError::backend)?;
+        Ok(out)
+    }
+
+    /// Leaves rollout mode, bringing back what was offloaded (refused while a handed-out view is
+    /// referenced).
+    pub fn exit(&mut self) -> Result<(), BridgeError> {
+        let held = self.leases.held();
+        if !held.is_empty() {
+            return Err(BridgeError::InUse {
+                operation: "exit",
+                held,
+            });
+        }
+        match &mut self.slot {
+            Slot::Live(lc, _) => lc.exit().map_err(BridgeError::backend),
+            Slot::Idle(..) => Ok(()),
+            Slot::Broken => Err(broken()),
+        }
+    }
+
+    /// Switch counts and times (of the current lending).
+    pub fn stats(&self) -> SwitchStats {
+        match &self.slot {
+            Slot::Live(lc, _) => SwitchStats::of(lc.metrics(), self.generation),
+            _ => SwitchStats {
+                generation: self.generation,
+                ..SwitchStats::default()
+            },
+        }
+    }
+}
+
+/// One rollout call that switches if needed and ends at once.
+fn rollout_call(lc: &mut GpuLifecycle) -> Result<(), BridgeError> {
+    let session = lc.rollout().map_err(BridgeError::backend)?;
+    session.finish().map_err(BridgeError::backend)
+}
+
+fn broken() -> BridgeError {
+    BridgeError::Backend(
+        "an earlier lending of the shards failed part way; build a new switch".into(),
+    )
+}

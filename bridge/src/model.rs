@@ -1,0 +1,123 @@
+//! The model a trainer's tensors must be: its config, and the trainer's parameter names and
+//! full shapes checked against it, by name, before anything is read.
+
+use std::collections::{HashMap, HashSet};
+
+use lifecycle_decoder::ModelConfig;
+use lifecycle_layout::{ExpertPlacement, FsdpLayout, RolloutLayout};
+
+use crate::error::BridgeError;
+
+/// A trainer's parameters bound to a model config: every name the config has, each once, with
+/// the config's full shape, in the trainer's order (which becomes the training order).
+///
+/// ```
+/// use lifecycle_bridge::ModelBinding;
+/// let config = r#"{"model_type": "qwen2", "vocab_size": 16, "hidden_size": 8,
+///   "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+///   "intermediate_size": 16, "rope_theta": 10000.0, "tie_word_embeddings": true}"#;
+/// let mut named = lifecycle_bridge::ModelBinding::expected(config)?;
+/// let binding = ModelBinding::new(config, named.clone())?;
+/// assert_eq!(binding.names().len(), named.len());
+/// // a wrong shape is refused by name
+/// named[0].1 = vec![17, 8];
+/// let err = ModelBinding::new(config, named).unwrap_err();
+/// assert!(err.to_string().contains("model.embed_tokens.weight"), "{err}");
+/// # Ok::<(), lifecycle_bridge::BridgeError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct ModelBinding {
+    config: ModelConfig,
+    names: Vec<(String, Vec<usize>)>,
+}
+
+impl ModelBinding {
+    /// The parameters (Hugging Face names, full shapes, checkpoint order) of the model
+    /// `config_json` (a Hugging Face `config.json`) describes.
+    pub fn expected(config_json: &str) -> Result<Vec<(String, Vec<usize>)>, BridgeError> {
+        Ok(parse(config_json)?.tensor_shapes())
+    }
+
+    /// Binds `named` (the trainer's parameter names and full shapes) to the model of
+    /// `config_json`: a name the model lacks, a shape that differs, a name given twice and a
+    /// name missing are refused, each naming the tensor.
+    pub fn new(config_json: &str, named: Vec<(String, Vec<usize>)>) -> Result<Self, BridgeError> {
+        let config = parse(config_json)?;
+        let expected: HashMap<String, Vec<usize>> = config.tensor_shapes().into_iter().collect();
+        let mut seen = HashSet::new();
+        for (name, shape) in &named {
+            let Some(want) = expected.get(name) else {
+                return Err(BridgeError::tensor(
+                    name,
+                    format!(
+                        "not a parameter of this {:?} model (its {} parameters are Hugging Face \
+                         names such as `model.layers.0.self_attn.q_proj.weight`; pass the \
+                         module whose config this is)",
+                        config.architecture,
+                        expected.len()
+                    ),
+                ));
+            };
+            if want != shape {
+                return Err(BridgeError::tensor(
+                    name,
+                    format!("the model config gives shape {want:?}, the module's is {shape:?}"),
+                ));
+            }
+            if !seen.insert(name.as_str()) {
+                return Err(BridgeError::tensor(name, "given twice"));
+            }
+        }
+        let missing: Vec<String> = config
+            .tensor_shapes()
+            .into_iter()
+            .map(|(n, _)| n)
+            .filter(|n| !seen.contains(n.as_str()))
+            .collect();
+        if let Some(first) = missing.first() {
+            return Err(BridgeError::tensor(
+                first.as_str(),
+                format!(
+                    "missing from the module ({} of the model's parameters are: a frozen or \
+                     tied parameter must still be passed)",
+                    missing.len()
+                ),
+            ));
+        }
+        Ok(ModelBinding {
+            config,
+            names: named,
+        })
+    }
+
+    /// The model config.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Names and full shapes, in the trainer's order.
+    pub fn names(&self) -> &[(String, Vec<usize>)] {
+        &self.names
+    }
+
+    /// The FSDP training layout over `world` ranks (dim-0 chunks, as FSDP2's `Shard(0)`).
+    pub fn train_layout(&self, world: usize) -> Result<FsdpLayout, BridgeError> {
+        FsdpLayout::new(world, self.names.iter().cloned()).map_err(BridgeError::backend)
+    }
+
+    /// The rollout layout at tensor-parallel degree `tp` with the experts placed by `experts`.
+    pub fn rollout_layout(
+        &self,
+        tp: usize,
+        experts: ExpertPlacement,
+    ) -> Result<RolloutLayout, BridgeError> {
+        self.config
+            .rollout_layout_with(tp, experts)
+            .map_err(|e| BridgeError::Config(e.to_string()))
+    }
+}
+
+fn parse(config_json: &str) -> Result<ModelConfig, BridgeError> {
+    ModelConfig::from_json_str(config_json)
+        .map_err(|e| BridgeError::Config(format!("model config: {e}")))
+}

@@ -1,0 +1,122 @@
+"""What the switch needs from torch (imported only when torch tensors are used)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._lifecycle import ConfigError, TensorMismatchError
+
+
+def to_torch(handle) -> torch.Tensor:
+    """A torch tensor viewing a rollout tensor handle (DLPack, zero-copy); fp8 travels as bytes
+    and is viewed as ``float8_e4m3fn``."""
+    if handle.dtype_name == "float8_e4m3fn":
+        return torch.from_dlpack(handle.bits()).view(torch.float8_e4m3fn)
+    return torch.from_dlpack(handle)
+
+
+def _local(p) -> torch.Tensor:
+    to_local = getattr(p, "to_local", None)
+    return to_local() if to_local is not None else p.data
+
+
+def fsdp2_sources(module, offload: str, optimizer):
+    """The switch's sources for an FSDP2 module: names, full shapes, this rank's local shard of
+    each parameter, its versioned object (the parameter itself: ``optimizer.step()`` moves the
+    DTensor's counter, not its local tensor's), the world, the device, and callables giving the
+    offload buffers and the current stream at each enter."""
+    from .switch import _Source
+
+    named = list(module.named_parameters())
+    if not named:
+        raise ConfigError("from_fsdp2: the module has no parameters")
+    world, mesh_dims = 1, set()
+    for name, p in named:
+        spec = getattr(p, "placements", None)
+        if spec is not None:
+            mesh = p.device_mesh
+            if mesh.ndim != 1 or len(spec) != 1 or not spec[0].is_shard() or spec[0].dim != 0:
+                raise TensorMismatchError(
+                    f"tensor `{name}`: FSDP2 Shard(0) on a 1-D mesh expected, found {spec} on "
+                    f"a {mesh.ndim}-D mesh"
+                )
+            mesh_dims.add(mesh.size())
+    if len(mesh_dims) > 1:
+        raise ConfigError(f"from_fsdp2: parameters sharded over meshes of sizes {sorted(mesh_dims)}")
+    if mesh_dims:
+        world = mesh_dims.pop()
+    device = "cuda" if _local(named[0][1]).is_cuda else "cpu"
+    if device == "cpu" and world > 1:
+        return _gathered(named, world) + (None, None)
+    if device == "cuda" and world > 1:
+        raise ConfigError(
+            f"from_fsdp2: CUDA parameters sharded over {world} processes: the bridge lends one "
+            "process's shards to a switch of W = 1 today (CPU FSDP2 at W > 1 runs on the "
+            "reference backend)"
+        )
+    sources = [_Source(n, list(p.shape), [_local(p)], p) for n, p in named]
+
+    def stream() -> int:
+        return torch.cuda.current_stream().cuda_stream
+
+    buffers = None
+    if device == "cuda" and offload != "none":
+        params = offload in ("params", "all")
+        optim = offload in ("optimizer", "all")
+        if optim and optimizer is None:
+            raise ConfigError(f'offload="{offload}" moves optimizer state: pass optimizer=...')
+
+        def buffers() -> list[list[tuple]]:
+            out, seen = [], set()
+            tensors = []
+            if params:
+                tensors += [(n, "params", _local(p)) for n, p in named]
+            if optim:
+                for n, p in named:
+                    for key, t in optimizer.state.get(p, {}).items():
+                        if isinstance(t, torch.Tensor) and _local(t).is_cuda:
+                            tensors.append((f"{n}:{key}", "optimizer", _local(t)))
+            for n, cls, t in tensors:
+                st = t.untyped_storage()
+                if st.nbytes() == 0 or st.data_ptr() in seen:
+                    continue
+                seen.add(st.data_ptr())
+                out.append((n, cls, st.data_ptr(), st.nbytes(), *_owner(st)))
+            return [out]
+
+    return sources, world, device, buffers, stream if device == "cuda" else None
+
+
+def _owner(storage):
+    """``release(rank, ptr)`` and ``restore(rank, bytes) -> ptr`` of a torch storage."""
+
+    def release(_rank: int, _ptr: int) -> None:
+        storage.resize_(0)
+
+    def restore(_rank: int, nbytes: int) -> int:
+        storage.resize_(nbytes)
+        return storage.data_ptr()
+
+    return release, restore
+
+
+def _gathered(named, world: int):
+    """CPU FSDP2 (gloo): every rank's local shard of every parameter, gathered on every rank,
+    as the reference backend switches all W ranks."""
+    from .switch import _Source
+
+    sources = []
+    for name, p in named:
+        local = _local(p).contiguous()
+        parts: list[Any] = [None] * world
+        torch.distributed.all_gather_object(parts, local)
+        sources.append(_Source(name, list(p.shape), [t.contiguous() for t in parts], p))
+    return sources, world, "cpu"
+
+
+def regather(module, world: int):
+    """A callable that gathers every rank's shards again (after the trainer changed them)."""
+    named = list(module.named_parameters())
+    return lambda: _gathered(named, world)[0]

@@ -1,0 +1,47 @@
+"""The project's GPU decoder as the rollout engine of a switch."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class Engine:
+    """The project's GPU engine on a CUDA switch's rollout weights.
+
+    It wakes with the rollout weights (KV room for ``max_sequences`` sequences of
+    ``max_tokens`` positions each) and sleeps when the switch leaves rollout mode::
+
+        engine = Engine(switch, max_sequences=64, max_tokens=256)
+        with switch.rollout() as w:
+            samples = engine.generate(w, prompts, max_new_tokens=32)
+    """
+
+    def __init__(self, switch, *, max_sequences: int, max_tokens: int):
+        switch._leave()
+        switch._s.attach_engine(int(max_sequences), int(max_tokens))
+        self._switch = switch
+
+    def generate(
+        self,
+        weights,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop_token: int | None = None,
+    ) -> list[list[int]]:
+        """Tokens generated for each prompt on the session's weights (greedy at temperature 0;
+        sequence ``i`` samples from a generator keyed by ``(seed, i)``)."""
+        if weights._switch is not self._switch:
+            from ._lifecycle import ConfigError
+
+            raise ConfigError("these rollout weights belong to another switch than the engine's")
+        weights._check("engine.generate")
+        return self._switch._s.generate(
+            [list(map(int, p)) for p in prompts],
+            int(max_new_tokens),
+            float(temperature),
+            int(seed),
+            stop_token,
+        )

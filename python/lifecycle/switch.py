@@ -1,0 +1,354 @@
+"""The switch: training tensors a trainer owns, switched lazily into the rollout layout."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator, Sequence
+
+from . import _lifecycle
+from ._lifecycle import ConfigError, StaleWeightsError, TensorMismatchError
+from .vllm import vllm_tensors
+
+
+def _config_json(config: Any) -> str:
+    """A Hugging Face config (object with ``to_json_string``), a dict, or JSON text."""
+    if isinstance(config, str):
+        return config
+    if isinstance(config, dict):
+        return json.dumps(config)
+    to_json = getattr(config, "to_json_string", None)
+    if to_json is not None:
+        return to_json()
+    raise ConfigError(
+        f"config: expected a Hugging Face config, a dict or JSON text, found {type(config).__name__}"
+    )
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _address(name: str, x: Any, device: str) -> tuple[int, int]:
+    """``(address, elements)`` of a contiguous fp32 array or tensor, checked by name."""
+    if _is_torch(x):
+        import torch
+
+        if x.dtype != torch.float32:
+            raise TensorMismatchError(
+                f"tensor `{name}`: fp32 training weights expected, found {x.dtype}"
+            )
+        if not x.is_contiguous():
+            raise TensorMismatchError(f"tensor `{name}`: its shard is not contiguous")
+        found = "cuda" if x.is_cuda else "cpu"
+        if found != device:
+            raise TensorMismatchError(
+                f"tensor `{name}`: on {x.device}, this switch runs on {device}"
+            )
+        return (x.data_ptr() if x.numel() else 0, x.numel())
+    iface = getattr(x, "__array_interface__", None)
+    if iface is None:
+        raise TensorMismatchError(
+            f"tensor `{name}`: a torch tensor or a numpy array expected, found {type(x).__name__}"
+        )
+    if device != "cpu":
+        raise TensorMismatchError(f"tensor `{name}`: a host array given to a {device} switch")
+    if iface["typestr"] != "<f4":
+        raise TensorMismatchError(
+            f"tensor `{name}`: fp32 training weights expected, found dtype {x.dtype}"
+        )
+    if not x.flags["C_CONTIGUOUS"]:
+        raise TensorMismatchError(f"tensor `{name}`: its shard is not C-contiguous")
+    return (iface["data"][0] if x.size else 0, int(x.size))
+
+
+def _chunks(n: int, world: int) -> list[tuple[int, int]]:
+    """FSDP2's dim-0 chunks: ``ceil(n / world)`` rows each, short or empty trailing ranks."""
+    per = -(-n // world)
+    return [(min(r * per, n), min((r + 1) * per, n)) for r in range(world)]
+
+
+def _regather(module, device: str, world: int):
+    if device != "cpu" or world == 1:
+        return None
+    from ._torch import regather
+
+    return regather(module, world)
+
+
+class _Source:
+    """One training tensor: its name, full shape, the shards this process lends (one per
+    local rank) and the object whose in-place version counter says it changed."""
+
+    def __init__(self, name: str, shape: Sequence[int], shards: list[Any], versioned: Any):
+        self.name = name
+        self.shape = [int(d) for d in shape]
+        self.shards = shards
+        self.versioned = versioned
+
+    def version(self) -> Any:
+        return getattr(self.versioned, "_version", None)
+
+
+class Switch:
+    """Training tensors a trainer owns, switched lazily into the rollout layout.
+
+    Build it with :meth:`from_fsdp2` (a PyTorch module wrapped in FSDP2) or :meth:`from_shards`
+    / :meth:`from_arrays` (host arrays, on the CPU reference backend)."""
+
+    def __init__(
+        self,
+        config: Any,
+        sources: list[_Source],
+        *,
+        world: int,
+        rollout_tp: int = 1,
+        dtype: str = "bf16",
+        experts: str = "tp",
+        offload: str = "none",
+        switching: str = "lazy",
+        device: str = "cpu",
+        offload_buffers=None,
+        stream=None,
+        regather=None,
+    ):
+        self._config_json = _config_json(config)
+        self._sources = sources
+        self._device = device
+        self._torch = device == "cuda" or any(
+            _is_torch(s) for src in sources for s in src.shards
+        )
+        self._offload_buffers = offload_buffers
+        self._stream = stream
+        self._regather = regather
+        self._tp = int(rollout_tp)
+        self._s = _lifecycle._Switch(
+            self._config_json,
+            [(s.name, s.shape) for s in sources],
+            world=int(world),
+            tp=self._tp,
+            dtype_name=dtype,
+            experts_name=experts,
+            offload=offload,
+            switching=switching,
+            device=device,
+        )
+        self._dtype = dtype
+        self._seen: tuple | None = None
+        self._force = False
+        self._in_rollout = False
+        self._session: RolloutWeights | None = None
+
+    # ---- construction ------------------------------------------------------------------
+
+    @classmethod
+    def from_shards(
+        cls,
+        config: Any,
+        shards: Iterable[tuple[str, Sequence[int], Sequence[Any]]],
+        *,
+        world: int,
+        **settings,
+    ) -> "Switch":
+        """Host shards: ``(name, full shape, [rank 0's shard, ..., rank W-1's])`` per tensor,
+        each an fp32 array of that rank's dim-0 rows (FSDP2's chunks), on the CPU backend."""
+        sources = []
+        for name, shape, per_rank in shards:
+            per_rank = list(per_rank)
+            if len(per_rank) != world:
+                raise TensorMismatchError(
+                    f"tensor `{name}`: {len(per_rank)} shards given for a world of {world}"
+                )
+            sources.append(_Source(name, shape, per_rank, per_rank[0]))
+        return cls(config, sources, world=world, device="cpu", **settings)
+
+    @classmethod
+    def from_arrays(
+        cls, config: Any, named: Iterable[tuple[str, Any]], *, world: int = 1, **settings
+    ) -> "Switch":
+        """Full host arrays ``(name, array)``, split into FSDP2's dim-0 chunks over ``world``
+        ranks (views, no copies), on the CPU backend."""
+        shards = []
+        for name, a in named:
+            rows = a.shape[0] if a.ndim else 0
+            views = [a[lo:hi] for lo, hi in _chunks(rows, world)]
+            shards.append((name, list(a.shape), views))
+        return cls.from_shards(config, shards, world=world, **settings)
+
+    @classmethod
+    def from_fsdp2(
+        cls,
+        module,
+        *,
+        rollout_tp: int = 1,
+        dtype: str = "bf16",
+        experts: str = "tp",
+        offload: str = "none",
+        optimizer=None,
+        switching: str = "lazy",
+        config: Any = None,
+    ) -> "Switch":
+        """A module whose parameters are FSDP2 ``DTensor``s (``fully_shard``) — or plain
+        tensors at W = 1 — with a Hugging Face ``config`` (``module.config`` by default).
+
+        CUDA parameters are lent by address, zero-copy: each rank's ``to_local()`` shard (dim-0
+        chunks). ``offload`` ("none", "params", "optimizer", "all") moves the parameters'
+        and ``optimizer``'s state storages to pinned host memory during rollout
+        (``untyped_storage().resize_(0)`` and back); the switch then leaves rollout mode by
+        itself before the module's next forward and the optimizer's next step.
+
+        CPU parameters (gloo) are gathered from every rank and switched on the reference
+        backend, the same on every rank."""
+        from ._torch import fsdp2_sources
+
+        config = config if config is not None else getattr(module, "config", None)
+        if config is None:
+            raise ConfigError("from_fsdp2: the module has no `config`; pass config=...")
+        sources, world, device, buffers, stream = fsdp2_sources(module, offload, optimizer)
+        switch = cls(
+            config,
+            sources,
+            world=world,
+            rollout_tp=rollout_tp,
+            dtype=dtype,
+            experts=experts,
+            offload=offload,
+            switching=switching,
+            device=device,
+            offload_buffers=buffers,
+            stream=stream,
+            regather=_regather(module, device, world),
+        )
+        if offload != "none":
+            module.register_forward_pre_hook(lambda *_: switch._leave())
+            if optimizer is not None:
+                optimizer.register_step_pre_hook(lambda *_: switch._leave())
+        return switch
+
+    # ---- the lifecycle -------------------------------------------------------------------
+
+    def _versions(self) -> tuple:
+        return tuple(s.version() for s in self._sources)
+
+    def mark_changed(self) -> None:
+        """Forces the next rollout to switch (for tensors without a version counter)."""
+        self._force = True
+
+    def _enter(self, refresh: bool) -> None:
+        versions = self._versions()
+        changed = refresh or self._force or self._seen is None or versions != self._seen
+        if changed and self._regather is not None:
+            self._sources = self._regather()
+        shards = [
+            [_address(s.name, s.shards[i], self._device) for s in self._sources]
+            for i in range(len(self._sources[0].shards) if self._sources else 0)
+        ]
+        stream = self._stream() if callable(self._stream) else None
+        buffers = self._offload_buffers() if callable(self._offload_buffers) else None
+        self._s.enter(shards, changed, stream, buffers)
+        self._seen = versions
+        self._force = False
+        self._in_rollout = True
+
+    @contextmanager
+    def rollout(self, *, refresh: bool = False) -> Iterator["RolloutWeights"]:
+        """A rollout session: enters rollout mode only when the weights changed since the last
+        enter (their in-place version counters moved, or ``refresh=True``), then yields the
+        weights. Tensors taken from it are stale once the block ends."""
+        if self._session is not None:
+            raise ConfigError("a rollout session is already open on this switch")
+        self._enter(refresh)
+        self._s.open_session()
+        w = RolloutWeights(self, self._versions())
+        self._session = w
+        try:
+            yield w
+        finally:
+            self._session = None
+            self._s.close_session()
+
+    def _leave(self) -> None:
+        if self._in_rollout:
+            self._s.exit()
+            self._in_rollout = False
+
+    def train(self) -> None:
+        """Leaves rollout mode now (bringing offloaded state back); refused with
+        :class:`TensorsInUseError` while handed-out rollout tensors are still referenced."""
+        if self._session is not None:
+            raise ConfigError("a rollout session is open: end it before training")
+        self._leave()
+
+    def held(self) -> list[str]:
+        """Names of handed-out rollout tensors still referenced."""
+        return self._s.held()
+
+    def stats(self) -> dict:
+        """Counts and times of the switches so far (``enters``, ``refreshes``, ``exits``,
+        ``reuses``, ``switch_seconds``, ``generation``)."""
+        return dict(self._s.stats())
+
+    @property
+    def rollout_tp(self) -> int:
+        return self._tp
+
+
+class RolloutWeights:
+    """The rollout weights of one session (``with switch.rollout() as w``)."""
+
+    def __init__(self, switch: Switch, versions: tuple):
+        self._switch = switch
+        self._versions = versions
+
+    def _check(self, what: str) -> None:
+        if self._switch._session is not self:
+            raise StaleWeightsError(f"rollout weights used after their session ended ({what})")
+        if self._switch._versions() != self._versions:
+            changed = [
+                s.name
+                for s, v in zip(self._switch._sources, self._versions)
+                if s.version() != v
+            ]
+            raise StaleWeightsError(
+                f"the training weights changed during the session ({what}): "
+                f"`{changed[0]}` and {len(changed) - 1} more were updated in place"
+            )
+
+    def handles(self, rank: int = 0, *, bits: bool = False) -> list:
+        """The rollout tensors of local rank ``rank`` as handles (``_Tensor``): DLPack
+        exporters that raise :class:`StaleWeightsError` once stale. ``bits`` exports them as
+        unsigned integers of their width (what numpy can import)."""
+        self._check("handles")
+        return self._switch._s.tensors(rank, bits)
+
+    def named_tensors(self, format: str = "hf", rank: int = 0) -> Iterator[tuple[str, Any]]:
+        """``(name, tensor)`` for every rollout tensor of local rank ``rank``: torch tensors
+        (DLPack views of the rollout buffer, zero-copy) on a torch switch, handles otherwise.
+
+        ``format="hf"``: the rollout layout's names (Hugging Face's at any T).
+        ``format="vllm"``: vLLM's runtime names and rank-local shapes (fused ``qkv_proj``,
+        ``gate_up_proj``, FusedMoE ``w13_weight`` / ``w2_weight``, the vocabulary padded as
+        vLLM pads it); fused tensors are new tensors (one copy), the others views."""
+        self._check("named_tensors")
+        if format not in ("hf", "vllm"):
+            raise ConfigError(f'format `{format}`: expected "hf" or "vllm"')
+        handles = self._switch._s.tensors(rank, False)
+        if not self._switch._torch:
+            if format == "vllm":
+                raise ConfigError('format="vllm" yields torch tensors: it needs a torch switch')
+            yield from ((h.name, h) for h in handles)
+            return
+        from ._torch import to_torch
+
+        named = [(h.name, to_torch(h)) for h in handles]
+        if format == "hf":
+            yield from named
+        else:
+            yield from vllm_tensors(
+                self._switch._config_json, dict(named), self._switch._tp, rank
+            )
+
+    @property
+    def generation(self) -> int:
+        """The generation of these weights (one more at every switch)."""
+        return int(self._switch._s.stats()["generation"])

@@ -1,0 +1,346 @@
+//! `_Switch`: a host or GPU switch of `lifecycle-bridge` behind one Python class.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use lifecycle_bridge::gpu::GpuRankParts;
+use lifecycle_bridge::shards::Shard;
+use lifecycle_bridge::{BridgeError, Entered, GpuSwitch, HostSwitch, ModelBinding, SwitchSettings};
+use lifecycle_bridge::{Leases, SwitchStats};
+use lifecycle_core::{MemoryPolicy, Switching};
+use lifecycle_cuda::driver::{BufferClass, LentOffload};
+use lifecycle_cuda::ThreadRankPool;
+use lifecycle_decoder::Sampling;
+use lifecycle_decoder_gpu::EngineSettings;
+use lifecycle_layout::fp8::RolloutDtype;
+use lifecycle_layout::ExpertPlacement;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::to_py;
+use crate::owner::PyOwner;
+use crate::tensor::{PyTensor, Token};
+
+enum Inner {
+    Host(Box<HostSwitch>),
+    Gpu(Box<GpuSwitch>),
+}
+
+/// One buffer an offload may move, as Python gives it: `(name, "params" | "optimizer", address,
+/// bytes, release(rank, ptr), restore(rank, bytes) -> ptr)`.
+type PyOffload = (String, String, u64, usize, Py<PyAny>, Py<PyAny>);
+
+/// The switch (see the [module docs](self)).
+#[pyclass(name = "_Switch", module = "lifecycle._lifecycle")]
+pub struct PySwitch {
+    inner: Mutex<Inner>,
+    token: Arc<Token>,
+    sessions: AtomicU64,
+    leases: Arc<Leases>,
+}
+
+fn parse<T: std::str::FromStr<Err = String>>(what: &str, value: &str) -> Result<T, BridgeError> {
+    value
+        .parse()
+        .map_err(|e: String| BridgeError::Config(format!("{what}: {e}")))
+}
+
+fn dtype(value: &str) -> Result<RolloutDtype, BridgeError> {
+    match value {
+        "bf16" | "bfloat16" => Ok(RolloutDtype::Bf16),
+        "fp8" => Ok(RolloutDtype::Fp8),
+        other => Err(BridgeError::Config(format!(
+            "dtype: `{other}` is not a rollout dtype: expected \"bf16\" or \"fp8\""
+        ))),
+    }
+}
+
+fn experts(value: &str) -> Result<ExpertPlacement, BridgeError> {
+    match value {
+        "tp" => Ok(ExpertPlacement::TensorParallel),
+        "ep" => Ok(ExpertPlacement::Partitioned),
+        other => Err(BridgeError::Config(format!(
+            "experts: `{other}`: expected \"tp\" (every expert split by T) or \"ep\" (experts \
+             partitioned over the T ranks)"
+        ))),
+    }
+}
+
+fn memory(offload: &str) -> Result<MemoryPolicy, BridgeError> {
+    let (params, optimizer) = match offload {
+        "none" => (false, false),
+        "params" => (true, false),
+        "optimizer" => (false, true),
+        "all" => (true, true),
+        other => {
+            return Err(BridgeError::Config(format!(
+                "offload: `{other}`: expected \"none\", \"params\", \"optimizer\" or \"all\""
+            )))
+        }
+    };
+    Ok(MemoryPolicy {
+        offload_params: params,
+        offload_optimizer: optimizer,
+        // nothing offloaded: the rollout weights stay and are refreshed in place
+        keep_rollout_resident: !params && !optimizer,
+    })
+}
+
+fn class(name: &str, value: &str) -> Result<BufferClass, BridgeError> {
+    match value {
+        "params" => Ok(BufferClass::Params),
+        "optimizer" => Ok(BufferClass::Optimizer),
+        other => Err(BridgeError::tensor(
+            name,
+            format!("offload class `{other}`: expected \"params\" or \"optimizer\""),
+        )),
+    }
+}
+
+impl PySwitch {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn gpu(&self) -> Result<std::sync::MutexGuard<'_, Inner>, BridgeError> {
+        let g = self.lock();
+        match &*g {
+            Inner::Gpu(_) => Ok(g),
+            Inner::Host(_) => Err(BridgeError::Config(
+                "the project's GPU engine needs a switch on device \"cuda\"".into(),
+            )),
+        }
+    }
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: SwitchStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("enters", s.enters)?;
+    d.set_item("refreshes", s.refreshes)?;
+    d.set_item("exits", s.exits)?;
+    d.set_item("reuses", s.reuses)?;
+    d.set_item("switch_seconds", s.switch_time.as_secs_f64())?;
+    d.set_item("generation", s.generation)?;
+    Ok(d)
+}
+
+/// The parameters (Hugging Face names, full shapes, checkpoint order) of the model a Hugging
+/// Face `config.json` describes.
+#[pyfunction]
+pub fn expected_parameters(config_json: &str) -> PyResult<Vec<(String, Vec<usize>)>> {
+    ModelBinding::expected(config_json).map_err(to_py)
+}
+
+#[pymethods]
+impl PySwitch {
+    #[new]
+    #[pyo3(signature = (config_json, names, *, world, tp, dtype_name, experts_name, offload, switching, device))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        config_json: &str,
+        names: Vec<(String, Vec<usize>)>,
+        world: usize,
+        tp: usize,
+        dtype_name: &str,
+        experts_name: &str,
+        offload: &str,
+        switching: &str,
+        device: &str,
+    ) -> PyResult<Self> {
+        let build = || -> Result<Inner, BridgeError> {
+            let binding = ModelBinding::new(config_json, names)?;
+            let mut settings = SwitchSettings::new(world, tp);
+            settings.dtype = dtype(dtype_name)?;
+            settings.experts = experts(experts_name)?;
+            settings.lifecycle.memory = memory(offload)?;
+            settings.lifecycle.switching = parse::<Switching>("switching", switching)?;
+            match device {
+                "cpu" => Ok(Inner::Host(Box::new(HostSwitch::new(binding, settings)?))),
+                "cuda" => {
+                    let pool = ThreadRankPool::new(world).map_err(BridgeError::backend)?;
+                    let gpu = GpuSwitch::new(binding, settings, Arc::new(pool))?;
+                    Ok(Inner::Gpu(Box::new(gpu)))
+                }
+                other => Err(BridgeError::Config(format!(
+                    "device `{other}`: expected \"cpu\" (the reference backend) or \"cuda\""
+                ))),
+            }
+        };
+        let inner = py.detach(build).map_err(to_py)?;
+        let leases = match &inner {
+            Inner::Host(s) => s.leases().clone(),
+            Inner::Gpu(s) => s.leases().clone(),
+        };
+        Ok(PySwitch {
+            inner: Mutex::new(inner),
+            token: Arc::new(Token::default()),
+            sessions: AtomicU64::new(0),
+            leases,
+        })
+    }
+
+    /// Enters rollout mode (see `lifecycle.Switch.rollout`): `shards[local][tensor]` =
+    /// `(address, elements)`; `offload[local]` the buffers an offload may move (GPU); `stream`
+    /// the trainer's CUDA stream. Returns `(switched, generation, seconds)`.
+    #[pyo3(signature = (shards, changed, stream=None, offload=None))]
+    fn enter(
+        &self,
+        py: Python<'_>,
+        shards: Vec<Vec<Shard>>,
+        changed: bool,
+        stream: Option<u64>,
+        offload: Option<Vec<Vec<PyOffload>>>,
+    ) -> PyResult<(bool, u64, f64)> {
+        let run = || -> Result<Entered, BridgeError> {
+            let mut inner = self.lock();
+            match &mut *inner {
+                // SAFETY: the Python front passes the addresses of the host arrays it holds
+                // alive for the call (lifecycle/switch.py), each of its stated length.
+                Inner::Host(s) => unsafe { s.enter(&shards, changed) },
+                Inner::Gpu(s) => {
+                    let mut offload = offload.unwrap_or_default();
+                    offload.resize_with(shards.len(), Vec::new);
+                    let mut parts = Vec::with_capacity(shards.len());
+                    for (list, off) in shards.into_iter().zip(offload) {
+                        let mut moved = Vec::with_capacity(off.len());
+                        for (name, cls, ptr, bytes, release, restore) in off {
+                            let cls = class(&name, &cls)?;
+                            let what = match cls {
+                                BufferClass::Params => "a lent parameter shard",
+                                BufferClass::Optimizer => "a lent optimizer state tensor",
+                            };
+                            let owner = PyOwner {
+                                release,
+                                restore,
+                                name,
+                            };
+                            moved.push(LentOffload::new(what, cls, ptr, bytes, Box::new(owner)));
+                        }
+                        parts.push(GpuRankParts {
+                            shards: list,
+                            offload: moved,
+                            stream,
+                        });
+                    }
+                    // SAFETY: the Python front lends the live fp32 shards of the module's
+                    // parameters on this process's GPUs and keeps the module (and the storages
+                    // it lends to offload) alive as long as the switch (lifecycle/switch.py).
+                    unsafe { s.enter(parts, changed) }
+                }
+            }
+        };
+        let e = py.detach(run).map_err(to_py)?;
+        self.token.generation.store(e.generation, Ordering::SeqCst);
+        Ok((e.switched, e.generation, e.wall.as_secs_f64()))
+    }
+
+    /// Opens a session: tensors taken from now on are valid until `close_session`.
+    fn open_session(&self) -> u64 {
+        let id = self.sessions.fetch_add(1, Ordering::SeqCst) + 1;
+        self.token.session.store(id, Ordering::SeqCst);
+        id
+    }
+
+    /// Ends the open session: its tensors become stale.
+    fn close_session(&self) {
+        self.token.session.store(0, Ordering::SeqCst);
+    }
+
+    /// The rollout tensors of local rank `local` (in a session).
+    #[pyo3(signature = (local=0, bits=false))]
+    fn tensors(&self, py: Python<'_>, local: usize, bits: bool) -> PyResult<Vec<PyTensor>> {
+        if self.token.session.load(Ordering::SeqCst) == 0 {
+            return Err(to_py(BridgeError::Stale {
+                name: "session".into(),
+                reason: "no rollout session is open (use `with switch.rollout() as w:`)".into(),
+            }));
+        }
+        let views = py
+            .detach(|| match &mut *self.lock() {
+                Inner::Host(s) => s.views(local),
+                Inner::Gpu(s) => s.views(local),
+            })
+            .map_err(to_py)?;
+        Ok(views
+            .into_iter()
+            .map(|v| PyTensor::new(v, bits, &self.token, &self.leases))
+            .collect())
+    }
+
+    /// Leaves rollout mode (bringing offloaded state back); refused while handed-out tensors are
+    /// referenced.
+    fn exit(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| match &mut *self.lock() {
+            Inner::Host(s) => s.exit(),
+            Inner::Gpu(s) => s.exit(),
+        })
+        .map_err(to_py)
+    }
+
+    /// Names of handed-out tensors still referenced.
+    fn held(&self) -> Vec<String> {
+        self.leases.held()
+    }
+
+    /// Counts and times of the switches so far.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = match &*self.lock() {
+            Inner::Host(s) => s.stats(),
+            Inner::Gpu(s) => s.stats(),
+        };
+        stats_dict(py, s)
+    }
+
+    /// Global ranks this process drives.
+    fn local_ranks(&self) -> PyResult<Vec<usize>> {
+        match &*self.lock() {
+            Inner::Host(s) => Ok((0..s.binding().names().len().min(1)).collect()),
+            Inner::Gpu(s) => s.local_ranks().map_err(to_py),
+        }
+    }
+
+    /// Attaches the project's GPU engine (KV room for `max_sequences` of `max_tokens`).
+    fn attach_engine(
+        &self,
+        py: Python<'_>,
+        max_sequences: usize,
+        max_tokens: usize,
+    ) -> PyResult<()> {
+        py.detach(|| -> Result<(), BridgeError> {
+            let mut g = self.gpu()?;
+            let Inner::Gpu(s) = &mut *g else {
+                return Err(BridgeError::Config("not a GPU switch".into()));
+            };
+            s.attach_engine(EngineSettings::new(max_sequences, max_tokens))
+        })
+        .map_err(to_py)
+    }
+
+    /// Generates with the attached engine on the resident weights.
+    #[pyo3(signature = (prompts, max_new_tokens, temperature=0.0, seed=0, stop_token=None))]
+    fn generate(
+        &self,
+        py: Python<'_>,
+        prompts: Vec<Vec<u32>>,
+        max_new_tokens: usize,
+        temperature: f32,
+        seed: u64,
+        stop_token: Option<u32>,
+    ) -> PyResult<Vec<Vec<u32>>> {
+        let sampling = Sampling {
+            temperature,
+            max_new_tokens,
+            seed,
+            stop_token,
+        };
+        py.detach(|| -> Result<Vec<Vec<u32>>, BridgeError> {
+            let mut g = self.gpu()?;
+            let Inner::Gpu(s) = &mut *g else {
+                return Err(BridgeError::Config("not a GPU switch".into()));
+            };
+            s.generate(&prompts, &sampling)
+        })
+        .map_err(to_py)
+    }
+}
