@@ -16,10 +16,11 @@
 //! ```
 //!
 //! `--backend host`: ranks are threads, the policy is a toy MLP (`--vocab`, `--hidden`, `--ffn`,
-//! `--layers`) trained by a real DAPO step (clipped token-level loss with clip-higher,
-//! group-normalised advantages, gradients by backpropagation, Adam on the FSDP shards:
-//! `lifecycle_examples::dapo::update`), or with `--checkpoint DIR` (a Hugging Face `config.json` +
-//! safetensors, Qwen2, Llama, Qwen3 or Qwen3-MoE) the training state is the checkpoint's weights and every rollout runs the Qwen2
+//! `--layers`) trained by a real DAPO step (verl's objective by default, `--objective`: the
+//! token-mean clipped loss with clip-higher and the dual clip, group-normalised advantages;
+//! gradients by backpropagation, Adam on the FSDP shards: `lifecycle_examples::dapo::update`),
+//! or with `--checkpoint DIR` (a Hugging Face `config.json` + safetensors, Qwen2, Llama, Qwen3
+//! or Qwen3-MoE) the training state is the checkpoint's weights and every rollout runs the Qwen2
 //! / Llama decoder (`lifecycle-decoder`) on the resharded bf16 tensor-parallel slices and the
 //! update is a synthetic stand-in (no backward pass for checkpoint models); the toy-policy size
 //! options are then ignored. The reward (token classes, `lifecycle_examples::dapo::reward`) hits
@@ -45,7 +46,8 @@ use lifecycle_core::{Ceilings, HumanBytes, HumanDuration, MemoryPolicy, Switchin
 use lifecycle_decoder::{load_checkpoint, Checkpoint};
 use lifecycle_examples::dapo::megatron::{run_megatron, MegatronDriver};
 use lifecycle_examples::dapo::{
-    self, DapoBackend, DapoConfig, HostTrain, RunReport, StepReport, ToyDriver, UpdateOutcome,
+    self, DapoBackend, DapoConfig, HostTrain, Objective, RunReport, StepReport, ToyDriver,
+    UpdateConfig, UpdateOutcome,
 };
 use lifecycle_examples::gpu_dapo::{
     self as gpu_dapo, GpuLayout, GpuOptions, LifecycleChoice, LoopOptions,
@@ -240,6 +242,11 @@ struct HostOptions {
     /// decoder reading the fused layout).
     #[arg(long, value_enum, default_value_t = Train::Fsdp)]
     train: Train,
+    /// The toy policy's DAPO objective: `verl` (verl's GRPO advantages over the sample std, the
+    /// token-mean loss with clip-higher, the dual clip at 3 and the log-ratio clamped to ±20) or
+    /// `population` (advantages over the population std, no dual clip, no clamp).
+    #[arg(long, value_enum, default_value_t = UpdateConfig::default().objective)]
+    objective: Objective,
 }
 
 /// A command line that does not fit its backend.
@@ -402,7 +409,10 @@ impl Args {
             seed: self.seed.unwrap_or(d.seed),
             reward_modulus: d.reward_modulus,
             reward_quota: d.reward_quota,
-            update: d.update,
+            update: UpdateConfig {
+                objective: h.objective,
+                ..d.update
+            },
             policy: PolicyConfig {
                 vocab: h.vocab,
                 hidden: h.hidden,
@@ -890,6 +900,8 @@ mod tests {
             "--trace",
             "/tmp/t",
             "--verbose",
+            "--objective",
+            "population",
         ])
         .unwrap()
         {
@@ -901,6 +913,7 @@ mod tests {
                 ..
             } => {
                 assert!(verbose);
+                assert_eq!(config.update.objective, Objective::Population);
                 assert_eq!((config.steps, config.tp, config.world), (3, 1, 3));
                 assert_eq!((config.policy.vocab, config.seed), (32, 9));
                 assert_eq!(config.memory, MemoryPolicy::resident());
@@ -976,6 +989,14 @@ mod tests {
             .to_string();
         assert!(
             msg.contains("--world only applies") && msg.contains("--gpus"),
+            "{msg}"
+        );
+        // the objective is the host update's (the GPU backends' update is synthetic)
+        let msg = plan(&["--backend", "fsdp", "--objective", "verl"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("--objective only applies to --backend host"),
             "{msg}"
         );
         // the default backend is host: GPU-only options need --backend fsdp

@@ -214,8 +214,10 @@ impl GpuSwitch {
             // SAFETY: the caller's promise (this function's contract).
             unsafe { self.lend(parts, key)? };
         } else if let Slot::Live(lc, _) = &mut self.slot {
-            // a training session marks the weights changed (the next rollout refreshes them)
-            lc.train().map_err(BridgeError::backend)?;
+            // mutable access to the training state marks the weights changed: the next
+            // rollout refreshes them
+            let mut train = lc.train().map_err(BridgeError::backend)?;
+            let _ = train.state_mut();
         }
         let Slot::Live(lc, _) = &mut self.slot else {
             return Err(broken());

@@ -2,7 +2,7 @@
 //! shards they are written to, and one update moving the policy the way the advantages say.
 
 use lifecycle_examples::dapo::update::{
-    dapo_update, group_advantages, surrogate, token_objective, write_grads, UpdateConfig,
+    dapo_update, group_advantages, surrogate, token_objective, write_grads, Objective, UpdateConfig,
 };
 use lifecycle_examples::dapo::{prompt, Group};
 use lifecycle_examples::rng::SplitMix64;
@@ -185,37 +185,54 @@ fn backward_matches_finite_differences_at_a_temperature() {
 
 #[test]
 fn the_clipped_objective_follows_clip_higher() {
-    let (lo, hi) = (0.2, 0.28);
-    // inside the range: r·A and its gradient r·A
-    let t = token_objective(0.1f32.ln(), 0.1f32.ln(), 2.0, lo, hi);
-    assert!((t.value - 2.0).abs() < 1e-6 && (t.dlogp - 2.0).abs() < 1e-6 && !t.clipped);
-    // A > 0: clipped above 1 + ε_high = 1.28, not at 1.2
-    let r = |x: f32| x.ln();
-    let t = token_objective(r(1.25), 0.0, 1.0, lo, hi);
-    assert!(!t.clipped && (t.value - 1.25).abs() < 1e-5);
-    let t = token_objective(r(1.5), 0.0, 1.0, lo, hi);
-    assert!(t.clipped && t.dlogp == 0.0 && (t.value - 1.28).abs() < 1e-5);
-    // A > 0 and r < 1 − ε_low: the unclipped term is the minimum, the gradient flows
-    let t = token_objective(r(0.5), 0.0, 1.0, lo, hi);
-    assert!(!t.clipped && (t.dlogp - 0.5).abs() < 1e-5);
-    // A < 0: clipped below 1 − ε_low = 0.8, not above
-    let t = token_objective(r(0.7), 0.0, -1.0, lo, hi);
-    assert!(t.clipped && t.dlogp == 0.0 && (t.value + 0.8).abs() < 1e-5);
-    let t = token_objective(r(1.5), 0.0, -1.0, lo, hi);
-    assert!(!t.clipped && (t.dlogp + 1.5).abs() < 1e-5);
+    // ratios between 0.5 and 1.5: the dual clip (at 3) and the log-ratio clamp (±20) stay out,
+    // and both objectives are the clipped objective with clip-higher
+    for objective in [Objective::Verl, Objective::Population] {
+        let c = UpdateConfig {
+            objective,
+            ..UpdateConfig::default()
+        };
+        assert_eq!((c.clip_low, c.clip_high), (0.2, 0.28));
+        // inside the range: r·A and its gradient r·A
+        let t = token_objective(0.1f32.ln(), 0.1f32.ln(), 2.0, &c);
+        assert!((t.value - 2.0).abs() < 1e-6 && (t.dlogp - 2.0).abs() < 1e-6 && !t.clipped);
+        // A > 0: clipped above 1 + ε_high = 1.28, not at 1.2
+        let r = |x: f32| x.ln();
+        let t = token_objective(r(1.25), 0.0, 1.0, &c);
+        assert!(!t.clipped && (t.value - 1.25).abs() < 1e-5);
+        let t = token_objective(r(1.5), 0.0, 1.0, &c);
+        assert!(t.clipped && t.dlogp == 0.0 && (t.value - 1.28).abs() < 1e-5);
+        // A > 0 and r < 1 − ε_low: the unclipped term is the minimum, the gradient flows
+        let t = token_objective(r(0.5), 0.0, 1.0, &c);
+        assert!(!t.clipped && (t.dlogp - 0.5).abs() < 1e-5);
+        // A < 0: clipped below 1 − ε_low = 0.8, not above
+        let t = token_objective(r(0.7), 0.0, -1.0, &c);
+        assert!(t.clipped && t.dlogp == 0.0 && (t.value + 0.8).abs() < 1e-5);
+        let t = token_objective(r(1.5), 0.0, -1.0, &c);
+        assert!(!t.clipped && (t.dlogp + 1.5).abs() < 1e-5);
+    }
 }
 
 #[test]
 fn advantages_are_normalised_per_group() {
-    let a = group_advantages(&[1.0, 0.0, 0.0, 1.0], 1e-6);
-    for (x, e) in a.iter().zip([1.0, -1.0, -1.0, 1.0]) {
-        assert!((x - e).abs() < 1e-4, "{a:?}");
+    // verl: zero mean and unit sample variance (n − 1); population: unit population variance
+    for (objective, dof) in [(Objective::Verl, 3.0), (Objective::Population, 4.0)] {
+        let a = group_advantages(&[1.0, 0.0, 0.0, 1.0], 1e-6, objective);
+        let e = 0.5 * f32::sqrt(dof);
+        for (x, e) in a.iter().zip([e, -e, -e, e]) {
+            assert!((x - e).abs() < 1e-4, "{objective}: {a:?}");
+        }
+        let a = group_advantages(&[1.0, 0.0, 0.0, 0.0], 1e-6, objective);
+        assert!((a.iter().sum::<f32>()).abs() < 1e-5, "zero mean: {a:?}");
+        let var = a.iter().map(|x| x * x).sum::<f32>() / dof;
+        assert!(
+            (var - 1.0).abs() < 1e-4,
+            "{objective}: unit variance: {a:?}"
+        );
+        assert!(group_advantages(&[1.0; 5], 1e-6, objective)
+            .iter()
+            .all(|&x| x == 0.0));
     }
-    let a = group_advantages(&[1.0, 0.0, 0.0, 0.0], 1e-6);
-    assert!((a.iter().sum::<f32>()).abs() < 1e-5, "zero mean: {a:?}");
-    let var = a.iter().map(|x| x * x).sum::<f32>() / 4.0;
-    assert!((var - 1.0).abs() < 1e-4, "unit variance: {a:?}");
-    assert!(group_advantages(&[1.0; 5], 1e-6).iter().all(|&x| x == 0.0));
 }
 
 #[test]
@@ -283,7 +300,7 @@ fn one_update_moves_the_policy_along_the_advantages() {
                     })
                     .collect();
                 let fwd = params.forward(&seqs, 1.0).unwrap();
-                group_advantages(&g.rewards, 1e-6)
+                group_advantages(&g.rewards, 1e-6, Objective::Verl)
                     .iter()
                     .zip(fwd.logprobs())
                     .map(|(a, lp)| f64::from(*a) * lp.iter().map(|&x| f64::from(x)).sum::<f64>())

@@ -1,14 +1,16 @@
 //! A DAPO training loop on the host backend: dynamic sampling calls the rollout several times per
 //! training step with no weight change in between, then the update changes every weight.
 //!
-//! On the toy policy ([`run`]) the update is DAPO's policy-gradient step ([`update`]: clipped
-//! token-level loss with clip-higher, group-normalised advantages, gradients by backpropagation,
-//! Adam on the FSDP shards), and the policy learns the reward rule ([`reward`]). On a checkpoint
-//! ([`crate::lm_policy`]) the update is a synthetic stand-in ([`update::synthetic_update`]).
+//! On the toy policy ([`run`]) the update is DAPO's policy-gradient step ([`update`]: verl's
+//! objective by default ([`objective`]: token-mean clipped loss with clip-higher and the dual
+//! clip, group-normalised advantages), gradients by backpropagation, Adam on the FSDP shards),
+//! and the policy learns the reward rule ([`reward`]). On a checkpoint ([`crate::lm_policy`])
+//! the update is a synthetic stand-in ([`update::synthetic_update`]).
 
 pub mod driver;
 pub mod engines;
 pub mod megatron;
+pub mod objective;
 pub mod reward;
 pub mod update;
 
@@ -30,6 +32,7 @@ pub use driver::{
     run_steps, BatchNotFilled, BatchReport, DapoBackend, GenBatch, LoopEvent, LoopSettings,
 };
 pub use engines::{CpuDecoderEngine, DecodeJob, DecoderLayout, ToyEngine};
+pub use objective::Objective;
 pub use reward::RewardRule;
 pub use update::{dapo_update, synthetic_update, PgStats, UpdateConfig, UpdateOutcome};
 
@@ -523,6 +526,13 @@ pub fn validate(config: &DapoConfig) -> Result<(), DapoError> {
             ),
         ),
         (
+            c.update.clip_ratio_c.is_nan() || c.update.clip_ratio_c <= 1.0,
+            format!(
+                "the dual clip's c (clip_ratio_c) must be > 1, as verl asserts, found {}",
+                c.update.clip_ratio_c
+            ),
+        ),
+        (
             !(c.temperature.is_finite() && c.temperature >= 0.0),
             format!(
                 "--temperature must be a finite number ≥ 0, found {}",
@@ -657,9 +667,11 @@ impl DapoBackend<HostBackend, ToyEngine> for ToyDriver {
                 offload_name(config),
             ),
             format!(
-                "update: DAPO (token-level clipped loss, ε_low {} / ε_high {}, group-normalised \
-                 advantages, {} mini-batches per step, Adam lr {:e}; gradients by backpropagation)",
-                u.clip_low, u.clip_high, u.minibatches, u.lr
+                "update: DAPO, {}, {} mini-batches per step, Adam lr {:e}; gradients by \
+                 backpropagation",
+                u.objective.summary(u),
+                u.minibatches,
+                u.lr
             ),
             reward_line(config, config.policy.vocab),
         ]

@@ -1,22 +1,25 @@
 //! The training update between rollouts: DAPO's policy-gradient step for the toy policy, and a
 //! synthetic stand-in for models this crate has no backward pass for (checkpoints).
 //!
-//! The DAPO step, per training step:
+//! The DAPO step, per training step (the formulas of both objectives, [`Objective::Verl`] by
+//! default and [`Objective::Population`], are in [`super::objective`]):
 //!
-//! 1. **Advantages**, per group: `A_i = (r_i − mean(r)) / (std(r) + ε)` (the population standard
-//!    deviation of the group's rewards); groups with uniform rewards were already dropped by
-//!    dynamic sampling.
+//! 1. **Advantages**, per group: `A_i = (r_i − mean(r)) / (std(r) + ε)`, under verl's objective
+//!    with the sample standard deviation (`n − 1`, as verl's `compute_grpo_outcome_advantage`);
+//!    groups with uniform rewards were already dropped by dynamic sampling.
 //! 2. **Old log-probabilities** are recomputed from the fp32 master weights before the first
 //!    update (the weights the rollout's bf16 copy was cast from), so the first mini-batch has
 //!    ratios of exactly 1 and the bf16 rounding of the rollout weights stays out of the ratio.
 //! 3. The kept groups are split into [`UpdateConfig::minibatches`] mini-batches, one Adam step
 //!    each: from the second one on the policy has moved, the ratios
-//!    `r = exp(log π − log π_old)` differ from 1 and clip-higher applies.
-//! 4. **Loss** (token level): `L = −(1/N) Σ_tokens min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A)`
-//!    with `N` the number of completion tokens of the mini-batch.
-//! 5. **Gradients** by backpropagation through the toy policy ([`Params::backward`]) in f32 on
-//!    full tensors, written into every rank's FSDP gradient shard, then
-//!    [`HostTrainState::adam_step`].
+//!    `ρ = exp(clamp(log π − log π_old, −20, 20))` differ from 1 and the clips apply.
+//! 4. **Loss** (token level, verl's vanilla policy loss with `loss_agg_mode = "token-mean"`):
+//!    `L = (1/N) Σ_tokens ℓ` with `ℓ = max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high))`, and for
+//!    `A < 0` the dual clip `ℓ = min(ℓ, −A·c)` (`c` = [`UpdateConfig::clip_ratio_c`]), `N` the
+//!    number of completion tokens of the mini-batch.
+//! 5. **Gradients**: `∂L/∂log π` per token ([`surrogate`]; zero where a clip or the log-ratio
+//!    clamp binds), backpropagated through the toy policy ([`Params::backward`]) in f32 on full
+//!    tensors, written into every rank's FSDP gradient shard, then [`HostTrainState::adam_step`].
 //!
 //! Determinism: each group is one lockstep forward / backward pass on one thread; the groups'
 //! gradients are summed in group order, whatever the number of threads or their timing.
@@ -24,6 +27,9 @@
 use lifecycle_host::{HostError, HostTrainState};
 use lifecycle_layout::AdamParams;
 
+pub use super::objective::{
+    group_advantages, token_objective, Objective, TokenObjective, LOG_RATIO_CLAMP,
+};
 use super::{prompt, DapoError, Group};
 use crate::rng::SplitMix64;
 use crate::toy_policy::{Forward, Params, PolicyConfig, Sequence};
@@ -33,12 +39,17 @@ use crate::toy_policy::{Forward, Params, PolicyConfig, Sequence};
 pub struct UpdateConfig {
     /// Adam learning rate.
     pub lr: f32,
+    /// The objective: verl's (the default) or the population-std variant ([`Objective`]).
+    pub objective: Objective,
     /// ε_low: a negative-advantage token stops pushing its probability down once its ratio is
     /// below `1 − ε_low`.
     pub clip_low: f32,
     /// ε_high (clip-higher): a positive-advantage token stops pushing its probability up once
     /// its ratio is above `1 + ε_high`.
     pub clip_high: f32,
+    /// `c` of the dual clip ([`Objective::Verl`] only, verl's `clip_ratio_c`, > 1): a
+    /// negative-advantage token's loss is at most `c·|A|`, and has no gradient there.
+    pub clip_ratio_c: f32,
     /// Mini-batches per training step (one Adam step each); at most the number of kept groups.
     pub minibatches: usize,
     /// ε of the advantage normalisation.
@@ -49,8 +60,10 @@ impl Default for UpdateConfig {
     fn default() -> Self {
         UpdateConfig {
             lr: 1e-5,
+            objective: Objective::Verl,
             clip_low: 0.2,
             clip_high: 0.28,
+            clip_ratio_c: 3.0,
             minibatches: 4,
             adv_eps: 1e-6,
         }
@@ -86,86 +99,32 @@ pub struct PgStats {
     pub tokens: usize,
     /// Token-level loss, mean over mini-batches.
     pub loss: f32,
-    /// Share of tokens whose gradient the clip removed (all mini-batches).
+    /// Share of tokens whose gradient a clip removed (all mini-batches): the ratio clip, and
+    /// under [`Objective::Verl`] the dual clip or the log-ratio clamp.
     pub clip_fraction: f32,
-    /// Largest `|r − 1|` over every token of every mini-batch.
+    /// Largest `|ρ − 1|` over every token of every mini-batch (`ρ` the ratio the loss used).
     pub max_ratio_deviation: f32,
     /// Gradient norm, mean over mini-batches.
     pub grad_norm: f32,
 }
 
-/// Group-normalised advantages: `(r − mean) / (std + eps)` with the population standard
-/// deviation (all zeros for uniform rewards).
-pub fn group_advantages(rewards: &[f32], eps: f32) -> Vec<f32> {
-    if rewards.is_empty() {
-        return Vec::new();
-    }
-    let n = rewards.len() as f32;
-    let mean = rewards.iter().sum::<f32>() / n;
-    let var = rewards.iter().map(|r| (r - mean) * (r - mean)).sum::<f32>() / n;
-    let std = var.sqrt();
-    rewards.iter().map(|r| (r - mean) / (std + eps)).collect()
-}
-
-/// One token's clipped objective `min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A)` with
-/// `r = exp(logp − old_logp)`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct TokenObjective {
-    /// The objective.
-    pub value: f32,
-    /// Its derivative with respect to `logp` (`r·A`, or 0 where the clipped term is the
-    /// minimum).
-    pub dlogp: f32,
-    /// Whether the clip removed the gradient.
-    pub clipped: bool,
-    /// The ratio `r`.
-    pub ratio: f32,
-}
-
-/// The clipped objective of one token (see [`TokenObjective`]).
-pub fn token_objective(
-    logp: f32,
-    old_logp: f32,
-    advantage: f32,
-    clip_low: f32,
-    clip_high: f32,
-) -> TokenObjective {
-    let ratio = (logp - old_logp).exp();
-    let unclipped = ratio * advantage;
-    let clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantage;
-    if unclipped <= clipped {
-        TokenObjective {
-            value: unclipped,
-            dlogp: unclipped,
-            clipped: false,
-            ratio,
-        }
-    } else {
-        TokenObjective {
-            value: clipped,
-            dlogp: 0.0,
-            clipped: true,
-            ratio,
-        }
-    }
-}
-
 /// The token-level loss of some sequences and its derivative per token.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Surrogate {
-    /// `−(1/N) Σ objective` over these sequences' tokens.
+    /// `(1/N) Σ ℓ` over these sequences' tokens (`ℓ = −`[`TokenObjective::value`]).
     pub loss: f64,
     /// `∂loss / ∂logp` per sequence and token.
     pub dlogp: Vec<Vec<f32>>,
-    /// Tokens whose gradient the clip removed.
+    /// Tokens whose gradient a clip removed ([`TokenObjective::clipped`]).
     pub clipped: usize,
-    /// Largest `|r − 1|`.
+    /// Largest `|ρ − 1|`.
     pub max_ratio_deviation: f32,
 }
 
-/// DAPO's token-level loss over sequences with log-probabilities `logp` (new policy) and
-/// `old_logp` (the sampling policy), one advantage per sequence, normalised by `norm_tokens`
-/// (the token count of the whole mini-batch these sequences belong to).
+/// DAPO's token-level loss under `config`'s [`Objective`] over sequences with log-probabilities
+/// `logp` (new policy) and `old_logp` (the sampling policy), one advantage per sequence,
+/// normalised by `norm_tokens` (the token count of the whole mini-batch these sequences belong
+/// to: verl's token mean).
 pub fn surrogate(
     logp: &[Vec<f32>],
     old_logp: &[Vec<f32>],
@@ -184,7 +143,7 @@ pub fn surrogate(
             new.iter()
                 .zip(old)
                 .map(|(&lp, &olp)| {
-                    let t = token_objective(lp, olp, adv, config.clip_low, config.clip_high);
+                    let t = token_objective(lp, olp, adv, config);
                     total += f64::from(t.value);
                     clipped += usize::from(t.clipped);
                     max_dev = max_dev.max((t.ratio - 1.0).abs());
@@ -303,7 +262,7 @@ pub fn dapo_update(
         .collect();
     let advantages: Vec<Vec<f32>> = groups
         .iter()
-        .map(|g| group_advantages(&g.rewards, config.adv_eps))
+        .map(|g| group_advantages(&g.rewards, config.adv_eps, config.objective))
         .collect();
     let forward = |params: &Params, chunk: &[usize]| -> Result<Vec<Forward>, DapoError> {
         par_map(chunk, |&g| {

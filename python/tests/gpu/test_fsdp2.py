@@ -1,0 +1,163 @@
+"""The bridge over real FSDP2 parameters on the GPU, against torch's own tensors."""
+
+import numpy as np
+import pytest
+import torch
+
+import lifecycle
+from gpu_support import fsdp2_model, qwen2_config
+
+
+def full_bf16(model):
+    return {n: p.full_tensor().detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+
+
+def test_rollout_tensors_are_the_bf16_of_full_tensor():
+    model = fsdp2_model(qwen2_config())
+    switch = lifecycle.Switch.from_fsdp2(model)
+    want = full_bf16(model)
+    with switch.rollout() as w:
+        got = dict(w.named_tensors())
+        assert set(got) == set(want)
+        for n, t in got.items():
+            assert t.is_cuda and t.dtype == torch.bfloat16
+            assert torch.equal(t.view(torch.int16), want[n].view(torch.int16)), n
+        del got
+
+
+def test_an_optimizer_step_marks_the_weights_stale_and_the_next_rollout_refreshes():
+    model = fsdp2_model(qwen2_config())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    switch = lifecycle.Switch.from_fsdp2(model)
+    for _ in range(3):
+        with switch.rollout():
+            pass
+    assert switch.stats()["generation"] == 1
+    ids = torch.randint(0, 1000, (2, 16), device="cuda")
+    with switch.rollout() as w:
+        # an update the library never saw, inside the session: the session refuses use
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with pytest.raises(lifecycle.StaleWeightsError, match="changed during the session"):
+            list(w.named_tensors())
+    with switch.rollout() as w:
+        got = dict(w.named_tensors())
+        want = full_bf16(model)
+        assert all(torch.equal(got[n], want[n]) for n in want)
+        del got
+    assert switch.stats()["generation"] == 2
+
+
+def test_offload_moves_parameters_and_adamw_state_out_and_back_bit_exact():
+    model = fsdp2_model(qwen2_config())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 1000, (2, 16), device="cuda")
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    switch = lifecycle.Switch.from_fsdp2(model, offload="all", optimizer=opt)
+    params = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    state = {
+        (n, k): v.to_local().detach().clone()
+        for n, p in model.named_parameters()
+        for k, v in opt.state[p].items()
+        if isinstance(v, torch.Tensor) and v.is_cuda
+    }
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with switch.rollout() as w:
+        torch.cuda.synchronize()
+        during = torch.cuda.memory_allocated()
+        got = dict(w.named_tensors())
+        for n, p in model.named_parameters():
+            assert torch.equal(got[n], params[n].to(torch.bfloat16)), n
+        del got
+    moved = sum(t.numel() * 4 for t in params.values()) + sum(t.numel() * 4 for t in state.values())
+    assert before - during >= moved * 0.99, (before, during, moved)
+    # the next forward brings everything back (the switch's forward pre-hook)
+    model(input_ids=ids)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.to_local(), params[n]), n
+        for k, v in opt.state[p].items():
+            if (n, k) in state:
+                assert torch.equal(v.to_local(), state[(n, k)]), (n, k)
+    # and training goes on
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    with switch.rollout() as w:
+        got = dict(w.named_tensors())
+        want = full_bf16(model)
+        assert all(torch.equal(got[n], want[n]) for n in want)
+        del got
+
+
+def test_exit_is_refused_while_a_rollout_tensor_is_referenced():
+    model = fsdp2_model(qwen2_config())
+    switch = lifecycle.Switch.from_fsdp2(model)
+    with switch.rollout() as w:
+        kept = dict(w.named_tensors())["lm_head.weight"]
+    with pytest.raises(lifecycle.TensorsInUseError, match="lm_head.weight"):
+        switch.train()
+    del kept
+    switch.train()
+
+
+def test_hugging_face_generates_what_the_engine_generates():
+    config = qwen2_config()
+    model = fsdp2_model(config, seed=3)
+    switch = lifecycle.Switch.from_fsdp2(model)
+    engine = lifecycle.Engine(switch, max_sequences=4, max_tokens=48)
+    prompts = [[5, 17, 256, 3], [900, 1, 2, 3], [42] * 6, [7, 8]]
+    new = 16
+    import transformers
+
+    hf = transformers.Qwen2ForCausalLM(config).cuda().float().eval()
+    with switch.rollout() as w:
+        ours = engine.generate(w, prompts, max_new_tokens=new)
+        hf.load_state_dict({n: t.float() for n, t in w.named_tensors("hf")})
+    theirs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device="cuda")
+            out = hf.generate(ids, max_new_tokens=new, do_sample=False, min_new_tokens=new)
+            theirs.append(out[0, len(p):].tolist())
+    assert ours == theirs
+
+
+def test_fp8_tensors_equal_the_reference_executors():
+    config = qwen2_config(hidden_size=256, intermediate_size=512)
+    model = fsdp2_model(config, seed=5)
+    gpu = lifecycle.Switch.from_fsdp2(model, dtype="fp8")
+    host = lifecycle.Switch.from_arrays(
+        config,
+        [(n, p.full_tensor().detach().cpu().numpy()) for n, p in model.named_parameters()],
+        dtype="fp8",
+    )
+    with gpu.rollout() as w:
+        g = {h.name: torch.from_dlpack(h.bits()).cpu().numpy().copy() for h in w.handles()}
+    with host.rollout() as w:
+        c = {h.name: np.from_dlpack(h.bits()).copy() for h in w.handles()}
+    assert set(g) == set(c) and any(n.endswith("weight_scale_inv") for n in g)
+    for n in c:
+        np.testing.assert_array_equal(g[n], c[n], err_msg=n)
+
+
+def test_vllm_format_has_vllms_names_and_shapes():
+    config = qwen2_config()
+    model = fsdp2_model(config)
+    switch = lifecycle.Switch.from_fsdp2(model)
+    want = lifecycle.vllm_names(config, 1)
+    with switch.rollout() as w:
+        got = [(n, list(t.shape)) for n, t in w.named_tensors("vllm")]
+        hf = dict(w.named_tensors("hf"))
+        v = dict(w.named_tensors("vllm"))
+        qkv = v["model.layers.0.self_attn.qkv_proj.weight"]
+        parts = [hf[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv"]
+        assert torch.equal(qkv, torch.cat(parts))
+        emb = v["model.embed_tokens.weight"]
+        assert emb.shape[0] == 1024 and torch.equal(emb[:1000], hf["model.embed_tokens.weight"])
+        assert not emb[1000:].any()
+        del hf, v, qkv, parts, emb
+    assert [tuple(x) for x in got] == [(n, s) for n, s in want]

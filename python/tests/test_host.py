@@ -1,0 +1,201 @@
+"""The bridge on the CPU reference backend, with numpy arrays through DLPack."""
+
+import json
+
+import numpy as np
+import pytest
+
+import lifecycle
+from lifecycle import (
+    ConfigError,
+    StaleWeightsError,
+    Switch,
+    TensorMismatchError,
+    TensorsInUseError,
+)
+from support import Versioned, bf16_bits
+
+
+def rollout_bits(switch, rank=0):
+    with switch.rollout() as w:
+        return {h.name: np.from_dlpack(h).copy() for h in w.handles(rank, bits=True)}
+
+
+def expected_slice(name, full, tp, rank):
+    """The rank's slice under vLLM's splits (column: dim 0, row: dim 1, norms replicated;
+    kv heads fewer than T replicated; this config's vocabulary 20 splits at T = 2)."""
+    column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+    if any(c in name for c in column) and not (("k_proj" in name or "v_proj" in name) and tp > 1):
+        n = full.shape[0] // tp
+        return full[rank * n : (rank + 1) * n]
+    if ("o_proj" in name or "down_proj" in name) and full.ndim == 2:
+        n = full.shape[1] // tp
+        return full[:, rank * n : (rank + 1) * n]
+    return full
+
+
+@pytest.mark.parametrize("world,tp", [(1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (4, 2)])
+def test_rollout_is_the_bf16_of_the_shards(config, params, world, tp):
+    switch = Switch.from_arrays(config, params, world=world, rollout_tp=tp)
+    full = dict(params)
+    for rank in range(tp):
+        got = rollout_bits(switch, rank)
+        assert set(got) == set(full)
+        for name, bits in got.items():
+            want = bf16_bits(expected_slice(name, full[name], tp, rank))
+            np.testing.assert_array_equal(bits, want, err_msg=name)
+
+
+def test_a_degree_that_does_not_divide_the_world_is_refused(config, params):
+    switch = Switch.from_arrays(config, params, world=3, rollout_tp=2)
+    with pytest.raises(lifecycle.BackendError, match="T = 2 does not divide the world size W = 3"):
+        with switch.rollout():
+            pass
+
+
+def test_short_and_empty_trailing_shards(config, params):
+    # a [2, 8] tensor over W = 3: rows 0..1, 1..2 and none (FSDP2's chunks)
+    norm = [(n, a) for n, a in params]
+    switch = Switch.from_arrays(config, norm, world=3)
+    shards = {s.name: s.shards for s in switch._sources}
+    assert [len(s) for s in shards["model.embed_tokens.weight"]] == [7, 7, 6]
+    assert [s.shape[0] for s in shards["model.layers.0.self_attn.k_proj.weight"]] == [2, 2, 0]
+    got = rollout_bits(switch)
+    np.testing.assert_array_equal(
+        got["model.layers.0.self_attn.k_proj.weight"],
+        bf16_bits(dict(params)["model.layers.0.self_attn.k_proj.weight"]),
+    )
+
+
+def test_the_shards_are_read_where_they_are(config, params):
+    switch = Switch.from_arrays(config, params, world=2)
+    src = switch._sources[0].shards[0]
+    assert np.shares_memory(src, dict(params)[switch._sources[0].name])
+
+
+def test_construction_errors_name_the_tensor(config, params):
+    bad = [(n, a) for n, a in params if n != "lm_head.weight"]
+    with pytest.raises(TensorMismatchError, match="lm_head.weight.*missing"):
+        Switch.from_arrays(config, bad)
+    wrong = [(n, a[:-1] if n == "model.norm.weight" else a) for n, a in params]
+    with pytest.raises(TensorMismatchError, match=r"model.norm.weight.*\[8\].*\[7\]"):
+        Switch.from_arrays(config, wrong)
+    extra = params + [("model.layers.9.mlp.up_proj.weight", np.zeros((16, 8), np.float32))]
+    with pytest.raises(TensorMismatchError, match="model.layers.9.mlp.up_proj.weight"):
+        Switch.from_arrays(config, extra)
+    f64 = [(n, a.astype(np.float64) if "q_proj" in n else a) for n, a in params]
+    switch = Switch.from_arrays(config, f64)
+    with pytest.raises(TensorMismatchError, match="q_proj.*fp32.*float64"):
+        with switch.rollout():
+            pass
+    with pytest.raises(ConfigError, match="dtype"):
+        Switch.from_arrays(config, params, dtype="int4")
+    with pytest.raises(ConfigError, match="not divisible"):
+        Switch.from_arrays(config, params, rollout_tp=3)
+    with pytest.raises(ConfigError, match="model_type"):
+        Switch.from_arrays({**config, "model_type": "gpt9"}, params)
+    with pytest.raises(lifecycle.LifecycleError):
+        Switch.from_arrays(config, params, offload="sometimes")
+
+
+def test_lazy_rollouts_switch_only_when_versions_move(config, params):
+    named = [(n, Versioned(a)) for n, a in params]
+    sources = [(n, list(v.a.shape), [v.a]) for n, v in named]
+    switch = Switch.from_shards(config, sources, world=1)
+    for s, (_, v) in zip(switch._sources, named):
+        s.versioned = v  # the counter torch would keep on the parameter
+    first = rollout_bits(switch)
+    for _ in range(3):
+        again = rollout_bits(switch)
+        assert all((again[n] == first[n]).all() for n in first)
+    stats = switch.stats()
+    assert (stats["enters"], stats["refreshes"], stats["generation"]) == (1, 0, 1)
+    # an in-place update the switch never saw: the counter moved
+    q = dict(named)["model.layers.0.self_attn.q_proj.weight"]
+    q.write(q.a * 2)
+    again = rollout_bits(switch)
+    assert switch.stats()["refreshes"] == 1
+    np.testing.assert_array_equal(
+        again["model.layers.0.self_attn.q_proj.weight"], bf16_bits(q.a)
+    )
+    # a forced refresh switches with no counter moved
+    with switch.rollout(refresh=True):
+        pass
+    assert switch.stats()["refreshes"] == 2
+
+
+def test_a_session_refuses_use_after_the_weights_changed(config, params):
+    named = [(n, Versioned(a)) for n, a in params]
+    switch = Switch.from_shards(config, [(n, list(v.a.shape), [v.a]) for n, v in named], world=1)
+    for s, (_, v) in zip(switch._sources, named):
+        s.versioned = v
+    with switch.rollout() as w:
+        named[3][1].write(0.0)
+        with pytest.raises(StaleWeightsError, match=named[3][0]):
+            list(w.named_tensors())
+
+
+def test_tensors_are_stale_after_their_session(config, params):
+    switch = Switch.from_arrays(config, params)
+    with switch.rollout() as w:
+        h = w.handles(bits=True)[0]
+        h.check_current()
+    with pytest.raises(StaleWeightsError, match="model.embed_tokens.weight.*session ended"):
+        np.from_dlpack(h)
+    with pytest.raises(StaleWeightsError, match="session"):
+        w.handles()
+    # a new session is not the old one's
+    with switch.rollout():
+        with pytest.raises(StaleWeightsError):
+            h.check_current()
+
+
+def test_a_referenced_tensor_blocks_rewrites_and_exit(config, params):
+    switch = Switch.from_arrays(config, params)
+    with switch.rollout() as w:
+        held = np.from_dlpack(w.handles(bits=True)[1])
+    assert switch.held() == [switch._sources[1].name]
+    switch.mark_changed()
+    with pytest.raises(TensorsInUseError, match=switch._sources[1].name):
+        with switch.rollout():
+            pass
+    with pytest.raises(TensorsInUseError, match="exit"):
+        switch.train()
+    before = held.copy()
+    del held
+    assert switch.held() == []
+    with switch.rollout():
+        pass
+    switch.train()
+    assert before.dtype == np.uint16
+
+
+def test_fp8_rollout_has_scales(config, params):
+    config = {**config, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2}
+    rng = np.random.default_rng(1)
+    params = [
+        (n, rng.standard_normal(s).astype(np.float32))
+        for n, s in lifecycle.expected_parameters(json.dumps(config))
+    ]
+    switch = Switch.from_arrays(config, params, dtype="fp8")
+    with switch.rollout() as w:
+        hs = {h.name: h for h in w.handles()}
+    up = "model.layers.0.mlp.up_proj.weight"
+    assert hs[up].dtype_name == "float8_e4m3fn"
+    assert hs[up.replace(".weight", ".weight_scale_inv")].shape == [2, 1]
+    assert hs["model.norm.weight"].dtype_name == "bfloat16"
+
+
+def test_vllm_names_match_vllms_model_source():
+    fixture = json.load(open(__file__.rsplit("/", 1)[0] + "/fixtures/vllm_runtime_names.json"))
+    checked = 0
+    for case in fixture["cases"]:
+        if case["quant"] != "bf16" or not case["valid"]:
+            continue
+        cfg = dict(fixture["configs"][case["config"]]["hf_config"])
+        cfg["architectures"] = [case["architecture"]]
+        experts = "ep" if case["enable_expert_parallel"] else "tp"
+        got = lifecycle.vllm_names(cfg, case["tensor_parallel_size"], experts=experts)
+        assert [list(x) for x in got] == [[n, s] for n, s in case["params"]], case["id"]
+        checked += 1
+    assert checked >= 20
