@@ -227,6 +227,16 @@ impl GpuSwitch {
         Ok(Entered::switched(self.generation, start.elapsed()))
     }
 
+    /// A rollout call on the resident weights when they are current (nothing read, nothing
+    /// moved); `None` when an [`enter`](GpuSwitch::enter) with the shards is needed.
+    pub fn reuse_current(&mut self) -> Result<Option<Entered>, BridgeError> {
+        match &self.slot {
+            Slot::Live(lc, _) if lc.rollout_is_current() => self.reuse().map(Some),
+            Slot::Broken => Err(broken()),
+            _ => Ok(None),
+        }
+    }
+
     fn reuse(&mut self) -> Result<Entered, BridgeError> {
         let Slot::Live(lc, _) = &mut self.slot else {
             return Err(broken());

@@ -149,6 +149,16 @@ impl HostSwitch {
         Ok(Entered::switched(self.generation, start.elapsed()))
     }
 
+    /// A rollout call on the resident weights when they are current (nothing read, nothing
+    /// moved); `None` when an [`enter`](HostSwitch::enter) with the shards is needed.
+    pub fn reuse_current(&mut self) -> Result<Option<Entered>, BridgeError> {
+        if !self.entered || !self.lc.rollout_is_current() {
+            return Ok(None);
+        }
+        rollout_call(&mut self.lc)?;
+        Ok(Some(Entered::reused(self.generation)))
+    }
+
     /// The views of rank `rank`'s rollout weights (in rollout mode only).
     pub fn views(&mut self, rank: usize) -> Result<Vec<TensorView>, BridgeError> {
         if !self.entered || !self.lc.rollout_is_current() {

@@ -58,13 +58,14 @@ def main():
     with switch.rollout() as w:
         rollout_bytes = sum(x.numel() * x.element_size() for _, x in w.named_tensors())
     res["first_enter_ms"] = 1e3 * (time.perf_counter() - t)
-    walls, calls = [], []
+    walls, inside, calls = [], [], []
     for _ in range(args.iters):
         torch.cuda.synchronize()
         t = time.perf_counter()
         with switch.rollout(refresh=True):
             pass
         walls.append(1e3 * (time.perf_counter() - t))
+        inside.append(1e3 * switch.last_enter[2])
     for _ in range(args.iters):
         t = time.perf_counter()
         with switch.rollout():
@@ -73,6 +74,7 @@ def main():
     res["rollout_bytes"] = rollout_bytes
     res["refresh_ms"] = walls
     res["refresh_ms_min"] = min(walls)
+    res["refresh_in_rust_ms"] = inside
     res["lazy_call_ms"] = calls
     res["stats"] = switch.stats()
 

@@ -85,9 +85,28 @@ class _Source:
         self.shape = [int(d) for d in shape]
         self.shards = shards
         self.versioned = versioned
+        self._checked: list[bool] = [False] * len(shards)
 
     def version(self) -> Any:
-        return getattr(self.versioned, "_version", None)
+        """The in-place version counters of the parameter and of its local tensor: an
+        optimizer step moves the first (``AdamW.step()`` on an FSDP2 parameter) or, through
+        ``DTensor`` dispatch of foreach kernels, only the second."""
+        v = self.versioned
+        local = getattr(v, "_local_tensor", None)
+        return (getattr(v, "_version", None), getattr(local, "_version", None))
+
+    def address(self, i: int, device: str) -> tuple[int, int]:
+        """Shard ``i``'s ``(address, elements)``; dtype, layout and device are checked the
+        first time (they do not change under a trainer), the address every time (a restored
+        storage moves)."""
+        x = self.shards[i]
+        if not self._checked[i]:
+            _address(self.name, x, device)
+            self._checked[i] = True
+        if _is_torch(x):
+            n = x.numel()
+            return (x.data_ptr() if n else 0, n)
+        return _address(self.name, x, device)
 
 
 class Switch:
@@ -137,7 +156,11 @@ class Switch:
         self._seen: tuple | None = None
         self._force = False
         self._in_rollout = False
+        # whether the shards may have moved since they were last lent (a restored storage)
+        self._may_have_moved = True
+        self._offloads = offload != "none"
         self._session: RolloutWeights | None = None
+        self.last_enter: tuple | None = None
 
     # ---- construction ------------------------------------------------------------------
 
@@ -220,7 +243,8 @@ class Switch:
             regather=_regather(module, device, world),
         )
         if offload != "none":
-            module.register_forward_pre_hook(lambda *_: switch._leave())
+            # before FSDP2's own pre-forward hook (it all-gathers the shards)
+            module.register_forward_pre_hook(lambda *_: switch._leave(), prepend=True)
             if optimizer is not None:
                 optimizer.register_step_pre_hook(lambda *_: switch._leave())
         return switch
@@ -234,21 +258,30 @@ class Switch:
         """Forces the next rollout to switch (for tensors without a version counter)."""
         self._force = True
 
-    def _enter(self, refresh: bool) -> None:
+    def _enter(self, refresh: bool) -> tuple:
+        """Switches if needed; returns ``(switched, generation, seconds in the switch)``."""
         versions = self._versions()
         changed = refresh or self._force or self._seen is None or versions != self._seen
+        if not changed and not self._may_have_moved:
+            reused = self._s.reuse()
+            if reused is not None:
+                self._in_rollout = True
+                return reused
         if changed and self._regather is not None:
             self._sources = self._regather()
         shards = [
-            [_address(s.name, s.shards[i], self._device) for s in self._sources]
+            [s.address(i, self._device) for s in self._sources]
             for i in range(len(self._sources[0].shards) if self._sources else 0)
         ]
         stream = self._stream() if callable(self._stream) else None
         buffers = self._offload_buffers() if callable(self._offload_buffers) else None
-        self._s.enter(shards, changed, stream, buffers)
+        entered = self._s.enter(shards, changed, stream, buffers)
         self._seen = versions
         self._force = False
         self._in_rollout = True
+        self._may_have_moved = False
+        self.last_enter = entered
+        return entered
 
     @contextmanager
     def rollout(self, *, refresh: bool = False) -> Iterator["RolloutWeights"]:
@@ -271,6 +304,7 @@ class Switch:
         if self._in_rollout:
             self._s.exit()
             self._in_rollout = False
+            self._may_have_moved = self._offloads
 
     def train(self) -> None:
         """Leaves rollout mode now (bringing offloaded state back); refused with

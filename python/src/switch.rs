@@ -235,6 +235,18 @@ impl PySwitch {
         Ok((e.switched, e.generation, e.wall.as_secs_f64()))
     }
 
+    /// A rollout call on current resident weights: `(False, generation, 0.0)`, or `None` when
+    /// `enter` with the shards is needed (nothing resident, or not current).
+    fn reuse(&self, py: Python<'_>) -> PyResult<Option<(bool, u64, f64)>> {
+        let e = py
+            .detach(|| match &mut *self.lock() {
+                Inner::Host(s) => s.reuse_current(),
+                Inner::Gpu(s) => s.reuse_current(),
+            })
+            .map_err(to_py)?;
+        Ok(e.map(|e| (e.switched, e.generation, e.wall.as_secs_f64())))
+    }
+
     /// Opens a session: tensors taken from now on are valid until `close_session`.
     fn open_session(&self) -> u64 {
         let id = self.sessions.fetch_add(1, Ordering::SeqCst) + 1;

@@ -427,8 +427,8 @@ impl Reshard for LentFsdpBackend {
                 found: rollout.len_per_rank() as u64,
             });
         }
-        let mut moved =
-            inner.transfer(plan, &mut state.ranks, rollout.buffers_mut(), &NoHooks, ctx)?;
+        // the lent transfer: each rank's steps rebased onto where its shards are
+        let mut moved = self.transfer(plan, state, rollout.buffers_mut(), ctx)?;
         inner.finish_offload(&mut state.ranks, &NoHooks, ctx, &mut moved)
     }
 
