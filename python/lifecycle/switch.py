@@ -153,6 +153,7 @@ class Switch:
             device=device,
         )
         self._dtype = dtype
+        self._eager = switching == "eager"
         self._seen: tuple | None = None
         self._force = False
         self._in_rollout = False
@@ -252,15 +253,14 @@ class Switch:
     # ---- the lifecycle -------------------------------------------------------------------
 
     def _versions(self) -> tuple:
-        return tuple(s.version() for s in self._sources)
+        return tuple([s.version() for s in self._sources])
 
     def mark_changed(self) -> None:
         """Forces the next rollout to switch (for tensors without a version counter)."""
         self._force = True
 
-    def _enter(self, refresh: bool) -> tuple:
+    def _enter(self, refresh: bool, versions: tuple) -> tuple:
         """Switches if needed; returns ``(switched, generation, seconds in the switch)``."""
-        versions = self._versions()
         changed = refresh or self._force or self._seen is None or versions != self._seen
         if not changed and not self._may_have_moved:
             reused = self._s.reuse()
@@ -290,15 +290,19 @@ class Switch:
         weights. Tensors taken from it are stale once the block ends."""
         if self._session is not None:
             raise ConfigError("a rollout session is already open on this switch")
-        self._enter(refresh)
+        versions = self._versions()
+        self._enter(refresh, versions)
         self._s.open_session()
-        w = RolloutWeights(self, self._versions())
+        w = RolloutWeights(self, versions)
         self._session = w
         try:
             yield w
         finally:
             self._session = None
             self._s.close_session()
+            if self._eager:
+                # eager: leave rollout mode after every call, as stacks that wrap each call do
+                self._leave()
 
     def _leave(self) -> None:
         if self._in_rollout:

@@ -154,7 +154,10 @@ impl PySwitch {
             settings.dtype = dtype(dtype_name)?;
             settings.experts = experts(experts_name)?;
             settings.lifecycle.memory = memory(offload)?;
-            settings.lifecycle.switching = parse::<Switching>("switching", switching)?;
+            // eager is the Python front's (it leaves after every session); the lifecycle stays
+            // lazy so a session's weights live until the session ends
+            parse::<Switching>("switching", switching)?;
+            settings.lifecycle.switching = Switching::Lazy;
             match device {
                 "cpu" => Ok(Inner::Host(Box::new(HostSwitch::new(binding, settings)?))),
                 "cuda" => {

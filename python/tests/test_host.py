@@ -199,3 +199,15 @@ def test_vllm_names_match_vllms_model_source():
         assert [list(x) for x in got] == [[n, s] for n, s in case["params"]], case["id"]
         checked += 1
     assert checked >= 20
+
+
+def test_eager_switching_enters_at_every_call(config, params):
+    lazy = Switch.from_arrays(config, params)
+    eager = Switch.from_arrays(config, params, switching="eager")
+    for _ in range(3):
+        a, b = rollout_bits(lazy), rollout_bits(eager)
+        assert all((a[n] == b[n]).all() for n in a)
+    assert (lazy.stats()["enters"], eager.stats()["enters"]) == (1, 3)
+    assert eager.stats()["exits"] == 3
+    with pytest.raises(ConfigError, match="switching"):
+        Switch.from_arrays(config, params, switching="sometimes")

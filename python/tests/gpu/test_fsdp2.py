@@ -76,14 +76,19 @@ def test_offload_moves_parameters_and_adamw_state_out_and_back_bit_exact():
         del got
     moved = sum(t.numel() * 4 for t in params.values()) + sum(t.numel() * 4 for t in state.values())
     assert before - during >= moved * 0.99, (before, during, moved)
-    # the next forward brings everything back (the switch's forward pre-hook)
-    model(input_ids=ids)
+    # leaving rollout mode brings everything back, bit for bit
+    switch.train()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() >= before
     for n, p in model.named_parameters():
         assert torch.equal(p.to_local(), params[n]), n
         for k, v in opt.state[p].items():
             if (n, k) in state:
                 assert torch.equal(v.to_local(), state[(n, k)]), (n, k)
-    # and training goes on
+    # in rollout mode again, a forward alone brings the state back first (the switch's
+    # forward pre-hook, before FSDP2's all-gather), and training goes on
+    with switch.rollout():
+        pass
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     with switch.rollout() as w:
