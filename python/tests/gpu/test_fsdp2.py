@@ -91,9 +91,11 @@ def test_offload_moves_parameters_and_adamw_state_out_and_back_bit_exact():
         pass
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
+    # (read before entering: during rollout the parameters' storages are released, and any
+    # torch access to them is invalid)
+    want = full_bf16(model)
     with switch.rollout() as w:
         got = dict(w.named_tensors())
-        want = full_bf16(model)
         assert all(torch.equal(got[n], want[n]) for n in want)
         del got
 
