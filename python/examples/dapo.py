@@ -18,7 +18,7 @@ The same run goes three ways from the same seed and must produce identical sampl
 and reports the time each spends switching.
 
     python python/examples/dapo.py [--steps 12] [--paths lazy,eager,naive]
-    torchrun --nproc_per_node=1 python/examples/dapo.py
+    torchrun --nproc_per_node=2 python/examples/dapo.py     (FSDP2 W = 2, rollouts at T = 2)
 """
 
 from __future__ import annotations
@@ -110,7 +110,10 @@ def run(path: str, args) -> dict:
     naive = NaiveRollout(model, cfg, args) if path == "naive" else None
     if naive is None:
         switch = lifecycle.Switch.from_fsdp2(
-            model, switching="eager" if path == "eager" else "lazy", optimizer=opt
+            model,
+            rollout_tp=dist.get_world_size(),
+            switching="eager" if path == "eager" else "lazy",
+            optimizer=opt,
         )
         engine = lifecycle.Engine(
             switch, max_sequences=args.prompts * args.group, max_tokens=args.prompt_len + args.new
@@ -195,11 +198,14 @@ def main():
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         dist.init_process_group("nccl")
-    torch.cuda.set_device(0)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     runs = [run(p, args) for p in args.paths.split(",")]
+    if dist.get_rank() != 0:
+        dist.destroy_process_group()
+        return
     base = runs[0]
     print(f"DAPO on a Qwen2 of {sum(p.numel() for p in transformers.Qwen2ForCausalLM(config()).parameters())} "
-          f"parameters, FSDP2 W = 1, AdamW lr {args.lr}, verl's loss, {args.steps} steps")
+          f"parameters, FSDP2 W = {dist.get_world_size()}, AdamW lr {args.lr}, verl's loss, {args.steps} steps")
     print(f"{'':24}" + "".join(f"{r['path']:>12}" for r in runs))
     print(f"{'rollout calls':24}" + "".join(f"{r['calls']:>12}" for r in runs))
     print(f"{'switches (enter+refr.)':24}" + "".join(
@@ -210,8 +216,12 @@ def main():
         c = r["curve"]
         print(f"{r['path']:>6} learning curve: " + " ".join(f"{x:.3f}" for x in c)
               + f"  (first quarter {sum(c[:q]) / q:.3f} -> last quarter {sum(c[-q:]) / q:.3f})")
-    same = all(r["samples"] == base["samples"] for r in runs)
-    print("identical samples across paths:", same)
+    # at W > 1 the naive path's rollout model is one unsharded copy per process (T = 1), whose
+    # sums round differently from the T = W group's: its samples are reported, not compared
+    world = dist.get_world_size()
+    compared = [r for r in runs if world == 1 or r["path"] != "naive"]
+    same = all(r["samples"] == base["samples"] for r in compared)
+    print(f"identical samples across {', '.join(r['path'] for r in compared)}:", same)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "dapo_py.json"), "w") as f:
             json.dump([{k: v for k, v in r.items() if k != "samples"} for r in runs], f, indent=1)

@@ -50,12 +50,6 @@ def fsdp2_sources(module, offload: str, optimizer):
     device = "cuda" if _local(named[0][1]).is_cuda else "cpu"
     if device == "cpu" and world > 1:
         return _gathered(named, world) + (None, None)
-    if device == "cuda" and world > 1:
-        raise ConfigError(
-            f"from_fsdp2: CUDA parameters sharded over {world} processes: the bridge lends one "
-            "process's shards to a switch of W = 1 today (CPU FSDP2 at W > 1 runs on the "
-            "reference backend)"
-        )
     sources = [_Source(n, list(p.shape), [_local(p)], p) for n, p in named]
 
     def stream() -> int:

@@ -62,6 +62,12 @@ def _address(name: str, x: Any, device: str) -> tuple[int, int]:
     return (iface["data"][0] if x.size else 0, int(x.size))
 
 
+def _current_gpu() -> int:
+    import torch
+
+    return torch.cuda.current_device()
+
+
 def _chunks(n: int, world: int) -> list[tuple[int, int]]:
     """FSDP2's dim-0 chunks: ``ceil(n / world)`` rows each, short or empty trailing ranks."""
     per = -(-n // world)
@@ -151,6 +157,7 @@ class Switch:
             offload=offload,
             switching=switching,
             device=device,
+            gpu=_current_gpu() if device == "cuda" else 0,
         )
         self._dtype = dtype
         self._eager = switching == "eager"
@@ -216,7 +223,9 @@ class Switch:
         tensors at W = 1 — with a Hugging Face ``config`` (``module.config`` by default).
 
         CUDA parameters are lent by address, zero-copy: each rank's ``to_local()`` shard (dim-0
-        chunks). ``offload`` ("none", "params", "optimizer", "all") moves the parameters'
+        chunks). At W > 1 (one process per GPU, launched by torchrun) each process lends its own
+        shards and the switch's ranks meet through torchrun's store; the project's engine then
+        runs the W processes as one tensor-parallel group (``rollout_tp=W``). ``offload`` ("none", "params", "optimizer", "all") moves the parameters'
         and ``optimizer``'s state storages to pinned host memory during rollout
         (``untyped_storage().resize_(0)`` and back); the switch then leaves rollout mode by
         itself before the module's next forward and the optimizer's next step.

@@ -2,6 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use lifecycle_bridge::gpu::GpuRankParts;
 use lifecycle_bridge::shards::Shard;
@@ -124,6 +125,29 @@ fn stats_dict<'py>(py: Python<'py>, s: SwitchStats) -> PyResult<Bound<'py, PyDic
     Ok(d)
 }
 
+/// The GPU ranks of this process: W = 1 on GPU `gpu` (the caller's current device), or, for
+/// W > 1, this process's rank of a job launched like PyTorch (torchrun's variables; rank 0
+/// shares the NCCL id through torchrun's store).
+fn gpu_pool(world: usize, gpu: usize) -> Result<ThreadRankPool, BridgeError> {
+    if world == 1 {
+        return ThreadRankPool::on_devices(&[gpu]).map_err(BridgeError::backend);
+    }
+    let env = lifecycle_dist::RankEnv::from_env()
+        .map_err(BridgeError::backend)?
+        .ok_or_else(|| {
+            BridgeError::Config(format!(
+                "a CUDA switch over W = {world} ranks runs one process per GPU, launched like                  PyTorch (torchrun): RANK / WORLD_SIZE are not set"
+            ))
+        })?;
+    if env.world_size != world {
+        return Err(BridgeError::Config(format!(
+            "the parameters are sharded over {world} ranks, the launcher's WORLD_SIZE is {}",
+            env.world_size
+        )));
+    }
+    ThreadRankPool::for_process(&env, Duration::from_secs(120)).map_err(BridgeError::backend)
+}
+
 /// The parameters (Hugging Face names, full shapes, checkpoint order) of the model a Hugging
 /// Face `config.json` describes.
 #[pyfunction]
@@ -134,7 +158,7 @@ pub fn expected_parameters(config_json: &str) -> PyResult<Vec<(String, Vec<usize
 #[pymethods]
 impl PySwitch {
     #[new]
-    #[pyo3(signature = (config_json, names, *, world, tp, dtype_name, experts_name, offload, switching, device))]
+    #[pyo3(signature = (config_json, names, *, world, tp, dtype_name, experts_name, offload, switching, device, gpu=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -147,6 +171,7 @@ impl PySwitch {
         offload: &str,
         switching: &str,
         device: &str,
+        gpu: usize,
     ) -> PyResult<Self> {
         let build = || -> Result<Inner, BridgeError> {
             let binding = ModelBinding::new(config_json, names)?;
@@ -161,7 +186,7 @@ impl PySwitch {
             match device {
                 "cpu" => Ok(Inner::Host(Box::new(HostSwitch::new(binding, settings)?))),
                 "cuda" => {
-                    let pool = ThreadRankPool::new(world).map_err(BridgeError::backend)?;
+                    let pool = gpu_pool(world, gpu)?;
                     let gpu = GpuSwitch::new(binding, settings, Arc::new(pool))?;
                     Ok(Inner::Gpu(Box::new(gpu)))
                 }

@@ -211,3 +211,27 @@ def test_eager_switching_enters_at_every_call(config, params):
     assert eager.stats()["exits"] == 3
     with pytest.raises(ConfigError, match="switching"):
         Switch.from_arrays(config, params, switching="sometimes")
+
+
+def test_a_cuda_switch_without_its_launch_or_gpu_is_a_clear_error(config, monkeypatch):
+    names = lifecycle.expected_parameters(json.dumps(config))
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+
+    def build(world):
+        return lifecycle._lifecycle._Switch(
+            json.dumps(config), names, world=world, tp=1, dtype_name="bf16",
+            experts_name="tp", offload="none", switching="lazy", device="cuda",
+        )
+
+    with pytest.raises(ConfigError, match="one process per GPU.*torchrun"):
+        build(2)
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    if not has_gpu:  # no GPU or no driver: an exception, never a crash
+        with pytest.raises(lifecycle.LifecycleError):
+            build(1)
