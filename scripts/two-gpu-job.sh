@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The two-GPU job in one call: the GPU suite at W = 2, the headline benchmarks with the PyTorch
 # peer right after them, one process per GPU (lifecycle-launch and torchrun), and the GPU DAPO
-# loop lazy vs eager on the 7.6B shape. Every part writes its log under OUT (default ./out) and
+# loop lazy vs eager on the 7.6B shape, then the Python bridge. Every part writes its log under OUT (default ./out) and
 # the job goes on when a part fails; the summary at the end says which part exited how.
 #
 #   scripts/two-gpu-job.sh BIN [OUT]
@@ -11,6 +11,7 @@
 #   cargo build --release -p lifecycle-bench -p lifecycle-dist --bins && cargo build --release --example dapo
 #   cp target/release/{fsdp_bench,megatron_bench,fsdp_procs,lifecycle-launch} target/release/examples/dapo BIN/
 #   cp ../shared/bench/torch_reshard_baseline.py bench/torch_moe_cast_peer.py BIN/
+#   maturin build -m python/Cargo.toml --release -o BIN     (the Python bridge's wheel)
 # Run from the repository root (the decoder fixtures and MoE checkpoints are read from there).
 # GPUS (default 2) sets W; with GPUS=1 the job is a dry run on one GPU: every command runs at
 # W = 1 where it can, and the tests that need two GPUs fail saying so.
@@ -57,5 +58,20 @@ part launch_dapo 300 "$BIN/lifecycle-launch" --nproc-per-node "$W" -- "$BIN/dapo
 part dapo_fsdp_7b 600 "$BIN/dapo" --backend fsdp --gpus "$W" --tp "$W" --synthetic 7b --steps 2
 part dapo_megatron_7b 600 "$BIN/dapo" --backend megatron --gpus "$W" --tp "$W" --synthetic 7b --steps 2
 part dapo_megatron_moe 300 "$BIN/dapo" --backend megatron --gpus "$W" --tp "$W" --train-tp 1 --pp 1 --ep "$W" --etp 1 --experts ep --checkpoint models/decoder/fixtures/moe/moe_e4_untied_v61 --steps 3
+
+# 5. The Python bridge: its wheel from BIN, the GPU tests (W = 1 per process), FSDP2 on CPU
+# tensors at W = 2..4 (gloo), the 7.6B refresh beside the Rust backend, DAPO under torchrun at W
+# (one process per GPU, rollouts at T = W)
+if ls "$BIN"/lifecycle-*.whl > /dev/null 2>&1; then
+    part bridge_install 120 python -m pip install --force-reinstall --no-deps --no-index "$BIN"/lifecycle-*.whl
+    part bridge_gpu_tests 300 python -m pytest -q python/tests/gpu python/tests/test_host.py
+    for g in 2 3 4; do
+        part "bridge_gloo_w$g" 120 torchrun --nproc_per_node="$g" --master_port=2962"$g" python/tests/gpu/fsdp2_gloo.py
+    done
+    part bridge_enter_7b 300 python python/bench/fsdp2_enter.py --model 7b --iters 5
+    part bridge_dapo 600 torchrun --nproc_per_node="$W" python/examples/dapo.py --steps 12
+else
+    SUMMARY+=("bridge: skipped (no lifecycle-*.whl in $BIN)")
+fi
 
 printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.log"
