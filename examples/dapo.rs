@@ -864,6 +864,32 @@ mod tests {
     }
 
     #[test]
+    fn gpu_runs_offload_by_need_unless_told_otherwise() {
+        use lifecycle_examples::gpu_dapo::memory::MemoryChoice;
+        assert_eq!(
+            fsdp(&["--backend", "fsdp"]).gpu.memory,
+            MemoryChoice::ByNeed
+        );
+        let o = fsdp(&[
+            "--backend",
+            "fsdp",
+            "--memory",
+            "offload",
+            "--kv-tokens",
+            "500000",
+        ]);
+        assert_eq!(
+            (o.gpu.memory, o.gpu.kv_tokens),
+            (MemoryChoice::Offload, Some(500000))
+        );
+        let msg = plan(&["--memory", "resident"]).unwrap_err().to_string();
+        assert!(
+            msg.contains("--memory only applies to --backend fsdp"),
+            "{msg}"
+        );
+    }
+
+    #[test]
     fn the_default_is_the_host_backend_with_its_defaults() {
         match plan(&[]).unwrap() {
             Plan::Host {

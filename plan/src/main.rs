@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use lifecycle_core::HumanBytes;
+use lifecycle_core::{HumanBytes, MemoryPolicy, RoomRequest};
 use lifecycle_decoder::ModelConfig;
 use lifecycle_layout::ExpertPlacement;
 use lifecycle_plan::{
@@ -64,6 +64,10 @@ struct Args {
     /// What is offloaded during rollout: `all`, `params`, `optimizer` or `none`.
     #[arg(long, default_value = "all")]
     offload: String,
+    /// KV-cache tokens (summed over the sequences) the rollout asks for: the by-need line
+    /// says what a switch must offload to make room for them.
+    #[arg(long, default_value_t = 65536)]
+    kv_tokens: u64,
     /// Megatron's --make-vocab-size-divisible-by.
     #[arg(long, default_value_t = 128)]
     make_vocab_size_divisible_by: usize,
@@ -294,6 +298,43 @@ fn print_memory(args: &Args, config: &ModelConfig, ranks: &[RankCost], fp8_held:
     }
 }
 
+/// What offload by need chooses for `--kv-tokens` on the rank holding the most rollout weights:
+/// from the training state it keeps with nothing offloaded (`none`) and what the parameters
+/// (`params`) and the optimizer state (`optimizer`) alone would move.
+fn print_by_need(
+    args: &Args,
+    config: &ModelConfig,
+    ranks: &[RankCost],
+    fp8_held: &[u64],
+    (none, params, optimizer): (Vec<RankCost>, Vec<RankCost>, Vec<RankCost>),
+) {
+    let Some(r) = ranks.iter().max_by_key(|r| r.rollout_bytes) else {
+        return;
+    };
+    let device = (args.device_gib * (1u64 << 30) as f64) as u64;
+    let rollout = fp8_held.get(r.rank).copied().unwrap_or(r.rollout_bytes);
+    let m = rollout_memory(config, args.rollout_tp, r, rollout, device, args.kv_dtype);
+    let at = |v: &[RankCost]| v.get(r.rank).map_or(0, |c| c.offload_bytes);
+    let kept = none.get(r.rank).map_or(0, |c| c.train_state_bytes);
+    let request = RoomRequest {
+        free: device.saturating_sub(kept),
+        rollout,
+        staging: r.peak_extra_bytes,
+        engine: args.kv_tokens * m.kv_bytes_per_token,
+        margin: 2 << 30,
+        grads: 0,
+        optimizer: at(&optimizer),
+        params: at(&params),
+    };
+    match MemoryPolicy::by_need(&request) {
+        Ok(d) => println!("offload for {} KV tokens, {d}", args.kv_tokens),
+        Err(e) => println!(
+            "offload by need for {} KV tokens: does not fit: {e}",
+            args.kv_tokens
+        ),
+    }
+}
+
 fn run(args: &Args) -> Result<(), String> {
     let config = ModelConfig::from_file(&args.config).map_err(|e| e.to_string())?;
     let (rates, source) = rates(args)?;
@@ -303,33 +344,36 @@ fn run(args: &Args) -> Result<(), String> {
     if args.gpus_per_node == 0 {
         return Err("--gpus-per-node must be at least 1".into());
     }
-    let ranks = match train {
-        TrainLayout::Fsdp { world } => plan_fsdp_experts(
-            &config,
-            world,
-            args.rollout_tp,
-            bucket,
-            args.in_flight,
-            offload,
-            args.experts,
-        ),
-        TrainLayout::Megatron {
-            tp,
-            pp,
-            dp,
-            ep,
-            etp,
-        } => plan_megatron_moe(
-            &config,
-            (tp, pp, dp),
-            (ep, etp),
-            (args.rollout_tp, args.experts),
-            args.make_vocab_size_divisible_by,
-            bucket,
-            offload,
-        ),
-    }
-    .map_err(|e| e.to_string())?;
+    let plan_for = |offload: Offload| {
+        match train {
+            TrainLayout::Fsdp { world } => plan_fsdp_experts(
+                &config,
+                world,
+                args.rollout_tp,
+                bucket,
+                args.in_flight,
+                offload,
+                args.experts,
+            ),
+            TrainLayout::Megatron {
+                tp,
+                pp,
+                dp,
+                ep,
+                etp,
+            } => plan_megatron_moe(
+                &config,
+                (tp, pp, dp),
+                (ep, etp),
+                (args.rollout_tp, args.experts),
+                args.make_vocab_size_divisible_by,
+                bucket,
+                offload,
+            ),
+        }
+        .map_err(|e| e.to_string())
+    };
+    let ranks = plan_for(offload)?;
     println!(
         "model {} ({:.3} B params); training {}; rollout T = {}; buckets of {} MiB; offload {}",
         args.config.display(),
@@ -383,6 +427,18 @@ fn run(args: &Args) -> Result<(), String> {
     );
     let fp8_held = print_fp8(args, &config, train)?;
     print_memory(args, &config, &ranks, &fp8_held);
+    let classes = (
+        plan_for(Offload::NONE)?,
+        plan_for(Offload {
+            params: true,
+            optimizer: false,
+        })?,
+        plan_for(Offload {
+            params: false,
+            optimizer: true,
+        })?,
+    );
+    print_by_need(args, &config, &ranks, &fp8_held, classes);
     print_pinned(&ranks, args.gpus_per_node);
     let p = job_prediction(&ranks, &rates);
     println!(

@@ -81,6 +81,7 @@ macro_rules! say {
 
 pub mod engine;
 mod error;
+pub mod memory;
 mod options;
 mod policy;
 mod report;
@@ -204,14 +205,10 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
         .reward_modulus
         .min(u32::try_from(config.model.vocab).unwrap_or(u32::MAX))
         .max(1);
-    let memory = if r.no_offload {
-        MemoryPolicy {
-            offload_params: false,
-            offload_optimizer: false,
-            keep_rollout_resident: false,
-        }
+    let choice = if r.no_offload {
+        memory::MemoryChoice::Resident
     } else {
-        MemoryPolicy::default()
+        g.memory
     };
     let mode = match (&launch, topology) {
         (Launch::Process(env), _) => format!(
@@ -227,8 +224,7 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
     };
     say!(
         root,
-        "DAPO on the {} backend: {what}: {:.3} B parameters, W = {}, T = {} ({mode}), offload \
-         master {} / Adam {}",
+        "DAPO on the {} backend: {what}: {:.3} B parameters, W = {}, T = {} ({mode}), memory {}",
         match a.layout {
             GpuLayout::Fsdp => "FSDP",
             GpuLayout::Megatron { .. } => "Megatron",
@@ -236,11 +232,10 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
         config.params() as f64 / 1e9,
         g.gpus,
         r.tp,
-        if memory.offload_params { "on" } else { "off" },
-        if memory.offload_optimizer {
-            "on"
-        } else {
-            "off"
+        match choice {
+            memory::MemoryChoice::ByNeed => "by need (decided once the training state is built)",
+            memory::MemoryChoice::Offload => "offload master + Adam at every enter",
+            memory::MemoryChoice::Resident => "resident (nothing offloaded)",
         },
     );
     say!(
@@ -267,9 +262,10 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
         LifecycleChoice::Eager => &[Switching::Eager],
         LifecycleChoice::Both => &[Switching::Lazy, Switching::Eager],
     };
+    // the memory policy is decided in each branch, once the training state is built
     let lc_config = LifecycleConfig {
         switching: policies[0],
-        memory,
+        memory: MemoryPolicy::default(),
     };
     let cx = Ctx {
         options: a,
@@ -283,19 +279,50 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
         Launch::Process(env) => ThreadRankPool::for_process(env, Duration::from_secs(120))?,
     });
     // The engine's KV cache holds one gen batch (or the warm-up call) of prompt + new tokens.
-    let capacity = (
-        (r.prompts_per_batch * r.group_size).max(1),
-        g.prompt_len.max(3) + r.tokens.max(1),
-    );
+    let capacity = {
+        let (sequences, tokens) = (
+            (r.prompts_per_batch * r.group_size).max(1),
+            g.prompt_len.max(3) + r.tokens.max(1),
+        );
+        // --kv-tokens: more sequence slots of the same length, so the room is allocated whole
+        let asked = g.kv_tokens.map_or(0, |n| n.div_ceil(tokens));
+        (sequences.max(asked), tokens)
+    };
+    let replicas = match topology {
+        DecodeTopology::Group => 1,
+        DecodeTopology::Replicas(n) => n,
+    };
+    let decide = |pool: &ThreadRankPool, layout: &lifecycle_layout::RolloutLayout| {
+        let (memory, decision) =
+            memory::resolve(choice, pool, &config, layout, capacity, replicas)?;
+        match decision {
+            Some(d) => say!(root, "  memory {d}"),
+            None => say!(
+                root,
+                "  memory: offload master {} / Adam {}",
+                if memory.offload_params { "on" } else { "off" },
+                if memory.offload_optimizer {
+                    "on"
+                } else {
+                    "off"
+                }
+            ),
+        }
+        Ok::<_, DapoGpuError>(LifecycleConfig {
+            memory,
+            ..lc_config
+        })
+    };
     let fork = g.fork_prefill;
     let reports = match a.layout {
         GpuLayout::Fsdp => {
             let layout = config.rollout_layout_with(r.tp, r.experts)?;
             let engine = RunEngine::for_run(&config, &layout, &pool, capacity, fork)?;
-            let backend = FsdpBackend::new(Arc::clone(&pool), layout)
+            let backend = FsdpBackend::new(Arc::clone(&pool), layout.clone())
                 .with_rollout_dtype(r.rollout_dtype)
                 .with_fp8_keep(r.fp8_keep);
             let state = source.initial(&backend)?;
+            let lc_config = decide(&pool, &layout)?;
             let mut lc = Lifecycle::with_config(backend, state, lc_config)?.with_engine(engine);
             let mut driver = GpuDriver {
                 cx: &cx,
@@ -349,7 +376,7 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
                 .map_err(|e| DapoGpuError::Usage(e.to_string()))?;
             let rollout = fused_layout(&config, r.tp, r.experts);
             let engine = RunEngine::for_run(&config, &rollout, &pool, capacity, fork)?;
-            let backend = MegatronGpuBackend::new(Arc::clone(&pool), rollout)?;
+            let backend = MegatronGpuBackend::new(Arc::clone(&pool), rollout.clone())?;
             let trainer = MegatronTrainer {
                 params: a.adam_params(),
                 grad_scale: g.grad_scale,
@@ -367,6 +394,7 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
                 },
             };
             let state = trainer.initial(&backend)?;
+            let lc_config = decide(&pool, &rollout)?;
             let mut lc = Lifecycle::with_config(backend, state, lc_config)?.with_engine(engine);
             say!(
                 root,

@@ -114,9 +114,10 @@ pub struct LoopOptions {
     /// Seed of weights, prompts and sampling.
     #[arg(long, default_value_t = LoopOptions::DEFAULTS.seed)]
     pub seed: u64,
-    /// Keep master weights and Adam moments on the GPUs during rollout (default: offloaded).
+    /// Keep master weights and Adam moments on the GPUs during rollout (`--memory resident`).
     #[arg(long)]
     pub no_offload: bool,
+
     /// Per-phase detail after the report: each policy's metrics table.
     #[arg(long)]
     pub verbose: bool,
@@ -199,6 +200,16 @@ pub struct GpuOptions {
     /// that the processes of a one-process-per-GPU run picked the same tokens.
     #[arg(long)]
     pub samples_digest: bool,
+    /// What a switch offloads: by need (the least that makes room for the rollout weights and
+    /// the KV cache beside the training state; nothing when they fit), offload (master weights
+    /// and Adam moments at every enter, verl's param_offload + optimizer_offload) or resident
+    /// (as --no-offload).
+    #[arg(long, value_enum, default_value_t = super::memory::MemoryChoice::ByNeed)]
+    pub memory: super::memory::MemoryChoice,
+    /// KV-cache room to allocate at wake, in tokens summed over the sequences (default: what
+    /// one gen batch needs): a larger room makes offload by need move training state out.
+    #[arg(long)]
+    pub kv_tokens: Option<usize>,
     /// Prefill each prompt of a gen batch once and fork its KV to the group's samples, instead
     /// of prefilling every sequence (G times less prefill work; the prompt GEMMs then run on
     /// fewer rows, which can round differently: at 7.6B shapes some samples differ from the
@@ -218,6 +229,8 @@ impl GpuOptions {
         lr: 1e-4,
         grad_scale: 1e-2,
         samples_digest: false,
+        memory: super::memory::MemoryChoice::ByNeed,
+        kv_tokens: None,
         fork_prefill: false,
     };
 }

@@ -1,0 +1,97 @@
+//! What the GPU runs offload during rollout: by need (the default: the least that makes room
+//! for the rollout weights and the engine's KV cache beside the training state, decided before
+//! anything moves), always both master weights and Adam moments (verl's `param_offload` +
+//! `optimizer_offload`), or nothing.
+
+use lifecycle_core::{MemoryDecision, MemoryPolicy, RoomRequest};
+use lifecycle_cuda::{RankExecutor, ThreadRankPool};
+use lifecycle_decoder::ModelConfig;
+use lifecycle_decoder_gpu::EngineSettings;
+use lifecycle_layout::{RolloutFormat, RolloutLayout};
+
+use super::DapoGpuError;
+
+/// How the run chooses its memory policy (`--memory`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum MemoryChoice {
+    /// Offload the least that makes room for the rollout (nothing, when it fits).
+    #[default]
+    ByNeed,
+    /// Offload master weights and Adam moments at every enter.
+    Offload,
+    /// Offload nothing (the rollout weights are refreshed in place).
+    Resident,
+}
+
+/// Kept free beside the rollout: allocator rounding, cuBLAS and NCCL workspaces.
+pub const MARGIN_BYTES: u64 = 2 << 30;
+
+/// Bytes of rank `t`'s rollout weights in bf16 (an upper bound for an fp8 rollout): from the
+/// layout's tensors, or, for a fused layout, the model's parameters over `T`.
+pub fn rollout_bytes(config: &ModelConfig, layout: &RolloutLayout, t: usize) -> u64 {
+    if layout.format() == RolloutFormat::Fused {
+        return 2 * (config.params() as u64).div_ceil(layout.tp() as u64);
+    }
+    layout
+        .tensors()
+        .iter()
+        .filter(|s| s.held_by(t))
+        .map(|s| 2 * s.slice_shape(layout.tp()).iter().product::<usize>() as u64)
+        .sum()
+}
+
+/// The policy of `choice`; for [`MemoryChoice::ByNeed`], decided from each local rank's free
+/// memory (the training state built), its rollout weights and the engine's KV cache for
+/// `capacity` (sequences, tokens) over `replicas`, with the fp32 master weights and Adam moments
+/// a rank holds (`W` = the pool's world) as what an offload may move.
+pub fn resolve(
+    choice: MemoryChoice,
+    pool: &ThreadRankPool,
+    config: &ModelConfig,
+    layout: &RolloutLayout,
+    capacity: (usize, usize),
+    replicas: usize,
+) -> Result<(MemoryPolicy, Option<MemoryDecision>), DapoGpuError> {
+    match choice {
+        MemoryChoice::Offload => return Ok((MemoryPolicy::default(), None)),
+        MemoryChoice::Resident => {
+            let keep = MemoryPolicy {
+                keep_rollout_resident: true,
+                ..MemoryPolicy::resident()
+            };
+            return Ok((keep, None));
+        }
+        MemoryChoice::ByNeed => {}
+    }
+    let free = pool.run(&|ctx| {
+        ctx.ctx
+            .mem_get_info()
+            .map_err(ctx.drv("reading free device memory", 0))
+    })?;
+    let free = free.iter().map(|&(f, _)| f as u64).min().unwrap_or(0);
+    let tp = layout.tp();
+    let kv_heads = if config.model.query_groups >= tp {
+        config.model.query_groups / tp.max(1)
+    } else {
+        1
+    };
+    let engine =
+        EngineSettings::new(capacity.0, capacity.1).kv_bytes_per_rank(config, kv_heads, replicas);
+    let rollout = (0..tp)
+        .map(|t| rollout_bytes(config, layout, t))
+        .max()
+        .unwrap_or(0);
+    let per_rank = 4 * (config.params() as u64).div_ceil(pool.world() as u64);
+    let request = RoomRequest {
+        free,
+        rollout,
+        staging: 0,
+        engine,
+        margin: MARGIN_BYTES,
+        grads: 0,
+        optimizer: 2 * per_rank,
+        params: per_rank,
+    };
+    let decision = MemoryPolicy::by_need(&request).map_err(DapoGpuError::Usage)?;
+    Ok((decision.policy, Some(decision)))
+}
