@@ -92,6 +92,8 @@ class _Source:
         self.shards = shards
         self.versioned = versioned
         self._checked: list[bool] = [False] * len(shards)
+        self._numel: list[int] = [0] * len(shards)
+        self._torch: list[bool] = [False] * len(shards)
 
     def version(self) -> Any:
         """The in-place version counters of the parameter and of its local tensor: an
@@ -107,10 +109,13 @@ class _Source:
         storage moves)."""
         x = self.shards[i]
         if not self._checked[i]:
-            _address(self.name, x, device)
+            addr = _address(self.name, x, device)
             self._checked[i] = True
-        if _is_torch(x):
-            n = x.numel()
+            self._numel[i] = addr[1]
+            self._torch[i] = _is_torch(x)
+            return addr
+        if self._torch[i]:
+            n = self._numel[i]
             return (x.data_ptr() if n else 0, n)
         return _address(self.name, x, device)
 
