@@ -400,6 +400,26 @@ class RolloutWeights:
                 self._switch._config_json, dict(named), self._switch._tp, rank
             )
 
+    def named_arrays(self, format: str = "hf", rank: int = 0) -> Iterator[tuple[str, Any]]:
+        """``(name, numpy array)`` for every rollout tensor of local rank ``rank`` of a host
+        switch: the bits of bf16 (``uint16``) and fp8 (``uint8``) tensors, zero-copy views in
+        ``format="hf"``; ``format="vllm"`` as in :meth:`named_tensors` (fused arrays are
+        copies). Concatenation moves bits unchanged, so the fused arrays are the exact bits."""
+        self._check("named_arrays")
+        if format not in ("hf", "vllm"):
+            raise ConfigError(f'format `{format}`: expected "hf" or "vllm"')
+        if self._switch._device != "cpu":
+            raise ConfigError("named_arrays reads host memory: use named_tensors on a cuda switch")
+        import numpy as np
+
+        named = [(h.name, np.from_dlpack(h)) for h in self._switch._s.tensors(rank, True)]
+        if format == "hf":
+            yield from named
+        else:
+            yield from vllm_tensors(
+                self._switch._config_json, dict(named), self._switch._tp, rank
+            )
+
     @property
     def generation(self) -> int:
         """The generation of these weights (one more at every switch)."""

@@ -124,10 +124,40 @@ def vllm_names(config: Any, tp: int = 1, *, experts: str = "tp") -> list[tuple[s
     return out
 
 
+def _is_torch(t) -> bool:
+    return type(t).__module__.startswith("torch")
+
+
+def _cat(parts):
+    if _is_torch(parts[0]):
+        import torch
+
+        return torch.cat(parts)
+    import numpy as np
+
+    return np.concatenate(parts)
+
+
+def _stack(parts):
+    if _is_torch(parts[0]):
+        import torch
+
+        return torch.stack(parts)
+    import numpy as np
+
+    return np.stack(parts)
+
+
+def _zero_rows(t, rows: int):
+    if _is_torch(t):
+        return t.new_zeros((rows, *t.shape[1:]))
+    import numpy as np
+
+    return np.zeros((rows, *t.shape[1:]), dtype=t.dtype)
+
+
 def _vocab_shard(name: str, t, s: _Shape, rank: int):
     """vLLM's padded vocabulary rows of ``rank`` from this rank's rollout slice ``t``."""
-    import torch
-
     from ._lifecycle import ConfigError
 
     lo, hi = rank * s.vocab_local, (rank + 1) * s.vocab_local
@@ -148,14 +178,13 @@ def _vocab_shard(name: str, t, s: _Shape, rank: int):
     pad = s.vocab_local - rows.shape[0]
     if pad == 0:
         return rows
-    return torch.cat([rows, rows.new_zeros((pad, *rows.shape[1:]))])
+    return _cat([rows, _zero_rows(rows, pad)])
 
 
 def vllm_tensors(config: Any, hf: dict, tp: int, rank: int) -> Iterator[tuple[str, Any]]:
-    """The rollout tensors of one rank (``hf``: rollout names → torch tensors) as vLLM's
-    runtime parameters: fused ones concatenated (new tensors), the others as they are."""
-    import torch
-
+    """The rollout tensors of one rank (``hf``: rollout names → torch tensors or numpy arrays)
+    as vLLM's runtime parameters: fused ones concatenated (new tensors), the others as they
+    are."""
     from ._lifecycle import ConfigError
 
     c = _config(config)
@@ -164,7 +193,11 @@ def vllm_tensors(config: Any, hf: dict, tp: int, rank: int) -> Iterator[tuple[st
         layer0 = next(n for n in hf if ".mlp.experts." in n)
         stem = layer0.split(".mlp.experts.")[0]
         held = sorted(
-            {int(n.split(".mlp.experts.")[1].split(".")[0]) for n in hf if n.startswith(stem + ".")}
+            {
+                int(n[len(stem) + len(".mlp.experts.") :].split(".")[0])
+                for n in hf
+                if n.startswith(stem + ".mlp.experts.")
+            }
         )
         experts = "ep" if tp > 1 and len(held) * tp == c.get("num_experts", 0) else "tp"
     s = _Shape(c, tp, experts == "ep")
@@ -180,9 +213,9 @@ def vllm_tensors(config: Any, hf: dict, tp: int, rank: int) -> Iterator[tuple[st
                 heads = s.kv_head(rank)
                 k = k[heads.start * s.hd : heads.stop * s.hd]
                 v = v[heads.start * s.hd : heads.stop * s.hd]
-            t = torch.cat([q, k, v])
+            t = _cat([q, k, v])
         elif name.endswith("gate_up_proj.weight"):
-            t = torch.cat([hf[f"{p}mlp.gate_proj.weight"], hf[f"{p}mlp.up_proj.weight"]])
+            t = _cat([hf[f"{p}mlp.gate_proj.weight"], hf[f"{p}mlp.up_proj.weight"]])
         elif name.endswith("experts.w13_weight") or name.endswith("experts.w2_weight"):
             ids = sorted(
                 {
@@ -193,14 +226,14 @@ def vllm_tensors(config: Any, hf: dict, tp: int, rank: int) -> Iterator[tuple[st
             )
             if name.endswith("w13_weight"):
                 per = [
-                    torch.cat(
+                    _cat(
                         [hf[f"{p}mlp.experts.{e}.gate_proj.weight"], hf[f"{p}mlp.experts.{e}.up_proj.weight"]]
                     )
                     for e in ids
                 ]
             else:
                 per = [hf[f"{p}mlp.experts.{e}.down_proj.weight"] for e in ids]
-            t = torch.stack(per)
+            t = _stack(per)
         else:
             t = hf[name]
         if list(t.shape) != shape:
