@@ -27,7 +27,7 @@ def fsdp2_sources(module, offload: str, optimizer):
     each parameter, its versioned object (the parameter itself: ``optimizer.step()`` moves the
     DTensor's counter, not its local tensor's), the world, the device, and callables giving the
     offload buffers and the current stream at each enter."""
-    from .switch import _Source
+    from .sources import _Source
 
     named = list(module.named_parameters())
     if not named:
@@ -99,7 +99,7 @@ def _owner(storage):
 def _gathered(named, world: int):
     """CPU FSDP2 (gloo): every rank's local shard of every parameter, gathered on every rank,
     as the reference backend switches all W ranks."""
-    from .switch import _Source
+    from .sources import _Source
 
     sources = []
     for name, p in named:

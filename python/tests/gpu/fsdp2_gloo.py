@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import lifecycle
-from lifecycle.switch import _chunks
+from lifecycle.sources import _chunks
 
 CONFIG = dict(
     vocab_size=9,  # W = 4: rows 3, 3, 3, 0
