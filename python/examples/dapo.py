@@ -56,7 +56,10 @@ def reward(tokens: list[int]) -> float:
 
 
 def advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """verl's GRPO outcome advantage: (r - mean) / (std + 1e-6), std with Bessel's correction."""
+    """verl's GRPO outcome advantage: (r - mean) / (std + 1e-6), std with Bessel's correction;
+    a group of one sample has mean 0 and std 1 (as verl's `compute_grpo_outcome_advantage`)."""
+    if rewards.numel() == 1:
+        return rewards / (1.0 + 1e-6)
     return (rewards - rewards.mean()) / (rewards.std() + 1e-6)
 
 
