@@ -9,7 +9,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use lifecycle_core::{
     AfterFailure, Fault, FaultAt, FaultInjector, FaultKind, Lifecycle, LifecycleConfig,
-    LifecycleError, MemoryPolicy, Mode, Operation, Phase, Switching,
+    LifecycleError, MemoryPolicy, Mode, Operation, Phase, RoomRequest, Switching,
 };
 use lifecycle_host::{reference_rollout, HostBackend, HostTrainState};
 
@@ -65,16 +65,37 @@ fn check_rollout_works(lc: &mut Lc, layout: &lifecycle_layout::RolloutLayout) {
     assert_eq!(session.weights().first_difference(&expected), None);
 }
 
-fn policies() -> [(&'static str, MemoryPolicy); 2] {
-    [
+/// The policies the matrix runs: the explicit default (master + Adam offloaded), and the three
+/// that offload by need decides (nothing, kept resident; the optimizer state; both), each taken
+/// from `MemoryPolicy::by_need` for a rollout that fits, one that needs the optimizer state out
+/// and one that needs both.
+fn policies() -> Vec<(&'static str, MemoryPolicy)> {
+    const GB: u64 = 1 << 30;
+    let fits = RoomRequest {
+        free: 10 * GB,
+        rollout: 2 * GB,
+        engine: GB,
+        margin: GB,
+        optimizer: 4 * GB,
+        params: 2 * GB,
+        ..RoomRequest::default()
+    };
+    let by_need = |engine: u64| {
+        MemoryPolicy::by_need(&RoomRequest { engine, ..fits })
+            .expect("the request fits")
+            .policy
+    };
+    let resident = by_need(GB);
+    let optimizer = by_need(9 * GB);
+    let both = by_need(12 * GB);
+    assert!(resident.keep_rollout_resident && !resident.offload_optimizer);
+    assert!(optimizer.offload_optimizer && !optimizer.offload_params);
+    assert!(both.offload_optimizer && both.offload_params);
+    vec![
         ("offload", MemoryPolicy::default()),
-        (
-            "keep-resident",
-            MemoryPolicy {
-                keep_rollout_resident: true,
-                ..MemoryPolicy::resident()
-            },
-        ),
+        ("by need: keep resident", resident),
+        ("by need: optimizer out", optimizer),
+        ("by need: master + optimizer out", both),
     ]
 }
 
