@@ -18,7 +18,8 @@
 //! // SAFETY: every shard points to that many f32 values, alive during the call
 //! let first = unsafe { switch.enter(&shards, false)? };
 //! assert!(first.switched);
-//! let again = unsafe { switch.enter(&shards, false)? }; // nothing changed: nothing moves
+//! // SAFETY: the same shards, still alive; nothing changed, so nothing is read or moved
+//! let again = unsafe { switch.enter(&shards, false)? };
 //! assert!(!again.switched);
 //! let views = switch.views(0)?;
 //! assert_eq!(views[0].name, "model.embed_tokens.weight");
