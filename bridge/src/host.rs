@@ -159,10 +159,21 @@ impl HostSwitch {
         Ok(Some(Entered::reused(self.generation)))
     }
 
-    /// The views of rank `rank`'s rollout weights (in rollout mode only).
+    /// The ranks of the reference backend: `0..T`, the rollout ranks whose views exist.
+    pub fn rollout_ranks(&self) -> std::ops::Range<usize> {
+        0..self.lc.backend().layout().tp()
+    }
+
+    /// The views of rollout rank `rank`'s weights (in rollout mode only).
     pub fn views(&mut self, rank: usize) -> Result<Vec<TensorView>, BridgeError> {
         if !self.entered || !self.lc.rollout_is_current() {
             return Err(not_entered());
+        }
+        if !self.rollout_ranks().contains(&rank) {
+            return Err(BridgeError::Config(format!(
+                "rollout rank {rank}: the rollout has T = {} ranks",
+                self.rollout_ranks().end
+            )));
         }
         let session = self.lc.rollout().map_err(BridgeError::backend)?;
         let views = host_views(&session.weights(), rank);

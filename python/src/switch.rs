@@ -332,10 +332,11 @@ impl PySwitch {
         stats_dict(py, s)
     }
 
-    /// Global ranks this process drives.
+    /// The ranks whose rollout tensors this process reads: the rollout ranks `0..T` of a host
+    /// switch, the global ranks this process drives on the GPU.
     fn local_ranks(&self) -> PyResult<Vec<usize>> {
         match &*self.lock() {
-            Inner::Host(s) => Ok((0..s.binding().names().len().min(1)).collect()),
+            Inner::Host(s) => Ok(s.rollout_ranks().collect()),
             Inner::Gpu(s) => s.local_ranks().map_err(to_py),
         }
     }

@@ -235,3 +235,11 @@ def test_a_cuda_switch_without_its_launch_or_gpu_is_a_clear_error(config, monkey
     if not has_gpu:  # no GPU or no driver: an exception, never a crash
         with pytest.raises(lifecycle.LifecycleError):
             build(1)
+
+
+def test_a_rank_beyond_the_rollout_is_refused(config, params):
+    switch = Switch.from_arrays(config, params, world=2, rollout_tp=2)
+    assert switch._s.local_ranks() == [0, 1]
+    with switch.rollout() as w:
+        with pytest.raises(ConfigError, match="rollout rank 2: the rollout has T = 2"):
+            w.handles(2)
