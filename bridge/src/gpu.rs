@@ -30,6 +30,9 @@ pub struct GpuRankParts {
     pub shards: Vec<Shard>,
     /// What an offload may move (used only when the shards are lent anew).
     pub offload: Vec<LentOffload>,
+    /// Where those buffers are, `(address, bytes)`: buffers that appeared or moved since the
+    /// last lending (an optimizer's state, created at its first step) make the switch lend anew.
+    pub offload_at: Vec<(u64, usize)>,
     /// The trainer's stream (`torch.cuda.current_stream().cuda_stream`).
     pub stream: Option<u64>,
 }
@@ -69,11 +72,14 @@ impl RolloutEngine<RolloutBuffer> for EngineSlot {
 
 type GpuLifecycle = Lifecycle<LentFsdpBackend, EngineSlot>;
 
+/// What a lending was made of, per local rank: the shards, the stream, the offload buffers.
+type LendKey = (Vec<Shard>, Option<u64>, Vec<(u64, usize)>);
+
 enum Slot {
     /// Nothing lent yet (or between lendings).
     Idle(Box<(LentFsdpBackend, EngineSlot)>),
     /// Lent, with the shards' addresses and the stream they were lent with.
-    Live(Box<GpuLifecycle>, Vec<(Vec<Shard>, Option<u64>)>),
+    Live(Box<GpuLifecycle>, Vec<LendKey>),
     /// A re-lending failed part way: the switch cannot be used again.
     Broken,
 }
@@ -194,8 +200,10 @@ impl GpuSwitch {
         let ranks = self.local_ranks()?;
         let shards: Vec<Vec<Shard>> = parts.iter().map(|p| p.shards.clone()).collect();
         check_shards(&self.train, &ranks, &shards)?;
-        let key: Vec<(Vec<Shard>, Option<u64>)> =
-            parts.iter().map(|p| (p.shards.clone(), p.stream)).collect();
+        let key: Vec<LendKey> = parts
+            .iter()
+            .map(|p| (p.shards.clone(), p.stream, p.offload_at.clone()))
+            .collect();
         let moved = !matches!(&self.slot, Slot::Live(_, at) if *at == key);
         if let Slot::Live(lc, _) = &self.slot {
             if !moved && !changed && lc.rollout_is_current() {
@@ -252,7 +260,7 @@ impl GpuSwitch {
     unsafe fn lend(
         &mut self,
         parts: Vec<GpuRankParts>,
-        key: Vec<(Vec<Shard>, Option<u64>)>,
+        key: Vec<LendKey>,
     ) -> Result<(), BridgeError> {
         if let Slot::Live(lc, _) = &mut self.slot {
             lc.exit().map_err(BridgeError::backend)?;

@@ -232,6 +232,7 @@ impl PySwitch {
                     let mut parts = Vec::with_capacity(shards.len());
                     for (list, off) in shards.into_iter().zip(offload) {
                         let mut moved = Vec::with_capacity(off.len());
+                        let offload_at = off.iter().map(|o| (o.2, o.3)).collect();
                         for (name, cls, ptr, bytes, release, restore) in off {
                             let cls = class(&name, &cls)?;
                             let what = match cls {
@@ -248,6 +249,7 @@ impl PySwitch {
                         parts.push(GpuRankParts {
                             shards: list,
                             offload: moved,
+                            offload_at,
                             stream,
                         });
                     }
