@@ -86,8 +86,8 @@ impl MemoryPolicy {
     /// // a KV room of 40 GB needs the optimizer state out
     /// let d = MemoryPolicy::by_need(&RoomRequest { engine: 40 * GB, ..r })?;
     /// assert!(d.policy.offload_optimizer && !d.policy.offload_params);
-    /// // 120 GB cannot fit at all
-    /// assert!(MemoryPolicy::by_need(&RoomRequest { engine: 120 * GB, ..r }).is_err());
+    /// // 130 GB cannot fit even with 91 GB offloaded (33 + 91 GB free after the enter)
+    /// assert!(MemoryPolicy::by_need(&RoomRequest { engine: 130 * GB, ..r }).is_err());
     /// # Ok::<(), String>(())
     /// ```
     pub fn by_need(r: &RoomRequest) -> Result<MemoryDecision, String> {
