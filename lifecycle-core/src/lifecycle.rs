@@ -166,6 +166,52 @@ impl<B: Reshard, E> Lifecycle<B, E> {
         self.config.switching = switching;
     }
 
+    /// Switches by `decision` from now on (offload by need, [`MemoryPolicy::by_need`]): its
+    /// policy becomes the lifecycle's, the decision is kept in the [metrics](Lifecycle::metrics)
+    /// (and their table), and a trace that is on gets a mark of it. Only in train mode with
+    /// nothing resident, where no switch is half done under the old policy.
+    ///
+    /// ```
+    /// use lifecycle_core::testing::CopyBackend;
+    /// use lifecycle_core::{Lifecycle, MemoryPolicy, RoomRequest};
+    /// let mut lc = Lifecycle::new(CopyBackend::new(), vec![1.0]);
+    /// let d = MemoryPolicy::by_need(&RoomRequest { free: 10, rollout: 4, ..RoomRequest::default() })?;
+    /// lc.set_memory_decision(d).map_err(|e| e.to_string())?;
+    /// assert!(!lc.config().memory.offload_params);
+    /// assert!(lc.metrics().to_string().contains("nothing offloaded"));
+    /// # Ok::<(), String>(())
+    /// ```
+    ///
+    /// [`MemoryPolicy::by_need`]: crate::MemoryPolicy::by_need
+    pub fn set_memory_decision(
+        &mut self,
+        decision: crate::MemoryDecision,
+    ) -> Result<(), LifecycleError<B::Error>> {
+        if self.mode != Mode::Train || self.resident.is_some() {
+            return Err(LifecycleError::Config(
+                "the memory policy changes only in train mode with nothing resident: exit first"
+                    .into(),
+            ));
+        }
+        decision.policy.validate().map_err(LifecycleError::Config)?;
+        self.config.memory = decision.policy;
+        self.metrics.memory = Some(decision);
+        if self.trace.is_enabled() {
+            let now = self.trace.micros(std::time::Instant::now());
+            self.trace.record(crate::Span {
+                name: format!("memory {decision}"),
+                phase: crate::Phase::Plan,
+                rank: None,
+                track: "host".into(),
+                start_us: now,
+                duration_us: 0.0,
+                bytes: 0,
+                link: None,
+            });
+        }
+        Ok(())
+    }
+
     /// When the engine's rollout memory is released.
     pub fn engine_memory(&self) -> EngineMemory {
         self.engine_memory
@@ -201,9 +247,12 @@ impl<B: Reshard, E> Lifecycle<B, E> {
         &self.metrics
     }
 
-    /// Clears the metrics.
+    /// Clears the metrics (the memory decision, how the next switches run, stays).
     pub fn reset_metrics(&mut self) {
+        // the memory decision stays: it is how the next switches run, not a count
+        let memory = self.metrics.memory;
         self.metrics = Metrics::default();
+        self.metrics.memory = memory;
     }
 
     /// Starts recording a timeline of every switch (see [`Trace`]); the clock starts now.

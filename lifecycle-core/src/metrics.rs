@@ -246,6 +246,9 @@ pub struct Metrics {
     pub reuses: u64,
     /// The rollout engine's wakes, sleeps and peak memory (all zero without an engine).
     pub engine: EngineStats,
+    /// The memory decision the switches follow, when offload was decided by need
+    /// ([`Lifecycle::set_memory_decision`](crate::Lifecycle::set_memory_decision)).
+    pub memory: Option<crate::MemoryDecision>,
 }
 
 impl Metrics {
@@ -473,7 +476,11 @@ impl fmt::Display for Metrics {
             }
             writeln!(f)?;
         }
-        write!(f, "{}", self.summary_line())
+        write!(f, "{}", self.summary_line())?;
+        if let Some(d) = &self.memory {
+            write!(f, "\nmemory {d}")?;
+        }
+        Ok(())
     }
 }
 

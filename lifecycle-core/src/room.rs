@@ -194,6 +194,34 @@ mod tests {
     }
 
     #[test]
+    fn a_lifecycle_keeps_its_decision_in_metrics_and_trace() {
+        use crate::testing::CopyBackend;
+        use crate::Lifecycle;
+        let mut lc = Lifecycle::new(CopyBackend::new(), vec![1.0, 2.0]);
+        lc.enable_trace();
+        let optimizer_out = RoomRequest {
+            engine: 9 * GB + 1,
+            ..request()
+        };
+        let d = MemoryPolicy::by_need(&optimizer_out).unwrap();
+        lc.set_memory_decision(d).unwrap();
+        assert_eq!(lc.config().memory, d.policy);
+        assert_eq!(lc.metrics().memory, Some(d));
+        assert!(lc
+            .trace()
+            .spans()
+            .iter()
+            .any(|s| s.name.contains("optimizer state offloaded")));
+        lc.reset_metrics();
+        assert_eq!(lc.metrics().memory, Some(d), "a reset keeps the decision");
+        // not while rollout weights are resident
+        lc.rollout().unwrap().finish().unwrap();
+        let other = MemoryPolicy::by_need(&request()).unwrap();
+        assert!(lc.set_memory_decision(other).is_err());
+        assert_eq!(lc.config().memory, d.policy);
+    }
+
+    #[test]
     fn what_cannot_fit_is_said() {
         let r = RoomRequest {
             engine: 30 * GB,

@@ -295,7 +295,7 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
     let decide = |pool: &ThreadRankPool, layout: &lifecycle_layout::RolloutLayout| {
         let (memory, decision) =
             memory::resolve(choice, pool, &config, layout, capacity, replicas)?;
-        match decision {
+        match &decision {
             Some(d) => say!(root, "  memory {d}"),
             None => say!(
                 root,
@@ -308,10 +308,11 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
                 }
             ),
         }
-        Ok::<_, DapoGpuError>(LifecycleConfig {
+        let config = LifecycleConfig {
             memory,
             ..lc_config
-        })
+        };
+        Ok::<_, DapoGpuError>((config, decision))
     };
     let fork = g.fork_prefill;
     let reports = match a.layout {
@@ -322,8 +323,11 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
                 .with_rollout_dtype(r.rollout_dtype)
                 .with_fp8_keep(r.fp8_keep);
             let state = source.initial(&backend)?;
-            let lc_config = decide(&pool, &layout)?;
+            let (lc_config, decision) = decide(&pool, &layout)?;
             let mut lc = Lifecycle::with_config(backend, state, lc_config)?.with_engine(engine);
+            if let Some(d) = decision {
+                lc.set_memory_decision(d)?;
+            }
             let mut driver = GpuDriver {
                 cx: &cx,
                 trainer: FsdpTrainer {
@@ -394,8 +398,11 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
                 },
             };
             let state = trainer.initial(&backend)?;
-            let lc_config = decide(&pool, &rollout)?;
+            let (lc_config, decision) = decide(&pool, &rollout)?;
             let mut lc = Lifecycle::with_config(backend, state, lc_config)?.with_engine(engine);
+            if let Some(d) = decision {
+                lc.set_memory_decision(d)?;
+            }
             say!(
                 root,
                 "  Megatron training layout TP {} x PP {} x DP {} -> fused rollout T = {}; rollout \
