@@ -18,7 +18,7 @@ class Engine:
 
     def __init__(self, switch, *, max_sequences: int, max_tokens: int):
         switch._leave()
-        switch._s.attach_engine(int(max_sequences), int(max_tokens))
+        switch._live().attach_engine(int(max_sequences), int(max_tokens))
         self._switch = switch
 
     def generate(
@@ -38,7 +38,7 @@ class Engine:
 
             raise ConfigError("these rollout weights belong to another switch than the engine's")
         weights._check("engine.generate")
-        return self._switch._s.generate(
+        return self._switch._live().generate(
             [list(map(int, p)) for p in prompts],
             int(max_new_tokens),
             float(temperature),

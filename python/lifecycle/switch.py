@@ -224,6 +224,8 @@ class Switch:
         weights. Tensors taken from it are stale once the block ends."""
         if self._session is not None:
             raise ConfigError("a rollout session is already open on this switch")
+        if self._s is None:
+            raise ConfigError("this switch is closed")
         versions = self._versions()
         self._enter(refresh, versions)
         self._s.open_session()
@@ -251,14 +253,41 @@ class Switch:
             raise ConfigError("a rollout session is open: end it before training")
         self._leave()
 
+    def _live(self):
+        if self._s is None:
+            raise ConfigError("this switch is closed")
+        return self._s
+
+    def close(self) -> None:
+        """Leaves rollout mode (bringing offloaded state back into the trainer's storages) and
+        releases the switch's device memory; the switch cannot be used again. Refused with
+        :class:`TensorsInUseError` while handed-out rollout tensors are still referenced."""
+        if self._session is not None:
+            raise ConfigError("a rollout session is open: end it before closing the switch")
+        if self._s is None:
+            return
+        self._leave()
+        self._s = None
+
+    def __del__(self):
+        # A switch dropped in rollout mode must not take offloaded training state with it:
+        # bring it back (best effort: at interpreter exit torch may be gone already).
+        try:
+            if getattr(self, "_s", None) is not None and self._in_rollout and self._offloads:
+                self._leave()
+        except Exception as e:  # noqa: BLE001 (no exception may escape __del__)
+            import warnings
+
+            warnings.warn(f"lifecycle.Switch dropped in rollout mode: {e}", RuntimeWarning)
+
     def held(self) -> list[str]:
         """Names of handed-out rollout tensors still referenced."""
-        return self._s.held()
+        return self._live().held()
 
     def stats(self) -> dict:
         """Counts and times of the switches so far (``enters``, ``refreshes``, ``exits``,
         ``reuses``, ``switch_seconds``, ``generation``)."""
-        return dict(self._s.stats())
+        return dict(self._live().stats())
 
     @property
     def rollout_tp(self) -> int:

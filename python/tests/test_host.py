@@ -243,3 +243,17 @@ def test_a_rank_beyond_the_rollout_is_refused(config, params):
     with switch.rollout() as w:
         with pytest.raises(ConfigError, match="rollout rank 2: the rollout has T = 2"):
             w.handles(2)
+
+
+def test_a_closed_switch_is_refused_and_close_waits_for_held_tensors(config, params):
+    switch = Switch.from_arrays(config, params)
+    with switch.rollout() as w:
+        kept = np.from_dlpack(w.handles(bits=True)[0])
+    with pytest.raises(TensorsInUseError):
+        switch.close()
+    del kept
+    switch.close()
+    switch.close()  # twice is fine
+    with pytest.raises(ConfigError, match="closed"):
+        with switch.rollout():
+            pass
