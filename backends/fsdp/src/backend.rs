@@ -123,7 +123,10 @@ impl FsdpBackend {
             verify: false,
             rollout_sums: None,
             transport: Transport::Auto,
-            pinned: Arc::new(PinnedPool::new(DEFAULT_OFFLOAD_CHUNK_BYTES, 1)),
+            pinned: Arc::new(PinnedPool::new(
+                DEFAULT_OFFLOAD_CHUNK_BYTES,
+                PinnedPool::default_threads(),
+            )),
         }
     }
 
@@ -132,7 +135,7 @@ impl FsdpBackend {
     /// [`DEFAULT_OFFLOAD_CHUNK_BYTES`].
     pub fn with_offload_chunk_bytes(mut self, bytes: usize) -> Self {
         let chunk = if bytes == 0 { usize::MAX } else { bytes };
-        self.pinned = Arc::new(PinnedPool::new(chunk, 1));
+        self.pinned = Arc::new(PinnedPool::new(chunk, PinnedPool::default_threads()));
         self
     }
 
