@@ -74,7 +74,9 @@ pub use kernels::{
 pub use modules::{compile, KernelSet, LoadedModule};
 pub use offload::{FromLe, OffloadBuffer};
 pub use peer::{copy_2d, memcpy_2d_desc, peer_copy_rate, Transport};
-pub use pinned::{HostCopy, PinnedPool, DEFAULT_CHUNK_BYTES};
+pub use pinned::{
+    HostCopy, PinnedPool, PinnedReservation, RankReservation, Reserved, DEFAULT_CHUNK_BYTES,
+};
 pub use placement::{RankPlacement, SharedGpu};
 pub use pool::{RankCtx, RankExecutor, RankFn, ThreadRankPool};
 pub use quantise::QUANTISE_KERNELS;

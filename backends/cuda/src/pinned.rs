@@ -15,7 +15,9 @@
 use std::alloc::Layout;
 use std::collections::HashMap;
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
 
 use crate::{CudaError, RankCtx};
 use cudarc::driver::{CudaContext, CudaStream};
@@ -125,6 +127,10 @@ pub struct PinnedPool {
     chunk_bytes: usize,
     threads: usize,
     free: Mutex<HashMap<usize, Vec<PinnedChunk>>>,
+    /// Background reservations in progress, by rank ([`PinnedPool::reserve_in_background`]).
+    pending: Mutex<HashMap<usize, usize>>,
+    /// Signalled whenever a background reservation of a rank ends.
+    settled: Condvar,
 }
 
 impl std::fmt::Debug for PinnedPool {
@@ -157,6 +163,8 @@ impl PinnedPool {
             chunk_bytes: chunk_bytes.max(1 << 20),
             threads: threads.max(1),
             free: Mutex::new(HashMap::new()),
+            pending: Mutex::new(HashMap::new()),
+            settled: Condvar::new(),
         }
     }
 
@@ -202,7 +210,11 @@ impl PinnedPool {
     /// Chunks for a buffer of `bytes` bytes on `ctx`'s rank: cached chunks first (the smallest
     /// that fits each piece), the rest allocated with up to `threads` threads. On failure every
     /// chunk taken goes back to the pool.
+    ///
+    /// A background reservation of the rank in progress ([`PinnedPool::reserve_in_background`])
+    /// is waited for first, so that its chunks are used rather than pinned twice.
     pub fn take(&self, ctx: &RankCtx, bytes: usize, what: &str) -> Result<HostCopy, CudaError> {
+        self.wait_settled(ctx.rank);
         let sizes = self.pieces(bytes);
         let mut got: Vec<Option<PinnedChunk>> = (0..sizes.len()).map(|_| None).collect();
         {
@@ -229,7 +241,7 @@ impl PinnedPool {
             .collect();
         let mut failure = None;
         if !missing.is_empty() {
-            let results = alloc_parallel(&ctx.copy, ctx.rank, &missing, self.threads, what);
+            let results = alloc_parallel(&ctx.ctx, ctx.rank, &missing, self.threads, what);
             for (i, r) in results {
                 match r {
                     Ok(c) => got[i] = Some(c),
@@ -253,6 +265,153 @@ impl PinnedPool {
         Ok(HostCopy { pieces, bytes })
     }
 
+    /// Pins, into `rank`'s cache, the chunks that offloads of buffers of `buffers` bytes (one
+    /// entry per buffer) take, less those the cache already holds; `ctx` is the rank's device
+    /// context. Returns the bytes pinned. On failure the chunks pinned so far stay cached (they
+    /// are valid) and the error says what could not be pinned.
+    pub fn reserve(
+        &self,
+        ctx: &Arc<CudaContext>,
+        rank: usize,
+        buffers: &[usize],
+        what: &str,
+    ) -> Result<u64, CudaError> {
+        let missing = self.missing(rank, buffers);
+        if missing.is_empty() {
+            return Ok(0);
+        }
+        let jobs: Vec<(usize, usize)> = missing.into_iter().enumerate().collect();
+        let results = alloc_parallel(ctx, rank, &jobs, self.threads, what);
+        let mut failure = None;
+        let mut pinned = 0u64;
+        let mut got = Vec::with_capacity(results.len());
+        for (_, r) in results {
+            match r {
+                Ok(c) => {
+                    pinned += c.len() as u64;
+                    got.push(c);
+                }
+                Err(e) => {
+                    failure.get_or_insert(e);
+                }
+            }
+        }
+        if failure.is_none() && got.len() < jobs.len() {
+            failure = Some(CudaError::Worker {
+                rank,
+                detail: format!("a thread pinning host memory for {what} failed"),
+            });
+        }
+        self.give_chunks(rank, got.into_iter());
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(pinned),
+        }
+    }
+
+    /// Starts [`PinnedPool::reserve`] for every rank of `ranks` on a thread of its own (the ranks
+    /// one after the other, each with the pool's threads), so that pinning, which the operating
+    /// system's page faults bound, runs off the critical path: from setup, overlapping whatever
+    /// the program does before its first offload. A [`PinnedPool::take`] of a rank waits for the
+    /// rank's reservation to end, then uses its chunks. The handle says when it ended and what
+    /// it pinned; dropping it lets the reservation run on.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use lifecycle_cuda::PinnedPool;
+    /// // nothing to pin: the reservation ends at once, having pinned nothing
+    /// let pool = Arc::new(PinnedPool::default());
+    /// let r = pool.reserve_in_background(Vec::new(), "the offload");
+    /// assert_eq!(r.wait()?.bytes, 0);
+    /// # Ok::<(), lifecycle_cuda::CudaError>(())
+    /// ```
+    pub fn reserve_in_background(
+        self: &Arc<Self>,
+        ranks: Vec<RankReservation>,
+        what: &str,
+    ) -> PinnedReservation {
+        {
+            let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            for r in &ranks {
+                *pending.entry(r.rank).or_default() += 1;
+            }
+        }
+        let pool = Arc::clone(self);
+        let what = what.to_string();
+        let start = Instant::now();
+        let handle = std::thread::spawn(move || {
+            let mut bytes = 0u64;
+            let mut failure = None;
+            for r in ranks {
+                // Ends the rank's pending mark however `reserve` returns (a panic included).
+                let _done = Settle {
+                    pool: &pool,
+                    rank: r.rank,
+                };
+                if failure.is_some() {
+                    continue;
+                }
+                match pool.reserve(&r.ctx, r.rank, &r.buffers, &what) {
+                    Ok(n) => bytes += n,
+                    Err(e) => failure = Some(e),
+                }
+            }
+            match failure {
+                Some(e) => Err(e),
+                None => Ok(Reserved {
+                    bytes,
+                    seconds: start.elapsed().as_secs_f64(),
+                }),
+            }
+        });
+        PinnedReservation {
+            handle: Some(handle),
+        }
+    }
+
+    /// Capacities of the chunks offloads of `buffers` take that `rank`'s cache cannot give
+    /// (matched as [`PinnedPool::take`] matches: the smallest cached chunk that fits).
+    fn missing(&self, rank: usize, buffers: &[usize]) -> Vec<usize> {
+        let mut caps: Vec<usize> = buffers
+            .iter()
+            .flat_map(|&b| self.pieces(b))
+            .map(|n| round_chunk(n, self.chunk_bytes))
+            .collect();
+        caps.sort_unstable_by(|a, b| b.cmp(a));
+        let free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let mut lens: Vec<usize> = free
+            .get(&rank)
+            .map_or_else(Vec::new, |v| v.iter().map(PinnedChunk::len).collect());
+        caps.into_iter()
+            .filter(|&cap| {
+                let best = lens
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, &l)| l >= cap)
+                    .min_by_key(|(_, &l)| l)
+                    .map(|(j, _)| j);
+                match best {
+                    Some(j) => {
+                        lens.swap_remove(j);
+                        false
+                    }
+                    None => true,
+                }
+            })
+            .collect()
+    }
+
+    /// Blocks while a background reservation of `rank` runs.
+    fn wait_settled(&self, rank: usize) {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        while pending.get(&rank).copied().unwrap_or(0) > 0 {
+            pending = self
+                .settled
+                .wait(pending)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
     /// Returns the chunks of `copy` to `rank`'s cache. The caller must have synchronised every
     /// stream that copied to or from them.
     pub fn give(&self, rank: usize, copy: HostCopy) {
@@ -262,6 +421,81 @@ impl PinnedPool {
     fn give_chunks(&self, rank: usize, chunks: impl Iterator<Item = PinnedChunk>) {
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
         free.entry(rank).or_default().extend(chunks);
+    }
+}
+
+/// One rank's part of a [`PinnedPool::reserve_in_background`]: its device context, its rank,
+/// and the bytes of each buffer its offloads will move.
+#[derive(Clone)]
+pub struct RankReservation {
+    /// The rank's device context (the chunks are registered with it).
+    pub ctx: Arc<CudaContext>,
+    /// The rank (the pool's cache key).
+    pub rank: usize,
+    /// Bytes of each buffer an offload of the rank moves.
+    pub buffers: Vec<usize>,
+}
+
+impl std::fmt::Debug for RankReservation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankReservation")
+            .field("rank", &self.rank)
+            .field("buffers", &self.buffers)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a background reservation pinned, and how long it took from its start.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Reserved {
+    /// Bytes pinned (chunks the cache already held are not counted).
+    pub bytes: u64,
+    /// Seconds from the start of the reservation to its end.
+    pub seconds: f64,
+}
+
+/// A background reservation of pinned memory ([`PinnedPool::reserve_in_background`]).
+#[derive(Debug)]
+pub struct PinnedReservation {
+    handle: Option<JoinHandle<Result<Reserved, CudaError>>>,
+}
+
+impl PinnedReservation {
+    /// Whether the reservation has ended.
+    pub fn is_finished(&self) -> bool {
+        self.handle.as_ref().is_none_or(JoinHandle::is_finished)
+    }
+
+    /// Waits for the reservation to end: what it pinned, or the first error.
+    pub fn wait(mut self) -> Result<Reserved, CudaError> {
+        match self.handle.take() {
+            None => Ok(Reserved {
+                bytes: 0,
+                seconds: 0.0,
+            }),
+            Some(h) => h.join().unwrap_or_else(|_| {
+                Err(CudaError::Invalid(
+                    "the thread reserving pinned memory panicked".into(),
+                ))
+            }),
+        }
+    }
+}
+
+/// Ends a rank's pending mark of a background reservation when dropped.
+struct Settle<'a> {
+    pool: &'a PinnedPool,
+    rank: usize,
+}
+
+impl Drop for Settle<'_> {
+    fn drop(&mut self) {
+        let mut pending = self.pool.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = pending.get_mut(&self.rank) {
+            *n = n.saturating_sub(1);
+        }
+        drop(pending);
+        self.pool.settled.notify_all();
     }
 }
 
@@ -278,14 +512,13 @@ type Allocated = Vec<(usize, Result<PinnedChunk, CudaError>)>;
 /// Allocates `jobs` (piece index, capacity) with up to `threads` threads (each faults its chunks
 /// in and registers them; the kernel's page faults run in parallel).
 fn alloc_parallel(
-    stream: &Arc<CudaStream>,
+    ctx: &Arc<CudaContext>,
     rank: usize,
     jobs: &[(usize, usize)],
     threads: usize,
     what: &str,
 ) -> Allocated {
     let threads = threads.clamp(1, jobs.len().max(1));
-    let ctx = stream.context();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|t| {
@@ -408,6 +641,19 @@ mod tests {
             assert!(p.iter().all(|&n| n > 0 && n <= 4 << 20));
         }
         assert_eq!(PinnedPool::new(10, 1).chunk_bytes(), 1 << 20);
+    }
+
+    #[test]
+    fn a_reservation_pins_the_chunks_the_offloads_take() {
+        let pool = PinnedPool::new(4 << 20, 2);
+        // an empty cache: every piece's chunk, tails rounded up to 1 MiB, largest first
+        assert_eq!(
+            pool.missing(0, &[(9 << 20) + 5, 1 << 20]),
+            vec![4 << 20, 4 << 20, 2 << 20, 1 << 20]
+        );
+        assert!(pool.missing(3, &[]).is_empty());
+        // no reservation pending: nothing to wait for
+        pool.wait_settled(0);
     }
 
     #[test]

@@ -5,7 +5,11 @@ use crate::FsdpError;
 use lifecycle_layout::fp8::{Fp8Keep, RolloutDtype};
 use std::sync::{Arc, Mutex};
 
-use lifecycle_cuda::{PinnedPool, ProgramSlot, RankExecutor, ThreadRankPool, Transport};
+use crate::FsdpTrainState;
+use lifecycle_core::MemoryPolicy;
+use lifecycle_cuda::{
+    PinnedPool, PinnedReservation, ProgramSlot, RankExecutor, ThreadRankPool, Transport,
+};
 use lifecycle_layout::{FsdpLayout, RolloutEntry, RolloutLayout};
 
 use lifecycle_layout::fsdp::{BucketConfig, FsdpPlan};
@@ -150,6 +154,25 @@ impl FsdpBackend {
     /// The pinned pool offloads take their host memory from.
     pub fn pinned_pool(&self) -> &Arc<PinnedPool> {
         &self.pinned
+    }
+
+    /// Starts pinning, in the background, the host memory offloads of `state` under `memory`
+    /// take (its master weights and/or Adam moments), so that the first switch does not wait
+    /// for pinning ([`lifecycle_cuda::driver::reserve_in_background`]). Call it at setup, once
+    /// the memory policy is known; nothing moves, and the first offload of a rank waits only
+    /// for what its reservation has not pinned yet.
+    pub fn reserve_pinned_in_background(
+        &self,
+        state: &mut FsdpTrainState,
+        memory: MemoryPolicy,
+    ) -> Result<PinnedReservation, FsdpError> {
+        self.check_state(state)?;
+        Ok(lifecycle_cuda::driver::reserve_in_background(
+            &*self.pool,
+            &self.pinned,
+            &mut state.ranks,
+            memory,
+        )?)
     }
 
     /// How bytes cross between ranks. [`Transport::Auto`] (the default): peer copies (each

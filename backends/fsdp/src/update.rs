@@ -160,7 +160,7 @@ impl FsdpBackend {
     }
 
     /// Checks that `state` belongs to this backend's pool.
-    fn check_state(&self, state: &FsdpTrainState) -> Result<(), FsdpError> {
+    pub(crate) fn check_state(&self, state: &FsdpTrainState) -> Result<(), FsdpError> {
         let pool = self.pool();
         if state.world() != pool.world() || state.ranks.len() != pool.local_ranks().len() {
             return Err(FsdpError::WorldMismatch {

@@ -355,17 +355,42 @@ fn offload_reload_round_trip_bit_exact_100_cycles() -> Res {
         .iter()
         .map(|s| (s.name.clone(), s.shape.clone()))
         .collect();
-    let state = backend.synthetic_state(&tensors, 42, 0.05)?;
+    let mut state = backend.synthetic_state(&tensors, 42, 0.05)?;
     let before = backend.download_state(&state)?;
     assert!(
         before.iter().all(|d| d.m.iter().any(|x| *x != 0.0)),
         "m must be non-zero"
     );
+    // The pinned memory is reserved in the background from setup; the first offload takes
+    // exactly those chunks and pins nothing more.
+    let pinning = backend.reserve_pinned_in_background(&mut state, MemoryPolicy::default())?;
+    let pinned = backend.pinned_pool().clone();
+    let locals = backend.pool().local_ranks().to_vec();
     let mut lc = Lifecycle::new(backend, state); // default policy: offload master + Adam
     let first = {
         let s = lc.rollout()?;
         s.backend().download_rollout(&s.weights())?
     };
+    let reserved = pinning.wait()?;
+    let state_bytes: u64 = before
+        .iter()
+        .map(|d| 4 * (d.master.len() + d.m.len() + d.v.len()) as u64)
+        .sum();
+    // Each buffer's last piece is rounded up to 1 MiB.
+    let slack = 3 * locals.len() as u64 * (1 << 20);
+    assert!(
+        (state_bytes..state_bytes + slack).contains(&reserved.bytes),
+        "reserved at setup: {} B for {state_bytes} B of state",
+        reserved.bytes
+    );
+    assert_eq!(lc.peek_state().pinned_host_bytes(), state_bytes);
+    for r in &locals {
+        assert_eq!(
+            pinned.cached_bytes(*r),
+            0,
+            "rank {r}: every reserved chunk in use"
+        );
+    }
     lc.train()?;
     for cycle in 1..100 {
         let s = lc.rollout()?;

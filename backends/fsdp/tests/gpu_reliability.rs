@@ -4,7 +4,8 @@
 //!   devices, the lifecycle is restored and the pool refuses later collectives at once (2 GPUs:
 //!   the deadline guards NCCL work, and NCCL needs one GPU per rank);
 //! - the fault matrix of [`FaultInjector`] around [`FsdpBackend`]: every phase × {error, panic} ×
-//!   {start, end} under the offloading and keep-resident policies, at W = 1 and W = 2;
+//!   {start, end} under the offloading policy and the three that offload by need decides on the
+//!   machine's free memory (nothing, kept resident; the optimizer state; both), at W = 1 and W = 2;
 //! - verification mode: device hashes equal their host twin, corrupted offloads and rollout
 //!   weights are reported with their tensor, non-finite weights are refused, at W = 1 and W = 2.
 //!
@@ -21,7 +22,7 @@ use std::time::{Duration, Instant};
 use lifecycle_core::{
     AfterFailure, Fault, FaultAt, FaultError, FaultInjector, FaultKind, Lifecycle, LifecycleConfig,
     LifecycleError, MemoryPolicy, Metrics, Mode, Operation, Phase, PhaseRecorder, Reshard,
-    SwitchContext, Switching,
+    RoomRequest, SwitchContext, Switching,
 };
 use lifecycle_cuda::cudarc::driver::DevicePtr;
 use lifecycle_cuda::testing::{require_gpus, spread};
@@ -297,17 +298,52 @@ fn rollout_works(c: &mut Case, what: &str) -> Res {
     Ok(())
 }
 
-fn policies() -> [(&'static str, MemoryPolicy); 2] {
-    [
+/// The policies the matrix runs: the explicit default (master + Adam offloaded), then the three
+/// that offload by need decides on this machine's free device memory (read on `pool`'s ranks)
+/// for the test state's sizes: a rollout that fits (nothing offloaded, kept resident, index 1),
+/// one whose engine needs the optimizer state out, and one that needs both.
+fn policies(
+    pool: &ThreadRankPool,
+) -> Result<Vec<(&'static str, MemoryPolicy)>, Box<dyn std::error::Error>> {
+    let free = pool.run(&|ctx| {
+        ctx.ctx
+            .mem_get_info()
+            .map_err(ctx.drv("reading free device memory", 0))
+    })?;
+    let free = free.iter().map(|&(f, _)| f as u64).min().unwrap_or(0);
+    let elements: usize = specs(pool.world())
+        .iter()
+        .map(|s| s.shape.iter().product::<usize>())
+        .sum();
+    let params = 4 * (elements as u64).div_ceil(pool.world() as u64);
+    let fits = RoomRequest {
+        free,
+        rollout: params / 2,
+        margin: 64 << 20,
+        optimizer: 2 * params,
+        params,
+        ..RoomRequest::default()
+    };
+    let room = free.saturating_sub(fits.rollout + fits.margin);
+    let by_need = |engine: u64, offload_optimizer: bool, offload_params: bool| {
+        let d = MemoryPolicy::by_need(&RoomRequest { engine, ..fits })?;
+        if d.policy.offload_optimizer != offload_optimizer
+            || d.policy.offload_params != offload_params
+        {
+            return Err(format!("by need decided {d} for an engine of {engine} B").into());
+        }
+        Ok::<_, Box<dyn std::error::Error>>(d.policy)
+    };
+    let resident = by_need(0, false, false)?;
+    assert!(resident.keep_rollout_resident);
+    let optimizer = by_need(room + fits.optimizer / 2, true, false)?;
+    let both = by_need(room + fits.optimizer + fits.params / 2, true, true)?;
+    Ok(vec![
         ("offload", MemoryPolicy::default()),
-        (
-            "keep-resident",
-            MemoryPolicy {
-                keep_rollout_resident: true,
-                ..MemoryPolicy::resident()
-            },
-        ),
-    ]
+        ("by need: keep resident", resident),
+        ("by need: optimizer out", optimizer),
+        ("by need: master + optimizer out", both),
+    ])
 }
 
 const KINDS: [FaultKind; 2] = [FaultKind::Error, FaultKind::Panic];
@@ -330,9 +366,10 @@ fn fault_matrix_on_gpus_restores_the_training_state_bit_for_bit() -> Res {
 fn fault_matrix(pool: &Arc<ThreadRankPool>) -> Res {
     let w = pool.world();
     let pool = pool.clone();
+    let policies = policies(&pool)?;
     let mut cases = 0;
     // Entering: plan, transfer, offload.
-    for (name, memory) in policies() {
+    for (name, memory) in policies.iter().copied() {
         for phase in [Phase::Plan, Phase::Transfer, Phase::Offload] {
             for kind in KINDS {
                 for at in ATS {
@@ -388,7 +425,7 @@ fn fault_matrix(pool: &Arc<ThreadRankPool>) -> Res {
         }
     }
     // Refreshing resident weights in place (keep-resident).
-    let memory = policies()[1].1;
+    let memory = policies[1].1;
     for kind in KINDS {
         for at in ATS {
             let what = format!("W={w} refresh: {kind:?} at {at:?} of the transfer");
@@ -427,7 +464,7 @@ fn fault_matrix(pool: &Arc<ThreadRankPool>) -> Res {
         }
     }
     // Exiting: release, reload. The lifecycle is faulted until a retry brings the state back.
-    for (name, memory) in policies() {
+    for (name, memory) in policies.iter().copied() {
         for phase in [Phase::Release, Phase::Reload] {
             if phase == Phase::Release && memory.keep_rollout_resident {
                 continue; // nothing is released when training starts under this policy
@@ -476,7 +513,8 @@ fn fault_matrix(pool: &Arc<ThreadRankPool>) -> Res {
          rollout correct after each",
         pool.devices()
     );
-    assert_eq!(cases, 24 + 4 + 12);
+    // Enter: 4 policies × 3 phases × 4; refresh: 4; exit: 7 (policy, phase) pairs × 4.
+    assert_eq!(cases, 48 + 4 + 28);
     Ok(())
 }
 
@@ -753,7 +791,7 @@ fn verified_cycles_keep_the_state_and_rollouts_exact() -> Res {
 fn verified_cycles(world: usize) -> Res {
     let pool = pool(world)?;
     assert!(pool.local_ranks().len() == world);
-    for (name, memory) in policies() {
+    for (name, memory) in policies(&pool)? {
         let name = format!("W={world} {name}");
         let specs = specs(world);
         let layout = RolloutLayout::new(world, specs.clone())?;

@@ -253,6 +253,24 @@ impl MegatronGpuBackend {
         Ok(cached.iter().sum())
     }
 
+    /// Starts pinning, in the background, the host memory offloads of `state` under `memory`
+    /// take, so that the first switch does not wait for pinning
+    /// ([`lifecycle_cuda::driver::reserve_in_background`]); [`Self::reserve_pinned`] is the
+    /// blocking form.
+    pub fn reserve_pinned_in_background(
+        &self,
+        state: &mut MegatronGpuState,
+        memory: MemoryPolicy,
+    ) -> Result<lifecycle_cuda::PinnedReservation, MegatronGpuError> {
+        self.check_state(state)?;
+        Ok(lifecycle_cuda::driver::reserve_in_background(
+            &*self.pool,
+            &self.pinned,
+            &mut state.ranks,
+            memory,
+        )?)
+    }
+
     /// Gives the device memory cached by each rank's stream-ordered pool (freed rollout weights,
     /// offloaded state, staging) back to the driver.
     pub fn trim_device_memory(&self) -> Result<(), MegatronGpuError> {

@@ -24,14 +24,16 @@
 //! place to the fp32 master, m, v shards ([`FsdpBackend::fill_synthetic_grads`],
 //! [`FsdpBackend::adam_step`]). It is an Adam step on synthetic gradients, not a learned update:
 //! the gradients are noise, not the gradient of a loss of the samples. Nothing is reallocated,
-//! and the pinned host buffers of the offload are allocated at the first switch and reused.
+//! and the pinned host memory of the offload is pinned in the background from setup (once the
+//! memory policy is decided, beside the engine's setup) and reused by every switch.
 //!
 //! Launch: with launcher variables (torchrun, Slurm, `lifecycle-launch`) each process drives one
 //! GPU (`--gpus` must equal `WORLD_SIZE`; only rank 0 prints the report, every rank prints its
 //! errors); otherwise one process drives `--gpus` GPUs with a thread each. The decoder runs one
 //! tensor-parallel group (`--gpus` = `--tp`), or, in one process at `--tp 1`, one data-parallel
-//! replica per GPU. Master weights and Adam moments are offloaded to pinned host memory during
-//! rollout (`MemoryPolicy::default()`; `--no-offload` keeps them on the GPUs).
+//! replica per GPU. What is offloaded to pinned host memory during rollout is decided by need
+//! (`--memory by-need`, the default: the least that makes room for the rollout); `--memory
+//! offload` always moves master weights and Adam moments, `--memory resident` nothing.
 //!
 //! The settings are [`Options`], a `clap` argument group to flatten into a parser:
 //!
@@ -318,12 +320,14 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
     let reports = match a.layout {
         GpuLayout::Fsdp => {
             let layout = config.rollout_layout_with(r.tp, r.experts)?;
-            let engine = RunEngine::for_run(&config, &layout, &pool, capacity, fork)?;
             let backend = FsdpBackend::new(Arc::clone(&pool), layout.clone())
                 .with_rollout_dtype(r.rollout_dtype)
                 .with_fp8_keep(r.fp8_keep);
-            let state = source.initial(&backend)?;
+            let mut state = source.initial(&backend)?;
             let (lc_config, decision) = decide(&pool, &layout)?;
+            // Pinning the offload's host memory runs from here, beside the engine's setup.
+            let pinning = backend.reserve_pinned_in_background(&mut state, lc_config.memory)?;
+            let engine = RunEngine::for_run(&config, &layout, &pool, capacity, fork)?;
             let mut lc = Lifecycle::with_config(backend, state, lc_config)?.with_engine(engine);
             if let Some(d) = decision {
                 lc.set_memory_decision(d)?;
@@ -348,10 +352,10 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
             let state = lc.peek_state();
             say!(
                 root,
-                "  pinned host memory for the offload (this process's ranks): {}, allocated at \
-                 the first switch and reused by every later one; {} Adam steps applied since the \
-                 last reset",
+                "  pinned host memory for the offload (this process's ranks): {}, {}; {} Adam \
+                 steps applied since the last reset",
                 HumanBytes(state.pinned_host_bytes()),
+                pinned_at_setup(pinning)?,
                 state.adam_steps()
             );
             reports
@@ -397,8 +401,9 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
                     },
                 },
             };
-            let state = trainer.initial(&backend)?;
+            let mut state = trainer.initial(&backend)?;
             let (lc_config, decision) = decide(&pool, &rollout)?;
+            let pinning = backend.reserve_pinned_in_background(&mut state, lc_config.memory)?;
             let mut lc = Lifecycle::with_config(backend, state, lc_config)?.with_engine(engine);
             if let Some(d) = decision {
                 lc.set_memory_decision(d)?;
@@ -423,6 +428,11 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
                 HumanBytes(lc.engine().memory().device),
                 HumanBytes(lc.metrics().peak_engine_bytes()),
                 lc.metrics().engine.wakes
+            );
+            say!(
+                root,
+                "  pinned host memory for the offload: {}",
+                pinned_at_setup(pinning)?
             );
             reports
         }
@@ -530,6 +540,22 @@ where
         reports.push(run_policy(lc, driver, p, i == 0)?);
     }
     Ok(reports)
+}
+
+/// How the pinned memory reserved at setup went, for the run's summary.
+fn pinned_at_setup(pinning: lifecycle_cuda::PinnedReservation) -> Result<String, DapoGpuError> {
+    let r = pinning.wait()?;
+    Ok(if r.bytes == 0 {
+        "nothing pinned at setup (the memory policy offloads nothing)".to_string()
+    } else {
+        format!(
+            "{} pinned in the background from setup in {:.2} s ({:.1} GB/s), reused by every \
+             switch",
+            HumanBytes(r.bytes),
+            r.seconds,
+            r.bytes as f64 / r.seconds.max(1e-9) / 1e9
+        )
+    })
 }
 
 /// The update line of the header.

@@ -30,9 +30,12 @@ use lifecycle_core::{Link, MemoryPolicy, Phase, SwitchContext};
 use lifecycle_layout::steps::RankSteps;
 use lifecycle_layout::LayoutError;
 
+use std::sync::Arc;
+
 use crate::{
-    peer_bases, record_spans, record_transfer, run_program, CudaError, PinnedPool, ProgramSlot,
-    RankCtx, RankExecutor, RankMoved, RankSpans, RunOptions, StreamTimeline,
+    peer_bases, record_spans, record_transfer, run_program, CudaError, PinnedPool,
+    PinnedReservation, ProgramSlot, RankCtx, RankExecutor, RankMoved, RankReservation, RankSpans,
+    RunOptions, StreamTimeline,
 };
 
 /// A reloaded buffer whose contents differ from what was offloaded, as a
@@ -313,4 +316,38 @@ impl<'a, P: RankExecutor> SwitchDriver<'a, P> {
         record_transfer(ctx, &moved, start);
         Ok(moved)
     }
+}
+
+/// Starts pinning, in the background, the host memory that offloads of `ranks` (one training
+/// state per local rank of `pool`) under `memory` take, into `pinned`
+/// ([`PinnedPool::reserve_in_background`]): called at setup, once the memory policy is known,
+/// so that the first switch finds its chunks pinned. Nothing moves; a rank's first offload
+/// waits for the rank's reservation to end.
+pub fn reserve_in_background<P: RankExecutor, B: RankBuffers>(
+    pool: &P,
+    pinned: &Arc<PinnedPool>,
+    ranks: &mut [B],
+    memory: MemoryPolicy,
+) -> Result<PinnedReservation, CudaError> {
+    let locals = pool.local_ranks().len();
+    if ranks.len() != locals {
+        return Err(CudaError::Invalid(format!(
+            "pinning for {locals} local ranks but {} training states were given",
+            ranks.len()
+        )));
+    }
+    let jobs = pool.run_each(ranks, &|ctx, rt| {
+        let buffers = rt
+            .movable()
+            .iter()
+            .filter(|m| m.class.offloaded_by(memory) && !m.buf.is_offloaded())
+            .map(|m| m.buf.bytes())
+            .collect();
+        Ok(RankReservation {
+            ctx: ctx.ctx.clone(),
+            rank: ctx.rank,
+            buffers,
+        })
+    })?;
+    Ok(pinned.reserve_in_background(jobs, "the offload of the training state"))
 }
