@@ -2,7 +2,8 @@
 // of the step IR (lifecycle_layout::steps::Quantise), run by lifecycle_cuda's step runner.
 //
 // Launch contract (lifecycle_cuda::quantise::launch):
-//   grid   one block per 128 x 128 tile of all jobs (ntiles), block 256 threads (32 x 8);
+//   grid   one block per 128 x 128 tile of all jobs (ntiles), block 32 x (128 / QUANTISE_HELD)
+//          threads (256 at the default QUANTISE_HELD of 16 float4 per thread);
 //   master the rank's fp32 training buffer (read only, the jobs' regions inside it);
 //   jobs   6 u64 per job: (first source element, first e4m3 byte, first scale (f32 index),
 //          rows, columns, first tile), jobs in order of their first tile;
@@ -13,6 +14,12 @@
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
+
+// float4s of one column group a thread holds (a power of two, 1 to 32).
+#ifndef QUANTISE_HELD
+#define QUANTISE_HELD 16
+#endif
+#define QUANTISE_ROWS_PER_PASS (128 / QUANTISE_HELD)
 
 __device__ __forceinline__ unsigned char e4m3(float x) {
     u32 bits = __float_as_uint(x);
@@ -32,18 +39,46 @@ __device__ __forceinline__ unsigned char e4m3(float x) {
     return (unsigned char)(b | sign);
 }
 
+// Two e4m3 bytes (hi << 8 | lo) of finite values; sm_89 and later convert in hardware (round to
+// nearest even, as e4m3 above for every finite value: |x| <= 448 after the block's scaling, so
+// saturation never applies), earlier GPUs by the integer path.
+__device__ __forceinline__ u32 e4m3x2(float hi, float lo) {
+#if __CUDA_ARCH__ >= 890
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return (u32)r;
+#else
+    return ((u32)e4m3(hi) << 8) | (u32)e4m3(lo);
+#endif
+}
+
+// Four e4m3 bytes of v / s, little-endian; `exact_only`: a block holding a non-finite value,
+// converted by the integer path (the hardware's NaN is not the host's).
+__device__ __forceinline__ u32 pack4(float4 v, float s, bool exact_only) {
+    float a = v.x / s, b = v.y / s, c = v.z / s, d = v.w / s;
+    if (exact_only) {
+        return (u32)e4m3(a) | ((u32)e4m3(b) << 8) | ((u32)e4m3(c) << 16) | ((u32)e4m3(d) << 24);
+    }
+    return e4m3x2(b, a) | (e4m3x2(d, c) << 16);
+}
+
 // Blocks of 256 threads loop over the 128 x 128 scale blocks (tiles) of every job, all jobs in
-// one launch. Job j
-// is jobs[6j .. 6j + 6] = (master offset of its first element, byte offset of its first e4m3
-// byte, index of its first scale, rows, columns, its first tile); a tile's block is
+// one launch. Job j is jobs[6j .. 6j + 6] = (master offset of its first element, byte offset of
+// its first e4m3 byte, index of its first scale, rows, columns, its first tile); a tile's job is
 // found by binary search over the first tiles. amax over the block, scale_inv = amax / 448 (1 for
 // an all-zero block) to scales, every element e4m3(x / scale_inv) to dst (row pitch: the
 // columns, for the masters and the bytes alike).
-extern "C" __global__ void quantize_e4m3_jobs(const float* __restrict__ master,
-                                              const u64* __restrict__ jobs, u32 njobs,
-                                              u32 ntiles, unsigned char* __restrict__ dst,
-                                              float* __restrict__ scales) {
-    __shared__ float red[8];
+//
+// One read of each block: where every row of the tile starts on 16 bytes (4 in the output) and
+// holds whole float4s, thread (tx, ty) of 32 x R (R = 128 / QUANTISE_HELD) loads columns
+// 4tx .. 4tx + 3 of rows ty, ty + R, ... into registers (QUANTISE_HELD float4), the block reduces
+// their amax (warp shuffles, then one word per warp), and the thread casts and writes what it
+// holds. Other tiles are read twice
+// (the second read hits L2).
+extern "C" __global__ void __launch_bounds__(32 * QUANTISE_ROWS_PER_PASS)
+quantize_e4m3_jobs(const float* __restrict__ master, const u64* __restrict__ jobs, u32 njobs,
+                   u32 ntiles, unsigned char* __restrict__ dst, float* __restrict__ scales) {
+    __shared__ float red[32];
     for (u32 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
     u32 lo = 0, hi = njobs;
     while (hi - lo > 1) {
@@ -59,45 +94,51 @@ extern "C" __global__ void quantize_e4m3_jobs(const float* __restrict__ master,
     u64 src_off = j[0] + r0 * ld + c0, dst_off = j[1] + r0 * ld + c0;
     const float* src = master + src_off;
     unsigned char* out = dst + dst_off;
-    // vectorised when every row of the tile starts on 16 bytes (4 in the output) and holds whole
-    // float4s: thread (tx, ty) of 32 x 8 reads columns 4tx .. 4tx + 3 of rows ty, ty + 8, ...
     bool vec = (ld % 4 == 0) && (w % 4 == 0) && (src_off % 4 == 0) && (dst_off % 4 == 0);
     u32 tx = threadIdx.x & 31u, ty = threadIdx.x >> 5;
+    u32 c = 4 * tx;
+    bool mine = vec && c < w;
+    float4 held[QUANTISE_HELD];
     float m = 0.0f;
+    bool bad = false;
     if (vec) {
-        for (u32 r = ty; r < h; r += 8) {
-            for (u32 c = 4 * tx; c < w; c += 128) {
-                float4 v = *reinterpret_cast<const float4*>(src + r * ld + c);
-                m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-            }
+#pragma unroll
+        for (u32 i = 0; i < QUANTISE_HELD; ++i) {
+            u32 r = ty + QUANTISE_ROWS_PER_PASS * i;
+            held[i] = (mine && r < h) ? *reinterpret_cast<const float4*>(src + r * ld + c)
+                                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            float4 v = held[i];
+            m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+            // not (|x| <= max): NaN or infinity
+            bad |= !(fabsf(v.x) <= 3.402823466e38f) || !(fabsf(v.y) <= 3.402823466e38f)
+                || !(fabsf(v.z) <= 3.402823466e38f) || !(fabsf(v.w) <= 3.402823466e38f);
         }
     } else {
         for (u32 i = threadIdx.x; i < h * w; i += blockDim.x) {
-            u32 r = i / w, c = i - r * w;
-            m = fmaxf(m, fabsf(src[r * ld + c]));
+            u32 r = i / w, cc = i - r * w;
+            m = fmaxf(m, fabsf(src[r * ld + cc]));
         }
     }
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     __syncthreads();  // the previous tile's readers of red are done
     if (tx == 0) red[ty] = m;
-    __syncthreads();
+    bool exact_only = __syncthreads_or(bad) != 0;
     float amax = 0.0f;
     for (u32 q = 0; q < (blockDim.x + 31u) / 32u; ++q) amax = fmaxf(amax, red[q]);
     float s = amax > 0.0f ? amax / 448.0f : 1.0f;
     if (threadIdx.x == 0) scales[j[2] + k] = s;
     if (vec) {
-        for (u32 r = ty; r < h; r += 8) {
-            for (u32 c = 4 * tx; c < w; c += 128) {
-                float4 v = *reinterpret_cast<const float4*>(src + r * ld + c);
-                u32 packed = (u32)e4m3(v.x / s) | ((u32)e4m3(v.y / s) << 8)
-                           | ((u32)e4m3(v.z / s) << 16) | ((u32)e4m3(v.w / s) << 24);
-                *reinterpret_cast<u32*>(out + r * ld + c) = packed;
+        if (mine) {
+#pragma unroll
+            for (u32 i = 0; i < QUANTISE_HELD; ++i) {
+                u32 r = ty + QUANTISE_ROWS_PER_PASS * i;
+                if (r < h) *reinterpret_cast<u32*>(out + r * ld + c) = pack4(held[i], s, exact_only);
             }
         }
     } else {
         for (u32 i = threadIdx.x; i < h * w; i += blockDim.x) {
-            u32 r = i / w, c = i - r * w;
-            out[r * ld + c] = e4m3(src[r * ld + c] / s);
+            u32 r = i / w, cc = i - r * w;
+            out[r * ld + cc] = e4m3(src[r * ld + cc] / s);
         }
     }
     }

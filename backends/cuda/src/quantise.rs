@@ -1,9 +1,10 @@
 //! The `Op::Quantise` step on the device: a rank's [`Quantise`] regions of its fp32 training
 //! buffer written into its rollout buffer as block-scaled e4m3, all regions in one launch
 //! (`kernels/fp8_quantise.cu`, its launch contract at its top). One thread block per 128 × 128
-//! block finds its region in the job table, reduces the block's amax with warp shuffles, writes
-//! its scale and its bytes (the second read of the block hits L2). Bit-identical to the host step
-//! runner's quantisation.
+//! block finds its region in the job table and reads the block once into registers, reduces its
+//! amax with warp shuffles, and writes its scale and its bytes (converted by the hardware's e4m3
+//! conversion on sm_89 and later, by integer arithmetic before, and for blocks holding a
+//! non-finite value). Bit-identical to the host step runner's quantisation.
 
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use lifecycle_layout::steps::Quantise;

@@ -327,6 +327,7 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
             let (lc_config, decision) = decide(&pool, &layout)?;
             // Pinning the offload's host memory runs from here, beside the engine's setup.
             let pinning = backend.reserve_pinned_in_background(&mut state, lc_config.memory)?;
+            let pinning = settle_pinning(pinning, g.wait_for_pinning, root)?;
             let engine = RunEngine::for_run(&config, &layout, &pool, capacity, fork)?;
             let mut lc = Lifecycle::with_config(backend, state, lc_config)?.with_engine(engine);
             if let Some(d) = decision {
@@ -404,6 +405,7 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
             let mut state = trainer.initial(&backend)?;
             let (lc_config, decision) = decide(&pool, &rollout)?;
             let pinning = backend.reserve_pinned_in_background(&mut state, lc_config.memory)?;
+            let pinning = settle_pinning(pinning, g.wait_for_pinning, root)?;
             let mut lc = Lifecycle::with_config(backend, state, lc_config)?.with_engine(engine);
             if let Some(d) = decision {
                 lc.set_memory_decision(d)?;
@@ -542,9 +544,39 @@ where
     Ok(reports)
 }
 
-/// How the pinned memory reserved at setup went, for the run's summary.
-fn pinned_at_setup(pinning: lifecycle_cuda::PinnedReservation) -> Result<String, DapoGpuError> {
+/// The reservation of pinned memory started at setup, waited for when `wait` (and said so),
+/// else left running.
+fn settle_pinning(
+    pinning: lifecycle_cuda::PinnedReservation,
+    wait: bool,
+    root: bool,
+) -> Result<Pinning, DapoGpuError> {
+    if !wait {
+        return Ok(Pinning::Running(pinning));
+    }
     let r = pinning.wait()?;
+    say!(
+        root,
+        "  pinned host memory reserved before the first switch (--wait-for-pinning): {} in \
+         {:.2} s",
+        HumanBytes(r.bytes),
+        r.seconds
+    );
+    Ok(Pinning::Done(r))
+}
+
+/// The pinned memory reserved at setup: still being pinned, or done.
+enum Pinning {
+    Running(lifecycle_cuda::PinnedReservation),
+    Done(lifecycle_cuda::Reserved),
+}
+
+/// How the pinned memory reserved at setup went, for the run's summary.
+fn pinned_at_setup(pinning: Pinning) -> Result<String, DapoGpuError> {
+    let r = match pinning {
+        Pinning::Running(p) => p.wait()?,
+        Pinning::Done(r) => r,
+    };
     Ok(if r.bytes == 0 {
         "nothing pinned at setup (the memory policy offloads nothing)".to_string()
     } else {

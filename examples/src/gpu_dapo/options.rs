@@ -210,6 +210,11 @@ pub struct GpuOptions {
     /// one gen batch needs): a larger room makes offload by need move training state out.
     #[arg(long)]
     pub kv_tokens: Option<usize>,
+    /// Wait at setup until the offload's pinned host memory is reserved (it is pinned in the
+    /// background from setup either way): the first switch then costs what later ones do, and
+    /// setup what pinning costs.
+    #[arg(long)]
+    pub wait_for_pinning: bool,
     /// Prefill each prompt of a gen batch once and fork its KV to the group's samples, instead
     /// of prefilling every sequence (G times less prefill work; the prompt GEMMs then run on
     /// fewer rows, which can round differently: at 7.6B shapes some samples differ from the
@@ -231,6 +236,7 @@ impl GpuOptions {
         samples_digest: false,
         memory: super::memory::MemoryChoice::ByNeed,
         kv_tokens: None,
+        wait_for_pinning: false,
         fork_prefill: false,
     };
 }
