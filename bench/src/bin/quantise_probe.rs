@@ -14,6 +14,7 @@ use clap::Parser;
 use lifecycle_cuda::cudarc::driver::{
     CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
+use lifecycle_cuda::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
 use lifecycle_cuda::{compile, KernelSet};
 
 type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -42,9 +43,9 @@ fn best_ms(stream: &Arc<CudaStream>, iters: usize, mut f: impl FnMut() -> Res<()
     f()?;
     let mut best = f64::MAX;
     for _ in 0..iters {
-        let a = stream.record_event(None)?;
+        let a = stream.record_event(Some(CU_EVENT_DEFAULT))?;
         f()?;
-        let b = stream.record_event(None)?;
+        let b = stream.record_event(Some(CU_EVENT_DEFAULT))?;
         b.synchronize()?;
         best = best.min(a.elapsed_ms(&b)? as f64);
     }
