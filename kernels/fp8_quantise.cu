@@ -3,7 +3,7 @@
 //
 // Launch contract (lifecycle_cuda::quantise::launch):
 //   grid   one block per 128 x 128 tile of all jobs (ntiles), block 32 x (128 / QUANTISE_HELD)
-//          threads (256 at the default QUANTISE_HELD of 16 float4 per thread);
+//          threads (512 at the default QUANTISE_HELD of 8 float4 per thread);
 //   master the rank's fp32 training buffer (read only, the jobs' regions inside it);
 //   jobs   6 u64 per job: (first source element, first e4m3 byte, first scale (f32 index),
 //          rows, columns, first tile), jobs in order of their first tile;
@@ -17,7 +17,7 @@ typedef unsigned long long u64;
 
 // float4s of one column group a thread holds (a power of two, 1 to 32).
 #ifndef QUANTISE_HELD
-#define QUANTISE_HELD 16
+#define QUANTISE_HELD 8
 #endif
 #define QUANTISE_ROWS_PER_PASS (128 / QUANTISE_HELD)
 
@@ -62,7 +62,7 @@ __device__ __forceinline__ u32 pack4(float4 v, float s, bool exact_only) {
     return e4m3x2(b, a) | (e4m3x2(d, c) << 16);
 }
 
-// Blocks of 256 threads loop over the 128 x 128 scale blocks (tiles) of every job, all jobs in
+// Blocks of 32 x (128 / QUANTISE_HELD) threads loop over the 128 x 128 scale blocks (tiles) of every job, all jobs in
 // one launch. Job j is jobs[6j .. 6j + 6] = (master offset of its first element, byte offset of
 // its first e4m3 byte, index of its first scale, rows, columns, its first tile); a tile's job is
 // found by binary search over the first tiles. amax over the block, scale_inv = amax / 448 (1 for

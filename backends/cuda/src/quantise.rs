@@ -18,6 +18,11 @@ pub const QUANTISE_KERNELS: KernelSet = KernelSet::new(
 )
 .exact();
 
+/// Threads per block: 32 × (128 / `QUANTISE_HELD`) with the kernel's default of 8 float4 per
+/// thread (`quantise_probe` on an H200 at 32768²: 8 per thread ran at 1.02× a device copy of the
+/// same bytes, 16 at 1.29×, 4 at 1.68×).
+const QUANTISE_THREADS: u32 = 512;
+
 /// A rank's quantisations as the kernel reads them: six words per region and the tile count.
 #[derive(Debug)]
 pub(crate) struct QuantiseJobs {
@@ -85,10 +90,10 @@ impl QuantiseJobs {
         let m = ctx.module(&QUANTISE_KERNELS)?;
         let f = m.function("quantize_e4m3_jobs")?;
         // one block per tile: limiting the grid to keep the tiles in flight inside L2 measured
-        // slower on an H200 (17.1 against 15.3 ms at 7.6B)
+        // slower on an H200 (17.1 against 15.3 ms at 7.6B, two-read kernel)
         let cfg = LaunchConfig {
             grid_dim: (self.tiles, 1, 1),
-            block_dim: (256, 1, 1),
+            block_dim: (QUANTISE_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = stream.launch_builder(&f);
