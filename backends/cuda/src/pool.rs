@@ -73,6 +73,16 @@ impl RankCtx {
         move |e| CudaError::driver(rank, op, bytes, e)
     }
 
+    /// Free and total device memory of this rank's GPU, in bytes (the driver's
+    /// `cuMemGetInfo`: memory other processes and other ranks of the GPU hold is not free).
+    pub fn device_memory(&self) -> Result<(u64, u64), CudaError> {
+        let (free, total) = self
+            .ctx
+            .mem_get_info()
+            .map_err(self.drv("reading free device memory", 0))?;
+        Ok((free as u64, total as u64))
+    }
+
     /// A new event on this rank's context (timing disabled, cheap).
     pub fn event(&self) -> Result<CudaEvent, CudaError> {
         self.ctx

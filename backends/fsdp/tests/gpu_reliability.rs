@@ -305,12 +305,8 @@ fn rollout_works(c: &mut Case, what: &str) -> Res {
 fn policies(
     pool: &ThreadRankPool,
 ) -> Result<Vec<(&'static str, MemoryPolicy)>, Box<dyn std::error::Error>> {
-    let free = pool.run(&|ctx| {
-        ctx.ctx
-            .mem_get_info()
-            .map_err(ctx.drv("reading free device memory", 0))
-    })?;
-    let free = free.iter().map(|&(f, _)| f as u64).min().unwrap_or(0);
+    let free = pool.run(&|ctx| ctx.device_memory())?;
+    let free = free.iter().map(|&(f, _)| f).min().unwrap_or(0);
     let elements: usize = specs(pool.world())
         .iter()
         .map(|s| s.shape.iter().product::<usize>())

@@ -63,12 +63,8 @@ pub fn resolve(
         }
         MemoryChoice::ByNeed => {}
     }
-    let free = pool.run(&|ctx| {
-        ctx.ctx
-            .mem_get_info()
-            .map_err(ctx.drv("reading free device memory", 0))
-    })?;
-    let free = free.iter().map(|&(f, _)| f as u64).min().unwrap_or(0);
+    let free = pool.run(&|ctx| ctx.device_memory())?;
+    let free = free.iter().map(|&(f, _)| f).min().unwrap_or(0);
     let tp = layout.tp();
     let kv_heads = if config.model.query_groups >= tp {
         config.model.query_groups / tp.max(1)
