@@ -339,33 +339,52 @@ impl PinnedPool {
         let pool = Arc::clone(self);
         let what = what.to_string();
         let start = Instant::now();
-        let handle = std::thread::spawn(move || {
-            let mut bytes = 0u64;
-            let mut failure = None;
-            for r in ranks {
-                // Ends the rank's pending mark however `reserve` returns (a panic included).
-                let _done = Settle {
-                    pool: &pool,
-                    rank: r.rank,
-                };
-                if failure.is_some() {
-                    continue;
+        let marked: Vec<usize> = ranks.iter().map(|r| r.rank).collect();
+        let spawned = std::thread::Builder::new()
+            .name("pinned-reservation".into())
+            .spawn(move || {
+                // Every rank's pending mark ends however the thread ends (a panic included):
+                // each guard is dropped once its rank is done, the rest on unwinding.
+                let mut guards: Vec<Settle<'_>> = ranks
+                    .iter()
+                    .map(|r| Settle {
+                        pool: &pool,
+                        rank: r.rank,
+                    })
+                    .collect();
+                let mut bytes = 0u64;
+                let mut failure = None;
+                for r in &ranks {
+                    if failure.is_none() {
+                        match pool.reserve(&r.ctx, r.rank, &r.buffers, &what) {
+                            Ok(n) => bytes += n,
+                            Err(e) => failure = Some(e),
+                        }
+                    }
+                    drop(guards.remove(0));
                 }
-                match pool.reserve(&r.ctx, r.rank, &r.buffers, &what) {
-                    Ok(n) => bytes += n,
-                    Err(e) => failure = Some(e),
+                match failure {
+                    Some(e) => Err(e),
+                    None => Ok(Reserved {
+                        bytes,
+                        seconds: start.elapsed().as_secs_f64(),
+                    }),
+                }
+            });
+        match spawned {
+            Ok(handle) => PinnedReservation {
+                handle: Some(handle),
+                failed: None,
+            },
+            Err(e) => {
+                for rank in marked {
+                    drop(Settle { pool: self, rank });
+                }
+                PinnedReservation {
+                    handle: None,
+                    failed: Some(format!("starting the thread that pins host memory: {e}")),
                 }
             }
-            match failure {
-                Some(e) => Err(e),
-                None => Ok(Reserved {
-                    bytes,
-                    seconds: start.elapsed().as_secs_f64(),
-                }),
-            }
-        });
-        PinnedReservation {
-            handle: Some(handle),
         }
     }
 
@@ -458,6 +477,8 @@ pub struct Reserved {
 #[derive(Debug)]
 pub struct PinnedReservation {
     handle: Option<JoinHandle<Result<Reserved, CudaError>>>,
+    /// Why the reservation could not start (its thread was not created).
+    failed: Option<String>,
 }
 
 impl PinnedReservation {
@@ -468,6 +489,9 @@ impl PinnedReservation {
 
     /// Waits for the reservation to end: what it pinned, or the first error.
     pub fn wait(mut self) -> Result<Reserved, CudaError> {
+        if let Some(why) = self.failed.take() {
+            return Err(CudaError::Invalid(why));
+        }
         match self.handle.take() {
             None => Ok(Reserved {
                 bytes: 0,
