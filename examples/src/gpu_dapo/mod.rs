@@ -325,7 +325,10 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
                 .with_fp8_keep(r.fp8_keep);
             let mut state = source.initial(&backend)?;
             let (lc_config, decision) = decide(&pool, &layout)?;
-            // Pinning the offload's host memory runs from here, beside the engine's setup.
+            // Pinning the offload's host memory runs from here, beside the engine's setup. The
+            // engine is built after the by-need decision read the free memory: its static
+            // allocations (cuBLAS workspaces, modules: ~70 MB at 7.6B on an H200) are inside
+            // the decision's margin (MARGIN_BYTES).
             let pinning = backend.reserve_pinned_in_background(&mut state, lc_config.memory)?;
             let pinning = settle_pinning(pinning, g.wait_for_pinning, root)?;
             let engine = RunEngine::for_run(&config, &layout, &pool, capacity, fork)?;
