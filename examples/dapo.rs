@@ -882,6 +882,9 @@ mod tests {
             (o.gpu.memory, o.gpu.kv_tokens),
             (MemoryChoice::Offload, Some(500000))
         );
+        assert!(fsdp(&["--backend", "fsdp"]).gpu.offload_overlap);
+        let o = fsdp(&["--backend", "fsdp", "--offload-overlap", "false"]);
+        assert!(!o.gpu.offload_overlap);
         let msg = plan(&["--memory", "resident"]).unwrap_err().to_string();
         assert!(
             msg.contains("--memory only applies to --backend fsdp"),

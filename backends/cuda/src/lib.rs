@@ -38,6 +38,7 @@ mod deadline;
 pub mod driver;
 mod env;
 mod error;
+mod freeing;
 mod kernels;
 mod modules;
 mod offload;
@@ -67,6 +68,7 @@ pub use env::{
     include_candidates, nccl_present, nvrtc_present, Environment,
 };
 pub use error::{CudaError, NcclFailure};
+pub use freeing::{frees_needed, FreeingRoom};
 pub use kernels::{
     compile_kernels, fill_uniform_value, CastBatch, Kernels, CAST_CHUNK_ELEMS,
     DEFAULT_MULTI_BLOCKS_PER_SM, KERNEL_SRC, MAIN_KERNELS,
@@ -85,8 +87,8 @@ pub use steps::{run_program, DeviceProgram, ProgramSlot, RunOptions, SourceBuf};
 pub use tiles::{TileKernel, TILE_KERNELS, TILE_KERNEL_SRC};
 pub use timeline::{DeviceSpan, Mark, RankSpans, StreamTimeline};
 pub use transfer::{
-    alloc_rollout_buffers, finish_offload, peer_base, peer_bases, record_spans, record_transfer,
-    RankMoved,
+    alloc_rollout_buffers, finish_offload, finish_offload_with, peer_base, peer_bases,
+    record_spans, record_transfer, FreeWith, RankMoved,
 };
 pub use verify::{
     chunk_hash_u16, chunk_hash_u32, ChunkTable, PendingHashes, VerifyKernels, WordSize,

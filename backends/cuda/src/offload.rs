@@ -129,6 +129,32 @@ impl<T: DeviceRepr> OffloadBuffer<T> {
         Ok(bytes)
     }
 
+    /// Queues the free of the device copy on the copy stream, behind its offload copy
+    /// ([`OffloadBuffer::start_offload`]), without waiting: the memory goes back to the device's
+    /// pool when the copy stream reaches the free. Returns the bytes freed (0 without a pinned
+    /// copy or a device copy).
+    ///
+    /// # Safety
+    /// The device copy's offload was queued on `ctx.copy`, and no work on another stream that
+    /// reads or writes it is pending (the caller synchronised the rank's other streams since
+    /// their last use of it).
+    pub unsafe fn free_after_copy(&mut self, ctx: &RankCtx) -> Result<u64, CudaError> {
+        if self.host.is_none() {
+            return Ok(0);
+        }
+        let Some(dev) = self.dev.take() else {
+            return Ok(0);
+        };
+        let bytes = self.bytes() as u64;
+        let ptr = dev.leak();
+        // SAFETY: `ptr` came from the stream-ordered pool of this rank's context and is no
+        // longer owned by a slice; the copy stream frees it after its queued offload copy, and
+        // the caller's promise rules out other pending work on it.
+        unsafe { cudarc::driver::result::free_async(ptr, ctx.copy.cu_stream()) }
+            .map_err(ctx.drv("freeing an offloaded buffer on the copy stream", bytes))?;
+        Ok(bytes)
+    }
+
     /// Frees the device copy (after the offload copies finished: the caller synchronised).
     pub fn drop_device(&mut self) -> u64 {
         if self.host.is_some() && self.dev.take().is_some() {

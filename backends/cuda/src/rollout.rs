@@ -7,7 +7,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 use lifecycle_layout::{HostRollout, RolloutEntry};
 
-use crate::{CudaError, RankExecutor, ThreadRankPool};
+use crate::{CudaError, FreeingRoom, RankExecutor, ThreadRankPool};
 use lifecycle_layout::RolloutLayout;
 
 /// The rollout weights of the ranks this process drives: one flat bf16 device buffer per rank
@@ -18,6 +18,8 @@ pub struct RolloutBuffer {
     local: Vec<usize>,
     entries: Arc<Vec<Vec<RolloutEntry>>>,
     len: usize,
+    /// Per local rank, the memory an overlapped offload is still freeing (empty otherwise).
+    freeing: Vec<Arc<FreeingRoom>>,
 }
 
 impl std::fmt::Debug for RolloutBuffer {
@@ -26,6 +28,7 @@ impl std::fmt::Debug for RolloutBuffer {
             .field("ranks", &self.local)
             .field("tensors", &self.entries.first().map_or(0, Vec::len))
             .field("elements_per_rank", &self.len)
+            .field("freeing", &self.freeing)
             .finish()
     }
 }
@@ -96,7 +99,29 @@ impl RolloutBuffer {
             local,
             entries,
             len,
+            freeing: Vec::new(),
         })
+    }
+
+    /// The same weights, handed out while an overlapped offload still frees training memory:
+    /// `rooms[i]` for the `i`-th local rank. A rollout engine orders its allocations after the
+    /// frees that make room for them ([`RolloutBuffer::freeing`]).
+    pub fn with_freeing(mut self, rooms: Vec<FreeingRoom>) -> Result<Self, CudaError> {
+        if rooms.len() != self.local.len() {
+            return Err(CudaError::Invalid(format!(
+                "rollout buffer: freeing rooms for {} ranks, {} local ranks",
+                rooms.len(),
+                self.local.len()
+            )));
+        }
+        self.freeing = rooms.into_iter().map(Arc::new).collect();
+        Ok(self)
+    }
+
+    /// The memory an overlapped offload is still freeing on the `i`-th local rank, if the
+    /// switch that made these weights overlapped its offload (`None` when it waited for it).
+    pub fn freeing(&self, i: usize) -> Option<&Arc<FreeingRoom>> {
+        self.freeing.get(i)
     }
 
     /// The tensors of the first local rank's buffer, in rollout order: every rank's when

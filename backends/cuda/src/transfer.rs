@@ -108,24 +108,44 @@ pub fn finish_offload<P: RankExecutor, T: Send, E: From<CudaError>>(
     moved: &mut [RankMoved],
     free: &(dyn Fn(&RankCtx, &mut T) -> Result<u64, CudaError> + Sync),
 ) -> Result<(), E> {
-    let spans = ctx.rec.phase(Phase::Offload, |scope| {
+    finish_offload_with(pool, ctx, ranks, moved, &|c, rt| Ok((free(c, rt)?, ())))?;
+    Ok(())
+}
+
+/// What [`finish_offload_with`] runs on each rank: the bytes it moved to the host and what the
+/// rank keeps.
+pub type FreeWith<'a, T, R> = dyn Fn(&RankCtx, &mut T) -> Result<(u64, R), CudaError> + Sync + 'a;
+
+/// As [`finish_offload`], with `free` also returning what each rank keeps of its offload (an
+/// overlapped offload's [`FreeingRoom`](crate::FreeingRoom)), in local-rank order. A traced
+/// transfer's timelines are read after `free`, so `free` must then have waited for the copies
+/// (untraced, nothing is read and the copies may still run).
+pub fn finish_offload_with<P: RankExecutor, T: Send, R: Send, E: From<CudaError>>(
+    pool: &P,
+    ctx: &mut SwitchContext<'_>,
+    ranks: &mut [T],
+    moved: &mut [RankMoved],
+    free: &FreeWith<'_, T, R>,
+) -> Result<Vec<R>, E> {
+    let (spans, kept) = ctx.rec.phase(Phase::Offload, |scope| {
         let mut items: Vec<(&mut T, Option<StreamTimeline>)> = ranks
             .iter_mut()
             .zip(moved.iter_mut().map(|m| m.timeline.take()))
             .collect();
         let out = pool.run_each(&mut items, &|c, (rt, tl)| {
-            let bytes = free(c, rt)?;
+            let (bytes, kept) = free(c, rt)?;
             let spans = match tl.take() {
                 Some(tl) => tl.finish()?,
                 None => RankSpans::default(),
             };
-            Ok((bytes, spans))
+            Ok((bytes, spans, kept))
         })?;
         scope.add_bytes(Link::DeviceToHost, out.iter().map(|o| o.0).sum());
-        Ok::<Vec<RankSpans>, E>(out.into_iter().map(|o| o.1).collect())
+        let (spans, kept) = out.into_iter().map(|o| (o.1, o.2)).unzip();
+        Ok::<(Vec<RankSpans>, Vec<R>), E>((spans, kept))
     })?;
     record_spans(ctx, pool.local_ranks(), &spans);
-    Ok(())
+    Ok(kept)
 }
 
 /// Allocates every local rank's rollout buffer of `len` bf16 elements, uninitialised, before any

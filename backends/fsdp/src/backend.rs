@@ -85,6 +85,8 @@ pub struct FsdpBackend {
     pub(crate) dtype: RolloutDtype,
     /// Which matrices an fp8 rollout keeps bf16 beyond the published exemptions.
     pub(crate) fp8_keep: Fp8Keep,
+    /// Enter hands out the rollout weights with the offload copies still running.
+    pub(crate) overlap_offload: bool,
 }
 
 /// Each local rank's rollout entries, shared by the rollouts of one plan.
@@ -105,6 +107,7 @@ impl std::fmt::Debug for FsdpBackend {
             .field("config", &self.config)
             .field("batched_casts", &self.batched_casts)
             .field("verify", &self.verify)
+            .field("overlap_offload", &self.overlap_offload)
             .finish()
     }
 }
@@ -123,6 +126,7 @@ impl FsdpBackend {
             entries_cache: Mutex::new(None),
             dtype: RolloutDtype::Bf16,
             fp8_keep: Fp8Keep::default(),
+            overlap_offload: false,
             update_kernels: UpdateKernelCache::default(),
             verify: false,
             rollout_sums: None,
@@ -201,6 +205,35 @@ impl FsdpBackend {
         self.batched_casts = batched;
         self.plan_cache = Mutex::new(None);
         self
+    }
+
+    /// Overlaps the offload of an enter with the rollout (off by default): enter returns once
+    /// the rollout weights are written, with the device→host copies of what the memory policy
+    /// moves still running on the copy stream, each buffer freed in stream order behind its
+    /// copy. The [`RolloutBuffer`](lifecycle_cuda::RolloutBuffer) carries each rank's
+    /// [`FreeingRoom`](lifecycle_cuda::FreeingRoom), so an engine's allocations wait (on the
+    /// device) only for the memory they need; exit joins the copies before reloading.
+    /// Verification mode and traced switches wait for the copies as before (the hashes and the
+    /// trace read them), as does a state whose buffers were lent by a caller.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use lifecycle_cuda::ThreadRankPool;
+    /// use lifecycle_fsdp::FsdpBackend;
+    /// use lifecycle_layout::RolloutLayout;
+    ///
+    /// # fn build(pool: Arc<ThreadRankPool>, layout: RolloutLayout) -> FsdpBackend {
+    /// FsdpBackend::new(pool, layout).with_offload_overlap(true)
+    /// # }
+    /// ```
+    pub fn with_offload_overlap(mut self, on: bool) -> Self {
+        self.overlap_offload = on;
+        self
+    }
+
+    /// Whether enter overlaps its offload with the rollout ([`FsdpBackend::with_offload_overlap`]).
+    pub fn offload_overlap(&self) -> bool {
+        self.overlap_offload
     }
 
     /// Turns verification mode on or off (see the `verify` module's summary below). When on,

@@ -7,7 +7,10 @@ use lifecycle_layout::plan_fsdp_to_tp;
 use std::sync::Arc;
 
 use lifecycle_core::{Phase, Reshard, SwitchContext};
-use lifecycle_cuda::{alloc_rollout_buffers, RankExecutor, RolloutBuffer, Transport};
+use lifecycle_cuda::driver::SwitchDriver;
+use lifecycle_cuda::{
+    alloc_rollout_buffers, RankExecutor, RolloutBuffer, ThreadRankPool, Transport,
+};
 
 use crate::state::FsdpTrainState;
 use lifecycle_layout::fp8::RolloutDtype;
@@ -119,13 +122,32 @@ impl Reshard for FsdpBackend {
         if self.verify {
             self.record_rollout_sums(&rolls, &entries)?;
         }
-        self.finish_offload(&mut state.ranks, &hooks, ctx, &mut moved)?;
-        Ok(RolloutBuffer::per_rank_shared(
+        let overlap = self.overlap_offload
+            && !self.verify
+            && !ctx.rec.tracing()
+            && SwitchDriver::<ThreadRankPool>::can_overlap(&mut state.ranks, ctx.memory);
+        let rooms = if overlap {
+            let keep_grads = ctx.memory.keep_rollout_resident;
+            Some(self.driver().finish_offload_overlapped::<_, FsdpError>(
+                &mut state.ranks,
+                ctx,
+                &mut moved,
+                keep_grads,
+            )?)
+        } else {
+            self.finish_offload(&mut state.ranks, &hooks, ctx, &mut moved)?;
+            None
+        };
+        let rollout = RolloutBuffer::per_rank_shared(
             rolls,
             self.pool.local_ranks().to_vec(),
             entries,
             plan.roll_len as usize,
-        )?)
+        )?;
+        Ok(match rooms {
+            Some(rooms) => rollout.with_freeing(rooms)?,
+            None => rollout,
+        })
     }
 
     fn refresh(

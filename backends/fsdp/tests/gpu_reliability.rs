@@ -5,7 +5,8 @@
 //!   the deadline guards NCCL work, and NCCL needs one GPU per rank);
 //! - the fault matrix of [`FaultInjector`] around [`FsdpBackend`]: every phase × {error, panic} ×
 //!   {start, end} under the offloading policy and the three that offload by need decides on the
-//!   machine's free memory (nothing, kept resident; the optimizer state; both), at W = 1 and W = 2;
+//!   machine's free memory (nothing, kept resident; the optimizer state; both), at W = 1 and W = 2,
+//!   with the offload settled before the rollout and overlapped with it;
 //! - verification mode: device hashes equal their host twin, corrupted offloads and rollout
 //!   weights are reported with their tensor, non-finite weights are refused, at W = 1 and W = 2.
 //!
@@ -238,6 +239,8 @@ struct Case {
     layout: RolloutLayout,
     reference: HostRollout,
     before: Vec<RankDump>,
+    /// Whether an enter hands out its weights with the offload still running.
+    overlapping: bool,
 }
 
 /// A lifecycle on `pool` with T = W.
@@ -245,11 +248,14 @@ fn setup(
     pool: &Arc<ThreadRankPool>,
     memory: MemoryPolicy,
     seed: u64,
+    overlap: bool,
 ) -> Result<Case, Box<dyn std::error::Error>> {
     let tp = pool.world();
     let specs = specs(tp);
     let layout = RolloutLayout::new(tp, specs.clone())?;
-    let backend = FsdpBackend::new(pool.clone(), layout.clone()).with_config(config())?;
+    let backend = FsdpBackend::new(pool.clone(), layout.clone())
+        .with_config(config())?
+        .with_offload_overlap(overlap);
     let state = backend.synthetic_state(&shapes(&specs), seed, 0.05)?;
     let before = backend.download_state(&state)?;
     assert!(
@@ -272,6 +278,7 @@ fn setup(
         layout,
         reference,
         before,
+        overlapping: overlap && (memory.offload_params || memory.offload_optimizer),
     })
 }
 
@@ -286,6 +293,11 @@ fn rollout_works(c: &mut Case, what: &str) -> Res {
         let s =
             c.lc.rollout()
                 .map_err(|e| format!("{what}: the next rollout failed: {e}"))?;
+        let overlapped = s.weights().get().freeing(0).is_some();
+        assert_eq!(
+            overlapped, c.overlapping,
+            "{what}: whether the offload overlapped"
+        );
         let got = s.backend().inner().download_rollout(&s.weights())?;
         assert_eq!(got.first_difference(&c.reference), None, "{what}");
     }
@@ -354,12 +366,17 @@ fn is_injected(e: &LifecycleError<FaultError<FsdpError>>) -> bool {
 fn fault_matrix_on_gpus_restores_the_training_state_bit_for_bit() -> Res {
     require_gpus(1)?;
     for world in WORLDS {
-        fault_matrix(&pool(world)?)?;
+        let pool = pool(world)?;
+        fault_matrix(&pool, false)?;
+        fault_matrix(&pool, true)?;
     }
     Ok(())
 }
 
-fn fault_matrix(pool: &Arc<ThreadRankPool>) -> Res {
+/// Every phase × {error, panic} × {start, end} for each policy; with `overlap`, enter hands out
+/// the rollout weights with the offload copies still running
+/// ([`FsdpBackend::with_offload_overlap`]).
+fn fault_matrix(pool: &Arc<ThreadRankPool>, overlap: bool) -> Res {
     let w = pool.world();
     let pool = pool.clone();
     let policies = policies(&pool)?;
@@ -370,7 +387,7 @@ fn fault_matrix(pool: &Arc<ThreadRankPool>) -> Res {
             for kind in KINDS {
                 for at in ATS {
                     let what = format!("W={w} enter, {name}: {kind:?} at {at:?} of {phase}");
-                    let mut c = setup(&pool, memory, 11)?;
+                    let mut c = setup(&pool, memory, 11, overlap)?;
                     c.faults.inject(Fault::new(phase, at, kind));
                     let err = c.lc.rollout().map(|_| ()).expect_err(&what);
                     assert_eq!(c.faults.pending(), 0, "{what}: the fault fired");
@@ -425,7 +442,7 @@ fn fault_matrix(pool: &Arc<ThreadRankPool>) -> Res {
     for kind in KINDS {
         for at in ATS {
             let what = format!("W={w} refresh: {kind:?} at {at:?} of the transfer");
-            let mut c = setup(&pool, memory, 12)?;
+            let mut c = setup(&pool, memory, 12, overlap)?;
             c.lc.enter()?;
             let _ = c.lc.train()?.state_mut(); // a training step: the resident weights are stale
             c.faults.inject(Fault::new(Phase::Transfer, at, kind));
@@ -468,7 +485,7 @@ fn fault_matrix(pool: &Arc<ThreadRankPool>) -> Res {
             for kind in KINDS {
                 for at in ATS {
                     let what = format!("W={w} exit, {name}: {kind:?} at {at:?} of {phase}");
-                    let mut c = setup(&pool, memory, 13)?;
+                    let mut c = setup(&pool, memory, 13, overlap)?;
                     c.lc.enter()?;
                     c.faults.inject(Fault::new(phase, at, kind));
                     let err = c.lc.train().map(|_| ()).expect_err(&what);
@@ -505,9 +522,10 @@ fn fault_matrix(pool: &Arc<ThreadRankPool>) -> Res {
         }
     }
     eprintln!(
-        "fault matrix, W = {w} on GPUs {:?}: {cases} cases, state bit-identical and the next \
-         rollout correct after each",
-        pool.devices()
+        "fault matrix, W = {w} on GPUs {:?}, offload {}: {cases} cases, state bit-identical and \
+         the next rollout correct after each",
+        pool.devices(),
+        if overlap { "overlapped" } else { "settled" }
     );
     // Enter: 4 policies × 3 phases × 4; refresh: 4; exit: 7 (policy, phase) pairs × 4.
     assert_eq!(cases, 48 + 4 + 28);

@@ -322,7 +322,8 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
             let layout = config.rollout_layout_with(r.tp, r.experts)?;
             let backend = FsdpBackend::new(Arc::clone(&pool), layout.clone())
                 .with_rollout_dtype(r.rollout_dtype)
-                .with_fp8_keep(r.fp8_keep);
+                .with_fp8_keep(r.fp8_keep)
+                .with_offload_overlap(g.offload_overlap);
             let mut state = source.initial(&backend)?;
             let (lc_config, decision) = decide(&pool, &layout)?;
             // Pinning the offload's host memory runs from here, beside the engine's setup. The
@@ -353,6 +354,14 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
                 HumanBytes(lc.metrics().peak_engine_bytes()),
                 lc.metrics().engine.wakes
             );
+            if g.offload_overlap {
+                say!(
+                    root,
+                    "  offload overlapped with the rollout: {} KV-cache allocations waited on the \
+                     device for the offload's frees",
+                    lc.engine().kv_waits_for_frees()
+                );
+            }
             let state = lc.peek_state();
             say!(
                 root,
@@ -434,6 +443,14 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
                 HumanBytes(lc.metrics().peak_engine_bytes()),
                 lc.metrics().engine.wakes
             );
+            if g.offload_overlap {
+                say!(
+                    root,
+                    "  offload overlapped with the rollout: {} KV-cache allocations waited on the \
+                     device for the offload's frees",
+                    lc.engine().kv_waits_for_frees()
+                );
+            }
             say!(
                 root,
                 "  pinned host memory for the offload: {}",

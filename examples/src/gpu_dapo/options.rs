@@ -210,6 +210,12 @@ pub struct GpuOptions {
     /// one gen batch needs): a larger room makes offload by need move training state out.
     #[arg(long)]
     pub kv_tokens: Option<usize>,
+    /// When a switch offloads, hand the rollout its weights with the offload copies still
+    /// running (the KV cache then grows into the memory they free, each allocation waiting on
+    /// the device only for the frees it needs); `false` waits for the whole offload first. The
+    /// FSDP layout only (the Megatron one always waits).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub offload_overlap: bool,
     /// Wait at setup until the offload's pinned host memory is reserved (it is pinned in the
     /// background from setup either way): the first switch then costs what later ones do, and
     /// setup what pinning costs.
@@ -236,6 +242,7 @@ impl GpuOptions {
         samples_digest: false,
         memory: super::memory::MemoryChoice::ByNeed,
         kv_tokens: None,
+        offload_overlap: true,
         wait_for_pinning: false,
         fork_prefill: false,
     };

@@ -154,7 +154,14 @@ pub(crate) struct Core {
     lens: Vec<usize>,
     pub cap: usize,
     pub kv: KvMode,
+    /// Allocations of the KV cache (or of bind's scratch) whose stream waited for an
+    /// overlapped offload's frees, summed over the ranks, since the decoder was built.
+    pub room_waits: usize,
 }
+
+/// Kept free beside the KV cache when it allocates into memory an overlapped offload frees: a
+/// pass's activations and logits (tens of MB at 7.6B shapes), cuBLAS workspaces, pool rounding.
+pub const ROOM_MARGIN_BYTES: u64 = 1 << 30;
 
 impl Core {
     /// Per-rank handles and kernels on `pool` for a layout of degree `tp` (no weights yet).
@@ -206,6 +213,7 @@ impl Core {
                 dequant: None,
                 x32: None,
                 grouped: true,
+                room: None,
             });
             ctx.compute
                 .synchronize()
@@ -228,11 +236,15 @@ impl Core {
             lens: Vec::new(),
             cap: 0,
             kv: KvMode::Grow,
+            room_waits: 0,
         })
     }
 
     /// Binds every rank to its buffer of `weights` at the offsets of `plan` (checked against the
-    /// buffers' lengths first). Waits for the work queued on the weights (the switch) to finish.
+    /// buffers' lengths first). Waits for the work queued on the weights (the switch) to finish:
+    /// every stream of the rank's, but the copy stream when the switch overlaps its offload
+    /// ([`RolloutBuffer::freeing`]): its copies go on beside the rollout, whose allocations then
+    /// wait for the frees that make room for them.
     pub fn bind(
         &mut self,
         pool: &ThreadRankPool,
@@ -254,7 +266,14 @@ impl Core {
             let local = locals.iter().position(|&r| r == ctx.rank).ok_or_else(|| {
                 CudaError::Invalid(format!("rank {} is not a local rank", ctx.rank))
             })?;
-            ctx.sync_all()?;
+            st.room = weights.freeing(local).cloned();
+            if st.room.is_some() {
+                let nccl = ctx.nccl_stream();
+                let streams = [&*ctx.compute, &*ctx.aux, &*nccl];
+                ctx.wait(&streams, "the switch's work on the rollout weights")?;
+            } else {
+                ctx.sync_all()?;
+            }
             let buf = weights.rank_buffer(local).ok_or_else(|| {
                 CudaError::Invalid(format!("no rollout buffer for local rank {local}"))
             })?;
@@ -270,8 +289,12 @@ impl Core {
                     st.fp8 = Some(Fp8Kernels::load(ctx)?);
                 }
                 let need_x = GEMV_TOKENS * plan.fp8_max_cols as usize;
-                grow_scratch(ctx, &mut st.x32, need_x, "the fp8 activation scratch")?;
                 let need = 2 * plan.fp8_max as usize;
+                if let Some(room) = &st.room {
+                    let bytes = 4 * need_x as u64 + 2 * need as u64;
+                    room.order_for(ctx, &ctx.compute, bytes + ROOM_MARGIN_BYTES)?;
+                }
+                grow_scratch(ctx, &mut st.x32, need_x, "the fp8 activation scratch")?;
                 grow_scratch(ctx, &mut st.dequant, need, "the fp8 dequantisation scratch")?;
             }
             st.bind = Some(RankBind {
@@ -287,6 +310,12 @@ impl Core {
         Ok(())
     }
 
+    /// Whether the bound weights came from a switch whose offload still frees memory on some
+    /// rank ([`RolloutBuffer::freeing`]).
+    pub fn allocates_into_freeing(&self) -> bool {
+        self.ranks.iter().any(|st| st.room.is_some())
+    }
+
     /// Forgets the weights and frees the KV cache (host side only: cannot fail). Frees are
     /// stream-ordered on each rank's compute stream.
     pub fn unbind(&mut self) {
@@ -295,6 +324,7 @@ impl Core {
             st.cache = None;
             st.dequant = None;
             st.x32 = None;
+            st.room = None;
         }
         self.geo = None;
         self.lens.clear();
@@ -403,10 +433,24 @@ impl Core {
         let parts = &self.parts;
         let w = (self.geometry()?.kv_heads * self.config.model.head_dim) as u64;
         let old_cap = self.cap as u64;
-        pool.run_each(&mut self.ranks, &|ctx, st| {
+        let waits = pool.run_each(&mut self.ranks, &|ctx, st| {
             let batch = parts.get(st.replica).map_or(0, Range::len);
             let blocks = (layers * 2 * batch) as u64;
             let len = (blocks * new_cap as u64 * w) as usize;
+            // Into memory an overlapped offload frees: after the frees that make room for the
+            // cache it will hold (the old one too while its rows are copied; bind's scratch).
+            let mut waited = 0;
+            if let Some(room) = &st.room {
+                let held = |c: &Option<CudaSlice<f32>>| c.as_ref().map_or(0, |c| 4 * c.len());
+                let scratch = st.x32.as_ref().map_or(0, |x| 4 * x.len())
+                    + st.dequant.as_ref().map_or(0, |d| 2 * d.len());
+                let old = if fresh { 0 } else { held(&st.cache) };
+                let need = (old + 4 * len + scratch) as u64 + ROOM_MARGIN_BYTES;
+                if fresh {
+                    st.cache = None;
+                }
+                waited = room.order_for(ctx, &ctx.compute, need)?.min(1);
+            }
             let new = alloc_zeros::<f32>(&ctx.compute, len, ctx.rank, "the KV cache")?;
             if let (false, true, Some(old)) = (fresh, blocks > 0, st.cache.as_ref()) {
                 let args = [
@@ -432,8 +476,9 @@ impl Core {
                 };
             }
             st.cache = Some(new);
-            Ok(())
+            Ok(waited)
         })?;
+        self.room_waits += waits.iter().sum::<usize>();
         self.cap = new_cap;
         Ok(())
     }

@@ -10,7 +10,7 @@ use lifecycle_cuda::{RankExecutor, RolloutBuffer, RolloutSource, ThreadRankPool}
 use lifecycle_decoder::{DecodeError, ModelConfig, PrefillLogits, Sampling};
 use lifecycle_layout::{RolloutFormat, RolloutLayout};
 
-use crate::decoder::{kv_elements, Core, MAX_CONTEXT};
+use crate::decoder::{kv_elements, Core, KvMode, MAX_CONTEXT};
 use crate::error::GpuDecodeError;
 use crate::topology::decode_topology;
 use crate::weights::{detect_layout, GroupOffsets, LayoutKind};
@@ -171,6 +171,11 @@ fn describe(buffer: usize) -> String {
 ///   [`EngineSettings`]; [`sleep`](RolloutEngine::sleep) (before the backend's exit) frees the
 ///   cache and forgets the weights. [`memory`](RolloutEngine::memory) reports the KV cache;
 ///   per-pass activations come from the stream-ordered pool and are freed after each pass.
+/// - Weights from a switch that overlaps its offload ([`RolloutBuffer::freeing`]): wake does not
+///   wait for the offload's copies, and the KV cache is not allocated whole but grows with the
+///   calls (as [`GpuDecoder`](crate::GpuDecoder)'s does), each allocation ordered on the device
+///   after the frees that make room for it ([`GpuEngine::kv_waits_for_frees`] counts those
+///   that waited). The tokens are the same either way.
 /// - [`generate`](GpuEngine::generate) takes the session's weights view and refuses a view of
 ///   another version or buffer than the one the engine was woken for, so it only ever reads the
 ///   weights it was bound to, while the session keeps them alive.
@@ -373,11 +378,24 @@ impl GpuEngine {
             RolloutFormat::Fused => GroupOffsets::fused(config, &self.layout, entries)?,
         };
         self.core.bind(&self.pool, &plan, weights)?;
+        if self.core.allocates_into_freeing() {
+            // The switch still frees training memory: the cache grows with the calls, each
+            // allocation after the frees that make room for it (the settings still bound it).
+            self.core.kv = KvMode::Grow;
+            return Ok(());
+        }
         let slots = self
             .settings
             .slots_per_replica(self.core.topology.replicas());
         self.core
             .alloc_fixed(&self.pool, slots, self.settings.max_tokens)
+    }
+
+    /// How many allocations of the KV cache (summed over the ranks) waited, on the device, for
+    /// an overlapped offload's frees since the engine was built: 0 when every call found room in the
+    /// memory that was free when the switch returned (see [`RolloutBuffer::freeing`]).
+    pub fn kv_waits_for_frees(&self) -> usize {
+        self.core.room_waits
     }
 }
 

@@ -40,7 +40,7 @@ mod topology;
 mod vocab;
 mod weights;
 
-pub use decoder::{GpuDecoder, MAX_CONTEXT};
+pub use decoder::{GpuDecoder, MAX_CONTEXT, ROOM_MARGIN_BYTES};
 pub use engine::{EngineSettings, GpuEngine};
 pub use error::GpuDecodeError;
 pub use kernels::DECODER_KERNEL_SRC;

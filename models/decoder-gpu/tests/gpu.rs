@@ -657,6 +657,106 @@ fn engine_matches_the_per_call_decoder_and_frees_its_kv_cache_w1() -> Res {
     Ok(())
 }
 
+/// An FSDP switch that overlaps its offload with the rollout, at W = 1, on a device filled so
+/// that the KV cache must grow into the memory the offload frees: the rollout starts before the
+/// copies end (enter's time is printed next to the offload's copy time), at least one KV
+/// allocation waited on the device for a free, the tokens (greedy and sampled) equal those of a
+/// `GpuDecoder` on the same weights once the offload settled, and after exit the training state
+/// is back bit for bit.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn overlapped_offload_lets_the_kv_cache_grow_into_the_freed_memory_w1() -> Res {
+    require_gpus(1)?;
+    // ~200M parameters: 2.4 GB of fp32 master and Adam moments move out at every enter
+    let config = ModelConfig::from_json_str(
+        r#"{"model_type": "qwen2", "vocab_size": 32768, "hidden_size": 1024,
+        "intermediate_size": 4096, "num_hidden_layers": 8, "num_attention_heads": 16,
+        "num_key_value_heads": 4, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": false}"#,
+    )?;
+    let pool = Arc::new(ThreadRankPool::new(1)?);
+    let layout = config.rollout_layout(1)?;
+    let backend = FsdpBackend::new(pool.clone(), layout.clone()).with_offload_overlap(true);
+    assert!(backend.offload_overlap());
+    let state = backend.state_from_tensors(random_tensors(&config, 21))?;
+    let before = backend.download_state(&state)?;
+    let engine = GpuEngine::for_backend(&backend, &config, EngineSettings::new(64, 512))?;
+    // the default memory policy: master weights and Adam moments offloaded at every enter
+    let mut lc = Lifecycle::new(backend, state).with_engine(engine);
+    // warm-up: pinned memory, kernels, cuBLAS
+    lc.rollout()?.finish()?;
+    lc.train()?;
+    lc.backend().trim_device_memory()?;
+    // Leave the rollout weights, the engine's margin and 256 MiB free: the KV cache of 64
+    // sequences grows past 256 MiB (16 KiB per token) while decoding 200 tokens.
+    let (free, _) = device_memory(&pool)?[0];
+    let leave = 2 * config.params() as u64 + lifecycle_decoder_gpu::ROOM_MARGIN_BYTES + (256 << 20);
+    let ballast_len = (free as u64).saturating_sub(leave) as usize;
+    let mut ballast = pool.run(&|ctx| {
+        // SAFETY: never read or written; it only holds device memory.
+        unsafe {
+            lifecycle_cuda::alloc_device::<u8>(&ctx.compute, ballast_len, ctx.rank, "ballast")
+        }
+        .map(Some)
+    })?;
+    let prompts = grouped_prompts(8, 8, 12, 4096, 3);
+    let greedy = Sampling::greedy(200);
+    let sampled = Sampling {
+        temperature: 1.0,
+        seed: 5,
+        ..Sampling::greedy(200)
+    };
+    let t = Instant::now();
+    let mut session = lc.rollout()?;
+    let enter = t.elapsed();
+    let (weights, mut engine) = session.parts();
+    let got = [
+        engine.generate(weights, &prompts, &greedy)?,
+        engine.generate(weights, &prompts, &sampled)?,
+    ];
+    let rollout = t.elapsed();
+    let waits = engine.kv_waits_for_frees();
+    let mut dec = GpuDecoder::with_pool(&config, &layout, &pool, weights.get())?;
+    let want = [
+        dec.generate(&prompts, &greedy)?,
+        dec.generate(&prompts, &sampled)?,
+    ];
+    drop(dec);
+    session.finish()?;
+    let offload = lc.metrics().phase(lifecycle_core::Phase::Offload).count;
+    lc.train()?;
+    let after = lc.backend().download_state(lc.peek_state())?;
+    pool.run_each(&mut ballast, &|_, b| {
+        drop(b.take());
+        Ok(())
+    })?;
+    let moved = 12.0 * config.params() as f64;
+    println!(
+        "overlapped offload: enter returned after {:.1} ms with {:.2} GB still to copy (the \
+         link takes ~{:.0} ms at 55 GB/s); two calls of 64 sequences x 200 tokens took {:.0} ms \
+         from the enter; {waits} KV allocation(s) waited on the device for the offload's frees; \
+         offload phases recorded: {}",
+        enter.as_secs_f64() * 1e3,
+        moved / 1e9,
+        moved / 55e9 * 1e3,
+        rollout.as_secs_f64() * 1e3,
+        offload
+    );
+    assert!(
+        waits >= 1,
+        "the KV cache was meant to need the freed memory"
+    );
+    assert_eq!(got, want, "tokens of the overlapped rollout");
+    assert!(
+        before
+            .iter()
+            .zip(&after)
+            .all(|(a, b)| a.master == b.master && a.m == b.m && a.v == b.v),
+        "the training state after the overlapped offload and the reload"
+    );
+    Ok(())
+}
+
 type Batches = [(String, Vec<Vec<u32>>)];
 
 /// Every batch greedy and at temperature 1 in one rollout call.

@@ -61,6 +61,27 @@ pub trait Offloadable: Send {
     /// stream). Returns the bytes that left the device (0 without a pinned copy).
     fn drop_device(&mut self, ctx: &RankCtx) -> Result<u64, CudaError>;
 
+    /// Whether [`Offloadable::free_after_copy`] can give the device copy up in stream order
+    /// (memory this process allocated from the device's pool). The default: no (memory a caller
+    /// lent is freed by its owner).
+    fn frees_in_stream_order(&self) -> bool {
+        false
+    }
+
+    /// Queues the free of the device copy on the copy stream behind its offload copy, without
+    /// waiting (an overlapped offload). Returns the bytes that leave the device. The default
+    /// refuses: only buffers whose [`Offloadable::frees_in_stream_order`] is true are asked.
+    ///
+    /// # Safety
+    /// The offload copy was queued on `ctx.copy` and no work of another stream on the device
+    /// copy is pending.
+    unsafe fn free_after_copy(&mut self, ctx: &RankCtx) -> Result<u64, CudaError> {
+        Err(CudaError::Invalid(format!(
+            "rank {}: this buffer cannot be freed in stream order",
+            ctx.rank
+        )))
+    }
+
     /// Queues the host→device copy of an offloaded buffer on the copy stream, marked on `tl` as a
     /// reload span named `what`. Returns the bytes (0 when on the device).
     fn start_reload(
@@ -108,6 +129,15 @@ impl<T: DeviceRepr + Send> Offloadable for OffloadBuffer<T> {
     fn drop_device(&mut self, _ctx: &RankCtx) -> Result<u64, CudaError> {
         // Frees are stream-ordered: the memory returns to the pool without a wait.
         Ok(OffloadBuffer::drop_device(self))
+    }
+
+    fn frees_in_stream_order(&self) -> bool {
+        true
+    }
+
+    unsafe fn free_after_copy(&mut self, ctx: &RankCtx) -> Result<u64, CudaError> {
+        // SAFETY: the caller's promise.
+        unsafe { OffloadBuffer::free_after_copy(self, ctx) }
     }
 
     fn start_reload(

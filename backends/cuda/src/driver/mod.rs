@@ -33,7 +33,7 @@ use lifecycle_layout::LayoutError;
 use std::sync::Arc;
 
 use crate::{
-    peer_bases, record_spans, record_transfer, run_program, CudaError, PinnedPool,
+    peer_bases, record_spans, record_transfer, run_program, CudaError, FreeingRoom, PinnedPool,
     PinnedReservation, ProgramSlot, RankCtx, RankExecutor, RankMoved, RankReservation, RankSpans,
     RunOptions, StreamTimeline,
 };
@@ -233,6 +233,88 @@ impl<'a, P: RankExecutor> SwitchDriver<'a, P> {
             }
             rt.hand_back(c)?;
             Ok(bytes)
+        })
+    }
+
+    /// Whether [`SwitchDriver::finish_offload_overlapped`] can overlap the offload of `ranks`
+    /// under `memory`: every buffer it moves frees in stream order
+    /// ([`Offloadable::frees_in_stream_order`]) and something moves.
+    pub fn can_overlap<B: RankBuffers>(ranks: &mut [B], memory: MemoryPolicy) -> bool {
+        let mut any = false;
+        for rt in ranks.iter_mut() {
+            for m in rt.movable() {
+                if m.class.offloaded_by(memory) && !m.buf.is_offloaded() {
+                    if !m.buf.frees_in_stream_order() {
+                        return false;
+                    }
+                    any = true;
+                }
+            }
+        }
+        any
+    }
+
+    /// The offload phase that ends a transfer without waiting for its copies (an overlapped
+    /// offload): on every local rank the free of each buffer `memory` moves out is queued on
+    /// the copy stream behind its offload copy, an event after each; the scratch memory (unless
+    /// `keep_scratch`) given up. Returns each local rank's [`FreeingRoom`] (the device's free
+    /// memory now, and the frees to come), for the rollout to allocate into as they run.
+    ///
+    /// The hooks' [`SwitchHooks::offload_settled`] is not called (nothing has settled); callers
+    /// with hooks that need it (verification) and traced switches (whose timelines are read
+    /// here) use [`SwitchDriver::finish_offload`]. Every buffer moved must
+    /// [free in stream order](SwitchDriver::can_overlap). The copies are joined by the next
+    /// reload (which synchronises the rank's streams first) or by any reader that synchronises.
+    pub fn finish_offload_overlapped<B: RankBuffers, E: From<CudaError>>(
+        &self,
+        ranks: &mut [B],
+        ctx: &mut SwitchContext<'_>,
+        moved: &mut [RankMoved],
+        keep_scratch: bool,
+    ) -> Result<Vec<FreeingRoom>, E> {
+        let memory = ctx.memory;
+        if ctx.rec.tracing() {
+            return Err(CudaError::Invalid(
+                "an overlapped offload is not traced: its copies run past the switch; use \
+                 finish_offload"
+                    .into(),
+            )
+            .into());
+        }
+        crate::finish_offload_with(self.pool, ctx, ranks, moved, &|c, rt: &mut B| {
+            if !keep_scratch {
+                rt.release_scratch(c)?;
+            }
+            // The transfer synchronised its streams; waiting for the compute streams again
+            // costs nothing and leaves the copy stream alone using the moved buffers. The free
+            // memory is read before any free is queued.
+            c.wait(
+                &[&c.compute, &c.aux],
+                "the transfer before the offload's frees",
+            )?;
+            let mut room = FreeingRoom::new(c.device_memory()?.0);
+            let mut bytes = 0;
+            for m in rt.movable() {
+                if m.class.offloaded_by(memory) {
+                    if !m.buf.frees_in_stream_order() {
+                        return Err(CudaError::Invalid(format!(
+                            "rank {}: {} cannot be freed in stream order, so its offload \
+                             cannot overlap the rollout",
+                            c.rank, m.name
+                        )));
+                    }
+                    // SAFETY: its offload copy was queued on the copy stream by the transfer,
+                    // and the compute streams that read it are idle (waited for above); the
+                    // NCCL stream only moves rollout and staging buffers.
+                    let b = unsafe { m.buf.free_after_copy(c)? };
+                    if b > 0 {
+                        room.push(c, &c.copy, b)?;
+                        bytes += b;
+                    }
+                }
+            }
+            rt.hand_back(c)?;
+            Ok((bytes, room))
         })
     }
 

@@ -9,7 +9,7 @@ use lifecycle_cuda::cudarc::driver::{
     CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice,
 };
 use lifecycle_cuda::cudarc::nccl::ReduceOp;
-use lifecycle_cuda::{CudaError, RankCtx};
+use lifecycle_cuda::{CudaError, FreeingRoom, RankCtx};
 
 use crate::blas::gemm;
 use crate::fp8::{fp8_gemm, Fp8Kernels, Fp8Scratch, Fp8Weight};
@@ -55,6 +55,9 @@ pub(crate) struct RankState {
     /// Whether the bf16 experts of a mixture-of-experts layer run in blocks, one batched GEMM
     /// per product ([`moe`]; the default), or one GEMM per expert.
     pub(crate) grouped: bool,
+    /// While bound to weights whose switch still frees training memory (an overlapped offload):
+    /// the frees the KV cache's allocations wait for.
+    pub(crate) room: Option<Arc<FreeingRoom>>,
 }
 
 impl RankState {
