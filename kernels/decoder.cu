@@ -426,3 +426,11 @@ extern "C" __global__ void sample_rows(const float* __restrict__ x, const float*
         out[blockIdx.x] = res;
     }
 }
+
+// Copies n 32-bit words into dst, which may be mapped host memory: downloads written by the SMs
+// never queue behind copy-engine work (the device-to-host copies of an offload running beside
+// the rollout are served first come, first served).
+extern "C" __global__ void copy_words(const u32* __restrict__ src, u32* __restrict__ dst, u64 n) {
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] = src[i];
+}

@@ -674,23 +674,49 @@ fn default_pool(
     Ok(unsafe { pool.assume_init() })
 }
 
-/// Keeps memory freed to the device's stream-ordered pool mapped (release threshold = max), as
-/// PyTorch's caching allocator does: freeing the rollout weights or the offloaded training state
-/// and allocating them again then reuses mapped pages instead of unmapping and remapping tens of
-/// GB per switch. [`RankCtx::trim_pool`] gives the memory back to the driver on demand.
+/// Sets up the device's stream-ordered pool:
+/// - freed memory stays mapped (release threshold = max), as PyTorch's caching allocator does:
+///   freeing the rollout weights or the offloaded training state and allocating them again then
+///   reuses mapped pages instead of unmapping and remapping tens of GB per switch
+///   ([`RankCtx::trim_pool`] gives the memory back to the driver on demand);
+/// - an allocation never takes memory whose free is still pending on another stream by making
+///   its own stream wait for that stream (the driver's "internal dependencies", off): an
+///   overlapped offload frees the training state on the copy stream while the rollout runs, and
+///   such a wait would stall the rollout behind the whole offload. Memory freed on another stream
+///   is reused once the allocating stream is ordered after the free (event dependencies, which a
+///   [`FreeingRoom`](crate::FreeingRoom) provides) or once the free has run.
 fn keep_pool_mapped(ctx: &Arc<CudaContext>, rank: usize) -> Result<(), CudaError> {
+    use cudarc::driver::sys::CUmemPool_attribute as Attr;
     let pool = default_pool(ctx, rank)?;
     let mut threshold: u64 = u64::MAX;
     // SAFETY: the attribute takes a pointer to a u64 (cuuint64_t), valid for the call.
     unsafe {
         cudarc::driver::sys::cuMemPoolSetAttribute(
             pool,
-            cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            Attr::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
             (&mut threshold as *mut u64).cast(),
         )
     }
     .result()
-    .map_err(|e| CudaError::driver(rank, "setting the memory pool's release threshold", 0, e))
+    .map_err(|e| CudaError::driver(rank, "setting the memory pool's release threshold", 0, e))?;
+    let mut off: i32 = 0;
+    // SAFETY: the attribute takes a pointer to an int, valid for the call.
+    unsafe {
+        cudarc::driver::sys::cuMemPoolSetAttribute(
+            pool,
+            Attr::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+            (&mut off as *mut i32).cast(),
+        )
+    }
+    .result()
+    .map_err(|e| {
+        CudaError::driver(
+            rank,
+            "turning off the memory pool's internal dependencies",
+            0,
+            e,
+        )
+    })
 }
 
 fn worker_loop(ctx: RankCtx, jobs: Receiver<Job>) {

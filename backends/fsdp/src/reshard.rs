@@ -7,10 +7,7 @@ use lifecycle_layout::plan_fsdp_to_tp;
 use std::sync::Arc;
 
 use lifecycle_core::{Phase, Reshard, SwitchContext};
-use lifecycle_cuda::driver::SwitchDriver;
-use lifecycle_cuda::{
-    alloc_rollout_buffers, RankExecutor, RolloutBuffer, ThreadRankPool, Transport,
-};
+use lifecycle_cuda::{alloc_rollout_buffers, RankExecutor, RolloutBuffer, Transport};
 
 use crate::state::FsdpTrainState;
 use lifecycle_layout::fp8::RolloutDtype;
@@ -122,22 +119,17 @@ impl Reshard for FsdpBackend {
         if self.verify {
             self.record_rollout_sums(&rolls, &entries)?;
         }
-        let overlap = self.overlap_offload
-            && !self.verify
-            && !ctx.rec.tracing()
-            && SwitchDriver::<ThreadRankPool>::can_overlap(&mut state.ranks, ctx.memory);
-        let rooms = if overlap {
-            let keep_grads = ctx.memory.keep_rollout_resident;
-            Some(self.driver().finish_offload_overlapped::<_, FsdpError>(
-                &mut state.ranks,
-                ctx,
-                &mut moved,
-                keep_grads,
-            )?)
-        } else {
-            self.finish_offload(&mut state.ranks, &hooks, ctx, &mut moved)?;
-            None
-        };
+        // Verification hashes what leaves the device once its copies settled: it waits.
+        let keep_grads = ctx.memory.keep_rollout_resident;
+        let overlap = self.overlap_offload && !self.verify;
+        let rooms = self.driver().finish_enter::<_, FsdpError>(
+            &mut state.ranks,
+            ctx,
+            &mut moved,
+            &hooks,
+            keep_grads,
+            overlap,
+        )?;
         let rollout = RolloutBuffer::per_rank_shared(
             rolls,
             self.pool.local_ranks().to_vec(),

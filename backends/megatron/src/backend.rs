@@ -98,6 +98,8 @@ pub struct MegatronGpuBackend {
     /// plan), keyed by the plan's id.
     pub(crate) programs: Vec<ProgramSlot<u64>>,
     pub(crate) cached: Mutex<Option<Arc<MegatronGpuPlan>>>,
+    /// Enter hands out the rollout weights with the offload copies still running.
+    pub(crate) overlap_offload: bool,
 }
 
 impl std::fmt::Debug for MegatronGpuBackend {
@@ -106,6 +108,7 @@ impl std::fmt::Debug for MegatronGpuBackend {
             .field("world", &self.pool.world())
             .field("rollout", &self.rollout)
             .field("config", &self.config)
+            .field("overlap_offload", &self.overlap_offload)
             .finish()
     }
 }
@@ -127,6 +130,7 @@ impl MegatronGpuBackend {
             pinned: Arc::new(PinnedPool::default()),
             programs: loaded.iter().map(|()| ProgramSlot::default()).collect(),
             cached: Mutex::new(None),
+            overlap_offload: false,
         })
     }
 
@@ -149,6 +153,22 @@ impl MegatronGpuBackend {
     pub fn with_pinned_pool(mut self, pinned: Arc<PinnedPool>) -> Self {
         self.pinned = pinned;
         self
+    }
+
+    /// Overlaps the offload of an enter with the rollout (off by default), as
+    /// `FsdpBackend::with_offload_overlap` does: enter returns once the rollout weights are
+    /// written, the device→host copies still running on the copy stream and each buffer freed
+    /// in stream order behind its copy; the [`RolloutBuffer`](lifecycle_cuda::RolloutBuffer)
+    /// carries each rank's [`FreeingRoom`](lifecycle_cuda::FreeingRoom) for the engine's
+    /// allocations, and exit joins the copies. A traced switch waits for its copies.
+    pub fn with_offload_overlap(mut self, on: bool) -> Self {
+        self.overlap_offload = on;
+        self
+    }
+
+    /// Whether enter overlaps its offload with the rollout.
+    pub fn offload_overlap(&self) -> bool {
+        self.overlap_offload
     }
 
     /// The settings.

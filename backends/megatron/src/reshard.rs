@@ -82,13 +82,12 @@ impl Reshard for MegatronGpuBackend {
         // each buffer exactly, so every element is written before the buffers are handed out.
         let mut rolls = unsafe { alloc_rollout_buffers(&*self.pool, len, peers_write)? };
         let mut moved = self.transfer(plan, &mut state.ranks, &mut rolls, ctx)?;
-        self.finish_offload(&mut state.ranks, ctx, &mut moved)?;
-        Ok(RolloutBuffer::new(
-            rolls,
-            self.locals().to_vec(),
-            Self::entries(plan),
-            len,
-        )?)
+        let rooms = self.finish_enter(&mut state.ranks, ctx, &mut moved)?;
+        let rollout = RolloutBuffer::new(rolls, self.locals().to_vec(), Self::entries(plan), len)?;
+        Ok(match rooms {
+            Some(rooms) => rollout.with_freeing(rooms)?,
+            None => rollout,
+        })
     }
 
     fn refresh(

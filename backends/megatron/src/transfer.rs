@@ -11,7 +11,7 @@ use lifecycle_cuda::driver::{
     free_grads, restore_grads, BufferClass, Movable, NoHooks, ProgramSpec, RankBuffers,
     SwitchDriver,
 };
-use lifecycle_cuda::{CudaError, RankCtx, RankMoved, RunOptions, SourceBuf};
+use lifecycle_cuda::{CudaError, FreeingRoom, RankCtx, RankMoved, RunOptions, SourceBuf};
 use lifecycle_layout::megatron::StepShape;
 use lifecycle_layout::RolloutEntry;
 
@@ -112,5 +112,17 @@ impl MegatronGpuBackend {
     ) -> Result<(), MegatronGpuError> {
         self.driver()
             .finish_offload(ranks, ctx, moved, &NoHooks, false)
+    }
+
+    /// The offload phase of an enter: overlapped with the rollout when the backend asks for it
+    /// and the switch allows it (each rank's [`FreeingRoom`] returned), settled otherwise.
+    pub(crate) fn finish_enter(
+        &self,
+        ranks: &mut [GpuRank],
+        ctx: &mut SwitchContext<'_>,
+        moved: &mut [RankMoved],
+    ) -> Result<Option<Vec<FreeingRoom>>, MegatronGpuError> {
+        self.driver()
+            .finish_enter(ranks, ctx, moved, &NoHooks, false, self.overlap_offload)
     }
 }

@@ -397,7 +397,8 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
                 .map_err(|e| DapoGpuError::Usage(e.to_string()))?;
             let rollout = fused_layout(&config, r.tp, r.experts);
             let engine = RunEngine::for_run(&config, &rollout, &pool, capacity, fork)?;
-            let backend = MegatronGpuBackend::new(Arc::clone(&pool), rollout.clone())?;
+            let backend = MegatronGpuBackend::new(Arc::clone(&pool), rollout.clone())?
+                .with_offload_overlap(g.offload_overlap);
             let trainer = MegatronTrainer {
                 params: a.adam_params(),
                 grad_scale: g.grad_scale,

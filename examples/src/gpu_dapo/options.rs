@@ -212,8 +212,7 @@ pub struct GpuOptions {
     pub kv_tokens: Option<usize>,
     /// When a switch offloads, hand the rollout its weights with the offload copies still
     /// running (the KV cache then grows into the memory they free, each allocation waiting on
-    /// the device only for the frees it needs); `false` waits for the whole offload first. The
-    /// FSDP layout only (the Megatron one always waits).
+    /// the device only for the frees it needs); `false` waits for the whole offload first.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub offload_overlap: bool,
     /// Wait at setup until the offload's pinned host memory is reserved (it is pinned in the

@@ -208,7 +208,7 @@ impl Core {
                 cache: None,
                 ev_compute: ctx.event()?,
                 ev_nccl: ctx.event()?,
-                pinned: None,
+                downloads: Default::default(),
                 fp8: None,
                 dequant: None,
                 x32: None,

@@ -42,6 +42,7 @@ pub(crate) struct DecoderKernels {
     pub scatter_add_grouped: CudaFunction,
     pub add_gated_rows: CudaFunction,
     pub add_rows: CudaFunction,
+    pub copy_words: CudaFunction,
     pub sm_count: u32,
 }
 
@@ -82,6 +83,7 @@ impl DecoderKernels {
             scatter_add_grouped: m.function("scatter_add_grouped")?,
             add_gated_rows: m.function("add_gated_rows")?,
             add_rows: m.function("add_rows")?,
+            copy_words: m.function("copy_words")?,
             sm_count: m.sm_count(),
         })
     }

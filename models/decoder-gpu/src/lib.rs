@@ -31,6 +31,7 @@
 
 mod blas;
 mod decoder;
+mod download;
 mod engine;
 mod error;
 mod fp8;

@@ -318,6 +318,27 @@ impl<'a, P: RankExecutor> SwitchDriver<'a, P> {
         })
     }
 
+    /// The offload phase that ends an enter: [overlapped](SwitchDriver::finish_offload_overlapped)
+    /// when `overlap` asks for it and the switch allows it (untraced, every buffer moved frees
+    /// in stream order, something moves), returning each local rank's [`FreeingRoom`] for the
+    /// rollout buffer; [settled](SwitchDriver::finish_offload) otherwise (`None`).
+    pub fn finish_enter<B: RankBuffers, E: From<CudaError>>(
+        &self,
+        ranks: &mut [B],
+        ctx: &mut SwitchContext<'_>,
+        moved: &mut [RankMoved],
+        hooks: &dyn SwitchHooks<B>,
+        keep_scratch: bool,
+        overlap: bool,
+    ) -> Result<Option<Vec<FreeingRoom>>, E> {
+        if overlap && !ctx.rec.tracing() && Self::can_overlap(ranks, ctx.memory) {
+            let rooms = self.finish_offload_overlapped(ranks, ctx, moved, keep_scratch)?;
+            return Ok(Some(rooms));
+        }
+        self.finish_offload(ranks, ctx, moved, hooks, keep_scratch)?;
+        Ok(None)
+    }
+
     /// The reload phase of an exit: every offloaded buffer copied back on the copy stream, the
     /// scratch memory restored, the hooks' check of each reloaded buffer, the pinned chunks of
     /// every buffer now on the device given back. Returns the first corruption found, by local

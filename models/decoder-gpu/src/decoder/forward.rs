@@ -11,7 +11,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use lifecycle_cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
-use lifecycle_cuda::{alloc_device, alloc_pinned, CudaError, RankCtx};
+use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
 
 use super::moe::{moe_layer, MoeScratch};
 use super::rank::{all_reduce, all_reduce_in_place, order, ptr, Dims, RankBind, RankState};
@@ -716,8 +716,8 @@ impl<'a> Pass<'a> {
 }
 
 /// What the caller asked of the full logits `[m × vocab]`: the argmax or sampled token of each
-/// row (picked on the device, only the tokens downloaded), or the logits themselves (through a
-/// pinned buffer kept on the rank).
+/// row (picked on the device, only the tokens downloaded), or the logits themselves; downloaded
+/// through the SMs into the rank's mapped buffer ([`Downloads`](crate::download::Downloads)).
 fn pick(
     ctx: &RankCtx,
     st: &mut RankState,
@@ -727,10 +727,9 @@ fn pick(
 ) -> Result<StepOut, CudaError> {
     let (s, rank, m) = (&ctx.compute, ctx.rank, z.m);
     let tokens_out = |toks: CudaSlice<u32>| -> Result<StepOut, CudaError> {
-        let out = s
-            .clone_dtoh(&toks)
-            .map_err(ctx.drv("downloading tokens", 0))?;
-        s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
+        let out = st
+            .downloads
+            .words(ctx, &st.k, s, ptr(&toks, s), m, "downloading tokens")?;
         Ok(StepOut::Tokens(out))
     };
     match pick {
@@ -791,31 +790,14 @@ fn pick(
             tokens_out(toks)
         }
         Pick::Logits => {
-            // through a cached pinned buffer: one fast copy, then one copy per row. The
-            // buffer has exactly `len` elements: cudarc's device→host copy moves the whole
-            // destination, so a larger buffer would read past the logits' allocation.
             let len = m * z.vocab;
-            if st.pinned.as_ref().is_none_or(|p| p.len() != len) {
-                st.pinned = None;
-                // SAFETY: alloc_pinned's contract: the buffer is written by the copy below
-                // before it is read.
-                st.pinned =
-                    Some(unsafe { alloc_pinned::<f32>(s, len, rank, "logits download buffer")? });
-            }
-            let pinned = st
-                .pinned
-                .as_mut()
-                .ok_or_else(|| CudaError::Invalid("no pinned logits buffer".into()))?;
-            s.memcpy_dtoh(&full.slice(0..len), pinned)
-                .map_err(ctx.drv("downloading logits", (len * 4) as u64))?;
-            s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
-            let host = pinned
-                .as_slice()
-                .map_err(ctx.drv("reading the pinned logits", 0))?;
+            let words =
+                st.downloads
+                    .words(ctx, &st.k, s, ptr(full, s), len, "downloading logits")?;
             Ok(StepOut::Logits(
-                host[..len]
+                words
                     .chunks_exact(z.vocab)
-                    .map(<[f32]>::to_vec)
+                    .map(|row| row.iter().map(|&w| f32::from_bits(w)).collect())
                     .collect(),
             ))
         }

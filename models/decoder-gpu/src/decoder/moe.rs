@@ -182,10 +182,19 @@ pub(super) fn moe_layer(
             "combine",
         )?;
     }
-    let mut logits = s
-        .clone_dtoh(&scratch.logits)
-        .map_err(ctx.drv("downloading router logits", (n * experts * 4) as u64))?;
-    s.synchronize().map_err(ctx.drv("synchronizing", 0))?;
+    let mut logits: Vec<f32> = st
+        .downloads
+        .words(
+            ctx,
+            k,
+            s,
+            p(&scratch.logits),
+            n * experts,
+            "downloading router logits",
+        )?
+        .into_iter()
+        .map(f32::from_bits)
+        .collect();
     let mut routed: Vec<Vec<(u32, f32)>> = vec![Vec::new(); experts];
     for (row, l) in logits.chunks_exact_mut(experts).enumerate() {
         for (e, w) in lifecycle_decoder::route_top_k(l, z.top_k, z.norm_topk_prob) {

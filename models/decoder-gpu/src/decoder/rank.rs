@@ -5,13 +5,12 @@
 use std::sync::Arc;
 
 use lifecycle_cuda::cudarc::cublas::CudaBlas;
-use lifecycle_cuda::cudarc::driver::{
-    CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice,
-};
+use lifecycle_cuda::cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use lifecycle_cuda::cudarc::nccl::ReduceOp;
 use lifecycle_cuda::{CudaError, FreeingRoom, RankCtx};
 
 use crate::blas::gemm;
+use crate::download::Downloads;
 use crate::fp8::{fp8_gemm, Fp8Kernels, Fp8Scratch, Fp8Weight};
 use crate::kernels::DecoderKernels;
 use crate::weights::{MatAt, RankOffsets};
@@ -43,8 +42,8 @@ pub(crate) struct RankState {
     pub(crate) cache: Option<CudaSlice<f32>>,
     pub(crate) ev_compute: CudaEvent,
     pub(crate) ev_nccl: CudaEvent,
-    /// Page-locked host buffer for logits downloads, grown on demand.
-    pub(crate) pinned: Option<PinnedHostSlice<f32>>,
+    /// Mapped host buffer every download of a pass goes through (written by the SMs).
+    pub(crate) downloads: Downloads,
     /// The fp8 matrix kernels, loaded when weights with fp8 matrices are first bound.
     pub(crate) fp8: Option<Fp8Kernels>,
     /// bf16 scratch of the fp8 prefill products (hi and lo of the largest fp8 matrix), held
