@@ -11,9 +11,11 @@
 use std::time::Instant;
 
 use clap::Parser;
-use lifecycle_cuda::cudarc::driver::{result, sys, CudaSlice, DevicePtr};
+use lifecycle_cuda::cudarc::driver::{
+    result, sys, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg,
+};
 use lifecycle_cuda::{
-    alloc_device, alloc_pinned, CudaError, RankCtx, RankExecutor, ThreadRankPool,
+    alloc_device, alloc_pinned, CudaError, KernelSet, RankCtx, RankExecutor, ThreadRankPool,
 };
 
 /// See the module docs.
@@ -26,20 +28,67 @@ struct Cli {
     /// Sizes of the pieces the big copy is queued in, MiB.
     #[arg(long, value_delimiter = ',', default_value = "1024,64")]
     chunk_mib: Vec<usize>,
+    /// Pauses between the pieces (a sleeping kernel on the copy stream), microseconds; 0: none.
+    /// With a pause only the SM writes are timed.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    gap_us: Vec<u32>,
 }
 
-const OPS: [&str; 6] = [
+const PROBE_SRC: &str = r#"
+extern "C" __global__ void write_words(unsigned* dst, unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * 256ull + threadIdx.x; i < n; i += gridDim.x * 256ull)
+        dst[i] = (unsigned)i;
+}
+extern "C" __global__ void spin(unsigned ns) { __nanosleep(ns); }
+"#;
+const PROBE: KernelSet = KernelSet::new("overlap probe", PROBE_SRC);
+
+const OPS: [&str; 8] = [
     "kernel (memset 4 KiB)",
     "download 4 KiB into pinned memory",
     "download 4 KiB into pageable memory",
     "upload 4 KiB from pageable memory",
     "alloc + free 1 GiB (stream-ordered)",
     "download 4 KiB, pinned, through the aux stream",
+    "SM write of 4 KiB into mapped pinned memory",
+    "SM write of 128 B into mapped pinned memory, x17",
 ];
 
-fn run_op(ctx: &RankCtx, op: usize, small: &mut CudaSlice<u8>) -> Result<(), CudaError> {
+struct Mapped {
+    dev: u64,
+    write: CudaFunction,
+}
+
+fn sm_write(ctx: &RankCtx, m: &Mapped, words: u64) -> Result<(), CudaError> {
+    let s = &ctx.compute;
+    let mut b = s.launch_builder(&m.write);
+    b.arg(&m.dev);
+    b.arg(&words);
+    let cfg = LaunchConfig {
+        grid_dim: (4, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `dev` maps 4 KiB of pinned memory; the kernel writes `words` ≤ 1024 words there.
+    unsafe { b.launch(cfg) }.map_err(ctx.drv("write_words", 4 * words))?;
+    s.synchronize().map_err(ctx.drv("sync", 0))
+}
+
+fn run_op(
+    ctx: &RankCtx,
+    op: usize,
+    small: &mut CudaSlice<u8>,
+    m: &Mapped,
+) -> Result<(), CudaError> {
     let s = &ctx.compute;
     match op {
+        6 => return sm_write(ctx, m, 1024),
+        7 => {
+            for _ in 0..17 {
+                sm_write(ctx, m, 32)?;
+            }
+            return Ok(());
+        }
         0 => s.memset_zeros(small).map_err(ctx.drv("memset", 4096))?,
         1 | 5 => {
             let st = if op == 5 { &ctx.aux } else { s };
@@ -68,7 +117,32 @@ fn run_op(ctx: &RankCtx, op: usize, small: &mut CudaSlice<u8>) -> Result<(), Cud
     s.synchronize().map_err(ctx.drv("sync", 0))
 }
 
-fn probe(ctx: &RankCtx, gib: usize, chunks: &[usize]) -> Result<Vec<String>, CudaError> {
+fn probe(
+    ctx: &RankCtx,
+    gib: usize,
+    chunks: &[usize],
+    gap_us: &[u32],
+) -> Result<Vec<String>, CudaError> {
+    let module = ctx.module(&PROBE)?;
+    // SAFETY: written by the probe's kernels only.
+    let mapped_host = unsafe {
+        ctx.ctx
+            .alloc_pinned_with_flags::<u32>(1024, sys::CU_MEMHOSTALLOC_DEVICEMAP)
+    }
+    .map_err(ctx.drv("mapped pinned memory", 4096))?;
+    let mut dev = 0;
+    // SAFETY: allocated with DEVICEMAP in this context; `dev` is a valid out-pointer.
+    unsafe {
+        let p = mapped_host.as_ptr().map_err(ctx.drv("mapped", 0))?;
+        sys::cuMemHostGetDevicePointer_v2(&mut dev, p as *mut _, 0)
+    }
+    .result()
+    .map_err(ctx.drv("mapping", 4096))?;
+    let m = Mapped {
+        dev,
+        write: module.function("write_words")?,
+    };
+    let spin = module.function("spin")?;
     let bytes = gib << 30;
     // SAFETY: only read by the copies (its contents do not matter).
     let dev = unsafe { alloc_device::<u8>(&ctx.compute, bytes, ctx.rank, "source")? };
@@ -82,9 +156,15 @@ fn probe(ctx: &RankCtx, gib: usize, chunks: &[usize]) -> Result<Vec<String>, Cud
         .map_err(ctx.drv("small", 4096))?;
     let src = dev.device_ptr(&ctx.copy).0;
     let mut out = Vec::new();
-    for &chunk_mib in chunks {
+    for (&chunk_mib, &gap) in chunks
+        .iter()
+        .flat_map(|c| gap_us.iter().map(move |g| (c, g)))
+    {
         let chunk = (chunk_mib << 20).min(bytes).max(1);
         for (op, name) in OPS.iter().enumerate() {
+            if gap > 0 && op < 6 {
+                continue;
+            }
             let t = Instant::now();
             let mut off = 0;
             while off < bytes {
@@ -102,10 +182,18 @@ fn probe(ctx: &RankCtx, gib: usize, chunks: &[usize]) -> Result<Vec<String>, Cud
                 .result()
                 .map_err(ctx.drv("the big copy", n as u64))?;
                 off += n;
+                if gap > 0 {
+                    let mut b = ctx.copy.launch_builder(&spin);
+                    let ns = gap * 1000;
+                    b.arg(&ns);
+                    // SAFETY: the kernel takes one u32 and touches no memory.
+                    unsafe { b.launch(LaunchConfig::for_num_elems(1)) }
+                        .map_err(ctx.drv("spin", 0))?;
+                }
             }
             std::thread::sleep(std::time::Duration::from_millis(2));
             let t_op = Instant::now();
-            run_op(ctx, op, &mut small)?;
+            run_op(ctx, op, &mut small, &m)?;
             let op_ms = t_op.elapsed().as_secs_f64() * 1e3;
             // SAFETY: a query of a live stream.
             let busy = unsafe { sys::cuStreamQuery(ctx.copy.cu_stream()) }
@@ -113,7 +201,7 @@ fn probe(ctx: &RankCtx, gib: usize, chunks: &[usize]) -> Result<Vec<String>, Cud
             ctx.copy.synchronize().map_err(ctx.drv("sync", 0))?;
             let copy_ms = t.elapsed().as_secs_f64() * 1e3;
             out.push(format!(
-                "chunks {chunk_mib:>5} MiB | {name:<48} | {op_ms:>9.3} ms | copy still running \
+                "chunks {chunk_mib:>5} MiB, gaps {gap:>3} us | {name:<48} | {op_ms:>9.3} ms | copy still running \
                  after it: {busy:<5} | copy {copy_ms:>7.1} ms ({:.1} GB/s)",
                 bytes as f64 / copy_ms / 1e6
             ));
@@ -128,8 +216,8 @@ fn probe(ctx: &RankCtx, gib: usize, chunks: &[usize]) -> Result<Vec<String>, Cud
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let cli = Cli::parse();
     let pool = ThreadRankPool::new(1)?;
-    let (gib, chunks) = (cli.gib, cli.chunk_mib.clone());
-    let lines = pool.run(&|ctx| probe(ctx, gib, &chunks))?;
+    let (gib, chunks, gaps) = (cli.gib, cli.chunk_mib.clone(), cli.gap_us.clone());
+    let lines = pool.run(&|ctx| probe(ctx, gib, &chunks, &gaps))?;
     for l in lines.into_iter().flatten() {
         println!("{l}");
     }

@@ -1,9 +1,10 @@
-//! Downloads through the SMs: a kernel writes what the host reads (tokens, logits, router
-//! logits) into page-locked host memory mapped into the device's address space, then the stream
-//! is synchronised. The copy engines serve device-to-host copies first come, first served across
-//! streams (measured on an H200 by `overlap_probe`: a 4 KiB download queued behind an 8 GiB
-//! offload waits for all of it, however the offload is cut), so a download by copy would stall
-//! the rollout behind an offload that overlaps it; the SMs' writes are not queued there.
+//! What a pass downloads (tokens, logits, router logits) goes through one page-locked buffer per
+//! rank, mapped into the device's address space: copied by a copy engine, or, while an offload
+//! overlaps the rollout, written by the SMs (a kernel). The copy engines serve device-to-host
+//! copies first come, first served across streams (measured on an H200 by `overlap_probe`: a
+//! 4 KiB download queued behind an 8 GiB offload waits for all of it, however the offload is
+//! cut), so a download by copy would stall the rollout behind the offload; the SMs' writes are
+//! not queued there (14–23 µs for 128 B while the offload fills the link).
 
 use std::sync::Mutex;
 
@@ -60,7 +61,9 @@ impl MappedHost {
 
 impl Downloads {
     /// Copies `words` 32-bit words at device address `src` (valid for that many reads on
-    /// `stream`) to the host through the SMs, after the work queued on `stream`; waits for it.
+    /// `stream`) to the host, after the work queued on `stream`, by a copy engine or, with
+    /// `through_sms` (an offload's copies run beside the pass), by a kernel; waits for it.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn words(
         &self,
         ctx: &RankCtx,
@@ -68,6 +71,7 @@ impl Downloads {
         stream: &std::sync::Arc<CudaStream>,
         src: u64,
         words: usize,
+        through_sms: bool,
         what: &str,
     ) -> Result<Vec<u32>, CudaError> {
         let mut slot = self
@@ -82,23 +86,34 @@ impl Downloads {
         let mapped = slot
             .as_ref()
             .ok_or_else(|| CudaError::Invalid("no mapped download buffer".into()))?;
-        let args = [Arg::U64(src), Arg::U64(mapped.dev), Arg::U64(words as u64)];
-        // SAFETY: `src` holds `words` words (the caller's promise); the mapped buffer holds at
-        // least `words` and stays alive until the stream is synchronised below.
-        unsafe {
-            launch(
-                stream,
-                &k.copy_words,
-                k.elementwise(words as u64),
-                &args,
-                ctx.rank,
-                "copy_words",
-            )?
-        };
+        if through_sms {
+            let args = [Arg::U64(src), Arg::U64(mapped.dev), Arg::U64(words as u64)];
+            // SAFETY: `src` holds `words` words (the caller's promise); the mapped buffer holds
+            // at least `words` and stays alive until the stream is synchronised below.
+            unsafe {
+                launch(
+                    stream,
+                    &k.copy_words,
+                    k.elementwise(words as u64),
+                    &args,
+                    ctx.rank,
+                    "copy_words",
+                )?
+            };
+        } else {
+            let host = mapped.host.as_ptr().map_err(ctx.drv(what, 0))?;
+            // SAFETY: as above; the destination is page-locked memory of at least `words`
+            // words, alive until the stream is synchronised below.
+            unsafe {
+                sys::cuMemcpyDtoHAsync_v2(host as *mut _, src, 4 * words, stream.cu_stream())
+            }
+            .result()
+            .map_err(ctx.drv(what, 4 * words as u64))?;
+        }
         stream
             .synchronize()
             .map_err(ctx.drv(what, 4 * words as u64))?;
-        // SAFETY: the kernel that wrote the first `words` words has completed (stream
+        // SAFETY: the kernel or copy that wrote the first `words` words has completed (stream
         // synchronised); nothing else writes the buffer while the lock is held.
         let ptr = mapped.host.as_ptr().map_err(ctx.drv(what, 0))?;
         Ok(unsafe { std::slice::from_raw_parts(ptr, words) }.to_vec())

@@ -726,10 +726,11 @@ fn pick(
     full: &CudaSlice<f32>,
 ) -> Result<StepOut, CudaError> {
     let (s, rank, m) = (&ctx.compute, ctx.rank, z.m);
+    let sms = st.downloads_through_sms();
     let tokens_out = |toks: CudaSlice<u32>| -> Result<StepOut, CudaError> {
         let out = st
             .downloads
-            .words(ctx, &st.k, s, ptr(&toks, s), m, "downloading tokens")?;
+            .words(ctx, &st.k, s, ptr(&toks, s), m, sms, "downloading tokens")?;
         Ok(StepOut::Tokens(out))
     };
     match pick {
@@ -793,7 +794,7 @@ fn pick(
             let len = m * z.vocab;
             let words =
                 st.downloads
-                    .words(ctx, &st.k, s, ptr(full, s), len, "downloading logits")?;
+                    .words(ctx, &st.k, s, ptr(full, s), len, sms, "downloading logits")?;
             Ok(StepOut::Logits(
                 words
                     .chunks_exact(z.vocab)

@@ -190,6 +190,7 @@ pub(super) fn moe_layer(
             s,
             p(&scratch.logits),
             n * experts,
+            st.downloads_through_sms(),
             "downloading router logits",
         )?
         .into_iter()

@@ -60,6 +60,12 @@ pub(crate) struct RankState {
 }
 
 impl RankState {
+    /// Whether this pass's downloads go through the SMs: while the switch that made the bound
+    /// weights still offloads beside the rollout ([`Downloads`]).
+    pub(crate) fn downloads_through_sms(&self) -> bool {
+        self.room.as_ref().is_some_and(|r| !r.settled())
+    }
+
     /// `y[rows × out] = x[rows × inp] · wᵀ` for weight `w` of the bound buffer at `base`:
     /// [`gemm`] for bf16, [`fp8_gemm`] for fp8.
     ///
