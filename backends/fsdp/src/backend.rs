@@ -212,7 +212,10 @@ impl FsdpBackend {
     /// moves still running on the copy stream, each buffer freed in stream order behind its
     /// copy. The [`RolloutBuffer`](lifecycle_cuda::RolloutBuffer) carries each rank's
     /// [`FreeingRoom`](lifecycle_cuda::FreeingRoom), so an engine's allocations wait (on the
-    /// device) only for the memory they need; exit joins the copies before reloading.
+    /// device) only for the memory they need; exit joins the copies before reloading. The
+    /// metrics' offload phase then holds the bytes and the time to queue their copies; what the
+    /// copies still take when the rollout ends shows in exit's release phase (which waits for
+    /// them).
     /// Verification mode and traced switches wait for the copies as before (the hashes and the
     /// trace read them), as does a state whose buffers were lent by a caller.
     ///
