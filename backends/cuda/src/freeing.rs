@@ -40,8 +40,10 @@ pub fn frees_needed(free: u64, freed: &[u64], need: u64) -> Option<usize> {
         .map(|i| i + 1)
 }
 
-/// One rank's memory that an overlapped offload frees in stream order. See the
-/// [module docs](self).
+/// One rank's memory that an overlapped offload frees in stream order: the device's free memory
+/// when the frees were queued and, per free, the bytes given back once it has run and the event
+/// after it on the copy stream. A reader orders its allocations after the frees they need with
+/// [`FreeingRoom::order_for`].
 pub struct FreeingRoom {
     free: u64,
     freed: Vec<u64>,

@@ -22,6 +22,8 @@
 //!   backends' verification modes.
 //! - [`Kernels`]: fp32 → bf16 cast (round to nearest even, bit-identical to
 //!   `half::bf16::from_f32`), strided 2-D cast and copy, deterministic pseudo-random fill.
+//! - [`FreeingRoom`]: the memory an offload that overlaps the rollout frees in stream order, with
+//!   the events a reader's allocations wait for ([`RolloutBuffer::freeing`]).
 //! - [`alloc_device`] / [`alloc_pinned`] map allocation failures to typed errors
 //!   ([`CudaError::OutOfMemory`]).
 //!

@@ -59,9 +59,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lifecycle_core::{
-    HumanBytes, HumanDuration, Lifecycle, LifecycleConfig, MemoryPolicy, RolloutEngine, Switching,
+    HumanBytes, HumanDuration, Lifecycle, LifecycleConfig, MemoryPolicy, Reshard, RolloutEngine,
+    Switching,
 };
-use lifecycle_cuda::{check_environment, ThreadRankPool};
+use lifecycle_cuda::{check_environment, RolloutBuffer, ThreadRankPool};
 use lifecycle_dist::RankEnv;
 use lifecycle_fsdp::FsdpBackend;
 
@@ -346,22 +347,7 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
             };
             let reports = run_policies(&mut lc, &mut driver, policies, t)?;
             lc.exit()?;
-            say!(
-                root,
-                "  rollout engine after exit: {} on the device (KV cache released; peak while \
-                 awake {}), {} wakes",
-                HumanBytes(lc.engine().memory().device),
-                HumanBytes(lc.metrics().peak_engine_bytes()),
-                lc.metrics().engine.wakes
-            );
-            if g.offload_overlap {
-                say!(
-                    root,
-                    "  offload overlapped with the rollout: {} KV-cache allocations waited on the \
-                     device for the offload's frees",
-                    lc.engine().kv_waits_for_frees()
-                );
-            }
+            say_engine_after_exit(&lc, root, g.offload_overlap);
             let state = lc.peek_state();
             say!(
                 root,
@@ -436,22 +422,7 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
             let mut driver = GpuDriver { cx: &cx, trainer };
             let reports = run_policies(&mut lc, &mut driver, policies, t)?;
             lc.exit()?;
-            say!(
-                root,
-                "  rollout engine after exit: {} on the device (KV cache released; peak while \
-                 awake {}), {} wakes",
-                HumanBytes(lc.engine().memory().device),
-                HumanBytes(lc.metrics().peak_engine_bytes()),
-                lc.metrics().engine.wakes
-            );
-            if g.offload_overlap {
-                say!(
-                    root,
-                    "  offload overlapped with the rollout: {} KV-cache allocations waited on the \
-                     device for the offload's frees",
-                    lc.engine().kv_waits_for_frees()
-                );
-            }
+            say_engine_after_exit(&lc, root, g.offload_overlap);
             say!(
                 root,
                 "  pinned host memory for the offload: {}",
@@ -590,6 +561,31 @@ fn settle_pinning(
 enum Pinning {
     Running(lifecycle_cuda::PinnedReservation),
     Done(lifecycle_cuda::Reserved),
+}
+
+/// What the engine held after the run's exit, and how often its KV cache waited for an
+/// overlapped offload's frees.
+fn say_engine_after_exit<B: Reshard<Rollout = RolloutBuffer>>(
+    lc: &Lifecycle<B, RunEngine>,
+    root: bool,
+    overlap: bool,
+) {
+    say!(
+        root,
+        "  rollout engine after exit: {} on the device (KV cache released; peak while awake {}), \
+         {} wakes",
+        HumanBytes(lc.engine().memory().device),
+        HumanBytes(lc.metrics().peak_engine_bytes()),
+        lc.metrics().engine.wakes
+    );
+    if overlap {
+        say!(
+            root,
+            "  offload overlapped with the rollout: {} KV-cache allocations waited on the device \
+             for the offload's frees",
+            lc.engine().kv_waits_for_frees()
+        );
+    }
 }
 
 /// How the pinned memory reserved at setup went, for the run's summary.

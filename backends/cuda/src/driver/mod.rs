@@ -8,7 +8,10 @@
 //!    moves out are taken first (running out changes nothing), the offload copies queued on the
 //!    copy stream, then the rank's step program run by the step runner ([`run_program`]);
 //! 2. [`SwitchDriver::finish_offload`]: the offload copies awaited, the moved buffers and the
-//!    scratch memory given up (the offload phase);
+//!    scratch memory given up (the offload phase); or, overlapped with the rollout,
+//!    [`SwitchDriver::finish_offload_overlapped`]: each moved buffer freed in stream order behind
+//!    its copy, nothing awaited, the memory to come handed to the rollout as a [`FreeingRoom`]
+//!    per rank ([`SwitchDriver::finish_enter`] chooses);
 //! 3. [`SwitchDriver::reload`] at exit: every offloaded buffer copied back, the scratch memory
 //!    restored, each reloaded buffer checked by the hooks (the reload phase).
 //!
