@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The two-GPU job in one call: the GPU suite at W = 2, the headline benchmarks with the PyTorch
 # peer right after them, one process per GPU (lifecycle-launch and torchrun), and the GPU DAPO
-# loop lazy vs eager on the 7.6B shape, then the Python bridge. Every part writes its log under OUT (default ./out) and
+# loop lazy vs eager on the 7.6B shape (also with a KV room that forces an overlapped offload),
+# then the Python bridge. Every part writes its log under OUT (default ./out) and
 # the job goes on when a part fails; the summary at the end says which part exited how.
 #
 #   scripts/two-gpu-job.sh BIN [OUT]
@@ -56,6 +57,11 @@ part launch_dapo 300 "$BIN/lifecycle-launch" --nproc-per-node "$W" -- "$BIN/dapo
 
 # 4. DAPO lazy vs eager, 7.6B shape, engine kept alive
 part dapo_fsdp_7b 600 "$BIN/dapo" --backend fsdp --gpus "$W" --tp "$W" --synthetic 7b --steps 2
+# a KV room that forces an offload (850 000 tokens forces master + Adam out at W = 1), the offload
+# overlapped with the rollout and then settled before it: the rollout's wait and decode speed
+KV=${KV_TOKENS:-$((850000 * W))}
+part dapo_fsdp_7b_kv_overlap 600 "$BIN/dapo" --backend fsdp --gpus "$W" --tp "$W" --synthetic 7b --steps 2 --samples-digest --kv-tokens "$KV"
+part dapo_fsdp_7b_kv_settled 600 "$BIN/dapo" --backend fsdp --gpus "$W" --tp "$W" --synthetic 7b --steps 2 --samples-digest --kv-tokens "$KV" --offload-overlap false
 part dapo_megatron_7b 600 "$BIN/dapo" --backend megatron --gpus "$W" --tp "$W" --synthetic 7b --steps 2
 part dapo_megatron_moe 300 "$BIN/dapo" --backend megatron --gpus "$W" --tp "$W" --train-tp 1 --pp 1 --ep "$W" --etp 1 --experts ep --checkpoint models/decoder/fixtures/moe/moe_e4_untied_v61 --steps 3
 

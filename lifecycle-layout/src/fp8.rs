@@ -23,6 +23,9 @@
 
 use crate::LayoutError;
 
+mod activations;
+pub use activations::{quantize_activation_groups, Fp8Compute, GroupQuantized};
+
 /// Rows and columns of one scale block.
 pub const FP8_BLOCK: usize = 128;
 

@@ -1,6 +1,7 @@
 //! The CPU reference decoder: runs a TP group's rollout slices rank by rank, sums the row-parallel
 //! partial outputs (the all-reduce), and keeps a KV cache per sequence and rank.
 
+use lifecycle_layout::fp8::Fp8Compute;
 use lifecycle_layout::RankRollout;
 use lifecycle_layout::RolloutLayout;
 
@@ -54,6 +55,7 @@ pub struct CpuDecoder<'w> {
     w: GroupWeights<'w>,
     rope: Rope,
     seqs: Vec<SeqCache>,
+    fp8: Fp8Compute,
 }
 
 impl<'w> CpuDecoder<'w> {
@@ -69,6 +71,7 @@ impl<'w> CpuDecoder<'w> {
             w: GroupWeights::new(config, layout, group)?,
             rope: Rope::new(config.model.head_dim, config.rope_theta),
             seqs: Vec::new(),
+            fp8: Fp8Compute::WeightOnly,
         })
     }
 
@@ -112,12 +115,42 @@ impl<'w> CpuDecoder<'w> {
             w: GroupWeights::fused(config, layout, group)?,
             rope: Rope::new(config.model.head_dim, config.rope_theta),
             seqs: Vec::new(),
+            fp8: Fp8Compute::WeightOnly,
         })
     }
 
     /// Tokens in each sequence's cache.
     pub fn lengths(&self) -> Vec<usize> {
         self.seqs.iter().map(|s| s.len).collect()
+    }
+
+    /// The same decoder computing its fp8 products as `compute` says (weight-only by default;
+    /// bf16 weights are not affected).
+    ///
+    /// ```
+    /// use lifecycle_decoder::CpuDecoder;
+    /// use lifecycle_layout::fp8::Fp8Compute;
+    ///
+    /// fn w8a8(decoder: CpuDecoder<'_>) -> CpuDecoder<'_> {
+    ///     let d = decoder.with_fp8_compute(Fp8Compute::W8A8);
+    ///     assert_eq!(d.fp8_compute(), Fp8Compute::W8A8);
+    ///     d
+    /// }
+    /// ```
+    pub fn with_fp8_compute(mut self, compute: Fp8Compute) -> Self {
+        self.fp8 = compute;
+        self
+    }
+
+    /// Computes the fp8 products of the next passes as `compute` says (see
+    /// [`CpuDecoder::with_fp8_compute`]).
+    pub fn set_fp8_compute(&mut self, compute: Fp8Compute) {
+        self.fp8 = compute;
+    }
+
+    /// How fp8 products are computed.
+    pub fn fp8_compute(&self) -> Fp8Compute {
+        self.fp8
     }
 
     fn embed(&self, tokens: &[u32]) -> Vec<f32> {
@@ -160,9 +193,10 @@ impl<'w> CpuDecoder<'w> {
                 let mut q = vec![0.0f32; n * qh * d];
                 let mut k = vec![0.0f32; n * kvw];
                 let mut v = vec![0.0f32; n * kvw];
-                linear(&xn, rw.q_w, rw.q_b, h, &mut q);
-                linear(&xn, rw.k_w, rw.k_b, h, &mut k);
-                linear(&xn, rw.v_w, rw.v_b, h, &mut v);
+                let fp8 = self.fp8;
+                linear(&xn, rw.q_w.with_compute(fp8), rw.q_b, h, &mut q);
+                linear(&xn, rw.k_w.with_compute(fp8), rw.k_b, h, &mut k);
+                linear(&xn, rw.v_w.with_compute(fp8), rw.v_b, h, &mut v);
                 if let Some((qn, kn)) = layer.qk_norm {
                     head_norm(&mut q, qn, eps);
                     head_norm(&mut k, kn, eps);
@@ -197,7 +231,7 @@ impl<'w> CpuDecoder<'w> {
                         }
                     }
                 }
-                linear(&attn, rw.o_w, None, qh * d, &mut partial);
+                linear(&attn, rw.o_w.with_compute(fp8), None, qh * d, &mut partial);
                 // all-reduce (sum) of the row-parallel partial outputs
                 acc.iter_mut().zip(&partial).for_each(|(a, p)| *a += p);
             }
@@ -205,15 +239,15 @@ impl<'w> CpuDecoder<'w> {
             // MLP
             rms_norm(&x, layer.post_norm, eps, &mut xn);
             let out = match &layer.mlp {
-                Mlp::Dense(parts) => mlp(&xn, parts, h),
+                Mlp::Dense(parts) => mlp(&xn, parts, h, self.fp8),
                 Mlp::Moe {
                     router,
                     experts,
                     shared,
                 } => {
-                    let mut out = moe(&xn, router, experts, h, &self.w.routing);
+                    let mut out = moe(&xn, router, experts, h, &self.w.routing, self.fp8);
                     if let Some(s) = shared {
-                        shared_expert(&xn, s, h, &mut out);
+                        shared_expert(&xn, s, h, &mut out, self.fp8);
                     }
                     out
                 }
@@ -270,7 +304,7 @@ fn head_norm(x: &mut [f32], w: &[bf16], eps: f32) {
 
 /// `Σ_parts down · (silu(gate · x) ⊙ up · x)` for rows `x` (`[n × h]`): one SwiGLU MLP whose
 /// intermediate rows are split over `parts` (the row-parallel outputs summed, the all-reduce).
-fn mlp(x: &[f32], parts: &[MlpPart<'_>], h: usize) -> Vec<f32> {
+fn mlp(x: &[f32], parts: &[MlpPart<'_>], h: usize, fp8: Fp8Compute) -> Vec<f32> {
     let n = x.len() / h;
     let mut acc = vec![0.0f32; n * h];
     let mut partial = vec![0.0f32; n * h];
@@ -278,10 +312,10 @@ fn mlp(x: &[f32], parts: &[MlpPart<'_>], h: usize) -> Vec<f32> {
         let f = p.gate.len() / h;
         let mut gate = vec![0.0f32; n * f];
         let mut up = vec![0.0f32; n * f];
-        linear(x, p.gate, None, h, &mut gate);
-        linear(x, p.up, None, h, &mut up);
+        linear(x, p.gate.with_compute(fp8), None, h, &mut gate);
+        linear(x, p.up.with_compute(fp8), None, h, &mut up);
         swiglu(&mut gate, &up);
-        linear(&gate, p.down, None, f, &mut partial);
+        linear(&gate, p.down.with_compute(fp8), None, f, &mut partial);
         acc.iter_mut().zip(&partial).for_each(|(a, b)| *a += b);
     }
     acc
@@ -297,6 +331,7 @@ fn moe(
     experts: &[Vec<MlpPart<'_>>],
     h: usize,
     routing: &Routing,
+    fp8: Fp8Compute,
 ) -> Vec<f32> {
     let n = x.len() / h;
     let e_count = experts.len();
@@ -318,7 +353,7 @@ fn moe(
             .iter()
             .flat_map(|&(r, _)| x[r * h..(r + 1) * h].iter().copied())
             .collect();
-        let y = mlp(&xs, parts, h);
+        let y = mlp(&xs, parts, h, fp8);
         for (&(r, w), yr) in rows.iter().zip(y.chunks_exact(h)) {
             out[r * h..(r + 1) * h]
                 .iter_mut()
@@ -331,9 +366,9 @@ fn moe(
 
 /// Adds the shared expert of the rows `x` (`[n × hidden]`) to `out`, scaled per row by
 /// `sigmoid(gate · x)`, as Qwen2-MoE does.
-fn shared_expert(x: &[f32], s: &SharedExpert<'_>, h: usize, out: &mut [f32]) {
+fn shared_expert(x: &[f32], s: &SharedExpert<'_>, h: usize, out: &mut [f32], fp8: Fp8Compute) {
     let n = x.len() / h;
-    let y = mlp(x, &s.parts, h);
+    let y = mlp(x, &s.parts, h, fp8);
     let mut g = vec![0.0f32; n];
     linear(x, s.gate, None, h, &mut g);
     for ((o, yr), gr) in out.chunks_exact_mut(h).zip(y.chunks_exact(h)).zip(&g) {

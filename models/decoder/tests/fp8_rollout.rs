@@ -289,3 +289,54 @@ fn on_weights_both_formats_hold_exactly_fp8_decoding_is_bit_identical_to_bf16() 
         );
     }
 }
+
+/// W8A8 (activations quantised per token in 1 × 128 groups as well) on the same fp8 rollouts:
+/// every prefill logit within the bound of the weight-only test of the transformers references,
+/// and the move from the weight-only logits printed (the activations' quantisation is the only
+/// difference).
+#[test]
+fn w8a8_logits_stay_near_the_transformers_references() {
+    use lifecycle_layout::fp8::Fp8Compute;
+    let dense = json("references.json");
+    let moe = json("moe/moe_references.json");
+    let models = [
+        ("gqa_untied", fixtures().join("gqa_untied"), &dense),
+        ("kv1_headdim16", fixtures().join("kv1_headdim16"), &dense),
+        ("qwen3_dense", fixtures().join("moe/qwen3_dense"), &moe),
+        (
+            "moe_e4_untied_v61",
+            fixtures().join("moe/moe_e4_untied_v61"),
+            &moe,
+        ),
+    ];
+    for (name, dir, refs) in models {
+        let ckpt = load_checkpoint(&dir).unwrap();
+        let cases = refs["models"][name]["cases"].as_array().unwrap();
+        let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
+        let layout = ckpt.config.rollout_layout(1).unwrap();
+        let (worst, moved) = with_decoder(
+            &ckpt.config,
+            &layout,
+            ckpt.tensors.clone(),
+            RolloutDtype::Fp8,
+            |dec| {
+                let weight_only = dec.prefill(&prompts, PrefillLogits::All).unwrap();
+                dec.set_fp8_compute(Fp8Compute::W8A8);
+                let w8a8 = dec.prefill(&prompts, PrefillLogits::All).unwrap();
+                let (mut worst, mut moved) = (0.0f32, 0.0f32);
+                for (i, c) in cases.iter().enumerate() {
+                    let what = format!("{name} prompt {i} W8A8 prefill");
+                    let want = floats(&c["prefill_logits"]);
+                    worst = worst.max(assert_fp8_close(&what, &w8a8[i], &want));
+                    moved = moved.max(relative_error(&w8a8[i], &weight_only[i]));
+                }
+                (worst, moved)
+            },
+        );
+        println!(
+            "{name}: W8A8 prefill logits within {worst:.2e} of the transformers references \
+             (relative to the largest), {moved:.2e} from the weight-only ones"
+        );
+        assert!(moved > 0.0, "{name}: W8A8 gave the weight-only logits");
+    }
+}
