@@ -448,6 +448,16 @@ fn run(args: &Args) -> Result<(), String> {
         ms(p.exit_s),
         ms(p.switch_s())
     );
+    if p.offload_s > 0.0 {
+        println!(
+            "with the offload overlapped with the rollout (the GPU DAPO runs' default, \
+             FsdpBackend::with_offload_overlap): the rollout starts after the transfer ({}) \
+             instead of the enter ({}); the copies ({}) go on beside it and exit joins them",
+            ms(p.transfer_s),
+            ms(p.enter_s),
+            ms(p.offload_s)
+        );
+    }
     let from = match source {
         RatesSource::Defaults => "the 2×H200 defaults".to_string(),
         RatesSource::File(f) => format!("file {f}"),

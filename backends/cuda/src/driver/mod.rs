@@ -457,3 +457,115 @@ pub fn reserve_in_background<P: RankExecutor, B: RankBuffers>(
     })?;
     Ok(pinned.reserve_in_background(jobs, "the offload of the training state"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{SourceBuf, StreamTimeline};
+
+    /// A buffer that only answers what the overlap decision asks.
+    struct Fake {
+        offloaded: bool,
+        in_stream_order: bool,
+    }
+
+    impl Offloadable for Fake {
+        fn bytes(&self) -> usize {
+            4
+        }
+        fn is_offloaded(&self) -> bool {
+            self.offloaded
+        }
+        fn reserve_host(&mut self, _: &RankCtx, _: &PinnedPool, _: &str) -> Result<(), CudaError> {
+            Err(CudaError::Invalid("not on a GPU".into()))
+        }
+        fn start_offload(
+            &mut self,
+            _: &RankCtx,
+            _: &PinnedPool,
+            _: &str,
+            _: &mut StreamTimeline,
+        ) -> Result<u64, CudaError> {
+            Err(CudaError::Invalid("not on a GPU".into()))
+        }
+        fn drop_device(&mut self, _: &RankCtx) -> Result<u64, CudaError> {
+            Err(CudaError::Invalid("not on a GPU".into()))
+        }
+        fn frees_in_stream_order(&self) -> bool {
+            self.in_stream_order
+        }
+        fn start_reload(
+            &mut self,
+            _: &RankCtx,
+            _: &str,
+            _: &mut StreamTimeline,
+        ) -> Result<u64, CudaError> {
+            Err(CudaError::Invalid("not on a GPU".into()))
+        }
+        fn discard_device(&mut self, _: &RankCtx) -> Result<(), CudaError> {
+            Ok(())
+        }
+        fn release_host(&mut self, _: usize, _: &PinnedPool) {}
+    }
+
+    /// Master weights and one Adam moment.
+    struct Rank {
+        master: Fake,
+        moment: Fake,
+    }
+
+    impl RankBuffers for Rank {
+        fn source(&self) -> Result<SourceBuf<'_>, CudaError> {
+            Err(CudaError::Invalid("not on a GPU".into()))
+        }
+        fn movable(&mut self) -> Vec<Movable<'_>> {
+            vec![
+                Movable::new("moment", BufferClass::Optimizer, &mut self.moment),
+                Movable::new("master", BufferClass::Params, &mut self.master),
+            ]
+        }
+    }
+
+    fn rank(master: (bool, bool), moment: (bool, bool)) -> Rank {
+        let fake = |(offloaded, in_stream_order)| Fake {
+            offloaded,
+            in_stream_order,
+        };
+        Rank {
+            master: fake(master),
+            moment: fake(moment),
+        }
+    }
+
+    #[test]
+    fn an_offload_overlaps_only_when_every_moved_buffer_frees_in_stream_order() {
+        type D<'a> = SwitchDriver<'a, crate::ThreadRankPool>;
+        let both = MemoryPolicy::default();
+        let optimizer = MemoryPolicy {
+            offload_params: false,
+            ..both
+        };
+        let ours = (false, true);
+        let lent = (false, false);
+        // everything moved is ours: overlapped
+        assert!(D::can_overlap(&mut [rank(ours, ours)], both));
+        // a lent master moves: settled
+        assert!(!D::can_overlap(&mut [rank(lent, ours)], both));
+        // ... unless the policy leaves it on the device
+        assert!(D::can_overlap(&mut [rank(lent, ours)], optimizer));
+        // one rank of two with a lent buffer: settled
+        assert!(!D::can_overlap(
+            &mut [rank(ours, ours), rank(ours, lent)],
+            both
+        ));
+        // nothing moves (resident policy, or already offloaded): nothing to overlap
+        assert!(!D::can_overlap(
+            &mut [rank(ours, ours)],
+            MemoryPolicy::resident()
+        ));
+        assert!(!D::can_overlap(
+            &mut [rank((true, true), (true, true))],
+            both
+        ));
+    }
+}
