@@ -55,7 +55,7 @@ use lifecycle_examples::gpu_dapo::{
 use lifecycle_examples::lm_policy::{checkpoint_driver, run_checkpoint};
 use lifecycle_examples::prediction;
 use lifecycle_examples::toy_policy::PolicyConfig;
-use lifecycle_layout::fp8::{Fp8Keep, RolloutDtype};
+use lifecycle_layout::fp8::{Fp8Compute, Fp8Keep, RolloutDtype};
 use lifecycle_layout::ExpertPlacement;
 
 /// Where the loop runs.
@@ -247,6 +247,11 @@ struct HostOptions {
     /// `population` (advantages over the population std, no dual clip, no clamp).
     #[arg(long, value_enum, default_value_t = UpdateConfig::default().objective)]
     objective: Objective,
+    /// With --rollout-dtype fp8: how the CPU decoder computes with the fp8 weights,
+    /// `weight-only` (e4m3 weights times the activations in f32) or `w8a8` (the activations
+    /// quantised per token in 1 x 128 groups as well, as vLLM's block-fp8 linear does).
+    #[arg(long, default_value = "weight-only", value_parser = <Fp8Compute as std::str::FromStr>::from_str)]
+    fp8_compute: Fp8Compute,
 }
 
 /// A command line that does not fit its backend.
@@ -400,6 +405,7 @@ impl Args {
             experts: self.experts,
             rollout_dtype: self.rollout_dtype,
             fp8_keep: self.fp8_keep,
+            fp8_compute: h.fp8_compute,
             prompts_per_batch: self.prompts_per_batch.unwrap_or(d.prompts_per_batch),
             group_size: self.group_size.unwrap_or(d.group_size),
             batch_groups: self.batch_groups.unwrap_or(d.batch_groups),
@@ -861,6 +867,27 @@ mod tests {
             Ok(Plan::Gpu(o)) => o,
             other => panic!("expected the fsdp backend, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn w8a8_is_a_host_option() {
+        match plan(&["--rollout-dtype", "fp8", "--fp8-compute", "w8a8"]) {
+            Ok(Plan::Host { config, .. }) => assert_eq!(config.fp8_compute, Fp8Compute::W8A8),
+            other => panic!("expected the host backend, got {other:?}"),
+        }
+        match plan(&[]) {
+            Ok(Plan::Host { config, .. }) => {
+                assert_eq!(config.fp8_compute, Fp8Compute::WeightOnly)
+            }
+            other => panic!("expected the host backend, got {other:?}"),
+        }
+        let msg = plan(&["--backend", "fsdp", "--fp8-compute", "w8a8"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("--fp8-compute only applies to --backend host"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -214,7 +214,8 @@ pub fn run_checkpoint(
     let model = checkpoint.config.clone();
     let layout = model.rollout_layout_with(config.tp, config.experts)?;
     let state = HostTrainState::from_tensors(config.world, checkpoint.tensors.clone())?;
-    let engine = CpuDecoderEngine::new(model.clone(), DecoderLayout::Unfused(layout.clone()));
+    let engine = CpuDecoderEngine::new(model.clone(), DecoderLayout::Unfused(layout.clone()))
+        .with_fp8_compute(config.fp8_compute);
     let mut driver = CheckpointDriver::new(*config, model, String::new());
     run_host(
         config,

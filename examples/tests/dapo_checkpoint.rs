@@ -267,3 +267,34 @@ fn dapo_with_fp8_rollout_weights_on_a_qwen3_moe_model() {
         );
     }
 }
+
+/// W8A8 rollouts (`--fp8-compute w8a8`) on the same fp8 weights: the run completes, lazy and
+/// eager sample the same groups, and the samples differ from the weight-only run's (the
+/// activations' quantisation reaches the tokens), at T = 1 and 2.
+#[test]
+fn dapo_with_w8a8_rollouts_on_a_qwen3_moe_model() {
+    use lifecycle_layout::fp8::{Fp8Compute, RolloutDtype};
+    let ckpt = blocky_moe();
+    let run = |tp, fp8_compute, switching| {
+        let config = DapoConfig {
+            rollout_dtype: RolloutDtype::Fp8,
+            fp8_compute,
+            steps: 1,
+            batch_groups: 2,
+            tokens: 4,
+            reward_quota: 2,
+            ..small(2, tp)
+        };
+        run_checkpoint(&config, &ckpt, switching, |_| {}).unwrap()
+    };
+    for tp in [1, 2] {
+        let lazy = run(tp, Fp8Compute::W8A8, Switching::Lazy);
+        let eager = run(tp, Fp8Compute::W8A8, Switching::Eager);
+        assert_eq!(lazy.groups, eager.groups, "T = {tp}");
+        let weight_only = run(tp, Fp8Compute::WeightOnly, Switching::Lazy);
+        assert_ne!(
+            lazy.groups, weight_only.groups,
+            "T = {tp}: W8A8 sampled as weight-only"
+        );
+    }
+}

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use lifecycle_core::{EngineBytes, PhaseScope, RolloutEngine, RolloutView};
 use lifecycle_decoder::{CpuDecoder, DecodeError, Decoder, ModelConfig, Sampling};
+use lifecycle_layout::fp8::Fp8Compute;
 use lifecycle_layout::RolloutLayout as FusedLayout;
 use lifecycle_layout::{HostRollout, RankRollout, RolloutLayout};
 
@@ -109,6 +110,7 @@ pub struct CpuDecoderEngine {
     model: ModelConfig,
     layout: DecoderLayout,
     last_kv_bytes: u64,
+    fp8: Fp8Compute,
 }
 
 /// Generated sequences of one replica: prompt id and tokens.
@@ -121,7 +123,15 @@ impl CpuDecoderEngine {
             model,
             layout,
             last_kv_bytes: 0,
+            fp8: Fp8Compute::WeightOnly,
         }
+    }
+
+    /// The same engine computing fp8 products as `compute` says (weight-only by default; an fp8
+    /// rollout only: bf16 weights are not affected).
+    pub fn with_fp8_compute(mut self, compute: Fp8Compute) -> Self {
+        self.fp8 = compute;
+        self
     }
 
     /// The model.
@@ -162,7 +172,7 @@ impl CpuDecoderEngine {
         let tp = self.layout.tp();
         let replicas = weights.ranks.len() / tp.max(1);
         let vocab = self.model.model.vocab;
-        let (model, layout) = (&self.model, &self.layout);
+        let (model, layout, fp8) = (&self.model, &self.layout, self.fp8);
         let per_replica: Vec<Result<(Samples, Duration, Duration), DecodeError>> =
             std::thread::scope(|scope| {
                 let handles: Vec<_> = (0..replicas)
@@ -170,7 +180,7 @@ impl CpuDecoderEngine {
                         let group: Vec<_> = weights.ranks[d * tp..(d + 1) * tp].iter().collect();
                         scope.spawn(move || {
                             let t = Instant::now();
-                            let mut decoder = layout.decoder(model, &group)?;
+                            let mut decoder = layout.decoder(model, &group)?.with_fp8_compute(fp8);
                             let setup = t.elapsed();
                             let ids: Vec<u64> = job
                                 .prompts

@@ -235,7 +235,8 @@ pub fn run_megatron(
     // the decoder's own checks of the degree (heads, ffn, experts, vocabulary) before anything
     // moves
     model.rollout_layout_with(config.tp, config.experts)?;
-    let engine = CpuDecoderEngine::new(model.clone(), DecoderLayout::Fused(layout.clone()));
+    let engine = CpuDecoderEngine::new(model.clone(), DecoderLayout::Fused(layout.clone()))
+        .with_fp8_compute(config.fp8_compute);
     let mut driver = MegatronDriver::new(*config, model, String::new());
     run_host(
         config,

@@ -22,7 +22,7 @@ use lifecycle_core::{
 };
 use lifecycle_host::megatron::MegatronError;
 use lifecycle_host::{HostBackend, HostError, HostTrainState};
-use lifecycle_layout::fp8::{Fp8Keep, RolloutDtype};
+use lifecycle_layout::fp8::{Fp8Compute, Fp8Keep, RolloutDtype};
 use lifecycle_layout::{ExpertPlacement, HostRollout};
 
 use crate::rng::SplitMix64;
@@ -100,6 +100,9 @@ pub struct DapoConfig {
     pub rollout_dtype: RolloutDtype,
     /// Matrices an fp8 rollout keeps bf16 beyond the published exemptions.
     pub fp8_keep: Fp8Keep,
+    /// How the CPU decoder computes with fp8 weights: weight-only, or W8A8 (activations
+    /// quantised per token in 1 × 128 groups as well).
+    pub fp8_compute: Fp8Compute,
 }
 
 impl Default for DapoConfig {
@@ -130,6 +133,7 @@ impl Default for DapoConfig {
             experts: ExpertPlacement::TensorParallel,
             rollout_dtype: RolloutDtype::Bf16,
             fp8_keep: Fp8Keep::default(),
+            fp8_compute: Fp8Compute::WeightOnly,
         }
     }
 }
