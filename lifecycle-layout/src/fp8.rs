@@ -188,6 +188,68 @@ impl BlockQuantized {
         })
     }
 
+    /// Rows `rows` of this tensor as one of their own, when they start on a block boundary and
+    /// end on one or at the last row (so their blocks are whole blocks of this tensor).
+    ///
+    /// ```
+    /// use lifecycle_layout::fp8::quantize_blocks;
+    /// let q = quantize_blocks("w", &vec![1.0; 300 * 2], 300, 2)?;
+    /// assert_eq!(q.block_rows(128..300).map(|p| p.rows()), Some(172));
+    /// assert!(q.block_rows(64..128).is_none());
+    /// # Ok::<(), lifecycle_layout::LayoutError>(())
+    /// ```
+    pub fn block_rows(&self, rows: std::ops::Range<usize>) -> Option<BlockQuantized> {
+        let aligned = rows.start.is_multiple_of(FP8_BLOCK)
+            && (rows.end.is_multiple_of(FP8_BLOCK) || rows.end == self.rows)
+            && rows.start < rows.end
+            && rows.end <= self.rows;
+        if !aligned {
+            return None;
+        }
+        let bc = self.cols.div_ceil(FP8_BLOCK);
+        let blocks = rows.start / FP8_BLOCK..rows.end.div_ceil(FP8_BLOCK);
+        Some(BlockQuantized {
+            rows: rows.len(),
+            cols: self.cols,
+            data: self.data[rows.start * self.cols..rows.end * self.cols].to_vec(),
+            scale_inv: self.scale_inv[blocks.start * bc..blocks.end * bc].to_vec(),
+        })
+    }
+
+    /// `parts` stacked by rows into one tensor (as a fused tensor of them quantised whole),
+    /// when they share their columns and every part but the last is a whole number of blocks.
+    ///
+    /// ```
+    /// use lifecycle_layout::fp8::{quantize_blocks, BlockQuantized};
+    /// let x: Vec<f32> = (0..384 * 4).map(|i| (i % 7) as f32 - 3.0).collect();
+    /// let whole = quantize_blocks("w", &x, 384, 4)?;
+    /// let a = quantize_blocks("a", &x[..256 * 4], 256, 4)?;
+    /// let b = quantize_blocks("b", &x[256 * 4..], 128, 4)?;
+    /// assert_eq!(BlockQuantized::stack_rows(&[a, b.clone()]), Some(whole));
+    /// // a first part of 200 rows would share its last block with the next part
+    /// let c = quantize_blocks("c", &x[..200 * 4], 200, 4)?;
+    /// assert!(BlockQuantized::stack_rows(&[c, b]).is_none());
+    /// # Ok::<(), lifecycle_layout::LayoutError>(())
+    /// ```
+    pub fn stack_rows(parts: &[BlockQuantized]) -> Option<BlockQuantized> {
+        let (first, rest) = parts.split_first()?;
+        let cols = first.cols;
+        let whole = |p: &BlockQuantized| p.rows.is_multiple_of(FP8_BLOCK);
+        if rest.iter().any(|p| p.cols != cols) || parts[..parts.len() - 1].iter().any(|p| !whole(p))
+        {
+            return None;
+        }
+        Some(BlockQuantized {
+            rows: parts.iter().map(|p| p.rows).sum(),
+            cols,
+            data: parts.iter().flat_map(|p| p.data.iter().copied()).collect(),
+            scale_inv: parts
+                .iter()
+                .flat_map(|p| p.scale_inv.iter().copied())
+                .collect(),
+        })
+    }
+
     /// The `scale_inv` of the block holding element (`row`, `col`).
     pub fn scale_at(&self, row: usize, col: usize) -> f32 {
         self.scale_inv[(row / FP8_BLOCK) * self.cols.div_ceil(FP8_BLOCK) + col / FP8_BLOCK]

@@ -2,6 +2,30 @@
 /// message names the parameter at fault and the fix.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MegatronLayoutError {
+    /// A fused rollout tensor whose parts would share an fp8 block.
+    #[error(
+        "fp8 rollout: `{name}` fuses parts of {rows:?} rows, and part {part} does not end on a \
+         128-row block boundary, so one 128 x 128 block would mix two parts (vLLM's fp8 loader \
+         scales each part's blocks apart): keep it bf16 (--fp8-keep) or use a rollout degree \
+         whose parts are multiples of 128 rows"
+    )]
+    Fp8PartSplit {
+        /// The fused tensor.
+        name: String,
+        /// Rows of each part, in order.
+        rows: Vec<usize>,
+        /// The part that ends inside a block.
+        part: usize,
+    },
+    /// A stacked expert tensor in an fp8 rollout of the fused layout.
+    #[error(
+        "fp8 rollout: `{name}` stacks the experts of the fused layout, which is quantised in bf16 \
+         only so far: keep the layer bf16 (--fp8-keep layer:N) or use the FSDP layout"
+    )]
+    Fp8Stacked {
+        /// The tensor.
+        name: String,
+    },
     /// A model size or parallel degree of zero.
     #[error("{what} must be at least 1, found 0")]
     ZeroSize {

@@ -50,6 +50,7 @@
 
 mod error;
 mod experts;
+mod fp8;
 mod plan;
 mod rollout;
 pub mod schedule;
@@ -59,6 +60,7 @@ mod train;
 
 pub use error::MegatronLayoutError;
 pub use experts::{ExpertCoords, ExpertParallel, ExpertPart, ExpertShard};
+pub use fp8::{check_fused_fp8, fused_parts};
 pub use plan::{plan_megatron_to_tp, BucketConfig, MegatronPlan, RankPlan, Transfer};
 pub use rollout::{ExpertShare, RolloutKind, RolloutTensorSpec};
 pub use steps::StepShape;

@@ -70,6 +70,17 @@ pub enum MegatronError {
         /// What was found.
         what: String,
     },
+    /// A non-finite parameter where an fp8 rollout quantises it (its block's scale would be
+    /// NaN), found before the rollout is handed out.
+    #[error("fp8 rollout: `{name}` holds a non-finite value at element {index} of rank {rank}'s slice: fix the parameters or keep the tensor bf16 (--fp8-keep)")]
+    NonFinite {
+        /// The rollout tensor.
+        name: String,
+        /// The rollout rank.
+        rank: usize,
+        /// The element.
+        index: usize,
+    },
     /// A plan made for another training layout.
     #[error("the plan was made for another training layout than the state's: plan again from this state")]
     PlanMismatch,

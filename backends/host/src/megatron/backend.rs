@@ -5,8 +5,10 @@ use half::bf16;
 use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
 use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 
+use lifecycle_layout::fp8::{quantize_blocks, Fp8Keep, RolloutDtype};
 use lifecycle_layout::megatron::{
-    plan_megatron_to_tp, BucketConfig, MegatronLayoutError, MegatronPlan, RankPlan, Transfer,
+    check_fused_fp8, plan_megatron_to_tp, BucketConfig, MegatronLayoutError, MegatronPlan,
+    RankPlan, Transfer,
 };
 use lifecycle_layout::RolloutLayout;
 use lifecycle_state::megatron::MegatronError;
@@ -43,6 +45,8 @@ use lifecycle_state::megatron::{MegatronTrainState, RankTrain};
 pub struct MegatronHostBackend {
     rollout: RolloutLayout,
     config: BucketConfig,
+    dtype: RolloutDtype,
+    keep: Fp8Keep,
 }
 
 impl MegatronHostBackend {
@@ -51,7 +55,41 @@ impl MegatronHostBackend {
         MegatronHostBackend {
             rollout,
             config: BucketConfig::default(),
+            dtype: RolloutDtype::Bf16,
+            keep: Fp8Keep::default(),
         }
+    }
+
+    /// Sets the rollout weights' dtype (bf16 by default). With [`RolloutDtype::Fp8`] every matrix
+    /// ([`Fp8Keep::keeps_bf16`] false) is quantised after the transfer to block-scaled e4m3 in
+    /// the rollout's own 128 × 128 grid, from the bf16 parameters: a fused tensor's blocks and
+    /// scales are then its parts' stacked, as vLLM's fp8 loader builds them, and bit-identical
+    /// to the FSDP backends' fp8 rollout of the same (bf16-exact) weights. `plan` refuses a fused
+    /// tensor whose parts would share a block and the stacked experts of a mixture-of-experts
+    /// layer ([`check_fused_fp8`]), naming the tensor, before anything moves.
+    ///
+    /// ```
+    /// use lifecycle_host::megatron::MegatronHostBackend;
+    /// use lifecycle_layout::fp8::RolloutDtype;
+    /// use lifecycle_layout::{RolloutLayout, RolloutVocab};
+    /// let backend = MegatronHostBackend::new(RolloutLayout::fused(2, RolloutVocab::Unpadded))
+    ///     .with_rollout_dtype(RolloutDtype::Fp8);
+    /// assert_eq!(backend.rollout_dtype(), RolloutDtype::Fp8);
+    /// ```
+    pub fn with_rollout_dtype(mut self, dtype: RolloutDtype) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// The rollout weights' dtype.
+    pub fn rollout_dtype(&self) -> RolloutDtype {
+        self.dtype
+    }
+
+    /// Which matrices an fp8 rollout keeps bf16 beyond the published exemptions.
+    pub fn with_fp8_keep(mut self, keep: Fp8Keep) -> Self {
+        self.keep = keep;
+        self
     }
 
     /// Changes the bucket budget (at least 2 bytes: one bf16 element).
@@ -74,6 +112,56 @@ impl MegatronHostBackend {
     /// The bucket settings.
     pub fn config(&self) -> BucketConfig {
         self.config
+    }
+}
+
+impl MegatronHostBackend {
+    /// An fp8 rollout: every matrix of every rank quantised in place (its bf16 values given up),
+    /// the ranks' memory meters following. Nothing changes on a bf16 rollout.
+    fn quantise(
+        &self,
+        state: &mut MegatronTrainState,
+        rollout: &mut HostRollout,
+    ) -> Result<(), MegatronError> {
+        if self.dtype != RolloutDtype::Fp8 {
+            return Ok(());
+        }
+        for (rank, (r, out)) in state
+            .ranks_mut()
+            .iter_mut()
+            .zip(rollout.ranks.iter_mut())
+            .enumerate()
+        {
+            let before = out.bytes();
+            for t in out.tensors.iter_mut() {
+                if t.fp8.is_some() || self.keep.keeps_bf16(&t.name, &t.shape) {
+                    continue;
+                }
+                let (rows, cols) = (t.shape[0], t.shape[1..].iter().product());
+                let values: Vec<f32> = t.data.iter().map(|v| v.to_f32()).collect();
+                let q = quantize_blocks(&t.name, &values, rows, cols).map_err(|_| {
+                    MegatronError::NonFinite {
+                        name: t.name.clone(),
+                        rank,
+                        index: values.iter().position(|v| !v.is_finite()).unwrap_or(0),
+                    }
+                })?;
+                t.fp8 = Some(q);
+                t.data = Vec::new();
+            }
+            r.meter.free(before);
+            r.meter.alloc(out.bytes());
+        }
+        Ok(())
+    }
+}
+
+/// Gives every fp8 slice of `out` back its bf16 room (zeros), for a transfer to rewrite.
+fn thaw(out: &mut RankRollout) {
+    for t in out.tensors.iter_mut() {
+        if t.fp8.take().is_some() {
+            t.data = vec![bf16::ZERO; t.shape.iter().product()];
+        }
     }
 }
 
@@ -204,11 +292,16 @@ impl Reshard for MegatronHostBackend {
 
     fn plan(&self, state: &MegatronTrainState) -> Result<MegatronPlan, MegatronError> {
         state.layout().check_world(state.world())?;
-        Ok(plan_megatron_to_tp(
-            state.layout(),
-            &self.rollout,
-            self.config,
-        )?)
+        let plan = plan_megatron_to_tp(state.layout(), &self.rollout, self.config)?;
+        if self.dtype == RolloutDtype::Fp8 {
+            check_fused_fp8(
+                &plan.tensors,
+                plan.train.model(),
+                self.rollout.tp(),
+                self.keep,
+            )?;
+        }
+        Ok(plan)
     }
 
     fn enter(
@@ -231,7 +324,9 @@ impl Reshard for MegatronHostBackend {
         for (r, out) in state.ranks_mut().iter_mut().zip(&rollout.ranks) {
             r.meter.alloc(out.bytes());
         }
-        if let Err(e) = transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx) {
+        let moved = transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx)
+            .and_then(|()| self.quantise(state, &mut rollout));
+        if let Err(e) = moved {
             for (r, out) in state.ranks_mut().iter_mut().zip(&rollout.ranks) {
                 r.meter.free(out.bytes());
             }
@@ -270,7 +365,9 @@ impl Reshard for MegatronHostBackend {
                 let found = resident
                     .and_then(|r| r.tensors.get(i))
                     .filter(|t| t.name == spec.name)
-                    .map_or(0, |t| t.data.len());
+                    .map_or(0, |t| {
+                        t.fp8.as_ref().map_or(t.data.len(), |q| q.rows() * q.cols())
+                    });
                 if found != spec.numel() {
                     return Err(MegatronError::RolloutMismatch {
                         name: spec.name.clone(),
@@ -281,7 +378,15 @@ impl Reshard for MegatronHostBackend {
                 }
             }
         }
+        // fp8 slices are rewritten from bf16 ones
+        for (r, out) in state.ranks_mut().iter_mut().zip(rollout.ranks.iter_mut()) {
+            let before = out.bytes();
+            thaw(out);
+            r.meter.free(before);
+            r.meter.alloc(out.bytes());
+        }
         transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx)?;
+        self.quantise(state, rollout)?;
         offload(state, ctx.memory, ctx);
         Ok(())
     }

@@ -1,0 +1,124 @@
+//! An fp8 rollout of the fused layout: each quantised tensor in the rollout's own 128 × 128
+//! block grid. A fused tensor (`qkv_proj` = `[q; k; v]`, `gate_up_proj` = `[gate; up]`) is
+//! quantised whole, which gives the blocks and scales of its parts quantised apart, stacked
+//! (what vLLM's fp8 loader builds from a checkpoint's per-part scales) when every part but the
+//! last ends on a 128-row boundary; [`check_fused_fp8`] refuses the others, naming the tensor.
+
+use crate::fp8::{Fp8Keep, FP8_BLOCK};
+use crate::ModelSpec;
+
+use super::{MegatronLayoutError, RolloutKind, RolloutTensorSpec};
+
+/// The rows of each part of one rank's slice of `spec` (one part for an unfused tensor), in
+/// order, at rollout degree `t`.
+///
+/// ```
+/// use lifecycle_layout::megatron::{fused_parts, RolloutKind};
+/// use lifecycle_layout::{ModelSpec, RolloutLayout, RolloutVocab};
+/// let m = ModelSpec::tiny();
+/// let specs = RolloutLayout::fused(2, RolloutVocab::Unpadded).fused_tensors(&m)?;
+/// let qkv = specs.iter().find(|s| s.kind == RolloutKind::Qkv).unwrap();
+/// assert_eq!(fused_parts(qkv, &m, 2), vec![8, 2, 2]); // 4 q heads, 1 kv head, head_dim 2
+/// # Ok::<(), lifecycle_layout::megatron::MegatronLayoutError>(())
+/// ```
+pub fn fused_parts(spec: &RolloutTensorSpec, model: &ModelSpec, t: usize) -> Vec<usize> {
+    let rows = spec.shape.first().copied().unwrap_or(0);
+    match spec.kind {
+        RolloutKind::Qkv => {
+            let kv = super::train::local_kv_heads(model.query_groups, t) * model.head_dim;
+            vec![rows.saturating_sub(2 * kv), kv, kv]
+        }
+        RolloutKind::GateUp | RolloutKind::SharedGateUp => vec![rows / 2, rows - rows / 2],
+        _ => vec![rows],
+    }
+}
+
+/// Checks that an fp8 rollout of the fused `tensors` (one rank's specs at degree `t`; `keep`
+/// choosing the bf16 ones) quantises each in its own block grid: a stacked expert tensor is
+/// [`MegatronLayoutError::Fp8Stacked`], a fused tensor whose part ends inside a block
+/// [`MegatronLayoutError::Fp8PartSplit`], both naming the tensor, before anything moves.
+pub fn check_fused_fp8(
+    tensors: &[RolloutTensorSpec],
+    model: &ModelSpec,
+    t: usize,
+    keep: Fp8Keep,
+) -> Result<(), MegatronLayoutError> {
+    for spec in tensors {
+        if keep.keeps_bf16(&spec.name, &spec.shape) {
+            continue;
+        }
+        if spec.shape.len() != 2 {
+            return Err(MegatronLayoutError::Fp8Stacked {
+                name: spec.name.clone(),
+            });
+        }
+        let rows = fused_parts(spec, model, t);
+        if let Some(part) = rows[..rows.len() - 1]
+            .iter()
+            .position(|r| !r.is_multiple_of(FP8_BLOCK))
+        {
+            return Err(MegatronLayoutError::Fp8PartSplit {
+                name: spec.name.clone(),
+                rows,
+                part,
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{RolloutLayout, RolloutVocab};
+
+    fn model(head_dim: usize, ffn: usize) -> ModelSpec {
+        ModelSpec {
+            hidden: 256,
+            heads: 4,
+            query_groups: 2,
+            head_dim,
+            ffn,
+            vocab: 64,
+            layers: 1,
+            qkv_bias: false,
+            tied_embeddings: false,
+            make_vocab_size_divisible_by: 1,
+            qk_norm: false,
+            moe: None,
+        }
+    }
+
+    #[test]
+    fn parts_on_block_boundaries_pass_and_a_split_block_is_named() {
+        let specs = |m: &ModelSpec, t| {
+            RolloutLayout::fused(t, RolloutVocab::Unpadded)
+                .fused_tensors(m)
+                .unwrap()
+        };
+        // head_dim 128: q, k, v of 2 x 128 / 1 x 128 rows at T = 2; ffn 512: gate and up 256
+        let good = model(128, 512);
+        assert!(check_fused_fp8(&specs(&good, 2), &good, 2, Fp8Keep::default()).is_ok());
+        // head_dim 64: k of 64 rows ends inside the first block
+        let bad = model(64, 512);
+        let err = check_fused_fp8(&specs(&bad, 2), &bad, 2, Fp8Keep::default()).unwrap_err();
+        assert_eq!(
+            err,
+            MegatronLayoutError::Fp8PartSplit {
+                name: "model.layers.0.self_attn.qkv_proj.weight".into(),
+                rows: vec![128, 64, 64],
+                part: 1
+            }
+        );
+        assert!(err.to_string().contains("--fp8-keep"), "{err}");
+        // ... unless attention stays bf16; then gate / up of 96 rows split a block
+        let keep: Fp8Keep = "attention".parse().unwrap();
+        let ffn = model(64, 192);
+        let err = check_fused_fp8(&specs(&ffn, 2), &ffn, 2, keep).unwrap_err();
+        assert!(
+            matches!(&err, MegatronLayoutError::Fp8PartSplit { name, part: 0, .. } if name.ends_with("gate_up_proj.weight")),
+            "{err}"
+        );
+        assert!(check_fused_fp8(&specs(&bad, 2), &bad, 2, keep).is_ok());
+    }
+}
