@@ -66,7 +66,8 @@ fn megatron_degrees_that_do_not_divide_the_world_are_refused() {
 }
 
 /// Qwen3 (q/k head norms) trained in the Megatron layout: the checkpoint's norms reach the
-/// fused rollout, lazy and eager sample alike, and fp8 is refused by name (bf16 only there).
+/// fused rollout, lazy and eager sample alike, and fp8 is refused by name (its fused parts are
+/// far smaller than a 128-row block).
 #[test]
 fn megatron_trains_a_qwen3_checkpoint_and_refuses_fp8() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -87,7 +88,45 @@ fn megatron_trains_a_qwen3_checkpoint_and_refuses_fp8() {
     let err = run_megatron(&fp8, Some(&ckpt), Switching::Lazy, |_| {})
         .unwrap_err()
         .to_string();
-    assert!(err.contains("fp8") && err.contains("FSDP"), "{err}");
+    assert!(err.contains("qkv_proj") && err.contains("128-row"), "{err}");
+}
+
+/// An fp8 rollout of the Megatron layout (a model whose fused parts keep whole 128-row blocks):
+/// the run completes, lazy and eager sample alike, and the samples are not the bf16 run's (the
+/// quantised weights reach the tokens), weight-only and W8A8.
+#[test]
+fn megatron_dapo_with_fp8_rollout_weights() {
+    let config = lifecycle_decoder::ModelConfig::from_json_str(
+        r#"{"model_type": "qwen2", "vocab_size": 256, "hidden_size": 512,
+        "intermediate_size": 512, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": false}"#,
+    )
+    .unwrap();
+    let tensors = lifecycle_decoder::random_tensors(&config, 3);
+    let ckpt = lifecycle_decoder::Checkpoint { config, tensors };
+    let bf16 = DapoConfig {
+        steps: 1,
+        tokens: 4,
+        ..small(2, 1)
+    };
+    let bf16 = run_megatron(&bf16, Some(&ckpt), Switching::Lazy, |_| {}).unwrap();
+    for compute in [
+        lifecycle_layout::fp8::Fp8Compute::WeightOnly,
+        lifecycle_layout::fp8::Fp8Compute::W8A8,
+    ] {
+        let dapo = DapoConfig {
+            rollout_dtype: lifecycle_layout::fp8::RolloutDtype::Fp8,
+            fp8_compute: compute,
+            steps: 1,
+            tokens: 4,
+            ..small(2, 1)
+        };
+        let lazy = run_megatron(&dapo, Some(&ckpt), Switching::Lazy, |_| {}).unwrap();
+        let eager = run_megatron(&dapo, Some(&ckpt), Switching::Eager, |_| {}).unwrap();
+        assert_eq!(lazy.groups, eager.groups, "{compute}");
+        assert_ne!(lazy.groups, bf16.groups, "{compute}: fp8 sampled as bf16");
+    }
 }
 
 /// Qwen3-MoE trained in Megatron-Core's expert layouts (EP × ETP beside TP × PP × DP), rolled

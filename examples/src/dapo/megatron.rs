@@ -8,7 +8,6 @@
 //! batch's mean absolute advantage, set on every rank ([`MegatronTrainState::set_grads_from_hf`]),
 //! then Megatron's distributed-optimizer Adam step ([`MegatronTrainState::adam_step`]).
 
-use lifecycle_layout::fp8::RolloutDtype;
 use std::path::Path;
 
 use lifecycle_core::{RolloutSession, Switching, TrainSession};
@@ -222,13 +221,6 @@ pub fn run_megatron(
     on_step: impl FnMut(&StepReport),
 ) -> Result<RunReport, DapoError> {
     validate(config)?;
-    if config.rollout_dtype != RolloutDtype::Bf16 {
-        return Err(DapoError::Config(
-            "--rollout-dtype fp8 is implemented for the FSDP training layout: the Megatron \
-             layout's fused rollout is bf16 only"
-                .to_string(),
-        ));
-    }
     let (model, tensors) = model_and_tensors(config, checkpoint)?;
     let state = model.megatron_state(tensors, parallel(config))?;
     let layout = fused_layout(&model, config.tp, config.experts);
@@ -240,7 +232,9 @@ pub fn run_megatron(
     let mut driver = MegatronDriver::new(*config, model, String::new());
     run_host(
         config,
-        MegatronHostBackend::new(layout),
+        MegatronHostBackend::new(layout)
+            .with_rollout_dtype(config.rollout_dtype)
+            .with_fp8_keep(config.fp8_keep),
         state,
         engine,
         &mut driver,

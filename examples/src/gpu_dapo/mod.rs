@@ -362,8 +362,9 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
         GpuLayout::Megatron { tp, pp, ep, etp } => {
             if r.rollout_dtype != lifecycle_layout::fp8::RolloutDtype::Bf16 {
                 return Err(DapoGpuError::Usage(
-                    "--rollout-dtype fp8 is implemented for the FSDP layout (--backend fsdp): \
-                     the Megatron layout's fused rollout is bf16 only"
+                    "--rollout-dtype fp8 on the GPU is implemented for the FSDP layout \
+                     (--backend fsdp): the GPU Megatron backend's fused rollout is bf16 only so \
+                     far (the host one quantises it: --backend host --train megatron)"
                         .into(),
                 ));
             }

@@ -7,6 +7,7 @@
 //! its share ([`RolloutLayout::expert_share`]): expert `j` of the stack is one `2F × H` and one
 //! `H × F` block. No weight is copied.
 
+use crate::math::Mat;
 use half::bf16;
 use lifecycle_layout::hf;
 use lifecycle_layout::RankRollout;
@@ -54,14 +55,8 @@ impl<'w> GroupWeights<'w> {
                         name: spec.name.clone(),
                         rank,
                     })?;
-                if t.fp8.is_some() {
-                    return Err(DecodeError::Usage(format!(
-                        "`{}` on rank {rank} is fp8: the fused (Megatron) rollout layout is read \
-                         in bf16 only",
-                        spec.name
-                    )));
-                }
-                if t.shape != spec.shape || t.data.len() != spec.numel() {
+                let held = t.fp8.as_ref().map_or(t.data.len(), |q| q.data().len());
+                if t.shape != spec.shape || held != spec.numel() {
                     return Err(DecodeError::Shape {
                         name: spec.name.clone(),
                         rank,
@@ -72,14 +67,31 @@ impl<'w> GroupWeights<'w> {
             }
         }
         // every tensor is now known to be on every rank with its shape
-        let get = |name: &str, rank: usize| -> Result<&'w [bf16], DecodeError> {
+        let tensor = |name: &str, rank: usize| {
             let r: &'w RankRollout = ranks[rank];
-            r.tensor(name)
-                .map(|t| t.data.as_slice())
-                .ok_or_else(|| DecodeError::MissingTensor {
-                    name: name.to_string(),
-                    rank,
-                })
+            r.tensor(name).ok_or_else(|| DecodeError::MissingTensor {
+                name: name.to_string(),
+                rank,
+            })
+        };
+        // read in bf16 (norms, biases, embeddings, routers, stacked experts)
+        let get = |name: &str, rank: usize| -> Result<&'w [bf16], DecodeError> {
+            let t = tensor(name, rank)?;
+            if t.fp8.is_some() {
+                return Err(DecodeError::Usage(format!(
+                    "`{name}` on rank {rank} is fp8, but the decoder reads it in bf16: an fp8 \
+                     rollout of the fused layout quantises the 2-D matrices only"
+                )));
+            }
+            Ok(t.data.as_slice())
+        };
+        // a matrix, bf16 or fp8
+        let mat = |name: &str, rank: usize| -> Result<Mat<'w>, DecodeError> {
+            let t = tensor(name, rank)?;
+            Ok(match &t.fp8 {
+                Some(q) => Mat::fp8(q),
+                None => Mat::Bf16(&t.data),
+            })
         };
         let kv_split = if config.model.query_groups.is_multiple_of(tp) {
             Parallel::Column
@@ -97,7 +109,7 @@ impl<'w> GroupWeights<'w> {
             for (rank, share) in shares.iter().enumerate() {
                 let (q_rows, kv_rows) = (q_heads * d, share.kv_heads * d);
                 let qkv_name = hf::layer(l, hf::QKV);
-                let qkv = get(&qkv_name, rank)?;
+                let qkv = mat(&qkv_name, rank)?;
                 if qkv.len() != (q_rows + 2 * kv_rows) * h {
                     // the layout's kv heads per rank differ from the decoder's head shares
                     return Err(DecodeError::Shape {
@@ -107,7 +119,9 @@ impl<'w> GroupWeights<'w> {
                         found: vec![qkv.len() / h, h],
                     });
                 }
-                let (q_w, k_w, v_w) = split3(qkv, q_rows * h, kv_rows * h);
+                let q_w = qkv.rows(0..q_rows, h);
+                let k_w = qkv.rows(q_rows..q_rows + kv_rows, h);
+                let v_w = qkv.rows(q_rows + kv_rows..q_rows + 2 * kv_rows, h);
                 let (q_b, k_b, v_b) = if config.model.qkv_bias {
                     let (q, k, v) =
                         split3(get(&hf::layer(l, hf::QKV_BIAS), rank)?, q_rows, kv_rows);
@@ -116,21 +130,21 @@ impl<'w> GroupWeights<'w> {
                     (None, None, None)
                 };
                 if !model.moe_layer(l) {
-                    let (gate, up) = get(&hf::layer(l, hf::GATE_UP), rank)?.split_at(ffn_part * h);
+                    let gate_up = mat(&hf::layer(l, hf::GATE_UP), rank)?;
                     mlp_parts.push(MlpPart {
-                        gate: gate.into(),
-                        up: up.into(),
-                        down: get(&hf::layer(l, hf::DOWN), rank)?.into(),
+                        gate: gate_up.rows(0..ffn_part, h),
+                        up: gate_up.rows(ffn_part..2 * ffn_part, h),
+                        down: mat(&hf::layer(l, hf::DOWN), rank)?,
                     });
                 }
                 rank_layers.push(RankLayer {
-                    q_w: q_w.into(),
+                    q_w,
                     q_b,
-                    k_w: k_w.into(),
+                    k_w,
                     k_b,
-                    v_w: v_w.into(),
+                    v_w,
                     v_b,
-                    o_w: get(&hf::layer(l, hf::O), rank)?.into(),
+                    o_w: mat(&hf::layer(l, hf::O), rank)?,
                 });
             }
             layers.push(Layer {
@@ -146,7 +160,7 @@ impl<'w> GroupWeights<'w> {
                 },
                 ranks: rank_layers,
                 mlp: if model.moe_layer(l) {
-                    fused_experts(&model, layout, l, &get)?
+                    fused_experts(&model, layout, l, &get, &mat)?
                 } else {
                     Mlp::Dense(mlp_parts)
                 },
@@ -178,6 +192,9 @@ impl<'w> GroupWeights<'w> {
 /// Rank `r`'s slice of a checked tensor, by name.
 type TensorOf<'a, 'w> = dyn Fn(&str, usize) -> Result<&'w [bf16], DecodeError> + 'a;
 
+/// Rank `r`'s slice of a checked matrix (bf16 or fp8), by name.
+type MatOf<'a, 'w> = dyn Fn(&str, usize) -> Result<Mat<'w>, DecodeError> + 'a;
+
 /// A mixture-of-experts layer of the fused layout: the router of rank 0 and, per expert, its
 /// part on every rank (split by TP) or on its owner (partitioned), cut from the stacks.
 fn fused_experts<'w>(
@@ -185,6 +202,7 @@ fn fused_experts<'w>(
     layout: &RolloutLayout,
     l: usize,
     get: &TensorOf<'_, 'w>,
+    mat: &MatOf<'_, 'w>,
 ) -> Result<Mlp<'w>, DecodeError> {
     let h = model.hidden;
     let experts = model.moe.map_or(0, |m| m.experts);
@@ -210,11 +228,11 @@ fn fused_experts<'w>(
             let sf = moe.shared_ffn / layout.tp();
             let parts = (0..layout.tp())
                 .map(|rank| {
-                    let (gate, up) = get(&hf::layer(l, hf::SHARED_GATE_UP), rank)?.split_at(sf * h);
+                    let gate_up = mat(&hf::layer(l, hf::SHARED_GATE_UP), rank)?;
                     Ok(MlpPart {
-                        gate: gate.into(),
-                        up: up.into(),
-                        down: get(&hf::layer(l, hf::SHARED_DOWN), rank)?.into(),
+                        gate: gate_up.rows(0..sf, h),
+                        up: gate_up.rows(sf..2 * sf, h),
+                        down: mat(&hf::layer(l, hf::SHARED_DOWN), rank)?,
                     })
                 })
                 .collect::<Result<_, DecodeError>>()?;

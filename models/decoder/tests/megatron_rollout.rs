@@ -605,3 +605,71 @@ fn fused_weights_the_decoder_cannot_read_are_clear_errors() {
         "{err}"
     );
 }
+
+/// fp8 rollouts: the Megatron backend's fused one (each fused matrix quantised in its own block
+/// grid) decodes bit for bit like the FSDP-style backend's unfused one of the same bf16-exact
+/// weights, weight-only and W8A8, at T ∈ {1, 2}: the fused reader views the same e4m3 rows and
+/// block scales as q, k, v, gate and up.
+#[test]
+fn fused_fp8_rollout_decodes_like_the_unfused_fp8_one() {
+    use lifecycle_layout::fp8::{Fp8Compute, RolloutDtype};
+    // head_dim 128, 2 kv heads, ffn 512: every fused part keeps whole 128-row blocks at T ≤ 2
+    let config = ModelConfig::from_json_str(
+        r#"{"model_type": "qwen2", "vocab_size": 256, "hidden_size": 512,
+        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": false}"#,
+    )
+    .unwrap();
+    let tensors: Vec<HostTensor> = random_tensors(&config, 9)
+        .into_iter()
+        .map(|t| {
+            let v: Vec<f32> = t
+                .data
+                .to_f32()
+                .unwrap()
+                .into_iter()
+                .map(|x| half::bf16::from_f32(x).to_f32())
+                .collect();
+            HostTensor::f32(t.name, t.shape, v)
+        })
+        .collect();
+    let prompts: Vec<Vec<u32>> = vec![vec![3, 17, 101, 7], vec![250, 1, 9]];
+    let feed: Vec<Vec<u32>> = vec![vec![5, 6], vec![40, 41]];
+    for t in [1usize, 2] {
+        let layout = config.rollout_layout(t).unwrap();
+        let state = HostTrainState::from_tensors(t, tensors.clone()).unwrap();
+        let backend = HostBackend::new(layout.clone()).with_rollout_dtype(RolloutDtype::Fp8);
+        let mut lc = Lifecycle::new(backend, state);
+        let unfused = lc.rollout().unwrap().weights().get().clone();
+        let state = config
+            .megatron_state(tensors.clone(), MegatronParallel::new(t, 1, 1))
+            .unwrap();
+        let rollout = RolloutLayout::fused(t, RolloutVocab::Unpadded);
+        let backend =
+            MegatronHostBackend::new(rollout.clone()).with_rollout_dtype(RolloutDtype::Fp8);
+        let mut meg = Lifecycle::new(backend, state);
+        let fused = meg.rollout().unwrap().weights().get().clone();
+        assert!(
+            fused.ranks[0].tensors.iter().any(|x| x.fp8.is_some()),
+            "T = {t}: no fp8 tensor in the fused rollout"
+        );
+        let a: Vec<&RankRollout> = unfused.ranks.iter().collect();
+        let b: Vec<&RankRollout> = fused.ranks.iter().collect();
+        for compute in [Fp8Compute::WeightOnly, Fp8Compute::W8A8] {
+            let mut dec = CpuDecoder::new(&config, &layout, &a)
+                .unwrap()
+                .with_fp8_compute(compute);
+            let want = run(&mut dec, &prompts, &feed, false);
+            let mut dec = CpuDecoder::new_fused(&config, &rollout, &b)
+                .unwrap()
+                .with_fp8_compute(compute);
+            let got = run(&mut dec, &prompts, &feed, false);
+            assert_eq!(
+                got.bits(),
+                want.bits(),
+                "T = {t} {compute}: fused fp8 logits"
+            );
+        }
+    }
+}
