@@ -431,6 +431,52 @@ pub fn plan_megatron(
     )
 }
 
+/// Bytes one rank holds of an fp8 rollout of the fused layout at degree `t` (each fused matrix
+/// quantised in its own 128 × 128 grid, the tensors `keep` chooses and the exemptions bf16),
+/// and of the same rollout in bf16; refused as the Megatron host backend refuses it
+/// ([`check_fused_fp8`](lifecycle_layout::megatron::check_fused_fp8)).
+///
+/// ```
+/// use lifecycle_decoder::ModelConfig;
+/// use lifecycle_layout::ExpertPlacement;
+/// use lifecycle_plan::megatron_fp8_bytes;
+/// let config = ModelConfig::from_file("configs/qwen2.5-7b.json".as_ref())?;
+/// let (fp8, bf16) = megatron_fp8_bytes(&config, 2, ExpertPlacement::TensorParallel, Default::default(), 128)?;
+/// assert!(fp8 * 10 < bf16 * 6 && fp8 * 2 > bf16);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn megatron_fp8_bytes(
+    config: &ModelConfig,
+    t: usize,
+    placement: ExpertPlacement,
+    keep: lifecycle_layout::fp8::Fp8Keep,
+    make_vocab_size_divisible_by: usize,
+) -> Result<(u64, u64), PlanError> {
+    let model = config.model_spec(make_vocab_size_divisible_by);
+    let vocab = if t > 0 && config.model.vocab.is_multiple_of(t) {
+        RolloutVocab::Unpadded
+    } else {
+        RolloutVocab::PadToMultipleOf(64)
+    };
+    let specs = RolloutLayout::fused(t, vocab)
+        .with_expert_placement(placement)
+        .fused_tensors(&model)?;
+    lifecycle_layout::megatron::check_fused_fp8(&specs, &model, t, keep)?;
+    let block = lifecycle_layout::fp8::FP8_BLOCK as u64;
+    let (mut fp8, mut bf16) = (0u64, 0u64);
+    for s in &specs {
+        let n = s.numel() as u64;
+        bf16 += 2 * n;
+        fp8 += if keep.keeps_bf16(&s.name, &s.shape) {
+            2 * n
+        } else {
+            let (rows, cols) = (s.shape[0] as u64, n / s.shape[0].max(1) as u64);
+            n + 4 * rows.div_ceil(block) * cols.div_ceil(block)
+        };
+    }
+    Ok((fp8, bf16))
+}
+
 /// [`plan_megatron`] for a mixture-of-experts model trained with expert parallelism `ep` and
 /// expert TP `etp` (Megatron-Core's ETP × EP × EDP × PP expert ranks), rolled out at degree `t`
 /// with the experts placed by `placement`. Each rank receives only the expert bytes of its

@@ -15,8 +15,9 @@ use lifecycle_core::{HumanBytes, MemoryPolicy, RoomRequest};
 use lifecycle_decoder::ModelConfig;
 use lifecycle_layout::ExpertPlacement;
 use lifecycle_plan::{
-    full_gather_bytes, job_prediction, plan_fsdp_experts, plan_fsdp_fp8, plan_megatron_moe,
-    rollout_memory, KvDtype, LinkRates, Offload, RankCost, RatesSource, TrainLayout,
+    full_gather_bytes, job_prediction, megatron_fp8_bytes, plan_fsdp_experts, plan_fsdp_fp8,
+    plan_megatron_moe, rollout_memory, KvDtype, LinkRates, Offload, RankCost, RatesSource,
+    TrainLayout,
 };
 
 /// Print a switch's transfer plan per rank and predict its time, before launching.
@@ -218,8 +219,28 @@ fn print_pinned(ranks: &[RankCost], gpus_per_node: usize) {
 fn print_fp8(args: &Args, config: &ModelConfig, train: TrainLayout) -> Result<Vec<u64>, String> {
     let mut fp8_held: Vec<u64> = Vec::new();
     if args.rollout_dtype == "fp8" {
-        let TrainLayout::Fsdp { world } = train else {
-            return Err("--rollout-dtype fp8 is planned for --train fsdp:W only".into());
+        let world = match train {
+            TrainLayout::Fsdp { world } => world,
+            TrainLayout::Megatron { tp, pp, dp, .. } => {
+                let (fp8, bf16) = megatron_fp8_bytes(
+                    config,
+                    args.rollout_tp,
+                    args.experts,
+                    args.fp8_keep,
+                    args.make_vocab_size_divisible_by,
+                )
+                .map_err(|e| e.to_string())?;
+                println!(
+                    "fp8 rollout of the fused layout (each fused matrix quantised in its own \
+                     128 x 128 grid from the bf16 parameters, fp32 scales; embeddings, head, \
+                     norms and router bf16; also kept bf16: {}): per rank holds {} (bf16: {}); \
+                     the host backend runs it, the GPU one is bf16 only so far",
+                    args.fp8_keep,
+                    HumanBytes(fp8),
+                    HumanBytes(bf16)
+                );
+                return Ok(vec![fp8; tp * pp * dp]);
+            }
         };
         let fp8 = plan_fsdp_fp8(config, world, args.rollout_tp, args.experts, args.fp8_keep)
             .map_err(|e| e.to_string())?;
@@ -451,7 +472,7 @@ fn run(args: &Args) -> Result<(), String> {
     if p.offload_s > 0.0 {
         println!(
             "with the offload overlapped with the rollout (the GPU DAPO runs' default, \
-             FsdpBackend::with_offload_overlap): the rollout starts after the transfer ({}) \
+             with_offload_overlap on either GPU backend): the rollout starts after the transfer ({}) \
              instead of the enter ({}); the copies ({}) go on beside it and exit joins them",
             ms(p.transfer_s),
             ms(p.enter_s),
