@@ -76,4 +76,26 @@ impl HostTensor {
             data: TensorData::F32(data),
         }
     }
+
+    /// The same tensor with its floating-point values rounded to bf16 (nearest even), held as
+    /// f32: values a bf16 parameter holds exactly, so a backend that keeps fp32 masters and one
+    /// that keeps bf16 parameters see the same weights. Integer tensors are returned as they are.
+    ///
+    /// ```
+    /// use lifecycle_layout::{HostTensor, TensorData};
+    /// let t = HostTensor::f32("w", [2], vec![1.0, 1.0 + 2f32.powi(-10)]).bf16_rounded();
+    /// assert_eq!(t.data, TensorData::F32(vec![1.0, 1.0]));
+    /// ```
+    pub fn bf16_rounded(self) -> HostTensor {
+        match self.data.to_f32() {
+            Some(v) => HostTensor::f32(
+                self.name,
+                self.shape,
+                v.into_iter()
+                    .map(|x| half::bf16::from_f32(x).to_f32())
+                    .collect(),
+            ),
+            None => self,
+        }
+    }
 }

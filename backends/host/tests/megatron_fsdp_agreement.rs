@@ -123,19 +123,7 @@ fn blocky(qkv_bias: bool) -> ModelSpec {
 
 /// `tensors` rounded to bf16 (the values a Megatron state's bf16 parameters hold exactly).
 fn bf16_exact(tensors: Vec<HostTensor>) -> Vec<HostTensor> {
-    tensors
-        .into_iter()
-        .map(|t| {
-            let v: Vec<f32> = t
-                .data
-                .to_f32()
-                .unwrap()
-                .into_iter()
-                .map(|x| half::bf16::from_f32(x).to_f32())
-                .collect();
-            HostTensor::f32(t.name, t.shape, v)
-        })
-        .collect()
+    tensors.into_iter().map(HostTensor::bf16_rounded).collect()
 }
 
 /// fp8 rollouts: the FSDP host backend's (quantised from the fp32 masters, then fused here) and

@@ -623,16 +623,7 @@ fn fused_fp8_rollout_decodes_like_the_unfused_fp8_one() {
     .unwrap();
     let tensors: Vec<HostTensor> = random_tensors(&config, 9)
         .into_iter()
-        .map(|t| {
-            let v: Vec<f32> = t
-                .data
-                .to_f32()
-                .unwrap()
-                .into_iter()
-                .map(|x| half::bf16::from_f32(x).to_f32())
-                .collect();
-            HostTensor::f32(t.name, t.shape, v)
-        })
+        .map(HostTensor::bf16_rounded)
         .collect();
     let prompts: Vec<Vec<u32>> = vec![vec![3, 17, 101, 7], vec![250, 1, 9]];
     let feed: Vec<Vec<u32>> = vec![vec![5, 6], vec![40, 41]];
