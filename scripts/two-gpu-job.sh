@@ -62,6 +62,7 @@ part dapo_fsdp_7b 600 "$BIN/dapo" --backend fsdp --gpus "$W" --tp "$W" --synthet
 KV=${KV_TOKENS:-$((850000 * W))}
 part dapo_fsdp_7b_kv_overlap 600 "$BIN/dapo" --backend fsdp --gpus "$W" --tp "$W" --synthetic 7b --steps 2 --samples-digest --kv-tokens "$KV"
 part dapo_fsdp_7b_kv_settled 600 "$BIN/dapo" --backend fsdp --gpus "$W" --tp "$W" --synthetic 7b --steps 2 --samples-digest --kv-tokens "$KV" --offload-overlap false
+part dapo_megatron_7b_kv_overlap 600 "$BIN/dapo" --backend megatron --gpus "$W" --tp "$W" --synthetic 7b --steps 2 --samples-digest --kv-tokens "$KV"
 part dapo_megatron_7b 600 "$BIN/dapo" --backend megatron --gpus "$W" --tp "$W" --synthetic 7b --steps 2
 part dapo_megatron_moe 300 "$BIN/dapo" --backend megatron --gpus "$W" --tp "$W" --train-tp 1 --pp 1 --ep "$W" --etp 1 --experts ep --checkpoint models/decoder/fixtures/moe/moe_e4_untied_v61 --steps 3
 
