@@ -16,7 +16,7 @@ use super::{MegatronLayoutError, RolloutKind, RolloutTensorSpec};
 /// use lifecycle_layout::megatron::{fused_parts, RolloutKind};
 /// use lifecycle_layout::{ModelSpec, RolloutLayout, RolloutVocab};
 /// let m = ModelSpec::tiny();
-/// let specs = RolloutLayout::fused(2, RolloutVocab::Unpadded).fused_tensors(&m)?;
+/// let specs = RolloutLayout::fused(2, RolloutVocab::PadToMultipleOf(4)).fused_tensors(&m)?;
 /// let qkv = specs.iter().find(|s| s.kind == RolloutKind::Qkv).unwrap();
 /// assert_eq!(fused_parts(qkv, &m, 2), vec![8, 2, 2]); // 4 q heads, 1 kv head, head_dim 2
 /// # Ok::<(), lifecycle_layout::megatron::MegatronLayoutError>(())
