@@ -470,7 +470,9 @@ pub fn megatron_fp8_bytes(
         fp8 += if keep.keeps_bf16(&s.name, &s.shape) {
             2 * n
         } else {
-            let (rows, cols) = (s.shape[0] as u64, n / s.shape[0].max(1) as u64);
+            // a matrix, or a stack of expert matrices in its (experts · rows) × cols view
+            let cols = s.shape.last().copied().unwrap_or(1).max(1) as u64;
+            let rows = n / cols;
             n + 4 * rows.div_ceil(block) * cols.div_ceil(block)
         };
     }

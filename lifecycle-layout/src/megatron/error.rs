@@ -17,12 +17,13 @@ pub enum MegatronLayoutError {
         /// The part that ends inside a block.
         part: usize,
     },
-    /// A stacked expert tensor in an fp8 rollout of the fused layout.
+    /// A matrix of the fused layout that an fp8 rollout has no block grid for (neither 2-D nor
+    /// a stacked expert tensor).
     #[error(
-        "fp8 rollout: `{name}` stacks the experts of the fused layout, which is quantised in bf16 \
-         only so far: keep the layer bf16 (--fp8-keep layer:N) or use the FSDP layout"
+        "fp8 rollout: `{name}` is neither a matrix nor a stack of expert matrices, so it has no \
+         128 x 128 block grid: keep it bf16 (--fp8-keep layer:N)"
     )]
-    Fp8Stacked {
+    Fp8NoBlockGrid {
         /// The tensor.
         name: String,
     },

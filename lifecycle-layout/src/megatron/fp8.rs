@@ -3,6 +3,9 @@
 //! quantised whole, which gives the blocks and scales of its parts quantised apart, stacked
 //! (what vLLM's fp8 loader builds from a checkpoint's per-part scales) when every part but the
 //! last ends on a 128-row boundary; [`check_fused_fp8`] refuses the others, naming the tensor.
+//! A stacked expert tensor (`w13` = `[e, 2F, H]`, `w2` = `[e, H, F]`) is quantised in its
+//! `(e · rows) × cols` view: each expert's `[gate; up]` or `down` in blocks of its own (vLLM's
+//! fused-MoE scales, `[e, rows / 128, cols / 128]`), when every part keeps whole blocks.
 
 use crate::fp8::{Fp8Keep, FP8_BLOCK};
 use crate::ModelSpec;
@@ -10,7 +13,7 @@ use crate::ModelSpec;
 use super::{MegatronLayoutError, RolloutKind, RolloutTensorSpec};
 
 /// The rows of each part of one rank's slice of `spec` (one part for an unfused tensor), in
-/// order, at rollout degree `t`.
+/// order, at rollout degree `t`: for a stacked expert tensor, every expert's parts in turn.
 ///
 /// ```
 /// use lifecycle_layout::megatron::{fused_parts, RolloutKind};
@@ -29,14 +32,20 @@ pub fn fused_parts(spec: &RolloutTensorSpec, model: &ModelSpec, t: usize) -> Vec
             vec![rows.saturating_sub(2 * kv), kv, kv]
         }
         RolloutKind::GateUp | RolloutKind::SharedGateUp => vec![rows / 2, rows - rows / 2],
+        RolloutKind::ExpertsW13 => {
+            let f = spec.shape.get(1).copied().unwrap_or(0) / 2;
+            vec![f; 2 * rows]
+        }
+        RolloutKind::ExpertsW2 => vec![spec.shape.get(1).copied().unwrap_or(0); rows],
         _ => vec![rows],
     }
 }
 
 /// Checks that an fp8 rollout of the fused `tensors` (one rank's specs at degree `t`; `keep`
-/// choosing the bf16 ones) quantises each in its own block grid: a stacked expert tensor is
-/// [`MegatronLayoutError::Fp8Stacked`], a fused tensor whose part ends inside a block
-/// [`MegatronLayoutError::Fp8PartSplit`], both naming the tensor, before anything moves.
+/// choosing the bf16 ones) quantises each in its own block grid: a fused tensor whose part ends
+/// inside a block is [`MegatronLayoutError::Fp8PartSplit`], a tensor that is neither a matrix
+/// nor a stack of expert matrices [`MegatronLayoutError::Fp8NoBlockGrid`], both naming the
+/// tensor, before anything moves.
 pub fn check_fused_fp8(
     tensors: &[RolloutTensorSpec],
     model: &ModelSpec,
@@ -47,8 +56,9 @@ pub fn check_fused_fp8(
         if keep.keeps_bf16(&spec.name, &spec.shape) {
             continue;
         }
-        if spec.shape.len() != 2 {
-            return Err(MegatronLayoutError::Fp8Stacked {
+        let stacked = matches!(spec.kind, RolloutKind::ExpertsW13 | RolloutKind::ExpertsW2);
+        if spec.shape.len() != 2 && !(stacked && spec.shape.len() == 3) {
+            return Err(MegatronLayoutError::Fp8NoBlockGrid {
                 name: spec.name.clone(),
             });
         }

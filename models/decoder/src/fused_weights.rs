@@ -74,7 +74,7 @@ impl<'w> GroupWeights<'w> {
                 rank,
             })
         };
-        // read in bf16 (norms, biases, embeddings, routers, stacked experts)
+        // read in bf16 (norms, biases, embeddings, routers)
         let get = |name: &str, rank: usize| -> Result<&'w [bf16], DecodeError> {
             let t = tensor(name, rank)?;
             if t.fp8.is_some() {
@@ -213,13 +213,13 @@ fn fused_experts<'w>(
     let mut parts: Vec<Vec<MlpPart<'w>>> = vec![Vec::new(); experts];
     for (rank, share) in shares.iter().enumerate() {
         let f = share.ffn.len();
-        let (a, b) = (get(&w13, rank)?, get(&w2, rank)?);
+        // bf16, or fp8 in the stacks' (experts · rows) × cols views
+        let (a, b) = (mat(&w13, rank)?, mat(&w2, rank)?);
         for (j, e) in share.experts.clone().enumerate() {
-            let (gate, up) = a[j * 2 * f * h..(j + 1) * 2 * f * h].split_at(f * h);
             parts[e].push(MlpPart {
-                gate: gate.into(),
-                up: up.into(),
-                down: b[j * h * f..(j + 1) * h * f].into(),
+                gate: a.rows(j * 2 * f..j * 2 * f + f, h),
+                up: a.rows(j * 2 * f + f..(j + 1) * 2 * f, h),
+                down: b.rows(j * h..(j + 1) * h, f),
             });
         }
     }

@@ -64,9 +64,10 @@ impl MegatronHostBackend {
     /// ([`Fp8Keep::keeps_bf16`] false) is quantised after the transfer to block-scaled e4m3 in
     /// the rollout's own 128 × 128 grid, from the bf16 parameters: a fused tensor's blocks and
     /// scales are then its parts' stacked, as vLLM's fp8 loader builds them, and bit-identical
-    /// to the FSDP backends' fp8 rollout of the same (bf16-exact) weights. `plan` refuses a fused
-    /// tensor whose parts would share a block and the stacked experts of a mixture-of-experts
-    /// layer ([`check_fused_fp8`]), naming the tensor, before anything moves.
+    /// to the FSDP backends' fp8 rollout of the same (bf16-exact) weights. A stacked expert
+    /// tensor (`[e, rows, cols]`) is quantised in its `(e · rows) × cols` view: each expert in
+    /// blocks of its own. `plan` refuses a fused tensor whose parts would share a block
+    /// ([`check_fused_fp8`]), naming the tensor, before anything moves.
     ///
     /// ```
     /// use lifecycle_host::megatron::MegatronHostBackend;
@@ -137,7 +138,9 @@ impl MegatronHostBackend {
                 if t.fp8.is_some() || self.keep.keeps_bf16(&t.name, &t.shape) {
                     continue;
                 }
-                let (rows, cols) = (t.shape[0], t.shape[1..].iter().product());
+                // a matrix, or a stack of expert matrices in its (experts · rows) × cols view
+                let cols = t.shape.last().copied().unwrap_or(1);
+                let rows = t.shape[..t.shape.len().saturating_sub(1)].iter().product();
                 let values: Vec<f32> = t.data.iter().map(|v| v.to_f32()).collect();
                 let q = quantize_blocks(&t.name, &values, rows, cols).map_err(|_| {
                     MegatronError::NonFinite {
