@@ -208,4 +208,26 @@ fn fsdp_and_megatron_fp8_rollouts_agree() {
     let mut lc = Lifecycle::new(backend, state);
     let err = lc.rollout().map(|_| ()).unwrap_err().to_string();
     assert!(err.contains("qkv_proj") && err.contains("128-row"), "{err}");
+    // a non-finite parameter where a block is quantised: refused by name, the state trains on
+    let model = blocky(false);
+    let mut tensors = bf16_exact(common::hf_tensors(&model, 7));
+    let down = tensors
+        .iter_mut()
+        .find(|t| t.name == "model.layers.1.mlp.down_proj.weight")
+        .unwrap();
+    let mut v = down.data.to_f32().unwrap();
+    v[5] = f32::NAN;
+    *down = HostTensor::f32(down.name.clone(), down.shape.clone(), v);
+    let layout = MegatronLayout::new(model, 1, 1, 1).unwrap();
+    let state = MegatronTrainState::from_hf(layout, tensors).unwrap();
+    let backend = MegatronHostBackend::new(RolloutLayout::fused(1, RolloutVocab::Unpadded))
+        .with_rollout_dtype(RolloutDtype::Fp8);
+    let mut lc = Lifecycle::new(backend, state);
+    let err = lc.rollout().map(|_| ()).unwrap_err().to_string();
+    assert!(
+        err.contains("down_proj") && err.contains("non-finite"),
+        "{err}"
+    );
+    assert_eq!(lc.mode(), lifecycle_core::Mode::Train);
+    lc.train().unwrap();
 }

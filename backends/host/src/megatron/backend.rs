@@ -134,23 +134,32 @@ impl MegatronHostBackend {
             .enumerate()
         {
             let before = out.bytes();
-            for t in out.tensors.iter_mut() {
-                if t.fp8.is_some() || self.keep.keeps_bf16(&t.name, &t.shape) {
-                    continue;
-                }
-                // a matrix, or a stack of expert matrices in its (experts · rows) × cols view
-                let cols = t.shape.last().copied().unwrap_or(1);
-                let rows = t.shape[..t.shape.len().saturating_sub(1)].iter().product();
-                let values: Vec<f32> = t.data.iter().map(|v| v.to_f32()).collect();
-                let q = quantize_blocks(&t.name, &values, rows, cols).map_err(|_| {
-                    MegatronError::NonFinite {
-                        name: t.name.clone(),
-                        rank,
-                        index: values.iter().position(|v| !v.is_finite()).unwrap_or(0),
+            // every matrix of the rank quantised first: an error leaves the rank as it was
+            let quantised = out
+                .tensors
+                .iter()
+                .map(|t| {
+                    if t.fp8.is_some() || self.keep.keeps_bf16(&t.name, &t.shape) {
+                        return Ok(None);
                     }
-                })?;
-                t.fp8 = Some(q);
-                t.data = Vec::new();
+                    // a matrix, or a stack of expert matrices in its (experts · rows) × cols view
+                    let cols = t.shape.last().copied().unwrap_or(1);
+                    let rows = t.shape[..t.shape.len().saturating_sub(1)].iter().product();
+                    let values: Vec<f32> = t.data.iter().map(|v| v.to_f32()).collect();
+                    quantize_blocks(&t.name, &values, rows, cols)
+                        .map(Some)
+                        .map_err(|_| MegatronError::NonFinite {
+                            name: t.name.clone(),
+                            rank,
+                            index: values.iter().position(|v| !v.is_finite()).unwrap_or(0),
+                        })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            for (t, q) in out.tensors.iter_mut().zip(quantised) {
+                if let Some(q) = q {
+                    t.fp8 = Some(q);
+                    t.data = Vec::new();
+                }
             }
             r.meter.free(before);
             r.meter.alloc(out.bytes());
