@@ -606,13 +606,65 @@ fn fused_weights_the_decoder_cannot_read_are_clear_errors() {
     );
 }
 
+/// The fp8 rollouts of `tensors` (bf16-exact) at degree `t` with the experts placed by
+/// `placement`: the FSDP-style backend's unfused one and the Megatron backend's fused one, each
+/// decoded (prefill, then two decode steps) weight-only and W8A8; the fused logits must equal the
+/// unfused ones bit for bit. Returns the fused rollout for further checks.
+fn fp8_fused_decodes_like_unfused(
+    config: &ModelConfig,
+    tensors: &[HostTensor],
+    t: usize,
+    placement: ExpertPlacement,
+) -> HostRollout {
+    use lifecycle_layout::fp8::{Fp8Compute, RolloutDtype};
+    let prompts: Vec<Vec<u32>> = vec![vec![3, 17, 101, 7], vec![250, 1, 9]];
+    let feed: Vec<Vec<u32>> = vec![vec![5, 6], vec![40, 41]];
+    let layout = config.rollout_layout_with(t, placement).unwrap();
+    let state = HostTrainState::from_tensors(t, tensors.to_vec()).unwrap();
+    let backend = HostBackend::new(layout.clone()).with_rollout_dtype(RolloutDtype::Fp8);
+    let unfused = Lifecycle::new(backend, state)
+        .rollout()
+        .unwrap()
+        .weights()
+        .get()
+        .clone();
+    let state = config
+        .megatron_state(tensors.to_vec(), MegatronParallel::new(t, 1, 1))
+        .unwrap();
+    let rollout = RolloutLayout::fused(t, RolloutVocab::Unpadded).with_expert_placement(placement);
+    let backend = MegatronHostBackend::new(rollout.clone()).with_rollout_dtype(RolloutDtype::Fp8);
+    let fused = Lifecycle::new(backend, state)
+        .rollout()
+        .unwrap()
+        .weights()
+        .get()
+        .clone();
+    let a: Vec<&RankRollout> = unfused.ranks.iter().collect();
+    let b: Vec<&RankRollout> = fused.ranks.iter().collect();
+    for compute in [Fp8Compute::WeightOnly, Fp8Compute::W8A8] {
+        let mut dec = CpuDecoder::new(config, &layout, &a)
+            .unwrap()
+            .with_fp8_compute(compute);
+        let want = run(&mut dec, &prompts, &feed, false);
+        let mut dec = CpuDecoder::new_fused(config, &rollout, &b)
+            .unwrap()
+            .with_fp8_compute(compute);
+        let got = run(&mut dec, &prompts, &feed, false);
+        assert_eq!(
+            got.bits(),
+            want.bits(),
+            "T = {t} {placement:?} {compute}: fused fp8 logits"
+        );
+    }
+    fused
+}
+
 /// fp8 rollouts: the Megatron backend's fused one (each fused matrix quantised in its own block
 /// grid) decodes bit for bit like the FSDP-style backend's unfused one of the same bf16-exact
 /// weights, weight-only and W8A8, at T ∈ {1, 2}: the fused reader views the same e4m3 rows and
 /// block scales as q, k, v, gate and up.
 #[test]
 fn fused_fp8_rollout_decodes_like_the_unfused_fp8_one() {
-    use lifecycle_layout::fp8::{Fp8Compute, RolloutDtype};
     // head_dim 128, 2 kv heads, ffn 512: every fused part keeps whole 128-row blocks at T ≤ 2
     let config = ModelConfig::from_json_str(
         r#"{"model_type": "qwen2", "vocab_size": 256, "hidden_size": 512,
@@ -625,43 +677,13 @@ fn fused_fp8_rollout_decodes_like_the_unfused_fp8_one() {
         .into_iter()
         .map(HostTensor::bf16_rounded)
         .collect();
-    let prompts: Vec<Vec<u32>> = vec![vec![3, 17, 101, 7], vec![250, 1, 9]];
-    let feed: Vec<Vec<u32>> = vec![vec![5, 6], vec![40, 41]];
     for t in [1usize, 2] {
-        let layout = config.rollout_layout(t).unwrap();
-        let state = HostTrainState::from_tensors(t, tensors.clone()).unwrap();
-        let backend = HostBackend::new(layout.clone()).with_rollout_dtype(RolloutDtype::Fp8);
-        let mut lc = Lifecycle::new(backend, state);
-        let unfused = lc.rollout().unwrap().weights().get().clone();
-        let state = config
-            .megatron_state(tensors.clone(), MegatronParallel::new(t, 1, 1))
-            .unwrap();
-        let rollout = RolloutLayout::fused(t, RolloutVocab::Unpadded);
-        let backend =
-            MegatronHostBackend::new(rollout.clone()).with_rollout_dtype(RolloutDtype::Fp8);
-        let mut meg = Lifecycle::new(backend, state);
-        let fused = meg.rollout().unwrap().weights().get().clone();
+        let fused =
+            fp8_fused_decodes_like_unfused(&config, &tensors, t, ExpertPlacement::TensorParallel);
         assert!(
             fused.ranks[0].tensors.iter().any(|x| x.fp8.is_some()),
             "T = {t}: no fp8 tensor in the fused rollout"
         );
-        let a: Vec<&RankRollout> = unfused.ranks.iter().collect();
-        let b: Vec<&RankRollout> = fused.ranks.iter().collect();
-        for compute in [Fp8Compute::WeightOnly, Fp8Compute::W8A8] {
-            let mut dec = CpuDecoder::new(&config, &layout, &a)
-                .unwrap()
-                .with_fp8_compute(compute);
-            let want = run(&mut dec, &prompts, &feed, false);
-            let mut dec = CpuDecoder::new_fused(&config, &rollout, &b)
-                .unwrap()
-                .with_fp8_compute(compute);
-            let got = run(&mut dec, &prompts, &feed, false);
-            assert_eq!(
-                got.bits(),
-                want.bits(),
-                "T = {t} {compute}: fused fp8 logits"
-            );
-        }
     }
 }
 
@@ -671,7 +693,6 @@ fn fused_fp8_rollout_decodes_like_the_unfused_fp8_one() {
 /// TP or partitioned, weight-only and W8A8.
 #[test]
 fn fused_fp8_experts_decode_like_the_unfused_fp8_ones() {
-    use lifecycle_layout::fp8::{Fp8Compute, RolloutDtype};
     // head_dim 128, 2 heads in 2 groups, experts of 256: every part keeps whole blocks at T ≤ 2
     let config = ModelConfig::from_json_str(
         r#"{"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 256,
@@ -685,27 +706,12 @@ fn fused_fp8_experts_decode_like_the_unfused_fp8_ones() {
         .into_iter()
         .map(HostTensor::bf16_rounded)
         .collect();
-    let prompts: Vec<Vec<u32>> = vec![vec![3, 17, 101, 7], vec![250, 1, 9]];
-    let feed: Vec<Vec<u32>> = vec![vec![5, 6], vec![40, 41]];
     for (t, placement) in [
         (1, ExpertPlacement::TensorParallel),
         (2, ExpertPlacement::TensorParallel),
         (2, ExpertPlacement::Partitioned),
     ] {
-        let layout = config.rollout_layout_with(t, placement).unwrap();
-        let state = HostTrainState::from_tensors(t, tensors.clone()).unwrap();
-        let backend = HostBackend::new(layout.clone()).with_rollout_dtype(RolloutDtype::Fp8);
-        let mut lc = Lifecycle::new(backend, state);
-        let unfused = lc.rollout().unwrap().weights().get().clone();
-        let state = config
-            .megatron_state(tensors.clone(), MegatronParallel::new(t, 1, 1))
-            .unwrap();
-        let rollout =
-            RolloutLayout::fused(t, RolloutVocab::Unpadded).with_expert_placement(placement);
-        let backend =
-            MegatronHostBackend::new(rollout.clone()).with_rollout_dtype(RolloutDtype::Fp8);
-        let mut meg = Lifecycle::new(backend, state);
-        let fused = meg.rollout().unwrap().weights().get().clone();
+        let fused = fp8_fused_decodes_like_unfused(&config, &tensors, t, placement);
         let stacked = fused.ranks[0]
             .tensors
             .iter()
@@ -715,22 +721,5 @@ fn fused_fp8_experts_decode_like_the_unfused_fp8_ones() {
             stacked, 4,
             "T = {t} {placement:?}: w13 and w2 of 2 layers in fp8"
         );
-        let a: Vec<&RankRollout> = unfused.ranks.iter().collect();
-        let b: Vec<&RankRollout> = fused.ranks.iter().collect();
-        for compute in [Fp8Compute::WeightOnly, Fp8Compute::W8A8] {
-            let mut dec = CpuDecoder::new(&config, &layout, &a)
-                .unwrap()
-                .with_fp8_compute(compute);
-            let want = run(&mut dec, &prompts, &feed, false);
-            let mut dec = CpuDecoder::new_fused(&config, &rollout, &b)
-                .unwrap()
-                .with_fp8_compute(compute);
-            let got = run(&mut dec, &prompts, &feed, false);
-            assert_eq!(
-                got.bits(),
-                want.bits(),
-                "T = {t} {placement:?} {compute}: fused fp8 logits"
-            );
-        }
     }
 }
