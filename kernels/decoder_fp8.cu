@@ -197,3 +197,116 @@ extern "C" __global__ void fp8_dequant_split(const unsigned char* __restrict__ w
         dst[n + i] = f2bf_rne(v - bf(hi));
     }
 }
+
+// The e4m3 byte of v (round to nearest even; |v| <= 448 after a group's scaling, NaN stays NaN):
+// the hardware conversion on sm_89 and later, else by integers as lifecycle_layout's
+// e4m3_from_f32.
+__device__ __forceinline__ u32 e4m3_rn(float v) {
+#if __CUDA_ARCH__ >= 890
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(v));
+    return (u32)(r & 0xffu);
+#else
+    u32 bits = __float_as_uint(v), sign = (bits >> 24) & 0x80u, mag = bits & 0x7fffffffu, b;
+    if (mag >= (1087u << 20)) {
+        b = 0x7fu;
+    } else if (mag < (121u << 23)) {
+        b = (__float_as_uint(__uint_as_float(mag) + __uint_as_float(141u << 23)) - (141u << 23)) & 0xffu;
+    } else {
+        b = ((mag + (((u32)(7 - 127)) << 23) + 0x7ffffu + ((mag >> 20) & 1u)) >> 20) & 0xffu;
+    }
+    return b | sign;
+#endif
+}
+
+// W8A8 activations: rows of n x inp values quantised per token in groups of 128 columns, as
+// lifecycle_layout::fp8::quantize_activation_groups: scale_inv = amax / 448 (1 for an all-zero
+// group, NaN once a value is not finite), byte = e4m3(v / scale_inv), the divisions IEEE-exact.
+// One warp per (token, group) of n_pad >= n tokens (the tokens from n on are zero: bytes 0,
+// scale 1), lane l holding columns l, l + 32, l + 64, l + 96 of the group. Reads the split bf16
+// rows (hi rows 0 .. n, lo rows n .. 2n; v = hi + lo) when split, else f32 rows. Writes, each
+// where its pointer is not null: the bytes q [n_pad x inp], the scales at
+// sc[t * sc_tok + g * sc_grp], the dequantised values e4m3(byte) * scale_inv into deq [n x inp]
+// (which may be the f32 source itself), and zeros over zero[0 .. nzero] (the lo rows of the
+// product's output, which the block-scaled GEMM does not write), grid-strided.
+// Grid: ceil(n_pad * groups / 8) blocks of 256 threads.
+template <bool SPLIT>
+__device__ __forceinline__ void quant_groups(const void* __restrict__ src, u32 n, u32 n_pad,
+                                             u32 inp, unsigned char* q, float* sc, u32 sc_tok,
+                                             u32 sc_grp, float* deq, float* zero, u64 nzero) {
+    if (zero) {
+        for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < nzero; i += (u64)gridDim.x * blockDim.x) {
+            zero[i] = 0.0f;
+        }
+    }
+    u32 groups = (inp + 127) / 128;
+    u64 wid = (blockIdx.x * (u64)blockDim.x + threadIdx.x) >> 5;
+    u32 lane = threadIdx.x & 31u;
+    if (wid >= (u64)n_pad * groups) return;
+    u32 t = (u32)(wid / groups), g = (u32)(wid % groups);
+    u64 len = (u64)n * inp;
+    float v[4];
+    float amax = 0.0f;
+    bool bad = false;
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        u32 c = g * 128 + 32 * k + lane;
+        v[k] = 0.0f;
+        if (c < inp && t < n) {
+            u64 i = (u64)t * inp + c;
+            if (SPLIT) {
+                const u16* xs = (const u16*)src;
+                v[k] = bf(xs[i]) + bf(xs[len + i]);
+            } else {
+                v[k] = ((const float*)src)[i];
+            }
+            bad |= (__float_as_uint(v[k]) & 0x7f800000u) == 0x7f800000u;
+            amax = fmaxf(amax, fabsf(v[k]));
+        }
+    }
+    #pragma unroll
+    for (int d = 16; d > 0; d >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+    bad = __any_sync(0xffffffffu, bad);
+    float s = bad ? __int_as_float(0x7fc00000) : (amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f);
+    if (sc && lane == 0) sc[(u64)t * sc_tok + (u64)g * sc_grp] = s;
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        u32 c = g * 128 + 32 * k + lane;
+        if (c < inp) {
+            u64 i = (u64)t * inp + c;
+            u32 b = e4m3_rn(__fdiv_rn(v[k], s));
+            if (q) q[i] = (unsigned char)b;
+            if (deq && t < n) deq[i] = e4m3_val(b) * s;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) fp8_quant_split(
+    const u16* __restrict__ xs, u32 n, u32 n_pad, u32 inp, unsigned char* q, float* sc,
+    u32 sc_tok, u32 sc_grp, float* deq, float* zero, u64 nzero) {
+    quant_groups<true>(xs, n, n_pad, inp, q, sc, sc_tok, sc_grp, deq, zero, nzero);
+}
+
+extern "C" __global__ void __launch_bounds__(256) fp8_quant_f32(
+    const float* x, u32 n, u32 n_pad, u32 inp, unsigned char* q, float* sc, u32 sc_tok,
+    u32 sc_grp, float* deq, float* zero, u64 nzero) {
+    quant_groups<false>(x, n, n_pad, inp, q, sc, sc_tok, sc_grp, deq, zero, nzero);
+}
+
+// dst[i] = the bf16 src[i] as f32 (a W8A8 product whose cuBLASLt output is bf16).
+extern "C" __global__ void fp8_widen_bf16(const u16* __restrict__ src, float* __restrict__ dst, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        dst[i] = bf(src[i]);
+    }
+}
+
+// The block scales of rows of 128 x 128 blocks, rows x bc, copied with a row pitch of ld >= bc
+// (cuBLASLt reads a weight's scale rows on 16 bytes: ld a multiple of 4), the padding 0.
+extern "C" __global__ void fp8_pad_scales(const float* __restrict__ src, float* __restrict__ dst,
+                                          u32 rows, u32 bc, u32 ld) {
+    u64 n = (u64)rows * ld;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        u64 r = i / ld, c = i - r * ld;
+        dst[i] = c < bc ? src[r * bc + c] : 0.0f;
+    }
+}

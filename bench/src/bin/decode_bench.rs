@@ -1,4 +1,6 @@
-//! Decode throughput of the GPU decoder on bf16 and on fp8 rollout weights (W = T = 1), from one
+//! Decode throughput of the GPU decoder on bf16 and on fp8 rollout weights (W = T = 1; fp8
+//! weight-only and W8A8, the latter with the weight-streaming kernel up to 8 tokens and with the
+//! block-scaled GEMM from 2 tokens), from one
 //! FSDP training state switched once per dtype, against the weight-streaming floor: a decode
 //! step reads every rollout weight but the (untied) embedding once, so at small batches its time
 //! is at least those bytes over the device's read rate (half the copy rate, which counts both
@@ -22,7 +24,7 @@ use lifecycle_cuda::ThreadRankPool;
 use lifecycle_decoder::{Decoder, ModelConfig, Sampling};
 use lifecycle_decoder_gpu::GpuDecoder;
 use lifecycle_fsdp::FsdpBackend;
-use lifecycle_layout::fp8::RolloutDtype;
+use lifecycle_layout::fp8::{Fp8Compute, RolloutDtype};
 
 const GB: f64 = 1e9;
 
@@ -86,21 +88,26 @@ fn main() -> Result<(), Box<dyn Error>> {
         args.layers,
         copy / GB
     );
-    // (dtype, grouped experts): the MoE shape runs its bf16 experts both ways
-    let variants: &[(RolloutDtype, bool)] = if args.moe {
-        &[
-            (RolloutDtype::Bf16, true),
-            (RolloutDtype::Bf16, false),
-            (RolloutDtype::Fp8, true),
-        ]
-    } else {
-        &[(RolloutDtype::Bf16, true), (RolloutDtype::Fp8, true)]
-    };
+    // (dtype, grouped experts, fp8 compute, W8A8 weight-streaming tokens): the MoE shape runs
+    // its bf16 experts both ways; fp8 runs weight-only, W8A8 and W8A8 on the GEMM alone
+    const WO: Fp8Compute = Fp8Compute::WeightOnly;
+    const W8: Fp8Compute = Fp8Compute::W8A8;
+    let mut variants: Vec<(RolloutDtype, bool, Fp8Compute, usize)> =
+        vec![(RolloutDtype::Bf16, true, WO, 8)];
+    if args.moe {
+        variants.push((RolloutDtype::Bf16, false, WO, 8));
+    }
+    variants.extend([
+        (RolloutDtype::Fp8, true, WO, 8),
+        (RolloutDtype::Fp8, true, W8, 8),
+        (RolloutDtype::Fp8, true, W8, 1),
+    ]);
     let shapes = config.tensor_shapes();
     let mut state = FsdpBackend::new(pool.clone(), config.rollout_layout(1)?)
         .synthetic_state(&shapes, 7, 0.02)?;
-    let mut rates: Vec<(RolloutDtype, bool, usize, f64)> = Vec::new();
-    for &(dtype, grouped) in variants {
+    // (variant, batch, decode tokens/s, prefill seconds)
+    let mut rates: Vec<(usize, usize, f64, f64)> = Vec::new();
+    for (vi, &(dtype, grouped, compute, gemv)) in variants.iter().enumerate() {
         let backend =
             FsdpBackend::new(pool.clone(), config.rollout_layout(1)?).with_rollout_dtype(dtype);
         let lc_config = LifecycleConfig {
@@ -126,12 +133,25 @@ fn main() -> Result<(), Box<dyn Error>> {
             let how = match (args.moe, grouped, dtype) {
                 (false, ..) => "",
                 // fp8 experts always take the per-expert path
-                (true, _, RolloutDtype::Fp8) => ", one GEMM per expert (fp8 experts)",
+                (true, _, RolloutDtype::Fp8) => ", fp8 experts",
                 (true, true, _) => ", experts in blocks of one batched GEMM per product",
                 (true, false, _) => ", one GEMM per expert",
             };
+            let compute_how = match (dtype, compute) {
+                (RolloutDtype::Bf16, _) => String::new(),
+                (_, Fp8Compute::WeightOnly) => " weight-only".to_string(),
+                (_, Fp8Compute::W8A8) => {
+                    dec.set_fp8_compute(compute)?;
+                    let g = dec.set_fp8_gemv_tokens(gemv);
+                    if g == 1 {
+                        " W8A8, block-scaled GEMM from 2 tokens".to_string()
+                    } else {
+                        format!(" W8A8, weight streaming up to {g} tokens")
+                    }
+                }
+            };
             println!(
-                "\n{dtype}{how}: rollout weights {:.3} GB ({:.3} GB streamed per step); floor {:.3} ms per step",
+                "\n{dtype}{compute_how}{how}: rollout weights {:.3} GB ({:.3} GB streamed per step); floor {:.3} ms per step",
                 held as f64 / GB,
                 (held - embed) as f64 / GB,
                 floor * 1e3
@@ -161,38 +181,35 @@ fn main() -> Result<(), Box<dyn Error>> {
                     step * 1e3,
                     step / floor
                 );
-                rates.push((dtype, grouped, batch, rate));
+                rates.push((vi, batch, rate, prefill));
             }
         }
         state = lc.into_parts()?.1;
     }
-    println!("\nfp8 against bf16, decode tokens/s:");
+    println!("\nagainst bf16 (grouped experts), decode tokens/s and prefill time:");
+    let of = |v: usize, batch: usize| rates.iter().find(|r| r.0 == v && r.1 == batch);
     for &batch in &args.batches {
-        let of = |d, g| {
-            rates
-                .iter()
-                .find(|r| r.0 == d && r.1 == g && r.2 == batch)
-                .map_or(0.0, |r| r.3)
+        let Some(&(_, _, b, bp)) = of(0, batch) else {
+            continue;
         };
-        let (b, f) = (of(RolloutDtype::Bf16, true), of(RolloutDtype::Fp8, true));
-        let f = if f > 0.0 {
-            f
-        } else {
-            of(RolloutDtype::Fp8, false)
-        };
-        let per_expert = of(RolloutDtype::Bf16, false);
-        let grouped = if per_expert > 0.0 {
-            format!(
-                "; bf16 one GEMM per expert {per_expert:.0} (grouped {:.2}x that)",
-                b / per_expert
-            )
-        } else {
-            String::new()
-        };
-        println!(
-            "  batch {batch:>3}: bf16 {b:.0}, fp8 {f:.0} ({:.2}x){grouped}",
-            f / b.max(1e-9)
-        );
+        let mut line = format!("  batch {batch:>3}: bf16 {b:.0} tokens/s");
+        for (vi, &(dtype, grouped, compute, gemv)) in variants.iter().enumerate().skip(1) {
+            let Some(&(_, _, r, p)) = of(vi, batch) else {
+                continue;
+            };
+            let name = match (dtype, grouped, compute, gemv) {
+                (RolloutDtype::Bf16, ..) => "bf16 per expert".to_string(),
+                (_, _, Fp8Compute::WeightOnly, _) => "fp8 weight-only".to_string(),
+                (_, _, _, 1) => "W8A8 GEMM from 2".to_string(),
+                _ => "W8A8".to_string(),
+            };
+            line += &format!(
+                "; {name} {:.2}x (prefill {:.2}x)",
+                r / b.max(1e-9),
+                bp / p.max(1e-12)
+            );
+        }
+        println!("{line}");
     }
     Ok(())
 }

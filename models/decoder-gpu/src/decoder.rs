@@ -9,6 +9,7 @@ use lifecycle_cuda::cudarc::driver::CudaSlice;
 use lifecycle_cuda::{alloc_zeros, CudaError, RankCtx, RankExecutor, ThreadRankPool};
 use lifecycle_cuda::{RolloutBuffer, RolloutSource};
 use lifecycle_decoder::{DecodeError, Decoder, ModelConfig, PrefillLogits, Sampling, SplitMix64};
+use lifecycle_layout::fp8::Fp8Compute;
 use lifecycle_layout::{RolloutEntry, RolloutLayout};
 
 use crate::error::GpuDecodeError;
@@ -16,6 +17,7 @@ use crate::fp8::{Fp8Kernels, GEMV_TOKENS};
 use crate::kernels::{launch, Arg, DecoderKernels};
 use crate::prefill::PrefillRows;
 use crate::topology::{decode_topology, replica_rows, DecodeTopology};
+use crate::w8a8::W8a8Gemm;
 use crate::weights::GroupOffsets;
 
 mod forward;
@@ -210,6 +212,9 @@ impl Core {
                 ev_nccl: ctx.event()?,
                 downloads: Default::default(),
                 fp8: None,
+                fp8_compute: Fp8Compute::WeightOnly,
+                w8a8: None,
+                w8a8_gemv_tokens: GEMV_TOKENS,
                 dequant: None,
                 x32: None,
                 grouped: true,
@@ -296,6 +301,9 @@ impl Core {
                 }
                 grow_scratch(ctx, &mut st.x32, need_x, "the fp8 activation scratch")?;
                 grow_scratch(ctx, &mut st.dequant, need, "the fp8 dequantisation scratch")?;
+                if st.fp8_compute == Fp8Compute::W8A8 && st.w8a8.is_none() {
+                    st.w8a8 = Some(W8a8Gemm::new(ctx)?);
+                }
             }
             st.bind = Some(RankBind {
                 base: ptr(buf, &ctx.compute),
@@ -316,6 +324,42 @@ impl Core {
         self.ranks.iter().any(|st| st.room.is_some())
     }
 
+    /// Sets how every rank's fp8 products compute; in W8A8 mode with fp8 weights bound, makes
+    /// each rank's block-scaled GEMM first (all or none: an error changes nothing).
+    pub fn set_fp8_compute(
+        &mut self,
+        pool: &ThreadRankPool,
+        compute: Fp8Compute,
+    ) -> Result<(), GpuDecodeError> {
+        if compute == Fp8Compute::W8A8 {
+            let mut made: Vec<Option<W8a8Gemm>> = self.ranks.iter().map(|_| None).collect();
+            let need: Vec<bool> = self
+                .ranks
+                .iter()
+                .map(|st| st.fp8.is_some() && st.bind.is_some() && st.w8a8.is_none())
+                .collect();
+            let locals = pool.local_ranks().to_vec();
+            pool.run_each(&mut made, &|ctx, slot| {
+                let local = locals.iter().position(|&r| r == ctx.rank).ok_or_else(|| {
+                    CudaError::Invalid(format!("rank {} is not a local rank", ctx.rank))
+                })?;
+                if need.get(local).copied().unwrap_or(false) {
+                    *slot = Some(W8a8Gemm::new(ctx)?);
+                }
+                Ok(())
+            })?;
+            for (st, m) in self.ranks.iter_mut().zip(made) {
+                if m.is_some() {
+                    st.w8a8 = m;
+                }
+            }
+        }
+        for st in &mut self.ranks {
+            st.fp8_compute = compute;
+        }
+        Ok(())
+    }
+
     /// Forgets the weights and frees the KV cache (host side only: cannot fail). Frees are
     /// stream-ordered on each rank's compute stream.
     pub fn unbind(&mut self) {
@@ -324,6 +368,7 @@ impl Core {
             st.cache = None;
             st.dequant = None;
             st.x32 = None;
+            st.w8a8 = None;
             st.room = None;
         }
         self.geo = None;
@@ -853,6 +898,29 @@ impl<'w> GpuDecoder<'w> {
     /// Tokens in each sequence's cache.
     pub fn lengths(&self) -> Vec<usize> {
         self.core.lengths()
+    }
+
+    /// How the products with fp8 rollout weights compute ([`Fp8Compute`]): weight-only (the
+    /// default: e4m3 weights against the activations in f32) or W8A8 (the activations quantised
+    /// per token in 1 × 128 groups on the device, then cuBLASLt's block-scaled fp8 GEMM, or the
+    /// weight-streaming kernel up to [`GpuDecoder::set_fp8_gemv_tokens`] tokens), as the CPU
+    /// decoder's [`set_fp8_compute`](lifecycle_decoder::CpuDecoder::set_fp8_compute). bf16
+    /// weights are not affected. Fails, changing nothing, when W8A8 is asked for and cuBLASLt
+    /// cannot be loaded.
+    pub fn set_fp8_compute(&mut self, compute: Fp8Compute) -> Result<(), GpuDecodeError> {
+        self.core.set_fp8_compute(self.pool, compute)
+    }
+
+    /// Tokens (1 to 8, default 8) up to which a W8A8 product runs the fp8 weight-streaming
+    /// kernel on the dequantised activations instead of the block-scaled GEMM: the two compute
+    /// the same products; the kernel reads each weight byte once, the GEMM uses the tensor
+    /// cores. Returns the setting (clamped).
+    pub fn set_fp8_gemv_tokens(&mut self, tokens: usize) -> usize {
+        let tokens = tokens.clamp(1, GEMV_TOKENS);
+        for r in &mut self.core.ranks {
+            r.w8a8_gemv_tokens = tokens;
+        }
+        tokens
     }
 
     /// Whether the bf16 experts of mixture-of-experts layers run in blocks, one batched GEMM per

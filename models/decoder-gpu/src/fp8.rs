@@ -45,6 +45,13 @@ pub(crate) struct Fp8Kernels {
     /// The same over a table of products ([`fp8_gemv_table`]).
     table: [CudaFunction; 4],
     dequant: CudaFunction,
+    /// W8A8 activation quantisation from split bf16 and from f32 rows ([`crate::w8a8`]).
+    pub(crate) quant_split: CudaFunction,
+    pub(crate) quant_f32: CudaFunction,
+    /// bf16 → f32 of a W8A8 product's bf16 output.
+    pub(crate) widen: CudaFunction,
+    /// A weight's block scales copied with their rows on 16 bytes.
+    pub(crate) pad_scales: CudaFunction,
 }
 
 impl Fp8Kernels {
@@ -65,6 +72,10 @@ impl Fp8Kernels {
                 m.function("fp8_gemv_table_8")?,
             ],
             dequant: m.function("fp8_dequant_split")?,
+            quant_split: m.function("fp8_quant_split")?,
+            quant_f32: m.function("fp8_quant_f32")?,
+            widen: m.function("fp8_widen_bf16")?,
+            pad_scales: m.function("fp8_pad_scales")?,
         })
     }
 }
@@ -183,27 +194,11 @@ pub(crate) unsafe fn fp8_gemm(
             CudaError::Invalid("an fp8 product without its activation scratch".into())
         })?;
         // SAFETY: x holds 2 · tokens rows of inp bf16 and the activation scratch at least
-        // tokens · inp f32 (sized at bind for the widest fp8 matrix).
-        unsafe { fp8_join(stream, k, (x, x32), (tokens, inp), rank)? };
-        let cfg = LaunchConfig {
-            grid_dim: (outs.div_ceil(4).max(1), 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+        // tokens · inp f32 (sized at bind for the widest fp8 matrix); y 2 · tokens rows.
+        return unsafe {
+            fp8_join(stream, k, (x, x32), (tokens, inp), rank)?;
+            fp8_gemv(stream, k, w, x32, y, (out, tokens, inp), rank)
         };
-        let args = [
-            Arg::U64(w.data),
-            Arg::U64(w.scales),
-            Arg::U32(row0),
-            Arg::U32(outs),
-            Arg::U32(inps),
-            Arg::U64(x32),
-            Arg::U32(tokens as u32),
-            Arg::U64(y),
-        ];
-        let gemv = &k.gemv[tokens.next_power_of_two().trailing_zeros() as usize];
-        // SAFETY: the argument list matches fp8_gemv_N (N ≥ tokens); y holds 2 · tokens rows
-        // of out f32.
-        return unsafe { launch(stream, gemv, cfg, &args, rank, "fp8_gemv") };
     }
     let scratch = scratch.dequant.ok_or_else(|| {
         CudaError::Invalid("an fp8 prefill product without its dequantisation scratch".into())
@@ -230,4 +225,52 @@ pub(crate) unsafe fn fp8_gemm(
         crate::blas::gemm_beta(blas, scratch, x, y, out, rows, inp, 0.0, rank)?;
         crate::blas::gemm_beta(blas, scratch + 2 * n, x, y, out, rows, inp, 1.0, rank)
     }
+}
+
+/// `y[tokens × out] = x32[tokens × inp] · wᵀ` by the weight-streaming kernel (`tokens` at most
+/// [`GEMV_TOKENS`]), f32 `x32`; the `tokens` rows after `y`'s are written 0 (the lo rows of a
+/// split product).
+///
+/// # Safety
+/// The addresses must be device memory of this context: `w` its matrix and scales (rows
+/// `row0 + out` at least), `x32` `tokens · inp` f32, `y` `2 · tokens · out` f32, alive until the
+/// stream ran the kernel.
+pub(crate) unsafe fn fp8_gemv(
+    stream: &Arc<CudaStream>,
+    k: &Fp8Kernels,
+    w: Fp8Weight,
+    x32: u64,
+    y: u64,
+    (out, tokens, inp): (usize, usize, usize),
+    rank: usize,
+) -> Result<(), CudaError> {
+    let u32a = |v: u64, what: &str| {
+        u32::try_from(v).map_err(|_| CudaError::Invalid(format!("fp8 product {what} {v} > u32")))
+    };
+    if tokens == 0 || tokens > GEMV_TOKENS || w.cols != inp as u64 {
+        return Err(CudaError::Invalid(format!(
+            "the fp8 weight-streaming kernel multiplies 1 to {GEMV_TOKENS} tokens over the \
+             matrix's {} columns; asked for {tokens} tokens over {inp}",
+            w.cols
+        )));
+    }
+    let outs = u32a(out as u64, "rows")?;
+    let cfg = LaunchConfig {
+        grid_dim: (outs.div_ceil(4).max(1), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let args = [
+        Arg::U64(w.data),
+        Arg::U64(w.scales),
+        Arg::U32(u32a(w.row0, "row")?),
+        Arg::U32(outs),
+        Arg::U32(u32a(inp as u64, "columns")?),
+        Arg::U64(x32),
+        Arg::U32(tokens as u32),
+        Arg::U64(y),
+    ];
+    let gemv = &k.gemv[tokens.next_power_of_two().trailing_zeros() as usize];
+    // SAFETY: the argument list matches fp8_gemv_N (N ≥ tokens); sizes per the caller.
+    unsafe { launch(stream, gemv, cfg, &args, rank, "fp8_gemv") }
 }

@@ -39,6 +39,7 @@ mod kernels;
 mod prefill;
 mod topology;
 mod vocab;
+mod w8a8;
 mod weights;
 
 pub use decoder::{GpuDecoder, MAX_CONTEXT, ROOM_MARGIN_BYTES};

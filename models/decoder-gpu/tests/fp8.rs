@@ -188,3 +188,153 @@ fn fp8_experts_in_one_launch_match_the_per_expert_path() -> Result<(), Box<dyn s
     );
     Ok(())
 }
+
+/// Largest |a − b| over the rows, and the largest |b|.
+fn distance(a: &[Vec<f32>], b: &[Vec<f32>]) -> (f32, f32) {
+    let mut worst = (0.0f32, 0.0f32);
+    for (x, y) in a.iter().zip(b) {
+        for (p, q) in x.iter().zip(y) {
+            worst.0 = worst.0.max((p - q).abs());
+            worst.1 = worst.1.max(q.abs());
+        }
+    }
+    worst
+}
+
+/// Prefill of 8 tokens and decode steps of 2 sequences: every W8A8 product on the GPU takes
+/// the weight-streaming kernel (exact f32 sums of the quantised values, as the CPU's).
+fn run_small<D: Decoder>(dec: &mut D) -> Result<Vec<Vec<f32>>, Box<dyn std::error::Error>>
+where
+    D::Error: 'static,
+{
+    let mut logits = dec.prefill(&[vec![3, 1, 4, 1], vec![5, 9, 2, 6]], PrefillLogits::All)?;
+    logits.extend(dec.decode_step(&[8, 77])?);
+    logits.extend(dec.decode_step(&[3, 1])?);
+    Ok(logits)
+}
+
+/// W8A8 on the GPU (activations quantised on the device; the block-scaled cuBLASLt GEMM beyond
+/// 8 tokens, the weight-streaming kernel on the dequantised activations up to 8) against the CPU
+/// decoder's W8A8 on the same fp8 weights.
+///
+/// W8A8 decoding is discontinuous: quantising an activation rounds it to an e4m3 step, so a
+/// tiny difference upstream that moves one value across a rounding point changes it by a whole
+/// step, and the change spreads to every later quantisation. On the CPU, a rotary base of
+/// 10030 instead of 10000 moves this dense model's weight-only logits by 1.7e-4 and its W8A8
+/// logits by 0.10 (its two modes differ by 0.23). The GPU's weight-only logits differ from the
+/// CPU's by 3e-5 (split activations, other summation orders; the GEMM sums each 128-wide
+/// group to about 1e-4 of the terms' magnitudes, the `w8a8` unit test), so the two W8A8
+/// decoders agree only to the size of W8A8's own noise. The exact checks are the unit test's
+/// (quantisation bit-identical, sums within 5e-4 of Σ|terms|); here: the GPU's W8A8 logits
+/// within the distance between the CPU's W8A8 and weight-only ones, up to 8 tokens per product
+/// (the weight-streaming kernel) and with the GEMM; W8A8 really in use (its logits at least
+/// 1e-2 · max|logit| from weight-only); and weight-only again after W8A8 as before.
+fn check_w8a8(name: &str, config: &ModelConfig, seed: u64) -> Res {
+    use lifecycle_layout::fp8::Fp8Compute;
+    let tensors = random_tensors(config, seed);
+    let short = vec![
+        vec![3, 1, 4, 1, 5, 9, 2, 6, 5, 3],
+        vec![27, 18, 28, 18, 28, 4],
+    ];
+    let long = vec![
+        (0..40).map(|i| (i * 37 + 11) % 300).collect(),
+        vec![5, 6, 7],
+    ];
+    let layout = config.rollout_layout(1)?;
+    let host = HostTrainState::from_tensors(1, tensors.clone())?;
+    let mut cpu_lc = Lifecycle::new(
+        HostBackend::new(layout.clone()).with_rollout_dtype(RolloutDtype::Fp8),
+        host,
+    );
+    let cpu_session = cpu_lc.rollout()?;
+    let cpu_weights = cpu_session.weights();
+    let group: Vec<_> = cpu_weights.ranks.iter().collect();
+    let mut cpu = CpuDecoder::new(config, &layout, &group)?;
+    let (weight_only, _) = run(&mut cpu, &long, &short)?;
+    let small_weight_only = run_small(&mut CpuDecoder::new(config, &layout, &group)?)?;
+    let w8a8_cpu = || -> Result<CpuDecoder, Box<dyn std::error::Error>> {
+        Ok(CpuDecoder::new(config, &layout, &group)?.with_fp8_compute(Fp8Compute::W8A8))
+    };
+    let (want, _) = run(&mut w8a8_cpu()?, &long, &short)?;
+    let small_want = run_small(&mut w8a8_cpu()?)?;
+    let pool = Arc::new(ThreadRankPool::new(1)?);
+    let backend = FsdpBackend::new(pool, layout.clone()).with_rollout_dtype(RolloutDtype::Fp8);
+    let state = backend.state_from_tensors(tensors)?;
+    let mut lc = Lifecycle::new(backend, state);
+    let session = lc.rollout()?;
+    let weights = session.weights();
+    let w8a8_gpu = || -> Result<GpuDecoder, Box<dyn std::error::Error>> {
+        let mut gpu = GpuDecoder::new(config, session.backend(), weights.get())?;
+        gpu.set_fp8_compute(Fp8Compute::W8A8)?;
+        Ok(gpu)
+    };
+    let small = run_small(&mut w8a8_gpu()?)?;
+    let (err, scale) = distance(&small, &small_want);
+    let (modes, _) = distance(&small_want, &small_weight_only);
+    println!(
+        "{name}: up to 8 tokens per product, GPU W8A8 vs CPU W8A8: max |logit error| {err:.3e} \
+         (logits up to {scale:.3}; the CPU's two modes differ by {modes:.3e})"
+    );
+    assert!(
+        err <= modes,
+        "{name}: weight-streaming W8A8 {err} from the CPU's, its modes {modes} apart (logits \
+         up to {scale})"
+    );
+    let mut gpu = w8a8_gpu()?;
+    let (got, got_tokens) = run(&mut gpu, &long, &short)?;
+    let (err, scale) = distance(&got, &want);
+    let (off, _) = distance(&got, &weight_only);
+    let (modes, _) = distance(&want, &weight_only);
+    let cpu_tokens = run(&mut w8a8_cpu()?, &long, &short)?.1;
+    println!(
+        "{name}: with the GEMM, GPU W8A8 vs CPU W8A8: max |logit error| {err:.3e} (logits up \
+         to {scale:.3}); vs CPU weight-only {off:.3e}; the CPU's two modes differ by \
+         {modes:.3e}; greedy tokens {}",
+        if got_tokens == cpu_tokens {
+            "equal"
+        } else {
+            "differ"
+        }
+    );
+    assert!(
+        err <= modes,
+        "{name}: GPU W8A8 {err} from the CPU's, its modes {modes} apart"
+    );
+    assert!(
+        off >= 1e-2 * scale,
+        "{name}: GPU W8A8 only {off} from the weight-only logits (up to {scale}): not in use?"
+    );
+    // the same weights, weight-only again on the GPU: back to the weight-only logits
+    gpu.set_fp8_compute(Fp8Compute::WeightOnly)?;
+    let (back, _) = run(&mut gpu, &long, &short)?;
+    let (err, scale) = distance(&back, &weight_only);
+    assert!(
+        err <= 1e-3 + 1e-3 * scale,
+        "{name}: weight-only after W8A8: {err}"
+    );
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gpu_w8a8_decoder_matches_the_cpu_w8a8_decoder_w1() -> Res {
+    require_gpus(1)?;
+    // dense Qwen2 with biases; the down product's 640 inputs are 5 scale blocks
+    let dense = ModelConfig::from_json_str(
+        r#"{"model_type": "qwen2", "vocab_size": 300, "hidden_size": 256,
+            "intermediate_size": 640, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 128, "rope_theta": 10000.0,
+            "tie_word_embeddings": false}"#,
+    )?;
+    check_w8a8("qwen2 256-wide", &dense, 3)?;
+    // Qwen3-MoE with a dense first layer and 16 experts of 256 (decode steps: the experts'
+    // weight-streaming launches on quantised activations; prefill: per expert, the GEMM)
+    let moe = ModelConfig::from_json_str(
+        r#"{"model_type": "qwen3_moe", "vocab_size": 300, "hidden_size": 512,
+            "intermediate_size": 768, "moe_intermediate_size": 256, "num_experts": 16,
+            "num_experts_per_tok": 4, "norm_topk_prob": true, "mlp_only_layers": [0],
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 128, "rope_theta": 10000.0, "tie_word_embeddings": false}"#,
+    )?;
+    check_w8a8("qwen3-moe 512-wide", &moe, 4)
+}

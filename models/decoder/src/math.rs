@@ -385,6 +385,65 @@ mod tests {
         }
     }
 
+    /// W8A8 against PyTorch (`fixtures/w8a8/make_w8a8.py`, run with torch 2.11 on an H200
+    /// machine; `oracle.json` beside it): the activation groups' bytes and scales and the
+    /// weights' blocks bit-identical to torch's, the products within `1e-5 · Σ|terms|` of
+    /// torch's f64 block-scaled product (rows with an all-zero group, an outlier, small
+    /// activations; a partial group and a partial block row).
+    #[test]
+    fn w8a8_matches_the_pytorch_oracle() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/w8a8/oracle.json");
+        let text = std::fs::read_to_string(path).unwrap();
+        let o: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let num = |k: &str| o[k].as_u64().unwrap() as usize;
+        let (n, inp, out) = (num("rows"), num("inp"), num("out"));
+        let f32s = |k: &str| -> Vec<f32> {
+            let v = o[k].as_array().unwrap();
+            v.iter()
+                .map(|b| f32::from_bits(b.as_i64().unwrap() as i32 as u32))
+                .collect()
+        };
+        let floats = |k: &str| -> Vec<f64> {
+            o[k].as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap())
+                .collect()
+        };
+        let bytes = |k: &str| -> Vec<u8> {
+            o[k].as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u8)
+                .collect()
+        };
+        let (x, w) = (f32s("x_bits"), f32s("w_bits"));
+        assert_eq!((x.len(), w.len()), (n * inp, out * inp));
+        let qx = quantize_activation_groups(&x, inp);
+        assert_eq!(qx.data, bytes("x_q"), "activation bytes");
+        let xs: Vec<f32> = floats("x_scale_inv").iter().map(|&v| v as f32).collect();
+        assert_eq!(qx.scale_inv, xs, "activation scales");
+        let q = quantize_blocks("w", &w, out, inp).unwrap();
+        assert_eq!(q.data(), &bytes("w_q")[..], "weight bytes");
+        let ws: Vec<f32> = floats("w_scale_inv").iter().map(|&v| v as f32).collect();
+        assert_eq!(q.scale_inv(), &ws[..], "weight scales");
+        let mut y = vec![0.0f32; n * out];
+        linear(
+            &x,
+            Mat::fp8(&q).with_compute(Fp8Compute::W8A8),
+            None,
+            inp,
+            &mut y,
+        );
+        let (want, mag) = (floats("y"), floats("y_magnitude"));
+        let mut worst = 0.0f64;
+        for (i, ((&g, &w), &m)) in y.iter().zip(&want).zip(&mag).enumerate() {
+            let err = (f64::from(g) - w).abs() / (m + 1e-30);
+            assert!(err <= 1e-5, "output {i}: {g} vs torch {w} (Σ|terms| {m})");
+            worst = worst.max(err);
+        }
+    }
+
     #[test]
     fn linear_matches_a_naive_product_with_and_without_threads() {
         for (n, inp, out) in [(3, 5, 4), (64, 256, 80)] {

@@ -17,6 +17,7 @@ use super::moe::{moe_layer, MoeScratch};
 use super::rank::{all_reduce, all_reduce_in_place, order, ptr, Dims, RankBind, RankState};
 use crate::blas::gemm;
 use crate::kernels::{launch, Arg};
+use crate::w8a8::W8a8Scratch;
 
 /// Inputs of one forward pass of one replica (the same on every rank of a group); sequence
 /// indices are the replica's own cache slots.
@@ -124,6 +125,9 @@ struct Scratch {
     seqs: CudaSlice<u32>,
     poss: CudaSlice<u32>,
     rows: CudaSlice<u32>,
+    /// The quantised activations of the W8A8 products (beyond the weight-streaming kernel's
+    /// tokens).
+    w8a8: Option<W8a8Scratch>,
 }
 
 /// One forward pass of one rank in progress: what every stage reads and writes. Its invariant,
@@ -211,9 +215,14 @@ impl<'a> Pass<'a> {
                 seqs: up(&step.seqs, "uploading sequence indices")?,
                 poss: up(&step.poss, "uploading positions")?,
                 rows: up(&step.logit_rows, "uploading logit rows")?,
+                w8a8: if st.w8a8_scratch_for(n) {
+                    Some(W8a8Scratch::alloc(s, n, widest, rank)?)
+                } else {
+                    None
+                },
             }
         };
-        let moe = MoeScratch::new(s, rank, (n, h, z.top_k), &bind.w)?;
+        let moe = MoeScratch::new(s, rank, (n, h, z.top_k), &bind.w, st.w8a8_scratch_for(n))?;
         Ok(Pass {
             ctx,
             st,
@@ -421,6 +430,7 @@ impl<'a> Pass<'a> {
         );
         let (kc, vc) = self.cache_blocks(l);
         let (s, st, k) = (self.s(), self.st, &self.st.k);
+        let w8 = self.sc.w8a8.as_ref();
         self.norm(lw.input_norm, 0, n)?;
         // SAFETY (every GEMM and launch below): the pass's addresses and sizes (its invariant).
         unsafe {
@@ -433,11 +443,11 @@ impl<'a> Pass<'a> {
                 self.combine_cols(kb, lw.k_b, (ld, qw, kvw))?;
                 self.combine_cols(vb, lw.v_b, (ld, qw + kvw, kvw))?;
             } else {
-                st.wgemm(s, base, lw.q_w, xs, y2, (qw, 2 * n, h), rank)?;
+                st.wgemm(s, base, lw.q_w, xs, y2, (qw, 2 * n, h), w8, rank)?;
                 self.combine_into(q, lw.q_b, qw)?;
-                st.wgemm(s, base, lw.k_w, xs, y2, (kvw, 2 * n, h), rank)?;
+                st.wgemm(s, base, lw.k_w, xs, y2, (kvw, 2 * n, h), w8, rank)?;
                 self.combine_into(kb, lw.k_b, kvw)?;
-                st.wgemm(s, base, lw.v_w, xs, y2, (kvw, 2 * n, h), rank)?;
+                st.wgemm(s, base, lw.v_w, xs, y2, (kvw, 2 * n, h), w8, rank)?;
                 self.combine_into(vb, lw.v_b, kvw)?;
             }
             if let Some((qn, kn)) = lw.qk_norm {
@@ -496,7 +506,7 @@ impl<'a> Pass<'a> {
                 Arg::F32(1.0 / (d as f32).sqrt()),
             ];
             self.kernel(&k.attention, cfg, &args, "attention")?;
-            st.wgemm(s, base, lw.o_w, xs, y2, (h, 2 * n, qw), rank)?;
+            st.wgemm(s, base, lw.o_w, xs, y2, (h, 2 * n, qw), w8, rank)?;
         }
         self.finish()
     }
@@ -520,6 +530,7 @@ impl<'a> Pass<'a> {
             self.at(&self.sc.y2b),
         );
         let (s, st, k) = (self.s(), self.st, &self.st.k);
+        let w8 = self.sc.w8a8.as_ref();
         // SAFETY (every GEMM and launch below): the pass's addresses and sizes (its invariant).
         unsafe {
             if z.fused {
@@ -538,13 +549,13 @@ impl<'a> Pass<'a> {
                 let cfg = self.elementwise(n * f);
                 self.kernel(&k.swiglu_fused_split, cfg, &args, "swiglu_fused_split")?;
             } else {
-                st.wgemm(s, base, lw.gate_w, xs, y2, (f, 2 * n, h), rank)?;
-                st.wgemm(s, base, lw.up_w, xs, y2b, (f, 2 * n, h), rank)?;
+                st.wgemm(s, base, lw.gate_w, xs, y2, (f, 2 * n, h), w8, rank)?;
+                st.wgemm(s, base, lw.up_w, xs, y2b, (f, 2 * n, h), w8, rank)?;
                 let args = [Arg::U64(y2), Arg::U64(y2b), Arg::U64(xs), u32a(n), u32a(f)];
                 let cfg = self.elementwise(n * f);
                 self.kernel(&k.swiglu_split, cfg, &args, "swiglu_split")?;
             }
-            st.wgemm(s, base, lw.down_w, xs, y2, (h, 2 * n, f), rank)?;
+            st.wgemm(s, base, lw.down_w, xs, y2, (h, 2 * n, f), w8, rank)?;
         }
         self.finish()
     }

@@ -23,7 +23,9 @@ use super::rank::{ptr, Dims, RankState};
 use crate::blas::{batched_gemm, gemm};
 use crate::fp8::{fp8_gemv_table, fp8_join, GEMV_TOKENS};
 use crate::kernels::{launch, Arg, DecoderKernels};
+use crate::w8a8::{quantize, ActSrc, QuantOut, W8a8Scratch};
 use crate::weights::{ExpertOffsets, MoeOffsets, RankOffsets, SharedOffsets};
+use lifecycle_layout::fp8::Fp8Compute;
 
 /// The most bytes of down products (`[2 · rows × hidden]` f32) the grouped path's scratch may
 /// take beyond what one expert's rows need: 64 MiB.
@@ -50,6 +52,9 @@ pub(super) struct MoeScratch {
     acc: CudaSlice<f32>,
     /// f32 activations of the fp8 experts' products `[rows × max(h, ffn)]` (fp8 weights only).
     x32: Option<CudaSlice<f32>>,
+    /// The quantised activations of W8A8 expert products beyond the weight-streaming kernel's
+    /// tokens (`[rows × max(h, ffn)]`).
+    pub(super) w8a8: Option<W8a8Scratch>,
 }
 
 impl MoeScratch {
@@ -58,6 +63,7 @@ impl MoeScratch {
         rank: usize,
         (n, h, top_k): (usize, usize, usize),
         w: &RankOffsets,
+        w8a8: bool,
     ) -> Result<Option<Self>, CudaError> {
         let layers: Vec<&MoeOffsets> = w.moe.iter().flatten().collect();
         let Some(first) = layers.first() else {
@@ -103,6 +109,11 @@ impl MoeScratch {
                         rank,
                         "fp8 expert activations",
                     )?)
+                } else {
+                    None
+                },
+                w8a8: if fp8 && w8a8 {
+                    Some(W8a8Scratch::alloc(s, rows, h.max(ffn), rank)?)
                 } else {
                     None
                 },
@@ -272,10 +283,37 @@ fn shared_expert(
     // and `[2n × experts]` router products, the first `2n` of which take the gate's logits; in
     // order on the compute stream.
     unsafe {
-        st.wgemm(s, base, e.gate, xsp, p(&scratch.g2), (f, 2 * n, h), rank)?;
-        st.wgemm(s, base, e.up, xsp, p(&scratch.u2), (f, 2 * n, h), rank)?;
+        st.wgemm(
+            s,
+            base,
+            e.gate,
+            xsp,
+            p(&scratch.g2),
+            (f, 2 * n, h),
+            scratch.w8a8.as_ref(),
+            rank,
+        )?;
+        st.wgemm(
+            s,
+            base,
+            e.up,
+            xsp,
+            p(&scratch.u2),
+            (f, 2 * n, h),
+            scratch.w8a8.as_ref(),
+            rank,
+        )?;
         Steps { s, k, rank }.swiglu((p(&scratch.g2), p(&scratch.u2), act), (n, f))?;
-        st.wgemm(s, base, e.down, act, p(&scratch.y2), (h, 2 * n, f), rank)?;
+        st.wgemm(
+            s,
+            base,
+            e.down,
+            act,
+            p(&scratch.y2),
+            (h, 2 * n, f),
+            scratch.w8a8.as_ref(),
+            rank,
+        )?;
         gemm(
             &st.blas,
             base + 2 * shared.gate,
@@ -335,10 +373,37 @@ fn per_expert(
         // entries of the uploads; in order on the compute stream.
         unsafe {
             steps.gather((xsp, ri, xg), (n, r, h))?;
-            st.wgemm(s, base, e.gate, xg, p(&scratch.g2), (f, 2 * r, h), rank)?;
-            st.wgemm(s, base, e.up, xg, p(&scratch.u2), (f, 2 * r, h), rank)?;
+            st.wgemm(
+                s,
+                base,
+                e.gate,
+                xg,
+                p(&scratch.g2),
+                (f, 2 * r, h),
+                scratch.w8a8.as_ref(),
+                rank,
+            )?;
+            st.wgemm(
+                s,
+                base,
+                e.up,
+                xg,
+                p(&scratch.u2),
+                (f, 2 * r, h),
+                scratch.w8a8.as_ref(),
+                rank,
+            )?;
             steps.swiglu((p(&scratch.g2), p(&scratch.u2), act), (r, f))?;
-            st.wgemm(s, base, e.down, act, p(&scratch.y2), (h, 2 * r, f), rank)?;
+            st.wgemm(
+                s,
+                base,
+                e.down,
+                act,
+                p(&scratch.y2),
+                (h, 2 * r, f),
+                scratch.w8a8.as_ref(),
+                rank,
+            )?;
             launch(
                 s,
                 &k.scatter_add_rows,
@@ -624,6 +689,20 @@ fn fp8_experts(
         .clone_htod(&table)
         .map_err(ctx.drv("uploading the fp8 product table", (table.len() * 8) as u64))?;
     let (u32p, f32p, tp) = (ptr(&u32_d, s), ptr(&f32_d, s), ptr(&table_d, s));
+    // W8A8: the joined activations quantised per token group and dequantised in place, so the
+    // weight-streaming kernel multiplies the quantised values
+    let w8a8 = st.fp8_compute == Fp8Compute::W8A8;
+    let requant = |dims: (usize, usize)| -> Result<(), CudaError> {
+        if !w8a8 {
+            return Ok(());
+        }
+        let deq = QuantOut {
+            deq: Some(x32),
+            ..QuantOut::default()
+        };
+        // SAFETY: x32 holds the block's `rows · max(h, ffn)` f32, quantised in place.
+        unsafe { quantize(s, kf, ActSrc::F32(x32), (dims.0, dims.0, dims.1), deq, rank) }
+    };
     for c in &blocks {
         let (g, rows, most) = (c.problems, c.rows, c.most);
         // the table of product `i`: 8 entries per problem
@@ -635,10 +714,12 @@ fn fp8_experts(
         unsafe {
             steps.gather((xsp, u32p + 4 * c.row0 as u64, xg), (n, rows, h))?;
             fp8_join(s, kf, (xg, x32), (rows, h), rank)?;
+            requant((rows, h))?;
             fp8_gemv_table(s, kf, entry(0), (g, f, most), rank)?;
             fp8_gemv_table(s, kf, entry(1), (g, f, most), rank)?;
             steps.swiglu((g2, u2, act), (rows, f))?;
             fp8_join(s, kf, (act, x32), (rows, f), rank)?;
+            requant((rows, f))?;
             fp8_gemv_table(s, kf, entry(2), (g, h, most), rank)?;
             let lists = (
                 u32p + 4 * c.csr as u64,

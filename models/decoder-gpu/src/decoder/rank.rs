@@ -13,7 +13,9 @@ use crate::blas::gemm;
 use crate::download::Downloads;
 use crate::fp8::{fp8_gemm, Fp8Kernels, Fp8Scratch, Fp8Weight};
 use crate::kernels::DecoderKernels;
+use crate::w8a8::{w8a8_gemm, W8a8Gemm, W8a8Scratch};
 use crate::weights::{MatAt, RankOffsets};
+use lifecycle_layout::fp8::Fp8Compute;
 
 /// Where one rank reads its weights: the device address of its flat bf16 rollout buffer and the
 /// checked offsets in it.
@@ -51,6 +53,14 @@ pub(crate) struct RankState {
     pub(crate) dequant: Option<CudaSlice<u16>>,
     /// f32 activations of the fp8 decode products (`GEMV_TOKENS` rows of the widest matrix).
     pub(crate) x32: Option<CudaSlice<f32>>,
+    /// How the fp8 products compute ([`Fp8Compute`]; weight-only by default).
+    pub(crate) fp8_compute: Fp8Compute,
+    /// The block-scaled fp8 GEMM of the W8A8 products, made when weights with fp8 matrices are
+    /// bound in W8A8 mode.
+    pub(crate) w8a8: Option<W8a8Gemm>,
+    /// Tokens up to which a W8A8 product runs the weight-streaming kernel (on the dequantised
+    /// quantised activations) instead of the block-scaled GEMM.
+    pub(crate) w8a8_gemv_tokens: usize,
     /// Whether the bf16 experts of a mixture-of-experts layer run in blocks, one batched GEMM
     /// per product ([`moe`]; the default), or one GEMM per expert.
     pub(crate) grouped: bool,
@@ -66,11 +76,21 @@ impl RankState {
         self.room.as_ref().is_some_and(|r| !r.settled())
     }
 
+    /// Whether this rank's fp8 products quantise the activations ([`Fp8Compute::W8A8`]) and a
+    /// pass of `tokens` tokens needs their scratch ([`W8a8Scratch`]): more tokens than the
+    /// weight-streaming kernel takes.
+    pub(crate) fn w8a8_scratch_for(&self, tokens: usize) -> bool {
+        self.fp8_compute == Fp8Compute::W8A8 && self.fp8.is_some() && tokens > self.w8a8_gemv_tokens
+    }
+
     /// `y[rows × out] = x[rows × inp] · wᵀ` for weight `w` of the bound buffer at `base`:
-    /// [`gemm`] for bf16, [`fp8_gemm`] for fp8.
+    /// [`gemm`] for bf16, [`fp8_gemm`] for fp8 weight-only, [`w8a8_gemm`] for W8A8 (through
+    /// `act`, the pass's quantised-activation scratch, when [`RankState::w8a8_scratch_for`]
+    /// says so).
     ///
     /// # Safety
-    /// As [`gemm`]: `w` inside the bound rollout buffer, `x` and `y` holding the sizes given.
+    /// As [`gemm`]: `w` inside the bound rollout buffer, `x` and `y` holding the sizes given,
+    /// `act` at least `rows / 2` tokens of `inp` inputs.
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn wgemm(
         &self,
@@ -80,6 +100,7 @@ impl RankState {
         x: u64,
         y: u64,
         (out, rows, inp): (usize, usize, usize),
+        act: Option<&W8a8Scratch>,
         rank: usize,
     ) -> Result<(), CudaError> {
         let Some(f) = w.fp8 else {
@@ -95,8 +116,30 @@ impl RankState {
             row0: f.row0,
             cols: f.cols,
         };
+        let x32 = self.x32.as_ref().map(|d| ptr(d, s));
+        if self.fp8_compute == Fp8Compute::W8A8 {
+            let lt = self.w8a8.as_ref().ok_or_else(|| {
+                CudaError::Invalid("W8A8 fp8 weights bound without their GEMM".into())
+            })?;
+            let act = act.map(|a| (ptr(&a.q, s), ptr(&a.scales, s)));
+            // SAFETY: as below; `act` per the caller.
+            return unsafe {
+                w8a8_gemm(
+                    s,
+                    lt,
+                    k,
+                    weight,
+                    x,
+                    y,
+                    (out, rows, inp),
+                    (x32, act),
+                    self.w8a8_gemv_tokens,
+                    rank,
+                )
+            };
+        }
         let scratch = Fp8Scratch {
-            x32: self.x32.as_ref().map(|d| ptr(d, s)),
+            x32,
             dequant: self.dequant.as_ref().map(|d| ptr(d, s)),
         };
         // SAFETY: the matrix and its scales are the bound entry's (checked against the buffer
