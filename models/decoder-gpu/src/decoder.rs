@@ -17,7 +17,7 @@ use crate::fp8::{Fp8Kernels, GEMV_TOKENS};
 use crate::kernels::{launch, Arg, DecoderKernels};
 use crate::prefill::PrefillRows;
 use crate::topology::{decode_topology, replica_rows, DecodeTopology};
-use crate::w8a8::W8a8Gemm;
+use crate::w8a8::{W8a8Gemm, W8A8_GEMV_TOKENS};
 use crate::weights::GroupOffsets;
 
 mod forward;
@@ -214,7 +214,7 @@ impl Core {
                 fp8: None,
                 fp8_compute: Fp8Compute::WeightOnly,
                 w8a8: None,
-                w8a8_gemv_tokens: GEMV_TOKENS,
+                w8a8_gemv_tokens: W8A8_GEMV_TOKENS,
                 dequant: None,
                 x32: None,
                 grouped: true,
@@ -911,10 +911,11 @@ impl<'w> GpuDecoder<'w> {
         self.core.set_fp8_compute(self.pool, compute)
     }
 
-    /// Tokens (1 to 8, default 8) up to which a W8A8 product runs the fp8 weight-streaming
+    /// Tokens (1 to 8, default 1) up to which a W8A8 product runs the fp8 weight-streaming
     /// kernel on the dequantised activations instead of the block-scaled GEMM: the two compute
     /// the same products; the kernel reads each weight byte once, the GEMM uses the tensor
-    /// cores. Returns the setting (clamped).
+    /// cores (faster from 2 to 4 tokens on an H200 at 7.6B shapes, BENCHMARKS.md). Returns the
+    /// setting (clamped).
     pub fn set_fp8_gemv_tokens(&mut self, tokens: usize) -> usize {
         let tokens = tokens.clamp(1, GEMV_TOKENS);
         for r in &mut self.core.ranks {

@@ -266,6 +266,8 @@ fn check_w8a8(name: &str, config: &ModelConfig, seed: u64) -> Res {
     let w8a8_gpu = || -> Result<GpuDecoder, Box<dyn std::error::Error>> {
         let mut gpu = GpuDecoder::new(config, session.backend(), weights.get())?;
         gpu.set_fp8_compute(Fp8Compute::W8A8)?;
+        // the weight-streaming kernel up to 8 tokens, the GEMM beyond
+        gpu.set_fp8_gemv_tokens(8);
         Ok(gpu)
     };
     let small = run_small(&mut w8a8_gpu()?)?;
