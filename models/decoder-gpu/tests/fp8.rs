@@ -51,23 +51,37 @@ where
     Ok((logits, tokens))
 }
 
-fn check(name: &str, config: &ModelConfig, seed: u64) -> Res {
-    let tensors = random_tensors(config, seed);
-    let short = vec![
-        vec![3, 1, 4, 1, 5, 9, 2, 6, 5, 3],
-        vec![27, 18, 28, 18, 28, 4],
-    ];
+/// The prompts of [`run`]: a long one (40 tokens) with a short one, and two of 10 and 6.
+fn prompts() -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
     let long = vec![
         (0..40).map(|i| (i * 37 + 11) % 300).collect(),
         vec![5, 6, 7],
     ];
-    let layout = config.rollout_layout(1)?;
-    // the CPU: the host executor's fp8 switch, the CPU decoder
-    let host = HostTrainState::from_tensors(1, tensors.clone())?;
-    let mut cpu_lc = Lifecycle::new(
+    let short = vec![
+        vec![3, 1, 4, 1, 5, 9, 2, 6, 5, 3],
+        vec![27, 18, 28, 18, 28, 4],
+    ];
+    (long, short)
+}
+
+/// The host executor's fp8 rollout of `tensors` (W = 1): the CPU decoders' weights.
+fn host_fp8(
+    layout: &lifecycle_layout::RolloutLayout,
+    tensors: &[lifecycle_layout::HostTensor],
+) -> Result<Lifecycle<HostBackend>, Box<dyn std::error::Error>> {
+    let host = HostTrainState::from_tensors(1, tensors.to_vec())?;
+    Ok(Lifecycle::new(
         HostBackend::new(layout.clone()).with_rollout_dtype(RolloutDtype::Fp8),
         host,
-    );
+    ))
+}
+
+fn check(name: &str, config: &ModelConfig, seed: u64) -> Res {
+    let tensors = random_tensors(config, seed);
+    let (long, short) = prompts();
+    let layout = config.rollout_layout(1)?;
+    // the CPU: the host executor's fp8 switch, the CPU decoder
+    let mut cpu_lc = host_fp8(&layout, &tensors)?;
     let cpu_session = cpu_lc.rollout()?;
     let cpu_weights = cpu_session.weights();
     let group: Vec<_> = cpu_weights.ranks.iter().collect();
@@ -232,20 +246,9 @@ where
 fn check_w8a8(name: &str, config: &ModelConfig, seed: u64) -> Res {
     use lifecycle_layout::fp8::Fp8Compute;
     let tensors = random_tensors(config, seed);
-    let short = vec![
-        vec![3, 1, 4, 1, 5, 9, 2, 6, 5, 3],
-        vec![27, 18, 28, 18, 28, 4],
-    ];
-    let long = vec![
-        (0..40).map(|i| (i * 37 + 11) % 300).collect(),
-        vec![5, 6, 7],
-    ];
+    let (long, short) = prompts();
     let layout = config.rollout_layout(1)?;
-    let host = HostTrainState::from_tensors(1, tensors.clone())?;
-    let mut cpu_lc = Lifecycle::new(
-        HostBackend::new(layout.clone()).with_rollout_dtype(RolloutDtype::Fp8),
-        host,
-    );
+    let mut cpu_lc = host_fp8(&layout, &tensors)?;
     let cpu_session = cpu_lc.rollout()?;
     let cpu_weights = cpu_session.weights();
     let group: Vec<_> = cpu_weights.ranks.iter().collect();

@@ -274,46 +274,14 @@ fn shared_expert(
     let (s, rank, k) = (&ctx.compute, ctx.rank, &st.k);
     let (n, h) = (z.n, z.h);
     let e = shared.expert;
-    let f = e.ffn;
     let p = |b: &CudaSlice<f32>| ptr(b, s);
     let u32a = |v: usize| Arg::U32(v as u32);
-    let act = ptr(&scratch.act, s);
     // SAFETY: the weights are offsets checked against this rank's rollout buffer; the scratch
     // holds `[2n × ffn]` products (its ffn counts the shared expert's), `[2n × h]` down products
     // and `[2n × experts]` router products, the first `2n` of which take the gate's logits; in
     // order on the compute stream.
     unsafe {
-        st.wgemm(
-            s,
-            base,
-            e.gate,
-            xsp,
-            p(&scratch.g2),
-            (f, 2 * n, h),
-            scratch.w8a8.as_ref(),
-            rank,
-        )?;
-        st.wgemm(
-            s,
-            base,
-            e.up,
-            xsp,
-            p(&scratch.u2),
-            (f, 2 * n, h),
-            scratch.w8a8.as_ref(),
-            rank,
-        )?;
-        Steps { s, k, rank }.swiglu((p(&scratch.g2), p(&scratch.u2), act), (n, f))?;
-        st.wgemm(
-            s,
-            base,
-            e.down,
-            act,
-            p(&scratch.y2),
-            (h, 2 * n, f),
-            scratch.w8a8.as_ref(),
-            rank,
-        )?;
+        expert_ffn(st, &Steps { s, k, rank }, base, e, (xsp, n, h), scratch)?;
         gemm(
             &st.blas,
             base + 2 * shared.gate,
@@ -342,6 +310,52 @@ fn shared_expert(
     Ok(())
 }
 
+/// One expert's SwiGLU MLP over `rows` split rows of width `h` at `x` (`[2 · rows × h]`): gate and up
+/// products into the scratch's `g2` / `u2`, SwiGLU into `act`, the down product into `y2`.
+///
+/// # Safety
+/// `e`'s matrices must lie in the bound rollout buffer at `base`, `x` hold the rows, and the
+/// scratch at least `rows` rows of every product.
+unsafe fn expert_ffn(
+    st: &RankState,
+    steps: &Steps<'_>,
+    base: u64,
+    e: ExpertOffsets,
+    (x, rows, h): (u64, usize, usize),
+    scratch: &MoeScratch,
+) -> Result<(), CudaError> {
+    let (s, rank) = (steps.s, steps.rank);
+    let f = e.ffn;
+    let p = |b: &CudaSlice<f32>| ptr(b, s);
+    let (act, w8) = (ptr(&scratch.act, s), scratch.w8a8.as_ref());
+    // SAFETY: forwarded to the caller; each product reads what the one before wrote, in order
+    // on the compute stream.
+    unsafe {
+        st.wgemm(
+            s,
+            base,
+            e.gate,
+            x,
+            p(&scratch.g2),
+            (f, 2 * rows, h),
+            w8,
+            rank,
+        )?;
+        st.wgemm(s, base, e.up, x, p(&scratch.u2), (f, 2 * rows, h), w8, rank)?;
+        steps.swiglu((p(&scratch.g2), p(&scratch.u2), act), (rows, f))?;
+        st.wgemm(
+            s,
+            base,
+            e.down,
+            act,
+            p(&scratch.y2),
+            (h, 2 * rows, f),
+            w8,
+            rank,
+        )
+    }
+}
+
 /// The experts one by one: gather, gate, up, SwiGLU, down, weighted scatter per expert.
 fn per_expert(
     ctx: &RankCtx,
@@ -364,46 +378,16 @@ fn per_expert(
         .clone_htod(wts)
         .map_err(ctx.drv("uploading routing weights", 0))?;
     let (idxp, wtsp) = (ptr(&idx_d, s), ptr(&wts_d, s));
-    let (xg, act) = (ptr(&scratch.xg, s), ptr(&scratch.act, s));
+    let xg = ptr(&scratch.xg, s);
     for run in runs {
-        let (e, r, f) = (run.expert, run.rows, run.expert.ffn);
+        let (e, r) = (run.expert, run.rows);
         let (ri, rw) = (idxp + 4 * run.start as u64, wtsp + 4 * run.start as u64);
         // SAFETY: the weights are offsets checked against this rank's rollout buffer; the
         // scratch holds `r ≤ n ≤ rows` routed rows of every product; `ri` / `rw` address `r`
         // entries of the uploads; in order on the compute stream.
         unsafe {
             steps.gather((xsp, ri, xg), (n, r, h))?;
-            st.wgemm(
-                s,
-                base,
-                e.gate,
-                xg,
-                p(&scratch.g2),
-                (f, 2 * r, h),
-                scratch.w8a8.as_ref(),
-                rank,
-            )?;
-            st.wgemm(
-                s,
-                base,
-                e.up,
-                xg,
-                p(&scratch.u2),
-                (f, 2 * r, h),
-                scratch.w8a8.as_ref(),
-                rank,
-            )?;
-            steps.swiglu((p(&scratch.g2), p(&scratch.u2), act), (r, f))?;
-            st.wgemm(
-                s,
-                base,
-                e.down,
-                act,
-                p(&scratch.y2),
-                (h, 2 * r, f),
-                scratch.w8a8.as_ref(),
-                rank,
-            )?;
+            expert_ffn(st, &steps, base, e, (xg, r, h), scratch)?;
             launch(
                 s,
                 &k.scatter_add_rows,
