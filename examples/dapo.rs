@@ -131,6 +131,12 @@ struct Args {
     /// (a comma-separated list of `attention` and `layer:N`, or `none`).
     #[arg(long, default_value = "none", value_parser = <Fp8Keep as std::str::FromStr>::from_str)]
     fp8_keep: Fp8Keep,
+    /// With --rollout-dtype fp8: how the decoder (CPU or GPU) computes with the fp8 weights,
+    /// `weight-only` (e4m3 weights times the activations in f32) or `w8a8` (the activations
+    /// quantised per token in 1 x 128 groups as well, as vLLM's block-fp8 linear does; on the
+    /// GPU, cuBLASLt's block-scaled fp8 GEMM).
+    #[arg(long, default_value = "weight-only", value_parser = <Fp8Compute as std::str::FromStr>::from_str)]
+    fp8_compute: Fp8Compute,
     #[arg(long, help = help("Prompts per rollout call (gen batch)",
         DapoConfig::default().prompts_per_batch, LoopOptions::DEFAULTS.prompts_per_batch))]
     prompts_per_batch: Option<usize>,
@@ -247,11 +253,6 @@ struct HostOptions {
     /// `population` (advantages over the population std, no dual clip, no clamp).
     #[arg(long, value_enum, default_value_t = UpdateConfig::default().objective)]
     objective: Objective,
-    /// With --rollout-dtype fp8: how the CPU decoder computes with the fp8 weights,
-    /// `weight-only` (e4m3 weights times the activations in f32) or `w8a8` (the activations
-    /// quantised per token in 1 x 128 groups as well, as vLLM's block-fp8 linear does).
-    #[arg(long, default_value = "weight-only", value_parser = <Fp8Compute as std::str::FromStr>::from_str)]
-    fp8_compute: Fp8Compute,
 }
 
 /// A command line that does not fit its backend.
@@ -405,7 +406,7 @@ impl Args {
             experts: self.experts,
             rollout_dtype: self.rollout_dtype,
             fp8_keep: self.fp8_keep,
-            fp8_compute: h.fp8_compute,
+            fp8_compute: self.fp8_compute,
             prompts_per_batch: self.prompts_per_batch.unwrap_or(d.prompts_per_batch),
             group_size: self.group_size.unwrap_or(d.group_size),
             batch_groups: self.batch_groups.unwrap_or(d.batch_groups),
@@ -468,6 +469,7 @@ impl Args {
                 experts: self.experts,
                 rollout_dtype: self.rollout_dtype,
                 fp8_keep: self.fp8_keep,
+                fp8_compute: self.fp8_compute,
                 checkpoint: self.checkpoint.clone(),
                 lifecycle: self.lifecycle.unwrap_or(d.lifecycle),
                 steps: self.steps.unwrap_or(d.steps),
@@ -870,7 +872,7 @@ mod tests {
     }
 
     #[test]
-    fn w8a8_is_a_host_option() {
+    fn w8a8_reaches_every_backend() {
         match plan(&["--rollout-dtype", "fp8", "--fp8-compute", "w8a8"]) {
             Ok(Plan::Host { config, .. }) => assert_eq!(config.fp8_compute, Fp8Compute::W8A8),
             other => panic!("expected the host backend, got {other:?}"),
@@ -881,12 +883,18 @@ mod tests {
             }
             other => panic!("expected the host backend, got {other:?}"),
         }
-        let msg = plan(&["--backend", "fsdp", "--fp8-compute", "w8a8"])
-            .unwrap_err()
-            .to_string();
-        assert!(
-            msg.contains("--fp8-compute only applies to --backend host"),
-            "{msg}"
+        let o = fsdp(&[
+            "--backend",
+            "fsdp",
+            "--rollout-dtype",
+            "fp8",
+            "--fp8-compute",
+            "w8a8",
+        ]);
+        assert_eq!(o.run.fp8_compute, Fp8Compute::W8A8);
+        assert_eq!(
+            fsdp(&["--backend", "fsdp"]).run.fp8_compute,
+            Fp8Compute::WeightOnly
         );
     }
 

@@ -14,6 +14,7 @@ use lifecycle_core::{EngineBytes, PhaseScope, RolloutEngine, RolloutView};
 use lifecycle_cuda::{RolloutBuffer, ThreadRankPool};
 use lifecycle_decoder::{Decoder, ModelConfig, Sampling};
 use lifecycle_decoder_gpu::{EngineSettings, GpuDecoder, GpuEngine};
+use lifecycle_layout::fp8::Fp8Compute;
 use lifecycle_layout::RolloutLayout;
 
 use super::DapoGpuError;
@@ -25,13 +26,13 @@ pub type RunEngine = GpuEngine;
 pub trait ForRun: GpuGenerate + Sized {
     /// The engine for a run of `config` on `pool`'s GPUs, rollout layout `layout` (unfused or
     /// fused), for gen batches of at most `capacity.0` sequences of at most `capacity.1` tokens,
-    /// with one prefill per prompt when `fork_prefill`.
+    /// with `engine` = (one prefill per prompt, how fp8 products compute).
     fn for_run(
         config: &ModelConfig,
         layout: &RolloutLayout,
         pool: &Arc<ThreadRankPool>,
         capacity: (usize, usize),
-        fork_prefill: bool,
+        engine: (bool, Fp8Compute),
     ) -> Result<Self, DapoGpuError>;
 }
 
@@ -41,9 +42,11 @@ impl ForRun for GpuEngine {
         layout: &RolloutLayout,
         pool: &Arc<ThreadRankPool>,
         (sequences, tokens): (usize, usize),
-        fork_prefill: bool,
+        (fork_prefill, fp8): (bool, Fp8Compute),
     ) -> Result<Self, DapoGpuError> {
-        let settings = EngineSettings::new(sequences, tokens).with_fork_prefill(fork_prefill);
+        let settings = EngineSettings::new(sequences, tokens)
+            .with_fork_prefill(fork_prefill)
+            .with_fp8_compute(fp8);
         Ok(GpuEngine::new(
             Arc::clone(pool),
             config,
@@ -70,9 +73,10 @@ impl GpuGenerate for GpuEngine {
         let s = self.settings();
         format!(
             "GPU decoder engine, built once per lifecycle: KV cache for {} sequences x {} tokens \
-             allocated at wake, freed at sleep; {}",
+             allocated at wake, freed at sleep; fp8 products {}; {}",
             s.max_sequences,
             s.max_tokens,
+            s.fp8_compute,
             if s.fork_prefill {
                 "one prefill per prompt, its KV forked to the group's samples"
             } else {
@@ -103,6 +107,7 @@ pub struct PerCallGpuDecoder {
     config: ModelConfig,
     layout: RolloutLayout,
     pool: Arc<ThreadRankPool>,
+    fp8: Fp8Compute,
 }
 
 impl RolloutEngine<RolloutBuffer> for PerCallGpuDecoder {
@@ -130,12 +135,13 @@ impl ForRun for PerCallGpuDecoder {
         layout: &RolloutLayout,
         pool: &Arc<ThreadRankPool>,
         _capacity: (usize, usize),
-        _fork_prefill: bool,
+        (_, fp8): (bool, Fp8Compute),
     ) -> Result<Self, DapoGpuError> {
         Ok(PerCallGpuDecoder {
             config: config.clone(),
             layout: layout.clone(),
             pool: Arc::clone(pool),
+            fp8,
         })
     }
 }
@@ -150,6 +156,7 @@ impl GpuGenerate for PerCallGpuDecoder {
         let t = Instant::now();
         let mut decoder =
             GpuDecoder::with_pool(&self.config, &self.layout, &self.pool, weights.get())?;
+        decoder.set_fp8_compute(self.fp8)?;
         let setup = t.elapsed();
         let t = Instant::now();
         let out = decoder.generate(seqs, sampling)?;

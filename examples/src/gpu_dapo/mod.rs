@@ -333,7 +333,8 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
             // the decision's margin (MARGIN_BYTES).
             let pinning = backend.reserve_pinned_in_background(&mut state, lc_config.memory)?;
             let pinning = settle_pinning(pinning, g.wait_for_pinning, root)?;
-            let engine = RunEngine::for_run(&config, &layout, &pool, capacity, fork)?;
+            let engine =
+                RunEngine::for_run(&config, &layout, &pool, capacity, (fork, r.fp8_compute))?;
             let mut lc = Lifecycle::with_config(backend, state, lc_config)?.with_engine(engine);
             if let Some(d) = decision {
                 lc.set_memory_decision(d)?;
@@ -383,7 +384,8 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
                 .rollout_layout_with(r.tp, r.experts)
                 .map_err(|e| DapoGpuError::Usage(e.to_string()))?;
             let rollout = fused_layout(&config, r.tp, r.experts);
-            let engine = RunEngine::for_run(&config, &rollout, &pool, capacity, fork)?;
+            let engine =
+                RunEngine::for_run(&config, &rollout, &pool, capacity, (fork, r.fp8_compute))?;
             let backend = MegatronGpuBackend::new(Arc::clone(&pool), rollout.clone())?
                 .with_offload_overlap(g.offload_overlap);
             let trainer = MegatronTrainer {

@@ -1,6 +1,6 @@
 //! The settings of a GPU DAPO run, as command-line options (`clap`), and their checks.
 
-use lifecycle_layout::fp8::{Fp8Keep, RolloutDtype};
+use lifecycle_layout::fp8::{Fp8Compute, Fp8Keep, RolloutDtype};
 use std::fmt;
 use std::path::PathBuf;
 
@@ -134,6 +134,9 @@ pub struct LoopOptions {
     /// Matrices an fp8 rollout keeps bf16 beyond the published exemptions.
     #[arg(skip)]
     pub fp8_keep: Fp8Keep,
+    /// How the decoder computes with fp8 rollout weights: weight-only or W8A8.
+    #[arg(skip)]
+    pub fp8_compute: Fp8Compute,
 }
 
 impl LoopOptions {
@@ -159,6 +162,7 @@ impl LoopOptions {
             attention: false,
             layers: lifecycle_layout::LayerSet::EMPTY,
         },
+        fp8_compute: Fp8Compute::WeightOnly,
     };
 }
 

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use lifecycle_core::{EngineBytes, PhaseScope, RolloutEngine, RolloutView};
 use lifecycle_cuda::{RankExecutor, RolloutBuffer, RolloutSource, ThreadRankPool};
 use lifecycle_decoder::{DecodeError, ModelConfig, PrefillLogits, Sampling};
+use lifecycle_layout::fp8::Fp8Compute;
 use lifecycle_layout::{RolloutFormat, RolloutLayout};
 
 use crate::decoder::{kv_elements, Core, KvMode, MAX_CONTEXT};
@@ -55,21 +56,39 @@ pub struct EngineSettings {
     /// Qwen2.5-7B shapes: some samples of a DAPO run differ); with it off, every sequence's
     /// tokens are the same however the call groups them.
     pub fork_prefill: bool,
+    /// How products with fp8 rollout weights compute ([`GpuDecoder::set_fp8_compute`]):
+    /// weight-only by default, or W8A8.
+    pub fp8_compute: Fp8Compute,
 }
 
 impl EngineSettings {
-    /// `max_sequences` sequences of `max_tokens` tokens, forked prefill off.
+    /// `max_sequences` sequences of `max_tokens` tokens, forked prefill off, fp8 weight-only.
     pub fn new(max_sequences: usize, max_tokens: usize) -> Self {
         EngineSettings {
             max_sequences,
             max_tokens,
             fork_prefill: false,
+            fp8_compute: Fp8Compute::WeightOnly,
         }
     }
 
     /// The same settings with forked prefill on or off.
     pub fn with_fork_prefill(mut self, on: bool) -> Self {
         self.fork_prefill = on;
+        self
+    }
+
+    /// The same settings with fp8 products computed as `compute` says.
+    ///
+    /// ```
+    /// use lifecycle_decoder_gpu::EngineSettings;
+    /// use lifecycle_layout::fp8::Fp8Compute;
+    /// let s = EngineSettings::new(8, 64).with_fp8_compute(Fp8Compute::W8A8);
+    /// assert_eq!(s.fp8_compute, Fp8Compute::W8A8);
+    /// assert_eq!(EngineSettings::new(8, 64).fp8_compute, Fp8Compute::WeightOnly);
+    /// ```
+    pub fn with_fp8_compute(mut self, compute: Fp8Compute) -> Self {
+        self.fp8_compute = compute;
         self
     }
 
@@ -250,7 +269,9 @@ impl GpuEngine {
                 .fused_tensors(&config.model_spec(lifecycle_decoder::MEGATRON_VOCAB_MULTIPLE))
                 .map_err(DecodeError::from)?;
         }
-        let core = Core::new(config, layout.tp(), &pool)?;
+        let mut core = Core::new(config, layout.tp(), &pool)?;
+        // nothing bound yet: sets the mode; bind makes the W8A8 GEMMs where fp8 weights come
+        core.set_fp8_compute(&pool, settings.fp8_compute)?;
         Ok(GpuEngine {
             pool,
             core,
