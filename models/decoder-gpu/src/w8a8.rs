@@ -36,11 +36,6 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 /// shrink as sequences finish, prefills come in any length).
 const MAX_PLANS: usize = 512;
 
-/// Algorithms of the heuristic a new product shape times (its first product runs each
-/// `TUNE_RUNS` times and keeps the fastest).
-const CANDIDATES: usize = 8;
-const TUNE_RUNS: usize = 3;
-
 /// Where the scale of token `t`, group `g` of a quantised activation matrix of `tokens` rows
 /// lies (in f32 elements): the layout cuBLASLt reads for
 /// `CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F` on the activations' operand, the groups of one
@@ -188,8 +183,6 @@ struct Plan {
     /// Whether D is bf16 (where cuBLASLt has no f32 output for this product): written into
     /// the lo half of the split output, then widened into the hi half.
     out_bf16: bool,
-    /// The heuristic's algorithms until the first product times them (then empty).
-    candidates: Vec<lt_sys::cublasLtMatmulAlgo_t>,
 }
 
 impl Drop for Plan {
@@ -317,7 +310,6 @@ impl W8a8Gemm {
             // SAFETY: a plain C struct of integers, filled by the heuristic below.
             algo: unsafe { std::mem::zeroed() },
             out_bf16: false,
-            candidates: Vec::new(),
         };
         let layout = |t, rows: usize, cols: usize| {
             lt::create_matrix_layout(t, rows as u64, cols as u64, rows as i64)
@@ -371,41 +363,10 @@ impl W8a8Gemm {
         // SAFETY: every descriptor is alive and describes this product.
         let (la, lb) = (plan.layouts[0], plan.layouts[1]);
         let handle = self.handle;
-        // up to CANDIDATES algorithms, timed at the first product ([`W8a8Gemm::gemm`])
-        let ask = |d| -> Result<Vec<lt_sys::cublasLtMatmulAlgo_t>, lt::CublasError> {
-            // SAFETY: plain C structs, written by the heuristic for the count it returns.
-            let mut got: Vec<lt_sys::cublasLtMatmulHeuristicResult_t> =
-                vec![unsafe { std::mem::zeroed() }; CANDIDATES];
-            let mut count = 0i32;
-            // SAFETY: every descriptor is alive; `got` holds CANDIDATES results.
-            unsafe {
-                lt_sys::cublasLtMatmulAlgoGetHeuristic(
-                    handle,
-                    desc,
-                    la,
-                    lb,
-                    d,
-                    d,
-                    pref,
-                    CANDIDATES as i32,
-                    got.as_mut_ptr(),
-                    &mut count,
-                )
-            }
-            .result()?;
-            let algos: Vec<_> = got
-                .iter()
-                .take(count.max(0) as usize)
-                .filter(|r| r.state == lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
-                .map(|r| r.algo)
-                .collect();
-            if algos.is_empty() {
-                return Err(lt::CublasError(
-                    lt_sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED,
-                ));
-            }
-            Ok(algos)
-        };
+        // the heuristic's first algorithm (not the fastest of several timed: a choice by
+        // timing could differ from run to run, and with it the products' rounding)
+        // SAFETY: every descriptor is alive and describes this product.
+        let ask = |d| unsafe { lt::get_matmul_algo_heuristic(handle, desc, la, lb, d, d, pref) };
         let mut found = set.and_then(|()| ask(plan.layouts[2]));
         let mut why = String::new();
         if let Err(e) = &found {
@@ -428,8 +389,7 @@ impl W8a8Gemm {
             ),
             detail: format!("{why}bf16 output: {:?}", e.0),
         })?;
-        plan.algo = found[0];
-        plan.candidates = found;
+        plan.algo = found.algo;
         Ok(plan)
     }
 
@@ -522,7 +482,7 @@ impl W8a8Gemm {
             plans.insert(key, plan);
         }
         let plan = plans
-            .get_mut(&key)
+            .get(&key)
             .ok_or_else(|| CudaError::Invalid("a W8A8 plan vanished from its cache".into()))?;
         // a bf16 output goes to the second half of y (tokens · out f32 hold twice its bytes)
         let d = if plan.out_bf16 {
@@ -550,66 +510,35 @@ impl W8a8Gemm {
                 rank,
             )?;
         }
-        let run = |plan: &Plan, algo: &lt_sys::cublasLtMatmulAlgo_t| {
-            // SAFETY: the plan describes this shape; A, B, D and the workspace are device
-            // memory of this context of the sizes the layouts state; queued on `stream`.
-            unsafe {
-                lt::matmul(
-                    self.handle,
-                    plan.desc,
-                    (&alpha as *const f32).cast(),
-                    (&beta as *const f32).cast(),
-                    a as *const c_void,
-                    plan.layouts[0],
-                    xq as *const c_void,
-                    plan.layouts[1],
-                    d as *const c_void,
-                    plan.layouts[2],
-                    d as *mut c_void,
-                    plan.layouts[2],
-                    algo,
-                    ws as *mut c_void,
-                    WORKSPACE_BYTES,
-                    stream.cu_stream() as lt_sys::cudaStream_t,
-                )
-            }
-            .map_err(|e| {
-                lt_err(
-                    rank,
-                    &format!(
-                        "block-scaled fp8 GEMM of {out} outputs × {tokens} tokens × {inp} inputs"
-                    ),
-                    e,
-                )
-            })
-        };
-        if plan.candidates.len() > 1 {
-            // the first product of this shape: each candidate timed, the fastest kept
-            let timed = |e: lifecycle_cuda::cudarc::driver::DriverError| CudaError::Driver {
-                rank,
-                op: "timing the block-scaled GEMM's algorithms".into(),
-                detail: format!("{e:?}"),
-            };
-            let flags = Some(lifecycle_cuda::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-            let mut best = (f32::INFINITY, plan.algo);
-            for algo in &plan.candidates {
-                if run(plan, algo).is_err() {
-                    continue;
-                }
-                let start = stream.record_event(flags).map_err(timed)?;
-                for _ in 0..TUNE_RUNS {
-                    run(plan, algo)?;
-                }
-                let end = stream.record_event(flags).map_err(timed)?;
-                let ms = start.elapsed_ms(&end).map_err(timed)?;
-                if ms < best.0 {
-                    best = (ms, *algo);
-                }
-            }
-            plan.algo = best.1;
-            plan.candidates.clear();
+        // SAFETY: the plan describes this shape; A, B, D and the workspace are device memory of
+        // this context of the sizes the layouts state; queued on `stream`.
+        unsafe {
+            lt::matmul(
+                self.handle,
+                plan.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                a as *const c_void,
+                plan.layouts[0],
+                xq as *const c_void,
+                plan.layouts[1],
+                d as *const c_void,
+                plan.layouts[2],
+                d as *mut c_void,
+                plan.layouts[2],
+                &plan.algo,
+                ws as *mut c_void,
+                WORKSPACE_BYTES,
+                stream.cu_stream() as lt_sys::cudaStream_t,
+            )
         }
-        run(plan, &plan.algo)?;
+        .map_err(|e| {
+            lt_err(
+                rank,
+                &format!("block-scaled fp8 GEMM of {out} outputs × {tokens} tokens × {inp} inputs"),
+                e,
+            )
+        })?;
         if !plan.out_bf16 {
             return Ok(());
         }
