@@ -7,7 +7,8 @@ use lifecycle_core::{MemoryDecision, MemoryPolicy, RoomRequest};
 use lifecycle_cuda::{RankExecutor, ThreadRankPool};
 use lifecycle_decoder::ModelConfig;
 use lifecycle_decoder_gpu::EngineSettings;
-use lifecycle_layout::{RolloutFormat, RolloutLayout};
+use lifecycle_layout::fp8::{fp8_rank_traffic, Fp8Keep, RolloutDtype};
+use lifecycle_layout::{plan_fsdp_to_tp, FsdpLayout, RolloutFormat, RolloutLayout};
 
 use super::DapoGpuError;
 
@@ -26,7 +27,8 @@ pub enum MemoryChoice {
 /// Kept free beside the rollout: allocator rounding, cuBLAS and NCCL workspaces.
 pub const MARGIN_BYTES: u64 = 2 << 30;
 
-/// Bytes of rank `t`'s rollout weights in bf16 (an upper bound for an fp8 rollout): from the
+/// Bytes of rank `t`'s rollout weights in bf16 (an upper bound for an fp8 rollout,
+/// [`held_rollout_bytes`] is exact): from the
 /// layout's tensors, or, for a fused layout, the model's parameters over `T`.
 pub fn rollout_bytes(config: &ModelConfig, layout: &RolloutLayout, t: usize) -> u64 {
     if layout.format() == RolloutFormat::Fused {
@@ -40,8 +42,58 @@ pub fn rollout_bytes(config: &ModelConfig, layout: &RolloutLayout, t: usize) -> 
         .sum()
 }
 
+/// The most bytes a rank's rollout weights take in `dtype` (`keep` choosing an fp8 rollout's
+/// bf16 tensors) with `world` training ranks: [`rollout_bytes`] for bf16 and for a fused layout
+/// (an upper bound there), an unfused fp8 rollout's exact fp8 bytes and scales otherwise
+/// ([`fp8_rank_traffic`]: 8.71 GB instead of 15.23 GB at 7.6B, T = 1).
+///
+/// ```
+/// use lifecycle_decoder::ModelConfig;
+/// use lifecycle_examples::gpu_dapo::memory::{held_rollout_bytes, rollout_bytes};
+/// use lifecycle_layout::fp8::RolloutDtype;
+/// let config = ModelConfig::from_json_str(r#"{"model_type": "qwen2", "vocab_size": 512,
+///     "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+///     "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0,
+///     "tie_word_embeddings": false}"#)?;
+/// let layout = config.rollout_layout(1)?;
+/// let bf16 = held_rollout_bytes(&config, &layout, 1, (RolloutDtype::Bf16, Default::default()))?;
+/// assert_eq!(bf16, rollout_bytes(&config, &layout, 0));
+/// let fp8 = held_rollout_bytes(&config, &layout, 1, (RolloutDtype::Fp8, Default::default()))?;
+/// assert!(fp8 < bf16 && fp8 > bf16 / 2);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn held_rollout_bytes(
+    config: &ModelConfig,
+    layout: &RolloutLayout,
+    world: usize,
+    (dtype, keep): (RolloutDtype, Fp8Keep),
+) -> Result<u64, DapoGpuError> {
+    let bf16 = || {
+        (0..layout.tp())
+            .map(|t| rollout_bytes(config, layout, t))
+            .max()
+            .unwrap_or(0)
+    };
+    if dtype == RolloutDtype::Bf16 || layout.format() == RolloutFormat::Fused {
+        return Ok(bf16());
+    }
+    let usage = |e: lifecycle_layout::LayoutError| DapoGpuError::Usage(e.to_string());
+    let train = FsdpLayout::new(world, config.tensor_shapes()).map_err(usage)?;
+    let plan = plan_fsdp_to_tp(&train, layout).map_err(usage)?;
+    let mut most = 0;
+    for r in 0..world {
+        most = most.max(
+            fp8_rank_traffic(&plan, r, keep)
+                .map_err(usage)?
+                .rollout_bytes,
+        );
+    }
+    Ok(most)
+}
+
 /// The policy of `choice`; for [`MemoryChoice::ByNeed`], decided from each local rank's free
-/// memory (the training state built), its rollout weights and the engine's KV cache for
+/// memory (the training state built), its rollout weights (in `rollout`'s dtype,
+/// [`held_rollout_bytes`]) and the engine's KV cache for
 /// `capacity` (sequences, tokens) over `replicas`, with the fp32 master weights and Adam moments
 /// a rank holds (`W` = the pool's world) as what an offload may move.
 pub fn resolve(
@@ -51,6 +103,7 @@ pub fn resolve(
     layout: &RolloutLayout,
     capacity: (usize, usize),
     replicas: usize,
+    rollout: (RolloutDtype, Fp8Keep),
 ) -> Result<(MemoryPolicy, Option<MemoryDecision>), DapoGpuError> {
     match choice {
         MemoryChoice::Offload => return Ok((MemoryPolicy::default(), None)),
@@ -73,10 +126,7 @@ pub fn resolve(
     };
     let engine =
         EngineSettings::new(capacity.0, capacity.1).kv_bytes_per_rank(config, kv_heads, replicas);
-    let rollout = (0..tp)
-        .map(|t| rollout_bytes(config, layout, t))
-        .max()
-        .unwrap_or(0);
+    let rollout = held_rollout_bytes(config, layout, pool.world(), rollout)?;
     let per_rank = 4 * (config.params() as u64).div_ceil(pool.world() as u64);
     let request = RoomRequest {
         free,

@@ -296,8 +296,15 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
         DecodeTopology::Replicas(n) => n,
     };
     let decide = |pool: &ThreadRankPool, layout: &lifecycle_layout::RolloutLayout| {
-        let (memory, decision) =
-            memory::resolve(choice, pool, &config, layout, capacity, replicas)?;
+        let (memory, decision) = memory::resolve(
+            choice,
+            pool,
+            &config,
+            layout,
+            capacity,
+            replicas,
+            (r.rollout_dtype, r.fp8_keep),
+        )?;
         match &decision {
             Some(d) => say!(root, "  memory {d}"),
             None => say!(
