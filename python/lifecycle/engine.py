@@ -9,16 +9,26 @@ class Engine:
     """The project's GPU engine on a CUDA switch's rollout weights.
 
     It wakes with the rollout weights (KV room for ``max_sequences`` sequences of
-    ``max_tokens`` positions each) and sleeps when the switch leaves rollout mode::
+    ``max_tokens`` positions each) and sleeps when the switch leaves rollout mode. With fp8
+    rollout weights, ``fp8_compute`` chooses ``"weight-only"`` (the default: e4m3 weights
+    against the activations in f32) or ``"w8a8"`` (activations quantised per token in 1 x 128
+    groups, cuBLASLt's block-scaled fp8 GEMM)::
 
         engine = Engine(switch, max_sequences=64, max_tokens=256)
         with switch.rollout() as w:
             samples = engine.generate(w, prompts, max_new_tokens=32)
     """
 
-    def __init__(self, switch, *, max_sequences: int, max_tokens: int):
+    def __init__(
+        self,
+        switch,
+        *,
+        max_sequences: int,
+        max_tokens: int,
+        fp8_compute: str = "weight-only",
+    ):
         switch._leave()
-        switch._live().attach_engine(int(max_sequences), int(max_tokens))
+        switch._live().attach_engine(int(max_sequences), int(max_tokens), str(fp8_compute))
         self._switch = switch
 
     def generate(

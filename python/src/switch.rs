@@ -13,7 +13,7 @@ use lifecycle_cuda::driver::{BufferClass, LentOffload};
 use lifecycle_cuda::ThreadRankPool;
 use lifecycle_decoder::Sampling;
 use lifecycle_decoder_gpu::EngineSettings;
-use lifecycle_layout::fp8::RolloutDtype;
+use lifecycle_layout::fp8::{Fp8Compute, RolloutDtype};
 use lifecycle_layout::ExpertPlacement;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -343,19 +343,27 @@ impl PySwitch {
         }
     }
 
-    /// Attaches the project's GPU engine (KV room for `max_sequences` of `max_tokens`).
+    /// Attaches the project's GPU engine (KV room for `max_sequences` of `max_tokens`; fp8
+    /// products computed as `fp8_compute` says: `weight-only` or `w8a8`).
+    #[pyo3(signature = (max_sequences, max_tokens, fp8_compute="weight-only"))]
     fn attach_engine(
         &self,
         py: Python<'_>,
         max_sequences: usize,
         max_tokens: usize,
+        fp8_compute: &str,
     ) -> PyResult<()> {
+        let compute: Fp8Compute = fp8_compute
+            .parse()
+            .map_err(|e: String| to_py(BridgeError::Config(format!("fp8_compute: {e}"))))?;
         py.detach(|| -> Result<(), BridgeError> {
             let mut g = self.gpu()?;
             let Inner::Gpu(s) = &mut *g else {
                 return Err(BridgeError::Config("not a GPU switch".into()));
             };
-            s.attach_engine(EngineSettings::new(max_sequences, max_tokens))
+            s.attach_engine(
+                EngineSettings::new(max_sequences, max_tokens).with_fp8_compute(compute),
+            )
         })
         .map_err(to_py)
     }

@@ -257,3 +257,14 @@ def test_a_closed_switch_is_refused_and_close_waits_for_held_tensors(config, par
     with pytest.raises(ConfigError, match="closed"):
         with switch.rollout():
             pass
+
+
+def test_engine_settings_are_checked_before_the_switch_is_asked(config, params):
+    from lifecycle.engine import Engine
+
+    switch = Switch.from_arrays(config, params, dtype="fp8")
+    with pytest.raises(ConfigError, match="fp8_compute.*weight-only or w8a8"):
+        Engine(switch, max_sequences=1, max_tokens=8, fp8_compute="int8")
+    # a valid setting reaches the switch, which is not a GPU one
+    with pytest.raises(ConfigError, match="GPU engine needs a switch on device"):
+        Engine(switch, max_sequences=1, max_tokens=8, fp8_compute="w8a8")
