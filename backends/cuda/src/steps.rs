@@ -240,6 +240,7 @@ fn span_name(role: CopyRole) -> (String, Link) {
         CopyRole::Local(c) => (format!("local copies c{c}"), Link::Local),
         CopyRole::Pack(k) => (format!("pack s{k}"), Link::Local),
         CopyRole::Unpack(k) => (format!("unpack s{k}"), Link::Local),
+        CopyRole::Scales => ("fp8 scales".into(), Link::Local),
         CopyRole::Remote { index, peer } => (
             format!("peer tiles s{index} to rank {peer}"),
             Link::DeviceToDevice,
@@ -322,6 +323,11 @@ fn run_inner(
                     .map_err(ctx.drv("waiting on an event", 0))?;
             }
             Op::Quantise => issuer.quantise(tl)?,
+            Op::Amax | Op::Agree | Op::QuantiseAgreed => {
+                return Err(issuer.missing(
+                    "fp8 with scales agreed across ranks (W > 1) does not run on the GPU yet",
+                ))
+            }
             Op::Zero => issuer.zero(roll, tl)?,
             Op::Copies { .. } => issuer.copies(i, op, tl)?,
             Op::Nccl { step, slot } => {
@@ -463,6 +469,7 @@ impl Issuer<'_> {
                 .get(slot)
                 .copied()
                 .ok_or_else(|| self.missing("no receive slot")),
+            Buf::Fp8Stage | Buf::Scales => Err(self.missing("no fp8 stage or scale grid")),
         }
     }
 

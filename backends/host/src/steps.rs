@@ -31,7 +31,8 @@
 
 use lifecycle_layout::fp8::{block_scale_inv, e4m3_from_f32, FP8_BLOCK};
 use lifecycle_layout::steps::{
-    Buf, Copy, NetStep, Op, Program, Quantise, RankSteps, SourceType, Stream,
+    AgreedQuantise, Buf, Copy, GridRegion, NetStep, Op, Program, Quantise, RankSteps, SourceType,
+    Stream,
 };
 use lifecycle_layout::{LayoutError, Region2d};
 
@@ -71,6 +72,10 @@ struct Rank<'a> {
     rollout: Vec<u16>,
     send: Vec<Vec<u16>>,
     recv: Vec<Vec<u16>>,
+    /// The fp8 scale grid (agreed fp8 switches), NaN until the partial amaxes write it.
+    grid: Vec<f32>,
+    /// The fp8 stage, as 2-byte elements.
+    stage: Vec<u16>,
     queues: [Vec<&'a Op>; 3],
     heads: [usize; 3],
     events: Vec<bool>,
@@ -82,9 +87,9 @@ struct Rank<'a> {
 
 fn stream_of(op: &Op) -> Stream {
     match op {
-        Op::Zero | Op::Quantise => Stream::Aux,
+        Op::Zero | Op::Quantise | Op::Amax | Op::QuantiseAgreed => Stream::Aux,
         Op::Copies { stream, .. } | Op::Record { stream, .. } | Op::Wait { stream, .. } => *stream,
-        Op::Nccl { .. } | Op::Push { .. } => Stream::Net,
+        Op::Nccl { .. } | Op::Push { .. } | Op::Agree => Stream::Net,
     }
 }
 
@@ -149,6 +154,8 @@ impl<'a> Rank<'a> {
             rollout: vec![POISON; steps.rollout_elems as usize],
             send: vec![vec![POISON; steps.send_slot_elems as usize]; slots],
             recv: vec![vec![POISON; steps.recv_slot_elems as usize]; slots],
+            grid: vec![f32::NAN; steps.agree.as_ref().map_or(0, |a| a.grid_elems as usize)],
+            stage: vec![POISON; steps.buf_elems(Buf::Fp8Stage) as usize],
             queues,
             heads: [0; 3],
             events: vec![false; program.events()],
@@ -167,6 +174,8 @@ impl<'a> Rank<'a> {
             Buf::Rollout => self.rollout[i],
             Buf::SendSlot => self.send[slot][i],
             Buf::RecvSlot => self.recv[slot][i],
+            Buf::Fp8Stage => self.stage[i],
+            Buf::Scales => (self.grid[i / 2].to_bits() >> (16 * (i % 2))) as u16,
         }
     }
 
@@ -175,8 +184,9 @@ impl<'a> Rank<'a> {
             Buf::Rollout => self.rollout[i] = v,
             Buf::SendSlot => self.send[slot][i] = v,
             Buf::RecvSlot => self.recv[slot][i] = v,
-            // Validated steps never write the training buffer.
-            Buf::Source => {}
+            Buf::Fp8Stage => self.stage[i] = v,
+            // Validated steps never write the training buffer or the scale grid by copies.
+            Buf::Source | Buf::Scales => {}
         }
     }
 
@@ -210,6 +220,8 @@ enum Action {
     Exchange(usize, usize),
     /// Complete the posted all-gathers (every rank posted its group).
     Gather,
+    /// Run the fp8 agreement (every rank's network stream reached it).
+    Agree,
 }
 
 /// Runs every rank's program (`ranks[r]` for rank `r`, over training buffer `sources[r]`),
@@ -259,6 +271,7 @@ pub fn run_programs(
                 match rank.head(s) {
                     Some(Op::Wait { event, .. }) if !rank.events[*event] => {}
                     Some(Op::Nccl { .. }) if rank.posted => {}
+                    Some(Op::Agree) => {}
                     Some(_) => actions.push(Action::Run(r, s)),
                     None => {}
                 }
@@ -292,6 +305,9 @@ pub fn run_programs(
         {
             actions.push(Action::Gather);
         }
+        if rs.iter().all(|r| matches!(r.head(2), Some(Op::Agree))) {
+            actions.push(Action::Agree);
+        }
         // A posted group with no pending peers and no gathers completes by itself.
         for (r, rank) in rs.iter().enumerate() {
             if let Some(st) = posted(rank) {
@@ -322,6 +338,7 @@ pub fn run_programs(
         match actions[pick.below(actions.len())] {
             Action::Run(r, s) => step(&mut rs, r, s)?,
             Action::Exchange(a, b) => exchange(&mut rs, a, b)?,
+            Action::Agree => agree(&mut rs)?,
             Action::Gather => {
                 let Some(Op::Nccl { step, .. }) = rs[0].head(2) else {
                     continue;
@@ -387,6 +404,23 @@ fn step(rs: &mut [Rank<'_>], r: usize, s: usize) -> Result<(), HostError> {
                 quantise(master, &mut rank.rollout, q);
             }
         }
+        Op::Amax => {
+            let (master, agree) = agreed_parts(&rs[r])?;
+            let rank = &mut rs[r];
+            rank.grid.fill(0.0);
+            for region in &agree.amax {
+                partial_amax(master, &mut rank.grid, region);
+            }
+        }
+        Op::QuantiseAgreed => {
+            let (master, agree) = agreed_parts(&rs[r])?;
+            let rank = &mut rs[r];
+            for q in &agree.quantise {
+                quantise_agreed(master, rank, q);
+            }
+        }
+        // A collective: run by the scheduler's `Action::Agree` once every rank reached it.
+        Op::Agree => return Ok(()),
         Op::Copies {
             copies, slot, peer, ..
         } => {
@@ -430,19 +464,21 @@ fn step(rs: &mut [Rank<'_>], r: usize, s: usize) -> Result<(), HostError> {
     Ok(())
 }
 
+/// Byte `at` of a buffer of 2-byte elements (little-endian) set to `v`.
+fn set_byte(buf: &mut [u16], at: u64, v: u8) {
+    let e = &mut buf[(at / 2) as usize];
+    *e = if at.is_multiple_of(2) {
+        (*e & 0xff00) | v as u16
+    } else {
+        (*e & 0x00ff) | ((v as u16) << 8)
+    };
+}
+
 /// Writes `q`'s e4m3 bytes and block scales into `rollout` (bf16 bits, little-endian bytes), as
 /// the GPU kernel does: per 128 × 128 block the amax, `scale_inv = block_scale_inv(amax)`, every
 /// value `e4m3(x / scale_inv)`. The regions were validated with the steps.
 fn quantise(master: &[f32], rollout: &mut [u16], q: &Quantise) {
     let b = FP8_BLOCK as u64;
-    fn set_byte(rollout: &mut [u16], at: u64, v: u8) {
-        let e = &mut rollout[(at / 2) as usize];
-        *e = if at.is_multiple_of(2) {
-            (*e & 0xff00) | v as u16
-        } else {
-            (*e & 0x00ff) | ((v as u16) << 8)
-        };
-    }
     let bc = q.cols.div_ceil(b);
     for br in 0..q.rows.div_ceil(b) {
         for bcol in 0..bc {
@@ -468,6 +504,85 @@ fn quantise(master: &[f32], rollout: &mut [u16], q: &Quantise) {
             rollout[(2 * k + 1) as usize] = (bits >> 16) as u16;
         }
     }
+}
+
+/// The fp32 training buffer and the agreed fp8 steps of a rank running one of their operations.
+fn agreed_parts<'a>(
+    rank: &Rank<'a>,
+) -> Result<(&'a [f32], &'a lifecycle_layout::steps::Fp8Agree), HostError> {
+    let invalid = |what: &str| {
+        HostError::Layout(LayoutError::InvalidSteps {
+            rank: rank.steps.rank,
+            what: what.into(),
+        })
+    };
+    let Source::F32(master) = rank.source else {
+        return Err(invalid("an agreed fp8 switch reads a bf16 training buffer"));
+    };
+    let agree = rank
+        .steps
+        .agree
+        .as_ref()
+        .ok_or_else(|| invalid("an fp8 agreement without its steps"))?;
+    Ok((master, agree))
+}
+
+/// Calls `f(grid index, element index)` for every element of `r` (validated steps).
+fn each_in_grid(r: &GridRegion, mut f: impl FnMut(usize, usize)) {
+    let b = FP8_BLOCK as u64;
+    for i in 0..r.rows {
+        let row_blocks = r.grid + (r.row0 + i) / b * r.grid_cols + r.col_block0;
+        for c in 0..r.cols {
+            f(
+                (row_blocks + c / b) as usize,
+                (r.src_off + i * r.src_ld + c) as usize,
+            );
+        }
+    }
+}
+
+/// The amax of `r`'s values per block, into `grid` (max with what it holds).
+fn partial_amax(master: &[f32], grid: &mut [f32], r: &GridRegion) {
+    each_in_grid(r, |g, i| grid[g] = grid[g].max(master[i].abs()));
+}
+
+/// `q`'s bytes with the agreed scales in the rank's grid, as the GPU kernel writes them.
+fn quantise_agreed(master: &[f32], rank: &mut Rank<'_>, q: &AgreedQuantise) {
+    let mut k = 0u64;
+    let cols = q.region.cols.max(1);
+    let grid = &rank.grid;
+    let out = match q.dst {
+        Buf::Fp8Stage => &mut rank.stage,
+        _ => &mut rank.rollout,
+    };
+    each_in_grid(&q.region, |g, i| {
+        let at = q.dst_byte + (k / cols) * q.region.cols + k % cols;
+        set_byte(out, at, e4m3_from_f32(master[i] / grid[g]));
+        k += 1;
+    });
+}
+
+/// The agreement: every rank's grid replaced by the elementwise max over the ranks, each entry
+/// then its `scale_inv`; every rank's network stream moves past it.
+fn agree(rs: &mut [Rank<'_>]) -> Result<(), HostError> {
+    let n = rs.first().map_or(0, |r| r.grid.len());
+    if let Some(r) = rs.iter().find(|r| r.grid.len() != n) {
+        return Err(HostError::Layout(LayoutError::InvalidSteps {
+            rank: r.steps.rank,
+            what: format!(
+                "a scale grid of {} entries, rank 0's has {n}: the ranks' fp8 plans differ",
+                r.grid.len()
+            ),
+        }));
+    }
+    let agreed: Vec<f32> = (0..n)
+        .map(|i| block_scale_inv(rs.iter().fold(0.0f32, |m, r| m.max(r.grid[i]))))
+        .collect();
+    for r in rs.iter_mut() {
+        r.grid.copy_from_slice(&agreed);
+        r.heads[2] += 1;
+    }
+    Ok(())
 }
 
 /// Moves the messages between the posted groups of ranks `a` and `b`, both directions.

@@ -212,3 +212,200 @@ fn fp8_quantisation_runs_as_a_step_and_matches_the_fp8_switch() {
         );
     }
 }
+
+/// The rollouts of `plan`'s steps on the host step runner (under several stream interleavings),
+/// every rank's buffer read back through its entries; `peer` runs cross-rank bytes as peer
+/// copies.
+fn run_fp8_plan(
+    plan: &lifecycle_layout::fsdp::FsdpPlan,
+    st: &HostTrainState,
+    peer: bool,
+) -> Result<lifecycle_layout::HostRollout, lifecycle_host::HostError> {
+    use half::bf16;
+    use lifecycle_host::steps::{run_steps, Source};
+    use lifecycle_layout::{HostRollout, RankRollout};
+
+    let world = plan.core.world;
+    let mut plan = plan.clone();
+    plan.peer_copy = peer;
+    let shards = &plan.shards;
+    let masters: Vec<Vec<f32>> = (0..world)
+        .map(|r| {
+            let mut flat = vec![0.0f32; shards.rank_len as usize];
+            for (i, slot) in shards.slots.iter().enumerate() {
+                let shard = st.master_shard(r, i).unwrap();
+                flat[slot.offset as usize..slot.offset as usize + shard.len()]
+                    .copy_from_slice(shard);
+            }
+            flat
+        })
+        .collect();
+    let steps = (0..world)
+        .map(|r| plan.rank_steps(r))
+        .collect::<Result<Vec<_>, _>>()?;
+    let sources: Vec<Source<'_>> = masters.iter().map(|m| Source::F32(m)).collect();
+    let out = run_steps(steps, &sources, &[1, 2, 3, 4])?;
+    let mut ranks: Vec<RankRollout> = Vec::with_capacity(world);
+    for (r, roll) in out.into_iter().enumerate() {
+        let roll: Vec<bf16> = roll.into_iter().map(bf16::from_bits).collect();
+        let one = HostRollout::from_flat(&plan.entries(r), vec![roll])
+            .unwrap_or_else(|| panic!("rank {r}: the entries do not read the buffer"));
+        ranks.extend(one.ranks);
+    }
+    Ok(HostRollout { ranks })
+}
+
+/// [`specs`] with the experts two columns wider: an even width, so every FSDP shard split of
+/// them moves whole 2-byte elements, still with a partial edge block.
+fn even_specs() -> Vec<TensorSpec> {
+    specs()
+        .into_iter()
+        .map(|s| {
+            if s.name.contains("experts") {
+                TensorSpec::new(s.name, [300, 130], s.parallel)
+            } else {
+                s
+            }
+        })
+        .collect()
+}
+
+/// fp8 at W ∈ {2, 3, 4}, T ∈ {1, 2, 4} dividing W: the plan's steps (partial amaxes, the
+/// agreement by all-reduce, the pieces quantised with the agreed scales and sent as e4m3 bytes)
+/// run on the host step runner under several interleavings, with every gather mode, small and
+/// large buckets, and as peer copies, equal the host executor's fp8 switch and the
+/// full-tensor reference bit for bit. Blocks span shard boundaries (W = 3: 512 rows as 171 /
+/// 171 / 170), T = 2 slices row-parallel `o_proj` by columns (pieces staged), experts live on
+/// one rank.
+#[test]
+fn fp8_plans_at_w_above_1_match_the_host_executor_on_the_step_runner() {
+    use lifecycle_layout::fsdp::{build_fp8_plan, BucketConfig, GatherMode};
+    use lifecycle_layout::plan_fsdp_to_tp;
+
+    let keeps: [Fp8Keep; 2] = [Fp8Keep::default(), "attention".parse().unwrap()];
+    for world in [2, 3, 4] {
+        for tp in [1, 2, 4].into_iter().filter(|t| world % t == 0) {
+            let specs = even_specs();
+            let st = state(world, &specs);
+            let layout = RolloutLayout::new(tp, specs).unwrap();
+            for keep in keeps {
+                let want = fp8_switch_with(&st, &layout, keep).unwrap();
+                assert_eq!(want, fp8_reference(&st, &layout, keep).unwrap());
+                for (bucket_bytes, mode) in [
+                    (256 << 20, GatherMode::SendRecv),
+                    (4096, GatherMode::SendRecv),
+                    (4096, GatherMode::AllGather),
+                    (4096, GatherMode::Packed),
+                ] {
+                    let core = plan_fsdp_to_tp(st.layout(), &layout).unwrap();
+                    let config = BucketConfig {
+                        bucket_bytes,
+                        in_flight: 2,
+                        mode,
+                    };
+                    let plan = build_fp8_plan(core, st.layout(), config, keep).unwrap();
+                    let steps = plan.rank_steps(0).unwrap();
+                    let agree = steps.agree.as_ref().expect("an agreed fp8 switch");
+                    assert!(steps.quantise.is_empty() && !agree.amax.is_empty());
+                    for peer in [false, true]
+                        .into_iter()
+                        .filter(|p| !p || plan.peer_copyable())
+                    {
+                        let got = run_fp8_plan(&plan, &st, peer).unwrap();
+                        assert_eq!(
+                            got, want,
+                            "W={world} T={tp} keep {keep} {mode:?} {bucket_bytes} peer {peer}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Only fp8 bytes cross the links: at W = 2, T = 1 each rank receives the other's half of every
+/// quantised tensor as e4m3 bytes (1 byte per value), stages nothing (it sends from its own
+/// rollout buffer) and allocates one f32 per block of the scale grid.
+#[test]
+fn fp8_at_w2_sends_e4m3_bytes_from_the_rollout_buffer() {
+    use lifecycle_layout::fsdp::{build_fp8_plan, BucketConfig};
+    use lifecycle_layout::plan_fsdp_to_tp;
+
+    let specs = vec![TensorSpec::new(
+        "model.layers.0.mlp.up_proj.weight",
+        [512, 256],
+        Parallel::Column,
+    )];
+    let st = state(2, &specs);
+    let layout = RolloutLayout::new(1, specs).unwrap();
+    let core = plan_fsdp_to_tp(st.layout(), &layout).unwrap();
+    let plan = build_fp8_plan(
+        core,
+        st.layout(),
+        BucketConfig::default(),
+        Fp8Keep::default(),
+    )
+    .unwrap();
+    for r in 0..2 {
+        let steps = plan.rank_steps(r).unwrap();
+        let agree = steps.agree.as_ref().unwrap();
+        assert_eq!(agree.grid_elems, 4 * 2);
+        assert_eq!(agree.stage_elems, 0);
+        assert_eq!(
+            steps.recv_elems,
+            256 * 256 / 2,
+            "rank {r}: 256 rows of e4m3"
+        );
+        let net = &steps.steps[agree.step.unwrap()];
+        assert_eq!(net.sends.len(), 1);
+        assert_eq!(net.sends[0].buf, lifecycle_layout::steps::Buf::Rollout);
+    }
+    assert_eq!(
+        run_fp8_plan(&plan, &st, false).unwrap(),
+        fp8_switch(&st, &layout).unwrap()
+    );
+}
+
+/// A shard split that would move an odd number of e4m3 bytes (129-column experts in 75-row
+/// shards at W = 4) is refused before anything runs, naming the tensor and the way out.
+#[test]
+fn an_odd_byte_split_at_w_above_1_is_refused_by_name() {
+    use lifecycle_layout::fsdp::{build_fp8_plan, BucketConfig};
+    use lifecycle_layout::plan_fsdp_to_tp;
+
+    let specs = specs();
+    let st = state(4, &specs);
+    let layout = RolloutLayout::new(1, specs.clone()).unwrap();
+    let core = plan_fsdp_to_tp(st.layout(), &layout).unwrap();
+    let plan = build_fp8_plan(
+        core,
+        st.layout(),
+        BucketConfig::default(),
+        Fp8Keep::default(),
+    )
+    .unwrap();
+    let err = (0..4)
+        .map(|r| plan.rank_steps(r))
+        .find_map(Result::err)
+        .expect("an odd split")
+        .to_string();
+    assert!(
+        err.contains("experts.0.up_proj") && err.contains("Fp8Keep"),
+        "{err}"
+    );
+    // at W = 2 the same experts split into 150-row shards: an even byte count
+    let st = state(2, &specs);
+    let layout = RolloutLayout::new(1, specs).unwrap();
+    let core = plan_fsdp_to_tp(st.layout(), &layout).unwrap();
+    let plan = build_fp8_plan(
+        core,
+        st.layout(),
+        BucketConfig::default(),
+        Fp8Keep::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        run_fp8_plan(&plan, &st, false).unwrap(),
+        fp8_switch(&st, &layout).unwrap()
+    );
+}

@@ -1,6 +1,7 @@
 //! The executable plan: the core planner's pieces turned into per-rank, per-bucket lists of casts,
 //! sends and receives over flat device buffers. Pure: computed on the CPU, tested without a GPU.
 
+mod agree;
 mod fp8;
 mod steps;
 

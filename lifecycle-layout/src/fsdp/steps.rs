@@ -156,7 +156,17 @@ impl FsdpPlan {
             }
             steps.push(st);
         }
-        let quantise = self.rank_quantise(rank)?;
+        // fp8 at W > 1: the scales agreed across the ranks; at W = 1 each slice is the
+        // rank's own rows, quantised by one kernel that finds each block's amax itself.
+        let (mut quantise, mut agree, mut recv_fp8) = (Vec::new(), None, 0);
+        if self.core.world > 1 && self.fp8.iter().any(|s| !s.is_empty()) {
+            let a = self.rank_agree(rank, steps.len(), &mut copies)?;
+            steps.extend(a.step);
+            recv_fp8 = a.recv_elems;
+            agree = Some(a.agree);
+        } else {
+            quantise = self.rank_quantise(rank)?;
+        }
         let steps = RankSteps {
             rank,
             world: self.core.world,
@@ -164,6 +174,7 @@ impl FsdpPlan {
             copies,
             zero: Vec::new(),
             quantise,
+            agree,
             local,
             in_flight: self.config.in_flight.min(buckets.len()).max(1),
             steps,
@@ -180,15 +191,17 @@ impl FsdpPlan {
             source_elems: self.shards.rank_len,
             rollout_elems: self.roll_len,
             local_elems,
-            recv_elems: self.recv_bytes(rank) / 2,
+            recv_elems: self.recv_bytes(rank) / 2 + recv_fp8,
         };
         steps.validate()?;
         Ok(steps)
     }
 
-    /// Rank `rank`'s quantisations: one per fp8 slice of the plan, read from the rank's own
-    /// master shard. A slice whose rows the rank does not hold (fp8 at W > 1, where the amax of
-    /// a block whose rows live on several ranks must be agreed first) is refused by name.
+    /// Rank `rank`'s quantisations at W = 1: one per fp8 slice of the plan, read from the
+    /// rank's own master shard (at W > 1 the scales are agreed first: [`Fp8Agree`]). A slice
+    /// whose rows the rank does not hold is refused by name.
+    ///
+    /// [`Fp8Agree`]: crate::steps::Fp8Agree
     fn rank_quantise(&self, rank: usize) -> Result<Vec<Quantise>, LayoutError> {
         let Some(slices) = self.fp8.get(rank) else {
             return Ok(Vec::new());

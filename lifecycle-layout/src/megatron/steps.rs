@@ -180,6 +180,7 @@ impl RankSchedule {
             source: SourceType::Bf16,
             copies,
             quantise: Vec::new(),
+            agree: None,
             zero: self
                 .zero
                 .iter()

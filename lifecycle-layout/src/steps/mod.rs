@@ -12,7 +12,9 @@
 //! - **zero ranges**: rollout elements no transfer writes (vocabulary padding);
 //! - **quantisations** ([`Quantise`]): regions of the fp32 training buffer written into the
 //!   rollout buffer as block-scaled e4m3 (fp8 rollouts): one `scale_inv` per 128 × 128 block,
-//!   every element `e4m3(x / scale_inv)`.
+//!   every element `e4m3(x / scale_inv)`;
+//! - **agreed fp8** ([`Fp8Agree`]): at W > 1, the block scales agreed across the ranks (partial
+//!   amaxes, one all-reduce by max), then the pieces quantised with them and sent as e4m3 bytes.
 //!
 //! The FSDP bucket plans ([`crate::fsdp::FsdpPlan::rank_steps`]) and the Megatron schedules
 //! ([`crate::megatron::schedule::RankSchedule::rank_steps`]) are two producers of steps;
@@ -43,9 +45,11 @@ use std::ops::Range;
 
 use crate::{LayoutError, Region2d};
 
+mod agree;
 mod program;
 mod tiles;
 
+pub use agree::{AgreedQuantise, Fp8Agree, GridRegion};
 pub use program::{compile, CopyRole, Op, Program};
 pub use tiles::{push_tiles, Tile, TILE_BYTES, TILE_ELEMS};
 
@@ -60,6 +64,11 @@ pub enum Buf {
     SendSlot,
     /// The current step's receive staging slot (bf16).
     RecvSlot,
+    /// The fp8 stage ([`Fp8Agree::stage_elems`]): e4m3 bytes of pieces sent, in 2-byte elements.
+    Fp8Stage,
+    /// The fp8 scale grid ([`Fp8Agree::grid_elems`] f32), read as 2-byte elements (two per
+    /// scale, little-endian); only copies and the agreement read it.
+    Scales,
 }
 
 /// Element type of a rank's [`Buf::Source`] (every other buffer holds bf16).
@@ -298,6 +307,8 @@ pub struct RankSteps {
     /// Regions of the fp32 training buffer quantised into the rollout buffer (fp8 rollouts),
     /// on the auxiliary stream after the local chunks.
     pub quantise: Vec<Quantise>,
+    /// fp8 at W > 1: the block scales agreed across the ranks, the pieces quantised with them.
+    pub agree: Option<Fp8Agree>,
     /// Local chunks, in issue order.
     pub local: Vec<LocalChunk>,
     /// Network steps, in order.
@@ -332,12 +343,14 @@ impl RankSteps {
         self.zero.iter().map(|z| z.end - z.start).sum()
     }
 
-    /// Bytes of staging slots the rank allocates.
+    /// Bytes of staging the rank allocates: the slots in flight, and the fp8 scale grid and
+    /// stage of an agreed fp8 switch.
     pub fn staging_bytes(&self) -> u64 {
+        let fp8 = self.agree.as_ref().map_or(0, Fp8Agree::scratch_bytes);
         if self.steps.is_empty() {
-            return 0;
+            return fp8;
         }
-        self.in_flight as u64 * (self.send_slot_elems + self.recv_slot_elems) * 2
+        fp8 + self.in_flight as u64 * (self.send_slot_elems + self.recv_slot_elems) * 2
     }
 
     /// Elements of buffer `buf` (slots: one slot).
@@ -347,6 +360,8 @@ impl RankSteps {
             Buf::Rollout => self.rollout_elems,
             Buf::SendSlot => self.send_slot_elems,
             Buf::RecvSlot => self.recv_slot_elems,
+            Buf::Fp8Stage => self.agree.as_ref().map_or(0, |a| a.stage_elems),
+            Buf::Scales => self.agree.as_ref().map_or(0, |a| 2 * a.grid_elems),
         }
     }
 
@@ -444,6 +459,22 @@ impl RankSteps {
         for (i, q) in self.quantise.iter_mut().enumerate() {
             q.src_off = map(q.src_off, q.rows * q.cols, &format!("quantisation {i}"))?;
         }
+        if let Some(a) = self.agree.as_mut() {
+            let regions = a.amax.iter_mut().map(|r| ("partial amax", r));
+            let pieces = a
+                .quantise
+                .iter_mut()
+                .map(|q| ("agreed quantisation", &mut q.region));
+            for (i, (what, r)) in regions.chain(pieces).enumerate() {
+                let region = Region2d {
+                    rows: r.rows,
+                    cols: r.cols,
+                    src_ld: r.src_ld,
+                    dst_ld: r.cols,
+                };
+                r.src_off = map(r.src_off, span(&region, r.src_ld), &format!("{what} {i}"))?;
+            }
+        }
         self.source_elems = segments
             .iter()
             .zip(to)
@@ -460,7 +491,8 @@ impl RankSteps {
         self.validate_copies()?;
         self.validate_chunks()?;
         self.validate_steps()?;
-        self.validate_zero_and_quantise()
+        self.validate_zero_and_quantise()?;
+        self.validate_agree()
     }
 
     fn bad(&self, what: String) -> LayoutError {
@@ -489,8 +521,11 @@ impl RankSteps {
 
     fn validate_copies(&self) -> Result<(), LayoutError> {
         for (i, c) in self.copies.iter().enumerate() {
-            if c.dst == Buf::Source {
-                return Err(self.bad(format!("copy {i} writes the training buffer")));
+            if matches!(c.dst, Buf::Source | Buf::Scales | Buf::Fp8Stage) {
+                return Err(self.bad(format!(
+                    "copy {i} writes the {:?} buffer, which only its own step writes",
+                    c.dst
+                )));
             }
             if !self.inside(c.src, c.src_off, &c.region, c.region.src_ld)
                 || !self.inside(c.dst, c.dst_off, &c.region, c.region.dst_ld)
@@ -567,8 +602,8 @@ impl RankSteps {
                         m.count, m.buf, m.off, m.peer
                     )));
                 }
-                if what == "receive" && m.buf == Buf::Source {
-                    return Err(self.bad(format!("step {j} receives into the training buffer")));
+                if what == "receive" && matches!(m.buf, Buf::Source | Buf::Scales | Buf::Fp8Stage) {
+                    return Err(self.bad(format!("step {j} receives into the {:?} buffer", m.buf)));
                 }
             }
             for g in &st.gathers {
@@ -636,6 +671,62 @@ impl RankSteps {
                     q.rows, q.cols, q.src_off, q.dst_byte, q.scale
                 )));
             }
+        }
+        Ok(())
+    }
+
+    fn validate_agree(&self) -> Result<(), LayoutError> {
+        let Some(a) = &self.agree else {
+            return Ok(());
+        };
+        if self.source != SourceType::F32 {
+            return Err(self.bad("an agreed fp8 switch reads a bf16 training buffer".into()));
+        }
+        let region_ok = |r: &GridRegion| {
+            let rows_ok = r.rows == 0
+                || r.cols == 0
+                || (r.src_ld >= r.cols
+                    && (r.rows - 1)
+                        .checked_mul(r.src_ld)
+                        .and_then(|x| x.checked_add(r.cols))
+                        .and_then(|x| x.checked_add(r.src_off))
+                        .is_some_and(|end| end <= self.source_elems));
+            let cols_ok = r.col_block0 + r.block_cols() <= r.grid_cols;
+            rows_ok && cols_ok && r.grid_end() <= a.grid_elems
+        };
+        for (i, r) in a.amax.iter().enumerate() {
+            if !region_ok(r) {
+                return Err(self.bad(format!(
+                    "partial amax {i} ({r:?}) leaves the training buffer or the scale grid"
+                )));
+            }
+        }
+        for (i, q) in a.quantise.iter().enumerate() {
+            let end = q.dst_byte.checked_add(q.bytes());
+            let dst_bytes = 2 * self.buf_elems(q.dst);
+            if !region_ok(&q.region)
+                || !matches!(q.dst, Buf::Rollout | Buf::Fp8Stage)
+                || end.is_none_or(|e| e > dst_bytes)
+            {
+                return Err(self.bad(format!(
+                    "agreed quantisation {i} ({:?} into {:?} byte {}) leaves its buffers",
+                    q.region, q.dst, q.dst_byte
+                )));
+            }
+        }
+        if !self.range_ok(&a.scale_copies)
+            || self.copies[a.scale_copies.clone()]
+                .iter()
+                .any(|c| c.src != Buf::Scales || c.dst != Buf::Rollout)
+        {
+            return Err(self.bad(
+                "the fp8 scale copies must name copies from the scale grid into the rollout \
+                 buffer"
+                    .into(),
+            ));
+        }
+        if a.step.is_some_and(|j| j >= self.steps.len()) {
+            return Err(self.bad("the fp8 bytes' network step is missing".into()));
         }
         Ok(())
     }

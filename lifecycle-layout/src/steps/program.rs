@@ -8,6 +8,10 @@
 //!   network work; the pack of step `j + in_flight`, which reuses step `j`'s slots, is issued
 //!   only after the compute stream waited for step `j`'s network work;
 //! - local chunks issued after a step wait for the pack they give way to;
+//! - an agreed fp8 switch ([`Fp8Agree`](super::Fp8Agree)) issues its partial amaxes first on
+//!   the auxiliary stream and its agreement first on the network stream (after them); its
+//!   quantisation and scale copies go to the auxiliary stream (after the agreement) just before
+//!   the network step that sends the bytes, which waits for them;
 //! - at the end the compute stream waits for the network and auxiliary streams.
 
 use std::ops::Range;
@@ -31,6 +35,8 @@ pub enum CopyRole {
         /// The destination rank.
         peer: usize,
     },
+    /// The agreed fp8 scales copied into the rollout buffer.
+    Scales,
 }
 
 /// One operation of a [`Program`].
@@ -75,6 +81,15 @@ pub enum Op {
     },
     /// The quantisations of [`RankSteps::quantise`] (all of them), on the auxiliary stream.
     Quantise,
+    /// The partial amaxes of [`RankSteps::agree`] into the zeroed scale grid, on the auxiliary
+    /// stream.
+    Amax,
+    /// The agreement of [`RankSteps::agree`]: the scale grid all-reduced by max across every
+    /// rank, then turned into `scale_inv`s, on the network stream (a collective: every rank
+    /// issues it).
+    Agree,
+    /// The agreed quantisations of [`RankSteps::agree`], on the auxiliary stream.
+    QuantiseAgreed,
     /// Record event `event` on `stream` (each event is recorded once).
     Record {
         /// The stream.
@@ -152,6 +167,36 @@ pub fn compile(steps: &RankSteps) -> Result<Program, LayoutError> {
     if !steps.zero.is_empty() {
         p.ops.push(Op::Zero);
     }
+    // The agreement: partial amaxes, then the all-reduce, ahead of every other stream's work.
+    let agreed = match &steps.agree {
+        Some(_) => {
+            p.ops.push(Op::Amax);
+            let amax = p.record(Stream::Aux);
+            p.wait(Stream::Net, amax);
+            p.ops.push(Op::Agree);
+            Some(p.record(Stream::Net))
+        }
+        None => None,
+    };
+    // The agreed quantisation and scale copies on the auxiliary stream; the event they record.
+    let quantise_agreed = |p: &mut Program, agreed: usize| {
+        p.wait(Stream::Aux, agreed);
+        p.ops.push(Op::QuantiseAgreed);
+        if let Some(a) = &steps.agree {
+            if !a.scale_copies.is_empty() {
+                p.ops.push(Op::Copies {
+                    stream: Stream::Aux,
+                    copies: a.scale_copies.clone(),
+                    slot: 0,
+                    peer: None,
+                    overlap: false,
+                    role: CopyRole::Scales,
+                });
+            }
+        }
+        p.record(Stream::Aux)
+    };
+    let mut agreed_pending = agreed;
     let mut packed: Vec<usize> = Vec::with_capacity(n);
     let mut local_done: Vec<Option<usize>> = vec![None; steps.local.len()];
     let pack = |p: &mut Program, packed: &mut Vec<usize>, j: usize| {
@@ -215,6 +260,12 @@ pub fn compile(steps: &RankSteps) -> Result<Program, LayoutError> {
     for j in 0..n {
         let st = &steps.steps[j];
         p.wait(Stream::Net, packed[j]);
+        if steps.agree.as_ref().and_then(|a| a.step) == Some(j) {
+            if let Some(agreed) = agreed_pending.take() {
+                let done = quantise_agreed(&mut p, agreed);
+                p.wait(Stream::Net, done);
+            }
+        }
         if let Some(c) = st.wait_local {
             let Some(e) = local_done[c] else {
                 return Err(bad(format!(
@@ -271,6 +322,10 @@ pub fn compile(steps: &RankSteps) -> Result<Program, LayoutError> {
     if !steps.quantise.is_empty() {
         // After the local chunks on the same stream; the bytes it writes are its own.
         p.ops.push(Op::Quantise);
+    }
+    if let Some(agreed) = agreed_pending {
+        // No step sends fp8 bytes: the rank quantises only what it keeps.
+        quantise_agreed(&mut p, agreed);
     }
     let net = p.record(Stream::Net);
     p.wait(Stream::Compute, net);
