@@ -143,3 +143,106 @@ quantize_e4m3_jobs(const float* __restrict__ master, const u64* __restrict__ job
     }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// fp8 at W > 1 (lifecycle_layout::steps::Fp8Agree): block scales agreed across the ranks.
+//
+// Grid jobs, 11 u64 each: (first source element, source row pitch, rows, columns, grid index of
+// the tensor's block (0, 0), blocks per grid row, tensor row of the first row, grid column of the
+// first column, first byte written, 0: rollout / 1: stage, first tile), jobs in order of their
+// first tile. A job's tiles are the blocks it touches: (block rows touched) x (column blocks),
+// row-major; a tile covers the job's rows inside its block row and up to 128 columns.
+// Launch: one block of GRID_THREADS threads per tile.
+// ---------------------------------------------------------------------------------------------
+
+#define GRID_JOB 11
+#define GRID_THREADS 256
+
+struct GridTile {
+    const u64* j;
+    u64 r_lo, c_lo;  // region-relative first row and column of the tile
+    u32 h, w;        // rows and columns of the tile
+    u64 entry;       // the block's grid index
+};
+
+__device__ __forceinline__ GridTile grid_tile(const u64* jobs, u32 njobs, u32 tile) {
+    u32 lo = 0, hi = njobs;
+    while (hi - lo > 1) {
+        u32 mid = (lo + hi) / 2;
+        if (jobs[(u64)GRID_JOB * mid + 10] <= tile) lo = mid; else hi = mid;
+    }
+    GridTile t;
+    t.j = jobs + (u64)GRID_JOB * lo;
+    const u64* j = t.j;
+    u64 k = tile - j[10];
+    u64 rows = j[2], cols = j[3], row0 = j[6];
+    u64 bc = (cols + 127) / 128;
+    u64 gbr = row0 / 128 + k / bc, bcol = k % bc;
+    u64 r_lo = max(gbr * 128, row0) - row0;
+    u64 r_hi = min(gbr * 128 + 128, row0 + rows) - row0;
+    t.r_lo = r_lo;
+    t.c_lo = bcol * 128;
+    t.h = (u32)(r_hi - r_lo);
+    t.w = (u32)(min(t.c_lo + 128, cols) - t.c_lo);
+    t.entry = j[4] + gbr * j[5] + j[7] + bcol;
+    return t;
+}
+
+// The amax of each tile's values (the rows this rank holds of the block) into grid[entry].
+extern "C" __global__ void __launch_bounds__(GRID_THREADS)
+fp8_grid_amax(const float* __restrict__ master, const u64* __restrict__ jobs, u32 njobs,
+              u32 ntiles, float* __restrict__ grid) {
+    __shared__ float red[GRID_THREADS / 32];
+    for (u32 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+        GridTile t = grid_tile(jobs, njobs, tile);
+        const float* src = master + t.j[0] + t.r_lo * t.j[1] + t.c_lo;
+        u64 ld = t.j[1];
+        float m = 0.0f;
+        for (u32 i = threadIdx.x; i < t.h * t.w; i += blockDim.x) {
+            u32 r = i / t.w, c = i - r * t.w;
+            m = fmaxf(m, fabsf(src[r * ld + c]));
+        }
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        __syncthreads();  // the previous tile's readers of red are done
+        if ((threadIdx.x & 31u) == 0) red[threadIdx.x >> 5] = m;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float a = 0.0f;
+            for (u32 q = 0; q < blockDim.x / 32; ++q) a = fmaxf(a, red[q]);
+            grid[t.entry] = a;
+        }
+    }
+}
+
+// Every value of each tile as e4m3(x / scale_inv), scale_inv the agreed grid entry of its block,
+// into the job's bytes (row pitch: the job's columns) in the rollout buffer or the stage.
+extern "C" __global__ void __launch_bounds__(GRID_THREADS)
+fp8_grid_quantise(const float* __restrict__ master, const u64* __restrict__ jobs, u32 njobs,
+                  u32 ntiles, const float* __restrict__ grid, unsigned char* __restrict__ rollout,
+                  unsigned char* __restrict__ stage) {
+    for (u32 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+        GridTile t = grid_tile(jobs, njobs, tile);
+        const u64* j = t.j;
+        const float* src = master + j[0] + t.r_lo * j[1] + t.c_lo;
+        unsigned char* out = (j[9] ? stage : rollout) + j[8] + t.r_lo * j[3] + t.c_lo;
+        float s = grid[t.entry];
+        u64 ld = j[1], pitch = j[3];
+        for (u32 i = threadIdx.x; i < t.h * t.w; i += blockDim.x) {
+            u32 r = i / t.w, c = i - r * t.w;
+            out[r * pitch + c] = e4m3(src[r * ld + c] / s);
+        }
+    }
+}
+
+// The agreement's last move: out[i] = scale_inv(max over the `parts` partial grids of entry i)
+// (amax / 448, or 1 for an all-zero block). `parts` holds `nparts` device addresses of grids of
+// `n` floats; out may be the only part (in place, after an all-reduce by max).
+extern "C" __global__ void fp8_grid_agree(const u64* __restrict__ parts, u32 nparts, u64 n,
+                                          float* out) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (u64)gridDim.x * blockDim.x) {
+        float m = 0.0f;
+        for (u32 p = 0; p < nparts; ++p) m = fmaxf(m, reinterpret_cast<const float*>(parts[p])[i]);
+        out[i] = m > 0.0f ? m / 448.0f : 1.0f;
+    }
+}

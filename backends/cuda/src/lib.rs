@@ -35,6 +35,7 @@
 
 #![warn(missing_docs)]
 
+mod agree;
 mod comm;
 mod deadline;
 pub mod driver;
@@ -61,6 +62,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
 
+pub use agree::Rendezvous;
 pub use comm::{
     parse_blocking, parse_timeout, CollectiveSettings, CommFault, NcclComm, BLOCKING_ENV,
     TIMEOUT_ENV,
@@ -85,7 +87,7 @@ pub use placement::{RankPlacement, SharedGpu};
 pub use pool::{RankCtx, RankExecutor, RankFn, ThreadRankPool};
 pub use quantise::QUANTISE_KERNELS;
 pub use rollout::{RolloutBuffer, RolloutSource};
-pub use steps::{run_program, DeviceProgram, ProgramSlot, RunOptions, SourceBuf};
+pub use steps::{run_program, DeviceProgram, Peers, ProgramSlot, RunOptions, SourceBuf};
 pub use tiles::{TileKernel, TILE_KERNELS, TILE_KERNEL_SRC};
 pub use timeline::{DeviceSpan, Mark, RankSpans, StreamTimeline};
 pub use transfer::{

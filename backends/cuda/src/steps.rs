@@ -21,10 +21,11 @@ use lifecycle_layout::steps::{
     TILE_BYTES,
 };
 
+use crate::agree::{agree_scales, AgreedJobs, Rendezvous};
 use crate::quantise::QuantiseJobs;
 use crate::{
-    alloc_device, copy_2d, peer_base, CastBatch, CudaError, RankCtx, RankMoved, StreamTimeline,
-    TileKernel,
+    alloc_device, alloc_zeros, copy_2d, peer_base, CastBatch, CudaError, RankCtx, RankMoved,
+    StreamTimeline, TileKernel,
 };
 
 /// How one run of copies is launched.
@@ -52,6 +53,7 @@ pub struct DeviceProgram {
     tiles: CudaSlice<u8>,
     tile_kernel: TileKernel,
     quantise: Option<QuantiseJobs>,
+    agreed: Option<AgreedJobs>,
 }
 
 /// The training buffer a rank's switch reads.
@@ -175,6 +177,10 @@ impl DeviceProgram {
             .clone_htod(&bytes)
             .map_err(upload("uploading the copy tiles", bytes.len() as u64))?;
         let quantise = QuantiseJobs::upload(ctx, &steps.quantise)?;
+        let agreed = match &steps.agree {
+            Some(a) => Some(AgreedJobs::upload(ctx, a)?),
+            None => None,
+        };
         Ok(DeviceProgram {
             steps,
             program,
@@ -183,6 +189,7 @@ impl DeviceProgram {
             tiles,
             tile_kernel: TileKernel::load(ctx)?,
             quantise,
+            agreed,
         })
     }
 
@@ -248,25 +255,40 @@ fn span_name(role: CopyRole) -> (String, Link) {
     }
 }
 
+/// What a rank's program reaches of the other ranks of its process: their rollout buffers'
+/// addresses by global rank (for peer and remote copies; 0 where unknown) and, for an agreed
+/// fp8 switch on ranks without an NCCL communicator, where they meet.
+#[derive(Debug, Clone, Copy)]
+pub struct Peers<'a> {
+    /// Rollout buffer addresses by global rank.
+    pub bases: &'a [u64],
+    /// The fp8 meeting of the transfer (every rank of the job in this process).
+    pub meet: Option<&'a Rendezvous>,
+}
+
 /// Runs `prog` on this rank: reads `source`, writes `roll` (and, with peer copies or remote
-/// copies, the peers' rollout buffers at `bases`, by global rank), marks every piece of work on
-/// `tl`. Returns what the rank moved, with `tl` in it (read once the offload finished). On an
-/// error every stream is synchronised before the staging buffers are freed.
+/// copies, the peers' rollout buffers at `peers.bases`, by global rank), marks every piece of
+/// work on `tl`. Returns what the rank moved, with `tl` in it (read once the offload finished).
+/// On an error every stream is synchronised before the staging buffers are freed, and the
+/// rank leaves the fp8 meeting so its peers stop waiting.
 pub fn run_program(
     ctx: &RankCtx,
     prog: &DeviceProgram,
     source: SourceBuf<'_>,
     roll: &mut CudaSlice<bf16>,
-    bases: &[u64],
+    peers: Peers<'_>,
     opts: RunOptions,
     mut tl: StreamTimeline,
 ) -> Result<RankMoved, CudaError> {
-    match run_inner(ctx, prog, source, roll, bases, opts, &mut tl) {
+    match run_inner(ctx, prog, source, roll, peers, opts, &mut tl) {
         Ok(moved) => Ok(RankMoved {
             timeline: Some(tl),
             ..moved
         }),
         Err(e) => {
+            if let Some(meet) = peers.meet {
+                meet.abandon(ctx.rank, &e.to_string());
+            }
             // Nothing may still read or write the rollout or staging buffers when they are
             // freed after an error part-way through.
             let _ = ctx.sync_all();
@@ -281,18 +303,23 @@ fn run_inner(
     prog: &DeviceProgram,
     source: SourceBuf<'_>,
     roll: &mut CudaSlice<bf16>,
-    bases: &[u64],
+    peers: Peers<'_>,
     opts: RunOptions,
     tl: &mut StreamTimeline,
 ) -> Result<RankMoved, CudaError> {
     let s = &prog.steps;
     check_buffers(ctx.rank, s, source, roll)?;
     let (mut sslots, mut rslots) = alloc_slots(ctx, s)?;
+    let mut fp8 = Fp8Scratch::alloc(ctx, s)?;
     let issuer = Issuer {
         ctx,
         prog,
         source,
-        bases,
+        bases: peers.bases,
+        meet: peers.meet,
+        fp8_addrs: fp8
+            .as_mut()
+            .map(|f| (ctx.addr_mut(&mut f.grid), ctx.addr_mut(&mut f.stage))),
         opts,
         nccl: ctx.nccl_stream(),
         src_base: match source {
@@ -323,17 +350,16 @@ fn run_inner(
                     .map_err(ctx.drv("waiting on an event", 0))?;
             }
             Op::Quantise => issuer.quantise(tl)?,
-            Op::Amax | Op::Agree | Op::QuantiseAgreed => {
-                return Err(issuer.missing(
-                    "fp8 with scales agreed across ranks (W > 1) does not run on the GPU yet",
-                ))
-            }
+            Op::Amax => issuer.amax(fp8.as_mut(), tl)?,
+            Op::Agree => issuer.agree(fp8.as_mut(), tl)?,
+            Op::QuantiseAgreed => issuer.quantise_agreed(tl)?,
             Op::Zero => issuer.zero(roll, tl)?,
             Op::Copies { .. } => issuer.copies(i, op, tl)?,
             Op::Nccl { step, slot } => {
                 used_nccl = true;
                 let slots = (&sslots, &mut rslots);
-                issuer.nccl(*step, *slot, roll, slots, tl)?;
+                let stage = fp8.as_ref().map(|f| &f.stage);
+                issuer.nccl(*step, *slot, roll, slots, stage, tl)?;
             }
             Op::Push {
                 step,
@@ -350,15 +376,18 @@ fn run_inner(
         "the transfer's peer copies"
     };
     ctx.wait(&[&ctx.compute, &issuer.nccl], what)?;
-    let staging = s.staging_bytes();
+    let staging = s.staging_bytes() + fp8.as_ref().map_or(0, Fp8Scratch::gathered_bytes);
     drop(sslots);
     drop(rslots);
+    drop(fp8);
     ctx.compute
         .synchronize()
         .map_err(ctx.drv("freeing staging", 0))?;
     Ok(RankMoved {
         recv: s.recv_elems * 2,
-        local: s.local_elems * 2 + prog.quantise.as_ref().map_or(0, QuantiseJobs::bytes),
+        local: s.local_elems * 2
+            + prog.quantise.as_ref().map_or(0, QuantiseJobs::bytes)
+            + prog.agreed.as_ref().map_or(0, AgreedJobs::bytes),
         staging,
         timeline: None,
     })
@@ -425,6 +454,51 @@ fn alloc_slots(ctx: &RankCtx, s: &RankSteps) -> Result<(Slots, Slots), CudaError
     Ok((sslots, rslots))
 }
 
+/// The device buffers of an agreed fp8 switch, for one run: the agreed scale grid, the fp8
+/// stage and, on ranks without NCCL, the rank's partial grid and its copies of its peers'.
+struct Fp8Scratch {
+    grid: CudaSlice<f32>,
+    stage: CudaSlice<bf16>,
+    /// Without NCCL: the rank's own partial amaxes (its peers read them) and the peers' copied
+    /// next to each other.
+    meeting: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+}
+
+impl Fp8Scratch {
+    fn alloc(ctx: &RankCtx, s: &RankSteps) -> Result<Option<Fp8Scratch>, CudaError> {
+        let Some(a) = &s.agree else {
+            return Ok(None);
+        };
+        let (rank, n) = (ctx.rank, a.grid_elems as usize);
+        let grid = alloc_zeros::<f32>(&ctx.compute, n, rank, "the fp8 scale grid")?;
+        // SAFETY: the stage's bytes are read (sent) only after the agreed quantisation wrote
+        // them (the program orders the network step after it).
+        let stage = unsafe {
+            alloc_device::<bf16>(&ctx.compute, a.stage_elems as usize, rank, "the fp8 stage")?
+        };
+        let meeting = if ctx.comm.is_available() {
+            None
+        } else {
+            let own = alloc_zeros::<f32>(&ctx.compute, n, rank, "the fp8 partial grid")?;
+            let peers = ctx.world.saturating_sub(1).max(1) * n;
+            let copies = alloc_zeros::<f32>(&ctx.compute, peers, rank, "the peers' fp8 grids")?;
+            Some((own, copies))
+        };
+        Ok(Some(Fp8Scratch {
+            grid,
+            stage,
+            meeting,
+        }))
+    }
+
+    /// Bytes of the peers' copied grids (beyond [`RankSteps::staging_bytes`]).
+    fn gathered_bytes(&self) -> u64 {
+        self.meeting
+            .as_ref()
+            .map_or(0, |(own, peers)| 4 * (own.len() + peers.len()) as u64)
+    }
+}
+
 /// What the operations of one run issue against: the program, the device addresses of the
 /// rank's buffers (checked against the steps by [`check_buffers`]) and of the staging slots,
 /// the peers' rollout buffers, and the streams.
@@ -433,6 +507,9 @@ struct Issuer<'a> {
     prog: &'a DeviceProgram,
     source: SourceBuf<'a>,
     bases: &'a [u64],
+    meet: Option<&'a Rendezvous>,
+    /// The agreed scale grid's and the fp8 stage's addresses.
+    fp8_addrs: Option<(u64, u64)>,
     opts: RunOptions,
     nccl: Arc<CudaStream>,
     src_base: u64,
@@ -469,7 +546,14 @@ impl Issuer<'_> {
                 .get(slot)
                 .copied()
                 .ok_or_else(|| self.missing("no receive slot")),
-            Buf::Fp8Stage | Buf::Scales => Err(self.missing("no fp8 stage or scale grid")),
+            Buf::Scales => self
+                .fp8_addrs
+                .map(|(grid, _)| grid)
+                .ok_or_else(|| self.missing("no fp8 scale grid")),
+            Buf::Fp8Stage => self
+                .fp8_addrs
+                .map(|(_, stage)| stage)
+                .ok_or_else(|| self.missing("no fp8 stage")),
         }
     }
 
@@ -502,6 +586,140 @@ impl Issuer<'_> {
             "aux",
             bytes,
             link,
+        )
+    }
+
+    fn agreed_jobs(&self) -> Result<&AgreedJobs, CudaError> {
+        if !matches!(self.source, SourceBuf::F32(_)) {
+            return Err(self.missing("an agreed fp8 switch reads a bf16 training buffer"));
+        }
+        self.prog
+            .agreed
+            .as_ref()
+            .ok_or_else(|| self.missing("an fp8 agreement without its job tables"))
+    }
+
+    /// `Op::Amax`: the partial amaxes into the zeroed grid (the rank's own partial grid on ranks
+    /// without NCCL), on the auxiliary stream.
+    fn amax(&self, fp8: Option<&mut Fp8Scratch>, tl: &mut StreamTimeline) -> Result<(), CudaError> {
+        let ctx = self.ctx;
+        let jobs = self.agreed_jobs()?;
+        let f = fp8.ok_or_else(|| self.missing("an fp8 agreement without its grid"))?;
+        let grid = match &mut f.meeting {
+            Some((own, _)) => own,
+            None => &mut f.grid,
+        };
+        let mark = tl.begin(ctx, &ctx.aux)?;
+        // SAFETY: the source was checked against the validated steps and the grid holds the
+        // steps' `grid_elems` entries; both live until the runner synchronised; the program
+        // orders every reader of the grid after this stream's event.
+        unsafe { jobs.amax(ctx, &ctx.aux, self.src_base, grid)? };
+        let bytes = 4 * jobs.grid_elems();
+        tl.end(
+            ctx,
+            &ctx.aux,
+            mark,
+            Phase::Transfer,
+            "fp8 partial amax",
+            "aux",
+            bytes,
+            Some(Link::Local),
+        )
+    }
+
+    /// `Op::Agree`: the scale grid agreed by every rank, on the network stream: an all-reduce by
+    /// max with NCCL; without it, the peers' partial grids copied at the fp8 meeting.
+    fn agree(
+        &self,
+        fp8: Option<&mut Fp8Scratch>,
+        tl: &mut StreamTimeline,
+    ) -> Result<(), CudaError> {
+        let (ctx, rank) = (self.ctx, self.ctx.rank);
+        let n = self.agreed_jobs()?.grid_elems();
+        let f = fp8.ok_or_else(|| self.missing("an fp8 agreement without its grid"))?;
+        let grid = ctx.addr_mut(&mut f.grid);
+        let mark = tl.begin(ctx, &self.nccl)?;
+        match &mut f.meeting {
+            None => {
+                ctx.comm
+                    .all_reduce_in_place(&mut f.grid, &cudarc::nccl::ReduceOp::Max)?;
+                // SAFETY: the grid holds `n` floats, alive until the runner synchronised; it is
+                // its own only part (read then written entry by entry).
+                unsafe { agree_scales(ctx, &self.nccl, &[grid], n, grid)? };
+            }
+            Some((own, copies)) => {
+                let meet = self.meet.ok_or_else(|| {
+                    self.missing(
+                        "agreeing fp8 scales without NCCL needs every rank in this process",
+                    )
+                })?;
+                let timeout = ctx.collective_timeout();
+                // The partial amaxes done before the peers may read them.
+                ctx.wait(&[&ctx.aux], "the fp8 partial amaxes")?;
+                let mine = ctx.addr_mut(own);
+                let grids = meet.publish(rank, mine, timeout)?;
+                let base = ctx.addr_mut(copies);
+                let mut parts = vec![mine];
+                for (p, &addr) in grids.iter().enumerate().filter(|(p, _)| *p != rank) {
+                    let at = base + 4 * n * parts.len().saturating_sub(1) as u64;
+                    // SAFETY: the peer's partial grid holds `n` floats (the same steps' grid
+                    // on every rank), finished (its rank synchronised before publishing it) and
+                    // kept until every rank copied it (`Rendezvous::copied` below); the copy
+                    // lands in this rank's buffer of `(world - 1) · n` floats.
+                    unsafe {
+                        cudarc::driver::result::memcpy_dtod_async(
+                            at,
+                            addr,
+                            4 * n as usize,
+                            self.nccl.cu_stream(),
+                        )
+                    }
+                    .map_err(ctx.drv(&format!("copying rank {p}'s fp8 grid"), 4 * n))?;
+                    parts.push(at);
+                }
+                // SAFETY: every part holds `n` floats on this device (own and copied grids),
+                // the agreed grid `n`; all live until the runner synchronised.
+                unsafe { agree_scales(ctx, &self.nccl, &parts, n, grid)? };
+                ctx.wait(&[&self.nccl], "copying the peers' fp8 grids")?;
+                meet.copied(rank, timeout)?;
+            }
+        }
+        let bytes = 4 * n * ctx.world as u64;
+        tl.end(
+            ctx,
+            &self.nccl,
+            mark,
+            Phase::Transfer,
+            "fp8 agreement",
+            "nccl",
+            bytes,
+            Some(Link::DeviceToDevice),
+        )
+    }
+
+    /// `Op::QuantiseAgreed`: the pieces quantised with the agreed scales, on the auxiliary
+    /// stream.
+    fn quantise_agreed(&self, tl: &mut StreamTimeline) -> Result<(), CudaError> {
+        let ctx = self.ctx;
+        let jobs = self.agreed_jobs()?;
+        let (grid, stage) = self
+            .fp8_addrs
+            .ok_or_else(|| self.missing("an fp8 agreement without its grid"))?;
+        let mark = tl.begin(ctx, &ctx.aux)?;
+        // SAFETY: source, rollout buffer and stage were checked against (or allocated from) the
+        // validated steps; the grid was agreed before this stream's wait; all live until the
+        // runner synchronised; the bytes written are the steps' own.
+        unsafe { jobs.quantise(ctx, &ctx.aux, self.src_base, grid, (self.rbase, stage))? };
+        let what = "fp8 quantisation (agreed scales)";
+        tl.end(
+            ctx,
+            &ctx.aux,
+            mark,
+            Phase::Transfer,
+            what,
+            "aux",
+            jobs.bytes(),
+            Some(Link::Local),
         )
     }
 
@@ -633,6 +851,7 @@ impl Issuer<'_> {
         slot: usize,
         roll: &mut CudaSlice<bf16>,
         (sslots, rslots): (&Slots, &mut Slots),
+        stage: Option<&CudaSlice<bf16>>,
         tl: &mut StreamTimeline,
     ) -> Result<(), CudaError> {
         let (ctx, s, rank) = (self.ctx, &self.prog.steps, self.ctx.rank);
@@ -649,6 +868,10 @@ impl Issuer<'_> {
                     (Buf::SendSlot, _) if slot < sslots.len() => {
                         ctx.comm.send(&sslots[slot].slice(lo..hi), peer)
                     }
+                    (Buf::Fp8Stage, _) if stage.is_some() => match stage {
+                        Some(st) => ctx.comm.send(&st.slice(lo..hi), peer),
+                        None => Err(self.missing("no fp8 stage")),
+                    },
                     _ => Err(self.missing("a send from a buffer NCCL cannot read here")),
                 };
                 if let Err(e) = r {

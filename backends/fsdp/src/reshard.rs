@@ -41,14 +41,6 @@ impl FsdpBackend {
         let mut plan = match self.dtype {
             RolloutDtype::Bf16 => build_plan(core, train, self.config),
             RolloutDtype::Fp8 => {
-                if self.pool.world() != 1 {
-                    return Err(FsdpError::Config(format!(
-                        "fp8 rollout weights on the GPU are quantised at W = 1 so far (this pool \
-                         has W = {}): at W > 1 the amax of blocks whose rows live on several \
-                         ranks must be agreed first; use RolloutDtype::Bf16",
-                        self.pool.world()
-                    )));
-                }
                 finite()?;
                 build_fp8_plan(core, train, self.config, self.fp8_keep)?
             }

@@ -787,3 +787,159 @@ fn fp8_switch_matches_the_cpu_executor_at_w1() -> Res {
     }
     Ok(())
 }
+
+/// Shapes for fp8 at W > 1 and T ∈ {1, 2, 3, 4}: every TP slice of a quantised tensor keeps
+/// whole 128 × 128 blocks, FSDP shards cut blocks (rows not multiples of 128 · W), the edge
+/// blocks are partial, experts live on rank 0 (even widths: every shard split moves whole
+/// 2-byte elements), the embedding and the norm stay bf16.
+fn fp8_specs(tp: usize) -> Vec<TensorSpec> {
+    vec![
+        TensorSpec::new(
+            "model.embed_tokens.weight",
+            [40 * tp, 256],
+            Parallel::Column,
+        ),
+        TensorSpec::new(
+            "model.layers.0.self_attn.q_proj.weight",
+            [256 * tp, 256],
+            Parallel::Column,
+        ),
+        TensorSpec::new(
+            "model.layers.0.self_attn.o_proj.weight",
+            [260, 128 * tp],
+            Parallel::Row,
+        ),
+        TensorSpec::new(
+            "model.layers.0.input_layernorm.weight",
+            [256],
+            Parallel::Replicated,
+        ),
+        TensorSpec::new(
+            "model.layers.0.mlp.experts.0.up_proj.weight",
+            [300, 130],
+            Parallel::Owned { rank: 0 },
+        ),
+        TensorSpec::new(
+            "model.layers.0.mlp.down_proj.weight",
+            [7, 128 * tp],
+            Parallel::Row,
+        ),
+    ]
+}
+
+/// An fp8 switch at W > 1 on `devices` (one rank each) at rollout degree `tp`, entered twice
+/// through the lifecycle under `memory` and downloaded: every e4m3 byte, block scale and bf16
+/// tensor equal to the CPU executor's fp8 switch (`lifecycle_host::fp8::fp8_switch`). Returns
+/// whether the plan ran as peer copies.
+fn check_fp8_at(
+    devices: &[usize],
+    tp: usize,
+    memory: MemoryPolicy,
+) -> Result<bool, Box<dyn std::error::Error>> {
+    use lifecycle_host::fp8::fp8_switch;
+    use lifecycle_layout::fp8::RolloutDtype;
+    let world = devices.len();
+    let specs = fp8_specs(tp);
+    let host = HostTrainState::from_tensors(world, host_tensors(&specs))?;
+    let layout = RolloutLayout::new(tp, specs)?;
+    let want = fp8_switch(&host, &layout)?;
+    let pool = Arc::new(ThreadRankPool::on_devices(devices)?);
+    let backend = FsdpBackend::new(pool, layout).with_rollout_dtype(RolloutDtype::Fp8);
+    let state = backend.state_from_host(&host)?;
+    let mut lc = Lifecycle::with_config(
+        backend,
+        state,
+        LifecycleConfig {
+            switching: Switching::Lazy,
+            memory,
+        },
+    )?;
+    let what = format!("fp8 W={world} on GPUs {devices:?} T={tp} {memory:?}");
+    for round in 0..2 {
+        let session = lc.rollout()?;
+        let got = session.backend().download_rollout(&session.weights())?;
+        if let Some((rank, name)) = got.first_difference(&want) {
+            return Err(format!(
+                "{what} round {round}: rank {rank} `{name}` differs from the CPU executor"
+            )
+            .into());
+        }
+        assert_eq!(got, want, "{what}");
+        let quantised = got
+            .ranks
+            .iter()
+            .flat_map(|r| &r.tensors)
+            .filter(|t| t.fp8.is_some())
+            .count();
+        assert!(
+            quantised >= 3 * world,
+            "{what}: {quantised} quantised slices"
+        );
+        drop(session);
+        lc.train()?;
+    }
+    let peer = lifecycle_core::Reshard::plan(lc.backend(), lc.peek_state())?.peer_copy;
+    eprintln!("{what}: bit-identical to the CPU executor, twice (peer copies {peer})");
+    Ok(peer)
+}
+
+/// fp8 at W = 2, 3, 4 ranks sharing GPU 0, every T dividing W: the ranks have no NCCL, so they
+/// agree their block scales at the transfer's meeting (each copies its peers' partial amax
+/// grids), then move e4m3 bytes as peer copies; bit-identical to the CPU executor, resident and
+/// with the masters offloaded.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn fp8_ranks_sharing_one_gpu_match_the_cpu_executor() -> Res {
+    require_gpus(1)?;
+    let mut n = 0;
+    for (world, tp) in shared_cases() {
+        for memory in [MemoryPolicy::resident(), MemoryPolicy::default()] {
+            assert!(
+                check_fp8_at(&vec![0; world], tp, memory)?,
+                "shared GPU: peer copies"
+            );
+            n += 1;
+        }
+    }
+    assert_eq!(n, 14);
+    Ok(())
+}
+
+/// Needs 2 GPUs: fp8 at W = 2 over NCCL (the agreement an all-reduce by max), T = 1 and 2.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn fp8_at_w2_over_nccl_matches_the_cpu_executor() -> Res {
+    require_gpus(2)?;
+    for tp in [1, 2] {
+        check_fp8_at(&[0, 1], tp, MemoryPolicy::default())?;
+    }
+    Ok(())
+}
+
+/// The fp8 cases of the GPU tests plan on any machine: every shared-GPU (W, T) builds an fp8
+/// plan whose ranks agree their scales, and the CPU executor's answer exists to compare with.
+#[test]
+fn the_fp8_shared_gpu_cases_plan_and_have_a_cpu_answer() {
+    use lifecycle_layout::fp8::Fp8Keep;
+    use lifecycle_layout::fsdp::build_fp8_plan;
+    for (w, t) in shared_cases() {
+        let specs = fp8_specs(t);
+        let host = HostTrainState::from_tensors(w, host_tensors(&specs)).unwrap();
+        let layout = RolloutLayout::new(t, specs).unwrap();
+        let want = lifecycle_host::fp8::fp8_switch(&host, &layout).unwrap();
+        assert_eq!(want.ranks.len(), w);
+        let core = plan_fsdp_to_tp(host.layout(), &layout).unwrap();
+        let plan = build_fp8_plan(
+            core,
+            host.layout(),
+            BucketConfig::default(),
+            Fp8Keep::default(),
+        )
+        .unwrap();
+        assert!(plan.peer_copyable(), "W={w} T={t}");
+        for r in 0..w {
+            let steps = plan.rank_steps(r).unwrap();
+            assert!(steps.agree.is_some(), "W={w} T={t} rank {r}");
+        }
+    }
+}

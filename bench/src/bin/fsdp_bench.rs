@@ -65,8 +65,8 @@ struct Cli {
     /// Skip the DAPO-shaped loop.
     #[arg(long)]
     skip_dapo: bool,
-    /// Also time the resident switch with fp8 rollout weights against bf16 (W = 1 only), each
-    /// against its floor (4 bytes read and 1 written per quantised element, 2 per bf16 one).
+    /// Also time the resident switch at T = 1 with fp8 rollout weights against bf16; at W = 1
+    /// each against its floor (4 bytes read and 1 written per quantised element, 2 per bf16 one).
     #[arg(long)]
     fp8: bool,
     /// Fewer bucket configurations, and one setting of the cast kernel's blocks per SM.
@@ -335,9 +335,10 @@ fn backend_at(
         .with_transport(transport))
 }
 
-/// The resident switch at W = T = 1 with fp8 rollout weights against the same switch in bf16:
-/// medians of `iters` enters and exits each, against their floors at the device copy rate `d2d`
-/// (fp32 masters read, rollout bytes written: 5 bytes per quantised element, 6 per bf16 one).
+/// The resident switch at T = 1 with fp8 rollout weights against the same switch in bf16:
+/// medians of `iters` enters and exits each; at W = 1 against their floors at the device copy
+/// rate `d2d` (fp32 masters read, rollout bytes written: 5 bytes per quantised element, 6 per
+/// bf16 one). At W > 1 the fp8 switch agrees its block scales across the ranks first.
 fn fp8_against_bf16(
     pool: &Arc<ThreadRankPool>,
     model: &Model,
@@ -345,10 +346,7 @@ fn fp8_against_bf16(
     iters: usize,
     d2d: f64,
 ) -> Result<FsdpTrainState, Box<dyn Error>> {
-    if pool.world() != 1 {
-        println!("fp8: skipped (fp8 switches on the GPU run at W = 1)");
-        return Ok(state);
-    }
+    let w = pool.world();
     let mut times = Vec::new();
     for dtype in [RolloutDtype::Bf16, RolloutDtype::Fp8] {
         let backend = FsdpBackend::new(pool.clone(), model.layout(1)?).with_rollout_dtype(dtype);
@@ -360,21 +358,29 @@ fn fp8_against_bf16(
         let mut lc = lazy_lifecycle(backend, state, MemoryPolicy::resident())?;
         let (en, ex) = time_cycles(&mut lc, iters, true)?;
         let m = lc.metrics().clone();
-        println!(
-            "{dtype} rollout weights, W = T = 1, resident: {}; {:.3} GB held, floor {} (fp32 \
-             read + rollout written at {:.0} GB/s), ratio {:.2}x",
-            resident_times(en, ex, &m),
-            held as f64 / GB,
-            ms(floor),
-            d2d / GB,
-            en / floor
-        );
+        if w == 1 {
+            println!(
+                "{dtype} rollout weights, W = T = 1, resident: {}; {:.3} GB held, floor {} \
+                 (fp32 read + rollout written at {:.0} GB/s), ratio {:.2}x",
+                resident_times(en, ex, &m),
+                held as f64 / GB,
+                ms(floor),
+                d2d / GB,
+                en / floor
+            );
+        } else {
+            println!(
+                "{dtype} rollout weights, W = {w}, T = 1, resident: {}; {:.3} GB held per rank",
+                resident_times(en, ex, &m),
+                held as f64 / GB,
+            );
+        }
         times.push((en, held));
         state = lc.into_parts()?.1;
     }
     if let [(bf, bf_held), (f8, f8_held)] = times[..] {
         println!(
-            "fp8 vs bf16 at W = T = 1: enter {:.2}x, rollout weights {:.2}x the bytes",
+            "fp8 vs bf16 at W = {w}, T = 1: enter {:.2}x, rollout weights {:.2}x the bytes",
             f8 / bf,
             f8_held as f64 / bf_held as f64
         );

@@ -23,7 +23,9 @@ pub struct Fp8Slice {
 /// plan of the bf16 tensors
 /// ([`build_plan`]) and, per rank, the fp8 slices after them. Every rank's slice of a quantised
 /// tensor must start and end on 128 × 128 block boundaries
-/// ([`LayoutError::Fp8BlockSplit`] otherwise, naming the tensor).
+/// ([`LayoutError::Fp8BlockSplit`] otherwise, naming the tensor). At W > 1 the pieces that
+/// cross ranks move as e4m3 bytes in 2-byte elements: a shard split that would move an odd byte
+/// count is refused too ([`LayoutError::InvalidSteps`], naming the tensor).
 ///
 /// ```
 /// use lifecycle_layout::fsdp::{build_fp8_plan, BucketConfig};
@@ -83,6 +85,13 @@ pub fn build_fp8_plan(
             slices
         })
         .collect();
+    // At W > 1 the pieces that cross ranks move as e4m3 bytes: refused now, naming the tensor,
+    // if a shard split would move an odd byte count (nothing has moved yet).
+    if plan.core.world > 1 {
+        for r in 0..plan.core.world {
+            plan.rank_agree(r, 0, &mut Vec::new())?;
+        }
+    }
     Ok(plan)
 }
 

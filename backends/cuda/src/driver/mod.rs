@@ -36,9 +36,9 @@ use lifecycle_layout::LayoutError;
 use std::sync::Arc;
 
 use crate::{
-    peer_bases, record_spans, record_transfer, run_program, CudaError, FreeingRoom, PinnedPool,
-    PinnedReservation, ProgramSlot, RankCtx, RankExecutor, RankMoved, RankReservation, RankSpans,
-    RunOptions, StreamTimeline,
+    peer_bases, record_spans, record_transfer, run_program, CudaError, FreeingRoom, Peers,
+    PinnedPool, PinnedReservation, ProgramSlot, RankCtx, RankExecutor, RankMoved, RankReservation,
+    RankSpans, Rendezvous, RunOptions, StreamTimeline,
 };
 
 /// A reloaded buffer whose contents differ from what was offloaded, as a
@@ -161,6 +161,13 @@ impl<'a, P: RankExecutor> SwitchDriver<'a, P> {
             vec![0u64; self.pool.world()]
         };
         let bases = &bases;
+        // Ranks without an NCCL communicator (sharing a GPU) agree fp8 scales here; only a
+        // process that drives every rank of the job can host the meeting.
+        let meet = Rendezvous::new(self.pool.world());
+        let peers = Peers {
+            bases,
+            meet: (locals == self.pool.world()).then_some(&meet),
+        };
         programs.resize_with(locals, ProgramSlot::default);
         let mut items: Vec<_> = ranks
             .iter_mut()
@@ -201,7 +208,7 @@ impl<'a, P: RankExecutor> SwitchDriver<'a, P> {
                     prog.get_or_build(ctx, spec.key.clone(), spec.batched_casts, || {
                         (spec.steps)(ctx, *local, len)
                     })?;
-                run_program(ctx, program, source, roll, bases, spec.opts, tl)
+                run_program(ctx, program, source, roll, peers, spec.opts, tl)
             })
     }
 
