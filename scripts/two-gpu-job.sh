@@ -42,6 +42,8 @@ part suite 900 env GPU_SUITE_LOGS="$OUT/suite-logs" GPU_SUITE_TIMEOUT=400 "$BIN/
 
 # 2. benchmarks, then the PyTorch peer right after
 part fsdp_bench 600 "$BIN/fsdp_bench" --world "$W" --skip-dapo
+# fp8 rollout weights at W: the block scales agreed across the ranks (NCCL all-reduce by max)
+part fsdp_bench_fp8 600 "$BIN/fsdp_bench" --world "$W" --skip-dapo --skip-offload --quick --tp 1 --fp8
 part megatron_bench 600 "$BIN/megatron_bench" --world "$W"
 part moe_bench 300 "$BIN/fsdp_bench" --world "$W" --model qwen3-30b-a3b --layers 8 --skip-dapo --fp8 --experts ep
 part megatron_moe_bench 300 "$BIN/megatron_bench" --world "$W" --model qwen3-30b-a3b --layers 8 --ep "$W" --experts ep
@@ -63,6 +65,7 @@ KV=${KV_TOKENS:-$((850000 * W))}
 part dapo_fsdp_7b_kv_overlap 600 "$BIN/dapo" --backend fsdp --gpus "$W" --tp "$W" --synthetic 7b --steps 2 --samples-digest --kv-tokens "$KV"
 part dapo_fsdp_7b_kv_settled 600 "$BIN/dapo" --backend fsdp --gpus "$W" --tp "$W" --synthetic 7b --steps 2 --samples-digest --kv-tokens "$KV" --offload-overlap false
 part dapo_megatron_7b_kv_overlap 600 "$BIN/dapo" --backend megatron --gpus "$W" --tp "$W" --synthetic 7b --steps 2 --samples-digest --kv-tokens "$KV"
+part dapo_fsdp_7b_fp8 600 "$BIN/dapo" --backend fsdp --gpus "$W" --tp "$W" --synthetic 7b --steps 2 --samples-digest --rollout-dtype fp8 --fp8-compute w8a8
 part dapo_megatron_7b 600 "$BIN/dapo" --backend megatron --gpus "$W" --tp "$W" --synthetic 7b --steps 2
 part dapo_megatron_moe 300 "$BIN/dapo" --backend megatron --gpus "$W" --tp "$W" --train-tp 1 --pp 1 --ep "$W" --etp 1 --experts ep --checkpoint models/decoder/fixtures/moe/moe_e4_untied_v61 --steps 3
 

@@ -128,7 +128,8 @@ pub struct LoopOptions {
     /// partitioned over the rollout ranks.
     #[arg(skip)]
     pub experts: ExpertPlacement,
-    /// The rollout weights' dtype (fp8: quantised in the switch; the FSDP layout at W = 1).
+    /// The rollout weights' dtype (fp8: quantised in the switch, the block scales agreed across
+    /// the ranks at W > 1; the FSDP layout).
     #[arg(skip)]
     pub rollout_dtype: RolloutDtype,
     /// Matrices an fp8 rollout keeps bf16 beyond the published exemptions.
