@@ -899,6 +899,23 @@ mod tests {
     }
 
     #[test]
+    fn the_gpu_engine_keeps_bf16_kv_unless_told_otherwise() {
+        use lifecycle_decoder::KvDtype;
+        assert_eq!(fsdp(&["--backend", "fsdp"]).gpu.kv_dtype, KvDtype::Bf16);
+        let o = fsdp(&["--backend", "megatron", "--kv-dtype", "f32"]);
+        assert_eq!(o.gpu.kv_dtype, KvDtype::F32);
+        assert!(o.check().is_ok());
+        let fp8 = fsdp(&["--backend", "fsdp", "--kv-dtype", "fp8"]).check();
+        assert!(format!("{fp8:?}").contains("--kv-dtype fp8"), "{fp8:?}");
+        // a GPU engine option on the host backend is refused by name
+        match plan(&["--kv-dtype", "f32"]) {
+            Err(e) => assert!(e.to_string().contains("--kv-dtype"), "{e}"),
+            other => panic!("expected an error, got {other:?}"),
+        }
+        assert!(Args::parse_from_argv(["dapo", "--kv-dtype", "f16"]).is_err());
+    }
+
+    #[test]
     fn gpu_runs_offload_by_need_unless_told_otherwise() {
         use lifecycle_examples::gpu_dapo::memory::MemoryChoice;
         assert_eq!(

@@ -20,6 +20,12 @@ __device__ __forceinline__ void split_store(u16* out, u64 i, u64 half_len, float
     out[half_len + i] = f2bf(v - bf(hi));
 }
 
+// The KV cache's element: f32, or bf16 (rounded to nearest even when stored).
+__device__ __forceinline__ float kv_get(const float* c, u64 i) { return c[i]; }
+__device__ __forceinline__ float kv_get(const u16* c, u64 i) { return bf(c[i]); }
+__device__ __forceinline__ void kv_put(float* c, u64 i, float v) { c[i] = v; }
+__device__ __forceinline__ void kv_put(u16* c, u64 i, float v) { c[i] = f2bf(v); }
+
 __device__ float block_sum(float v, float* red) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
@@ -207,12 +213,13 @@ extern "C" __global__ void add_rows(const float* __restrict__ a, const float* re
 }
 
 // Rotary embedding (pairs (j, j + d/2)) of q [n x qh x d] in place; k rotated and v copied into
-// the caches [seq][cap][kvh][d] at (seqs[r], poss[r]).
-extern "C" __global__ void rope_store(float* __restrict__ q, const float* __restrict__ k,
-                                      const float* __restrict__ v, float* __restrict__ kc,
-                                      float* __restrict__ vc, const u32* __restrict__ seqs,
-                                      const u32* __restrict__ poss, const float* __restrict__ inv_freq,
-                                      u32 n, u32 qh, u32 kvh, u32 d, u32 cap) {
+// the caches [seq][cap][kvh][d] (elements T: float, or u16 holding bf16) at (seqs[r], poss[r]).
+template <typename T>
+__device__ void rope_store_t(float* __restrict__ q, const float* __restrict__ k,
+                             const float* __restrict__ v, T* __restrict__ kc,
+                             T* __restrict__ vc, const u32* __restrict__ seqs,
+                             const u32* __restrict__ poss, const float* __restrict__ inv_freq,
+                             u32 n, u32 qh, u32 kvh, u32 d, u32 cap) {
     u32 half = d / 2;
     u64 per_row = (u64)(qh + kvh) * half;
     u64 total = (u64)n * per_row;
@@ -233,23 +240,24 @@ extern "C" __global__ void rope_store(float* __restrict__ q, const float* __rest
             const float* p = k + ((u64)r * kvh + kv) * d;
             u64 at = (((u64)seqs[r] * cap + pos) * kvh + kv) * d;
             float a = p[j], b = p[j + half];
-            kc[at + j] = a * c - b * s;
-            kc[at + j + half] = b * c + a * s;
+            kv_put(kc, at + j, a * c - b * s);
+            kv_put(kc, at + j + half, b * c + a * s);
             const float* pv = v + ((u64)r * kvh + kv) * d;
-            vc[at + j] = pv[j];
-            vc[at + j + half] = pv[j + half];
+            kv_put(vc, at + j, pv[j]);
+            kv_put(vc, at + j + half, pv[j + half]);
         }
     }
 }
 
 // One block per (row r, local query head j): softmax(q . k / sqrt(d)) over cache positions
 // 0..=poss[r] of sequence seqs[r], times v; output split into out [2n x qh x d].
-// Dynamic shared memory: (d + cap) floats.
-extern "C" __global__ void attention(const float* __restrict__ q, const float* __restrict__ kc,
-                                     const float* __restrict__ vc, const u32* __restrict__ seqs,
-                                     const u32* __restrict__ poss, u16* __restrict__ out,
-                                     u32 n, u32 qh, u32 kvh, u32 d, u32 cap,
-                                     u32 q_base, u32 group, u32 kv_base, float scale) {
+// Dynamic shared memory: (d + cap) floats. Cache elements T as rope_store_t's.
+template <typename T>
+__device__ void attention_t(const float* __restrict__ q, const T* __restrict__ kc,
+                            const T* __restrict__ vc, const u32* __restrict__ seqs,
+                            const u32* __restrict__ poss, u16* __restrict__ out,
+                            u32 n, u32 qh, u32 kvh, u32 d, u32 cap,
+                            u32 q_base, u32 group, u32 kv_base, float scale) {
     extern __shared__ float sm[];
     __shared__ float red[32];
     u32 r = blockIdx.x / qh, j = blockIdx.x % qh;
@@ -260,13 +268,13 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
     for (u32 t = threadIdx.x; t < d; t += blockDim.x) qs[t] = q[((u64)r * qh + j) * d + t];
     __syncthreads();
     u64 stride = (u64)kvh * d;
-    const float* kb = kc + (u64)seq * cap * stride + (u64)kv * d;
-    const float* vb = vc + (u64)seq * cap * stride + (u64)kv * d;
+    const T* kb = kc + (u64)seq * cap * stride + (u64)kv * d;
+    const T* vb = vc + (u64)seq * cap * stride + (u64)kv * d;
     float mx = NEG_INF;
     for (u32 p = threadIdx.x; p < len; p += blockDim.x) {
-        const float* kp = kb + p * stride;
+        const T* kp = kb + p * stride;
         float s = 0.0f;
-        for (u32 t = 0; t < d; ++t) s += qs[t] * kp[t];
+        for (u32 t = 0; t < d; ++t) s += qs[t] * kv_get(kp, t);
         s *= scale;
         sc[p] = s;
         mx = fmaxf(mx, s);
@@ -284,13 +292,36 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
     u64 half_len = (u64)n * qh * d;
     for (u32 t = threadIdx.x; t < d; t += blockDim.x) {
         float o = 0.0f;
-        for (u32 p = 0; p < len; ++p) o += sc[p] * vb[p * stride + t];
+        for (u32 p = 0; p < len; ++p) o += sc[p] * kv_get(vb, p * stride + t);
         split_store(out, ((u64)r * qh + j) * d + t, half_len, o);
     }
 }
 
-// Copies blocks of old_block floats to a buffer with blocks of new_block floats (cache growth).
-extern "C" __global__ void grow_blocks(const float* __restrict__ src, float* __restrict__ dst,
+#define ROPE_STORE(NAME, T)                                                                         \
+    extern "C" __global__ void NAME(float* __restrict__ q, const float* __restrict__ k,             \
+                                    const float* __restrict__ v, T* __restrict__ kc,                \
+                                    T* __restrict__ vc, const u32* __restrict__ seqs,               \
+                                    const u32* __restrict__ poss, const float* __restrict__ inv_freq, \
+                                    u32 n, u32 qh, u32 kvh, u32 d, u32 cap) {                       \
+        rope_store_t<T>(q, k, v, kc, vc, seqs, poss, inv_freq, n, qh, kvh, d, cap);                 \
+    }
+ROPE_STORE(rope_store, float)
+ROPE_STORE(rope_store_bf16, u16)
+
+#define ATTENTION(NAME, T)                                                                          \
+    extern "C" __global__ void NAME(const float* __restrict__ q, const T* __restrict__ kc,          \
+                                    const T* __restrict__ vc, const u32* __restrict__ seqs,         \
+                                    const u32* __restrict__ poss, u16* __restrict__ out,            \
+                                    u32 n, u32 qh, u32 kvh, u32 d, u32 cap,                         \
+                                    u32 q_base, u32 group, u32 kv_base, float scale) {              \
+        attention_t<T>(q, kc, vc, seqs, poss, out, n, qh, kvh, d, cap, q_base, group, kv_base, scale); \
+    }
+ATTENTION(attention, float)
+ATTENTION(attention_bf16, u16)
+
+// Copies blocks of old_block 2-byte units to a buffer with blocks of new_block units (cache
+// growth; a unit is half an f32 element or one bf16 element).
+extern "C" __global__ void grow_blocks(const u16* __restrict__ src, u16* __restrict__ dst,
                                        u64 blocks, u64 old_block, u64 new_block) {
     u64 total = blocks * old_block;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
@@ -299,7 +330,6 @@ extern "C" __global__ void grow_blocks(const float* __restrict__ src, float* __r
     }
 }
 
-// One block per row: index of the largest value (the first one on ties), as the host argmax.
 extern "C" __global__ void argmax_rows(const float* __restrict__ x, u32* __restrict__ out, u32 cols) {
     __shared__ float bv[256];
     __shared__ u32 bi[256];
@@ -351,10 +381,10 @@ extern "C" __global__ void gather_vocab(const float* __restrict__ g, float* __re
     }
 }
 
-// The KV cache [blocks][slots][cap][width] (block = layer x {k, v}): for each fork f, positions
+// The KV cache [blocks][slots][cap][width] in 2-byte units (block = layer x {k, v}; width in units): for each fork f, positions
 // 0..len of slot src are copied to slot dst in every block (forks = [src, dst, len] x count,
 // len <= longest; a src is never a dst).
-extern "C" __global__ void fork_kv(float* __restrict__ cache, const u32* __restrict__ forks,
+extern "C" __global__ void fork_kv(u16* __restrict__ cache, const u32* __restrict__ forks,
                                    u32 count, u32 blocks, u32 slots, u32 cap, u32 width, u32 longest) {
     u64 per = (u64)longest * width;
     u64 total = (u64)count * blocks * per;

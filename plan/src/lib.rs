@@ -123,57 +123,7 @@ pub struct RolloutMemory {
 }
 
 /// The element type of the rollout engine's KV cache, for the memory accounting.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum KvDtype {
-    /// bf16 K and V, as vLLM and SGLang keep them by default.
-    #[default]
-    Bf16,
-    /// f32 K and V, as the project's GPU decoder keeps them today (its exact mode).
-    F32,
-    /// fp8 e4m3 K and V (scales not counted).
-    Fp8,
-}
-
-impl KvDtype {
-    /// Bytes per element.
-    pub fn bytes(self) -> usize {
-        match self {
-            KvDtype::Bf16 => 2,
-            KvDtype::F32 => 4,
-            KvDtype::Fp8 => 1,
-        }
-    }
-}
-
-impl std::fmt::Display for KvDtype {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            KvDtype::Bf16 => "bf16",
-            KvDtype::F32 => "f32",
-            KvDtype::Fp8 => "fp8",
-        })
-    }
-}
-
-impl std::str::FromStr for KvDtype {
-    type Err = String;
-
-    /// ```
-    /// use lifecycle_plan::KvDtype;
-    /// assert_eq!("f32".parse(), Ok(KvDtype::F32));
-    /// assert!("f16".parse::<KvDtype>().unwrap_err().contains("bf16, f32 or fp8"));
-    /// ```
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "bf16" => Ok(KvDtype::Bf16),
-            "f32" => Ok(KvDtype::F32),
-            "fp8" => Ok(KvDtype::Fp8),
-            other => Err(format!(
-                "KV cache dtype `{other}`: expected bf16, f32 or fp8"
-            )),
-        }
-    }
-}
+pub use lifecycle_decoder::KvDtype;
 
 impl RolloutMemory {
     /// Bytes left for the KV cache (0 when the rest does not fit).

@@ -65,7 +65,11 @@ class _Switch:
     def stats(self) -> dict[str, Any]: ...
     def local_ranks(self) -> list[int]: ...
     def attach_engine(
-        self, max_sequences: int, max_tokens: int, fp8_compute: str = "weight-only"
+        self,
+        max_sequences: int,
+        max_tokens: int,
+        fp8_compute: str = "weight-only",
+        kv_dtype: str = "bf16",
     ) -> None: ...
     def generate(
         self,

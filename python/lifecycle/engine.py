@@ -12,7 +12,9 @@ class Engine:
     ``max_tokens`` positions each) and sleeps when the switch leaves rollout mode. With fp8
     rollout weights, ``fp8_compute`` chooses ``"weight-only"`` (the default: e4m3 weights
     against the activations in f32) or ``"w8a8"`` (activations quantised per token in 1 x 128
-    groups, cuBLASLt's block-scaled fp8 GEMM)::
+    groups, cuBLASLt's block-scaled fp8 GEMM). ``kv_dtype`` is the KV cache's element type:
+    ``"bf16"`` (the default, as vLLM and SGLang keep it) or ``"f32"`` (the decoder's exact
+    mode, twice the bytes)::
 
         engine = Engine(switch, max_sequences=64, max_tokens=256)
         with switch.rollout() as w:
@@ -26,9 +28,12 @@ class Engine:
         max_sequences: int,
         max_tokens: int,
         fp8_compute: str = "weight-only",
+        kv_dtype: str = "bf16",
     ):
         switch._leave()
-        switch._live().attach_engine(int(max_sequences), int(max_tokens), str(fp8_compute))
+        switch._live().attach_engine(
+            int(max_sequences), int(max_tokens), str(fp8_compute), str(kv_dtype)
+        )
         self._switch = switch
 
     def generate(

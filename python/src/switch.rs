@@ -11,6 +11,7 @@ use lifecycle_bridge::{Leases, SwitchStats};
 use lifecycle_core::{MemoryPolicy, Switching};
 use lifecycle_cuda::driver::{BufferClass, LentOffload};
 use lifecycle_cuda::ThreadRankPool;
+use lifecycle_decoder::KvDtype;
 use lifecycle_decoder::Sampling;
 use lifecycle_decoder_gpu::EngineSettings;
 use lifecycle_layout::fp8::{Fp8Compute, RolloutDtype};
@@ -344,26 +345,34 @@ impl PySwitch {
     }
 
     /// Attaches the project's GPU engine (KV room for `max_sequences` of `max_tokens`; fp8
-    /// products computed as `fp8_compute` says: `weight-only` or `w8a8`).
-    #[pyo3(signature = (max_sequences, max_tokens, fp8_compute="weight-only"))]
+    /// products computed as `fp8_compute` says: `weight-only` or `w8a8`; K and V kept in
+    /// `kv_dtype`: `bf16` or `f32`). The settings are checked before the switch is asked.
+    #[pyo3(signature = (max_sequences, max_tokens, fp8_compute="weight-only", kv_dtype="bf16"))]
     fn attach_engine(
         &self,
         py: Python<'_>,
         max_sequences: usize,
         max_tokens: usize,
         fp8_compute: &str,
+        kv_dtype: &str,
     ) -> PyResult<()> {
+        let config = |e: String| to_py(BridgeError::Config(e));
         let compute: Fp8Compute = fp8_compute
             .parse()
-            .map_err(|e: String| to_py(BridgeError::Config(format!("fp8_compute: {e}"))))?;
+            .map_err(|e: String| config(format!("fp8_compute: {e}")))?;
+        let kv: KvDtype = kv_dtype
+            .parse()
+            .map_err(|e: String| config(format!("kv_dtype: {e}")))?;
+        let settings = EngineSettings::new(max_sequences, max_tokens)
+            .with_fp8_compute(compute)
+            .with_kv_dtype(kv);
+        settings.check().map_err(|e| config(e.to_string()))?;
         py.detach(|| -> Result<(), BridgeError> {
             let mut g = self.gpu()?;
             let Inner::Gpu(s) = &mut *g else {
                 return Err(BridgeError::Config("not a GPU switch".into()));
             };
-            s.attach_engine(
-                EngineSettings::new(max_sequences, max_tokens).with_fp8_compute(compute),
-            )
+            s.attach_engine(settings)
         })
         .map_err(to_py)
     }

@@ -11,6 +11,7 @@
 //! ```text
 //! decode_bench --layers 4 --batches 1,8,32 --new-tokens 64
 //! decode_bench --moe --layers 4 --batches 1,8,32,64 --new-tokens 32
+//! decode_bench --kv-dtype f32 --prompt 1024 --batches 8,32
 //! ```
 
 use std::error::Error;
@@ -21,7 +22,7 @@ use clap::Parser;
 use lifecycle_bench::ceilings::{device_copy, Timing};
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Switching};
 use lifecycle_cuda::ThreadRankPool;
-use lifecycle_decoder::{Decoder, ModelConfig, Sampling};
+use lifecycle_decoder::{Decoder, KvDtype, ModelConfig, Sampling};
 use lifecycle_decoder_gpu::GpuDecoder;
 use lifecycle_fsdp::FsdpBackend;
 use lifecycle_layout::fp8::{Fp8Compute, RolloutDtype};
@@ -49,6 +50,10 @@ struct Args {
     /// Tokens generated per sequence (greedy, on the device).
     #[arg(long, default_value_t = 64)]
     new_tokens: usize,
+    /// The KV cache's element type: bf16 (as an engine keeps it; the default) or f32 (the
+    /// decoder's exact mode).
+    #[arg(long, default_value = "bf16", value_parser = <KvDtype as std::str::FromStr>::from_str)]
+    kv_dtype: KvDtype,
 }
 
 fn config(layers: usize, moe: bool) -> Result<ModelConfig, Box<dyn Error>> {
@@ -79,13 +84,14 @@ fn main() -> Result<(), Box<dyn Error>> {
     let pool = Arc::new(ThreadRankPool::new(1)?);
     let copy = device_copy(&*pool, 1 << 30, Timing::after_idle(1, 5))?;
     println!(
-        "{} shape, {} layers; device copy rate {:.0} GB/s (read + write)",
+        "{} shape, {} layers, {} KV cache; device copy rate {:.0} GB/s (read + write)",
         if args.moe {
             "Qwen3-30B-A3B"
         } else {
             "Qwen2.5-7B"
         },
         args.layers,
+        args.kv_dtype,
         copy / GB
     );
     // (dtype, grouped experts, fp8 compute, W8A8 weight-streaming tokens): the MoE shape runs
@@ -129,6 +135,7 @@ fn main() -> Result<(), Box<dyn Error>> {
                 .map_or(0, |e| e.bytes());
             let floor = (held - embed) as f64 / (copy / 2.0);
             let mut dec = GpuDecoder::new(&config, session.backend(), weights.get())?;
+            dec.set_kv_dtype(args.kv_dtype)?;
             let grouped = dec.set_grouped_experts(grouped);
             let how = match (args.moe, grouped, dtype) {
                 (false, ..) => "",

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use lifecycle_core::{EngineBytes, PhaseScope, RolloutEngine, RolloutView};
 use lifecycle_cuda::{RolloutBuffer, ThreadRankPool};
-use lifecycle_decoder::{Decoder, ModelConfig, Sampling};
+use lifecycle_decoder::{Decoder, KvDtype, ModelConfig, Sampling};
 use lifecycle_decoder_gpu::{EngineSettings, GpuDecoder, GpuEngine};
 use lifecycle_layout::fp8::Fp8Compute;
 use lifecycle_layout::RolloutLayout;
@@ -25,14 +25,13 @@ pub type RunEngine = GpuEngine;
 /// How a run builds its engine (once per lifecycle).
 pub trait ForRun: GpuGenerate + Sized {
     /// The engine for a run of `config` on `pool`'s GPUs, rollout layout `layout` (unfused or
-    /// fused), for gen batches of at most `capacity.0` sequences of at most `capacity.1` tokens,
-    /// with `engine` = (one prefill per prompt, how fp8 products compute).
+    /// fused), as `settings` say (gen batches it holds, prefill per prompt, fp8 products, KV
+    /// cache dtype).
     fn for_run(
         config: &ModelConfig,
         layout: &RolloutLayout,
         pool: &Arc<ThreadRankPool>,
-        capacity: (usize, usize),
-        engine: (bool, Fp8Compute),
+        settings: &EngineSettings,
     ) -> Result<Self, DapoGpuError>;
 }
 
@@ -41,17 +40,13 @@ impl ForRun for GpuEngine {
         config: &ModelConfig,
         layout: &RolloutLayout,
         pool: &Arc<ThreadRankPool>,
-        (sequences, tokens): (usize, usize),
-        (fork_prefill, fp8): (bool, Fp8Compute),
+        settings: &EngineSettings,
     ) -> Result<Self, DapoGpuError> {
-        let settings = EngineSettings::new(sequences, tokens)
-            .with_fork_prefill(fork_prefill)
-            .with_fp8_compute(fp8);
         Ok(GpuEngine::new(
             Arc::clone(pool),
             config,
             layout.clone(),
-            settings,
+            *settings,
         )?)
     }
 }
@@ -73,9 +68,10 @@ impl GpuGenerate for GpuEngine {
         let s = self.settings();
         format!(
             "GPU decoder engine, built once per lifecycle: KV cache for {} sequences x {} tokens \
-             allocated at wake, freed at sleep; fp8 products {}; {}",
+             ({} K/V) allocated at wake, freed at sleep; fp8 products {}; {}",
             s.max_sequences,
             s.max_tokens,
+            s.kv_dtype,
             s.fp8_compute,
             if s.fork_prefill {
                 "one prefill per prompt, its KV forked to the group's samples"
@@ -108,6 +104,7 @@ pub struct PerCallGpuDecoder {
     layout: RolloutLayout,
     pool: Arc<ThreadRankPool>,
     fp8: Fp8Compute,
+    kv: KvDtype,
 }
 
 impl RolloutEngine<RolloutBuffer> for PerCallGpuDecoder {
@@ -134,14 +131,14 @@ impl ForRun for PerCallGpuDecoder {
         config: &ModelConfig,
         layout: &RolloutLayout,
         pool: &Arc<ThreadRankPool>,
-        _capacity: (usize, usize),
-        (_, fp8): (bool, Fp8Compute),
+        settings: &EngineSettings,
     ) -> Result<Self, DapoGpuError> {
         Ok(PerCallGpuDecoder {
             config: config.clone(),
             layout: layout.clone(),
             pool: Arc::clone(pool),
-            fp8,
+            fp8: settings.fp8_compute,
+            kv: settings.kv_dtype,
         })
     }
 }
@@ -157,6 +154,7 @@ impl GpuGenerate for PerCallGpuDecoder {
         let mut decoder =
             GpuDecoder::with_pool(&self.config, &self.layout, &self.pool, weights.get())?;
         decoder.set_fp8_compute(self.fp8)?;
+        decoder.set_kv_dtype(self.kv)?;
         let setup = t.elapsed();
         let t = Instant::now();
         let out = decoder.generate(seqs, sampling)?;

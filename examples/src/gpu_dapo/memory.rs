@@ -93,15 +93,14 @@ pub fn held_rollout_bytes(
 
 /// The policy of `choice`; for [`MemoryChoice::ByNeed`], decided from each local rank's free
 /// memory (the training state built), its rollout weights (in `rollout`'s dtype,
-/// [`held_rollout_bytes`]) and the engine's KV cache for
-/// `capacity` (sequences, tokens) over `replicas`, with the fp32 master weights and Adam moments
+/// [`held_rollout_bytes`]) and the KV cache of the engine `settings` over `replicas`, with the fp32 master weights and Adam moments
 /// a rank holds (`W` = the pool's world) as what an offload may move.
 pub fn resolve(
     choice: MemoryChoice,
     pool: &ThreadRankPool,
     config: &ModelConfig,
     layout: &RolloutLayout,
-    capacity: (usize, usize),
+    settings: &EngineSettings,
     replicas: usize,
     rollout: (RolloutDtype, Fp8Keep),
 ) -> Result<(MemoryPolicy, Option<MemoryDecision>), DapoGpuError> {
@@ -124,8 +123,7 @@ pub fn resolve(
     } else {
         1
     };
-    let engine =
-        EngineSettings::new(capacity.0, capacity.1).kv_bytes_per_rank(config, kv_heads, replicas);
+    let engine = settings.kv_bytes_per_rank(config, kv_heads, replicas);
     let rollout = held_rollout_bytes(config, layout, pool.world(), rollout)?;
     let per_rank = 4 * (config.params() as u64).div_ceil(pool.world() as u64);
     let request = RoomRequest {

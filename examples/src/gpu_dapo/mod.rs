@@ -66,7 +66,7 @@ use lifecycle_cuda::{check_environment, RolloutBuffer, ThreadRankPool};
 use lifecycle_dist::RankEnv;
 use lifecycle_fsdp::FsdpBackend;
 
-use lifecycle_decoder_gpu::{decode_topology, DecodeTopology};
+use lifecycle_decoder_gpu::{decode_topology, DecodeTopology, EngineSettings};
 
 /// `println!` on the rank that reports (every rank but 0 is silent in process mode).
 macro_rules! say {
@@ -291,6 +291,10 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
         let asked = g.kv_tokens.map_or(0, |n| n.div_ceil(tokens));
         (sequences.max(asked), tokens)
     };
+    let settings = EngineSettings::new(capacity.0, capacity.1)
+        .with_fork_prefill(g.fork_prefill)
+        .with_fp8_compute(r.fp8_compute)
+        .with_kv_dtype(g.kv_dtype);
     let replicas = match topology {
         DecodeTopology::Group => 1,
         DecodeTopology::Replicas(n) => n,
@@ -301,7 +305,7 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
             pool,
             &config,
             layout,
-            capacity,
+            &settings,
             replicas,
             (r.rollout_dtype, r.fp8_keep),
         )?;
@@ -324,7 +328,6 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
         };
         Ok::<_, DapoGpuError>((config, decision))
     };
-    let fork = g.fork_prefill;
     let reports = match a.layout {
         GpuLayout::Fsdp => {
             let layout = config.rollout_layout_with(r.tp, r.experts)?;
@@ -340,8 +343,7 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
             // the decision's margin (MARGIN_BYTES).
             let pinning = backend.reserve_pinned_in_background(&mut state, lc_config.memory)?;
             let pinning = settle_pinning(pinning, g.wait_for_pinning, root)?;
-            let engine =
-                RunEngine::for_run(&config, &layout, &pool, capacity, (fork, r.fp8_compute))?;
+            let engine = RunEngine::for_run(&config, &layout, &pool, &settings)?;
             let mut lc = Lifecycle::with_config(backend, state, lc_config)?.with_engine(engine);
             if let Some(d) = decision {
                 lc.set_memory_decision(d)?;
@@ -391,8 +393,7 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
                 .rollout_layout_with(r.tp, r.experts)
                 .map_err(|e| DapoGpuError::Usage(e.to_string()))?;
             let rollout = fused_layout(&config, r.tp, r.experts);
-            let engine =
-                RunEngine::for_run(&config, &rollout, &pool, capacity, (fork, r.fp8_compute))?;
+            let engine = RunEngine::for_run(&config, &rollout, &pool, &settings)?;
             let backend = MegatronGpuBackend::new(Arc::clone(&pool), rollout.clone())?
                 .with_offload_overlap(g.offload_overlap);
             let trainer = MegatronTrainer {

@@ -231,6 +231,11 @@ pub struct GpuOptions {
     /// per-sequence prefill's).
     #[arg(long)]
     pub fork_prefill: bool,
+    /// The element type of the engine's KV cache: bf16 (half the bytes, as vLLM and SGLang keep
+    /// it) or f32 (the decoder's exact mode).
+    #[arg(long, default_value_t = GpuOptions::DEFAULTS.kv_dtype,
+          value_parser = <lifecycle_decoder::KvDtype as std::str::FromStr>::from_str)]
+    pub kv_dtype: lifecycle_decoder::KvDtype,
 }
 
 impl GpuOptions {
@@ -249,6 +254,7 @@ impl GpuOptions {
         offload_overlap: true,
         wait_for_pinning: false,
         fork_prefill: false,
+        kv_dtype: lifecycle_decoder::KvDtype::Bf16,
     };
 }
 
@@ -297,6 +303,10 @@ impl Options {
             (
                 !(g.scale.is_finite() && g.scale > 0.0),
                 format!("--scale must be finite and > 0, found {}", g.scale),
+            ),
+            (
+                g.kv_dtype == lifecycle_decoder::KvDtype::Fp8,
+                "--kv-dtype fp8: the GPU engine keeps its KV cache in bf16 or f32".to_string(),
             ),
             (
                 !(g.grad_scale.is_finite() && g.grad_scale > 0.0),

@@ -8,7 +8,9 @@ use std::ops::Range;
 use lifecycle_cuda::cudarc::driver::CudaSlice;
 use lifecycle_cuda::{alloc_zeros, CudaError, RankCtx, RankExecutor, ThreadRankPool};
 use lifecycle_cuda::{RolloutBuffer, RolloutSource};
-use lifecycle_decoder::{DecodeError, Decoder, ModelConfig, PrefillLogits, Sampling, SplitMix64};
+use lifecycle_decoder::{
+    DecodeError, Decoder, KvDtype, ModelConfig, PrefillLogits, Sampling, SplitMix64,
+};
 use lifecycle_layout::fp8::Fp8Compute;
 use lifecycle_layout::{RolloutEntry, RolloutLayout};
 
@@ -49,7 +51,7 @@ pub const MAX_CONTEXT: usize = 8192;
 /// - Matrix products: cuBLAS `GemmEx`, bf16 weights × bf16 activations, f32 accumulation and
 ///   output. f32 activations are split into `hi = bf16(x)`, `lo = bf16(x − hi)` rows of one GEMM
 ///   (the weights are read once), so products see ~16-bit activations (see `kernels`).
-/// - Small kernels (RMSNorm, RoPE, attention over an f32 KV cache, SwiGLU, embedding gather,
+/// - Small kernels (RMSNorm, RoPE, attention over an f32 or bf16 KV cache, SwiGLU, embedding gather,
 ///   residual adds) compiled at run time with NVRTC.
 /// - Sampling with the CPU decoder's seeding and rule: `prefill` / `decode_step` return logits
 ///   on the host; `generate` picks greedy or temperature-sampled tokens on the device and
@@ -208,6 +210,7 @@ impl Core {
                 bind: None,
                 inv_freq: inv,
                 cache: None,
+                kv: KvDtype::F32,
                 ev_compute: ctx.event()?,
                 ev_nccl: ctx.event()?,
                 downloads: Default::default(),
@@ -377,6 +380,27 @@ impl Core {
         self.cap = 0;
     }
 
+    /// Keeps K and V as `kv` says from the next cache on (f32 or bf16; fp8 is refused): drops
+    /// the cache and the sequences it holds (host side only).
+    pub fn set_kv_dtype(&mut self, kv: KvDtype) -> Result<(), GpuDecodeError> {
+        kv_units(kv)?;
+        for st in &mut self.ranks {
+            st.cache = None;
+            st.kv = kv;
+        }
+        self.lens.clear();
+        self.parts.clear();
+        if self.kv == KvMode::Grow {
+            self.cap = 0;
+        }
+        Ok(())
+    }
+
+    /// The element type of the KV cache.
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.ranks.first().map_or(KvDtype::F32, |st| st.kv)
+    }
+
     /// Allocates the KV cache of `slots` sequences per replica × `cap` positions on every rank
     /// (zeroed; needs the weights bound for the kv-head count), replacing any cache.
     pub fn alloc_fixed(
@@ -391,12 +415,12 @@ impl Core {
             slots,
             cap,
             geo.kv_heads * self.config.model.head_dim,
-        );
+        ) * kv_units(self.kv_dtype())?;
         self.lens.clear();
         self.parts.clear();
         pool.run_each(&mut self.ranks, &|ctx, st| {
             st.cache = None;
-            st.cache = Some(alloc_zeros::<f32>(
+            st.cache = Some(alloc_zeros::<u16>(
                 &ctx.compute,
                 len,
                 ctx.rank,
@@ -415,7 +439,7 @@ impl Core {
     pub fn kv_bytes(&self) -> u64 {
         self.ranks
             .iter()
-            .map(|st| st.cache.as_ref().map_or(0, |c| 4 * c.len() as u64))
+            .map(|st| st.cache.as_ref().map_or(0, |c| 2 * c.len() as u64))
             .max()
             .unwrap_or(0)
     }
@@ -476,7 +500,10 @@ impl Core {
         };
         let layers = self.config.model.layers;
         let parts = &self.parts;
-        let w = (self.geometry()?.kv_heads * self.config.model.head_dim) as u64;
+        // the width of a position of one layer's k (or v), in the cache's 2-byte units
+        let w = (self.geometry()?.kv_heads
+            * self.config.model.head_dim
+            * kv_units(self.kv_dtype())?) as u64;
         let old_cap = self.cap as u64;
         let waits = pool.run_each(&mut self.ranks, &|ctx, st| {
             let batch = parts.get(st.replica).map_or(0, Range::len);
@@ -486,17 +513,17 @@ impl Core {
             // cache it will hold (the old one too while its rows are copied; bind's scratch).
             let mut waited = 0;
             if let Some(room) = &st.room {
-                let held = |c: &Option<CudaSlice<f32>>| c.as_ref().map_or(0, |c| 4 * c.len());
+                let held = |c: &Option<CudaSlice<u16>>| c.as_ref().map_or(0, |c| 2 * c.len());
                 let scratch = st.x32.as_ref().map_or(0, |x| 4 * x.len())
                     + st.dequant.as_ref().map_or(0, |d| 2 * d.len());
                 let old = if fresh { 0 } else { held(&st.cache) };
-                let need = (old + 4 * len + scratch) as u64 + ROOM_MARGIN_BYTES;
+                let need = (old + 2 * len + scratch) as u64 + ROOM_MARGIN_BYTES;
                 if fresh {
                     st.cache = None;
                 }
                 waited = room.order_for(ctx, &ctx.compute, need)?.min(1);
             }
-            let new = alloc_zeros::<f32>(&ctx.compute, len, ctx.rank, "the KV cache")?;
+            let new = alloc_zeros::<u16>(&ctx.compute, len, ctx.rank, "the KV cache")?;
             if let (false, true, Some(old)) = (fresh, blocks > 0, st.cache.as_ref()) {
                 let args = [
                     Arg::U64(ptr(old, &ctx.compute)),
@@ -506,7 +533,7 @@ impl Core {
                     Arg::U64(new_cap as u64 * w),
                 ];
                 let cfg = st.k.elementwise(blocks * old_cap * w);
-                // SAFETY: `old` holds blocks·old_cap·w floats and `new` blocks·new_cap·w; both
+                // SAFETY: `old` holds blocks·old_cap·w units and `new` blocks·new_cap·w; both
                 // live on this stream until the copy ran (the old one is freed on the same
                 // stream after it).
                 unsafe {
@@ -815,10 +842,22 @@ impl Core {
     }
 }
 
-/// f32 elements of a KV cache of `slots` sequences × `cap` positions × `width` (kv heads ·
+/// Elements of a KV cache of `slots` sequences × `cap` positions × `width` (kv heads ·
 /// head dim) for k and v of `layers` layers.
 pub(crate) fn kv_elements(layers: usize, slots: usize, cap: usize, width: usize) -> usize {
     2 * layers * slots * cap * width
+}
+
+/// The 2-byte units of one element of a KV cache of `kv` (f32: 2, bf16: 1); fp8 is refused.
+pub(crate) fn kv_units(kv: KvDtype) -> Result<usize, GpuDecodeError> {
+    match kv {
+        KvDtype::F32 => Ok(2),
+        KvDtype::Bf16 => Ok(1),
+        KvDtype::Fp8 => Err(DecodeError::Usage(
+            "KV cache dtype fp8: the GPU decoder keeps K and V in bf16 or f32".into(),
+        )
+        .into()),
+    }
 }
 
 impl<'w> GpuDecoder<'w> {
@@ -909,6 +948,36 @@ impl<'w> GpuDecoder<'w> {
     /// cannot be loaded.
     pub fn set_fp8_compute(&mut self, compute: Fp8Compute) -> Result<(), GpuDecodeError> {
         self.core.set_fp8_compute(self.pool, compute)
+    }
+
+    /// Keeps the KV cache of the next prefill in `kv`: f32 (the default: the exact mode in which
+    /// the decoder matches the transformers oracles) or bf16 (half the bytes, each element
+    /// rounded to nearest even when stored, as vLLM and SGLang keep it; the CPU decoder's
+    /// [`set_kv_dtype`](lifecycle_decoder::CpuDecoder::set_kv_dtype) is its reference). Drops
+    /// the sequences the cache holds; fp8 is refused, changing nothing.
+    ///
+    /// ```no_run
+    /// use lifecycle_decoder::KvDtype;
+    /// use lifecycle_decoder_gpu::GpuDecoder;
+    ///
+    /// fn bf16_cache(decoder: &mut GpuDecoder<'_>) -> Result<(), lifecycle_decoder_gpu::GpuDecodeError> {
+    ///     decoder.set_kv_dtype(KvDtype::Bf16)?;
+    ///     assert_eq!(decoder.kv_dtype(), KvDtype::Bf16);
+    ///     Ok(())
+    /// }
+    /// ```
+    pub fn set_kv_dtype(&mut self, kv: KvDtype) -> Result<(), GpuDecodeError> {
+        self.core.set_kv_dtype(kv)
+    }
+
+    /// The element type of the KV cache ([`GpuDecoder::set_kv_dtype`]).
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.core.kv_dtype()
+    }
+
+    /// Bytes of the KV cache on the rank that holds the most (0 before the first prefill).
+    pub fn kv_bytes(&self) -> u64 {
+        self.core.kv_bytes()
     }
 
     /// Tokens (1 to 8, default 1) up to which a W8A8 product runs the fp8 weight-streaming

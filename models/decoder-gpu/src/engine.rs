@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use lifecycle_core::{EngineBytes, PhaseScope, RolloutEngine, RolloutView};
 use lifecycle_cuda::{RankExecutor, RolloutBuffer, RolloutSource, ThreadRankPool};
-use lifecycle_decoder::{DecodeError, ModelConfig, PrefillLogits, Sampling};
+use lifecycle_decoder::{DecodeError, KvDtype, ModelConfig, PrefillLogits, Sampling};
 use lifecycle_layout::fp8::Fp8Compute;
 use lifecycle_layout::{RolloutFormat, RolloutLayout};
 
@@ -59,17 +59,39 @@ pub struct EngineSettings {
     /// How products with fp8 rollout weights compute ([`GpuDecoder::set_fp8_compute`]):
     /// weight-only by default, or W8A8.
     pub fp8_compute: Fp8Compute,
+    /// The element type of the KV cache: bf16 by default (as vLLM and SGLang keep it), or f32
+    /// (the exact mode of [`GpuDecoder`](crate::GpuDecoder)'s default); fp8 is refused by
+    /// [`EngineSettings::check`].
+    pub kv_dtype: KvDtype,
 }
 
 impl EngineSettings {
-    /// `max_sequences` sequences of `max_tokens` tokens, forked prefill off, fp8 weight-only.
+    /// `max_sequences` sequences of `max_tokens` tokens, forked prefill off, fp8 weight-only, a
+    /// bf16 KV cache.
     pub fn new(max_sequences: usize, max_tokens: usize) -> Self {
         EngineSettings {
             max_sequences,
             max_tokens,
             fork_prefill: false,
             fp8_compute: Fp8Compute::WeightOnly,
+            kv_dtype: KvDtype::Bf16,
         }
+    }
+
+    /// The same settings with the KV cache kept in `kv`.
+    ///
+    /// ```
+    /// use lifecycle_decoder::KvDtype;
+    /// use lifecycle_decoder_gpu::EngineSettings;
+    /// assert_eq!(EngineSettings::new(8, 64).kv_dtype, KvDtype::Bf16);
+    /// let exact = EngineSettings::new(8, 64).with_kv_dtype(KvDtype::F32);
+    /// assert!(exact.check().is_ok());
+    /// let fp8 = EngineSettings::new(8, 64).with_kv_dtype(KvDtype::Fp8);
+    /// assert!(fp8.check().unwrap_err().to_string().contains("kv_dtype fp8"));
+    /// ```
+    pub fn with_kv_dtype(mut self, kv: KvDtype) -> Self {
+        self.kv_dtype = kv;
+        self
     }
 
     /// The same settings with forked prefill on or off.
@@ -99,6 +121,11 @@ impl EngineSettings {
                 "max_sequences ({}) and max_tokens ({}) must be at least 1",
                 self.max_sequences, self.max_tokens
             )));
+        }
+        if self.kv_dtype == KvDtype::Fp8 {
+            return Err(GpuDecodeError::Settings(
+                "kv_dtype fp8: the GPU engine keeps its KV cache in bf16 or f32".into(),
+            ));
         }
         if self.max_tokens > MAX_CONTEXT {
             return Err(GpuDecodeError::Settings(format!(
@@ -138,8 +165,8 @@ impl EngineSettings {
         self.max_sequences.div_ceil(replicas.max(1))
     }
 
-    /// Bytes of the KV cache on one rank that computes `kv_heads_per_rank` kv heads (f32 keys
-    /// and values).
+    /// Bytes of the KV cache on one rank that computes `kv_heads_per_rank` kv heads (keys and
+    /// values in [`EngineSettings::kv_dtype`]).
     ///
     /// ```
     /// use lifecycle_decoder::ModelConfig;
@@ -147,8 +174,10 @@ impl EngineSettings {
     /// let config = ModelConfig::from_json_str(r#"{"model_type": "qwen2", "vocab_size": 32,
     ///   "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
     ///   "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0}"#)?;
-    /// // 2 layers × (k, v) × 8 sequences × 64 positions × 2 kv heads × head_dim 4 × 4 bytes
-    /// assert_eq!(EngineSettings::new(8, 64).kv_bytes_per_rank(&config, 2, 1), 2 * 2 * 8 * 64 * 2 * 4 * 4);
+    /// // 2 layers × (k, v) × 8 sequences × 64 positions × 2 kv heads × head_dim 4 × 2 bytes
+    /// assert_eq!(EngineSettings::new(8, 64).kv_bytes_per_rank(&config, 2, 1), 2 * 2 * 8 * 64 * 2 * 4 * 2);
+    /// let f32_cache = EngineSettings::new(8, 64).with_kv_dtype(lifecycle_decoder::KvDtype::F32);
+    /// assert_eq!(f32_cache.kv_bytes_per_rank(&config, 2, 1), 2 * 2 * 8 * 64 * 2 * 4 * 4);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn kv_bytes_per_rank(
@@ -157,12 +186,13 @@ impl EngineSettings {
         kv_heads_per_rank: usize,
         replicas: usize,
     ) -> u64 {
-        4 * kv_elements(
-            config.model.layers,
-            self.slots_per_replica(replicas),
-            self.max_tokens,
-            kv_heads_per_rank * config.model.head_dim,
-        ) as u64
+        self.kv_dtype.bytes() as u64
+            * kv_elements(
+                config.model.layers,
+                self.slots_per_replica(replicas),
+                self.max_tokens,
+                kv_heads_per_rank * config.model.head_dim,
+            ) as u64
     }
 }
 
@@ -272,6 +302,7 @@ impl GpuEngine {
         let mut core = Core::new(config, layout.tp(), &pool)?;
         // nothing bound yet: sets the mode; bind makes the W8A8 GEMMs where fp8 weights come
         core.set_fp8_compute(&pool, settings.fp8_compute)?;
+        core.set_kv_dtype(settings.kv_dtype)?;
         Ok(GpuEngine {
             pool,
             core,

@@ -9,7 +9,8 @@
 //!   stay f32 and enter a product as two bf16 rows (`hi`, `lo = x − hi`), so the weights are read
 //!   once and the product sees ~16-bit activations.
 //! - Small kernels compiled at run time with NVRTC: embedding gather, RMSNorm, RoPE, attention
-//!   over an f32 KV cache, SwiGLU, residual adds, argmax and temperature sampling.
+//!   over an f32 or bf16 KV cache (`KvDtype`: f32 for `GpuDecoder` by default, the exact mode;
+//!   bf16 for `GpuEngine`), SwiGLU, residual adds, argmax and temperature sampling.
 //! - NCCL all-reduce (sum) after the row-parallel o/down projections; NCCL all-gather of
 //!   vocabulary-parallel logits.
 //! - [`GpuEngine`] is the decoder as a persistent rollout engine of a

@@ -34,7 +34,7 @@ use lifecycle_core::{Lifecycle, RolloutEngine};
 use lifecycle_cuda::testing::{require_gpus, spread};
 use lifecycle_cuda::{RankExecutor, ThreadRankPool};
 use lifecycle_decoder::{
-    load_checkpoint, random_tensors, CpuDecoder, Decoder, MegatronParallel, ModelConfig,
+    load_checkpoint, random_tensors, CpuDecoder, Decoder, KvDtype, MegatronParallel, ModelConfig,
     PrefillLogits, Sampling,
 };
 use lifecycle_decoder_gpu::{EngineSettings, GpuDecoder, GpuEngine};
@@ -226,6 +226,123 @@ fn gpu_decoder_matches_transformers_at_t1() -> Res {
 #[ignore = "needs an NVIDIA GPU"]
 fn gpu_decoder_matches_transformers_at_t2() -> Res {
     oracle(2)
+}
+
+/// A bf16 KV cache (`GpuDecoder::set_kv_dtype`) against the CPU decoder keeping its cache in
+/// bf16 (`CpuDecoder::set_kv_dtype`: each element rounded to nearest even when stored, as the
+/// kernels round it) on every fixture model at T = 1: prefill logits of every position and
+/// decode-step logits within the module's tolerance, greedy and temperature-sampled tokens equal.
+/// The distance to the transformers references (an f32 cache) is printed beside it.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn bf16_kv_cache_matches_the_cpu_decoder_with_a_bf16_cache() -> Res {
+    require_gpus(1)?;
+    let text = std::fs::read_to_string(fixtures().join("references.json"))?;
+    let refs: Value = serde_json::from_str(&text)?;
+    let mut failures = Vec::new();
+    for name in MODELS {
+        let ckpt = load_checkpoint(&fixtures().join(name))?;
+        let cases = refs["models"][name]["cases"].as_array().ok_or("no cases")?;
+        let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
+        let steps = cases[0]["greedy_tokens"].as_array().map_or(0, Vec::len);
+        let config = ckpt.config.clone();
+        let host_layout = config.rollout_layout(1)?;
+        let host_state = HostTrainState::from_tensors(1, ckpt.tensors.clone())?;
+        let mut hlc = Lifecycle::new(HostBackend::new(host_layout.clone()), host_state);
+        let hs = hlc.rollout()?;
+        let hw = hs.weights();
+        let group: Vec<_> = hw.ranks.iter().collect();
+        let mut cpu = CpuDecoder::new(&config, &host_layout, &group)?;
+        cpu.set_kv_dtype(KvDtype::Bf16)?;
+        let mut lc = fsdp_lifecycle(&config, ckpt.tensors.clone(), 1)?;
+        let session = lc.rollout()?;
+        let weights = session.weights();
+        let mut dec = GpuDecoder::new(&config, session.backend(), weights.get())?;
+        assert_eq!(
+            dec.kv_dtype(),
+            KvDtype::F32,
+            "the per-call decoder's default"
+        );
+        dec.prefill(&prompts, PrefillLogits::Last)?;
+        let f32_bytes = dec.kv_bytes();
+        dec.set_kv_dtype(KvDtype::Bf16)?;
+        assert_eq!(
+            dec.lengths(),
+            Vec::<usize>::new(),
+            "set_kv_dtype drops the sequences"
+        );
+        let (mut worst, mut worst_ref) = (0.0f32, 0.0f32);
+        let mut check = |what: String, got: &[f32], want: &[f32], reference: &[f32]| {
+            let (err, tol) = compare(got, want);
+            worst = worst.max(err / tol);
+            worst_ref = worst_ref.max(compare(got, reference).0);
+            if err > tol || err.is_nan() {
+                failures.push(format!(
+                    "{name} {what}: max |error| {err} > tolerance {tol}"
+                ));
+            }
+        };
+        let gp = dec.prefill(&prompts, PrefillLogits::All)?;
+        let bf16_bytes = dec.kv_bytes();
+        let cp = cpu.prefill(&prompts, PrefillLogits::All)?;
+        for (i, c) in cases.iter().enumerate() {
+            check(
+                format!("prompt {i} prefill"),
+                &gp[i],
+                &cp[i],
+                &floats(&c["prefill_logits"]),
+            );
+        }
+        let cpu_greedy = cpu.generate(&prompts, &Sampling::greedy(steps))?;
+        dec.prefill(&prompts, PrefillLogits::Last)?;
+        cpu.prefill(&prompts, PrefillLogits::Last)?;
+        for k in 0..steps {
+            let feed: Vec<u32> = cpu_greedy.iter().map(|g| g[k]).collect();
+            let (g, c) = (dec.decode_step(&feed)?, cpu.decode_step(&feed)?);
+            for (i, case) in cases.iter().enumerate() {
+                let reference = floats(&case["decode_logits"][k]);
+                check(
+                    format!("prompt {i} decode step {k}"),
+                    &g[i],
+                    &c[i],
+                    &reference,
+                );
+            }
+        }
+        let greedy = dec.generate(&prompts, &Sampling::greedy(steps))?;
+        if greedy != cpu_greedy {
+            failures.push(format!("{name}: greedy {greedy:?} != CPU {cpu_greedy:?}"));
+        }
+        let hot = Sampling {
+            temperature: 0.8,
+            max_new_tokens: steps,
+            seed: 7,
+            stop_token: None,
+        };
+        let (a, c) = (dec.generate(&prompts, &hot)?, cpu.generate(&prompts, &hot)?);
+        if a != c {
+            failures.push(format!(
+                "{name}: sampled {a:?} on the GPU, {c:?} on the CPU"
+            ));
+        }
+        if 2 * bf16_bytes != f32_bytes {
+            failures.push(format!(
+                "{name}: the bf16 cache holds {bf16_bytes} bytes, the f32 one {f32_bytes}"
+            ));
+        }
+        println!(
+            "{name} bf16 KV: max error / tolerance vs the CPU decoder's bf16 cache {worst:.3}, \
+             max |logit error| vs the transformers references (f32 cache) {worst_ref:.3e}, \
+             greedy equal: {}, sampled equal: {}, cache {bf16_bytes} bytes (f32: {f32_bytes})",
+            greedy == cpu_greedy,
+            a == c
+        );
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join("\n").into())
+    }
 }
 
 /// The Qwen3 / Qwen3-MoE fixtures (`fixtures/moe`, transformers 5.17) on the GPU decoder at
@@ -548,8 +665,11 @@ fn engine_matches_the_per_call_decoder_and_frees_its_kv_cache_w1() -> Res {
     let state = backend.state_from_tensors(random_tensors(&config, 5))?;
     backend.trim_device_memory()?;
     let (free_built, total) = device_memory(&pool)?[0];
-    // 64 sequences × 2048 positions × 4 layers × (k, v) × 2 kv heads × 64 × 4 bytes = 512 MiB
+    // 64 sequences × 2048 positions × 4 layers × (k, v) × 2 kv heads × 64 × 2 bytes = 256 MiB
+    // (bf16, the engine's default)
     let settings = EngineSettings::new(64, 2048);
+    assert_eq!(settings.kv_dtype, KvDtype::Bf16);
+    assert_eq!(settings.kv_bytes_per_rank(&config, 2, 1), 256 << 20);
     let kv_expected = settings.kv_bytes_per_rank(&config, 2, 1);
     let engine = GpuEngine::for_backend(&backend, &config, settings)?;
     let mut lc = Lifecycle::new(backend, state).with_engine(engine);
@@ -576,6 +696,7 @@ fn engine_matches_the_per_call_decoder_and_frees_its_kv_cache_w1() -> Res {
             // the per-call path on the same resident weights
             let t_dec = Instant::now();
             let mut dec = GpuDecoder::with_pool(&config, &layout, &pool, weights.get())?;
+            dec.set_kv_dtype(settings.kv_dtype)?;
             setup.push(t_dec.elapsed().as_secs_f64() * 1e6);
             let want = dec.generate(&prompts, &sampling)?;
             drop(dec);
@@ -680,7 +801,10 @@ fn overlapped_offload_lets_the_kv_cache_grow_into_the_freed_memory_w1() -> Res {
     assert!(backend.offload_overlap());
     let state = backend.state_from_tensors(random_tensors(&config, 21))?;
     let before = backend.download_state(&state)?;
-    let engine = GpuEngine::for_backend(&backend, &config, EngineSettings::new(64, 512))?;
+    // an f32 cache (16 KiB per token), which the test's sizes below assume; the per-call
+    // decoder's default
+    let settings = EngineSettings::new(64, 512).with_kv_dtype(KvDtype::F32);
+    let engine = GpuEngine::for_backend(&backend, &config, settings)?;
     // the default memory policy: master weights and Adam moments offloaded at every enter
     let mut lc = Lifecycle::new(backend, state).with_engine(engine);
     // warm-up: pinned memory, kernels, cuBLAS
@@ -962,7 +1086,9 @@ fn fused_megatron_cases(
         let hs = hlc.rollout()?;
         let hw = hs.weights();
         let group: Vec<_> = hw.ranks[..1].iter().collect();
+        // the engine's bf16 KV cache (its default), rounded as the CPU decoder rounds it
         let mut cpu = CpuDecoder::new_fused(&config, &layout, &group)?;
+        cpu.set_kv_dtype(KvDtype::Bf16)?;
         let cpu_prefill = cpu.prefill(&prompts, PrefillLogits::All)?;
         let cpu_greedy = cpu.generate(&prompts, &Sampling::greedy(steps))?;
         let mut cpu_decode = Vec::new();

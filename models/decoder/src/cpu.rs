@@ -8,6 +8,7 @@ use lifecycle_layout::RolloutLayout;
 use crate::config::ModelConfig;
 use crate::decoder::{Decoder, PrefillLogits};
 use crate::error::DecodeError;
+use crate::kv::KvDtype;
 use crate::math::{linear, rms_norm, route_top_k, softmax, swiglu, Rope};
 use crate::weights::{GroupWeights, Mlp, MlpPart, Routing, SharedExpert, VocabWeight};
 use half::bf16;
@@ -56,6 +57,7 @@ pub struct CpuDecoder<'w> {
     rope: Rope,
     seqs: Vec<SeqCache>,
     fp8: Fp8Compute,
+    kv: KvDtype,
 }
 
 impl<'w> CpuDecoder<'w> {
@@ -72,6 +74,7 @@ impl<'w> CpuDecoder<'w> {
             rope: Rope::new(config.model.head_dim, config.rope_theta),
             seqs: Vec::new(),
             fp8: Fp8Compute::WeightOnly,
+            kv: KvDtype::F32,
         })
     }
 
@@ -116,6 +119,7 @@ impl<'w> CpuDecoder<'w> {
             rope: Rope::new(config.model.head_dim, config.rope_theta),
             seqs: Vec::new(),
             fp8: Fp8Compute::WeightOnly,
+            kv: KvDtype::F32,
         })
     }
 
@@ -151,6 +155,36 @@ impl<'w> CpuDecoder<'w> {
     /// How fp8 products are computed.
     pub fn fp8_compute(&self) -> Fp8Compute {
         self.fp8
+    }
+
+    /// Keeps the K and V of the positions stored from now on as `kv` says: f32 (the default,
+    /// the exact mode the transformers oracles are matched in) or bf16 (each element rounded to
+    /// nearest even when stored, as a bf16 engine keeps it: the reference of the GPU decoder's
+    /// bf16 cache). Set it before a prefill; fp8 is refused.
+    ///
+    /// ```
+    /// use lifecycle_decoder::{CpuDecoder, KvDtype};
+    ///
+    /// fn bf16_cache(decoder: &mut CpuDecoder<'_>) -> Result<(), lifecycle_decoder::DecodeError> {
+    ///     decoder.set_kv_dtype(KvDtype::Bf16)?;
+    ///     assert_eq!(decoder.kv_dtype(), KvDtype::Bf16);
+    ///     assert!(decoder.set_kv_dtype(KvDtype::Fp8).is_err());
+    ///     Ok(())
+    /// }
+    /// ```
+    pub fn set_kv_dtype(&mut self, kv: KvDtype) -> Result<(), DecodeError> {
+        if kv == KvDtype::Fp8 {
+            return Err(DecodeError::Usage(
+                "KV cache dtype fp8: the CPU decoder keeps K and V in bf16 or f32".into(),
+            ));
+        }
+        self.kv = kv;
+        Ok(())
+    }
+
+    /// The element type of the KV cache.
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.kv
     }
 
     fn embed(&self, tokens: &[u32]) -> Vec<f32> {
@@ -208,9 +242,14 @@ impl<'w> CpuDecoder<'w> {
                     for head in k[i * kvw..(i + 1) * kvw].chunks_exact_mut(d) {
                         self.rope.apply(head, pos);
                     }
+                    let kv = self.kv;
                     let cache = &mut self.seqs[seq].layers[l][rank];
-                    cache.k.extend_from_slice(&k[i * kvw..(i + 1) * kvw]);
-                    cache.v.extend_from_slice(&v[i * kvw..(i + 1) * kvw]);
+                    cache
+                        .k
+                        .extend(k[i * kvw..(i + 1) * kvw].iter().map(|&e| kv.stored(e)));
+                    cache
+                        .v
+                        .extend(v[i * kvw..(i + 1) * kvw].iter().map(|&e| kv.stored(e)));
                 }
                 let mut attn = vec![0.0f32; n * qh * d];
                 for (i, &(seq, pos)) in rows.iter().enumerate() {

@@ -31,6 +31,7 @@ mod decoder;
 mod error;
 mod fused_weights;
 mod heads;
+mod kv;
 mod math;
 mod megatron_checkpoint;
 mod sampling;
@@ -43,6 +44,7 @@ pub use cpu::CpuDecoder;
 pub use decoder::{Decoder, PrefillLogits};
 pub use error::{CheckpointError, DecodeError, MegatronCheckpointError};
 pub use heads::{head_shares, layout_heads, HeadShare};
+pub use kv::KvDtype;
 pub use math::{dot, route_top_k};
 pub use megatron_checkpoint::{
     load_megatron_checkpoint, MegatronCheckpoint, MegatronParallel, MEGATRON_VOCAB_MULTIPLE,

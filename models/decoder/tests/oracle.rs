@@ -463,3 +463,57 @@ fn missing_and_misshaped_expert_tensors_are_named() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A bf16 KV cache (`CpuDecoder::set_kv_dtype`): every fixture model's prefill logits move off
+/// the transformers references (computed with an f32 cache) by the rounding of K and V, which
+/// is not zero but stays below `1e-2 + 1e-2 · max|logit|`; f32 (the default) stays within the
+/// module's tolerance on the same decoder after switching back.
+#[test]
+fn a_bf16_kv_cache_moves_the_logits_by_its_rounding_only() {
+    use lifecycle_decoder::KvDtype;
+    let refs = references();
+    for name in MODELS {
+        let ckpt = load_checkpoint(&fixtures().join(name)).unwrap();
+        let cases = refs["models"][name]["cases"].as_array().unwrap();
+        let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
+        let layout = ckpt.config.rollout_layout(1).unwrap();
+        let state = HostTrainState::from_tensors(1, ckpt.tensors.clone()).unwrap();
+        let mut lc = Lifecycle::new(HostBackend::new(layout.clone()), state);
+        let session = lc.rollout().unwrap();
+        let weights = session.weights();
+        let group: Vec<_> = weights.ranks.iter().collect();
+        let mut dec = CpuDecoder::new(&ckpt.config, &layout, &group).unwrap();
+        assert_eq!(dec.kv_dtype(), KvDtype::F32);
+        dec.set_kv_dtype(KvDtype::Bf16).unwrap();
+        let prefill = dec.prefill(&prompts, PrefillLogits::All).unwrap();
+        let mut moved = 0.0f32;
+        for (i, c) in cases.iter().enumerate() {
+            let want = floats(&c["prefill_logits"]);
+            let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let err = prefill[i]
+                .iter()
+                .zip(&want)
+                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+            let tol = 1e-2 + 1e-2 * scale;
+            assert!(
+                err <= tol,
+                "{name} prompt {i}: bf16 KV moved a logit by {err} > {tol}"
+            );
+            moved = moved.max(err);
+        }
+        assert!(
+            moved > 1e-6,
+            "{name}: a bf16 cache left every logit unchanged"
+        );
+        dec.set_kv_dtype(KvDtype::F32).unwrap();
+        let prefill = dec.prefill(&prompts, PrefillLogits::All).unwrap();
+        for (i, c) in cases.iter().enumerate() {
+            compare(
+                &format!("{name} prompt {i} (f32 again)"),
+                &prefill[i],
+                &floats(&c["prefill_logits"]),
+            );
+        }
+        println!("{name}: a bf16 KV cache moved the prefill logits by at most {moved:.3e}");
+    }
+}

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use lifecycle_cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
+use lifecycle_decoder::KvDtype;
 
 use super::moe::{moe_layer, MoeScratch};
 use super::rank::{all_reduce, all_reduce_in_place, order, ptr, Dims, RankBind, RankState};
@@ -405,12 +406,17 @@ impl<'a> Pass<'a> {
         }
     }
 
+    /// Bytes of one element of the cache.
+    fn kv_bytes(&self) -> u64 {
+        self.st.kv.bytes() as u64
+    }
+
     /// The addresses of layer `l`'s K and V cache blocks.
     fn cache_blocks(&self, l: usize) -> (u64, u64) {
         let kvw = self.z.kvh * self.z.d;
-        let layer = (self.step.batch * self.step.cap * kvw) as u64;
-        let kc = self.cache + 4 * (2 * l as u64) * layer;
-        (kc, kc + 4 * layer)
+        let layer = self.kv_bytes() * (self.step.batch * self.step.cap * kvw) as u64;
+        let kc = self.cache + (2 * l as u64) * layer;
+        (kc, kc + layer)
     }
 
     /// Layer `l`'s attention: input norm, q / k / v products (one fused GEMM or three), the
@@ -482,7 +488,13 @@ impl<'a> Pass<'a> {
                 u32a(self.step.cap),
             ];
             let cfg = self.elementwise(n * (qh + kvh) * d / 2);
-            self.kernel(&k.rope_store, cfg, &args, "rope_store")?;
+            let bf16 = st.kv == KvDtype::Bf16;
+            let rope = if bf16 {
+                &k.rope_store_bf16
+            } else {
+                &k.rope_store
+            };
+            self.kernel(rope, cfg, &args, "rope_store")?;
             let cfg = LaunchConfig {
                 grid_dim: ((n * qh) as u32, 1, 1),
                 block_dim: (128, 1, 1),
@@ -505,7 +517,12 @@ impl<'a> Pass<'a> {
                 u32a(self.bind.w.share.kv_base),
                 Arg::F32(1.0 / (d as f32).sqrt()),
             ];
-            self.kernel(&k.attention, cfg, &args, "attention")?;
+            let attention = if bf16 {
+                &k.attention_bf16
+            } else {
+                &k.attention
+            };
+            self.kernel(attention, cfg, &args, "attention")?;
             st.wgemm(s, base, lw.o_w, xs, y2, (h, 2 * n, qw), w8, rank)?;
         }
         self.finish()
@@ -609,7 +626,8 @@ impl<'a> Pass<'a> {
             return Ok(());
         }
         let z = self.z;
-        let kvw = z.kvh * z.d;
+        // a position's width in the cache's 2-byte units
+        let kvw = z.kvh * z.d * self.st.kv.bytes() / 2;
         let longest = step.forks.chunks_exact(3).map(|f| f[2]).max().unwrap_or(0);
         let fk = self
             .s()

@@ -15,6 +15,7 @@ use crate::fp8::{fp8_gemm, Fp8Kernels, Fp8Scratch, Fp8Weight};
 use crate::kernels::DecoderKernels;
 use crate::w8a8::{w8a8_gemm, W8a8Gemm, W8a8Scratch};
 use crate::weights::{MatAt, RankOffsets};
+use lifecycle_decoder::KvDtype;
 use lifecycle_layout::fp8::Fp8Compute;
 
 /// Where one rank reads its weights: the device address of its flat bf16 rollout buffer and the
@@ -39,9 +40,11 @@ pub(crate) struct RankState {
     /// The weights this rank reads; `None` while unbound (an engine asleep).
     pub(crate) bind: Option<RankBind>,
     pub(crate) inv_freq: CudaSlice<f32>,
-    /// `[layer][k | v][slot][cap][kv_heads · head_dim]` f32, `None` before the first prefill
-    /// (or while an engine sleeps).
-    pub(crate) cache: Option<CudaSlice<f32>>,
+    /// `[layer][k | v][slot][cap][kv_heads · head_dim]` elements of `kv` in 2-byte units (an
+    /// f32 element is two), `None` before the first prefill (or while an engine sleeps).
+    pub(crate) cache: Option<CudaSlice<u16>>,
+    /// The element type of the cache (f32 or bf16; never fp8, refused when set).
+    pub(crate) kv: KvDtype,
     pub(crate) ev_compute: CudaEvent,
     pub(crate) ev_nccl: CudaEvent,
     /// Mapped host buffer every download of a pass goes through (written by the SMs).
