@@ -166,20 +166,169 @@ FP8_GEMV(2)
 FP8_GEMV(4)
 FP8_GEMV(8)
 
+// The weight-streaming kernel of the product tables (a mixture-of-experts layer's experts):
+// y[t * out + o] = sum_c x[t * inp + c] * w(row0 + o, c) for t < n <= N, 0 in ylo[t * out + o];
+// w e4m3 with one scale per 128 x 128 block (FP8) or bf16, row-major [.. x inp]; x f32. A block
+// of 8 warps computes 8 RO outputs, RO per warp: it stages the activations of 256 columns at a
+// time in shared memory (read once per block, not once per output) and each lane reads 8
+// consecutive weights of each of its warp's rows; the sums are reduced within the warp.
+#define GV_WARPS 8
+#define GV_CHUNK 256
+template <int N, int RO, bool FP8>
+__device__ __forceinline__ void gemv_tiled(const unsigned char* __restrict__ w,
+                                           const float* __restrict__ scales, u32 row0, u32 out,
+                                           u32 inp, const float* __restrict__ x, u32 n,
+                                           float* __restrict__ y, float* __restrict__ ylo) {
+    __shared__ __align__(16) float xs[N][GV_CHUNK];
+    u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    u32 o0 = (blockIdx.x * GV_WARPS + warp) * RO;
+    u64 bc = (inp + 127) / 128;
+    const int wb = FP8 ? 1 : 2;  // bytes per weight
+    bool vec = inp % 8 == 0 && ((u64)w & (FP8 ? 7u : 15u)) == 0;
+    float acc[RO][N];
+    #pragma unroll
+    for (int i = 0; i < RO; ++i) {
+        #pragma unroll
+        for (int t = 0; t < N; ++t) acc[i][t] = 0.0f;
+    }
+    for (u32 c0 = 0; c0 < inp; c0 += GV_CHUNK) {
+        u32 width = min((u32)GV_CHUNK, inp - c0);
+        u32 j = 8 * lane;
+        // this chunk's weights are requested before the activations are staged, so the two
+        // loads overlap
+        uint4 raw[RO];
+        #pragma unroll
+        for (int i = 0; i < RO; ++i) {
+            raw[i] = make_uint4(0, 0, 0, 0);
+            u32 o = o0 + i;
+            if (vec && j < width && o < out) {
+                const unsigned char* p = w + (((u64)row0 + o) * inp + c0 + j) * wb;
+                if (FP8) {
+                    uint2 q = *reinterpret_cast<const uint2*>(p);
+                    raw[i].x = q.x;
+                    raw[i].y = q.y;
+                } else {
+                    raw[i] = *reinterpret_cast<const uint4*>(p);
+                }
+            }
+        }
+        __syncthreads();
+        #pragma unroll
+        for (int t = 0; t < N; ++t) {
+            if (t < n) {
+                for (u32 i = threadIdx.x; i < width; i += blockDim.x) xs[t][i] = x[(u64)t * inp + c0 + i];
+            }
+        }
+        __syncthreads();
+        if (vec) {
+            if (j < width) {
+                u32 c = c0 + j;
+                float wv[RO][8];
+                #pragma unroll
+                for (int i = 0; i < RO; ++i) {
+                    if (FP8) {
+                        e4m3x4(raw[i].x, wv[i]);
+                        e4m3x4(raw[i].y, wv[i] + 4);
+                        u32 o = o0 + i;
+                        u64 r = (u64)row0 + (o < out ? o : 0);
+                        float sc = o < out ? scales[(r / 128) * bc + c / 128] : 0.0f;
+                        #pragma unroll
+                        for (int k = 0; k < 8; ++k) wv[i][k] *= sc;
+                    } else {
+                        u32 words[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+                        #pragma unroll
+                        for (int k = 0; k < 4; ++k) {
+                            wv[i][2 * k] = __uint_as_float(words[k] << 16);
+                            wv[i][2 * k + 1] = __uint_as_float(words[k] & 0xffff0000u);
+                        }
+                    }
+                }
+                #pragma unroll
+                for (int t = 0; t < N; ++t) {
+                    if (t < n) {
+                        float4 a = *reinterpret_cast<const float4*>(&xs[t][j]);
+                        float4 b = *reinterpret_cast<const float4*>(&xs[t][j + 4]);
+                        float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                        #pragma unroll
+                        for (int i = 0; i < RO; ++i) {
+                            float sv = acc[i][t];
+                            #pragma unroll
+                            for (int k = 0; k < 8; ++k) sv = fmaf(wv[i][k], xv[k], sv);
+                            acc[i][t] = sv;
+                        }
+                    }
+                }
+            }
+        } else {
+            for (u32 j = lane; j < width; j += 32) {
+                u32 c = c0 + j;
+                #pragma unroll
+                for (int i = 0; i < RO; ++i) {
+                    u32 o = o0 + i;
+                    if (o < out) {
+                        u64 r = (u64)row0 + o;
+                        float wv = FP8 ? e4m3_val(w[r * inp + c]) * scales[(r / 128) * bc + c / 128]
+                                       : bf(reinterpret_cast<const u16*>(w)[r * inp + c]);
+                        #pragma unroll
+                        for (int t = 0; t < N; ++t) {
+                            if (t < n) acc[i][t] = fmaf(wv, xs[t][j], acc[i][t]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    #pragma unroll
+    for (int i = 0; i < RO; ++i) {
+        #pragma unroll
+        for (int t = 0; t < N; ++t) {
+            if (t < n) {
+                float v = acc[i][t];
+                #pragma unroll
+                for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+                u32 o = o0 + i;
+                if (lane == 0 && o < out) {
+                    y[(u64)t * out + o] = v;
+                    ylo[(u64)t * out + o] = 0.0f;
+                }
+            }
+        }
+    }
+}
+
 // Many products of one output size in one launch (a mixture-of-experts layer's experts):
-// blockIdx.y picks the problem, whose 8 entries of table are w, scales, row0, inp, x, n, y, ylo.
-#define FP8_GEMV_TABLE(N)                                                                      \
-    extern "C" __global__ void __launch_bounds__(256) fp8_gemv_table_##N(                      \
+// blockIdx.y picks the problem, whose 8 entries of table are w, scales (unused for bf16), row0,
+// inp, x, n, y, ylo; a problem of n = 0 rows does nothing. Outputs per warp: 1 up to 2 rows,
+// 4 from 4 (GV_RO(N)); the grid's x covers out / (8 GV_RO(N)) blocks.
+#define GV_RO(N) ((N) <= 2 ? 1 : 4)
+#define GEMV_TABLE(NAME, N, FP8)                                                               \
+    extern "C" __global__ void __launch_bounds__(256) NAME##_##N(                              \
         const u64* __restrict__ table, u32 out) {                                              \
         const u64* e = table + 8 * (u64)blockIdx.y;                                            \
-        fp8_gemv_body<N>((const unsigned char*)e[0], (const float*)e[1], (u32)e[2], out,       \
-                         (u32)e[3], (const float*)e[4], (u32)e[5], (float*)e[6],               \
-                         (float*)e[7]);                                                        \
+        if (e[5] == 0) return;                                                                 \
+        gemv_tiled<N, GV_RO(N), FP8>((const unsigned char*)e[0], (const float*)e[1],           \
+                                      (u32)e[2], out, (u32)e[3], (const float*)e[4],           \
+                                      (u32)e[5], (float*)e[6], (float*)e[7]);                  \
     }
-FP8_GEMV_TABLE(1)
-FP8_GEMV_TABLE(2)
-FP8_GEMV_TABLE(4)
-FP8_GEMV_TABLE(8)
+// One product of the dense layers (tiled, one output per warp): as fp8_gemv_N.
+#define FP8_GEMV_TILED(N)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) fp8_gemv_tiled_##N(                      \
+        const unsigned char* __restrict__ w, const float* __restrict__ scales, u32 row0,      \
+        u32 out, u32 inp, const float* __restrict__ x, u32 n, float* __restrict__ y) {         \
+        gemv_tiled<N, 1, true>(w, scales, row0, out, inp, x, n, y, y + (u64)n * out);          \
+    }
+FP8_GEMV_TILED(1)
+FP8_GEMV_TILED(2)
+FP8_GEMV_TILED(4)
+FP8_GEMV_TILED(8)
+GEMV_TABLE(fp8_gemv_table, 1, true)
+GEMV_TABLE(fp8_gemv_table, 2, true)
+GEMV_TABLE(fp8_gemv_table, 4, true)
+GEMV_TABLE(fp8_gemv_table, 8, true)
+GEMV_TABLE(bf16_gemv_table, 1, false)
+GEMV_TABLE(bf16_gemv_table, 2, false)
+GEMV_TABLE(bf16_gemv_table, 4, false)
+GEMV_TABLE(bf16_gemv_table, 8, false)
 
 // Rows row0 .. row0 + out of an e4m3 matrix [.. x inp] dequantised into hi (bf16 of the value)
 // and lo (bf16 of the rest), each [out x inp] row-major, hi first in dst.

@@ -22,7 +22,7 @@ use clap::Parser;
 use lifecycle_bench::ceilings::{device_copy, Timing};
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Switching};
 use lifecycle_cuda::ThreadRankPool;
-use lifecycle_decoder::{Decoder, KvDtype, ModelConfig, Sampling};
+use lifecycle_decoder::{Decoder, KvDtype, ModelConfig, PrefillLogits, Sampling};
 use lifecycle_decoder_gpu::GpuDecoder;
 use lifecycle_fsdp::FsdpBackend;
 use lifecycle_layout::fp8::{Fp8Compute, RolloutDtype};
@@ -94,26 +94,29 @@ fn main() -> Result<(), Box<dyn Error>> {
         args.kv_dtype,
         copy / GB
     );
-    // (dtype, grouped experts, fp8 compute, W8A8 weight-streaming tokens): the MoE shape runs
-    // its bf16 experts both ways; fp8 runs weight-only, W8A8 and W8A8 on the GEMM alone
+    // (dtype, grouped experts, fp8 compute, W8A8 weight-streaming tokens, MoE routed on the
+    // device): the MoE shape runs its bf16 experts routed on the device (decode steps of up to
+    // 64 sequences), routed on the host in blocks of batched GEMMs, and one GEMM per expert;
+    // fp8 runs weight-only, W8A8 and W8A8 on the GEMM alone
     const WO: Fp8Compute = Fp8Compute::WeightOnly;
     const W8: Fp8Compute = Fp8Compute::W8A8;
-    let mut variants: Vec<(RolloutDtype, bool, Fp8Compute, usize)> =
-        vec![(RolloutDtype::Bf16, true, WO, 8)];
+    let mut variants: Vec<(RolloutDtype, bool, Fp8Compute, usize, bool)> =
+        vec![(RolloutDtype::Bf16, true, WO, 8, true)];
     if args.moe {
-        variants.push((RolloutDtype::Bf16, false, WO, 8));
+        variants.push((RolloutDtype::Bf16, true, WO, 8, false));
+        variants.push((RolloutDtype::Bf16, false, WO, 8, false));
     }
     variants.extend([
-        (RolloutDtype::Fp8, true, WO, 8),
-        (RolloutDtype::Fp8, true, W8, 8),
-        (RolloutDtype::Fp8, true, W8, 1),
+        (RolloutDtype::Fp8, true, WO, 8, true),
+        (RolloutDtype::Fp8, true, W8, 8, true),
+        (RolloutDtype::Fp8, true, W8, 1, true),
     ]);
     let shapes = config.tensor_shapes();
     let mut state = FsdpBackend::new(pool.clone(), config.rollout_layout(1)?)
         .synthetic_state(&shapes, 7, 0.02)?;
     // (variant, batch, decode tokens/s, prefill seconds)
     let mut rates: Vec<(usize, usize, f64, f64)> = Vec::new();
-    for (vi, &(dtype, grouped, compute, gemv)) in variants.iter().enumerate() {
+    for (vi, &(dtype, grouped, compute, gemv, device)) in variants.iter().enumerate() {
         let backend =
             FsdpBackend::new(pool.clone(), config.rollout_layout(1)?).with_rollout_dtype(dtype);
         let lc_config = LifecycleConfig {
@@ -137,12 +140,21 @@ fn main() -> Result<(), Box<dyn Error>> {
             let mut dec = GpuDecoder::new(&config, session.backend(), weights.get())?;
             dec.set_kv_dtype(args.kv_dtype)?;
             let grouped = dec.set_grouped_experts(grouped);
-            let how = match (args.moe, grouped, dtype) {
+            let device = dec.set_device_routing(device);
+            let how = match (args.moe, grouped, device, dtype) {
                 (false, ..) => "",
-                // fp8 experts always take the per-expert path
-                (true, _, RolloutDtype::Fp8) => ", fp8 experts",
-                (true, true, _) => ", experts in blocks of one batched GEMM per product",
-                (true, false, _) => ", one GEMM per expert",
+                (true, true, true, RolloutDtype::Fp8) => {
+                    ", fp8 experts routed on the device (up to 64 sequences)"
+                }
+                (true, _, _, RolloutDtype::Fp8) => ", fp8 experts",
+                (true, true, true, _) => {
+                    ", experts routed on the device up to 64 sequences (weight streaming over \
+                     the routing's table), else in blocks of batched GEMMs"
+                }
+                (true, true, false, _) => {
+                    ", experts routed on the host in blocks of one batched GEMM per product"
+                }
+                (true, false, ..) => ", one GEMM per expert, routed on the host",
             };
             let compute_how = match (dtype, compute) {
                 (RolloutDtype::Bf16, _) => String::new(),
@@ -179,11 +191,18 @@ fn main() -> Result<(), Box<dyn Error>> {
                 let t = Instant::now();
                 dec.generate(&prompts, &Sampling::greedy(args.new_tokens))?;
                 let total = t.elapsed().as_secs_f64();
+                // the host waits of one decode step beyond the one for its logits
+                dec.prefill(&prompts, PrefillLogits::Last)?;
+                let feed: Vec<u32> = prompts.iter().map(|p| p[0]).collect();
+                let waits = dec.host_waits();
+                dec.decode_step(&feed)?;
+                let waits_per_step = dec.host_waits() - waits - 1;
                 let step = (total - prefill).max(1e-9) / (args.new_tokens - 1) as f64;
                 let rate = batch as f64 / step;
                 println!(
                     "  batch {batch:>3}: prefill {:.2} ms, decode {:.3} ms/step ({:.2}x the \
-                     floor), {rate:.0} tokens/s",
+                     floor), {rate:.0} tokens/s; host waits in a decode step beyond its \
+                     logits': {waits_per_step}",
                     prefill * 1e3,
                     step * 1e3,
                     step / floor
@@ -200,11 +219,12 @@ fn main() -> Result<(), Box<dyn Error>> {
             continue;
         };
         let mut line = format!("  batch {batch:>3}: bf16 {b:.0} tokens/s");
-        for (vi, &(dtype, grouped, compute, gemv)) in variants.iter().enumerate().skip(1) {
+        for (vi, &(dtype, grouped, compute, gemv, device)) in variants.iter().enumerate().skip(1) {
             let Some(&(_, _, r, p)) = of(vi, batch) else {
                 continue;
             };
             let name = match (dtype, grouped, compute, gemv) {
+                (RolloutDtype::Bf16, true, ..) if !device => "bf16 routed on the host".to_string(),
                 (RolloutDtype::Bf16, ..) => "bf16 per expert".to_string(),
                 (_, _, Fp8Compute::WeightOnly, _) => "fp8 weight-only".to_string(),
                 (_, _, _, 1) => "W8A8 GEMM from 2".to_string(),

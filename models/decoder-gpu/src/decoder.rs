@@ -24,8 +24,10 @@ use crate::weights::GroupOffsets;
 
 mod forward;
 mod moe;
+mod moe_device;
 mod rank;
 use forward::{rank_forward, Pick, Step, StepOut};
+use moe_device::DeviceExperts;
 use rank::{ptr, Dims, RankBind, RankState};
 
 /// Longest sequence (prompt + generated tokens) the attention kernel's shared memory holds.
@@ -221,6 +223,8 @@ impl Core {
                 dequant: None,
                 x32: None,
                 grouped: true,
+                device_moe: None,
+                device_routing: true,
                 room: None,
             });
             ctx.compute
@@ -308,10 +312,9 @@ impl Core {
                     st.w8a8 = Some(W8a8Gemm::new(ctx)?);
                 }
             }
-            st.bind = Some(RankBind {
-                base: ptr(buf, &ctx.compute),
-                w,
-            });
+            let base = ptr(buf, &ctx.compute);
+            st.device_moe = DeviceExperts::bind(ctx, &w, base)?;
+            st.bind = Some(RankBind { base, w });
             ctx.compute
                 .synchronize()
                 .map_err(ctx.drv("synchronizing", 0))?;
@@ -372,6 +375,7 @@ impl Core {
             st.dequant = None;
             st.x32 = None;
             st.w8a8 = None;
+            st.device_moe = None;
             st.room = None;
         }
         self.geo = None;
@@ -433,6 +437,11 @@ impl Core {
         self.kv = KvMode::Fixed { slots };
         self.cap = cap;
         Ok(())
+    }
+
+    /// Downloads that waited for the device, summed over the ranks.
+    pub fn host_waits(&self) -> usize {
+        self.ranks.iter().map(|st| st.downloads.waits()).sum()
     }
 
     /// Bytes of the KV cache on the rank that holds the most.
@@ -1001,6 +1010,39 @@ impl<'w> GpuDecoder<'w> {
             r.grouped = on;
         }
         on
+    }
+
+    /// Whether passes of at most 64 rows (decode steps of up to 64 sequences per replica) route
+    /// their mixture-of-experts layers on the device (on, the default: the router's top-k, the
+    /// experts' row lists and the product table computed by one kernel, the experts' products
+    /// by weight-streaming kernels over that table, no host synchronisation inside the pass)
+    /// or on the host (off: the router's logits downloaded per layer, the rows uploaded). Both
+    /// pick the experts by the CPU decoder's rule; a layer the device cannot route (held experts
+    /// of different widths or dtypes, or the per-expert path of
+    /// [`GpuDecoder::set_grouped_experts`]) is routed on the host. Returns the setting.
+    pub fn set_device_routing(&mut self, on: bool) -> bool {
+        for r in &mut self.core.ranks {
+            r.device_routing = on;
+        }
+        on
+    }
+
+    /// Downloads so far that waited for the device, summed over this process's ranks: the
+    /// host synchronisations of the passes (one per pass for its logits or tokens, plus one per
+    /// MoE layer routed on the host).
+    ///
+    /// ```no_run
+    /// use lifecycle_decoder::Decoder;
+    /// use lifecycle_decoder_gpu::GpuDecoder;
+    ///
+    /// fn waits_per_step(dec: &mut GpuDecoder<'_>, feed: &[u32]) -> Result<usize, Box<dyn std::error::Error>> {
+    ///     let before = dec.host_waits();
+    ///     dec.decode_step(feed)?;
+    ///     Ok(dec.host_waits() - before)
+    /// }
+    /// ```
+    pub fn host_waits(&self) -> usize {
+        self.core.host_waits()
     }
 }
 

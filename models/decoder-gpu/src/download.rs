@@ -6,6 +6,7 @@
 //! cut), so a download by copy would stall the rollout behind the offload; the SMs' writes are
 //! not queued there (14–23 µs for 128 B while the offload fills the link).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use lifecycle_cuda::cudarc::driver::{sys, CudaStream, PinnedHostSlice};
@@ -21,9 +22,12 @@ pub(crate) struct MappedHost {
 }
 
 /// A rank's mapped download buffer, kept between passes (allocating page-locked memory is slow,
-/// and freeing it synchronises the device).
+/// and freeing it synchronises the device), and how many downloads waited for the device.
 #[derive(Default)]
-pub(crate) struct Downloads(Mutex<Option<MappedHost>>);
+pub(crate) struct Downloads {
+    buffer: Mutex<Option<MappedHost>>,
+    waits: AtomicUsize,
+}
 
 impl std::fmt::Debug for Downloads {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -60,6 +64,12 @@ impl MappedHost {
 }
 
 impl Downloads {
+    /// Downloads so far: each waited for the work queued before it on its stream (the host
+    /// synchronisations of the passes).
+    pub(crate) fn waits(&self) -> usize {
+        self.waits.load(Ordering::Relaxed)
+    }
+
     /// Copies `words` 32-bit words at device address `src` (valid for that many reads on
     /// `stream`) to the host, after the work queued on `stream`, by a copy engine or, with
     /// `through_sms` (an offload's copies run beside the pass), by a kernel; waits for it.
@@ -74,8 +84,9 @@ impl Downloads {
         through_sms: bool,
         what: &str,
     ) -> Result<Vec<u32>, CudaError> {
+        self.waits.fetch_add(1, Ordering::Relaxed);
         let mut slot = self
-            .0
+            .buffer
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if slot.as_ref().is_none_or(|m| m.host.len() < words) {

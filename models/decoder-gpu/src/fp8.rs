@@ -40,10 +40,12 @@ pub const FP8_DECODER_KERNELS: KernelSet =
 #[derive(Debug, Clone)]
 pub(crate) struct Fp8Kernels {
     join: CudaFunction,
-    /// The weight-streaming kernel for up to 1, 2, 4 and 8 tokens.
+    /// The weight-streaming kernel for up to 1, 2, 4 and 8 tokens, and its tiled variant.
     gemv: [CudaFunction; 4],
-    /// The same over a table of products ([`fp8_gemv_table`]).
+    gemv_tiled: [CudaFunction; 4],
+    /// The same over a table of products ([`fp8_gemv_table`]), and its bf16 twin.
     table: [CudaFunction; 4],
+    bf16_table: [CudaFunction; 4],
     dequant: CudaFunction,
     /// W8A8 activation quantisation from split bf16 and from f32 rows ([`crate::w8a8`]).
     pub(crate) quant_split: CudaFunction,
@@ -65,11 +67,23 @@ impl Fp8Kernels {
                 m.function("fp8_gemv_4")?,
                 m.function("fp8_gemv_8")?,
             ],
+            gemv_tiled: [
+                m.function("fp8_gemv_tiled_1")?,
+                m.function("fp8_gemv_tiled_2")?,
+                m.function("fp8_gemv_tiled_4")?,
+                m.function("fp8_gemv_tiled_8")?,
+            ],
             table: [
                 m.function("fp8_gemv_table_1")?,
                 m.function("fp8_gemv_table_2")?,
                 m.function("fp8_gemv_table_4")?,
                 m.function("fp8_gemv_table_8")?,
+            ],
+            bf16_table: [
+                m.function("bf16_gemv_table_1")?,
+                m.function("bf16_gemv_table_2")?,
+                m.function("bf16_gemv_table_4")?,
+                m.function("bf16_gemv_table_8")?,
             ],
             dequant: m.function("fp8_dequant_split")?,
             quant_split: m.function("fp8_quant_split")?,
@@ -110,9 +124,11 @@ pub(crate) unsafe fn fp8_join(
 }
 
 /// `problems` weight-streaming products of `out` outputs each in one launch: `table` the device
-/// address of `8 · problems` u64, per problem the e4m3 matrix, its block scales, its first row,
-/// its columns, the f32 activations, their rows (at most `max_rows` ≤ [`GEMV_TOKENS`]), and the
-/// f32 outputs of the hi rows and of the lo rows (written 0).
+/// address of `8 · problems` u64, per problem the weight matrix (e4m3, or bf16 with `bf16`), its
+/// block scales (e4m3), its first row, its columns, the f32 activations, their rows (at most
+/// `max_rows` ≤ [`GEMV_TOKENS`]; 0: the problem does nothing), and the f32 outputs of the hi
+/// rows and of the lo rows (written 0). Each block computes 8 outputs per warp-row share: 8
+/// outputs up to 2 rows, 32 from 4 (the kernel's `GV_RO`).
 ///
 /// # Safety
 /// Every address of the table must be device memory of this context holding its sizes, alive
@@ -122,24 +138,29 @@ pub(crate) unsafe fn fp8_gemv_table(
     k: &Fp8Kernels,
     table: u64,
     (problems, out, max_rows): (usize, usize, usize),
+    bf16: bool,
     rank: usize,
 ) -> Result<(), CudaError> {
     if max_rows == 0 || max_rows > GEMV_TOKENS || problems == 0 || problems > 65_535 {
         return Err(CudaError::Invalid(format!(
-            "fp8 product table of {problems} problems of up to {max_rows} rows: at most 65535 \
+            "product table of {problems} problems of up to {max_rows} rows: at most 65535 \
              problems of 1 to {GEMV_TOKENS} rows"
         )));
     }
+    let n = max_rows.next_power_of_two();
+    // outputs per block: 8 warps of GV_RO(n) rows
+    let per_block = 8 * if n <= 2 { 1 } else { 4 };
     let cfg = LaunchConfig {
-        grid_dim: ((out as u32).div_ceil(4).max(1), problems as u32, 1),
+        grid_dim: ((out as u32).div_ceil(per_block).max(1), problems as u32, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let kernel = &k.table[max_rows.next_power_of_two().trailing_zeros() as usize];
+    let kernels = if bf16 { &k.bf16_table } else { &k.table };
+    let kernel = &kernels[n.trailing_zeros() as usize];
     let args = [Arg::U64(table), Arg::U32(out as u32)];
-    // SAFETY: the argument list matches fp8_gemv_table_N (N ≥ every problem's rows); the table
-    // per the caller.
-    unsafe { launch(stream, kernel, cfg, &args, rank, "fp8_gemv_table") }
+    // SAFETY: the argument list matches fp8_gemv_table_N / bf16_gemv_table_N (N ≥ every
+    // problem's rows); the table per the caller.
+    unsafe { launch(stream, kernel, cfg, &args, rank, "gemv_table") }
 }
 
 /// Where an fp8 weight matrix lies: device addresses of its first e4m3 byte (row 0 of the
@@ -255,8 +276,9 @@ pub(crate) unsafe fn fp8_gemv(
         )));
     }
     let outs = u32a(out as u64, "rows")?;
+    let tiled = false;
     let cfg = LaunchConfig {
-        grid_dim: (outs.div_ceil(4).max(1), 1, 1),
+        grid_dim: (outs.div_ceil(if tiled { 8 } else { 4 }).max(1), 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -270,7 +292,8 @@ pub(crate) unsafe fn fp8_gemv(
         Arg::U32(tokens as u32),
         Arg::U64(y),
     ];
-    let gemv = &k.gemv[tokens.next_power_of_two().trailing_zeros() as usize];
+    let kernels = if tiled { &k.gemv_tiled } else { &k.gemv };
+    let gemv = &kernels[tokens.next_power_of_two().trailing_zeros() as usize];
     // SAFETY: the argument list matches fp8_gemv_N (N ≥ tokens); sizes per the caller.
     unsafe { launch(stream, gemv, cfg, &args, rank, "fp8_gemv") }
 }

@@ -1258,3 +1258,115 @@ fn grouped_expert_gemms_match_the_per_expert_path() -> Res {
     );
     Ok(())
 }
+
+/// MoE decode steps routed on the device (`GpuDecoder::set_device_routing`, the default) against
+/// the host-routed path and the CPU decoder, on a Qwen3-MoE shape (16 experts, top-4) and a
+/// Qwen2-MoE one with a shared expert (8 experts, top-2): for batches of 1, 5, 16 and 64
+/// sequences (routed on the device) and 65 (more than the device routes: on the host), the
+/// decode-step logits of both paths within the module's tolerance of the CPU decoder's, greedy
+/// tokens equal to the CPU decoder's, and the host waits of a decode step counted: one (its
+/// logits) when the device routes, one plus one per MoE layer when the host does.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn moe_decode_steps_route_on_the_device_without_host_waits() -> Res {
+    require_gpus(1)?;
+    let configs = [
+        r#"{"model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": false, "num_experts": 16, "num_experts_per_tok": 4,
+        "moe_intermediate_size": 96, "norm_topk_prob": true}"#,
+        r#"{"model_type": "qwen2_moe", "vocab_size": 512, "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": false, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64, "shared_expert_intermediate_size": 128,
+        "norm_topk_prob": false}"#,
+    ];
+    let mut failures = Vec::new();
+    for (json, name) in configs
+        .into_iter()
+        .zip(["Qwen3-MoE", "Qwen2-MoE (shared expert)"])
+    {
+        let config = ModelConfig::from_json_str(json)?;
+        let layers = config.model.layers;
+        let tensors = random_tensors(&config, 13);
+        let layout = config.rollout_layout(1)?;
+        let host_state = HostTrainState::from_tensors(1, tensors.clone())?;
+        let mut hlc = Lifecycle::new(HostBackend::new(layout.clone()), host_state);
+        let hs = hlc.rollout()?;
+        let hw = hs.weights();
+        let group: Vec<_> = hw.ranks.iter().collect();
+        let mut cpu = CpuDecoder::new(&config, &layout, &group)?;
+        let mut lc = fsdp_lifecycle(&config, tensors, 1)?;
+        let session = lc.rollout()?;
+        let weights = session.weights();
+        let mut on = GpuDecoder::new(&config, session.backend(), weights.get())?;
+        let mut off = GpuDecoder::new(&config, session.backend(), weights.get())?;
+        assert!(on.set_device_routing(true) && !off.set_device_routing(false));
+        for batch in [1usize, 5, 16, 64, 65] {
+            let prompts: Vec<Vec<u32>> = (0..batch as u32)
+                .map(|i| {
+                    (0..3 + i % 5)
+                        .map(|j| (i * 37 + j * 11 + 1) % 512)
+                        .collect()
+                })
+                .collect();
+            let steps = 5;
+            let want = cpu.generate(&prompts, &Sampling::greedy(steps))?;
+            let (mut worst, mut waits) = (0.0f32, [Vec::new(), Vec::new()]);
+            for (which, dec) in [&mut on, &mut off].into_iter().enumerate() {
+                let greedy = dec.generate(&prompts, &Sampling::greedy(steps))?;
+                if greedy != want {
+                    failures.push(format!(
+                        "{name} batch {batch}, device routing {}: greedy tokens differ from \
+                         the CPU decoder's",
+                        which == 0
+                    ));
+                }
+                cpu.prefill(&prompts, PrefillLogits::Last)?;
+                dec.prefill(&prompts, PrefillLogits::Last)?;
+                for k in 0..steps {
+                    let feed: Vec<u32> = want.iter().map(|g| g[k]).collect();
+                    let before = dec.host_waits();
+                    let got = dec.decode_step(&feed)?;
+                    waits[which].push(dec.host_waits() - before);
+                    let c = cpu.decode_step(&feed)?;
+                    for (i, (g, w)) in got.iter().zip(&c).enumerate() {
+                        let (err, tol) = compare(g, w);
+                        worst = worst.max(err / tol);
+                        if err > tol || err.is_nan() {
+                            failures.push(format!(
+                                "{name} batch {batch}, device routing {}: sequence {i} step \
+                                 {k}: max |error| {err} > {tol}",
+                                which == 0
+                            ));
+                        }
+                    }
+                }
+            }
+            let device_waits = if batch <= 64 { 1 } else { 1 + layers };
+            if waits[0].iter().any(|&w| w != device_waits)
+                || waits[1].iter().any(|&w| w != 1 + layers)
+            {
+                failures.push(format!(
+                    "{name} batch {batch}: host waits per decode step {:?} routed on the device, \
+                     {:?} on the host (wanted {device_waits} and {})",
+                    waits[0],
+                    waits[1],
+                    1 + layers
+                ));
+            }
+            println!(
+                "{name}, batch {batch}: max error / tolerance vs the CPU decoder {worst:.3}; host \
+                 waits per decode step: {} with device routing, {} without",
+                waits[0][0], waits[1][0]
+            );
+        }
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join("\n").into())
+    }
+}

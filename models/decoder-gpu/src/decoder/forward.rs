@@ -223,7 +223,11 @@ impl<'a> Pass<'a> {
                 },
             }
         };
-        let moe = MoeScratch::new(s, rank, (n, h, z.top_k), &bind.w, st.w8a8_scratch_for(n))?;
+        let flags = (
+            st.w8a8_scratch_for(n),
+            st.device_routing && st.device_moe.is_some(),
+        );
+        let moe = MoeScratch::new(s, rank, (n, h, z.top_k), &bind.w, flags)?;
         Ok(Pass {
             ctx,
             st,
@@ -538,7 +542,7 @@ impl<'a> Pass<'a> {
         self.norm(lw.post_norm, 0, n)?;
         let bind = self.bind;
         if let Some(moe) = &bind.w.moe[l] {
-            return self.experts(moe);
+            return self.experts(l, moe);
         }
         let base = self.bind.base;
         let (xs, y2, y2b) = (
@@ -579,13 +583,22 @@ impl<'a> Pass<'a> {
 
     /// A mixture-of-experts layer ([`moe_layer`]): the experts' sum plus the residual (rank 0
     /// adds it), summed over the group.
-    fn experts(&mut self, moe: &crate::weights::MoeOffsets) -> Result<(), CudaError> {
+    fn experts(&mut self, l: usize, moe: &crate::weights::MoeOffsets) -> Result<(), CudaError> {
         let (n, h) = (self.z.n, self.z.h);
         let (xs, x) = (self.at(&self.sc.xs), self.at(&self.sc.x));
         let scratch = self.moe.as_mut().ok_or_else(|| {
             CudaError::Invalid("no scratch buffers for a mixture-of-experts layer".into())
         })?;
-        moe_layer(self.ctx, self.st, self.z, moe, scratch, xs, self.bind.base)?;
+        moe_layer(
+            self.ctx,
+            self.st,
+            self.z,
+            l,
+            moe,
+            scratch,
+            xs,
+            self.bind.base,
+        )?;
         let acc = ptr(scratch.acc(), &self.ctx.compute);
         let cfg = self.elementwise(n * h);
         let k = &self.st.k;

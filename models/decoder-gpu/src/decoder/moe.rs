@@ -1,6 +1,8 @@
-//! The mixture-of-experts MLP of one rank: the router's logits, top-k routing on the host with
-//! the CPU decoder's rule ([`lifecycle_decoder::route_top_k`], one device→host copy of
-//! `n × experts` floats), then the experts this rank holds over the rows routed to them.
+//! The mixture-of-experts MLP of one rank: the router's logits, then top-k routing, on the
+//! device for passes of up to 64 rows ([`super::moe_device`]: no host synchronisation), else on
+//! the host with the CPU decoder's rule ([`lifecycle_decoder::route_top_k`], one device→host
+//! copy of `n × experts` floats), then the experts this rank holds over the rows routed to them.
+//! What follows is the host-routed path.
 //!
 //! bf16 experts run in blocks: the routed rows of consecutive experts are gathered into one
 //! block (as many as the scratch holds: every routed row of a decode step), each expert padded to
@@ -19,6 +21,7 @@ use std::sync::Arc;
 use lifecycle_cuda::cudarc::driver::{CudaSlice, CudaStream};
 use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
 
+use super::moe_device::{device_moe_layer, RouteScratch};
 use super::rank::{ptr, Dims, RankState};
 use crate::blas::{batched_gemm, gemm};
 use crate::fp8::{fp8_gemv_table, fp8_join, GEMV_TOKENS};
@@ -39,19 +42,22 @@ pub(super) struct MoeScratch {
     rows: usize,
     /// Router products `[2n × experts]` and router logits `[n × experts]`.
     router2: CudaSlice<f32>,
-    logits: CudaSlice<f32>,
+    pub(super) logits: CudaSlice<f32>,
     /// The routed rows, split `[2 · rows × h]`.
-    xg: CudaSlice<u16>,
+    pub(super) xg: CudaSlice<u16>,
     /// Gate and up products `[2 · rows × ffn]`, the SwiGLU output split `[2 · rows × ffn]`.
-    g2: CudaSlice<f32>,
-    u2: CudaSlice<f32>,
-    act: CudaSlice<u16>,
+    pub(super) g2: CudaSlice<f32>,
+    pub(super) u2: CudaSlice<f32>,
+    pub(super) act: CudaSlice<u16>,
     /// Down products `[2 · rows × h]`.
-    y2: CudaSlice<f32>,
+    pub(super) y2: CudaSlice<f32>,
     /// The weighted sum of the experts' outputs `[n × h]`.
-    acc: CudaSlice<f32>,
-    /// f32 activations of the fp8 experts' products `[rows × max(h, ffn)]` (fp8 weights only).
-    x32: Option<CudaSlice<f32>>,
+    pub(super) acc: CudaSlice<f32>,
+    /// f32 activations of the weight-streaming expert products `[rows × max(h, ffn)]` (fp8
+    /// experts, or a pass routed on the device).
+    pub(super) x32: Option<CudaSlice<f32>>,
+    /// The device routing's buffers, for a pass it routes ([`RouteScratch::new`]).
+    pub(super) route: Option<RouteScratch>,
     /// The quantised activations of W8A8 expert products beyond the weight-streaming kernel's
     /// tokens (`[rows × max(h, ffn)]`).
     pub(super) w8a8: Option<W8a8Scratch>,
@@ -63,7 +69,7 @@ impl MoeScratch {
         rank: usize,
         (n, h, top_k): (usize, usize, usize),
         w: &RankOffsets,
-        w8a8: bool,
+        (w8a8, device): (bool, bool),
     ) -> Result<Option<Self>, CudaError> {
         let layers: Vec<&MoeOffsets> = w.moe.iter().flatten().collect();
         let Some(first) = layers.first() else {
@@ -89,6 +95,11 @@ impl MoeScratch {
             .iter()
             .flat_map(|m| m.experts.iter().flatten())
             .any(|e| e.gate.fp8.is_some());
+        let route = if device {
+            RouteScratch::new(s, rank, (n, top_k, experts, rows))?
+        } else {
+            None
+        };
         // SAFETY: each buffer is written (GEMM, kernel or memset) before it is read, in order on
         // this stream, in `moe_layer`.
         unsafe {
@@ -102,7 +113,7 @@ impl MoeScratch {
                 act: alloc_device(s, 2 * rows * ffn, rank, "expert activations")?,
                 y2: alloc_device(s, 2 * rows * h, rank, "expert down products")?,
                 acc: alloc_device(s, n * h, rank, "expert sums")?,
-                x32: if fp8 {
+                x32: if fp8 || route.is_some() {
                     Some(alloc_device(
                         s,
                         rows * h.max(ffn),
@@ -117,6 +128,7 @@ impl MoeScratch {
                 } else {
                     None
                 },
+                route,
             }))
         }
     }
@@ -143,23 +155,19 @@ struct Routed {
     wts: Vec<f32>,
 }
 
-/// One mixture-of-experts MLP on this rank over the `n` rows of the split activations at `xsp`:
-/// the router's logits, routing on the host, then every expert this rank holds and that
-/// received rows, their weighted outputs added into the scratch's `acc` (zeroed first). The
-/// caller adds `acc` to the residual and sums it over the group, as for a row-parallel output.
-pub(super) fn moe_layer(
+/// The router's logits of the `n` rows at `xsp` into the scratch's `logits` (`[n × experts]`):
+/// its product, then the hi and lo halves added.
+pub(super) fn router_logits(
     ctx: &RankCtx,
     st: &RankState,
     z: &Dims,
     moe: &MoeOffsets,
-    scratch: &mut MoeScratch,
+    scratch: &MoeScratch,
     xsp: u64,
     base: u64,
 ) -> Result<(), CudaError> {
-    let s = &ctx.compute;
-    let rank = ctx.rank;
-    let k = &st.k;
-    let (n, h) = (z.n, z.h);
+    let (s, rank, k) = (&ctx.compute, ctx.rank, &st.k);
+    let n = z.n;
     let experts = moe.experts.len();
     let p = |b: &CudaSlice<f32>| ptr(b, s);
     let u32a = |v: usize| Arg::U32(v as u32);
@@ -174,7 +182,7 @@ pub(super) fn moe_layer(
             p(&scratch.router2),
             experts,
             2 * n,
-            h,
+            z.h,
             rank,
         )?;
         launch(
@@ -191,8 +199,54 @@ pub(super) fn moe_layer(
             ],
             rank,
             "combine",
-        )?;
+        )
     }
+}
+
+/// Layer `l`'s mixture-of-experts MLP (`moe`) on this rank over the `n` rows of the split
+/// activations at `xsp`: routed on the device when [`device_moe_layer`] takes the layer, else
+/// the router's logits downloaded and routed on the host; then every expert this rank holds and
+/// that received rows, their weighted outputs added into the scratch's `acc` (zeroed first), and
+/// the rank's share of the shared expert. The caller adds `acc` to the residual and sums it over
+/// the group, as for a row-parallel output.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn moe_layer(
+    ctx: &RankCtx,
+    st: &RankState,
+    z: &Dims,
+    l: usize,
+    moe: &MoeOffsets,
+    scratch: &mut MoeScratch,
+    xsp: u64,
+    base: u64,
+) -> Result<(), CudaError> {
+    if !device_moe_layer(ctx, st, z, l, moe, scratch, xsp, base)? {
+        host_routed_experts(ctx, st, z, moe, scratch, xsp, base)?;
+    }
+    match &moe.shared {
+        Some(shared) => shared_expert(ctx, st, z, scratch, (xsp, base), shared),
+        None => Ok(()),
+    }
+}
+
+/// The routed experts of one layer, routed on the host: the router's logits downloaded, each
+/// row's top-k by [`lifecycle_decoder::route_top_k`], the row lists uploaded, then the grouped,
+/// fp8 or per-expert path; the sum in `acc`.
+fn host_routed_experts(
+    ctx: &RankCtx,
+    st: &RankState,
+    z: &Dims,
+    moe: &MoeOffsets,
+    scratch: &mut MoeScratch,
+    xsp: u64,
+    base: u64,
+) -> Result<(), CudaError> {
+    let s = &ctx.compute;
+    let k = &st.k;
+    let n = z.n;
+    let experts = moe.experts.len();
+    let p = |b: &CudaSlice<f32>| ptr(b, s);
+    router_logits(ctx, st, z, moe, scratch, xsp, base)?;
     let mut logits: Vec<f32> = st
         .downloads
         .words(
@@ -230,6 +284,7 @@ pub(super) fn moe_layer(
     s.memset_zeros(&mut scratch.acc)
         .map_err(ctx.drv("zeroing the expert sums", 0))?;
     if runs.is_empty() {
+        // no held expert got rows: the sum stays zero
         return Ok(());
     }
     let ffn = runs[0].expert.ffn;
@@ -255,10 +310,7 @@ pub(super) fn moe_layer(
     } else {
         per_expert(ctx, st, z, scratch, (xsp, base), &routed)?;
     }
-    match &moe.shared {
-        Some(shared) => shared_expert(ctx, st, z, scratch, (xsp, base), shared),
-        None => Ok(()),
-    }
+    Ok(())
 }
 
 /// Qwen2-MoE's shared expert over all `n` rows, added into `acc` scaled per row by
@@ -699,12 +751,12 @@ fn fp8_experts(
             steps.gather((xsp, u32p + 4 * c.row0 as u64, xg), (n, rows, h))?;
             fp8_join(s, kf, (xg, x32), (rows, h), rank)?;
             requant((rows, h))?;
-            fp8_gemv_table(s, kf, entry(0), (g, f, most), rank)?;
-            fp8_gemv_table(s, kf, entry(1), (g, f, most), rank)?;
+            fp8_gemv_table(s, kf, entry(0), (g, f, most), false, rank)?;
+            fp8_gemv_table(s, kf, entry(1), (g, f, most), false, rank)?;
             steps.swiglu((g2, u2, act), (rows, f))?;
             fp8_join(s, kf, (act, x32), (rows, f), rank)?;
             requant((rows, f))?;
-            fp8_gemv_table(s, kf, entry(2), (g, h, most), rank)?;
+            fp8_gemv_table(s, kf, entry(2), (g, h, most), false, rank)?;
             let lists = (
                 u32p + 4 * c.csr as u64,
                 u32p + 4 * c.pos as u64,
@@ -748,10 +800,10 @@ fn push_token_lists(
 }
 
 /// The kernels every expert path launches, on one rank's compute stream.
-struct Steps<'a> {
-    s: &'a Arc<CudaStream>,
-    k: &'a DecoderKernels,
-    rank: usize,
+pub(super) struct Steps<'a> {
+    pub(super) s: &'a Arc<CudaStream>,
+    pub(super) k: &'a DecoderKernels,
+    pub(super) rank: usize,
 }
 
 impl Steps<'_> {
@@ -760,7 +812,7 @@ impl Steps<'_> {
     ///
     /// # Safety
     /// The addresses must hold those sizes, alive until the stream ran the kernel.
-    unsafe fn gather(
+    pub(super) unsafe fn gather(
         &self,
         (xsp, idx, out): (u64, u64, u64),
         (n, rows, h): (usize, usize, usize),
@@ -791,7 +843,7 @@ impl Steps<'_> {
     ///
     /// # Safety
     /// As [`Steps::gather`].
-    unsafe fn swiglu(
+    pub(super) unsafe fn swiglu(
         &self,
         (g2, u2, act): (u64, u64, u64),
         (rows, f): (usize, usize),
@@ -816,7 +868,7 @@ impl Steps<'_> {
     ///
     /// # Safety
     /// As [`Steps::gather`].
-    unsafe fn scatter(
+    pub(super) unsafe fn scatter(
         &self,
         (y2, acc): (u64, u64),
         (csr, pos, wts): (u64, u64, u64),

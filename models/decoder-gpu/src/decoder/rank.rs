@@ -9,6 +9,7 @@ use lifecycle_cuda::cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr
 use lifecycle_cuda::cudarc::nccl::ReduceOp;
 use lifecycle_cuda::{CudaError, FreeingRoom, RankCtx};
 
+use super::moe_device::DeviceExperts;
 use crate::blas::gemm;
 use crate::download::Downloads;
 use crate::fp8::{fp8_gemm, Fp8Kernels, Fp8Scratch, Fp8Weight};
@@ -67,6 +68,12 @@ pub(crate) struct RankState {
     /// Whether the bf16 experts of a mixture-of-experts layer run in blocks, one batched GEMM
     /// per product ([`moe`]; the default), or one GEMM per expert.
     pub(crate) grouped: bool,
+    /// The device routing of the mixture-of-experts layers (kernels and expert table), made at
+    /// bind for a model with MoE layers the kernel can route.
+    pub(crate) device_moe: Option<DeviceExperts>,
+    /// Whether passes of at most [`DEVICE_ROWS`](super::moe_device::DEVICE_ROWS) rows route
+    /// their MoE layers on the device (the default) or download the router's logits.
+    pub(crate) device_routing: bool,
     /// While bound to weights whose switch still frees training memory (an overlapped offload):
     /// the frees the KV cache's allocations wait for.
     pub(crate) room: Option<Arc<FreeingRoom>>,

@@ -1,0 +1,216 @@
+// Launched by the device routing of the decoder's mixture-of-experts layers
+// (models/decoder-gpu/src/decoder/moe_device.rs): each launch's grid, block and argument contract
+// is stated at its launcher there; the kernels below document what they read and write.
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+#define NEG_INF (__int_as_float(0xff800000))
+
+// The most rows, experts and picks per row moe_route takes (its shared arrays).
+#define MOE_ROWS 64
+#define MOE_EXPERTS 1024
+#define MOE_TOP_K 16
+// Rows of one expert per product piece (the table kernels' largest N).
+#define MOE_PIECE 8
+
+
+// One block of 256 threads: the routing of n <= MOE_ROWS rows over ne <= MOE_EXPERTS experts,
+// k <= MOE_TOP_K picks per row, on the device.
+//
+// 1. Per row (one warp each), the router logits [n x ne] become probabilities in place
+//    (softmax: the max, exp(l - max), their sum, each divided by it) and the row's k experts are
+//    picked, the larger probability first and the lower index among equals (route_top_k's
+//    rule); with norm, each weight is divided by the sum of the k picked, summed in pick order.
+// 2. The experts this rank holds (experts[10 e] != 0) get the routed rows as slots, expert
+//    after expert and in token order within one: slot_tok[q] is the token of slot q (0 from the
+//    last slot to cap, so a kernel over cap slots reads valid rows).
+// 3. Per token, its slots in expert order with their weights, as scatter_add_grouped reads them:
+//    csr [n + 1] offsets into pos (slots) and wt (weights).
+// 4. The product table of the table kernels: for product i (gate, up, down) and piece p (at most
+//    MOE_PIECE rows of one expert), 8 words at table[(i * problems + p) * 8] as the
+//    weight-streaming table kernels of decoder_fp8.cu read them: w, scales (0 for bf16), row0,
+//    inp, the piece's input rows, its row count, its output rows y, and its lo output rows ylo
+//    (written 0). Entries past the last piece have 0 rows. problems must be at least
+//    min(ne, n k) + n k / 8.
+//
+// experts holds 10 words per expert: held, then (w, scales, row0) for gate, up and down. The
+// input x: f32 rows [cap x max(h, f)] (gate and up read h columns, down f); outputs g2, u2
+// [2 cap x f] and y2 [2 cap x h] f32.
+extern "C" __global__ void __launch_bounds__(256) moe_route(
+    float* __restrict__ logits, u32 n, u32 ne, u32 k, u32 norm,
+    const u64* __restrict__ experts, u32 h, u32 f, u32 cap, u32 problems,
+    u64 x, u64 g2, u64 u2, u64 y2,
+    u32* __restrict__ slot_tok, u32* __restrict__ csr, u32* __restrict__ pos,
+    float* __restrict__ wt, u64* __restrict__ table) {
+    __shared__ u32 sel_e[MOE_ROWS * MOE_TOP_K];
+    __shared__ float sel_w[MOE_ROWS * MOE_TOP_K];
+    __shared__ u32 sel_slot[MOE_ROWS * MOE_TOP_K];
+    __shared__ u32 start[MOE_EXPERTS + 1];
+    __shared__ u32 piece[MOE_EXPERTS];
+    __shared__ u32 tok_at[MOE_ROWS + 1];
+    __shared__ u32 totals[2];
+    u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, warps = blockDim.x >> 5;
+    u32 nk = n * k;
+    // 1. softmax and top-k, one warp per row
+    for (u32 t = warp; t < n; t += warps) {
+        float* l = logits + (u64)t * ne;
+        float mx = NEG_INF;
+        for (u32 e = lane; e < ne; e += 32) mx = fmaxf(mx, l[e]);
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        float tot = 0.0f;
+        for (u32 e = lane; e < ne; e += 32) {
+            float v = expf(l[e] - mx);
+            l[e] = v;
+            tot += v;
+        }
+        for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
+        for (u32 e = lane; e < ne; e += 32) l[e] = l[e] / tot;
+        __syncwarp();
+        float sum = 0.0f;
+        for (u32 j = 0; j < k; ++j) {
+            float bv = NEG_INF;
+            u32 bi = 0xffffffffu;
+            for (u32 e = lane; e < ne; e += 32) {
+                bool taken = false;
+                for (u32 i = 0; i < j; ++i) taken |= sel_e[t * k + i] == e;
+                float v = l[e];
+                if (!taken && (bi == 0xffffffffu || v > bv)) {
+                    bv = v;
+                    bi = e;
+                }
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                u32 oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                bool better = oi != 0xffffffffu &&
+                              (bi == 0xffffffffu || ov > bv || (ov == bv && oi < bi));
+                if (better) {
+                    bv = ov;
+                    bi = oi;
+                }
+            }
+            if (lane == 0) {
+                if (bi >= ne) {
+                    // only where every probability is NaN: the first expert not yet picked
+                    bi = 0;
+                    for (bool again = true; again;) {
+                        again = false;
+                        for (u32 i = 0; i < j; ++i) again |= sel_e[t * k + i] == bi;
+                        if (again) ++bi;
+                    }
+                    bv = l[bi];
+                }
+                sel_e[t * k + j] = bi;
+                sel_w[t * k + j] = bv;
+            }
+            __syncwarp();
+            sum += __shfl_sync(0xffffffffu, bv, 0);
+        }
+        if (norm && lane < k) sel_w[t * k + lane] = sel_w[t * k + lane] / sum;
+        __syncwarp();
+    }
+    __syncthreads();
+    // 2. rows per held expert, then (one thread) their first slots and first pieces
+    for (u32 e = tid; e < ne; e += blockDim.x) {
+        u32 c = 0;
+        if (experts[10 * (u64)e] != 0) {
+            for (u32 q = 0; q < nk; ++q) c += sel_e[q] == e;
+        }
+        start[e] = c;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        u32 s = 0, p = 0;
+        for (u32 e = 0; e < ne; ++e) {
+            u32 c = start[e];
+            start[e] = s;
+            piece[e] = p;
+            s += c;
+            p += (c + MOE_PIECE - 1) / MOE_PIECE;
+        }
+        start[ne] = s;
+        totals[0] = s;
+        totals[1] = p;
+    }
+    __syncthreads();
+    // the slots of every pick (a token picks an expert at most once: its rank among the
+    // expert's rows is the number of earlier tokens that picked it)
+    for (u32 q = tid; q < nk; q += blockDim.x) {
+        u32 e = sel_e[q], t = q / k;
+        u32 slot = 0xffffffffu;
+        if (experts[10 * (u64)e] != 0) {
+            u32 r = 0;
+            for (u32 i = 0; i < t * k; ++i) r += sel_e[i] == e;
+            slot = start[e] + r;
+            slot_tok[slot] = t;
+        }
+        sel_slot[q] = slot;
+    }
+    for (u32 q = totals[0] + tid; q < cap; q += blockDim.x) slot_tok[q] = 0;
+    // 4. the product table
+    for (u32 e = tid; e < ne; e += blockDim.x) {
+        u32 s0 = start[e], c = start[e + 1] - s0;
+        const u64* ex = experts + 10 * (u64)e;
+        for (u32 i = 0; MOE_PIECE * i < c; ++i) {
+            u64 o = s0 + MOE_PIECE * i;
+            u32 rows = min((u32)MOE_PIECE, c - MOE_PIECE * i);
+            for (u32 prod = 0; prod < 3; ++prod) {
+                u64 inp = prod < 2 ? h : f, out = prod < 2 ? f : h;
+                u64 y = prod == 0 ? g2 : prod == 1 ? u2 : y2;
+                u64* en = table + ((u64)prod * problems + piece[e] + i) * 8;
+                en[0] = ex[1 + 3 * prod];
+                en[1] = ex[2 + 3 * prod];
+                en[2] = ex[3 + 3 * prod];
+                en[3] = inp;
+                en[4] = x + 4 * o * inp;
+                en[5] = rows;
+                en[6] = y + 4 * o * out;
+                en[7] = y + 4 * ((u64)cap + o) * out;
+            }
+        }
+    }
+    for (u32 p = totals[1] + tid; p < problems; p += blockDim.x) {
+        for (u32 prod = 0; prod < 3; ++prod) {
+            u64* en = table + ((u64)prod * problems + p) * 8;
+            for (u32 w = 0; w < 8; ++w) en[w] = 0;
+        }
+    }
+    __syncthreads();
+    // 3. per token, its held picks in expert order
+    for (u32 t = tid; t < n; t += blockDim.x) {
+        u32 c = 0;
+        for (u32 j = 0; j < k; ++j) c += sel_slot[t * k + j] != 0xffffffffu;
+        tok_at[t + 1] = c;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        tok_at[0] = 0;
+        for (u32 t = 0; t < n; ++t) tok_at[t + 1] += tok_at[t];
+        for (u32 t = 0; t <= n; ++t) csr[t] = tok_at[t];
+    }
+    __syncthreads();
+    for (u32 t = tid; t < n; t += blockDim.x) {
+        u32 es[MOE_TOP_K], ss[MOE_TOP_K];
+        float ws[MOE_TOP_K];
+        u32 c = 0;
+        for (u32 j = 0; j < k; ++j) {
+            u32 q = t * k + j;
+            if (sel_slot[q] == 0xffffffffu) continue;
+            // insertion by expert index
+            u32 i = c++;
+            while (i > 0 && es[i - 1] > sel_e[q]) {
+                es[i] = es[i - 1];
+                ss[i] = ss[i - 1];
+                ws[i] = ws[i - 1];
+                --i;
+            }
+            es[i] = sel_e[q];
+            ss[i] = sel_slot[q];
+            ws[i] = sel_w[q];
+        }
+        for (u32 i = 0; i < c; ++i) {
+            pos[tok_at[t] + i] = ss[i];
+            wt[tok_at[t] + i] = ws[i];
+        }
+    }
+}

@@ -1,0 +1,272 @@
+//! Mixture-of-experts layers routed on the device: for passes of at most [`DEVICE_ROWS`] rows
+//! (every decode step of up to 64 sequences per replica), the router's top-k, each expert's
+//! rows, each token's list of experts and the table of expert products are computed by one
+//! kernel (`moe_route`, in `kernels/decoder_moe.cu`) and read by the kernels after it, so the
+//! layer queues its work without waiting for the device: no download of router logits, no
+//! upload of row lists.
+//!
+//! The experts' products run as the weight-streaming table kernels of [`crate::fp8`] over that
+//! table (e4m3 or bf16 weights against f32 activations), pieces of at most eight rows of one
+//! expert, each reading an expert's weights once per piece. The
+//! grid covers the most pieces a routing can make (`min(experts, n · k) + n · k / 8`); pieces
+//! past the routing's last have no rows and return at once. The experts' sum is added per token
+//! in expert order by the host path's scatter kernel, as the CPU decoder adds it.
+//!
+//! The expert table (per MoE layer and expert: held, and the addresses of gate, up and down)
+//! is uploaded once per bind ([`DeviceExperts::bind`]).
+
+use std::sync::Arc;
+
+use lifecycle_cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
+use lifecycle_cuda::{alloc_device, CudaError, KernelSet, RankCtx};
+
+use super::moe::{router_logits, MoeScratch, Steps};
+use super::rank::{ptr, Dims, RankState};
+use crate::fp8::{fp8_gemv_table, fp8_join, Fp8Kernels, GEMV_TOKENS};
+use crate::kernels::{launch, Arg};
+use crate::w8a8::{quantize, ActSrc, QuantOut};
+use crate::weights::{MoeOffsets, RankOffsets};
+use lifecycle_layout::fp8::Fp8Compute;
+
+/// The most rows a pass may have for its MoE layers to be routed on the device.
+pub const DEVICE_ROWS: usize = 64;
+/// The most experts per layer and picks per row the routing kernel holds.
+const MAX_EXPERTS: usize = 1024;
+const MAX_TOP_K: usize = 16;
+/// Words per expert in the expert table: held, then (matrix, scales, first row) for gate, up
+/// and down.
+const EXPERT_WORDS: usize = 10;
+
+/// CUDA C source of the device routing kernels (no headers).
+pub const MOE_KERNEL_SRC: &str = include_str!("../../../../kernels/decoder_moe.cu");
+
+/// [`MOE_KERNEL_SRC`] as a kernel set.
+pub const MOE_KERNELS: KernelSet =
+    KernelSet::new("lifecycle_decoder_gpu MoE kernels", MOE_KERNEL_SRC);
+
+/// One rank's device routing: its kernel and the expert table of every layer.
+pub(crate) struct DeviceExperts {
+    route: CudaFunction,
+    /// The weight-streaming table kernels and the joins (the fp8 kernel set, loaded for bf16
+    /// experts too).
+    kernels: Fp8Kernels,
+    /// `[layer][expert][EXPERT_WORDS]` (zeros for dense layers).
+    experts_table: CudaSlice<u64>,
+    experts: usize,
+}
+
+impl DeviceExperts {
+    /// The expert table of `w`'s MoE layers at the bound buffer's address `base`, uploaded on
+    /// the compute stream, and the kernels; `None` for a dense model, or one whose layers the
+    /// kernel cannot route (more than 1024 experts, or layers of different expert counts).
+    pub(crate) fn bind(
+        ctx: &RankCtx,
+        w: &RankOffsets,
+        base: u64,
+    ) -> Result<Option<Self>, CudaError> {
+        let Some(first) = w.moe.iter().flatten().next() else {
+            return Ok(None);
+        };
+        let experts = first.experts.len();
+        let uniform = w.moe.iter().flatten().all(|m| m.experts.len() == experts);
+        if experts == 0 || experts > MAX_EXPERTS || !uniform {
+            return Ok(None);
+        }
+        let mut words = vec![0u64; w.moe.len() * experts * EXPERT_WORDS];
+        for (l, m) in w.moe.iter().enumerate() {
+            let Some(m) = m else { continue };
+            for (e, x) in m.experts.iter().enumerate() {
+                let Some(x) = x else { continue };
+                let at = (l * experts + e) * EXPERT_WORDS;
+                words[at] = 1;
+                for (j, mat) in [x.gate, x.up, x.down].into_iter().enumerate() {
+                    words[at + 1 + 3 * j] = base + 2 * mat.off;
+                    if let Some(q) = mat.fp8 {
+                        words[at + 2 + 3 * j] = base + 2 * q.scales;
+                        words[at + 3 + 3 * j] = q.row0;
+                    }
+                }
+            }
+        }
+        let route = ctx.module(&MOE_KERNELS)?.function("moe_route")?;
+        let kernels = Fp8Kernels::load(ctx)?;
+        let experts_table = ctx
+            .compute
+            .clone_htod(&words)
+            .map_err(ctx.drv("uploading the MoE expert table", 8 * words.len() as u64))?;
+        Ok(Some(DeviceExperts {
+            route,
+            kernels,
+            experts_table,
+            experts,
+        }))
+    }
+}
+
+/// The per-pass buffers of the device routing: each token's slots, the slots' tokens, the
+/// product table; sized for `cap = n · k` slots and the most pieces.
+pub(super) struct RouteScratch {
+    cap: usize,
+    problems: usize,
+    slot_tok: CudaSlice<u32>,
+    csr: CudaSlice<u32>,
+    pos: CudaSlice<u32>,
+    wt: CudaSlice<f32>,
+    table: CudaSlice<u64>,
+}
+
+impl RouteScratch {
+    /// The buffers for a pass of `n` rows routed `top_k` ways over `experts`, when the device
+    /// routes it (`n ≤ DEVICE_ROWS`, `top_k ≤ 16`, `experts ≤ 1024`, `n · top_k ≤ rows`, the
+    /// scratch's routed rows); `None` otherwise.
+    pub(super) fn new(
+        s: &Arc<CudaStream>,
+        rank: usize,
+        (n, top_k, experts, rows): (usize, usize, usize, usize),
+    ) -> Result<Option<Self>, CudaError> {
+        let cap = n * top_k;
+        if n == 0
+            || n > DEVICE_ROWS
+            || top_k == 0
+            || top_k > MAX_TOP_K
+            || experts > MAX_EXPERTS
+            || cap > rows
+        {
+            return Ok(None);
+        }
+        let problems = experts.min(cap) + cap / 8;
+        // SAFETY: moe_route writes every entry the later kernels read (the slots' tokens up to
+        // `cap`, the token lists, every table entry up to `problems`) before they run, in order
+        // on this stream.
+        unsafe {
+            Ok(Some(RouteScratch {
+                cap,
+                problems,
+                slot_tok: alloc_device(s, cap, rank, "routed slots' tokens")?,
+                csr: alloc_device(s, n + 1, rank, "token lists")?,
+                pos: alloc_device(s, cap, rank, "token lists' slots")?,
+                wt: alloc_device(s, cap, rank, "token lists' weights")?,
+                table: alloc_device(s, 3 * problems * 8, rank, "expert product table")?,
+            }))
+        }
+    }
+}
+
+/// Layer `l`'s experts (`moe`) over the `n` rows of the split activations at `xsp`, routed on
+/// the device, their weighted sum in the scratch's `acc`; `Ok(false)`, having queued nothing,
+/// when the layer is not one the device routes: device routing off, no routing buffers for
+/// this pass, the per-expert path chosen, or held experts of different widths or dtypes.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn device_moe_layer(
+    ctx: &RankCtx,
+    st: &RankState,
+    z: &Dims,
+    l: usize,
+    moe: &MoeOffsets,
+    scratch: &mut MoeScratch,
+    xsp: u64,
+    base: u64,
+) -> Result<bool, CudaError> {
+    let (Some(dev), Some(r)) = (st.device_moe.as_ref(), scratch.route.as_ref()) else {
+        return Ok(false);
+    };
+    let held: Vec<_> = moe.experts.iter().flatten().collect();
+    let Some(first) = held.first() else {
+        return Ok(false);
+    };
+    let (ffn, fp8) = (first.ffn, first.gate.fp8.is_some());
+    let uniform = held.iter().all(|e| {
+        e.ffn == ffn
+            && [e.gate, e.up, e.down]
+                .iter()
+                .all(|m| m.fp8.is_some() == fp8)
+    });
+    let Some(x32) = scratch.x32.as_ref() else {
+        return Ok(false);
+    };
+    let kf = &dev.kernels;
+    if !st.device_routing || !st.grouped || !uniform || moe.experts.len() != dev.experts {
+        return Ok(false);
+    }
+    let (s, rank) = (&ctx.compute, ctx.rank);
+    let steps = Steps { s, k: &st.k, rank };
+    let (n, h, f, k, cap) = (z.n, z.h, ffn, z.top_k, r.cap);
+    let p = |b: &CudaSlice<f32>| ptr(b, s);
+    let (xg, act) = (ptr(&scratch.xg, s), ptr(&scratch.act, s));
+    let (g2, u2, y2) = (p(&scratch.g2), p(&scratch.u2), p(&scratch.y2));
+    let x32 = ptr(x32, s);
+    let table = ptr(&r.table, s);
+    let slot_tok = ptr(&r.slot_tok, s);
+    let lists = (ptr(&r.csr, s), ptr(&r.pos, s), ptr(&r.wt, s));
+    let experts_at = ptr(&dev.experts_table, s) + 8 * (l * dev.experts * EXPERT_WORDS) as u64;
+    router_logits(ctx, st, z, moe, scratch, xsp, base)?;
+    let u = |v: usize| Arg::U32(v as u32);
+    let args = [
+        Arg::U64(p(&scratch.logits)),
+        u(n),
+        u(dev.experts),
+        u(k),
+        u(usize::from(z.norm_topk_prob)),
+        Arg::U64(experts_at),
+        u(h),
+        u(f),
+        u(cap),
+        u(r.problems),
+        Arg::U64(x32),
+        Arg::U64(g2),
+        Arg::U64(u2),
+        Arg::U64(y2),
+        Arg::U64(slot_tok),
+        Arg::U64(lists.0),
+        Arg::U64(lists.1),
+        Arg::U64(lists.2),
+        Arg::U64(table),
+    ];
+    let one = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // the rows of one piece: at most 8, and at most n (a token picks an expert once)
+    let most = n.min(GEMV_TOKENS);
+    let entry = |i: usize| table + 8 * (i * 8 * r.problems) as u64;
+    // W8A8 (fp8 experts only): the joined activations quantised per token group and
+    // dequantised in place, so the weight-streaming kernel multiplies the quantised values
+    let w8a8 = fp8 && st.fp8_compute == Fp8Compute::W8A8;
+    let requant = |dims: (usize, usize)| -> Result<(), CudaError> {
+        if !w8a8 {
+            return Ok(());
+        }
+        let deq = QuantOut {
+            deq: Some(x32),
+            ..QuantOut::default()
+        };
+        // SAFETY: x32 holds `cap · max(h, ffn)` f32 (the scratch's routed rows are at least
+        // `cap`), quantised in place.
+        unsafe { quantize(s, kf, ActSrc::F32(x32), (dims.0, dims.0, dims.1), deq, rank) }
+    };
+    let bf16 = !fp8;
+    // SAFETY: the routing kernel's arguments: the router logits `[n × experts]` just written,
+    // the layer's expert table (offsets checked against this rank's rollout buffer at bind),
+    // the scratch's inputs and outputs of `cap ≤ rows` routed rows, the routing buffers of
+    // `cap` slots and `problems` pieces (the most a routing makes). Every kernel after it
+    // reads what it wrote, in order on the compute stream.
+    unsafe {
+        launch(s, &dev.route, one, &args, rank, "moe_route")?;
+        steps.gather((xsp, slot_tok, xg), (n, cap, h))?;
+        fp8_join(s, kf, (xg, x32), (cap, h), rank)?;
+        requant((cap, h))?;
+        fp8_gemv_table(s, kf, entry(0), (r.problems, f, most), bf16, rank)?;
+        fp8_gemv_table(s, kf, entry(1), (r.problems, f, most), bf16, rank)?;
+        steps.swiglu((g2, u2, act), (cap, f))?;
+        fp8_join(s, kf, (act, x32), (cap, f), rank)?;
+        requant((cap, f))?;
+        fp8_gemv_table(s, kf, entry(2), (r.problems, h, most), bf16, rank)?;
+    }
+    s.memset_zeros(&mut scratch.acc)
+        .map_err(ctx.drv("zeroing the expert sums", 0))?;
+    // SAFETY: the token lists moe_route wrote (slots below `cap`), the down products of `cap`
+    // rows and the `[n × h]` sums; in order on the compute stream.
+    unsafe { steps.scatter((y2, p(&scratch.acc)), lists, (n, cap, h))? };
+    Ok(true)
+}
