@@ -59,12 +59,13 @@ part launch_dapo 300 "$BIN/lifecycle-launch" --nproc-per-node "$W" -- "$BIN/dapo
 
 # 4. DAPO lazy vs eager, 7.6B shape, engine kept alive
 part dapo_fsdp_7b 600 "$BIN/dapo" --backend fsdp --gpus "$W" --tp "$W" --synthetic 7b --steps 2
-# a KV room that forces an offload (850 000 tokens forces master + Adam out at W = 1), the offload
-# overlapped with the rollout and then settled before it: the rollout's wait and decode speed
+# a KV room that forces an offload (850 000 tokens of f32 K/V force master + Adam out at W = 1; the
+# engine's default bf16 cache would need twice the tokens), the offload overlapped with the rollout
+# and then settled before it: the rollout's wait and decode speed
 KV=${KV_TOKENS:-$((850000 * W))}
-part dapo_fsdp_7b_kv_overlap 600 "$BIN/dapo" --backend fsdp --gpus "$W" --tp "$W" --synthetic 7b --steps 2 --samples-digest --kv-tokens "$KV"
-part dapo_fsdp_7b_kv_settled 600 "$BIN/dapo" --backend fsdp --gpus "$W" --tp "$W" --synthetic 7b --steps 2 --samples-digest --kv-tokens "$KV" --offload-overlap false
-part dapo_megatron_7b_kv_overlap 600 "$BIN/dapo" --backend megatron --gpus "$W" --tp "$W" --synthetic 7b --steps 2 --samples-digest --kv-tokens "$KV"
+part dapo_fsdp_7b_kv_overlap 600 "$BIN/dapo" --backend fsdp --gpus "$W" --tp "$W" --synthetic 7b --steps 2 --samples-digest --kv-tokens "$KV" --kv-dtype f32
+part dapo_fsdp_7b_kv_settled 600 "$BIN/dapo" --backend fsdp --gpus "$W" --tp "$W" --synthetic 7b --steps 2 --samples-digest --kv-tokens "$KV" --kv-dtype f32 --offload-overlap false
+part dapo_megatron_7b_kv_overlap 600 "$BIN/dapo" --backend megatron --gpus "$W" --tp "$W" --synthetic 7b --steps 2 --samples-digest --kv-tokens "$KV" --kv-dtype f32
 part dapo_fsdp_7b_fp8 600 "$BIN/dapo" --backend fsdp --gpus "$W" --tp "$W" --synthetic 7b --steps 2 --samples-digest --rollout-dtype fp8 --fp8-compute w8a8
 part dapo_megatron_7b 600 "$BIN/dapo" --backend megatron --gpus "$W" --tp "$W" --synthetic 7b --steps 2
 part dapo_megatron_moe 300 "$BIN/dapo" --backend megatron --gpus "$W" --tp "$W" --train-tp 1 --pp 1 --ep "$W" --etp 1 --experts ep --checkpoint models/decoder/fixtures/moe/moe_e4_untied_v61 --steps 3
