@@ -310,17 +310,6 @@ __device__ __forceinline__ void gemv_tiled(const unsigned char* __restrict__ w,
                                       (u32)e[2], out, (u32)e[3], (const float*)e[4],           \
                                       (u32)e[5], (float*)e[6], (float*)e[7]);                  \
     }
-// One product of the dense layers (tiled, one output per warp): as fp8_gemv_N.
-#define FP8_GEMV_TILED(N)                                                                      \
-    extern "C" __global__ void __launch_bounds__(256) fp8_gemv_tiled_##N(                      \
-        const unsigned char* __restrict__ w, const float* __restrict__ scales, u32 row0,      \
-        u32 out, u32 inp, const float* __restrict__ x, u32 n, float* __restrict__ y) {         \
-        gemv_tiled<N, 1, true>(w, scales, row0, out, inp, x, n, y, y + (u64)n * out);          \
-    }
-FP8_GEMV_TILED(1)
-FP8_GEMV_TILED(2)
-FP8_GEMV_TILED(4)
-FP8_GEMV_TILED(8)
 GEMV_TABLE(fp8_gemv_table, 1, true)
 GEMV_TABLE(fp8_gemv_table, 2, true)
 GEMV_TABLE(fp8_gemv_table, 4, true)

@@ -558,7 +558,10 @@ mod tests {
         // 3 layers × (k, v) × 4 slots × 100 positions × 1 kv head × head_dim 4 × 2 bytes (bf16)
         assert_eq!(s.kv_bytes_per_rank(&c, 1, 2), 3 * 2 * 4 * 100 * 4 * 2);
         let f32_cache = s.with_kv_dtype(KvDtype::F32);
-        assert_eq!(f32_cache.kv_bytes_per_rank(&c, 1, 2), 3 * 2 * 4 * 100 * 4 * 4);
+        assert_eq!(
+            f32_cache.kv_bytes_per_rank(&c, 1, 2),
+            3 * 2 * 4 * 100 * 4 * 4
+        );
     }
 
     #[test]

@@ -40,9 +40,8 @@ pub const FP8_DECODER_KERNELS: KernelSet =
 #[derive(Debug, Clone)]
 pub(crate) struct Fp8Kernels {
     join: CudaFunction,
-    /// The weight-streaming kernel for up to 1, 2, 4 and 8 tokens, and its tiled variant.
+    /// The weight-streaming kernel for up to 1, 2, 4 and 8 tokens.
     gemv: [CudaFunction; 4],
-    gemv_tiled: [CudaFunction; 4],
     /// The same over a table of products ([`fp8_gemv_table`]), and its bf16 twin.
     table: [CudaFunction; 4],
     bf16_table: [CudaFunction; 4],
@@ -66,12 +65,6 @@ impl Fp8Kernels {
                 m.function("fp8_gemv_2")?,
                 m.function("fp8_gemv_4")?,
                 m.function("fp8_gemv_8")?,
-            ],
-            gemv_tiled: [
-                m.function("fp8_gemv_tiled_1")?,
-                m.function("fp8_gemv_tiled_2")?,
-                m.function("fp8_gemv_tiled_4")?,
-                m.function("fp8_gemv_tiled_8")?,
             ],
             table: [
                 m.function("fp8_gemv_table_1")?,
@@ -276,9 +269,8 @@ pub(crate) unsafe fn fp8_gemv(
         )));
     }
     let outs = u32a(out as u64, "rows")?;
-    let tiled = false;
     let cfg = LaunchConfig {
-        grid_dim: (outs.div_ceil(if tiled { 8 } else { 4 }).max(1), 1, 1),
+        grid_dim: (outs.div_ceil(4).max(1), 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -292,8 +284,7 @@ pub(crate) unsafe fn fp8_gemv(
         Arg::U32(tokens as u32),
         Arg::U64(y),
     ];
-    let kernels = if tiled { &k.gemv_tiled } else { &k.gemv };
-    let gemv = &kernels[tokens.next_power_of_two().trailing_zeros() as usize];
+    let gemv = &k.gemv[tokens.next_power_of_two().trailing_zeros() as usize];
     // SAFETY: the argument list matches fp8_gemv_N (N ≥ tokens); sizes per the caller.
     unsafe { launch(stream, gemv, cfg, &args, rank, "fp8_gemv") }
 }

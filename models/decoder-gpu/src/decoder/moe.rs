@@ -725,20 +725,9 @@ fn fp8_experts(
         .clone_htod(&table)
         .map_err(ctx.drv("uploading the fp8 product table", (table.len() * 8) as u64))?;
     let (u32p, f32p, tp) = (ptr(&u32_d, s), ptr(&f32_d, s), ptr(&table_d, s));
-    // W8A8: the joined activations quantised per token group and dequantised in place, so the
-    // weight-streaming kernel multiplies the quantised values
     let w8a8 = st.fp8_compute == Fp8Compute::W8A8;
-    let requant = |dims: (usize, usize)| -> Result<(), CudaError> {
-        if !w8a8 {
-            return Ok(());
-        }
-        let deq = QuantOut {
-            deq: Some(x32),
-            ..QuantOut::default()
-        };
-        // SAFETY: x32 holds the block's `rows · max(h, ffn)` f32, quantised in place.
-        unsafe { quantize(s, kf, ActSrc::F32(x32), (dims.0, dims.0, dims.1), deq, rank) }
-    };
+    // SAFETY: x32 holds the block's `rows · max(h, ffn)` f32.
+    let requant = |dims| unsafe { requantise(s, kf, x32, dims, w8a8, rank) };
     for c in &blocks {
         let (g, rows, most) = (c.problems, c.rows, c.most);
         // the table of product `i`: 8 entries per problem
@@ -768,6 +757,31 @@ fn fp8_experts(
     // the uploads are freed stream-ordered after the kernels that read them
     drop((u32_d, f32_d, table_d));
     Ok(())
+}
+
+/// W8A8 (`on`): the f32 activations at `x32` (`rows × inp`) quantised per token group and
+/// dequantised in place, so the weight-streaming kernel multiplies the quantised values; nothing
+/// when off.
+///
+/// # Safety
+/// `x32` must hold `rows · inp` f32 of this context, alive until the stream ran the kernel.
+pub(super) unsafe fn requantise(
+    s: &Arc<CudaStream>,
+    kf: &crate::fp8::Fp8Kernels,
+    x32: u64,
+    (rows, inp): (usize, usize),
+    on: bool,
+    rank: usize,
+) -> Result<(), CudaError> {
+    if !on {
+        return Ok(());
+    }
+    let deq = QuantOut {
+        deq: Some(x32),
+        ..QuantOut::default()
+    };
+    // SAFETY: forwarded to the caller; quantised in place.
+    unsafe { quantize(s, kf, ActSrc::F32(x32), (rows, rows, inp), deq, rank) }
 }
 
 /// Appends a block's per-token lists to the uploads: `n + 1` CSR offsets to `u32s`, then every

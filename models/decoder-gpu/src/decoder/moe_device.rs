@@ -20,11 +20,10 @@ use std::sync::Arc;
 use lifecycle_cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use lifecycle_cuda::{alloc_device, CudaError, KernelSet, RankCtx};
 
-use super::moe::{router_logits, MoeScratch, Steps};
+use super::moe::{requantise, router_logits, MoeScratch, Steps};
 use super::rank::{ptr, Dims, RankState};
 use crate::fp8::{fp8_gemv_table, fp8_join, Fp8Kernels, GEMV_TOKENS};
 use crate::kernels::{launch, Arg};
-use crate::w8a8::{quantize, ActSrc, QuantOut};
 use crate::weights::{MoeOffsets, RankOffsets};
 use lifecycle_layout::fp8::Fp8Compute;
 
@@ -230,21 +229,10 @@ pub(super) fn device_moe_layer(
     // the rows of one piece: at most 8, and at most n (a token picks an expert once)
     let most = n.min(GEMV_TOKENS);
     let entry = |i: usize| table + 8 * (i * 8 * r.problems) as u64;
-    // W8A8 (fp8 experts only): the joined activations quantised per token group and
-    // dequantised in place, so the weight-streaming kernel multiplies the quantised values
+    // W8A8 for fp8 experts only
     let w8a8 = fp8 && st.fp8_compute == Fp8Compute::W8A8;
-    let requant = |dims: (usize, usize)| -> Result<(), CudaError> {
-        if !w8a8 {
-            return Ok(());
-        }
-        let deq = QuantOut {
-            deq: Some(x32),
-            ..QuantOut::default()
-        };
-        // SAFETY: x32 holds `cap · max(h, ffn)` f32 (the scratch's routed rows are at least
-        // `cap`), quantised in place.
-        unsafe { quantize(s, kf, ActSrc::F32(x32), (dims.0, dims.0, dims.1), deq, rank) }
-    };
+    // SAFETY: x32 holds `cap · max(h, ffn)` f32 (the scratch's routed rows are at least `cap`).
+    let requant = |dims| unsafe { requantise(s, kf, x32, dims, w8a8, rank) };
     let bf16 = !fp8;
     // SAFETY: the routing kernel's arguments: the router logits `[n × experts]` just written,
     // the layer's expert table (offsets checked against this rank's rollout buffer at bind),
