@@ -7,14 +7,14 @@ typedef unsigned long long u64;
 #define NEG_INF (__int_as_float(0xff800000))
 
 // The most rows, experts and picks per row moe_route takes (its shared arrays).
-#define MOE_ROWS 64
+#define MOE_ROWS 256
 #define MOE_EXPERTS 1024
 #define MOE_TOP_K 16
 // Rows of one expert per product piece (the table kernels' largest N).
 #define MOE_PIECE 8
 
 
-// One block of 256 threads: the routing of n <= MOE_ROWS rows over ne <= MOE_EXPERTS experts,
+// One block of 1024 threads: the routing of n <= MOE_ROWS rows over ne <= MOE_EXPERTS experts,
 // k <= MOE_TOP_K picks per row, on the device.
 //
 // 1. Per row (one warp each), the router logits [n x ne] become probabilities in place
@@ -22,8 +22,9 @@ typedef unsigned long long u64;
 //    picked, the larger probability first and the lower index among equals (route_top_k's
 //    rule); with norm, each weight is divided by the sum of the k picked, summed in pick order.
 // 2. The experts this rank holds (experts[10 e] != 0) get the routed rows as slots, expert
-//    after expert and in token order within one: slot_tok[q] is the token of slot q (0 from the
-//    last slot to cap, so a kernel over cap slots reads valid rows).
+//    after expert (within one expert in the order the block's atomics give: each slot's products
+//    are computed alone, so the order changes no result): slot_tok[q] is the token of slot q (0
+//    from the last slot to cap, so a kernel over cap slots reads valid rows).
 // 3. Per token, its slots in expert order with their weights, as scatter_add_grouped reads them:
 //    csr [n + 1] offsets into pos (slots) and wt (weights).
 // 4. The product table of the table kernels: for product i (gate, up, down) and piece p (at most
@@ -36,17 +37,19 @@ typedef unsigned long long u64;
 // experts holds 10 words per expert: held, then (w, scales, row0) for gate, up and down. The
 // input x: f32 rows [cap x max(h, f)] (gate and up read h columns, down f); outputs g2, u2
 // [2 cap x f] and y2 [2 cap x h] f32.
-extern "C" __global__ void __launch_bounds__(256) moe_route(
+// picks is scratch of 3 n k words: each pick's expert, weight and slot.
+extern "C" __global__ void __launch_bounds__(1024) moe_route(
     float* __restrict__ logits, u32 n, u32 ne, u32 k, u32 norm,
     const u64* __restrict__ experts, u32 h, u32 f, u32 cap, u32 problems,
-    u64 x, u64 g2, u64 u2, u64 y2,
+    u64 x, u64 g2, u64 u2, u64 y2, u32* __restrict__ picks,
     u32* __restrict__ slot_tok, u32* __restrict__ csr, u32* __restrict__ pos,
     float* __restrict__ wt, u64* __restrict__ table) {
-    __shared__ u32 sel_e[MOE_ROWS * MOE_TOP_K];
-    __shared__ float sel_w[MOE_ROWS * MOE_TOP_K];
-    __shared__ u32 sel_slot[MOE_ROWS * MOE_TOP_K];
+    u32* sel_e = picks;
+    float* sel_w = reinterpret_cast<float*>(picks + n * k);
+    u32* sel_slot = picks + 2 * n * k;
     __shared__ u32 start[MOE_EXPERTS + 1];
     __shared__ u32 piece[MOE_EXPERTS];
+    __shared__ u32 cur[MOE_EXPERTS];
     __shared__ u32 tok_at[MOE_ROWS + 1];
     __shared__ u32 totals[2];
     u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, warps = blockDim.x >> 5;
@@ -112,11 +115,13 @@ extern "C" __global__ void __launch_bounds__(256) moe_route(
     __syncthreads();
     // 2. rows per held expert, then (one thread) their first slots and first pieces
     for (u32 e = tid; e < ne; e += blockDim.x) {
-        u32 c = 0;
-        if (experts[10 * (u64)e] != 0) {
-            for (u32 q = 0; q < nk; ++q) c += sel_e[q] == e;
-        }
-        start[e] = c;
+        start[e] = 0;
+        cur[e] = 0;
+    }
+    __syncthreads();
+    for (u32 q = tid; q < nk; q += blockDim.x) {
+        u32 e = sel_e[q];
+        if (experts[10 * (u64)e] != 0) atomicAdd(&start[e], 1u);
     }
     __syncthreads();
     if (tid == 0) {
@@ -133,15 +138,12 @@ extern "C" __global__ void __launch_bounds__(256) moe_route(
         totals[1] = p;
     }
     __syncthreads();
-    // the slots of every pick (a token picks an expert at most once: its rank among the
-    // expert's rows is the number of earlier tokens that picked it)
+    // the slots of every pick
     for (u32 q = tid; q < nk; q += blockDim.x) {
         u32 e = sel_e[q], t = q / k;
         u32 slot = 0xffffffffu;
         if (experts[10 * (u64)e] != 0) {
-            u32 r = 0;
-            for (u32 i = 0; i < t * k; ++i) r += sel_e[i] == e;
-            slot = start[e] + r;
+            slot = start[e] + atomicAdd(&cur[e], 1u);
             slot_tok[slot] = t;
         }
         sel_slot[q] = slot;

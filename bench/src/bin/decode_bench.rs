@@ -23,7 +23,7 @@ use lifecycle_bench::ceilings::{device_copy, Timing};
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Switching};
 use lifecycle_cuda::ThreadRankPool;
 use lifecycle_decoder::{Decoder, KvDtype, ModelConfig, PrefillLogits, Sampling};
-use lifecycle_decoder_gpu::GpuDecoder;
+use lifecycle_decoder_gpu::{GpuDecoder, MOE_DEVICE_ROWS};
 use lifecycle_fsdp::FsdpBackend;
 use lifecycle_layout::fp8::{Fp8Compute, RolloutDtype};
 
@@ -96,7 +96,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     );
     // (dtype, grouped experts, fp8 compute, W8A8 weight-streaming tokens, MoE routed on the
     // device): the MoE shape runs its bf16 experts routed on the device (decode steps of up to
-    // 64 sequences), routed on the host in blocks of batched GEMMs, and one GEMM per expert;
+    // MOE_DEVICE_ROWS sequences), routed on the host in blocks of batched GEMMs, and one GEMM per expert;
     // fp8 runs weight-only, W8A8 and W8A8 on the GEMM alone
     const WO: Fp8Compute = Fp8Compute::WeightOnly;
     const W8: Fp8Compute = Fp8Compute::W8A8;
@@ -143,14 +143,14 @@ fn main() -> Result<(), Box<dyn Error>> {
             let device = dec.set_device_routing(device);
             let how = match (args.moe, grouped, device, dtype) {
                 (false, ..) => "",
-                (true, true, true, RolloutDtype::Fp8) => {
-                    ", fp8 experts routed on the device (up to 64 sequences)"
-                }
+                (true, true, true, RolloutDtype::Fp8) => &*format!(
+                    ", fp8 experts routed on the device (up to {MOE_DEVICE_ROWS} sequences)"
+                ),
                 (true, _, _, RolloutDtype::Fp8) => ", fp8 experts",
-                (true, true, true, _) => {
-                    ", experts routed on the device up to 64 sequences (weight streaming over \
-                     the routing's table), else in blocks of batched GEMMs"
-                }
+                (true, true, true, _) => &*format!(
+                    ", experts routed on the device up to {MOE_DEVICE_ROWS} sequences (weight \
+                     streaming over the routing's table), else in blocks of batched GEMMs"
+                ),
                 (true, true, false, _) => {
                     ", experts routed on the host in blocks of one batched GEMM per product"
                 }

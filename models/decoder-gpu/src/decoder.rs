@@ -28,6 +28,7 @@ mod moe_device;
 mod rank;
 use forward::{rank_forward, Pick, Step, StepOut};
 use moe_device::DeviceExperts;
+pub use moe_device::DEVICE_ROWS as MOE_DEVICE_ROWS;
 use rank::{ptr, Dims, RankBind, RankState};
 
 /// Longest sequence (prompt + generated tokens) the attention kernel's shared memory holds.
@@ -1012,7 +1013,7 @@ impl<'w> GpuDecoder<'w> {
         on
     }
 
-    /// Whether passes of at most 64 rows (decode steps of up to 64 sequences per replica) route
+    /// Whether passes of at most 256 rows (decode steps of up to 256 sequences per replica) route
     /// their mixture-of-experts layers on the device (on, the default: the router's top-k, the
     /// experts' row lists and the product table computed by one kernel, the experts' products
     /// by weight-streaming kernels over that table, no host synchronisation inside the pass)

@@ -43,7 +43,7 @@ mod vocab;
 mod w8a8;
 mod weights;
 
-pub use decoder::{GpuDecoder, MAX_CONTEXT, ROOM_MARGIN_BYTES};
+pub use decoder::{GpuDecoder, MAX_CONTEXT, MOE_DEVICE_ROWS, ROOM_MARGIN_BYTES};
 pub use engine::{EngineSettings, GpuEngine};
 pub use error::GpuDecodeError;
 pub use kernels::DECODER_KERNEL_SRC;

@@ -37,7 +37,7 @@ use lifecycle_decoder::{
     load_checkpoint, random_tensors, CpuDecoder, Decoder, KvDtype, MegatronParallel, ModelConfig,
     PrefillLogits, Sampling,
 };
-use lifecycle_decoder_gpu::{EngineSettings, GpuDecoder, GpuEngine};
+use lifecycle_decoder_gpu::{EngineSettings, GpuDecoder, GpuEngine, MOE_DEVICE_ROWS};
 use lifecycle_fsdp::FsdpBackend;
 use lifecycle_host::megatron::MegatronHostBackend;
 use lifecycle_host::{HostBackend, HostTrainState};
@@ -1261,8 +1261,8 @@ fn grouped_expert_gemms_match_the_per_expert_path() -> Res {
 
 /// MoE decode steps routed on the device (`GpuDecoder::set_device_routing`, the default) against
 /// the host-routed path and the CPU decoder, on a Qwen3-MoE shape (16 experts, top-4) and a
-/// Qwen2-MoE one with a shared expert (8 experts, top-2): for batches of 1, 5, 16 and 64
-/// sequences (routed on the device) and 65 (more than the device routes: on the host), the
+/// Qwen2-MoE one with a shared expert (8 experts, top-2): for batches of 1, 5, 16, 64, 200 and
+/// 256 sequences (routed on the device) and 257 (more than the device routes: on the host), the
 /// decode-step logits of both paths within the module's tolerance of the CPU decoder's, greedy
 /// tokens equal to the CPU decoder's, and the host waits of a decode step counted: one (its
 /// logits) when the device routes, one plus one per MoE layer when the host does.
@@ -1304,7 +1304,7 @@ fn moe_decode_steps_route_on_the_device_without_host_waits() -> Res {
         let mut on = GpuDecoder::new(&config, session.backend(), weights.get())?;
         let mut off = GpuDecoder::new(&config, session.backend(), weights.get())?;
         assert!(on.set_device_routing(true) && !off.set_device_routing(false));
-        for batch in [1usize, 5, 16, 64, 65] {
+        for batch in [1usize, 5, 16, 64, 200, 256, 257] {
             let prompts: Vec<Vec<u32>> = (0..batch as u32)
                 .map(|i| {
                     (0..3 + i % 5)
@@ -1345,7 +1345,11 @@ fn moe_decode_steps_route_on_the_device_without_host_waits() -> Res {
                     }
                 }
             }
-            let device_waits = if batch <= 64 { 1 } else { 1 + layers };
+            let device_waits = if batch <= MOE_DEVICE_ROWS {
+                1
+            } else {
+                1 + layers
+            };
             if waits[0].iter().any(|&w| w != device_waits)
                 || waits[1].iter().any(|&w| w != 1 + layers)
             {

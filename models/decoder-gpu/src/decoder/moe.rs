@@ -1,5 +1,5 @@
 //! The mixture-of-experts MLP of one rank: the router's logits, then top-k routing, on the
-//! device for passes of up to 64 rows ([`super::moe_device`]: no host synchronisation), else on
+//! device for passes of up to 256 rows ([`super::moe_device`]: no host synchronisation), else on
 //! the host with the CPU decoder's rule ([`lifecycle_decoder::route_top_k`], one device→host
 //! copy of `n × experts` floats), then the experts this rank holds over the rows routed to them.
 //! What follows is the host-routed path.

@@ -1,5 +1,5 @@
 //! Mixture-of-experts layers routed on the device: for passes of at most [`DEVICE_ROWS`] rows
-//! (every decode step of up to 64 sequences per replica), the router's top-k, each expert's
+//! (every decode step of up to 256 sequences per replica), the router's top-k, each expert's
 //! rows, each token's list of experts and the table of expert products are computed by one
 //! kernel (`moe_route`, in `kernels/decoder_moe.cu`) and read by the kernels after it, so the
 //! layer queues its work without waiting for the device: no download of router logits, no
@@ -27,8 +27,13 @@ use crate::kernels::{launch, Arg};
 use crate::weights::{MoeOffsets, RankOffsets};
 use lifecycle_layout::fp8::Fp8Compute;
 
-/// The most rows a pass may have for its MoE layers to be routed on the device.
-pub const DEVICE_ROWS: usize = 64;
+/// The most rows a pass may have for its mixture-of-experts layers to be routed on the device
+/// ([`GpuDecoder::set_device_routing`](crate::GpuDecoder::set_device_routing)).
+///
+/// ```
+/// assert_eq!(lifecycle_decoder_gpu::MOE_DEVICE_ROWS, 256);
+/// ```
+pub const DEVICE_ROWS: usize = 256;
 /// The most experts per layer and picks per row the routing kernel holds.
 const MAX_EXPERTS: usize = 1024;
 const MAX_TOP_K: usize = 16;
@@ -107,6 +112,8 @@ impl DeviceExperts {
 pub(super) struct RouteScratch {
     cap: usize,
     problems: usize,
+    /// Each pick's expert, weight and slot (`3 · cap` words).
+    picks: CudaSlice<u32>,
     slot_tok: CudaSlice<u32>,
     csr: CudaSlice<u32>,
     pos: CudaSlice<u32>,
@@ -141,6 +148,7 @@ impl RouteScratch {
             Ok(Some(RouteScratch {
                 cap,
                 problems,
+                picks: alloc_device(s, 3 * cap, rank, "routing picks")?,
                 slot_tok: alloc_device(s, cap, rank, "routed slots' tokens")?,
                 csr: alloc_device(s, n + 1, rank, "token lists")?,
                 pos: alloc_device(s, cap, rank, "token lists' slots")?,
@@ -215,15 +223,17 @@ pub(super) fn device_moe_layer(
         Arg::U64(g2),
         Arg::U64(u2),
         Arg::U64(y2),
+        Arg::U64(ptr(&r.picks, s)),
         Arg::U64(slot_tok),
         Arg::U64(lists.0),
         Arg::U64(lists.1),
         Arg::U64(lists.2),
         Arg::U64(table),
     ];
+    // one block of 32 warps (a warp per row at a time)
     let one = LaunchConfig {
         grid_dim: (1, 1, 1),
-        block_dim: (256, 1, 1),
+        block_dim: (1024, 1, 1),
         shared_mem_bytes: 0,
     };
     // the rows of one piece: at most 8, and at most n (a token picks an expert once)
