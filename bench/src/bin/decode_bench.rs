@@ -1,6 +1,6 @@
 //! Decode throughput of the GPU decoder on bf16 and on fp8 rollout weights (W = T = 1; fp8
-//! weight-only and W8A8, the latter with the weight-streaming kernel up to 8 tokens and with the
-//! block-scaled GEMM from 2 tokens), from one
+//! weight-only and W8A8, the latter by the decoder's defaults, with its tensor-core kernel from
+//! one token, and with cuBLASLt's block-scaled GEMM alone from two), from one
 //! FSDP training state switched once per dtype, against the weight-streaming floor: a decode
 //! step reads every rollout weight but the (untied) embedding once, so at small batches its time
 //! is at least those bytes over the device's read rate (half the copy rate, which counts both
@@ -94,29 +94,63 @@ fn main() -> Result<(), Box<dyn Error>> {
         args.kv_dtype,
         copy / GB
     );
-    // (dtype, grouped experts, fp8 compute, W8A8 weight-streaming tokens, MoE routed on the
-    // device): the MoE shape runs its bf16 experts routed on the device (decode steps of up to
-    // MOE_DEVICE_ROWS sequences), routed on the host in blocks of batched GEMMs, and one GEMM per expert;
-    // fp8 runs weight-only, W8A8 and W8A8 on the GEMM alone
-    const WO: Fp8Compute = Fp8Compute::WeightOnly;
-    const W8: Fp8Compute = Fp8Compute::W8A8;
-    let mut variants: Vec<(RolloutDtype, bool, Fp8Compute, usize, bool)> =
-        vec![(RolloutDtype::Bf16, true, WO, 8, true)];
+    // the MoE shape runs its bf16 experts routed on the device (decode steps of up to
+    // MOE_DEVICE_ROWS sequences), routed on the host in blocks of batched GEMMs, and one GEMM per
+    // expert; fp8 runs weight-only, then W8A8 by the decoder's defaults (the tensor-core kernel
+    // up to 16 tokens), with the tensor-core kernel up to 64, and as before the kernel (weight
+    // streaming for one token, cuBLASLt's GEMM from two)
+    let bf16 = Variant {
+        dtype: RolloutDtype::Bf16,
+        grouped: true,
+        compute: Fp8Compute::WeightOnly,
+        limits: None,
+        device: true,
+    };
+    let mut variants = vec![bf16];
     if args.moe {
-        variants.push((RolloutDtype::Bf16, true, WO, 8, false));
-        variants.push((RolloutDtype::Bf16, false, WO, 8, false));
+        variants.push(Variant {
+            device: false,
+            ..bf16
+        });
+        variants.push(Variant {
+            grouped: false,
+            device: false,
+            ..bf16
+        });
     }
+    let fp8 = Variant {
+        dtype: RolloutDtype::Fp8,
+        ..bf16
+    };
+    let w8a8 = Variant {
+        compute: Fp8Compute::W8A8,
+        ..fp8
+    };
     variants.extend([
-        (RolloutDtype::Fp8, true, WO, 8, true),
-        (RolloutDtype::Fp8, true, W8, 8, true),
-        (RolloutDtype::Fp8, true, W8, 1, true),
+        fp8,
+        w8a8,
+        Variant {
+            limits: Some((0, 64)),
+            ..w8a8
+        },
+        Variant {
+            limits: Some((1, 0)),
+            ..w8a8
+        },
     ]);
     let shapes = config.tensor_shapes();
     let mut state = FsdpBackend::new(pool.clone(), config.rollout_layout(1)?)
         .synthetic_state(&shapes, 7, 0.02)?;
     // (variant, batch, decode tokens/s, prefill seconds)
     let mut rates: Vec<(usize, usize, f64, f64)> = Vec::new();
-    for (vi, &(dtype, grouped, compute, gemv, device)) in variants.iter().enumerate() {
+    for (vi, v) in variants.iter().enumerate() {
+        let Variant {
+            dtype,
+            grouped,
+            compute,
+            limits,
+            device,
+        } = *v;
         let backend =
             FsdpBackend::new(pool.clone(), config.rollout_layout(1)?).with_rollout_dtype(dtype);
         let lc_config = LifecycleConfig {
@@ -161,12 +195,11 @@ fn main() -> Result<(), Box<dyn Error>> {
                 (_, Fp8Compute::WeightOnly) => " weight-only".to_string(),
                 (_, Fp8Compute::W8A8) => {
                     dec.set_fp8_compute(compute)?;
-                    let g = dec.set_fp8_gemv_tokens(gemv);
-                    if g == 1 {
-                        " W8A8, block-scaled GEMM from 2 tokens".to_string()
-                    } else {
-                        format!(" W8A8, weight streaming up to {g} tokens")
+                    if let Some((gemv, mma)) = limits {
+                        dec.set_fp8_gemv_tokens(gemv);
+                        dec.set_fp8_mma_tokens(mma);
                     }
+                    format!(" W8A8 ({})", v.name())
                 }
             };
             println!(
@@ -219,17 +252,11 @@ fn main() -> Result<(), Box<dyn Error>> {
             continue;
         };
         let mut line = format!("  batch {batch:>3}: bf16 {b:.0} tokens/s");
-        for (vi, &(dtype, grouped, compute, gemv, device)) in variants.iter().enumerate().skip(1) {
+        for (vi, v) in variants.iter().enumerate().skip(1) {
             let Some(&(_, _, r, p)) = of(vi, batch) else {
                 continue;
             };
-            let name = match (dtype, grouped, compute, gemv) {
-                (RolloutDtype::Bf16, true, ..) if !device => "bf16 routed on the host".to_string(),
-                (RolloutDtype::Bf16, ..) => "bf16 per expert".to_string(),
-                (_, _, Fp8Compute::WeightOnly, _) => "fp8 weight-only".to_string(),
-                (_, _, _, 1) => "W8A8 GEMM from 2".to_string(),
-                _ => "W8A8".to_string(),
-            };
+            let name = v.name();
             line += &format!(
                 "; {name} {:.2}x (prefill {:.2}x)",
                 r / b.max(1e-9),
@@ -239,4 +266,35 @@ fn main() -> Result<(), Box<dyn Error>> {
         println!("{line}");
     }
     Ok(())
+}
+
+/// One way of decoding the model.
+#[derive(Debug, Clone, Copy)]
+struct Variant {
+    dtype: RolloutDtype,
+    /// bf16 experts in blocks of batched GEMMs (else one GEMM per expert).
+    grouped: bool,
+    compute: Fp8Compute,
+    /// W8A8: the tokens up to which the weight-streaming kernel, then the tensor-core kernel,
+    /// run (`None`: the decoder's defaults).
+    limits: Option<(usize, usize)>,
+    /// MoE routed on the device.
+    device: bool,
+}
+
+impl Variant {
+    fn name(&self) -> String {
+        match (self.dtype, self.compute, self.limits) {
+            (RolloutDtype::Bf16, ..) if !self.grouped => "bf16 per expert".into(),
+            (RolloutDtype::Bf16, ..) if !self.device => "bf16 routed on the host".into(),
+            (RolloutDtype::Bf16, ..) => "bf16".into(),
+            (_, Fp8Compute::WeightOnly, _) => "fp8 weight-only".into(),
+            (_, Fp8Compute::W8A8, None) => "W8A8 default".into(),
+            (_, Fp8Compute::W8A8, Some((0, m))) => format!("W8A8 tensor cores to {m} tokens"),
+            (_, Fp8Compute::W8A8, Some((g, 0))) => format!("W8A8 streaming to {g}, then cuBLASLt"),
+            (_, Fp8Compute::W8A8, Some((g, m))) => {
+                format!("W8A8 streaming to {g}, tensor cores to {m}")
+            }
+        }
+    }
 }

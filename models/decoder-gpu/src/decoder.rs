@@ -19,7 +19,8 @@ use crate::fp8::{Fp8Kernels, GEMV_TOKENS};
 use crate::kernels::{launch, Arg, DecoderKernels};
 use crate::prefill::PrefillRows;
 use crate::topology::{decode_topology, replica_rows, DecodeTopology};
-use crate::w8a8::{W8a8Gemm, W8A8_GEMV_TOKENS};
+use crate::w8a8::{W8a8Gemm, W8a8Limits};
+use crate::w8a8_mma::MMA_TOKENS;
 use crate::weights::GroupOffsets;
 
 mod forward;
@@ -220,7 +221,7 @@ impl Core {
                 fp8: None,
                 fp8_compute: Fp8Compute::WeightOnly,
                 w8a8: None,
-                w8a8_gemv_tokens: W8A8_GEMV_TOKENS,
+                w8a8_limits: W8a8Limits::default(),
                 dequant: None,
                 x32: None,
                 grouped: true,
@@ -951,8 +952,10 @@ impl<'w> GpuDecoder<'w> {
 
     /// How the products with fp8 rollout weights compute ([`Fp8Compute`]): weight-only (the
     /// default: e4m3 weights against the activations in f32) or W8A8 (the activations quantised
-    /// per token in 1 × 128 groups on the device, then cuBLASLt's block-scaled fp8 GEMM, or the
-    /// weight-streaming kernel up to [`GpuDecoder::set_fp8_gemv_tokens`] tokens), as the CPU
+    /// per token in 1 × 128 groups on the device, once per input, then the decoder's
+    /// tensor-core kernel up to [`GpuDecoder::set_fp8_mma_tokens`] tokens and cuBLASLt's
+    /// block-scaled fp8 GEMM beyond, or the weight-streaming kernel up to
+    /// [`GpuDecoder::set_fp8_gemv_tokens`] tokens), as the CPU
     /// decoder's [`set_fp8_compute`](lifecycle_decoder::CpuDecoder::set_fp8_compute). bf16
     /// weights are not affected. Fails, changing nothing, when W8A8 is asked for and cuBLASLt
     /// cannot be loaded.
@@ -990,15 +993,38 @@ impl<'w> GpuDecoder<'w> {
         self.core.kv_bytes()
     }
 
-    /// Tokens (1 to 8, default 1) up to which a W8A8 product runs the fp8 weight-streaming
-    /// kernel on the dequantised activations instead of the block-scaled GEMM: the two compute
-    /// the same products; the kernel reads each weight byte once, the GEMM uses the tensor
-    /// cores (faster from 2 to 4 tokens on an H200 at 7.6B shapes, BENCHMARKS.md). Returns the
-    /// setting (clamped).
+    /// Tokens (0 to 8, default 0) up to which a W8A8 product runs the fp8 weight-streaming
+    /// kernel on the dequantised activations instead of the tensor-core products: the two
+    /// compute the same products (the kernel's f32 sums exact, the tensor cores' within about
+    /// 1e-7 of Σ|terms|); both read each weight byte once (BENCHMARKS.md has the timings on an
+    /// H200). A single token the tensor-core kernel cannot read goes to this kernel whatever
+    /// the setting. Returns the setting (clamped).
     pub fn set_fp8_gemv_tokens(&mut self, tokens: usize) -> usize {
-        let tokens = tokens.clamp(1, GEMV_TOKENS);
+        let tokens = tokens.min(GEMV_TOKENS);
         for r in &mut self.core.ranks {
-            r.w8a8_gemv_tokens = tokens;
+            r.w8a8_limits.gemv = tokens;
+        }
+        tokens
+    }
+
+    /// Tokens (0 to 64, default 16) up to which a W8A8 product beyond the weight-streaming
+    /// kernel's tokens runs the decoder's own tensor-core kernel (e4m3 `mma.sync`, each weight
+    /// byte read once) instead of cuBLASLt's block-scaled GEMM; 0 leaves every such product to
+    /// cuBLASLt (which on an H200 is faster from 32 tokens). Devices below compute capability
+    /// 8.9 always use cuBLASLt. Returns the setting (clamped).
+    ///
+    /// ```no_run
+    /// use lifecycle_decoder_gpu::GpuDecoder;
+    ///
+    /// fn cublaslt_only(decoder: &mut GpuDecoder<'_>) {
+    ///     assert_eq!(decoder.set_fp8_mma_tokens(0), 0);
+    ///     assert_eq!(decoder.set_fp8_mma_tokens(1000), 64);
+    /// }
+    /// ```
+    pub fn set_fp8_mma_tokens(&mut self, tokens: usize) -> usize {
+        let tokens = tokens.min(MMA_TOKENS);
+        for r in &mut self.core.ranks {
+            r.w8a8_limits.mma = tokens;
         }
         tokens
     }

@@ -6,6 +6,8 @@
 //!   `GpuDecoder::set_fp8_gemv_tokens`): the
 //!   quantised activations are dequantised into f32 (`e4m3 × scale`, exact) and the fp8 weight
 //!   streaming kernel multiplies them: the same products, each weight byte read once.
+//! - Then up to [`W8A8_MMA_TOKENS`] tokens by default (`GpuDecoder::set_fp8_mma_tokens`): the
+//!   decoder's tensor-core kernel ([`crate::w8a8_mma`]), each weight byte read once.
 //! - More tokens: cuBLASLt's tensor-core fp8 GEMM with block scales
 //!   (`CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F` for the weights,
 //!   `CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F` for the activations, f32 accumulation and output).
@@ -13,6 +15,7 @@
 //! [`Fp8Compute::W8A8`]: lifecycle_layout::fp8::Fp8Compute::W8A8
 //! [`quantize_activation_groups`]: lifecycle_layout::fp8::quantize_activation_groups
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -24,10 +27,15 @@ use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
 
 use crate::fp8::{fp8_gemv, Fp8Kernels, Fp8Weight, GEMV_TOKENS};
 use crate::kernels::{launch, Arg};
+use crate::w8a8_mma::{mma_reads, MmaKernels, MMA_TOKENS};
 
-/// Tokens up to which a W8A8 product takes the weight-streaming kernel by default: one (on an
-/// H200 at 7.6B shapes the block-scaled GEMM is as fast at 2 tokens and faster from 4).
-pub(crate) const W8A8_GEMV_TOKENS: usize = 1;
+/// Tokens up to which a W8A8 product takes the weight-streaming kernel by default: none (on an
+/// H200 at 7.6B shapes the tensor-core kernel is as fast for one token and faster from two).
+pub(crate) const W8A8_GEMV_TOKENS: usize = 0;
+
+/// Tokens up to which a W8A8 product takes the tensor-core kernel by default (on an H200 at
+/// 7.6B shapes cuBLASLt's block-scaled GEMM is faster from 32 tokens; BENCHMARKS.md).
+pub(crate) const W8A8_MMA_TOKENS: usize = 16;
 
 /// Bytes of the cuBLASLt workspace of a rank (NVIDIA's recommendation for Hopper).
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -145,6 +153,9 @@ pub(crate) struct W8a8Scratch {
     pub q: CudaSlice<u8>,
     /// Their scales, `rows × ⌈widest / 128⌉`.
     pub scales: CudaSlice<f32>,
+    /// Whether `q` and `scales` hold the quantisation of the current input (set by the product
+    /// that quantised it, cleared by the first product of a new input).
+    pub held: Cell<bool>,
 }
 
 impl W8a8Scratch {
@@ -169,6 +180,7 @@ impl W8a8Scratch {
                     rank,
                     "W8A8 activation scales",
                 )?,
+                held: Cell::new(false),
             })
         }
     }
@@ -198,8 +210,11 @@ impl Drop for Plan {
     }
 }
 
-/// A rank's block-scaled fp8 GEMM: its cuBLASLt handle, workspace and plans.
+/// A rank's block-scaled fp8 products: cuBLASLt's GEMM (handle, workspace and plans) and the
+/// tensor-core kernel of [`crate::w8a8_mma`] for few tokens.
 pub(crate) struct W8a8Gemm {
+    /// The tensor-core kernel, `None` on a device without e4m3 mma instructions.
+    pub(crate) mma: Option<MmaKernels>,
     handle: lt_sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
     /// The block scales of a weight whose rows of scales do not start on 16 bytes (blocks per
@@ -282,7 +297,16 @@ impl W8a8Gemm {
                 return Err(e);
             }
         };
+        let mma = match MmaKernels::load(ctx) {
+            Ok(m) => m,
+            Err(e) => {
+                // SAFETY: created just above, destroyed once.
+                let _ = unsafe { lt::destroy_handle(handle) };
+                return Err(e);
+            }
+        };
         Ok(W8a8Gemm {
+            mma,
             handle,
             workspace,
             plans: Mutex::new(HashMap::new()),
@@ -564,13 +588,47 @@ impl W8a8Gemm {
     }
 }
 
+/// Token counts that choose a W8A8 product's path ([`w8a8_gemm`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct W8a8Limits {
+    /// Up to these tokens (0 to [`GEMV_TOKENS`]) the weight-streaming kernel, on the
+    /// dequantised quantised activations.
+    pub gemv: usize,
+    /// Then up to these (0 to [`MMA_TOKENS`]) the tensor-core kernel of [`crate::w8a8_mma`];
+    /// beyond, cuBLASLt's block-scaled GEMM.
+    pub mma: usize,
+}
+
+impl Default for W8a8Limits {
+    fn default() -> Self {
+        W8a8Limits {
+            gemv: W8A8_GEMV_TOKENS,
+            mma: W8A8_MMA_TOKENS,
+        }
+    }
+}
+
+/// The scratch a W8A8 product works through.
+#[derive(Clone, Copy)]
+pub(crate) struct W8a8Through<'a> {
+    /// f32 activations of the weight-streaming kernel (at least `GEMV_TOKENS · inp`).
+    pub x32: Option<u64>,
+    /// The pass's quantised activations and their scales ([`W8a8Scratch`]).
+    pub act: Option<(u64, u64, &'a Cell<bool>)>,
+    /// Whether the input is the previous product's (q, k and v; gate and up): its quantisation,
+    /// where a product left it in `act`, is used again.
+    pub same_input: bool,
+}
+
 /// `y[rows × out] = x[rows × inp] · wᵀ` in W8A8 for split bf16 `x` (hi rows, then lo rows) and
-/// f32 `y` (its lo rows written 0): the activations quantised per token group, then the weight
-/// streaming kernel on their dequantised values (up to `gemv_tokens` tokens, through `x32`:
-/// at least `GEMV_TOKENS · inp` f32) or the block-scaled GEMM (through `scratch`).
+/// f32 `y` (its lo rows written 0): the activations quantised per token group (once per input:
+/// [`W8a8Through::same_input`]), then, by `limits`, the weight-streaming kernel on their
+/// dequantised values, the tensor-core kernel or the block-scaled GEMM. A single token the
+/// tensor-core kernel cannot take goes to the weight-streaming kernel whatever the limits
+/// (cuBLASLt's GEMM takes two or more).
 ///
 /// # Safety
-/// As [`crate::fp8::fp8_gemm`], and `scratch` holding `rows / 2` tokens of `inp` inputs.
+/// As [`crate::fp8::fp8_gemm`], and `through.act` holding `rows / 2` tokens of `inp` inputs.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn w8a8_gemm(
     stream: &Arc<CudaStream>,
@@ -580,8 +638,8 @@ pub(crate) unsafe fn w8a8_gemm(
     x: u64,
     y: u64,
     (out, rows, inp): (usize, usize, usize),
-    (x32, scratch): (Option<u64>, Option<(u64, u64)>),
-    gemv_tokens: usize,
+    through: W8a8Through<'_>,
+    limits: W8a8Limits,
     rank: usize,
 ) -> Result<(), CudaError> {
     let tokens = rows / 2;
@@ -590,8 +648,16 @@ pub(crate) unsafe fn w8a8_gemm(
             "a W8A8 product over {rows} split rows (hi and lo rows come in pairs)"
         )));
     }
-    if tokens <= gemv_tokens.clamp(1, GEMV_TOKENS) {
-        let x32 = x32.ok_or_else(|| {
+    if let (Some((_, _, held)), false) = (through.act, through.same_input) {
+        held.set(false);
+    }
+    let mma = lt_gemm
+        .mma
+        .as_ref()
+        .filter(|_| tokens <= limits.mma.min(MMA_TOKENS) && mma_reads(&w, inp));
+    let gemv = tokens <= limits.gemv.min(GEMV_TOKENS) || (tokens < 2 && mma.is_none());
+    if gemv {
+        let x32 = through.x32.ok_or_else(|| {
             CudaError::Invalid("a W8A8 product without its activation scratch".into())
         })?;
         let deq = QuantOut {
@@ -612,29 +678,48 @@ pub(crate) unsafe fn w8a8_gemm(
             fp8_gemv(stream, k, w, x32, y, (out, tokens, inp), rank)
         };
     }
-    let (xq, xsc) = scratch.ok_or_else(|| {
+    let (xq, xsc, held) = through.act.ok_or_else(|| {
         CudaError::Invalid("a W8A8 product without its quantised-activation scratch".into())
     })?;
     let lo = y + 4 * (tokens * out) as u64;
-    let q = QuantOut {
-        q: Some(xq),
-        scales: Some((xsc, act_scale_strides(tokens))),
-        deq: None,
-        zero: Some((lo, (tokens * out) as u64)),
-    };
-    // SAFETY: x holds 2 · tokens rows of inp bf16, the scratch padded_tokens(tokens) · inp
-    // bytes and as many groups of scales; y 2 · tokens rows of out f32 (the second half zeroed
-    // by the quantisation, the padded tokens' zero products landing there).
+    if !(mma.is_some() && through.same_input && held.get()) {
+        let q = QuantOut {
+            q: Some(xq),
+            scales: Some((xsc, act_scale_strides(tokens))),
+            deq: None,
+            // the tensor-core kernel writes the lo rows itself
+            zero: mma.is_none().then_some((lo, (tokens * out) as u64)),
+        };
+        // SAFETY: x holds 2 · tokens rows of inp bf16, the scratch padded_tokens(tokens) · inp
+        // bytes and as many groups of scales; y 2 · tokens rows of out f32 (the second half
+        // zeroed by the quantisation for the GEMM, the padded tokens' zero products landing
+        // there).
+        unsafe {
+            quantize(
+                stream,
+                k,
+                ActSrc::Split(x),
+                (tokens, padded_tokens(tokens), inp),
+                q,
+                rank,
+            )?
+        };
+        held.set(true);
+    }
+    // SAFETY: the scratch holds this input's quantisation (written above or by the previous
+    // product of the same input); y 2 · tokens rows of out f32.
     unsafe {
-        quantize(
-            stream,
-            k,
-            ActSrc::Split(x),
-            (tokens, padded_tokens(tokens), inp),
-            q,
-            rank,
-        )?;
-        lt_gemm.gemm(stream, k, w, (xq, xsc), y, (out, tokens, inp), rank)
+        match mma {
+            Some(m) => m.gemm(
+                stream,
+                w,
+                (xq, xsc, padded_tokens(tokens)),
+                (y, true),
+                (out, tokens, inp),
+                rank,
+            ),
+            None => lt_gemm.gemm(stream, k, w, (xq, xsc), y, (out, tokens, inp), rank),
+        }
     }
 }
 
@@ -692,30 +777,72 @@ mod tests {
     /// apply (measured up to 1.1e-4, on 512 × 200 × 768).
     const TOLERANCE: f64 = 5e-4;
 
+    /// Runs the tensor-core kernel on `weight` and the quantised activations, twice (the
+    /// counters of a split product must come back to zero: the second run gives the same bits).
+    #[allow(clippy::too_many_arguments)]
+    fn mma_twice(
+        s: &Arc<CudaStream>,
+        m: &MmaKernels,
+        weight: Fp8Weight,
+        (qd, scd, pad): (u64, u64, usize),
+        yd: &CudaSlice<f32>,
+        (out, tokens, inp): (usize, usize, usize),
+        ctx: &RankCtx,
+    ) -> Result<Vec<f32>, CudaError> {
+        let mut runs = Vec::new();
+        for _ in 0..2 {
+            // SAFETY: the buffers hold the sizes the product reads and writes (the caller's).
+            unsafe {
+                m.gemm(
+                    s,
+                    weight,
+                    (qd, scd, pad),
+                    (ptr(yd, s), false),
+                    (out, tokens, inp),
+                    0,
+                )?
+            };
+            runs.push(s.clone_dtoh(yd).map_err(ctx.drv("y back", 0))?);
+        }
+        let (a, b) = (&runs[0][..tokens * out], &runs[1][..tokens * out]);
+        if a.iter().zip(b).any(|(x, y)| x.to_bits() != y.to_bits()) {
+            return Err(CudaError::Invalid(format!(
+                "{out}x{tokens}x{inp}: the tensor-core kernel gave other bits on its second run"
+            )));
+        }
+        Ok(runs.swap_remove(0))
+    }
+
     #[test]
     #[ignore = "needs an NVIDIA GPU"]
     fn block_scaled_gemm_matches_the_host_sums() -> Result<(), Box<dyn std::error::Error>> {
         require_gpus(1)?;
         let pool = ThreadRankPool::new(1)?;
+        // (rows, tokens, inputs, first row): the first row of a tensor-parallel shard need not
+        // start a block of scales (cuBLASLt's GEMM then does not take it)
         let shapes = [
-            (256, 16, 512),
-            (384, 9, 640),
-            (128, 12, 256),
-            (4096, 64, 3584),
-            (512, 200, 768),
-            (3584, 33, 18944),
-            (256, 1, 512),
-            (256, 3, 512),
-            (256, 5, 512),
+            (256, 16, 512, 0),
+            (384, 9, 640, 0),
+            (128, 12, 256, 0),
+            (4096, 64, 3584, 0),
+            (512, 200, 768, 0),
+            (3584, 33, 18944, 0),
+            (256, 1, 512, 0),
+            (256, 3, 512, 0),
+            (256, 5, 512, 0),
+            (200, 7, 384, 144),
+            (1000, 41, 1152, 16),
+            (4608, 8, 3584, 0),
         ];
         let report = pool.run(&|ctx| {
             let s = &ctx.compute;
             let k = Fp8Kernels::load(ctx)?;
             let lt = W8a8Gemm::new(ctx)?;
             let mut lines = Vec::new();
-            for (i, &(out, tokens, inp)) in shapes.iter().enumerate() {
-                let w = values(out * inp, inp, 11 + i as u64);
-                let wq = quantize_blocks("w", &w, out, inp)
+            for (i, &(out, tokens, inp, row0)) in shapes.iter().enumerate() {
+                let rows = row0 + out;
+                let w = values(rows * inp, inp, 11 + i as u64);
+                let wq = quantize_blocks("w", &w, rows, inp)
                     .map_err(|e| CudaError::Invalid(e.to_string()))?;
                 let x = values(tokens * inp, inp, 101 + i as u64);
                 let (xs, joined) = split(&x);
@@ -727,7 +854,7 @@ mod tests {
                 let xd = s.clone_htod(&xs).map_err(up("activations"))?;
                 let pad = padded_tokens(tokens);
                 // SAFETY: each buffer is written below before it is read back.
-                let (qd, scd, yd, x32) = unsafe {
+                let (qd, scd, mut yd, x32) = unsafe {
                     (
                         alloc_device::<u8>(s, pad * inp, 0, "q")?,
                         alloc_device::<f32>(s, pad * groups, 0, "scales")?,
@@ -738,7 +865,7 @@ mod tests {
                 let weight = Fp8Weight {
                     data: ptr(&wd, s),
                     scales: ptr(&wsd, s),
-                    row0: 0,
+                    row0: row0 as u64,
                     cols: inp as u64,
                 };
                 let strides = act_scale_strides(tokens);
@@ -783,7 +910,7 @@ mod tests {
                         for c in 0..inp {
                             let term = f64::from(e4m3_to_f32(qx.data[t * inp + c]))
                                 * f64::from(qx.scale_inv[t * groups + c / 128])
-                                * f64::from(wq.value(o, c));
+                                * f64::from(wq.value(row0 + o, c));
                             acc += term;
                             m += term.abs();
                         }
@@ -797,8 +924,8 @@ mod tests {
                         let err = (f64::from(g) - w).abs();
                         if err > TOLERANCE * m + 1e-30 {
                             return Err(CudaError::Invalid(format!(
-                                "{out}x{tokens}x{inp} {path}: output {j} (token {}, row {}): \
-                                 {g} against {w} (Σ|terms| {m})",
+                                "{out}x{tokens}x{inp} from row {row0} {path}: output {j} \
+                                 (token {}, row {}): {g} against {w} (Σ|terms| {m})",
                                 j / out,
                                 j % out
                             )));
@@ -807,74 +934,95 @@ mod tests {
                     }
                     Ok(worst)
                 };
-                // the block-scaled GEMM alone (2 tokens or more)
-                let lt_err = if tokens < 2 {
-                    Ok(0.0)
-                } else {
-                // SAFETY: as above.
-                unsafe {
-                    lt.gemm(
-                        s,
-                        &k,
-                        weight,
-                        (ptr(&qd, s), ptr(&scd, s)),
-                        ptr(&yd, s),
-                        (out, tokens, inp),
-                        0,
-                    )?;
-                }
-                let y = s.clone_dtoh(&yd).map_err(up("y back"))?;
-                check(&y[..tokens * out], "block-scaled GEMM")
-                };
-                if let Err(e) = lt_err {
-                    // which scale layout would have matched: report it with the failure
-                    let mut alt = Vec::new();
-                    for (name, st) in [("token-major", (groups as u32, 1)), ("unpadded", (1, tokens as u32))] {
-                        let mut host = vec![0.0f32; (tokens + 3) * groups];
-                        for t in 0..tokens {
-                            for g in 0..groups {
-                                host[t * st.0 as usize + g * st.1 as usize] = qx.scale_inv[t * groups + g];
-                            }
-                        }
-                        let alt_d = s.clone_htod(&host).map_err(up("alt scales"))?;
-                        // SAFETY: as above.
-                        unsafe {
-                            lt.gemm(s, &k, weight, (ptr(&qd, s), ptr(&alt_d, s)), ptr(&yd, s), (out, tokens, inp), 0)?;
-                        }
-                        let y = s.clone_dtoh(&yd).map_err(up("y back"))?;
-                        alt.push(format!("{name}: {}", match check(&y[..tokens * out], name) {
-                            Ok(w) => format!("matches ({w:.1e})"),
-                            Err(e) => format!("no ({e})"),
-                        }));
+                let mut found = Vec::new();
+                // cuBLASLt's block-scaled GEMM alone (2 tokens or more, rows from a block)
+                if tokens >= 2 && lt_reads(&weight) {
+                    // SAFETY: as above.
+                    unsafe {
+                        let xq = (ptr(&qd, s), ptr(&scd, s));
+                        lt.gemm(s, &k, weight, xq, ptr(&yd, s), (out, tokens, inp), 0)?;
                     }
-                    return Err(CudaError::Invalid(format!("{e}; other layouts: {}", alt.join("; "))));
+                    let y = s.clone_dtoh(&yd).map_err(up("y back"))?;
+                    let worst = check(&y[..tokens * out], "block-scaled GEMM")?;
+                    found.push(format!("cuBLASLt within {worst:.1e}"));
                 }
-                let lt_worst = lt_err?;
-                // the whole W8A8 product from the split activations: lo rows zero
-                // SAFETY: as above.
-                unsafe {
-                    w8a8_gemm(
+                // the tensor-core kernel alone
+                let mma = lt.mma.as_ref().filter(|_| tokens <= MMA_TOKENS);
+                if let Some(m) = mma {
+                    let y = mma_twice(
                         s,
-                        &lt,
-                        &k,
+                        m,
                         weight,
-                        ptr(&xd, s),
-                        ptr(&yd, s),
-                        (out, 2 * tokens, inp),
-                        (Some(ptr(&x32, s)), Some((ptr(&qd, s), ptr(&scd, s)))),
-                        GEMV_TOKENS,
-                        0,
+                        (ptr(&qd, s), ptr(&scd, s), pad),
+                        &yd,
+                        (out, tokens, inp),
+                        ctx,
                     )?;
+                    let worst = check(&y[..tokens * out], "tensor-core kernel")?;
+                    found.push(format!("tensor-core kernel within {worst:.1e}"));
                 }
-                let y = s.clone_dtoh(&yd).map_err(up("y back"))?;
-                let path = if tokens <= GEMV_TOKENS { "weight streaming" } else { "block-scaled GEMM" };
-                let worst = check(&y[..tokens * out], path)?;
-                if y[tokens * out..].iter().any(|&v| v != 0.0) {
-                    return Err(CudaError::Invalid(format!("{out}x{tokens}x{inp}: lo rows not zero")));
+                // the whole W8A8 product from the split activations, by every path that takes
+                // it: lo rows zero
+                let mut limits = vec![(W8a8Limits::default(), "default")];
+                if tokens <= GEMV_TOKENS {
+                    let l = W8a8Limits {
+                        gemv: GEMV_TOKENS,
+                        mma: 0,
+                    };
+                    limits.push((l, "weight streaming"));
+                }
+                if mma.is_some() {
+                    limits.push((
+                        W8a8Limits {
+                            gemv: 0,
+                            mma: MMA_TOKENS,
+                        },
+                        "tensor cores",
+                    ));
+                }
+                let held = Cell::new(false);
+                for ((limits, path), same_input) in
+                    limits.into_iter().flat_map(|l| [(l, false), (l, true)])
+                {
+                    // the lo rows must be written by the product: garbage before it
+                    s.memset_zeros(&mut yd).map_err(up("y"))?;
+                    let nan = vec![f32::NAN; tokens * out];
+                    s.memcpy_htod(&nan, &mut yd.slice_mut(tokens * out..))
+                        .map_err(up("lo rows"))?;
+                    let through = W8a8Through {
+                        x32: Some(ptr(&x32, s)),
+                        act: Some((ptr(&qd, s), ptr(&scd, s), &held)),
+                        same_input,
+                    };
+                    // SAFETY: as above.
+                    unsafe {
+                        w8a8_gemm(
+                            s,
+                            &lt,
+                            &k,
+                            weight,
+                            ptr(&xd, s),
+                            ptr(&yd, s),
+                            (out, 2 * tokens, inp),
+                            through,
+                            limits,
+                            0,
+                        )?;
+                    }
+                    let y = s.clone_dtoh(&yd).map_err(up("y back"))?;
+                    let path = &*format!("{path}{}", if same_input { ", input again" } else { "" });
+                    let worst = check(&y[..tokens * out], path)?;
+                    if y[tokens * out..].iter().any(|&v| v != 0.0) {
+                        return Err(CudaError::Invalid(format!(
+                            "{out}x{tokens}x{inp} {path}: lo rows not zero"
+                        )));
+                    }
+                    found.push(format!("W8A8 product ({path}) within {worst:.1e}"));
                 }
                 lines.push(format!(
-                    "{out} x {tokens} x {inp}: quantisation bit-identical; GEMM within {lt_worst:.1e}, \
-                     W8A8 product ({path}) within {worst:.1e} of Σ|terms|"
+                    "{out} x {tokens} x {inp} from row {row0}: quantisation bit-identical; {} \
+                     of Σ|terms|",
+                    found.join(", ")
                 ));
             }
             Ok(lines)

@@ -453,11 +453,11 @@ impl<'a> Pass<'a> {
                 self.combine_cols(kb, lw.k_b, (ld, qw, kvw))?;
                 self.combine_cols(vb, lw.v_b, (ld, qw + kvw, kvw))?;
             } else {
-                st.wgemm(s, base, lw.q_w, xs, y2, (qw, 2 * n, h), w8, rank)?;
+                st.wgemm(s, base, lw.q_w, xs, y2, (qw, 2 * n, h), (w8, false), rank)?;
                 self.combine_into(q, lw.q_b, qw)?;
-                st.wgemm(s, base, lw.k_w, xs, y2, (kvw, 2 * n, h), w8, rank)?;
+                st.wgemm(s, base, lw.k_w, xs, y2, (kvw, 2 * n, h), (w8, true), rank)?;
                 self.combine_into(kb, lw.k_b, kvw)?;
-                st.wgemm(s, base, lw.v_w, xs, y2, (kvw, 2 * n, h), w8, rank)?;
+                st.wgemm(s, base, lw.v_w, xs, y2, (kvw, 2 * n, h), (w8, true), rank)?;
                 self.combine_into(vb, lw.v_b, kvw)?;
             }
             if let Some((qn, kn)) = lw.qk_norm {
@@ -527,7 +527,7 @@ impl<'a> Pass<'a> {
                 &k.attention
             };
             self.kernel(attention, cfg, &args, "attention")?;
-            st.wgemm(s, base, lw.o_w, xs, y2, (h, 2 * n, qw), w8, rank)?;
+            st.wgemm(s, base, lw.o_w, xs, y2, (h, 2 * n, qw), (w8, false), rank)?;
         }
         self.finish()
     }
@@ -570,13 +570,13 @@ impl<'a> Pass<'a> {
                 let cfg = self.elementwise(n * f);
                 self.kernel(&k.swiglu_fused_split, cfg, &args, "swiglu_fused_split")?;
             } else {
-                st.wgemm(s, base, lw.gate_w, xs, y2, (f, 2 * n, h), w8, rank)?;
-                st.wgemm(s, base, lw.up_w, xs, y2b, (f, 2 * n, h), w8, rank)?;
+                st.wgemm(s, base, lw.gate_w, xs, y2, (f, 2 * n, h), (w8, false), rank)?;
+                st.wgemm(s, base, lw.up_w, xs, y2b, (f, 2 * n, h), (w8, true), rank)?;
                 let args = [Arg::U64(y2), Arg::U64(y2b), Arg::U64(xs), u32a(n), u32a(f)];
                 let cfg = self.elementwise(n * f);
                 self.kernel(&k.swiglu_split, cfg, &args, "swiglu_split")?;
             }
-            st.wgemm(s, base, lw.down_w, xs, y2, (h, 2 * n, f), w8, rank)?;
+            st.wgemm(s, base, lw.down_w, xs, y2, (h, 2 * n, f), (w8, false), rank)?;
         }
         self.finish()
     }

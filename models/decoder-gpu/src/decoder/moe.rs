@@ -390,10 +390,11 @@ unsafe fn expert_ffn(
             x,
             p(&scratch.g2),
             (f, 2 * rows, h),
-            w8,
+            (w8, false),
             rank,
         )?;
-        st.wgemm(s, base, e.up, x, p(&scratch.u2), (f, 2 * rows, h), w8, rank)?;
+        let up = p(&scratch.u2);
+        st.wgemm(s, base, e.up, x, up, (f, 2 * rows, h), (w8, true), rank)?;
         steps.swiglu((p(&scratch.g2), p(&scratch.u2), act), (rows, f))?;
         st.wgemm(
             s,
@@ -402,7 +403,7 @@ unsafe fn expert_ffn(
             act,
             p(&scratch.y2),
             (h, 2 * rows, f),
-            w8,
+            (w8, false),
             rank,
         )
     }

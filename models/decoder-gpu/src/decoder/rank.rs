@@ -14,7 +14,7 @@ use crate::blas::gemm;
 use crate::download::Downloads;
 use crate::fp8::{fp8_gemm, Fp8Kernels, Fp8Scratch, Fp8Weight};
 use crate::kernels::DecoderKernels;
-use crate::w8a8::{w8a8_gemm, W8a8Gemm, W8a8Scratch};
+use crate::w8a8::{w8a8_gemm, W8a8Gemm, W8a8Limits, W8a8Scratch, W8a8Through};
 use crate::weights::{MatAt, RankOffsets};
 use lifecycle_decoder::KvDtype;
 use lifecycle_layout::fp8::Fp8Compute;
@@ -62,9 +62,10 @@ pub(crate) struct RankState {
     /// The block-scaled fp8 GEMM of the W8A8 products, made when weights with fp8 matrices are
     /// bound in W8A8 mode.
     pub(crate) w8a8: Option<W8a8Gemm>,
-    /// Tokens up to which a W8A8 product runs the weight-streaming kernel (on the dequantised
-    /// quantised activations) instead of the block-scaled GEMM.
-    pub(crate) w8a8_gemv_tokens: usize,
+    /// Token counts up to which a W8A8 product runs the weight-streaming kernel (on the
+    /// dequantised quantised activations), then the tensor-core kernel, before the
+    /// block-scaled GEMM.
+    pub(crate) w8a8_limits: W8a8Limits,
     /// Whether the bf16 experts of a mixture-of-experts layer run in blocks, one batched GEMM
     /// per product ([`moe`]; the default), or one GEMM per expert.
     pub(crate) grouped: bool,
@@ -90,13 +91,14 @@ impl RankState {
     /// pass of `tokens` tokens needs their scratch ([`W8a8Scratch`]): more tokens than the
     /// weight-streaming kernel takes.
     pub(crate) fn w8a8_scratch_for(&self, tokens: usize) -> bool {
-        self.fp8_compute == Fp8Compute::W8A8 && self.fp8.is_some() && tokens > self.w8a8_gemv_tokens
+        self.fp8_compute == Fp8Compute::W8A8 && self.fp8.is_some() && tokens > self.w8a8_limits.gemv
     }
 
     /// `y[rows × out] = x[rows × inp] · wᵀ` for weight `w` of the bound buffer at `base`:
     /// [`gemm`] for bf16, [`fp8_gemm`] for fp8 weight-only, [`w8a8_gemm`] for W8A8 (through
     /// `act`, the pass's quantised-activation scratch, when [`RankState::w8a8_scratch_for`]
-    /// says so).
+    /// says so; `same_input` when `x` is the previous product's input, unchanged since, so
+    /// that its quantisation is used again).
     ///
     /// # Safety
     /// As [`gemm`]: `w` inside the bound rollout buffer, `x` and `y` holding the sizes given,
@@ -110,7 +112,7 @@ impl RankState {
         x: u64,
         y: u64,
         (out, rows, inp): (usize, usize, usize),
-        act: Option<&W8a8Scratch>,
+        (act, same_input): (Option<&W8a8Scratch>, bool),
         rank: usize,
     ) -> Result<(), CudaError> {
         let Some(f) = w.fp8 else {
@@ -131,7 +133,11 @@ impl RankState {
             let lt = self.w8a8.as_ref().ok_or_else(|| {
                 CudaError::Invalid("W8A8 fp8 weights bound without their GEMM".into())
             })?;
-            let act = act.map(|a| (ptr(&a.q, s), ptr(&a.scales, s)));
+            let through = W8a8Through {
+                x32,
+                act: act.map(|a| (ptr(&a.q, s), ptr(&a.scales, s), &a.held)),
+                same_input,
+            };
             // SAFETY: as below; `act` per the caller.
             return unsafe {
                 w8a8_gemm(
@@ -142,8 +148,8 @@ impl RankState {
                     x,
                     y,
                     (out, rows, inp),
-                    (x32, act),
-                    self.w8a8_gemv_tokens,
+                    through,
+                    self.w8a8_limits,
                     rank,
                 )
             };

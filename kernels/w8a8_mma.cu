@@ -1,0 +1,241 @@
+// W8A8 block-fp8 products of a few tokens (decode steps, short prefills) on the tensor cores,
+// launched by models/decoder-gpu/src/w8a8_mma.rs, which states each launch's grid, block, shared
+// memory and argument contract.
+//
+//   y[t * out + o] = sum over the 128-wide input groups g of
+//                    ws(row0 + o, g) * xs(t, g) * sum_{c in g} qw(row0 + o, c) * qx(t, c)
+//
+// qw: e4m3 weights, row-major [.. x inp] (inp a multiple of 128), one f32 scale per 128 x 128
+// block (ws, row-major [.. x inp / 128]); qx: e4m3 activations [tokens x inp], one f32 scale per
+// token and group at xsc[g * xs_grp + t]. Each group's sum is taken by four m16n8k32 e4m3 mma's
+// into a fresh f32 fragment, then scaled and added to the accumulator (the promotion of
+// DeepSeek-V3's fp8 GEMMs): the tensor cores never sum more than one group.
+//
+// A block of 4 warps computes 64 rows (16 per warp, the mma's M) for every token (8 per mma,
+// NT mma's), over a slice of the input groups (blockIdx.y): it stages the slice's activations in
+// shared memory a chunk of groups at a time, and each warp streams its rows' weights from device
+// memory once, 128 bytes per row and group, the next group requested before the current one is
+// multiplied. With several slices (gridDim.y > 1) each block writes its partial sums, and the
+// last block of a row range to finish (counted in `counters`, reset by it) adds the slices in
+// their order: the result does not depend on which block finishes last. With zero_lo the n rows
+// after y's (the lo rows of a split product) are written 0.
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned char u8;
+
+#define MMA_WARPS 4
+#define MMA_ROWS (16 * MMA_WARPS)
+
+// 16 weight bytes, read once: not kept in L1.
+__device__ __forceinline__ uint4 ld_stream(const u8* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+// A partial sum written by another block: read from L2, past this SM's L1.
+__device__ __forceinline__ float ld_l2(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+// d += A (16 x 32 e4m3, row) * B (32 x 8 e4m3, col) in f32. The host launches these kernels only
+// on devices of compute capability 8.9 or later.
+__device__ __forceinline__ void mma_e4m3(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1) {
+#if __CUDA_ARCH__ >= 890
+    asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
+}
+
+// The 4 x 16 weight bytes lane (g, t) of a warp multiplies in one group: 32 consecutive bytes
+// of row g of the tile and 32 of row g + 8, from byte 32 t of the group. The mma's k order is
+// a permutation of the group's inputs (the same for the weights and the activations), so each
+// lane reads consecutive bytes: step s takes bytes 8 s .. 8 s + 3 of a lane's 32 as the
+// fragment's inputs 4 t .. 4 t + 3 and bytes 8 s + 4 .. 8 s + 7 as 16 + 4 t .. 16 + 4 t + 3.
+struct Frag {
+    uint4 lo0, lo1, hi0, hi1;
+};
+
+__device__ __forceinline__ Frag load_frag(const u8* lo, const u8* hi, bool oklo, bool okhi) {
+    Frag f;
+    const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+    f.lo0 = oklo ? ld_stream(lo) : z;
+    f.lo1 = oklo ? ld_stream(lo + 16) : z;
+    f.hi0 = okhi ? ld_stream(hi) : z;
+    f.hi1 = okhi ? ld_stream(hi + 16) : z;
+    return f;
+}
+
+template <int NT>
+__device__ __forceinline__ void w8a8_mma_body(
+    const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0, u32 out, u32 inp,
+    const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,
+    u32 chunk, float* __restrict__ y, float* __restrict__ ylo, float* __restrict__ part,
+    u32* __restrict__ counters) {
+    extern __shared__ __align__(16) u8 smem[];
+    __shared__ u32 last;
+    const u32 T = 8 * NT;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const u32 g = lane >> 2, t = lane & 3u;
+    const u32 groups = inp >> 7;
+    const u32 splits = gridDim.y;
+    const u32 g0 = blockIdx.y * slice, g1 = min(groups, g0 + slice);
+    const u32 tile = blockIdx.x * MMA_ROWS + warp * 16;
+    const u32 rlo = tile + g, rhi = rlo + 8;
+    const bool oklo = rlo < out, okhi = rhi < out, okt = tile < out;
+    const u8* wlo = w + (u64)(row0 + (oklo ? rlo : 0u)) * inp + 32u * t;
+    const u8* whi = w + (u64)(row0 + (okhi ? rhi : 0u)) * inp + 32u * t;
+    // the 16 rows of a tile lie in one 128-row block of scales (row0 is a multiple of 16)
+    const float* wsr = wsc + (u64)((row0 + (okt ? tile : 0u)) >> 7) * groups;
+    // staged activations: token rows of `chunk` groups, 16 bytes more per row so that the 8
+    // tokens an mma reads fall on different banks; then their scales [group][token]
+    const u32 stride = chunk * 128u + 16u;
+    u8* xb = smem;
+    float* xsb = reinterpret_cast<float*>(smem + T * stride);
+    float acc[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    }
+    for (u32 c0 = g0; c0 < g1; c0 += chunk) {
+        const u32 cg = min(chunk, g1 - c0);
+        // this chunk's first weights are requested before the activations are staged
+        Frag a = load_frag(wlo + (u64)c0 * 128u, whi + (u64)c0 * 128u, oklo, okhi);
+        __syncthreads();  // the previous chunk is no longer read
+        const u32 units = cg * 8u;  // 16-byte units per token row
+        for (u32 i = threadIdx.x; i < T * units; i += blockDim.x) {
+            const u32 tok = i / units, u = i - tok * units;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (tok < n) {
+                v = *reinterpret_cast<const uint4*>(xq + (u64)tok * inp + (u64)c0 * 128u + 16u * u);
+            }
+            *reinterpret_cast<uint4*>(xb + tok * stride + 16u * u) = v;
+        }
+        for (u32 i = threadIdx.x; i < T * cg; i += blockDim.x) {
+            const u32 gi = i / T, tok = i - gi * T;
+            xsb[i] = tok < n ? xsc[(u64)(c0 + gi) * xs_grp + tok] : 0.0f;
+        }
+        __syncthreads();
+        for (u32 gi = 0; gi < cg; ++gi) {
+            const Frag f = a;
+            if (gi + 1 < cg) {
+                const u64 next = (u64)(c0 + gi + 1) * 128u;
+                a = load_frag(wlo + next, whi + next, oklo, okhi);
+            }
+            const float ws = okt ? wsr[c0 + gi] : 0.0f;
+            const u8* bg = xb + g * stride + gi * 128u + 32u * t;
+            // the mma's of up to 4 token tiles interleaved (4 independent chains of 4 steps),
+            // their inputs read from shared memory first
+#pragma unroll
+            for (int h = 0; h < NT; h += 4) {
+                const int m = NT - h < 4 ? NT - h : 4;
+                uint4 b[4];
+                float d[4][4];
+#pragma unroll
+                for (int j = 0; j < m; ++j) {
+                    b[j] = *reinterpret_cast<const uint4*>(bg + (u32)(h + j) * 8u * stride);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) d[j][e] = 0.0f;
+                }
+#pragma unroll
+                for (int j = 0; j < m; ++j) mma_e4m3(d[j], f.lo0.x, f.hi0.x, f.lo0.y, f.hi0.y, b[j].x, b[j].y);
+#pragma unroll
+                for (int j = 0; j < m; ++j) mma_e4m3(d[j], f.lo0.z, f.hi0.z, f.lo0.w, f.hi0.w, b[j].z, b[j].w);
+#pragma unroll
+                for (int j = 0; j < m; ++j) {
+                    b[j] = *reinterpret_cast<const uint4*>(bg + (u32)(h + j) * 8u * stride + 16u);
+                }
+#pragma unroll
+                for (int j = 0; j < m; ++j) mma_e4m3(d[j], f.lo1.x, f.hi1.x, f.lo1.y, f.hi1.y, b[j].x, b[j].y);
+#pragma unroll
+                for (int j = 0; j < m; ++j) mma_e4m3(d[j], f.lo1.z, f.hi1.z, f.lo1.w, f.hi1.w, b[j].z, b[j].w);
+#pragma unroll
+                for (int j = 0; j < m; ++j) {
+                    const float* sc = xsb + gi * T + (u32)(h + j) * 8u + 2u * t;
+                    const float s0 = ws * sc[0], s1 = ws * sc[1];
+                    acc[h + j][0] = fmaf(d[j][0], s0, acc[h + j][0]);
+                    acc[h + j][1] = fmaf(d[j][1], s1, acc[h + j][1]);
+                    acc[h + j][2] = fmaf(d[j][2], s0, acc[h + j][2]);
+                    acc[h + j][3] = fmaf(d[j][3], s1, acc[h + j][3]);
+                }
+            }
+        }
+    }
+    // fragment (g, t) of mma nt: rows g and g + 8 of the tile, tokens 8 nt + 2 t and the next
+    if (splits == 1) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const u32 k0 = (u32)nt * 8u + 2u * t;
+            if (oklo && k0 < n) y[(u64)k0 * out + rlo] = acc[nt][0];
+            if (oklo && k0 + 1 < n) y[(u64)(k0 + 1) * out + rlo] = acc[nt][1];
+            if (okhi && k0 < n) y[(u64)k0 * out + rhi] = acc[nt][2];
+            if (okhi && k0 + 1 < n) y[(u64)(k0 + 1) * out + rhi] = acc[nt][3];
+            if (ylo != nullptr) {
+                if (oklo && k0 < n) ylo[(u64)k0 * out + rlo] = 0.0f;
+                if (oklo && k0 + 1 < n) ylo[(u64)(k0 + 1) * out + rlo] = 0.0f;
+                if (okhi && k0 < n) ylo[(u64)k0 * out + rhi] = 0.0f;
+                if (okhi && k0 + 1 < n) ylo[(u64)(k0 + 1) * out + rhi] = 0.0f;
+            }
+        }
+        return;
+    }
+    // this slice's partial sums, [token][row of the block]
+    float* mine = part + ((u64)blockIdx.x * splits + blockIdx.y) * (MMA_ROWS * T);
+    const u32 bl = warp * 16u + g, bh = bl + 8u;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        if ((u32)nt * 8u < n) {
+            const u32 k0 = (u32)nt * 8u + 2u * t;
+            mine[k0 * MMA_ROWS + bl] = acc[nt][0];
+            mine[(k0 + 1) * MMA_ROWS + bl] = acc[nt][1];
+            mine[k0 * MMA_ROWS + bh] = acc[nt][2];
+            mine[(k0 + 1) * MMA_ROWS + bh] = acc[nt][3];
+        }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == splits - 1 ? 1u : 0u;
+    __syncthreads();
+    if (last == 0) return;
+    __threadfence();
+    const float* all = part + (u64)blockIdx.x * splits * (MMA_ROWS * T);
+    for (u32 i = threadIdx.x; i < n * MMA_ROWS; i += blockDim.x) {
+        const u32 tok = i / MMA_ROWS, r = i - tok * MMA_ROWS;
+        const u32 row = blockIdx.x * MMA_ROWS + r;
+        float v = 0.0f;
+        for (u32 s = 0; s < splits; ++s) v += ld_l2(all + (u64)s * (MMA_ROWS * T) + i);
+        if (row < out) {
+            y[(u64)tok * out + row] = v;
+            if (ylo != nullptr) ylo[(u64)tok * out + row] = 0.0f;
+        }
+    }
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
+}
+
+#define W8A8_MMA(NT)                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, NT <= 3 ? 4 : 2) w8a8_mma_##NT(           \
+        const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0, u32 out, u32 inp,  \
+        const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n,          \
+        u32 slice, u32 chunk, float* __restrict__ y, u32 zero_lo, float* __restrict__ part,   \
+        u32* __restrict__ counters) {                                                          \
+        w8a8_mma_body<NT>(w, wsc, row0, out, inp, xq, xsc, xs_grp, n, slice, chunk, y,        \
+                          zero_lo ? y + (u64)n * out : nullptr, part, counters);              \
+    }
+W8A8_MMA(1)
+W8A8_MMA(2)
+W8A8_MMA(3)
+W8A8_MMA(4)
+W8A8_MMA(5)
+W8A8_MMA(6)
+W8A8_MMA(7)
+W8A8_MMA(8)

@@ -1,0 +1,279 @@
+//! W8A8 block-fp8 products of up to [`MMA_TOKENS`] tokens by a tensor-core kernel of ours
+//! (`kernels/w8a8_mma.cu`): the e4m3 weights streamed from device memory once, widened to f16
+//! in registers (exactly) and multiplied with the quantised activations (widened once per block)
+//! by `mma.sync` f16 instructions with f32 accumulation, each 128-wide input group summed into
+//! a fresh f32 fragment and then scaled by its weight block's and its token group's scales.
+//! cuBLASLt's block-scaled GEMM ([`crate::w8a8`]) reads the weights of these products at about
+//! half the device's rate at these token counts; this kernel is built for them.
+//!
+//! The launch shape ([`MmaShape::of`]) depends on the product's rows and inputs and on the
+//! device's SM count, not on its tokens: a row's sum is split over the same input slices, and
+//! added in the same order, whatever the batch.
+
+use std::sync::{Arc, Mutex};
+
+use lifecycle_cuda::cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+};
+use lifecycle_cuda::{alloc_device, alloc_zeros, CudaError, KernelSet, RankCtx};
+
+use crate::fp8::Fp8Weight;
+use crate::kernels::{launch, Arg};
+
+/// CUDA C source of the tensor-core W8A8 kernels (no headers).
+pub const W8A8_MMA_KERNEL_SRC: &str = include_str!("../../../kernels/w8a8_mma.cu");
+
+/// [`W8A8_MMA_KERNEL_SRC`] as a kernel set.
+pub const W8A8_MMA_KERNELS: KernelSet = KernelSet::new(
+    "lifecycle_decoder_gpu W8A8 mma kernels",
+    W8A8_MMA_KERNEL_SRC,
+);
+
+/// Tokens up to which the kernel multiplies (8 per mma, up to 8 mma's per warp and group).
+pub(crate) const MMA_TOKENS: usize = 64;
+
+/// Rows of one block (4 warps of the mma's 16).
+const BLOCK_ROWS: usize = 64;
+
+/// Bytes of activations a block stages in shared memory at a time (a chunk of input groups of
+/// every token, widened to f16).
+const STAGE_BYTES: usize = 32 << 10;
+
+/// Blocks per SM the split of the inputs aims at (enough weight loads in flight to stream at the
+/// device's rate).
+const BLOCKS_PER_SM: usize = 4;
+
+/// How one product is launched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct MmaShape {
+    /// mma's per warp and group (8 tokens each): 1 to 8.
+    pub nt: usize,
+    /// Blocks of [`BLOCK_ROWS`] rows.
+    pub row_blocks: usize,
+    /// Slices of the input groups, one block each per row block (added in order).
+    pub splits: usize,
+    /// Input groups (of 128) per slice.
+    pub slice: usize,
+    /// Groups staged in shared memory at a time.
+    pub chunk: usize,
+}
+
+impl MmaShape {
+    /// The shape of `out × tokens × inp` (`inp` a multiple of 128, 1 ≤ `tokens` ≤
+    /// [`MMA_TOKENS`]) on a device of `sms` SMs: the inputs split until the blocks fill
+    /// [`BLOCKS_PER_SM`] per SM (or every slice is one group).
+    pub(crate) fn of(out: usize, tokens: usize, inp: usize, sms: usize) -> Self {
+        let groups = (inp / 128).max(1);
+        let nt = tokens.div_ceil(8).clamp(1, MMA_TOKENS / 8);
+        let row_blocks = out.div_ceil(BLOCK_ROWS).max(1);
+        let want = (BLOCKS_PER_SM * sms.max(1)).div_ceil(row_blocks);
+        let slice = groups.div_ceil(want.clamp(1, groups));
+        let splits = groups.div_ceil(slice);
+        let chunk = (STAGE_BYTES / (8 * nt * 256)).clamp(1, slice);
+        MmaShape {
+            nt,
+            row_blocks,
+            splits,
+            slice,
+            chunk,
+        }
+    }
+
+    /// Dynamic shared memory of a block: the staged token rows in f16 (16 bytes of padding
+    /// each) and their scales.
+    pub(crate) fn shared_bytes(&self) -> usize {
+        let tokens = 8 * self.nt;
+        tokens * (self.chunk * 256 + 16) + tokens * self.chunk * 4
+    }
+
+    /// f32 partial sums of a split product (none unsplit).
+    pub(crate) fn partials(&self) -> usize {
+        if self.splits == 1 {
+            return 0;
+        }
+        self.row_blocks * self.splits * BLOCK_ROWS * 8 * self.nt
+    }
+}
+
+/// Whether the kernel can read `w` over `inp` inputs: whole 128-wide input groups, rows from a
+/// multiple of 16 (a warp's 16 rows share a block of scales) and 16-byte aligned bytes.
+pub(crate) fn mma_reads(w: &Fp8Weight, inp: usize) -> bool {
+    w.cols == inp as u64
+        && inp.is_multiple_of(128)
+        && inp > 0
+        && w.row0.is_multiple_of(16)
+        && w.data.is_multiple_of(16)
+        && w.scales.is_multiple_of(4)
+}
+
+/// The split products' scratch: partial sums and a counter per row block (zero between
+/// launches: the last block of a row block resets it).
+#[derive(Default)]
+struct Scratch {
+    partials: Option<CudaSlice<f32>>,
+    counters: Option<CudaSlice<u32>>,
+}
+
+/// One rank's tensor-core W8A8 kernels and their scratch.
+pub(crate) struct MmaKernels {
+    /// `w8a8_mma_N` for N = 1 ..= 8 token tiles of 8.
+    kernels: Vec<CudaFunction>,
+    sms: usize,
+    scratch: Mutex<Scratch>,
+}
+
+impl MmaKernels {
+    /// The kernels in this rank's context, or `None` on a device without e4m3 tensor-core
+    /// instructions (compute capability below 8.9), where cuBLASLt's GEMM takes their products.
+    pub(crate) fn load(ctx: &RankCtx) -> Result<Option<Self>, CudaError> {
+        let (major, minor) = ctx
+            .ctx
+            .compute_capability()
+            .map_err(|e| CudaError::driver(ctx.rank, "reading the compute capability", 0, e))?;
+        if (major, minor) < (8, 9) {
+            return Ok(None);
+        }
+        let m = ctx.module(&W8A8_MMA_KERNELS)?;
+        Ok(Some(MmaKernels {
+            kernels: (1..=MMA_TOKENS / 8)
+                .map(|nt| m.function(&format!("w8a8_mma_{nt}")))
+                .collect::<Result<_, _>>()?,
+            sms: m.sm_count() as usize,
+            scratch: Mutex::new(Scratch::default()),
+        }))
+    }
+
+    /// `y[tokens × out] = dequant(xq) · dequant(w)ᵀ` in f32 for 1 to [`MMA_TOKENS`] tokens: `xq`
+    /// the e4m3 activations (`[tokens × inp]` at least), their scales at `xsc[g · xs_grp + t]`,
+    /// `w` rows `row0 .. row0 + out` of a block-scaled e4m3 matrix ([`mma_reads`] must hold).
+    /// With `zero_lo` the `tokens` rows after `y`'s (the lo rows of a split product) are
+    /// written 0.
+    ///
+    /// # Safety
+    /// The addresses must be device memory of this context: `w` its matrix and scales, `xq` and
+    /// `xsc` as said, `y` `tokens · out` f32 (twice that with `zero_lo`), alive until the stream
+    /// ran the product.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn gemm(
+        &self,
+        stream: &Arc<CudaStream>,
+        w: Fp8Weight,
+        (xq, xsc, xs_grp): (u64, u64, usize),
+        (y, zero_lo): (u64, bool),
+        (out, tokens, inp): (usize, usize, usize),
+        rank: usize,
+    ) -> Result<(), CudaError> {
+        if tokens == 0 || tokens > MMA_TOKENS || !mma_reads(&w, inp) || xs_grp < tokens {
+            return Err(CudaError::Invalid(format!(
+                "the tensor-core W8A8 kernel multiplies 1 to {MMA_TOKENS} tokens over whole \
+                 128-wide groups of inputs, rows from a multiple of 16, 16-byte aligned: asked \
+                 for {tokens} tokens × {inp} inputs (matrix of {} columns, rows from {}, scale \
+                 stride {xs_grp})",
+                w.cols, w.row0
+            )));
+        }
+        let u32a = |v: u64, what: &str| {
+            u32::try_from(v)
+                .map_err(|_| CudaError::Invalid(format!("W8A8 mma product {what} {v} > u32")))
+        };
+        let shape = MmaShape::of(out, tokens, inp, self.sms);
+        let mut scratch = self
+            .scratch
+            .lock()
+            .map_err(|_| CudaError::Invalid("the W8A8 mma scratch was poisoned".into()))?;
+        let (part, counters) = if shape.splits > 1 {
+            let need = shape.partials();
+            if scratch.partials.as_ref().is_none_or(|p| p.len() < need) {
+                // SAFETY: every block writes its partials before any block reads them.
+                scratch.partials =
+                    Some(unsafe { alloc_device::<f32>(stream, need, rank, "W8A8 mma partials")? });
+            }
+            if scratch
+                .counters
+                .as_ref()
+                .is_none_or(|c| c.len() < shape.row_blocks)
+            {
+                scratch.counters = Some(alloc_zeros::<u32>(
+                    stream,
+                    shape.row_blocks,
+                    rank,
+                    "W8A8 mma counters",
+                )?);
+            }
+            (
+                scratch
+                    .partials
+                    .as_ref()
+                    .map_or(0, |s| s.device_ptr(stream).0),
+                scratch
+                    .counters
+                    .as_ref()
+                    .map_or(0, |s| s.device_ptr(stream).0),
+            )
+        } else {
+            (0, 0)
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32a(shape.row_blocks as u64, "row blocks")?,
+                u32a(shape.splits as u64, "splits")?,
+                1,
+            ),
+            block_dim: ((BLOCK_ROWS / 16 * 32) as u32, 1, 1),
+            shared_mem_bytes: u32a(shape.shared_bytes() as u64, "shared memory")?,
+        };
+        let args = [
+            Arg::U64(w.data),
+            Arg::U64(w.scales),
+            Arg::U32(u32a(w.row0, "first row")?),
+            Arg::U32(u32a(out as u64, "rows")?),
+            Arg::U32(u32a(inp as u64, "inputs")?),
+            Arg::U64(xq),
+            Arg::U64(xsc),
+            Arg::U32(u32a(xs_grp as u64, "scale stride")?),
+            Arg::U32(tokens as u32),
+            Arg::U32(shape.slice as u32),
+            Arg::U32(shape.chunk as u32),
+            Arg::U64(y),
+            Arg::U32(u32::from(zero_lo)),
+            Arg::U64(part),
+            Arg::U64(counters),
+        ];
+        let kernel = self.kernels.get(shape.nt - 1).ok_or_else(|| {
+            CudaError::Invalid(format!("no W8A8 mma kernel for {} token tiles", shape.nt))
+        })?;
+        // SAFETY: the argument list matches w8a8_mma_N (8 N ≥ tokens); the partials and
+        // counters hold the shape's sizes (the counters zero: the kernel leaves them so) and
+        // live in the scratch, whose buffers are freed in stream order; the rest per the caller.
+        unsafe { launch(stream, kernel, cfg, &args, rank, "w8a8_mma") }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_split_depends_on_rows_and_inputs_not_on_tokens() {
+        // 7.6B shapes on an H200 (132 SMs)
+        for (out, inp) in [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)] {
+            let one = MmaShape::of(out, 1, inp, 132);
+            for tokens in [2, 8, 9, 33, 64] {
+                let s = MmaShape::of(out, tokens, inp, 132);
+                assert_eq!((s.splits, s.slice), (one.splits, one.slice), "{out}x{inp}");
+                assert!(s.nt * 8 >= tokens && s.nt * 8 < tokens + 8);
+                assert!(s.shared_bytes() <= 48 << 10, "{s:?}");
+            }
+            assert!(one.splits * one.slice >= inp / 128);
+            assert!(
+                (one.splits - 1) * one.slice < inp / 128,
+                "an empty slice: {one:?}"
+            );
+        }
+        // many rows: no split; few: split until the blocks fill the device
+        assert_eq!(MmaShape::of(37888, 8, 3584, 132).splits, 1);
+        let s = MmaShape::of(3584, 8, 3584, 132);
+        assert!(s.row_blocks * s.splits >= 4 * 132 - s.row_blocks, "{s:?}");
+        assert_eq!(MmaShape::of(256, 64, 128, 132).splits, 1);
+    }
+}
