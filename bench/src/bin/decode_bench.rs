@@ -97,7 +97,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     // the MoE shape runs its bf16 experts routed on the device (decode steps of up to
     // MOE_DEVICE_ROWS sequences), routed on the host in blocks of batched GEMMs, and one GEMM per
     // expert; fp8 runs weight-only, then W8A8 by the decoder's defaults (the tensor-core kernel
-    // up to 16 tokens), with the tensor-core kernel up to 64, and as before the kernel (weight
+    // up to 8 tokens), with the tensor-core kernel up to 64, and as before the kernel (weight
     // streaming for one token, cuBLASLt's GEMM from two)
     let bf16 = Variant {
         dtype: RolloutDtype::Bf16,

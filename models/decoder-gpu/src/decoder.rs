@@ -1007,10 +1007,10 @@ impl<'w> GpuDecoder<'w> {
         tokens
     }
 
-    /// Tokens (0 to 64, default 16) up to which a W8A8 product beyond the weight-streaming
+    /// Tokens (0 to 64, default 8) up to which a W8A8 product beyond the weight-streaming
     /// kernel's tokens runs the decoder's own tensor-core kernel (e4m3 `mma.sync`, each weight
     /// byte read once) instead of cuBLASLt's block-scaled GEMM; 0 leaves every such product to
-    /// cuBLASLt (which on an H200 is faster from 32 tokens). Devices below compute capability
+    /// cuBLASLt (which on an H200 is faster from 16 tokens). Devices below compute capability
     /// 8.9 always use cuBLASLt. Returns the setting (clamped).
     ///
     /// ```no_run

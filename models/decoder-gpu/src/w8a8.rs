@@ -34,8 +34,8 @@ use crate::w8a8_mma::{mma_reads, MmaKernels, MMA_TOKENS};
 pub(crate) const W8A8_GEMV_TOKENS: usize = 0;
 
 /// Tokens up to which a W8A8 product takes the tensor-core kernel by default (on an H200 at
-/// 7.6B shapes cuBLASLt's block-scaled GEMM is faster from 32 tokens; BENCHMARKS.md).
-pub(crate) const W8A8_MMA_TOKENS: usize = 16;
+/// 7.6B shapes cuBLASLt's block-scaled GEMM is faster from 16 tokens; BENCHMARKS.md).
+pub(crate) const W8A8_MMA_TOKENS: usize = 8;
 
 /// Bytes of the cuBLASLt workspace of a rank (NVIDIA's recommendation for Hopper).
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -651,10 +651,13 @@ pub(crate) unsafe fn w8a8_gemm(
     if let (Some((_, _, held)), false) = (through.act, through.same_input) {
         held.set(false);
     }
-    let mma = lt_gemm
-        .mma
-        .as_ref()
-        .filter(|_| tokens <= limits.mma.min(MMA_TOKENS) && mma_reads(&w, inp));
+    // the tensor-core kernel up to its limit, and for any product it can take that cuBLASLt
+    // cannot read (rows not from a block of scales)
+    let mma = lt_gemm.mma.as_ref().filter(|_| {
+        tokens <= MMA_TOKENS
+            && mma_reads(&w, inp)
+            && (tokens <= limits.mma || !lt_reads(&w) || tokens < 2)
+    });
     let gemv = tokens <= limits.gemv.min(GEMV_TOKENS) || (tokens < 2 && mma.is_none());
     if gemv {
         let x32 = through.x32.ok_or_else(|| {
