@@ -19,8 +19,8 @@ use crate::fp8::{Fp8Kernels, GEMV_TOKENS};
 use crate::kernels::{launch, Arg, DecoderKernels};
 use crate::prefill::PrefillRows;
 use crate::topology::{decode_topology, replica_rows, DecodeTopology};
+use crate::w8a8::MMA_TOKENS;
 use crate::w8a8::{W8a8Gemm, W8a8Limits};
-use crate::w8a8_mma::MMA_TOKENS;
 use crate::weights::GroupOffsets;
 
 mod forward;

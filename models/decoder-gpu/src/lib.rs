@@ -41,7 +41,7 @@ mod prefill;
 mod topology;
 mod vocab;
 mod w8a8;
-mod w8a8_mma;
+
 mod weights;
 
 pub use decoder::{GpuDecoder, MAX_CONTEXT, MOE_DEVICE_ROWS, ROOM_MARGIN_BYTES};

@@ -21,7 +21,7 @@ use crate::fp8::Fp8Weight;
 use crate::kernels::{launch, Arg};
 
 /// CUDA C source of the tensor-core W8A8 kernels (no headers).
-pub const W8A8_MMA_KERNEL_SRC: &str = include_str!("../../../kernels/w8a8_mma.cu");
+pub const W8A8_MMA_KERNEL_SRC: &str = include_str!("../../../../kernels/w8a8_mma.cu");
 
 /// [`W8A8_MMA_KERNEL_SRC`] as a kernel set.
 pub const W8A8_MMA_KERNELS: KernelSet = KernelSet::new(

@@ -1,0 +1,179 @@
+//! W8A8 block fp8 products ([`Fp8Compute::W8A8`]), as vLLM's `W8A8BlockFp8LinearOp` runs them:
+//! the activations are quantised on the device per token in 1 × 128 groups (one f32 scale each,
+//! [`quantize_activation_groups`]'s formula), then multiplied with the block-scaled e4m3 weights.
+//!
+//! - Up to the weight-streaming threshold ([`W8A8_GEMV_TOKENS`] by default,
+//!   `GpuDecoder::set_fp8_gemv_tokens`): the
+//!   quantised activations are dequantised into f32 (`e4m3 × scale`, exact) and the fp8 weight
+//!   streaming kernel multiplies them: the same products, each weight byte read once.
+//! - Then up to [`W8A8_MMA_TOKENS`] tokens by default (`GpuDecoder::set_fp8_mma_tokens`): the
+//!   decoder's tensor-core kernel ([`mma`]), each weight byte read once.
+//! - More tokens: cuBLASLt's tensor-core fp8 GEMM with block scales
+//!   (`CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F` for the weights,
+//!   `CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F` for the activations, f32 accumulation and output).
+//!
+//! [`Fp8Compute::W8A8`]: lifecycle_layout::fp8::Fp8Compute::W8A8
+//! [`quantize_activation_groups`]: lifecycle_layout::fp8::quantize_activation_groups
+
+mod lt;
+mod mma;
+mod quant;
+#[cfg(test)]
+mod tests;
+
+use std::cell::Cell;
+use std::sync::Arc;
+
+use lifecycle_cuda::cudarc::driver::CudaStream;
+use lifecycle_cuda::CudaError;
+
+use crate::fp8::{fp8_gemv, Fp8Kernels, Fp8Weight, GEMV_TOKENS};
+pub(crate) use lt::{lt_reads, W8a8Gemm};
+pub(crate) use mma::{mma_reads, MMA_TOKENS};
+pub(crate) use quant::{act_scale_strides, padded_tokens, quantize, ActSrc, QuantOut, W8a8Scratch};
+
+/// Tokens up to which a W8A8 product takes the weight-streaming kernel by default: none (on an
+/// H200 at 7.6B shapes the tensor-core kernel is as fast for one token and faster from two).
+pub(crate) const W8A8_GEMV_TOKENS: usize = 0;
+
+/// Tokens up to which a W8A8 product takes the tensor-core kernel by default (on an H200 at
+/// 7.6B shapes cuBLASLt's block-scaled GEMM is faster from 16 tokens; BENCHMARKS.md).
+pub(crate) const W8A8_MMA_TOKENS: usize = 8;
+
+/// Token counts that choose a W8A8 product's path ([`w8a8_gemm`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct W8a8Limits {
+    /// Up to these tokens (0 to [`GEMV_TOKENS`]) the weight-streaming kernel, on the
+    /// dequantised quantised activations.
+    pub gemv: usize,
+    /// Then up to these (0 to [`MMA_TOKENS`]) the tensor-core kernel of [`mma`];
+    /// beyond, cuBLASLt's block-scaled GEMM.
+    pub mma: usize,
+}
+
+impl Default for W8a8Limits {
+    fn default() -> Self {
+        W8a8Limits {
+            gemv: W8A8_GEMV_TOKENS,
+            mma: W8A8_MMA_TOKENS,
+        }
+    }
+}
+
+/// The scratch a W8A8 product works through.
+#[derive(Clone, Copy)]
+pub(crate) struct W8a8Through<'a> {
+    /// f32 activations of the weight-streaming kernel (at least `GEMV_TOKENS · inp`).
+    pub x32: Option<u64>,
+    /// The pass's quantised activations and their scales ([`W8a8Scratch`]).
+    pub act: Option<(u64, u64, &'a Cell<bool>)>,
+    /// Whether the input is the previous product's (q, k and v; gate and up): its quantisation,
+    /// where a product left it in `act`, is used again.
+    pub same_input: bool,
+}
+
+/// `y[rows × out] = x[rows × inp] · wᵀ` in W8A8 for split bf16 `x` (hi rows, then lo rows) and
+/// f32 `y` (its lo rows written 0): the activations quantised per token group (once per input:
+/// [`W8a8Through::same_input`]), then, by `limits`, the weight-streaming kernel on their
+/// dequantised values, the tensor-core kernel or the block-scaled GEMM. A single token the
+/// tensor-core kernel cannot take goes to the weight-streaming kernel whatever the limits
+/// (cuBLASLt's GEMM takes two or more).
+///
+/// # Safety
+/// As [`crate::fp8::fp8_gemm`], and `through.act` holding `rows / 2` tokens of `inp` inputs.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn w8a8_gemm(
+    stream: &Arc<CudaStream>,
+    lt_gemm: &W8a8Gemm,
+    k: &Fp8Kernels,
+    w: Fp8Weight,
+    x: u64,
+    y: u64,
+    (out, rows, inp): (usize, usize, usize),
+    through: W8a8Through<'_>,
+    limits: W8a8Limits,
+    rank: usize,
+) -> Result<(), CudaError> {
+    let tokens = rows / 2;
+    if !rows.is_multiple_of(2) {
+        return Err(CudaError::Invalid(format!(
+            "a W8A8 product over {rows} split rows (hi and lo rows come in pairs)"
+        )));
+    }
+    if let (Some((_, _, held)), false) = (through.act, through.same_input) {
+        held.set(false);
+    }
+    // the tensor-core kernel up to its limit, and for any product it can take that cuBLASLt
+    // cannot read (rows not from a block of scales)
+    let mma = lt_gemm.mma.as_ref().filter(|_| {
+        tokens <= MMA_TOKENS
+            && mma_reads(&w, inp)
+            && (tokens <= limits.mma || !lt_reads(&w) || tokens < 2)
+    });
+    let gemv = tokens <= limits.gemv.min(GEMV_TOKENS) || (tokens < 2 && mma.is_none());
+    if gemv {
+        let x32 = through.x32.ok_or_else(|| {
+            CudaError::Invalid("a W8A8 product without its activation scratch".into())
+        })?;
+        let deq = QuantOut {
+            deq: Some(x32),
+            ..QuantOut::default()
+        };
+        // SAFETY: x holds 2 · tokens rows of inp bf16, x32 at least tokens · inp f32; then the
+        // weight-streaming kernel reads them (sizes per the caller).
+        return unsafe {
+            quantize(
+                stream,
+                k,
+                ActSrc::Split(x),
+                (tokens, tokens, inp),
+                deq,
+                rank,
+            )?;
+            fp8_gemv(stream, k, w, x32, y, (out, tokens, inp), rank)
+        };
+    }
+    let (xq, xsc, held) = through.act.ok_or_else(|| {
+        CudaError::Invalid("a W8A8 product without its quantised-activation scratch".into())
+    })?;
+    let lo = y + 4 * (tokens * out) as u64;
+    if !(mma.is_some() && through.same_input && held.get()) {
+        let q = QuantOut {
+            q: Some(xq),
+            scales: Some((xsc, act_scale_strides(tokens))),
+            deq: None,
+            // the tensor-core kernel writes the lo rows itself
+            zero: mma.is_none().then_some((lo, (tokens * out) as u64)),
+        };
+        // SAFETY: x holds 2 · tokens rows of inp bf16, the scratch padded_tokens(tokens) · inp
+        // bytes and as many groups of scales; y 2 · tokens rows of out f32 (the second half
+        // zeroed by the quantisation for the GEMM, the padded tokens' zero products landing
+        // there).
+        unsafe {
+            quantize(
+                stream,
+                k,
+                ActSrc::Split(x),
+                (tokens, padded_tokens(tokens), inp),
+                q,
+                rank,
+            )?
+        };
+        held.set(true);
+    }
+    // SAFETY: the scratch holds this input's quantisation (written above or by the previous
+    // product of the same input); y 2 · tokens rows of out f32.
+    unsafe {
+        match mma {
+            Some(m) => m.gemm(
+                stream,
+                w,
+                (xq, xsc, padded_tokens(tokens)),
+                (y, true),
+                (out, tokens, inp),
+                rank,
+            ),
+            None => lt_gemm.gemm(stream, k, w, (xq, xsc), y, (out, tokens, inp), rank),
+        }
+    }
+}

@@ -1,0 +1,309 @@
+//! On the GPU (`cargo test --release -p lifecycle-decoder-gpu --lib w8a8 -- --ignored
+//! --nocapture`): the device quantisation against [`quantize_activation_groups`] bit for
+//! bit, and the block-scaled GEMM (and the weight-streaming W8A8 path) against the same sums
+//! in f64 on the host.
+use super::mma::MmaKernels;
+use super::*;
+use half::bf16;
+use lifecycle_cuda::cudarc::driver::CudaSlice;
+use lifecycle_cuda::testing::require_gpus;
+use lifecycle_cuda::{alloc_device, RankCtx};
+use lifecycle_cuda::{RankExecutor, ThreadRankPool};
+use lifecycle_layout::fp8::{e4m3_to_f32, quantize_activation_groups, quantize_blocks};
+
+fn ptr<T>(b: &CudaSlice<T>, s: &Arc<CudaStream>) -> u64 {
+    use lifecycle_cuda::cudarc::driver::DevicePtr;
+    b.device_ptr(s).0
+}
+
+/// Deterministic values in ±1 with a magnitude that changes per 128 × 128 block.
+fn values(n: usize, cols: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|i| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let u = (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+            let block = (i / cols / 128) * 7 + (i % cols) / 128;
+            u * (0.25 + (block % 5) as f32)
+        })
+        .collect()
+}
+
+/// The split rows of `x` (hi rows, then lo rows) and their sums in f32.
+fn split(x: &[f32]) -> (Vec<u16>, Vec<f32>) {
+    let hi: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+    let lo: Vec<bf16> = x
+        .iter()
+        .zip(&hi)
+        .map(|(&v, h)| bf16::from_f32(v - h.to_f32()))
+        .collect();
+    let joined = hi
+        .iter()
+        .zip(&lo)
+        .map(|(h, l)| h.to_f32() + l.to_f32())
+        .collect();
+    let bits = hi.iter().chain(&lo).map(|v| v.to_bits()).collect();
+    (bits, joined)
+}
+
+/// The products' bound against the f64 sums, relative to Σ|terms|: Hopper's fp8 tensor
+/// cores accumulate each 128-wide group to less than f32's precision before the scales
+/// apply (measured up to 1.1e-4, on 512 × 200 × 768).
+const TOLERANCE: f64 = 5e-4;
+
+/// Runs the tensor-core kernel on `weight` and the quantised activations, twice (the
+/// counters of a split product must come back to zero: the second run gives the same bits).
+#[allow(clippy::too_many_arguments)]
+fn mma_twice(
+    s: &Arc<CudaStream>,
+    m: &MmaKernels,
+    weight: Fp8Weight,
+    (qd, scd, pad): (u64, u64, usize),
+    yd: &CudaSlice<f32>,
+    (out, tokens, inp): (usize, usize, usize),
+    ctx: &RankCtx,
+) -> Result<Vec<f32>, CudaError> {
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        // SAFETY: the buffers hold the sizes the product reads and writes (the caller's).
+        unsafe {
+            m.gemm(
+                s,
+                weight,
+                (qd, scd, pad),
+                (ptr(yd, s), false),
+                (out, tokens, inp),
+                0,
+            )?
+        };
+        runs.push(s.clone_dtoh(yd).map_err(ctx.drv("y back", 0))?);
+    }
+    let (a, b) = (&runs[0][..tokens * out], &runs[1][..tokens * out]);
+    if a.iter().zip(b).any(|(x, y)| x.to_bits() != y.to_bits()) {
+        return Err(CudaError::Invalid(format!(
+            "{out}x{tokens}x{inp}: the tensor-core kernel gave other bits on its second run"
+        )));
+    }
+    Ok(runs.swap_remove(0))
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn block_scaled_gemm_matches_the_host_sums() -> Result<(), Box<dyn std::error::Error>> {
+    require_gpus(1)?;
+    let pool = ThreadRankPool::new(1)?;
+    // (rows, tokens, inputs, first row): the first row of a tensor-parallel shard need not
+    // start a block of scales (cuBLASLt's GEMM then does not take it)
+    let shapes = [
+        (256, 16, 512, 0),
+        (384, 9, 640, 0),
+        (128, 12, 256, 0),
+        (4096, 64, 3584, 0),
+        (512, 200, 768, 0),
+        (3584, 33, 18944, 0),
+        (256, 1, 512, 0),
+        (256, 3, 512, 0),
+        (256, 5, 512, 0),
+        (200, 7, 384, 144),
+        (1000, 41, 1152, 16),
+        (4608, 8, 3584, 0),
+    ];
+    let report = pool.run(&|ctx| {
+        let s = &ctx.compute;
+        let k = Fp8Kernels::load(ctx)?;
+        let lt = W8a8Gemm::new(ctx)?;
+        let mut lines = Vec::new();
+        for (i, &(out, tokens, inp, row0)) in shapes.iter().enumerate() {
+            let rows = row0 + out;
+            let w = values(rows * inp, inp, 11 + i as u64);
+            let wq = quantize_blocks("w", &w, rows, inp)
+                .map_err(|e| CudaError::Invalid(e.to_string()))?;
+            let x = values(tokens * inp, inp, 101 + i as u64);
+            let (xs, joined) = split(&x);
+            let qx = quantize_activation_groups(&joined, inp);
+            let groups = qx.groups();
+            let up = |what: &str| ctx.drv(what, 0);
+            let wd = s.clone_htod(wq.data()).map_err(up("weights"))?;
+            let wsd = s.clone_htod(wq.scale_inv()).map_err(up("weight scales"))?;
+            let xd = s.clone_htod(&xs).map_err(up("activations"))?;
+            let pad = padded_tokens(tokens);
+            // SAFETY: each buffer is written below before it is read back.
+            let (qd, scd, mut yd, x32) = unsafe {
+                (
+                    alloc_device::<u8>(s, pad * inp, 0, "q")?,
+                    alloc_device::<f32>(s, pad * groups, 0, "scales")?,
+                    alloc_device::<f32>(s, 2 * tokens * out, 0, "y")?,
+                    alloc_device::<f32>(s, GEMV_TOKENS * inp, 0, "x32")?,
+                )
+            };
+            let weight = Fp8Weight {
+                data: ptr(&wd, s),
+                scales: ptr(&wsd, s),
+                row0: row0 as u64,
+                cols: inp as u64,
+            };
+            let strides = act_scale_strides(tokens);
+            let q = QuantOut {
+                q: Some(ptr(&qd, s)),
+                scales: Some((ptr(&scd, s), strides)),
+                deq: None,
+                zero: None,
+            };
+            // SAFETY: the buffers above hold the sizes each call reads and writes.
+            unsafe {
+                let src = ActSrc::Split(ptr(&xd, s));
+                quantize(s, &k, src, (tokens, pad, inp), q, 0)?;
+            }
+            let got_q = s.clone_dtoh(&qd).map_err(up("q back"))?;
+            let got_sc = s.clone_dtoh(&scd).map_err(up("scales back"))?;
+            if got_q[..tokens * inp] != qx.data[..] || got_q[tokens * inp..].iter().any(|&b| b != 0)
+            {
+                return Err(CudaError::Invalid(format!(
+                    "{out}x{tokens}x{inp}: the device's e4m3 activations differ from the host's"
+                )));
+            }
+            for t in 0..tokens {
+                for g in 0..groups {
+                    let at = t * strides.0 as usize + g * strides.1 as usize;
+                    if got_sc[at].to_bits() != qx.scale_inv[t * groups + g].to_bits() {
+                        return Err(CudaError::Invalid(format!(
+                            "{out}x{tokens}x{inp}: scale of token {t} group {g}: {} vs {}",
+                            got_sc[at],
+                            qx.scale_inv[t * groups + g]
+                        )));
+                    }
+                }
+            }
+            // the host sums in f64, and the sum of magnitudes that bounds their rounding
+            let mut want = vec![0.0f64; tokens * out];
+            let mut mag = vec![0.0f64; tokens * out];
+            for t in 0..tokens {
+                for o in 0..out {
+                    let (mut acc, mut m) = (0.0f64, 0.0f64);
+                    for c in 0..inp {
+                        let term = f64::from(e4m3_to_f32(qx.data[t * inp + c]))
+                            * f64::from(qx.scale_inv[t * groups + c / 128])
+                            * f64::from(wq.value(row0 + o, c));
+                        acc += term;
+                        m += term.abs();
+                    }
+                    want[t * out + o] = acc;
+                    mag[t * out + o] = m;
+                }
+            }
+            let check = |y: &[f32], path: &str| -> Result<f64, CudaError> {
+                let mut worst = 0.0f64;
+                for (j, (&g, (&w, &m))) in y.iter().zip(want.iter().zip(&mag)).enumerate() {
+                    let err = (f64::from(g) - w).abs();
+                    if err > TOLERANCE * m + 1e-30 {
+                        return Err(CudaError::Invalid(format!(
+                            "{out}x{tokens}x{inp} from row {row0} {path}: output {j} \
+                             (token {}, row {}): {g} against {w} (Σ|terms| {m})",
+                            j / out,
+                            j % out
+                        )));
+                    }
+                    worst = worst.max(err / m.max(1e-30));
+                }
+                Ok(worst)
+            };
+            let mut found = Vec::new();
+            // cuBLASLt's block-scaled GEMM alone (2 tokens or more, rows from a block)
+            if tokens >= 2 && lt_reads(&weight) {
+                // SAFETY: as above.
+                unsafe {
+                    let xq = (ptr(&qd, s), ptr(&scd, s));
+                    lt.gemm(s, &k, weight, xq, ptr(&yd, s), (out, tokens, inp), 0)?;
+                }
+                let y = s.clone_dtoh(&yd).map_err(up("y back"))?;
+                let worst = check(&y[..tokens * out], "block-scaled GEMM")?;
+                found.push(format!("cuBLASLt within {worst:.1e}"));
+            }
+            // the tensor-core kernel alone
+            let mma = lt.mma.as_ref().filter(|_| tokens <= MMA_TOKENS);
+            if let Some(m) = mma {
+                let y = mma_twice(
+                    s,
+                    m,
+                    weight,
+                    (ptr(&qd, s), ptr(&scd, s), pad),
+                    &yd,
+                    (out, tokens, inp),
+                    ctx,
+                )?;
+                let worst = check(&y[..tokens * out], "tensor-core kernel")?;
+                found.push(format!("tensor-core kernel within {worst:.1e}"));
+            }
+            // the whole W8A8 product from the split activations, by every path that takes
+            // it: lo rows zero
+            let mut limits = vec![(W8a8Limits::default(), "default")];
+            if tokens <= GEMV_TOKENS {
+                let l = W8a8Limits {
+                    gemv: GEMV_TOKENS,
+                    mma: 0,
+                };
+                limits.push((l, "weight streaming"));
+            }
+            if mma.is_some() {
+                limits.push((
+                    W8a8Limits {
+                        gemv: 0,
+                        mma: MMA_TOKENS,
+                    },
+                    "tensor cores",
+                ));
+            }
+            let held = Cell::new(false);
+            for ((limits, path), same_input) in
+                limits.into_iter().flat_map(|l| [(l, false), (l, true)])
+            {
+                // the lo rows must be written by the product: garbage before it
+                s.memset_zeros(&mut yd).map_err(up("y"))?;
+                let nan = vec![f32::NAN; tokens * out];
+                s.memcpy_htod(&nan, &mut yd.slice_mut(tokens * out..))
+                    .map_err(up("lo rows"))?;
+                let through = W8a8Through {
+                    x32: Some(ptr(&x32, s)),
+                    act: Some((ptr(&qd, s), ptr(&scd, s), &held)),
+                    same_input,
+                };
+                // SAFETY: as above.
+                unsafe {
+                    w8a8_gemm(
+                        s,
+                        &lt,
+                        &k,
+                        weight,
+                        ptr(&xd, s),
+                        ptr(&yd, s),
+                        (out, 2 * tokens, inp),
+                        through,
+                        limits,
+                        0,
+                    )?;
+                }
+                let y = s.clone_dtoh(&yd).map_err(up("y back"))?;
+                let path = &*format!("{path}{}", if same_input { ", input again" } else { "" });
+                let worst = check(&y[..tokens * out], path)?;
+                if y[tokens * out..].iter().any(|&v| v != 0.0) {
+                    return Err(CudaError::Invalid(format!(
+                        "{out}x{tokens}x{inp} {path}: lo rows not zero"
+                    )));
+                }
+                found.push(format!("W8A8 product ({path}) within {worst:.1e}"));
+            }
+            lines.push(format!(
+                "{out} x {tokens} x {inp} from row {row0}: quantisation bit-identical; {} \
+                 of Σ|terms|",
+                found.join(", ")
+            ));
+        }
+        Ok(lines)
+    })?;
+    for l in report.iter().flatten() {
+        println!("{l}");
+    }
+    Ok(())
+}
