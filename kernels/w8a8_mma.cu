@@ -1,5 +1,5 @@
 // W8A8 block-fp8 products of a few tokens (decode steps, short prefills) on the tensor cores,
-// launched by models/decoder-gpu/src/w8a8_mma.rs, which states each launch's grid, block, shared
+// launched by models/decoder-gpu/src/w8a8/mma.rs, which states each launch's grid, block, shared
 // memory and argument contract.
 //
 //   y[t * out + o] = sum over the 128-wide input groups g of
