@@ -134,7 +134,8 @@ struct Args {
     /// With --rollout-dtype fp8: how the decoder (CPU or GPU) computes with the fp8 weights,
     /// `weight-only` (e4m3 weights times the activations in f32) or `w8a8` (the activations
     /// quantised per token in 1 x 128 groups as well, as vLLM's block-fp8 linear does; on the
-    /// GPU, cuBLASLt's block-scaled fp8 GEMM).
+    /// GPU, a tensor-core kernel up to 8 tokens a product, cuBLASLt's block-scaled fp8 GEMM
+    /// beyond).
     #[arg(long, default_value = "weight-only", value_parser = <Fp8Compute as std::str::FromStr>::from_str)]
     fp8_compute: Fp8Compute,
     #[arg(long, help = help("Prompts per rollout call (gen batch)",

@@ -12,7 +12,8 @@ class Engine:
     ``max_tokens`` positions each) and sleeps when the switch leaves rollout mode. With fp8
     rollout weights, ``fp8_compute`` chooses ``"weight-only"`` (the default: e4m3 weights
     against the activations in f32) or ``"w8a8"`` (activations quantised per token in 1 x 128
-    groups, cuBLASLt's block-scaled fp8 GEMM). ``kv_dtype`` is the KV cache's element type:
+    groups; on the GPU a tensor-core kernel up to 8 sequences a step, cuBLASLt's block-scaled
+    fp8 GEMM beyond). ``kv_dtype`` is the KV cache's element type:
     ``"bf16"`` (the default, as vLLM and SGLang keep it) or ``"f32"`` (the decoder's exact
     mode, twice the bytes)::
 

@@ -1,6 +1,7 @@
 //! Decode throughput of the GPU decoder on bf16 and on fp8 rollout weights (W = T = 1; fp8
-//! weight-only and W8A8, the latter by the decoder's defaults, with its tensor-core kernel from
-//! one token, and with cuBLASLt's block-scaled GEMM alone from two), from one
+//! weight-only and W8A8, the latter by the decoder's defaults, with its tensor-core kernel up to
+//! 64 tokens, and as before the kernel: weight streaming for one token, cuBLASLt's block-scaled
+//! GEMM from two), from one
 //! FSDP training state switched once per dtype, against the weight-streaming floor: a decode
 //! step reads every rollout weight but the (untied) embedding once, so at small batches its time
 //! is at least those bytes over the device's read rate (half the copy rate, which counts both
