@@ -2,6 +2,7 @@
 //! rollout weights in place; and the machinery it shares with the persistent
 //! [`GpuEngine`](crate::GpuEngine) (`Core`).
 
+use std::cell::Cell;
 use std::marker::PhantomData;
 use std::ops::Range;
 
@@ -224,6 +225,7 @@ impl Core {
                 w8a8_limits: W8a8Limits::default(),
                 dequant: None,
                 x32: None,
+                x32_joined: Cell::new(false),
                 grouped: true,
                 device_moe: None,
                 device_routing: true,

@@ -168,14 +168,15 @@ pub(crate) struct Fp8Weight {
 
 /// `y[rows × out] = x[rows × inp] · wᵀ` for fp8 `w` (rows `row0 .. row0 + out` of it, `inp`
 /// its columns), bf16 split `x` (hi rows, then lo rows), f32 `y`: the weight-streaming kernel up
-/// to [`GEMV_TOKENS`] tokens (through `scratch.x32`, at least `GEMV_TOKENS · inp` f32; the lo
-/// rows of `y` are written 0), else the dequantised hi/lo GEMMs through `scratch.dequant` (at
-/// least `2 · out · inp` bf16).
+/// to [`GEMV_TOKENS`] tokens (through `scratch.x32`, at least `GEMV_TOKENS · inp` f32, which
+/// with `joined` already holds `x` joined; the lo rows of `y` are written 0), else the
+/// dequantised hi/lo GEMMs through `scratch.dequant` (at least `2 · out · inp` bf16).
 ///
 /// # Safety
 /// The addresses must be device memory of this context: `w` its matrix and scales (rows
-/// `row0 + out` at least), `x` `rows · inp` bf16, `y` `rows · out` f32, `scratch` as said, all
-/// alive until the stream ran the products.
+/// `row0 + out` at least), `x` `rows · inp` bf16, `y` `rows · out` f32, `scratch` as said (with
+/// `joined`, `x32` written from this `x` by an earlier product on this stream), all alive until
+/// the stream ran the products.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn fp8_gemm(
     stream: &Arc<CudaStream>,
@@ -185,7 +186,7 @@ pub(crate) unsafe fn fp8_gemm(
     x: u64,
     y: u64,
     (out, rows, inp): (usize, usize, usize),
-    scratch: Fp8Scratch,
+    (scratch, joined): (Fp8Scratch, bool),
     rank: usize,
 ) -> Result<(), CudaError> {
     let u32a = |v: u64, what: &str| {
@@ -210,7 +211,9 @@ pub(crate) unsafe fn fp8_gemm(
         // SAFETY: x holds 2 · tokens rows of inp bf16 and the activation scratch at least
         // tokens · inp f32 (sized at bind for the widest fp8 matrix); y 2 · tokens rows.
         return unsafe {
-            fp8_join(stream, k, (x, x32), (tokens, inp), rank)?;
+            if !joined {
+                fp8_join(stream, k, (x, x32), (tokens, inp), rank)?;
+            }
             fp8_gemv(stream, k, w, x32, y, (out, tokens, inp), rank)
         };
     }

@@ -2,6 +2,7 @@
 //! handle, kernels, bound weights, KV cache), the pass's sizes ([`Dims`]), and the collectives
 //! of the tensor-parallel group.
 
+use std::cell::Cell;
 use std::sync::Arc;
 
 use lifecycle_cuda::cudarc::cublas::CudaBlas;
@@ -12,7 +13,7 @@ use lifecycle_cuda::{CudaError, FreeingRoom, RankCtx};
 use super::moe_device::DeviceExperts;
 use crate::blas::gemm;
 use crate::download::Downloads;
-use crate::fp8::{fp8_gemm, Fp8Kernels, Fp8Scratch, Fp8Weight};
+use crate::fp8::{fp8_gemm, Fp8Kernels, Fp8Scratch, Fp8Weight, GEMV_TOKENS};
 use crate::kernels::DecoderKernels;
 use crate::w8a8::{w8a8_gemm, W8a8Gemm, W8a8Limits, W8a8Scratch, W8a8Through};
 use crate::weights::{MatAt, RankOffsets};
@@ -57,6 +58,10 @@ pub(crate) struct RankState {
     pub(crate) dequant: Option<CudaSlice<u16>>,
     /// f32 activations of the fp8 decode products (`GEMV_TOKENS` rows of the widest matrix).
     pub(crate) x32: Option<CudaSlice<f32>>,
+    /// Whether `x32` holds the current input joined (set by a weight-only product that joined
+    /// it, cleared by the first product of a new input and by W8A8 products, which write their
+    /// dequantised activations there).
+    pub(crate) x32_joined: Cell<bool>,
     /// How the fp8 products compute ([`Fp8Compute`]; weight-only by default).
     pub(crate) fp8_compute: Fp8Compute,
     /// The block-scaled fp8 GEMM of the W8A8 products, made when weights with fp8 matrices are
@@ -115,6 +120,14 @@ impl RankState {
         (act, same_input): (Option<&W8a8Scratch>, bool),
         rank: usize,
     ) -> Result<(), CudaError> {
+        // a new input: what the scratch holds of the last one is stale (cleared before the bf16
+        // products too, whose input a later fp8 product may share)
+        if !same_input {
+            self.x32_joined.set(false);
+            if let Some(a) = act {
+                a.held.set(false);
+            }
+        }
         let Some(f) = w.fp8 else {
             // SAFETY: forwarded to the caller.
             return unsafe { gemm(&self.blas, base + 2 * w.off, x, y, out, rows, inp, rank) };
@@ -130,6 +143,7 @@ impl RankState {
         };
         let x32 = self.x32.as_ref().map(|d| ptr(d, s));
         if self.fp8_compute == Fp8Compute::W8A8 {
+            self.x32_joined.set(false);
             let lt = self.w8a8.as_ref().ok_or_else(|| {
                 CudaError::Invalid("W8A8 fp8 weights bound without their GEMM".into())
             })?;
@@ -158,9 +172,13 @@ impl RankState {
             x32,
             dequant: self.dequant.as_ref().map(|d| ptr(d, s)),
         };
+        // the weight-streaming path joins the input into x32: once per input
+        let gemv = rows.is_multiple_of(2) && rows / 2 <= GEMV_TOKENS;
+        let joined = gemv && self.x32_joined.get();
         // SAFETY: the matrix and its scales are the bound entry's (checked against the buffer
-        // length at bind); the scratch was sized at bind for the largest fp8 matrix; x and y per
-        // the caller.
+        // length at bind); the scratch was sized at bind for the largest fp8 matrix, and with
+        // `joined` x32 holds this input (joined by the previous product of it); x and y per the
+        // caller.
         unsafe {
             fp8_gemm(
                 s,
@@ -170,10 +188,14 @@ impl RankState {
                 x,
                 y,
                 (out, rows, inp),
-                scratch,
+                (scratch, joined),
                 rank,
-            )
+            )?;
         }
+        if gemv {
+            self.x32_joined.set(true);
+        }
+        Ok(())
     }
 }
 
