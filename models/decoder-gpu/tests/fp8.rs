@@ -311,7 +311,7 @@ fn check_w8a8(name: &str, config: &ModelConfig, seed: u64) -> Res {
         ((1, 0), "cuBLASLt's GEMM beyond one token"),
         (
             (1, 64),
-            "the defaults (the tensor-core kernel up to 64 tokens)",
+            "weight streaming for one token, the tensor-core kernel up to 64",
         ),
     ] {
         gpu.set_fp8_gemv_tokens(limits.0);
