@@ -60,6 +60,37 @@ impl Default for W8a8Limits {
     }
 }
 
+/// The path a W8A8 product takes ([`W8a8Limits::path`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum W8a8Path {
+    /// The weight-streaming kernel on the dequantised quantised activations.
+    Streaming,
+    /// The tensor-core kernel of [`mma`].
+    TensorCores,
+    /// cuBLASLt's block-scaled GEMM.
+    CublasLt,
+}
+
+impl W8a8Limits {
+    /// The path of a product of `tokens` tokens, `mma` whether the tensor-core kernel is loaded
+    /// and reads the weight ([`mma_reads`]), `lt` whether cuBLASLt's GEMM reads it
+    /// ([`lt_reads`]): the weight-streaming kernel up to `gemv` tokens, the tensor-core kernel
+    /// up to `mma`, cuBLASLt beyond; the tensor-core kernel also for any product of up to
+    /// [`MMA_TOKENS`] tokens that cuBLASLt cannot read or that has a single token (cuBLASLt
+    /// takes two or more), and the weight-streaming kernel for a single token the tensor-core
+    /// kernel cannot take.
+    pub(crate) fn path(&self, tokens: usize, mma: bool, lt: bool) -> W8a8Path {
+        let mma = mma && tokens <= MMA_TOKENS && (tokens <= self.mma || !lt || tokens < 2);
+        if tokens <= self.gemv.min(GEMV_TOKENS) || (tokens < 2 && !mma) {
+            W8a8Path::Streaming
+        } else if mma {
+            W8a8Path::TensorCores
+        } else {
+            W8a8Path::CublasLt
+        }
+    }
+}
+
 /// The scratch a W8A8 product works through.
 #[derive(Clone, Copy)]
 pub(crate) struct W8a8Through<'a> {
@@ -103,14 +134,16 @@ pub(crate) unsafe fn w8a8_gemm(
     if let (Some((_, _, held)), false) = (through.act, through.same_input) {
         held.set(false);
     }
-    // the tensor-core kernel up to its limit, and for any product it can take that cuBLASLt
-    // cannot read (rows not from a block of scales)
-    let mma = lt_gemm.mma.as_ref().filter(|_| {
-        tokens <= MMA_TOKENS
-            && mma_reads(&w, inp)
-            && (tokens <= limits.mma || !lt_reads(&w) || tokens < 2)
-    });
-    let gemv = tokens <= limits.gemv.min(GEMV_TOKENS) || (tokens < 2 && mma.is_none());
+    let path = limits.path(
+        tokens,
+        lt_gemm.mma.is_some() && mma_reads(&w, inp),
+        lt_reads(&w),
+    );
+    let mma = lt_gemm
+        .mma
+        .as_ref()
+        .filter(|_| path == W8a8Path::TensorCores);
+    let gemv = path == W8a8Path::Streaming;
     if gemv {
         let x32 = through.x32.ok_or_else(|| {
             CudaError::Invalid("a W8A8 product without its activation scratch".into())

@@ -11,6 +11,35 @@ use lifecycle_cuda::{alloc_device, RankCtx};
 use lifecycle_cuda::{RankExecutor, ThreadRankPool};
 use lifecycle_layout::fp8::{e4m3_to_f32, quantize_activation_groups, quantize_blocks};
 
+#[test]
+fn the_paths_follow_the_limits_and_what_each_path_reads() {
+    use W8a8Path::{CublasLt, Streaming, TensorCores};
+    let d = W8a8Limits::default();
+    // defaults: the tensor-core kernel up to 8 tokens, cuBLASLt beyond
+    assert_eq!(d.path(1, true, true), TensorCores);
+    assert_eq!(d.path(8, true, true), TensorCores);
+    assert_eq!(d.path(9, true, true), CublasLt);
+    assert_eq!(d.path(200, true, true), CublasLt);
+    // a weight cuBLASLt cannot read: the kernel up to its 64 tokens
+    assert_eq!(d.path(41, true, false), TensorCores);
+    assert_eq!(d.path(65, true, false), CublasLt);
+    // no kernel (or a weight it cannot read): one token streams, more go to cuBLASLt
+    assert_eq!(d.path(1, false, true), Streaming);
+    assert_eq!(d.path(2, false, true), CublasLt);
+    // weight streaming as set, at most GEMV_TOKENS
+    let s = W8a8Limits { gemv: 4, mma: 16 };
+    assert_eq!(s.path(4, true, true), Streaming);
+    assert_eq!(s.path(5, true, true), TensorCores);
+    assert_eq!(s.path(17, true, true), CublasLt);
+    let s = W8a8Limits { gemv: 100, mma: 0 };
+    assert_eq!(s.path(GEMV_TOKENS, true, true), Streaming);
+    assert_eq!(s.path(GEMV_TOKENS + 1, true, true), CublasLt);
+    // cuBLASLt alone takes no single token: the kernel, where it reads the weight
+    let lt = W8a8Limits { gemv: 0, mma: 0 };
+    assert_eq!(lt.path(1, true, true), TensorCores);
+    assert_eq!(lt.path(1, false, true), Streaming);
+}
+
 fn ptr<T>(b: &CudaSlice<T>, s: &Arc<CudaStream>) -> u64 {
     use lifecycle_cuda::cudarc::driver::DevicePtr;
     b.device_ptr(s).0
