@@ -1,10 +1,13 @@
 // Block-scaled e4m3 quantisation of fp32 regions (fp8 rollout weights): the `Op::Quantise` step
-// of the step IR (lifecycle_layout::steps::Quantise), run by lifecycle_cuda's step runner.
+// of the step IR (lifecycle_layout::steps::Quantise), run by lifecycle_cuda's step runner; and of
+// bf16 regions of a staging buffer (the Megatron backends' fp8 rollout,
+// lifecycle_layout::megatron::Fp8Rollout), run by lifecycle_cuda::quantise::quantise_staged.
 //
 // Launch contract (lifecycle_cuda::quantise::launch):
 //   grid   one block per 128 x 128 tile of all jobs (ntiles), block 32 x (128 / QUANTISE_HELD)
 //          threads (512 at the default QUANTISE_HELD of 8 float4 per thread);
-//   master the rank's fp32 training buffer (read only, the jobs' regions inside it);
+//   master the rank's fp32 training buffer, or for quantize_e4m3_jobs_bf16 a bf16 staging buffer
+//          (read only, the jobs' regions inside it);
 //   jobs   6 u64 per job: (first source element, first e4m3 byte, first scale (f32 index),
 //          rows, columns, first tile), jobs in order of their first tile;
 //   dst    the rollout buffer as bytes, scales the same buffer as f32: each job writes its own
@@ -75,9 +78,28 @@ __device__ __forceinline__ u32 pack4(float4 v, float s, bool exact_only) {
 // their amax (warp shuffles, then one word per warp), and the thread casts and writes what it
 // holds. Other tiles are read twice
 // (the second read hits L2).
-extern "C" __global__ void __launch_bounds__(32 * QUANTISE_ROWS_PER_PASS)
-quantize_e4m3_jobs(const float* __restrict__ master, const u64* __restrict__ jobs, u32 njobs,
-                   u32 ntiles, unsigned char* __restrict__ dst, float* __restrict__ scales) {
+//
+// The source is fp32 (`quantize_e4m3_jobs`: the masters) or bf16 (`quantize_e4m3_jobs_bf16`: a
+// staging buffer of a bf16 rollout, each value widened to f32 exactly), one body for both.
+
+// Four source values from 4 aligned elements, and one.
+__device__ __forceinline__ float4 load4(const float* p) {
+    return *reinterpret_cast<const float4*>(p);
+}
+__device__ __forceinline__ float load1(const float* p) { return *p; }
+__device__ __forceinline__ float widen(unsigned short b) { return __uint_as_float((u32)b << 16); }
+__device__ __forceinline__ float4 load4(const unsigned short* p) {
+    uint2 w = *reinterpret_cast<const uint2*>(p);
+    return make_float4(widen((unsigned short)(w.x & 0xffffu)), widen((unsigned short)(w.x >> 16)),
+                       widen((unsigned short)(w.y & 0xffffu)), widen((unsigned short)(w.y >> 16)));
+}
+__device__ __forceinline__ float load1(const unsigned short* p) { return widen(*p); }
+
+template <typename Src>
+__device__ __forceinline__ void quantize_jobs(const Src* __restrict__ master,
+                                              const u64* __restrict__ jobs, u32 njobs,
+                                              u32 ntiles, unsigned char* __restrict__ dst,
+                                              float* __restrict__ scales) {
     __shared__ float red[32];
     for (u32 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
     u32 lo = 0, hi = njobs;
@@ -92,7 +114,7 @@ quantize_e4m3_jobs(const float* __restrict__ master, const u64* __restrict__ job
     u64 r0 = (k / bc) * 128, c0 = (k % bc) * 128;
     u32 h = (u32)min(128ull, j[3] - r0), w = (u32)min(128ull, ld - c0);
     u64 src_off = j[0] + r0 * ld + c0, dst_off = j[1] + r0 * ld + c0;
-    const float* src = master + src_off;
+    const Src* src = master + src_off;
     unsigned char* out = dst + dst_off;
     bool vec = (ld % 4 == 0) && (w % 4 == 0) && (src_off % 4 == 0) && (dst_off % 4 == 0);
     u32 tx = threadIdx.x & 31u, ty = threadIdx.x >> 5;
@@ -105,7 +127,7 @@ quantize_e4m3_jobs(const float* __restrict__ master, const u64* __restrict__ job
 #pragma unroll
         for (u32 i = 0; i < QUANTISE_HELD; ++i) {
             u32 r = ty + QUANTISE_ROWS_PER_PASS * i;
-            held[i] = (mine && r < h) ? *reinterpret_cast<const float4*>(src + r * ld + c)
+            held[i] = (mine && r < h) ? load4(src + r * ld + c)
                                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             float4 v = held[i];
             m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
@@ -116,7 +138,7 @@ quantize_e4m3_jobs(const float* __restrict__ master, const u64* __restrict__ job
     } else {
         for (u32 i = threadIdx.x; i < h * w; i += blockDim.x) {
             u32 r = i / w, cc = i - r * w;
-            m = fmaxf(m, fabsf(src[r * ld + cc]));
+            m = fmaxf(m, fabsf(load1(src + r * ld + cc)));
         }
     }
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
@@ -138,10 +160,23 @@ quantize_e4m3_jobs(const float* __restrict__ master, const u64* __restrict__ job
     } else {
         for (u32 i = threadIdx.x; i < h * w; i += blockDim.x) {
             u32 r = i / w, cc = i - r * w;
-            out[r * ld + cc] = e4m3(src[r * ld + cc] / s);
+            out[r * ld + cc] = e4m3(load1(src + r * ld + cc) / s);
         }
     }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * QUANTISE_ROWS_PER_PASS)
+quantize_e4m3_jobs(const float* __restrict__ master, const u64* __restrict__ jobs, u32 njobs,
+                   u32 ntiles, unsigned char* __restrict__ dst, float* __restrict__ scales) {
+    quantize_jobs(master, jobs, njobs, ntiles, dst, scales);
+}
+
+extern "C" __global__ void __launch_bounds__(32 * QUANTISE_ROWS_PER_PASS)
+quantize_e4m3_jobs_bf16(const unsigned short* __restrict__ staging, const u64* __restrict__ jobs,
+                        u32 njobs, u32 ntiles, unsigned char* __restrict__ dst,
+                        float* __restrict__ scales) {
+    quantize_jobs(staging, jobs, njobs, ntiles, dst, scales);
 }
 
 // ---------------------------------------------------------------------------------------------

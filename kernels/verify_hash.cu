@@ -56,3 +56,16 @@ extern "C" __global__ void first_nonfinite_f32(const u32* __restrict__ data,
             if ((p[j] & 0x7F800000u) == 0x7F800000u) atomicMin(out_min, offs[c] + j);
     }
 }
+
+// As first_nonfinite_f32 over bf16 words.
+extern "C" __global__ void first_nonfinite_bf16(const u16* __restrict__ data,
+                                                const u64* __restrict__ offs,
+                                                const u64* __restrict__ lens, u64 nchunks,
+                                                u64* out_min) {
+    for (u64 c = blockIdx.x; c < nchunks; c += gridDim.x) {
+        const u16* p = data + offs[c];
+        u64 n = lens[c];
+        for (u64 j = threadIdx.x; j < n; j += blockDim.x)
+            if ((p[j] & 0x7F80u) == 0x7F80u) atomicMin(out_min, offs[c] + j);
+    }
+}

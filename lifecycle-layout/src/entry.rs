@@ -41,7 +41,7 @@ impl RolloutEntry {
     /// The entry of an fp8 slice (block-scaled e4m3, [`crate::fp8`]) at slot `offset` of a
     /// rank's buffer (slots of two bytes, the buffer's bf16 elements): its e4m3 bytes, row-major,
     /// from byte `2 · offset`, then one f32 `scale_inv` per 128 × 128 block of its 2-D view
-    /// (the first dimension by the rest) from slot [`RolloutEntry::scale_offset`].
+    /// ([`RolloutEntry::matrix`]) from slot [`RolloutEntry::scale_offset`].
     ///
     /// ```
     /// use lifecycle_layout::RolloutEntry;
@@ -67,10 +67,23 @@ impl RolloutEntry {
         self.fp8_slots.is_some()
     }
 
-    /// Rows and columns of the 2-D view (the first dimension by the rest).
+    /// Rows and columns of the 2-D view: a matrix as it is, a vector as one column, and a
+    /// stack of matrices (`[e, rows, cols]`, such as the fused layout's expert tensors) as
+    /// `(e · rows) × cols`, the view vLLM's fused-MoE fp8 scales are laid out in.
+    ///
+    /// ```
+    /// use lifecycle_layout::RolloutEntry;
+    /// assert_eq!(RolloutEntry::new("w", vec![256, 130], 0).matrix(), (256, 130));
+    /// assert_eq!(RolloutEntry::new("b", vec![130], 0).matrix(), (130, 1));
+    /// assert_eq!(RolloutEntry::fp8("w13", vec![4, 256, 128], 0).matrix(), (1024, 128));
+    /// ```
     pub fn matrix(&self) -> (usize, usize) {
-        let rows = self.shape.first().copied().unwrap_or(1);
-        (rows, self.numel / rows.max(1))
+        if self.shape.len() < 3 {
+            let rows = self.shape.first().copied().unwrap_or(1);
+            return (rows, self.numel / rows.max(1));
+        }
+        let cols = self.shape.last().copied().unwrap_or(1);
+        (self.numel / cols.max(1), cols)
     }
 
     /// Scale blocks of an fp8 slice's 2-D view, `(⌈rows/128⌉, ⌈cols/128⌉)`; `(0, 0)` for bf16.

@@ -16,7 +16,7 @@ pub struct RolloutTensor {
     pub shape: Vec<usize>,
     /// Row-major bf16 values; empty when the slice is held in fp8 (`fp8`).
     pub data: Vec<bf16>,
-    /// The slice in block-scaled e4m3 (its 2-D view: the first dimension by the rest), when the
+    /// The slice in block-scaled e4m3 (its 2-D view, [`RolloutEntry::matrix`]), when the
     /// rollout is fp8 and the tensor is quantised.
     pub fp8: Option<BlockQuantized>,
 }

@@ -234,7 +234,8 @@ fn print_fp8(args: &Args, config: &ModelConfig, train: TrainLayout) -> Result<Ve
                     "fp8 rollout of the fused layout (each fused matrix quantised in its own \
                      128 x 128 grid from the bf16 parameters, fp32 scales; embeddings, head, \
                      norms and router bf16; also kept bf16: {}): per rank holds {} (bf16: {}); \
-                     the host backend runs it, the GPU one is bf16 only so far",
+                     the host and GPU backends run it, the GPU one staging the bf16 rollout \
+                     beside it during a switch",
                     args.fp8_keep,
                     HumanBytes(fp8),
                     HumanBytes(bf16)

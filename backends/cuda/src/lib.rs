@@ -85,7 +85,7 @@ pub use pinned::{
 };
 pub use placement::{RankPlacement, SharedGpu};
 pub use pool::{RankCtx, RankExecutor, RankFn, ThreadRankPool};
-pub use quantise::QUANTISE_KERNELS;
+pub use quantise::{quantise_staged, QUANTISE_KERNELS};
 pub use rollout::{RolloutBuffer, RolloutSource};
 pub use steps::{run_program, DeviceProgram, Peers, ProgramSlot, RunOptions, SourceBuf};
 pub use tiles::{TileKernel, TILE_KERNELS, TILE_KERNEL_SRC};

@@ -22,7 +22,7 @@ use lifecycle_layout::steps::{
 };
 
 use crate::agree::{agree_scales, AgreedJobs, Rendezvous};
-use crate::quantise::QuantiseJobs;
+use crate::quantise::{QuantiseJobs, QuantiseSource};
 use crate::{
     alloc_device, alloc_zeros, copy_2d, peer_base, CastBatch, CudaError, RankCtx, RankMoved,
     StreamTimeline, TileKernel,
@@ -573,7 +573,15 @@ impl Issuer<'_> {
         // `source_elems` and a rollout buffer of at least `rollout_elems` elements (checked
         // against these buffers); both live until the runner synchronised; the regions' bytes
         // are written by no other step.
-        unsafe { jobs.launch(ctx, &ctx.aux, self.src_base, self.rbase)? };
+        unsafe {
+            jobs.launch(
+                ctx,
+                &ctx.aux,
+                QuantiseSource::F32,
+                self.src_base,
+                self.rbase,
+            )?
+        };
         let bytes = jobs.bytes();
         let link = Some(Link::Local);
         let what = "fp8 quantisation";

@@ -175,6 +175,7 @@ pub struct VerifyKernels {
     hash32: CudaFunction,
     hash16: CudaFunction,
     nonfinite: CudaFunction,
+    nonfinite16: CudaFunction,
     sm_count: u32,
 }
 
@@ -186,6 +187,7 @@ impl VerifyKernels {
             hash32: m.function("hash_chunks_b32")?,
             hash16: m.function("hash_chunks_b16")?,
             nonfinite: m.function("first_nonfinite_f32")?,
+            nonfinite16: m.function("first_nonfinite_bf16")?,
             sm_count: m.sm_count(),
             _module: m,
         })
@@ -266,6 +268,35 @@ impl VerifyKernels {
         table: &ChunkTable,
         rank: usize,
     ) -> Result<Option<u64>, CudaError> {
+        // SAFETY: the caller's contract, with the kernel of 32-bit words.
+        unsafe { self.first_nonfinite(&self.nonfinite, stream, base, table, rank) }
+    }
+
+    /// As [`VerifyKernels::first_nonfinite_f32`] over bf16 values.
+    ///
+    /// # Safety
+    /// As for [`VerifyKernels::hash`], with 16-bit words.
+    pub unsafe fn first_nonfinite_bf16(
+        &self,
+        stream: &Arc<CudaStream>,
+        base: u64,
+        table: &ChunkTable,
+        rank: usize,
+    ) -> Result<Option<u64>, CudaError> {
+        // SAFETY: the caller's contract, with the kernel of 16-bit words.
+        unsafe { self.first_nonfinite(&self.nonfinite16, stream, base, table, rank) }
+    }
+
+    /// # Safety
+    /// As for [`VerifyKernels::hash`], with `f`'s word size.
+    unsafe fn first_nonfinite(
+        &self,
+        f: &CudaFunction,
+        stream: &Arc<CudaStream>,
+        base: u64,
+        table: &ChunkTable,
+        rank: usize,
+    ) -> Result<Option<u64>, CudaError> {
         if table.is_empty() {
             return Ok(None);
         }
@@ -274,7 +305,7 @@ impl VerifyKernels {
             .clone_htod(&[u64::MAX])
             .map_err(|e| CudaError::driver(rank, "allocating the scan result", 0, e))?;
         let n = table.len() as u64;
-        let mut b = stream.launch_builder(&self.nonfinite);
+        let mut b = stream.launch_builder(f);
         b.arg(&base).arg(&offs).arg(&lens).arg(&n).arg(&mut out);
         // SAFETY: as in `hash`: valid buffers of this stream, arguments match the kernel.
         unsafe { b.launch(self.config(table.len())) }

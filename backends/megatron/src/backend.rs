@@ -10,8 +10,9 @@ use lifecycle_cuda::{ProgramSlot, RankExecutor, ThreadRankPool, TileKernel};
 use crate::error::MegatronGpuError;
 use crate::state::{GpuRank, MegatronGpuState};
 use lifecycle_cuda::PinnedPool;
+use lifecycle_layout::fp8::{Fp8Keep, RolloutDtype};
 use lifecycle_layout::megatron::schedule::RankSchedule;
-use lifecycle_layout::megatron::MegatronPlan;
+use lifecycle_layout::megatron::{Fp8Rollout, MegatronPlan};
 use lifecycle_layout::RolloutLayout;
 
 pub(crate) static NEXT_PLAN: AtomicU64 = AtomicU64::new(1);
@@ -24,8 +25,13 @@ pub struct MegatronGpuPlan {
     pub(crate) peer_copy: bool,
     pub(crate) plan: MegatronPlan,
     pub(crate) offsets: Vec<usize>,
+    /// Elements of the bf16 rollout the transfer writes (the rollout itself, or in an fp8
+    /// rollout its staging buffer).
     pub(crate) len: usize,
     pub(crate) ranks: Vec<RankSchedule>,
+    /// How an fp8 rollout is written from the bf16 staging buffer (`None`: a bf16 rollout).
+    pub(crate) fp8: Option<Fp8Rollout>,
+    pub(crate) keep: Fp8Keep,
 }
 
 impl MegatronGpuPlan {
@@ -39,9 +45,21 @@ impl MegatronGpuPlan {
         self.ranks.iter().find(|s| s.rank == rank)
     }
 
-    /// Elements of one rank's rollout buffer.
+    /// Elements (two-byte slots) of one rank's rollout buffer: in an fp8 rollout its e4m3
+    /// bytes and scales and its bf16 tensors ([`MegatronGpuPlan::fp8`]).
     pub fn rollout_len(&self) -> usize {
+        self.fp8.as_ref().map_or(self.len, |f| f.len)
+    }
+
+    /// Elements of the bf16 rollout the transfer writes: the rollout buffer itself, or in an
+    /// fp8 rollout the staging buffer it is quantised from.
+    pub fn transfer_len(&self) -> usize {
         self.len
+    }
+
+    /// How an fp8 rollout is written from its bf16 staging buffer; `None` for a bf16 rollout.
+    pub fn fp8(&self) -> Option<&Fp8Rollout> {
+        self.fp8.as_ref()
     }
 
     /// Whether remote runs travel as peer copies (else as NCCL steps).
@@ -100,6 +118,8 @@ pub struct MegatronGpuBackend {
     pub(crate) cached: Mutex<Option<Arc<MegatronGpuPlan>>>,
     /// Enter hands out the rollout weights with the offload copies still running.
     pub(crate) overlap_offload: bool,
+    pub(crate) dtype: RolloutDtype,
+    pub(crate) fp8_keep: Fp8Keep,
 }
 
 impl std::fmt::Debug for MegatronGpuBackend {
@@ -109,6 +129,8 @@ impl std::fmt::Debug for MegatronGpuBackend {
             .field("rollout", &self.rollout)
             .field("config", &self.config)
             .field("overlap_offload", &self.overlap_offload)
+            .field("dtype", &self.dtype)
+            .field("fp8_keep", &self.fp8_keep)
             .finish()
     }
 }
@@ -131,7 +153,49 @@ impl MegatronGpuBackend {
             programs: loaded.iter().map(|()| ProgramSlot::default()).collect(),
             cached: Mutex::new(None),
             overlap_offload: false,
+            dtype: RolloutDtype::Bf16,
+            fp8_keep: Fp8Keep::default(),
         })
+    }
+
+    /// Sets the rollout weights' dtype (bf16 by default). With [`RolloutDtype::Fp8`] every
+    /// matrix ([`Fp8Keep::keeps_bf16`] false) is quantised to block-scaled e4m3 in its own
+    /// 128 × 128 block grid, as the host backend (`MegatronHostBackend`) does and bit-identical
+    /// to it: the transfer writes the bf16 rollout into a staging buffer, then one pass per rank
+    /// ([`lifecycle_cuda::quantise_staged`]) copies the bf16 tensors and quantises the others
+    /// into the rollout buffer ([`lifecycle_layout::megatron::Fp8Rollout`]), and the staging
+    /// buffer is freed. A fused tensor (`qkv_proj`, `gate_up_proj`) whose parts do not end on
+    /// 128-row boundaries, and non-finite bf16 parameters, are refused by `plan`, naming the
+    /// tensor, before anything moves. Peak memory: the bf16 staging buffer beside the fp8
+    /// rollout during a switch.
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use lifecycle_cuda::ThreadRankPool;
+    /// use lifecycle_layout::fp8::RolloutDtype;
+    /// use lifecycle_layout::{RolloutLayout, RolloutVocab};
+    /// use lifecycle_megatron::MegatronGpuBackend;
+    /// let pool = Arc::new(ThreadRankPool::new(1)?);
+    /// let backend = MegatronGpuBackend::new(pool, RolloutLayout::fused(1, RolloutVocab::Unpadded))?
+    ///     .with_rollout_dtype(RolloutDtype::Fp8);
+    /// assert_eq!(backend.rollout_dtype(), RolloutDtype::Fp8);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_rollout_dtype(mut self, dtype: RolloutDtype) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// The rollout weights' dtype.
+    pub fn rollout_dtype(&self) -> RolloutDtype {
+        self.dtype
+    }
+
+    /// Which matrices an fp8 rollout keeps bf16 beyond the published exemptions (none by
+    /// default).
+    pub fn with_fp8_keep(mut self, keep: Fp8Keep) -> Self {
+        self.fp8_keep = keep;
+        self
     }
 
     /// Changes the settings (checked: a budget of at least 2 bytes, at least 1 step in flight).

@@ -65,6 +65,7 @@ mod build;
 mod config;
 mod download;
 mod error;
+mod fp8;
 mod reshard;
 mod state;
 mod transfer;

@@ -11,8 +11,9 @@ use lifecycle_cuda::{alloc_rollout_buffers, RolloutBuffer};
 
 use crate::error::MegatronGpuError;
 use crate::state::MegatronGpuState;
+use lifecycle_layout::fp8::RolloutDtype;
 use lifecycle_layout::megatron::schedule::{build_rank, rollout_offsets};
-use lifecycle_layout::megatron::{plan_megatron_to_tp, BucketConfig};
+use lifecycle_layout::megatron::{check_fused_fp8, fp8_rollout, plan_megatron_to_tp, BucketConfig};
 
 impl Reshard for MegatronGpuBackend {
     type TrainState = MegatronGpuState;
@@ -30,6 +31,8 @@ impl Reshard for MegatronGpuBackend {
             let same = p.plan.train == state.layout
                 && p.plan.rollout == self.rollout
                 && p.config == self.config
+                && p.fp8.is_some() == (self.dtype == RolloutDtype::Fp8)
+                && p.keep == self.fp8_keep
                 && p.ranks
                     .iter()
                     .map(|s| s.rank)
@@ -41,6 +44,15 @@ impl Reshard for MegatronGpuBackend {
         let peer_copy = self.config.transport.resolve(&self.pool)?;
         let plan = plan_megatron_to_tp(&state.layout, &self.rollout, bucket)?;
         let (offsets, len) = rollout_offsets(&plan);
+        let fp8 = match self.dtype {
+            RolloutDtype::Bf16 => None,
+            RolloutDtype::Fp8 => {
+                let keep = self.fp8_keep;
+                check_fused_fp8(&plan.tensors, plan.train.model(), self.rollout.tp(), keep)?;
+                self.check_finite(state)?;
+                Some(fp8_rollout(&plan.tensors, &offsets, keep))
+            }
+        };
         let opts = self.config.schedule_options(peer_copy);
         let ranks = self
             .locals()
@@ -55,6 +67,8 @@ impl Reshard for MegatronGpuBackend {
             offsets,
             len,
             ranks,
+            fp8,
+            keep: self.fp8_keep,
         });
         *cached = Some(p.clone());
         Ok(p)
@@ -81,9 +95,22 @@ impl Reshard for MegatronGpuBackend {
         // SAFETY: the schedule's local and unpack tiles and the zeroed vocabulary padding cover
         // each buffer exactly, so every element is written before the buffers are handed out.
         let mut rolls = unsafe { alloc_rollout_buffers(&*self.pool, len, peers_write)? };
-        let mut moved = self.transfer(plan, &mut state.ranks, &mut rolls, ctx)?;
+        // An fp8 rollout: `rolls` is the staging buffer, the rollout buffer allocated now too.
+        let mut fp8 = match &plan.fp8 {
+            Some(f) => Some(self.alloc_fp8_rollouts(f)?),
+            None => None,
+        };
+        let mut moved =
+            self.transfer(plan, &mut state.ranks, &mut rolls, fp8.as_deref_mut(), ctx)?;
         let rooms = self.finish_enter(&mut state.ranks, ctx, &mut moved)?;
-        let rollout = RolloutBuffer::new(rolls, self.locals().to_vec(), Self::entries(plan), len)?;
+        let (rolls, entries, len) = match (fp8, &plan.fp8) {
+            (Some(written), Some(f)) => {
+                drop(rolls);
+                (written, f.entries.clone(), f.len)
+            }
+            _ => (rolls, Self::entries(plan), len),
+        };
+        let rollout = RolloutBuffer::new(rolls, self.locals().to_vec(), entries, len)?;
         Ok(match rooms {
             Some(rooms) => rollout.with_freeing(rooms)?,
             None => rollout,
@@ -103,15 +130,28 @@ impl Reshard for MegatronGpuBackend {
                 operation: "refreshing rollout weights",
             });
         }
-        if rollout.len_per_rank() != plan.len || rollout.local_ranks() != self.locals() {
+        if rollout.len_per_rank() != plan.rollout_len() || rollout.local_ranks() != self.locals() {
             return Err(MegatronGpuError::RolloutMismatch {
-                expected: plan.len,
+                expected: plan.rollout_len(),
                 expected_ranks: self.locals().len(),
                 found: rollout.len_per_rank(),
                 found_ranks: rollout.local_ranks().len(),
             });
         }
-        let mut moved = self.transfer(plan, &mut state.ranks, rollout.buffers_mut(), ctx)?;
+        let mut moved = match &plan.fp8 {
+            None => self.transfer(plan, &mut state.ranks, rollout.buffers_mut(), None, ctx)?,
+            Some(_) => {
+                let peers_write = plan
+                    .ranks
+                    .iter()
+                    .any(|s| !s.pushes.is_empty() || !s.peer_tiles.is_empty());
+                // SAFETY: as in enter: the schedules write every element of the staging buffer.
+                let mut staging =
+                    unsafe { alloc_rollout_buffers(&*self.pool, plan.len, peers_write)? };
+                let rolls = Some(rollout.buffers_mut());
+                self.transfer(plan, &mut state.ranks, &mut staging, rolls, ctx)?
+            }
+        };
         self.finish_offload(&mut state.ranks, ctx, &mut moved)
     }
 

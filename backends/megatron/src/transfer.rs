@@ -9,11 +9,14 @@ use lifecycle_core::SwitchContext;
 use lifecycle_cuda::cudarc::driver::CudaSlice;
 use lifecycle_cuda::driver::{
     free_grads, restore_grads, BufferClass, Movable, NoHooks, ProgramSpec, RankBuffers,
-    SwitchDriver,
+    SwitchDriver, TransferMode,
 };
-use lifecycle_cuda::{CudaError, FreeingRoom, RankCtx, RankMoved, RunOptions, SourceBuf};
+use lifecycle_cuda::{
+    record_transfer, CudaError, FreeingRoom, RankCtx, RankMoved, RunOptions, SourceBuf,
+};
 use lifecycle_layout::megatron::StepShape;
 use lifecycle_layout::RolloutEntry;
+use std::time::Instant;
 
 use crate::error::MegatronGpuError;
 use crate::state::GpuRank;
@@ -61,14 +64,20 @@ impl MegatronGpuBackend {
     }
 
     /// Runs every local rank's schedule into `rolls` through the driver, the offload copies of
-    /// the switch's memory policy overlapping it; records its metrics.
+    /// the switch's memory policy overlapping it; in an fp8 rollout `rolls` is the staging
+    /// buffer and `fp8` the rollout buffers the plan's [`Fp8Rollout`] pass writes from it.
+    /// Records the metrics of both as the transfer phase.
+    ///
+    /// [`Fp8Rollout`]: lifecycle_layout::megatron::Fp8Rollout
     pub(crate) fn transfer(
         &mut self,
         plan: &MegatronGpuPlan,
         ranks: &mut [GpuRank],
         rolls: &mut [CudaSlice<bf16>],
+        fp8: Option<&mut [CudaSlice<bf16>]>,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<Vec<RankMoved>, MegatronGpuError> {
+        let start = Instant::now();
         let config = plan.config;
         let steps = |c: &RankCtx, local: usize, source_elems: u64| {
             let s = plan.ranks.get(local).ok_or_else(|| {
@@ -99,7 +108,21 @@ impl MegatronGpuBackend {
             steps: &steps,
         };
         let driver = SwitchDriver::new(&*self.pool, &self.pinned);
-        Ok(driver.timed_transfer(ranks, &mut self.programs, rolls, &spec, ctx, &NoHooks)?)
+        let mode = TransferMode {
+            memory: ctx.memory,
+            tracing: ctx.rec.tracing(),
+        };
+        let mut moved = driver.transfer(ranks, &mut self.programs, rolls, &spec, mode, &NoHooks)?;
+        if let (Some(f), Some(out)) = (&plan.fp8, fp8) {
+            let written = self.quantise(f, rolls, out)?;
+            for (m, bytes) in moved.iter_mut().zip(written) {
+                // the staging buffer counts as staging; the pass's writes as local bytes
+                m.staging += 2 * plan.len as u64;
+                m.local += bytes;
+            }
+        }
+        record_transfer(ctx, &moved, start);
+        Ok(moved)
     }
 
     /// Waits for the offload copies, then frees what the policy moved out, and the grads; reads

@@ -43,8 +43,9 @@ pub fn rollout_bytes(config: &ModelConfig, layout: &RolloutLayout, t: usize) -> 
 }
 
 /// The most bytes a rank's rollout weights take in `dtype` (`keep` choosing an fp8 rollout's
-/// bf16 tensors) with `world` training ranks: [`rollout_bytes`] for bf16 and for a fused layout
-/// (an upper bound there), an unfused fp8 rollout's exact fp8 bytes and scales otherwise
+/// bf16 tensors) with `world` training ranks: [`rollout_bytes`] for bf16 (an upper bound for a
+/// fused layout); for a fused fp8 rollout the peak of the GPU Megatron switch, its bf16 staging
+/// buffer beside the fp8 rollout; an unfused fp8 rollout's exact fp8 bytes and scales otherwise
 /// ([`fp8_rank_traffic`]: 8.71 GB instead of 15.23 GB at 7.6B, T = 1).
 ///
 /// ```
@@ -60,6 +61,11 @@ pub fn rollout_bytes(config: &ModelConfig, layout: &RolloutLayout, t: usize) -> 
 /// assert_eq!(bf16, rollout_bytes(&config, &layout, 0));
 /// let fp8 = held_rollout_bytes(&config, &layout, 1, (RolloutDtype::Fp8, Default::default()))?;
 /// assert!(fp8 < bf16 && fp8 > bf16 / 2);
+/// // a fused fp8 rollout: the GPU switch's bf16 staging beside the fp8 buffer
+/// let fused = lifecycle_layout::RolloutLayout::fused(1, lifecycle_layout::RolloutVocab::Unpadded);
+/// let peak = held_rollout_bytes(&config, &fused, 1, (RolloutDtype::Fp8, Default::default()))?;
+/// let fused_bf16 = held_rollout_bytes(&config, &fused, 1, (RolloutDtype::Bf16, Default::default()))?;
+/// assert!(peak > fused_bf16 && peak < 2 * fused_bf16);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn held_rollout_bytes(
@@ -74,8 +80,25 @@ pub fn held_rollout_bytes(
             .max()
             .unwrap_or(0)
     };
-    if dtype == RolloutDtype::Bf16 || layout.format() == RolloutFormat::Fused {
+    if dtype == RolloutDtype::Bf16 {
         return Ok(bf16());
+    }
+    let usage_m =
+        |e: lifecycle_layout::megatron::MegatronLayoutError| DapoGpuError::Usage(e.to_string());
+    if layout.format() == RolloutFormat::Fused {
+        // the GPU Megatron switch's peak: the bf16 staging buffer beside the fp8 rollout
+        let model = config.model_spec(lifecycle_decoder::MEGATRON_VOCAB_MULTIPLE);
+        let specs = layout.fused_tensors(&model).map_err(usage_m)?;
+        let offsets: Vec<usize> = specs
+            .iter()
+            .scan(0, |at, s| {
+                let o = *at;
+                *at += s.numel();
+                Some(o)
+            })
+            .collect();
+        let f = lifecycle_layout::megatron::fp8_rollout(&specs, &offsets, keep);
+        return Ok(2 * (f.staging_len + f.len) as u64);
     }
     let usage = |e: lifecycle_layout::LayoutError| DapoGpuError::Usage(e.to_string());
     let train = FsdpLayout::new(world, config.tensor_shapes()).map_err(usage)?;

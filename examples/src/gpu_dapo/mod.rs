@@ -370,14 +370,6 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
             reports
         }
         GpuLayout::Megatron { tp, pp, ep, etp } => {
-            if r.rollout_dtype != lifecycle_layout::fp8::RolloutDtype::Bf16 {
-                return Err(DapoGpuError::Usage(
-                    "--rollout-dtype fp8 on the GPU is implemented for the FSDP layout \
-                     (--backend fsdp): the GPU Megatron backend's fused rollout is bf16 only so \
-                     far (the host one quantises it: --backend host --train megatron)"
-                        .into(),
-                ));
-            }
             let parallel =
                 MegatronParallel::new(tp, pp, g.gpus / (tp * pp).max(1)).with_experts(ep, etp);
             if parallel.world() != g.gpus {
@@ -395,6 +387,8 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
             let rollout = fused_layout(&config, r.tp, r.experts);
             let engine = RunEngine::for_run(&config, &rollout, &pool, &settings)?;
             let backend = MegatronGpuBackend::new(Arc::clone(&pool), rollout.clone())?
+                .with_rollout_dtype(r.rollout_dtype)
+                .with_fp8_keep(r.fp8_keep)
                 .with_offload_overlap(g.offload_overlap);
             let trainer = MegatronTrainer {
                 params: a.adam_params(),

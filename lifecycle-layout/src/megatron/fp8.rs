@@ -10,7 +10,40 @@
 use crate::fp8::{Fp8Keep, FP8_BLOCK};
 use crate::ModelSpec;
 
-use super::{MegatronLayoutError, RolloutKind, RolloutTensorSpec};
+use super::{MegatronLayoutError, ParamKind, ParamSlot, RolloutKind, RolloutTensorSpec};
+
+/// Whether training parameter `slot` feeds a tensor that an fp8 rollout quantises (`keep`
+/// choosing the bf16 ones): the attention and MLP projections, shared and routed experts
+/// included; never the embedding, the head, the router, the shared-expert gate, norms or
+/// biases. The rule of [`Fp8Keep::keeps_bf16`] on the rollout names, read from the training side.
+///
+/// ```
+/// use lifecycle_layout::megatron::{quantised_param, MegatronLayout, ParamKind};
+/// use lifecycle_layout::ModelSpec;
+/// let layout = MegatronLayout::from_world(ModelSpec::tiny(), 1, 1, 1)?;
+/// let slots = layout.stage_slots(0);
+/// let qkv = slots.iter().find(|s| s.kind == ParamKind::Qkv).unwrap();
+/// let emb = slots.iter().find(|s| s.kind == ParamKind::WordEmbedding).unwrap();
+/// assert!(quantised_param(qkv, Default::default()));
+/// assert!(!quantised_param(emb, Default::default()));
+/// assert!(!quantised_param(qkv, "attention".parse().unwrap()));
+/// # Ok::<(), lifecycle_layout::megatron::MegatronLayoutError>(())
+/// ```
+pub fn quantised_param(slot: &ParamSlot, keep: Fp8Keep) -> bool {
+    if slot.layer.is_some_and(|l| keep.layers.contains(l)) {
+        return false;
+    }
+    match slot.kind {
+        ParamKind::Qkv | ParamKind::Proj => !keep.attention,
+        ParamKind::Fc1
+        | ParamKind::Fc2
+        | ParamKind::SharedFc1
+        | ParamKind::SharedFc2
+        | ParamKind::ExpertFc1
+        | ParamKind::ExpertFc2 => true,
+        _ => false,
+    }
+}
 
 /// The rows of each part of one rank's slice of `spec` (one part for an unfused tensor), in
 /// order, at rollout degree `t`: for a stacked expert tensor, every expert's parts in turn.
