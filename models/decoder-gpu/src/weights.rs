@@ -593,6 +593,9 @@ impl GroupOffsets {
         let specs = layout.fused_tensors(&model)?;
         let by_name: HashMap<&str, &RolloutEntry> = entries.iter().map(|e| (e.name(), e)).collect();
         let mut offsets: HashMap<&str, u64> = HashMap::with_capacity(specs.len());
+        // the fp8 matrices (block-scaled e4m3; a stack of experts in its (e · rows) × cols view)
+        let mut fp8: HashMap<&str, Fp8At> = HashMap::new();
+        let (mut fp8_max, mut fp8_max_cols) = (0u64, 0u64);
         let mut min_len = 0u64;
         for spec in &specs {
             let e = by_name
@@ -601,11 +604,24 @@ impl GroupOffsets {
                     name: spec.name.clone(),
                     rank: 0,
                 })?;
-            if e.is_fp8() {
-                return Err(DecodeError::Usage(format!(
-                    "`{}` is fp8: the fused (Megatron) rollout layout is read in bf16 only",
-                    spec.name
-                )));
+            if let Some(scales) = e.scale_offset() {
+                let cols = e.matrix().1 as u64;
+                // one product reads one expert of a stack
+                let stack = if e.shape().len() == 3 {
+                    e.shape()[0]
+                } else {
+                    1
+                };
+                fp8_max = fp8_max.max((e.numel() / stack.max(1)) as u64);
+                fp8_max_cols = fp8_max_cols.max(cols);
+                fp8.insert(
+                    e.name(),
+                    Fp8At {
+                        scales: scales as u64,
+                        row0: 0,
+                        cols,
+                    },
+                );
             }
             if e.shape() != spec.shape.as_slice() || e.numel() != spec.numel() {
                 return Err(DecodeError::Shape {
@@ -618,7 +634,7 @@ impl GroupOffsets {
             min_len = min_len.max(e.range().end as u64);
             offsets.insert(e.name(), e.offset() as u64);
         }
-        let at = |name: &str| -> Result<u64, DecodeError> {
+        let offset = |name: &str| -> Result<u64, DecodeError> {
             offsets
                 .get(name)
                 .copied()
@@ -626,6 +642,23 @@ impl GroupOffsets {
                     name: name.to_string(),
                     rank: 0,
                 })
+        };
+        // a tensor read in bf16 (norms, biases, embeddings, the router)
+        let at = |name: &str| -> Result<u64, DecodeError> {
+            if fp8.contains_key(name) {
+                return Err(DecodeError::Usage(format!(
+                    "`{name}` is fp8, but the decoder reads it in bf16: an fp8 rollout quantises \
+                     matrix weights only (lifecycle_layout::fp8::keeps_bf16)"
+                )));
+            }
+            offset(name)
+        };
+        // a weight matrix, bf16 or fp8
+        let mat = |name: &str| -> Result<MatAt, DecodeError> {
+            Ok(MatAt {
+                off: offset(name)?,
+                fp8: fp8.get(name).copied(),
+            })
         };
         let kv_split = if config.model.query_groups.is_multiple_of(tp) {
             Parallel::Column
@@ -658,7 +691,7 @@ impl GroupOffsets {
                     found: vec![rows, h],
                 });
             }
-            let qkv = at(&qkv_name)?;
+            let qkv = mat(&qkv_name)?;
             let bias = if config.model.qkv_bias {
                 Some(at(&hf::layer(l, hf::QKV_BIAS))?)
             } else {
@@ -666,26 +699,26 @@ impl GroupOffsets {
             };
             // a mixture-of-experts layer has no dense MLP (its experts: `moe` below)
             let (gate_up, down) = if model.moe_layer(l) {
-                (0, 0)
+                (MatAt::default(), MatAt::default())
             } else {
                 (
-                    at(&hf::layer(l, hf::GATE_UP))?,
-                    at(&hf::layer(l, hf::DOWN))?,
+                    mat(&hf::layer(l, hf::GATE_UP))?,
+                    mat(&hf::layer(l, hf::DOWN))?,
                 )
             };
             layers.push(LayerOffsets {
                 input_norm: at(&hf::layer(l, hf::INPUT_NORM))?,
                 post_norm: at(&hf::layer(l, hf::POST_NORM))?,
-                q_w: MatAt::bf16(qkv),
+                q_w: qkv,
                 q_b: bias,
-                k_w: MatAt::bf16(qkv + (q_rows * h) as u64),
+                k_w: qkv.skip_rows(q_rows, h),
                 k_b: bias.map(|b| b + q_rows as u64),
-                v_w: MatAt::bf16(qkv + ((q_rows + kv_rows) * h) as u64),
+                v_w: qkv.skip_rows(q_rows + kv_rows, h),
                 v_b: bias.map(|b| b + (q_rows + kv_rows) as u64),
-                o_w: MatAt::bf16(at(&hf::layer(l, hf::O))?),
-                gate_w: MatAt::bf16(gate_up),
-                up_w: MatAt::bf16(gate_up + (ffn_part * h) as u64),
-                down_w: MatAt::bf16(down),
+                o_w: mat(&hf::layer(l, hf::O))?,
+                gate_w: gate_up,
+                up_w: gate_up.skip_rows(ffn_part, h),
+                down_w: down,
                 qk_norm: if config.model.qk_norm {
                     Some((
                         at(&hf::layer(l, hf::Q_NORM))?,
@@ -724,28 +757,29 @@ impl GroupOffsets {
                 per_layer.push(match (layout.expert_share(&model, t), model.moe) {
                     (Some(share), Some(m)) if model.moe_layer(l) => {
                         let (w13, w2) = (
-                            at(&hf::layer(l, hf::EXPERTS_W13))?,
-                            at(&hf::layer(l, hf::EXPERTS_W2))?,
+                            mat(&hf::layer(l, hf::EXPERTS_W13))?,
+                            mat(&hf::layer(l, hf::EXPERTS_W2))?,
                         );
                         let f = share.ffn.len();
                         let mut experts = vec![None; m.experts];
                         for (j, e) in share.experts.enumerate() {
-                            let gate = w13 + (j * 2 * f * h) as u64;
+                            // rows of the stacks' (experts · rows) × cols views
+                            let gate = w13.skip_rows(j * 2 * f, h);
                             experts[e] = Some(ExpertOffsets {
-                                gate: MatAt::bf16(gate),
-                                up: MatAt::bf16(gate + (f * h) as u64),
-                                down: MatAt::bf16(w2 + (j * h * f) as u64),
+                                gate,
+                                up: gate.skip_rows(f, h),
+                                down: w2.skip_rows(j * h, f),
                                 ffn: f,
                             });
                         }
                         let shared = if m.shared_ffn > 0 {
                             let sf = m.shared_ffn / tp;
-                            let gate = at(&hf::layer(l, hf::SHARED_GATE_UP))?;
+                            let gate = mat(&hf::layer(l, hf::SHARED_GATE_UP))?;
                             Some(SharedOffsets {
                                 expert: ExpertOffsets {
-                                    gate: MatAt::bf16(gate),
-                                    up: MatAt::bf16(gate + (sf * h) as u64),
-                                    down: MatAt::bf16(at(&hf::layer(l, hf::SHARED_DOWN))?),
+                                    gate,
+                                    up: gate.skip_rows(sf, h),
+                                    down: mat(&hf::layer(l, hf::SHARED_DOWN))?,
                                     ffn: sf,
                                 },
                                 gate: at(&hf::layer(l, hf::SHARED_EXPERT_GATE))?,
@@ -784,8 +818,8 @@ impl GroupOffsets {
             vocab_part,
             fused: true,
             min_len,
-            fp8_max: 0,
-            fp8_max_cols: 0,
+            fp8_max,
+            fp8_max_cols,
         })
     }
 }

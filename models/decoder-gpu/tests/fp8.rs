@@ -380,3 +380,101 @@ fn gpu_w8a8_decoder_matches_the_cpu_w8a8_decoder_w1() -> Res {
     )?;
     check_w8a8("qwen3-moe 512-wide", &moe, 4)
 }
+
+/// The fused (Megatron) layout in fp8: the GPU Megatron backend's fp8 rollout (W = T = 1),
+/// bit-identical to the CPU executor's (`MegatronHostBackend` with fp8), read by the GPU decoder
+/// against the CPU decoder on the CPU executor's rollout: weight-only within the bf16 bound
+/// with greedy tokens equal (one fp8 product over `[q; k; v]` and one over `[gate; up]`, each
+/// expert a row range of its stack); W8A8 within the distance of the CPU's two modes on average.
+fn check_fused(name: &str, config: &ModelConfig, seed: u64) -> Res {
+    use lifecycle_decoder::MegatronParallel;
+    use lifecycle_host::megatron::MegatronHostBackend;
+    use lifecycle_layout::fp8::Fp8Compute;
+    use lifecycle_layout::{RolloutLayout, RolloutVocab};
+    use lifecycle_megatron::MegatronGpuBackend;
+    let (long, short) = prompts();
+    let layout = RolloutLayout::fused(1, RolloutVocab::PadToMultipleOf(64));
+    let host =
+        config.megatron_state(random_tensors(config, seed), MegatronParallel::new(1, 1, 1))?;
+    let mut cpu_lc = Lifecycle::new(
+        MegatronHostBackend::new(layout.clone()).with_rollout_dtype(RolloutDtype::Fp8),
+        host.clone(),
+    );
+    let cpu_session = cpu_lc.rollout()?;
+    let cpu_weights = cpu_session.weights();
+    let group: Vec<_> = cpu_weights.ranks.iter().collect();
+    let cpu_fused = || CpuDecoder::new_fused(config, &layout, &group);
+    let (weight_only, want_tokens) = run(&mut cpu_fused()?, &long, &short)?;
+    let (want_w8a8, _) = run(
+        &mut cpu_fused()?.with_fp8_compute(Fp8Compute::W8A8),
+        &long,
+        &short,
+    )?;
+    let pool = Arc::new(ThreadRankPool::new(1)?);
+    let backend = MegatronGpuBackend::new(pool.clone(), layout.clone())?
+        .with_rollout_dtype(RolloutDtype::Fp8);
+    let state = backend.state_from_host(&host)?;
+    let mut lc = Lifecycle::new(backend, state);
+    let session = lc.rollout()?;
+    let weights = session.weights();
+    let on_gpu = session.backend().download_rollout(weights.get())?;
+    assert!(
+        on_gpu.first_difference(cpu_weights.get()).is_none(),
+        "{name}: the GPU Megatron fp8 switch differs from the CPU executor's"
+    );
+    let fp8 = weights
+        .get()
+        .entries()
+        .iter()
+        .filter(|e| e.is_fp8())
+        .count();
+    assert!(fp8 > 0, "{name}: no fp8 tensor in the rollout");
+    let mut gpu = GpuDecoder::with_fused_layout(config, &layout, &pool, weights.get())?;
+    let (got, got_tokens) = run(&mut gpu, &long, &short)?;
+    let (err, scale) = distance(&got, &weight_only);
+    assert!(
+        err <= 1e-3 + 1e-3 * scale,
+        "{name}: fused fp8 weight-only: max |logit error| {err} against logits up to {scale}"
+    );
+    assert_eq!(got_tokens, want_tokens, "{name}: greedy tokens");
+    gpu.set_fp8_compute(Fp8Compute::W8A8)?;
+    let (got8, _) = run(&mut gpu, &long, &short)?;
+    let (mean, mean_modes) = (
+        mean_distance(&got8, &want_w8a8),
+        mean_distance(&want_w8a8, &weight_only),
+    );
+    assert!(
+        mean <= mean_modes,
+        "{name}: fused fp8 W8A8: mean error {mean} from the CPU's, its modes {mean_modes} apart"
+    );
+    println!(
+        "{name}: fused fp8 rollout ({fp8} fp8 tensors), bit-identical on GPU and CPU; GPU \
+         decoder vs CPU decoder: weight-only max |logit error| {err:.3e} (logits up to \
+         {scale:.3}), greedy equal; W8A8 mean error {mean:.3e} (the CPU's modes {mean_modes:.3e} \
+         apart)"
+    );
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gpu_fp8_decoder_reads_the_fused_megatron_fp8_rollout() -> Res {
+    require_gpus(1)?;
+    // dense Qwen2 with biases and 128-wide heads: q, k, v and gate, up of whole 128-row blocks
+    let dense = ModelConfig::from_json_str(
+        r#"{"model_type": "qwen2", "vocab_size": 300, "hidden_size": 256,
+            "intermediate_size": 640, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 128, "rope_theta": 10000.0,
+            "tie_word_embeddings": false}"#,
+    )?;
+    check_fused("qwen2 256-wide", &dense, 3)?;
+    // Qwen3-MoE with a dense first layer and 16 experts of 256 in their stacks
+    let moe = ModelConfig::from_json_str(
+        r#"{"model_type": "qwen3_moe", "vocab_size": 300, "hidden_size": 512,
+            "intermediate_size": 768, "moe_intermediate_size": 256, "num_experts": 16,
+            "num_experts_per_tok": 4, "norm_topk_prob": true, "mlp_only_layers": [0],
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 128, "rope_theta": 10000.0, "tie_word_embeddings": false}"#,
+    )?;
+    check_fused("qwen3-moe 512-wide", &moe, 4)
+}

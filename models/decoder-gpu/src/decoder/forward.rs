@@ -448,7 +448,7 @@ impl<'a> Pass<'a> {
                 // one GEMM over [q; k; v] (k_w, v_w follow q_w in the fused tensor), then its
                 // column blocks
                 let ld = qw + 2 * kvw;
-                gemm(&st.blas, self.wp(lw.q_w.off), xs, y2, ld, 2 * n, h, rank)?;
+                st.wgemm(s, base, lw.q_w, xs, y2, (ld, 2 * n, h), (w8, false), rank)?;
                 self.combine_cols(q, lw.q_b, (ld, 0, qw))?;
                 self.combine_cols(kb, lw.k_b, (ld, qw, kvw))?;
                 self.combine_cols(vb, lw.v_b, (ld, qw + kvw, kvw))?;
@@ -556,14 +556,14 @@ impl<'a> Pass<'a> {
         unsafe {
             if z.fused {
                 // one GEMM over [gate; up] (up_w follows gate_w in the fused tensor)
-                gemm(
-                    &st.blas,
-                    self.wp(lw.gate_w.off),
+                st.wgemm(
+                    s,
+                    base,
+                    lw.gate_w,
                     xs,
                     y2,
-                    2 * f,
-                    2 * n,
-                    h,
+                    (2 * f, 2 * n, h),
+                    (w8, false),
                     rank,
                 )?;
                 let args = [Arg::U64(y2), Arg::U64(xs), u32a(n), u32a(f)];
