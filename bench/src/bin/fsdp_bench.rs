@@ -338,13 +338,14 @@ fn backend_at(
 /// The resident switch at T = 1 with fp8 rollout weights against the same switch in bf16:
 /// medians of `iters` enters and exits each; at W = 1 against their floors at the device copy
 /// rate `d2d` (fp32 masters read, rollout bytes written: 5 bytes per quantised element, 6 per
-/// bf16 one). At W > 1 the fp8 switch agrees its block scales across the ranks first.
+/// bf16 one). At W > 1 the fp8 switch agrees its block scales across the ranks first. With
+/// `trace`, one more fp8 enter + exit is traced into `trace/fsdp_fp8_enter.json`.
 fn fp8_against_bf16(
     pool: &Arc<ThreadRankPool>,
     model: &Model,
     mut state: FsdpTrainState,
-    iters: usize,
-    d2d: f64,
+    (iters, d2d): (usize, f64),
+    trace: Option<&std::path::Path>,
 ) -> Result<FsdpTrainState, Box<dyn Error>> {
     let w = pool.world();
     let mut times = Vec::new();
@@ -376,6 +377,20 @@ fn fp8_against_bf16(
             );
         }
         times.push((en, held));
+        if let (Some(dir), RolloutDtype::Fp8) = (trace, dtype) {
+            let traced = trace_cycle(&mut lc, dir, "fsdp_fp8_enter", 12)?;
+            println!(
+                "  trace of one fp8 resident enter + exit {}; device work per rank and stream (ms after the first span):",
+                traced.written()
+            );
+            for r in &traced.tracks {
+                let t = &r.summary;
+                println!(
+                    "    rank {:?} {:>8}: {}: {}",
+                    t.rank, t.track, r.times, r.first
+                );
+            }
+        }
         state = lc.into_parts()?.1;
     }
     if let [(bf, bf_held), (f8, f8_held)] = times[..] {
@@ -482,7 +497,13 @@ fn run() -> Result<(), Box<dyn Error>> {
     );
 
     if args.fp8 {
-        state = fp8_against_bf16(&pool, &model, state, args.iters, c.d2d)?;
+        state = fp8_against_bf16(
+            &pool,
+            &model,
+            state,
+            (args.iters, c.d2d),
+            args.trace.as_deref(),
+        )?;
     }
     let mut rows: Vec<Row> = Vec::new();
     // (T, enter floor at the peer-copy rate, our best enter).

@@ -84,6 +84,12 @@ struct Cli {
     /// Experts in the rollout: tp (split by TP inside every expert) or ep (partitioned).
     #[arg(long, default_value = "tp")]
     experts: ExpertPlacement,
+    /// Also time the resident switch with fp8 rollout weights (the bf16 transfer into a
+    /// staging buffer, then the quantising pass) at the best bf16 settings, against the floor
+    /// of one read of the parameters and one write of the fp8 rollout, and against the floor of
+    /// the staged design.
+    #[arg(long)]
+    fp8: bool,
 }
 
 fn mib(b: u64) -> String {
@@ -234,6 +240,81 @@ struct Row {
     floor: f64,
     /// The floor with the send/receive rate at the message size used (None: nothing received).
     floor_sr: Option<f64>,
+}
+
+/// The resident fp8 enter of `backend` (set to `cfg`) over `state`: its median of `iters`
+/// against two floors at the ceilings `c`, both maximised over the ranks with the network's
+/// share (the bf16 bytes a rank receives): one read of the bf16 parameters and one write of the
+/// fp8 rollout (what a one-pass switch would move), and the staged design's (the bf16 transfer,
+/// then the pass reading the staging buffer and writing the rollout). Hands the backend (bf16
+/// again) and the state back with the report's row.
+fn fp8_enter(
+    backend: MegatronGpuBackend,
+    state: lifecycle_megatron::MegatronGpuState,
+    cfg: GpuConfig,
+    (c, world): (&Ceilings, usize),
+    iters: usize,
+    (lname, t): (&str, usize),
+) -> Result<
+    (
+        MegatronGpuBackend,
+        lifecycle_megatron::MegatronGpuState,
+        Row,
+    ),
+    Box<dyn Error>,
+> {
+    use lifecycle_layout::fp8::RolloutDtype;
+    let backend = backend
+        .with_config(cfg)?
+        .with_rollout_dtype(RolloutDtype::Fp8);
+    let plan = backend.plan(&state)?;
+    let f = plan.fp8().ok_or("an fp8 backend made a bf16 plan")?;
+    // per element of the rollout: quantised ones read 2 bytes and write `bytes`, bf16 ones 2 + 2
+    let (mut quantised, mut kept) = (0u64, 0u64);
+    for e in &f.entries {
+        if e.is_fp8() {
+            quantised += e.numel() as u64;
+        } else {
+            kept += e.numel() as u64;
+        }
+    }
+    let (elems, written) = ((quantised + kept) as f64, f.bytes() as f64);
+    let (mut one_read, mut staged) = (0.0f64, 0.0f64);
+    for r in 0..world {
+        let Some(s) = plan.schedule(r) else { continue };
+        let net = net_floor(s.recv_elems * 2, c.link);
+        let local = s.local_elems as f64;
+        // one read: each local bf16 element read once, its share of the rollout written once
+        let share = local / elems.max(1.0);
+        one_read = one_read.max(net.max((2.0 * local + share * written) / c.d2d));
+        // staged: the bf16 transfer (local bytes read and written), then the pass reading the
+        // staging buffer and writing the rollout
+        let pass = (2.0 * elems + written) / c.d2d;
+        staged = staged.max(net.max(4.0 * local / c.d2d) + pass);
+    }
+    let mut lc = lazy_lifecycle(backend, state, MemoryPolicy::resident())?;
+    let (en, ex) = time_cycles(&mut lc, iters, true)?;
+    let m = lc.metrics().clone();
+    println!(
+        "  T={t} fp8 resident: {}; rollout {:.3} GB ({:.2}x the bf16 bytes), staging {:.3} GB \
+         during the switch; floors: one read {} ({}), staged design {} ({})",
+        resident_times(en, ex, &m),
+        (2 * f.len) as f64 / GB,
+        f.len as f64 / f.staging_len.max(1) as f64,
+        (2 * f.staging_len) as f64 / GB,
+        ms(one_read),
+        ratio(en, one_read).map_or("n/a".into(), |x| format!("{x:.2}x")),
+        ms(staged),
+        ratio(en, staged).map_or("n/a".into(), |x| format!("{x:.2}x")),
+    );
+    let (b, s) = lc.into_parts()?;
+    let row = Row {
+        what: format!("{lname} -> T={t} fp8 enter (staged; floor: one read)"),
+        ours: en,
+        floor: one_read,
+        floor_sr: None,
+    };
+    Ok((b.with_rollout_dtype(RolloutDtype::Bf16), s, row))
 }
 
 /// One traced enter + exit of `lc`: writes the Chrome trace to `dir/name.json` and prints, per
@@ -493,6 +574,13 @@ fn run() -> Result<(), Box<dyn Error>> {
                 let (b, s) = lc.into_parts()?;
                 backend = b;
                 state = s;
+            }
+            if args.fp8 {
+                let (b, s, row) =
+                    fp8_enter(backend, state, best.1, (&c, world), args.iters, (&lname, t))?;
+                backend = b;
+                state = s;
+                rows.push(row);
             }
             let trace_name = format!("megatron_tp{tp}_pp{pp}_t{t}");
             if let (Some(dir), false) = (&args.trace, !args.skip_offload) {

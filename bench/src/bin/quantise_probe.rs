@@ -1,11 +1,12 @@
 //! How fast the fp8 quantisation kernel (`kernels/fp8_quantise.cu`) runs on this GPU, and what
-//! bounds it: the kernel as shipped, with fewer float4s per thread (more threads per block), and
-//! a diagnostic variant that multiplies by the reciprocal of the scale instead of dividing (not
-//! bit-exact: it says how much of the time the IEEE division costs). One region of `--rows` ×
-//! `--cols` fp32 values, against the device-to-device copy floor of the same bytes.
+//! bounds it: the kernel as shipped (the multiply by 1 / s, the IEEE division near e4m3
+//! midpoints), with other float4 counts per thread, with the division for every value, and a
+//! diagnostic variant that only multiplies (not bit-exact: the bound of the shipped one). One region of `--rows` ×
+//! `--cols` fp32 values (bf16 with `--bf16`: the kernel the Megatron backends' fp8 pass runs),
+//! against the device-to-device copy floor of the same bytes.
 //!
 //! ```text
-//! cargo run --release -p lifecycle-bench --bin quantise_probe -- [--rows 32768] [--cols 32768]
+//! cargo run --release -p lifecycle-bench --bin quantise_probe -- [--rows 32768] [--cols 32768] [--bf16]
 //! ```
 
 use std::sync::Arc;
@@ -20,9 +21,6 @@ use lifecycle_cuda::{compile, KernelSet};
 type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 const SOURCE: &str = include_str!("../../../kernels/fp8_quantise.cu");
-const DIVIDE: &str = "float a = v.x / s, b = v.y / s, c = v.z / s, d = v.w / s;";
-const MULTIPLY: &str =
-    "float inv = 1.0f / s; float a = v.x * inv, b = v.y * inv, c = v.z * inv, d = v.w * inv;";
 
 /// The quantisation kernel's speed by variant (see the module docs).
 #[derive(Debug, Parser)]
@@ -37,6 +35,9 @@ struct Cli {
     /// Timed launches per variant (the best is reported).
     #[arg(long, default_value_t = 10)]
     iters: usize,
+    /// Quantise bf16 values (`quantize_e4m3_jobs_bf16`) instead of fp32.
+    #[arg(long)]
+    bf16: bool,
 }
 
 fn best_ms(stream: &Arc<CudaStream>, iters: usize, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
@@ -70,49 +71,71 @@ fn main() -> Res<()> {
             ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
         })
         .collect();
-    let src: CudaSlice<f32> = stream.clone_htod(&host)?;
-    drop(host);
+    // the source as 32-bit words: fp32 values, or two bf16 values a word (the high halves)
+    let words: Vec<u32> = if cli.bf16 {
+        host.chunks(2)
+            .map(|p| (p[0].to_bits() >> 16) | (p.get(1).map_or(0, |v| v.to_bits() >> 16) << 16))
+            .collect()
+    } else {
+        host.iter().map(|v| v.to_bits()).collect()
+    };
+    let src: CudaSlice<u32> = stream.clone_htod(&words)?;
+    drop((host, words));
+    let src_bytes = if cli.bf16 { 2 } else { 4 };
     // the bytes, then one f32 scale per tile
     let out_bytes = n + 4 * tiles as usize;
     let dst: CudaSlice<u8> = stream.alloc_zeros(out_bytes.next_multiple_of(4))?;
     let jobs = stream.clone_htod(&[0u64, 0, (n / 4) as u64, cli.rows, cli.cols, 0])?;
-    // a copy of 2.5 n bytes reads and writes the 5 n bytes the quantisation moves
-    let copy_src: CudaSlice<u8> = stream.alloc_zeros(5 * n / 2)?;
-    let mut copy_dst: CudaSlice<u8> = stream.alloc_zeros(5 * n / 2)?;
+    // a copy of (src + 1) n / 2 bytes reads and writes the bytes the quantisation moves
+    let moved = (src_bytes + 1) * n;
+    let copy_src: CudaSlice<u8> = stream.alloc_zeros(moved / 2)?;
+    let mut copy_dst: CudaSlice<u8> = stream.alloc_zeros(moved / 2)?;
     let floor = best_ms(&stream, cli.iters, || {
         stream.memcpy_dtod(&copy_src, &mut copy_dst)?;
         Ok(())
     })?;
-    let gb = (5 * n) as f64 / 1e9;
+    let gb = moved as f64 / 1e9;
     println!(
-        "quantise_probe: {} x {} fp32 ({:.2} GB read, {:.2} GB written); floor (a device copy \
+        "quantise_probe: {} x {} {} ({:.2} GB read, {:.2} GB written); floor (a device copy \
          moving as many bytes) {floor:.3} ms ({:.0} GB/s)",
         cli.rows,
         cli.cols,
-        (4 * n) as f64 / 1e9,
+        if cli.bf16 { "bf16" } else { "fp32" },
+        (src_bytes * n) as f64 / 1e9,
         n as f64 / 1e9,
         gb / floor * 1e3
     );
-    let variants: [(&str, usize, bool); 5] = [
-        ("16 float4 per thread, 256 threads", 16, false),
-        ("shipped (8 float4 per thread, 512 threads)", 8, false),
-        ("4 float4 per thread, 1024 threads", 4, false),
-        ("diagnostic: 16 per thread, multiply by 1/s", 16, true),
-        ("diagnostic: 8 per thread, multiply by 1/s", 8, true),
+    // (name, float4s per thread, a macro the kernel reads)
+    let variants: [(&str, usize, &str); 5] = [
+        ("16 float4 per thread, 256 threads", 16, ""),
+        ("shipped (8 float4 per thread, 512 threads)", 8, ""),
+        ("4 float4 per thread, 1024 threads", 4, ""),
+        (
+            "8 per thread, the IEEE division for every value",
+            8,
+            "QUANTISE_DIVIDE_ALWAYS",
+        ),
+        (
+            "diagnostic: 8 per thread, multiply by 1/s only",
+            8,
+            "QUANTISE_MULTIPLY_ONLY",
+        ),
     ];
-    for (name, held, multiply) in variants {
-        let mut source = format!("#define QUANTISE_HELD {held}\n{SOURCE}");
-        if multiply {
-            if !source.contains(DIVIDE) {
-                return Err("the kernel's division line changed: update the probe".into());
-            }
-            source = source.replace(DIVIDE, MULTIPLY);
+    for (name, held, flag) in variants {
+        let mut source = format!("#define QUANTISE_HELD {held}\n");
+        if !flag.is_empty() {
+            source.push_str(&format!("#define {flag}\n"));
         }
+        source.push_str(SOURCE);
         let source: &'static str = Box::leak(source.into_boxed_str());
         let set = KernelSet::new(Box::leak(name.to_string().into_boxed_str()), source).exact();
         let ptx = compile(&set, major, minor)?;
         let module = ctx.load_module(ptx)?;
-        let f = module.load_function("quantize_e4m3_jobs")?;
+        let f = module.load_function(if cli.bf16 {
+            "quantize_e4m3_jobs_bf16"
+        } else {
+            "quantize_e4m3_jobs"
+        })?;
         let threads = 32 * (128 / held) as u32;
         let (sp, _s) = src.device_ptr(&stream);
         let (dp, _d) = dst.device_ptr(&stream);
