@@ -379,17 +379,7 @@ fn fp8_against_bf16(
         times.push((en, held));
         if let (Some(dir), RolloutDtype::Fp8) = (trace, dtype) {
             let traced = trace_cycle(&mut lc, dir, "fsdp_fp8_enter", 12)?;
-            println!(
-                "  trace of one fp8 resident enter + exit {}; device work per rank and stream (ms after the first span):",
-                traced.written()
-            );
-            for r in &traced.tracks {
-                let t = &r.summary;
-                println!(
-                    "    rank {:?} {:>8}: {}: {}",
-                    t.rank, t.track, r.times, r.first
-                );
-            }
+            print_trace(&traced, "fp8 resident enter + exit");
         }
         state = lc.into_parts()?.1;
     }
@@ -401,6 +391,21 @@ fn fp8_against_bf16(
         );
     }
     Ok(state)
+}
+
+/// Prints where a traced `what` was written and, per rank and stream, its device work.
+fn print_trace(traced: &lifecycle_bench::trace::TracedCycle, what: &str) {
+    println!(
+        "  trace of one {what} {}; device work per rank and stream (ms after the first span):",
+        traced.written()
+    );
+    for r in &traced.tracks {
+        let t = &r.summary;
+        println!(
+            "    rank {:?} {:>8}: {}: {}",
+            t.rank, t.track, r.times, r.first
+        );
+    }
 }
 
 /// One traced resident enter + exit at `cfg`: writes the Chrome trace and prints, per rank and
@@ -418,17 +423,7 @@ fn traced_enter(
     lc.enter()?;
     lc.exit()?;
     let traced = trace_cycle(&mut lc, dir, &format!("fsdp_enter_t{tp}"), 12)?;
-    println!(
-        "  trace of one resident enter + exit at T = {tp} {}; device work per rank and stream (ms after the first span):",
-        traced.written()
-    );
-    for r in &traced.tracks {
-        let t = &r.summary;
-        println!(
-            "    rank {:?} {:>8}: {}: {}",
-            t.rank, t.track, r.times, r.first
-        );
-    }
+    print_trace(&traced, &format!("resident enter + exit at T = {tp}"));
     let (_, s) = lc.into_parts()?;
     Ok(s)
 }
