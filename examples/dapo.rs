@@ -123,8 +123,10 @@ struct Args {
     /// tensor parallelism, `ep` partitions them over the rollout ranks.
     #[arg(long, default_value = "tp", value_parser = <ExpertPlacement as std::str::FromStr>::from_str)]
     experts: ExpertPlacement,
-    /// The rollout weights' dtype: `bf16`, or `fp8` (block-scaled e4m3 quantised from the fp32
-    /// masters in the switch; a --checkpoint model in the FSDP layout, on the GPU at --gpus 1).
+    /// The rollout weights' dtype: `bf16`, or `fp8` (block-scaled e4m3 quantised in the switch:
+    /// from the fp32 masters in the FSDP layout, from the bf16 parameters in the Megatron
+    /// layouts, whose fused q/k/v and gate/up parts must end on 128-row blocks; a decoder model:
+    /// --checkpoint on the host backend).
     #[arg(long, default_value = "bf16", value_parser = <RolloutDtype as std::str::FromStr>::from_str)]
     rollout_dtype: RolloutDtype,
     /// With --rollout-dtype fp8: matrices kept bf16 beyond the embedding, head, norms and router
