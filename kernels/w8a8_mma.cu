@@ -75,6 +75,68 @@ __device__ __forceinline__ Frag load_frag(const u8* lo, const u8* hi, bool oklo,
     return f;
 }
 
+// Writes a block's sums (fragment (g, t) of token tile nt: rows g and g + 8 of the warp's
+// tile, tokens 8 nt + 2 t and the next): unsplit straight to y (and 0 to ylo); split, its
+// partial sums, and the last block of the row range adds the slices in their order.
+template <int NT>
+__device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* __restrict__ y,
+                                          float* __restrict__ ylo, float* __restrict__ part,
+                                          u32* __restrict__ counters, u32 out, u32 n,
+                                          u32 splits, u32 tile, u32 g, u32 t, u32 warp,
+                                          bool oklo, bool okhi) {
+    __shared__ u32 last;
+    const u32 T = 8 * NT;
+    const u32 rlo = tile + g, rhi = rlo + 8;
+    if (splits == 1) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const u32 k0 = (u32)nt * 8u + 2u * t;
+            if (oklo && k0 < n) y[(u64)k0 * out + rlo] = acc[nt][0];
+            if (oklo && k0 + 1 < n) y[(u64)(k0 + 1) * out + rlo] = acc[nt][1];
+            if (okhi && k0 < n) y[(u64)k0 * out + rhi] = acc[nt][2];
+            if (okhi && k0 + 1 < n) y[(u64)(k0 + 1) * out + rhi] = acc[nt][3];
+            if (ylo != nullptr) {
+                if (oklo && k0 < n) ylo[(u64)k0 * out + rlo] = 0.0f;
+                if (oklo && k0 + 1 < n) ylo[(u64)(k0 + 1) * out + rlo] = 0.0f;
+                if (okhi && k0 < n) ylo[(u64)k0 * out + rhi] = 0.0f;
+                if (okhi && k0 + 1 < n) ylo[(u64)(k0 + 1) * out + rhi] = 0.0f;
+            }
+        }
+        return;
+    }
+    // this slice's partial sums, [token][row of the block]
+    float* mine = part + ((u64)blockIdx.x * splits + blockIdx.y) * (MMA_ROWS * T);
+    const u32 bl = warp * 16u + g, bh = bl + 8u;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        if ((u32)nt * 8u < n) {
+            const u32 k0 = (u32)nt * 8u + 2u * t;
+            mine[k0 * MMA_ROWS + bl] = acc[nt][0];
+            mine[(k0 + 1) * MMA_ROWS + bl] = acc[nt][1];
+            mine[k0 * MMA_ROWS + bh] = acc[nt][2];
+            mine[(k0 + 1) * MMA_ROWS + bh] = acc[nt][3];
+        }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == splits - 1 ? 1u : 0u;
+    __syncthreads();
+    if (last == 0) return;
+    __threadfence();
+    const float* all = part + (u64)blockIdx.x * splits * (MMA_ROWS * T);
+    for (u32 i = threadIdx.x; i < n * MMA_ROWS; i += blockDim.x) {
+        const u32 tok = i / MMA_ROWS, r = i - tok * MMA_ROWS;
+        const u32 row = blockIdx.x * MMA_ROWS + r;
+        float v = 0.0f;
+        for (u32 s = 0; s < splits; ++s) v += ld_l2(all + (u64)s * (MMA_ROWS * T) + i);
+        if (row < out) {
+            y[(u64)tok * out + row] = v;
+            if (ylo != nullptr) ylo[(u64)tok * out + row] = 0.0f;
+        }
+    }
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
+}
+
 template <int NT>
 __device__ __forceinline__ void w8a8_mma_body(
     const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0, u32 out, u32 inp,
@@ -82,7 +144,6 @@ __device__ __forceinline__ void w8a8_mma_body(
     u32 chunk, float* __restrict__ y, float* __restrict__ ylo, float* __restrict__ part,
     u32* __restrict__ counters) {
     extern __shared__ __align__(16) u8 smem[];
-    __shared__ u32 last;
     const u32 T = 8 * NT;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3u;
@@ -171,56 +232,233 @@ __device__ __forceinline__ void w8a8_mma_body(
             }
         }
     }
-    // fragment (g, t) of mma nt: rows g and g + 8 of the tile, tokens 8 nt + 2 t and the next
-    if (splits == 1) {
+    store_acc<NT>(acc, y, ylo, part, counters, out, n, splits, tile, g, t, warp, oklo, okhi);
+}
+
+// ---- The same products by Hopper's warpgroup mma (compiled for sm_90a only) ----------------
+//
+// The 4 warps of a block are one warpgroup: per 128-wide group, four
+// wgmma.m64n{8 NT}k32.e4m3 take the warps' weight fragments from registers (as loaded for
+// mma.sync above: the same permuted k order) and every token's activations from shared memory,
+// into a fresh f32 fragment (scale-d 0 on the first), which is then scaled and added as above.
+// The fragment of token tile j is d[4 j .. 4 j + 3], laid out as mma.sync's.
+//
+// Shared memory holds the chunk's activations as the wgmma's canonical K-major tiles without
+// swizzle: per group, step s (32 inputs) and half h (16 of them), NT core matrices of 8 tokens
+// x 16 bytes (128 contiguous bytes each, token tile after token tile). The core matrix of half
+// h holds, in its 4-byte word q, the group's input word 8 q + 2 s + h: the permutation the
+// weight fragments were loaded in.
+
+// a shared-memory address in the shared window
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{\n.reg .u64 t;\ncvta.to.shared.u64 t, %1;\ncvt.u32.u64 %0, t;\n}\n" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// the matrix descriptor of canonical K-major tiles without swizzle: the leading byte offset
+// between the two core matrices of a step's 32 inputs, the stride byte offset between token
+// tiles of 8
+__device__ __forceinline__ u64 wg_desc(u32 addr, u32 lead, u32 stride) {
+    return (u64)((addr >> 4) & 0x3FFFu) | ((u64)((lead >> 4) & 0x3FFFu) << 16) |
+           ((u64)((stride >> 4) & 0x3FFFu) << 32);
+}
+
+__device__ __forceinline__ void wg_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wg_commit_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" :::
+                     "memory");
+#endif
+}
+
+// keeps a register live and unmoved up to here (the wgmma reads and writes it asynchronously)
+__device__ __forceinline__ void keep(float& v) { asm volatile("" : "+f"(v)::"memory"); }
+__device__ __forceinline__ void keep(u32& v) { asm volatile("" : "+r"(v)::"memory"); }
+
+__device__ __forceinline__ void wgmma_n8(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u64 desc,
+                                          u32 acc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ void wgmma_n16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u64 desc,
+                                          u32 acc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, "
+        "{%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ void wgmma_n32(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u64 desc,
+                                          u32 acc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ void wgmma_n64(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u64 desc,
+                                          u32 acc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
+#else
+    __trap();
+#endif
+}
+
+template <int NT>
+__device__ __forceinline__ void wgmma_step(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u64 desc,
+                                           u32 acc) {
+    if (NT == 1) wgmma_n8(d, a0, a1, a2, a3, desc, acc);
+    else if (NT == 2) wgmma_n16(d, a0, a1, a2, a3, desc, acc);
+    else if (NT == 4) wgmma_n32(d, a0, a1, a2, a3, desc, acc);
+    else wgmma_n64(d, a0, a1, a2, a3, desc, acc);
+}
+
+template <int NT>
+__device__ __forceinline__ void w8a8_wgmma_body(
+    const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0, u32 out, u32 inp,
+    const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,
+    u32 chunk, float* __restrict__ y, float* __restrict__ ylo, float* __restrict__ part,
+    u32* __restrict__ counters) {
+    extern __shared__ __align__(128) u8 smem[];
+    const u32 T = 8 * NT;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const u32 g = lane >> 2, t = lane & 3u;
+    const u32 groups = inp >> 7;
+    const u32 splits = gridDim.y;
+    const u32 g0 = blockIdx.y * slice, g1 = min(groups, g0 + slice);
+    const u32 tile = blockIdx.x * MMA_ROWS + warp * 16;
+    const u32 rlo = tile + g, rhi = rlo + 8;
+    const bool oklo = rlo < out, okhi = rhi < out, okt = tile < out;
+    const u8* wlo = w + (u64)(row0 + (oklo ? rlo : 0u)) * inp + 32u * t;
+    const u8* whi = w + (u64)(row0 + (okhi ? rhi : 0u)) * inp + 32u * t;
+    const float* wsr = wsc + (u64)((row0 + (okt ? tile : 0u)) >> 7) * groups;
+    // per group 128 bytes of every token; then the scales [group][token]
+    const u32 group_bytes = 128u * T;
+    u8* xb = smem;
+    float* xsb = reinterpret_cast<float*>(smem + chunk * group_bytes);
+    const u32 xb_addr = smem_addr(xb);
+    float acc[NT][4];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const u32 k0 = (u32)nt * 8u + 2u * t;
-            if (oklo && k0 < n) y[(u64)k0 * out + rlo] = acc[nt][0];
-            if (oklo && k0 + 1 < n) y[(u64)(k0 + 1) * out + rlo] = acc[nt][1];
-            if (okhi && k0 < n) y[(u64)k0 * out + rhi] = acc[nt][2];
-            if (okhi && k0 + 1 < n) y[(u64)(k0 + 1) * out + rhi] = acc[nt][3];
-            if (ylo != nullptr) {
-                if (oklo && k0 < n) ylo[(u64)k0 * out + rlo] = 0.0f;
-                if (oklo && k0 + 1 < n) ylo[(u64)(k0 + 1) * out + rlo] = 0.0f;
-                if (okhi && k0 < n) ylo[(u64)k0 * out + rhi] = 0.0f;
-                if (okhi && k0 + 1 < n) ylo[(u64)(k0 + 1) * out + rhi] = 0.0f;
+    for (int i = 0; i < NT; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    }
+    for (u32 c0 = g0; c0 < g1; c0 += chunk) {
+        const u32 cg = min(chunk, g1 - c0);
+        Frag a = load_frag(wlo + (u64)c0 * 128u, whi + (u64)c0 * 128u, oklo, okhi);
+        __syncthreads();  // the previous chunk is no longer read
+        for (u32 i = threadIdx.x; i < T * cg * 8u; i += blockDim.x) {
+            // 16 input bytes u of token tok in group gi: words 4 u .. 4 u + 3, word 8 q + r
+            // going to core matrix r (= 2 s + h) of the group, row tok, word q
+            const u32 tok = i % T, rest = i / T, u = rest & 7u, gi = rest >> 3;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (tok < n) {
+                v = *reinterpret_cast<const uint4*>(xq + (u64)tok * inp + (u64)(c0 + gi) * 128u +
+                                                    16u * u);
+            }
+            const u32 q = u >> 1, r0 = 4u * (u & 1u);
+            u8* base = xb + gi * group_bytes + (tok >> 3) * 128u + (tok & 7u) * 16u + 4u * q;
+            const u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                *reinterpret_cast<u32*>(base + (r0 + (u32)e) * (NT * 128u)) = words[e];
             }
         }
-        return;
-    }
-    // this slice's partial sums, [token][row of the block]
-    float* mine = part + ((u64)blockIdx.x * splits + blockIdx.y) * (MMA_ROWS * T);
-    const u32 bl = warp * 16u + g, bh = bl + 8u;
+        for (u32 i = threadIdx.x; i < T * cg; i += blockDim.x) {
+            const u32 gi = i / T, tok = i - gi * T;
+            xsb[i] = tok < n ? xsc[(u64)(c0 + gi) * xs_grp + tok] : 0.0f;
+        }
+        // the generic proxy's writes, visible to the wgmma's reads
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        for (u32 gi = 0; gi < cg; ++gi) {
+            Frag f = a;
+            if (gi + 1 < cg) {
+                const u64 next = (u64)(c0 + gi + 1) * 128u;
+                a = load_frag(wlo + next, whi + next, oklo, okhi);
+            }
+            const float ws = okt ? wsr[c0 + gi] : 0.0f;
+            const u32 ga = xb_addr + gi * group_bytes;
+            const u32 lead = NT * 128u;
+            float d[NT * 4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        if ((u32)nt * 8u < n) {
-            const u32 k0 = (u32)nt * 8u + 2u * t;
-            mine[k0 * MMA_ROWS + bl] = acc[nt][0];
-            mine[(k0 + 1) * MMA_ROWS + bl] = acc[nt][1];
-            mine[k0 * MMA_ROWS + bh] = acc[nt][2];
-            mine[(k0 + 1) * MMA_ROWS + bh] = acc[nt][3];
+            for (int e = 0; e < NT * 4; ++e) d[e] = 0.0f;
+            wg_fence();
+            wgmma_step<NT>(d, f.lo0.x, f.hi0.x, f.lo0.y, f.hi0.y, wg_desc(ga, lead, 128u), 0u);
+            wgmma_step<NT>(d, f.lo0.z, f.hi0.z, f.lo0.w, f.hi0.w,
+                           wg_desc(ga + 2u * lead, lead, 128u), 1u);
+            wgmma_step<NT>(d, f.lo1.x, f.hi1.x, f.lo1.y, f.hi1.y,
+                           wg_desc(ga + 4u * lead, lead, 128u), 1u);
+            wgmma_step<NT>(d, f.lo1.z, f.hi1.z, f.lo1.w, f.hi1.w,
+                           wg_desc(ga + 6u * lead, lead, 128u), 1u);
+            wg_commit_wait();
+#pragma unroll
+            for (int e = 0; e < NT * 4; ++e) keep(d[e]);
+            keep(f.lo0.x); keep(f.lo0.y); keep(f.lo0.z); keep(f.lo0.w);
+            keep(f.lo1.x); keep(f.lo1.y); keep(f.lo1.z); keep(f.lo1.w);
+            keep(f.hi0.x); keep(f.hi0.y); keep(f.hi0.z); keep(f.hi0.w);
+            keep(f.hi1.x); keep(f.hi1.y); keep(f.hi1.z); keep(f.hi1.w);
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                const float* sc = xsb + gi * T + (u32)j * 8u + 2u * t;
+                const float s0 = ws * sc[0], s1 = ws * sc[1];
+                acc[j][0] = fmaf(d[4 * j + 0], s0, acc[j][0]);
+                acc[j][1] = fmaf(d[4 * j + 1], s1, acc[j][1]);
+                acc[j][2] = fmaf(d[4 * j + 2], s0, acc[j][2]);
+                acc[j][3] = fmaf(d[4 * j + 3], s1, acc[j][3]);
+            }
         }
     }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == splits - 1 ? 1u : 0u;
-    __syncthreads();
-    if (last == 0) return;
-    __threadfence();
-    const float* all = part + (u64)blockIdx.x * splits * (MMA_ROWS * T);
-    for (u32 i = threadIdx.x; i < n * MMA_ROWS; i += blockDim.x) {
-        const u32 tok = i / MMA_ROWS, r = i - tok * MMA_ROWS;
-        const u32 row = blockIdx.x * MMA_ROWS + r;
-        float v = 0.0f;
-        for (u32 s = 0; s < splits; ++s) v += ld_l2(all + (u64)s * (MMA_ROWS * T) + i);
-        if (row < out) {
-            y[(u64)tok * out + row] = v;
-            if (ylo != nullptr) ylo[(u64)tok * out + row] = 0.0f;
-        }
-    }
-    if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
+    store_acc<NT>(acc, y, ylo, part, counters, out, n, splits, tile, g, t, warp, oklo, okhi);
 }
+
+#define W8A8_WGMMA(NT)                                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, NT <= 2 ? 4 : 2)             \
+        w8a8_wgmma_##NT(const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0,    \
+                        u32 out, u32 inp, const u8* __restrict__ xq,                          \
+                        const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,          \
+                        u32 chunk, float* __restrict__ y, u32 zero_lo,                        \
+                        float* __restrict__ part, u32* __restrict__ counters) {               \
+        w8a8_wgmma_body<NT>(w, wsc, row0, out, inp, xq, xsc, xs_grp, n, slice, chunk, y,      \
+                            zero_lo ? y + (u64)n * out : nullptr, part, counters);            \
+    }
 
 #define W8A8_MMA(NT)                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, NT <= 3 ? 4 : 2) w8a8_mma_##NT(           \
@@ -239,3 +477,11 @@ W8A8_MMA(5)
 W8A8_MMA(6)
 W8A8_MMA(7)
 W8A8_MMA(8)
+
+// the warpgroup kernels exist only where the source is compiled for sm_90a
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+W8A8_WGMMA(1)
+W8A8_WGMMA(2)
+W8A8_WGMMA(4)
+W8A8_WGMMA(8)
+#endif

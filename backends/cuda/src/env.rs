@@ -120,6 +120,19 @@ pub fn find_cuda_include() -> Option<PathBuf> {
         .find(|p| p.join("cuda_bf16.h").is_file())
 }
 
+/// The architecture-specific NVRTC target of a device of compute capability (`major`, `minor`),
+/// for kernels of instructions only it has (Hopper's `wgmma`): `sm_90a` on 9.0, else none
+/// (`$LIFECYCLE_CUDA_ARCH` does not apply).
+///
+/// ```
+/// use lifecycle_cuda::arch_specific_target;
+/// assert_eq!(arch_specific_target(9, 0).as_deref(), Some("sm_90a"));
+/// assert_eq!(arch_specific_target(8, 9), None);
+/// ```
+pub fn arch_specific_target(major: i32, minor: i32) -> Option<String> {
+    ((major, minor) == (9, 0)).then(|| "sm_90a".to_string())
+}
+
 /// The NVRTC `--gpu-architecture` values to try for a device of compute capability
 /// (`major`, `minor`): `$LIFECYCLE_CUDA_ARCH` if set, else `sm_XY`, then the virtual `compute_XY`
 /// (PTX JIT-compiled by the driver), then `compute_90` and `compute_80` as last fallbacks.

@@ -68,8 +68,8 @@ pub use comm::{
     TIMEOUT_ENV,
 };
 pub use env::{
-    arch_candidates, check_environment, device_count, driver_present, find_cuda_include,
-    include_candidates, nccl_present, nvrtc_present, Environment,
+    arch_candidates, arch_specific_target, check_environment, device_count, driver_present,
+    find_cuda_include, include_candidates, nccl_present, nvrtc_present, Environment,
 };
 pub use error::{CudaError, NcclFailure};
 pub use freeing::{frees_needed, FreeingRoom};

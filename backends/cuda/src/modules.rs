@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
-use crate::env::{arch_candidates, find_cuda_include};
+use crate::env::{arch_candidates, arch_specific_target, find_cuda_include};
 use crate::CudaError;
 
 /// A set of CUDA C kernels compiled together with NVRTC.
@@ -25,6 +25,7 @@ use crate::CudaError;
 /// );
 /// assert!(!SCALE.exact_math);
 /// assert!(SCALE.exact().exact_math);
+/// assert!(SCALE.arch_specific().arch_specific);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct KernelSet {
@@ -37,6 +38,10 @@ pub struct KernelSet {
     pub exact_math: bool,
     /// The source includes CUDA headers (`cuda_bf16.h`): the CUDA include folder is passed.
     pub cuda_headers: bool,
+    /// Compiled for the device's architecture-specific target only (`sm_90a` on compute
+    /// capability 9.0, whose warpgroup instructions such as `wgmma` no other target has; see
+    /// [`arch_specific_target`]): loading fails on devices without one.
+    pub arch_specific: bool,
 }
 
 impl KernelSet {
@@ -47,6 +52,7 @@ impl KernelSet {
             source,
             exact_math: false,
             cuda_headers: false,
+            arch_specific: false,
         }
     }
 
@@ -64,6 +70,32 @@ impl KernelSet {
             cuda_headers: true,
             ..self
         }
+    }
+
+    /// The same set compiled for the device's architecture-specific target only.
+    pub const fn arch_specific(self) -> Self {
+        KernelSet {
+            arch_specific: true,
+            ..self
+        }
+    }
+
+    /// The `--gpu-architecture` values tried for a device of compute capability
+    /// (`major`, `minor`).
+    fn targets(&self, major: i32, minor: i32) -> Result<Vec<String>, CudaError> {
+        if !self.arch_specific {
+            return Ok(arch_candidates(major, minor));
+        }
+        arch_specific_target(major, minor)
+            .map(|t| vec![t])
+            .ok_or_else(|| CudaError::Compile {
+                module: self.name.into(),
+                options: Vec::new(),
+                detail: format!(
+                    "its kernels need an architecture-specific target (sm_90a), which a \
+                     device of compute capability {major}.{minor} does not have"
+                ),
+            })
     }
 
     fn options(&self, arch: &str) -> CompileOptions {
@@ -86,7 +118,7 @@ impl KernelSet {
     }
 }
 
-type PtxKey = (&'static str, &'static str, bool, bool, i32, i32);
+type PtxKey = (&'static str, &'static str, bool, bool, bool, i32, i32);
 
 fn ptx_cache() -> &'static Mutex<HashMap<PtxKey, Ptx>> {
     static CACHE: OnceLock<Mutex<HashMap<PtxKey, Ptx>>> = OnceLock::new();
@@ -102,6 +134,7 @@ pub fn compile(set: &KernelSet, major: i32, minor: i32) -> Result<Ptx, CudaError
         set.source,
         set.exact_math,
         set.cuda_headers,
+        set.arch_specific,
         major,
         minor,
     );
@@ -114,7 +147,7 @@ pub fn compile(set: &KernelSet, major: i32, minor: i32) -> Result<Ptx, CudaError
     }
     let mut failures = Vec::new();
     let mut last_options = Vec::new();
-    for arch in arch_candidates(major, minor) {
+    for arch in set.targets(major, minor)? {
         let opts = set.options(&arch);
         last_options = opts.options.clone();
         match compile_ptx_with_opts(set.source, opts) {

@@ -97,9 +97,9 @@ fn main() -> Result<(), Box<dyn Error>> {
     );
     // the MoE shape runs its bf16 experts routed on the device (decode steps of up to
     // MOE_DEVICE_ROWS sequences), routed on the host in blocks of batched GEMMs, and one GEMM per
-    // expert; fp8 runs weight-only, then W8A8 by the decoder's defaults (the tensor-core kernel
-    // up to 8 tokens), with the tensor-core kernel up to 64, and as before the kernel (weight
-    // streaming for one token, cuBLASLt's GEMM from two)
+    // expert; fp8 runs weight-only, then W8A8 by the decoder's defaults, with the warpgroup
+    // kernel (where loaded) from one token, and with the mma.sync kernel up to 8 tokens and the
+    // warpgroup kernel up to 64
     let bf16 = Variant {
         dtype: RolloutDtype::Bf16,
         grouped: true,
@@ -131,11 +131,11 @@ fn main() -> Result<(), Box<dyn Error>> {
         fp8,
         w8a8,
         Variant {
-            limits: Some((0, 64)),
+            limits: Some((0, 0, 64)),
             ..w8a8
         },
         Variant {
-            limits: Some((1, 0)),
+            limits: Some((0, 8, 64)),
             ..w8a8
         },
     ]);
@@ -196,9 +196,10 @@ fn main() -> Result<(), Box<dyn Error>> {
                 (_, Fp8Compute::WeightOnly) => " weight-only".to_string(),
                 (_, Fp8Compute::W8A8) => {
                     dec.set_fp8_compute(compute)?;
-                    if let Some((gemv, mma)) = limits {
+                    if let Some((gemv, mma, wgmma)) = limits {
                         dec.set_fp8_gemv_tokens(gemv);
                         dec.set_fp8_mma_tokens(mma);
+                        dec.set_fp8_wgmma_tokens(wgmma);
                     }
                     format!(" W8A8 ({})", v.name())
                 }
@@ -276,9 +277,9 @@ struct Variant {
     /// bf16 experts in blocks of batched GEMMs (else one GEMM per expert).
     grouped: bool,
     compute: Fp8Compute,
-    /// W8A8: the tokens up to which the weight-streaming kernel, then the tensor-core kernel,
-    /// run (`None`: the decoder's defaults).
-    limits: Option<(usize, usize)>,
+    /// W8A8: the tokens up to which the weight-streaming kernel, then the `mma.sync` kernel,
+    /// then the warpgroup kernel run (`None`: the decoder's defaults).
+    limits: Option<(usize, usize, usize)>,
     /// MoE routed on the device.
     device: bool,
 }
@@ -291,10 +292,19 @@ impl Variant {
             (RolloutDtype::Bf16, ..) => "bf16".into(),
             (_, Fp8Compute::WeightOnly, _) => "fp8 weight-only".into(),
             (_, Fp8Compute::W8A8, None) => "W8A8 default".into(),
-            (_, Fp8Compute::W8A8, Some((0, m))) => format!("W8A8 tensor cores to {m} tokens"),
-            (_, Fp8Compute::W8A8, Some((g, 0))) => format!("W8A8 streaming to {g}, then cuBLASLt"),
-            (_, Fp8Compute::W8A8, Some((g, m))) => {
-                format!("W8A8 streaming to {g}, tensor cores to {m}")
+            (_, Fp8Compute::W8A8, Some((g, m, w))) => {
+                let mut parts = Vec::new();
+                if g > 0 {
+                    parts.push(format!("streaming to {g}"));
+                }
+                if m > 0 {
+                    parts.push(format!("mma.sync to {m}"));
+                }
+                if w > 0 {
+                    parts.push(format!("wgmma to {w}"));
+                }
+                parts.push("then cuBLASLt".into());
+                format!("W8A8 {}", parts.join(", "))
             }
         }
     }

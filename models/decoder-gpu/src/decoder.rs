@@ -1010,16 +1010,17 @@ impl<'w> GpuDecoder<'w> {
     }
 
     /// Tokens (0 to 64, default 8) up to which a W8A8 product beyond the weight-streaming
-    /// kernel's tokens runs the decoder's own tensor-core kernel (e4m3 `mma.sync`, each weight
-    /// byte read once) instead of cuBLASLt's block-scaled GEMM; 0 leaves every such product to
-    /// cuBLASLt (which on an H200 is faster from 16 tokens). Devices below compute capability
-    /// 8.9 always use cuBLASLt. Returns the setting (clamped).
+    /// kernel's tokens runs the decoder's own `mma.sync` tensor-core kernel (e4m3, each weight
+    /// byte read once); 0 leaves such products to the warpgroup kernel
+    /// ([`GpuDecoder::set_fp8_wgmma_tokens`]) or cuBLASLt's block-scaled GEMM. Devices below
+    /// compute capability 8.9 always use cuBLASLt. Returns the setting (clamped).
     ///
     /// ```no_run
     /// use lifecycle_decoder_gpu::GpuDecoder;
     ///
     /// fn cublaslt_only(decoder: &mut GpuDecoder<'_>) {
     ///     assert_eq!(decoder.set_fp8_mma_tokens(0), 0);
+    ///     assert_eq!(decoder.set_fp8_wgmma_tokens(0), 0);
     ///     assert_eq!(decoder.set_fp8_mma_tokens(1000), 64);
     /// }
     /// ```
@@ -1027,6 +1028,29 @@ impl<'w> GpuDecoder<'w> {
         let tokens = tokens.min(MMA_TOKENS);
         for r in &mut self.core.ranks {
             r.w8a8_limits.mma = tokens;
+        }
+        tokens
+    }
+
+    /// Tokens (0 to 64, default 0) up to which a W8A8 product beyond the `mma.sync` kernel's
+    /// tokens ([`GpuDecoder::set_fp8_mma_tokens`]) runs the decoder's warpgroup kernel (Hopper's
+    /// `wgmma`, the weights streamed once into registers, every token's activations read from
+    /// shared memory) instead of cuBLASLt's block-scaled GEMM. Only on devices whose kernels
+    /// compile for an architecture-specific target (sm_90a); elsewhere the setting changes
+    /// nothing. Returns the setting (clamped).
+    ///
+    /// ```no_run
+    /// use lifecycle_decoder_gpu::GpuDecoder;
+    ///
+    /// fn warpgroup_to_32(decoder: &mut GpuDecoder<'_>) {
+    ///     assert_eq!(decoder.set_fp8_wgmma_tokens(32), 32);
+    ///     assert_eq!(decoder.set_fp8_wgmma_tokens(1000), 64);
+    /// }
+    /// ```
+    pub fn set_fp8_wgmma_tokens(&mut self, tokens: usize) -> usize {
+        let tokens = tokens.min(MMA_TOKENS);
+        for r in &mut self.core.ranks {
+            r.w8a8_limits.wgmma = tokens;
         }
         tokens
     }

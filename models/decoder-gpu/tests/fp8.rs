@@ -279,18 +279,27 @@ fn check_w8a8(name: &str, config: &ModelConfig, seed: u64) -> Res {
     let mut lc = Lifecycle::new(backend, state);
     let session = lc.rollout()?;
     let weights = session.weights();
-    // (weight-streaming tokens, tensor-core tokens): cuBLASLt's GEMM beyond both
-    let w8a8_gpu = |(gemv, mma): (usize, usize)| -> Result<GpuDecoder, Box<dyn std::error::Error>> {
-        let mut gpu = GpuDecoder::new(config, session.backend(), weights.get())?;
-        gpu.set_fp8_compute(Fp8Compute::W8A8)?;
+    // (weight-streaming tokens, mma.sync tokens, warpgroup tokens): cuBLASLt's GEMM beyond
+    type Limits = (usize, usize, usize);
+    let set = |gpu: &mut GpuDecoder, (gemv, mma, wgmma): Limits| {
         gpu.set_fp8_gemv_tokens(gemv);
         gpu.set_fp8_mma_tokens(mma);
+        gpu.set_fp8_wgmma_tokens(wgmma);
+    };
+    let w8a8_gpu = |limits: Limits| -> Result<GpuDecoder, Box<dyn std::error::Error>> {
+        let mut gpu = GpuDecoder::new(config, session.backend(), weights.get())?;
+        gpu.set_fp8_compute(Fp8Compute::W8A8)?;
+        set(&mut gpu, limits);
         Ok(gpu)
     };
     let (modes, _) = distance(&small_want, &small_weight_only);
     for (limits, path) in [
-        ((8, 0), "the weight-streaming kernel up to 8 tokens"),
-        ((0, 64), "the tensor-core kernel from 1 token"),
+        ((8, 0, 0), "the weight-streaming kernel up to 8 tokens"),
+        ((0, 64, 0), "the mma.sync kernel from 1 token"),
+        (
+            (0, 0, 64),
+            "the warpgroup kernel (where loaded) from 1 token",
+        ),
     ] {
         let small = run_small(&mut w8a8_gpu(limits)?)?;
         let (err, scale) = distance(&small, &small_want);
@@ -306,16 +315,19 @@ fn check_w8a8(name: &str, config: &ModelConfig, seed: u64) -> Res {
     }
     let (modes, _) = distance(&want, &weight_only);
     let cpu_tokens = run(&mut w8a8_cpu()?, &long, &short)?.1;
-    let mut gpu = w8a8_gpu((1, 0))?;
+    let mut gpu = w8a8_gpu((1, 0, 0))?;
     for (limits, path) in [
-        ((1, 0), "cuBLASLt's GEMM beyond one token"),
+        ((1, 0, 0), "cuBLASLt's GEMM beyond one token"),
         (
-            (1, 64),
-            "weight streaming for one token, the tensor-core kernel up to 64",
+            (1, 64, 0),
+            "weight streaming for one token, the mma.sync kernel up to 64",
+        ),
+        (
+            (1, 0, 64),
+            "weight streaming for one token, the warpgroup kernel (where loaded) up to 64",
         ),
     ] {
-        gpu.set_fp8_gemv_tokens(limits.0);
-        gpu.set_fp8_mma_tokens(limits.1);
+        set(&mut gpu, limits);
         let (got, got_tokens) = run(&mut gpu, &long, &short)?;
         let (err, scale) = distance(&got, &want);
         let (off, _) = distance(&got, &weight_only);

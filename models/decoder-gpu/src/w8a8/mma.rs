@@ -1,10 +1,17 @@
-//! W8A8 block-fp8 products of up to [`MMA_TOKENS`] tokens by a tensor-core kernel of ours
-//! (`kernels/w8a8_mma.cu`): the e4m3 weights streamed from device memory once, widened to f16
-//! in registers (exactly) and multiplied with the quantised activations (widened once per block)
-//! by `mma.sync` f16 instructions with f32 accumulation, each 128-wide input group summed into
-//! a fresh f32 fragment and then scaled by its weight block's and its token group's scales.
+//! W8A8 block-fp8 products of up to [`MMA_TOKENS`] tokens by tensor-core kernels of ours
+//! (`kernels/w8a8_mma.cu`): the e4m3 weights streamed from device memory once into registers
+//! and multiplied with the quantised activations staged in shared memory, each 128-wide input
+//! group summed into a fresh f32 fragment and then scaled by its weight block's and its token
+//! group's scales. Two instruction families do the sums:
+//!
+//! - `mma.sync.m16n8k32.e4m3` (compute capability 8.9 and later), 8 tokens per instruction and
+//!   warp: as fast as the weights stream up to about 8 tokens, then bound by the instruction
+//!   (slow on sm_90);
+//! - Hopper's warpgroup `wgmma.m64nNk32.e4m3` (the kernels compiled for `sm_90a` only), the
+//!   weights from the warps' registers and every token (N = 8 to 64) from shared memory.
+//!
 //! cuBLASLt's block-scaled GEMM ([`crate::w8a8`]) reads the weights of these products at about
-//! half the device's rate at these token counts; this kernel is built for them.
+//! half the device's rate at these token counts; these kernels are built for them.
 //!
 //! The launch shape ([`MmaShape::of`]) depends on the product's rows and inputs and on the
 //! device's SM count, not on its tokens: a row's sum is split over the same input slices, and
@@ -15,7 +22,9 @@ use std::sync::{Arc, Mutex};
 use lifecycle_cuda::cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
 };
-use lifecycle_cuda::{alloc_device, alloc_zeros, CudaError, KernelSet, RankCtx};
+use lifecycle_cuda::{
+    alloc_device, alloc_zeros, arch_specific_target, CudaError, KernelSet, RankCtx,
+};
 
 use crate::fp8::Fp8Weight;
 use crate::kernels::{launch, Arg};
@@ -29,6 +38,17 @@ pub const W8A8_MMA_KERNELS: KernelSet = KernelSet::new(
     W8A8_MMA_KERNEL_SRC,
 );
 
+/// [`W8A8_MMA_KERNEL_SRC`] compiled for the architecture-specific target (`sm_90a`), where its
+/// warpgroup kernels `w8a8_wgmma_N` exist.
+pub const W8A8_WGMMA_KERNELS: KernelSet = KernelSet::new(
+    "lifecycle_decoder_gpu W8A8 wgmma kernels",
+    W8A8_MMA_KERNEL_SRC,
+)
+.arch_specific();
+
+/// Token tiles of 8 the warpgroup kernels are built for (`w8a8_wgmma_N`, N = 8 · tiles).
+const WGMMA_TILES: [usize; 4] = [1, 2, 4, 8];
+
 /// Tokens up to which the kernel multiplies (8 per mma, up to 8 mma's per warp and group).
 pub(crate) const MMA_TOKENS: usize = 64;
 
@@ -36,7 +56,7 @@ pub(crate) const MMA_TOKENS: usize = 64;
 const BLOCK_ROWS: usize = 64;
 
 /// Bytes of activations a block stages in shared memory at a time (a chunk of input groups of
-/// every token, widened to f16).
+/// every token; the `mma.sync` kernel's rows padded, counted as 256 bytes a group).
 const STAGE_BYTES: usize = 32 << 10;
 
 /// Blocks per SM the split of the inputs aims at (enough weight loads in flight to stream at the
@@ -46,8 +66,10 @@ const BLOCKS_PER_SM: usize = 4;
 /// How one product is launched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct MmaShape {
-    /// mma's per warp and group (8 tokens each): 1 to 8.
+    /// Token tiles of 8: 1 to 8 (a power of two for the warpgroup kernels).
     pub nt: usize,
+    /// The warpgroup kernel (`w8a8_wgmma_N`) rather than the `mma.sync` one.
+    pub wgmma: bool,
     /// Blocks of [`BLOCK_ROWS`] rows.
     pub row_blocks: usize,
     /// Slices of the input groups, one block each per row block (added in order).
@@ -61,17 +83,23 @@ pub(crate) struct MmaShape {
 impl MmaShape {
     /// The shape of `out × tokens × inp` (`inp` a multiple of 128, 1 ≤ `tokens` ≤
     /// [`MMA_TOKENS`]) on a device of `sms` SMs: the inputs split until the blocks fill
-    /// [`BLOCKS_PER_SM`] per SM (or every slice is one group).
-    pub(crate) fn of(out: usize, tokens: usize, inp: usize, sms: usize) -> Self {
+    /// [`BLOCKS_PER_SM`] per SM (or every slice is one group); `wgmma` for the warpgroup
+    /// kernels, whose token tiles come in powers of two.
+    pub(crate) fn of(out: usize, tokens: usize, inp: usize, sms: usize, wgmma: bool) -> Self {
         let groups = (inp / 128).max(1);
-        let nt = tokens.div_ceil(8).clamp(1, MMA_TOKENS / 8);
+        let mut nt = tokens.div_ceil(8).clamp(1, MMA_TOKENS / 8);
+        if wgmma {
+            nt = nt.next_power_of_two();
+        }
         let row_blocks = out.div_ceil(BLOCK_ROWS).max(1);
         let want = (BLOCKS_PER_SM * sms.max(1)).div_ceil(row_blocks);
         let slice = groups.div_ceil(want.clamp(1, groups));
         let splits = groups.div_ceil(slice);
-        let chunk = (STAGE_BYTES / (8 * nt * 256)).clamp(1, slice);
+        let per_group = if wgmma { 128 } else { 256 };
+        let chunk = (STAGE_BYTES / (8 * nt * per_group)).clamp(1, slice);
         MmaShape {
             nt,
+            wgmma,
             row_blocks,
             splits,
             slice,
@@ -79,11 +107,16 @@ impl MmaShape {
         }
     }
 
-    /// Dynamic shared memory of a block: the staged token rows in f16 (16 bytes of padding
-    /// each) and their scales.
+    /// Dynamic shared memory of a block: the staged activations (the `mma.sync` kernel's token
+    /// rows padded by 16 bytes, the warpgroup kernel's in its core matrices) and their scales.
     pub(crate) fn shared_bytes(&self) -> usize {
         let tokens = 8 * self.nt;
-        tokens * (self.chunk * 256 + 16) + tokens * self.chunk * 4
+        let staged = if self.wgmma {
+            tokens * self.chunk * 128
+        } else {
+            tokens * (self.chunk * 128 + 16)
+        };
+        staged + tokens * self.chunk * 4
     }
 
     /// f32 partial sums of a split product (none unsplit).
@@ -118,6 +151,9 @@ struct Scratch {
 pub(crate) struct MmaKernels {
     /// `w8a8_mma_N` for N = 1 ..= 8 token tiles of 8.
     kernels: Vec<CudaFunction>,
+    /// `w8a8_wgmma_N` for N in [`WGMMA_TILES`], on devices of an architecture-specific target
+    /// (sm_90a) whose NVRTC compiled them.
+    wgmma: Option<Vec<CudaFunction>>,
     sms: usize,
     scratch: Mutex<Scratch>,
 }
@@ -134,10 +170,32 @@ impl MmaKernels {
             return Ok(None);
         }
         let m = ctx.module(&W8A8_MMA_KERNELS)?;
+        let wgmma = if arch_specific_target(major, minor).is_some() {
+            let loaded = ctx.module(&W8A8_WGMMA_KERNELS).and_then(|w| {
+                WGMMA_TILES
+                    .iter()
+                    .map(|nt| w.function(&format!("w8a8_wgmma_{nt}")))
+                    .collect::<Result<Vec<_>, _>>()
+            });
+            match loaded {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    tracing::warn!(
+                        rank = ctx.rank,
+                        "the warpgroup W8A8 kernels did not load ({e}); W8A8 products of more \
+                         than 8 tokens take cuBLASLt's GEMM or the mma.sync kernel"
+                    );
+                    None
+                }
+            }
+        } else {
+            None
+        };
         Ok(Some(MmaKernels {
             kernels: (1..=MMA_TOKENS / 8)
                 .map(|nt| m.function(&format!("w8a8_mma_{nt}")))
                 .collect::<Result<_, _>>()?,
+            wgmma,
             sms: m.sm_count() as usize,
             scratch: Mutex::new(Scratch::default()),
         }))
@@ -147,7 +205,8 @@ impl MmaKernels {
     /// the e4m3 activations (`[tokens × inp]` at least), their scales at `xsc[g · xs_grp + t]`,
     /// `w` rows `row0 .. row0 + out` of a block-scaled e4m3 matrix ([`mma_reads`] must hold).
     /// With `zero_lo` the `tokens` rows after `y`'s (the lo rows of a split product) are
-    /// written 0.
+    /// written 0. `wgmma` asks for the warpgroup kernel, taken where it is loaded
+    /// ([`MmaKernels::has_wgmma`]).
     ///
     /// # Safety
     /// The addresses must be device memory of this context: `w` its matrix and scales, `xq` and
@@ -161,6 +220,7 @@ impl MmaKernels {
         (xq, xsc, xs_grp): (u64, u64, usize),
         (y, zero_lo): (u64, bool),
         (out, tokens, inp): (usize, usize, usize),
+        wgmma: bool,
         rank: usize,
     ) -> Result<(), CudaError> {
         if tokens == 0 || tokens > MMA_TOKENS || !mma_reads(&w, inp) || xs_grp < tokens {
@@ -176,7 +236,8 @@ impl MmaKernels {
             u32::try_from(v)
                 .map_err(|_| CudaError::Invalid(format!("W8A8 mma product {what} {v} > u32")))
         };
-        let shape = MmaShape::of(out, tokens, inp, self.sms);
+        let wg = self.wgmma.as_ref().filter(|_| wgmma);
+        let shape = MmaShape::of(out, tokens, inp, self.sms, wg.is_some());
         let mut scratch = self
             .scratch
             .lock()
@@ -239,13 +300,31 @@ impl MmaKernels {
             Arg::U64(part),
             Arg::U64(counters),
         ];
-        let kernel = self.kernels.get(shape.nt - 1).ok_or_else(|| {
+        let kernel = match wg {
+            Some(k) => WGMMA_TILES
+                .iter()
+                .position(|&t| t == shape.nt)
+                .and_then(|i| k.get(i)),
+            None => self.kernels.get(shape.nt - 1),
+        }
+        .ok_or_else(|| {
             CudaError::Invalid(format!("no W8A8 mma kernel for {} token tiles", shape.nt))
         })?;
-        // SAFETY: the argument list matches w8a8_mma_N (8 N ≥ tokens); the partials and
-        // counters hold the shape's sizes (the counters zero: the kernel leaves them so) and
-        // live in the scratch, whose buffers are freed in stream order; the rest per the caller.
-        unsafe { launch(stream, kernel, cfg, &args, rank, "w8a8_mma") }
+        let name = if wg.is_some() {
+            "w8a8_wgmma"
+        } else {
+            "w8a8_mma"
+        };
+        // SAFETY: the argument list matches w8a8_mma_N and w8a8_wgmma_N (8 N ≥ tokens); the
+        // partials and counters hold the shape's sizes (the counters zero: the kernel leaves
+        // them so) and live in the scratch, whose buffers are freed in stream order; the rest
+        // per the caller.
+        unsafe { launch(stream, kernel, cfg, &args, rank, name) }
+    }
+
+    /// Whether the warpgroup kernels are loaded (an sm_90a device whose NVRTC compiled them).
+    pub(crate) fn has_wgmma(&self) -> bool {
+        self.wgmma.is_some()
     }
 }
 
@@ -257,12 +336,17 @@ mod tests {
     fn the_split_depends_on_rows_and_inputs_not_on_tokens() {
         // 7.6B shapes on an H200 (132 SMs)
         for (out, inp) in [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)] {
-            let one = MmaShape::of(out, 1, inp, 132);
+            let one = MmaShape::of(out, 1, inp, 132, false);
             for tokens in [2, 8, 9, 33, 64] {
-                let s = MmaShape::of(out, tokens, inp, 132);
+                let s = MmaShape::of(out, tokens, inp, 132, false);
                 assert_eq!((s.splits, s.slice), (one.splits, one.slice), "{out}x{inp}");
                 assert!(s.nt * 8 >= tokens && s.nt * 8 < tokens + 8);
                 assert!(s.shared_bytes() <= 48 << 10, "{s:?}");
+                let w = MmaShape::of(out, tokens, inp, 132, true);
+                assert_eq!((w.splits, w.slice), (one.splits, one.slice), "{out}x{inp}");
+                assert!(WGMMA_TILES.contains(&w.nt) && w.nt * 8 >= tokens, "{w:?}");
+                assert!(w.nt * 4 < tokens + 8, "{w:?}: more than twice the tiles");
+                assert!(w.shared_bytes() <= 48 << 10, "{w:?}");
             }
             assert!(one.splits * one.slice >= inp / 128);
             assert!(
@@ -271,9 +355,9 @@ mod tests {
             );
         }
         // many rows: no split; few: split until the blocks fill the device
-        assert_eq!(MmaShape::of(37888, 8, 3584, 132).splits, 1);
-        let s = MmaShape::of(3584, 8, 3584, 132);
+        assert_eq!(MmaShape::of(37888, 8, 3584, 132, false).splits, 1);
+        let s = MmaShape::of(3584, 8, 3584, 132, false);
         assert!(s.row_blocks * s.splits >= 4 * 132 - s.row_blocks, "{s:?}");
-        assert_eq!(MmaShape::of(256, 64, 128, 132).splits, 1);
+        assert_eq!(MmaShape::of(256, 64, 128, 132, true).splits, 1);
     }
 }

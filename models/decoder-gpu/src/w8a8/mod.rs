@@ -7,7 +7,10 @@
 //!   quantised activations are dequantised into f32 (`e4m3 × scale`, exact) and the fp8 weight
 //!   streaming kernel multiplies them: the same products, each weight byte read once.
 //! - Then up to [`W8A8_MMA_TOKENS`] tokens by default (`GpuDecoder::set_fp8_mma_tokens`): the
-//!   decoder's tensor-core kernel ([`mma`]), each weight byte read once.
+//!   decoder's `mma.sync` tensor-core kernel ([`mma`]), each weight byte read once.
+//! - Then up to [`W8A8_WGMMA_TOKENS`] tokens by default (`GpuDecoder::set_fp8_wgmma_tokens`),
+//!   on Hopper (its kernels compiled for sm_90a): the decoder's warpgroup (`wgmma`) kernel, each
+//!   weight byte read once.
 //! - More tokens: cuBLASLt's tensor-core fp8 GEMM with block scales
 //!   (`CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F` for the weights,
 //!   `CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F` for the activations, f32 accumulation and output).
@@ -36,9 +39,14 @@ pub(crate) use quant::{act_scale_strides, padded_tokens, quantize, ActSrc, Quant
 /// H200 at 7.6B shapes the tensor-core kernel is as fast for one token and faster from two).
 pub(crate) const W8A8_GEMV_TOKENS: usize = 0;
 
-/// Tokens up to which a W8A8 product takes the tensor-core kernel by default (on an H200 at
-/// 7.6B shapes cuBLASLt's block-scaled GEMM is faster from 16 tokens; BENCHMARKS.md).
+/// Tokens up to which a W8A8 product takes the `mma.sync` tensor-core kernel by default (on an
+/// H200 at 7.6B shapes cuBLASLt's block-scaled GEMM is faster from 16 tokens; BENCHMARKS.md).
 pub(crate) const W8A8_MMA_TOKENS: usize = 8;
+
+/// Tokens up to which a W8A8 product beyond the `mma.sync` kernel's takes the warpgroup
+/// kernel by default, where it is loaded: none (on an H200 at 7.6B shapes cuBLASLt's GEMM is
+/// faster at 16 to 64 tokens; BENCHMARKS.md).
+pub(crate) const W8A8_WGMMA_TOKENS: usize = 0;
 
 /// Token counts that choose a W8A8 product's path ([`w8a8_gemm`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,9 +54,11 @@ pub(crate) struct W8a8Limits {
     /// Up to these tokens (0 to [`GEMV_TOKENS`]) the weight-streaming kernel, on the
     /// dequantised quantised activations.
     pub gemv: usize,
-    /// Then up to these (0 to [`MMA_TOKENS`]) the tensor-core kernel of [`mma`];
-    /// beyond, cuBLASLt's block-scaled GEMM.
+    /// Then up to these (0 to [`MMA_TOKENS`]) the `mma.sync` tensor-core kernel of [`mma`].
     pub mma: usize,
+    /// Then up to these (0 to [`MMA_TOKENS`]) its warpgroup kernel, where loaded; beyond,
+    /// cuBLASLt's block-scaled GEMM.
+    pub wgmma: usize,
 }
 
 impl Default for W8a8Limits {
@@ -56,6 +66,7 @@ impl Default for W8a8Limits {
         W8a8Limits {
             gemv: W8A8_GEMV_TOKENS,
             mma: W8A8_MMA_TOKENS,
+            wgmma: W8A8_WGMMA_TOKENS,
         }
     }
 }
@@ -65,26 +76,49 @@ impl Default for W8a8Limits {
 pub(crate) enum W8a8Path {
     /// The weight-streaming kernel on the dequantised quantised activations.
     Streaming,
-    /// The tensor-core kernel of [`mma`].
+    /// The `mma.sync` tensor-core kernel of [`mma`].
     TensorCores,
+    /// The warpgroup (`wgmma`) kernel of [`mma`].
+    Warpgroup,
     /// cuBLASLt's block-scaled GEMM.
     CublasLt,
 }
 
+/// What can take a W8A8 product ([`W8a8Limits::path`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct W8a8Readers {
+    /// The tensor-core kernels are loaded and read the weight ([`mma_reads`]).
+    pub mma: bool,
+    /// Their warpgroup kernel is loaded too.
+    pub wgmma: bool,
+    /// cuBLASLt's GEMM reads the weight ([`lt_reads`]).
+    pub lt: bool,
+}
+
 impl W8a8Limits {
-    /// The path of a product of `tokens` tokens, `mma` whether the tensor-core kernel is loaded
-    /// and reads the weight ([`mma_reads`]), `lt` whether cuBLASLt's GEMM reads it
-    /// ([`lt_reads`]): the weight-streaming kernel up to `gemv` tokens, the tensor-core kernel
-    /// up to `mma`, cuBLASLt beyond; the tensor-core kernel also for any product of up to
-    /// [`MMA_TOKENS`] tokens that cuBLASLt cannot read or that has a single token (cuBLASLt
-    /// takes two or more), and the weight-streaming kernel for a single token the tensor-core
-    /// kernel cannot take.
-    pub(crate) fn path(&self, tokens: usize, mma: bool, lt: bool) -> W8a8Path {
-        let mma = mma && tokens <= MMA_TOKENS && (tokens <= self.mma || !lt || tokens < 2);
-        if tokens <= self.gemv.min(GEMV_TOKENS) || (tokens < 2 && !mma) {
+    /// The path of a product of `tokens` tokens: the weight-streaming kernel up to `gemv`
+    /// tokens, the `mma.sync` kernel up to `mma`, the warpgroup kernel up to `wgmma`, cuBLASLt
+    /// beyond; where a path cannot take the product the next one does, and a product cuBLASLt
+    /// cannot take (a weight it cannot read, or a single token) goes to the tensor-core
+    /// kernels up to [`MMA_TOKENS`] tokens (the warpgroup one where loaded), a single token
+    /// they cannot take to the weight-streaming kernel.
+    pub(crate) fn path(&self, tokens: usize, can: W8a8Readers) -> W8a8Path {
+        let mma = can.mma && tokens <= MMA_TOKENS;
+        let wgmma = mma && can.wgmma;
+        if tokens <= self.gemv.min(GEMV_TOKENS) {
             W8a8Path::Streaming
+        } else if mma && tokens <= self.mma {
+            W8a8Path::TensorCores
+        } else if wgmma && tokens <= self.wgmma {
+            W8a8Path::Warpgroup
+        } else if can.lt && tokens >= 2 {
+            W8a8Path::CublasLt
+        } else if wgmma {
+            W8a8Path::Warpgroup
         } else if mma {
             W8a8Path::TensorCores
+        } else if tokens < 2 {
+            W8a8Path::Streaming
         } else {
             W8a8Path::CublasLt
         }
@@ -105,10 +139,8 @@ pub(crate) struct W8a8Through<'a> {
 
 /// `y[rows × out] = x[rows × inp] · wᵀ` in W8A8 for split bf16 `x` (hi rows, then lo rows) and
 /// f32 `y` (its lo rows written 0): the activations quantised per token group (once per input:
-/// [`W8a8Through::same_input`]), then, by `limits`, the weight-streaming kernel on their
-/// dequantised values, the tensor-core kernel or the block-scaled GEMM. A single token the
-/// tensor-core kernel cannot take goes to the weight-streaming kernel whatever the limits
-/// (cuBLASLt's GEMM takes two or more).
+/// [`W8a8Through::same_input`]), then, by `limits` ([`W8a8Limits::path`]), the weight-streaming
+/// kernel on their dequantised values, a tensor-core kernel or the block-scaled GEMM.
 ///
 /// # Safety
 /// As [`crate::fp8::fp8_gemm`], and `through.act` holding `rows / 2` tokens of `inp` inputs.
@@ -134,15 +166,16 @@ pub(crate) unsafe fn w8a8_gemm(
     if let (Some((_, _, held)), false) = (through.act, through.same_input) {
         held.set(false);
     }
-    let path = limits.path(
-        tokens,
-        lt_gemm.mma.is_some() && mma_reads(&w, inp),
-        lt_reads(&w),
-    );
+    let can = W8a8Readers {
+        mma: lt_gemm.mma.is_some() && mma_reads(&w, inp),
+        wgmma: lt_gemm.mma.as_ref().is_some_and(|m| m.has_wgmma()),
+        lt: lt_reads(&w),
+    };
+    let path = limits.path(tokens, can);
     let mma = lt_gemm
         .mma
         .as_ref()
-        .filter(|_| path == W8a8Path::TensorCores);
+        .filter(|_| matches!(path, W8a8Path::TensorCores | W8a8Path::Warpgroup));
     let gemv = path == W8a8Path::Streaming;
     if gemv {
         let x32 = through.x32.ok_or_else(|| {
@@ -204,6 +237,7 @@ pub(crate) unsafe fn w8a8_gemm(
                 (xq, xsc, padded_tokens(tokens)),
                 (y, true),
                 (out, tokens, inp),
+                path == W8a8Path::Warpgroup,
                 rank,
             ),
             None => lt_gemm.gemm(stream, k, w, (xq, xsc), y, (out, tokens, inp), rank),

@@ -13,31 +13,69 @@ use lifecycle_layout::fp8::{e4m3_to_f32, quantize_activation_groups, quantize_bl
 
 #[test]
 fn the_paths_follow_the_limits_and_what_each_path_reads() {
-    use W8a8Path::{CublasLt, Streaming, TensorCores};
+    use W8a8Path::{CublasLt, Streaming, TensorCores, Warpgroup};
+    let can = |mma, wgmma, lt| W8a8Readers { mma, wgmma, lt };
+    let all = can(true, true, true);
     let d = W8a8Limits::default();
-    // defaults: the tensor-core kernel up to 8 tokens, cuBLASLt beyond
-    assert_eq!(d.path(1, true, true), TensorCores);
-    assert_eq!(d.path(8, true, true), TensorCores);
-    assert_eq!(d.path(9, true, true), CublasLt);
-    assert_eq!(d.path(200, true, true), CublasLt);
-    // a weight cuBLASLt cannot read: the kernel up to its 64 tokens
-    assert_eq!(d.path(41, true, false), TensorCores);
-    assert_eq!(d.path(65, true, false), CublasLt);
+    // defaults: the mma.sync kernel up to 8 tokens, cuBLASLt beyond
+    assert_eq!(d.path(1, all), TensorCores);
+    assert_eq!(d.path(8, all), TensorCores);
+    assert_eq!(d.path(9, all), CublasLt);
+    assert_eq!(d.path(64, all), CublasLt);
+    let wg = W8a8Limits {
+        wgmma: 64,
+        ..W8a8Limits::default()
+    };
+    assert_eq!(wg.path(8, all), TensorCores);
+    assert_eq!(wg.path(9, all), Warpgroup);
+    assert_eq!(wg.path(64, all), Warpgroup);
+    assert_eq!(wg.path(65, all), CublasLt);
+    assert_eq!(d.path(200, all), CublasLt);
+    // no warpgroup kernel: cuBLASLt beyond 8
+    let sm89 = can(true, false, true);
+    assert_eq!(wg.path(8, sm89), TensorCores);
+    assert_eq!(wg.path(9, sm89), CublasLt);
+    // a weight cuBLASLt cannot read: the kernels up to their 64 tokens
+    assert_eq!(d.path(41, can(true, true, false)), Warpgroup);
+    assert_eq!(d.path(41, can(true, false, false)), TensorCores);
+    assert_eq!(d.path(65, can(true, true, false)), CublasLt);
     // no kernel (or a weight it cannot read): one token streams, more go to cuBLASLt
-    assert_eq!(d.path(1, false, true), Streaming);
-    assert_eq!(d.path(2, false, true), CublasLt);
+    assert_eq!(d.path(1, can(false, true, true)), Streaming);
+    assert_eq!(d.path(2, can(false, true, true)), CublasLt);
     // weight streaming as set, at most GEMV_TOKENS
-    let s = W8a8Limits { gemv: 4, mma: 16 };
-    assert_eq!(s.path(4, true, true), Streaming);
-    assert_eq!(s.path(5, true, true), TensorCores);
-    assert_eq!(s.path(17, true, true), CublasLt);
-    let s = W8a8Limits { gemv: 100, mma: 0 };
-    assert_eq!(s.path(GEMV_TOKENS, true, true), Streaming);
-    assert_eq!(s.path(GEMV_TOKENS + 1, true, true), CublasLt);
-    // cuBLASLt alone takes no single token: the kernel, where it reads the weight
-    let lt = W8a8Limits { gemv: 0, mma: 0 };
-    assert_eq!(lt.path(1, true, true), TensorCores);
-    assert_eq!(lt.path(1, false, true), Streaming);
+    let s = W8a8Limits {
+        gemv: 4,
+        mma: 16,
+        wgmma: 0,
+    };
+    assert_eq!(s.path(4, all), Streaming);
+    assert_eq!(s.path(5, all), TensorCores);
+    assert_eq!(s.path(17, all), CublasLt);
+    let s = W8a8Limits {
+        gemv: 100,
+        mma: 0,
+        wgmma: 0,
+    };
+    assert_eq!(s.path(GEMV_TOKENS, all), Streaming);
+    assert_eq!(s.path(GEMV_TOKENS + 1, all), CublasLt);
+    // the warpgroup kernel from the first token
+    let wg = W8a8Limits {
+        gemv: 0,
+        mma: 0,
+        wgmma: 64,
+    };
+    assert_eq!(wg.path(1, all), Warpgroup);
+    assert_eq!(wg.path(1, sm89), TensorCores);
+    // cuBLASLt alone takes no single token: a kernel, where one reads the weight
+    let lt = W8a8Limits {
+        gemv: 0,
+        mma: 0,
+        wgmma: 0,
+    };
+    assert_eq!(lt.path(1, all), Warpgroup);
+    assert_eq!(lt.path(1, sm89), TensorCores);
+    assert_eq!(lt.path(1, can(false, false, true)), Streaming);
+    assert_eq!(lt.path(2, all), CublasLt);
 }
 
 fn ptr<T>(b: &CudaSlice<T>, s: &Arc<CudaStream>) -> u64 {
@@ -92,6 +130,7 @@ fn mma_twice(
     (qd, scd, pad): (u64, u64, usize),
     yd: &CudaSlice<f32>,
     (out, tokens, inp): (usize, usize, usize),
+    wgmma: bool,
     ctx: &RankCtx,
 ) -> Result<Vec<f32>, CudaError> {
     let mut runs = Vec::new();
@@ -104,6 +143,7 @@ fn mma_twice(
                 (qd, scd, pad),
                 (ptr(yd, s), false),
                 (out, tokens, inp),
+                wgmma,
                 0,
             )?
         };
@@ -112,7 +152,8 @@ fn mma_twice(
     let (a, b) = (&runs[0][..tokens * out], &runs[1][..tokens * out]);
     if a.iter().zip(b).any(|(x, y)| x.to_bits() != y.to_bits()) {
         return Err(CudaError::Invalid(format!(
-            "{out}x{tokens}x{inp}: the tensor-core kernel gave other bits on its second run"
+            "{out}x{tokens}x{inp}: the tensor-core kernel (wgmma {wgmma}) gave other bits on \
+             its second run"
         )));
     }
     Ok(runs.swap_remove(0))
@@ -143,6 +184,18 @@ fn block_scaled_gemm_matches_the_host_sums() -> Result<(), Box<dyn std::error::E
         let s = &ctx.compute;
         let k = Fp8Kernels::load(ctx)?;
         let lt = W8a8Gemm::new(ctx)?;
+        let (major, minor) = ctx
+            .ctx
+            .compute_capability()
+            .map_err(ctx.drv("compute capability", 0))?;
+        if lifecycle_cuda::arch_specific_target(major, minor).is_some()
+            && !lt.mma.as_ref().is_some_and(|m| m.has_wgmma())
+        {
+            return Err(CudaError::Invalid(format!(
+                "the warpgroup W8A8 kernels did not load on a device of compute capability \
+                 {major}.{minor}"
+            )));
+        }
         let mut lines = Vec::new();
         for (i, &(out, tokens, inp, row0)) in shapes.iter().enumerate() {
             let rows = row0 + out;
@@ -205,23 +258,42 @@ fn block_scaled_gemm_matches_the_host_sums() -> Result<(), Box<dyn std::error::E
                     }
                 }
             }
-            // the host sums in f64, and the sum of magnitudes that bounds their rounding
+            // the host sums in f64, and the sum of magnitudes that bounds their rounding (the
+            // activations and weights decoded once, the tokens spread over the host's cores)
+            let xv: Vec<f64> = (0..tokens * inp)
+                .map(|i| {
+                    f64::from(e4m3_to_f32(qx.data[i]))
+                        * f64::from(qx.scale_inv[(i / inp) * groups + (i % inp) / 128])
+                })
+                .collect();
+            let wv: Vec<f64> = (0..out * inp)
+                .map(|i| f64::from(wq.value(row0 + i / inp, i % inp)))
+                .collect();
             let mut want = vec![0.0f64; tokens * out];
             let mut mag = vec![0.0f64; tokens * out];
-            for t in 0..tokens {
-                for o in 0..out {
-                    let (mut acc, mut m) = (0.0f64, 0.0f64);
-                    for c in 0..inp {
-                        let term = f64::from(e4m3_to_f32(qx.data[t * inp + c]))
-                            * f64::from(qx.scale_inv[t * groups + c / 128])
-                            * f64::from(wq.value(row0 + o, c));
-                        acc += term;
-                        m += term.abs();
-                    }
-                    want[t * out + o] = acc;
-                    mag[t * out + o] = m;
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let per = tokens.div_ceil(threads).max(1);
+            std::thread::scope(|sc| {
+                let parts = want.chunks_mut(per * out).zip(mag.chunks_mut(per * out));
+                for (part, (want, mag)) in parts.enumerate() {
+                    let (xv, wv) = (&xv, &wv);
+                    sc.spawn(move || {
+                        for (j, (w, m)) in want.iter_mut().zip(mag.iter_mut()).enumerate() {
+                            let (t, o) = (part * per + j / out, j % out);
+                            let x = &xv[t * inp..(t + 1) * inp];
+                            let r = &wv[o * inp..(o + 1) * inp];
+                            let (mut acc, mut abs) = (0.0f64, 0.0f64);
+                            for (a, b) in x.iter().zip(r) {
+                                let term = a * b;
+                                acc += term;
+                                abs += term.abs();
+                            }
+                            *w = acc;
+                            *m = abs;
+                        }
+                    });
                 }
-            }
+            });
             let check = |y: &[f32], path: &str| -> Result<f64, CudaError> {
                 let mut worst = 0.0f64;
                 for (j, (&g, (&w, &m))) in y.iter().zip(want.iter().zip(&mag)).enumerate() {
@@ -250,20 +322,34 @@ fn block_scaled_gemm_matches_the_host_sums() -> Result<(), Box<dyn std::error::E
                 let worst = check(&y[..tokens * out], "block-scaled GEMM")?;
                 found.push(format!("cuBLASLt within {worst:.1e}"));
             }
-            // the tensor-core kernel alone
+            // each tensor-core kernel alone
             let mma = lt.mma.as_ref().filter(|_| tokens <= MMA_TOKENS);
             if let Some(m) = mma {
-                let y = mma_twice(
-                    s,
-                    m,
-                    weight,
-                    (ptr(&qd, s), ptr(&scd, s), pad),
-                    &yd,
-                    (out, tokens, inp),
-                    ctx,
-                )?;
-                let worst = check(&y[..tokens * out], "tensor-core kernel")?;
-                found.push(format!("tensor-core kernel within {worst:.1e}"));
+                let kernels = if m.has_wgmma() {
+                    &[false, true][..]
+                } else {
+                    &[false][..]
+                };
+                for &wgmma in kernels {
+                    eprintln!("  {out} x {tokens} x {inp}: the kernel alone (wgmma {wgmma})");
+                    let y = mma_twice(
+                        s,
+                        m,
+                        weight,
+                        (ptr(&qd, s), ptr(&scd, s), pad),
+                        &yd,
+                        (out, tokens, inp),
+                        wgmma,
+                        ctx,
+                    )?;
+                    let name = if wgmma {
+                        "warpgroup kernel"
+                    } else {
+                        "mma.sync kernel"
+                    };
+                    let worst = check(&y[..tokens * out], name)?;
+                    found.push(format!("{name} within {worst:.1e}"));
+                }
             }
             // the whole W8A8 product from the split activations, by every path that takes
             // it: lo rows zero
@@ -272,22 +358,35 @@ fn block_scaled_gemm_matches_the_host_sums() -> Result<(), Box<dyn std::error::E
                 let l = W8a8Limits {
                     gemv: GEMV_TOKENS,
                     mma: 0,
+                    wgmma: 0,
                 };
                 limits.push((l, "weight streaming"));
             }
-            if mma.is_some() {
+            if let Some(m) = mma {
                 limits.push((
                     W8a8Limits {
                         gemv: 0,
                         mma: MMA_TOKENS,
+                        wgmma: 0,
                     },
-                    "tensor cores",
+                    "mma.sync",
                 ));
+                if m.has_wgmma() {
+                    limits.push((
+                        W8a8Limits {
+                            gemv: 0,
+                            mma: 0,
+                            wgmma: MMA_TOKENS,
+                        },
+                        "warpgroup",
+                    ));
+                }
             }
             let held = Cell::new(false);
             for ((limits, path), same_input) in
                 limits.into_iter().flat_map(|l| [(l, false), (l, true)])
             {
+                eprintln!("  {out} x {tokens} x {inp}: {path} (input again {same_input})");
                 // the lo rows must be written by the product: garbage before it
                 s.memset_zeros(&mut yd).map_err(up("y"))?;
                 let nan = vec![f32::NAN; tokens * out];
@@ -323,11 +422,13 @@ fn block_scaled_gemm_matches_the_host_sums() -> Result<(), Box<dyn std::error::E
                 }
                 found.push(format!("W8A8 product ({path}) within {worst:.1e}"));
             }
-            lines.push(format!(
+            let line = format!(
                 "{out} x {tokens} x {inp} from row {row0}: quantisation bit-identical; {} \
                  of Σ|terms|",
                 found.join(", ")
-            ));
+            );
+            eprintln!("{line}");
+            lines.push(line);
         }
         Ok(lines)
     })?;
