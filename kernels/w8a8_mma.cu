@@ -75,10 +75,10 @@ __device__ __forceinline__ Frag load_frag(const u8* lo, const u8* hi, bool oklo,
     return f;
 }
 
-// Writes a block's sums (fragment (g, t) of token tile nt: rows g and g + 8 of the warp's
-// tile, tokens 8 nt + 2 t and the next): unsplit straight to y (and 0 to ylo); split, its
+// Writes the sums of a block of ROWS rows (fragment (g, t) of token tile nt: rows g and g + 8
+// of the warp's tile, tokens 8 nt + 2 t and the next): unsplit straight to y (and 0 to ylo); split, its
 // partial sums, and the last block of the row range adds the slices in their order.
-template <int NT>
+template <int NT, int ROWS>
 __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* __restrict__ y,
                                           float* __restrict__ ylo, float* __restrict__ part,
                                           u32* __restrict__ counters, u32 out, u32 n,
@@ -105,16 +105,16 @@ __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* __re
         return;
     }
     // this slice's partial sums, [token][row of the block]
-    float* mine = part + ((u64)blockIdx.x * splits + blockIdx.y) * (MMA_ROWS * T);
+    float* mine = part + ((u64)blockIdx.x * splits + blockIdx.y) * (ROWS * T);
     const u32 bl = warp * 16u + g, bh = bl + 8u;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         if ((u32)nt * 8u < n) {
             const u32 k0 = (u32)nt * 8u + 2u * t;
-            mine[k0 * MMA_ROWS + bl] = acc[nt][0];
-            mine[(k0 + 1) * MMA_ROWS + bl] = acc[nt][1];
-            mine[k0 * MMA_ROWS + bh] = acc[nt][2];
-            mine[(k0 + 1) * MMA_ROWS + bh] = acc[nt][3];
+            mine[k0 * ROWS + bl] = acc[nt][0];
+            mine[(k0 + 1) * ROWS + bl] = acc[nt][1];
+            mine[k0 * ROWS + bh] = acc[nt][2];
+            mine[(k0 + 1) * ROWS + bh] = acc[nt][3];
         }
     }
     __threadfence();
@@ -123,12 +123,12 @@ __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* __re
     __syncthreads();
     if (last == 0) return;
     __threadfence();
-    const float* all = part + (u64)blockIdx.x * splits * (MMA_ROWS * T);
-    for (u32 i = threadIdx.x; i < n * MMA_ROWS; i += blockDim.x) {
-        const u32 tok = i / MMA_ROWS, r = i - tok * MMA_ROWS;
-        const u32 row = blockIdx.x * MMA_ROWS + r;
+    const float* all = part + (u64)blockIdx.x * splits * (ROWS * T);
+    for (u32 i = threadIdx.x; i < n * ROWS; i += blockDim.x) {
+        const u32 tok = i / ROWS, r = i - tok * ROWS;
+        const u32 row = blockIdx.x * ROWS + r;
         float v = 0.0f;
-        for (u32 s = 0; s < splits; ++s) v += ld_l2(all + (u64)s * (MMA_ROWS * T) + i);
+        for (u32 s = 0; s < splits; ++s) v += ld_l2(all + (u64)s * (ROWS * T) + i);
         if (row < out) {
             y[(u64)tok * out + row] = v;
             if (ylo != nullptr) ylo[(u64)tok * out + row] = 0.0f;
@@ -232,13 +232,14 @@ __device__ __forceinline__ void w8a8_mma_body(
             }
         }
     }
-    store_acc<NT>(acc, y, ylo, part, counters, out, n, splits, tile, g, t, warp, oklo, okhi);
+    store_acc<NT, MMA_ROWS>(acc, y, ylo, part, counters, out, n, splits, tile, g, t, warp, oklo, okhi);
 }
 
 // ---- The same products by Hopper's warpgroup mma (compiled for sm_90a only) ----------------
 //
-// The 4 warps of a block are one warpgroup: per 128-wide group, four
-// wgmma.m64n{8 NT}k32.e4m3 take the warps' weight fragments from registers (as loaded for
+// A block is two warpgroups (8 warps, 128 rows: the staged activations serve twice the weight
+// rows of the mma.sync kernel's block). Per 128-wide group, each warpgroup's four
+// wgmma.m64n{8 NT}k32.e4m3 take its warps' weight fragments from registers (as loaded for
 // mma.sync above: the same permuted k order) and every token's activations from shared memory,
 // into a fresh f32 fragment (scale-d 0 on the first), which is then scaled and added as above.
 // The fragment of token tile j is d[4 j .. 4 j + 3], laid out as mma.sync's.
@@ -248,6 +249,9 @@ __device__ __forceinline__ void w8a8_mma_body(
 // x 16 bytes (128 contiguous bytes each, token tile after token tile). The core matrix of half
 // h holds, in its 4-byte word q, the group's input word 8 q + 2 s + h: the permutation the
 // weight fragments were loaded in.
+
+#define WG_WARPS 8
+#define WG_ROWS (16 * WG_WARPS)
 
 // a shared-memory address in the shared window
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -363,7 +367,7 @@ __device__ __forceinline__ void w8a8_wgmma_body(
     const u32 groups = inp >> 7;
     const u32 splits = gridDim.y;
     const u32 g0 = blockIdx.y * slice, g1 = min(groups, g0 + slice);
-    const u32 tile = blockIdx.x * MMA_ROWS + warp * 16;
+    const u32 tile = blockIdx.x * WG_ROWS + warp * 16;
     const u32 rlo = tile + g, rhi = rlo + 8;
     const bool oklo = rlo < out, okhi = rhi < out, okt = tile < out;
     const u8* wlo = w + (u64)(row0 + (oklo ? rlo : 0u)) * inp + 32u * t;
@@ -385,20 +389,21 @@ __device__ __forceinline__ void w8a8_wgmma_body(
         Frag a = load_frag(wlo + (u64)c0 * 128u, whi + (u64)c0 * 128u, oklo, okhi);
         __syncthreads();  // the previous chunk is no longer read
         for (u32 i = threadIdx.x; i < T * cg * 8u; i += blockDim.x) {
-            // 16 input bytes u of token tok in group gi: words 4 u .. 4 u + 3, word 8 q + r
-            // going to core matrix r (= 2 s + h) of the group, row tok, word q
-            const u32 tok = i % T, rest = i / T, u = rest & 7u, gi = rest >> 3;
+            // 16 input bytes (unit 2 q + b) of token tok in group gi: words 8 q + 4 b + e
+            // going to core matrix 4 b + e (= 2 s + h) of the group, row tok, word q; the 32
+            // lanes of a warp (4 q by 8 tokens) store to 32 banks
+            const u32 q = i & 3u, tok = (i >> 2) % T, rest = (i >> 2) / T;
+            const u32 b = rest & 1u, gi = rest >> 1;
             uint4 v = make_uint4(0u, 0u, 0u, 0u);
             if (tok < n) {
                 v = *reinterpret_cast<const uint4*>(xq + (u64)tok * inp + (u64)(c0 + gi) * 128u +
-                                                    16u * u);
+                                                    16u * (2u * q + b));
             }
-            const u32 q = u >> 1, r0 = 4u * (u & 1u);
             u8* base = xb + gi * group_bytes + (tok >> 3) * 128u + (tok & 7u) * 16u + 4u * q;
             const u32 words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                *reinterpret_cast<u32*>(base + (r0 + (u32)e) * (NT * 128u)) = words[e];
+                *reinterpret_cast<u32*>(base + (4u * b + (u32)e) * (NT * 128u)) = words[e];
             }
         }
         for (u32 i = threadIdx.x; i < T * cg; i += blockDim.x) {
@@ -446,11 +451,11 @@ __device__ __forceinline__ void w8a8_wgmma_body(
             }
         }
     }
-    store_acc<NT>(acc, y, ylo, part, counters, out, n, splits, tile, g, t, warp, oklo, okhi);
+    store_acc<NT, WG_ROWS>(acc, y, ylo, part, counters, out, n, splits, tile, g, t, warp, oklo, okhi);
 }
 
 #define W8A8_WGMMA(NT)                                                                         \
-    extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, NT <= 2 ? 4 : 2)             \
+    extern "C" __global__ void __launch_bounds__(32 * WG_WARPS, 2)                             \
         w8a8_wgmma_##NT(const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0,    \
                         u32 out, u32 inp, const u8* __restrict__ xq,                          \
                         const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,          \

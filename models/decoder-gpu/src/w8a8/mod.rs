@@ -44,9 +44,9 @@ pub(crate) const W8A8_GEMV_TOKENS: usize = 0;
 pub(crate) const W8A8_MMA_TOKENS: usize = 8;
 
 /// Tokens up to which a W8A8 product beyond the `mma.sync` kernel's takes the warpgroup
-/// kernel by default, where it is loaded: none (on an H200 at 7.6B shapes cuBLASLt's GEMM is
-/// faster at 16 to 64 tokens; BENCHMARKS.md).
-pub(crate) const W8A8_WGMMA_TOKENS: usize = 0;
+/// kernel by default, where it is loaded (on an H200 at 7.6B shapes it is faster than
+/// cuBLASLt's GEMM at 16 tokens, slower from 32; BENCHMARKS.md).
+pub(crate) const W8A8_WGMMA_TOKENS: usize = 16;
 
 /// Token counts that choose a W8A8 product's path ([`w8a8_gemm`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -17,10 +17,12 @@ fn the_paths_follow_the_limits_and_what_each_path_reads() {
     let can = |mma, wgmma, lt| W8a8Readers { mma, wgmma, lt };
     let all = can(true, true, true);
     let d = W8a8Limits::default();
-    // defaults: the mma.sync kernel up to 8 tokens, cuBLASLt beyond
+    // defaults: the mma.sync kernel up to 8 tokens, the warpgroup kernel to 16, cuBLASLt beyond
     assert_eq!(d.path(1, all), TensorCores);
     assert_eq!(d.path(8, all), TensorCores);
-    assert_eq!(d.path(9, all), CublasLt);
+    assert_eq!(d.path(9, all), Warpgroup);
+    assert_eq!(d.path(16, all), Warpgroup);
+    assert_eq!(d.path(17, all), CublasLt);
     assert_eq!(d.path(64, all), CublasLt);
     let wg = W8a8Limits {
         wgmma: 64,
@@ -33,6 +35,7 @@ fn the_paths_follow_the_limits_and_what_each_path_reads() {
     assert_eq!(d.path(200, all), CublasLt);
     // no warpgroup kernel: cuBLASLt beyond 8
     let sm89 = can(true, false, true);
+    assert_eq!(d.path(9, sm89), CublasLt);
     assert_eq!(wg.path(8, sm89), TensorCores);
     assert_eq!(wg.path(9, sm89), CublasLt);
     // a weight cuBLASLt cannot read: the kernels up to their 64 tokens
