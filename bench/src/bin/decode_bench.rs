@@ -220,12 +220,15 @@ fn main() -> Result<(), Box<dyn Error>> {
                     .collect();
                 // warm-up, then the prefill alone (one token) and the whole generation
                 dec.generate(&prompts, &Sampling::greedy(4))?;
-                let t = Instant::now();
+                // each timed with the host's waits for the device in it: the rest is the time
+                // the host took to queue the work
+                let waited = |dec: &GpuDecoder<'_>| dec.host_wait_time().as_secs_f64();
+                let (t, w0) = (Instant::now(), waited(&dec));
                 dec.generate(&prompts, &Sampling::greedy(1))?;
-                let prefill = t.elapsed().as_secs_f64();
-                let t = Instant::now();
+                let (prefill, prefill_wait) = (t.elapsed().as_secs_f64(), waited(&dec) - w0);
+                let (t, w0) = (Instant::now(), waited(&dec));
                 dec.generate(&prompts, &Sampling::greedy(args.new_tokens))?;
-                let total = t.elapsed().as_secs_f64();
+                let (total, total_wait) = (t.elapsed().as_secs_f64(), waited(&dec) - w0);
                 // the host waits of one decode step beyond the one for its logits
                 dec.prefill(&prompts, PrefillLogits::Last)?;
                 let feed: Vec<u32> = prompts.iter().map(|p| p[0]).collect();
@@ -233,14 +236,17 @@ fn main() -> Result<(), Box<dyn Error>> {
                 dec.decode_step(&feed)?;
                 let waits_per_step = dec.host_waits() - waits - 1;
                 let step = (total - prefill).max(1e-9) / (args.new_tokens - 1) as f64;
+                let queued = ((total - total_wait) - (prefill - prefill_wait)).max(0.0)
+                    / (args.new_tokens - 1) as f64;
                 let rate = batch as f64 / step;
                 println!(
                     "  batch {batch:>3}: prefill {:.2} ms, decode {:.3} ms/step ({:.2}x the \
-                     floor), {rate:.0} tokens/s; host waits in a decode step beyond its \
-                     logits': {waits_per_step}",
+                     floor; the host queues it in {:.3} ms), {rate:.0} tokens/s; host waits in \
+                     a decode step beyond its logits': {waits_per_step}",
                     prefill * 1e3,
                     step * 1e3,
-                    step / floor
+                    step / floor,
+                    queued * 1e3
                 );
                 rates.push((vi, batch, rate, prefill));
             }

@@ -448,6 +448,15 @@ impl Core {
         self.ranks.iter().map(|st| st.downloads.waits()).sum()
     }
 
+    /// The time the host spent in those waits, on the rank that waited longest.
+    pub fn host_wait_time(&self) -> std::time::Duration {
+        self.ranks
+            .iter()
+            .map(|st| st.downloads.waited())
+            .max()
+            .unwrap_or_default()
+    }
+
     /// Bytes of the KV cache on the rank that holds the most.
     pub fn kv_bytes(&self) -> u64 {
         self.ranks
@@ -1096,6 +1105,26 @@ impl<'w> GpuDecoder<'w> {
     /// ```
     pub fn host_waits(&self) -> usize {
         self.core.host_waits()
+    }
+
+    /// The time the host spent waiting for the device in those downloads (on the rank that
+    /// waited longest): a pass's wall time less this is the time its host side took to queue
+    /// the work. A step whose wait is near zero is bound by the host's launches, not by the
+    /// device.
+    ///
+    /// ```no_run
+    /// use std::time::Instant;
+    /// use lifecycle_decoder::Decoder;
+    /// use lifecycle_decoder_gpu::GpuDecoder;
+    ///
+    /// fn host_side(dec: &mut GpuDecoder<'_>, feed: &[u32]) -> Result<f64, Box<dyn std::error::Error>> {
+    ///     let (t, waited) = (Instant::now(), dec.host_wait_time());
+    ///     dec.decode_step(feed)?;
+    ///     Ok((t.elapsed() - (dec.host_wait_time() - waited)).as_secs_f64())
+    /// }
+    /// ```
+    pub fn host_wait_time(&self) -> std::time::Duration {
+        self.core.host_wait_time()
     }
 }
 

@@ -6,8 +6,9 @@
 //! cut), so a download by copy would stall the rollout behind the offload; the SMs' writes are
 //! not queued there (14–23 µs for 128 B while the offload fills the link).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use lifecycle_cuda::cudarc::driver::{sys, CudaStream, PinnedHostSlice};
 use lifecycle_cuda::{CudaError, RankCtx};
@@ -22,11 +23,14 @@ pub(crate) struct MappedHost {
 }
 
 /// A rank's mapped download buffer, kept between passes (allocating page-locked memory is slow,
-/// and freeing it synchronises the device), and how many downloads waited for the device.
+/// and freeing it synchronises the device), how many downloads waited for the device and for
+/// how long.
 #[derive(Default)]
 pub(crate) struct Downloads {
     buffer: Mutex<Option<MappedHost>>,
     waits: AtomicUsize,
+    /// Nanoseconds the host spent in those waits.
+    waited_ns: AtomicU64,
 }
 
 impl std::fmt::Debug for Downloads {
@@ -68,6 +72,12 @@ impl Downloads {
     /// synchronisations of the passes).
     pub(crate) fn waits(&self) -> usize {
         self.waits.load(Ordering::Relaxed)
+    }
+
+    /// The time the host spent in those waits (from the wait's start to the device's last
+    /// queued work done).
+    pub(crate) fn waited(&self) -> Duration {
+        Duration::from_nanos(self.waited_ns.load(Ordering::Relaxed))
     }
 
     /// Copies `words` 32-bit words at device address `src` (valid for that many reads on
@@ -121,9 +131,12 @@ impl Downloads {
             .result()
             .map_err(ctx.drv(what, 4 * words as u64))?;
         }
+        let waiting = Instant::now();
         stream
             .synchronize()
             .map_err(ctx.drv(what, 4 * words as u64))?;
+        let ns = u64::try_from(waiting.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.waited_ns.fetch_add(ns, Ordering::Relaxed);
         // SAFETY: the kernel or copy that wrote the first `words` words has completed (stream
         // synchronised); nothing else writes the buffer while the lock is held.
         let ptr = mapped.host.as_ptr().map_err(ctx.drv(what, 0))?;
