@@ -152,6 +152,9 @@ impl RolloutMemory {
 /// // 28 layers x (k + v) x 2 kv heads x 128 x 2 bytes
 /// assert_eq!((m.train_resident_bytes, m.kv_bytes_per_token), (0, 28 * 2 * 2 * 128 * 2));
 /// assert!(m.kv_tokens() > 300_000);
+/// // fp8: a byte per element and an f32 scale per kv head
+/// let fp8 = rollout_memory(&config, 2, r, r.rollout_bytes, 139 << 30, KvDtype::Fp8);
+/// assert_eq!(fp8.kv_bytes_per_token, 28 * 2 * 2 * (128 + 4));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn rollout_memory(
@@ -175,8 +178,7 @@ pub fn rollout_memory(
         kv_bytes_per_token: (config.model.layers
             * 2
             * kv_heads
-            * config.model.head_dim
-            * kv.bytes()) as u64,
+            * kv.head_bytes(config.model.head_dim)) as u64,
     }
 }
 

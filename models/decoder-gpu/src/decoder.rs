@@ -876,7 +876,9 @@ pub(crate) fn kv_units(kv: KvDtype) -> Result<usize, GpuDecodeError> {
         KvDtype::F32 => Ok(2),
         KvDtype::Bf16 => Ok(1),
         KvDtype::Fp8 => Err(DecodeError::Usage(
-            "KV cache dtype fp8: the GPU decoder keeps K and V in bf16 or f32".into(),
+            "KV cache dtype fp8: the GPU decoder keeps K and V in bf16 or f32 (the CPU decoder \
+             keeps fp8)"
+                .into(),
         )
         .into()),
     }

@@ -124,7 +124,9 @@ impl EngineSettings {
         }
         if self.kv_dtype == KvDtype::Fp8 {
             return Err(GpuDecodeError::Settings(
-                "kv_dtype fp8: the GPU engine keeps its KV cache in bf16 or f32".into(),
+                "kv_dtype fp8: the GPU engine keeps its KV cache in bf16 or f32 (the CPU decoder \
+                 keeps fp8)"
+                    .into(),
             ));
         }
         if self.max_tokens > MAX_CONTEXT {

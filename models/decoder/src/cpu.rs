@@ -158,26 +158,22 @@ impl<'w> CpuDecoder<'w> {
     }
 
     /// Keeps the K and V of the positions stored from now on as `kv` says: f32 (the default,
-    /// the exact mode the transformers oracles are matched in) or bf16 (each element rounded to
+    /// the exact mode the transformers oracles are matched in), bf16 (each element rounded to
     /// nearest even when stored, as a bf16 engine keeps it: the reference of the GPU decoder's
-    /// bf16 cache). Set it before a prefill; fp8 is refused.
+    /// bf16 cache) or fp8 (e4m3 with one scale per position and kv head,
+    /// [`KvDtype::store_head`]). Set it before a prefill. Never fails today; the `Result` is
+    /// kept for dtypes a decoder may refuse.
     ///
     /// ```
     /// use lifecycle_decoder::{CpuDecoder, KvDtype};
     ///
-    /// fn bf16_cache(decoder: &mut CpuDecoder<'_>) -> Result<(), lifecycle_decoder::DecodeError> {
-    ///     decoder.set_kv_dtype(KvDtype::Bf16)?;
-    ///     assert_eq!(decoder.kv_dtype(), KvDtype::Bf16);
-    ///     assert!(decoder.set_kv_dtype(KvDtype::Fp8).is_err());
+    /// fn fp8_cache(decoder: &mut CpuDecoder<'_>) -> Result<(), lifecycle_decoder::DecodeError> {
+    ///     decoder.set_kv_dtype(KvDtype::Fp8)?;
+    ///     assert_eq!(decoder.kv_dtype(), KvDtype::Fp8);
     ///     Ok(())
     /// }
     /// ```
     pub fn set_kv_dtype(&mut self, kv: KvDtype) -> Result<(), DecodeError> {
-        if kv == KvDtype::Fp8 {
-            return Err(DecodeError::Usage(
-                "KV cache dtype fp8: the CPU decoder keeps K and V in bf16 or f32".into(),
-            ));
-        }
         self.kv = kv;
         Ok(())
     }
@@ -244,12 +240,12 @@ impl<'w> CpuDecoder<'w> {
                     }
                     let kv = self.kv;
                     let cache = &mut self.seqs[seq].layers[l][rank];
-                    cache
-                        .k
-                        .extend(k[i * kvw..(i + 1) * kvw].iter().map(|&e| kv.stored(e)));
-                    cache
-                        .v
-                        .extend(v[i * kvw..(i + 1) * kvw].iter().map(|&e| kv.stored(e)));
+                    for head in k[i * kvw..(i + 1) * kvw].chunks_exact(d) {
+                        kv.store_head(head, &mut cache.k);
+                    }
+                    for head in v[i * kvw..(i + 1) * kvw].chunks_exact(d) {
+                        kv.store_head(head, &mut cache.v);
+                    }
                 }
                 let mut attn = vec![0.0f32; n * qh * d];
                 for (i, &(seq, pos)) in rows.iter().enumerate() {

@@ -517,3 +517,54 @@ fn a_bf16_kv_cache_moves_the_logits_by_its_rounding_only() {
         println!("{name}: a bf16 KV cache moved the prefill logits by at most {moved:.3e}");
     }
 }
+
+#[test]
+fn an_fp8_kv_cache_moves_the_logits_by_its_rounding_only() {
+    use lifecycle_decoder::KvDtype;
+    let refs = references();
+    for name in MODELS {
+        let ckpt = load_checkpoint(&fixtures().join(name)).unwrap();
+        let cases = refs["models"][name]["cases"].as_array().unwrap();
+        let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
+        let layout = ckpt.config.rollout_layout(1).unwrap();
+        let state = HostTrainState::from_tensors(1, ckpt.tensors.clone()).unwrap();
+        let mut lc = Lifecycle::new(HostBackend::new(layout.clone()), state);
+        let session = lc.rollout().unwrap();
+        let weights = session.weights();
+        let group: Vec<_> = weights.ranks.iter().collect();
+        let mut dec = CpuDecoder::new(&ckpt.config, &layout, &group).unwrap();
+        let mut moved = [0.0f32; 2];
+        for (slot, kv) in [KvDtype::Bf16, KvDtype::Fp8].into_iter().enumerate() {
+            dec.set_kv_dtype(kv).unwrap();
+            let prefill = dec.prefill(&prompts, PrefillLogits::All).unwrap();
+            for (i, c) in cases.iter().enumerate() {
+                let want = floats(&c["prefill_logits"]);
+                let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let err = prefill[i]
+                    .iter()
+                    .zip(&want)
+                    .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+                // e4m3 keeps 3 mantissa bits: half a step is 1/16 of a value
+                let tol = 1e-1 + 1e-1 * scale;
+                assert!(
+                    err.is_finite() && err <= tol,
+                    "{name} prompt {i}: {kv} KV moved a logit by {err} > {tol}"
+                );
+                moved[slot] = moved[slot].max(err);
+            }
+        }
+        // e4m3 keeps 4 mantissa bits fewer than bf16: its rounding moves the logits about 16
+        // times as far (11-17 times on these models)
+        let ratio = moved[1] / moved[0].max(1e-12);
+        assert!(
+            (4.0..=64.0).contains(&ratio),
+            "{name}: an fp8 cache moved the logits by {} against bf16's {} ({ratio:.1}x)",
+            moved[1],
+            moved[0]
+        );
+        println!(
+            "{name}: an fp8 KV cache moved the prefill logits by at most {:.3e} (bf16: {:.3e})",
+            moved[1], moved[0]
+        );
+    }
+}
