@@ -464,13 +464,9 @@ fn missing_and_misshaped_expert_tensors_are_named() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// A bf16 KV cache (`CpuDecoder::set_kv_dtype`): every fixture model's prefill logits move off
-/// the transformers references (computed with an f32 cache) by the rounding of K and V, which
-/// is not zero but stays below `1e-2 + 1e-2 · max|logit|`; f32 (the default) stays within the
-/// module's tolerance on the same decoder after switching back.
-#[test]
-fn a_bf16_kv_cache_moves_the_logits_by_its_rounding_only() {
-    use lifecycle_decoder::KvDtype;
+/// Runs `f` on a CPU decoder of every fixture model (T = 1, its bf16 rollout through the host
+/// backend), with the model's name, reference cases and prompts.
+fn for_each_model(f: impl Fn(&str, &[serde_json::Value], &[Vec<u32>], &mut CpuDecoder<'_>)) {
     let refs = references();
     for name in MODELS {
         let ckpt = load_checkpoint(&fixtures().join(name)).unwrap();
@@ -483,6 +479,18 @@ fn a_bf16_kv_cache_moves_the_logits_by_its_rounding_only() {
         let weights = session.weights();
         let group: Vec<_> = weights.ranks.iter().collect();
         let mut dec = CpuDecoder::new(&ckpt.config, &layout, &group).unwrap();
+        f(name, cases, &prompts, &mut dec);
+    }
+}
+
+/// A bf16 KV cache (`CpuDecoder::set_kv_dtype`): every fixture model's prefill logits move off
+/// the transformers references (computed with an f32 cache) by the rounding of K and V, which
+/// is not zero but stays below `1e-2 + 1e-2 · max|logit|`; f32 (the default) stays within the
+/// module's tolerance on the same decoder after switching back.
+#[test]
+fn a_bf16_kv_cache_moves_the_logits_by_its_rounding_only() {
+    use lifecycle_decoder::KvDtype;
+    for_each_model(|name, cases, prompts, dec| {
         assert_eq!(dec.kv_dtype(), KvDtype::F32);
         dec.set_kv_dtype(KvDtype::Bf16).unwrap();
         let prefill = dec.prefill(&prompts, PrefillLogits::All).unwrap();
@@ -515,24 +523,13 @@ fn a_bf16_kv_cache_moves_the_logits_by_its_rounding_only() {
             );
         }
         println!("{name}: a bf16 KV cache moved the prefill logits by at most {moved:.3e}");
-    }
+    });
 }
 
 #[test]
 fn an_fp8_kv_cache_moves_the_logits_by_its_rounding_only() {
     use lifecycle_decoder::KvDtype;
-    let refs = references();
-    for name in MODELS {
-        let ckpt = load_checkpoint(&fixtures().join(name)).unwrap();
-        let cases = refs["models"][name]["cases"].as_array().unwrap();
-        let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
-        let layout = ckpt.config.rollout_layout(1).unwrap();
-        let state = HostTrainState::from_tensors(1, ckpt.tensors.clone()).unwrap();
-        let mut lc = Lifecycle::new(HostBackend::new(layout.clone()), state);
-        let session = lc.rollout().unwrap();
-        let weights = session.weights();
-        let group: Vec<_> = weights.ranks.iter().collect();
-        let mut dec = CpuDecoder::new(&ckpt.config, &layout, &group).unwrap();
+    for_each_model(|name, cases, prompts, dec| {
         let mut moved = [0.0f32; 2];
         for (slot, kv) in [KvDtype::Bf16, KvDtype::Fp8].into_iter().enumerate() {
             dec.set_kv_dtype(kv).unwrap();
@@ -566,5 +563,5 @@ fn an_fp8_kv_cache_moves_the_logits_by_its_rounding_only() {
             "{name}: an fp8 KV cache moved the prefill logits by at most {:.3e} (bf16: {:.3e})",
             moved[1], moved[0]
         );
-    }
+    });
 }
