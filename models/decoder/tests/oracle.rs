@@ -75,7 +75,7 @@ fn cpu_decoder_matches_transformers_at_t1_and_t2() {
             let mut dec = CpuDecoder::new(&ckpt.config, &layout, &group).unwrap();
 
             // batched prefill, logits of every position
-            let prefill = dec.prefill(&prompts, PrefillLogits::All).unwrap();
+            let prefill = dec.prefill(prompts, PrefillLogits::All).unwrap();
             for (i, c) in cases.iter().enumerate() {
                 let what = format!("{name} T={tp} prompt {i} prefill");
                 worst = worst.max(compare(&what, &prefill[i], &floats(&c["prefill_logits"])));
@@ -211,7 +211,7 @@ fn cpu_decoder_matches_transformers_on_qwen3_and_qwen3_moe() {
                 }
                 let group: Vec<_> = weights.ranks.iter().collect();
                 let mut dec = CpuDecoder::new(&ckpt.config, &layout, &group).unwrap();
-                let prefill = dec.prefill(&prompts, PrefillLogits::All).unwrap();
+                let prefill = dec.prefill(prompts, PrefillLogits::All).unwrap();
                 for (i, c) in cases.iter().enumerate() {
                     let w = what(format!("prompt {i} prefill"));
                     worst = worst.max(compare(&w, &prefill[i], &floats(&c["prefill_logits"])));
@@ -493,7 +493,7 @@ fn a_bf16_kv_cache_moves_the_logits_by_its_rounding_only() {
     for_each_model(|name, cases, prompts, dec| {
         assert_eq!(dec.kv_dtype(), KvDtype::F32);
         dec.set_kv_dtype(KvDtype::Bf16).unwrap();
-        let prefill = dec.prefill(&prompts, PrefillLogits::All).unwrap();
+        let prefill = dec.prefill(prompts, PrefillLogits::All).unwrap();
         let mut moved = 0.0f32;
         for (i, c) in cases.iter().enumerate() {
             let want = floats(&c["prefill_logits"]);
@@ -514,7 +514,7 @@ fn a_bf16_kv_cache_moves_the_logits_by_its_rounding_only() {
             "{name}: a bf16 cache left every logit unchanged"
         );
         dec.set_kv_dtype(KvDtype::F32).unwrap();
-        let prefill = dec.prefill(&prompts, PrefillLogits::All).unwrap();
+        let prefill = dec.prefill(prompts, PrefillLogits::All).unwrap();
         for (i, c) in cases.iter().enumerate() {
             compare(
                 &format!("{name} prompt {i} (f32 again)"),
@@ -533,7 +533,7 @@ fn an_fp8_kv_cache_moves_the_logits_by_its_rounding_only() {
         let mut moved = [0.0f32; 2];
         for (slot, kv) in [KvDtype::Bf16, KvDtype::Fp8].into_iter().enumerate() {
             dec.set_kv_dtype(kv).unwrap();
-            let prefill = dec.prefill(&prompts, PrefillLogits::All).unwrap();
+            let prefill = dec.prefill(prompts, PrefillLogits::All).unwrap();
             for (i, c) in cases.iter().enumerate() {
                 let want = floats(&c["prefill_logits"]);
                 let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
