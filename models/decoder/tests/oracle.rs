@@ -75,7 +75,7 @@ fn cpu_decoder_matches_transformers_at_t1_and_t2() {
             let mut dec = CpuDecoder::new(&ckpt.config, &layout, &group).unwrap();
 
             // batched prefill, logits of every position
-            let prefill = dec.prefill(prompts, PrefillLogits::All).unwrap();
+            let prefill = dec.prefill(&prompts, PrefillLogits::All).unwrap();
             for (i, c) in cases.iter().enumerate() {
                 let what = format!("{name} T={tp} prompt {i} prefill");
                 worst = worst.max(compare(&what, &prefill[i], &floats(&c["prefill_logits"])));
@@ -211,7 +211,7 @@ fn cpu_decoder_matches_transformers_on_qwen3_and_qwen3_moe() {
                 }
                 let group: Vec<_> = weights.ranks.iter().collect();
                 let mut dec = CpuDecoder::new(&ckpt.config, &layout, &group).unwrap();
-                let prefill = dec.prefill(prompts, PrefillLogits::All).unwrap();
+                let prefill = dec.prefill(&prompts, PrefillLogits::All).unwrap();
                 for (i, c) in cases.iter().enumerate() {
                     let w = what(format!("prompt {i} prefill"));
                     worst = worst.max(compare(&w, &prefill[i], &floats(&c["prefill_logits"])));
