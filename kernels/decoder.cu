@@ -319,6 +319,169 @@ ROPE_STORE(rope_store_bf16, u16)
 ATTENTION(attention, float)
 ATTENTION(attention_bf16, u16)
 
+// ---- fp8 K/V: e4m3 with one f32 scale per position and kv head (KvDtype::store_head) ----------
+//
+// A cache record is one kv head at one position: d e4m3 bytes, then the f32 scale (d + 4 bytes;
+// d a multiple of 4), records [seq][cap][kvh] per layer block. The scale is amax / 448 of the
+// head's d values (1 for an all-zero head), each value divided by it and rounded to the nearest
+// e4m3 value, ties to even: the CPU decoder's formula, bit for bit on the same inputs.
+typedef unsigned char u8;
+
+// The e4m3 byte of x (lifecycle_layout::fp8::e4m3_from_f32: round to nearest even; from 480 on,
+// and for infinities and NaN, NaN).
+__device__ __forceinline__ u32 e4m3_of(float x) {
+    const u32 nan_from = 1087u << 20, normal_from = 121u << 23;
+    const u32 bits = __float_as_uint(x);
+    const u32 sign = (bits >> 24) & 0x80u, mag = bits & 0x7fffffffu;
+    u32 byte;
+    if (mag >= nan_from) {
+        byte = 0x7fu;
+    } else if (mag < normal_from) {
+        // adding 2^14 (f32 ulp 2^-9, the e4m3 subnormal step) rounds to nearest even
+        const float sum = __uint_as_float(mag) + __uint_as_float(141u << 23);
+        byte = (__float_as_uint(sum) - (141u << 23)) & 0xffu;
+    } else {
+        const u32 odd = (mag >> 20) & 1u;
+        byte = ((mag + ((7u - 127u) << 23) + 0x7ffffu + odd) >> 20) & 0xffu;
+    }
+    return byte | sign;
+}
+
+// The value of an e4m3 byte (0x7f / 0xff: NaN).
+__device__ __forceinline__ float e4m3_value(u32 b) {
+    const u32 e = (b >> 3) & 15u, m = b & 7u;
+    if ((b & 0x7fu) == 0x7fu) return __uint_as_float(0x7fc00000u);
+    const float v = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;
+    return (b & 0x80u) ? -v : v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Rotary embedding of q in place, as rope_store_t; k rotated and v stored into the fp8 caches'
+// records at (seqs[r], poss[r]). One warp per (row, head) over the qh + kvh heads of each row
+// (blockDim.x a multiple of 32); d even, a multiple of 4 and at most 256.
+extern "C" __global__ void rope_store_fp8(float* __restrict__ q, const float* __restrict__ k,
+                                          const float* __restrict__ v, u8* __restrict__ kc,
+                                          u8* __restrict__ vc, const u32* __restrict__ seqs,
+                                          const u32* __restrict__ poss,
+                                          const float* __restrict__ inv_freq, u32 n, u32 qh,
+                                          u32 kvh, u32 d, u32 cap) {
+    const u32 lane = threadIdx.x & 31u, half = d / 2, rec = d + 4;
+    const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
+    const u64 items = (u64)n * (qh + kvh);
+    for (u64 item = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < items;
+         item += warps) {
+        const u32 r = (u32)(item / (qh + kvh)), head = (u32)(item % (qh + kvh));
+        const u32 pos = poss[r];
+        if (head < qh) {
+            float* p = q + ((u64)r * qh + head) * d;
+            for (u32 j = lane; j < half; j += 32u) {
+                float s, c;
+                sincosf((float)pos * inv_freq[j], &s, &c);
+                const float a = p[j], b = p[j + half];
+                p[j] = a * c - b * s;
+                p[j + half] = b * c + a * s;
+            }
+            continue;
+        }
+        const u32 kv = head - qh;
+        const float* pk = k + ((u64)r * kvh + kv) * d;
+        const float* pv = v + ((u64)r * kvh + kv) * d;
+        float ka[4], kb[4];
+        float kmax = 0.0f, vmax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u32 j = lane + 32u * (u32)i;
+            ka[i] = 0.0f;
+            kb[i] = 0.0f;
+            if (j < half) {
+                float s, c;
+                sincosf((float)pos * inv_freq[j], &s, &c);
+                const float a = pk[j], b = pk[j + half];
+                ka[i] = a * c - b * s;
+                kb[i] = b * c + a * s;
+                kmax = fmaxf(kmax, fmaxf(fabsf(ka[i]), fabsf(kb[i])));
+                vmax = fmaxf(vmax, fmaxf(fabsf(pv[j]), fabsf(pv[j + half])));
+            }
+        }
+        kmax = warp_max(kmax);
+        vmax = warp_max(vmax);
+        const float ks = kmax > 0.0f ? kmax / 448.0f : 1.0f;
+        const float vs = vmax > 0.0f ? vmax / 448.0f : 1.0f;
+        const u64 at = (((u64)seqs[r] * cap + pos) * kvh + kv) * rec;
+        u8* kr = kc + at;
+        u8* vr = vc + at;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u32 j = lane + 32u * (u32)i;
+            if (j < half) {
+                kr[j] = (u8)e4m3_of(ka[i] / ks);
+                kr[j + half] = (u8)e4m3_of(kb[i] / ks);
+                vr[j] = (u8)e4m3_of(pv[j] / vs);
+                vr[j + half] = (u8)e4m3_of(pv[j + half] / vs);
+            }
+        }
+        if (lane == 0) {
+            *reinterpret_cast<float*>(kr + d) = ks;
+            *reinterpret_cast<float*>(vr + d) = vs;
+        }
+    }
+}
+
+// attention_t over the fp8 caches' records: each K and V value read as e4m3 x its record's
+// scale (the CPU decoder's dequantised value), then as attention_t.
+extern "C" __global__ void attention_fp8(const float* __restrict__ q, const u8* __restrict__ kc,
+                                         const u8* __restrict__ vc, const u32* __restrict__ seqs,
+                                         const u32* __restrict__ poss, u16* __restrict__ out,
+                                         u32 n, u32 qh, u32 kvh, u32 d, u32 cap, u32 q_base,
+                                         u32 group, u32 kv_base, float scale) {
+    extern __shared__ float sm[];
+    __shared__ float red[32];
+    const u32 r = blockIdx.x / qh, j = blockIdx.x % qh;
+    const u32 seq = seqs[r], len = poss[r] + 1;
+    const u32 kv = (q_base + j) / group - kv_base;
+    const u32 rec = d + 4;
+    float* qs = sm;
+    float* sc = sm + d;
+    for (u32 t = threadIdx.x; t < d; t += blockDim.x) qs[t] = q[((u64)r * qh + j) * d + t];
+    __syncthreads();
+    const u64 stride = (u64)kvh * rec;
+    const u8* kb = kc + (u64)seq * cap * stride + (u64)kv * rec;
+    const u8* vb = vc + (u64)seq * cap * stride + (u64)kv * rec;
+    float mx = NEG_INF;
+    for (u32 p = threadIdx.x; p < len; p += blockDim.x) {
+        const u8* kp = kb + p * stride;
+        const float ks = *reinterpret_cast<const float*>(kp + d);
+        float s = 0.0f;
+        for (u32 t = 0; t < d; ++t) s += qs[t] * (e4m3_value(kp[t]) * ks);
+        s *= scale;
+        sc[p] = s;
+        mx = fmaxf(mx, s);
+    }
+    mx = block_max(mx, red);
+    float tot = 0.0f;
+    for (u32 p = threadIdx.x; p < len; p += blockDim.x) {
+        const float e = expf(sc[p] - mx);
+        sc[p] = e;
+        tot += e;
+    }
+    tot = block_sum(tot, red);
+    for (u32 p = threadIdx.x; p < len; p += blockDim.x) sc[p] = sc[p] / tot;
+    __syncthreads();
+    const u64 half_len = (u64)n * qh * d;
+    for (u32 t = threadIdx.x; t < d; t += blockDim.x) {
+        float o = 0.0f;
+        for (u32 p = 0; p < len; ++p) {
+            const u8* vp = vb + p * stride;
+            o += sc[p] * (e4m3_value(vp[t]) * *reinterpret_cast<const float*>(vp + d));
+        }
+        split_store(out, ((u64)r * qh + j) * d + t, half_len, o);
+    }
+}
+
 // Copies blocks of old_block 2-byte units to a buffer with blocks of new_block units (cache
 // growth; a unit is half an f32 element or one bf16 element).
 extern "C" __global__ void grow_blocks(const u16* __restrict__ src, u16* __restrict__ dst,

@@ -388,10 +388,10 @@ impl Core {
         self.cap = 0;
     }
 
-    /// Keeps K and V as `kv` says from the next cache on (f32 or bf16; fp8 is refused): drops
+    /// Keeps K and V as `kv` says from the next cache on (f32, bf16 or fp8, [`check_kv`]): drops
     /// the cache and the sequences it holds (host side only).
     pub fn set_kv_dtype(&mut self, kv: KvDtype) -> Result<(), GpuDecodeError> {
-        kv_units(kv)?;
+        check_kv(kv, self.config.model.head_dim)?;
         for st in &mut self.ranks {
             st.cache = None;
             st.kv = kv;
@@ -422,8 +422,8 @@ impl Core {
             self.config.model.layers,
             slots,
             cap,
-            geo.kv_heads * self.config.model.head_dim,
-        ) * kv_units(self.kv_dtype())?;
+            geo.kv_heads * kv_head_units(self.kv_dtype(), self.config.model.head_dim),
+        );
         self.lens.clear();
         self.parts.clear();
         pool.run_each(&mut self.ranks, &|ctx, st| {
@@ -524,8 +524,7 @@ impl Core {
         let parts = &self.parts;
         // the width of a position of one layer's k (or v), in the cache's 2-byte units
         let w = (self.geometry()?.kv_heads
-            * self.config.model.head_dim
-            * kv_units(self.kv_dtype())?) as u64;
+            * kv_head_units(self.kv_dtype(), self.config.model.head_dim)) as u64;
         let old_cap = self.cap as u64;
         let waits = pool.run_each(&mut self.ranks, &|ctx, st| {
             let batch = parts.get(st.replica).map_or(0, Range::len);
@@ -870,18 +869,29 @@ pub(crate) fn kv_elements(layers: usize, slots: usize, cap: usize, width: usize)
     2 * layers * slots * cap * width
 }
 
-/// The 2-byte units of one element of a KV cache of `kv` (f32: 2, bf16: 1); fp8 is refused.
-pub(crate) fn kv_units(kv: KvDtype) -> Result<usize, GpuDecodeError> {
+/// The 2-byte units of one kv head's K (or V) at one position in a KV cache of `kv`, for heads
+/// of `head_dim` values: f32 `2 · head_dim`, bf16 `head_dim`, fp8 `head_dim / 2 + 2` (the e4m3
+/// bytes and the f32 scale of `KvDtype::store_head`); [`check_kv`] must hold.
+pub(crate) fn kv_head_units(kv: KvDtype, head_dim: usize) -> usize {
     match kv {
-        KvDtype::F32 => Ok(2),
-        KvDtype::Bf16 => Ok(1),
-        KvDtype::Fp8 => Err(DecodeError::Usage(
-            "KV cache dtype fp8: the GPU decoder keeps K and V in bf16 or f32 (the CPU decoder \
-             keeps fp8)"
-                .into(),
-        )
-        .into()),
+        KvDtype::F32 => 2 * head_dim,
+        KvDtype::Bf16 => head_dim,
+        KvDtype::Fp8 => head_dim / 2 + 2,
     }
+}
+
+/// Whether the GPU decoder keeps a cache of `kv` for heads of `head_dim` values: f32 and bf16
+/// always, fp8 for `head_dim` a multiple of 4 up to 256 (the records' scales 4-byte aligned, a
+/// warp's registers holding a head).
+pub(crate) fn check_kv(kv: KvDtype, head_dim: usize) -> Result<(), GpuDecodeError> {
+    if kv == KvDtype::Fp8 && (!head_dim.is_multiple_of(4) || head_dim > 256) {
+        return Err(DecodeError::Usage(format!(
+            "KV cache dtype fp8: the GPU decoder keeps fp8 K and V for head_dim a multiple of 4 \
+             up to 256; the model's is {head_dim}"
+        ))
+        .into());
+    }
+    Ok(())
 }
 
 impl<'w> GpuDecoder<'w> {
@@ -977,10 +987,13 @@ impl<'w> GpuDecoder<'w> {
     }
 
     /// Keeps the KV cache of the next prefill in `kv`: f32 (the default: the exact mode in which
-    /// the decoder matches the transformers oracles) or bf16 (half the bytes, each element
-    /// rounded to nearest even when stored, as vLLM and SGLang keep it; the CPU decoder's
-    /// [`set_kv_dtype`](lifecycle_decoder::CpuDecoder::set_kv_dtype) is its reference). Drops
-    /// the sequences the cache holds; fp8 is refused, changing nothing.
+    /// the decoder matches the transformers oracles), bf16 (half the bytes, each element
+    /// rounded to nearest even when stored, as vLLM and SGLang keep it) or fp8 (e4m3 with one
+    /// f32 scale per position and kv head, [`KvDtype::store_head`]: `(head_dim + 4) / (4 ·
+    /// head_dim)` of f32's bytes; for `head_dim` a multiple of 4 up to 256). The CPU decoder's
+    /// [`set_kv_dtype`](lifecycle_decoder::CpuDecoder::set_kv_dtype) is the reference of both
+    /// (the fp8 kernels have not yet run on a GPU: the `tests/gpu.rs` check against it is
+    /// pending). Drops the sequences the cache holds; a dtype refused changes nothing.
     ///
     /// ```no_run
     /// use lifecycle_decoder::KvDtype;

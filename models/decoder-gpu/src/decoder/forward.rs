@@ -14,6 +14,7 @@ use lifecycle_cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, Launch
 use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
 use lifecycle_decoder::KvDtype;
 
+use super::kv_head_units;
 use super::moe::{moe_layer, MoeScratch};
 use super::rank::{all_reduce, all_reduce_in_place, order, ptr, Dims, RankBind, RankState};
 use crate::blas::gemm;
@@ -410,15 +411,14 @@ impl<'a> Pass<'a> {
         }
     }
 
-    /// Bytes of one element of the cache.
-    fn kv_bytes(&self) -> u64 {
-        self.st.kv.bytes() as u64
+    /// A position's width in one layer's K (or V) block, in the cache's 2-byte units.
+    fn kv_width(&self) -> usize {
+        self.z.kvh * kv_head_units(self.st.kv, self.z.d)
     }
 
     /// The addresses of layer `l`'s K and V cache blocks.
     fn cache_blocks(&self, l: usize) -> (u64, u64) {
-        let kvw = self.z.kvh * self.z.d;
-        let layer = self.kv_bytes() * (self.step.batch * self.step.cap * kvw) as u64;
+        let layer = 2 * (self.step.batch * self.step.cap * self.kv_width()) as u64;
         let kc = self.cache + (2 * l as u64) * layer;
         (kc, kc + layer)
     }
@@ -491,12 +491,18 @@ impl<'a> Pass<'a> {
                 u32a(d),
                 u32a(self.step.cap),
             ];
-            let cfg = self.elementwise(n * (qh + kvh) * d / 2);
-            let bf16 = st.kv == KvDtype::Bf16;
-            let rope = if bf16 {
-                &k.rope_store_bf16
-            } else {
-                &k.rope_store
+            let (rope, cfg) = match st.kv {
+                KvDtype::F32 => (&k.rope_store, self.elementwise(n * (qh + kvh) * d / 2)),
+                KvDtype::Bf16 => (&k.rope_store_bf16, self.elementwise(n * (qh + kvh) * d / 2)),
+                // a warp per (row, head), 8 per block
+                KvDtype::Fp8 => (
+                    &k.rope_store_fp8,
+                    LaunchConfig {
+                        grid_dim: ((n * (qh + kvh)).div_ceil(8).max(1) as u32, 1, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    },
+                ),
             };
             self.kernel(rope, cfg, &args, "rope_store")?;
             let cfg = LaunchConfig {
@@ -521,10 +527,10 @@ impl<'a> Pass<'a> {
                 u32a(self.bind.w.share.kv_base),
                 Arg::F32(1.0 / (d as f32).sqrt()),
             ];
-            let attention = if bf16 {
-                &k.attention_bf16
-            } else {
-                &k.attention
+            let attention = match st.kv {
+                KvDtype::F32 => &k.attention,
+                KvDtype::Bf16 => &k.attention_bf16,
+                KvDtype::Fp8 => &k.attention_fp8,
             };
             self.kernel(attention, cfg, &args, "attention")?;
             st.wgemm(s, base, lw.o_w, xs, y2, (h, 2 * n, qw), (w8, false), rank)?;
@@ -639,8 +645,7 @@ impl<'a> Pass<'a> {
             return Ok(());
         }
         let z = self.z;
-        // a position's width in the cache's 2-byte units
-        let kvw = z.kvh * z.d * self.st.kv.bytes() / 2;
+        let kvw = self.kv_width();
         let longest = step.forks.chunks_exact(3).map(|f| f[2]).max().unwrap_or(0);
         let fk = self
             .s()

@@ -42,10 +42,11 @@ pub(crate) struct RankState {
     /// The weights this rank reads; `None` while unbound (an engine asleep).
     pub(crate) bind: Option<RankBind>,
     pub(crate) inv_freq: CudaSlice<f32>,
-    /// `[layer][k | v][slot][cap][kv_heads · head_dim]` elements of `kv` in 2-byte units (an
-    /// f32 element is two), `None` before the first prefill (or while an engine sleeps).
+    /// `[layer][k | v][slot][cap][kv_heads]` heads of `kv` in 2-byte units
+    /// ([`kv_head_units`](crate::decoder::kv_head_units): an f32 element is two, an fp8 head
+    /// its e4m3 bytes and scale), `None` before the first prefill (or while an engine sleeps).
     pub(crate) cache: Option<CudaSlice<u16>>,
-    /// The element type of the cache (f32 or bf16; never fp8, refused when set).
+    /// The element type of the cache (checked by `check_kv` when set).
     pub(crate) kv: KvDtype,
     pub(crate) ev_compute: CudaEvent,
     pub(crate) ev_nccl: CudaEvent,
