@@ -55,14 +55,16 @@ impl RankBuffers for RankTrain {
 
 /// The FSDP backend's hooks: verification (hashes of what leaves the device, checked when it
 /// returns).
-pub(crate) struct FsdpHooks {
+pub(crate) struct FsdpHooks<'a> {
     /// Verification mode: the chunks of every tensor's shard.
     pub(crate) verify: Option<ChunkTable>,
-    /// Tensor names by shard slot, for corruption reports.
-    pub(crate) names: Vec<String>,
+    /// The state's shard layout: its slots name the tensors of corruption reports (borrowed,
+    /// not copied: an MoE layout has thousands of names, and a switch builds its hooks each
+    /// time).
+    pub(crate) shards: &'a lifecycle_layout::fsdp::ShardLayout,
 }
 
-impl SwitchHooks<RankTrain> for FsdpHooks {
+impl SwitchHooks<RankTrain> for FsdpHooks<'_> {
     fn before_offload(
         &self,
         ctx: &RankCtx,
@@ -116,7 +118,12 @@ impl SwitchHooks<RankTrain> for FsdpHooks {
                 continue;
             };
             if let Some(m) = verify::check_reloaded(ctx, sums, b, d, table)? {
-                let tensor = self.names.get(m.tensor).cloned().unwrap_or_default();
+                let tensor = self
+                    .shards
+                    .slots
+                    .get(m.tensor)
+                    .map(|s| s.name.clone())
+                    .unwrap_or_default();
                 let c = Corruption {
                     buffer: b.name(),
                     tensor,
@@ -159,10 +166,13 @@ impl FsdpBackend {
     }
 
     /// The hooks of a switch of a state of layout `shards`.
-    pub(crate) fn hooks(&self, shards: &lifecycle_layout::fsdp::ShardLayout) -> FsdpHooks {
+    pub(crate) fn hooks<'a>(
+        &self,
+        shards: &'a lifecycle_layout::fsdp::ShardLayout,
+    ) -> FsdpHooks<'a> {
         FsdpHooks {
             verify: self.verify.then(|| verify::shard_table(shards)),
-            names: shards.slots.iter().map(|s| s.name.clone()).collect(),
+            shards,
         }
     }
 
