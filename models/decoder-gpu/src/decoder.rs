@@ -1214,3 +1214,24 @@ impl Decoder for GpuDecoder<'_> {
         self.core.generate(self.pool, prompts, sampling, false)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cache_head_takes_the_bytes_the_memory_accounting_counts() {
+        for kv in [KvDtype::F32, KvDtype::Bf16, KvDtype::Fp8] {
+            for d in [8, 16, 64, 128, 256] {
+                assert!(check_kv(kv, d).is_ok(), "{kv} at head_dim {d}");
+                assert_eq!(2 * kv_head_units(kv, d), kv.head_bytes(d), "{kv} at {d}");
+            }
+        }
+        // fp8 records need 4-byte aligned scales and a head a warp holds
+        for d in [6, 10, 260, 512] {
+            let e = check_kv(KvDtype::Fp8, d).unwrap_err().to_string();
+            assert!(e.contains("fp8") && e.contains(&d.to_string()), "{e}");
+            assert!(check_kv(KvDtype::Bf16, d).is_ok());
+        }
+    }
+}
