@@ -43,15 +43,21 @@ fn moe_fixtures() -> PathBuf {
     fixtures().join("moe")
 }
 
-/// Largest |a − b| after checking it is within tolerance.
-fn compare(what: &str, got: &[f32], want: &[f32]) -> f32 {
+/// The largest |a − b| of `got` against `want`, and the largest |want| (the tolerances' scale).
+fn distance(what: &str, got: &[f32], want: &[f32]) -> (f32, f32) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let tol = 1e-4 + 1e-4 * scale;
     let err = got
         .iter()
         .zip(want)
         .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    (err, scale)
+}
+
+/// Largest |a − b| after checking it is within tolerance.
+fn compare(what: &str, got: &[f32], want: &[f32]) -> f32 {
+    let (err, scale) = distance(what, got, want);
+    let tol = 1e-4 + 1e-4 * scale;
     assert!(err <= tol, "{what}: max |error| {err} > tolerance {tol}");
     err
 }
@@ -496,12 +502,7 @@ fn a_bf16_kv_cache_moves_the_logits_by_its_rounding_only() {
         let prefill = dec.prefill(prompts, PrefillLogits::All).unwrap();
         let mut moved = 0.0f32;
         for (i, c) in cases.iter().enumerate() {
-            let want = floats(&c["prefill_logits"]);
-            let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let err = prefill[i]
-                .iter()
-                .zip(&want)
-                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+            let (err, scale) = distance(name, &prefill[i], &floats(&c["prefill_logits"]));
             let tol = 1e-2 + 1e-2 * scale;
             assert!(
                 err <= tol,
@@ -535,12 +536,7 @@ fn an_fp8_kv_cache_moves_the_logits_by_its_rounding_only() {
             dec.set_kv_dtype(kv).unwrap();
             let prefill = dec.prefill(prompts, PrefillLogits::All).unwrap();
             for (i, c) in cases.iter().enumerate() {
-                let want = floats(&c["prefill_logits"]);
-                let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                let err = prefill[i]
-                    .iter()
-                    .zip(&want)
-                    .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+                let (err, scale) = distance(name, &prefill[i], &floats(&c["prefill_logits"]));
                 // e4m3 keeps 3 mantissa bits: half a step is 1/16 of a value
                 let tol = 1e-1 + 1e-1 * scale;
                 assert!(
