@@ -14,8 +14,9 @@ class Engine:
     against the activations in f32) or ``"w8a8"`` (activations quantised per token in 1 x 128
     groups; on the GPU a tensor-core kernel up to 8 sequences a step, cuBLASLt's block-scaled
     fp8 GEMM beyond). ``kv_dtype`` is the KV cache's element type:
-    ``"bf16"`` (the default, as vLLM and SGLang keep it) or ``"f32"`` (the decoder's exact
-    mode, twice the bytes)::
+    ``"bf16"`` (the default, as vLLM and SGLang keep it), ``"f32"`` (the decoder's exact
+    mode, twice the bytes) or ``"fp8"`` (e4m3 with one f32 scale per position and kv head,
+    about half bf16's bytes)::
 
         engine = Engine(switch, max_sequences=64, max_tokens=256)
         with switch.rollout() as w:

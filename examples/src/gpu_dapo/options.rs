@@ -232,7 +232,8 @@ pub struct GpuOptions {
     #[arg(long)]
     pub fork_prefill: bool,
     /// The element type of the engine's KV cache: bf16 (half the bytes, as vLLM and SGLang keep
-    /// it) or f32 (the decoder's exact mode).
+    /// it), f32 (the decoder's exact mode) or fp8 (e4m3 with one f32 scale per position and kv
+    /// head: a quarter of f32's bytes and the scales).
     #[arg(long, default_value_t = GpuOptions::DEFAULTS.kv_dtype,
           value_parser = <lifecycle_decoder::KvDtype as std::str::FromStr>::from_str)]
     pub kv_dtype: lifecycle_decoder::KvDtype,
@@ -303,10 +304,6 @@ impl Options {
             (
                 !(g.scale.is_finite() && g.scale > 0.0),
                 format!("--scale must be finite and > 0, found {}", g.scale),
-            ),
-            (
-                g.kv_dtype == lifecycle_decoder::KvDtype::Fp8,
-                "--kv-dtype fp8: the GPU engine keeps its KV cache in bf16 or f32".to_string(),
             ),
             (
                 !(g.grad_scale.is_finite() && g.grad_scale > 0.0),

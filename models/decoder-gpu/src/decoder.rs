@@ -992,8 +992,8 @@ impl<'w> GpuDecoder<'w> {
     /// f32 scale per position and kv head, [`KvDtype::store_head`]: `(head_dim + 4) / (4 ·
     /// head_dim)` of f32's bytes; for `head_dim` a multiple of 4 up to 256). The CPU decoder's
     /// [`set_kv_dtype`](lifecycle_decoder::CpuDecoder::set_kv_dtype) is the reference of both
-    /// (the fp8 kernels have not yet run on a GPU: the `tests/gpu.rs` check against it is
-    /// pending). Drops the sequences the cache holds; a dtype refused changes nothing.
+    /// (`tests/gpu.rs` checks them against it on the GPU). Drops the sequences the cache holds;
+    /// a dtype refused changes nothing.
     ///
     /// ```no_run
     /// use lifecycle_decoder::KvDtype;

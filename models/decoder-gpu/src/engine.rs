@@ -87,7 +87,7 @@ impl EngineSettings {
     /// let exact = EngineSettings::new(8, 64).with_kv_dtype(KvDtype::F32);
     /// assert!(exact.check().is_ok());
     /// let fp8 = EngineSettings::new(8, 64).with_kv_dtype(KvDtype::Fp8);
-    /// assert!(fp8.check().unwrap_err().to_string().contains("kv_dtype fp8"));
+    /// assert!(fp8.check().is_ok());
     /// ```
     pub fn with_kv_dtype(mut self, kv: KvDtype) -> Self {
         self.kv_dtype = kv;
@@ -121,13 +121,6 @@ impl EngineSettings {
                 "max_sequences ({}) and max_tokens ({}) must be at least 1",
                 self.max_sequences, self.max_tokens
             )));
-        }
-        if self.kv_dtype == KvDtype::Fp8 {
-            return Err(GpuDecodeError::Settings(
-                "kv_dtype fp8: the GPU engine keeps its KV cache in bf16 or f32 (the CPU decoder \
-                 keeps fp8)"
-                    .into(),
-            ));
         }
         if self.max_tokens > MAX_CONTEXT {
             return Err(GpuDecodeError::Settings(format!(
@@ -168,7 +161,8 @@ impl EngineSettings {
     }
 
     /// Bytes of the KV cache on one rank that computes `kv_heads_per_rank` kv heads (keys and
-    /// values in [`EngineSettings::kv_dtype`]).
+    /// values in [`EngineSettings::kv_dtype`]: a head at a position takes
+    /// [`KvDtype::head_bytes`], fp8's scale included).
     ///
     /// ```
     /// use lifecycle_decoder::ModelConfig;
@@ -180,6 +174,9 @@ impl EngineSettings {
     /// assert_eq!(EngineSettings::new(8, 64).kv_bytes_per_rank(&config, 2, 1), 2 * 2 * 8 * 64 * 2 * 4 * 2);
     /// let f32_cache = EngineSettings::new(8, 64).with_kv_dtype(lifecycle_decoder::KvDtype::F32);
     /// assert_eq!(f32_cache.kv_bytes_per_rank(&config, 2, 1), 2 * 2 * 8 * 64 * 2 * 4 * 4);
+    /// // fp8: head_dim 4 e4m3 bytes and one f32 scale per head and position
+    /// let fp8 = EngineSettings::new(8, 64).with_kv_dtype(lifecycle_decoder::KvDtype::Fp8);
+    /// assert_eq!(fp8.kv_bytes_per_rank(&config, 2, 1), 2 * 2 * 8 * 64 * 2 * (4 + 4));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn kv_bytes_per_rank(
@@ -188,12 +185,12 @@ impl EngineSettings {
         kv_heads_per_rank: usize,
         replicas: usize,
     ) -> u64 {
-        self.kv_dtype.bytes() as u64
+        self.kv_dtype.head_bytes(config.model.head_dim) as u64
             * kv_elements(
                 config.model.layers,
                 self.slots_per_replica(replicas),
                 self.max_tokens,
-                kv_heads_per_rank * config.model.head_dim,
+                kv_heads_per_rank,
             ) as u64
     }
 }
@@ -563,6 +560,12 @@ mod tests {
         assert_eq!(
             f32_cache.kv_bytes_per_rank(&c, 1, 2),
             3 * 2 * 4 * 100 * 4 * 4
+        );
+        // fp8: 4 bytes of e4m3 and a 4-byte scale per head
+        let fp8_cache = s.with_kv_dtype(KvDtype::Fp8);
+        assert_eq!(
+            fp8_cache.kv_bytes_per_rank(&c, 1, 2),
+            3 * 2 * 4 * 100 * (4 + 4)
         );
     }
 
