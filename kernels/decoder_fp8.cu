@@ -367,11 +367,23 @@ __device__ __forceinline__ u32 e4m3_rn(float v) {
 // sc[t * sc_tok + g * sc_grp], the dequantised values e4m3(byte) * scale_inv into deq [n x inp]
 // (which may be the f32 source itself), and zeros over zero[0 .. nzero] (the lo rows of the
 // product's output, which the block-scaled GEMM does not write), grid-strided.
+// With tiles > 0 (n_pad = 8 tiles, inp a multiple of 128) the bytes lie as the warpgroup W8A8
+// kernel stages them (kernels/w8a8_mma.cu): per group, its 32 input words w as core matrix
+// w & 7 of 8 tokens x 16 bytes, word w >> 3 of its row, the core matrices of the token tiles
+// next to each other (tiled_offset).
 // Grid: ceil(n_pad * groups / 8) blocks of 256 threads.
+// Byte c of group g of token t in the warpgroup kernel's layout of `tiles` token tiles.
+__device__ __forceinline__ u64 tiled_offset(u32 t, u32 g, u32 c, u32 tiles) {
+    const u32 word = c >> 2;
+    return (u64)g * (1024u * tiles) + ((word & 7u) * tiles + (t >> 3)) * 128u + (t & 7u) * 16u +
+           4u * (word >> 3) + (c & 3u);
+}
+
 template <bool SPLIT>
 __device__ __forceinline__ void quant_groups(const void* __restrict__ src, u32 n, u32 n_pad,
                                              u32 inp, unsigned char* q, float* sc, u32 sc_tok,
-                                             u32 sc_grp, float* deq, float* zero, u64 nzero) {
+                                             u32 sc_grp, float* deq, float* zero, u64 nzero,
+                                             u32 tiles) {
     if (zero) {
         for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < nzero; i += (u64)gridDim.x * blockDim.x) {
             zero[i] = 0.0f;
@@ -413,7 +425,7 @@ __device__ __forceinline__ void quant_groups(const void* __restrict__ src, u32 n
         if (c < inp) {
             u64 i = (u64)t * inp + c;
             u32 b = e4m3_rn(__fdiv_rn(v[k], s));
-            if (q) q[i] = (unsigned char)b;
+            if (q) q[tiles ? tiled_offset(t, g, c - g * 128, tiles) : i] = (unsigned char)b;
             if (deq && t < n) deq[i] = e4m3_val(b) * s;
         }
     }
@@ -421,14 +433,14 @@ __device__ __forceinline__ void quant_groups(const void* __restrict__ src, u32 n
 
 extern "C" __global__ void __launch_bounds__(256) fp8_quant_split(
     const u16* __restrict__ xs, u32 n, u32 n_pad, u32 inp, unsigned char* q, float* sc,
-    u32 sc_tok, u32 sc_grp, float* deq, float* zero, u64 nzero) {
-    quant_groups<true>(xs, n, n_pad, inp, q, sc, sc_tok, sc_grp, deq, zero, nzero);
+    u32 sc_tok, u32 sc_grp, float* deq, float* zero, u64 nzero, u32 tiles) {
+    quant_groups<true>(xs, n, n_pad, inp, q, sc, sc_tok, sc_grp, deq, zero, nzero, tiles);
 }
 
 extern "C" __global__ void __launch_bounds__(256) fp8_quant_f32(
     const float* x, u32 n, u32 n_pad, u32 inp, unsigned char* q, float* sc, u32 sc_tok,
-    u32 sc_grp, float* deq, float* zero, u64 nzero) {
-    quant_groups<false>(x, n, n_pad, inp, q, sc, sc_tok, sc_grp, deq, zero, nzero);
+    u32 sc_grp, float* deq, float* zero, u64 nzero, u32 tiles) {
+    quant_groups<false>(x, n, n_pad, inp, q, sc, sc_tok, sc_grp, deq, zero, nzero, tiles);
 }
 
 // dst[i] = the bf16 src[i] as f32 (a W8A8 product whose cuBLASLt output is bf16).

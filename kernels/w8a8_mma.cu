@@ -15,10 +15,11 @@
 // NT mma's), over a slice of the input groups (blockIdx.y): it stages the slice's activations in
 // shared memory a chunk of groups at a time, and each warp streams its rows' weights from device
 // memory once, 128 bytes per row and group, the next group requested before the current one is
-// multiplied. With several slices (gridDim.y > 1) each block writes its partial sums, and the
-// last block of a row range to finish (counted in `counters`, reset by it) adds the slices in
-// their order: the result does not depend on which block finishes last. With zero_lo the n rows
-// after y's (the lo rows of a split product) are written 0.
+// multiplied. With several slices (gridDim.y > 1) each block writes its partial sums, and
+// w8a8_reduce, launched next, adds the slices in their order (every output by its own thread:
+// one block adding a row range's slices alone took ~44 us at 64 tokens): the result does not
+// depend on the order in which the blocks ran. With zero_lo the n rows after y's (the lo rows of
+// a split product) are written 0.
 typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef unsigned char u8;
@@ -32,13 +33,6 @@ __device__ __forceinline__ uint4 ld_stream(const u8* p) {
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
         : "l"(p));
-    return v;
-}
-
-// A partial sum written by another block: read from L2, past this SM's L1.
-__device__ __forceinline__ float ld_l2(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
 
@@ -76,15 +70,13 @@ __device__ __forceinline__ Frag load_frag(const u8* lo, const u8* hi, bool oklo,
 }
 
 // Writes the sums of a block of ROWS rows (fragment (g, t) of token tile nt: rows g and g + 8
-// of the warp's tile, tokens 8 nt + 2 t and the next): unsplit straight to y (and 0 to ylo); split, its
-// partial sums, and the last block of the row range adds the slices in their order.
+// of the warp's tile, tokens 8 nt + 2 t and the next): unsplit straight to y (and 0 to ylo);
+// split, its partial sums [token][row of the block] for w8a8_reduce.
 template <int NT, int ROWS>
 __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* __restrict__ y,
                                           float* __restrict__ ylo, float* __restrict__ part,
-                                          u32* __restrict__ counters, u32 out, u32 n,
-                                          u32 splits, u32 tile, u32 g, u32 t, u32 warp,
-                                          bool oklo, bool okhi) {
-    __shared__ u32 last;
+                                          u32 out, u32 n, u32 splits, u32 tile, u32 g, u32 t,
+                                          u32 warp, bool oklo, bool okhi) {
     const u32 T = 8 * NT;
     const u32 rlo = tile + g, rhi = rlo + 8;
     if (splits == 1) {
@@ -104,7 +96,6 @@ __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* __re
         }
         return;
     }
-    // this slice's partial sums, [token][row of the block]
     float* mine = part + ((u64)blockIdx.x * splits + blockIdx.y) * (ROWS * T);
     const u32 bl = warp * 16u + g, bh = bl + 8u;
 #pragma unroll
@@ -117,32 +108,33 @@ __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* __re
             mine[(k0 + 1) * ROWS + bh] = acc[nt][3];
         }
     }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == splits - 1 ? 1u : 0u;
-    __syncthreads();
-    if (last == 0) return;
-    __threadfence();
-    const float* all = part + (u64)blockIdx.x * splits * (ROWS * T);
-    for (u32 i = threadIdx.x; i < n * ROWS; i += blockDim.x) {
-        const u32 tok = i / ROWS, r = i - tok * ROWS;
-        const u32 row = blockIdx.x * ROWS + r;
-        float v = 0.0f;
-        for (u32 s = 0; s < splits; ++s) v += ld_l2(all + (u64)s * (ROWS * T) + i);
-        if (row < out) {
-            y[(u64)tok * out + row] = v;
-            if (ylo != nullptr) ylo[(u64)tok * out + row] = 0.0f;
-        }
-    }
-    if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
+}
+
+// The sums of a split product from its partials (block (b, s) of `rows` rows and `tile_tokens`
+// tokens at part + (b splits + s) rows tile_tokens, [token][row]): one thread per output, the
+// slices added in their order from 0, to y [n x out] (and 0 to the n rows after it with
+// zero_lo). Grid: ceil(row blocks x n x rows / 256) blocks of 256 threads.
+extern "C" __global__ void __launch_bounds__(256)
+    w8a8_reduce(const float* __restrict__ part, u32 splits, u32 rows, u32 tile_tokens, u32 out,
+                u32 n, float* __restrict__ y, u32 zero_lo) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 per_block = (u64)n * rows;
+    const u64 b = i / per_block, rem = i - b * per_block;
+    const u32 tok = (u32)(rem / rows), r = (u32)(rem - (u64)tok * rows);
+    const u64 row = b * rows + r;
+    if (row >= out) return;
+    const float* p = part + b * splits * rows * tile_tokens + (u64)tok * rows + r;
+    float v = 0.0f;
+    for (u32 s = 0; s < splits; ++s) v += p[(u64)s * rows * tile_tokens];
+    y[(u64)tok * out + row] = v;
+    if (zero_lo) y[(u64)(n + tok) * out + row] = 0.0f;
 }
 
 template <int NT>
 __device__ __forceinline__ void w8a8_mma_body(
     const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0, u32 out, u32 inp,
     const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,
-    u32 chunk, float* __restrict__ y, float* __restrict__ ylo, float* __restrict__ part,
-    u32* __restrict__ counters) {
+    u32 chunk, float* __restrict__ y, float* __restrict__ ylo, float* __restrict__ part) {
     extern __shared__ __align__(16) u8 smem[];
     const u32 T = 8 * NT;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
@@ -232,7 +224,7 @@ __device__ __forceinline__ void w8a8_mma_body(
             }
         }
     }
-    store_acc<NT, MMA_ROWS>(acc, y, ylo, part, counters, out, n, splits, tile, g, t, warp, oklo, okhi);
+    store_acc<NT, MMA_ROWS>(acc, y, ylo, part, out, n, splits, tile, g, t, warp, oklo, okhi);
 }
 
 // ---- The same products by Hopper's warpgroup mma (compiled for sm_90a only) ----------------
@@ -244,11 +236,15 @@ __device__ __forceinline__ void w8a8_mma_body(
 // into a fresh f32 fragment (scale-d 0 on the first), which is then scaled and added as above.
 // The fragment of token tile j is d[4 j .. 4 j + 3], laid out as mma.sync's.
 //
-// Shared memory holds the chunk's activations as the wgmma's canonical K-major tiles without
-// swizzle: per group, step s (32 inputs) and half h (16 of them), NT core matrices of 8 tokens
-// x 16 bytes (128 contiguous bytes each, token tile after token tile). The core matrix of half
-// h holds, in its 4-byte word q, the group's input word 8 q + 2 s + h: the permutation the
-// weight fragments were loaded in.
+// The activations come laid out as the wgmma reads them (the quantisation writes them so:
+// fp8_quant_* with tiles = NT, kernels/decoder_fp8.cu): canonical K-major tiles without swizzle,
+// per group, step s (32 inputs) and half h (16 of them), NT core matrices of 8 tokens x 16 bytes
+// (128 contiguous bytes each, token tile after token tile). The core matrix of half h holds, in
+// its 4-byte word q, the group's input word 8 q + 2 s + h: the permutation the weight fragments
+// were loaded in. A group is then 1024 NT contiguous bytes, and its 8 NT scales follow each other
+// (xs_grp = 8 NT): a chunk of groups is two bulk copies (cp.async.bulk, completing on an
+// mbarrier), issued by one thread for the next chunk while the block multiplies the current one
+// from the other of two buffers.
 
 #define WG_WARPS 8
 #define WG_ROWS (16 * WG_WARPS)
@@ -278,6 +274,50 @@ __device__ __forceinline__ void wg_commit_wait() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" :::
                      "memory");
+#endif
+}
+
+// an mbarrier of `count` arrivals, visible to the async proxy (the bulk copies)
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
+// this thread's arrival on `bar`, which then waits for `bytes` of bulk copies
+__device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+                 "r"(bytes)
+                 : "memory");
+#endif
+}
+
+// `bytes` (a multiple of 16, both addresses on 16 bytes) from global to shared memory, counted
+// on `bar` when they landed
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+            "r"(dst),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+#endif
+}
+
+// waits for the phase of `bar` of this parity to complete
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    u32 done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    }
 #endif
 }
 
@@ -358,9 +398,9 @@ template <int NT>
 __device__ __forceinline__ void w8a8_wgmma_body(
     const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0, u32 out, u32 inp,
     const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,
-    u32 chunk, float* __restrict__ y, float* __restrict__ ylo, float* __restrict__ part,
-    u32* __restrict__ counters) {
+    u32 chunk, float* __restrict__ y, float* __restrict__ ylo, float* __restrict__ part) {
     extern __shared__ __align__(128) u8 smem[];
+    __shared__ __align__(8) u64 full[2];
     const u32 T = 8 * NT;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3u;
@@ -373,49 +413,45 @@ __device__ __forceinline__ void w8a8_wgmma_body(
     const u8* wlo = w + (u64)(row0 + (oklo ? rlo : 0u)) * inp + 32u * t;
     const u8* whi = w + (u64)(row0 + (okhi ? rhi : 0u)) * inp + 32u * t;
     const float* wsr = wsc + (u64)((row0 + (okt ? tile : 0u)) >> 7) * groups;
-    // per group 128 bytes of every token; then the scales [group][token]
+    // two buffers, each a chunk of groups (1024 NT bytes each), then their scales [group][token]
     const u32 group_bytes = 128u * T;
-    u8* xb = smem;
-    float* xsb = reinterpret_cast<float*>(smem + chunk * group_bytes);
-    const u32 xb_addr = smem_addr(xb);
+    const u32 buf_bytes = chunk * (group_bytes + 4u * T);
+    const u32 base = smem_addr(smem);
+    const u32 bar0 = smem_addr(&full[0]);
+    const u32 chunks = (g1 - g0 + chunk - 1) / chunk;
+    // the copies of chunk ci into buffer ci & 1 (one thread issues them)
+    auto issue = [&](u32 ci) {
+        const u32 c0 = g0 + ci * chunk, cg = min(chunk, g1 - c0);
+        const u32 dst = base + (ci & 1u) * buf_bytes, bar = bar0 + 8u * (ci & 1u);
+        mbar_expect(bar, cg * (group_bytes + 4u * T));
+        bulk_copy(dst, xq + (u64)c0 * group_bytes, cg * group_bytes, bar);
+        bulk_copy(dst + chunk * group_bytes, xsc + (u64)c0 * xs_grp, cg * 4u * T, bar);
+    };
+    if (threadIdx.x == 0) {
+        mbar_init(bar0, 1);
+        mbar_init(bar0 + 8u, 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && chunks > 0) issue(0);
     float acc[NT][4];
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
     }
-    for (u32 c0 = g0; c0 < g1; c0 += chunk) {
-        const u32 cg = min(chunk, g1 - c0);
-        Frag a = load_frag(wlo + (u64)c0 * 128u, whi + (u64)c0 * 128u, oklo, okhi);
-        __syncthreads();  // the previous chunk is no longer read
-        for (u32 i = threadIdx.x; i < T * cg * 8u; i += blockDim.x) {
-            // 16 input bytes (unit 2 q + b) of token tok in group gi: words 8 q + 4 b + e
-            // going to core matrix 4 b + e (= 2 s + h) of the group, row tok, word q; the 32
-            // lanes of a warp (4 q by 8 tokens) store to 32 banks
-            const u32 q = i & 3u, tok = (i >> 2) % T, rest = (i >> 2) / T;
-            const u32 b = rest & 1u, gi = rest >> 1;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (tok < n) {
-                v = *reinterpret_cast<const uint4*>(xq + (u64)tok * inp + (u64)(c0 + gi) * 128u +
-                                                    16u * (2u * q + b));
-            }
-            u8* base = xb + gi * group_bytes + (tok >> 3) * 128u + (tok & 7u) * 16u + 4u * q;
-            const u32 words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                *reinterpret_cast<u32*>(base + (4u * b + (u32)e) * (NT * 128u)) = words[e];
-            }
-        }
-        for (u32 i = threadIdx.x; i < T * cg; i += blockDim.x) {
-            const u32 gi = i / T, tok = i - gi * T;
-            xsb[i] = tok < n ? xsc[(u64)(c0 + gi) * xs_grp + tok] : 0.0f;
-        }
-        // the generic proxy's writes, visible to the wgmma's reads
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
+    Frag a = load_frag(wlo + (u64)g0 * 128u, whi + (u64)g0 * 128u, oklo && g0 < g1, okhi && g0 < g1);
+    for (u32 ci = 0; ci < chunks; ++ci) {
+        const u32 c0 = g0 + ci * chunk, cg = min(chunk, g1 - c0);
+        // the other buffer was last read by the chunk before, which every thread finished
+        if (threadIdx.x == 0 && ci + 1 < chunks) issue(ci + 1);
+        mbar_wait(bar0 + 8u * (ci & 1u), (ci >> 1) & 1u);
+        const u32 xb_addr = base + (ci & 1u) * buf_bytes;
+        const float* xsb = reinterpret_cast<const float*>(smem + (ci & 1u) * buf_bytes + chunk * group_bytes);
         for (u32 gi = 0; gi < cg; ++gi) {
             Frag f = a;
-            if (gi + 1 < cg) {
+            if (c0 + gi + 1 < g1) {
+                // the next group's weights (the next chunk's first) requested before this one's
+                // sums
                 const u64 next = (u64)(c0 + gi + 1) * 128u;
                 a = load_frag(wlo + next, whi + next, oklo, okhi);
             }
@@ -450,8 +486,9 @@ __device__ __forceinline__ void w8a8_wgmma_body(
                 acc[j][3] = fmaf(d[4 * j + 3], s1, acc[j][3]);
             }
         }
+        __syncthreads();  // this buffer is no longer read: the chunk after next may land in it
     }
-    store_acc<NT, WG_ROWS>(acc, y, ylo, part, counters, out, n, splits, tile, g, t, warp, oklo, okhi);
+    store_acc<NT, WG_ROWS>(acc, y, ylo, part, out, n, splits, tile, g, t, warp, oklo, okhi);
 }
 
 #define W8A8_WGMMA(NT)                                                                         \
@@ -460,19 +497,18 @@ __device__ __forceinline__ void w8a8_wgmma_body(
                         u32 out, u32 inp, const u8* __restrict__ xq,                          \
                         const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,          \
                         u32 chunk, float* __restrict__ y, u32 zero_lo,                        \
-                        float* __restrict__ part, u32* __restrict__ counters) {               \
+                        float* __restrict__ part) {                                           \
         w8a8_wgmma_body<NT>(w, wsc, row0, out, inp, xq, xsc, xs_grp, n, slice, chunk, y,      \
-                            zero_lo ? y + (u64)n * out : nullptr, part, counters);            \
+                            zero_lo ? y + (u64)n * out : nullptr, part);                      \
     }
 
 #define W8A8_MMA(NT)                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, NT <= 3 ? 4 : 2) w8a8_mma_##NT(           \
         const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0, u32 out, u32 inp,  \
         const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n,          \
-        u32 slice, u32 chunk, float* __restrict__ y, u32 zero_lo, float* __restrict__ part,   \
-        u32* __restrict__ counters) {                                                          \
+        u32 slice, u32 chunk, float* __restrict__ y, u32 zero_lo, float* __restrict__ part) { \
         w8a8_mma_body<NT>(w, wsc, row0, out, inp, xq, xsc, xs_grp, n, slice, chunk, y,        \
-                          zero_lo ? y + (u64)n * out : nullptr, part, counters);              \
+                          zero_lo ? y + (u64)n * out : nullptr, part);                        \
     }
 W8A8_MMA(1)
 W8A8_MMA(2)

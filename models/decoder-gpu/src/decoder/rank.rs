@@ -126,7 +126,7 @@ impl RankState {
         if !same_input {
             self.x32_joined.set(false);
             if let Some(a) = act {
-                a.held.set(false);
+                a.held.set(None);
             }
         }
         let Some(f) = w.fp8 else {

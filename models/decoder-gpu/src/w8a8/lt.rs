@@ -266,7 +266,7 @@ impl W8a8Gemm {
 
     /// `y[tokens × out] = dequant(xq) · dequant(w)ᵀ` in f32 for at least 2 tokens: `xq` the
     /// e4m3 activations (`[padded_tokens(tokens) × inp]`, the padding zero) with scales at
-    /// [`act_scale_strides`](super::act_scale_strides), `w` rows `row0 .. row0 + out` of a block-scaled e4m3 matrix
+    /// [`ActLayout::Rows`](super::ActLayout::Rows)'s strides, `w` rows `row0 .. row0 + out` of a block-scaled e4m3 matrix
     /// ([`lt_reads`] must hold). The `tokens · out` f32 after the result are scratch: the
     /// padded tokens' zeros land there, or a bf16 output first, then zeros.
     ///

@@ -9,7 +9,12 @@
 //!   (slow on sm_90);
 //! - Hopper's warpgroup `wgmma.m64nNk32.e4m3` (the kernels compiled for `sm_90a` only), the
 //!   weights from the warps' registers and every token (N = 8 to 64) from shared memory, two
-//!   warpgroups (128 rows) per block sharing the staged activations.
+//!   warpgroups (128 rows) per block sharing the staged activations, which the quantisation
+//!   lays out as the `wgmma` reads them ([`ActLayout::Tiles`]) and bulk copies bring in, the
+//!   next chunk of input groups while the block multiplies the current one.
+//!
+//! A product split over input slices writes partial sums, which a second kernel
+//! (`w8a8_reduce`) adds, every output by its own thread, the slices in their order.
 //!
 //! cuBLASLt's block-scaled GEMM ([`crate::w8a8`]) reads the weights of these products at about
 //! half the device's rate at these token counts; these kernels are built for them.
@@ -23,10 +28,9 @@ use std::sync::{Arc, Mutex};
 use lifecycle_cuda::cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
 };
-use lifecycle_cuda::{
-    alloc_device, alloc_zeros, arch_specific_target, CudaError, KernelSet, RankCtx,
-};
+use lifecycle_cuda::{alloc_device, arch_specific_target, CudaError, KernelSet, RankCtx};
 
+use super::quant::{wgmma_tiles, ActLayout};
 use crate::fp8::Fp8Weight;
 use crate::kernels::{launch, Arg};
 
@@ -63,9 +67,10 @@ const WGMMA_BLOCK_ROWS: usize = 128;
 /// every token; the `mma.sync` kernel's rows padded, counted as 256 bytes a group).
 const STAGE_BYTES: usize = 32 << 10;
 
-/// Bytes of activations a block of the warpgroup kernel stages at a time (within the default
-/// 48 KiB of dynamic shared memory; 96 KiB gained nothing on the H200, BENCHMARKS.md).
-const WGMMA_STAGE_BYTES: usize = 32 << 10;
+/// Bytes of activations in each of the two buffers of a block of the warpgroup kernel (one
+/// chunk of input groups multiplied while the next one is copied in; both within the default
+/// 48 KiB of dynamic shared memory).
+const WGMMA_STAGE_BYTES: usize = 16 << 10;
 
 /// Blocks per SM the split of the inputs aims at (enough weight loads in flight to stream at the
 /// device's rate).
@@ -97,10 +102,11 @@ impl MmaShape {
     /// kernels, whose token tiles come in powers of two.
     pub(crate) fn of(out: usize, tokens: usize, inp: usize, sms: usize, wgmma: bool) -> Self {
         let groups = (inp / 128).max(1);
-        let mut nt = tokens.div_ceil(8).clamp(1, MMA_TOKENS / 8);
-        if wgmma {
-            nt = nt.next_power_of_two();
-        }
+        let nt = if wgmma {
+            wgmma_tiles(tokens.min(MMA_TOKENS))
+        } else {
+            tokens.div_ceil(8).clamp(1, MMA_TOKENS / 8)
+        };
         let block_rows = if wgmma { WGMMA_BLOCK_ROWS } else { BLOCK_ROWS };
         let row_blocks = out.div_ceil(block_rows).max(1);
         // blocks of 64 rows per SM: a warpgroup block counts twice
@@ -125,15 +131,15 @@ impl MmaShape {
     }
 
     /// Dynamic shared memory of a block: the staged activations (the `mma.sync` kernel's token
-    /// rows padded by 16 bytes, the warpgroup kernel's in its core matrices) and their scales.
+    /// rows padded by 16 bytes; the warpgroup kernel's in its core matrices, twice) and their
+    /// scales.
     pub(crate) fn shared_bytes(&self) -> usize {
         let tokens = 8 * self.nt;
-        let staged = if self.wgmma {
-            tokens * self.chunk * 128
+        if self.wgmma {
+            2 * (tokens * self.chunk * 128 + tokens * self.chunk * 4)
         } else {
-            tokens * (self.chunk * 128 + 16)
-        };
-        staged + tokens * self.chunk * 4
+            tokens * (self.chunk * 128 + 16) + tokens * self.chunk * 4
+        }
     }
 
     /// f32 partial sums of a split product (none unsplit).
@@ -156,18 +162,18 @@ pub(crate) fn mma_reads(w: &Fp8Weight, inp: usize) -> bool {
         && w.scales.is_multiple_of(4)
 }
 
-/// The split products' scratch: partial sums and a counter per row block (zero between
-/// launches: the last block of a row block resets it).
+/// The split products' scratch: their partial sums.
 #[derive(Default)]
 struct Scratch {
     partials: Option<CudaSlice<f32>>,
-    counters: Option<CudaSlice<u32>>,
 }
 
 /// One rank's tensor-core W8A8 kernels and their scratch.
 pub(crate) struct MmaKernels {
     /// `w8a8_mma_N` for N = 1 ..= 8 token tiles of 8.
     kernels: Vec<CudaFunction>,
+    /// `w8a8_reduce`: a split product's partial sums added.
+    reduce: CudaFunction,
     /// `w8a8_wgmma_N` for N in [`WGMMA_TILES`], on devices of an architecture-specific target
     /// (sm_90a) whose NVRTC compiled them.
     wgmma: Option<Vec<CudaFunction>>,
@@ -212,6 +218,7 @@ impl MmaKernels {
             kernels: (1..=MMA_TOKENS / 8)
                 .map(|nt| m.function(&format!("w8a8_mma_{nt}")))
                 .collect::<Result<_, _>>()?,
+            reduce: m.function("w8a8_reduce")?,
             wgmma,
             sms: m.sm_count() as usize,
             scratch: Mutex::new(Scratch::default()),
@@ -219,77 +226,76 @@ impl MmaKernels {
     }
 
     /// `y[tokens × out] = dequant(xq) · dequant(w)ᵀ` in f32 for 1 to [`MMA_TOKENS`] tokens: `xq`
-    /// the e4m3 activations (`[tokens × inp]` at least), their scales at `xsc[g · xs_grp + t]`,
-    /// `w` rows `row0 .. row0 + out` of a block-scaled e4m3 matrix ([`mma_reads`] must hold).
-    /// With `zero_lo` the `tokens` rows after `y`'s (the lo rows of a split product) are
-    /// written 0. `wgmma` asks for the warpgroup kernel, taken where it is loaded
-    /// ([`MmaKernels::has_wgmma`]).
+    /// the e4m3 activations and `xsc` their scales in `layout` (for [`ActLayout::Rows`] the
+    /// `mma.sync` kernel, for [`ActLayout::Tiles`] of [`wgmma_tiles`]`(tokens)` the warpgroup
+    /// one, which must be loaded: [`MmaKernels::has_wgmma`]), `w` rows `row0 .. row0 + out` of a
+    /// block-scaled e4m3 matrix ([`mma_reads`] must hold). With `zero_lo` the `tokens` rows
+    /// after `y`'s (the lo rows of a split product) are written 0.
     ///
     /// # Safety
     /// The addresses must be device memory of this context: `w` its matrix and scales, `xq` and
-    /// `xsc` as said, `y` `tokens · out` f32 (twice that with `zero_lo`), alive until the stream
-    /// ran the product.
-    #[allow(clippy::too_many_arguments)]
+    /// `xsc` the layout's bytes and scales of `layout.padded(tokens)` tokens, `y` `tokens · out`
+    /// f32 (twice that with `zero_lo`), alive until the stream ran the product.
     pub(crate) unsafe fn gemm(
         &self,
         stream: &Arc<CudaStream>,
         w: Fp8Weight,
-        (xq, xsc, xs_grp): (u64, u64, usize),
+        (xq, xsc, layout): (u64, u64, ActLayout),
         (y, zero_lo): (u64, bool),
         (out, tokens, inp): (usize, usize, usize),
-        wgmma: bool,
         rank: usize,
     ) -> Result<(), CudaError> {
-        if tokens == 0 || tokens > MMA_TOKENS || !mma_reads(&w, inp) || xs_grp < tokens {
+        if tokens == 0 || tokens > MMA_TOKENS || !mma_reads(&w, inp) {
             return Err(CudaError::Invalid(format!(
                 "the tensor-core W8A8 kernel multiplies 1 to {MMA_TOKENS} tokens over whole \
                  128-wide groups of inputs, rows from a multiple of 16, 16-byte aligned: asked \
-                 for {tokens} tokens × {inp} inputs (matrix of {} columns, rows from {}, scale \
-                 stride {xs_grp})",
+                 for {tokens} tokens × {inp} inputs (matrix of {} columns, rows from {})",
                 w.cols, w.row0
             )));
         }
+        let wg = match layout {
+            ActLayout::Rows => None,
+            ActLayout::Tiles(tiles) => {
+                if tiles != wgmma_tiles(tokens) {
+                    return Err(CudaError::Invalid(format!(
+                        "the warpgroup W8A8 kernel multiplies {tokens} tokens from a layout of \
+                         {} token tiles: given one of {tiles}",
+                        wgmma_tiles(tokens)
+                    )));
+                }
+                Some(self.wgmma.as_ref().ok_or_else(|| {
+                    CudaError::Invalid(
+                        "activations laid out for the warpgroup W8A8 kernel, which is not \
+                         loaded on this device"
+                            .into(),
+                    )
+                })?)
+            }
+        };
+        let xs_grp = layout.padded(tokens);
         let u32a = |v: u64, what: &str| {
             u32::try_from(v)
                 .map_err(|_| CudaError::Invalid(format!("W8A8 mma product {what} {v} > u32")))
         };
-        let wg = self.wgmma.as_ref().filter(|_| wgmma);
         let shape = MmaShape::of(out, tokens, inp, self.sms, wg.is_some());
         let mut scratch = self
             .scratch
             .lock()
             .map_err(|_| CudaError::Invalid("the W8A8 mma scratch was poisoned".into()))?;
-        let (part, counters) = if shape.splits > 1 {
+        let part = if shape.splits > 1 {
             let need = shape.partials();
             if scratch.partials.as_ref().is_none_or(|p| p.len() < need) {
-                // SAFETY: every block writes its partials before any block reads them.
+                // SAFETY: the product writes the partials w8a8_reduce reads (those of its
+                // tokens) before it reads them, in stream order.
                 scratch.partials =
                     Some(unsafe { alloc_device::<f32>(stream, need, rank, "W8A8 mma partials")? });
             }
-            if scratch
-                .counters
+            scratch
+                .partials
                 .as_ref()
-                .is_none_or(|c| c.len() < shape.row_blocks)
-            {
-                scratch.counters = Some(alloc_zeros::<u32>(
-                    stream,
-                    shape.row_blocks,
-                    rank,
-                    "W8A8 mma counters",
-                )?);
-            }
-            (
-                scratch
-                    .partials
-                    .as_ref()
-                    .map_or(0, |s| s.device_ptr(stream).0),
-                scratch
-                    .counters
-                    .as_ref()
-                    .map_or(0, |s| s.device_ptr(stream).0),
-            )
+                .map_or(0, |s| s.device_ptr(stream).0)
         } else {
-            (0, 0)
+            0
         };
         let cfg = LaunchConfig {
             grid_dim: (
@@ -315,7 +321,6 @@ impl MmaKernels {
             Arg::U64(y),
             Arg::U32(u32::from(zero_lo)),
             Arg::U64(part),
-            Arg::U64(counters),
         ];
         let kernel = match wg {
             Some(k) => WGMMA_TILES
@@ -333,10 +338,32 @@ impl MmaKernels {
             "w8a8_mma"
         };
         // SAFETY: the argument list matches w8a8_mma_N and w8a8_wgmma_N (8 N ≥ tokens); the
-        // partials and counters hold the shape's sizes (the counters zero: the kernel leaves
-        // them so) and live in the scratch, whose buffers are freed in stream order; the rest
-        // per the caller.
-        unsafe { launch(stream, kernel, cfg, &args, rank, name) }
+        // partials hold the shape's sizes and live in the scratch, whose buffers are freed in
+        // stream order; the rest per the caller.
+        unsafe { launch(stream, kernel, cfg, &args, rank, name)? };
+        if shape.splits == 1 {
+            return Ok(());
+        }
+        let outputs = (shape.row_blocks * shape.block_rows * tokens) as u64;
+        let cfg = LaunchConfig {
+            grid_dim: (u32a(outputs.div_ceil(256), "reduce blocks")?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = [
+            Arg::U64(part),
+            Arg::U32(u32a(shape.splits as u64, "splits")?),
+            Arg::U32(shape.block_rows as u32),
+            Arg::U32((8 * shape.nt) as u32),
+            Arg::U32(u32a(out as u64, "rows")?),
+            Arg::U32(tokens as u32),
+            Arg::U64(y),
+            Arg::U32(u32::from(zero_lo)),
+        ];
+        // SAFETY: the argument list matches w8a8_reduce; it reads the partials the product
+        // above wrote (every row block and slice, the first `tokens` of 8 · nt tokens) and
+        // writes y as the product would have (tokens · out f32, twice with zero_lo).
+        unsafe { launch(stream, &self.reduce, cfg, &args, rank, "w8a8_reduce") }
     }
 
     /// Whether the warpgroup kernels are loaded (an sm_90a device whose NVRTC compiled them).

@@ -33,7 +33,7 @@ use lifecycle_cuda::CudaError;
 use crate::fp8::{fp8_gemv, Fp8Kernels, Fp8Weight, GEMV_TOKENS};
 pub(crate) use lt::{lt_reads, W8a8Gemm};
 pub(crate) use mma::{mma_reads, MMA_TOKENS};
-pub(crate) use quant::{act_scale_strides, padded_tokens, quantize, ActSrc, QuantOut, W8a8Scratch};
+pub(crate) use quant::{quantize, ActLayout, ActSrc, QuantOut, W8a8Scratch};
 
 /// Tokens up to which a W8A8 product takes the weight-streaming kernel by default: none (on an
 /// H200 at 7.6B shapes the tensor-core kernel is as fast for one token and faster from two).
@@ -45,8 +45,8 @@ pub(crate) const W8A8_MMA_TOKENS: usize = 8;
 
 /// Tokens up to which a W8A8 product beyond the `mma.sync` kernel's takes the warpgroup
 /// kernel by default, where it is loaded (on an H200 at 7.6B shapes it is faster than
-/// cuBLASLt's GEMM at 16 tokens, slower from 32; BENCHMARKS.md).
-pub(crate) const W8A8_WGMMA_TOKENS: usize = 16;
+/// cuBLASLt's GEMM at 16 and 32 tokens, slower at 64; BENCHMARKS.md).
+pub(crate) const W8A8_WGMMA_TOKENS: usize = 32;
 
 /// Token counts that choose a W8A8 product's path ([`w8a8_gemm`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,8 +130,9 @@ impl W8a8Limits {
 pub(crate) struct W8a8Through<'a> {
     /// f32 activations of the weight-streaming kernel (at least `GEMV_TOKENS · inp`).
     pub x32: Option<u64>,
-    /// The pass's quantised activations and their scales ([`W8a8Scratch`]).
-    pub act: Option<(u64, u64, &'a Cell<bool>)>,
+    /// The pass's quantised activations and their scales ([`W8a8Scratch`]), and the layout
+    /// they hold the current input in, if they do.
+    pub act: Option<(u64, u64, &'a Cell<Option<ActLayout>>)>,
     /// Whether the input is the previous product's (q, k and v; gate and up): its quantisation,
     /// where a product left it in `act`, is used again.
     pub same_input: bool,
@@ -164,7 +165,7 @@ pub(crate) unsafe fn w8a8_gemm(
         )));
     }
     if let (Some((_, _, held)), false) = (through.act, through.same_input) {
-        held.set(false);
+        held.set(None);
     }
     let can = W8a8Readers {
         mma: lt_gemm.mma.is_some() && mma_reads(&w, inp),
@@ -203,29 +204,31 @@ pub(crate) unsafe fn w8a8_gemm(
         CudaError::Invalid("a W8A8 product without its quantised-activation scratch".into())
     })?;
     let lo = y + 4 * (tokens * out) as u64;
-    if !(mma.is_some() && through.same_input && held.get()) {
+    let layout = ActLayout::of(tokens, path == W8a8Path::Warpgroup);
+    if !(mma.is_some() && through.same_input && held.get() == Some(layout)) {
         let q = QuantOut {
             q: Some(xq),
-            scales: Some((xsc, act_scale_strides(tokens))),
+            scales: Some((xsc, layout.scale_strides(tokens))),
             deq: None,
-            // the tensor-core kernel writes the lo rows itself
+            // the tensor-core kernels write the lo rows themselves
             zero: mma.is_none().then_some((lo, (tokens * out) as u64)),
+            layout,
         };
-        // SAFETY: x holds 2 · tokens rows of inp bf16, the scratch padded_tokens(tokens) · inp
-        // bytes and as many groups of scales; y 2 · tokens rows of out f32 (the second half
-        // zeroed by the quantisation for the GEMM, the padded tokens' zero products landing
-        // there).
+        // SAFETY: x holds 2 · tokens rows of inp bf16, the scratch layout.padded(tokens) · inp
+        // bytes and as many groups of scales (W8a8Scratch::alloc); y 2 · tokens rows of out f32
+        // (the second half zeroed by the quantisation for the GEMM, the padded tokens' zero
+        // products landing there).
         unsafe {
             quantize(
                 stream,
                 k,
                 ActSrc::Split(x),
-                (tokens, padded_tokens(tokens), inp),
+                (tokens, layout.padded(tokens), inp),
                 q,
                 rank,
             )?
         };
-        held.set(true);
+        held.set(Some(layout));
     }
     // SAFETY: the scratch holds this input's quantisation (written above or by the previous
     // product of the same input); y 2 · tokens rows of out f32.
@@ -234,10 +237,9 @@ pub(crate) unsafe fn w8a8_gemm(
             Some(m) => m.gemm(
                 stream,
                 w,
-                (xq, xsc, padded_tokens(tokens)),
+                (xq, xsc, layout),
                 (y, true),
                 (out, tokens, inp),
-                path == W8a8Path::Warpgroup,
                 rank,
             ),
             None => lt_gemm.gemm(stream, k, w, (xq, xsc), y, (out, tokens, inp), rank),

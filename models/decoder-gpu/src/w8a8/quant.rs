@@ -7,24 +7,72 @@ use std::sync::Arc;
 use lifecycle_cuda::cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
 use lifecycle_cuda::{alloc_device, CudaError};
 
+use super::mma::MMA_TOKENS;
 use crate::fp8::Fp8Kernels;
 use crate::kernels::{launch, Arg};
-
-/// Where the scale of token `t`, group `g` of a quantised activation matrix of `tokens` rows
-/// lies (in f32 elements): the layout cuBLASLt reads for
-/// `CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F` on the activations' operand, the groups of one
-/// column of 128 inputs next to each other for all tokens (token-contiguous, as PyTorch's
-/// `_scaled_mm` takes its 1 × 128 scales).
-/// `tokens` are padded to [`padded_tokens`] columns (cuBLASLt wants the scale columns on
-/// 16 bytes).
-pub(crate) fn act_scale_strides(tokens: usize) -> (u32, u32) {
-    (1, padded_tokens(tokens) as u32)
-}
 
 /// The tokens a block-scaled product multiplies: `tokens` rounded up to a multiple of 4 (the
 /// extra ones zero), as its activation scales' columns must start on 16 bytes.
 pub(crate) fn padded_tokens(tokens: usize) -> usize {
     tokens.next_multiple_of(4)
+}
+
+/// How a quantisation lays out its e4m3 bytes and scales.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum ActLayout {
+    /// Token rows, `[tokens × inp]`, the tokens padded to [`padded_tokens`] and the scales at
+    /// [`act_scale_strides`]: what cuBLASLt's GEMM and the `mma.sync` kernel read.
+    #[default]
+    Rows,
+    /// The warpgroup kernel's: `8 · tiles` tokens (the ones past the product's zero), each
+    /// 128-wide input group's bytes in the core matrices its kernel stages ([`tiled_offset`]),
+    /// the scales `[group][8 · tiles]`.
+    Tiles(usize),
+}
+
+impl ActLayout {
+    /// The layout of a product of `tokens` tokens on the warpgroup kernel, or not.
+    pub(crate) fn of(tokens: usize, warpgroup: bool) -> Self {
+        if warpgroup {
+            ActLayout::Tiles(wgmma_tiles(tokens))
+        } else {
+            ActLayout::Rows
+        }
+    }
+
+    /// The tokens whose bytes and scales the layout holds (the product's, then zeros).
+    pub(crate) fn padded(&self, tokens: usize) -> usize {
+        match *self {
+            ActLayout::Rows => padded_tokens(tokens),
+            ActLayout::Tiles(tiles) => (8 * tiles).max(tokens),
+        }
+    }
+
+    /// The scales' (token, group) strides for `tokens` tokens: the scale of token `t`, group
+    /// `g` at `t · s.0 + g · s.1` (in f32 elements), the groups of one column of 128 inputs next
+    /// to each other for all the padded tokens. In [`ActLayout::Rows`] that is the layout
+    /// cuBLASLt reads for `CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F` on the activations' operand
+    /// (token-contiguous, as PyTorch's `_scaled_mm` takes its 1 × 128 scales; the columns on
+    /// 16 bytes).
+    pub(crate) fn scale_strides(&self, tokens: usize) -> (u32, u32) {
+        (1, self.padded(tokens) as u32)
+    }
+}
+
+/// Token tiles of 8 of the warpgroup kernel for `tokens` tokens: a power of two.
+pub(crate) fn wgmma_tiles(tokens: usize) -> usize {
+    tokens.div_ceil(8).max(1).next_power_of_two()
+}
+
+/// Where byte `c` (0 to 127) of input group `g` of token `t` lies in the [`ActLayout::Tiles`]
+/// layout of `tiles` token tiles: the group's 32 four-byte words, word `w` in core matrix
+/// `w & 7` (8 tokens × 16 bytes, 128 contiguous bytes), as word `w >> 3` of its token's row,
+/// the token tiles' core matrices next to each other: the order in which the warpgroup kernel's
+/// `wgmma` reads them, the weights' k order permuted as the kernel loads their fragments.
+#[cfg(test)]
+pub(crate) fn tiled_offset(t: usize, g: usize, c: usize, tiles: usize) -> usize {
+    let word = c / 4;
+    g * 1024 * tiles + ((word % 8) * tiles + t / 8) * 128 + (t % 8) * 16 + 4 * (word / 8) + c % 4
 }
 
 /// The f32 activation source of a quantisation.
@@ -47,6 +95,9 @@ pub(crate) struct QuantOut {
     pub deq: Option<u64>,
     /// f32 zeroed by the same launch (address, count): the lo rows of the product's output.
     pub zero: Option<(u64, u64)>,
+    /// How the bytes lie ([`ActLayout::Tiles`] wants `pad` = its tokens and inputs in whole
+    /// groups of 128).
+    pub layout: ActLayout,
 }
 
 /// Quantises `rows × inp` activations per token in 1 × 128 groups (`fp8_quant_split` /
@@ -69,6 +120,19 @@ pub(crate) unsafe fn quantize(
             .map_err(|_| CudaError::Invalid(format!("W8A8 quantisation {what} {v} > u32")))
     };
     let pad = pad.max(rows);
+    let tiles = match out.layout {
+        ActLayout::Rows => 0,
+        ActLayout::Tiles(tiles) => {
+            if pad != 8 * tiles || !inp.is_multiple_of(128) {
+                return Err(CudaError::Invalid(format!(
+                    "the warpgroup kernel's layout of {tiles} token tiles holds {} tokens of \
+                     whole 128-wide groups: asked for {pad} tokens of {inp} inputs",
+                    8 * tiles
+                )));
+            }
+            u32a(tiles, "token tiles")?
+        }
+    };
     let warps = pad as u64 * inp.div_ceil(128) as u64;
     if warps == 0 {
         return Ok(());
@@ -96,6 +160,7 @@ pub(crate) unsafe fn quantize(
         Arg::U64(out.deq.unwrap_or(0)),
         Arg::U64(zero),
         Arg::U64(nzero),
+        Arg::U32(tiles),
     ];
     // SAFETY: the argument list matches fp8_quant_split / fp8_quant_f32; sizes per the caller.
     unsafe { launch(stream, func, cfg, &args, rank, "fp8_quant") }
@@ -109,9 +174,10 @@ pub(crate) struct W8a8Scratch {
     pub q: CudaSlice<u8>,
     /// Their scales, `rows × ⌈widest / 128⌉`.
     pub scales: CudaSlice<f32>,
-    /// Whether `q` and `scales` hold the quantisation of the current input (set by the product
-    /// that quantised it, cleared by the first product of a new input).
-    pub held: Cell<bool>,
+    /// The layout in which `q` and `scales` hold the quantisation of the current input, if
+    /// they do (set by the product that quantised it, cleared by the first product of a new
+    /// input).
+    pub held: Cell<Option<ActLayout>>,
 }
 
 impl W8a8Scratch {
@@ -125,7 +191,14 @@ impl W8a8Scratch {
         widest: usize,
         rank: usize,
     ) -> Result<Self, CudaError> {
-        let rows = padded_tokens(rows.max(1));
+        let rows = rows.max(1);
+        // the warpgroup kernel's tiles may pad the tokens further
+        let rows = if rows <= MMA_TOKENS {
+            ActLayout::Tiles(wgmma_tiles(rows)).padded(rows)
+        } else {
+            0
+        }
+        .max(padded_tokens(rows));
         // SAFETY: forwarded to the caller.
         unsafe {
             Ok(W8a8Scratch {
@@ -136,7 +209,7 @@ impl W8a8Scratch {
                     rank,
                     "W8A8 activation scales",
                 )?,
-                held: Cell::new(false),
+                held: Cell::new(None),
             })
         }
     }

@@ -3,6 +3,7 @@
 //! bit, and the block-scaled GEMM (and the weight-streaming W8A8 path) against the same sums
 //! in f64 on the host.
 use super::mma::MmaKernels;
+use super::quant::{padded_tokens, tiled_offset, wgmma_tiles};
 use super::*;
 use half::bf16;
 use lifecycle_cuda::cudarc::driver::CudaSlice;
@@ -17,12 +18,12 @@ fn the_paths_follow_the_limits_and_what_each_path_reads() {
     let can = |mma, wgmma, lt| W8a8Readers { mma, wgmma, lt };
     let all = can(true, true, true);
     let d = W8a8Limits::default();
-    // defaults: the mma.sync kernel up to 8 tokens, the warpgroup kernel to 16, cuBLASLt beyond
+    // defaults: the mma.sync kernel up to 8 tokens, the warpgroup kernel to 32, cuBLASLt beyond
     assert_eq!(d.path(1, all), TensorCores);
     assert_eq!(d.path(8, all), TensorCores);
     assert_eq!(d.path(9, all), Warpgroup);
-    assert_eq!(d.path(16, all), Warpgroup);
-    assert_eq!(d.path(17, all), CublasLt);
+    assert_eq!(d.path(32, all), Warpgroup);
+    assert_eq!(d.path(33, all), CublasLt);
     assert_eq!(d.path(64, all), CublasLt);
     let wg = W8a8Limits {
         wgmma: 64,
@@ -81,6 +82,47 @@ fn the_paths_follow_the_limits_and_what_each_path_reads() {
     assert_eq!(lt.path(2, all), CublasLt);
 }
 
+#[test]
+fn the_warpgroup_layout_places_every_byte_once_in_the_wgmma_order() {
+    for tiles in [1, 2, 4, 8] {
+        let tokens = 8 * tiles;
+        let groups = 3;
+        let mut seen = vec![false; groups * 128 * tokens];
+        for t in 0..tokens {
+            for g in 0..groups {
+                for c in 0..128 {
+                    let at = tiled_offset(t, g, c, tiles);
+                    assert!(
+                        !seen[at],
+                        "tiles {tiles}: token {t} group {g} byte {c} twice"
+                    );
+                    seen[at] = true;
+                    // a group's bytes are the group's 1024 · tiles, in core matrices of 8
+                    // tokens by 16 bytes: the token's row of its tile's matrix
+                    assert_eq!(at / (1024 * tiles), g);
+                    let within = at % (1024 * tiles);
+                    let (matrix, row) = (within / 128, within % 128 / 16);
+                    assert_eq!((matrix % tiles, row), (t / 8, t % 8), "token {t}");
+                    // core matrix 2 s + h of step s holds words 8 q + 2 s + h as its word q:
+                    // the k order in which the weight fragments are loaded
+                    let word = 8 * (within % 16 / 4) + matrix / tiles;
+                    assert_eq!((word, within % 4), (c / 4, c % 4), "token {t} byte {c}");
+                }
+            }
+        }
+        assert!(
+            seen.iter().all(|&b| b),
+            "tiles {tiles}: a byte never written"
+        );
+    }
+    assert_eq!(
+        [1, 8, 9, 16, 17, 33, 64].map(wgmma_tiles),
+        [1, 1, 2, 2, 4, 8, 8]
+    );
+    assert_eq!(ActLayout::Tiles(4).padded(17), 32);
+    assert_eq!(ActLayout::Rows.padded(17), 20);
+}
+
 fn ptr<T>(b: &CudaSlice<T>, s: &Arc<CudaStream>) -> u64 {
     use lifecycle_cuda::cudarc::driver::DevicePtr;
     b.device_ptr(s).0
@@ -123,19 +165,20 @@ fn split(x: &[f32]) -> (Vec<u16>, Vec<f32>) {
 /// apply (measured up to 1.1e-4, on 512 × 200 × 768).
 const TOLERANCE: f64 = 5e-4;
 
-/// Runs the tensor-core kernel on `weight` and the quantised activations, twice (the
-/// counters of a split product must come back to zero: the second run gives the same bits).
+/// Runs the tensor-core kernel on `weight` and the quantised activations, twice (a split
+/// product's sums do not depend on the order its blocks ran in: the second run gives the same
+/// bits).
 #[allow(clippy::too_many_arguments)]
 fn mma_twice(
     s: &Arc<CudaStream>,
     m: &MmaKernels,
     weight: Fp8Weight,
-    (qd, scd, pad): (u64, u64, usize),
+    (qd, scd, layout): (u64, u64, ActLayout),
     yd: &CudaSlice<f32>,
     (out, tokens, inp): (usize, usize, usize),
-    wgmma: bool,
     ctx: &RankCtx,
 ) -> Result<Vec<f32>, CudaError> {
+    let wgmma = layout != ActLayout::Rows;
     let mut runs = Vec::new();
     for _ in 0..2 {
         // SAFETY: the buffers hold the sizes the product reads and writes (the caller's).
@@ -143,10 +186,9 @@ fn mma_twice(
             m.gemm(
                 s,
                 weight,
-                (qd, scd, pad),
+                (qd, scd, layout),
                 (ptr(yd, s), false),
                 (out, tokens, inp),
-                wgmma,
                 0,
             )?
         };
@@ -214,11 +256,13 @@ fn block_scaled_gemm_matches_the_host_sums() -> Result<(), Box<dyn std::error::E
             let wsd = s.clone_htod(wq.scale_inv()).map_err(up("weight scales"))?;
             let xd = s.clone_htod(&xs).map_err(up("activations"))?;
             let pad = padded_tokens(tokens);
+            // room for either layout (the warpgroup kernel's tiles pad further)
+            let room = pad.max(8 * wgmma_tiles(tokens));
             // SAFETY: each buffer is written below before it is read back.
             let (qd, scd, mut yd, x32) = unsafe {
                 (
-                    alloc_device::<u8>(s, pad * inp, 0, "q")?,
-                    alloc_device::<f32>(s, pad * groups, 0, "scales")?,
+                    alloc_device::<u8>(s, room * inp, 0, "q")?,
+                    alloc_device::<f32>(s, room * groups, 0, "scales")?,
                     alloc_device::<f32>(s, 2 * tokens * out, 0, "y")?,
                     alloc_device::<f32>(s, GEMV_TOKENS * inp, 0, "x32")?,
                 )
@@ -229,12 +273,13 @@ fn block_scaled_gemm_matches_the_host_sums() -> Result<(), Box<dyn std::error::E
                 row0: row0 as u64,
                 cols: inp as u64,
             };
-            let strides = act_scale_strides(tokens);
+            let strides = ActLayout::Rows.scale_strides(tokens);
             let q = QuantOut {
                 q: Some(ptr(&qd, s)),
                 scales: Some((ptr(&scd, s), strides)),
                 deq: None,
                 zero: None,
+                layout: ActLayout::Rows,
             };
             // SAFETY: the buffers above hold the sizes each call reads and writes.
             unsafe {
@@ -243,6 +288,7 @@ fn block_scaled_gemm_matches_the_host_sums() -> Result<(), Box<dyn std::error::E
             }
             let got_q = s.clone_dtoh(&qd).map_err(up("q back"))?;
             let got_sc = s.clone_dtoh(&scd).map_err(up("scales back"))?;
+            let got_q = &got_q[..pad * inp];
             if got_q[..tokens * inp] != qx.data[..] || got_q[tokens * inp..].iter().any(|&b| b != 0)
             {
                 return Err(CudaError::Invalid(format!(
@@ -325,24 +371,72 @@ fn block_scaled_gemm_matches_the_host_sums() -> Result<(), Box<dyn std::error::E
                 let worst = check(&y[..tokens * out], "block-scaled GEMM")?;
                 found.push(format!("cuBLASLt within {worst:.1e}"));
             }
-            // each tensor-core kernel alone
+            // each tensor-core kernel alone, on the activations quantised in its layout (the
+            // warpgroup kernel's checked byte for byte against the host's, moved)
             let mma = lt.mma.as_ref().filter(|_| tokens <= MMA_TOKENS);
             if let Some(m) = mma {
-                let kernels = if m.has_wgmma() {
-                    &[false, true][..]
-                } else {
-                    &[false][..]
-                };
-                for &wgmma in kernels {
+                let mut layouts = vec![ActLayout::Rows];
+                if m.has_wgmma() {
+                    layouts.push(ActLayout::of(tokens, true));
+                }
+                for layout in layouts {
+                    let wgmma = layout != ActLayout::Rows;
                     eprintln!("  {out} x {tokens} x {inp}: the kernel alone (wgmma {wgmma})");
+                    if let ActLayout::Tiles(tiles) = layout {
+                        let tiled = QuantOut {
+                            scales: Some((ptr(&scd, s), layout.scale_strides(tokens))),
+                            layout,
+                            ..q
+                        };
+                        let room = layout.padded(tokens);
+                        // SAFETY: the buffers hold `room` tokens of bytes and scales.
+                        unsafe {
+                            let src = ActSrc::Split(ptr(&xd, s));
+                            quantize(s, &k, src, (tokens, room, inp), tiled, 0)?;
+                        }
+                        let got_q = s.clone_dtoh(&qd).map_err(up("tiles back"))?;
+                        let got_sc = s.clone_dtoh(&scd).map_err(up("tile scales back"))?;
+                        for t in 0..room {
+                            for c in 0..inp {
+                                let want = if t < tokens { qx.data[t * inp + c] } else { 0 };
+                                let at = tiled_offset(t, c / 128, c % 128, tiles);
+                                if got_q[at] != want {
+                                    return Err(CudaError::Invalid(format!(
+                                        "{out}x{tokens}x{inp}: tiled byte of token {t} input \
+                                         {c}: {} vs {want}",
+                                        got_q[at]
+                                    )));
+                                }
+                            }
+                            for g in 0..groups {
+                                let want = if t < tokens {
+                                    qx.scale_inv[t * groups + g]
+                                } else {
+                                    1.0
+                                };
+                                if got_sc[g * room + t].to_bits() != want.to_bits() {
+                                    return Err(CudaError::Invalid(format!(
+                                        "{out}x{tokens}x{inp}: tiled scale of token {t} \
+                                         group {g}: {} vs {want}",
+                                        got_sc[g * room + t]
+                                    )));
+                                }
+                            }
+                        }
+                    } else {
+                        // SAFETY: as above (the rows layout again, after the tiles).
+                        unsafe {
+                            let src = ActSrc::Split(ptr(&xd, s));
+                            quantize(s, &k, src, (tokens, pad, inp), q, 0)?;
+                        }
+                    }
                     let y = mma_twice(
                         s,
                         m,
                         weight,
-                        (ptr(&qd, s), ptr(&scd, s), pad),
+                        (ptr(&qd, s), ptr(&scd, s), layout),
                         &yd,
                         (out, tokens, inp),
-                        wgmma,
                         ctx,
                     )?;
                     let name = if wgmma {
@@ -385,7 +479,7 @@ fn block_scaled_gemm_matches_the_host_sums() -> Result<(), Box<dyn std::error::E
                     ));
                 }
             }
-            let held = Cell::new(false);
+            let held = Cell::new(None);
             for ((limits, path), same_input) in
                 limits.into_iter().flat_map(|l| [(l, false), (l, true)])
             {
