@@ -15,11 +15,12 @@
 // NT mma's), over a slice of the input groups (blockIdx.y): it stages the slice's activations in
 // shared memory a chunk of groups at a time, and each warp streams its rows' weights from device
 // memory once, 128 bytes per row and group, the next group requested before the current one is
-// multiplied. With several slices (gridDim.y > 1) each block writes its partial sums, and
-// w8a8_reduce, launched next, adds the slices in their order (every output by its own thread:
-// one block adding a row range's slices alone took ~44 us at 64 tokens): the result does not
-// depend on the order in which the blocks ran. With zero_lo the n rows after y's (the lo rows of
-// a split product) are written 0.
+// multiplied. With several slices (gridDim.y > 1) each block writes its partial sums, and the
+// slices are added in their order: with `counters` by the last block of a row range to finish
+// (counted there, reset by it; cheap for a few tokens), else by w8a8_reduce, launched next, every
+// output by its own thread (one block adding a row range's 28 slices alone took ~44 us at 64
+// tokens). Either way the result does not depend on the order in which the blocks ran. With
+// zero_lo the n rows after y's (the lo rows of a split product) are written 0.
 typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef unsigned char u8;
@@ -69,14 +70,24 @@ __device__ __forceinline__ Frag load_frag(const u8* lo, const u8* hi, bool oklo,
     return f;
 }
 
+// A partial sum written by another block: read from L2, past this SM's L1.
+__device__ __forceinline__ float ld_l2(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
 // Writes the sums of a block of ROWS rows (fragment (g, t) of token tile nt: rows g and g + 8
 // of the warp's tile, tokens 8 nt + 2 t and the next): unsplit straight to y (and 0 to ylo);
-// split, its partial sums [token][row of the block] for w8a8_reduce.
+// split, its partial sums [token][row of the block], then with `counters` the last block of
+// the row range adds the slices in their order (without, w8a8_reduce does).
 template <int NT, int ROWS>
 __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* __restrict__ y,
                                           float* __restrict__ ylo, float* __restrict__ part,
-                                          u32 out, u32 n, u32 splits, u32 tile, u32 g, u32 t,
-                                          u32 warp, bool oklo, bool okhi) {
+                                          u32* __restrict__ counters, u32 out, u32 n,
+                                          u32 splits, u32 tile, u32 g, u32 t, u32 warp,
+                                          bool oklo, bool okhi) {
+    __shared__ u32 last;
     const u32 T = 8 * NT;
     const u32 rlo = tile + g, rhi = rlo + 8;
     if (splits == 1) {
@@ -108,6 +119,25 @@ __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* __re
             mine[(k0 + 1) * ROWS + bh] = acc[nt][3];
         }
     }
+    if (counters == nullptr) return;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == splits - 1 ? 1u : 0u;
+    __syncthreads();
+    if (last == 0) return;
+    __threadfence();
+    const float* all = part + (u64)blockIdx.x * splits * (ROWS * T);
+    for (u32 i = threadIdx.x; i < n * ROWS; i += blockDim.x) {
+        const u32 tok = i / ROWS, r = i - tok * ROWS;
+        const u32 row = blockIdx.x * ROWS + r;
+        float v = 0.0f;
+        for (u32 s = 0; s < splits; ++s) v += ld_l2(all + (u64)s * (ROWS * T) + i);
+        if (row < out) {
+            y[(u64)tok * out + row] = v;
+            if (ylo != nullptr) ylo[(u64)tok * out + row] = 0.0f;
+        }
+    }
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
 }
 
 // The sums of a split product from its partials (block (b, s) of `rows` rows and `tile_tokens`
@@ -134,7 +164,8 @@ template <int NT>
 __device__ __forceinline__ void w8a8_mma_body(
     const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0, u32 out, u32 inp,
     const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,
-    u32 chunk, float* __restrict__ y, float* __restrict__ ylo, float* __restrict__ part) {
+    u32 chunk, float* __restrict__ y, float* __restrict__ ylo, float* __restrict__ part,
+    u32* __restrict__ counters) {
     extern __shared__ __align__(16) u8 smem[];
     const u32 T = 8 * NT;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
@@ -224,7 +255,7 @@ __device__ __forceinline__ void w8a8_mma_body(
             }
         }
     }
-    store_acc<NT, MMA_ROWS>(acc, y, ylo, part, out, n, splits, tile, g, t, warp, oklo, okhi);
+    store_acc<NT, MMA_ROWS>(acc, y, ylo, part, counters, out, n, splits, tile, g, t, warp, oklo, okhi);
 }
 
 // ---- The same products by Hopper's warpgroup mma (compiled for sm_90a only) ----------------
@@ -398,7 +429,8 @@ template <int NT>
 __device__ __forceinline__ void w8a8_wgmma_body(
     const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0, u32 out, u32 inp,
     const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,
-    u32 chunk, float* __restrict__ y, float* __restrict__ ylo, float* __restrict__ part) {
+    u32 chunk, float* __restrict__ y, float* __restrict__ ylo, float* __restrict__ part,
+    u32* __restrict__ counters) {
     extern __shared__ __align__(128) u8 smem[];
     __shared__ __align__(8) u64 full[2];
     const u32 T = 8 * NT;
@@ -488,7 +520,7 @@ __device__ __forceinline__ void w8a8_wgmma_body(
         }
         __syncthreads();  // this buffer is no longer read: the chunk after next may land in it
     }
-    store_acc<NT, WG_ROWS>(acc, y, ylo, part, out, n, splits, tile, g, t, warp, oklo, okhi);
+    store_acc<NT, WG_ROWS>(acc, y, ylo, part, counters, out, n, splits, tile, g, t, warp, oklo, okhi);
 }
 
 #define W8A8_WGMMA(NT)                                                                         \
@@ -497,18 +529,19 @@ __device__ __forceinline__ void w8a8_wgmma_body(
                         u32 out, u32 inp, const u8* __restrict__ xq,                          \
                         const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,          \
                         u32 chunk, float* __restrict__ y, u32 zero_lo,                        \
-                        float* __restrict__ part) {                                           \
+                        float* __restrict__ part, u32* __restrict__ counters) {               \
         w8a8_wgmma_body<NT>(w, wsc, row0, out, inp, xq, xsc, xs_grp, n, slice, chunk, y,      \
-                            zero_lo ? y + (u64)n * out : nullptr, part);                      \
+                            zero_lo ? y + (u64)n * out : nullptr, part, counters);            \
     }
 
 #define W8A8_MMA(NT)                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, NT <= 3 ? 4 : 2) w8a8_mma_##NT(           \
         const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0, u32 out, u32 inp,  \
         const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n,          \
-        u32 slice, u32 chunk, float* __restrict__ y, u32 zero_lo, float* __restrict__ part) { \
+        u32 slice, u32 chunk, float* __restrict__ y, u32 zero_lo, float* __restrict__ part,   \
+        u32* __restrict__ counters) {                                                          \
         w8a8_mma_body<NT>(w, wsc, row0, out, inp, xq, xsc, xs_grp, n, slice, chunk, y,        \
-                          zero_lo ? y + (u64)n * out : nullptr, part);                        \
+                          zero_lo ? y + (u64)n * out : nullptr, part, counters);              \
     }
 W8A8_MMA(1)
 W8A8_MMA(2)

@@ -13,8 +13,9 @@
 //!   lays out as the `wgmma` reads them ([`ActLayout::Tiles`]) and bulk copies bring in, the
 //!   next chunk of input groups while the block multiplies the current one.
 //!
-//! A product split over input slices writes partial sums, which a second kernel
-//! (`w8a8_reduce`) adds, every output by its own thread, the slices in their order.
+//! A product split over input slices writes partial sums, added in the slices' order: up to
+//! [`REDUCE_IN_KERNEL_TOKENS`] tokens by the last block of each row range to finish, beyond by a
+//! second kernel (`w8a8_reduce`), every output by its own thread.
 //!
 //! cuBLASLt's block-scaled GEMM ([`crate::w8a8`]) reads the weights of these products at about
 //! half the device's rate at these token counts; these kernels are built for them.
@@ -28,7 +29,9 @@ use std::sync::{Arc, Mutex};
 use lifecycle_cuda::cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
 };
-use lifecycle_cuda::{alloc_device, arch_specific_target, CudaError, KernelSet, RankCtx};
+use lifecycle_cuda::{
+    alloc_device, alloc_zeros, arch_specific_target, CudaError, KernelSet, RankCtx,
+};
 
 use super::quant::{wgmma_tiles, ActLayout};
 use crate::fp8::Fp8Weight;
@@ -71,6 +74,12 @@ const STAGE_BYTES: usize = 32 << 10;
 /// chunk of input groups multiplied while the next one is copied in; both within the default
 /// 48 KiB of dynamic shared memory).
 const WGMMA_STAGE_BYTES: usize = 16 << 10;
+
+/// Tokens up to which a split product's last block of a row range adds its slices (at most 512
+/// values a block, as before `w8a8_reduce` existed: its launch per split product cost W8A8
+/// decode at 1–8 sequences about 5 % on an H200, BENCHMARKS.md); beyond, `w8a8_reduce` does
+/// (at 64 tokens one block adding 28 slices took ~44 µs).
+pub(crate) const REDUCE_IN_KERNEL_TOKENS: usize = 8;
 
 /// Blocks per SM the split of the inputs aims at (enough weight loads in flight to stream at the
 /// device's rate).
@@ -162,10 +171,12 @@ pub(crate) fn mma_reads(w: &Fp8Weight, inp: usize) -> bool {
         && w.scales.is_multiple_of(4)
 }
 
-/// The split products' scratch: their partial sums.
+/// The split products' scratch: partial sums and a counter per row block (zero between
+/// launches: the last block of a row block resets it).
 #[derive(Default)]
 struct Scratch {
     partials: Option<CudaSlice<f32>>,
+    counters: Option<CudaSlice<u32>>,
 }
 
 /// One rank's tensor-core W8A8 kernels and their scratch.
@@ -282,20 +293,39 @@ impl MmaKernels {
             .scratch
             .lock()
             .map_err(|_| CudaError::Invalid("the W8A8 mma scratch was poisoned".into()))?;
-        let part = if shape.splits > 1 {
+        let in_kernel = tokens <= REDUCE_IN_KERNEL_TOKENS;
+        let (part, counters) = if shape.splits > 1 {
             let need = shape.partials();
             if scratch.partials.as_ref().is_none_or(|p| p.len() < need) {
-                // SAFETY: the product writes the partials w8a8_reduce reads (those of its
-                // tokens) before it reads them, in stream order.
+                // SAFETY: every partial the sums read (those of the product's tokens) is written
+                // by the product first (in stream order for w8a8_reduce).
                 scratch.partials =
                     Some(unsafe { alloc_device::<f32>(stream, need, rank, "W8A8 mma partials")? });
             }
-            scratch
+            if in_kernel
+                && scratch
+                    .counters
+                    .as_ref()
+                    .is_none_or(|c| c.len() < shape.row_blocks)
+            {
+                scratch.counters = Some(alloc_zeros::<u32>(
+                    stream,
+                    shape.row_blocks,
+                    rank,
+                    "W8A8 mma counters",
+                )?);
+            }
+            let part = scratch
                 .partials
                 .as_ref()
-                .map_or(0, |s| s.device_ptr(stream).0)
+                .map_or(0, |s| s.device_ptr(stream).0);
+            let counters = match &scratch.counters {
+                Some(c) if in_kernel => c.device_ptr(stream).0,
+                _ => 0,
+            };
+            (part, counters)
         } else {
-            0
+            (0, 0)
         };
         let cfg = LaunchConfig {
             grid_dim: (
@@ -321,6 +351,7 @@ impl MmaKernels {
             Arg::U64(y),
             Arg::U32(u32::from(zero_lo)),
             Arg::U64(part),
+            Arg::U64(counters),
         ];
         let kernel = match wg {
             Some(k) => WGMMA_TILES
@@ -338,10 +369,11 @@ impl MmaKernels {
             "w8a8_mma"
         };
         // SAFETY: the argument list matches w8a8_mma_N and w8a8_wgmma_N (8 N ≥ tokens); the
-        // partials hold the shape's sizes and live in the scratch, whose buffers are freed in
-        // stream order; the rest per the caller.
+        // partials and counters hold the shape's sizes (the counters zero: the kernel leaves
+        // them so) and live in the scratch, whose buffers are freed in stream order; the rest
+        // per the caller.
         unsafe { launch(stream, kernel, cfg, &args, rank, name)? };
-        if shape.splits == 1 {
+        if shape.splits == 1 || in_kernel {
             return Ok(());
         }
         let outputs = (shape.row_blocks * shape.block_rows * tokens) as u64;
