@@ -43,7 +43,8 @@ pub const QUANTISE_KERNELS: KernelSet = KernelSet::new(
 
 /// Threads per block: 32 × (128 / `QUANTISE_HELD`) with the kernel's default of 8 float4 per
 /// thread (`quantise_probe` on an H200 at 32768² fp32, 2026-12-02: 8 per thread ran at 0.99× a
-/// device copy of the same bytes, 16 at 1.28×, 4 at 1.60×; over bf16 1.79×, 2.52×, 2.61×).
+/// device copy of the same bytes, 16 at 1.28×, 4 at 1.60×; over bf16, whose rows on 16 bytes a
+/// thread loads 8 values at a time, 1.57×, 1.96×, 2.55× on 2026-12-03).
 const QUANTISE_THREADS: u32 = 512;
 
 /// A rank's quantisations as the kernel reads them: six words per region and the tile count.
