@@ -56,7 +56,7 @@ pub struct EngineSettings {
     /// Qwen2.5-7B shapes: some samples of a DAPO run differ); with it off, every sequence's
     /// tokens are the same however the call groups them.
     pub fork_prefill: bool,
-    /// How products with fp8 rollout weights compute ([`GpuDecoder::set_fp8_compute`]):
+    /// How products with fp8 rollout weights compute ([`GpuDecoder::set_fp8_compute`](crate::GpuDecoder::set_fp8_compute)):
     /// weight-only by default, or W8A8.
     pub fp8_compute: Fp8Compute,
     /// The element type of the KV cache: bf16 by default (as vLLM and SGLang keep it), or f32

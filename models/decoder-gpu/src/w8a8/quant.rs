@@ -21,11 +21,11 @@ pub(crate) fn padded_tokens(tokens: usize) -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) enum ActLayout {
     /// Token rows, `[tokens × inp]`, the tokens padded to [`padded_tokens`] and the scales at
-    /// [`act_scale_strides`]: what cuBLASLt's GEMM and the `mma.sync` kernel read.
+    /// [`ActLayout::scale_strides`]: what cuBLASLt's GEMM and the `mma.sync` kernel read.
     #[default]
     Rows,
     /// The warpgroup kernel's: `8 · tiles` tokens (the ones past the product's zero), each
-    /// 128-wide input group's bytes in the core matrices its kernel stages ([`tiled_offset`]),
+    /// 128-wide input group's bytes in the core matrices its kernel stages (`tiled_offset`),
     /// the scales `[group][8 · tiles]`.
     Tiles(usize),
 }
