@@ -55,6 +55,18 @@ struct Args {
     /// decoder's exact mode).
     #[arg(long, default_value = "bf16", value_parser = <KvDtype as std::str::FromStr>::from_str)]
     kv_dtype: KvDtype,
+    /// Decode steps replayed from CUDA graphs (`on`, the decoder's default), queued eagerly
+    /// (`off`), or every variant both ways (`both`).
+    #[arg(long, value_enum, default_value_t = Graphs::On)]
+    graphs: Graphs,
+}
+
+/// Which decode steps `--graphs` runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Graphs {
+    On,
+    Off,
+    Both,
 }
 
 fn config(layers: usize, moe: bool) -> Result<ModelConfig, Box<dyn Error>> {
@@ -106,6 +118,7 @@ fn main() -> Result<(), Box<dyn Error>> {
         compute: Fp8Compute::WeightOnly,
         limits: None,
         device: true,
+        graphs: args.graphs != Graphs::Off,
     };
     let mut variants = vec![bf16];
     if args.moe {
@@ -139,6 +152,18 @@ fn main() -> Result<(), Box<dyn Error>> {
             ..w8a8
         },
     ]);
+    if args.graphs == Graphs::Both {
+        // each variant eager, then graphed
+        variants = variants
+            .into_iter()
+            .flat_map(|v| {
+                [
+                    Variant { graphs: false, ..v },
+                    Variant { graphs: true, ..v },
+                ]
+            })
+            .collect();
+    }
     let shapes = config.tensor_shapes();
     let mut state = FsdpBackend::new(pool.clone(), config.rollout_layout(1)?)
         .synthetic_state(&shapes, 7, 0.02)?;
@@ -151,6 +176,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             compute,
             limits,
             device,
+            graphs,
         } = *v;
         let backend =
             FsdpBackend::new(pool.clone(), config.rollout_layout(1)?).with_rollout_dtype(dtype);
@@ -174,6 +200,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             let floor = (held - embed) as f64 / (copy / 2.0);
             let mut dec = GpuDecoder::new(&config, session.backend(), weights.get())?;
             dec.set_kv_dtype(args.kv_dtype)?;
+            dec.set_step_graphs(graphs);
             let grouped = dec.set_grouped_experts(grouped);
             let device = dec.set_device_routing(device);
             let how = match (args.moe, grouped, device, dtype) {
@@ -204,8 +231,13 @@ fn main() -> Result<(), Box<dyn Error>> {
                     format!(" W8A8 ({})", v.name())
                 }
             };
+            let graphs_how = if graphs {
+                ", steps replayed from CUDA graphs"
+            } else {
+                ", steps queued eagerly"
+            };
             println!(
-                "\n{dtype}{compute_how}{how}: rollout weights {:.3} GB ({:.3} GB streamed per step); floor {:.3} ms per step",
+                "\n{dtype}{compute_how}{how}{graphs_how}: rollout weights {:.3} GB ({:.3} GB streamed per step); floor {:.3} ms per step",
                 held as f64 / GB,
                 (held - embed) as f64 / GB,
                 floor * 1e3
@@ -250,34 +282,64 @@ fn main() -> Result<(), Box<dyn Error>> {
                 );
                 rates.push((vi, batch, rate, prefill));
             }
+            if graphs {
+                let (captured, replayed) = dec.step_graphs();
+                println!("  {captured} graphs captured, {replayed} decode steps replayed");
+            }
         }
         state = lc.into_parts()?.1;
     }
-    println!("\nagainst bf16 (grouped experts), decode tokens/s and prefill time:");
-    let of = |v: usize, batch: usize| rates.iter().find(|r| r.0 == v && r.1 == batch);
+    println!("\nagainst bf16 (grouped experts) with the same graphs setting, decode tokens/s and prefill time:");
+    let of = |v: &Variant, batch: usize| {
+        let vi = variants.iter().position(|w| w == v)?;
+        rates.iter().find(|r| r.0 == vi && r.1 == batch)
+    };
     for &batch in &args.batches {
-        let Some(&(_, _, b, bp)) = of(0, batch) else {
-            continue;
-        };
-        let mut line = format!("  batch {batch:>3}: bf16 {b:.0} tokens/s");
-        for (vi, v) in variants.iter().enumerate().skip(1) {
-            let Some(&(_, _, r, p)) = of(vi, batch) else {
+        for graphs in [false, true] {
+            let base = Variant { graphs, ..bf16 };
+            let Some(&(_, _, b, bp)) = of(&base, batch) else {
                 continue;
             };
-            let name = v.name();
-            line += &format!(
-                "; {name} {:.2}x (prefill {:.2}x)",
-                r / b.max(1e-9),
-                bp / p.max(1e-12)
-            );
+            let mode = if graphs { "graphs" } else { "eager" };
+            let mut line = format!("  batch {batch:>3} ({mode}): bf16 {b:.0} tokens/s");
+            for v in variants
+                .iter()
+                .filter(|v| v.graphs == graphs && **v != base)
+            {
+                let Some(&(_, _, r, p)) = of(v, batch) else {
+                    continue;
+                };
+                let name = v.name();
+                line += &format!(
+                    "; {name} {:.2}x (prefill {:.2}x)",
+                    r / b.max(1e-9),
+                    bp / p.max(1e-12)
+                );
+            }
+            println!("{line}");
         }
-        println!("{line}");
+    }
+    if args.graphs == Graphs::Both {
+        println!("\ngraphs against eager steps, decode tokens/s:");
+        for &batch in &args.batches {
+            let mut line = format!("  batch {batch:>3}:");
+            for v in variants.iter().filter(|v| v.graphs) {
+                let eager = Variant {
+                    graphs: false,
+                    ..*v
+                };
+                if let (Some(g), Some(e)) = (of(v, batch), of(&eager, batch)) {
+                    line += &format!(" {} {:.2}x;", v.name(), g.2 / e.2.max(1e-9));
+                }
+            }
+            println!("{line}");
+        }
     }
     Ok(())
 }
 
 /// One way of decoding the model.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 struct Variant {
     dtype: RolloutDtype,
     /// bf16 experts in blocks of batched GEMMs (else one GEMM per expert).
@@ -288,6 +350,8 @@ struct Variant {
     limits: Option<(usize, usize, usize)>,
     /// MoE routed on the device.
     device: bool,
+    /// Decode steps replayed from CUDA graphs.
+    graphs: bool,
 }
 
 impl Variant {

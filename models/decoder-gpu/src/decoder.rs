@@ -25,6 +25,7 @@ use crate::w8a8::{W8a8Gemm, W8a8Limits};
 use crate::weights::GroupOffsets;
 
 mod forward;
+mod graph;
 mod moe;
 mod moe_device;
 mod rank;
@@ -230,6 +231,7 @@ impl Core {
                 device_moe: None,
                 device_routing: true,
                 room: None,
+                graphs: Default::default(),
             });
             ctx.compute
                 .synchronize()
@@ -319,6 +321,7 @@ impl Core {
             let base = ptr(buf, &ctx.compute);
             st.device_moe = DeviceExperts::bind(ctx, &w, base)?;
             st.bind = Some(RankBind { base, w });
+            st.graphs.clear();
             ctx.compute
                 .synchronize()
                 .map_err(ctx.drv("synchronizing", 0))?;
@@ -376,6 +379,7 @@ impl Core {
         for st in &mut self.ranks {
             st.bind = None;
             st.cache = None;
+            st.graphs.clear();
             st.dequant = None;
             st.x32 = None;
             st.w8a8 = None;
@@ -441,6 +445,23 @@ impl Core {
         self.kv = KvMode::Fixed { slots };
         self.cap = cap;
         Ok(())
+    }
+
+    /// Whether decode steps replay captured graphs (dropping every graph when off).
+    pub fn set_step_graphs(&mut self, on: bool) {
+        for st in &mut self.ranks {
+            st.graphs.enabled = on;
+            if !on {
+                st.graphs.clear();
+            }
+        }
+    }
+
+    /// Graphs captured and decode steps replayed from one, summed over the ranks.
+    pub fn graph_counts(&self) -> (usize, usize) {
+        self.ranks.iter().fold((0, 0), |(c, r), st| {
+            (c + st.graphs.captured, r + st.graphs.replayed)
+        })
     }
 
     /// Downloads that waited for the device, summed over the ranks.
@@ -711,6 +732,7 @@ impl Core {
                 cap: self.cap,
                 forks: rows.forks,
                 pick: pick.rows(want),
+                decode: false,
             });
         }
         let out = self.forward(pool, &steps)?;
@@ -751,6 +773,7 @@ impl Core {
                     cap: self.cap,
                     forks: Vec::new(),
                     pick: pick.rows(part.clone()),
+                    decode: true,
                 }
             })
             .collect();
@@ -1102,6 +1125,38 @@ impl<'w> GpuDecoder<'w> {
             r.device_routing = on;
         }
         on
+    }
+
+    /// Whether decode steps are replayed from CUDA graphs (on, the default): a decode step of
+    /// `n` sequences at `T = 1` (one GPU, or data-parallel replicas) is captured into a graph
+    /// the second time a step of that size runs on the same cache, and then launched as one
+    /// graph per step instead of its ~15 launches per layer; the tokens and logits are the
+    /// same bit for bit. Steps at `T > 1`, prefills, and steps whose mixture-of-experts layers
+    /// are routed on the host run as they are queued. Each graph owns its step's scratch (a
+    /// few MB at 7.6B shapes, tens of MB at 64 sequences); at most 8 are kept per rank, and
+    /// they are dropped whenever the weights are bound again or an fp8 setting changes. Off
+    /// drops them.
+    ///
+    /// ```no_run
+    /// use lifecycle_decoder::{Decoder, Sampling};
+    /// use lifecycle_decoder_gpu::GpuDecoder;
+    ///
+    /// fn eager(decoder: &mut GpuDecoder<'_>) -> Result<Vec<Vec<u32>>, Box<dyn std::error::Error>> {
+    ///     decoder.set_step_graphs(false);
+    ///     let out = decoder.generate(&[vec![1, 2, 3]], &Sampling::greedy(8))?;
+    ///     assert_eq!(decoder.step_graphs(), (0, 0));
+    ///     Ok(out)
+    /// }
+    /// ```
+    pub fn set_step_graphs(&mut self, on: bool) -> bool {
+        self.core.set_step_graphs(on);
+        on
+    }
+
+    /// Graphs captured and decode steps replayed from one so far, summed over this process's
+    /// ranks ([`GpuDecoder::set_step_graphs`]).
+    pub fn step_graphs(&self) -> (usize, usize) {
+        self.core.graph_counts()
     }
 
     /// Downloads so far that waited for the device, summed over this process's ranks: the

@@ -133,3 +133,25 @@ pub(crate) unsafe fn launch(
         .map(|_| ())
         .map_err(|e| CudaError::driver(rank, format!("launching kernel {what}"), 0, e))
 }
+
+/// An error when `stream` is capturing a graph: `what` would allocate (a lazily grown scratch)
+/// inside the capture, where the memory would belong to the graph. Captured passes run only
+/// after the same pass ran eagerly, which grew every such scratch to its shapes.
+pub(crate) fn refuse_in_capture(
+    stream: &CudaStream,
+    rank: usize,
+    what: &str,
+) -> Result<(), CudaError> {
+    use lifecycle_cuda::cudarc::driver::sys::CUstreamCaptureStatus;
+    let status = stream
+        .capture_status()
+        .map_err(|e| CudaError::driver(rank, "reading the stream's capture status", 0, e))?;
+    if status == CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+        Ok(())
+    } else {
+        Err(CudaError::Invalid(format!(
+            "{what} would allocate inside a graph capture (a captured pass must first run \
+             eagerly with the same shapes)"
+        )))
+    }
+}

@@ -37,6 +37,8 @@ pub(super) struct Step<'a> {
     pub(super) forks: Vec<u32>,
     /// What to bring back.
     pub(super) pick: Pick<'a>,
+    /// A decode step (one row per sequence), which a graph may replay ([`StepGraphs`](super::graph::StepGraphs)).
+    pub(super) decode: bool,
 }
 
 /// What a forward pass brings back to the host.
@@ -78,38 +80,80 @@ pub(super) enum StepOut {
     Nothing,
 }
 
-/// One rank's forward pass of `step`: the stages in order, then the pick.
+/// One rank's forward pass of `step`: the stages in order (replayed from a captured graph
+/// where [`StepGraphs`](super::graph::StepGraphs) takes the step), then the pick.
 pub(super) fn rank_forward(
     ctx: &RankCtx,
     st: &mut RankState,
     z: &Dims,
     step: &Step<'_>,
 ) -> Result<StepOut, CudaError> {
-    let logits = {
-        let mut pass = Pass::new(ctx, st, z, step)?;
-        pass.embed()?;
-        for l in 0..z.layers {
-            pass.attention(l)?;
-            pass.mlp(l)?;
-        }
-        pass.fork_kv()?;
-        if z.m == 0 {
-            return Ok(StepOut::Nothing);
-        }
-        pass.head()?
-    };
+    if z.m > 0 && st.reports && st.graphs.takes(st, z, step) {
+        let mut graphs = std::mem::take(&mut st.graphs);
+        let ran = graphs.run(ctx, st, z, step);
+        let out = match ran {
+            Ok(sc) => sc.logits().and_then(|l| pick(ctx, st, z, step.pick, l)),
+            Err(e) => Err(e),
+        };
+        st.graphs = graphs;
+        return out;
+    }
+    let mut sc = Scratch::new(ctx, st, z)?;
+    sc.upload(ctx, step)?;
+    run_stages(ctx, st, z, step, &mut sc, Capture::Eager)?;
+    if z.m == 0 {
+        return Ok(StepOut::Nothing);
+    }
     if !st.reports {
         ctx.compute
             .synchronize()
             .map_err(ctx.drv("synchronizing", 0))?;
         return Ok(StepOut::Nothing);
     }
-    pick(ctx, st, z, step.pick, &logits)
+    pick(ctx, st, z, step.pick, sc.logits()?)
+}
+
+/// Whether the stages run as they are queued or are being captured into a graph (where no
+/// stage may wait for the device or copy from the host).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Capture {
+    Eager,
+    Capturing,
+}
+
+/// What the stages of one pass did that a captured graph could not replay.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Ran {
+    /// A mixture-of-experts layer was routed on the host (one device→host copy per layer).
+    pub(super) host_routed: bool,
+}
+
+/// The stages of one pass of `step` over `sc` (its inputs uploaded), in order on the rank's
+/// compute stream: the embedding, the layers, the KV forks and, with rows wanted, the head.
+pub(super) fn run_stages(
+    ctx: &RankCtx,
+    st: &RankState,
+    z: &Dims,
+    step: &Step<'_>,
+    sc: &mut Scratch,
+    capture: Capture,
+) -> Result<Ran, CudaError> {
+    let mut pass = Pass::new(ctx, st, z, step, sc, capture)?;
+    pass.embed()?;
+    for l in 0..z.layers {
+        pass.attention(l)?;
+        pass.mlp(l)?;
+    }
+    pass.fork_kv()?;
+    if z.m > 0 {
+        pass.head()?;
+    }
+    Ok(pass.ran)
 }
 
 /// The scratch buffers of one pass (sized for its `n` rows in [`Pass::new`]) and its inputs on
 /// the device.
-struct Scratch {
+pub(super) struct Scratch {
     /// Hidden states `[n × h]`.
     x: CudaSlice<f32>,
     /// Split activations: `hi` and `lo` rows of the widest product input, `[2n × widest]`.
@@ -130,21 +174,38 @@ struct Scratch {
     /// The quantised activations of the W8A8 products (beyond the weight-streaming kernel's
     /// tokens).
     w8a8: Option<W8a8Scratch>,
+    /// The mixture-of-experts layers' buffers (`None` for a dense model).
+    moe: Option<MoeScratch>,
+    /// The head's buffers (`None` when no rows are wanted).
+    head: Option<HeadScratch>,
+}
+
+/// The head's buffers of a pass of `m` wanted rows: the split final hidden rows, the head
+/// product, this rank's logits and, where the vocabulary is split or padded, the gathered and
+/// the full logits `[m × vocab]`.
+struct HeadScratch {
+    xh: CudaSlice<u16>,
+    yh: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    gathered: Option<CudaSlice<f32>>,
+    full: Option<CudaSlice<f32>>,
 }
 
 /// One forward pass of one rank in progress: what every stage reads and writes. Its invariant,
 /// which every stage's launches rely on: the weight addresses are the bound rollout buffer's
 /// (offsets checked against its length at bind), the cache is sized for `step` (checked by
-/// `reserve`), and every scratch buffer holds what the stages index for `z`'s sizes.
+/// `reserve`), and every scratch buffer holds what the stages index for `z`'s sizes (made by
+/// [`Scratch::new`] for them).
 struct Pass<'a> {
     ctx: &'a RankCtx,
     st: &'a RankState,
     bind: &'a RankBind,
     z: &'a Dims,
     step: &'a Step<'a>,
-    sc: Scratch,
-    moe: Option<MoeScratch>,
+    sc: &'a mut Scratch,
     cache: u64,
+    capture: Capture,
+    ran: Ran,
 }
 
 fn u32a(v: usize) -> Arg {
@@ -160,19 +221,14 @@ fn block_rows(rows: usize) -> LaunchConfig {
     }
 }
 
-impl<'a> Pass<'a> {
-    /// Uploads the step's inputs and allocates the scratch of its `n` rows.
-    fn new(
-        ctx: &'a RankCtx,
-        st: &'a RankState,
-        z: &'a Dims,
-        step: &'a Step<'a>,
-    ) -> Result<Self, CudaError> {
+impl Scratch {
+    /// The scratch of a pass of `z`'s `n` rows and `m` wanted rows on this rank (its inputs
+    /// still to upload: [`Scratch::upload`]).
+    pub(super) fn new(ctx: &RankCtx, st: &RankState, z: &Dims) -> Result<Self, CudaError> {
         let s = &ctx.compute;
         let rank = ctx.rank;
-        let (n, h, f) = (z.n, z.h, z.f);
+        let (n, m, h, f) = (z.n, z.m, z.h, z.f);
         let (qw, kvw) = (z.qh * z.d, z.kvh * z.d);
-        let up = |v: &[u32], what: &str| s.clone_htod(v).map_err(ctx.drv(what, 0));
         let widest = h.max(qw).max(f);
         // a fused product writes [q; k; v] or [gate; up] at once
         let out_widest = if z.fused {
@@ -180,17 +236,44 @@ impl<'a> Pass<'a> {
         } else {
             widest
         };
-        let cache = st
-            .cache
-            .as_ref()
-            .ok_or_else(|| CudaError::Invalid("no KV cache: call prefill first".into()))?;
         let bind = st.bind.as_ref().ok_or_else(|| {
             CudaError::Invalid("the decoder is not bound to rollout weights".into())
         })?;
-        // SAFETY: every element of these scratch buffers is written by a kernel, a GEMM or the
-        // all-reduce before it is read, as the stages do in order on this one stream.
-        let sc = unsafe {
-            Scratch {
+        let flags = (
+            st.w8a8_scratch_for(n),
+            st.device_routing && st.device_moe.is_some(),
+        );
+        let moe = MoeScratch::new(s, rank, (n, h, z.top_k), &bind.w, flags)?;
+        let part = z.part;
+        let split_or_padded = z.vocab_parallel || crate::vocab::padded(1, part, z.vocab);
+        // SAFETY: every element of these buffers is written by a kernel, a GEMM, a collective
+        // or an upload before it is read, as the stages do in order on this one stream.
+        unsafe {
+            let head = if m > 0 {
+                Some(HeadScratch {
+                    xh: alloc_device::<u16>(s, 2 * m * h, rank, "split final hidden rows")?,
+                    yh: alloc_device::<f32>(s, 2 * m * part, rank, "head GEMM output")?,
+                    logits: alloc_device::<f32>(s, m * part, rank, "logits")?,
+                    gathered: if z.vocab_parallel {
+                        Some(alloc_device::<f32>(
+                            s,
+                            z.tp * m * part,
+                            rank,
+                            "gathered logits",
+                        )?)
+                    } else {
+                        None
+                    },
+                    full: if split_or_padded {
+                        Some(alloc_device::<f32>(s, m * z.vocab, rank, "logits")?)
+                    } else {
+                        None
+                    },
+                })
+            } else {
+                None
+            };
+            Ok(Scratch {
                 x: alloc_device::<f32>(s, n * h, rank, "hidden states")?,
                 xs: alloc_device::<u16>(s, 2 * n * widest, rank, "split activations")?,
                 y2: alloc_device::<f32>(s, 2 * n * out_widest, rank, "GEMM outputs")?,
@@ -213,22 +296,80 @@ impl<'a> Pass<'a> {
                 } else {
                     None
                 },
-                tokens: up(&step.tokens, "uploading tokens")?,
-                seqs: up(&step.seqs, "uploading sequence indices")?,
-                poss: up(&step.poss, "uploading positions")?,
-                rows: up(&step.logit_rows, "uploading logit rows")?,
+                tokens: alloc_device::<u32>(s, n, rank, "tokens")?,
+                seqs: alloc_device::<u32>(s, n, rank, "sequence indices")?,
+                poss: alloc_device::<u32>(s, n, rank, "positions")?,
+                rows: alloc_device::<u32>(s, m, rank, "logit rows")?,
                 w8a8: if st.w8a8_scratch_for(n) {
                     Some(W8a8Scratch::alloc(s, n, widest, rank)?)
                 } else {
                     None
                 },
+                moe,
+                head,
+            })
+        }
+    }
+
+    /// Copies `step`'s inputs (as many as the scratch was made for) into their buffers, in order
+    /// on the compute stream.
+    pub(super) fn upload(&mut self, ctx: &RankCtx, step: &Step<'_>) -> Result<(), CudaError> {
+        let s = &ctx.compute;
+        let ins: [(&[u32], &mut CudaSlice<u32>, &str); 4] = [
+            (&step.tokens, &mut self.tokens, "uploading tokens"),
+            (&step.seqs, &mut self.seqs, "uploading sequence indices"),
+            (&step.poss, &mut self.poss, "uploading positions"),
+            (&step.logit_rows, &mut self.rows, "uploading logit rows"),
+        ];
+        for (v, dst, what) in ins {
+            if v.is_empty() {
+                continue;
             }
-        };
-        let flags = (
-            st.w8a8_scratch_for(n),
-            st.device_routing && st.device_moe.is_some(),
-        );
-        let moe = MoeScratch::new(s, rank, (n, h, z.top_k), &bind.w, flags)?;
+            if v.len() != dst.len() {
+                return Err(CudaError::Invalid(format!(
+                    "{what}: {} values for a pass made for {}",
+                    v.len(),
+                    dst.len()
+                )));
+            }
+            s.memcpy_htod(v, dst).map_err(ctx.drv(what, 0))?;
+        }
+        Ok(())
+    }
+
+    /// The full logits `[m × vocab]` the head writes; an error for a pass with no rows wanted.
+    pub(super) fn logits(&self) -> Result<&CudaSlice<f32>, CudaError> {
+        self.head
+            .as_ref()
+            .map(|h| h.full.as_ref().unwrap_or(&h.logits))
+            .ok_or_else(|| CudaError::Invalid("logits of a pass with no rows wanted".into()))
+    }
+}
+
+impl<'a> Pass<'a> {
+    /// The pass of `step` over `sc` (made for `z` by [`Scratch::new`], its inputs uploaded).
+    fn new(
+        ctx: &'a RankCtx,
+        st: &'a RankState,
+        z: &'a Dims,
+        step: &'a Step<'a>,
+        sc: &'a mut Scratch,
+        capture: Capture,
+    ) -> Result<Self, CudaError> {
+        let cache = st
+            .cache
+            .as_ref()
+            .ok_or_else(|| CudaError::Invalid("no KV cache: call prefill first".into()))?;
+        let bind = st.bind.as_ref().ok_or_else(|| {
+            CudaError::Invalid("the decoder is not bound to rollout weights".into())
+        })?;
+        if sc.x.len() != z.n * z.h {
+            return Err(CudaError::Invalid(format!(
+                "a pass of {} rows over scratch made for {}",
+                z.n,
+                sc.x.len() / z.h.max(1)
+            )));
+        }
         Ok(Pass {
             ctx,
             st,
@@ -236,8 +377,9 @@ impl<'a> Pass<'a> {
             z,
             step,
             sc,
-            moe,
-            cache: ptr(cache, s),
+            cache: ptr(cache, &ctx.compute),
+            capture,
+            ran: Ran::default(),
         })
     }
 
@@ -592,10 +734,10 @@ impl<'a> Pass<'a> {
     fn experts(&mut self, l: usize, moe: &crate::weights::MoeOffsets) -> Result<(), CudaError> {
         let (n, h) = (self.z.n, self.z.h);
         let (xs, x) = (self.at(&self.sc.xs), self.at(&self.sc.x));
-        let scratch = self.moe.as_mut().ok_or_else(|| {
+        let scratch = self.sc.moe.as_mut().ok_or_else(|| {
             CudaError::Invalid("no scratch buffers for a mixture-of-experts layer".into())
         })?;
-        moe_layer(
+        let hosted = moe_layer(
             self.ctx,
             self.st,
             self.z,
@@ -603,8 +745,9 @@ impl<'a> Pass<'a> {
             moe,
             scratch,
             xs,
-            self.bind.base,
+            (self.bind.base, self.capture == Capture::Eager),
         )?;
+        self.ran.host_routed |= hosted;
         let acc = ptr(scratch.acc(), &self.ctx.compute);
         let cfg = self.elementwise(n * h);
         let k = &self.st.k;
@@ -644,6 +787,11 @@ impl<'a> Pass<'a> {
         if forked == 0 {
             return Ok(());
         }
+        if self.capture == Capture::Capturing {
+            return Err(CudaError::Invalid(
+                "a captured pass cannot fork sequences (their table is uploaded per pass)".into(),
+            ));
+        }
         let z = self.z;
         let kvw = self.kv_width();
         let longest = step.forks.chunks_exact(3).map(|f| f[2]).max().unwrap_or(0);
@@ -668,56 +816,72 @@ impl<'a> Pass<'a> {
         unsafe { self.kernel(&self.st.k.fork_kv, cfg, &args, "fork_kv") }
     }
 
-    /// The final norm of the wanted rows and the head product: the full logits `[m × vocab]` on
-    /// the device (gathered over the group when the vocabulary is split, padding columns
-    /// dropped).
-    fn head(&self) -> Result<CudaSlice<f32>, CudaError> {
+    /// The final norm of the wanted rows and the head product: the full logits `[m × vocab]` in
+    /// the scratch's head buffers (gathered over the group when the vocabulary is split, padding
+    /// columns dropped).
+    fn head(&mut self) -> Result<(), CudaError> {
         let (ctx, st, z) = (self.ctx, self.st, self.z);
         let (s, rank, k) = (self.s(), ctx.rank, &st.k);
         let (m, h, part) = (z.m, z.h, z.part);
-        // SAFETY (allocations): each is written whole by the kernel or GEMM queued right after
-        // it on this stream, before anything reads it.
-        // SAFETY (launches and GEMMs): the pass's addresses and sizes (its invariant), and the
-        // buffers allocated here with the sizes each kernel indexes.
+        let hd = self
+            .sc
+            .head
+            .as_ref()
+            .ok_or_else(|| CudaError::Invalid("no head buffers for a pass with rows".into()))?;
+        let (xh, yh, logits) = (self.at(&hd.xh), self.at(&hd.yh), self.at(&hd.logits));
+        let full = hd.full.as_ref().map(|f| self.at(f));
+        let missing = || CudaError::Invalid("no buffer for the full logits".into());
+        // SAFETY (launches and GEMMs): the pass's addresses and sizes (its invariant: the head
+        // buffers hold `z`'s wanted rows).
         unsafe {
-            let xh = alloc_device::<u16>(s, 2 * m * h, rank, "split final hidden rows")?;
             let args = [
                 Arg::U64(self.at(&self.sc.x)),
                 Arg::U64(self.wp(self.bind.w.final_norm)),
                 Arg::U64(self.at(&self.sc.rows)),
-                Arg::U64(self.at(&xh)),
+                Arg::U64(xh),
                 u32a(m),
                 u32a(h),
                 Arg::F32(z.eps),
             ];
             self.kernel(&k.rms_norm_split, block_rows(m), &args, "rms_norm_split")?;
-            let yh = alloc_device::<f32>(s, 2 * m * part, rank, "head GEMM output")?;
-            let (xhp, yhp) = (self.at(&xh), self.at(&yh));
             gemm(
                 &st.blas,
                 self.wp(self.bind.w.head),
-                xhp,
-                yhp,
+                xh,
+                yh,
                 part,
                 2 * m,
                 h,
                 rank,
             )?;
-            let logits = alloc_device::<f32>(s, m * part, rank, "logits")?;
             let args = [
-                Arg::U64(yhp),
+                Arg::U64(yh),
                 Arg::U64(0),
                 Arg::U64(0),
-                Arg::U64(self.at(&logits)),
+                Arg::U64(logits),
                 u32a(m),
                 u32a(part),
             ];
             self.kernel(&k.combine, self.elementwise(m * part), &args, "combine")?;
+            // [T][m][part] on every rank when the vocabulary is split
+            let gathered = if z.vocab_parallel {
+                let hd = self.sc.head.as_mut().ok_or_else(missing)?;
+                let gathered = hd.gathered.as_mut().ok_or_else(missing)?;
+                let nccl = ctx.nccl_stream();
+                order(ctx, &st.ev_compute, s, &nccl)?;
+                ctx.comm.all_gather(&hd.logits, gathered).map_err(|e| {
+                    CudaError::nccl(rank, "all-gather of vocabulary-parallel logits", e)
+                })?;
+                order(ctx, &st.ev_nccl, &nccl, s)?;
+                Some(ptr(gathered, s))
+            } else {
+                None
+            };
             // [T][m][part] → [m][vocab] without the padding columns (never sampled or picked)
-            let gather_real = |from: &CudaSlice<f32>, to: &CudaSlice<f32>| {
+            let gather_real = |from: u64, to: u64| {
                 let args = [
-                    Arg::U64(self.at(from)),
-                    Arg::U64(self.at(to)),
+                    Arg::U64(from),
+                    Arg::U64(to),
                     u32a(m),
                     u32a(part),
                     u32a(z.vocab),
@@ -725,23 +889,15 @@ impl<'a> Pass<'a> {
                 let cfg = self.elementwise(m * z.vocab);
                 self.kernel(&k.gather_vocab, cfg, &args, "gather_vocab")
             };
-            if z.vocab_parallel {
-                // [T][m][part] on every rank, then [m][vocab]
-                let mut gathered =
-                    alloc_device::<f32>(s, z.tp * m * part, rank, "gathered logits")?;
-                let nccl = ctx.nccl_stream();
-                order(ctx, &st.ev_compute, s, &nccl)?;
-                ctx.comm.all_gather(&logits, &mut gathered).map_err(|e| {
-                    CudaError::nccl(rank, "all-gather of vocabulary-parallel logits", e)
-                })?;
-                order(ctx, &st.ev_nccl, &nccl, s)?;
-                let full = alloc_device::<f32>(s, m * z.vocab, rank, "logits")?;
+            if let Some(gathered) = gathered {
+                // then [m][vocab]
+                let full = full.ok_or_else(missing)?;
                 if crate::vocab::padded(z.tp, part, z.vocab) {
-                    gather_real(&gathered, &full)?;
+                    gather_real(gathered, full)?;
                 } else {
                     let args = [
-                        Arg::U64(self.at(&gathered)),
-                        Arg::U64(self.at(&full)),
+                        Arg::U64(gathered),
+                        Arg::U64(full),
                         u32a(z.tp),
                         u32a(m),
                         u32a(part),
@@ -749,16 +905,12 @@ impl<'a> Pass<'a> {
                     let cfg = self.elementwise(m * z.vocab);
                     self.kernel(&k.unshard, cfg, &args, "unshard")?;
                 }
-                Ok(full)
-            } else if crate::vocab::padded(1, part, z.vocab) {
+            } else if let Some(full) = full {
                 // one rank holding padded rows: keep the real columns
-                let full = alloc_device::<f32>(s, m * z.vocab, rank, "logits")?;
-                gather_real(&logits, &full)?;
-                Ok(full)
-            } else {
-                Ok(logits)
+                gather_real(logits, full)?;
             }
         }
+        Ok(())
     }
 }
 

@@ -208,7 +208,9 @@ pub(super) fn router_logits(
 /// the router's logits downloaded and routed on the host; then every expert this rank holds and
 /// that received rows, their weighted outputs added into the scratch's `acc` (zeroed first), and
 /// the rank's share of the shared expert. The caller adds `acc` to the residual and sums it over
-/// the group, as for a row-parallel output.
+/// the group, as for a row-parallel output. Whether the layer was routed on the host comes
+/// back; with `host_ok` false (a pass being captured into a graph) a layer the device does not
+/// route is an error, before anything is queued for it.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn moe_layer(
     ctx: &RankCtx,
@@ -218,15 +220,22 @@ pub(super) fn moe_layer(
     moe: &MoeOffsets,
     scratch: &mut MoeScratch,
     xsp: u64,
-    base: u64,
-) -> Result<(), CudaError> {
-    if !device_moe_layer(ctx, st, z, l, moe, scratch, xsp, base)? {
+    (base, host_ok): (u64, bool),
+) -> Result<bool, CudaError> {
+    let hosted = !device_moe_layer(ctx, st, z, l, moe, scratch, xsp, base)?;
+    if hosted {
+        if !host_ok {
+            return Err(CudaError::Invalid(format!(
+                "layer {l}'s experts would be routed on the host (a device→host copy) in a pass \
+                 captured into a graph"
+            )));
+        }
         host_routed_experts(ctx, st, z, moe, scratch, xsp, base)?;
     }
-    match &moe.shared {
-        Some(shared) => shared_expert(ctx, st, z, scratch, (xsp, base), shared),
-        None => Ok(()),
+    if let Some(shared) = &moe.shared {
+        shared_expert(ctx, st, z, scratch, (xsp, base), shared)?;
     }
+    Ok(hosted)
 }
 
 /// The routed experts of one layer, routed on the host: the router's logits downloaded, each

@@ -60,6 +60,11 @@ pub(crate) struct DeviceExperts {
 }
 
 impl DeviceExperts {
+    /// The device address of the expert table.
+    pub(crate) fn table_at(&self, s: &Arc<CudaStream>) -> u64 {
+        ptr(&self.experts_table, s)
+    }
+
     /// The expert table of `w`'s MoE layers at the bound buffer's address `base`, uploaded on
     /// the compute stream, and the kernels; `None` for a dense model, or one whose layers the
     /// kernel cannot route (more than 1024 experts, or layers of different expert counts).

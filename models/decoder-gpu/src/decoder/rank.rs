@@ -10,6 +10,7 @@ use lifecycle_cuda::cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr
 use lifecycle_cuda::cudarc::nccl::ReduceOp;
 use lifecycle_cuda::{CudaError, FreeingRoom, RankCtx};
 
+use super::graph::StepGraphs;
 use super::moe_device::DeviceExperts;
 use crate::blas::gemm;
 use crate::download::Downloads;
@@ -84,6 +85,8 @@ pub(crate) struct RankState {
     /// While bound to weights whose switch still frees training memory (an overlapped offload):
     /// the frees the KV cache's allocations wait for.
     pub(crate) room: Option<Arc<FreeingRoom>>,
+    /// The decode steps captured into graphs ([`StepGraphs`]).
+    pub(crate) graphs: StepGraphs,
 }
 
 impl RankState {

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use lifecycle_cuda::cudarc::cublas::sys::cublasOperation_t;
@@ -14,7 +15,10 @@ use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
 use super::mma::MmaKernels;
 use super::quant::padded_tokens;
 use crate::fp8::{Fp8Kernels, Fp8Weight};
-use crate::kernels::{launch, Arg};
+use crate::kernels::{launch, refuse_in_capture, Arg};
+
+/// The identity the next [`W8a8Gemm`] gets.
+static NEXT_GEMM: AtomicU64 = AtomicU64::new(0);
 
 /// Bytes of the cuBLASLt workspace of a rank (NVIDIA's recommendation for Hopper).
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -68,6 +72,9 @@ pub(crate) struct W8a8Gemm {
     /// row not a multiple of 4), copied padded before its product; grown as needed.
     padded: Mutex<Option<CudaSlice<f32>>>,
     plans: Mutex<HashMap<(usize, usize, usize), Plan>>,
+    /// Unique in the process, and how often `padded` grew.
+    id: u64,
+    grown: AtomicU64,
 }
 
 // SAFETY: the handle and the plans' descriptors are used only by the thread that holds the
@@ -158,7 +165,19 @@ impl W8a8Gemm {
             workspace,
             plans: Mutex::new(HashMap::new()),
             padded: Mutex::new(None),
+            id: NEXT_GEMM.fetch_add(1, Ordering::Relaxed),
+            grown: AtomicU64::new(0),
         })
+    }
+
+    /// This GEMM's identity and how often its scratch (here and in its tensor-core kernels)
+    /// grew: a graph captured with an earlier version may read freed scratch.
+    pub(crate) fn version(&self) -> (u64, u64) {
+        let mma = self.mma.as_ref().map_or(0, MmaKernels::grown);
+        (
+            self.id,
+            self.grown.load(Ordering::Relaxed).wrapping_add(mma),
+        )
     }
 
     /// A plan for `out × tokens × inp` (descriptors and heuristic) with f32 output, or bf16
@@ -314,6 +333,8 @@ impl W8a8Gemm {
             let (rows, ld) = (out.div_ceil(128), bc.next_multiple_of(4));
             let need = rows * ld as usize;
             if padded.as_ref().is_none_or(|p| p.len() < need) {
+                refuse_in_capture(stream, rank, "growing the padded W8A8 weight scales")?;
+                self.grown.fetch_add(1, Ordering::Relaxed);
                 // SAFETY: written whole by the copy below before the GEMM reads it.
                 *padded = Some(unsafe {
                     alloc_device::<f32>(stream, need, rank, "padded W8A8 weight scales")?

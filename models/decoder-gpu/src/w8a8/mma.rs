@@ -35,7 +35,7 @@ use lifecycle_cuda::{
 
 use super::quant::{wgmma_tiles, ActLayout};
 use crate::fp8::Fp8Weight;
-use crate::kernels::{launch, Arg};
+use crate::kernels::{launch, refuse_in_capture, Arg};
 
 /// CUDA C source of the tensor-core W8A8 kernels (no headers).
 pub const W8A8_MMA_KERNEL_SRC: &str = include_str!("../../../../kernels/w8a8_mma.cu");
@@ -177,6 +177,8 @@ pub(crate) fn mma_reads(w: &Fp8Weight, inp: usize) -> bool {
 struct Scratch {
     partials: Option<CudaSlice<f32>>,
     counters: Option<CudaSlice<u32>>,
+    /// How often either grew.
+    grown: u64,
 }
 
 /// One rank's tensor-core W8A8 kernels and their scratch.
@@ -234,6 +236,12 @@ impl MmaKernels {
             sms: m.sm_count() as usize,
             scratch: Mutex::new(Scratch::default()),
         }))
+    }
+
+    /// How often the split products' scratch grew (`u64::MAX` when its lock was poisoned, so
+    /// that no graph trusts it).
+    pub(crate) fn grown(&self) -> u64 {
+        self.scratch.lock().map_or(u64::MAX, |s| s.grown)
     }
 
     /// `y[tokens × out] = dequant(xq) · dequant(w)ᵀ` in f32 for 1 to [`MMA_TOKENS`] tokens: `xq`
@@ -297,6 +305,8 @@ impl MmaKernels {
         let (part, counters) = if shape.splits > 1 {
             let need = shape.partials();
             if scratch.partials.as_ref().is_none_or(|p| p.len() < need) {
+                refuse_in_capture(stream, rank, "growing the W8A8 mma partials")?;
+                scratch.grown += 1;
                 // SAFETY: every partial the sums read (those of the product's tokens) is written
                 // by the product first (in stream order for w8a8_reduce).
                 scratch.partials =
@@ -308,6 +318,8 @@ impl MmaKernels {
                     .as_ref()
                     .is_none_or(|c| c.len() < shape.row_blocks)
             {
+                refuse_in_capture(stream, rank, "growing the W8A8 mma counters")?;
+                scratch.grown += 1;
                 scratch.counters = Some(alloc_zeros::<u32>(
                     stream,
                     shape.row_blocks,
