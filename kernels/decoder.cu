@@ -65,6 +65,12 @@ extern "C" __global__ void embed(const u16* __restrict__ table, const u32* __res
 
 // One block per output row r: RMSNorm of x[rows ? rows[r] : r] with weight w, split into
 // out[r] (hi) and out[m + r] (lo).
+// Elements of a row each thread of rms_norm_split holds in registers (rows up to 32 x its
+// block's threads wide; wider rows read the rest again).
+#define NORM_HELD 32
+
+// Each thread's elements c = t, t + B, ... are loaded at once into registers (independent loads,
+// not one round trip per element) and summed in that order, as one strided loop would.
 extern "C" __global__ void rms_norm_split(const float* __restrict__ x, const u16* __restrict__ w,
                                           const u32* __restrict__ rows, u16* __restrict__ out,
                                           u32 m, u32 h, float eps) {
@@ -72,11 +78,33 @@ extern "C" __global__ void rms_norm_split(const float* __restrict__ x, const u16
     u32 r = blockIdx.x;
     u32 src = rows ? rows[r] : r;
     const float* xr = x + (u64)src * h;
+    const u32 b = blockDim.x;
+    float held[NORM_HELD];
+#pragma unroll
+    for (u32 i = 0; i < NORM_HELD; ++i) {
+        u32 c = threadIdx.x + i * b;
+        held[i] = c < h ? xr[c] : 0.0f;
+    }
     float s = 0.0f;
-    for (u32 c = threadIdx.x; c < h; c += blockDim.x) s += xr[c] * xr[c];
+#pragma unroll
+    for (u32 i = 0; i < NORM_HELD; ++i) {
+        if (threadIdx.x + i * b < h) s += held[i] * held[i];
+    }
+    for (u32 c = threadIdx.x + NORM_HELD * b; c < h; c += b) s += xr[c] * xr[c];
     s = block_sum(s, red);
     float inv = 1.0f / sqrtf(s / (float)h + eps);
-    for (u32 c = threadIdx.x; c < h; c += blockDim.x) {
+    float wv[NORM_HELD];
+#pragma unroll
+    for (u32 i = 0; i < NORM_HELD; ++i) {
+        u32 c = threadIdx.x + i * b;
+        wv[i] = c < h ? bf(w[c]) : 0.0f;
+    }
+#pragma unroll
+    for (u32 i = 0; i < NORM_HELD; ++i) {
+        u32 c = threadIdx.x + i * b;
+        if (c < h) split_store(out, (u64)r * h + c, (u64)m * h, wv[i] * (held[i] * inv));
+    }
+    for (u32 c = threadIdx.x + NORM_HELD * b; c < h; c += b) {
         float v = bf(w[c]) * (xr[c] * inv);
         split_store(out, (u64)r * h + c, (u64)m * h, v);
     }
@@ -249,36 +277,41 @@ __device__ void rope_store_t(float* __restrict__ q, const float* __restrict__ k,
     }
 }
 
-// One block per (row r, local query head j): softmax(q . k / sqrt(d)) over cache positions
-// 0..=poss[r] of sequence seqs[r], times v; output split into out [2n x qh x d].
-// Dynamic shared memory: (d + cap) floats. Cache elements T as rope_store_t's.
+// The K (or V) rows of one sequence and kv head in a cache of elements T (as rope_store_t's):
+// position p's element t.
 template <typename T>
-__device__ void attention_t(const float* __restrict__ q, const T* __restrict__ kc,
-                            const T* __restrict__ vc, const u32* __restrict__ seqs,
-                            const u32* __restrict__ poss, u16* __restrict__ out,
-                            u32 n, u32 qh, u32 kvh, u32 d, u32 cap,
-                            u32 q_base, u32 group, u32 kv_base, float scale) {
+struct PlainRows {
+    const T* base;
+    u64 stride;
+    __device__ __forceinline__ float get(u32 p, u32 t) const { return kv_get(base + p * stride, t); }
+};
+
+// One block per (row r, local query head j): softmax(q . k / sqrt(d)) over cache positions
+// 0..len-1 of the rows k and v (Rows: PlainRows, Fp8Rows), times v; output split into out
+// [2n x qh x d] at the block's row. Each warp takes a position at a time, its lanes the dot's
+// elements (coalesced reads, a shuffle reduction); then each thread an output element over
+// the positions. Dynamic shared memory: (d + cap) floats; blockDim a multiple of 32.
+template <typename Rows>
+__device__ void attend(const float* __restrict__ q, Rows k, Rows v, u32 len, u16* __restrict__ out,
+                       u32 n, u32 qh, u32 d, float scale) {
     extern __shared__ float sm[];
     __shared__ float red[32];
-    u32 r = blockIdx.x / qh, j = blockIdx.x % qh;
-    u32 seq = seqs[r], len = poss[r] + 1;
-    u32 kv = (q_base + j) / group - kv_base;
+    const u32 row = blockIdx.x;
     float* qs = sm;
     float* sc = sm + d;
-    for (u32 t = threadIdx.x; t < d; t += blockDim.x) qs[t] = q[((u64)r * qh + j) * d + t];
+    for (u32 t = threadIdx.x; t < d; t += blockDim.x) qs[t] = q[(u64)row * d + t];
     __syncthreads();
-    u64 stride = (u64)kvh * d;
-    const T* kb = kc + (u64)seq * cap * stride + (u64)kv * d;
-    const T* vb = vc + (u64)seq * cap * stride + (u64)kv * d;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     float mx = NEG_INF;
-    for (u32 p = threadIdx.x; p < len; p += blockDim.x) {
-        const T* kp = kb + p * stride;
+    for (u32 p = warp; p < len; p += warps) {
         float s = 0.0f;
-        for (u32 t = 0; t < d; ++t) s += qs[t] * kv_get(kp, t);
+        for (u32 t = lane; t < d; t += 32) s += qs[t] * k.get(p, t);
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
         s *= scale;
-        sc[p] = s;
+        if (lane == 0) sc[p] = s;
         mx = fmaxf(mx, s);
     }
+    // (block_max synchronises before it reads: every score is in shared memory after it)
     mx = block_max(mx, red);
     float tot = 0.0f;
     for (u32 p = threadIdx.x; p < len; p += blockDim.x) {
@@ -292,9 +325,26 @@ __device__ void attention_t(const float* __restrict__ q, const T* __restrict__ k
     u64 half_len = (u64)n * qh * d;
     for (u32 t = threadIdx.x; t < d; t += blockDim.x) {
         float o = 0.0f;
-        for (u32 p = 0; p < len; ++p) o += sc[p] * kv_get(vb, p * stride + t);
-        split_store(out, ((u64)r * qh + j) * d + t, half_len, o);
+#pragma unroll 8
+        for (u32 p = 0; p < len; ++p) o += sc[p] * v.get(p, t);
+        split_store(out, (u64)row * d + t, half_len, o);
     }
+}
+
+// attend over a cache of elements T: block (r, j) reads sequence seqs[r]'s positions
+// 0..=poss[r] of the kv head query head q_base + j uses.
+template <typename T>
+__device__ void attention_t(const float* __restrict__ q, const T* __restrict__ kc,
+                            const T* __restrict__ vc, const u32* __restrict__ seqs,
+                            const u32* __restrict__ poss, u16* __restrict__ out,
+                            u32 n, u32 qh, u32 kvh, u32 d, u32 cap,
+                            u32 q_base, u32 group, u32 kv_base, float scale) {
+    u32 r = blockIdx.x / qh, j = blockIdx.x % qh;
+    u32 seq = seqs[r], len = poss[r] + 1;
+    u32 kv = (q_base + j) / group - kv_base;
+    u64 stride = (u64)kvh * d;
+    u64 at = (u64)seq * cap * stride + (u64)kv * d;
+    attend(q, PlainRows<T>{kc + at, stride}, PlainRows<T>{vc + at, stride}, len, out, n, qh, d, scale);
 }
 
 #define ROPE_STORE(NAME, T)                                                                         \
@@ -431,55 +481,31 @@ extern "C" __global__ void rope_store_fp8(float* __restrict__ q, const float* __
     }
 }
 
-// attention_t over the fp8 caches' records: each K and V value read as e4m3 x its record's
-// scale (the CPU decoder's dequantised value), then as attention_t.
+// The K (or V) records of one sequence and kv head in an fp8 cache: position p's element t as
+// e4m3 x its record's scale (the CPU decoder's dequantised value).
+struct Fp8Rows {
+    const u8* base;
+    u64 stride;
+    u32 d;
+    __device__ __forceinline__ float get(u32 p, u32 t) const {
+        const u8* rec = base + p * stride;
+        return e4m3_value(rec[t]) * *reinterpret_cast<const float*>(rec + d);
+    }
+};
+
+// attention_t over the fp8 caches' records (d e4m3 bytes, then the f32 scale).
 extern "C" __global__ void attention_fp8(const float* __restrict__ q, const u8* __restrict__ kc,
                                          const u8* __restrict__ vc, const u32* __restrict__ seqs,
                                          const u32* __restrict__ poss, u16* __restrict__ out,
                                          u32 n, u32 qh, u32 kvh, u32 d, u32 cap, u32 q_base,
                                          u32 group, u32 kv_base, float scale) {
-    extern __shared__ float sm[];
-    __shared__ float red[32];
     const u32 r = blockIdx.x / qh, j = blockIdx.x % qh;
     const u32 seq = seqs[r], len = poss[r] + 1;
     const u32 kv = (q_base + j) / group - kv_base;
     const u32 rec = d + 4;
-    float* qs = sm;
-    float* sc = sm + d;
-    for (u32 t = threadIdx.x; t < d; t += blockDim.x) qs[t] = q[((u64)r * qh + j) * d + t];
-    __syncthreads();
     const u64 stride = (u64)kvh * rec;
-    const u8* kb = kc + (u64)seq * cap * stride + (u64)kv * rec;
-    const u8* vb = vc + (u64)seq * cap * stride + (u64)kv * rec;
-    float mx = NEG_INF;
-    for (u32 p = threadIdx.x; p < len; p += blockDim.x) {
-        const u8* kp = kb + p * stride;
-        const float ks = *reinterpret_cast<const float*>(kp + d);
-        float s = 0.0f;
-        for (u32 t = 0; t < d; ++t) s += qs[t] * (e4m3_value(kp[t]) * ks);
-        s *= scale;
-        sc[p] = s;
-        mx = fmaxf(mx, s);
-    }
-    mx = block_max(mx, red);
-    float tot = 0.0f;
-    for (u32 p = threadIdx.x; p < len; p += blockDim.x) {
-        const float e = expf(sc[p] - mx);
-        sc[p] = e;
-        tot += e;
-    }
-    tot = block_sum(tot, red);
-    for (u32 p = threadIdx.x; p < len; p += blockDim.x) sc[p] = sc[p] / tot;
-    __syncthreads();
-    const u64 half_len = (u64)n * qh * d;
-    for (u32 t = threadIdx.x; t < d; t += blockDim.x) {
-        float o = 0.0f;
-        for (u32 p = 0; p < len; ++p) {
-            const u8* vp = vb + p * stride;
-            o += sc[p] * (e4m3_value(vp[t]) * *reinterpret_cast<const float*>(vp + d));
-        }
-        split_store(out, ((u64)r * qh + j) * d + t, half_len, o);
-    }
+    const u64 at = (u64)seq * cap * stride + (u64)kv * rec;
+    attend(q, Fp8Rows{kc + at, stride, d}, Fp8Rows{vc + at, stride, d}, len, out, n, qh, d, scale);
 }
 
 // Copies blocks of old_block 2-byte units to a buffer with blocks of new_block units (cache

@@ -59,6 +59,42 @@ struct Args {
     /// (`off`), or every variant both ways (`both`).
     #[arg(long, value_enum, default_value_t = Graphs::On)]
     graphs: Graphs,
+    /// Run only the variants of these names (separated by `;`, as the output names them: `bf16`,
+    /// `fp8 weight-only`, `W8A8 default`, ...; the ratios need `bf16`); all when not given.
+    #[arg(long, value_delimiter = ';')]
+    only: Vec<String>,
+    /// After each batch's timings, one more decode step between `cuProfilerStart` and
+    /// `cuProfilerStop`, for `ncu --profile-from-start off` to profile it alone.
+    #[arg(long)]
+    profile: bool,
+}
+
+/// Starts (`true`) or stops the profiler's collection on every rank of `pool`.
+fn profiler(pool: &ThreadRankPool, start: bool) -> Result<(), Box<dyn Error>> {
+    use lifecycle_cuda::cudarc::driver::sys;
+    use lifecycle_cuda::{CudaError, RankExecutor};
+    let mut ranks = vec![(); pool.local_ranks().len()];
+    pool.run_each(&mut ranks, &|ctx, _| {
+        let what = if start {
+            "starting the profiler"
+        } else {
+            "stopping the profiler"
+        };
+        ctx.ctx
+            .bind_to_thread()
+            .map_err(|e| CudaError::driver(ctx.rank, what, 0, e))?;
+        // SAFETY: no arguments; the rank's context is current on this thread.
+        let r = unsafe {
+            if start {
+                sys::cuProfilerStart()
+            } else {
+                sys::cuProfilerStop()
+            }
+        };
+        r.result()
+            .map_err(|e| CudaError::driver(ctx.rank, what, 0, e))
+    })?;
+    Ok(())
 }
 
 /// Which decode steps `--graphs` runs.
@@ -152,6 +188,13 @@ fn main() -> Result<(), Box<dyn Error>> {
             ..w8a8
         },
     ]);
+    if !args.only.is_empty() {
+        let known: Vec<String> = variants.iter().map(Variant::name).collect();
+        if let Some(bad) = args.only.iter().find(|o| !known.contains(o)) {
+            return Err(format!("--only {bad:?}: no such variant (there are {known:?})").into());
+        }
+        variants.retain(|v| args.only.contains(&v.name()));
+    }
     if args.graphs == Graphs::Both {
         // each variant eager, then graphed
         variants = variants
@@ -281,6 +324,12 @@ fn main() -> Result<(), Box<dyn Error>> {
                     queued * 1e3
                 );
                 rates.push((vi, batch, rate, prefill));
+                if args.profile {
+                    dec.decode_step(&feed)?;
+                    profiler(&pool, true)?;
+                    dec.decode_step(&feed)?;
+                    profiler(&pool, false)?;
+                }
             }
             if graphs {
                 let (captured, replayed) = dec.step_graphs();

@@ -1082,9 +1082,10 @@ impl<'w> GpuDecoder<'w> {
     /// Tokens (0 to 64, default 32) up to which a W8A8 product beyond the `mma.sync` kernel's
     /// tokens ([`GpuDecoder::set_fp8_mma_tokens`]) runs the decoder's warpgroup kernel (Hopper's
     /// `wgmma`, the weights streamed once into registers, every token's activations read from
-    /// shared memory) instead of cuBLASLt's block-scaled GEMM. Only on devices whose kernels
-    /// compile for an architecture-specific target (sm_90a); elsewhere the setting changes
-    /// nothing. Returns the setting (clamped).
+    /// shared memory) instead of cuBLASLt's block-scaled GEMM; weights of at most 16 Mi
+    /// elements (q, k, v and o at 7.6B shapes) take it up to 64 tokens whenever the setting is
+    /// not 0. Only on devices whose kernels compile for an architecture-specific target
+    /// (sm_90a); elsewhere the setting changes nothing. Returns the setting (clamped).
     ///
     /// ```no_run
     /// use lifecycle_decoder_gpu::GpuDecoder;

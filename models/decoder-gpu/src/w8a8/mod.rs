@@ -93,12 +93,22 @@ pub(crate) struct W8a8Readers {
     pub wgmma: bool,
     /// cuBLASLt's GEMM reads the weight ([`lt_reads`]).
     pub lt: bool,
+    /// The weight holds at most [`SMALL_WEIGHT`] elements.
+    pub small: bool,
 }
+
+/// Elements (16 Mi) up to which a weight's W8A8 products take the warpgroup kernel up to
+/// [`MMA_TOKENS`] tokens, beyond [`W8a8Limits::wgmma`] (where that is not 0): on an H200 at
+/// 7.6B shapes and 64 tokens it takes 11-18 µs for q, k, v and o (reusing one quantisation of
+/// the input for q, k and v), cuBLASLt's GEMM 18-19 µs each plus a quantisation each; for gate,
+/// up and down (68 Mi elements) cuBLASLt's is faster (BENCHMARKS.md).
+pub(crate) const SMALL_WEIGHT: usize = 16 << 20;
 
 impl W8a8Limits {
     /// The path of a product of `tokens` tokens: the weight-streaming kernel up to `gemv`
-    /// tokens, the `mma.sync` kernel up to `mma`, the warpgroup kernel up to `wgmma`, cuBLASLt
-    /// beyond; where a path cannot take the product the next one does, and a product cuBLASLt
+    /// tokens, the `mma.sync` kernel up to `mma`, the warpgroup kernel up to `wgmma` (up to
+    /// [`MMA_TOKENS`] for a weight of at most [`SMALL_WEIGHT`] elements, `wgmma` not 0),
+    /// cuBLASLt beyond; where a path cannot take the product the next one does, and a product cuBLASLt
     /// cannot take (a weight it cannot read, or a single token) goes to the tensor-core
     /// kernels up to [`MMA_TOKENS`] tokens (the warpgroup one where loaded), a single token
     /// they cannot take to the weight-streaming kernel.
@@ -109,7 +119,7 @@ impl W8a8Limits {
             W8a8Path::Streaming
         } else if mma && tokens <= self.mma {
             W8a8Path::TensorCores
-        } else if wgmma && tokens <= self.wgmma {
+        } else if wgmma && (tokens <= self.wgmma || (can.small && self.wgmma > 0)) {
             W8a8Path::Warpgroup
         } else if can.lt && tokens >= 2 {
             W8a8Path::CublasLt
@@ -171,6 +181,7 @@ pub(crate) unsafe fn w8a8_gemm(
         mma: lt_gemm.mma.is_some() && mma_reads(&w, inp),
         wgmma: lt_gemm.mma.as_ref().is_some_and(|m| m.has_wgmma()),
         lt: lt_reads(&w),
+        small: out * inp <= SMALL_WEIGHT,
     };
     let path = limits.path(tokens, can);
     let mma = lt_gemm

@@ -15,8 +15,35 @@ use lifecycle_layout::fp8::{e4m3_to_f32, quantize_activation_groups, quantize_bl
 #[test]
 fn the_paths_follow_the_limits_and_what_each_path_reads() {
     use W8a8Path::{CublasLt, Streaming, TensorCores, Warpgroup};
-    let can = |mma, wgmma, lt| W8a8Readers { mma, wgmma, lt };
+    let can = |mma, wgmma, lt| W8a8Readers {
+        mma,
+        wgmma,
+        lt,
+        small: false,
+    };
     let all = can(true, true, true);
+    // a small weight: the warpgroup kernel up to its 64 tokens, unless it is off
+    let small = W8a8Readers { small: true, ..all };
+    let d = W8a8Limits::default();
+    assert_eq!(d.path(8, small), TensorCores);
+    assert_eq!(d.path(33, small), Warpgroup);
+    assert_eq!(d.path(64, small), Warpgroup);
+    assert_eq!(d.path(65, small), CublasLt);
+    let off = W8a8Limits {
+        wgmma: 0,
+        ..W8a8Limits::default()
+    };
+    assert_eq!(off.path(40, small), CublasLt);
+    assert_eq!(
+        d.path(
+            40,
+            W8a8Readers {
+                wgmma: false,
+                ..small
+            }
+        ),
+        CublasLt
+    );
     let d = W8a8Limits::default();
     // defaults: the mma.sync kernel up to 8 tokens, the warpgroup kernel to 32, cuBLASLt beyond
     assert_eq!(d.path(1, all), TensorCores);
