@@ -1134,7 +1134,7 @@ impl<'w> GpuDecoder<'w> {
     /// graph per step instead of its ~15 launches per layer; the tokens and logits are the
     /// same bit for bit. Steps at `T > 1`, prefills, and steps whose mixture-of-experts layers
     /// are routed on the host run as they are queued. Each graph owns its step's scratch (a
-    /// few MB at 7.6B shapes, tens of MB at 64 sequences); at most 8 are kept per rank, and
+    /// few MB at 7.6B shapes, about 150 MB at 64 sequences); at most 4 are kept per rank, and
     /// they are dropped whenever the weights are bound again or an fp8 setting changes. Off
     /// drops them.
     ///

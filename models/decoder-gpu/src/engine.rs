@@ -63,6 +63,9 @@ pub struct EngineSettings {
     /// (the exact mode of [`GpuDecoder`](crate::GpuDecoder)'s default); fp8 is refused by
     /// [`EngineSettings::check`].
     pub kv_dtype: KvDtype,
+    /// Decode steps replayed from CUDA graphs (on by default;
+    /// [`GpuDecoder::set_step_graphs`](crate::GpuDecoder::set_step_graphs)).
+    pub step_graphs: bool,
 }
 
 impl EngineSettings {
@@ -75,6 +78,7 @@ impl EngineSettings {
             fork_prefill: false,
             fp8_compute: Fp8Compute::WeightOnly,
             kv_dtype: KvDtype::Bf16,
+            step_graphs: true,
         }
     }
 
@@ -111,6 +115,19 @@ impl EngineSettings {
     /// ```
     pub fn with_fp8_compute(mut self, compute: Fp8Compute) -> Self {
         self.fp8_compute = compute;
+        self
+    }
+
+    /// The same settings with decode steps replayed from CUDA graphs (`true`) or queued as
+    /// they are (`false`).
+    ///
+    /// ```
+    /// use lifecycle_decoder_gpu::EngineSettings;
+    /// assert!(EngineSettings::new(8, 64).step_graphs);
+    /// assert!(!EngineSettings::new(8, 64).with_step_graphs(false).step_graphs);
+    /// ```
+    pub fn with_step_graphs(mut self, on: bool) -> Self {
+        self.step_graphs = on;
         self
     }
 
@@ -301,6 +318,7 @@ impl GpuEngine {
         let mut core = Core::new(config, layout.tp(), &pool)?;
         // nothing bound yet: sets the mode; bind makes the W8A8 GEMMs where fp8 weights come
         core.set_fp8_compute(&pool, settings.fp8_compute)?;
+        core.set_step_graphs(settings.step_graphs);
         core.set_kv_dtype(settings.kv_dtype)?;
         Ok(GpuEngine {
             pool,

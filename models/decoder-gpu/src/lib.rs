@@ -13,6 +13,9 @@
 //!   bf16 for `GpuEngine`), SwiGLU, residual adds, argmax and temperature sampling.
 //! - NCCL all-reduce (sum) after the row-parallel o/down projections; NCCL all-gather of
 //!   vocabulary-parallel logits.
+//! - Decode steps at `T = 1` replayed from CUDA graphs (`GpuDecoder::set_step_graphs`, on by
+//!   default): captured once per batch size and cache, bit-identical to the steps queued one
+//!   launch at a time.
 //! - [`GpuEngine`] is the decoder as a persistent rollout engine of a
 //!   [`Lifecycle`](lifecycle_core::Lifecycle): handles and kernels built once, the KV cache
 //!   allocated at wake and freed at sleep; optionally each group of samples of one prompt

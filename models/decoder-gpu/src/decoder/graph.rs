@@ -26,9 +26,11 @@ use super::forward::{run_stages, Capture, Scratch, Step};
 use super::rank::{ptr, Dims, RankState};
 use crate::w8a8::W8a8Limits;
 
-/// The most graphs a rank keeps (least recently used dropped first): a batch size, and the
-/// two caches a growing decoder alternates between, for a few sizes.
-pub(crate) const MAX_GRAPHS: usize = 8;
+/// The most graphs a rank keeps (least recently used dropped first): the two caches a growing
+/// decoder alternates between, for two batch sizes. Each owns its pass's scratch (at 7.6B
+/// shapes about 150 MB for 64 sequences, most of it logits), so together they stay within
+/// [`ROOM_MARGIN_BYTES`](crate::ROOM_MARGIN_BYTES).
+pub(crate) const MAX_GRAPHS: usize = 4;
 
 /// What one graph was captured for: the pass's sizes and where its cache was.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
