@@ -289,16 +289,20 @@ struct PlainRows {
 // One block per (row r, local query head j): softmax(q . k / sqrt(d)) over cache positions
 // 0..len-1 of the rows k and v (Rows: PlainRows, Fp8Rows), times v; output split into out
 // [2n x qh x d] at the block's row. Each warp takes a position at a time, its lanes the dot's
-// elements (coalesced reads, a shuffle reduction); then each thread an output element over
-// the positions. Dynamic shared memory: (d + cap) floats; blockDim a multiple of 32.
+// elements (coalesced reads, a shuffle reduction); then the block's threads form G = blockDim / d
+// groups of d (one group looping over the elements when d >= blockDim), group g summing the
+// positions p = g mod G of each output element, and group 0 adding the others' sums in group
+// order. Dynamic shared memory: (max(d, blockDim) + cap) floats; blockDim a multiple of 32.
 template <typename Rows>
 __device__ void attend(const float* __restrict__ q, Rows k, Rows v, u32 len, u16* __restrict__ out,
                        u32 n, u32 qh, u32 d, float scale) {
     extern __shared__ float sm[];
     __shared__ float red[32];
     const u32 row = blockIdx.x;
+    // qs, then the groups' sums, in the first max(d, blockDim) floats; the scores after them
     float* qs = sm;
-    float* sc = sm + d;
+    float* part = sm;
+    float* sc = sm + (d > blockDim.x ? d : blockDim.x);
     for (u32 t = threadIdx.x; t < d; t += blockDim.x) qs[t] = q[(u64)row * d + t];
     __syncthreads();
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -323,10 +327,25 @@ __device__ void attend(const float* __restrict__ q, Rows k, Rows v, u32 len, u16
     for (u32 p = threadIdx.x; p < len; p += blockDim.x) sc[p] = sc[p] / tot;
     __syncthreads();
     u64 half_len = (u64)n * qh * d;
-    for (u32 t = threadIdx.x; t < d; t += blockDim.x) {
-        float o = 0.0f;
+    if (d >= blockDim.x) {
+        for (u32 t = threadIdx.x; t < d; t += blockDim.x) {
+            float o = 0.0f;
 #pragma unroll 8
-        for (u32 p = 0; p < len; ++p) o += sc[p] * v.get(p, t);
+            for (u32 p = 0; p < len; ++p) o += sc[p] * v.get(p, t);
+            split_store(out, (u64)row * d + t, half_len, o);
+        }
+        return;
+    }
+    const u32 groups = blockDim.x / d, g = threadIdx.x / d, t = threadIdx.x % d;
+    float o = 0.0f;
+    if (g < groups) {
+#pragma unroll 8
+        for (u32 p = g; p < len; p += groups) o += sc[p] * v.get(p, t);
+        if (g > 0) part[(g - 1) * d + t] = o;
+    }
+    __syncthreads();
+    if (g == 0) {
+        for (u32 k = 1; k < groups; ++k) o += part[(k - 1) * d + t];
         split_store(out, (u64)row * d + t, half_len, o);
     }
 }

@@ -647,10 +647,12 @@ impl<'a> Pass<'a> {
                 ),
             };
             self.kernel(rope, cfg, &args, "rope_store")?;
+            // 8 warps: the scores a position per warp, the weighted values in 256 / d groups
+            let threads = 256;
             let cfg = LaunchConfig {
                 grid_dim: ((n * qh) as u32, 1, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: ((d + self.step.cap) * 4) as u32,
+                block_dim: (threads as u32, 1, 1),
+                shared_mem_bytes: ((d.max(threads) + self.step.cap) * 4) as u32,
             };
             let args = [
                 Arg::U64(q),
