@@ -151,7 +151,7 @@ pub(super) fn run_stages(
     Ok(pass.ran)
 }
 
-/// The scratch buffers of one pass (sized for its `n` rows in [`Pass::new`]) and its inputs on
+/// The scratch buffers of one pass (sized for its `n` rows by [`Scratch::new`]) and its inputs on
 /// the device.
 pub(super) struct Scratch {
     /// Hidden states `[n × h]`.
