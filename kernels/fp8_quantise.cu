@@ -105,9 +105,10 @@ __device__ __forceinline__ u32 pack4(float4 v, float s, float inv, bool exact_on
 // (the second read hits L2).
 //
 // The source is fp32 (`quantize_e4m3_jobs`: the masters) or bf16 (`quantize_e4m3_jobs_bf16`: a
-// staging buffer of a bf16 rollout, each value widened to f32 exactly), one body for both. Over
-// bf16 rows on 16 bytes a thread loads 8 columns of a row at a time (columns 8 (tx mod 16) ..,
-// rows 2 ty + tx / 16, then 2 R further), the same registers and 16-byte loads as fp32's.
+// staging buffer of a bf16 rollout or the bf16 parameters, each value widened to f32 exactly),
+// one loop for both. Over bf16 rows on 16 bytes a thread loads 8 columns of a row at a time
+// (tile_bf16: columns 8 (tx mod 16) .., rows 2 ty + tx / 16, then 2 R further) and keeps them
+// packed; other bf16 tiles take the scalar path.
 
 // Four source values from 4 aligned elements, and one.
 __device__ __forceinline__ float4 load4(const float* p) {
@@ -122,17 +123,101 @@ __device__ __forceinline__ float4 load4(const unsigned short* p) {
 }
 __device__ __forceinline__ float load1(const unsigned short* p) { return widen(*p); }
 
-// Eight bf16 values from 16 aligned bytes as two float4 (zeros where !ok); the f32 source never
-// takes this path (vec8 holds for bf16 only).
-__device__ __forceinline__ void load8(const unsigned short* p, bool ok, float4& a, float4& b) {
-    uint4 w = ok ? *reinterpret_cast<const uint4*>(p) : make_uint4(0u, 0u, 0u, 0u);
-    a = make_float4(widen((unsigned short)(w.x & 0xffffu)), widen((unsigned short)(w.x >> 16)),
-                    widen((unsigned short)(w.y & 0xffffu)), widen((unsigned short)(w.y >> 16)));
-    b = make_float4(widen((unsigned short)(w.z & 0xffffu)), widen((unsigned short)(w.z >> 16)),
-                    widen((unsigned short)(w.w & 0xffffu)), widen((unsigned short)(w.w >> 16)));
+// Over bf16 rows on 16 bytes (vec8 below) a thread keeps its loads as loaded, 8 values a uint4
+// (half the registers of widened values): the amax and the non-finite test are taken on the
+// bf16 magnitudes as integers, two a word (for finite values their order is the values' order;
+// NaN and infinity are the magnitudes from 0x7f80), and the cast widens each value as it
+// converts it (bf16 to f32 is exact).
+__device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ u32 abs_max2(u32 m, u32 w) { return __vmaxu2(m, w & 0x7fff7fffu); }
+
+// Eight e4m3 bytes (little-endian) of the 8 bf16 values of `w` divided by s, as pack4: the
+// products first, and only where one of the 8 lies near a rounding midpoint or below 2^-6 (the
+// cases `quotient` divides) each value by `quotient`, so the bytes are quotient's.
+__device__ __forceinline__ uint2 pack8(uint4 w, float s, float inv, bool exact_only) {
+    float v[8] = {bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y),
+                  bf16_lo(w.z), bf16_hi(w.z), bf16_lo(w.w), bf16_hi(w.w)};
+    if (exact_only) {
+        u32 b[2] = {0u, 0u};
+#pragma unroll
+        for (u32 k = 0; k < 8; ++k) b[k / 4] |= (u32)e4m3(v[k] / s) << (8 * (k % 4));
+        return make_uint2(b[0], b[1]);
+    }
+    float q[8];
+#if defined(QUANTISE_DIVIDE_ALWAYS) || defined(QUANTISE_MULTIPLY_ONLY)
+#pragma unroll
+    for (u32 k = 0; k < 8; ++k) q[k] = quotient(v[k], s, inv);
+#else
+    bool divide = false;
+#pragma unroll
+    for (u32 k = 0; k < 8; ++k) {
+        q[k] = v[k] * inv;
+        u32 low = __float_as_uint(q[k]) & 0xfffffu;
+        divide |= (low + 16u - 0x80000u < 32u) | (fabsf(q[k]) < 0.0157f);
+    }
+    if (divide) {
+#pragma unroll
+        for (u32 k = 0; k < 8; ++k) q[k] = quotient(v[k], s, inv);
+    }
+#endif
+    return make_uint2(e4m3x2(q[1], q[0]) | (e4m3x2(q[3], q[2]) << 16),
+                      e4m3x2(q[5], q[4]) | (e4m3x2(q[7], q[6]) << 16));
 }
-__device__ __forceinline__ void load8(const float*, bool, float4& a, float4& b) {
-    a = b = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+
+// One tile of bf16 rows on 16 bytes (vec8): thread (tx, ty) loads columns 8 (tx mod 16) .. of
+// rows 2 ty + tx / 16, then 2 R further (R = 128 / QUANTISE_HELD), QUANTISE_HELD / 2 loads;
+// `mine`: its columns lie in the tile. Returns the block's scale_inv after writing the bytes.
+__device__ __forceinline__ float tile_bf16(const unsigned short* __restrict__ src,
+                                           unsigned char* __restrict__ out, u64 ld, u32 h,
+                                           u32 c, bool mine, u32* redu, float* red) {
+    u32 tx = threadIdx.x & 31u, ty = threadIdx.x >> 5;
+    uint4 raw[QUANTISE_HELD / 2];
+    u32 m2 = 0u;
+#pragma unroll
+    for (u32 i = 0; i < QUANTISE_HELD / 2; ++i) {
+        u32 r = 2 * ty + (tx >> 4) + 2 * QUANTISE_ROWS_PER_PASS * i;
+        raw[i] = (mine && r < h) ? *reinterpret_cast<const uint4*>(src + r * ld + c)
+                                 : make_uint4(0u, 0u, 0u, 0u);
+        m2 = abs_max2(abs_max2(m2, raw[i].x), raw[i].y);
+        m2 = abs_max2(abs_max2(m2, raw[i].z), raw[i].w);
+    }
+    u32 m = max(m2 & 0xffffu, m2 >> 16);
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    __syncthreads();  // the previous tile's readers of redu are done
+    if (tx == 0) redu[ty] = m;
+    __syncthreads();
+    u32 top = 0u;
+    for (u32 q = 0; q < blockDim.x / 32u; ++q) top = max(top, redu[q]);
+    bool exact_only = top >= 0x7f80u;  // a NaN or an infinity in the block (block-uniform)
+    float amax = __uint_as_float(top << 16);
+    if (exact_only) {
+        // the fp32 path's amax (fmaxf: NaN ignored, infinity kept), from the held values
+        float fm = 0.0f;
+#pragma unroll
+        for (u32 i = 0; i < QUANTISE_HELD / 2; ++i) {
+            u32 w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+#pragma unroll
+            for (u32 k = 0; k < 4; ++k) {
+                fm = fmaxf(fm, fmaxf(fabsf(bf16_lo(w[k])), fabsf(bf16_hi(w[k]))));
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) fm = fmaxf(fm, __shfl_xor_sync(0xffffffffu, fm, o));
+        if (tx == 0) red[ty] = fm;
+        __syncthreads();
+        amax = 0.0f;
+        for (u32 q = 0; q < blockDim.x / 32u; ++q) amax = fmaxf(amax, red[q]);
+    }
+    float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+    float inv = 1.0f / s;
+    if (mine) {
+#pragma unroll
+        for (u32 i = 0; i < QUANTISE_HELD / 2; ++i) {
+            u32 r = 2 * ty + (tx >> 4) + 2 * QUANTISE_ROWS_PER_PASS * i;
+            if (r < h) *reinterpret_cast<uint2*>(out + r * ld + c) = pack8(raw[i], s, inv, exact_only);
+        }
+    }
+    return s;
 }
 
 // The job of `tile`: the last job whose first tile (word `field` of its `words`) is at most
@@ -163,6 +248,7 @@ __device__ __forceinline__ void quantize_jobs(const Src* __restrict__ master,
                                               u32 ntiles, unsigned char* __restrict__ dst,
                                               float* __restrict__ scales) {
     __shared__ float red[32];
+    __shared__ u32 redu[32];
     for (u32 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
     u32 lo = find_job(jobs, njobs, tile, 6u, 5u);
     const u64* j = jobs + 6ull * lo;
@@ -174,30 +260,26 @@ __device__ __forceinline__ void quantize_jobs(const Src* __restrict__ master,
     u64 src_off = j[0] + r0 * ld + c0, dst_off = j[1] + r0 * ld + c0;
     const Src* src = master + src_off;
     unsigned char* out = dst + dst_off;
-    bool vec = (ld % 4 == 0) && (w % 4 == 0) && (src_off % 4 == 0) && (dst_off % 4 == 0);
     // bf16 rows on 16 bytes: 8 values a load (a half-warp per row, two rows a warp)
     bool vec8 = sizeof(Src) == 2 && QUANTISE_HELD >= 2 && (ld % 8 == 0) && (w % 8 == 0) && (src_off % 8 == 0) &&
                 (dst_off % 8 == 0);
     u32 tx = threadIdx.x & 31u, ty = threadIdx.x >> 5;
-    u32 c = vec8 ? 8 * (tx & 15u) : 4 * tx;
+    if (vec8) {
+        u32 c = 8 * (tx & 15u);
+        float s = tile_bf16(reinterpret_cast<const unsigned short*>(src), out, ld, h, c, c < w,
+                            redu, red);
+        if (threadIdx.x == 0) scales[j[2] + k] = s;
+        continue;
+    }
+    // fp32 rows on 16 bytes (other bf16 tiles take the scalar path, two reads)
+    bool vec = sizeof(Src) == 4 && (ld % 4 == 0) && (w % 4 == 0) && (src_off % 4 == 0) &&
+               (dst_off % 4 == 0);
+    u32 c = 4 * tx;
     bool mine = vec && c < w;
     float4 held[QUANTISE_HELD];
     float m = 0.0f;
     bool bad = false;
-    if (vec8) {
-#pragma unroll
-        for (u32 i = 0; i < QUANTISE_HELD / 2; ++i) {
-            u32 r = 2 * ty + (tx >> 4) + 2 * QUANTISE_ROWS_PER_PASS * i;
-            load8(src + r * ld + c, mine && r < h, held[2 * i], held[2 * i + 1]);
-#pragma unroll
-            for (u32 e = 0; e < 2; ++e) {
-                float4 v = held[2 * i + e];
-                m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-                bad |= !(fabsf(v.x) <= 3.402823466e38f) || !(fabsf(v.y) <= 3.402823466e38f)
-                    || !(fabsf(v.z) <= 3.402823466e38f) || !(fabsf(v.w) <= 3.402823466e38f);
-            }
-        }
-    } else if (vec) {
+    if (vec) {
 #pragma unroll
         for (u32 i = 0; i < QUANTISE_HELD; ++i) {
             u32 r = ty + QUANTISE_ROWS_PER_PASS * i;
@@ -224,19 +306,7 @@ __device__ __forceinline__ void quantize_jobs(const Src* __restrict__ master,
     float s = amax > 0.0f ? amax / 448.0f : 1.0f;
     float inv = 1.0f / s;
     if (threadIdx.x == 0) scales[j[2] + k] = s;
-    if (vec8) {
-        if (mine) {
-#pragma unroll
-            for (u32 i = 0; i < QUANTISE_HELD / 2; ++i) {
-                u32 r = 2 * ty + (tx >> 4) + 2 * QUANTISE_ROWS_PER_PASS * i;
-                if (r < h) {
-                    *reinterpret_cast<uint2*>(out + r * ld + c) =
-                        make_uint2(pack4(held[2 * i], s, inv, exact_only),
-                                   pack4(held[2 * i + 1], s, inv, exact_only));
-                }
-            }
-        }
-    } else if (vec) {
+    if (vec) {
         if (mine) {
 #pragma unroll
             for (u32 i = 0; i < QUANTISE_HELD; ++i) {

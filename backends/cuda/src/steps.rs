@@ -565,23 +565,16 @@ impl Issuer<'_> {
             .quantise
             .as_ref()
             .ok_or_else(|| self.missing("a quantisation step without its job table"))?;
-        if !matches!(self.source, SourceBuf::F32(_)) {
-            return Err(self.missing("a quantisation reads a bf16 training buffer"));
-        }
+        let kind = match self.source {
+            SourceBuf::F32(_) => QuantiseSource::F32,
+            SourceBuf::Bf16(_) => QuantiseSource::Bf16,
+        };
         let mark = tl.begin(ctx, &ctx.aux)?;
         // SAFETY: the program's steps were validated against a source of at least
         // `source_elems` and a rollout buffer of at least `rollout_elems` elements (checked
         // against these buffers); both live until the runner synchronised; the regions' bytes
         // are written by no other step.
-        unsafe {
-            jobs.launch(
-                ctx,
-                &ctx.aux,
-                QuantiseSource::F32,
-                self.src_base,
-                self.rbase,
-            )?
-        };
+        unsafe { jobs.launch(ctx, &ctx.aux, kind, self.src_base, self.rbase)? };
         let bytes = jobs.bytes();
         let link = Some(Link::Local);
         let what = "fp8 quantisation";

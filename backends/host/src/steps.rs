@@ -58,6 +58,14 @@ impl Source<'_> {
         }
     }
 
+    /// Element `i` as f32 (bf16 widened exactly).
+    fn value(&self, i: usize) -> f32 {
+        match self {
+            Source::F32(s) => s[i],
+            Source::Bf16(s) => half::bf16::from_bits(s[i]).to_f32(),
+        }
+    }
+
     fn bits(&self, i: usize) -> u16 {
         match self {
             Source::F32(s) => half::bf16::from_f32(s[i]).to_bits(),
@@ -393,15 +401,9 @@ fn step(rs: &mut [Rank<'_>], r: usize, s: usize) -> Result<(), HostError> {
             }
         }
         Op::Quantise => {
-            let Source::F32(master) = rs[r].source else {
-                return Err(HostError::Layout(LayoutError::InvalidSteps {
-                    rank: rs[r].steps.rank,
-                    what: "a quantisation reads a bf16 training buffer".into(),
-                }));
-            };
             let rank = &mut rs[r];
             for q in &rank.steps.quantise {
-                quantise(master, &mut rank.rollout, q);
+                quantise(rank.source, &mut rank.rollout, q);
             }
         }
         Op::Amax => {
@@ -477,7 +479,7 @@ fn set_byte(buf: &mut [u16], at: u64, v: u8) {
 /// Writes `q`'s e4m3 bytes and block scales into `rollout` (bf16 bits, little-endian bytes), as
 /// the GPU kernel does: per 128 × 128 block the amax, `scale_inv = block_scale_inv(amax)`, every
 /// value `e4m3(x / scale_inv)`. The regions were validated with the steps.
-fn quantise(master: &[f32], rollout: &mut [u16], q: &Quantise) {
+fn quantise(source: Source<'_>, rollout: &mut [u16], q: &Quantise) {
     let b = FP8_BLOCK as u64;
     let bc = q.cols.div_ceil(b);
     for br in 0..q.rows.div_ceil(b) {
@@ -488,13 +490,13 @@ fn quantise(master: &[f32], rollout: &mut [u16], q: &Quantise) {
             let mut amax = 0.0f32;
             for r in r0..r1 {
                 for c in c0..c1 {
-                    amax = amax.max(master[at(r, c)].abs());
+                    amax = amax.max(source.value(at(r, c)).abs());
                 }
             }
             let s = block_scale_inv(amax);
             for r in r0..r1 {
                 for c in c0..c1 {
-                    let v = e4m3_from_f32(master[at(r, c)] / s);
+                    let v = e4m3_from_f32(source.value(at(r, c)) / s);
                     set_byte(rollout, q.dst_byte + r * q.cols + c, v);
                 }
             }

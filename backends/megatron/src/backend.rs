@@ -13,6 +13,7 @@ use lifecycle_cuda::PinnedPool;
 use lifecycle_layout::fp8::{Fp8Keep, RolloutDtype};
 use lifecycle_layout::megatron::schedule::RankSchedule;
 use lifecycle_layout::megatron::{Fp8Rollout, MegatronPlan};
+use lifecycle_layout::steps::Quantise;
 use lifecycle_layout::RolloutLayout;
 
 pub(crate) static NEXT_PLAN: AtomicU64 = AtomicU64::new(1);
@@ -25,12 +26,18 @@ pub struct MegatronGpuPlan {
     pub(crate) peer_copy: bool,
     pub(crate) plan: MegatronPlan,
     pub(crate) offsets: Vec<usize>,
-    /// Elements of the bf16 rollout the transfer writes (the rollout itself, or in an fp8
-    /// rollout its staging buffer).
+    /// Elements of the buffer the transfer writes (the rollout itself, or in a staged fp8
+    /// rollout its bf16 staging buffer).
     pub(crate) len: usize,
     pub(crate) ranks: Vec<RankSchedule>,
     /// How an fp8 rollout is written from the bf16 staging buffer (`None`: a bf16 rollout).
     pub(crate) fp8: Option<Fp8Rollout>,
+    /// An fp8 rollout written in one read of the parameters ([`fp8_one_read`]): per local
+    /// rank the regions of its parameters quantised into its rollout buffer, the schedules
+    /// then copying only the bf16 tensors, into the rollout buffer itself. `None`: staged.
+    ///
+    /// [`fp8_one_read`]: lifecycle_layout::megatron::fp8_one_read
+    pub(crate) one_read: Option<Vec<Vec<Quantise>>>,
     pub(crate) keep: Fp8Keep,
 }
 
@@ -51,10 +58,17 @@ impl MegatronGpuPlan {
         self.fp8.as_ref().map_or(self.len, |f| f.len)
     }
 
-    /// Elements of the bf16 rollout the transfer writes: the rollout buffer itself, or in an
-    /// fp8 rollout the staging buffer it is quantised from.
+    /// Elements of the buffer the transfer writes: the rollout buffer itself, or in a staged
+    /// fp8 rollout the bf16 staging buffer it is quantised from.
     pub fn transfer_len(&self) -> usize {
         self.len
+    }
+
+    /// Whether the fp8 rollout is written in one read of the parameters (every rank holds the
+    /// whole rows it quantises: quantised straight into the rollout buffer, no staging
+    /// buffer), rather than staged in bf16 first; `false` for a bf16 rollout.
+    pub fn fp8_one_read(&self) -> bool {
+        self.one_read.is_some()
     }
 
     /// How an fp8 rollout is written from its bf16 staging buffer; `None` for a bf16 rollout.
@@ -161,13 +175,18 @@ impl MegatronGpuBackend {
     /// Sets the rollout weights' dtype (bf16 by default). With [`RolloutDtype::Fp8`] every
     /// matrix ([`Fp8Keep::keeps_bf16`] false) is quantised to block-scaled e4m3 in its own
     /// 128 × 128 block grid, as the host backend (`MegatronHostBackend`) does and bit-identical
-    /// to it: the transfer writes the bf16 rollout into a staging buffer, then one pass per rank
-    /// ([`lifecycle_cuda::quantise_staged`]) copies the bf16 tensors and quantises the others
-    /// into the rollout buffer ([`lifecycle_layout::megatron::Fp8Rollout`]), and the staging
-    /// buffer is freed. A fused tensor (`qkv_proj`, `gate_up_proj`) whose parts do not end on
-    /// 128-row boundaries, and non-finite bf16 parameters, are refused by `plan`, naming the
-    /// tensor, before anything moves. Peak memory: the bf16 staging buffer beside the fp8
-    /// rollout during a switch.
+    /// to it. Where every rank holds the whole rows it quantises (no byte crosses a link, as
+    /// with TP = T and PP = 1) and its runs of them fall on 128-row blocks, each rank quantises
+    /// straight from its bf16 parameters into its rollout buffer beside the copies of the bf16
+    /// tensors: one read of each parameter, one write of the rollout
+    /// ([`lifecycle_layout::megatron::fp8_one_read`], [`MegatronGpuPlan::fp8_one_read`]).
+    /// Otherwise the transfer writes the bf16 rollout into a staging buffer, then one pass per
+    /// rank ([`lifecycle_cuda::quantise_staged`]) copies the bf16 tensors and quantises the
+    /// others into the rollout buffer ([`lifecycle_layout::megatron::Fp8Rollout`]), and the
+    /// staging buffer is freed (peak memory: the staging buffer beside the fp8 rollout during a
+    /// switch). A fused tensor (`qkv_proj`, `gate_up_proj`) whose parts do not end on 128-row
+    /// boundaries, and non-finite bf16 parameters, are refused by `plan`, naming the tensor,
+    /// before anything moves.
     ///
     /// ```no_run
     /// use std::sync::Arc;

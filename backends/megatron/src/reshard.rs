@@ -13,7 +13,9 @@ use crate::error::MegatronGpuError;
 use crate::state::MegatronGpuState;
 use lifecycle_layout::fp8::RolloutDtype;
 use lifecycle_layout::megatron::schedule::{build_rank, rollout_offsets};
-use lifecycle_layout::megatron::{check_fused_fp8, fp8_rollout, plan_megatron_to_tp, BucketConfig};
+use lifecycle_layout::megatron::{
+    check_fused_fp8, fp8_one_read, fp8_rollout, plan_megatron_to_tp, BucketConfig,
+};
 
 impl Reshard for MegatronGpuBackend {
     type TrainState = MegatronGpuState;
@@ -54,11 +56,29 @@ impl Reshard for MegatronGpuBackend {
             }
         };
         let opts = self.config.schedule_options(peer_copy);
-        let ranks = self
-            .locals()
-            .iter()
-            .map(|&r| build_rank(&plan, &offsets, r, opts))
-            .collect();
+        let one = fp8
+            .as_ref()
+            .and_then(|f| fp8_one_read(&plan, f).map(|o| (o, f.len)));
+        let locals = self.locals();
+        let (ranks, one_read, len) = match &one {
+            // one read: the schedules copy the bf16 tensors into the fp8 rollout buffer itself
+            Some((o, fp8_len)) => (
+                locals
+                    .iter()
+                    .map(|&r| build_rank(&o.plan, &o.offsets, r, opts))
+                    .collect(),
+                Some(locals.iter().map(|&r| o.quantise[r].clone()).collect()),
+                *fp8_len,
+            ),
+            None => (
+                locals
+                    .iter()
+                    .map(|&r| build_rank(&plan, &offsets, r, opts))
+                    .collect(),
+                None,
+                len,
+            ),
+        };
         let p = Arc::new(MegatronGpuPlan {
             id: NEXT_PLAN.fetch_add(1, Ordering::Relaxed),
             config: self.config,
@@ -68,6 +88,7 @@ impl Reshard for MegatronGpuBackend {
             len,
             ranks,
             fp8,
+            one_read,
             keep: self.fp8_keep,
         });
         *cached = Some(p.clone());
@@ -92,13 +113,18 @@ impl Reshard for MegatronGpuBackend {
             .iter()
             .any(|s| !s.pushes.is_empty() || !s.peer_tiles.is_empty());
         // Rollout buffers first: an OOM here leaves the training state untouched.
-        // SAFETY: the schedule's local and unpack tiles and the zeroed vocabulary padding cover
-        // each buffer exactly, so every element is written before the buffers are handed out.
-        let mut rolls = unsafe { alloc_rollout_buffers(&*self.pool, len, peers_write)? };
-        // An fp8 rollout: `rolls` is the staging buffer, the rollout buffer allocated now too.
+        let mut rolls = match (&plan.fp8, plan.fp8_one_read()) {
+            // zeroed: the alignment gaps between its tensors are written by nobody
+            (Some(f), true) => self.alloc_fp8_rollouts(f)?,
+            // SAFETY: the schedule's local and unpack tiles and the zeroed vocabulary padding
+            // cover each buffer exactly, so every element is written before the buffers are
+            // handed out.
+            _ => unsafe { alloc_rollout_buffers(&*self.pool, len, peers_write)? },
+        };
+        // A staged fp8 rollout: `rolls` is the staging buffer, the rollout buffer allocated now.
         let mut fp8 = match &plan.fp8 {
-            Some(f) => Some(self.alloc_fp8_rollouts(f)?),
-            None => None,
+            Some(f) if !plan.fp8_one_read() => Some(self.alloc_fp8_rollouts(f)?),
+            _ => None,
         };
         let mut moved =
             self.transfer(plan, &mut state.ranks, &mut rolls, fp8.as_deref_mut(), ctx)?;
@@ -108,6 +134,8 @@ impl Reshard for MegatronGpuBackend {
                 drop(rolls);
                 (written, f.entries.clone(), f.len)
             }
+            // written in one read
+            (None, Some(f)) => (rolls, f.entries.clone(), f.len),
             _ => (rolls, Self::entries(plan), len),
         };
         let rollout = RolloutBuffer::new(rolls, self.locals().to_vec(), entries, len)?;
@@ -139,8 +167,7 @@ impl Reshard for MegatronGpuBackend {
             });
         }
         let mut moved = match &plan.fp8 {
-            None => self.transfer(plan, &mut state.ranks, rollout.buffers_mut(), None, ctx)?,
-            Some(_) => {
+            Some(_) if !plan.fp8_one_read() => {
                 let peers_write = plan
                     .ranks
                     .iter()
@@ -151,6 +178,8 @@ impl Reshard for MegatronGpuBackend {
                 let rolls = Some(rollout.buffers_mut());
                 self.transfer(plan, &mut state.ranks, &mut staging, rolls, ctx)?
             }
+            // bf16, or fp8 in one read: straight into the rollout buffers
+            _ => self.transfer(plan, &mut state.ranks, rollout.buffers_mut(), None, ctx)?,
         };
         self.finish_offload(&mut state.ranks, ctx, &mut moved)
     }

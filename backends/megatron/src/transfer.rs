@@ -64,8 +64,9 @@ impl MegatronGpuBackend {
     }
 
     /// Runs every local rank's schedule into `rolls` through the driver, the offload copies of
-    /// the switch's memory policy overlapping it; in an fp8 rollout `rolls` is the staging
-    /// buffer and `fp8` the rollout buffers the plan's [`Fp8Rollout`] pass writes from it.
+    /// the switch's memory policy overlapping it; in a staged fp8 rollout `rolls` is the
+    /// staging buffer and `fp8` the rollout buffers the plan's [`Fp8Rollout`] pass writes from
+    /// it (in one read, `rolls` the rollout buffers and `fp8` `None`).
     /// Records the metrics of both as the transfer phase.
     ///
     /// [`Fp8Rollout`]: lifecycle_layout::megatron::Fp8Rollout
@@ -86,14 +87,20 @@ impl MegatronGpuBackend {
                     what: format!("the plan has no schedule for local rank {local}"),
                 }
             })?;
-            s.rank_steps(StepShape {
+            let mut steps = s.rank_steps(StepShape {
                 world: c.world,
                 source_elems,
                 rollout_elems: plan.len as u64,
                 in_flight: config.in_flight,
                 peer_copy: plan.peer_copy,
                 split_local_bulk: config.split_local_bulk,
-            })
+            })?;
+            // fp8 in one read: the rank's quantisations from its parameters join its steps
+            if let Some(q) = plan.one_read.as_ref().and_then(|q| q.get(local)) {
+                steps.quantise = q.clone();
+                steps.validate()?;
+            }
+            Ok(steps)
         };
         let spec = ProgramSpec {
             key: plan.id,

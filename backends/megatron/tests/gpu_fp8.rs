@@ -19,62 +19,14 @@ use lifecycle_host::megatron::{MegatronHostBackend, MegatronTrainState};
 use lifecycle_layout::fp8::{Fp8Keep, RolloutDtype};
 use lifecycle_layout::megatron::{MegatronLayout, MegatronLayoutError};
 use lifecycle_layout::{
-    AdamParams, ExpertPlacement, HostRollout, HostTensor, LayerSet, ModelSpec, MoeSpec,
-    RolloutLayout, RolloutVocab, TensorData,
+    AdamParams, ExpertPlacement, HostTensor, ModelSpec, RolloutLayout, RolloutVocab, TensorData,
 };
 use lifecycle_megatron::{MegatronGpuBackend, MegatronGpuError};
 use lifecycle_state::megatron::MegatronError;
 
 type Res = Result<(), Box<dyn std::error::Error>>;
 
-/// A dense model whose fused parts keep whole 128-row blocks at T ∈ {1, 2}: 4 heads of 128 in
-/// 2 groups, ffn 512, an odd vocabulary.
-fn dense() -> ModelSpec {
-    ModelSpec {
-        hidden: 256,
-        heads: 4,
-        query_groups: 2,
-        head_dim: 128,
-        ffn: 512,
-        vocab: 301,
-        layers: 2,
-        qkv_bias: true,
-        tied_embeddings: false,
-        make_vocab_size_divisible_by: 4,
-        qk_norm: false,
-        moe: None,
-    }
-}
-
-/// [`dense`] with 4 experts of 256 (top-2) in layer 1 and a shared expert of 256, Qwen3 q/k
-/// norms.
-fn moe() -> ModelSpec {
-    ModelSpec {
-        qkv_bias: false,
-        qk_norm: true,
-        moe: Some(MoeSpec {
-            experts: 4,
-            top_k: 2,
-            ffn: 256,
-            norm_topk_prob: true,
-            sparse_step: 1,
-            dense_layers: LayerSet::from_layers(&[0]).unwrap_or(LayerSet::EMPTY),
-            shared_ffn: 256,
-        }),
-        ..dense()
-    }
-}
-
-/// The CPU executor's fp8 rollout of `state`.
-fn host_fp8(state: &MegatronTrainState, rollout: &RolloutLayout, keep: Fp8Keep) -> HostRollout {
-    let backend = MegatronHostBackend::new(rollout.clone())
-        .with_rollout_dtype(RolloutDtype::Fp8)
-        .with_fp8_keep(keep);
-    let mut lc = Lifecycle::new(backend, state.clone());
-    let session = lc.rollout().unwrap();
-    let w = session.weights().get().clone();
-    w
-}
+use common::{fp8_dense as dense, fp8_moe as moe, host_fp8};
 
 struct Case {
     name: &'static str,
@@ -89,7 +41,8 @@ struct Case {
 /// Enter (offloading), exit, then enter with the rollout kept resident, an Adam step on the
 /// host uploaded, and a refresh: every rollout bit-identical to the CPU executor's, quantised
 /// tensors present, the state back bit for bit after the exit.
-fn check(pool: &Arc<ThreadRankPool>, c: &Case) -> Res {
+/// Returns whether the plan wrote the rollout in one read of the parameters.
+fn check(pool: &Arc<ThreadRankPool>, c: &Case) -> Result<bool, Box<dyn std::error::Error>> {
     let (tp, pp, dp, ep, etp) = c.layout;
     let label = format!(
         "{} TP{tp} PP{pp} DP{dp} EP{ep} ETP{etp} -> T{} experts {} keep {}",
@@ -110,12 +63,22 @@ fn check(pool: &Arc<ThreadRankPool>, c: &Case) -> Res {
     let state = backend.state_from_host(&host)?;
     let plan = backend.plan(&state)?;
     let fp8 = plan.fp8().ok_or("an fp8 backend made a bf16 plan")?;
+    let one_read = plan.fp8_one_read();
+    let staged_len: usize = plan.plan().tensors.iter().map(|t| t.numel()).sum();
     assert!(
-        plan.rollout_len() < plan.transfer_len(),
-        "{label}: the fp8 rollout ({} slots) is not smaller than the bf16 one ({})",
+        plan.rollout_len() < staged_len,
+        "{label}: the fp8 rollout ({} slots) is not smaller than the bf16 one ({staged_len})",
         plan.rollout_len(),
-        plan.transfer_len()
     );
+    // one read wherever every rank holds its rows: no byte crosses a link
+    let local = plan.plan().remote_bytes() == 0;
+    assert!(!one_read || local, "{label}: one read with remote rows");
+    let want_len = if one_read {
+        plan.rollout_len()
+    } else {
+        staged_len
+    };
+    assert_eq!(plan.transfer_len(), want_len, "{label}");
     assert!(!fp8.quantise.is_empty(), "{label}: nothing quantised");
     let mut lc = Lifecycle::new(backend, state);
     {
@@ -161,8 +124,9 @@ fn check(pool: &Arc<ThreadRankPool>, c: &Case) -> Res {
     assert_eq!(got.first_difference(&after), None, "{label}: refresh");
     drop(s);
     assert_eq!(lc.metrics().refreshes, 1, "{label}");
-    eprintln!("{label}: fp8 rollout bit-identical (enter and refresh)");
-    Ok(())
+    let how = if one_read { "one read" } else { "staged" };
+    eprintln!("{label}: fp8 rollout ({how}) bit-identical (enter and refresh)");
+    Ok(one_read)
 }
 
 #[test]
@@ -204,15 +168,19 @@ fn fp8_rollouts_match_the_cpu_executor_bit_for_bit() -> Res {
         }
         v
     };
-    let mut n = 0;
+    let (mut n, mut one_read) = (0, 0);
     for world in [1, 2, 4] {
         let pool = Arc::new(ThreadRankPool::on_devices(&vec![0; world])?);
         for c in cases(world) {
-            check(&pool, &c)?;
+            let one = check(&pool, &c)?;
+            // W = 1: every row is the rank's own
+            assert!(one || world > 1, "{}: W = 1 staged", c.name);
+            one_read += usize::from(one);
             n += 1;
         }
     }
-    eprintln!("{n} fp8 cases checked");
+    eprintln!("{n} fp8 cases checked, {one_read} written in one read");
+    assert!(one_read > 0 && one_read < n, "both designs run");
     Ok(())
 }
 

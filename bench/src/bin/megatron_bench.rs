@@ -281,9 +281,13 @@ fn fp8_enter(
     let (elems, written) = ((quantised + kept) as f64, f.bytes() as f64);
     let (mut one_read, mut staged) = (0.0f64, 0.0f64);
     for r in 0..world {
-        let Some(s) = plan.schedule(r) else { continue };
-        let net = net_floor(s.recv_elems * 2, c.link);
-        let local = s.local_elems as f64;
+        if plan.schedule(r).is_none() {
+            continue;
+        }
+        // the planner's bytes (a one-read schedule copies only the bf16 tensors)
+        let rp = &plan.plan().ranks[r];
+        let net = net_floor(rp.remote_bytes() as usize, c.link);
+        let local = rp.local_bytes() as f64 / 2.0;
         // one read: each local bf16 element read once, its share of the rollout written once
         let share = local / elems.max(1.0);
         one_read = one_read.max(net.max((2.0 * local + share * written) / c.d2d));
@@ -295,21 +299,33 @@ fn fp8_enter(
     let mut lc = lazy_lifecycle(backend, state, MemoryPolicy::resident())?;
     let (en, ex) = time_cycles(&mut lc, iters, true)?;
     let m = lc.metrics().clone();
+    let design = if plan.fp8_one_read() {
+        "written in one read of the parameters, no staging".to_string()
+    } else {
+        format!(
+            "staged: {:.3} GB of bf16 staging during the switch",
+            (2 * f.staging_len) as f64 / GB
+        )
+    };
     println!(
-        "  T={t} fp8 resident: {}; rollout {:.3} GB ({:.2}x the bf16 bytes), staging {:.3} GB \
-         during the switch; floors: one read {} ({}), staged design {} ({})",
+        "  T={t} fp8 resident: {}; rollout {:.3} GB ({:.2}x the bf16 bytes), {design}; floors: \
+         one read {} ({}), staged design {} ({})",
         resident_times(en, ex, &m),
         (2 * f.len) as f64 / GB,
         f.len as f64 / f.staging_len.max(1) as f64,
-        (2 * f.staging_len) as f64 / GB,
         ms(one_read),
         ratio(en, one_read).map_or("n/a".into(), |x| format!("{x:.2}x")),
         ms(staged),
         ratio(en, staged).map_or("n/a".into(), |x| format!("{x:.2}x")),
     );
+    let how = if plan.fp8_one_read() {
+        "one read"
+    } else {
+        "staged"
+    };
     let (b, s) = lc.into_parts()?;
     let row = Row {
-        what: format!("{lname} -> T={t} fp8 enter (staged; floor: one read)"),
+        what: format!("{lname} -> T={t} fp8 enter ({how}; floor: one read)"),
         ours: en,
         floor: one_read,
         floor_sr: None,

@@ -131,7 +131,7 @@ pub fn fp8_rollout(tensors: &[RolloutTensorSpec], offsets: &[usize], keep: Fp8Ke
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::fp8::{e4m3_from_f32, quantize_blocks};
     use crate::megatron::schedule::rollout_offsets;
@@ -171,7 +171,8 @@ mod tests {
             .collect()
     }
 
-    fn moe_model() -> ModelSpec {
+    /// A model whose fused parts keep whole 128-row blocks, with experts.
+    pub(crate) fn moe_model() -> ModelSpec {
         ModelSpec {
             hidden: 256,
             heads: 4,

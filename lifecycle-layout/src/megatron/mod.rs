@@ -51,6 +51,7 @@
 mod error;
 mod experts;
 mod fp8;
+mod fp8_one_read;
 mod fp8_rollout;
 mod plan;
 mod rollout;
@@ -62,6 +63,7 @@ mod train;
 pub use error::MegatronLayoutError;
 pub use experts::{ExpertCoords, ExpertParallel, ExpertPart, ExpertShard};
 pub use fp8::{check_fused_fp8, fused_parts, quantised_param};
+pub use fp8_one_read::{fp8_one_read, Fp8OneRead};
 pub use fp8_rollout::{fp8_rollout, Fp8Rollout, StagedCopy};
 pub use plan::{plan_megatron_to_tp, BucketConfig, MegatronPlan, RankPlan, Transfer};
 pub use rollout::{ExpertShare, RolloutKind, RolloutTensorSpec};

@@ -257,8 +257,8 @@ impl NetStep {
     }
 }
 
-/// A region of the fp32 training buffer quantised into the rollout buffer in block-scaled e4m3
-/// (the layout of [`crate::fp8`]): `rows × cols` values (row pitch `cols`) from element
+/// A region of the training buffer (fp32, or bf16 widened exactly) quantised into the rollout
+/// buffer in block-scaled e4m3 (the layout of [`crate::fp8`]): `rows × cols` values (row pitch `cols`) from element
 /// `src_off` become `rows × cols` bytes from byte `dst_byte` of the rollout buffer (row pitch
 /// `cols`) and one f32 `scale_inv` per 128 × 128 block, row-major, from f32 index `scale` of the
 /// rollout buffer (its bytes `4 · scale ..`). Each block's scale is
@@ -304,8 +304,8 @@ pub struct RankSteps {
     pub copies: Vec<Copy>,
     /// Rollout element ranges to zero (vocabulary padding), on the auxiliary stream first.
     pub zero: Vec<Range<u64>>,
-    /// Regions of the fp32 training buffer quantised into the rollout buffer (fp8 rollouts),
-    /// on the auxiliary stream after the local chunks.
+    /// Regions of the training buffer (fp32 masters, or bf16 parameters) quantised into the
+    /// rollout buffer (fp8 rollouts), on the auxiliary stream after the local chunks.
     pub quantise: Vec<Quantise>,
     /// fp8 at W > 1: the block scales agreed across the ranks, the pieces quantised with them.
     pub agree: Option<Fp8Agree>,
@@ -651,9 +651,6 @@ impl RankSteps {
         }
         let roll_bytes = 2 * self.rollout_elems;
         for (i, q) in self.quantise.iter().enumerate() {
-            if self.source != SourceType::F32 {
-                return Err(self.bad(format!("quantisation {i} reads a bf16 training buffer")));
-            }
             let n = q.rows.checked_mul(q.cols);
             let src_end = n.and_then(|n| n.checked_add(q.src_off));
             let dst_end = n.and_then(|n| n.checked_add(q.dst_byte));

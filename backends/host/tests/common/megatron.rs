@@ -73,3 +73,56 @@ pub fn hf_tensors(model: &ModelSpec, seed: u64) -> Vec<HostTensor> {
         })
         .collect()
 }
+
+/// A dense model whose fused parts keep whole 128-row blocks at T ∈ {1, 2} (the fp8 tests): 4
+/// heads of 128 in 2 groups, ffn 512, an odd vocabulary.
+pub fn fp8_dense() -> ModelSpec {
+    ModelSpec {
+        hidden: 256,
+        heads: 4,
+        query_groups: 2,
+        head_dim: 128,
+        ffn: 512,
+        vocab: 301,
+        layers: 2,
+        qkv_bias: true,
+        tied_embeddings: false,
+        make_vocab_size_divisible_by: 4,
+        qk_norm: false,
+        moe: None,
+    }
+}
+
+/// [`fp8_dense`] with 4 experts of 256 (top-2) in layer 1 and a shared expert of 256, Qwen3 q/k
+/// norms.
+pub fn fp8_moe() -> ModelSpec {
+    ModelSpec {
+        qkv_bias: false,
+        qk_norm: true,
+        moe: Some(MoeSpec {
+            experts: 4,
+            top_k: 2,
+            ffn: 256,
+            norm_topk_prob: true,
+            sparse_step: 1,
+            dense_layers: LayerSet::from_layers(&[0]).unwrap_or(LayerSet::EMPTY),
+            shared_ffn: 256,
+        }),
+        ..fp8_dense()
+    }
+}
+
+/// The CPU executor's fp8 rollout of `state` (`MegatronHostBackend` with fp8, `keep` kept bf16).
+pub fn host_fp8(
+    state: &lifecycle_host::megatron::MegatronTrainState,
+    rollout: &lifecycle_layout::RolloutLayout,
+    keep: lifecycle_layout::fp8::Fp8Keep,
+) -> lifecycle_layout::HostRollout {
+    let backend = lifecycle_host::megatron::MegatronHostBackend::new(rollout.clone())
+        .with_rollout_dtype(lifecycle_layout::fp8::RolloutDtype::Fp8)
+        .with_fp8_keep(keep);
+    let mut lc = lifecycle_core::Lifecycle::new(backend, state.clone());
+    let session = lc.rollout().expect("the CPU executor's fp8 rollout");
+    let w = session.weights().get().clone();
+    w
+}
