@@ -5,7 +5,8 @@
 //
 // Launch contract (lifecycle_cuda::quantise::launch):
 //   grid   one block per 128 x 128 tile of all jobs (ntiles), block 32 x (128 / QUANTISE_HELD)
-//          threads (512 at the default QUANTISE_HELD of 8 float4 per thread);
+//          threads (512 at the default QUANTISE_HELD of 8 float4 per thread); for
+//          quantize_e4m3_jobs_bf16 32 x (128 / QUANTISE_HELD_BF16) (256 at the default 16);
 //   master the rank's fp32 training buffer, or for quantize_e4m3_jobs_bf16 a bf16 staging buffer
 //          (read only, the jobs' regions inside it);
 //   jobs   6 u64 per job: (first source element, first e4m3 byte, first scale (f32 index),
@@ -23,6 +24,12 @@ typedef unsigned long long u64;
 #define QUANTISE_HELD 8
 #endif
 #define QUANTISE_ROWS_PER_PASS (128 / QUANTISE_HELD)
+// The same over bf16 sources (tile_bf16), whose loads are kept packed: 16 float4's worth of
+// values (8 uint4 of 8 bf16) per thread, 256 threads a block.
+#ifndef QUANTISE_HELD_BF16
+#define QUANTISE_HELD_BF16 16
+#endif
+#define QUANTISE_ROWS_PER_PASS_BF16 (128 / QUANTISE_HELD_BF16)
 
 __device__ __forceinline__ unsigned char e4m3(float x) {
     u32 bits = __float_as_uint(x);
@@ -132,9 +139,21 @@ __device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16
 __device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
 __device__ __forceinline__ u32 abs_max2(u32 m, u32 w) { return __vmaxu2(m, w & 0x7fff7fffu); }
 
-// Eight e4m3 bytes (little-endian) of the 8 bf16 values of `w` divided by s, as pack4: the
-// products first, and only where one of the 8 lies near a rounding midpoint or below 2^-6 (the
-// cases `quotient` divides) each value by `quotient`, so the bytes are quotient's.
+// x / s as the IEEE division rounds it, for s >= 2^-60 (and inv = 1 / s, rounded): q0 = x * inv
+// is within 2 ulps of the quotient, the residual x - q0 s is exact in one fused multiply-add,
+// and q0 + residual * inv, rounded once, is the rounded quotient (Markstein's correction, the
+// last step of the GPU's own division, here without its range checks: s >= 2^-60 keeps every
+// operand and the residual normal wherever the e4m3 byte depends on the quotient's last bits).
+// The sign is x's (a -0 stays -0). Three floating-point operations and no branch; checked
+// against the division on the CPU (lifecycle_layout::fp8, `the_kernels_fma_quotient_...`).
+__device__ __forceinline__ float corrected_quotient(float x, float s, float inv) {
+    float q0 = x * inv;
+    float r = fmaf(-q0, s, x);
+    return copysignf(fmaf(r, inv, q0), x);
+}
+
+// Eight e4m3 bytes (little-endian) of the 8 bf16 values of `w` divided by s, as pack4 gives
+// them: by corrected_quotient where s >= 2^-60 (a block-uniform test), by the division below.
 __device__ __forceinline__ uint2 pack8(uint4 w, float s, float inv, bool exact_only) {
     float v[8] = {bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y),
                   bf16_lo(w.z), bf16_hi(w.z), bf16_lo(w.w), bf16_hi(w.w)};
@@ -149,16 +168,12 @@ __device__ __forceinline__ uint2 pack8(uint4 w, float s, float inv, bool exact_o
 #pragma unroll
     for (u32 k = 0; k < 8; ++k) q[k] = quotient(v[k], s, inv);
 #else
-    bool divide = false;
+    if (s >= 8.67361738e-19f) {  // 2^-60
 #pragma unroll
-    for (u32 k = 0; k < 8; ++k) {
-        q[k] = v[k] * inv;
-        u32 low = __float_as_uint(q[k]) & 0xfffffu;
-        divide |= (low + 16u - 0x80000u < 32u) | (fabsf(q[k]) < 0.0157f);
-    }
-    if (divide) {
+        for (u32 k = 0; k < 8; ++k) q[k] = corrected_quotient(v[k], s, inv);
+    } else {
 #pragma unroll
-        for (u32 k = 0; k < 8; ++k) q[k] = quotient(v[k], s, inv);
+        for (u32 k = 0; k < 8; ++k) q[k] = v[k] / s;
     }
 #endif
     return make_uint2(e4m3x2(q[1], q[0]) | (e4m3x2(q[3], q[2]) << 16),
@@ -166,17 +181,17 @@ __device__ __forceinline__ uint2 pack8(uint4 w, float s, float inv, bool exact_o
 }
 
 // One tile of bf16 rows on 16 bytes (vec8): thread (tx, ty) loads columns 8 (tx mod 16) .. of
-// rows 2 ty + tx / 16, then 2 R further (R = 128 / QUANTISE_HELD), QUANTISE_HELD / 2 loads;
-// `mine`: its columns lie in the tile. Returns the block's scale_inv after writing the bytes.
+// rows 2 ty + tx / 16, then 2 R further (R = 128 / QUANTISE_HELD_BF16), QUANTISE_HELD_BF16 / 2
+// loads; `mine`: its columns lie in the tile. Returns the block's scale_inv after writing the bytes.
 __device__ __forceinline__ float tile_bf16(const unsigned short* __restrict__ src,
                                            unsigned char* __restrict__ out, u64 ld, u32 h,
                                            u32 c, bool mine, u32* redu, float* red) {
     u32 tx = threadIdx.x & 31u, ty = threadIdx.x >> 5;
-    uint4 raw[QUANTISE_HELD / 2];
+    uint4 raw[QUANTISE_HELD_BF16 / 2];
     u32 m2 = 0u;
 #pragma unroll
-    for (u32 i = 0; i < QUANTISE_HELD / 2; ++i) {
-        u32 r = 2 * ty + (tx >> 4) + 2 * QUANTISE_ROWS_PER_PASS * i;
+    for (u32 i = 0; i < QUANTISE_HELD_BF16 / 2; ++i) {
+        u32 r = 2 * ty + (tx >> 4) + 2 * QUANTISE_ROWS_PER_PASS_BF16 * i;
         raw[i] = (mine && r < h) ? *reinterpret_cast<const uint4*>(src + r * ld + c)
                                  : make_uint4(0u, 0u, 0u, 0u);
         m2 = abs_max2(abs_max2(m2, raw[i].x), raw[i].y);
@@ -195,7 +210,7 @@ __device__ __forceinline__ float tile_bf16(const unsigned short* __restrict__ sr
         // the fp32 path's amax (fmaxf: NaN ignored, infinity kept), from the held values
         float fm = 0.0f;
 #pragma unroll
-        for (u32 i = 0; i < QUANTISE_HELD / 2; ++i) {
+        for (u32 i = 0; i < QUANTISE_HELD_BF16 / 2; ++i) {
             u32 w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
 #pragma unroll
             for (u32 k = 0; k < 4; ++k) {
@@ -212,8 +227,8 @@ __device__ __forceinline__ float tile_bf16(const unsigned short* __restrict__ sr
     float inv = 1.0f / s;
     if (mine) {
 #pragma unroll
-        for (u32 i = 0; i < QUANTISE_HELD / 2; ++i) {
-            u32 r = 2 * ty + (tx >> 4) + 2 * QUANTISE_ROWS_PER_PASS * i;
+        for (u32 i = 0; i < QUANTISE_HELD_BF16 / 2; ++i) {
+            u32 r = 2 * ty + (tx >> 4) + 2 * QUANTISE_ROWS_PER_PASS_BF16 * i;
             if (r < h) *reinterpret_cast<uint2*>(out + r * ld + c) = pack8(raw[i], s, inv, exact_only);
         }
     }
@@ -254,14 +269,16 @@ __device__ __forceinline__ void quantize_jobs(const Src* __restrict__ master,
     const u64* j = jobs + 6ull * lo;
     u64 k = tile - j[5];
     u64 ld = j[4];
-    u64 bc = (ld + 127) / 128;
-    u64 r0 = (k / bc) * 128, c0 = (k % bc) * 128;
+    // a job's tiles and block columns fit 32 bits (the launch counts tiles in 32): a 32-bit
+    // division, not the 64-bit one's long sequence, for every thread of every tile
+    u32 bc = (u32)((ld + 127) / 128), kk = (u32)k;
+    u64 r0 = (u64)(kk / bc) * 128, c0 = (u64)(kk % bc) * 128;
     u32 h = (u32)min(128ull, j[3] - r0), w = (u32)min(128ull, ld - c0);
     u64 src_off = j[0] + r0 * ld + c0, dst_off = j[1] + r0 * ld + c0;
     const Src* src = master + src_off;
     unsigned char* out = dst + dst_off;
     // bf16 rows on 16 bytes: 8 values a load (a half-warp per row, two rows a warp)
-    bool vec8 = sizeof(Src) == 2 && QUANTISE_HELD >= 2 && (ld % 8 == 0) && (w % 8 == 0) && (src_off % 8 == 0) &&
+    bool vec8 = sizeof(Src) == 2 && QUANTISE_HELD_BF16 >= 2 && (ld % 8 == 0) && (w % 8 == 0) && (src_off % 8 == 0) &&
                 (dst_off % 8 == 0);
     u32 tx = threadIdx.x & 31u, ty = threadIdx.x >> 5;
     if (vec8) {
@@ -329,7 +346,7 @@ quantize_e4m3_jobs(const float* __restrict__ master, const u64* __restrict__ job
     quantize_jobs(master, jobs, njobs, ntiles, dst, scales);
 }
 
-extern "C" __global__ void __launch_bounds__(32 * QUANTISE_ROWS_PER_PASS)
+extern "C" __global__ void __launch_bounds__(32 * QUANTISE_ROWS_PER_PASS_BF16)
 quantize_e4m3_jobs_bf16(const unsigned short* __restrict__ staging, const u64* __restrict__ jobs,
                         u32 njobs, u32 ntiles, unsigned char* __restrict__ dst,
                         float* __restrict__ scales) {

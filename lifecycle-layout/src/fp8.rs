@@ -382,6 +382,69 @@ mod tests {
         assert!(checked > 5_000_000, "{checked}");
     }
 
+    /// The device kernel's quotient over bf16 sources (`kernels/fp8_quantise.cu`,
+    /// `corrected_quotient`): `x · (1 / s)` corrected by the fused residual, `x`'s sign.
+    fn device_corrected_quotient(x: f32, s: f32) -> f32 {
+        let inv = 1.0 / s;
+        let q0 = x * inv;
+        let r = (-q0).mul_add(s, x);
+        r.mul_add(inv, q0).copysign(x)
+    }
+
+    /// The corrected quotient is the IEEE quotient, bit for bit, for every block scale from
+    /// 2^-60 (the kernel divides below): bf16 values of random blocks over 150 binades of amax,
+    /// quotients placed within a few ulps of every e4m3 rounding midpoint and of 2^-6, and
+    /// signed zeros. Fails without the residual's correction (the plain product differs).
+    #[test]
+    fn the_kernels_fma_quotient_is_the_division() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let bf16_round = |x: f32| half::bf16::from_f32(x).to_f32();
+        let (mut checked, mut plain_differs) = (0u64, 0u64);
+        for _ in 0..40_000 {
+            // amax from about 2^-51 to 2^99: s = amax / 448 from 2^-60
+            let exp = 76 + (next() % 150) as u32;
+            let amax = f32::from_bits((exp << 23) | (next() as u32 & 0x7f_ffff));
+            let s = block_scale_inv(amax);
+            assert!(s >= 2f32.powi(-60));
+            let mut check = |x: f32| {
+                if !x.is_finite() || (x / s).abs() > 448.0 {
+                    return;
+                }
+                let want = x / s;
+                assert_eq!(
+                    device_corrected_quotient(x, s).to_bits(),
+                    want.to_bits(),
+                    "x {x:e}, s {s:e}"
+                );
+                plain_differs += u64::from((x * (1.0 / s)).to_bits() != want.to_bits());
+                checked += 1;
+            };
+            for _ in 0..16 {
+                let m = (next() % (1 << 24)) as f32 / (1 << 24) as f32 * 2.0 - 1.0;
+                check(bf16_round(amax * m));
+            }
+            check(0.0);
+            check(-0.0);
+            let byte = (next() % 0x7e) as u8;
+            let mid = (e4m3_to_f32(byte) + e4m3_to_f32(byte + 1)) / 2.0;
+            for target in [mid, -mid, 0.015625] {
+                for d in -24i32..=24 {
+                    let t = f32::from_bits((target.to_bits() as i32 + d) as u32);
+                    check(t * s);
+                    check(bf16_round(t * s));
+                }
+            }
+        }
+        assert!(checked > 7_000_000, "{checked}");
+        assert!(plain_differs > 100_000, "{plain_differs}");
+    }
+
     #[test]
     fn every_byte_round_trips_and_encoding_rounds_to_nearest_even() {
         for b in 0..=255u8 {

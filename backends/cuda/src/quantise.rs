@@ -32,6 +32,18 @@ impl QuantiseSource {
             QuantiseSource::Bf16 => "quantize_e4m3_jobs_bf16",
         }
     }
+
+    /// Threads per block: 32 × (128 / values held per thread ÷ 4), with the kernel's defaults
+    /// of 8 float4 per thread over fp32 and 16 float4's worth (8 uint4 of bf16) over bf16.
+    /// `quantise_probe` on an H200 at 32768² (2026-12-02 / 12-04): over fp32 8 per thread ran at
+    /// 1.00× a device copy of the same bytes, 16 at 1.29×, 4 at 1.61×; over bf16, loads kept
+    /// packed and the quotient by its fused correction, 16 at 0.98×, 8 at 1.24×, 4 at 2.05×.
+    fn threads(self) -> u32 {
+        match self {
+            QuantiseSource::F32 => 512,
+            QuantiseSource::Bf16 => 256,
+        }
+    }
 }
 
 /// The quantisation kernel, IEEE-exact (the divisions round as the host's do).
@@ -40,12 +52,6 @@ pub const QUANTISE_KERNELS: KernelSet = KernelSet::new(
     include_str!("../../../kernels/fp8_quantise.cu"),
 )
 .exact();
-
-/// Threads per block: 32 × (128 / `QUANTISE_HELD`) with the kernel's default of 8 float4 per
-/// thread (`quantise_probe` on an H200 at 32768² fp32, 2026-12-02: 8 per thread ran at 0.99× a
-/// device copy of the same bytes, 16 at 1.28×, 4 at 1.60×; over bf16, whose rows on 16 bytes a
-/// thread loads 8 values at a time, 1.57×, 1.96×, 2.55× on 2026-12-03).
-const QUANTISE_THREADS: u32 = 512;
 
 /// A rank's quantisations as the kernel reads them: six words per region and the tile count.
 #[derive(Debug)]
@@ -118,7 +124,7 @@ impl QuantiseJobs {
         // slower on an H200 (17.1 against 15.3 ms at 7.6B, two-read kernel)
         let cfg = LaunchConfig {
             grid_dim: (self.tiles, 1, 1),
-            block_dim: (QUANTISE_THREADS, 1, 1),
+            block_dim: (kind.threads(), 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = stream.launch_builder(&f);

@@ -52,6 +52,9 @@ fn simulate(
                 })
                 .unwrap();
             steps.quantise = one.quantise[r].clone();
+            steps
+                .zero
+                .extend(one.zero.iter().map(|z| z.start as u64..z.end as u64));
             steps.validate().unwrap();
             assert!(!steps.quantise.is_empty(), "rank {r} quantises");
             steps
@@ -59,6 +62,15 @@ fn simulate(
         .collect();
     let sources: Vec<Source<'_>> = params.iter().map(|p| Source::Bf16(p)).collect();
     let rolls = run_steps(steps, &sources, &[1, 2, 3]).unwrap();
+    // the gaps zeroed: no slot left unwritten (the runner starts every slot at POISON)
+    for (r, roll) in rolls.iter().enumerate() {
+        for z in &one.zero {
+            assert!(
+                roll[z.clone()].iter().all(|&b| b == 0),
+                "rank {r}: gap {z:?}"
+            );
+        }
+    }
     let rolls = rolls
         .into_iter()
         .map(|r| r.into_iter().map(bf16::from_bits).collect())

@@ -38,6 +38,8 @@ pub struct MegatronGpuPlan {
     ///
     /// [`fp8_one_read`]: lifecycle_layout::megatron::fp8_one_read
     pub(crate) one_read: Option<Vec<Vec<Quantise>>>,
+    /// With `one_read`: the slot ranges every rank zeroes first (`Fp8Rollout::gaps`).
+    pub(crate) one_read_zero: Vec<std::ops::Range<u64>>,
     pub(crate) keep: Fp8Keep,
 }
 

@@ -89,6 +89,12 @@ impl Reshard for MegatronGpuBackend {
             ranks,
             fp8,
             one_read,
+            one_read_zero: one.as_ref().map_or_else(Vec::new, |(o, _)| {
+                o.zero
+                    .iter()
+                    .map(|z| z.start as u64..z.end as u64)
+                    .collect()
+            }),
             keep: self.fp8_keep,
         });
         *cached = Some(p.clone());
@@ -113,14 +119,11 @@ impl Reshard for MegatronGpuBackend {
             .iter()
             .any(|s| !s.pushes.is_empty() || !s.peer_tiles.is_empty());
         // Rollout buffers first: an OOM here leaves the training state untouched.
-        let mut rolls = match (&plan.fp8, plan.fp8_one_read()) {
-            // zeroed: the alignment gaps between its tensors are written by nobody
-            (Some(f), true) => self.alloc_fp8_rollouts(f)?,
-            // SAFETY: the schedule's local and unpack tiles and the zeroed vocabulary padding
-            // cover each buffer exactly, so every element is written before the buffers are
-            // handed out.
-            _ => unsafe { alloc_rollout_buffers(&*self.pool, len, peers_write)? },
-        };
+        // SAFETY: the schedule's local and unpack tiles and the zeroed vocabulary padding cover
+        // each buffer exactly (in an fp8 rollout written in one read, the bf16 tensors' tiles,
+        // the quantisations and the zeroed gaps between them: `Fp8Rollout::gaps`), so every
+        // element is written before the buffers are handed out.
+        let mut rolls = unsafe { alloc_rollout_buffers(&*self.pool, len, peers_write)? };
         // A staged fp8 rollout: `rolls` is the staging buffer, the rollout buffer allocated now.
         let mut fp8 = match &plan.fp8 {
             Some(f) if !plan.fp8_one_read() => Some(self.alloc_fp8_rollouts(f)?),

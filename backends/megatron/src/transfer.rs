@@ -98,6 +98,7 @@ impl MegatronGpuBackend {
             // fp8 in one read: the rank's quantisations from its parameters join its steps
             if let Some(q) = plan.one_read.as_ref().and_then(|q| q.get(local)) {
                 steps.quantise = q.clone();
+                steps.zero.extend(plan.one_read_zero.iter().cloned());
                 steps.validate()?;
             }
             Ok(steps)

@@ -16,7 +16,8 @@
 //! ```
 //!
 //! With `--trace DIR`, one more enter + exit per layout and T (with offload unless
-//! `--skip-offload`) is traced and written to `DIR/megatron_tp{TP}_pp{PP}_t{T}.json` (a Chrome /
+//! `--skip-offload`; and of the fp8 enter with `--fp8`, `DIR/megatron_fp8_t{T}.json`) is traced
+//! and written to `DIR/megatron_tp{TP}_pp{PP}_t{T}.json` (a Chrome /
 //! Perfetto trace: one track per rank and stream, spans from CUDA events on the streams), and a
 //! per-rank, per-stream summary is printed.
 //!
@@ -255,6 +256,7 @@ fn fp8_enter(
     (c, world): (&Ceilings, usize),
     iters: usize,
     (lname, t): (&str, usize),
+    trace: Option<&std::path::Path>,
 ) -> Result<
     (
         MegatronGpuBackend,
@@ -323,6 +325,9 @@ fn fp8_enter(
     } else {
         "staged"
     };
+    if let Some(dir) = trace {
+        traced_cycle(&mut lc, dir, &format!("megatron_fp8_t{t}"))?;
+    }
     let (b, s) = lc.into_parts()?;
     let row = Row {
         what: format!("{lname} -> T={t} fp8 enter ({how}; floor: one read)"),
@@ -592,8 +597,15 @@ fn run() -> Result<(), Box<dyn Error>> {
                 state = s;
             }
             if args.fp8 {
-                let (b, s, row) =
-                    fp8_enter(backend, state, best.1, (&c, world), args.iters, (&lname, t))?;
+                let (b, s, row) = fp8_enter(
+                    backend,
+                    state,
+                    best.1,
+                    (&c, world),
+                    args.iters,
+                    (&lname, t),
+                    args.trace.as_deref(),
+                )?;
                 backend = b;
                 state = s;
                 rows.push(row);

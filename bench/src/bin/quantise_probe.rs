@@ -1,7 +1,8 @@
 //! How fast the fp8 quantisation kernel (`kernels/fp8_quantise.cu`) runs on this GPU, and what
-//! bounds it: the kernel as shipped (the multiply by 1 / s, the IEEE division near e4m3
-//! midpoints), with other float4 counts per thread, with the division for every value, and a
-//! diagnostic variant that only multiplies (not bit-exact: the bound of the shipped one). One region of `--rows` ×
+//! bounds it: the kernel as shipped (over fp32 the multiply by 1 / s with the IEEE division near
+//! e4m3 midpoints, over bf16 the quotient by its fused correction), with other counts of values
+//! per thread, with the division for every value, and a diagnostic variant that only
+//! multiplies (not bit-exact: the bound of the shipped one). One region of `--rows` ×
 //! `--cols` fp32 values (bf16 with `--bf16`: the kernel the Megatron backends' fp8 pass runs),
 //! against the device-to-device copy floor of the same bytes.
 //!
@@ -105,30 +106,40 @@ fn main() -> Res<()> {
         n as f64 / 1e9,
         gb / floor * 1e3
     );
-    // (name, float4s per thread, a macro the kernel reads)
-    let variants: [(&str, usize, &str); 5] = [
-        ("16 float4 per thread, 256 threads", 16, ""),
-        ("shipped (8 float4 per thread, 512 threads)", 8, ""),
-        ("4 float4 per thread, 1024 threads", 4, ""),
-        (
-            "8 per thread, the IEEE division for every value",
-            8,
-            "QUANTISE_DIVIDE_ALWAYS",
-        ),
-        (
-            "diagnostic: 8 per thread, multiply by 1/s only",
-            8,
-            "QUANTISE_MULTIPLY_ONLY",
-        ),
+    // (float4s' worth of values per thread, a macro the kernel reads); the shipped count is
+    // 8 over fp32, 16 over bf16 (its loads kept packed)
+    let shipped = if cli.bf16 { 16 } else { 8 };
+    let held_macro = if cli.bf16 {
+        "QUANTISE_HELD_BF16"
+    } else {
+        "QUANTISE_HELD"
+    };
+    let variants: [(usize, &str); 6] = [
+        (32, ""),
+        (16, ""),
+        (8, ""),
+        (4, ""),
+        (shipped, "QUANTISE_DIVIDE_ALWAYS"),
+        (shipped, "QUANTISE_MULTIPLY_ONLY"),
     ];
-    for (name, held, flag) in variants {
-        let mut source = format!("#define QUANTISE_HELD {held}\n");
+    for (held, flag) in variants {
+        let threads = 32 * (128 / held) as u32;
+        let name = match flag {
+            "" if held == shipped => format!(
+                "shipped ({} values per thread, {threads} threads)",
+                4 * held
+            ),
+            "" => format!("{} values per thread, {threads} threads", 4 * held),
+            "QUANTISE_DIVIDE_ALWAYS" => "shipped, the IEEE division for every value".to_string(),
+            _ => "diagnostic: shipped, multiply by 1/s only".to_string(),
+        };
+        let mut source = format!("#define {held_macro} {held}\n");
         if !flag.is_empty() {
             source.push_str(&format!("#define {flag}\n"));
         }
         source.push_str(SOURCE);
         let source: &'static str = Box::leak(source.into_boxed_str());
-        let set = KernelSet::new(Box::leak(name.to_string().into_boxed_str()), source).exact();
+        let set = KernelSet::new(Box::leak(name.clone().into_boxed_str()), source).exact();
         let ptx = compile(&set, major, minor)?;
         let module = ctx.load_module(ptx)?;
         let f = module.load_function(if cli.bf16 {
@@ -136,7 +147,6 @@ fn main() -> Res<()> {
         } else {
             "quantize_e4m3_jobs"
         })?;
-        let threads = 32 * (128 / held) as u32;
         let (sp, _s) = src.device_ptr(&stream);
         let (dp, _d) = dst.device_ptr(&stream);
         let count = 1u32;

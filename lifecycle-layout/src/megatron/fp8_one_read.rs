@@ -28,6 +28,9 @@ pub struct Fp8OneRead {
     /// rollout buffer: `src_off` an element of the parameters, runs that continue one another
     /// merged.
     pub quantise: Vec<Vec<Quantise>>,
+    /// Slot ranges of every rank's rollout buffer to zero first ([`Fp8Rollout::gaps`]): with
+    /// them, the copies and the quantisations, every slot is written.
+    pub zero: Vec<std::ops::Range<usize>>,
 }
 
 /// The one-read form of `f`, the fp8 rollout of `plan`, or `None` when a rank's quantised rows
@@ -87,6 +90,7 @@ pub fn fp8_one_read(plan: &MegatronPlan, f: &Fp8Rollout) -> Option<Fp8OneRead> {
         plan: kept_plan,
         offsets: f.entries.iter().map(|e| e.offset()).collect(),
         quantise,
+        zero: f.gaps(),
     })
 }
 
@@ -184,6 +188,23 @@ mod tests {
                     let want: u64 = f.quantise.iter().map(|q| q.rows * q.cols).sum();
                     assert_eq!(total, want, "{label} rank {r}");
                     assert!(regions.len() <= 3 * f.quantise.len() * 8, "{label}: merged");
+                    // the kept tensors' copies, the quantisations and the gaps write every slot
+                    let mut slots = vec![0u8; f.len];
+                    for c in &f.copies {
+                        slots[c.dst..c.dst + c.len].iter_mut().for_each(|n| *n += 1);
+                    }
+                    for q in regions {
+                        let (b, n) = (q.dst_byte as usize, (q.rows * q.cols) as usize);
+                        let s = 2 * q.scale as usize;
+                        let scales = s..s + 2 * q.blocks() as usize;
+                        for i in (b / 2..(b + n).div_ceil(2)).chain(scales) {
+                            slots[i] += 1;
+                        }
+                    }
+                    for z in &one.zero {
+                        slots[z.clone()].iter_mut().for_each(|n| *n += 1);
+                    }
+                    assert!(slots.iter().all(|&n| n >= 1), "{label}: a slot unwritten");
                     let kept: usize = one.plan.ranks[r].transfers.iter().map(|x| x.numel()).sum();
                     let want: usize = f.copies.iter().map(|c| c.len).sum();
                     assert_eq!(kept, want, "{label} rank {r}");

@@ -51,6 +51,48 @@ pub struct Fp8Rollout {
 }
 
 impl Fp8Rollout {
+    /// Slot ranges of the rollout buffer that neither the copies nor the quantisations write
+    /// whole (the alignment gaps between tensors, the padding of the e4m3 bytes to 16, a slot
+    /// holding a tensor's odd last byte): zeroed before the pass, they leave no slot of the
+    /// buffer unwritten, so the buffer needs no zeroing of its own.
+    ///
+    /// ```
+    /// use lifecycle_layout::megatron::{Fp8Rollout, StagedCopy};
+    /// use lifecycle_layout::steps::Quantise;
+    /// let f = Fp8Rollout {
+    ///     entries: Vec::new(),
+    ///     len: 100,
+    ///     staging_len: 0,
+    ///     copies: vec![StagedCopy { src: 0, dst: 0, len: 10 }],
+    ///     // 3 × 3 bytes from byte 32 (slots 16 .. 20, the last one half), its scale at slot 40
+    ///     quantise: vec![Quantise { src_off: 0, dst_byte: 32, scale: 20, rows: 3, cols: 3 }],
+    /// };
+    /// assert_eq!(f.gaps(), vec![10..16, 20..40, 42..100]);
+    /// ```
+    pub fn gaps(&self) -> Vec<std::ops::Range<usize>> {
+        let mut written: Vec<std::ops::Range<usize>> =
+            self.copies.iter().map(|c| c.dst..c.dst + c.len).collect();
+        for q in &self.quantise {
+            let (b, n) = (q.dst_byte as usize, (q.rows * q.cols) as usize);
+            let s = 2 * q.scale as usize;
+            written.push(b.div_ceil(2)..(b + n) / 2);
+            written.push(s..s + 2 * q.blocks() as usize);
+        }
+        written.sort_by_key(|r| r.start);
+        let mut gaps = Vec::new();
+        let mut at = 0;
+        for r in written.into_iter().filter(|r| !r.is_empty()) {
+            if r.start > at {
+                gaps.push(at..r.start.min(self.len));
+            }
+            at = at.max(r.end);
+        }
+        if at < self.len {
+            gaps.push(at..self.len);
+        }
+        gaps
+    }
+
     /// Bytes the pass writes into the rollout buffer.
     pub fn bytes(&self) -> u64 {
         let copied: usize = self.copies.iter().map(|c| c.len).sum();
