@@ -4,7 +4,8 @@
 // lifecycle_layout::megatron::Fp8Rollout), run by lifecycle_cuda::quantise::quantise_staged.
 //
 // Launch contract (lifecycle_cuda::quantise::launch):
-//   grid   one block per 128 x 128 tile of all jobs (ntiles), block 32 x (128 / QUANTISE_HELD)
+//   grid   one block per QUANTISE_TILES_PER_BLOCK consecutive 128 x 128 tiles of all jobs
+//          (ceil(ntiles / 2) at the default), block 32 x (128 / QUANTISE_HELD)
 //          threads (512 at the default QUANTISE_HELD of 8 float4 per thread); for
 //          quantize_e4m3_jobs_bf16 32 x (128 / QUANTISE_HELD_BF16) (256 at the default 16);
 //   master the rank's fp32 training buffer, or for quantize_e4m3_jobs_bf16 a bf16 staging buffer
@@ -24,6 +25,11 @@ typedef unsigned long long u64;
 #define QUANTISE_HELD 8
 #endif
 #define QUANTISE_ROWS_PER_PASS (128 / QUANTISE_HELD)
+// Consecutive tiles a block quantises (the launch's grid: ceil(ntiles / this)): the next tile of
+// the same job needs no search for its job.
+#ifndef QUANTISE_TILES_PER_BLOCK
+#define QUANTISE_TILES_PER_BLOCK 2
+#endif
 // The same over bf16 sources (tile_bf16), whose loads are kept packed: 16 float4's worth of
 // values (8 uint4 of 8 bf16) per thread, 256 threads a block.
 #ifndef QUANTISE_HELD_BF16
@@ -264,8 +270,15 @@ __device__ __forceinline__ void quantize_jobs(const Src* __restrict__ master,
                                               float* __restrict__ scales) {
     __shared__ float red[32];
     __shared__ u32 redu[32];
-    for (u32 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-    u32 lo = find_job(jobs, njobs, tile, 6u, 5u);
+    u32 lo = 0, job_end = 0;  // the job of the previous tile (tiles ascend), and its end
+    for (u32 base = blockIdx.x * QUANTISE_TILES_PER_BLOCK; base < ntiles;
+         base += gridDim.x * QUANTISE_TILES_PER_BLOCK)
+    for (u32 tile = base; tile < min(base + QUANTISE_TILES_PER_BLOCK, ntiles); ++tile) {
+    if (tile >= job_end) {
+        lo = find_job(jobs, njobs, tile, 6u, 5u);
+        const u64* jj = jobs + 6ull * lo;
+        job_end = (u32)(jj[5] + ((jj[3] + 127) / 128) * ((jj[4] + 127) / 128));
+    }
     const u64* j = jobs + 6ull * lo;
     u64 k = tile - j[5];
     u64 ld = j[4];

@@ -160,7 +160,8 @@ fn main() -> Res<()> {
                 .arg(&dp)
                 .arg(&dp);
             let cfg = LaunchConfig {
-                grid_dim: (ntiles, 1, 1),
+                // the shipped two tiles a block
+                grid_dim: (ntiles.div_ceil(2), 1, 1),
                 block_dim: (threads, 1, 1),
                 shared_mem_bytes: 0,
             };
