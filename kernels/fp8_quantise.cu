@@ -10,8 +10,8 @@
 //          quantize_e4m3_jobs_bf16 32 x (128 / QUANTISE_HELD_BF16) (256 at the default 16);
 //   master the rank's fp32 training buffer, or for quantize_e4m3_jobs_bf16 a bf16 staging buffer
 //          (read only, the jobs' regions inside it);
-//   jobs   6 u64 per job: (first source element, first e4m3 byte, first scale (f32 index),
-//          rows, columns, first tile), jobs in order of their first tile;
+//   jobs   7 u64 per job: (first source element, first e4m3 byte, first scale (f32 index),
+//          rows, columns, first tile, source row pitch), jobs in order of their first tile;
 //   dst    the rollout buffer as bytes, scales the same buffer as f32: each job writes its own
 //          bytes and scales, disjoint from every other job's and every bf16 tensor's.
 // No headers; e4m3 by integer arithmetic, as lifecycle_layout::fp8::e4m3_from_f32. Compiled
@@ -104,11 +104,12 @@ __device__ __forceinline__ u32 pack4(float4 v, float s, float inv, bool exact_on
 }
 
 // Blocks of 32 x (128 / QUANTISE_HELD) threads loop over the 128 x 128 scale blocks (tiles) of every job, all jobs in
-// one launch. Job j is jobs[6j .. 6j + 6] = (master offset of its first element, byte offset of
-// its first e4m3 byte, index of its first scale, rows, columns, its first tile); a tile's job is
+// one launch. Job j is jobs[7j .. 7j + 7] = (master offset of its first element, byte offset of
+// its first e4m3 byte, index of its first scale, rows, columns, its first tile, the source's row
+// pitch); a tile's job is
 // found by a search over the first tiles (find_job). amax over the block, scale_inv = amax / 448 (1 for
 // an all-zero block) to scales, every element e4m3(x / scale_inv) to dst (row pitch: the
-// columns, for the masters and the bytes alike).
+// columns; the source's: its own).
 //
 // One read of each block: where every row of the tile starts on 16 bytes (4 in the output) and
 // holds whole float4s, thread (tx, ty) of 32 x R (R = 128 / QUANTISE_HELD) loads columns
@@ -188,17 +189,17 @@ __device__ __forceinline__ uint2 pack8(uint4 w, float s, float inv, bool exact_o
 
 // One tile of bf16 rows on 16 bytes (vec8): thread (tx, ty) loads columns 8 (tx mod 16) .. of
 // rows 2 ty + tx / 16, then 2 R further (R = 128 / QUANTISE_HELD_BF16), QUANTISE_HELD_BF16 / 2
-// loads; `mine`: its columns lie in the tile. Returns the block's scale_inv after writing the bytes.
+// loads (rows `sld` elements apart, the bytes' `ld`); `mine`: its columns lie in the tile. Returns the block's scale_inv after writing the bytes.
 __device__ __forceinline__ float tile_bf16(const unsigned short* __restrict__ src,
-                                           unsigned char* __restrict__ out, u64 ld, u32 h,
-                                           u32 c, bool mine, u32* redu, float* red) {
+                                           unsigned char* __restrict__ out, u64 sld, u64 ld,
+                                           u32 h, u32 c, bool mine, u32* redu, float* red) {
     u32 tx = threadIdx.x & 31u, ty = threadIdx.x >> 5;
     uint4 raw[QUANTISE_HELD_BF16 / 2];
     u32 m2 = 0u;
 #pragma unroll
     for (u32 i = 0; i < QUANTISE_HELD_BF16 / 2; ++i) {
         u32 r = 2 * ty + (tx >> 4) + 2 * QUANTISE_ROWS_PER_PASS_BF16 * i;
-        raw[i] = (mine && r < h) ? *reinterpret_cast<const uint4*>(src + r * ld + c)
+        raw[i] = (mine && r < h) ? *reinterpret_cast<const uint4*>(src + r * sld + c)
                                  : make_uint4(0u, 0u, 0u, 0u);
         m2 = abs_max2(abs_max2(m2, raw[i].x), raw[i].y);
         m2 = abs_max2(abs_max2(m2, raw[i].z), raw[i].w);
@@ -275,11 +276,11 @@ __device__ __forceinline__ void quantize_jobs(const Src* __restrict__ master,
          base += gridDim.x * QUANTISE_TILES_PER_BLOCK)
     for (u32 tile = base; tile < min(base + QUANTISE_TILES_PER_BLOCK, ntiles); ++tile) {
     if (tile >= job_end) {
-        lo = find_job(jobs, njobs, tile, 6u, 5u);
-        const u64* jj = jobs + 6ull * lo;
+        lo = find_job(jobs, njobs, tile, 7u, 5u);
+        const u64* jj = jobs + 7ull * lo;
         job_end = (u32)(jj[5] + ((jj[3] + 127) / 128) * ((jj[4] + 127) / 128));
     }
-    const u64* j = jobs + 6ull * lo;
+    const u64* j = jobs + 7ull * lo;
     u64 k = tile - j[5];
     u64 ld = j[4];
     // a job's tiles and block columns fit 32 bits (the launch counts tiles in 32): a 32-bit
@@ -287,23 +288,24 @@ __device__ __forceinline__ void quantize_jobs(const Src* __restrict__ master,
     u32 bc = (u32)((ld + 127) / 128), kk = (u32)k;
     u64 r0 = (u64)(kk / bc) * 128, c0 = (u64)(kk % bc) * 128;
     u32 h = (u32)min(128ull, j[3] - r0), w = (u32)min(128ull, ld - c0);
-    u64 src_off = j[0] + r0 * ld + c0, dst_off = j[1] + r0 * ld + c0;
+    u64 sld = j[6];  // the source's row pitch
+    u64 src_off = j[0] + r0 * sld + c0, dst_off = j[1] + r0 * ld + c0;
     const Src* src = master + src_off;
     unsigned char* out = dst + dst_off;
     // bf16 rows on 16 bytes: 8 values a load (a half-warp per row, two rows a warp)
-    bool vec8 = sizeof(Src) == 2 && QUANTISE_HELD_BF16 >= 2 && (ld % 8 == 0) && (w % 8 == 0) && (src_off % 8 == 0) &&
-                (dst_off % 8 == 0);
+    bool vec8 = sizeof(Src) == 2 && QUANTISE_HELD_BF16 >= 2 && (ld % 8 == 0) && (sld % 8 == 0) &&
+                (w % 8 == 0) && (src_off % 8 == 0) && (dst_off % 8 == 0);
     u32 tx = threadIdx.x & 31u, ty = threadIdx.x >> 5;
     if (vec8) {
         u32 c = 8 * (tx & 15u);
-        float s = tile_bf16(reinterpret_cast<const unsigned short*>(src), out, ld, h, c, c < w,
-                            redu, red);
+        float s = tile_bf16(reinterpret_cast<const unsigned short*>(src), out, sld, ld, h, c,
+                            c < w, redu, red);
         if (threadIdx.x == 0) scales[j[2] + k] = s;
         continue;
     }
     // fp32 rows on 16 bytes (other bf16 tiles take the scalar path, two reads)
-    bool vec = sizeof(Src) == 4 && (ld % 4 == 0) && (w % 4 == 0) && (src_off % 4 == 0) &&
-               (dst_off % 4 == 0);
+    bool vec = sizeof(Src) == 4 && (ld % 4 == 0) && (sld % 4 == 0) && (w % 4 == 0) &&
+               (src_off % 4 == 0) && (dst_off % 4 == 0);
     u32 c = 4 * tx;
     bool mine = vec && c < w;
     float4 held[QUANTISE_HELD];
@@ -313,7 +315,7 @@ __device__ __forceinline__ void quantize_jobs(const Src* __restrict__ master,
 #pragma unroll
         for (u32 i = 0; i < QUANTISE_HELD; ++i) {
             u32 r = ty + QUANTISE_ROWS_PER_PASS * i;
-            held[i] = (mine && r < h) ? load4(src + r * ld + c)
+            held[i] = (mine && r < h) ? load4(src + r * sld + c)
                                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             float4 v = held[i];
             m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
@@ -324,7 +326,7 @@ __device__ __forceinline__ void quantize_jobs(const Src* __restrict__ master,
     } else {
         for (u32 i = threadIdx.x; i < h * w; i += blockDim.x) {
             u32 r = i / w, cc = i - r * w;
-            m = fmaxf(m, fabsf(load1(src + r * ld + cc)));
+            m = fmaxf(m, fabsf(load1(src + r * sld + cc)));
         }
     }
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
@@ -347,7 +349,7 @@ __device__ __forceinline__ void quantize_jobs(const Src* __restrict__ master,
     } else {
         for (u32 i = threadIdx.x; i < h * w; i += blockDim.x) {
             u32 r = i / w, cc = i - r * w;
-            out[r * ld + cc] = e4m3(load1(src + r * ld + cc) / s);
+            out[r * ld + cc] = e4m3(load1(src + r * sld + cc) / s);
         }
     }
     }

@@ -57,7 +57,7 @@ pub const QUANTISE_KERNELS: KernelSet = KernelSet::new(
 /// tile of a job needs no search for its job.
 const QUANTISE_TILES_PER_BLOCK: u32 = 2;
 
-/// A rank's quantisations as the kernel reads them: six words per region and the tile count.
+/// A rank's quantisations as the kernel reads them: seven words per region and the tile count.
 #[derive(Debug)]
 pub(crate) struct QuantiseJobs {
     jobs: CudaSlice<u64>,
@@ -75,10 +75,12 @@ impl QuantiseJobs {
         if regions.is_empty() {
             return Ok(None);
         }
-        let mut table = Vec::with_capacity(6 * regions.len());
+        let mut table = Vec::with_capacity(7 * regions.len());
         let mut tiles = 0u64;
         for q in regions {
-            table.extend_from_slice(&[q.src_off, q.dst_byte, q.scale, q.rows, q.cols, tiles]);
+            table.extend_from_slice(&[
+                q.src_off, q.dst_byte, q.scale, q.rows, q.cols, tiles, q.src_ld,
+            ]);
             tiles += q.blocks();
         }
         let invalid = || {
@@ -213,7 +215,9 @@ fn check_staged(
     }
     for q in &f.quantise {
         let n = q.rows * q.cols;
-        let fits = q.src_off + n <= staging
+        let src_end = q.src_span().and_then(|s| s.checked_add(q.src_off));
+        let fits = src_end.is_some_and(|e| e <= staging)
+            && (q.rows <= 1 || q.src_ld >= q.cols)
             && q.dst_byte + n <= bytes
             && 4 * (q.scale + q.blocks()) <= bytes
             && q.dst_byte % 4 == 0;
@@ -246,6 +250,7 @@ mod tests {
                 scale: 40,
                 rows: 4,
                 cols: 16,
+                src_ld: 16,
             }],
         };
         assert!(check_staged(0, &f, 128, 128).is_ok());

@@ -85,6 +85,7 @@ fn bf16_quantisation_matches_the_host_formula() -> Res {
             scale: 0,
             rows: rows as u64,
             cols: cols as u64,
+            src_ld: cols as u64,
         });
         src += rows * cols;
         dst += (rows * cols).next_multiple_of(16);

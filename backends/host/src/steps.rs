@@ -486,7 +486,7 @@ fn quantise(source: Source<'_>, rollout: &mut [u16], q: &Quantise) {
         for bcol in 0..bc {
             let (r0, c0) = (br * b, bcol * b);
             let (r1, c1) = ((r0 + b).min(q.rows), (c0 + b).min(q.cols));
-            let at = |r: u64, c: u64| (q.src_off + r * q.cols + c) as usize;
+            let at = |r: u64, c: u64| (q.src_off + r * q.src_ld + c) as usize;
             let mut amax = 0.0f32;
             for r in r0..r1 {
                 for c in c0..c1 {

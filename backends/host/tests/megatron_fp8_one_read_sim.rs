@@ -2,7 +2,8 @@
 //! ([`fp8_one_read`]), as the GPU engine issues it: every rank's steps (the bf16 tensors'
 //! copies into the fp8 rollout buffer and the quantisations from its bf16 parameters) run on
 //! the CPU executor of step programs under several stream interleavings, bit-identical to the
-//! CPU executor's fp8 rollout (`MegatronHostBackend`), dense and MoE, at W ∈ {1, 2, 3, 4}.
+//! CPU executor's fp8 rollout (`MegatronHostBackend`), dense and MoE, at W ∈ {1, 2, 3, 4}, T up to
+//! twice TP.
 
 #[path = "common/megatron.rs"]
 mod common;
@@ -87,6 +88,9 @@ fn one_read_steps_match_the_cpu_executor() {
         (1, 2, 1, 1),
         (1, 3, 1, 1),
         (2, 2, 1, 2),
+        // T above TP: row-parallel slices read every other run of a parameter's columns
+        (1, 2, 1, 2),
+        (1, 4, 1, 2),
     ];
     let mut n = 0;
     for (name, model) in [("dense", dense()), ("moe", moe())] {
@@ -114,5 +118,5 @@ fn one_read_steps_match_the_cpu_executor() {
             }
         }
     }
-    assert_eq!(n, 2 * 5 * 2 * 2);
+    assert_eq!(n, 2 * layouts.len() * 2 * 2);
 }

@@ -86,7 +86,7 @@ fn main() -> Res<()> {
     // the bytes, then one f32 scale per tile
     let out_bytes = n + 4 * tiles as usize;
     let dst: CudaSlice<u8> = stream.alloc_zeros(out_bytes.next_multiple_of(4))?;
-    let jobs = stream.clone_htod(&[0u64, 0, (n / 4) as u64, cli.rows, cli.cols, 0])?;
+    let jobs = stream.clone_htod(&[0u64, 0, (n / 4) as u64, cli.rows, cli.cols, 0, cli.cols])?;
     // a copy of (src + 1) n / 2 bytes reads and writes the bytes the quantisation moves
     let moved = (src_bytes + 1) * n;
     let copy_src: CudaSlice<u8> = stream.alloc_zeros(moved / 2)?;

@@ -234,6 +234,7 @@ impl FsdpPlan {
                 scale: scale as u64 / 2,
                 rows: t.rows.len() as u64,
                 cols: t.cols.len() as u64,
+                src_ld: slot.cols as u64,
             });
         }
         Ok(out)

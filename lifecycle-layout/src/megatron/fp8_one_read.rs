@@ -95,16 +95,18 @@ pub fn fp8_one_read(plan: &MegatronPlan, f: &Fp8Rollout) -> Option<Fp8OneRead> {
 }
 
 /// The rows of quantised tensor `whole` (its region in the rollout) that transfer `x` writes,
-/// as a region of the parameters, when they are whole rows starting on a block row and ending
-/// on one or at the tensor's end.
+/// as a region of the parameters (their row pitch the source's: a row-parallel slice of a
+/// wider parameter reads every other run of columns), when they are whole rows of the slice
+/// starting on a block row and ending on one or at the tensor's end.
 fn rows_of(x: &Transfer, whole: &Quantise) -> Option<Quantise> {
     let cols = whole.cols as usize;
     let dense = x.rows == 1 || (x.src_pitch == x.cols && x.dst_pitch == x.cols);
     let n = x.rows * x.cols;
-    let rows = if dense {
-        n.is_multiple_of(cols).then_some(n / cols)?
+    let (rows, src_ld) = if dense {
+        (n.is_multiple_of(cols).then_some(n / cols)?, cols)
     } else {
-        (x.cols == cols && x.src_pitch == cols && x.dst_pitch == cols).then_some(x.rows)?
+        let whole_rows = x.cols == cols && x.dst_pitch == cols && x.src_pitch >= cols;
+        whole_rows.then_some((x.rows, x.src_pitch))?
     };
     if !x.dst_offset.is_multiple_of(cols) {
         return None;
@@ -121,6 +123,7 @@ fn rows_of(x: &Transfer, whole: &Quantise) -> Option<Quantise> {
         scale: whole.scale + (row0 / FP8_BLOCK) as u64 * block_cols,
         rows: rows as u64,
         cols: whole.cols,
+        src_ld: src_ld as u64,
     })
 }
 
@@ -130,8 +133,9 @@ fn push_merged(out: &mut Vec<Quantise>, q: Quantise) {
     if let Some(p) = out.last_mut() {
         let b = FP8_BLOCK as u64;
         let continues = p.cols == q.cols
+            && p.src_ld == q.src_ld
             && p.rows.is_multiple_of(b)
-            && p.src_off + p.rows * p.cols == q.src_off
+            && p.src_off + p.rows * p.src_ld == q.src_off
             && p.dst_byte + p.rows * p.cols == q.dst_byte
             && p.scale + p.blocks() == q.scale;
         if continues {
@@ -150,10 +154,16 @@ mod tests {
     use crate::megatron::{fp8_rollout, plan_megatron_to_tp, BucketConfig, MegatronLayout};
     use crate::{ModelSpec, RolloutLayout, RolloutVocab};
 
+    /// The fp8 pass's test model; its shared expert widened to 256 so that its `[gate; up]`
+    /// parts keep whole blocks at T = 2 from TP = 1 (a split would be refused by name).
     fn model(moe: bool) -> ModelSpec {
         let m = crate::megatron::fp8_rollout::tests::moe_model();
+        let wide = m.moe.map(|e| crate::MoeSpec {
+            shared_ffn: 256,
+            ..e
+        });
         ModelSpec {
-            moe: if moe { m.moe } else { None },
+            moe: if moe { wide } else { None },
             ..m
         }
     }
@@ -164,14 +174,14 @@ mod tests {
     fn regions_cover_the_quantised_rows_once() {
         for moe in [false, true] {
             // (TP, DP) -> T with every row local
-            for (tp, dp, t) in [(1, 1, 1), (2, 1, 2), (1, 2, 1)] {
+            for (tp, dp, t) in [(1, 1, 1), (2, 1, 2), (1, 2, 1), (1, 2, 2), (2, 2, 2)] {
                 let train = MegatronLayout::from_world(model(moe), tp * dp, tp, 1).unwrap();
                 let rollout = RolloutLayout::fused(t, RolloutVocab::Unpadded);
                 let plan = plan_megatron_to_tp(&train, &rollout, BucketConfig::default()).unwrap();
                 let (offsets, _) = rollout_offsets(&plan);
                 let f = fp8_rollout(&plan.tensors, &offsets, Fp8Keep::default());
-                let one = fp8_one_read(&plan, &f).expect("every row local");
                 let label = format!("moe {moe} TP{tp} DP{dp} T{t}");
+                let one = fp8_one_read(&plan, &f).unwrap_or_else(|| panic!("{label}: local"));
                 for (r, regions) in one.quantise.iter().enumerate() {
                     let mut written = vec![0u8; 2 * f.len];
                     for q in regions {
@@ -184,6 +194,10 @@ mod tests {
                             &written[q.dst_byte as usize..(q.dst_byte + q.rows * q.cols) as usize];
                         assert!(bytes.iter().all(|&n| n == 1), "{label} rank {r}");
                     }
+                    // a row-parallel slice of a wider parameter: its pitch, the parameter's
+                    assert!(regions.iter().all(|q| q.src_ld >= q.cols), "{label}");
+                    let pitched = regions.iter().any(|q| q.src_ld > q.cols);
+                    assert_eq!(pitched, tp < t, "{label}: o_proj, down_proj slices");
                     let total: u64 = regions.iter().map(|q| q.rows * q.cols).sum();
                     let want: u64 = f.quantise.iter().map(|q| q.rows * q.cols).sum();
                     assert_eq!(total, want, "{label} rank {r}");

@@ -65,7 +65,7 @@ impl Fp8Rollout {
     ///     staging_len: 0,
     ///     copies: vec![StagedCopy { src: 0, dst: 0, len: 10 }],
     ///     // 3 × 3 bytes from byte 32 (slots 16 .. 20, the last one half), its scale at slot 40
-    ///     quantise: vec![Quantise { src_off: 0, dst_byte: 32, scale: 20, rows: 3, cols: 3 }],
+    ///     quantise: vec![Quantise { src_off: 0, dst_byte: 32, scale: 20, rows: 3, cols: 3, src_ld: 3 }],
     /// };
     /// assert_eq!(f.gaps(), vec![10..16, 20..40, 42..100]);
     /// ```
@@ -159,6 +159,7 @@ pub fn fp8_rollout(tensors: &[RolloutTensorSpec], offsets: &[usize], keep: Fp8Ke
             scale: e.scale_offset().map_or(0, |s| s / 2) as u64,
             rows: rows as u64,
             cols: cols as u64,
+            src_ld: cols as u64,
         });
         at += e.slots();
         entries[i] = Some(e);

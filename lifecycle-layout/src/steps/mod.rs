@@ -258,9 +258,9 @@ impl NetStep {
 }
 
 /// A region of the training buffer (fp32, or bf16 widened exactly) quantised into the rollout
-/// buffer in block-scaled e4m3 (the layout of [`crate::fp8`]): `rows × cols` values (row pitch `cols`) from element
-/// `src_off` become `rows × cols` bytes from byte `dst_byte` of the rollout buffer (row pitch
-/// `cols`) and one f32 `scale_inv` per 128 × 128 block, row-major, from f32 index `scale` of the
+/// buffer in block-scaled e4m3 (the layout of [`crate::fp8`]): `rows × cols` values (row pitch
+/// `src_ld`) from element `src_off` become `rows × cols` bytes from byte `dst_byte` of the
+/// rollout buffer (row pitch `cols`) and one f32 `scale_inv` per 128 × 128 block, row-major, from f32 index `scale` of the
 /// rollout buffer (its bytes `4 · scale ..`). Each block's scale is
 /// [`block_scale_inv`](crate::fp8::block_scale_inv) of its amax; every value becomes
 /// [`e4m3_from_f32`](crate::fp8::e4m3_from_f32)`(x / scale_inv)`.
@@ -274,8 +274,10 @@ pub struct Quantise {
     pub scale: u64,
     /// Rows.
     pub rows: u64,
-    /// Columns (the row pitch of source and bytes alike).
+    /// Columns (the row pitch of the bytes).
     pub cols: u64,
+    /// Elements between the starts of source rows (at least `cols`; `cols` for a dense region).
+    pub src_ld: u64,
 }
 
 impl Quantise {
@@ -288,6 +290,17 @@ impl Quantise {
     /// Bytes it writes into the rollout buffer (e4m3 bytes and scales).
     pub fn bytes(&self) -> u64 {
         self.rows * self.cols + 4 * self.blocks()
+    }
+
+    /// Source elements from `src_off` to the region's last one, its end included; `None` on
+    /// overflow.
+    pub fn src_span(&self) -> Option<u64> {
+        if self.rows == 0 || self.cols == 0 {
+            return Some(0);
+        }
+        (self.rows - 1)
+            .checked_mul(self.src_ld)
+            .and_then(|x| x.checked_add(self.cols))
     }
 }
 
@@ -457,7 +470,8 @@ impl RankSteps {
             }
         }
         for (i, q) in self.quantise.iter_mut().enumerate() {
-            q.src_off = map(q.src_off, q.rows * q.cols, &format!("quantisation {i}"))?;
+            let span = q.src_span().unwrap_or(u64::MAX);
+            q.src_off = map(q.src_off, span, &format!("quantisation {i}"))?;
         }
         if let Some(a) = self.agree.as_mut() {
             let regions = a.amax.iter_mut().map(|r| ("partial amax", r));
@@ -652,7 +666,11 @@ impl RankSteps {
         let roll_bytes = 2 * self.rollout_elems;
         for (i, q) in self.quantise.iter().enumerate() {
             let n = q.rows.checked_mul(q.cols);
-            let src_end = n.and_then(|n| n.checked_add(q.src_off));
+            let pitch_ok = q.rows <= 1 || q.src_ld >= q.cols;
+            let src_end = q
+                .src_span()
+                .and_then(|n| n.checked_add(q.src_off))
+                .filter(|_| pitch_ok);
             let dst_end = n.and_then(|n| n.checked_add(q.dst_byte));
             let scale_end = q
                 .scale
