@@ -177,8 +177,8 @@ impl MegatronGpuBackend {
     /// Sets the rollout weights' dtype (bf16 by default). With [`RolloutDtype::Fp8`] every
     /// matrix ([`Fp8Keep::keeps_bf16`] false) is quantised to block-scaled e4m3 in its own
     /// 128 × 128 block grid, as the host backend (`MegatronHostBackend`) does and bit-identical
-    /// to it. Where every rank holds the whole rows it quantises (no byte crosses a link, as
-    /// with TP = T and PP = 1) and its runs of them fall on 128-row blocks, each rank quantises
+    /// to it. Where every rank holds what it quantises (no byte crosses a link, as with PP = 1
+    /// and T a multiple of TP) and its runs of rows fall on 128-row blocks, each rank quantises
     /// straight from its bf16 parameters into its rollout buffer beside the copies of the bf16
     /// tensors: one read of each parameter, one write of the rollout
     /// ([`lifecycle_layout::megatron::fp8_one_read`], [`MegatronGpuPlan::fp8_one_read`]).

@@ -1,6 +1,7 @@
-//! An fp8 rollout written in one read of the parameters: where every rank holds the whole rows
-//! of every quantised tensor it builds (no byte crosses a link, as with TP = T and PP = 1), each
-//! 128-row block of the rollout comes from one contiguous run of rows of a parameter, so the
+//! An fp8 rollout written in one read of the parameters: where every rank holds every quantised
+//! slice it builds (no byte crosses a link, as with PP = 1 and T a multiple of TP), each 128-row
+//! block of the rollout comes from one run of rows of a parameter (rows of a row-parallel slice
+//! `src_ld` apart, the parameter's width), so the
 //! rank quantises straight from its bf16 parameter buffer into its rollout buffer, in the
 //! tensor's own block grid, and copies the bf16 tensors there: no staging buffer, each byte read
 //! once and written once. The bytes are those of the staged pass ([`Fp8Rollout`]): the same
