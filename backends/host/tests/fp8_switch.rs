@@ -188,6 +188,7 @@ fn fp8_quantisation_runs_as_a_step_and_matches_the_fp8_switch() {
             flat[slot.offset as usize..slot.offset as usize + shard.len()].copy_from_slice(shard);
         }
         let out = run_steps(vec![steps.clone()], &[Source::F32(&flat)], &[1, 2, 3]).unwrap();
+        let out_f32 = out.clone();
         let rolls: Vec<Vec<bf16>> = out
             .into_iter()
             .map(|r| r.into_iter().map(bf16::from_bits).collect())
@@ -196,12 +197,21 @@ fn fp8_quantisation_runs_as_a_step_and_matches_the_fp8_switch() {
         let want = fp8_switch_with(&st, &layout, keep).unwrap();
         assert_eq!(got, want, "keep {keep}");
 
+        // The same steps over bf16 parameters (the masters rounded to bf16, as the Megatron
+        // switch quantises them): every slot as the fp32 run over the rounded values writes it.
+        let rounded: Vec<f32> = flat.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
+        let bits: Vec<u16> = rounded
+            .iter()
+            .map(|&x| bf16::from_f32(x).to_bits())
+            .collect();
         let mut bf16_source = steps.clone();
         bf16_source.source = SourceType::Bf16;
-        let e = bf16_source.validate().unwrap_err().to_string();
-        assert!(
-            e.contains("quantisation 0 reads a bf16 training buffer"),
-            "{e}"
+        let over_bf16 = run_steps(vec![bf16_source], &[Source::Bf16(&bits)], &[1, 2]).unwrap();
+        let over_f32 = run_steps(vec![steps.clone()], &[Source::F32(&rounded)], &[1, 2]).unwrap();
+        assert_eq!(over_bf16, over_f32, "keep {keep}");
+        assert_ne!(
+            over_f32, out_f32,
+            "keep {keep}: the rounding changed nothing"
         );
         let mut outside = steps.clone();
         outside.quantise[0].dst_byte = 2 * outside.rollout_elems;
