@@ -431,6 +431,93 @@ pub fn megatron_fp8_bytes(
     Ok((fp8, bf16))
 }
 
+/// The planner's plan from the Megatron layout `(tp, pp, dp)` with experts `(ep, etp)` to the
+/// fused rollout at degree `t` (the vocabulary padded to 64 rows where `t` does not divide it).
+fn megatron_plan(
+    config: &ModelConfig,
+    (tp, pp, dp): (usize, usize, usize),
+    (ep, etp): (usize, usize),
+    (t, placement): (usize, ExpertPlacement),
+    make_vocab_size_divisible_by: usize,
+    bucket_bytes: u64,
+) -> Result<lifecycle_layout::megatron::MegatronPlan, PlanError> {
+    let model = config.model_spec(make_vocab_size_divisible_by);
+    let train = MegatronLayout::new_moe(model, tp, pp, dp, ep, etp)?;
+    let vocab = if t > 0 && config.model.vocab.is_multiple_of(t) {
+        RolloutVocab::Unpadded
+    } else {
+        RolloutVocab::PadToMultipleOf(64)
+    };
+    let rollout = RolloutLayout::fused(t, vocab).with_expert_placement(placement);
+    Ok(plan_megatron_to_tp(
+        &train,
+        &rollout,
+        MegatronBuckets { bucket_bytes },
+    )?)
+}
+
+/// How the GPU Megatron backend writes an fp8 rollout of a layout ([`megatron_fp8_switch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MegatronFp8Switch {
+    /// Quantised straight from every rank's bf16 parameters
+    /// ([`fp8_one_read`](lifecycle_layout::megatron::fp8_one_read)): no staging buffer.
+    OneRead,
+    /// The bf16 rollout staged first, then quantised: `staging_bytes` per rank beside the fp8
+    /// rollout during a switch (freed after it).
+    Staged {
+        /// Bytes of the bf16 staging buffer per rank.
+        staging_bytes: u64,
+    },
+}
+
+/// Whether the GPU Megatron backend's fp8 switch of the Megatron layout `(tp, pp, dp)` with
+/// experts `(ep, etp)`, rolled out at degree `t` with the experts placed by `placement`, reads
+/// the parameters once or stages the bf16 rollout first (and how much); refused as the
+/// backends refuse the layout.
+///
+/// ```
+/// use lifecycle_decoder::ModelConfig;
+/// use lifecycle_layout::ExpertPlacement;
+/// use lifecycle_plan::{megatron_fp8_switch, MegatronFp8Switch};
+/// let config = ModelConfig::from_file("configs/qwen2.5-7b.json".as_ref())?;
+/// let tp = ExpertPlacement::TensorParallel;
+/// let switch = |train, t| megatron_fp8_switch(&config, train, (1, train.0), (t, tp), Default::default(), 128, 256 << 20);
+/// // every rank holds its rows: one read
+/// assert_eq!(switch((1, 1, 2), 2)?, MegatronFp8Switch::OneRead);
+/// // T = 1 from TP = 2: half of every row comes from the peer, staged
+/// assert!(matches!(switch((2, 1, 1), 1)?, MegatronFp8Switch::Staged { staging_bytes } if staging_bytes > 15_000_000_000));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn megatron_fp8_switch(
+    config: &ModelConfig,
+    (tp, pp, dp): (usize, usize, usize),
+    (ep, etp): (usize, usize),
+    (t, placement): (usize, ExpertPlacement),
+    keep: lifecycle_layout::fp8::Fp8Keep,
+    make_vocab_size_divisible_by: usize,
+    bucket_bytes: u64,
+) -> Result<MegatronFp8Switch, PlanError> {
+    use lifecycle_layout::megatron::{check_fused_fp8, fp8_one_read, fp8_rollout};
+    let plan = megatron_plan(
+        config,
+        (tp, pp, dp),
+        (ep, etp),
+        (t, placement),
+        make_vocab_size_divisible_by,
+        bucket_bytes,
+    )?;
+    let model = *plan.train.model();
+    check_fused_fp8(&plan.tensors, &model, t, keep)?;
+    let (offsets, _) = lifecycle_layout::megatron::schedule::rollout_offsets(&plan);
+    let f = fp8_rollout(&plan.tensors, &offsets, keep);
+    Ok(match fp8_one_read(&plan, &f) {
+        Some(_) => MegatronFp8Switch::OneRead,
+        None => MegatronFp8Switch::Staged {
+            staging_bytes: 2 * f.staging_len as u64,
+        },
+    })
+}
+
 /// [`plan_megatron`] for a mixture-of-experts model trained with expert parallelism `ep` and
 /// expert TP `etp` (Megatron-Core's ETP × EP × EDP × PP expert ranks), rolled out at degree `t`
 /// with the experts placed by `placement`. Each rank receives only the expert bytes of its
@@ -461,15 +548,15 @@ pub fn plan_megatron_moe(
     bucket_bytes: u64,
     offload: Offload,
 ) -> Result<Vec<RankCost>, PlanError> {
-    let model = config.model_spec(make_vocab_size_divisible_by);
-    let train = MegatronLayout::new_moe(model, tp, pp, dp, ep, etp)?;
-    let vocab = if t > 0 && config.model.vocab.is_multiple_of(t) {
-        RolloutVocab::Unpadded
-    } else {
-        RolloutVocab::PadToMultipleOf(64)
-    };
-    let rollout = RolloutLayout::fused(t, vocab).with_expert_placement(placement);
-    let plan = plan_megatron_to_tp(&train, &rollout, MegatronBuckets { bucket_bytes })?;
+    let plan = megatron_plan(
+        config,
+        (tp, pp, dp),
+        (ep, etp),
+        (t, placement),
+        make_vocab_size_divisible_by,
+        bucket_bytes,
+    )?;
+    let train = &plan.train;
     let rollout_bytes: u64 = plan.tensors.iter().map(|s| s.numel() as u64 * 2).sum();
     Ok(plan
         .ranks

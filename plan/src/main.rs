@@ -15,9 +15,9 @@ use lifecycle_core::{HumanBytes, MemoryPolicy, RoomRequest};
 use lifecycle_decoder::ModelConfig;
 use lifecycle_layout::ExpertPlacement;
 use lifecycle_plan::{
-    full_gather_bytes, job_prediction, megatron_fp8_bytes, plan_fsdp_experts, plan_fsdp_fp8,
-    plan_megatron_moe, rollout_memory, KvDtype, LinkRates, Offload, RankCost, RatesSource,
-    TrainLayout,
+    full_gather_bytes, job_prediction, megatron_fp8_bytes, megatron_fp8_switch, plan_fsdp_experts,
+    plan_fsdp_fp8, plan_megatron_moe, rollout_memory, KvDtype, LinkRates, MegatronFp8Switch,
+    Offload, RankCost, RatesSource, TrainLayout,
 };
 
 /// Print a switch's transfer plan per rank and predict its time, before launching.
@@ -214,14 +214,26 @@ fn print_pinned(ranks: &[RankCost], gpus_per_node: usize) {
     );
 }
 
-/// The fp8 rollout's plan of `--rollout-dtype fp8` (FSDP): what each rank would hold and
-/// receive, printed; the bytes each rank holds (empty for bf16).
-fn print_fp8(args: &Args, config: &ModelConfig, train: TrainLayout) -> Result<Vec<u64>, String> {
+/// The fp8 rollout's plan of `--rollout-dtype fp8`: what each rank would hold and receive (and
+/// on Megatron layouts how the switch writes it), printed; the bytes each rank holds (empty for
+/// bf16) and the bf16 staging a switch needs per rank beside them (0 but for a staged Megatron
+/// fp8 switch).
+fn print_fp8(
+    args: &Args,
+    config: &ModelConfig,
+    train: TrainLayout,
+) -> Result<(Vec<u64>, u64), String> {
     let mut fp8_held: Vec<u64> = Vec::new();
     if args.rollout_dtype == "fp8" {
         let world = match train {
             TrainLayout::Fsdp { world } => world,
-            TrainLayout::Megatron { tp, pp, dp, .. } => {
+            TrainLayout::Megatron {
+                tp,
+                pp,
+                dp,
+                ep,
+                etp,
+            } => {
                 let (fp8, bf16) = megatron_fp8_bytes(
                     config,
                     args.rollout_tp,
@@ -230,17 +242,42 @@ fn print_fp8(args: &Args, config: &ModelConfig, train: TrainLayout) -> Result<Ve
                     args.make_vocab_size_divisible_by,
                 )
                 .map_err(|e| e.to_string())?;
+                let switch = megatron_fp8_switch(
+                    config,
+                    (tp, pp, dp),
+                    (ep, etp),
+                    (args.rollout_tp, args.experts),
+                    args.fp8_keep,
+                    args.make_vocab_size_divisible_by,
+                    args.bucket_mib.max(1) << 20,
+                )
+                .map_err(|e| e.to_string())?;
+                let (design, staging) = match switch {
+                    MegatronFp8Switch::OneRead => (
+                        "quantising straight from the bf16 parameters (every rank holds its \
+                         rows: no staging)"
+                            .to_string(),
+                        0,
+                    ),
+                    MegatronFp8Switch::Staged { staging_bytes } => (
+                        format!(
+                            "staging the bf16 rollout ({} per rank, rows from peers) beside it \
+                             during a switch",
+                            HumanBytes(staging_bytes)
+                        ),
+                        staging_bytes,
+                    ),
+                };
                 println!(
                     "fp8 rollout of the fused layout (each fused matrix quantised in its own \
                      128 x 128 grid from the bf16 parameters, fp32 scales; embeddings, head, \
                      norms and router bf16; also kept bf16: {}): per rank holds {} (bf16: {}); \
-                     the host and GPU backends run it, the GPU one staging the bf16 rollout \
-                     beside it during a switch",
+                     the host and GPU backends run it, the GPU one {design}",
                     args.fp8_keep,
                     HumanBytes(fp8),
                     HumanBytes(bf16)
                 );
-                return Ok(vec![fp8; tp * pp * dp]);
+                return Ok((vec![fp8; tp * pp * dp], staging));
             }
         };
         let fp8 = plan_fsdp_fp8(config, world, args.rollout_tp, args.experts, args.fp8_keep)
@@ -263,12 +300,18 @@ fn print_fp8(args: &Args, config: &ModelConfig, train: TrainLayout) -> Result<Ve
             HumanBytes(amax),
         );
     }
-    Ok(fp8_held)
+    Ok((fp8_held, 0))
 }
 
 /// The device memory during rollout of the rank holding the most rollout weights (`fp8_held`:
-/// what each rank holds in an fp8 rollout, empty for bf16).
-fn print_memory(args: &Args, config: &ModelConfig, ranks: &[RankCost], fp8_held: &[u64]) {
+/// what each rank holds in an fp8 rollout, empty for bf16; `fp8_staging`: the bf16 staging of a
+/// staged fp8 switch, part of the staging peak).
+fn print_memory(
+    args: &Args,
+    config: &ModelConfig,
+    ranks: &[RankCost],
+    (fp8_held, fp8_staging): (&[u64], u64),
+) {
     // the memory of the rank holding the most rollout weights
     if let Some(r) = ranks.iter().max_by_key(|r| r.rollout_bytes) {
         let device = (args.device_gib * (1u64 << 30) as f64) as u64;
@@ -294,7 +337,7 @@ fn print_memory(args: &Args, config: &ModelConfig, ranks: &[RankCost], fp8_held:
             HumanBytes(m.rollout_bytes),
             args.rollout_dtype,
             share(m.rollout_bytes),
-            HumanBytes(m.staging_bytes),
+            HumanBytes(m.staging_bytes + fp8_staging),
             HumanBytes(m.kv_room()),
             share(m.kv_room()),
             m.kv_tokens(),
@@ -447,8 +490,8 @@ fn run(args: &Args) -> Result<(), String> {
         HumanBytes(gathered),
         HumanBytes(most_held),
     );
-    let fp8_held = print_fp8(args, &config, train)?;
-    print_memory(args, &config, &ranks, &fp8_held);
+    let (fp8_held, fp8_staging) = print_fp8(args, &config, train)?;
+    print_memory(args, &config, &ranks, (&fp8_held, fp8_staging));
     let classes = (
         plan_for(Offload::NONE)?,
         plan_for(Offload {
