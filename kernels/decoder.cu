@@ -69,25 +69,30 @@ extern "C" __global__ void embed(const u16* __restrict__ table, const u32* __res
 // block's threads wide; wider rows read the rest again).
 #define NORM_HELD 32
 
-// Each thread's elements c = t, t + B, ... are loaded at once into registers (independent loads,
-// not one round trip per element) and summed in that order, as one strided loop would.
-extern "C" __global__ void rms_norm_split(const float* __restrict__ x, const u16* __restrict__ w,
-                                          const u32* __restrict__ rows, u16* __restrict__ out,
-                                          u32 m, u32 h, float eps) {
+// Each thread's elements c = t, t + B, ... (ceil(h / B) of them, the same count in every thread:
+// the loops stop there, not predicated over NORM_HELD) are loaded at once into registers
+// (independent loads, not one round trip per element) and summed in that order, as one strided
+// loop would.
+extern "C" __global__ void __launch_bounds__(512)
+    rms_norm_split(const float* __restrict__ x, const u16* __restrict__ w,
+                   const u32* __restrict__ rows, u16* __restrict__ out, u32 m, u32 h, float eps) {
     __shared__ float red[32];
     u32 r = blockIdx.x;
     u32 src = rows ? rows[r] : r;
     const float* xr = x + (u64)src * h;
     const u32 b = blockDim.x;
+    const u32 per = (h + b - 1u) / b;
     float held[NORM_HELD];
 #pragma unroll
     for (u32 i = 0; i < NORM_HELD; ++i) {
+        if (i >= per) break;
         u32 c = threadIdx.x + i * b;
         held[i] = c < h ? xr[c] : 0.0f;
     }
     float s = 0.0f;
 #pragma unroll
     for (u32 i = 0; i < NORM_HELD; ++i) {
+        if (i >= per) break;
         if (threadIdx.x + i * b < h) s += held[i] * held[i];
     }
     for (u32 c = threadIdx.x + NORM_HELD * b; c < h; c += b) s += xr[c] * xr[c];
@@ -96,11 +101,13 @@ extern "C" __global__ void rms_norm_split(const float* __restrict__ x, const u16
     float wv[NORM_HELD];
 #pragma unroll
     for (u32 i = 0; i < NORM_HELD; ++i) {
+        if (i >= per) break;
         u32 c = threadIdx.x + i * b;
         wv[i] = c < h ? bf(w[c]) : 0.0f;
     }
 #pragma unroll
     for (u32 i = 0; i < NORM_HELD; ++i) {
+        if (i >= per) break;
         u32 c = threadIdx.x + i * b;
         if (c < h) split_store(out, (u64)r * h + c, (u64)m * h, wv[i] * (held[i] * inv));
     }

@@ -20,22 +20,16 @@
 // (counted there, reset by it; cheap for a few tokens), else by w8a8_reduce, launched next, every
 // output by its own thread (one block adding a row range's 28 slices alone took ~44 us at 64
 // tokens). Either way the result does not depend on the order in which the blocks ran. With
-// zero_lo the n rows after y's (the lo rows of a split product) are written 0.
+// zero_lo the n rows after y's (the lo rows of a split product) are written 0. With `bias` (bf16,
+// one per row) and `res` (f32, as y: it may be y itself) each output is (sum + bias) + res, as
+// the decoder's combine kernel would add them: the product then writes the layer's own buffer.
 typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef unsigned char u8;
+typedef unsigned short u16;
 
 #define MMA_WARPS 4
 #define MMA_ROWS (16 * MMA_WARPS)
-
-// 16 weight bytes, read once: not kept in L1.
-__device__ __forceinline__ uint4 ld_stream(const u8* p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
 
 // d += A (16 x 32 e4m3, row) * B (32 x 8 e4m3, col) in f32. The host launches these kernels only
 // on devices of compute capability 8.9 or later.
@@ -60,6 +54,15 @@ struct Frag {
     uint4 lo0, lo1, hi0, hi1;
 };
 
+// 16 weight bytes, read once: not kept in L1.
+__device__ __forceinline__ uint4 ld_stream(const u8* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
 __device__ __forceinline__ Frag load_frag(const u8* lo, const u8* hi, bool oklo, bool okhi) {
     Frag f;
     const uint4 z = make_uint4(0u, 0u, 0u, 0u);
@@ -68,6 +71,130 @@ __device__ __forceinline__ Frag load_frag(const u8* lo, const u8* hi, bool oklo,
     f.hi0 = okhi ? ld_stream(hi) : z;
     f.hi1 = okhi ? ld_stream(hi + 16) : z;
     return f;
+}
+
+// The warpgroup kernel's weights come through a ring in shared memory (WRing below): a warp has
+// requested W_STAGES - 1 groups ahead of the one it multiplies (with 128-row blocks of up to 64
+// tokens the loads of one group ahead in registers streamed at 1.3-2.2 TB/s on an H200); the ring
+// takes W_STAGES x 2 KiB a warp of the block's dynamic shared memory, after the activations (the
+// host counts it: WEIGHT_STAGES in models/decoder-gpu/src/w8a8/mma.rs). The mma.sync kernel
+// loads its weights straight into registers (through the ring it was slower at 1-8 tokens).
+#ifndef W_STAGES
+#define W_STAGES 3
+#endif
+
+// 16 bytes from global to shared memory, asynchronously, bypassing L1 (zeros where !ok: no byte
+// read). Compiled for compute capability 8.0 and later only (the host launches these kernels
+// from 8.9).
+__device__ __forceinline__ void cp_async16(u32 dst, const u8* src, bool ok) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(ok ? 16u : 0u)
+                 : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// this warp's copies but the last W_STAGES - 2 groups of them landed, visible to the whole warp
+__device__ __forceinline__ void cp_wait_ring() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(W_STAGES - 2) : "memory");
+#endif
+    __syncwarp();
+}
+
+// a shared-memory address in the shared window
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{\n.reg .u64 t;\ncvta.to.shared.u64 t, %1;\ncvt.u32.u64 %0, t;\n}\n" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// The ring of a warp's weights: per group its 16 rows x 128 bytes (2 KiB) in each of W_STAGES
+// slots of shared memory. The warp copies whole rows (copy j of lane l: row 4 j + l / 8, bytes
+// 16 (l % 8) onwards, so each copy reads four 128-byte rows), and each lane then reads its
+// fragment (32 bytes of rows g and g + 8 from byte 32 t, as the mma's take them); byte piece p
+// (16 bytes) of row r lies at r 128 + 16 (p ^ (r % 8)), so that neither the copies nor the
+// reads of a quarter warp meet on a bank.
+struct WRing {
+    u8* at;        // the warp's slot 0
+    const u8* src; // the warp's row l / 8, byte 16 (l % 8), of group 0
+    u64 rows4;     // bytes between rows r and r + 4 of the matrix
+    u32 lane;
+    u32 valid;     // rows of the warp's 16 inside the matrix
+
+    __device__ __forceinline__ void issue(u32 group, u32 slot) const {
+        const u32 base = smem_addr(at) + slot * 2048u;
+        const u8* p = src + (u64)group * 128u;
+#pragma unroll
+        for (u32 j = 0; j < 4; ++j) {
+            const u32 r = 4u * j + (lane >> 3);
+            const u32 d = base + r * 128u + 16u * ((lane & 7u) ^ (r & 7u));
+            cp_async16(d, r < valid ? p + j * rows4 : src, r < valid);
+        }
+    }
+
+    __device__ __forceinline__ Frag read(u32 slot) const {
+        const u32 g = lane >> 2, t = lane & 3u;
+        const u8* lo = at + slot * 2048u + g * 128u;
+        const u8* hi = lo + 8u * 128u;
+        const u32 p0 = 16u * ((2u * t) ^ g), p1 = 16u * ((2u * t + 1u) ^ g);
+        Frag f;
+        f.lo0 = *reinterpret_cast<const uint4*>(lo + p0);
+        f.lo1 = *reinterpret_cast<const uint4*>(lo + p1);
+        f.hi0 = *reinterpret_cast<const uint4*>(hi + p0);
+        f.hi1 = *reinterpret_cast<const uint4*>(hi + p1);
+        return f;
+    }
+};
+
+// The ring of the warp whose 16 rows start at matrix row `first` (of `out`), in the block's
+// shared memory from `ring`.
+__device__ __forceinline__ WRing ring_of(u8* ring, const u8* w, u32 first, u32 out, u32 inp,
+                                         u32 warp, u32 lane) {
+    const u32 valid = first < out ? min(16u, out - first) : 0u;
+    const u32 r = lane >> 3;
+    const u8* src = w + (u64)(r < valid ? first + r : 0u) * inp + 16u * (lane & 7u);
+    return WRing{ring + warp * (W_STAGES * 2048u), src, 4ull * inp, lane, valid};
+}
+
+// Requests the first W_STAGES - 1 groups of [g0, g1), one commit group each (empty past g1).
+__device__ __forceinline__ void ring_start(const WRing& r, u32 g0, u32 g1) {
+#pragma unroll
+    for (u32 s = 0; s + 1 < W_STAGES; ++s) {
+        if (g0 + s < g1) r.issue(g0 + s, s);
+        cp_commit();
+    }
+}
+
+// The fragment of group k of the block's range [g0, g1) (slot k mod W_STAGES, the ring's
+// `slot`), after requesting group k + W_STAGES - 1 into the slot read at k - 1 (every lane's
+// reads of it consumed there, before the warp met in cp_wait_ring); `slot` then moves on.
+__device__ __forceinline__ Frag ring_next(const WRing& r, u32 g0, u32 g1, u32 k, u32& slot) {
+    cp_wait_ring();
+    const Frag f = r.read(slot);
+    const u32 ahead = g0 + k + W_STAGES - 1;
+    const u32 back = slot == 0 ? W_STAGES - 1 : slot - 1;
+    if (ahead < g1) r.issue(ahead, back);
+    cp_commit();
+    slot = slot + 1 == W_STAGES ? 0 : slot + 1;
+    return f;
+}
+
+// A bf16 value as f32.
+__device__ __forceinline__ float bf(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+// An output: its sum, the row's bias and the residual added in that order (either absent: 0).
+__device__ __forceinline__ float finish(float v, const u16* bias, const float* res, u32 row,
+                                        u64 at) {
+    if (bias != nullptr) v += bf(bias[row]);
+    if (res != nullptr) v += res[at];
+    return v;
 }
 
 // A partial sum written by another block: read from L2, past this SM's L1.
@@ -82,11 +209,12 @@ __device__ __forceinline__ float ld_l2(const float* p) {
 // split, its partial sums [token][row of the block], then with `counters` the last block of
 // the row range adds the slices in their order (without, w8a8_reduce does).
 template <int NT, int ROWS>
-__device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* __restrict__ y,
+__device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* y,
                                           float* __restrict__ ylo, float* __restrict__ part,
                                           u32* __restrict__ counters, u32 out, u32 n,
                                           u32 splits, u32 tile, u32 g, u32 t, u32 warp,
-                                          bool oklo, bool okhi) {
+                                          bool oklo, bool okhi, const u16* __restrict__ bias,
+                                          const float* res) {
     __shared__ u32 last;
     const u32 T = 8 * NT;
     const u32 rlo = tile + g, rhi = rlo + 8;
@@ -94,10 +222,11 @@ __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* __re
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             const u32 k0 = (u32)nt * 8u + 2u * t;
-            if (oklo && k0 < n) y[(u64)k0 * out + rlo] = acc[nt][0];
-            if (oklo && k0 + 1 < n) y[(u64)(k0 + 1) * out + rlo] = acc[nt][1];
-            if (okhi && k0 < n) y[(u64)k0 * out + rhi] = acc[nt][2];
-            if (okhi && k0 + 1 < n) y[(u64)(k0 + 1) * out + rhi] = acc[nt][3];
+            const u64 a0 = (u64)k0 * out, a1 = a0 + out;
+            if (oklo && k0 < n) y[a0 + rlo] = finish(acc[nt][0], bias, res, rlo, a0 + rlo);
+            if (oklo && k0 + 1 < n) y[a1 + rlo] = finish(acc[nt][1], bias, res, rlo, a1 + rlo);
+            if (okhi && k0 < n) y[a0 + rhi] = finish(acc[nt][2], bias, res, rhi, a0 + rhi);
+            if (okhi && k0 + 1 < n) y[a1 + rhi] = finish(acc[nt][3], bias, res, rhi, a1 + rhi);
             if (ylo != nullptr) {
                 if (oklo && k0 < n) ylo[(u64)k0 * out + rlo] = 0.0f;
                 if (oklo && k0 + 1 < n) ylo[(u64)(k0 + 1) * out + rlo] = 0.0f;
@@ -133,8 +262,9 @@ __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* __re
         float v = 0.0f;
         for (u32 s = 0; s < splits; ++s) v += ld_l2(all + (u64)s * (ROWS * T) + i);
         if (row < out) {
-            y[(u64)tok * out + row] = v;
-            if (ylo != nullptr) ylo[(u64)tok * out + row] = 0.0f;
+            const u64 at = (u64)tok * out + row;
+            y[at] = finish(v, bias, res, row, at);
+            if (ylo != nullptr) ylo[at] = 0.0f;
         }
     }
     if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
@@ -143,10 +273,11 @@ __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* __re
 // The sums of a split product from its partials (block (b, s) of `rows` rows and `tile_tokens`
 // tokens at part + (b splits + s) rows tile_tokens, [token][row]): one thread per output, the
 // slices added in their order from 0, to y [n x out] (and 0 to the n rows after it with
-// zero_lo). Grid: ceil(row blocks x n x rows / 256) blocks of 256 threads.
+// zero_lo; with bias and res added as the products add them). Grid: ceil(row blocks x n x rows /
+// 256) blocks of 256 threads.
 extern "C" __global__ void __launch_bounds__(256)
     w8a8_reduce(const float* __restrict__ part, u32 splits, u32 rows, u32 tile_tokens, u32 out,
-                u32 n, float* __restrict__ y, u32 zero_lo) {
+                u32 n, float* y, u32 zero_lo, const u16* __restrict__ bias, const float* res) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u64 per_block = (u64)n * rows;
     const u64 b = i / per_block, rem = i - b * per_block;
@@ -156,7 +287,8 @@ extern "C" __global__ void __launch_bounds__(256)
     const float* p = part + b * splits * rows * tile_tokens + (u64)tok * rows + r;
     float v = 0.0f;
     for (u32 s = 0; s < splits; ++s) v += p[(u64)s * rows * tile_tokens];
-    y[(u64)tok * out + row] = v;
+    const u64 at = (u64)tok * out + row;
+    y[at] = finish(v, bias, res, (u32)row, at);
     if (zero_lo) y[(u64)(n + tok) * out + row] = 0.0f;
 }
 
@@ -164,8 +296,8 @@ template <int NT>
 __device__ __forceinline__ void w8a8_mma_body(
     const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0, u32 out, u32 inp,
     const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,
-    u32 chunk, float* __restrict__ y, float* __restrict__ ylo, float* __restrict__ part,
-    u32* __restrict__ counters) {
+    u32 chunk, float* y, float* __restrict__ ylo, float* __restrict__ part,
+    u32* __restrict__ counters, const u16* __restrict__ bias, const float* res) {
     extern __shared__ __align__(16) u8 smem[];
     const u32 T = 8 * NT;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
@@ -176,8 +308,6 @@ __device__ __forceinline__ void w8a8_mma_body(
     const u32 tile = blockIdx.x * MMA_ROWS + warp * 16;
     const u32 rlo = tile + g, rhi = rlo + 8;
     const bool oklo = rlo < out, okhi = rhi < out, okt = tile < out;
-    const u8* wlo = w + (u64)(row0 + (oklo ? rlo : 0u)) * inp + 32u * t;
-    const u8* whi = w + (u64)(row0 + (okhi ? rhi : 0u)) * inp + 32u * t;
     // the 16 rows of a tile lie in one 128-row block of scales (row0 is a multiple of 16)
     const float* wsr = wsc + (u64)((row0 + (okt ? tile : 0u)) >> 7) * groups;
     // staged activations: token rows of `chunk` groups, 16 bytes more per row so that the 8
@@ -185,6 +315,8 @@ __device__ __forceinline__ void w8a8_mma_body(
     const u32 stride = chunk * 128u + 16u;
     u8* xb = smem;
     float* xsb = reinterpret_cast<float*>(smem + T * stride);
+    const u8* wlo = w + (u64)(row0 + (oklo ? rlo : 0u)) * inp + 32u * t;
+    const u8* whi = w + (u64)(row0 + (okhi ? rhi : 0u)) * inp + 32u * t;
     float acc[NT][4];
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
@@ -255,7 +387,8 @@ __device__ __forceinline__ void w8a8_mma_body(
             }
         }
     }
-    store_acc<NT, MMA_ROWS>(acc, y, ylo, part, counters, out, n, splits, tile, g, t, warp, oklo, okhi);
+    store_acc<NT, MMA_ROWS>(acc, y, ylo, part, counters, out, n, splits, tile, g, t, warp, oklo, okhi,
+                            bias, res);
 }
 
 // ---- The same products by Hopper's warpgroup mma (compiled for sm_90a only) ----------------
@@ -279,13 +412,6 @@ __device__ __forceinline__ void w8a8_mma_body(
 
 #define WG_WARPS 8
 #define WG_ROWS (16 * WG_WARPS)
-
-// a shared-memory address in the shared window
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{\n.reg .u64 t;\ncvta.to.shared.u64 t, %1;\ncvt.u32.u64 %0, t;\n}\n" : "=r"(a) : "l"(p));
-    return a;
-}
 
 // the matrix descriptor of canonical K-major tiles without swizzle: the leading byte offset
 // between the two core matrices of a step's 32 inputs, the stride byte offset between token
@@ -429,8 +555,8 @@ template <int NT>
 __device__ __forceinline__ void w8a8_wgmma_body(
     const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0, u32 out, u32 inp,
     const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,
-    u32 chunk, float* __restrict__ y, float* __restrict__ ylo, float* __restrict__ part,
-    u32* __restrict__ counters) {
+    u32 chunk, float* y, float* __restrict__ ylo, float* __restrict__ part,
+    u32* __restrict__ counters, const u16* __restrict__ bias, const float* res) {
     extern __shared__ __align__(128) u8 smem[];
     __shared__ __align__(8) u64 full[2];
     const u32 T = 8 * NT;
@@ -442,8 +568,6 @@ __device__ __forceinline__ void w8a8_wgmma_body(
     const u32 tile = blockIdx.x * WG_ROWS + warp * 16;
     const u32 rlo = tile + g, rhi = rlo + 8;
     const bool oklo = rlo < out, okhi = rhi < out, okt = tile < out;
-    const u8* wlo = w + (u64)(row0 + (oklo ? rlo : 0u)) * inp + 32u * t;
-    const u8* whi = w + (u64)(row0 + (okhi ? rhi : 0u)) * inp + 32u * t;
     const float* wsr = wsc + (u64)((row0 + (okt ? tile : 0u)) >> 7) * groups;
     // two buffers, each a chunk of groups (1024 NT bytes each), then their scales [group][token]
     const u32 group_bytes = 128u * T;
@@ -471,7 +595,10 @@ __device__ __forceinline__ void w8a8_wgmma_body(
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
     }
-    Frag a = load_frag(wlo + (u64)g0 * 128u, whi + (u64)g0 * 128u, oklo && g0 < g1, okhi && g0 < g1);
+    // the weight ring after the two buffers
+    const WRing ring = ring_of(smem + 2u * buf_bytes, w, row0 + tile, row0 + out, inp, warp, lane);
+    ring_start(ring, g0, g1);
+    u32 slot = 0;
     for (u32 ci = 0; ci < chunks; ++ci) {
         const u32 c0 = g0 + ci * chunk, cg = min(chunk, g1 - c0);
         // the other buffer was last read by the chunk before, which every thread finished
@@ -480,13 +607,7 @@ __device__ __forceinline__ void w8a8_wgmma_body(
         const u32 xb_addr = base + (ci & 1u) * buf_bytes;
         const float* xsb = reinterpret_cast<const float*>(smem + (ci & 1u) * buf_bytes + chunk * group_bytes);
         for (u32 gi = 0; gi < cg; ++gi) {
-            Frag f = a;
-            if (c0 + gi + 1 < g1) {
-                // the next group's weights (the next chunk's first) requested before this one's
-                // sums
-                const u64 next = (u64)(c0 + gi + 1) * 128u;
-                a = load_frag(wlo + next, whi + next, oklo, okhi);
-            }
+            Frag f = ring_next(ring, g0, g1, c0 + gi - g0, slot);
             const float ws = okt ? wsr[c0 + gi] : 0.0f;
             const u32 ga = xb_addr + gi * group_bytes;
             const u32 lead = NT * 128u;
@@ -520,7 +641,8 @@ __device__ __forceinline__ void w8a8_wgmma_body(
         }
         __syncthreads();  // this buffer is no longer read: the chunk after next may land in it
     }
-    store_acc<NT, WG_ROWS>(acc, y, ylo, part, counters, out, n, splits, tile, g, t, warp, oklo, okhi);
+    store_acc<NT, WG_ROWS>(acc, y, ylo, part, counters, out, n, splits, tile, g, t, warp, oklo, okhi,
+                           bias, res);
 }
 
 #define W8A8_WGMMA(NT)                                                                         \
@@ -528,20 +650,23 @@ __device__ __forceinline__ void w8a8_wgmma_body(
         w8a8_wgmma_##NT(const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0,    \
                         u32 out, u32 inp, const u8* __restrict__ xq,                          \
                         const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,          \
-                        u32 chunk, float* __restrict__ y, u32 zero_lo,                        \
-                        float* __restrict__ part, u32* __restrict__ counters) {               \
+                        u32 chunk, float* y, u32 zero_lo, float* __restrict__ part,           \
+                        u32* __restrict__ counters, const u16* __restrict__ bias,             \
+                        const float* res) {                                                   \
         w8a8_wgmma_body<NT>(w, wsc, row0, out, inp, xq, xsc, xs_grp, n, slice, chunk, y,      \
-                            zero_lo ? y + (u64)n * out : nullptr, part, counters);            \
+                            zero_lo ? y + (u64)n * out : nullptr, part, counters, bias, res); \
     }
 
 #define W8A8_MMA(NT)                                                                           \
-    extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, NT <= 3 ? 4 : 2) w8a8_mma_##NT(           \
-        const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0, u32 out, u32 inp,  \
-        const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n,          \
-        u32 slice, u32 chunk, float* __restrict__ y, u32 zero_lo, float* __restrict__ part,   \
-        u32* __restrict__ counters) {                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, NT <= 3 ? 4 : 2)              \
+        w8a8_mma_##NT(const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0,      \
+                      u32 out, u32 inp, const u8* __restrict__ xq,                            \
+                      const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice, u32 chunk, \
+                      float* y, u32 zero_lo, float* __restrict__ part,                        \
+                      u32* __restrict__ counters, const u16* __restrict__ bias,               \
+                      const float* res) {                                                     \
         w8a8_mma_body<NT>(w, wsc, row0, out, inp, xq, xsc, xs_grp, n, slice, chunk, y,        \
-                          zero_lo ? y + (u64)n * out : nullptr, part, counters);              \
+                          zero_lo ? y + (u64)n * out : nullptr, part, counters, bias, res);   \
     }
 W8A8_MMA(1)
 W8A8_MMA(2)

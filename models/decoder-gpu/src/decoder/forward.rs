@@ -19,7 +19,8 @@ use super::moe::{moe_layer, MoeScratch};
 use super::rank::{all_reduce, all_reduce_in_place, order, ptr, Dims, RankBind, RankState};
 use crate::blas::gemm;
 use crate::kernels::{launch, Arg};
-use crate::w8a8::W8a8Scratch;
+use crate::w8a8::{Finish, W8a8Scratch};
+use crate::weights::MatAt;
 
 /// Inputs of one forward pass of one replica (the same on every rank of a group); sequence
 /// indices are the replica's own cache slots.
@@ -515,6 +516,38 @@ impl<'a> Pass<'a> {
         unsafe { self.kernel(&self.st.k.combine_cols, cfg, &args, "combine_cols") }
     }
 
+    /// The row-parallel product of `xs` by `w` (`h × inp`) added to the residual `x`: written
+    /// so by the W8A8 kernel itself where it takes the product on a rank that holds the whole
+    /// sum (no tensor-parallel partial to all-reduce), else through `y2` and [`Pass::finish`].
+    ///
+    /// # Safety
+    /// `w` of `h × inp` inside the bound buffer; the pass's addresses and sizes (its invariant).
+    unsafe fn row_parallel(&mut self, w: MatAt, inp: usize) -> Result<(), CudaError> {
+        let (n, h, rank) = (self.z.n, self.z.h, self.ctx.rank);
+        let (xs, y2, x) = (
+            self.at(&self.sc.xs),
+            self.at(&self.sc.y2),
+            self.at(&self.sc.x),
+        );
+        let fin = self.sc.partial.is_none().then_some(Finish {
+            out: x,
+            bias: None,
+            res: Some(x),
+        });
+        let act = (self.sc.w8a8.as_ref(), false);
+        let (s, base) = (self.s(), self.bind.base);
+        // SAFETY: per the caller; x holds n × h f32.
+        let done = unsafe {
+            self.st
+                .wgemm_to(s, base, w, xs, y2, (h, 2 * n, inp), act, fin, rank)?
+        };
+        if done {
+            Ok(())
+        } else {
+            self.finish()
+        }
+    }
+
     /// A row-parallel product's output `y2 [2n × h]` added to the residual `x` (over the group:
     /// rank 0 adds the residual to its partial sum, then the all-reduce).
     fn finish(&mut self) -> Result<(), CudaError> {
@@ -595,12 +628,23 @@ impl<'a> Pass<'a> {
                 self.combine_cols(kb, lw.k_b, (ld, qw, kvw))?;
                 self.combine_cols(vb, lw.v_b, (ld, qw + kvw, kvw))?;
             } else {
-                st.wgemm(s, base, lw.q_w, xs, y2, (qw, 2 * n, h), (w8, false), rank)?;
-                self.combine_into(q, lw.q_b, qw)?;
-                st.wgemm(s, base, lw.k_w, xs, y2, (kvw, 2 * n, h), (w8, true), rank)?;
-                self.combine_into(kb, lw.k_b, kvw)?;
-                st.wgemm(s, base, lw.v_w, xs, y2, (kvw, 2 * n, h), (w8, true), rank)?;
-                self.combine_into(vb, lw.v_b, kvw)?;
+                // each product into its buffer with its bias: by the W8A8 kernel itself where
+                // it takes it, else by combine
+                for (wm, out, bias, width, again) in [
+                    (lw.q_w, q, lw.q_b, qw, false),
+                    (lw.k_w, kb, lw.k_b, kvw, true),
+                    (lw.v_w, vb, lw.v_b, kvw, true),
+                ] {
+                    let fin = Finish {
+                        out,
+                        bias: bias.map(|b| self.wp(b)),
+                        res: None,
+                    };
+                    let dims = (width, 2 * n, h);
+                    if !st.wgemm_to(s, base, wm, xs, y2, dims, (w8, again), Some(fin), rank)? {
+                        self.combine_into(out, bias, width)?;
+                    }
+                }
             }
             if let Some((qn, kn)) = lw.qk_norm {
                 for (buf, w, heads) in [(q, qn, n * qh), (kb, kn, n * kvh)] {
@@ -677,9 +721,9 @@ impl<'a> Pass<'a> {
                 KvDtype::Fp8 => &k.attention_fp8,
             };
             self.kernel(attention, cfg, &args, "attention")?;
-            st.wgemm(s, base, lw.o_w, xs, y2, (h, 2 * n, qw), (w8, false), rank)?;
         }
-        self.finish()
+        // SAFETY: o_w is h × qw; the pass's addresses and sizes (its invariant).
+        unsafe { self.row_parallel(lw.o_w, qw) }
     }
 
     /// Layer `l`'s feed-forward part: post-attention norm, then the SwiGLU MLP (gate and up
@@ -726,9 +770,9 @@ impl<'a> Pass<'a> {
                 let cfg = self.elementwise(n * f);
                 self.kernel(&k.swiglu_split, cfg, &args, "swiglu_split")?;
             }
-            st.wgemm(s, base, lw.down_w, xs, y2, (h, 2 * n, f), (w8, false), rank)?;
         }
-        self.finish()
+        // SAFETY: down_w is h × f; the pass's addresses and sizes (its invariant).
+        unsafe { self.row_parallel(lw.down_w, f) }
     }
 
     /// A mixture-of-experts layer ([`moe_layer`]): the experts' sum plus the residual (rank 0

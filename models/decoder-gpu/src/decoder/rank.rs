@@ -16,7 +16,7 @@ use crate::blas::gemm;
 use crate::download::Downloads;
 use crate::fp8::{fp8_gemm, Fp8Kernels, Fp8Scratch, Fp8Weight, GEMV_TOKENS};
 use crate::kernels::DecoderKernels;
-use crate::w8a8::{w8a8_gemm, W8a8Gemm, W8a8Limits, W8a8Scratch, W8a8Through};
+use crate::w8a8::{w8a8_gemm, Finish, W8a8Gemm, W8a8Limits, W8a8Scratch, W8a8Through};
 use crate::weights::{MatAt, RankOffsets};
 use lifecycle_decoder::KvDtype;
 use lifecycle_layout::fp8::Fp8Compute;
@@ -120,10 +120,33 @@ impl RankState {
         w: MatAt,
         x: u64,
         y: u64,
-        (out, rows, inp): (usize, usize, usize),
-        (act, same_input): (Option<&W8a8Scratch>, bool),
+        dims: (usize, usize, usize),
+        act: (Option<&W8a8Scratch>, bool),
         rank: usize,
     ) -> Result<(), CudaError> {
+        // SAFETY: forwarded to the caller.
+        unsafe { self.wgemm_to(s, base, w, x, y, dims, act, None, rank) }.map(|_| ())
+    }
+
+    /// As [`RankState::wgemm`], and where `fin` is given and a W8A8 tensor-core kernel takes
+    /// the product, that kernel writes [`Finish`]'s output itself (`y` untouched): `true`;
+    /// otherwise `y` holds the split output, for the caller to finish: `false`.
+    ///
+    /// # Safety
+    /// As [`RankState::wgemm`], and `fin`'s buffers of its sizes (`rows / 2` rows of `out`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn wgemm_to(
+        &self,
+        s: &Arc<CudaStream>,
+        base: u64,
+        w: MatAt,
+        x: u64,
+        y: u64,
+        (out, rows, inp): (usize, usize, usize),
+        (act, same_input): (Option<&W8a8Scratch>, bool),
+        fin: Option<Finish>,
+        rank: usize,
+    ) -> Result<bool, CudaError> {
         // a new input: what the scratch holds of the last one is stale (cleared before the bf16
         // products too, whose input a later fp8 product may share)
         if !same_input {
@@ -134,7 +157,8 @@ impl RankState {
         }
         let Some(f) = w.fp8 else {
             // SAFETY: forwarded to the caller.
-            return unsafe { gemm(&self.blas, base + 2 * w.off, x, y, out, rows, inp, rank) };
+            return unsafe { gemm(&self.blas, base + 2 * w.off, x, y, out, rows, inp, rank) }
+                .map(|()| false);
         };
         let k = self.fp8.as_ref().ok_or_else(|| {
             CudaError::Invalid("fp8 weights bound without the fp8 kernels".into())
@@ -167,6 +191,7 @@ impl RankState {
                     y,
                     (out, rows, inp),
                     through,
+                    fin,
                     self.w8a8_limits,
                     rank,
                 )
@@ -199,7 +224,7 @@ impl RankState {
         if gemv {
             self.x32_joined.set(true);
         }
-        Ok(())
+        Ok(false)
     }
 }
 

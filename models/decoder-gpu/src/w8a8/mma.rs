@@ -20,9 +20,9 @@
 //! cuBLASLt's block-scaled GEMM ([`crate::w8a8`]) reads the weights of these products at about
 //! half the device's rate at these token counts; these kernels are built for them.
 //!
-//! The launch shape ([`MmaShape::of`]) depends on the product's rows and inputs and on the
-//! device's SM count, not on its tokens: a row's sum is split over the same input slices, and
-//! added in the same order, whatever the batch.
+//! The launch shape ([`MmaShape::of`]) depends on the product's rows and inputs, the kernel
+//! family and the device's SM count, not on its tokens: within a family a row's sum is split over
+//! the same input slices, and added in the same order, whatever the batch.
 
 use std::sync::{Arc, Mutex};
 
@@ -75,14 +75,71 @@ const STAGE_BYTES: usize = 32 << 10;
 /// 48 KiB of dynamic shared memory).
 const WGMMA_STAGE_BYTES: usize = 16 << 10;
 
+/// Groups of 128 inputs of its rows' weights each warp of the warpgroup kernel has in flight or
+/// landed in its ring of shared memory (`W_STAGES` of kernels/w8a8_mma.cu, which must agree).
+const WEIGHT_STAGES: usize = 3;
+
+/// The weight ring of a block of `block_rows` rows: [`WEIGHT_STAGES`] slots of 16 rows × 128
+/// bytes per warp.
+const fn ring_bytes(block_rows: usize) -> usize {
+    WEIGHT_STAGES * block_rows * 128
+}
+
+/// The most dynamic shared memory a launch of the kernel of `nt` token tiles takes (its
+/// activation chunk at the most groups; the attribute is set to it where it passes the default
+/// 48 KiB).
+fn most_shared(nt: usize, wgmma: bool) -> usize {
+    let block_rows = if wgmma { WGMMA_BLOCK_ROWS } else { BLOCK_ROWS };
+    let chunk = if wgmma {
+        WGMMA_STAGE_BYTES / (8 * nt * 128)
+    } else {
+        STAGE_BYTES / (8 * nt * 256)
+    }
+    .max(1);
+    MmaShape {
+        nt,
+        wgmma,
+        block_rows,
+        row_blocks: 1,
+        splits: 1,
+        slice: chunk,
+        chunk,
+    }
+    .shared_bytes()
+}
+
+/// The warpgroup kernels (one per [`WGMMA_TILES`] entry) allowed the dynamic shared memory their
+/// largest launch takes ([`most_shared`]) where it passes the default 48 KiB.
+fn allow_shared(kernels: Vec<CudaFunction>, rank: usize) -> Result<Vec<CudaFunction>, CudaError> {
+    use lifecycle_cuda::cudarc::driver::sys::CUfunction_attribute;
+    for (k, &nt) in kernels.iter().zip(WGMMA_TILES.iter()) {
+        let bytes = most_shared(nt, true);
+        if bytes > 48 << 10 {
+            k.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .map_err(|e| {
+                CudaError::driver(
+                    rank,
+                    format!("allowing w8a8_wgmma_{nt} {bytes} bytes of shared memory"),
+                    0,
+                    e,
+                )
+            })?;
+        }
+    }
+    Ok(kernels)
+}
+
 /// Tokens up to which a split product's last block of a row range adds its slices (at most 512
 /// values a block, as before `w8a8_reduce` existed: its launch per split product cost W8A8
 /// decode at 1–8 sequences about 5 % on an H200, BENCHMARKS.md); beyond, `w8a8_reduce` does
 /// (at 64 tokens one block adding 28 slices took ~44 µs).
 pub(crate) const REDUCE_IN_KERNEL_TOKENS: usize = 8;
 
-/// Blocks per SM the split of the inputs aims at (enough weight loads in flight to stream at the
-/// device's rate).
+/// Blocks of 64 rows per SM the split of the inputs aims at (enough weight loads in flight to
+/// stream at the device's rate).
 const BLOCKS_PER_SM: usize = 4;
 
 /// How one product is launched.
@@ -106,9 +163,10 @@ pub(crate) struct MmaShape {
 
 impl MmaShape {
     /// The shape of `out × tokens × inp` (`inp` a multiple of 128, 1 ≤ `tokens` ≤
-    /// [`MMA_TOKENS`]) on a device of `sms` SMs: the inputs split until the blocks fill
-    /// [`BLOCKS_PER_SM`] per SM (or every slice is one group); `wgmma` for the warpgroup
-    /// kernels, whose token tiles come in powers of two.
+    /// [`MMA_TOKENS`]) on a device of `sms` SMs: the inputs split over slices (at most one per
+    /// group) until the blocks fill [`BLOCKS_PER_SM`] blocks of 64 rows per SM (the `mma.sync`
+    /// kernel), or into as many as fit in them (the warpgroup kernel: `wgmma`, whose blocks
+    /// count twice and whose token tiles come in powers of two).
     pub(crate) fn of(out: usize, tokens: usize, inp: usize, sms: usize, wgmma: bool) -> Self {
         let groups = (inp / 128).max(1);
         let nt = if wgmma {
@@ -118,8 +176,17 @@ impl MmaShape {
         };
         let block_rows = if wgmma { WGMMA_BLOCK_ROWS } else { BLOCK_ROWS };
         let row_blocks = out.div_ceil(block_rows).max(1);
-        // blocks of 64 rows per SM: a warpgroup block counts twice
-        let want = (BLOCKS_PER_SM * sms.max(1) * BLOCK_ROWS / block_rows).div_ceil(row_blocks);
+        let slots = BLOCKS_PER_SM * sms.max(1) * BLOCK_ROWS / block_rows;
+        let want = if wgmma {
+            // as many slices as keep every block resident at once: no second wave, whose few
+            // blocks would stream alone (its weights come through a ring deep enough to stream
+            // from fewer blocks)
+            slots / row_blocks
+        } else {
+            // at least the blocks that fill the SMs: more loads in flight (each warp requests
+            // one group ahead), a short second wave included
+            slots.div_ceil(row_blocks)
+        };
         let slice = groups.div_ceil(want.clamp(1, groups));
         let splits = groups.div_ceil(slice);
         let chunk = if wgmma {
@@ -141,13 +208,18 @@ impl MmaShape {
 
     /// Dynamic shared memory of a block: the staged activations (the `mma.sync` kernel's token
     /// rows padded by 16 bytes; the warpgroup kernel's in its core matrices, twice) and their
-    /// scales.
+    /// scales; the warpgroup kernel's weight ring ([`ring_bytes`]) after them.
     pub(crate) fn shared_bytes(&self) -> usize {
         let tokens = 8 * self.nt;
-        if self.wgmma {
+        let acts = if self.wgmma {
             2 * (tokens * self.chunk * 128 + tokens * self.chunk * 4)
         } else {
             tokens * (self.chunk * 128 + 16) + tokens * self.chunk * 4
+        };
+        if self.wgmma {
+            acts + ring_bytes(self.block_rows)
+        } else {
+            acts
         }
     }
 
@@ -227,6 +299,18 @@ impl MmaKernels {
         } else {
             None
         };
+        let wgmma = match wgmma.map(|k| allow_shared(k, ctx.rank)) {
+            Some(Ok(k)) => Some(k),
+            Some(Err(e)) => {
+                tracing::warn!(
+                    rank = ctx.rank,
+                    "the warpgroup W8A8 kernels cannot take their shared memory ({e}); W8A8 \
+                     products of more than 8 tokens take cuBLASLt's GEMM or the mma.sync kernel"
+                );
+                None
+            }
+            None => None,
+        };
         Ok(Some(MmaKernels {
             kernels: (1..=MMA_TOKENS / 8)
                 .map(|nt| m.function(&format!("w8a8_mma_{nt}")))
@@ -249,18 +333,23 @@ impl MmaKernels {
     /// `mma.sync` kernel, for [`ActLayout::Tiles`] of [`wgmma_tiles`]`(tokens)` the warpgroup
     /// one, which must be loaded: [`MmaKernels::has_wgmma`]), `w` rows `row0 .. row0 + out` of a
     /// block-scaled e4m3 matrix ([`mma_reads`] must hold). With `zero_lo` the `tokens` rows
-    /// after `y`'s (the lo rows of a split product) are written 0.
+    /// after `y`'s (the lo rows of a split product) are written 0. `(bias, res)` (0 for none):
+    /// each output is written as (sum + bias) + res, `bias` bf16 per output column, `res` f32 of
+    /// `y`'s shape (it may be `y` itself).
     ///
     /// # Safety
     /// The addresses must be device memory of this context: `w` its matrix and scales, `xq` and
     /// `xsc` the layout's bytes and scales of `layout.padded(tokens)` tokens, `y` `tokens · out`
-    /// f32 (twice that with `zero_lo`), alive until the stream ran the product.
+    /// f32 (twice that with `zero_lo`), `bias` `out` bf16 and `res` `tokens · out` f32 where not
+    /// 0, alive until the stream ran the product.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn gemm(
         &self,
         stream: &Arc<CudaStream>,
         w: Fp8Weight,
         (xq, xsc, layout): (u64, u64, ActLayout),
         (y, zero_lo): (u64, bool),
+        (bias, res): (u64, u64),
         (out, tokens, inp): (usize, usize, usize),
         rank: usize,
     ) -> Result<(), CudaError> {
@@ -364,6 +453,8 @@ impl MmaKernels {
             Arg::U32(u32::from(zero_lo)),
             Arg::U64(part),
             Arg::U64(counters),
+            Arg::U64(bias),
+            Arg::U64(res),
         ];
         let kernel = match wg {
             Some(k) => WGMMA_TILES
@@ -403,10 +494,13 @@ impl MmaKernels {
             Arg::U32(tokens as u32),
             Arg::U64(y),
             Arg::U32(u32::from(zero_lo)),
+            Arg::U64(bias),
+            Arg::U64(res),
         ];
         // SAFETY: the argument list matches w8a8_reduce; it reads the partials the product
         // above wrote (every row block and slice, the first `tokens` of 8 · nt tokens) and
-        // writes y as the product would have (tokens · out f32, twice with zero_lo).
+        // writes y as the product would have (tokens · out f32, twice with zero_lo; bias and res
+        // read as the product would have).
         unsafe { launch(stream, &self.reduce, cfg, &args, rank, "w8a8_reduce") }
     }
 
@@ -425,16 +519,24 @@ mod tests {
         // 7.6B shapes on an H200 (132 SMs)
         for (out, inp) in [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)] {
             let one = MmaShape::of(out, 1, inp, 132, false);
+            let wg_one = MmaShape::of(out, 1, inp, 132, true);
             for tokens in [2, 8, 9, 33, 64] {
                 let s = MmaShape::of(out, tokens, inp, 132, false);
                 assert_eq!((s.splits, s.slice), (one.splits, one.slice), "{out}x{inp}");
                 assert!(s.nt * 8 >= tokens && s.nt * 8 < tokens + 8);
-                assert!(s.shared_bytes() <= 48 << 10, "{s:?}");
+                assert!(s.shared_bytes() <= most_shared(s.nt, false), "{s:?}");
+                assert!(most_shared(s.nt, false) <= 48 << 10, "{s:?}");
                 let w = MmaShape::of(out, tokens, inp, 132, true);
-                assert_eq!((w.splits, w.slice), (one.splits, one.slice), "{out}x{inp}");
+                assert_eq!(
+                    (w.splits, w.slice),
+                    (wg_one.splits, wg_one.slice),
+                    "{out}x{inp}"
+                );
                 assert!(WGMMA_TILES.contains(&w.nt) && w.nt * 8 >= tokens, "{w:?}");
                 assert!(w.nt * 4 < tokens + 8, "{w:?}: more than twice the tiles");
-                assert!(w.shared_bytes() <= 48 << 10, "{w:?}");
+                assert!(w.shared_bytes() <= most_shared(w.nt, true), "{w:?}");
+                // two blocks an SM within an H100's or H200's 227 KiB
+                assert!(2 * most_shared(w.nt, true) <= 227 << 10, "{w:?}");
             }
             assert!(one.splits * one.slice >= inp / 128);
             assert!(
@@ -442,10 +544,30 @@ mod tests {
                 "an empty slice: {one:?}"
             );
         }
-        // many rows: no split; few: split until the blocks fill the device
+        // many rows: no split; few: split until the blocks fill the device (mma.sync), or as
+        // far as every block stays resident (warpgroup)
         assert_eq!(MmaShape::of(37888, 8, 3584, 132, false).splits, 1);
         let s = MmaShape::of(3584, 8, 3584, 132, false);
         assert!(s.row_blocks * s.splits >= 4 * 132 - s.row_blocks, "{s:?}");
+        assert_eq!(MmaShape::of(18944, 16, 3584, 132, true).splits, 1);
+        for (out, inp) in [(3584, 3584), (3584, 18944), (512, 3584)] {
+            let s = MmaShape::of(out, 16, inp, 132, true);
+            let blocks = s.row_blocks * s.splits;
+            assert!(blocks <= 2 * 132, "{s:?}: a second wave");
+            assert!(
+                blocks > 132 || s.slice == 1,
+                "{s:?}: fewer than half the blocks that fit"
+            );
+        }
         assert_eq!(MmaShape::of(256, 64, 128, 132, true).splits, 1);
+    }
+
+    #[test]
+    fn the_ring_stages_are_the_kernels() {
+        let define = W8A8_MMA_KERNEL_SRC
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("#define W_STAGES "))
+            .and_then(|v| v.trim().parse::<usize>().ok());
+        assert_eq!(define, Some(WEIGHT_STAGES));
     }
 }

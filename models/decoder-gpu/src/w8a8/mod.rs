@@ -148,13 +148,30 @@ pub(crate) struct W8a8Through<'a> {
     pub same_input: bool,
 }
 
+/// A W8A8 product's output written by the product itself ([`w8a8_gemm`]'s `fin`): `out[tokens ×
+/// width]` (f32, `width` the product's rows) = (sum + `bias`) + `res`, `bias` bf16 per column and
+/// `res` f32 of `out`'s shape (it may be `out` itself), each where given: what the decoder's
+/// `combine` of the split output would write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Finish {
+    /// The f32 output.
+    pub out: u64,
+    /// bf16 bias per output column.
+    pub bias: Option<u64>,
+    /// f32 residual.
+    pub res: Option<u64>,
+}
+
 /// `y[rows × out] = x[rows × inp] · wᵀ` in W8A8 for split bf16 `x` (hi rows, then lo rows) and
 /// f32 `y` (its lo rows written 0): the activations quantised per token group (once per input:
 /// [`W8a8Through::same_input`]), then, by `limits` ([`W8a8Limits::path`]), the weight-streaming
-/// kernel on their dequantised values, a tensor-core kernel or the block-scaled GEMM.
+/// kernel on their dequantised values, a tensor-core kernel or the block-scaled GEMM. With `fin`
+/// a tensor-core kernel writes [`Finish`]'s output instead (`y` untouched) and the result is
+/// `true`; `false`: `y` was written, for the caller to finish.
 ///
 /// # Safety
-/// As [`crate::fp8::fp8_gemm`], and `through.act` holding `rows / 2` tokens of `inp` inputs.
+/// As [`crate::fp8::fp8_gemm`], `through.act` holding `rows / 2` tokens of `inp` inputs, and
+/// `fin`'s buffers of its sizes.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn w8a8_gemm(
     stream: &Arc<CudaStream>,
@@ -165,9 +182,10 @@ pub(crate) unsafe fn w8a8_gemm(
     y: u64,
     (out, rows, inp): (usize, usize, usize),
     through: W8a8Through<'_>,
+    fin: Option<Finish>,
     limits: W8a8Limits,
     rank: usize,
-) -> Result<(), CudaError> {
+) -> Result<bool, CudaError> {
     let tokens = rows / 2;
     if !rows.is_multiple_of(2) {
         return Err(CudaError::Invalid(format!(
@@ -208,7 +226,7 @@ pub(crate) unsafe fn w8a8_gemm(
                 deq,
                 rank,
             )?;
-            fp8_gemv(stream, k, w, x32, y, (out, tokens, inp), rank)
+            fp8_gemv(stream, k, w, x32, y, (out, tokens, inp), rank).map(|()| false)
         };
     }
     let (xq, xsc, held) = through.act.ok_or_else(|| {
@@ -242,18 +260,34 @@ pub(crate) unsafe fn w8a8_gemm(
         held.set(Some(layout));
     }
     // SAFETY: the scratch holds this input's quantisation (written above or by the previous
-    // product of the same input); y 2 · tokens rows of out f32.
+    // product of the same input); y 2 · tokens rows of out f32, fin's buffers per the caller.
     unsafe {
-        match mma {
-            Some(m) => m.gemm(
-                stream,
-                w,
-                (xq, xsc, layout),
-                (y, true),
-                (out, tokens, inp),
-                rank,
-            ),
-            None => lt_gemm.gemm(stream, k, w, (xq, xsc), y, (out, tokens, inp), rank),
+        match (mma, fin) {
+            (Some(m), Some(f)) => m
+                .gemm(
+                    stream,
+                    w,
+                    (xq, xsc, layout),
+                    (f.out, false),
+                    (f.bias.unwrap_or(0), f.res.unwrap_or(0)),
+                    (out, tokens, inp),
+                    rank,
+                )
+                .map(|()| true),
+            (Some(m), None) => m
+                .gemm(
+                    stream,
+                    w,
+                    (xq, xsc, layout),
+                    (y, true),
+                    (0, 0),
+                    (out, tokens, inp),
+                    rank,
+                )
+                .map(|()| false),
+            (None, _) => lt_gemm
+                .gemm(stream, k, w, (xq, xsc), y, (out, tokens, inp), rank)
+                .map(|()| false),
         }
     }
 }

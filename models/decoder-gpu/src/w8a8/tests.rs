@@ -215,6 +215,7 @@ fn mma_twice(
                 weight,
                 (qd, scd, layout),
                 (ptr(yd, s), false),
+                (0, 0),
                 (out, tokens, inp),
                 0,
             )?
@@ -506,6 +507,19 @@ fn block_scaled_gemm_matches_the_host_sums() -> Result<(), Box<dyn std::error::E
                     ));
                 }
             }
+            // a finished product's bias (bf16 per output) and output, and what reads the weight
+            let bias: Vec<bf16> = (0..out)
+                .map(|o| bf16::from_f32((o % 7) as f32 * 0.125 - 0.5))
+                .collect();
+            let bias_d = s.clone_htod(&bias).map_err(up("bias"))?;
+            // SAFETY: written (the residual) before each product reads it.
+            let mut fd = unsafe { alloc_device::<f32>(s, tokens * out, 0, "finished output")? };
+            let readers = W8a8Readers {
+                mma: lt.mma.is_some() && mma_reads(&weight, inp),
+                wgmma: lt.mma.as_ref().is_some_and(|m| m.has_wgmma()),
+                lt: lt_reads(&weight),
+                small: out * inp <= SMALL_WEIGHT,
+            };
             let held = Cell::new(None);
             for ((limits, path), same_input) in
                 limits.into_iter().flat_map(|l| [(l, false), (l, true)])
@@ -522,7 +536,7 @@ fn block_scaled_gemm_matches_the_host_sums() -> Result<(), Box<dyn std::error::E
                     same_input,
                 };
                 // SAFETY: as above.
-                unsafe {
+                let finished = unsafe {
                     w8a8_gemm(
                         s,
                         &lt,
@@ -532,19 +546,87 @@ fn block_scaled_gemm_matches_the_host_sums() -> Result<(), Box<dyn std::error::E
                         ptr(&yd, s),
                         (out, 2 * tokens, inp),
                         through,
+                        None,
                         limits,
                         0,
-                    )?;
-                }
+                    )?
+                };
                 let y = s.clone_dtoh(&yd).map_err(up("y back"))?;
                 let path = &*format!("{path}{}", if same_input { ", input again" } else { "" });
+                if finished {
+                    return Err(CudaError::Invalid(format!(
+                        "{out}x{tokens}x{inp} {path}: finished without an output to finish"
+                    )));
+                }
                 let worst = check(&y[..tokens * out], path)?;
                 if y[tokens * out..].iter().any(|&v| v != 0.0) {
                     return Err(CudaError::Invalid(format!(
                         "{out}x{tokens}x{inp} {path}: lo rows not zero"
                     )));
                 }
-                found.push(format!("W8A8 product ({path}) within {worst:.1e}"));
+                // the same product writing its own output, a bias and a residual added (the
+                // residual buffer is the output, as a layer's residual stream): (y + bias) +
+                // residual bit for bit, where a tensor-core kernel takes it
+                let res: Vec<f32> = (0..tokens * out)
+                    .map(|i| (i % 23) as f32 * 0.25 - 2.0)
+                    .collect();
+                s.memcpy_htod(&res, &mut fd).map_err(up("residual"))?;
+                let fin = Finish {
+                    out: ptr(&fd, s),
+                    bias: Some(ptr(&bias_d, s)),
+                    res: Some(ptr(&fd, s)),
+                };
+                let through = W8a8Through {
+                    x32: Some(ptr(&x32, s)),
+                    act: Some((ptr(&qd, s), ptr(&scd, s), &held)),
+                    same_input: true,
+                };
+                // SAFETY: as above; fd holds tokens · out f32, bias_d out bf16.
+                let finished = unsafe {
+                    w8a8_gemm(
+                        s,
+                        &lt,
+                        &k,
+                        weight,
+                        ptr(&xd, s),
+                        ptr(&yd, s),
+                        (out, 2 * tokens, inp),
+                        through,
+                        Some(fin),
+                        limits,
+                        0,
+                    )?
+                };
+                let tensor_cores = matches!(
+                    limits.path(tokens, readers),
+                    W8a8Path::TensorCores | W8a8Path::Warpgroup
+                );
+                if finished != tensor_cores {
+                    return Err(CudaError::Invalid(format!(
+                        "{out}x{tokens}x{inp} {path}: finished {finished}, by the tensor-core \
+                         kernels {tensor_cores}"
+                    )));
+                }
+                if finished {
+                    let got = s.clone_dtoh(&fd).map_err(up("finished output back"))?;
+                    for (i, &g) in got.iter().enumerate() {
+                        let want = (y[i] + bias[i % out].to_f32()) + res[i];
+                        if g.to_bits() != want.to_bits() {
+                            return Err(CudaError::Invalid(format!(
+                                "{out}x{tokens}x{inp} {path}: finished output {i}: {g}, the \
+                                 product plus bias and residual {want}"
+                            )));
+                        }
+                    }
+                }
+                found.push(format!(
+                    "W8A8 product ({path}) within {worst:.1e}{}",
+                    if finished {
+                        ", finished in the kernel"
+                    } else {
+                        ""
+                    }
+                ));
             }
             let line = format!(
                 "{out} x {tokens} x {inp} from row {row0}: quantisation bit-identical; {} \
