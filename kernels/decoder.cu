@@ -20,6 +20,12 @@ __device__ __forceinline__ void split_store(u16* out, u64 i, u64 half_len, float
     out[half_len + i] = f2bf(v - bf(hi));
 }
 
+// What split_store writes of v, joined again: hi + lo.
+__device__ __forceinline__ float split_sum(float v) {
+    u16 hi = f2bf(v);
+    return bf(hi) + bf(f2bf(v - bf(hi)));
+}
+
 // The KV cache's element: f32, or bf16 (rounded to nearest even when stored).
 __device__ __forceinline__ float kv_get(const float* c, u64 i) { return c[i]; }
 __device__ __forceinline__ float kv_get(const u16* c, u64 i) { return bf(c[i]); }
@@ -73,13 +79,12 @@ extern "C" __global__ void embed(const u16* __restrict__ table, const u32* __res
 // the loops stop there, not predicated over NORM_HELD) are loaded at once into registers
 // (independent loads, not one round trip per element) and summed in that order, as one strided
 // loop would.
-extern "C" __global__ void __launch_bounds__(512)
-    rms_norm_split(const float* __restrict__ x, const u16* __restrict__ w,
-                   const u32* __restrict__ rows, u16* __restrict__ out, u32 m, u32 h, float eps) {
+// The RMSNorm of row xr [h] with weight w into row r of the split out (half_len m h); with
+// `kept`, each value's hi + lo there too (kept[c]).
+__device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr,
+                                             const u16* __restrict__ w, u16* __restrict__ out,
+                                             u32 r, u32 m, u32 h, float eps, float* kept) {
     __shared__ float red[32];
-    u32 r = blockIdx.x;
-    u32 src = rows ? rows[r] : r;
-    const float* xr = x + (u64)src * h;
     const u32 b = blockDim.x;
     const u32 per = (h + b - 1u) / b;
     float held[NORM_HELD];
@@ -105,16 +110,30 @@ extern "C" __global__ void __launch_bounds__(512)
         u32 c = threadIdx.x + i * b;
         wv[i] = c < h ? bf(w[c]) : 0.0f;
     }
+    const u64 half_len = (u64)m * h;
 #pragma unroll
     for (u32 i = 0; i < NORM_HELD; ++i) {
         if (i >= per) break;
         u32 c = threadIdx.x + i * b;
-        if (c < h) split_store(out, (u64)r * h + c, (u64)m * h, wv[i] * (held[i] * inv));
+        if (c < h) {
+            float v = wv[i] * (held[i] * inv);
+            split_store(out, (u64)r * h + c, half_len, v);
+            if (kept) kept[c] = split_sum(v);
+        }
     }
     for (u32 c = threadIdx.x + NORM_HELD * b; c < h; c += b) {
         float v = bf(w[c]) * (xr[c] * inv);
-        split_store(out, (u64)r * h + c, (u64)m * h, v);
+        split_store(out, (u64)r * h + c, half_len, v);
+        if (kept) kept[c] = split_sum(v);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(512)
+    rms_norm_split(const float* __restrict__ x, const u16* __restrict__ w,
+                   const u32* __restrict__ rows, u16* __restrict__ out, u32 m, u32 h, float eps) {
+    u32 r = blockIdx.x;
+    u32 src = rows ? rows[r] : r;
+    rms_norm_row(x + (u64)src * h, w, out, r, m, h, eps, nullptr);
 }
 
 // out[r, c] = y2[r, c] + y2[n + r, c] (+ bias[c]) (+ res[r, c]); y2 is [2n x m].
@@ -678,4 +697,191 @@ extern "C" __global__ void sample_rows(const float* __restrict__ x, const float*
 extern "C" __global__ void copy_words(const u32* __restrict__ src, u32* __restrict__ dst, u64 n) {
     u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] = src[i];
+}
+
+// ---- W8A8 activations (models/decoder-gpu/src/w8a8/quant.rs) --------------------------------
+//
+// Rows of n x inp values quantised per token in groups of 128 columns, as
+// lifecycle_layout::fp8::quantize_activation_groups: scale_inv = amax / 448 (1 for an all-zero
+// group, NaN once a value is not finite), byte = e4m3(v / scale_inv), the divisions IEEE-exact.
+// The bytes go to q [n_pad x inp] (tokens n .. n_pad zero: bytes 0, scale 1), the scales to
+// sc[t * sc_tok + g * sc_grp], and where deq is not null the dequantised values
+// e4m3(byte) * scale_inv to deq [n x inp]. With tiles > 0 (n_pad = 8 tiles, inp a multiple of
+// 128) the bytes lie as the warpgroup W8A8 kernel stages them (kernels/w8a8_mma.cu): per group,
+// its 32 input words w as core matrix w & 7 of 8 tokens x 16 bytes, word w >> 3 of its row, the
+// core matrices of the token tiles next to each other (tiled_offset). The quantisation kernels
+// live here, in the exact module, so that the ones fused into the norm and the SwiGLU see the
+// bits those kernels write.
+
+// The value of an e4m3 byte (0x7f / 0xff, NaN, never appear in a quantised activation).
+__device__ __forceinline__ float e4m3_val(u32 b) {
+    u32 e = (b >> 3) & 15u, m = b & 7u;
+    float v = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;
+    return (b & 0x80u) ? -v : v;
+}
+
+// The e4m3 byte of v (round to nearest even; |v| <= 448 after a group's scaling, NaN stays NaN):
+// the hardware conversion on sm_89 and later, else by integers as lifecycle_layout's
+// e4m3_from_f32.
+__device__ __forceinline__ u32 e4m3_rn(float v) {
+#if __CUDA_ARCH__ >= 890
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(v));
+    return (u32)(r & 0xffu);
+#else
+    u32 bits = __float_as_uint(v), sign = (bits >> 24) & 0x80u, mag = bits & 0x7fffffffu, b;
+    if (mag >= (1087u << 20)) {
+        b = 0x7fu;
+    } else if (mag < (121u << 23)) {
+        b = (__float_as_uint(__uint_as_float(mag) + __uint_as_float(141u << 23)) - (141u << 23)) & 0xffu;
+    } else {
+        b = ((mag + (((u32)(7 - 127)) << 23) + 0x7ffffu + ((mag >> 20) & 1u)) >> 20) & 0xffu;
+    }
+    return b | sign;
+#endif
+}
+
+// Byte c of group g of token t in the warpgroup kernel's layout of `tiles` token tiles.
+__device__ __forceinline__ u64 tiled_offset(u32 t, u32 g, u32 c, u32 tiles) {
+    const u32 word = c >> 2;
+    return (u64)g * (1024u * tiles) + ((word & 7u) * tiles + (t >> 3)) * 128u + (t & 7u) * 16u +
+           4u * (word >> 3) + (c & 3u);
+}
+
+// The group of columns g * 128 + 32 k + lane (k < 4) of token t a warp holds in v (0 where
+// absent: past inp, or t >= n) quantised and stored.
+__device__ __forceinline__ void quant_group(const float (&v)[4], u32 t, u32 g, u32 n, u32 inp,
+                                            unsigned char* q, float* sc, u32 sc_tok, u32 sc_grp,
+                                            float* deq, u32 tiles) {
+    const u32 lane = threadIdx.x & 31u;
+    float amax = 0.0f;
+    bool bad = false;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        bad |= (__float_as_uint(v[k]) & 0x7f800000u) == 0x7f800000u;
+        amax = fmaxf(amax, fabsf(v[k]));
+    }
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+    bad = __any_sync(0xffffffffu, bad);
+    float s = bad ? __int_as_float(0x7fc00000) : (amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f);
+    if (sc && lane == 0) sc[(u64)t * sc_tok + (u64)g * sc_grp] = s;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        u32 c = g * 128 + 32 * k + lane;
+        if (c < inp) {
+            u64 i = (u64)t * inp + c;
+            u32 b = e4m3_rn(__fdiv_rn(v[k], s));
+            if (q) q[tiles ? tiled_offset(t, g, c - g * 128, tiles) : i] = (unsigned char)b;
+            if (deq && t < n) deq[i] = e4m3_val(b) * s;
+        }
+    }
+}
+
+// The quantised value of element i of the split bf16 rows (hi rows 0 .. n, lo rows from len).
+struct SplitRows {
+    const u16* xs;
+    u64 len;
+    __device__ __forceinline__ float at(u64 i) const { return bf(xs[i]) + bf(xs[len + i]); }
+};
+
+// ... of f32 rows.
+struct F32Rows {
+    const float* x;
+    __device__ __forceinline__ float at(u64 i) const { return x[i]; }
+};
+
+// ... of SiLU(gate) * up of split products g2, u2 [2n x f], the value first split into out
+// [2n x f] as swiglu_split writes it (its hi + lo quantised, as from that output).
+struct SwigluRows {
+    const float* g2;
+    const float* u2;
+    u16* out;
+    u64 len;
+    __device__ __forceinline__ float at(u64 i) const {
+        float g = g2[i] + g2[len + i];
+        float u = u2[i] + u2[len + i];
+        float v = g / (1.0f + expf(-g)) * u;
+        split_store(out, i, len, v);
+        return split_sum(v);
+    }
+};
+
+// One warp per (token, group) of n_pad >= n tokens, lane l reading columns l, l + 32, l + 64,
+// l + 96 of the group from `src`; zeros over zero[0 .. nzero] (the lo rows of the product's
+// output, which the block-scaled GEMM does not write), grid-strided.
+// Grid: ceil(n_pad * groups / 8) blocks of 256 threads.
+template <class Src>
+__device__ __forceinline__ void quant_groups(Src src, u32 n, u32 n_pad, u32 inp,
+                                             unsigned char* q, float* sc, u32 sc_tok,
+                                             u32 sc_grp, float* deq, float* zero, u64 nzero,
+                                             u32 tiles) {
+    if (zero) {
+        for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < nzero; i += (u64)gridDim.x * blockDim.x) {
+            zero[i] = 0.0f;
+        }
+    }
+    u32 groups = (inp + 127) / 128;
+    u64 wid = (blockIdx.x * (u64)blockDim.x + threadIdx.x) >> 5;
+    u32 lane = threadIdx.x & 31u;
+    if (wid >= (u64)n_pad * groups) return;
+    u32 t = (u32)(wid / groups), g = (u32)(wid % groups);
+    float v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        u32 c = g * 128 + 32 * k + lane;
+        v[k] = (c < inp && t < n) ? src.at((u64)t * inp + c) : 0.0f;
+    }
+    quant_group(v, t, g, n, inp, q, sc, sc_tok, sc_grp, deq, tiles);
+}
+
+// From split bf16 rows xs [2n x inp].
+extern "C" __global__ void __launch_bounds__(256) fp8_quant_split(
+    const u16* __restrict__ xs, u32 n, u32 n_pad, u32 inp, unsigned char* q, float* sc,
+    u32 sc_tok, u32 sc_grp, float* deq, float* zero, u64 nzero, u32 tiles) {
+    quant_groups(SplitRows{xs, (u64)n * inp}, n, n_pad, inp, q, sc, sc_tok, sc_grp, deq, zero,
+                 nzero, tiles);
+}
+
+// From f32 rows x [n x inp] (deq may be x itself).
+extern "C" __global__ void __launch_bounds__(256) fp8_quant_f32(
+    const float* x, u32 n, u32 n_pad, u32 inp, unsigned char* q, float* sc, u32 sc_tok,
+    u32 sc_grp, float* deq, float* zero, u64 nzero, u32 tiles) {
+    quant_groups(F32Rows{x}, n, n_pad, inp, q, sc, sc_tok, sc_grp, deq, zero, nzero, tiles);
+}
+
+// swiglu_split (out, split, [2n x f]) and the quantisation of its output (no deq, no zeros),
+// in one launch of fp8_quant_split's grid (n_pad tokens of f columns).
+extern "C" __global__ void __launch_bounds__(256) swiglu_quant(
+    const float* __restrict__ g2, const float* __restrict__ u2, u16* __restrict__ out, u32 n,
+    u32 n_pad, u32 f, unsigned char* q, float* sc, u32 sc_tok, u32 sc_grp, u32 tiles) {
+    quant_groups(SwigluRows{g2, u2, out, (u64)n * f}, n, n_pad, f, q, sc, sc_tok, sc_grp,
+                 nullptr, nullptr, 0, tiles);
+}
+
+// rms_norm_split (rows r < m of out, as it writes them) and the quantisation of its output, in
+// one launch of n_pad >= m blocks of 256 threads and 4 h bytes of dynamic shared memory
+// (h <= NORM_HELD x 256): a block normalises its row, keeps each value's hi + lo in shared
+// memory, then its warps quantise the row's groups; blocks from m on write the padded tokens'
+// zero bytes and unit scales.
+extern "C" __global__ void __launch_bounds__(256)
+    rms_norm_quant(const float* __restrict__ x, const u16* __restrict__ w, u16* __restrict__ out,
+                   u32 m, u32 n_pad, u32 h, float eps, unsigned char* q, float* sc, u32 sc_tok,
+                   u32 sc_grp, u32 tiles) {
+    extern __shared__ float row[];
+    const u32 r = blockIdx.x;
+    if (r < m) {
+        rms_norm_row(x + (u64)r * h, w, out, r, m, h, eps, row);
+        __syncthreads();
+    }
+    const u32 lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
+    for (u32 g = threadIdx.x >> 5; g < (h + 127) / 128; g += warps) {
+        float v[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            u32 c = g * 128 + 32 * k + lane;
+            v[k] = (c < h && r < m) ? row[c] : 0.0f;
+        }
+        quant_group(v, r, g, m, h, q, sc, sc_tok, sc_grp, nullptr, tiles);
+    }
 }

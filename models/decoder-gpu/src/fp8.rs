@@ -46,7 +46,8 @@ pub(crate) struct Fp8Kernels {
     table: [CudaFunction; 4],
     bf16_table: [CudaFunction; 4],
     dequant: CudaFunction,
-    /// W8A8 activation quantisation from split bf16 and from f32 rows ([`crate::w8a8`]).
+    /// W8A8 activation quantisation from split bf16 and from f32 rows ([`crate::w8a8`]; in
+    /// the decoder's kernels, `kernels/decoder.cu`).
     pub(crate) quant_split: CudaFunction,
     pub(crate) quant_f32: CudaFunction,
     /// bf16 → f32 of a W8A8 product's bf16 output.
@@ -58,6 +59,8 @@ pub(crate) struct Fp8Kernels {
 impl Fp8Kernels {
     pub fn load(ctx: &RankCtx) -> Result<Self, CudaError> {
         let m = ctx.module(&FP8_DECODER_KERNELS)?;
+        // the quantisation lives with the decoder's kernels, which fuse it into theirs
+        let exact = ctx.module(&crate::kernels::DECODER_KERNELS)?;
         Ok(Fp8Kernels {
             join: m.function("fp8_join_split")?,
             gemv: [
@@ -79,8 +82,8 @@ impl Fp8Kernels {
                 m.function("bf16_gemv_table_8")?,
             ],
             dequant: m.function("fp8_dequant_split")?,
-            quant_split: m.function("fp8_quant_split")?,
-            quant_f32: m.function("fp8_quant_f32")?,
+            quant_split: exact.function("fp8_quant_split")?,
+            quant_f32: exact.function("fp8_quant_f32")?,
             widen: m.function("fp8_widen_bf16")?,
             pad_scales: m.function("fp8_pad_scales")?,
         })

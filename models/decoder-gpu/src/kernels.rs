@@ -24,9 +24,13 @@ pub const DECODER_KERNELS: KernelSet =
 pub(crate) struct DecoderKernels {
     pub embed: CudaFunction,
     pub rms_norm_split: CudaFunction,
+    /// `rms_norm_split` and the W8A8 quantisation of its output in one launch.
+    pub rms_norm_quant: CudaFunction,
     pub combine: CudaFunction,
     pub combine_cols: CudaFunction,
     pub swiglu_split: CudaFunction,
+    /// `swiglu_split` and the W8A8 quantisation of its output in one launch.
+    pub swiglu_quant: CudaFunction,
     pub swiglu_fused_split: CudaFunction,
     pub gather_vocab: CudaFunction,
     pub fork_kv: CudaFunction,
@@ -69,9 +73,11 @@ impl DecoderKernels {
         Ok(DecoderKernels {
             embed: m.function("embed")?,
             rms_norm_split: m.function("rms_norm_split")?,
+            rms_norm_quant: m.function("rms_norm_quant")?,
             combine: m.function("combine")?,
             combine_cols: m.function("combine_cols")?,
             swiglu_split: m.function("swiglu_split")?,
+            swiglu_quant: m.function("swiglu_quant")?,
             swiglu_fused_split: m.function("swiglu_fused_split")?,
             gather_vocab: m.function("gather_vocab")?,
             fork_kv: m.function("fork_kv")?,

@@ -19,7 +19,7 @@ use super::moe::{moe_layer, MoeScratch};
 use super::rank::{all_reduce, all_reduce_in_place, order, ptr, Dims, RankBind, RankState};
 use crate::blas::gemm;
 use crate::kernels::{launch, Arg};
-use crate::w8a8::{Finish, W8a8Scratch};
+use crate::w8a8::{Finish, QuantInto, W8a8Scratch};
 use crate::weights::MatAt;
 
 /// Inputs of one forward pass of one replica (the same on every rank of a group); sequence
@@ -479,6 +479,72 @@ impl<'a> Pass<'a> {
         }
     }
 
+    /// Where the kernel making the input of the W8A8 product by `w` (`out × inp`, over the
+    /// pass's tokens) quantises it for a tensor-core kernel ([`RankState::fusable_layout`]):
+    /// `None` where the product quantises its input itself (other paths, bf16 and weight-only
+    /// weights, a pass without the W8A8 scratch).
+    fn fused_quant(&self, w: MatAt, (out, inp): (usize, usize)) -> Option<QuantInto> {
+        let sc = self.sc.w8a8.as_ref()?;
+        let layout = self
+            .st
+            .fusable_layout(self.bind.base, w, (out, self.z.n, inp))?;
+        Some(QuantInto {
+            q: self.at(&sc.q),
+            scales: self.at(&sc.scales),
+            layout,
+            tokens: self.z.n,
+        })
+    }
+
+    /// RMSNorm of the pass's rows of `x` with weight `w` into `xs`, as [`Pass::norm`], for the
+    /// product by `next` (`out × h`): where that product's tensor-core kernel reads the
+    /// quantisation the norm can write ([`Pass::fused_quant`]), `rms_norm_quant` writes both and
+    /// the scratch holds the product's input (`true`: call it with `same_input`).
+    fn norm_for(&self, w: u64, next: Option<(MatAt, usize)>) -> Result<bool, CudaError> {
+        let (n, h) = (self.z.n, self.z.h);
+        // the row kept in shared memory (at most the norm's held elements of 256 threads)
+        let fits = h <= 32 * 256;
+        let Some(qi) = next
+            .filter(|_| fits)
+            .and_then(|(m, out)| self.fused_quant(m, (out, h)))
+        else {
+            self.norm(w, 0, n)?;
+            return Ok(false);
+        };
+        let [pad, q, sc, tok, grp, tiles] = qi.args(h)?;
+        let args = [
+            Arg::U64(self.at(&self.sc.x)),
+            Arg::U64(self.wp(w)),
+            Arg::U64(self.at(&self.sc.xs)),
+            u32a(n),
+            pad,
+            u32a(h),
+            Arg::F32(self.z.eps),
+            q,
+            sc,
+            tok,
+            grp,
+            tiles,
+        ];
+        let cfg = LaunchConfig {
+            grid_dim: (qi.padded().max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: (4 * h) as u32,
+        };
+        // SAFETY: the pass's addresses and sizes (its invariant); the W8A8 scratch holds the
+        // pass's padded tokens in either layout (W8a8Scratch::alloc).
+        unsafe { self.kernel(&self.st.k.rms_norm_quant, cfg, &args, "rms_norm_quant")? };
+        self.held(qi);
+        Ok(true)
+    }
+
+    /// Records that the W8A8 scratch holds the current input quantised as `qi` says.
+    fn held(&self, qi: QuantInto) {
+        if let Some(sc) = self.sc.w8a8.as_ref() {
+            sc.held.set(Some(qi.layout));
+        }
+    }
+
     /// `out[n × width] = y2[hi] + y2[lo] (+ bias)`: a column-parallel product's halves joined.
     fn combine_into(&self, out: u64, bias: Option<u64>, width: usize) -> Result<(), CudaError> {
         let args = [
@@ -519,10 +585,11 @@ impl<'a> Pass<'a> {
     /// The row-parallel product of `xs` by `w` (`h × inp`) added to the residual `x`: written
     /// so by the W8A8 kernel itself where it takes the product on a rank that holds the whole
     /// sum (no tensor-parallel partial to all-reduce), else through `y2` and [`Pass::finish`].
+    /// `again`: the W8A8 scratch holds `xs` quantised already (by the kernel that wrote it).
     ///
     /// # Safety
     /// `w` of `h × inp` inside the bound buffer; the pass's addresses and sizes (its invariant).
-    unsafe fn row_parallel(&mut self, w: MatAt, inp: usize) -> Result<(), CudaError> {
+    unsafe fn row_parallel(&mut self, w: MatAt, inp: usize, again: bool) -> Result<(), CudaError> {
         let (n, h, rank) = (self.z.n, self.z.h, self.ctx.rank);
         let (xs, y2, x) = (
             self.at(&self.sc.xs),
@@ -534,7 +601,7 @@ impl<'a> Pass<'a> {
             bias: None,
             res: Some(x),
         });
-        let act = (self.sc.w8a8.as_ref(), false);
+        let act = (self.sc.w8a8.as_ref(), again);
         let (s, base) = (self.s(), self.bind.base);
         // SAFETY: per the caller; x holds n × h f32.
         let done = unsafe {
@@ -616,14 +683,28 @@ impl<'a> Pass<'a> {
         let (kc, vc) = self.cache_blocks(l);
         let (s, st, k) = (self.s(), self.st, &self.st.k);
         let w8 = self.sc.w8a8.as_ref();
-        self.norm(lw.input_norm, 0, n)?;
+        let first = if z.fused {
+            (lw.q_w, qw + 2 * kvw)
+        } else {
+            (lw.q_w, qw)
+        };
+        let quantised = self.norm_for(lw.input_norm, Some(first))?;
         // SAFETY (every GEMM and launch below): the pass's addresses and sizes (its invariant).
         unsafe {
             if z.fused {
                 // one GEMM over [q; k; v] (k_w, v_w follow q_w in the fused tensor), then its
                 // column blocks
                 let ld = qw + 2 * kvw;
-                st.wgemm(s, base, lw.q_w, xs, y2, (ld, 2 * n, h), (w8, false), rank)?;
+                st.wgemm(
+                    s,
+                    base,
+                    lw.q_w,
+                    xs,
+                    y2,
+                    (ld, 2 * n, h),
+                    (w8, quantised),
+                    rank,
+                )?;
                 self.combine_cols(q, lw.q_b, (ld, 0, qw))?;
                 self.combine_cols(kb, lw.k_b, (ld, qw, kvw))?;
                 self.combine_cols(vb, lw.v_b, (ld, qw + kvw, kvw))?;
@@ -631,7 +712,7 @@ impl<'a> Pass<'a> {
                 // each product into its buffer with its bias: by the W8A8 kernel itself where
                 // it takes it, else by combine
                 for (wm, out, bias, width, again) in [
-                    (lw.q_w, q, lw.q_b, qw, false),
+                    (lw.q_w, q, lw.q_b, qw, quantised),
                     (lw.k_w, kb, lw.k_b, kvw, true),
                     (lw.v_w, vb, lw.v_b, kvw, true),
                 ] {
@@ -723,7 +804,7 @@ impl<'a> Pass<'a> {
             self.kernel(attention, cfg, &args, "attention")?;
         }
         // SAFETY: o_w is h × qw; the pass's addresses and sizes (its invariant).
-        unsafe { self.row_parallel(lw.o_w, qw) }
+        unsafe { self.row_parallel(lw.o_w, qw, false) }
     }
 
     /// Layer `l`'s feed-forward part: post-attention norm, then the SwiGLU MLP (gate and up
@@ -733,11 +814,13 @@ impl<'a> Pass<'a> {
         let (z, rank) = (self.z, self.ctx.rank);
         let (n, h, f) = (z.n, z.h, z.f);
         let lw = self.bind.w.layers[l];
-        self.norm(lw.post_norm, 0, n)?;
         let bind = self.bind;
         if let Some(moe) = &bind.w.moe[l] {
+            self.norm(lw.post_norm, 0, n)?;
             return self.experts(l, moe);
         }
+        let gate = (lw.gate_w, if z.fused { 2 * f } else { f });
+        let quantised = self.norm_for(lw.post_norm, Some(gate))?;
         let base = self.bind.base;
         let (xs, y2, y2b) = (
             self.at(&self.sc.xs),
@@ -757,22 +840,59 @@ impl<'a> Pass<'a> {
                     xs,
                     y2,
                     (2 * f, 2 * n, h),
-                    (w8, false),
+                    (w8, quantised),
                     rank,
                 )?;
                 let args = [Arg::U64(y2), Arg::U64(xs), u32a(n), u32a(f)];
                 let cfg = self.elementwise(n * f);
                 self.kernel(&k.swiglu_fused_split, cfg, &args, "swiglu_fused_split")?;
             } else {
-                st.wgemm(s, base, lw.gate_w, xs, y2, (f, 2 * n, h), (w8, false), rank)?;
+                st.wgemm(
+                    s,
+                    base,
+                    lw.gate_w,
+                    xs,
+                    y2,
+                    (f, 2 * n, h),
+                    (w8, quantised),
+                    rank,
+                )?;
                 st.wgemm(s, base, lw.up_w, xs, y2b, (f, 2 * n, h), (w8, true), rank)?;
+                // with the down product's quantisation where its tensor-core kernel reads it
+                if let Some(qi) = self.fused_quant(lw.down_w, (h, f)) {
+                    let [pad, q, sc, tok, grp, tiles] = qi.args(f)?;
+                    let args = [
+                        Arg::U64(y2),
+                        Arg::U64(y2b),
+                        Arg::U64(xs),
+                        u32a(n),
+                        pad,
+                        u32a(f),
+                        q,
+                        sc,
+                        tok,
+                        grp,
+                        tiles,
+                    ];
+                    // a warp per (token, group of 128), 8 per block
+                    let warps = qi.padded() * f.div_ceil(128);
+                    let cfg = LaunchConfig {
+                        grid_dim: (warps.div_ceil(8).max(1) as u32, 1, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    self.kernel(&k.swiglu_quant, cfg, &args, "swiglu_quant")?;
+                    self.held(qi);
+                    // SAFETY: down_w is h × f; the scratch holds xs quantised (just above).
+                    return self.row_parallel(lw.down_w, f, true);
+                }
                 let args = [Arg::U64(y2), Arg::U64(y2b), Arg::U64(xs), u32a(n), u32a(f)];
                 let cfg = self.elementwise(n * f);
                 self.kernel(&k.swiglu_split, cfg, &args, "swiglu_split")?;
             }
         }
         // SAFETY: down_w is h × f; the pass's addresses and sizes (its invariant).
-        unsafe { self.row_parallel(lw.down_w, f) }
+        unsafe { self.row_parallel(lw.down_w, f, false) }
     }
 
     /// A mixture-of-experts layer ([`moe_layer`]): the experts' sum plus the residual (rank 0

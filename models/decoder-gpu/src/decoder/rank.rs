@@ -16,7 +16,9 @@ use crate::blas::gemm;
 use crate::download::Downloads;
 use crate::fp8::{fp8_gemm, Fp8Kernels, Fp8Scratch, Fp8Weight, GEMV_TOKENS};
 use crate::kernels::DecoderKernels;
-use crate::w8a8::{w8a8_gemm, Finish, W8a8Gemm, W8a8Limits, W8a8Scratch, W8a8Through};
+use crate::w8a8::{
+    fusable_layout, w8a8_gemm, ActLayout, Finish, W8a8Gemm, W8a8Limits, W8a8Scratch, W8a8Through,
+};
 use crate::weights::{MatAt, RankOffsets};
 use lifecycle_decoder::KvDtype;
 use lifecycle_layout::fp8::Fp8Compute;
@@ -103,6 +105,28 @@ impl RankState {
         self.fp8_compute == Fp8Compute::W8A8 && self.fp8.is_some() && tokens > self.w8a8_limits.gemv
     }
 
+    /// The layout in which the W8A8 product of `tokens` tokens by `w` (`out × inp`, in the
+    /// bound buffer at `base`) reads its quantised activations, where a tensor-core kernel takes
+    /// it ([`fusable_layout`]): the kernel that makes its input may quantise it there. `None`
+    /// for bf16 and weight-only fp8 weights and the other W8A8 paths.
+    pub(crate) fn fusable_layout(
+        &self,
+        base: u64,
+        w: MatAt,
+        (out, tokens, inp): (usize, usize, usize),
+    ) -> Option<ActLayout> {
+        if self.fp8_compute != Fp8Compute::W8A8 || !self.w8a8_scratch_for(tokens) {
+            return None;
+        }
+        let weight = fp8_weight(base, w)?;
+        fusable_layout(
+            self.w8a8.as_ref()?,
+            &weight,
+            (out, tokens, inp),
+            self.w8a8_limits,
+        )
+    }
+
     /// `y[rows × out] = x[rows × inp] · wᵀ` for weight `w` of the bound buffer at `base`:
     /// [`gemm`] for bf16, [`fp8_gemm`] for fp8 weight-only, [`w8a8_gemm`] for W8A8 (through
     /// `act`, the pass's quantised-activation scratch, when [`RankState::w8a8_scratch_for`]
@@ -155,7 +179,7 @@ impl RankState {
                 a.held.set(None);
             }
         }
-        let Some(f) = w.fp8 else {
+        let Some(weight) = fp8_weight(base, w) else {
             // SAFETY: forwarded to the caller.
             return unsafe { gemm(&self.blas, base + 2 * w.off, x, y, out, rows, inp, rank) }
                 .map(|()| false);
@@ -163,12 +187,6 @@ impl RankState {
         let k = self.fp8.as_ref().ok_or_else(|| {
             CudaError::Invalid("fp8 weights bound without the fp8 kernels".into())
         })?;
-        let weight = Fp8Weight {
-            data: base + 2 * w.off,
-            scales: base + 2 * f.scales,
-            row0: f.row0,
-            cols: f.cols,
-        };
         let x32 = self.x32.as_ref().map(|d| ptr(d, s));
         if self.fp8_compute == Fp8Compute::W8A8 {
             self.x32_joined.set(false);
@@ -226,6 +244,16 @@ impl RankState {
         }
         Ok(false)
     }
+}
+
+/// The fp8 matrix of entry `w` of the bound buffer at `base`, if it is one.
+fn fp8_weight(base: u64, w: MatAt) -> Option<Fp8Weight> {
+    w.fp8.map(|f| Fp8Weight {
+        data: base + 2 * w.off,
+        scales: base + 2 * f.scales,
+        row0: f.row0,
+        cols: f.cols,
+    })
 }
 
 /// Sizes of one forward pass.

@@ -33,7 +33,7 @@ use lifecycle_cuda::CudaError;
 use crate::fp8::{fp8_gemv, Fp8Kernels, Fp8Weight, GEMV_TOKENS};
 pub(crate) use lt::{lt_reads, W8a8Gemm};
 pub(crate) use mma::{mma_reads, MMA_TOKENS};
-pub(crate) use quant::{quantize, ActLayout, ActSrc, QuantOut, W8a8Scratch};
+pub(crate) use quant::{quantize, ActLayout, ActSrc, QuantInto, QuantOut, W8a8Scratch};
 
 /// Tokens up to which a W8A8 product takes the weight-streaming kernel by default: none (on an
 /// H200 at 7.6B shapes the tensor-core kernel is as fast for one token and faster from two).
@@ -162,6 +162,42 @@ pub(crate) struct Finish {
     pub res: Option<u64>,
 }
 
+/// The path of a W8A8 product of `tokens` tokens by `w` (`out × inp`) under `limits`
+/// ([`W8a8Limits::path`], with what can read the weight).
+pub(crate) fn w8a8_path(
+    lt_gemm: &W8a8Gemm,
+    w: &Fp8Weight,
+    (out, tokens, inp): (usize, usize, usize),
+    limits: W8a8Limits,
+) -> W8a8Path {
+    let can = W8a8Readers {
+        mma: lt_gemm.mma.is_some() && mma_reads(w, inp),
+        wgmma: lt_gemm.mma.as_ref().is_some_and(|m| m.has_wgmma()),
+        lt: lt_reads(w),
+        small: out * inp <= SMALL_WEIGHT,
+    };
+    limits.path(tokens, can)
+}
+
+/// The layout in which a W8A8 product of `tokens` tokens by `w` (`out × inp`) reads its
+/// quantised activations where one of the tensor-core kernels takes it ([`w8a8_path`]): the
+/// kernel that makes the product's input may quantise it there itself (the norm, the SwiGLU:
+/// [`QuantInto`]), the product then called with [`W8a8Through::same_input`]. `None` for the
+/// other paths (the weight-streaming kernel, cuBLASLt's GEMM), which quantise through
+/// [`w8a8_gemm`].
+pub(crate) fn fusable_layout(
+    lt_gemm: &W8a8Gemm,
+    w: &Fp8Weight,
+    (out, tokens, inp): (usize, usize, usize),
+    limits: W8a8Limits,
+) -> Option<ActLayout> {
+    match w8a8_path(lt_gemm, w, (out, tokens, inp), limits) {
+        W8a8Path::TensorCores => Some(ActLayout::Rows),
+        W8a8Path::Warpgroup => Some(ActLayout::of(tokens, true)),
+        W8a8Path::Streaming | W8a8Path::CublasLt => None,
+    }
+}
+
 /// `y[rows × out] = x[rows × inp] · wᵀ` in W8A8 for split bf16 `x` (hi rows, then lo rows) and
 /// f32 `y` (its lo rows written 0): the activations quantised per token group (once per input:
 /// [`W8a8Through::same_input`]), then, by `limits` ([`W8a8Limits::path`]), the weight-streaming
@@ -195,13 +231,7 @@ pub(crate) unsafe fn w8a8_gemm(
     if let (Some((_, _, held)), false) = (through.act, through.same_input) {
         held.set(None);
     }
-    let can = W8a8Readers {
-        mma: lt_gemm.mma.is_some() && mma_reads(&w, inp),
-        wgmma: lt_gemm.mma.as_ref().is_some_and(|m| m.has_wgmma()),
-        lt: lt_reads(&w),
-        small: out * inp <= SMALL_WEIGHT,
-    };
-    let path = limits.path(tokens, can);
+    let path = w8a8_path(lt_gemm, &w, (out, tokens, inp), limits);
     let mma = lt_gemm
         .mma
         .as_ref()

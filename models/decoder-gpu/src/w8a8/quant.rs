@@ -166,6 +166,58 @@ pub(crate) unsafe fn quantize(
     unsafe { launch(stream, func, cfg, &args, rank, "fp8_quant") }
 }
 
+/// Where a quantisation fused into the kernel that makes a product's input (`rms_norm_quant`,
+/// `swiglu_quant`) writes it: the bytes and scales of `tokens` tokens in `layout`, as
+/// [`quantize`] would for the product (the padded tokens zero, no dequantised copy, no zeroed
+/// output rows: the tensor-core kernels' quantisation, [`crate::w8a8::fusable_layout`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct QuantInto {
+    /// e4m3 bytes, `layout.padded(tokens)` rows of the product's inputs.
+    pub q: u64,
+    /// Their scales at `layout.scale_strides(tokens)`.
+    pub scales: u64,
+    /// How they lie.
+    pub layout: ActLayout,
+    /// The product's tokens.
+    pub tokens: usize,
+}
+
+impl QuantInto {
+    /// The tokens written, the product's and the zero ones after them.
+    pub(crate) fn padded(&self) -> usize {
+        self.layout.padded(self.tokens)
+    }
+
+    /// The fused kernels' trailing arguments: the padded tokens, then `q, sc, sc_tok, sc_grp,
+    /// tiles`, for `inp` inputs (the warpgroup layout wants whole groups of 128).
+    pub(crate) fn args(&self, inp: usize) -> Result<[Arg; 6], CudaError> {
+        let u32a = |v: usize, what: &str| {
+            u32::try_from(v).map_err(|_| {
+                CudaError::Invalid(format!("a fused W8A8 quantisation's {what} {v} > u32"))
+            })
+        };
+        let tiles = match self.layout {
+            ActLayout::Rows => 0,
+            ActLayout::Tiles(tiles) if inp.is_multiple_of(128) => tiles,
+            ActLayout::Tiles(tiles) => {
+                return Err(CudaError::Invalid(format!(
+                    "the warpgroup kernel's layout of {tiles} token tiles holds whole 128-wide \
+                     groups: asked for {inp} inputs"
+                )))
+            }
+        };
+        let (tok, grp) = self.layout.scale_strides(self.tokens);
+        Ok([
+            Arg::U32(u32a(self.padded(), "padded tokens")?),
+            Arg::U64(self.q),
+            Arg::U64(self.scales),
+            Arg::U32(tok),
+            Arg::U32(grp),
+            Arg::U32(u32a(tiles, "token tiles")?),
+        ])
+    }
+}
+
 /// The per-pass scratch of the W8A8 products: the quantised activations and their scales,
 /// sized for the pass's rows (padded, [`padded_tokens`]) and widest input
 /// ([`W8a8Scratch::alloc`]).

@@ -643,3 +643,192 @@ fn block_scaled_gemm_matches_the_host_sums() -> Result<(), Box<dyn std::error::E
     }
     Ok(())
 }
+
+/// The W8A8 quantisation fused into the norm (`rms_norm_quant`) and the SwiGLU (`swiglu_quant`)
+/// writes what the two kernels it replaces write, bit for bit: the split output, the e4m3 bytes
+/// and the scales of every padded token, in both layouts.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn the_fused_quantisations_write_the_two_kernels_bits() -> Result<(), Box<dyn std::error::Error>> {
+    use crate::kernels::{launch, Arg, DecoderKernels};
+    use lifecycle_cuda::cudarc::driver::LaunchConfig;
+    require_gpus(1)?;
+    let pool = ThreadRankPool::new(1)?;
+    let report = pool.run(&|ctx| {
+        let s = &ctx.compute;
+        let k = Fp8Kernels::load(ctx)?;
+        let dk = DecoderKernels::load(ctx)?;
+        let up = |what: &str| ctx.drv(what, 0);
+        let mut lines = Vec::new();
+        // (tokens, inputs): whole and partial thread rows of the norm, a group cut short
+        let shapes: [(usize, usize); 7] = [
+            (1, 3584),
+            (3, 640),
+            (8, 3584),
+            (9, 1152),
+            (33, 2048),
+            (64, 384),
+            (5, 200),
+        ];
+        for (i, &(tokens, inp)) in shapes.iter().enumerate() {
+            let groups = inp.div_ceil(128);
+            let mut layouts = vec![ActLayout::Rows];
+            if inp.is_multiple_of(128) {
+                layouts.push(ActLayout::of(tokens, true));
+            }
+            for layout in layouts {
+                let pad = layout.padded(tokens);
+                // (kernel, inputs made, the two-kernel twin)
+                for fused in ["rms_norm_quant", "swiglu_quant"] {
+                    let seed = 7 + i as u64;
+                    let sentinel_q = vec![0xabu8; pad * inp];
+                    let sentinel_sc = vec![-3.5f32; pad * groups];
+                    let mut outs = Vec::new();
+                    for one_launch in [false, true] {
+                        let qd = s.clone_htod(&sentinel_q).map_err(up("q"))?;
+                        let scd = s.clone_htod(&sentinel_sc).map_err(up("scales"))?;
+                        let xs = s
+                            .clone_htod(&vec![0x7fc1u16; 2 * tokens * inp])
+                            .map_err(up("xs"))?;
+                        let qi = QuantInto {
+                            q: ptr(&qd, s),
+                            scales: ptr(&scd, s),
+                            layout,
+                            tokens,
+                        };
+                        let [a_pad, a_q, a_sc, a_tok, a_grp, a_tiles] = qi.args(inp)?;
+                        // the norm's input and weight, or the SwiGLU's split gate and up
+                        let a = s
+                            .clone_htod(&values(2 * tokens * inp, inp, seed))
+                            .map_err(up("input"))?;
+                        let b: Vec<u16> = values(inp, inp, seed + 1)
+                            .iter()
+                            .map(|v| bf16::from_f32(1.0 + v).to_bits())
+                            .collect();
+                        let wd = s.clone_htod(&b).map_err(up("norm weight"))?;
+                        let u2 = s
+                            .clone_htod(&values(2 * tokens * inp, inp, seed + 2))
+                            .map_err(up("up"))?;
+                        let norm = fused == "rms_norm_quant";
+                        // SAFETY: each buffer holds what the kernels' contracts read and write
+                        // (xs 2 · tokens rows, q and scales `pad` tokens of the layout).
+                        unsafe {
+                            if one_launch && norm {
+                                let args = [
+                                    Arg::U64(ptr(&a, s)),
+                                    Arg::U64(ptr(&wd, s)),
+                                    Arg::U64(ptr(&xs, s)),
+                                    Arg::U32(tokens as u32),
+                                    a_pad,
+                                    Arg::U32(inp as u32),
+                                    Arg::F32(1e-6),
+                                    a_q,
+                                    a_sc,
+                                    a_tok,
+                                    a_grp,
+                                    a_tiles,
+                                ];
+                                let cfg = LaunchConfig {
+                                    grid_dim: (pad as u32, 1, 1),
+                                    block_dim: (256, 1, 1),
+                                    shared_mem_bytes: (4 * inp) as u32,
+                                };
+                                launch(s, &dk.rms_norm_quant, cfg, &args, 0, fused)?;
+                            } else if one_launch {
+                                let args = [
+                                    Arg::U64(ptr(&a, s)),
+                                    Arg::U64(ptr(&u2, s)),
+                                    Arg::U64(ptr(&xs, s)),
+                                    Arg::U32(tokens as u32),
+                                    a_pad,
+                                    Arg::U32(inp as u32),
+                                    a_q,
+                                    a_sc,
+                                    a_tok,
+                                    a_grp,
+                                    a_tiles,
+                                ];
+                                let cfg = LaunchConfig {
+                                    grid_dim: ((pad * groups).div_ceil(8) as u32, 1, 1),
+                                    block_dim: (256, 1, 1),
+                                    shared_mem_bytes: 0,
+                                };
+                                launch(s, &dk.swiglu_quant, cfg, &args, 0, fused)?;
+                            } else {
+                                if norm {
+                                    let args = [
+                                        Arg::U64(ptr(&a, s)),
+                                        Arg::U64(ptr(&wd, s)),
+                                        Arg::U64(0),
+                                        Arg::U64(ptr(&xs, s)),
+                                        Arg::U32(tokens as u32),
+                                        Arg::U32(inp as u32),
+                                        Arg::F32(1e-6),
+                                    ];
+                                    let cfg = LaunchConfig {
+                                        grid_dim: (tokens as u32, 1, 1),
+                                        block_dim: (256, 1, 1),
+                                        shared_mem_bytes: 0,
+                                    };
+                                    launch(s, &dk.rms_norm_split, cfg, &args, 0, "norm")?;
+                                } else {
+                                    let args = [
+                                        Arg::U64(ptr(&a, s)),
+                                        Arg::U64(ptr(&u2, s)),
+                                        Arg::U64(ptr(&xs, s)),
+                                        Arg::U32(tokens as u32),
+                                        Arg::U32(inp as u32),
+                                    ];
+                                    let cfg = LaunchConfig {
+                                        grid_dim: (64, 1, 1),
+                                        block_dim: (256, 1, 1),
+                                        shared_mem_bytes: 0,
+                                    };
+                                    launch(s, &dk.swiglu_split, cfg, &args, 0, "swiglu")?;
+                                }
+                                let q = QuantOut {
+                                    q: Some(qi.q),
+                                    scales: Some((qi.scales, layout.scale_strides(tokens))),
+                                    deq: None,
+                                    zero: None,
+                                    layout,
+                                };
+                                let src = ActSrc::Split(ptr(&xs, s));
+                                quantize(s, &k, src, (tokens, pad, inp), q, 0)?;
+                            }
+                        }
+                        outs.push((
+                            s.clone_dtoh(&xs).map_err(up("xs back"))?,
+                            s.clone_dtoh(&qd).map_err(up("q back"))?,
+                            s.clone_dtoh(&scd).map_err(up("scales back"))?,
+                        ));
+                    }
+                    let what = format!("{fused} of {tokens} x {inp} ({layout:?})");
+                    let (two, one) = (&outs[0], &outs[1]);
+                    if two.0 != one.0 {
+                        return Err(CudaError::Invalid(format!("{what}: other split output")));
+                    }
+                    if let Some(j) = (0..two.1.len()).find(|&j| two.1[j] != one.1[j]) {
+                        return Err(CudaError::Invalid(format!(
+                            "{what}: byte {j}: {} fused, {} by the two kernels",
+                            one.1[j], two.1[j]
+                        )));
+                    }
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    if bits(&two.2) != bits(&one.2) {
+                        return Err(CudaError::Invalid(format!("{what}: other scales")));
+                    }
+                    if two.2.contains(&-3.5) {
+                        return Err(CudaError::Invalid(format!("{what}: a scale not written")));
+                    }
+                    lines.push(format!("{what}: the two kernels' bits"));
+                }
+            }
+        }
+        Ok(lines)
+    })?;
+    for l in report.iter().flatten() {
+        println!("{l}");
+    }
+    Ok(())
+}
