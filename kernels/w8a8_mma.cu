@@ -31,6 +31,38 @@ typedef unsigned short u16;
 #define MMA_WARPS 4
 #define MMA_ROWS (16 * MMA_WARPS)
 
+// The products of one launch (up to MAX_PRODS, of one input: q, k and v; gate and up): each its
+// weight rows row0 .. row0 + out of w (scales wsc), output y [n x out] with bias and res as
+// below, and `blocks` row blocks of the grid, the products' blocks one after the other along
+// blockIdx.x (models/decoder-gpu/src/w8a8/mma.rs, MmaProducts, lays out the same struct).
+#define MAX_PRODS 3
+struct Prod {
+    const u8* w;
+    const float* wsc;
+    float* y;
+    const u16* bias;
+    const float* res;
+    u32 row0, out, blocks, pad;
+};
+struct Prods {
+    Prod p[MAX_PRODS];
+    u32 count, pad;
+};
+
+// The product of row block b of the launch, and b's place among that product's row blocks.
+__device__ __forceinline__ Prod pick(const Prods& ps, u64 b, u32& local) {
+    Prod p = ps.p[0];
+#pragma unroll
+    for (u32 i = 1; i < MAX_PRODS; ++i) {
+        if (i < ps.count && b >= p.blocks) {
+            b -= p.blocks;
+            p = ps.p[i];
+        }
+    }
+    local = (u32)b;
+    return p;
+}
+
 // d += A (16 x 32 e4m3, row) * B (32 x 8 e4m3, col) in f32. The host launches these kernels only
 // on devices of compute capability 8.9 or later.
 __device__ __forceinline__ void mma_e4m3(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
@@ -214,7 +246,7 @@ __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* y,
                                           u32* __restrict__ counters, u32 out, u32 n,
                                           u32 splits, u32 tile, u32 g, u32 t, u32 warp,
                                           bool oklo, bool okhi, const u16* __restrict__ bias,
-                                          const float* res) {
+                                          const float* res, u32 bx) {
     __shared__ u32 last;
     const u32 T = 8 * NT;
     const u32 rlo = tile + g, rhi = rlo + 8;
@@ -258,7 +290,7 @@ __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* y,
     const float* all = part + (u64)blockIdx.x * splits * (ROWS * T);
     for (u32 i = threadIdx.x; i < n * ROWS; i += blockDim.x) {
         const u32 tok = i / ROWS, r = i - tok * ROWS;
-        const u32 row = blockIdx.x * ROWS + r;
+        const u32 row = bx * ROWS + r;
         float v = 0.0f;
         for (u32 s = 0; s < splits; ++s) v += ld_l2(all + (u64)s * (ROWS * T) + i);
         if (row < out) {
@@ -270,20 +302,26 @@ __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* y,
     if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
 }
 
-// The sums of a split product from its partials (block (b, s) of `rows` rows and `tile_tokens`
-// tokens at part + (b splits + s) rows tile_tokens, [token][row]): one thread per output, the
-// slices added in their order from 0, to y [n x out] (and 0 to the n rows after it with
-// zero_lo; with bias and res added as the products add them). Grid: ceil(row blocks x n x rows /
-// 256) blocks of 256 threads.
+// The sums of split products from their partials (block (b, s) of `rows` rows and `tile_tokens`
+// tokens at part + (b splits + s) rows tile_tokens, [token][row], b the launch's row block):
+// one thread per output, the slices added in their order from 0, to each product's y [n x out]
+// (and 0 to the n rows after it with zero_lo; with its bias and res added as the products add
+// them). Grid: ceil(row blocks x n x rows / 256) blocks of 256 threads.
 extern "C" __global__ void __launch_bounds__(256)
-    w8a8_reduce(const float* __restrict__ part, u32 splits, u32 rows, u32 tile_tokens, u32 out,
-                u32 n, float* y, u32 zero_lo, const u16* __restrict__ bias, const float* res) {
+    w8a8_reduce(const Prods ps, const float* __restrict__ part, u32 splits, u32 rows,
+                u32 tile_tokens, u32 n, u32 zero_lo) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u64 per_block = (u64)n * rows;
     const u64 b = i / per_block, rem = i - b * per_block;
     const u32 tok = (u32)(rem / rows), r = (u32)(rem - (u64)tok * rows);
-    const u64 row = b * rows + r;
-    if (row >= out) return;
+    u32 lb;
+    const Prod pr = pick(ps, b, lb);
+    const u64 row = (u64)lb * rows + r;
+    if (lb >= pr.blocks || row >= pr.out) return;
+    const u32 out = pr.out;
+    float* y = pr.y;
+    const u16* bias = pr.bias;
+    const float* res = pr.res;
     const float* p = part + b * splits * rows * tile_tokens + (u64)tok * rows + r;
     float v = 0.0f;
     for (u32 s = 0; s < splits; ++s) v += p[(u64)s * rows * tile_tokens];
@@ -297,7 +335,7 @@ __device__ __forceinline__ void w8a8_mma_body(
     const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0, u32 out, u32 inp,
     const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,
     u32 chunk, float* y, float* __restrict__ ylo, float* __restrict__ part,
-    u32* __restrict__ counters, const u16* __restrict__ bias, const float* res) {
+    u32* __restrict__ counters, const u16* __restrict__ bias, const float* res, u32 bx) {
     extern __shared__ __align__(16) u8 smem[];
     const u32 T = 8 * NT;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
@@ -305,7 +343,7 @@ __device__ __forceinline__ void w8a8_mma_body(
     const u32 groups = inp >> 7;
     const u32 splits = gridDim.y;
     const u32 g0 = blockIdx.y * slice, g1 = min(groups, g0 + slice);
-    const u32 tile = blockIdx.x * MMA_ROWS + warp * 16;
+    const u32 tile = bx * MMA_ROWS + warp * 16;
     const u32 rlo = tile + g, rhi = rlo + 8;
     const bool oklo = rlo < out, okhi = rhi < out, okt = tile < out;
     // the 16 rows of a tile lie in one 128-row block of scales (row0 is a multiple of 16)
@@ -388,7 +426,7 @@ __device__ __forceinline__ void w8a8_mma_body(
         }
     }
     store_acc<NT, MMA_ROWS>(acc, y, ylo, part, counters, out, n, splits, tile, g, t, warp, oklo, okhi,
-                            bias, res);
+                            bias, res, bx);
 }
 
 // ---- The same products by Hopper's warpgroup mma (compiled for sm_90a only) ----------------
@@ -556,7 +594,7 @@ __device__ __forceinline__ void w8a8_wgmma_body(
     const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0, u32 out, u32 inp,
     const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,
     u32 chunk, float* y, float* __restrict__ ylo, float* __restrict__ part,
-    u32* __restrict__ counters, const u16* __restrict__ bias, const float* res) {
+    u32* __restrict__ counters, const u16* __restrict__ bias, const float* res, u32 bx) {
     extern __shared__ __align__(128) u8 smem[];
     __shared__ __align__(8) u64 full[2];
     const u32 T = 8 * NT;
@@ -565,7 +603,7 @@ __device__ __forceinline__ void w8a8_wgmma_body(
     const u32 groups = inp >> 7;
     const u32 splits = gridDim.y;
     const u32 g0 = blockIdx.y * slice, g1 = min(groups, g0 + slice);
-    const u32 tile = blockIdx.x * WG_ROWS + warp * 16;
+    const u32 tile = bx * WG_ROWS + warp * 16;
     const u32 rlo = tile + g, rhi = rlo + 8;
     const bool oklo = rlo < out, okhi = rhi < out, okt = tile < out;
     const float* wsr = wsc + (u64)((row0 + (okt ? tile : 0u)) >> 7) * groups;
@@ -642,31 +680,34 @@ __device__ __forceinline__ void w8a8_wgmma_body(
         __syncthreads();  // this buffer is no longer read: the chunk after next may land in it
     }
     store_acc<NT, WG_ROWS>(acc, y, ylo, part, counters, out, n, splits, tile, g, t, warp, oklo, okhi,
-                           bias, res);
+                           bias, res, bx);
 }
 
+// The kernels: the products `ps` of one input (row block blockIdx.x of the launch picks its
+// product), with zero_lo the n rows after each product's y written 0.
 #define W8A8_WGMMA(NT)                                                                         \
     extern "C" __global__ void __launch_bounds__(32 * WG_WARPS, 2)                             \
-        w8a8_wgmma_##NT(const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0,    \
-                        u32 out, u32 inp, const u8* __restrict__ xq,                          \
+        w8a8_wgmma_##NT(const Prods ps, u32 inp, const u8* __restrict__ xq,                   \
                         const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,          \
-                        u32 chunk, float* y, u32 zero_lo, float* __restrict__ part,           \
-                        u32* __restrict__ counters, const u16* __restrict__ bias,             \
-                        const float* res) {                                                   \
-        w8a8_wgmma_body<NT>(w, wsc, row0, out, inp, xq, xsc, xs_grp, n, slice, chunk, y,      \
-                            zero_lo ? y + (u64)n * out : nullptr, part, counters, bias, res); \
+                        u32 chunk, u32 zero_lo, float* __restrict__ part,                     \
+                        u32* __restrict__ counters) {                                         \
+        u32 bx;                                                                               \
+        const Prod p = pick(ps, blockIdx.x, bx);                                              \
+        w8a8_wgmma_body<NT>(p.w, p.wsc, p.row0, p.out, inp, xq, xsc, xs_grp, n, slice, chunk, \
+                            p.y, zero_lo ? p.y + (u64)n * p.out : nullptr, part, counters,    \
+                            p.bias, p.res, bx);                                               \
     }
 
 #define W8A8_MMA(NT)                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, NT <= 3 ? 4 : 2)              \
-        w8a8_mma_##NT(const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0,      \
-                      u32 out, u32 inp, const u8* __restrict__ xq,                            \
+        w8a8_mma_##NT(const Prods ps, u32 inp, const u8* __restrict__ xq,                     \
                       const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice, u32 chunk, \
-                      float* y, u32 zero_lo, float* __restrict__ part,                        \
-                      u32* __restrict__ counters, const u16* __restrict__ bias,               \
-                      const float* res) {                                                     \
-        w8a8_mma_body<NT>(w, wsc, row0, out, inp, xq, xsc, xs_grp, n, slice, chunk, y,        \
-                          zero_lo ? y + (u64)n * out : nullptr, part, counters, bias, res);   \
+                      u32 zero_lo, float* __restrict__ part, u32* __restrict__ counters) {    \
+        u32 bx;                                                                               \
+        const Prod p = pick(ps, blockIdx.x, bx);                                              \
+        w8a8_mma_body<NT>(p.w, p.wsc, p.row0, p.out, inp, xq, xsc, xs_grp, n, slice, chunk,   \
+                          p.y, zero_lo ? p.y + (u64)n * p.out : nullptr, part, counters,      \
+                          p.bias, p.res, bx);                                                 \
     }
 W8A8_MMA(1)
 W8A8_MMA(2)

@@ -8,7 +8,9 @@
 
 use std::sync::Arc;
 
-use lifecycle_cuda::cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use lifecycle_cuda::cudarc::driver::{
+    CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use lifecycle_cuda::{CudaError, KernelSet, RankCtx};
 
 /// CUDA C source of the decoder kernels.
@@ -126,7 +128,29 @@ pub(crate) unsafe fn launch(
     rank: usize,
     what: &str,
 ) -> Result<(), CudaError> {
+    // SAFETY: forwarded to the caller.
+    unsafe { launch_after(stream, func, cfg, None::<&u32>, args, rank, what) }
+}
+
+/// As [`launch`], with `lead` (a value of the kernel's first parameter's type, such as a
+/// struct passed by value) before `args` where given.
+///
+/// # Safety
+/// As [`launch`]: `lead` and `args` must match the kernel's parameter list in order and type
+/// (`lead`'s layout the kernel's struct, field for field).
+pub(crate) unsafe fn launch_after<T: DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    lead: Option<&T>,
+    args: &[Arg],
+    rank: usize,
+    what: &str,
+) -> Result<(), CudaError> {
     let mut b = stream.launch_builder(func);
+    if let Some(v) = lead {
+        b.arg(v);
+    }
     for a in args {
         match a {
             Arg::U64(v) => b.arg(v),

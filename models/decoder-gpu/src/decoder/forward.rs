@@ -709,21 +709,27 @@ impl<'a> Pass<'a> {
                 self.combine_cols(kb, lw.k_b, (ld, qw, kvw))?;
                 self.combine_cols(vb, lw.v_b, (ld, qw + kvw, kvw))?;
             } else {
-                // each product into its buffer with its bias: by the W8A8 kernel itself where
-                // it takes it, else by combine
-                for (wm, out, bias, width, again) in [
-                    (lw.q_w, q, lw.q_b, qw, quantised),
-                    (lw.k_w, kb, lw.k_b, kvw, true),
-                    (lw.v_w, vb, lw.v_b, kvw, true),
-                ] {
-                    let fin = Finish {
-                        out,
-                        bias: bias.map(|b| self.wp(b)),
-                        res: None,
-                    };
-                    let dims = (width, 2 * n, h);
-                    if !st.wgemm_to(s, base, wm, xs, y2, dims, (w8, again), Some(fin), rank)? {
-                        self.combine_into(out, bias, width)?;
+                // each product into its buffer with its bias: by the W8A8 kernels themselves
+                // where they take them (the three in one launch where one kernel takes all),
+                // else by combine
+                let fin = |out, bias: Option<u64>| Finish {
+                    out,
+                    bias: bias.map(|b| self.wp(b)),
+                    res: None,
+                };
+                let prods = [
+                    (lw.q_w, qw, fin(q, lw.q_b)),
+                    (lw.k_w, kvw, fin(kb, lw.k_b)),
+                    (lw.v_w, kvw, fin(vb, lw.v_b)),
+                ];
+                if !st.wgemm_group(s, base, &prods, xs, (2 * n, h), (w8, quantised), rank)? {
+                    for (i, (wm, width, f)) in prods.into_iter().enumerate() {
+                        let bias = [lw.q_b, lw.k_b, lw.v_b][i];
+                        let dims = (width, 2 * n, h);
+                        let again = quantised || i > 0;
+                        if !st.wgemm_to(s, base, wm, xs, y2, dims, (w8, again), Some(f), rank)? {
+                            self.combine_into(f.out, bias, width)?;
+                        }
                     }
                 }
             }

@@ -17,7 +17,8 @@ use crate::download::Downloads;
 use crate::fp8::{fp8_gemm, Fp8Kernels, Fp8Scratch, Fp8Weight, GEMV_TOKENS};
 use crate::kernels::DecoderKernels;
 use crate::w8a8::{
-    fusable_layout, w8a8_gemm, ActLayout, Finish, W8a8Gemm, W8a8Limits, W8a8Scratch, W8a8Through,
+    fusable_layout, w8a8_gemm, w8a8_gemm_group, ActLayout, Finish, W8a8Gemm, W8a8Limits,
+    W8a8Scratch, W8a8Through,
 };
 use crate::weights::{MatAt, RankOffsets};
 use lifecycle_decoder::KvDtype;
@@ -125,6 +126,64 @@ impl RankState {
             (out, tokens, inp),
             self.w8a8_limits,
         )
+    }
+
+    /// The products of one input `x` (`rows` split rows of `inp`) by each `(w, out, fin)` of
+    /// `prods` (weights of the bound buffer at `base`), each writing its [`Finish`], in one
+    /// launch of a W8A8 tensor-core kernel where they all take the same one
+    /// ([`w8a8_gemm_group`]): `true`. `false` where they do not (bf16 or weight-only weights,
+    /// other paths, a pass without the W8A8 scratch), nothing done: the caller runs them one by
+    /// one ([`RankState::wgemm_to`]).
+    ///
+    /// # Safety
+    /// As [`RankState::wgemm_to`] for each product.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn wgemm_group(
+        &self,
+        s: &Arc<CudaStream>,
+        base: u64,
+        prods: &[(MatAt, usize, Finish)],
+        x: u64,
+        (rows, inp): (usize, usize),
+        (act, same_input): (Option<&W8a8Scratch>, bool),
+        rank: usize,
+    ) -> Result<bool, CudaError> {
+        let (Some(act), Some(lt), Some(k)) = (act, self.w8a8.as_ref(), self.fp8.as_ref()) else {
+            return Ok(false);
+        };
+        if self.fp8_compute != Fp8Compute::W8A8 {
+            return Ok(false);
+        }
+        let Some(list) = prods
+            .iter()
+            .map(|&(w, out, fin)| fp8_weight(base, w).map(|f| (f, out, fin)))
+            .collect::<Option<Vec<_>>>()
+        else {
+            return Ok(false);
+        };
+        let through = W8a8Through {
+            x32: None,
+            act: Some((ptr(&act.q, s), ptr(&act.scales, s), &act.held)),
+            same_input,
+        };
+        // SAFETY: forwarded to the caller (each matrix the bound entry's, checked at bind).
+        let done = unsafe {
+            w8a8_gemm_group(
+                s,
+                lt,
+                k,
+                &list,
+                x,
+                (rows, inp),
+                through,
+                self.w8a8_limits,
+                rank,
+            )?
+        };
+        if done {
+            self.x32_joined.set(false);
+        }
+        Ok(done)
     }
 
     /// `y[rows × out] = x[rows × inp] · wᵀ` for weight `w` of the bound buffer at `base`:

@@ -20,14 +20,14 @@
 //! cuBLASLt's block-scaled GEMM ([`crate::w8a8`]) reads the weights of these products at about
 //! half the device's rate at these token counts; these kernels are built for them.
 //!
-//! The launch shape ([`MmaShape::of`]) depends on the product's rows and inputs, the kernel
+//! The launch shape ([`MmaShape::of_products`]) depends on the products' rows and inputs, the kernel
 //! family and the device's SM count, not on its tokens: within a family a row's sum is split over
 //! the same input slices, and added in the same order, whatever the batch.
 
 use std::sync::{Arc, Mutex};
 
 use lifecycle_cuda::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
 };
 use lifecycle_cuda::{
     alloc_device, alloc_zeros, arch_specific_target, CudaError, KernelSet, RankCtx,
@@ -35,7 +35,7 @@ use lifecycle_cuda::{
 
 use super::quant::{wgmma_tiles, ActLayout};
 use crate::fp8::Fp8Weight;
-use crate::kernels::{launch, refuse_in_capture, Arg};
+use crate::kernels::{launch_after, refuse_in_capture, Arg};
 
 /// CUDA C source of the tensor-core W8A8 kernels (no headers).
 pub const W8A8_MMA_KERNEL_SRC: &str = include_str!("../../../../kernels/w8a8_mma.cu");
@@ -167,7 +167,22 @@ impl MmaShape {
     /// group) until the blocks fill [`BLOCKS_PER_SM`] blocks of 64 rows per SM (the `mma.sync`
     /// kernel), or into as many as fit in them (the warpgroup kernel: `wgmma`, whose blocks
     /// count twice and whose token tiles come in powers of two).
+    #[cfg(test)]
     pub(crate) fn of(out: usize, tokens: usize, inp: usize, sms: usize, wgmma: bool) -> Self {
+        Self::of_products(&[out], tokens, inp, sms, wgmma)
+    }
+
+    /// The shape of one launch of products of `outs` rows each over the same `tokens × inp`
+    /// activations ([`MmaProduct`]): as [`MmaShape::of`] for their row blocks together (each
+    /// product's rows rounded up to whole blocks), so that products of whole blocks launched
+    /// together are split, and their rows summed, as the product of their rows stacked.
+    pub(crate) fn of_products(
+        outs: &[usize],
+        tokens: usize,
+        inp: usize,
+        sms: usize,
+        wgmma: bool,
+    ) -> Self {
         let groups = (inp / 128).max(1);
         let nt = if wgmma {
             wgmma_tiles(tokens.min(MMA_TOKENS))
@@ -175,7 +190,11 @@ impl MmaShape {
             tokens.div_ceil(8).clamp(1, MMA_TOKENS / 8)
         };
         let block_rows = if wgmma { WGMMA_BLOCK_ROWS } else { BLOCK_ROWS };
-        let row_blocks = out.div_ceil(block_rows).max(1);
+        let row_blocks = outs
+            .iter()
+            .map(|o| o.div_ceil(block_rows))
+            .sum::<usize>()
+            .max(1);
         let slots = BLOCKS_PER_SM * sms.max(1) * BLOCK_ROWS / block_rows;
         let want = if wgmma {
             // as many slices as keep every block resident at once: no second wave, whose few
@@ -242,6 +261,51 @@ pub(crate) fn mma_reads(w: &Fp8Weight, inp: usize) -> bool {
         && w.data.is_multiple_of(16)
         && w.scales.is_multiple_of(4)
 }
+
+/// Products one launch of the tensor-core kernels takes at most ([`MmaKernels::gemm`]; the
+/// kernels' `MAX_PRODS`).
+pub(crate) const MAX_PRODUCTS: usize = 3;
+
+/// One product of a launch of the tensor-core kernels ([`MmaKernels::gemm`]): `y[tokens × out]`
+/// = the activations · rows `w.row0 .. w.row0 + out` of `w`, each output written as (sum +
+/// `bias`) + `res` (`bias` bf16 per output column, `res` f32 of `y`'s shape, which may be `y`
+/// itself; 0 for none).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MmaProduct {
+    pub w: Fp8Weight,
+    pub out: usize,
+    pub y: u64,
+    pub bias: u64,
+    pub res: u64,
+}
+
+/// The kernels' `Prod` (kernels/w8a8_mma.cu), field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct ProdArg {
+    w: u64,
+    wsc: u64,
+    y: u64,
+    bias: u64,
+    res: u64,
+    row0: u32,
+    out: u32,
+    blocks: u32,
+    pad: u32,
+}
+
+/// The kernels' `Prods`: the products of one launch, their row blocks one after the other.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct ProdsArg {
+    p: [ProdArg; MAX_PRODUCTS],
+    count: u32,
+    pad: u32,
+}
+
+// SAFETY: plain integers in the layout of the kernels' `Prods` (repr(C): five 8-byte addresses
+// then four u32 per product, then two u32), passed by value as a kernel parameter.
+unsafe impl DeviceRepr for ProdsArg {}
 
 /// The split products' scratch: partial sums and a counter per row block (zero between
 /// launches: the last block of a row block resets it).
@@ -328,37 +392,45 @@ impl MmaKernels {
         self.scratch.lock().map_or(u64::MAX, |s| s.grown)
     }
 
-    /// `y[tokens × out] = dequant(xq) · dequant(w)ᵀ` in f32 for 1 to [`MMA_TOKENS`] tokens: `xq`
-    /// the e4m3 activations and `xsc` their scales in `layout` (for [`ActLayout::Rows`] the
-    /// `mma.sync` kernel, for [`ActLayout::Tiles`] of [`wgmma_tiles`]`(tokens)` the warpgroup
-    /// one, which must be loaded: [`MmaKernels::has_wgmma`]), `w` rows `row0 .. row0 + out` of a
-    /// block-scaled e4m3 matrix ([`mma_reads`] must hold). With `zero_lo` the `tokens` rows
-    /// after `y`'s (the lo rows of a split product) are written 0. `(bias, res)` (0 for none):
-    /// each output is written as (sum + bias) + res, `bias` bf16 per output column, `res` f32 of
-    /// `y`'s shape (it may be `y` itself).
+    /// `y[tokens × out] = dequant(xq) · dequant(w)ᵀ` in f32 for 1 to [`MMA_TOKENS`] tokens, for
+    /// each of 1 to [`MAX_PRODUCTS`] products of the same activations in one launch
+    /// ([`MmaProduct`]; shaped by [`MmaShape::of_products`]): `xq` the e4m3 activations and
+    /// `xsc` their scales in `layout` (for [`ActLayout::Rows`] the `mma.sync` kernel, for
+    /// [`ActLayout::Tiles`] of [`wgmma_tiles`]`(tokens)` the warpgroup one, which must be loaded:
+    /// [`MmaKernels::has_wgmma`]), each weight's rows a block-scaled e4m3 matrix's
+    /// ([`mma_reads`] must hold). With `zero_lo` the `tokens` rows after each `y`'s (the lo rows
+    /// of a split product) are written 0.
     ///
     /// # Safety
-    /// The addresses must be device memory of this context: `w` its matrix and scales, `xq` and
-    /// `xsc` the layout's bytes and scales of `layout.padded(tokens)` tokens, `y` `tokens · out`
-    /// f32 (twice that with `zero_lo`), `bias` `out` bf16 and `res` `tokens · out` f32 where not
-    /// 0, alive until the stream ran the product.
-    #[allow(clippy::too_many_arguments)]
+    /// The addresses must be device memory of this context: each weight its matrix and scales,
+    /// `xq` and `xsc` the layout's bytes and scales of `layout.padded(tokens)` tokens, each `y`
+    /// `tokens · out` f32 (twice that with `zero_lo`), `bias` `out` bf16 and `res` `tokens · out`
+    /// f32 where not 0, alive until the stream ran the products.
     pub(crate) unsafe fn gemm(
         &self,
         stream: &Arc<CudaStream>,
-        w: Fp8Weight,
+        prods: &[MmaProduct],
         (xq, xsc, layout): (u64, u64, ActLayout),
-        (y, zero_lo): (u64, bool),
-        (bias, res): (u64, u64),
-        (out, tokens, inp): (usize, usize, usize),
+        zero_lo: bool,
+        (tokens, inp): (usize, usize),
         rank: usize,
     ) -> Result<(), CudaError> {
-        if tokens == 0 || tokens > MMA_TOKENS || !mma_reads(&w, inp) {
+        if prods.is_empty() || prods.len() > MAX_PRODUCTS {
+            return Err(CudaError::Invalid(format!(
+                "a launch of the tensor-core W8A8 kernels takes 1 to {MAX_PRODUCTS} products: \
+                 given {}",
+                prods.len()
+            )));
+        }
+        if let Some(p) = prods
+            .iter()
+            .find(|p| tokens == 0 || tokens > MMA_TOKENS || !mma_reads(&p.w, inp) || p.out == 0)
+        {
             return Err(CudaError::Invalid(format!(
                 "the tensor-core W8A8 kernel multiplies 1 to {MMA_TOKENS} tokens over whole \
                  128-wide groups of inputs, rows from a multiple of 16, 16-byte aligned: asked \
-                 for {tokens} tokens × {inp} inputs (matrix of {} columns, rows from {})",
-                w.cols, w.row0
+                 for {tokens} tokens × {inp} inputs, {} rows (matrix of {} columns, rows from {})",
+                p.out, p.w.cols, p.w.row0
             )));
         }
         let wg = match layout {
@@ -385,7 +457,25 @@ impl MmaKernels {
             u32::try_from(v)
                 .map_err(|_| CudaError::Invalid(format!("W8A8 mma product {what} {v} > u32")))
         };
-        let shape = MmaShape::of(out, tokens, inp, self.sms, wg.is_some());
+        let outs: Vec<usize> = prods.iter().map(|p| p.out).collect();
+        let shape = MmaShape::of_products(&outs, tokens, inp, self.sms, wg.is_some());
+        let mut table = ProdsArg {
+            count: prods.len() as u32,
+            ..ProdsArg::default()
+        };
+        for (slot, p) in table.p.iter_mut().zip(prods) {
+            *slot = ProdArg {
+                w: p.w.data,
+                wsc: p.w.scales,
+                y: p.y,
+                bias: p.bias,
+                res: p.res,
+                row0: u32a(p.w.row0, "first row")?,
+                out: u32a(p.out as u64, "rows")?,
+                blocks: u32a(p.out.div_ceil(shape.block_rows) as u64, "row blocks")?,
+                pad: 0,
+            };
+        }
         let mut scratch = self
             .scratch
             .lock()
@@ -438,10 +528,6 @@ impl MmaKernels {
             shared_mem_bytes: u32a(shape.shared_bytes() as u64, "shared memory")?,
         };
         let args = [
-            Arg::U64(w.data),
-            Arg::U64(w.scales),
-            Arg::U32(u32a(w.row0, "first row")?),
-            Arg::U32(u32a(out as u64, "rows")?),
             Arg::U32(u32a(inp as u64, "inputs")?),
             Arg::U64(xq),
             Arg::U64(xsc),
@@ -449,12 +535,9 @@ impl MmaKernels {
             Arg::U32(tokens as u32),
             Arg::U32(shape.slice as u32),
             Arg::U32(shape.chunk as u32),
-            Arg::U64(y),
             Arg::U32(u32::from(zero_lo)),
             Arg::U64(part),
             Arg::U64(counters),
-            Arg::U64(bias),
-            Arg::U64(res),
         ];
         let kernel = match wg {
             Some(k) => WGMMA_TILES
@@ -471,11 +554,11 @@ impl MmaKernels {
         } else {
             "w8a8_mma"
         };
-        // SAFETY: the argument list matches w8a8_mma_N and w8a8_wgmma_N (8 N ≥ tokens); the
-        // partials and counters hold the shape's sizes (the counters zero: the kernel leaves
-        // them so) and live in the scratch, whose buffers are freed in stream order; the rest
-        // per the caller.
-        unsafe { launch(stream, kernel, cfg, &args, rank, name)? };
+        // SAFETY: the table and argument list match w8a8_mma_N and w8a8_wgmma_N (8 N ≥ tokens;
+        // the products' row blocks those of the grid); the partials and counters hold the
+        // shape's sizes (the counters zero: the kernel leaves them so) and live in the scratch,
+        // whose buffers are freed in stream order; the rest per the caller.
+        unsafe { launch_after(stream, kernel, cfg, Some(&table), &args, rank, name)? };
         if shape.splits == 1 || in_kernel {
             return Ok(());
         }
@@ -490,18 +573,24 @@ impl MmaKernels {
             Arg::U32(u32a(shape.splits as u64, "splits")?),
             Arg::U32(shape.block_rows as u32),
             Arg::U32((8 * shape.nt) as u32),
-            Arg::U32(u32a(out as u64, "rows")?),
             Arg::U32(tokens as u32),
-            Arg::U64(y),
             Arg::U32(u32::from(zero_lo)),
-            Arg::U64(bias),
-            Arg::U64(res),
         ];
-        // SAFETY: the argument list matches w8a8_reduce; it reads the partials the product
-        // above wrote (every row block and slice, the first `tokens` of 8 · nt tokens) and
-        // writes y as the product would have (tokens · out f32, twice with zero_lo; bias and res
-        // read as the product would have).
-        unsafe { launch(stream, &self.reduce, cfg, &args, rank, "w8a8_reduce") }
+        // SAFETY: the table and argument list match w8a8_reduce; it reads the partials the
+        // products above wrote (every row block and slice, the first `tokens` of 8 · nt tokens)
+        // and writes each y as its product would have (tokens · out f32, twice with zero_lo; bias
+        // and res read as the product would have).
+        unsafe {
+            launch_after(
+                stream,
+                &self.reduce,
+                cfg,
+                Some(&table),
+                &args,
+                rank,
+                "w8a8_reduce",
+            )
+        }
     }
 
     /// Whether the warpgroup kernels are loaded (an sm_90a device whose NVRTC compiled them).

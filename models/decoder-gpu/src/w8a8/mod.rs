@@ -32,7 +32,7 @@ use lifecycle_cuda::CudaError;
 
 use crate::fp8::{fp8_gemv, Fp8Kernels, Fp8Weight, GEMV_TOKENS};
 pub(crate) use lt::{lt_reads, W8a8Gemm};
-pub(crate) use mma::{mma_reads, MMA_TOKENS};
+pub(crate) use mma::{mma_reads, MmaProduct, MAX_PRODUCTS, MMA_TOKENS};
 pub(crate) use quant::{quantize, ActLayout, ActSrc, QuantInto, QuantOut, W8a8Scratch};
 
 /// Tokens up to which a W8A8 product takes the weight-streaming kernel by default: none (on an
@@ -198,6 +198,19 @@ pub(crate) fn fusable_layout(
     }
 }
 
+impl Finish {
+    /// The tensor-core kernels' product of `out` rows of `w` written so.
+    fn product(&self, w: Fp8Weight, out: usize) -> MmaProduct {
+        MmaProduct {
+            w,
+            out,
+            y: self.out,
+            bias: self.bias.unwrap_or(0),
+            res: self.res.unwrap_or(0),
+        }
+    }
+}
+
 /// `y[rows × out] = x[rows × inp] · wᵀ` in W8A8 for split bf16 `x` (hi rows, then lo rows) and
 /// f32 `y` (its lo rows written 0): the activations quantised per token group (once per input:
 /// [`W8a8Through::same_input`]), then, by `limits` ([`W8a8Limits::path`]), the weight-streaming
@@ -296,28 +309,95 @@ pub(crate) unsafe fn w8a8_gemm(
             (Some(m), Some(f)) => m
                 .gemm(
                     stream,
-                    w,
+                    &[f.product(w, out)],
                     (xq, xsc, layout),
-                    (f.out, false),
-                    (f.bias.unwrap_or(0), f.res.unwrap_or(0)),
-                    (out, tokens, inp),
+                    false,
+                    (tokens, inp),
                     rank,
                 )
                 .map(|()| true),
-            (Some(m), None) => m
-                .gemm(
-                    stream,
+            (Some(m), None) => {
+                let p = MmaProduct {
                     w,
-                    (xq, xsc, layout),
-                    (y, true),
-                    (0, 0),
-                    (out, tokens, inp),
-                    rank,
-                )
-                .map(|()| false),
+                    out,
+                    y,
+                    bias: 0,
+                    res: 0,
+                };
+                m.gemm(stream, &[p], (xq, xsc, layout), true, (tokens, inp), rank)
+                    .map(|()| false)
+            }
             (None, _) => lt_gemm
                 .gemm(stream, k, w, (xq, xsc), y, (out, tokens, inp), rank)
                 .map(|()| false),
         }
     }
+}
+
+/// Up to [`MAX_PRODUCTS`] W8A8 products of one input `x` (split bf16, `rows` = 2 · tokens rows
+/// of `inp`), each `(w, out, fin)` writing its [`Finish`], in one launch of a tensor-core
+/// kernel (q, k and v: one launch instead of three, its row blocks split and summed as those of
+/// the three matrices stacked, [`MmaShape::of_products`]): `true`. Where the products would not
+/// all take the same tensor-core path ([`w8a8_path`]) nothing is launched or changed: `false`,
+/// for the caller to run them one by one ([`w8a8_gemm`]).
+///
+/// # Safety
+/// As [`w8a8_gemm`] for each product.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn w8a8_gemm_group(
+    stream: &Arc<CudaStream>,
+    lt_gemm: &W8a8Gemm,
+    k: &Fp8Kernels,
+    prods: &[(Fp8Weight, usize, Finish)],
+    x: u64,
+    (rows, inp): (usize, usize),
+    through: W8a8Through<'_>,
+    limits: W8a8Limits,
+    rank: usize,
+) -> Result<bool, CudaError> {
+    let tokens = rows / 2;
+    let (Some(m), Some((xq, xsc, held))) = (lt_gemm.mma.as_ref(), through.act) else {
+        return Ok(false);
+    };
+    let paths: Vec<W8a8Path> = prods
+        .iter()
+        .map(|(w, out, _)| w8a8_path(lt_gemm, w, (*out, tokens, inp), limits))
+        .collect();
+    let path = match paths.first() {
+        Some(&p @ (W8a8Path::TensorCores | W8a8Path::Warpgroup))
+            if rows.is_multiple_of(2)
+                && prods.len() <= MAX_PRODUCTS
+                && paths.iter().all(|&q| q == p) =>
+        {
+            p
+        }
+        _ => return Ok(false),
+    };
+    let layout = ActLayout::of(tokens, path == W8a8Path::Warpgroup);
+    if !(through.same_input && held.get() == Some(layout)) {
+        let q = QuantOut {
+            q: Some(xq),
+            scales: Some((xsc, layout.scale_strides(tokens))),
+            deq: None,
+            zero: None,
+            layout,
+        };
+        // SAFETY: as in w8a8_gemm: x holds 2 · tokens rows of inp bf16, the scratch the layout's
+        // padded tokens of bytes and scales.
+        unsafe {
+            quantize(
+                stream,
+                k,
+                ActSrc::Split(x),
+                (tokens, layout.padded(tokens), inp),
+                q,
+                rank,
+            )?
+        };
+        held.set(Some(layout));
+    }
+    let list: Vec<MmaProduct> = prods.iter().map(|&(w, out, f)| f.product(w, out)).collect();
+    // SAFETY: the scratch holds this input's quantisation; each Finish's buffers per the caller.
+    unsafe { m.gemm(stream, &list, (xq, xsc, layout), false, (tokens, inp), rank)? };
+    Ok(true)
 }

@@ -210,15 +210,14 @@ fn mma_twice(
     for _ in 0..2 {
         // SAFETY: the buffers hold the sizes the product reads and writes (the caller's).
         unsafe {
-            m.gemm(
-                s,
-                weight,
-                (qd, scd, layout),
-                (ptr(yd, s), false),
-                (0, 0),
-                (out, tokens, inp),
-                0,
-            )?
+            let p = MmaProduct {
+                w: weight,
+                out,
+                y: ptr(yd, s),
+                bias: 0,
+                res: 0,
+            };
+            m.gemm(s, &[p], (qd, scd, layout), false, (tokens, inp), 0)?
         };
         runs.push(s.clone_dtoh(yd).map_err(ctx.drv("y back", 0))?);
     }
@@ -822,6 +821,237 @@ fn the_fused_quantisations_write_the_two_kernels_bits() -> Result<(), Box<dyn st
                         return Err(CudaError::Invalid(format!("{what}: a scale not written")));
                     }
                     lines.push(format!("{what}: the two kernels' bits"));
+                }
+            }
+        }
+        Ok(lines)
+    })?;
+    for l in report.iter().flatten() {
+        println!("{l}");
+    }
+    Ok(())
+}
+
+/// Products of one input in one launch of a tensor-core kernel ([`w8a8_gemm_group`], as q, k and
+/// v run) write, bit for bit, what the one product by their matrices stacked writes (the same
+/// row blocks, split and summed alike), each its own buffer with its bias and residual; and
+/// products the group does not take are left to the caller.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn products_of_one_launch_are_the_stacked_products_bits() -> Result<(), Box<dyn std::error::Error>>
+{
+    require_gpus(1)?;
+    let pool = ThreadRankPool::new(1)?;
+    let report = pool.run(&|ctx| {
+        let s = &ctx.compute;
+        let k = Fp8Kernels::load(ctx)?;
+        let lt = W8a8Gemm::new(ctx)?;
+        let up = |what: &str| ctx.drv(what, 0);
+        let mut lines = Vec::new();
+        // rows of the three products (multiples of 128: the stacked matrix's scale blocks are
+        // theirs), inputs
+        for (i, &(rows, inp)) in [([256usize, 128, 128], 512usize), ([384, 128, 256], 1024)]
+            .iter()
+            .enumerate()
+        {
+            let total: usize = rows.iter().sum();
+            let mats: Vec<_> = rows
+                .iter()
+                .enumerate()
+                .map(|(j, &r)| {
+                    quantize_blocks("w", &values(r * inp, inp, 31 + (3 * i + j) as u64), r, inp)
+                })
+                .collect::<Result<_, _>>()
+                .map_err(|e| CudaError::Invalid(e.to_string()))?;
+            let stacked_q: Vec<u8> = mats.iter().flat_map(|m| m.data().to_vec()).collect();
+            let stacked_s: Vec<f32> = mats.iter().flat_map(|m| m.scale_inv().to_vec()).collect();
+            let bias: Vec<bf16> = (0..total)
+                .map(|o| bf16::from_f32((o % 9) as f32 * 0.25 - 1.0))
+                .collect();
+            let upload_w = |q: &[u8], sc: &[f32]| -> Result<_, CudaError> {
+                Ok((
+                    s.clone_htod(q).map_err(up("weights"))?,
+                    s.clone_htod(sc).map_err(up("scales"))?,
+                ))
+            };
+            let one = upload_w(&stacked_q, &stacked_s)?;
+            let parts = mats
+                .iter()
+                .map(|m| upload_w(m.data(), m.scale_inv()))
+                .collect::<Result<Vec<_>, _>>()?;
+            let weight = |(d, sc): &(CudaSlice<u8>, CudaSlice<f32>)| Fp8Weight {
+                data: ptr(d, s),
+                scales: ptr(sc, s),
+                row0: 0,
+                cols: inp as u64,
+            };
+            for tokens in [1usize, 5, 8, 12, 33, 64] {
+                let x = values(tokens * inp, inp, 77 + tokens as u64);
+                let (xs, _) = split(&x);
+                let xd = s.clone_htod(&xs).map_err(up("activations"))?;
+                let room = padded_tokens(tokens).max(8 * wgmma_tiles(tokens));
+                let groups = inp / 128;
+                // SAFETY: written by the quantisation before any product reads them.
+                let (qd, scd) = unsafe {
+                    (
+                        alloc_device::<u8>(s, room * inp, 0, "q")?,
+                        alloc_device::<f32>(s, room * groups, 0, "scales")?,
+                    )
+                };
+                let res: Vec<f32> = (0..tokens * total)
+                    .map(|j| (j % 13) as f32 * 0.5 - 3.0)
+                    .collect();
+                let mut limits = vec![(
+                    W8a8Limits {
+                        gemv: 0,
+                        mma: MMA_TOKENS,
+                        wgmma: 0,
+                    },
+                    "mma.sync",
+                )];
+                if lt.mma.as_ref().is_some_and(|m| m.has_wgmma()) {
+                    limits.push((
+                        W8a8Limits {
+                            gemv: 0,
+                            mma: 0,
+                            wgmma: MMA_TOKENS,
+                        },
+                        "warpgroup",
+                    ));
+                }
+                for (limits, path) in limits {
+                    let held = Cell::new(None);
+                    let through = W8a8Through {
+                        x32: None,
+                        act: Some((ptr(&qd, s), ptr(&scd, s), &held)),
+                        same_input: false,
+                    };
+                    // the stacked product: its output [tokens × total], bias and residual
+                    let bias_d = s.clone_htod(&bias).map_err(up("bias"))?;
+                    let yd = s.clone_htod(&res).map_err(up("residual"))?;
+                    let fin = Finish {
+                        out: ptr(&yd, s),
+                        bias: Some(ptr(&bias_d, s)),
+                        res: Some(ptr(&yd, s)),
+                    };
+                    // SAFETY: the buffers above hold the sizes each product reads and writes.
+                    let stacked = unsafe {
+                        w8a8_gemm_group(
+                            s,
+                            &lt,
+                            &k,
+                            &[(weight(&one), total, fin)],
+                            ptr(&xd, s),
+                            (2 * tokens, inp),
+                            through,
+                            limits,
+                            0,
+                        )?
+                    };
+                    // the three products in one launch, each its own output, bias and residual
+                    let mut outs = Vec::new();
+                    let mut biases = Vec::new();
+                    let mut prods = Vec::new();
+                    let mut col = 0;
+                    for (j, &r) in rows.iter().enumerate() {
+                        let b: Vec<bf16> = bias[col..col + r].to_vec();
+                        let rr: Vec<f32> = (0..tokens)
+                            .flat_map(|t| res[t * total + col..t * total + col + r].to_vec())
+                            .collect();
+                        let bd = s.clone_htod(&b).map_err(up("bias"))?;
+                        let od = s.clone_htod(&rr).map_err(up("residual"))?;
+                        let f = Finish {
+                            out: ptr(&od, s),
+                            bias: Some(ptr(&bd, s)),
+                            res: Some(ptr(&od, s)),
+                        };
+                        prods.push((weight(&parts[j]), r, f));
+                        outs.push(od);
+                        biases.push(bd);
+                        col += r;
+                    }
+                    let through = W8a8Through {
+                        same_input: true,
+                        ..through
+                    };
+                    // SAFETY: as above.
+                    let grouped = unsafe {
+                        w8a8_gemm_group(
+                            s,
+                            &lt,
+                            &k,
+                            &prods,
+                            ptr(&xd, s),
+                            (2 * tokens, inp),
+                            through,
+                            limits,
+                            0,
+                        )?
+                    };
+                    let what = format!("{rows:?} x {tokens} x {inp} ({path})");
+                    if !(stacked && grouped) {
+                        return Err(CudaError::Invalid(format!(
+                            "{what}: the tensor-core kernels did not take the group \
+                             (stacked {stacked}, grouped {grouped})"
+                        )));
+                    }
+                    let want = s.clone_dtoh(&yd).map_err(up("stacked back"))?;
+                    let mut col = 0;
+                    for (j, &r) in rows.iter().enumerate() {
+                        let got = s.clone_dtoh(&outs[j]).map_err(up("product back"))?;
+                        for t in 0..tokens {
+                            for c in 0..r {
+                                let (g, w) = (got[t * r + c], want[t * total + col + c]);
+                                if g.to_bits() != w.to_bits() {
+                                    return Err(CudaError::Invalid(format!(
+                                        "{what}: product {j} token {t} row {c}: {g} in one \
+                                         launch, {w} stacked"
+                                    )));
+                                }
+                            }
+                        }
+                        col += r;
+                    }
+                    lines.push(format!("{what}: the stacked product's bits"));
+                }
+                // a product the tensor-core kernels do not take (weight streaming): the group
+                // is left to the caller, nothing launched
+                let held = Cell::new(Some(ActLayout::Rows));
+                let through = W8a8Through {
+                    x32: None,
+                    act: Some((ptr(&qd, s), ptr(&scd, s), &held)),
+                    same_input: false,
+                };
+                let streaming = W8a8Limits {
+                    gemv: GEMV_TOKENS,
+                    mma: 0,
+                    wgmma: 0,
+                };
+                let f = Finish {
+                    out: 0,
+                    bias: None,
+                    res: None,
+                };
+                if tokens <= GEMV_TOKENS {
+                    // SAFETY: nothing is launched (checked: the result and the held layout).
+                    let took = unsafe {
+                        w8a8_gemm_group(
+                            s,
+                            &lt,
+                            &k,
+                            &[(weight(&one), total, f)],
+                            ptr(&xd, s),
+                            (2 * tokens, inp),
+                            through,
+                            streaming,
+                            0,
+                        )?
+                    };
+                    if took || held.get() != Some(ActLayout::Rows) {
+                        return Err(CudaError::Invalid(format!(
+                            "{rows:?} x {tokens}: a weight-streaming group was taken"
+                        )));
+                    }
                 }
             }
         }
