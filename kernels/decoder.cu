@@ -14,16 +14,13 @@ __device__ __forceinline__ u16 f2bf(float f) {
     return (u16)(x >> 16);
 }
 
-__device__ __forceinline__ void split_store(u16* out, u64 i, u64 half_len, float v) {
-    u16 hi = f2bf(v);
+// v split into hi = bf16(v) at out[i] and lo = bf16(v - hi) at out[half_len + i]; returns what
+// they hold joined again, hi + lo.
+__device__ __forceinline__ float split_store(u16* out, u64 i, u64 half_len, float v) {
+    u16 hi = f2bf(v), lo = f2bf(v - bf(hi));
     out[i] = hi;
-    out[half_len + i] = f2bf(v - bf(hi));
-}
-
-// What split_store writes of v, joined again: hi + lo.
-__device__ __forceinline__ float split_sum(float v) {
-    u16 hi = f2bf(v);
-    return bf(hi) + bf(f2bf(v - bf(hi)));
+    out[half_len + i] = lo;
+    return bf(hi) + bf(lo);
 }
 
 // The KV cache's element: f32, or bf16 (rounded to nearest even when stored).
@@ -71,16 +68,19 @@ extern "C" __global__ void embed(const u16* __restrict__ table, const u32* __res
 
 // One block per output row r: RMSNorm of x[rows ? rows[r] : r] with weight w, split into
 // out[r] (hi) and out[m + r] (lo).
-// Elements of a row each thread of rms_norm_split holds in registers (rows up to 32 x its
-// block's threads wide; wider rows read the rest again).
-#define NORM_HELD 32
+// Elements of a row each thread of rms_norm_split holds in registers (rows up to 16 x its
+// block's threads wide, 4096 for 256 threads; wider rows read the rest again, the sum in the
+// same order). The loops are unrolled to it: kept short, the kernel's code stays small (it runs
+// once per launch, its instructions fetched cold).
+#define NORM_HELD 16
 
 // Each thread's elements c = t, t + B, ... (ceil(h / B) of them, the same count in every thread:
 // the loops stop there, not predicated over NORM_HELD) are loaded at once into registers
 // (independent loads, not one round trip per element) and summed in that order, as one strided
 // loop would.
 // The RMSNorm of row xr [h] with weight w into row r of the split out (half_len m h); with
-// `kept`, each value's hi + lo there too (kept[c]).
+// `kept`, each value's hi + lo there too (kept[c]). The row's values and weights a thread holds
+// are requested together, before the sum.
 __device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr,
                                              const u16* __restrict__ w, u16* __restrict__ out,
                                              u32 r, u32 m, u32 h, float eps, float* kept) {
@@ -88,11 +88,13 @@ __device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr,
     const u32 b = blockDim.x;
     const u32 per = (h + b - 1u) / b;
     float held[NORM_HELD];
+    u16 wh[NORM_HELD];
 #pragma unroll
     for (u32 i = 0; i < NORM_HELD; ++i) {
         if (i >= per) break;
         u32 c = threadIdx.x + i * b;
         held[i] = c < h ? xr[c] : 0.0f;
+        wh[i] = c < h ? w[c] : (u16)0;
     }
     float s = 0.0f;
 #pragma unroll
@@ -103,28 +105,21 @@ __device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr,
     for (u32 c = threadIdx.x + NORM_HELD * b; c < h; c += b) s += xr[c] * xr[c];
     s = block_sum(s, red);
     float inv = 1.0f / sqrtf(s / (float)h + eps);
-    float wv[NORM_HELD];
-#pragma unroll
-    for (u32 i = 0; i < NORM_HELD; ++i) {
-        if (i >= per) break;
-        u32 c = threadIdx.x + i * b;
-        wv[i] = c < h ? bf(w[c]) : 0.0f;
-    }
     const u64 half_len = (u64)m * h;
 #pragma unroll
     for (u32 i = 0; i < NORM_HELD; ++i) {
         if (i >= per) break;
         u32 c = threadIdx.x + i * b;
         if (c < h) {
-            float v = wv[i] * (held[i] * inv);
-            split_store(out, (u64)r * h + c, half_len, v);
-            if (kept) kept[c] = split_sum(v);
+            float v = bf(wh[i]) * (held[i] * inv);
+            float j = split_store(out, (u64)r * h + c, half_len, v);
+            if (kept) kept[c] = j;
         }
     }
     for (u32 c = threadIdx.x + NORM_HELD * b; c < h; c += b) {
         float v = bf(w[c]) * (xr[c] * inv);
-        split_store(out, (u64)r * h + c, half_len, v);
-        if (kept) kept[c] = split_sum(v);
+        float j = split_store(out, (u64)r * h + c, half_len, v);
+        if (kept) kept[c] = j;
     }
 }
 
@@ -801,9 +796,7 @@ struct SwigluRows {
     __device__ __forceinline__ float at(u64 i) const {
         float g = g2[i] + g2[len + i];
         float u = u2[i] + u2[len + i];
-        float v = g / (1.0f + expf(-g)) * u;
-        split_store(out, i, len, v);
-        return split_sum(v);
+        return split_store(out, i, len, g / (1.0f + expf(-g)) * u);
     }
 };
 
@@ -861,7 +854,7 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_quant(
 
 // rms_norm_split (rows r < m of out, as it writes them) and the quantisation of its output, in
 // one launch of n_pad >= m blocks of 256 threads and 4 h bytes of dynamic shared memory
-// (h <= NORM_HELD x 256): a block normalises its row, keeps each value's hi + lo in shared
+// (4 h <= 48 KiB): a block normalises its row, keeps each value's hi + lo in shared
 // memory, then its warps quantise the row's groups; blocks from m on write the padded tokens'
 // zero bytes and unit scales.
 extern "C" __global__ void __launch_bounds__(256)

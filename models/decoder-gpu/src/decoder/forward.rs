@@ -502,8 +502,8 @@ impl<'a> Pass<'a> {
     /// the scratch holds the product's input (`true`: call it with `same_input`).
     fn norm_for(&self, w: u64, next: Option<(MatAt, usize)>) -> Result<bool, CudaError> {
         let (n, h) = (self.z.n, self.z.h);
-        // the row kept in shared memory (at most the norm's held elements of 256 threads)
-        let fits = h <= 32 * 256;
+        // the row kept in shared memory (f32, within the default 48 KiB)
+        let fits = 4 * h <= 48 << 10;
         let Some(qi) = next
             .filter(|_| fits)
             .and_then(|(m, out)| self.fused_quant(m, (out, h)))
