@@ -330,12 +330,19 @@ extern "C" __global__ void __launch_bounds__(256)
     if (zero_lo) y[(u64)(n + tok) * out + row] = 0.0f;
 }
 
+// The activation row of a product's token t: row first + t, or with idx the row idx[first + t]
+// (the token of a mixture-of-experts slot).
+__device__ __forceinline__ u64 act_row(const u32* __restrict__ idx, u32 first, u32 t) {
+    return idx != nullptr ? (u64)idx[first + t] : (u64)first + t;
+}
+
 template <int NT>
 __device__ __forceinline__ void w8a8_mma_body(
     const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0, u32 out, u32 inp,
     const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,
     u32 chunk, float* y, float* __restrict__ ylo, float* __restrict__ part,
-    u32* __restrict__ counters, const u16* __restrict__ bias, const float* res, u32 bx) {
+    u32* __restrict__ counters, const u16* __restrict__ bias, const float* res, u32 bx,
+    const u32* __restrict__ idx, u32 first) {
     extern __shared__ __align__(16) u8 smem[];
     const u32 T = 8 * NT;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
@@ -371,13 +378,14 @@ __device__ __forceinline__ void w8a8_mma_body(
             const u32 tok = i / units, u = i - tok * units;
             uint4 v = make_uint4(0u, 0u, 0u, 0u);
             if (tok < n) {
-                v = *reinterpret_cast<const uint4*>(xq + (u64)tok * inp + (u64)c0 * 128u + 16u * u);
+                const u64 row = act_row(idx, first, tok);
+                v = *reinterpret_cast<const uint4*>(xq + row * inp + (u64)c0 * 128u + 16u * u);
             }
             *reinterpret_cast<uint4*>(xb + tok * stride + 16u * u) = v;
         }
         for (u32 i = threadIdx.x; i < T * cg; i += blockDim.x) {
             const u32 gi = i / T, tok = i - gi * T;
-            xsb[i] = tok < n ? xsc[(u64)(c0 + gi) * xs_grp + tok] : 0.0f;
+            xsb[i] = tok < n ? xsc[(u64)(c0 + gi) * xs_grp + act_row(idx, first, tok)] : 0.0f;
         }
         __syncthreads();
         for (u32 gi = 0; gi < cg; ++gi) {
@@ -707,7 +715,7 @@ __device__ __forceinline__ void w8a8_wgmma_body(
         const Prod p = pick(ps, blockIdx.x, bx);                                              \
         w8a8_mma_body<NT>(p.w, p.wsc, p.row0, p.out, inp, xq, xsc, xs_grp, n, slice, chunk,   \
                           p.y, zero_lo ? p.y + (u64)n * p.out : nullptr, part, counters,      \
-                          p.bias, p.res, bx);                                                 \
+                          p.bias, p.res, bx, nullptr, 0u);                                    \
     }
 W8A8_MMA(1)
 W8A8_MMA(2)
@@ -717,6 +725,32 @@ W8A8_MMA(5)
 W8A8_MMA(6)
 W8A8_MMA(7)
 W8A8_MMA(8)
+
+// The experts of a mixture-of-experts layer routed on the device: the pieces of one or more
+// products in moe_route's table (kernels/decoder_moe.cu; 8 words a piece: w, scales, row0, inp,
+// x, rows, y, ylo; a piece of 0 rows does nothing), each of at most 8 rows, `count` of them,
+// each `out` rows of blocks of MMA_ROWS. Block x of the grid is row block x % row_blocks of
+// piece x / row_blocks (so that the split sums' partials and counters are a row block's, as
+// above), over slice blockIdx.y of its inputs. A piece's rows are activation rows of xq / xsc
+// (token rows, the scales' groups xs_grp apart): from its first slot o, which its x address
+// gives (x = x32 + 4 o inp, the f32 rows the weight-streaming kernels read instead), rows
+// idx[o + t] with idx (the slots' tokens: the layer's input rows), else o + t (the slots' own
+// rows). Its outputs go to its y (and 0 to its ylo).
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4)
+    w8a8_mma_experts(const u64* __restrict__ table, u32 row_blocks, u32 out, u64 x32,
+                     const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp,
+                     const u32* __restrict__ idx, u32 slice, u32 chunk,
+                     float* __restrict__ part, u32* __restrict__ counters) {
+    const u32 piece = blockIdx.x / row_blocks, bx = blockIdx.x - piece * row_blocks;
+    const u64* e = table + 8 * (u64)piece;
+    const u32 n = (u32)e[5];
+    if (n == 0) return;
+    const u32 inp = (u32)e[3];
+    const u32 first = (u32)((e[4] - x32) / (4ull * inp));
+    w8a8_mma_body<1>((const u8*)e[0], (const float*)e[1], (u32)e[2], out, inp, xq, xsc, xs_grp,
+                     n, slice, chunk, (float*)e[6], (float*)e[7], part, counters, nullptr,
+                     nullptr, bx, idx, first);
+}
 
 // the warpgroup kernels exist only where the source is compiled for sm_90a
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

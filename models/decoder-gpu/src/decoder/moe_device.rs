@@ -21,10 +21,11 @@ use lifecycle_cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, Launch
 use lifecycle_cuda::{alloc_device, CudaError, KernelSet, RankCtx};
 
 use super::moe::{requantise, router_logits, MoeScratch, Steps};
-use super::rank::{ptr, Dims, RankState};
+use super::rank::{fp8_weight, ptr, Dims, RankState};
 use crate::fp8::{fp8_gemv_table, fp8_join, Fp8Kernels, GEMV_TOKENS};
 use crate::kernels::{launch, Arg};
-use crate::weights::{MoeOffsets, RankOffsets};
+use crate::w8a8::{mma_reads, quantize, ActLayout, ActSrc, MmaKernels, QuantOut, W8a8Scratch};
+use crate::weights::{ExpertOffsets, MoeOffsets, RankOffsets};
 use lifecycle_layout::fp8::Fp8Compute;
 
 /// The most rows a pass may have for its mixture-of-experts layers to be routed on the device
@@ -246,6 +247,11 @@ pub(super) fn device_moe_layer(
     let entry = |i: usize| table + 8 * (i * 8 * r.problems) as u64;
     // W8A8 for fp8 experts only
     let w8a8 = fp8 && st.fp8_compute == Fp8Compute::W8A8;
+    let tensor_cores = if w8a8 && most > st.w8a8_limits.gemv.min(GEMV_TOKENS) {
+        expert_mma(st, &held, (h, f), base).zip(scratch.w8a8.as_ref())
+    } else {
+        None
+    };
     // SAFETY: x32 holds `cap · max(h, ffn)` f32 (the scratch's routed rows are at least `cap`).
     let requant = |dims| unsafe { requantise(s, kf, x32, dims, w8a8, rank) };
     let bf16 = !fp8;
@@ -256,15 +262,21 @@ pub(super) fn device_moe_layer(
     // reads what it wrote, in order on the compute stream.
     unsafe {
         launch(s, &dev.route, one, &args, rank, "moe_route")?;
-        steps.gather((xsp, slot_tok, xg), (n, cap, h))?;
-        fp8_join(s, kf, (xg, x32), (cap, h), rank)?;
-        requant((cap, h))?;
-        fp8_gemv_table(s, kf, entry(0), (r.problems, f, most), bf16, rank)?;
-        fp8_gemv_table(s, kf, entry(1), (r.problems, f, most), bf16, rank)?;
-        steps.swiglu((g2, u2, act), (cap, f))?;
-        fp8_join(s, kf, (act, x32), (cap, f), rank)?;
-        requant((cap, f))?;
-        fp8_gemv_table(s, kf, entry(2), (r.problems, h, most), bf16, rank)?;
+        if let Some((mma, w8)) = tensor_cores {
+            let pieces = (table, r.problems, x32);
+            let rows = (xsp, slot_tok, (g2, u2, act));
+            tensor_core_experts(s, st, (mma, kf, w8), pieces, rows, (n, cap, h, f), rank)?;
+        } else {
+            steps.gather((xsp, slot_tok, xg), (n, cap, h))?;
+            fp8_join(s, kf, (xg, x32), (cap, h), rank)?;
+            requant((cap, h))?;
+            fp8_gemv_table(s, kf, entry(0), (r.problems, f, most), bf16, rank)?;
+            fp8_gemv_table(s, kf, entry(1), (r.problems, f, most), bf16, rank)?;
+            steps.swiglu((g2, u2, act), (cap, f))?;
+            fp8_join(s, kf, (act, x32), (cap, f), rank)?;
+            requant((cap, f))?;
+            fp8_gemv_table(s, kf, entry(2), (r.problems, h, most), bf16, rank)?;
+        }
     }
     s.memset_zeros(&mut scratch.acc)
         .map_err(ctx.drv("zeroing the expert sums", 0))?;
@@ -272,4 +284,95 @@ pub(super) fn device_moe_layer(
     // rows and the `[n × h]` sums; in order on the compute stream.
     unsafe { steps.scatter((y2, p(&scratch.acc)), lists, (n, cap, h))? };
     Ok(true)
+}
+
+/// The mixture-of-experts kernels of the tensor cores for `held` (a layer's experts, `f` wide
+/// over `h`, in the bound buffer at `base`): the `mma.sync` kernels where loaded and every
+/// held expert's gate, up and down reads there ([`mma_reads`]); else `None`.
+fn expert_mma<'s>(
+    st: &'s RankState,
+    held: &[&ExpertOffsets],
+    (h, f): (usize, usize),
+    base: u64,
+) -> Option<&'s MmaKernels> {
+    let mma = st.w8a8.as_ref()?.mma.as_ref()?;
+    let reads = |m, inp| fp8_weight(base, m).is_some_and(|w| mma_reads(&w, inp));
+    held.iter()
+        .all(|e| reads(e.gate, h) && reads(e.up, h) && reads(e.down, f))
+        .then_some(mma)
+}
+
+/// The routed experts of a W8A8 layer on the tensor cores: the layer's `n` input rows (split
+/// at `xsp`) quantised once; gate and up of every piece in one launch of the experts kernel,
+/// each piece reading its slots' tokens' rows (`slot_tok`); the SwiGLU of the `cap` slots split
+/// into the scratch's `act` and quantised; down in a second launch over the slots' own rows.
+/// The outputs go where moe_route's table (`pieces`: the table, its pieces per product, the f32
+/// input rows its addresses count from) puts them.
+///
+/// # Safety
+/// moe_route must have written the table and `slot_tok` on this stream for `cap` slots of `n`
+/// rows of `h` inputs, experts `f` wide; `xsp` holds the split rows `[2n × h]`; the W8A8
+/// scratch `w8` at least `cap` padded rows of `max(h, f)`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn tensor_core_experts(
+    s: &Arc<CudaStream>,
+    st: &RankState,
+    (mma, kf, w8): (&MmaKernels, &Fp8Kernels, &W8a8Scratch),
+    (table, problems, x32): (u64, usize, u64),
+    (xsp, slot_tok, (g2, u2, act)): (u64, u64, (u64, u64, u64)),
+    (n, cap, h, f): (usize, usize, usize, usize),
+    rank: usize,
+) -> Result<(), CudaError> {
+    let u32a = |v: usize, what: &str| {
+        u32::try_from(v).map_err(|_| CudaError::Invalid(format!("W8A8 experts' {what} {v} > u32")))
+    };
+    let (q, sc) = (ptr(&w8.q, s), ptr(&w8.scales, s));
+    let rows = ActLayout::Rows;
+    // the products quantised here are no input the pass's products hold
+    w8.held.set(None);
+    let quantised = |tokens: usize| QuantOut {
+        q: Some(q),
+        scales: Some((sc, rows.scale_strides(tokens))),
+        ..QuantOut::default()
+    };
+    let down = table + 8 * (2 * problems * 8) as u64;
+    let (pad_n, pad_c) = (rows.padded(n), rows.padded(cap));
+    let (tok, grp) = rows.scale_strides(cap);
+    let swiglu = [
+        Arg::U64(g2),
+        Arg::U64(u2),
+        Arg::U64(act),
+        Arg::U32(u32a(cap, "slots")?),
+        Arg::U32(u32a(pad_c, "padded slots")?),
+        Arg::U32(u32a(f, "width")?),
+        Arg::U64(q),
+        Arg::U64(sc),
+        Arg::U32(tok),
+        Arg::U32(grp),
+        Arg::U32(0),
+    ];
+    // a warp per (slot, group of 128), 8 per block
+    let warps = pad_c * f.div_ceil(128);
+    let cfg = LaunchConfig {
+        grid_dim: (u32a(warps.div_ceil(8).max(1), "SwiGLU blocks")?, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: per the caller: the n split rows at xsp quantised into the scratch (n padded rows
+    // of h); the table's gate and up pieces (2 · problems from its start) read them through the
+    // slots' tokens, below n; the SwiGLU reads their split products [2 cap × f] and writes `act`
+    // and the quantisation of cap padded slots of f (the scratch's bytes: the gate and up
+    // products, queued before, have read the earlier ones); down's pieces read the slots' rows.
+    unsafe {
+        quantize(s, kf, ActSrc::Split(xsp), (n, pad_n, h), quantised(n), rank)?;
+        mma.experts(
+            s,
+            (table, 2 * problems, x32),
+            (q, sc, pad_n, slot_tok),
+            (f, h),
+            rank,
+        )?;
+        launch(s, &st.k.swiglu_quant, cfg, &swiglu, rank, "swiglu_quant")?;
+        mma.experts(s, (down, problems, x32), (q, sc, pad_c, 0), (h, f), rank)
+    }
 }

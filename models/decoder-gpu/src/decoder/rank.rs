@@ -306,7 +306,7 @@ impl RankState {
 }
 
 /// The fp8 matrix of entry `w` of the bound buffer at `base`, if it is one.
-fn fp8_weight(base: u64, w: MatAt) -> Option<Fp8Weight> {
+pub(super) fn fp8_weight(base: u64, w: MatAt) -> Option<Fp8Weight> {
     w.fp8.map(|f| Fp8Weight {
         data: base + 2 * w.off,
         scales: base + 2 * f.scales,

@@ -35,7 +35,7 @@ use lifecycle_cuda::{
 
 use super::quant::{wgmma_tiles, ActLayout};
 use crate::fp8::Fp8Weight;
-use crate::kernels::{launch_after, refuse_in_capture, Arg};
+use crate::kernels::{launch, launch_after, refuse_in_capture, Arg};
 
 /// CUDA C source of the tensor-core W8A8 kernels (no headers).
 pub const W8A8_MMA_KERNEL_SRC: &str = include_str!("../../../../kernels/w8a8_mma.cu");
@@ -59,6 +59,10 @@ const WGMMA_TILES: [usize; 4] = [1, 2, 4, 8];
 
 /// Tokens up to which the kernel multiplies (8 per mma, up to 8 mma's per warp and group).
 pub(crate) const MMA_TOKENS: usize = 64;
+
+/// The most rows of one piece of the experts kernel (`MOE_PIECE` of kernels/decoder_moe.cu,
+/// which cuts each expert's rows into pieces of at most this many).
+pub(crate) const EXPERT_PIECE_ROWS: usize = 8;
 
 /// Rows of one block of the `mma.sync` kernel (4 warps of the mma's 16).
 const BLOCK_ROWS: usize = 64;
@@ -323,6 +327,8 @@ pub(crate) struct MmaKernels {
     kernels: Vec<CudaFunction>,
     /// `w8a8_reduce`: a split product's partial sums added.
     reduce: CudaFunction,
+    /// `w8a8_mma_experts`: the experts of a layer routed on the device.
+    experts: CudaFunction,
     /// `w8a8_wgmma_N` for N in [`WGMMA_TILES`], on devices of an architecture-specific target
     /// (sm_90a) whose NVRTC compiled them.
     wgmma: Option<Vec<CudaFunction>>,
@@ -380,6 +386,7 @@ impl MmaKernels {
                 .map(|nt| m.function(&format!("w8a8_mma_{nt}")))
                 .collect::<Result<_, _>>()?,
             reduce: m.function("w8a8_reduce")?,
+            experts: m.function("w8a8_mma_experts")?,
             wgmma,
             sms: m.sm_count() as usize,
             scratch: Mutex::new(Scratch::default()),
@@ -476,48 +483,8 @@ impl MmaKernels {
                 pad: 0,
             };
         }
-        let mut scratch = self
-            .scratch
-            .lock()
-            .map_err(|_| CudaError::Invalid("the W8A8 mma scratch was poisoned".into()))?;
         let in_kernel = tokens <= REDUCE_IN_KERNEL_TOKENS;
-        let (part, counters) = if shape.splits > 1 {
-            let need = shape.partials();
-            if scratch.partials.as_ref().is_none_or(|p| p.len() < need) {
-                refuse_in_capture(stream, rank, "growing the W8A8 mma partials")?;
-                scratch.grown += 1;
-                // SAFETY: every partial the sums read (those of the product's tokens) is written
-                // by the product first (in stream order for w8a8_reduce).
-                scratch.partials =
-                    Some(unsafe { alloc_device::<f32>(stream, need, rank, "W8A8 mma partials")? });
-            }
-            if in_kernel
-                && scratch
-                    .counters
-                    .as_ref()
-                    .is_none_or(|c| c.len() < shape.row_blocks)
-            {
-                refuse_in_capture(stream, rank, "growing the W8A8 mma counters")?;
-                scratch.grown += 1;
-                scratch.counters = Some(alloc_zeros::<u32>(
-                    stream,
-                    shape.row_blocks,
-                    rank,
-                    "W8A8 mma counters",
-                )?);
-            }
-            let part = scratch
-                .partials
-                .as_ref()
-                .map_or(0, |s| s.device_ptr(stream).0);
-            let counters = match &scratch.counters {
-                Some(c) if in_kernel => c.device_ptr(stream).0,
-                _ => 0,
-            };
-            (part, counters)
-        } else {
-            (0, 0)
-        };
+        let (part, counters) = self.split_scratch(stream, &shape, in_kernel, rank)?;
         let cfg = LaunchConfig {
             grid_dim: (
                 u32a(shape.row_blocks as u64, "row blocks")?,
@@ -591,6 +558,130 @@ impl MmaKernels {
                 "w8a8_reduce",
             )
         }
+    }
+
+    /// The products of a mixture-of-experts layer's experts routed on the device (one launch of
+    /// `w8a8_mma_experts`): the `pieces` of `table` (moe_route's product table,
+    /// kernels/decoder_moe.cu: each piece at most [`EXPERT_PIECE_ROWS`] rows of one expert, `out
+    /// × inp` rows of its weight, which [`mma_reads`] must read; pieces of no rows skipped), each
+    /// writing its rows of `y` and 0 to its lo rows. Their activations: the e4m3 token rows `xq`
+    /// and scales `xsc` of [`ActLayout::Rows`] for `xs_tokens` tokens, a piece's row `t` being
+    /// row `idx[o + t]` (`idx` not 0: the slots' tokens) or `o + t`, `o` its first slot (the
+    /// table's input address `x32 + 4 · o · inp`). Shaped as the products of `out` rows each of
+    /// [`MmaShape::of_products`] for 8 tokens: the pieces' inputs split over the same slices
+    /// whatever the routing.
+    ///
+    /// # Safety
+    /// The table must be moe_route's for these `out` and `inp`, its weights, inputs and outputs
+    /// device memory of this context as it states them, every row it reaches through `idx` within
+    /// `xq` (`inp` bytes a row) and `xsc` (`xs_tokens` scales a group), all alive until the
+    /// stream ran the products.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn experts(
+        &self,
+        stream: &Arc<CudaStream>,
+        (table, pieces, x32): (u64, usize, u64),
+        (xq, xsc, xs_tokens, idx): (u64, u64, usize, u64),
+        (out, inp): (usize, usize),
+        rank: usize,
+    ) -> Result<(), CudaError> {
+        if pieces == 0 || out == 0 || inp == 0 || !inp.is_multiple_of(128) {
+            return Err(CudaError::Invalid(format!(
+                "the tensor-core W8A8 experts kernel multiplies whole 128-wide groups of inputs \
+                 by at least one row of at least one piece: asked for {pieces} pieces of {out} \
+                 rows × {inp} inputs"
+            )));
+        }
+        let u32a = |v: usize, what: &str| {
+            u32::try_from(v)
+                .map_err(|_| CudaError::Invalid(format!("W8A8 experts {what} {v} > u32")))
+        };
+        let shape =
+            MmaShape::of_products(&vec![out; pieces], EXPERT_PIECE_ROWS, inp, self.sms, false);
+        let (part, counters) = self.split_scratch(stream, &shape, true, rank)?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32a(shape.row_blocks, "row blocks")?,
+                u32a(shape.splits, "splits")?,
+                1,
+            ),
+            block_dim: ((shape.block_rows / 16 * 32) as u32, 1, 1),
+            shared_mem_bytes: u32a(shape.shared_bytes(), "shared memory")?,
+        };
+        let args = [
+            Arg::U64(table),
+            Arg::U32(u32a(
+                out.div_ceil(shape.block_rows),
+                "row blocks per piece",
+            )?),
+            Arg::U32(u32a(out, "rows")?),
+            Arg::U64(x32),
+            Arg::U64(xq),
+            Arg::U64(xsc),
+            Arg::U32(u32a(xs_tokens, "scale stride")?),
+            Arg::U64(idx),
+            Arg::U32(u32a(shape.slice, "slice")?),
+            Arg::U32(u32a(shape.chunk, "chunk")?),
+            Arg::U64(part),
+            Arg::U64(counters),
+        ];
+        // SAFETY: the argument list matches w8a8_mma_experts (one token tile: pieces of at most
+        // 8 rows); the grid covers every piece's row blocks; the partials and counters hold the
+        // shape's sizes (the counters zero: the kernel leaves them so) and live in the scratch,
+        // whose buffers are freed in stream order; the rest per the caller.
+        unsafe { launch(stream, &self.experts, cfg, &args, rank, "w8a8_mma_experts") }
+    }
+
+    /// The partial sums and (`in_kernel`: the last block of a row range adds them) counters a
+    /// launch of `shape` works through, grown where they are short (refused while the stream
+    /// captures a graph): their addresses, 0 for an unsplit launch.
+    fn split_scratch(
+        &self,
+        stream: &Arc<CudaStream>,
+        shape: &MmaShape,
+        in_kernel: bool,
+        rank: usize,
+    ) -> Result<(u64, u64), CudaError> {
+        if shape.splits == 1 {
+            return Ok((0, 0));
+        }
+        let mut scratch = self
+            .scratch
+            .lock()
+            .map_err(|_| CudaError::Invalid("the W8A8 mma scratch was poisoned".into()))?;
+        let need = shape.partials();
+        if scratch.partials.as_ref().is_none_or(|p| p.len() < need) {
+            refuse_in_capture(stream, rank, "growing the W8A8 mma partials")?;
+            scratch.grown += 1;
+            // SAFETY: every partial the sums read (those of the product's tokens) is written by
+            // the product first (in stream order for w8a8_reduce).
+            scratch.partials =
+                Some(unsafe { alloc_device::<f32>(stream, need, rank, "W8A8 mma partials")? });
+        }
+        if in_kernel
+            && scratch
+                .counters
+                .as_ref()
+                .is_none_or(|c| c.len() < shape.row_blocks)
+        {
+            refuse_in_capture(stream, rank, "growing the W8A8 mma counters")?;
+            scratch.grown += 1;
+            scratch.counters = Some(alloc_zeros::<u32>(
+                stream,
+                shape.row_blocks,
+                rank,
+                "W8A8 mma counters",
+            )?);
+        }
+        let part = scratch
+            .partials
+            .as_ref()
+            .map_or(0, |s| s.device_ptr(stream).0);
+        let counters = match &scratch.counters {
+            Some(c) if in_kernel => c.device_ptr(stream).0,
+            _ => 0,
+        };
+        Ok((part, counters))
     }
 
     /// Whether the warpgroup kernels are loaded (an sm_90a device whose NVRTC compiled them).
