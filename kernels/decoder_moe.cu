@@ -14,11 +14,102 @@ typedef unsigned long long u64;
 #define MOE_PIECE 8
 
 
+// Step 1 of moe_route for ne <= 32 PER experts: softmax and top-k, one warp per row, its
+// probabilities in the lanes' registers (lane l holds experts l, l + 32, ...; `taken` marks the
+// picked ones), each warp's picks of its current row in picked[warp].
+template <int PER>
+__device__ __forceinline__ void route_rows(const float* __restrict__ logits, u32 n, u32 ne,
+                                           u32 k, u32 norm, u32* __restrict__ sel_e,
+                                           float* __restrict__ sel_w,
+                                           u32 (*picked)[MOE_TOP_K]) {
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (u32 t = warp; t < n; t += warps) {
+        const float* l = logits + (u64)t * ne;
+        float v[PER];
+        float mx = NEG_INF;
+#pragma unroll
+        for (u32 i = 0; i < PER; ++i) {
+            const u32 e = lane + 32u * i;
+            v[i] = e < ne ? l[e] : 0.0f;
+            if (e < ne) mx = fmaxf(mx, v[i]);
+        }
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        float tot = 0.0f;
+#pragma unroll
+        for (u32 i = 0; i < PER; ++i) {
+            if (lane + 32u * i < ne) {
+                v[i] = expf(v[i] - mx);
+                tot += v[i];
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
+#pragma unroll
+        for (u32 i = 0; i < PER; ++i) {
+            if (lane + 32u * i < ne) v[i] = v[i] / tot;
+        }
+        u32 taken = 0, mine_e = 0;
+        float mine_w = 0.0f, sum = 0.0f;
+        for (u32 j = 0; j < k; ++j) {
+            float bv = NEG_INF;
+            u32 bi = 0xffffffffu;
+#pragma unroll
+            for (u32 i = 0; i < PER; ++i) {
+                const u32 e = lane + 32u * i;
+                if (e < ne && ((taken >> i) & 1u) == 0u && (bi == 0xffffffffu || v[i] > bv)) {
+                    bv = v[i];
+                    bi = e;
+                }
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                u32 oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                bool better = oi != 0xffffffffu &&
+                              (bi == 0xffffffffu || ov > bv || (ov == bv && oi < bi));
+                if (better) {
+                    bv = ov;
+                    bi = oi;
+                }
+            }
+            // lane 0's pick (with NaNs the lanes' merges may differ)
+            bi = __shfl_sync(0xffffffffu, bi, 0);
+            if (bi >= ne) {
+                // only where every probability is NaN: the first expert not yet picked
+                bi = 0;
+                for (bool again = true; again;) {
+                    again = false;
+                    for (u32 i = 0; i < j; ++i) again |= picked[warp][i] == bi;
+                    if (again) ++bi;
+                }
+            }
+            // the pick's probability, from the lane that holds it
+            float pv = 0.0f;
+#pragma unroll
+            for (u32 i = 0; i < PER; ++i) {
+                if (i == bi / 32u) pv = v[i];
+            }
+            bv = __shfl_sync(0xffffffffu, pv, bi & 31u);
+            if (lane == (bi & 31u)) taken |= 1u << (bi / 32u);
+            if (lane == 0) picked[warp][j] = bi;
+            if (lane == j) {
+                mine_e = bi;
+                mine_w = bv;
+            }
+            __syncwarp();
+            sum += bv;
+        }
+        if (lane < k) {
+            sel_e[t * k + lane] = mine_e;
+            sel_w[t * k + lane] = norm ? mine_w / sum : mine_w;
+        }
+        __syncwarp();
+    }
+}
+
 // One block of 1024 threads: the routing of n <= MOE_ROWS rows over ne <= MOE_EXPERTS experts,
 // k <= MOE_TOP_K picks per row, on the device.
 //
-// 1. Per row (one warp each), the router logits [n x ne] become probabilities in place
-//    (softmax: the max, exp(l - max), their sum, each divided by it) and the row's k experts are
+// 1. Per row (one warp each), the router logits [n x ne] become probabilities (softmax: the
+//    max, exp(l - max), their sum, each divided by it; in registers) and the row's k experts are
 //    picked, the larger probability first and the lower index among equals (route_top_k's
 //    rule); with norm, each weight is divided by the sum of the k picked, summed in pick order.
 // 2. The experts this rank holds (experts[10 e] != 0) get the routed rows as slots, expert
@@ -39,7 +130,7 @@ typedef unsigned long long u64;
 // [2 cap x f] and y2 [2 cap x h] f32.
 // picks is scratch of 3 n k words: each pick's expert, weight and slot.
 extern "C" __global__ void __launch_bounds__(1024) moe_route(
-    float* __restrict__ logits, u32 n, u32 ne, u32 k, u32 norm,
+    const float* __restrict__ logits, u32 n, u32 ne, u32 k, u32 norm,
     const u64* __restrict__ experts, u32 h, u32 f, u32 cap, u32 problems,
     u64 x, u64 g2, u64 u2, u64 y2, u32* __restrict__ picks,
     u32* __restrict__ slot_tok, u32* __restrict__ csr, u32* __restrict__ pos,
@@ -52,65 +143,20 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route(
     __shared__ u32 cur[MOE_EXPERTS];
     __shared__ u32 tok_at[MOE_ROWS + 1];
     __shared__ u32 totals[2];
+    // each warp's picks of its current row
+    __shared__ u32 picked[32][MOE_TOP_K];
     u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, warps = blockDim.x >> 5;
     u32 nk = n * k;
     // 1. softmax and top-k, one warp per row
-    for (u32 t = warp; t < n; t += warps) {
-        float* l = logits + (u64)t * ne;
-        float mx = NEG_INF;
-        for (u32 e = lane; e < ne; e += 32) mx = fmaxf(mx, l[e]);
-        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        float tot = 0.0f;
-        for (u32 e = lane; e < ne; e += 32) {
-            float v = expf(l[e] - mx);
-            l[e] = v;
-            tot += v;
-        }
-        for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
-        for (u32 e = lane; e < ne; e += 32) l[e] = l[e] / tot;
-        __syncwarp();
-        float sum = 0.0f;
-        for (u32 j = 0; j < k; ++j) {
-            float bv = NEG_INF;
-            u32 bi = 0xffffffffu;
-            for (u32 e = lane; e < ne; e += 32) {
-                bool taken = false;
-                for (u32 i = 0; i < j; ++i) taken |= sel_e[t * k + i] == e;
-                float v = l[e];
-                if (!taken && (bi == 0xffffffffu || v > bv)) {
-                    bv = v;
-                    bi = e;
-                }
-            }
-            for (int o = 16; o > 0; o >>= 1) {
-                float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                u32 oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                bool better = oi != 0xffffffffu &&
-                              (bi == 0xffffffffu || ov > bv || (ov == bv && oi < bi));
-                if (better) {
-                    bv = ov;
-                    bi = oi;
-                }
-            }
-            if (lane == 0) {
-                if (bi >= ne) {
-                    // only where every probability is NaN: the first expert not yet picked
-                    bi = 0;
-                    for (bool again = true; again;) {
-                        again = false;
-                        for (u32 i = 0; i < j; ++i) again |= sel_e[t * k + i] == bi;
-                        if (again) ++bi;
-                    }
-                    bv = l[bi];
-                }
-                sel_e[t * k + j] = bi;
-                sel_w[t * k + j] = bv;
-            }
-            __syncwarp();
-            sum += __shfl_sync(0xffffffffu, bv, 0);
-        }
-        if (norm && lane < k) sel_w[t * k + lane] = sel_w[t * k + lane] / sum;
-        __syncwarp();
+    if (ne <= 128) {
+        route_rows<4>(logits, n, ne, k, norm, sel_e, sel_w, picked);
+    } else if (ne <= 256) {
+        route_rows<8>(logits, n, ne, k, norm, sel_e, sel_w, picked);
+    } else if (ne <= 512) {
+        route_rows<16>(logits, n, ne, k, norm, sel_e, sel_w, picked);
+    } else {
+        // (its registers spill: past 512 experts per layer)
+        route_rows<MOE_EXPERTS / 32>(logits, n, ne, k, norm, sel_e, sel_w, picked);
     }
     __syncthreads();
     // 2. rows per held expert, then (one thread) their first slots and first pieces

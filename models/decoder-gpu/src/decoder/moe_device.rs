@@ -5,10 +5,11 @@
 //! layer queues its work without waiting for the device: no download of router logits, no
 //! upload of row lists.
 //!
-//! The experts' products run as the weight-streaming table kernels of [`crate::fp8`] over that
-//! table (e4m3 or bf16 weights against f32 activations), pieces of at most eight rows of one
-//! expert, each reading an expert's weights once per piece. The
-//! grid covers the most pieces a routing can make (`min(experts, n · k) + n · k / 8`); pieces
+//! The experts' products run over that table in pieces of at most eight rows of one expert,
+//! each reading an expert's weights once per piece: for W8A8 fp8 experts by the tensor-core
+//! kernel `w8a8_mma_experts` ([`crate::w8a8`]; the layer's input rows quantised once, gate and up
+//! in one launch, the SwiGLU quantised in its kernel), else by the weight-streaming table kernels
+//! of [`crate::fp8`] (e4m3 or bf16 weights against f32 activations). The grid covers the most pieces a routing can make (`min(experts, n · k) + n · k / 8`); pieces
 //! past the routing's last have no rows and return at once. The experts' sum is added per token
 //! in expert order by the host path's scatter kernel, as the CPU decoder adds it.
 //!
