@@ -252,6 +252,10 @@ fn main() -> Result<(), Box<dyn Error>> {
             let device = dec.set_device_routing(device);
             let how = match (args.moe, grouped, device, dtype) {
                 (false, ..) => "",
+                (true, true, true, RolloutDtype::Fp8) if compute == Fp8Compute::W8A8 => &*format!(
+                    ", fp8 experts routed on the device (in chunks of {MOE_DEVICE_ROWS} \
+                         rows beyond them)"
+                ),
                 (true, true, true, RolloutDtype::Fp8) => &*format!(
                     ", fp8 experts routed on the device (up to {MOE_DEVICE_ROWS} sequences)"
                 ),

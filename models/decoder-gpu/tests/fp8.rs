@@ -509,3 +509,89 @@ fn gpu_fp8_decoder_reads_the_fused_megatron_fp8_rollout() -> Res {
     )?;
     check_fused("qwen3-moe 512-wide", &moe, 4)
 }
+
+/// A W8A8 MoE prefill longer than one device routing (two prompts, 600 rows: chunks of 256,
+/// 256 and 88 rows routed on the device, the experts on the tensor cores) against the CPU
+/// decoder's W8A8 and the host-routed GPU path (`set_device_routing(false)`): the logits of
+/// every position within the distance of the CPU's two modes on average (a chunk reading or
+/// writing the wrong rows would put every later position off by the logits' size), no host
+/// wait per MoE layer where the device routes, one per MoE layer where the host does.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn w8a8_moe_prefill_beyond_one_routing_routes_on_the_device_in_chunks() -> Res {
+    use lifecycle_layout::fp8::Fp8Compute;
+    require_gpus(1)?;
+    let config = ModelConfig::from_json_str(
+        r#"{"model_type": "qwen3_moe", "vocab_size": 300, "hidden_size": 512,
+            "intermediate_size": 768, "moe_intermediate_size": 256, "num_experts": 16,
+            "num_experts_per_tok": 4, "norm_topk_prob": true, "mlp_only_layers": [0],
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 128, "rope_theta": 10000.0, "tie_word_embeddings": false}"#,
+    )?;
+    let moe_layers = 2;
+    let tensors = random_tensors(&config, 5);
+    let prompts: Vec<Vec<u32>> = [310u32, 290]
+        .iter()
+        .enumerate()
+        .map(|(s, &len)| {
+            (0..len)
+                .map(|i| (i * 37 + 11 + 101 * s as u32) % 300)
+                .collect()
+        })
+        .collect();
+    let rows: usize = prompts.iter().map(Vec::len).sum();
+    assert!(rows > lifecycle_decoder_gpu::MOE_DEVICE_ROWS * 2);
+    let layout = config.rollout_layout(1)?;
+    let mut cpu_lc = host_fp8(&layout, &tensors)?;
+    let cpu_session = cpu_lc.rollout()?;
+    let cpu_weights = cpu_session.weights();
+    let group: Vec<_> = cpu_weights.ranks.iter().collect();
+    let weight_only =
+        CpuDecoder::new(&config, &layout, &group)?.prefill(&prompts, PrefillLogits::All)?;
+    let want = CpuDecoder::new(&config, &layout, &group)?
+        .with_fp8_compute(Fp8Compute::W8A8)
+        .prefill(&prompts, PrefillLogits::All)?;
+    let mean_modes = mean_distance(&want, &weight_only);
+    let pool = Arc::new(ThreadRankPool::new(1)?);
+    let backend = FsdpBackend::new(pool, layout.clone()).with_rollout_dtype(RolloutDtype::Fp8);
+    let state = backend.state_from_tensors(tensors)?;
+    let mut lc = Lifecycle::new(backend, state);
+    let session = lc.rollout()?;
+    let weights = session.weights();
+    let mut waits = Vec::new();
+    let mut got = Vec::new();
+    for device in [true, false] {
+        let mut gpu = GpuDecoder::new(&config, session.backend(), weights.get())?;
+        gpu.set_fp8_compute(Fp8Compute::W8A8)?;
+        gpu.set_device_routing(device);
+        let before = gpu.host_waits();
+        let logits = gpu.prefill(&prompts, PrefillLogits::All)?;
+        waits.push(gpu.host_waits() - before);
+        let mean = mean_distance(&logits, &want);
+        let (err, scale) = distance(&logits, &want);
+        println!(
+            "{rows} prefill rows, device routing {device}: GPU W8A8 vs CPU W8A8 mean |logit \
+             error| {mean:.3e}, max {err:.3e} (logits up to {scale:.3}; the CPU's two modes \
+             {mean_modes:.3e} apart on average); host waits {}",
+            waits[waits.len() - 1]
+        );
+        assert!(
+            mean <= mean_modes,
+            "device routing {device}: W8A8 prefill of {rows} rows {mean} from the CPU's on \
+             average, its modes {mean_modes} apart"
+        );
+        got.push(logits);
+    }
+    assert_eq!(
+        waits[0] + moe_layers,
+        waits[1],
+        "host waits of the prefill routed on the device and on the host"
+    );
+    let between = mean_distance(&got[0], &got[1]);
+    assert!(
+        between <= mean_modes,
+        "the device-routed and host-routed W8A8 prefills {between} apart on average, the CPU's \
+         modes {mean_modes}"
+    );
+    Ok(())
+}

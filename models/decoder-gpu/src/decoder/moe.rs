@@ -1,6 +1,6 @@
 //! The mixture-of-experts MLP of one rank: the router's logits, then top-k routing, on the
-//! device for passes of up to 256 rows ([`super::moe_device`]: no host synchronisation), else on
-//! the host with the CPU decoder's rule ([`lifecycle_decoder::route_top_k`], one device→host
+//! device for passes of up to 256 rows and W8A8 fp8 experts' passes of any length (in chunks;
+//! [`super::moe_device`]: no host synchronisation), else on the host with the CPU decoder's rule ([`lifecycle_decoder::route_top_k`], one device→host
 //! copy of `n × experts` floats), then the experts this rank holds over the rows routed to them.
 //! What follows is the host-routed path.
 //!
@@ -96,7 +96,8 @@ impl MoeScratch {
             .flat_map(|m| m.experts.iter().flatten())
             .any(|e| e.gate.fp8.is_some());
         let route = if device {
-            RouteScratch::new(s, rank, (n, top_k, experts, rows))?
+            // W8A8 fp8 experts (the tensor cores') are routed in chunks where the pass is longer
+            RouteScratch::new(s, rank, (n, top_k, experts, rows), fp8 && w8a8)?
         } else {
             None
         };

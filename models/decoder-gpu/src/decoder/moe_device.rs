@@ -3,15 +3,18 @@
 //! rows, each token's list of experts and the table of expert products are computed by one
 //! kernel (`moe_route`, in `kernels/decoder_moe.cu`) and read by the kernels after it, so the
 //! layer queues its work without waiting for the device: no download of router logits, no
-//! upload of row lists.
+//! upload of row lists. W8A8 fp8 experts are routed on the device in longer passes too
+//! (prefill): in chunks of at most [`DEVICE_ROWS`] rows, each routed and run as a pass of its own
+//! (a token's experts and sum depend on its row only).
 //!
 //! The experts' products run over that table in pieces of at most eight rows of one expert,
 //! each reading an expert's weights once per piece: for W8A8 fp8 experts by the tensor-core
-//! kernel `w8a8_mma_experts` ([`crate::w8a8`]; the layer's input rows quantised once, gate and up
-//! in one launch, the SwiGLU quantised in its kernel), else by the weight-streaming table kernels
-//! of [`crate::fp8`] (e4m3 or bf16 weights against f32 activations). The grid covers the most pieces a routing can make (`min(experts, n · k) + n · k / 8`); pieces
-//! past the routing's last have no rows and return at once. The experts' sum is added per token
-//! in expert order by the host path's scatter kernel, as the CPU decoder adds it.
+//! kernel `w8a8_mma_experts` ([`crate::w8a8`]; the layer's input rows quantised once, gate and
+//! up in one launch, the SwiGLU quantised in its kernel), else by the weight-streaming table
+//! kernels of [`crate::fp8`] (e4m3 or bf16 weights against f32 activations). The grid covers
+//! the most pieces a routing can make (`min(experts, n · k) + n · k / 8`); pieces past the
+//! routing's last have no rows and return at once. The experts' sum is added per token in
+//! expert order by the host path's scatter kernel, as the CPU decoder adds it.
 //!
 //! The expert table (per MoE layer and expert: held, and the addresses of gate, up and down)
 //! is uploaded once per bind ([`DeviceExperts::bind`]).
@@ -115,9 +118,11 @@ impl DeviceExperts {
 }
 
 /// The per-pass buffers of the device routing: each token's slots, the slots' tokens, the
-/// product table; sized for `cap = n · k` slots and the most pieces.
+/// product table; sized for the `rows` rows of one routing (the pass's, or a chunk's), their
+/// `cap = rows · k` slots and the most pieces.
 pub(super) struct RouteScratch {
-    cap: usize,
+    /// The most rows one routing takes: the pass's rows, or (a pass routed in chunks) a chunk's.
+    rows: usize,
     problems: usize,
     /// Each pick's expert, weight and slot (`3 · cap` words).
     picks: CudaSlice<u32>,
@@ -130,34 +135,40 @@ pub(super) struct RouteScratch {
 
 impl RouteScratch {
     /// The buffers for a pass of `n` rows routed `top_k` ways over `experts`, when the device
-    /// routes it (`n ≤ DEVICE_ROWS`, `top_k ≤ 16`, `experts ≤ 1024`, `n · top_k ≤ rows`, the
-    /// scratch's routed rows); `None` otherwise.
+    /// routes it: whole where `n ≤ DEVICE_ROWS` and `n · top_k ≤ rows` (the scratch's routed
+    /// rows), else, with `chunks`, in chunks of `min(DEVICE_ROWS, rows / top_k)` rows; `top_k ≤
+    /// 16` and `experts ≤ 1024`. `None` otherwise.
     pub(super) fn new(
         s: &Arc<CudaStream>,
         rank: usize,
         (n, top_k, experts, rows): (usize, usize, usize, usize),
+        chunks: bool,
     ) -> Result<Option<Self>, CudaError> {
-        let cap = n * top_k;
-        if n == 0
-            || n > DEVICE_ROWS
-            || top_k == 0
-            || top_k > MAX_TOP_K
-            || experts > MAX_EXPERTS
-            || cap > rows
-        {
+        if n == 0 || top_k == 0 || top_k > MAX_TOP_K || experts > MAX_EXPERTS {
             return Ok(None);
         }
+        let per = if n <= DEVICE_ROWS && n * top_k <= rows {
+            n
+        } else if chunks {
+            DEVICE_ROWS.min(rows / top_k)
+        } else {
+            0
+        };
+        if per == 0 {
+            return Ok(None);
+        }
+        let cap = per * top_k;
         let problems = experts.min(cap) + cap / 8;
         // SAFETY: moe_route writes every entry the later kernels read (the slots' tokens up to
         // `cap`, the token lists, every table entry up to `problems`) before they run, in order
         // on this stream.
         unsafe {
             Ok(Some(RouteScratch {
-                cap,
+                rows: per,
                 problems,
                 picks: alloc_device(s, 3 * cap, rank, "routing picks")?,
                 slot_tok: alloc_device(s, cap, rank, "routed slots' tokens")?,
-                csr: alloc_device(s, n + 1, rank, "token lists")?,
+                csr: alloc_device(s, per + 1, rank, "token lists")?,
                 pos: alloc_device(s, cap, rank, "token lists' slots")?,
                 wt: alloc_device(s, cap, rank, "token lists' weights")?,
                 table: alloc_device(s, 3 * problems * 8, rank, "expert product table")?,
@@ -167,9 +178,11 @@ impl RouteScratch {
 }
 
 /// Layer `l`'s experts (`moe`) over the `n` rows of the split activations at `xsp`, routed on
-/// the device, their weighted sum in the scratch's `acc`; `Ok(false)`, having queued nothing,
-/// when the layer is not one the device routes: device routing off, no routing buffers for
-/// this pass, the per-expert path chosen, or held experts of different widths or dtypes.
+/// the device (in chunks of the routing buffers' rows where `n` is more: W8A8 experts on the
+/// tensor cores only), their weighted sum in the scratch's `acc`; `Ok(false)`, having queued
+/// nothing, when the layer is not one the device routes: device routing off, no routing buffers
+/// for this pass, the per-expert path chosen, held experts of different widths or dtypes, or a
+/// pass longer than one routing whose experts are not on the tensor cores.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn device_moe_layer(
     ctx: &RankCtx,
@@ -204,48 +217,9 @@ pub(super) fn device_moe_layer(
     }
     let (s, rank) = (&ctx.compute, ctx.rank);
     let steps = Steps { s, k: &st.k, rank };
-    let (n, h, f, k, cap) = (z.n, z.h, ffn, z.top_k, r.cap);
-    let p = |b: &CudaSlice<f32>| ptr(b, s);
-    let (xg, act) = (ptr(&scratch.xg, s), ptr(&scratch.act, s));
-    let (g2, u2, y2) = (p(&scratch.g2), p(&scratch.u2), p(&scratch.y2));
-    let x32 = ptr(x32, s);
-    let table = ptr(&r.table, s);
-    let slot_tok = ptr(&r.slot_tok, s);
-    let lists = (ptr(&r.csr, s), ptr(&r.pos, s), ptr(&r.wt, s));
-    let experts_at = ptr(&dev.experts_table, s) + 8 * (l * dev.experts * EXPERT_WORDS) as u64;
-    router_logits(ctx, st, z, moe, scratch, xsp, base)?;
-    let u = |v: usize| Arg::U32(v as u32);
-    let args = [
-        Arg::U64(p(&scratch.logits)),
-        u(n),
-        u(dev.experts),
-        u(k),
-        u(usize::from(z.norm_topk_prob)),
-        Arg::U64(experts_at),
-        u(h),
-        u(f),
-        u(cap),
-        u(r.problems),
-        Arg::U64(x32),
-        Arg::U64(g2),
-        Arg::U64(u2),
-        Arg::U64(y2),
-        Arg::U64(ptr(&r.picks, s)),
-        Arg::U64(slot_tok),
-        Arg::U64(lists.0),
-        Arg::U64(lists.1),
-        Arg::U64(lists.2),
-        Arg::U64(table),
-    ];
-    // one block of 32 warps (a warp per row at a time)
-    let one = LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (1024, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let (n, h, f, k) = (z.n, z.h, ffn, z.top_k);
     // the rows of one piece: at most 8, and at most n (a token picks an expert once)
     let most = n.min(GEMV_TOKENS);
-    let entry = |i: usize| table + 8 * (i * 8 * r.problems) as u64;
     // W8A8 for fp8 experts only
     let w8a8 = fp8 && st.fp8_compute == Fp8Compute::W8A8;
     let tensor_cores = if w8a8 && most > st.w8a8_limits.gemv.min(GEMV_TOKENS) {
@@ -253,37 +227,107 @@ pub(super) fn device_moe_layer(
     } else {
         None
     };
-    // SAFETY: x32 holds `cap · max(h, ffn)` f32 (the scratch's routed rows are at least `cap`).
-    let requant = |dims| unsafe { requantise(s, kf, x32, dims, w8a8, rank) };
-    let bf16 = !fp8;
-    // SAFETY: the routing kernel's arguments: the router logits `[n × experts]` just written,
-    // the layer's expert table (offsets checked against this rank's rollout buffer at bind),
-    // the scratch's inputs and outputs of `cap ≤ rows` routed rows, the routing buffers of
-    // `cap` slots and `problems` pieces (the most a routing makes). Every kernel after it
-    // reads what it wrote, in order on the compute stream.
-    unsafe {
-        launch(s, &dev.route, one, &args, rank, "moe_route")?;
-        if let Some((mma, w8)) = tensor_cores {
-            let pieces = (table, r.problems, x32);
-            let rows = (xsp, slot_tok, (g2, u2, act));
-            tensor_core_experts(s, st, (mma, kf, w8), pieces, rows, (n, cap, h, f), rank)?;
-        } else {
-            steps.gather((xsp, slot_tok, xg), (n, cap, h))?;
-            fp8_join(s, kf, (xg, x32), (cap, h), rank)?;
-            requant((cap, h))?;
-            fp8_gemv_table(s, kf, entry(0), (r.problems, f, most), bf16, rank)?;
-            fp8_gemv_table(s, kf, entry(1), (r.problems, f, most), bf16, rank)?;
-            steps.swiglu((g2, u2, act), (cap, f))?;
-            fp8_join(s, kf, (act, x32), (cap, f), rank)?;
-            requant((cap, f))?;
-            fp8_gemv_table(s, kf, entry(2), (r.problems, h, most), bf16, rank)?;
-        }
+    if n > r.rows && tensor_cores.is_none() {
+        return Ok(false);
     }
+    let p = |b: &CudaSlice<f32>| ptr(b, s);
+    let (xg, act) = (ptr(&scratch.xg, s), ptr(&scratch.act, s));
+    let (g2, u2, y2) = (p(&scratch.g2), p(&scratch.u2), p(&scratch.y2));
+    let (logits, acc) = (p(&scratch.logits), p(&scratch.acc));
+    let x32 = ptr(x32, s);
+    let table = ptr(&r.table, s);
+    let slot_tok = ptr(&r.slot_tok, s);
+    let lists = (ptr(&r.csr, s), ptr(&r.pos, s), ptr(&r.wt, s));
+    let experts_at = ptr(&dev.experts_table, s) + 8 * (l * dev.experts * EXPERT_WORDS) as u64;
+    router_logits(ctx, st, z, moe, scratch, xsp, base)?;
     s.memset_zeros(&mut scratch.acc)
         .map_err(ctx.drv("zeroing the expert sums", 0))?;
-    // SAFETY: the token lists moe_route wrote (slots below `cap`), the down products of `cap`
-    // rows and the `[n × h]` sums; in order on the compute stream.
-    unsafe { steps.scatter((y2, p(&scratch.acc)), lists, (n, cap, h))? };
+    // one block of 32 warps (a warp per row at a time)
+    let one = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let entry = |i: usize| table + 8 * (i * 8 * r.problems) as u64;
+    let u = |v: usize| Arg::U32(v as u32);
+    for c0 in (0..n).step_by(r.rows) {
+        // chunk c0.. of c rows (the whole pass where it fits one routing)
+        let c = r.rows.min(n - c0);
+        let cap = c * k;
+        let rows_at = if c == n {
+            xsp
+        } else {
+            // the chunk's hi and lo rows, split [2c × h], into the gather buffer (the tensor
+            // cores' path reads no gathered rows)
+            let bytes = 2 * c * h;
+            for (from, to) in [(c0, 0), (n + c0, c)] {
+                // SAFETY: xsp holds [2n × h] bf16 and the chunk's rows lie within it; xg holds
+                // 2 · rows ≥ 2c rows of h; in order on the compute stream.
+                unsafe {
+                    lifecycle_cuda::cudarc::driver::result::memcpy_dtod_async(
+                        xg + (2 * to * h) as u64,
+                        xsp + (2 * from * h) as u64,
+                        bytes,
+                        s.cu_stream(),
+                    )
+                }
+                .map_err(ctx.drv("copying a routing chunk's rows", bytes as u64))?;
+            }
+            xg
+        };
+        let args = [
+            Arg::U64(logits + (4 * c0 * dev.experts) as u64),
+            u(c),
+            u(dev.experts),
+            u(k),
+            u(usize::from(z.norm_topk_prob)),
+            Arg::U64(experts_at),
+            u(h),
+            u(f),
+            u(cap),
+            u(r.problems),
+            Arg::U64(x32),
+            Arg::U64(g2),
+            Arg::U64(u2),
+            Arg::U64(y2),
+            Arg::U64(ptr(&r.picks, s)),
+            Arg::U64(slot_tok),
+            Arg::U64(lists.0),
+            Arg::U64(lists.1),
+            Arg::U64(lists.2),
+            Arg::U64(table),
+        ];
+        // SAFETY: x32 holds `cap · max(h, ffn)` f32 (the scratch's routed rows are at least
+        // `cap`).
+        let requant = |dims| unsafe { requantise(s, kf, x32, dims, w8a8, rank) };
+        let bf16 = !fp8;
+        // SAFETY: the routing kernel's arguments: the chunk's router logits `[c × experts]`
+        // just written, the layer's expert table (offsets checked against this rank's rollout
+        // buffer at bind), the scratch's inputs and outputs of `cap ≤ rows` routed rows, the
+        // routing buffers of `cap` slots and `problems` pieces (the most a routing of `c ≤
+        // r.rows` rows makes). Every kernel after it reads what it wrote, in order on the
+        // compute stream; the scatter adds the chunk's sums into its rows of `acc` ([n × h]).
+        unsafe {
+            launch(s, &dev.route, one, &args, rank, "moe_route")?;
+            if let Some((mma, w8)) = tensor_cores {
+                let pieces = (table, r.problems, x32);
+                let rows = (rows_at, slot_tok, (g2, u2, act));
+                tensor_core_experts(s, st, (mma, kf, w8), pieces, rows, (c, cap, h, f), rank)?;
+            } else {
+                steps.gather((rows_at, slot_tok, xg), (c, cap, h))?;
+                fp8_join(s, kf, (xg, x32), (cap, h), rank)?;
+                requant((cap, h))?;
+                fp8_gemv_table(s, kf, entry(0), (r.problems, f, most), bf16, rank)?;
+                fp8_gemv_table(s, kf, entry(1), (r.problems, f, most), bf16, rank)?;
+                steps.swiglu((g2, u2, act), (cap, f))?;
+                fp8_join(s, kf, (act, x32), (cap, f), rank)?;
+                requant((cap, f))?;
+                fp8_gemv_table(s, kf, entry(2), (r.problems, h, most), bf16, rank)?;
+            }
+            let acc_at = acc + (4 * c0 * h) as u64;
+            steps.scatter((y2, acc_at), lists, (c, cap, h))?;
+        }
+    }
     Ok(true)
 }
 
