@@ -694,7 +694,7 @@ __device__ __forceinline__ void w8a8_wgmma_body(
 // The kernels: the products `ps` of one input (row block blockIdx.x of the launch picks its
 // product), with zero_lo the n rows after each product's y written 0.
 #define W8A8_WGMMA(NT)                                                                         \
-    extern "C" __global__ void __launch_bounds__(32 * WG_WARPS, 2)                             \
+    extern "C" __global__ void __launch_bounds__(32 * WG_WARPS, NT <= 4 ? 3 : 2)              \
         w8a8_wgmma_##NT(const Prods ps, u32 inp, const u8* __restrict__ xq,                   \
                         const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,          \
                         u32 chunk, u32 zero_lo, float* __restrict__ part,                     \

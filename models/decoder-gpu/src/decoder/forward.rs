@@ -722,7 +722,8 @@ impl<'a> Pass<'a> {
                     (lw.k_w, kvw, fin(kb, lw.k_b)),
                     (lw.v_w, kvw, fin(vb, lw.v_b)),
                 ];
-                if !st.wgemm_group(s, base, &prods, xs, (2 * n, h), (w8, quantised), rank)? {
+                let one = (w8, quantised);
+                if !st.wgemm_group(s, base, (&prods, false), xs, (2 * n, h), one, rank)? {
                     for (i, (wm, width, f)) in prods.into_iter().enumerate() {
                         let bias = [lw.q_b, lw.k_b, lw.v_b][i];
                         let dims = (width, 2 * n, h);
@@ -853,17 +854,19 @@ impl<'a> Pass<'a> {
                 let cfg = self.elementwise(n * f);
                 self.kernel(&k.swiglu_fused_split, cfg, &args, "swiglu_fused_split")?;
             } else {
-                st.wgemm(
-                    s,
-                    base,
-                    lw.gate_w,
-                    xs,
-                    y2,
-                    (f, 2 * n, h),
-                    (w8, quantised),
-                    rank,
-                )?;
-                st.wgemm(s, base, lw.up_w, xs, y2b, (f, 2 * n, h), (w8, true), rank)?;
+                // gate and up split into y2 and y2b: in one launch where one W8A8 kernel takes
+                // both, else one by one
+                let split = |out| Finish {
+                    out,
+                    bias: None,
+                    res: None,
+                };
+                let prods = [(lw.gate_w, f, split(y2)), (lw.up_w, f, split(y2b))];
+                let one = (w8, quantised);
+                if !st.wgemm_group(s, base, (&prods, true), xs, (2 * n, h), one, rank)? {
+                    st.wgemm(s, base, lw.gate_w, xs, y2, (f, 2 * n, h), one, rank)?;
+                    st.wgemm(s, base, lw.up_w, xs, y2b, (f, 2 * n, h), (w8, true), rank)?;
+                }
                 // with the down product's quantisation where its tensor-core kernel reads it
                 if let Some(qi) = self.fused_quant(lw.down_w, (h, f)) {
                     let [pad, q, sc, tok, grp, tiles] = qi.args(f)?;

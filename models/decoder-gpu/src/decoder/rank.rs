@@ -133,16 +133,19 @@ impl RankState {
     /// launch of a W8A8 tensor-core kernel where they all take the same one
     /// ([`w8a8_gemm_group`]): `true`. `false` where they do not (bf16 or weight-only weights,
     /// other paths, a pass without the W8A8 scratch), nothing done: the caller runs them one by
-    /// one ([`RankState::wgemm_to`]).
+    /// one ([`RankState::wgemm_to`]). With `split`, each product's output is written split
+    /// (as [`RankState::wgemm`] writes it: `rows / 2` rows, then as many zeros, at its
+    /// [`Finish::out`]).
     ///
     /// # Safety
-    /// As [`RankState::wgemm_to`] for each product.
+    /// As [`RankState::wgemm_to`] for each product; with `split`, each output holds `rows`
+    /// rows.
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn wgemm_group(
         &self,
         s: &Arc<CudaStream>,
         base: u64,
-        prods: &[(MatAt, usize, Finish)],
+        (prods, split): (&[(MatAt, usize, Finish)], bool),
         x: u64,
         (rows, inp): (usize, usize),
         (act, same_input): (Option<&W8a8Scratch>, bool),
@@ -175,7 +178,7 @@ impl RankState {
                 &list,
                 x,
                 (rows, inp),
-                through,
+                (through, split),
                 self.w8a8_limits,
                 rank,
             )?

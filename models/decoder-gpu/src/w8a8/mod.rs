@@ -339,10 +339,14 @@ pub(crate) unsafe fn w8a8_gemm(
 /// kernel (q, k and v: one launch instead of three, its row blocks split and summed as those of
 /// the three matrices stacked, [`MmaShape::of_products`]): `true`. Where the products would not
 /// all take the same tensor-core path ([`w8a8_path`]) nothing is launched or changed: `false`,
-/// for the caller to run them one by one ([`w8a8_gemm`]).
+/// for the caller to run them one by one ([`w8a8_gemm`]). With `split` each product writes
+/// its output as a split product's (its `tokens` rows to [`Finish::out`], then `tokens` rows of
+/// zeros: the layout [`w8a8_gemm`] writes, gate and up for the SwiGLU), else as its [`Finish`]
+/// says.
 ///
 /// # Safety
-/// As [`w8a8_gemm`] for each product.
+/// As [`w8a8_gemm`] for each product; with `split`, each [`Finish::out`] holds `2 · tokens`
+/// rows of its product's outputs.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn w8a8_gemm_group(
     stream: &Arc<CudaStream>,
@@ -351,7 +355,7 @@ pub(crate) unsafe fn w8a8_gemm_group(
     prods: &[(Fp8Weight, usize, Finish)],
     x: u64,
     (rows, inp): (usize, usize),
-    through: W8a8Through<'_>,
+    (through, split): (W8a8Through<'_>, bool),
     limits: W8a8Limits,
     rank: usize,
 ) -> Result<bool, CudaError> {
@@ -398,6 +402,6 @@ pub(crate) unsafe fn w8a8_gemm_group(
     }
     let list: Vec<MmaProduct> = prods.iter().map(|&(w, out, f)| f.product(w, out)).collect();
     // SAFETY: the scratch holds this input's quantisation; each Finish's buffers per the caller.
-    unsafe { m.gemm(stream, &list, (xq, xsc, layout), false, (tokens, inp), rank)? };
+    unsafe { m.gemm(stream, &list, (xq, xsc, layout), split, (tokens, inp), rank)? };
     Ok(true)
 }

@@ -834,8 +834,9 @@ fn the_fused_quantisations_write_the_two_kernels_bits() -> Result<(), Box<dyn st
 
 /// Products of one input in one launch of a tensor-core kernel ([`w8a8_gemm_group`], as q, k and
 /// v run) write, bit for bit, what the one product by their matrices stacked writes (the same
-/// row blocks, split and summed alike), each its own buffer with its bias and residual; and
-/// products the group does not take are left to the caller.
+/// row blocks, split and summed alike), each its own buffer with its bias and residual, or split
+/// (its rows, then as many zeros: gate and up for the SwiGLU); and products the group does not
+/// take are left to the caller.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn products_of_one_launch_are_the_stacked_products_bits() -> Result<(), Box<dyn std::error::Error>>
@@ -943,7 +944,7 @@ fn products_of_one_launch_are_the_stacked_products_bits() -> Result<(), Box<dyn 
                             &[(weight(&one), total, fin)],
                             ptr(&xd, s),
                             (2 * tokens, inp),
-                            through,
+                            (through, false),
                             limits,
                             0,
                         )?
@@ -983,7 +984,7 @@ fn products_of_one_launch_are_the_stacked_products_bits() -> Result<(), Box<dyn 
                             &prods,
                             ptr(&xd, s),
                             (2 * tokens, inp),
-                            through,
+                            (through, false),
                             limits,
                             0,
                         )?
@@ -1012,7 +1013,77 @@ fn products_of_one_launch_are_the_stacked_products_bits() -> Result<(), Box<dyn 
                         }
                         col += r;
                     }
-                    lines.push(format!("{what}: the stacked product's bits"));
+                    // split outputs (gate and up for the SwiGLU): each product's rows, then as
+                    // many zeros, the rows those of the stacked product without bias or residual
+                    let plain = |out| Finish {
+                        out,
+                        bias: None,
+                        res: None,
+                    };
+                    // SAFETY: written whole by the product below.
+                    let y0 = unsafe { alloc_device::<f32>(s, tokens * total, 0, "stacked")? };
+                    let mut split_outs = Vec::new();
+                    for &r in &rows {
+                        split_outs.push(
+                            s.clone_htod(&vec![7.0f32; 2 * tokens * r])
+                                .map_err(up("split output"))?,
+                        );
+                    }
+                    let split_prods: Vec<_> = rows
+                        .iter()
+                        .enumerate()
+                        .map(|(j, &r)| (weight(&parts[j]), r, plain(ptr(&split_outs[j], s))))
+                        .collect();
+                    // SAFETY: as above; each split output holds 2 · tokens rows.
+                    let both = unsafe {
+                        w8a8_gemm_group(
+                            s,
+                            &lt,
+                            &k,
+                            &[(weight(&one), total, plain(ptr(&y0, s)))],
+                            ptr(&xd, s),
+                            (2 * tokens, inp),
+                            (through, false),
+                            limits,
+                            0,
+                        )? && w8a8_gemm_group(
+                            s,
+                            &lt,
+                            &k,
+                            &split_prods,
+                            ptr(&xd, s),
+                            (2 * tokens, inp),
+                            (through, true),
+                            limits,
+                            0,
+                        )?
+                    };
+                    if !both {
+                        return Err(CudaError::Invalid(format!(
+                            "{what}: the tensor-core kernels did not take the split group"
+                        )));
+                    }
+                    let want = s.clone_dtoh(&y0).map_err(up("stacked back"))?;
+                    let mut col = 0;
+                    for (j, &r) in rows.iter().enumerate() {
+                        let got = s.clone_dtoh(&split_outs[j]).map_err(up("split back"))?;
+                        for t in 0..tokens {
+                            for c in 0..r {
+                                let (g, w) = (got[t * r + c], want[t * total + col + c]);
+                                let lo = got[(tokens + t) * r + c];
+                                if g.to_bits() != w.to_bits() || lo.to_bits() != 0 {
+                                    return Err(CudaError::Invalid(format!(
+                                        "{what}: split product {j} token {t} row {c}: {g} \
+                                         (lo {lo}) in one launch, {w} stacked (lo 0)"
+                                    )));
+                                }
+                            }
+                        }
+                        col += r;
+                    }
+                    lines.push(format!(
+                        "{what}: the stacked product's bits, with and without split outputs"
+                    ));
                 }
                 // a product the tensor-core kernels do not take (weight streaming): the group
                 // is left to the caller, nothing launched
@@ -1042,7 +1113,7 @@ fn products_of_one_launch_are_the_stacked_products_bits() -> Result<(), Box<dyn 
                             &[(weight(&one), total, f)],
                             ptr(&xd, s),
                             (2 * tokens, inp),
-                            through,
+                            (through, false),
                             streaming,
                             0,
                         )?
