@@ -786,20 +786,6 @@ struct F32Rows {
     __device__ __forceinline__ float at(u64 i) const { return x[i]; }
 };
 
-// ... of SiLU(gate) * up of split products g2, u2 [2n x f], the value first split into out
-// [2n x f] as swiglu_split writes it (its hi + lo quantised, as from that output).
-struct SwigluRows {
-    const float* g2;
-    const float* u2;
-    u16* out;
-    u64 len;
-    __device__ __forceinline__ float at(u64 i) const {
-        float g = g2[i] + g2[len + i];
-        float u = u2[i] + u2[len + i];
-        return split_store(out, i, len, g / (1.0f + expf(-g)) * u);
-    }
-};
-
 // One warp per (token, group) of n_pad >= n tokens, lane l reading columns l, l + 32, l + 64,
 // l + 96 of the group from `src`; zeros over zero[0 .. nzero] (the lo rows of the product's
 // output, which the block-scaled GEMM does not write), grid-strided.
@@ -848,8 +834,40 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quant_f32(
 extern "C" __global__ void __launch_bounds__(256) swiglu_quant(
     const float* __restrict__ g2, const float* __restrict__ u2, u16* __restrict__ out, u32 n,
     u32 n_pad, u32 f, unsigned char* q, float* sc, u32 sc_tok, u32 sc_grp, u32 tiles) {
-    quant_groups(SwigluRows{g2, u2, out, (u64)n * f}, n, n_pad, f, q, sc, sc_tok, sc_grp,
-                 nullptr, nullptr, 0, tiles);
+    // as quant_groups over SiLU(gate) * up of the split products g2, u2 [2n x f], each value
+    // first split into out [2n x f] as swiglu_split writes it (its hi + lo quantised, as from
+    // that output); every value's four loads are requested before the first value is stored
+    // (value by value, a store that may alias the next value's loads made each value a round
+    // trip of its own)
+    const u32 groups = (f + 127) / 128;
+    const u64 wid = (blockIdx.x * (u64)blockDim.x + threadIdx.x) >> 5;
+    const u32 lane = threadIdx.x & 31u;
+    if (wid >= (u64)n_pad * groups) return;
+    const u32 t = (u32)(wid / groups), g = (u32)(wid % groups);
+    const u64 len = (u64)n * f;
+    float gh[4], gl[4], uh[4], ul[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const u32 c = g * 128 + 32 * k + lane;
+        const bool ok = c < f && t < n;
+        const u64 i = (u64)t * f + c;
+        gh[k] = ok ? g2[i] : 0.0f;
+        gl[k] = ok ? g2[len + i] : 0.0f;
+        uh[k] = ok ? u2[i] : 0.0f;
+        ul[k] = ok ? u2[len + i] : 0.0f;
+    }
+    float v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const u32 c = g * 128 + 32 * k + lane;
+        v[k] = 0.0f;
+        if (c < f && t < n) {
+            const float gv = gh[k] + gl[k];
+            const float uv = uh[k] + ul[k];
+            v[k] = split_store(out, (u64)t * f + c, len, gv / (1.0f + expf(-gv)) * uv);
+        }
+    }
+    quant_group(v, t, g, n, f, q, sc, sc_tok, sc_grp, nullptr, tiles);
 }
 
 // rms_norm_split (rows r < m of out, as it writes them) and the quantisation of its output, in

@@ -30,6 +30,12 @@ typedef unsigned short u16;
 
 #define MMA_WARPS 4
 #define MMA_ROWS (16 * MMA_WARPS)
+// 16-byte units of activations a thread of the mma.sync kernel loads before it stores them
+// (a block of 128 threads stages 8 a thread: 8 NT tokens of STAGE_BYTES / (2048 NT) groups)
+#define STAGE_UNITS 4
+// outputs a thread of a split product's last block adds at a time (8 tokens of a block's rows:
+// 4 a thread in both kernels)
+#define REDUCE_HELD 2
 
 // The products of one launch (up to MAX_PRODS, of one input: q, k and v; gate and up): each its
 // weight rows row0 .. row0 + out of w (scales wsc), output y [n x out] with bias and res as
@@ -288,15 +294,40 @@ __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* y,
     if (last == 0) return;
     __threadfence();
     const float* all = part + (u64)blockIdx.x * splits * (ROWS * T);
-    for (u32 i = threadIdx.x; i < n * ROWS; i += blockDim.x) {
-        const u32 tok = i / ROWS, r = i - tok * ROWS;
-        const u32 row = bx * ROWS + r;
-        float v = 0.0f;
-        for (u32 s = 0; s < splits; ++s) v += ld_l2(all + (u64)s * (ROWS * T) + i);
-        if (row < out) {
-            const u64 at = (u64)tok * out + row;
-            y[at] = finish(v, bias, res, row, at);
-            if (ylo != nullptr) ylo[at] = 0.0f;
+    // REDUCE_HELD outputs a thread at a time, their bias and residual and every slice of them
+    // requested before the first is added (one output after the other, each slice, bias and
+    // residual took a round trip of its own: several us a product at 8 tokens); each output's
+    // slices are added in their order, then its bias and residual, as before
+    for (u32 i0 = 0; i0 < n * ROWS; i0 += REDUCE_HELD * blockDim.x) {
+        float v[REDUCE_HELD], b[REDUCE_HELD], rv[REDUCE_HELD];
+#pragma unroll
+        for (u32 j = 0; j < REDUCE_HELD; ++j) {
+            const u32 i = i0 + threadIdx.x + j * blockDim.x;
+            const u32 tok = i / ROWS, row = bx * ROWS + (i - tok * ROWS);
+            const bool ok = i < n * ROWS && row < out;
+            v[j] = 0.0f;
+            b[j] = ok && bias != nullptr ? bf(bias[row]) : 0.0f;
+            rv[j] = ok && res != nullptr ? res[(u64)tok * out + row] : 0.0f;
+        }
+        for (u32 s = 0; s < splits; ++s) {
+#pragma unroll
+            for (u32 j = 0; j < REDUCE_HELD; ++j) {
+                const u32 i = i0 + threadIdx.x + j * blockDim.x;
+                if (i < n * ROWS) v[j] += ld_l2(all + (u64)s * (ROWS * T) + i);
+            }
+        }
+#pragma unroll
+        for (u32 j = 0; j < REDUCE_HELD; ++j) {
+            const u32 i = i0 + threadIdx.x + j * blockDim.x;
+            const u32 tok = i / ROWS, row = bx * ROWS + (i - tok * ROWS);
+            if (i < n * ROWS && row < out) {
+                const u64 at = (u64)tok * out + row;
+                float o = v[j];
+                if (bias != nullptr) o += b[j];
+                if (res != nullptr) o += rv[j];
+                y[at] = o;
+                if (ylo != nullptr) ylo[at] = 0.0f;
+            }
         }
     }
     if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
@@ -372,16 +403,33 @@ __device__ __forceinline__ void w8a8_mma_body(
         const u32 cg = min(chunk, g1 - c0);
         // this chunk's first weights are requested before the activations are staged
         Frag a = load_frag(wlo + (u64)c0 * 128u, whi + (u64)c0 * 128u, oklo, okhi);
+        // and its weight scale, each requested with its group's weights (not in the group's
+        // multiplication, where a round trip of its own stalled it)
+        float wa = okt ? wsr[c0] : 0.0f;
         __syncthreads();  // the previous chunk is no longer read
         const u32 units = cg * 8u;  // 16-byte units per token row
-        for (u32 i = threadIdx.x; i < T * units; i += blockDim.x) {
-            const u32 tok = i / units, u = i - tok * units;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (tok < n) {
-                const u64 row = act_row(idx, first, tok);
-                v = *reinterpret_cast<const uint4*>(xq + row * inp + (u64)c0 * 128u + 16u * u);
+        // STAGE_UNITS units a thread at a time, every load requested before the first store
+        // (as one loop of loads and stores each unit took a round trip of its own: ~4 us a
+        // chunk at 8 tokens)
+        for (u32 i0 = 0; i0 < T * units; i0 += STAGE_UNITS * blockDim.x) {
+            uint4 v[STAGE_UNITS];
+#pragma unroll
+            for (u32 j = 0; j < STAGE_UNITS; ++j) {
+                const u32 i = i0 + threadIdx.x + j * blockDim.x;
+                const u32 tok = i / units, u = i - tok * units;
+                v[j] = make_uint4(0u, 0u, 0u, 0u);
+                if (i < T * units && tok < n) {
+                    const u64 row = act_row(idx, first, tok);
+                    v[j] = *reinterpret_cast<const uint4*>(xq + row * inp + (u64)c0 * 128u +
+                                                           16u * u);
+                }
             }
-            *reinterpret_cast<uint4*>(xb + tok * stride + 16u * u) = v;
+#pragma unroll
+            for (u32 j = 0; j < STAGE_UNITS; ++j) {
+                const u32 i = i0 + threadIdx.x + j * blockDim.x;
+                const u32 tok = i / units, u = i - tok * units;
+                if (i < T * units) *reinterpret_cast<uint4*>(xb + tok * stride + 16u * u) = v[j];
+            }
         }
         for (u32 i = threadIdx.x; i < T * cg; i += blockDim.x) {
             const u32 gi = i / T, tok = i - gi * T;
@@ -390,11 +438,12 @@ __device__ __forceinline__ void w8a8_mma_body(
         __syncthreads();
         for (u32 gi = 0; gi < cg; ++gi) {
             const Frag f = a;
+            const float ws = wa;
             if (gi + 1 < cg) {
                 const u64 next = (u64)(c0 + gi + 1) * 128u;
                 a = load_frag(wlo + next, whi + next, oklo, okhi);
+                wa = okt ? wsr[c0 + gi + 1] : 0.0f;
             }
-            const float ws = okt ? wsr[c0 + gi] : 0.0f;
             const u8* bg = xb + g * stride + gi * 128u + 32u * t;
             // the mma's of up to 4 token tiles interleaved (4 independent chains of 4 steps),
             // their inputs read from shared memory first
@@ -645,6 +694,9 @@ __device__ __forceinline__ void w8a8_wgmma_body(
     const WRing ring = ring_of(smem + 2u * buf_bytes, w, row0 + tile, row0 + out, inp, warp, lane);
     ring_start(ring, g0, g1);
     u32 slot = 0;
+    // the weight scale of the next group, requested a group ahead (in the group's own
+    // multiplication it took a round trip of its own)
+    float wn = okt && g0 < g1 ? wsr[g0] : 0.0f;
     for (u32 ci = 0; ci < chunks; ++ci) {
         const u32 c0 = g0 + ci * chunk, cg = min(chunk, g1 - c0);
         // the other buffer was last read by the chunk before, which every thread finished
@@ -654,7 +706,8 @@ __device__ __forceinline__ void w8a8_wgmma_body(
         const float* xsb = reinterpret_cast<const float*>(smem + (ci & 1u) * buf_bytes + chunk * group_bytes);
         for (u32 gi = 0; gi < cg; ++gi) {
             Frag f = ring_next(ring, g0, g1, c0 + gi - g0, slot);
-            const float ws = okt ? wsr[c0 + gi] : 0.0f;
+            const float ws = wn;
+            wn = okt && c0 + gi + 1 < g1 ? wsr[c0 + gi + 1] : 0.0f;
             const u32 ga = xb_addr + gi * group_bytes;
             const u32 lead = NT * 128u;
             float d[NT * 4];
