@@ -789,7 +789,8 @@ W8A8_MMA(8)
 // gives (x = x32 + 4 o inp, the f32 rows the weight-streaming kernels read instead), rows
 // idx[o + t] with idx (the slots' tokens: the layer's input rows), else o + t (the slots' own
 // rows). Its outputs go to its y (and 0 to its ylo).
-extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4)
+// five blocks an SM (96 registers, no spills: without the bound it takes 101 and four)
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 5)
     w8a8_mma_experts(const u64* __restrict__ table, u32 row_blocks, u32 out, u64 x32,
                      const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp,
                      const u32* __restrict__ idx, u32 slice, u32 chunk,
