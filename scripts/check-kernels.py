@@ -84,10 +84,11 @@ def main():
     if not libs:
         sys.exit(f"no libnvrtc.so.* under {args.cuda}/cuda_nvrtc/lib or {args.cuda}/cu13/lib")
     lib = ctypes.CDLL(str(libs[0]))
-    tool = lambda name, wheel: next(  # noqa: E731
-        (p for p in [args.cuda / wheel / "bin" / name, args.cuda / "cu13" / "bin" / name] if p.is_file()),
-        None,
-    )
+    def tool(name, wheel):
+        """`name` from the cu12 wheel's folder or CUDA 13's, or None."""
+        found = [args.cuda / wheel / "bin" / name, args.cuda / "cu13" / "bin" / name]
+        return next((p for p in found if p.is_file()), None)
+
     ptxas = tool("ptxas", "cuda_nvcc")
     cuobjdump = tool("cuobjdump", "cuda_cuobjdump")
     if args.sass is not None:
