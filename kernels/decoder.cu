@@ -736,6 +736,17 @@ __device__ __forceinline__ u32 e4m3_rn(float v) {
 #endif
 }
 
+// Lets the grid queued after this one start before this one ends, where that grid was launched
+// with programmatic stream serialization (the W8A8 products, models/decoder-gpu/src/kernels.rs
+// launch_early): its blocks request their weights into L2, then wait for this grid to complete
+// (griddepcontrol.wait) before they read anything it writes. Without such a grid after it, and
+// before sm_90, nothing.
+__device__ __forceinline__ void let_next_grid_start() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Byte c of group g of token t in the warpgroup kernel's layout of `tiles` token tiles.
 __device__ __forceinline__ u64 tiled_offset(u32 t, u32 g, u32 c, u32 tiles) {
     const u32 word = c >> 2;
@@ -818,6 +829,7 @@ __device__ __forceinline__ void quant_groups(Src src, u32 n, u32 n_pad, u32 inp,
 extern "C" __global__ void __launch_bounds__(256) fp8_quant_split(
     const u16* __restrict__ xs, u32 n, u32 n_pad, u32 inp, unsigned char* q, float* sc,
     u32 sc_tok, u32 sc_grp, float* deq, float* zero, u64 nzero, u32 tiles) {
+    let_next_grid_start();
     quant_groups(SplitRows{xs, (u64)n * inp}, n, n_pad, inp, q, sc, sc_tok, sc_grp, deq, zero,
                  nzero, tiles);
 }
@@ -826,6 +838,7 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quant_split(
 extern "C" __global__ void __launch_bounds__(256) fp8_quant_f32(
     const float* x, u32 n, u32 n_pad, u32 inp, unsigned char* q, float* sc, u32 sc_tok,
     u32 sc_grp, float* deq, float* zero, u64 nzero, u32 tiles) {
+    let_next_grid_start();
     quant_groups(F32Rows{x}, n, n_pad, inp, q, sc, sc_tok, sc_grp, deq, zero, nzero, tiles);
 }
 
@@ -834,6 +847,7 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quant_f32(
 extern "C" __global__ void __launch_bounds__(256) swiglu_quant(
     const float* __restrict__ g2, const float* __restrict__ u2, u16* __restrict__ out, u32 n,
     u32 n_pad, u32 f, unsigned char* q, float* sc, u32 sc_tok, u32 sc_grp, u32 tiles) {
+    let_next_grid_start();
     // as quant_groups over SiLU(gate) * up of the split products g2, u2 [2n x f], each value
     // first split into out [2n x f] as swiglu_split writes it (its hi + lo quantised, as from
     // that output); every value's four loads are requested before the first value is stored
@@ -879,6 +893,7 @@ extern "C" __global__ void __launch_bounds__(256)
     rms_norm_quant(const float* __restrict__ x, const u16* __restrict__ w, u16* __restrict__ out,
                    u32 m, u32 n_pad, u32 h, float eps, unsigned char* q, float* sc, u32 sc_tok,
                    u32 sc_grp, u32 tiles) {
+    let_next_grid_start();
     extern __shared__ float row[];
     const u32 r = blockIdx.x;
     if (r < m) {

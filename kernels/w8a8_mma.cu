@@ -153,6 +153,43 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     return a;
 }
 
+// ---- Early launch (sm_90) ------------------------------------------------------------------
+//
+// The products are launched with programmatic stream serialization where the device has it
+// (models/decoder-gpu/src/kernels.rs, launch_early): their blocks may start while the kernel
+// before them (the quantisation of their input: kernels/decoder.cu, let_next_grid_start) still
+// runs. Until griddepcontrol.wait returns, that kernel may still be writing, so a block touches
+// nothing but its weights, which no kernel of a pass writes: it requests the first
+// PREFETCH_BYTES of each of its rows into L2 (and the warpgroup kernel its ring's first groups),
+// then waits. Launched without the attribute (the experts' kernel, other devices) the wait
+// returns at once.
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 512u
+#endif
+
+// the first PREFETCH_BYTES of groups [g0, g1) of the block's `rows` matrix rows from `first`
+// (those before end) requested into L2, a row a thread
+__device__ __forceinline__ void prefetch_rows(const u8* w, u32 first, u32 rows, u32 end, u32 inp,
+                                              u32 g0, u32 g1) {
+#if __CUDA_ARCH__ >= 900
+    const u32 r = first + threadIdx.x;
+    if (threadIdx.x < rows && r < end && g0 < g1) {
+        const u32 bytes = min(PREFETCH_BYTES, (g1 - g0) * 128u);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w + (u64)r * inp + (u64)g0 * 128u),
+                     "r"(bytes)
+                     : "memory");
+    }
+#endif
+}
+
+// returns once the grid before this one completed and its writes are visible (at once where
+// this grid was not launched early)
+__device__ __forceinline__ void wait_for_inputs() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // The ring of a warp's weights: per group its 16 rows x 128 bytes (2 KiB) in each of W_STAGES
 // slots of shared memory. The warp copies whole rows (copy j of lane l: row 4 j + l / 8, bytes
 // 16 (l % 8) onwards, so each copy reads four 128-byte rows), and each lane then reads its
@@ -373,7 +410,7 @@ __device__ __forceinline__ void w8a8_mma_body(
     const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,
     u32 chunk, float* y, float* __restrict__ ylo, float* __restrict__ part,
     u32* __restrict__ counters, const u16* __restrict__ bias, const float* res, u32 bx,
-    const u32* __restrict__ idx, u32 first) {
+    const u32* __restrict__ idx, u32 first, bool early) {
     extern __shared__ __align__(16) u8 smem[];
     const u32 T = 8 * NT;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
@@ -393,6 +430,10 @@ __device__ __forceinline__ void w8a8_mma_body(
     float* xsb = reinterpret_cast<float*>(smem + T * stride);
     const u8* wlo = w + (u64)(row0 + (oklo ? rlo : 0u)) * inp + 32u * t;
     const u8* whi = w + (u64)(row0 + (okhi ? rhi : 0u)) * inp + 32u * t;
+    if (early) {
+        prefetch_rows(w, row0 + bx * MMA_ROWS, MMA_ROWS, row0 + out, inp, g0, g1);
+        wait_for_inputs();
+    }
     float acc[NT][4];
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
@@ -678,6 +719,16 @@ __device__ __forceinline__ void w8a8_wgmma_body(
         bulk_copy(dst, xq + (u64)c0 * group_bytes, cg * group_bytes, bar);
         bulk_copy(dst + chunk * group_bytes, xsc + (u64)c0 * xs_grp, cg * 4u * T, bar);
     };
+    // the weight ring after the two buffers: its first groups requested, and the groups after
+    // them into L2, before the wait for the kernel that writes the activations
+    const WRing ring = ring_of(smem + 2u * buf_bytes, w, row0 + tile, row0 + out, inp, warp, lane);
+    ring_start(ring, g0, g1);
+    u32 slot = 0;
+    // the weight scale of the next group, requested a group ahead (in the group's own
+    // multiplication it took a round trip of its own)
+    float wn = okt && g0 < g1 ? wsr[g0] : 0.0f;
+    prefetch_rows(w, row0 + bx * WG_ROWS, WG_ROWS, row0 + out, inp, min(g1, g0 + W_STAGES - 1), g1);
+    wait_for_inputs();
     if (threadIdx.x == 0) {
         mbar_init(bar0, 1);
         mbar_init(bar0 + 8u, 1);
@@ -690,13 +741,6 @@ __device__ __forceinline__ void w8a8_wgmma_body(
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
     }
-    // the weight ring after the two buffers
-    const WRing ring = ring_of(smem + 2u * buf_bytes, w, row0 + tile, row0 + out, inp, warp, lane);
-    ring_start(ring, g0, g1);
-    u32 slot = 0;
-    // the weight scale of the next group, requested a group ahead (in the group's own
-    // multiplication it took a round trip of its own)
-    float wn = okt && g0 < g1 ? wsr[g0] : 0.0f;
     for (u32 ci = 0; ci < chunks; ++ci) {
         const u32 c0 = g0 + ci * chunk, cg = min(chunk, g1 - c0);
         // the other buffer was last read by the chunk before, which every thread finished
@@ -768,7 +812,7 @@ __device__ __forceinline__ void w8a8_wgmma_body(
         const Prod p = pick(ps, blockIdx.x, bx);                                              \
         w8a8_mma_body<NT>(p.w, p.wsc, p.row0, p.out, inp, xq, xsc, xs_grp, n, slice, chunk,   \
                           p.y, zero_lo ? p.y + (u64)n * p.out : nullptr, part, counters,      \
-                          p.bias, p.res, bx, nullptr, 0u);                                    \
+                          p.bias, p.res, bx, nullptr, 0u, true);                                    \
     }
 W8A8_MMA(1)
 W8A8_MMA(2)
@@ -803,7 +847,7 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 5)
     const u32 first = (u32)((e[4] - x32) / (4ull * inp));
     w8a8_mma_body<1>((const u8*)e[0], (const float*)e[1], (u32)e[2], out, inp, xq, xsc, xs_grp,
                      n, slice, chunk, (float*)e[6], (float*)e[7], part, counters, nullptr,
-                     nullptr, bx, idx, first);
+                     nullptr, bx, idx, first, false);
 }
 
 // the warpgroup kernels exist only where the source is compiled for sm_90a

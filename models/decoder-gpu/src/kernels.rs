@@ -164,6 +164,78 @@ pub(crate) unsafe fn launch_after<T: DeviceRepr>(
         .map_err(|e| CudaError::driver(rank, format!("launching kernel {what}"), 0, e))
 }
 
+/// As [`launch_after`], with programmatic stream serialization (compute capability 9.0 and
+/// later): the kernel's blocks may start before the kernel queued before it on `stream` has
+/// finished (once that one's blocks all ran `griddepcontrol.launch_dependents` or exited), and
+/// within a captured graph the edge between them is programmatic. The kernel must execute
+/// `griddepcontrol.wait` before it touches memory the kernels before it write (the W8A8
+/// products request only their weights before it: `kernels/w8a8_mma.cu`).
+///
+/// # Safety
+/// As [`launch_after`], and the kernel waits as above; the device's compute capability is 9.0
+/// or later.
+pub(crate) unsafe fn launch_early<T: DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    lead: Option<&T>,
+    args: &[Arg],
+    rank: usize,
+    what: &str,
+) -> Result<(), CudaError> {
+    use lifecycle_cuda::cudarc::driver::sys;
+    use std::ffi::c_void;
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| CudaError::driver(rank, format!("launching kernel {what}"), 0, e))?;
+    // the parameters' values stay where `args` and `lead` hold them until the launch returned,
+    // which copies them
+    let mut params: Vec<*mut c_void> = Vec::with_capacity(args.len() + 1);
+    if let Some(v) = lead {
+        params.push(v as *const T as *mut c_void);
+    }
+    for a in args {
+        params.push(match a {
+            Arg::U64(v) => v as *const u64 as *mut c_void,
+            Arg::U32(v) => v as *const u32 as *mut c_void,
+            Arg::F32(v) => v as *const f32 as *mut c_void,
+        });
+    }
+    let mut attr = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        value: sys::CUlaunchAttributeValue {
+            programmaticStreamSerializationAllowed: 1,
+        },
+    };
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: `config` and `attr` live across the call; `params` holds one pointer per kernel
+    // parameter in order, each to a value of the parameter's type (the caller's promise), alive
+    // until the call returned; the function belongs to the stream's context, current above.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            func.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+    .map_err(|e| CudaError::driver(rank, format!("launching kernel {what} early"), 0, e))
+}
+
 /// An error when `stream` is capturing a graph: `what` would allocate (a lazily grown scratch)
 /// inside the capture, where the memory would belong to the graph. Captured passes run only
 /// after the same pass ran eagerly, which grew every such scratch to its shapes.

@@ -35,7 +35,7 @@ use lifecycle_cuda::{
 
 use super::quant::{wgmma_tiles, ActLayout};
 use crate::fp8::Fp8Weight;
-use crate::kernels::{launch, launch_after, refuse_in_capture, Arg};
+use crate::kernels::{launch, launch_after, launch_early, refuse_in_capture, Arg};
 
 /// CUDA C source of the tensor-core W8A8 kernels (no headers).
 pub const W8A8_MMA_KERNEL_SRC: &str = include_str!("../../../../kernels/w8a8_mma.cu");
@@ -337,6 +337,9 @@ pub(crate) struct MmaKernels {
     /// `w8a8_wgmma_N` for N in [`WGMMA_TILES`], on devices of an architecture-specific target
     /// (sm_90a) whose NVRTC compiled them.
     wgmma: Option<Vec<CudaFunction>>,
+    /// The products are launched early ([`launch_early`]): every kernel above comes from the
+    /// sm_90a module, which executes the wait that launch needs.
+    early: bool,
     sms: usize,
     scratch: Mutex<Scratch>,
 }
@@ -386,6 +389,13 @@ impl MmaKernels {
             }
             None => None,
         };
+        // with the sm_90a module loaded every kernel comes from it (the same source), so that
+        // each executes griddepcontrol.wait, which the products' early launch needs
+        let m = match &wgmma {
+            Some(_) => ctx.module(&W8A8_WGMMA_KERNELS)?,
+            None => m,
+        };
+        let early = wgmma.is_some() && std::env::var_os("LIFECYCLE_W8A8_NO_EARLY").is_none();
         Ok(Some(MmaKernels {
             kernels: (1..=MMA_TOKENS / 8)
                 .map(|nt| m.function(&format!("w8a8_mma_{nt}")))
@@ -393,6 +403,7 @@ impl MmaKernels {
             reduce: m.function("w8a8_reduce")?,
             experts: m.function("w8a8_mma_experts")?,
             wgmma,
+            early,
             sms: m.sm_count() as usize,
             scratch: Mutex::new(Scratch::default()),
         }))
@@ -530,7 +541,13 @@ impl MmaKernels {
         // the products' row blocks those of the grid); the partials and counters hold the
         // shape's sizes (the counters zero: the kernel leaves them so) and live in the scratch,
         // whose buffers are freed in stream order; the rest per the caller.
-        unsafe { launch_after(stream, kernel, cfg, Some(&table), &args, rank, name)? };
+        unsafe {
+            if self.early {
+                launch_early(stream, kernel, cfg, Some(&table), &args, rank, name)?
+            } else {
+                launch_after(stream, kernel, cfg, Some(&table), &args, rank, name)?
+            }
+        };
         if shape.splits == 1 || in_kernel {
             return Ok(());
         }
