@@ -747,6 +747,16 @@ __device__ __forceinline__ void let_next_grid_start() {
 #endif
 }
 
+// Returns once the grid before this one completed and its writes are visible: the W8A8
+// quantisations call it first thing (after letting the grid after them start), as they too are
+// launched early where the device has it (the launch before them then overlaps the kernel
+// before them). Where this grid was not launched early, at once.
+__device__ __forceinline__ void wait_for_inputs() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Byte c of group g of token t in the warpgroup kernel's layout of `tiles` token tiles.
 __device__ __forceinline__ u64 tiled_offset(u32 t, u32 g, u32 c, u32 tiles) {
     const u32 word = c >> 2;
@@ -830,6 +840,7 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quant_split(
     const u16* __restrict__ xs, u32 n, u32 n_pad, u32 inp, unsigned char* q, float* sc,
     u32 sc_tok, u32 sc_grp, float* deq, float* zero, u64 nzero, u32 tiles) {
     let_next_grid_start();
+    wait_for_inputs();
     quant_groups(SplitRows{xs, (u64)n * inp}, n, n_pad, inp, q, sc, sc_tok, sc_grp, deq, zero,
                  nzero, tiles);
 }
@@ -839,6 +850,7 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quant_f32(
     const float* x, u32 n, u32 n_pad, u32 inp, unsigned char* q, float* sc, u32 sc_tok,
     u32 sc_grp, float* deq, float* zero, u64 nzero, u32 tiles) {
     let_next_grid_start();
+    wait_for_inputs();
     quant_groups(F32Rows{x}, n, n_pad, inp, q, sc, sc_tok, sc_grp, deq, zero, nzero, tiles);
 }
 
@@ -848,6 +860,7 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_quant(
     const float* __restrict__ g2, const float* __restrict__ u2, u16* __restrict__ out, u32 n,
     u32 n_pad, u32 f, unsigned char* q, float* sc, u32 sc_tok, u32 sc_grp, u32 tiles) {
     let_next_grid_start();
+    wait_for_inputs();
     // as quant_groups over SiLU(gate) * up of the split products g2, u2 [2n x f], each value
     // first split into out [2n x f] as swiglu_split writes it (its hi + lo quantised, as from
     // that output); every value's four loads are requested before the first value is stored
@@ -894,6 +907,7 @@ extern "C" __global__ void __launch_bounds__(256)
                    u32 m, u32 n_pad, u32 h, float eps, unsigned char* q, float* sc, u32 sc_tok,
                    u32 sc_grp, u32 tiles) {
     let_next_grid_start();
+    wait_for_inputs();
     extern __shared__ float row[];
     const u32 r = blockIdx.x;
     if (r < m) {

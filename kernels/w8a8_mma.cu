@@ -378,6 +378,8 @@ __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* y,
 extern "C" __global__ void __launch_bounds__(256)
     w8a8_reduce(const Prods ps, const float* __restrict__ part, u32 splits, u32 rows,
                 u32 tile_tokens, u32 n, u32 zero_lo) {
+    // launched early like the products (its launch overlaps the product's end)
+    wait_for_inputs();
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u64 per_block = (u64)n * rows;
     const u64 b = i / per_block, rem = i - b * per_block;

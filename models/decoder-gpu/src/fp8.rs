@@ -54,6 +54,8 @@ pub(crate) struct Fp8Kernels {
     pub(crate) widen: CudaFunction,
     /// A weight's block scales copied with their rows on 16 bytes.
     pub(crate) pad_scales: CudaFunction,
+    /// The quantisations are launched early ([`crate::kernels::launches_early`]).
+    pub(crate) early: bool,
 }
 
 impl Fp8Kernels {
@@ -86,6 +88,7 @@ impl Fp8Kernels {
             quant_f32: exact.function("fp8_quant_f32")?,
             widen: m.function("fp8_widen_bf16")?,
             pad_scales: m.function("fp8_pad_scales")?,
+            early: crate::kernels::launches_early(ctx, &crate::kernels::DECODER_KERNELS)?,
         })
     }
 }

@@ -54,6 +54,9 @@ pub(crate) struct DecoderKernels {
     pub add_rows: CudaFunction,
     pub copy_words: CudaFunction,
     pub sm_count: u32,
+    /// The W8A8 quantisations (`rms_norm_quant`, `swiglu_quant`, `fp8_quant_*`) are launched
+    /// early ([`launch_early`]; [`launches_early`]).
+    pub early: bool,
 }
 
 /// One kernel argument (device pointers are passed as `u64`).
@@ -101,6 +104,7 @@ impl DecoderKernels {
             add_rows: m.function("add_rows")?,
             copy_words: m.function("copy_words")?,
             sm_count: m.sm_count(),
+            early: launches_early(ctx, &DECODER_KERNELS)?,
         })
     }
 
@@ -162,6 +166,49 @@ pub(crate) unsafe fn launch_after<T: DeviceRepr>(
     unsafe { b.launch(cfg) }
         .map(|_| ())
         .map_err(|e| CudaError::driver(rank, format!("launching kernel {what}"), 0, e))
+}
+
+/// Whether kernels of `set` that wait for the grid before them may be launched early
+/// ([`launch_early`]) on this rank's device: compute capability 9.0 or later, the set's code as
+/// compiled for it executes `griddepcontrol.wait` (not where `$LIFECYCLE_CUDA_ARCH` chose an
+/// older target, which compiles the wait away), and `$LIFECYCLE_W8A8_NO_EARLY` is not set.
+pub(crate) fn launches_early(ctx: &RankCtx, set: &KernelSet) -> Result<bool, CudaError> {
+    if std::env::var_os("LIFECYCLE_W8A8_NO_EARLY").is_some() {
+        return Ok(false);
+    }
+    let (major, minor) = ctx
+        .ctx
+        .compute_capability()
+        .map_err(|e| CudaError::driver(ctx.rank, "reading the compute capability", 0, e))?;
+    if major < 9 {
+        return Ok(false);
+    }
+    // compiled once per process (cached), as the module was
+    let ptx = lifecycle_cuda::compile(set, major, minor)?;
+    Ok(ptx.to_src().contains("griddepcontrol.wait"))
+}
+
+/// [`launch_early`] where `early`, else [`launch`].
+///
+/// # Safety
+/// As [`launch_early`] (where `early`) or [`launch`].
+pub(crate) unsafe fn launch_maybe_early(
+    early: bool,
+    stream: &Arc<CudaStream>,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    args: &[Arg],
+    rank: usize,
+    what: &str,
+) -> Result<(), CudaError> {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        if early {
+            launch_early(stream, func, cfg, None::<&u32>, args, rank, what)
+        } else {
+            launch(stream, func, cfg, args, rank, what)
+        }
+    }
 }
 
 /// As [`launch_after`], with programmatic stream serialization (compute capability 9.0 and

@@ -18,7 +18,7 @@ use super::kv_head_units;
 use super::moe::{moe_layer, MoeScratch};
 use super::rank::{all_reduce, all_reduce_in_place, order, ptr, Dims, RankBind, RankState};
 use crate::blas::gemm;
-use crate::kernels::{launch, Arg};
+use crate::kernels::{launch, launch_maybe_early, Arg};
 use crate::w8a8::{Finish, QuantInto, W8a8Scratch};
 use crate::weights::MatAt;
 
@@ -533,7 +533,18 @@ impl<'a> Pass<'a> {
         };
         // SAFETY: the pass's addresses and sizes (its invariant); the W8A8 scratch holds the
         // pass's padded tokens in either layout (W8a8Scratch::alloc).
-        unsafe { self.kernel(&self.st.k.rms_norm_quant, cfg, &args, "rms_norm_quant")? };
+        // (it waits for the kernel before it first thing: launched early where the device can)
+        unsafe {
+            launch_maybe_early(
+                self.st.k.early,
+                self.s(),
+                &self.st.k.rms_norm_quant,
+                cfg,
+                &args,
+                self.ctx.rank,
+                "rms_norm_quant",
+            )?
+        };
         self.held(qi);
         Ok(true)
     }
@@ -890,7 +901,16 @@ impl<'a> Pass<'a> {
                         block_dim: (256, 1, 1),
                         shared_mem_bytes: 0,
                     };
-                    self.kernel(&k.swiglu_quant, cfg, &args, "swiglu_quant")?;
+                    // (waits first thing: launched early where the device can)
+                    launch_maybe_early(
+                        k.early,
+                        self.s(),
+                        &k.swiglu_quant,
+                        cfg,
+                        &args,
+                        self.ctx.rank,
+                        "swiglu_quant",
+                    )?;
                     self.held(qi);
                     // SAFETY: down_w is h × f; the scratch holds xs quantised (just above).
                     return self.row_parallel(lw.down_w, f, true);

@@ -74,11 +74,20 @@ const WGMMA_BLOCK_ROWS: usize = 128;
 /// every token; the `mma.sync` kernel's rows padded, counted as 256 bytes a group).
 const STAGE_BYTES: usize = 32 << 10;
 
-/// Bytes of activations in each of the two buffers of a block of the warpgroup kernel (one
-/// chunk of input groups multiplied while the next one is copied in). With the weight ring, a
-/// block of up to 32 tokens then takes under 75 KiB: three blocks an SM (`w8a8_wgmma_N`'s
-/// launch bounds), so that the 296 row blocks of gate and up at 7.6B shapes run at once.
-const WGMMA_STAGE_BYTES: usize = 12 << 10;
+/// Bytes of activations in each of the two buffers of a block of the warpgroup kernel of `nt`
+/// token tiles (one chunk of input groups multiplied while the next one is copied in). With the
+/// weight ring, a block of up to 32 tokens then takes under 75 KiB: three blocks an SM
+/// (`w8a8_wgmma_N`'s launch bounds), so that the 296 row blocks of gate and up at 7.6B shapes run
+/// at once. At 64 tokens (two blocks an SM) a buffer holds three groups: with one (12 KiB) each
+/// group's copy had only the group before it to land in, and gate and up streamed at about half
+/// the device's rate.
+const fn wgmma_stage_bytes(nt: usize) -> usize {
+    if nt >= 8 {
+        3 * 8 * 8 * 128
+    } else {
+        12 << 10
+    }
+}
 
 /// Groups of 128 inputs of its rows' weights each warp of the warpgroup kernel has in flight or
 /// landed in its ring of shared memory (`W_STAGES` of kernels/w8a8_mma.cu, which must agree).
@@ -96,7 +105,7 @@ const fn ring_bytes(block_rows: usize) -> usize {
 fn most_shared(nt: usize, wgmma: bool) -> usize {
     let block_rows = if wgmma { WGMMA_BLOCK_ROWS } else { BLOCK_ROWS };
     let chunk = if wgmma {
-        WGMMA_STAGE_BYTES / (8 * nt * 128)
+        wgmma_stage_bytes(nt) / (8 * nt * 128)
     } else {
         STAGE_BYTES / (8 * nt * 256)
     }
@@ -218,7 +227,7 @@ impl MmaShape {
         let slice = groups.div_ceil(want.clamp(1, groups));
         let splits = groups.div_ceil(slice);
         let chunk = if wgmma {
-            WGMMA_STAGE_BYTES / (8 * nt * 128)
+            wgmma_stage_bytes(nt) / (8 * nt * 128)
         } else {
             STAGE_BYTES / (8 * nt * 256)
         }
@@ -570,15 +579,27 @@ impl MmaKernels {
         // and writes each y as its product would have (tokens · out f32, twice with zero_lo; bias
         // and res read as the product would have).
         unsafe {
-            launch_after(
-                stream,
-                &self.reduce,
-                cfg,
-                Some(&table),
-                &args,
-                rank,
-                "w8a8_reduce",
-            )
+            if self.early {
+                launch_early(
+                    stream,
+                    &self.reduce,
+                    cfg,
+                    Some(&table),
+                    &args,
+                    rank,
+                    "w8a8_reduce",
+                )
+            } else {
+                launch_after(
+                    stream,
+                    &self.reduce,
+                    cfg,
+                    Some(&table),
+                    &args,
+                    rank,
+                    "w8a8_reduce",
+                )
+            }
         }
     }
 

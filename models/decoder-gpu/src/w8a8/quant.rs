@@ -9,7 +9,7 @@ use lifecycle_cuda::{alloc_device, CudaError};
 
 use super::mma::MMA_TOKENS;
 use crate::fp8::Fp8Kernels;
-use crate::kernels::{launch, Arg};
+use crate::kernels::{launch_maybe_early, Arg};
 
 /// The tokens a block-scaled product multiplies: `tokens` rounded up to a multiple of 4 (the
 /// extra ones zero), as its activation scales' columns must start on 16 bytes.
@@ -162,8 +162,9 @@ pub(crate) unsafe fn quantize(
         Arg::U64(nzero),
         Arg::U32(tiles),
     ];
-    // SAFETY: the argument list matches fp8_quant_split / fp8_quant_f32; sizes per the caller.
-    unsafe { launch(stream, func, cfg, &args, rank, "fp8_quant") }
+    // SAFETY: the argument list matches fp8_quant_split / fp8_quant_f32, which wait for the
+    // grid before them first thing (launched early where `k.early`); sizes per the caller.
+    unsafe { launch_maybe_early(k.early, stream, func, cfg, &args, rank, "fp8_quant") }
 }
 
 /// Where a quantisation fused into the kernel that makes a product's input (`rms_norm_quant`,
