@@ -15,6 +15,12 @@
 //!   (`CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F` for the weights,
 //!   `CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F` for the activations, f32 accumulation and output).
 //!
+//!
+//! On Hopper the tensor-core kernels, their split sums and the quantisations that feed them are
+//! launched early (programmatic dependent launch, `crate::kernels::launch_early`): a product's
+//! blocks request their weights into L2 while its input is still being quantised, then wait for
+//! that kernel (`griddepcontrol.wait`) before they read what it writes.
+//!
 //! [`Fp8Compute::W8A8`]: lifecycle_layout::fp8::Fp8Compute::W8A8
 //! [`quantize_activation_groups`]: lifecycle_layout::fp8::quantize_activation_groups
 
