@@ -202,11 +202,30 @@ pub(crate) unsafe fn launch_maybe_early(
     what: &str,
 ) -> Result<(), CudaError> {
     // SAFETY: forwarded to the caller.
+    unsafe { launch_after_maybe_early(early, stream, func, cfg, None::<&u32>, args, rank, what) }
+}
+
+/// [`launch_early`] where `early`, else [`launch_after`] (`lead` before `args` where given).
+///
+/// # Safety
+/// As [`launch_early`] (where `early`) or [`launch_after`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn launch_after_maybe_early<T: DeviceRepr>(
+    early: bool,
+    stream: &Arc<CudaStream>,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    lead: Option<&T>,
+    args: &[Arg],
+    rank: usize,
+    what: &str,
+) -> Result<(), CudaError> {
+    // SAFETY: forwarded to the caller.
     unsafe {
         if early {
-            launch_early(stream, func, cfg, None::<&u32>, args, rank, what)
+            launch_early(stream, func, cfg, lead, args, rank, what)
         } else {
-            launch(stream, func, cfg, args, rank, what)
+            launch_after(stream, func, cfg, lead, args, rank, what)
         }
     }
 }

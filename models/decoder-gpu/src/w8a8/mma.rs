@@ -35,7 +35,7 @@ use lifecycle_cuda::{
 
 use super::quant::{wgmma_tiles, ActLayout};
 use crate::fp8::Fp8Weight;
-use crate::kernels::{launch, launch_after, launch_early, refuse_in_capture, Arg};
+use crate::kernels::{launch, launch_after_maybe_early, refuse_in_capture, Arg};
 
 /// CUDA C source of the tensor-core W8A8 kernels (no headers).
 pub const W8A8_MMA_KERNEL_SRC: &str = include_str!("../../../../kernels/w8a8_mma.cu");
@@ -551,11 +551,16 @@ impl MmaKernels {
         // shape's sizes (the counters zero: the kernel leaves them so) and live in the scratch,
         // whose buffers are freed in stream order; the rest per the caller.
         unsafe {
-            if self.early {
-                launch_early(stream, kernel, cfg, Some(&table), &args, rank, name)?
-            } else {
-                launch_after(stream, kernel, cfg, Some(&table), &args, rank, name)?
-            }
+            launch_after_maybe_early(
+                self.early,
+                stream,
+                kernel,
+                cfg,
+                Some(&table),
+                &args,
+                rank,
+                name,
+            )?
         };
         if shape.splits == 1 || in_kernel {
             return Ok(());
@@ -579,27 +584,16 @@ impl MmaKernels {
         // and writes each y as its product would have (tokens · out f32, twice with zero_lo; bias
         // and res read as the product would have).
         unsafe {
-            if self.early {
-                launch_early(
-                    stream,
-                    &self.reduce,
-                    cfg,
-                    Some(&table),
-                    &args,
-                    rank,
-                    "w8a8_reduce",
-                )
-            } else {
-                launch_after(
-                    stream,
-                    &self.reduce,
-                    cfg,
-                    Some(&table),
-                    &args,
-                    rank,
-                    "w8a8_reduce",
-                )
-            }
+            launch_after_maybe_early(
+                self.early,
+                stream,
+                &self.reduce,
+                cfg,
+                Some(&table),
+                &args,
+                rank,
+                "w8a8_reduce",
+            )
         }
     }
 
