@@ -12,10 +12,10 @@
 // DeepSeek-V3's fp8 GEMMs): the tensor cores never sum more than one group.
 //
 // A block of 4 warps computes 64 rows (16 per warp, the mma's M) for every token (8 per mma,
-// NT mma's), over a slice of the input groups (blockIdx.y): it stages the slice's activations in
+// NT mma's), over a slice of the input groups (Place below): it stages the slice's activations in
 // shared memory a chunk of groups at a time, and each warp streams its rows' weights from device
 // memory once, 128 bytes per row and group, the next group requested before the current one is
-// multiplied. With several slices (gridDim.y > 1) each block writes its partial sums, and the
+// multiplied. With several slices each block writes its partial sums, and the
 // slices are added in their order: with `counters` by the last block of a row range to finish
 // (counted there, reset by it; cheap for a few tokens), else by w8a8_reduce, launched next, every
 // output by its own thread (one block adding a row range's 28 slices alone took ~44 us at 64
@@ -54,6 +54,28 @@ struct Prods {
     Prod p[MAX_PRODS];
     u32 count, pad;
 };
+
+// Where a block works: row block `rb` of the launch, over slice `s` of the `splits` slices of
+// its inputs; a split row block's partial sums and counter are the `pb`-th of the launch's
+// (models/decoder-gpu/src/w8a8/mma.rs, MmaShape, lays the grids out so).
+struct Place {
+    u32 rb, pb, s, splits;
+};
+
+// The mma.sync kernels' grids: row block blockIdx.x, slice blockIdx.y of gridDim.y.
+__device__ __forceinline__ Place place_2d() {
+    return Place{blockIdx.x, blockIdx.x, blockIdx.y, gridDim.y};
+}
+
+// The warpgroup kernel's grid: the first `whole` blocks each a row block of its own over every
+// input, then `splits` blocks for each row block after them, its slices in order (the row blocks
+// that fill the SMs unsplit, the rest split so that their blocks fill them after).
+__device__ __forceinline__ Place place_1d(u32 whole, u32 splits) {
+    const u32 b = blockIdx.x;
+    if (b < whole) return Place{b, 0u, 0u, 1u};
+    const u32 j = b - whole, q = j / splits;
+    return Place{whole + q, q, j - q * splits, splits};
+}
 
 // The product of row block b of the launch, and b's place among that product's row blocks.
 __device__ __forceinline__ Prod pick(const Prods& ps, u64 b, u32& local) {
@@ -132,6 +154,15 @@ __device__ __forceinline__ void cp_async16(u32 dst, const u8* src, bool ok) {
 #endif
 }
 
+// the same with the bytes to read given (16, or 0: zeros, no byte read)
+__device__ __forceinline__ void cp_async_n(u32 dst, const u8* src, u32 bytes) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(bytes)
+                 : "memory");
+#endif
+}
+
 __device__ __forceinline__ void cp_commit() {
 #if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -151,6 +182,24 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 a;
     asm("{\n.reg .u64 t;\ncvta.to.shared.u64 t, %1;\ncvt.u32.u64 %0, t;\n}\n" : "=r"(a) : "l"(p));
     return a;
+}
+
+// a value the compiler must keep as computed (it cannot work it out again from its inputs)
+__device__ __forceinline__ void opaque(u32& v) { asm volatile("" : "+r"(v)); }
+__device__ __forceinline__ void opaque(const u8*& p) {
+    u64 v = (u64)p;
+    asm volatile("" : "+l"(v));
+    p = (const u8*)v;
+}
+
+// 16 bytes of shared memory at a shared-window address
+__device__ __forceinline__ uint4 ld_shared16(u32 a) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(a)
+                 : "memory");
+    return v;
 }
 
 // ---- Early launch (sm_90) ------------------------------------------------------------------
@@ -195,47 +244,76 @@ __device__ __forceinline__ void wait_for_inputs() {
 // 16 (l % 8) onwards, so each copy reads four 128-byte rows), and each lane then reads its
 // fragment (32 bytes of rows g and g + 8 from byte 32 t, as the mma's take them); byte piece p
 // (16 bytes) of row r lies at r 128 + 16 (p ^ (r % 8)), so that neither the copies nor the
-// reads of a quarter warp meet on a bank.
+// reads of a quarter warp meet on a bank. Every offset in a slot is worked out once per warp
+// (recomputed per group they were a quarter of the loop's instructions): copy j of a lane lands
+// at `put[j & 1] + 1024 (j >> 1)` (row 4 j + q, q = l / 8, has r % 8 = q + 4 (j & 1)).
 struct WRing {
-    u8* at;        // the warp's slot 0
-    const u8* src; // the warp's row l / 8, byte 16 (l % 8), of group 0
-    u64 rows4;     // bytes between rows r and r + 4 of the matrix
-    u32 lane;
-    u32 valid;     // rows of the warp's 16 inside the matrix
+    u32 at;         // the warp's slot 0 (shared window)
+    const u8* src;  // the warp's row l / 8, byte 16 (l % 8), of group 0
+    u32 off1, off2, off3; // copy j's source from src (j rows4; 0 past the matrix)
+    u32 sizes;      // byte j: copy j's bytes to read (16, or 0 past the matrix: zeros)
+    u32 put0, put1; // where copies 0 and 1 of this lane land in a slot
+    u32 get0, get1; // where this lane's fragment lies in a slot (row g; row g + 8 is 1 KiB on)
 
     __device__ __forceinline__ void issue(u32 group, u32 slot) const {
-        const u32 base = smem_addr(at) + slot * 2048u;
+        const u32 base = at + slot * 2048u;
         const u8* p = src + (u64)group * 128u;
-#pragma unroll
-        for (u32 j = 0; j < 4; ++j) {
-            const u32 r = 4u * j + (lane >> 3);
-            const u32 d = base + r * 128u + 16u * ((lane & 7u) ^ (r & 7u));
-            cp_async16(d, r < valid ? p + j * rows4 : src, r < valid);
-        }
+        cp_async_n(base + put0, p, sizes & 0xFFu);
+        cp_async_n(base + put1, p + off1, (sizes >> 8) & 0xFFu);
+        cp_async_n(base + put0 + 1024u, p + off2, (sizes >> 16) & 0xFFu);
+        cp_async_n(base + put1 + 1024u, p + off3, sizes >> 24);
     }
 
     __device__ __forceinline__ Frag read(u32 slot) const {
-        const u32 g = lane >> 2, t = lane & 3u;
-        const u8* lo = at + slot * 2048u + g * 128u;
-        const u8* hi = lo + 8u * 128u;
-        const u32 p0 = 16u * ((2u * t) ^ g), p1 = 16u * ((2u * t + 1u) ^ g);
+        const u32 base = at + slot * 2048u;
         Frag f;
-        f.lo0 = *reinterpret_cast<const uint4*>(lo + p0);
-        f.lo1 = *reinterpret_cast<const uint4*>(lo + p1);
-        f.hi0 = *reinterpret_cast<const uint4*>(hi + p0);
-        f.hi1 = *reinterpret_cast<const uint4*>(hi + p1);
+        f.lo0 = ld_shared16(base + get0);
+        f.lo1 = ld_shared16(base + get1);
+        f.hi0 = ld_shared16(base + get0 + 1024u);
+        f.hi1 = ld_shared16(base + get1 + 1024u);
         return f;
     }
 };
 
 // The ring of the warp whose 16 rows start at matrix row `first` (of `out`), in the block's
-// shared memory from `ring`.
+// shared memory from `ring`; with `hold` its offsets are kept in registers through the loop.
 __device__ __forceinline__ WRing ring_of(u8* ring, const u8* w, u32 first, u32 out, u32 inp,
-                                         u32 warp, u32 lane) {
+                                         u32 warp, u32 lane, bool hold) {
     const u32 valid = first < out ? min(16u, out - first) : 0u;
-    const u32 r = lane >> 3;
-    const u8* src = w + (u64)(r < valid ? first + r : 0u) * inp + 16u * (lane & 7u);
-    return WRing{ring + warp * (W_STAGES * 2048u), src, 4ull * inp, lane, valid};
+    const u32 q = lane >> 3, c = lane & 7u;
+    const u8* src = w + (u64)(q < valid ? first + q : 0u) * inp + 16u * c;
+    u32 off[4], sizes = 0;
+#pragma unroll
+    for (u32 j = 0; j < 4; ++j) {
+        const bool in = 4u * j + q < valid;
+        off[j] = in ? j * 4u * inp : 0u;
+        sizes |= (in ? 16u : 0u) << (8u * j);
+    }
+    const u32 g = lane >> 2, t = lane & 3u;
+    WRing r{smem_addr(ring + warp * (W_STAGES * 2048u)),
+            src,
+            off[1],
+            off[2],
+            off[3],
+            sizes,
+            q * 128u + 16u * (c ^ q),
+            (q + 4u) * 128u + 16u * (c ^ (q + 4u)),
+            g * 128u + 16u * ((2u * t) ^ g),
+            g * 128u + 16u * ((2u * t + 1u) ^ g)};
+    // opaque from here: held in registers, not worked out again in the loop (at 64 tokens ptxas
+    // did: a quarter of the loop's instructions; with fewer the registers are short: spills)
+    if (!hold) return r;
+    opaque(r.at);
+    opaque(r.src);
+    opaque(r.off1);
+    opaque(r.off2);
+    opaque(r.off3);
+    opaque(r.sizes);
+    opaque(r.put0);
+    opaque(r.put1);
+    opaque(r.get0);
+    opaque(r.get1);
+    return r;
 }
 
 // Requests the first W_STAGES - 1 groups of [g0, g1), one commit group each (empty past g1).
@@ -287,12 +365,13 @@ template <int NT, int ROWS>
 __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* y,
                                           float* __restrict__ ylo, float* __restrict__ part,
                                           u32* __restrict__ counters, u32 out, u32 n,
-                                          u32 splits, u32 tile, u32 g, u32 t, u32 warp,
+                                          const Place& pl, u32 tile, u32 g, u32 t, u32 warp,
                                           bool oklo, bool okhi, const u16* __restrict__ bias,
                                           const float* res, u32 bx) {
     __shared__ u32 last;
     const u32 T = 8 * NT;
     const u32 rlo = tile + g, rhi = rlo + 8;
+    const u32 splits = pl.splits;
     if (splits == 1) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
@@ -311,7 +390,7 @@ __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* y,
         }
         return;
     }
-    float* mine = part + ((u64)blockIdx.x * splits + blockIdx.y) * (ROWS * T);
+    float* mine = part + ((u64)pl.pb * splits + pl.s) * (ROWS * T);
     const u32 bl = warp * 16u + g, bh = bl + 8u;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -326,11 +405,11 @@ __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* y,
     if (counters == nullptr) return;
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == splits - 1 ? 1u : 0u;
+    if (threadIdx.x == 0) last = atomicAdd(&counters[pl.pb], 1u) == splits - 1 ? 1u : 0u;
     __syncthreads();
     if (last == 0) return;
     __threadfence();
-    const float* all = part + (u64)blockIdx.x * splits * (ROWS * T);
+    const float* all = part + (u64)pl.pb * splits * (ROWS * T);
     // REDUCE_HELD outputs a thread at a time, their bias and residual and every slice of them
     // requested before the first is added (one output after the other, each slice, bias and
     // residual took a round trip of its own: several us a product at 8 tokens); each output's
@@ -367,22 +446,23 @@ __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* y,
             }
         }
     }
-    if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
+    if (threadIdx.x == 0) counters[pl.pb] = 0u;
 }
 
 // The sums of split products from their partials (block (b, s) of `rows` rows and `tile_tokens`
-// tokens at part + (b splits + s) rows tile_tokens, [token][row], b the launch's row block):
-// one thread per output, the slices added in their order from 0, to each product's y [n x out]
-// (and 0 to the n rows after it with zero_lo; with its bias and res added as the products add
-// them). Grid: ceil(row blocks x n x rows / 256) blocks of 256 threads.
+// tokens at part + ((b - first) splits + s) rows tile_tokens, [token][row], b the launch's row
+// block, the row blocks before `first` unsplit): one thread per output, the slices added in
+// their order from 0, to each product's y [n x out] (and 0 to the n rows after it with
+// zero_lo; with its bias and res added as the products add them). Grid: ceil(split row blocks x
+// n x rows / 256) blocks of 256 threads.
 extern "C" __global__ void __launch_bounds__(256)
     w8a8_reduce(const Prods ps, const float* __restrict__ part, u32 splits, u32 rows,
-                u32 tile_tokens, u32 n, u32 zero_lo) {
+                u32 tile_tokens, u32 n, u32 zero_lo, u32 first) {
     // launched early like the products (its launch overlaps the product's end)
     wait_for_inputs();
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u64 per_block = (u64)n * rows;
-    const u64 b = i / per_block, rem = i - b * per_block;
+    const u64 pb = i / per_block, rem = i - pb * per_block, b = first + pb;
     const u32 tok = (u32)(rem / rows), r = (u32)(rem - (u64)tok * rows);
     u32 lb;
     const Prod pr = pick(ps, b, lb);
@@ -392,7 +472,7 @@ extern "C" __global__ void __launch_bounds__(256)
     float* y = pr.y;
     const u16* bias = pr.bias;
     const float* res = pr.res;
-    const float* p = part + b * splits * rows * tile_tokens + (u64)tok * rows + r;
+    const float* p = part + pb * splits * rows * tile_tokens + (u64)tok * rows + r;
     float v = 0.0f;
     for (u32 s = 0; s < splits; ++s) v += p[(u64)s * rows * tile_tokens];
     const u64 at = (u64)tok * out + row;
@@ -412,14 +492,13 @@ __device__ __forceinline__ void w8a8_mma_body(
     const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,
     u32 chunk, float* y, float* __restrict__ ylo, float* __restrict__ part,
     u32* __restrict__ counters, const u16* __restrict__ bias, const float* res, u32 bx,
-    const u32* __restrict__ idx, u32 first, bool early) {
+    const Place pl, const u32* __restrict__ idx, u32 first, bool early) {
     extern __shared__ __align__(16) u8 smem[];
     const u32 T = 8 * NT;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3u;
     const u32 groups = inp >> 7;
-    const u32 splits = gridDim.y;
-    const u32 g0 = blockIdx.y * slice, g1 = min(groups, g0 + slice);
+    const u32 g0 = pl.s * slice, g1 = min(groups, g0 + slice);
     const u32 tile = bx * MMA_ROWS + warp * 16;
     const u32 rlo = tile + g, rhi = rlo + 8;
     const bool oklo = rlo < out, okhi = rhi < out, okt = tile < out;
@@ -525,7 +604,7 @@ __device__ __forceinline__ void w8a8_mma_body(
             }
         }
     }
-    store_acc<NT, MMA_ROWS>(acc, y, ylo, part, counters, out, n, splits, tile, g, t, warp, oklo, okhi,
+    store_acc<NT, MMA_ROWS>(acc, y, ylo, part, counters, out, n, pl, tile, g, t, warp, oklo, okhi,
                             bias, res, bx);
 }
 
@@ -694,15 +773,15 @@ __device__ __forceinline__ void w8a8_wgmma_body(
     const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0, u32 out, u32 inp,
     const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,
     u32 chunk, float* y, float* __restrict__ ylo, float* __restrict__ part,
-    u32* __restrict__ counters, const u16* __restrict__ bias, const float* res, u32 bx) {
+    u32* __restrict__ counters, const u16* __restrict__ bias, const float* res, u32 bx,
+    const Place pl) {
     extern __shared__ __align__(128) u8 smem[];
     __shared__ __align__(8) u64 full[2];
     const u32 T = 8 * NT;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3u;
     const u32 groups = inp >> 7;
-    const u32 splits = gridDim.y;
-    const u32 g0 = blockIdx.y * slice, g1 = min(groups, g0 + slice);
+    const u32 g0 = pl.s * slice, g1 = min(groups, g0 + slice);
     const u32 tile = bx * WG_ROWS + warp * 16;
     const u32 rlo = tile + g, rhi = rlo + 8;
     const bool oklo = rlo < out, okhi = rhi < out, okt = tile < out;
@@ -723,7 +802,7 @@ __device__ __forceinline__ void w8a8_wgmma_body(
     };
     // the weight ring after the two buffers: its first groups requested, and the groups after
     // them into L2, before the wait for the kernel that writes the activations
-    const WRing ring = ring_of(smem + 2u * buf_bytes, w, row0 + tile, row0 + out, inp, warp, lane);
+    const WRing ring = ring_of(smem + 2u * buf_bytes, w, row0 + tile, row0 + out, inp, warp, lane, NT >= 8);
     ring_start(ring, g0, g1);
     u32 slot = 0;
     // the weight scale of the next group, requested a group ahead (in the group's own
@@ -786,7 +865,7 @@ __device__ __forceinline__ void w8a8_wgmma_body(
         }
         __syncthreads();  // this buffer is no longer read: the chunk after next may land in it
     }
-    store_acc<NT, WG_ROWS>(acc, y, ylo, part, counters, out, n, splits, tile, g, t, warp, oklo, okhi,
+    store_acc<NT, WG_ROWS>(acc, y, ylo, part, counters, out, n, pl, tile, g, t, warp, oklo, okhi,
                            bias, res, bx);
 }
 
@@ -797,12 +876,13 @@ __device__ __forceinline__ void w8a8_wgmma_body(
         w8a8_wgmma_##NT(const Prods ps, u32 inp, const u8* __restrict__ xq,                   \
                         const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,          \
                         u32 chunk, u32 zero_lo, float* __restrict__ part,                     \
-                        u32* __restrict__ counters) {                                         \
+                        u32* __restrict__ counters, u32 whole, u32 splits) {                  \
+        const Place pl = place_1d(whole, splits);                                             \
         u32 bx;                                                                               \
-        const Prod p = pick(ps, blockIdx.x, bx);                                              \
+        const Prod p = pick(ps, pl.rb, bx);                                                   \
         w8a8_wgmma_body<NT>(p.w, p.wsc, p.row0, p.out, inp, xq, xsc, xs_grp, n, slice, chunk, \
                             p.y, zero_lo ? p.y + (u64)n * p.out : nullptr, part, counters,    \
-                            p.bias, p.res, bx);                                               \
+                            p.bias, p.res, bx, pl);                                           \
     }
 
 #define W8A8_MMA(NT)                                                                           \
@@ -814,7 +894,7 @@ __device__ __forceinline__ void w8a8_wgmma_body(
         const Prod p = pick(ps, blockIdx.x, bx);                                              \
         w8a8_mma_body<NT>(p.w, p.wsc, p.row0, p.out, inp, xq, xsc, xs_grp, n, slice, chunk,   \
                           p.y, zero_lo ? p.y + (u64)n * p.out : nullptr, part, counters,      \
-                          p.bias, p.res, bx, nullptr, 0u, true);                                    \
+                          p.bias, p.res, bx, place_2d(), nullptr, 0u, true);                  \
     }
 W8A8_MMA(1)
 W8A8_MMA(2)
@@ -849,7 +929,7 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 5)
     const u32 first = (u32)((e[4] - x32) / (4ull * inp));
     w8a8_mma_body<1>((const u8*)e[0], (const float*)e[1], (u32)e[2], out, inp, xq, xsc, xs_grp,
                      n, slice, chunk, (float*)e[6], (float*)e[7], part, counters, nullptr,
-                     nullptr, bx, idx, first, false);
+                     nullptr, bx, place_2d(), idx, first, false);
 }
 
 // the warpgroup kernels exist only where the source is compiled for sm_90a

@@ -115,6 +115,7 @@ fn most_shared(nt: usize, wgmma: bool) -> usize {
         wgmma,
         block_rows,
         row_blocks: 1,
+        whole: 0,
         splits: 1,
         slice: chunk,
         chunk,
@@ -171,7 +172,11 @@ pub(crate) struct MmaShape {
     pub block_rows: usize,
     /// Blocks of `block_rows` rows.
     pub row_blocks: usize,
-    /// Slices of the input groups, one block each per row block (added in order).
+    /// The first row blocks, each one block over every input (the warpgroup kernel's, where its
+    /// row blocks pass the blocks resident at once; else 0): the `splits` apply to the rest.
+    pub whole: usize,
+    /// Slices of the input groups, one block each per row block after the `whole` ones (added
+    /// in order).
     pub splits: usize,
     /// Input groups (of 128) per slice.
     pub slice: usize,
@@ -214,11 +219,22 @@ impl MmaShape {
             .sum::<usize>()
             .max(1);
         let slots = BLOCKS_PER_SM * sms.max(1) * BLOCK_ROWS / block_rows;
+        // the warpgroup kernel's row blocks beyond those resident at once: the whole waves run
+        // unsplit, the row blocks left over split into as many slices as the SMs hold blocks of
+        // them, so that they run after the whole ones at about the time of one wave's share
+        // (unsplit, the few blocks of a last wave took as long as a full one: each block's rate
+        // is bound by its own loop, not by the device's)
+        let tail = row_blocks % slots;
+        let (whole, rest) = if wgmma && row_blocks > slots && tail > 0 {
+            (row_blocks - tail, tail)
+        } else {
+            (0, row_blocks)
+        };
         let want = if wgmma {
             // as many slices as keep every block resident at once: no second wave, whose few
             // blocks would stream alone (its weights come through a ring deep enough to stream
             // from fewer blocks)
-            slots / row_blocks
+            slots / rest
         } else {
             // at least the blocks that fill the SMs: more loads in flight (each warp requests
             // one group ahead), a short second wave included
@@ -226,6 +242,7 @@ impl MmaShape {
         };
         let slice = groups.div_ceil(want.clamp(1, groups));
         let splits = groups.div_ceil(slice);
+        let whole = if splits > 1 { whole } else { 0 };
         let chunk = if wgmma {
             wgmma_stage_bytes(nt) / (8 * nt * 128)
         } else {
@@ -237,10 +254,27 @@ impl MmaShape {
             wgmma,
             block_rows,
             row_blocks,
+            whole,
             splits,
             slice,
             chunk,
         }
+    }
+
+    /// Row blocks split over the `splits` slices (those after the `whole` ones).
+    pub(crate) fn split_blocks(&self) -> usize {
+        if self.splits == 1 {
+            0
+        } else {
+            self.row_blocks - self.whole
+        }
+    }
+
+    /// Blocks of the launch: the warpgroup kernel's grid (one dimension: the whole row blocks,
+    /// then each split row block's slices in order), the `mma.sync` kernel's `row_blocks ×
+    /// splits` (two).
+    pub(crate) fn blocks(&self) -> usize {
+        self.whole + (self.row_blocks - self.whole) * self.splits
     }
 
     /// Dynamic shared memory of a block: the staged activations (the `mma.sync` kernel's token
@@ -265,7 +299,7 @@ impl MmaShape {
         if self.splits == 1 {
             return 0;
         }
-        self.row_blocks * self.splits * self.block_rows * 8 * self.nt
+        self.split_blocks() * self.splits * self.block_rows * 8 * self.nt
     }
 }
 
@@ -511,15 +545,19 @@ impl MmaKernels {
         let in_kernel = tokens <= REDUCE_IN_KERNEL_TOKENS;
         let (part, counters) = self.split_scratch(stream, &shape, in_kernel, rank)?;
         let cfg = LaunchConfig {
-            grid_dim: (
-                u32a(shape.row_blocks as u64, "row blocks")?,
-                u32a(shape.splits as u64, "splits")?,
-                1,
-            ),
+            grid_dim: if wg.is_some() {
+                (u32a(shape.blocks() as u64, "blocks")?, 1, 1)
+            } else {
+                (
+                    u32a(shape.row_blocks as u64, "row blocks")?,
+                    u32a(shape.splits as u64, "splits")?,
+                    1,
+                )
+            },
             block_dim: ((shape.block_rows / 16 * 32) as u32, 1, 1),
             shared_mem_bytes: u32a(shape.shared_bytes() as u64, "shared memory")?,
         };
-        let args = [
+        let mut args = vec![
             Arg::U32(u32a(inp as u64, "inputs")?),
             Arg::U64(xq),
             Arg::U64(xsc),
@@ -531,6 +569,10 @@ impl MmaKernels {
             Arg::U64(part),
             Arg::U64(counters),
         ];
+        if wg.is_some() {
+            args.push(Arg::U32(u32a(shape.whole as u64, "whole row blocks")?));
+            args.push(Arg::U32(u32a(shape.splits as u64, "splits")?));
+        }
         let kernel = match wg {
             Some(k) => WGMMA_TILES
                 .iter()
@@ -547,7 +589,7 @@ impl MmaKernels {
             "w8a8_mma"
         };
         // SAFETY: the table and argument list match w8a8_mma_N and w8a8_wgmma_N (8 N ≥ tokens;
-        // the products' row blocks those of the grid); the partials and counters hold the
+        // the products' row blocks those of the grid, laid out as its kernel reads it); the partials and counters hold the
         // shape's sizes (the counters zero: the kernel leaves them so) and live in the scratch,
         // whose buffers are freed in stream order; the rest per the caller.
         unsafe {
@@ -565,7 +607,7 @@ impl MmaKernels {
         if shape.splits == 1 || in_kernel {
             return Ok(());
         }
-        let outputs = (shape.row_blocks * shape.block_rows * tokens) as u64;
+        let outputs = (shape.split_blocks() * shape.block_rows * tokens) as u64;
         let cfg = LaunchConfig {
             grid_dim: (u32a(outputs.div_ceil(256), "reduce blocks")?, 1, 1),
             block_dim: (256, 1, 1),
@@ -578,9 +620,11 @@ impl MmaKernels {
             Arg::U32((8 * shape.nt) as u32),
             Arg::U32(tokens as u32),
             Arg::U32(u32::from(zero_lo)),
+            Arg::U32(u32a(shape.whole as u64, "whole row blocks")?),
         ];
         // SAFETY: the table and argument list match w8a8_reduce; it reads the partials the
-        // products above wrote (every row block and slice, the first `tokens` of 8 · nt tokens)
+        // products above wrote (every split row block and slice, the first `tokens` of 8 · nt
+        // tokens)
         // and writes each y as its product would have (tokens · out f32, twice with zero_lo; bias
         // and res read as the product would have).
         unsafe {
@@ -699,13 +743,13 @@ impl MmaKernels {
             && scratch
                 .counters
                 .as_ref()
-                .is_none_or(|c| c.len() < shape.row_blocks)
+                .is_none_or(|c| c.len() < shape.split_blocks())
         {
             refuse_in_capture(stream, rank, "growing the W8A8 mma counters")?;
             scratch.grown += 1;
             scratch.counters = Some(alloc_zeros::<u32>(
                 stream,
-                shape.row_blocks,
+                shape.split_blocks(),
                 rank,
                 "W8A8 mma counters",
             )?);
@@ -782,6 +826,43 @@ mod tests {
             );
         }
         assert_eq!(MmaShape::of(256, 64, 128, 132, true).splits, 1);
+    }
+
+    #[test]
+    fn the_warpgroup_rows_past_a_wave_split_after_the_whole_ones() {
+        // gate and up at 7.6B shapes on 132 SMs: 296 row blocks, 264 resident at once
+        let s = MmaShape::of_products(&[18944, 18944], 64, 3584, 132, true);
+        assert_eq!(
+            (s.row_blocks, s.whole, s.splits, s.slice),
+            (296, 264, 7, 4),
+            "{s:?}"
+        );
+        assert_eq!(s.split_blocks(), 32);
+        assert_eq!(s.blocks(), 264 + 32 * 7);
+        assert!(s.split_blocks() * s.splits <= 2 * 132, "{s:?}");
+        assert_eq!(s.partials(), 32 * 7 * 128 * 64);
+        // the same split whatever the tokens
+        for tokens in [9, 16, 33] {
+            let t = MmaShape::of_products(&[18944, 18944], tokens, 3584, 132, true);
+            assert_eq!((t.whole, t.splits, t.slice), (264, 7, 4), "{t:?}");
+        }
+        // whole waves only, or fewer row blocks than resident: nothing whole
+        let exact = MmaShape::of(264 * 128, 64, 3584, 132, true);
+        assert_eq!((exact.whole, exact.splits), (0, 1), "{exact:?}");
+        let few = MmaShape::of(3584, 64, 3584, 132, true);
+        assert_eq!(few.whole, 0, "{few:?}");
+        assert_eq!(few.blocks(), few.row_blocks * few.splits);
+        // a leftover of more than half a wave: two slices, the blocks past one wave half as long
+        let many = MmaShape::of(364 * 128, 64, 640, 132, true);
+        assert_eq!(
+            (many.whole, many.splits, many.slice),
+            (264, 2, 3),
+            "{many:?}"
+        );
+        // the mma.sync kernel splits every row block or none
+        for (out, inp) in [(37888, 3584), (3584, 18944)] {
+            assert_eq!(MmaShape::of(out, 8, inp, 132, false).whole, 0);
+        }
     }
 
     #[test]

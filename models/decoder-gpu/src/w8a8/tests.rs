@@ -251,6 +251,11 @@ fn block_scaled_gemm_matches_the_host_sums() -> Result<(), Box<dyn std::error::E
         (200, 7, 384, 144),
         (1000, 41, 1152, 16),
         (4608, 8, 3584, 0),
+        // past the warpgroup kernel's resident blocks on 132 SMs (264 of 128 rows): the row
+        // blocks past the whole waves split, summed by w8a8_reduce at 64 tokens and by their
+        // last block at 5, the last warp's rows ending inside it
+        (364 * 128, 64, 640, 0),
+        (270 * 128 - 40, 5, 1024, 16),
     ];
     let report = pool.run(&|ctx| {
         let s = &ctx.compute;
