@@ -498,7 +498,8 @@ __device__ __forceinline__ void w8a8_mma_body(
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3u;
     const u32 groups = inp >> 7;
-    const u32 g0 = pl.s * slice, g1 = min(groups, g0 + slice);
+    // a whole row block (splits 1) over every input, whatever the split rows' slice
+    const u32 g0 = pl.s * slice, g1 = pl.splits == 1 ? groups : min(groups, g0 + slice);
     const u32 tile = bx * MMA_ROWS + warp * 16;
     const u32 rlo = tile + g, rhi = rlo + 8;
     const bool oklo = rlo < out, okhi = rhi < out, okt = tile < out;
@@ -781,7 +782,8 @@ __device__ __forceinline__ void w8a8_wgmma_body(
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3u;
     const u32 groups = inp >> 7;
-    const u32 g0 = pl.s * slice, g1 = min(groups, g0 + slice);
+    // a whole row block (splits 1) over every input, whatever the split rows' slice
+    const u32 g0 = pl.s * slice, g1 = pl.splits == 1 ? groups : min(groups, g0 + slice);
     const u32 tile = bx * WG_ROWS + warp * 16;
     const u32 rlo = tile + g, rhi = rlo + 8;
     const bool oklo = rlo < out, okhi = rhi < out, okt = tile < out;

@@ -151,7 +151,8 @@ fn main() -> Result<(), Box<dyn Error>> {
     // MOE_DEVICE_ROWS sequences), routed on the host in blocks of batched GEMMs, and one GEMM per
     // expert; fp8 runs weight-only, then W8A8 by the decoder's defaults, with the warpgroup
     // kernel (where loaded) from one token, and with the mma.sync kernel up to 8 tokens and the
-    // warpgroup kernel up to 64
+    // warpgroup kernel up to 32 (cuBLASLt beyond: the default before its row blocks past the
+    // resident ones split)
     let bf16 = Variant {
         dtype: RolloutDtype::Bf16,
         grouped: true,
@@ -188,7 +189,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             ..w8a8
         },
         Variant {
-            limits: Some((0, 8, 64)),
+            limits: Some((0, 8, 32)),
             ..w8a8
         },
     ]);

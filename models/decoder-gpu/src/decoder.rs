@@ -1079,7 +1079,7 @@ impl<'w> GpuDecoder<'w> {
         tokens
     }
 
-    /// Tokens (0 to 64, default 32) up to which a W8A8 product beyond the `mma.sync` kernel's
+    /// Tokens (0 to 64, default 64) up to which a W8A8 product beyond the `mma.sync` kernel's
     /// tokens ([`GpuDecoder::set_fp8_mma_tokens`]) runs the decoder's warpgroup kernel (Hopper's
     /// `wgmma`, the weights streamed once into registers, every token's activations read from
     /// shared memory) instead of cuBLASLt's block-scaled GEMM; weights of at most 16 Mi

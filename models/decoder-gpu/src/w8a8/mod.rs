@@ -50,9 +50,10 @@ pub(crate) const W8A8_GEMV_TOKENS: usize = 0;
 pub(crate) const W8A8_MMA_TOKENS: usize = 8;
 
 /// Tokens up to which a W8A8 product beyond the `mma.sync` kernel's takes the warpgroup
-/// kernel by default, where it is loaded (on an H200 at 7.6B shapes it is faster than
-/// cuBLASLt's GEMM at 16 and 32 tokens, slower at 64; BENCHMARKS.md).
-pub(crate) const W8A8_WGMMA_TOKENS: usize = 32;
+/// kernel by default, where it is loaded: all it takes (at 7.6B shapes it is faster than
+/// cuBLASLt's GEMM at 16, 32 and 64 tokens since its row blocks past the resident ones split;
+/// BENCHMARKS.md). Beyond, cuBLASLt's GEMM.
+pub(crate) const W8A8_WGMMA_TOKENS: usize = MMA_TOKENS;
 
 /// Token counts that choose a W8A8 product's path ([`w8a8_gemm`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

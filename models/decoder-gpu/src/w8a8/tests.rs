@@ -45,13 +45,21 @@ fn the_paths_follow_the_limits_and_what_each_path_reads() {
         CublasLt
     );
     let d = W8a8Limits::default();
-    // defaults: the mma.sync kernel up to 8 tokens, the warpgroup kernel to 32, cuBLASLt beyond
+    // defaults: the mma.sync kernel up to 8 tokens, the warpgroup kernel to 64, cuBLASLt beyond
     assert_eq!(d.path(1, all), TensorCores);
     assert_eq!(d.path(8, all), TensorCores);
     assert_eq!(d.path(9, all), Warpgroup);
-    assert_eq!(d.path(32, all), Warpgroup);
-    assert_eq!(d.path(33, all), CublasLt);
-    assert_eq!(d.path(64, all), CublasLt);
+    assert_eq!(d.path(64, all), Warpgroup);
+    assert_eq!(d.path(65, all), CublasLt);
+    // the warpgroup kernel to 32: cuBLASLt beyond, but for a small weight
+    let to32 = W8a8Limits {
+        wgmma: 32,
+        ..W8a8Limits::default()
+    };
+    assert_eq!(to32.path(32, all), Warpgroup);
+    assert_eq!(to32.path(33, all), CublasLt);
+    assert_eq!(to32.path(64, all), CublasLt);
+    assert_eq!(to32.path(64, small), Warpgroup);
     let wg = W8a8Limits {
         wgmma: 64,
         ..W8a8Limits::default()
