@@ -33,12 +33,9 @@ typedef unsigned short u16;
 // 16-byte units of activations a thread of the mma.sync kernel loads before it stores them
 // (a block of 128 threads stages 8 a thread: 8 NT tokens of STAGE_BYTES / (2048 NT) groups)
 #define STAGE_UNITS 4
-// units of 4 outputs a thread of a split product's last block adds at a time, and the slices of
-// them it requests at once (at 64 tokens a block of 128 rows holds 2048 units: 8 a thread); half
-// the slices in the warpgroup kernels of three blocks an SM (up to 32 tokens), whose registers
-// are short
-#define REDUCE_UNITS 2
-#define REDUCE_SLICES 8
+// outputs a thread of a split product's last block adds at a time (8 tokens of a block's rows:
+// 4 a thread in both kernels)
+#define REDUCE_HELD 2
 
 // The products of one launch (up to MAX_PRODS, of one input: q, k and v; gate and up): each its
 // weight rows row0 .. row0 + out of w (scales wsc), output y [n x out] with bias and res as
@@ -353,12 +350,10 @@ __device__ __forceinline__ float finish(float v, const u16* bias, const float* r
     return v;
 }
 
-// 4 partial sums written by another block: read from L2, past this SM's L1.
-__device__ __forceinline__ float4 ld_l2_v4(const float* p) {
-    float4 v;
-    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "l"(p));
+// A partial sum written by another block: read from L2, past this SM's L1.
+__device__ __forceinline__ float ld_l2(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
 
@@ -415,66 +410,39 @@ __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* y,
     if (last == 0) return;
     __threadfence();
     const float* all = part + (u64)pl.pb * splits * (ROWS * T);
-    // REDUCE_UNITS units of 4 outputs (4 rows of a token: a 16-byte load of each slice) a thread
-    // at a time, their bias and residual and up to REDUCE_SLICES slices of them requested before
-    // the first is added (one output after the other, each slice, bias and residual took a round
-    // trip of its own: several us a product at 8 tokens); each output's slices are added in their
-    // order from 0, then its bias and residual, as w8a8_reduce adds them
-    const u32 quads = ROWS / 4, units = n * quads;
-    constexpr u32 SLICES = ROWS > MMA_ROWS && NT <= 4 ? REDUCE_SLICES / 2 : REDUCE_SLICES;
-    for (u32 u0 = 0; u0 < units; u0 += REDUCE_UNITS * blockDim.x) {
-        float v[REDUCE_UNITS][4], b[REDUCE_UNITS][4], rv[REDUCE_UNITS][4];
+    // REDUCE_HELD outputs a thread at a time, their bias and residual and every slice of them
+    // requested before the first is added (one output after the other, each slice, bias and
+    // residual took a round trip of its own: several us a product at 8 tokens); each output's
+    // slices are added in their order, then its bias and residual, as before
+    for (u32 i0 = 0; i0 < n * ROWS; i0 += REDUCE_HELD * blockDim.x) {
+        float v[REDUCE_HELD], b[REDUCE_HELD], rv[REDUCE_HELD];
 #pragma unroll
-        for (u32 j = 0; j < REDUCE_UNITS; ++j) {
-            const u32 u = u0 + threadIdx.x + j * blockDim.x;
-            const u32 tok = u / quads, row = bx * ROWS + 4u * (u - tok * quads);
-#pragma unroll
-            for (u32 c = 0; c < 4; ++c) {
-                const bool ok = u < units && row + c < out;
-                v[j][c] = 0.0f;
-                b[j][c] = ok && bias != nullptr ? bf(bias[row + c]) : 0.0f;
-                rv[j][c] = ok && res != nullptr ? res[(u64)tok * out + row + c] : 0.0f;
-            }
+        for (u32 j = 0; j < REDUCE_HELD; ++j) {
+            const u32 i = i0 + threadIdx.x + j * blockDim.x;
+            const u32 tok = i / ROWS, row = bx * ROWS + (i - tok * ROWS);
+            const bool ok = i < n * ROWS && row < out;
+            v[j] = 0.0f;
+            b[j] = ok && bias != nullptr ? bf(bias[row]) : 0.0f;
+            rv[j] = ok && res != nullptr ? res[(u64)tok * out + row] : 0.0f;
         }
-        for (u32 s0 = 0; s0 < splits; s0 += SLICES) {
-            float4 pv[REDUCE_UNITS][SLICES];
+        for (u32 s = 0; s < splits; ++s) {
 #pragma unroll
-            for (u32 j = 0; j < REDUCE_UNITS; ++j) {
-                const u32 u = u0 + threadIdx.x + j * blockDim.x;
-#pragma unroll
-                for (u32 k = 0; k < SLICES; ++k) {
-                    pv[j][k] = u < units && s0 + k < splits
-                                   ? ld_l2_v4(all + (u64)(s0 + k) * (ROWS * T) + 4u * u)
-                                   : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                }
-            }
-#pragma unroll
-            for (u32 j = 0; j < REDUCE_UNITS; ++j) {
-#pragma unroll
-                for (u32 k = 0; k < SLICES; ++k) {
-                    if (s0 + k < splits) {
-                        v[j][0] += pv[j][k].x;
-                        v[j][1] += pv[j][k].y;
-                        v[j][2] += pv[j][k].z;
-                        v[j][3] += pv[j][k].w;
-                    }
-                }
+            for (u32 j = 0; j < REDUCE_HELD; ++j) {
+                const u32 i = i0 + threadIdx.x + j * blockDim.x;
+                if (i < n * ROWS) v[j] += ld_l2(all + (u64)s * (ROWS * T) + i);
             }
         }
 #pragma unroll
-        for (u32 j = 0; j < REDUCE_UNITS; ++j) {
-            const u32 u = u0 + threadIdx.x + j * blockDim.x;
-            const u32 tok = u / quads, row = bx * ROWS + 4u * (u - tok * quads);
-#pragma unroll
-            for (u32 c = 0; c < 4; ++c) {
-                if (u < units && row + c < out) {
-                    const u64 at = (u64)tok * out + row + c;
-                    float o = v[j][c];
-                    if (bias != nullptr) o += b[j][c];
-                    if (res != nullptr) o += rv[j][c];
-                    y[at] = o;
-                    if (ylo != nullptr) ylo[at] = 0.0f;
-                }
+        for (u32 j = 0; j < REDUCE_HELD; ++j) {
+            const u32 i = i0 + threadIdx.x + j * blockDim.x;
+            const u32 tok = i / ROWS, row = bx * ROWS + (i - tok * ROWS);
+            if (i < n * ROWS && row < out) {
+                const u64 at = (u64)tok * out + row;
+                float o = v[j];
+                if (bias != nullptr) o += b[j];
+                if (res != nullptr) o += rv[j];
+                y[at] = o;
+                if (ylo != nullptr) ylo[at] = 0.0f;
             }
         }
     }

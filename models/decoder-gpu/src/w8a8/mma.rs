@@ -151,12 +151,10 @@ fn allow_shared(kernels: Vec<CudaFunction>, rank: usize) -> Result<Vec<CudaFunct
     Ok(kernels)
 }
 
-/// Tokens up to which a split product of the `mma.sync` kernel has the last block of a row range
-/// add its slices (at most 512 values a block, as before `w8a8_reduce` existed: its launch per
-/// split product cost W8A8 decode at 1–8 sequences about 5 % on an H200, BENCHMARKS.md);
-/// beyond, `w8a8_reduce` does. The warpgroup kernel's last blocks add theirs at every token
-/// count (16-byte loads of up to 8 slices at once), unless `LIFECYCLE_W8A8_REDUCE_KERNEL` is
-/// set: then `w8a8_reduce` adds them beyond this.
+/// Tokens up to which a split product's last block of a row range adds its slices (at most 512
+/// values a block, as before `w8a8_reduce` existed: its launch per split product cost W8A8
+/// decode at 1–8 sequences about 5 % on an H200, BENCHMARKS.md); beyond, `w8a8_reduce` does
+/// (at 64 tokens one block adding 28 slices took ~44 µs).
 pub(crate) const REDUCE_IN_KERNEL_TOKENS: usize = 8;
 
 /// Blocks of 64 rows per SM the split of the inputs aims at (enough weight loads in flight to
@@ -385,9 +383,6 @@ pub(crate) struct MmaKernels {
     /// The products are launched early ([`launch_early`]): every kernel above comes from the
     /// sm_90a module, which executes the wait that launch needs.
     early: bool,
-    /// The warpgroup kernel's split products added by their last blocks beyond
-    /// [`REDUCE_IN_KERNEL_TOKENS`] tokens too (else by `w8a8_reduce`).
-    reduce_in_kernel: bool,
     sms: usize,
     scratch: Mutex<Scratch>,
 }
@@ -452,7 +447,6 @@ impl MmaKernels {
             experts: m.function("w8a8_mma_experts")?,
             wgmma,
             early,
-            reduce_in_kernel: std::env::var_os("LIFECYCLE_W8A8_REDUCE_KERNEL").is_none(),
             sms: m.sm_count() as usize,
             scratch: Mutex::new(Scratch::default()),
         }))
@@ -548,8 +542,7 @@ impl MmaKernels {
                 pad: 0,
             };
         }
-        let in_kernel =
-            tokens <= REDUCE_IN_KERNEL_TOKENS || (wg.is_some() && self.reduce_in_kernel);
+        let in_kernel = tokens <= REDUCE_IN_KERNEL_TOKENS;
         let (part, counters) = self.split_scratch(stream, &shape, in_kernel, rank)?;
         let cfg = LaunchConfig {
             grid_dim: if wg.is_some() {
