@@ -77,8 +77,9 @@ const STAGE_BYTES: usize = 32 << 10;
 /// Bytes of activations in each of the two buffers of a block of the warpgroup kernel of `nt`
 /// token tiles (one chunk of input groups multiplied while the next one is copied in). With the
 /// weight ring, a block of up to 32 tokens then takes under 75 KiB: three blocks an SM
-/// (`w8a8_wgmma_N`'s launch bounds), so that the 296 row blocks of gate and up at 7.6B shapes run
-/// at once. At 64 tokens (two blocks an SM) a buffer holds three groups: with one (12 KiB) each
+/// (`w8a8_wgmma_N`'s launch bounds; the launch shape counts two at every token count, so that
+/// its split does not depend on the tokens, and the third holds blocks of the split rows). At 64
+/// tokens (two blocks an SM) a buffer holds three groups: with one (12 KiB) each
 /// group's copy had only the group before it to land in, and gate and up streamed at about half
 /// the device's rate.
 const fn wgmma_stage_bytes(nt: usize) -> usize {
