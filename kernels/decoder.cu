@@ -855,10 +855,11 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quant_f32(
 }
 
 // swiglu_split (out, split, [2n x f]) and the quantisation of its output (no deq, no zeros),
-// in one launch of fp8_quant_split's grid (n_pad tokens of f columns).
+// in one launch of fp8_quant_split's grid (n_pad tokens of f columns). Without `lo` the lo rows
+// of g2 and u2 are taken as zeros, unread (W8A8 products of gate and up leave them unwritten).
 extern "C" __global__ void __launch_bounds__(256) swiglu_quant(
     const float* __restrict__ g2, const float* __restrict__ u2, u16* __restrict__ out, u32 n,
-    u32 n_pad, u32 f, unsigned char* q, float* sc, u32 sc_tok, u32 sc_grp, u32 tiles) {
+    u32 n_pad, u32 f, unsigned char* q, float* sc, u32 sc_tok, u32 sc_grp, u32 tiles, u32 lo) {
     let_next_grid_start();
     wait_for_inputs();
     // as quant_groups over SiLU(gate) * up of the split products g2, u2 [2n x f], each value
@@ -879,9 +880,9 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_quant(
         const bool ok = c < f && t < n;
         const u64 i = (u64)t * f + c;
         gh[k] = ok ? g2[i] : 0.0f;
-        gl[k] = ok ? g2[len + i] : 0.0f;
+        gl[k] = ok && lo ? g2[len + i] : 0.0f;
         uh[k] = ok ? u2[i] : 0.0f;
-        ul[k] = ok ? u2[len + i] : 0.0f;
+        ul[k] = ok && lo ? u2[len + i] : 0.0f;
     }
     float v[4];
 #pragma unroll

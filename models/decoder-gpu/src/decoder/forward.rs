@@ -874,12 +874,19 @@ impl<'a> Pass<'a> {
                 };
                 let prods = [(lw.gate_w, f, split(y2)), (lw.up_w, f, split(y2b))];
                 let one = (w8, quantised);
-                if !st.wgemm_group(s, base, (&prods, true), xs, (2 * n, h), one, rank)? {
+                // the SwiGLU quantised with it where the down product's tensor-core kernel reads
+                // its quantisation: then one launch of gate and up writes no lo rows (zeros),
+                // which swiglu_quant does not read
+                let fused = self.fused_quant(lw.down_w, (h, f));
+                let zeros = fused.is_none();
+                let grouped =
+                    st.wgemm_group(s, base, (&prods, zeros), xs, (2 * n, h), one, rank)?;
+                if !grouped {
                     st.wgemm(s, base, lw.gate_w, xs, y2, (f, 2 * n, h), one, rank)?;
                     st.wgemm(s, base, lw.up_w, xs, y2b, (f, 2 * n, h), (w8, true), rank)?;
                 }
-                // with the down product's quantisation where its tensor-core kernel reads it
-                if let Some(qi) = self.fused_quant(lw.down_w, (h, f)) {
+                let lo_rows = !grouped || zeros;
+                if let Some(qi) = fused {
                     let [pad, q, sc, tok, grp, tiles] = qi.args(f)?;
                     let args = [
                         Arg::U64(y2),
@@ -893,6 +900,7 @@ impl<'a> Pass<'a> {
                         tok,
                         grp,
                         tiles,
+                        Arg::U32(u32::from(lo_rows)),
                     ];
                     // a warp per (token, group of 128), 8 per block
                     let warps = qi.padded() * f.div_ceil(128);

@@ -395,6 +395,8 @@ unsafe fn tensor_core_experts(
         Arg::U32(tok),
         Arg::U32(grp),
         Arg::U32(0),
+        // the experts' lo rows (their zeros) read
+        Arg::U32(1),
     ];
     // a warp per (slot, group of 128), 8 per block
     let warps = pad_c * f.div_ceil(128);

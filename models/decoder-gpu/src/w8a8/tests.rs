@@ -658,7 +658,8 @@ fn block_scaled_gemm_matches_the_host_sums() -> Result<(), Box<dyn std::error::E
 
 /// The W8A8 quantisation fused into the norm (`rms_norm_quant`) and the SwiGLU (`swiglu_quant`)
 /// writes what the two kernels it replaces write, bit for bit: the split output, the e4m3 bytes
-/// and the scales of every padded token, in both layouts.
+/// and the scales of every padded token, in both layouts; `swiglu_quant` told that its inputs'
+/// lo rows are zero (and not reading them: NaN here) as the two kernels on zero lo rows.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn the_fused_quantisations_write_the_two_kernels_bits() -> Result<(), Box<dyn std::error::Error>> {
@@ -691,7 +692,11 @@ fn the_fused_quantisations_write_the_two_kernels_bits() -> Result<(), Box<dyn st
             for layout in layouts {
                 let pad = layout.padded(tokens);
                 // (kernel, inputs made, the two-kernel twin)
-                for fused in ["rms_norm_quant", "swiglu_quant"] {
+                for (fused, lo) in [
+                    ("rms_norm_quant", true),
+                    ("swiglu_quant", true),
+                    ("swiglu_quant", false),
+                ] {
                     let seed = 7 + i as u64;
                     let sentinel_q = vec![0xabu8; pad * inp];
                     let sentinel_sc = vec![-3.5f32; pad * groups];
@@ -709,9 +714,17 @@ fn the_fused_quantisations_write_the_two_kernels_bits() -> Result<(), Box<dyn st
                             tokens,
                         };
                         let [a_pad, a_q, a_sc, a_tok, a_grp, a_tiles] = qi.args(inp)?;
-                        // the norm's input and weight, or the SwiGLU's split gate and up
+                        // the norm's input and weight, or the SwiGLU's split gate and up (lo
+                        // rows unread: NaN for the fused kernel, zero for the two)
+                        let lo_rows = |mut v: Vec<f32>| {
+                            if !lo {
+                                let fill = if one_launch { f32::NAN } else { 0.0 };
+                                v[tokens * inp..].iter_mut().for_each(|x| *x = fill);
+                            }
+                            v
+                        };
                         let a = s
-                            .clone_htod(&values(2 * tokens * inp, inp, seed))
+                            .clone_htod(&lo_rows(values(2 * tokens * inp, inp, seed)))
                             .map_err(up("input"))?;
                         let b: Vec<u16> = values(inp, inp, seed + 1)
                             .iter()
@@ -719,7 +732,7 @@ fn the_fused_quantisations_write_the_two_kernels_bits() -> Result<(), Box<dyn st
                             .collect();
                         let wd = s.clone_htod(&b).map_err(up("norm weight"))?;
                         let u2 = s
-                            .clone_htod(&values(2 * tokens * inp, inp, seed + 2))
+                            .clone_htod(&lo_rows(values(2 * tokens * inp, inp, seed + 2)))
                             .map_err(up("up"))?;
                         let norm = fused == "rms_norm_quant";
                         // SAFETY: each buffer holds what the kernels' contracts read and write
@@ -759,6 +772,7 @@ fn the_fused_quantisations_write_the_two_kernels_bits() -> Result<(), Box<dyn st
                                     a_tok,
                                     a_grp,
                                     a_tiles,
+                                    Arg::U32(u32::from(lo)),
                                 ];
                                 let cfg = LaunchConfig {
                                     grid_dim: ((pad * groups).div_ceil(8) as u32, 1, 1),
@@ -815,7 +829,7 @@ fn the_fused_quantisations_write_the_two_kernels_bits() -> Result<(), Box<dyn st
                             s.clone_dtoh(&scd).map_err(up("scales back"))?,
                         ));
                     }
-                    let what = format!("{fused} of {tokens} x {inp} ({layout:?})");
+                    let what = format!("{fused} of {tokens} x {inp} ({layout:?}, lo rows {lo})");
                     let (two, one) = (&outs[0], &outs[1]);
                     if two.0 != one.0 {
                         return Err(CudaError::Invalid(format!("{what}: other split output")));
