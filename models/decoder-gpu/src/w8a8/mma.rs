@@ -590,9 +590,10 @@ impl MmaKernels {
             "w8a8_mma"
         };
         // SAFETY: the table and argument list match w8a8_mma_N and w8a8_wgmma_N (8 N ≥ tokens;
-        // the products' row blocks those of the grid, laid out as its kernel reads it); the partials and counters hold the
-        // shape's sizes (the counters zero: the kernel leaves them so) and live in the scratch,
-        // whose buffers are freed in stream order; the rest per the caller.
+        // the products' row blocks those of the grid, laid out as its kernel reads it); the
+        // partials and counters hold the shape's sizes (the counters zero: the kernel leaves
+        // them so) and live in the scratch, whose buffers are freed in stream order; the rest
+        // per the caller.
         unsafe {
             launch_after_maybe_early(
                 self.early,
