@@ -18,8 +18,10 @@ __device__ __forceinline__ u16 f2bf(float f) {
 // they hold joined again, hi + lo.
 __device__ __forceinline__ float split_store(u16* out, u64 i, u64 half_len, float v) {
     u16 hi = f2bf(v), lo = f2bf(v - bf(hi));
-    out[i] = hi;
-    out[half_len + i] = lo;
+    if (out != nullptr) {
+        out[i] = hi;
+        out[half_len + i] = lo;
+    }
     return bf(hi) + bf(lo);
 }
 
@@ -856,7 +858,8 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quant_f32(
 
 // swiglu_split (out, split, [2n x f]) and the quantisation of its output (no deq, no zeros),
 // in one launch of fp8_quant_split's grid (n_pad tokens of f columns). Without `lo` the lo rows
-// of g2 and u2 are taken as zeros, unread (W8A8 products of gate and up leave them unwritten).
+// of g2 and u2 are taken as zeros, unread (W8A8 products of gate and up leave them unwritten);
+// without `out` (null) the split output is not written, only quantised (as if it were).
 extern "C" __global__ void __launch_bounds__(256) swiglu_quant(
     const float* __restrict__ g2, const float* __restrict__ u2, u16* __restrict__ out, u32 n,
     u32 n_pad, u32 f, unsigned char* q, float* sc, u32 sc_tok, u32 sc_grp, u32 tiles, u32 lo) {

@@ -888,10 +888,12 @@ impl<'a> Pass<'a> {
                 let lo_rows = !grouped || zeros;
                 if let Some(qi) = fused {
                     let [pad, q, sc, tok, grp, tiles] = qi.args(f)?;
+                    // the split output unwritten: down reads the quantisation only (its
+                    // tensor-core kernel, with the scratch holding its input)
                     let args = [
                         Arg::U64(y2),
                         Arg::U64(y2b),
-                        Arg::U64(xs),
+                        Arg::U64(0),
                         u32a(n),
                         pad,
                         u32a(f),
