@@ -19,7 +19,9 @@
 // slices are added in their order: with `counters` by the last block of a row range to finish
 // (counted there, reset by it; cheap for a few tokens), else by w8a8_reduce, launched next, every
 // output by its own thread (one block adding a row range's 28 slices alone took ~44 us at 64
-// tokens). Either way the result does not depend on the order in which the blocks ran. With
+// tokens), or (the warpgroup kernel launched in clusters) by the cluster of the row range's
+// slices through their shared memory, each block a share of the outputs. Every way the result
+// does not depend on the order in which the blocks ran, and is the same. With
 // zero_lo the n rows after y's (the lo rows of a split product) are written 0. With `bias` (bf16,
 // one per row) and `res` (f32, as y: it may be y itself) each output is (sum + bias) + res, as
 // the decoder's combine kernel would add them: the product then writes the layer's own buffer.
@@ -631,6 +633,96 @@ __device__ __forceinline__ void w8a8_mma_body(
 #define WG_WARPS 8
 #define WG_ROWS (16 * WG_WARPS)
 
+// ---- Split sums through the cluster's shared memory (sm_90a) ---------------------------------
+//
+// A product whose row blocks all split (none whole) may be launched in clusters of `splits`
+// blocks, a row block's slices in order (models/decoder-gpu/src/w8a8/mma.rs, MmaShape::cluster:
+// only where every cluster is resident at once). Each block then leaves its partial sums in its
+// own shared memory ([token][row], rows padded by CL_PAD so that a warp's stores meet on no
+// bank), the cluster meets, and block s adds its share of the outputs, the slices in their order
+// from every block's shared memory, as w8a8_reduce would have from device memory: no partials
+// in device memory and no second launch.
+#define CL_PAD 4u
+
+// every thread of every block of the cluster arrived: the shared memory each wrote before it
+// is visible to all of them
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" :::
+                     "memory");
+#endif
+}
+
+// the f32 at shared-window address `a` of the cluster's block `rank`
+__device__ __forceinline__ float ld_cluster(u32 a, u32 rank) {
+    float v = 0.0f;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+    return v;
+}
+
+// The sums of a row block split over the `splits` blocks of this cluster (this one slice
+// pl.s): as store_acc's split case with w8a8_reduce after it, through the blocks' shared memory
+// (`smem`, free once the block's loop ended: at least (ROWS + CL_PAD) 8 NT floats).
+template <int NT, int ROWS>
+__device__ __forceinline__ void cluster_sums(const float (&acc)[NT][4], u8* smem, float* y,
+                                             float* __restrict__ ylo, u32 out, u32 n,
+                                             const Place& pl, u32 g, u32 t, u32 warp,
+                                             const u16* __restrict__ bias, const float* res,
+                                             u32 bx) {
+    const u32 RS = ROWS + CL_PAD;
+    float* mine = reinterpret_cast<float*>(smem);
+    const u32 bl = warp * 16u + g, bh = bl + 8u;
+    // every warp's reads of the ring and the activations are done: the space is free
+    __syncthreads();
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const u32 k0 = (u32)nt * 8u + 2u * t;
+        mine[k0 * RS + bl] = acc[nt][0];
+        mine[(k0 + 1) * RS + bl] = acc[nt][1];
+        mine[k0 * RS + bh] = acc[nt][2];
+        mine[(k0 + 1) * RS + bh] = acc[nt][3];
+    }
+    cluster_sync();
+    const u32 splits = pl.splits, total = n * ROWS;
+    const u32 per = (total + splits - 1) / splits;
+    const u32 i0 = pl.s * per, i1 = min(total, i0 + per);
+    const u32 base = smem_addr(smem);
+    for (u32 i = i0 + threadIdx.x; i < i1; i += REDUCE_HELD * blockDim.x) {
+        float v[REDUCE_HELD];
+        float p[REDUCE_HELD][8];
+        // every slice of REDUCE_HELD outputs requested before the first is added
+#pragma unroll
+        for (u32 j = 0; j < REDUCE_HELD; ++j) {
+            const u32 k = i + j * blockDim.x;
+            const u32 tok = k / ROWS, r = k - tok * ROWS;
+            const u32 a = base + 4u * (tok * RS + r);
+#pragma unroll
+            for (u32 s = 0; s < 8; ++s) p[j][s] = s < splits && k < i1 ? ld_cluster(a, s) : 0.0f;
+        }
+#pragma unroll
+        for (u32 j = 0; j < REDUCE_HELD; ++j) {
+            const u32 k = i + j * blockDim.x;
+            const u32 tok = k / ROWS, row = bx * ROWS + (k - tok * ROWS);
+            v[j] = 0.0f;
+#pragma unroll
+            for (u32 s = 0; s < 8; ++s) {
+                if (s < splits) v[j] += p[j][s];
+            }
+            if (k < i1 && row < out) {
+                const u64 at = (u64)tok * out + row;
+                y[at] = finish(v[j], bias, res, row, at);
+                if (ylo != nullptr) ylo[at] = 0.0f;
+            }
+        }
+    }
+    // no block leaves (its shared memory with it) before every block read it
+    cluster_sync();
+}
+
 // the matrix descriptor of canonical K-major tiles without swizzle: the leading byte offset
 // between the two core matrices of a step's 32 inputs, the stride byte offset between token
 // tiles of 8
@@ -775,7 +867,7 @@ __device__ __forceinline__ void w8a8_wgmma_body(
     const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,
     u32 chunk, float* y, float* __restrict__ ylo, float* __restrict__ part,
     u32* __restrict__ counters, const u16* __restrict__ bias, const float* res, u32 bx,
-    const Place pl) {
+    const Place pl, bool cluster) {
     extern __shared__ __align__(128) u8 smem[];
     __shared__ __align__(8) u64 full[2];
     const u32 T = 8 * NT;
@@ -867,24 +959,30 @@ __device__ __forceinline__ void w8a8_wgmma_body(
         }
         __syncthreads();  // this buffer is no longer read: the chunk after next may land in it
     }
+    if (cluster && pl.splits > 1) {
+        cluster_sums<NT, WG_ROWS>(acc, smem, y, ylo, out, n, pl, g, t, warp, bias, res, bx);
+        return;
+    }
     store_acc<NT, WG_ROWS>(acc, y, ylo, part, counters, out, n, pl, tile, g, t, warp, oklo, okhi,
                            bias, res, bx);
 }
 
 // The kernels: the products `ps` of one input (row block blockIdx.x of the launch picks its
-// product), with zero_lo the n rows after each product's y written 0.
+// product), with zero_lo the n rows after each product's y written 0. With `cluster` (no whole
+// row blocks, launched in clusters of `splits` blocks) the split sums go through the cluster's
+// shared memory (cluster_sums), else through `part`.
 #define W8A8_WGMMA(NT)                                                                         \
     extern "C" __global__ void __launch_bounds__(32 * WG_WARPS, NT <= 4 ? 3 : 2)              \
         w8a8_wgmma_##NT(const Prods ps, u32 inp, const u8* __restrict__ xq,                   \
                         const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,          \
                         u32 chunk, u32 zero_lo, float* __restrict__ part,                     \
-                        u32* __restrict__ counters, u32 whole, u32 splits) {                  \
+                        u32* __restrict__ counters, u32 whole, u32 splits, u32 cluster) {     \
         const Place pl = place_1d(whole, splits);                                             \
         u32 bx;                                                                               \
         const Prod p = pick(ps, pl.rb, bx);                                                   \
         w8a8_wgmma_body<NT>(p.w, p.wsc, p.row0, p.out, inp, xq, xsc, xs_grp, n, slice, chunk, \
                             p.y, zero_lo ? p.y + (u64)n * p.out : nullptr, part, counters,    \
-                            p.bias, p.res, bx, pl);                                           \
+                            p.bias, p.res, bx, pl, cluster != 0u);                            \
     }
 
 #define W8A8_MMA(NT)                                                                           \

@@ -249,8 +249,51 @@ pub(crate) unsafe fn launch_early<T: DeviceRepr>(
     rank: usize,
     what: &str,
 ) -> Result<(), CudaError> {
+    let how = LaunchHow {
+        early: true,
+        cluster: 1,
+    };
+    // SAFETY: forwarded to the caller.
+    unsafe { launch_how(stream, func, cfg, lead, args, rank, what, how) }
+}
+
+/// How [`launch_how`] launches a kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LaunchHow {
+    /// With programmatic stream serialization ([`launch_early`]).
+    pub early: bool,
+    /// Blocks of a cluster along the grid's x (1: no clusters; compute capability 9.0 or later
+    /// beyond): the grid's x a multiple of it.
+    pub cluster: u32,
+}
+
+/// As [`launch_after`], launched `how` says: early ([`launch_early`]) and in clusters of
+/// `how.cluster` blocks along x (whose blocks may read each other's shared memory, all resident
+/// at once).
+///
+/// # Safety
+/// As [`launch_after`]; where `how.early`, as [`launch_early`]; where `how.cluster` > 1, the
+/// kernel is written for clusters of that many blocks and the device has them (compute
+/// capability 9.0 or later).
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn launch_how<T: DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    lead: Option<&T>,
+    args: &[Arg],
+    rank: usize,
+    what: &str,
+    how: LaunchHow,
+) -> Result<(), CudaError> {
     use lifecycle_cuda::cudarc::driver::sys;
     use std::ffi::c_void;
+    if how.cluster == 0 || !cfg.grid_dim.0.is_multiple_of(how.cluster) {
+        return Err(CudaError::Invalid(format!(
+            "kernel {what}: a grid of {} blocks along x in clusters of {}",
+            cfg.grid_dim.0, how.cluster
+        )));
+    }
     stream
         .context()
         .bind_to_thread()
@@ -268,13 +311,19 @@ pub(crate) unsafe fn launch_early<T: DeviceRepr>(
             Arg::F32(v) => v as *const f32 as *mut c_void,
         });
     }
-    let mut attr = sys::CUlaunchAttribute {
-        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-        pad: [0; 4],
-        value: sys::CUlaunchAttributeValue {
-            programmaticStreamSerializationAllowed: 1,
-        },
-    };
+    let mut attrs = Vec::with_capacity(2);
+    if how.early {
+        attrs.push(sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        });
+    }
+    if how.cluster > 1 {
+        attrs.push(cluster_attribute(how.cluster));
+    }
     let config = sys::CUlaunchConfig {
         gridDimX: cfg.grid_dim.0,
         gridDimY: cfg.grid_dim.1,
@@ -284,10 +333,10 @@ pub(crate) unsafe fn launch_early<T: DeviceRepr>(
         blockDimZ: cfg.block_dim.2,
         sharedMemBytes: cfg.shared_mem_bytes,
         hStream: stream.cu_stream(),
-        attrs: &mut attr,
-        numAttrs: 1,
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: attrs.len() as u32,
     };
-    // SAFETY: `config` and `attr` live across the call; `params` holds one pointer per kernel
+    // SAFETY: `config` and `attrs` live across the call; `params` holds one pointer per kernel
     // parameter in order, each to a value of the parameter's type (the caller's promise), alive
     // until the call returned; the function belongs to the stream's context, current above.
     unsafe {
@@ -299,7 +348,25 @@ pub(crate) unsafe fn launch_early<T: DeviceRepr>(
         )
     }
     .result()
-    .map_err(|e| CudaError::driver(rank, format!("launching kernel {what} early"), 0, e))
+    .map_err(|e| CudaError::driver(rank, format!("launching kernel {what}"), 0, e))
+}
+
+/// The launch attribute of clusters of `blocks` blocks along x.
+pub(crate) fn cluster_attribute(
+    blocks: u32,
+) -> lifecycle_cuda::cudarc::driver::sys::CUlaunchAttribute {
+    use lifecycle_cuda::cudarc::driver::sys;
+    sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+        pad: [0; 4],
+        value: sys::CUlaunchAttributeValue {
+            clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+                x: blocks,
+                y: 1,
+                z: 1,
+            },
+        },
+    }
 }
 
 /// An error when `stream` is capturing a graph: `what` would allocate (a lazily grown scratch)

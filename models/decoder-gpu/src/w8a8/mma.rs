@@ -15,7 +15,11 @@
 //!
 //! A product split over input slices writes partial sums, added in the slices' order: up to
 //! [`REDUCE_IN_KERNEL_TOKENS`] tokens by the last block of each row range to finish, beyond by a
-//! second kernel (`w8a8_reduce`), every output by its own thread.
+//! second kernel (`w8a8_reduce`), every output by its own thread. The warpgroup kernel's products
+//! whose row blocks all split are launched, where the device keeps all of them resident at once,
+//! in clusters of a row range's slices ([`ClusterRoom`]): the slices are then added through the
+//! blocks' shared memory, in the same order, with no partials in device memory and no second
+//! launch.
 //!
 //! cuBLASLt's block-scaled GEMM ([`crate::w8a8`]) reads the weights of these products at about
 //! half the device's rate at these token counts; these kernels are built for them.
@@ -35,7 +39,9 @@ use lifecycle_cuda::{
 
 use super::quant::{wgmma_tiles, ActLayout};
 use crate::fp8::Fp8Weight;
-use crate::kernels::{launch, launch_after_maybe_early, refuse_in_capture, Arg};
+use crate::kernels::{
+    cluster_attribute, launch, launch_after, launch_how, refuse_in_capture, Arg, LaunchHow,
+};
 
 /// CUDA C source of the tensor-core W8A8 kernels (no headers).
 pub const W8A8_MMA_KERNEL_SRC: &str = include_str!("../../../../kernels/w8a8_mma.cu");
@@ -56,6 +62,70 @@ pub const W8A8_WGMMA_KERNELS: KernelSet = KernelSet::new(
 
 /// Token tiles of 8 the warpgroup kernels are built for (`w8a8_wgmma_N`, N = 8 · tiles).
 const WGMMA_TILES: [usize; 4] = [1, 2, 4, 8];
+
+/// The most blocks of a cluster of the warpgroup kernel (the portable cluster size: every
+/// slice of a row range is one block of its cluster).
+pub(crate) const MAX_CLUSTER: usize = 8;
+
+/// Clusters of the warpgroup kernel the device keeps resident at once, by their blocks (index 2
+/// ..= [`MAX_CLUSTER`]; 0 where it cannot launch them, the default): a product whose row blocks
+/// all split is launched in clusters of its slices only where every cluster fits at once (a
+/// cluster's blocks wait for each other). Counted for the kernel of 64 tokens at its most
+/// shared memory, so that the launch shape is the same at every token count.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct ClusterRoom(pub [usize; MAX_CLUSTER + 1]);
+
+impl ClusterRoom {
+    /// The most blocks of a cluster, at most `most`, of which `row_blocks` clusters fit at once.
+    fn largest(&self, row_blocks: usize, most: usize) -> Option<usize> {
+        (2..=most.min(MAX_CLUSTER))
+            .rev()
+            .find(|&c| row_blocks <= self.0[c])
+    }
+
+    /// What the device `func` runs on keeps resident of `func` (256 threads a block, `shared`
+    /// bytes of dynamic shared memory) in clusters of 2 ..= [`MAX_CLUSTER`] blocks; none with
+    /// `$LIFECYCLE_W8A8_NO_CLUSTER` set, or where the driver cannot say.
+    fn of(func: &CudaFunction, shared: usize, rank: usize) -> Self {
+        use lifecycle_cuda::cudarc::driver::sys;
+        let mut room = ClusterRoom::default();
+        if std::env::var_os("LIFECYCLE_W8A8_NO_CLUSTER").is_some() {
+            return room;
+        }
+        for c in 2..=MAX_CLUSTER {
+            let mut attr = cluster_attribute(c as u32);
+            let config = sys::CUlaunchConfig {
+                gridDimX: (c * 64) as u32,
+                gridDimY: 1,
+                gridDimZ: 1,
+                blockDimX: (WGMMA_BLOCK_ROWS / 16 * 32) as u32,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: shared as u32,
+                hStream: std::ptr::null_mut(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            let mut n: std::ffi::c_int = 0;
+            // SAFETY: `config` and `attr` live across the call, which writes `n` only; the
+            // function belongs to the context current on this thread (its module was just
+            // loaded here).
+            let r =
+                unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, func.cu_function(), &config) };
+            match r.result() {
+                Ok(()) => room.0[c] = usize::try_from(n).unwrap_or(0),
+                Err(e) => {
+                    tracing::debug!(
+                        rank,
+                        "clusters of {c} blocks of the warpgroup W8A8 kernel: {e}"
+                    );
+                    break;
+                }
+            }
+        }
+        room
+    }
+}
 
 /// Tokens up to which the kernel multiplies (8 per mma, up to 8 mma's per warp and group).
 pub(crate) const MMA_TOKENS: usize = 64;
@@ -120,6 +190,7 @@ fn most_shared(nt: usize, wgmma: bool) -> usize {
         splits: 1,
         slice: chunk,
         chunk,
+        cluster: false,
     }
     .shared_bytes()
 }
@@ -183,6 +254,10 @@ pub(crate) struct MmaShape {
     pub slice: usize,
     /// Groups staged in shared memory at a time.
     pub chunk: usize,
+    /// Launched in clusters of the `splits` slices of each row block (the warpgroup kernel's
+    /// products whose row blocks all split, where [`ClusterRoom`] holds them): the slices added
+    /// through the blocks' shared memory.
+    pub cluster: bool,
 }
 
 impl MmaShape {
@@ -193,19 +268,23 @@ impl MmaShape {
     /// count twice and whose token tiles come in powers of two).
     #[cfg(test)]
     pub(crate) fn of(out: usize, tokens: usize, inp: usize, sms: usize, wgmma: bool) -> Self {
-        Self::of_products(&[out], tokens, inp, sms, wgmma)
+        Self::of_products(&[out], tokens, inp, sms, wgmma, ClusterRoom::default())
     }
 
     /// The shape of one launch of products of `outs` rows each over the same `tokens × inp`
     /// activations ([`MmaProduct`]): as [`MmaShape::of`] for their row blocks together (each
     /// product's rows rounded up to whole blocks), so that products of whole blocks launched
-    /// together are split, and their rows summed, as the product of their rows stacked.
+    /// together are split, and their rows summed, as the product of their rows stacked. The
+    /// warpgroup kernel's products whose row blocks all split take clusters where `room` holds
+    /// them (their slices then as many as the largest cluster that fits, at most as many as
+    /// without).
     pub(crate) fn of_products(
         outs: &[usize],
         tokens: usize,
         inp: usize,
         sms: usize,
         wgmma: bool,
+        room: ClusterRoom,
     ) -> Self {
         let groups = (inp / 128).max(1);
         let nt = if wgmma {
@@ -241,9 +320,19 @@ impl MmaShape {
             // one group ahead), a short second wave included
             slots.div_ceil(row_blocks)
         };
-        let slice = groups.div_ceil(want.clamp(1, groups));
-        let splits = groups.div_ceil(slice);
+        let mut slice = groups.div_ceil(want.clamp(1, groups));
+        let mut splits = groups.div_ceil(slice);
         let whole = if splits > 1 { whole } else { 0 };
+        let mut cluster = false;
+        if wgmma && splits > 1 && whole == 0 {
+            // clusters of the slices of every row block, all resident at once: the largest
+            // that fits, its slices as even as the groups allow
+            if let Some(c) = room.largest(row_blocks, splits) {
+                slice = groups.div_ceil(c);
+                splits = groups.div_ceil(slice);
+                cluster = splits > 1;
+            }
+        }
         let chunk = if wgmma {
             wgmma_stage_bytes(nt) / (8 * nt * 128)
         } else {
@@ -259,6 +348,7 @@ impl MmaShape {
             splits,
             slice,
             chunk,
+            cluster,
         }
     }
 
@@ -295,9 +385,9 @@ impl MmaShape {
         }
     }
 
-    /// f32 partial sums of a split product (none unsplit).
+    /// f32 partial sums of a split product in device memory (none unsplit or in clusters).
     pub(crate) fn partials(&self) -> usize {
-        if self.splits == 1 {
+        if self.splits == 1 || self.cluster {
             return 0;
         }
         self.split_blocks() * self.splits * self.block_rows * 8 * self.nt
@@ -385,6 +475,8 @@ pub(crate) struct MmaKernels {
     /// sm_90a module, which executes the wait that launch needs.
     early: bool,
     sms: usize,
+    /// The warpgroup kernel's clusters resident at once (none without it).
+    room: ClusterRoom,
     scratch: Mutex<Scratch>,
 }
 
@@ -440,6 +532,10 @@ impl MmaKernels {
             None => m,
         };
         let early = wgmma.is_some() && std::env::var_os("LIFECYCLE_W8A8_NO_EARLY").is_none();
+        let room = match wgmma.as_ref().and_then(|k| k.last()) {
+            Some(k) => ClusterRoom::of(k, most_shared(MMA_TOKENS / 8, true), ctx.rank),
+            None => ClusterRoom::default(),
+        };
         Ok(Some(MmaKernels {
             kernels: (1..=MMA_TOKENS / 8)
                 .map(|nt| m.function(&format!("w8a8_mma_{nt}")))
@@ -449,6 +545,7 @@ impl MmaKernels {
             wgmma,
             early,
             sms: m.sm_count() as usize,
+            room,
             scratch: Mutex::new(Scratch::default()),
         }))
     }
@@ -525,7 +622,7 @@ impl MmaKernels {
                 .map_err(|_| CudaError::Invalid(format!("W8A8 mma product {what} {v} > u32")))
         };
         let outs: Vec<usize> = prods.iter().map(|p| p.out).collect();
-        let shape = MmaShape::of_products(&outs, tokens, inp, self.sms, wg.is_some());
+        let shape = MmaShape::of_products(&outs, tokens, inp, self.sms, wg.is_some(), self.room);
         let mut table = ProdsArg {
             count: prods.len() as u32,
             ..ProdsArg::default()
@@ -544,7 +641,11 @@ impl MmaKernels {
             };
         }
         let in_kernel = tokens <= REDUCE_IN_KERNEL_TOKENS;
-        let (part, counters) = self.split_scratch(stream, &shape, in_kernel, rank)?;
+        let (part, counters) = if shape.cluster {
+            (0, 0)
+        } else {
+            self.split_scratch(stream, &shape, in_kernel, rank)?
+        };
         let cfg = LaunchConfig {
             grid_dim: if wg.is_some() {
                 (u32a(shape.blocks() as u64, "blocks")?, 1, 1)
@@ -573,6 +674,7 @@ impl MmaKernels {
         if wg.is_some() {
             args.push(Arg::U32(u32a(shape.whole as u64, "whole row blocks")?));
             args.push(Arg::U32(u32a(shape.splits as u64, "splits")?));
+            args.push(Arg::U32(u32::from(shape.cluster)));
         }
         let kernel = match wg {
             Some(k) => WGMMA_TILES
@@ -589,24 +691,30 @@ impl MmaKernels {
         } else {
             "w8a8_mma"
         };
+        // clusters of a row block's slices (the grid's blocks `splits` a row block, none whole)
+        let how = LaunchHow {
+            early: self.early,
+            cluster: if shape.cluster {
+                u32a(shape.splits as u64, "blocks of a cluster")?
+            } else {
+                1
+            },
+        };
         // SAFETY: the table and argument list match w8a8_mma_N and w8a8_wgmma_N (8 N ≥ tokens;
         // the products' row blocks those of the grid, laid out as its kernel reads it); the
         // partials and counters hold the shape's sizes (the counters zero: the kernel leaves
-        // them so) and live in the scratch, whose buffers are freed in stream order; the rest
+        // them so) and live in the scratch, whose buffers are freed in stream order; in
+        // clusters (the warpgroup kernel on sm_90a) the grid is the clusters of every row
+        // block's slices in order, which the kernel adds through their shared memory; the rest
         // per the caller.
         unsafe {
-            launch_after_maybe_early(
-                self.early,
-                stream,
-                kernel,
-                cfg,
-                Some(&table),
-                &args,
-                rank,
-                name,
-            )?
+            if how.early || how.cluster > 1 {
+                launch_how(stream, kernel, cfg, Some(&table), &args, rank, name, how)?
+            } else {
+                launch_after(stream, kernel, cfg, Some(&table), &args, rank, name)?
+            }
         };
-        if shape.splits == 1 || in_kernel {
+        if shape.splits == 1 || in_kernel || shape.cluster {
             return Ok(());
         }
         let outputs = (shape.split_blocks() * shape.block_rows * tokens) as u64;
@@ -629,17 +737,33 @@ impl MmaKernels {
         // tokens)
         // and writes each y as its product would have (tokens · out f32, twice with zero_lo; bias
         // and res read as the product would have).
+        let how = LaunchHow {
+            early: self.early,
+            cluster: 1,
+        };
         unsafe {
-            launch_after_maybe_early(
-                self.early,
-                stream,
-                &self.reduce,
-                cfg,
-                Some(&table),
-                &args,
-                rank,
-                "w8a8_reduce",
-            )
+            if how.early {
+                launch_how(
+                    stream,
+                    &self.reduce,
+                    cfg,
+                    Some(&table),
+                    &args,
+                    rank,
+                    "w8a8_reduce",
+                    how,
+                )
+            } else {
+                launch_after(
+                    stream,
+                    &self.reduce,
+                    cfg,
+                    Some(&table),
+                    &args,
+                    rank,
+                    "w8a8_reduce",
+                )
+            }
         }
     }
 
@@ -679,8 +803,14 @@ impl MmaKernels {
             u32::try_from(v)
                 .map_err(|_| CudaError::Invalid(format!("W8A8 experts {what} {v} > u32")))
         };
-        let shape =
-            MmaShape::of_products(&vec![out; pieces], EXPERT_PIECE_ROWS, inp, self.sms, false);
+        let shape = MmaShape::of_products(
+            &vec![out; pieces],
+            EXPERT_PIECE_ROWS,
+            inp,
+            self.sms,
+            false,
+            ClusterRoom::default(),
+        );
         let (part, counters) = self.split_scratch(stream, &shape, true, rank)?;
         let cfg = LaunchConfig {
             grid_dim: (
@@ -771,6 +901,26 @@ impl MmaKernels {
     pub(crate) fn has_wgmma(&self) -> bool {
         self.wgmma.is_some()
     }
+
+    /// The warpgroup kernel's clusters resident at once, as its launches count them.
+    #[cfg(test)]
+    pub(crate) fn clusters(&self) -> ClusterRoom {
+        self.room
+    }
+
+    /// Launches from here on count `room` as the clusters resident at once (`ClusterRoom::
+    /// default()`: none, the split sums through device memory).
+    #[cfg(test)]
+    pub(crate) fn set_clusters(&mut self, room: ClusterRoom) {
+        self.room = room;
+    }
+
+    /// The launch shape of `outs` rows over `tokens × inp` on this device (the warpgroup
+    /// kernel's with `wgmma`).
+    #[cfg(test)]
+    pub(crate) fn shape(&self, outs: &[usize], tokens: usize, inp: usize, wgmma: bool) -> MmaShape {
+        MmaShape::of_products(outs, tokens, inp, self.sms, wgmma, self.room)
+    }
 }
 
 #[cfg(test)]
@@ -833,7 +983,7 @@ mod tests {
     #[test]
     fn the_warpgroup_rows_past_a_wave_split_after_the_whole_ones() {
         // gate and up at 7.6B shapes on 132 SMs: 296 row blocks, 264 resident at once
-        let s = MmaShape::of_products(&[18944, 18944], 64, 3584, 132, true);
+        let s = MmaShape::of_products(&[18944, 18944], 64, 3584, 132, true, ClusterRoom::default());
         assert_eq!(
             (s.row_blocks, s.whole, s.splits, s.slice),
             (296, 264, 7, 4),
@@ -845,7 +995,14 @@ mod tests {
         assert_eq!(s.partials(), 32 * 7 * 128 * 64);
         // the same split whatever the tokens
         for tokens in [9, 16, 33] {
-            let t = MmaShape::of_products(&[18944, 18944], tokens, 3584, 132, true);
+            let t = MmaShape::of_products(
+                &[18944, 18944],
+                tokens,
+                3584,
+                132,
+                true,
+                ClusterRoom::default(),
+            );
             assert_eq!((t.whole, t.splits, t.slice), (264, 7, 4), "{t:?}");
         }
         // whole waves only, or fewer row blocks than resident: nothing whole
@@ -865,6 +1022,62 @@ mod tests {
         for (out, inp) in [(37888, 3584), (3584, 18944)] {
             assert_eq!(MmaShape::of(out, 8, inp, 132, false).whole, 0);
         }
+    }
+
+    #[test]
+    fn split_row_blocks_take_clusters_only_where_all_fit_at_once() {
+        // a device keeping 32 clusters of 8 blocks resident, 34 of 7, 42 of 6 (two blocks an
+        // SM on 132 SMs in GPCs of 16 and 18)
+        let mut room = ClusterRoom::default();
+        for (c, n) in [
+            (2, 132),
+            (3, 86),
+            (4, 66),
+            (5, 52),
+            (6, 42),
+            (7, 34),
+            (8, 32),
+        ] {
+            room.0[c] = n;
+        }
+        let at = |out: usize, tokens: usize, inp: usize| {
+            MmaShape::of_products(&[out], tokens, inp, 132, true, room)
+        };
+        // q, k and v at 7.6B shapes: 36 row blocks; 7 slices without clusters, 36 clusters of 7
+        // do not fit, of 6 they do
+        let qkv = at(4608, 64, 3584);
+        assert_eq!(MmaShape::of(4608, 64, 3584, 132, true).splits, 7);
+        assert!(qkv.cluster, "{qkv:?}");
+        assert_eq!((qkv.splits, qkv.slice), (6, 5), "{qkv:?}");
+        assert_eq!(qkv.partials(), 0);
+        // o: 28 row blocks, 7 slices of 4 groups in clusters of 7
+        let o = at(3584, 64, 3584);
+        assert_eq!((o.cluster, o.splits, o.slice), (true, 7, 4), "{o:?}");
+        // down: 148 groups, 9 slices without clusters, at most 8 in them
+        let down = at(3584, 64, 18944);
+        assert_eq!(MmaShape::of(3584, 64, 18944, 132, true).splits, 9);
+        assert_eq!(
+            (down.cluster, down.splits, down.slice),
+            (true, 8, 19),
+            "{down:?}"
+        );
+        // the same shape at every token count
+        for tokens in [1, 8, 9, 33] {
+            let t = at(4608, tokens, 3584);
+            assert_eq!((t.cluster, t.splits, t.slice), (true, 6, 5), "{t:?}");
+        }
+        // whole row blocks (gate and up): no clusters, the split tail as before
+        let gu = MmaShape::of_products(&[18944, 18944], 64, 3584, 132, true, room);
+        assert_eq!((gu.cluster, gu.whole, gu.splits), (false, 264, 7), "{gu:?}");
+        // unsplit, the mma.sync kernel, or no room: no clusters
+        assert!(!at(256, 64, 128).cluster);
+        assert!(!MmaShape::of_products(&[3584], 8, 3584, 132, false, room).cluster);
+        assert!(!MmaShape::of(3584, 64, 3584, 132, true).cluster);
+        // more row blocks than clusters of 2 fit: none
+        let mut small = ClusterRoom::default();
+        small.0[2] = 10;
+        let s = MmaShape::of_products(&[3584], 64, 3584, 132, true, small);
+        assert!(!s.cluster && s.splits == 7, "{s:?}");
     }
 
     #[test]

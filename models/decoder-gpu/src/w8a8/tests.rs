@@ -867,6 +867,163 @@ fn the_fused_quantisations_write_the_two_kernels_bits() -> Result<(), Box<dyn st
     Ok(())
 }
 
+/// The warpgroup kernel's split sums added in clusters through the blocks' shared memory are, bit
+/// for bit, what the same slices added through device memory give (`w8a8_reduce` beyond 8 tokens,
+/// the last block of each row range up to 8): shapes whose slices are one group each either way,
+/// three products in one launch with bias, residual and zero lo rows. On a device without the
+/// warpgroup kernel, nothing to compare.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn the_cluster_sums_are_the_device_memory_sums_bits() -> Result<(), Box<dyn std::error::Error>> {
+    require_gpus(1)?;
+    let pool = ThreadRankPool::new(1)?;
+    let report = pool.run(&|ctx| {
+        let s = &ctx.compute;
+        let k = Fp8Kernels::load(ctx)?;
+        let mut lt = W8a8Gemm::new(ctx)?;
+        let up = |what: &str| ctx.drv(what, 0);
+        let mut lines = Vec::new();
+        let Some(m) = lt.mma.as_mut().filter(|m| m.has_wgmma()) else {
+            lines.push("no warpgroup kernel on this device: nothing compared".to_string());
+            return Ok(lines);
+        };
+        let room = m.clusters();
+        if room == super::mma::ClusterRoom::default() {
+            return Err(CudaError::Invalid(
+                "the warpgroup kernel is loaded but no cluster of it fits (or the driver did not \
+                 say)"
+                    .into(),
+            ));
+        }
+        // (rows of each product, inputs): 8 row blocks over 8 groups, 7 over 7, 3 products
+        for (rows, inp) in [
+            (vec![1024usize], 1024usize),
+            (vec![896], 896),
+            (vec![384, 256, 256], 1024),
+        ] {
+            let total: usize = rows.iter().sum();
+            let w = values(total * inp, inp, 5 + total as u64);
+            let wq = quantize_blocks("w", &w, total, inp)
+                .map_err(|e| CudaError::Invalid(e.to_string()))?;
+            let wd = s.clone_htod(wq.data()).map_err(up("weights"))?;
+            let wsd = s.clone_htod(wq.scale_inv()).map_err(up("weight scales"))?;
+            let bias: Vec<bf16> = (0..total)
+                .map(|o| bf16::from_f32((o % 7) as f32 * 0.5 - 1.5))
+                .collect();
+            let bd = s.clone_htod(&bias).map_err(up("bias"))?;
+            for tokens in [3usize, 8, 16, 64] {
+                let shape = m.shape(&rows, tokens, inp, true);
+                if !shape.cluster {
+                    return Err(CudaError::Invalid(format!(
+                        "{rows:?} x {tokens} x {inp}: not launched in clusters ({shape:?}, room \
+                         {room:?})"
+                    )));
+                }
+                let x = values(tokens * inp, inp, 300 + tokens as u64);
+                let (xs, _) = split(&x);
+                let xd = s.clone_htod(&xs).map_err(up("activations"))?;
+                let layout = ActLayout::of(tokens, true);
+                let padded = layout.padded(tokens);
+                // SAFETY: written by the quantisation before any product reads them.
+                let (qd, scd) = unsafe {
+                    (
+                        alloc_device::<u8>(s, padded * inp, 0, "q")?,
+                        alloc_device::<f32>(s, padded * (inp / 128), 0, "scales")?,
+                    )
+                };
+                let q = QuantOut {
+                    q: Some(ptr(&qd, s)),
+                    scales: Some((ptr(&scd, s), layout.scale_strides(tokens))),
+                    deq: None,
+                    zero: None,
+                    layout,
+                };
+                // SAFETY: the buffers hold `padded` tokens of bytes and scales.
+                unsafe {
+                    quantize(
+                        s,
+                        &k,
+                        ActSrc::Split(ptr(&xd, s)),
+                        (tokens, padded, inp),
+                        q,
+                        0,
+                    )?
+                };
+                let res: Vec<f32> = (0..2 * tokens * total)
+                    .map(|j| (j % 11) as f32 * 0.25 - 1.0)
+                    .collect();
+                let mut runs = Vec::new();
+                for clusters in [room, super::mma::ClusterRoom::default()] {
+                    m.set_clusters(clusters);
+                    // each product's y [2 tokens × rows] (the lo rows zeroed), residual in place
+                    let ys = rows
+                        .iter()
+                        .scan(0, |col, &r| {
+                            let part: Vec<f32> = (0..2 * tokens)
+                                .flat_map(|t| res[t * total + *col..t * total + *col + r].to_vec())
+                                .collect();
+                            *col += r;
+                            Some(s.clone_htod(&part).map_err(up("residual")))
+                        })
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let mut prods = Vec::new();
+                    let mut row0 = 0u64;
+                    for (r, y) in rows.iter().zip(&ys) {
+                        prods.push(MmaProduct {
+                            w: Fp8Weight {
+                                data: ptr(&wd, s),
+                                scales: ptr(&wsd, s),
+                                row0,
+                                cols: inp as u64,
+                            },
+                            out: *r,
+                            y: ptr(y, s),
+                            bias: ptr(&bd, s) + 2 * row0,
+                            res: ptr(y, s),
+                        });
+                        row0 += *r as u64;
+                    }
+                    // SAFETY: each y holds 2 tokens × its rows, bias every row, the weights and
+                    // activations their sizes.
+                    unsafe {
+                        m.gemm(
+                            s,
+                            &prods,
+                            (ptr(&qd, s), ptr(&scd, s), layout),
+                            true,
+                            (tokens, inp),
+                            0,
+                        )?
+                    };
+                    let mut got = Vec::new();
+                    for y in &ys {
+                        got.extend(s.clone_dtoh(y).map_err(up("y back"))?);
+                    }
+                    runs.push(got);
+                }
+                m.set_clusters(room);
+                let (a, b) = (&runs[0], &runs[1]);
+                if let Some(j) = (0..a.len()).find(|&j| a[j].to_bits() != b[j].to_bits()) {
+                    return Err(CudaError::Invalid(format!(
+                        "{rows:?} x {tokens} x {inp}: output {j}: {} in clusters, {} through \
+                         device memory",
+                        a[j], b[j]
+                    )));
+                }
+                lines.push(format!(
+                    "{rows:?} x {tokens} x {inp}: clusters of {} give the device-memory sums' bits",
+                    shape.splits
+                ));
+            }
+        }
+        Ok(lines)
+    })?;
+    for l in report.iter().flatten() {
+        println!("{l}");
+    }
+    Ok(())
+}
+
 /// Products of one input in one launch of a tensor-core kernel ([`w8a8_gemm_group`], as q, k and
 /// v run) write, bit for bit, what the one product by their matrices stacked writes (the same
 /// row blocks, split and summed alike), each its own buffer with its bias and residual, or split
