@@ -25,7 +25,7 @@ use clap::Parser;
 use half::bf16;
 use lifecycle_bench::ceilings::{self, PinnedOrder, PinnedRates, Timing, NO_LINK};
 use lifecycle_bench::cycles::{
-    lazy_lifecycle, offload_times, phase_d2d_bytes, resident_times, time_cycles,
+    lazy_lifecycle, offload_times, phase_d2d_bytes, phase_secs, resident_times, time_cycles,
 };
 use lifecycle_bench::timing::{gbps, ms, GB};
 use lifecycle_bench::trace::trace_cycle;
@@ -362,12 +362,15 @@ fn fp8_against_bf16(
         if w == 1 {
             println!(
                 "{dtype} rollout weights, W = T = 1, resident: {}; {:.3} GB held, floor {} \
-                 (fp32 read + rollout written at {:.0} GB/s), ratio {:.2}x",
+                 (fp32 read + rollout written at {:.0} GB/s), ratio {:.2}x; plan phase {} avg, \
+                 offload phase {} avg",
                 resident_times(en, ex, &m),
                 held as f64 / GB,
                 ms(floor),
                 d2d / GB,
-                en / floor
+                en / floor,
+                ms(phase_secs(&m, Phase::Plan)),
+                ms(phase_secs(&m, Phase::Offload)),
             );
         } else {
             println!(
