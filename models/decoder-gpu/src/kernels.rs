@@ -8,9 +8,7 @@
 
 use std::sync::Arc;
 
-use lifecycle_cuda::cudarc::driver::{
-    CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
-};
+use lifecycle_cuda::cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig};
 use lifecycle_cuda::{CudaError, KernelSet, RankCtx};
 
 /// CUDA C source of the decoder kernels.
@@ -55,7 +53,7 @@ pub(crate) struct DecoderKernels {
     pub copy_words: CudaFunction,
     pub sm_count: u32,
     /// The W8A8 quantisations (`rms_norm_quant`, `swiglu_quant`, `fp8_quant_*`) are launched
-    /// early ([`launch_early`]; [`launches_early`]).
+    /// early ([`LaunchHow::early`]; [`launches_early`]).
     pub early: bool,
 }
 
@@ -151,25 +149,16 @@ pub(crate) unsafe fn launch_after<T: DeviceRepr>(
     rank: usize,
     what: &str,
 ) -> Result<(), CudaError> {
-    let mut b = stream.launch_builder(func);
-    if let Some(v) = lead {
-        b.arg(v);
-    }
-    for a in args {
-        match a {
-            Arg::U64(v) => b.arg(v),
-            Arg::U32(v) => b.arg(v),
-            Arg::F32(v) => b.arg(v),
-        };
-    }
-    // SAFETY: forwarded to the caller (argument list and device memory validity).
-    unsafe { b.launch(cfg) }
-        .map(|_| ())
-        .map_err(|e| CudaError::driver(rank, format!("launching kernel {what}"), 0, e))
+    let how = LaunchHow {
+        early: false,
+        cluster: 1,
+    };
+    // SAFETY: forwarded to the caller.
+    unsafe { launch_how(stream, func, cfg, lead, args, rank, what, how) }
 }
 
 /// Whether kernels of `set` that wait for the grid before them may be launched early
-/// ([`launch_early`]) on this rank's device: compute capability 9.0 or later, the set's code as
+/// ([`LaunchHow::early`]) on this rank's device: compute capability 9.0 or later, the set's code as
 /// compiled for it executes `griddepcontrol.wait` (not where `$LIFECYCLE_CUDA_ARCH` chose an
 /// older target, which compiles the wait away), and `$LIFECYCLE_W8A8_NO_EARLY` is not set.
 pub(crate) fn launches_early(ctx: &RankCtx, set: &KernelSet) -> Result<bool, CudaError> {
@@ -188,10 +177,10 @@ pub(crate) fn launches_early(ctx: &RankCtx, set: &KernelSet) -> Result<bool, Cud
     Ok(ptx.to_src().contains("griddepcontrol.wait"))
 }
 
-/// [`launch_early`] where `early`, else [`launch`].
+/// [`launch`], early ([`LaunchHow::early`]) where `early`.
 ///
 /// # Safety
-/// As [`launch_early`] (where `early`) or [`launch`].
+/// As [`launch_how`].
 pub(crate) unsafe fn launch_maybe_early(
     early: bool,
     stream: &Arc<CudaStream>,
@@ -201,78 +190,33 @@ pub(crate) unsafe fn launch_maybe_early(
     rank: usize,
     what: &str,
 ) -> Result<(), CudaError> {
+    let how = LaunchHow { early, cluster: 1 };
     // SAFETY: forwarded to the caller.
-    unsafe { launch_after_maybe_early(early, stream, func, cfg, None::<&u32>, args, rank, what) }
-}
-
-/// [`launch_early`] where `early`, else [`launch_after`] (`lead` before `args` where given).
-///
-/// # Safety
-/// As [`launch_early`] (where `early`) or [`launch_after`].
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn launch_after_maybe_early<T: DeviceRepr>(
-    early: bool,
-    stream: &Arc<CudaStream>,
-    func: &CudaFunction,
-    cfg: LaunchConfig,
-    lead: Option<&T>,
-    args: &[Arg],
-    rank: usize,
-    what: &str,
-) -> Result<(), CudaError> {
-    // SAFETY: forwarded to the caller.
-    unsafe {
-        if early {
-            launch_early(stream, func, cfg, lead, args, rank, what)
-        } else {
-            launch_after(stream, func, cfg, lead, args, rank, what)
-        }
-    }
-}
-
-/// As [`launch_after`], with programmatic stream serialization (compute capability 9.0 and
-/// later): the kernel's blocks may start before the kernel queued before it on `stream` has
-/// finished (once that one's blocks all ran `griddepcontrol.launch_dependents` or exited), and
-/// within a captured graph the edge between them is programmatic. The kernel must execute
-/// `griddepcontrol.wait` before it touches memory the kernels before it write (the W8A8
-/// products request only their weights before it: `kernels/w8a8_mma.cu`).
-///
-/// # Safety
-/// As [`launch_after`], and the kernel waits as above; the device's compute capability is 9.0
-/// or later.
-pub(crate) unsafe fn launch_early<T: DeviceRepr>(
-    stream: &Arc<CudaStream>,
-    func: &CudaFunction,
-    cfg: LaunchConfig,
-    lead: Option<&T>,
-    args: &[Arg],
-    rank: usize,
-    what: &str,
-) -> Result<(), CudaError> {
-    let how = LaunchHow {
-        early: true,
-        cluster: 1,
-    };
-    // SAFETY: forwarded to the caller.
-    unsafe { launch_how(stream, func, cfg, lead, args, rank, what, how) }
+    unsafe { launch_how(stream, func, cfg, None::<&u32>, args, rank, what, how) }
 }
 
 /// How [`launch_how`] launches a kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct LaunchHow {
-    /// With programmatic stream serialization ([`launch_early`]).
+    /// With programmatic stream serialization (compute capability 9.0 and later): the kernel's
+    /// blocks may start before the kernel queued before it on the stream has finished (once
+    /// that one's blocks all ran `griddepcontrol.launch_dependents` or exited), and within a
+    /// captured graph the edge between them is programmatic. The kernel must execute
+    /// `griddepcontrol.wait` before it touches memory the kernels before it write (the W8A8
+    /// products request only their weights before it: `kernels/w8a8_mma.cu`).
     pub early: bool,
     /// Blocks of a cluster along the grid's x (1: no clusters; compute capability 9.0 or later
     /// beyond): the grid's x a multiple of it.
     pub cluster: u32,
 }
 
-/// As [`launch_after`], launched `how` says: early ([`launch_early`]) and in clusters of
+/// As [`launch_after`], launched `how` says: early ([`LaunchHow::early`]) and in clusters of
 /// `how.cluster` blocks along x (whose blocks may read each other's shared memory, all resident
 /// at once).
 ///
 /// # Safety
-/// As [`launch_after`]; where `how.early`, as [`launch_early`]; where `how.cluster` > 1, the
+/// As [`launch_after`]; where `how.early`, the kernel waits as [`LaunchHow::early`] says and the
+/// device's compute capability is 9.0 or later; where `how.cluster` > 1, the
 /// kernel is written for clusters of that many blocks and the device has them (compute
 /// capability 9.0 or later).
 #[allow(clippy::too_many_arguments)]

@@ -39,9 +39,7 @@ use lifecycle_cuda::{
 
 use super::quant::{wgmma_tiles, ActLayout};
 use crate::fp8::Fp8Weight;
-use crate::kernels::{
-    cluster_attribute, launch, launch_after, launch_how, refuse_in_capture, Arg, LaunchHow,
-};
+use crate::kernels::{cluster_attribute, launch, launch_how, refuse_in_capture, Arg, LaunchHow};
 
 /// CUDA C source of the tensor-core W8A8 kernels (no headers).
 pub const W8A8_MMA_KERNEL_SRC: &str = include_str!("../../../../kernels/w8a8_mma.cu");
@@ -471,7 +469,7 @@ pub(crate) struct MmaKernels {
     /// `w8a8_wgmma_N` for N in [`WGMMA_TILES`], on devices of an architecture-specific target
     /// (sm_90a) whose NVRTC compiled them.
     wgmma: Option<Vec<CudaFunction>>,
-    /// The products are launched early ([`launch_early`]): every kernel above comes from the
+    /// The products are launched early ([`LaunchHow::early`]): every kernel above comes from the
     /// sm_90a module, which executes the wait that launch needs.
     early: bool,
     sms: usize,
@@ -707,13 +705,7 @@ impl MmaKernels {
         // clusters (the warpgroup kernel on sm_90a) the grid is the clusters of every row
         // block's slices in order, which the kernel adds through their shared memory; the rest
         // per the caller.
-        unsafe {
-            if how.early || how.cluster > 1 {
-                launch_how(stream, kernel, cfg, Some(&table), &args, rank, name, how)?
-            } else {
-                launch_after(stream, kernel, cfg, Some(&table), &args, rank, name)?
-            }
-        };
+        unsafe { launch_how(stream, kernel, cfg, Some(&table), &args, rank, name, how)? };
         if shape.splits == 1 || in_kernel || shape.cluster {
             return Ok(());
         }
@@ -732,38 +724,25 @@ impl MmaKernels {
             Arg::U32(u32::from(zero_lo)),
             Arg::U32(u32a(shape.whole as u64, "whole row blocks")?),
         ];
-        // SAFETY: the table and argument list match w8a8_reduce; it reads the partials the
-        // products above wrote (every split row block and slice, the first `tokens` of 8 · nt
-        // tokens)
-        // and writes each y as its product would have (tokens · out f32, twice with zero_lo; bias
-        // and res read as the product would have).
         let how = LaunchHow {
             early: self.early,
             cluster: 1,
         };
+        // SAFETY: the table and argument list match w8a8_reduce; it reads the partials the
+        // products above wrote (every split row block and slice, the first `tokens` of 8 · nt
+        // tokens) and writes each y as its product would have (tokens · out f32, twice with
+        // zero_lo; bias and res read as the product would have).
         unsafe {
-            if how.early {
-                launch_how(
-                    stream,
-                    &self.reduce,
-                    cfg,
-                    Some(&table),
-                    &args,
-                    rank,
-                    "w8a8_reduce",
-                    how,
-                )
-            } else {
-                launch_after(
-                    stream,
-                    &self.reduce,
-                    cfg,
-                    Some(&table),
-                    &args,
-                    rank,
-                    "w8a8_reduce",
-                )
-            }
+            launch_how(
+                stream,
+                &self.reduce,
+                cfg,
+                Some(&table),
+                &args,
+                rank,
+                "w8a8_reduce",
+                how,
+            )
         }
     }
 

@@ -17,7 +17,7 @@
 //!
 //!
 //! On Hopper the tensor-core kernels, their split sums and the quantisations that feed them are
-//! launched early (programmatic dependent launch, `crate::kernels::launch_early`): a product's
+//! launched early (programmatic dependent launch, `crate::kernels::LaunchHow::early`): a product's
 //! blocks request their weights into L2 while its input is still being quantised, then wait for
 //! that kernel (`griddepcontrol.wait`) before they read what it writes.
 //!
