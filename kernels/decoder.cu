@@ -309,6 +309,18 @@ struct PlainRows {
     __device__ __forceinline__ float get(u32 p, u32 t) const { return kv_get(base + p * stride, t); }
 };
 
+// Where an attention kernel quantises its output for the W8A8 product by o (the tensor-core
+// kernel's layout, as fp8_quant_split would from the split output): with d = 128 a block's
+// outputs (one token, one head) are one 128-wide group of that product's input. q null: none.
+struct AttnQuant {
+    unsigned char* q;
+    float* sc;
+    u32 sc_tok, sc_grp, tiles;
+};
+// (defined with the quantisations below)
+__device__ void quant_head(float v, bool mine, u32 t, u32 row, u32 grp, u32 inp, AttnQuant qz);
+__device__ void pad_head(u32 row, u32 grp, u32 inp, AttnQuant qz);
+
 // One block per (row r, local query head j): softmax(q . k / sqrt(d)) over cache positions
 // 0..len-1 of the rows k and v (Rows: PlainRows, Fp8Rows), times v; output split into out
 // [2n x qh x d] at the block's row. Each warp takes a position at a time, its lanes the dot's
@@ -316,9 +328,11 @@ struct PlainRows {
 // groups of d (one group looping over the elements when d >= blockDim), group g summing the
 // positions p = g mod G of each output element, and group 0 adding the others' sums in group
 // order. Dynamic shared memory: (max(d, blockDim) + cap) floats; blockDim a multiple of 32.
+// With qz.q (d = 128, blockDim 256) the outputs are also quantised as group j of token r of the
+// o product's input (qh d wide); out may then be null (no split output written).
 template <typename Rows>
 __device__ void attend(const float* __restrict__ q, Rows k, Rows v, u32 len, u16* __restrict__ out,
-                       u32 n, u32 qh, u32 d, float scale) {
+                       u32 n, u32 qh, u32 d, float scale, AttnQuant qz) {
     extern __shared__ float sm[];
     __shared__ float red[32];
     const u32 row = blockIdx.x;
@@ -367,10 +381,12 @@ __device__ void attend(const float* __restrict__ q, Rows k, Rows v, u32 len, u16
         if (g > 0) part[(g - 1) * d + t] = o;
     }
     __syncthreads();
+    float joined = 0.0f;
     if (g == 0) {
         for (u32 k = 1; k < groups; ++k) o += part[(k - 1) * d + t];
-        split_store(out, (u64)row * d + t, half_len, o);
+        joined = split_store(out, (u64)row * d + t, half_len, o);
     }
+    if (qz.q != nullptr) quant_head(joined, g == 0, t, row / qh, row % qh, qh * d, qz);
 }
 
 // attend over a cache of elements T: block (r, j) reads sequence seqs[r]'s positions
@@ -380,13 +396,19 @@ __device__ void attention_t(const float* __restrict__ q, const T* __restrict__ k
                             const T* __restrict__ vc, const u32* __restrict__ seqs,
                             const u32* __restrict__ poss, u16* __restrict__ out,
                             u32 n, u32 qh, u32 kvh, u32 d, u32 cap,
-                            u32 q_base, u32 group, u32 kv_base, float scale) {
+                            u32 q_base, u32 group, u32 kv_base, float scale, AttnQuant qz) {
     u32 r = blockIdx.x / qh, j = blockIdx.x % qh;
+    if (r >= n) {
+        // a padded token of the quantised output (the grid covers them only with qz.q)
+        pad_head(r, j, qh * d, qz);
+        return;
+    }
     u32 seq = seqs[r], len = poss[r] + 1;
     u32 kv = (q_base + j) / group - kv_base;
     u64 stride = (u64)kvh * d;
     u64 at = (u64)seq * cap * stride + (u64)kv * d;
-    attend(q, PlainRows<T>{kc + at, stride}, PlainRows<T>{vc + at, stride}, len, out, n, qh, d, scale);
+    attend(q, PlainRows<T>{kc + at, stride}, PlainRows<T>{vc + at, stride}, len, out, n, qh, d, scale,
+           qz);
 }
 
 #define ROPE_STORE(NAME, T)                                                                         \
@@ -405,8 +427,11 @@ ROPE_STORE(rope_store_bf16, u16)
                                     const T* __restrict__ vc, const u32* __restrict__ seqs,         \
                                     const u32* __restrict__ poss, u16* __restrict__ out,            \
                                     u32 n, u32 qh, u32 kvh, u32 d, u32 cap,                         \
-                                    u32 q_base, u32 group, u32 kv_base, float scale) {              \
-        attention_t<T>(q, kc, vc, seqs, poss, out, n, qh, kvh, d, cap, q_base, group, kv_base, scale); \
+                                    u32 q_base, u32 group, u32 kv_base, float scale,                \
+                                    unsigned char* aq, float* asc, u32 sc_tok, u32 sc_grp,          \
+                                    u32 tiles) {                                                    \
+        attention_t<T>(q, kc, vc, seqs, poss, out, n, qh, kvh, d, cap, q_base, group, kv_base, scale, \
+                       AttnQuant{aq, asc, sc_tok, sc_grp, tiles});                                  \
     }
 ATTENTION(attention, float)
 ATTENTION(attention_bf16, u16)
@@ -540,14 +565,22 @@ extern "C" __global__ void attention_fp8(const float* __restrict__ q, const u8* 
                                          const u8* __restrict__ vc, const u32* __restrict__ seqs,
                                          const u32* __restrict__ poss, u16* __restrict__ out,
                                          u32 n, u32 qh, u32 kvh, u32 d, u32 cap, u32 q_base,
-                                         u32 group, u32 kv_base, float scale) {
+                                         u32 group, u32 kv_base, float scale,
+                                         unsigned char* aq, float* asc, u32 sc_tok, u32 sc_grp,
+                                         u32 tiles) {
     const u32 r = blockIdx.x / qh, j = blockIdx.x % qh;
+    const AttnQuant qz{aq, asc, sc_tok, sc_grp, tiles};
+    if (r >= n) {
+        pad_head(r, j, qh * d, qz);
+        return;
+    }
     const u32 seq = seqs[r], len = poss[r] + 1;
     const u32 kv = (q_base + j) / group - kv_base;
     const u32 rec = d + 4;
     const u64 stride = (u64)kvh * rec;
     const u64 at = (u64)seq * cap * stride + (u64)kv * rec;
-    attend(q, Fp8Rows{kc + at, stride, d}, Fp8Rows{vc + at, stride, d}, len, out, n, qh, d, scale);
+    attend(q, Fp8Rows{kc + at, stride, d}, Fp8Rows{vc + at, stride, d}, len, out, n, qh, d, scale,
+           qz);
 }
 
 // Copies blocks of old_block 2-byte units to a buffer with blocks of new_block units (cache
@@ -794,6 +827,46 @@ __device__ __forceinline__ void quant_group(const float (&v)[4], u32 t, u32 g, u
             if (deq && t < n) deq[i] = e4m3_val(b) * s;
         }
     }
+}
+
+// quant_group over the 128 values v of one attention block's threads 0 .. 127 (`mine`; every
+// thread of the block calls it): group grp of token row of an input `inp` wide.
+__device__ void quant_head(float v, bool mine, u32 t, u32 row, u32 grp, u32 inp, AttnQuant qz) {
+    __shared__ float amaxes[32];
+    __shared__ u32 bads[32];
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    float a = mine ? fabsf(v) : 0.0f;
+    bool bad = mine && (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u;
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, d));
+    bad = __any_sync(0xffffffffu, bad);
+    if (lane == 0) {
+        amaxes[warp] = a;
+        bads[warp] = bad ? 1u : 0u;
+    }
+    __syncthreads();
+    if (!mine) return;
+    float amax = 0.0f;
+    u32 any_bad = 0u;
+#pragma unroll
+    for (u32 w = 0; w < 4; ++w) {
+        amax = fmaxf(amax, amaxes[w]);
+        any_bad |= bads[w];
+    }
+    const float s = any_bad ? __int_as_float(0x7fc00000) : (amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f);
+    if (t == 0) qz.sc[(u64)row * qz.sc_tok + (u64)grp * qz.sc_grp] = s;
+    const u64 at = qz.tiles ? tiled_offset(row, grp, t, qz.tiles) : (u64)row * inp + grp * 128u + t;
+    qz.q[at] = (unsigned char)e4m3_rn(__fdiv_rn(v, s));
+}
+
+// A padded token's group grp, as quant_group writes it: zero bytes, unit scale.
+__device__ void pad_head(u32 row, u32 grp, u32 inp, AttnQuant qz) {
+    const u32 t = threadIdx.x;
+    if (t < 128u) {
+        const u64 at = qz.tiles ? tiled_offset(row, grp, t, qz.tiles) : (u64)row * inp + grp * 128u + t;
+        qz.q[at] = 0;
+    }
+    if (t == 0) qz.sc[(u64)row * qz.sc_tok + (u64)grp * qz.sc_grp] = 1.0f;
 }
 
 // The quantised value of element i of the split bf16 rows (hi rows 0 .. n, lo rows from len).

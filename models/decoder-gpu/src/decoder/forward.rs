@@ -790,20 +790,37 @@ impl<'a> Pass<'a> {
                 ),
             };
             self.kernel(rope, cfg, &args, "rope_store")?;
-            // 8 warps: the scores a position per warp, the weighted values in 256 / d groups
+            // 8 warps: the scores a position per warp, the weighted values in 256 / d groups;
+            // where o's tensor-core kernel reads a quantisation and a head is one group of 128
+            // inputs, the kernel also quantises its outputs (and the padded tokens' groups), and
+            // writes no split output (o reads only the quantisation)
             let threads = 256;
+            let fused = (d == 128)
+                .then(|| self.fused_quant(lw.o_w, (h, qw)))
+                .flatten();
+            let (rows, out, quant) = match fused {
+                Some(qi) => {
+                    let [_, aq, asc, tok, grp, tiles] = qi.args(qw)?;
+                    (qi.padded(), 0, [aq, asc, tok, grp, tiles])
+                }
+                None => {
+                    let none = [Arg::U64(0), Arg::U64(0), u32a(0), u32a(0), u32a(0)];
+                    (n, xs, none)
+                }
+            };
             let cfg = LaunchConfig {
-                grid_dim: ((n * qh) as u32, 1, 1),
+                grid_dim: ((rows * qh) as u32, 1, 1),
                 block_dim: (threads as u32, 1, 1),
                 shared_mem_bytes: ((d.max(threads) + self.step.cap) * 4) as u32,
             };
+            let [aq, asc, tok, grp, tiles] = quant;
             let args = [
                 Arg::U64(q),
                 Arg::U64(kc),
                 Arg::U64(vc),
                 Arg::U64(self.at(&self.sc.seqs)),
                 Arg::U64(self.at(&self.sc.poss)),
-                Arg::U64(xs),
+                Arg::U64(out),
                 u32a(n),
                 u32a(qh),
                 u32a(kvh),
@@ -813,6 +830,11 @@ impl<'a> Pass<'a> {
                 u32a(z.group),
                 u32a(self.bind.w.share.kv_base),
                 Arg::F32(1.0 / (d as f32).sqrt()),
+                aq,
+                asc,
+                tok,
+                grp,
+                tiles,
             ];
             let attention = match st.kv {
                 KvDtype::F32 => &k.attention,
@@ -820,9 +842,13 @@ impl<'a> Pass<'a> {
                 KvDtype::Fp8 => &k.attention_fp8,
             };
             self.kernel(attention, cfg, &args, "attention")?;
+            if let Some(qi) = fused {
+                self.held(qi);
+            }
+            // SAFETY: o_w is h × qw; the pass's addresses and sizes (its invariant); with the
+            // quantisation fused, the scratch holds o's input (held above).
+            self.row_parallel(lw.o_w, qw, fused.is_some())
         }
-        // SAFETY: o_w is h × qw; the pass's addresses and sizes (its invariant).
-        unsafe { self.row_parallel(lw.o_w, qw, false) }
     }
 
     /// Layer `l`'s feed-forward part: post-attention norm, then the SwiGLU MLP (gate and up

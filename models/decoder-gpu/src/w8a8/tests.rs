@@ -867,6 +867,185 @@ fn the_fused_quantisations_write_the_two_kernels_bits() -> Result<(), Box<dyn st
     Ok(())
 }
 
+/// The attention kernels with their output quantised for o's tensor-core kernel (d = 128: a
+/// head is a group) write, bit for bit, the bytes and scales the quantisation of their split
+/// output writes (every padded token's group too), and no split output; in both layouts, every
+/// K/V dtype, several sequences and heads of a kv head.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn the_attention_quantisation_is_the_two_kernels_bits() -> Result<(), Box<dyn std::error::Error>> {
+    use crate::kernels::{launch, Arg, DecoderKernels};
+    use lifecycle_cuda::cudarc::driver::LaunchConfig;
+    require_gpus(1)?;
+    let pool = ThreadRankPool::new(1)?;
+    let report = pool.run(&|ctx| {
+        let s = &ctx.compute;
+        let k = Fp8Kernels::load(ctx)?;
+        let dk = DecoderKernels::load(ctx)?;
+        let up = |what: &str| ctx.drv(what, 0);
+        let mut lines = Vec::new();
+        let (d, qh, kvh, cap) = (128usize, 4usize, 2usize, 24usize);
+        let inp = qh * d;
+        // (cache element bytes a position holds per kv head, kernel)
+        let kinds = [
+            ("f32", 4 * d, &dk.attention),
+            ("bf16", 2 * d, &dk.attention_bf16),
+            ("fp8", d + 4, &dk.attention_fp8),
+        ];
+        for tokens in [1usize, 5, 9, 33] {
+            let q = s
+                .clone_htod(&values(tokens * inp, inp, 40 + tokens as u64))
+                .map_err(up("q"))?;
+            let seqs: Vec<u32> = (0..tokens as u32)
+                .map(|t| (t * 7) % tokens as u32)
+                .collect();
+            let poss: Vec<u32> = (0..tokens as u32).map(|t| (t * 5) % cap as u32).collect();
+            let (sd, pd) = (
+                s.clone_htod(&seqs).map_err(up("seqs"))?,
+                s.clone_htod(&poss).map_err(up("positions"))?,
+            );
+            for (kind, rec, kernel) in kinds {
+                // caches of `tokens` sequences: random bytes (fp8: finite e4m3 and unit scales)
+                let bytes = tokens * cap * kvh * rec;
+                let cache: Vec<u8> = match kind {
+                    "f32" => values(bytes / 4, d, 3)
+                        .iter()
+                        .flat_map(|v| v.to_le_bytes())
+                        .collect(),
+                    "bf16" => values(bytes / 2, d, 3)
+                        .iter()
+                        .flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes())
+                        .collect(),
+                    _ => (0..bytes)
+                        .map(|i| {
+                            if i % rec < d {
+                                (i.wrapping_mul(37) % 0x7e) as u8 | ((i % 3 == 0) as u8) << 7
+                            } else {
+                                [0u8, 0, 0x80, 0x3f][i % rec - d]
+                            }
+                        })
+                        .collect(),
+                };
+                let kc = s.clone_htod(&cache).map_err(up("k cache"))?;
+                let vc = s.clone_htod(&cache).map_err(up("v cache"))?;
+                for layout in [ActLayout::Rows, ActLayout::of(tokens, true)] {
+                    let pad = layout.padded(tokens);
+                    let mut outs = Vec::new();
+                    for fused in [false, true] {
+                        let qd = s.clone_htod(&vec![0xabu8; pad * inp]).map_err(up("q8"))?;
+                        let scd = s
+                            .clone_htod(&vec![-3.5f32; pad * qh])
+                            .map_err(up("scales"))?;
+                        let xs = s
+                            .clone_htod(&vec![0x7fc1u16; 2 * tokens * inp])
+                            .map_err(up("xs"))?;
+                        let qi = QuantInto {
+                            q: ptr(&qd, s),
+                            scales: ptr(&scd, s),
+                            layout,
+                            tokens,
+                        };
+                        let [_, a_q, a_sc, a_tok, a_grp, a_tiles] = qi.args(inp)?;
+                        let quant = if fused {
+                            [a_q, a_sc, a_tok, a_grp, a_tiles]
+                        } else {
+                            [
+                                Arg::U64(0),
+                                Arg::U64(0),
+                                Arg::U32(0),
+                                Arg::U32(0),
+                                Arg::U32(0),
+                            ]
+                        };
+                        let rows = if fused { pad } else { tokens };
+                        let [aq, asc, tok, grp, tiles] = quant;
+                        let args = [
+                            Arg::U64(ptr(&q, s)),
+                            Arg::U64(ptr(&kc, s)),
+                            Arg::U64(ptr(&vc, s)),
+                            Arg::U64(ptr(&sd, s)),
+                            Arg::U64(ptr(&pd, s)),
+                            Arg::U64(if fused { 0 } else { ptr(&xs, s) }),
+                            Arg::U32(tokens as u32),
+                            Arg::U32(qh as u32),
+                            Arg::U32(kvh as u32),
+                            Arg::U32(d as u32),
+                            Arg::U32(cap as u32),
+                            Arg::U32(0),
+                            Arg::U32((qh / kvh) as u32),
+                            Arg::U32(0),
+                            Arg::F32(1.0 / (d as f32).sqrt()),
+                            aq,
+                            asc,
+                            tok,
+                            grp,
+                            tiles,
+                        ];
+                        let cfg = LaunchConfig {
+                            grid_dim: ((rows * qh) as u32, 1, 1),
+                            block_dim: (256, 1, 1),
+                            shared_mem_bytes: ((256 + cap) * 4) as u32,
+                        };
+                        // SAFETY: q holds tokens × qh × d f32, the caches every sequence's cap
+                        // positions, seqs and positions within them; xs 2 tokens × inp, the
+                        // quantisation `pad` tokens in its layout.
+                        unsafe {
+                            launch(s, kernel, cfg, &args, 0, "attention")?;
+                            if !fused {
+                                let out = QuantOut {
+                                    q: Some(qi.q),
+                                    scales: Some((qi.scales, layout.scale_strides(tokens))),
+                                    deq: None,
+                                    zero: None,
+                                    layout,
+                                };
+                                let src = ActSrc::Split(ptr(&xs, s));
+                                quantize(s, &k, src, (tokens, pad, inp), out, 0)?;
+                            }
+                        }
+                        outs.push((
+                            s.clone_dtoh(&xs).map_err(up("xs back"))?,
+                            s.clone_dtoh(&qd).map_err(up("q8 back"))?,
+                            s.clone_dtoh(&scd).map_err(up("scales back"))?,
+                        ));
+                    }
+                    let what = format!("attention ({kind} K/V) of {tokens} tokens ({layout:?})");
+                    let (two, one) = (&outs[0], &outs[1]);
+                    if one.0.iter().any(|&v| v != 0x7fc1) {
+                        return Err(CudaError::Invalid(format!(
+                            "{what}: a split output written"
+                        )));
+                    }
+                    if two.0.iter().all(|&v| v == 0x7fc1) {
+                        return Err(CudaError::Invalid(format!(
+                            "{what}: no split output unfused"
+                        )));
+                    }
+                    if let Some(j) = (0..two.1.len()).find(|&j| two.1[j] != one.1[j]) {
+                        return Err(CudaError::Invalid(format!(
+                            "{what}: byte {j}: {} fused, {} by the two kernels",
+                            one.1[j], two.1[j]
+                        )));
+                    }
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    if bits(&two.2) != bits(&one.2) {
+                        return Err(CudaError::Invalid(format!("{what}: other scales")));
+                    }
+                    if two.2.contains(&-3.5) {
+                        return Err(CudaError::Invalid(format!("{what}: a scale not written")));
+                    }
+                    lines.push(format!("{what}: the two kernels' bits"));
+                }
+            }
+        }
+        Ok(lines)
+    })?;
+    for l in report.iter().flatten() {
+        println!("{l}");
+    }
+    Ok(())
+}
+
 /// The warpgroup kernel's split sums added in clusters through the blocks' shared memory are, bit
 /// for bit, what the same slices added through device memory give (`w8a8_reduce` beyond 8 tokens,
 /// the last block of each row range up to 8): shapes whose slices are one group each either way,
