@@ -168,11 +168,10 @@ pub(super) struct Scratch {
     v: CudaSlice<f32>,
     /// Row-parallel partial sums at T > 1.
     partial: Option<CudaSlice<f32>>,
-    /// The pass's inputs, uploaded in one copy: tokens, sequence indices and positions (`n`
-    /// each), then the logit rows (`m`).
-    inputs: CudaSlice<u32>,
-    /// The `(n, m)` of [`Scratch::inputs`].
-    input_rows: (usize, usize),
+    tokens: CudaSlice<u32>,
+    seqs: CudaSlice<u32>,
+    poss: CudaSlice<u32>,
+    rows: CudaSlice<u32>,
     /// The quantised activations of the W8A8 products (beyond the weight-streaming kernel's
     /// tokens).
     w8a8: Option<W8a8Scratch>,
@@ -298,8 +297,10 @@ impl Scratch {
                 } else {
                     None
                 },
-                inputs: alloc_device::<u32>(s, 3 * n + m, rank, "the pass's inputs")?,
-                input_rows: (n, m),
+                tokens: alloc_device::<u32>(s, n, rank, "tokens")?,
+                seqs: alloc_device::<u32>(s, n, rank, "sequence indices")?,
+                poss: alloc_device::<u32>(s, n, rank, "positions")?,
+                rows: alloc_device::<u32>(s, m, rank, "logit rows")?,
                 w8a8: if st.w8a8_scratch_for(n) {
                     Some(W8a8Scratch::alloc(s, n, widest, rank)?)
                 } else {
@@ -311,40 +312,30 @@ impl Scratch {
         }
     }
 
-    /// Copies `step`'s inputs (as many as the scratch was made for) into [`Scratch::inputs`],
-    /// in one copy in order on the compute stream (an input left empty is not read: zeros).
+    /// Copies `step`'s inputs (as many as the scratch was made for) into their buffers, in order
+    /// on the compute stream.
     pub(super) fn upload(&mut self, ctx: &RankCtx, step: &Step<'_>) -> Result<(), CudaError> {
-        let (n, m) = self.input_rows;
-        let ins: [(&[u32], usize, &str); 4] = [
-            (&step.tokens, n, "tokens"),
-            (&step.seqs, n, "sequence indices"),
-            (&step.poss, n, "positions"),
-            (&step.logit_rows, m, "logit rows"),
+        let s = &ctx.compute;
+        let ins: [(&[u32], &mut CudaSlice<u32>, &str); 4] = [
+            (&step.tokens, &mut self.tokens, "uploading tokens"),
+            (&step.seqs, &mut self.seqs, "uploading sequence indices"),
+            (&step.poss, &mut self.poss, "uploading positions"),
+            (&step.logit_rows, &mut self.rows, "uploading logit rows"),
         ];
-        let mut all = Vec::with_capacity(3 * n + m);
-        for (v, want, what) in ins {
-            if !v.is_empty() && v.len() != want {
+        for (v, dst, what) in ins {
+            if v.is_empty() {
+                continue;
+            }
+            if v.len() != dst.len() {
                 return Err(CudaError::Invalid(format!(
-                    "uploading {what}: {} values for a pass made for {want}",
-                    v.len()
+                    "{what}: {} values for a pass made for {}",
+                    v.len(),
+                    dst.len()
                 )));
             }
-            all.extend_from_slice(v);
-            all.resize(all.len() + want - v.len(), 0);
+            s.memcpy_htod(v, dst).map_err(ctx.drv(what, 0))?;
         }
-        if all.is_empty() {
-            return Ok(());
-        }
-        let mut dst = self.inputs.slice_mut(..all.len());
-        ctx.compute
-            .memcpy_htod(&all, &mut dst)
-            .map_err(ctx.drv("uploading the pass's inputs", 0))
-    }
-
-    /// The device address of input `k` of the pass: 0 tokens, 1 sequence indices, 2 positions,
-    /// 3 logit rows.
-    fn input(&self, ctx: &RankCtx, k: usize) -> u64 {
-        ptr(&self.inputs, &ctx.compute) + 4 * (k * self.input_rows.0) as u64
+        Ok(())
     }
 
     /// The full logits `[m × vocab]` the head writes; an error for a pass with no rows wanted.
@@ -442,7 +433,7 @@ impl<'a> Pass<'a> {
         };
         let args = [
             Arg::U64(self.wp(self.bind.w.embed)),
-            Arg::U64(self.sc.input(self.ctx, 0)),
+            Arg::U64(self.at(&self.sc.tokens)),
             Arg::U64(self.at(&self.sc.x)),
             u32a(z.n),
             u32a(z.h),
@@ -776,8 +767,8 @@ impl<'a> Pass<'a> {
                 Arg::U64(vb),
                 Arg::U64(kc),
                 Arg::U64(vc),
-                Arg::U64(self.sc.input(self.ctx, 1)),
-                Arg::U64(self.sc.input(self.ctx, 2)),
+                Arg::U64(self.at(&self.sc.seqs)),
+                Arg::U64(self.at(&self.sc.poss)),
                 Arg::U64(self.at(&st.inv_freq)),
                 u32a(n),
                 u32a(qh),
@@ -827,8 +818,8 @@ impl<'a> Pass<'a> {
                 Arg::U64(q),
                 Arg::U64(kc),
                 Arg::U64(vc),
-                Arg::U64(self.sc.input(self.ctx, 1)),
-                Arg::U64(self.sc.input(self.ctx, 2)),
+                Arg::U64(self.at(&self.sc.seqs)),
+                Arg::U64(self.at(&self.sc.poss)),
                 Arg::U64(out),
                 u32a(n),
                 u32a(qh),
@@ -1077,7 +1068,7 @@ impl<'a> Pass<'a> {
             let args = [
                 Arg::U64(self.at(&self.sc.x)),
                 Arg::U64(self.wp(self.bind.w.final_norm)),
-                Arg::U64(self.sc.input(self.ctx, 3)),
+                Arg::U64(self.at(&self.sc.rows)),
                 Arg::U64(xh),
                 u32a(m),
                 u32a(h),
