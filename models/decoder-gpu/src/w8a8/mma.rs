@@ -1040,10 +1040,13 @@ mod tests {
             (true, 8, 19),
             "{down:?}"
         );
-        // the same shape at every token count
-        for tokens in [1, 8, 9, 33] {
+        // the same shape at every token count, and room in each block's shared memory for
+        // its partial sums ([token][row], rows padded by CL_PAD = 4 in kernels/w8a8_mma.cu)
+        for tokens in [1, 8, 9, 33, 64] {
             let t = at(4608, tokens, 3584);
             assert_eq!((t.cluster, t.splits, t.slice), (true, 6, 5), "{t:?}");
+            let sums = (t.block_rows + 4) * 8 * t.nt * 4;
+            assert!(sums <= t.shared_bytes(), "{t:?}: {sums} bytes of sums");
         }
         // whole row blocks (gate and up): no clusters, the split tail as before
         let gu = MmaShape::of_products(&[18944, 18944], 64, 3584, 132, true, room);
