@@ -42,6 +42,7 @@ pub mod driver;
 mod env;
 mod error;
 mod freeing;
+mod handoff;
 mod kernels;
 mod modules;
 mod offload;

@@ -23,6 +23,7 @@ use cudarc::nccl::Id;
 
 use crate::comm::{group_start, CollectiveSettings, CommFault, CommHealth, NcclComm};
 use crate::deadline::{wait_with_deadline, WaitProbe};
+use crate::handoff::{recv_soon, ANSWER_WINDOW, NEXT_JOB_WINDOW};
 use crate::kernels::{compile_kernels, Kernels};
 use crate::modules::{KernelSet, LoadedModule, ModuleCache};
 use crate::placement::{RankPlacement, SharedGpu};
@@ -720,7 +721,7 @@ fn keep_pool_mapped(ctx: &Arc<CudaContext>, rank: usize) -> Result<(), CudaError
 }
 
 fn worker_loop(ctx: RankCtx, jobs: Receiver<Job>) {
-    while let Ok(job) = jobs.recv() {
+    while let Ok(job) = recv_soon(&jobs, NEXT_JOB_WINDOW) {
         job(&ctx);
     }
     let _ = ctx.sync_all();
@@ -786,7 +787,7 @@ impl RankExecutor for ThreadRankPool {
         }
         drop(done_tx);
         for _ in 0..sent {
-            match done_rx.recv() {
+            match recv_soon(&done_rx, ANSWER_WINDOW) {
                 Ok((i, r)) => results[i] = Some(r),
                 // Every sender is dropped only after its job ran or was dropped unrun.
                 Err(_) => break,

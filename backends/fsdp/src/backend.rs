@@ -68,7 +68,7 @@ pub struct FsdpBackend {
     pub(crate) batched_casts: bool,
     /// The last plan and the training layout it was made for: a switch of the same layout (every
     /// switch of a training run) reuses it instead of planning again.
-    pub(crate) plan_cache: Mutex<Option<(FsdpLayout, Arc<FsdpPlan>)>>,
+    pub(crate) plan_cache: Mutex<Option<(Arc<FsdpLayout>, Arc<FsdpPlan>)>>,
     /// The in-place update kernels, compiled and loaded on first use.
     pub(crate) update_kernels: UpdateKernelCache,
     pub(crate) verify: bool,

@@ -133,7 +133,7 @@ impl FsdpBackend {
             Ok(())
         })?;
         Ok(FsdpTrainState {
-            layout,
+            layout: std::sync::Arc::new(layout),
             shards,
             ranks: items.into_iter().map(|(_, r)| r).collect(),
             adam_steps: 0,
@@ -218,7 +218,7 @@ impl FsdpBackend {
             Ok(())
         })?;
         Ok(FsdpTrainState {
-            layout,
+            layout: std::sync::Arc::new(layout),
             shards,
             ranks: items,
             adam_steps: 0,

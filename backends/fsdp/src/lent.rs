@@ -49,7 +49,7 @@ pub struct LentParts {
 
 /// An FSDP training state of lent buffers (see the [module docs](self)).
 pub struct LentFsdpState {
-    layout: FsdpLayout,
+    layout: Arc<FsdpLayout>,
     shards: ShardLayout,
     ranks: Vec<LentRank>,
 }
@@ -213,7 +213,7 @@ impl LentFsdpBackend {
             unsafe { LentRank::new(ctx, source, p.offload, p.stream) }
         })?;
         Ok(LentFsdpState {
-            layout,
+            layout: Arc::new(layout),
             shards,
             ranks,
         })

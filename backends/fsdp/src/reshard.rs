@@ -19,7 +19,7 @@ impl FsdpBackend {
     /// is the same); `finite` checks the masters when fp8 or verification needs them finite.
     pub(crate) fn plan_layout(
         &self,
-        train: &FsdpLayout,
+        train: &Arc<FsdpLayout>,
         finite: &mut dyn FnMut() -> Result<(), FsdpError>,
     ) -> Result<Arc<FsdpPlan>, FsdpError> {
         if train.world() != self.pool.world() {
@@ -33,7 +33,9 @@ impl FsdpBackend {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some((layout, plan)) = cache.as_ref() {
-            if layout == train {
+            // The state's own layout (the same allocation) is the common case: no walk over
+            // every tensor's name and shape, which costs ~30 ns a tensor (~0.1 ms at 3k).
+            if Arc::ptr_eq(layout, train) || layout == train {
                 return Ok(plan.clone());
             }
         }

@@ -63,7 +63,7 @@ impl RankTrain {
 /// The FSDP training state of all ranks, in device memory (or pinned host memory while
 /// offloaded). Built by [`FsdpBackend`](crate::FsdpBackend)'s constructors.
 pub struct FsdpTrainState {
-    pub(crate) layout: FsdpLayout,
+    pub(crate) layout: std::sync::Arc<FsdpLayout>,
     pub(crate) shards: ShardLayout,
     pub(crate) ranks: Vec<RankTrain>,
     /// Adam steps applied so far (the bias corrections of the next step use `adam_steps + 1`).
