@@ -55,7 +55,7 @@ impl MegatronGpuBackend {
             Ok(())
         })?;
         Ok(MegatronGpuState {
-            layout: host.layout().clone(),
+            layout: std::sync::Arc::new(host.layout().clone()),
             ranks: items.into_iter().filter_map(|(_, _, r)| r).collect(),
             adam_steps: host.adam_steps(),
         })
@@ -182,7 +182,7 @@ impl MegatronGpuBackend {
             Ok(())
         })?;
         Ok(MegatronGpuState {
-            layout,
+            layout: std::sync::Arc::new(layout),
             ranks: items.into_iter().flatten().collect(),
             adam_steps: 0,
         })

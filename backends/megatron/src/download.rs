@@ -70,7 +70,7 @@ impl MegatronGpuBackend {
             })
         })?;
         Ok(MegatronTrainState::from_ranks(
-            state.layout.clone(),
+            (*state.layout).clone(),
             ranks,
             state.adam_steps,
         )?)

@@ -30,8 +30,7 @@ impl Reshard for MegatronGpuBackend {
         };
         let mut cached = self.cached.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = cached.as_ref() {
-            let same = p.plan.train == state.layout
-                && p.plan.rollout == self.rollout
+            let same = p.made_for(&state.layout, &self.rollout)
                 && p.config == self.config
                 && p.fp8.is_some() == (self.dtype == RolloutDtype::Fp8)
                 && p.keep == self.fp8_keep
@@ -81,6 +80,7 @@ impl Reshard for MegatronGpuBackend {
         };
         let p = Arc::new(MegatronGpuPlan {
             id: NEXT_PLAN.fetch_add(1, Ordering::Relaxed),
+            layouts: (state.layout.clone(), self.rollout.clone()),
             config: self.config,
             peer_copy,
             plan,

@@ -39,7 +39,7 @@ impl GpuRank {
 /// and Adam m, v. While offloaded, parameters, main params and Adam moments live in pinned host
 /// memory. Built by [`MegatronGpuBackend`](super::MegatronGpuBackend)'s constructors.
 pub struct MegatronGpuState {
-    pub(crate) layout: MegatronLayout,
+    pub(crate) layout: std::sync::Arc<MegatronLayout>,
     pub(crate) ranks: Vec<GpuRank>,
     pub(crate) adam_steps: u64,
 }
