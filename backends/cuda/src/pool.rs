@@ -305,7 +305,9 @@ struct Worker {
 ///
 /// Each thread creates its context, streams (compute, copy, NCCL), loads the NVRTC kernels and
 /// creates its own non-blocking NCCL communicator from one NCCL `Id` (made by the pool, or by
-/// rank 0 and shared over the TCP rendezvous).
+/// rank 0 and shared over the TCP rendezvous). Work handed to the threads and their answers are
+/// polled for before anyone blocks (a rank thread for 2 ms after each job, the caller for 32 ms),
+/// so the few hand-overs of a switch cost microseconds, not a scheduler wake-up each.
 ///
 /// # Several ranks on one GPU
 /// NCCL refuses two ranks of one communicator on one GPU, so a pool whose placement repeats a
