@@ -39,6 +39,7 @@ mod agree;
 mod comm;
 mod deadline;
 pub mod driver;
+mod entries;
 mod env;
 mod error;
 mod freeing;
@@ -68,6 +69,7 @@ pub use comm::{
     parse_blocking, parse_timeout, CollectiveSettings, CommFault, NcclComm, BLOCKING_ENV,
     TIMEOUT_ENV,
 };
+pub use entries::EntryTable;
 pub use env::{
     arch_candidates, arch_specific_target, check_environment, device_count, driver_present,
     find_cuda_include, include_candidates, nccl_present, nvrtc_present, Environment,

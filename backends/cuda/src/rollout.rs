@@ -7,7 +7,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 use lifecycle_layout::{HostRollout, RolloutEntry};
 
-use crate::{CudaError, FreeingRoom, RankExecutor, ThreadRankPool};
+use crate::{CudaError, EntryTable, FreeingRoom, RankExecutor, ThreadRankPool};
 use lifecycle_layout::RolloutLayout;
 
 /// The rollout weights of the ranks this process drives: one flat bf16 device buffer per rank
@@ -16,7 +16,7 @@ use lifecycle_layout::RolloutLayout;
 pub struct RolloutBuffer {
     ranks: Vec<CudaSlice<bf16>>,
     local: Vec<usize>,
-    entries: Arc<Vec<Vec<RolloutEntry>>>,
+    entries: EntryTable,
     len: usize,
     /// Per local rank, the memory an overlapped offload is still freeing (empty otherwise).
     freeing: Vec<Arc<FreeingRoom>>,
@@ -26,7 +26,7 @@ impl std::fmt::Debug for RolloutBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RolloutBuffer")
             .field("ranks", &self.local)
-            .field("tensors", &self.entries.first().map_or(0, Vec::len))
+            .field("tensors", &self.entries.ranks().first().map_or(0, Vec::len))
             .field("elements_per_rank", &self.len)
             .field("freeing", &self.freeing)
             .finish()
@@ -54,22 +54,23 @@ impl RolloutBuffer {
         entries: Vec<Vec<RolloutEntry>>,
         len: usize,
     ) -> Result<Self, CudaError> {
-        Self::per_rank_shared(ranks, local, Arc::new(entries), len)
+        Self::per_rank_shared(ranks, local, EntryTable::new(entries), len)
     }
 
     /// As [`RolloutBuffer::per_rank`] with entry lists shared with the caller (a backend that
-    /// keeps them per plan hands them to every rollout without copying them).
+    /// keeps them per plan hands them to every rollout without copying them, and without a
+    /// walk over them: the table knows its furthest end).
     pub fn per_rank_shared(
         ranks: Vec<CudaSlice<bf16>>,
         local: Vec<usize>,
-        entries: Arc<Vec<Vec<RolloutEntry>>>,
+        entries: EntryTable,
         len: usize,
     ) -> Result<Self, CudaError> {
         let bad = CudaError::Invalid;
-        if entries.len() != local.len() {
+        if entries.ranks().len() != local.len() {
             return Err(bad(format!(
                 "rollout buffer: entry lists for {} ranks, {} local ranks",
-                entries.len(),
+                entries.ranks().len(),
                 local.len()
             )));
         }
@@ -87,13 +88,7 @@ impl RolloutBuffer {
                 b.len()
             )));
         }
-        if let Some(e) = entries.iter().flatten().find(|e| e.range().end > len) {
-            return Err(bad(format!(
-                "rollout tensor `{}` ends at element {}, past the buffer's {len}",
-                e.name(),
-                e.range().end
-            )));
-        }
+        entries.check_fits(len)?;
         Ok(RolloutBuffer {
             ranks,
             local,
@@ -127,23 +122,23 @@ impl RolloutBuffer {
     /// The tensors of the first local rank's buffer, in rollout order: every rank's when
     /// [`RolloutBuffer::uniform`].
     pub fn entries(&self) -> &[RolloutEntry] {
-        self.entries.first().map_or(&[], Vec::as_slice)
+        self.entries.ranks().first().map_or(&[], Vec::as_slice)
     }
 
     /// Whether every local rank holds the same tensors at the same offsets (false only for
     /// layouts with tensors owned by one rank).
     pub fn uniform(&self) -> bool {
-        self.entries.windows(2).all(|w| w[0] == w[1])
+        self.entries.ranks().windows(2).all(|w| w[0] == w[1])
     }
 
     /// Every local rank's entries, in local-rank order.
     pub fn all_entries(&self) -> &[Vec<RolloutEntry>] {
-        &self.entries
+        self.entries.ranks()
     }
 
     /// The tensors of the `i`-th local rank's buffer, in rollout order (empty past the last).
     pub fn rank_entries(&self, i: usize) -> &[RolloutEntry] {
-        self.entries.get(i).map_or(&[], Vec::as_slice)
+        self.entries.ranks().get(i).map_or(&[], Vec::as_slice)
     }
 
     /// The entry of tensor `name` on the `i`-th local rank, if that rank holds it.
@@ -205,7 +200,7 @@ impl RolloutBuffer {
             v.truncate(len);
             Ok(v)
         })?;
-        HostRollout::from_rank_flats(&self.entries[..], flats).ok_or_else(|| {
+        HostRollout::from_rank_flats(self.entries.ranks(), flats).ok_or_else(|| {
             CudaError::Invalid("a downloaded rollout buffer is shorter than its entries".into())
         })
     }

@@ -10,7 +10,7 @@ use lifecycle_core::MemoryPolicy;
 use lifecycle_cuda::{
     PinnedPool, PinnedReservation, ProgramSlot, RankExecutor, ThreadRankPool, Transport,
 };
-use lifecycle_layout::{FsdpLayout, RolloutEntry, RolloutLayout};
+use lifecycle_layout::{FsdpLayout, RolloutLayout};
 
 use lifecycle_layout::fsdp::{BucketConfig, FsdpPlan};
 
@@ -90,7 +90,7 @@ pub struct FsdpBackend {
 }
 
 /// Each local rank's rollout entries, shared by the rollouts of one plan.
-pub(crate) type RankEntries = Arc<Vec<Vec<RolloutEntry>>>;
+pub(crate) type RankEntries = lifecycle_cuda::EntryTable;
 
 /// Hashes of the resident rollout weights, per local rank, per chunk of that rank's table.
 pub(crate) struct RolloutSums {

@@ -111,7 +111,7 @@ impl Reshard for FsdpBackend {
         let mut moved = self.transfer(plan, &mut state.ranks, &mut rolls, &hooks, ctx)?;
         let entries = self.entries(plan);
         if self.verify {
-            self.record_rollout_sums(&rolls, &entries)?;
+            self.record_rollout_sums(&rolls, entries.ranks())?;
         }
         // Verification hashes what leaves the device once its copies settled: it waits.
         let keep_grads = ctx.memory.keep_rollout_resident;

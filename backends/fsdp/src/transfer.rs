@@ -149,7 +149,7 @@ impl FsdpBackend {
                 return e.clone();
             }
         }
-        let entries: crate::backend::RankEntries = Arc::new(
+        let entries = crate::backend::RankEntries::new(
             self.pool
                 .local_ranks()
                 .iter()
