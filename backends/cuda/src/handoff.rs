@@ -1,8 +1,8 @@
 //! Handing work between the caller and the rank threads without the scheduler's wake-up cost.
 //!
 //! A blocked thread woken through a channel (a futex) starts again tens of microseconds later
-//! on some kernels and sandboxes (measured 10–45 µs a wake-up under the device machines'
-//! sandbox, 2026-12-05), and one switch hands work over six times (the rollout allocation, the
+//! on some kernels and sandboxes (10–45 µs a wake-up measured on a sandboxed H100 host,
+//! 2026-12-05), and one switch hands work over six times (the rollout allocation, the
 //! transfer, the offload phase, each there and back): a tenth of a millisecond on a 7 ms
 //! switch. [`recv_soon`] polls the channel first, yielding between polls, and blocks only when
 //! nothing came within its window: the rank threads poll for the next job briefly after each
