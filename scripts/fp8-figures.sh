@@ -21,13 +21,8 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0
 declare -a SUMMARY=()
 
-part() {
-    local name=$1 limit=$2
-    shift 2
-    { date -u; echo "+ $*"; } > "$OUT/$name.log"
-    timeout "$limit" "$@" >> "$OUT/$name.log" 2>&1
-    SUMMARY+=("$name: exit $?")
-}
+# shellcheck source=scripts/part.sh
+source "$(dirname "${BASH_SOURCE[0]}")/part.sh"
 
 { date -u; nvidia-smi -L; } > "$OUT/machine.log" 2>&1
 only="bf16;fp8 weight-only;W8A8 default"

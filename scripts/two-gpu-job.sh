@@ -25,15 +25,8 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0
 declare -a SUMMARY=()
 
-part() {
-    local name=$1 limit=$2
-    shift 2
-    { date -u; echo "+ $*"; } > "$OUT/$name.log"
-    timeout "$limit" "$@" >> "$OUT/$name.log" 2>&1
-    local rc=$?
-    SUMMARY+=("$name: exit $rc")
-    tail -n 4 "$OUT/$name.log"
-}
+# shellcheck source=scripts/part.sh
+source "$(dirname "${BASH_SOURCE[0]}")/part.sh"
 
 { date -u; nvidia-smi -L; } > "$OUT/machine.log" 2>&1
 
