@@ -842,19 +842,7 @@ fn the_fused_quantisations_write_the_two_kernels_bits() -> Result<(), Box<dyn st
                             "{what}: a split output written"
                         )));
                     }
-                    if let Some(j) = (0..two.1.len()).find(|&j| two.1[j] != one.1[j]) {
-                        return Err(CudaError::Invalid(format!(
-                            "{what}: byte {j}: {} fused, {} by the two kernels",
-                            one.1[j], two.1[j]
-                        )));
-                    }
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    if bits(&two.2) != bits(&one.2) {
-                        return Err(CudaError::Invalid(format!("{what}: other scales")));
-                    }
-                    if two.2.contains(&-3.5) {
-                        return Err(CudaError::Invalid(format!("{what}: a scale not written")));
-                    }
+                    same_quantisation(&what, (&two.1, &two.2), (&one.1, &one.2))?;
                     lines.push(format!("{what}: the two kernels' bits"));
                 }
             }
@@ -863,6 +851,29 @@ fn the_fused_quantisations_write_the_two_kernels_bits() -> Result<(), Box<dyn st
     })?;
     for l in report.iter().flatten() {
         println!("{l}");
+    }
+    Ok(())
+}
+
+/// A fused kernel's quantisation `one` (e4m3 bytes, scales) is bit for bit the two kernels'
+/// `two`, and every scale was written (none left at the tests' -3.5 fill).
+fn same_quantisation(
+    what: &str,
+    two: (&[u8], &[f32]),
+    one: (&[u8], &[f32]),
+) -> Result<(), CudaError> {
+    if let Some(j) = (0..two.0.len()).find(|&j| two.0[j] != one.0[j]) {
+        return Err(CudaError::Invalid(format!(
+            "{what}: byte {j}: {} fused, {} by the two kernels",
+            one.0[j], two.0[j]
+        )));
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    if bits(two.1) != bits(one.1) {
+        return Err(CudaError::Invalid(format!("{what}: other scales")));
+    }
+    if two.1.contains(&-3.5) {
+        return Err(CudaError::Invalid(format!("{what}: a scale not written")));
     }
     Ok(())
 }
@@ -1021,19 +1032,7 @@ fn the_attention_quantisation_is_the_two_kernels_bits() -> Result<(), Box<dyn st
                             "{what}: no split output unfused"
                         )));
                     }
-                    if let Some(j) = (0..two.1.len()).find(|&j| two.1[j] != one.1[j]) {
-                        return Err(CudaError::Invalid(format!(
-                            "{what}: byte {j}: {} fused, {} by the two kernels",
-                            one.1[j], two.1[j]
-                        )));
-                    }
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    if bits(&two.2) != bits(&one.2) {
-                        return Err(CudaError::Invalid(format!("{what}: other scales")));
-                    }
-                    if two.2.contains(&-3.5) {
-                        return Err(CudaError::Invalid(format!("{what}: a scale not written")));
-                    }
+                    same_quantisation(&what, (&two.1, &two.2), (&one.1, &one.2))?;
                     lines.push(format!("{what}: the two kernels' bits"));
                 }
             }
