@@ -1,5 +1,5 @@
 // Launched by the device routing of the decoder's mixture-of-experts layers
-// (models/decoder-gpu/src/decoder/moe_device.rs): each launch's grid, block and argument contract
+// (models/decoder-gpu/src/decoder/moe/device.rs): each launch's grid, block and argument contract
 // is stated at its launcher there; the kernels below document what they read and write.
 typedef unsigned short u16;
 typedef unsigned int u32;

@@ -17,7 +17,7 @@ use lifecycle_layout::{RolloutEntry, RolloutLayout};
 
 use crate::error::GpuDecodeError;
 use crate::fp8::{Fp8Kernels, GEMV_TOKENS};
-use crate::kernels::{launch, Arg, DecoderKernels};
+use crate::kernels::{launch, ptr, Arg, DecoderKernels};
 use crate::prefill::PrefillRows;
 use crate::topology::{decode_topology, replica_rows, DecodeTopology};
 use crate::w8a8::MMA_TOKENS;
@@ -27,12 +27,12 @@ use crate::weights::GroupOffsets;
 mod forward;
 mod graph;
 mod moe;
-mod moe_device;
 mod rank;
-use forward::{rank_forward, Pick, Step, StepOut};
-use moe_device::DeviceExperts;
-pub use moe_device::DEVICE_ROWS as MOE_DEVICE_ROWS;
-use rank::{ptr, Dims, RankBind, RankState};
+use forward::{Pick, Step, StepOut};
+use graph::{rank_forward, StepGraphs};
+use moe::table::DeviceExperts;
+pub use moe::DEVICE_ROWS as MOE_DEVICE_ROWS;
+use rank::{Dims, RankBind, RankState};
 
 /// Longest sequence (prompt + generated tokens) the attention kernel's shared memory holds.
 pub const MAX_CONTEXT: usize = 8192;
@@ -154,7 +154,7 @@ pub(crate) enum KvMode {
 /// pool the ranks were created on.
 pub(crate) struct Core {
     pub config: ModelConfig,
-    ranks: Vec<RankState>,
+    ranks: Vec<Rank>,
     pub topology: DecodeTopology,
     /// The sequences of the current batch each replica decodes (one range in a group).
     parts: Vec<Range<usize>>,
@@ -167,6 +167,13 @@ pub(crate) struct Core {
     /// Allocations of the KV cache (or of bind's scratch) whose stream waited for an
     /// overlapped offload's frees, summed over the ranks, since the decoder was built.
     pub room_waits: usize,
+}
+
+/// One rank of a decoder: what its passes read ([`RankState`]) and the decode steps captured over
+/// it ([`StepGraphs`]; a graph holds addresses of the state's buffers, so the two go together).
+struct Rank {
+    st: RankState,
+    graphs: StepGraphs,
 }
 
 /// Kept free beside the KV cache when it allocates into memory an overlapped offload frees: a
@@ -231,14 +238,20 @@ impl Core {
                 device_moe: None,
                 device_routing: true,
                 room: None,
-                graphs: Default::default(),
             });
             ctx.compute
                 .synchronize()
                 .map_err(ctx.drv("synchronizing", 0))?;
             Ok(())
         })?;
-        let ranks: Vec<RankState> = items.into_iter().flatten().collect();
+        let ranks: Vec<Rank> = items
+            .into_iter()
+            .flatten()
+            .map(|st| Rank {
+                st,
+                graphs: StepGraphs::default(),
+            })
+            .collect();
         if ranks.len() != locals.len() {
             return Err(
                 CudaError::Invalid("a rank did not set up its decoder state".into()).into(),
@@ -256,6 +269,16 @@ impl Core {
             kv: KvMode::Grow,
             room_waits: 0,
         })
+    }
+
+    /// Every local rank's state, in local-rank order.
+    fn states(&self) -> impl Iterator<Item = &RankState> {
+        self.ranks.iter().map(|r| &r.st)
+    }
+
+    /// Every local rank's state, in local-rank order, to change a setting.
+    fn states_mut(&mut self) -> impl Iterator<Item = &mut RankState> {
+        self.ranks.iter_mut().map(|r| &mut r.st)
     }
 
     /// Binds every rank to its buffer of `weights` at the offsets of `plan` (checked against the
@@ -280,10 +303,11 @@ impl Core {
                 .into());
             }
         }
-        pool.run_each(&mut self.ranks, &|ctx, st| {
+        pool.run_each(&mut self.ranks, &|ctx, r| {
             let local = locals.iter().position(|&r| r == ctx.rank).ok_or_else(|| {
                 CudaError::Invalid(format!("rank {} is not a local rank", ctx.rank))
             })?;
+            let st = &mut r.st;
             st.room = weights.freeing(local).cloned();
             if st.room.is_some() {
                 let nccl = ctx.nccl_stream();
@@ -321,7 +345,7 @@ impl Core {
             let base = ptr(buf, &ctx.compute);
             st.device_moe = DeviceExperts::bind(ctx, &w, base)?;
             st.bind = Some(RankBind { base, w });
-            st.graphs.clear();
+            r.graphs.clear();
             ctx.compute
                 .synchronize()
                 .map_err(ctx.drv("synchronizing", 0))?;
@@ -334,7 +358,7 @@ impl Core {
     /// Whether the bound weights came from a switch whose offload still frees memory on some
     /// rank ([`RolloutBuffer::freeing`]).
     pub fn allocates_into_freeing(&self) -> bool {
-        self.ranks.iter().any(|st| st.room.is_some())
+        self.states().any(|st| st.room.is_some())
     }
 
     /// Sets how every rank's fp8 products compute; in W8A8 mode with fp8 weights bound, makes
@@ -347,8 +371,7 @@ impl Core {
         if compute == Fp8Compute::W8A8 {
             let mut made: Vec<Option<W8a8Gemm>> = self.ranks.iter().map(|_| None).collect();
             let need: Vec<bool> = self
-                .ranks
-                .iter()
+                .states()
                 .map(|st| st.fp8.is_some() && st.bind.is_some() && st.w8a8.is_none())
                 .collect();
             let locals = pool.local_ranks().to_vec();
@@ -361,13 +384,13 @@ impl Core {
                 }
                 Ok(())
             })?;
-            for (st, m) in self.ranks.iter_mut().zip(made) {
+            for (st, m) in self.states_mut().zip(made) {
                 if m.is_some() {
                     st.w8a8 = m;
                 }
             }
         }
-        for st in &mut self.ranks {
+        for st in self.states_mut() {
             st.fp8_compute = compute;
         }
         Ok(())
@@ -376,10 +399,11 @@ impl Core {
     /// Forgets the weights and frees the KV cache (host side only: cannot fail). Frees are
     /// stream-ordered on each rank's compute stream.
     pub fn unbind(&mut self) {
-        for st in &mut self.ranks {
+        for r in &mut self.ranks {
+            r.graphs.clear();
+            let st = &mut r.st;
             st.bind = None;
             st.cache = None;
-            st.graphs.clear();
             st.dequant = None;
             st.x32 = None;
             st.w8a8 = None;
@@ -396,7 +420,7 @@ impl Core {
     /// the cache and the sequences it holds (host side only).
     pub fn set_kv_dtype(&mut self, kv: KvDtype) -> Result<(), GpuDecodeError> {
         check_kv(kv, self.config.model.head_dim)?;
-        for st in &mut self.ranks {
+        for st in self.states_mut() {
             st.cache = None;
             st.kv = kv;
         }
@@ -410,7 +434,7 @@ impl Core {
 
     /// The element type of the KV cache.
     pub fn kv_dtype(&self) -> KvDtype {
-        self.ranks.first().map_or(KvDtype::F32, |st| st.kv)
+        self.states().next().map_or(KvDtype::F32, |st| st.kv)
     }
 
     /// Allocates the KV cache of `slots` sequences per replica × `cap` positions on every rank
@@ -430,7 +454,8 @@ impl Core {
         );
         self.lens.clear();
         self.parts.clear();
-        pool.run_each(&mut self.ranks, &|ctx, st| {
+        pool.run_each(&mut self.ranks, &|ctx, r| {
+            let st = &mut r.st;
             st.cache = None;
             st.cache = Some(alloc_zeros::<u16>(
                 &ctx.compute,
@@ -449,30 +474,29 @@ impl Core {
 
     /// Whether decode steps replay captured graphs (dropping every graph when off).
     pub fn set_step_graphs(&mut self, on: bool) {
-        for st in &mut self.ranks {
-            st.graphs.enabled = on;
+        for r in &mut self.ranks {
+            r.graphs.enabled = on;
             if !on {
-                st.graphs.clear();
+                r.graphs.clear();
             }
         }
     }
 
     /// Graphs captured and decode steps replayed from one, summed over the ranks.
     pub fn graph_counts(&self) -> (usize, usize) {
-        self.ranks.iter().fold((0, 0), |(c, r), st| {
-            (c + st.graphs.captured, r + st.graphs.replayed)
+        self.ranks.iter().fold((0, 0), |(c, p), r| {
+            (c + r.graphs.captured, p + r.graphs.replayed)
         })
     }
 
     /// Downloads that waited for the device, summed over the ranks.
     pub fn host_waits(&self) -> usize {
-        self.ranks.iter().map(|st| st.downloads.waits()).sum()
+        self.states().map(|st| st.downloads.waits()).sum()
     }
 
     /// The time the host spent in those waits, on the rank that waited longest.
     pub fn host_wait_time(&self) -> std::time::Duration {
-        self.ranks
-            .iter()
+        self.states()
             .map(|st| st.downloads.waited())
             .max()
             .unwrap_or_default()
@@ -480,8 +504,7 @@ impl Core {
 
     /// Bytes of the KV cache on the rank that holds the most.
     pub fn kv_bytes(&self) -> u64 {
-        self.ranks
-            .iter()
+        self.states()
             .map(|st| st.cache.as_ref().map_or(0, |c| 2 * c.len() as u64))
             .max()
             .unwrap_or(0)
@@ -547,7 +570,8 @@ impl Core {
         let w = (self.geometry()?.kv_heads
             * kv_head_units(self.kv_dtype(), self.config.model.head_dim)) as u64;
         let old_cap = self.cap as u64;
-        let waits = pool.run_each(&mut self.ranks, &|ctx, st| {
+        let waits = pool.run_each(&mut self.ranks, &|ctx, r| {
+            let st = &mut r.st;
             let batch = parts.get(st.replica).map_or(0, Range::len);
             let blocks = (layers * 2 * batch) as u64;
             let len = (blocks * new_cap as u64 * w) as usize;
@@ -628,7 +652,8 @@ impl Core {
                 norm_topk_prob: c.model.moe.is_some_and(|m| m.norm_topk_prob),
             })
             .collect();
-        let outs = pool.run_each(&mut self.ranks, &|ctx, st| {
+        let outs = pool.run_each(&mut self.ranks, &|ctx, r| {
+            let Rank { st, graphs } = r;
             let (Some(step), Some(z)) = (steps.get(st.replica), dims.get(st.replica)) else {
                 return Err(CudaError::Invalid(format!(
                     "no forward pass for replica {} ({} given)",
@@ -640,7 +665,7 @@ impl Core {
                 // a replica with no sequences of this batch
                 return Ok(StepOut::Nothing);
             }
-            rank_forward(ctx, st, z, step)
+            rank_forward(ctx, st, graphs, z, step)
         })?;
         let wanted: usize = steps.iter().map(|s| s.logit_rows.len()).sum();
         let out = match self.topology {
@@ -1050,7 +1075,7 @@ impl<'w> GpuDecoder<'w> {
     /// the setting. Returns the setting (clamped).
     pub fn set_fp8_gemv_tokens(&mut self, tokens: usize) -> usize {
         let tokens = tokens.min(GEMV_TOKENS);
-        for r in &mut self.core.ranks {
+        for r in self.core.states_mut() {
             r.w8a8_limits.gemv = tokens;
         }
         tokens
@@ -1073,7 +1098,7 @@ impl<'w> GpuDecoder<'w> {
     /// ```
     pub fn set_fp8_mma_tokens(&mut self, tokens: usize) -> usize {
         let tokens = tokens.min(MMA_TOKENS);
-        for r in &mut self.core.ranks {
+        for r in self.core.states_mut() {
             r.w8a8_limits.mma = tokens;
         }
         tokens
@@ -1097,7 +1122,7 @@ impl<'w> GpuDecoder<'w> {
     /// ```
     pub fn set_fp8_wgmma_tokens(&mut self, tokens: usize) -> usize {
         let tokens = tokens.min(MMA_TOKENS);
-        for r in &mut self.core.ranks {
+        for r in self.core.states_mut() {
             r.w8a8_limits.wgmma = tokens;
         }
         tokens
@@ -1107,7 +1132,7 @@ impl<'w> GpuDecoder<'w> {
     /// product over every expert of a block (`true`, the default), or one GEMM per expert
     /// (`false`; for comparisons). Returns the setting.
     pub fn set_grouped_experts(&mut self, on: bool) -> bool {
-        for r in &mut self.core.ranks {
+        for r in self.core.states_mut() {
             r.grouped = on;
         }
         on
@@ -1122,7 +1147,7 @@ impl<'w> GpuDecoder<'w> {
     /// of different widths or dtypes, or the per-expert path of
     /// [`GpuDecoder::set_grouped_experts`]) is routed on the host. Returns the setting.
     pub fn set_device_routing(&mut self, on: bool) -> bool {
-        for r in &mut self.core.ranks {
+        for r in self.core.states_mut() {
             r.device_routing = on;
         }
         on

@@ -8,8 +8,16 @@
 
 use std::sync::Arc;
 
-use lifecycle_cuda::cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig};
+use lifecycle_cuda::cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+};
 use lifecycle_cuda::{CudaError, KernelSet, RankCtx};
+
+/// The device address of `s` for work on `stream` (the kernels' and GEMMs' arguments).
+pub(crate) fn ptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
 
 /// CUDA C source of the decoder kernels.
 pub const DECODER_KERNEL_SRC: &str = include_str!("../../../kernels/decoder.cu");

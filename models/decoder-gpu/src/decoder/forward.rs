@@ -16,9 +16,9 @@ use lifecycle_decoder::KvDtype;
 
 use super::kv_head_units;
 use super::moe::{moe_layer, MoeScratch};
-use super::rank::{all_reduce, all_reduce_in_place, order, ptr, Dims, RankBind, RankState};
+use super::rank::{all_reduce, all_reduce_in_place, order, Dims, RankBind, RankState};
 use crate::blas::gemm;
-use crate::kernels::{launch, launch_maybe_early, Arg};
+use crate::kernels::{launch, launch_maybe_early, ptr, Arg};
 use crate::w8a8::{Finish, QuantInto, W8a8Scratch};
 use crate::weights::MatAt;
 
@@ -79,39 +79,6 @@ pub(super) enum StepOut {
     Logits(Vec<Vec<f32>>),
     Tokens(Vec<u32>),
     Nothing,
-}
-
-/// One rank's forward pass of `step`: the stages in order (replayed from a captured graph
-/// where [`StepGraphs`](super::graph::StepGraphs) takes the step), then the pick.
-pub(super) fn rank_forward(
-    ctx: &RankCtx,
-    st: &mut RankState,
-    z: &Dims,
-    step: &Step<'_>,
-) -> Result<StepOut, CudaError> {
-    if z.m > 0 && st.reports && st.graphs.takes(st, z, step) {
-        let mut graphs = std::mem::take(&mut st.graphs);
-        let ran = graphs.run(ctx, st, z, step);
-        let out = match ran {
-            Ok(sc) => sc.logits().and_then(|l| pick(ctx, st, z, step.pick, l)),
-            Err(e) => Err(e),
-        };
-        st.graphs = graphs;
-        return out;
-    }
-    let mut sc = Scratch::new(ctx, st, z)?;
-    sc.upload(ctx, step)?;
-    run_stages(ctx, st, z, step, &mut sc, Capture::Eager)?;
-    if z.m == 0 {
-        return Ok(StepOut::Nothing);
-    }
-    if !st.reports {
-        ctx.compute
-            .synchronize()
-            .map_err(ctx.drv("synchronizing", 0))?;
-        return Ok(StepOut::Nothing);
-    }
-    pick(ctx, st, z, step.pick, sc.logits()?)
 }
 
 /// Whether the stages run as they are queued or are being captured into a graph (where no
@@ -1148,7 +1115,7 @@ impl<'a> Pass<'a> {
 /// What the caller asked of the full logits `[m × vocab]`: the argmax or sampled token of each
 /// row (picked on the device, only the tokens downloaded), or the logits themselves; downloaded
 /// through the SMs into the rank's mapped buffer ([`Downloads`](crate::download::Downloads)).
-fn pick(
+pub(super) fn pick(
     ctx: &RankCtx,
     st: &mut RankState,
     z: &Dims,

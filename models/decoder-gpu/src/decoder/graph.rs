@@ -15,6 +15,9 @@
 //! pass that routes on the host downloads the router's logits and is never captured). The
 //! capture itself proves a step free of host synchronisation: a device→host copy, an upload
 //! or a wait inside it ends the capture with an error.
+//!
+//! [`rank_forward`] runs one rank's pass: from a graph where [`StepGraphs`] takes it, else its
+//! stages as they are queued ([`super::forward`]).
 
 use lifecycle_cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use lifecycle_cuda::cudarc::driver::CudaGraph;
@@ -22,9 +25,38 @@ use lifecycle_cuda::{CudaError, RankCtx};
 use lifecycle_decoder::KvDtype;
 use lifecycle_layout::fp8::Fp8Compute;
 
-use super::forward::{run_stages, Capture, Scratch, Step};
-use super::rank::{ptr, Dims, RankState};
+use super::forward::{pick, run_stages, Capture, Scratch, Step, StepOut};
+use super::rank::{Dims, RankState};
+use crate::kernels::ptr;
 use crate::w8a8::W8a8Limits;
+
+/// One rank's forward pass of `step`: the stages in order (replayed from a captured graph
+/// where `graphs` takes the step), then the pick.
+pub(super) fn rank_forward(
+    ctx: &RankCtx,
+    st: &mut RankState,
+    graphs: &mut StepGraphs,
+    z: &Dims,
+    step: &Step<'_>,
+) -> Result<StepOut, CudaError> {
+    if z.m > 0 && st.reports && graphs.takes(st, z, step) {
+        let sc = graphs.run(ctx, st, z, step)?;
+        return sc.logits().and_then(|l| pick(ctx, st, z, step.pick, l));
+    }
+    let mut sc = Scratch::new(ctx, st, z)?;
+    sc.upload(ctx, step)?;
+    run_stages(ctx, st, z, step, &mut sc, Capture::Eager)?;
+    if z.m == 0 {
+        return Ok(StepOut::Nothing);
+    }
+    if !st.reports {
+        ctx.compute
+            .synchronize()
+            .map_err(ctx.drv("synchronizing", 0))?;
+        return Ok(StepOut::Nothing);
+    }
+    pick(ctx, st, z, step.pick, sc.logits()?)
+}
 
 /// The most graphs a rank keeps (least recently used dropped first): the two caches a growing
 /// decoder alternates between, for two batch sizes. Each owns its pass's scratch (at 7.6B
@@ -82,11 +114,12 @@ impl Ident {
     }
 }
 
-/// A captured graph, owned by one rank's state.
+/// A captured graph, owned by one rank's [`StepGraphs`].
 struct RankGraph(CudaGraph);
 
-// SAFETY: a graph is used (launched, destroyed) only through the `RankState` that holds it,
-// which the rank pool hands to one thread at a time (`&mut`), so calls on it are serialised as
+// SAFETY: a graph is used (launched, destroyed) only through the `StepGraphs` that holds it,
+// which lives beside its rank's state in the decoder's per-rank slot, and the rank pool hands
+// that slot to one thread at a time (`&mut`), so calls on it are serialised as
 // CUDA requires of graph objects; the graph's context is made current by each call.
 unsafe impl Send for RankGraph {}
 

@@ -6,16 +6,15 @@ use std::cell::Cell;
 use std::sync::Arc;
 
 use lifecycle_cuda::cudarc::cublas::CudaBlas;
-use lifecycle_cuda::cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
+use lifecycle_cuda::cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use lifecycle_cuda::cudarc::nccl::ReduceOp;
 use lifecycle_cuda::{CudaError, FreeingRoom, RankCtx};
 
-use super::graph::StepGraphs;
-use super::moe_device::DeviceExperts;
+use super::moe::table::DeviceExperts;
 use crate::blas::gemm;
 use crate::download::Downloads;
 use crate::fp8::{fp8_gemm, Fp8Kernels, Fp8Scratch, Fp8Weight, GEMV_TOKENS};
-use crate::kernels::DecoderKernels;
+use crate::kernels::{ptr, DecoderKernels};
 use crate::w8a8::{
     fusable_layout, w8a8_gemm, w8a8_gemm_group, ActLayout, Finish, W8a8Gemm, W8a8Limits,
     W8a8Scratch, W8a8Through,
@@ -77,19 +76,17 @@ pub(crate) struct RankState {
     /// block-scaled GEMM.
     pub(crate) w8a8_limits: W8a8Limits,
     /// Whether the bf16 experts of a mixture-of-experts layer run in blocks, one batched GEMM
-    /// per product ([`moe`]; the default), or one GEMM per expert.
+    /// per product ([`super::moe`]; the default), or one GEMM per expert.
     pub(crate) grouped: bool,
     /// The device routing of the mixture-of-experts layers (kernels and expert table), made at
     /// bind for a model with MoE layers the kernel can route.
     pub(crate) device_moe: Option<DeviceExperts>,
-    /// Whether passes of at most [`DEVICE_ROWS`](super::moe_device::DEVICE_ROWS) rows route
+    /// Whether passes of at most [`DEVICE_ROWS`](super::moe::DEVICE_ROWS) rows route
     /// their MoE layers on the device (the default) or download the router's logits.
     pub(crate) device_routing: bool,
     /// While bound to weights whose switch still frees training memory (an overlapped offload):
     /// the frees the KV cache's allocations wait for.
     pub(crate) room: Option<Arc<FreeingRoom>>,
-    /// The decode steps captured into graphs ([`StepGraphs`]).
-    pub(crate) graphs: StepGraphs,
 }
 
 impl RankState {
@@ -382,10 +379,4 @@ pub(crate) fn all_reduce_in_place(
         .all_reduce_in_place(buf, &ReduceOp::Sum)
         .map_err(|e| CudaError::nccl(ctx.rank, "all-reduce of embedding rows", e))?;
     order(ctx, &st.ev_nccl, &nccl, &ctx.compute)
-}
-
-/// The device address of `s` for work on `stream`.
-pub(crate) fn ptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
-    let (p, _sync) = s.device_ptr(stream);
-    p
 }

@@ -37,7 +37,7 @@ use lifecycle_cuda::{
     alloc_device, alloc_zeros, arch_specific_target, CudaError, KernelSet, RankCtx,
 };
 
-use super::quant::{wgmma_tiles, ActLayout};
+use super::quant::{wgmma_tiles, ActLayout, MMA_TOKENS};
 use crate::fp8::Fp8Weight;
 use crate::kernels::{cluster_attribute, launch, launch_how, refuse_in_capture, Arg, LaunchHow};
 
@@ -124,9 +124,6 @@ impl ClusterRoom {
         room
     }
 }
-
-/// Tokens up to which the kernel multiplies (8 per mma, up to 8 mma's per warp and group).
-pub(crate) const MMA_TOKENS: usize = 64;
 
 /// The most rows of one piece of the experts kernel (`MOE_PIECE` of kernels/decoder_moe.cu,
 /// which cuts each expert's rows into pieces of at most this many).

@@ -38,8 +38,8 @@ use lifecycle_cuda::CudaError;
 
 use crate::fp8::{fp8_gemv, Fp8Kernels, Fp8Weight, GEMV_TOKENS};
 pub(crate) use lt::{lt_reads, W8a8Gemm};
-pub(crate) use mma::{mma_reads, MmaKernels, MmaProduct, MAX_PRODUCTS, MMA_TOKENS};
-pub(crate) use quant::{quantize, ActLayout, ActSrc, QuantInto, QuantOut, W8a8Scratch};
+pub(crate) use mma::{mma_reads, MmaKernels, MmaProduct, MAX_PRODUCTS};
+pub(crate) use quant::{quantize, ActLayout, ActSrc, QuantInto, QuantOut, W8a8Scratch, MMA_TOKENS};
 
 /// Tokens up to which a W8A8 product takes the weight-streaming kernel by default: none (on an
 /// H200 at 7.6B shapes the tensor-core kernel is as fast for one token and faster from two).

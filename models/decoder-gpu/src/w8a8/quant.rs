@@ -7,7 +7,6 @@ use std::sync::Arc;
 use lifecycle_cuda::cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
 use lifecycle_cuda::{alloc_device, CudaError};
 
-use super::mma::MMA_TOKENS;
 use crate::fp8::Fp8Kernels;
 use crate::kernels::{launch_maybe_early, Arg};
 
@@ -58,6 +57,10 @@ impl ActLayout {
         (1, self.padded(tokens) as u32)
     }
 }
+
+/// Tokens up to which the tensor-core kernels of [`super::mma`] multiply (8 per mma, up to 8
+/// mma's per warp and group): the most a product in [`ActLayout::Tiles`] holds.
+pub(crate) const MMA_TOKENS: usize = 64;
 
 /// Token tiles of 8 of the warpgroup kernel for `tokens` tokens: a power of two.
 pub(crate) fn wgmma_tiles(tokens: usize) -> usize {

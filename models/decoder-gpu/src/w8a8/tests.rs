@@ -5,6 +5,7 @@
 use super::mma::MmaKernels;
 use super::quant::{padded_tokens, tiled_offset, wgmma_tiles};
 use super::*;
+use crate::kernels::ptr;
 use half::bf16;
 use lifecycle_cuda::cudarc::driver::CudaSlice;
 use lifecycle_cuda::testing::require_gpus;
@@ -156,11 +157,6 @@ fn the_warpgroup_layout_places_every_byte_once_in_the_wgmma_order() {
     );
     assert_eq!(ActLayout::Tiles(4).padded(17), 32);
     assert_eq!(ActLayout::Rows.padded(17), 20);
-}
-
-fn ptr<T>(b: &CudaSlice<T>, s: &Arc<CudaStream>) -> u64 {
-    use lifecycle_cuda::cudarc::driver::DevicePtr;
-    b.device_ptr(s).0
 }
 
 /// Deterministic values in ±1 with a magnitude that changes per 128 × 128 block.

@@ -1,11 +1,11 @@
-//! Mixture-of-experts layers routed on the device: for passes of at most [`DEVICE_ROWS`] rows
-//! (every decode step of up to 256 sequences per replica), the router's top-k, each expert's
-//! rows, each token's list of experts and the table of expert products are computed by one
-//! kernel (`moe_route`, in `kernels/decoder_moe.cu`) and read by the kernels after it, so the
-//! layer queues its work without waiting for the device: no download of router logits, no
-//! upload of row lists. W8A8 fp8 experts are routed on the device in longer passes too
-//! (prefill): in chunks of at most [`DEVICE_ROWS`] rows, each routed and run as a pass of its own
-//! (a token's experts and sum depend on its row only).
+//! Mixture-of-experts layers routed on the device: for passes of at most
+//! [`DEVICE_ROWS`](super::table::DEVICE_ROWS) rows (every decode step of up to 256 sequences per
+//! replica), the router's top-k, each expert's rows, each token's list of experts and the table of
+//! expert products are computed by one kernel (`moe_route`, in `kernels/decoder_moe.cu`) and read
+//! by the kernels after it, so the layer queues its work without waiting for the device: no
+//! download of router logits, no upload of row lists. W8A8 fp8 experts are routed on the device in
+//! longer passes too (prefill): in chunks of at most `DEVICE_ROWS` rows, each routed and run as a
+//! pass of its own (a token's experts and sum depend on its row only).
 //!
 //! The experts' products run over that table in pieces of at most eight rows of one expert,
 //! each reading an expert's weights once per piece: for W8A8 fp8 experts by the tensor-core
@@ -15,167 +15,21 @@
 //! the most pieces a routing can make (`min(experts, n · k) + n · k / 8`); pieces past the
 //! routing's last have no rows and return at once. The experts' sum is added per token in
 //! expert order by the host path's scatter kernel, as the CPU decoder adds it.
-//!
-//! The expert table (per MoE layer and expert: held, and the addresses of gate, up and down)
-//! is uploaded once per bind ([`DeviceExperts::bind`]).
 
 use std::sync::Arc;
 
-use lifecycle_cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
-use lifecycle_cuda::{alloc_device, CudaError, KernelSet, RankCtx};
+use lifecycle_cuda::cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
+use lifecycle_cuda::{CudaError, RankCtx};
 
-use super::moe::{requantise, router_logits, MoeScratch, Steps};
-use super::rank::{fp8_weight, ptr, Dims, RankState};
+use super::scratch::MoeScratch;
+use super::steps::{requantise, router_logits, Steps};
+use super::table::EXPERT_WORDS;
+use crate::decoder::rank::{fp8_weight, Dims, RankState};
 use crate::fp8::{fp8_gemv_table, fp8_join, Fp8Kernels, GEMV_TOKENS};
-use crate::kernels::{launch, Arg};
+use crate::kernels::{launch, ptr, Arg};
 use crate::w8a8::{mma_reads, quantize, ActLayout, ActSrc, MmaKernels, QuantOut, W8a8Scratch};
-use crate::weights::{ExpertOffsets, MoeOffsets, RankOffsets};
+use crate::weights::{ExpertOffsets, MoeOffsets};
 use lifecycle_layout::fp8::Fp8Compute;
-
-/// The most rows a pass may have for its mixture-of-experts layers to be routed on the device
-/// ([`GpuDecoder::set_device_routing`](crate::GpuDecoder::set_device_routing)).
-///
-/// ```
-/// assert_eq!(lifecycle_decoder_gpu::MOE_DEVICE_ROWS, 256);
-/// ```
-pub const DEVICE_ROWS: usize = 256;
-/// The most experts per layer and picks per row the routing kernel holds.
-const MAX_EXPERTS: usize = 1024;
-const MAX_TOP_K: usize = 16;
-/// Words per expert in the expert table: held, then (matrix, scales, first row) for gate, up
-/// and down.
-const EXPERT_WORDS: usize = 10;
-
-/// CUDA C source of the device routing kernels (no headers).
-pub const MOE_KERNEL_SRC: &str = include_str!("../../../../kernels/decoder_moe.cu");
-
-/// [`MOE_KERNEL_SRC`] as a kernel set.
-pub const MOE_KERNELS: KernelSet =
-    KernelSet::new("lifecycle_decoder_gpu MoE kernels", MOE_KERNEL_SRC);
-
-/// One rank's device routing: its kernel and the expert table of every layer.
-pub(crate) struct DeviceExperts {
-    route: CudaFunction,
-    /// The weight-streaming table kernels and the joins (the fp8 kernel set, loaded for bf16
-    /// experts too).
-    kernels: Fp8Kernels,
-    /// `[layer][expert][EXPERT_WORDS]` (zeros for dense layers).
-    experts_table: CudaSlice<u64>,
-    experts: usize,
-}
-
-impl DeviceExperts {
-    /// The device address of the expert table.
-    pub(crate) fn table_at(&self, s: &Arc<CudaStream>) -> u64 {
-        ptr(&self.experts_table, s)
-    }
-
-    /// The expert table of `w`'s MoE layers at the bound buffer's address `base`, uploaded on
-    /// the compute stream, and the kernels; `None` for a dense model, or one whose layers the
-    /// kernel cannot route (more than 1024 experts, or layers of different expert counts).
-    pub(crate) fn bind(
-        ctx: &RankCtx,
-        w: &RankOffsets,
-        base: u64,
-    ) -> Result<Option<Self>, CudaError> {
-        let Some(first) = w.moe.iter().flatten().next() else {
-            return Ok(None);
-        };
-        let experts = first.experts.len();
-        let uniform = w.moe.iter().flatten().all(|m| m.experts.len() == experts);
-        if experts == 0 || experts > MAX_EXPERTS || !uniform {
-            return Ok(None);
-        }
-        let mut words = vec![0u64; w.moe.len() * experts * EXPERT_WORDS];
-        for (l, m) in w.moe.iter().enumerate() {
-            let Some(m) = m else { continue };
-            for (e, x) in m.experts.iter().enumerate() {
-                let Some(x) = x else { continue };
-                let at = (l * experts + e) * EXPERT_WORDS;
-                words[at] = 1;
-                for (j, mat) in [x.gate, x.up, x.down].into_iter().enumerate() {
-                    words[at + 1 + 3 * j] = base + 2 * mat.off;
-                    if let Some(q) = mat.fp8 {
-                        words[at + 2 + 3 * j] = base + 2 * q.scales;
-                        words[at + 3 + 3 * j] = q.row0;
-                    }
-                }
-            }
-        }
-        let route = ctx.module(&MOE_KERNELS)?.function("moe_route")?;
-        let kernels = Fp8Kernels::load(ctx)?;
-        let experts_table = ctx
-            .compute
-            .clone_htod(&words)
-            .map_err(ctx.drv("uploading the MoE expert table", 8 * words.len() as u64))?;
-        Ok(Some(DeviceExperts {
-            route,
-            kernels,
-            experts_table,
-            experts,
-        }))
-    }
-}
-
-/// The per-pass buffers of the device routing: each token's slots, the slots' tokens, the
-/// product table; sized for the `rows` rows of one routing (the pass's, or a chunk's), their
-/// `cap = rows · k` slots and the most pieces.
-pub(super) struct RouteScratch {
-    /// The most rows one routing takes: the pass's rows, or (a pass routed in chunks) a chunk's.
-    rows: usize,
-    problems: usize,
-    /// Each pick's expert, weight and slot (`3 · cap` words).
-    picks: CudaSlice<u32>,
-    slot_tok: CudaSlice<u32>,
-    csr: CudaSlice<u32>,
-    pos: CudaSlice<u32>,
-    wt: CudaSlice<f32>,
-    table: CudaSlice<u64>,
-}
-
-impl RouteScratch {
-    /// The buffers for a pass of `n` rows routed `top_k` ways over `experts`, when the device
-    /// routes it: whole where `n ≤ DEVICE_ROWS` and `n · top_k ≤ rows` (the scratch's routed
-    /// rows), else, with `chunks`, in chunks of `min(DEVICE_ROWS, rows / top_k)` rows; `top_k ≤
-    /// 16` and `experts ≤ 1024`. `None` otherwise.
-    pub(super) fn new(
-        s: &Arc<CudaStream>,
-        rank: usize,
-        (n, top_k, experts, rows): (usize, usize, usize, usize),
-        chunks: bool,
-    ) -> Result<Option<Self>, CudaError> {
-        if n == 0 || top_k == 0 || top_k > MAX_TOP_K || experts > MAX_EXPERTS {
-            return Ok(None);
-        }
-        let per = if n <= DEVICE_ROWS && n * top_k <= rows {
-            n
-        } else if chunks {
-            DEVICE_ROWS.min(rows / top_k)
-        } else {
-            0
-        };
-        if per == 0 {
-            return Ok(None);
-        }
-        let cap = per * top_k;
-        let problems = experts.min(cap) + cap / 8;
-        // SAFETY: moe_route writes every entry the later kernels read (the slots' tokens up to
-        // `cap`, the token lists, every table entry up to `problems`) before they run, in order
-        // on this stream.
-        unsafe {
-            Ok(Some(RouteScratch {
-                rows: per,
-                problems,
-                picks: alloc_device(s, 3 * cap, rank, "routing picks")?,
-                slot_tok: alloc_device(s, cap, rank, "routed slots' tokens")?,
-                csr: alloc_device(s, per + 1, rank, "token lists")?,
-                pos: alloc_device(s, cap, rank, "token lists' slots")?,
-                wt: alloc_device(s, cap, rank, "token lists' weights")?,
-                table: alloc_device(s, 3 * problems * 8, rank, "expert product table")?,
-            }))
-        }
-    }
-}
 
 /// Layer `l`'s experts (`moe`) over the `n` rows of the split activations at `xsp`, routed on
 /// the device (in chunks of the routing buffers' rows where `n` is more: W8A8 experts on the

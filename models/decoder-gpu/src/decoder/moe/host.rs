@@ -1,8 +1,5 @@
-//! The mixture-of-experts MLP of one rank: the router's logits, then top-k routing, on the
-//! device for passes of up to 256 rows and W8A8 fp8 experts' passes of any length (in chunks;
-//! [`super::moe_device`]: no host synchronisation), else on the host with the CPU decoder's rule ([`lifecycle_decoder::route_top_k`], one device→host
-//! copy of `n × experts` floats), then the experts this rank holds over the rows routed to them.
-//! What follows is the host-routed path.
+//! The host-routed path of a mixture-of-experts layer: the router's logits downloaded, each
+//! row's top-k by [`lifecycle_decoder::route_top_k`], the row lists uploaded, then the experts.
 //!
 //! bf16 experts run in blocks: the routed rows of consecutive experts are gathered into one
 //! block (as many as the scratch holds: every routed row of a decode step), each expert padded to
@@ -16,129 +13,18 @@
 //! one gather, three GEMMs over the dequantised weights, a SwiGLU and a scatter per expert.
 
 use std::ops::Range;
-use std::sync::Arc;
 
-use lifecycle_cuda::cudarc::driver::{CudaSlice, CudaStream};
-use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
+use lifecycle_cuda::cudarc::driver::CudaSlice;
+use lifecycle_cuda::{CudaError, RankCtx};
 
-use super::moe_device::{device_moe_layer, RouteScratch};
-use super::rank::{ptr, Dims, RankState};
-use crate::blas::{batched_gemm, gemm};
+use super::scratch::MoeScratch;
+use super::steps::{expert_ffn, requantise, router_logits, Steps};
+use crate::blas::batched_gemm;
+use crate::decoder::rank::{Dims, RankState};
 use crate::fp8::{fp8_gemv_table, fp8_join, GEMV_TOKENS};
-use crate::kernels::{launch, Arg, DecoderKernels};
-use crate::w8a8::{quantize, ActSrc, QuantOut, W8a8Scratch};
-use crate::weights::{ExpertOffsets, MoeOffsets, RankOffsets, SharedOffsets};
+use crate::kernels::{launch, ptr, Arg};
+use crate::weights::{ExpertOffsets, MoeOffsets};
 use lifecycle_layout::fp8::Fp8Compute;
-
-/// The most bytes of down products (`[2 · rows × hidden]` f32) the grouped path's scratch may
-/// take beyond what one expert's rows need: 64 MiB.
-const GROUPED_SCRATCH_BYTES: usize = 64 << 20;
-
-/// Device scratch of the mixture-of-experts layers of one pass (`None` for dense models), for
-/// `rows` routed rows at once: at least every row reaching one expert (`n`), up to every routed
-/// row (`n · top-k`) within [`GROUPED_SCRATCH_BYTES`].
-pub(super) struct MoeScratch {
-    /// Routed rows the buffers below hold.
-    rows: usize,
-    /// Router products `[2n × experts]` and router logits `[n × experts]`.
-    router2: CudaSlice<f32>,
-    pub(super) logits: CudaSlice<f32>,
-    /// The routed rows, split `[2 · rows × h]`.
-    pub(super) xg: CudaSlice<u16>,
-    /// Gate and up products `[2 · rows × ffn]`, the SwiGLU output split `[2 · rows × ffn]`.
-    pub(super) g2: CudaSlice<f32>,
-    pub(super) u2: CudaSlice<f32>,
-    pub(super) act: CudaSlice<u16>,
-    /// Down products `[2 · rows × h]`.
-    pub(super) y2: CudaSlice<f32>,
-    /// The weighted sum of the experts' outputs `[n × h]`.
-    pub(super) acc: CudaSlice<f32>,
-    /// f32 activations of the weight-streaming expert products `[rows × max(h, ffn)]` (fp8
-    /// experts, or a pass routed on the device).
-    pub(super) x32: Option<CudaSlice<f32>>,
-    /// The device routing's buffers, for a pass it routes ([`RouteScratch::new`]).
-    pub(super) route: Option<RouteScratch>,
-    /// The quantised activations of W8A8 expert products beyond the weight-streaming kernel's
-    /// tokens (`[rows × max(h, ffn)]`).
-    pub(super) w8a8: Option<W8a8Scratch>,
-}
-
-impl MoeScratch {
-    pub(super) fn new(
-        s: &Arc<CudaStream>,
-        rank: usize,
-        (n, h, top_k): (usize, usize, usize),
-        w: &RankOffsets,
-        (w8a8, device): (bool, bool),
-    ) -> Result<Option<Self>, CudaError> {
-        let layers: Vec<&MoeOffsets> = w.moe.iter().flatten().collect();
-        let Some(first) = layers.first() else {
-            return Ok(None);
-        };
-        let experts = first.experts.len();
-        let ffn = layers
-            .iter()
-            .flat_map(|m| {
-                m.experts
-                    .iter()
-                    .flatten()
-                    .chain(m.shared.iter().map(|s| &s.expert))
-            })
-            .map(|e| e.ffn)
-            .max()
-            .unwrap_or(1)
-            .max(1);
-        let rows = (n * top_k.max(1))
-            .min(GROUPED_SCRATCH_BYTES / (8 * h.max(1)))
-            .max(n);
-        let fp8 = layers
-            .iter()
-            .flat_map(|m| m.experts.iter().flatten())
-            .any(|e| e.gate.fp8.is_some());
-        let route = if device {
-            // W8A8 fp8 experts (the tensor cores') are routed in chunks where the pass is longer
-            RouteScratch::new(s, rank, (n, top_k, experts, rows), fp8 && w8a8)?
-        } else {
-            None
-        };
-        // SAFETY: each buffer is written (GEMM, kernel or memset) before it is read, in order on
-        // this stream, in `moe_layer`.
-        unsafe {
-            Ok(Some(MoeScratch {
-                rows,
-                router2: alloc_device(s, 2 * n * experts, rank, "router products")?,
-                logits: alloc_device(s, n * experts, rank, "router logits")?,
-                xg: alloc_device(s, 2 * rows * h, rank, "routed rows")?,
-                g2: alloc_device(s, 2 * rows * ffn, rank, "expert gate products")?,
-                u2: alloc_device(s, 2 * rows * ffn, rank, "expert up products")?,
-                act: alloc_device(s, 2 * rows * ffn, rank, "expert activations")?,
-                y2: alloc_device(s, 2 * rows * h, rank, "expert down products")?,
-                acc: alloc_device(s, n * h, rank, "expert sums")?,
-                x32: if fp8 || route.is_some() {
-                    Some(alloc_device(
-                        s,
-                        rows * h.max(ffn),
-                        rank,
-                        "fp8 expert activations",
-                    )?)
-                } else {
-                    None
-                },
-                w8a8: if fp8 && w8a8 {
-                    Some(W8a8Scratch::alloc(s, rows, h.max(ffn), rank)?)
-                } else {
-                    None
-                },
-                route,
-            }))
-        }
-    }
-
-    /// The weighted sum of the experts' outputs of the last layer, `[n × h]` f32.
-    pub(super) fn acc(&self) -> &CudaSlice<f32> {
-        &self.acc
-    }
-}
 
 /// One expert's routed rows: `rows` entries of [`Routed`]'s lists from `start`.
 #[derive(Clone, Copy)]
@@ -156,93 +42,10 @@ struct Routed {
     wts: Vec<f32>,
 }
 
-/// The router's logits of the `n` rows at `xsp` into the scratch's `logits` (`[n × experts]`):
-/// its product, then the hi and lo halves added.
-pub(super) fn router_logits(
-    ctx: &RankCtx,
-    st: &RankState,
-    z: &Dims,
-    moe: &MoeOffsets,
-    scratch: &MoeScratch,
-    xsp: u64,
-    base: u64,
-) -> Result<(), CudaError> {
-    let (s, rank, k) = (&ctx.compute, ctx.rank, &st.k);
-    let n = z.n;
-    let experts = moe.experts.len();
-    let p = |b: &CudaSlice<f32>| ptr(b, s);
-    let u32a = |v: usize| Arg::U32(v as u32);
-    // SAFETY: the router's address is an offset checked against this rank's rollout buffer; the
-    // scratch holds `[2n × experts]` products and `[n × experts]` logits; in order on the
-    // compute stream.
-    unsafe {
-        gemm(
-            &st.blas,
-            base + 2 * moe.router,
-            xsp,
-            p(&scratch.router2),
-            experts,
-            2 * n,
-            z.h,
-            rank,
-        )?;
-        launch(
-            s,
-            &k.combine,
-            k.elementwise((n * experts) as u64),
-            &[
-                Arg::U64(p(&scratch.router2)),
-                Arg::U64(0),
-                Arg::U64(0),
-                Arg::U64(p(&scratch.logits)),
-                u32a(n),
-                u32a(experts),
-            ],
-            rank,
-            "combine",
-        )
-    }
-}
-
-/// Layer `l`'s mixture-of-experts MLP (`moe`) on this rank over the `n` rows of the split
-/// activations at `xsp`: routed on the device when [`device_moe_layer`] takes the layer, else
-/// the router's logits downloaded and routed on the host; then every expert this rank holds and
-/// that received rows, their weighted outputs added into the scratch's `acc` (zeroed first), and
-/// the rank's share of the shared expert. The caller adds `acc` to the residual and sums it over
-/// the group, as for a row-parallel output. Whether the layer was routed on the host comes
-/// back; with `host_ok` false (a pass being captured into a graph) a layer the device does not
-/// route is an error, before anything is queued for it.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn moe_layer(
-    ctx: &RankCtx,
-    st: &RankState,
-    z: &Dims,
-    l: usize,
-    moe: &MoeOffsets,
-    scratch: &mut MoeScratch,
-    xsp: u64,
-    (base, host_ok): (u64, bool),
-) -> Result<bool, CudaError> {
-    let hosted = !device_moe_layer(ctx, st, z, l, moe, scratch, xsp, base)?;
-    if hosted {
-        if !host_ok {
-            return Err(CudaError::Invalid(format!(
-                "layer {l}'s experts would be routed on the host (a device→host copy) in a pass \
-                 captured into a graph"
-            )));
-        }
-        host_routed_experts(ctx, st, z, moe, scratch, xsp, base)?;
-    }
-    if let Some(shared) = &moe.shared {
-        shared_expert(ctx, st, z, scratch, (xsp, base), shared)?;
-    }
-    Ok(hosted)
-}
-
 /// The routed experts of one layer, routed on the host: the router's logits downloaded, each
 /// row's top-k by [`lifecycle_decoder::route_top_k`], the row lists uploaded, then the grouped,
 /// fp8 or per-expert path; the sum in `acc`.
-fn host_routed_experts(
+pub(super) fn host_routed_experts(
     ctx: &RankCtx,
     st: &RankState,
     z: &Dims,
@@ -321,102 +124,6 @@ fn host_routed_experts(
         per_expert(ctx, st, z, scratch, (xsp, base), &routed)?;
     }
     Ok(())
-}
-
-/// Qwen2-MoE's shared expert over all `n` rows, added into `acc` scaled per row by
-/// `sigmoid(gate · x)`: gate and up GEMMs, SwiGLU, down GEMM, the gate's logits, one fused add.
-fn shared_expert(
-    ctx: &RankCtx,
-    st: &RankState,
-    z: &Dims,
-    scratch: &mut MoeScratch,
-    (xsp, base): (u64, u64),
-    shared: &SharedOffsets,
-) -> Result<(), CudaError> {
-    let (s, rank, k) = (&ctx.compute, ctx.rank, &st.k);
-    let (n, h) = (z.n, z.h);
-    let e = shared.expert;
-    let p = |b: &CudaSlice<f32>| ptr(b, s);
-    let u32a = |v: usize| Arg::U32(v as u32);
-    // SAFETY: the weights are offsets checked against this rank's rollout buffer; the scratch
-    // holds `[2n × ffn]` products (its ffn counts the shared expert's), `[2n × h]` down products
-    // and `[2n × experts]` router products, the first `2n` of which take the gate's logits; in
-    // order on the compute stream.
-    unsafe {
-        expert_ffn(st, &Steps { s, k, rank }, base, e, (xsp, n, h), scratch)?;
-        gemm(
-            &st.blas,
-            base + 2 * shared.gate,
-            xsp,
-            p(&scratch.router2),
-            1,
-            2 * n,
-            h,
-            rank,
-        )?;
-        launch(
-            s,
-            &k.add_gated_rows,
-            k.elementwise((n * h) as u64),
-            &[
-                Arg::U64(p(&scratch.y2)),
-                Arg::U64(p(&scratch.router2)),
-                Arg::U64(p(&scratch.acc)),
-                u32a(n),
-                u32a(h),
-            ],
-            rank,
-            "add_gated_rows",
-        )?;
-    }
-    Ok(())
-}
-
-/// One expert's SwiGLU MLP over `rows` split rows of width `h` at `x` (`[2 · rows × h]`): gate and up
-/// products into the scratch's `g2` / `u2`, SwiGLU into `act`, the down product into `y2`.
-///
-/// # Safety
-/// `e`'s matrices must lie in the bound rollout buffer at `base`, `x` hold the rows, and the
-/// scratch at least `rows` rows of every product.
-unsafe fn expert_ffn(
-    st: &RankState,
-    steps: &Steps<'_>,
-    base: u64,
-    e: ExpertOffsets,
-    (x, rows, h): (u64, usize, usize),
-    scratch: &MoeScratch,
-) -> Result<(), CudaError> {
-    let (s, rank) = (steps.s, steps.rank);
-    let f = e.ffn;
-    let p = |b: &CudaSlice<f32>| ptr(b, s);
-    let (act, w8) = (ptr(&scratch.act, s), scratch.w8a8.as_ref());
-    // SAFETY: forwarded to the caller; each product reads what the one before wrote, in order
-    // on the compute stream.
-    unsafe {
-        st.wgemm(
-            s,
-            base,
-            e.gate,
-            x,
-            p(&scratch.g2),
-            (f, 2 * rows, h),
-            (w8, false),
-            rank,
-        )?;
-        let up = p(&scratch.u2);
-        st.wgemm(s, base, e.up, x, up, (f, 2 * rows, h), (w8, true), rank)?;
-        steps.swiglu((p(&scratch.g2), p(&scratch.u2), act), (rows, f))?;
-        st.wgemm(
-            s,
-            base,
-            e.down,
-            act,
-            p(&scratch.y2),
-            (h, 2 * rows, f),
-            (w8, false),
-            rank,
-        )
-    }
 }
 
 /// The experts one by one: gather, gate, up, SwiGLU, down, weighted scatter per expert.
@@ -770,31 +477,6 @@ fn fp8_experts(
     Ok(())
 }
 
-/// W8A8 (`on`): the f32 activations at `x32` (`rows × inp`) quantised per token group and
-/// dequantised in place, so the weight-streaming kernel multiplies the quantised values; nothing
-/// when off.
-///
-/// # Safety
-/// `x32` must hold `rows · inp` f32 of this context, alive until the stream ran the kernel.
-pub(super) unsafe fn requantise(
-    s: &Arc<CudaStream>,
-    kf: &crate::fp8::Fp8Kernels,
-    x32: u64,
-    (rows, inp): (usize, usize),
-    on: bool,
-    rank: usize,
-) -> Result<(), CudaError> {
-    if !on {
-        return Ok(());
-    }
-    let deq = QuantOut {
-        deq: Some(x32),
-        ..QuantOut::default()
-    };
-    // SAFETY: forwarded to the caller; quantised in place.
-    unsafe { quantize(s, kf, ActSrc::F32(x32), (rows, rows, inp), deq, rank) }
-}
-
 /// Appends a block's per-token lists to the uploads: `n + 1` CSR offsets to `u32s`, then every
 /// token's entries (position in the block, in expert order) to `u32s` and their weights to
 /// `f32s`. `entries` are `(token, position, weight)` in expert order. Returns where the offsets,
@@ -822,104 +504,4 @@ fn push_token_lists(
         f32s.push(w);
     }
     (csr, pos, wts)
-}
-
-/// The kernels every expert path launches, on one rank's compute stream.
-pub(super) struct Steps<'a> {
-    pub(super) s: &'a Arc<CudaStream>,
-    pub(super) k: &'a DecoderKernels,
-    pub(super) rank: usize,
-}
-
-impl Steps<'_> {
-    /// `rows` rows of the split activations at `xsp` (`[2n × h]`), by the token indices at `idx`,
-    /// into the split `[2 · rows × h]` at `out`.
-    ///
-    /// # Safety
-    /// The addresses must hold those sizes, alive until the stream ran the kernel.
-    pub(super) unsafe fn gather(
-        &self,
-        (xsp, idx, out): (u64, u64, u64),
-        (n, rows, h): (usize, usize, usize),
-    ) -> Result<(), CudaError> {
-        let u = |v: usize| Arg::U32(v as u32);
-        let args = [
-            Arg::U64(xsp),
-            Arg::U64(idx),
-            Arg::U64(out),
-            u(n),
-            u(rows),
-            u(h),
-        ];
-        // SAFETY: forwarded to the caller.
-        unsafe {
-            launch(
-                self.s,
-                &self.k.gather_split_rows,
-                self.k.elementwise((rows * h) as u64),
-                &args,
-                self.rank,
-                "gather_split_rows",
-            )
-        }
-    }
-
-    /// SwiGLU of the split gate and up products (`[2 · rows × f]` f32 each) into split bf16 `act`.
-    ///
-    /// # Safety
-    /// As [`Steps::gather`].
-    pub(super) unsafe fn swiglu(
-        &self,
-        (g2, u2, act): (u64, u64, u64),
-        (rows, f): (usize, usize),
-    ) -> Result<(), CudaError> {
-        let u = |v: usize| Arg::U32(v as u32);
-        let args = [Arg::U64(g2), Arg::U64(u2), Arg::U64(act), u(rows), u(f)];
-        // SAFETY: forwarded to the caller.
-        unsafe {
-            launch(
-                self.s,
-                &self.k.swiglu_split,
-                self.k.elementwise((rows * f) as u64),
-                &args,
-                self.rank,
-                "swiglu_split",
-            )
-        }
-    }
-
-    /// Adds every token's weighted expert outputs of a block (`y2`, `[2 · rows × h]`) into `acc`
-    /// (`[n × h]`), by the token lists at `lists` (CSR offsets, positions, weights).
-    ///
-    /// # Safety
-    /// As [`Steps::gather`].
-    pub(super) unsafe fn scatter(
-        &self,
-        (y2, acc): (u64, u64),
-        (csr, pos, wts): (u64, u64, u64),
-        (n, rows, h): (usize, usize, usize),
-    ) -> Result<(), CudaError> {
-        let u = |v: usize| Arg::U32(v as u32);
-        let args = [
-            Arg::U64(y2),
-            Arg::U64(csr),
-            Arg::U64(pos),
-            Arg::U64(wts),
-            Arg::U64(acc),
-            u(n),
-            u(rows),
-            u(h),
-        ];
-        // SAFETY: forwarded to the caller.
-        unsafe {
-            launch(
-                self.s,
-                &self.k.scatter_add_grouped,
-                self.k.elementwise((n * h) as u64),
-                &args,
-                self.rank,
-                "scatter_add_grouped",
-            )
-        }
-    }
 }
