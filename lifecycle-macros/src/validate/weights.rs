@@ -1,0 +1,230 @@
+//! The rollout weights view: which parameter it is (`#[weights]`, `weights = name` or the one
+//! `RolloutView`), and its type.
+
+use proc_macro2::TokenStream;
+use quote::ToTokens;
+use syn::visit::Visit;
+use syn::{FnArg, GenericArgument, Ident, Pat, PatType, PathArguments, Signature, Type, TypePath};
+
+use super::errors::Errors;
+use super::signature::{param_name, parameter_list, signature_head, Elided};
+
+/// The name of the rollout weights view type, matched on a parameter type's last path segment.
+const VIEW: &str = "RolloutView";
+
+/// The parameter attribute that selects the weights view.
+pub(super) const WEIGHTS_ATTR: &str = "weights";
+
+pub(super) fn is_view(ty: &Type) -> bool {
+    view_path(ty).is_some()
+}
+
+pub(super) fn view_path(ty: &Type) -> Option<&TypePath> {
+    match ty {
+        Type::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == VIEW) => Some(p),
+        Type::Group(g) => view_path(&g.elem),
+        Type::Paren(p) => view_path(&p.elem),
+        _ => None,
+    }
+}
+
+pub(super) fn is_reference_to_view(ty: &Type) -> bool {
+    matches!(ty, Type::Reference(r) if is_view(&r.elem))
+}
+
+/// Finds the weights parameter (removing `#[weights]` markers); `None` after reporting an error.
+pub(super) fn find_weights(
+    sig: &mut Signature,
+    by_arg: Option<&Ident>,
+    engine: Option<usize>,
+    errors: &mut Errors,
+) -> Option<usize> {
+    // Explicit selections, in parameter order: `#[weights]` markers and `weights = name`.
+    let mut explicit: Vec<(usize, TokenStream, &'static str)> = Vec::new();
+    let mut arg_found = false;
+    for (index, input) in sig.inputs.iter_mut().enumerate() {
+        let FnArg::Typed(param) = input else { continue };
+        let mut marker = None;
+        param.attrs.retain(|attr| {
+            if !attr.path().is_ident(WEIGHTS_ATTR) {
+                return true;
+            }
+            if let syn::Meta::Path(_) = &attr.meta {
+                if marker.is_some() {
+                    errors.at(attr, "duplicate #[weights] marker");
+                }
+                marker = Some(attr.to_token_stream());
+            } else {
+                errors.at(&attr.meta, "#[weights] takes no arguments");
+                marker = Some(attr.to_token_stream());
+            }
+            false
+        });
+        let named =
+            by_arg.is_some_and(|name| matches!(&*param.pat, Pat::Ident(p) if p.ident == *name));
+        arg_found |= named;
+        match (marker, named) {
+            (Some(m), _) => explicit.push((index, m, "#[weights]")),
+            (None, true) => explicit.push((index, by_arg.to_token_stream(), "`weights = ...`")),
+            (None, false) => {}
+        }
+    }
+    if let (Some(name), false) = (by_arg, arg_found) {
+        errors.at(
+            name,
+            format_args!(
+                "`weights = {name}` names no parameter of this function (its parameters: {})",
+                parameter_list(sig)
+            ),
+        );
+        return None;
+    }
+    let typed = |index: usize| match &sig.inputs[index] {
+        FnArg::Typed(p) => p,
+        FnArg::Receiver(_) => unreachable!("receivers are skipped"),
+    };
+    if let Some(&(first, _, how)) = explicit.first() {
+        for (second, marker, _) in &explicit[1..] {
+            errors.at(
+                marker,
+                format_args!(
+                    "a second weights parameter `{}`: `{}` is already the rollout weights view \
+                     (selected by {how}); a #[sharded_rollout] function takes exactly one",
+                    param_name(typed(*second)),
+                    param_name(typed(first)),
+                ),
+            );
+        }
+        return Some(first);
+    }
+    // No explicit selection: the one parameter typed `RolloutView<..>`.
+    let views: Vec<usize> = (0..sig.inputs.len())
+        .filter(|&i| matches!(&sig.inputs[i], FnArg::Typed(p) if is_view(&p.ty)))
+        .collect();
+    match views.as_slice() {
+        [] => {
+            if let Some(p) = sig.inputs.iter().find_map(|i| match i {
+                FnArg::Typed(p) if is_reference_to_view(&p.ty) => Some(p),
+                _ => None,
+            }) {
+                errors.at(
+                    &p.ty,
+                    "take the rollout weights view by value: `RolloutView<'_, W>` is `Copy` and \
+                     already a borrow",
+                );
+            } else if let Some(index) = engine {
+                let engine = typed(index);
+                errors.at(
+                    &engine.ty,
+                    format_args!(
+                        "the engine parameter `{}` needs the rollout weights view next to it: add a \
+                         parameter of type `RolloutView<'_, W>` (the engine is borrowed from the \
+                         rollout session that yields the weights, and wakes for them)",
+                        param_name(engine)
+                    ),
+                );
+            } else {
+                errors.at(
+                    signature_head(sig),
+                    "#[sharded_rollout] needs one parameter of type `RolloutView<'_, W>` (the \
+                     rollout weights view), or mark one with #[weights]",
+                );
+            }
+            None
+        }
+        [one] => Some(*one),
+        [first, rest @ ..] => {
+            for &second in rest {
+                errors.at(
+                    &typed(second).ty,
+                    format_args!(
+                        "a second weights parameter `{}`: `{}` is already the rollout weights \
+                         view; a #[sharded_rollout] function takes exactly one (mark it with \
+                         #[weights] to pass other views as plain arguments)",
+                        param_name(typed(second)),
+                        param_name(typed(*first)),
+                    ),
+                );
+            }
+            None
+        }
+    }
+}
+
+/// Checks the weights parameter's type is `RolloutView<'_, W>`; returns `W`.
+pub(super) fn check_view(param: &PatType, errors: &mut Errors) -> Option<Type> {
+    let ty = &param.ty;
+    let Some(path) = view_path(ty) else {
+        if is_reference_to_view(ty) {
+            errors.at(
+                ty,
+                "take the rollout weights view by value: `RolloutView<'_, W>` is `Copy` and \
+                 already a borrow",
+            );
+        } else {
+            errors.at(
+                ty,
+                "the weights parameter must have type `RolloutView<'_, W>`, where `W` is the \
+                 backend's `Reshard::Rollout`",
+            );
+        }
+        return None;
+    };
+    let segment = path
+        .path
+        .segments
+        .last()
+        .expect("view_path checked the last segment");
+    let PathArguments::AngleBracketed(args) = &segment.arguments else {
+        errors.at(
+            ty,
+            "write the weights type: `RolloutView<'_, W>`, where `W` is the backend's \
+             `Reshard::Rollout`",
+        );
+        return None;
+    };
+    let mut weights = None;
+    let mut ok = true;
+    for arg in &args.args {
+        match arg {
+            GenericArgument::Lifetime(l) if l.ident == "_" => {}
+            GenericArgument::Lifetime(l) => {
+                errors.at(
+                    l,
+                    format_args!(
+                        "the rollout weights view is borrowed for one call only; write `'_` \
+                         instead of `{l}`"
+                    ),
+                );
+                ok = false;
+            }
+            GenericArgument::Type(t) if weights.is_none() => weights = Some(t.clone()),
+            other => {
+                errors.at(
+                    other,
+                    "unexpected generic argument: the view is `RolloutView<'_, W>`",
+                );
+                ok = false;
+            }
+        }
+    }
+    let Some(weights) = weights else {
+        errors.at(
+            ty,
+            "write the weights type: `RolloutView<'_, W>`, where `W` is the backend's \
+             `Reshard::Rollout`",
+        );
+        return None;
+    };
+    let mut elided = Elided::default();
+    elided.visit_type(&weights);
+    for tokens in elided.found {
+        errors.at(
+            tokens,
+            "the weights type cannot contain elided lifetimes: it is the backend's \
+             `Reshard::Rollout`; name the lifetime",
+        );
+        ok = false;
+    }
+    ok.then_some(weights)
+}
