@@ -7,7 +7,7 @@ use syn::visit::Visit;
 use syn::{FnArg, GenericArgument, Ident, Pat, PatType, PathArguments, Signature, Type, TypePath};
 
 use super::errors::Errors;
-use super::signature::{param_name, parameter_list, Elided};
+use super::signature::{param_name, parameter_list, path_named, Elided};
 use super::weights::WEIGHTS_ATTR;
 
 /// The name of the engine access type, matched on a parameter type's last path segment.
@@ -31,12 +31,7 @@ pub(super) fn is_engine(ty: &Type) -> bool {
 }
 
 fn engine_path(ty: &Type) -> Option<&TypePath> {
-    match ty {
-        Type::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == ENGINE) => Some(p),
-        Type::Group(g) => engine_path(&g.elem),
-        Type::Paren(p) => engine_path(&p.elem),
-        _ => None,
-    }
+    path_named(ty, ENGINE)
 }
 
 pub(super) fn is_reference_to_engine(ty: &Type) -> bool {

@@ -4,7 +4,7 @@
 use proc_macro2::{Delimiter, Group, TokenStream, TokenTree};
 use quote::{quote, ToTokens};
 use syn::visit::{self, Visit};
-use syn::{FnArg, Item, Pat, PatType, Receiver, ReturnType, Signature, Type};
+use syn::{FnArg, Item, Pat, PatType, Receiver, ReturnType, Signature, Type, TypePath};
 
 use super::errors::Errors;
 
@@ -209,5 +209,16 @@ pub(super) fn parameter_list(sig: &Signature) -> String {
         "none".to_owned()
     } else {
         params.join(", ")
+    }
+}
+
+/// The path type whose last segment is `name` (`RolloutView`, `EngineMut`), through invisible
+/// groups and parentheses: the one way a parameter's type is recognised.
+pub(super) fn path_named<'t>(ty: &'t Type, name: &str) -> Option<&'t TypePath> {
+    match ty {
+        Type::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == name) => Some(p),
+        Type::Group(g) => path_named(&g.elem, name),
+        Type::Paren(p) => path_named(&p.elem, name),
+        _ => None,
     }
 }

@@ -7,7 +7,7 @@ use syn::visit::Visit;
 use syn::{FnArg, GenericArgument, Ident, Pat, PatType, PathArguments, Signature, Type, TypePath};
 
 use super::errors::Errors;
-use super::signature::{param_name, parameter_list, signature_head, Elided};
+use super::signature::{param_name, parameter_list, path_named, signature_head, Elided};
 
 /// The name of the rollout weights view type, matched on a parameter type's last path segment.
 const VIEW: &str = "RolloutView";
@@ -20,12 +20,7 @@ pub(super) fn is_view(ty: &Type) -> bool {
 }
 
 pub(super) fn view_path(ty: &Type) -> Option<&TypePath> {
-    match ty {
-        Type::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == VIEW) => Some(p),
-        Type::Group(g) => view_path(&g.elem),
-        Type::Paren(p) => view_path(&p.elem),
-        _ => None,
-    }
+    path_named(ty, VIEW)
 }
 
 pub(super) fn is_reference_to_view(ty: &Type) -> bool {
