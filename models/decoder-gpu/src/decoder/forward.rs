@@ -14,7 +14,7 @@ use lifecycle_cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, Launch
 use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
 use lifecycle_decoder::KvDtype;
 
-use super::kv_head_units;
+use super::kv::kv_head_units;
 use super::moe::{moe_layer, MoeScratch};
 use super::rank::{all_reduce, all_reduce_in_place, order, Dims, RankBind, RankState};
 use crate::blas::gemm;

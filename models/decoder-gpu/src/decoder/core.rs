@@ -1,0 +1,843 @@
+//! [`Core`]: what [`GpuDecoder`](super::GpuDecoder) and [`GpuEngine`](crate::GpuEngine) share:
+//! each rank's state and captured steps, the weights binding, the KV cache, and the passes.
+
+use std::cell::Cell;
+use std::ops::Range;
+
+use lifecycle_cuda::cudarc::driver::CudaSlice;
+use lifecycle_cuda::RolloutBuffer;
+use lifecycle_cuda::{alloc_zeros, CudaError, RankCtx, RankExecutor, ThreadRankPool};
+use lifecycle_decoder::{DecodeError, KvDtype, ModelConfig, PrefillLogits, Sampling, SplitMix64};
+use lifecycle_layout::fp8::Fp8Compute;
+
+use crate::error::GpuDecodeError;
+use crate::fp8::{Fp8Kernels, GEMV_TOKENS};
+use crate::kernels::{launch, ptr, Arg, DecoderKernels};
+use crate::prefill::PrefillRows;
+use crate::topology::{decode_topology, replica_rows, DecodeTopology};
+use crate::w8a8::{W8a8Gemm, W8a8Limits};
+use crate::weights::GroupOffsets;
+
+use super::forward::{Pick, Step, StepOut};
+use super::graph::{rank_forward, StepGraphs};
+use super::kv::{check_kv, kv_elements, kv_head_units};
+use super::moe::table::DeviceExperts;
+use super::rank::{Dims, RankBind, RankState};
+
+/// Longest sequence (prompt + generated tokens) the attention kernel's shared memory holds.
+pub const MAX_CONTEXT: usize = 8192;
+
+/// Head counts and widths of the bound weights, per rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub ffn_part: usize,
+    pub vocab_parallel: bool,
+    /// Embedding / head rows per rank (padding included).
+    pub vocab_part: usize,
+    pub fused: bool,
+}
+
+impl Geometry {
+    fn of(plan: &GroupOffsets) -> Self {
+        Geometry {
+            q_heads: plan.q_heads,
+            kv_heads: plan.ranks.first().map_or(0, |r| r.share.kv_heads),
+            ffn_part: plan.ffn_part,
+            vocab_parallel: plan.vocab_parallel,
+            vocab_part: plan.vocab_part,
+            fused: plan.fused,
+        }
+    }
+}
+
+/// How the KV cache is sized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KvMode {
+    /// Allocated per prefill for the batch at hand and grown while decoding ([`GpuDecoder`]).
+    Grow,
+    /// Allocated once for `slots` sequences per replica of `cap` positions ([`GpuEngine`]'s
+    /// wake); a call that does not fit is an error.
+    ///
+    /// [`GpuEngine`]: crate::GpuEngine
+    Fixed { slots: usize },
+}
+
+/// What [`GpuDecoder`] and [`GpuEngine`](crate::GpuEngine) share: per-rank handles, kernels and
+/// KV cache, the weights binding, and the passes. Every method that runs on the ranks takes the
+/// pool the ranks were created on.
+pub(crate) struct Core {
+    pub config: ModelConfig,
+    ranks: Vec<Rank>,
+    pub topology: DecodeTopology,
+    /// The sequences of the current batch each replica decodes (one range in a group).
+    parts: Vec<Range<usize>>,
+    pub tp: usize,
+    /// Set while bound to weights.
+    pub geo: Option<Geometry>,
+    pub(super) lens: Vec<usize>,
+    pub cap: usize,
+    pub kv: KvMode,
+    /// Allocations of the KV cache (or of bind's scratch) whose stream waited for an
+    /// overlapped offload's frees, summed over the ranks, since the decoder was built.
+    pub room_waits: usize,
+}
+
+/// One rank of a decoder: what its passes read ([`RankState`]) and the decode steps captured over
+/// it ([`StepGraphs`]; a graph holds addresses of the state's buffers, so the two go together).
+struct Rank {
+    st: RankState,
+    graphs: StepGraphs,
+}
+
+/// Kept free beside the KV cache when it allocates into memory an overlapped offload frees: a
+/// pass's activations and logits (tens of MB at 7.6B shapes), cuBLAS workspaces, pool rounding.
+pub const ROOM_MARGIN_BYTES: u64 = 1 << 30;
+
+impl Core {
+    /// Per-rank handles and kernels on `pool` for a layout of degree `tp` (no weights yet).
+    pub fn new(
+        config: &ModelConfig,
+        tp: usize,
+        pool: &ThreadRankPool,
+    ) -> Result<Self, GpuDecodeError> {
+        let topology = decode_topology(pool.world(), tp, pool.local_ranks().len())?;
+        crate::blas::require_cublas()?;
+        let locals = pool.local_ranks().to_vec();
+        let inv_freq: Vec<f32> = (0..config.model.head_dim / 2)
+            .map(|i| {
+                1.0 / (config
+                    .rope_theta
+                    .powf((2 * i) as f64 / config.model.head_dim as f64))
+                    as f32
+            })
+            .collect();
+        let mut items: Vec<Option<RankState>> = locals.iter().map(|_| None).collect();
+        let freq = &inv_freq;
+        pool.run_each(&mut items, &|ctx, slot| {
+            let local = locals.iter().position(|&r| r == ctx.rank).ok_or_else(|| {
+                CudaError::Invalid(format!("rank {} is not a local rank", ctx.rank))
+            })?;
+            let blas = crate::blas::handle(&ctx.compute, ctx.rank)?;
+            let k = DecoderKernels::load(ctx)?;
+            let inv = ctx
+                .compute
+                .clone_htod(freq.as_slice())
+                .map_err(ctx.drv("uploading rotary frequencies", 0))?;
+            let (replica, reports) = match topology {
+                DecodeTopology::Group => (0, local == 0),
+                DecodeTopology::Replicas(_) => (local, true),
+            };
+            *slot = Some(RankState {
+                tp_rank: ctx.rank % tp,
+                replica,
+                reports,
+                blas,
+                k,
+                bind: None,
+                inv_freq: inv,
+                cache: None,
+                kv: KvDtype::F32,
+                ev_compute: ctx.event()?,
+                ev_nccl: ctx.event()?,
+                downloads: Default::default(),
+                fp8: None,
+                fp8_compute: Fp8Compute::WeightOnly,
+                w8a8: None,
+                w8a8_limits: W8a8Limits::default(),
+                dequant: None,
+                x32: None,
+                x32_joined: Cell::new(false),
+                grouped: true,
+                device_moe: None,
+                device_routing: true,
+                room: None,
+            });
+            ctx.compute
+                .synchronize()
+                .map_err(ctx.drv("synchronizing", 0))?;
+            Ok(())
+        })?;
+        let ranks: Vec<Rank> = items
+            .into_iter()
+            .flatten()
+            .map(|st| Rank {
+                st,
+                graphs: StepGraphs::default(),
+            })
+            .collect();
+        if ranks.len() != locals.len() {
+            return Err(
+                CudaError::Invalid("a rank did not set up its decoder state".into()).into(),
+            );
+        }
+        Ok(Core {
+            config: config.clone(),
+            ranks,
+            topology,
+            parts: Vec::new(),
+            tp,
+            geo: None,
+            lens: Vec::new(),
+            cap: 0,
+            kv: KvMode::Grow,
+            room_waits: 0,
+        })
+    }
+
+    /// Every local rank's state, in local-rank order.
+    fn states(&self) -> impl Iterator<Item = &RankState> {
+        self.ranks.iter().map(|r| &r.st)
+    }
+
+    /// Every local rank's state, in local-rank order, to change a setting.
+    pub(super) fn states_mut(&mut self) -> impl Iterator<Item = &mut RankState> {
+        self.ranks.iter_mut().map(|r| &mut r.st)
+    }
+
+    /// Binds every rank to its buffer of `weights` at the offsets of `plan` (checked against the
+    /// buffers' lengths first). Waits for the work queued on the weights (the switch) to finish:
+    /// every stream of the rank's, but the copy stream when the switch overlaps its offload
+    /// ([`RolloutBuffer::freeing`]): its copies go on beside the rollout, whose allocations then
+    /// wait for the frees that make room for them.
+    pub fn bind(
+        &mut self,
+        pool: &ThreadRankPool,
+        plan: &GroupOffsets,
+        weights: &RolloutBuffer,
+    ) -> Result<(), GpuDecodeError> {
+        let locals = pool.local_ranks().to_vec();
+        for (i, _) in locals.iter().enumerate() {
+            let len = weights.rank_buffer(i).map_or(0, |b| b.len() as u64);
+            if len < plan.min_len {
+                return Err(DecodeError::Usage(format!(
+                    "the rollout buffer of local rank {i} holds {len} elements, its entries need {}",
+                    plan.min_len
+                ))
+                .into());
+            }
+        }
+        pool.run_each(&mut self.ranks, &|ctx, r| {
+            let local = locals.iter().position(|&r| r == ctx.rank).ok_or_else(|| {
+                CudaError::Invalid(format!("rank {} is not a local rank", ctx.rank))
+            })?;
+            let st = &mut r.st;
+            st.room = weights.freeing(local).cloned();
+            if st.room.is_some() {
+                let nccl = ctx.nccl_stream();
+                let streams = [&*ctx.compute, &*ctx.aux, &*nccl];
+                ctx.wait(&streams, "the switch's work on the rollout weights")?;
+            } else {
+                ctx.sync_all()?;
+            }
+            let buf = weights.rank_buffer(local).ok_or_else(|| {
+                CudaError::Invalid(format!("no rollout buffer for local rank {local}"))
+            })?;
+            let w = plan
+                .ranks
+                .get(st.tp_rank)
+                .ok_or_else(|| {
+                    CudaError::Invalid(format!("no weight offsets for TP rank {}", st.tp_rank))
+                })?
+                .clone();
+            if plan.fp8_max > 0 {
+                if st.fp8.is_none() {
+                    st.fp8 = Some(Fp8Kernels::load(ctx)?);
+                }
+                let need_x = GEMV_TOKENS * plan.fp8_max_cols as usize;
+                let need = 2 * plan.fp8_max as usize;
+                if let Some(room) = &st.room {
+                    let bytes = 4 * need_x as u64 + 2 * need as u64;
+                    room.order_for(ctx, &ctx.compute, bytes + ROOM_MARGIN_BYTES)?;
+                }
+                grow_scratch(ctx, &mut st.x32, need_x, "the fp8 activation scratch")?;
+                grow_scratch(ctx, &mut st.dequant, need, "the fp8 dequantisation scratch")?;
+                if st.fp8_compute == Fp8Compute::W8A8 && st.w8a8.is_none() {
+                    st.w8a8 = Some(W8a8Gemm::new(ctx)?);
+                }
+            }
+            let base = ptr(buf, &ctx.compute);
+            st.device_moe = DeviceExperts::bind(ctx, &w, base)?;
+            st.bind = Some(RankBind { base, w });
+            r.graphs.clear();
+            ctx.compute
+                .synchronize()
+                .map_err(ctx.drv("synchronizing", 0))?;
+            Ok(())
+        })?;
+        self.geo = Some(Geometry::of(plan));
+        Ok(())
+    }
+
+    /// Whether the bound weights came from a switch whose offload still frees memory on some
+    /// rank ([`RolloutBuffer::freeing`]).
+    pub fn allocates_into_freeing(&self) -> bool {
+        self.states().any(|st| st.room.is_some())
+    }
+
+    /// Sets how every rank's fp8 products compute; in W8A8 mode with fp8 weights bound, makes
+    /// each rank's block-scaled GEMM first (all or none: an error changes nothing).
+    pub fn set_fp8_compute(
+        &mut self,
+        pool: &ThreadRankPool,
+        compute: Fp8Compute,
+    ) -> Result<(), GpuDecodeError> {
+        if compute == Fp8Compute::W8A8 {
+            let mut made: Vec<Option<W8a8Gemm>> = self.ranks.iter().map(|_| None).collect();
+            let need: Vec<bool> = self
+                .states()
+                .map(|st| st.fp8.is_some() && st.bind.is_some() && st.w8a8.is_none())
+                .collect();
+            let locals = pool.local_ranks().to_vec();
+            pool.run_each(&mut made, &|ctx, slot| {
+                let local = locals.iter().position(|&r| r == ctx.rank).ok_or_else(|| {
+                    CudaError::Invalid(format!("rank {} is not a local rank", ctx.rank))
+                })?;
+                if need.get(local).copied().unwrap_or(false) {
+                    *slot = Some(W8a8Gemm::new(ctx)?);
+                }
+                Ok(())
+            })?;
+            for (st, m) in self.states_mut().zip(made) {
+                if m.is_some() {
+                    st.w8a8 = m;
+                }
+            }
+        }
+        for st in self.states_mut() {
+            st.fp8_compute = compute;
+        }
+        Ok(())
+    }
+
+    /// Forgets the weights and frees the KV cache (host side only: cannot fail). Frees are
+    /// stream-ordered on each rank's compute stream.
+    pub fn unbind(&mut self) {
+        for r in &mut self.ranks {
+            r.graphs.clear();
+            let st = &mut r.st;
+            st.bind = None;
+            st.cache = None;
+            st.dequant = None;
+            st.x32 = None;
+            st.w8a8 = None;
+            st.device_moe = None;
+            st.room = None;
+        }
+        self.geo = None;
+        self.lens.clear();
+        self.parts.clear();
+        self.cap = 0;
+    }
+
+    /// Keeps K and V as `kv` says from the next cache on (f32, bf16 or fp8, [`check_kv`]): drops
+    /// the cache and the sequences it holds (host side only).
+    pub fn set_kv_dtype(&mut self, kv: KvDtype) -> Result<(), GpuDecodeError> {
+        check_kv(kv, self.config.model.head_dim)?;
+        for st in self.states_mut() {
+            st.cache = None;
+            st.kv = kv;
+        }
+        self.lens.clear();
+        self.parts.clear();
+        if self.kv == KvMode::Grow {
+            self.cap = 0;
+        }
+        Ok(())
+    }
+
+    /// The element type of the KV cache.
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.states().next().map_or(KvDtype::F32, |st| st.kv)
+    }
+
+    /// Allocates the KV cache of `slots` sequences per replica × `cap` positions on every rank
+    /// (zeroed; needs the weights bound for the kv-head count), replacing any cache.
+    pub fn alloc_fixed(
+        &mut self,
+        pool: &ThreadRankPool,
+        slots: usize,
+        cap: usize,
+    ) -> Result<(), GpuDecodeError> {
+        let geo = self.geometry()?;
+        let len = kv_elements(
+            self.config.model.layers,
+            slots,
+            cap,
+            geo.kv_heads * kv_head_units(self.kv_dtype(), self.config.model.head_dim),
+        );
+        self.lens.clear();
+        self.parts.clear();
+        pool.run_each(&mut self.ranks, &|ctx, r| {
+            let st = &mut r.st;
+            st.cache = None;
+            st.cache = Some(alloc_zeros::<u16>(
+                &ctx.compute,
+                len,
+                ctx.rank,
+                "the KV cache",
+            )?);
+            ctx.compute
+                .synchronize()
+                .map_err(ctx.drv("synchronizing", 0))
+        })?;
+        self.kv = KvMode::Fixed { slots };
+        self.cap = cap;
+        Ok(())
+    }
+
+    /// Whether decode steps replay captured graphs (dropping every graph when off).
+    pub fn set_step_graphs(&mut self, on: bool) {
+        for r in &mut self.ranks {
+            r.graphs.enabled = on;
+            if !on {
+                r.graphs.clear();
+            }
+        }
+    }
+
+    /// Graphs captured and decode steps replayed from one, summed over the ranks.
+    pub fn graph_counts(&self) -> (usize, usize) {
+        self.ranks.iter().fold((0, 0), |(c, p), r| {
+            (c + r.graphs.captured, p + r.graphs.replayed)
+        })
+    }
+
+    /// Downloads that waited for the device, summed over the ranks.
+    pub fn host_waits(&self) -> usize {
+        self.states().map(|st| st.downloads.waits()).sum()
+    }
+
+    /// The time the host spent in those waits, on the rank that waited longest.
+    pub fn host_wait_time(&self) -> std::time::Duration {
+        self.states()
+            .map(|st| st.downloads.waited())
+            .max()
+            .unwrap_or_default()
+    }
+
+    /// Bytes of the KV cache on the rank that holds the most.
+    pub fn kv_bytes(&self) -> u64 {
+        self.states()
+            .map(|st| st.cache.as_ref().map_or(0, |c| 2 * c.len() as u64))
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn geometry(&self) -> Result<Geometry, GpuDecodeError> {
+        self.geo.ok_or_else(|| {
+            DecodeError::Usage("the decoder is not bound to rollout weights".into()).into()
+        })
+    }
+
+    /// Tokens in each sequence's cache.
+    pub fn lengths(&self) -> Vec<usize> {
+        self.lens.clone()
+    }
+
+    /// Cache slots per block for replica share `part` (the cache's layout).
+    fn slots(&self, part: &Range<usize>) -> usize {
+        match self.kv {
+            KvMode::Grow => part.len(),
+            KvMode::Fixed { slots } => slots,
+        }
+    }
+
+    /// Makes room for `needed` positions per sequence of each replica's share of the batch
+    /// (`self.parts`; `fresh`: a new batch, the old cache is dropped; otherwise the cache is
+    /// grown, its contents kept). A fixed cache is only checked.
+    fn reserve(
+        &mut self,
+        pool: &ThreadRankPool,
+        needed: usize,
+        fresh: bool,
+    ) -> Result<(), GpuDecodeError> {
+        if needed > MAX_CONTEXT {
+            return Err(DecodeError::Usage(format!(
+                "a sequence would hold {needed} tokens; the GPU decoder holds at most {MAX_CONTEXT}"
+            ))
+            .into());
+        }
+        if let KvMode::Fixed { slots } = self.kv {
+            let widest = self.parts.iter().map(Range::len).max().unwrap_or(0);
+            if needed > self.cap || widest > slots {
+                return Err(DecodeError::Usage(format!(
+                    "the KV cache holds {slots} sequences of {} positions per replica; this pass \
+                     needs {widest} of {needed}",
+                    self.cap
+                ))
+                .into());
+            }
+            return Ok(());
+        }
+        if !fresh && needed <= self.cap {
+            return Ok(());
+        }
+        let new_cap = if fresh {
+            (needed + 128).next_multiple_of(64).min(MAX_CONTEXT)
+        } else {
+            needed.max(self.cap * 2).min(MAX_CONTEXT)
+        };
+        let layers = self.config.model.layers;
+        let parts = &self.parts;
+        // the width of a position of one layer's k (or v), in the cache's 2-byte units
+        let w = (self.geometry()?.kv_heads
+            * kv_head_units(self.kv_dtype(), self.config.model.head_dim)) as u64;
+        let old_cap = self.cap as u64;
+        let waits = pool.run_each(&mut self.ranks, &|ctx, r| {
+            let st = &mut r.st;
+            let batch = parts.get(st.replica).map_or(0, Range::len);
+            let blocks = (layers * 2 * batch) as u64;
+            let len = (blocks * new_cap as u64 * w) as usize;
+            // Into memory an overlapped offload frees: after the frees that make room for the
+            // cache it will hold (the old one too while its rows are copied; bind's scratch).
+            let mut waited = 0;
+            if let Some(room) = &st.room {
+                let held = |c: &Option<CudaSlice<u16>>| c.as_ref().map_or(0, |c| 2 * c.len());
+                let scratch = st.x32.as_ref().map_or(0, |x| 4 * x.len())
+                    + st.dequant.as_ref().map_or(0, |d| 2 * d.len());
+                let old = if fresh { 0 } else { held(&st.cache) };
+                let need = (old + 2 * len + scratch) as u64 + ROOM_MARGIN_BYTES;
+                if fresh {
+                    st.cache = None;
+                }
+                waited = room.order_for(ctx, &ctx.compute, need)?.min(1);
+            }
+            let new = alloc_zeros::<u16>(&ctx.compute, len, ctx.rank, "the KV cache")?;
+            if let (false, true, Some(old)) = (fresh, blocks > 0, st.cache.as_ref()) {
+                let args = [
+                    Arg::U64(ptr(old, &ctx.compute)),
+                    Arg::U64(ptr(&new, &ctx.compute)),
+                    Arg::U64(blocks),
+                    Arg::U64(old_cap * w),
+                    Arg::U64(new_cap as u64 * w),
+                ];
+                let cfg = st.k.elementwise(blocks * old_cap * w);
+                // SAFETY: `old` holds blocks·old_cap·w units and `new` blocks·new_cap·w; both
+                // live on this stream until the copy ran (the old one is freed on the same
+                // stream after it).
+                unsafe {
+                    launch(
+                        &ctx.compute,
+                        &st.k.grow_blocks,
+                        cfg,
+                        &args,
+                        ctx.rank,
+                        "grow_blocks",
+                    )?
+                };
+            }
+            st.cache = Some(new);
+            Ok(waited)
+        })?;
+        self.room_waits += waits.iter().sum::<usize>();
+        self.cap = new_cap;
+        Ok(())
+    }
+
+    /// Runs one forward pass on every rank, `steps[r]` on the ranks of replica `r`; the logits
+    /// (`[m × vocab]`) or tokens of the whole batch, in sequence order.
+    fn forward(
+        &mut self,
+        pool: &ThreadRankPool,
+        steps: &[Step<'_>],
+    ) -> Result<StepOut, GpuDecodeError> {
+        let geo = self.geometry()?;
+        let c = &self.config;
+        let dims: Vec<Dims> = steps
+            .iter()
+            .map(|step| Dims {
+                n: step.tokens.len(),
+                m: step.logit_rows.len(),
+                h: c.model.hidden,
+                d: c.model.head_dim,
+                qh: geo.q_heads,
+                kvh: geo.kv_heads,
+                f: geo.ffn_part,
+                vocab: c.model.vocab,
+                part: geo.vocab_part,
+                tp: self.tp,
+                layers: c.model.layers,
+                eps: c.rms_norm_eps as f32,
+                group: c.model.heads / c.model.query_groups,
+                vocab_parallel: geo.vocab_parallel,
+                fused: geo.fused,
+                top_k: c.model.moe.map_or(0, |m| m.top_k),
+                norm_topk_prob: c.model.moe.is_some_and(|m| m.norm_topk_prob),
+            })
+            .collect();
+        let outs = pool.run_each(&mut self.ranks, &|ctx, r| {
+            let Rank { st, graphs } = r;
+            let (Some(step), Some(z)) = (steps.get(st.replica), dims.get(st.replica)) else {
+                return Err(CudaError::Invalid(format!(
+                    "no forward pass for replica {} ({} given)",
+                    st.replica,
+                    steps.len()
+                )));
+            };
+            if step.tokens.is_empty() {
+                // a replica with no sequences of this batch
+                return Ok(StepOut::Nothing);
+            }
+            rank_forward(ctx, st, graphs, z, step)
+        })?;
+        let wanted: usize = steps.iter().map(|s| s.logit_rows.len()).sum();
+        let out = match self.topology {
+            DecodeTopology::Group => outs
+                .into_iter()
+                .find(|o| !matches!(o, StepOut::Nothing))
+                .unwrap_or(StepOut::Nothing),
+            DecodeTopology::Replicas(_) => {
+                // replica order is sequence order: concatenate
+                let (mut logits, mut tokens) = (Vec::new(), Vec::new());
+                for o in outs {
+                    match o {
+                        StepOut::Logits(l) => logits.extend(l),
+                        StepOut::Tokens(t) => tokens.extend(t),
+                        StepOut::Nothing => {}
+                    }
+                }
+                match (logits.is_empty(), tokens.is_empty()) {
+                    (false, true) => StepOut::Logits(logits),
+                    (true, false) => StepOut::Tokens(tokens),
+                    (true, true) => StepOut::Nothing,
+                    (false, false) => {
+                        return Err(CudaError::Invalid(
+                            "replicas brought back both logits and tokens".into(),
+                        )
+                        .into())
+                    }
+                }
+            }
+        };
+        let got = match &out {
+            StepOut::Logits(l) => l.len(),
+            StepOut::Tokens(t) => t.len(),
+            StepOut::Nothing => 0,
+        };
+        if got != wanted && !matches!(out, StepOut::Nothing) {
+            return Err(CudaError::Invalid(format!(
+                "the forward pass brought back {got} rows for {wanted} wanted"
+            ))
+            .into());
+        }
+        Ok(out)
+    }
+
+    /// Sets the replicas' shares of a new batch of `batch` sequences.
+    fn split_batch(&mut self, batch: usize) {
+        let r = self.topology.replicas();
+        self.parts = (0..r).map(|k| replica_rows(batch, r, k)).collect();
+    }
+
+    /// Prefill of `prompts` (a new batch); `fork`: prompts equal to an earlier one of the same
+    /// replica are not run through the model but get a copy of its KV rows (only with
+    /// [`PrefillLogits::Last`]).
+    fn prefill_rows(
+        &mut self,
+        pool: &ThreadRankPool,
+        prompts: &[Vec<u32>],
+        which: PrefillLogits,
+        pick: Pick<'_>,
+        fork: bool,
+    ) -> Result<StepOut, GpuDecodeError> {
+        for (s, p) in prompts.iter().enumerate() {
+            if p.is_empty() {
+                return Err(DecodeError::Usage(format!(
+                    "prompt {s} is empty: every prompt needs at least one token"
+                ))
+                .into());
+            }
+            for &t in p {
+                self.config.check_token(s, t)?;
+            }
+        }
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        self.lens.clear();
+        self.split_batch(prompts.len());
+        self.reserve(pool, longest, true)?;
+        let mut steps = Vec::with_capacity(self.parts.len());
+        let mut wanted = 0usize;
+        for part in &self.parts {
+            let rows = PrefillRows::new(&prompts[part.clone()], which == PrefillLogits::All, fork);
+            let want = wanted..wanted + rows.logit_rows.len();
+            wanted = want.end;
+            steps.push(Step {
+                tokens: rows.tokens,
+                seqs: rows.seqs,
+                poss: rows.poss,
+                logit_rows: rows.logit_rows,
+                batch: self.slots(part),
+                cap: self.cap,
+                forks: rows.forks,
+                pick: pick.rows(want),
+                decode: false,
+            });
+        }
+        let out = self.forward(pool, &steps)?;
+        self.lens = prompts.iter().map(Vec::len).collect();
+        Ok(out)
+    }
+
+    fn decode_rows(
+        &mut self,
+        pool: &ThreadRankPool,
+        tokens: &[u32],
+        pick: Pick<'_>,
+    ) -> Result<StepOut, GpuDecodeError> {
+        if tokens.len() != self.lens.len() || self.lens.is_empty() {
+            return Err(DecodeError::Usage(format!(
+                "decode_step got {} tokens for a batch of {} sequences (call prefill first)",
+                tokens.len(),
+                self.lens.len()
+            ))
+            .into());
+        }
+        for (s, &t) in tokens.iter().enumerate() {
+            self.config.check_token(s, t)?;
+        }
+        let longest = self.lens.iter().copied().max().unwrap_or(0);
+        self.reserve(pool, longest + 1, false)?;
+        let steps: Vec<Step<'_>> = self
+            .parts
+            .iter()
+            .map(|part| {
+                let seqs: Vec<u32> = (0..part.len() as u32).collect();
+                Step {
+                    tokens: tokens[part.clone()].to_vec(),
+                    poss: self.lens[part.clone()].iter().map(|&l| l as u32).collect(),
+                    logit_rows: seqs.clone(),
+                    seqs,
+                    batch: self.slots(part),
+                    cap: self.cap,
+                    forks: Vec::new(),
+                    pick: pick.rows(part.clone()),
+                    decode: true,
+                }
+            })
+            .collect();
+        let out = self.forward(pool, &steps)?;
+        self.lens.iter_mut().for_each(|l| *l += 1);
+        Ok(out)
+    }
+
+    fn logits(out: StepOut) -> Result<Vec<Vec<f32>>, GpuDecodeError> {
+        match out {
+            StepOut::Logits(l) => Ok(l),
+            _ => Err(CudaError::Invalid("no rank returned logits".into()).into()),
+        }
+    }
+
+    fn tokens(out: StepOut) -> Result<Vec<u32>, GpuDecodeError> {
+        match out {
+            StepOut::Tokens(t) => Ok(t),
+            _ => Err(CudaError::Invalid("no rank returned tokens".into()).into()),
+        }
+    }
+
+    /// [`Decoder::prefill`].
+    pub fn prefill(
+        &mut self,
+        pool: &ThreadRankPool,
+        prompts: &[Vec<u32>],
+        which: PrefillLogits,
+    ) -> Result<Vec<Vec<f32>>, GpuDecodeError> {
+        let mut rows =
+            Self::logits(self.prefill_rows(pool, prompts, which, Pick::Logits, false)?)?
+                .into_iter();
+        match which {
+            PrefillLogits::Last => Ok(rows.collect()),
+            PrefillLogits::All => Ok(prompts
+                .iter()
+                .map(|p| rows.by_ref().take(p.len()).flatten().collect())
+                .collect()),
+        }
+    }
+
+    /// [`Decoder::decode_step`].
+    pub fn decode_step(
+        &mut self,
+        pool: &ThreadRankPool,
+        tokens: &[u32],
+    ) -> Result<Vec<Vec<f32>>, GpuDecodeError> {
+        Self::logits(self.decode_rows(pool, tokens, Pick::Logits)?)
+    }
+
+    /// [`Decoder::generate`] on the device (see [`GpuDecoder`]'s), prefilling each distinct
+    /// prompt of a replica once when `fork` is set.
+    pub fn generate(
+        &mut self,
+        pool: &ThreadRankPool,
+        prompts: &[Vec<u32>],
+        sampling: &Sampling,
+        fork: bool,
+    ) -> Result<Vec<Vec<u32>>, GpuDecodeError> {
+        let mut out: Vec<Vec<u32>> =
+            vec![Vec::with_capacity(sampling.max_new_tokens); prompts.len()];
+        if sampling.max_new_tokens == 0 || prompts.is_empty() {
+            return Ok(out);
+        }
+        let greedy = sampling.temperature <= 0.0;
+        let mut rngs: Vec<SplitMix64> = (0..prompts.len())
+            .map(|i| SplitMix64::from_keys(&[sampling.seed, i as u64]))
+            .collect();
+        let draw = |rngs: &mut [SplitMix64]| -> Vec<f32> {
+            if greedy {
+                Vec::new()
+            } else {
+                rngs.iter_mut().map(SplitMix64::next_f32).collect()
+            }
+        };
+        let temperature = sampling.temperature;
+        fn pick(greedy: bool, temperature: f32, u: &[f32]) -> Pick<'_> {
+            if greedy {
+                Pick::Argmax
+            } else {
+                Pick::Sample {
+                    temperature,
+                    uniforms: u,
+                }
+            }
+        }
+        let mut done = vec![false; prompts.len()];
+        let u = draw(&mut rngs);
+        let mut next = Self::tokens(self.prefill_rows(
+            pool,
+            prompts,
+            PrefillLogits::Last,
+            pick(greedy, temperature, &u),
+            fork,
+        )?)?;
+        for step in 0..sampling.max_new_tokens {
+            for ((o, d), &t) in out.iter_mut().zip(done.iter_mut()).zip(&next) {
+                if !*d {
+                    o.push(t);
+                    *d = sampling.stop_token == Some(t);
+                }
+            }
+            if step + 1 == sampling.max_new_tokens || done.iter().all(|&d| d) {
+                break;
+            }
+            let u = draw(&mut rngs);
+            next = Self::tokens(self.decode_rows(pool, &next, pick(greedy, temperature, &u))?)?;
+        }
+        Ok(out)
+    }
+}
+
+/// Makes `slot` a device scratch of at least `len` elements (kept when it is large enough).
+fn grow_scratch<T: lifecycle_cuda::cudarc::driver::DeviceRepr>(
+    ctx: &RankCtx,
+    slot: &mut Option<CudaSlice<T>>,
+    len: usize,
+    what: &str,
+) -> Result<(), CudaError> {
+    if slot.as_ref().is_none_or(|d| d.len() < len) {
+        *slot = None;
+        // SAFETY: a scratch: every kernel that reads it writes what it reads first (the join
+        // kernel its activation rows, the dequantisation its hi / lo rows).
+        *slot = Some(unsafe { lifecycle_cuda::alloc_device(&ctx.compute, len, ctx.rank, what)? });
+    }
+    Ok(())
+}
