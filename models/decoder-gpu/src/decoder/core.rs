@@ -1,5 +1,5 @@
-//! [`Core`]: what [`GpuDecoder`](super::GpuDecoder) and [`GpuEngine`](crate::GpuEngine) share:
-//! each rank's state and captured steps, the weights binding, the KV cache, and the passes.
+//! [`Core`]: what [`GpuDecoder`](super::GpuDecoder) and [`GpuEngine`](crate::GpuEngine) share: each
+//! rank's state and captured steps, the weights binding, the KV cache, and the passes.
 
 use std::cell::Cell;
 use std::ops::Range;
@@ -55,7 +55,8 @@ impl Geometry {
 /// How the KV cache is sized.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum KvMode {
-    /// Allocated per prefill for the batch at hand and grown while decoding ([`GpuDecoder`]).
+    /// Allocated per prefill for the batch at hand and grown while decoding
+    /// ([`GpuDecoder`](crate::GpuDecoder)).
     Grow,
     /// Allocated once for `slots` sequences per replica of `cap` positions ([`GpuEngine`]'s
     /// wake); a call that does not fit is an error.
@@ -64,9 +65,9 @@ pub(crate) enum KvMode {
     Fixed { slots: usize },
 }
 
-/// What [`GpuDecoder`] and [`GpuEngine`](crate::GpuEngine) share: per-rank handles, kernels and
-/// KV cache, the weights binding, and the passes. Every method that runs on the ranks takes the
-/// pool the ranks were created on.
+/// What [`GpuDecoder`](crate::GpuDecoder) and [`GpuEngine`](crate::GpuEngine) share: per-rank
+/// handles, kernels and KV cache, the weights binding, and the passes. Every method that runs on
+/// the ranks takes the pool the ranks were created on.
 pub(crate) struct Core {
     pub config: ModelConfig,
     ranks: Vec<Rank>,
@@ -736,7 +737,7 @@ impl Core {
         }
     }
 
-    /// [`Decoder::prefill`].
+    /// [`Decoder::prefill`](lifecycle_decoder::Decoder::prefill).
     pub fn prefill(
         &mut self,
         pool: &ThreadRankPool,
@@ -755,7 +756,7 @@ impl Core {
         }
     }
 
-    /// [`Decoder::decode_step`].
+    /// [`Decoder::decode_step`](lifecycle_decoder::Decoder::decode_step).
     pub fn decode_step(
         &mut self,
         pool: &ThreadRankPool,
@@ -764,8 +765,9 @@ impl Core {
         Self::logits(self.decode_rows(pool, tokens, Pick::Logits)?)
     }
 
-    /// [`Decoder::generate`] on the device (see [`GpuDecoder`]'s), prefilling each distinct
-    /// prompt of a replica once when `fork` is set.
+    /// [`Decoder::generate`](lifecycle_decoder::Decoder::generate) on the device (see
+    /// [`GpuDecoder`](crate::GpuDecoder)'s), prefilling each distinct prompt of a replica once when
+    /// `fork` is set.
     pub fn generate(
         &mut self,
         pool: &ThreadRankPool,

@@ -46,7 +46,7 @@ pub(crate) struct RankState {
     pub(crate) bind: Option<RankBind>,
     pub(crate) inv_freq: CudaSlice<f32>,
     /// `[layer][k | v][slot][cap][kv_heads]` heads of `kv` in 2-byte units
-    /// ([`kv_head_units`](crate::decoder::kv_head_units): an f32 element is two, an fp8 head
+    /// ([`kv_head_units`](crate::decoder::kv::kv_head_units): an f32 element is two, an fp8 head
     /// its e4m3 bytes and scale), `None` before the first prefill (or while an engine sleeps).
     pub(crate) cache: Option<CudaSlice<u16>>,
     /// The element type of the cache (checked by `check_kv` when set).

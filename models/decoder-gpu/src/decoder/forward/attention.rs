@@ -1,0 +1,239 @@
+//! A layer's attention: q / k / v products, rotary, the KV cache's write and read, the output
+//! product; and the KV forks of a pass.
+
+use lifecycle_cuda::cudarc::driver::LaunchConfig;
+use lifecycle_cuda::CudaError;
+use lifecycle_decoder::KvDtype;
+
+use super::{u32a, Capture, Pass};
+use crate::decoder::kv::kv_head_units;
+use crate::kernels::Arg;
+use crate::w8a8::Finish;
+
+impl<'a> Pass<'a> {
+    /// A position's width in one layer's K (or V) block, in the cache's 2-byte units.
+    fn kv_width(&self) -> usize {
+        self.z.kvh * kv_head_units(self.st.kv, self.z.d)
+    }
+
+    /// The addresses of layer `l`'s K and V cache blocks.
+    fn cache_blocks(&self, l: usize) -> (u64, u64) {
+        let layer = 2 * (self.step.batch * self.step.cap * self.kv_width()) as u64;
+        let kc = self.cache + (2 * l as u64) * layer;
+        (kc, kc + layer)
+    }
+
+    /// Layer `l`'s attention: input norm, q / k / v products (one fused GEMM or three), the
+    /// per-head norms of Qwen3, RoPE and the cache store, attention over the cache, the output
+    /// product and the residual.
+    pub(super) fn attention(&mut self, l: usize) -> Result<(), CudaError> {
+        let (z, rank) = (self.z, self.ctx.rank);
+        let (n, h, d, qh, kvh) = (z.n, z.h, z.d, z.qh, z.kvh);
+        let (qw, kvw) = (qh * d, kvh * d);
+        let lw = self.bind.w.layers[l];
+        let base = self.bind.base;
+        let (xs, y2) = (self.at(&self.sc.xs), self.at(&self.sc.y2));
+        let (q, kb, vb) = (
+            self.at(&self.sc.q),
+            self.at(&self.sc.k),
+            self.at(&self.sc.v),
+        );
+        let (kc, vc) = self.cache_blocks(l);
+        let (s, st, k) = (self.s(), self.st, &self.st.k);
+        let w8 = self.sc.w8a8.as_ref();
+        let first = if z.fused {
+            (lw.q_w, qw + 2 * kvw)
+        } else {
+            (lw.q_w, qw)
+        };
+        let quantised = self.norm_for(lw.input_norm, Some(first))?;
+        // SAFETY (every GEMM and launch below): the pass's addresses and sizes (its invariant).
+        unsafe {
+            if z.fused {
+                // one GEMM over [q; k; v] (k_w, v_w follow q_w in the fused tensor), then its
+                // column blocks
+                let ld = qw + 2 * kvw;
+                st.wgemm(
+                    s,
+                    base,
+                    lw.q_w,
+                    xs,
+                    y2,
+                    (ld, 2 * n, h),
+                    (w8, quantised),
+                    rank,
+                )?;
+                self.combine_cols(q, lw.q_b, (ld, 0, qw))?;
+                self.combine_cols(kb, lw.k_b, (ld, qw, kvw))?;
+                self.combine_cols(vb, lw.v_b, (ld, qw + kvw, kvw))?;
+            } else {
+                // each product into its buffer with its bias: by the W8A8 kernels themselves
+                // where they take them (the three in one launch where one kernel takes all),
+                // else by combine
+                let fin = |out, bias: Option<u64>| Finish {
+                    out,
+                    bias: bias.map(|b| self.wp(b)),
+                    res: None,
+                };
+                let prods = [
+                    (lw.q_w, qw, fin(q, lw.q_b)),
+                    (lw.k_w, kvw, fin(kb, lw.k_b)),
+                    (lw.v_w, kvw, fin(vb, lw.v_b)),
+                ];
+                let one = (w8, quantised);
+                if !st.wgemm_group(s, base, (&prods, false), xs, (2 * n, h), one, rank)? {
+                    for (i, (wm, width, f)) in prods.into_iter().enumerate() {
+                        let bias = [lw.q_b, lw.k_b, lw.v_b][i];
+                        let dims = (width, 2 * n, h);
+                        let again = quantised || i > 0;
+                        if !st.wgemm_to(s, base, wm, xs, y2, dims, (w8, again), Some(f), rank)? {
+                            self.combine_into(f.out, bias, width)?;
+                        }
+                    }
+                }
+            }
+            if let Some((qn, kn)) = lw.qk_norm {
+                for (buf, w, heads) in [(q, qn, n * qh), (kb, kn, n * kvh)] {
+                    let cfg = LaunchConfig {
+                        grid_dim: (heads.max(1) as u32, 1, 1),
+                        block_dim: (32 * d.div_ceil(32).clamp(1, 8) as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    let args = [
+                        Arg::U64(buf),
+                        Arg::U64(self.wp(w)),
+                        u32a(d),
+                        Arg::F32(z.eps),
+                    ];
+                    self.kernel(&k.head_norm, cfg, &args, "head_norm")?;
+                }
+            }
+            let args = [
+                Arg::U64(q),
+                Arg::U64(kb),
+                Arg::U64(vb),
+                Arg::U64(kc),
+                Arg::U64(vc),
+                Arg::U64(self.at(&self.sc.seqs)),
+                Arg::U64(self.at(&self.sc.poss)),
+                Arg::U64(self.at(&st.inv_freq)),
+                u32a(n),
+                u32a(qh),
+                u32a(kvh),
+                u32a(d),
+                u32a(self.step.cap),
+            ];
+            let (rope, cfg) = match st.kv {
+                KvDtype::F32 => (&k.rope_store, self.elementwise(n * (qh + kvh) * d / 2)),
+                KvDtype::Bf16 => (&k.rope_store_bf16, self.elementwise(n * (qh + kvh) * d / 2)),
+                // a warp per (row, head), 8 per block
+                KvDtype::Fp8 => (
+                    &k.rope_store_fp8,
+                    LaunchConfig {
+                        grid_dim: ((n * (qh + kvh)).div_ceil(8).max(1) as u32, 1, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    },
+                ),
+            };
+            self.kernel(rope, cfg, &args, "rope_store")?;
+            // 8 warps: the scores a position per warp, the weighted values in 256 / d groups;
+            // where o's tensor-core kernel reads a quantisation and a head is one group of 128
+            // inputs, the kernel also quantises its outputs (and the padded tokens' groups), and
+            // writes no split output (o reads only the quantisation)
+            let threads = 256;
+            let fused = (d == 128)
+                .then(|| self.fused_quant(lw.o_w, (h, qw)))
+                .flatten();
+            let (rows, out, quant) = match fused {
+                Some(qi) => {
+                    let [_, aq, asc, tok, grp, tiles] = qi.args(qw)?;
+                    (qi.padded(), 0, [aq, asc, tok, grp, tiles])
+                }
+                None => {
+                    let none = [Arg::U64(0), Arg::U64(0), u32a(0), u32a(0), u32a(0)];
+                    (n, xs, none)
+                }
+            };
+            let cfg = LaunchConfig {
+                grid_dim: ((rows * qh) as u32, 1, 1),
+                block_dim: (threads as u32, 1, 1),
+                shared_mem_bytes: ((d.max(threads) + self.step.cap) * 4) as u32,
+            };
+            let [aq, asc, tok, grp, tiles] = quant;
+            let args = [
+                Arg::U64(q),
+                Arg::U64(kc),
+                Arg::U64(vc),
+                Arg::U64(self.at(&self.sc.seqs)),
+                Arg::U64(self.at(&self.sc.poss)),
+                Arg::U64(out),
+                u32a(n),
+                u32a(qh),
+                u32a(kvh),
+                u32a(d),
+                u32a(self.step.cap),
+                u32a(self.bind.w.share.q_base),
+                u32a(z.group),
+                u32a(self.bind.w.share.kv_base),
+                Arg::F32(1.0 / (d as f32).sqrt()),
+                aq,
+                asc,
+                tok,
+                grp,
+                tiles,
+            ];
+            let attention = match st.kv {
+                KvDtype::F32 => &k.attention,
+                KvDtype::Bf16 => &k.attention_bf16,
+                KvDtype::Fp8 => &k.attention_fp8,
+            };
+            self.kernel(attention, cfg, &args, "attention")?;
+            if let Some(qi) = fused {
+                self.held(qi);
+            }
+            // SAFETY: o_w is h × qw; the pass's addresses and sizes (its invariant); with the
+            // quantisation fused, the scratch holds o's input (held above).
+            self.row_parallel(lw.o_w, qw, fused.is_some())
+        }
+    }
+
+    /// Forked sequences: their leaders' KV rows (every layer's k and v, positions 0..prompt
+    /// length) copied into their slots, ordered after the layers on this stream. The slots are
+    /// below `step.batch` and the lengths at most the prompt's, which `reserve` checked against
+    /// the cache's capacity: every copy stays inside the cache.
+    pub(super) fn fork_kv(&self) -> Result<(), CudaError> {
+        let step = self.step;
+        let forked = step.forks.len() / 3;
+        if forked == 0 {
+            return Ok(());
+        }
+        if self.capture == Capture::Capturing {
+            return Err(CudaError::Invalid(
+                "a captured pass cannot fork sequences (their table is uploaded per pass)".into(),
+            ));
+        }
+        let z = self.z;
+        let kvw = self.kv_width();
+        let longest = step.forks.chunks_exact(3).map(|f| f[2]).max().unwrap_or(0);
+        let fk = self
+            .s()
+            .clone_htod(&step.forks)
+            .map_err(self.ctx.drv("uploading KV forks", 0))?;
+        let blocks = 2 * z.layers;
+        let args = [
+            Arg::U64(self.cache),
+            Arg::U64(self.at(&fk)),
+            u32a(forked),
+            u32a(blocks),
+            u32a(step.batch),
+            u32a(step.cap),
+            u32a(kvw),
+            Arg::U32(longest),
+        ];
+        let cfg = self.elementwise(forked * blocks * longest as usize * kvw);
+        // SAFETY: the pass's cache and the forks' table just uploaded (kept alive until the
+        // stream ran: `fk` is dropped after the launch is queued, and frees are stream-ordered).
+        unsafe { self.kernel(&self.st.k.fork_kv, cfg, &args, "fork_kv") }
+    }
+}
