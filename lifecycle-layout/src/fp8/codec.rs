@@ -117,7 +117,7 @@ impl BlockQuantized {
     /// A block-scaled tensor from its parts: `data` (`rows × cols` e4m3 bytes, row-major) and
     /// one `scale_inv` per 128 × 128 block (row-major over the blocks). A rank's slice of a
     /// quantised tensor is one of these when the slice starts on block boundaries, which the
-    /// fp8 plan checks ([`fp8_rank_traffic`]). Sizes that disagree are
+    /// fp8 plan checks ([`fp8_rank_traffic`](super::fp8_rank_traffic)). Sizes that disagree are
     /// [`LayoutError::ValueCount`], naming `name`; so is a `scale_inv` that is not finite and
     /// positive.
     ///
