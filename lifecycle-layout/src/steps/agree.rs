@@ -105,7 +105,11 @@ impl AgreedQuantise {
     }
 }
 
-/// A rank's part in an fp8 switch at W > 1 (see the [module docs](self)).
+/// A rank's part in an fp8 switch at W > 1, where a 128 × 128 block may hold rows of several
+/// FSDP shards: each rank writes the partial amax of the rows it holds into a scale grid (one
+/// f32 per block, the same layout on every rank), the grids are agreed by one all-reduce by max
+/// and turned into `scale_inv`s, then each rank quantises its pieces with the agreed scales, so
+/// only e4m3 bytes cross the links.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Fp8Agree {
     /// f32 entries of the scale grid (the same on every rank).
