@@ -1,8 +1,8 @@
 //! A switch over GPU shards a trainer owns (PyTorch FSDP2's per-parameter `to_local()` shards),
-//! lent by address with the trainer's stream: [`LentFsdpBackend`] reads them in place, and
-//! what an offload moves is released and restored by its owner
-//! ([`LentOffload`](lifecycle_cuda::driver::LentOffload)). The shards may move between
-//! switches (a restored storage gets a new address): the switch lends them again when they did.
+//! lent by address with the trainer's stream: [`LentFsdpBackend`] reads them in place, and what
+//! an offload moves is released and restored by its owner ([`LentOffload`]). The shards may move
+//! between switches (a restored storage gets a new address): the switch lends them again when
+//! they did.
 
 use std::sync::Arc;
 use std::time::Instant;

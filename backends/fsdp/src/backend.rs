@@ -260,8 +260,8 @@ impl FsdpBackend {
     /// Sets the rollout weights' dtype (bf16 by default). With [`RolloutDtype::Fp8`] the
     /// matrices ([`lifecycle_layout::fp8::keeps_bf16`] false) are quantised in enter and refresh
     /// from the fp32 masters to block-scaled e4m3, into the same rollout buffer (fp8
-    /// [`RolloutEntry`] places), bit-identical to `lifecycle_host::fp8::fp8_switch`. At W > 1
-    /// the ranks agree each block's scale first (partial amaxes, an all-reduce by max, or a
+    /// [`RolloutEntry`](lifecycle_layout::RolloutEntry) places), bit-identical to
+    /// `lifecycle_host::fp8::fp8_switch`. At W > 1 the ranks agree each block's scale first (partial amaxes, an all-reduce by max, or a
     /// meeting of the ranks sharing a GPU) and only e4m3 bytes cross the links. `plan` refuses
     /// non-finite masters, and shard splits that would move an odd byte count, before anything
     /// moves.

@@ -47,7 +47,10 @@ pub struct LentParts {
     pub stream: Option<LentStream>,
 }
 
-/// An FSDP training state of lent buffers (see the [module docs](self)).
+/// An FSDP training state of lent buffers: each rank's flat fp32 master shards (and the buffers
+/// an offload may move) as a caller's device addresses, with its stream
+/// ([`LentRank`]); switched by [`LentFsdpBackend`] with the plans, driver and rollout buffers of
+/// [`FsdpBackend`]'s own state.
 pub struct LentFsdpState {
     layout: Arc<FsdpLayout>,
     shards: ShardLayout,

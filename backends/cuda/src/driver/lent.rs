@@ -127,7 +127,9 @@ enum SourceSlice {
     Bf16(Borrowed<bf16>),
 }
 
-/// One lent buffer an offload may move. See the [module docs](self).
+/// One lent buffer an offload may move: the driver copies it into its pinned pool, then asks the
+/// owner ([`LentMemory`]) to release the device memory, and to give it back (perhaps at another
+/// address) before the reload.
 pub struct LentOffload {
     name: &'static str,
     class: BufferClass,
@@ -261,7 +263,9 @@ impl Offloadable for LentOffload {
 }
 
 /// One rank's training buffers lent by a caller: the source the plan reads in place, the
-/// buffers an offload may move, and the caller's stream. See the [module docs](self).
+/// buffers an offload may move, and the caller's stream. The driver reads the source in place;
+/// work queued on the caller's stream before a switch is awaited by the switch's streams, and
+/// the caller's stream waits for the switch's work.
 pub struct LentRank {
     source: SourceSlice,
     /// With [`LentSource::F32Tensors`]: each tensor's first element from the source's base.
