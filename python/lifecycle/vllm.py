@@ -9,6 +9,14 @@ when there are fewer kv heads than ranks), its bias (Qwen2), ``o_proj``, the q/k
 the MLP (``gate_up_proj`` and ``down_proj``, or the router ``gate`` and the experts'
 ``w13_weight`` / ``w2_weight``), then the two norms; the vocabulary padded to a multiple of 64
 and split evenly; a tied head not listed.
+
+fp8 rollouts come as vLLM's block-fp8 parameters (``Fp8Config``, ``weight_block_size`` [128,
+128], float32 scales as on Hopper): each quantised matrix's ``weight`` (e4m3), then its
+``weight_scale_inv`` ``[ceil(N/128), ceil(K/128)]`` (before a bias); FusedMoE's ``w13_weight``
+and ``w2_weight``, then their scales. The router ``mlp.gate`` stays bf16, as the rollout keeps it
+(Qwen's fp8 checkpoints list it in ``ignored_layers``). A fused tensor is its parts' bytes and
+scales stacked, exact where every part but the last fills whole 128-row blocks (then vLLM's
+block grid over the fused rows is the parts' grids); a part that does not is refused by name.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ import json
 from typing import Any, Iterator
 
 VOCAB_PADDING = 64
+# rows and columns of one fp8 scale block
+BLOCK = 128
 
 
 def _config(config: Any) -> dict:
@@ -92,10 +102,65 @@ class _Shape:
         return range(g, g + 1)
 
 
-def vllm_names(config: Any, tp: int = 1, *, experts: str = "tp") -> list[tuple[str, list[int]]]:
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def vllm_names(
+    config: Any, tp: int = 1, *, experts: str = "tp", dtype: str = "bf16"
+) -> list[tuple[str, list[int]]]:
     """vLLM's runtime parameters of ``config`` (a Hugging Face config, dict or JSON) on one
     rank at tensor-parallel degree ``tp``, in ``named_parameters()`` order: ``(name, shape)``.
-    ``experts="ep"`` places whole experts on the ranks (``enable_expert_parallel``)."""
+    ``experts="ep"`` places whole experts on the ranks (``enable_expert_parallel``).
+    ``dtype="fp8"``: vLLM's block-fp8 parameters (the module's docs), raising
+    :class:`ConfigError` where vLLM's block checks refuse the degree (a row-parallel input or an
+    expert's width per rank that is not a multiple of 128)."""
+    from ._lifecycle import ConfigError
+
+    if dtype not in ("bf16", "fp8"):
+        raise ConfigError(f'vLLM names: dtype `{dtype}`: expected "bf16" or "fp8"')
+    names = _bf16_names(config, tp, experts)
+    if dtype == "bf16":
+        return names
+    out: list[tuple[str, list[int]]] = []
+    pending: list[tuple[str, list[int]]] = []
+    for name, shape in names:
+        out.append((name, shape))
+        if name.endswith("experts.w13_weight") or name.endswith("experts.w2_weight"):
+            e_local, rows, cols = shape
+            inner = cols if name.endswith("w2_weight") else rows // 2
+            if inner % BLOCK:
+                raise ConfigError(
+                    f"vLLM fp8: {name}: an expert's width per rank {inner} is not a multiple of "
+                    f"{BLOCK} at T={tp}, which vLLM's FusedMoE refuses"
+                )
+            pending.append((name + "_scale_inv", [e_local, _blocks(rows), _blocks(cols)]))
+            if name.endswith("w2_weight"):
+                out.extend(pending)
+                pending = []
+        elif _quantised(name, shape):
+            rows, cols = shape
+            if tp > 1 and (name.endswith("o_proj.weight") or name.endswith("down_proj.weight")):
+                if cols % BLOCK:
+                    raise ConfigError(
+                        f"vLLM fp8: {name}: a row-parallel input of {cols} per rank is not a "
+                        f"multiple of {BLOCK} at T={tp}, which vLLM refuses"
+                    )
+            out.append((_scale_name(name), [_blocks(rows), _blocks(cols)]))
+    return out
+
+
+def _quantised(name: str, shape: list[int]) -> bool:
+    """Whether an fp8 rollout quantises vLLM's parameter ``name``: the matrices but the
+    embedding, the head and the router (the rollout's exemptions, as its ``keeps_bf16``)."""
+    return (
+        len(shape) >= 2
+        and name not in ("model.embed_tokens.weight", "lm_head.weight")
+        and not name.endswith("mlp.gate.weight")
+    )
+
+
+def _bf16_names(config: Any, tp: int, experts: str) -> list[tuple[str, list[int]]]:
     s = _Shape(_config(config), tp, experts == "ep")
     out: list[tuple[str, list[int]]] = [("model.embed_tokens.weight", [s.vocab_local, s.h])]
     qkv = (s.q_local + 2 * s.kv_local) * s.hd
@@ -128,10 +193,16 @@ def _is_torch(t) -> bool:
     return type(t).__module__.startswith("torch")
 
 
+def _float8(t) -> bool:
+    return t.dtype.itemsize == 1 and t.dtype.is_floating_point
+
+
 def _cat(parts):
     if _is_torch(parts[0]):
         import torch
 
+        if _float8(parts[0]):  # e4m3 bytes moved as bytes: exact, whatever cat supports
+            return torch.cat([p.view(torch.uint8) for p in parts]).view(parts[0].dtype)
         return torch.cat(parts)
     import numpy as np
 
@@ -142,6 +213,8 @@ def _stack(parts):
     if _is_torch(parts[0]):
         import torch
 
+        if _float8(parts[0]):
+            return torch.stack([p.view(torch.uint8) for p in parts]).view(parts[0].dtype)
         return torch.stack(parts)
     import numpy as np
 
@@ -181,10 +254,56 @@ def _vocab_shard(name: str, t, s: _Shape, rank: int):
     return _cat([rows, _zero_rows(rows, pad)])
 
 
+def _scale_name(weight: str) -> str:
+    return weight[: -len("weight")] + "weight_scale_inv"
+
+
+class _Part:
+    """Rows ``lo..hi`` of the rollout tensor ``name``, with its fp8 scales where it has them."""
+
+    def __init__(self, hf: dict, name: str, lo: int = 0, hi: int | None = None):
+        self.name, self.t = name, hf[name]
+        self.lo, self.hi = lo, self.t.shape[0] if hi is None else hi
+        self.scales = hf.get(_scale_name(name)) if name.endswith("weight") else None
+
+    def rows(self):
+        return self.t[self.lo : self.hi]
+
+
+def _fused(fused: str, parts: list[_Part]):
+    """The parts' rows stacked into vLLM's fused tensor ``fused``, and its scales: ``None`` for
+    bf16 parts; for fp8 parts their scale rows stacked, which is vLLM's block grid over the
+    fused rows only where every part but the last fills whole 128-row blocks (refused
+    otherwise, naming the part)."""
+    from ._lifecycle import ConfigError
+
+    fp8 = [p.scales is not None for p in parts]
+    t = _cat([p.rows() for p in parts])
+    if not any(fp8):
+        return t, None
+    if not all(fp8):
+        raise ConfigError(
+            f"{fused}: its parts are fp8 and bf16 ({', '.join(p.name for p in parts)}): vLLM "
+            "quantises a fused tensor whole (keep all of them bf16, or none)"
+        )
+    scales = []
+    for i, p in enumerate(parts):
+        whole = p.hi if i == len(parts) - 1 and p.hi == p.t.shape[0] else p.hi - p.hi % BLOCK
+        if p.lo % BLOCK or whole != p.hi:
+            raise ConfigError(
+                f"{fused}: fp8 rows {p.lo}..{p.hi} of {p.name} do not fill whole {BLOCK}-row "
+                "blocks, so vLLM's block grid over the fused rows mixes them with the next part: "
+                'use format="hf" (each tensor with its own scales) or a rollout that keeps it bf16'
+            )
+        scales.append(p.scales[p.lo // BLOCK : _blocks(p.hi)])
+    return t, _cat(scales)
+
+
 def vllm_tensors(config: Any, hf: dict, tp: int, rank: int) -> Iterator[tuple[str, Any]]:
     """The rollout tensors of one rank (``hf``: rollout names → torch tensors or numpy arrays)
     as vLLM's runtime parameters: fused ones concatenated (new tensors), the others as they
-    are."""
+    are; an fp8 matrix followed by its ``weight_scale_inv`` (stacked for a fused one), as
+    ``vllm_names(..., dtype="fp8")`` lists them."""
     from ._lifecycle import ConfigError
 
     c = _config(config)
@@ -201,21 +320,23 @@ def vllm_tensors(config: Any, hf: dict, tp: int, rank: int) -> Iterator[tuple[st
         )
         experts = "ep" if tp > 1 and len(held) * tp == c.get("num_experts", 0) else "tp"
     s = _Shape(c, tp, experts == "ep")
+    moe_scales: list[tuple[str, Any]] = []
     for name, shape in vllm_names(c, tp, experts=experts):
         p, _, suffix = name.rpartition("mlp.") if ".mlp." in name else name.rpartition("self_attn.")
+        scale = None
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             t = _vocab_shard(name, hf[name], s, rank)
         elif name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
             kind = "weight" if name.endswith("weight") else "bias"
-            parts = [hf[f"{p}self_attn.{x}_proj.{kind}"] for x in "qkv"]
-            q, k, v = parts
-            if k.shape[0] != s.kv_local * s.hd:  # kv heads replicated: keep this rank's
+            parts = [_Part(hf, f"{p}self_attn.{x}_proj.{kind}") for x in "qkv"]
+            if parts[1].t.shape[0] != s.kv_local * s.hd:  # kv heads replicated: keep this rank's
                 heads = s.kv_head(rank)
-                k = k[heads.start * s.hd : heads.stop * s.hd]
-                v = v[heads.start * s.hd : heads.stop * s.hd]
-            t = _cat([q, k, v])
+                for part in parts[1:]:
+                    part.lo, part.hi = heads.start * s.hd, heads.stop * s.hd
+            t, scale = _fused(name, parts)
         elif name.endswith("gate_up_proj.weight"):
-            t = _cat([hf[f"{p}mlp.gate_proj.weight"], hf[f"{p}mlp.up_proj.weight"]])
+            parts = [_Part(hf, f"{p}mlp.{x}_proj.weight") for x in ("gate", "up")]
+            t, scale = _fused(name, parts)
         elif name.endswith("experts.w13_weight") or name.endswith("experts.w2_weight"):
             ids = sorted(
                 {
@@ -224,18 +345,24 @@ def vllm_tensors(config: Any, hf: dict, tp: int, rank: int) -> Iterator[tuple[st
                     if n.startswith(p + "mlp.experts.")
                 }
             )
+            ex = lambda e, x: _Part(hf, f"{p}mlp.experts.{e}.{x}_proj.weight")  # noqa: E731
             if name.endswith("w13_weight"):
-                per = [
-                    _cat(
-                        [hf[f"{p}mlp.experts.{e}.gate_proj.weight"], hf[f"{p}mlp.experts.{e}.up_proj.weight"]]
-                    )
-                    for e in ids
-                ]
+                per = [_fused(name, [ex(e, "gate"), ex(e, "up")]) for e in ids]
             else:
-                per = [hf[f"{p}mlp.experts.{e}.down_proj.weight"] for e in ids]
-            t = _stack(per)
+                per = [_fused(name, [ex(e, "down")]) for e in ids]
+            t = _stack([w for w, _ in per])
+            if per and per[0][1] is not None:
+                moe_scales.append((name + "_scale_inv", _stack([sc for _, sc in per])))
         else:
             t = hf[name]
+            if name.endswith("weight"):
+                scale = hf.get(_scale_name(name))
         if list(t.shape) != shape:
             raise ConfigError(f"{name}: built shape {list(t.shape)}, vLLM's is {shape}")
         yield name, t
+        if scale is not None:
+            yield _scale_name(name), scale
+        if name.endswith("experts.w2_weight"):
+            # FusedMoE registers both weights, then both scales
+            yield from moe_scales
+            moe_scales = []

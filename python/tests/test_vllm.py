@@ -7,7 +7,7 @@ import pytest
 
 import lifecycle
 from lifecycle import ConfigError, Switch
-from support import bf16_bits
+from support import bf16_bits, block_scales, e4m3_values
 
 QWEN2_KV1 = {
     "model_type": "qwen2", "vocab_size": 128, "hidden_size": 16, "num_hidden_layers": 1,
@@ -124,4 +124,98 @@ def test_a_vocabulary_split_unlike_vllms_is_refused_by_name():
     switch = Switch.from_arrays(config, arrays(config), world=2, rollout_tp=2)
     with switch.rollout() as w:
         with pytest.raises(ConfigError, match="model.embed_tokens.weight.*rows 0..64"):
+            dict(w.named_arrays("vllm"))
+
+
+# fp8: every part of a fused tensor fills whole 128-row blocks (head_dim 128)
+QWEN2_FP8 = {
+    "model_type": "qwen2", "vocab_size": 128, "hidden_size": 256, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 256,
+    "rope_theta": 10000.0, "tie_word_embeddings": False,
+}
+QWEN3_MOE_FP8 = {
+    "model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 128,
+    "intermediate_size": 256, "rope_theta": 10000.0, "num_experts": 4,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 128, "mlp_only_layers": [0],
+    "tie_word_embeddings": True,
+}
+
+
+def test_fp8_vllm_names_match_vllms_model_source_with_the_router_bf16():
+    fixture = json.load(open(__file__.rsplit("/", 1)[0] + "/fixtures/vllm_runtime_names.json"))
+    checked = refused = 0
+    for case in fixture["cases"]:
+        if case["quant"] != "fp8_block128":
+            continue
+        cfg = dict(fixture["configs"][case["config"]]["hf_config"])
+        cfg["architectures"] = [case["architecture"]]
+        tp, experts = case["tensor_parallel_size"], "ep" if case["enable_expert_parallel"] else "tp"
+        if not case["valid"]:
+            with pytest.raises(ConfigError, match="not a multiple of 128"):
+                lifecycle.vllm_names(cfg, tp, experts=experts, dtype="fp8")
+            refused += 1
+            continue
+        got = lifecycle.vllm_names(cfg, tp, experts=experts, dtype="fp8")
+        # the fixture quantises the router (ignored_layers=[]); the rollout keeps it bf16, as
+        # Qwen's fp8 checkpoints list it in ignored_layers
+        want = [[n, s] for n, s in case["params"] if not n.endswith("mlp.gate.weight_scale_inv")]
+        assert [list(x) for x in got] == want, case["id"]
+        checked += 1
+    assert (checked, refused) == (14, 8)
+    with pytest.raises(ConfigError, match='dtype `int8`: expected "bf16" or "fp8"'):
+        lifecycle.vllm_names(QWEN2_FP8, dtype="int8")
+
+
+@pytest.mark.parametrize(
+    "config,tp,experts",
+    [(QWEN2_FP8, 1, "tp"), (QWEN2_FP8, 2, "tp"), (QWEN3_MOE_FP8, 1, "tp"),
+     (QWEN3_MOE_FP8, 2, "ep")],
+)
+def test_fp8_vllm_format_is_vllms_block_grid_of_the_masters(config, tp, experts):
+    params = arrays(config)
+    full = dict(params)
+    switch = Switch.from_arrays(
+        config, params, world=2, rollout_tp=tp, experts=experts, dtype="fp8"
+    )
+    names = lifecycle.vllm_names(config, tp, experts=experts, dtype="fp8")
+    for rank in range(tp):
+        with switch.rollout() as w:
+            got = {n: np.array(a) for n, a in w.named_arrays("vllm", rank)}
+        want = expected(config, full, tp, rank, experts)
+        assert [(n, list(got[n].shape)) for n in got] == [(n, s) for n, s in names]
+        fp8 = [n for n in got if n + "_scale_inv" in got]
+        assert len(fp8) == (4 if config is QWEN2_FP8 else 8), fp8
+        for n in got:
+            if n.endswith("_scale_inv"):
+                continue
+            if n not in fp8:
+                np.testing.assert_array_equal(got[n], bf16_bits(want[n]), err_msg=n)
+                continue
+            assert got[n].dtype == np.uint8 and got[n + "_scale_inv"].dtype == np.float32, n
+            x = want[n] if want[n].ndim == 3 else want[n][None]
+            q = got[n].reshape(x.shape)
+            blocks = (x.shape[0], -(-x.shape[1] // 128), -(-x.shape[2] // 128))
+            s = got[n + "_scale_inv"].reshape(blocks)
+            for e in range(x.shape[0]):
+                # the scales are the block formula over vLLM's fused rows of the masters
+                np.testing.assert_array_equal(s[e], block_scales(x[e]), err_msg=f"{n} [{e}]")
+                # and each byte is its master within e4m3's half step
+                deq = e4m3_values(q[e]) * np.repeat(np.repeat(s[e], 128, 0), 128, 1)[
+                    : x.shape[1], : x.shape[2]
+                ]
+                err = np.abs(deq - x[e])
+                assert (err <= np.abs(x[e]) / 16 + 2.0**-10 * s[e].max()).all(), n
+
+
+def test_fp8_parts_that_share_a_block_of_the_fused_grid_are_refused_by_name():
+    # head_dim 64: k and v hold 64 rows each, which vLLM's fused grid would put in one block
+    config = {**QWEN2_FP8, "num_attention_heads": 4}
+    switch = Switch.from_arrays(config, arrays(config), dtype="fp8")
+    with switch.rollout() as w:
+        hf = dict(w.named_arrays("hf"))
+        assert "model.layers.0.self_attn.k_proj.weight_scale_inv" in hf
+        with pytest.raises(
+            ConfigError, match=r"qkv_proj.weight: fp8 rows 0..64 of model.layers.0.self_attn.k_proj"
+        ):
             dict(w.named_arrays("vllm"))

@@ -168,3 +168,35 @@ def test_vllm_format_has_vllms_names_and_shapes():
         assert not emb[1000:].any()
         del hf, v, qkv, parts, emb
     assert [tuple(x) for x in got] == [(n, s) for n, s in want]
+
+
+def host_bits(t):
+    """A rollout tensor as the host switch's arrays hold it: bf16 as uint16, e4m3 as uint8."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).cpu().numpy().view(np.uint16)
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).cpu().numpy()
+    return t.cpu().numpy()
+
+
+def test_fp8_vllm_format_on_the_gpu_is_the_host_executors():
+    # head_dim 128 (2 heads of 256), 1 kv head: every part of qkv_proj fills whole blocks
+    config = qwen2_config(num_attention_heads=2, num_key_value_heads=1)
+    model = fsdp2_model(config, seed=6)
+    gpu = lifecycle.Switch.from_fsdp2(model, dtype="fp8")
+    host = lifecycle.Switch.from_arrays(
+        config,
+        [(n, p.full_tensor().detach().cpu().numpy()) for n, p in model.named_parameters()],
+        dtype="fp8",
+    )
+    with gpu.rollout() as w:
+        g = [(n, t) for n, t in w.named_tensors("vllm")]
+        fp8 = {n for n, t in g if t.dtype == torch.float8_e4m3fn}
+        g = [(n, host_bits(t)) for n, t in g]
+    with host.rollout() as w:
+        c = [(n, np.array(a)) for n, a in w.named_arrays("vllm")]
+    assert [n for n, _ in g] == [n for n, _ in c]
+    assert [n for n, _ in g] == [n for n, _ in lifecycle.vllm_names(config, 1, dtype="fp8")]
+    assert "model.layers.0.self_attn.qkv_proj.weight" in fp8
+    for (n, a), (_, b) in zip(g, c):
+        np.testing.assert_array_equal(a, b, err_msg=n)
