@@ -133,15 +133,20 @@ def test_hugging_face_generates_what_the_engine_generates():
     assert ours == theirs
 
 
-def test_fp8_tensors_equal_the_reference_executors():
-    config = qwen2_config(hidden_size=256, intermediate_size=512)
-    model = fsdp2_model(config, seed=5)
+def fp8_switches(config, seed):
+    """An fp8 switch over an FSDP2 model's shards, and the host switch of its full tensors."""
+    model = fsdp2_model(config, seed=seed)
     gpu = lifecycle.Switch.from_fsdp2(model, dtype="fp8")
     host = lifecycle.Switch.from_arrays(
         config,
         [(n, p.full_tensor().detach().cpu().numpy()) for n, p in model.named_parameters()],
         dtype="fp8",
     )
+    return gpu, host
+
+
+def test_fp8_tensors_equal_the_reference_executors():
+    gpu, host = fp8_switches(qwen2_config(hidden_size=256, intermediate_size=512), seed=5)
     with gpu.rollout() as w:
         g = {h.name: torch.from_dlpack(h.bits()).cpu().numpy().copy() for h in w.handles()}
     with host.rollout() as w:
@@ -182,13 +187,7 @@ def host_bits(t):
 def test_fp8_vllm_format_on_the_gpu_is_the_host_executors():
     # head_dim 128 (2 heads of 256), 1 kv head: every part of qkv_proj fills whole blocks
     config = qwen2_config(num_attention_heads=2, num_key_value_heads=1)
-    model = fsdp2_model(config, seed=6)
-    gpu = lifecycle.Switch.from_fsdp2(model, dtype="fp8")
-    host = lifecycle.Switch.from_arrays(
-        config,
-        [(n, p.full_tensor().detach().cpu().numpy()) for n, p in model.named_parameters()],
-        dtype="fp8",
-    )
+    gpu, host = fp8_switches(config, seed=6)
     with gpu.rollout() as w:
         g = [(n, t) for n, t in w.named_tensors("vllm")]
         fp8 = {n for n, t in g if t.dtype == torch.float8_e4m3fn}
