@@ -128,6 +128,7 @@ impl GpuSwitch {
         let backend = FsdpBackend::new(pool, rollout)
             .with_verification(false)
             .with_rollout_dtype(settings.dtype)
+            .with_fp8_keep(settings.fp8_keep)
             .lending()
             .map_err(BridgeError::backend)?;
         Ok(GpuSwitch {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Switching};
 use lifecycle_host::HostBackend;
-use lifecycle_layout::fp8::RolloutDtype;
+use lifecycle_layout::fp8::{Fp8Keep, RolloutDtype};
 use lifecycle_layout::{ExpertPlacement, HostTensor};
 use lifecycle_state::HostTrainState;
 
@@ -25,6 +25,8 @@ pub struct SwitchSettings {
     pub tp: usize,
     /// Rollout dtype.
     pub dtype: RolloutDtype,
+    /// Which matrices an fp8 rollout keeps bf16 beyond the published exemptions.
+    pub fp8_keep: Fp8Keep,
     /// Where the experts of a mixture-of-experts model go.
     pub experts: ExpertPlacement,
     /// What the switch moves out of device memory during rollout, and when it leaves rollout.
@@ -39,6 +41,7 @@ impl SwitchSettings {
             world,
             tp,
             dtype: RolloutDtype::Bf16,
+            fp8_keep: Fp8Keep::default(),
             experts: ExpertPlacement::TensorParallel,
             lifecycle: LifecycleConfig {
                 switching: Switching::Lazy,
@@ -73,7 +76,9 @@ impl HostSwitch {
     /// A switch for `binding`'s model over `settings.world` ranks, nothing read yet.
     pub fn new(binding: ModelBinding, settings: SwitchSettings) -> Result<Self, BridgeError> {
         let rollout = binding.rollout_layout(settings.tp, settings.experts)?;
-        let backend = HostBackend::new(rollout).with_rollout_dtype(settings.dtype);
+        let backend = HostBackend::new(rollout)
+            .with_rollout_dtype(settings.dtype)
+            .with_fp8_keep(settings.fp8_keep);
         let zeros = binding
             .names()
             .iter()

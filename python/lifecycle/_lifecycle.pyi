@@ -48,6 +48,7 @@ class _Switch:
         switching: str,
         device: str,
         gpu: int = 0,
+        fp8_keep: str = "none",
     ) -> None: ...
     def enter(
         self,

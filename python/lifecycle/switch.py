@@ -44,7 +44,13 @@ class Switch:
     """Training tensors a trainer owns, switched lazily into the rollout layout.
 
     Build it with :meth:`from_fsdp2` (a PyTorch module wrapped in FSDP2) or :meth:`from_shards`
-    / :meth:`from_arrays` (host arrays, on the CPU reference backend)."""
+    / :meth:`from_arrays` (host arrays, on the CPU reference backend).
+
+    Settings (keywords of every constructor): ``rollout_tp`` (T); ``dtype`` ``"bf16"`` or
+    ``"fp8"`` (block-scaled e4m3 matrices, quantised from the fp32 masters in the switch; the
+    embedding, head, norms and router stay bf16); ``fp8_keep``, for an fp8 rollout, more
+    matrices kept bf16: comma-separated ``attention`` and ``layer:N`` (``"none"`` by default);
+    ``experts`` ``"tp"`` or ``"ep"``; ``offload``; ``switching`` ``"lazy"`` or ``"eager"``."""
 
     def __init__(
         self,
@@ -54,6 +60,7 @@ class Switch:
         world: int,
         rollout_tp: int = 1,
         dtype: str = "bf16",
+        fp8_keep: str = "none",
         experts: str = "tp",
         offload: str = "none",
         switching: str = "lazy",
@@ -83,6 +90,7 @@ class Switch:
             switching=switching,
             device=device,
             gpu=_current_gpu() if device == "cuda" else 0,
+            fp8_keep=fp8_keep,
         )
         self._dtype = dtype
         self._eager = switching == "eager"
@@ -138,6 +146,7 @@ class Switch:
         *,
         rollout_tp: int = 1,
         dtype: str = "bf16",
+        fp8_keep: str = "none",
         experts: str = "tp",
         offload: str = "none",
         optimizer=None,
@@ -169,6 +178,7 @@ class Switch:
             world=world,
             rollout_tp=rollout_tp,
             dtype=dtype,
+            fp8_keep=fp8_keep,
             experts=experts,
             offload=offload,
             switching=switching,

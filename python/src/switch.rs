@@ -14,7 +14,7 @@ use lifecycle_cuda::ThreadRankPool;
 use lifecycle_decoder::KvDtype;
 use lifecycle_decoder::Sampling;
 use lifecycle_decoder_gpu::EngineSettings;
-use lifecycle_layout::fp8::{Fp8Compute, RolloutDtype};
+use lifecycle_layout::fp8::{Fp8Compute, Fp8Keep, RolloutDtype};
 use lifecycle_layout::ExpertPlacement;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -45,6 +45,26 @@ fn parse<T: std::str::FromStr<Err = String>>(what: &str, value: &str) -> Result<
     value
         .parse()
         .map_err(|e: String| BridgeError::Config(format!("{what}: {e}")))
+}
+
+/// The `fp8_keep` setting (`"none"`, or a comma-separated list of `attention` and `layer:N`)
+/// for a model of `layers` decoder layers, which only an fp8 rollout reads.
+fn keep(value: &str, dtype: RolloutDtype, layers: usize) -> Result<Fp8Keep, BridgeError> {
+    let keep: Fp8Keep = value
+        .parse()
+        .map_err(|e: String| BridgeError::Config(format!("fp8_keep: {e}")))?;
+    if let Some(l) = keep.layers.layers().into_iter().find(|&l| l >= layers) {
+        return Err(BridgeError::Config(format!(
+            "fp8_keep `{value}`: layer:{l}, and the model's layers are 0..{layers}"
+        )));
+    }
+    if keep != Fp8Keep::default() && dtype != RolloutDtype::Fp8 {
+        return Err(BridgeError::Config(format!(
+            "fp8_keep `{value}` keeps matrices of an fp8 rollout bf16, and this switch's dtype \
+             is {dtype}: pass dtype=\"fp8\" or leave fp8_keep out"
+        )));
+    }
+    Ok(keep)
 }
 
 fn dtype(value: &str) -> Result<RolloutDtype, BridgeError> {
@@ -159,7 +179,7 @@ pub fn expected_parameters(config_json: &str) -> PyResult<Vec<(String, Vec<usize
 #[pymethods]
 impl PySwitch {
     #[new]
-    #[pyo3(signature = (config_json, names, *, world, tp, dtype_name, experts_name, offload, switching, device, gpu=0))]
+    #[pyo3(signature = (config_json, names, *, world, tp, dtype_name, experts_name, offload, switching, device, gpu=0, fp8_keep="none"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -173,11 +193,13 @@ impl PySwitch {
         switching: &str,
         device: &str,
         gpu: usize,
+        fp8_keep: &str,
     ) -> PyResult<Self> {
         let build = || -> Result<Inner, BridgeError> {
             let binding = ModelBinding::new(config_json, names)?;
             let mut settings = SwitchSettings::new(world, tp);
             settings.dtype = dtype(dtype_name)?;
+            settings.fp8_keep = keep(fp8_keep, settings.dtype, binding.config().model.layers)?;
             settings.experts = experts(experts_name)?;
             settings.lifecycle.memory = memory(offload)?;
             // eager is the Python front's (it leaves after every session); the lifecycle stays

@@ -274,3 +274,47 @@ def test_engine_settings_are_checked_before_the_switch_is_asked(config, params):
         Engine(switch, max_sequences=1, max_tokens=8, fp8_compute="w8a8")
     with pytest.raises(ConfigError, match="GPU engine needs a switch on device"):
         Engine(switch, max_sequences=1, max_tokens=8, kv_dtype="fp8")
+
+
+def fp8_config_and_params(config):
+    config = {**config, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2}
+    rng = np.random.default_rng(1)
+    params = [
+        (n, rng.standard_normal(s).astype(np.float32))
+        for n, s in lifecycle.expected_parameters(json.dumps(config))
+    ]
+    return config, params
+
+
+def test_fp8_keep_leaves_the_chosen_matrices_bf16(config):
+    config, params = fp8_config_and_params(config)
+    dtypes = {}
+    for keep in ("none", "attention", "layer:1", "attention, layer:0"):
+        switch = Switch.from_arrays(config, params, dtype="fp8", fp8_keep=keep)
+        with switch.rollout() as w:
+            dtypes[keep] = {h.name: h.dtype_name for h in w.handles()}
+    fp8 = lambda keep: {  # noqa: E731
+        n for n, d in dtypes[keep].items() if d == "float8_e4m3fn"
+    }
+    matrices = {f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert fp8("none") == matrices
+    assert fp8("attention") == {n for n in matrices if ".mlp." in n}
+    assert fp8("layer:1") == {n for n in matrices if n.startswith("model.layers.0.")}
+    assert fp8("attention, layer:0") == {n for n in fp8("attention") if "layers.1." in n}
+    # a kept matrix has no scales
+    assert "model.layers.0.self_attn.q_proj.weight_scale_inv" not in dtypes["attention"]
+    assert "model.layers.0.mlp.up_proj.weight_scale_inv" in dtypes["attention"]
+
+
+def test_fp8_keep_is_checked_before_anything_moves(config):
+    config, params = fp8_config_and_params(config)
+    cases = [
+        ("layer:2", "fp8", r"fp8_keep `layer:2`: layer:2, and the model's layers are 0..2"),
+        ("mlp", "fp8", r"fp8_keep: fp8 keep `mlp`: expected attention, layer:N or none"),
+        ("attention", "bf16", r"fp8_keep `attention` keeps matrices of an fp8 rollout bf16"),
+    ]
+    for keep, dtype, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            Switch.from_arrays(config, params, dtype=dtype, fp8_keep=keep)

@@ -219,3 +219,18 @@ def test_fp8_parts_that_share_a_block_of_the_fused_grid_are_refused_by_name():
             ConfigError, match=r"qkv_proj.weight: fp8 rows 0..64 of model.layers.0.self_attn.k_proj"
         ):
             dict(w.named_arrays("vllm"))
+
+
+def test_fp8_vllm_format_of_a_rollout_keeping_attention_bf16():
+    switch = Switch.from_arrays(
+        QWEN2_FP8, arrays(QWEN2_FP8), dtype="fp8", fp8_keep="attention"
+    )
+    with switch.rollout() as w:
+        got = dict(w.named_arrays("vllm"))
+    p = "model.layers.0."
+    assert got[p + "self_attn.qkv_proj.weight"].dtype == np.uint16
+    assert got[p + "self_attn.o_proj.weight"].dtype == np.uint16
+    assert not any(n.startswith(p + "self_attn.") and n.endswith("_scale_inv") for n in got)
+    assert got[p + "mlp.gate_up_proj.weight"].dtype == np.uint8
+    assert got[p + "mlp.gate_up_proj.weight_scale_inv"].shape == (4, 2)
+    assert got[p + "mlp.down_proj.weight_scale_inv"].shape == (2, 2)
