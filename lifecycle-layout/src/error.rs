@@ -68,6 +68,16 @@ pub enum LayoutError {
         /// Columns of the slice.
         cols: std::ops::Range<usize>,
     },
+    /// An fp8 keep setting names a decoder layer the model does not have.
+    #[error(
+        "fp8 keep layer:{layer}: the model's decoder layers are 0..{layers}; name a layer it has"
+    )]
+    Fp8KeepLayer {
+        /// The layer named.
+        layer: usize,
+        /// The model's decoder layers.
+        layers: usize,
+    },
     /// A tensor's values do not fill its shape.
     #[error("tensor `{name}` has {found} values, its shape needs {expected}")]
     ValueCount {

@@ -345,6 +345,7 @@ pub fn plan_fsdp_fp8(
     let train = FsdpLayout::new(world, config.tensor_shapes())?;
     let rollout = config.rollout_layout_with(tp, experts)?;
     let core = plan_fsdp_to_tp(&train, &rollout)?;
+    lifecycle_layout::fp8::check_fp8_plan(&core, keep)?;
     (0..world)
         .map(|r| Ok(lifecycle_layout::fp8::fp8_rank_traffic(&core, r, keep)?))
         .collect()

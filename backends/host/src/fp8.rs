@@ -10,7 +10,7 @@
 //! ([`fp8_reference`]).
 
 use half::bf16;
-use lifecycle_layout::fp8::{block_scale_inv, e4m3_from_f32, fp8_rank_traffic, Fp8Keep};
+use lifecycle_layout::fp8::{block_scale_inv, e4m3_from_f32, Fp8Keep};
 use lifecycle_layout::fp8::{quantize_blocks, BlockQuantized, FP8_BLOCK};
 use lifecycle_layout::{plan_fsdp_to_tp, HostRollout, RankRollout, RolloutLayout, RolloutTensor};
 use lifecycle_layout::{ReshardPlan, TensorPlan};
@@ -51,14 +51,11 @@ pub fn fp8_switch_with(
     fp8_rollout(state, &plan, keep)
 }
 
-/// The plan-time fp8 checks of `plan` (`keep` choosing the bf16 tensors): every rank's slice of every quantised tensor starts and
-/// ends on 128 × 128 block boundaries ([`LayoutError::Fp8BlockSplit`](lifecycle_layout::LayoutError)
-/// otherwise, naming the tensor).
+/// The plan-time fp8 checks of `plan` (`keep` choosing the bf16 tensors), as
+/// [`lifecycle_layout::fp8::check_fp8_plan`] makes them: the layers `keep` names exist, and every
+/// rank's slice of every quantised tensor starts and ends on 128 × 128 block boundaries.
 pub fn check_fp8_plan(plan: &ReshardPlan, keep: Fp8Keep) -> Result<(), HostError> {
-    for r in 0..plan.world {
-        fp8_rank_traffic(plan, r, keep)?;
-    }
-    Ok(())
+    Ok(lifecycle_layout::fp8::check_fp8_plan(plan, keep)?)
 }
 
 /// The fp8 rollout of `state` along a checked `plan` ([`check_fp8_plan`], finite masters), the

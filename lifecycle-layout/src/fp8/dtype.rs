@@ -1,6 +1,8 @@
 //! The rollout weights' dtype ([`RolloutDtype`]) and which matrices an fp8 rollout keeps bf16
 //! ([`keeps_bf16`], [`Fp8Keep`]).
 
+use crate::LayoutError;
+
 /// The element type of the rollout weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum RolloutDtype {
@@ -95,6 +97,44 @@ pub struct Fp8Keep {
 }
 
 impl Fp8Keep {
+    /// Checks the layers it keeps against a model's tensor names (`model.layers.N.…`): a layer
+    /// the model lacks is [`LayoutError::Fp8KeepLayer`].
+    ///
+    /// ```
+    /// use lifecycle_layout::fp8::Fp8Keep;
+    /// let names = ["model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"];
+    /// let keep: Fp8Keep = "layer:1".parse()?;
+    /// assert!(keep.check_layers(names).is_ok());
+    /// let keep: Fp8Keep = "layer:2".parse()?;
+    /// assert!(keep.check_layers(names).unwrap_err().to_string().contains("layers are 0..2"));
+    /// # Ok::<(), String>(())
+    /// ```
+    pub fn check_layers<'a>(
+        &self,
+        names: impl IntoIterator<Item = &'a str>,
+    ) -> Result<(), LayoutError> {
+        let kept = self.layers.layers();
+        if kept.is_empty() {
+            return Ok(());
+        }
+        let layers = names
+            .into_iter()
+            .filter_map(|n| {
+                n.strip_prefix("model.layers.")?
+                    .split('.')
+                    .next()?
+                    .parse()
+                    .ok()
+            })
+            .map(|l: usize| l + 1)
+            .max()
+            .unwrap_or(0);
+        match kept.into_iter().find(|&l| l >= layers) {
+            Some(layer) => Err(LayoutError::Fp8KeepLayer { layer, layers }),
+            None => Ok(()),
+        }
+    }
+
     /// Whether tensor `name` of shape `shape` stays bf16: [`keeps_bf16`], or chosen here.
     pub fn keeps_bf16(&self, name: &str, shape: &[usize]) -> bool {
         if keeps_bf16(name, shape) {

@@ -32,4 +32,4 @@ pub use codec::{
     FP8_BLOCK,
 };
 pub use dtype::{keeps_bf16, Fp8Keep, RolloutDtype};
-pub use traffic::{fp8_rank_traffic, Fp8Traffic};
+pub use traffic::{check_fp8_plan, fp8_rank_traffic, Fp8Traffic};

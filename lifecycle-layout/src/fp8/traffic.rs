@@ -104,6 +104,18 @@ pub fn fp8_rank_traffic(
     Ok(t)
 }
 
+/// The plan-time fp8 checks of `plan` (`keep` choosing the bf16 tensors): the layers `keep` names
+/// exist ([`Fp8Keep::check_layers`]), and every rank's slice of every quantised tensor starts and
+/// ends on 128 × 128 block boundaries ([`LayoutError::Fp8BlockSplit`] otherwise, naming the
+/// tensor, from [`fp8_rank_traffic`]).
+pub fn check_fp8_plan(plan: &crate::ReshardPlan, keep: Fp8Keep) -> Result<(), LayoutError> {
+    keep.check_layers(plan.tensors.iter().map(|t| t.name.as_str()))?;
+    for r in 0..plan.world {
+        fp8_rank_traffic(plan, r, keep)?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -139,5 +151,22 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("q_proj") && err.contains("100..200"), "{err}");
+    }
+
+    #[test]
+    fn the_plan_check_refuses_a_kept_layer_the_model_lacks() {
+        let p = plan(2, 1, [256, 128]);
+        assert!(check_fp8_plan(&p, "layer:0".parse().unwrap()).is_ok());
+        let err = check_fp8_plan(&p, "attention,layer:1".parse().unwrap()).unwrap_err();
+        assert_eq!(
+            err,
+            LayoutError::Fp8KeepLayer {
+                layer: 1,
+                layers: 1
+            }
+        );
+        assert!(err
+            .to_string()
+            .contains("layer:1: the model's decoder layers are 0..1"));
     }
 }

@@ -4,7 +4,7 @@
 //! rank's buffer (e4m3 bytes, then one f32 scale per 128 × 128 block), for the executor to
 //! quantise from the fp32 masters.
 
-use crate::fp8::{fp8_rank_traffic, Fp8Keep};
+use crate::fp8::{check_fp8_plan, Fp8Keep};
 use crate::{FsdpLayout, LayoutError, ReshardPlan, RolloutEntry, TensorPlan};
 
 use super::{align, build_plan, BucketConfig, FsdpPlan};
@@ -51,9 +51,7 @@ pub fn build_fp8_plan(
     config: BucketConfig,
     keep: Fp8Keep,
 ) -> Result<FsdpPlan, LayoutError> {
-    for r in 0..core.world {
-        fp8_rank_traffic(&core, r, keep)?;
-    }
+    check_fp8_plan(&core, keep)?;
     let mut bf16 = core.clone();
     let mut quantised: Vec<Vec<TensorPlan>> = Vec::with_capacity(core.world);
     for rank in &mut bf16.ranks {

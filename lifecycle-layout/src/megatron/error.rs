@@ -2,6 +2,10 @@
 /// message names the parameter at fault and the fix.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MegatronLayoutError {
+    /// A check the layouts share with the FSDP path (e.g. an fp8 keep setting naming a layer
+    /// the model lacks).
+    #[error(transparent)]
+    Layout(Box<crate::LayoutError>),
     /// A fused rollout tensor whose parts would share an fp8 block.
     #[error(
         "fp8 rollout: `{name}` fuses parts of {rows:?} rows, and part {part} does not end on a \

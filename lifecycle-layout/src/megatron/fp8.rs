@@ -78,13 +78,16 @@ pub fn fused_parts(spec: &RolloutTensorSpec, model: &ModelSpec, t: usize) -> Vec
 /// choosing the bf16 ones) quantises each in its own block grid: a fused tensor whose part ends
 /// inside a block is [`MegatronLayoutError::Fp8PartSplit`], a tensor that is neither a matrix
 /// nor a stack of expert matrices [`MegatronLayoutError::Fp8NoBlockGrid`], both naming the
-/// tensor, before anything moves.
+/// tensor, and a kept layer the model lacks
+/// ([`LayoutError::Fp8KeepLayer`](crate::LayoutError::Fp8KeepLayer)), before anything moves.
 pub fn check_fused_fp8(
     tensors: &[RolloutTensorSpec],
     model: &ModelSpec,
     t: usize,
     keep: Fp8Keep,
 ) -> Result<(), MegatronLayoutError> {
+    keep.check_layers(tensors.iter().map(|t| t.name.as_str()))
+        .map_err(|e| MegatronLayoutError::Layout(Box::new(e)))?;
     for spec in tensors {
         if keep.keeps_bf16(&spec.name, &spec.shape) {
             continue;
@@ -113,7 +116,7 @@ pub fn check_fused_fp8(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{RolloutLayout, RolloutVocab};
+    use crate::{LayoutError, RolloutLayout, RolloutVocab};
 
     fn model(head_dim: usize, ffn: usize) -> ModelSpec {
         ModelSpec {
@@ -163,5 +166,15 @@ mod tests {
             "{err}"
         );
         assert!(check_fused_fp8(&specs(&bad, 2), &bad, 2, keep).is_ok());
+        // a kept layer the model lacks
+        let keep: Fp8Keep = "layer:7".parse().unwrap();
+        let err = check_fused_fp8(&specs(&good, 2), &good, 2, keep).unwrap_err();
+        let MegatronLayoutError::Layout(inner) = &err else {
+            panic!("expected the shared layout check, got {err}");
+        };
+        assert!(
+            matches!(**inner, LayoutError::Fp8KeepLayer { layer: 7, .. }),
+            "{err}"
+        );
     }
 }
