@@ -292,8 +292,9 @@ def _fused(fused: str, parts: list[_Part]):
         if p.lo % BLOCK or whole != p.hi:
             raise ConfigError(
                 f"{fused}: fp8 rows {p.lo}..{p.hi} of {p.name} do not fill whole {BLOCK}-row "
-                "blocks, so vLLM's block grid over the fused rows mixes them with the next part: "
-                'use format="hf" (each tensor with its own scales) or a rollout that keeps it bf16'
+                "blocks, so vLLM's block grid over the fused rows would give one block rows of "
+                'two parts: use format="hf" (each tensor with its own scales) or keep it bf16 '
+                '(fp8_keep)'
             )
         scales.append(p.scales[p.lo // BLOCK : _blocks(p.hi)])
     return t, _cat(scales)
