@@ -1,246 +1,21 @@
-//! The step runner: one rank's [`RankSteps`], compiled into its [`Program`], issued on the rank's
-//! streams. Every layout's switch runs here (FSDP buckets and Megatron schedules alike).
-//!
-//! [`DeviceProgram::new`] compiles the steps and uploads, once, the tables their copies need:
-//! the multi-tensor cast descriptors for fp32 sources ([`CastBatch`]) and the tile table of the
-//! bf16 copy kernel ([`TileKernel`]). [`run_program`] then walks the program's operations in
-//! order: events become CUDA events, copies become kernel launches or driver copies, network
-//! steps become grouped NCCL calls or peer copies, and each piece of work is marked on the
-//! [`StreamTimeline`] of the stream that runs it. The final wait carries the pool's deadline, so a
-//! stalled peer ends in a timeout error, not a hang.
+//! The issuer: each operation of a program as launches, driver copies, NCCL calls or peer
+//! copies on the rank's streams, each marked on its stream's timeline.
 
 use std::ops::Range;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 
 use lifecycle_core::{Link, Phase};
-use lifecycle_layout::steps::{
-    compile, push_tiles, Buf, CopyRole, Engine, Op, Program, RankSteps, SourceType, Stream, Tile,
-    TILE_BYTES,
-};
+use lifecycle_layout::steps::{Buf, CopyRole, Op, Stream};
 
 use crate::agree::{agree_scales, AgreedJobs, Rendezvous};
-use crate::quantise::{QuantiseJobs, QuantiseSource};
-use crate::{
-    alloc_device, alloc_zeros, copy_2d, peer_base, CastBatch, CudaError, RankCtx, RankMoved,
-    StreamTimeline, TileKernel,
-};
+use crate::quantise::QuantiseSource;
+use crate::{copy_2d, peer_base, CudaError, RankCtx, StreamTimeline};
 
-/// How one run of copies is launched.
-#[derive(Debug, Clone)]
-struct Launch {
-    src: Buf,
-    dst: Buf,
-    /// Descriptors `first .. first + count` of the cast batch, covering chunks `chunks`.
-    casts: Option<(usize, usize, Range<u64>)>,
-    /// Copies cast by a launch of their own (regions the batched kernel does not take).
-    single_casts: Vec<usize>,
-    /// Tiles of the tile table.
-    tiles: Range<usize>,
-    /// Copies run by the driver.
-    driver: Vec<usize>,
-}
-
-/// A rank's compiled steps with their copy tables on the rank's device.
-#[derive(Debug)]
-pub struct DeviceProgram {
-    steps: RankSteps,
-    program: Program,
-    launches: Vec<Option<Launch>>,
-    descs: Option<CudaSlice<u64>>,
-    tiles: CudaSlice<u8>,
-    tile_kernel: TileKernel,
-    quantise: Option<QuantiseJobs>,
-    agreed: Option<AgreedJobs>,
-}
-
-/// The training buffer a rank's switch reads.
-#[derive(Debug, Clone, Copy)]
-pub enum SourceBuf<'a> {
-    /// fp32 masters.
-    F32(&'a CudaSlice<f32>),
-    /// bf16 parameters.
-    Bf16(&'a CudaSlice<bf16>),
-}
-
-impl SourceBuf<'_> {
-    /// Elements of the buffer.
-    pub fn len(&self) -> usize {
-        match self {
-            SourceBuf::F32(s) => s.len(),
-            SourceBuf::Bf16(s) => s.len(),
-        }
-    }
-
-    /// Whether the buffer holds no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    fn dtype(&self) -> SourceType {
-        match self {
-            SourceBuf::F32(_) => SourceType::F32,
-            SourceBuf::Bf16(_) => SourceType::Bf16,
-        }
-    }
-}
-
-/// Launch settings of [`run_program`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RunOptions {
-    /// Thread blocks per SM of the tile kernel for copies that share the GPU with network work
-    /// (others use 8).
-    pub overlap_blocks_per_sm: u32,
-}
-
-impl Default for RunOptions {
-    /// 4 blocks per SM next to network work.
-    fn default() -> Self {
-        RunOptions {
-            overlap_blocks_per_sm: 4,
-        }
-    }
-}
-
-impl DeviceProgram {
-    /// Compiles `steps` and uploads their copy tables on this rank's compute stream. With
-    /// `batched_casts`, fp32 casts go through the multi-tensor kernel (one launch per run of
-    /// copies); otherwise each cast is a launch of its own.
-    pub fn new(ctx: &RankCtx, steps: RankSteps, batched_casts: bool) -> Result<Self, CudaError> {
-        let program = compile(&steps).map_err(|e| CudaError::Invalid(e.to_string()))?;
-        let mut batch = CastBatch::default();
-        let mut tiles: Vec<Tile> = Vec::new();
-        let mut launches = Vec::with_capacity(program.ops().len());
-        for op in program.ops() {
-            let Op::Copies { copies, .. } = op else {
-                launches.push(None);
-                continue;
-            };
-            let Some(first) = steps.copies.get(copies.start) else {
-                launches.push(None);
-                continue;
-            };
-            let mut l = Launch {
-                src: first.src,
-                dst: first.dst,
-                casts: None,
-                single_casts: Vec::new(),
-                tiles: 0..0,
-                driver: Vec::new(),
-            };
-            let (d0, c0, t0) = (batch.len(), batch.chunks(), tiles.len());
-            for i in copies.clone() {
-                let c = &steps.copies[i];
-                if (c.src, c.dst) != (l.src, l.dst) {
-                    return Err(CudaError::Invalid(format!(
-                        "rank {}: copies {copies:?} mix buffers ({:?} → {:?} and {:?} → {:?}); \
-                         one run of copies reads one buffer and writes one",
-                        steps.rank, l.src, l.dst, c.src, c.dst
-                    )));
-                }
-                match c.engine {
-                    Engine::Driver => l.driver.push(i),
-                    Engine::Kernel if c.src == Buf::Source && steps.source == SourceType::F32 => {
-                        if !(batched_casts && batch.push(c.src_off, c.dst_off, c.region)) {
-                            l.single_casts.push(i);
-                        }
-                    }
-                    Engine::Kernel => push_tiles(c.src_off, c.dst_off, c.region, &mut tiles),
-                }
-            }
-            if batch.len() > d0 {
-                l.casts = Some((d0, batch.len() - d0, c0..batch.chunks()));
-            }
-            l.tiles = t0..tiles.len();
-            launches.push(Some(l));
-        }
-        let upload = |what: &str, n: u64| ctx.drv(what, n);
-        let descs = if batch.is_empty() {
-            None
-        } else {
-            let words = batch.words();
-            Some(
-                ctx.compute
-                    .clone_htod(words)
-                    .map_err(upload("uploading cast descriptors", 8 * words.len() as u64))?,
-            )
-        };
-        let mut bytes = Vec::with_capacity(tiles.len().max(1) * TILE_BYTES);
-        for t in &tiles {
-            t.write_bytes(&mut bytes);
-        }
-        bytes.resize(bytes.len().max(TILE_BYTES), 0);
-        let tiles = ctx
-            .compute
-            .clone_htod(&bytes)
-            .map_err(upload("uploading the copy tiles", bytes.len() as u64))?;
-        let quantise = QuantiseJobs::upload(ctx, &steps.quantise)?;
-        let agreed = match &steps.agree {
-            Some(a) => Some(AgreedJobs::upload(ctx, a)?),
-            None => None,
-        };
-        Ok(DeviceProgram {
-            steps,
-            program,
-            launches,
-            descs,
-            tiles,
-            tile_kernel: TileKernel::load(ctx)?,
-            quantise,
-            agreed,
-        })
-    }
-
-    /// The steps this program runs.
-    pub fn steps(&self) -> &RankSteps {
-        &self.steps
-    }
-
-    /// The compiled program.
-    pub fn program(&self) -> &Program {
-        &self.program
-    }
-}
-
-/// A rank's step program kept while the plan it was built for is current (`K` names the plan:
-/// an id, or a handle that compares by identity).
-#[derive(Debug)]
-pub struct ProgramSlot<K> {
-    entry: Option<(K, DeviceProgram)>,
-}
-
-impl<K> Default for ProgramSlot<K> {
-    fn default() -> Self {
-        ProgramSlot { entry: None }
-    }
-}
-
-impl<K: PartialEq> ProgramSlot<K> {
-    /// The program built for `key`: the kept one, or a new one from `steps()` (compiled and
-    /// uploaded on this rank, replacing the old one).
-    pub fn get_or_build(
-        &mut self,
-        ctx: &RankCtx,
-        key: K,
-        batched_casts: bool,
-        steps: impl FnOnce() -> Result<RankSteps, lifecycle_layout::LayoutError>,
-    ) -> Result<&DeviceProgram, CudaError> {
-        if !self.entry.as_ref().is_some_and(|(k, _)| *k == key) {
-            self.entry = None;
-            let steps = steps().map_err(|e| CudaError::Invalid(e.to_string()))?;
-            self.entry = Some((key, DeviceProgram::new(ctx, steps, batched_casts)?));
-        }
-        match &self.entry {
-            Some((_, program)) => Ok(program),
-            None => Err(CudaError::Invalid(format!(
-                "rank {}: no step program",
-                ctx.rank
-            ))),
-        }
-    }
-}
+use super::program::{DeviceProgram, RunOptions, SourceBuf};
+use super::scratch::{Fp8Scratch, Slots};
 
 fn span_name(role: CopyRole) -> (String, Link) {
     match role {
@@ -255,271 +30,27 @@ fn span_name(role: CopyRole) -> (String, Link) {
     }
 }
 
-/// What a rank's program reaches of the other ranks of its process: their rollout buffers'
-/// addresses by global rank (for peer and remote copies; 0 where unknown) and, for an agreed
-/// fp8 switch on ranks without an NCCL communicator, where they meet.
-#[derive(Debug, Clone, Copy)]
-pub struct Peers<'a> {
-    /// Rollout buffer addresses by global rank.
-    pub bases: &'a [u64],
-    /// The fp8 meeting of the transfer (every rank of the job in this process).
-    pub meet: Option<&'a Rendezvous>,
-}
-
-/// Runs `prog` on this rank: reads `source`, writes `roll` (and, with peer copies or remote
-/// copies, the peers' rollout buffers at `peers.bases`, by global rank), marks every piece of
-/// work on `tl`. Returns what the rank moved, with `tl` in it (read once the offload finished).
-/// On an error every stream is synchronised before the staging buffers are freed, and the
-/// rank leaves the fp8 meeting so its peers stop waiting.
-pub fn run_program(
-    ctx: &RankCtx,
-    prog: &DeviceProgram,
-    source: SourceBuf<'_>,
-    roll: &mut CudaSlice<bf16>,
-    peers: Peers<'_>,
-    opts: RunOptions,
-    mut tl: StreamTimeline,
-) -> Result<RankMoved, CudaError> {
-    match run_inner(ctx, prog, source, roll, peers, opts, &mut tl) {
-        Ok(moved) => Ok(RankMoved {
-            timeline: Some(tl),
-            ..moved
-        }),
-        Err(e) => {
-            if let Some(meet) = peers.meet {
-                meet.abandon(ctx.rank, &e.to_string());
-            }
-            // Nothing may still read or write the rollout or staging buffers when they are
-            // freed after an error part-way through.
-            let _ = ctx.sync_all();
-            Err(e)
-        }
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn run_inner(
-    ctx: &RankCtx,
-    prog: &DeviceProgram,
-    source: SourceBuf<'_>,
-    roll: &mut CudaSlice<bf16>,
-    peers: Peers<'_>,
-    opts: RunOptions,
-    tl: &mut StreamTimeline,
-) -> Result<RankMoved, CudaError> {
-    let s = &prog.steps;
-    check_buffers(ctx.rank, s, source, roll)?;
-    let (mut sslots, mut rslots) = alloc_slots(ctx, s)?;
-    let mut fp8 = Fp8Scratch::alloc(ctx, s)?;
-    let issuer = Issuer {
-        ctx,
-        prog,
-        source,
-        bases: peers.bases,
-        meet: peers.meet,
-        fp8_addrs: fp8
-            .as_mut()
-            .map(|f| (ctx.addr_mut(&mut f.grid), ctx.addr_mut(&mut f.stage))),
-        opts,
-        nccl: ctx.nccl_stream(),
-        src_base: match source {
-            SourceBuf::F32(m) => ctx.addr(m),
-            SourceBuf::Bf16(p) => ctx.addr(p),
-        },
-        rbase: ctx.addr_mut(roll),
-        sbases: sslots.iter_mut().map(|x| ctx.addr_mut(x)).collect(),
-        rbases: rslots.iter_mut().map(|x| ctx.addr_mut(x)).collect(),
-    };
-    let mut events: Vec<Option<CudaEvent>> = (0..prog.program.events()).map(|_| None).collect();
-    let mut used_nccl = false;
-    for (i, op) in prog.program.ops().iter().enumerate() {
-        match op {
-            Op::Record { stream: st, event } => {
-                let e = ctx.event()?;
-                e.record(issuer.stream(*st))
-                    .map_err(ctx.drv("recording an event", 0))?;
-                events[*event] = Some(e);
-            }
-            Op::Wait { stream: st, event } => {
-                let e = events[*event].as_ref().ok_or_else(|| {
-                    issuer.missing("the program waits for an event not yet recorded")
-                })?;
-                issuer
-                    .stream(*st)
-                    .wait(e)
-                    .map_err(ctx.drv("waiting on an event", 0))?;
-            }
-            Op::Quantise => issuer.quantise(tl)?,
-            Op::Amax => issuer.amax(fp8.as_mut(), tl)?,
-            Op::Agree => issuer.agree(fp8.as_mut(), tl)?,
-            Op::QuantiseAgreed => issuer.quantise_agreed(tl)?,
-            Op::Zero => issuer.zero(roll, tl)?,
-            Op::Copies { .. } => issuer.copies(i, op, tl)?,
-            Op::Nccl { step, slot } => {
-                used_nccl = true;
-                let slots = (&sslots, &mut rslots);
-                let stage = fp8.as_ref().map(|f| &f.stage);
-                issuer.nccl(*step, *slot, roll, slots, stage, tl)?;
-            }
-            Op::Push {
-                step,
-                peer,
-                runs,
-                slot,
-            } => issuer.push(*step, *peer, runs.clone(), *slot, tl)?,
-        }
-    }
-    // With the pool's deadline: a stalled peer ends in a timeout error, not a hang.
-    let what = if used_nccl {
-        "the transfer's NCCL work"
-    } else {
-        "the transfer's peer copies"
-    };
-    ctx.wait(&[&ctx.compute, &issuer.nccl], what)?;
-    let staging = s.staging_bytes() + fp8.as_ref().map_or(0, Fp8Scratch::gathered_bytes);
-    drop(sslots);
-    drop(rslots);
-    drop(fp8);
-    ctx.compute
-        .synchronize()
-        .map_err(ctx.drv("freeing staging", 0))?;
-    Ok(RankMoved {
-        recv: s.recv_elems * 2,
-        local: s.local_elems * 2
-            + prog.quantise.as_ref().map_or(0, QuantiseJobs::bytes)
-            + prog.agreed.as_ref().map_or(0, AgreedJobs::bytes),
-        staging,
-        timeline: None,
-    })
-}
-
-/// The training and rollout buffers must be those the steps were made for (dtype and lengths),
-/// which every launch of the run relies on.
-fn check_buffers(
-    rank: usize,
-    s: &RankSteps,
-    source: SourceBuf<'_>,
-    roll: &CudaSlice<bf16>,
-) -> Result<(), CudaError> {
-    if source.dtype() != s.source
-        || (source.len() as u64) < s.source_elems
-        || (roll.len() as u64) < s.rollout_elems
-    {
-        return Err(CudaError::Invalid(format!(
-            "rank {rank}: the steps read a {:?} training buffer of {} elements into a rollout \
-             buffer of {}, given a {:?} one of {} and a rollout buffer of {}",
-            s.source,
-            s.source_elems,
-            s.rollout_elems,
-            source.dtype(),
-            source.len(),
-            roll.len()
-        )));
-    }
-    Ok(())
-}
-
-type Slots = Vec<CudaSlice<bf16>>;
-
-/// The send and receive staging slots of the steps in flight.
-fn alloc_slots(ctx: &RankCtx, s: &RankSteps) -> Result<(Slots, Slots), CudaError> {
-    let rank = ctx.rank;
-    let slots = if s.steps.is_empty() { 0 } else { s.in_flight };
-    let (mut sslots, mut rslots) = (Vec::new(), Vec::new());
-    for _ in 0..slots {
-        if s.send_slot_elems > 0 {
-            // SAFETY: a step's sends read only slot elements its pack wrote first (the program
-            // orders the network work after the pack).
-            sslots.push(unsafe {
-                alloc_device::<bf16>(
-                    &ctx.compute,
-                    s.send_slot_elems as usize,
-                    rank,
-                    "send staging",
-                )?
-            });
-        }
-        if s.recv_slot_elems > 0 {
-            // SAFETY: a step's unpack reads only slot elements its receives wrote first.
-            rslots.push(unsafe {
-                alloc_device::<bf16>(
-                    &ctx.compute,
-                    s.recv_slot_elems as usize,
-                    rank,
-                    "receive staging",
-                )?
-            });
-        }
-    }
-    Ok((sslots, rslots))
-}
-
-/// The device buffers of an agreed fp8 switch, for one run: the agreed scale grid, the fp8
-/// stage and, on ranks without NCCL, the rank's partial grid and its copies of its peers'.
-struct Fp8Scratch {
-    grid: CudaSlice<f32>,
-    stage: CudaSlice<bf16>,
-    /// Without NCCL: the rank's own partial amaxes (its peers read them) and the peers' copied
-    /// next to each other.
-    meeting: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
-}
-
-impl Fp8Scratch {
-    fn alloc(ctx: &RankCtx, s: &RankSteps) -> Result<Option<Fp8Scratch>, CudaError> {
-        let Some(a) = &s.agree else {
-            return Ok(None);
-        };
-        let (rank, n) = (ctx.rank, a.grid_elems as usize);
-        let grid = alloc_zeros::<f32>(&ctx.compute, n, rank, "the fp8 scale grid")?;
-        // SAFETY: the stage's bytes are read (sent) only after the agreed quantisation wrote
-        // them (the program orders the network step after it).
-        let stage = unsafe {
-            alloc_device::<bf16>(&ctx.compute, a.stage_elems as usize, rank, "the fp8 stage")?
-        };
-        let meeting = if ctx.comm.is_available() {
-            None
-        } else {
-            let own = alloc_zeros::<f32>(&ctx.compute, n, rank, "the fp8 partial grid")?;
-            let peers = ctx.world.saturating_sub(1).max(1) * n;
-            let copies = alloc_zeros::<f32>(&ctx.compute, peers, rank, "the peers' fp8 grids")?;
-            Some((own, copies))
-        };
-        Ok(Some(Fp8Scratch {
-            grid,
-            stage,
-            meeting,
-        }))
-    }
-
-    /// Bytes of the peers' copied grids (beyond [`RankSteps::staging_bytes`]).
-    fn gathered_bytes(&self) -> u64 {
-        self.meeting
-            .as_ref()
-            .map_or(0, |(own, peers)| 4 * (own.len() + peers.len()) as u64)
-    }
-}
-
 /// What the operations of one run issue against: the program, the device addresses of the
-/// rank's buffers (checked against the steps by [`check_buffers`]) and of the staging slots,
-/// the peers' rollout buffers, and the streams.
-struct Issuer<'a> {
-    ctx: &'a RankCtx,
-    prog: &'a DeviceProgram,
-    source: SourceBuf<'a>,
-    bases: &'a [u64],
-    meet: Option<&'a Rendezvous>,
+/// rank's buffers (checked against the steps by [`check_buffers`](super::run::check_buffers))
+/// and of the staging slots, the peers' rollout buffers, and the streams.
+pub(super) struct Issuer<'a> {
+    pub(super) ctx: &'a RankCtx,
+    pub(super) prog: &'a DeviceProgram,
+    pub(super) source: SourceBuf<'a>,
+    pub(super) bases: &'a [u64],
+    pub(super) meet: Option<&'a Rendezvous>,
     /// The agreed scale grid's and the fp8 stage's addresses.
-    fp8_addrs: Option<(u64, u64)>,
-    opts: RunOptions,
-    nccl: Arc<CudaStream>,
-    src_base: u64,
-    rbase: u64,
-    sbases: Vec<u64>,
-    rbases: Vec<u64>,
+    pub(super) fp8_addrs: Option<(u64, u64)>,
+    pub(super) opts: RunOptions,
+    pub(super) nccl: Arc<CudaStream>,
+    pub(super) src_base: u64,
+    pub(super) rbase: u64,
+    pub(super) sbases: Vec<u64>,
+    pub(super) rbases: Vec<u64>,
 }
 
 impl Issuer<'_> {
-    fn stream(&self, st: Stream) -> &Arc<CudaStream> {
+    pub(super) fn stream(&self, st: Stream) -> &Arc<CudaStream> {
         match st {
             Stream::Compute => &self.ctx.compute,
             Stream::Aux => &self.ctx.aux,
@@ -527,12 +58,12 @@ impl Issuer<'_> {
         }
     }
 
-    fn missing(&self, what: &str) -> CudaError {
+    pub(super) fn missing(&self, what: &str) -> CudaError {
         CudaError::Invalid(format!("rank {}: {what}", self.ctx.rank))
     }
 
     /// The device address of `buf` (staging slot `slot` for the slots).
-    fn base_of(&self, buf: Buf, slot: usize) -> Result<u64, CudaError> {
+    pub(super) fn base_of(&self, buf: Buf, slot: usize) -> Result<u64, CudaError> {
         match buf {
             Buf::Source => Ok(self.src_base),
             Buf::Rollout => Ok(self.rbase),
@@ -558,7 +89,7 @@ impl Issuer<'_> {
     }
 
     /// `Op::Quantise`: every quantisation of the steps in one launch on the auxiliary stream.
-    fn quantise(&self, tl: &mut StreamTimeline) -> Result<(), CudaError> {
+    pub(super) fn quantise(&self, tl: &mut StreamTimeline) -> Result<(), CudaError> {
         let ctx = self.ctx;
         let jobs = self
             .prog
@@ -590,7 +121,7 @@ impl Issuer<'_> {
         )
     }
 
-    fn agreed_jobs(&self) -> Result<&AgreedJobs, CudaError> {
+    pub(super) fn agreed_jobs(&self) -> Result<&AgreedJobs, CudaError> {
         if !matches!(self.source, SourceBuf::F32(_)) {
             return Err(self.missing("an agreed fp8 switch reads a bf16 training buffer"));
         }
@@ -602,7 +133,11 @@ impl Issuer<'_> {
 
     /// `Op::Amax`: the partial amaxes into the zeroed grid (the rank's own partial grid on ranks
     /// without NCCL), on the auxiliary stream.
-    fn amax(&self, fp8: Option<&mut Fp8Scratch>, tl: &mut StreamTimeline) -> Result<(), CudaError> {
+    pub(super) fn amax(
+        &self,
+        fp8: Option<&mut Fp8Scratch>,
+        tl: &mut StreamTimeline,
+    ) -> Result<(), CudaError> {
         let ctx = self.ctx;
         let jobs = self.agreed_jobs()?;
         let f = fp8.ok_or_else(|| self.missing("an fp8 agreement without its grid"))?;
@@ -630,7 +165,7 @@ impl Issuer<'_> {
 
     /// `Op::Agree`: the scale grid agreed by every rank, on the network stream: an all-reduce by
     /// max with NCCL; without it, the peers' partial grids copied at the fp8 meeting.
-    fn agree(
+    pub(super) fn agree(
         &self,
         fp8: Option<&mut Fp8Scratch>,
         tl: &mut StreamTimeline,
@@ -700,7 +235,7 @@ impl Issuer<'_> {
 
     /// `Op::QuantiseAgreed`: the pieces quantised with the agreed scales, on the auxiliary
     /// stream.
-    fn quantise_agreed(&self, tl: &mut StreamTimeline) -> Result<(), CudaError> {
+    pub(super) fn quantise_agreed(&self, tl: &mut StreamTimeline) -> Result<(), CudaError> {
         let ctx = self.ctx;
         let jobs = self.agreed_jobs()?;
         let (grid, stage) = self
@@ -725,7 +260,11 @@ impl Issuer<'_> {
     }
 
     /// `Op::Zero`: the zero ranges (vocabulary padding) on the auxiliary stream.
-    fn zero(&self, roll: &mut CudaSlice<bf16>, tl: &mut StreamTimeline) -> Result<(), CudaError> {
+    pub(super) fn zero(
+        &self,
+        roll: &mut CudaSlice<bf16>,
+        tl: &mut StreamTimeline,
+    ) -> Result<(), CudaError> {
         let (ctx, s) = (self.ctx, &self.prog.steps);
         let mark = tl.begin(ctx, &ctx.aux)?;
         for z in &s.zero {
@@ -751,7 +290,12 @@ impl Issuer<'_> {
 
     /// `Op::Copies` (operation `i` of the program): the run's multi-tensor casts, single casts,
     /// tiles and driver copies on its stream.
-    fn copies(&self, i: usize, op: &Op, tl: &mut StreamTimeline) -> Result<(), CudaError> {
+    pub(super) fn copies(
+        &self,
+        i: usize,
+        op: &Op,
+        tl: &mut StreamTimeline,
+    ) -> Result<(), CudaError> {
         let Op::Copies {
             stream: st,
             copies,
@@ -846,7 +390,7 @@ impl Issuer<'_> {
 
     /// `Op::Nccl`: network step `step`'s grouped sends and receives (staging slot `slot`),
     /// then its all-gathers, on the network stream.
-    fn nccl(
+    pub(super) fn nccl(
         &self,
         step: usize,
         slot: usize,
@@ -930,7 +474,7 @@ impl Issuer<'_> {
 
     /// `Op::Push`: network step `step`'s peer copies `runs` into rank `peer`'s rollout buffer,
     /// on the network stream.
-    fn push(
+    pub(super) fn push(
         &self,
         step: usize,
         peer: usize,
