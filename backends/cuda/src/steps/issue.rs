@@ -12,7 +12,7 @@ use lifecycle_layout::steps::{Buf, CopyRole, Op, Stream};
 
 use crate::agree::{agree_scales, AgreedJobs, Rendezvous};
 use crate::quantise::QuantiseSource;
-use crate::{copy_2d, peer_base, CudaError, RankCtx, StreamTimeline};
+use crate::{copy_2d, peer_base, CudaError, Mark, RankCtx, StreamTimeline};
 
 use super::program::{DeviceProgram, RunOptions, SourceBuf};
 use super::scratch::{Fp8Scratch, Slots};
@@ -62,6 +62,28 @@ impl Issuer<'_> {
         CudaError::Invalid(format!("rank {}: {what}", self.ctx.rank))
     }
 
+    /// Ends the timeline mark of a transfer-phase step on the auxiliary stream that moved
+    /// `bytes` within the device (quantisation, amax, zeroing).
+    fn aux_done(
+        &self,
+        tl: &mut StreamTimeline,
+        mark: Mark,
+        what: &str,
+        bytes: u64,
+    ) -> Result<(), CudaError> {
+        let (ctx, link) = (self.ctx, Some(Link::Local));
+        tl.end(
+            ctx,
+            &ctx.aux,
+            mark,
+            Phase::Transfer,
+            what,
+            "aux",
+            bytes,
+            link,
+        )
+    }
+
     /// The device address of `buf` (staging slot `slot` for the slots).
     pub(super) fn base_of(&self, buf: Buf, slot: usize) -> Result<u64, CudaError> {
         match buf {
@@ -106,19 +128,7 @@ impl Issuer<'_> {
         // against these buffers); both live until the runner synchronised; the regions' bytes
         // are written by no other step.
         unsafe { jobs.launch(ctx, &ctx.aux, kind, self.src_base, self.rbase)? };
-        let bytes = jobs.bytes();
-        let link = Some(Link::Local);
-        let what = "fp8 quantisation";
-        tl.end(
-            ctx,
-            &ctx.aux,
-            mark,
-            Phase::Transfer,
-            what,
-            "aux",
-            bytes,
-            link,
-        )
+        self.aux_done(tl, mark, "fp8 quantisation", jobs.bytes())
     }
 
     pub(super) fn agreed_jobs(&self) -> Result<&AgreedJobs, CudaError> {
@@ -150,17 +160,7 @@ impl Issuer<'_> {
         // steps' `grid_elems` entries; both live until the runner synchronised; the program
         // orders every reader of the grid after this stream's event.
         unsafe { jobs.amax(ctx, &ctx.aux, self.src_base, grid)? };
-        let bytes = 4 * jobs.grid_elems();
-        tl.end(
-            ctx,
-            &ctx.aux,
-            mark,
-            Phase::Transfer,
-            "fp8 partial amax",
-            "aux",
-            bytes,
-            Some(Link::Local),
-        )
+        self.aux_done(tl, mark, "fp8 partial amax", 4 * jobs.grid_elems())
     }
 
     /// `Op::Agree`: the scale grid agreed by every rank, on the network stream: an all-reduce by
@@ -246,17 +246,7 @@ impl Issuer<'_> {
         // validated steps; the grid was agreed before this stream's wait; all live until the
         // runner synchronised; the bytes written are the steps' own.
         unsafe { jobs.quantise(ctx, &ctx.aux, self.src_base, grid, (self.rbase, stage))? };
-        let what = "fp8 quantisation (agreed scales)";
-        tl.end(
-            ctx,
-            &ctx.aux,
-            mark,
-            Phase::Transfer,
-            what,
-            "aux",
-            jobs.bytes(),
-            Some(Link::Local),
-        )
+        self.aux_done(tl, mark, "fp8 quantisation (agreed scales)", jobs.bytes())
     }
 
     /// `Op::Zero`: the zero ranges (vocabulary padding) on the auxiliary stream.
@@ -273,19 +263,7 @@ impl Issuer<'_> {
                 .memset_zeros(&mut roll.slice_mut(r))
                 .map_err(ctx.drv("zeroing vocabulary padding", (z.end - z.start) * 2))?;
         }
-        let bytes = s.zero_elems() * 2;
-        let link = Some(Link::Local);
-        let what = "zero padding";
-        tl.end(
-            ctx,
-            &ctx.aux,
-            mark,
-            Phase::Transfer,
-            what,
-            "aux",
-            bytes,
-            link,
-        )
+        self.aux_done(tl, mark, "zero padding", s.zero_elems() * 2)
     }
 
     /// `Op::Copies` (operation `i` of the program): the run's multi-tensor casts, single casts,
