@@ -4,14 +4,22 @@
 use proc_macro2::TokenStream;
 use quote::ToTokens;
 use syn::visit::Visit;
-use syn::{FnArg, GenericArgument, Ident, Pat, PatType, PathArguments, Signature, Type, TypePath};
+use syn::{FnArg, Ident, Pat, PatType, Signature, Type, TypePath};
 
 use super::errors::Errors;
-use super::signature::{param_name, parameter_list, path_named, Elided};
+use super::signature::{param_name, parameter_list, path_named, type_argument, Elided, Form};
 use super::weights::WEIGHTS_ATTR;
 
 /// The name of the engine access type, matched on a parameter type's last path segment.
 const ENGINE: &str = "EngineMut";
+
+/// How the engine's type is named in its errors.
+const ENGINE_FORM: Form = Form {
+    borrowed: "the engine",
+    written: "the engine is `EngineMut<'_, E>`",
+    missing: "write the engine type: `EngineMut<'_, E>`, where `E` is the lifecycle's \
+              `RolloutEngine`",
+};
 
 /// The parameter attribute that selects the engine.
 pub(super) const ENGINE_ATTR: &str = "engine";
@@ -175,56 +183,8 @@ pub(super) fn find_engine(
 pub(super) fn check_engine(param: &PatType, errors: &mut Errors) -> Option<(Type, bool)> {
     let ty = &param.ty;
     let (engine, by_reference) = if let Some(path) = engine_path(ty) {
-        let segment = path
-            .path
-            .segments
-            .last()
-            .expect("engine_path checked the last segment");
-        let PathArguments::AngleBracketed(args) = &segment.arguments else {
-            errors.at(
-                ty,
-                "write the engine type: `EngineMut<'_, E>`, where `E` is the lifecycle's \
-                 `RolloutEngine`",
-            );
-            return None;
-        };
-        let mut engine = None;
-        let mut ok = true;
-        for arg in &args.args {
-            match arg {
-                GenericArgument::Lifetime(l) if l.ident == "_" => {}
-                GenericArgument::Lifetime(l) => {
-                    errors.at(
-                        l,
-                        format_args!(
-                            "the engine is borrowed for one call only; write `'_` instead of \
-                             `{l}`"
-                        ),
-                    );
-                    ok = false;
-                }
-                GenericArgument::Type(t) if engine.is_none() => engine = Some(t.clone()),
-                other => {
-                    errors.at(
-                        other,
-                        "unexpected generic argument: the engine is `EngineMut<'_, E>`",
-                    );
-                    ok = false;
-                }
-            }
-        }
-        let Some(engine) = engine else {
-            errors.at(
-                ty,
-                "write the engine type: `EngineMut<'_, E>`, where `E` is the lifecycle's \
-                 `RolloutEngine`",
-            );
-            return None;
-        };
-        if !ok {
-            return None;
-        }
-        (engine, false)
+        let (engine, ok) = type_argument(ty, path, &ENGINE_FORM, errors);
+        (engine.filter(|_| ok)?, false)
     } else {
         match ty.as_ref() {
             Type::Reference(r) if is_engine(&r.elem) => {

@@ -4,7 +4,10 @@
 use proc_macro2::{Delimiter, Group, TokenStream, TokenTree};
 use quote::{quote, ToTokens};
 use syn::visit::{self, Visit};
-use syn::{FnArg, Item, Pat, PatType, Receiver, ReturnType, Signature, Type, TypePath};
+use syn::{
+    FnArg, GenericArgument, Item, Pat, PatType, PathArguments, Receiver, ReturnType, Signature,
+    Type, TypePath,
+};
 
 use super::errors::Errors;
 
@@ -221,4 +224,62 @@ pub(super) fn path_named<'t>(ty: &'t Type, name: &str) -> Option<&'t TypePath> {
         Type::Paren(p) => path_named(&p.elem, name),
         _ => None,
     }
+}
+
+/// How a parameter type of the form `Name<'_, T>` is named in its errors.
+pub(super) struct Form {
+    /// What the lifetime borrows (`the engine`).
+    pub(super) borrowed: &'static str,
+    /// The form with its subject (``the engine is `EngineMut<'_, E>` ``).
+    pub(super) written: &'static str,
+    /// The message for a type written without its type argument.
+    pub(super) missing: &'static str,
+}
+
+/// The type argument `T` of a parameter type `Name<'_, T>` (`path`, inside `ty` as written), and
+/// whether its other arguments were only the elided lifetime. A named lifetime or a second
+/// argument is reported on its tokens; a missing type argument is reported on `ty` and gives
+/// `None`.
+pub(super) fn type_argument(
+    ty: &Type,
+    path: &TypePath,
+    form: &Form,
+    errors: &mut Errors,
+) -> (Option<Type>, bool) {
+    let args = match path.path.segments.last().map(|s| &s.arguments) {
+        Some(PathArguments::AngleBracketed(args)) => args,
+        _ => {
+            errors.at(ty, form.missing);
+            return (None, false);
+        }
+    };
+    let mut found = None;
+    let mut ok = true;
+    for arg in &args.args {
+        match arg {
+            GenericArgument::Lifetime(l) if l.ident == "_" => {}
+            GenericArgument::Lifetime(l) => {
+                errors.at(
+                    l,
+                    format_args!(
+                        "{} is borrowed for one call only; write `'_` instead of `{l}`",
+                        form.borrowed
+                    ),
+                );
+                ok = false;
+            }
+            GenericArgument::Type(t) if found.is_none() => found = Some(t.clone()),
+            other => {
+                errors.at(
+                    other,
+                    format_args!("unexpected generic argument: {}", form.written),
+                );
+                ok = false;
+            }
+        }
+    }
+    if found.is_none() {
+        errors.at(ty, form.missing);
+    }
+    (found, ok)
 }

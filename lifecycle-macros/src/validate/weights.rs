@@ -4,13 +4,23 @@
 use proc_macro2::TokenStream;
 use quote::ToTokens;
 use syn::visit::Visit;
-use syn::{FnArg, GenericArgument, Ident, Pat, PatType, PathArguments, Signature, Type, TypePath};
+use syn::{FnArg, Ident, Pat, PatType, Signature, Type, TypePath};
 
 use super::errors::Errors;
-use super::signature::{param_name, parameter_list, path_named, signature_head, Elided};
+use super::signature::{
+    param_name, parameter_list, path_named, signature_head, type_argument, Elided, Form,
+};
 
 /// The name of the rollout weights view type, matched on a parameter type's last path segment.
 const VIEW: &str = "RolloutView";
+
+/// How the view's type is named in its errors.
+const VIEW_FORM: Form = Form {
+    borrowed: "the rollout weights view",
+    written: "the view is `RolloutView<'_, W>`",
+    missing: "write the weights type: `RolloutView<'_, W>`, where `W` is the backend's \
+              `Reshard::Rollout`",
+};
 
 /// The parameter attribute that selects the weights view.
 pub(super) const WEIGHTS_ATTR: &str = "weights";
@@ -165,52 +175,8 @@ pub(super) fn check_view(param: &PatType, errors: &mut Errors) -> Option<Type> {
         }
         return None;
     };
-    let segment = path
-        .path
-        .segments
-        .last()
-        .expect("view_path checked the last segment");
-    let PathArguments::AngleBracketed(args) = &segment.arguments else {
-        errors.at(
-            ty,
-            "write the weights type: `RolloutView<'_, W>`, where `W` is the backend's \
-             `Reshard::Rollout`",
-        );
-        return None;
-    };
-    let mut weights = None;
-    let mut ok = true;
-    for arg in &args.args {
-        match arg {
-            GenericArgument::Lifetime(l) if l.ident == "_" => {}
-            GenericArgument::Lifetime(l) => {
-                errors.at(
-                    l,
-                    format_args!(
-                        "the rollout weights view is borrowed for one call only; write `'_` \
-                         instead of `{l}`"
-                    ),
-                );
-                ok = false;
-            }
-            GenericArgument::Type(t) if weights.is_none() => weights = Some(t.clone()),
-            other => {
-                errors.at(
-                    other,
-                    "unexpected generic argument: the view is `RolloutView<'_, W>`",
-                );
-                ok = false;
-            }
-        }
-    }
-    let Some(weights) = weights else {
-        errors.at(
-            ty,
-            "write the weights type: `RolloutView<'_, W>`, where `W` is the backend's \
-             `Reshard::Rollout`",
-        );
-        return None;
-    };
+    let (weights, mut ok) = type_argument(ty, path, &VIEW_FORM, errors);
+    let weights = weights?;
     let mut elided = Elided::default();
     elided.visit_type(&weights);
     for tokens in elided.found {
