@@ -119,6 +119,8 @@ def vllm_names(
 
     if dtype not in ("bf16", "fp8"):
         raise ConfigError(f'vLLM names: dtype `{dtype}`: expected "bf16" or "fp8"')
+    if experts not in ("tp", "ep"):
+        raise ConfigError(f'vLLM names: experts `{experts}`: expected "tp" or "ep"')
     names = _bf16_names(config, tp, experts)
     if dtype == "bf16":
         return names

@@ -165,6 +165,8 @@ def test_fp8_vllm_names_match_vllms_model_source_with_the_router_bf16():
     assert (checked, refused) == (14, 8)
     with pytest.raises(ConfigError, match='dtype `int8`: expected "bf16" or "fp8"'):
         lifecycle.vllm_names(QWEN2_FP8, dtype="int8")
+    with pytest.raises(ConfigError, match='experts `dp`: expected "tp" or "ep"'):
+        lifecycle.vllm_names(QWEN3_MOE_FP8, 2, experts="dp")
 
 
 @pytest.mark.parametrize(
