@@ -409,6 +409,11 @@ fn run(args: &Args) -> Result<(), String> {
     if args.gpus_per_node == 0 {
         return Err("--gpus-per-node must be at least 1".into());
     }
+    // before anything prints: a kept layer the model lacks
+    let shapes = config.tensor_shapes();
+    args.fp8_keep
+        .check_layers(shapes.iter().map(|(n, _)| n.as_str()))
+        .map_err(|e| e.to_string())?;
     let plan_for = |offload: Offload| {
         match train {
             TrainLayout::Fsdp { world } => plan_fsdp_experts(

@@ -381,3 +381,24 @@ fn kv_dtype_defaults_and_pinned_memory_per_node_are_printed() {
     ]);
     assert!(none.contains("pinned host memory: none"), "{none}");
 }
+
+#[test]
+fn a_kept_fp8_layer_the_model_lacks_is_refused_before_anything_prints() {
+    // Qwen2.5-7B has layers 0..28
+    let fsdp = [
+        "--train",
+        "fsdp:2",
+        "--rollout-tp",
+        "2",
+        "--rollout-dtype",
+        "fp8",
+    ];
+    let (ok, text, err) = plan_output(&[&fsdp[..], &["--fp8-keep", "attention,layer:28"]].concat());
+    assert!(!ok && text.is_empty(), "{text}");
+    assert!(
+        err.contains("fp8 keep layer:28: the model's decoder layers are 0..28"),
+        "{err}"
+    );
+    let (ok, text, err) = plan_output(&[&fsdp[..], &["--fp8-keep", "layer:27"]].concat());
+    assert!(ok, "{text}{err}");
+}
