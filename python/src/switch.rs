@@ -48,16 +48,13 @@ fn parse<T: std::str::FromStr<Err = String>>(what: &str, value: &str) -> Result<
 }
 
 /// The `fp8_keep` setting (`"none"`, or a comma-separated list of `attention` and `layer:N`)
-/// for a model of `layers` decoder layers, which only an fp8 rollout reads.
-fn keep(value: &str, dtype: RolloutDtype, layers: usize) -> Result<Fp8Keep, BridgeError> {
+/// for `binding`'s model, which only an fp8 rollout reads.
+fn keep(value: &str, dtype: RolloutDtype, binding: &ModelBinding) -> Result<Fp8Keep, BridgeError> {
     let keep: Fp8Keep = value
         .parse()
         .map_err(|e: String| BridgeError::Config(format!("fp8_keep: {e}")))?;
-    if let Some(l) = keep.layers.layers().into_iter().find(|&l| l >= layers) {
-        return Err(BridgeError::Config(format!(
-            "fp8_keep `{value}`: layer:{l}, and the model's layers are 0..{layers}"
-        )));
-    }
+    keep.check_layers(binding.names().iter().map(|(n, _)| n.as_str()))
+        .map_err(|e| BridgeError::Config(format!("fp8_keep: {e}")))?;
     if keep != Fp8Keep::default() && dtype != RolloutDtype::Fp8 {
         return Err(BridgeError::Config(format!(
             "fp8_keep `{value}` keeps matrices of an fp8 rollout bf16, and this switch's dtype \
@@ -199,7 +196,7 @@ impl PySwitch {
             let binding = ModelBinding::new(config_json, names)?;
             let mut settings = SwitchSettings::new(world, tp);
             settings.dtype = dtype(dtype_name)?;
-            settings.fp8_keep = keep(fp8_keep, settings.dtype, binding.config().model.layers)?;
+            settings.fp8_keep = keep(fp8_keep, settings.dtype, &binding)?;
             settings.experts = experts(experts_name)?;
             settings.lifecycle.memory = memory(offload)?;
             // eager is the Python front's (it leaves after every session); the lifecycle stays

@@ -311,7 +311,7 @@ def test_fp8_keep_leaves_the_chosen_matrices_bf16(config):
 def test_fp8_keep_is_checked_before_anything_moves(config):
     config, params = fp8_config_and_params(config)
     cases = [
-        ("layer:2", "fp8", r"fp8_keep `layer:2`: layer:2, and the model's layers are 0..2"),
+        ("layer:2", "fp8", r"fp8_keep: fp8 keep layer:2: the model's decoder layers are 0..2"),
         ("mlp", "fp8", r"fp8_keep: fp8 keep `mlp`: expected attention, layer:N or none"),
         ("attention", "bf16", r"fp8_keep `attention` keeps matrices of an fp8 rollout bf16"),
     ]
