@@ -26,16 +26,28 @@ pub enum BridgeError {
     /// The rollout weights would be rewritten or freed while tensors handed out from them are
     /// still referenced.
     #[error(
-        "{operation} would rewrite or free the rollout weights while {} handed-out tensor(s) \
-         are still referenced ({}): drop them first (del / let them go out of scope)",
-        held.len(),
-        held.join(", ")
+        "{operation} would rewrite or free the rollout weights while {}: drop them first (del, \
+         or let them go out of scope), then call it again",
+        in_use(held)
     )]
     InUse {
         /// What was refused.
         operation: &'static str,
         /// Names of the tensors still referenced (each once).
         held: Vec<String>,
+    },
+    /// A training weight holds a NaN or an infinity: the switch refused it (nothing rolls out
+    /// until the weights are fixed and a switch succeeds).
+    #[error(
+        "tensor `{name}` holds a non-finite value ({detail}): the rollout would sample from \
+         poisoned weights, so the switch refused it; fix the training step that produced it \
+         (the masters are as the trainer left them) and roll out again"
+    )]
+    NonFinite {
+        /// The tensor's name.
+        name: String,
+        /// The value, where it is.
+        detail: String,
     },
     /// The backend failed (its message, with the lifecycle's account of the state).
     #[error("{0}")]
@@ -54,5 +66,55 @@ impl BridgeError {
     /// A backend error from anything displayable (the lifecycle's errors carry the backend's).
     pub fn backend(e: impl std::fmt::Display) -> Self {
         BridgeError::Backend(e.to_string())
+    }
+}
+
+/// How many handed-out tensors are referenced, naming at most three (`switch.held()` lists
+/// every one).
+fn in_use(held: &[String]) -> String {
+    let named: Vec<String> = held.iter().take(3).map(|n| format!("`{n}`")).collect();
+    match held.len() {
+        1 => format!("a handed-out tensor is still referenced ({})", named[0]),
+        n if n <= 3 => format!(
+            "{n} handed-out tensors are still referenced ({})",
+            named.join(", ")
+        ),
+        n => format!(
+            "{n} handed-out tensors are still referenced (e.g. {}; `switch.held()` lists them)",
+            named.join(", ")
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_in_use_list_is_summarised() {
+        let held: Vec<String> = (0..339).map(|i| format!("model.layers.{i}.w")).collect();
+        let e = BridgeError::InUse {
+            operation: "exit",
+            held,
+        }
+        .to_string();
+        assert!(e.len() < 300, "{} characters: {e}", e.len());
+        assert!(e.contains("339 handed-out tensors"), "{e}");
+        assert!(
+            e.contains("`model.layers.2.w`; `switch.held()` lists them"),
+            "{e}"
+        );
+        let one = BridgeError::InUse {
+            operation: "close",
+            held: vec!["lm_head.weight".into()],
+        }
+        .to_string();
+        assert!(
+            one.starts_with(
+                "close would rewrite or free the rollout weights while a handed-out \
+                             tensor is still referenced (`lm_head.weight`)"
+            ),
+            "{one}"
+        );
     }
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use lifecycle_core::{
-    EngineBytes, Lifecycle, LifecycleConfig, PhaseScope, RolloutEngine, RolloutView,
+    EngineBytes, Lifecycle, LifecycleConfig, Mode, PhaseScope, RolloutEngine, RolloutView,
 };
 use lifecycle_cuda::driver::{LentOffload, LentStream};
 use lifecycle_cuda::{RankExecutor, RolloutBuffer, RolloutSource, ThreadRankPool};
@@ -21,7 +21,7 @@ use crate::error::BridgeError;
 use crate::host::{not_entered, SwitchSettings};
 use crate::model::ModelBinding;
 use crate::shards::{check_shards, Shard};
-use crate::switch::{Entered, SwitchStats};
+use crate::switch::{Entered, SwitchStats, Tally};
 use crate::views::{buffer_views, Device, Leases, TensorView};
 
 /// What a trainer lends for one local rank at an enter.
@@ -93,6 +93,7 @@ pub struct GpuSwitch {
     leases: Arc<Leases>,
     generation: u64,
     lendings: u64,
+    tally: Tally,
 }
 
 impl std::fmt::Debug for GpuSwitch {
@@ -123,8 +124,7 @@ impl GpuSwitch {
             .memory
             .validate()
             .map_err(BridgeError::Config)?;
-        let train = binding.train_layout(settings.world)?;
-        let rollout = binding.rollout_layout(settings.tp, settings.experts)?;
+        let (train, rollout) = binding.layouts(settings.world, settings.tp, settings.experts)?;
         let backend = FsdpBackend::new(pool, rollout)
             .with_verification(false)
             .with_rollout_dtype(settings.dtype)
@@ -139,6 +139,7 @@ impl GpuSwitch {
             leases: Arc::new(Leases::default()),
             generation: 0,
             lendings: 0,
+            tally: Tally::default(),
         })
     }
 
@@ -184,6 +185,12 @@ impl GpuSwitch {
         Ok(())
     }
 
+    /// Checks `shards` (`shards[local][tensor]`) as [`enter`](GpuSwitch::enter) does, without
+    /// reading them.
+    pub fn check_shards(&self, shards: &[Vec<Shard>]) -> Result<(), BridgeError> {
+        check_shards(&self.train, &self.local_ranks()?, shards)
+    }
+
     /// Enters rollout mode: lends the shards anew if they moved (or at the first call), then
     /// switches when `changed` (or when nothing is resident); otherwise reuses the resident
     /// weights and moves nothing.
@@ -219,19 +226,27 @@ impl GpuSwitch {
             });
         }
         let start = Instant::now();
-        if moved {
+        let before = if moved {
             // SAFETY: the caller's promise (this function's contract).
             unsafe { self.lend(parts, key)? };
-        } else if let Slot::Live(lc, _) = &mut self.slot {
-            // mutable access to the training state marks the weights changed: the next
-            // rollout refreshes them
-            let mut train = lc.train().map_err(BridgeError::backend)?;
-            let _ = train.state_mut();
-        }
+            // a new lending's lifecycle starts with no metrics
+            lifecycle_core::Metrics::default()
+        } else {
+            let before = self.metrics();
+            if let Slot::Live(lc, _) = &mut self.slot {
+                // mutable access to the training state marks the weights changed: the next
+                // rollout refreshes them
+                let mut train = lc.train().map_err(BridgeError::backend)?;
+                let _ = train.state_mut();
+            }
+            before
+        };
         let Slot::Live(lc, _) = &mut self.slot else {
             return Err(broken());
         };
         rollout_call(lc)?;
+        let delta = lc.metrics().since(&before);
+        self.tally.switched(&delta);
         self.generation += 1;
         Ok(Entered::switched(self.generation, start.elapsed()))
     }
@@ -251,7 +266,16 @@ impl GpuSwitch {
             return Err(broken());
         };
         rollout_call(lc)?;
+        self.tally.reused();
         Ok(Entered::reused(self.generation))
+    }
+
+    /// The current lending's metrics (empty between lendings).
+    fn metrics(&self) -> lifecycle_core::Metrics {
+        match &self.slot {
+            Slot::Live(lc, _) => lc.metrics().clone(),
+            _ => lifecycle_core::Metrics::default(),
+        }
     }
 
     /// Lends `parts` (leaving rollout mode and dropping the previous lending first).
@@ -353,29 +377,33 @@ impl GpuSwitch {
     /// Leaves rollout mode, bringing back what was offloaded (refused while a handed-out view is
     /// referenced).
     pub fn exit(&mut self) -> Result<(), BridgeError> {
+        self.exit_for("exit")
+    }
+
+    /// [`exit`](GpuSwitch::exit) on behalf of `operation` (named in a refusal).
+    pub fn exit_for(&mut self, operation: &'static str) -> Result<(), BridgeError> {
         let held = self.leases.held();
         if !held.is_empty() {
-            return Err(BridgeError::InUse {
-                operation: "exit",
-                held,
-            });
+            return Err(BridgeError::InUse { operation, held });
         }
         match &mut self.slot {
-            Slot::Live(lc, _) => lc.exit().map_err(BridgeError::backend),
+            Slot::Live(lc, _) => {
+                let before = lc.metrics().clone();
+                let leaving = lc.mode() == Mode::Rollout;
+                lc.exit().map_err(BridgeError::backend)?;
+                if leaving {
+                    self.tally.exited(&lc.metrics().since(&before));
+                }
+                Ok(())
+            }
             Slot::Idle(..) => Ok(()),
             Slot::Broken => Err(broken()),
         }
     }
 
-    /// Switch counts and times (of the current lending).
+    /// Switch counts and times (over every lending).
     pub fn stats(&self) -> SwitchStats {
-        match &self.slot {
-            Slot::Live(lc, _) => SwitchStats::of(lc.metrics(), self.generation),
-            _ => SwitchStats {
-                generation: self.generation,
-                ..SwitchStats::default()
-            },
-        }
+        self.tally.stats(self.generation)
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Switching};
+use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Mode, Switching};
 use lifecycle_host::HostBackend;
 use lifecycle_layout::fp8::{Fp8Keep, RolloutDtype};
 use lifecycle_layout::{ExpertPlacement, HostTensor};
@@ -13,7 +13,7 @@ use lifecycle_state::HostTrainState;
 use crate::error::BridgeError;
 use crate::model::ModelBinding;
 use crate::shards::{check_shards, Shard};
-use crate::switch::{Entered, SwitchStats};
+use crate::switch::{Entered, SwitchStats, Tally};
 use crate::views::{host_views, Leases, TensorView};
 
 /// What a switch is asked to build (both backends).
@@ -61,6 +61,7 @@ pub struct HostSwitch {
     leases: Arc<Leases>,
     generation: u64,
     entered: bool,
+    tally: Tally,
 }
 
 impl std::fmt::Debug for HostSwitch {
@@ -75,7 +76,7 @@ impl std::fmt::Debug for HostSwitch {
 impl HostSwitch {
     /// A switch for `binding`'s model over `settings.world` ranks, nothing read yet.
     pub fn new(binding: ModelBinding, settings: SwitchSettings) -> Result<Self, BridgeError> {
-        let rollout = binding.rollout_layout(settings.tp, settings.experts)?;
+        let (_, rollout) = binding.layouts(settings.world, settings.tp, settings.experts)?;
         let backend = HostBackend::new(rollout)
             .with_rollout_dtype(settings.dtype)
             .with_fp8_keep(settings.fp8_keep);
@@ -94,6 +95,7 @@ impl HostSwitch {
             leases: Arc::new(Leases::default()),
             generation: 0,
             entered: false,
+            tally: Tally::default(),
         })
     }
 
@@ -107,9 +109,19 @@ impl HostSwitch {
         &self.leases
     }
 
+    /// Checks `shards` (`shards[rank][tensor]`, every rank's) as [`enter`](HostSwitch::enter)
+    /// does, without reading them.
+    pub fn check_shards(&self, shards: &[Vec<Shard>]) -> Result<(), BridgeError> {
+        let ranks: Vec<usize> = (0..self.lc.peek_state().world()).collect();
+        check_shards(self.lc.peek_state().layout(), &ranks, shards)
+    }
+
     /// Enters rollout mode: when `changed` (or at the first call), the shards
-    /// (`shards[rank][tensor]`, every rank's) are checked, copied into the reference state, and
-    /// switched; otherwise the resident weights are reused and nothing is read.
+    /// (`shards[rank][tensor]`, every rank's) are checked, copied into the reference state
+    /// (refusing a non-finite value in the same pass, [`BridgeError::NonFinite`]), and switched;
+    /// otherwise the resident weights are reused and nothing is read. A refusal leaves the
+    /// generation and the views as they were; the weights roll out again only after a
+    /// successful enter.
     ///
     /// # Safety
     /// Each shard's address must point to that many fp32 values of host memory, readable for
@@ -121,10 +133,10 @@ impl HostSwitch {
     ) -> Result<Entered, BridgeError> {
         if self.entered && !changed && self.lc.rollout_is_current() {
             rollout_call(&mut self.lc)?;
+            self.tally.reused();
             return Ok(Entered::reused(self.generation));
         }
-        let ranks: Vec<usize> = (0..self.lc.peek_state().world()).collect();
-        check_shards(self.lc.peek_state().layout(), &ranks, shards)?;
+        self.check_shards(shards)?;
         let held = self.leases.held();
         if !held.is_empty() {
             return Err(BridgeError::InUse {
@@ -133,22 +145,38 @@ impl HostSwitch {
             });
         }
         let start = std::time::Instant::now();
+        let before = self.lc.metrics().clone();
+        let mut bad: Option<(usize, usize)> = None;
         {
             let mut train = self.lc.train().map_err(BridgeError::backend)?;
             train
                 .state_mut()
                 .for_each_shard_mut(|s| {
                     let (ptr, n) = shards[s.rank][s.tensor];
-                    if n > 0 {
+                    if n > 0 && bad.is_none() {
                         // SAFETY: the caller's promise; `n` equals the shard's length
                         // (check_shards), and the memory is the caller's, not the state's.
                         let src = unsafe { std::slice::from_raw_parts(ptr as *const f32, n) };
-                        s.master.copy_from_slice(src);
+                        if !copy_finite(src, s.master) {
+                            bad = Some((s.rank, s.tensor));
+                        }
                     }
                 })
                 .map_err(BridgeError::backend)?;
         }
+        // The state now differs from the resident weights (its version moved): they are not
+        // current, so nothing rolls out until an enter succeeds.
+        self.entered = false;
+        if let Some((rank, tensor)) = bad {
+            let (ptr, n) = shards[rank][tensor];
+            // SAFETY: as above.
+            let src = unsafe { std::slice::from_raw_parts(ptr as *const f32, n) };
+            let name = &self.binding.names()[tensor].0;
+            let world = self.lc.peek_state().world();
+            return Err(non_finite(name, rank, world, src));
+        }
         rollout_call(&mut self.lc)?;
+        self.tally.switched(&self.lc.metrics().since(&before));
         self.generation += 1;
         self.entered = true;
         Ok(Entered::switched(self.generation, start.elapsed()))
@@ -161,6 +189,7 @@ impl HostSwitch {
             return Ok(None);
         }
         rollout_call(&mut self.lc)?;
+        self.tally.reused();
         Ok(Some(Entered::reused(self.generation)))
     }
 
@@ -188,21 +217,52 @@ impl HostSwitch {
 
     /// Leaves rollout mode (refused while a handed-out view is referenced).
     pub fn exit(&mut self) -> Result<(), BridgeError> {
+        self.exit_for("exit")
+    }
+
+    /// [`exit`](HostSwitch::exit) on behalf of `operation` (named in a refusal).
+    pub fn exit_for(&mut self, operation: &'static str) -> Result<(), BridgeError> {
         let held = self.leases.held();
         if !held.is_empty() {
-            return Err(BridgeError::InUse {
-                operation: "exit",
-                held,
-            });
+            return Err(BridgeError::InUse { operation, held });
         }
+        let before = self.lc.metrics().clone();
+        let leaving = self.lc.mode() == Mode::Rollout;
         self.lc.exit().map_err(BridgeError::backend)?;
+        if leaving {
+            self.tally.exited(&self.lc.metrics().since(&before));
+        }
         self.entered = false;
         Ok(())
     }
 
     /// Switch counts and times.
     pub fn stats(&self) -> SwitchStats {
-        SwitchStats::of(self.lc.metrics(), self.generation)
+        self.tally.stats(self.generation)
+    }
+}
+
+/// Copies `src` into `dst` (the same length), and says whether every value was finite: one
+/// pass, which the compiler vectorises.
+fn copy_finite(src: &[f32], dst: &mut [f32]) -> bool {
+    let mut finite = true;
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = s;
+        finite &= s.is_finite();
+    }
+    finite
+}
+
+/// The refusal of a non-finite value in rank `rank`'s shard `src` of tensor `name`.
+pub(crate) fn non_finite(name: &str, rank: usize, world: usize, src: &[f32]) -> BridgeError {
+    let (index, value) = src
+        .iter()
+        .enumerate()
+        .find(|(_, v)| !v.is_finite())
+        .map_or((0, f32::NAN), |(i, v)| (i, *v));
+    BridgeError::NonFinite {
+        name: name.to_string(),
+        detail: format!("{value} at element {index} of rank {rank}'s shard (of {world})"),
     }
 }
 

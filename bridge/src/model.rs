@@ -77,11 +77,16 @@ impl ModelBinding {
         if let Some(first) = missing.first() {
             return Err(BridgeError::tensor(
                 first.as_str(),
-                format!(
-                    "missing from the module ({} of the model's parameters are: a frozen or \
-                     tied parameter must still be passed)",
-                    missing.len()
-                ),
+                match missing.len() {
+                    1 => "missing from the module: pass every parameter the config describes, \
+                          frozen and tied ones included"
+                        .to_string(),
+                    n => format!(
+                        "missing from the module, with {} more of the model's parameters: pass \
+                         every parameter the config describes, frozen and tied ones included",
+                        n - 1
+                    ),
+                },
             ));
         }
         Ok(ModelBinding {
@@ -114,6 +119,24 @@ impl ModelBinding {
         self.config
             .rollout_layout_with(tp, experts)
             .map_err(|e| BridgeError::Config(e.to_string()))
+    }
+}
+
+impl ModelBinding {
+    /// The training layout over `world` ranks and the rollout layout at `tp` with `experts`,
+    /// checked against each other as a switch will plan them (T divides W, every tensor placed):
+    /// what a constructor can refuse before anything is read.
+    pub fn layouts(
+        &self,
+        world: usize,
+        tp: usize,
+        experts: ExpertPlacement,
+    ) -> Result<(FsdpLayout, RolloutLayout), BridgeError> {
+        let train = self.train_layout(world)?;
+        let rollout = self.rollout_layout(tp, experts)?;
+        lifecycle_layout::plan_fsdp_to_tp(&train, &rollout)
+            .map_err(|e| BridgeError::Config(e.to_string()))?;
+        Ok((train, rollout))
     }
 }
 

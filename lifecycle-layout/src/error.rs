@@ -70,7 +70,9 @@ pub enum LayoutError {
     },
     /// An fp8 keep setting names a decoder layer the model does not have.
     #[error(
-        "fp8 keep layer:{layer}: the model's decoder layers are 0..{layers}; name a layer it has"
+        "fp8 keep layer:{layer}: the model's decoder layers are numbered 0 to {}; name one of \
+         those",
+        layers.saturating_sub(1)
     )]
     Fp8KeepLayer {
         /// The layer named.

@@ -396,7 +396,7 @@ fn a_kept_fp8_layer_the_model_lacks_is_refused_before_anything_prints() {
     let (ok, text, err) = plan_output(&[&fsdp[..], &["--fp8-keep", "attention,layer:28"]].concat());
     assert!(!ok && text.is_empty(), "{text}");
     assert!(
-        err.contains("fp8 keep layer:28: the model's decoder layers are 0..28"),
+        err.contains("fp8 keep layer:28: the model's decoder layers are numbered 0 to 27"),
         "{err}"
     );
     let (ok, text, err) = plan_output(&[&fsdp[..], &["--fp8-keep", "layer:27"]].concat());

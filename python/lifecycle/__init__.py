@@ -9,29 +9,41 @@ weights changed raises :class:`StaleWeightsError`; rollout weights are never rew
 while a tensor handed out from them is still referenced (:class:`TensorsInUseError`).
 """
 
+import atexit as _atexit
+
 from ._lifecycle import (
     BackendError,
     ConfigError,
     LifecycleError,
+    NonFiniteError,
     StaleWeightsError,
     TensorMismatchError,
     TensorsInUseError,
+    __version__,
     expected_parameters,
 )
+from ._lifecycle import _finalizing
 from .engine import Engine
-from .switch import RolloutWeights, Switch
+from .switch import Masters, RolloutWeights, Switch
 from .vllm import vllm_names
+
+# From the interpreter's exit on, memory still referenced by handed-out tensors is left to the
+# process's end (the CUDA driver may be gone before the last of them is collected).
+_atexit.register(_finalizing)
 
 __all__ = [
     "BackendError",
     "ConfigError",
     "Engine",
     "LifecycleError",
+    "Masters",
+    "NonFiniteError",
     "RolloutWeights",
     "StaleWeightsError",
     "Switch",
     "TensorMismatchError",
     "TensorsInUseError",
+    "__version__",
     "expected_parameters",
     "vllm_names",
 ]

@@ -32,10 +32,15 @@ class Engine:
         fp8_compute: str = "weight-only",
         kv_dtype: str = "bf16",
     ):
-        switch._leave()
-        switch._live().attach_engine(
-            int(max_sequences), int(max_tokens), str(fp8_compute), str(kv_dtype)
-        )
+        from .sources import _positive
+
+        sequences = _positive("max_sequences", max_sequences, "sequences the KV cache holds")
+        tokens = _positive("max_tokens", max_tokens, "positions of each sequence")
+        # the switch checks every setting, and that it is a GPU switch, before it leaves
+        # rollout mode (refused while handed-out tensors are referenced)
+        switch._live().attach_engine(sequences, tokens, str(fp8_compute), str(kv_dtype))
+        switch._in_rollout = False
+        switch._may_have_moved = switch._offloads
         self._switch = switch
 
     def generate(

@@ -1,48 +1,88 @@
 """The trainer's tensors as a switch holds them: name, full shape, the shards this process lends,
-and the object whose in-place version counter says they changed."""
+and what says they changed (torch's in-place version counters, or the switch's own count of
+writes through :meth:`lifecycle.Switch.update` for numpy arrays)."""
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ._lifecycle import TensorMismatchError
+from ._lifecycle import ConfigError, TensorMismatchError
 
 
 def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch")
 
 
-def _address(name: str, x: Any, device: str) -> tuple[int, int]:
-    """``(address, elements)`` of a contiguous fp32 array or tensor, checked by name."""
+def _is_numpy(x: Any) -> bool:
+    return type(x).__module__.startswith("numpy") and hasattr(x, "__array_interface__")
+
+
+def _positive(what: str, value: Any, meaning: str) -> int:
+    """``value`` as an int of at least 1, or a ConfigError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
+        raise ConfigError(
+            f"{what}: expected a positive integer ({meaning}), found {type(value).__name__} "
+            f"{value!r}"
+        )
+    n = int(value.__index__())
+    if n < 1:
+        raise ConfigError(f"{what}: expected a positive integer ({meaning}), found {n}")
+    return n
+
+
+def _check_array(name: str, x: Any, device: str) -> None:
+    """A torch tensor or numpy array of fp32, contiguous, on ``device``; else an error naming
+    the tensor and the fix."""
     if _is_torch(x):
         import torch
 
+        if not isinstance(x, torch.Tensor):
+            raise TensorMismatchError(
+                f"tensor `{name}`: a torch tensor or a numpy array expected, found "
+                f"{type(x).__name__}"
+            )
         if x.dtype != torch.float32:
             raise TensorMismatchError(
-                f"tensor `{name}`: fp32 training weights expected, found {x.dtype}"
+                f"tensor `{name}`: fp32 training weights expected, found {x.dtype}: keep fp32 "
+                "masters (pass t.float())"
             )
         if not x.is_contiguous():
-            raise TensorMismatchError(f"tensor `{name}`: its shard is not contiguous")
+            raise TensorMismatchError(
+                f"tensor `{name}`: its shard is not contiguous: pass t.contiguous()"
+            )
         found = "cuda" if x.is_cuda else "cpu"
         if found != device:
             raise TensorMismatchError(
-                f"tensor `{name}`: on {x.device}, this switch runs on {device}"
+                f"tensor `{name}`: on {x.device}, and this switch runs on {device}: give every "
+                f"tensor on {device}"
             )
-        return (x.data_ptr() if x.numel() else 0, x.numel())
-    iface = getattr(x, "__array_interface__", None)
-    if iface is None:
+        return
+    if not _is_numpy(x):
         raise TensorMismatchError(
-            f"tensor `{name}`: a torch tensor or a numpy array expected, found {type(x).__name__}"
+            f"tensor `{name}`: a numpy array or a torch tensor expected, found "
+            f"{type(x).__name__}: pass np.asarray(x, dtype=np.float32)"
         )
     if device != "cpu":
-        raise TensorMismatchError(f"tensor `{name}`: a host array given to a {device} switch")
-    if iface["typestr"] != "<f4":
         raise TensorMismatchError(
-            f"tensor `{name}`: fp32 training weights expected, found dtype {x.dtype}"
+            f"tensor `{name}`: a host array given to a {device} switch: give torch tensors on "
+            f"{device}"
+        )
+    if x.__array_interface__["typestr"] != "<f4":
+        raise TensorMismatchError(
+            f"tensor `{name}`: fp32 training weights expected, found dtype {x.dtype}: pass "
+            "a.astype(np.float32)"
         )
     if not x.flags["C_CONTIGUOUS"]:
-        raise TensorMismatchError(f"tensor `{name}`: its shard is not C-contiguous")
-    return (iface["data"][0] if x.size else 0, int(x.size))
+        raise TensorMismatchError(
+            f"tensor `{name}`: its shard is not C-contiguous: pass np.ascontiguousarray(a)"
+        )
+
+
+def _address(x: Any) -> tuple[int, int]:
+    """``(address, elements)`` of a checked array or tensor."""
+    if _is_torch(x):
+        return (x.data_ptr() if x.numel() else 0, x.numel())
+    return (x.__array_interface__["data"][0] if x.size else 0, int(x.size))
 
 
 def _chunks(n: int, world: int) -> list[tuple[int, int]]:
@@ -51,39 +91,114 @@ def _chunks(n: int, world: int) -> list[tuple[int, int]]:
     return [(min(r * per, n), min((r + 1) * per, n)) for r in range(world)]
 
 
-class _Source:
-    """One training tensor: its name, full shape, the shards this process lends (one per
-    local rank) and the object whose in-place version counter says it changed."""
+def _set_writeable(arrays: list[Any], on: bool) -> None:
+    for a in arrays:
+        if _is_numpy(a):
+            a.flags.writeable = on
 
-    def __init__(self, name: str, shape: Sequence[int], shards: list[Any], versioned: Any):
+
+class _Source:
+    """One training tensor: its name, full shape, the shards this process lends (one per local
+    rank), what a trainer writes through (``given``: the full array, or the list of shards) and
+    what says it changed."""
+
+    def __init__(
+        self,
+        name: str,
+        shape: Sequence[int],
+        shards: list[Any],
+        versioned: Any = None,
+        given: Any = None,
+    ):
         self.name = name
         self.shape = [int(d) for d in shape]
         self.shards = shards
         self.versioned = versioned
-        self._checked: list[bool] = [False] * len(shards)
+        self.given = given
+        # writes through the switch (numpy has no version counter)
+        self.writes = 0
         self._numel: list[int] = [0] * len(shards)
-        self._torch: list[bool] = [False] * len(shards)
 
     def version(self) -> Any:
-        """The in-place version counters of the parameter and of its local tensor: an
-        optimizer step moves the first (``AdamW.step()`` on an FSDP2 parameter) or, through
-        ``DTensor`` dispatch of foreach kernels, only the second."""
+        """What moves when the tensor changes: the switch's count of writes through it, and the
+        in-place version counters of the parameter, of its local tensor and of every shard
+        (an optimizer step moves the first, ``AdamW.step()`` on an FSDP2 parameter, or through
+        ``DTensor`` dispatch of foreach kernels only the second)."""
         v = self.versioned
         local = getattr(v, "_local_tensor", None)
-        return (getattr(v, "_version", None), getattr(local, "_version", None))
+        return (
+            self.writes,
+            getattr(v, "_version", None),
+            getattr(local, "_version", None),
+            tuple(getattr(s, "_version", None) for s in self.shards),
+        )
 
-    def address(self, i: int, device: str) -> tuple[int, int]:
-        """Shard ``i``'s ``(address, elements)``; dtype, layout and device are checked the
-        first time (they do not change under a trainer), the address every time (a restored
-        storage moves)."""
+    def check(self, device: str) -> None:
+        """Checks every shard's dtype, layout and device (they do not change under a trainer)."""
+        for i, x in enumerate(self.shards):
+            _check_array(self.name, x, device)
+            self._numel[i] = _address(x)[1]
+
+    def address(self, i: int) -> tuple[int, int]:
+        """Shard ``i``'s ``(address, elements)`` now (a restored storage moves)."""
         x = self.shards[i]
-        if not self._checked[i]:
-            addr = _address(self.name, x, device)
-            self._checked[i] = True
-            self._numel[i] = addr[1]
-            self._torch[i] = _is_torch(x)
-            return addr
-        if self._torch[i]:
-            n = self._numel[i]
+        n = self._numel[i]
+        if _is_torch(x):
             return (x.data_ptr() if n else 0, n)
-        return _address(self.name, x, device)
+        return (x.__array_interface__["data"][0] if n else 0, n)
+
+    def host_arrays(self) -> list[Any]:
+        """The numpy arrays a trainer could write in place: what the switch makes read-only."""
+        given = self.given if isinstance(self.given, list) else [self.given]
+        return [a for a in given + self.shards if _is_numpy(a)]
+
+    def write(self, value: Any) -> None:
+        """Writes ``value`` (the full tensor; for a source built from shards, also the list of
+        every rank's shard) into the arrays the switch lends, in place."""
+        import numpy as np
+
+        targets: list[tuple[Any, Any]]
+        if isinstance(value, (list, tuple)) and isinstance(self.given, list):
+            if len(value) != len(self.given):
+                raise TensorMismatchError(
+                    f"tensor `{self.name}`: {len(value)} shards written, the switch holds "
+                    f"{len(self.given)} (one per rank)"
+                )
+            targets = list(zip(self.given, value))
+        elif isinstance(self.given, list):
+            full = value
+            shape = list(getattr(full, "shape", np.shape(full)))
+            if shape != self.shape:
+                raise TensorMismatchError(
+                    f"tensor `{self.name}`: shape {shape} written, its shape is {self.shape}"
+                )
+            rows = _chunks(self.shape[0] if self.shape else 0, len(self.given))
+            targets = [(g, full[lo:hi]) for g, (lo, hi) in zip(self.given, rows)]
+        else:
+            targets = [(self.given, value)]
+        for dst, src in targets:
+            if _is_torch(dst):
+                import torch
+
+                src = torch.as_tensor(src, dtype=dst.dtype, device=dst.device)
+                if list(src.shape) != list(dst.shape):
+                    raise TensorMismatchError(
+                        f"tensor `{self.name}`: shape {list(src.shape)} written, its shape is "
+                        f"{list(dst.shape)}"
+                    )
+                if src.data_ptr() != dst.data_ptr():
+                    dst.copy_(src)
+                continue
+            src = np.asarray(src)
+            if list(src.shape) != list(dst.shape):
+                raise TensorMismatchError(
+                    f"tensor `{self.name}`: shape {list(src.shape)} written, its shape is "
+                    f"{list(dst.shape)}"
+                )
+            if not np.issubdtype(src.dtype, np.floating):
+                raise TensorMismatchError(
+                    f"tensor `{self.name}`: floating-point values expected, found {src.dtype}"
+                )
+            if not np.shares_memory(src, dst) or src.ctypes.data != dst.ctypes.data:
+                np.copyto(dst, src, casting="same_kind")
+        self.writes += 1

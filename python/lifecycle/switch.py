@@ -3,18 +3,44 @@
 from __future__ import annotations
 
 import json
+import os
+import warnings
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Literal, Mapping, Sequence
 
 from . import _lifecycle
 from ._lifecycle import ConfigError, StaleWeightsError, TensorMismatchError
-from .sources import _chunks, _is_torch, _Source
+from .sources import _check_array, _chunks, _is_torch, _positive, _set_writeable, _Source
 from .vllm import vllm_tensors
+
+Dtype = Literal["bf16", "fp8"]
+Experts = Literal["tp", "ep"]
+Offload = Literal["none", "params", "optimizer", "all"]
+Switching = Literal["lazy", "eager"]
+Format = Literal["hf", "vllm"]
 
 
 def _config_json(config: Any) -> str:
-    """A Hugging Face config (object with ``to_json_string``), a dict, or JSON text."""
+    """A Hugging Face config (object with ``to_json_string``), a dict, JSON text, or the path of
+    a ``config.json`` as a ``pathlib.Path``."""
+    if isinstance(config, os.PathLike):
+        try:
+            with open(config) as f:
+                return f.read()
+        except OSError as e:
+            raise ConfigError(f"config: cannot read {os.fspath(config)!r}: {e}") from None
     if isinstance(config, str):
+        try:
+            json.loads(config)
+        except ValueError:
+            hint = (
+                f"; to read the file pass pathlib.Path({config!r})"
+                if os.path.exists(config)
+                else ""
+            )
+            raise ConfigError(
+                f"config: a string is read as JSON text, and {config[:60]!r} is not JSON{hint}"
+            ) from None
         return config
     if isinstance(config, dict):
         return json.dumps(config)
@@ -22,7 +48,8 @@ def _config_json(config: Any) -> str:
     if to_json is not None:
         return to_json()
     raise ConfigError(
-        f"config: expected a Hugging Face config, a dict or JSON text, found {type(config).__name__}"
+        "config: expected a Hugging Face config, a dict, JSON text or a pathlib.Path, found "
+        f"{type(config).__name__}"
     )
 
 
@@ -40,50 +67,98 @@ def _regather(module, device: str, world: int):
     return regather(module, world)
 
 
+def _pairs(named: Any, what: str) -> list[tuple]:
+    """``named`` as a list of tuples: a dict's items, or an iterable of tuples."""
+    if isinstance(named, Mapping):
+        return list(named.items())
+    if isinstance(named, (str, bytes)) or not hasattr(named, "__iter__"):
+        raise ConfigError(f"{what}: expected a dict or an iterable of tuples, found {type(named).__name__}")
+    out = list(named)
+    for item in out:
+        if not isinstance(item, tuple):
+            raise ConfigError(
+                f"{what}: expected tuples, found {type(item).__name__} {str(item)[:60]!r}"
+            )
+    return out
+
+
 class Switch:
     """Training tensors a trainer owns, switched lazily into the rollout layout.
 
-    Build it with :meth:`from_fsdp2` (a PyTorch module wrapped in FSDP2) or :meth:`from_shards`
-    / :meth:`from_arrays` (host arrays, on the CPU reference backend).
+    Build it with :meth:`from_fsdp2` (a PyTorch module wrapped in FSDP2) or :meth:`from_arrays`
+    / :meth:`from_shards` (host arrays, on the CPU reference backend).
 
     Settings (keywords of every constructor): ``rollout_tp`` (T); ``dtype`` ``"bf16"`` or
     ``"fp8"`` (block-scaled e4m3 matrices, quantised from the fp32 masters in the switch; the
     embedding, head, norms and router stay bf16); ``fp8_keep``, for an fp8 rollout, more
     matrices kept bf16: comma-separated ``attention`` and ``layer:N`` (``"none"`` by default);
-    ``experts`` ``"tp"`` or ``"ep"``; ``offload``; ``switching`` ``"lazy"`` or ``"eager"``."""
+    ``experts`` ``"tp"`` or ``"ep"``; ``offload``; ``switching`` ``"lazy"`` or ``"eager"``.
 
-    def __init__(
-        self,
+    Every argument, and every tensor's dtype, layout, device and shape, is checked when the
+    switch is built; a training weight that is not finite is refused when it is switched
+    (:class:`NonFiniteError`). Rollout tensors handed out keep the switch's memory alive until
+    the last of them goes, whatever is dropped first.
+
+    ::
+
+        switch = Switch.from_arrays(config, params)        # the arrays become read-only
+        with switch.rollout() as w:                        # switches (the first time)
+            weights = dict(w.named_arrays())
+        with switch.update() as m:                         # the trainer writes through it
+            m["lm_head.weight"] -= 0.1 * grad
+        with switch.rollout() as w:                        # switches again: the weights changed
+            ...
+    """
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        raise ConfigError(
+            "build a Switch with Switch.from_fsdp2, Switch.from_arrays or Switch.from_shards"
+        )
+
+    @classmethod
+    def _create(
+        cls,
         config: Any,
         sources: list[_Source],
         *,
         world: int,
         rollout_tp: int = 1,
-        dtype: str = "bf16",
+        dtype: Dtype = "bf16",
         fp8_keep: str = "none",
-        experts: str = "tp",
-        offload: str = "none",
-        switching: str = "lazy",
+        experts: Experts = "tp",
+        offload: Offload = "none",
+        switching: Switching = "lazy",
         device: str = "cpu",
         offload_buffers=None,
         stream=None,
         regather=None,
-    ):
+    ) -> "Switch":
+        self = cls.__new__(cls)
+        self._s = None
+        world = _positive("world", world, "the trainer's FSDP world size W")
+        tp = _positive("rollout_tp", rollout_tp, "the rollout's tensor-parallel degree T")
+        for what, value in (
+            ("dtype", dtype),
+            ("fp8_keep", fp8_keep),
+            ("experts", experts),
+            ("offload", offload),
+            ("switching", switching),
+        ):
+            if not isinstance(value, str):
+                raise ConfigError(f"{what}: expected a string, found {type(value).__name__}")
         self._config_json = _config_json(config)
         self._sources = sources
         self._device = device
         self._torch = device == "cuda" or any(
             _is_torch(s) for src in sources for s in src.shards
         )
-        self._offload_buffers = offload_buffers
-        self._stream = stream
-        self._regather = regather
-        self._tp = int(rollout_tp)
-        self._s = _lifecycle._Switch(
+        for src in sources:
+            src.check(device)
+        s = _lifecycle._Switch(
             self._config_json,
-            [(s.name, s.shape) for s in sources],
-            world=int(world),
-            tp=self._tp,
+            [(src.name, src.shape) for src in sources],
+            world=world,
+            tp=tp,
             dtype_name=dtype,
             experts_name=experts,
             offload=offload,
@@ -92,6 +167,11 @@ class Switch:
             gpu=_current_gpu() if device == "cuda" else 0,
             fp8_keep=fp8_keep,
         )
+        s.check_shards(self._shards())
+        self._offload_buffers = offload_buffers
+        self._stream = stream
+        self._regather = regather
+        self._tp = tp
         self._dtype = dtype
         self._eager = switching == "eager"
         self._seen: tuple | None = None
@@ -101,7 +181,12 @@ class Switch:
         self._may_have_moved = True
         self._offloads = offload != "none"
         self._session: RolloutWeights | None = None
+        self._updating = False
         self.last_enter: tuple | None = None
+        # numpy arrays change only through update(): read-only from now on
+        _set_writeable([a for src in sources for a in src.host_arrays()], False)
+        self._s = s
+        return self
 
     # ---- construction ------------------------------------------------------------------
 
@@ -112,45 +197,80 @@ class Switch:
         shards: Iterable[tuple[str, Sequence[int], Sequence[Any]]],
         *,
         world: int,
-        **settings,
+        **settings: Any,
     ) -> "Switch":
         """Host shards: ``(name, full shape, [rank 0's shard, ..., rank W-1's])`` per tensor,
-        each an fp32 array of that rank's dim-0 rows (FSDP2's chunks), on the CPU backend."""
+        each an fp32 array of that rank's dim-0 rows (FSDP2's chunks), on the CPU backend.
+
+        The switch takes the numpy shards as they are (no copy) and makes them read-only: a
+        trainer writes them through :meth:`update`. Torch tensors stay writable; their version
+        counters tell the switch they changed."""
+        world = _positive("world", world, "the trainer's FSDP world size W")
         sources = []
-        for name, shape, per_rank in shards:
+        for item in _pairs(shards, "shards"):
+            if len(item) != 3:
+                raise ConfigError(
+                    f"shards: expected (name, full shape, [one shard per rank]) tuples, found "
+                    f"a tuple of {len(item)}"
+                )
+            name, shape, per_rank = item
+            if isinstance(per_rank, (str, bytes)) or not hasattr(per_rank, "__len__"):
+                raise TensorMismatchError(
+                    f"tensor `{name}`: a list of its {world} ranks' shards expected, found "
+                    f"{type(per_rank).__name__}"
+                )
             per_rank = list(per_rank)
             if len(per_rank) != world:
                 raise TensorMismatchError(
-                    f"tensor `{name}`: {len(per_rank)} shards given for a world of {world}"
+                    f"tensor `{name}`: {len(per_rank)} shards given, the world has {world} ranks "
+                    "(one shard per rank, empty ones included)"
                 )
-            sources.append(_Source(name, shape, per_rank, per_rank[0]))
-        return cls(config, sources, world=world, device="cpu", **settings)
+            sources.append(_Source(name, shape, per_rank, given=per_rank))
+        return cls._create(config, sources, world=world, device="cpu", **settings)
 
     @classmethod
     def from_arrays(
-        cls, config: Any, named: Iterable[tuple[str, Any]], *, world: int = 1, **settings
+        cls,
+        config: Any,
+        named: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        *,
+        world: int = 1,
+        **settings: Any,
     ) -> "Switch":
-        """Full host arrays ``(name, array)``, split into FSDP2's dim-0 chunks over ``world``
-        ranks (views, no copies), on the CPU backend."""
-        shards = []
-        for name, a in named:
+        """Full host arrays, a dict or ``(name, array)`` pairs, split into FSDP2's dim-0 chunks
+        over ``world`` ranks (views, no copies), on the CPU backend.
+
+        The switch takes the numpy arrays as they are and makes them read-only: a trainer
+        writes them through :meth:`update` (an in-place write anywhere else raises numpy's
+        ``ValueError: assignment destination is read-only``; views taken before the switch was
+        built are not covered). Torch tensors stay writable; their version counters tell the
+        switch they changed."""
+        world = _positive("world", world, "the trainer's FSDP world size W")
+        sources = []
+        for item in _pairs(named, "named"):
+            if len(item) != 2:
+                raise ConfigError(
+                    f"named: expected (name, array) pairs, found a tuple of {len(item)}"
+                )
+            name, a = item
+            _check_array(str(name), a, "cpu")
             rows = a.shape[0] if a.ndim else 0
             views = [a[lo:hi] for lo, hi in _chunks(rows, world)]
-            shards.append((name, list(a.shape), views))
-        return cls.from_shards(config, shards, world=world, **settings)
+            sources.append(_Source(name, list(a.shape), views, given=a))
+        return cls._create(config, sources, world=world, device="cpu", **settings)
 
     @classmethod
     def from_fsdp2(
         cls,
-        module,
+        module: Any,
         *,
         rollout_tp: int = 1,
-        dtype: str = "bf16",
+        dtype: Dtype = "bf16",
         fp8_keep: str = "none",
-        experts: str = "tp",
-        offload: str = "none",
-        optimizer=None,
-        switching: str = "lazy",
+        experts: Experts = "tp",
+        offload: Offload = "none",
+        optimizer: Any = None,
+        switching: Switching = "lazy",
         config: Any = None,
     ) -> "Switch":
         """A module whose parameters are FSDP2 ``DTensor``s (``fully_shard``) — or plain
@@ -159,10 +279,11 @@ class Switch:
         CUDA parameters are lent by address, zero-copy: each rank's ``to_local()`` shard (dim-0
         chunks). At W > 1 (one process per GPU, launched by torchrun) each process lends its own
         shards and the switch's ranks meet through torchrun's store; the project's engine then
-        runs the W processes as one tensor-parallel group (``rollout_tp=W``). ``offload`` ("none", "params", "optimizer", "all") moves the parameters'
-        and ``optimizer``'s state storages to pinned host memory during rollout
-        (``untyped_storage().resize_(0)`` and back); the switch then leaves rollout mode by
-        itself before the module's next forward and the optimizer's next step.
+        runs the W processes as one tensor-parallel group (``rollout_tp=W``). ``offload``
+        ("none", "params", "optimizer", "all") moves the parameters' and ``optimizer``'s state
+        storages to pinned host memory during rollout (``untyped_storage().resize_(0)`` and
+        back); the switch then leaves rollout mode by itself before the module's next forward
+        and the optimizer's next step.
 
         CPU parameters (gloo) are gathered from every rank and switched on the reference
         backend, the same on every rank."""
@@ -171,8 +292,10 @@ class Switch:
         config = config if config is not None else getattr(module, "config", None)
         if config is None:
             raise ConfigError("from_fsdp2: the module has no `config`; pass config=...")
+        if not isinstance(offload, str):
+            raise ConfigError(f"offload: expected a string, found {type(offload).__name__}")
         sources, world, device, buffers, stream = fsdp2_sources(module, offload, optimizer)
-        switch = cls(
+        switch = cls._create(
             config,
             sources,
             world=world,
@@ -196,11 +319,18 @@ class Switch:
 
     # ---- the lifecycle -------------------------------------------------------------------
 
+    def _shards(self) -> list[list[tuple[int, int]]]:
+        """Every local rank's ``(address, elements)`` of every tensor, now."""
+        ranks = len(self._sources[0].shards) if self._sources else 0
+        return [[s.address(i) for s in self._sources] for i in range(ranks)]
+
     def _versions(self) -> tuple:
         return tuple([s.version() for s in self._sources])
 
     def mark_changed(self) -> None:
-        """Forces the next rollout to switch (for tensors without a version counter)."""
+        """Forces the next rollout to switch (for torch tensors written without moving their
+        version counter, e.g. through ``.data``)."""
+        self._live()
         self._force = True
 
     def _enter(self, refresh: bool, versions: tuple) -> tuple:
@@ -212,14 +342,13 @@ class Switch:
                 self._in_rollout = True
                 return reused
         if changed and self._regather is not None:
-            self._sources = self._regather()
-        shards = [
-            [s.address(i, self._device) for s in self._sources]
-            for i in range(len(self._sources[0].shards) if self._sources else 0)
-        ]
+            sources = self._regather()
+            for src in sources:
+                src.check(self._device)
+            self._sources = sources
         stream = self._stream() if callable(self._stream) else None
         buffers = self._offload_buffers() if callable(self._offload_buffers) else None
-        entered = self._s.enter(shards, changed, stream, buffers)
+        entered = self._s.enter(self._shards(), changed, stream, buffers)
         self._seen = versions
         self._force = False
         self._in_rollout = True
@@ -230,28 +359,56 @@ class Switch:
     @contextmanager
     def rollout(self, *, refresh: bool = False) -> Iterator["RolloutWeights"]:
         """A rollout session: enters rollout mode only when the weights changed since the last
-        enter (their in-place version counters moved, or ``refresh=True``), then yields the
-        weights. Tensors taken from it are stale once the block ends."""
+        enter (their version counters moved, a write through :meth:`update`, or
+        ``refresh=True``), then yields the weights. Tensors taken from it are stale once the
+        block ends; their memory stays valid as long as they are referenced."""
+        live = self._live()
         if self._session is not None:
-            raise ConfigError("a rollout session is already open on this switch")
-        if self._s is None:
-            raise ConfigError("this switch is closed")
+            raise ConfigError("a rollout session is already open on this switch: end it first")
+        if self._updating:
+            raise ConfigError("the switch's weights are being updated: end the update() block first")
         versions = self._versions()
         self._enter(refresh, versions)
-        self._s.open_session()
+        live.open_session()
         w = RolloutWeights(self, versions)
         self._session = w
         try:
             yield w
         finally:
             self._session = None
-            self._s.close_session()
+            live.close_session()
             if self._eager:
                 # eager: leave rollout mode after every call, as stacks that wrap each call do
                 self._leave()
 
+    @contextmanager
+    def update(self) -> Iterator["Masters"]:
+        """The training weights, writable for the block: ``with switch.update() as m:`` then
+        ``m[name] -= lr * g`` (in place) or ``m[name] = new`` (copied in, shape checked). Every
+        tensor touched counts as changed: the next rollout switches. Outside the block a host
+        switch's numpy arrays are read-only, so a trainer cannot change them unseen."""
+        self._live()
+        if self._session is not None:
+            raise ConfigError("a rollout session is open: end it before updating the weights")
+        if self._updating:
+            raise ConfigError("an update() block is already open on this switch")
+        arrays = [a for src in self._sources for a in src.host_arrays()]
+        self._updating = True
+        _set_writeable(arrays, True)
+        try:
+            yield Masters(self, writable=True)
+        finally:
+            _set_writeable(arrays, False)
+            self._updating = False
+
+    @property
+    def masters(self) -> "Masters":
+        """The training weights by name, read-only (write them in :meth:`update`)."""
+        self._live()
+        return Masters(self, writable=False)
+
     def _leave(self) -> None:
-        if self._in_rollout:
+        if self._in_rollout and self._s is not None:
             self._s.exit()
             self._in_rollout = False
             self._may_have_moved = self._offloads
@@ -259,49 +416,121 @@ class Switch:
     def train(self) -> None:
         """Leaves rollout mode now (bringing offloaded state back); refused with
         :class:`TensorsInUseError` while handed-out rollout tensors are still referenced."""
+        self._live()
         if self._session is not None:
             raise ConfigError("a rollout session is open: end it before training")
         self._leave()
 
     def _live(self):
-        if self._s is None:
-            raise ConfigError("this switch is closed")
+        if self._s is None or self._s.closed:
+            raise ConfigError(
+                "this switch is closed (close() freed its memory): build a new one to roll out "
+                "again"
+            )
         return self._s
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._s is None or self._s.closed
 
     def close(self) -> None:
         """Leaves rollout mode (bringing offloaded state back into the trainer's storages) and
-        releases the switch's device memory; the switch cannot be used again. Refused with
-        :class:`TensorsInUseError` while handed-out rollout tensors are still referenced."""
+        frees the switch's memory; the switch cannot be used again, and a second call does
+        nothing. Refused with :class:`TensorsInUseError` while handed-out rollout tensors are
+        still referenced (nothing is released then)."""
+        if self.closed:
+            return
         if self._session is not None:
             raise ConfigError("a rollout session is open: end it before closing the switch")
-        if self._s is None:
-            return
-        self._leave()
-        self._s = None
+        self._s.close()
+        self._in_rollout = False
+        _set_writeable([a for src in self._sources for a in src.host_arrays()], True)
 
     def __del__(self):
-        # A switch dropped in rollout mode must not take offloaded training state with it:
-        # bring it back (best effort: at interpreter exit torch may be gone already).
+        s = getattr(self, "_s", None)
+        if s is None or s.closed:
+            return
         try:
-            if getattr(self, "_s", None) is not None and self._in_rollout and self._offloads:
+            held = s.held()
+            if held:
+                warnings.warn(
+                    f"a lifecycle.Switch was dropped while {len(held)} handed-out rollout "
+                    f"tensor(s) still reference its weights (e.g. `{held[0]}`): its memory is "
+                    "freed when the last of them goes; call switch.close() after dropping them "
+                    "to free it at a known point",
+                    ResourceWarning,
+                    stacklevel=2,
+                )
+            elif self._in_rollout and self._offloads:
+                # A switch dropped in rollout mode must not take offloaded training state with
+                # it: bring it back (best effort: at interpreter exit torch may be gone already).
                 self._leave()
         except Exception as e:  # noqa: BLE001 (no exception may escape __del__)
-            import warnings
-
             warnings.warn(f"lifecycle.Switch dropped in rollout mode: {e}", RuntimeWarning)
 
     def held(self) -> list[str]:
-        """Names of handed-out rollout tensors still referenced."""
-        return self._live().held()
+        """Names of handed-out rollout tensors still referenced (empty once closed)."""
+        return [] if self._s is None else self._s.held()
 
     def stats(self) -> dict:
-        """Counts and times of the switches so far (``enters``, ``refreshes``, ``exits``,
-        ``reuses``, ``switch_seconds``, ``generation``)."""
+        """Counts and times of the switches so far: ``enters`` and ``refreshes`` (switches that
+        moved weights), ``exits`` (out of rollout mode), ``reuses`` (rollout calls that found
+        current weights resident), ``switch_seconds``, ``generation``."""
         return dict(self._live().stats())
 
     @property
     def rollout_tp(self) -> int:
+        """The rollout's tensor-parallel degree T."""
         return self._tp
+
+
+class Masters(Mapping[str, Any]):
+    """A switch's training weights by name (what the trainer gave: the full array, or the list
+    of every rank's shard for :meth:`Switch.from_shards`). Writable only inside
+    :meth:`Switch.update`."""
+
+    def __init__(self, switch: Switch, writable: bool):
+        self._switch = switch
+        self._writable = writable
+        self._by_name = {s.name: s for s in switch._sources}
+
+    def _source(self, name: str) -> _Source:
+        src = self._by_name.get(name)
+        if src is None:
+            raise TensorMismatchError(
+                f"tensor `{name}`: not one of the switch's {len(self._by_name)} tensors "
+                "(list them with list(switch.masters))"
+            )
+        return src
+
+    def __getitem__(self, name: str) -> Any:
+        src = self._source(name)
+        if self._writable:
+            self._check()
+            # what is taken writable may be written in place: counts as changed
+            src.writes += 1
+        return src.given if src.given is not None else src.shards
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        src = self._source(name)
+        if not self._writable:
+            raise ConfigError(
+                f"tensor `{name}`: the weights are read-only here: write them inside "
+                "`with switch.update() as m:`"
+            )
+        self._check()
+        src.write(value)
+
+    def _check(self) -> None:
+        if not self._switch._updating:
+            raise StaleWeightsError("weights written after their update() block ended")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
 
 
 class RolloutWeights:
@@ -320,9 +549,12 @@ class RolloutWeights:
                 for s, v in zip(self._switch._sources, self._versions)
                 if s.version() != v
             ]
+            which = f"`{changed[0]}`" + (
+                f" and {len(changed) - 1} more tensors" if len(changed) > 1 else ""
+            )
             raise StaleWeightsError(
-                f"the training weights changed during the session ({what}): "
-                f"`{changed[0]}` and {len(changed) - 1} more were updated in place"
+                f"the training weights changed during the session ({what}): {which} changed "
+                "in place; take the rollout tensors in a new session (switch.rollout())"
             )
 
     def handles(self, rank: int = 0, *, bits: bool = False) -> list:
@@ -330,7 +562,7 @@ class RolloutWeights:
         exporters that raise :class:`StaleWeightsError` once stale. ``bits`` exports them as
         unsigned integers of their width (what numpy can import)."""
         self._check("handles")
-        return self._switch._s.tensors(rank, bits)
+        return self._switch._live().tensors(_rank(rank), bool(bits))
 
     def named_tensors(self, format: str = "hf", rank: int = 0) -> Iterator[tuple[str, Any]]:
         """``(name, tensor)`` for every rollout tensor of local rank ``rank``: torch tensors
@@ -343,7 +575,7 @@ class RolloutWeights:
         self._check("named_tensors")
         if format not in ("hf", "vllm"):
             raise ConfigError(f'format `{format}`: expected "hf" or "vllm"')
-        handles = self._switch._s.tensors(rank, False)
+        handles = self._switch._live().tensors(_rank(rank), False)
         if not self._switch._torch:
             if format == "vllm":
                 raise ConfigError('format="vllm" yields torch tensors: it needs a torch switch')
@@ -371,7 +603,8 @@ class RolloutWeights:
             raise ConfigError("named_arrays reads host memory: use named_tensors on a cuda switch")
         import numpy as np
 
-        named = [(h.name, np.from_dlpack(h)) for h in self._switch._s.tensors(rank, True)]
+        handles = self._switch._live().tensors(_rank(rank), True)
+        named = [(h.name, np.from_dlpack(h)) for h in handles]
         if format == "hf":
             yield from named
         else:
@@ -382,4 +615,10 @@ class RolloutWeights:
     @property
     def generation(self) -> int:
         """The generation of these weights (one more at every switch)."""
-        return int(self._switch._s.stats()["generation"])
+        return int(self._switch._live().stats()["generation"])
+
+
+def _rank(rank: Any) -> int:
+    if isinstance(rank, bool) or not hasattr(rank, "__index__"):
+        raise ConfigError(f"rank: expected an int (a local rank), found {type(rank).__name__}")
+    return int(rank.__index__())

@@ -294,8 +294,8 @@ def _fused(fused: str, parts: list[_Part]):
         if p.lo % BLOCK or whole != p.hi:
             raise ConfigError(
                 f"{fused}: fp8 rows {p.lo}..{p.hi} of {p.name} do not fill whole {BLOCK}-row "
-                "blocks, so vLLM's block grid over the fused rows would give one block rows of "
-                'two parts: use format="hf" (each tensor with its own scales) or keep it bf16 '
+                "blocks, so one of vLLM's scale blocks over the fused rows would straddle two "
+                'parts: use format="hf" (each tensor with its own scales) or keep it bf16 '
                 '(fp8_keep)'
             )
         scales.append(p.scales[p.lo // BLOCK : _blocks(p.hi)])

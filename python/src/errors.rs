@@ -37,6 +37,12 @@ create_exception!(
 );
 create_exception!(
     _lifecycle,
+    NonFiniteError,
+    LifecycleError,
+    "A training weight holds a NaN or an infinity: the switch refused it, nothing rolled out."
+);
+create_exception!(
+    _lifecycle,
     BackendError,
     LifecycleError,
     "The switch itself failed; the message says what state the training tensors are in."
@@ -50,6 +56,7 @@ pub fn to_py(e: BridgeError) -> PyErr {
         BridgeError::Tensor { .. } => TensorMismatchError::new_err(message),
         BridgeError::Stale { .. } => StaleWeightsError::new_err(message),
         BridgeError::InUse { .. } => TensorsInUseError::new_err(message),
+        BridgeError::NonFinite { .. } => NonFiniteError::new_err(message),
         BridgeError::Backend(_) => BackendError::new_err(message),
     }
 }

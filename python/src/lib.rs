@@ -6,6 +6,7 @@
 
 mod errors;
 mod owner;
+mod shared;
 mod switch;
 mod tensor;
 
@@ -30,7 +31,10 @@ fn _lifecycle(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "TensorsInUseError",
         py.get_type::<errors::TensorsInUseError>(),
     )?;
+    m.add("NonFiniteError", py.get_type::<errors::NonFiniteError>())?;
     m.add("BackendError", py.get_type::<errors::BackendError>())?;
     m.add_function(wrap_pyfunction!(switch::expected_parameters, m)?)?;
+    m.add_function(wrap_pyfunction!(shared::_finalizing, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

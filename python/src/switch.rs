@@ -1,13 +1,13 @@
 //! `_Switch`: a host or GPU switch of `lifecycle-bridge` behind one Python class.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard};
 use std::time::Duration;
 
 use lifecycle_bridge::gpu::GpuRankParts;
 use lifecycle_bridge::shards::Shard;
+use lifecycle_bridge::SwitchStats;
 use lifecycle_bridge::{BridgeError, Entered, GpuSwitch, HostSwitch, ModelBinding, SwitchSettings};
-use lifecycle_bridge::{Leases, SwitchStats};
 use lifecycle_core::{MemoryPolicy, Switching};
 use lifecycle_cuda::driver::{BufferClass, LentOffload};
 use lifecycle_cuda::ThreadRankPool;
@@ -21,12 +21,8 @@ use pyo3::types::PyDict;
 
 use crate::errors::to_py;
 use crate::owner::PyOwner;
-use crate::tensor::{PyTensor, Token};
-
-enum Inner {
-    Host(Box<HostSwitch>),
-    Gpu(Box<GpuSwitch>),
-}
+use crate::shared::{closed, Inner, Owner, Shared};
+use crate::tensor::PyTensor;
 
 /// One buffer an offload may move, as Python gives it: `(name, "params" | "optimizer", address,
 /// bytes, release(rank, ptr), restore(rank, bytes) -> ptr)`.
@@ -35,10 +31,7 @@ type PyOffload = (String, String, u64, usize, Py<PyAny>, Py<PyAny>);
 /// The switch (see the [module docs](self)).
 #[pyclass(name = "_Switch", module = "lifecycle._lifecycle")]
 pub struct PySwitch {
-    inner: Mutex<Inner>,
-    token: Arc<Token>,
-    sessions: AtomicU64,
-    leases: Arc<Leases>,
+    shared: Owner,
 }
 
 fn parse<T: std::str::FromStr<Err = String>>(what: &str, value: &str) -> Result<T, BridgeError> {
@@ -117,17 +110,23 @@ fn class(name: &str, value: &str) -> Result<BufferClass, BridgeError> {
 }
 
 impl PySwitch {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.shared.lock()
     }
 
-    fn gpu(&self) -> Result<std::sync::MutexGuard<'_, Inner>, BridgeError> {
-        let g = self.lock();
-        match &*g {
-            Inner::Gpu(_) => Ok(g),
+    /// Runs `f` on the GPU switch, or says why there is none.
+    fn with_gpu<R>(
+        &self,
+        f: impl FnOnce(&mut GpuSwitch) -> Result<R, BridgeError>,
+    ) -> Result<R, BridgeError> {
+        match &mut *self.lock() {
+            Inner::Gpu(s) => f(s),
             Inner::Host(_) => Err(BridgeError::Config(
-                "the project's GPU engine needs a switch on device \"cuda\"".into(),
+                "the project's GPU engine needs a switch on device \"cuda\"; this one is on \
+                 \"cpu\" (the reference backend): build it with from_fsdp2 on CUDA parameters"
+                    .into(),
             )),
+            Inner::Closed => Err(closed()),
         }
     }
 }
@@ -154,7 +153,8 @@ fn gpu_pool(world: usize, gpu: usize) -> Result<ThreadRankPool, BridgeError> {
         .map_err(BridgeError::backend)?
         .ok_or_else(|| {
             BridgeError::Config(format!(
-                "a CUDA switch over W = {world} ranks runs one process per GPU, launched like                  PyTorch (torchrun): RANK / WORLD_SIZE are not set"
+                "a CUDA switch over W = {world} ranks runs one process per GPU, launched like \
+                 PyTorch (torchrun): RANK / WORLD_SIZE are not set"
             ))
         })?;
     if env.world_size != world {
@@ -216,16 +216,20 @@ impl PySwitch {
             }
         };
         let inner = py.detach(build).map_err(to_py)?;
-        let leases = match &inner {
-            Inner::Host(s) => s.leases().clone(),
-            Inner::Gpu(s) => s.leases().clone(),
-        };
         Ok(PySwitch {
-            inner: Mutex::new(inner),
-            token: Arc::new(Token::default()),
-            sessions: AtomicU64::new(0),
-            leases,
+            shared: Owner::new(&Shared::new(inner)),
         })
+    }
+
+    /// Checks shards as `enter` would (`shards[local][tensor]` = `(address, elements)`) without
+    /// reading them: what a constructor can know before the first rollout.
+    fn check_shards(&self, shards: Vec<Vec<Shard>>) -> PyResult<()> {
+        match &*self.lock() {
+            Inner::Host(s) => s.check_shards(&shards),
+            Inner::Gpu(s) => s.check_shards(&shards),
+            Inner::Closed => Err(closed()),
+        }
+        .map_err(to_py)
     }
 
     /// Enters rollout mode (see `lifecycle.Switch.rollout`): `shards[local][tensor]` =
@@ -247,41 +251,20 @@ impl PySwitch {
                 // alive for the call (lifecycle/switch.py), each of its stated length.
                 Inner::Host(s) => unsafe { s.enter(&shards, changed) },
                 Inner::Gpu(s) => {
-                    let mut offload = offload.unwrap_or_default();
-                    offload.resize_with(shards.len(), Vec::new);
-                    let mut parts = Vec::with_capacity(shards.len());
-                    for (list, off) in shards.into_iter().zip(offload) {
-                        let mut moved = Vec::with_capacity(off.len());
-                        let offload_at = off.iter().map(|o| (o.2, o.3)).collect();
-                        for (name, cls, ptr, bytes, release, restore) in off {
-                            let cls = class(&name, &cls)?;
-                            let what = match cls {
-                                BufferClass::Params => "a lent parameter shard",
-                                BufferClass::Optimizer => "a lent optimizer state tensor",
-                            };
-                            let owner = PyOwner {
-                                release,
-                                restore,
-                                name,
-                            };
-                            moved.push(LentOffload::new(what, cls, ptr, bytes, Box::new(owner)));
-                        }
-                        parts.push(GpuRankParts {
-                            shards: list,
-                            offload: moved,
-                            offload_at,
-                            stream,
-                        });
-                    }
+                    let parts = gpu_parts(shards, offload, stream)?;
                     // SAFETY: the Python front lends the live fp32 shards of the module's
                     // parameters on this process's GPUs and keeps the module (and the storages
                     // it lends to offload) alive as long as the switch (lifecycle/switch.py).
                     unsafe { s.enter(parts, changed) }
                 }
+                Inner::Closed => Err(closed()),
             }
         };
         let e = py.detach(run).map_err(to_py)?;
-        self.token.generation.store(e.generation, Ordering::SeqCst);
+        self.shared
+            .token
+            .generation
+            .store(e.generation, Ordering::SeqCst);
         Ok((e.switched, e.generation, e.wall.as_secs_f64()))
     }
 
@@ -292,6 +275,7 @@ impl PySwitch {
             .detach(|| match &mut *self.lock() {
                 Inner::Host(s) => s.reuse_current(),
                 Inner::Gpu(s) => s.reuse_current(),
+                Inner::Closed => Err(closed()),
             })
             .map_err(to_py)?;
         Ok(e.map(|e| (e.switched, e.generation, e.wall.as_secs_f64())))
@@ -299,20 +283,20 @@ impl PySwitch {
 
     /// Opens a session: tensors taken from now on are valid until `close_session`.
     fn open_session(&self) -> u64 {
-        let id = self.sessions.fetch_add(1, Ordering::SeqCst) + 1;
-        self.token.session.store(id, Ordering::SeqCst);
+        let id = self.shared.sessions.fetch_add(1, Ordering::SeqCst) + 1;
+        self.shared.token.session.store(id, Ordering::SeqCst);
         id
     }
 
     /// Ends the open session: its tensors become stale.
     fn close_session(&self) {
-        self.token.session.store(0, Ordering::SeqCst);
+        self.shared.token.session.store(0, Ordering::SeqCst);
     }
 
     /// The rollout tensors of local rank `local` (in a session).
     #[pyo3(signature = (local=0, bits=false))]
     fn tensors(&self, py: Python<'_>, local: usize, bits: bool) -> PyResult<Vec<PyTensor>> {
-        if self.token.session.load(Ordering::SeqCst) == 0 {
+        if self.shared.token.session.load(Ordering::SeqCst) == 0 {
             return Err(to_py(BridgeError::Stale {
                 name: "session".into(),
                 reason: "no rollout session is open (use `with switch.rollout() as w:`)".into(),
@@ -322,11 +306,12 @@ impl PySwitch {
             .detach(|| match &mut *self.lock() {
                 Inner::Host(s) => s.views(local),
                 Inner::Gpu(s) => s.views(local),
+                Inner::Closed => Err(closed()),
             })
             .map_err(to_py)?;
         Ok(views
             .into_iter()
-            .map(|v| PyTensor::new(v, bits, &self.token, &self.leases))
+            .map(|v| PyTensor::new(v, bits, self.shared.shared()))
             .collect())
     }
 
@@ -336,13 +321,39 @@ impl PySwitch {
         py.detach(|| match &mut *self.lock() {
             Inner::Host(s) => s.exit(),
             Inner::Gpu(s) => s.exit(),
+            Inner::Closed => Err(closed()),
         })
         .map_err(to_py)
     }
 
+    /// Leaves rollout mode and frees the switch's memory; refused while handed-out tensors are
+    /// referenced; a second call does nothing.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let gone = py
+            .detach(|| {
+                let mut inner = self.lock();
+                match &mut *inner {
+                    Inner::Host(s) => s.exit_for("close")?,
+                    Inner::Gpu(s) => s.exit_for("close")?,
+                    Inner::Closed => return Ok(Inner::Closed),
+                }
+                Ok(std::mem::replace(&mut *inner, Inner::Closed))
+            })
+            .map_err(to_py)?;
+        // freed here, with the GIL held (a GPU switch holds Python callables)
+        drop(gone);
+        Ok(())
+    }
+
+    /// Whether `close()` ran.
+    #[getter]
+    fn closed(&self) -> bool {
+        matches!(&*self.lock(), Inner::Closed)
+    }
+
     /// Names of handed-out tensors still referenced.
     fn held(&self) -> Vec<String> {
-        self.leases.held()
+        self.shared.leases.held()
     }
 
     /// Counts and times of the switches so far.
@@ -350,6 +361,7 @@ impl PySwitch {
         let s = match &*self.lock() {
             Inner::Host(s) => s.stats(),
             Inner::Gpu(s) => s.stats(),
+            Inner::Closed => return Err(to_py(closed())),
         };
         stats_dict(py, s)
     }
@@ -360,12 +372,14 @@ impl PySwitch {
         match &*self.lock() {
             Inner::Host(s) => Ok(s.rollout_ranks().collect()),
             Inner::Gpu(s) => s.local_ranks().map_err(to_py),
+            Inner::Closed => Err(to_py(closed())),
         }
     }
 
     /// Attaches the project's GPU engine (KV room for `max_sequences` of `max_tokens`; fp8
     /// products computed as `fp8_compute` says: `weight-only` or `w8a8`; K and V kept in
-    /// `kv_dtype`: `bf16` or `f32`). The settings are checked before the switch is asked.
+    /// `kv_dtype`: `bf16`, `f32` or `fp8`). Every setting, and that the switch is a GPU one, is
+    /// checked before the switch leaves rollout mode.
     #[pyo3(signature = (max_sequences, max_tokens, fp8_compute="weight-only", kv_dtype="bf16"))]
     fn attach_engine(
         &self,
@@ -386,14 +400,8 @@ impl PySwitch {
             .with_fp8_compute(compute)
             .with_kv_dtype(kv);
         settings.check().map_err(|e| config(e.to_string()))?;
-        py.detach(|| -> Result<(), BridgeError> {
-            let mut g = self.gpu()?;
-            let Inner::Gpu(s) = &mut *g else {
-                return Err(BridgeError::Config("not a GPU switch".into()));
-            };
-            s.attach_engine(settings)
-        })
-        .map_err(to_py)
+        py.detach(|| self.with_gpu(|s| s.attach_engine(settings)))
+            .map_err(to_py)
     }
 
     /// Generates with the attached engine on the resident weights.
@@ -413,13 +421,42 @@ impl PySwitch {
             seed,
             stop_token,
         };
-        py.detach(|| -> Result<Vec<Vec<u32>>, BridgeError> {
-            let mut g = self.gpu()?;
-            let Inner::Gpu(s) = &mut *g else {
-                return Err(BridgeError::Config("not a GPU switch".into()));
-            };
-            s.generate(&prompts, &sampling)
-        })
-        .map_err(to_py)
+        py.detach(|| self.with_gpu(|s| s.generate(&prompts, &sampling)))
+            .map_err(to_py)
     }
+}
+
+/// The GPU switch's view of what Python lends for each local rank.
+fn gpu_parts(
+    shards: Vec<Vec<Shard>>,
+    offload: Option<Vec<Vec<PyOffload>>>,
+    stream: Option<u64>,
+) -> Result<Vec<GpuRankParts>, BridgeError> {
+    let mut offload = offload.unwrap_or_default();
+    offload.resize_with(shards.len(), Vec::new);
+    let mut parts = Vec::with_capacity(shards.len());
+    for (list, off) in shards.into_iter().zip(offload) {
+        let mut moved = Vec::with_capacity(off.len());
+        let offload_at = off.iter().map(|o| (o.2, o.3)).collect();
+        for (name, cls, ptr, bytes, release, restore) in off {
+            let cls = class(&name, &cls)?;
+            let what = match cls {
+                BufferClass::Params => "a lent parameter shard",
+                BufferClass::Optimizer => "a lent optimizer state tensor",
+            };
+            let owner = PyOwner {
+                release,
+                restore,
+                name,
+            };
+            moved.push(LentOffload::new(what, cls, ptr, bytes, Box::new(owner)));
+        }
+        parts.push(GpuRankParts {
+            shards: list,
+            offload: moved,
+            offload_at,
+            stream,
+        });
+    }
+    Ok(parts)
 }

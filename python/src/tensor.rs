@@ -1,27 +1,20 @@
 //! `_Tensor`: one rollout tensor handed out through DLPack, valid only in the session and at the
-//! weight generation it was taken in, holding a lease while any consumer references its memory.
+//! weight generation it was taken in. The handle and every export of it keep the switch's memory
+//! alive ([`Owner`], [`Keep`]); an export also holds a lease while its consumer references it.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use dlpark::ffi::{DLDataType, DLDevice, DLManagedTensor, DLManagedTensorVersioned};
 use dlpark::metadata::Dynamic;
 use dlpark::python::{export_dlpack, DlpackExporter, ExportRequest};
 use dlpark::{DlpackFlags, Managed, ManagedTensorBase};
-use lifecycle_bridge::{BridgeError, Device, Lease, Leases, TensorView, ViewDtype};
+use lifecycle_bridge::{BridgeError, Device, TensorView, ViewDtype};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::errors::to_py;
-
-/// Which session and weight generation are current (shared by a switch and its tensors).
-#[derive(Debug, Default)]
-pub struct Token {
-    /// The open session's id (0: none).
-    pub session: AtomicU64,
-    /// The generation of the resident weights.
-    pub generation: AtomicU64,
-}
+use crate::shared::{Keep, Owner, Shared};
 
 /// A rollout tensor (see the [module docs](self)).
 #[pyclass(name = "_Tensor", module = "lifecycle._lifecycle", frozen)]
@@ -30,26 +23,26 @@ pub struct PyTensor {
     bits: bool,
     session: u64,
     generation: u64,
-    token: Arc<Token>,
-    leases: Arc<Leases>,
+    shared: Owner,
 }
 
 impl PyTensor {
-    pub fn new(view: TensorView, bits: bool, token: &Arc<Token>, leases: &Arc<Leases>) -> Self {
+    /// View `view` of `shared`'s rollout weights, of the session and generation current now.
+    pub fn new(view: TensorView, bits: bool, shared: &Arc<Shared>) -> Self {
         PyTensor {
             view,
             bits,
-            session: token.session.load(Ordering::SeqCst),
-            generation: token.generation.load(Ordering::SeqCst),
-            token: token.clone(),
-            leases: leases.clone(),
+            session: shared.token.session.load(Ordering::SeqCst),
+            generation: shared.token.generation.load(Ordering::SeqCst),
+            shared: Owner::new(shared),
         }
     }
 
     fn check(&self) -> Result<(), BridgeError> {
-        let reason = if self.token.session.load(Ordering::SeqCst) != self.session {
+        let token = &self.shared.token;
+        let reason = if token.session.load(Ordering::SeqCst) != self.session {
             "its rollout session ended (take tensors inside `with switch.rollout() as w:`)"
-        } else if self.token.generation.load(Ordering::SeqCst) != self.generation {
+        } else if token.generation.load(Ordering::SeqCst) != self.generation {
             "the weights changed since it was taken"
         } else {
             return Ok(());
@@ -72,16 +65,17 @@ impl PyTensor {
 
     fn managed<M: ManagedTensorBase>(&self) -> PyResult<Managed<M>> {
         let shape: Vec<i64> = self.view.shape.iter().map(|&d| d as i64).collect();
-        let lease: Lease = Leases::take(&self.leases, &self.view.name);
+        let keep = Keep::new(self.shared.shared(), &self.view.name);
         let mut init = Dynamic::compact(shape)
-            .initialize_as::<M>(Box::new(lease))
+            .initialize_as::<M>(Box::new(keep))
             .map_err(|e| PyValueError::new_err(format!("{}: {e}", self.view.name)))?;
         init.set_data(self.view.ptr as *mut std::ffi::c_void)
             .set_dtype(self.dtype())
             .set_device(self.device());
         // SAFETY: the address is the start of `shape`'s elements of `dtype`, row-major, in the
-        // rollout buffer, which the lease (owned by the tensor's deleter) keeps from being
-        // rewritten or freed while the consumer holds it.
+        // rollout buffer. The context the deleter drops (`Keep`) holds a lease, so no exit,
+        // refresh or close rewrites or frees the buffer while the consumer holds it, and a
+        // reference to the switch, so dropping the switch does not free it either.
         Ok(unsafe { init.finish() })
     }
 }
@@ -154,8 +148,7 @@ impl PyTensor {
             bits: true,
             session: self.session,
             generation: self.generation,
-            token: self.token.clone(),
-            leases: self.leases.clone(),
+            shared: Owner::new(self.shared.shared()),
         })
     }
 

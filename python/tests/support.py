@@ -16,18 +16,6 @@ QWEN2 = {
 }
 
 
-class Versioned:
-    """A numpy array with an in-place version counter, as torch keeps one per tensor."""
-
-    def __init__(self, a):
-        self.a = a
-        self._version = 0
-
-    def write(self, values):
-        self.a[...] = values
-        self._version += 1
-
-
 def bf16_bits(x):
     """float32 -> bfloat16 bits, round to nearest even (torch's `.to(torch.bfloat16)`)."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)

@@ -13,7 +13,7 @@ from lifecycle import (
     TensorMismatchError,
     TensorsInUseError,
 )
-from support import Versioned, bf16_bits
+from support import bf16_bits
 
 
 def rollout_bits(switch, rank=0):
@@ -46,11 +46,9 @@ def test_rollout_is_the_bf16_of_the_shards(config, params, world, tp):
             np.testing.assert_array_equal(bits, want, err_msg=name)
 
 
-def test_a_degree_that_does_not_divide_the_world_is_refused(config, params):
-    switch = Switch.from_arrays(config, params, world=3, rollout_tp=2)
-    with pytest.raises(lifecycle.BackendError, match="T = 2 does not divide the world size W = 3"):
-        with switch.rollout():
-            pass
+def test_a_degree_that_does_not_divide_the_world_is_refused_when_built(config, params):
+    with pytest.raises(ConfigError, match="T = 2 does not divide the world size W = 3"):
+        Switch.from_arrays(config, params, world=3, rollout_tp=2)
 
 
 def test_short_and_empty_trailing_shards(config, params):
@@ -84,10 +82,8 @@ def test_construction_errors_name_the_tensor(config, params):
     with pytest.raises(TensorMismatchError, match="model.layers.9.mlp.up_proj.weight"):
         Switch.from_arrays(config, extra)
     f64 = [(n, a.astype(np.float64) if "q_proj" in n else a) for n, a in params]
-    switch = Switch.from_arrays(config, f64)
-    with pytest.raises(TensorMismatchError, match="q_proj.*fp32.*float64"):
-        with switch.rollout():
-            pass
+    with pytest.raises(TensorMismatchError, match="q_proj.*fp32.*float64.*astype"):
+        Switch.from_arrays(config, f64)
     with pytest.raises(ConfigError, match="dtype"):
         Switch.from_arrays(config, params, dtype="int4")
     with pytest.raises(ConfigError, match="not divisible"):
@@ -98,41 +94,99 @@ def test_construction_errors_name_the_tensor(config, params):
         Switch.from_arrays(config, params, offload="sometimes")
 
 
-def test_lazy_rollouts_switch_only_when_versions_move(config, params):
-    named = [(n, Versioned(a)) for n, a in params]
-    sources = [(n, list(v.a.shape), [v.a]) for n, v in named]
-    switch = Switch.from_shards(config, sources, world=1)
-    for s, (_, v) in zip(switch._sources, named):
-        s.versioned = v  # the counter torch would keep on the parameter
+def test_lazy_rollouts_switch_only_when_the_weights_are_written(config, params):
+    switch = Switch.from_arrays(config, params)
     first = rollout_bits(switch)
     for _ in range(3):
         again = rollout_bits(switch)
         assert all((again[n] == first[n]).all() for n in first)
     stats = switch.stats()
     assert (stats["enters"], stats["refreshes"], stats["generation"]) == (1, 0, 1)
-    # an in-place update the switch never saw: the counter moved
-    q = dict(named)["model.layers.0.self_attn.q_proj.weight"]
-    q.write(q.a * 2)
+    # reading tensors is not a rollout call; a kept-resident refresh is not an exit
+    assert (stats["reuses"], stats["exits"]) == (3, 0)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    with switch.update() as m:
+        m[q] *= 2  # in place
     again = rollout_bits(switch)
-    assert switch.stats()["refreshes"] == 1
-    np.testing.assert_array_equal(
-        again["model.layers.0.self_attn.q_proj.weight"], bf16_bits(q.a)
-    )
-    # a forced refresh switches with no counter moved
+    assert switch.stats()["refreshes"] == 1 and switch.stats()["exits"] == 0
+    np.testing.assert_array_equal(again[q], bf16_bits(dict(params)[q]))
+    # a forced refresh switches with nothing written
     with switch.rollout(refresh=True):
         pass
     assert switch.stats()["refreshes"] == 2
 
 
-def test_a_session_refuses_use_after_the_weights_changed(config, params):
-    named = [(n, Versioned(a)) for n, a in params]
-    switch = Switch.from_shards(config, [(n, list(v.a.shape), [v.a]) for n, v in named], world=1)
-    for s, (_, v) in zip(switch._sources, named):
-        s.versioned = v
+def test_an_in_place_trainer_cannot_write_unseen(config, params):
+    switch = Switch.from_arrays(config, params, world=2)
+    q = dict(params)["model.layers.0.self_attn.q_proj.weight"]
+    before = rollout_bits(switch)
+    with pytest.raises(ValueError, match="read-only"):
+        q *= 2  # outside update(): the array is the switch's
+    with pytest.raises(ConfigError, match="update"):
+        switch.masters["model.layers.0.self_attn.q_proj.weight"] = q * 2
+    assert all((rollout_bits(switch)[n] == before[n]).all() for n in before)
+    assert switch.stats()["generation"] == 1
+    with switch.update() as m:
+        m["model.layers.0.self_attn.q_proj.weight"] *= 2
+    after = rollout_bits(switch)
+    np.testing.assert_array_equal(after["model.layers.0.self_attn.q_proj.weight"], bf16_bits(q))
+    assert switch.stats()["generation"] == 2
+
+
+def test_a_rebinding_trainer_writes_through_the_switch(config, params):
+    switch = Switch.from_arrays(config, params, world=3)
+    name = "model.layers.1.mlp.down_proj.weight"
+    p = dict(params)[name]
+    for step in range(3):
+        p = p - 0.5 * np.ones_like(p)  # a new array each step, as `p = p - lr * g` makes
+        with switch.update() as m:
+            m[name] = p
+        got = rollout_bits(switch)
+        np.testing.assert_array_equal(got[name], bf16_bits(p), err_msg=f"step {step}")
+    assert switch.stats()["generation"] == 3
+    with pytest.raises(TensorMismatchError, match=rf"{name}.*shape \[8, 8\] written"):
+        with switch.update() as m:
+            m[name] = np.zeros((8, 8), np.float32)
+
+
+def test_shards_are_written_through_the_switch_too(config, params):
+    world = 2
+    shards = [(n, list(a.shape), [a[lo:hi].copy() for lo, hi in chunks(a, world)]) for n, a in params]
+    switch = Switch.from_shards(config, shards, world=world)
+    name, _, per_rank = shards[2]
+    with pytest.raises(ValueError, match="read-only"):
+        per_rank[0][...] = 0
+    with switch.update() as m:
+        for s in m[name]:
+            s *= 3
+    full = np.concatenate(per_rank)
+    np.testing.assert_array_equal(rollout_bits(switch)[name], bf16_bits(full))
+    with switch.update() as m:
+        m[name] = np.zeros_like(full)  # a full array is cut into the ranks' chunks
+    assert not rollout_bits(switch)[name].any()
+
+
+def chunks(a, world):
+    from lifecycle.sources import _chunks
+
+    return _chunks(a.shape[0], world)
+
+
+def test_update_and_rollout_exclude_each_other(config, params):
+    switch = Switch.from_arrays(config, params)
     with switch.rollout() as w:
-        named[3][1].write(0.0)
-        with pytest.raises(StaleWeightsError, match=named[3][0]):
-            list(w.named_tensors())
+        with pytest.raises(ConfigError, match="rollout session is open"):
+            with switch.update():
+                pass
+        list(w.handles())  # the session is intact
+    with switch.update():
+        with pytest.raises(ConfigError, match="update"):
+            with switch.rollout():
+                pass
+    with switch.update() as m:
+        kept = m
+    with pytest.raises(StaleWeightsError, match="after their update"):
+        kept["lm_head.weight"] = np.zeros((20, 8), np.float32)
 
 
 def test_tensors_are_stale_after_their_session(config, params):
@@ -311,7 +365,7 @@ def test_fp8_keep_leaves_the_chosen_matrices_bf16(config):
 def test_fp8_keep_is_checked_before_anything_moves(config):
     config, params = fp8_config_and_params(config)
     cases = [
-        ("layer:2", "fp8", r"fp8_keep: fp8 keep layer:2: the model's decoder layers are 0..2"),
+        ("layer:2", "fp8", r"fp8_keep: fp8 keep layer:2: the model's decoder layers are numbered 0 to 1"),
         ("mlp", "fp8", r"fp8_keep: fp8 keep `mlp`: expected attention, layer:N or none"),
         ("attention", "bf16", r"fp8_keep `attention` keeps matrices of an fp8 rollout bf16"),
     ]

@@ -106,7 +106,7 @@ impl Fp8Keep {
     /// let keep: Fp8Keep = "layer:1".parse()?;
     /// assert!(keep.check_layers(names).is_ok());
     /// let keep: Fp8Keep = "layer:2".parse()?;
-    /// assert!(keep.check_layers(names).unwrap_err().to_string().contains("layers are 0..2"));
+    /// assert!(keep.check_layers(names).unwrap_err().to_string().contains("numbered 0 to 1"));
     /// # Ok::<(), String>(())
     /// ```
     pub fn check_layers<'a>(

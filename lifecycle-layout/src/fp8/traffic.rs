@@ -167,6 +167,6 @@ mod tests {
         );
         assert!(err
             .to_string()
-            .contains("layer:1: the model's decoder layers are 0..1"));
+            .contains("layer:1: the model's decoder layers are numbered 0 to 0"));
     }
 }
