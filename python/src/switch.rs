@@ -43,11 +43,16 @@ fn parse<T: std::str::FromStr<Err = String>>(what: &str, value: &str) -> Result<
 /// The `fp8_keep` setting (`"none"`, or a comma-separated list of `attention` and `layer:N`)
 /// for `binding`'s model, which only an fp8 rollout reads.
 fn keep(value: &str, dtype: RolloutDtype, binding: &ModelBinding) -> Result<Fp8Keep, BridgeError> {
-    let keep: Fp8Keep = value
-        .parse()
-        .map_err(|e: String| BridgeError::Config(format!("fp8_keep: {e}")))?;
+    // the layout's messages say "fp8 keep …": Python's argument is `fp8_keep`
+    let named = |e: String| {
+        BridgeError::Config(match e.strip_prefix("fp8 keep") {
+            Some(rest) => format!("fp8_keep{rest}"),
+            None => format!("fp8_keep: {e}"),
+        })
+    };
+    let keep: Fp8Keep = value.parse().map_err(named)?;
     keep.check_layers(binding.names().iter().map(|(n, _)| n.as_str()))
-        .map_err(|e| BridgeError::Config(format!("fp8_keep: {e}")))?;
+        .map_err(|e| named(e.to_string()))?;
     if keep != Fp8Keep::default() && dtype != RolloutDtype::Fp8 {
         return Err(BridgeError::Config(format!(
             "fp8_keep `{value}` keeps matrices of an fp8 rollout bf16, and this switch's dtype \

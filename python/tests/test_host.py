@@ -365,8 +365,8 @@ def test_fp8_keep_leaves_the_chosen_matrices_bf16(config):
 def test_fp8_keep_is_checked_before_anything_moves(config):
     config, params = fp8_config_and_params(config)
     cases = [
-        ("layer:2", "fp8", r"fp8_keep: fp8 keep layer:2: the model's decoder layers are numbered 0 to 1"),
-        ("mlp", "fp8", r"fp8_keep: fp8 keep `mlp`: expected attention, layer:N or none"),
+        ("layer:2", "fp8", r"fp8_keep layer:2: the model's decoder layers are numbered 0 to 1; name one of those"),
+        ("mlp", "fp8", r"fp8_keep `mlp`: expected attention, layer:N or none"),
         ("attention", "bf16", r"fp8_keep `attention` keeps matrices of an fp8 rollout bf16"),
     ]
     for keep, dtype, message in cases:
