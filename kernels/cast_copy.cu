@@ -11,32 +11,60 @@ __device__ __forceinline__ u32 f2bf(float f) {
     return x >> 16;
 }
 
+// 1 when f is NaN or an infinity (its exponent all ones).
+__device__ __forceinline__ u32 nonfinite(float f) {
+    return (__float_as_uint(f) & 0x7F800000u) == 0x7F800000u;
+}
+
+__device__ __forceinline__ u32 nonfinite4(float4 v) {
+    return nonfinite(v.x) | nonfinite(v.y) | nonfinite(v.z) | nonfinite(v.w);
+}
+
+// Every cast below reports a non-finite source value by setting *flag to 1 (when flag is not
+// null): the check rides on the cast's one read of the source, and the caller reads the flag
+// once the run is done.
+__device__ __forceinline__ void report(u32 bad, u32* flag) {
+    if (bad && flag) atomicOr(flag, 1u);
+}
+
 // dst[r * dst_ld + c] = bf16(src[r * src_ld + c]) for r < rows, c < cols (element units).
 extern "C" __global__ void cast_f32_bf16_2d(const float* __restrict__ src, u16* __restrict__ dst,
-                                            u64 rows, u64 cols, u64 src_ld, u64 dst_ld) {
+                                            u64 rows, u64 cols, u64 src_ld, u64 dst_ld,
+                                            u32* flag) {
     u64 n = rows * cols;
     u64 stride = (u64)gridDim.x * blockDim.x;
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u32 bad = 0;
     if (rows == 1) {
-        for (; i < n; i += stride) dst[i] = (u16)f2bf(src[i]);
+        for (; i < n; i += stride) {
+            float v = src[i];
+            bad |= nonfinite(v);
+            dst[i] = (u16)f2bf(v);
+        }
     } else {
         for (; i < n; i += stride) {
             u64 r = i / cols, c = i - r * cols;
-            dst[r * dst_ld + c] = (u16)f2bf(src[r * src_ld + c]);
+            float v = src[r * src_ld + c];
+            bad |= nonfinite(v);
+            dst[r * dst_ld + c] = (u16)f2bf(v);
         }
     }
+    report(bad, flag);
 }
 
 // The same in units of 4 elements: cols4, src_ld4, dst_ld4 count float4 / 4 x bf16; src must be
 // 16-byte and dst 8-byte aligned.
 extern "C" __global__ void cast_f32_bf16_2d_v4(const float4* __restrict__ src, uint2* __restrict__ dst,
-                                               u64 rows, u64 cols4, u64 src_ld4, u64 dst_ld4) {
+                                               u64 rows, u64 cols4, u64 src_ld4, u64 dst_ld4,
+                                               u32* flag) {
     u64 n = rows * cols4;
     u64 stride = (u64)gridDim.x * blockDim.x;
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u32 bad = 0;
     if (rows == 1) {
         for (; i < n; i += stride) {
             float4 v = src[i];
+            bad |= nonfinite4(v);
             uint2 o; o.x = f2bf(v.x) | (f2bf(v.y) << 16); o.y = f2bf(v.z) | (f2bf(v.w) << 16);
             dst[i] = o;
         }
@@ -45,6 +73,7 @@ extern "C" __global__ void cast_f32_bf16_2d_v4(const float4* __restrict__ src, u
         for (; i < n; i += stride) {
             u32 r = (u32)i / c4, c = (u32)i - r * c4;
             float4 v = src[(u64)r * src_ld4 + c];
+            bad |= nonfinite4(v);
             uint2 o; o.x = f2bf(v.x) | (f2bf(v.y) << 16); o.y = f2bf(v.z) | (f2bf(v.w) << 16);
             dst[(u64)r * dst_ld4 + c] = o;
         }
@@ -52,10 +81,12 @@ extern "C" __global__ void cast_f32_bf16_2d_v4(const float4* __restrict__ src, u
         for (; i < n; i += stride) {
             u64 r = i / cols4, c = i - r * cols4;
             float4 v = src[r * src_ld4 + c];
+            bad |= nonfinite4(v);
             uint2 o; o.x = f2bf(v.x) | (f2bf(v.y) << 16); o.y = f2bf(v.z) | (f2bf(v.w) << 16);
             dst[r * dst_ld4 + c] = o;
         }
     }
+    report(bad, flag);
 }
 
 // Many casts in one launch. Each descriptor is five 64-bit words (see `CastBatch`): source and
@@ -69,7 +100,9 @@ extern "C" __global__ void cast_f32_bf16_2d_v4(const float4* __restrict__ src, u
 struct CastDesc { u64 src4; u64 dst4; u64 chunk0; u32 rows; u32 cols4; u32 src_ld4; u32 dst_ld4; };
 extern "C" __global__ void __launch_bounds__(256, 4)
 cast_f32_bf16_multi(const float4* __restrict__ src, uint2* __restrict__ dst,
-                    const CastDesc* __restrict__ descs, u32 ndesc, u64 chunk_lo, u64 chunk_end) {
+                    const CastDesc* __restrict__ descs, u32 ndesc, u64 chunk_lo, u64 chunk_end,
+                    u32* flag) {
+    u32 bad = 0;
     for (u64 c = chunk_lo + blockIdx.x; c < chunk_end; c += gridDim.x) {
         u32 lo = 0, hi = ndesc - 1;
         while (lo < hi) {
@@ -92,6 +125,7 @@ cast_f32_bf16_multi(const float4* __restrict__ src, uint2* __restrict__ dst,
             for (int k = 0; k < 4; ++k) {
                 u64 i = base + (u64)k * 256u;
                 if (i < n) {
+                    bad |= nonfinite4(v[k]);
                     uint2 o; o.x = f2bf(v[k].x) | (f2bf(v[k].y) << 16); o.y = f2bf(v[k].z) | (f2bf(v[k].w) << 16);
                     dst[d4 + i] = o;
                 }
@@ -106,12 +140,14 @@ cast_f32_bf16_multi(const float4* __restrict__ src, uint2* __restrict__ dst,
                     if (n < 0xFFFFFFFFull) { u32 rr = (u32)i / cols4; r = rr; col = (u32)i - rr * cols4; }
                     else { r = i / cols4; col = i - r * cols4; }
                     float4 v = src[s4 + r * sld + col];
+                    bad |= nonfinite4(v);
                     uint2 o; o.x = f2bf(v.x) | (f2bf(v.y) << 16); o.y = f2bf(v.z) | (f2bf(v.w) << 16);
                     dst[d4 + r * dld + col] = o;
                 }
             }
         }
     }
+    report(bad, flag);
 }
 
 // Strided 2-D copy of 16-bit elements (bf16 slices).

@@ -264,11 +264,18 @@ __device__ __forceinline__ u32 find_job(const u64* __restrict__ jobs, u32 njobs,
     return lo;
 }
 
+// Sets *flag to 1 (when flag is not null) for a tile holding a NaN or an infinity: the check
+// rides on the quantisation's one read of the source, and the caller reads the flag once the
+// run is done.
+__device__ __forceinline__ void report_nonfinite(bool bad, u32* flag) {
+    if (bad && flag) atomicOr(flag, 1u);
+}
+
 template <typename Src>
 __device__ __forceinline__ void quantize_jobs(const Src* __restrict__ master,
                                               const u64* __restrict__ jobs, u32 njobs,
                                               u32 ntiles, unsigned char* __restrict__ dst,
-                                              float* __restrict__ scales) {
+                                              float* __restrict__ scales, u32* flag) {
     __shared__ float red[32];
     __shared__ u32 redu[32];
     u32 lo = 0, job_end = 0;  // the job of the previous tile (tiles ascend), and its end
@@ -326,13 +333,16 @@ __device__ __forceinline__ void quantize_jobs(const Src* __restrict__ master,
     } else {
         for (u32 i = threadIdx.x; i < h * w; i += blockDim.x) {
             u32 r = i / w, cc = i - r * w;
-            m = fmaxf(m, fabsf(load1(src + r * sld + cc)));
+            float a = fabsf(load1(src + r * sld + cc));
+            m = fmaxf(m, a);
+            bad |= !(a <= 3.402823466e38f);
         }
     }
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     __syncthreads();  // the previous tile's readers of red are done
     if (tx == 0) red[ty] = m;
     bool exact_only = __syncthreads_or(bad) != 0;
+    if (threadIdx.x == 0) report_nonfinite(exact_only, flag);
     float amax = 0.0f;
     for (u32 q = 0; q < (blockDim.x + 31u) / 32u; ++q) amax = fmaxf(amax, red[q]);
     float s = amax > 0.0f ? amax / 448.0f : 1.0f;
@@ -357,15 +367,16 @@ __device__ __forceinline__ void quantize_jobs(const Src* __restrict__ master,
 
 extern "C" __global__ void __launch_bounds__(32 * QUANTISE_ROWS_PER_PASS)
 quantize_e4m3_jobs(const float* __restrict__ master, const u64* __restrict__ jobs, u32 njobs,
-                   u32 ntiles, unsigned char* __restrict__ dst, float* __restrict__ scales) {
-    quantize_jobs(master, jobs, njobs, ntiles, dst, scales);
+                   u32 ntiles, unsigned char* __restrict__ dst, float* __restrict__ scales,
+                   u32* flag) {
+    quantize_jobs(master, jobs, njobs, ntiles, dst, scales, flag);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * QUANTISE_ROWS_PER_PASS_BF16)
 quantize_e4m3_jobs_bf16(const unsigned short* __restrict__ staging, const u64* __restrict__ jobs,
                         u32 njobs, u32 ntiles, unsigned char* __restrict__ dst,
-                        float* __restrict__ scales) {
-    quantize_jobs(staging, jobs, njobs, ntiles, dst, scales);
+                        float* __restrict__ scales, u32* flag) {
+    quantize_jobs(staging, jobs, njobs, ntiles, dst, scales, flag);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -411,8 +422,9 @@ __device__ __forceinline__ GridTile grid_tile(const u64* jobs, u32 njobs, u32 ti
 // The amax of each tile's values (the rows this rank holds of the block) into grid[entry].
 extern "C" __global__ void __launch_bounds__(GRID_THREADS)
 fp8_grid_amax(const float* __restrict__ master, const u64* __restrict__ jobs, u32 njobs,
-              u32 ntiles, float* __restrict__ grid) {
+              u32 ntiles, float* __restrict__ grid, u32* flag) {
     __shared__ float red[GRID_THREADS / 32];
+    bool bad = false;
     for (u32 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
         GridTile t = grid_tile(jobs, njobs, tile);
         const float* src = master + t.j[0] + t.r_lo * t.j[1] + t.c_lo;
@@ -420,7 +432,9 @@ fp8_grid_amax(const float* __restrict__ master, const u64* __restrict__ jobs, u3
         float m = 0.0f;
         for (u32 i = threadIdx.x; i < t.h * t.w; i += blockDim.x) {
             u32 r = i / t.w, c = i - r * t.w;
-            m = fmaxf(m, fabsf(src[r * ld + c]));
+            float a = fabsf(src[r * ld + c]);
+            m = fmaxf(m, a);
+            bad |= !(a <= 3.402823466e38f);
         }
         for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
         __syncthreads();  // the previous tile's readers of red are done
@@ -432,6 +446,7 @@ fp8_grid_amax(const float* __restrict__ master, const u64* __restrict__ jobs, u3
             grid[t.entry] = a;
         }
     }
+    report_nonfinite(bad, flag);
 }
 
 // Every value of each tile as e4m3(x / scale_inv), scale_inv the agreed grid entry of its block,

@@ -8,13 +8,16 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use lifecycle_core::{
-    EngineBytes, Lifecycle, LifecycleConfig, Mode, PhaseScope, RolloutEngine, RolloutView,
+    AfterFailure, EngineBytes, Lifecycle, LifecycleConfig, LifecycleError, Mode, PhaseScope,
+    RolloutEngine, RolloutView,
 };
 use lifecycle_cuda::driver::{LentOffload, LentStream};
 use lifecycle_cuda::{RankExecutor, RolloutBuffer, RolloutSource, ThreadRankPool};
 use lifecycle_decoder::Sampling;
 use lifecycle_decoder_gpu::{EngineSettings, GpuDecodeError, GpuEngine};
-use lifecycle_fsdp::{FsdpBackend, LentFsdpBackend, LentFsdpState, LentMaster, LentParts};
+use lifecycle_fsdp::{
+    FsdpBackend, FsdpError, LentFsdpBackend, LentFsdpState, LentMaster, LentParts,
+};
 use lifecycle_layout::FsdpLayout;
 
 use crate::error::BridgeError;
@@ -409,8 +412,46 @@ impl GpuSwitch {
 
 /// One rollout call that switches if needed and ends at once.
 fn rollout_call(lc: &mut GpuLifecycle) -> Result<(), BridgeError> {
-    let session = lc.rollout().map_err(BridgeError::backend)?;
+    let session = lc.rollout().map_err(switch_error)?;
     session.finish().map_err(BridgeError::backend)
+}
+
+/// A failed switch as the bridge reports it: a NaN or an infinity in the trainer's shards
+/// (found by the switch's casts and quantisations) after which the training state was restored
+/// is [`BridgeError::NonFinite`]; anything else says what the lifecycle says.
+fn switch_error(e: LifecycleError<FsdpError>) -> BridgeError {
+    match &e {
+        LifecycleError::Plan(FsdpError::NonFinite {
+            tensor,
+            rank,
+            index,
+            value,
+        })
+        | LifecycleError::Enter {
+            source:
+                FsdpError::NonFinite {
+                    tensor,
+                    rank,
+                    index,
+                    value,
+                },
+            after: AfterFailure::Restored,
+        }
+        | LifecycleError::Refresh {
+            source:
+                FsdpError::NonFinite {
+                    tensor,
+                    rank,
+                    index,
+                    value,
+                },
+            after: AfterFailure::Restored,
+        } => BridgeError::NonFinite {
+            name: tensor.clone(),
+            detail: format!("{value} at element {index} of rank {rank}'s shard"),
+        },
+        _ => BridgeError::backend(e),
+    }
 }
 
 fn broken() -> BridgeError {

@@ -122,18 +122,21 @@ impl AgreedJobs {
         self.grid_elems
     }
 
-    /// Queues the zeroing of `grid` and the partial amaxes into it on `stream`.
+    /// Queues the zeroing of `grid` and the partial amaxes into it on `stream`; a NaN or an
+    /// infinity read sets the u32 at `nonfinite` to 1 (0: not reported).
     ///
     /// # Safety
     /// `source` must be the fp32 training buffer the jobs were validated against and `grid` a
     /// buffer of at least [`AgreedJobs::grid_elems`] floats, both alive until the stream ran
-    /// the launch, the grid used by no other work meanwhile.
+    /// the launch, the grid used by no other work meanwhile; `nonfinite` 0 or a u32 of the
+    /// device, alive as long.
     pub(crate) unsafe fn amax(
         &self,
         ctx: &RankCtx,
         stream: &Arc<CudaStream>,
         source: u64,
         grid: &mut CudaSlice<f32>,
+        nonfinite: u64,
     ) -> Result<(), CudaError> {
         stream
             .memset_zeros(grid)
@@ -148,7 +151,8 @@ impl AgreedJobs {
             .arg(&jobs.jobs)
             .arg(&jobs.count)
             .arg(&jobs.tiles)
-            .arg(&grid);
+            .arg(&grid)
+            .arg(&nonfinite);
         // SAFETY: every job reads its region inside the training buffer and writes the grid
         // entries of its blocks, inside the grid (validated steps: the grid holds
         // `grid_elems` entries; this function's contract); no two jobs of a rank share an entry

@@ -151,6 +151,17 @@ pub enum CudaError {
         /// What happened.
         detail: String,
     },
+    /// A cast or quantisation of a program run read a NaN or an infinity in the training
+    /// weights: the rollout weights it wrote are not to be used. Backends name the tensor
+    /// (a scan of the source, run only after this report).
+    #[error(
+        "rank {rank}: the training weights hold a NaN or an infinity (found while casting them \
+         for the rollout); the rollout weights written are not used"
+    )]
+    NonFinite {
+        /// The rank whose source held it.
+        rank: usize,
+    },
     /// An argument the caller passed is inconsistent.
     #[error("invalid argument: {0}")]
     Invalid(String),

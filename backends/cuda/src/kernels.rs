@@ -189,18 +189,22 @@ impl Kernels {
     }
 
     /// Casts the fp32 region at device address `src` to bf16 at device address `dst` on
-    /// `stream`, with the vectorised kernel when widths, pitches and addresses allow.
+    /// `stream`, with the vectorised kernel when widths, pitches and addresses allow; a NaN or
+    /// an infinity read sets the u32 at `nonfinite` to 1 (0: not reported).
     ///
     /// # Safety
     /// `src` must point to at least `(rows - 1) · src_ld + cols` readable f32 and `dst` to as many
     /// writable bf16 (`(rows - 1) · dst_ld + cols`) of the stream's device, alive until the
-    /// stream has run the kernel, and nothing else may write them meanwhile.
+    /// stream has run the kernel, and nothing else may write them meanwhile; `nonfinite` 0 or a
+    /// u32 of that device, alive as long.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn cast_f32_bf16(
         &self,
         stream: &CudaStream,
         src: u64,
         dst: u64,
         region: Region2d,
+        nonfinite: u64,
         rank: usize,
     ) -> Result<(), CudaError> {
         let r = region.normalized();
@@ -230,9 +234,11 @@ impl Kernels {
             .arg(&rows)
             .arg(&cols)
             .arg(&sld)
-            .arg(&dld);
-        // SAFETY: the caller guarantees the regions are valid device memory of this stream's
-        // context; the argument list matches the kernel's signature (2 pointers, 4 u64).
+            .arg(&dld)
+            .arg(&nonfinite);
+        // SAFETY: the caller guarantees the regions (and the flag) are valid device memory of
+        // this stream's context; the argument list matches the kernel's signature (2 pointers,
+        // 4 u64, the flag's pointer).
         b.launch(cfg)
             .map_err(|e| CudaError::driver(rank, "launching the cast kernel", 0, e))?;
         Ok(())
@@ -283,7 +289,7 @@ impl Kernels {
     /// `descs` must hold the batch's words (alive until the kernel ran); every region of those
     /// descriptors must lie inside readable f32 memory at `src` (16-byte aligned) and writable
     /// bf16 memory at `dst` (8-byte aligned) of the stream's device, alive until the kernel ran,
-    /// with no other writer meanwhile.
+    /// with no other writer meanwhile; `nonfinite` as for [`Kernels::cast_f32_bf16`].
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn cast_multi(
         &self,
@@ -294,6 +300,7 @@ impl Kernels {
         first: usize,
         count: usize,
         chunks: std::ops::Range<u64>,
+        nonfinite: u64,
         rank: usize,
     ) -> Result<(), CudaError> {
         if count == 0 || chunks.is_empty() {
@@ -325,10 +332,16 @@ impl Kernels {
         let lo = chunks.start;
         let end = chunks.end;
         let mut b = stream.launch_builder(&self.multi);
-        b.arg(&src).arg(&dst).arg(&d).arg(&n).arg(&lo).arg(&end);
-        // SAFETY: the caller guarantees the descriptors and every region they name are valid
-        // device memory of this stream's context; the arguments match the kernel's signature
-        // (3 pointers, u32, 2 u64).
+        b.arg(&src)
+            .arg(&dst)
+            .arg(&d)
+            .arg(&n)
+            .arg(&lo)
+            .arg(&end)
+            .arg(&nonfinite);
+        // SAFETY: the caller guarantees the descriptors, every region they name and the flag
+        // are valid device memory of this stream's context; the arguments match the kernel's
+        // signature (3 pointers, u32, 2 u64, the flag's pointer).
         b.launch(cfg)
             .map_err(|e| CudaError::driver(rank, "launching the multi-tensor cast kernel", 0, e))?;
         Ok(())

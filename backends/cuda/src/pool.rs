@@ -11,14 +11,14 @@
 //! communicator when it passes, so a stalled or dead peer ends in
 //! [`CudaError::CollectiveTimeout`] on the ranks that waited for it, never in a hang.
 
-use std::cell::OnceCell;
+use std::cell::{OnceCell, RefCell};
 use std::panic::AssertUnwindSafe;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use cudarc::nccl::Id;
 
 use crate::comm::{group_start, CollectiveSettings, CommFault, CommHealth, NcclComm};
@@ -53,6 +53,9 @@ pub struct RankCtx {
     pub kernels: Kernels,
     /// Verification kernels, compiled and loaded on first use.
     verify: OnceCell<VerifyKernels>,
+    /// The word the casts and quantisations set when they read a NaN or an infinity
+    /// ([`RankCtx::nonfinite_flag`]), allocated zeroed on first use.
+    nonfinite: RefCell<Option<CudaSlice<u32>>>,
     /// Kernel sets loaded into this context.
     modules: ModuleCache,
 }
@@ -175,6 +178,53 @@ impl RankCtx {
         }
         let k = VerifyKernels::load(self)?;
         Ok(self.verify.get_or_init(|| k))
+    }
+
+    /// The device address of this rank's non-finite flag: the casts and quantisations of a
+    /// program run set it to 1 when a value they read is a NaN or an infinity, in the same pass
+    /// (no scan of their own). Read it with [`RankCtx::take_nonfinite`] once that work is done.
+    pub fn nonfinite_flag(&self) -> Result<u64, CudaError> {
+        let mut cell = self.nonfinite.borrow_mut();
+        if cell.is_none() {
+            let f = self
+                .compute
+                .alloc_zeros::<u32>(1)
+                .map_err(self.drv("allocating the non-finite flag", 4))?;
+            // zeroed before any other stream's kernel may set it
+            self.compute
+                .synchronize()
+                .map_err(self.drv("allocating the non-finite flag", 4))?;
+            *cell = Some(f);
+        }
+        match cell.as_ref() {
+            Some(f) => Ok(self.addr(f)),
+            None => Err(CudaError::Invalid(
+                "the non-finite flag was not allocated".into(),
+            )),
+        }
+    }
+
+    /// Whether a kernel set the non-finite flag since the last call, which clears it (waits for
+    /// the compute stream: call it once the work that may set the flag is done).
+    pub fn take_nonfinite(&self) -> Result<bool, CudaError> {
+        let mut cell = self.nonfinite.borrow_mut();
+        let Some(f) = cell.as_mut() else {
+            return Ok(false);
+        };
+        let word = self
+            .compute
+            .clone_dtoh(f)
+            .map_err(self.drv("reading the non-finite flag", 4))?;
+        if word.first().copied().unwrap_or(0) == 0 {
+            return Ok(false);
+        }
+        self.compute
+            .memset_zeros(f)
+            .map_err(self.drv("clearing the non-finite flag", 4))?;
+        self.compute
+            .synchronize()
+            .map_err(self.drv("clearing the non-finite flag", 4))?;
+        Ok(true)
     }
 
     /// `set` loaded into this rank's context: compiled once per process and architecture, loaded
@@ -658,6 +708,7 @@ fn init_rank(
         comm,
         kernels,
         verify: OnceCell::new(),
+        nonfinite: RefCell::new(None),
         modules: ModuleCache::default(),
     })
 }

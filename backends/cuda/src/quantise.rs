@@ -109,20 +109,21 @@ impl QuantiseJobs {
     }
 
     /// Queues the launch on `stream`: `source` is the rank's training buffer (or a staging
-    /// buffer) holding `kind` elements, `rollout` its rollout buffer (both device addresses).
+    /// buffer) holding `kind` elements, `rollout` its rollout buffer (both device addresses); a
+    /// block holding a NaN or an infinity sets the u32 at `nonfinite` to 1 (0: not reported).
     ///
     /// # Safety
     /// `source` and `rollout` must be the buffers the regions were validated against
     /// ([`RankSteps::validate`](lifecycle_layout::steps::RankSteps::validate)), alive until the
     /// stream ran the launch, the rollout bytes the regions write not used by other work
-    /// meanwhile.
+    /// meanwhile; `nonfinite` 0 or a u32 of the device, alive as long.
     pub(crate) unsafe fn launch(
         &self,
         ctx: &RankCtx,
         stream: &CudaStream,
         kind: QuantiseSource,
-        source: u64,
-        rollout: u64,
+        (source, rollout): (u64, u64),
+        nonfinite: u64,
     ) -> Result<(), CudaError> {
         let m = ctx.module(&QUANTISE_KERNELS)?;
         let f = m.function(kind.kernel())?;
@@ -139,7 +140,8 @@ impl QuantiseJobs {
             .arg(&self.count)
             .arg(&self.tiles)
             .arg(&rollout)
-            .arg(&rollout);
+            .arg(&rollout)
+            .arg(&nonfinite);
         // SAFETY: the rollout buffer is passed as both the byte and the scale pointer; every job
         // reads its region inside the source and writes its bytes and scales inside the rollout
         // buffer, disjoint from every other job (validated steps; this function's contract); the
@@ -179,7 +181,7 @@ pub fn quantise_staged(
         // SAFETY: `check_staged` put every region's source inside `staging` and its bytes and
         // scales inside `rollout` (disjoint by `Fp8Rollout`'s construction); both buffers and
         // the job table outlive the launch, as the compute stream is synchronised below.
-        unsafe { jobs.launch(ctx, &ctx.compute, QuantiseSource::Bf16, source, roll)? };
+        unsafe { jobs.launch(ctx, &ctx.compute, QuantiseSource::Bf16, (source, roll), 0)? };
         ctx.compute
             .synchronize()
             .map_err(ctx.drv("quantising the rollout weights to fp8", jobs.bytes()))?;

@@ -106,6 +106,27 @@ impl FsdpBackend {
         Ok(())
     }
 
+    /// `e`, or, when a cast or quantisation of the transfer read a NaN or an infinity
+    /// ([`CudaError::NonFinite`](lifecycle_cuda::CudaError::NonFinite)), the tensor, rank and
+    /// element that hold it ([`FsdpError::NonFinite`], from a scan of `ranks` run only then).
+    pub(crate) fn name_nonfinite<B: RankBuffers + Sync>(
+        &self,
+        e: FsdpError,
+        ranks: &[B],
+        shards: &ShardLayout,
+    ) -> FsdpError {
+        if !matches!(
+            e,
+            FsdpError::Cuda(lifecycle_cuda::CudaError::NonFinite { .. })
+        ) {
+            return e;
+        }
+        match self.check_finite_ranks(ranks, shards) {
+            Err(named @ FsdpError::NonFinite { .. }) => named,
+            _ => e,
+        }
+    }
+
     /// Verification mode: hashes the rollout weights just written.
     pub(crate) fn record_rollout_sums(
         &mut self,

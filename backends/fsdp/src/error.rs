@@ -79,11 +79,12 @@ pub enum FsdpError {
     /// Invalid settings.
     #[error("invalid setting: {0}")]
     Config(String),
-    /// Verification mode: a master weight is NaN or infinite.
+    /// A master weight is NaN or infinite (found by the switch's casts and quantisations, or
+    /// by verification mode's scan).
     #[error(
         "tensor `{tensor}` has a non-finite master weight ({value}) at element {index} of rank \
-         {rank}'s shard: fix the update that produced it (verification mode refuses to switch \
-         non-finite weights)"
+         {rank}'s shard: fix the update that produced it (no switch rolls out non-finite \
+         weights)"
     )]
     NonFinite {
         /// The tensor.

@@ -309,14 +309,26 @@ impl LentFsdpBackend {
             .programs
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        Ok(self.inner.driver().timed_transfer(
+        let moved = self.inner.driver().timed_transfer(
             &mut state.ranks,
             &mut programs,
             rolls,
             &spec,
             ctx,
             &NoHooks,
-        )?)
+        );
+        drop(programs);
+        match moved {
+            Ok(moved) => Ok(moved),
+            // a cast or quantisation read a NaN or an infinity: name it (a scan, only now)
+            Err(e @ lifecycle_cuda::CudaError::NonFinite { .. }) => {
+                match self.check_finite(state) {
+                    Err(named @ FsdpError::NonFinite { .. }) => Err(named),
+                    _ => Err(e.into()),
+                }
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Every master weight the lent shards hold must be finite (fp8 rollouts): scanned where

@@ -108,7 +108,9 @@ impl Reshard for FsdpBackend {
         // The transfer phase's wall time starts after the rollout allocation (reported apart:
         // enter's total includes it).
         let hooks = self.hooks(&state.shards);
-        let mut moved = self.transfer(plan, &mut state.ranks, &mut rolls, &hooks, ctx)?;
+        let mut moved = self
+            .transfer(plan, &mut state.ranks, &mut rolls, &hooks, ctx)
+            .map_err(|e| self.name_nonfinite(e, &state.ranks, &state.shards))?;
         let entries = self.entries(plan);
         if self.verify {
             self.record_rollout_sums(&rolls, entries.ranks())?;
@@ -159,8 +161,9 @@ impl Reshard for FsdpBackend {
         // The old hashes no longer describe the weights, whatever happens next.
         self.rollout_sums = None;
         let hooks = self.hooks(&state.shards);
-        let mut moved =
-            self.transfer(plan, &mut state.ranks, rollout.buffers_mut(), &hooks, ctx)?;
+        let mut moved = self
+            .transfer(plan, &mut state.ranks, rollout.buffers_mut(), &hooks, ctx)
+            .map_err(|e| self.name_nonfinite(e, &state.ranks, &state.shards))?;
         if self.verify {
             let entries = rollout.all_entries().to_vec();
             self.record_rollout_sums(rollout.buffers(), &entries)?;

@@ -125,8 +125,12 @@ impl MegatronGpuBackend {
                 src_ld: n as u64,
                 dst_ld: n as u64,
             };
-            // SAFETY: both buffers hold n elements and live until the synchronisation below.
-            unsafe { ctx.kernels.cast_f32_bf16(&ctx.compute, gp, pp, all, rank)? };
+            // SAFETY: both buffers hold n elements and live until the synchronisation below (no
+            // non-finite report: 0).
+            unsafe {
+                ctx.kernels
+                    .cast_f32_bf16(&ctx.compute, gp, pp, all, 0, rank)?
+            };
             let k = shard.len();
             // SAFETY: fully written by the copy right after (a zero-length shard is never read).
             let mut main = unsafe { alloc_device::<f32>(&ctx.compute, k, rank, "main params")? };

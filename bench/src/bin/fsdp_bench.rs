@@ -231,7 +231,7 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
                 // SAFETY: both regions lie inside the n-element buffers above.
                 unsafe {
                     ctx.kernels
-                        .cast_f32_bf16(&ctx.compute, sp, dp, region, ctx.rank)?
+                        .cast_f32_bf16(&ctx.compute, sp, dp, region, 0, ctx.rank)?
                 };
                 sync()
             })?;
@@ -261,6 +261,7 @@ fn ceilings(pool: &ThreadRankPool, iters: usize) -> Result<Ceilings, Box<dyn Err
                             0,
                             1,
                             0..batch.chunks(),
+                            0,
                             ctx.rank,
                         )?
                     };

@@ -151,6 +151,8 @@ fn main() -> Res<()> {
         let (dp, _d) = dst.device_ptr(&stream);
         let count = 1u32;
         let ntiles = tiles as u32;
+        // no non-finite report (a null flag)
+        let no_flag = 0u64;
         let ms = best_ms(&stream, cli.iters, || {
             let mut b = stream.launch_builder(&f);
             b.arg(&sp)
@@ -158,7 +160,8 @@ fn main() -> Res<()> {
                 .arg(&count)
                 .arg(&ntiles)
                 .arg(&dp)
-                .arg(&dp);
+                .arg(&dp)
+                .arg(&no_flag);
             let cfg = LaunchConfig {
                 // the shipped two tiles a block
                 grid_dim: (ntiles.div_ceil(2), 1, 1),

@@ -199,3 +199,32 @@ def test_fp8_vllm_format_on_the_gpu_is_the_host_executors():
     assert "model.layers.0.self_attn.qkv_proj.weight" in fp8
     for (n, a), (_, b) in zip(g, c):
         np.testing.assert_array_equal(a, b, err_msg=n)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_a_non_finite_master_after_a_step_is_refused_at_the_switch(dtype):
+    # the switch's casts (bf16) and quantisations (fp8) read every master once: a NaN there is
+    # refused by name, nothing rolls out, the training state and the generation stay
+    model = fsdp2_model(qwen2_config(), seed=8)
+    switch = lifecycle.Switch.from_fsdp2(model, dtype=dtype)
+    with switch.rollout() as w:
+        before = {n: host_bits(t).copy() for n, t in w.named_tensors()}
+    name = "model.layers.1.mlp.down_proj.weight"
+    param = dict(model.named_parameters())[name]
+    with torch.no_grad():
+        param.to_local()[3, 7] = float("nan")  # as a diverged optimizer step leaves it
+    masters = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    generation = switch.stats()["generation"]
+    for _ in range(2):
+        with pytest.raises(lifecycle.NonFiniteError, match=rf"`{name}` holds a non-finite value"):
+            with switch.rollout(refresh=True):
+                pass
+    assert switch.stats()["generation"] == generation and switch.held() == []
+    for n, p in model.named_parameters():
+        assert torch.equal(p.to_local(), masters[n]) or n == name, n
+    with torch.no_grad():
+        param.to_local()[3, 7] = 0.0
+    with switch.rollout() as w:
+        after = {n: host_bits(t).copy() for n, t in w.named_tensors()}
+    assert switch.stats()["generation"] == generation + 1
+    assert all((after[n] == before[n]).all() for n in before if "layers.1.mlp.down_proj" not in n)

@@ -47,6 +47,9 @@ pub(super) struct Issuer<'a> {
     pub(super) rbase: u64,
     pub(super) sbases: Vec<u64>,
     pub(super) rbases: Vec<u64>,
+    /// The rank's non-finite flag ([`RankCtx::nonfinite_flag`]), which every cast and
+    /// quantisation of the run sets when it reads a NaN or an infinity.
+    pub(super) nonfinite: u64,
 }
 
 impl Issuer<'_> {
@@ -127,7 +130,15 @@ impl Issuer<'_> {
         // `source_elems` and a rollout buffer of at least `rollout_elems` elements (checked
         // against these buffers); both live until the runner synchronised; the regions' bytes
         // are written by no other step.
-        unsafe { jobs.launch(ctx, &ctx.aux, kind, self.src_base, self.rbase)? };
+        unsafe {
+            jobs.launch(
+                ctx,
+                &ctx.aux,
+                kind,
+                (self.src_base, self.rbase),
+                self.nonfinite,
+            )?
+        };
         self.aux_done(tl, mark, "fp8 quantisation", jobs.bytes())
     }
 
@@ -159,7 +170,7 @@ impl Issuer<'_> {
         // SAFETY: the source was checked against the validated steps and the grid holds the
         // steps' `grid_elems` entries; both live until the runner synchronised; the program
         // orders every reader of the grid after this stream's event.
-        unsafe { jobs.amax(ctx, &ctx.aux, self.src_base, grid)? };
+        unsafe { jobs.amax(ctx, &ctx.aux, self.src_base, grid, self.nonfinite)? };
         self.aux_done(tl, mark, "fp8 partial amax", 4 * jobs.grid_elems())
     }
 
@@ -321,6 +332,7 @@ impl Issuer<'_> {
                     *first,
                     *count,
                     chunks.clone(),
+                    self.nonfinite,
                     rank,
                 )?;
             }
@@ -331,6 +343,7 @@ impl Issuer<'_> {
                     src + 4 * c.src_off,
                     dst + 2 * c.dst_off,
                     c.region,
+                    self.nonfinite,
                     rank,
                 )?;
             }

@@ -88,6 +88,7 @@ fn run_inner(
         rbase: ctx.addr_mut(roll),
         sbases: sslots.iter_mut().map(|x| ctx.addr_mut(x)).collect(),
         rbases: rslots.iter_mut().map(|x| ctx.addr_mut(x)).collect(),
+        nonfinite: ctx.nonfinite_flag()?,
     };
     let mut events: Vec<Option<CudaEvent>> = (0..prog.program.events()).map(|_| None).collect();
     let mut used_nccl = false;
@@ -142,6 +143,11 @@ fn run_inner(
     ctx.compute
         .synchronize()
         .map_err(ctx.drv("freeing staging", 0))?;
+    // the casts and quantisations read every source value once: a NaN or an infinity among
+    // them set the flag
+    if ctx.take_nonfinite()? {
+        return Err(CudaError::NonFinite { rank: ctx.rank });
+    }
     Ok(RankMoved {
         recv: s.recv_elems * 2,
         local: s.local_elems * 2
