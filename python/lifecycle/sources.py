@@ -97,6 +97,48 @@ def _set_writeable(arrays: list[Any], on: bool) -> None:
             a.flags.writeable = on
 
 
+def _at(a: Any) -> int:
+    return a.__array_interface__["data"][0]
+
+
+class _HostArrays:
+    """The numpy arrays switches hold, by address (shared by every switch of the process): how
+    many switches hold each (held arrays are read-only, and writable again when the last lets
+    go) and how often each was written through a switch, whichever switch it was (what says it
+    changed: numpy keeps no version counter)."""
+
+    # by the array object (the flag is the object's), and by address (the memory's writes)
+    holders: dict[int, int] = {}
+    writes: dict[int, int] = {}
+
+    @classmethod
+    def take(cls, arrays: list[Any]) -> None:
+        for a in arrays:
+            cls.holders[id(a)] = cls.holders.get(id(a), 0) + 1
+        _set_writeable(arrays, False)
+
+    @classmethod
+    def give_back(cls, arrays: list[Any]) -> None:
+        free = []
+        for a in arrays:
+            n = cls.holders.get(id(a), 0) - 1
+            if n > 0:
+                cls.holders[id(a)] = n
+            else:
+                cls.holders.pop(id(a), None)
+                free.append(a)
+        _set_writeable(free, True)
+
+    @classmethod
+    def wrote(cls, arrays: list[Any]) -> None:
+        for a in arrays:
+            cls.writes[_at(a)] = cls.writes.get(_at(a), 0) + 1
+
+    @classmethod
+    def version(cls, arrays: list[Any]) -> tuple:
+        return tuple(cls.writes.get(_at(a), 0) for a in arrays)
+
+
 class _Source:
     """One training tensor: its name, full shape, the shards this process lends (one per local
     rank), what a trainer writes through (``given``: the full array, or the list of shards) and
@@ -115,19 +157,17 @@ class _Source:
         self.shards = shards
         self.versioned = versioned
         self.given = given
-        # writes through the switch (numpy has no version counter)
-        self.writes = 0
         self._numel: list[int] = [0] * len(shards)
 
     def version(self) -> Any:
-        """What moves when the tensor changes: the switch's count of writes through it, and the
-        in-place version counters of the parameter, of its local tensor and of every shard
+        """What moves when the tensor changes: the count of writes through a switch into its
+        numpy arrays, and the in-place version counters of the parameter, of its local tensor and of every shard
         (an optimizer step moves the first, ``AdamW.step()`` on an FSDP2 parameter, or through
         ``DTensor`` dispatch of foreach kernels only the second)."""
         v = self.versioned
         local = getattr(v, "_local_tensor", None)
         return (
-            self.writes,
+            _HostArrays.version(self.host_arrays()),
             getattr(v, "_version", None),
             getattr(local, "_version", None),
             tuple(getattr(s, "_version", None) for s in self.shards),
@@ -148,9 +188,16 @@ class _Source:
         return (x.__array_interface__["data"][0] if n else 0, n)
 
     def host_arrays(self) -> list[Any]:
-        """The numpy arrays a trainer could write in place: what the switch makes read-only."""
+        """The numpy arrays the trainer gave (the full array, or every rank's shard): what the
+        switch makes read-only and counts writes to (the shards cut from a full array are the
+        switch's own views)."""
         given = self.given if isinstance(self.given, list) else [self.given]
-        return [a for a in given + self.shards if _is_numpy(a)]
+        seen, out = set(), []
+        for a in given:
+            if _is_numpy(a) and id(a) not in seen:
+                seen.add(id(a))
+                out.append(a)
+        return out
 
     def write(self, value: Any) -> None:
         """Writes ``value`` (the full tensor; for a source built from shards, also the list of
@@ -201,4 +248,8 @@ class _Source:
                 )
             if not np.shares_memory(src, dst) or src.ctypes.data != dst.ctypes.data:
                 np.copyto(dst, src, casting="same_kind")
-        self.writes += 1
+        self.wrote()
+
+    def wrote(self) -> None:
+        """Marks the tensor written (every switch over its arrays sees it changed)."""
+        _HostArrays.wrote(self.host_arrays())

@@ -10,7 +10,15 @@ from typing import Any, Iterable, Iterator, Literal, Mapping, Sequence
 
 from . import _lifecycle
 from ._lifecycle import ConfigError, StaleWeightsError, TensorMismatchError
-from .sources import _check_array, _chunks, _is_torch, _positive, _set_writeable, _Source
+from .sources import (
+    _check_array,
+    _chunks,
+    _HostArrays,
+    _is_torch,
+    _positive,
+    _set_writeable,
+    _Source,
+)
 from .vllm import vllm_tensors
 
 Dtype = Literal["bf16", "fp8"]
@@ -184,7 +192,7 @@ class Switch:
         self._updating = False
         self.last_enter: tuple | None = None
         # numpy arrays change only through update(): read-only from now on
-        _set_writeable([a for src in sources for a in src.host_arrays()], False)
+        _HostArrays.take(self._host_arrays())
         self._s = s
         return self
 
@@ -445,13 +453,18 @@ class Switch:
             raise ConfigError("a rollout session is open: end it before closing the switch")
         self._s.close()
         self._in_rollout = False
-        _set_writeable([a for src in self._sources for a in src.host_arrays()], True)
+        _HostArrays.give_back(self._host_arrays())
+
+    def _host_arrays(self) -> list[Any]:
+        return [a for src in self._sources for a in src.host_arrays()]
 
     def __del__(self):
         s = getattr(self, "_s", None)
         if s is None or s.closed:
             return
         try:
+            # the masters go back to the trainer (writable once no other switch holds them)
+            _HostArrays.give_back(self._host_arrays())
             held = s.held()
             if held:
                 warnings.warn(
@@ -509,7 +522,7 @@ class Masters(Mapping[str, Any]):
         if self._writable:
             self._check()
             # what is taken writable may be written in place: counts as changed
-            src.writes += 1
+            src.wrote()
         return src.given if src.given is not None else src.shards
 
     def __setitem__(self, name: str, value: Any) -> None:

@@ -372,3 +372,26 @@ def test_fp8_keep_is_checked_before_anything_moves(config):
     for keep, dtype, message in cases:
         with pytest.raises(ConfigError, match=message):
             Switch.from_arrays(config, params, dtype=dtype, fp8_keep=keep)
+
+
+def test_switches_over_the_same_arrays_see_each_others_writes(config, params):
+    a = Switch.from_arrays(config, params)
+    b = Switch.from_arrays(config, params, world=2, dtype="bf16")
+    name = "model.layers.0.mlp.up_proj.weight"
+    first = rollout_bits(b)
+    with a.update() as m:
+        m[name] *= -1
+    assert not (rollout_bits(b)[name] == first[name]).all()
+    np.testing.assert_array_equal(rollout_bits(b)[name], bf16_bits(dict(params)[name]))
+    array = dict(params)[name]
+    a.close()
+    assert not array.flags.writeable  # b still holds it
+    b.close()
+    assert array.flags.writeable  # the trainer's again
+    c = Switch.from_arrays(config, params)
+    assert not array.flags.writeable
+    del c
+    import gc
+
+    gc.collect()
+    assert array.flags.writeable  # a collected switch lets go too
