@@ -112,6 +112,23 @@ class _HostArrays:
     writes: dict[int, int] = {}
 
     @classmethod
+    def check_writable(cls, name: str, arrays: list[Any]) -> None:
+        """Each array is writable, or held by a switch already: a trainer must be able to
+        write it through :meth:`lifecycle.Switch.update`."""
+        for a in arrays:
+            if a.flags.writeable or cls.holders.get(id(a), 0) > 0:
+                continue
+            try:
+                a.flags.writeable = True
+                a.flags.writeable = False
+            except ValueError:
+                raise TensorMismatchError(
+                    f"tensor `{name}`: a read-only array over memory that cannot be written "
+                    "(e.g. np.frombuffer of bytes): the trainer could never update it; pass a "
+                    "writable copy (a.copy())"
+                ) from None
+
+    @classmethod
     def take(cls, arrays: list[Any]) -> None:
         for a in arrays:
             cls.holders[id(a)] = cls.holders.get(id(a), 0) + 1
@@ -174,10 +191,12 @@ class _Source:
         )
 
     def check(self, device: str) -> None:
-        """Checks every shard's dtype, layout and device (they do not change under a trainer)."""
+        """Checks every shard's dtype, layout and device (they do not change under a trainer),
+        and that the numpy arrays given can be written through the switch."""
         for i, x in enumerate(self.shards):
             _check_array(self.name, x, device)
             self._numel[i] = _address(x)[1]
+        _HostArrays.check_writable(self.name, self.host_arrays())
 
     def address(self, i: int) -> tuple[int, int]:
         """Shard ``i``'s ``(address, elements)`` now (a restored storage moves)."""

@@ -65,6 +65,10 @@ def test_arrays_of_the_wrong_kind_are_refused_when_the_switch_is_built(config, p
         (with_q(np.asfortranarray(np.repeat(full, 2, 1))[:, ::2]), rf"`{q}`: its shard is not C-contiguous: pass np.ascontiguousarray"),
         (with_q(full.tolist()), rf"`{q}`: a numpy array or a torch tensor expected, found list: pass np.asarray"),
         (with_q({"w": full}), rf"`{q}`: a numpy array or a torch tensor expected, found dict"),
+        (
+            with_q(np.frombuffer(full.tobytes(), np.float32).reshape(full.shape)),
+            rf"`{q}`: a read-only array over memory that cannot be written .*pass a writable copy",
+        ),
     ]
     for named, pattern in cases:
         refused(TensorMismatchError, pattern, lambda: Switch.from_arrays(config, named))
