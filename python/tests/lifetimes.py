@@ -9,7 +9,9 @@ difference exits 1, a crash kills the process (both fail the test that runs this
 EXPORTER: ``numpy`` (``named_arrays``), ``capsule`` (raw DLPack capsules of the handles, consumed
 only after the drop), ``torch`` (``named_tensors``). DROP: ``session``, ``switch``, ``engine``
 (cuda), ``helper`` (everything built in a function that returns only the tensors), ``close``
-(an explicit close while they live: refused by name, then the tensors read)."""
+(an explicit close while they live: refused by name, then the tensors read), ``exit`` (the
+tensors and the switch left to the interpreter's exit, the CUDA driver's teardown after it: the
+process must still exit 0)."""
 
 from __future__ import annotations
 
@@ -165,6 +167,10 @@ def main() -> int:
         elif drop == "engine":
             del engine, switch
             gc.collect()
+        elif drop == "exit":
+            # read below, then everything is left to the interpreter's exit
+            global KEPT
+            KEPT = (switch, engine, model, views)
         elif drop == "close":
             try:
                 switch.close()

@@ -25,7 +25,7 @@ def run_case(exporter, drop, *extra):
     return out.stdout
 
 
-@pytest.mark.parametrize("drop", ["session", "switch", "helper", "close"])
+@pytest.mark.parametrize("drop", ["session", "switch", "helper", "close", "exit"])
 @pytest.mark.parametrize("exporter", ["numpy", "capsule"])
 def test_host_views_outlive_what_made_them(exporter, drop):
     run_case(exporter, drop)

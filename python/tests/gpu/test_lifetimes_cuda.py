@@ -15,7 +15,7 @@ import gpu_support  # noqa: F401  (skips without torch or a GPU)
 LIFETIMES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lifetimes.py")
 
 
-@pytest.mark.parametrize("drop", ["session", "switch", "engine", "helper", "close"])
+@pytest.mark.parametrize("drop", ["session", "switch", "engine", "helper", "close", "exit"])
 @pytest.mark.parametrize("exporter", ["torch", "capsule"])
 def test_cuda_views_outlive_what_made_them(exporter, drop):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
