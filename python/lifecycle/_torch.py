@@ -31,7 +31,9 @@ def fsdp2_sources(module, offload: str, optimizer):
 
     named = list(module.named_parameters())
     if not named:
-        raise ConfigError("from_fsdp2: the module has no parameters")
+        raise ConfigError(
+            "from_fsdp2: the module has no parameters: pass the model whose weights roll out"
+        )
     world, mesh_dims = 1, set()
     for name, p in named:
         spec = getattr(p, "placements", None)
@@ -40,11 +42,15 @@ def fsdp2_sources(module, offload: str, optimizer):
             if mesh.ndim != 1 or len(spec) != 1 or not spec[0].is_shard() or spec[0].dim != 0:
                 raise TensorMismatchError(
                     f"tensor `{name}`: FSDP2 Shard(0) on a 1-D mesh expected, found {spec} on "
-                    f"a {mesh.ndim}-D mesh"
+                    f"a {mesh.ndim}-D mesh: shard the module with fully_shard over one mesh "
+                    "dimension"
                 )
             mesh_dims.add(mesh.size())
     if len(mesh_dims) > 1:
-        raise ConfigError(f"from_fsdp2: parameters sharded over meshes of sizes {sorted(mesh_dims)}")
+        raise ConfigError(
+            f"from_fsdp2: the parameters are sharded over meshes of sizes {sorted(mesh_dims)}; "
+            "one mesh is expected: shard every parameter over the same mesh"
+        )
     if mesh_dims:
         world = mesh_dims.pop()
     device = "cuda" if _local(named[0][1]).is_cuda else "cpu"

@@ -58,7 +58,10 @@ class Engine:
         if weights._switch is not self._switch:
             from ._lifecycle import ConfigError
 
-            raise ConfigError("these rollout weights belong to another switch than the engine's")
+            raise ConfigError(
+                "these rollout weights belong to another switch than the engine's: pass the "
+                "session of the switch the engine was built on"
+            )
         weights._check("engine.generate")
         return self._switch._live().generate(
             [list(map(int, p)) for p in prompts],

@@ -56,7 +56,10 @@ class _Shape:
 
         self.kind = _model_type(c)
         if self.kind not in ("qwen2", "qwen3", "qwen3_moe"):
-            raise ConfigError(f"vLLM names: model_type `{self.kind}` is not Qwen2/Qwen3/Qwen3-MoE")
+            raise ConfigError(
+                f"vLLM names: model_type `{self.kind}`: expected qwen2, qwen3 or qwen3_moe (the "
+                'models whose vLLM names are known); use format="hf" for others'
+            )
         self.h = c["hidden_size"]
         self.heads = c["num_attention_heads"]
         self.kv = c.get("num_key_value_heads", self.heads)
@@ -65,9 +68,15 @@ class _Shape:
             self.h // self.heads if self.kind == "qwen2" else c.get("head_dim", self.h // self.heads)
         )
         if self.heads % tp:
-            raise ConfigError(f"vLLM names: num_attention_heads {self.heads} not divisible by T={tp}")
+            raise ConfigError(
+                f"vLLM names: num_attention_heads {self.heads} is not divisible by T={tp}: "
+                "choose a T that divides it"
+            )
         if self.kv >= tp and self.kv % tp or self.kv < tp and tp % self.kv:
-            raise ConfigError(f"vLLM names: num_key_value_heads {self.kv} and T={tp} do not divide")
+            raise ConfigError(
+                f"vLLM names: num_key_value_heads {self.kv} and T={tp}: neither divides the "
+                "other; choose a T that divides it or that it divides"
+            )
         self.tp, self.ep = tp, ep
         self.q_local = self.heads // tp
         self.kv_local = max(1, self.kv // tp)
@@ -77,7 +86,10 @@ class _Shape:
         self.vocab = c["vocab_size"]
         self.padded = -(-self.vocab // VOCAB_PADDING) * VOCAB_PADDING
         if self.padded % tp:
-            raise ConfigError(f"vLLM names: padded vocabulary {self.padded} not divisible by T={tp}")
+            raise ConfigError(
+                f"vLLM names: the padded vocabulary {self.padded} is not divisible by T={tp}: "
+                "choose a T that divides it"
+            )
         self.vocab_local = self.padded // tp
         self.tied = bool(c.get("tie_word_embeddings", False))
         self.layers = c["num_hidden_layers"]
@@ -242,12 +254,16 @@ def _vocab_shard(name: str, t, s: _Shape, rank: int):
     elif held * s.tp == s.vocab:  # split evenly, unpadded
         first = rank * held
     else:
-        raise ConfigError(f"{name}: a rollout slice of {held} rows is not a vocabulary shard")
+        raise ConfigError(
+            f"{name}: a rollout slice of {held} rows is not a vocabulary shard of T={s.tp}: "
+            'use format="hf"'
+        )
     need_lo, need_hi = lo, min(hi, s.vocab)
     if need_lo < need_hi and not (first <= need_lo and need_hi <= first + held):
         raise ConfigError(
             f"{name}: vLLM's rank {rank} holds vocabulary rows {lo}..{hi} (padded to "
-            f"{s.padded}), this rank's rollout slice holds rows {first}..{first + held}"
+            f"{s.padded}), this rank's rollout slice holds rows {first}..{first + held}: the "
+            'vocabulary must be a multiple of 64 x T for vLLM\'s split, or use format="hf"'
         )
     rows = t[max(need_lo - first, 0) : max(need_hi - first, 0)]
     pad = s.vocab_local - rows.shape[0]
@@ -361,7 +377,10 @@ def vllm_tensors(config: Any, hf: dict, tp: int, rank: int) -> Iterator[tuple[st
             if name.endswith("weight"):
                 scale = hf.get(_scale_name(name))
         if list(t.shape) != shape:
-            raise ConfigError(f"{name}: built shape {list(t.shape)}, vLLM's is {shape}")
+            raise ConfigError(
+                f"{name}: built shape {list(t.shape)}, vLLM's is {shape}; this is a bug of the "
+                'package: use format="hf" and report it'
+            )
         yield name, t
         if scale is not None:
             yield _scale_name(name), scale
