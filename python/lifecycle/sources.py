@@ -113,20 +113,25 @@ class _HostArrays:
 
     @classmethod
     def check_writable(cls, name: str, arrays: list[Any]) -> None:
-        """Each array is writable, or held by a switch already: a trainer must be able to
-        write it through :meth:`lifecycle.Switch.update`."""
+        """Each array is held by a switch already, or numpy can make it read-only and writable
+        again: the switch holds it read-only and the trainer writes it through
+        :meth:`lifecycle.Switch.update`. numpy cannot for memory it does not own (a view of
+        ``torch.Tensor.numpy()``, ``np.frombuffer`` of bytes)."""
         for a in arrays:
-            if a.flags.writeable or cls.holders.get(id(a), 0) > 0:
+            if cls.holders.get(id(a), 0) > 0:
                 continue
+            was = a.flags.writeable
             try:
-                a.flags.writeable = True
                 a.flags.writeable = False
+                a.flags.writeable = True
             except ValueError:
                 raise TensorMismatchError(
-                    f"tensor `{name}`: a read-only array over memory that cannot be written "
-                    "(e.g. np.frombuffer of bytes): the trainer could never update it; pass a "
-                    "writable copy (a.copy())"
+                    f"tensor `{name}`: numpy cannot make this array writable again once the "
+                    "switch holds it read-only (it views memory numpy does not own, e.g. "
+                    "torch.Tensor.numpy() or np.frombuffer): pass a.copy(), or the torch "
+                    "tensor itself"
                 ) from None
+            a.flags.writeable = was
 
     @classmethod
     def take(cls, arrays: list[Any]) -> None:

@@ -67,7 +67,7 @@ def test_arrays_of_the_wrong_kind_are_refused_when_the_switch_is_built(config, p
         (with_q({"w": full}), rf"`{q}`: a numpy array or a torch tensor expected, found dict"),
         (
             with_q(np.frombuffer(full.tobytes(), np.float32).reshape(full.shape)),
-            rf"`{q}`: a read-only array over memory that cannot be written .*pass a writable copy",
+            rf"`{q}`: numpy cannot make this array writable again .*pass a.copy\(\)",
         ),
     ]
     for named, pattern in cases:

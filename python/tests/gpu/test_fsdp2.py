@@ -139,7 +139,7 @@ def fp8_switches(config, seed):
     gpu = lifecycle.Switch.from_fsdp2(model, dtype="fp8")
     host = lifecycle.Switch.from_arrays(
         config,
-        [(n, p.full_tensor().detach().cpu().numpy()) for n, p in model.named_parameters()],
+        [(n, p.full_tensor().detach().cpu().numpy().copy()) for n, p in model.named_parameters()],
         dtype="fp8",
     )
     return gpu, host

@@ -18,7 +18,9 @@ LIFETIMES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 @pytest.mark.parametrize("drop", ["session", "switch", "engine", "helper", "close", "exit"])
 @pytest.mark.parametrize("exporter", ["torch", "capsule"])
 def test_cuda_views_outlive_what_made_them(exporter, drop):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    # a process of its own: not the test session's process group or port
+    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launch}
     out = subprocess.run(
         [sys.executable, LIFETIMES, exporter, drop, "--device", "cuda"],
         capture_output=True,
