@@ -211,6 +211,10 @@ impl RankCtx {
         let Some(f) = cell.as_mut() else {
             return Ok(false);
         };
+        // the quantisations run on the auxiliary stream
+        self.aux
+            .synchronize()
+            .map_err(self.drv("reading the non-finite flag", 4))?;
         let word = self
             .compute
             .clone_dtoh(f)

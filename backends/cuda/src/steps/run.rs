@@ -51,6 +51,8 @@ pub fn run_program(
             // Nothing may still read or write the rollout or staging buffers when they are
             // freed after an error part-way through.
             let _ = ctx.sync_all();
+            // what this run's casts reported is this run's: the next starts with a clear flag
+            let _ = ctx.take_nonfinite();
             Err(e)
         }
     }
