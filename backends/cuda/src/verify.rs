@@ -109,7 +109,8 @@ impl ChunkTable {
         self.end
     }
 
-    /// The segment holding word `index`, if any chunk covers it.
+    /// The segment holding word `index`, if any chunk covers it (a binary search: the
+    /// segments must have been given in ascending order of offset).
     pub fn segment_of(&self, index: u64) -> Option<usize> {
         let i = self
             .offsets

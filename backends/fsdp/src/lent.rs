@@ -364,8 +364,11 @@ impl LentFsdpBackend {
                 })?;
         for (local, f) in found.into_iter().enumerate() {
             let Some((at, value)) = f else { continue };
-            let (i, start) = tables[local]
-                .segment_of(at)
+            // the lent tensors lie where their owner put them, in no order: a linear search (the
+            // table's binary search needs ascending segments)
+            let (i, start) = segments[local]
+                .iter()
+                .position(|&(start, n)| at >= start && at < start + n)
                 .map(|i| (i, segments[local][i].0))
                 .ok_or_else(|| {
                     FsdpError::Config(format!(
