@@ -61,6 +61,9 @@ pub struct ChunkTable {
     lens: Vec<u64>,
     owners: Vec<usize>,
     end: u64,
+    /// Some chunk starts before the one listed ahead of it (segments given in no order, as
+    /// lent tensors lie where their owner put them).
+    unordered: bool,
 }
 
 impl ChunkTable {
@@ -74,6 +77,7 @@ impl ChunkTable {
             let mut at = 0;
             while at < len {
                 let n = (len - at).min(max_chunk);
+                t.unordered |= t.offsets.last().is_some_and(|&last| offset + at < last);
                 t.offsets.push(offset + at);
                 t.lens.push(n);
                 t.owners.push(i);
@@ -109,9 +113,13 @@ impl ChunkTable {
         self.end
     }
 
-    /// The segment holding word `index`, if any chunk covers it (a binary search: the
-    /// segments must have been given in ascending order of offset).
+    /// The segment holding word `index`, if any chunk covers it (segments in any order).
     pub fn segment_of(&self, index: u64) -> Option<usize> {
+        if self.unordered {
+            return (0..self.len())
+                .find(|&i| self.offsets[i] <= index && index < self.offsets[i] + self.lens[i])
+                .map(|i| self.owners[i]);
+        }
         let i = self
             .offsets
             .partition_point(|&o| o <= index)
@@ -321,6 +329,24 @@ impl VerifyKernels {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn segment_of_finds_every_word_in_any_order() {
+        // ascending, and in no order (lent tensors lie where their owner put them)
+        for segments in [
+            [(0u64, 10u64), (100, 10), (1000, 10)],
+            [(1000, 10), (0, 10), (100, 10)],
+            [(100, 10), (1000, 10), (0, 10)],
+        ] {
+            let t = ChunkTable::new(segments, 4);
+            for (seg, &(start, len)) in segments.iter().enumerate() {
+                for w in start..start + len {
+                    assert_eq!(t.segment_of(w), Some(seg), "{segments:?}: word {w}");
+                }
+                assert_eq!(t.segment_of(start + len), None, "{segments:?}: past {seg}");
+            }
+        }
+    }
 
     #[test]
     fn every_single_bit_flip_and_swap_changes_the_hash() {

@@ -364,11 +364,8 @@ impl LentFsdpBackend {
                 })?;
         for (local, f) in found.into_iter().enumerate() {
             let Some((at, value)) = f else { continue };
-            // the lent tensors lie where their owner put them, in no order: a linear search (the
-            // table's binary search needs ascending segments)
-            let (i, start) = segments[local]
-                .iter()
-                .position(|&(start, n)| at >= start && at < start + n)
+            let (i, start) = tables[local]
+                .segment_of(at)
                 .map(|i| (i, segments[local][i].0))
                 .ok_or_else(|| {
                     FsdpError::Config(format!(
