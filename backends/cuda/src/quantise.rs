@@ -180,7 +180,8 @@ pub fn quantise_staged(
         let (source, roll) = (ctx.addr(staging), ctx.addr_mut(rollout));
         // SAFETY: `check_staged` put every region's source inside `staging` and its bytes and
         // scales inside `rollout` (disjoint by `Fp8Rollout`'s construction); both buffers and
-        // the job table outlive the launch, as the compute stream is synchronised below.
+        // the job table outlive the launch, as the compute stream is synchronised below; no
+        // non-finite report (0: the Megatron backend checks its bf16 parameters at plan time).
         unsafe { jobs.launch(ctx, &ctx.compute, QuantiseSource::Bf16, (source, roll), 0)? };
         ctx.compute
             .synchronize()

@@ -129,7 +129,8 @@ impl Issuer<'_> {
         // SAFETY: the program's steps were validated against a source of at least
         // `source_elems` and a rollout buffer of at least `rollout_elems` elements (checked
         // against these buffers); both live until the runner synchronised; the regions' bytes
-        // are written by no other step.
+        // are written by no other step; the non-finite flag is the rank's word, alive as long
+        // as its context.
         unsafe {
             jobs.launch(
                 ctx,
@@ -169,7 +170,8 @@ impl Issuer<'_> {
         let mark = tl.begin(ctx, &ctx.aux)?;
         // SAFETY: the source was checked against the validated steps and the grid holds the
         // steps' `grid_elems` entries; both live until the runner synchronised; the program
-        // orders every reader of the grid after this stream's event.
+        // orders every reader of the grid after this stream's event; the non-finite flag is the
+        // rank's word, alive as long as its context.
         unsafe { jobs.amax(ctx, &ctx.aux, self.src_base, grid, self.nonfinite)? };
         self.aux_done(tl, mark, "fp8 partial amax", 4 * jobs.grid_elems())
     }
