@@ -420,33 +420,20 @@ fn rollout_call(lc: &mut GpuLifecycle) -> Result<(), BridgeError> {
 /// (found by the switch's casts and quantisations) after which the training state was restored
 /// is [`BridgeError::NonFinite`]; anything else says what the lifecycle says.
 fn switch_error(e: LifecycleError<FsdpError>) -> BridgeError {
-    match &e {
-        LifecycleError::Plan(FsdpError::NonFinite {
+    let (source, restored) = match &e {
+        LifecycleError::Plan(source) => (source, true),
+        LifecycleError::Enter { source, after } | LifecycleError::Refresh { source, after } => {
+            (source, matches!(after, AfterFailure::Restored))
+        }
+        _ => return BridgeError::backend(e),
+    };
+    match source {
+        FsdpError::NonFinite {
             tensor,
             rank,
             index,
             value,
-        })
-        | LifecycleError::Enter {
-            source:
-                FsdpError::NonFinite {
-                    tensor,
-                    rank,
-                    index,
-                    value,
-                },
-            after: AfterFailure::Restored,
-        }
-        | LifecycleError::Refresh {
-            source:
-                FsdpError::NonFinite {
-                    tensor,
-                    rank,
-                    index,
-                    value,
-                },
-            after: AfterFailure::Restored,
-        } => BridgeError::NonFinite {
+        } if restored => BridgeError::NonFinite {
             name: tensor.clone(),
             detail: format!("{value} at element {index} of rank {rank}'s shard"),
         },
