@@ -183,9 +183,9 @@ class _Source:
 
     def version(self) -> Any:
         """What moves when the tensor changes: the count of writes through a switch into its
-        numpy arrays, and the in-place version counters of the parameter, of its local tensor and of every shard
-        (an optimizer step moves the first, ``AdamW.step()`` on an FSDP2 parameter, or through
-        ``DTensor`` dispatch of foreach kernels only the second)."""
+        numpy arrays, and the in-place version counters of the parameter, of its local tensor
+        and of every shard (an optimizer step moves the first, ``AdamW.step()`` on an FSDP2
+        parameter, or through ``DTensor`` dispatch of foreach kernels only the second)."""
         v = self.versioned
         local = getattr(v, "_local_tensor", None)
         return (

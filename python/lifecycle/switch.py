@@ -75,18 +75,25 @@ def _regather(module, device: str, world: int):
     return regather(module, world)
 
 
-def _pairs(named: Any, what: str) -> list[tuple]:
-    """``named`` as a list of tuples: a dict's items, or an iterable of tuples."""
+def _tuples(named: Any, what: str, form: str) -> list[tuple]:
+    """``named`` as a list of tuples of ``form``'s size: a dict's items, or an iterable of
+    tuples; anything else a ConfigError naming ``what``."""
     if isinstance(named, Mapping):
         return list(named.items())
     if isinstance(named, (str, bytes)) or not hasattr(named, "__iter__"):
-        raise ConfigError(f"{what}: expected a dict or an iterable of tuples, found {type(named).__name__}")
+        raise ConfigError(
+            f"{what}: expected a dict or an iterable of {form} tuples, found "
+            f"{type(named).__name__}"
+        )
     out = list(named)
+    size = form.count(",") + 1
     for item in out:
         if not isinstance(item, tuple):
             raise ConfigError(
                 f"{what}: expected tuples, found {type(item).__name__} {str(item)[:60]!r}"
             )
+        if len(item) != size:
+            raise ConfigError(f"{what}: expected {form} tuples, found a tuple of {len(item)}")
     return out
 
 
@@ -215,13 +222,7 @@ class Switch:
         counters tell the switch they changed."""
         world = _positive("world", world, "the trainer's FSDP world size W")
         sources = []
-        for item in _pairs(shards, "shards"):
-            if len(item) != 3:
-                raise ConfigError(
-                    f"shards: expected (name, full shape, [one shard per rank]) tuples, found "
-                    f"a tuple of {len(item)}"
-                )
-            name, shape, per_rank = item
+        for name, shape, per_rank in _tuples(shards, "shards", "(name, full shape, shards)"):
             if isinstance(per_rank, (str, bytes)) or not hasattr(per_rank, "__len__"):
                 raise TensorMismatchError(
                     f"tensor `{name}`: a list of its {world} ranks' shards expected, found "
@@ -255,12 +256,7 @@ class Switch:
         switch they changed."""
         world = _positive("world", world, "the trainer's FSDP world size W")
         sources = []
-        for item in _pairs(named, "named"):
-            if len(item) != 2:
-                raise ConfigError(
-                    f"named: expected (name, array) pairs, found a tuple of {len(item)}"
-                )
-            name, a = item
+        for name, a in _tuples(named, "named", "(name, array)"):
             _check_array(str(name), a, "cpu")
             rows = a.shape[0] if a.ndim else 0
             views = [a[lo:hi] for lo, hi in _chunks(rows, world)]
@@ -374,7 +370,9 @@ class Switch:
         if self._session is not None:
             raise ConfigError("a rollout session is already open on this switch: end it first")
         if self._updating:
-            raise ConfigError("the switch's weights are being updated: end the update() block first")
+            raise ConfigError(
+                "the switch's weights are being updated: end the update() block first"
+            )
         versions = self._versions()
         self._enter(refresh, versions)
         live.open_session()
