@@ -169,7 +169,9 @@ impl HostSwitch {
         self.entered = false;
         if let Some((rank, tensor)) = bad {
             let (ptr, n) = shards[rank][tensor];
-            // SAFETY: as above.
+            // SAFETY: the caller's promise (this function's contract): the shard points to `n`
+            // readable f32 of host memory for the call; `bad` names only a shard with n > 0, whose
+            // address check_shards found non-null.
             let src = unsafe { std::slice::from_raw_parts(ptr as *const f32, n) };
             let name = &self.binding.names()[tensor].0;
             let world = self.lc.peek_state().world();
