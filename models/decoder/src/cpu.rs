@@ -20,6 +20,9 @@ struct KvCache {
     v: Vec<f32>,
 }
 
+/// Sequences a [`CpuDecoder`] holds as a [`SlotDecoder`](crate::SlotDecoder) unless told.
+pub const DEFAULT_SLOTS: usize = 64;
+
 /// One sequence's cache: `layers[l][rank]`, and its length.
 #[derive(Debug, Clone)]
 struct SeqCache {
@@ -58,6 +61,8 @@ pub struct CpuDecoder<'w> {
     seqs: Vec<SeqCache>,
     fp8: Fp8Compute,
     kv: KvDtype,
+    /// KV slots and positions per slot as a [`SlotDecoder`](crate::SlotDecoder).
+    pub(crate) slot_room: (usize, usize),
 }
 
 impl<'w> CpuDecoder<'w> {
@@ -75,6 +80,7 @@ impl<'w> CpuDecoder<'w> {
             seqs: Vec::new(),
             fp8: Fp8Compute::WeightOnly,
             kv: KvDtype::F32,
+            slot_room: (DEFAULT_SLOTS, usize::MAX),
         })
     }
 
@@ -120,7 +126,49 @@ impl<'w> CpuDecoder<'w> {
             seqs: Vec::new(),
             fp8: Fp8Compute::WeightOnly,
             kv: KvDtype::F32,
+            slot_room: (DEFAULT_SLOTS, usize::MAX),
         })
+    }
+
+    /// The same decoder holding `slots` sequences of at most `positions` positions each as a
+    /// [`SlotDecoder`](crate::SlotDecoder) (by default [`DEFAULT_SLOTS`] of any length: the
+    /// CPU's KV grows as needed, so the bounds only shape the schedule, e.g. to match an
+    /// engine's).
+    ///
+    /// ```
+    /// use lifecycle_decoder::{CpuDecoder, SlotDecoder};
+    /// fn four(d: CpuDecoder<'_>) -> CpuDecoder<'_> {
+    ///     let d = d.with_slots(4, 1024);
+    ///     assert_eq!((d.slots(), d.slot_positions()), (4, 1024));
+    ///     d
+    /// }
+    /// ```
+    pub fn with_slots(mut self, slots: usize, positions: usize) -> Self {
+        self.slot_room = (slots.max(1), positions);
+        self
+    }
+
+    /// The model config.
+    pub(crate) fn model_config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Drops what slot `slot` holds (the slots grow to include it).
+    pub(crate) fn reset_slot(&mut self, slot: usize) {
+        let tp = self.w.shares.len();
+        let empty = SeqCache {
+            len: 0,
+            layers: vec![vec![KvCache::default(); tp]; self.config.model.layers],
+        };
+        if self.seqs.len() <= slot {
+            self.seqs.resize(slot + 1, empty.clone());
+        }
+        self.seqs[slot] = empty;
+    }
+
+    /// Tokens in slot `slot`'s cache (0 for a slot never filled).
+    pub(crate) fn slot_len(&self, slot: usize) -> usize {
+        self.seqs.get(slot).map_or(0, |s| s.len)
     }
 
     /// Tokens in each sequence's cache.
@@ -203,7 +251,7 @@ impl<'w> CpuDecoder<'w> {
     /// Runs `tokens` (row `i` is sequence `rows[i].0` at position `rows[i].1`, positions of one
     /// sequence consecutive and starting at its cache length) through every layer, appending to
     /// the caches; returns the final hidden states.
-    fn forward(&mut self, rows: &[(usize, usize)], tokens: &[u32]) -> Vec<f32> {
+    pub(crate) fn forward(&mut self, rows: &[(usize, usize)], tokens: &[u32]) -> Vec<f32> {
         let c = &self.config;
         let (h, d, n) = (c.model.hidden, c.model.head_dim, rows.len());
         let eps = c.rms_norm_eps as f32;
@@ -296,7 +344,7 @@ impl<'w> CpuDecoder<'w> {
     }
 
     /// Logits of hidden rows `x` (`[n × hidden]`), `[n × vocab]`.
-    fn logits(&self, x: &[f32]) -> Vec<f32> {
+    pub(crate) fn logits(&self, x: &[f32]) -> Vec<f32> {
         let (h, vocab) = (self.config.model.hidden, self.config.model.vocab);
         let n = x.len() / h;
         let mut xn = vec![0.0f32; x.len()];

@@ -161,6 +161,30 @@ pub enum DecodeError {
     /// A call that does not fit the decoder's state.
     #[error("{0}")]
     Usage(String),
+    /// A rollout request with a field out of range (refused before it is queued).
+    #[error("request{}: `{field}` {problem}", request.map_or(String::new(), |i| format!(" {i}")))]
+    Request {
+        /// Which request of a call (its index), where known.
+        request: Option<usize>,
+        /// The field at fault.
+        field: &'static str,
+        /// What it must be and what it is.
+        problem: String,
+    },
+}
+
+impl DecodeError {
+    /// The same error naming request `index` of a call.
+    pub fn in_request(self, index: usize) -> Self {
+        match self {
+            DecodeError::Request { field, problem, .. } => DecodeError::Request {
+                request: Some(index),
+                field,
+                problem,
+            },
+            other => other,
+        }
+    }
 }
 
 /// Why a Hugging Face checkpoint could not become a Megatron training state.

@@ -34,13 +34,14 @@ mod heads;
 mod kv;
 mod math;
 mod megatron_checkpoint;
+mod rollout;
 mod sampling;
 mod spec_check;
 mod weights;
 
 pub use checkpoint::{load_checkpoint, random_tensors, read_tensors, save_checkpoint, Checkpoint};
 pub use config::{Architecture, ConfigStyle, ModelConfig};
-pub use cpu::CpuDecoder;
+pub use cpu::{CpuDecoder, DEFAULT_SLOTS};
 pub use decoder::{Decoder, PrefillLogits};
 pub use error::{CheckpointError, DecodeError, MegatronCheckpointError};
 pub use heads::{head_shares, layout_heads, HeadShare};
@@ -49,5 +50,8 @@ pub use math::{dot, route_top_k};
 pub use megatron_checkpoint::{
     load_megatron_checkpoint, MegatronCheckpoint, MegatronParallel, MEGATRON_VOCAB_MULTIPLE,
 };
+pub use rollout::pick::{kept, pick, Picked};
+pub use rollout::request::{FinishReason, Request, Sample, SamplingParams};
+pub use rollout::scheduler::{PickArgs, Scheduler, SlotDecoder};
 pub use sampling::{argmax, sample_token, Sampling, SplitMix64};
 pub use spec_check::rollout_spec;

@@ -92,18 +92,6 @@ pub fn sample_token(logits: &[f32], temperature: f32, rng: &mut SplitMix64) -> u
     if temperature <= 0.0 {
         return argmax(logits);
     }
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let weights: Vec<f32> = logits
-        .iter()
-        .map(|l| ((l - max) / temperature).exp())
-        .collect();
-    let total: f32 = weights.iter().sum();
-    let mut pick = rng.next_f32() * total;
-    for (i, w) in weights.iter().enumerate() {
-        pick -= w;
-        if pick <= 0.0 {
-            return i;
-        }
-    }
-    argmax(logits)
+    let params = crate::SamplingParams::new(1).with_temperature(temperature);
+    crate::pick(logits, &params, rng.next_f32()).token as usize
 }

@@ -1,0 +1,402 @@
+//! Continuous batching: requests queue, each running request holds one KV slot of the decoder,
+//! a finished request frees its slot at once and the next queued request takes it at the next
+//! step ([`Scheduler`]); what a decoder does for it is [`SlotDecoder`].
+//!
+//! The policy when KV runs out is to reserve at admission: a request is refused at
+//! [`Scheduler::submit`] when its prompt and every token it may sample do not fit one slot, and is
+//! admitted only into a free slot, which holds all of it; so no step ever runs out of room.
+//!
+//! The scheduler is deterministic: requests are admitted in submission order into the lowest
+//! free slot, prefilled together between decode steps, and every step feeds the running
+//! requests in slot order. A request draws from its own generator (one uniform per sampled
+//! token, [`SamplingParams::seed`]), so its draws never depend on the other requests. Its
+//! tokens then depend on them only through the logits: on the CPU decoder a row's logits do not
+//! depend on the other rows of a step (each row is computed alone), so its tokens are bitwise
+//! the same whatever shares its steps; on a GPU, matrix products over more or fewer rows may
+//! round differently, so a request's tokens are the same given equal logits.
+
+use std::collections::VecDeque;
+
+use crate::error::DecodeError;
+use crate::rollout::pick::Picked;
+use crate::rollout::request::{FinishReason, Request, Sample, SamplingParams};
+use crate::sampling::SplitMix64;
+
+/// How one row of a step picks its token: its request's settings and its draw.
+#[derive(Debug, Clone, Copy)]
+pub struct PickArgs<'a> {
+    /// The request's sampling settings.
+    pub params: &'a SamplingParams,
+    /// The request's next uniform draw in [0, 1) (0 when greedy: no draw is taken).
+    pub uniform: f32,
+}
+
+/// What a decoder does for the [`Scheduler`]: prefill prompts into KV slots and feed one token
+/// to running slots, picking each row's next token as [`pick`](crate::pick) says.
+pub trait SlotDecoder {
+    /// Why a call failed (a request error converts into it).
+    type Error: From<DecodeError>;
+
+    /// Vocabulary size.
+    fn vocab_size(&self) -> usize;
+
+    /// Sequences the KV cache holds at once.
+    fn slots(&self) -> usize;
+
+    /// Positions one slot holds.
+    fn slot_positions(&self) -> usize;
+
+    /// Prefills each `(slot, prompt)` into its slot (whatever the slot held before is dropped)
+    /// and picks each one's first token; `picks[i]` is row `i`'s.
+    fn prefill_slots(
+        &mut self,
+        admitted: &[(usize, &[u32])],
+        picks: &[PickArgs<'_>],
+    ) -> Result<Vec<Picked>, Self::Error>;
+
+    /// Appends token `t` to slot `s` for each `(s, t)` of `rows` (at the slot's length) and
+    /// picks each row's next token.
+    fn decode_slots(
+        &mut self,
+        rows: &[(usize, u32)],
+        picks: &[PickArgs<'_>],
+    ) -> Result<Vec<Picked>, Self::Error>;
+}
+
+/// A request that holds a slot.
+#[derive(Debug, Clone)]
+struct Running {
+    request: Request,
+    rng: SplitMix64,
+    sample: Sample,
+}
+
+impl Running {
+    fn new(id: u64, request: Request) -> Self {
+        let rng = SplitMix64::from_keys(&[request.params.seed]);
+        Running {
+            rng,
+            sample: Sample {
+                id,
+                tokens: Vec::new(),
+                logprobs: Vec::new(),
+                raw_logprobs: Vec::new(),
+                truncated_logprobs: Vec::new(),
+                finish: FinishReason::Length,
+            },
+            request,
+        }
+    }
+
+    fn draw(&mut self) -> f32 {
+        if self.request.params.greedy() {
+            0.0
+        } else {
+            self.rng.next_f32()
+        }
+    }
+
+    /// Appends a picked token; whether the sample is finished (and why).
+    fn push(&mut self, p: Picked) -> Option<FinishReason> {
+        let s = &mut self.sample;
+        s.tokens.push(p.token);
+        s.logprobs.push(p.logprob);
+        s.raw_logprobs.push(p.raw_logprob);
+        s.truncated_logprobs.push(p.truncated_logprob);
+        if self.request.params.stops_at(p.token) {
+            Some(FinishReason::Stop)
+        } else if s.tokens.len() >= self.request.params.max_new_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
+
+    fn finish(mut self, why: FinishReason) -> Sample {
+        self.sample.finish = why;
+        self.sample
+    }
+
+    fn last(&self) -> u32 {
+        self.sample.tokens.last().copied().unwrap_or(0)
+    }
+}
+
+/// The continuous-batching scheduler of [the module](self): a queue of requests and the KV
+/// slots of one decoder.
+///
+/// ```
+/// use lifecycle_decoder::{FinishReason, Request, SamplingParams, Scheduler};
+/// # use lifecycle_decoder::{PickArgs, Picked, SlotDecoder, DecodeError};
+/// # /// A decoder whose next token is always the previous one + 1.
+/// # struct Count { slots: usize }
+/// # impl SlotDecoder for Count {
+/// #     type Error = DecodeError;
+/// #     fn vocab_size(&self) -> usize { 100 }
+/// #     fn slots(&self) -> usize { self.slots }
+/// #     fn slot_positions(&self) -> usize { 16 }
+/// #     fn prefill_slots(&mut self, a: &[(usize, &[u32])], _: &[PickArgs<'_>]) -> Result<Vec<Picked>, DecodeError> {
+/// #         Ok(a.iter().map(|(_, p)| one(p[p.len() - 1] + 1)).collect())
+/// #     }
+/// #     fn decode_slots(&mut self, r: &[(usize, u32)], _: &[PickArgs<'_>]) -> Result<Vec<Picked>, DecodeError> {
+/// #         Ok(r.iter().map(|&(_, t)| one(t + 1)).collect())
+/// #     }
+/// # }
+/// # fn one(token: u32) -> Picked { Picked { token, logprob: 0.0, raw_logprob: 0.0, truncated_logprob: 0.0 } }
+/// let mut decoder = Count { slots: 2 };
+/// let mut s = Scheduler::new();
+/// let stop_at_5 = SamplingParams::new(8).with_stop_tokens(vec![5]);
+/// let requests = vec![
+///     Request::new(vec![1], stop_at_5.clone()),     // 2 3 4 5: stops
+///     Request::new(vec![1], SamplingParams::new(2)), // 2 3: its length
+///     Request::new(vec![3], stop_at_5),              // waits for a free slot: 4 5
+/// ];
+/// let samples = s.run(&mut decoder, requests)?;
+/// assert_eq!(samples[0].tokens, vec![2, 3, 4, 5]);
+/// assert_eq!(samples[1].finish, FinishReason::Length);
+/// assert_eq!((samples[2].tokens.clone(), samples[2].finish), (vec![4, 5], FinishReason::Stop));
+/// # Ok::<(), DecodeError>(())
+/// ```
+#[derive(Debug, Default)]
+pub struct Scheduler {
+    queue: VecDeque<(u64, Request)>,
+    running: Vec<Option<Running>>,
+    next_id: u64,
+    /// Steps run and rows fed, since the scheduler was made.
+    steps: u64,
+    rows: u64,
+}
+
+impl Scheduler {
+    /// An empty scheduler (it takes the decoder's slot count at its first step).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Queues `request` for `decoder` after checking it (its fields, its tokens, and that it
+    /// fits one KV slot: the reserve-at-admission policy); its id, in submission order.
+    pub fn submit<D: SlotDecoder>(
+        &mut self,
+        decoder: &D,
+        request: Request,
+    ) -> Result<u64, DecodeError> {
+        request.check(decoder.vocab_size())?;
+        let (need, room) = (request.positions(), decoder.slot_positions());
+        if need > room {
+            return Err(DecodeError::Request {
+                request: None,
+                field: "max_new_tokens",
+                problem: format!(
+                    "with a prompt of {} tokens needs {need} KV positions; a slot holds {room} \
+                     (raise the engine's max_tokens or lower max_new_tokens)",
+                    request.prompt.len()
+                ),
+            });
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.queue.push_back((id, request));
+        Ok(id)
+    }
+
+    /// Requests queued and not yet admitted.
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Requests holding a slot.
+    pub fn running(&self) -> usize {
+        self.running.iter().flatten().count()
+    }
+
+    /// Whether nothing is queued or running.
+    pub fn is_idle(&self) -> bool {
+        self.queue.is_empty() && self.running() == 0
+    }
+
+    /// Steps run and rows they fed (prefill rows not counted) since the scheduler was made.
+    pub fn counts(&self) -> (u64, u64) {
+        (self.steps, self.rows)
+    }
+
+    /// Aborts request `id` wherever it is: a queued one gives back an empty sample, a running
+    /// one its tokens so far, its slot freed at once (its finish reason
+    /// [`FinishReason::Abort`]). `None` for an id that is neither queued nor running.
+    pub fn abort(&mut self, id: u64) -> Option<Sample> {
+        if let Some(i) = self.queue.iter().position(|(q, _)| *q == id) {
+            let (id, request) = self.queue.remove(i)?;
+            return Some(Running::new(id, request).finish(FinishReason::Abort));
+        }
+        let slot = self
+            .running
+            .iter()
+            .position(|r| r.as_ref().is_some_and(|r| r.sample.id == id))?;
+        self.running[slot]
+            .take()
+            .map(|r| r.finish(FinishReason::Abort))
+    }
+
+    /// Aborts every queued and running request (in id order).
+    pub fn abort_all(&mut self) -> Vec<Sample> {
+        let mut ids: Vec<u64> = self.queue.iter().map(|(id, _)| *id).collect();
+        ids.extend(self.running.iter().flatten().map(|r| r.sample.id));
+        ids.sort_unstable();
+        ids.into_iter().filter_map(|id| self.abort(id)).collect()
+    }
+
+    /// One step: admits queued requests into free slots (in order, lowest slot first) and
+    /// prefills them, then feeds every running request one token; the samples that finished in
+    /// it, their slots freed.
+    pub fn step<D: SlotDecoder>(&mut self, decoder: &mut D) -> Result<Vec<Sample>, D::Error> {
+        if self.running.len() != decoder.slots() {
+            if self.running() > 0 {
+                return Err(DecodeError::Usage(format!(
+                    "the decoder now has {} KV slots; its {} running requests were admitted \
+                     into {} (abort them first)",
+                    decoder.slots(),
+                    self.running(),
+                    self.running.len()
+                ))
+                .into());
+            }
+            self.running = vec![None; decoder.slots()];
+        }
+        let mut done = Vec::new();
+        self.admit(decoder, &mut done)?;
+        let slots: Vec<usize> = (0..self.running.len())
+            .filter(|&s| self.running[s].is_some())
+            .collect();
+        if !slots.is_empty() {
+            let rows: Vec<(usize, u32)> = slots
+                .iter()
+                .filter_map(|&s| self.running[s].as_ref().map(|r| (s, r.last())))
+                .collect();
+            let draws: Vec<f32> = slots
+                .iter()
+                .filter_map(|&s| self.running[s].as_mut().map(Running::draw))
+                .collect();
+            let picks: Vec<PickArgs<'_>> = slots
+                .iter()
+                .zip(&draws)
+                .filter_map(|(&s, &u)| {
+                    self.running[s].as_ref().map(|r| PickArgs {
+                        params: &r.request.params,
+                        uniform: u,
+                    })
+                })
+                .collect();
+            let picked = decoder.decode_slots(&rows, &picks)?;
+            self.steps += 1;
+            self.rows += rows.len() as u64;
+            self.take(&slots, picked, &mut done)?;
+        }
+        done.sort_by_key(|s| s.id);
+        Ok(done)
+    }
+
+    /// Admits and prefills what fits the free slots.
+    fn admit<D: SlotDecoder>(
+        &mut self,
+        decoder: &mut D,
+        done: &mut Vec<Sample>,
+    ) -> Result<(), D::Error> {
+        let mut slots = Vec::new();
+        for s in 0..self.running.len() {
+            while self.running[s].is_none() {
+                let Some((id, request)) = self.queue.pop_front() else {
+                    break;
+                };
+                let r = Running::new(id, request);
+                if r.request.params.max_new_tokens == 0 {
+                    done.push(r.finish(FinishReason::Length));
+                    continue;
+                }
+                self.running[s] = Some(r);
+                slots.push(s);
+            }
+        }
+        if slots.is_empty() {
+            return Ok(());
+        }
+        let draws: Vec<f32> = slots
+            .iter()
+            .filter_map(|&s| self.running[s].as_mut().map(Running::draw))
+            .collect();
+        let admitted: Vec<(usize, &[u32])> = slots
+            .iter()
+            .filter_map(|&s| {
+                self.running[s]
+                    .as_ref()
+                    .map(|r| (s, r.request.prompt.as_slice()))
+            })
+            .collect();
+        let picks: Vec<PickArgs<'_>> = slots
+            .iter()
+            .zip(&draws)
+            .filter_map(|(&s, &u)| {
+                self.running[s].as_ref().map(|r| PickArgs {
+                    params: &r.request.params,
+                    uniform: u,
+                })
+            })
+            .collect();
+        let picked = decoder.prefill_slots(&admitted, &picks)?;
+        Ok(self.take(&slots, picked, done)?)
+    }
+
+    /// Appends each slot's picked token; finished samples leave their slots.
+    fn take(
+        &mut self,
+        slots: &[usize],
+        picked: Vec<Picked>,
+        done: &mut Vec<Sample>,
+    ) -> Result<(), DecodeError> {
+        if picked.len() != slots.len() {
+            return Err(DecodeError::Usage(format!(
+                "the decoder picked {} tokens for {} rows",
+                picked.len(),
+                slots.len()
+            )));
+        }
+        for (&s, p) in slots.iter().zip(picked) {
+            let finished = self.running[s].as_mut().and_then(|r| r.push(p));
+            if let Some(why) = finished {
+                if let Some(r) = self.running[s].take() {
+                    done.push(r.finish(why));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Submits every request (all checked first: one refused queues none, its index named),
+    /// steps until all finished, and returns their samples in request order.
+    pub fn run<D: SlotDecoder>(
+        &mut self,
+        decoder: &mut D,
+        requests: Vec<Request>,
+    ) -> Result<Vec<Sample>, D::Error> {
+        let vocab = decoder.vocab_size();
+        let room = decoder.slot_positions();
+        for (i, r) in requests.iter().enumerate() {
+            r.check(vocab).map_err(|e| e.in_request(i))?;
+            if r.positions() > room {
+                let probe = Scheduler::new().submit(decoder, r.clone());
+                if let Err(e) = probe {
+                    return Err(e.in_request(i).into());
+                }
+            }
+        }
+        let first = self.next_id;
+        for r in requests {
+            self.submit(decoder, r)?;
+        }
+        let mut out = Vec::new();
+        while !self.is_idle() {
+            out.extend(self.step(decoder)?);
+        }
+        out.retain(|s| s.id >= first);
+        out.sort_by_key(|s| s.id);
+        Ok(out)
+    }
+}
