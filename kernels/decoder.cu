@@ -664,16 +664,77 @@ extern "C" __global__ void fork_kv(u16* __restrict__ cache, const u32* __restric
     }
 }
 
-// One block of 256 threads per row: the CPU sampler's rule, softmax(x / temperature) sampled with
-// the uniform u = uni[row]: the first index where u * total minus the running sum of weights
-// reaches <= 0 (chunk sums in parallel, then one thread walks the chunk that holds the pick);
-// the argmax (first on ties) when rounding leaves nothing picked, as the CPU sampler does.
-extern "C" __global__ void sample_rows(const float* __restrict__ x, const float* __restrict__ uni,
-                                       u32* __restrict__ out, u32 cols, float temperature) {
-    __shared__ float bv[256];
-    __shared__ u32 bi[256];
-    __shared__ float part[256];
-    const float* row = x + (u64)blockIdx.x * cols;
+// The pick of lifecycle_decoder::pick (models/decoder/src/rollout/pick.rs) in f32, one block of
+// PICK_THREADS threads per row. picks[4 r ..] = (temperature, top_k, top_p, uniform) of row r
+// (f32 bits but top_k, a u32; 0 keeps every token); out[r] = the token, out[m + r], out[2m + r],
+// out[3m + r] = the bits of its log-probabilities at the temperature, at T = 1 and in the
+// truncated distribution. The kept set's thresholds are exact keys found by radix selection
+// (four passes of 8 bits over order-preserving keys): top-k by counts, top-p by mass summed in
+// 2^-44 fixed point (integer sums, so every run sums the same whatever the order of the
+// atomics); the draw walks the kept tokens in index order (contiguous chunks per thread, then
+// the chunk that holds u * the kept weight). Every sum is a fixed tree: a row's result depends
+// only on its logits and its pick.
+#define PICK_THREADS 512
+#define MASS_ONE 17592186044416.0  // 2^44
+
+__device__ __forceinline__ u32 order_key(float f) {
+    u32 b = __float_as_uint(f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// The key of the k-th largest of row's values whose key is at least `floor` (counts), or, with
+// `w_scale` > 0, the key at which the running mass of the values from the largest down first
+// reaches `target` (mass of value v: exp((v - mx) * w_scale) in fixed point).
+__device__ u32 radix_select(const float* __restrict__ row, u32 cols, u32 floor, u64 target,
+                            float mx, float t, bool by_mass, u64* hist, u32* shared_u) {
+    u32 prefix = 0, mask = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (u32 b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+        for (u32 c = threadIdx.x; c < cols; c += blockDim.x) {
+            float v = row[c];
+            u32 key = order_key(v);
+            if (key >= floor && (key & mask) == prefix) {
+                u64 add = by_mass ? (u64)((double)expf((v - mx) / t) * MASS_ONE) : 1ull;
+                atomicAdd(&hist[(key >> shift) & 255u], add);
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u32 digit = 0;
+            for (int b = 255; b >= 0; --b) {
+                if (hist[b] >= target) { digit = (u32)b; break; }
+                target -= hist[b];
+            }
+            shared_u[0] = digit;
+            // the remaining target rides in hist[256] (past the bins)
+            hist[256] = target;
+        }
+        __syncthreads();
+        prefix |= shared_u[0] << shift;
+        mask |= 255u << shift;
+        target = hist[256];
+        __syncthreads();
+    }
+    return prefix;
+}
+
+extern "C" __global__ void __launch_bounds__(PICK_THREADS) pick_rows(
+    const float* __restrict__ x, const u32* __restrict__ picks, u32* __restrict__ out, u32 cols,
+    u32 m) {
+    __shared__ float red[32];
+    __shared__ float bv[PICK_THREADS];
+    __shared__ u32 bi[PICK_THREADS];
+    __shared__ u64 hist[257];
+    __shared__ u32 shared_u[1];
+    __shared__ float part[PICK_THREADS];
+    const u32 r = blockIdx.x;
+    const float* row = x + (u64)r * cols;
+    const float temp = __uint_as_float(picks[4 * r]);
+    const u32 top_k = picks[4 * r + 1];
+    const float top_p = __uint_as_float(picks[4 * r + 2]);
+    const float uni = __uint_as_float(picks[4 * r + 3]);
+    // the largest value and its index (the lowest on ties)
     float best = NEG_INF;
     u32 idx = 0;
     for (u32 c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -694,30 +755,83 @@ extern "C" __global__ void sample_rows(const float* __restrict__ x, const float*
         }
         __syncthreads();
     }
-    float mx = bv[0];
-    u32 am = bi[0];
-    u32 chunk = (cols + blockDim.x - 1) / blockDim.x;
-    u32 lo = threadIdx.x * chunk;
-    u32 hi = min(cols, lo + chunk);
+    const float mx = bv[0];
+    const u32 am = bi[0];
+    float s1 = 0.0f;
+    for (u32 c = threadIdx.x; c < cols; c += blockDim.x) s1 += expf(row[c] - mx);
+    const float lse1 = mx + logf(block_sum(s1, red));
+    if (!(temp > 0.0f)) {
+        if (threadIdx.x == 0) {
+            float lp = row[am] - lse1;
+            out[r] = am;
+            out[m + r] = __float_as_uint(lp);
+            out[2 * m + r] = __float_as_uint(lp);
+            out[3 * m + r] = __float_as_uint(0.0f);
+        }
+        return;
+    }
+    float st = 0.0f;
+    for (u32 c = threadIdx.x; c < cols; c += blockDim.x) st += expf((row[c] - mx) / temp);
+    const float lse = logf(block_sum(st, red));
+    u32 floor = 0;
+    if (top_k > 0 && top_k < cols) {
+        floor = radix_select(row, cols, 0, top_k, mx, temp, false, hist, shared_u);
+    }
+    if (top_p < 1.0f) {
+        u64 mass = 0;
+        // the candidates' mass in fixed point: per-thread sums, then a fixed order over threads
+        for (u32 c = threadIdx.x; c < cols; c += blockDim.x) {
+            float v = row[c];
+            if (order_key(v) >= floor) mass += (u64)((double)expf((v - mx) / temp) * MASS_ONE);
+        }
+        __shared__ u64 masses[PICK_THREADS];
+        masses[threadIdx.x] = mass;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u64 total = 0;
+            for (u32 t = 0; t < blockDim.x; ++t) total += masses[t];
+            u64 target = (u64)((double)top_p * (double)total);
+            masses[0] = target > 0 ? target : 1;
+        }
+        __syncthreads();
+        u64 target = masses[0];
+        __syncthreads();
+        u32 pk = radix_select(row, cols, floor, target, mx, temp, true, hist, shared_u);
+        floor = max(floor, pk);
+    }
+    // the kept weight per thread's contiguous chunk, then the chunk that holds the draw
+    const u32 chunk = (cols + blockDim.x - 1) / blockDim.x;
+    const u32 lo = threadIdx.x * chunk, hi = min(cols, lo + chunk);
     float sum = 0.0f;
-    for (u32 c = lo; c < hi; ++c) sum += expf((row[c] - mx) / temperature);
+    for (u32 c = lo; c < hi; ++c) {
+        float v = row[c];
+        if (order_key(v) >= floor) sum += expf((v - mx) / temp);
+    }
     part[threadIdx.x] = sum;
     __syncthreads();
     if (threadIdx.x == 0) {
         float total = 0.0f;
         for (u32 t = 0; t < blockDim.x; ++t) total += part[t];
-        float pick = uni[blockIdx.x] * total;
+        float target = uni * total, run = 0.0f;
+        // the argmax where rounding leaves nothing picked, else the chunk's last kept token
         u32 res = am;
-        bool found = false;
-        for (u32 t = 0; t < blockDim.x && !found; ++t) {
-            if (pick - part[t] > 0.0f) { pick -= part[t]; continue; }
+        for (u32 t = 0; t < blockDim.x; ++t) {
+            if (run + part[t] <= target) { run += part[t]; continue; }
             u32 a = t * chunk, b = min(cols, a + chunk);
             for (u32 c = a; c < b; ++c) {
-                pick -= expf((row[c] - mx) / temperature);
-                if (pick <= 0.0f) { res = c; found = true; break; }
+                float v = row[c];
+                if (order_key(v) < floor) continue;
+                res = c;
+                run += expf((v - mx) / temp);
+                if (run > target) break;
             }
+            break;
         }
-        out[blockIdx.x] = res;
+        float z = (row[res] - mx) / temp;
+        out[r] = res;
+        out[m + r] = __float_as_uint(z - lse);
+        out[2 * m + r] = __float_as_uint(row[res] - lse1);
+        out[3 * m + r] = __float_as_uint(z - logf(total));
     }
 }
 

@@ -13,7 +13,7 @@ use lifecycle_core::{
 };
 use lifecycle_cuda::driver::{LentOffload, LentStream};
 use lifecycle_cuda::{RankExecutor, RolloutBuffer, RolloutSource, ThreadRankPool};
-use lifecycle_decoder::Sampling;
+use lifecycle_decoder::{DecodeError, Request, Sample};
 use lifecycle_decoder_gpu::{EngineSettings, GpuDecodeError, GpuEngine};
 use lifecycle_fsdp::{
     FsdpBackend, FsdpError, LentFsdpBackend, LentFsdpState, LentMaster, LentParts,
@@ -356,12 +356,10 @@ impl GpuSwitch {
         Ok(views)
     }
 
-    /// Generates with the attached engine on the resident weights (in rollout mode only).
-    pub fn generate(
-        &mut self,
-        prompts: &[Vec<u32>],
-        sampling: &Sampling,
-    ) -> Result<Vec<Vec<u32>>, BridgeError> {
+    /// Serves `requests` with the attached engine on the resident weights (continuous
+    /// batching: [`GpuEngine::run`](lifecycle_decoder_gpu::GpuEngine::run)); a bad request is
+    /// [`BridgeError::Config`] naming it and its field, before anything runs.
+    pub fn run(&mut self, requests: Vec<Request>) -> Result<Vec<Sample>, BridgeError> {
         let lc = self.live()?;
         let mut session = lc.rollout().map_err(BridgeError::backend)?;
         let (weights, mut engine) = session.parts();
@@ -370,9 +368,12 @@ impl GpuSwitch {
                 "no engine attached to this switch (lifecycle.Engine(switch, ...))".into(),
             ));
         };
-        let out = e
-            .generate(weights, prompts, sampling)
-            .map_err(BridgeError::backend)?;
+        let out = e.run(weights, requests).map_err(|e| match e {
+            GpuDecodeError::Decode(d @ DecodeError::Request { .. }) => {
+                BridgeError::Config(d.to_string())
+            }
+            other => BridgeError::backend(other),
+        })?;
         session.finish().map_err(BridgeError::backend)?;
         Ok(out)
     }

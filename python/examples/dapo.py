@@ -136,9 +136,12 @@ def run(path: str, args) -> dict:
                 torch.cuda.synchronize()
             with switch.rollout(refresh=naive is not None) as w:
                 switch_s += time.perf_counter() - t
-                out = engine.generate(
-                    w, batch, max_new_tokens=args.new, temperature=1.0, seed=1000 * step + gen_batches
-                )
+                out = [
+                    s.tokens
+                    for s in engine.generate(
+                        w, batch, max_new_tokens=args.new, temperature=1.0, seed=1000 * step + gen_batches
+                    )
+                ]
             gen_batches += 1
             calls += 1
             samples.append(out)

@@ -23,7 +23,7 @@ from ._lifecycle import (
     expected_parameters,
 )
 from ._lifecycle import _finalizing
-from .engine import Engine
+from .engine import Engine, Sample
 from .switch import Masters, RolloutWeights, Switch
 from .vllm import vllm_names
 
@@ -39,6 +39,7 @@ __all__ = [
     "Masters",
     "NonFiniteError",
     "RolloutWeights",
+    "Sample",
     "StaleWeightsError",
     "Switch",
     "TensorMismatchError",

@@ -80,11 +80,15 @@ class _Switch:
         fp8_compute: str = "weight-only",
         kv_dtype: str = "bf16",
     ) -> None: ...
-    def generate(
+    def run(
         self,
         prompts: list[list[int]],
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        seed: int = 0,
-        stop_token: Optional[int] = None,
-    ) -> list[list[int]]: ...
+        max_new_tokens: list[int],
+        temperature: float,
+        top_p: float,
+        top_k: Optional[int],
+        stop_tokens: list[int],
+        seeds: list[int],
+    ) -> list[tuple[list[int], list[float], list[float], list[float], str]]: ...
+    @staticmethod
+    def seed_of(seed: int, index: int) -> int: ...

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+import numpy as np
 
 
 class Engine:
@@ -20,7 +23,9 @@ class Engine:
 
         engine = Engine(switch, max_sequences=64, max_tokens=256)
         with switch.rollout() as w:
-            samples = engine.generate(w, prompts, max_new_tokens=32)
+            samples = engine.generate(w, prompts, max_new_tokens=32, temperature=1.0,
+                                      top_p=0.95, stop_tokens=[eos])
+        tokens, logprobs = samples[0].tokens, samples[0].logprobs  # a list, a float32 array
     """
 
     def __init__(
@@ -48,13 +53,25 @@ class Engine:
         weights,
         prompts: Sequence[Sequence[int]],
         *,
-        max_new_tokens: int,
+        max_new_tokens: int | Sequence[int],
         temperature: float = 0.0,
-        seed: int = 0,
-        stop_token: int | None = None,
-    ) -> list[list[int]]:
-        """Tokens generated for each prompt on the session's weights (greedy at temperature 0;
-        sequence ``i`` samples from a generator keyed by ``(seed, i)``)."""
+        top_p: float = 1.0,
+        top_k: int | None = None,
+        stop_tokens: Sequence[int] = (),
+        seed: int | Sequence[int] = 0,
+    ) -> list[Sample]:
+        """One :class:`Sample` per prompt, generated on the session's weights with continuous
+        batching: the prompts queue, each holds one of the engine's ``max_sequences`` KV slots
+        while it runs, and a finished sample's slot goes to the next prompt at once.
+
+        A token is drawn from ``softmax(logits / temperature)`` (greedy at 0) restricted to the
+        ``top_k`` most likely tokens, then to the smallest set of those whose mass reaches
+        ``top_p``; a sample ends at any of ``stop_tokens`` (kept as its last token) or after
+        ``max_new_tokens`` (one for all, or one per prompt). ``seed`` is one per prompt, or one
+        for all (prompt ``i`` then draws from ``seed_of(seed, i)``); a prompt's draws are its
+        own, so its tokens depend on the others sharing its steps only through the logits (equal
+        given equal logits). Settings out of range are refused naming the request and the field,
+        before anything runs."""
         if weights._switch is not self._switch:
             from ._lifecycle import ConfigError
 
@@ -63,10 +80,92 @@ class Engine:
                 "session of the switch the engine was built on"
             )
         weights._check("engine.generate")
-        return self._switch._live().generate(
-            [list(map(int, p)) for p in prompts],
-            int(max_new_tokens),
-            float(temperature),
-            int(seed),
-            stop_token,
+        prompts = [_tokens(f"prompts[{i}]", p) for i, p in enumerate(prompts)]
+        n = len(prompts)
+        lengths = _per_prompt("max_new_tokens", max_new_tokens, n)
+        live = self._switch._live()
+        if isinstance(seed, Sequence):
+            seeds = _per_prompt("seed", seed, n)
+        else:
+            one = _per_prompt("seed", seed, 1)[0]
+            seeds = [live.seed_of(one, i) for i in range(n)]
+        out = live.run(
+            prompts,
+            lengths,
+            _number("temperature", temperature),
+            _number("top_p", top_p),
+            None if top_k is None else _per_prompt("top_k", top_k, 1)[0],
+            _tokens("stop_tokens", stop_tokens),
+            seeds,
         )
+        return [
+            Sample(
+                tokens=tokens,
+                logprobs=np.asarray(lp, dtype=np.float32),
+                raw_logprobs=np.asarray(raw, dtype=np.float32),
+                truncated_logprobs=np.asarray(trunc, dtype=np.float32),
+                finish_reason=finish,
+            )
+            for tokens, lp, raw, trunc, finish in out
+        ]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What one prompt gave back.
+
+    ``logprobs[k]`` is token ``k``'s ``log_softmax(logits / temperature)`` before top-k / top-p
+    truncation (what a trainer recomputes for the importance ratio; of the logits at
+    temperature 0), ``raw_logprobs`` at temperature 1, ``truncated_logprobs`` in the truncated,
+    renormalised distribution the token was drawn from (0 when greedy); ``finish_reason`` is
+    ``"stop"`` (its last token is a stop token), ``"length"`` (``max_new_tokens`` reached) or
+    ``"abort"``."""
+
+    tokens: list[int]
+    logprobs: np.ndarray
+    raw_logprobs: np.ndarray
+    truncated_logprobs: np.ndarray
+    finish_reason: Literal["stop", "length", "abort"]
+
+
+def _count(what: str, value: Any) -> int:
+    """``value`` as an int of at least 0, or a ConfigError naming ``what``."""
+    from ._lifecycle import ConfigError
+
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ConfigError(
+            f"{what}: expected a non-negative integer, found {type(value).__name__} {value!r}"
+        )
+    n = int(value.__index__())
+    if n < 0:
+        raise ConfigError(f"{what}: expected a non-negative integer, found {n}")
+    return n
+
+
+def _per_prompt(what: str, value: Any, n: int) -> list[int]:
+    """One non-negative int for all ``n`` prompts, or a sequence of ``n``."""
+    from ._lifecycle import ConfigError
+
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != n:
+            raise ConfigError(f"{what}: expected one value or {n} (one per prompt), found {len(value)}")
+        return [_count(f"{what}[{i}]", v) for i, v in enumerate(value)]
+    return [_count(what, value)] * n
+
+
+def _tokens(what: str, value: Any) -> list[int]:
+    """A sequence of token ids."""
+    from ._lifecycle import ConfigError
+
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ConfigError(f"{what}: expected a sequence of token ids, found {type(value).__name__}")
+    return [_count(f"{what}[{i}]", t) for i, t in enumerate(value)]
+
+
+def _number(what: str, value: Any) -> float:
+    """A real number (its range is checked with the request)."""
+    from ._lifecycle import ConfigError
+
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise ConfigError(f"{what}: expected a number, found {type(value).__name__} {value!r}")
+    return float(value)

@@ -12,7 +12,7 @@ use lifecycle_core::{MemoryPolicy, Switching};
 use lifecycle_cuda::driver::{BufferClass, LentOffload};
 use lifecycle_cuda::ThreadRankPool;
 use lifecycle_decoder::KvDtype;
-use lifecycle_decoder::Sampling;
+use lifecycle_decoder::{Request, SamplingParams};
 use lifecycle_decoder_gpu::EngineSettings;
 use lifecycle_layout::fp8::{Fp8Compute, Fp8Keep, RolloutDtype};
 use lifecycle_layout::ExpertPlacement;
@@ -409,27 +409,70 @@ impl PySwitch {
             .map_err(to_py)
     }
 
-    /// Generates with the attached engine on the resident weights.
-    #[pyo3(signature = (prompts, max_new_tokens, temperature=0.0, seed=0, stop_token=None))]
-    fn generate(
+    /// Serves one request per prompt with the attached engine on the resident weights
+    /// (continuous batching); per request its tokens, three log-probability lists and its
+    /// finish reason.
+    #[pyo3(signature = (prompts, max_new_tokens, temperature, top_p, top_k, stop_tokens, seeds))]
+    #[allow(clippy::too_many_arguments)]
+    fn run(
         &self,
         py: Python<'_>,
         prompts: Vec<Vec<u32>>,
-        max_new_tokens: usize,
+        max_new_tokens: Vec<usize>,
         temperature: f32,
-        seed: u64,
-        stop_token: Option<u32>,
-    ) -> PyResult<Vec<Vec<u32>>> {
-        let sampling = Sampling {
-            temperature,
-            max_new_tokens,
-            seed,
-            stop_token,
-        };
-        py.detach(|| self.with_gpu(|s| s.generate(&prompts, &sampling)))
-            .map_err(to_py)
+        top_p: f32,
+        top_k: Option<u32>,
+        stop_tokens: Vec<u32>,
+        seeds: Vec<u64>,
+    ) -> PyResult<Vec<SampleTuple>> {
+        if max_new_tokens.len() != prompts.len() || seeds.len() != prompts.len() {
+            return Err(to_py(BridgeError::Config(format!(
+                "{} prompts, {} max_new_tokens and {} seeds: one of each per prompt",
+                prompts.len(),
+                max_new_tokens.len(),
+                seeds.len()
+            ))));
+        }
+        let requests: Vec<Request> = prompts
+            .into_iter()
+            .zip(max_new_tokens.into_iter().zip(seeds))
+            .map(|(prompt, (n, seed))| {
+                let mut p = SamplingParams::new(n)
+                    .with_temperature(temperature)
+                    .with_top_p(top_p)
+                    .with_stop_tokens(stop_tokens.clone())
+                    .with_seed(seed);
+                p.top_k = top_k;
+                Request::new(prompt, p)
+            })
+            .collect();
+        let samples = py
+            .detach(|| self.with_gpu(|s| s.run(requests)))
+            .map_err(to_py)?;
+        Ok(samples
+            .into_iter()
+            .map(|s| {
+                (
+                    s.tokens,
+                    s.logprobs,
+                    s.raw_logprobs,
+                    s.truncated_logprobs,
+                    s.finish.to_string(),
+                )
+            })
+            .collect())
+    }
+
+    /// [`SamplingParams::seed_of`]: the seed of request `index` of a call given one seed.
+    #[staticmethod]
+    fn seed_of(seed: u64, index: u64) -> u64 {
+        SamplingParams::seed_of(seed, index)
     }
 }
+
+/// A sample as Python receives it: tokens, log-probabilities at the temperature, at T = 1 and
+/// truncated, and the finish reason.
+type SampleTuple = (Vec<u32>, Vec<f32>, Vec<f32>, Vec<f32>, String);
 
 /// The GPU switch's view of what Python lends for each local rank.
 fn gpu_parts(

@@ -272,3 +272,55 @@ def test_an_in_place_write_outside_update_is_numpys_read_only_error(config, para
     with pytest.raises(ValueError, match="read-only"):
         params[1][1][...] = 0.0
     assert_intact(switch, params, before)
+
+
+def test_engine_arguments_are_checked_before_anything_runs():
+    """P13 (types): engine.generate's arguments are checked before the engine is asked (its
+    ranges are checked in Rust with the requests: models/decoder/tests/continuous.rs, and on a
+    GPU in gpu/test_fsdp2.py)."""
+    from lifecycle.engine import Engine
+
+    asked = []
+
+    class Live:
+        def seed_of(self, seed, index):
+            return seed * 1000 + index
+
+        def run(self, *args):
+            asked.append(args)
+            return [([1], [-0.5], [-0.5], [0.0], "length") for _ in args[0]]
+
+    class FakeSwitch:
+        def _live(self):
+            return Live()
+
+    class Weights:
+        def _check(self, what):
+            pass
+
+    engine = object.__new__(Engine)
+    engine._switch = FakeSwitch()
+    w = Weights()
+    w._switch = engine._switch
+    prompts = [[1, 2], [3], [4, 5, 6]]
+    for kwargs, message in [
+        (dict(max_new_tokens=[4, 4]), "max_new_tokens: expected one value or 3 (one per prompt), found 2"),
+        (dict(max_new_tokens=2.5), "max_new_tokens: expected a non-negative integer, found float 2.5"),
+        (dict(max_new_tokens=-1), "max_new_tokens: expected a non-negative integer, found -1"),
+        (dict(max_new_tokens=4, temperature="hot"), "temperature: expected a number, found str 'hot'"),
+        (dict(max_new_tokens=4, top_k=1.5), "top_k: expected a non-negative integer, found float 1.5"),
+        (dict(max_new_tokens=4, stop_tokens=[1, "x"]), "stop_tokens[1]: expected a non-negative integer"),
+        (dict(max_new_tokens=4, stop_tokens=7), "stop_tokens: expected a sequence of token ids, found int"),
+        (dict(max_new_tokens=4, seed=[1, 2]), "seed: expected one value or 3 (one per prompt), found 2"),
+    ]:
+        with pytest.raises(lifecycle.ConfigError) as e:
+            engine.generate(w, prompts, **kwargs)
+        assert message in str(e.value), (kwargs, str(e.value))
+    with pytest.raises(lifecycle.ConfigError, match=r"prompts\[1\]\[0\]: expected a non-negative integer"):
+        engine.generate(w, [[1], [2.0]], max_new_tokens=3)
+    assert asked == []
+    # well-formed arguments reach the extension as it takes them
+    out = engine.generate(w, prompts, max_new_tokens=[1, 2, 3], top_k=5, stop_tokens=(9,), seed=7)
+    assert asked == [(prompts, [1, 2, 3], 0.0, 1.0, 5, [9], [7000, 7001, 7002])]
+    assert [s.finish_reason for s in out] == ["length"] * 3
+    assert out[0].logprobs.dtype == np.float32 and out[0].tokens == [1]

@@ -1,13 +1,27 @@
 //! Decode throughput of the GPU decoder on bf16 and on fp8 rollout weights (W = T = 1; fp8
 //! weight-only and W8A8, the latter by the decoder's defaults, with its tensor-core kernel up to
 //! 64 tokens, and as before the kernel: weight streaming for one token, cuBLASLt's block-scaled
-//! GEMM from two), from one
-//! FSDP training state switched once per dtype, against the weight-streaming floor: a decode
-//! step reads every rollout weight but the (untied) embedding once, so at small batches its time
-//! is at least those bytes over the device's read rate (half the copy rate, which counts both
-//! directions). With `--moe` the model is Qwen3-30B-A3B-shaped and the bf16 experts run both as
-//! grouped GEMMs and one GEMM per expert; its floor counts every expert, so at small batches,
-//! where a step reads only the routed experts, it is not a bound.
+//! GEMM from two), from one FSDP training state switched once per dtype, against a floor per
+//! decode step from two rates measured in the same process, the larger of two bounds:
+//!
+//! - memory: the bytes a step must read over the device's read rate. A step reads every rollout
+//!   weight but the (untied) embedding, whose rows it gathers, once, and every sequence's KV
+//!   cache at the timed steps' mean context (the prompt and half the new tokens). The read rate
+//!   is a read-only kernel's (`kernels/read_probe.cu`: 16-byte loads over a 4 GiB buffer, read 4
+//!   times a run, one word written per block; the fastest of 5 runs and of a few grids), not half
+//!   the device copy rate: a step only reads, and a read-only stream runs at about the whole copy
+//!   rate, so half of it made the floor about twice too low.
+//! - compute: the step's FLOPs over the tensor cores' rate. Per sequence, 2 per weight of the
+//!   products it goes through (not the embedding, whose rows are gathered; of a mixture of
+//!   experts, only its top-k experts) and attention's `4 · heads · head_dim · context` per
+//!   layer. The rate is a cuBLAS bf16 GEMM's (8192³, bf16 in and out, f32 accumulation; the
+//!   fastest of 5 runs of 8), taken twice for W8A8's fp8 products (Hopper's dense fp8 peak is
+//!   twice its bf16 one; that rate is not measured).
+//!
+//! Each batch's line gives the step's time over its floor and which bound binds. With `--moe`
+//! the model is Qwen3-30B-A3B-shaped and the bf16 experts run both as grouped GEMMs and one GEMM
+//! per expert; its memory bound counts every expert, so at small batches, where a step reads
+//! only the routed experts, it is not a bound.
 //!
 //! ```text
 //! decode_bench --layers 4 --batches 1,8,32 --new-tokens 64
@@ -16,17 +30,23 @@
 //! ```
 
 use std::error::Error;
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
 use clap::Parser;
+use half::bf16;
 use lifecycle_bench::ceilings::{device_copy, Timing};
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Switching};
-use lifecycle_cuda::ThreadRankPool;
+use lifecycle_cuda::cudarc::cublas::result::CublasError;
+use lifecycle_cuda::cudarc::cublas::{sys as cublas_sys, CudaBlas, Gemm, GemmConfig};
+use lifecycle_cuda::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use lifecycle_cuda::{alloc_zeros, CudaError, KernelSet, RankCtx, RankExecutor, ThreadRankPool};
 use lifecycle_decoder::{Decoder, KvDtype, ModelConfig, PrefillLogits, Sampling};
 use lifecycle_decoder_gpu::{GpuDecoder, MOE_DEVICE_ROWS};
 use lifecycle_fsdp::FsdpBackend;
 use lifecycle_layout::fp8::{Fp8Compute, RolloutDtype};
+use lifecycle_layout::hf;
 
 const GB: f64 = 1e9;
 
@@ -128,16 +148,313 @@ fn config(layers: usize, moe: bool) -> Result<ModelConfig, Box<dyn Error>> {
     ))?)
 }
 
-fn main() -> Result<(), Box<dyn Error>> {
-    let args = Args::parse();
+/// The read-only probe's kernel ([`read_rate`]).
+const READ_PROBE: KernelSet = KernelSet::new(
+    "decode_bench read probe",
+    include_str!("../../../kernels/read_probe.cu"),
+);
+/// Bytes of the read probe's buffer: 4 GiB, far beyond any cache.
+const READ_BYTES: usize = 4 << 30;
+/// Passes over the read probe's buffer in one timed run.
+const READ_PASSES: usize = 4;
+/// Threads per block of the read probe (the kernel takes at most 256).
+const READ_BLOCK: u32 = 256;
+/// Rows, columns and inner size of the GEMM the tensor-core rate is timed on.
+const GEMM_N: usize = 8192;
+/// What the tensor-core probe says when cuBLAS cannot be loaded.
+const NO_CUBLAS: &str = "the cuBLAS library (libcublas.so) could not be loaded: install the \
+    CUDA toolkit's cuBLAS (or the pip wheel nvidia-cublas) and put its folder on LD_LIBRARY_PATH";
+/// GEMMs in one timed run of the tensor-core probe.
+const GEMMS_PER_RUN: usize = 8;
+/// Timed runs of each probe, after one untimed run; the fastest counts.
+const PROBE_RUNS: usize = 5;
+
+/// The device's rates the floor divides by, measured in this process (the slowest rank's).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Rates {
+    /// Bytes per second a read-only kernel reads ([`read_rate`]).
+    read: f64,
+    /// FLOPs per second of a cuBLAS bf16 GEMM ([`tensor_rate`]).
+    tensor: f64,
+}
+
+/// The fastest of [`PROBE_RUNS`] timed runs of `run` (which must wait for the work it queues),
+/// after one untimed run, in seconds.
+fn fastest_secs(mut run: impl FnMut() -> Result<(), CudaError>) -> Result<f64, CudaError> {
+    run()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..PROBE_RUNS {
+        let t = Instant::now();
+        run()?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+/// The read rate (bytes per second) of a read-only kernel (`kernels/read_probe.cu`) passing
+/// [`READ_PASSES`] times over a [`READ_BYTES`] buffer on each rank's compute stream, writing one
+/// word per block: the fastest run of the fastest of a few grids (a quarter, half and all of the
+/// blocks an SM holds, per SM), so a launch shape that leaves bandwidth unused cannot lower it.
+fn read_rate(pool: &impl RankExecutor) -> Result<f64, CudaError> {
+    let rates = pool.run(&|ctx| {
+        let kernel = ctx.module(&READ_PROBE)?.function("read16")?;
+        let resident = kernel
+            .occupancy_max_active_blocks_per_multiprocessor(READ_BLOCK, 0, None)
+            .map_err(ctx.drv("reading the read probe's occupancy", 0))?
+            .max(1);
+        let mut per_sm = vec![(resident / 4).max(1), (resident / 2).max(1), resident];
+        per_sm.dedup();
+        let most = (resident * ctx.sm_count()) as usize;
+        let src: CudaSlice<u8> = alloc_zeros(
+            &ctx.compute,
+            READ_BYTES,
+            ctx.rank,
+            "the read probe's buffer",
+        )?;
+        let mut out: CudaSlice<u32> =
+            alloc_zeros(&ctx.compute, most, ctx.rank, "the read probe's block sums")?;
+        let words = (READ_BYTES / 16) as u64;
+        let mut best = 0.0f64;
+        for blocks in per_sm {
+            let cfg = LaunchConfig {
+                grid_dim: (blocks * ctx.sm_count(), 1, 1),
+                block_dim: (READ_BLOCK, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let secs = fastest_secs(|| {
+                for _ in 0..READ_PASSES {
+                    let mut b = ctx.compute.launch_builder(&kernel);
+                    b.arg(&src).arg(&words).arg(&mut out);
+                    // SAFETY: `src` holds `words` 16-byte words (READ_BYTES, a multiple of 16,
+                    // zeroed), which the kernel only reads; it writes one u32 per block to
+                    // `out`, which holds `most` ≥ the grid's blocks; the block of READ_BLOCK
+                    // threads is a multiple of 32 and at most the kernel's 256.
+                    unsafe { b.launch(cfg) }
+                        .map_err(ctx.drv("the read probe", READ_BYTES as u64))?;
+                }
+                ctx.compute
+                    .synchronize()
+                    .map_err(ctx.drv("waiting for the read probe", 0))
+            })?;
+            best = best.max((READ_BYTES * READ_PASSES) as f64 / secs);
+        }
+        Ok(best)
+    })?;
+    Ok(rates.into_iter().fold(f64::INFINITY, f64::min))
+}
+
+/// A cuBLAS failure of rank `ctx` during `op`, as the engine's error.
+fn cublas_err(ctx: &RankCtx, op: &str) -> impl FnOnce(CublasError) -> CudaError {
+    let (rank, op) = (ctx.rank, format!("cuBLAS {op}"));
+    move |e| CudaError::Driver {
+        rank,
+        op,
+        detail: format!("{:?}", e.0),
+    }
+}
+
+/// `len` bf16 values spread over [-1, 1] (a fixed xorshift sequence), as a GEMM's operands: the
+/// tensor cores run slower on varied values than on zeros.
+fn operands(len: usize) -> Vec<bf16> {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            bf16::from_f32((x >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+        })
+        .collect()
+}
+
+/// The tensor-core rate (FLOPs per second) of a cuBLAS bf16 GEMM of [`GEMM_N`]³ (bf16 operands
+/// and result, f32 accumulation) on each rank's compute stream: the fastest of [`PROBE_RUNS`]
+/// runs of [`GEMMS_PER_RUN`] GEMMs.
+fn tensor_rate(pool: &impl RankExecutor) -> Result<f64, Box<dyn Error>> {
+    // SAFETY: only asks the dynamic loader whether the library can be opened.
+    if !unsafe { cublas_sys::is_culib_present() } {
+        return Err(NO_CUBLAS.into());
+    }
+    let host = operands(GEMM_N * GEMM_N);
+    let bytes = (GEMM_N * GEMM_N * 2) as u64;
+    let rates = pool.run(&|ctx| {
+        let blas =
+            CudaBlas::new(ctx.compute.clone()).map_err(cublas_err(ctx, "creating a handle"))?;
+        let a = ctx
+            .compute
+            .clone_htod(&host)
+            .map_err(ctx.drv("uploading the GEMM's operand", bytes))?;
+        let mut c: CudaSlice<bf16> =
+            alloc_zeros(&ctx.compute, GEMM_N * GEMM_N, ctx.rank, "the GEMM's result")?;
+        let n = GEMM_N as i32;
+        let cfg = GemmConfig {
+            transa: cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+            transb: cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+            m: n,
+            n,
+            k: n,
+            alpha: bf16::ONE,
+            lda: n,
+            ldb: n,
+            beta: bf16::ZERO,
+            ldc: n,
+        };
+        let secs = fastest_secs(|| {
+            for _ in 0..GEMMS_PER_RUN {
+                // SAFETY: `a` (both operands, only read) and `c` each hold GEMM_N² bf16 of the
+                // handle's context, column-major with leading dimension GEMM_N as `cfg` says;
+                // both live past the wait below.
+                unsafe { blas.gemm(cfg, &a, &a, &mut c) }
+                    .map_err(cublas_err(ctx, "GemmEx (bf16 x bf16 -> bf16)"))?;
+            }
+            ctx.compute
+                .synchronize()
+                .map_err(ctx.drv("waiting for the GEMMs", 0))
+        })?;
+        Ok(2.0 * (GEMM_N as f64).powi(3) * GEMMS_PER_RUN as f64 / secs)
+    })?;
+    Ok(rates.into_iter().fold(f64::INFINITY, f64::min))
+}
+
+/// Both rates, then the probes' memory handed back to the driver (the model needs it).
+fn rates(pool: &impl RankExecutor) -> Result<Rates, Box<dyn Error>> {
+    let read = read_rate(pool)?;
+    let tensor = tensor_rate(pool)?;
+    pool.run(&|ctx| ctx.trim_pool())?;
+    Ok(Rates { read, tensor })
+}
+
+/// Weights one sequence's decode step multiplies by, all products together: every matrix but
+/// the embedding (whose rows are gathered; with tied embeddings it is the head, and counts), of
+/// a mixture of experts the top-k of every layer's experts.
+fn weights_per_row(config: &ModelConfig) -> f64 {
+    let routed = config
+        .model
+        .moe
+        .map_or(1.0, |m| m.top_k as f64 / m.experts as f64);
+    config
+        .tensor_shapes()
+        .iter()
+        .filter(|(_, shape)| shape.len() == 2)
+        .map(|(name, shape)| {
+            let n = (shape[0] * shape[1]) as f64;
+            if name == hf::EMBED {
+                if config.model.tied_embeddings {
+                    n
+                } else {
+                    0.0
+                }
+            } else if hf::parse_expert(name).is_some() {
+                n * routed
+            } else {
+                n
+            }
+        })
+        .sum()
+}
+
+/// What one decode step of `batch` sequences must read and compute.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct StepWork {
+    /// Bytes read: the weights streamed once and every sequence's KV cache.
+    bytes: f64,
+    /// FLOPs of the products and of attention.
+    flops: f64,
+}
+
+/// The work of a decode step of `batch` sequences at `context` cached positions each (K and V
+/// in `kv`), of a model whose step streams `weight_bytes` of weights.
+fn step_work(
+    config: &ModelConfig,
+    weight_bytes: u64,
+    kv: KvDtype,
+    context: f64,
+    batch: usize,
+) -> StepWork {
+    let m = &config.model;
+    let kv_bytes = (m.layers * 2 * m.query_groups * kv.head_bytes(m.head_dim)) as f64 * context;
+    let attention_flops = 4.0 * (m.layers * m.heads * m.head_dim) as f64 * context;
+    let rows = batch as f64;
+    StepWork {
+        bytes: weight_bytes as f64 + rows * kv_bytes,
+        flops: rows * (2.0 * weights_per_row(config) + attention_flops),
+    }
+}
+
+/// The least time a decode step can take: its two bounds, in seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Floor {
+    /// Its bytes over the read rate.
+    memory: f64,
+    /// Its FLOPs over the tensor-core rate.
+    compute: f64,
+}
+
+impl Floor {
+    /// The floor: the larger bound.
+    fn secs(self) -> f64 {
+        self.memory.max(self.compute)
+    }
+
+    /// Which bound is the floor.
+    fn binding(self) -> &'static str {
+        if self.compute > self.memory {
+            "compute"
+        } else {
+            "memory"
+        }
+    }
+}
+
+/// The floor of a step of `work` at `rates`; `fp8_products`: its products multiply fp8 by fp8
+/// (W8A8), whose tensor-core rate is taken as twice the bf16 one (Hopper's dense peaks).
+fn step_floor(work: StepWork, rates: Rates, fp8_products: bool) -> Floor {
+    let tensor = if fp8_products {
+        2.0 * rates.tensor
+    } else {
+        rates.tensor
+    };
+    Floor {
+        memory: work.bytes / rates.read,
+        compute: work.flops / tensor,
+    }
+}
+
+fn main() -> ExitCode {
+    match run(&Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("decode_bench: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The benchmark. Long by design: it is the report's script, the rates first, then every
+/// variant's switch and decode timings in the order the report prints them.
+fn run(args: &Args) -> Result<(), Box<dyn Error>> {
     if args.new_tokens < 2 || args.batches.is_empty() {
         return Err("--new-tokens must be at least 2 and --batches not empty".into());
     }
     let config = config(args.layers, args.moe)?;
     let pool = Arc::new(ThreadRankPool::new(1)?);
+    let measured = rates(&*pool)?;
     let copy = device_copy(&*pool, 1 << 30, Timing::after_idle(1, 5))?;
     println!(
-        "{} shape, {} layers, {} KV cache; device copy rate {:.0} GB/s (read + write)",
+        "read rate {:.0} GB/s (read-only probe, {:.1} GB a run, the fastest of {PROBE_RUNS}), \
+         tensor-core rate {:.0} TFLOP/s (cuBLAS bf16 GEMM of {GEMM_N}³, the fastest of \
+         {PROBE_RUNS} runs of {GEMMS_PER_RUN}); device copy rate {:.0} GB/s (read + write, not \
+         in the floor)",
+        measured.read / GB,
+        (READ_BYTES * READ_PASSES) as f64 / GB,
+        measured.tensor / 1e12,
+        copy / GB
+    );
+    // the timed steps attend over the prompt and 1 ..= new_tokens - 1 generated tokens
+    let context = args.prompt as f64 + args.new_tokens as f64 / 2.0;
+    println!(
+        "{} shape, {} layers, {} KV cache, read at the timed steps' mean context of {context} \
+         tokens",
         if args.moe {
             "Qwen3-30B-A3B"
         } else {
@@ -145,7 +462,6 @@ fn main() -> Result<(), Box<dyn Error>> {
         },
         args.layers,
         args.kv_dtype,
-        copy / GB
     );
     // the MoE shape runs its bf16 experts routed on the device (decode steps of up to
     // MOE_DEVICE_ROWS sequences), routed on the host in blocks of batched GEMMs, and one GEMM per
@@ -237,15 +553,14 @@ fn main() -> Result<(), Box<dyn Error>> {
             let session = lc.rollout()?;
             let weights = session.weights();
             let held: u64 = weights.get().entries().iter().map(|e| e.bytes()).sum();
-            // a decode step streams every weight but the embedding (whose rows it gathers)
-            // once: at the read half of the copy rate
+            // a decode step streams every weight but the embedding (whose rows it gathers) once
             let embed = weights
                 .get()
                 .entries()
                 .iter()
-                .find(|e| e.name() == "model.embed_tokens.weight")
+                .find(|e| e.name() == hf::EMBED)
                 .map_or(0, |e| e.bytes());
-            let floor = (held - embed) as f64 / (copy / 2.0);
+            let streamed = held - embed;
             let mut dec = GpuDecoder::new(&config, session.backend(), weights.get())?;
             dec.set_kv_dtype(args.kv_dtype)?;
             dec.set_step_graphs(graphs);
@@ -288,11 +603,13 @@ fn main() -> Result<(), Box<dyn Error>> {
             } else {
                 ", steps queued eagerly"
             };
+            let fp8_products = dtype == RolloutDtype::Fp8 && compute == Fp8Compute::W8A8;
             println!(
-                "\n{dtype}{compute_how}{how}{graphs_how}: rollout weights {:.3} GB ({:.3} GB streamed per step); floor {:.3} ms per step",
+                "\n{dtype}{compute_how}{how}{graphs_how}: rollout weights {:.3} GB ({:.3} GB \
+                 streamed per step); products at {:.0} TFLOP/s",
                 held as f64 / GB,
-                (held - embed) as f64 / GB,
-                floor * 1e3
+                streamed as f64 / GB,
+                measured.tensor * if fp8_products { 2e-12 } else { 1e-12 }
             );
             for &batch in &args.batches {
                 let prompts: Vec<Vec<u32>> = (0..batch)
@@ -328,13 +645,22 @@ fn main() -> Result<(), Box<dyn Error>> {
                 let queued = ((total - total_wait) - (prefill - prefill_wait)).max(0.0)
                     / (args.new_tokens - 1) as f64;
                 let rate = batch as f64 / step;
+                let work = step_work(&config, streamed, args.kv_dtype, context, batch);
+                let floor = step_floor(work, measured, fp8_products);
                 println!(
                     "  batch {batch:>3}: prefill {:.2} ms, decode {:.3} ms/step ({:.2}x the \
-                     floor; the host queues it in {:.3} ms), {rate:.0} tokens/s; host waits in \
-                     a decode step beyond its logits': {waits_per_step}",
+                     floor of {:.3} ms, {}-bound: {:.3} GB read in {:.3} ms, {:.1} GFLOP in \
+                     {:.3} ms; the host queues it in {:.3} ms), {rate:.0} tokens/s; host waits \
+                     in a decode step beyond its logits': {waits_per_step}",
                     prefill * 1e3,
                     step * 1e3,
-                    step / floor,
+                    step / floor.secs(),
+                    floor.secs() * 1e3,
+                    floor.binding(),
+                    work.bytes / GB,
+                    floor.memory * 1e3,
+                    work.flops / 1e9,
+                    floor.compute * 1e3,
                     queued * 1e3
                 );
                 rates.push((vi, batch, rate, prefill));
@@ -440,5 +766,82 @@ impl Variant {
                 format!("W8A8 {}", parts.join(", "))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weights_per_row_counts_the_products_of_one_sequence() -> Result<(), Box<dyn Error>> {
+        let dense = config(28, false)?;
+        let m = &dense.model;
+        let layer = (m.q_rows() + 2 * m.kv_rows()) * m.hidden
+            + m.hidden * m.q_rows()
+            + 3 * m.ffn * m.hidden;
+        // the head, not the embedding
+        let want = m.layers * layer + m.vocab * m.hidden;
+        assert_eq!(weights_per_row(&dense), want as f64);
+        assert!((6.9e9..7.2e9).contains(&weights_per_row(&dense)));
+        // of 128 experts of 768 the top 8, and the router
+        let moe = config(2, true)?;
+        let m = &moe.model;
+        let layer = (m.q_rows() + 2 * m.kv_rows()) * m.hidden
+            + m.hidden * m.q_rows()
+            + 128 * m.hidden
+            + 8 * 3 * 768 * m.hidden;
+        let want = m.layers * layer + m.vocab * m.hidden;
+        assert_eq!(weights_per_row(&moe), want as f64);
+        Ok(())
+    }
+
+    #[test]
+    fn step_work_adds_each_sequences_kv_cache_and_attention() -> Result<(), Box<dyn Error>> {
+        let c = config(28, false)?;
+        let one = step_work(&c, 1000, KvDtype::Bf16, 64.0, 1);
+        let four = step_work(&c, 1000, KvDtype::Bf16, 64.0, 4);
+        // K and V of 4 kv heads of 128 bf16, 28 layers, 64 positions
+        let kv = (28 * 2 * 4 * 128 * 2 * 64) as f64;
+        assert_eq!((one.bytes, four.bytes), (1000.0 + kv, 1000.0 + 4.0 * kv));
+        let attention = 4.0 * (28 * 28 * 128 * 64) as f64;
+        assert_eq!(one.flops, 2.0 * weights_per_row(&c) + attention);
+        assert_eq!(four.flops, 4.0 * one.flops);
+        let f32_kv = step_work(&c, 1000, KvDtype::F32, 64.0, 1);
+        assert_eq!(f32_kv.bytes, 1000.0 + 2.0 * kv);
+        Ok(())
+    }
+
+    #[test]
+    fn the_floor_is_the_larger_bound() {
+        let rates = Rates {
+            read: 3e12,
+            tensor: 700e12,
+        };
+        let work = StepWork {
+            bytes: 15e9,
+            flops: 1e12,
+        };
+        let f = step_floor(work, rates, false);
+        assert_eq!((f.memory, f.compute), (5e-3, 1e12 / 700e12));
+        assert_eq!((f.secs(), f.binding()), (5e-3, "memory"));
+        let heavy = StepWork {
+            bytes: 1e9,
+            flops: 1.4e12,
+        };
+        let f = step_floor(heavy, rates, false);
+        assert_eq!((f.secs(), f.binding()), (2e-3, "compute"));
+        // fp8 products at twice the bf16 rate
+        assert_eq!(step_floor(heavy, rates, true).compute, 1e-3);
+    }
+
+    #[test]
+    fn operands_are_varied_and_in_range() {
+        let v = operands(4096);
+        assert!(v.iter().all(|x| (-1.0..=1.0).contains(&x.to_f32())));
+        let zeros = v.iter().filter(|x| x.to_f32() == 0.0).count();
+        assert!(zeros < 8, "{zeros} zeros");
+        let distinct: std::collections::HashSet<u16> = v.iter().map(|x| x.to_bits()).collect();
+        assert!(distinct.len() > 1000);
     }
 }

@@ -22,8 +22,10 @@ mod graph;
 mod kv;
 mod moe;
 mod rank;
+mod slots;
 pub(crate) use self::core::{Core, KvMode};
 pub use self::core::{MAX_CONTEXT, ROOM_MARGIN_BYTES};
+pub(crate) use forward::RowPick;
 pub(crate) use kv::kv_elements;
 pub use moe::DEVICE_ROWS as MOE_DEVICE_ROWS;
 

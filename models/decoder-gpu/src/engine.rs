@@ -277,10 +277,10 @@ fn describe(buffer: usize) -> String {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct GpuEngine {
-    pool: Arc<ThreadRankPool>,
-    core: Core,
+    pub(crate) pool: Arc<ThreadRankPool>,
+    pub(crate) core: Core,
     layout: RolloutLayout,
-    settings: EngineSettings,
+    pub(crate) settings: EngineSettings,
     bound: Option<Bound>,
 }
 
@@ -364,7 +364,7 @@ impl GpuEngine {
     }
 
     /// Checks that `weights` are the ones the engine was woken for.
-    fn check_weights(
+    pub(crate) fn check_weights(
         &self,
         weights: &RolloutView<'_, RolloutBuffer>,
     ) -> Result<(), GpuDecodeError> {

@@ -51,7 +51,8 @@ pub(crate) struct DecoderKernels {
     pub grow_blocks: CudaFunction,
     pub argmax_rows: CudaFunction,
     pub unshard: CudaFunction,
-    pub sample_rows: CudaFunction,
+    /// The token pick with log-probabilities (`lifecycle_decoder::pick`'s rules).
+    pub pick_rows: CudaFunction,
     pub head_norm: CudaFunction,
     pub gather_split_rows: CudaFunction,
     pub scatter_add_rows: CudaFunction,
@@ -101,7 +102,7 @@ impl DecoderKernels {
             grow_blocks: m.function("grow_blocks")?,
             argmax_rows: m.function("argmax_rows")?,
             unshard: m.function("unshard")?,
-            sample_rows: m.function("sample_rows")?,
+            pick_rows: m.function("pick_rows")?,
             head_norm: m.function("head_norm")?,
             gather_split_rows: m.function("gather_split_rows")?,
             scatter_add_rows: m.function("scatter_add_rows")?,

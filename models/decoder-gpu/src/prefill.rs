@@ -26,14 +26,29 @@ impl PrefillRows {
     /// logits of every row (no forking then); otherwise of each sequence's last token. `fork`:
     /// sequences whose prompt equals an earlier one's are forked from it.
     pub(crate) fn new(prompts: &[Vec<u32>], all: bool, fork: bool) -> Self {
+        let slots = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (i as u32, p.as_slice()));
+        Self::build(slots, all, fork)
+    }
+
+    /// The rows of prompts admitted into the given cache slots of one replica (each slot's
+    /// earlier contents overwritten), logits of each one's last token; `fork` as in
+    /// [`PrefillRows::new`].
+    pub(crate) fn into_slots(admitted: &[(u32, &[u32])], fork: bool) -> Self {
+        Self::build(admitted.iter().copied(), false, fork)
+    }
+
+    fn build<'p>(slots: impl Iterator<Item = (u32, &'p [u32])>, all: bool, fork: bool) -> Self {
         let fork = fork && !all;
         let mut out = PrefillRows::default();
         let mut leaders: HashMap<&[u32], (u32, u32)> = HashMap::new();
-        for (local, p) in prompts.iter().enumerate() {
+        for (slot, p) in slots {
             if fork {
-                if let Some(&(slot, last)) = leaders.get(p.as_slice()) {
+                if let Some(&(leader, last)) = leaders.get(p) {
                     out.logit_rows.push(last);
-                    out.forks.extend([slot, local as u32, p.len() as u32]);
+                    out.forks.extend([leader, slot, p.len() as u32]);
                     continue;
                 }
             }
@@ -41,12 +56,12 @@ impl PrefillRows {
                 if all || pos + 1 == p.len() {
                     out.logit_rows.push(out.tokens.len() as u32);
                 }
-                out.seqs.push(local as u32);
+                out.seqs.push(slot);
                 out.poss.push(pos as u32);
                 out.tokens.push(t);
             }
             if fork && !p.is_empty() {
-                leaders.insert(p.as_slice(), (local as u32, out.tokens.len() as u32 - 1));
+                leaders.insert(p, (slot, out.tokens.len() as u32 - 1));
             }
         }
         out
@@ -90,6 +105,18 @@ mod tests {
         assert_eq!(r.seqs, vec![0, 1, 1]);
         assert_eq!(r.logit_rows, vec![0, 2, 0, 2]);
         assert_eq!(r.forks, vec![0, 2, 1, 1, 3, 2]);
+    }
+
+    #[test]
+    fn prompts_admitted_into_free_slots_fork_within_the_admission() {
+        let (a, b) = (vec![7u32, 8], vec![5u32]);
+        let admitted = [(4, a.as_slice()), (1, b.as_slice()), (6, a.as_slice())];
+        let r = PrefillRows::into_slots(&admitted, true);
+        assert_eq!(r.tokens, vec![7, 8, 5]);
+        assert_eq!(r.seqs, vec![4, 4, 1]);
+        assert_eq!(r.poss, vec![0, 1, 0]);
+        assert_eq!(r.logit_rows, vec![1, 2, 1]);
+        assert_eq!(r.forks, vec![4, 6, 2]);
     }
 
     #[test]

@@ -122,8 +122,10 @@ def test_hugging_face_generates_what_the_engine_generates():
 
     hf = transformers.Qwen2ForCausalLM(config).cuda().float().eval()
     with switch.rollout() as w:
-        ours = engine.generate(w, prompts, max_new_tokens=new)
+        samples = engine.generate(w, prompts, max_new_tokens=new)
         hf.load_state_dict({n: t.float() for n, t in w.named_tensors("hf")})
+    ours = [s.tokens for s in samples]
+    assert all(s.finish_reason == "length" for s in samples)
     theirs = []
     with torch.no_grad():
         for p in prompts:
@@ -131,6 +133,45 @@ def test_hugging_face_generates_what_the_engine_generates():
             out = hf.generate(ids, max_new_tokens=new, do_sample=False, min_new_tokens=new)
             theirs.append(out[0, len(p):].tolist())
     assert ours == theirs
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "bf16"])
+def test_log_probs_are_transformers_log_softmax_at_the_temperature(kv_dtype):
+    """Sampled with top-p / top-k and stop tokens, then teacher-forced through transformers:
+    each token's log-probability is log_softmax(logits / T) of transformers' logits (f32 cache:
+    within 1e-3; bf16: mean and max printed), the raw one at T = 1."""
+    config = qwen2_config()
+    model = fsdp2_model(config, seed=5)
+    switch = lifecycle.Switch.from_fsdp2(model)
+    engine = lifecycle.Engine(switch, max_sequences=3, max_tokens=64, kv_dtype=kv_dtype)
+    prompts = [[5, 17, 256, 3], [900, 1, 2, 3], [42] * 6, [7, 8], [7, 8]]
+    import transformers
+
+    hf = transformers.Qwen2ForCausalLM(config).cuda().float().eval()
+    temp = 0.8
+    with switch.rollout() as w:
+        samples = engine.generate(
+            w, prompts, max_new_tokens=[20, 12, 30, 20, 5], temperature=temp, top_p=0.9, top_k=50,
+            stop_tokens=list(range(0, config.vocab_size, 97)), seed=11,
+        )
+        hf.load_state_dict({n: t.float() for n, t in w.named_tensors("hf")})
+    deltas, raw_deltas = [], []
+    with torch.no_grad():
+        for p, s in zip(prompts, samples):
+            assert s.finish_reason in ("stop", "length")
+            assert len(s.logprobs) == len(s.tokens) == len(s.raw_logprobs)
+            ids = torch.tensor([p + s.tokens], device="cuda")
+            logits = hf(ids).logits[0, len(p) - 1 : -1].double()
+            tok = torch.tensor(s.tokens, device="cuda")[:, None]
+            want = torch.log_softmax(logits / temp, -1).gather(1, tok)[:, 0].cpu().numpy()
+            raw = torch.log_softmax(logits, -1).gather(1, tok)[:, 0].cpu().numpy()
+            deltas.append(np.abs(s.logprobs - want))
+            raw_deltas.append(np.abs(s.raw_logprobs - raw))
+            assert np.all(s.truncated_logprobs >= s.logprobs - 1e-6)
+    d, r = np.concatenate(deltas), np.concatenate(raw_deltas)
+    print(f"kv {kv_dtype}: |Δ logprob| mean {d.mean():.2e} max {d.max():.2e}; raw max {r.max():.2e}")
+    if kv_dtype == "f32":
+        assert d.max() <= 1e-3 and r.max() <= 1e-3
 
 
 def fp8_switches(config, seed):
@@ -228,3 +269,29 @@ def test_a_non_finite_master_after_a_step_is_refused_at_the_switch(dtype):
         after = {n: host_bits(t).copy() for n, t in w.named_tensors()}
     assert switch.stats()["generation"] == generation + 1
     assert all((after[n] == before[n]).all() for n in before if "layers.1.mlp.down_proj" not in n)
+
+
+def test_bad_requests_are_refused_by_name():
+    """P13 (ranges): each refused naming the request and its field, before anything runs; the
+    engine serves the next call."""
+    config = qwen2_config()
+    model = fsdp2_model(config, seed=3)
+    switch = lifecycle.Switch.from_fsdp2(model)
+    engine = lifecycle.Engine(switch, max_sequences=2, max_tokens=16)
+    prompts = [[1, 2, 3], [4, 5]]
+    with switch.rollout() as w:
+        for kwargs, message in [
+            (dict(top_p=0.0), "request 0: `top_p` must lie in (0, 1]"),
+            (dict(top_p=1.5), "`top_p`"),
+            (dict(top_k=0), "`top_k` must be at least 1"),
+            (dict(temperature=-1.0), "`temperature` must be finite and >= 0"),
+            (dict(stop_tokens=[config.vocab_size]), "`stop_tokens` token"),
+            (dict(max_new_tokens=[4, 16]), "request 1: `max_new_tokens` with a prompt of 2 tokens needs 17"),
+        ]:
+            args = dict(max_new_tokens=4)
+            args.update(kwargs)
+            with pytest.raises(lifecycle.ConfigError) as e:
+                engine.generate(w, prompts, **args)
+            assert message in str(e.value), (kwargs, str(e.value))
+        ok = engine.generate(w, prompts, max_new_tokens=4)
+    assert [len(s.tokens) for s in ok] == [4, 4]

@@ -18,7 +18,7 @@ use crate::topology::{decode_topology, replica_rows, DecodeTopology};
 use crate::w8a8::{W8a8Gemm, W8a8Limits};
 use crate::weights::GroupOffsets;
 
-use super::forward::{Pick, Step, StepOut};
+use super::forward::{Pick, RowPick, Step, StepOut};
 use super::graph::{rank_forward, StepGraphs};
 use super::kv::{check_kv, kv_elements, kv_head_units};
 use super::moe::table::DeviceExperts;
@@ -370,9 +370,15 @@ impl Core {
         );
         self.lens.clear();
         self.parts.clear();
-        pool.run_each(&mut self.ranks, &|ctx, r| {
+        let waits = pool.run_each(&mut self.ranks, &|ctx, r| {
             let st = &mut r.st;
             st.cache = None;
+            // into memory an overlapped offload frees: after the frees that make room for it
+            let mut waited = 0;
+            if let Some(room) = &st.room {
+                let need = 2 * len as u64 + ROOM_MARGIN_BYTES;
+                waited = room.order_for(ctx, &ctx.compute, need)?.min(1);
+            }
             st.cache = Some(alloc_zeros::<u16>(
                 &ctx.compute,
                 len,
@@ -381,8 +387,10 @@ impl Core {
             )?);
             ctx.compute
                 .synchronize()
-                .map_err(ctx.drv("synchronizing", 0))
+                .map_err(ctx.drv("synchronizing", 0))?;
+            Ok(waited)
         })?;
+        self.room_waits += waits.iter().sum::<usize>();
         self.kv = KvMode::Fixed { slots };
         self.cap = cap;
         Ok(())
@@ -426,7 +434,7 @@ impl Core {
             .unwrap_or(0)
     }
 
-    fn geometry(&self) -> Result<Geometry, GpuDecodeError> {
+    pub(super) fn geometry(&self) -> Result<Geometry, GpuDecodeError> {
         self.geo.ok_or_else(|| {
             DecodeError::Usage("the decoder is not bound to rollout weights".into()).into()
         })
@@ -539,7 +547,7 @@ impl Core {
 
     /// Runs one forward pass on every rank, `steps[r]` on the ranks of replica `r`; the logits
     /// (`[m × vocab]`) or tokens of the whole batch, in sequence order.
-    fn forward(
+    pub(super) fn forward(
         &mut self,
         pool: &ThreadRankPool,
         steps: &[Step<'_>],
@@ -589,34 +597,12 @@ impl Core {
                 .into_iter()
                 .find(|o| !matches!(o, StepOut::Nothing))
                 .unwrap_or(StepOut::Nothing),
+            // replica order is sequence order: concatenate
             DecodeTopology::Replicas(_) => {
-                // replica order is sequence order: concatenate
-                let (mut logits, mut tokens) = (Vec::new(), Vec::new());
-                for o in outs {
-                    match o {
-                        StepOut::Logits(l) => logits.extend(l),
-                        StepOut::Tokens(t) => tokens.extend(t),
-                        StepOut::Nothing => {}
-                    }
-                }
-                match (logits.is_empty(), tokens.is_empty()) {
-                    (false, true) => StepOut::Logits(logits),
-                    (true, false) => StepOut::Tokens(tokens),
-                    (true, true) => StepOut::Nothing,
-                    (false, false) => {
-                        return Err(CudaError::Invalid(
-                            "replicas brought back both logits and tokens".into(),
-                        )
-                        .into())
-                    }
-                }
+                outs.into_iter().try_fold(StepOut::Nothing, StepOut::then)?
             }
         };
-        let got = match &out {
-            StepOut::Logits(l) => l.len(),
-            StepOut::Tokens(t) => t.len(),
-            StepOut::Nothing => 0,
-        };
+        let got = out.len();
         if got != wanted && !matches!(out, StepOut::Nothing) {
             return Err(CudaError::Invalid(format!(
                 "the forward pass brought back {got} rows for {wanted} wanted"
@@ -733,6 +719,7 @@ impl Core {
     fn tokens(out: StepOut) -> Result<Vec<u32>, GpuDecodeError> {
         match out {
             StepOut::Tokens(t) => Ok(t),
+            StepOut::Picked(p) => Ok(p.into_iter().map(|p| p.token).collect()),
             _ => Err(CudaError::Invalid("no rank returned tokens".into()).into()),
         }
     }
@@ -784,22 +771,26 @@ impl Core {
         let mut rngs: Vec<SplitMix64> = (0..prompts.len())
             .map(|i| SplitMix64::from_keys(&[sampling.seed, i as u64]))
             .collect();
-        let draw = |rngs: &mut [SplitMix64]| -> Vec<f32> {
+        let temperature = sampling.temperature;
+        let draw = |rngs: &mut [SplitMix64]| -> Vec<RowPick> {
             if greedy {
                 Vec::new()
             } else {
-                rngs.iter_mut().map(SplitMix64::next_f32).collect()
+                rngs.iter_mut()
+                    .map(|g| RowPick {
+                        temperature,
+                        top_k: 0,
+                        top_p: 1.0,
+                        uniform: g.next_f32(),
+                    })
+                    .collect()
             }
         };
-        let temperature = sampling.temperature;
-        fn pick(greedy: bool, temperature: f32, u: &[f32]) -> Pick<'_> {
+        fn pick(greedy: bool, rows: &[RowPick]) -> Pick<'_> {
             if greedy {
                 Pick::Argmax
             } else {
-                Pick::Sample {
-                    temperature,
-                    uniforms: u,
-                }
+                Pick::Rows(rows)
             }
         }
         let mut done = vec![false; prompts.len()];
@@ -808,7 +799,7 @@ impl Core {
             pool,
             prompts,
             PrefillLogits::Last,
-            pick(greedy, temperature, &u),
+            pick(greedy, &u),
             fork,
         )?)?;
         for step in 0..sampling.max_new_tokens {
@@ -822,7 +813,7 @@ impl Core {
                 break;
             }
             let u = draw(&mut rngs);
-            next = Self::tokens(self.decode_rows(pool, &next, pick(greedy, temperature, &u))?)?;
+            next = Self::tokens(self.decode_rows(pool, &next, pick(greedy, &u))?)?;
         }
         Ok(out)
     }

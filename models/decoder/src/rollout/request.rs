@@ -83,6 +83,19 @@ impl SamplingParams {
         self
     }
 
+    /// The seed of request `index` of a call given one `seed` for all:
+    /// `SplitMix64::from_keys(&[seed, index])`'s first word, so the requests of a call draw
+    /// apart and a request's draws do not depend on the call's other requests.
+    ///
+    /// ```
+    /// use lifecycle_decoder::SamplingParams;
+    /// assert_ne!(SamplingParams::seed_of(7, 0), SamplingParams::seed_of(7, 1));
+    /// assert_eq!(SamplingParams::seed_of(7, 3), SamplingParams::seed_of(7, 3));
+    /// ```
+    pub fn seed_of(seed: u64, index: u64) -> u64 {
+        crate::sampling::SplitMix64::from_keys(&[seed, index]).next_u64()
+    }
+
     /// Whether the draw is the argmax.
     pub fn greedy(&self) -> bool {
         self.temperature == 0.0

@@ -271,20 +271,8 @@ impl Scheduler {
                 .iter()
                 .filter_map(|&s| self.running[s].as_ref().map(|r| (s, r.last())))
                 .collect();
-            let draws: Vec<f32> = slots
-                .iter()
-                .filter_map(|&s| self.running[s].as_mut().map(Running::draw))
-                .collect();
-            let picks: Vec<PickArgs<'_>> = slots
-                .iter()
-                .zip(&draws)
-                .filter_map(|(&s, &u)| {
-                    self.running[s].as_ref().map(|r| PickArgs {
-                        params: &r.request.params,
-                        uniform: u,
-                    })
-                })
-                .collect();
+            let draws = self.draw(&slots);
+            let picks = self.picks(&slots, &draws);
             let picked = decoder.decode_slots(&rows, &picks)?;
             self.steps += 1;
             self.rows += rows.len() as u64;
@@ -318,10 +306,7 @@ impl Scheduler {
         if slots.is_empty() {
             return Ok(());
         }
-        let draws: Vec<f32> = slots
-            .iter()
-            .filter_map(|&s| self.running[s].as_mut().map(Running::draw))
-            .collect();
+        let draws = self.draw(&slots);
         let admitted: Vec<(usize, &[u32])> = slots
             .iter()
             .filter_map(|&s| {
@@ -330,18 +315,32 @@ impl Scheduler {
                     .map(|r| (s, r.request.prompt.as_slice()))
             })
             .collect();
-        let picks: Vec<PickArgs<'_>> = slots
-            .iter()
-            .zip(&draws)
-            .filter_map(|(&s, &u)| {
-                self.running[s].as_ref().map(|r| PickArgs {
-                    params: &r.request.params,
-                    uniform: u,
-                })
-            })
-            .collect();
+        let picks = self.picks(&slots, &draws);
         let picked = decoder.prefill_slots(&admitted, &picks)?;
         Ok(self.take(&slots, picked, done)?)
+    }
+
+    /// The next draw of each running request of `slots`.
+    fn draw(&mut self, slots: &[usize]) -> Vec<f32> {
+        slots
+            .iter()
+            .filter_map(|&s| self.running[s].as_mut().map(Running::draw))
+            .collect()
+    }
+
+    /// How each running request of `slots` picks, with its draw.
+    fn picks(&self, slots: &[usize], draws: &[f32]) -> Vec<PickArgs<'_>> {
+        slots
+            .iter()
+            .zip(draws)
+            .filter_map(|(&s, &uniform)| {
+                let r = self.running[s].as_ref()?;
+                Some(PickArgs {
+                    params: &r.request.params,
+                    uniform,
+                })
+            })
+            .collect()
     }
 
     /// Appends each slot's picked token; finished samples leave their slots.

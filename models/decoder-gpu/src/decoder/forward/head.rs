@@ -4,10 +4,16 @@
 use lifecycle_cuda::cudarc::driver::CudaSlice;
 use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
 
-use super::{block_rows, u32a, Pass, Pick, StepOut};
+use lifecycle_cuda::cudarc::driver::LaunchConfig;
+use lifecycle_decoder::Picked;
+
+use super::{block_rows, u32a, Pass, Pick, RowPick, StepOut};
 use crate::blas::gemm;
 use crate::decoder::rank::{order, Dims, RankState};
 use crate::kernels::{launch, ptr, Arg};
+
+/// Threads per row of `pick_rows` (its `PICK_THREADS`).
+const PICK_THREADS: u32 = 512;
 
 /// What the caller asked of the full logits `[m × vocab]`: the argmax or sampled token of each
 /// row (picked on the device, only the tokens downloaded), or the logits themselves; downloaded
@@ -49,40 +55,53 @@ pub(crate) fn pick(
             };
             tokens_out(toks)
         }
-        Pick::Sample {
-            temperature,
-            uniforms,
-        } => {
-            if uniforms.len() != m {
+        Pick::Rows(rows) => {
+            if rows.len() != m {
                 return Err(CudaError::Invalid(format!(
-                    "{} uniform draws for {m} rows",
-                    uniforms.len()
+                    "{} row picks for {m} rows",
+                    rows.len()
                 )));
             }
-            let uni = s
-                .clone_htod(uniforms)
-                .map_err(ctx.drv("uploading uniform draws", 0))?;
-            // SAFETY: written whole by the sampling kernel queued right after on this stream.
-            let toks = unsafe { alloc_device::<u32>(s, m, rank, "sampled tokens")? };
+            let table = s
+                .clone_htod(&RowPick::words(rows))
+                .map_err(ctx.drv("uploading the rows' picks", 0))?;
+            // SAFETY: written whole by the pick kernel queued right after on this stream.
+            let picked = unsafe { alloc_device::<u32>(s, 4 * m, rank, "picked tokens")? };
             let args = [
                 Arg::U64(ptr(full, s)),
-                Arg::U64(ptr(&uni, s)),
-                Arg::U64(ptr(&toks, s)),
+                Arg::U64(ptr(&table, s)),
+                Arg::U64(ptr(&picked, s)),
                 u32a(z.vocab),
-                Arg::F32(temperature),
+                u32a(m),
             ];
-            // SAFETY: `full` holds m × vocab logits, `uni` m draws, `toks` m tokens.
-            unsafe {
-                launch(
-                    s,
-                    &st.k.sample_rows,
-                    block_rows(m),
-                    &args,
-                    rank,
-                    "sample_rows",
-                )?
+            let cfg = LaunchConfig {
+                grid_dim: (m.max(1) as u32, 1, 1),
+                block_dim: (PICK_THREADS, 1, 1),
+                shared_mem_bytes: 0,
             };
-            tokens_out(toks)
+            // SAFETY: `full` holds m × vocab logits, `table` 4 words per row, `picked` 4m words
+            // (tokens, then three log-probabilities per row); one block per row.
+            unsafe { launch(s, &st.k.pick_rows, cfg, &args, rank, "pick_rows")? };
+            let words = st.downloads.words(
+                ctx,
+                &st.k,
+                s,
+                ptr(&picked, s),
+                4 * m,
+                sms,
+                "downloading picked tokens",
+            )?;
+            let f = |w: u32| f32::from_bits(w);
+            Ok(StepOut::Picked(
+                (0..m)
+                    .map(|r| Picked {
+                        token: words[r],
+                        logprob: f(words[m + r]),
+                        raw_logprob: f(words[2 * m + r]),
+                        truncated_logprob: f(words[3 * m + r]),
+                    })
+                    .collect(),
+            ))
         }
         Pick::Logits => {
             let len = m * z.vocab;

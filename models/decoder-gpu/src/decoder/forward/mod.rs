@@ -46,6 +46,50 @@ pub(super) struct Step<'a> {
     pub(super) decode: bool,
 }
 
+/// How one row picks its token on the device: the four words `pick_rows` reads per row.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct RowPick {
+    pub temperature: f32,
+    /// 0 keeps every token.
+    pub top_k: u32,
+    pub top_p: f32,
+    pub uniform: f32,
+}
+
+impl RowPick {
+    /// The row's settings as `lifecycle_decoder::pick` takes them.
+    pub(crate) fn of(args: &lifecycle_decoder::PickArgs<'_>) -> Self {
+        RowPick {
+            temperature: args.params.temperature,
+            top_k: args.params.top_k.unwrap_or(0),
+            top_p: args.params.top_p,
+            uniform: args.uniform,
+        }
+    }
+
+    /// A greedy row (padding rows of a step).
+    pub(crate) const GREEDY: RowPick = RowPick {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        uniform: 0.0,
+    };
+
+    /// The words of `pick_rows`'s table.
+    pub(crate) fn words(rows: &[RowPick]) -> Vec<u32> {
+        rows.iter()
+            .flat_map(|r| {
+                [
+                    r.temperature.to_bits(),
+                    r.top_k,
+                    r.top_p.to_bits(),
+                    r.uniform.to_bits(),
+                ]
+            })
+            .collect()
+    }
+}
+
 /// What a forward pass brings back to the host.
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Pick<'a> {
@@ -53,25 +97,15 @@ pub(super) enum Pick<'a> {
     Logits,
     /// The argmax token of each wanted row (first index on ties).
     Argmax,
-    /// A token per wanted row sampled from softmax(logits / temperature) with the uniform
-    /// draw given for that row.
-    Sample {
-        temperature: f32,
-        uniforms: &'a [f32],
-    },
+    /// A token and its log-probabilities per wanted row, picked as its [`RowPick`] says.
+    Rows(&'a [RowPick]),
 }
 
 impl<'a> Pick<'a> {
     /// The pick for the wanted rows `want` of the whole batch (a replica's share).
     pub(super) fn rows(self, want: Range<usize>) -> Pick<'a> {
         match self {
-            Pick::Sample {
-                temperature,
-                uniforms,
-            } => Pick::Sample {
-                temperature,
-                uniforms: uniforms.get(want).unwrap_or(&[]),
-            },
+            Pick::Rows(rows) => Pick::Rows(rows.get(want).unwrap_or(&[])),
             other => other,
         }
     }
@@ -82,7 +116,46 @@ pub(super) enum StepOut {
     /// One row per wanted row.
     Logits(Vec<Vec<f32>>),
     Tokens(Vec<u32>),
+    Picked(Vec<lifecycle_decoder::Picked>),
     Nothing,
+}
+
+impl StepOut {
+    /// Rows brought back.
+    pub(super) fn len(&self) -> usize {
+        match self {
+            StepOut::Logits(l) => l.len(),
+            StepOut::Tokens(t) => t.len(),
+            StepOut::Picked(p) => p.len(),
+            StepOut::Nothing => 0,
+        }
+    }
+
+    /// `self` followed by `next` (replicas in sequence order); an error when they differ in
+    /// kind.
+    pub(super) fn then(self, next: StepOut) -> Result<StepOut, CudaError> {
+        Ok(match (self, next) {
+            (a, StepOut::Nothing) => a,
+            (StepOut::Nothing, b) => b,
+            (StepOut::Logits(mut a), StepOut::Logits(b)) => {
+                a.extend(b);
+                StepOut::Logits(a)
+            }
+            (StepOut::Tokens(mut a), StepOut::Tokens(b)) => {
+                a.extend(b);
+                StepOut::Tokens(a)
+            }
+            (StepOut::Picked(mut a), StepOut::Picked(b)) => {
+                a.extend(b);
+                StepOut::Picked(a)
+            }
+            _ => {
+                return Err(CudaError::Invalid(
+                    "replicas brought back different kinds of rows".into(),
+                ))
+            }
+        })
+    }
 }
 
 /// Whether the stages run as they are queued or are being captured into a graph (where no

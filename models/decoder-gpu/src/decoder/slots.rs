@@ -1,0 +1,259 @@
+//! Continuous batching on the device: the [`Core`]'s fixed KV cache as slots that requests are
+//! prefilled into and fed one token at a time ([`lifecycle_decoder::SlotDecoder`]'s two calls).
+//!
+//! Slot `s` lives on replica `s / slots_per_replica` in its cache slot `s % slots_per_replica`.
+//! A decode step's rows are padded up to a bucket size ([`bucket`]) so that CUDA graphs are
+//! captured for a few sizes, not for every count of running requests; a padding row reads and
+//! writes position 0 of a free slot (one the step does not feed: the scheduler feeds every
+//! running request at every step, and a slot's position 0 is written again by the prefill that
+//! admits a request into it), and its pick is greedy and dropped.
+
+use lifecycle_cuda::ThreadRankPool;
+use lifecycle_decoder::{DecodeError, Picked};
+
+use super::core::{Core, KvMode};
+use super::forward::{Pick, RowPick, Step, StepOut};
+use crate::error::GpuDecodeError;
+use crate::prefill::PrefillRows;
+
+/// The row count a decode step of `n` rows runs at: powers of two up to 16, then multiples of
+/// 16, at most `slots` (a replica's slots; when every slot runs there is no free one to pad
+/// into, and no padding is needed).
+pub(crate) fn bucket(n: usize, slots: usize) -> usize {
+    let b = if n <= 16 {
+        n.next_power_of_two()
+    } else {
+        n.next_multiple_of(16)
+    };
+    b.min(slots).max(n)
+}
+
+impl Core {
+    /// Slots per replica of the fixed cache (0 when the cache grows per call).
+    pub fn slots_per_replica(&self) -> usize {
+        match self.kv {
+            KvMode::Fixed { slots } => slots,
+            KvMode::Grow => 0,
+        }
+    }
+
+    /// Slots of the fixed cache, all replicas together.
+    pub fn slot_count(&self) -> usize {
+        self.slots_per_replica() * self.topology.replicas()
+    }
+
+    /// The slot table is sized for the cache (a cache made since the last slot call, or a
+    /// static call in between, left it for another batch).
+    fn slot_lens(&mut self) -> Result<(), GpuDecodeError> {
+        let total = self.slot_count();
+        if total == 0 {
+            return Err(DecodeError::Usage(
+                "continuous batching needs the engine's fixed KV cache (allocated at wake)".into(),
+            )
+            .into());
+        }
+        if self.lens.len() != total {
+            self.lens = vec![0; total];
+        }
+        Ok(())
+    }
+
+    /// [`SlotDecoder::prefill_slots`](lifecycle_decoder::SlotDecoder::prefill_slots) on the
+    /// device; `fork`: prompts admitted together that are equal are prefilled once per replica
+    /// and copied (a group's samples).
+    pub fn prefill_slots(
+        &mut self,
+        pool: &ThreadRankPool,
+        admitted: &[(usize, &[u32])],
+        picks: &[RowPick],
+        fork: bool,
+    ) -> Result<Vec<Picked>, GpuDecodeError> {
+        self.slot_lens()?;
+        let spr = self.slots_per_replica();
+        if picks.len() != admitted.len() {
+            return Err(DecodeError::Usage(format!(
+                "{} picks for {} admitted prompts",
+                picks.len(),
+                admitted.len()
+            ))
+            .into());
+        }
+        for &(slot, prompt) in admitted {
+            if slot >= self.lens.len() || prompt.is_empty() || prompt.len() > self.cap {
+                return Err(DecodeError::Usage(format!(
+                    "a prompt of {} tokens into slot {slot}; the cache holds {} slots of {} \
+                     positions",
+                    prompt.len(),
+                    self.lens.len(),
+                    self.cap
+                ))
+                .into());
+            }
+            for &t in prompt {
+                self.config.check_token(slot, t)?;
+            }
+        }
+        // replica order is the order rows come back in
+        let mut order: Vec<usize> = (0..admitted.len()).collect();
+        order.sort_by_key(|&i| admitted[i].0);
+        let sorted_picks: Vec<RowPick> = order.iter().map(|&i| picks[i]).collect();
+        let mut steps = Vec::new();
+        let mut at = 0;
+        for r in 0..self.topology.replicas() {
+            let mine: Vec<(u32, &[u32])> = order
+                .iter()
+                .map(|&i| admitted[i])
+                .filter(|&(s, _)| s / spr == r)
+                .map(|(s, p)| ((s % spr) as u32, p))
+                .collect();
+            let rows = PrefillRows::into_slots(&mine, fork);
+            let want = at..at + mine.len();
+            at = want.end;
+            steps.push(Step {
+                tokens: rows.tokens,
+                seqs: rows.seqs,
+                poss: rows.poss,
+                logit_rows: rows.logit_rows,
+                batch: spr,
+                cap: self.cap,
+                forks: rows.forks,
+                pick: Pick::Rows(&sorted_picks).rows(want),
+                decode: false,
+            });
+        }
+        let picked = Self::picked(self.forward(pool, &steps)?)?;
+        for &(slot, prompt) in admitted {
+            self.lens[slot] = prompt.len();
+        }
+        let mut out = vec![None; admitted.len()];
+        for (&i, p) in order.iter().zip(picked) {
+            out[i] = Some(p);
+        }
+        Ok(out.into_iter().flatten().collect())
+    }
+
+    /// [`SlotDecoder::decode_slots`](lifecycle_decoder::SlotDecoder::decode_slots) on the
+    /// device: `rows` must name every slot holding a running request (the others are free and
+    /// may be padded into).
+    pub fn decode_slots(
+        &mut self,
+        pool: &ThreadRankPool,
+        rows: &[(usize, u32)],
+        picks: &[RowPick],
+    ) -> Result<Vec<Picked>, GpuDecodeError> {
+        self.slot_lens()?;
+        let spr = self.slots_per_replica();
+        if picks.len() != rows.len() {
+            return Err(DecodeError::Usage(format!(
+                "{} picks for {} rows",
+                picks.len(),
+                rows.len()
+            ))
+            .into());
+        }
+        for &(slot, t) in rows {
+            let len = self.lens.get(slot).copied().unwrap_or(0);
+            if len == 0 || len >= self.cap {
+                return Err(DecodeError::Usage(format!(
+                    "a decode step for slot {slot} holding {len} positions; the cache holds {} \
+                     slots of {} positions (prefill a slot first)",
+                    self.lens.len(),
+                    self.cap
+                ))
+                .into());
+            }
+            self.config.check_token(slot, t)?;
+        }
+        let mut order: Vec<usize> = (0..rows.len()).collect();
+        order.sort_by_key(|&i| rows[i].0);
+        let mut table: Vec<RowPick> = Vec::new();
+        let mut steps = Vec::new();
+        let mut real = Vec::new();
+        for r in 0..self.topology.replicas() {
+            let mine: Vec<usize> = order
+                .iter()
+                .copied()
+                .filter(|&i| rows[i].0 / spr == r)
+                .collect();
+            let n = if mine.is_empty() {
+                0
+            } else {
+                bucket(mine.len(), spr)
+            };
+            let fed: Vec<usize> = mine.iter().map(|&i| rows[i].0 % spr).collect();
+            let free = (0..spr).find(|s| !fed.contains(s)).unwrap_or(0);
+            let (mut tokens, mut seqs, mut poss) = (Vec::new(), Vec::new(), Vec::new());
+            let start = table.len();
+            for &i in &mine {
+                let (slot, t) = rows[i];
+                tokens.push(t);
+                seqs.push((slot % spr) as u32);
+                poss.push(self.lens[slot] as u32);
+                table.push(picks[i]);
+            }
+            for _ in mine.len()..n {
+                tokens.push(0);
+                seqs.push(free as u32);
+                poss.push(0);
+                table.push(RowPick::GREEDY);
+            }
+            real.push((mine.len(), n));
+            steps.push((tokens, seqs, poss, start..table.len()));
+        }
+        let steps: Vec<Step<'_>> = steps
+            .into_iter()
+            .map(|(tokens, seqs, poss, want)| Step {
+                logit_rows: (0..tokens.len() as u32).collect(),
+                tokens,
+                seqs,
+                poss,
+                batch: spr,
+                cap: self.cap,
+                forks: Vec::new(),
+                pick: Pick::Rows(&table).rows(want),
+                decode: true,
+            })
+            .collect();
+        let picked = Self::picked(self.forward(pool, &steps)?)?;
+        // drop each replica's padding rows
+        let mut kept = Vec::with_capacity(rows.len());
+        let mut it = picked.into_iter();
+        for (n_real, n) in real {
+            kept.extend(it.by_ref().take(n).take(n_real));
+        }
+        for &(slot, _) in rows {
+            self.lens[slot] += 1;
+        }
+        let mut out = vec![None; rows.len()];
+        for (&i, p) in order.iter().zip(kept) {
+            out[i] = Some(p);
+        }
+        Ok(out.into_iter().flatten().collect())
+    }
+
+    fn picked(out: StepOut) -> Result<Vec<Picked>, GpuDecodeError> {
+        match out {
+            StepOut::Picked(p) => Ok(p),
+            _ => Err(
+                lifecycle_cuda::CudaError::Invalid("no rank returned picked tokens".into()).into(),
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bucket;
+
+    #[test]
+    fn buckets_are_few_and_never_past_the_slots() {
+        let sizes: Vec<usize> = (1..=64).map(|n| bucket(n, 64)).collect();
+        let mut distinct = sizes.clone();
+        distinct.dedup();
+        assert_eq!(distinct, vec![1, 2, 4, 8, 16, 32, 48, 64]);
+        assert!(sizes.iter().enumerate().all(|(i, &b)| b > i));
+        assert_eq!(bucket(5, 6), 6);
+        assert_eq!(bucket(17, 20), 20);
+        assert_eq!(bucket(3, 3), 3);
+    }
+}
