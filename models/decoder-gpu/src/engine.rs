@@ -348,6 +348,11 @@ impl GpuEngine {
         self.settings
     }
 
+    /// Turns prefix sharing ([`EngineSettings::fork_prefill`]) on or off from the next call.
+    pub fn set_fork_prefill(&mut self, on: bool) {
+        self.settings.fork_prefill = on;
+    }
+
     /// The model config.
     pub fn config(&self) -> &ModelConfig {
         &self.core.config

@@ -50,6 +50,7 @@ pub use math::{dot, route_top_k};
 pub use megatron_checkpoint::{
     load_megatron_checkpoint, MegatronCheckpoint, MegatronParallel, MEGATRON_VOCAB_MULTIPLE,
 };
+pub use rollout::groups::{Filled, GroupStream, Leftovers};
 pub use rollout::pick::{kept, pick, Picked};
 pub use rollout::request::{FinishReason, Request, Sample, SamplingParams};
 pub use rollout::scheduler::{PickArgs, Scheduler, SlotDecoder};

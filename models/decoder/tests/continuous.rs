@@ -222,3 +222,122 @@ fn bad_requests_are_refused_by_name_before_anything_runs() {
         assert_eq!((done[0].id, done[0].tokens.len()), (kept, 4));
     });
 }
+
+/// Partial rollouts: an update lands mid-generation (every running request preempted, the
+/// version moved); each token records the version it was sampled on, a request continued on
+/// the same weights samples exactly what it would have without the preemption, and one past
+/// `max_staleness` versions is dropped and counted.
+#[test]
+fn partial_rollouts_record_versions_and_stale_samples_are_dropped() {
+    let reqs: Vec<Request> = (0..6u64)
+        .map(|i| {
+            Request::new(
+                vec![1 + i as u32, 2, 3],
+                SamplingParams::new(12).with_temperature(1.0).with_seed(i),
+            )
+        })
+        .collect();
+    let uninterrupted = run(3, reqs.clone());
+    with_decoder(|d| {
+        let mut d = d.with_slots(3, 64);
+        let mut s = Scheduler::new();
+        for r in &reqs {
+            s.submit(&d, r.clone()).unwrap();
+        }
+        let mut done = Vec::new();
+        for _ in 0..4 {
+            done.extend(s.step(&mut d).unwrap());
+        }
+        // the update: KV of version 0 dropped, sampling goes on on version 1
+        assert!(s.set_version(1).is_err(), "refused while requests hold KV");
+        s.preempt_all();
+        assert_eq!((s.running(), s.queued()), (0, 6));
+        s.set_version(1).unwrap();
+        while !s.is_idle() {
+            done.extend(s.step(&mut d).unwrap());
+        }
+        done.sort_by_key(|x| x.id);
+        for (a, b) in done.iter().zip(&uninterrupted) {
+            assert_eq!(a.tokens, b.tokens, "request {}", a.id);
+            assert_eq!(a.logprobs, b.logprobs, "request {}", a.id);
+        }
+        // the first three ran 5 tokens on version 0 (a prefill and 4 decodes), then version 1
+        for x in &done[..3] {
+            assert_eq!(x.versions[..5], [0; 5]);
+            assert!(x.versions[5..].iter().all(|&v| v == 1));
+        }
+        // the last three waited for slots: all on version 1
+        for x in &done[3..] {
+            assert!(x.versions.iter().all(|&v| v == 1), "{:?}", x.versions);
+        }
+        // staleness: two requests preempted at version 1, the version moves to 3
+        let mut s = Scheduler::new();
+        for r in &reqs[..2] {
+            s.submit(&d, r.clone()).unwrap();
+        }
+        s.set_version(1).unwrap();
+        s.step(&mut d).unwrap();
+        s.preempt_all();
+        s.set_version(2).unwrap();
+        assert!(s.drop_stale(1).is_empty(), "one version behind is within the bound");
+        s.set_version(3).unwrap();
+        let dropped = s.drop_stale(1);
+        assert_eq!(dropped.len(), 2);
+        assert!(dropped.iter().all(|x| x.finish == FinishReason::Abort && x.versions[0] == 1));
+        assert!(s.is_idle());
+    });
+}
+
+/// Streamed dynamic sampling on the CPU decoder: groups of 4 with long-tailed lengths, a coin
+/// per group that ignores length; abort mode stops at the wanted count and frees the rest,
+/// partial mode carries the in-flight requests into the next fill on the next weight version.
+#[test]
+fn streamed_dynamic_sampling_keeps_the_wanted_groups() {
+    use lifecycle_decoder::{GroupStream, Leftovers, SplitMix64};
+    let group = |g: u64| -> Vec<Request> {
+        (0..4u64)
+            .map(|j| {
+                let len = [2, 3, 5, 8, 13, 30][((g * 4 + j) % 6) as usize];
+                Request::new(
+                    vec![1 + (g % 40) as u32, 2],
+                    SamplingParams::new(len).with_temperature(1.0).with_seed(g * 4 + j),
+                )
+            })
+            .collect()
+    };
+    let coin = |g: u64, _: &[Sample]| SplitMix64::from_keys(&[99, g]).next_f32() < 0.5;
+    with_decoder(|d| {
+        let mut d = d.with_slots(6, 64);
+        let mut abort = GroupStream::new(4, Leftovers::Abort);
+        let f = abort.fill(&mut d, 3, group, coin).unwrap();
+        assert_eq!(f.kept.len(), 3);
+        assert!(f.kept.iter().all(|g| g.len() == 4));
+        assert!(f.aborted > 0, "the tail is aborted");
+        assert!(abort.scheduler().is_idle());
+        println!(
+            "abort: kept mean {:.1} tokens, finished mean {:.1}, {} aborted",
+            f.kept_mean_len(),
+            f.finished_mean_len(),
+            f.aborted
+        );
+        let mut partial = GroupStream::new(4, Leftovers::Partial { max_staleness: 1 });
+        let first = partial.fill(&mut d, 3, group, coin).unwrap();
+        assert!(first.carried > 0 && first.aborted == 0);
+        partial.set_version(1).unwrap();
+        let second = partial.fill(&mut d, 3, group, coin).unwrap();
+        assert_eq!(second.kept.len(), 3);
+        let spans = second
+            .kept
+            .iter()
+            .flatten()
+            .any(|s| s.versions.first() == Some(&0) && s.versions.last() == Some(&1));
+        let carried_kept = second.kept.iter().flatten().filter(|s| s.versions[0] == 0).count();
+        println!("partial: {} carried, {carried_kept} kept samples began on version 0", first.carried);
+        assert!(spans || carried_kept == 0);
+        // two versions later whatever began on version 0 is stale
+        partial.set_version(3).unwrap();
+        let third = partial.fill(&mut d, 1, group, coin).unwrap();
+        assert!(third.kept.iter().flatten().all(|s| s.versions[0] >= 2));
+        assert!(third.stale > 0 || second.carried == 0);
+    });
+}

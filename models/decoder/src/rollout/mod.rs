@@ -4,6 +4,7 @@
 //! CPU decoder as a slot decoder (the reference the GPU engine is compared with).
 
 mod cpu;
+pub(crate) mod groups;
 pub(crate) mod pick;
 pub(crate) mod request;
 pub(crate) mod scheduler;

@@ -234,6 +234,9 @@ pub struct Sample {
     /// Per token, the log-probability in the truncated, renormalised distribution the token
     /// was drawn from (0 for a greedy token).
     pub truncated_logprobs: Vec<f32>,
+    /// Per token, the weight version it was sampled on (a partial rollout continued after an
+    /// update spans several).
+    pub versions: Vec<u64>,
     /// Why it ended.
     pub finish: FinishReason,
 }

@@ -82,10 +82,19 @@ impl Running {
                 logprobs: Vec::new(),
                 raw_logprobs: Vec::new(),
                 truncated_logprobs: Vec::new(),
+                versions: Vec::new(),
                 finish: FinishReason::Length,
             },
             request,
         }
+    }
+
+    /// What a prefill runs through the model: the prompt and every token sampled so far (a
+    /// preempted request's are prefilled again).
+    fn context(&self) -> Vec<u32> {
+        let mut c = self.request.prompt.clone();
+        c.extend_from_slice(&self.sample.tokens);
+        c
     }
 
     fn draw(&mut self) -> f32 {
@@ -96,10 +105,12 @@ impl Running {
         }
     }
 
-    /// Appends a picked token; whether the sample is finished (and why).
-    fn push(&mut self, p: Picked) -> Option<FinishReason> {
+    /// Appends a token picked on weights of `version`; whether the sample is finished (and
+    /// why).
+    fn push(&mut self, p: Picked, version: u64) -> Option<FinishReason> {
         let s = &mut self.sample;
         s.tokens.push(p.token);
+        s.versions.push(version);
         s.logprobs.push(p.logprob);
         s.raw_logprobs.push(p.raw_logprob);
         s.truncated_logprobs.push(p.truncated_logprob);
@@ -159,9 +170,11 @@ impl Running {
 /// ```
 #[derive(Debug, Default)]
 pub struct Scheduler {
-    queue: VecDeque<(u64, Request)>,
+    queue: VecDeque<Running>,
     running: Vec<Option<Running>>,
     next_id: u64,
+    /// The weight version tokens are sampled on from now on.
+    version: u64,
     /// Steps run and rows fed, since the scheduler was made.
     steps: u64,
     rows: u64,
@@ -195,7 +208,7 @@ impl Scheduler {
         }
         let id = self.next_id;
         self.next_id += 1;
-        self.queue.push_back((id, request));
+        self.queue.push_back(Running::new(id, request));
         Ok(id)
     }
 
@@ -223,9 +236,8 @@ impl Scheduler {
     /// one its tokens so far, its slot freed at once (its finish reason
     /// [`FinishReason::Abort`]). `None` for an id that is neither queued nor running.
     pub fn abort(&mut self, id: u64) -> Option<Sample> {
-        if let Some(i) = self.queue.iter().position(|(q, _)| *q == id) {
-            let (id, request) = self.queue.remove(i)?;
-            return Some(Running::new(id, request).finish(FinishReason::Abort));
+        if let Some(i) = self.queue.iter().position(|q| q.sample.id == id) {
+            return Some(self.queue.remove(i)?.finish(FinishReason::Abort));
         }
         let slot = self
             .running
@@ -238,8 +250,61 @@ impl Scheduler {
 
     /// Aborts every queued and running request (in id order).
     pub fn abort_all(&mut self) -> Vec<Sample> {
-        let mut ids: Vec<u64> = self.queue.iter().map(|(id, _)| *id).collect();
+        let mut ids: Vec<u64> = self.queue.iter().map(|q| q.sample.id).collect();
         ids.extend(self.running.iter().flatten().map(|r| r.sample.id));
+        ids.sort_unstable();
+        ids.into_iter().filter_map(|id| self.abort(id)).collect()
+    }
+
+    /// The weight version the next tokens are sampled on (each token records it in
+    /// [`Sample::versions`]). Changing it is the caller's statement that the decoder now holds
+    /// other weights: a request that ran on the old ones must have been preempted
+    /// ([`Scheduler::preempt_all`]) or finished, since its KV is of the old weights; this is
+    /// refused while any request holds a slot.
+    pub fn set_version(&mut self, version: u64) -> Result<(), DecodeError> {
+        if version != self.version && self.running() > 0 {
+            return Err(DecodeError::Usage(format!(
+                "{} requests hold KV of weight version {}: preempt or abort them before \
+                 sampling on version {version}",
+                self.running(),
+                self.version
+            )));
+        }
+        self.version = version;
+        Ok(())
+    }
+
+    /// The weight version tokens are sampled on.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Takes every running request out of its slot and puts it back at the head of the queue
+    /// (in id order) with the tokens it has: its KV is dropped, and when it is admitted again
+    /// its prompt and tokens are prefilled anew, on the weights of that step (a partial
+    /// rollout). Its draws go on where they were, so given equal logits it samples what it
+    /// would have without the preemption.
+    pub fn preempt_all(&mut self) {
+        let mut back: Vec<Running> = self.running.iter_mut().filter_map(Option::take).collect();
+        back.sort_by_key(|r| r.sample.id);
+        for r in back.into_iter().rev() {
+            self.queue.push_front(r);
+        }
+    }
+
+    /// Aborts every queued or running request holding a token sampled on a weight version
+    /// older than `max_staleness` versions before the current one (so never trained on
+    /// silently); the dropped samples, in id order.
+    pub fn drop_stale(&mut self, max_staleness: u64) -> Vec<Sample> {
+        let oldest_allowed = self.version.saturating_sub(max_staleness);
+        let stale = |r: &Running| r.sample.versions.first().is_some_and(|&v| v < oldest_allowed);
+        let mut ids: Vec<u64> = self
+            .queue
+            .iter()
+            .chain(self.running.iter().flatten())
+            .filter(|r| stale(r))
+            .map(|r| r.sample.id)
+            .collect();
         ids.sort_unstable();
         ids.into_iter().filter_map(|id| self.abort(id)).collect()
     }
@@ -291,10 +356,9 @@ impl Scheduler {
         let mut slots = Vec::new();
         for s in 0..self.running.len() {
             while self.running[s].is_none() {
-                let Some((id, request)) = self.queue.pop_front() else {
+                let Some(r) = self.queue.pop_front() else {
                     break;
                 };
-                let r = Running::new(id, request);
                 if r.request.params.max_new_tokens == 0 {
                     done.push(r.finish(FinishReason::Length));
                     continue;
@@ -307,13 +371,14 @@ impl Scheduler {
             return Ok(());
         }
         let draws = self.draw(&slots);
+        let contexts: Vec<Vec<u32>> = slots
+            .iter()
+            .filter_map(|&s| self.running[s].as_ref().map(Running::context))
+            .collect();
         let admitted: Vec<(usize, &[u32])> = slots
             .iter()
-            .filter_map(|&s| {
-                self.running[s]
-                    .as_ref()
-                    .map(|r| (s, r.request.prompt.as_slice()))
-            })
+            .zip(&contexts)
+            .map(|(&s, c)| (s, c.as_slice()))
             .collect();
         let picks = self.picks(&slots, &draws);
         let picked = decoder.prefill_slots(&admitted, &picks)?;
@@ -357,8 +422,9 @@ impl Scheduler {
                 slots.len()
             )));
         }
+        let version = self.version;
         for (&s, p) in slots.iter().zip(picked) {
-            let finished = self.running[s].as_mut().and_then(|r| r.push(p));
+            let finished = self.running[s].as_mut().and_then(|r| r.push(p, version));
             if let Some(why) = finished {
                 if let Some(r) = self.running[s].take() {
                     done.push(r.finish(why));
