@@ -91,11 +91,11 @@ pub(crate) struct Args {
     #[arg(long, default_value = "none", value_parser = <Fp8Keep as std::str::FromStr>::from_str)]
     fp8_keep: Fp8Keep,
     /// With --rollout-dtype fp8: how the decoder (CPU or GPU) computes with the fp8 weights,
-    /// `weight-only` (e4m3 weights times the activations in f32) or `w8a8` (the activations
-    /// quantised per token in 1 x 128 groups as well, as vLLM's block-fp8 linear does; on the
-    /// GPU, a tensor-core kernel up to 8 tokens a product, cuBLASLt's block-scaled fp8 GEMM
-    /// beyond).
-    #[arg(long, default_value = "weight-only", value_parser = <Fp8Compute as std::str::FromStr>::from_str)]
+    /// `w8a8` (the default and the fast mode: the activations quantised per token in 1 x 128
+    /// groups as well, as vLLM's block-fp8 linear does; on the GPU, a tensor-core kernel up to
+    /// 8 tokens a product, cuBLASLt's block-scaled fp8 GEMM beyond) or `weight-only` (the exact
+    /// mode: e4m3 weights times the activations in f32).
+    #[arg(long, default_value = "w8a8", value_parser = <Fp8Compute as std::str::FromStr>::from_str)]
     fp8_compute: Fp8Compute,
     #[arg(long, help = help("Prompts per rollout call (gen batch)",
         DapoConfig::default().prompts_per_batch, LoopOptions::DEFAULTS.prompts_per_batch))]

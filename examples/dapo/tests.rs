@@ -27,13 +27,13 @@ fn fsdp(argv: &[&str]) -> gpu_dapo::Options {
 
 #[test]
 fn w8a8_reaches_every_backend() {
-    match plan(&["--rollout-dtype", "fp8", "--fp8-compute", "w8a8"]) {
-        Ok(Plan::Host { config, .. }) => assert_eq!(config.fp8_compute, Fp8Compute::W8A8),
+    match plan(&["--rollout-dtype", "fp8", "--fp8-compute", "weight-only"]) {
+        Ok(Plan::Host { config, .. }) => assert_eq!(config.fp8_compute, Fp8Compute::WeightOnly),
         other => panic!("expected the host backend, got {other:?}"),
     }
     match plan(&[]) {
         Ok(Plan::Host { config, .. }) => {
-            assert_eq!(config.fp8_compute, Fp8Compute::WeightOnly)
+            assert_eq!(config.fp8_compute, Fp8Compute::W8A8)
         }
         other => panic!("expected the host backend, got {other:?}"),
     }
@@ -43,12 +43,12 @@ fn w8a8_reaches_every_backend() {
         "--rollout-dtype",
         "fp8",
         "--fp8-compute",
-        "w8a8",
+        "weight-only",
     ]);
-    assert_eq!(o.run.fp8_compute, Fp8Compute::W8A8);
+    assert_eq!(o.run.fp8_compute, Fp8Compute::WeightOnly);
     assert_eq!(
         fsdp(&["--backend", "fsdp"]).run.fp8_compute,
-        Fp8Compute::WeightOnly
+        Fp8Compute::W8A8
     );
 }
 

@@ -77,7 +77,7 @@ class _Switch:
         self,
         max_sequences: int,
         max_tokens: int,
-        fp8_compute: str = "weight-only",
+        fp8_compute: str = "w8a8",
         kv_dtype: str = "bf16",
     ) -> None: ...
     def run(

@@ -13,10 +13,10 @@ class Engine:
 
     It wakes with the rollout weights (KV room for ``max_sequences`` sequences of
     ``max_tokens`` positions each) and sleeps when the switch leaves rollout mode. With fp8
-    rollout weights, ``fp8_compute`` chooses ``"weight-only"`` (the default: e4m3 weights
-    against the activations in f32) or ``"w8a8"`` (activations quantised per token in 1 x 128
-    groups; on the GPU a tensor-core kernel up to 8 sequences a step, cuBLASLt's block-scaled
-    fp8 GEMM beyond). ``kv_dtype`` is the KV cache's element type:
+    rollout weights, ``fp8_compute`` chooses ``"w8a8"`` (the default and the fast mode, as vLLM
+    and verl run block fp8: activations quantised per token in 1 x 128 groups; on the GPU a
+    tensor-core kernel up to 64 sequences a step, cuBLASLt's block-scaled fp8 GEMM beyond) or
+    ``"weight-only"`` (the exact mode: e4m3 weights against the activations in f32). ``kv_dtype`` is the KV cache's element type:
     ``"bf16"`` (the default, as vLLM and SGLang keep it), ``"f32"`` (the decoder's exact
     mode, twice the bytes) or ``"fp8"`` (e4m3 with one f32 scale per position and kv head,
     about half bf16's bytes)::
@@ -34,8 +34,8 @@ class Engine:
         *,
         max_sequences: int,
         max_tokens: int,
-        fp8_compute: str = "weight-only",
-        kv_dtype: str = "bf16",
+        fp8_compute: Literal["w8a8", "weight-only"] = "w8a8",
+        kv_dtype: Literal["bf16", "f32", "fp8"] = "bf16",
     ):
         from .sources import _positive
 

@@ -382,10 +382,10 @@ impl PySwitch {
     }
 
     /// Attaches the project's GPU engine (KV room for `max_sequences` of `max_tokens`; fp8
-    /// products computed as `fp8_compute` says: `weight-only` or `w8a8`; K and V kept in
+    /// products computed as `fp8_compute` says: `w8a8` (the default) or `weight-only`; K and V kept in
     /// `kv_dtype`: `bf16`, `f32` or `fp8`). Every setting, and that the switch is a GPU one, is
     /// checked before the switch leaves rollout mode.
-    #[pyo3(signature = (max_sequences, max_tokens, fp8_compute="weight-only", kv_dtype="bf16"))]
+    #[pyo3(signature = (max_sequences, max_tokens, fp8_compute="w8a8", kv_dtype="bf16"))]
     fn attach_engine(
         &self,
         py: Python<'_>,

@@ -133,7 +133,7 @@ impl Default for DapoConfig {
             experts: ExpertPlacement::TensorParallel,
             rollout_dtype: RolloutDtype::Bf16,
             fp8_keep: Fp8Keep::default(),
-            fp8_compute: Fp8Compute::WeightOnly,
+            fp8_compute: Fp8Compute::W8A8,
         }
     }
 }

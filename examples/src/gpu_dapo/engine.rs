@@ -2,7 +2,7 @@
 //! persistent engine ([`GpuEngine`]) for both backends. It is built once (cuBLAS handles,
 //! kernels, rotary tables per rank); at wake it binds the resident rollout weights (the FSDP
 //! backend's unfused layout or the Megatron backend's fused one) and allocates its KV cache for
-//! the run's gen batches; at sleep it frees the cache. With `--fork-prefill` the samples of a
+//! the run's gen batches; at sleep it frees the cache. With `--fork-prefill true` (the default) the samples of a
 //! prompt share one prefill (forked KV). [`PerCallGpuDecoder`] (a decoder built in every call,
 //! what the loop did before) stays for comparisons.
 

@@ -163,7 +163,7 @@ impl LoopOptions {
             attention: false,
             layers: lifecycle_layout::LayerSet::EMPTY,
         },
-        fp8_compute: Fp8Compute::WeightOnly,
+        fp8_compute: Fp8Compute::W8A8,
     };
 }
 
@@ -225,11 +225,11 @@ pub struct GpuOptions {
     /// setup what pinning costs.
     #[arg(long)]
     pub wait_for_pinning: bool,
-    /// Prefill each prompt of a gen batch once and fork its KV to the group's samples, instead
-    /// of prefilling every sequence (G times less prefill work; the prompt GEMMs then run on
-    /// fewer rows, which can round differently: at 7.6B shapes some samples differ from the
-    /// per-sequence prefill's).
-    #[arg(long)]
+    /// Prefix sharing: prefill each prompt of a gen batch once and fork its KV to the group's
+    /// samples (`true`, the default: G times less prefill work), or prefill every sequence
+    /// (`false`: the prompt GEMMs then run on all rows; forking can round differently, so at
+    /// 7.6B shapes some samples differ from the per-sequence prefill's).
+    #[arg(long, default_value_t = GpuOptions::DEFAULTS.fork_prefill, action = clap::ArgAction::Set)]
     pub fork_prefill: bool,
     /// The element type of the engine's KV cache: bf16 (half the bytes, as vLLM and SGLang keep
     /// it), f32 (the decoder's exact mode) or fp8 (e4m3 with one f32 scale per position and kv
@@ -254,7 +254,7 @@ impl GpuOptions {
         kv_tokens: None,
         offload_overlap: true,
         wait_for_pinning: false,
-        fork_prefill: false,
+        fork_prefill: true,
         kv_dtype: lifecycle_decoder::KvDtype::Bf16,
     };
 }

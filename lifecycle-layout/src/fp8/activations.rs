@@ -10,7 +10,7 @@ use super::{block_scale_inv, e4m3_from_f32, FP8_BLOCK};
 ///
 /// ```
 /// use lifecycle_layout::fp8::Fp8Compute;
-/// assert_eq!(Fp8Compute::default(), Fp8Compute::WeightOnly);
+/// assert_eq!(Fp8Compute::default(), Fp8Compute::W8A8);
 /// assert_eq!("w8a8".parse::<Fp8Compute>(), Ok(Fp8Compute::W8A8));
 /// assert_eq!(Fp8Compute::W8A8.to_string(), "w8a8");
 /// assert!("int8".parse::<Fp8Compute>().unwrap_err().contains("weight-only"));
@@ -18,11 +18,12 @@ use super::{block_scale_inv, e4m3_from_f32, FP8_BLOCK};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Fp8Compute {
     /// e4m3 weights times the activations in f32: exact against the dequantised weights (the
-    /// default).
-    #[default]
+    /// exact mode, by name; the per-call decoders' default).
     WeightOnly,
     /// Activations quantised per token in 1 × 128 groups ([`quantize_activation_groups`]), then
-    /// block-scaled e4m3 × e4m3 products accumulated in f32.
+    /// block-scaled e4m3 × e4m3 products accumulated in f32: the fast mode, as vLLM and verl run
+    /// block fp8 (the rollout engines' default).
+    #[default]
     W8A8,
 }
 

@@ -36,7 +36,7 @@ pub(crate) fn kind_of(layout: &RolloutLayout) -> LayoutKind {
 /// use lifecycle_decoder::Sampling;
 /// use lifecycle_decoder_gpu::{EngineSettings, GpuDecodeError};
 /// let s = EngineSettings::new(8, 64);
-/// assert!(!s.fork_prefill);
+/// assert!(s.fork_prefill);
 /// s.check_call(&vec![vec![1, 2, 3]; 8], &Sampling::greedy(61))?;
 /// let e = s.check_call(&vec![vec![1, 2, 3]; 8], &Sampling::greedy(62)).unwrap_err();
 /// assert!(matches!(e, GpuDecodeError::KvCapacity { tokens: 65, max_tokens: 64, .. }));
@@ -49,15 +49,16 @@ pub struct EngineSettings {
     /// Tokens one sequence may hold: longest prompt + `max_new_tokens` (at most
     /// [`MAX_CONTEXT`]).
     pub max_tokens: usize,
-    /// Prefill each distinct prompt of a call once and copy its KV rows to the other sequences
-    /// with the same prompt (a group of samples), instead of prefilling every sequence. Off by
-    /// default: the prompt GEMMs then run on fewer rows, which cuBLAS may round differently, so
-    /// a sample's tokens would depend on whether its group-mates share its prompt (measured at
-    /// Qwen2.5-7B shapes: some samples of a DAPO run differ); with it off, every sequence's
-    /// tokens are the same however the call groups them.
+    /// Prefix sharing: prefill each distinct prompt admitted together once and copy its KV rows
+    /// to the other sequences with the same prompt (a group of samples), instead of prefilling
+    /// every sequence. On by default. The prompt GEMMs then run on fewer rows, which cuBLAS may
+    /// round differently, so a sample's tokens are the same as without sharing given equal
+    /// logits, not bitwise (measured at Qwen2.5-7B shapes: some samples of a DAPO run differ),
+    /// as under continuous batching, where the rows of a step change anyway; off, a static
+    /// call's tokens are the same however it groups its prompts.
     pub fork_prefill: bool,
     /// How products with fp8 rollout weights compute ([`GpuDecoder::set_fp8_compute`](crate::GpuDecoder::set_fp8_compute)):
-    /// weight-only by default, or W8A8.
+    /// W8A8 by default (the fast mode), or weight-only (the exact mode).
     pub fp8_compute: Fp8Compute,
     /// The element type of the KV cache: bf16 by default (as vLLM and SGLang keep it), or f32
     /// (the exact mode of [`GpuDecoder`](crate::GpuDecoder)'s default); fp8 is refused by
@@ -69,14 +70,14 @@ pub struct EngineSettings {
 }
 
 impl EngineSettings {
-    /// `max_sequences` sequences of `max_tokens` tokens, forked prefill off, fp8 weight-only, a
-    /// bf16 KV cache.
+    /// `max_sequences` sequences of `max_tokens` tokens, prefix sharing on, fp8 W8A8, a bf16 KV
+    /// cache.
     pub fn new(max_sequences: usize, max_tokens: usize) -> Self {
         EngineSettings {
             max_sequences,
             max_tokens,
-            fork_prefill: false,
-            fp8_compute: Fp8Compute::WeightOnly,
+            fork_prefill: true,
+            fp8_compute: Fp8Compute::W8A8,
             kv_dtype: KvDtype::Bf16,
             step_graphs: true,
         }
@@ -111,7 +112,7 @@ impl EngineSettings {
     /// use lifecycle_layout::fp8::Fp8Compute;
     /// let s = EngineSettings::new(8, 64).with_fp8_compute(Fp8Compute::W8A8);
     /// assert_eq!(s.fp8_compute, Fp8Compute::W8A8);
-    /// assert_eq!(EngineSettings::new(8, 64).fp8_compute, Fp8Compute::WeightOnly);
+    /// assert_eq!(EngineSettings::new(8, 64).fp8_compute, Fp8Compute::W8A8);
     /// ```
     pub fn with_fp8_compute(mut self, compute: Fp8Compute) -> Self {
         self.fp8_compute = compute;

@@ -693,7 +693,8 @@ fn engine_matches_the_per_call_decoder_and_frees_its_kv_cache_w1() -> Res {
     let (free_built, total) = device_memory(&pool)?[0];
     // 64 sequences × 2048 positions × 4 layers × (k, v) × 2 kv heads × 64 × 2 bytes = 128 MiB
     // (bf16, the engine's default)
-    let settings = EngineSettings::new(64, 2048);
+    // per-sequence prefill, as the per-call decoder's
+    let settings = EngineSettings::new(64, 2048).with_fork_prefill(false);
     assert_eq!(settings.kv_dtype, KvDtype::Bf16);
     assert_eq!(settings.kv_bytes_per_rank(&config, 2, 1), 128 << 20);
     let kv_expected = settings.kv_bytes_per_rank(&config, 2, 1);
@@ -829,7 +830,9 @@ fn overlapped_offload_lets_the_kv_cache_grow_into_the_freed_memory_w1() -> Res {
     let before = backend.download_state(&state)?;
     // an f32 cache (16 KiB per token), which the test's sizes below assume; the per-call
     // decoder's default
-    let settings = EngineSettings::new(64, 512).with_kv_dtype(KvDtype::F32);
+    let settings = EngineSettings::new(64, 512)
+        .with_kv_dtype(KvDtype::F32)
+        .with_fork_prefill(false);
     let engine = GpuEngine::for_backend(&backend, &config, settings)?;
     // the default memory policy: master weights and Adam moments offloaded at every enter
     let mut lc = Lifecycle::new(backend, state).with_engine(engine);
@@ -1141,7 +1144,7 @@ fn fused_megatron_cases(
             pool.clone(),
             &config,
             layout.clone(),
-            EngineSettings::new(8, 64),
+            EngineSettings::new(8, 64).with_fork_prefill(false),
         )?;
         let mut lc = Lifecycle::new(backend, state).with_engine(engine);
         let mut session = lc.rollout()?;
