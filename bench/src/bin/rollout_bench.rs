@@ -7,7 +7,7 @@
 //!
 //! The requests are DAPO-shaped: groups of `--group` samples of one prompt, sampled at
 //! temperature 1 with no stop token, each with its own `max_new_tokens` drawn lognormal (median
-//! `--median`, log-sd `--sigma`), capped by the KV slot (`MAX_CONTEXT` positions). Which groups
+//! `--median`, log-sd `--sigma`), capped at `--max-new`. Which groups
 //! are kept is a seeded coin per group that ignores length (probability `--keep`), so the
 //! modes differ only in scheduling; every mode keeps `--kept-groups` groups per step and sees
 //! the same groups in the same order. Reported per step: the rollout phase's time (the switch
@@ -63,6 +63,9 @@ struct Args {
     /// Log standard deviation of `max_new_tokens` (1.2: p99 ≈ 16 × the median).
     #[arg(long, default_value_t = 1.2)]
     sigma: f64,
+    /// The most tokens a sample may draw (the KV slots hold the prompt and these).
+    #[arg(long, default_value_t = 8192)]
+    max_new: usize,
     /// Probability that a group is kept (a seeded coin that ignores length).
     #[arg(long, default_value_t = 0.5)]
     keep: f64,
@@ -183,9 +186,14 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         other => return Err(format!("--dtype {other}: expected bf16 or fp8").into()),
     };
     if args.group == 0 || args.slots < args.group || args.prompt == 0 {
-        return Err("--group must be at least 1, --slots at least --group, --prompt at least 1".into());
+        return Err(
+            "--group must be at least 1, --slots at least --group, --prompt at least 1".into(),
+        );
     }
-    let max_tokens = MAX_CONTEXT;
+    let max_tokens = args.prompt + args.max_new;
+    if max_tokens > MAX_CONTEXT {
+        return Err(format!("--prompt + --max-new is more than {MAX_CONTEXT} positions").into());
+    }
     let work = Workload {
         seed: args.seed,
         group: args.group,
@@ -193,7 +201,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         vocab: config.model.vocab as u32,
         median: args.median,
         sigma: args.sigma,
-        max_new: max_tokens + 1 - args.prompt,
+        max_new: args.max_new,
         keep: args.keep,
     };
     let mut lens: Vec<usize> = (0..64)
@@ -221,7 +229,8 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
     );
     let pool = Arc::new(ThreadRankPool::new(1)?);
     let shapes = config.tensor_shapes();
-    let backend = FsdpBackend::new(pool.clone(), config.rollout_layout(1)?).with_rollout_dtype(dtype);
+    let backend =
+        FsdpBackend::new(pool.clone(), config.rollout_layout(1)?).with_rollout_dtype(dtype);
     let state = backend.synthetic_state(&shapes, 7, 0.02)?;
     let settings = EngineSettings::new(args.slots, max_tokens)
         .with_kv_dtype(KvDtype::Bf16)
@@ -243,7 +252,9 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             "partial" => Some(Leftovers::Partial {
                 max_staleness: args.max_staleness,
             }),
-            other => return Err(format!("--modes {other}: expected static, abort or partial").into()),
+            other => {
+                return Err(format!("--modes {other}: expected static, abort or partial").into())
+            }
         };
         let mut stream = leftovers.map(|l| GroupStream::new(args.group, l));
         for step in 0..args.steps {
@@ -259,11 +270,18 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                     let (mut kept, mut generated, mut tokens, mut passes) = (0, 0, 0, 0u64);
                     let (mut kept_tokens, mut kept_n) = (0usize, 0usize);
                     while kept < args.kept_groups {
-                        let groups: Vec<u64> = (next_group..next_group + static_groups as u64).collect();
+                        let groups: Vec<u64> =
+                            (next_group..next_group + static_groups as u64).collect();
                         next_group += static_groups as u64;
-                        let reqs: Vec<Request> = groups.iter().flat_map(|&g| work.requests(g)).collect();
-                        let longest = reqs.iter().map(|r| r.params.max_new_tokens).max().unwrap_or(1);
-                        let prompts: Vec<Vec<u32>> = reqs.iter().map(|r| r.prompt.clone()).collect();
+                        let reqs: Vec<Request> =
+                            groups.iter().flat_map(|&g| work.requests(g)).collect();
+                        let longest = reqs
+                            .iter()
+                            .map(|r| r.params.max_new_tokens)
+                            .max()
+                            .unwrap_or(1);
+                        let prompts: Vec<Vec<u32>> =
+                            reqs.iter().map(|r| r.prompt.clone()).collect();
                         let sampling = Sampling {
                             temperature: 1.0,
                             max_new_tokens: longest,
@@ -331,7 +349,10 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
     }
     if let Some(&(_, base)) = summary.iter().find(|(m, _)| m == "static") {
         for (mode, secs) in &summary {
-            println!("{mode:>7}: {secs:.2} s per step's rollout, {:.2}× static", secs / base);
+            println!(
+                "{mode:>7}: {secs:.2} s per step's rollout, {:.2}× static",
+                secs / base
+            );
         }
     }
     if args.steady > 0 {

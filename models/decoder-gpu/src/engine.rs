@@ -317,6 +317,14 @@ impl GpuEngine {
                 .map_err(DecodeError::from)?;
         }
         let mut core = Core::new(config, layout.tp(), &pool)?;
+        if settings.max_tokens > core.max_context() {
+            return Err(GpuDecodeError::Settings(format!(
+                "max_tokens {} is more than the {} positions the attention kernels hold on this \
+                 device (its shared memory per block)",
+                settings.max_tokens,
+                core.max_context()
+            )));
+        }
         // nothing bound yet: sets the mode; bind makes the W8A8 GEMMs where fp8 weights come
         core.set_fp8_compute(&pool, settings.fp8_compute)?;
         core.set_step_graphs(settings.step_graphs);

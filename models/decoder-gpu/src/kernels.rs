@@ -61,9 +61,24 @@ pub(crate) struct DecoderKernels {
     pub add_rows: CudaFunction,
     pub copy_words: CudaFunction,
     pub sm_count: u32,
+    /// Positions the attention kernels hold on this device (their dynamic shared memory holds
+    /// one score per position beside [`ATTENTION_THREADS`] floats; [`MAX_CONTEXT`] where the
+    /// device's opt-in shared memory per block allows it).
+    ///
+    /// [`MAX_CONTEXT`]: crate::MAX_CONTEXT
+    pub max_context: usize,
     /// The W8A8 quantisations (`rms_norm_quant`, `swiglu_quant`, `fp8_quant_*`) are launched
     /// early ([`LaunchHow::early`]; [`launches_early`]).
     pub early: bool,
+}
+
+/// Threads of an attention block (a block per row and query head).
+pub(crate) const ATTENTION_THREADS: usize = 256;
+
+/// Dynamic shared memory of an attention launch over a cache of `cap` positions with heads of
+/// `head_dim`: a float per position beside the larger of the head and the block's threads.
+pub(crate) fn attention_shared_bytes(cap: usize, head_dim: usize) -> usize {
+    (head_dim.max(ATTENTION_THREADS) + cap) * 4
 }
 
 /// One kernel argument (device pointers are passed as `u64`).
@@ -82,7 +97,7 @@ impl DecoderKernels {
     /// once per context).
     pub fn load(ctx: &RankCtx) -> Result<Self, CudaError> {
         let m = ctx.module(&DECODER_KERNELS)?;
-        Ok(DecoderKernels {
+        DecoderKernels {
             embed: m.function("embed")?,
             rms_norm_split: m.function("rms_norm_split")?,
             rms_norm_quant: m.function("rms_norm_quant")?,
@@ -111,8 +126,48 @@ impl DecoderKernels {
             add_rows: m.function("add_rows")?,
             copy_words: m.function("copy_words")?,
             sm_count: m.sm_count(),
+            max_context: 0,
             early: launches_early(ctx, &DECODER_KERNELS)?,
-        })
+        }
+        .allow_long_contexts(ctx)
+    }
+
+    /// Lets the attention kernels take the dynamic shared memory of [`MAX_CONTEXT`]
+    /// positions, or of as many as the device's opt-in limit per block holds
+    /// ([`DecoderKernels::max_context`]). Only launches over a cache of more than ~12 k
+    /// positions take more than the default 48 KiB.
+    ///
+    /// [`MAX_CONTEXT`]: crate::MAX_CONTEXT
+    fn allow_long_contexts(mut self, ctx: &RankCtx) -> Result<Self, CudaError> {
+        use lifecycle_cuda::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+        let optin = ctx
+            .ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(|e| {
+                CudaError::driver(ctx.rank, "reading the shared memory per block", 0, e)
+            })?;
+        let want = attention_shared_bytes(crate::MAX_CONTEXT, 0);
+        let bytes = want.min(optin.max(0) as usize);
+        for (f, name) in [
+            (&self.attention, "attention"),
+            (&self.attention_bf16, "attention_bf16"),
+            (&self.attention_fp8, "attention_fp8"),
+        ] {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .map_err(|e| {
+                CudaError::driver(
+                    ctx.rank,
+                    format!("{name}: allowing {bytes} bytes of shared memory"),
+                    0,
+                    e,
+                )
+            })?;
+        }
+        self.max_context = (bytes / 4).saturating_sub(ATTENTION_THREADS);
+        Ok(self)
     }
 
     /// A grid-stride launch shape for `units` elements.

@@ -266,3 +266,34 @@ fn a_request_alone_and_in_a_crowd() -> Res {
     );
     Ok(())
 }
+
+/// Contexts past the old 8192-position limit: a 12 000-token prompt and 6 greedy tokens on an
+/// engine of 12 008 positions (its attention launches past the default 48 KiB of shared
+/// memory), against the CPU decoder (f32 caches): the same tokens, log-probs within 1e-3; an
+/// engine asking for more positions than the kernels hold is refused at construction.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn contexts_past_8k_positions_match_the_cpu_decoder() -> Res {
+    require_gpus(1)?;
+    let name = "gqa_untied";
+    let vocab = load_checkpoint(&fixtures().join(name))?.config.model.vocab as u32;
+    let prompt: Vec<u32> = (0..12_000u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let req = vec![Request::new(prompt, SamplingParams::new(6))];
+    let settings = EngineSettings::new(1, 12_008).with_kv_dtype(KvDtype::F32);
+    let gpu = gpu_samples(name, req.clone(), settings)?;
+    let cpu = cpu_samples(name, req, 1, 12_008);
+    let worst = gpu[0]
+        .logprobs
+        .iter()
+        .zip(&cpu[0].logprobs)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    println!(
+        "12 000-token prompt: GPU {:?} vs CPU {:?}; max |Δ logprob| {worst:.2e}",
+        gpu[0].tokens, cpu[0].tokens
+    );
+    assert_eq!(gpu[0].tokens, cpu[0].tokens);
+    assert!(worst <= 1e-3, "{worst}");
+    let too_long = EngineSettings::new(1, lifecycle_decoder_gpu::MAX_CONTEXT + 1);
+    assert!(gpu_samples(name, vec![], too_long).is_err());
+    Ok(())
+}

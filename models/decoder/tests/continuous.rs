@@ -279,11 +279,16 @@ fn partial_rollouts_record_versions_and_stale_samples_are_dropped() {
         s.step(&mut d).unwrap();
         s.preempt_all();
         s.set_version(2).unwrap();
-        assert!(s.drop_stale(1).is_empty(), "one version behind is within the bound");
+        assert!(
+            s.drop_stale(1).is_empty(),
+            "one version behind is within the bound"
+        );
         s.set_version(3).unwrap();
         let dropped = s.drop_stale(1);
         assert_eq!(dropped.len(), 2);
-        assert!(dropped.iter().all(|x| x.finish == FinishReason::Abort && x.versions[0] == 1));
+        assert!(dropped
+            .iter()
+            .all(|x| x.finish == FinishReason::Abort && x.versions[0] == 1));
         assert!(s.is_idle());
     });
 }
@@ -300,7 +305,9 @@ fn streamed_dynamic_sampling_keeps_the_wanted_groups() {
                 let len = [2, 3, 5, 8, 13, 30][((g * 4 + j) % 6) as usize];
                 Request::new(
                     vec![1 + (g % 40) as u32, 2],
-                    SamplingParams::new(len).with_temperature(1.0).with_seed(g * 4 + j),
+                    SamplingParams::new(len)
+                        .with_temperature(1.0)
+                        .with_seed(g * 4 + j),
                 )
             })
             .collect()
@@ -331,8 +338,16 @@ fn streamed_dynamic_sampling_keeps_the_wanted_groups() {
             .iter()
             .flatten()
             .any(|s| s.versions.first() == Some(&0) && s.versions.last() == Some(&1));
-        let carried_kept = second.kept.iter().flatten().filter(|s| s.versions[0] == 0).count();
-        println!("partial: {} carried, {carried_kept} kept samples began on version 0", first.carried);
+        let carried_kept = second
+            .kept
+            .iter()
+            .flatten()
+            .filter(|s| s.versions[0] == 0)
+            .count();
+        println!(
+            "partial: {} carried, {carried_kept} kept samples began on version 0",
+            first.carried
+        );
         assert!(spans || carried_kept == 0);
         // two versions later whatever began on version 0 is stale
         partial.set_version(3).unwrap();

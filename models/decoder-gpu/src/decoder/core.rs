@@ -24,8 +24,11 @@ use super::kv::{check_kv, kv_elements, kv_head_units};
 use super::moe::table::DeviceExperts;
 use super::rank::{Dims, RankBind, RankState};
 
-/// Longest sequence (prompt + generated tokens) the attention kernel's shared memory holds.
-pub const MAX_CONTEXT: usize = 8192;
+/// Longest sequence (prompt + generated tokens) the attention kernels hold: their shared memory
+/// keeps a score per position (132 KiB at 32 k positions, within a Hopper SM's 227 KiB opt-in; a
+/// device with less holds fewer, [`Core::max_context`]). A cache of more than ~12 k positions
+/// leaves room for one attention block per SM at a time.
+pub const MAX_CONTEXT: usize = 32768;
 
 /// Head counts and widths of the bound weights, per rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,6 +188,15 @@ impl Core {
             kv: KvMode::Grow,
             room_waits: 0,
         })
+    }
+
+    /// The longest sequence every rank's attention kernels hold (at most [`MAX_CONTEXT`]).
+    pub fn max_context(&self) -> usize {
+        self.states()
+            .map(|st| st.k.max_context)
+            .min()
+            .unwrap_or(0)
+            .min(MAX_CONTEXT)
     }
 
     /// Every local rank's state, in local-rank order.
@@ -462,9 +474,11 @@ impl Core {
         needed: usize,
         fresh: bool,
     ) -> Result<(), GpuDecodeError> {
-        if needed > MAX_CONTEXT {
+        let most = self.max_context();
+        if needed > most {
             return Err(DecodeError::Usage(format!(
-                "a sequence would hold {needed} tokens; the GPU decoder holds at most {MAX_CONTEXT}"
+                "a sequence would hold {needed} tokens; the GPU decoder holds at most {most} on \
+                 this device"
             ))
             .into());
         }
@@ -484,9 +498,9 @@ impl Core {
             return Ok(());
         }
         let new_cap = if fresh {
-            (needed + 128).next_multiple_of(64).min(MAX_CONTEXT)
+            (needed + 128).next_multiple_of(64).min(most)
         } else {
-            needed.max(self.cap * 2).min(MAX_CONTEXT)
+            needed.max(self.cap * 2).min(most)
         };
         let layers = self.config.model.layers;
         let parts = &self.parts;

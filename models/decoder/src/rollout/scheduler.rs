@@ -297,7 +297,12 @@ impl Scheduler {
     /// silently); the dropped samples, in id order.
     pub fn drop_stale(&mut self, max_staleness: u64) -> Vec<Sample> {
         let oldest_allowed = self.version.saturating_sub(max_staleness);
-        let stale = |r: &Running| r.sample.versions.first().is_some_and(|&v| v < oldest_allowed);
+        let stale = |r: &Running| {
+            r.sample
+                .versions
+                .first()
+                .is_some_and(|&v| v < oldest_allowed)
+        };
         let mut ids: Vec<u64> = self
             .queue
             .iter()

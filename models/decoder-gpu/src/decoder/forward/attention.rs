@@ -141,7 +141,7 @@ impl<'a> Pass<'a> {
             // where o's tensor-core kernel reads a quantisation and a head is one group of 128
             // inputs, the kernel also quantises its outputs (and the padded tokens' groups), and
             // writes no split output (o reads only the quantisation)
-            let threads = 256;
+            let threads = crate::kernels::ATTENTION_THREADS;
             let fused = (d == 128)
                 .then(|| self.fused_quant(lw.o_w, (h, qw)))
                 .flatten();
@@ -158,7 +158,7 @@ impl<'a> Pass<'a> {
             let cfg = LaunchConfig {
                 grid_dim: ((rows * qh) as u32, 1, 1),
                 block_dim: (threads as u32, 1, 1),
-                shared_mem_bytes: ((d.max(threads) + self.step.cap) * 4) as u32,
+                shared_mem_bytes: crate::kernels::attention_shared_bytes(self.step.cap, d) as u32,
             };
             let [aq, asc, tok, grp, tiles] = quant;
             let args = [
