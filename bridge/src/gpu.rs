@@ -13,7 +13,7 @@ use lifecycle_core::{
 };
 use lifecycle_cuda::driver::{LentOffload, LentStream};
 use lifecycle_cuda::{RankExecutor, RolloutBuffer, RolloutSource, ThreadRankPool};
-use lifecycle_decoder::{DecodeError, Request, Sample};
+use lifecycle_decoder::{DecodeError, Filled, GroupStream, Request, Sample};
 use lifecycle_decoder_gpu::{EngineSettings, GpuDecodeError, GpuEngine};
 use lifecycle_fsdp::{
     FsdpBackend, FsdpError, LentFsdpBackend, LentFsdpState, LentMaster, LentParts,
@@ -368,12 +368,37 @@ impl GpuSwitch {
                 "no engine attached to this switch (lifecycle.Engine(switch, ...))".into(),
             ));
         };
-        let out = e.run(weights, requests).map_err(|e| match e {
-            GpuDecodeError::Decode(d @ DecodeError::Request { .. }) => {
-                BridgeError::Config(d.to_string())
-            }
-            other => BridgeError::backend(other),
-        })?;
+        let out = e.run(weights, requests).map_err(request_error)?;
+        session.finish().map_err(BridgeError::backend)?;
+        Ok(out)
+    }
+
+    /// DAPO's dynamic sampling streamed through the attached engine on the resident weights
+    /// ([`GroupStream::fill`]): the stream samples on the session's weight version (a partial
+    /// rollout carried from an earlier fill continues on these weights, and one past its
+    /// staleness bound is dropped).
+    pub fn fill(
+        &mut self,
+        stream: &mut GroupStream,
+        want: usize,
+        group: impl FnMut(u64) -> Result<Vec<Request>, GpuDecodeError>,
+        keep: impl FnMut(u64, &[Sample]) -> Result<bool, GpuDecodeError>,
+    ) -> Result<Filled, BridgeError> {
+        let lc = self.live()?;
+        let mut session = lc.rollout().map_err(BridgeError::backend)?;
+        let (weights, mut engine) = session.parts();
+        let Some(e) = engine.0.as_mut() else {
+            return Err(BridgeError::Config(
+                "no engine attached to this switch (lifecycle.Engine(switch, ...))".into(),
+            ));
+        };
+        stream
+            .set_version(weights.version())
+            .map_err(BridgeError::backend)?;
+        let mut slots = e.slots(&weights).map_err(BridgeError::backend)?;
+        let out = stream
+            .fill(&mut slots, want, group, keep)
+            .map_err(request_error)?;
         session.finish().map_err(BridgeError::backend)?;
         Ok(out)
     }
@@ -446,4 +471,15 @@ fn broken() -> BridgeError {
     BridgeError::Backend(
         "an earlier lending of the shards failed part way; build a new switch".into(),
     )
+}
+
+/// A bad request is the caller's [`BridgeError::Config`] (naming the request and its field);
+/// anything else the backend's error.
+fn request_error(e: GpuDecodeError) -> BridgeError {
+    match e {
+        GpuDecodeError::Decode(d @ DecodeError::Request { .. }) => {
+            BridgeError::Config(d.to_string())
+        }
+        other => BridgeError::backend(other),
+    }
 }

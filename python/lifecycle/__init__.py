@@ -23,7 +23,7 @@ from ._lifecycle import (
     expected_parameters,
 )
 from ._lifecycle import _finalizing
-from .engine import Engine, Sample
+from .engine import Engine, Filled, GroupStream, Sample
 from .switch import Masters, RolloutWeights, Switch
 from .vllm import vllm_names
 
@@ -35,6 +35,8 @@ __all__ = [
     "BackendError",
     "ConfigError",
     "Engine",
+    "Filled",
+    "GroupStream",
     "LifecycleError",
     "Masters",
     "NonFiniteError",

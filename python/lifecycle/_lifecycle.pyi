@@ -38,6 +38,20 @@ class _Tensor:
 
 _Offload = tuple[str, str, int, int, Callable[[int, int], None], Callable[[int, int], int]]
 
+class _GroupStream:
+    def __init__(
+        self,
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: Optional[int],
+        stop_tokens: list[int],
+        seed: int,
+        leftovers: str,
+        max_staleness: Optional[int],
+    ) -> None: ...
+
 class _Switch:
     def __init__(
         self,
@@ -89,6 +103,13 @@ class _Switch:
         top_k: Optional[int],
         stop_tokens: list[int],
         seeds: list[int],
-    ) -> list[tuple[list[int], list[float], list[float], list[float], str]]: ...
+    ) -> list[tuple[list[int], list[float], list[float], list[float], str, list[int]]]: ...
+    def fill(
+        self,
+        stream: _GroupStream,
+        want: int,
+        group: Callable[[int], list[int]],
+        keep: Callable[[int, list[tuple[list[int], list[float], list[float], list[float], str, list[int]]]], bool],
+    ) -> tuple[list[tuple[int, list[tuple[list[int], list[float], list[float], list[float], str, list[int]]]]], dict[str, Any]]: ...
     @staticmethod
     def seed_of(seed: int, index: int) -> int: ...

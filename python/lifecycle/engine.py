@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
 import numpy as np
@@ -72,14 +72,7 @@ class Engine:
         own, so its tokens depend on the others sharing its steps only through the logits (equal
         given equal logits). Settings out of range are refused naming the request and the field,
         before anything runs."""
-        if weights._switch is not self._switch:
-            from ._lifecycle import ConfigError
-
-            raise ConfigError(
-                "these rollout weights belong to another switch than the engine's: pass the "
-                "session of the switch the engine was built on"
-            )
-        weights._check("engine.generate")
+        _same_switch(self, weights, "engine.generate")
         prompts = [_tokens(f"prompts[{i}]", p) for i, p in enumerate(prompts)]
         n = len(prompts)
         lengths = _per_prompt("max_new_tokens", max_new_tokens, n)
@@ -98,16 +91,116 @@ class Engine:
             _tokens("stop_tokens", stop_tokens),
             seeds,
         )
-        return [
-            Sample(
-                tokens=tokens,
-                logprobs=np.asarray(lp, dtype=np.float32),
-                raw_logprobs=np.asarray(raw, dtype=np.float32),
-                truncated_logprobs=np.asarray(trunc, dtype=np.float32),
-                finish_reason=finish,
-            )
-            for tokens, lp, raw, trunc, finish in out
-        ]
+        return [_sample(t) for t in out]
+
+
+def _sample(t) -> Sample:
+    tokens, lp, raw, trunc, finish, versions = t
+    return Sample(
+        tokens=tokens,
+        logprobs=np.asarray(lp, dtype=np.float32),
+        raw_logprobs=np.asarray(raw, dtype=np.float32),
+        truncated_logprobs=np.asarray(trunc, dtype=np.float32),
+        finish_reason=finish,
+        versions=versions,
+    )
+
+
+def _same_switch(engine: Engine, weights, what: str) -> None:
+    if weights._switch is not engine._switch:
+        from ._lifecycle import ConfigError
+
+        raise ConfigError(
+            "these rollout weights belong to another switch than the engine's: pass the "
+            "session of the switch the engine was built on"
+        )
+    weights._check(what)
+
+
+class GroupStream:
+    """DAPO's dynamic sampling, streamed, on an :class:`Engine`.
+
+    Prompt groups (``group_size`` samples of one prompt each, sampled with the settings given
+    here) are submitted as the engine's slots free up instead of in whole generation batches;
+    a group is scored as soon as its last sample finishes, and :meth:`fill` returns once
+    ``want`` groups are kept. The requests still in flight are then aborted (``leftovers=
+    "abort"``: their KV freed at once), or carried as partial rollouts (``"partial"``): they
+    continue at the next fill on the weights of then, each token's weight version recorded in
+    :attr:`Sample.versions`, and a sample more than ``max_staleness`` versions old (default 1)
+    is dropped (counted in ``stale``), never trained on.
+
+    Aborting favours short samples: the groups that finish first are the ones kept, so kept
+    samples are shorter on average than those generated (``Filled.kept_mean_len`` against
+    ``finished_mean_len``); partial rollouts avoid the bias::
+
+        stream = GroupStream(engine, 16, max_new_tokens=512, temperature=1.0,
+                             leftovers="partial")
+        with switch.rollout() as w:
+            filled = stream.fill(w, 8, group=lambda g: prompts[g],
+                                 keep=lambda g, samples: len({reward(s) for s in samples}) > 1)
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        group_size: int,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int | None = None,
+        stop_tokens: Sequence[int] = (),
+        seed: int = 0,
+        leftovers: Literal["abort", "partial"] = "abort",
+        max_staleness: int | None = None,
+    ):
+        from ._lifecycle import _GroupStream
+
+        self._engine = engine
+        self._stream = _GroupStream(
+            _per_prompt("group_size", group_size, 1)[0],
+            _per_prompt("max_new_tokens", max_new_tokens, 1)[0],
+            _number("temperature", temperature),
+            _number("top_p", top_p),
+            None if top_k is None else _per_prompt("top_k", top_k, 1)[0],
+            _tokens("stop_tokens", stop_tokens),
+            _per_prompt("seed", seed, 1)[0],
+            str(leftovers),
+            None if max_staleness is None else _per_prompt("max_staleness", max_staleness, 1)[0],
+        )
+
+    def fill(self, weights, want: int, *, group, keep) -> Filled:
+        """Generates until ``want`` groups are kept: ``group(g)`` gives group ``g``'s prompt
+        (groups are numbered from 0 over the stream's life), ``keep(g, samples)`` scores a
+        finished group. The callbacks must not call the switch (it is busy running them); an
+        exception in one ends the fill, every request in flight aborted, and is raised here."""
+        _same_switch(self._engine, weights, "stream.fill")
+        want = _per_prompt("want", want, 1)[0]
+        kept, counts = self._engine._switch._live().fill(
+            self._stream,
+            want,
+            lambda g: _tokens(f"group({g})", group(g)),
+            lambda g, tuples: bool(keep(g, [_sample(t) for t in tuples])),
+        )
+        return Filled(kept=[(g, [_sample(t) for t in ts]) for g, ts in kept], **counts)
+
+
+@dataclass(frozen=True)
+class Filled:
+    """One :meth:`GroupStream.fill`: the kept groups (their ids and samples, in the order they
+    were kept) and what the fill cost."""
+
+    kept: list[tuple[int, list[Sample]]]
+    dropped_groups: int
+    finished: int
+    finished_tokens: int
+    aborted: int
+    aborted_tokens: int
+    carried: int
+    stale: int
+    steps: int
+    kept_mean_len: float
+    finished_mean_len: float
 
 
 @dataclass(frozen=True)
@@ -119,13 +212,15 @@ class Sample:
     temperature 0), ``raw_logprobs`` at temperature 1, ``truncated_logprobs`` in the truncated,
     renormalised distribution the token was drawn from (0 when greedy); ``finish_reason`` is
     ``"stop"`` (its last token is a stop token), ``"length"`` (``max_new_tokens`` reached) or
-    ``"abort"``."""
+    ``"abort"``; ``versions[k]`` is the weight version token ``k`` was sampled on (a partial
+    rollout of a :class:`GroupStream` spans several)."""
 
     tokens: list[int]
     logprobs: np.ndarray
     raw_logprobs: np.ndarray
     truncated_logprobs: np.ndarray
     finish_reason: Literal["stop", "length", "abort"]
+    versions: list[int] = field(default_factory=list)
 
 
 def _count(what: str, value: Any) -> int:

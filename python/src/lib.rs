@@ -7,6 +7,7 @@
 mod errors;
 mod owner;
 mod shared;
+mod stream;
 mod switch;
 mod tensor;
 
@@ -17,6 +18,7 @@ fn _lifecycle(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<switch::PySwitch>()?;
     m.add_class::<tensor::PyTensor>()?;
+    m.add_class::<stream::PyGroupStream>()?;
     m.add("LifecycleError", py.get_type::<errors::LifecycleError>())?;
     m.add("ConfigError", py.get_type::<errors::ConfigError>())?;
     m.add(

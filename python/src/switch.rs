@@ -1,7 +1,7 @@
 //! `_Switch`: a host or GPU switch of `lifecycle-bridge` behind one Python class.
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use lifecycle_bridge::gpu::GpuRankParts;
@@ -12,8 +12,9 @@ use lifecycle_core::{MemoryPolicy, Switching};
 use lifecycle_cuda::driver::{BufferClass, LentOffload};
 use lifecycle_cuda::ThreadRankPool;
 use lifecycle_decoder::KvDtype;
-use lifecycle_decoder::{Request, SamplingParams};
+use lifecycle_decoder::{DecodeError, Request, Sample, SamplingParams};
 use lifecycle_decoder_gpu::EngineSettings;
+use lifecycle_decoder_gpu::GpuDecodeError;
 use lifecycle_layout::fp8::{Fp8Compute, Fp8Keep, RolloutDtype};
 use lifecycle_layout::ExpertPlacement;
 use pyo3::prelude::*;
@@ -22,6 +23,7 @@ use pyo3::types::PyDict;
 use crate::errors::to_py;
 use crate::owner::PyOwner;
 use crate::shared::{closed, Inner, Owner, Shared};
+use crate::stream::PyGroupStream;
 use crate::tensor::PyTensor;
 
 /// One buffer an offload may move, as Python gives it: `(name, "params" | "optimizer", address,
@@ -449,18 +451,78 @@ impl PySwitch {
         let samples = py
             .detach(|| self.with_gpu(|s| s.run(requests)))
             .map_err(to_py)?;
-        Ok(samples
-            .into_iter()
-            .map(|s| {
-                (
-                    s.tokens,
-                    s.logprobs,
-                    s.raw_logprobs,
-                    s.truncated_logprobs,
-                    s.finish.to_string(),
+        Ok(samples.iter().map(sample_tuple).collect())
+    }
+
+    /// One fill of `stream` ([`GpuSwitch::fill`]): `group(g)` gives group `g`'s prompt,
+    /// `keep(g, samples)` scores a finished group (its samples as `run` gives them). The kept
+    /// groups (id and samples) and the fill's counts. A callback's exception ends the fill
+    /// (every request in flight aborted) and is raised here. The callbacks run while the
+    /// switch is busy: they must not call the switch.
+    fn fill<'py>(
+        &self,
+        py: Python<'py>,
+        stream: &PyGroupStream,
+        want: usize,
+        group: Py<PyAny>,
+        keep: Py<PyAny>,
+    ) -> PyResult<(Vec<(u64, Vec<SampleTuple>)>, Bound<'py, PyDict>)> {
+        let raised: Mutex<Option<PyErr>> = Mutex::new(None);
+        let stash = |e: PyErr| {
+            if let Ok(mut r) = raised.lock() {
+                r.get_or_insert(e);
+            }
+            GpuDecodeError::Decode(DecodeError::Usage("a Python callback raised".into()))
+        };
+        let mut groups = Vec::new();
+        let filled = py.detach(|| {
+            let mut s = stream
+                .stream
+                .lock()
+                .map_err(|_| BridgeError::Config("the group stream is in use".into()))?;
+            self.with_gpu(|sw| {
+                sw.fill(
+                    &mut s,
+                    want,
+                    |g| {
+                        Python::attach(|py| -> PyResult<Vec<u32>> {
+                            group.call1(py, (g,))?.extract(py)
+                        })
+                        .map(|prompt| stream.requests(g, prompt))
+                        .map_err(stash)
+                    },
+                    |g, samples| {
+                        let tuples: Vec<SampleTuple> = samples.iter().map(sample_tuple).collect();
+                        let kept = Python::attach(|py| -> PyResult<bool> {
+                            keep.call1(py, (g, tuples.clone()))?.extract(py)
+                        })
+                        .map_err(stash)?;
+                        if kept {
+                            groups.push((g, tuples));
+                        }
+                        Ok(kept)
+                    },
                 )
             })
-            .collect())
+        });
+        if let Some(e) = raised.lock().ok().and_then(|mut r| r.take()) {
+            return Err(e);
+        }
+        let f = filled.map_err(to_py)?;
+        // keep's own verdicts beyond `want` are not kept by the stream
+        groups.truncate(f.kept.len());
+        let d = PyDict::new(py);
+        d.set_item("dropped_groups", f.dropped_groups)?;
+        d.set_item("finished", f.finished)?;
+        d.set_item("finished_tokens", f.finished_tokens)?;
+        d.set_item("aborted", f.aborted)?;
+        d.set_item("aborted_tokens", f.aborted_tokens)?;
+        d.set_item("carried", f.carried)?;
+        d.set_item("stale", f.stale)?;
+        d.set_item("steps", f.steps)?;
+        d.set_item("kept_mean_len", f.kept_mean_len())?;
+        d.set_item("finished_mean_len", f.finished_mean_len())?;
+        Ok((groups, d))
     }
 
     /// [`SamplingParams::seed_of`]: the seed of request `index` of a call given one seed.
@@ -471,8 +533,19 @@ impl PySwitch {
 }
 
 /// A sample as Python receives it: tokens, log-probabilities at the temperature, at T = 1 and
-/// truncated, and the finish reason.
-type SampleTuple = (Vec<u32>, Vec<f32>, Vec<f32>, Vec<f32>, String);
+/// truncated, the finish reason and each token's weight version.
+type SampleTuple = (Vec<u32>, Vec<f32>, Vec<f32>, Vec<f32>, String, Vec<u64>);
+
+fn sample_tuple(s: &Sample) -> SampleTuple {
+    (
+        s.tokens.clone(),
+        s.logprobs.clone(),
+        s.raw_logprobs.clone(),
+        s.truncated_logprobs.clone(),
+        s.finish.to_string(),
+        s.versions.clone(),
+    )
+}
 
 /// The GPU switch's view of what Python lends for each local rank.
 fn gpu_parts(

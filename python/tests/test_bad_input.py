@@ -288,7 +288,7 @@ def test_engine_arguments_are_checked_before_anything_runs():
 
         def run(self, *args):
             asked.append(args)
-            return [([1], [-0.5], [-0.5], [0.0], "length") for _ in args[0]]
+            return [([1], [-0.5], [-0.5], [0.0], "length", [0]) for _ in args[0]]
 
     class FakeSwitch:
         def _live(self):
@@ -324,3 +324,21 @@ def test_engine_arguments_are_checked_before_anything_runs():
     assert asked == [(prompts, [1, 2, 3], 0.0, 1.0, 5, [9], [7000, 7001, 7002])]
     assert [s.finish_reason for s in out] == ["length"] * 3
     assert out[0].logprobs.dtype == np.float32 and out[0].tokens == [1]
+
+
+def test_group_stream_settings_are_checked():
+    """P13 (streams): a GroupStream's settings are checked when it is made."""
+    from lifecycle import GroupStream
+
+    for kwargs, message in [
+        (dict(leftovers="later"), 'leftovers: expected "abort" or "partial", found "later"'),
+        (dict(max_staleness=2), "max_staleness bounds partial rollouts"),
+        (dict(temperature="1"), "temperature: expected a number, found str '1'"),
+        (dict(stop_tokens=3), "stop_tokens: expected a sequence of token ids, found int"),
+    ]:
+        with pytest.raises(lifecycle.ConfigError) as e:
+            GroupStream(None, 4, max_new_tokens=8, **kwargs)
+        assert message in str(e.value), (kwargs, str(e.value))
+    with pytest.raises(lifecycle.ConfigError, match="group_size: expected a positive integer, found 0"):
+        GroupStream(None, 0, max_new_tokens=8)
+    GroupStream(None, 4, max_new_tokens=8, leftovers="partial", max_staleness=2)

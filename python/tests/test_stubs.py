@@ -47,7 +47,7 @@ def test_every_public_name_is_documented_and_typed():
         if isinstance(obj, str):
             continue
         assert (obj.__doc__ or "").strip(), f"lifecycle.{name} has no docstring"
-    for cls in (lifecycle.Switch, lifecycle.RolloutWeights, lifecycle.Masters, lifecycle.Engine):
+    for cls in (lifecycle.Switch, lifecycle.RolloutWeights, lifecycle.Masters, lifecycle.Engine, lifecycle.GroupStream):
         for attr, member in vars(cls).items():
             if attr.startswith("_") or not callable(member) and not isinstance(member, (property, classmethod)):
                 continue

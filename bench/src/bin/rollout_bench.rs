@@ -321,8 +321,8 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                     let filled = stream.fill(
                         &mut slots,
                         args.kept_groups,
-                        |g| work.requests(g),
-                        |g, _: &[Sample]| work.kept(g),
+                        |g| Ok(work.requests(g)),
+                        |g, _: &[Sample]| Ok(work.kept(g)),
                     )?;
                     StepReport::of(&filled, t.elapsed().as_secs_f64())
                 }

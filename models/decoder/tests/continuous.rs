@@ -299,8 +299,8 @@ fn partial_rollouts_record_versions_and_stale_samples_are_dropped() {
 #[test]
 fn streamed_dynamic_sampling_keeps_the_wanted_groups() {
     use lifecycle_decoder::{GroupStream, Leftovers, SplitMix64};
-    let group = |g: u64| -> Vec<Request> {
-        (0..4u64)
+    let group = |g: u64| -> Result<Vec<Request>, DecodeError> {
+        Ok((0..4u64)
             .map(|j| {
                 let len = [2, 3, 5, 8, 13, 30][((g * 4 + j) % 6) as usize];
                 Request::new(
@@ -310,9 +310,9 @@ fn streamed_dynamic_sampling_keeps_the_wanted_groups() {
                         .with_seed(g * 4 + j),
                 )
             })
-            .collect()
+            .collect())
     };
-    let coin = |g: u64, _: &[Sample]| SplitMix64::from_keys(&[99, g]).next_f32() < 0.5;
+    let coin = |g: u64, _: &[Sample]| Ok(SplitMix64::from_keys(&[99, g]).next_f32() < 0.5);
     with_decoder(|d| {
         let mut d = d.with_slots(6, 64);
         let mut abort = GroupStream::new(4, Leftovers::Abort);

@@ -295,3 +295,45 @@ def test_bad_requests_are_refused_by_name():
             assert message in str(e.value), (kwargs, str(e.value))
         ok = engine.generate(w, prompts, max_new_tokens=4)
     assert [len(s.tokens) for s in ok] == [4, 4]
+
+
+@pytest.mark.parametrize("leftovers", ["abort", "partial"])
+def test_group_stream_keeps_the_wanted_groups_across_an_update(leftovers):
+    """DAPO's dynamic sampling streamed: two fills with an optimizer step between them; each
+    keeps the wanted groups; in partial mode requests carried over the update record both
+    weight versions, in abort mode nothing is carried."""
+    config = qwen2_config()
+    model = fsdp2_model(config, seed=7)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    switch = lifecycle.Switch.from_fsdp2(model, optimizer=opt)
+    engine = lifecycle.Engine(switch, max_sequences=6, max_tokens=64)
+    stream = lifecycle.GroupStream(
+        engine, 3, max_new_tokens=40, temperature=1.0, seed=5, leftovers=leftovers,
+        stop_tokens=list(range(0, config.vocab_size, 11)),
+    )
+    prompt = lambda g: [(g * 7 + i) % config.vocab_size for i in range(5)]
+    keep = lambda g, samples: g % 2 == 0
+    fills = []
+    for step in range(2):
+        with switch.rollout() as w:
+            f = stream.fill(w, 2, group=prompt, keep=keep)
+        fills.append(f)
+        assert len(f.kept) == 2 and all(len(s) == 3 for _, s in f.kept)
+        assert all(g % 2 == 0 for g, _ in f.kept)
+        for _, samples in f.kept:
+            for s in samples:
+                assert s.finish_reason in ("stop", "length")
+                assert len(s.versions) == len(s.tokens) == len(s.logprobs)
+        # the update: the optimizer writes the shards, the next rollout is on new weights
+        sum(p.float().sum() for p in model.parameters()).backward()
+        opt.step()
+        opt.zero_grad()
+    print(leftovers, [(f.carried, f.aborted, f.stale, f.kept_mean_len, f.finished_mean_len) for f in fills])
+    if leftovers == "abort":
+        assert all(f.carried == 0 for f in fills)
+    else:
+        assert all(f.aborted == 0 for f in fills) and fills[0].carried > 0
+        for _, ss in fills[1].kept:
+            for s in ss:
+                # a sample carried over the update: its first tokens on the old weights
+                assert s.versions == sorted(s.versions) and len(set(s.versions)) <= 2

@@ -98,8 +98,8 @@ struct Group {
 /// let mut decoder = Count;
 /// let mut stream = GroupStream::new(2, Leftovers::Abort);
 /// // group g: two samples of prompt [g], g + 1 tokens each; keep the even groups
-/// let group = |g: u64| vec![Request::new(vec![g as u32], SamplingParams::new(g as usize + 1)); 2];
-/// let filled = stream.fill(&mut decoder, 2, group, |g, _| g % 2 == 0)?;
+/// let group = |g: u64| Ok(vec![Request::new(vec![g as u32], SamplingParams::new(g as usize + 1)); 2]);
+/// let filled = stream.fill(&mut decoder, 2, group, |g, _| Ok(g % 2 == 0))?;
 /// assert_eq!(filled.kept.len(), 2);
 /// assert_eq!(filled.kept[0][0].tokens, vec![1]);
 /// assert_eq!(filled.dropped_groups, 1);
@@ -143,13 +143,30 @@ impl GroupStream {
     /// Generates until `want` groups are kept: `group(g)` gives group `g`'s requests (numbered
     /// from 0 over the stream's life, `group_size` of them), submitted while fewer than a
     /// decoder's worth of requests wait; `keep(g, samples)` scores a group when its last sample
-    /// finishes. In-flight requests then go as the stream's [`Leftovers`] say.
+    /// finishes. In-flight requests then go as the stream's [`Leftovers`] say. An error of a
+    /// callback or of the decoder ends the fill with it, every request in flight aborted.
     pub fn fill<D: SlotDecoder>(
         &mut self,
         decoder: &mut D,
         want: usize,
-        mut group: impl FnMut(u64) -> Vec<Request>,
-        mut keep: impl FnMut(u64, &[Sample]) -> bool,
+        mut group: impl FnMut(u64) -> Result<Vec<Request>, D::Error>,
+        mut keep: impl FnMut(u64, &[Sample]) -> Result<bool, D::Error>,
+    ) -> Result<Filled, D::Error> {
+        let out = self.fill_inner(decoder, want, &mut group, &mut keep);
+        if out.is_err() {
+            self.scheduler.abort_all();
+            self.groups.clear();
+            self.owner.clear();
+        }
+        out
+    }
+
+    fn fill_inner<D: SlotDecoder>(
+        &mut self,
+        decoder: &mut D,
+        want: usize,
+        group: &mut impl FnMut(u64) -> Result<Vec<Request>, D::Error>,
+        keep: &mut impl FnMut(u64, &[Sample]) -> Result<bool, D::Error>,
     ) -> Result<Filled, D::Error> {
         let mut out = Filled::default();
         if let Leftovers::Partial { max_staleness } = self.leftovers {
@@ -162,7 +179,7 @@ impl GroupStream {
         while out.kept.len() < want {
             while self.scheduler.queued() < decoder.slots() {
                 let g = self.next_group;
-                let requests = group(g);
+                let requests = group(g)?;
                 if requests.len() != self.group_size {
                     return Err(DecodeError::Usage(format!(
                         "group {g} has {} requests; the stream's groups have {}",
@@ -200,7 +217,7 @@ impl GroupStream {
                         .remove(&g)
                         .map(|grp| grp.done.into_iter().flatten().collect())
                         .unwrap_or_default();
-                    if out.kept.len() < want && keep(g, &samples) {
+                    if out.kept.len() < want && keep(g, &samples)? {
                         out.kept.push(samples);
                     } else {
                         out.dropped_groups += 1;
