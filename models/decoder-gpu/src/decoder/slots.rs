@@ -42,6 +42,16 @@ impl Core {
         self.slots_per_replica() * self.topology.replicas()
     }
 
+    /// Checks a call of `rows` rows with `picks` picks and sizes the slot table; the slots per
+    /// replica.
+    fn slot_table(&mut self, picks: usize, rows: usize) -> Result<usize, GpuDecodeError> {
+        if picks != rows {
+            return Err(DecodeError::Usage(format!("{picks} picks for {rows} rows")).into());
+        }
+        self.slot_lens()?;
+        Ok(self.slots_per_replica())
+    }
+
     /// The slot table is sized for the cache (a cache made since the last slot call, or a
     /// static call in between, left it for another batch).
     fn slot_lens(&mut self) -> Result<(), GpuDecodeError> {
@@ -68,16 +78,7 @@ impl Core {
         picks: &[RowPick],
         fork: bool,
     ) -> Result<Vec<Picked>, GpuDecodeError> {
-        self.slot_lens()?;
-        let spr = self.slots_per_replica();
-        if picks.len() != admitted.len() {
-            return Err(DecodeError::Usage(format!(
-                "{} picks for {} admitted prompts",
-                picks.len(),
-                admitted.len()
-            ))
-            .into());
-        }
+        let spr = self.slot_table(picks.len(), admitted.len())?;
         for &(slot, prompt) in admitted {
             if slot >= self.lens.len() || prompt.is_empty() || prompt.len() > self.cap {
                 return Err(DecodeError::Usage(format!(
@@ -141,16 +142,7 @@ impl Core {
         rows: &[(usize, u32)],
         picks: &[RowPick],
     ) -> Result<Vec<Picked>, GpuDecodeError> {
-        self.slot_lens()?;
-        let spr = self.slots_per_replica();
-        if picks.len() != rows.len() {
-            return Err(DecodeError::Usage(format!(
-                "{} picks for {} rows",
-                picks.len(),
-                rows.len()
-            ))
-            .into());
-        }
+        let spr = self.slot_table(picks.len(), rows.len())?;
         for &(slot, t) in rows {
             let len = self.lens.get(slot).copied().unwrap_or(0);
             if len == 0 || len >= self.cap {
