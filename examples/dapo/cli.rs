@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args as _, CommandFactory, FromArgMatches, Parser, ValueEnum};
 use lifecycle_core::MemoryPolicy;
+use lifecycle_examples::dapo::update::DEFAULT_TIS_CAP;
 use lifecycle_examples::dapo::{DapoConfig, HostTrain, Objective, UpdateConfig};
 use lifecycle_examples::gpu_dapo::{
     self as gpu_dapo, GpuLayout, GpuOptions, LifecycleChoice, LoopOptions,
@@ -213,6 +214,11 @@ struct HostOptions {
     /// `population` (advantages over the population std, no dual clip, no clamp).
     #[arg(long, value_enum, default_value_t = UpdateConfig::default().objective)]
     objective: Objective,
+    /// The toy policy's truncated importance sampling (verl's token-level TIS): each token's
+    /// loss and gradient times min(exp(trainer log-prob - rollout log-prob), C) with C this cap;
+    /// 0 turns it off (the mismatch between the two log-probabilities is measured either way).
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_TIS_CAP)]
+    tis_cap: f32,
 }
 
 /// A command line that does not fit its backend.
@@ -378,6 +384,8 @@ impl Args {
             reward_quota: d.reward_quota,
             update: UpdateConfig {
                 objective: h.objective,
+                // 0 is off; anything else is checked by `dapo::validate` (finite, > 0)
+                tis_cap: (h.tis_cap != 0.0).then_some(h.tis_cap),
                 ..d.update
             },
             policy: PolicyConfig {

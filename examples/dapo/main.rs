@@ -17,8 +17,11 @@
 //!
 //! `--backend host`: ranks are threads, the policy is a toy MLP (`--vocab`, `--hidden`, `--ffn`,
 //! `--layers`) trained by a real DAPO step (verl's objective by default, `--objective`: the
-//! token-mean clipped loss with clip-higher and the dual clip, group-normalised advantages;
-//! gradients by backpropagation, Adam on the FSDP shards: `lifecycle_examples::dapo::update`),
+//! token-mean clipped loss with clip-higher and the dual clip, group-normalised advantages,
+//! and verl's truncated importance sampling between the rollout's and the trainer's log-probs,
+//! `--tis-cap 2` by default, `--tis-cap 0` off; gradients by backpropagation, Adam on the FSDP
+//! shards: `lifecycle_examples::dapo::update`; the per-step table shows the rollout / trainer
+//! mismatch),
 //! or with `--checkpoint DIR` (a Hugging Face `config.json` + safetensors, Qwen2, Llama, Qwen3
 //! or Qwen3-MoE) the training state is the checkpoint's weights and every rollout runs the Qwen2
 //! / Llama decoder (`lifecycle-decoder`) on the resharded bf16 tensor-parallel slices and the

@@ -126,11 +126,24 @@ pub(crate) fn summary(runs: &[&RunReport]) -> String {
     out
 }
 
-/// One line per step of `report`: sampling, the update and the switches of each lifecycle.
+/// One line per step of `report`: sampling, the update (with the rollout / trainer log-prob
+/// mismatch `|dlogp|` and the k3 KL estimate, and the mean TIS weight) and the switches of each
+/// lifecycle.
 pub(crate) fn step_table(report: &RunReport, runs: &[&RunReport]) -> String {
     let mut out = format!(
-        "{:>4} {:>5} {:>9} {:>7} {:>7} {:>8} {:>6} {:>7} {:>10}",
-        "step", "gen", "kept/gen", "reward", "kept r", "loss", "clip", "|r-1|", "update"
+        "{:>4} {:>5} {:>9} {:>7} {:>7} {:>8} {:>6} {:>7} {:>9} {:>9} {:>6} {:>10}",
+        "step",
+        "gen",
+        "kept/gen",
+        "reward",
+        "kept r",
+        "loss",
+        "clip",
+        "|r-1|",
+        "|dlogp|",
+        "KL k3",
+        "tis w",
+        "update"
     );
     for r in runs {
         out.push_str(&format!(
@@ -140,16 +153,24 @@ pub(crate) fn step_table(report: &RunReport, runs: &[&RunReport]) -> String {
     }
     out.push('\n');
     for (i, s) in report.steps.iter().enumerate() {
-        let (loss, clip, ratio) = match &s.update {
+        let dash = || "-".to_string();
+        let (loss, clip, ratio, dlogp, k3, tis) = match &s.update {
             UpdateOutcome::Dapo(pg) => (
                 format!("{:.4}", pg.loss),
                 format!("{:.3}", pg.clip_fraction),
                 format!("{:.3}", pg.max_ratio_deviation),
+                pg.mismatch
+                    .map_or_else(dash, |m| format!("{:.2e}", m.mean_abs)),
+                pg.mismatch.map_or_else(dash, |m| format!("{:.2e}", m.k3)),
+                pg.tis
+                    .map_or_else(dash, |t| format!("{:.4}", t.mean_weight)),
             ),
-            UpdateOutcome::Synthetic => ("synth".to_string(), "-".to_string(), "-".to_string()),
+            UpdateOutcome::Synthetic => {
+                ("synth".to_string(), dash(), dash(), dash(), dash(), dash())
+            }
         };
         out.push_str(&format!(
-            "{:>4} {:>5} {:>9} {:>7.3} {:>7.3} {:>8} {:>6} {:>7} {:>10}",
+            "{:>4} {:>5} {:>9} {:>7.3} {:>7.3} {:>8} {:>6} {:>7} {:>9} {:>9} {:>6} {:>10}",
             s.step,
             s.gen_batches,
             format!("{}/{}", s.kept, s.groups),
@@ -158,6 +179,9 @@ pub(crate) fn step_table(report: &RunReport, runs: &[&RunReport]) -> String {
             loss,
             clip,
             ratio,
+            dlogp,
+            k3,
+            tis,
             ms(s.update_time),
         ));
         for r in runs {
@@ -169,6 +193,18 @@ pub(crate) fn step_table(report: &RunReport, runs: &[&RunReport]) -> String {
             }
         }
         out.push('\n');
+    }
+    if report
+        .steps
+        .iter()
+        .any(|s| matches!(&s.update, UpdateOutcome::Dapo(pg) if pg.mismatch.is_some()))
+    {
+        out.push_str(
+            "  |dlogp|: mean |trainer - rollout log-prob| of the kept tokens (fp32 masters vs the \
+             bf16 rollout weights); KL k3: mean(exp(r) - 1 - r), r = trainer - rollout log-prob, \
+             an estimate of KL(rollout || trainer); tis w: mean truncated importance weight \
+             min(exp(r), C) (--tis-cap C, 0 for off)\n",
+        );
     }
     out
 }

@@ -162,6 +162,33 @@ fn the_default_is_the_host_backend_with_its_defaults() {
 }
 
 #[test]
+fn truncated_importance_sampling_is_on_by_default_and_zero_turns_it_off() {
+    let tis = |argv: &[&str]| match plan(argv).unwrap() {
+        Plan::Host { config, .. } => config.update.tis_cap,
+        other => panic!("expected the host backend, got {other:?}"),
+    };
+    assert_eq!(tis(&[]), Some(2.0));
+    assert_eq!(tis(&["--tis-cap", "1.5"]), Some(1.5));
+    assert_eq!(tis(&["--tis-cap", "0"]), None);
+    // a cap that is no cap is refused by the run's checks, naming the option
+    let Plan::Host { config, .. } = plan(&["--tis-cap=-1"]).unwrap() else {
+        panic!("expected the host backend");
+    };
+    let msg = lifecycle_examples::dapo::validate(&config)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("--tis-cap") && msg.contains("-1"), "{msg}");
+    // the GPU backends' update is synthetic: no TIS to set there
+    let msg = plan(&["--backend", "fsdp", "--tis-cap", "2"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("--tis-cap only applies to --backend host"),
+        "{msg}"
+    );
+}
+
+#[test]
 fn fsdp_takes_the_loop_options_and_its_own_defaults() {
     // nothing given: exactly the GPU run's defaults (not the host's)
     assert_eq!(fsdp(&["--backend", "fsdp"]), gpu_dapo::Options::default());

@@ -41,9 +41,10 @@ pub struct LmJob {
 }
 
 /// Rolls out one gen batch through the decoder: prompt `i` goes to data-parallel replica
-/// `i mod (W / T)`; each replica decodes all its `prompts × group_size` sequences as one batch
-/// (batched prefill, then decode steps with the KV cache), replicas on threads of their own
-/// ([`CpuDecoderEngine::generate`], with an engine made for the call).
+/// `i mod (W / T)`; each replica serves all its `prompts × group_size` samples as requests with
+/// seeds of their own ([`crate::dapo::sample_seed`]: the same samples as the lifecycle's
+/// engine gives), replicas on threads of their own ([`CpuDecoderEngine::generate`], with an
+/// engine made for the call); the groups carry the samples' log-probabilities.
 ///
 /// `#[sharded_rollout]` turns this into `generate_lm(&mut lifecycle, job)`.
 #[sharded_rollout]

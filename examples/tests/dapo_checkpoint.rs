@@ -207,8 +207,23 @@ fn dapo_on_a_qwen3_moe_checkpoint_with_both_expert_placements() {
         groups.push(lazy.groups);
     }
     // the placement changes where the experts live, not what the policy samples: only f32
-    // summation order differs, far below what would move a sample here
-    assert_eq!(groups[0], groups[1]);
+    // summation order differs, far below what would move a sample here, and the log-probabilities
+    // of the tokens agree to that order
+    let tokens = |gs: &[lifecycle_examples::dapo::Group]| -> Vec<(Vec<Vec<usize>>, Vec<f32>)> {
+        gs.iter()
+            .map(|g| (g.samples.clone(), g.rewards.clone()))
+            .collect()
+    };
+    assert_eq!(tokens(&groups[0]), tokens(&groups[1]));
+    let logprobs = |gs: &[lifecycle_examples::dapo::Group]| -> Vec<f32> {
+        gs.iter().flat_map(|g| g.logprobs.concat()).collect()
+    };
+    let (a, b) = (logprobs(&groups[0]), logprobs(&groups[1]));
+    assert_eq!(a.len(), b.len());
+    assert!(!a.is_empty(), "the rollout reports its log-probabilities");
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs().max(1.0), "{x} vs {y}");
+    }
 }
 
 /// A Qwen3-MoE model whose matrices split into whole 128 x 128 fp8 blocks at T = 2.

@@ -98,6 +98,64 @@ fn the_toy_policy_learns_the_reward_rule() {
     }
 }
 
+/// The rollout's log-probabilities reach the update: the toy policy samples from its bf16
+/// rollout copy and the update recomputes them from the fp32 masters, so they differ by the
+/// rounding of the weights, which the update measures, and TIS (on by default) weighs each
+/// token by min(exp(old − rollout), 2), close to 1 here; with TIS off the update is another,
+/// and the mismatch is measured the same.
+#[test]
+fn the_update_measures_the_rollout_trainer_mismatch_and_applies_tis() {
+    let config = DapoConfig {
+        steps: 2,
+        ..small()
+    };
+    let report = run(&config, Switching::Lazy, |_| {}).unwrap();
+    for g in &report.groups {
+        assert_eq!(g.logprobs.len(), g.samples.len());
+        for (lp, s) in g.logprobs.iter().zip(&g.samples) {
+            assert_eq!(lp.len(), s.len());
+            assert!(lp.iter().all(|&x| x.is_finite() && x <= 0.0), "{lp:?}");
+        }
+    }
+    let off = DapoConfig {
+        update: UpdateConfig {
+            tis_cap: None,
+            ..config.update
+        },
+        ..config
+    };
+    let without = run(&off, Switching::Lazy, |_| {}).unwrap();
+    // the first step's samples are those of the same initial weights
+    assert_eq!(report.groups[0], without.groups[0]);
+    for (s, t) in report.steps.iter().zip(&without.steps) {
+        let (UpdateOutcome::Dapo(on), UpdateOutcome::Dapo(off)) = (&s.update, &t.update) else {
+            panic!("step {}: {:?}", s.step, s.update);
+        };
+        let m = on
+            .mismatch
+            .expect("the toy rollout reports log-probabilities");
+        eprintln!("step {}: {m:?}, {:?}", s.step, on.tis);
+        assert_eq!(m.tokens, on.tokens);
+        // bf16 weights against fp32: a small, non-zero mismatch
+        assert!(m.mean_abs > 0.0 && m.mean_abs < 0.05, "{m:?}");
+        assert!(m.k3 >= 0.0 && m.k3 < 1e-2, "{m:?}");
+        let tis = on.tis.expect("TIS is on by default");
+        assert_eq!(tis.cap, 2.0);
+        assert!((tis.mean_weight - 1.0).abs() < 0.05, "{tis:?}");
+        assert!(off.tis.is_none() && off.mismatch.is_some());
+        if s.step == 1 {
+            // the same samples and old log-probs: TIS changes the loss, not the mismatch
+            assert_eq!(off.mismatch, on.mismatch);
+            assert_ne!(off.loss, on.loss);
+        }
+        assert!(
+            s.rollout_logprob.is_some_and(|lp| lp < 0.0),
+            "{:?}",
+            s.rollout_logprob
+        );
+    }
+}
+
 #[test]
 fn the_default_run_is_set_up_to_learn() {
     // the settings the example runs by default: the update is DAPO with clip-higher

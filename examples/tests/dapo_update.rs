@@ -36,6 +36,9 @@ struct Case {
     /// log π_old − log π at the starting weights, per token: ratios spread over both sides of
     /// the clip range.
     offsets: Vec<Vec<f32>>,
+    /// log π_old − log π_rollout per token: truncated importance weights below 1, between 1
+    /// and the cap, and above it.
+    rollout_offsets: Vec<Vec<f32>>,
     temperature: f32,
 }
 
@@ -48,11 +51,16 @@ fn case(temperature: f32) -> Case {
     let offsets = (0..4)
         .map(|i| (0..5).map(|j| steps[(i * 5 + j) % steps.len()]).collect())
         .collect();
+    let tis = [0.3f32, -0.4, 1.2, 0.0, -1.5, 0.6, 2.5];
+    let rollout_offsets = (0..4)
+        .map(|i| (0..5).map(|j| tis[(i * 5 + j) % tis.len()]).collect())
+        .collect();
     Case {
         prompts: vec![vec![1, 5, 2], vec![7, 0, 3], vec![1, 5, 2], vec![4, 4, 6]],
         completions,
         advantages: vec![1.2, -0.8, 0.5, -1.5],
         offsets,
+        rollout_offsets,
         temperature,
     }
 }
@@ -83,11 +91,21 @@ impl Case {
             .collect()
     }
 
+    /// The rollout's log-probabilities: the old ones minus the rollout offsets.
+    fn rollout(&self, old: &[Vec<f32>]) -> Vec<Vec<f32>> {
+        old.iter()
+            .zip(&self.rollout_offsets)
+            .map(|(lp, off)| lp.iter().zip(off).map(|(a, b)| a - b).collect())
+            .collect()
+    }
+
+    /// The loss under the default settings: verl's objective with truncated importance sampling.
     fn loss(&self, params: &Params, old: &[Vec<f32>]) -> f64 {
         let fwd = params.forward(&self.seqs(), self.temperature).unwrap();
         surrogate(
             fwd.logprobs(),
             old,
+            Some(&self.rollout(old)),
             &self.advantages,
             &UpdateConfig::default(),
             self.tokens(),
@@ -121,13 +139,25 @@ fn check_gradient(temperature: f32) {
     let c = case(temperature);
     let old = c.old(&start);
     let fwd = start.forward(&c.seqs(), c.temperature).unwrap();
+    let rollout = c.rollout(&old);
     let s = surrogate(
         fwd.logprobs(),
         &old,
+        Some(&rollout),
         &c.advantages,
         &UpdateConfig::default(),
         c.tokens(),
     );
+    // the weights differ from 1 and the cap binds on some tokens: TIS is in the gradient
+    let plain = surrogate(
+        fwd.logprobs(),
+        &old,
+        None,
+        &c.advantages,
+        &UpdateConfig::default(),
+        c.tokens(),
+    );
+    assert!((s.loss - plain.loss).abs() > 1e-3 * plain.loss.abs());
     // both branches of the clipped objective are exercised
     assert!(
         s.clipped > 0 && s.clipped < c.tokens(),
@@ -275,15 +305,41 @@ fn one_update_moves_the_policy_along_the_advantages() {
         layers: 2,
     };
     let mut rng = SplitMix64::new(9);
-    let groups: Vec<Group> = (0..4u64)
+    let mut groups: Vec<Group> = (0..4u64)
         .map(|id| Group {
             prompt: id,
             samples: (0..4)
                 .map(|_| (0..6).map(|_| (rng.next_u64() % 16) as usize).collect())
                 .collect(),
             rewards: vec![1.0, 0.0, 0.0, 1.0],
+            logprobs: Vec::new(),
         })
         .collect();
+    let bare = groups.clone();
+    // the rollout's log-probabilities: the initial policy's, off by ±0.05
+    let params = Params::from_tensors(policy, &policy.init(4)).unwrap();
+    for g in &mut groups {
+        let p = prompt(g.prompt, policy.vocab);
+        let seqs: Vec<Sequence<'_>> = g
+            .samples
+            .iter()
+            .map(|s| Sequence {
+                prompt: &p,
+                completion: s,
+            })
+            .collect();
+        let fwd = params.forward(&seqs, 1.0).unwrap();
+        g.logprobs = fwd
+            .logprobs()
+            .iter()
+            .enumerate()
+            .map(|(i, lp)| {
+                lp.iter()
+                    .map(|&x| x + if i % 2 == 0 { 0.05 } else { -0.05 })
+                    .collect()
+            })
+            .collect();
+    }
     // Σ_groups Σ_samples A · Σ_tokens log π: the first-order objective an update must raise
     let objective = |state: &HostTrainState| -> f64 {
         let params = Params::from_state(policy, state).unwrap();
@@ -315,8 +371,23 @@ fn one_update_moves_the_policy_along_the_advantages() {
         minibatches: 2,
         ..UpdateConfig::default()
     };
+    // TIS is on by default: groups without the rollout's log-probabilities are refused by name
+    let err = dapo_update(&mut state, policy, &bare, &config, 1.0).unwrap_err();
+    assert!(
+        err.to_string().contains("rollout log-probabilities")
+            && err.to_string().contains("--tis-cap 0"),
+        "{err}"
+    );
     let stats = dapo_update(&mut state, policy, &groups, &config, 1.0).unwrap();
     let after = objective(&state);
+    let m = stats.mismatch.expect("the groups carry rollout log-probs");
+    assert_eq!(m.tokens, 4 * 4 * 6);
+    assert!((m.mean_abs - 0.05).abs() < 1e-6, "{m:?}");
+    let k3 = ((0.05f64.exp() - 1.05) + ((-0.05f64).exp() - 0.95)) / 2.0;
+    assert!((m.k3 - k3).abs() < 1e-7, "{m:?}");
+    let tis = stats.tis.expect("TIS is on");
+    assert!((tis.mean_weight - (0.05f64.cosh())).abs() < 1e-6, "{tis:?}");
+    assert_eq!(tis.capped_fraction, 0.0);
     assert!(
         after > before + 1e-3,
         "objective {before} -> {after} ({stats:?})"

@@ -1,21 +1,30 @@
 //! The update's objectives against torch on shared inputs: `fixtures/verl_loss_inputs.json`
-//! (groups of rewards, per-token `logp` / `old_logp` pairs; made by
+//! (groups of rewards, per-token `logp` / `old_logp` / `rollout_logp` triples; made by
 //! `scripts/oracles/verl_loss_inputs.py`) and `fixtures/verl_loss_torch.json`, what
 //! `scripts/oracles/verl_loss.py` computes from them in torch (float64, CPU): verl's GRPO
-//! advantages and vanilla token-mean policy loss, the population variant, and the gradient of
-//! each loss with respect to every token's `logp` by autograd.
+//! advantages and vanilla token-mean policy loss, the population variant, verl's loss with
+//! truncated importance sampling (`verl_tis`), and the gradient of each loss with respect to
+//! every token's `logp` by autograd.
 //!
 //! Tolerance: the Rust objective runs in f32 on inputs that are exact in f32 (multiples of
 //! 1/256), so every figure must agree with torch's float64 within 1e-5 relative
 //! (`|ours − torch| ≤ 1e-5 · max(|ours|, |torch|)`); a figure that is 0 in torch (the gradient
 //! where a clip or the clamp binds, the advantages of equal rewards) must be 0 here.
 //!
-//! Until `verl_loss_torch.json` exists the comparisons fail and say how to make it.
+//! The TIS members of the inputs (`tis_cap`, `tis_cases`, each sequence's `rollout_logp`) came
+//! after the first torch reference: the `verl` and `population` comparisons check that the
+//! reference was made from the inputs without them ([`without_tis`]), so a reference made before
+//! or after they existed serves; `verl_tis` needs a reference made from the whole inputs. Until
+//! `verl_loss_torch.json` exists, or while it has no `verl_tis` objective, the comparisons that
+//! need it fail and say how to make it. [`tis_matches_an_independent_f64_computation`] checks
+//! the TIS loss without torch meanwhile: verl's formulas written again here in f64, checked
+//! against the torch reference's `verl` objective, times the weights.
 
 use std::path::{Path, PathBuf};
 
 use lifecycle_examples::dapo::update::{
-    group_advantages, surrogate, token_objective, Objective, UpdateConfig, LOG_RATIO_CLAMP,
+    group_advantages, surrogate, tis_weight, token_objective, Objective, UpdateConfig,
+    LOG_RATIO_CLAMP,
 };
 
 use json::Value;
@@ -36,6 +45,25 @@ fn inputs() -> Value {
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
     json::parse(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The members of the inputs that truncated importance sampling added.
+const TIS_MEMBERS: [&str; 3] = ["tis_cap", "tis_cases", "rollout_logp"];
+
+/// `v` without the TIS members ([`TIS_MEMBERS`]), at any depth: the inputs the `verl` and
+/// `population` objectives are computed from.
+fn without_tis(v: &Value) -> Value {
+    match v {
+        Value::Obj(members) => Value::Obj(
+            members
+                .iter()
+                .filter(|(k, _)| !TIS_MEMBERS.contains(&k.as_str()))
+                .map(|(k, x)| (k.clone(), without_tis(x)))
+                .collect(),
+        ),
+        Value::Arr(items) => Value::Arr(items.iter().map(without_tis).collect()),
+        other => other.clone(),
+    }
 }
 
 fn torch_reference() -> Value {
@@ -69,10 +97,14 @@ struct Inputs {
     owner: Vec<(usize, usize)>,
     logp: Vec<Vec<f32>>,
     old_logp: Vec<Vec<f32>>,
+    /// The rollout's log-probabilities of the tokens.
+    rollout_logp: Vec<Vec<f32>>,
 }
 
 impl Inputs {
-    fn read(v: &Value, objective: Objective) -> Inputs {
+    /// The inputs under `objective`, with truncated importance sampling at the inputs' cap when
+    /// `tis` (else `tis_cap: None`).
+    fn read(v: &Value, objective: Objective, tis: bool) -> Inputs {
         let num = |k: &str| v.get(k).num() as f32;
         let config = UpdateConfig {
             objective,
@@ -80,6 +112,7 @@ impl Inputs {
             clip_high: num("clip_high"),
             clip_ratio_c: num("clip_ratio_c"),
             adv_eps: num("adv_eps"),
+            tis_cap: tis.then(|| num("tis_cap")),
             ..UpdateConfig::default()
         };
         assert_eq!(num("log_ratio_clamp"), LOG_RATIO_CLAMP);
@@ -99,7 +132,22 @@ impl Inputs {
                 .collect(),
             logp: seqs.iter().map(|s| f32s(s.get("logp"))).collect(),
             old_logp: seqs.iter().map(|s| f32s(s.get("old_logp"))).collect(),
+            rollout_logp: seqs.iter().map(|s| f32s(s.get("rollout_logp"))).collect(),
         }
+    }
+
+    /// The truncated importance weight of every token (1 without TIS).
+    fn weights(&self) -> Vec<Vec<f32>> {
+        self.old_logp
+            .iter()
+            .zip(&self.rollout_logp)
+            .map(|(old, rollout)| {
+                old.iter()
+                    .zip(rollout)
+                    .map(|(&o, &r)| self.config.tis_cap.map_or(1.0, |c| tis_weight(o, r, c)))
+                    .collect()
+            })
+            .collect()
     }
 
     fn advantages(&self) -> Vec<Vec<f32>> {
@@ -142,11 +190,11 @@ impl Compare {
         }
     }
 
-    fn finish(self, objective: Objective) {
+    fn finish(self, what: &str) {
         assert!(
             self.bad.is_empty(),
-            "{objective}: {} of {} figures differ from torch by more than {REL} relative; the \
-             first ones:\n{}",
+            "{what}: {} of {} figures differ from torch by more than {REL} relative; the first \
+             ones:\n{}",
             self.bad.len(),
             self.checked,
             self.bad
@@ -160,18 +208,41 @@ impl Compare {
 }
 
 /// Our advantages, per-token ratios and losses, token-mean loss and its gradient against the
-/// torch reference's `objectives.<name>`.
-fn compare_with_torch(objective: Objective) {
+/// torch reference's `objectives.<name>`: `objective`, with truncated importance sampling when
+/// `tis` (the reference's `verl_tis`, which must then be there).
+fn compare_with_torch(objective: Objective, tis: bool) {
     let torch = torch_reference();
     let raw = inputs();
-    assert!(
-        torch.get("inputs") == &raw,
-        "verl_loss_torch.json was made from other inputs than verl_loss_inputs.json: make it \
-         again with `{MAKE_TORCH}`"
-    );
+    let name = if tis {
+        format!("{objective}_tis")
+    } else {
+        objective.to_string()
+    };
+    if tis {
+        assert!(
+            torch.get("objectives").find(&name).is_some(),
+            "the torch reference has no `{name}` objective (it was made before truncated \
+             importance sampling was added to the oracle): make it again on a machine with \
+             torch, from the repository root: `{MAKE_TORCH}` (see \
+             examples/tests/fixtures/README.md), then run this test again"
+        );
+        assert!(
+            torch.get("inputs") == &raw,
+            "verl_loss_torch.json was made from other inputs than verl_loss_inputs.json: make \
+             it again with `{MAKE_TORCH}`"
+        );
+    } else {
+        // the TIS members do not enter these objectives: a reference made before they existed
+        // serves
+        assert!(
+            without_tis(torch.get("inputs")) == without_tis(&raw),
+            "verl_loss_torch.json was made from other inputs than verl_loss_inputs.json: make it \
+             again with `{MAKE_TORCH}`"
+        );
+    }
     assert_eq!(torch.get("dtype").str(), "float64");
-    let input = Inputs::read(&raw, objective);
-    let want = torch.get("objectives").get(&objective.to_string());
+    let input = Inputs::read(&raw, objective, tis);
+    let want = torch.get("objectives").get(&name);
     let mut cmp = Compare::default();
 
     let advantages = input.advantages();
@@ -182,19 +253,30 @@ fn compare_with_torch(objective: Objective) {
     }
 
     let seq_adv = input.sequence_advantages(&advantages);
+    let weights = input.weights();
     let (torch_ratio, torch_loss) = (want.get("ratio").array(), want.get("token_loss").array());
-    for (k, ((lp, olp), &adv)) in input
+    for (k, (((lp, olp), &adv), w)) in input
         .logp
         .iter()
         .zip(&input.old_logp)
         .zip(&seq_adv)
+        .zip(&weights)
         .enumerate()
     {
         let tokens: Vec<_> = lp
             .iter()
             .zip(olp)
-            .map(|(&l, &o)| token_objective(l, o, adv, &input.config))
+            .zip(w)
+            .map(|((&l, &o), &w)| token_objective(l, o, adv, &input.config).weighted(w))
             .collect();
+        if tis {
+            let torch_w = want.get("tis_weight").array();
+            cmp.all(
+                &format!("TIS weight of sequence {k}"),
+                w,
+                &f64s(&torch_w[k]),
+            );
+        }
         let ratio: Vec<f32> = tokens.iter().map(|t| t.ratio).collect();
         let loss: Vec<f32> = tokens.iter().map(|t| -t.value).collect();
         cmp.all(
@@ -213,6 +295,7 @@ fn compare_with_torch(objective: Objective) {
     let s = surrogate(
         &input.logp,
         &input.old_logp,
+        Some(&input.rollout_logp),
         &seq_adv,
         &input.config,
         input.tokens(),
@@ -223,22 +306,33 @@ fn compare_with_torch(objective: Objective) {
     for (k, (g, t)) in s.dlogp.iter().zip(torch_grad).enumerate() {
         cmp.all(&format!("dloss/dlogp of sequence {k}"), g, &f64s(t));
     }
-    eprintln!(
-        "{objective}: {} figures agree with torch within {REL} relative ({})",
-        cmp.checked,
+    let check = if tis {
+        torch
+            .find("verl_tis_check")
+            .map_or("verl's TIS check not recorded", Value::str)
+    } else {
         torch.get("verl_check").str()
+    };
+    eprintln!(
+        "{name}: {} figures agree with torch within {REL} relative ({check})",
+        cmp.checked,
     );
-    cmp.finish(objective);
+    cmp.finish(&name);
 }
 
 #[test]
 fn verl_objective_matches_torch() {
-    compare_with_torch(Objective::Verl);
+    compare_with_torch(Objective::Verl, false);
 }
 
 #[test]
 fn population_objective_matches_torch() {
-    compare_with_torch(Objective::Population);
+    compare_with_torch(Objective::Population, false);
+}
+
+#[test]
+fn verl_objective_with_truncated_importance_sampling_matches_torch() {
+    compare_with_torch(Objective::Verl, true);
 }
 
 /// The inputs are the loop's settings and meet every branch of verl's objective, away from its
@@ -246,7 +340,7 @@ fn population_objective_matches_torch() {
 #[test]
 fn the_shared_inputs_cover_every_branch_of_verl_objective() {
     let raw = inputs();
-    let input = Inputs::read(&raw, Objective::Verl);
+    let input = Inputs::read(&raw, Objective::Verl, false);
     let d = UpdateConfig::default();
     assert_eq!(
         (
@@ -263,6 +357,7 @@ fn the_shared_inputs_cover_every_branch_of_verl_objective() {
         for x in f64s(s.get("logp"))
             .into_iter()
             .chain(f64s(s.get("old_logp")))
+            .chain(f64s(s.get("rollout_logp")))
         {
             assert_eq!(f64::from(x as f32), x, "{x} is not exact in f32");
         }
@@ -341,6 +436,256 @@ fn the_shared_inputs_cover_every_branch_of_verl_objective() {
     }
 }
 
+/// The TIS cases: weights below 1, between 1 and the cap, and above it (truncated), for
+/// positive, negative and zero advantages, away from the cap (where a rounding could truncate
+/// or not); and truncated tokens where the gradient flows and where a clip removed it.
+#[test]
+fn the_shared_inputs_cover_every_case_of_truncated_importance_sampling() {
+    let raw = inputs();
+    let input = Inputs::read(&raw, Objective::Verl, true);
+    let cap = input.config.tis_cap.expect("the inputs have a tis_cap");
+    assert_eq!(
+        Some(cap),
+        UpdateConfig::default().tis_cap,
+        "the inputs use the update's default cap"
+    );
+    let seq_adv = input.sequence_advantages(&input.advantages());
+    let mut seen = std::collections::BTreeSet::new();
+    for (k, &a) in seq_adv.iter().enumerate() {
+        for j in 0..input.logp[k].len() {
+            let (l, o, r) = (
+                input.logp[k][j],
+                input.old_logp[k][j],
+                input.rollout_logp[k][j],
+            );
+            assert!(r <= 0.0, "rollout log-prob {r} > 0");
+            let w = (f64::from(o) - f64::from(r)).exp();
+            assert!(
+                (w / f64::from(cap) - 1.0).abs() > 1e-2,
+                "weight {w} near the cap"
+            );
+            let sign = match a {
+                a if a > 0.0 => "A > 0",
+                a if a < 0.0 => "A < 0",
+                _ => "A = 0",
+            };
+            let region = if w < 1.0 {
+                "w < 1"
+            } else if w <= f64::from(cap) {
+                "1 ≤ w ≤ C"
+            } else {
+                "w > C (truncated)"
+            };
+            seen.insert((sign, region, ""));
+            if w > f64::from(cap) && a != 0.0 {
+                let t = token_objective(l, o, a, &input.config);
+                let grad = if t.clipped {
+                    "gradient clipped"
+                } else {
+                    "gradient flows"
+                };
+                seen.insert((sign, region, grad));
+            }
+        }
+    }
+    for sign in ["A > 0", "A < 0", "A = 0"] {
+        for region in ["w < 1", "1 ≤ w ≤ C", "w > C (truncated)"] {
+            assert!(
+                seen.contains(&(sign, region, "")),
+                "no token with {sign}, {region}"
+            );
+        }
+    }
+    for sign in ["A > 0", "A < 0"] {
+        for grad in ["gradient flows", "gradient clipped"] {
+            assert!(
+                seen.contains(&(sign, "w > C (truncated)", grad)),
+                "no truncated token with {sign} and its {grad}"
+            );
+        }
+    }
+}
+
+/// The inputs' settings as f64 (as torch reads them: `0.2f32` is not `0.2`).
+struct Settings64 {
+    clip_low: f64,
+    clip_high: f64,
+    clip_ratio_c: f64,
+    adv_eps: f64,
+    log_ratio_clamp: f64,
+    tis_cap: f64,
+}
+
+impl Settings64 {
+    fn read(v: &Value) -> Settings64 {
+        let num = |k: &str| v.get(k).num();
+        Settings64 {
+            clip_low: num("clip_low"),
+            clip_high: num("clip_high"),
+            clip_ratio_c: num("clip_ratio_c"),
+            adv_eps: num("adv_eps"),
+            log_ratio_clamp: num("log_ratio_clamp"),
+            tis_cap: num("tis_cap"),
+        }
+    }
+}
+
+/// verl's objective for one token, written again here in f64 from verl's
+/// `compute_policy_loss_vanilla` (not from the crate's objective): the loss and its derivative
+/// with respect to `logp`, both before the token mean, times the truncated importance weight
+/// `min(exp(old − rollout), cap)` when `tis` is `Some(rollout)`.
+fn verl_token_f64(logp: f64, old: f64, adv: f64, c: &Settings64, tis: Option<f64>) -> (f64, f64) {
+    let clamp = c.log_ratio_clamp;
+    let d = logp - old;
+    let ratio = d.clamp(-clamp, clamp).exp();
+    // torch.clamp passes the gradient where the input is inside the closed interval
+    let dratio = if d.abs() <= clamp { ratio } else { 0.0 };
+    let (lo, hi) = (1.0 - c.clip_low, 1.0 + c.clip_high);
+    let pg1 = -adv * ratio;
+    let pg2 = -adv * ratio.clamp(lo, hi);
+    // the inputs have no ties: the larger term takes the whole gradient
+    let (mut loss, mut grad) = if pg1 >= pg2 {
+        (pg1, -adv * dratio)
+    } else {
+        (pg2, 0.0)
+    };
+    let pg3 = -adv * c.clip_ratio_c;
+    if adv < 0.0 && pg3 < loss {
+        (loss, grad) = (pg3, 0.0);
+    }
+    if let Some(rollout) = tis {
+        let w = (old - rollout).exp().min(c.tis_cap);
+        (loss, grad) = (loss * w, grad * w);
+    }
+    (loss, grad)
+}
+
+/// verl's advantages in f64 (`torch.std`'s Bessel correction; mean 0 and std 1 for a group of
+/// one), written again here.
+fn verl_advantages_f64(rewards: &[f64], eps: f64) -> Vec<f64> {
+    let n = rewards.len() as f64;
+    let (mean, std) = if rewards.len() == 1 {
+        (0.0, 1.0)
+    } else {
+        let mean = rewards.iter().sum::<f64>() / n;
+        let ss = rewards.iter().map(|r| (r - mean).powi(2)).sum::<f64>();
+        (mean, (ss / (n - 1.0)).sqrt())
+    };
+    rewards.iter().map(|r| (r - mean) / (std + eps)).collect()
+}
+
+/// The TIS loss without torch: the f64 formulas above agree with the torch reference's `verl`
+/// objective (so they are verl's), and the crate's f32 update with TIS agrees with them times
+/// the weights, within [`REL`]. Runs whether or not the reference has `verl_tis` yet.
+#[test]
+fn tis_matches_an_independent_f64_computation() {
+    let raw = inputs();
+    let input = Inputs::read(&raw, Objective::Verl, true);
+    let c = &input.config;
+    let c64 = Settings64::read(&raw);
+    let seqs = raw.get("sequences").array();
+    let adv: Vec<Vec<f64>> = raw
+        .get("groups")
+        .array()
+        .iter()
+        .map(|g| verl_advantages_f64(&f64s(g.get("rewards")), c64.adv_eps))
+        .collect();
+    let n = input.tokens() as f64;
+    // per sequence: (loss, dloss/dlogp) per token without and with TIS, token mean applied
+    let eval = |tis: bool| -> (f64, Vec<Vec<f64>>, Vec<Vec<f64>>) {
+        let (mut total, mut losses, mut grads) = (0.0, Vec::new(), Vec::new());
+        for (s, &(g, i)) in seqs.iter().zip(&input.owner) {
+            let (lp, old, rollout) = (
+                f64s(s.get("logp")),
+                f64s(s.get("old_logp")),
+                f64s(s.get("rollout_logp")),
+            );
+            let (mut l, mut d) = (Vec::new(), Vec::new());
+            for j in 0..lp.len() {
+                let t = tis.then_some(rollout[j]);
+                let (loss, grad) = verl_token_f64(lp[j], old[j], adv[g][i], &c64, t);
+                total += loss;
+                l.push(loss);
+                d.push(grad / n);
+            }
+            losses.push(l);
+            grads.push(d);
+        }
+        (total / n, losses, grads)
+    };
+
+    // the f64 formulas are verl's: they reproduce torch's `verl` objective
+    let torch = torch_reference();
+    assert!(
+        without_tis(torch.get("inputs")) == without_tis(&raw),
+        "verl_loss_torch.json was made from other inputs than verl_loss_inputs.json: make it \
+         again with `{MAKE_TORCH}`"
+    );
+    let want = torch.get("objectives").get("verl");
+    let (loss, losses, grads) = eval(false);
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * a.abs().max(b.abs()) + 1e-300;
+    assert!(
+        close(loss, want.get("loss").num()),
+        "f64 loss {loss} vs torch"
+    );
+    for (k, (l, d)) in losses.iter().zip(&grads).enumerate() {
+        let (tl, td) = (
+            f64s(&want.get("token_loss").array()[k]),
+            f64s(&want.get("dloss_dlogp").array()[k]),
+        );
+        for j in 0..l.len() {
+            assert!(
+                close(l[j], tl[j]) && close(d[j], td[j]),
+                "sequence {k} token {j}: f64 ({}, {}) vs torch ({}, {})",
+                l[j],
+                d[j],
+                tl[j],
+                td[j]
+            );
+        }
+    }
+
+    // the crate's update with TIS against the f64 formulas with TIS
+    let (loss, losses, grads) = eval(true);
+    let seq_adv = input.sequence_advantages(&input.advantages());
+    let s = surrogate(
+        &input.logp,
+        &input.old_logp,
+        Some(&input.rollout_logp),
+        &seq_adv,
+        c,
+        input.tokens(),
+    );
+    let mut cmp = Compare::default();
+    cmp.one(|| "token-mean loss".into(), s.loss, loss);
+    for (k, (g, want)) in s.dlogp.iter().zip(&grads).enumerate() {
+        cmp.all(&format!("dloss/dlogp of sequence {k}"), g, want);
+    }
+    let weights = input.weights();
+    for (k, want) in losses.iter().enumerate() {
+        let ours: Vec<f32> = (0..want.len())
+            .map(|j| {
+                let (l, o) = (input.logp[k][j], input.old_logp[k][j]);
+                -token_objective(l, o, seq_adv[k], c)
+                    .weighted(weights[k][j])
+                    .value
+            })
+            .collect();
+        cmp.all(&format!("token loss of sequence {k}"), &ours, want);
+    }
+    // TIS changed the loss: the weights are not all 1
+    let (plain, _, _) = eval(false);
+    assert!(
+        (loss - plain).abs() > 1e-3 * plain.abs(),
+        "{loss} vs {plain}"
+    );
+    eprintln!(
+        "verl with TIS: {} figures agree with the f64 formulas within {REL} relative",
+        cmp.checked
+    );
+    cmp.finish("verl_tis (f64)");
+}
+
 /// A small JSON reader for the fixtures (objects, arrays, numbers, strings, booleans, null).
 mod json {
     /// A JSON value; objects keep their keys in file order.
@@ -364,6 +709,14 @@ mod json {
                     .map(|(_, v)| v)
                     .unwrap_or_else(|| panic!("no member `{key}` in the fixture")),
                 other => panic!("expected an object with `{key}`, found {other:?}"),
+            }
+        }
+
+        /// The member `key` of an object, if there is one.
+        pub fn find(&self, key: &str) -> Option<&Value> {
+            match self {
+                Value::Obj(members) => members.iter().find(|(k, _)| k == key).map(|(_, v)| v),
+                _ => None,
             }
         }
 

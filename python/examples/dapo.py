@@ -3,9 +3,13 @@
 A small Qwen2 made from a config with `transformers` (no download), wrapped in FSDP2, trained
 with real autograd and `torch.optim.AdamW` on verl's DAPO objective (group-normalised
 advantages with Bessel's std + 1e-6, token-level clipped loss with clip-higher, dual-clip
-c = 3, log-ratio clamped to ±20, token mean), with dynamic sampling: per step, the rollout is
-called until enough groups have mixed rewards. Rollouts run on the project's GPU engine on the
-switch's rollout weights.
+c = 3, log-ratio clamped to ±20, token mean; the loss is loss.py's, beside this file), with
+dynamic sampling: per step, the rollout is called until enough groups have mixed rewards.
+Rollouts run on the project's GPU engine on the switch's rollout weights, and return each
+token's log-probability there (bf16 weights, the engine's kernels): verl's truncated importance
+sampling weighs each token's loss by min(exp(trainer log-prob - rollout log-prob), C)
+(`--tis-cap C`, 2 by default; `--tis-cap 0` or `--no-tis` turns it off), and every step prints
+the mismatch between the two (mean |d logp| and the k3 estimate of KL(rollout || trainer)).
 
 The reward is a rule on the tokens: 1 when at least 4 of the 8 generated tokens t have
 t mod 4 == 0 (a uniform policy scores about 0.11).
@@ -17,7 +21,7 @@ The same run goes three ways from the same seed and must produce identical sampl
          model on every call, which the engine then reads.
 and reports the time each spends switching.
 
-    python python/examples/dapo.py [--steps 12] [--paths lazy,eager,naive]
+    python python/examples/dapo.py [--steps 12] [--paths lazy,eager,naive] [--tis-cap 2]
     torchrun --nproc_per_node=2 python/examples/dapo.py     (FSDP2 W = 2, rollouts at T = 2)
 """
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -34,6 +39,11 @@ import transformers
 from torch.distributed.fsdp import fully_shard
 
 import lifecycle
+
+# loss.py sits beside this script: `python dapo.py` and torchrun put this folder on the path; a
+# loader that runs the file from elsewhere (importlib) may not
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from loss import advantages, mismatch, token_logps, verl_loss  # noqa: E402
 
 
 def config():
@@ -55,30 +65,10 @@ def reward(tokens: list[int]) -> float:
     return 1.0 if sum(1 for t in tokens if t % 4 == 0) >= 4 else 0.0
 
 
-def advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """verl's GRPO outcome advantage: (r - mean) / (std + 1e-6), std with Bessel's correction;
-    a group of one sample has mean 0 and std 1 (as verl's `compute_grpo_outcome_advantage`)."""
-    if rewards.numel() == 1:
-        return rewards / (1.0 + 1e-6)
-    return (rewards - rewards.mean()) / (rewards.std() + 1e-6)
-
-
-def verl_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.28, clip_c=3.0):
-    """verl's vanilla policy loss with dual-clip, token-mean over `mask`."""
-    log_ratio = torch.clamp(logp - old_logp, -20.0, 20.0)
-    ratio = torch.exp(log_ratio)
-    l1 = -adv * ratio
-    l2 = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    clipped = torch.maximum(l1, l2)
-    l3 = -adv * clip_c
-    loss = torch.where(adv < 0, torch.minimum(l3, clipped), clipped)
-    return (loss * mask).sum() / mask.sum()
-
-
-def token_logps(model, seqs: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """log π(token) of every generated token (positions prompt_len..)."""
-    logits = model(input_ids=seqs).logits[:, prompt_len - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, seqs[:, prompt_len:, None]).squeeze(-1)
+def padded(rows, width, fill):
+    """`rows` (lists or arrays of at most `width` items) as a (len(rows), width) list of lists,
+    each row filled up with `fill`."""
+    return [list(r) + [fill] * (width - len(r)) for r in rows]
 
 
 class NaiveRollout:
@@ -124,7 +114,9 @@ def run(path: str, args) -> dict:
     else:
         switch, engine = naive.switch, naive.engine
     gen = torch.Generator().manual_seed(args.seed + 1)
-    switch_s, calls, curve, samples = 0.0, 0, [], []
+    switch_s, calls, curve, samples, mismatches = 0.0, 0, [], [], []
+    tis_cap = None if args.no_tis or args.tis_cap == 0 else args.tis_cap
+    rank0 = dist.get_rank() == 0
     for step in range(args.steps):
         kept, gen_batches, all_r = [], 0, []
         while len(kept) < args.groups and gen_batches < args.max_calls:
@@ -136,39 +128,57 @@ def run(path: str, args) -> dict:
                 torch.cuda.synchronize()
             with switch.rollout(refresh=naive is not None) as w:
                 switch_s += time.perf_counter() - t
-                out = [
-                    s.tokens
-                    for s in engine.generate(
-                        w, batch, max_new_tokens=args.new, temperature=1.0, seed=1000 * step + gen_batches
-                    )
-                ]
+                got = engine.generate(
+                    w, batch, max_new_tokens=args.new, temperature=args.temperature,
+                    seed=1000 * step + gen_batches,
+                )
+            out = [s.tokens for s in got]
             gen_batches += 1
             calls += 1
             samples.append(out)
             for g in range(args.prompts):
-                toks = out[g * args.group : (g + 1) * args.group]
+                group = got[g * args.group : (g + 1) * args.group]
+                toks = [s.tokens for s in group]
                 r = [reward(x) for x in toks]
                 all_r += r
                 if min(r) != max(r):
-                    kept.append((prompts[g].tolist(), toks, r))
+                    # the rollout's log-probability of every token (the engine's weights)
+                    kept.append((prompts[g].tolist(), toks, r, [s.logprobs.tolist() for s in group]))
         curve.append(sum(all_r) / len(all_r))
         if not kept:
+            mismatches.append(None)
             continue
         kept = kept[: args.groups]
         # the update: nothing is offloaded, so torch trains the shards while the rollout weights
-        # stay resident; the optimizer's in-place writes mark them stale for the next rollout
+        # stay resident; the optimizer's in-place writes mark them stale for the next rollout.
+        # Samples shorter than --new (none without stop tokens) are padded and masked out.
+        toks = [x for _, ts, _, _ in kept for x in ts]
         seqs = torch.tensor(
-            [p + x for p, toks, _ in kept for x in toks], device="cuda", dtype=torch.long
+            padded([p + x for p, ts, _, _ in kept for x in ts], args.prompt_len + args.new, 0),
+            device="cuda",
+            dtype=torch.long,
         )
-        adv = torch.cat([advantages(torch.tensor(r)) for _, _, r in kept]).cuda()[:, None]
-        mask = torch.ones(seqs.shape[0], args.new, device="cuda")
+        mask = torch.tensor(padded([[1.0] * len(x) for x in toks], args.new, 0.0), device="cuda")
+        rollout = torch.tensor(
+            padded([lp for _, _, _, lps in kept for lp in lps], args.new, 0.0), device="cuda"
+        )
+        adv = torch.cat([advantages(torch.tensor(r)) for _, _, r, _ in kept]).cuda()[:, None]
         with torch.no_grad():
-            old = token_logps(model, seqs, args.prompt_len)
+            # π_old: the trainer's fp32 weights before the first optimizer step
+            old = token_logps(model, seqs, args.prompt_len, args.temperature)
+        delta, kl = mismatch(old, rollout, mask)
+        mismatches.append({"mean_abs_dlogp": delta, "kl_k3": kl})
+        if rank0:
+            print(
+                f"[{path}] step {step + 1}: mean reward {curve[-1]:.3f}, {len(kept)} groups kept, "
+                f"rollout vs trainer log-probs: mean |d logp| {delta:.3e}, KL k3 {kl:.3e}",
+                flush=True,
+            )
         order = torch.arange(seqs.shape[0])
         for mb in order.chunk(args.minibatches):
             mb = mb.cuda()
-            logp = token_logps(model, seqs[mb], args.prompt_len)
-            loss = verl_loss(logp, old[mb], adv[mb], mask[mb])
+            logp = token_logps(model, seqs[mb], args.prompt_len, args.temperature)
+            loss = verl_loss(logp, old[mb], adv[mb], mask[mb], rollout_logp=rollout[mb], tis_cap=tis_cap)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -179,6 +189,7 @@ def run(path: str, args) -> dict:
         "switch_s": switch_s,
         "stats": switch.stats(),
         "samples": samples,
+        "mismatch": mismatches,
     }
 
 
@@ -195,7 +206,18 @@ def main():
     ap.add_argument("--minibatches", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    ap.add_argument(
+        "--tis-cap", type=float, default=2.0,
+        help="truncated importance sampling: each token's loss times min(exp(trainer log-prob - "
+        "rollout log-prob), C) with C this cap (verl's tis_imp_ratio_cap); 0 turns it off",
+    )
+    ap.add_argument("--no-tis", action="store_true", help="no truncated importance sampling (--tis-cap 0)")
     args = ap.parse_args()
+    if not (args.tis_cap >= 0 and args.tis_cap < float("inf")):
+        ap.error(f"--tis-cap must be a finite number >= 0 (0 turns TIS off), got {args.tis_cap}")
+    if not (args.temperature >= 0 and args.temperature < float("inf")):
+        ap.error(f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     if not dist.is_initialized():
@@ -210,8 +232,10 @@ def main():
         dist.destroy_process_group()
         return
     base = runs[0]
+    tis = "off" if args.no_tis or args.tis_cap == 0 else f"capped at {args.tis_cap}"
     print(f"DAPO on a Qwen2 of {sum(p.numel() for p in transformers.Qwen2ForCausalLM(config()).parameters())} "
-          f"parameters, FSDP2 W = {dist.get_world_size()}, AdamW lr {args.lr}, verl's loss, {args.steps} steps")
+          f"parameters, FSDP2 W = {dist.get_world_size()}, AdamW lr {args.lr}, verl's loss, "
+          f"truncated importance sampling {tis}, {args.steps} steps")
     print(f"{'':24}" + "".join(f"{r['path']:>12}" for r in runs))
     print(f"{'rollout calls':24}" + "".join(f"{r['calls']:>12}" for r in runs))
     print(f"{'switches (enter+refr.)':24}" + "".join(
@@ -222,6 +246,11 @@ def main():
         c = r["curve"]
         print(f"{r['path']:>6} learning curve: " + " ".join(f"{x:.3f}" for x in c)
               + f"  (first quarter {sum(c[:q]) / q:.3f} -> last quarter {sum(c[-q:]) / q:.3f})")
+        m = [x for x in r["mismatch"] if x is not None]
+        if m:
+            print(f"{r['path']:>6} rollout vs trainer: mean |d logp| "
+                  f"{sum(x['mean_abs_dlogp'] for x in m) / len(m):.3e}, KL k3 "
+                  f"{sum(x['kl_k3'] for x in m) / len(m):.3e} (mean over {len(m)} steps)")
     # at W > 1 the naive path's rollout model is one unsharded copy per process (T = 1), whose
     # sums round differently from the T = W group's: its samples are reported, not compared
     world = dist.get_world_size()

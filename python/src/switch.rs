@@ -466,7 +466,7 @@ impl PySwitch {
         want: usize,
         group: Py<PyAny>,
         keep: Py<PyAny>,
-    ) -> PyResult<(Vec<(u64, Vec<SampleTuple>)>, Bound<'py, PyDict>)> {
+    ) -> PyResult<(Vec<KeptGroup>, Bound<'py, PyDict>)> {
         let raised: Mutex<Option<PyErr>> = Mutex::new(None);
         let stash = |e: PyErr| {
             if let Ok(mut r) = raised.lock() {
@@ -535,6 +535,9 @@ impl PySwitch {
 /// A sample as Python receives it: tokens, log-probabilities at the temperature, at T = 1 and
 /// truncated, the finish reason and each token's weight version.
 type SampleTuple = (Vec<u32>, Vec<f32>, Vec<f32>, Vec<f32>, String, Vec<u64>);
+
+/// A kept group as Python receives it: its id and its samples.
+type KeptGroup = (u64, Vec<SampleTuple>);
 
 fn sample_tuple(s: &Sample) -> SampleTuple {
     (

@@ -4,10 +4,17 @@
     python3 scripts/oracles/verl_loss_inputs.py --out examples/tests/fixtures/verl_loss_inputs.json
 
 The inputs: groups of rewards (one sequence per sample) and, per sequence, completion tokens with
-(logp, old_logp) pairs. Every number is a multiple of 1/256 below 64 in magnitude, so it is exact
-in float32 and float64 alike, and so is logp - old_logp: the Rust test (float32) and the torch
-oracle (float64) start from the same numbers. The log-ratios d = logp - old_logp are chosen away
-from the kinks of the objective (ln 0.8, ln 1.28, ln 3, +-20) so that no token sits on a tie.
+(logp, old_logp, rollout_logp) triples. Every number is a multiple of 1/256 below 64 in magnitude,
+so it is exact in float32 and float64 alike, and so are logp - old_logp and old_logp -
+rollout_logp: the Rust test (float32) and the torch oracle (float64) start from the same numbers.
+The log-ratios d = logp - old_logp are chosen away from the kinks of the objective (ln 0.8,
+ln 1.28, ln 3, +-20) so that no token sits on a tie, and the rollout offsets
+old_logp - rollout_logp away from ln C (C = tis_cap, the cap of truncated importance sampling).
+
+The TIS members (`tis_cap`, `tis_cases` and each sequence's `rollout_logp`) were added after the
+rest: without them the file is the one the first torch reference was made from, and the Rust
+test compares the `verl` and `population` objectives on the inputs without them, so a reference
+made before they existed still checks those two objectives.
 
 The file this writes is committed; run this again only to change the cases (then run
 scripts/oracles/verl_loss.py again on a machine with torch).
@@ -40,6 +47,24 @@ TOKENS = [
     (-0.5, -19.75, "log-ratio just inside -20"),
 ]
 
+# truncated importance sampling (verl's token-level TIS): the token's loss is multiplied by
+# w = min(exp(old_logp - rollout_logp), C). Each case is (old_logp - rollout_logp, what w is);
+# a token takes the cases in rotation, skipping one that would make rollout_logp positive.
+TIS_CAP = 2.0
+TIS_CASES = [
+    (0.0, "w = 1: the rollout agrees with the trainer"),
+    (0.25, "w between 1 and C"),
+    (-0.5, "w below 1"),
+    (0.625, "w just below C = 2"),
+    (0.75, "w just above C: the cap binds"),
+    (-0.125, "w just below 1"),
+    (2.0, "w far above C"),
+    (-3.0, "w far below 1"),
+    (0.5, "w between 1 and C"),
+    (6.0, "w = e^6, capped at C"),
+    (-8.0, "w near 0"),
+]
+
 # rewards per group, with what the group exercises
 GROUPS = [
     ([1.0, 0.0, 0.0, 1.0], "two of four rewarded"),
@@ -51,6 +76,16 @@ GROUPS = [
 ]
 
 
+def rollout_offset(s, j, old):
+    """old_logp - rollout_logp of token j of sequence s: TIS_CASES from (3 s + j) on, the first
+    that keeps rollout_logp = old_logp - offset at most 0 (a log-probability)."""
+    for k in range(len(TIS_CASES)):
+        offset = TIS_CASES[(3 * s + j + k) % len(TIS_CASES)][0]
+        if old - offset <= 0:
+            return offset
+    sys.exit(f"no TIS case keeps the rollout log-probability of {old} at most 0")
+
+
 def sequences():
     """One sequence per sample of every group: a rotation of TOKENS, of length 5 to 17."""
     out = []
@@ -60,12 +95,16 @@ def sequences():
             length = 5 + (7 * s) % 13
             start = (5 * s) % len(TOKENS)
             picks = [TOKENS[(start + j) % len(TOKENS)] for j in range(length)]
+            old_logp = [old for old, _, _ in picks]
             out.append(
                 {
                     "group": g,
                     "sample": i,
                     "logp": [old + d for old, d, _ in picks],
-                    "old_logp": [old for old, _, _ in picks],
+                    "old_logp": old_logp,
+                    "rollout_logp": [
+                        old - rollout_offset(s, j, old) for j, old in enumerate(old_logp)
+                    ],
                 }
             )
             s += 1
@@ -83,7 +122,7 @@ def main():
     args = parser.parse_args()
     seqs = sequences()
     for s in seqs:
-        for v in s["logp"] + s["old_logp"]:
+        for v in s["logp"] + s["old_logp"] + s["rollout_logp"]:
             if not exact_f32(v):
                 sys.exit(f"{v} is not exact in float32")
     doc = {
@@ -95,7 +134,9 @@ def main():
         "clip_ratio_c": 3.0,
         "adv_eps": 1e-6,
         "log_ratio_clamp": 20.0,
+        "tis_cap": TIS_CAP,
         "token_cases": [{"old_logp": o, "log_ratio": d, "note": n} for o, d, n in TOKENS],
+        "tis_cases": [{"old_minus_rollout": o, "note": n} for o, n in TIS_CASES],
         "groups": [{"rewards": r, "note": n} for r, n in GROUPS],
         "sequences": seqs,
     }

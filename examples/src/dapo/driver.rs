@@ -139,6 +139,15 @@ pub trait DapoBackend<B: Reshard, E: RolloutEngine<B::Rollout>> {
     }
 }
 
+/// The mean of every rollout log-probability the groups carry; `None` for none.
+fn mean_logprob(groups: &[Group]) -> Option<f64> {
+    let (sum, n) = groups
+        .iter()
+        .flat_map(|g| g.logprobs.iter().flatten())
+        .fold((0.0f64, 0usize), |(s, n), &x| (s + f64::from(x), n + 1));
+    (n > 0).then(|| sum / n as f64)
+}
+
 /// Ends a rollout call: the body's error first, then the lifecycle's.
 fn finish_call<B: Reshard, E: RolloutEngine<B::Rollout>, T, X>(
     session: RolloutSession<'_, B, E>,
@@ -260,6 +269,7 @@ where
         let mean_reward = (reward_sum / samples.max(1) as f64) as f32;
         let kept_reward = kept.iter().flat_map(|g| &g.rewards).sum::<f32>()
             / kept.iter().map(|g| g.rewards.len()).sum::<usize>().max(1) as f32;
+        let rollout_logprob = mean_logprob(&kept);
 
         let update_start = Instant::now();
         let (outcome, update_apply) = {
@@ -278,6 +288,7 @@ where
             short_of,
             mean_reward,
             kept_reward,
+            rollout_logprob,
             switches: delta.switches(),
             exits: delta.exits,
             bytes: delta.bytes(),

@@ -5,22 +5,24 @@
 //!   groups are views of the resident weights, and a sequence's recurrent state lives inside
 //!   the call that samples it.
 //! - [`CpuDecoderEngine`]: the Qwen2 / Llama CPU decoder ([`CpuDecoder`]) over the FSDP
-//!   backends' unfused layout or Megatron's fused one. Its wake checks every replica's weights
-//!   against the model (the decoder's own checks); its KV cache is allocated by the decoder in
-//!   each call and freed at the end of it, so between calls it holds nothing
-//!   ([`CpuDecoderEngine::kv_bytes_per_call`] says how much one call allocates).
+//!   backends' unfused layout or Megatron's fused one, serving each call's samples as requests
+//!   through the continuous-batching [`Scheduler`] (one request per sample, each with its own
+//!   seed, [`super::sample_seed`]), so every sample comes back with its per-token
+//!   log-probabilities. Its wake checks every replica's weights against the model (the
+//!   decoder's own checks); its KV cache is allocated by the decoder in each call and freed at
+//!   the end of it, so between calls it holds nothing ([`CpuDecoderEngine::kv_bytes_per_call`]
+//!   says how much one call allocates).
 
 use std::convert::Infallible;
 use std::time::{Duration, Instant};
 
 use lifecycle_core::{EngineBytes, PhaseScope, RolloutEngine, RolloutView};
-use lifecycle_decoder::{CpuDecoder, DecodeError, Decoder, ModelConfig, Sampling};
+use lifecycle_decoder::{CpuDecoder, DecodeError, ModelConfig, Request, SamplingParams, Scheduler};
 use lifecycle_layout::fp8::Fp8Compute;
 use lifecycle_layout::RolloutLayout as FusedLayout;
 use lifecycle_layout::{HostRollout, RankRollout, RolloutLayout};
 
-use super::{prompt, rewarded_group, sample_gen_batch, GenJob, Group, RewardRule};
-use crate::rng::SplitMix64;
+use super::{prompt, rewarded_group, sample_gen_batch, sample_seed, GenJob, Group, RewardRule};
 
 /// The toy policy's engine (see the module docs): nothing to allocate at wake, nothing held.
 #[derive(Debug, Default, Clone, Copy)]
@@ -98,7 +100,7 @@ pub struct DecodeJob {
     pub tokens: usize,
     /// Temperature.
     pub temperature: f32,
-    /// Sampling seed.
+    /// Sampling seed: sample `s` of prompt `id` draws with [`super::sample_seed`]`(seed, id, s)`.
     pub seed: u64,
     /// The reward rule.
     pub reward: RewardRule,
@@ -113,8 +115,8 @@ pub struct CpuDecoderEngine {
     fp8: Fp8Compute,
 }
 
-/// Generated sequences of one replica: prompt id and tokens.
-type Samples = Vec<(u64, Vec<u32>)>;
+/// Generated sequences of one replica: prompt id, tokens and their log-probabilities.
+type Samples = Vec<(u64, Vec<u32>, Vec<f32>)>;
 
 impl CpuDecoderEngine {
     /// An engine decoding `model` from weights laid out as `layout`.
@@ -161,9 +163,13 @@ impl CpuDecoderEngine {
     }
 
     /// Decodes one gen batch on `weights`: prompt `i` goes to data-parallel replica
-    /// `i mod (W / T)`; each replica decodes its `prompts × group_size` sequences as one batch
-    /// (batched prefill, then decode steps with the KV cache) on a thread of its own. The time
-    /// spent building the decoders (weight checks) and generating.
+    /// `i mod (W / T)`; each replica serves its `prompts × group_size` samples as requests
+    /// through a [`Scheduler`] over a decoder with a KV slot per sample (prefill together, then
+    /// decode steps with the KV cache) on a thread of its own. Sample `s` of prompt `id` draws
+    /// from its own seed, [`super::sample_seed`]`(job.seed, id, s)`, so its tokens do not depend
+    /// on the replicas; each group carries its samples' log-probabilities
+    /// ([`Group::logprobs`]). The time spent building the decoders (weight checks) and
+    /// generating.
     pub fn generate(
         &mut self,
         weights: &HostRollout,
@@ -180,28 +186,37 @@ impl CpuDecoderEngine {
                         let group: Vec<_> = weights.ranks[d * tp..(d + 1) * tp].iter().collect();
                         scope.spawn(move || {
                             let t = Instant::now();
-                            let mut decoder = layout.decoder(model, &group)?.with_fp8_compute(fp8);
+                            let decoder = layout.decoder(model, &group)?.with_fp8_compute(fp8);
                             let setup = t.elapsed();
-                            let ids: Vec<u64> = job
+                            let ids: Vec<(u64, usize)> = job
                                 .prompts
                                 .iter()
                                 .enumerate()
                                 .filter(|(i, _)| i % replicas == d)
-                                .flat_map(|(_, &id)| std::iter::repeat_n(id, job.group_size))
+                                .flat_map(|(_, &id)| (0..job.group_size).map(move |s| (id, s)))
                                 .collect();
-                            let prompts: Vec<Vec<u32>> = ids
+                            let requests: Vec<Request> = ids
                                 .iter()
-                                .map(|&id| prompt(id, vocab).iter().map(|&t| t as u32).collect())
+                                .map(|&(id, s)| {
+                                    let tokens = prompt(id, vocab).into_iter().map(|t| t as u32);
+                                    let params = SamplingParams::new(job.tokens)
+                                        .with_temperature(job.temperature)
+                                        .with_seed(sample_seed(job.seed, id, s));
+                                    Request::new(tokens.collect(), params)
+                                })
                                 .collect();
-                            let sampling = Sampling {
-                                temperature: job.temperature,
-                                max_new_tokens: job.tokens,
-                                seed: SplitMix64::from_keys(&[job.seed, d as u64]).next_u64(),
-                                stop_token: None,
-                            };
+                            // a KV slot per sample, each as long as a whole sample
+                            let positions = requests.iter().map(Request::positions).max();
+                            let mut decoder =
+                                decoder.with_slots(requests.len(), positions.unwrap_or(1));
                             let t = Instant::now();
-                            let out = decoder.generate(&prompts, &sampling)?;
-                            Ok((ids.into_iter().zip(out).collect(), setup, t.elapsed()))
+                            let out = Scheduler::new().run(&mut decoder, requests)?;
+                            let samples = ids
+                                .into_iter()
+                                .zip(out)
+                                .map(|((id, _), s)| (id, s.tokens, s.logprobs))
+                                .collect();
+                            Ok((samples, setup, t.elapsed()))
                         })
                     })
                     .collect();
@@ -225,12 +240,12 @@ impl CpuDecoderEngine {
             .prompts
             .iter()
             .map(|&id| {
-                let samples: Vec<Vec<usize>> = samples
+                let (tokens, logprobs): (Vec<Vec<usize>>, Vec<Vec<f32>>) = samples
                     .iter()
-                    .filter(|(p, _)| *p == id)
-                    .map(|(_, t)| t.iter().map(|&x| x as usize).collect())
-                    .collect();
-                rewarded_group(id, job.reward, samples)
+                    .filter(|(p, _, _)| *p == id)
+                    .map(|(_, t, lp)| (t.iter().map(|&x| x as usize).collect(), lp.clone()))
+                    .unzip();
+                rewarded_group(id, job.reward, tokens, logprobs)
             })
             .collect();
         Ok((groups, setup, generate))

@@ -217,6 +217,12 @@ pub struct Group {
     pub samples: Vec<Vec<usize>>,
     /// Reward of each sample.
     pub rewards: Vec<f32>,
+    /// The rollout's log-probability of each generated token of each sample (shaped like
+    /// `samples`): `log_softmax(logits / T)` of the rollout weights at the sampling temperature,
+    /// before any top-k / top-p truncation, what the update's truncated importance sampling
+    /// weighs against the trainer's ([`update::tis_weight`]); empty where the rollout reported
+    /// none.
+    pub logprobs: Vec<Vec<f32>>,
 }
 
 impl Group {
@@ -255,14 +261,32 @@ pub fn prompt(id: u64, vocab: usize) -> Vec<usize> {
         .collect()
 }
 
-/// The group of prompt `id`: its samples, rewarded by `rule`.
-pub fn rewarded_group(id: u64, rule: RewardRule, samples: Vec<Vec<usize>>) -> Group {
+/// The group of prompt `id`: its samples, rewarded by `rule`, with the rollout's log-probability
+/// of each of their tokens ([`Group::logprobs`]; empty for none).
+pub fn rewarded_group(
+    id: u64,
+    rule: RewardRule,
+    samples: Vec<Vec<usize>>,
+    logprobs: Vec<Vec<f32>>,
+) -> Group {
     let rewards = samples.iter().map(|s| rule.reward(s)).collect();
     Group {
         prompt: id,
         samples,
         rewards,
+        logprobs,
     }
+}
+
+/// The sampling seed of sample `sample` of prompt `prompt` in a gen batch of seed `seed`: every
+/// sample draws from a generator of its own (`SplitMix64::from_keys(&[seed, prompt, sample])`'s
+/// first word as its request's [`SamplingParams::seed`](lifecycle_decoder::SamplingParams)), so
+/// its tokens depend on its prompt, its index and the weights only, never on the replica or the
+/// batch it is decoded in. Every decoder rollout (the CPU and GPU engines, a decoder built per
+/// call; under lazy and eager alike) takes its seeds from here; the toy policy draws from
+/// `SplitMix64::from_keys(&[seed, prompt, sample])` itself.
+pub fn sample_seed(seed: u64, prompt: u64, sample: usize) -> u64 {
+    SplitMix64::from_keys(&[seed, prompt, sample as u64]).next_u64()
 }
 
 /// Rolls out one gen batch: `group_size` samples per prompt, prompts spread over the `W / T`
@@ -298,7 +322,9 @@ pub(crate) fn sample_gen_batch(weights: &HostRollout, job: &GenJob) -> Vec<Group
         .map_or(1, |n| n.get())
         .min(work.len())
         .max(1);
-    let mut done: Vec<(u64, usize, Vec<usize>)> = std::thread::scope(|scope| {
+    // (prompt id, sample index, (tokens, their log-probabilities))
+    type Done = (u64, usize, (Vec<usize>, Vec<f32>));
+    let mut done: Vec<Done> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
             .map(|t| {
                 let (work, groups) = (&work, &groups);
@@ -312,7 +338,7 @@ pub(crate) fn sample_gen_batch(weights: &HostRollout, job: &GenJob) -> Vec<Group
                             (
                                 id,
                                 s,
-                                groups[replica].sample(
+                                groups[replica].sample_with_logprobs(
                                     &tokens,
                                     job.tokens,
                                     job.temperature,
@@ -333,12 +359,12 @@ pub(crate) fn sample_gen_batch(weights: &HostRollout, job: &GenJob) -> Vec<Group
     job.prompts
         .iter()
         .map(|&id| {
-            let samples: Vec<Vec<usize>> = done
+            let (samples, logprobs): (Vec<Vec<usize>>, Vec<Vec<f32>>) = done
                 .iter()
                 .filter(|(p, _, _)| *p == id)
-                .map(|(_, _, tokens)| tokens.clone())
-                .collect();
-            rewarded_group(id, job.reward, samples)
+                .map(|(_, _, (tokens, logprobs))| (tokens.clone(), logprobs.clone()))
+                .unzip();
+            rewarded_group(id, job.reward, samples, logprobs)
         })
         .collect()
 }
@@ -362,6 +388,9 @@ pub struct StepReport {
     pub mean_reward: f32,
     /// Mean reward of the kept groups.
     pub kept_reward: f32,
+    /// Mean rollout log-probability per generated token of the kept groups
+    /// ([`Group::logprobs`]); `None` where the rollout reported none.
+    pub rollout_logprob: Option<f64>,
     /// Switches into rollout mode during the step.
     pub switches: u64,
     /// Exits during the step.
@@ -534,6 +563,16 @@ pub fn validate(config: &DapoConfig) -> Result<(), DapoError> {
             format!(
                 "the dual clip's c (clip_ratio_c) must be > 1, as verl asserts, found {}",
                 c.update.clip_ratio_c
+            ),
+        ),
+        (
+            c.update
+                .tis_cap
+                .is_some_and(|cap| !(cap.is_finite() && cap > 0.0)),
+            format!(
+                "the cap of truncated importance sampling (--tis-cap) must be a finite number > 0 \
+                 (0 on the command line turns TIS off), found {}",
+                c.update.tis_cap.unwrap_or(f32::NAN)
             ),
         ),
         (

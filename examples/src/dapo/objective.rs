@@ -1,5 +1,7 @@
 //! The DAPO objective of the update: group advantages and the per-token clipped objective with
-//! its derivative with respect to the new log-probability, in two variants ([`Objective`]).
+//! its derivative with respect to the new log-probability, in two variants ([`Objective`]), and
+//! verl's truncated importance sampling between the rollout's and the trainer's log-probabilities
+//! ([`tis_weight`], [`Mismatch`]).
 //!
 //! With `r` a group's rewards, `ε` [`UpdateConfig::adv_eps`], `d = logp − old_logp` a token's
 //! log-ratio and `A` its sequence's advantage, the per-token loss is `ℓ` and the loss of a
@@ -28,6 +30,21 @@
 //! - `ρ = exp(d)`, `ℓ = max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high))`: clip-higher, no dual clip,
 //!   no log-ratio clamp; `∂ℓ/∂logp = −A·ρ` where the unclipped term is taken, else 0.
 //!
+//! **Truncated importance sampling** (TIS, [`UpdateConfig::tis_cap`] `= Some(C)`, `C = 2` by
+//! default; either objective), as verl's `compute_policy_loss_vanilla` applies it after the dual
+//! clip and before the aggregation when it is given `rollout_log_probs`: with `rollout_logp` the
+//! log-probability the rollout engine sampled the token with (its weights, its numerics) and
+//! `old_logp` the trainer's recomputation of it,
+//!
+//! - `w = min(exp(old_logp − rollout_logp), C)` ([`tis_weight`]; no lower bound, no clamp of the
+//!   exponent: `w` is `C` wherever the exponential overflows);
+//! - `ℓ_TIS = w·ℓ` and `∂ℓ_TIS/∂logp = w·∂ℓ/∂logp`: neither `old_logp` nor `rollout_logp`
+//!   depends on `logp`, so `w` carries no gradient; the token mean divides by the same `N`.
+//!
+//! The weight corrects for the rollout sampling from a slightly different distribution than the
+//! trainer's `π_old` (bf16 or fp8 rollout weights, other kernels); [`Mismatch`] measures that
+//! difference.
+//!
 //! Ties: where both terms of a `max` / `min` are equal and depend on `logp` differently, torch's
 //! autograd splits the gradient between them; this module gives the whole gradient to the
 //! unclipped term, and the dual clip binds only where `−A·c` is strictly below `ℓ₁`. Inside the
@@ -37,6 +54,10 @@
 use std::fmt;
 
 use super::update::UpdateConfig;
+
+/// The cap `C` of verl's truncated importance sampling in [`UpdateConfig::default`] (verl's
+/// `tis_imp_ratio_cap` in its DAPO recipes).
+pub const DEFAULT_TIS_CAP: f32 = 2.0;
 
 /// verl's clamp of the log-ratio `logp − old_logp` before the exponential (`±20`): beyond it the
 /// ratio is constant and its gradient is zero.
@@ -77,9 +98,15 @@ impl fmt::Display for Objective {
 impl Objective {
     /// What the report says of the objective under `config`, e.g. "verl's objective (token-mean
     /// clipped loss, ε_low 0.2 / ε_high 0.28, dual-clip 3, log-ratio clamp ±20, advantages over
-    /// the sample std)".
+    /// the sample std), truncated importance sampling capped at 2".
     pub fn summary(self, config: &UpdateConfig) -> String {
-        match self {
+        let tis = match config.tis_cap {
+            Some(cap) => format!(
+                "truncated importance sampling min(exp(old − rollout log-prob), {cap}) per token"
+            ),
+            None => "no truncated importance sampling".to_string(),
+        };
+        let objective = match self {
             Objective::Verl => format!(
                 "verl's objective (token-mean clipped loss, ε_low {} / ε_high {}, dual-clip {}, \
                  log-ratio clamp ±{LOG_RATIO_CLAMP}, advantages over the sample std)",
@@ -90,7 +117,8 @@ impl Objective {
                  dual-clip, advantages over the population std)",
                 config.clip_low, config.clip_high
             ),
-        }
+        };
+        format!("{objective}, {tis}")
     }
 }
 
@@ -164,6 +192,141 @@ pub struct TokenObjective {
     /// The ratio `ρ` the objective used (under [`Objective::Verl`] that of the clamped
     /// log-ratio).
     pub ratio: f32,
+    /// The truncated importance weight `w` that `value` and `dlogp` were multiplied by
+    /// ([`TokenObjective::weighted`]); 1 without TIS.
+    pub weight: f32,
+}
+
+impl TokenObjective {
+    /// The same objective under truncated importance sampling: `value` and `dlogp` multiplied
+    /// by `weight` (a [`tis_weight`], which carries no gradient); `ratio` and `clipped` are the
+    /// objective's own (verl counts its clip fractions before the weight).
+    ///
+    /// ```
+    /// use lifecycle_examples::dapo::update::{tis_weight, token_objective, UpdateConfig};
+    ///
+    /// let c = UpdateConfig::default();
+    /// // the rollout gave the token log-prob −1.5, the trainer −1.0: w = min(e^0.5, 2)
+    /// let w = tis_weight(-1.0, -1.5, 2.0);
+    /// let t = token_objective(-0.9, -1.0, 0.5, &c).weighted(w);
+    /// let plain = token_objective(-0.9, -1.0, 0.5, &c);
+    /// assert_eq!((t.value, t.dlogp, t.weight), (plain.value * w, plain.dlogp * w, w));
+    /// ```
+    pub fn weighted(self, weight: f32) -> TokenObjective {
+        TokenObjective {
+            value: self.value * weight,
+            dlogp: self.dlogp * weight,
+            weight: self.weight * weight,
+            ..self
+        }
+    }
+}
+
+/// verl's token-level truncated importance weight `min(exp(old_logp − rollout_logp), cap)`:
+/// `old_logp` the trainer's log-probability of a sampled token, `rollout_logp` the rollout
+/// engine's (see the module docs). As `torch.clamp(·, max=cap)`: a NaN stays NaN, and an
+/// exponential that overflows is `cap`.
+///
+/// ```
+/// use lifecycle_examples::dapo::update::tis_weight;
+///
+/// assert_eq!(tis_weight(-2.0, -2.0, 2.0), 1.0); // the rollout agrees with the trainer
+/// assert!((tis_weight(-2.5, -2.0, 2.0) - (-0.5f32).exp()).abs() < 1e-7); // below 1: kept
+/// assert_eq!(tis_weight(-1.0, -3.0, 2.0), 2.0); // e² > 2: capped
+/// assert_eq!(tis_weight(0.0, -200.0, 2.0), 2.0); // e^200 overflows f32: capped
+/// ```
+pub fn tis_weight(old_logp: f32, rollout_logp: f32, cap: f32) -> f32 {
+    let w = (old_logp - rollout_logp).exp();
+    // `w > cap` is false for NaN: a NaN passes through, as torch.clamp lets it
+    if w > cap {
+        cap
+    } else {
+        w
+    }
+}
+
+/// How far the rollout's log-probabilities of the sampled tokens are from the trainer's:
+/// with `r = old_logp − rollout_logp` per token (the log of the truncated importance weight
+/// before the cap), the mean `|r|` and the k3 estimate `mean(exp(r) − 1 − r)` of
+/// `KL(π_rollout ‖ π_trainer)` (unbiased for tokens drawn by the rollout, and never negative).
+/// Computed in f64.
+///
+/// ```
+/// use lifecycle_examples::dapo::update::Mismatch;
+///
+/// let trainer = vec![vec![-1.0f32, -2.0], vec![-0.5]];
+/// let rollout = vec![vec![-1.0f32, -2.5], vec![-0.25]];
+/// let m = Mismatch::measure(&trainer, &rollout).expect("equal shapes");
+/// assert_eq!(m.tokens, 3);
+/// assert!((m.mean_abs - 0.25).abs() < 1e-12);
+/// let k3 = ((0.5f64.exp() - 1.5) + ((-0.25f64).exp() - 0.75)) / 3.0;
+/// assert!((m.k3 - k3).abs() < 1e-12);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Mismatch {
+    /// Tokens measured.
+    pub tokens: usize,
+    /// Mean `|old_logp − rollout_logp|`.
+    pub mean_abs: f64,
+    /// Largest `|old_logp − rollout_logp|`.
+    pub max_abs: f64,
+    /// `mean(exp(r) − 1 − r)`, `r = old_logp − rollout_logp`: the k3 estimate of
+    /// `KL(π_rollout ‖ π_trainer)`.
+    pub k3: f64,
+}
+
+impl Mismatch {
+    /// The mismatch of the trainer's log-probabilities `old_logp` and the rollout's
+    /// `rollout_logp`, sequence by sequence and token by token; `None` where their shapes differ
+    /// (a sequence of one has fewer tokens than its counterpart) or there is no token.
+    pub fn measure(old_logp: &[Vec<f32>], rollout_logp: &[Vec<f32>]) -> Option<Mismatch> {
+        if old_logp.len() != rollout_logp.len()
+            || old_logp
+                .iter()
+                .zip(rollout_logp)
+                .any(|(a, b)| a.len() != b.len())
+        {
+            return None;
+        }
+        let (mut tokens, mut abs, mut max_abs, mut k3) = (0usize, 0.0f64, 0.0f64, 0.0f64);
+        for (&old, &rollout) in old_logp.iter().flatten().zip(rollout_logp.iter().flatten()) {
+            let r = f64::from(old) - f64::from(rollout);
+            tokens += 1;
+            abs += r.abs();
+            max_abs = max_abs.max(r.abs());
+            // exp(r) − 1 − r without the cancellation of exp(r) − 1 for small r
+            k3 += r.exp_m1() - r;
+        }
+        (tokens > 0).then(|| Mismatch {
+            tokens,
+            mean_abs: abs / tokens as f64,
+            max_abs,
+            k3: k3 / tokens as f64,
+        })
+    }
+
+    /// The mismatch of several parts (token-weighted means); `None` for none.
+    pub fn combine(parts: impl IntoIterator<Item = Mismatch>) -> Option<Mismatch> {
+        let mut all: Option<Mismatch> = None;
+        for p in parts {
+            all = Some(match all {
+                None => p,
+                Some(a) => {
+                    let n = a.tokens + p.tokens;
+                    let mean = |x: f64, y: f64| {
+                        (x * a.tokens as f64 + y * p.tokens as f64) / n.max(1) as f64
+                    };
+                    Mismatch {
+                        tokens: n,
+                        mean_abs: mean(a.mean_abs, p.mean_abs),
+                        max_abs: a.max_abs.max(p.max_abs),
+                        k3: mean(a.k3, p.k3),
+                    }
+                }
+            });
+        }
+        all
+    }
 }
 
 /// The objective of one token with log-probabilities `logp` (new policy) and `old_logp` (the
@@ -203,6 +366,7 @@ pub fn token_objective(
                     dlogp: 0.0,
                     clipped: true,
                     ratio,
+                    weight: 1.0,
                 }
             } else {
                 t
@@ -222,6 +386,7 @@ fn clipped_objective(ratio: f32, advantage: f32, lo: f32, hi: f32, grad: bool) -
             dlogp: if grad { unclipped } else { 0.0 },
             clipped: !grad,
             ratio,
+            weight: 1.0,
         }
     } else {
         TokenObjective {
@@ -229,6 +394,7 @@ fn clipped_objective(ratio: f32, advantage: f32, lo: f32, hi: f32, grad: bool) -
             dlogp: 0.0,
             clipped: true,
             ratio,
+            weight: 1.0,
         }
     }
 }
@@ -326,6 +492,54 @@ mod tests {
         // the closed interval: d = −20 exactly still has its gradient
         let t = token_objective(-21.0, -1.0, 0.5, &c);
         assert!(!t.clipped && t.dlogp > 0.0, "{t:?}");
+    }
+
+    #[test]
+    fn tis_weights_each_branch_without_touching_the_clips() {
+        let c = config(Objective::Verl);
+        // below 1, between 1 and the cap, truncated at it
+        for (old, rollout, w) in [
+            (-2.0f32, -1.5f32, (-0.5f32).exp()),
+            (-1.5, -2.0, 0.5f32.exp()),
+            (-1.0, -3.0, 2.0),
+        ] {
+            assert_eq!(tis_weight(old, rollout, 2.0), w);
+            for (logp, adv) in [(-0.9f32, 0.5f32), (old + 2.0, -0.8), (old + 2.0, 0.8)] {
+                let t = token_objective(logp, old, adv, &c);
+                let weighted = t.weighted(tis_weight(old, rollout, 2.0));
+                assert_eq!(weighted.value, t.value * w);
+                assert_eq!(weighted.dlogp, t.dlogp * w);
+                assert_eq!((weighted.ratio, weighted.clipped), (t.ratio, t.clipped));
+                assert_eq!((t.weight, weighted.weight), (1.0, w));
+            }
+        }
+        // as torch.clamp(max=): NaN stays NaN, +inf is capped
+        assert!(tis_weight(f32::NAN, -1.0, 2.0).is_nan());
+        assert_eq!(tis_weight(0.0, f32::NEG_INFINITY, 2.0), 2.0);
+        assert_eq!(tis_weight(f32::NEG_INFINITY, -1.0, 2.0), 0.0);
+    }
+
+    #[test]
+    fn the_mismatch_of_parts_is_the_mismatch_of_the_whole() {
+        let old = vec![vec![-1.0f32, -2.0, -0.5], vec![-3.0]];
+        let rollout = vec![vec![-1.25f32, -1.0, -0.5], vec![-2.0]];
+        let whole = Mismatch::measure(&old, &rollout).unwrap();
+        let parts = Mismatch::combine([
+            Mismatch::measure(&old[..1], &rollout[..1]).unwrap(),
+            Mismatch::measure(&old[1..], &rollout[1..]).unwrap(),
+        ])
+        .unwrap();
+        assert_eq!(whole.tokens, 4);
+        assert!((whole.mean_abs - parts.mean_abs).abs() < 1e-12);
+        assert!((whole.k3 - parts.k3).abs() < 1e-12);
+        assert_eq!((whole.max_abs, parts.max_abs), (1.0, 1.0));
+        // k3 ≥ 0, 0 only where the two agree
+        assert!(whole.k3 > 0.0);
+        assert_eq!(Mismatch::measure(&old, &old).unwrap().k3, 0.0);
+        // shapes that differ measure nothing
+        assert_eq!(Mismatch::measure(&old, &rollout[..1]), None);
+        assert_eq!(Mismatch::measure(&old, &[vec![0.0; 3], vec![]]), None);
+        assert_eq!(Mismatch::combine([]), None);
     }
 
     #[test]

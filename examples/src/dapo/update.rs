@@ -10,16 +10,21 @@
 //! 2. **Old log-probabilities** are recomputed from the fp32 master weights before the first
 //!    update (the weights the rollout's bf16 copy was cast from), so the first mini-batch has
 //!    ratios of exactly 1 and the bf16 rounding of the rollout weights stays out of the ratio.
+//!    The rollout's own log-probabilities of the same tokens ([`Group::logprobs`]) differ from
+//!    them by that rounding: [`PgStats::mismatch`] measures it ([`Mismatch`]), and truncated
+//!    importance sampling ([`UpdateConfig::tis_cap`], on by default) weights each token's loss
+//!    by `w = min(exp(old_logp − rollout_logp), C)`.
 //! 3. The kept groups are split into [`UpdateConfig::minibatches`] mini-batches, one Adam step
 //!    each: from the second one on the policy has moved, the ratios
 //!    `ρ = exp(clamp(log π − log π_old, −20, 20))` differ from 1 and the clips apply.
 //! 4. **Loss** (token level, verl's vanilla policy loss with `loss_agg_mode = "token-mean"`):
 //!    `L = (1/N) Σ_tokens ℓ` with `ℓ = max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high))`, and for
-//!    `A < 0` the dual clip `ℓ = min(ℓ, −A·c)` (`c` = [`UpdateConfig::clip_ratio_c`]), `N` the
-//!    number of completion tokens of the mini-batch.
+//!    `A < 0` the dual clip `ℓ = min(ℓ, −A·c)` (`c` = [`UpdateConfig::clip_ratio_c`]), then
+//!    under TIS `ℓ = w·ℓ`; `N` the number of completion tokens of the mini-batch.
 //! 5. **Gradients**: `∂L/∂log π` per token ([`surrogate`]; zero where a clip or the log-ratio
-//!    clamp binds), backpropagated through the toy policy ([`Params::backward`]) in f32 on full
-//!    tensors, written into every rank's FSDP gradient shard, then [`HostTrainState::adam_step`].
+//!    clamp binds, times `w` under TIS), backpropagated through the toy policy
+//!    ([`Params::backward`]) in f32 on full tensors, written into every rank's FSDP gradient
+//!    shard, then [`HostTrainState::adam_step`].
 //!
 //! Determinism: each group is one lockstep forward / backward pass on one thread; the groups'
 //! gradients are summed in group order, whatever the number of threads or their timing.
@@ -28,7 +33,8 @@ use lifecycle_host::{HostError, HostTrainState};
 use lifecycle_layout::AdamParams;
 
 pub use super::objective::{
-    group_advantages, token_objective, Objective, TokenObjective, LOG_RATIO_CLAMP,
+    group_advantages, tis_weight, token_objective, Mismatch, Objective, TokenObjective,
+    DEFAULT_TIS_CAP, LOG_RATIO_CLAMP,
 };
 use super::{prompt, DapoError, Group};
 use crate::rng::SplitMix64;
@@ -54,6 +60,11 @@ pub struct UpdateConfig {
     pub minibatches: usize,
     /// ε of the advantage normalisation.
     pub adv_eps: f32,
+    /// Truncated importance sampling: `Some(C)` multiplies each token's loss and gradient by
+    /// `min(exp(old_logp − rollout_logp), C)` ([`tis_weight`]; verl's `tis_imp_ratio_cap`, > 0
+    /// and finite), `None` leaves them as they are. On ([`DEFAULT_TIS_CAP`]) by default; the
+    /// groups must then carry the rollout's log-probabilities ([`Group::logprobs`]).
+    pub tis_cap: Option<f32>,
 }
 
 impl Default for UpdateConfig {
@@ -66,6 +77,7 @@ impl Default for UpdateConfig {
             clip_ratio_c: 3.0,
             minibatches: 4,
             adv_eps: 1e-6,
+            tis_cap: Some(DEFAULT_TIS_CAP),
         }
     }
 }
@@ -106,6 +118,46 @@ pub struct PgStats {
     pub max_ratio_deviation: f32,
     /// Gradient norm, mean over mini-batches.
     pub grad_norm: f32,
+    /// The rollout's log-probabilities against the trainer's (`old_logp`, recomputed from the
+    /// master weights before the first Adam step) over every token of the kept groups; `None`
+    /// where the groups carry no rollout log-probabilities.
+    pub mismatch: Option<Mismatch>,
+    /// What truncated importance sampling did; `None` with TIS off.
+    pub tis: Option<TisStats>,
+}
+
+/// What truncated importance sampling did in one update: the weights
+/// `min(exp(old_logp − rollout_logp), C)` of every token of the kept groups (the same in every
+/// mini-batch: both log-probabilities are fixed for the step).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TisStats {
+    /// The cap `C`.
+    pub cap: f32,
+    /// Mean weight.
+    pub mean_weight: f64,
+    /// Share of tokens whose weight the cap truncated (`exp(old_logp − rollout_logp) > C`).
+    pub capped_fraction: f64,
+}
+
+impl TisStats {
+    /// The weights of every token of `old_logp` against `rollout_logp` (sequences of equal
+    /// lengths) under cap `cap`; `None` for no token.
+    pub fn measure(old_logp: &[Vec<f32>], rollout_logp: &[Vec<f32>], cap: f32) -> Option<Self> {
+        let (mut n, mut sum, mut capped) = (0usize, 0.0f64, 0usize);
+        for (old, rollout) in old_logp.iter().zip(rollout_logp) {
+            for (&o, &r) in old.iter().zip(rollout) {
+                let w = tis_weight(o, r, cap);
+                n += 1;
+                sum += f64::from(w);
+                capped += usize::from((o - r).exp() > cap);
+            }
+        }
+        (n > 0).then(|| TisStats {
+            cap,
+            mean_weight: sum / n as f64,
+            capped_fraction: capped as f64 / n as f64,
+        })
+    }
 }
 
 /// The token-level loss of some sequences and its derivative per token.
@@ -122,28 +174,55 @@ pub struct Surrogate {
 }
 
 /// DAPO's token-level loss under `config`'s [`Objective`] over sequences with log-probabilities
-/// `logp` (new policy) and `old_logp` (the sampling policy), one advantage per sequence,
-/// normalised by `norm_tokens` (the token count of the whole mini-batch these sequences belong
-/// to: verl's token mean).
+/// `logp` (new policy) and `old_logp` (the trainer's, of the sampling policy), one advantage per
+/// sequence, normalised by `norm_tokens` (the token count of the whole mini-batch these
+/// sequences belong to: verl's token mean).
+///
+/// With `rollout_logp` (the rollout engine's log-probabilities of the same tokens, shaped like
+/// `logp`) and [`UpdateConfig::tis_cap`] `Some(C)`, each token's loss and derivative are
+/// multiplied by its truncated importance weight ([`tis_weight`]); with either missing they are
+/// not. A token without a rollout log-probability (a shorter row) gets weight 1:
+/// [`dapo_update`] checks the shapes before it gets here.
+///
+/// ```
+/// use lifecycle_examples::dapo::update::{surrogate, tis_weight, UpdateConfig};
+///
+/// let (logp, old) = (vec![vec![-1.0f32, -2.0]], vec![vec![-1.0f32, -2.0]]);
+/// let rollout = vec![vec![-1.5f32, -1.0]]; // weights min(e^0.5, 2) and e^−1
+/// let c = UpdateConfig::default(); // TIS capped at 2
+/// let plain = surrogate(&logp, &old, None, &[1.0], &c, 2);
+/// let tis = surrogate(&logp, &old, Some(&rollout), &[1.0], &c, 2);
+/// let w = [tis_weight(-1.0, -1.5, 2.0), tis_weight(-2.0, -1.0, 2.0)];
+/// assert_eq!(tis.dlogp[0], [plain.dlogp[0][0] * w[0], plain.dlogp[0][1] * w[1]]);
+/// ```
 pub fn surrogate(
     logp: &[Vec<f32>],
     old_logp: &[Vec<f32>],
+    rollout_logp: Option<&[Vec<f32>]>,
     advantages: &[f32],
     config: &UpdateConfig,
     norm_tokens: usize,
 ) -> Surrogate {
     let scale = 1.0 / norm_tokens.max(1) as f32;
+    let tis = config.tis_cap.zip(rollout_logp);
     let mut total = 0.0f64;
     let (mut clipped, mut max_dev) = (0, 0.0f32);
     let dlogp = logp
         .iter()
         .zip(old_logp)
         .zip(advantages)
-        .map(|((new, old), &adv)| {
+        .enumerate()
+        .map(|(k, ((new, old), &adv))| {
             new.iter()
                 .zip(old)
-                .map(|(&lp, &olp)| {
-                    let t = token_objective(lp, olp, adv, config);
+                .enumerate()
+                .map(|(j, (&lp, &olp))| {
+                    let mut t = token_objective(lp, olp, adv, config);
+                    if let Some((cap, rollout)) = tis {
+                        if let Some(&rlp) = rollout.get(k).and_then(|r| r.get(j)) {
+                            t = t.weighted(tis_weight(olp, rlp, cap));
+                        }
+                    }
                     total += f64::from(t.value);
                     clipped += usize::from(t.clipped);
                     max_dev = max_dev.max((t.ratio - 1.0).abs());
@@ -242,8 +321,49 @@ fn sequences<'a>(prompt_tokens: &'a [usize], group: &'a Group) -> Vec<Sequence<'
         .collect()
 }
 
+/// Checks that `group`'s rollout log-probabilities ([`Group::logprobs`]) are one per token of
+/// every sample, or absent; whether they are present.
+fn has_rollout_logprobs(group: &Group, tis_cap: Option<f32>) -> Result<bool, DapoError> {
+    if group.logprobs.is_empty() {
+        return match tis_cap {
+            None => Ok(false),
+            Some(cap) => Err(DapoError::Config(format!(
+                "truncated importance sampling is on (cap {cap}) but the group of prompt {} \
+                 carries no rollout log-probabilities: roll out with an engine that reports \
+                 them, or turn TIS off (--tis-cap 0, UpdateConfig::tis_cap = None)",
+                group.prompt
+            ))),
+        };
+    }
+    if group.logprobs.len() != group.samples.len() {
+        return Err(DapoError::Config(format!(
+            "the group of prompt {} has rollout log-probabilities for {} samples but has {} \
+             samples (one row per sample expected)",
+            group.prompt,
+            group.logprobs.len(),
+            group.samples.len()
+        )));
+    }
+    for (i, (lp, s)) in group.logprobs.iter().zip(&group.samples).enumerate() {
+        if lp.len() != s.len() {
+            return Err(DapoError::Config(format!(
+                "sample {i} of the group of prompt {} has {} rollout log-probabilities for {} \
+                 tokens (one per token expected)",
+                group.prompt,
+                lp.len(),
+                s.len()
+            )));
+        }
+    }
+    Ok(true)
+}
+
 /// The DAPO update of the toy policy on the kept groups (see the module docs). `temperature` is
 /// the sampling temperature (log-probabilities are those of `softmax(logits / temperature)`).
+///
+/// Under truncated importance sampling ([`UpdateConfig::tis_cap`]) every group must carry the
+/// rollout's log-probabilities ([`Group::logprobs`], one per token); where they are there, the
+/// stats measure them against the trainer's ([`PgStats::mismatch`]) whether TIS is on or not.
 pub fn dapo_update(
     state: &mut HostTrainState,
     policy: PolicyConfig,
@@ -256,6 +376,19 @@ pub fn dapo_update(
             "the update needs at least one kept group".to_string(),
         ));
     }
+    if let Some(cap) = config.tis_cap {
+        if !(cap.is_finite() && cap > 0.0) {
+            return Err(DapoError::Config(format!(
+                "the cap of truncated importance sampling (tis_cap, --tis-cap) must be a finite \
+                 number > 0, found {cap}"
+            )));
+        }
+    }
+    let mut with_rollout = Vec::with_capacity(groups.len());
+    for g in groups {
+        with_rollout.push(has_rollout_logprobs(g, config.tis_cap)?);
+    }
+    let all_rollout = with_rollout.iter().all(|&x| x);
     let prompts: Vec<Vec<usize>> = groups
         .iter()
         .map(|g| prompt(g.prompt, policy.vocab))
@@ -276,6 +409,23 @@ pub fn dapo_update(
     let mut params = Params::from_state(policy, state)?;
     // π_old: the masters before the first Adam step of this training step
     let old = forward(&params, &all)?;
+    // the rollout against the trainer, over every token of the groups that carry both
+    let mismatch = Mismatch::combine(
+        groups
+            .iter()
+            .zip(&old)
+            .zip(&with_rollout)
+            .filter(|(_, &has)| has)
+            .filter_map(|((g, o), _)| Mismatch::measure(o.logprobs(), &g.logprobs)),
+    );
+    let tis = match config.tis_cap {
+        Some(cap) if all_rollout => {
+            let olds: Vec<Vec<f32>> = old.iter().flat_map(|o| o.logprobs().to_vec()).collect();
+            let rollouts: Vec<Vec<f32>> = groups.iter().flat_map(|g| g.logprobs.clone()).collect();
+            TisStats::measure(&olds, &rollouts, cap)
+        }
+        _ => None,
+    };
     let minibatches = config.minibatches.clamp(1, groups.len());
     let (mut loss, mut grad_norm, mut clipped, mut tokens, mut max_dev) =
         (0.0f64, 0.0f64, 0, 0, 0.0f32);
@@ -302,9 +452,11 @@ pub fn dapo_update(
             .sum();
         let work: Vec<(usize, &Forward)> = mb.iter().copied().zip(fwds).collect();
         let parts = par_map(&work, |&(g, fwd)| {
+            let rollout = with_rollout[g].then_some(groups[g].logprobs.as_slice());
             let s = surrogate(
                 fwd.logprobs(),
                 old[g].logprobs(),
+                rollout,
                 &advantages[g],
                 config,
                 mb_tokens,
@@ -333,6 +485,8 @@ pub fn dapo_update(
         clip_fraction: clipped as f32 / tokens.max(1) as f32,
         max_ratio_deviation: max_dev,
         grad_norm: (grad_norm / minibatches as f64) as f32,
+        mismatch,
+        tis,
     })
 }
 

@@ -15,8 +15,11 @@
 //! ```
 //!
 //! Per training step: gen batches of `--prompts-per-batch` prompts × `--group-size` samples are
-//! generated with temperature sampling by [`GpuDecoder`](lifecycle_decoder_gpu::GpuDecoder) on the resident
-//! rollout weights; each sample is rewarded by a verifiable rule (1 if one of its generated
+//! generated with temperature sampling by the GPU decoder's engine
+//! ([`GpuEngine::run`](lifecycle_decoder_gpu::GpuEngine::run): one request per sample, each with
+//! its own seed, [`crate::dapo::sample_seed`]) on the resident rollout weights, each sample with
+//! its per-token log-probabilities (kept in [`crate::dapo::Group::logprobs`]; the synthetic
+//! update has no trainer forward pass to weigh them against); each sample is rewarded by a verifiable rule (1 if one of its generated
 //! tokens `t` has `t mod M == target(prompt)`, `M = --reward-modulus`); groups whose rewards all
 //! agree are dropped; gen batches continue until `--batch-groups` groups are kept (at most
 //! `--max-gen-batches`, then [`DapoGpuError::BatchNotFilled`]). Then the update: seeded synthetic
@@ -525,7 +528,9 @@ where
     say!(root, "  {}", lifecycle_examples_describe(driver));
     say!(
         root,
-        "  rollout engine: {}; {} rollout weights",
+        "  rollout engine: {}; {} rollout weights; one request per sample, each sample with its \
+         per-token log-probabilities (no trainer forward pass in this run: no truncated \
+         importance sampling, no rollout / trainer mismatch to measure)",
         lc.engine().describe(),
         driver.cx.options.run.rollout_dtype
     );

@@ -10,7 +10,7 @@ use lifecycle_core::{
     TrainSession,
 };
 use lifecycle_cuda::RolloutBuffer;
-use lifecycle_decoder::{ModelConfig, Sampling};
+use lifecycle_decoder::{ModelConfig, Request, SamplingParams};
 use lifecycle_fsdp::FsdpBackend;
 use lifecycle_layout::megatron::MegatronLayout;
 use lifecycle_layout::{AdamParams, HostTensor};
@@ -22,8 +22,8 @@ use super::source::Source;
 use super::DapoGpuError;
 use crate::dapo::megatron::synthetic_hf_grads;
 use crate::dapo::{
-    run_steps, DapoBackend, GenBatch, GenRequest, Group, LoopEvent, LoopSettings, RunReport,
-    StepReport, UpdateOutcome,
+    run_steps, sample_seed, DapoBackend, GenBatch, GenRequest, Group, LoopEvent, LoopSettings,
+    RunReport, StepReport, UpdateOutcome,
 };
 
 /// One policy's run and its untimed warm-up.
@@ -204,18 +204,23 @@ where
             .iter()
             .map(|&id| prompt(id, g.prompt_len, cx.config.model.vocab, cx.modulus))
             .collect();
-        let seqs: Vec<Vec<u32>> = prompts
+        // one request per sample, each with its own seed (crate::dapo::sample_seed): the same
+        // tokens whatever batch, slot or engine decodes it
+        let requests: Vec<Request> = request
+            .prompts
             .iter()
-            .flat_map(|(p, _)| std::iter::repeat_n(p.clone(), r.group_size))
+            .zip(&prompts)
+            .flat_map(|(&id, (p, _))| {
+                (0..r.group_size).map(move |s| {
+                    let params = SamplingParams::new(r.tokens)
+                        .with_temperature(r.temperature)
+                        .with_seed(sample_seed(request.seed, id, s));
+                    Request::new(p.clone(), params)
+                })
+            })
             .collect();
-        let sampling = Sampling {
-            temperature: r.temperature,
-            max_new_tokens: r.tokens,
-            seed: request.seed ^ ((request.batch as u64) << 16),
-            stop_token: None,
-        };
         let (weights, mut engine) = session.parts();
-        let (out, setup, generate) = engine.generate_seqs(weights, &seqs, &sampling)?;
+        let (out, setup, generate) = engine.run_requests(weights, requests)?;
         let groups = request
             .prompts
             .iter()
@@ -225,12 +230,13 @@ where
                 prompt: id,
                 rewards: samples
                     .iter()
-                    .map(|s| reward(s, *target, cx.modulus))
+                    .map(|s| reward(&s.tokens, *target, cx.modulus))
                     .collect(),
                 samples: samples
                     .iter()
-                    .map(|s| s.iter().map(|&t| t as usize).collect())
+                    .map(|s| s.tokens.iter().map(|&t| t as usize).collect())
                     .collect(),
+                logprobs: samples.iter().map(|s| s.logprobs.clone()).collect(),
             })
             .collect();
         Ok(GenBatch {
@@ -259,15 +265,16 @@ where
         let cx = self.cx;
         let (r, g) = (&cx.options.run, &cx.options.gpu);
         let (p, _) = prompt(0, g.prompt_len, cx.config.model.vocab, cx.modulus);
-        let seqs = vec![p; (r.prompts_per_batch * r.group_size).max(1)];
-        let sampling = Sampling {
-            temperature: r.temperature,
-            max_new_tokens: r.tokens,
-            seed: r.seed ^ 0x3A2A_0BB1,
-            stop_token: None,
-        };
+        let requests = (0..(r.prompts_per_batch * r.group_size).max(1))
+            .map(|s| {
+                let params = SamplingParams::new(r.tokens)
+                    .with_temperature(r.temperature)
+                    .with_seed(sample_seed(r.seed ^ 0x3A2A_0BB1, 0, s));
+                Request::new(p.clone(), params)
+            })
+            .collect();
         let (weights, mut engine) = session.parts();
-        engine.generate_seqs(weights, &seqs, &sampling)?;
+        engine.run_requests(weights, requests)?;
         Ok(())
     }
 }
@@ -332,9 +339,9 @@ where
         LoopEvent::Step(s) => say!(
             root,
             "[{}] step {}: gen batches {}, groups {} generated / {} kept, mean reward {:.3} (kept \
-             {:.3}), switches {}, exits {}, bytes {} (d2d {}, d2h {}, h2d {}), rollout phase {} \
-             (generate {}, decoder setup {}), switch time {}, update {} (of which the update \
-             itself {}; the rest is the exit under lazy)",
+             {:.3}), rollout log-prob per kept token {}, switches {}, exits {}, bytes {} (d2d \
+             {}, d2h {}, h2d {}), rollout phase {} (generate {}, decoder setup {}), switch time \
+             {}, update {} (of which the update itself {}; the rest is the exit under lazy)",
             name(switching),
             s.step,
             s.gen_batches,
@@ -342,6 +349,8 @@ where
             s.kept,
             s.mean_reward,
             s.kept_reward,
+            s.rollout_logprob
+                .map_or("-".to_string(), |lp| format!("{lp:.4}")),
             s.switches,
             s.exits,
             HumanBytes(s.bytes.moved()),

@@ -15,11 +15,19 @@ pub(crate) fn secs(d: Duration) -> f64 {
 /// Prints lazy against eager: phases, switches, bytes, and the measured saving next to the
 /// prediction (gen batches - 1) x switch time.
 pub(crate) fn compare(lazy: &PolicyReport, eager: &PolicyReport) {
-    let identical = lazy.run.groups == eager.run.groups;
+    let tokens = |p: &PolicyReport| -> Vec<(u64, Vec<Vec<usize>>)> {
+        p.run
+            .groups
+            .iter()
+            .map(|g| (g.prompt, g.samples.clone()))
+            .collect()
+    };
+    let identical = tokens(lazy) == tokens(eager);
     println!();
     println!(
-        "lazy vs eager (same seeds; samples identical: {})",
-        if identical { "yes" } else { "NO" }
+        "lazy vs eager (same seeds; samples identical: {}; their log-probabilities {})",
+        if identical { "yes" } else { "NO" },
+        logprob_agreement(&lazy.run.groups, &eager.run.groups)
     );
     let row = |what: &str, l: String, e: String| println!("  {what:<34} {l:>14} {e:>14}");
     row("", "lazy".into(), "eager".into());
@@ -154,6 +162,29 @@ pub(crate) fn compare(lazy: &PolicyReport, eager: &PolicyReport) {
     }
 }
 
+/// How the rollout log-probabilities of two runs' groups agree: "identical", the largest
+/// difference, or why they cannot be compared.
+pub(crate) fn logprob_agreement(a: &[Group], b: &[Group]) -> String {
+    let flat = |gs: &[Group]| -> Vec<Vec<f32>> {
+        gs.iter().flat_map(|g| g.logprobs.iter().cloned()).collect()
+    };
+    let (x, y) = (flat(a), flat(b));
+    if x.len() != y.len() || x.iter().zip(&y).any(|(p, q)| p.len() != q.len()) {
+        return "not comparable (other samples)".to_string();
+    }
+    let worst = x
+        .iter()
+        .flatten()
+        .zip(y.iter().flatten())
+        .map(|(p, q)| (p - q).abs())
+        .fold(0.0f32, f32::max);
+    if worst == 0.0 {
+        "identical".to_string()
+    } else {
+        format!("differ by at most {worst:.3e}")
+    }
+}
+
 /// FNV-1a of every group's prompt id and sample tokens, in order, and the number of samples.
 pub(crate) fn samples_digest(groups: &[Group]) -> (u64, usize) {
     let mut h: u64 = 0xCBF2_9CE4_8422_2325;
@@ -184,10 +215,27 @@ mod tests {
             prompt: 1,
             samples: vec![vec![1, 2], vec![3, t]],
             rewards: vec![0.0, 1.0],
+            logprobs: Vec::new(),
         };
         let (a, n) = samples_digest(&[g(4)]);
         assert_eq!(n, 2);
         assert_eq!(a, samples_digest(&[g(4)]).0);
         assert_ne!(a, samples_digest(&[g(5)]).0);
+    }
+
+    #[test]
+    fn logprob_agreement_says_identical_or_by_how_much() {
+        let g = |lp: f32| Group {
+            prompt: 1,
+            samples: vec![vec![1, 2]],
+            rewards: vec![0.0],
+            logprobs: vec![vec![-1.0, lp]],
+        };
+        assert_eq!(logprob_agreement(&[g(-2.0)], &[g(-2.0)]), "identical");
+        assert_eq!(
+            logprob_agreement(&[g(-2.0)], &[g(-2.5)]),
+            "differ by at most 5.000e-1"
+        );
+        assert!(logprob_agreement(&[g(-2.0)], &[]).starts_with("not comparable"));
     }
 }

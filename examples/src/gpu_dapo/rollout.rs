@@ -89,6 +89,7 @@ mod tests {
             prompt: 0,
             samples: vec![vec![], vec![]],
             rewards: vec![1.0, 0.0],
+            logprobs: Vec::new(),
         };
         assert!(!g.uniform());
     }

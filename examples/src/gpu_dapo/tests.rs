@@ -111,3 +111,59 @@ fn without_a_gpu_the_run_is_a_typed_error() {
         other => panic!("expected Cuda(NoDriver), got {other:?}"),
     }
 }
+
+/// The per-call comparison path's static batch samples what the continuous-batching scheduler
+/// samples on the same decoder: the same requests, seeds and picks give the same tokens and
+/// log-probabilities (on the CPU decoder, whose rows are computed alone, bit for bit), with a
+/// stop token ending some samples early.
+#[test]
+fn static_slots_sample_what_the_scheduler_samples() {
+    use lifecycle_decoder::{random_tensors, CpuDecoder, FinishReason, Request, SamplingParams};
+    use lifecycle_decoder::{Scheduler, SlotDecoder};
+    use lifecycle_host::{HostBackend, HostTrainState};
+
+    use super::engine::StaticSlots;
+
+    let config = lifecycle_decoder::ModelConfig::from_json_str(
+        r#"{"model_type": "qwen2", "vocab_size": 24, "hidden_size": 16,
+        "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "rope_theta": 10000.0}"#,
+    )
+    .unwrap();
+    let layout = config.rollout_layout(1).unwrap();
+    let state = HostTrainState::from_tensors(1, random_tensors(&config, 4)).unwrap();
+    let mut lc = Lifecycle::new(HostBackend::new(layout.clone()), state);
+    let session = lc.rollout().unwrap();
+    let weights = session.weights();
+    let group: Vec<_> = weights.ranks.iter().collect();
+    let requests: Vec<Request> = (0..6u64)
+        .map(|i| {
+            let params = SamplingParams::new(7)
+                .with_temperature(1.5)
+                .with_stop_tokens(vec![3, 11])
+                .with_seed(crate::dapo::sample_seed(9, i / 3, (i % 3) as usize));
+            Request::new(vec![1 + (i / 3) as u32, 5, 2], params)
+        })
+        .collect();
+    let mut decoder = CpuDecoder::new(&config, &layout, &group)
+        .unwrap()
+        .with_slots(6, 16);
+    let want = Scheduler::new()
+        .run(&mut decoder, requests.clone())
+        .unwrap();
+    let mut plain = CpuDecoder::new(&config, &layout, &group).unwrap();
+    let mut slots = StaticSlots::new(&mut plain, requests.len(), 16);
+    assert_eq!((slots.slots(), slots.slot_positions()), (6, 16));
+    let got = Scheduler::new().run(&mut slots, requests.clone()).unwrap();
+    assert_eq!(got, want);
+    assert!(
+        got.iter().any(|s| s.finish == FinishReason::Stop),
+        "a stop token ends a sample early: {got:?}"
+    );
+    assert!(got.iter().all(|s| s.logprobs.len() == s.tokens.len()));
+    // more requests than slots would need a second prefill: refused, naming the rule
+    let mut plain = CpuDecoder::new(&config, &layout, &group).unwrap();
+    let mut two = StaticSlots::new(&mut plain, 2, 16);
+    let err = Scheduler::new().run(&mut two, requests).unwrap_err();
+    assert!(err.to_string().contains("one prefill"), "{err}");
+}

@@ -17,7 +17,7 @@ use lifecycle_layout::HostTensor;
 use lifecycle_layout::RankRollout;
 use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
 
-use lifecycle_decoder::{dot, sample_token};
+use lifecycle_decoder::{dot, pick, SamplingParams};
 
 use crate::rng::SplitMix64;
 
@@ -224,17 +224,37 @@ impl<'w> TpGroup<'w> {
         temperature: f32,
         rng: &mut SplitMix64,
     ) -> Vec<usize> {
+        self.sample_with_logprobs(prompt, len, temperature, rng).0
+    }
+
+    /// Samples `len` tokens after `prompt` at `temperature` with `rng` (the same tokens as
+    /// [`TpGroup::sample`]), and each token's log-probability on these rollout weights:
+    /// `log_softmax(logits / temperature)` of the token drawn, as the decoder's
+    /// [`Sample::logprobs`](lifecycle_decoder::Sample) (temperature 0, greedy, scores at 1, as
+    /// [`train::Params::forward`] does).
+    pub fn sample_with_logprobs(
+        &self,
+        prompt: &[usize],
+        len: usize,
+        temperature: f32,
+        rng: &mut SplitMix64,
+    ) -> (Vec<usize>, Vec<f32>) {
         let mut state = vec![0.0f32; self.config.hidden];
         let mut logits = Vec::new();
         for &tok in prompt {
             logits = self.step(tok % self.config.vocab, &mut state);
         }
-        let mut out = Vec::with_capacity(len);
+        // greedy at temperature ≤ 0, without a draw (as `lifecycle_decoder::sample_token`)
+        let params = SamplingParams::new(1).with_temperature(temperature.max(0.0));
+        let (mut out, mut logprobs) = (Vec::with_capacity(len), Vec::with_capacity(len));
         for _ in 0..len {
-            let next = sample_token(&logits, temperature, rng);
+            let uniform = if params.greedy() { 0.0 } else { rng.next_f32() };
+            let picked = pick(&logits, &params, uniform);
+            let next = picked.token as usize;
             out.push(next);
+            logprobs.push(picked.logprob);
             logits = self.step(next, &mut state);
         }
-        out
+        (out, logprobs)
     }
 }
