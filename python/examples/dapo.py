@@ -11,6 +11,11 @@ sampling weighs each token's loss by min(exp(trainer log-prob - rollout log-prob
 (`--tis-cap C`, 2 by default; `--tis-cap 0` or `--no-tis` turns it off), and every step prints
 the mismatch between the two (mean |d logp| and the k3 estimate of KL(rollout || trainer)).
 
+With `--sampling stream` the dynamic sampling is streamed (`lifecycle.GroupStream`): groups are
+submitted as the engine's slots free up, each is scored as soon as its samples finish, and the
+rollout stops once `--groups` are kept; the rest are aborted, or carried into the next step as
+partial rollouts (`--leftovers partial`) that continue on the updated weights.
+
 The reward is a rule on the tokens: 1 when at least 4 of the 8 generated tokens t have
 t mod 4 == 0 (a uniform policy scores about 0.11).
 
@@ -22,6 +27,8 @@ The same run goes three ways from the same seed and must produce identical sampl
 and reports the time each spends switching.
 
     python python/examples/dapo.py [--steps 12] [--paths lazy,eager,naive] [--tis-cap 2]
+        [--rollout-dtype bf16|fp8 --fp8-compute w8a8|weight-only]
+        [--sampling batches|stream --leftovers abort|partial]
     torchrun --nproc_per_node=2 python/examples/dapo.py     (FSDP2 W = 2, rollouts at T = 2)
 """
 
@@ -80,9 +87,10 @@ class NaiveRollout:
             self.copy = transformers.Qwen2ForCausalLM(cfg).float()
         self.params = dict(self.copy.named_parameters())
         self.named = list(model.named_parameters())
-        self.switch = lifecycle.Switch.from_fsdp2(self.copy, config=cfg)
+        self.switch = lifecycle.Switch.from_fsdp2(self.copy, config=cfg, dtype=args.rollout_dtype)
         self.engine = lifecycle.Engine(
-            self.switch, max_sequences=args.prompts * args.group, max_tokens=args.prompt_len + args.new
+            self.switch, max_sequences=args.prompts * args.group, max_tokens=args.prompt_len + args.new,
+            fp8_compute=args.fp8_compute,
         )
 
     def sync(self):
@@ -107,9 +115,11 @@ def run(path: str, args) -> dict:
             rollout_tp=dist.get_world_size(),
             switching="eager" if path == "eager" else "lazy",
             optimizer=opt,
+            dtype=args.rollout_dtype,
         )
         engine = lifecycle.Engine(
-            switch, max_sequences=args.prompts * args.group, max_tokens=args.prompt_len + args.new
+            switch, max_sequences=args.prompts * args.group, max_tokens=args.prompt_len + args.new,
+            fp8_compute=args.fp8_compute,
         )
     else:
         switch, engine = naive.switch, naive.engine
@@ -117,9 +127,51 @@ def run(path: str, args) -> dict:
     switch_s, calls, curve, samples, mismatches = 0.0, 0, [], [], []
     tis_cap = None if args.no_tis or args.tis_cap == 0 else args.tis_cap
     rank0 = dist.get_rank() == 0
+    stream = None
+    if args.sampling == "stream":
+        stream = lifecycle.GroupStream(
+            engine, args.group, max_new_tokens=args.new, temperature=args.temperature,
+            seed=args.seed + 1, leftovers=args.leftovers,
+            max_staleness=args.max_staleness if args.leftovers == "partial" else None,
+        )
+
+    def prompt_of(g: int) -> list[int]:
+        # group g's prompt, the same whichever step and path draws it
+        p = torch.Generator().manual_seed(1_000_003 * (args.seed + 1) + g)
+        return torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=p).tolist()
+
     for step in range(args.steps):
         kept, gen_batches, all_r = [], 0, []
-        while len(kept) < args.groups and gen_batches < args.max_calls:
+        if stream is not None:
+            # DAPO's dynamic sampling streamed: groups submitted as slots free up, each scored
+            # when its samples finish, generation stopped once --groups are kept
+            def keep(g, group):
+                r = [reward(s.tokens) for s in group]
+                all_r.extend(r)
+                return min(r) != max(r)
+
+            t = time.perf_counter()
+            if naive is not None:
+                naive.sync()
+                torch.cuda.synchronize()
+            with switch.rollout(refresh=naive is not None) as w:
+                switch_s += time.perf_counter() - t
+                filled = stream.fill(w, args.groups, group=prompt_of, keep=keep)
+            calls += 1
+            samples.append([[s.tokens for s in ss] for _, ss in filled.kept])
+            kept = [
+                (prompt_of(g), [s.tokens for s in ss], [reward(s.tokens) for s in ss],
+                 [s.logprobs.tolist() for s in ss])
+                for g, ss in filled.kept
+            ]
+            if rank0:
+                print(
+                    f"[{path}] step {step + 1} stream: {filled.finished} samples finished "
+                    f"(mean {filled.finished_mean_len:.1f} tokens; kept {filled.kept_mean_len:.1f}), "
+                    f"{filled.aborted} aborted, {filled.carried} carried, {filled.stale} stale",
+                    flush=True,
+                )
+        while stream is None and len(kept) < args.groups and gen_batches < args.max_calls:
             prompts = torch.randint(0, cfg.vocab_size, (args.prompts, args.prompt_len), generator=gen)
             batch = [p.tolist() for p in prompts for _ in range(args.group)]
             t = time.perf_counter()
@@ -213,6 +265,22 @@ def main():
         "rollout log-prob), C) with C this cap (verl's tis_imp_ratio_cap); 0 turns it off",
     )
     ap.add_argument("--no-tis", action="store_true", help="no truncated importance sampling (--tis-cap 0)")
+    ap.add_argument("--rollout-dtype", choices=["bf16", "fp8"], default="bf16", help="rollout weights")
+    ap.add_argument(
+        "--fp8-compute", choices=["w8a8", "weight-only"], default="w8a8",
+        help="fp8 products: w8a8 (the fast mode) or weight-only (the exact mode)",
+    )
+    ap.add_argument(
+        "--sampling", choices=["batches", "stream"], default="batches",
+        help="dynamic sampling by whole gen batches of --prompts groups, or streamed (groups "
+        "submitted as the engine's slots free up, each scored as it finishes)",
+    )
+    ap.add_argument(
+        "--leftovers", choices=["abort", "partial"], default="abort",
+        help="with --sampling stream: the requests in flight once the groups are kept are aborted "
+        "(which favours short samples), or carried as partial rollouts into the next step",
+    )
+    ap.add_argument("--max-staleness", type=int, default=1, help="weight versions a partial rollout may lag")
     args = ap.parse_args()
     if not (args.tis_cap >= 0 and args.tis_cap < float("inf")):
         ap.error(f"--tis-cap must be a finite number >= 0 (0 turns TIS off), got {args.tis_cap}")
@@ -235,7 +303,9 @@ def main():
     tis = "off" if args.no_tis or args.tis_cap == 0 else f"capped at {args.tis_cap}"
     print(f"DAPO on a Qwen2 of {sum(p.numel() for p in transformers.Qwen2ForCausalLM(config()).parameters())} "
           f"parameters, FSDP2 W = {dist.get_world_size()}, AdamW lr {args.lr}, verl's loss, "
-          f"truncated importance sampling {tis}, {args.steps} steps")
+          f"truncated importance sampling {tis}, {args.steps} steps; {args.rollout_dtype} rollout"
+          + (f" ({args.fp8_compute})" if args.rollout_dtype == "fp8" else "")
+          + (f", dynamic sampling streamed ({args.leftovers})" if args.sampling == "stream" else ""))
     print(f"{'':24}" + "".join(f"{r['path']:>12}" for r in runs))
     print(f"{'rollout calls':24}" + "".join(f"{r['calls']:>12}" for r in runs))
     print(f"{'switches (enter+refr.)':24}" + "".join(

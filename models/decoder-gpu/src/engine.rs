@@ -357,6 +357,13 @@ impl GpuEngine {
         self.settings
     }
 
+    /// The longest sequence (prompt + generated tokens) the attention kernels hold on this
+    /// engine's devices: [`MAX_CONTEXT`], or fewer on a device with less shared memory per
+    /// block.
+    pub fn max_context(&self) -> usize {
+        self.core.max_context()
+    }
+
     /// Turns prefix sharing ([`EngineSettings::fork_prefill`]) on or off from the next call.
     pub fn set_fork_prefill(&mut self, on: bool) {
         self.settings.fork_prefill = on;

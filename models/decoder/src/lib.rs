@@ -34,7 +34,7 @@ mod heads;
 mod kv;
 mod math;
 mod megatron_checkpoint;
-mod rollout;
+pub mod rollout;
 mod sampling;
 mod spec_check;
 mod weights;

@@ -26,7 +26,7 @@ use super::rank::{Dims, RankBind, RankState};
 
 /// Longest sequence (prompt + generated tokens) the attention kernels hold: their shared memory
 /// keeps a score per position (132 KiB at 32 k positions, within a Hopper SM's 227 KiB opt-in; a
-/// device with less holds fewer, [`Core::max_context`]). A cache of more than ~12 k positions
+/// device with less holds fewer, [`GpuEngine::max_context`](crate::GpuEngine::max_context)). A cache of more than ~12 k positions
 /// leaves room for one attention block per SM at a time.
 pub const MAX_CONTEXT: usize = 32768;
 

@@ -1,10 +1,13 @@
-//! Rollout as RL uses it: requests with their own sampling settings ([`Request`],
-//! [`SamplingParams`]), the reference token pick with its log-probabilities ([`pick`]),
-//! continuous batching over a decoder's KV slots ([`Scheduler`], [`SlotDecoder`]), and the
-//! CPU decoder as a slot decoder (the reference the GPU engine is compared with).
+//! Rollout as RL uses it: requests with their own sampling settings
+//! ([`Request`](request::Request), [`SamplingParams`](request::SamplingParams)), the reference
+//! token pick with its log-probabilities ([`pick`](pick::pick)), continuous batching over a
+//! decoder's KV slots ([`Scheduler`](scheduler::Scheduler),
+//! [`SlotDecoder`](scheduler::SlotDecoder)), DAPO's dynamic sampling streamed
+//! ([`GroupStream`](groups::GroupStream)), and the CPU decoder as a slot decoder (the reference
+//! the GPU engine is compared with). Every item is also at the crate's root.
 
 mod cpu;
-pub(crate) mod groups;
-pub(crate) mod pick;
-pub(crate) mod request;
-pub(crate) mod scheduler;
+pub mod groups;
+pub mod pick;
+pub mod request;
+pub mod scheduler;
