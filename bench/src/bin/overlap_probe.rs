@@ -34,14 +34,11 @@ struct Cli {
     gap_us: Vec<u32>,
 }
 
-const PROBE_SRC: &str = r#"
-extern "C" __global__ void write_words(unsigned* dst, unsigned long long n) {
-    for (unsigned long long i = blockIdx.x * 256ull + threadIdx.x; i < n; i += gridDim.x * 256ull)
-        dst[i] = (unsigned)i;
-}
-extern "C" __global__ void spin(unsigned ns) { __nanosleep(ns); }
-"#;
-const PROBE: KernelSet = KernelSet::new("overlap probe", PROBE_SRC);
+/// The probe's kernels (`kernels/overlap_probe.cu`).
+const PROBE: KernelSet = KernelSet::new(
+    "overlap probe",
+    include_str!("../../../kernels/overlap_probe.cu"),
+);
 
 const OPS: [&str; 8] = [
     "kernel (memset 4 KiB)",
