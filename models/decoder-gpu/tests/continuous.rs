@@ -8,7 +8,6 @@
 //! cargo test --release -p lifecycle-decoder-gpu --test continuous -- --ignored --test-threads=1 --nocapture
 //! ```
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use lifecycle_core::Lifecycle;
@@ -24,37 +23,14 @@ use serde_json::Value;
 
 type Res = Result<(), Box<dyn std::error::Error>>;
 
-const MODELS: [&str; 3] = ["gqa_untied", "tied_vocab61", "kv1_headdim16"];
+mod common;
 
-fn fixtures() -> PathBuf {
-    if let Ok(p) = std::env::var("LIFECYCLE_DECODER_FIXTURES") {
-        return PathBuf::from(p);
-    }
-    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../decoder/fixtures");
-    if here.join("references.json").is_file() {
-        return here;
-    }
-    PathBuf::from("models/decoder/fixtures")
-}
+use common::{fixtures, floats, tokens};
+
+const MODELS: [&str; 3] = ["gqa_untied", "tied_vocab61", "kv1_headdim16"];
 
 fn list(v: &Value) -> Vec<Value> {
     v.as_array().cloned().unwrap_or_default()
-}
-
-fn tokens(v: &Value) -> Vec<u32> {
-    list(v)
-        .iter()
-        .filter_map(Value::as_u64)
-        .map(|t| t as u32)
-        .collect()
-}
-
-fn floats(v: &Value) -> Vec<f32> {
-    list(v)
-        .iter()
-        .filter_map(Value::as_f64)
-        .map(|t| t as f32)
-        .collect()
 }
 
 /// Groups of 4 samples per fixture prompt with mixed settings: greedy, temperature, top-p,

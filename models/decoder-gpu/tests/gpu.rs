@@ -26,7 +26,6 @@
 //! the 6e-3 … 5e-2 the logits move between f32 and bf16 weights, so a wrong split, head or cache
 //! fails it). The measured maximum is printed. Greedy tokens must be equal.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -45,6 +44,10 @@ use lifecycle_layout::{ExpertPlacement, RolloutLayout as FusedLayout, RolloutVoc
 use lifecycle_megatron::{GpuConfig, MegatronGpuBackend, Transport};
 use serde_json::Value;
 
+mod common;
+
+use common::{fixtures, floats, tokens};
+
 const MODELS: [&str; 3] = ["gqa_untied", "tied_vocab61", "kv1_headdim16"];
 
 type Res = Result<(), Box<dyn std::error::Error>>;
@@ -59,38 +62,6 @@ fn fsdp_lifecycle(
     let backend = FsdpBackend::new(pool, config.rollout_layout(tp)?);
     let state = backend.state_from_tensors(tensors)?;
     Ok(Lifecycle::new(backend, state))
-}
-
-/// The fixtures: `LIFECYCLE_DECODER_FIXTURES`, or next to this crate, or relative to the current
-/// folder (a test binary copied to another machine runs from the repository root).
-fn fixtures() -> PathBuf {
-    if let Ok(p) = std::env::var("LIFECYCLE_DECODER_FIXTURES") {
-        return PathBuf::from(p);
-    }
-    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../decoder/fixtures");
-    if here.join("references.json").is_file() {
-        return here;
-    }
-    PathBuf::from("models/decoder/fixtures")
-}
-
-fn floats(v: &Value) -> Vec<f32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|x| match x {
-            Value::Array(row) => row.iter().map(|y| y.as_f64().unwrap() as f32).collect(),
-            other => vec![other.as_f64().unwrap() as f32],
-        })
-        .collect()
-}
-
-fn tokens(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
 }
 
 /// Largest |a − b| and the tolerance `1e-3 + 1e-3 · max|want|`.
