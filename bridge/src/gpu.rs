@@ -356,10 +356,11 @@ impl GpuSwitch {
         Ok(views)
     }
 
-    /// Serves `requests` with the attached engine on the resident weights (continuous
-    /// batching: [`GpuEngine::run`](lifecycle_decoder_gpu::GpuEngine::run)); a bad request is
-    /// [`BridgeError::Config`] naming it and its field, before anything runs.
-    pub fn run(&mut self, requests: Vec<Request>) -> Result<Vec<Sample>, BridgeError> {
+    /// Runs `f` on the attached engine in a rollout session over the resident weights.
+    fn with_engine<R>(
+        &mut self,
+        f: impl FnOnce(RolloutView<'_, RolloutBuffer>, &mut GpuEngine) -> Result<R, BridgeError>,
+    ) -> Result<R, BridgeError> {
         let lc = self.live()?;
         let mut session = lc.rollout().map_err(BridgeError::backend)?;
         let (weights, mut engine) = session.parts();
@@ -368,9 +369,16 @@ impl GpuSwitch {
                 "no engine attached to this switch (lifecycle.Engine(switch, ...))".into(),
             ));
         };
-        let out = e.run(weights, requests).map_err(request_error)?;
+        let out = f(weights, e)?;
         session.finish().map_err(BridgeError::backend)?;
         Ok(out)
+    }
+
+    /// Serves `requests` with the attached engine on the resident weights (continuous
+    /// batching: [`GpuEngine::run`](lifecycle_decoder_gpu::GpuEngine::run)); a bad request is
+    /// [`BridgeError::Config`] naming it and its field, before anything runs.
+    pub fn run(&mut self, requests: Vec<Request>) -> Result<Vec<Sample>, BridgeError> {
+        self.with_engine(|weights, e| e.run(weights, requests).map_err(request_error))
     }
 
     /// DAPO's dynamic sampling streamed through the attached engine on the resident weights
@@ -384,23 +392,15 @@ impl GpuSwitch {
         group: impl FnMut(u64) -> Result<Vec<Request>, GpuDecodeError>,
         keep: impl FnMut(u64, &[Sample]) -> Result<bool, GpuDecodeError>,
     ) -> Result<Filled, BridgeError> {
-        let lc = self.live()?;
-        let mut session = lc.rollout().map_err(BridgeError::backend)?;
-        let (weights, mut engine) = session.parts();
-        let Some(e) = engine.0.as_mut() else {
-            return Err(BridgeError::Config(
-                "no engine attached to this switch (lifecycle.Engine(switch, ...))".into(),
-            ));
-        };
-        stream
-            .set_version(weights.version())
-            .map_err(BridgeError::backend)?;
-        let mut slots = e.slots(&weights).map_err(BridgeError::backend)?;
-        let out = stream
-            .fill(&mut slots, want, group, keep)
-            .map_err(request_error)?;
-        session.finish().map_err(BridgeError::backend)?;
-        Ok(out)
+        self.with_engine(|weights, e| {
+            stream
+                .set_version(weights.version())
+                .map_err(BridgeError::backend)?;
+            let mut slots = e.slots(&weights).map_err(BridgeError::backend)?;
+            stream
+                .fill(&mut slots, want, group, keep)
+                .map_err(request_error)
+        })
     }
 
     /// Leaves rollout mode, bringing back what was offloaded (refused while a handed-out view is
