@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args as _, CommandFactory, FromArgMatches, Parser, ValueEnum};
 use lifecycle_core::MemoryPolicy;
+use lifecycle_decoder::Leftovers;
 use lifecycle_examples::dapo::update::DEFAULT_TIS_CAP;
 use lifecycle_examples::dapo::{DapoConfig, HostTrain, Objective, UpdateConfig};
 use lifecycle_examples::gpu_dapo::{
@@ -219,6 +220,35 @@ struct HostOptions {
     /// 0 turns it off (the mismatch between the two log-probabilities is measured either way).
     #[arg(long, value_name = "C", default_value_t = DEFAULT_TIS_CAP)]
     tis_cap: f32,
+    /// Dynamic sampling: `batches` (whole gen batches of --prompts groups until enough have
+    /// mixed rewards) or `stream` (groups submitted as the CPU decoder's KV slots free up, each
+    /// scored as it finishes; --checkpoint or --train megatron runs: the toy policy has no KV
+    /// slots).
+    #[arg(long, value_enum, default_value_t = SamplingMode::Batches)]
+    sampling: SamplingMode,
+    /// With --sampling stream: the requests in flight once a step's groups are kept are
+    /// aborted (which favours short samples) or carried as partial rollouts into the next step,
+    /// on the updated weights.
+    #[arg(long, value_enum, default_value_t = LeftoverMode::Abort)]
+    leftovers: LeftoverMode,
+    /// With --leftovers partial: the weight versions a partial rollout may lag (a sample older
+    /// than that is dropped, never trained on).
+    #[arg(long, default_value_t = 1)]
+    max_staleness: u64,
+}
+
+/// `--sampling`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum SamplingMode {
+    Batches,
+    Stream,
+}
+
+/// `--leftovers`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum LeftoverMode {
+    Abort,
+    Partial,
 }
 
 /// A command line that does not fit its backend.
@@ -254,6 +284,15 @@ pub(crate) enum ArgsError {
         /// The options, as typed.
         options: Vec<String>,
     },
+    /// Streamed dynamic sampling on the toy policy, whose engine holds no KV slots.
+    #[error(
+        "--sampling stream runs the CPU decoder's KV slots: pass --checkpoint DIR (or --train \
+         megatron); the toy policy samples whole gen batches (--sampling batches)"
+    )]
+    StreamWithoutDecoder,
+    /// Stream settings without --sampling stream.
+    #[error("{0} only applies to --sampling stream")]
+    StreamOnly(&'static str),
 }
 
 /// What a command line runs.
@@ -357,7 +396,23 @@ impl Args {
                     chosen: gpu,
                 })
             }
-            Backend::Host => Ok(self.host_plan()),
+            Backend::Host => {
+                let h = &self.host;
+                let toy = self.checkpoint.is_none() && h.train == Train::Fsdp;
+                match h.sampling {
+                    SamplingMode::Stream if toy => return Err(ArgsError::StreamWithoutDecoder),
+                    SamplingMode::Batches if h.leftovers != LeftoverMode::Abort => {
+                        return Err(ArgsError::StreamOnly("--leftovers"))
+                    }
+                    SamplingMode::Stream | SamplingMode::Batches => {}
+                }
+                if h.max_staleness != 1 && h.leftovers != LeftoverMode::Partial {
+                    return Err(ArgsError::StreamOnly(
+                        "--max-staleness (with --leftovers partial)",
+                    ));
+                }
+                Ok(self.host_plan())
+            }
             Backend::Fsdp | Backend::Megatron => Ok(Plan::Gpu(self.gpu_options())),
         }
     }
@@ -409,6 +464,12 @@ impl Args {
                     etp: self.megatron.etp(),
                 },
             },
+            stream: (h.sampling == SamplingMode::Stream).then_some(match h.leftovers {
+                LeftoverMode::Abort => Leftovers::Abort,
+                LeftoverMode::Partial => Leftovers::Partial {
+                    max_staleness: h.max_staleness,
+                },
+            }),
         };
         Plan::Host {
             config,

@@ -194,6 +194,21 @@ pub(crate) fn step_table(report: &RunReport, runs: &[&RunReport]) -> String {
         }
         out.push('\n');
     }
+    for s in &report.steps {
+        if let Some(f) = &s.streamed {
+            out.push_str(&format!(
+                "  step {} streamed: {} samples finished (mean {:.1} tokens; kept samples {:.1}), \
+                 {} aborted, {} carried into the next step, {} dropped as stale\n",
+                s.step,
+                f.finished,
+                f.finished_mean_len(),
+                f.kept_mean_len(),
+                f.aborted,
+                f.carried,
+                f.stale,
+            ));
+        }
+    }
     if report
         .steps
         .iter()

@@ -447,3 +447,46 @@ fn fsdp_without_a_gpu_is_a_typed_error() {
         ))
     ));
 }
+
+#[test]
+fn streamed_sampling_needs_a_decoder_and_its_settings_need_it() {
+    use lifecycle_decoder::Leftovers;
+    let e = plan(&["--sampling", "stream"]).unwrap_err().to_string();
+    assert!(e.contains("--checkpoint DIR"), "{e}");
+    let e = plan(&["--leftovers", "partial"]).unwrap_err().to_string();
+    assert!(
+        e.contains("--leftovers only applies to --sampling stream"),
+        "{e}"
+    );
+    let e = plan(&[
+        "--sampling",
+        "stream",
+        "--train",
+        "megatron",
+        "--max-staleness",
+        "3",
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("--max-staleness"), "{e}");
+    let argv = [
+        "--sampling",
+        "stream",
+        "--train",
+        "megatron",
+        "--leftovers",
+        "partial",
+        "--max-staleness",
+        "2",
+    ];
+    match plan(&argv) {
+        Ok(Plan::Host { config, .. }) => {
+            assert_eq!(config.stream, Some(Leftovers::Partial { max_staleness: 2 }))
+        }
+        other => panic!("expected the host backend, got {other:?}"),
+    }
+    match plan(&[]) {
+        Ok(Plan::Host { config, .. }) => assert_eq!(config.stream, None),
+        other => panic!("expected the host backend, got {other:?}"),
+    }
+}

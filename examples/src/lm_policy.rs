@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use lifecycle_core::{sharded_rollout, RolloutSession, RolloutView, Switching, TrainSession};
-use lifecycle_decoder::{Checkpoint, DecodeError, ModelConfig};
+use lifecycle_decoder::{Checkpoint, DecodeError, GroupStream, ModelConfig};
 use lifecycle_host::{HostBackend, HostTrainState};
 use lifecycle_layout::RolloutLayout;
 use lifecycle_layout::{AdamParams, HostRollout};
@@ -83,9 +83,46 @@ pub(crate) fn decoder_batch<B: lifecycle_core::Reshard<Rollout = HostRollout>>(
     let (weights, mut engine) = session.parts();
     let (groups, setup, generate) = engine.generate(weights.get(), &job)?;
     Ok(GenBatch {
+        streamed: None,
         groups,
         setup,
         generate,
+    })
+}
+
+/// One streamed fill through the session's CPU decoder engine ([`CpuDecoderEngine::fill`]):
+/// groups of `config.group_size` samples in `config.prompts_per_batch × group_size` KV slots (a
+/// gen batch's room), the stream (made at the first fill, kept across steps for its partial
+/// rollouts) sampling on the session's weight version.
+pub(crate) fn decoder_fill<B: lifecycle_core::Reshard<Rollout = HostRollout>>(
+    session: &mut RolloutSession<'_, B, CpuDecoderEngine>,
+    stream: &mut Option<GroupStream>,
+    config: &DapoConfig,
+    want: usize,
+    seed: u64,
+    vocab: usize,
+) -> Result<GenBatch, DapoError> {
+    let leftovers = config
+        .stream
+        .ok_or_else(|| DapoError::Config("a streamed fill without --sampling stream".into()))?;
+    let stream = stream.get_or_insert_with(|| GroupStream::new(config.group_size, leftovers));
+    stream.set_version(session.weights().version())?;
+    let job = DecodeJob {
+        prompts: Vec::new(),
+        group_size: config.group_size,
+        tokens: config.tokens,
+        temperature: config.temperature,
+        seed,
+        reward: RewardRule::new(config.reward_modulus, config.reward_quota, vocab),
+    };
+    let (weights, mut engine) = session.parts();
+    let slots = config.prompts_per_batch * config.group_size;
+    let f = engine.fill(weights.get(), stream, &job, want, slots)?;
+    Ok(GenBatch {
+        groups: f.kept,
+        setup: f.setup,
+        generate: f.generate,
+        streamed: Some((f.filled, f.rewards, f.scored)),
     })
 }
 
@@ -127,6 +164,8 @@ pub struct CheckpointDriver {
     config: DapoConfig,
     model: ModelConfig,
     what: String,
+    /// The streamed dynamic sampling's state (`--sampling stream`), from its first fill.
+    stream: Option<GroupStream>,
 }
 
 impl CheckpointDriver {
@@ -136,6 +175,7 @@ impl CheckpointDriver {
             config,
             model,
             what,
+            stream: None,
         }
     }
 }
@@ -172,6 +212,15 @@ impl DapoBackend<HostBackend, CpuDecoderEngine> for CheckpointDriver {
         request: &GenRequest,
     ) -> Result<GenBatch, DapoError> {
         decoder_batch(session, &self.config, request, self.model.model.vocab)
+    }
+    fn fill(
+        &mut self,
+        session: &mut RolloutSession<'_, HostBackend, CpuDecoderEngine>,
+        want: usize,
+        seed: u64,
+    ) -> Result<GenBatch, DapoError> {
+        let vocab = self.model.model.vocab;
+        decoder_fill(session, &mut self.stream, &self.config, want, seed, vocab)
     }
 
     fn update(

@@ -313,3 +313,48 @@ fn dapo_with_w8a8_rollouts_on_a_qwen3_moe_model() {
         );
     }
 }
+
+/// `--sampling stream`: each step's groups come from one streamed rollout call (groups
+/// submitted as the decoder's KV slots free up, scored as they finish), every kept group has
+/// mixed rewards, the tail is aborted or carried as partial rollouts into the next step, and
+/// lazy and eager sample the same.
+#[test]
+fn streamed_dynamic_sampling_fills_each_step_in_one_rollout_call() {
+    use lifecycle_decoder::Leftovers;
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/decoder/fixtures/gqa_untied");
+    let ckpt = load_checkpoint(&dir).unwrap();
+    for leftovers in [Leftovers::Abort, Leftovers::Partial { max_staleness: 1 }] {
+        let config = DapoConfig {
+            stream: Some(leftovers),
+            ..small(2, 2)
+        };
+        let lazy = run_checkpoint(&config, &ckpt, Switching::Lazy, |_| {}).unwrap();
+        let eager = run_checkpoint(&config, &ckpt, Switching::Eager, |_| {}).unwrap();
+        let mut carried = 0;
+        for s in &lazy.steps {
+            assert_eq!(
+                (s.gen_batches, s.switches, s.exits),
+                (1, 1, 1),
+                "step {}",
+                s.step
+            );
+            assert_eq!(s.kept, config.batch_groups);
+            assert!(s.groups >= s.kept);
+            let f = s
+                .streamed
+                .as_ref()
+                .expect("a streamed step reports its fill");
+            assert_eq!(f.kept.len(), config.batch_groups);
+            match leftovers {
+                Leftovers::Abort => assert_eq!(f.carried, 0),
+                Leftovers::Partial { .. } => assert_eq!(f.aborted, 0),
+            }
+            carried += f.carried;
+        }
+        if matches!(leftovers, Leftovers::Partial { .. }) {
+            assert!(carried > 0, "no request was in flight at the end of a step");
+        }
+        assert!(lazy.groups.iter().all(|g| !g.uniform()));
+        assert_eq!(lazy.groups, eager.groups, "{leftovers:?}");
+    }
+}

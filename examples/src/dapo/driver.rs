@@ -17,12 +17,18 @@
 //!         kept += groups of batch with mixed rewards
 //!     backend.update(&mut lc.train(), step, kept)      # exits (lazy), bumps the version
 //! ```
+//!
+//! With [`LoopSettings::streamed`] a step's groups come from one streamed fill instead
+//! ([`DapoBackend::fill`]: groups submitted as the engine's slots free up, each scored as it
+//! finishes, the rest aborted or carried as partial rollouts into the next step).
 
 use std::time::{Duration, Instant};
 
 use lifecycle_core::{
     Lifecycle, LifecycleError, Reshard, RolloutEngine, RolloutSession, TrainSession,
 };
+
+use lifecycle_decoder::Filled;
 
 use super::{GenRequest, Group, RunReport, StepReport, UpdateOutcome};
 
@@ -41,6 +47,17 @@ pub struct LoopSettings {
     pub max_gen_batches: usize,
     /// Seed of the run: gen batches of step `s` get `seed ^ (s << 32)` ([`GenRequest::seed`]).
     pub seed: u64,
+    /// DAPO's dynamic sampling streamed ([`DapoBackend::fill`]: groups submitted as the
+    /// engine's slots free up, each scored as it finishes) instead of whole gen batches.
+    pub streamed: bool,
+}
+
+/// The backend's engine cannot stream dynamic sampling (it holds no KV slots a scheduler could
+/// fill); each backend's error type turns it into its own message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamUnsupported {
+    /// What the backend runs, and what would stream.
+    pub why: String,
 }
 
 /// Dynamic sampling found no group with mixed rewards within [`LoopSettings::max_gen_batches`]
@@ -70,6 +87,10 @@ pub struct GenBatch {
     pub setup: Duration,
     /// Generation alone.
     pub generate: Duration,
+    /// A streamed fill ([`DapoBackend::fill`]): what it cost, and the rewards of every group
+    /// it scored (sum, samples), kept or not; `None` for a gen batch, whose groups are all
+    /// returned.
+    pub streamed: Option<(Filled, f64, usize)>,
 }
 
 /// What one gen batch (one rollout call) measured.
@@ -95,6 +116,8 @@ pub struct BatchReport {
     pub setup: Duration,
     /// Generation alone ([`GenBatch::generate`]).
     pub generate: Duration,
+    /// A streamed fill's cost ([`GenBatch::streamed`]).
+    pub streamed: Option<Filled>,
 }
 
 /// What the loop reports while it runs.
@@ -109,8 +132,9 @@ pub enum LoopEvent<'a> {
 /// What differs per backend in the DAPO loop: `B` the backend, `E` the rollout engine attached
 /// to its lifecycle.
 pub trait DapoBackend<B: Reshard, E: RolloutEngine<B::Rollout>> {
-    /// The run's error: lifecycle failures and an unfilled batch convert into it.
-    type Error: From<LifecycleError<B::Error>> + From<BatchNotFilled>;
+    /// The run's error: lifecycle failures, an unfilled batch and a refused stream convert into
+    /// it.
+    type Error: From<LifecycleError<B::Error>> + From<BatchNotFilled> + From<StreamUnsupported>;
 
     /// The report's header: what runs (backend, layouts, model, engine, update, reward).
     fn describe(&self) -> Vec<String>;
@@ -122,6 +146,30 @@ pub trait DapoBackend<B: Reshard, E: RolloutEngine<B::Rollout>> {
         session: &mut RolloutSession<'_, B, E>,
         request: &GenRequest,
     ) -> Result<GenBatch, Self::Error>;
+
+    /// DAPO's dynamic sampling streamed through the session's engine
+    /// ([`lifecycle_decoder::GroupStream`]): generates until `want` groups with mixed rewards
+    /// are kept, group `g` of the stream being prompt `g`, sampled with `seed`; the kept groups
+    /// (all mixed) and [`GenBatch::streamed`]. Backends whose engine holds no KV slots refuse
+    /// ([`StreamUnsupported`], the default).
+    fn fill(
+        &mut self,
+        session: &mut RolloutSession<'_, B, E>,
+        want: usize,
+        seed: u64,
+    ) -> Result<GenBatch, Self::Error> {
+        let _ = (session, want, seed);
+        Err(StreamUnsupported {
+            why: format!(
+                "{} has no KV slots to stream dynamic sampling through (the CPU decoder's \
+                 checkpoint and Megatron runs do: --checkpoint DIR)",
+                self.describe()
+                    .first()
+                    .map_or("this backend", String::as_str)
+            ),
+        }
+        .into())
+    }
 
     /// Applies the update of `step` (1-based) from the kept groups to the training state.
     fn update(
@@ -206,6 +254,7 @@ where
         let (mut reward_sum, mut samples) = (0.0f64, 0usize);
         let (mut generate, mut setup) = (Duration::ZERO, Duration::ZERO);
         let mut batch_switch = Vec::new();
+        let mut streamed = None;
         let rollout_start = Instant::now();
         while kept.len() < s.batch_groups {
             if gen_batches == s.max_gen_batches && !kept.is_empty() {
@@ -233,33 +282,50 @@ where
             let call_start = Instant::now();
             let batch = {
                 let mut session = lc.rollout()?;
-                let result = backend.generate(&mut session, &request);
+                let result = if s.streamed {
+                    backend.fill(&mut session, s.batch_groups - kept.len(), s.seed)
+                } else {
+                    backend.generate(&mut session, &request)
+                };
                 finish_call(session, result)?
             };
             let wall = call_start.elapsed();
             let call = lc.metrics().since(&call_before);
             gen_batches += 1;
-            generated += batch.groups.len();
             generate += batch.generate;
             setup += batch.setup;
             batch_switch.push(call.switch_time());
-            for g in &batch.groups {
-                reward_sum += g.rewards.iter().map(|&r| f64::from(r)).sum::<f64>();
-                samples += g.rewards.len();
-            }
+            let (sequences, groups) = match &batch.streamed {
+                Some((filled, rewards, scored)) => {
+                    reward_sum += rewards;
+                    samples += scored;
+                    (filled.finished, filled.kept.len() + filled.dropped_groups)
+                }
+                None => {
+                    for g in &batch.groups {
+                        reward_sum += g.rewards.iter().map(|&r| f64::from(r)).sum::<f64>();
+                        samples += g.rewards.len();
+                    }
+                    let sequences = batch.groups.iter().map(|g| g.samples.len()).sum();
+                    (sequences, batch.groups.len())
+                }
+            };
+            generated += groups;
             let report = BatchReport {
                 step,
                 index: gen_batches,
-                sequences: batch.groups.iter().map(|g| g.samples.len()).sum(),
-                groups: batch.groups.len(),
+                sequences,
+                groups,
                 mixed: batch.groups.iter().filter(|g| !g.uniform()).count(),
                 wall,
                 switch: call.switch_time(),
                 switches: call.switches(),
                 setup: batch.setup,
                 generate: batch.generate,
+                streamed: batch.streamed.as_ref().map(|s| s.0.clone()),
             };
             on(LoopEvent::Batch(&report));
+            streamed = report.streamed.clone();
             all_groups.extend(batch.groups.iter().cloned());
             kept.extend(batch.groups.into_iter().filter(|g| !g.uniform()));
         }
@@ -300,6 +366,7 @@ where
             setup,
             batch_switch,
             update: outcome,
+            streamed,
         };
         on(LoopEvent::Step(&report));
         steps.push(report);

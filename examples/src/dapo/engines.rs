@@ -17,7 +17,9 @@ use std::convert::Infallible;
 use std::time::{Duration, Instant};
 
 use lifecycle_core::{EngineBytes, PhaseScope, RolloutEngine, RolloutView};
-use lifecycle_decoder::{CpuDecoder, DecodeError, ModelConfig, Request, SamplingParams, Scheduler};
+use lifecycle_decoder::{
+    CpuDecoder, DecodeError, Filled, GroupStream, ModelConfig, Request, SamplingParams, Scheduler,
+};
 use lifecycle_layout::fp8::Fp8Compute;
 use lifecycle_layout::RolloutLayout as FusedLayout;
 use lifecycle_layout::{HostRollout, RankRollout, RolloutLayout};
@@ -113,6 +115,23 @@ pub struct CpuDecoderEngine {
     layout: DecoderLayout,
     last_kv_bytes: u64,
     fp8: Fp8Compute,
+}
+
+/// One streamed fill of [`CpuDecoderEngine::fill`].
+#[derive(Debug, Clone)]
+pub struct StreamFill {
+    /// The kept groups (all with mixed rewards), in the order they were kept.
+    pub kept: Vec<Group>,
+    /// What the fill cost.
+    pub filled: Filled,
+    /// The sum of the rewards of every group scored, kept or not.
+    pub rewards: f64,
+    /// Samples of the groups scored.
+    pub scored: usize,
+    /// Building the decoder.
+    pub setup: Duration,
+    /// Generating.
+    pub generate: Duration,
 }
 
 /// Generated sequences of one replica: prompt id, tokens and their log-probabilities.
@@ -249,6 +268,78 @@ impl CpuDecoderEngine {
             })
             .collect();
         Ok((groups, setup, generate))
+    }
+}
+
+impl CpuDecoderEngine {
+    /// DAPO's dynamic sampling streamed on `weights` ([`GroupStream::fill`]): on the first
+    /// data-parallel replica's decoder with `slots` KV slots, group `g` is prompt `g`'s
+    /// `job.group_size` samples (seeded [`super::sample_seed`]`(job.seed, g, s)`, so a group's
+    /// samples do not depend on when it runs), scored by `job.reward` as it finishes and kept
+    /// when its rewards are mixed, until `want` are kept: the kept groups in the order they were
+    /// kept, what the fill cost, the rewards of every group scored, and the time spent building
+    /// the decoder and generating ([`StreamFill`]).
+    pub fn fill(
+        &mut self,
+        weights: &HostRollout,
+        stream: &mut GroupStream,
+        job: &DecodeJob,
+        want: usize,
+        slots: usize,
+    ) -> Result<StreamFill, DecodeError> {
+        let tp = self.layout.tp().max(1);
+        let group: Vec<_> = weights.ranks.iter().take(tp).collect();
+        let t = Instant::now();
+        let decoder = self
+            .layout
+            .decoder(&self.model, &group)?
+            .with_fp8_compute(self.fp8);
+        let setup = t.elapsed();
+        let vocab = self.model.model.vocab;
+        let positions = 4 + job.tokens;
+        let mut decoder = decoder.with_slots(slots.max(1), positions);
+        let (mut kept, mut rewards, mut scored) = (Vec::new(), 0.0f64, 0usize);
+        let t = Instant::now();
+        let filled = stream.fill(
+            &mut decoder,
+            want,
+            |g| {
+                let tokens: Vec<u32> = prompt(g, vocab).into_iter().map(|t| t as u32).collect();
+                Ok((0..job.group_size)
+                    .map(|s| {
+                        let params = SamplingParams::new(job.tokens)
+                            .with_temperature(job.temperature)
+                            .with_seed(sample_seed(job.seed, g, s));
+                        Request::new(tokens.clone(), params)
+                    })
+                    .collect())
+            },
+            |g, samples| {
+                let tokens = samples
+                    .iter()
+                    .map(|s| s.tokens.iter().map(|&t| t as usize).collect())
+                    .collect();
+                let logprobs = samples.iter().map(|s| s.logprobs.clone()).collect();
+                let group = rewarded_group(g, job.reward, tokens, logprobs);
+                rewards += group.rewards.iter().map(|&r| f64::from(r)).sum::<f64>();
+                scored += group.rewards.len();
+                let mixed = !group.uniform();
+                if mixed {
+                    kept.push(group);
+                }
+                Ok(mixed)
+            },
+        )?;
+        kept.truncate(filled.kept.len());
+        self.last_kv_bytes = self.kv_bytes(slots, positions);
+        Ok(StreamFill {
+            kept,
+            filled,
+            rewards,
+            scored,
+            setup,
+            generate: t.elapsed(),
+        })
     }
 }
 

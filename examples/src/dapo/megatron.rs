@@ -11,7 +11,7 @@
 use std::path::Path;
 
 use lifecycle_core::{RolloutSession, Switching, TrainSession};
-use lifecycle_decoder::{random_tensors, Checkpoint, MegatronParallel, ModelConfig};
+use lifecycle_decoder::{random_tensors, Checkpoint, GroupStream, MegatronParallel, ModelConfig};
 use lifecycle_host::megatron::{MegatronHostBackend, MegatronTrainState};
 use lifecycle_layout::{AdamParams, HostTensor};
 use lifecycle_layout::{ExpertPlacement, RolloutLayout as FusedLayout, RolloutVocab};
@@ -76,6 +76,8 @@ pub struct MegatronDriver {
     config: DapoConfig,
     model: ModelConfig,
     what: String,
+    /// The streamed dynamic sampling's state (`--sampling stream`), from its first fill.
+    stream: Option<GroupStream>,
 }
 
 impl MegatronDriver {
@@ -85,6 +87,7 @@ impl MegatronDriver {
             config,
             model,
             what,
+            stream: None,
         }
     }
 
@@ -193,6 +196,15 @@ impl DapoBackend<MegatronHostBackend, CpuDecoderEngine> for MegatronDriver {
         request: &GenRequest,
     ) -> Result<GenBatch, DapoError> {
         decoder_batch(session, &self.config, request, self.model.model.vocab)
+    }
+    fn fill(
+        &mut self,
+        session: &mut RolloutSession<'_, MegatronHostBackend, CpuDecoderEngine>,
+        want: usize,
+        seed: u64,
+    ) -> Result<GenBatch, DapoError> {
+        let vocab = self.model.model.vocab;
+        crate::lm_policy::decoder_fill(session, &mut self.stream, &self.config, want, seed, vocab)
     }
 
     fn update(

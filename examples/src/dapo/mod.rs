@@ -20,6 +20,7 @@ use lifecycle_core::{
     sharded_rollout, Lifecycle, LifecycleConfig, LifecycleError, LinkBytes, MemoryPolicy, Metrics,
     Reshard, RolloutEngine, RolloutSession, RolloutView, Switching, Trace, TrainSession,
 };
+use lifecycle_decoder::Leftovers;
 use lifecycle_host::megatron::MegatronError;
 use lifecycle_host::{HostBackend, HostError, HostTrainState};
 use lifecycle_layout::fp8::{Fp8Compute, Fp8Keep, RolloutDtype};
@@ -30,6 +31,7 @@ use crate::toy_policy::{ForwardError, PolicyConfig, TpGroup};
 
 pub use driver::{
     run_steps, BatchNotFilled, BatchReport, DapoBackend, GenBatch, LoopEvent, LoopSettings,
+    StreamUnsupported,
 };
 pub use engines::{CpuDecoderEngine, DecodeJob, DecoderLayout, ToyEngine};
 pub use objective::Objective;
@@ -103,6 +105,10 @@ pub struct DapoConfig {
     /// How the CPU decoder computes with fp8 weights: weight-only, or W8A8 (activations
     /// quantised per token in 1 × 128 groups as well).
     pub fp8_compute: Fp8Compute,
+    /// DAPO's dynamic sampling streamed through the CPU decoder's KV slots, the requests in
+    /// flight once a step's groups are kept aborted or carried as partial rollouts
+    /// ([`DapoBackend::fill`]); `None`: whole gen batches (`--checkpoint` runs only).
+    pub stream: Option<Leftovers>,
 }
 
 impl Default for DapoConfig {
@@ -134,6 +140,7 @@ impl Default for DapoConfig {
             rollout_dtype: RolloutDtype::Bf16,
             fp8_keep: Fp8Keep::default(),
             fp8_compute: Fp8Compute::W8A8,
+            stream: None,
         }
     }
 }
@@ -188,6 +195,12 @@ pub enum DapoError {
     /// The training forward pass rejected a batch.
     #[error(transparent)]
     Forward(#[from] ForwardError),
+}
+
+impl From<StreamUnsupported> for DapoError {
+    fn from(e: StreamUnsupported) -> Self {
+        DapoError::Config(format!("--sampling stream: {}", e.why))
+    }
 }
 
 impl From<LifecycleError<MegatronError>> for DapoError {
@@ -413,6 +426,9 @@ pub struct StepReport {
     pub batch_switch: Vec<Duration>,
     /// What the update did.
     pub update: UpdateOutcome,
+    /// The streamed fill's cost (`--sampling stream`): samples finished and their mean length
+    /// against the kept ones', requests aborted, carried and dropped as stale.
+    pub streamed: Option<lifecycle_decoder::Filled>,
 }
 
 /// What a whole run did.
@@ -610,6 +626,7 @@ pub fn loop_settings(config: &DapoConfig) -> LoopSettings {
         batch_groups: config.batch_groups,
         max_gen_batches: config.max_gen_batches,
         seed: config.seed,
+        streamed: config.stream.is_some(),
     }
 }
 
@@ -740,6 +757,7 @@ impl DapoBackend<HostBackend, ToyEngine> for ToyDriver {
         let t = std::time::Instant::now();
         let groups = engine.generate(weights, &job);
         Ok(GenBatch {
+            streamed: None,
             groups,
             setup: Duration::ZERO,
             generate: t.elapsed(),

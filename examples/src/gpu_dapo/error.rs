@@ -76,6 +76,12 @@ impl From<LifecycleError<lifecycle_megatron::MegatronGpuError>> for DapoGpuError
     }
 }
 
+impl From<crate::dapo::driver::StreamUnsupported> for DapoGpuError {
+    fn from(e: crate::dapo::driver::StreamUnsupported) -> Self {
+        DapoGpuError::Usage(format!("streamed dynamic sampling: {}", e.why))
+    }
+}
+
 impl From<crate::dapo::BatchNotFilled> for DapoGpuError {
     fn from(b: crate::dapo::BatchNotFilled) -> Self {
         DapoGpuError::BatchNotFilled {

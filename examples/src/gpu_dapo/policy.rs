@@ -240,6 +240,7 @@ where
             })
             .collect();
         Ok(GenBatch {
+            streamed: None,
             groups,
             setup,
             generate,
@@ -318,6 +319,7 @@ where
         batch_groups: r.batch_groups,
         max_gen_batches: r.max_gen_batches,
         seed: r.seed,
+        streamed: false,
     };
     let run = run_steps(lc, driver, &settings, |e| match e {
         LoopEvent::Batch(b) => say!(

@@ -105,7 +105,7 @@ struct Group {
 /// assert_eq!(filled.dropped_groups, 1);
 /// # Ok::<(), DecodeError>(())
 /// ```
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct GroupStream {
     scheduler: Scheduler,
     group_size: usize,

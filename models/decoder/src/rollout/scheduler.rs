@@ -168,7 +168,7 @@ impl Running {
 /// assert_eq!((samples[2].tokens.clone(), samples[2].finish), (vec![4, 5], FinishReason::Stop));
 /// # Ok::<(), DecodeError>(())
 /// ```
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Scheduler {
     queue: VecDeque<Running>,
     running: Vec<Option<Running>>,
