@@ -105,7 +105,10 @@ pub(crate) fn decoder_fill<B: lifecycle_core::Reshard<Rollout = HostRollout>>(
     let leftovers = config
         .stream
         .ok_or_else(|| DapoError::Config("a streamed fill without --sampling stream".into()))?;
-    let stream = stream.get_or_insert_with(|| GroupStream::new(config.group_size, leftovers));
+    let stream = stream.get_or_insert_with(|| {
+        GroupStream::new(config.group_size, leftovers)
+            .with_max_groups(config.max_gen_batches * config.prompts_per_batch)
+    });
     stream.set_version(session.weights().version())?;
     let job = DecodeJob {
         prompts: Vec::new(),

@@ -133,6 +133,7 @@ def run(path: str, args) -> dict:
             engine, args.group, max_new_tokens=args.new, temperature=args.temperature,
             seed=args.seed + 1, leftovers=args.leftovers,
             max_staleness=args.max_staleness if args.leftovers == "partial" else None,
+            max_groups=args.max_calls * args.prompts,
         )
 
     def prompt_of(g: int) -> list[int]:

@@ -50,6 +50,7 @@ class _GroupStream:
         seed: int,
         leftovers: str,
         max_staleness: Optional[int],
+        max_groups: Optional[int],
     ) -> None: ...
 
 class _Switch:

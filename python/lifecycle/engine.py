@@ -127,7 +127,9 @@ class GroupStream:
     "abort"``: their KV freed at once), or carried as partial rollouts (``"partial"``): they
     continue at the next fill on the weights of then, each token's weight version recorded in
     :attr:`Sample.versions`, and a sample more than ``max_staleness`` versions old (default 1)
-    is dropped (counted in ``stale``), never trained on.
+    is dropped (counted in ``stale``), never trained on. ``max_groups`` bounds the new groups a
+    fill submits: once they are all submitted and finished it returns what it kept, fewer than
+    ``want`` (without it, a fill whose groups are never kept runs forever).
 
     Aborting favours short samples: the groups that finish first are the ones kept, so kept
     samples are shorter on average than those generated (``Filled.kept_mean_len`` against
@@ -153,6 +155,7 @@ class GroupStream:
         seed: int = 0,
         leftovers: Literal["abort", "partial"] = "abort",
         max_staleness: int | None = None,
+        max_groups: int | None = None,
     ):
         from ._lifecycle import _GroupStream
 
@@ -167,6 +170,7 @@ class GroupStream:
             _per_prompt("seed", seed, 1)[0],
             str(leftovers),
             None if max_staleness is None else _per_prompt("max_staleness", max_staleness, 1)[0],
+            None if max_groups is None else _per_prompt("max_groups", max_groups, 1)[0],
         )
 
     def fill(self, weights, want: int, *, group, keep) -> Filled:

@@ -24,9 +24,10 @@ impl PyGroupStream {
     /// Groups of `group_size` samples of one prompt each, sampled with these settings (the
     /// seed of sample `j` of group `g` is `seed_of(seed, g * group_size + j)`); in-flight
     /// requests at the end of a fill are aborted, or carried (`leftovers="partial"`) with a
-    /// staleness bound of `max_staleness` weight versions.
+    /// staleness bound of `max_staleness` weight versions; a fill submits at most `max_groups`
+    /// new groups.
     #[new]
-    #[pyo3(signature = (group_size, max_new_tokens, temperature, top_p, top_k, stop_tokens, seed, leftovers, max_staleness))]
+    #[pyo3(signature = (group_size, max_new_tokens, temperature, top_p, top_k, stop_tokens, seed, leftovers, max_staleness, max_groups))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         group_size: usize,
@@ -38,6 +39,7 @@ impl PyGroupStream {
         seed: u64,
         leftovers: &str,
         max_staleness: Option<u64>,
+        max_groups: Option<usize>,
     ) -> PyResult<Self> {
         let config = |m: String| to_py(BridgeError::Config(m));
         let leftovers =
@@ -68,8 +70,12 @@ impl PyGroupStream {
             .with_stop_tokens(stop_tokens)
             .with_seed(seed);
         params.top_k = top_k;
+        let mut stream = GroupStream::new(group_size, leftovers);
+        if let Some(n) = max_groups {
+            stream = stream.with_max_groups(n);
+        }
         Ok(PyGroupStream {
-            stream: Mutex::new(GroupStream::new(group_size, leftovers)),
+            stream: Mutex::new(stream),
             group_size,
             params,
         })

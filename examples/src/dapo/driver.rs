@@ -48,7 +48,10 @@ pub struct LoopSettings {
     /// Seed of the run: gen batches of step `s` get `seed ^ (s << 32)` ([`GenRequest::seed`]).
     pub seed: u64,
     /// DAPO's dynamic sampling streamed ([`DapoBackend::fill`]: groups submitted as the
-    /// engine's slots free up, each scored as it finishes) instead of whole gen batches.
+    /// engine's slots free up, each scored as it finishes) instead of whole gen batches: one
+    /// fill per step, of at most `max_gen_batches × prompts_per_batch` groups (a step that
+    /// keeps fewer than `batch_groups` trains on those, one that keeps none is
+    /// [`BatchNotFilled`]).
     pub streamed: bool,
 }
 
@@ -328,6 +331,21 @@ where
             streamed = report.streamed.clone();
             all_groups.extend(batch.groups.iter().cloned());
             kept.extend(batch.groups.into_iter().filter(|g| !g.uniform()));
+            if s.streamed {
+                // one fill per step, bounded by the step's groups (max_gen_batches × prompts):
+                // what it kept, or nothing to train on
+                if kept.is_empty() {
+                    return Err(BatchNotFilled {
+                        step,
+                        kept: 0,
+                        needed: s.batch_groups,
+                        gen_batches,
+                        mean_reward: (reward_sum / samples.max(1) as f64) as f32,
+                    }
+                    .into());
+                }
+                break;
+            }
         }
         let rollout_time = rollout_start.elapsed();
         kept.truncate(s.batch_groups);

@@ -356,3 +356,20 @@ fn streamed_dynamic_sampling_keeps_the_wanted_groups() {
         assert!(third.stale > 0 || second.carried == 0);
     });
 }
+
+/// A fill whose groups are never kept ends at its bound of groups, with none kept.
+#[test]
+fn a_bounded_fill_ends_when_no_group_is_kept() {
+    use lifecycle_decoder::{GroupStream, Leftovers};
+    with_decoder(|d| {
+        let mut d = d.with_slots(4, 64);
+        let mut s = GroupStream::new(2, Leftovers::Abort).with_max_groups(5);
+        let group = |_: u64| -> Result<Vec<Request>, DecodeError> {
+            Ok(vec![Request::new(vec![1, 2], SamplingParams::new(3)); 2])
+        };
+        let f = s.fill(&mut d, 3, group, |_, _| Ok(false)).unwrap();
+        assert!(f.kept.is_empty());
+        assert_eq!(f.dropped_groups, 5);
+        assert!(s.scheduler().is_idle());
+    });
+}

@@ -110,6 +110,7 @@ pub struct GroupStream {
     scheduler: Scheduler,
     group_size: usize,
     leftovers: Leftovers,
+    max_groups: Option<usize>,
     next_group: u64,
     groups: BTreeMap<u64, Group>,
     owner: BTreeMap<u64, (u64, usize)>,
@@ -123,10 +124,25 @@ impl GroupStream {
             scheduler: Scheduler::new(),
             group_size: group_size.max(1),
             leftovers,
+            max_groups: None,
             next_group: 0,
             groups: BTreeMap::new(),
             owner: BTreeMap::new(),
         }
+    }
+
+    /// The same stream submitting at most `groups` new groups in one fill: once they are all
+    /// submitted and nothing is left running, the fill returns what it kept, fewer than wanted
+    /// (without a bound, a fill whose groups are never kept would run forever).
+    ///
+    /// ```
+    /// use lifecycle_decoder::{GroupStream, Leftovers};
+    /// let stream = GroupStream::new(16, Leftovers::Abort).with_max_groups(64);
+    /// # let _ = stream;
+    /// ```
+    pub fn with_max_groups(mut self, groups: usize) -> Self {
+        self.max_groups = Some(groups);
+        self
     }
 
     /// The scheduler (its version, its counts).
@@ -143,8 +159,9 @@ impl GroupStream {
     /// Generates until `want` groups are kept: `group(g)` gives group `g`'s requests (numbered
     /// from 0 over the stream's life, `group_size` of them), submitted while fewer than a
     /// decoder's worth of requests wait; `keep(g, samples)` scores a group when its last sample
-    /// finishes. In-flight requests then go as the stream's [`Leftovers`] say. An error of a
-    /// callback or of the decoder ends the fill with it, every request in flight aborted.
+    /// finishes; with a bound ([`GroupStream::with_max_groups`]) a fill may return fewer. In-flight
+    /// requests then go as the stream's [`Leftovers`] say. An error of a callback or of the
+    /// decoder ends the fill with it, every request in flight aborted.
     pub fn fill<D: SlotDecoder>(
         &mut self,
         decoder: &mut D,
@@ -176,8 +193,13 @@ impl GroupStream {
             }
         }
         let steps_before = self.scheduler.counts().0;
+        let mut submitted = 0usize;
+        let budget = self.max_groups.unwrap_or(usize::MAX);
         while out.kept.len() < want {
-            while self.scheduler.queued() < decoder.slots() {
+            if submitted >= budget && self.scheduler.is_idle() {
+                break;
+            }
+            while self.scheduler.queued() < decoder.slots() && submitted < budget {
                 let g = self.next_group;
                 let requests = group(g)?;
                 if requests.len() != self.group_size {
@@ -200,6 +222,7 @@ impl GroupStream {
                 let done = vec![None; ids.len()];
                 self.groups.insert(g, Group { ids, done });
                 self.next_group += 1;
+                submitted += 1;
             }
             for s in self.scheduler.step(decoder)? {
                 out.finished += 1;

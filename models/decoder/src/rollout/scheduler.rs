@@ -232,8 +232,8 @@ impl Scheduler {
         (self.steps, self.rows)
     }
 
-    /// Aborts request `id` wherever it is: a queued one gives back an empty sample, a running
-    /// one its tokens so far, its slot freed at once (its finish reason
+    /// Aborts request `id` wherever it is, giving back its tokens so far (none for a queued
+    /// request that never ran), a running one's slot freed at once (its finish reason
     /// [`FinishReason::Abort`]). `None` for an id that is neither queued nor running.
     pub fn abort(&mut self, id: u64) -> Option<Sample> {
         if let Some(i) = self.queue.iter().position(|q| q.sample.id == id) {
@@ -318,6 +318,12 @@ impl Scheduler {
     /// prefills them, then feeds every running request one token; the samples that finished in
     /// it, their slots freed.
     pub fn step<D: SlotDecoder>(&mut self, decoder: &mut D) -> Result<Vec<Sample>, D::Error> {
+        if decoder.slots() == 0 && !self.queue.is_empty() {
+            return Err(DecodeError::Usage(
+                "the decoder has no KV slots: nothing queued can ever run".into(),
+            )
+            .into());
+        }
         if self.running.len() != decoder.slots() {
             if self.running() > 0 {
                 return Err(DecodeError::Usage(format!(
