@@ -27,6 +27,7 @@
 //! ```
 
 pub mod error;
+pub mod front;
 pub mod gpu;
 pub mod host;
 pub mod model;
@@ -35,6 +36,7 @@ pub mod switch;
 pub mod views;
 
 pub use error::BridgeError;
+pub use front::Switch;
 pub use gpu::{GpuRankParts, GpuSwitch};
 pub use host::{HostSwitch, SwitchSettings};
 pub use model::ModelBinding;

@@ -12,7 +12,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use lifecycle_bridge::{BridgeError, GpuSwitch, HostSwitch, Lease, Leases};
+use lifecycle_bridge::{Lease, Leases, Switch};
 
 /// Which session and weight generation are current.
 #[derive(Debug, Default)]
@@ -23,19 +23,9 @@ pub struct Token {
     pub generation: AtomicU64,
 }
 
-/// The switch behind a Python `_Switch`.
-pub enum Inner {
-    /// Over host arrays, on the CPU reference backend.
-    Host(Box<HostSwitch>),
-    /// Over lent GPU shards.
-    Gpu(Box<GpuSwitch>),
-    /// Closed by `close()`: its memory is freed.
-    Closed,
-}
-
 /// The switch and its bookkeeping, shared by the `_Switch`, its handles and its exports.
 pub struct Shared {
-    inner: Mutex<Inner>,
+    inner: Mutex<Switch>,
     /// Which session and generation are current.
     pub token: Token,
     /// Sessions opened so far (the next one's id is one more).
@@ -46,12 +36,8 @@ pub struct Shared {
 
 impl Shared {
     /// `inner`, with its leases.
-    pub fn new(inner: Inner) -> Arc<Self> {
-        let leases = match &inner {
-            Inner::Host(s) => s.leases().clone(),
-            Inner::Gpu(s) => s.leases().clone(),
-            Inner::Closed => Arc::new(Leases::default()),
-        };
+    pub fn new(inner: Switch) -> Arc<Self> {
+        let leases = inner.leases();
         Arc::new(Shared {
             inner: Mutex::new(inner),
             token: Token::default(),
@@ -62,17 +48,9 @@ impl Shared {
 
     /// The switch, locked (a panic elsewhere does not make it unusable: every call checks its
     /// own preconditions).
-    pub fn lock(&self) -> MutexGuard<'_, Inner> {
+    pub fn lock(&self) -> MutexGuard<'_, Switch> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
-}
-
-/// The error of any call on a closed switch.
-pub fn closed() -> BridgeError {
-    BridgeError::Config(
-        "this switch is closed (close() freed its memory): build a new one to roll out again"
-            .into(),
-    )
 }
 
 static FINALIZING: AtomicBool = AtomicBool::new(false);

@@ -1,13 +1,13 @@
 //! `_Switch`: a host or GPU switch of `lifecycle-bridge` behind one Python class.
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use lifecycle_bridge::gpu::GpuRankParts;
 use lifecycle_bridge::shards::Shard;
 use lifecycle_bridge::SwitchStats;
-use lifecycle_bridge::{BridgeError, Entered, GpuSwitch, HostSwitch, ModelBinding, SwitchSettings};
+use lifecycle_bridge::{BridgeError, Entered, GpuSwitch, ModelBinding, Switch, SwitchSettings};
 use lifecycle_core::{MemoryPolicy, Switching};
 use lifecycle_cuda::driver::{BufferClass, LentOffload};
 use lifecycle_cuda::ThreadRankPool;
@@ -22,7 +22,7 @@ use pyo3::types::PyDict;
 
 use crate::errors::to_py;
 use crate::owner::PyOwner;
-use crate::shared::{closed, Inner, Owner, Shared};
+use crate::shared::{Owner, Shared};
 use crate::stream::PyGroupStream;
 use crate::tensor::PyTensor;
 
@@ -117,7 +117,7 @@ fn class(name: &str, value: &str) -> Result<BufferClass, BridgeError> {
 }
 
 impl PySwitch {
-    fn lock(&self) -> MutexGuard<'_, Inner> {
+    fn lock(&self) -> MutexGuard<'_, Switch> {
         self.shared.lock()
     }
 
@@ -126,15 +126,7 @@ impl PySwitch {
         &self,
         f: impl FnOnce(&mut GpuSwitch) -> Result<R, BridgeError>,
     ) -> Result<R, BridgeError> {
-        match &mut *self.lock() {
-            Inner::Gpu(s) => f(s),
-            Inner::Host(_) => Err(BridgeError::Config(
-                "the project's GPU engine needs a switch on device \"cuda\"; this one is on \
-                 \"cpu\" (the reference backend): build it with from_fsdp2 on CUDA parameters"
-                    .into(),
-            )),
-            Inner::Closed => Err(closed()),
-        }
+        f(self.lock().gpu()?)
     }
 }
 
@@ -199,7 +191,7 @@ impl PySwitch {
         gpu: usize,
         fp8_keep: &str,
     ) -> PyResult<Self> {
-        let build = || -> Result<Inner, BridgeError> {
+        let build = || -> Result<Switch, BridgeError> {
             let binding = ModelBinding::new(config_json, names)?;
             let mut settings = SwitchSettings::new(world, tp);
             settings.dtype = dtype(dtype_name)?;
@@ -210,17 +202,7 @@ impl PySwitch {
             // lazy so a session's weights live until the session ends
             parse::<Switching>("switching", switching)?;
             settings.lifecycle.switching = Switching::Lazy;
-            match device {
-                "cpu" => Ok(Inner::Host(Box::new(HostSwitch::new(binding, settings)?))),
-                "cuda" => {
-                    let pool = gpu_pool(world, gpu)?;
-                    let gpu = GpuSwitch::new(binding, settings, Arc::new(pool))?;
-                    Ok(Inner::Gpu(Box::new(gpu)))
-                }
-                other => Err(BridgeError::Config(format!(
-                    "device `{other}`: expected \"cpu\" (the reference backend) or \"cuda\""
-                ))),
-            }
+            Switch::build(binding, settings, device, || gpu_pool(world, gpu))
         };
         let inner = py.detach(build).map_err(to_py)?;
         Ok(PySwitch {
@@ -231,12 +213,7 @@ impl PySwitch {
     /// Checks shards as `enter` would (`shards[local][tensor]` = `(address, elements)`) without
     /// reading them: what a constructor can know before the first rollout.
     fn check_shards(&self, shards: Vec<Vec<Shard>>) -> PyResult<()> {
-        match &*self.lock() {
-            Inner::Host(s) => s.check_shards(&shards),
-            Inner::Gpu(s) => s.check_shards(&shards),
-            Inner::Closed => Err(closed()),
-        }
-        .map_err(to_py)
+        self.lock().check_shards(&shards).map_err(to_py)
     }
 
     /// Enters rollout mode (see `lifecycle.Switch.rollout`): `shards[local][tensor]` =
@@ -252,20 +229,13 @@ impl PySwitch {
         offload: Option<Vec<Vec<PyOffload>>>,
     ) -> PyResult<(bool, u64, f64)> {
         let run = || -> Result<Entered, BridgeError> {
-            let mut inner = self.lock();
-            match &mut *inner {
-                // SAFETY: the Python front passes the addresses of the host arrays it holds
-                // alive for the call (lifecycle/switch.py), each of its stated length.
-                Inner::Host(s) => unsafe { s.enter(&shards, changed) },
-                Inner::Gpu(s) => {
-                    let parts = gpu_parts(shards, offload, stream)?;
-                    // SAFETY: the Python front lends the live fp32 shards of the module's
-                    // parameters on this process's GPUs and keeps the module (and the storages
-                    // it lends to offload) alive as long as the switch (lifecycle/switch.py).
-                    unsafe { s.enter(parts, changed) }
-                }
-                Inner::Closed => Err(closed()),
-            }
+            let lent = lent_parts(shards, offload, stream)?;
+            // SAFETY: the Python front passes, for a host switch, the addresses of the arrays
+            // it holds alive for the call, each of its stated length; for a GPU switch, the live
+            // fp32 shards of the module's parameters on this process's GPUs, the module (and the
+            // storages it lends to offload) kept alive as long as the switch
+            // (lifecycle/switch.py).
+            unsafe { self.lock().enter(lent, changed) }
         };
         let e = py.detach(run).map_err(to_py)?;
         self.shared
@@ -278,13 +248,7 @@ impl PySwitch {
     /// A rollout call on current resident weights: `(False, generation, 0.0)`, or `None` when
     /// `enter` with the shards is needed (nothing resident, or not current).
     fn reuse(&self, py: Python<'_>) -> PyResult<Option<(bool, u64, f64)>> {
-        let e = py
-            .detach(|| match &mut *self.lock() {
-                Inner::Host(s) => s.reuse_current(),
-                Inner::Gpu(s) => s.reuse_current(),
-                Inner::Closed => Err(closed()),
-            })
-            .map_err(to_py)?;
+        let e = py.detach(|| self.lock().reuse_current()).map_err(to_py)?;
         Ok(e.map(|e| (e.switched, e.generation, e.wall.as_secs_f64())))
     }
 
@@ -309,13 +273,7 @@ impl PySwitch {
                 reason: "no rollout session is open (use `with switch.rollout() as w:`)".into(),
             }));
         }
-        let views = py
-            .detach(|| match &mut *self.lock() {
-                Inner::Host(s) => s.views(local),
-                Inner::Gpu(s) => s.views(local),
-                Inner::Closed => Err(closed()),
-            })
-            .map_err(to_py)?;
+        let views = py.detach(|| self.lock().views(local)).map_err(to_py)?;
         Ok(views
             .into_iter()
             .map(|v| PyTensor::new(v, bits, self.shared.shared()))
@@ -325,28 +283,13 @@ impl PySwitch {
     /// Leaves rollout mode (bringing offloaded state back); refused while handed-out tensors are
     /// referenced.
     fn exit(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| match &mut *self.lock() {
-            Inner::Host(s) => s.exit(),
-            Inner::Gpu(s) => s.exit(),
-            Inner::Closed => Err(closed()),
-        })
-        .map_err(to_py)
+        py.detach(|| self.lock().exit()).map_err(to_py)
     }
 
     /// Leaves rollout mode and frees the switch's memory; refused while handed-out tensors are
     /// referenced; a second call does nothing.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let gone = py
-            .detach(|| {
-                let mut inner = self.lock();
-                match &mut *inner {
-                    Inner::Host(s) => s.exit_for("close")?,
-                    Inner::Gpu(s) => s.exit_for("close")?,
-                    Inner::Closed => return Ok(Inner::Closed),
-                }
-                Ok(std::mem::replace(&mut *inner, Inner::Closed))
-            })
-            .map_err(to_py)?;
+        let gone = py.detach(|| self.lock().close()).map_err(to_py)?;
         // freed here, with the GIL held (a GPU switch holds Python callables)
         drop(gone);
         Ok(())
@@ -355,7 +298,7 @@ impl PySwitch {
     /// Whether `close()` ran.
     #[getter]
     fn closed(&self) -> bool {
-        matches!(&*self.lock(), Inner::Closed)
+        self.lock().is_closed()
     }
 
     /// Names of handed-out tensors still referenced.
@@ -365,22 +308,14 @@ impl PySwitch {
 
     /// Counts and times of the switches so far.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = match &*self.lock() {
-            Inner::Host(s) => s.stats(),
-            Inner::Gpu(s) => s.stats(),
-            Inner::Closed => return Err(to_py(closed())),
-        };
+        let s = self.lock().stats().map_err(to_py)?;
         stats_dict(py, s)
     }
 
     /// The ranks whose rollout tensors this process reads: the rollout ranks `0..T` of a host
     /// switch, the global ranks this process drives on the GPU.
     fn local_ranks(&self) -> PyResult<Vec<usize>> {
-        match &*self.lock() {
-            Inner::Host(s) => Ok(s.rollout_ranks().collect()),
-            Inner::Gpu(s) => s.local_ranks().map_err(to_py),
-            Inner::Closed => Err(to_py(closed())),
-        }
+        self.lock().local_ranks().map_err(to_py)
     }
 
     /// Attaches the project's GPU engine (KV room for `max_sequences` of `max_tokens`; fp8
@@ -550,8 +485,9 @@ fn sample_tuple(s: &Sample) -> SampleTuple {
     )
 }
 
-/// The GPU switch's view of what Python lends for each local rank.
-fn gpu_parts(
+/// What Python lends for each local rank: its shards and, on the GPU, the buffers an offload
+/// may move and the trainer's stream (a host switch reads only the shards).
+fn lent_parts(
     shards: Vec<Vec<Shard>>,
     offload: Option<Vec<Vec<PyOffload>>>,
     stream: Option<u64>,
