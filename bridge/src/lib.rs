@@ -31,6 +31,7 @@ pub mod front;
 pub mod gpu;
 pub mod host;
 pub mod model;
+pub mod settings;
 pub mod shards;
 pub mod switch;
 pub mod views;

@@ -2,21 +2,17 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
 
 use lifecycle_bridge::gpu::GpuRankParts;
+use lifecycle_bridge::settings::{
+    buffer_class, engine_settings, gpu_pool, switch_settings, SettingsText,
+};
 use lifecycle_bridge::shards::Shard;
 use lifecycle_bridge::SwitchStats;
-use lifecycle_bridge::{BridgeError, Entered, GpuSwitch, ModelBinding, Switch, SwitchSettings};
-use lifecycle_core::{MemoryPolicy, Switching};
+use lifecycle_bridge::{BridgeError, Entered, GpuSwitch, ModelBinding, Switch};
 use lifecycle_cuda::driver::{BufferClass, LentOffload};
-use lifecycle_cuda::ThreadRankPool;
-use lifecycle_decoder::KvDtype;
 use lifecycle_decoder::{DecodeError, Request, Sample, SamplingParams};
-use lifecycle_decoder_gpu::EngineSettings;
 use lifecycle_decoder_gpu::GpuDecodeError;
-use lifecycle_layout::fp8::{Fp8Compute, Fp8Keep, RolloutDtype};
-use lifecycle_layout::ExpertPlacement;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -34,86 +30,6 @@ type PyOffload = (String, String, u64, usize, Py<PyAny>, Py<PyAny>);
 #[pyclass(name = "_Switch", module = "lifecycle._lifecycle")]
 pub struct PySwitch {
     shared: Owner,
-}
-
-fn parse<T: std::str::FromStr<Err = String>>(what: &str, value: &str) -> Result<T, BridgeError> {
-    value
-        .parse()
-        .map_err(|e: String| BridgeError::Config(format!("{what}: {e}")))
-}
-
-/// The `fp8_keep` setting (`"none"`, or a comma-separated list of `attention` and `layer:N`)
-/// for `binding`'s model, which only an fp8 rollout reads.
-fn keep(value: &str, dtype: RolloutDtype, binding: &ModelBinding) -> Result<Fp8Keep, BridgeError> {
-    // the layout's messages say "fp8 keep …": Python's argument is `fp8_keep`
-    let named = |e: String| {
-        BridgeError::Config(match e.strip_prefix("fp8 keep") {
-            Some(rest) => format!("fp8_keep{rest}"),
-            None => format!("fp8_keep: {e}"),
-        })
-    };
-    let keep: Fp8Keep = value.parse().map_err(named)?;
-    keep.check_layers(binding.names().iter().map(|(n, _)| n.as_str()))
-        .map_err(|e| named(e.to_string()))?;
-    if keep != Fp8Keep::default() && dtype != RolloutDtype::Fp8 {
-        return Err(BridgeError::Config(format!(
-            "fp8_keep `{value}` keeps matrices of an fp8 rollout bf16, and this switch's dtype \
-             is {dtype}: pass dtype=\"fp8\" or leave fp8_keep out"
-        )));
-    }
-    Ok(keep)
-}
-
-fn dtype(value: &str) -> Result<RolloutDtype, BridgeError> {
-    match value {
-        "bf16" | "bfloat16" => Ok(RolloutDtype::Bf16),
-        "fp8" => Ok(RolloutDtype::Fp8),
-        other => Err(BridgeError::Config(format!(
-            "dtype: `{other}` is not a rollout dtype: expected \"bf16\" or \"fp8\""
-        ))),
-    }
-}
-
-fn experts(value: &str) -> Result<ExpertPlacement, BridgeError> {
-    match value {
-        "tp" => Ok(ExpertPlacement::TensorParallel),
-        "ep" => Ok(ExpertPlacement::Partitioned),
-        other => Err(BridgeError::Config(format!(
-            "experts: `{other}`: expected \"tp\" (every expert split by T) or \"ep\" (experts \
-             partitioned over the T ranks)"
-        ))),
-    }
-}
-
-fn memory(offload: &str) -> Result<MemoryPolicy, BridgeError> {
-    let (params, optimizer) = match offload {
-        "none" => (false, false),
-        "params" => (true, false),
-        "optimizer" => (false, true),
-        "all" => (true, true),
-        other => {
-            return Err(BridgeError::Config(format!(
-                "offload: `{other}`: expected \"none\", \"params\", \"optimizer\" or \"all\""
-            )))
-        }
-    };
-    Ok(MemoryPolicy {
-        offload_params: params,
-        offload_optimizer: optimizer,
-        // nothing offloaded: the rollout weights stay and are refreshed in place
-        keep_rollout_resident: !params && !optimizer,
-    })
-}
-
-fn class(name: &str, value: &str) -> Result<BufferClass, BridgeError> {
-    match value {
-        "params" => Ok(BufferClass::Params),
-        "optimizer" => Ok(BufferClass::Optimizer),
-        other => Err(BridgeError::tensor(
-            name,
-            format!("offload class `{other}`: expected \"params\" or \"optimizer\""),
-        )),
-    }
 }
 
 impl PySwitch {
@@ -139,30 +55,6 @@ fn stats_dict<'py>(py: Python<'py>, s: SwitchStats) -> PyResult<Bound<'py, PyDic
     d.set_item("switch_seconds", s.switch_time.as_secs_f64())?;
     d.set_item("generation", s.generation)?;
     Ok(d)
-}
-
-/// The GPU ranks of this process: W = 1 on GPU `gpu` (the caller's current device), or, for
-/// W > 1, this process's rank of a job launched like PyTorch (torchrun's variables; rank 0
-/// shares the NCCL id through torchrun's store).
-fn gpu_pool(world: usize, gpu: usize) -> Result<ThreadRankPool, BridgeError> {
-    if world == 1 {
-        return ThreadRankPool::on_devices(&[gpu]).map_err(BridgeError::backend);
-    }
-    let env = lifecycle_dist::RankEnv::from_env()
-        .map_err(BridgeError::backend)?
-        .ok_or_else(|| {
-            BridgeError::Config(format!(
-                "a CUDA switch over W = {world} ranks runs one process per GPU, launched like \
-                 PyTorch (torchrun): RANK / WORLD_SIZE are not set"
-            ))
-        })?;
-    if env.world_size != world {
-        return Err(BridgeError::Config(format!(
-            "the parameters are sharded over {world} ranks, the launcher's WORLD_SIZE is {}",
-            env.world_size
-        )));
-    }
-    ThreadRankPool::for_process(&env, Duration::from_secs(120)).map_err(BridgeError::backend)
 }
 
 /// The parameters (Hugging Face names, full shapes, checkpoint order) of the model a Hugging
@@ -193,15 +85,16 @@ impl PySwitch {
     ) -> PyResult<Self> {
         let build = || -> Result<Switch, BridgeError> {
             let binding = ModelBinding::new(config_json, names)?;
-            let mut settings = SwitchSettings::new(world, tp);
-            settings.dtype = dtype(dtype_name)?;
-            settings.fp8_keep = keep(fp8_keep, settings.dtype, &binding)?;
-            settings.experts = experts(experts_name)?;
-            settings.lifecycle.memory = memory(offload)?;
-            // eager is the Python front's (it leaves after every session); the lifecycle stays
-            // lazy so a session's weights live until the session ends
-            parse::<Switching>("switching", switching)?;
-            settings.lifecycle.switching = Switching::Lazy;
+            let text = SettingsText {
+                world,
+                tp,
+                dtype: dtype_name,
+                experts: experts_name,
+                offload,
+                switching,
+                fp8_keep,
+            };
+            let settings = switch_settings(&text, &binding)?;
             Switch::build(binding, settings, device, || gpu_pool(world, gpu))
         };
         let inner = py.detach(build).map_err(to_py)?;
@@ -331,17 +224,8 @@ impl PySwitch {
         fp8_compute: &str,
         kv_dtype: &str,
     ) -> PyResult<()> {
-        let config = |e: String| to_py(BridgeError::Config(e));
-        let compute: Fp8Compute = fp8_compute
-            .parse()
-            .map_err(|e: String| config(format!("fp8_compute: {e}")))?;
-        let kv: KvDtype = kv_dtype
-            .parse()
-            .map_err(|e: String| config(format!("kv_dtype: {e}")))?;
-        let settings = EngineSettings::new(max_sequences, max_tokens)
-            .with_fp8_compute(compute)
-            .with_kv_dtype(kv);
-        settings.check().map_err(|e| config(e.to_string()))?;
+        let settings =
+            engine_settings(max_sequences, max_tokens, fp8_compute, kv_dtype).map_err(to_py)?;
         py.detach(|| self.with_gpu(|s| s.attach_engine(settings)))
             .map_err(to_py)
     }
@@ -499,7 +383,7 @@ fn lent_parts(
         let mut moved = Vec::with_capacity(off.len());
         let offload_at = off.iter().map(|o| (o.2, o.3)).collect();
         for (name, cls, ptr, bytes, release, restore) in off {
-            let cls = class(&name, &cls)?;
+            let cls = buffer_class(&name, &cls)?;
             let what = match cls {
                 BufferClass::Params => "a lent parameter shard",
                 BufferClass::Optimizer => "a lent optimizer state tensor",
