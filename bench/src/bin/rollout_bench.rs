@@ -269,6 +269,9 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                     let t = Instant::now();
                     let (mut kept, mut generated, mut tokens, mut passes) = (0, 0, 0, 0u64);
                     let (mut kept_tokens, mut kept_n) = (0usize, 0usize);
+                    // each sample's own length (a static batch steps it to the longest, then
+                    // it is cut to its max_new_tokens)
+                    let mut own_tokens = 0usize;
                     while kept < args.kept_groups {
                         let groups: Vec<u64> =
                             (next_group..next_group + static_groups as u64).collect();
@@ -291,6 +294,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                         let out = engine.generate(weights, &prompts, &sampling)?;
                         generated += out.len();
                         tokens += out.iter().map(Vec::len).sum::<usize>();
+                        own_tokens += reqs.iter().map(|r| r.params.max_new_tokens).sum::<usize>();
                         passes += longest as u64;
                         for (i, &g) in groups.iter().enumerate() {
                             if work.kept(g) && kept < args.kept_groups {
@@ -309,7 +313,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                         generated,
                         tokens,
                         kept_mean: kept_tokens as f64 / kept_n.max(1) as f64,
-                        finished_mean: f64::NAN,
+                        finished_mean: own_tokens as f64 / generated.max(1) as f64,
                         passes,
                         ..StepReport::default()
                     }
