@@ -7,5 +7,6 @@
 pub mod ceilings;
 pub mod cli;
 pub mod cycles;
+pub mod models;
 pub mod timing;
 pub mod trace;

@@ -39,6 +39,7 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -136,6 +137,18 @@ def run(path: str, args) -> dict:
             max_groups=args.max_calls * args.prompts,
         )
 
+    @contextmanager
+    def rollout():
+        # a rollout session, its switch timed (the naive path copies every parameter first)
+        nonlocal switch_s
+        t = time.perf_counter()
+        if naive is not None:
+            naive.sync()
+            torch.cuda.synchronize()
+        with switch.rollout(refresh=naive is not None) as w:
+            switch_s += time.perf_counter() - t
+            yield w
+
     def prompt_of(g: int) -> list[int]:
         # group g's prompt, the same whichever step and path draws it
         p = torch.Generator().manual_seed(1_000_003 * (args.seed + 1) + g)
@@ -151,12 +164,7 @@ def run(path: str, args) -> dict:
                 all_r.extend(r)
                 return min(r) != max(r)
 
-            t = time.perf_counter()
-            if naive is not None:
-                naive.sync()
-                torch.cuda.synchronize()
-            with switch.rollout(refresh=naive is not None) as w:
-                switch_s += time.perf_counter() - t
+            with rollout() as w:
                 filled = stream.fill(w, args.groups, group=prompt_of, keep=keep)
             calls += 1
             samples.append([[s.tokens for s in ss] for _, ss in filled.kept])
@@ -175,12 +183,7 @@ def run(path: str, args) -> dict:
         while stream is None and len(kept) < args.groups and gen_batches < args.max_calls:
             prompts = torch.randint(0, cfg.vocab_size, (args.prompts, args.prompt_len), generator=gen)
             batch = [p.tolist() for p in prompts for _ in range(args.group)]
-            t = time.perf_counter()
-            if naive is not None:
-                naive.sync()
-                torch.cuda.synchronize()
-            with switch.rollout(refresh=naive is not None) as w:
-                switch_s += time.perf_counter() - t
+            with rollout() as w:
                 got = engine.generate(
                     w, batch, max_new_tokens=args.new, temperature=args.temperature,
                     seed=1000 * step + gen_batches,

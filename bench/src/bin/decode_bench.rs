@@ -140,12 +140,7 @@ fn config(layers: usize, moe: bool) -> Result<ModelConfig, Box<dyn Error>> {
                 "norm_topk_prob": true}}"#
         ))?);
     }
-    Ok(ModelConfig::from_json_str(&format!(
-        r#"{{"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584,
-            "intermediate_size": 18944, "num_hidden_layers": {layers},
-            "num_attention_heads": 28, "num_key_value_heads": 4, "rope_theta": 1000000.0,
-            "rms_norm_eps": 1e-6, "tie_word_embeddings": false}}"#
-    ))?)
+    Ok(lifecycle_bench::models::qwen25_7b(layers)?)
 }
 
 /// The read-only probe's kernel ([`read_rate`]).

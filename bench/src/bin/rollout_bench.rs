@@ -31,8 +31,7 @@ use clap::Parser;
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Switching};
 use lifecycle_cuda::ThreadRankPool;
 use lifecycle_decoder::{
-    Filled, GroupStream, KvDtype, Leftovers, ModelConfig, Request, Sample, Sampling,
-    SamplingParams, SplitMix64,
+    Filled, GroupStream, KvDtype, Leftovers, Request, Sample, Sampling, SamplingParams, SplitMix64,
 };
 use lifecycle_decoder_gpu::{EngineSettings, GpuEngine, MAX_CONTEXT};
 use lifecycle_fsdp::FsdpBackend;
@@ -87,15 +86,6 @@ struct Args {
     /// Seed of the prompts, lengths, draws and coins.
     #[arg(long, default_value_t = 58)]
     seed: u64,
-}
-
-fn config(layers: usize) -> Result<ModelConfig, Box<dyn Error>> {
-    Ok(ModelConfig::from_json_str(&format!(
-        r#"{{"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584,
-            "intermediate_size": 18944, "num_hidden_layers": {layers},
-            "num_attention_heads": 28, "num_key_value_heads": 4, "rope_theta": 1000000.0,
-            "rms_norm_eps": 1e-6, "tie_word_embeddings": false}}"#
-    ))?)
 }
 
 /// The requests of DAPO groups, the same for every mode.
@@ -179,7 +169,7 @@ fn main() -> ExitCode {
 }
 
 fn run(args: &Args) -> Result<(), Box<dyn Error>> {
-    let config = config(args.layers)?;
+    let config = lifecycle_bench::models::qwen25_7b(args.layers)?;
     let dtype = match args.dtype.as_str() {
         "bf16" => RolloutDtype::Bf16,
         "fp8" => RolloutDtype::Fp8,

@@ -25,7 +25,7 @@ type Res = Result<(), Box<dyn std::error::Error>>;
 
 mod common;
 
-use common::{fixtures, floats, tokens};
+use common::{fixtures, floats, references, tokens};
 
 const MODELS: [&str; 3] = ["gqa_untied", "tied_vocab61", "kv1_headdim16"];
 
@@ -100,9 +100,7 @@ fn gpu_samples(
 #[ignore = "needs an NVIDIA GPU"]
 fn continuous_engine_matches_the_cpu_decoder_under_the_same_scheduler() -> Res {
     require_gpus(1)?;
-    let refs: Value = serde_json::from_str(&std::fs::read_to_string(
-        fixtures().join("references.json"),
-    )?)?;
+    let refs = references()?;
     let mut failures = Vec::new();
     for name in MODELS {
         let cases = list(&refs["models"][name]["cases"]);
@@ -158,9 +156,7 @@ fn continuous_engine_matches_the_cpu_decoder_under_the_same_scheduler() -> Res {
 #[ignore = "needs an NVIDIA GPU"]
 fn greedy_log_probs_match_transformers_log_softmax() -> Res {
     require_gpus(1)?;
-    let refs: Value = serde_json::from_str(&std::fs::read_to_string(
-        fixtures().join("references.json"),
-    )?)?;
+    let refs = references()?;
     let mut failures = Vec::new();
     for name in MODELS {
         let cases = list(&refs["models"][name]["cases"]);
@@ -215,9 +211,7 @@ fn greedy_log_probs_match_transformers_log_softmax() -> Res {
 fn a_request_alone_and_in_a_crowd() -> Res {
     require_gpus(1)?;
     let name = "gqa_untied";
-    let refs: Value = serde_json::from_str(&std::fs::read_to_string(
-        fixtures().join("references.json"),
-    )?)?;
+    let refs = references()?;
     let cases = list(&refs["models"][name]["cases"]);
     let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
     let vocab = load_checkpoint(&fixtures().join(name))?.config.model.vocab as u32;

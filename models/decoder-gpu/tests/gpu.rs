@@ -46,7 +46,7 @@ use serde_json::Value;
 
 mod common;
 
-use common::{fixtures, floats, tokens};
+use common::{fixtures, floats, references, tokens};
 
 const MODELS: [&str; 3] = ["gqa_untied", "tied_vocab61", "kv1_headdim16"];
 
@@ -128,8 +128,7 @@ fn against_references(
 
 fn oracle(tp: usize) -> Res {
     require_gpus(tp)?;
-    let text = std::fs::read_to_string(fixtures().join("references.json"))?;
-    let refs: Value = serde_json::from_str(&text)?;
+    let refs = references()?;
     let mut failures = Vec::new();
     for name in MODELS {
         let model = &refs["models"][name];
@@ -230,8 +229,7 @@ fn reduced_kv_cache_matches_the_cpu_decoder(
     tokens_equal: bool,
 ) -> Res {
     require_gpus(1)?;
-    let text = std::fs::read_to_string(fixtures().join("references.json"))?;
-    let refs: Value = serde_json::from_str(&text)?;
+    let refs = references()?;
     let mut failures = Vec::new();
     for name in MODELS {
         let ckpt = load_checkpoint(&fixtures().join(name))?;

@@ -19,6 +19,12 @@ pub fn fixtures() -> PathBuf {
     PathBuf::from("models/decoder/fixtures")
 }
 
+/// `references.json` of the fixtures: transformers' logits and greedy tokens per model.
+pub fn references() -> Result<Value, Box<dyn std::error::Error>> {
+    let text = std::fs::read_to_string(fixtures().join("references.json"))?;
+    Ok(serde_json::from_str(&text)?)
+}
+
 /// A list of numbers, or of rows of numbers, flattened to f32.
 pub fn floats(v: &Value) -> Vec<f32> {
     v.as_array()
