@@ -583,6 +583,361 @@ extern "C" __global__ void attention_fp8(const float* __restrict__ q, const u8* 
            qz);
 }
 
+// ---- decode attention split over the cache (flash-decoding) ------------------------------------
+//
+// A decode step's attention in two kernels: attention_split* take the cache in chunks of `chunk`
+// positions, a block per (row, local kv head, chunk of up to SPLIT_HEADS of the query heads that
+// read it, chunk of positions), so every K and V row a block reads serves all of its query heads
+// (grouped-query attention reads the cache once, not once per query head) and a long context
+// spreads over many blocks; attention_join then joins the chunks of each (row, query head) in
+// chunk order. Each chunk's block writes, per query head, the chunk's score maximum m, its sum
+// of exp(score - m) l and its unnormalised output sum of exp(score - m) v: part_o [n x qh x
+// splits x d] and part_ml [n x qh x splits x 2] (splits the most chunks of a row, fixed by the
+// cache's capacity). A row's result depends only on its own query, cache and length: the chunk
+// size is the caller's and fixed for a cache, every sum runs in a fixed order.
+
+#define SPLIT_THREADS 128
+#define SPLIT_WARPS (SPLIT_THREADS / 32)
+#define SPLIT_HEADS 8
+
+// Four consecutive elements t = 4 qd .. 4 qd + 3 of position p's row, as floats.
+__device__ __forceinline__ void kv_load4(const float* row, u32 qd, float* o) {
+    const float4 x = *reinterpret_cast<const float4*>(row + 4u * qd);
+    o[0] = x.x;
+    o[1] = x.y;
+    o[2] = x.z;
+    o[3] = x.w;
+}
+__device__ __forceinline__ void kv_load4(const u16* row, u32 qd, float* o) {
+    const uint2 x = *reinterpret_cast<const uint2*>(row + 4u * qd);
+    o[0] = __uint_as_float(x.x << 16);
+    o[1] = __uint_as_float(x.x & 0xffff0000u);
+    o[2] = __uint_as_float(x.y << 16);
+    o[3] = __uint_as_float(x.y & 0xffff0000u);
+}
+
+template <typename T>
+struct PlainQuads {
+    const T* base;
+    u64 stride;
+    __device__ __forceinline__ void load4(u32 p, u32 qd, float* o) const {
+        kv_load4(base + (u64)p * stride, qd, o);
+    }
+};
+
+struct Fp8Quads {
+    const u8* base;
+    u64 stride;
+    u32 d;
+    __device__ __forceinline__ void load4(u32 p, u32 qd, float* o) const {
+        const u8* rec = base + (u64)p * stride;
+        const u32 x = *reinterpret_cast<const u32*>(rec + 4u * qd);
+        const float s = *reinterpret_cast<const float*>(rec + d);
+#pragma unroll
+        for (u32 i = 0; i < 4; ++i) o[i] = e4m3_value((x >> (8u * i)) & 0xffu) * s;
+    }
+};
+
+// The smallest power of two >= x, at most cap.
+__device__ __forceinline__ u32 pow2_at_least(u32 x, u32 cap) {
+    u32 p = 1u;
+    while (p < x && p < cap) p <<= 1;
+    return p;
+}
+
+// One block's chunk: positions p0 .. p0 + cnt of the rows k and v for `heads` query heads whose
+// (unscaled) queries start at q (d each); writes each head's (m, l, o) at part_o + head * ho,
+// part_ml + head * hm. Dynamic shared memory: SPLIT_HEADS d + max(SPLIT_HEADS chunk,
+// SPLIT_WARPS SPLIT_HEADS d) floats. d a multiple of 4, at most 128 (QQ 4, VQ 1) or 256 (QQ 8,
+// VQ 2); blockDim SPLIT_THREADS. Each warp requests the rows of several positions before it
+// uses them (two groups of positions a score step, VU positions an output step: 8, or 4 for heads past 128), so a few
+// blocks per multiprocessor keep enough reads in flight.
+template <typename Rows, u32 QQ, u32 VQ, u32 VU>
+__device__ void attend_chunk(const float* __restrict__ q, Rows k, Rows v, u32 p0, u32 cnt,
+                             u32 chunk, u32 heads, u32 d, float scale, float* __restrict__ part_o,
+                             float* __restrict__ part_ml, u64 ho, u64 hm) {
+    extern __shared__ float sm[];
+    __shared__ float head_m[SPLIT_HEADS], head_l[SPLIT_HEADS];
+    float* qs = sm;
+    float* sc = sm + SPLIT_HEADS * d;
+    for (u32 i = threadIdx.x; i < heads * d; i += blockDim.x) qs[i] = q[i] * scale;
+    __syncthreads();
+    const u32 quads = d / 4u, lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    // scores: lp lanes a position, each a quad at a time (a shuffle sum over the lp lanes); a
+    // warp takes two groups of per_warp positions a step
+    const u32 lp = pow2_at_least(quads, 8u), per_warp = 32u / lp, sub = lane & (lp - 1u);
+    for (u32 b = warp * 2u * per_warp; b < cnt; b += SPLIT_WARPS * 2u * per_warp) {
+        float kk[2][QQ][4];
+#pragma unroll
+        for (u32 g = 0; g < 2; ++g) {
+            const u32 i = b + g * per_warp + lane / lp;
+#pragma unroll
+            for (u32 u = 0; u < QQ; ++u) {
+                const u32 qd = sub + u * lp;
+                if (i < cnt && qd < quads) {
+                    k.load4(p0 + i, qd, kk[g][u]);
+                } else {
+#pragma unroll
+                    for (u32 e = 0; e < 4; ++e) kk[g][u][e] = 0.0f;
+                }
+            }
+        }
+#pragma unroll
+        for (u32 g = 0; g < 2; ++g) {
+            const u32 i = b + g * per_warp + lane / lp;
+            float acc[SPLIT_HEADS];
+#pragma unroll
+            for (u32 h = 0; h < SPLIT_HEADS; ++h) {
+                acc[h] = 0.0f;
+                if (h < heads) {
+#pragma unroll
+                    for (u32 u = 0; u < QQ; ++u) {
+                        const u32 qd = sub + u * lp;
+                        if (qd < quads) {
+                            const float4 qq = reinterpret_cast<const float4*>(qs + h * d)[qd];
+                            acc[h] = fmaf(qq.w, kk[g][u][3],
+                                          fmaf(qq.z, kk[g][u][2],
+                                               fmaf(qq.y, kk[g][u][1], fmaf(qq.x, kk[g][u][0], acc[h]))));
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (u32 h = 0; h < SPLIT_HEADS; ++h)
+                for (u32 o = lp >> 1; o > 0; o >>= 1) acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], o);
+            if (i < cnt && sub == 0) {
+#pragma unroll
+                for (u32 h = 0; h < SPLIT_HEADS; ++h)
+                    if (h < heads) sc[h * chunk + i] = acc[h];
+            }
+        }
+    }
+    __syncthreads();
+    // each head's maximum and sum of exponentials: a warp per head
+    for (u32 h = warp; h < heads; h += SPLIT_WARPS) {
+        float mx = NEG_INF;
+        for (u32 i = lane; i < cnt; i += 32u) mx = fmaxf(mx, sc[h * chunk + i]);
+        mx = warp_max(mx);
+        float tot = 0.0f;
+        for (u32 i = lane; i < cnt; i += 32u) {
+            const float e = expf(sc[h * chunk + i] - mx);
+            sc[h * chunk + i] = e;
+            tot += e;
+        }
+        for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
+        if (lane == 0) {
+            head_m[h] = mx;
+            head_l[h] = tot;
+        }
+    }
+    __syncthreads();
+    // outputs: lv lanes a position (VQ quads each), VU positions a step; the warp's positions
+    // summed by shuffles, then the warps' sums in warp order
+    const u32 lv = pow2_at_least(quads, 32u), vper = 32u / lv, vsub = lane & (lv - 1u);
+    const u32 vstep = SPLIT_WARPS * vper;
+    float acc[SPLIT_HEADS][VQ][4];
+#pragma unroll
+    for (u32 h = 0; h < SPLIT_HEADS; ++h)
+#pragma unroll
+        for (u32 u = 0; u < VQ; ++u)
+#pragma unroll
+            for (u32 e = 0; e < 4; ++e) acc[h][u][e] = 0.0f;
+    for (u32 i0 = warp * vper + lane / lv; i0 < cnt; i0 += VU * vstep) {
+        float vv[VU][VQ][4];
+#pragma unroll
+        for (u32 x = 0; x < VU; ++x) {
+            const u32 i = i0 + x * vstep;
+#pragma unroll
+            for (u32 u = 0; u < VQ; ++u) {
+                const u32 qd = vsub + u * lv;
+                if (i < cnt && qd < quads) {
+                    v.load4(p0 + i, qd, vv[x][u]);
+                } else {
+#pragma unroll
+                    for (u32 e = 0; e < 4; ++e) vv[x][u][e] = 0.0f;
+                }
+            }
+        }
+#pragma unroll
+        for (u32 x = 0; x < VU; ++x) {
+            const u32 i = i0 + x * vstep;
+            if (i < cnt) {
+#pragma unroll
+                for (u32 h = 0; h < SPLIT_HEADS; ++h) {
+                    if (h < heads) {
+                        const float e = sc[h * chunk + i];
+#pragma unroll
+                        for (u32 u = 0; u < VQ; ++u)
+#pragma unroll
+                            for (u32 t = 0; t < 4; ++t) acc[h][u][t] = fmaf(e, vv[x][u][t], acc[h][u][t]);
+                    }
+                }
+            }
+        }
+    }
+    for (u32 o = 16; o >= lv; o >>= 1) {
+#pragma unroll
+        for (u32 h = 0; h < SPLIT_HEADS; ++h)
+#pragma unroll
+            for (u32 u = 0; u < VQ; ++u)
+#pragma unroll
+                for (u32 t = 0; t < 4; ++t)
+                    acc[h][u][t] += __shfl_xor_sync(0xffffffffu, acc[h][u][t], o);
+    }
+    __syncthreads();
+    // the scores are read: their room takes each warp's sums [warp][head][d]
+    if (lane < lv) {
+#pragma unroll
+        for (u32 h = 0; h < SPLIT_HEADS; ++h) {
+            if (h < heads) {
+#pragma unroll
+                for (u32 u = 0; u < VQ; ++u) {
+                    const u32 qd = vsub + u * lv;
+                    if (qd < quads) {
+#pragma unroll
+                        for (u32 t = 0; t < 4; ++t) sc[(warp * heads + h) * d + 4u * qd + t] = acc[h][u][t];
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
+    for (u32 x = threadIdx.x; x < heads * d; x += blockDim.x) {
+        const u32 h = x / d, t = x % d;
+        float o = 0.0f;
+        for (u32 w = 0; w < SPLIT_WARPS; ++w) o += sc[(w * heads + h) * d + t];
+        part_o[h * ho + t] = o;
+        if (t == 0) {
+            part_ml[h * hm] = head_m[h];
+            part_ml[h * hm + 1] = head_l[h];
+        }
+    }
+}
+
+// attend_chunk for heads of d: the registers of heads to 128 where they are.
+template <typename Rows>
+__device__ __forceinline__ void attend_chunk_d(const float* __restrict__ q, Rows k, Rows v, u32 p0,
+                                               u32 cnt, u32 chunk, u32 heads, u32 d, float scale,
+                                               float* __restrict__ part_o,
+                                               float* __restrict__ part_ml, u64 ho, u64 hm) {
+    if (d <= 128u) {
+        attend_chunk<Rows, 4, 1, 8>(q, k, v, p0, cnt, chunk, heads, d, scale, part_o, part_ml, ho, hm);
+    } else {
+        attend_chunk<Rows, 8, 2, 4>(q, k, v, p0, cnt, chunk, heads, d, scale, part_o, part_ml, ho, hm);
+    }
+}
+
+// Where a split block works: block x = (row r, local kv head, chunk c of its query heads), block
+// y = chunk of positions s; the query heads j0 .. j0 + heads (local) read that kv head. False for
+// a block with no work (positions past the row's length, heads past the group's).
+struct SplitPlace {
+    u32 r, kv, j0, heads, p0, cnt, s;
+};
+__device__ __forceinline__ bool split_place(const u32* poss, u32 n, u32 qh, u32 kvh, u32 chunk,
+                                            u32 q_base, u32 group, u32 kv_base, SplitPlace& at) {
+    const u32 per = (group + SPLIT_HEADS - 1u) / SPLIT_HEADS;
+    const u32 x = blockIdx.x;
+    at.r = x / (kvh * per);
+    at.kv = (x / per) % kvh;
+    const u32 c = x % per;
+    if (at.r >= n) return false;
+    const u32 len = poss[at.r] + 1u;
+    at.s = blockIdx.y;
+    at.p0 = at.s * chunk;
+    if (at.p0 >= len) return false;
+    at.cnt = min(chunk, len - at.p0);
+    // the group's query heads (global), on this rank from q_base
+    const u32 g0 = (at.kv + kv_base) * group + c * SPLIT_HEADS;
+    const u32 g1 = min((at.kv + kv_base) * group + group, g0 + SPLIT_HEADS);
+    const u32 lo = max(g0, q_base), hi = min(g1, q_base + qh);
+    if (lo >= hi) return false;
+    at.j0 = lo - q_base;
+    at.heads = hi - lo;
+    return true;
+}
+
+template <typename T>
+__device__ void attention_split_t(const float* __restrict__ q, const T* __restrict__ kc,
+                                  const T* __restrict__ vc, const u32* __restrict__ seqs,
+                                  const u32* __restrict__ poss, float* __restrict__ part_o,
+                                  float* __restrict__ part_ml, u32 n, u32 qh, u32 kvh, u32 d,
+                                  u32 cap, u32 q_base, u32 group, u32 kv_base, float scale,
+                                  u32 chunk, u32 splits) {
+    SplitPlace at;
+    if (!split_place(poss, n, qh, kvh, chunk, q_base, group, kv_base, at)) return;
+    const u64 stride = (u64)kvh * d;
+    const u64 base = (u64)seqs[at.r] * cap * stride + (u64)at.kv * d;
+    const u64 head0 = (u64)at.r * qh + at.j0;
+    attend_chunk_d(q + head0 * d, PlainQuads<T>{kc + base, stride}, PlainQuads<T>{vc + base, stride},
+                 at.p0, at.cnt, chunk, at.heads, d, scale,
+                 part_o + (head0 * splits + at.s) * d, part_ml + (head0 * splits + at.s) * 2u,
+                 (u64)splits * d, (u64)splits * 2u);
+}
+
+#define ATTENTION_SPLIT(NAME, T)                                                                    \
+    extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) NAME(                               \
+        const float* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,            \
+        const u32* __restrict__ seqs, const u32* __restrict__ poss, float* __restrict__ part_o,     \
+        float* __restrict__ part_ml, u32 n, u32 qh, u32 kvh, u32 d, u32 cap, u32 q_base, u32 group, \
+        u32 kv_base, float scale, u32 chunk, u32 splits) {                                          \
+        attention_split_t<T>(q, kc, vc, seqs, poss, part_o, part_ml, n, qh, kvh, d, cap, q_base,    \
+                             group, kv_base, scale, chunk, splits);                                 \
+    }
+ATTENTION_SPLIT(attention_split, float)
+ATTENTION_SPLIT(attention_split_bf16, u16)
+
+// attention_split over the fp8 caches' records (d e4m3 bytes, then the f32 scale).
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) attention_split_fp8(
+    const float* __restrict__ q, const u8* __restrict__ kc, const u8* __restrict__ vc,
+    const u32* __restrict__ seqs, const u32* __restrict__ poss, float* __restrict__ part_o,
+    float* __restrict__ part_ml, u32 n, u32 qh, u32 kvh, u32 d, u32 cap, u32 q_base, u32 group,
+    u32 kv_base, float scale, u32 chunk, u32 splits) {
+    SplitPlace at;
+    if (!split_place(poss, n, qh, kvh, chunk, q_base, group, kv_base, at)) return;
+    const u32 rec = d + 4u;
+    const u64 stride = (u64)kvh * rec;
+    const u64 base = (u64)seqs[at.r] * cap * stride + (u64)at.kv * rec;
+    const u64 head0 = (u64)at.r * qh + at.j0;
+    attend_chunk_d(q + head0 * d, Fp8Quads{kc + base, stride, d}, Fp8Quads{vc + base, stride, d},
+                 at.p0, at.cnt, chunk, at.heads, d, scale,
+                 part_o + (head0 * splits + at.s) * d, part_ml + (head0 * splits + at.s) * 2u,
+                 (u64)splits * d, (u64)splits * 2u);
+}
+
+// One block per (row r, local query head j) (of the padded rows where quantising): joins the
+// row's ceil(len / chunk) chunks of attention_split in chunk order, o = sum_s e_s o_s / sum_s
+// e_s l_s with e_s = exp(m_s - max m), split into out [2n x qh x d] as attend's, and with qz.q
+// (d = 128, blockDim 128) quantised for o's W8A8 product. blockDim: d rounded up to 32.
+extern "C" __global__ void attention_join(const float* __restrict__ part_o,
+                                          const float* __restrict__ part_ml,
+                                          const u32* __restrict__ poss, u16* __restrict__ out,
+                                          u32 n, u32 qh, u32 d, u32 chunk, u32 splits,
+                                          unsigned char* aq, float* asc, u32 sc_tok, u32 sc_grp,
+                                          u32 tiles) {
+    const AttnQuant qz{aq, asc, sc_tok, sc_grp, tiles};
+    const u32 row = blockIdx.x, r = row / qh, j = row % qh;
+    if (r >= n) {
+        pad_head(r, j, qh * d, qz);
+        return;
+    }
+    const u32 len = poss[r] + 1u, used = (len + chunk - 1u) / chunk;
+    const float* ml = part_ml + (u64)row * splits * 2u;
+    float mx = NEG_INF;
+    for (u32 s = 0; s < used; ++s) mx = fmaxf(mx, ml[2u * s]);
+    float tot = 0.0f;
+    for (u32 s = 0; s < used; ++s) tot += expf(ml[2u * s] - mx) * ml[2u * s + 1u];
+    const u32 t = threadIdx.x;
+    const bool mine = t < d;
+    float joined = 0.0f;
+    if (mine) {
+        const float* po = part_o + (u64)row * splits * d + t;
+        float o = 0.0f;
+        for (u32 s = 0; s < used; ++s) o += expf(ml[2u * s] - mx) * po[(u64)s * d];
+        joined = split_store(out, (u64)row * d + t, (u64)n * qh * d, o / tot);
+    }
+    if (qz.q != nullptr) quant_head(joined, mine, t, r, j, qh * d, qz);
+}
+
 // Copies blocks of old_block 2-byte units to a buffer with blocks of new_block units (cache
 // growth; a unit is half an f32 element or one bf16 element).
 extern "C" __global__ void grow_blocks(const u16* __restrict__ src, u16* __restrict__ dst,

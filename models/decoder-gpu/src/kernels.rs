@@ -48,6 +48,12 @@ pub(crate) struct DecoderKernels {
     pub attention_bf16: CudaFunction,
     pub rope_store_fp8: CudaFunction,
     pub attention_fp8: CudaFunction,
+    /// A decode step's attention in chunks of the cache ([`SplitAttention`]).
+    pub attention_split: CudaFunction,
+    pub attention_split_bf16: CudaFunction,
+    pub attention_split_fp8: CudaFunction,
+    /// The chunks of `attention_split*` joined.
+    pub attention_join: CudaFunction,
     pub grow_blocks: CudaFunction,
     pub argmax_rows: CudaFunction,
     pub unshard: CudaFunction,
@@ -79,6 +85,80 @@ pub(crate) const ATTENTION_THREADS: usize = 256;
 /// `head_dim`: a float per position beside the larger of the head and the block's threads.
 pub(crate) fn attention_shared_bytes(cap: usize, head_dim: usize) -> usize {
     (head_dim.max(ATTENTION_THREADS) + cap) * 4
+}
+
+/// How a decode step's attention is split over the cache (flash-decoding): `attention_split*`
+/// take each row's cache in chunks of `chunk` positions, a block per (row, kv head, up to
+/// [`SPLIT_HEADS`] of its query heads, chunk), every K / V row read once for all the query heads
+/// that share it; `attention_join` joins a row's chunks in order. The chunk is fixed by the
+/// cache's capacity alone, so a row's attention does not depend on the other rows of its step.
+///
+/// ```
+/// # use lifecycle_decoder_gpu::SplitAttention;
+/// let plan = SplitAttention::for_cache(32768, 128).unwrap();
+/// assert_eq!((plan.chunk, plan.splits), (512, 64));
+/// assert!(SplitAttention::for_cache(4096, 130).is_none()); // head_dim not a multiple of 4
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SplitAttention {
+    /// Positions a block takes.
+    pub chunk: usize,
+    /// Chunks of a full cache: the partial sums kept per (row, query head).
+    pub splits: usize,
+}
+
+/// Query heads of one kv head a split attention block takes (the kernels' `SPLIT_HEADS`).
+pub const SPLIT_HEADS: usize = 8;
+/// Threads of a split attention block (the kernels' `SPLIT_THREADS`).
+const SPLIT_THREADS: usize = 128;
+/// The most chunks of a cache (so the partial sums stay small at long contexts).
+const MAX_SPLITS: usize = 64;
+
+impl SplitAttention {
+    /// The split of a cache of `cap` positions with heads of `head_dim`: chunks of 256
+    /// positions, larger from 16 k positions on (at most 64 chunks), at most 1024 (the scores'
+    /// shared memory). `None` where the kernels do not take the heads (`head_dim` not a multiple
+    /// of 4 or over 256) or the cache is longer than 64 k positions.
+    pub fn for_cache(cap: usize, head_dim: usize) -> Option<Self> {
+        if head_dim == 0 || !head_dim.is_multiple_of(4) || head_dim > 256 || cap == 0 {
+            return None;
+        }
+        let chunk = cap.div_ceil(MAX_SPLITS).next_multiple_of(64).max(256);
+        if chunk > 1024 {
+            return None;
+        }
+        Some(SplitAttention {
+            chunk,
+            splits: cap.div_ceil(chunk),
+        })
+    }
+
+    /// The split block's dynamic shared memory: the block's queries, then its scores or its
+    /// warps' output sums.
+    pub(crate) fn shared_bytes(&self, head_dim: usize) -> usize {
+        let warps = SPLIT_THREADS / 32;
+        (SPLIT_HEADS * head_dim + (SPLIT_HEADS * self.chunk).max(warps * SPLIT_HEADS * head_dim))
+            * 4
+    }
+
+    /// The split kernel's launch: blocks (row, kv head, chunk of its query heads) × chunks.
+    pub(crate) fn split_launch(
+        &self,
+        rows: usize,
+        kvh: usize,
+        group: usize,
+        d: usize,
+    ) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (
+                (rows * kvh * group.div_ceil(SPLIT_HEADS)).max(1) as u32,
+                self.splits as u32,
+                1,
+            ),
+            block_dim: (SPLIT_THREADS as u32, 1, 1),
+            shared_mem_bytes: self.shared_bytes(d) as u32,
+        }
+    }
 }
 
 /// One kernel argument (device pointers are passed as `u64`).
@@ -114,6 +194,10 @@ impl DecoderKernels {
             attention_bf16: m.function("attention_bf16")?,
             rope_store_fp8: m.function("rope_store_fp8")?,
             attention_fp8: m.function("attention_fp8")?,
+            attention_split: m.function("attention_split")?,
+            attention_split_bf16: m.function("attention_split_bf16")?,
+            attention_split_fp8: m.function("attention_split_fp8")?,
+            attention_join: m.function("attention_join")?,
             grow_blocks: m.function("grow_blocks")?,
             argmax_rows: m.function("argmax_rows")?,
             unshard: m.function("unshard")?,

@@ -51,7 +51,7 @@ mod weights;
 pub use decoder::{GpuDecoder, MAX_CONTEXT, MOE_DEVICE_ROWS, ROOM_MARGIN_BYTES};
 pub use engine::{EngineSettings, GpuEngine};
 pub use error::GpuDecodeError;
-pub use kernels::DECODER_KERNEL_SRC;
+pub use kernels::{SplitAttention, DECODER_KERNEL_SRC, SPLIT_HEADS};
 pub use rollout::EngineSlots;
 pub use topology::{decode_topology, replica_rows, DecodeTopology};
 pub use weights::{detect_layout, LayoutKind};

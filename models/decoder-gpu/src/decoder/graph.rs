@@ -43,7 +43,7 @@ pub(super) fn rank_forward(
         let sc = graphs.run(ctx, st, z, step)?;
         return sc.logits().and_then(|l| pick(ctx, st, z, step.pick, l));
     }
-    let mut sc = Scratch::new(ctx, st, z)?;
+    let mut sc = Scratch::new(ctx, st, z, step)?;
     sc.upload(ctx, step)?;
     run_stages(ctx, st, z, step, &mut sc, Capture::Eager)?;
     if z.m == 0 {
@@ -220,7 +220,7 @@ impl StepGraphs {
                 }
                 self.entries.push(Entry {
                     key,
-                    sc: Scratch::new(ctx, st, z)?,
+                    sc: Scratch::new(ctx, st, z, step)?,
                     graph: None,
                     warm: false,
                     eager_only: false,

@@ -155,19 +155,15 @@ impl<'a> Pass<'a> {
                     (n, xs, none)
                 }
             };
-            let cfg = LaunchConfig {
-                grid_dim: ((rows * qh) as u32, 1, 1),
-                block_dim: (threads as u32, 1, 1),
-                shared_mem_bytes: crate::kernels::attention_shared_bytes(self.step.cap, d) as u32,
-            };
             let [aq, asc, tok, grp, tiles] = quant;
-            let args = [
+            let place = [
                 Arg::U64(q),
                 Arg::U64(kc),
                 Arg::U64(vc),
                 Arg::U64(self.at(&self.sc.seqs)),
                 Arg::U64(self.at(&self.sc.poss)),
-                Arg::U64(out),
+            ];
+            let heads = [
                 u32a(n),
                 u32a(qh),
                 u32a(kvh),
@@ -177,18 +173,68 @@ impl<'a> Pass<'a> {
                 u32a(z.group),
                 u32a(self.bind.w.share.kv_base),
                 Arg::F32(1.0 / (d as f32).sqrt()),
-                aq,
-                asc,
-                tok,
-                grp,
-                tiles,
             ];
-            let attention = match st.kv {
-                KvDtype::F32 => &k.attention,
-                KvDtype::Bf16 => &k.attention_bf16,
-                KvDtype::Fp8 => &k.attention_fp8,
-            };
-            self.kernel(attention, cfg, &args, "attention")?;
+            if let Some(split) = &self.sc.split {
+                // the cache in chunks (every K / V row read once for its query heads), then
+                // the chunks joined per row and query head
+                let plan = split.plan;
+                let (po, pml) = (self.at(&split.o), self.at(&split.ml));
+                let chunking = [u32a(plan.chunk), u32a(plan.splits)];
+                let args: Vec<Arg> = place
+                    .into_iter()
+                    .chain([Arg::U64(po), Arg::U64(pml)])
+                    .chain(heads)
+                    .chain(chunking)
+                    .collect();
+                let attention = match st.kv {
+                    KvDtype::F32 => &k.attention_split,
+                    KvDtype::Bf16 => &k.attention_split_bf16,
+                    KvDtype::Fp8 => &k.attention_split_fp8,
+                };
+                let cfg = plan.split_launch(n, kvh, z.group, d);
+                self.kernel(attention, cfg, &args, "attention_split")?;
+                let args = [
+                    Arg::U64(po),
+                    Arg::U64(pml),
+                    Arg::U64(self.at(&self.sc.poss)),
+                    Arg::U64(out),
+                    u32a(n),
+                    u32a(qh),
+                    u32a(d),
+                    u32a(plan.chunk),
+                    u32a(plan.splits),
+                    aq,
+                    asc,
+                    tok,
+                    grp,
+                    tiles,
+                ];
+                let cfg = LaunchConfig {
+                    grid_dim: ((rows * qh) as u32, 1, 1),
+                    block_dim: (d.next_multiple_of(32) as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                self.kernel(&k.attention_join, cfg, &args, "attention_join")?;
+            } else {
+                let cfg = LaunchConfig {
+                    grid_dim: ((rows * qh) as u32, 1, 1),
+                    block_dim: (threads as u32, 1, 1),
+                    shared_mem_bytes: crate::kernels::attention_shared_bytes(self.step.cap, d)
+                        as u32,
+                };
+                let args: Vec<Arg> = place
+                    .into_iter()
+                    .chain([Arg::U64(out)])
+                    .chain(heads)
+                    .chain([aq, asc, tok, grp, tiles])
+                    .collect();
+                let attention = match st.kv {
+                    KvDtype::F32 => &k.attention,
+                    KvDtype::Bf16 => &k.attention_bf16,
+                    KvDtype::Fp8 => &k.attention_fp8,
+                };
+                self.kernel(attention, cfg, &args, "attention")?;
+            }
             if let Some(qi) = fused {
                 self.held(qi);
             }

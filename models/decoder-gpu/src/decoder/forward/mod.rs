@@ -12,6 +12,8 @@ mod head;
 mod mlp;
 mod products;
 mod scratch;
+#[cfg(test)]
+mod split_tests;
 
 pub(super) use head::pick;
 pub(super) use scratch::Scratch;

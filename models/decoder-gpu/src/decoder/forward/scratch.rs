@@ -6,6 +6,7 @@ use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
 use super::Step;
 use crate::decoder::moe::MoeScratch;
 use crate::decoder::rank::{Dims, RankState};
+use crate::kernels::SplitAttention;
 use crate::w8a8::W8a8Scratch;
 
 /// The scratch buffers of one pass (sized for its `n` rows by [`Scratch::new`]) and its inputs on
@@ -35,6 +36,17 @@ pub(crate) struct Scratch {
     pub(super) moe: Option<MoeScratch>,
     /// The head's buffers (`None` when no rows are wanted).
     pub(super) head: Option<HeadScratch>,
+    /// A decode step's attention split over the cache, and its partial sums (`None`: one block
+    /// per row and query head over the whole cache).
+    pub(super) split: Option<SplitScratch>,
+}
+
+/// The partial sums of a split attention ([`SplitAttention`]): per row, query head and chunk,
+/// the output sum `[n × qh × splits × d]` and the score maximum and sum `[n × qh × splits × 2]`.
+pub(super) struct SplitScratch {
+    pub(super) plan: SplitAttention,
+    pub(super) o: CudaSlice<f32>,
+    pub(super) ml: CudaSlice<f32>,
 }
 
 /// The head's buffers of a pass of `m` wanted rows: the split final hidden rows, the head
@@ -49,9 +61,14 @@ pub(super) struct HeadScratch {
 }
 
 impl Scratch {
-    /// The scratch of a pass of `z`'s `n` rows and `m` wanted rows on this rank (its inputs
-    /// still to upload: [`Scratch::upload`]).
-    pub(crate) fn new(ctx: &RankCtx, st: &RankState, z: &Dims) -> Result<Self, CudaError> {
+    /// The scratch of a pass of `z`'s `n` rows and `m` wanted rows on this rank for `step` (its
+    /// inputs still to upload: [`Scratch::upload`]).
+    pub(crate) fn new(
+        ctx: &RankCtx,
+        st: &RankState,
+        z: &Dims,
+        step: &Step<'_>,
+    ) -> Result<Self, CudaError> {
         let s = &ctx.compute;
         let rank = ctx.rank;
         let (n, m, h, f) = (z.n, z.m, z.h, z.f);
@@ -100,7 +117,19 @@ impl Scratch {
             } else {
                 None
             };
+            let split = match split_attention(step, z) {
+                Some(plan) => {
+                    let heads = n * z.qh * plan.splits;
+                    Some(SplitScratch {
+                        plan,
+                        o: alloc_device::<f32>(s, heads * z.d, rank, "attention partial sums")?,
+                        ml: alloc_device::<f32>(s, heads * 2, rank, "attention partial maxima")?,
+                    })
+                }
+                None => None,
+            };
             Ok(Scratch {
+                split,
                 x: alloc_device::<f32>(s, n * h, rank, "hidden states")?,
                 xs: alloc_device::<u16>(s, 2 * n * widest, rank, "split activations")?,
                 y2: alloc_device::<f32>(s, 2 * n * out_widest, rank, "GEMM outputs")?,
@@ -171,4 +200,13 @@ impl Scratch {
             .map(|h| h.full.as_ref().unwrap_or(&h.logits))
             .ok_or_else(|| CudaError::Invalid("logits of a pass with no rows wanted".into()))
     }
+}
+
+/// Whether `step`'s attention is split over the cache: for decode steps (one row a sequence,
+/// few rows) where the kernels take the heads; prefills keep a block per row and query head.
+pub(super) fn split_attention(step: &Step<'_>, z: &Dims) -> Option<SplitAttention> {
+    if !step.decode {
+        return None;
+    }
+    SplitAttention::for_cache(step.cap, z.d)
 }
