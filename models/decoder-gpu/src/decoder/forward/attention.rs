@@ -41,7 +41,8 @@ impl<'a> Pass<'a> {
         let (kc, vc) = self.cache_blocks(l);
         let (s, st, k) = (self.s(), self.st, &self.st.k);
         let w8 = self.sc.w8a8.as_ref();
-        let first = if z.fused {
+        let joined = self.joined_rows(&[(lw.q_w, qw), (lw.k_w, kvw), (lw.v_w, kvw)]);
+        let first = if joined {
             (lw.q_w, qw + 2 * kvw)
         } else {
             (lw.q_w, qw)
@@ -49,9 +50,9 @@ impl<'a> Pass<'a> {
         let quantised = self.norm_for(lw.input_norm, Some(first))?;
         // SAFETY (every GEMM and launch below): the pass's addresses and sizes (its invariant).
         unsafe {
-            if z.fused {
-                // one GEMM over [q; k; v] (k_w, v_w follow q_w in the fused tensor), then its
-                // column blocks
+            if joined {
+                // one GEMM over [q; k; v] (k_w, v_w follow q_w in the fused tensor, or one
+                // after the other in the buffer), then its column blocks
                 let ld = qw + 2 * kvw;
                 st.wgemm(
                     s,

@@ -23,7 +23,8 @@ impl<'a> Pass<'a> {
             self.norm(lw.post_norm, 0, n)?;
             return self.experts(l, moe);
         }
-        let gate = (lw.gate_w, if z.fused { 2 * f } else { f });
+        let joined = self.joined_rows(&[(lw.gate_w, f), (lw.up_w, f)]);
+        let gate = (lw.gate_w, if joined { 2 * f } else { f });
         let quantised = self.norm_for(lw.post_norm, Some(gate))?;
         let base = self.bind.base;
         let (xs, y2, y2b) = (
@@ -35,8 +36,9 @@ impl<'a> Pass<'a> {
         let w8 = self.sc.w8a8.as_ref();
         // SAFETY (every GEMM and launch below): the pass's addresses and sizes (its invariant).
         unsafe {
-            if z.fused {
-                // one GEMM over [gate; up] (up_w follows gate_w in the fused tensor)
+            if joined {
+                // one GEMM over [gate; up] (up_w follows gate_w in the fused tensor, or in the
+                // buffer)
                 st.wgemm(
                     s,
                     base,

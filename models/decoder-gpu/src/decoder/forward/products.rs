@@ -106,6 +106,20 @@ impl<'a> Pass<'a> {
         Ok(true)
     }
 
+    /// Whether the matrices `parts` (each `(matrix, rows)`, all `h` wide) are one matrix of
+    /// the bound buffer, each part's rows right after the previous part's, so one product takes
+    /// them: the fused layout's `[q; k; v]` and `[gate; up]`, or bf16 matrices stored one after
+    /// the other (Hugging Face's gate and up; q, k and v without biases between them).
+    pub(super) fn joined_rows(&self, parts: &[(MatAt, usize)]) -> bool {
+        if self.z.fused {
+            return true;
+        }
+        parts.iter().all(|(m, _)| m.fp8.is_none())
+            && parts
+                .windows(2)
+                .all(|w| w[1].0 == w[0].0.skip_rows(w[0].1, self.z.h))
+    }
+
     /// Records that the W8A8 scratch holds the current input quantised as `qi` says.
     pub(super) fn held(&self, qi: QuantInto) {
         if let Some(sc) = self.sc.w8a8.as_ref() {

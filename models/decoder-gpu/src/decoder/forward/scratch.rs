@@ -74,12 +74,9 @@ impl Scratch {
         let (n, m, h, f) = (z.n, z.m, z.h, z.f);
         let (qw, kvw) = (z.qh * z.d, z.kvh * z.d);
         let widest = h.max(qw).max(f);
-        // a fused product writes [q; k; v] or [gate; up] at once
-        let out_widest = if z.fused {
-            widest.max(qw + 2 * kvw).max(2 * f)
-        } else {
-            widest
-        };
+        // a joined product writes [q; k; v] or [gate; up] at once (the fused layout's, or
+        // matrices stored one after the other: Pass::joined_rows)
+        let out_widest = widest.max(qw + 2 * kvw).max(2 * f);
         let bind = st.bind.as_ref().ok_or_else(|| {
             CudaError::Invalid("the decoder is not bound to rollout weights".into())
         })?;
