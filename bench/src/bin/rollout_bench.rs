@@ -12,7 +12,9 @@
 //! modes differ only in scheduling; every mode keeps `--kept-groups` groups per step and sees
 //! the same groups in the same order. Reported per step: the rollout phase's time (the switch
 //! and the update outside it), samples and tokens generated, and the mean length of kept
-//! samples against every finished one (aborting favours short samples).
+//! samples against every finished one (aborting favours short samples). A mode ending in
+//! `+mixed` prefills the groups admitted as slots free up in the same pass as the running
+//! requests' next tokens (one pass over the weights instead of two; not replayed from a graph).
 //!
 //! Then, with `--steady N`: `--slots` requests of N tokens each through the continuous engine
 //! and through one static batch (decode tokens/s at the same batch); and prefix sharing's
@@ -71,7 +73,9 @@ struct Args {
     /// DAPO steps per mode.
     #[arg(long, default_value_t = 2)]
     steps: usize,
-    /// Modes, comma-separated: static, abort, partial.
+    /// Modes, comma-separated: static, abort, partial; `+mixed` after abort or partial
+    /// prefills admitted groups in the passes that feed the running requests (mixed steps)
+    /// instead of in passes of their own.
     #[arg(long, default_value = "static,abort,partial", value_delimiter = ',')]
     modes: Vec<String>,
     /// Versions a partial rollout may lag the weights by.
@@ -236,17 +240,25 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
     for mode in &args.modes {
         let mut reports = Vec::new();
         let mut next_group = 0u64;
-        let leftovers = match mode.as_str() {
-            "static" => None,
+        let (base, mixed) = match mode.strip_suffix("+mixed") {
+            Some(base) => (base, true),
+            None => (mode.as_str(), false),
+        };
+        let leftovers = match base {
+            "static" if !mixed => None,
             "abort" => Some(Leftovers::Abort),
             "partial" => Some(Leftovers::Partial {
                 max_staleness: args.max_staleness,
             }),
-            other => {
-                return Err(format!("--modes {other}: expected static, abort or partial").into())
+            _ => {
+                return Err(format!(
+                    "--modes {mode}: expected static, abort, partial, abort+mixed or \
+                     partial+mixed"
+                )
+                .into())
             }
         };
-        let mut stream = leftovers.map(|l| GroupStream::new(args.group, l));
+        let mut stream = leftovers.map(|l| GroupStream::new(args.group, l).with_mixed_steps(mixed));
         for step in 0..args.steps {
             // an update between steps: the next rollout is on new weights
             lc.train()?.state_mut();
@@ -323,7 +335,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             };
             session.finish()?;
             println!(
-                "{mode:>7} step {step} (weights v{version}): rollout {:.2} s, {} samples / {} \
+                "{mode:>13} step {step} (weights v{version}): rollout {:.2} s, {} samples / {} \
                  tokens generated, {} decode passes; kept samples' mean length {:.0}, finished \
                  samples' {:.0}; {} aborted, {} carried, {} stale",
                 report.secs,
@@ -344,7 +356,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
     if let Some(&(_, base)) = summary.iter().find(|(m, _)| m == "static") {
         for (mode, secs) in &summary {
             println!(
-                "{mode:>7}: {secs:.2} s per step's rollout, {:.2}× static",
+                "{mode:>13}: {secs:.2} s per step's rollout, {:.2}× static",
                 secs / base
             );
         }

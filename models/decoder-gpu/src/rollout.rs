@@ -120,4 +120,15 @@ impl SlotDecoder for EngineSlots<'_> {
         let e = &mut *self.engine;
         e.core.decode_slots(&e.pool, rows_in, &rows(picks))
     }
+
+    fn mixed_slots(
+        &mut self,
+        (admitted, admitted_picks): (&[(usize, &[u32])], &[PickArgs<'_>]),
+        (fed, fed_picks): (&[(usize, u32)], &[PickArgs<'_>]),
+    ) -> Result<(Vec<Picked>, Vec<Picked>), GpuDecodeError> {
+        let e = &mut *self.engine;
+        let fork = e.settings.fork_prefill;
+        let (a, f) = (rows(admitted_picks), rows(fed_picks));
+        e.core.mixed_slots(&e.pool, (admitted, &a), (fed, &f), fork)
+    }
 }

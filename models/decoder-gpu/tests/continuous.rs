@@ -79,6 +79,16 @@ fn gpu_samples(
     requests: Vec<Request>,
     settings: EngineSettings,
 ) -> Result<Vec<Sample>, Box<dyn std::error::Error>> {
+    gpu_samples_with(name, requests, settings, Scheduler::new())
+}
+
+/// [`gpu_samples`] under `scheduler`.
+fn gpu_samples_with(
+    name: &str,
+    requests: Vec<Request>,
+    settings: EngineSettings,
+    mut scheduler: Scheduler,
+) -> Result<Vec<Sample>, Box<dyn std::error::Error>> {
     let ckpt = load_checkpoint(&fixtures().join(name))?;
     let pool = Arc::new(ThreadRankPool::new(1)?);
     let backend = FsdpBackend::new(pool, ckpt.config.rollout_layout(1)?);
@@ -87,22 +97,27 @@ fn gpu_samples(
     let mut lc = Lifecycle::new(backend, state).with_engine(engine);
     let mut session = lc.rollout()?;
     let (weights, mut engine) = session.parts();
-    let out = engine.run(weights, requests)?;
+    let out = {
+        let mut slots = engine.slots(&weights)?;
+        scheduler.run(&mut slots, requests)?
+    };
     session.finish()?;
     Ok(out)
 }
 
 /// Every fixture model, an f32 cache, 5 slots for 12–16 requests (so finished samples free
-/// slots that queued ones take), prefix sharing on: the GPU's tokens and finish reasons equal
-/// the CPU decoder's under the same scheduler, and its log-probabilities (at the request's
-/// temperature, at T = 1, truncated) within 1e-3 of the CPU's on the same tokens.
+/// slots that queued ones take), prefix sharing on, admissions prefilled in passes of their
+/// own and in the passes that feed the running requests (mixed steps): the GPU's tokens and
+/// finish reasons equal the CPU decoder's under the same scheduler, and its log-probabilities
+/// (at the request's temperature, at T = 1, truncated) within 1e-3 of the CPU's on the same
+/// tokens.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn continuous_engine_matches_the_cpu_decoder_under_the_same_scheduler() -> Res {
     require_gpus(1)?;
     let refs = references()?;
     let mut failures = Vec::new();
-    for name in MODELS {
+    for (name, mixed) in MODELS.iter().flat_map(|&n| [(n, false), (n, true)]) {
         let cases = list(&refs["models"][name]["cases"]);
         let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
         let vocab = load_checkpoint(&fixtures().join(name))?.config.model.vocab as u32;
@@ -110,7 +125,8 @@ fn continuous_engine_matches_the_cpu_decoder_under_the_same_scheduler() -> Res {
         let settings = EngineSettings::new(5, 40)
             .with_kv_dtype(KvDtype::F32)
             .with_fork_prefill(true);
-        let gpu = gpu_samples(name, reqs.clone(), settings)?;
+        let scheduler = Scheduler::new().with_mixed_steps(mixed);
+        let gpu = gpu_samples_with(name, reqs.clone(), settings, scheduler)?;
         let cpu = cpu_samples(name, reqs.clone(), 5, 40);
         let (mut worst, mut tokens_compared, mut finishes) = (0.0f32, 0, [0usize; 3]);
         for (i, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
@@ -134,8 +150,9 @@ fn continuous_engine_matches_the_cpu_decoder_under_the_same_scheduler() -> Res {
             tokens_compared += g.tokens.len();
         }
         println!(
-            "{name}: {} requests, {tokens_compared} tokens equal; finishes stop/length/abort \
+            "{name}{}: {} requests, {tokens_compared} tokens equal; finishes stop/length/abort \
              {finishes:?}; max |Δ logprob| vs the CPU decoder {worst:.2e}",
+            if mixed { " (mixed steps)" } else { "" },
             reqs.len()
         );
         if worst > 1e-3 {

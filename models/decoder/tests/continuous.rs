@@ -96,6 +96,26 @@ fn a_request_samples_the_same_however_it_is_batched() {
 }
 
 #[test]
+fn mixed_steps_sample_what_separate_prefills_do() {
+    let reqs = requests();
+    let (between, mixed) = with_decoder(|d| {
+        let mut d = d.with_slots(3, 64);
+        let a = Scheduler::new().run(&mut d, reqs.clone()).unwrap();
+        let b = Scheduler::new()
+            .with_mixed_steps(true)
+            .run(&mut d, reqs.clone())
+            .unwrap();
+        (a, b)
+    });
+    assert_eq!(between.len(), reqs.len());
+    for (a, b) in between.iter().zip(&mixed) {
+        assert_eq!((a.id, &a.tokens, a.finish), (b.id, &b.tokens, b.finish));
+        assert_eq!(a.logprobs, b.logprobs);
+        assert_eq!(a.truncated_logprobs, b.truncated_logprobs);
+    }
+}
+
+#[test]
 fn log_probs_are_those_of_the_teacher_forced_logits() {
     let r = Request::new(
         vec![5, 6, 7],

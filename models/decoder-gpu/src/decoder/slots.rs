@@ -79,21 +79,7 @@ impl Core {
         fork: bool,
     ) -> Result<Vec<Picked>, GpuDecodeError> {
         let spr = self.slot_table(picks.len(), admitted.len())?;
-        for &(slot, prompt) in admitted {
-            if slot >= self.lens.len() || prompt.is_empty() || prompt.len() > self.cap {
-                return Err(DecodeError::Usage(format!(
-                    "a prompt of {} tokens into slot {slot}; the cache holds {} slots of {} \
-                     positions",
-                    prompt.len(),
-                    self.lens.len(),
-                    self.cap
-                ))
-                .into());
-            }
-            for &t in prompt {
-                self.config.check_token(slot, t)?;
-            }
-        }
+        self.check_admitted(admitted)?;
         // replica order is the order rows come back in
         let mut order: Vec<usize> = (0..admitted.len()).collect();
         order.sort_by_key(|&i| admitted[i].0);
@@ -126,23 +112,32 @@ impl Core {
         for &(slot, prompt) in admitted {
             self.lens[slot] = prompt.len();
         }
-        let mut out = vec![None; admitted.len()];
-        for (&i, p) in order.iter().zip(picked) {
-            out[i] = Some(p);
-        }
-        Ok(out.into_iter().flatten().collect())
+        Ok(unsort(&order, picked))
     }
 
-    /// [`SlotDecoder::decode_slots`](lifecycle_decoder::SlotDecoder::decode_slots) on the
-    /// device: `rows` must name every slot holding a running request (the others are free and
-    /// may be padded into).
-    pub fn decode_slots(
-        &mut self,
-        pool: &ThreadRankPool,
-        rows: &[(usize, u32)],
-        picks: &[RowPick],
-    ) -> Result<Vec<Picked>, GpuDecodeError> {
-        let spr = self.slot_table(picks.len(), rows.len())?;
+    /// The prompts of a prefill fit their slots and hold tokens of the vocabulary.
+    fn check_admitted(&self, admitted: &[(usize, &[u32])]) -> Result<(), GpuDecodeError> {
+        for &(slot, prompt) in admitted {
+            if slot >= self.lens.len() || prompt.is_empty() || prompt.len() > self.cap {
+                return Err(DecodeError::Usage(format!(
+                    "a prompt of {} tokens into slot {slot}; the cache holds {} slots of {} \
+                     positions",
+                    prompt.len(),
+                    self.lens.len(),
+                    self.cap
+                ))
+                .into());
+            }
+            for &t in prompt {
+                self.config.check_token(slot, t)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The rows of a decode step feed prefilled slots with room for one more position, with
+    /// tokens of the vocabulary.
+    fn check_fed(&self, rows: &[(usize, u32)]) -> Result<(), GpuDecodeError> {
         for &(slot, t) in rows {
             let len = self.lens.get(slot).copied().unwrap_or(0);
             if len == 0 || len >= self.cap {
@@ -156,6 +151,127 @@ impl Core {
             }
             self.config.check_token(slot, t)?;
         }
+        Ok(())
+    }
+
+    /// [`SlotDecoder::mixed_slots`](lifecycle_decoder::SlotDecoder::mixed_slots) on the
+    /// device: one pass per replica over its admitted prompts' rows (prefix sharing as
+    /// [`Core::prefill_slots`]) and its fed rows, picking the prompts' first tokens and the fed
+    /// rows' next ones. Not replayed from a graph (its rows change every time); attention split
+    /// over the cache where its partial sums are small ([`SplitAttention`]).
+    ///
+    /// [`SplitAttention`]: crate::SplitAttention
+    pub fn mixed_slots(
+        &mut self,
+        pool: &ThreadRankPool,
+        (admitted, admitted_picks): (&[(usize, &[u32])], &[RowPick]),
+        (rows, row_picks): (&[(usize, u32)], &[RowPick]),
+        fork: bool,
+    ) -> Result<(Vec<Picked>, Vec<Picked>), GpuDecodeError> {
+        if admitted.is_empty() || rows.is_empty() {
+            let first = if admitted.is_empty() {
+                Vec::new()
+            } else {
+                self.prefill_slots(pool, admitted, admitted_picks, fork)?
+            };
+            let fed = if rows.is_empty() {
+                Vec::new()
+            } else {
+                self.decode_slots(pool, rows, row_picks)?
+            };
+            return Ok((first, fed));
+        }
+        let spr = self.slot_table(admitted_picks.len(), admitted.len())?;
+        self.slot_table(row_picks.len(), rows.len())?;
+        self.check_admitted(admitted)?;
+        self.check_fed(rows)?;
+        if let Some(&(slot, _)) = admitted
+            .iter()
+            .find(|(s, _)| rows.iter().any(|(f, _)| f == s))
+        {
+            return Err(DecodeError::Usage(format!(
+                "slot {slot} both admitted and fed in one step"
+            ))
+            .into());
+        }
+        let mut a_order: Vec<usize> = (0..admitted.len()).collect();
+        a_order.sort_by_key(|&i| admitted[i].0);
+        let mut f_order: Vec<usize> = (0..rows.len()).collect();
+        f_order.sort_by_key(|&i| rows[i].0);
+        // per replica: its prompts' picks, then its fed rows'
+        let mut table = Vec::new();
+        let mut parts = Vec::new();
+        for r in 0..self.topology.replicas() {
+            let mine_a: Vec<usize> = a_order
+                .iter()
+                .copied()
+                .filter(|&i| admitted[i].0 / spr == r)
+                .collect();
+            let mine_f: Vec<usize> = f_order
+                .iter()
+                .copied()
+                .filter(|&i| rows[i].0 / spr == r)
+                .collect();
+            let prompts: Vec<(u32, &[u32])> = mine_a
+                .iter()
+                .map(|&i| ((admitted[i].0 % spr) as u32, admitted[i].1))
+                .collect();
+            let mut step = PrefillRows::into_slots(&prompts, fork);
+            let start = table.len();
+            table.extend(mine_a.iter().map(|&i| admitted_picks[i]));
+            for &i in &mine_f {
+                let (slot, t) = rows[i];
+                step.logit_rows.push(step.tokens.len() as u32);
+                step.tokens.push(t);
+                step.seqs.push((slot % spr) as u32);
+                step.poss.push(self.lens[slot] as u32);
+                table.push(row_picks[i]);
+            }
+            parts.push((step, start..table.len(), mine_a.len()));
+        }
+        let steps: Vec<Step<'_>> = parts
+            .iter()
+            .map(|(rows, want, _)| Step {
+                tokens: rows.tokens.clone(),
+                seqs: rows.seqs.clone(),
+                poss: rows.poss.clone(),
+                logit_rows: rows.logit_rows.clone(),
+                batch: spr,
+                cap: self.cap,
+                forks: rows.forks.clone(),
+                pick: Pick::Rows(&table).rows(want.clone()),
+                decode: false,
+            })
+            .collect();
+        let picked = Self::picked(self.forward(pool, &steps)?)?;
+        let (mut first, mut fed) = (Vec::new(), Vec::new());
+        let mut it = picked.into_iter();
+        for (_, want, n_admitted) in &parts {
+            let mine: Vec<Picked> = it.by_ref().take(want.len()).collect();
+            let (a, f) = mine.split_at(*n_admitted);
+            first.extend_from_slice(a);
+            fed.extend_from_slice(f);
+        }
+        for &(slot, prompt) in admitted {
+            self.lens[slot] = prompt.len();
+        }
+        for &(slot, _) in rows {
+            self.lens[slot] += 1;
+        }
+        Ok((unsort(&a_order, first), unsort(&f_order, fed)))
+    }
+
+    /// [`SlotDecoder::decode_slots`](lifecycle_decoder::SlotDecoder::decode_slots) on the
+    /// device: `rows` must name every slot holding a running request (the others are free and
+    /// may be padded into).
+    pub fn decode_slots(
+        &mut self,
+        pool: &ThreadRankPool,
+        rows: &[(usize, u32)],
+        picks: &[RowPick],
+    ) -> Result<Vec<Picked>, GpuDecodeError> {
+        let spr = self.slot_table(picks.len(), rows.len())?;
+        self.check_fed(rows)?;
         let mut order: Vec<usize> = (0..rows.len()).collect();
         order.sort_by_key(|&i| rows[i].0);
         let mut table: Vec<RowPick> = Vec::new();
@@ -216,11 +332,7 @@ impl Core {
         for &(slot, _) in rows {
             self.lens[slot] += 1;
         }
-        let mut out = vec![None; rows.len()];
-        for (&i, p) in order.iter().zip(kept) {
-            out[i] = Some(p);
-        }
-        Ok(out.into_iter().flatten().collect())
+        Ok(unsort(&order, kept))
     }
 
     fn picked(out: StepOut) -> Result<Vec<Picked>, GpuDecodeError> {
@@ -231,6 +343,17 @@ impl Core {
             ),
         }
     }
+}
+
+/// `picked[k]` is the pick of input `order[k]`: the picks back in input order.
+fn unsort(order: &[usize], picked: Vec<Picked>) -> Vec<Picked> {
+    let mut out = vec![None; order.len()];
+    for (&i, p) in order.iter().zip(picked) {
+        if let Some(o) = out.get_mut(i) {
+            *o = Some(p);
+        }
+    }
+    out.into_iter().flatten().collect()
 }
 
 #[cfg(test)]

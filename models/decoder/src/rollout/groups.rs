@@ -145,6 +145,19 @@ impl GroupStream {
         self
     }
 
+    /// The same stream with [mixed steps](Scheduler::with_mixed_steps): groups admitted as
+    /// slots free up are prefilled in the pass that feeds the running requests.
+    ///
+    /// ```
+    /// use lifecycle_decoder::{GroupStream, Leftovers};
+    /// let stream = GroupStream::new(16, Leftovers::Abort).with_mixed_steps(true);
+    /// # let _ = stream;
+    /// ```
+    pub fn with_mixed_steps(mut self, on: bool) -> Self {
+        self.scheduler = std::mem::take(&mut self.scheduler).with_mixed_steps(on);
+        self
+    }
+
     /// The scheduler (its version, its counts).
     pub fn scheduler(&self) -> &Scheduler {
         &self.scheduler

@@ -61,6 +61,29 @@ pub trait SlotDecoder {
         rows: &[(usize, u32)],
         picks: &[PickArgs<'_>],
     ) -> Result<Vec<Picked>, Self::Error>;
+
+    /// One step that feeds `rows` (as [`SlotDecoder::decode_slots`]: every slot holding a
+    /// running request but the admitted ones) and prefills `admitted` into free slots (as
+    /// [`SlotDecoder::prefill_slots`]): the picks of the admitted, then of the rows. A decoder
+    /// that can run both in one pass over the weights overrides it; by default the two calls in
+    /// turn (the rows first, while the admitted slots are still free).
+    fn mixed_slots(
+        &mut self,
+        (admitted, admitted_picks): (&[(usize, &[u32])], &[PickArgs<'_>]),
+        (rows, row_picks): (&[(usize, u32)], &[PickArgs<'_>]),
+    ) -> Result<(Vec<Picked>, Vec<Picked>), Self::Error> {
+        let fed = if rows.is_empty() {
+            Vec::new()
+        } else {
+            self.decode_slots(rows, row_picks)?
+        };
+        let first = if admitted.is_empty() {
+            Vec::new()
+        } else {
+            self.prefill_slots(admitted, admitted_picks)?
+        };
+        Ok((first, fed))
+    }
 }
 
 /// A request that holds a slot.
@@ -178,12 +201,25 @@ pub struct Scheduler {
     /// Steps run and rows fed, since the scheduler was made.
     steps: u64,
     rows: u64,
+    /// Admitted requests are prefilled in the pass that feeds the running ones
+    /// ([`Scheduler::with_mixed_steps`]).
+    mixed: bool,
 }
 
 impl Scheduler {
     /// An empty scheduler (it takes the decoder's slot count at its first step).
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Prefills admitted requests in the same pass as the running requests' next tokens
+    /// ([`SlotDecoder::mixed_slots`]: one pass over the weights where the decoder can) instead
+    /// of in a pass of their own before it (the default). An admitted request then gets its
+    /// first token in the step it is admitted and its second in the next (instead of both in
+    /// one step): its tokens are the same given equal logits, and the steps fewer.
+    pub fn with_mixed_steps(mut self, on: bool) -> Self {
+        self.mixed = on;
+        self
     }
 
     /// Queues `request` for `decoder` after checking it (its fields, its tokens, and that it
@@ -316,7 +352,8 @@ impl Scheduler {
 
     /// One step: admits queued requests into free slots (in order, lowest slot first) and
     /// prefills them, then feeds every running request one token; the samples that finished in
-    /// it, their slots freed.
+    /// it, their slots freed. With [mixed steps](Scheduler::with_mixed_steps) the admitted
+    /// requests are prefilled in the call that feeds the running ones.
     pub fn step<D: SlotDecoder>(&mut self, decoder: &mut D) -> Result<Vec<Sample>, D::Error> {
         if decoder.slots() == 0 && !self.queue.is_empty() {
             return Err(DecodeError::Usage(
@@ -338,6 +375,11 @@ impl Scheduler {
             self.running = vec![None; decoder.slots()];
         }
         let mut done = Vec::new();
+        if self.mixed {
+            self.mixed_step(decoder, &mut done)?;
+            done.sort_by_key(|s| s.id);
+            return Ok(done);
+        }
         self.admit(decoder, &mut done)?;
         let slots: Vec<usize> = (0..self.running.len())
             .filter(|&s| self.running[s].is_some())
@@ -358,12 +400,47 @@ impl Scheduler {
         Ok(done)
     }
 
-    /// Admits and prefills what fits the free slots.
-    fn admit<D: SlotDecoder>(
+    /// A step of [`Scheduler::with_mixed_steps`]: the running requests fed and what fits the
+    /// free slots admitted, in one [`SlotDecoder::mixed_slots`] call.
+    fn mixed_step<D: SlotDecoder>(
         &mut self,
         decoder: &mut D,
         done: &mut Vec<Sample>,
     ) -> Result<(), D::Error> {
+        let fed: Vec<usize> = (0..self.running.len())
+            .filter(|&s| self.running[s].is_some())
+            .collect();
+        let admitted = self.seat(done);
+        if fed.is_empty() && admitted.is_empty() {
+            return Ok(());
+        }
+        let rows: Vec<(usize, u32)> = fed
+            .iter()
+            .filter_map(|&s| self.running[s].as_ref().map(|r| (s, r.last())))
+            .collect();
+        let draws = (self.draw(&admitted), self.draw(&fed));
+        let contexts: Vec<Vec<u32>> = admitted
+            .iter()
+            .filter_map(|&s| self.running[s].as_ref().map(Running::context))
+            .collect();
+        let prompts: Vec<(usize, &[u32])> = admitted
+            .iter()
+            .zip(&contexts)
+            .map(|(&s, c)| (s, c.as_slice()))
+            .collect();
+        let picks = (self.picks(&admitted, &draws.0), self.picks(&fed, &draws.1));
+        let (first, next) = decoder.mixed_slots((&prompts, &picks.0), (&rows, &picks.1))?;
+        if !rows.is_empty() {
+            self.steps += 1;
+            self.rows += rows.len() as u64;
+        }
+        self.take(&admitted, first, done)?;
+        Ok(self.take(&fed, next, done)?)
+    }
+
+    /// Moves queued requests into the free slots (in order, lowest slot first); the slots
+    /// filled. A request that may draw no token finishes at once.
+    fn seat(&mut self, done: &mut Vec<Sample>) -> Vec<usize> {
         let mut slots = Vec::new();
         for s in 0..self.running.len() {
             while self.running[s].is_none() {
@@ -378,6 +455,16 @@ impl Scheduler {
                 slots.push(s);
             }
         }
+        slots
+    }
+
+    /// Admits and prefills what fits the free slots.
+    fn admit<D: SlotDecoder>(
+        &mut self,
+        decoder: &mut D,
+        done: &mut Vec<Sample>,
+    ) -> Result<(), D::Error> {
+        let slots = self.seat(done);
         if slots.is_empty() {
             return Ok(());
         }

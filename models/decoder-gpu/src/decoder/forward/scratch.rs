@@ -199,11 +199,15 @@ impl Scratch {
     }
 }
 
-/// Whether `step`'s attention is split over the cache: for decode steps (one row a sequence,
-/// few rows) where the kernels take the heads; prefills keep a block per row and query head.
+/// The most bytes of partial sums a pass other than a decode step splits its attention for.
+const SPLIT_BYTES: usize = 64 << 20;
+
+/// Whether `step`'s attention is split over the cache (where the kernels take the heads): for
+/// every decode step (one row a sequence, so a row's attention never depends on its step), and
+/// for other passes (a prefill, a prefill beside decode rows) whose partial sums stay within
+/// [`SPLIT_BYTES`]; long prefills keep a block per row and query head.
 pub(super) fn split_attention(step: &Step<'_>, z: &Dims) -> Option<SplitAttention> {
-    if !step.decode {
-        return None;
-    }
-    SplitAttention::for_cache(step.cap, z.d)
+    let plan = SplitAttention::for_cache(step.cap, z.d)?;
+    let bytes = z.n * z.qh * plan.splits * (z.d + 2) * 4;
+    (step.decode || bytes <= SPLIT_BYTES).then_some(plan)
 }
