@@ -9,8 +9,12 @@
 //!   stay f32 and enter a product as two bf16 rows (`hi`, `lo = x − hi`), so the weights are read
 //!   once and the product sees ~16-bit activations.
 //! - Small kernels compiled at run time with NVRTC: embedding gather, RMSNorm, RoPE, attention
-//!   over an f32 or bf16 KV cache (`KvDtype`: f32 for `GpuDecoder` by default, the exact mode;
-//!   bf16 for `GpuEngine`), SwiGLU, residual adds, argmax and temperature sampling.
+//!   over an f32, bf16 or fp8 KV cache (`KvDtype`: f32 for `GpuDecoder` by default, the exact
+//!   mode; bf16 for `GpuEngine`), SwiGLU, residual adds, argmax and the token pick
+//!   (temperature, top-k, top-p, log-probabilities). A decode step's attention is split over the
+//!   cache ([`SplitAttention`]: every K / V row read once for the query heads that share it, a
+//!   long context spread over many blocks, the chunks joined in order); long prefills take a
+//!   block per row and query head.
 //! - NCCL all-reduce (sum) after the row-parallel o/down projections; NCCL all-gather of
 //!   vocabulary-parallel logits.
 //! - Decode steps at `T = 1` replayed from CUDA graphs (`GpuDecoder::set_step_graphs`, on by
