@@ -62,8 +62,9 @@ struct Args {
     /// Device memory per GPU, GiB, for the memory accounting (the H200's 139 by default).
     #[arg(long, default_value_t = 139.0)]
     device_gib: f64,
-    /// What is offloaded during rollout: `all`, `params`, `optimizer` or `none`.
-    #[arg(long, default_value = "all")]
+    /// What is offloaded during rollout: `need` (the default, as the GPU runs decide it: the
+    /// least that leaves room for `--kv-tokens`), `all`, `params`, `optimizer` or `none`.
+    #[arg(long, default_value = "need")]
     offload: String,
     /// KV-cache tokens (summed over the sequences) the rollout asks for: the by-need line
     /// says what a switch must offload to make room for them.
@@ -122,22 +123,26 @@ fn rates(args: &Args) -> Result<(LinkRates, RatesSource), String> {
     Ok((r, source))
 }
 
-fn offload(s: &str) -> Result<Offload, String> {
-    match s {
-        "all" => Ok(Offload::ALL),
-        "none" => Ok(Offload::NONE),
-        "params" => Ok(Offload {
+/// `--offload`: a class of buffers, or `None` for by need.
+fn offload(s: &str) -> Result<Option<Offload>, String> {
+    Ok(Some(match s {
+        "need" => return Ok(None),
+        "all" => Offload::ALL,
+        "none" => Offload::NONE,
+        "params" => Offload {
             params: true,
             optimizer: false,
-        }),
-        "optimizer" => Ok(Offload {
+        },
+        "optimizer" => Offload {
             params: false,
             optimizer: true,
-        }),
-        other => Err(format!(
-            "--offload `{other}`: expected all, params, optimizer or none"
-        )),
-    }
+        },
+        other => {
+            return Err(format!(
+                "--offload `{other}`: expected need, all, params, optimizer or none"
+            ))
+        }
+    }))
 }
 
 fn ms(s: f64) -> String {
@@ -369,18 +374,15 @@ fn print_memory(
 fn print_by_need(
     args: &Args,
     config: &ModelConfig,
-    ranks: &[RankCost],
     fp8_held: &[u64],
-    (none, params, optimizer): (Vec<RankCost>, Vec<RankCost>, Vec<RankCost>),
-) {
-    let Some(r) = ranks.iter().max_by_key(|r| r.rollout_bytes) else {
-        return;
-    };
+    (none, params, optimizer): (&[RankCost], &[RankCost], &[RankCost]),
+) -> Option<Offload> {
+    let r = none.iter().max_by_key(|r| r.rollout_bytes)?;
     let device = (args.device_gib * (1u64 << 30) as f64) as u64;
     let rollout = fp8_held.get(r.rank).copied().unwrap_or(r.rollout_bytes);
     let m = rollout_memory(config, args.rollout_tp, r, rollout, device, args.kv_dtype);
     let at = |v: &[RankCost]| v.get(r.rank).map_or(0, |c| c.offload_bytes);
-    let kept = none.get(r.rank).map_or(0, |c| c.train_state_bytes);
+    let kept = r.train_state_bytes;
     let request = RoomRequest {
         free: device.saturating_sub(kept),
         rollout,
@@ -388,15 +390,24 @@ fn print_by_need(
         engine: args.kv_tokens * m.kv_bytes_per_token,
         margin: 2 << 30,
         grads: 0,
-        optimizer: at(&optimizer),
-        params: at(&params),
+        optimizer: at(optimizer),
+        params: at(params),
     };
     match MemoryPolicy::by_need(&request) {
-        Ok(d) => println!("offload for {} KV tokens, {d}", args.kv_tokens),
-        Err(e) => println!(
-            "offload by need for {} KV tokens: does not fit: {e}",
-            args.kv_tokens
-        ),
+        Ok(d) => {
+            println!("offload for {} KV tokens, {d}", args.kv_tokens);
+            Some(Offload {
+                params: d.policy.offload_params,
+                optimizer: d.policy.offload_optimizer,
+            })
+        }
+        Err(e) => {
+            println!(
+                "offload by need for {} KV tokens: does not fit: {e}",
+                args.kv_tokens
+            );
+            None
+        }
     }
 }
 
@@ -443,7 +454,19 @@ fn run(args: &Args) -> Result<(), String> {
         }
         .map_err(|e| e.to_string())
     };
-    let ranks = plan_for(offload)?;
+    // the plans with nothing, the parameters alone and the optimizer state alone offloaded:
+    // what offload by need weighs
+    let classes = (
+        plan_for(Offload::NONE)?,
+        plan_for(Offload {
+            params: true,
+            optimizer: false,
+        })?,
+        plan_for(Offload {
+            params: false,
+            optimizer: true,
+        })?,
+    );
     println!(
         "model {} ({:.3} B params); training {}; rollout T = {}; buckets of {} MiB; offload {}",
         args.config.display(),
@@ -451,7 +474,10 @@ fn run(args: &Args) -> Result<(), String> {
         train,
         args.rollout_tp,
         args.bucket_mib,
-        args.offload
+        match offload {
+            Some(_) => args.offload.clone(),
+            None => format!("by need for {} KV tokens", args.kv_tokens),
+        }
     );
     let defaulted = TrainLayout::defaulted(&args.train_spec);
     if !defaulted.is_empty() {
@@ -474,6 +500,26 @@ fn run(args: &Args) -> Result<(), String> {
             }
         );
     }
+    let (fp8_held, fp8_staging) = print_fp8(args, &config, train)?;
+    let needed = print_by_need(
+        args,
+        &config,
+        &fp8_held,
+        (&classes.0, &classes.1, &classes.2),
+    );
+    let offload = match (offload, needed) {
+        (Some(o), _) => o,
+        (None, Some(o)) => o,
+        (None, None) => {
+            println!("(the rest as with everything offloaded)");
+            Offload::ALL
+        }
+    };
+    let ranks = if offload == Offload::NONE {
+        classes.0
+    } else {
+        plan_for(offload)?
+    };
     print(&ranks, &rates);
     let full = full_gather_bytes(&config);
     let most_recv = ranks.iter().map(|r| r.recv_bytes).max().unwrap_or(0);
@@ -495,20 +541,7 @@ fn run(args: &Args) -> Result<(), String> {
         HumanBytes(gathered),
         HumanBytes(most_held),
     );
-    let (fp8_held, fp8_staging) = print_fp8(args, &config, train)?;
     print_memory(args, &config, &ranks, (&fp8_held, fp8_staging));
-    let classes = (
-        plan_for(Offload::NONE)?,
-        plan_for(Offload {
-            params: true,
-            optimizer: false,
-        })?,
-        plan_for(Offload {
-            params: false,
-            optimizer: true,
-        })?,
-    );
-    print_by_need(args, &config, &ranks, &fp8_held, classes);
     print_pinned(&ranks, args.gpus_per_node);
     let p = job_prediction(&ranks, &rates);
     println!(

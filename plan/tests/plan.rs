@@ -364,7 +364,14 @@ fn kv_dtype_defaults_and_pinned_memory_per_node_are_printed() {
     assert!(!ok && err.contains("expected bf16, f32 or fp8"), "{err}");
 
     // Pinned memory: 16 ranks on two nodes of 8, each rank offloading the same.
-    let (ok, text, err) = plan_output(&["--train", "fsdp:16", "--rollout-tp", "4"]);
+    let (ok, text, err) = plan_output(&[
+        "--train",
+        "fsdp:16",
+        "--rollout-tp",
+        "4",
+        "--offload",
+        "all",
+    ]);
     assert!(ok, "{text}{err}");
     let line = text
         .lines()
@@ -380,6 +387,27 @@ fn kv_dtype_defaults_and_pinned_memory_per_node_are_printed() {
         "none",
     ]);
     assert!(none.contains("pinned host memory: none"), "{none}");
+
+    // The default offloads by need, as the GPU runs do: the plan headlined is the one chosen.
+    let (ok, roomy, err) = plan_output(&["--train", "fsdp:1", "--rollout-tp", "1"]);
+    assert!(ok, "{roomy}{err}");
+    assert!(
+        roomy.contains("offload by need for 65536 KV tokens"),
+        "{roomy}"
+    );
+    assert!(roomy.contains("nothing offloaded"), "{roomy}");
+    assert!(roomy.contains("pinned host memory: none"), "{roomy}");
+    let (ok, tight, err) = plan_output(&[
+        "--train",
+        "fsdp:1",
+        "--rollout-tp",
+        "1",
+        "--kv-tokens",
+        "1500000",
+    ]);
+    assert!(ok, "{tight}{err}");
+    assert!(tight.contains("optimizer state offloaded"), "{tight}");
+    assert!(!tight.contains("pinned host memory: none"), "{tight}");
 }
 
 #[test]
