@@ -229,26 +229,27 @@ impl Core {
             }
             parts.push((step, start..table.len(), mine_a.len()));
         }
+        let counts: Vec<(usize, usize)> = parts.iter().map(|(_, w, a)| (w.len(), *a)).collect();
         let steps: Vec<Step<'_>> = parts
-            .iter()
+            .into_iter()
             .map(|(rows, want, _)| Step {
-                tokens: rows.tokens.clone(),
-                seqs: rows.seqs.clone(),
-                poss: rows.poss.clone(),
-                logit_rows: rows.logit_rows.clone(),
+                tokens: rows.tokens,
+                seqs: rows.seqs,
+                poss: rows.poss,
+                logit_rows: rows.logit_rows,
                 batch: spr,
                 cap: self.cap,
-                forks: rows.forks.clone(),
-                pick: Pick::Rows(&table).rows(want.clone()),
+                forks: rows.forks,
+                pick: Pick::Rows(&table).rows(want),
                 decode: false,
             })
             .collect();
         let picked = Self::picked(self.forward(pool, &steps)?)?;
         let (mut first, mut fed) = (Vec::new(), Vec::new());
         let mut it = picked.into_iter();
-        for (_, want, n_admitted) in &parts {
-            let mine: Vec<Picked> = it.by_ref().take(want.len()).collect();
-            let (a, f) = mine.split_at(*n_admitted);
+        for &(wanted, n_admitted) in &counts {
+            let mine: Vec<Picked> = it.by_ref().take(wanted).collect();
+            let (a, f) = mine.split_at(n_admitted.min(mine.len()));
             first.extend_from_slice(a);
             fed.extend_from_slice(f);
         }
