@@ -215,14 +215,14 @@ def run(path: str, args) -> dict:
             dtype=torch.long,
         )
         mask = torch.tensor(padded([[1.0] * len(x) for x in toks], args.new, 0.0), device="cuda")
-        rollout = torch.tensor(
+        rollout_logp = torch.tensor(
             padded([lp for _, _, _, lps in kept for lp in lps], args.new, 0.0), device="cuda"
         )
         adv = torch.cat([advantages(torch.tensor(r)) for _, _, r, _ in kept]).cuda()[:, None]
         with torch.no_grad():
             # π_old: the trainer's fp32 weights before the first optimizer step
             old = token_logps(model, seqs, args.prompt_len, args.temperature)
-        delta, kl = mismatch(old, rollout, mask)
+        delta, kl = mismatch(old, rollout_logp, mask)
         mismatches.append({"mean_abs_dlogp": delta, "kl_k3": kl})
         if rank0:
             print(
@@ -234,7 +234,7 @@ def run(path: str, args) -> dict:
         for mb in order.chunk(args.minibatches):
             mb = mb.cuda()
             logp = token_logps(model, seqs[mb], args.prompt_len, args.temperature)
-            loss = verl_loss(logp, old[mb], adv[mb], mask[mb], rollout_logp=rollout[mb], tis_cap=tis_cap)
+            loss = verl_loss(logp, old[mb], adv[mb], mask[mb], rollout_logp=rollout_logp[mb], tis_cap=tis_cap)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
