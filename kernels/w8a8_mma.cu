@@ -25,6 +25,13 @@
 // zero_lo the n rows after y's (the lo rows of a split product) are written 0. With `bias` (bf16,
 // one per row) and `res` (f32, as y: it may be y itself) each output is (sum + bias) + res, as
 // the decoder's combine kernel would add them: the product then writes the layer's own buffer.
+//
+// The same kernel multiplies bf16 weights (bf16_mma_N below): a 128-byte group is then 64
+// inputs, summed by four m16n8k16 bf16 mma's straight into the accumulator (no scales), and its
+// activations are the decoder's split rows (x = hi + lo, each bf16: hi rows, then lo rows), staged
+// as the mma's columns 2 t (token t's hi) and 2 t + 1 (its lo), so that a lane's two columns of a
+// fragment are one token's halves: the kernel adds them (hi + lo) before anything is written.
+// Every `inp` of the kernels below counts a row's bytes (a bf16 row's is twice its inputs).
 typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef unsigned char u8;
@@ -107,11 +114,37 @@ __device__ __forceinline__ void mma_e4m3(float* d, u32 a0, u32 a1, u32 a2, u32 a
 #endif
 }
 
+// d += A (16 x 16 bf16, row) * B (16 x 8 bf16, col) in f32 (compute capability 8.0 on).
+__device__ __forceinline__ void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1) {
+#if __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
+}
+
+// One mma step of either kind: e4m3 (k 32) or, with BF16, bf16 (k 16) over the same registers.
+template <bool BF16>
+__device__ __forceinline__ void mma_step(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1) {
+    if (BF16) {
+        mma_bf16(d, a0, a1, a2, a3, b0, b1);
+    } else {
+        mma_e4m3(d, a0, a1, a2, a3, b0, b1);
+    }
+}
+
 // The 4 x 16 weight bytes lane (g, t) of a warp multiplies in one group: 32 consecutive bytes
 // of row g of the tile and 32 of row g + 8, from byte 32 t of the group. The mma's k order is
 // a permutation of the group's inputs (the same for the weights and the activations), so each
 // lane reads consecutive bytes: step s takes bytes 8 s .. 8 s + 3 of a lane's 32 as the
 // fragment's inputs 4 t .. 4 t + 3 and bytes 8 s + 4 .. 8 s + 7 as 16 + 4 t .. 16 + 4 t + 3.
+// (bf16: step s takes a lane's inputs 4 s, 4 s + 1 as the fragment's 2 t, 2 t + 1 and 4 s + 2,
+// 4 s + 3 as 8 + 2 t, 9 + 2 t: the same registers.)
 struct Frag {
     uint4 lo0, lo1, hi0, hi1;
 };
@@ -359,51 +392,17 @@ __device__ __forceinline__ float ld_l2(const float* p) {
     return v;
 }
 
-// Writes the sums of a block of ROWS rows (fragment (g, t) of token tile nt: rows g and g + 8
-// of the warp's tile, tokens 8 nt + 2 t and the next): unsplit straight to y (and 0 to ylo);
-// split, its partial sums [token][row of the block], then with `counters` the last block of
-// the row range adds the slices in their order (without, w8a8_reduce does).
-template <int NT, int ROWS>
-__device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* y,
-                                          float* __restrict__ ylo, float* __restrict__ part,
-                                          u32* __restrict__ counters, u32 out, u32 n,
-                                          const Place& pl, u32 tile, u32 g, u32 t, u32 warp,
-                                          bool oklo, bool okhi, const u16* __restrict__ bias,
-                                          const float* res, u32 bx) {
+// A split product's partial sums of this block written (at part, T tokens a tile): with
+// `counters`, the last block of the row range to finish adds every slice's in their order, then
+// the bias and residual, into y (and 0 into ylo); without, w8a8_reduce does.
+template <int ROWS>
+__device__ __forceinline__ void add_slices(float* __restrict__ part, u32* __restrict__ counters,
+                                           const Place& pl, u32 T, float* y,
+                                           float* __restrict__ ylo, u32 out, u32 n,
+                                           const u16* __restrict__ bias, const float* res,
+                                           u32 bx) {
     __shared__ u32 last;
-    const u32 T = 8 * NT;
-    const u32 rlo = tile + g, rhi = rlo + 8;
     const u32 splits = pl.splits;
-    if (splits == 1) {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const u32 k0 = (u32)nt * 8u + 2u * t;
-            const u64 a0 = (u64)k0 * out, a1 = a0 + out;
-            if (oklo && k0 < n) y[a0 + rlo] = finish(acc[nt][0], bias, res, rlo, a0 + rlo);
-            if (oklo && k0 + 1 < n) y[a1 + rlo] = finish(acc[nt][1], bias, res, rlo, a1 + rlo);
-            if (okhi && k0 < n) y[a0 + rhi] = finish(acc[nt][2], bias, res, rhi, a0 + rhi);
-            if (okhi && k0 + 1 < n) y[a1 + rhi] = finish(acc[nt][3], bias, res, rhi, a1 + rhi);
-            if (ylo != nullptr) {
-                if (oklo && k0 < n) ylo[(u64)k0 * out + rlo] = 0.0f;
-                if (oklo && k0 + 1 < n) ylo[(u64)(k0 + 1) * out + rlo] = 0.0f;
-                if (okhi && k0 < n) ylo[(u64)k0 * out + rhi] = 0.0f;
-                if (okhi && k0 + 1 < n) ylo[(u64)(k0 + 1) * out + rhi] = 0.0f;
-            }
-        }
-        return;
-    }
-    float* mine = part + ((u64)pl.pb * splits + pl.s) * (ROWS * T);
-    const u32 bl = warp * 16u + g, bh = bl + 8u;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        if ((u32)nt * 8u < n) {
-            const u32 k0 = (u32)nt * 8u + 2u * t;
-            mine[k0 * ROWS + bl] = acc[nt][0];
-            mine[(k0 + 1) * ROWS + bl] = acc[nt][1];
-            mine[k0 * ROWS + bh] = acc[nt][2];
-            mine[(k0 + 1) * ROWS + bh] = acc[nt][3];
-        }
-    }
     if (counters == nullptr) return;
     __threadfence();
     __syncthreads();
@@ -451,6 +450,85 @@ __device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* y,
     if (threadIdx.x == 0) counters[pl.pb] = 0u;
 }
 
+// Writes the sums of a block of ROWS rows (fragment (g, t) of token tile nt: rows g and g + 8
+// of the warp's tile, tokens 8 nt + 2 t and the next): unsplit straight to y (and 0 to ylo);
+// split, its partial sums [token][row of the block], then with `counters` the last block of
+// the row range adds the slices in their order (without, w8a8_reduce does). With PAIRS the
+// fragment's two columns are one token's halves (bf16_mma: token 4 nt + t), added first: a
+// tile then holds 4 tokens.
+template <int NT, int ROWS, bool PAIRS>
+__device__ __forceinline__ void store_acc(const float (&acc)[NT][4], float* y,
+                                          float* __restrict__ ylo, float* __restrict__ part,
+                                          u32* __restrict__ counters, u32 out, u32 n,
+                                          const Place& pl, u32 tile, u32 g, u32 t, u32 warp,
+                                          bool oklo, bool okhi, const u16* __restrict__ bias,
+                                          const float* res, u32 bx) {
+    const u32 rlo = tile + g, rhi = rlo + 8;
+    if (PAIRS) {
+        const u32 T = 4 * NT;
+        if (pl.splits == 1) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const u32 k0 = (u32)nt * 4u + t;
+                const u64 a0 = (u64)k0 * out;
+                if (k0 < n) {
+                    if (oklo) y[a0 + rlo] = finish(acc[nt][0] + acc[nt][1], bias, res, rlo, a0 + rlo);
+                    if (okhi) y[a0 + rhi] = finish(acc[nt][2] + acc[nt][3], bias, res, rhi, a0 + rhi);
+                    if (ylo != nullptr && oklo) ylo[a0 + rlo] = 0.0f;
+                    if (ylo != nullptr && okhi) ylo[a0 + rhi] = 0.0f;
+                }
+            }
+            return;
+        }
+        float* mine = part + ((u64)pl.pb * pl.splits + pl.s) * (ROWS * T);
+        const u32 bl = warp * 16u + g, bh = bl + 8u;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            if ((u32)nt * 4u < n) {
+                const u32 k0 = (u32)nt * 4u + t;
+                mine[k0 * ROWS + bl] = acc[nt][0] + acc[nt][1];
+                mine[k0 * ROWS + bh] = acc[nt][2] + acc[nt][3];
+            }
+        }
+        add_slices<ROWS>(part, counters, pl, T, y, ylo, out, n, bias, res, bx);
+        return;
+    }
+    const u32 T = 8 * NT;
+    const u32 splits = pl.splits;
+    if (splits == 1) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const u32 k0 = (u32)nt * 8u + 2u * t;
+            const u64 a0 = (u64)k0 * out, a1 = a0 + out;
+            if (oklo && k0 < n) y[a0 + rlo] = finish(acc[nt][0], bias, res, rlo, a0 + rlo);
+            if (oklo && k0 + 1 < n) y[a1 + rlo] = finish(acc[nt][1], bias, res, rlo, a1 + rlo);
+            if (okhi && k0 < n) y[a0 + rhi] = finish(acc[nt][2], bias, res, rhi, a0 + rhi);
+            if (okhi && k0 + 1 < n) y[a1 + rhi] = finish(acc[nt][3], bias, res, rhi, a1 + rhi);
+            if (ylo != nullptr) {
+                if (oklo && k0 < n) ylo[(u64)k0 * out + rlo] = 0.0f;
+                if (oklo && k0 + 1 < n) ylo[(u64)(k0 + 1) * out + rlo] = 0.0f;
+                if (okhi && k0 < n) ylo[(u64)k0 * out + rhi] = 0.0f;
+                if (okhi && k0 + 1 < n) ylo[(u64)(k0 + 1) * out + rhi] = 0.0f;
+            }
+        }
+        return;
+    }
+    float* mine = part + ((u64)pl.pb * splits + pl.s) * (ROWS * T);
+    const u32 bl = warp * 16u + g, bh = bl + 8u;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        if ((u32)nt * 8u < n) {
+            const u32 k0 = (u32)nt * 8u + 2u * t;
+            mine[k0 * ROWS + bl] = acc[nt][0];
+            mine[(k0 + 1) * ROWS + bl] = acc[nt][1];
+            mine[k0 * ROWS + bh] = acc[nt][2];
+            mine[(k0 + 1) * ROWS + bh] = acc[nt][3];
+        }
+    }
+    add_slices<ROWS>(part, counters, pl, T, y, ylo, out, n, bias, res, bx);
+}
+
+
 // The sums of split products from their partials (block (b, s) of `rows` rows and `tile_tokens`
 // tokens at part + ((b - first) splits + s) rows tile_tokens, [token][row], b the launch's row
 // block, the row blocks before `first` unsplit): one thread per output, the slices added in
@@ -488,7 +566,10 @@ __device__ __forceinline__ u64 act_row(const u32* __restrict__ idx, u32 first, u
     return idx != nullptr ? (u64)idx[first + t] : (u64)first + t;
 }
 
-template <int NT>
+// With BF16, bf16 weights and split activations (see the top): `inp` a row's bytes, no scales
+// (wsc, xsc unused), the staged columns token t's hi then lo rows of xq (n tokens: rows t and
+// n + t), each group's four mma's summed straight into the accumulator.
+template <int NT, bool BF16 = false>
 __device__ __forceinline__ void w8a8_mma_body(
     const u8* __restrict__ w, const float* __restrict__ wsc, u32 row0, u32 out, u32 inp,
     const u8* __restrict__ xq, const float* __restrict__ xsc, u32 xs_grp, u32 n, u32 slice,
@@ -506,7 +587,7 @@ __device__ __forceinline__ void w8a8_mma_body(
     const u32 rlo = tile + g, rhi = rlo + 8;
     const bool oklo = rlo < out, okhi = rhi < out, okt = tile < out;
     // the 16 rows of a tile lie in one 128-row block of scales (row0 is a multiple of 16)
-    const float* wsr = wsc + (u64)((row0 + (okt ? tile : 0u)) >> 7) * groups;
+    const float* wsr = BF16 ? nullptr : wsc + (u64)((row0 + (okt ? tile : 0u)) >> 7) * groups;
     // staged activations: token rows of `chunk` groups, 16 bytes more per row so that the 8
     // tokens an mma reads fall on different banks; then their scales [group][token]
     const u32 stride = chunk * 128u + 16u;
@@ -530,7 +611,7 @@ __device__ __forceinline__ void w8a8_mma_body(
         Frag a = load_frag(wlo + (u64)c0 * 128u, whi + (u64)c0 * 128u, oklo, okhi);
         // and its weight scale, each requested with its group's weights (not in the group's
         // multiplication, where a round trip of its own stalled it)
-        float wa = okt ? wsr[c0] : 0.0f;
+        float wa = BF16 ? 1.0f : okt ? wsr[c0] : 0.0f;
         __syncthreads();  // the previous chunk is no longer read
         const u32 units = cg * 8u;  // 16-byte units per token row
         // STAGE_UNITS units a thread at a time, every load requested before the first store
@@ -543,8 +624,10 @@ __device__ __forceinline__ void w8a8_mma_body(
                 const u32 i = i0 + threadIdx.x + j * blockDim.x;
                 const u32 tok = i / units, u = i - tok * units;
                 v[j] = make_uint4(0u, 0u, 0u, 0u);
-                if (i < T * units && tok < n) {
-                    const u64 row = act_row(idx, first, tok);
+                // (BF16: column tok is token tok / 2's hi or lo row)
+                if (i < T * units && (BF16 ? tok < 2u * n : tok < n)) {
+                    const u64 row = BF16 ? (u64)(tok & 1u) * n + (tok >> 1)
+                                         : act_row(idx, first, tok);
                     v[j] = *reinterpret_cast<const uint4*>(xq + row * inp + (u64)c0 * 128u +
                                                            16u * u);
                 }
@@ -556,7 +639,7 @@ __device__ __forceinline__ void w8a8_mma_body(
                 if (i < T * units) *reinterpret_cast<uint4*>(xb + tok * stride + 16u * u) = v[j];
             }
         }
-        for (u32 i = threadIdx.x; i < T * cg; i += blockDim.x) {
+        for (u32 i = threadIdx.x; i < (BF16 ? 0u : T * cg); i += blockDim.x) {
             const u32 gi = i / T, tok = i - gi * T;
             xsb[i] = tok < n ? xsc[(u64)(c0 + gi) * xs_grp + act_row(idx, first, tok)] : 0.0f;
         }
@@ -567,7 +650,7 @@ __device__ __forceinline__ void w8a8_mma_body(
             if (gi + 1 < cg) {
                 const u64 next = (u64)(c0 + gi + 1) * 128u;
                 a = load_frag(wlo + next, whi + next, oklo, okhi);
-                wa = okt ? wsr[c0 + gi + 1] : 0.0f;
+                wa = BF16 ? 1.0f : okt ? wsr[c0 + gi + 1] : 0.0f;
             }
             const u8* bg = xb + g * stride + gi * 128u + 32u * t;
             // the mma's of up to 4 token tiles interleaved (4 independent chains of 4 steps),
@@ -584,19 +667,24 @@ __device__ __forceinline__ void w8a8_mma_body(
                     for (int e = 0; e < 4; ++e) d[j][e] = 0.0f;
                 }
 #pragma unroll
-                for (int j = 0; j < m; ++j) mma_e4m3(d[j], f.lo0.x, f.hi0.x, f.lo0.y, f.hi0.y, b[j].x, b[j].y);
+                for (int j = 0; j < m; ++j) mma_step<BF16>(d[j], f.lo0.x, f.hi0.x, f.lo0.y, f.hi0.y, b[j].x, b[j].y);
 #pragma unroll
-                for (int j = 0; j < m; ++j) mma_e4m3(d[j], f.lo0.z, f.hi0.z, f.lo0.w, f.hi0.w, b[j].z, b[j].w);
+                for (int j = 0; j < m; ++j) mma_step<BF16>(d[j], f.lo0.z, f.hi0.z, f.lo0.w, f.hi0.w, b[j].z, b[j].w);
 #pragma unroll
                 for (int j = 0; j < m; ++j) {
                     b[j] = *reinterpret_cast<const uint4*>(bg + (u32)(h + j) * 8u * stride + 16u);
                 }
 #pragma unroll
-                for (int j = 0; j < m; ++j) mma_e4m3(d[j], f.lo1.x, f.hi1.x, f.lo1.y, f.hi1.y, b[j].x, b[j].y);
+                for (int j = 0; j < m; ++j) mma_step<BF16>(d[j], f.lo1.x, f.hi1.x, f.lo1.y, f.hi1.y, b[j].x, b[j].y);
 #pragma unroll
-                for (int j = 0; j < m; ++j) mma_e4m3(d[j], f.lo1.z, f.hi1.z, f.lo1.w, f.hi1.w, b[j].z, b[j].w);
+                for (int j = 0; j < m; ++j) mma_step<BF16>(d[j], f.lo1.z, f.hi1.z, f.lo1.w, f.hi1.w, b[j].z, b[j].w);
 #pragma unroll
                 for (int j = 0; j < m; ++j) {
+                    if (BF16) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[h + j][e] += d[j][e];
+                        continue;
+                    }
                     const float* sc = xsb + gi * T + (u32)(h + j) * 8u + 2u * t;
                     const float s0 = ws * sc[0], s1 = ws * sc[1];
                     acc[h + j][0] = fmaf(d[j][0], s0, acc[h + j][0]);
@@ -607,7 +695,7 @@ __device__ __forceinline__ void w8a8_mma_body(
             }
         }
     }
-    store_acc<NT, MMA_ROWS>(acc, y, ylo, part, counters, out, n, pl, tile, g, t, warp, oklo, okhi,
+    store_acc<NT, MMA_ROWS, BF16>(acc, y, ylo, part, counters, out, n, pl, tile, g, t, warp, oklo, okhi,
                             bias, res, bx);
 }
 
@@ -963,7 +1051,7 @@ __device__ __forceinline__ void w8a8_wgmma_body(
         cluster_sums<NT, WG_ROWS>(acc, smem, y, ylo, out, n, pl, g, t, warp, bias, res, bx);
         return;
     }
-    store_acc<NT, WG_ROWS>(acc, y, ylo, part, counters, out, n, pl, tile, g, t, warp, oklo, okhi,
+    store_acc<NT, WG_ROWS, false>(acc, y, ylo, part, counters, out, n, pl, tile, g, t, warp, oklo, okhi,
                            bias, res, bx);
 }
 
@@ -996,6 +1084,28 @@ __device__ __forceinline__ void w8a8_wgmma_body(
                           p.y, zero_lo ? p.y + (u64)n * p.out : nullptr, part, counters,      \
                           p.bias, p.res, bx, place_2d(), nullptr, 0u, true);                  \
     }
+// The bf16 products of the same launches: x the split activation rows (2 n rows of `inp`
+// bytes: hi rows, then lo rows), NT tiles of 4 tokens.
+#define BF16_MMA(NT)                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, NT <= 3 ? 4 : 2)              \
+        bf16_mma_##NT(const Prods ps, u32 inp, const u8* __restrict__ x, u32 n, u32 slice,    \
+                      u32 chunk, u32 zero_lo, float* __restrict__ part,                      \
+                      u32* __restrict__ counters) {                                           \
+        u32 bx;                                                                               \
+        const Prod p = pick(ps, blockIdx.x, bx);                                              \
+        w8a8_mma_body<NT, true>(p.w, nullptr, p.row0, p.out, inp, x, nullptr, 0u, n, slice,   \
+                                chunk, p.y, zero_lo ? p.y + (u64)n * p.out : nullptr, part,   \
+                                counters, p.bias, p.res, bx, place_2d(), nullptr, 0u, true);  \
+    }
+BF16_MMA(1)
+BF16_MMA(2)
+BF16_MMA(3)
+BF16_MMA(4)
+BF16_MMA(5)
+BF16_MMA(6)
+BF16_MMA(7)
+BF16_MMA(8)
+
 W8A8_MMA(1)
 W8A8_MMA(2)
 W8A8_MMA(3)

@@ -471,8 +471,16 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         limits: None,
         device: true,
         graphs: args.graphs != Graphs::Off,
+        bf16_mma: true,
     };
-    let mut variants = vec![bf16];
+    // bf16 with every product on cuBLAS (the decoder's tensor-core kernel off): the comparison
+    let mut variants = vec![
+        bf16,
+        Variant {
+            bf16_mma: false,
+            ..bf16
+        },
+    ];
     if args.moe {
         variants.push(Variant {
             device: false,
@@ -536,6 +544,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             limits,
             device,
             graphs,
+            bf16_mma,
         } = *v;
         let backend =
             FsdpBackend::new(pool.clone(), config.rollout_layout(1)?).with_rollout_dtype(dtype);
@@ -580,7 +589,11 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                 }
                 (true, false, ..) => ", one GEMM per expert, routed on the host",
             };
+            if !bf16_mma {
+                dec.set_bf16_mma_tokens(0);
+            }
             let compute_how = match (dtype, compute) {
+                (RolloutDtype::Bf16, _) if !bf16_mma => " (every product on cuBLAS)".to_string(),
                 (RolloutDtype::Bf16, _) => String::new(),
                 (_, Fp8Compute::WeightOnly) => " weight-only".to_string(),
                 (_, Fp8Compute::W8A8) => {
@@ -736,6 +749,9 @@ struct Variant {
     device: bool,
     /// Decode steps replayed from CUDA graphs.
     graphs: bool,
+    /// bf16 products of a few tokens on the decoder's tensor-core kernel (the default;
+    /// else on cuBLAS).
+    bf16_mma: bool,
 }
 
 impl Variant {
@@ -743,6 +759,7 @@ impl Variant {
         match (self.dtype, self.compute, self.limits) {
             (RolloutDtype::Bf16, ..) if !self.grouped => "bf16 per expert".into(),
             (RolloutDtype::Bf16, ..) if !self.device => "bf16 routed on the host".into(),
+            (RolloutDtype::Bf16, ..) if !self.bf16_mma => "bf16 cuBLAS".into(),
             (RolloutDtype::Bf16, ..) => "bf16".into(),
             (_, Fp8Compute::WeightOnly, _) => "fp8 weight-only".into(),
             (_, Fp8Compute::W8A8, None) => "W8A8 default".into(),

@@ -13,7 +13,7 @@ use lifecycle_layout::{RolloutEntry, RolloutLayout};
 use crate::error::GpuDecodeError;
 use crate::fp8::GEMV_TOKENS;
 use crate::topology::decode_topology;
-use crate::w8a8::MMA_TOKENS;
+use crate::w8a8::{BF16_MMA_TOKENS, MMA_TOKENS};
 use crate::weights::GroupOffsets;
 
 mod core;
@@ -286,6 +286,28 @@ impl<'w> GpuDecoder<'w> {
         let tokens = tokens.min(MMA_TOKENS);
         for r in self.core.states_mut() {
             r.w8a8_limits.wgmma = tokens;
+        }
+        tokens
+    }
+
+    /// Tokens (0 to 32, default 8) up to which a bf16 product runs the decoder's own
+    /// `mma.sync` tensor-core kernel (each weight byte read once, the split activations' hi and
+    /// lo sums added in the kernel, the bias and residual written by it) instead of cuBLAS; 0
+    /// leaves every bf16 product to cuBLAS. Devices below compute capability 8.9 always use
+    /// cuBLAS. Returns the setting (clamped).
+    ///
+    /// ```no_run
+    /// use lifecycle_decoder_gpu::GpuDecoder;
+    ///
+    /// fn cublas_only(decoder: &mut GpuDecoder<'_>) {
+    ///     assert_eq!(decoder.set_bf16_mma_tokens(0), 0);
+    ///     assert_eq!(decoder.set_bf16_mma_tokens(1000), 32);
+    /// }
+    /// ```
+    pub fn set_bf16_mma_tokens(&mut self, tokens: usize) -> usize {
+        let tokens = tokens.min(BF16_MMA_TOKENS);
+        for r in self.core.states_mut() {
+            r.bf16_mma_tokens = tokens;
         }
         tokens
     }

@@ -5,9 +5,13 @@
 //! process per rank), or, at `T = 1` in one process, `W` data-parallel replicas that each decode
 //! a share of the batch ([`decode_topology`]).
 //!
-//! - Matrix products with cuBLAS (`GemmEx`, bf16 × bf16 → f32, f32 accumulation); activations
-//!   stay f32 and enter a product as two bf16 rows (`hi`, `lo = x − hi`), so the weights are read
-//!   once and the product sees ~16-bit activations.
+//! - Matrix products in f32 accumulation; activations stay f32 and enter a product as two bf16
+//!   rows (`hi`, `lo = x − hi`), so the weights are read once and the product sees ~16-bit
+//!   activations. Up to 8 tokens (`GpuDecoder::set_bf16_mma_tokens`) a bf16 product runs the
+//!   decoder's own `mma.sync` kernel (the W8A8 products' kernel, on bf16): each weight byte
+//!   streamed once into registers, the hi and lo sums joined and the bias and residual added in
+//!   the kernel, the sums split over the inputs in a fixed order; beyond, cuBLAS (`GemmEx`,
+//!   bf16 × bf16 → f32) over the split rows.
 //! - Small kernels compiled at run time with NVRTC: embedding gather, RMSNorm, RoPE, attention
 //!   over an f32, bf16 or fp8 KV cache (`KvDtype`: f32 for `GpuDecoder` by default, the exact
 //!   mode; bf16 for `GpuEngine`), SwiGLU, residual adds, argmax and the token pick

@@ -15,7 +15,7 @@ use crate::fp8::{Fp8Kernels, GEMV_TOKENS};
 use crate::kernels::{launch, ptr, Arg, DecoderKernels};
 use crate::prefill::PrefillRows;
 use crate::topology::{decode_topology, replica_rows, DecodeTopology};
-use crate::w8a8::{W8a8Gemm, W8a8Limits};
+use crate::w8a8::{MmaKernels, W8a8Gemm, W8a8Limits, BF16_MMA_DEFAULT_TOKENS};
 use crate::weights::GroupOffsets;
 
 use super::forward::{Pick, RowPick, Step, StepOut};
@@ -153,6 +153,8 @@ impl Core {
                 dequant: None,
                 x32: None,
                 x32_joined: Cell::new(false),
+                bf16_mma: None,
+                bf16_mma_tokens: BF16_MMA_DEFAULT_TOKENS,
                 grouped: true,
                 device_moe: None,
                 device_routing: true,
@@ -269,6 +271,16 @@ impl Core {
                 if st.fp8_compute == Fp8Compute::W8A8 && st.w8a8.is_none() {
                     st.w8a8 = Some(W8a8Gemm::new(ctx)?);
                 }
+            }
+            if st.bf16_mma.is_none() {
+                st.bf16_mma = MmaKernels::load(ctx).unwrap_or_else(|e| {
+                    tracing::warn!(
+                        rank = ctx.rank,
+                        "the bf16 tensor-core kernels did not load ({e}); cuBLAS takes every \
+                         bf16 product"
+                    );
+                    None
+                });
             }
             let base = ptr(buf, &ctx.compute);
             st.device_moe = DeviceExperts::bind(ctx, &w, base)?;

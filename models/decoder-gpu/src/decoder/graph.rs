@@ -28,7 +28,7 @@ use lifecycle_layout::fp8::Fp8Compute;
 use super::forward::{pick, run_stages, Capture, Scratch, Step, StepOut};
 use super::rank::{Dims, RankState};
 use crate::kernels::ptr;
-use crate::w8a8::W8a8Limits;
+use crate::w8a8::{MmaKernels, W8a8Limits};
 
 /// One rank's forward pass of `step`: the stages in order (replayed from a captured graph
 /// where `graphs` takes the step), then the pick.
@@ -88,6 +88,8 @@ struct Ident {
     ///
     /// [`W8a8Gemm::version`]: crate::w8a8::W8a8Gemm::version
     w8a8: Option<(u64, u64)>,
+    /// How often the bf16 tensor-core kernels' scratch grew, and up to which tokens they run.
+    bf16_mma: (u64, usize),
     fp8_compute: Fp8Compute,
     limits: W8a8Limits,
     grouped: bool,
@@ -105,6 +107,10 @@ impl Ident {
             dequant: st.dequant.as_ref().map(|b| ptr(b, s)),
             experts: st.device_moe.as_ref().map(|d| d.table_at(s)),
             w8a8: st.w8a8.as_ref().map(|g| g.version()),
+            bf16_mma: (
+                st.bf16_mma.as_ref().map_or(0, MmaKernels::grown),
+                st.bf16_mma_tokens,
+            ),
             fp8_compute: st.fp8_compute,
             limits: st.w8a8_limits,
             grouped: st.grouped,

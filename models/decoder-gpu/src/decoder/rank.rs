@@ -16,8 +16,8 @@ use crate::download::Downloads;
 use crate::fp8::{fp8_gemm, Fp8Kernels, Fp8Scratch, Fp8Weight, GEMV_TOKENS};
 use crate::kernels::{ptr, DecoderKernels};
 use crate::w8a8::{
-    fusable_layout, w8a8_gemm, w8a8_gemm_group, ActLayout, Finish, W8a8Gemm, W8a8Limits,
-    W8a8Scratch, W8a8Through,
+    bf16_mma_reads, fusable_layout, w8a8_gemm, w8a8_gemm_group, ActLayout, Finish, MmaKernels,
+    MmaProduct, W8a8Gemm, W8a8Limits, W8a8Scratch, W8a8Through, MAX_PRODUCTS,
 };
 use crate::weights::{MatAt, RankOffsets};
 use lifecycle_decoder::KvDtype;
@@ -75,6 +75,13 @@ pub(crate) struct RankState {
     /// dequantised quantised activations), then the tensor-core kernel, before the
     /// block-scaled GEMM.
     pub(crate) w8a8_limits: W8a8Limits,
+    /// The tensor-core kernels of the bf16 products of a few tokens ([`MmaKernels::bf16`]),
+    /// loaded at the first bind on devices of compute capability 8.9 and later (`None`
+    /// elsewhere, or where they did not load: cuBLAS takes those products).
+    pub(crate) bf16_mma: Option<MmaKernels>,
+    /// Tokens (0 to [`BF16_MMA_TOKENS`](crate::w8a8::BF16_MMA_TOKENS)) up to which a bf16
+    /// product runs [`RankState::bf16_mma`] rather than cuBLAS.
+    pub(crate) bf16_mma_tokens: usize,
     /// Whether the bf16 experts of a mixture-of-experts layer run in blocks, one batched GEMM
     /// per product ([`super::moe`]; the default), or one GEMM per expert.
     pub(crate) grouped: bool,
@@ -148,6 +155,21 @@ impl RankState {
         (act, same_input): (Option<&W8a8Scratch>, bool),
         rank: usize,
     ) -> Result<bool, CudaError> {
+        let bf16 = (prods.len() <= MAX_PRODUCTS)
+            .then(|| self.bf16_takes(base, prods.iter().map(|p| (p.0, p.1)), rows, inp))
+            .flatten();
+        if let Some(mma) = bf16 {
+            if !same_input {
+                self.x32_joined.set(false);
+            }
+            let list: Vec<MmaProduct> = prods
+                .iter()
+                .map(|&(w, out, fin)| fin.product(bf16_weight(base, w, inp), out))
+                .collect();
+            // SAFETY: forwarded to the caller (each matrix the bound entry's, checked at bind).
+            unsafe { mma.bf16(s, &list, x, split, (rows / 2, inp), rank)? };
+            return Ok(true);
+        }
         let (Some(act), Some(lt), Some(k)) = (act, self.w8a8.as_ref(), self.fp8.as_ref()) else {
             return Ok(false);
         };
@@ -238,6 +260,16 @@ impl RankState {
                 a.held.set(None);
             }
         }
+        if let Some(mma) = self.bf16_takes(base, [(w, out)].into_iter(), rows, inp) {
+            let weight = bf16_weight(base, w, inp);
+            let (p, zero_lo) = match fin {
+                Some(f) => (f.product(weight, out), false),
+                None => (Finish::split(y).product(weight, out), true),
+            };
+            // SAFETY: forwarded to the caller (y holds `rows` rows of `out`: the split output).
+            unsafe { mma.bf16(s, &[p], x, zero_lo, (rows / 2, inp), rank)? };
+            return Ok(fin.is_some());
+        }
         let Some(weight) = fp8_weight(base, w) else {
             // SAFETY: forwarded to the caller.
             return unsafe { gemm(&self.blas, base + 2 * w.off, x, y, out, rows, inp, rank) }
@@ -302,6 +334,41 @@ impl RankState {
             self.x32_joined.set(true);
         }
         Ok(false)
+    }
+}
+
+impl RankState {
+    /// The bf16 tensor-core kernels where they take the products of `prods` (each `(matrix,
+    /// rows)` of the bound buffer at `base`) over `rows` split rows of `inp`: every matrix bf16
+    /// and readable by them ([`bf16_mma_reads`]), the tokens (`rows / 2`) within
+    /// [`RankState::bf16_mma_tokens`].
+    pub(crate) fn bf16_takes(
+        &self,
+        base: u64,
+        mut prods: impl Iterator<Item = (MatAt, usize)>,
+        rows: usize,
+        inp: usize,
+    ) -> Option<&MmaKernels> {
+        let tokens = rows / 2;
+        let mma = self.bf16_mma.as_ref()?;
+        let ok = rows.is_multiple_of(2)
+            && tokens >= 1
+            && tokens <= self.bf16_mma_tokens
+            && prods.all(|(w, out)| {
+                out > 0 && w.fp8.is_none() && bf16_mma_reads(&bf16_weight(base, w, inp), inp)
+            });
+        ok.then_some(mma)
+    }
+}
+
+/// The bf16 matrix of entry `w` of the bound buffer at `base` (`inp` columns) as the tensor-core
+/// kernels take it: its first row's address, no scales.
+pub(crate) fn bf16_weight(base: u64, w: MatAt, inp: usize) -> Fp8Weight {
+    Fp8Weight {
+        data: base + 2 * w.off,
+        scales: 0,
+        row0: 0,
+        cols: inp as u64,
     }
 }
 

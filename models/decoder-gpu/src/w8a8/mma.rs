@@ -400,6 +400,37 @@ pub(crate) fn mma_reads(w: &Fp8Weight, inp: usize) -> bool {
         && w.scales.is_multiple_of(4)
 }
 
+/// The most tokens of a bf16 product on the tensor-core kernel ([`MmaKernels::bf16`]): its
+/// split rows (twice the tokens) fill the kernels' 8 tiles of 8 columns.
+pub(crate) const BF16_MMA_TOKENS: usize = MMA_TOKENS / 2;
+
+/// Tokens up to which a bf16 product runs the tensor-core kernel by default
+/// ([`GpuDecoder::set_bf16_mma_tokens`](crate::GpuDecoder::set_bf16_mma_tokens)).
+pub(crate) const BF16_MMA_DEFAULT_TOKENS: usize = 8;
+
+/// Whether the bf16 kernel can read `w` over `inp` inputs: rows of whole 128-byte groups (a
+/// multiple of 64 inputs), 16-byte aligned.
+pub(crate) fn bf16_mma_reads(w: &Fp8Weight, inp: usize) -> bool {
+    w.cols == inp as u64 && inp.is_multiple_of(64) && inp > 0 && w.data.is_multiple_of(16)
+}
+
+/// Refuses a launch of no products or of more than [`MAX_PRODUCTS`] (`kind`: the kernels').
+fn launch_count(prods: &[MmaProduct], kind: &str) -> Result<(), CudaError> {
+    if prods.is_empty() || prods.len() > MAX_PRODUCTS {
+        return Err(CudaError::Invalid(format!(
+            "a launch of the tensor-core {kind} kernels takes 1 to {MAX_PRODUCTS} products: \
+             given {}",
+            prods.len()
+        )));
+    }
+    Ok(())
+}
+
+/// `v` as a kernel's u32 argument, or an error naming it.
+fn u32a(v: u64, what: &str) -> Result<u32, CudaError> {
+    u32::try_from(v).map_err(|_| CudaError::Invalid(format!("mma product {what} {v} > u32")))
+}
+
 /// Products one launch of the tensor-core kernels takes at most ([`MmaKernels::gemm`]; the
 /// kernels' `MAX_PRODS`).
 pub(crate) const MAX_PRODUCTS: usize = 3;
@@ -459,6 +490,8 @@ struct Scratch {
 pub(crate) struct MmaKernels {
     /// `w8a8_mma_N` for N = 1 ..= 8 token tiles of 8.
     kernels: Vec<CudaFunction>,
+    /// `bf16_mma_N` for N = 1 ..= 8 tiles of 4 tokens (8 split rows).
+    bf16: Vec<CudaFunction>,
     /// `w8a8_reduce`: a split product's partial sums added.
     reduce: CudaFunction,
     /// `w8a8_mma_experts`: the experts of a layer routed on the device.
@@ -486,13 +519,17 @@ impl MmaKernels {
         if (major, minor) < (8, 9) {
             return Ok(None);
         }
-        let m = ctx.module(&W8A8_MMA_KERNELS)?;
+        // the architecture-specific module first: where it loads, every kernel comes from it
+        // and the generic one is never compiled (NVRTC takes seconds for each)
+        let mut specific = None;
         let wgmma = if arch_specific_target(major, minor).is_some() {
             let loaded = ctx.module(&W8A8_WGMMA_KERNELS).and_then(|w| {
-                WGMMA_TILES
+                let k = WGMMA_TILES
                     .iter()
                     .map(|nt| w.function(&format!("w8a8_wgmma_{nt}")))
-                    .collect::<Result<Vec<_>, _>>()
+                    .collect::<Result<Vec<_>, _>>()?;
+                specific = Some(w);
+                Ok(k)
             });
             match loaded {
                 Ok(k) => Some(k),
@@ -522,9 +559,9 @@ impl MmaKernels {
         };
         // with the sm_90a module loaded every kernel comes from it (the same source), so that
         // each executes griddepcontrol.wait, which the products' early launch needs
-        let m = match &wgmma {
-            Some(_) => ctx.module(&W8A8_WGMMA_KERNELS)?,
-            None => m,
+        let m = match (&wgmma, specific) {
+            (Some(_), Some(m)) => m,
+            _ => ctx.module(&W8A8_MMA_KERNELS)?,
         };
         let early = wgmma.is_some() && std::env::var_os("LIFECYCLE_W8A8_NO_EARLY").is_none();
         let room = match wgmma.as_ref().and_then(|k| k.last()) {
@@ -534,6 +571,9 @@ impl MmaKernels {
         Ok(Some(MmaKernels {
             kernels: (1..=MMA_TOKENS / 8)
                 .map(|nt| m.function(&format!("w8a8_mma_{nt}")))
+                .collect::<Result<_, _>>()?,
+            bf16: (1..=MMA_TOKENS / 8)
+                .map(|nt| m.function(&format!("bf16_mma_{nt}")))
                 .collect::<Result<_, _>>()?,
             reduce: m.function("w8a8_reduce")?,
             experts: m.function("w8a8_mma_experts")?,
@@ -574,13 +614,7 @@ impl MmaKernels {
         (tokens, inp): (usize, usize),
         rank: usize,
     ) -> Result<(), CudaError> {
-        if prods.is_empty() || prods.len() > MAX_PRODUCTS {
-            return Err(CudaError::Invalid(format!(
-                "a launch of the tensor-core W8A8 kernels takes 1 to {MAX_PRODUCTS} products: \
-                 given {}",
-                prods.len()
-            )));
-        }
+        launch_count(prods, "W8A8")?;
         if let Some(p) = prods
             .iter()
             .find(|p| tokens == 0 || tokens > MMA_TOKENS || !mma_reads(&p.w, inp) || p.out == 0)
@@ -612,12 +646,119 @@ impl MmaKernels {
             }
         };
         let xs_grp = layout.padded(tokens);
-        let u32a = |v: u64, what: &str| {
-            u32::try_from(v)
-                .map_err(|_| CudaError::Invalid(format!("W8A8 mma product {what} {v} > u32")))
-        };
         let outs: Vec<usize> = prods.iter().map(|p| p.out).collect();
         let shape = MmaShape::of_products(&outs, tokens, inp, self.sms, wg.is_some(), self.room);
+        let kernel = match wg {
+            Some(k) => WGMMA_TILES
+                .iter()
+                .position(|&t| t == shape.nt)
+                .and_then(|i| k.get(i)),
+            None => self.kernels.get(shape.nt - 1),
+        }
+        .ok_or_else(|| {
+            CudaError::Invalid(format!("no W8A8 mma kernel for {} token tiles", shape.nt))
+        })?;
+        let name = if wg.is_some() {
+            "w8a8_wgmma"
+        } else {
+            "w8a8_mma"
+        };
+        let lead = [
+            Arg::U32(u32a(inp as u64, "inputs")?),
+            Arg::U64(xq),
+            Arg::U64(xsc),
+            Arg::U32(u32a(xs_grp as u64, "scale stride")?),
+        ];
+        // SAFETY: per the caller; w8a8_mma_N and w8a8_wgmma_N take these leading arguments
+        // (8 N ≥ tokens), 8 tokens a tile.
+        unsafe {
+            self.run(
+                stream,
+                prods,
+                &shape,
+                (kernel, name),
+                &lead,
+                (zero_lo, tokens, 8 * shape.nt),
+                rank,
+            )
+        }
+    }
+
+    /// `y[tokens × out] = x · wᵀ` in f32 for bf16 weights (each product's `w.data` the
+    /// address of its first row, `w.cols` = `inp`; scales and `row0` unused) and split bf16
+    /// activations `x` (`tokens` hi rows, then as many lo rows, of `inp`: x = hi + lo), 1 to
+    /// [`BF16_MMA_TOKENS`] tokens, each output (Σ hi + Σ lo + `bias`) + `res`: the same launch,
+    /// split and order of sums as the W8A8 products of the same rows and bytes
+    /// ([`MmaShape::of_products`] of 2 `tokens` columns and `2 inp` bytes a row), on the bf16
+    /// `mma.sync` kernel. [`bf16_mma_reads`] must hold for every weight. With `zero_lo` the
+    /// `tokens` rows after each `y`'s are written 0 (the split layout the decoder's combine
+    /// reads).
+    ///
+    /// # Safety
+    /// The addresses must be device memory of this context: each weight `out · inp` bf16, `x`
+    /// `2 · tokens · inp` bf16, each `y` `tokens · out` f32 (twice that with `zero_lo`), `bias`
+    /// `out` bf16 and `res` `tokens · out` f32 where not 0, alive until the stream ran the
+    /// products.
+    pub(crate) unsafe fn bf16(
+        &self,
+        stream: &Arc<CudaStream>,
+        prods: &[MmaProduct],
+        x: u64,
+        zero_lo: bool,
+        (tokens, inp): (usize, usize),
+        rank: usize,
+    ) -> Result<(), CudaError> {
+        launch_count(prods, "bf16")?;
+        if let Some(p) = prods.iter().find(|p| {
+            tokens == 0 || tokens > BF16_MMA_TOKENS || !bf16_mma_reads(&p.w, inp) || p.out == 0
+        }) {
+            return Err(CudaError::Invalid(format!(
+                "the tensor-core bf16 kernel multiplies 1 to {BF16_MMA_TOKENS} tokens over rows \
+                 of a multiple of 64 inputs, 16-byte aligned: asked for {tokens} tokens × {inp} \
+                 inputs, {} rows (matrix of {} columns at {:#x})",
+                p.out, p.w.cols, p.w.data
+            )));
+        }
+        let outs: Vec<usize> = prods.iter().map(|p| p.out).collect();
+        let shape = MmaShape::of_products(&outs, 2 * tokens, 2 * inp, self.sms, false, self.room);
+        let kernel = self.bf16.get(shape.nt - 1).ok_or_else(|| {
+            CudaError::Invalid(format!("no bf16 mma kernel for {} token tiles", shape.nt))
+        })?;
+        let lead = [Arg::U32(u32a((2 * inp) as u64, "row bytes")?), Arg::U64(x)];
+        // SAFETY: per the caller; bf16_mma_N takes these leading arguments (4 N ≥ tokens), 4
+        // tokens a tile.
+        unsafe {
+            self.run(
+                stream,
+                prods,
+                &shape,
+                (kernel, "bf16_mma"),
+                &lead,
+                (zero_lo, tokens, 4 * shape.nt),
+                rank,
+            )
+        }
+    }
+
+    /// One launch of `kernel` over `prods` in `shape` (its arguments: the products' table,
+    /// `lead`, then the tokens, slice, chunk, `zero_lo`, the partials and the counters, and the
+    /// warpgroup kernel's three more), then the sums of its split products by `w8a8_reduce` where
+    /// the kernel does not add them itself (`tile_tokens` tokens a tile of its partials).
+    ///
+    /// # Safety
+    /// `kernel` must take these arguments and `shape`'s grid, its products' addresses as
+    /// [`MmaKernels::gemm`] or [`MmaKernels::bf16`] state them.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn run(
+        &self,
+        stream: &Arc<CudaStream>,
+        prods: &[MmaProduct],
+        shape: &MmaShape,
+        (kernel, name): (&CudaFunction, &str),
+        lead: &[Arg],
+        (zero_lo, tokens, tile_tokens): (bool, usize, usize),
+        rank: usize,
+    ) -> Result<(), CudaError> {
         let mut table = ProdsArg {
             count: prods.len() as u32,
             ..ProdsArg::default()
@@ -639,10 +780,10 @@ impl MmaKernels {
         let (part, counters) = if shape.cluster {
             (0, 0)
         } else {
-            self.split_scratch(stream, &shape, in_kernel, rank)?
+            self.split_scratch(stream, shape, in_kernel, rank)?
         };
         let cfg = LaunchConfig {
-            grid_dim: if wg.is_some() {
+            grid_dim: if shape.wgmma {
                 (u32a(shape.blocks() as u64, "blocks")?, 1, 1)
             } else {
                 (
@@ -654,38 +795,20 @@ impl MmaKernels {
             block_dim: ((shape.block_rows / 16 * 32) as u32, 1, 1),
             shared_mem_bytes: u32a(shape.shared_bytes() as u64, "shared memory")?,
         };
-        let mut args = vec![
-            Arg::U32(u32a(inp as u64, "inputs")?),
-            Arg::U64(xq),
-            Arg::U64(xsc),
-            Arg::U32(u32a(xs_grp as u64, "scale stride")?),
+        let mut args = lead.to_vec();
+        args.extend([
             Arg::U32(tokens as u32),
             Arg::U32(shape.slice as u32),
             Arg::U32(shape.chunk as u32),
             Arg::U32(u32::from(zero_lo)),
             Arg::U64(part),
             Arg::U64(counters),
-        ];
-        if wg.is_some() {
+        ]);
+        if shape.wgmma {
             args.push(Arg::U32(u32a(shape.whole as u64, "whole row blocks")?));
             args.push(Arg::U32(u32a(shape.splits as u64, "splits")?));
             args.push(Arg::U32(u32::from(shape.cluster)));
         }
-        let kernel = match wg {
-            Some(k) => WGMMA_TILES
-                .iter()
-                .position(|&t| t == shape.nt)
-                .and_then(|i| k.get(i)),
-            None => self.kernels.get(shape.nt - 1),
-        }
-        .ok_or_else(|| {
-            CudaError::Invalid(format!("no W8A8 mma kernel for {} token tiles", shape.nt))
-        })?;
-        let name = if wg.is_some() {
-            "w8a8_wgmma"
-        } else {
-            "w8a8_mma"
-        };
         // clusters of a row block's slices (the grid's blocks `splits` a row block, none whole)
         let how = LaunchHow {
             early: self.early,
@@ -716,7 +839,7 @@ impl MmaKernels {
             Arg::U64(part),
             Arg::U32(u32a(shape.splits as u64, "splits")?),
             Arg::U32(shape.block_rows as u32),
-            Arg::U32((8 * shape.nt) as u32),
+            Arg::U32(tile_tokens as u32),
             Arg::U32(tokens as u32),
             Arg::U32(u32::from(zero_lo)),
             Arg::U32(u32a(shape.whole as u64, "whole row blocks")?),

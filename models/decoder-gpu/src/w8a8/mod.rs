@@ -24,6 +24,8 @@
 //! [`Fp8Compute::W8A8`]: lifecycle_layout::fp8::Fp8Compute::W8A8
 //! [`quantize_activation_groups`]: lifecycle_layout::fp8::quantize_activation_groups
 
+#[cfg(test)]
+mod bf16_tests;
 mod lt;
 mod mma;
 mod quant;
@@ -38,7 +40,10 @@ use lifecycle_cuda::CudaError;
 
 use crate::fp8::{fp8_gemv, Fp8Kernels, Fp8Weight, GEMV_TOKENS};
 pub(crate) use lt::{lt_reads, W8a8Gemm};
-pub(crate) use mma::{mma_reads, MmaKernels, MmaProduct, MAX_PRODUCTS};
+pub(crate) use mma::{
+    bf16_mma_reads, mma_reads, MmaKernels, MmaProduct, BF16_MMA_DEFAULT_TOKENS, BF16_MMA_TOKENS,
+    MAX_PRODUCTS,
+};
 pub(crate) use quant::{quantize, ActLayout, ActSrc, QuantInto, QuantOut, W8a8Scratch, MMA_TOKENS};
 
 /// Tokens up to which a W8A8 product takes the weight-streaming kernel by default: none (on an
@@ -206,8 +211,17 @@ pub(crate) fn fusable_layout(
 }
 
 impl Finish {
+    /// The plain product into `out`: no bias, no residual.
+    pub(crate) fn split(out: u64) -> Self {
+        Finish {
+            out,
+            bias: None,
+            res: None,
+        }
+    }
+
     /// The tensor-core kernels' product of `out` rows of `w` written so.
-    fn product(&self, w: Fp8Weight, out: usize) -> MmaProduct {
+    pub(crate) fn product(&self, w: Fp8Weight, out: usize) -> MmaProduct {
         MmaProduct {
             w,
             out,

@@ -9,8 +9,10 @@ use lifecycle_decoder::Picked;
 
 use super::{block_rows, u32a, Pass, Pick, RowPick, StepOut};
 use crate::blas::gemm;
-use crate::decoder::rank::{order, Dims, RankState};
+use crate::decoder::rank::{bf16_weight, order, Dims, RankState};
 use crate::kernels::{launch, ptr, Arg};
+use crate::w8a8::Finish;
+use crate::weights::MatAt;
 
 /// Threads per row of `pick_rows` (its `PICK_THREADS`).
 const PICK_THREADS: u32 = 512;
@@ -147,25 +149,34 @@ impl<'a> Pass<'a> {
                 Arg::F32(z.eps),
             ];
             self.kernel(&k.rms_norm_split, block_rows(m), &args, "rms_norm_split")?;
-            gemm(
-                &st.blas,
-                self.wp(self.bind.w.head),
-                xh,
-                yh,
-                part,
-                2 * m,
-                h,
-                rank,
-            )?;
-            let args = [
-                Arg::U64(yh),
-                Arg::U64(0),
-                Arg::U64(0),
-                Arg::U64(logits),
-                u32a(m),
-                u32a(part),
-            ];
-            self.kernel(&k.combine, self.elementwise(m * part), &args, "combine")?;
+            // the logits straight from the tensor-core kernel where it takes the product, else
+            // cuBLAS's split product joined
+            let head_w = MatAt::bf16(self.bind.w.head);
+            let base = self.bind.base;
+            if let Some(mma) = st.bf16_takes(base, [(head_w, part)].into_iter(), 2 * m, h) {
+                let p = Finish::split(logits).product(bf16_weight(base, head_w, h), part);
+                mma.bf16(s, &[p], xh, false, (m, h), rank)?;
+            } else {
+                gemm(
+                    &st.blas,
+                    self.wp(self.bind.w.head),
+                    xh,
+                    yh,
+                    part,
+                    2 * m,
+                    h,
+                    rank,
+                )?;
+                let args = [
+                    Arg::U64(yh),
+                    Arg::U64(0),
+                    Arg::U64(0),
+                    Arg::U64(logits),
+                    u32a(m),
+                    u32a(part),
+                ];
+                self.kernel(&k.combine, self.elementwise(m * part), &args, "combine")?;
+            }
             // [T][m][part] on every rank when the vocabulary is split
             let gathered = if z.vocab_parallel {
                 let hd = self.sc.head.as_mut().ok_or_else(missing)?;
