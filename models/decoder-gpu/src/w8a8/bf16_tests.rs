@@ -251,3 +251,86 @@ fn bf16_mma_matches_the_host_sums_and_cublas() -> Result<(), Box<dyn std::error:
     }
     Ok(())
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_rows_bf16_sums_do_not_depend_on_the_other_rows() -> Result<(), Box<dyn std::error::Error>> {
+    require_gpus(1)?;
+    let pool = ThreadRankPool::new(1)?;
+    // (rows, inputs): split over the inputs (sums added by the last block to 8 tokens, by
+    // w8a8_reduce beyond) and unsplit; the first token's row the same in every launch
+    let shapes = [(3584usize, 18944usize), (37888, 3584)];
+    let report = pool.run(&|ctx| {
+        let s = &ctx.compute;
+        let Some(m) = MmaKernels::load(ctx)? else {
+            return Ok(vec![
+                "the tensor-core kernels need compute capability 8.9".into()
+            ]);
+        };
+        let up = |what: &str| ctx.drv(what, 0);
+        let mut lines = Vec::new();
+        for (i, &(out, inp)) in shapes.iter().enumerate() {
+            let w: Vec<u16> = values(out * inp, 300 + i as u64, 0.05)
+                .iter()
+                .map(|&v| bf16::from_f32(v).to_bits())
+                .collect();
+            let wd = s.clone_htod(&w).map_err(up("w"))?;
+            let mut first: Option<Vec<u32>> = None;
+            for tokens in [1usize, 2, 5, 8, 13, 32] {
+                // token 0 the same row every time, the others new
+                let mut x = values(inp, 400 + i as u64, 3.0);
+                x.extend(values((tokens - 1) * inp, 500 + tokens as u64, 3.0));
+                let hi: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+                let lo: Vec<bf16> = x
+                    .iter()
+                    .zip(&hi)
+                    .map(|(&v, h)| bf16::from_f32(v - h.to_f32()))
+                    .collect();
+                let bits: Vec<u16> = hi.iter().chain(&lo).map(|v| v.to_bits()).collect();
+                let xd = s.clone_htod(&bits).map_err(up("x"))?;
+                // SAFETY: written by the product before it is read back.
+                let yd = unsafe { alloc_device::<f32>(s, tokens * out, 0, "y")? };
+                let p = MmaProduct {
+                    w: Fp8Weight {
+                        data: ptr(&wd, s),
+                        scales: 0,
+                        row0: 0,
+                        cols: inp as u64,
+                    },
+                    out,
+                    y: ptr(&yd, s),
+                    bias: 0,
+                    res: 0,
+                };
+                // SAFETY: the buffers hold the sizes the product reads and writes.
+                unsafe { m.bf16(s, &[p], ptr(&xd, s), false, (tokens, inp), 0)? };
+                let y = s.clone_dtoh(&yd).map_err(up("y back"))?;
+                let row: Vec<u32> = y[..out].iter().map(|v| v.to_bits()).collect();
+                match &first {
+                    None => first = Some(row),
+                    Some(f) => {
+                        if let Some(o) = (0..out).find(|&o| f[o] != row[o]) {
+                            return Err(CudaError::Invalid(format!(
+                                "{out} x {inp}: token 0's output {o} is {} among {tokens} \
+                                 tokens, {} alone",
+                                f32::from_bits(row[o]),
+                                f32::from_bits(f[o])
+                            )));
+                        }
+                    }
+                }
+            }
+            let line = format!(
+                "bf16 mma {out} x {inp}: token 0's outputs the same bits among 1, 2, 5, 8, 13 \
+                 and 32 tokens"
+            );
+            eprintln!("{line}");
+            lines.push(line);
+        }
+        Ok(lines)
+    })?;
+    for l in report.iter().flatten() {
+        println!("{l}");
+    }
+    Ok(())
+}
