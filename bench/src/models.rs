@@ -1,6 +1,6 @@
 //! The model shapes the benchmarks run, built from their `config.json` text.
 
-use lifecycle_decoder::{CheckpointError, ModelConfig};
+use lifecycle_layout::{ConfigError, ModelConfig};
 
 /// The Qwen2.5-7B shape (hidden 3584, 28 heads / 4 kv, ffn 18944, vocabulary 152064, untied
 /// embeddings) at `layers` decoder layers.
@@ -8,9 +8,9 @@ use lifecycle_decoder::{CheckpointError, ModelConfig};
 /// ```
 /// let c = lifecycle_bench::models::qwen25_7b(4)?;
 /// assert_eq!((c.model.layers, c.model.hidden), (4, 3584));
-/// # Ok::<(), lifecycle_decoder::CheckpointError>(())
+/// # Ok::<(), lifecycle_layout::ConfigError>(())
 /// ```
-pub fn qwen25_7b(layers: usize) -> Result<ModelConfig, CheckpointError> {
+pub fn qwen25_7b(layers: usize) -> Result<ModelConfig, ConfigError> {
     ModelConfig::from_json_str(&format!(
         r#"{{"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584,
             "intermediate_size": 18944, "num_hidden_layers": {layers},

@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use lifecycle_decoder::ModelConfig;
+use lifecycle_layout::ModelConfig;
 use lifecycle_layout::{ExpertPlacement, FsdpLayout, RolloutLayout};
 
 use crate::error::BridgeError;

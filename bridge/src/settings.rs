@@ -8,10 +8,10 @@ use std::time::Duration;
 use lifecycle_core::{MemoryPolicy, Switching};
 use lifecycle_cuda::driver::BufferClass;
 use lifecycle_cuda::ThreadRankPool;
-use lifecycle_decoder::KvDtype;
 use lifecycle_decoder_gpu::EngineSettings;
 use lifecycle_layout::fp8::{Fp8Compute, Fp8Keep, RolloutDtype};
 use lifecycle_layout::ExpertPlacement;
+use lifecycle_layout::KvDtype;
 
 use crate::error::BridgeError;
 use crate::host::SwitchSettings;

@@ -80,7 +80,7 @@ impl std::fmt::Debug for GpuModel {
 
 impl GpuModel {
     fn backend(config: &ModelConfig, tp: usize) -> Result<FsdpBackend, GpuModelError> {
-        let layout = config.rollout_layout(tp)?;
+        let layout = config.rollout_layout(tp).map_err(DecodeError::from)?;
         let pool = Arc::new(ThreadRankPool::new(tp)?);
         Ok(FsdpBackend::new(pool, layout))
     }
@@ -112,7 +112,7 @@ impl GpuModel {
         tp: usize,
     ) -> Result<Self, GpuModelError> {
         lifecycle_decoder_gpu::decode_topology(world, tp, world)?;
-        let layout = config.rollout_layout(tp)?;
+        let layout = config.rollout_layout(tp).map_err(DecodeError::from)?;
         let pool = Arc::new(ThreadRankPool::new(world)?);
         let backend = FsdpBackend::new(pool, layout);
         let state = backend.state_from_tensors(tensors)?;

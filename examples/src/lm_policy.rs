@@ -265,7 +265,9 @@ pub fn run_checkpoint(
 ) -> Result<RunReport, DapoError> {
     validate(config)?;
     let model = checkpoint.config.clone();
-    let layout = model.rollout_layout_with(config.tp, config.experts)?;
+    let layout = model
+        .rollout_layout_with(config.tp, config.experts)
+        .map_err(DecodeError::from)?;
     let state = HostTrainState::from_tensors(config.world, checkpoint.tensors.clone())?;
     let engine = CpuDecoderEngine::new(model.clone(), DecoderLayout::Unfused(layout.clone()))
         .with_fp8_compute(config.fp8_compute);

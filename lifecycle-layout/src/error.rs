@@ -1,3 +1,35 @@
+use std::path::PathBuf;
+
+/// Why a Hugging Face `config.json` could not be read as a [`ModelConfig`](crate::ModelConfig).
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Not valid JSON, or its top level is not an object.
+    #[error("{path}: not a valid model config: {message}")]
+    Json {
+        /// The file (`config.json` for text given directly).
+        path: PathBuf,
+        /// The parser's message.
+        message: String,
+    },
+    /// A field is missing or has an unusable value.
+    #[error("config field `{field}`: {problem}")]
+    Field {
+        /// The field.
+        field: &'static str,
+        /// What is wrong and how to fix it.
+        problem: String,
+    },
+}
+
 /// A layout inconsistency, found before any data moves.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LayoutError {
@@ -6,6 +38,14 @@ pub enum LayoutError {
     ZeroDegree {
         /// Which degree (`world size W`, `rollout tensor-parallel degree T`).
         what: &'static str,
+    },
+    /// A model dimension that the tensor-parallel degree does not split.
+    #[error("cannot split the model at T = {tp}: {reason}")]
+    Split {
+        /// The degree.
+        tp: usize,
+        /// Which dimension does not divide, and the fix.
+        reason: String,
     },
     /// The rollout TP degree does not divide the world size.
     #[error(

@@ -15,7 +15,7 @@
 //!
 //! ```
 //! use lifecycle_plan::{plan_fsdp, LinkRates, Offload};
-//! use lifecycle_decoder::ModelConfig;
+//! use lifecycle_layout::ModelConfig;
 //! let config = ModelConfig::from_json_str(include_str!("../configs/qwen2.5-7b.json"))?;
 //! let ranks = plan_fsdp(&config, 2, 2, 256 << 20, 2, Offload::ALL)?;
 //! // W = T = 2: a rank receives only the peer's quarter of each row-parallel tensor
@@ -30,12 +30,12 @@
 mod rates;
 mod train_arg;
 
-use lifecycle_decoder::ModelConfig;
 use lifecycle_layout::fsdp::{build_plan, ShardLayout};
 use lifecycle_layout::fsdp::{BucketConfig as FsdpBuckets, GatherMode};
 use lifecycle_layout::megatron::{
     plan_megatron_to_tp, BucketConfig as MegatronBuckets, MegatronLayout,
 };
+use lifecycle_layout::ModelConfig;
 use lifecycle_layout::{plan_fsdp_to_tp, FsdpLayout};
 use lifecycle_layout::{ExpertPlacement, RolloutLayout, RolloutVocab};
 
@@ -45,10 +45,8 @@ pub use train_arg::TrainLayout;
 /// Why a plan could not be made; each names what to fix.
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
-    /// The model config or the rollout degree does not fit (from the decoder's layout rules).
-    #[error(transparent)]
-    Model(#[from] lifecycle_decoder::DecodeError),
-    /// The FSDP layouts are inconsistent.
+    /// The model config or the rollout degree does not fit, or the FSDP layouts are
+    /// inconsistent.
     #[error(transparent)]
     Layout(#[from] lifecycle_layout::LayoutError),
     /// The Megatron layouts are inconsistent.
@@ -123,7 +121,7 @@ pub struct RolloutMemory {
 }
 
 /// The element type of the rollout engine's KV cache, for the memory accounting.
-pub use lifecycle_decoder::KvDtype;
+pub use lifecycle_layout::KvDtype;
 
 impl RolloutMemory {
     /// Bytes left for the KV cache (0 when the rest does not fit).
@@ -143,7 +141,7 @@ impl RolloutMemory {
 /// cache of `kv`.
 ///
 /// ```
-/// use lifecycle_decoder::ModelConfig;
+/// use lifecycle_layout::ModelConfig;
 /// use lifecycle_plan::{plan_fsdp, rollout_memory, KvDtype, Offload};
 /// let config = ModelConfig::from_file("configs/qwen2.5-7b.json".as_ref())?;
 /// let ranks = plan_fsdp(&config, 2, 2, 256 << 20, 2, Offload::ALL)?;
@@ -262,7 +260,7 @@ pub fn plan_fsdp(
 /// each rollout rank receives only its own experts' bytes.
 ///
 /// ```
-/// use lifecycle_decoder::ModelConfig;
+/// use lifecycle_layout::ModelConfig;
 /// use lifecycle_layout::ExpertPlacement;
 /// use lifecycle_plan::{full_gather_bytes, plan_fsdp_experts, Offload};
 /// let config = ModelConfig::from_json_str(include_str!("../configs/qwen3-30b-a3b.json"))?;
@@ -323,7 +321,7 @@ pub fn plan_fsdp_experts(
 /// Blocks that cut a TP slice are an error naming the tensor.
 ///
 /// ```
-/// use lifecycle_decoder::ModelConfig;
+/// use lifecycle_layout::ModelConfig;
 /// use lifecycle_layout::ExpertPlacement;
 /// use lifecycle_plan::plan_fsdp_fp8;
 /// let config = ModelConfig::from_json_str(include_str!("../configs/qwen2.5-7b.json"))?;
@@ -390,7 +388,7 @@ pub fn plan_megatron(
 /// ([`check_fused_fp8`](lifecycle_layout::megatron::check_fused_fp8)).
 ///
 /// ```
-/// use lifecycle_decoder::ModelConfig;
+/// use lifecycle_layout::ModelConfig;
 /// use lifecycle_layout::ExpertPlacement;
 /// use lifecycle_plan::megatron_fp8_bytes;
 /// let config = ModelConfig::from_file("configs/qwen2.5-7b.json".as_ref())?;
@@ -477,7 +475,7 @@ pub enum MegatronFp8Switch {
 /// backends refuse the layout.
 ///
 /// ```
-/// use lifecycle_decoder::ModelConfig;
+/// use lifecycle_layout::ModelConfig;
 /// use lifecycle_layout::ExpertPlacement;
 /// use lifecycle_plan::{megatron_fp8_switch, MegatronFp8Switch};
 /// let config = ModelConfig::from_file("configs/qwen2.5-7b.json".as_ref())?;
@@ -525,7 +523,7 @@ pub fn megatron_fp8_switch(
 /// rollout slice that it does not train itself.
 ///
 /// ```
-/// use lifecycle_decoder::ModelConfig;
+/// use lifecycle_layout::ModelConfig;
 /// use lifecycle_layout::ExpertPlacement;
 /// use lifecycle_plan::{plan_megatron_moe, Offload};
 /// let config = ModelConfig::from_file("configs/qwen3-30b-a3b.json".as_ref())?;

@@ -12,8 +12,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use lifecycle_core::{HumanBytes, MemoryPolicy, RoomRequest};
-use lifecycle_decoder::ModelConfig;
 use lifecycle_layout::ExpertPlacement;
+use lifecycle_layout::ModelConfig;
 use lifecycle_plan::{
     full_gather_bytes, job_prediction, megatron_fp8_bytes, megatron_fp8_switch, plan_fsdp_experts,
     plan_fsdp_fp8, plan_megatron_moe, rollout_memory, KvDtype, LinkRates, MegatronFp8Switch,

@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-use lifecycle_decoder::ModelConfig;
+use lifecycle_layout::ModelConfig;
 use lifecycle_plan::{job_prediction, plan_fsdp, plan_megatron, LinkRates, Offload, TrainLayout};
 
 fn qwen7b() -> ModelConfig {

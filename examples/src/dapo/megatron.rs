@@ -11,7 +11,10 @@
 use std::path::Path;
 
 use lifecycle_core::{RolloutSession, Switching, TrainSession};
-use lifecycle_decoder::{random_tensors, Checkpoint, GroupStream, MegatronParallel, ModelConfig};
+use lifecycle_decoder::{
+    random_tensors, Checkpoint, CheckpointError, DecodeError, GroupStream, MegatronConfig,
+    MegatronParallel, ModelConfig,
+};
 use lifecycle_host::megatron::{MegatronHostBackend, MegatronTrainState};
 use lifecycle_layout::{AdamParams, HostTensor};
 use lifecycle_layout::{ExpertPlacement, RolloutLayout as FusedLayout, RolloutVocab};
@@ -63,7 +66,8 @@ pub fn model_and_tensors(
     Ok(match checkpoint {
         Some(c) => (c.config.clone(), c.tensors.clone()),
         None => {
-            let model = ModelConfig::from_json_str(SMALL_MEGATRON_CONFIG)?;
+            let model =
+                ModelConfig::from_json_str(SMALL_MEGATRON_CONFIG).map_err(CheckpointError::from)?;
             let tensors = random_tensors(&model, config.seed);
             (model, tensors)
         }
@@ -99,7 +103,8 @@ impl MegatronDriver {
         let (model, what) = match checkpoint {
             Some((c, path)) => (c.config.clone(), checkpoint_line(&c.config, path)),
             None => {
-                let m = ModelConfig::from_json_str(SMALL_MEGATRON_CONFIG)?;
+                let m = ModelConfig::from_json_str(SMALL_MEGATRON_CONFIG)
+                    .map_err(CheckpointError::from)?;
                 let what = format!(
                     "small random Qwen2 model ({} params, {} layers, hidden {}, heads {}/{} kv, \
                      vocab {})",
@@ -238,7 +243,9 @@ pub fn run_megatron(
     let layout = fused_layout(&model, config.tp, config.experts);
     // the decoder's own checks of the degree (heads, ffn, experts, vocabulary) before anything
     // moves
-    model.rollout_layout_with(config.tp, config.experts)?;
+    model
+        .rollout_layout_with(config.tp, config.experts)
+        .map_err(DecodeError::from)?;
     let engine = CpuDecoderEngine::new(model.clone(), DecoderLayout::Fused(layout.clone()))
         .with_fp8_compute(config.fp8_compute);
     let mut driver = MegatronDriver::new(*config, model, String::new());

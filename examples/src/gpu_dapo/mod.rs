@@ -101,7 +101,7 @@ pub(crate) use source::QWEN2_5_7B_CONFIG;
 
 use crate::dapo::megatron::fused_layout;
 use crate::prediction::qwen7b_switch;
-use lifecycle_decoder::MegatronParallel;
+use lifecycle_decoder::{DecodeError, MegatronConfig, MegatronParallel};
 use lifecycle_megatron::MegatronGpuBackend;
 use lifecycle_plan::TrainLayout;
 use policy::{
@@ -333,7 +333,9 @@ fn run_in(a: &Options, env: Option<RankEnv>) -> Result<(), DapoGpuError> {
     };
     let reports = match a.layout {
         GpuLayout::Fsdp => {
-            let layout = config.rollout_layout_with(r.tp, r.experts)?;
+            let layout = config
+                .rollout_layout_with(r.tp, r.experts)
+                .map_err(DecodeError::from)?;
             let backend = FsdpBackend::new(Arc::clone(&pool), layout.clone())
                 .with_rollout_dtype(r.rollout_dtype)
                 .with_fp8_keep(r.fp8_keep)

@@ -1,7 +1,7 @@
 //! The model of a run and where its initial weights come from: a checkpoint, or random weights
 //! made on the GPUs (Qwen2.5-7B shapes or a small config).
 
-use lifecycle_decoder::{load_checkpoint, ModelConfig};
+use lifecycle_decoder::{load_checkpoint, CheckpointError, ModelConfig};
 use lifecycle_fsdp::{FsdpBackend, FsdpTrainState};
 use lifecycle_layout::HostTensor;
 
@@ -73,7 +73,8 @@ impl Model {
                 })
             }
             (None, Some(SyntheticModel::Qwen7b)) => {
-                let config = ModelConfig::from_json_str(QWEN2_5_7B_CONFIG)?;
+                let config =
+                    ModelConfig::from_json_str(QWEN2_5_7B_CONFIG).map_err(CheckpointError::from)?;
                 let shapes = config.tensor_shapes();
                 Ok(Model {
                     config,
@@ -86,7 +87,8 @@ impl Model {
                 })
             }
             (None, Some(SyntheticModel::Small) | None) => {
-                let config = ModelConfig::from_json_str(SMALL_CONFIG)?;
+                let config =
+                    ModelConfig::from_json_str(SMALL_CONFIG).map_err(CheckpointError::from)?;
                 Ok(Model {
                     source: Source::Synthetic {
                         shapes: config.tensor_shapes(),

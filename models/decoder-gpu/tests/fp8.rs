@@ -20,7 +20,7 @@ use lifecycle_core::Lifecycle;
 use lifecycle_cuda::testing::require_gpus;
 use lifecycle_cuda::ThreadRankPool;
 use lifecycle_decoder::{
-    random_tensors, CpuDecoder, Decoder, ModelConfig, PrefillLogits, Sampling,
+    random_tensors, CpuDecoder, Decoder, MegatronConfig, ModelConfig, PrefillLogits, Sampling,
 };
 use lifecycle_decoder_gpu::GpuDecoder;
 use lifecycle_fsdp::FsdpBackend;

@@ -33,8 +33,8 @@ use lifecycle_core::{Lifecycle, RolloutEngine};
 use lifecycle_cuda::testing::{require_gpus, spread};
 use lifecycle_cuda::{RankExecutor, ThreadRankPool};
 use lifecycle_decoder::{
-    load_checkpoint, random_tensors, CpuDecoder, Decoder, KvDtype, MegatronParallel, ModelConfig,
-    PrefillLogits, Sampling,
+    load_checkpoint, random_tensors, CpuDecoder, Decoder, KvDtype, MegatronConfig,
+    MegatronParallel, ModelConfig, PrefillLogits, Sampling,
 };
 use lifecycle_decoder_gpu::{EngineSettings, GpuDecoder, GpuEngine, MOE_DEVICE_ROWS};
 use lifecycle_fsdp::FsdpBackend;

@@ -8,9 +8,9 @@ use lifecycle_layout::RolloutLayout;
 use crate::config::ModelConfig;
 use crate::decoder::{Decoder, PrefillLogits};
 use crate::error::DecodeError;
-use crate::kv::KvDtype;
 use crate::math::{linear, rms_norm, route_top_k, softmax, swiglu, Rope};
 use crate::weights::{GroupWeights, Mlp, MlpPart, Routing, SharedExpert, VocabWeight};
+use crate::KvDtype;
 use half::bf16;
 
 /// Keys and values of one rank's kv heads for one layer, `[position][kv_heads · head_dim]`.
@@ -95,7 +95,10 @@ impl<'w> CpuDecoder<'w> {
     ///
     /// ```
     /// use lifecycle_core::Lifecycle;
-    /// use lifecycle_decoder::{random_tensors, CpuDecoder, Decoder, MegatronParallel, ModelConfig, Sampling};
+    /// use lifecycle_decoder::{
+    ///     random_tensors, CpuDecoder, Decoder, MegatronConfig, MegatronParallel, ModelConfig,
+    ///     Sampling,
+    /// };
     /// use lifecycle_layout::{RolloutLayout, RolloutVocab};
     /// use lifecycle_host::megatron::MegatronHostBackend;
     ///
@@ -481,7 +484,7 @@ impl Decoder for CpuDecoder<'_> {
                 )));
             }
             for (pos, &t) in p.iter().enumerate() {
-                self.config.check_token(s, t)?;
+                crate::check_token(&self.config, s, t)?;
                 rows.push((s, pos));
                 tokens.push(t);
             }
@@ -520,7 +523,7 @@ impl Decoder for CpuDecoder<'_> {
             )));
         }
         for (s, &t) in tokens.iter().enumerate() {
-            self.config.check_token(s, t)?;
+            crate::check_token(&self.config, s, t)?;
         }
         let rows: Vec<(usize, usize)> = self
             .seqs

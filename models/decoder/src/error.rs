@@ -93,6 +93,25 @@ pub enum CheckpointError {
     },
 }
 
+impl From<lifecycle_layout::ConfigError> for CheckpointError {
+    fn from(e: lifecycle_layout::ConfigError) -> Self {
+        use lifecycle_layout::ConfigError;
+        match e {
+            ConfigError::Io { path, source } => CheckpointError::Io { path, source },
+            ConfigError::Json { path, message } => CheckpointError::ConfigJson { path, message },
+            ConfigError::Field { field, problem } => {
+                CheckpointError::ConfigField { field, problem }
+            }
+        }
+    }
+}
+
+impl From<lifecycle_layout::ConfigError> for MegatronCheckpointError {
+    fn from(e: lifecycle_layout::ConfigError) -> Self {
+        MegatronCheckpointError::Checkpoint(e.into())
+    }
+}
+
 /// Why a decoder could not be built or run.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum DecodeError {

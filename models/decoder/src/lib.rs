@@ -10,7 +10,7 @@
 //!   [`CpuDecoder`] is the CPU reference (bf16 weights, f32 accumulation). A GPU implementation is
 //!   meant to sit behind the same trait.
 //!
-//! - Megatron: [`ModelConfig::model_spec`] / [`ModelConfig::megatron_layout`] map a config to
+//! - Megatron: [`ModelConfig::model_spec`] / [`MegatronConfig::megatron_layout`] map a config to
 //!   `lifecycle_megatron`'s model description and training layout (errors name the `config.json`
 //!   field Megatron cannot split), [`Checkpoint::megatron_state`] and [`load_megatron_checkpoint`]
 //!   build a [`lifecycle_state::megatron::MegatronTrainState`] from a checkpoint at any TP × PP × DP, and
@@ -31,7 +31,6 @@ mod decoder;
 mod error;
 mod fused_weights;
 mod heads;
-mod kv;
 mod math;
 mod megatron_checkpoint;
 pub mod rollout;
@@ -40,15 +39,16 @@ mod spec_check;
 mod weights;
 
 pub use checkpoint::{load_checkpoint, random_tensors, read_tensors, save_checkpoint, Checkpoint};
-pub use config::{Architecture, ConfigStyle, ModelConfig};
+pub use config::{check_token, Architecture, ConfigStyle, ModelConfig};
 pub use cpu::{CpuDecoder, DEFAULT_SLOTS};
 pub use decoder::{Decoder, PrefillLogits};
 pub use error::{CheckpointError, DecodeError, MegatronCheckpointError};
 pub use heads::{head_shares, layout_heads, HeadShare};
-pub use kv::KvDtype;
+pub use lifecycle_layout::KvDtype;
 pub use math::{dot, route_top_k};
 pub use megatron_checkpoint::{
-    load_megatron_checkpoint, MegatronCheckpoint, MegatronParallel, MEGATRON_VOCAB_MULTIPLE,
+    load_megatron_checkpoint, MegatronCheckpoint, MegatronConfig, MegatronParallel,
+    MEGATRON_VOCAB_MULTIPLE,
 };
 pub use rollout::groups::{Filled, GroupStream, Leftovers};
 pub use rollout::pick::{kept, pick, Picked};

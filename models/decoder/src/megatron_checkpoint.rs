@@ -102,14 +102,16 @@ fn config_field(e: &MegatronLayoutError) -> Option<&'static str> {
     }
 }
 
-impl ModelConfig {
+/// What a [`ModelConfig`] becomes under Megatron-Core: its training layout and training state
+/// (the config itself lives in the planning crate; bring this trait into scope for the methods).
+pub trait MegatronConfig {
     /// The Megatron-Core training layout of this model at `parallel`, checked by the planner;
     /// an error names the `config.json` field that does not split (e.g. `num_attention_heads`
     /// not divisible by TP, `num_key_value_heads` and TP not dividing one another,
     /// `num_hidden_layers` < PP).
     ///
     /// ```
-    /// use lifecycle_decoder::{MegatronParallel, ModelConfig};
+    /// use lifecycle_decoder::{MegatronConfig, MegatronParallel, ModelConfig};
     /// let config = ModelConfig::from_json_str(r#"{"model_type": "llama", "vocab_size": 61,
     ///   "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
     ///   "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0}"#)?;
@@ -119,7 +121,23 @@ impl ModelConfig {
     /// assert!(err.to_string().starts_with("config field `num_hidden_layers`"), "{err}");
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn megatron_layout(
+    fn megatron_layout(
+        &self,
+        parallel: MegatronParallel,
+    ) -> Result<MegatronLayout, MegatronCheckpointError>;
+
+    /// Shards full Hugging Face `tensors` of this model into a Megatron training state at
+    /// `parallel` ([`MegatronTrainState::from_hf`]: bf16 params rounded from the fp32 values,
+    /// zero vocabulary padding, zero grads and Adam moments).
+    fn megatron_state(
+        &self,
+        tensors: Vec<HostTensor>,
+        parallel: MegatronParallel,
+    ) -> Result<MegatronTrainState, MegatronCheckpointError>;
+}
+
+impl MegatronConfig for ModelConfig {
+    fn megatron_layout(
         &self,
         parallel: MegatronParallel,
     ) -> Result<MegatronLayout, MegatronCheckpointError> {
@@ -146,10 +164,7 @@ impl ModelConfig {
         })
     }
 
-    /// Shards full Hugging Face `tensors` of this model into a Megatron training state at
-    /// `parallel` ([`MegatronTrainState::from_hf`]: bf16 params rounded from the fp32 values,
-    /// zero vocabulary padding, zero grads and Adam moments).
-    pub fn megatron_state(
+    fn megatron_state(
         &self,
         tensors: Vec<HostTensor>,
         parallel: MegatronParallel,
@@ -161,7 +176,7 @@ impl ModelConfig {
 
 impl Checkpoint {
     /// This checkpoint as a Megatron training state at `parallel` (the tensors are copied; see
-    /// [`ModelConfig::megatron_state`]).
+    /// [`MegatronConfig::megatron_state`]).
     ///
     /// ```
     /// # let dir = std::env::temp_dir().join(format!("lc-doc-meg-{}", std::process::id()));

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use half::bf16;
 use lifecycle_decoder::{
     load_checkpoint, load_megatron_checkpoint, save_checkpoint, Checkpoint, ConfigStyle,
-    MegatronCheckpointError, MegatronParallel, ModelConfig,
+    MegatronCheckpointError, MegatronConfig, MegatronParallel, ModelConfig,
 };
 use lifecycle_host::megatron::rebuild_hf_tensors;
 

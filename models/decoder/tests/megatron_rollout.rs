@@ -29,8 +29,8 @@ use common::{fixtures, floats, moe_references, references, tokens};
 
 use lifecycle_core::Lifecycle;
 use lifecycle_decoder::{
-    argmax, load_checkpoint, random_tensors, CpuDecoder, DecodeError, Decoder, MegatronParallel,
-    ModelConfig, PrefillLogits, Sampling,
+    argmax, load_checkpoint, random_tensors, CpuDecoder, DecodeError, Decoder, MegatronConfig,
+    MegatronParallel, ModelConfig, PrefillLogits, Sampling,
 };
 use lifecycle_host::megatron::MegatronHostBackend;
 use lifecycle_host::{HostBackend, HostTrainState};

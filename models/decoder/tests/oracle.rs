@@ -19,7 +19,8 @@ use common::{fixtures, floats, moe_references, references, tokens};
 
 use lifecycle_core::Lifecycle;
 use lifecycle_decoder::{
-    load_checkpoint, save_checkpoint, ConfigStyle, CpuDecoder, Decoder, PrefillLogits, Sampling,
+    load_checkpoint, save_checkpoint, ConfigStyle, CpuDecoder, Decoder, MegatronConfig,
+    PrefillLogits, Sampling,
 };
 use lifecycle_host::{HostBackend, HostTrainState};
 use lifecycle_layout::{hf, ExpertPlacement, HostTensor, Parallel, TensorData};

@@ -663,7 +663,7 @@ impl Core {
                 .into());
             }
             for &t in p {
-                self.config.check_token(s, t)?;
+                lifecycle_decoder::check_token(&self.config, s, t)?;
             }
         }
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
@@ -708,7 +708,7 @@ impl Core {
             .into());
         }
         for (s, &t) in tokens.iter().enumerate() {
-            self.config.check_token(s, t)?;
+            lifecycle_decoder::check_token(&self.config, s, t)?;
         }
         let longest = self.lens.iter().copied().max().unwrap_or(0);
         self.reserve(pool, longest + 1, false)?;

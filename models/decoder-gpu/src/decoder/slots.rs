@@ -129,7 +129,7 @@ impl Core {
                 .into());
             }
             for &t in prompt {
-                self.config.check_token(slot, t)?;
+                lifecycle_decoder::check_token(&self.config, slot, t)?;
             }
         }
         Ok(())
@@ -149,7 +149,7 @@ impl Core {
                 ))
                 .into());
             }
-            self.config.check_token(slot, t)?;
+            lifecycle_decoder::check_token(&self.config, slot, t)?;
         }
         Ok(())
     }

@@ -25,7 +25,7 @@ impl CpuDecoder<'_> {
             )));
         }
         for (&(slot, _), &t) in rows.iter().zip(tokens) {
-            self.model_config().check_token(slot, t)?;
+            crate::check_token(self.model_config(), slot, t)?;
         }
         let x = self.forward(rows, tokens);
         let h = x.len() / rows.len().max(1);

@@ -1,12 +1,12 @@
 //! The element type a decoder keeps its KV cache in.
 
-use lifecycle_layout::fp8::{block_scale_inv, e4m3_from_f32, e4m3_to_f32};
+use crate::fp8::{block_scale_inv, e4m3_from_f32, e4m3_to_f32};
 
 /// The element type of a KV cache: what the decoders store K and V in, and what the memory
 /// accounting (`lifecycle-plan`) counts.
 ///
 /// ```
-/// use lifecycle_decoder::KvDtype;
+/// use lifecycle_layout::KvDtype;
 /// assert_eq!(KvDtype::default(), KvDtype::Bf16);
 /// assert_eq!((KvDtype::Bf16.bytes(), KvDtype::F32.bytes()), (2, 4));
 /// assert_eq!("f32".parse::<KvDtype>(), Ok(KvDtype::F32));
@@ -43,7 +43,7 @@ impl KvDtype {
     /// scale.
     ///
     /// ```
-    /// use lifecycle_decoder::KvDtype;
+    /// use lifecycle_layout::KvDtype;
     /// assert_eq!(KvDtype::Bf16.head_bytes(128), 256);
     /// assert_eq!(KvDtype::Fp8.head_bytes(128), 132);
     /// ```
@@ -57,7 +57,7 @@ impl KvDtype {
     /// cast does).
     ///
     /// ```
-    /// use lifecycle_decoder::KvDtype;
+    /// use lifecycle_layout::KvDtype;
     /// let head = [0.5f32, -3.0, 1.0e-3, 7.0];
     /// let mut out = Vec::new();
     /// KvDtype::Fp8.store_head(&head, &mut out);
@@ -101,7 +101,7 @@ impl std::str::FromStr for KvDtype {
     type Err = String;
 
     /// ```
-    /// use lifecycle_decoder::KvDtype;
+    /// use lifecycle_layout::KvDtype;
     /// assert_eq!("bf16".parse(), Ok(KvDtype::Bf16));
     /// assert!("f16".parse::<KvDtype>().unwrap_err().contains("bf16, f32 or fp8"));
     /// ```
