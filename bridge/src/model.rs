@@ -7,6 +7,7 @@ use lifecycle_layout::ModelConfig;
 use lifecycle_layout::{ExpertPlacement, FsdpLayout, RolloutLayout};
 
 use crate::error::BridgeError;
+use crate::settings;
 
 /// A trainer's parameters bound to a model config: every name the config has, each once, with
 /// the config's full shape, in the trainer's order (which becomes the training order).
@@ -36,6 +37,34 @@ impl ModelBinding {
     /// `config_json` (a Hugging Face `config.json`) describes.
     pub fn expected(config_json: &str) -> Result<Vec<(String, Vec<usize>)>, BridgeError> {
         Ok(parse(config_json)?.tensor_shapes())
+    }
+
+    /// vLLM's runtime parameters (names and rank-local shapes, `named_parameters()` order) of
+    /// the model `config_json` describes at tensor-parallel degree `tp`
+    /// ([`lifecycle_layout::vllm::vllm_names`]), `experts` and `dtype` the settings' names
+    /// (`"tp"` / `"ep"`, `"bf16"` / `"fp8"`).
+    ///
+    /// ```
+    /// use lifecycle_bridge::ModelBinding;
+    /// let config = r#"{"model_type": "qwen3", "vocab_size": 100, "hidden_size": 16,
+    ///   "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+    ///   "head_dim": 8, "intermediate_size": 32, "rope_theta": 10000.0}"#;
+    /// let names = ModelBinding::vllm_names(config, 1, "tp", "bf16")?;
+    /// assert_eq!(names[1].0, "model.layers.0.self_attn.qkv_proj.weight");
+    /// let err = ModelBinding::vllm_names(config, 1, "dp", "bf16").unwrap_err();
+    /// assert!(err.to_string().contains("experts"), "{err}");
+    /// # Ok::<(), lifecycle_bridge::BridgeError>(())
+    /// ```
+    pub fn vllm_names(
+        config_json: &str,
+        tp: usize,
+        experts: &str,
+        dtype: &str,
+    ) -> Result<Vec<(String, Vec<usize>)>, BridgeError> {
+        let (experts, dtype) = (settings::experts(experts)?, settings::dtype(dtype)?);
+        let config = parse(config_json)?;
+        lifecycle_layout::vllm::vllm_names(&config, tp, experts, dtype)
+            .map_err(|e| BridgeError::Config(e.to_string()))
     }
 
     /// Binds `named` (the trainer's parameter names and full shapes) to the model of

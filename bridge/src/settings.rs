@@ -113,7 +113,7 @@ fn keep(value: &str, dtype: RolloutDtype, binding: &ModelBinding) -> Result<Fp8K
     Ok(keep)
 }
 
-fn dtype(value: &str) -> Result<RolloutDtype, BridgeError> {
+pub(crate) fn dtype(value: &str) -> Result<RolloutDtype, BridgeError> {
     match value {
         "bf16" | "bfloat16" => Ok(RolloutDtype::Bf16),
         "fp8" => Ok(RolloutDtype::Fp8),
@@ -123,7 +123,7 @@ fn dtype(value: &str) -> Result<RolloutDtype, BridgeError> {
     }
 }
 
-fn experts(value: &str) -> Result<ExpertPlacement, BridgeError> {
+pub(crate) fn experts(value: &str) -> Result<ExpertPlacement, BridgeError> {
     match value {
         "tp" => Ok(ExpertPlacement::TensorParallel),
         "ep" => Ok(ExpertPlacement::Partitioned),

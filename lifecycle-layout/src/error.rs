@@ -39,6 +39,10 @@ pub enum LayoutError {
         /// Which degree (`world size W`, `rollout tensor-parallel degree T`).
         what: &'static str,
     },
+    /// A model or degree whose vLLM parameters are not known or that vLLM refuses
+    /// ([`vllm_names`](crate::vllm::vllm_names)).
+    #[error("{0}")]
+    Vllm(String),
     /// A model dimension that the tensor-parallel degree does not split.
     #[error("cannot split the model at T = {tp}: {reason}")]
     Split {

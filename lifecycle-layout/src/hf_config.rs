@@ -299,7 +299,19 @@ impl ModelConfig {
     }
 
     fn from_map(map: &Map<String, Value>) -> Result<Self, ConfigError> {
-        let model_type = get_str(map, "model_type")?.unwrap_or("");
+        // a config without `model_type` (vLLM's fixtures, some exports) names its class
+        let model_type = match get_str(map, "model_type")? {
+            Some(t) => t,
+            None => match map.get("architectures").and_then(|a| a.get(0)?.as_str()) {
+                Some("Qwen2ForCausalLM") => "qwen2",
+                Some("LlamaForCausalLM") => "llama",
+                Some("MistralForCausalLM") => "mistral",
+                Some("Qwen3ForCausalLM") => "qwen3",
+                Some("Qwen3MoeForCausalLM") => "qwen3_moe",
+                Some("Qwen2MoeForCausalLM") => "qwen2_moe",
+                _ => "",
+            },
+        };
         let architecture = match model_type {
             "qwen2" => Architecture::Qwen2,
             "llama" | "mistral" => Architecture::Llama,

@@ -67,6 +67,7 @@ mod plan;
 mod region;
 pub mod steps;
 mod tensor;
+pub mod vllm;
 
 pub use adam::AdamParams;
 pub use entry::RolloutEntry;

@@ -1,5 +1,6 @@
 """vLLM's runtime parameter names and rank-local shapes (what its weight-transfer API copies
-by name with ``is_checkpoint_format=False``), and the rollout tensors fused into them.
+by name with ``is_checkpoint_format=False``; computed by the Rust library,
+``lifecycle_layout::vllm``), and the rollout tensors fused into them.
 
 The rules, read from vLLM's model source (``qwen2.py``, ``qwen3.py``, ``qwen3_moe.py``,
 ``QKVParallelLinear``, ``MergedColumnParallelLinear``, ``VocabParallelEmbedding``,
@@ -49,17 +50,11 @@ def _model_type(c: dict) -> str:
 
 
 class _Shape:
-    """The rank-local geometry vLLM gives a config at degree ``tp``."""
+    """The rank-local geometry vLLM gives a config at degree ``tp`` (which ``vllm_names``, in
+    Rust, has checked), for slicing the rollout's tensors into vLLM's."""
 
-    def __init__(self, c: dict, tp: int, ep: bool):
-        from ._lifecycle import ConfigError
-
+    def __init__(self, c: dict, tp: int):
         self.kind = _model_type(c)
-        if self.kind not in ("qwen2", "qwen3", "qwen3_moe"):
-            raise ConfigError(
-                f"vLLM names: model_type `{self.kind}`: expected qwen2, qwen3 or qwen3_moe (the "
-                'models whose vLLM names are known); use format="hf" for others'
-            )
         self.h = c["hidden_size"]
         self.heads = c["num_attention_heads"]
         self.kv = c.get("num_key_value_heads", self.heads)
@@ -67,44 +62,11 @@ class _Shape:
         self.hd = (
             self.h // self.heads if self.kind == "qwen2" else c.get("head_dim", self.h // self.heads)
         )
-        if self.heads % tp:
-            raise ConfigError(
-                f"vLLM names: num_attention_heads {self.heads} is not divisible by T={tp}: "
-                "choose a T that divides it"
-            )
-        if self.kv >= tp and self.kv % tp or self.kv < tp and tp % self.kv:
-            raise ConfigError(
-                f"vLLM names: num_key_value_heads {self.kv} and T={tp}: neither divides the "
-                "other; choose a T that divides it or that it divides"
-            )
-        self.tp, self.ep = tp, ep
-        self.q_local = self.heads // tp
+        self.tp = tp
         self.kv_local = max(1, self.kv // tp)
-        self.bias = self.kind == "qwen2" or bool(c.get("attention_bias", False))
-        self.qk_norm = self.kind != "qwen2"
-        self.ffn = c["intermediate_size"]
         self.vocab = c["vocab_size"]
         self.padded = -(-self.vocab // VOCAB_PADDING) * VOCAB_PADDING
-        if self.padded % tp:
-            raise ConfigError(
-                f"vLLM names: the padded vocabulary {self.padded} is not divisible by T={tp}: "
-                "choose a T that divides it"
-            )
         self.vocab_local = self.padded // tp
-        self.tied = bool(c.get("tie_word_embeddings", False))
-        self.layers = c["num_hidden_layers"]
-        self.experts = c.get("num_experts", 0) if self.kind == "qwen3_moe" else 0
-        self.moe_ffn = c.get("moe_intermediate_size", 0)
-        self.sparse_step = c.get("decoder_sparse_step", 1)
-        self.dense_layers = set(c.get("mlp_only_layers", []) or [])
-
-    def moe_layer(self, i: int) -> bool:
-        return (
-            self.experts > 0
-            and i not in self.dense_layers
-            and self.sparse_step > 0
-            and (i + 1) % self.sparse_step == 0
-        )
 
     def kv_head(self, rank: int) -> range:
         """The kv heads rank ``rank`` holds."""
@@ -126,81 +88,19 @@ def vllm_names(
     ``experts="ep"`` places whole experts on the ranks (``enable_expert_parallel``).
     ``dtype="fp8"``: vLLM's block-fp8 parameters (the module's docs), raising
     :class:`ConfigError` where vLLM's block checks refuse the degree (a row-parallel input or an
-    expert's width per rank that is not a multiple of 128)."""
-    from ._lifecycle import ConfigError
+    expert's width per rank that is not a multiple of 128). Computed by the Rust library
+    (``lifecycle_layout::vllm``), as the rollout's own layouts are."""
+    from ._lifecycle import vllm_names as names
 
-    if dtype not in ("bf16", "fp8"):
-        raise ConfigError(f'vLLM names: dtype `{dtype}`: expected "bf16" or "fp8"')
-    if experts not in ("tp", "ep"):
-        raise ConfigError(f'vLLM names: experts `{experts}`: expected "tp" or "ep"')
-    names = _bf16_names(config, tp, experts)
-    if dtype == "bf16":
-        return names
-    out: list[tuple[str, list[int]]] = []
-    pending: list[tuple[str, list[int]]] = []
-    for name, shape in names:
-        out.append((name, shape))
-        if name.endswith("experts.w13_weight") or name.endswith("experts.w2_weight"):
-            e_local, rows, cols = shape
-            inner = cols if name.endswith("w2_weight") else rows // 2
-            if inner % BLOCK:
-                raise ConfigError(
-                    f"vLLM fp8: {name}: an expert's width per rank {inner} is not a multiple of "
-                    f"{BLOCK} at T={tp}, which vLLM's FusedMoE refuses"
-                )
-            pending.append((name + "_scale_inv", [e_local, _blocks(rows), _blocks(cols)]))
-            if name.endswith("w2_weight"):
-                out.extend(pending)
-                pending = []
-        elif _quantised(name, shape):
-            rows, cols = shape
-            if tp > 1 and (name.endswith("o_proj.weight") or name.endswith("down_proj.weight")):
-                if cols % BLOCK:
-                    raise ConfigError(
-                        f"vLLM fp8: {name}: a row-parallel input of {cols} per rank is not a "
-                        f"multiple of {BLOCK} at T={tp}, which vLLM refuses"
-                    )
-            out.append((_scale_name(name), [_blocks(rows), _blocks(cols)]))
-    return out
+    c = dict(_config(config))
+    if "rope_theta" not in c and "rope_parameters" not in c:
+        # the rotary base shapes no parameter: a geometry-only config takes transformers' default
+        c["rope_theta"] = 10000.0
+    return [(n, list(shape)) for n, shape in names(json.dumps(c), tp, experts, dtype)]
 
 
-def _quantised(name: str, shape: list[int]) -> bool:
-    """Whether an fp8 rollout quantises vLLM's parameter ``name``: the matrices but the
-    embedding, the head and the router (the rollout's exemptions, as its ``keeps_bf16``)."""
-    return (
-        len(shape) >= 2
-        and name not in ("model.embed_tokens.weight", "lm_head.weight")
-        and not name.endswith("mlp.gate.weight")
-    )
-
-
-def _bf16_names(config: Any, tp: int, experts: str) -> list[tuple[str, list[int]]]:
-    s = _Shape(_config(config), tp, experts == "ep")
-    out: list[tuple[str, list[int]]] = [("model.embed_tokens.weight", [s.vocab_local, s.h])]
-    qkv = (s.q_local + 2 * s.kv_local) * s.hd
-    for i in range(s.layers):
-        p = f"model.layers.{i}."
-        out.append((p + "self_attn.qkv_proj.weight", [qkv, s.h]))
-        if s.bias:
-            out.append((p + "self_attn.qkv_proj.bias", [qkv]))
-        out.append((p + "self_attn.o_proj.weight", [s.h, s.q_local * s.hd]))
-        if s.qk_norm:
-            out.append((p + "self_attn.q_norm.weight", [s.hd]))
-            out.append((p + "self_attn.k_norm.weight", [s.hd]))
-        if s.moe_layer(i):
-            e_local, f_local = (s.experts // tp, s.moe_ffn) if s.ep else (s.experts, s.moe_ffn // tp)
-            out.append((p + "mlp.gate.weight", [s.experts, s.h]))
-            out.append((p + "mlp.experts.w13_weight", [e_local, 2 * f_local, s.h]))
-            out.append((p + "mlp.experts.w2_weight", [e_local, s.h, f_local]))
-        else:
-            out.append((p + "mlp.gate_up_proj.weight", [2 * s.ffn // tp, s.h]))
-            out.append((p + "mlp.down_proj.weight", [s.h, s.ffn // tp]))
-        out.append((p + "input_layernorm.weight", [s.h]))
-        out.append((p + "post_attention_layernorm.weight", [s.h]))
-    out.append(("model.norm.weight", [s.h]))
-    if not s.tied:
-        out.append(("lm_head.weight", [s.vocab_local, s.h]))
-    return out
+def _scale_name(weight: str) -> str:
+    return weight[: -len("weight")] + "weight_scale_inv"
 
 
 def _is_torch(t) -> bool:
@@ -272,8 +172,6 @@ def _vocab_shard(name: str, t, s: _Shape, rank: int):
     return _cat([rows, _zero_rows(rows, pad)])
 
 
-def _scale_name(weight: str) -> str:
-    return weight[: -len("weight")] + "weight_scale_inv"
 
 
 class _Part:
@@ -338,9 +236,10 @@ def vllm_tensors(config: Any, hf: dict, tp: int, rank: int) -> Iterator[tuple[st
             }
         )
         experts = "ep" if tp > 1 and len(held) * tp == c.get("num_experts", 0) else "tp"
-    s = _Shape(c, tp, experts == "ep")
+    names = vllm_names(c, tp, experts=experts)
+    s = _Shape(c, tp)
     moe_scales: list[tuple[str, Any]] = []
-    for name, shape in vllm_names(c, tp, experts=experts):
+    for name, shape in names:
         p, _, suffix = name.rpartition("mlp.") if ".mlp." in name else name.rpartition("self_attn.")
         scale = None
         if name in ("model.embed_tokens.weight", "lm_head.weight"):

@@ -64,6 +64,19 @@ pub fn expected_parameters(config_json: &str) -> PyResult<Vec<(String, Vec<usize
     ModelBinding::expected(config_json).map_err(to_py)
 }
 
+/// vLLM's runtime parameters (names, rank-local shapes) of the model a Hugging Face
+/// `config.json` describes at tensor-parallel degree `tp`.
+#[pyfunction]
+#[pyo3(signature = (config_json, tp, experts, dtype))]
+pub fn vllm_names(
+    config_json: &str,
+    tp: usize,
+    experts: &str,
+    dtype: &str,
+) -> PyResult<Vec<(String, Vec<usize>)>> {
+    ModelBinding::vllm_names(config_json, tp, experts, dtype).map_err(to_py)
+}
+
 #[pymethods]
 impl PySwitch {
     #[new]

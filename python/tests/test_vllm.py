@@ -163,9 +163,9 @@ def test_fp8_vllm_names_match_vllms_model_source_with_the_router_bf16():
         assert [list(x) for x in got] == want, case["id"]
         checked += 1
     assert (checked, refused) == (14, 8)
-    with pytest.raises(ConfigError, match='dtype `int8`: expected "bf16" or "fp8"'):
+    with pytest.raises(ConfigError, match='dtype: `int8` is not a rollout dtype: expected "bf16" or "fp8"'):
         lifecycle.vllm_names(QWEN2_FP8, dtype="int8")
-    with pytest.raises(ConfigError, match='experts `dp`: expected "tp" or "ep"'):
+    with pytest.raises(ConfigError, match='experts: `dp`: expected "tp"'):
         lifecycle.vllm_names(QWEN3_MOE_FP8, 2, experts="dp")
 
 
