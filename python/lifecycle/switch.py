@@ -575,7 +575,7 @@ class RolloutWeights:
         self._check("handles")
         return self._switch._live().tensors(_rank(rank), bool(bits))
 
-    def named_tensors(self, format: str = "hf", rank: int = 0) -> Iterator[tuple[str, Any]]:
+    def named_tensors(self, format: Format = "hf", rank: int = 0) -> Iterator[tuple[str, Any]]:
         """``(name, tensor)`` for every rollout tensor of local rank ``rank``: torch tensors
         (DLPack views of the rollout buffer, zero-copy) on a torch switch, handles otherwise.
 
@@ -602,7 +602,7 @@ class RolloutWeights:
                 self._switch._config_json, dict(named), self._switch._tp, rank
             )
 
-    def named_arrays(self, format: str = "hf", rank: int = 0) -> Iterator[tuple[str, Any]]:
+    def named_arrays(self, format: Format = "hf", rank: int = 0) -> Iterator[tuple[str, Any]]:
         """``(name, numpy array)`` for every rollout tensor of local rank ``rank`` of a host
         switch: the bits of bf16 (``uint16``) and fp8 (``uint8``) tensors, zero-copy views in
         ``format="hf"``; ``format="vllm"`` as in :meth:`named_tensors` (fused arrays are

@@ -23,7 +23,7 @@ block grid over the fused rows is the parts' grids); a part that does not is ref
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 VOCAB_PADDING = 64
 # rows and columns of one fp8 scale block
@@ -81,7 +81,11 @@ def _blocks(n: int) -> int:
 
 
 def vllm_names(
-    config: Any, tp: int = 1, *, experts: str = "tp", dtype: str = "bf16"
+    config: Any,
+    tp: int = 1,
+    *,
+    experts: Literal["tp", "ep"] = "tp",
+    dtype: Literal["bf16", "fp8"] = "bf16",
 ) -> list[tuple[str, list[int]]]:
     """vLLM's runtime parameters of ``config`` (a Hugging Face config, dict or JSON) on one
     rank at tensor-parallel degree ``tp``, in ``named_parameters()`` order: ``(name, shape)``.
