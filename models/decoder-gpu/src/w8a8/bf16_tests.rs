@@ -2,6 +2,7 @@
 //! --nocapture`): the bf16 products of the tensor-core kernel ([`MmaKernels::bf16`]) against
 //! the same sums in f64 on the host and against cuBLAS's, each run twice for the same bits.
 use super::mma::MmaKernels;
+use super::tests::split;
 use super::*;
 use crate::blas::{gemm, handle};
 use crate::kernels::ptr;
@@ -94,19 +95,8 @@ fn bf16_mma_matches_the_host_sums_and_cublas() -> Result<(), Box<dyn std::error:
         let mut lines = Vec::new();
         for (i, &(outs, tokens, inp)) in shapes.iter().enumerate() {
             let seed = 7 + 13 * i as u64;
-            let x = values(tokens * inp, seed, 3.0);
-            let hi: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-            let lo: Vec<bf16> = x
-                .iter()
-                .zip(&hi)
-                .map(|(&v, h)| bf16::from_f32(v - h.to_f32()))
-                .collect();
-            let bits: Vec<u16> = hi.iter().chain(&lo).map(|v| v.to_bits()).collect();
-            let joined: Vec<f64> = hi
-                .iter()
-                .zip(&lo)
-                .map(|(h, l)| f64::from(h.to_f32()) + f64::from(l.to_f32()))
-                .collect();
+            let (bits, joined) = split(&values(tokens * inp, seed, 3.0));
+            let joined: Vec<f64> = joined.into_iter().map(f64::from).collect();
             let xd = s.clone_htod(&bits).map_err(up("x"))?;
             let mut worst = 0.0f64;
             let mut vs_cublas = 0.0f64;
@@ -280,13 +270,7 @@ fn a_rows_bf16_sums_do_not_depend_on_the_other_rows() -> Result<(), Box<dyn std:
                 // token 0 the same row every time, the others new
                 let mut x = values(inp, 400 + i as u64, 3.0);
                 x.extend(values((tokens - 1) * inp, 500 + tokens as u64, 3.0));
-                let hi: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-                let lo: Vec<bf16> = x
-                    .iter()
-                    .zip(&hi)
-                    .map(|(&v, h)| bf16::from_f32(v - h.to_f32()))
-                    .collect();
-                let bits: Vec<u16> = hi.iter().chain(&lo).map(|v| v.to_bits()).collect();
+                let (bits, _) = split(&x);
                 let xd = s.clone_htod(&bits).map_err(up("x"))?;
                 // SAFETY: written by the product before it is read back.
                 let yd = unsafe { alloc_device::<f32>(s, tokens * out, 0, "y")? };

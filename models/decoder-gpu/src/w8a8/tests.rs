@@ -174,8 +174,8 @@ fn values(n: usize, cols: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// The split rows of `x` (hi rows, then lo rows) and their sums in f32.
-fn split(x: &[f32]) -> (Vec<u16>, Vec<f32>) {
+/// The split rows of `x` (hi rows, then lo rows) and their sums in f32 (exact: hi + lo).
+pub(super) fn split(x: &[f32]) -> (Vec<u16>, Vec<f32>) {
     let hi: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
     let lo: Vec<bf16> = x
         .iter()
