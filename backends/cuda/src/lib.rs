@@ -51,6 +51,7 @@ mod peer;
 mod pinned;
 mod placement;
 mod pool;
+mod ptx_cache;
 mod quantise;
 mod rollout;
 mod steps;

@@ -9,7 +9,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
-use crate::env::{arch_candidates, arch_specific_target, find_cuda_include};
+use crate::env::{arch_candidates, arch_specific_target, find_cuda_include, nvrtc_present};
+use crate::ptx_cache;
 use crate::CudaError;
 
 /// A set of CUDA C kernels compiled together with NVRTC.
@@ -126,8 +127,9 @@ fn ptx_cache() -> &'static Mutex<HashMap<PtxKey, Ptx>> {
 }
 
 /// The PTX of `set` for compute capability (`major`, `minor`), compiled on the first call of the
-/// process (trying the architectures of [`arch_candidates`] in order) and cached; the error lists
-/// every attempt and the fix.
+/// process (trying the architectures of [`arch_candidates`] in order) and cached in the process,
+/// and, where `LIFECYCLE_KERNEL_CACHE` names a folder, on disk for the next processes (NVRTC's
+/// seconds per set paid once per machine); the error lists every attempt and the fix.
 pub fn compile(set: &KernelSet, major: i32, minor: i32) -> Result<Ptx, CudaError> {
     let key = (
         set.name,
@@ -147,15 +149,32 @@ pub fn compile(set: &KernelSet, major: i32, minor: i32) -> Result<Ptx, CudaError
     }
     let mut failures = Vec::new();
     let mut last_options = Vec::new();
+    // the PTX an earlier process compiled, where the disk cache has it (ptx_cache)
+    let disk = ptx_cache::cache_dir()
+        .filter(|_| nvrtc_present())
+        .and_then(|dir| ptx_cache::nvrtc_version().map(|v| (dir, v)));
+    let keep = |ptx: &Ptx| {
+        ptx_cache()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, ptx.clone());
+    };
     for arch in set.targets(major, minor)? {
         let opts = set.options(&arch);
         last_options = opts.options.clone();
+        let file = disk
+            .as_ref()
+            .map(|(dir, v)| ptx_cache::file_of(dir, set.name, set.source, &opts, *v));
+        if let Some(ptx) = file.as_deref().and_then(ptx_cache::read) {
+            keep(&ptx);
+            return Ok(ptx);
+        }
         match compile_ptx_with_opts(set.source, opts) {
             Ok(ptx) => {
-                ptx_cache()
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(key, ptx.clone());
+                if let (Some(file), Some(text)) = (&file, ptx_cache::text_of(&ptx)) {
+                    ptx_cache::write(file, text);
+                }
+                keep(&ptx);
                 return Ok(ptx);
             }
             Err(e) => failures.push(format!("{arch}: {e:?}")),
