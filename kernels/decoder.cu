@@ -704,7 +704,8 @@ __device__ void attend_chunk(const float* __restrict__ q, Rows k, Rows v, u32 p0
             }
 #pragma unroll
             for (u32 h = 0; h < SPLIT_HEADS; ++h)
-                for (u32 o = lp >> 1; o > 0; o >>= 1) acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], o);
+                if (h < heads)
+                    for (u32 o = lp >> 1; o > 0; o >>= 1) acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], o);
             if (i < cnt && sub == 0) {
 #pragma unroll
                 for (u32 h = 0; h < SPLIT_HEADS; ++h)
@@ -778,6 +779,7 @@ __device__ void attend_chunk(const float* __restrict__ q, Rows k, Rows v, u32 p0
     for (u32 o = 16; o >= lv; o >>= 1) {
 #pragma unroll
         for (u32 h = 0; h < SPLIT_HEADS; ++h)
+            if (h < heads)
 #pragma unroll
             for (u32 u = 0; u < VQ; ++u)
 #pragma unroll
@@ -827,15 +829,18 @@ __device__ __forceinline__ void attend_chunk_d(const float* __restrict__ q, Rows
     }
 }
 
-// Where a split block works: block x = (row r, local kv head, chunk c of its query heads), block
-// y = chunk of positions s; the query heads j0 .. j0 + heads (local) read that kv head. False for
-// a block with no work (positions past the row's length, heads past the group's).
+// Where a split block works: block x = (row r, local kv head, chunk c of hpb of its query heads,
+// 1 <= hpb <= SPLIT_HEADS), block y = chunk of positions s; the query heads j0 .. j0 + heads
+// (local) read that kv head. False for a block with no work (positions past the row's length,
+// heads past the group's). A head's sums do not depend on hpb: the host takes fewer heads a block
+// where few rows would leave most multiprocessors idle.
 struct SplitPlace {
     u32 r, kv, j0, heads, p0, cnt, s;
 };
 __device__ __forceinline__ bool split_place(const u32* poss, u32 n, u32 qh, u32 kvh, u32 chunk,
-                                            u32 q_base, u32 group, u32 kv_base, SplitPlace& at) {
-    const u32 per = (group + SPLIT_HEADS - 1u) / SPLIT_HEADS;
+                                            u32 q_base, u32 group, u32 kv_base, u32 hpb,
+                                            SplitPlace& at) {
+    const u32 per = (group + hpb - 1u) / hpb;
     const u32 x = blockIdx.x;
     at.r = x / (kvh * per);
     at.kv = (x / per) % kvh;
@@ -847,8 +852,8 @@ __device__ __forceinline__ bool split_place(const u32* poss, u32 n, u32 qh, u32 
     if (at.p0 >= len) return false;
     at.cnt = min(chunk, len - at.p0);
     // the group's query heads (global), on this rank from q_base
-    const u32 g0 = (at.kv + kv_base) * group + c * SPLIT_HEADS;
-    const u32 g1 = min((at.kv + kv_base) * group + group, g0 + SPLIT_HEADS);
+    const u32 g0 = (at.kv + kv_base) * group + c * hpb;
+    const u32 g1 = min((at.kv + kv_base) * group + group, g0 + hpb);
     const u32 lo = max(g0, q_base), hi = min(g1, q_base + qh);
     if (lo >= hi) return false;
     at.j0 = lo - q_base;
@@ -862,9 +867,9 @@ __device__ void attention_split_t(const float* __restrict__ q, const T* __restri
                                   const u32* __restrict__ poss, float* __restrict__ part_o,
                                   float* __restrict__ part_ml, u32 n, u32 qh, u32 kvh, u32 d,
                                   u32 cap, u32 q_base, u32 group, u32 kv_base, float scale,
-                                  u32 chunk, u32 splits) {
+                                  u32 chunk, u32 splits, u32 hpb) {
     SplitPlace at;
-    if (!split_place(poss, n, qh, kvh, chunk, q_base, group, kv_base, at)) return;
+    if (!split_place(poss, n, qh, kvh, chunk, q_base, group, kv_base, hpb, at)) return;
     const u64 stride = (u64)kvh * d;
     const u64 base = (u64)seqs[at.r] * cap * stride + (u64)at.kv * d;
     const u64 head0 = (u64)at.r * qh + at.j0;
@@ -879,9 +884,9 @@ __device__ void attention_split_t(const float* __restrict__ q, const T* __restri
         const float* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,            \
         const u32* __restrict__ seqs, const u32* __restrict__ poss, float* __restrict__ part_o,     \
         float* __restrict__ part_ml, u32 n, u32 qh, u32 kvh, u32 d, u32 cap, u32 q_base, u32 group, \
-        u32 kv_base, float scale, u32 chunk, u32 splits) {                                          \
+        u32 kv_base, float scale, u32 chunk, u32 splits, u32 hpb) {                                 \
         attention_split_t<T>(q, kc, vc, seqs, poss, part_o, part_ml, n, qh, kvh, d, cap, q_base,    \
-                             group, kv_base, scale, chunk, splits);                                 \
+                             group, kv_base, scale, chunk, splits, hpb);                            \
     }
 ATTENTION_SPLIT(attention_split, float)
 ATTENTION_SPLIT(attention_split_bf16, u16)
@@ -891,9 +896,9 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) attention_split_fp8(
     const float* __restrict__ q, const u8* __restrict__ kc, const u8* __restrict__ vc,
     const u32* __restrict__ seqs, const u32* __restrict__ poss, float* __restrict__ part_o,
     float* __restrict__ part_ml, u32 n, u32 qh, u32 kvh, u32 d, u32 cap, u32 q_base, u32 group,
-    u32 kv_base, float scale, u32 chunk, u32 splits) {
+    u32 kv_base, float scale, u32 chunk, u32 splits, u32 hpb) {
     SplitPlace at;
-    if (!split_place(poss, n, qh, kvh, chunk, q_base, group, kv_base, at)) return;
+    if (!split_place(poss, n, qh, kvh, chunk, q_base, group, kv_base, hpb, at)) return;
     const u32 rec = d + 4u;
     const u64 stride = (u64)kvh * rec;
     const u64 base = (u64)seqs[at.r] * cap * stride + (u64)at.kv * rec;

@@ -113,17 +113,20 @@ pub const SPLIT_HEADS: usize = 8;
 const SPLIT_THREADS: usize = 128;
 /// The most chunks of a cache (so the partial sums stay small at long contexts).
 const MAX_SPLITS: usize = 64;
+/// The fewest positions of a chunk (so a short context is a few chunks, each a few steps of a
+/// block's warps, not one chunk of many idle ones).
+const MIN_CHUNK: usize = 128;
 
 impl SplitAttention {
-    /// The split of a cache of `cap` positions with heads of `head_dim`: chunks of 256
-    /// positions, larger from 16 k positions on (at most 64 chunks), at most 1024 (the scores'
+    /// The split of a cache of `cap` positions with heads of `head_dim`: chunks of 128
+    /// positions, larger from 8 k positions on (at most 64 chunks), at most 1024 (the scores'
     /// shared memory). `None` where the kernels do not take the heads (`head_dim` not a multiple
     /// of 4 or over 256) or the cache is longer than 64 k positions.
     pub fn for_cache(cap: usize, head_dim: usize) -> Option<Self> {
         if head_dim == 0 || !head_dim.is_multiple_of(4) || head_dim > 256 || cap == 0 {
             return None;
         }
-        let chunk = cap.div_ceil(MAX_SPLITS).next_multiple_of(64).max(256);
+        let chunk = cap.div_ceil(MAX_SPLITS).next_multiple_of(64).max(MIN_CHUNK);
         if chunk > 1024 {
             return None;
         }
@@ -141,23 +144,34 @@ impl SplitAttention {
             * 4
     }
 
-    /// The split kernel's launch: blocks (row, kv head, chunk of its query heads) × chunks.
+    /// The split kernel's launch for `rows` rows of `kvh` kv heads of `group` query heads each
+    /// on a device of `sms` multiprocessors: blocks (row, kv head, `heads` of its query heads)
+    /// × chunks, and `heads` (the kernels' last argument). A block takes up to [`SPLIT_HEADS`]
+    /// query heads (each K / V row it reads serves them all), fewer where the blocks of one
+    /// chunk would not reach one per multiprocessor (a decode step of a few rows: its latency is
+    /// then a block's share of heads, not the read). A head's sums are the same however many
+    /// share its block, so the choice never changes a row's attention.
     pub(crate) fn split_launch(
         &self,
         rows: usize,
         kvh: usize,
         group: usize,
         d: usize,
-    ) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (
-                (rows * kvh * group.div_ceil(SPLIT_HEADS)).max(1) as u32,
-                self.splits as u32,
-                1,
-            ),
+        sms: usize,
+    ) -> (LaunchConfig, u32) {
+        let group = group.max(1);
+        let mut per = group.div_ceil(SPLIT_HEADS);
+        while per < group && rows * kvh * per < sms {
+            per += 1;
+        }
+        let heads = group.div_ceil(per);
+        let per = group.div_ceil(heads);
+        let cfg = LaunchConfig {
+            grid_dim: ((rows * kvh * per).max(1) as u32, self.splits as u32, 1),
             block_dim: (SPLIT_THREADS as u32, 1, 1),
             shared_mem_bytes: self.shared_bytes(d) as u32,
-        }
+        };
+        (cfg, heads as u32)
     }
 }
 
@@ -480,5 +494,45 @@ pub(crate) fn refuse_in_capture(
             "{what} would allocate inside a graph capture (a captured pass must first run \
              eagerly with the same shapes)"
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{SplitAttention, SPLIT_HEADS};
+
+    /// The split launch takes fewer heads a block only where few rows leave the device idle,
+    /// and its blocks always cover every query head of every kv head.
+    #[test]
+    fn split_blocks_take_fewer_heads_where_rows_are_few() {
+        let plan = SplitAttention::for_cache(4096, 128).unwrap();
+        let heads = |rows, kvh, group, sms| {
+            let (cfg, heads) = plan.split_launch(rows, kvh, group, 128, sms);
+            (cfg.grid_dim.0 as usize, heads as usize)
+        };
+        // Qwen2.5-7B (4 kv heads of 7) on 132 multiprocessors
+        assert_eq!(heads(1, 4, 7, 132), (28, 1));
+        assert_eq!(heads(8, 4, 7, 132), (128, 2));
+        assert_eq!(heads(64, 4, 7, 132), (256, 7));
+        // one multiprocessor: as many heads a block as the kernels take
+        assert_eq!(heads(1, 1, 16, 1), (2, 8));
+        for rows in [1, 3, 16, 33] {
+            for (kvh, group) in [(4, 7), (2, 2), (1, 16), (8, 1), (1, 40)] {
+                let (blocks, h) = heads(rows, kvh, group, 132);
+                assert!((1..=SPLIT_HEADS).contains(&h), "{rows} {kvh} {group}: {h}");
+                assert_eq!(blocks, rows * kvh * group.div_ceil(h));
+            }
+        }
+    }
+
+    /// Chunks of 128 positions from the shortest cache, larger where 64 would not hold it.
+    #[test]
+    fn chunks_are_fixed_by_the_cache_alone() {
+        let of = |cap| SplitAttention::for_cache(cap, 128).map(|p| (p.chunk, p.splits));
+        assert_eq!(of(96), Some((128, 1)));
+        assert_eq!(of(8192), Some((128, 64)));
+        assert_eq!(of(12288), Some((192, 64)));
+        assert_eq!(of(32768), Some((512, 64)));
+        assert_eq!(of(70000), None);
     }
 }

@@ -192,7 +192,8 @@ impl<'a> Pass<'a> {
                     KvDtype::Bf16 => &k.attention_split_bf16,
                     KvDtype::Fp8 => &k.attention_split_fp8,
                 };
-                let cfg = plan.split_launch(n, kvh, z.group, d);
+                let (cfg, block_heads) = plan.split_launch(n, kvh, z.group, d, k.sm_count as usize);
+                let args: Vec<Arg> = args.into_iter().chain([Arg::U32(block_heads)]).collect();
                 self.kernel(attention, cfg, &args, "attention_split")?;
                 let args = [
                     Arg::U64(po),

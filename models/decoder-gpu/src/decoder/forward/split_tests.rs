@@ -104,14 +104,16 @@ fn host(c: &Case, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f64> {
     out
 }
 
-/// Both kernels' outputs (hi + lo) for `c` over a cache of `kv`: the split one, then the one of
-/// a block per row and query head.
+/// Both kernels' outputs (hi + lo) for `c` over a cache of `kv`: the split one (its query heads
+/// shared by blocks as on a device of `sms` multiprocessors), then the one of a block per row
+/// and query head.
 fn on_device(
     ctx: &RankCtx,
     k: &DecoderKernels,
     c: &Case,
     kv: KvDtype,
     (q, kb, vb): (&[f32], &[u8], &[u8]),
+    sms: usize,
 ) -> Result<[Vec<f32>; 2], CudaError> {
     let s = &ctx.compute;
     let up = |what: &str| ctx.drv(what, 0);
@@ -201,7 +203,8 @@ fn on_device(
     // SAFETY: the buffers above hold what each kernel's contract (kernels/decoder.cu) reads
     // and writes for these sizes.
     unsafe {
-        let cfg = plan.split_launch(n, c.kvh, c.group, d);
+        let (cfg, heads) = plan.split_launch(n, c.kvh, c.group, d, sms);
+        let args: Vec<Arg> = args.iter().copied().chain([u(heads as usize)]).collect();
         launch(s, split, cfg, &args, 0, "attention_split")?;
         launch(s, &k.attention_join, rows, &join, 0, "attention_join")?;
         launch(s, whole, whole_cfg, &whole_args, 0, "attention")?;
@@ -234,13 +237,20 @@ fn split_attention_matches_the_host_and_the_whole_kernel() -> Result<(), Box<dyn
         lens: lens.to_vec(),
     };
     let cases = [
-        // Qwen2.5-7B's heads, lengths around one chunk of 256 and across many
-        q7(0, 28, 0, 4, 1024, &[1, 2, 255, 256, 257, 1000]),
-        // a 12 k context in chunks of 256 (cap 12 288 → 48 chunks)
+        // Qwen2.5-7B's heads, lengths around one and two chunks of 128 and across many
+        q7(
+            0,
+            28,
+            0,
+            4,
+            1024,
+            &[1, 2, 127, 128, 129, 255, 256, 257, 1000],
+        ),
+        // a 12 k context in chunks of 192 (cap 12 288 → 64 chunks)
         q7(0, 28, 0, 4, 12288, &[12288, 7001]),
         // the second rank of two: global query heads 14..28, kv heads 2..4
         q7(14, 14, 2, 2, 2048, &[3, 1500]),
-        // a capacity past 16 k: chunks of 512
+        // a capacity past 16 k: chunks of 320
         q7(0, 28, 0, 4, 20000, &[20000]),
         // small heads (the fixture models'), 2 query heads a kv head
         Case {
@@ -282,7 +292,23 @@ fn split_attention_matches_the_host_and_the_whole_kernel() -> Result<(), Box<dyn
                 let (kb, kh) = cache_of(kv, &kraw, c.d);
                 let (vb, vh) = cache_of(kv, &vraw, c.d);
                 let want = host(c, &q, &kh, &vh);
-                let [split, whole] = on_device(ctx, &k, c, kv, (&q, &kb, &vb))?;
+                let data = (&q[..], &kb[..], &vb[..]);
+                let [split, whole] = on_device(ctx, &k, c, kv, data, k.sm_count as usize)?;
+                // every query head of a kv head in one block, then one head a block: the same
+                // bits (a head's sums do not depend on the heads beside it)
+                for sms in [1, 1 << 20] {
+                    let [other, _] = on_device(ctx, &k, c, kv, data, sms)?;
+                    let same = other
+                        .iter()
+                        .zip(&split)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    if !same {
+                        return Err(CudaError::Invalid(format!(
+                            "case {i} {kv:?}: the split output changed with the heads a block \
+                             takes (as for {sms} multiprocessors)"
+                        )));
+                    }
+                }
                 let err = |got: &[f32]| {
                     got.iter()
                         .zip(&want)
