@@ -4,6 +4,7 @@
 //! between switches (a restored storage gets a new address): the switch lends them again when
 //! they did.
 
+use lifecycle_layout::settings::Configure;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -130,8 +131,7 @@ impl GpuSwitch {
         let (train, rollout) = binding.layouts(settings.world, settings.tp, settings.experts)?;
         let backend = FsdpBackend::new(pool, rollout)
             .with_verification(false)
-            .with_rollout_dtype(settings.dtype)
-            .with_fp8_keep(settings.fp8_keep)
+            .with_options(settings.options)
             .lending()
             .map_err(BridgeError::backend)?;
         Ok(GpuSwitch {

@@ -2,11 +2,12 @@
 //! trainer's fp32 shards are copied into the reference state when they changed, then switched
 //! as the Rust host backend switches its own. The oracle of the GPU path, and what CI tests.
 
+use lifecycle_layout::settings::Configure;
 use std::sync::Arc;
 
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Mode, Switching};
 use lifecycle_host::HostBackend;
-use lifecycle_layout::fp8::{Fp8Keep, RolloutDtype};
+use lifecycle_layout::settings::SwitchOptions;
 use lifecycle_layout::{ExpertPlacement, HostTensor};
 use lifecycle_state::HostTrainState;
 
@@ -23,10 +24,9 @@ pub struct SwitchSettings {
     pub world: usize,
     /// Rollout tensor-parallel degree T.
     pub tp: usize,
-    /// Rollout dtype.
-    pub dtype: RolloutDtype,
-    /// Which matrices an fp8 rollout keeps bf16 beyond the published exemptions.
-    pub fp8_keep: Fp8Keep,
+    /// What the backend switches to and how (dtype, fp8 exemptions; the options every backend
+    /// holds).
+    pub options: SwitchOptions,
     /// Where the experts of a mixture-of-experts model go.
     pub experts: ExpertPlacement,
     /// What the switch moves out of device memory during rollout, and when it leaves rollout.
@@ -40,8 +40,7 @@ impl SwitchSettings {
         SwitchSettings {
             world,
             tp,
-            dtype: RolloutDtype::Bf16,
-            fp8_keep: Fp8Keep::default(),
+            options: SwitchOptions::default(),
             experts: ExpertPlacement::TensorParallel,
             lifecycle: LifecycleConfig {
                 switching: Switching::Lazy,
@@ -77,9 +76,7 @@ impl HostSwitch {
     /// A switch for `binding`'s model over `settings.world` ranks, nothing read yet.
     pub fn new(binding: ModelBinding, settings: SwitchSettings) -> Result<Self, BridgeError> {
         let (_, rollout) = binding.layouts(settings.world, settings.tp, settings.experts)?;
-        let backend = HostBackend::new(rollout)
-            .with_rollout_dtype(settings.dtype)
-            .with_fp8_keep(settings.fp8_keep);
+        let backend = HostBackend::new(rollout).with_options(settings.options);
         let zeros = binding
             .names()
             .iter()

@@ -54,8 +54,8 @@ pub fn switch_settings(
     binding: &ModelBinding,
 ) -> Result<SwitchSettings, BridgeError> {
     let mut settings = SwitchSettings::new(text.world, text.tp);
-    settings.dtype = dtype(text.dtype)?;
-    settings.fp8_keep = keep(text.fp8_keep, settings.dtype, binding)?;
+    settings.options.dtype = dtype(text.dtype)?;
+    settings.options.fp8_keep = keep(text.fp8_keep, settings.options.dtype, binding)?;
     settings.experts = experts(text.experts)?;
     settings.lifecycle.memory = memory(text.offload)?;
     // eager is the front's (it leaves after every session); the lifecycle stays lazy so a

@@ -4,6 +4,7 @@
 //! classes, so its hit rate does not shrink with the vocabulary). The update is the synthetic
 //! stand-in ([`synthetic_update`]): there is no backward pass for the decoder here.
 
+use lifecycle_layout::settings::Configure;
 use std::path::Path;
 
 use lifecycle_core::{sharded_rollout, RolloutSession, RolloutView, Switching, TrainSession};

@@ -14,6 +14,7 @@
 //!   per-rank schedule.
 //! - [`fp8`]: block-scaled float8 e4m3 (128 × 128 blocks, fp32 `scale_inv`), the format of the
 //!   published fp8 checkpoints, checked bit for bit against PyTorch.
+//! - [`settings`]: the options every switch backend holds and their builders, written once.
 //! - [`steps`]: the step plans both layouts produce and every executor runs (copies, network
 //!   steps, staging slots), compiled into stream programs.
 //!
@@ -65,6 +66,7 @@ pub mod megatron;
 mod model;
 mod plan;
 mod region;
+pub mod settings;
 pub mod steps;
 mod tensor;
 pub mod vllm;

@@ -2,6 +2,7 @@
 //! detect corruption and name the tensor; non-finite weights are refused before anything moves;
 //! a soak of many switch cycles sees no mismatch.
 
+use lifecycle_layout::settings::Configure;
 mod common;
 
 use half::bf16;

@@ -2,7 +2,7 @@
 
 use crate::update_kernels::UpdateKernelCache;
 use crate::FsdpError;
-use lifecycle_layout::fp8::{Fp8Keep, RolloutDtype};
+use lifecycle_layout::settings::{Configure, Honours, SwitchOptions};
 use std::sync::{Arc, Mutex};
 
 use crate::FsdpTrainState;
@@ -71,7 +71,6 @@ pub struct FsdpBackend {
     pub(crate) plan_cache: Mutex<Option<(Arc<FsdpLayout>, Arc<FsdpPlan>)>>,
     /// The in-place update kernels, compiled and loaded on first use.
     pub(crate) update_kernels: UpdateKernelCache,
-    pub(crate) verify: bool,
     /// Verification mode: hashes of the resident rollout weights.
     pub(crate) rollout_sums: Option<RolloutSums>,
     pub(crate) transport: Transport,
@@ -81,12 +80,8 @@ pub struct FsdpBackend {
     pub(crate) programs: Mutex<Vec<ProgramSlot<PlanRef>>>,
     /// Each local rank's rollout entries of the last plan entered.
     pub(crate) entries_cache: Mutex<Option<(PlanRef, RankEntries)>>,
-    /// The rollout weights' dtype.
-    pub(crate) dtype: RolloutDtype,
-    /// Which matrices an fp8 rollout keeps bf16 beyond the published exemptions.
-    pub(crate) fp8_keep: Fp8Keep,
-    /// Enter hands out the rollout weights with the offload copies still running.
-    pub(crate) overlap_offload: bool,
+    /// The options every backend holds (dtype, fp8 exemptions, verification, offload overlap).
+    pub(crate) options: SwitchOptions,
 }
 
 /// Each local rank's rollout entries, shared by the rollouts of one plan.
@@ -106,9 +101,33 @@ impl std::fmt::Debug for FsdpBackend {
             .field("tp", &self.layout.tp())
             .field("config", &self.config)
             .field("batched_casts", &self.batched_casts)
-            .field("verify", &self.verify)
-            .field("overlap_offload", &self.overlap_offload)
+            .field("options", &self.options)
             .finish()
+    }
+}
+
+impl Configure for FsdpBackend {
+    const NAME: &'static str = "the FSDP GPU backend";
+    const HONOURS: Honours = Honours {
+        verification: true,
+        offload_overlap: true,
+    };
+
+    fn options(&self) -> &SwitchOptions {
+        &self.options
+    }
+
+    /// Replaces the options; the cached plan and the hashes of resident weights go with the
+    /// old ones. Verification (computed on the GPUs) also hashes every offloaded buffer per
+    /// chunk of each tensor's shard ([`FsdpError::Corrupted`] leaves a mismatched buffer
+    /// offloaded) and the rollout weights per tensor ([`FsdpError::RolloutCorrupted`]); it
+    /// waits for overlapped offload copies, as a traced switch and a lent state do. An fp8
+    /// rollout at W > 1 agrees each block's scale first (partial amaxes, an all-reduce by max,
+    /// or a meeting of the ranks sharing a GPU), so only e4m3 bytes cross the links.
+    fn set_options(&mut self, options: SwitchOptions) {
+        self.options = options;
+        self.plan_cache = Mutex::new(None);
+        self.rollout_sums = None;
     }
 }
 
@@ -124,11 +143,8 @@ impl FsdpBackend {
             plan_cache: Mutex::new(None),
             programs: Mutex::new(Vec::new()),
             entries_cache: Mutex::new(None),
-            dtype: RolloutDtype::Bf16,
-            fp8_keep: Fp8Keep::default(),
-            overlap_offload: false,
+            options: SwitchOptions::default(),
             update_kernels: UpdateKernelCache::default(),
-            verify: false,
             rollout_sums: None,
             transport: Transport::Auto,
             pinned: Arc::new(PinnedPool::new(
@@ -205,86 +221,6 @@ impl FsdpBackend {
         self.batched_casts = batched;
         self.plan_cache = Mutex::new(None);
         self
-    }
-
-    /// Overlaps the offload of an enter with the rollout (off by default): enter returns once
-    /// the rollout weights are written, with the device→host copies of what the memory policy
-    /// moves still running on the copy stream, each buffer freed in stream order behind its
-    /// copy. The [`RolloutBuffer`](lifecycle_cuda::RolloutBuffer) carries each rank's
-    /// [`FreeingRoom`](lifecycle_cuda::FreeingRoom), so an engine's allocations wait (on the
-    /// device) only for the memory they need; exit joins the copies before reloading. The
-    /// metrics' offload phase then holds the bytes and the time to queue their copies; what the
-    /// copies still take when the rollout ends shows in exit's release phase (which waits for
-    /// them).
-    /// Verification mode and traced switches wait for the copies as before (the hashes and the
-    /// trace read them), as does a state whose buffers were lent by a caller.
-    ///
-    /// ```
-    /// use std::sync::Arc;
-    /// use lifecycle_cuda::ThreadRankPool;
-    /// use lifecycle_fsdp::FsdpBackend;
-    /// use lifecycle_layout::RolloutLayout;
-    ///
-    /// # fn build(pool: Arc<ThreadRankPool>, layout: RolloutLayout) -> FsdpBackend {
-    /// FsdpBackend::new(pool, layout).with_offload_overlap(true)
-    /// # }
-    /// ```
-    pub fn with_offload_overlap(mut self, on: bool) -> Self {
-        self.overlap_offload = on;
-        self
-    }
-
-    /// Whether enter overlaps its offload with the rollout ([`FsdpBackend::with_offload_overlap`]).
-    pub fn offload_overlap(&self) -> bool {
-        self.overlap_offload
-    }
-
-    /// Turns verification mode on or off (see the `verify` module's summary below). When on,
-    /// computed on the GPUs:
-    /// - `plan` rejects NaN or infinite master weights, naming the tensor, rank and element
-    ///   ([`FsdpError::NonFinite`]), before anything moves;
-    /// - every buffer offloaded (master, Adam m, v per the memory policy) is hashed per chunk of
-    ///   each tensor's shard before its device→host copy and again after the reload; a mismatch
-    ///   leaves that buffer offloaded and names the rank, tensor and buffer
-    ///   ([`FsdpError::Corrupted`]);
-    /// - the rollout weights are hashed per tensor after every transfer and checked before
-    ///   release ([`FsdpError::RolloutCorrupted`]).
-    ///
-    /// Same semantics as the host backend's `HostBackend::with_verification`.
-    pub fn with_verification(mut self, on: bool) -> Self {
-        self.verify = on;
-        self.rollout_sums = None;
-        self
-    }
-
-    /// Sets the rollout weights' dtype (bf16 by default). With [`RolloutDtype::Fp8`] the
-    /// matrices ([`lifecycle_layout::fp8::keeps_bf16`] false) are quantised in enter and refresh
-    /// from the fp32 masters to block-scaled e4m3, into the same rollout buffer (fp8
-    /// [`RolloutEntry`](lifecycle_layout::RolloutEntry) places), bit-identical to
-    /// `lifecycle_host::fp8::fp8_switch`. At W > 1 the ranks agree each block's scale first (partial amaxes, an all-reduce by max, or a
-    /// meeting of the ranks sharing a GPU) and only e4m3 bytes cross the links. `plan` refuses
-    /// non-finite masters, and shard splits that would move an odd byte count, before anything
-    /// moves.
-    pub fn with_rollout_dtype(mut self, dtype: RolloutDtype) -> Self {
-        self.dtype = dtype;
-        self
-    }
-
-    /// The rollout weights' dtype.
-    pub fn rollout_dtype(&self) -> RolloutDtype {
-        self.dtype
-    }
-
-    /// Which matrices an fp8 rollout keeps bf16 beyond the published exemptions (none by
-    /// default).
-    pub fn with_fp8_keep(mut self, keep: Fp8Keep) -> Self {
-        self.fp8_keep = keep;
-        self
-    }
-
-    /// Whether verification mode is on.
-    pub fn verifies(&self) -> bool {
-        self.verify
     }
 
     /// Changes the bucket settings (checked: a budget of at least 1 MiB, at least 1 in flight).

@@ -156,7 +156,7 @@ impl FsdpBackend {
         let Some(rs) = self.rollout_sums.take() else {
             return Ok(());
         };
-        if !self.verify || rs.sums.len() != rollout.local_ranks().len() {
+        if !self.options.verify || rs.sums.len() != rollout.local_ranks().len() {
             return Ok(());
         }
         let mut items: Vec<(&CudaSlice<bf16>, &lifecycle_cuda::ChunkTable)> =

@@ -151,7 +151,7 @@ impl FsdpBackend {
     /// This backend, switching lent buffers instead of its own (its settings, plans and pinned
     /// pool kept). Verification mode is refused: its hashes live beside buffers the backend owns.
     pub fn lending(self) -> Result<LentFsdpBackend, FsdpError> {
-        if self.verify {
+        if self.options.verify {
             return Err(FsdpError::Config(
                 "verification mode hashes the backend's own training buffers; lent buffers are \
                  switched without it (FsdpBackend::with_verification(false))"

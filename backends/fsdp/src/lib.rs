@@ -43,7 +43,7 @@
 //!   ([`lifecycle_cuda::CollectiveSettings`]): a peer rank that stalls or dies ends the switch in
 //!   [`lifecycle_cuda::CudaError::CollectiveTimeout`] with the training state restored on the
 //!   devices (`AfterFailure::Restored`); the pool then refuses collectives until it is rebuilt.
-//! - **Verification** ([`FsdpBackend::with_verification`]): device hashes of every offloaded
+//! - **Verification** ([`with_verification`](lifecycle_layout::settings::Configure::with_verification)): device hashes of every offloaded
 //!   buffer and of the rollout weights, and a non-finite scan of the master weights.
 //!
 //! [`FsdpBackend::download_rollout`] returns a [`HostRollout`](lifecycle_layout::HostRollout) for bit

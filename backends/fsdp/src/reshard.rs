@@ -40,11 +40,11 @@ impl FsdpBackend {
             }
         }
         let core = plan_fsdp_to_tp(train, &self.layout)?;
-        let mut plan = match self.dtype {
+        let mut plan = match self.options.dtype {
             RolloutDtype::Bf16 => build_plan(core, train, self.config),
             RolloutDtype::Fp8 => {
                 finite()?;
-                build_fp8_plan(core, train, self.config, self.fp8_keep)?
+                build_fp8_plan(core, train, self.config, self.options.fp8_keep)?
             }
         };
         let peer = self.transport.resolve(&self.pool)?;
@@ -68,7 +68,7 @@ impl FsdpBackend {
             })?;
         }
         let plan = Arc::new(plan);
-        if self.verify {
+        if self.options.verify {
             finite()?;
         }
         *cache = Some((train.clone(), plan.clone()));
@@ -112,12 +112,12 @@ impl Reshard for FsdpBackend {
             .transfer(plan, &mut state.ranks, &mut rolls, &hooks, ctx)
             .map_err(|e| self.name_nonfinite(e, &state.ranks, &state.shards))?;
         let entries = self.entries(plan);
-        if self.verify {
+        if self.options.verify {
             self.record_rollout_sums(&rolls, entries.ranks())?;
         }
         // Verification hashes what leaves the device once its copies settled: it waits.
         let keep_grads = ctx.memory.keep_rollout_resident;
-        let overlap = self.overlap_offload && !self.verify;
+        let overlap = self.options.offload_overlap && !self.options.verify;
         let rooms = self.driver().finish_enter::<_, FsdpError>(
             &mut state.ranks,
             ctx,
@@ -164,7 +164,7 @@ impl Reshard for FsdpBackend {
         let mut moved = self
             .transfer(plan, &mut state.ranks, rollout.buffers_mut(), &hooks, ctx)
             .map_err(|e| self.name_nonfinite(e, &state.ranks, &state.shards))?;
-        if self.verify {
+        if self.options.verify {
             let entries = rollout.all_entries().to_vec();
             self.record_rollout_sums(rollout.buffers(), &entries)?;
         }

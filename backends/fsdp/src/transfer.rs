@@ -171,7 +171,7 @@ impl FsdpBackend {
         shards: &'a lifecycle_layout::fsdp::ShardLayout,
     ) -> FsdpHooks<'a> {
         FsdpHooks {
-            verify: self.verify.then(|| verify::shard_table(shards)),
+            verify: self.options.verify.then(|| verify::shard_table(shards)),
             shards,
         }
     }

@@ -1,4 +1,4 @@
-//! Verification mode of the FSDP backend ([`FsdpBackend::with_verification`]), computed on the
+//! Verification mode of the FSDP backend ([`with_verification`]), computed on the
 //! devices with [`lifecycle_cuda::VerifyKernels`]:
 //!
 //! - `plan` scans the master weights for NaN or infinite values and refuses them, naming the
@@ -10,7 +10,7 @@
 //! - The rollout weights are hashed per tensor after every transfer and checked before they are
 //!   released ([`FsdpError::RolloutCorrupted`]).
 //!
-//! [`FsdpBackend::with_verification`]: crate::FsdpBackend::with_verification
+//! [`with_verification`]: lifecycle_layout::settings::Configure::with_verification
 //! [`FsdpError::NonFinite`]: crate::FsdpError::NonFinite
 //! [`FsdpError::Corrupted`]: crate::FsdpError::Corrupted
 //! [`FsdpError::RolloutCorrupted`]: crate::FsdpError::RolloutCorrupted

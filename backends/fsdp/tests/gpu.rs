@@ -9,6 +9,7 @@
 //! - 2 GPUs: W = 2 over NCCL (batched and per-piece casts, all-gather and packed gather modes)
 //!   and peer copies over the link; four ranks on two GPUs.
 
+use lifecycle_layout::settings::Configure;
 use std::sync::Arc;
 
 use lifecycle_core::{Lifecycle, LifecycleConfig, LifecycleError, MemoryPolicy, Phase, Switching};

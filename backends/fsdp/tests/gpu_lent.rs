@@ -5,6 +5,7 @@
 //! `cargo test --release -p lifecycle-fsdp --test gpu_lent -- --ignored` or through
 //! `scripts/gpu-suite.sh`; in CI (no GPU) it is reported as ignored.
 
+use lifecycle_layout::settings::Configure;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 

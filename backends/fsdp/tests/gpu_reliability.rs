@@ -17,6 +17,7 @@
 //! (on the project's test machine also `export NCCL_NVLS_ENABLE=0`), or `scripts/gpu-suite.sh`.
 //! Without GPUs they are reported as ignored; with too few, a test fails saying how many it needs.
 
+use lifecycle_layout::settings::Configure;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -375,7 +376,7 @@ fn fault_matrix_on_gpus_restores_the_training_state_bit_for_bit() -> Res {
 
 /// Every phase × {error, panic} × {start, end} for each policy; with `overlap`, enter hands out
 /// the rollout weights with the offload copies still running
-/// ([`FsdpBackend::with_offload_overlap`]).
+/// (`with_offload_overlap`).
 fn fault_matrix(pool: &Arc<ThreadRankPool>, overlap: bool) -> Res {
     let w = pool.world();
     let pool = pool.clone();

@@ -6,6 +6,7 @@ use lifecycle_layout::{plan_fsdp_to_tp, RankPlan, ReshardPlan, RolloutLayout};
 
 use crate::fp8::{check_fp8_plan, fp8_rollout};
 use lifecycle_layout::fp8::{fp8_rank_traffic, Fp8Keep, RolloutDtype};
+use lifecycle_layout::settings::{Configure, Honours, SwitchOptions};
 use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 use lifecycle_state::cast_f32_to_bf16;
 use lifecycle_state::checksum_tensor;
@@ -38,49 +39,34 @@ use lifecycle_state::{HostTrainState, RankState};
 #[derive(Debug, Clone)]
 pub struct HostBackend {
     layout: RolloutLayout,
-    dtype: RolloutDtype,
-    fp8_keep: Fp8Keep,
-    verify: bool,
+    options: SwitchOptions,
     /// Checksums of the resident rollout slices, per rank and tensor (verification mode).
     rollout_sums: Vec<Vec<u64>>,
 }
 
-impl HostBackend {
-    /// A backend producing `layout`.
-    pub fn new(layout: RolloutLayout) -> Self {
-        HostBackend {
-            layout,
-            dtype: RolloutDtype::Bf16,
-            fp8_keep: Fp8Keep::default(),
-            verify: false,
-            rollout_sums: Vec::new(),
-        }
+impl Configure for HostBackend {
+    const NAME: &'static str = "the FSDP host backend";
+    /// Offload overlap changes nothing here: a host offload is a copy in memory, finished
+    /// before enter returns either way.
+    const HONOURS: Honours = Honours {
+        verification: true,
+        offload_overlap: true,
+    };
+
+    fn options(&self) -> &SwitchOptions {
+        &self.options
     }
 
-    /// Turns verification mode on or off. When on: `plan` rejects NaN or infinite master weights
-    /// (naming the tensor, rank and element); every offloaded buffer is checksummed and checked at
-    /// reload; the rollout slices are checksummed after each transfer and checked before release.
-    /// A mismatch is reported with the rank, tensor and buffer.
-    pub fn with_verification(mut self, on: bool) -> Self {
-        self.verify = on;
-        self
-    }
-
-    /// Whether verification mode is on.
-    pub fn verifies(&self) -> bool {
-        self.verify
-    }
-
-    /// Sets the rollout weights' dtype (bf16 by default). With [`RolloutDtype::Fp8`] enter and
-    /// refresh quantise the matrices to block-scaled e4m3 from the fp32 masters as
-    /// [`fp8_switch`](crate::fp8::fp8_switch) does (the bf16-exempt tensors are cast), and
-    /// `plan` refuses non-finite masters and tensor-parallel slices that cut a 128 × 128 block,
-    /// naming the tensor, before anything moves.
+    /// Replaces the options. An fp8 rollout is quantised in enter and refresh from the fp32
+    /// masters as [`fp8_switch`](crate::fp8::fp8_switch) does (the bf16-exempt tensors cast);
+    /// verification checksums every offloaded buffer (checked at reload) and the rollout
+    /// slices (after each transfer, checked before release).
     ///
     /// ```
     /// use lifecycle_core::Lifecycle;
     /// use lifecycle_host::{HostBackend, HostTrainState};
     /// use lifecycle_layout::fp8::{fp8_rank_traffic, Fp8Keep, RolloutDtype};
+    /// use lifecycle_layout::settings::Configure;
     /// use lifecycle_layout::{HostTensor, RolloutLayout};
     ///
     /// let state = HostTrainState::from_tensors(2, vec![
@@ -97,25 +83,24 @@ impl HostBackend {
     /// assert_eq!((q.data().len(), q.scale_inv(), up.value(0)), (512, &[0.5 / 448.0][..], 0.5));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn with_rollout_dtype(mut self, dtype: RolloutDtype) -> Self {
-        self.dtype = dtype;
-        self
+    fn set_options(&mut self, options: SwitchOptions) {
+        self.options = options;
+        self.rollout_sums.clear();
     }
+}
 
-    /// The rollout weights' dtype.
-    pub fn rollout_dtype(&self) -> RolloutDtype {
-        self.dtype
-    }
-
-    /// Which matrices an fp8 rollout keeps bf16 beyond the published exemptions (none by
-    /// default).
-    pub fn with_fp8_keep(mut self, keep: Fp8Keep) -> Self {
-        self.fp8_keep = keep;
-        self
+impl HostBackend {
+    /// A backend producing `layout`.
+    pub fn new(layout: RolloutLayout) -> Self {
+        HostBackend {
+            layout,
+            options: SwitchOptions::default(),
+            rollout_sums: Vec::new(),
+        }
     }
 
     fn record_rollout_sums(&mut self, rollout: &HostRollout) {
-        self.rollout_sums = if self.verify {
+        self.rollout_sums = if self.options.verify {
             per_rank(rollout.ranks.iter().collect(), |_, r| {
                 r.tensors.iter().map(checksum_tensor).collect()
             })
@@ -125,7 +110,7 @@ impl HostBackend {
     }
 
     fn check_rollout_sums(&self, rollout: &HostRollout) -> Result<(), HostError> {
-        if !self.verify || self.rollout_sums.is_empty() {
+        if !self.options.verify || self.rollout_sums.is_empty() {
             return Ok(());
         }
         for (rank, (r, sums)) in rollout.ranks.iter().zip(&self.rollout_sums).enumerate() {
@@ -393,10 +378,10 @@ impl Reshard for HostBackend {
 
     fn plan(&self, state: &HostTrainState) -> Result<ReshardPlan, HostError> {
         let plan = plan_fsdp_to_tp(state.layout(), &self.layout)?;
-        if self.dtype == RolloutDtype::Fp8 {
-            check_fp8_plan(&plan, self.fp8_keep)?;
+        if self.options.dtype == RolloutDtype::Fp8 {
+            check_fp8_plan(&plan, self.options.fp8_keep)?;
         }
-        if self.verify || self.dtype == RolloutDtype::Fp8 {
+        if self.options.verify || self.options.dtype == RolloutDtype::Fp8 {
             state.check_finite()?;
         }
         Ok(plan)
@@ -413,8 +398,8 @@ impl Reshard for HostBackend {
                 operation: "entering rollout mode",
             });
         }
-        let rollout = if self.dtype == RolloutDtype::Fp8 {
-            let rollout = quantise(plan, state, self.fp8_keep, ctx)?;
+        let rollout = if self.options.dtype == RolloutDtype::Fp8 {
+            let rollout = quantise(plan, state, self.options.fp8_keep, ctx)?;
             for (rank, r) in rollout.ranks.iter().enumerate() {
                 state.ranks_mut()[rank].meter.alloc(r.bytes());
             }
@@ -430,7 +415,7 @@ impl Reshard for HostBackend {
             rollout
         };
         self.record_rollout_sums(&rollout);
-        offload(state, ctx.memory, self.verify, ctx);
+        offload(state, ctx.memory, self.options.verify, ctx);
         Ok(rollout)
     }
 
@@ -459,13 +444,13 @@ impl Reshard for HostBackend {
                 }
             }
         }
-        if self.dtype == RolloutDtype::Fp8 {
-            *rollout = quantise(plan, state, self.fp8_keep, ctx)?;
+        if self.options.dtype == RolloutDtype::Fp8 {
+            *rollout = quantise(plan, state, self.options.fp8_keep, ctx)?;
         } else {
             transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx)?;
         }
         self.record_rollout_sums(rollout);
-        offload(state, ctx.memory, self.verify, ctx);
+        offload(state, ctx.memory, self.options.verify, ctx);
         Ok(())
     }
 

@@ -223,6 +223,34 @@ fn plan_errors_surface_through_the_lifecycle_before_anything_moves() {
     assert_eq!(lc.peek_state().snapshot(), before);
 }
 
+/// Verification is an option every backend takes and the Megatron host backend does not have:
+/// refused by name at plan, before anything moves; the shared options otherwise switch.
+#[test]
+fn an_option_the_backend_lacks_is_refused_before_anything_moves() {
+    use lifecycle_layout::settings::Configure;
+    let m = common::model(2, false);
+    let state = MegatronTrainState::from_hf(
+        MegatronLayout::new(m, 2, 1, 1).unwrap(),
+        common::hf_tensors(&m, 1),
+    )
+    .unwrap();
+    let before = state.snapshot();
+    let rollout = RolloutLayout::fused(2, RolloutVocab::PadToMultipleOf(1));
+    let backend = MegatronHostBackend::new(rollout.clone()).with_verification(true);
+    let mut lc = Lifecycle::new(backend, state.clone());
+    let e = lc.rollout().unwrap_err().to_string();
+    assert!(
+        e.contains("verification") && e.contains("Megatron host backend"),
+        "{e}"
+    );
+    assert_eq!(lc.peek_state().snapshot(), before);
+    // offload overlap changes nothing on the host: taken
+    let backend = MegatronHostBackend::new(rollout).with_offload_overlap(true);
+    assert!(backend.offload_overlap());
+    let mut lc = Lifecycle::new(backend, state);
+    assert!(lc.rollout().is_ok());
+}
+
 /// Mixture-of-experts models in the Megatron expert layouts: bad expert degrees, a rollout
 /// degree the expert placement cannot split, expert parallelism for a dense model, and
 /// missing, extra or mis-shaped expert tensors and routers are errors naming the degree, the

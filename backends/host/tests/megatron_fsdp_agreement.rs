@@ -2,6 +2,7 @@
 //! afterwards) and for this backend (fused rollout) gives bit-identical rollout weights, before
 //! and after one optimizer step with the same gradients.
 
+use lifecycle_layout::settings::Configure;
 #[path = "common/megatron.rs"]
 mod common;
 

@@ -10,9 +10,10 @@ use lifecycle_cuda::{ProgramSlot, RankExecutor, ThreadRankPool, TileKernel};
 use crate::error::MegatronGpuError;
 use crate::state::{GpuRank, MegatronGpuState};
 use lifecycle_cuda::PinnedPool;
-use lifecycle_layout::fp8::{Fp8Keep, RolloutDtype};
+use lifecycle_layout::fp8::Fp8Keep;
 use lifecycle_layout::megatron::schedule::RankSchedule;
 use lifecycle_layout::megatron::{Fp8Rollout, MegatronLayout, MegatronPlan};
+use lifecycle_layout::settings::{Configure, Honours, SwitchOptions};
 use lifecycle_layout::steps::Quantise;
 use lifecycle_layout::RolloutLayout;
 
@@ -146,10 +147,9 @@ pub struct MegatronGpuBackend {
     /// plan), keyed by the plan's id.
     pub(crate) programs: Vec<ProgramSlot<u64>>,
     pub(crate) cached: Mutex<Option<Arc<MegatronGpuPlan>>>,
-    /// Enter hands out the rollout weights with the offload copies still running.
-    pub(crate) overlap_offload: bool,
-    pub(crate) dtype: RolloutDtype,
-    pub(crate) fp8_keep: Fp8Keep,
+    /// The options every backend holds (dtype, fp8 exemptions, offload overlap; verification
+    /// refused).
+    pub(crate) options: SwitchOptions,
 }
 
 impl std::fmt::Debug for MegatronGpuBackend {
@@ -158,10 +158,53 @@ impl std::fmt::Debug for MegatronGpuBackend {
             .field("world", &self.pool.world())
             .field("rollout", &self.rollout)
             .field("config", &self.config)
-            .field("overlap_offload", &self.overlap_offload)
-            .field("dtype", &self.dtype)
-            .field("fp8_keep", &self.fp8_keep)
+            .field("options", &self.options)
             .finish()
+    }
+}
+
+impl Configure for MegatronGpuBackend {
+    const NAME: &'static str = "the Megatron GPU backend";
+    const HONOURS: Honours = Honours {
+        verification: false,
+        offload_overlap: true,
+    };
+
+    fn options(&self) -> &SwitchOptions {
+        &self.options
+    }
+
+    /// Replaces the options (a cached plan of other options is not reused). With
+    /// [`RolloutDtype::Fp8`](lifecycle_layout::fp8::RolloutDtype::Fp8) every matrix
+    /// ([`Fp8Keep::keeps_bf16`] false) is quantised to block-scaled e4m3 in its own 128 × 128 block
+    /// grid, as the host backend (`MegatronHostBackend`) does and bit-identical to it. Where every
+    /// rank holds what it quantises (no byte crosses a link, as with PP = 1 and T a multiple of TP)
+    /// and its runs of rows fall on 128-row blocks, each rank quantises straight from its bf16
+    /// parameters into its rollout buffer beside the copies of the bf16 tensors: one read of each
+    /// parameter, one write of the rollout ([`lifecycle_layout::megatron::fp8_one_read`],
+    /// [`MegatronGpuPlan::fp8_one_read`]). Otherwise the transfer writes the bf16 rollout into a
+    /// staging buffer, then one pass per rank ([`lifecycle_cuda::quantise_staged`]) copies the bf16
+    /// tensors and quantises the others into the rollout buffer
+    /// ([`lifecycle_layout::megatron::Fp8Rollout`]), and the staging buffer is freed (peak memory:
+    /// the staging buffer beside the fp8 rollout during a switch). A fused tensor (`qkv_proj`,
+    /// `gate_up_proj`) whose parts do not end on 128-row boundaries, and non-finite bf16
+    /// parameters, are refused by `plan`, naming the tensor, before anything moves.
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use lifecycle_cuda::ThreadRankPool;
+    /// use lifecycle_layout::fp8::RolloutDtype;
+    /// use lifecycle_layout::settings::Configure;
+    /// use lifecycle_layout::{RolloutLayout, RolloutVocab};
+    /// use lifecycle_megatron::MegatronGpuBackend;
+    /// let pool = Arc::new(ThreadRankPool::new(1)?);
+    /// let backend = MegatronGpuBackend::new(pool, RolloutLayout::fused(1, RolloutVocab::Unpadded))?
+    ///     .with_rollout_dtype(RolloutDtype::Fp8);
+    /// assert_eq!(backend.rollout_dtype(), RolloutDtype::Fp8);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    fn set_options(&mut self, options: SwitchOptions) {
+        self.options = options;
     }
 }
 
@@ -182,55 +225,8 @@ impl MegatronGpuBackend {
             pinned: Arc::new(PinnedPool::default()),
             programs: loaded.iter().map(|()| ProgramSlot::default()).collect(),
             cached: Mutex::new(None),
-            overlap_offload: false,
-            dtype: RolloutDtype::Bf16,
-            fp8_keep: Fp8Keep::default(),
+            options: SwitchOptions::default(),
         })
-    }
-
-    /// Sets the rollout weights' dtype (bf16 by default). With [`RolloutDtype::Fp8`] every
-    /// matrix ([`Fp8Keep::keeps_bf16`] false) is quantised to block-scaled e4m3 in its own
-    /// 128 × 128 block grid, as the host backend (`MegatronHostBackend`) does and bit-identical
-    /// to it. Where every rank holds what it quantises (no byte crosses a link, as with PP = 1
-    /// and T a multiple of TP) and its runs of rows fall on 128-row blocks, each rank quantises
-    /// straight from its bf16 parameters into its rollout buffer beside the copies of the bf16
-    /// tensors: one read of each parameter, one write of the rollout
-    /// ([`lifecycle_layout::megatron::fp8_one_read`], [`MegatronGpuPlan::fp8_one_read`]).
-    /// Otherwise the transfer writes the bf16 rollout into a staging buffer, then one pass per
-    /// rank ([`lifecycle_cuda::quantise_staged`]) copies the bf16 tensors and quantises the
-    /// others into the rollout buffer ([`lifecycle_layout::megatron::Fp8Rollout`]), and the
-    /// staging buffer is freed (peak memory: the staging buffer beside the fp8 rollout during a
-    /// switch). A fused tensor (`qkv_proj`, `gate_up_proj`) whose parts do not end on 128-row
-    /// boundaries, and non-finite bf16 parameters, are refused by `plan`, naming the tensor,
-    /// before anything moves.
-    ///
-    /// ```no_run
-    /// use std::sync::Arc;
-    /// use lifecycle_cuda::ThreadRankPool;
-    /// use lifecycle_layout::fp8::RolloutDtype;
-    /// use lifecycle_layout::{RolloutLayout, RolloutVocab};
-    /// use lifecycle_megatron::MegatronGpuBackend;
-    /// let pool = Arc::new(ThreadRankPool::new(1)?);
-    /// let backend = MegatronGpuBackend::new(pool, RolloutLayout::fused(1, RolloutVocab::Unpadded))?
-    ///     .with_rollout_dtype(RolloutDtype::Fp8);
-    /// assert_eq!(backend.rollout_dtype(), RolloutDtype::Fp8);
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
-    pub fn with_rollout_dtype(mut self, dtype: RolloutDtype) -> Self {
-        self.dtype = dtype;
-        self
-    }
-
-    /// The rollout weights' dtype.
-    pub fn rollout_dtype(&self) -> RolloutDtype {
-        self.dtype
-    }
-
-    /// Which matrices an fp8 rollout keeps bf16 beyond the published exemptions (none by
-    /// default).
-    pub fn with_fp8_keep(mut self, keep: Fp8Keep) -> Self {
-        self.fp8_keep = keep;
-        self
     }
 
     /// Changes the settings (checked: a budget of at least 2 bytes, at least 1 step in flight).
@@ -252,22 +248,6 @@ impl MegatronGpuBackend {
     pub fn with_pinned_pool(mut self, pinned: Arc<PinnedPool>) -> Self {
         self.pinned = pinned;
         self
-    }
-
-    /// Overlaps the offload of an enter with the rollout (off by default), as
-    /// `FsdpBackend::with_offload_overlap` does: enter returns once the rollout weights are
-    /// written, the device→host copies still running on the copy stream and each buffer freed
-    /// in stream order behind its copy; the [`RolloutBuffer`](lifecycle_cuda::RolloutBuffer)
-    /// carries each rank's [`FreeingRoom`](lifecycle_cuda::FreeingRoom) for the engine's
-    /// allocations, and exit joins the copies. A traced switch waits for its copies.
-    pub fn with_offload_overlap(mut self, on: bool) -> Self {
-        self.overlap_offload = on;
-        self
-    }
-
-    /// Whether enter overlaps its offload with the rollout.
-    pub fn offload_overlap(&self) -> bool {
-        self.overlap_offload
     }
 
     /// The settings.

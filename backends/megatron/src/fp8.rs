@@ -18,7 +18,7 @@ impl MegatronGpuBackend {
     /// every local rank ([`MegatronError::NonFinite`] naming the parameter, the rank and the
     /// element otherwise), read on the devices.
     pub(crate) fn check_finite(&self, state: &MegatronGpuState) -> Result<(), MegatronGpuError> {
-        let keep = self.fp8_keep;
+        let keep = self.options.fp8_keep;
         let segments: Vec<Vec<(u64, u64)>> = self
             .locals()
             .iter()

@@ -2,6 +2,7 @@
 //! engine's [switch driver](lifecycle_cuda::driver).
 
 use crate::backend::{MegatronGpuBackend, MegatronGpuPlan, NEXT_PLAN};
+use lifecycle_layout::settings::Configure;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -24,6 +25,8 @@ impl Reshard for MegatronGpuBackend {
     type Error = MegatronGpuError;
 
     fn plan(&self, state: &MegatronGpuState) -> Result<Arc<MegatronGpuPlan>, MegatronGpuError> {
+        self.check_options()
+            .map_err(|e| MegatronGpuError::Config(e.to_string()))?;
         self.check_state(state)?;
         let bucket = BucketConfig {
             bucket_bytes: self.config.bucket_bytes,
@@ -32,8 +35,8 @@ impl Reshard for MegatronGpuBackend {
         if let Some(p) = cached.as_ref() {
             let same = p.made_for(&state.layout, &self.rollout)
                 && p.config == self.config
-                && p.fp8.is_some() == (self.dtype == RolloutDtype::Fp8)
-                && p.keep == self.fp8_keep
+                && p.fp8.is_some() == (self.options.dtype == RolloutDtype::Fp8)
+                && p.keep == self.options.fp8_keep
                 && p.ranks
                     .iter()
                     .map(|s| s.rank)
@@ -45,10 +48,10 @@ impl Reshard for MegatronGpuBackend {
         let peer_copy = self.config.transport.resolve(&self.pool)?;
         let plan = plan_megatron_to_tp(&state.layout, &self.rollout, bucket)?;
         let (offsets, len) = rollout_offsets(&plan);
-        let fp8 = match self.dtype {
+        let fp8 = match self.options.dtype {
             RolloutDtype::Bf16 => None,
             RolloutDtype::Fp8 => {
-                let keep = self.fp8_keep;
+                let keep = self.options.fp8_keep;
                 check_fused_fp8(&plan.tensors, plan.train.model(), self.rollout.tp(), keep)?;
                 self.check_finite(state)?;
                 Some(fp8_rollout(&plan.tensors, &offsets, keep))
@@ -95,7 +98,7 @@ impl Reshard for MegatronGpuBackend {
                     .map(|z| z.start as u64..z.end as u64)
                     .collect()
             }),
-            keep: self.fp8_keep,
+            keep: self.options.fp8_keep,
         });
         *cached = Some(p.clone());
         Ok(p)

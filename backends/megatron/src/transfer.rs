@@ -153,7 +153,13 @@ impl MegatronGpuBackend {
         ctx: &mut SwitchContext<'_>,
         moved: &mut [RankMoved],
     ) -> Result<Option<Vec<FreeingRoom>>, MegatronGpuError> {
-        self.driver()
-            .finish_enter(ranks, ctx, moved, &NoHooks, false, self.overlap_offload)
+        self.driver().finish_enter(
+            ranks,
+            ctx,
+            moved,
+            &NoHooks,
+            false,
+            self.options.offload_overlap,
+        )
     }
 }

@@ -7,6 +7,7 @@
 //! step) bit-identical to the CPU executor's (`MegatronHostBackend` with fp8), the training
 //! state unchanged; non-finite parameters and split blocks refused before anything moves.
 
+use lifecycle_layout::settings::Configure;
 #[path = "../../host/tests/common/megatron.rs"]
 mod common;
 

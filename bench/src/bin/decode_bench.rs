@@ -29,6 +29,7 @@
 //! decode_bench --kv-dtype f32 --prompt 1024 --batches 8,32
 //! ```
 
+use lifecycle_layout::settings::Configure;
 use std::error::Error;
 use std::process::ExitCode;
 use std::sync::Arc;

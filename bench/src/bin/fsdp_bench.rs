@@ -16,6 +16,7 @@
 //! no 30 GB host upload is needed.
 
 use lifecycle_layout::fp8::RolloutDtype;
+use lifecycle_layout::settings::Configure;
 use std::error::Error;
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -18,6 +18,7 @@
 //! The model is Qwen-shaped (hidden `h`, MLP `5.5 h`, kv `h / 8`, vocabulary 32 000, untied
 //! head), generated on the GPUs (`FsdpBackend::synthetic_state`).
 
+use lifecycle_layout::settings::Configure;
 use std::error::Error;
 use std::process::ExitCode;
 use std::sync::Arc;

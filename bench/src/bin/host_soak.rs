@@ -7,6 +7,7 @@
 //! cargo run --release -p lifecycle-bench --bin host_soak -- --cycles 1000
 //! ```
 
+use lifecycle_layout::settings::Configure;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 

@@ -26,6 +26,7 @@
 //! rate), maximised over ranks. Floor of an enter with offload = bytes a rank offloads ÷ the
 //! pinned device→host rate; of the exit = the same bytes ÷ the host→device rate.
 
+use lifecycle_layout::settings::Configure;
 use std::error::Error;
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -24,6 +24,7 @@
 //! rollout_bench --layers 4 --kept-groups 8 --steps 2 --modes static,abort,partial --steady 256
 //! ```
 
+use lifecycle_layout::settings::Configure;
 use std::error::Error;
 use std::process::ExitCode;
 use std::sync::Arc;

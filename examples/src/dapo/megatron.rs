@@ -8,6 +8,7 @@
 //! batch's mean absolute advantage, set on every rank ([`MegatronTrainState::set_grads_from_hf`]),
 //! then Megatron's distributed-optimizer Adam step ([`MegatronTrainState::adam_step`]).
 
+use lifecycle_layout::settings::Configure;
 use std::path::Path;
 
 use lifecycle_core::{RolloutSession, Switching, TrainSession};

@@ -57,6 +57,7 @@
 //! # Ok::<(), clap::Error>(())
 //! ```
 
+use lifecycle_layout::settings::Configure;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

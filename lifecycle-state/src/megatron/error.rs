@@ -8,6 +8,9 @@ pub enum MegatronError {
     /// The layouts are inconsistent (see [`MegatronLayoutError`]).
     #[error(transparent)]
     Layout(#[from] MegatronLayoutError),
+    /// A switch option the backend does not have.
+    #[error(transparent)]
+    Option(#[from] lifecycle_layout::settings::OptionError),
     /// A Hugging Face tensor the model needs was not given.
     #[error("tensor `{name}` is missing: the model description needs it (check the layer count, qkv bias and tied embeddings)")]
     MissingTensor {

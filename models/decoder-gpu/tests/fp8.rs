@@ -14,6 +14,7 @@
 //! directly, with the activations joined back into f32. So the
 //! bound is that of the bf16 GPU tests, `1e-3 + 1e-3 · max|logit|`; greedy tokens must be equal.
 
+use lifecycle_layout::settings::Configure;
 use std::sync::Arc;
 
 use lifecycle_core::Lifecycle;

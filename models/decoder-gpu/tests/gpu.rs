@@ -26,6 +26,7 @@
 //! the 6e-3 … 5e-2 the logits move between f32 and bf16 weights, so a wrong split, head or cache
 //! fails it). The measured maximum is printed. Greedy tokens must be equal.
 
+use lifecycle_layout::settings::Configure;
 use std::sync::Arc;
 use std::time::Instant;
 

@@ -17,6 +17,7 @@
 //! paths of the W8A8 products); a Qwen3-MoE in bf16 and fp8 routed on the device, and routed
 //! on the host (never captured).
 
+use lifecycle_layout::settings::Configure;
 use std::sync::Arc;
 
 use lifecycle_core::Lifecycle;

@@ -16,6 +16,7 @@
 //!   Greedy agreement with the references is reported, not asserted (near-ties may flip):
 //!   104 of 108 tokens up to the first difference.
 
+use lifecycle_layout::settings::Configure;
 mod common;
 
 use common::{fixtures, floats, json, tokens};

@@ -23,6 +23,7 @@
 //! untied heads, and a vocabulary not divisible by T (61). Padding rows are shown never to be
 //! read by poisoning them with NaN.
 
+use lifecycle_layout::settings::Configure;
 mod common;
 
 use common::{fixtures, floats, moe_references, references, tokens};

@@ -5,11 +5,12 @@ use half::bf16;
 use lifecycle_core::{Link, MemoryPolicy, Phase, Reshard, SwitchContext};
 use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 
-use lifecycle_layout::fp8::{quantize_blocks, Fp8Keep, RolloutDtype};
+use lifecycle_layout::fp8::{quantize_blocks, RolloutDtype};
 use lifecycle_layout::megatron::{
     check_fused_fp8, plan_megatron_to_tp, BucketConfig, MegatronLayoutError, MegatronPlan,
     RankPlan, Transfer,
 };
+use lifecycle_layout::settings::{Configure, Honours, SwitchOptions};
 use lifecycle_layout::RolloutLayout;
 use lifecycle_state::megatron::MegatronError;
 use lifecycle_state::megatron::{MegatronTrainState, RankTrain};
@@ -45,8 +46,43 @@ use lifecycle_state::megatron::{MegatronTrainState, RankTrain};
 pub struct MegatronHostBackend {
     rollout: RolloutLayout,
     config: BucketConfig,
-    dtype: RolloutDtype,
-    keep: Fp8Keep,
+    options: SwitchOptions,
+}
+
+impl Configure for MegatronHostBackend {
+    const NAME: &'static str = "the Megatron host backend";
+    /// Offload overlap changes nothing here (a host offload is a copy in memory, finished
+    /// before enter returns); verification is refused.
+    const HONOURS: Honours = Honours {
+        verification: false,
+        offload_overlap: true,
+    };
+
+    fn options(&self) -> &SwitchOptions {
+        &self.options
+    }
+
+    /// Replaces the options. With [`RolloutDtype::Fp8`] every matrix
+    /// ([`Fp8Keep::keeps_bf16`](lifecycle_layout::fp8::Fp8Keep::keeps_bf16) false) is quantised
+    /// after the transfer to block-scaled e4m3 in the rollout's own 128 × 128 grid, from the bf16
+    /// parameters: a fused tensor's blocks and scales are then its parts' stacked, as vLLM's fp8
+    /// loader builds them, and bit-identical to the FSDP backends' fp8 rollout of the same
+    /// (bf16-exact) weights. A stacked expert tensor (`[e, rows, cols]`) is quantised in its `(e ·
+    /// rows) × cols` view: each expert in blocks of its own. `plan` refuses a fused tensor whose
+    /// parts would share a block ([`check_fused_fp8`]), naming the tensor, before anything moves.
+    ///
+    /// ```
+    /// use lifecycle_host::megatron::MegatronHostBackend;
+    /// use lifecycle_layout::fp8::RolloutDtype;
+    /// use lifecycle_layout::settings::Configure;
+    /// use lifecycle_layout::{RolloutLayout, RolloutVocab};
+    /// let backend = MegatronHostBackend::new(RolloutLayout::fused(2, RolloutVocab::Unpadded))
+    ///     .with_rollout_dtype(RolloutDtype::Fp8);
+    /// assert_eq!(backend.rollout_dtype(), RolloutDtype::Fp8);
+    /// ```
+    fn set_options(&mut self, options: SwitchOptions) {
+        self.options = options;
+    }
 }
 
 impl MegatronHostBackend {
@@ -55,42 +91,8 @@ impl MegatronHostBackend {
         MegatronHostBackend {
             rollout,
             config: BucketConfig::default(),
-            dtype: RolloutDtype::Bf16,
-            keep: Fp8Keep::default(),
+            options: SwitchOptions::default(),
         }
-    }
-
-    /// Sets the rollout weights' dtype (bf16 by default). With [`RolloutDtype::Fp8`] every matrix
-    /// ([`Fp8Keep::keeps_bf16`] false) is quantised after the transfer to block-scaled e4m3 in
-    /// the rollout's own 128 × 128 grid, from the bf16 parameters: a fused tensor's blocks and
-    /// scales are then its parts' stacked, as vLLM's fp8 loader builds them, and bit-identical
-    /// to the FSDP backends' fp8 rollout of the same (bf16-exact) weights. A stacked expert
-    /// tensor (`[e, rows, cols]`) is quantised in its `(e · rows) × cols` view: each expert in
-    /// blocks of its own. `plan` refuses a fused tensor whose parts would share a block
-    /// ([`check_fused_fp8`]), naming the tensor, before anything moves.
-    ///
-    /// ```
-    /// use lifecycle_host::megatron::MegatronHostBackend;
-    /// use lifecycle_layout::fp8::RolloutDtype;
-    /// use lifecycle_layout::{RolloutLayout, RolloutVocab};
-    /// let backend = MegatronHostBackend::new(RolloutLayout::fused(2, RolloutVocab::Unpadded))
-    ///     .with_rollout_dtype(RolloutDtype::Fp8);
-    /// assert_eq!(backend.rollout_dtype(), RolloutDtype::Fp8);
-    /// ```
-    pub fn with_rollout_dtype(mut self, dtype: RolloutDtype) -> Self {
-        self.dtype = dtype;
-        self
-    }
-
-    /// The rollout weights' dtype.
-    pub fn rollout_dtype(&self) -> RolloutDtype {
-        self.dtype
-    }
-
-    /// Which matrices an fp8 rollout keeps bf16 beyond the published exemptions.
-    pub fn with_fp8_keep(mut self, keep: Fp8Keep) -> Self {
-        self.keep = keep;
-        self
     }
 
     /// Changes the bucket budget (at least 2 bytes: one bf16 element).
@@ -124,7 +126,7 @@ impl MegatronHostBackend {
         state: &mut MegatronTrainState,
         rollout: &mut HostRollout,
     ) -> Result<(), MegatronError> {
-        if self.dtype != RolloutDtype::Fp8 {
+        if self.options.dtype != RolloutDtype::Fp8 {
             return Ok(());
         }
         for (rank, (r, out)) in state
@@ -139,7 +141,7 @@ impl MegatronHostBackend {
                 .tensors
                 .iter()
                 .map(|t| {
-                    if t.fp8.is_some() || self.keep.keeps_bf16(&t.name, &t.shape) {
+                    if t.fp8.is_some() || self.options.fp8_keep.keeps_bf16(&t.name, &t.shape) {
                         return Ok(None);
                     }
                     // a matrix, or a stack of expert matrices in its (experts · rows) × cols view
@@ -303,14 +305,15 @@ impl Reshard for MegatronHostBackend {
     type Error = MegatronError;
 
     fn plan(&self, state: &MegatronTrainState) -> Result<MegatronPlan, MegatronError> {
+        self.check_options()?;
         state.layout().check_world(state.world())?;
         let plan = plan_megatron_to_tp(state.layout(), &self.rollout, self.config)?;
-        if self.dtype == RolloutDtype::Fp8 {
+        if self.options.dtype == RolloutDtype::Fp8 {
             check_fused_fp8(
                 &plan.tensors,
                 plan.train.model(),
                 self.rollout.tp(),
-                self.keep,
+                self.options.fp8_keep,
             )?;
         }
         Ok(plan)

@@ -2,6 +2,7 @@
 //! a tiny model shape and deterministic full tensors.
 #![allow(dead_code)]
 
+use lifecycle_layout::settings::Configure;
 use lifecycle_layout::HostTensor;
 use lifecycle_layout::{LayerSet, ModelSpec, MoeSpec};
 
