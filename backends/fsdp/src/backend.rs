@@ -25,6 +25,15 @@ impl PartialEq for PlanRef {
     }
 }
 
+/// A kept step program's identity: the plan and, per local rank, where its source's tensors are
+/// when not where the plan's flat layout puts them (a lent rank's own shards:
+/// [`RankBuffers::source_offsets`](lifecycle_cuda::driver::RankBuffers::source_offsets)).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ProgramKey {
+    pub(crate) plan: PlanRef,
+    pub(crate) at: Vec<Option<Vec<u64>>>,
+}
+
 /// Reshards FSDP training shards into bf16 tensor-parallel rollout weights on the GPUs of a
 /// [`ThreadRankPool`], with bucketed, shard-aware NCCL transfers and overlapped offload.
 ///
@@ -77,7 +86,7 @@ pub struct FsdpBackend {
     pub(crate) pinned: Arc<PinnedPool>,
     /// Per local rank, the step program of the last plan run (its copy tables uploaded once
     /// per plan; the plan is held so its identity cannot be reused).
-    pub(crate) programs: Mutex<Vec<ProgramSlot<PlanRef>>>,
+    pub(crate) programs: Mutex<Vec<ProgramSlot<ProgramKey>>>,
     /// Each local rank's rollout entries of the last plan entered.
     pub(crate) entries_cache: Mutex<Option<(PlanRef, RankEntries)>>,
     /// The options every backend holds (dtype, fp8 exemptions, verification, offload overlap).

@@ -5,12 +5,11 @@
 use half::bf16;
 use lifecycle_cuda::cudarc::driver::CudaSlice;
 use lifecycle_cuda::driver::RankBuffers;
-use lifecycle_cuda::{RankExecutor, RolloutBuffer, SourceBuf};
+use lifecycle_cuda::{ChunkTable, RankExecutor, RolloutBuffer, SourceBuf, DEFAULT_CHUNK_WORDS};
 use lifecycle_layout::fsdp::ShardLayout;
 use lifecycle_layout::RolloutEntry;
 
 use crate::backend::{FsdpBackend, RolloutSums};
-use crate::state::FsdpTrainState;
 use crate::verify;
 use crate::FsdpError;
 
@@ -65,43 +64,56 @@ impl FsdpBackend {
         Ok(true)
     }
 
-    /// Verification mode: every master weight on the devices must be finite.
-    pub(crate) fn check_finite(&self, state: &FsdpTrainState) -> Result<(), FsdpError> {
-        self.check_finite_ranks(&state.ranks, &state.shards)
-    }
-
     /// Every master weight that `ranks` (of flat layout `shards`) hold on the devices must be
-    /// finite.
+    /// finite: scanned where each rank's shards are (the flat layout's offsets, or a lent
+    /// rank's own: [`RankBuffers::source_offsets`]), the first NaN or infinity named by tensor,
+    /// rank and element.
     pub(crate) fn check_finite_ranks<B: RankBuffers + Sync>(
         &self,
         ranks: &[B],
         shards: &ShardLayout,
     ) -> Result<(), FsdpError> {
-        let table = verify::shard_table(shards);
-        let mut items: Vec<&B> = ranks.iter().collect();
+        let locals = self.pool.local_ranks().to_vec();
+        // per local rank: each tensor's (first element, elements held) where its shard is
+        let segments: Vec<Vec<(u64, u64)>> = ranks
+            .iter()
+            .zip(&locals)
+            .map(|(r, &rank)| {
+                let at = r.source_offsets();
+                let seg = |(i, slot): (usize, &lifecycle_layout::fsdp::ShardSlot)| {
+                    let n = (shards.held_rows(i, rank).len() * slot.cols) as u64;
+                    (at.and_then(|a| a.get(i).copied()).unwrap_or(slot.offset), n)
+                };
+                shards.slots.iter().enumerate().map(seg).collect()
+            })
+            .collect();
+        let tables: Vec<ChunkTable> = segments
+            .iter()
+            .map(|s| ChunkTable::new(s.iter().copied(), DEFAULT_CHUNK_WORDS))
+            .collect();
+        let mut items: Vec<(&B, &ChunkTable)> = ranks.iter().zip(&tables).collect();
         let found = self
             .pool
-            .run_each(&mut items, &|ctx, rt| match rt.source() {
-                Ok(SourceBuf::F32(m)) => verify::first_nonfinite(ctx, m, &table),
+            .run_each(&mut items, &|ctx, (rt, table)| match rt.source() {
+                Ok(SourceBuf::F32(m)) => verify::first_nonfinite(ctx, m, table),
                 _ => Ok(None),
             })?;
-        for (i, f) in found.into_iter().enumerate() {
-            if let Some((at, value)) = f {
-                let slot = table
-                    .segment_of(at)
-                    .and_then(|t| shards.slots.get(t))
-                    .ok_or_else(|| {
-                        FsdpError::Config(format!(
-                            "a non-finite value at element {at} lies outside every tensor"
-                        ))
-                    })?;
-                return Err(FsdpError::NonFinite {
-                    tensor: slot.name.clone(),
-                    rank: self.pool.local_ranks()[i],
-                    index: at - slot.offset,
-                    value,
-                });
-            }
+        for (local, f) in found.into_iter().enumerate() {
+            let Some((at, value)) = f else { continue };
+            let (i, start) = tables[local]
+                .segment_of(at)
+                .map(|i| (i, segments[local][i].0))
+                .ok_or_else(|| {
+                    FsdpError::Config(format!(
+                        "a non-finite value at element {at} lies outside every tensor"
+                    ))
+                })?;
+            return Err(FsdpError::NonFinite {
+                tensor: shards.slots[i].name.clone(),
+                rank: locals[local],
+                index: at - start,
+                value,
+            });
         }
         Ok(())
     }

@@ -4,19 +4,14 @@
 //! same rollout buffers as [`FsdpBackend`]'s own state; the caller keeps updating its buffers
 //! (the backend's Adam step refuses them, as it does not own them).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use lifecycle_core::{Phase, Reshard, SwitchContext};
-use lifecycle_cuda::driver::ProgramSpec;
 use lifecycle_cuda::driver::{LentOffload, LentRank, LentSource, LentStream, NoHooks, RankBuffers};
-use lifecycle_cuda::{
-    alloc_rollout_buffers, ChunkTable, ProgramSlot, RankCtx, RankExecutor, RankMoved,
-    RolloutBuffer, RunOptions, SourceBuf, DEFAULT_CHUNK_WORDS,
-};
+use lifecycle_cuda::{alloc_rollout_buffers, RankExecutor, RolloutBuffer};
 use lifecycle_layout::fsdp::{FsdpPlan, ShardLayout};
 use lifecycle_layout::FsdpLayout;
 
-use crate::backend::PlanRef;
 use crate::{FsdpBackend, FsdpError};
 
 /// Where a rank's fp32 master shards are.
@@ -134,17 +129,6 @@ impl LentFsdpState {
 /// ```
 pub struct LentFsdpBackend {
     inner: FsdpBackend,
-    /// Per local rank, the step program of the last plan run over the last places of the lent
-    /// shards.
-    programs: Mutex<Vec<ProgramSlot<LentKey>>>,
-}
-
-/// A kept program's identity: the plan and, per local rank, where its lent shards are (`None`
-/// for a flat master buffer).
-#[derive(Debug, Clone, PartialEq)]
-struct LentKey {
-    plan: PlanRef,
-    at: Vec<Option<Vec<u64>>>,
 }
 
 impl FsdpBackend {
@@ -158,10 +142,7 @@ impl FsdpBackend {
                     .into(),
             ));
         }
-        Ok(LentFsdpBackend {
-            inner: self,
-            programs: Mutex::new(Vec::new()),
-        })
+        Ok(LentFsdpBackend { inner: self })
     }
 }
 
@@ -277,109 +258,9 @@ impl lifecycle_cuda::RolloutSource for LentFsdpBackend {
 }
 
 impl LentFsdpBackend {
-    /// The transfer of `plan` from the lent state into `rolls` through the driver, each rank's
-    /// steps reading its shards where they are.
-    fn transfer(
-        &self,
-        plan: &Arc<FsdpPlan>,
-        state: &mut LentFsdpState,
-        rolls: &mut [lifecycle_cuda::cudarc::driver::CudaSlice<half::bf16>],
-        ctx: &mut SwitchContext<'_>,
-    ) -> Result<Vec<RankMoved>, FsdpError> {
-        let at: Vec<Option<Vec<u64>>> = state
-            .ranks
-            .iter()
-            .map(|r| r.source_offsets().map(<[u64]>::to_vec))
-            .collect();
-        let steps = |c: &RankCtx, local: usize, _len: u64| match at.get(local) {
-            Some(Some(a)) => plan.rank_steps_at(c.rank, a),
-            _ => plan.rank_steps(c.rank),
-        };
-        let spec = ProgramSpec {
-            key: LentKey {
-                plan: PlanRef(plan.clone()),
-                at: at.clone(),
-            },
-            batched_casts: self.inner.batched_casts,
-            opts: RunOptions::default(),
-            peers_write: plan.peer_copy,
-            steps: &steps,
-        };
-        let mut programs = self
-            .programs
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let moved = self.inner.driver().timed_transfer(
-            &mut state.ranks,
-            &mut programs,
-            rolls,
-            &spec,
-            ctx,
-            &NoHooks,
-        );
-        drop(programs);
-        match moved {
-            Ok(moved) => Ok(moved),
-            // a cast or quantisation read a NaN or an infinity: name it (a scan, only now)
-            Err(e @ lifecycle_cuda::CudaError::NonFinite { .. }) => {
-                match self.check_finite(state) {
-                    Err(named @ FsdpError::NonFinite { .. }) => Err(named),
-                    _ => Err(e.into()),
-                }
-            }
-            Err(e) => Err(e.into()),
-        }
-    }
-
-    /// Every master weight the lent shards hold must be finite (fp8 rollouts): scanned where
-    /// each shard is, the first NaN or infinity named by tensor, rank and element.
+    /// Every master weight the lent shards hold must be finite (fp8 rollouts, verification).
     fn check_finite(&self, state: &LentFsdpState) -> Result<(), FsdpError> {
-        let shards = &state.shards;
-        let locals = self.inner.pool.local_ranks().to_vec();
-        // per local rank: each tensor's (first element, elements) where its shard is
-        let segments: Vec<Vec<(u64, u64)>> = state
-            .ranks
-            .iter()
-            .zip(&locals)
-            .map(|(r, &rank)| {
-                let at = r.source_offsets();
-                let seg = |(i, slot): (usize, &lifecycle_layout::fsdp::ShardSlot)| {
-                    let n = (shards.held_rows(i, rank).len() * slot.cols) as u64;
-                    (at.map_or(slot.offset, |a| a[i]), n)
-                };
-                shards.slots.iter().enumerate().map(seg).collect()
-            })
-            .collect();
-        let tables: Vec<ChunkTable> = segments
-            .iter()
-            .map(|s| ChunkTable::new(s.iter().copied(), DEFAULT_CHUNK_WORDS))
-            .collect();
-        let mut items: Vec<(&LentRank, &ChunkTable)> = state.ranks.iter().zip(&tables).collect();
-        let found =
-            self.inner
-                .pool
-                .run_each(&mut items, &|ctx, (rt, table)| match rt.source() {
-                    Ok(SourceBuf::F32(m)) => crate::verify::first_nonfinite(ctx, m, table),
-                    _ => Ok(None),
-                })?;
-        for (local, f) in found.into_iter().enumerate() {
-            let Some((at, value)) = f else { continue };
-            let (i, start) = tables[local]
-                .segment_of(at)
-                .map(|i| (i, segments[local][i].0))
-                .ok_or_else(|| {
-                    FsdpError::Config(format!(
-                        "a non-finite value at element {at} lies outside every tensor"
-                    ))
-                })?;
-            return Err(FsdpError::NonFinite {
-                tensor: shards.slots[i].name.clone(),
-                rank: locals[local],
-                index: at - start,
-                value,
-            });
-        }
-        Ok(())
+        self.inner.check_finite_ranks(&state.ranks, &state.shards)
     }
 }
 
@@ -411,7 +292,14 @@ impl Reshard for LentFsdpBackend {
         // is written before the buffers are handed out.
         let mut rolls =
             unsafe { alloc_rollout_buffers(&*inner.pool, plan.roll_len as usize, plan.peer_copy)? };
-        let mut moved = self.transfer(plan, state, &mut rolls, ctx)?;
+        let mut moved = inner.transfer(
+            plan,
+            &mut state.ranks,
+            &state.shards,
+            &mut rolls,
+            &NoHooks,
+            ctx,
+        )?;
         inner.finish_offload(&mut state.ranks, &NoHooks, ctx, &mut moved)?;
         Ok(RolloutBuffer::per_rank_shared(
             rolls,
@@ -443,7 +331,14 @@ impl Reshard for LentFsdpBackend {
             });
         }
         // the lent transfer: each rank's steps rebased onto where its shards are
-        let mut moved = self.transfer(plan, state, rollout.buffers_mut(), ctx)?;
+        let mut moved = inner.transfer(
+            plan,
+            &mut state.ranks,
+            &state.shards,
+            rollout.buffers_mut(),
+            &NoHooks,
+            ctx,
+        )?;
         inner.finish_offload(&mut state.ranks, &NoHooks, ctx, &mut moved)
     }
 

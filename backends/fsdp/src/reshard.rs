@@ -84,7 +84,7 @@ impl Reshard for FsdpBackend {
     type Error = FsdpError;
 
     fn plan(&self, state: &FsdpTrainState) -> Result<Arc<FsdpPlan>, FsdpError> {
-        let mut finite = || self.check_finite(state);
+        let mut finite = || self.check_finite_ranks(&state.ranks, &state.shards);
         self.plan_layout(&state.layout, &mut finite)
     }
 
@@ -108,9 +108,14 @@ impl Reshard for FsdpBackend {
         // The transfer phase's wall time starts after the rollout allocation (reported apart:
         // enter's total includes it).
         let hooks = self.hooks(&state.shards);
-        let mut moved = self
-            .transfer(plan, &mut state.ranks, &mut rolls, &hooks, ctx)
-            .map_err(|e| self.name_nonfinite(e, &state.ranks, &state.shards))?;
+        let mut moved = self.transfer(
+            plan,
+            &mut state.ranks,
+            &state.shards,
+            &mut rolls,
+            &hooks,
+            ctx,
+        )?;
         let entries = self.entries(plan);
         if self.options.verify {
             self.record_rollout_sums(&rolls, entries.ranks())?;
@@ -161,9 +166,14 @@ impl Reshard for FsdpBackend {
         // The old hashes no longer describe the weights, whatever happens next.
         self.rollout_sums = None;
         let hooks = self.hooks(&state.shards);
-        let mut moved = self
-            .transfer(plan, &mut state.ranks, rollout.buffers_mut(), &hooks, ctx)
-            .map_err(|e| self.name_nonfinite(e, &state.ranks, &state.shards))?;
+        let mut moved = self.transfer(
+            plan,
+            &mut state.ranks,
+            &state.shards,
+            rollout.buffers_mut(),
+            &hooks,
+            ctx,
+        )?;
         if self.options.verify {
             let entries = rollout.all_entries().to_vec();
             self.record_rollout_sums(rollout.buffers(), &entries)?;

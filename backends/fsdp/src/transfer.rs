@@ -3,7 +3,7 @@
 //! plan handed to the driver as a [`ProgramSpec`].
 
 use crate::backend::FsdpBackend;
-use crate::backend::PlanRef;
+use crate::backend::{PlanRef, ProgramKey};
 use crate::FsdpError;
 use half::bf16;
 use lifecycle_layout::fsdp::FsdpPlan;
@@ -177,18 +177,31 @@ impl FsdpBackend {
     }
 
     /// Runs the transfer of `plan` from `ranks` into `rolls` (one per rank) through the driver,
-    /// the offload copies of the switch's memory policy overlapping it; records its metrics.
-    pub(crate) fn transfer<B: RankBuffers>(
+    /// each rank's steps reading its source where it is ([`RankBuffers::source_offsets`]), the
+    /// offload copies of the switch's memory policy overlapping it; records its metrics. A cast
+    /// or quantisation that read a NaN or an infinity is named by tensor, rank and element.
+    pub(crate) fn transfer<B: RankBuffers + Sync>(
         &self,
         plan: &Arc<FsdpPlan>,
         ranks: &mut [B],
+        shards: &lifecycle_layout::fsdp::ShardLayout,
         rolls: &mut [CudaSlice<bf16>],
         hooks: &dyn SwitchHooks<B>,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<Vec<RankMoved>, FsdpError> {
-        let steps = |c: &RankCtx, _local: usize, _len: u64| plan.rank_steps(c.rank);
+        let at: Vec<Option<Vec<u64>>> = ranks
+            .iter()
+            .map(|r| r.source_offsets().map(<[u64]>::to_vec))
+            .collect();
+        let steps = |c: &RankCtx, local: usize, _len: u64| match at.get(local) {
+            Some(Some(a)) => plan.rank_steps_at(c.rank, a),
+            _ => plan.rank_steps(c.rank),
+        };
         let spec = ProgramSpec {
-            key: PlanRef(plan.clone()),
+            key: ProgramKey {
+                plan: PlanRef(plan.clone()),
+                at: at.clone(),
+            },
             batched_casts: self.batched_casts,
             opts: RunOptions::default(),
             peers_write: plan.peer_copy,
@@ -198,9 +211,13 @@ impl FsdpBackend {
             .programs
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        Ok(self
+        let moved = self
             .driver()
-            .timed_transfer(ranks, &mut programs, rolls, &spec, ctx, hooks)?)
+            .timed_transfer(ranks, &mut programs, rolls, &spec, ctx, hooks);
+        drop(programs);
+        moved
+            .map_err(FsdpError::from)
+            .map_err(|e| self.name_nonfinite(e, ranks, shards))
     }
 
     /// Waits for the offload copies, then frees what the policy moves out and the gradients

@@ -211,6 +211,13 @@ pub trait RankBuffers: Send {
     /// The training buffer the rank's steps read (it must be on the device).
     fn source(&self) -> Result<SourceBuf<'_>, CudaError>;
 
+    /// Where each training tensor's shard starts in [`RankBuffers::source`] (elements), when
+    /// not where the plan's flat layout puts it (a caller's per-tensor allocations, lent:
+    /// [`LentRank`](super::LentRank)); `None`, the default: the plan's layout.
+    fn source_offsets(&self) -> Option<&[u64]> {
+        None
+    }
+
     /// The buffers an offload may move, in the order their copies are queued (the buffer the
     /// plan reads last, so the casts read it while it is copied).
     fn movable(&mut self) -> Vec<Movable<'_>>;

@@ -395,6 +395,10 @@ impl RankBuffers for LentRank {
         })
     }
 
+    fn source_offsets(&self) -> Option<&[u64]> {
+        LentRank::source_offsets(self)
+    }
+
     fn movable(&mut self) -> Vec<Movable<'_>> {
         self.offload
             .iter_mut()
