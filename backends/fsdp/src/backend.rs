@@ -3,7 +3,11 @@
 use crate::update_kernels::UpdateKernelCache;
 use crate::FsdpError;
 use lifecycle_layout::settings::{Configure, Honours, SwitchOptions};
+use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
+
+use crate::buffers::FsdpBuffers;
+use crate::lent::LentFsdpState;
 
 use crate::FsdpTrainState;
 use lifecycle_core::MemoryPolicy;
@@ -70,7 +74,7 @@ pub(crate) struct ProgramKey {
 /// assert_eq!(host.ranks[1].tensors[0].data.len(), 12);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-pub struct FsdpBackend {
+pub struct FsdpBackend<S: FsdpBuffers = FsdpTrainState> {
     pub(crate) pool: Arc<ThreadRankPool>,
     pub(crate) layout: RolloutLayout,
     pub(crate) config: BucketConfig,
@@ -91,6 +95,8 @@ pub struct FsdpBackend {
     pub(crate) entries_cache: Mutex<Option<(PlanRef, RankEntries)>>,
     /// The options every backend holds (dtype, fp8 exemptions, verification, offload overlap).
     pub(crate) options: SwitchOptions,
+    /// The kind of training buffers switched ([`FsdpBuffers`]).
+    pub(crate) buffers: PhantomData<fn() -> S>,
 }
 
 /// Each local rank's rollout entries, shared by the rollouts of one plan.
@@ -103,7 +109,7 @@ pub(crate) struct RolloutSums {
     pub(crate) sums: Vec<Vec<u64>>,
 }
 
-impl std::fmt::Debug for FsdpBackend {
+impl<S: FsdpBuffers> std::fmt::Debug for FsdpBackend<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FsdpBackend")
             .field("world", &self.pool.world())
@@ -115,7 +121,7 @@ impl std::fmt::Debug for FsdpBackend {
     }
 }
 
-impl Configure for FsdpBackend {
+impl<S: FsdpBuffers> Configure for FsdpBackend<S> {
     const NAME: &'static str = "the FSDP GPU backend";
     const HONOURS: Honours = Honours {
         verification: true,
@@ -153,6 +159,7 @@ impl FsdpBackend {
             programs: Mutex::new(Vec::new()),
             entries_cache: Mutex::new(None),
             options: SwitchOptions::default(),
+            buffers: PhantomData,
             update_kernels: UpdateKernelCache::default(),
             rollout_sums: None,
             transport: Transport::Auto,
@@ -163,6 +170,56 @@ impl FsdpBackend {
         }
     }
 
+    /// This backend, switching lent buffers instead of its own
+    /// ([`LentFsdpBackend`](crate::LentFsdpBackend): its settings, plans and pinned pool kept;
+    /// [`FsdpBackend::lend`] makes the state). Verification mode is refused: its hashes live
+    /// beside buffers the backend owns.
+    pub fn lending(self) -> Result<FsdpBackend<LentFsdpState>, FsdpError> {
+        if self.options.verify {
+            return Err(FsdpError::Config(
+                "verification mode hashes the backend's own training buffers; lent buffers are \
+                 switched without it (with_verification(false))"
+                    .into(),
+            ));
+        }
+        Ok(FsdpBackend {
+            pool: self.pool,
+            layout: self.layout,
+            config: self.config,
+            batched_casts: self.batched_casts,
+            plan_cache: self.plan_cache,
+            programs: Mutex::new(Vec::new()),
+            entries_cache: self.entries_cache,
+            options: self.options,
+            buffers: PhantomData,
+            update_kernels: self.update_kernels,
+            rollout_sums: None,
+            transport: self.transport,
+            pinned: self.pinned,
+        })
+    }
+
+    /// Starts pinning, in the background, the host memory offloads of `state` under `memory`
+    /// take (its master weights and/or Adam moments), so that the first switch does not wait
+    /// for pinning ([`lifecycle_cuda::driver::reserve_in_background`]). Call it at setup, once
+    /// the memory policy is known; nothing moves, and the first offload of a rank waits only
+    /// for what its reservation has not pinned yet.
+    pub fn reserve_pinned_in_background(
+        &self,
+        state: &mut FsdpTrainState,
+        memory: MemoryPolicy,
+    ) -> Result<PinnedReservation, FsdpError> {
+        self.check_state(state)?;
+        Ok(lifecycle_cuda::driver::reserve_in_background(
+            &*self.pool,
+            &self.pinned,
+            &mut state.ranks,
+            memory,
+        )?)
+    }
+}
+
+impl<S: FsdpBuffers> FsdpBackend<S> {
     /// Cuts each offload copy (device → pinned host) into copies of at most `bytes` (`0`: one
     /// copy per buffer), with a pinned pool of chunks of that size of its own. Default
     /// [`DEFAULT_OFFLOAD_CHUNK_BYTES`].
@@ -183,25 +240,6 @@ impl FsdpBackend {
     /// The pinned pool offloads take their host memory from.
     pub fn pinned_pool(&self) -> &Arc<PinnedPool> {
         &self.pinned
-    }
-
-    /// Starts pinning, in the background, the host memory offloads of `state` under `memory`
-    /// take (its master weights and/or Adam moments), so that the first switch does not wait
-    /// for pinning ([`lifecycle_cuda::driver::reserve_in_background`]). Call it at setup, once
-    /// the memory policy is known; nothing moves, and the first offload of a rank waits only
-    /// for what its reservation has not pinned yet.
-    pub fn reserve_pinned_in_background(
-        &self,
-        state: &mut FsdpTrainState,
-        memory: MemoryPolicy,
-    ) -> Result<PinnedReservation, FsdpError> {
-        self.check_state(state)?;
-        Ok(lifecycle_cuda::driver::reserve_in_background(
-            &*self.pool,
-            &self.pinned,
-            &mut state.ranks,
-            memory,
-        )?)
     }
 
     /// How bytes cross between ranks. [`Transport::Auto`] (the default): peer copies (each
@@ -273,7 +311,7 @@ impl FsdpBackend {
 /// Default of [`FsdpBackend::with_offload_chunk_bytes`]: 1 GiB.
 pub const DEFAULT_OFFLOAD_CHUNK_BYTES: usize = 1 << 30;
 
-impl lifecycle_cuda::RolloutSource for FsdpBackend {
+impl<S: FsdpBuffers> lifecycle_cuda::RolloutSource for FsdpBackend<S> {
     fn rollout_layout(&self) -> &RolloutLayout {
         &self.layout
     }

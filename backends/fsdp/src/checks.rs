@@ -13,7 +13,7 @@ use crate::backend::{FsdpBackend, RolloutSums};
 use crate::verify;
 use crate::FsdpError;
 
-impl FsdpBackend {
+impl<S: crate::buffers::FsdpBuffers> FsdpBackend<S> {
     /// Flips bit `bit` of element `index` of rollout tensor `tensor` on local rank `rank` (the
     /// global rank in the single-process mode), in device memory: fault injection for testing
     /// verification mode. Returns whether a bit was flipped (false when `rank` or `index` is out

@@ -8,7 +8,7 @@ use lifecycle_layout::{HostRollout, HostTensor};
 
 use crate::state::{FsdpTrainState, RankDump, RankTrain};
 
-impl FsdpBackend {
+impl<S: crate::buffers::FsdpBuffers> FsdpBackend<S> {
     /// Downloads the rollout weights of this process's ranks ([`RankExecutor::local_ranks`], all
     /// ranks in the single-process mode) to host memory (rollout order, same layout as the host
     /// backend's), for bit comparisons.

@@ -6,10 +6,9 @@
 
 use std::sync::Arc;
 
-use lifecycle_core::{Phase, Reshard, SwitchContext};
-use lifecycle_cuda::driver::{LentOffload, LentRank, LentSource, LentStream, NoHooks, RankBuffers};
-use lifecycle_cuda::{alloc_rollout_buffers, RankExecutor, RolloutBuffer};
-use lifecycle_layout::fsdp::{FsdpPlan, ShardLayout};
+use lifecycle_cuda::driver::{LentOffload, LentRank, LentSource, LentStream, RankBuffers};
+use lifecycle_cuda::RankExecutor;
+use lifecycle_layout::fsdp::ShardLayout;
 use lifecycle_layout::FsdpLayout;
 
 use crate::{FsdpBackend, FsdpError};
@@ -47,9 +46,9 @@ pub struct LentParts {
 /// ([`LentRank`]); switched by [`LentFsdpBackend`] with the plans, driver and rollout buffers of
 /// [`FsdpBackend`]'s own state.
 pub struct LentFsdpState {
-    layout: Arc<FsdpLayout>,
-    shards: ShardLayout,
-    ranks: Vec<LentRank>,
+    pub(crate) layout: Arc<FsdpLayout>,
+    pub(crate) shards: ShardLayout,
+    pub(crate) ranks: Vec<LentRank>,
 }
 
 impl std::fmt::Debug for LentFsdpState {
@@ -85,8 +84,9 @@ impl LentFsdpState {
     }
 }
 
-/// An [`FsdpBackend`] that switches lent training buffers: [`Reshard`] with
-/// [`LentFsdpState`] as the training state. Made by [`FsdpBackend::lending`].
+/// An [`FsdpBackend`] that switches lent training buffers: its
+/// [`Reshard`](lifecycle_core::Reshard) with [`LentFsdpState`] as the training state (the same
+/// impl as for the backend's own buffers). Made by [`FsdpBackend::lending`].
 ///
 /// A trainer that holds its own shards (PyTorch's FSDP2: one allocation per parameter, the
 /// rank's dim-0 rows) lends their addresses and its stream; the rollout is read from them in
@@ -123,35 +123,13 @@ impl LentFsdpState {
 /// let state = unsafe { backend.lend(train, parts)? };
 /// let mut lc = Lifecycle::new(backend, state);
 /// let session = lc.rollout()?;
-/// let host = session.backend().inner().download_rollout(&session.weights())?;
+/// let host = session.backend().download_rollout(&session.weights())?;
 /// assert_eq!(host.ranks[0].tensors.len(), 2);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-pub struct LentFsdpBackend {
-    inner: FsdpBackend,
-}
-
-impl FsdpBackend {
-    /// This backend, switching lent buffers instead of its own (its settings, plans and pinned
-    /// pool kept). Verification mode is refused: its hashes live beside buffers the backend owns.
-    pub fn lending(self) -> Result<LentFsdpBackend, FsdpError> {
-        if self.options.verify {
-            return Err(FsdpError::Config(
-                "verification mode hashes the backend's own training buffers; lent buffers are \
-                 switched without it (FsdpBackend::with_verification(false))"
-                    .into(),
-            ));
-        }
-        Ok(LentFsdpBackend { inner: self })
-    }
-}
+pub type LentFsdpBackend = FsdpBackend<LentFsdpState>;
 
 impl LentFsdpBackend {
-    /// The backend it wraps.
-    pub fn inner(&self) -> &FsdpBackend {
-        &self.inner
-    }
-
     /// The lent state of the model `layout` (W = the pool's), from each local rank's
     /// [`LentParts`] in `local_ranks()` order. Checked before anything is used: W, one part per
     /// local rank, each master buffer long enough for the padded layout.
@@ -165,7 +143,7 @@ impl LentFsdpBackend {
         layout: FsdpLayout,
         parts: Vec<LentParts>,
     ) -> Result<LentFsdpState, FsdpError> {
-        let pool = &self.inner.pool;
+        let pool = &self.pool;
         if layout.world() != pool.world() {
             return Err(FsdpError::WorldMismatch {
                 state: layout.world(),
@@ -244,118 +222,5 @@ fn check_master(
             }
             Ok(())
         }
-    }
-}
-
-impl lifecycle_cuda::RolloutSource for LentFsdpBackend {
-    fn rollout_layout(&self) -> &lifecycle_layout::RolloutLayout {
-        &self.inner.layout
-    }
-
-    fn rank_pool(&self) -> &Arc<lifecycle_cuda::ThreadRankPool> {
-        &self.inner.pool
-    }
-}
-
-impl LentFsdpBackend {
-    /// Every master weight the lent shards hold must be finite (fp8 rollouts, verification).
-    fn check_finite(&self, state: &LentFsdpState) -> Result<(), FsdpError> {
-        self.inner.check_finite_ranks(&state.ranks, &state.shards)
-    }
-}
-
-impl Reshard for LentFsdpBackend {
-    type TrainState = LentFsdpState;
-    type Rollout = RolloutBuffer;
-    type Plan = Arc<FsdpPlan>;
-    type Error = FsdpError;
-
-    fn plan(&self, state: &LentFsdpState) -> Result<Arc<FsdpPlan>, FsdpError> {
-        let mut finite = || self.check_finite(state);
-        self.inner.plan_layout(&state.layout, &mut finite)
-    }
-
-    fn enter(
-        &mut self,
-        plan: &Arc<FsdpPlan>,
-        state: &mut LentFsdpState,
-        ctx: &mut SwitchContext<'_>,
-    ) -> Result<RolloutBuffer, FsdpError> {
-        if state.offloaded() {
-            return Err(FsdpError::Offloaded {
-                operation: "entering rollout mode",
-            });
-        }
-        let inner = &self.inner;
-        // Rollout buffers first: an OOM here leaves the training state untouched.
-        // SAFETY: the plan's casts and receives tile every rollout slice exactly, so every element
-        // is written before the buffers are handed out.
-        let mut rolls =
-            unsafe { alloc_rollout_buffers(&*inner.pool, plan.roll_len as usize, plan.peer_copy)? };
-        let mut moved = inner.transfer(
-            plan,
-            &mut state.ranks,
-            &state.shards,
-            &mut rolls,
-            &NoHooks,
-            ctx,
-        )?;
-        inner.finish_offload(&mut state.ranks, &NoHooks, ctx, &mut moved)?;
-        Ok(RolloutBuffer::per_rank_shared(
-            rolls,
-            inner.pool.local_ranks().to_vec(),
-            inner.entries(plan),
-            plan.roll_len as usize,
-        )?)
-    }
-
-    fn refresh(
-        &mut self,
-        plan: &Arc<FsdpPlan>,
-        state: &mut LentFsdpState,
-        rollout: &mut RolloutBuffer,
-        ctx: &mut SwitchContext<'_>,
-    ) -> Result<(), FsdpError> {
-        if state.offloaded() {
-            return Err(FsdpError::Offloaded {
-                operation: "refreshing rollout weights",
-            });
-        }
-        let inner = &self.inner;
-        if rollout.len_per_rank() as u64 != plan.roll_len
-            || rollout.local_ranks() != inner.pool.local_ranks()
-        {
-            return Err(FsdpError::RolloutMismatch {
-                expected: plan.roll_len,
-                found: rollout.len_per_rank() as u64,
-            });
-        }
-        // the lent transfer: each rank's steps rebased onto where its shards are
-        let mut moved = inner.transfer(
-            plan,
-            &mut state.ranks,
-            &state.shards,
-            rollout.buffers_mut(),
-            &NoHooks,
-            ctx,
-        )?;
-        inner.finish_offload(&mut state.ranks, &NoHooks, ctx, &mut moved)
-    }
-
-    fn exit(
-        &mut self,
-        state: &mut LentFsdpState,
-        rollout: Option<RolloutBuffer>,
-        ctx: &mut SwitchContext<'_>,
-    ) -> Result<(), FsdpError> {
-        let inner = &self.inner;
-        if let Some(rollout) = rollout {
-            ctx.rec
-                .phase(Phase::Release, |_| rollout.release(&*inner.pool))?;
-        }
-        inner
-            .driver()
-            .reload::<_, FsdpError>(&mut state.ranks, ctx, &NoHooks)?;
-        Ok(())
     }
 }

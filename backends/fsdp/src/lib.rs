@@ -52,6 +52,7 @@
 #![warn(missing_docs)]
 
 mod backend;
+mod buffers;
 mod build;
 mod checks;
 mod download;
@@ -66,6 +67,7 @@ mod update_kernels;
 mod verify;
 
 pub use backend::{FsdpBackend, DEFAULT_OFFLOAD_CHUNK_BYTES};
+pub use buffers::FsdpBuffers;
 pub use error::FsdpError;
 pub use lent::{LentFsdpBackend, LentFsdpState, LentMaster, LentParts};
 pub use lifecycle_layout::fsdp::{BucketConfig, FsdpPlan, GatherMode};

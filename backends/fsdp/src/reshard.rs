@@ -1,5 +1,6 @@
-//! [`Reshard`] for [`FsdpBackend`]: plan choice, then enter, refresh and exit as glue over the
-//! engine's [switch driver](lifecycle_cuda::driver).
+//! [`Reshard`] for [`FsdpBackend`] over either kind of training buffers ([`FsdpBuffers`]: the
+//! backend's own or a caller's, lent): plan choice, then enter, refresh and exit as glue over
+//! the engine's [switch driver](lifecycle_cuda::driver).
 
 use crate::backend::FsdpBackend;
 use crate::FsdpError;
@@ -9,12 +10,12 @@ use std::sync::Arc;
 use lifecycle_core::{Phase, Reshard, SwitchContext};
 use lifecycle_cuda::{alloc_rollout_buffers, RankExecutor, RolloutBuffer, Transport};
 
-use crate::state::FsdpTrainState;
+use crate::buffers::FsdpBuffers;
 use lifecycle_layout::fp8::RolloutDtype;
 use lifecycle_layout::fsdp::{build_fp8_plan, build_plan, FsdpPlan};
 use lifecycle_layout::FsdpLayout;
 
-impl FsdpBackend {
+impl<S: FsdpBuffers> FsdpBackend<S> {
     /// The plan from training layout `train` to this backend's rollout (cached while the layout
     /// is the same); `finite` checks the masters when fp8 or verification needs them finite.
     pub(crate) fn plan_layout(
@@ -76,29 +77,26 @@ impl FsdpBackend {
     }
 }
 
-impl Reshard for FsdpBackend {
-    type TrainState = FsdpTrainState;
+impl<S: FsdpBuffers> Reshard for FsdpBackend<S> {
+    type TrainState = S;
     type Rollout = RolloutBuffer;
     /// Shared, so a cached plan is handed out without copying it.
     type Plan = Arc<FsdpPlan>;
     type Error = FsdpError;
 
-    fn plan(&self, state: &FsdpTrainState) -> Result<Arc<FsdpPlan>, FsdpError> {
-        let mut finite = || self.check_finite_ranks(&state.ranks, &state.shards);
-        self.plan_layout(&state.layout, &mut finite)
+    fn plan(&self, state: &S) -> Result<Arc<FsdpPlan>, FsdpError> {
+        let (ranks, shards) = state.parts();
+        let mut finite = || self.check_finite_ranks(ranks, shards);
+        self.plan_layout(state.train_layout(), &mut finite)
     }
 
     fn enter(
         &mut self,
         plan: &Arc<FsdpPlan>,
-        state: &mut FsdpTrainState,
+        state: &mut S,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<RolloutBuffer, FsdpError> {
-        if state.master_offloaded() || state.optimizer_offloaded() {
-            return Err(FsdpError::Offloaded {
-                operation: "entering rollout mode",
-            });
-        }
+        state.on_device(true)?;
         let len = plan.roll_len as usize;
         let peers_write = plan.peer_copy;
         // Rollout buffers first: an OOM here leaves the training state untouched.
@@ -107,30 +105,20 @@ impl Reshard for FsdpBackend {
         let mut rolls = unsafe { alloc_rollout_buffers(&*self.pool, len, peers_write)? };
         // The transfer phase's wall time starts after the rollout allocation (reported apart:
         // enter's total includes it).
-        let hooks = self.hooks(&state.shards);
-        let mut moved = self.transfer(
-            plan,
-            &mut state.ranks,
-            &state.shards,
-            &mut rolls,
-            &hooks,
-            ctx,
-        )?;
+        let (ranks, shards) = state.parts_mut();
+        let hooks = S::hooks(shards, self.options.verify);
+        let mut moved = self.transfer(plan, ranks, shards, &mut rolls, &hooks, ctx)?;
         let entries = self.entries(plan);
         if self.options.verify {
             self.record_rollout_sums(&rolls, entries.ranks())?;
         }
-        // Verification hashes what leaves the device once its copies settled: it waits.
+        // Verification hashes what leaves the device once its copies settled: it waits. So do
+        // lent buffers, which are not freed in stream order (the driver checks).
         let keep_grads = ctx.memory.keep_rollout_resident;
         let overlap = self.options.offload_overlap && !self.options.verify;
-        let rooms = self.driver().finish_enter::<_, FsdpError>(
-            &mut state.ranks,
-            ctx,
-            &mut moved,
-            &hooks,
-            keep_grads,
-            overlap,
-        )?;
+        let rooms = self
+            .driver()
+            .finish_enter::<_, FsdpError>(ranks, ctx, &mut moved, &hooks, keep_grads, overlap)?;
         let rollout = RolloutBuffer::per_rank_shared(
             rolls,
             self.pool.local_ranks().to_vec(),
@@ -146,15 +134,11 @@ impl Reshard for FsdpBackend {
     fn refresh(
         &mut self,
         plan: &Arc<FsdpPlan>,
-        state: &mut FsdpTrainState,
+        state: &mut S,
         rollout: &mut RolloutBuffer,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<(), FsdpError> {
-        if state.master_offloaded() {
-            return Err(FsdpError::Offloaded {
-                operation: "refreshing rollout weights",
-            });
-        }
+        state.on_device(false)?;
         if rollout.len_per_rank() as u64 != plan.roll_len
             || rollout.local_ranks() != self.pool.local_ranks()
         {
@@ -165,25 +149,19 @@ impl Reshard for FsdpBackend {
         }
         // The old hashes no longer describe the weights, whatever happens next.
         self.rollout_sums = None;
-        let hooks = self.hooks(&state.shards);
-        let mut moved = self.transfer(
-            plan,
-            &mut state.ranks,
-            &state.shards,
-            rollout.buffers_mut(),
-            &hooks,
-            ctx,
-        )?;
+        let (ranks, shards) = state.parts_mut();
+        let hooks = S::hooks(shards, self.options.verify);
+        let mut moved = self.transfer(plan, ranks, shards, rollout.buffers_mut(), &hooks, ctx)?;
         if self.options.verify {
             let entries = rollout.all_entries().to_vec();
             self.record_rollout_sums(rollout.buffers(), &entries)?;
         }
-        self.finish_offload(&mut state.ranks, &hooks, ctx, &mut moved)
+        self.finish_offload(ranks, &hooks, ctx, &mut moved)
     }
 
     fn exit(
         &mut self,
-        state: &mut FsdpTrainState,
+        state: &mut S,
         rollout: Option<RolloutBuffer>,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<(), FsdpError> {
@@ -193,10 +171,9 @@ impl Reshard for FsdpBackend {
             ctx.rec
                 .phase(Phase::Release, |_| rollout.release(&*self.pool))?;
         }
-        let hooks = self.hooks(&state.shards);
-        let corrupted = self
-            .driver()
-            .reload::<_, FsdpError>(&mut state.ranks, ctx, &hooks)?;
+        let (ranks, shards) = state.parts_mut();
+        let hooks = S::hooks(shards, self.options.verify);
+        let corrupted = self.driver().reload::<_, FsdpError>(ranks, ctx, &hooks)?;
         if let Some((local, _, c)) = corrupted {
             return Err(FsdpError::Corrupted {
                 rank: self.pool.local_ranks().get(local).copied().unwrap_or(local),

@@ -55,7 +55,7 @@ impl RankBuffers for RankTrain {
 
 /// The FSDP backend's hooks: verification (hashes of what leaves the device, checked when it
 /// returns).
-pub(crate) struct FsdpHooks<'a> {
+pub struct FsdpHooks<'a> {
     /// Verification mode: the chunks of every tensor's shard.
     pub(crate) verify: Option<ChunkTable>,
     /// The state's shard layout: its slots name the tensors of corruption reports (borrowed,
@@ -137,7 +137,7 @@ impl SwitchHooks<RankTrain> for FsdpHooks<'_> {
     }
 }
 
-impl FsdpBackend {
+impl<S: crate::buffers::FsdpBuffers> FsdpBackend<S> {
     /// Each local rank's rollout entries, made once per plan and shared by its rollouts.
     pub(crate) fn entries(&self, plan: &Arc<FsdpPlan>) -> crate::backend::RankEntries {
         let mut cache = self
@@ -163,17 +163,6 @@ impl FsdpBackend {
     /// The driver over this backend's pool and pinned pool.
     pub(crate) fn driver(&self) -> SwitchDriver<'_, lifecycle_cuda::ThreadRankPool> {
         SwitchDriver::new(&*self.pool, &self.pinned)
-    }
-
-    /// The hooks of a switch of a state of layout `shards`.
-    pub(crate) fn hooks<'a>(
-        &self,
-        shards: &'a lifecycle_layout::fsdp::ShardLayout,
-    ) -> FsdpHooks<'a> {
-        FsdpHooks {
-            verify: self.options.verify.then(|| verify::shard_table(shards)),
-            shards,
-        }
     }
 
     /// Runs the transfer of `plan` from `ranks` into `rolls` (one per rank) through the driver,

@@ -204,7 +204,7 @@ fn an_fsdp_switch_over_buffers_allocated_outside_the_backend() -> Res {
             let _ = t.state_mut();
         }
         let s = lc.rollout()?;
-        let got = s.backend().inner().download_rollout(&s.weights())?;
+        let got = s.backend().download_rollout(&s.weights())?;
         let want = reference_rollout(&HostTrainState::from_tensors(world, host.clone())?, &layout)?;
         assert_eq!(
             want.first_difference(&got),
@@ -304,7 +304,7 @@ fn an_fsdp_switch_reads_per_parameter_shards_in_place() -> Res {
         let state = unsafe { backend.lend(train.clone(), parts)? };
         let mut lc = Lifecycle::new(backend, state);
         let s = lc.rollout()?;
-        let got = s.backend().inner().download_rollout(&s.weights())?;
+        let got = s.backend().download_rollout(&s.weights())?;
         let want = match dtype {
             RolloutDtype::Bf16 => reference_rollout(&reference, &layout)?,
             RolloutDtype::Fp8 => lifecycle_host::fp8::fp8_switch(&reference, &layout)?,
