@@ -14,6 +14,7 @@
 //!   per-rank schedule.
 //! - [`fp8`]: block-scaled float8 e4m3 (128 × 128 blocks, fp32 `scale_inv`), the format of the
 //!   published fp8 checkpoints, checked bit for bit against PyTorch.
+//! - [`lora`]: LoRA adapters in the rollout layout: their shapes, splits, PEFT names and checks.
 //! - [`settings`]: the options every switch backend holds and their builders, written once.
 //! - [`steps`]: the step plans both layouts produce and every executor runs (copies, network
 //!   steps, staging slots), compiled into stream programs.
@@ -62,6 +63,7 @@ pub mod fsdp;
 mod hf_config;
 mod host_rollout;
 mod kv;
+pub mod lora;
 pub mod megatron;
 mod model;
 mod plan;
