@@ -54,6 +54,19 @@ pub struct Honours {
     pub offload_overlap: bool,
 }
 
+impl Honours {
+    /// Every option (the FSDP backends).
+    pub const ALL: Honours = Honours {
+        verification: true,
+        offload_overlap: true,
+    };
+    /// Every option but verification (the Megatron backends).
+    pub const NO_VERIFICATION: Honours = Honours {
+        verification: false,
+        offload_overlap: true,
+    };
+}
+
 /// A setting a backend cannot honour, refused before anything moves.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{setting} is on, but {backend} does not have it: {hint}")]

@@ -123,10 +123,7 @@ impl<S: FsdpBuffers> std::fmt::Debug for FsdpBackend<S> {
 
 impl<S: FsdpBuffers> Configure for FsdpBackend<S> {
     const NAME: &'static str = "the FSDP GPU backend";
-    const HONOURS: Honours = Honours {
-        verification: true,
-        offload_overlap: true,
-    };
+    const HONOURS: Honours = Honours::ALL;
 
     fn options(&self) -> &SwitchOptions {
         &self.options

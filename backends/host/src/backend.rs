@@ -48,10 +48,7 @@ impl Configure for HostBackend {
     const NAME: &'static str = "the FSDP host backend";
     /// Offload overlap changes nothing here: a host offload is a copy in memory, finished
     /// before enter returns either way.
-    const HONOURS: Honours = Honours {
-        verification: true,
-        offload_overlap: true,
-    };
+    const HONOURS: Honours = Honours::ALL;
 
     fn options(&self) -> &SwitchOptions {
         &self.options

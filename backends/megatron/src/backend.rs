@@ -165,10 +165,7 @@ impl std::fmt::Debug for MegatronGpuBackend {
 
 impl Configure for MegatronGpuBackend {
     const NAME: &'static str = "the Megatron GPU backend";
-    const HONOURS: Honours = Honours {
-        verification: false,
-        offload_overlap: true,
-    };
+    const HONOURS: Honours = Honours::NO_VERIFICATION;
 
     fn options(&self) -> &SwitchOptions {
         &self.options

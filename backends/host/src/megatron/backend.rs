@@ -53,10 +53,7 @@ impl Configure for MegatronHostBackend {
     const NAME: &'static str = "the Megatron host backend";
     /// Offload overlap changes nothing here (a host offload is a copy in memory, finished
     /// before enter returns); verification is refused.
-    const HONOURS: Honours = Honours {
-        verification: false,
-        offload_overlap: true,
-    };
+    const HONOURS: Honours = Honours::NO_VERIFICATION;
 
     fn options(&self) -> &SwitchOptions {
         &self.options
