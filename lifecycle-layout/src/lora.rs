@@ -461,6 +461,83 @@ mod tests {
         assert!(e.contains("lora_B") || e.contains("lora_A"), "{e}");
     }
 
+    /// Row-major `m[rows × cols]` restricted to `rows × cols` ranges.
+    fn slice(
+        m: &[f64],
+        width: usize,
+        (r, c): (std::ops::Range<usize>, std::ops::Range<usize>),
+    ) -> Vec<f64> {
+        r.flat_map(|i| c.clone().map(move |j| (i, j)))
+            .map(|(i, j)| m[i * width + j])
+            .collect()
+    }
+
+    /// `y[out] = w[out × inp] · x[inp]`.
+    fn matvec(w: &[f64], x: &[f64]) -> Vec<f64> {
+        w.chunks_exact(x.len())
+            .map(|row| row.iter().zip(x).map(|(a, b)| a * b).sum())
+            .collect()
+    }
+
+    /// `W·x + s·B·(A·x)` for each rank's slices, as the ranks of a tensor-parallel group compute
+    /// it (a column-parallel base's output rows gathered, a row-parallel base's partial sums
+    /// added), equals the whole product: the split rule keeps the adapter's product exact.
+    #[test]
+    fn each_ranks_slices_give_the_whole_adapted_product() {
+        let model = ModelSpec::tiny();
+        let lora = LoraConfig::new(3, 6.0, LoraTarget::ALL.to_vec());
+        let s = lora.scaling();
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 11) as f64 / (1u64 << 53) as f64) - 0.5
+        };
+        for a in adapters(&model, &lora)
+            .unwrap()
+            .into_iter()
+            .filter(|a| a.layer == 0)
+        {
+            let (out, inp) = a.target.base_shape(&model);
+            let base = TensorSpec::new(a.base.clone(), [out, inp], a.target.base_parallel());
+            let w: Vec<f64> = (0..out * inp).map(|_| next()).collect();
+            let am: Vec<f64> = (0..lora.rank * inp).map(|_| next()).collect();
+            let bm: Vec<f64> = (0..out * lora.rank).map(|_| next()).collect();
+            let x: Vec<f64> = (0..inp).map(|_| next()).collect();
+            let whole: Vec<f64> = {
+                let ax = matvec(&am, &x);
+                matvec(&w, &x)
+                    .iter()
+                    .zip(matvec(&bm, &ax))
+                    .map(|(y, d)| y + s * d)
+                    .collect()
+            };
+            for t in [2, 4] {
+                let mut got = vec![0.0; out];
+                for rank in 0..t {
+                    let (wr, wc) = base.tp_slice(t, rank);
+                    let ws = slice(&w, inp, (wr.clone(), wc.clone()));
+                    let as_ = slice(&am, inp, a.a.tp_slice(t, rank));
+                    let bs = slice(&bm, lora.rank, a.b.tp_slice(t, rank));
+                    let xs = &x[wc.clone()];
+                    let ax = matvec(&as_, xs);
+                    let y: Vec<f64> = matvec(&ws, xs)
+                        .iter()
+                        .zip(matvec(&bs, &ax))
+                        .map(|(y, d)| y + s * d)
+                        .collect();
+                    for (o, v) in wr.zip(y) {
+                        got[o] += v; // gathered rows, or summed partial sums
+                    }
+                }
+                for (g, w) in got.iter().zip(&whole) {
+                    assert!((g - w).abs() < 1e-12, "{} at T = {t}: {g} vs {w}", a.base);
+                }
+            }
+        }
+    }
+
     #[test]
     fn peft_names_read_back_to_their_base() {
         let model = ModelSpec::tiny();
