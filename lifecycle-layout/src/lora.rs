@@ -33,7 +33,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use crate::{hf, ModelSpec, Parallel, TensorSpec};
+use crate::{hf, LayoutError, ModelSpec, Parallel, RolloutFormat, RolloutLayout, TensorSpec};
 
 /// A linear layer type an adapter can target (PEFT's `target_modules` names).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -240,10 +240,7 @@ pub fn adapters(model: &ModelSpec, lora: &LoraConfig) -> Result<Vec<Adapter>, Lo
             }
             let base = t.base_name(layer);
             let (rows, cols) = t.base_shape(model);
-            let (pa, pb) = match t.base_parallel() {
-                Parallel::Row => (Parallel::Row, Parallel::Replicated),
-                _ => (Parallel::Replicated, Parallel::Column),
-            };
+            let (pa, pb) = adapter_splits(t.base_parallel());
             out.push(Adapter {
                 a: TensorSpec::new(adapter_name(&base, LoraPart::A), [lora.rank, cols], pa),
                 b: TensorSpec::new(adapter_name(&base, LoraPart::B), [rows, lora.rank], pb),
@@ -254,6 +251,65 @@ pub fn adapters(model: &ModelSpec, lora: &LoraConfig) -> Result<Vec<Adapter>, Lo
         }
     }
     Ok(out)
+}
+
+/// How an adapter's `A` and `B` split beside a base split `base` (see the [module](self)): a
+/// column-parallel base splits `B` on its rows, a row-parallel one `A` on its columns; a
+/// replicated base (k and v where `T` passes the kv heads) keeps both whole; an owned one puts
+/// both on its owner.
+pub fn adapter_splits(base: Parallel) -> (Parallel, Parallel) {
+    match base {
+        Parallel::Column => (Parallel::Replicated, Parallel::Column),
+        Parallel::Row => (Parallel::Row, Parallel::Replicated),
+        Parallel::Replicated => (Parallel::Replicated, Parallel::Replicated),
+        owned @ Parallel::Owned { .. } => (owned, owned),
+    }
+}
+
+/// `layout` (unfused, Hugging Face names) with the adapters of `lora` over `model` beside their
+/// bases, each `A` and `B` split as [`adapter_splits`] says for its base's split in `layout`
+/// (so k and v adapters stay whole where `layout` replicates k and v).
+///
+/// ```
+/// use lifecycle_layout::lora::{with_adapters, LoraConfig, LoraTarget};
+/// use lifecycle_layout::{ModelSpec, Parallel, RolloutLayout};
+/// let model = ModelSpec { vocab: 38, ..ModelSpec::tiny() }; // a vocabulary T = 2 splits
+/// let base = RolloutLayout::from_hf_names(2, model.hf_tensors())?;
+/// let lora = LoraConfig::new(4, 8.0, vec![LoraTarget::Q, LoraTarget::O]);
+/// let layout = with_adapters(&base, &model, &lora)?;
+/// let spec = |n: &str| layout.tensors().iter().find(|t| t.name == n).unwrap().parallel;
+/// assert_eq!(spec("model.layers.1.self_attn.o_proj.lora_A.weight"), Parallel::Row);
+/// assert_eq!(layout.tensors().len(), base.tensors().len() + 2 * 2 * 2);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn with_adapters(
+    layout: &RolloutLayout,
+    model: &ModelSpec,
+    lora: &LoraConfig,
+) -> Result<RolloutLayout, LoraError> {
+    if layout.format() != RolloutFormat::Unfused {
+        return Err(LoraError::Fused);
+    }
+    let mut specs = layout.tensors().to_vec();
+    for a in adapters(model, lora)? {
+        let base = layout
+            .tensors()
+            .iter()
+            .find(|t| t.name == a.base)
+            .ok_or_else(|| LoraError::NoBase {
+                name: a.base.clone(),
+            })?;
+        let (pa, pb) = adapter_splits(base.parallel);
+        specs.push(TensorSpec {
+            parallel: pa,
+            ..a.a
+        });
+        specs.push(TensorSpec {
+            parallel: pb,
+            ..a.b
+        });
+    }
+    Ok(RolloutLayout::new(layout.tp(), specs)?)
 }
 
 /// PEFT's state-dict key `name` read: the base weight it adapts and which matrix it is. Takes
@@ -410,6 +466,18 @@ pub enum LoraError {
         /// The key.
         name: String,
     },
+    /// A base the rollout layout lacks.
+    #[error("base weight `{name}` of a LoRA adapter is not in the rollout layout")]
+    NoBase {
+        /// The base's name.
+        name: String,
+    },
+    /// The fused layout.
+    #[error("LoRA adapters sit beside their bases in the unfused rollout layout (Hugging Face names); the fused (Megatron) layout does not take them yet")]
+    Fused,
+    /// The layout with the adapters does not split at its degree.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
 }
 
 #[cfg(test)]
