@@ -108,7 +108,7 @@ impl LoraTarget {
     }
 
     /// Whether the target lives in the MLP (gate, up, down).
-    fn in_mlp(self) -> bool {
+    pub fn in_mlp(self) -> bool {
         matches!(self, LoraTarget::Gate | LoraTarget::Up | LoraTarget::Down)
     }
 

@@ -9,7 +9,7 @@ use crate::config::ModelConfig;
 use crate::decoder::{Decoder, PrefillLogits};
 use crate::error::DecodeError;
 use crate::math::{linear, rms_norm, route_top_k, softmax, swiglu, Rope};
-use crate::weights::{GroupWeights, Mlp, MlpPart, Routing, SharedExpert, VocabWeight};
+use crate::weights::{GroupWeights, Lora, Mlp, MlpPart, Routing, SharedExpert, VocabWeight};
 use crate::KvDtype;
 use half::bf16;
 
@@ -61,6 +61,9 @@ pub struct CpuDecoder<'w> {
     seqs: Vec<SeqCache>,
     fp8: Fp8Compute,
     kv: KvDtype,
+    /// The LoRA adapters' scaling `s` (`lifecycle_layout::lora::LoraConfig::scaling`; 1 and
+    /// unused without adapters).
+    lora_scaling: f32,
     /// KV slots and positions per slot as a [`SlotDecoder`](crate::SlotDecoder).
     pub(crate) slot_room: (usize, usize),
 }
@@ -73,15 +76,47 @@ impl<'w> CpuDecoder<'w> {
         layout: &RolloutLayout,
         group: &[&'w RankRollout],
     ) -> Result<Self, DecodeError> {
-        Ok(CpuDecoder {
+        let w = GroupWeights::new(config, layout, group)?;
+        if w.has_lora() {
+            return Err(DecodeError::Usage(
+                "the rollout holds LoRA adapters: give their configuration \
+                 (CpuDecoder::new_lora), whose scaling the products need"
+                    .into(),
+            ));
+        }
+        Ok(Self::of(config, w))
+    }
+
+    /// A decoder over `group` (as [`CpuDecoder::new`]) whose rollout holds the LoRA adapters of
+    /// `lora` beside their bases (`lifecycle_layout::lora::with_adapters`): every adapted linear
+    /// computes `x·Wᵀ (+ bias) + s·(x·Aᵀ)·Bᵀ` on its rank's slices, unmerged, `s` the
+    /// configuration's scaling, in f32 as PEFT adds it. Refused by name: an adapter of another
+    /// rank `r`, a target the configuration lists that the rollout lacks, or one it holds that
+    /// the configuration does not list.
+    pub fn new_lora(
+        config: &ModelConfig,
+        layout: &RolloutLayout,
+        group: &[&'w RankRollout],
+        lora: &lifecycle_layout::lora::LoraConfig,
+    ) -> Result<Self, DecodeError> {
+        let w = GroupWeights::new(config, layout, group)?;
+        w.check_lora(lora)?;
+        let mut d = Self::of(config, w);
+        d.lora_scaling = lora.scaling() as f32;
+        Ok(d)
+    }
+
+    fn of(config: &ModelConfig, w: GroupWeights<'w>) -> Self {
+        CpuDecoder {
             config: config.clone(),
-            w: GroupWeights::new(config, layout, group)?,
+            w,
             rope: Rope::new(config.model.head_dim, config.rope_theta),
             seqs: Vec::new(),
             fp8: Fp8Compute::WeightOnly,
             kv: KvDtype::F32,
+            lora_scaling: 1.0,
             slot_room: (DEFAULT_SLOTS, usize::MAX),
-        })
+        }
     }
 
     /// A decoder over `group` in the fused rollout layout of the Megatron backend
@@ -122,15 +157,10 @@ impl<'w> CpuDecoder<'w> {
         layout: &lifecycle_layout::RolloutLayout,
         group: &[&'w RankRollout],
     ) -> Result<Self, DecodeError> {
-        Ok(CpuDecoder {
-            config: config.clone(),
-            w: GroupWeights::fused(config, layout, group)?,
-            rope: Rope::new(config.model.head_dim, config.rope_theta),
-            seqs: Vec::new(),
-            fp8: Fp8Compute::WeightOnly,
-            kv: KvDtype::F32,
-            slot_room: (DEFAULT_SLOTS, usize::MAX),
-        })
+        Ok(Self::of(
+            config,
+            GroupWeights::fused(config, layout, group)?,
+        ))
     }
 
     /// The same decoder holding `slots` sequences of at most `positions` positions each as a
@@ -275,9 +305,13 @@ impl<'w> CpuDecoder<'w> {
                 let mut k = vec![0.0f32; n * kvw];
                 let mut v = vec![0.0f32; n * kvw];
                 let fp8 = self.fp8;
+                let s = self.lora_scaling;
                 linear(&xn, rw.q_w.with_compute(fp8), rw.q_b, h, &mut q);
                 linear(&xn, rw.k_w.with_compute(fp8), rw.k_b, h, &mut k);
                 linear(&xn, rw.v_w.with_compute(fp8), rw.v_b, h, &mut v);
+                for (l, y) in rw.lora.iter().zip([&mut q, &mut k, &mut v]) {
+                    add_lora(&xn, *l, s, h, y);
+                }
                 if let Some((qn, kn)) = layer.qk_norm {
                     head_norm(&mut q, qn, eps);
                     head_norm(&mut k, kn, eps);
@@ -318,6 +352,7 @@ impl<'w> CpuDecoder<'w> {
                     }
                 }
                 linear(&attn, rw.o_w.with_compute(fp8), None, qh * d, &mut partial);
+                add_lora(&attn, rw.lora[3], s, qh * d, &mut partial);
                 // all-reduce (sum) of the row-parallel partial outputs
                 acc.iter_mut().zip(&partial).for_each(|(a, p)| *a += p);
             }
@@ -325,7 +360,7 @@ impl<'w> CpuDecoder<'w> {
             // MLP
             rms_norm(&x, layer.post_norm, eps, &mut xn);
             let out = match &layer.mlp {
-                Mlp::Dense(parts) => mlp(&xn, parts, h, self.fp8),
+                Mlp::Dense(parts) => mlp(&xn, parts, h, self.fp8, self.lora_scaling),
                 Mlp::Moe {
                     router,
                     experts,
@@ -388,9 +423,21 @@ fn head_norm(x: &mut [f32], w: &[bf16], eps: f32) {
     rms_norm(&src, w, eps, x);
 }
 
+/// `y += s·(x·Aᵀ)·Bᵀ` for rows `x` (`[n × inp]`) where `lora` is an adapter: PEFT's unmerged
+/// LoRA term, added after the base product (and its bias), in f32.
+fn add_lora(x: &[f32], lora: Option<Lora<'_>>, s: f32, inp: usize, y: &mut [f32]) {
+    let Some(l) = lora else { return };
+    let n = x.len() / inp;
+    let mut t = vec![0.0f32; n * l.rank];
+    linear(x, l.a, None, inp, &mut t);
+    let mut u = vec![0.0f32; y.len()];
+    linear(&t, l.b, None, l.rank, &mut u);
+    y.iter_mut().zip(&u).for_each(|(y, u)| *y += s * u);
+}
+
 /// `Σ_parts down · (silu(gate · x) ⊙ up · x)` for rows `x` (`[n × h]`): one SwiGLU MLP whose
 /// intermediate rows are split over `parts` (the row-parallel outputs summed, the all-reduce).
-fn mlp(x: &[f32], parts: &[MlpPart<'_>], h: usize, fp8: Fp8Compute) -> Vec<f32> {
+fn mlp(x: &[f32], parts: &[MlpPart<'_>], h: usize, fp8: Fp8Compute, s: f32) -> Vec<f32> {
     let n = x.len() / h;
     let mut acc = vec![0.0f32; n * h];
     let mut partial = vec![0.0f32; n * h];
@@ -399,9 +446,12 @@ fn mlp(x: &[f32], parts: &[MlpPart<'_>], h: usize, fp8: Fp8Compute) -> Vec<f32> 
         let mut gate = vec![0.0f32; n * f];
         let mut up = vec![0.0f32; n * f];
         linear(x, p.gate.with_compute(fp8), None, h, &mut gate);
+        add_lora(x, p.lora[0], s, h, &mut gate);
         linear(x, p.up.with_compute(fp8), None, h, &mut up);
+        add_lora(x, p.lora[1], s, h, &mut up);
         swiglu(&mut gate, &up);
         linear(&gate, p.down.with_compute(fp8), None, f, &mut partial);
+        add_lora(&gate, p.lora[2], s, f, &mut partial);
         acc.iter_mut().zip(&partial).for_each(|(a, b)| *a += b);
     }
     acc
@@ -439,7 +489,7 @@ fn moe(
             .iter()
             .flat_map(|&(r, _)| x[r * h..(r + 1) * h].iter().copied())
             .collect();
-        let y = mlp(&xs, parts, h, fp8);
+        let y = mlp(&xs, parts, h, fp8, 1.0);
         for (&(r, w), yr) in rows.iter().zip(y.chunks_exact(h)) {
             out[r * h..(r + 1) * h]
                 .iter_mut()
@@ -454,7 +504,7 @@ fn moe(
 /// `sigmoid(gate · x)`, as Qwen2-MoE does.
 fn shared_expert(x: &[f32], s: &SharedExpert<'_>, h: usize, out: &mut [f32], fp8: Fp8Compute) {
     let n = x.len() / h;
-    let y = mlp(x, &s.parts, h, fp8);
+    let y = mlp(x, &s.parts, h, fp8, 1.0);
     let mut g = vec![0.0f32; n];
     linear(x, s.gate, None, h, &mut g);
     for ((o, yr), gr) in out.chunks_exact_mut(h).zip(y.chunks_exact(h)).zip(&g) {

@@ -135,6 +135,7 @@ impl<'w> GroupWeights<'w> {
                         gate: gate_up.rows(0..ffn_part, h),
                         up: gate_up.rows(ffn_part..2 * ffn_part, h),
                         down: mat(&hf::layer(l, hf::DOWN), rank)?,
+                        lora: [None; 3],
                     });
                 }
                 rank_layers.push(RankLayer {
@@ -145,6 +146,7 @@ impl<'w> GroupWeights<'w> {
                     v_w,
                     v_b,
                     o_w: mat(&hf::layer(l, hf::O), rank)?,
+                    lora: [None; 4],
                 });
             }
             layers.push(Layer {
@@ -220,6 +222,7 @@ fn fused_experts<'w>(
                 gate: a.rows(j * 2 * f..j * 2 * f + f, h),
                 up: a.rows(j * 2 * f + f..(j + 1) * 2 * f, h),
                 down: b.rows(j * h..(j + 1) * h, f),
+                lora: [None; 3],
             });
         }
     }
@@ -233,6 +236,7 @@ fn fused_experts<'w>(
                         gate: gate_up.rows(0..sf, h),
                         up: gate_up.rows(sf..2 * sf, h),
                         down: mat(&hf::layer(l, hf::SHARED_DOWN), rank)?,
+                        lora: [None; 3],
                     })
                 })
                 .collect::<Result<_, DecodeError>>()?;

@@ -4,6 +4,7 @@
 //! into the same views.
 
 use half::bf16;
+use lifecycle_layout::lora::{adapter_name, LoraConfig, LoraPart, LoraTarget};
 use lifecycle_layout::{hf, Parallel, RolloutLayout, TensorSpec};
 use lifecycle_layout::{RankRollout, RolloutTensor};
 
@@ -23,6 +24,15 @@ pub(crate) enum VocabWeight<'w> {
     Replicated(&'w [bf16]),
 }
 
+/// A LoRA adapter's slices on one rank: `A` (`r × in`) and `B` (`out × r`) of its base's
+/// slice there, bf16 (`lifecycle_layout::lora`'s split rules).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Lora<'w> {
+    pub a: &'w [bf16],
+    pub b: &'w [bf16],
+    pub rank: usize,
+}
+
 /// One rank's share of one layer.
 #[derive(Debug, Clone)]
 pub(crate) struct RankLayer<'w> {
@@ -34,6 +44,8 @@ pub(crate) struct RankLayer<'w> {
     pub v_w: Mat<'w>,
     pub v_b: Option<&'w [bf16]>,
     pub o_w: Mat<'w>,
+    /// Adapters of q, k, v and o, where the rollout holds them.
+    pub lora: [Option<Lora<'w>>; 4],
 }
 
 /// One SwiGLU MLP's share on one rank: `down · (silu(gate · x) ⊙ up · x)` over this rank's
@@ -43,6 +55,8 @@ pub(crate) struct MlpPart<'w> {
     pub gate: Mat<'w>,
     pub up: Mat<'w>,
     pub down: Mat<'w>,
+    /// Adapters of gate, up and down, where the rollout holds them.
+    pub lora: [Option<Lora<'w>>; 3],
 }
 
 /// A layer's MLP: dense, or a mixture of experts.
@@ -155,6 +169,53 @@ impl<'w> Reader<'_, 'w> {
         })
     }
 
+    /// The adapter of base matrix `base` on rank `rank`, where the layout holds one (its `A`
+    /// and `B` both, bf16, of one rank `r`, sized for the base's slice there: `out × in`; with
+    /// `rows`, only those rows of `B`, as the decoder keeps of a replicated k / v base).
+    fn lora(
+        &self,
+        base: &str,
+        rank: usize,
+        (out, inp): (usize, usize),
+        rows: Option<std::ops::Range<usize>>,
+    ) -> Result<Option<Lora<'w>>, DecodeError> {
+        let find = |part| {
+            let name = adapter_name(base, part);
+            self.layout.tensors().iter().find(|t| t.name == name)
+        };
+        let (a, b) = match (find(LoraPart::A), find(LoraPart::B)) {
+            (None, None) => return Ok(None),
+            (Some(a), Some(b)) => (a, b),
+            (a, _) => {
+                let missing = if a.is_none() {
+                    LoraPart::A
+                } else {
+                    LoraPart::B
+                };
+                return Err(DecodeError::Usage(format!(
+                    "the rollout layout holds one matrix of the adapter of `{base}` but not \
+                     `{}`: an adapter needs its A and B",
+                    adapter_name(base, missing)
+                )));
+            }
+        };
+        let (a, b) = (self.slice(a, rank)?, self.slice(b, rank)?);
+        let r = a.len() / inp.max(1);
+        let b = match rows {
+            Some(rows) if r > 0 && b.len() == out * r => b.get(rows.start * r..rows.end * r),
+            None if r > 0 && b.len() == out * r => Some(b),
+            _ => None,
+        };
+        match b {
+            Some(b) if a.len() == r * inp => Ok(Some(Lora { a, b, rank: r })),
+            _ => Err(DecodeError::Usage(format!(
+                "the adapter of `{base}` on rank {rank}: A holds {} values, which fit no rank r \
+                 for a base slice of {out} × {inp} with B beside it",
+                a.len()
+            ))),
+        }
+    }
+
     fn get(
         &self,
         name: &str,
@@ -187,12 +248,19 @@ impl<'w> Reader<'_, 'w> {
         let g = self.spec(&gate, &[Parallel::Column, Parallel::Owned { rank: 0 }])?;
         if g.parallel == Parallel::Column {
             let col = [Parallel::Column];
+            // this rank's intermediate rows and the hidden size, for its adapters' slices
+            let (f, h) = (g.slice_shape(self.layout.tp())[0], g.cols());
             return (0..self.ranks.len())
                 .map(|rank| {
                     Ok(MlpPart {
                         gate: self.matrix(g, rank)?,
                         up: self.get_matrix(&up, &col, rank)?,
                         down: self.get_matrix(&down, &[Parallel::Row], rank)?,
+                        lora: [
+                            self.lora(&gate, rank, (f, h), None)?,
+                            self.lora(&up, rank, (f, h), None)?,
+                            self.lora(&down, rank, (h, f), None)?,
+                        ],
                     })
                 })
                 .collect();
@@ -213,6 +281,7 @@ impl<'w> Reader<'_, 'w> {
             gate: self.matrix(g, rank)?,
             up: self.matrix(u, rank)?,
             down: self.matrix(d, rank)?,
+            lora: [None; 3],
         }])
     }
 
@@ -235,6 +304,71 @@ impl Routing {
             top_k: m.top_k,
             norm_topk_prob: m.norm_topk_prob,
         })
+    }
+}
+
+impl GroupWeights<'_> {
+    /// Every adapter slot of layer `l` (q, k, v, o, gate, up, down) with what each rank holds.
+    fn lora_slots(&self, l: usize) -> Vec<(LoraTarget, Vec<Option<Lora<'_>>>)> {
+        let layer = &self.layers[l];
+        let mut out: Vec<(LoraTarget, Vec<Option<Lora<'_>>>)> =
+            LoraTarget::ALL.iter().map(|&t| (t, Vec::new())).collect();
+        for r in &layer.ranks {
+            for (i, l) in r.lora.iter().enumerate() {
+                out[i].1.push(*l);
+            }
+        }
+        if let Mlp::Dense(parts) = &layer.mlp {
+            for p in parts {
+                for (i, l) in p.lora.iter().enumerate() {
+                    out[4 + i].1.push(*l);
+                }
+            }
+        }
+        out
+    }
+
+    /// Whether the rollout holds any LoRA adapter.
+    pub(crate) fn has_lora(&self) -> bool {
+        (0..self.layers.len()).any(|l| {
+            self.lora_slots(l)
+                .iter()
+                .any(|(_, ranks)| ranks.iter().any(Option::is_some))
+        })
+    }
+
+    /// The adapters held are those of `lora`: every listed target on every rank of every layer
+    /// (the MLP ones on dense layers), of rank `r`, and no other.
+    pub(crate) fn check_lora(&self, lora: &LoraConfig) -> Result<(), DecodeError> {
+        for l in 0..self.layers.len() {
+            let dense = matches!(self.layers[l].mlp, Mlp::Dense(_));
+            for (t, ranks) in self.lora_slots(l) {
+                let want = lora.targets.contains(&t) && (dense || !t.in_mlp());
+                for (rank, held) in ranks.iter().enumerate() {
+                    let name = adapter_name(&t.base_name(l), LoraPart::A);
+                    match held {
+                        None if want => {
+                            return Err(DecodeError::MissingTensor { name, rank });
+                        }
+                        Some(_) if !want => {
+                            return Err(DecodeError::Usage(format!(
+                                "the rollout holds adapter `{name}`, whose module `{t}` the LoRA \
+                                 configuration does not target"
+                            )));
+                        }
+                        Some(a) if a.rank != lora.rank => {
+                            return Err(DecodeError::Usage(format!(
+                                "adapter `{name}` on rank {rank} has rank r = {}, the LoRA \
+                                 configuration {}",
+                                a.rank, lora.rank
+                            )));
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -299,22 +433,38 @@ impl<'w> GroupWeights<'w> {
                         w.rows(kv_range.clone(), h)
                     }
                 };
-                let k_w = r.get_matrix(&format!("{p}.self_attn.k_proj.weight"), &kv, rank)?;
-                let v_w = r.get_matrix(&format!("{p}.self_attn.v_proj.weight"), &kv, rank)?;
+                let (q_name, k_name, v_name, o_name) = (
+                    hf::layer(l, hf::Q),
+                    hf::layer(l, hf::K),
+                    hf::layer(l, hf::V),
+                    hf::layer(l, hf::O),
+                );
+                let k_w = r.get_matrix(&k_name, &kv, rank)?;
+                let v_w = r.get_matrix(&v_name, &kv, rank)?;
+                // adapters: q and o on this rank's heads, k and v on the kv heads it uses
+                let q_rows = q_heads * d;
+                let kv_out = if kv_split == Parallel::Column {
+                    (share.kv_heads * d, None)
+                } else {
+                    (config.model.kv_rows(), Some(kv_range.clone()))
+                };
+                let lora = [
+                    r.lora(&q_name, rank, (q_rows, h), None)?,
+                    r.lora(&k_name, rank, (kv_out.0, h), kv_out.1.clone())?,
+                    r.lora(&v_name, rank, (kv_out.0, h), kv_out.1.clone())?,
+                    r.lora(&o_name, rank, (h, q_rows), None)?,
+                ];
                 let k_b = bias(&format!("{p}.self_attn.k_proj.bias"), &kv)?;
                 let v_b = bias(&format!("{p}.self_attn.v_proj.bias"), &kv)?;
                 rank_layers.push(RankLayer {
-                    q_w: r.get_matrix(&format!("{p}.self_attn.q_proj.weight"), &col, rank)?,
+                    q_w: r.get_matrix(&q_name, &col, rank)?,
                     q_b: bias(&format!("{p}.self_attn.q_proj.bias"), &col)?,
                     k_w: kv_matrix(k_w),
                     k_b: k_b.map(|b| kv_rows(b, 1)),
                     v_w: kv_matrix(v_w),
                     v_b: v_b.map(|b| kv_rows(b, 1)),
-                    o_w: r.get_matrix(
-                        &format!("{p}.self_attn.o_proj.weight"),
-                        &[Parallel::Row],
-                        rank,
-                    )?,
+                    o_w: r.get_matrix(&o_name, &[Parallel::Row], rank)?,
+                    lora,
                 });
             }
             let rep = [Parallel::Replicated];
