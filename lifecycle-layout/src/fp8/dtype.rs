@@ -53,8 +53,8 @@ impl std::str::FromStr for RolloutDtype {
 
 /// Whether tensor `name` of shape `shape` stays bf16 in an fp8 rollout, by the published
 /// defaults (DeepSeek-V3, Qwen3-FP8): 1-D tensors (norms, biases), the embedding, the output
-/// head and the MoE router stay bf16; every other matrix (attention and MLP projections,
-/// experts) is quantised.
+/// head, the MoE router and LoRA adapters stay bf16; every other matrix (attention and MLP
+/// projections, experts) is quantised.
 ///
 /// ```
 /// use lifecycle_layout::fp8::keeps_bf16;
@@ -62,6 +62,8 @@ impl std::str::FromStr for RolloutDtype {
 /// assert!(keeps_bf16("model.layers.0.mlp.gate.weight", &[128, 2048]));
 /// assert!(keeps_bf16("model.layers.0.input_layernorm.weight", &[2048]));
 /// assert!(!keeps_bf16("model.layers.0.mlp.experts.3.down_proj.weight", &[2048, 768]));
+/// // LoRA adapters stay bf16 beside an fp8 base, as engines serve them
+/// assert!(keeps_bf16("model.layers.0.mlp.down_proj.lora_A.weight", &[64, 18944]));
 /// ```
 pub fn keeps_bf16(name: &str, shape: &[usize]) -> bool {
     shape.len() < 2
@@ -69,6 +71,7 @@ pub fn keeps_bf16(name: &str, shape: &[usize]) -> bool {
         || name == crate::hf::LM_HEAD
         || name.ends_with(crate::hf::ROUTER)
         || name.ends_with(crate::hf::SHARED_EXPERT_GATE)
+        || crate::lora::parse_peft_name(name).is_some()
 }
 
 /// Which matrices an fp8 rollout keeps in bf16 beyond the published exemptions of

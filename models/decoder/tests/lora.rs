@@ -10,7 +10,9 @@
 use lifecycle_core::Lifecycle;
 use lifecycle_decoder::{random_tensors, CpuDecoder, Decoder, ModelConfig, PrefillLogits};
 use lifecycle_host::{HostBackend, HostTrainState};
+use lifecycle_layout::fp8::RolloutDtype;
 use lifecycle_layout::lora::{adapters, with_adapters, LoraConfig, LoraTarget};
+use lifecycle_layout::settings::Configure;
 use lifecycle_layout::{HostTensor, RolloutLayout, TensorData};
 
 fn config() -> ModelConfig {
@@ -90,11 +92,27 @@ fn logits(
     tensors: Vec<HostTensor>,
     lora: Option<&LoraConfig>,
 ) -> Result<Vec<f32>, String> {
+    logits_in(layout, tensors, lora, RolloutDtype::Bf16)
+}
+
+/// [`logits`] of a rollout in `dtype`.
+fn logits_in(
+    layout: &RolloutLayout,
+    tensors: Vec<HostTensor>,
+    lora: Option<&LoraConfig>,
+    dtype: RolloutDtype,
+) -> Result<Vec<f32>, String> {
     let c = config();
     let state = HostTrainState::from_tensors(layout.tp(), tensors).map_err(|e| e.to_string())?;
-    let mut lc = Lifecycle::new(HostBackend::new(layout.clone()), state);
+    let backend = HostBackend::new(layout.clone()).with_rollout_dtype(dtype);
+    let mut lc = Lifecycle::new(backend, state);
     let session = lc.rollout().map_err(|e| e.to_string())?;
     let weights = session.weights();
+    for t in weights.ranks.iter().flat_map(|r| &r.tensors) {
+        if t.name.contains(".lora_") && t.fp8.is_some() {
+            return Err(format!("adapter `{}` was quantised", t.name));
+        }
+    }
     let group: Vec<_> = weights.ranks.iter().collect();
     let mut d = match lora {
         Some(l) => CpuDecoder::new_lora(&c, layout, &group, l),
@@ -163,4 +181,22 @@ fn adapters_a_decoder_is_not_told_of_or_that_disagree_are_refused() {
         e.contains("down_proj") && e.contains("does not target"),
         "{e}"
     );
+}
+
+/// An fp8 rollout quantises the base and keeps the adapters bf16, which the decoder applies:
+/// the logits move from the fp8 base's by what the adapters add.
+#[test]
+fn an_fp8_base_keeps_its_adapters_bf16() {
+    let lora = LoraConfig::new(2, 2.0, LoraTarget::ALL.to_vec());
+    let (base, adapter_tensors, _) = model(&lora);
+    let c = config();
+    let fp8 = RolloutDtype::Fp8;
+    // T = 1: this model's matrices are smaller than a 128 × 128 block, which a slice may not cut
+    let plain = logits_in(&c.rollout_layout(1).unwrap(), base.clone(), None, fp8).unwrap();
+    let layout = with_adapters(&c.rollout_layout(1).unwrap(), &c.model, &lora).unwrap();
+    let mut all = base;
+    all.extend(adapter_tensors);
+    let adapted = logits_in(&layout, all, Some(&lora), fp8).unwrap();
+    let scale = plain.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    assert!(max_diff(&adapted, &plain) > 1e-2 * scale);
 }
