@@ -14,7 +14,9 @@ use crate::shards::Shard;
 use crate::switch::{Entered, SwitchStats};
 use crate::views::{Leases, TensorView};
 
-/// A switch over host arrays or lent GPU shards, or closed ([`Switch::close`]).
+/// A switch over host arrays or lent GPU shards, or closed ([`Switch::close`]), and the weight
+/// versions its last enter saw: whether a rollout call switches or reuses the resident weights
+/// is decided here ([`Switch::changed`], [`Switch::reuse`], [`Switch::enter`]), not by the front.
 ///
 /// ```
 /// use lifecycle_bridge::{Switch, SwitchSettings, ModelBinding};
@@ -25,7 +27,14 @@ use crate::views::{Leases, TensorView};
 /// assert!(s.is_closed() && s.stats().is_err());
 /// # Ok(()) }
 /// ```
-pub enum Switch {
+pub struct Switch {
+    kind: Kind,
+    /// The versions of the trainer's tensors at the last successful enter (`None`: none yet).
+    seen: Option<Vec<u64>>,
+}
+
+/// What a [`Switch`] switches over.
+enum Kind {
     /// Over host arrays, on the CPU reference backend.
     Host(Box<HostSwitch>),
     /// Over lent GPU shards.
@@ -51,34 +60,37 @@ impl Switch {
         device: &str,
         pool: impl FnOnce() -> Result<ThreadRankPool, BridgeError>,
     ) -> Result<Self, BridgeError> {
-        match device {
-            "cpu" => Ok(Switch::Host(Box::new(HostSwitch::new(binding, settings)?))),
-            "cuda" => Ok(Switch::Gpu(Box::new(GpuSwitch::new(
+        let kind = match device {
+            "cpu" => Kind::Host(Box::new(HostSwitch::new(binding, settings)?)),
+            "cuda" => Kind::Gpu(Box::new(GpuSwitch::new(
                 binding,
                 settings,
                 Arc::new(pool()?),
-            )?))),
-            other => Err(BridgeError::Config(format!(
-                "device `{other}`: expected \"cpu\" (the reference backend) or \"cuda\""
-            ))),
-        }
+            )?)),
+            other => {
+                return Err(BridgeError::Config(format!(
+                    "device `{other}`: expected \"cpu\" (the reference backend) or \"cuda\""
+                )))
+            }
+        };
+        Ok(Switch { kind, seen: None })
     }
 
     /// The handed-out views' leases (empty for a closed switch).
     pub fn leases(&self) -> Arc<Leases> {
-        match self {
-            Switch::Host(s) => s.leases().clone(),
-            Switch::Gpu(s) => s.leases().clone(),
-            Switch::Closed => Arc::new(Leases::default()),
+        match &self.kind {
+            Kind::Host(s) => s.leases().clone(),
+            Kind::Gpu(s) => s.leases().clone(),
+            Kind::Closed => Arc::new(Leases::default()),
         }
     }
 
     /// Checks shards as [`Switch::enter`] would, reading nothing.
     pub fn check_shards(&self, shards: &[Vec<Shard>]) -> Result<(), BridgeError> {
-        match self {
-            Switch::Host(s) => s.check_shards(shards),
-            Switch::Gpu(s) => s.check_shards(shards),
-            Switch::Closed => Err(closed()),
+        match &self.kind {
+            Kind::Host(s) => s.check_shards(shards),
+            Kind::Gpu(s) => s.check_shards(shards),
+            Kind::Closed => Err(closed()),
         }
     }
 
@@ -88,47 +100,74 @@ impl Switch {
     /// # Safety
     /// As the kind's `enter` says: host shards point to that many fp32 values readable for the
     /// call; GPU shards are live fp32 device memory kept alive as [`GpuSwitch::enter`] states.
+    /// The weights switch when [`Switch::changed`] says so for `versions` and `refresh`;
+    /// otherwise the resident ones are reused unless the shards moved (the kind compares where
+    /// they are lent). On success `versions` are the ones the next call compares with.
     pub unsafe fn enter(
         &mut self,
         lent: Vec<GpuRankParts>,
-        changed: bool,
+        versions: Vec<u64>,
+        refresh: bool,
     ) -> Result<Entered, BridgeError> {
-        match self {
-            Switch::Host(s) => {
+        let changed = self.changed(&versions, refresh);
+        let entered = match &mut self.kind {
+            Kind::Host(s) => {
                 let shards: Vec<Vec<Shard>> = lent.into_iter().map(|p| p.shards).collect();
                 // SAFETY: forwarded to the caller.
                 unsafe { s.enter(&shards, changed) }
             }
             // SAFETY: forwarded to the caller.
-            Switch::Gpu(s) => unsafe { s.enter(lent, changed) },
-            Switch::Closed => Err(closed()),
-        }
+            Kind::Gpu(s) => unsafe { s.enter(lent, changed) },
+            Kind::Closed => Err(closed()),
+        }?;
+        self.seen = Some(versions);
+        Ok(entered)
     }
 
-    /// A rollout call on current resident weights, or `None` when `enter` is needed.
-    pub fn reuse_current(&mut self) -> Result<Option<Entered>, BridgeError> {
-        match self {
-            Switch::Host(s) => s.reuse_current(),
-            Switch::Gpu(s) => s.reuse_current(),
-            Switch::Closed => Err(closed()),
+    /// Whether the trainer's weights changed since the last enter: `refresh` (the front's
+    /// word: a write the versions do not show), no enter yet, or `versions` other than the
+    /// ones that enter saw.
+    pub fn changed(&self, versions: &[u64], refresh: bool) -> bool {
+        refresh || self.seen.as_deref() != Some(versions)
+    }
+
+    /// A rollout call on the resident weights where nothing changed ([`Switch::changed`]) and
+    /// the shards cannot have moved (`may_have_moved` false: the front restored no storage);
+    /// `None` when [`Switch::enter`], with the shards, is needed.
+    pub fn reuse(
+        &mut self,
+        versions: &[u64],
+        refresh: bool,
+        may_have_moved: bool,
+    ) -> Result<Option<Entered>, BridgeError> {
+        if self.changed(versions, refresh) || may_have_moved {
+            return match self.kind {
+                Kind::Closed => Err(closed()),
+                _ => Ok(None),
+            };
+        }
+        match &mut self.kind {
+            Kind::Host(s) => s.reuse_current(),
+            Kind::Gpu(s) => s.reuse_current(),
+            Kind::Closed => Err(closed()),
         }
     }
 
     /// The rollout tensors of local rank `local`.
     pub fn views(&mut self, local: usize) -> Result<Vec<TensorView>, BridgeError> {
-        match self {
-            Switch::Host(s) => s.views(local),
-            Switch::Gpu(s) => s.views(local),
-            Switch::Closed => Err(closed()),
+        match &mut self.kind {
+            Kind::Host(s) => s.views(local),
+            Kind::Gpu(s) => s.views(local),
+            Kind::Closed => Err(closed()),
         }
     }
 
     /// Leaves rollout mode (refused while handed-out views are referenced).
     pub fn exit(&mut self) -> Result<(), BridgeError> {
-        match self {
-            Switch::Host(s) => s.exit(),
-            Switch::Gpu(s) => s.exit(),
-            Switch::Closed => Err(closed()),
+        match &mut self.kind {
+            Kind::Host(s) => s.exit(),
+            Kind::Gpu(s) => s.exit(),
+            Kind::Closed => Err(closed()),
         }
     }
 
@@ -136,48 +175,52 @@ impl Switch {
     /// referenced; a closed switch stays closed): the switch that was, for the caller to drop
     /// where it may (a GPU switch holds the front's callables).
     pub fn close(&mut self) -> Result<Switch, BridgeError> {
-        match self {
-            Switch::Host(s) => s.exit_for("close")?,
-            Switch::Gpu(s) => s.exit_for("close")?,
-            Switch::Closed => return Ok(Switch::Closed),
+        let closed = || Switch {
+            kind: Kind::Closed,
+            seen: None,
+        };
+        match &mut self.kind {
+            Kind::Host(s) => s.exit_for("close")?,
+            Kind::Gpu(s) => s.exit_for("close")?,
+            Kind::Closed => return Ok(closed()),
         }
-        Ok(std::mem::replace(self, Switch::Closed))
+        Ok(std::mem::replace(self, closed()))
     }
 
     /// Whether [`Switch::close`] ran.
     pub fn is_closed(&self) -> bool {
-        matches!(self, Switch::Closed)
+        matches!(self.kind, Kind::Closed)
     }
 
     /// Counts and times of the switches so far.
     pub fn stats(&self) -> Result<SwitchStats, BridgeError> {
-        match self {
-            Switch::Host(s) => Ok(s.stats()),
-            Switch::Gpu(s) => Ok(s.stats()),
-            Switch::Closed => Err(closed()),
+        match &self.kind {
+            Kind::Host(s) => Ok(s.stats()),
+            Kind::Gpu(s) => Ok(s.stats()),
+            Kind::Closed => Err(closed()),
         }
     }
 
     /// The ranks whose rollout tensors this process reads: the rollout ranks `0..T` of a host
     /// switch, the global ranks this process drives on the GPU.
     pub fn local_ranks(&self) -> Result<Vec<usize>, BridgeError> {
-        match self {
-            Switch::Host(s) => Ok(s.rollout_ranks().collect()),
-            Switch::Gpu(s) => s.local_ranks(),
-            Switch::Closed => Err(closed()),
+        match &self.kind {
+            Kind::Host(s) => Ok(s.rollout_ranks().collect()),
+            Kind::Gpu(s) => s.local_ranks(),
+            Kind::Closed => Err(closed()),
         }
     }
 
     /// The GPU switch, for what only it does (the engine), or why there is none.
     pub fn gpu(&mut self) -> Result<&mut GpuSwitch, BridgeError> {
-        match self {
-            Switch::Gpu(s) => Ok(s),
-            Switch::Host(_) => Err(BridgeError::Config(
+        match &mut self.kind {
+            Kind::Gpu(s) => Ok(s),
+            Kind::Host(_) => Err(BridgeError::Config(
                 "the project's GPU engine needs a switch on device \"cuda\"; this one is on \
                  \"cpu\" (the reference backend): build it with from_fsdp2 on CUDA parameters"
                     .into(),
             )),
-            Switch::Closed => Err(closed()),
+            Kind::Closed => Err(closed()),
         }
     }
 }

@@ -67,6 +67,26 @@ def _current_gpu() -> int:
     return torch.cuda.current_device()
 
 
+def _flat(versions: Any) -> list[int]:
+    """``versions`` (nested tuples of counters, ``None`` where a tensor has none) as the flat
+    list the extension compares: each item tagged (a tuple ``2, len``, a counter ``1, value``,
+    ``None`` ``0``), so that two structures never flatten alike."""
+    out: list[int] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, (tuple, list)):
+            out.extend((2, len(v)))
+            for x in v:
+                walk(x)
+        elif v is None:
+            out.append(0)
+        else:
+            out.extend((1, int(v)))
+
+    walk(versions)
+    return out
+
+
 def _regather(module, device: str, world: int):
     if device != "cpu" or world == 1:
         return None
@@ -189,7 +209,6 @@ class Switch:
         self._tp = tp
         self._dtype = dtype
         self._eager = switching == "eager"
-        self._seen: tuple | None = None
         self._force = False
         self._in_rollout = False
         # whether the shards may have moved since they were last lent (a restored storage)
@@ -338,22 +357,22 @@ class Switch:
         self._force = True
 
     def _enter(self, refresh: bool, versions: tuple) -> tuple:
-        """Switches if needed; returns ``(switched, generation, seconds in the switch)``."""
-        changed = refresh or self._force or self._seen is None or versions != self._seen
-        if not changed and not self._may_have_moved:
-            reused = self._s.reuse()
-            if reused is not None:
-                self._in_rollout = True
-                return reused
-        if changed and self._regather is not None:
+        """Switches if needed (the extension decides from the versions); returns
+        ``(switched, generation, seconds in the switch)``."""
+        refresh = refresh or self._force
+        seen = _flat(versions)
+        reused = self._s.reuse(seen, refresh, self._may_have_moved)
+        if reused is not None:
+            self._in_rollout = True
+            return reused
+        if self._regather is not None and self._s.changed(seen, refresh):
             sources = self._regather()
             for src in sources:
                 src.check(self._device)
             self._sources = sources
         stream = self._stream() if callable(self._stream) else None
         buffers = self._offload_buffers() if callable(self._offload_buffers) else None
-        entered = self._s.enter(self._shards(), changed, stream, buffers)
-        self._seen = versions
+        entered = self._s.enter(self._shards(), seen, refresh, stream, buffers)
         self._force = False
         self._in_rollout = True
         self._may_have_moved = False

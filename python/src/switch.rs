@@ -123,14 +123,17 @@ impl PySwitch {
     }
 
     /// Enters rollout mode (see `lifecycle.Switch.rollout`): `shards[local][tensor]` =
-    /// `(address, elements)`; `offload[local]` the buffers an offload may move (GPU); `stream`
-    /// the trainer's CUDA stream. Returns `(switched, generation, seconds)`.
-    #[pyo3(signature = (shards, changed, stream=None, offload=None))]
+    /// `(address, elements)`; `versions` the trainer's tensors' version counters and
+    /// `refresh` a change they do not show (the switch decides from both whether the weights
+    /// changed); `offload[local]` the buffers an offload may move (GPU); `stream` the trainer's
+    /// CUDA stream. Returns `(switched, generation, seconds)`.
+    #[pyo3(signature = (shards, versions, refresh, stream=None, offload=None))]
     fn enter(
         &self,
         py: Python<'_>,
         shards: Vec<Vec<Shard>>,
-        changed: bool,
+        versions: Vec<u64>,
+        refresh: bool,
         stream: Option<u64>,
         offload: Option<Vec<Vec<PyOffload>>>,
     ) -> PyResult<(bool, u64, f64)> {
@@ -141,7 +144,7 @@ impl PySwitch {
             // fp32 shards of the module's parameters on this process's GPUs, the module (and the
             // storages it lends to offload) kept alive as long as the switch
             // (lifecycle/switch.py).
-            unsafe { self.lock().enter(lent, changed) }
+            unsafe { self.lock().enter(lent, versions, refresh) }
         };
         let e = py.detach(run).map_err(to_py)?;
         self.shared
@@ -151,11 +154,27 @@ impl PySwitch {
         Ok((e.switched, e.generation, e.wall.as_secs_f64()))
     }
 
-    /// A rollout call on current resident weights: `(False, generation, 0.0)`, or `None` when
-    /// `enter` with the shards is needed (nothing resident, or not current).
-    fn reuse(&self, py: Python<'_>) -> PyResult<Option<(bool, u64, f64)>> {
-        let e = py.detach(|| self.lock().reuse_current()).map_err(to_py)?;
+    /// A rollout call on the resident weights where nothing changed since the last enter
+    /// (`versions`, `refresh` as `enter` takes them) and the shards cannot have moved:
+    /// `(False, generation, 0.0)`, or `None` when `enter` with the shards is needed.
+    fn reuse(
+        &self,
+        py: Python<'_>,
+        versions: Vec<u64>,
+        refresh: bool,
+        may_have_moved: bool,
+    ) -> PyResult<Option<(bool, u64, f64)>> {
+        let e = py
+            .detach(|| self.lock().reuse(&versions, refresh, may_have_moved))
+            .map_err(to_py)?;
         Ok(e.map(|e| (e.switched, e.generation, e.wall.as_secs_f64())))
+    }
+
+    /// Whether the trainer's weights changed since the last enter (`versions`, `refresh` as
+    /// `enter` takes them): the switch's own decision, which the front asks before it gathers
+    /// sources anew.
+    fn changed(&self, versions: Vec<u64>, refresh: bool) -> bool {
+        self.lock().changed(&versions, refresh)
     }
 
     /// Opens a session: tensors taken from now on are valid until `close_session`.
