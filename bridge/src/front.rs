@@ -95,14 +95,14 @@ impl Switch {
     }
 
     /// Enters rollout mode from what is lent per rank ([`HostSwitch::enter`] reads only the
-    /// shards; [`GpuSwitch::enter`] also the offload buffers and the stream).
+    /// shards; [`GpuSwitch::enter`] also the offload buffers and the stream). The weights
+    /// switch when [`Switch::changed`] says so for `versions` and `refresh`; otherwise the
+    /// resident ones are reused unless the shards moved (the kind compares where they are
+    /// lent). On success `versions` are the ones the next call compares with.
     ///
     /// # Safety
     /// As the kind's `enter` says: host shards point to that many fp32 values readable for the
     /// call; GPU shards are live fp32 device memory kept alive as [`GpuSwitch::enter`] states.
-    /// The weights switch when [`Switch::changed`] says so for `versions` and `refresh`;
-    /// otherwise the resident ones are reused unless the shards moved (the kind compares where
-    /// they are lent). On success `versions` are the ones the next call compares with.
     pub unsafe fn enter(
         &mut self,
         lent: Vec<GpuRankParts>,
