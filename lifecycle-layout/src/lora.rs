@@ -343,6 +343,11 @@ pub fn parse_peft_name(name: &str) -> Option<(String, LoraPart)> {
     Some((format!("{}.weight", parts[..at].join(".")), part))
 }
 
+/// Whether tensor `name` is a LoRA matrix ([`parse_peft_name`] reads it).
+pub fn is_adapter(name: &str) -> bool {
+    parse_peft_name(name).is_some()
+}
+
 /// Checks a PEFT adapter state (`(name, shape)` of every LoRA tensor, PEFT's keys as
 /// [`parse_peft_name`] reads them) against the adapters `lora` puts on `model`: every adapter's
 /// A and B present with its shape, nothing else. The first problem is named.

@@ -11,7 +11,11 @@
 //! struct Demo(SwitchOptions);
 //! impl Configure for Demo {
 //!     const NAME: &'static str = "the demo backend";
-//!     const HONOURS: Honours = Honours { verification: true, offload_overlap: false };
+//!     const HONOURS: Honours = Honours {
+//!         verification: true,
+//!         offload_overlap: false,
+//!         frozen_base: false,
+//!     };
 //!     fn options(&self) -> &SwitchOptions { &self.0 }
 //!     fn set_options(&mut self, options: SwitchOptions) { self.0 = options; }
 //! }
@@ -42,6 +46,10 @@ pub struct SwitchOptions {
     /// Enter returns with its offload copies still running, each buffer freed in stream order
     /// behind its copy (the GPU backends).
     pub offload_overlap: bool,
+    /// Every tensor but the LoRA adapters is frozen (`lifecycle_layout::lora`): enter casts
+    /// the base once, a refresh moves the adapters alone and refuses, naming it, a frozen
+    /// tensor written since enter.
+    pub frozen_base: bool,
 }
 
 /// Which of [`SwitchOptions`]' switches a backend honours (the dtype and the fp8 exemptions
@@ -52,18 +60,28 @@ pub struct Honours {
     pub verification: bool,
     /// [`SwitchOptions::offload_overlap`].
     pub offload_overlap: bool,
+    /// [`SwitchOptions::frozen_base`].
+    pub frozen_base: bool,
 }
 
 impl Honours {
-    /// Every option (the FSDP backends).
+    /// Every option (the FSDP host backend).
     pub const ALL: Honours = Honours {
         verification: true,
         offload_overlap: true,
+        frozen_base: true,
     };
-    /// Every option but verification (the Megatron backends).
-    pub const NO_VERIFICATION: Honours = Honours {
+    /// Verification and offload overlap (the FSDP GPU backend).
+    pub const NO_FROZEN_BASE: Honours = Honours {
+        verification: true,
+        offload_overlap: true,
+        frozen_base: false,
+    };
+    /// Offload overlap alone (the Megatron backends).
+    pub const OVERLAP_ONLY: Honours = Honours {
         verification: false,
         offload_overlap: true,
+        frozen_base: false,
     };
 }
 
@@ -148,6 +166,19 @@ pub trait Configure: Sized {
         self.with_options(options)
     }
 
+    /// Freezes every tensor but the LoRA adapters (off by default): enter casts the frozen
+    /// base once; a refresh (weights kept resident) moves and casts the adapters alone, after
+    /// checking that no frozen tensor was written since enter (refused by name: its rollout
+    /// form would be stale). Refused by the backends that do not have it
+    /// ([`Honours::frozen_base`]).
+    fn with_frozen_base(self, frozen_base: bool) -> Self {
+        let options = SwitchOptions {
+            frozen_base,
+            ..*self.options()
+        };
+        self.with_options(options)
+    }
+
     /// The rollout weights' dtype.
     fn rollout_dtype(&self) -> RolloutDtype {
         self.options().dtype
@@ -184,6 +215,14 @@ pub trait Configure: Sized {
                 backend: Self::NAME,
                 hint: "a host backend's offload is a copy in memory with nothing to overlap: \
                        turn it off",
+            });
+        }
+        if o.frozen_base && !Self::HONOURS.frozen_base {
+            return Err(OptionError {
+                setting: "a frozen base (with_frozen_base)",
+                backend: Self::NAME,
+                hint: "switch LoRA models with a frozen base on the FSDP host backend for now, or \
+                       turn it off (every tensor then switches at every update)",
             });
         }
         Ok(())

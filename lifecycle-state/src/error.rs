@@ -35,6 +35,14 @@ pub enum HostError {
         /// The name asked for.
         name: String,
     },
+    /// A frozen tensor (a LoRA model's base, `with_frozen_base`) written since enter cast it.
+    #[error("tensor `{name}` is frozen (with_frozen_base) but its master on rank {rank} changed since enter: its rollout form would be stale; write only the adapters, or leave rollout mode and enter again")]
+    FrozenWritten {
+        /// The tensor.
+        name: String,
+        /// The rank whose shard changed.
+        rank: usize,
+    },
     /// An operation that needs the training state on the device found it offloaded.
     #[error("{operation} needs the training state on the device, but it is offloaded: leave rollout mode first (`lifecycle.train()`)")]
     Offloaded {

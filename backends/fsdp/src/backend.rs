@@ -123,7 +123,7 @@ impl<S: FsdpBuffers> std::fmt::Debug for FsdpBackend<S> {
 
 impl<S: FsdpBuffers> Configure for FsdpBackend<S> {
     const NAME: &'static str = "the FSDP GPU backend";
-    const HONOURS: Honours = Honours::ALL;
+    const HONOURS: Honours = Honours::NO_FROZEN_BASE;
 
     fn options(&self) -> &SwitchOptions {
         &self.options

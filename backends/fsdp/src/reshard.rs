@@ -5,6 +5,7 @@
 use crate::backend::FsdpBackend;
 use crate::FsdpError;
 use lifecycle_layout::plan_fsdp_to_tp;
+use lifecycle_layout::settings::Configure;
 use std::sync::Arc;
 
 use lifecycle_core::{Phase, Reshard, SwitchContext};
@@ -85,6 +86,8 @@ impl<S: FsdpBuffers> Reshard for FsdpBackend<S> {
     type Error = FsdpError;
 
     fn plan(&self, state: &S) -> Result<Arc<FsdpPlan>, FsdpError> {
+        self.check_options()
+            .map_err(|e| FsdpError::Config(e.to_string()))?;
         let (ranks, shards) = state.parts();
         let mut finite = || self.check_finite_ranks(ranks, shards);
         self.plan_layout(state.train_layout(), &mut finite)

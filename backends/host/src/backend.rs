@@ -6,11 +6,12 @@ use lifecycle_layout::{plan_fsdp_to_tp, RankPlan, ReshardPlan, RolloutLayout};
 
 use crate::fp8::{check_fp8_plan, fp8_rollout};
 use lifecycle_layout::fp8::{fp8_rank_traffic, Fp8Keep, RolloutDtype};
+use lifecycle_layout::lora::is_adapter;
 use lifecycle_layout::settings::{Configure, Honours, SwitchOptions};
 use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 use lifecycle_state::cast_f32_to_bf16;
-use lifecycle_state::checksum_tensor;
 use lifecycle_state::HostError;
+use lifecycle_state::{checksum_f32, checksum_tensor};
 use lifecycle_state::{HostTrainState, RankState};
 
 /// The CPU reference backend: ranks are threads of this process, collectives are shared-memory
@@ -42,6 +43,9 @@ pub struct HostBackend {
     options: SwitchOptions,
     /// Checksums of the resident rollout slices, per rank and tensor (verification mode).
     rollout_sums: Vec<Vec<u64>>,
+    /// With a frozen base: per rank and training tensor, the checksum of a frozen tensor's
+    /// master shard when enter cast it (`None` for the adapters).
+    frozen_sums: Vec<Vec<Option<u64>>>,
 }
 
 impl Configure for HostBackend {
@@ -93,7 +97,47 @@ impl HostBackend {
             layout,
             options: SwitchOptions::default(),
             rollout_sums: Vec::new(),
+            frozen_sums: Vec::new(),
         }
+    }
+
+    /// Each rank's checksum of every frozen tensor's master shard (a frozen base: every tensor
+    /// but the LoRA adapters).
+    fn frozen_sums(state: &HostTrainState) -> Vec<Vec<Option<u64>>> {
+        let names = state.layout().tensors();
+        state
+            .ranks()
+            .iter()
+            .map(|r| {
+                r.shards
+                    .iter()
+                    .zip(names)
+                    .map(|(sh, (name, _))| {
+                        (!is_adapter(name)).then(|| checksum_f32(sh.master.values()))
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// With a frozen base, refuses a frozen tensor written since enter, by name.
+    fn check_frozen(&self, state: &HostTrainState) -> Result<(), HostError> {
+        if !self.options.frozen_base {
+            return Ok(());
+        }
+        let now = Self::frozen_sums(state);
+        let names = state.layout().tensors();
+        for (rank, (was, is)) in self.frozen_sums.iter().zip(&now).enumerate() {
+            for (i, (a, b)) in was.iter().zip(is).enumerate() {
+                if a != b {
+                    return Err(HostError::FrozenWritten {
+                        name: names[i].0.clone(),
+                        rank,
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 
     fn record_rollout_sums(&mut self, rollout: &HostRollout) {
@@ -169,9 +213,17 @@ struct Moved {
 }
 
 /// Fills one rank's rollout slices from every rank's master shards.
-fn fill_rank(state: &HostTrainState, rank_plan: &RankPlan, out: &mut RankRollout) -> Moved {
+fn fill_rank(
+    state: &HostTrainState,
+    rank_plan: &RankPlan,
+    out: &mut RankRollout,
+    only: &(dyn Fn(&str) -> bool + Sync),
+) -> Moved {
     let mut moved = Moved::default();
     for (t, dst) in rank_plan.tensors.iter().zip(out.tensors.iter_mut()) {
+        if !only(&dst.name) {
+            continue;
+        }
         let width = state.layout().tensors()[t.train_index]
             .1
             .iter()
@@ -264,11 +316,22 @@ fn transfer(
     outs: Vec<&mut RankRollout>,
     ctx: &mut SwitchContext<'_>,
 ) -> Result<(), HostError> {
+    transfer_some(plan, state, outs, ctx, &|_| true)
+}
+
+/// [`transfer`] of the tensors `only` keeps (by name), the others left as they are.
+fn transfer_some(
+    plan: &ReshardPlan,
+    state: &mut HostTrainState,
+    outs: Vec<&mut RankRollout>,
+    ctx: &mut SwitchContext<'_>,
+    only: &(dyn Fn(&str) -> bool + Sync),
+) -> Result<(), HostError> {
     let spans = ctx.rec.phase(Phase::Transfer, |scope| {
         let shared: &HostTrainState = state;
         let moved = per_rank(outs, |rank, out| {
             let start = Instant::now();
-            let m = fill_rank(shared, &plan.ranks[rank], out);
+            let m = fill_rank(shared, &plan.ranks[rank], out, only);
             (m, start, start.elapsed())
         });
         Ok::<_, HostError>(
@@ -412,6 +475,9 @@ impl Reshard for HostBackend {
             rollout
         };
         self.record_rollout_sums(&rollout);
+        if self.options.frozen_base {
+            self.frozen_sums = Self::frozen_sums(state);
+        }
         offload(state, ctx.memory, self.options.verify, ctx);
         Ok(rollout)
     }
@@ -441,12 +507,20 @@ impl Reshard for HostBackend {
                 }
             }
         }
-        if self.options.dtype == RolloutDtype::Fp8 {
+        if self.options.frozen_base && !self.frozen_sums.is_empty() {
+            // the base was cast at enter: the adapters alone move (bf16 in every rollout dtype)
+            self.check_frozen(state)?;
+            let only = |name: &str| is_adapter(name);
+            transfer_some(plan, state, rollout.ranks.iter_mut().collect(), ctx, &only)?;
+        } else if self.options.dtype == RolloutDtype::Fp8 {
             *rollout = quantise(plan, state, self.options.fp8_keep, ctx)?;
         } else {
             transfer(plan, state, rollout.ranks.iter_mut().collect(), ctx)?;
         }
         self.record_rollout_sums(rollout);
+        if self.options.frozen_base && self.frozen_sums.is_empty() {
+            self.frozen_sums = Self::frozen_sums(state);
+        }
         offload(state, ctx.memory, self.options.verify, ctx);
         Ok(())
     }
@@ -461,6 +535,8 @@ impl Reshard for HostBackend {
         if let Some(rollout) = rollout {
             rollout_check = self.check_rollout_sums(&rollout);
             self.rollout_sums.clear();
+            // the base's rollout form goes with it (kept resident, it stays for the refresh)
+            self.frozen_sums.clear();
             ctx.rec.phase(Phase::Release, |_| {
                 for (rank, r) in rollout.ranks.into_iter().enumerate() {
                     if let Some(s) = state.ranks_mut().get_mut(rank) {

@@ -165,7 +165,7 @@ impl std::fmt::Debug for MegatronGpuBackend {
 
 impl Configure for MegatronGpuBackend {
     const NAME: &'static str = "the Megatron GPU backend";
-    const HONOURS: Honours = Honours::NO_VERIFICATION;
+    const HONOURS: Honours = Honours::OVERLAP_ONLY;
 
     fn options(&self) -> &SwitchOptions {
         &self.options

@@ -53,7 +53,7 @@ impl Configure for MegatronHostBackend {
     const NAME: &'static str = "the Megatron host backend";
     /// Offload overlap changes nothing here (a host offload is a copy in memory, finished
     /// before enter returns); verification is refused.
-    const HONOURS: Honours = Honours::NO_VERIFICATION;
+    const HONOURS: Honours = Honours::OVERLAP_ONLY;
 
     fn options(&self) -> &SwitchOptions {
         &self.options

@@ -1,0 +1,166 @@
+//! A LoRA model switched with a frozen base (`with_frozen_base`): enter casts the base once, a
+//! refresh moves the adapters alone (bytes reported), and a base written since enter is refused
+//! by name before anything moves.
+
+use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy};
+use lifecycle_host::megatron::MegatronHostBackend;
+use lifecycle_host::{HostBackend, HostTrainState};
+use lifecycle_layout::lora::{adapters, is_adapter, with_adapters, LoraConfig, LoraTarget};
+use lifecycle_layout::settings::Configure;
+use lifecycle_layout::{HostTensor, ModelSpec, RolloutLayout, RolloutVocab};
+
+fn model() -> ModelSpec {
+    ModelSpec {
+        vocab: 38,
+        ..ModelSpec::tiny()
+    }
+}
+
+/// The model's tensors and the adapters of `lora` (rank 2), with distinct values.
+fn tensors(lora: &LoraConfig) -> Vec<HostTensor> {
+    let m = model();
+    let mut out: Vec<HostTensor> = m
+        .hf_tensors()
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, shape))| {
+            let n = shape.iter().product();
+            HostTensor::f32(
+                name,
+                shape,
+                (0..n).map(|j| ((i * 7 + j) % 13) as f32 / 16.0).collect(),
+            )
+        })
+        .collect();
+    for a in adapters(&m, lora).unwrap() {
+        for spec in [a.a, a.b] {
+            let n = spec.numel();
+            out.push(HostTensor::f32(spec.name, spec.shape, vec![0.25; n]));
+        }
+    }
+    out
+}
+
+fn resident() -> LifecycleConfig {
+    LifecycleConfig {
+        memory: MemoryPolicy {
+            keep_rollout_resident: true,
+            ..MemoryPolicy::resident()
+        },
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_refresh_moves_the_adapters_alone_and_a_written_base_is_refused() {
+    let m = model();
+    let lora = LoraConfig::new(2, 4.0, vec![LoraTarget::Q, LoraTarget::Down]);
+    let base = RolloutLayout::from_hf_names(2, m.hf_tensors()).unwrap();
+    let layout = with_adapters(&base, &m, &lora).unwrap();
+    let state = HostTrainState::from_tensors(2, tensors(&lora)).unwrap();
+    let backend = HostBackend::new(layout.clone()).with_frozen_base(true);
+    let mut lc = Lifecycle::with_config(backend, state, resident()).unwrap();
+    let moved = |lc: &Lifecycle<HostBackend>| {
+        let b = lc.metrics().bytes();
+        b.local + b.device_to_device
+    };
+    // enter: everything, once
+    let q_before = {
+        let s = lc.rollout().unwrap();
+        let w = s.weights();
+        let q = w.ranks[0].tensor("model.layers.0.self_attn.q_proj.weight");
+        q.unwrap().data.clone()
+    };
+    let enter_bytes = moved(&lc);
+    // bf16 bytes every rank receives (a replicated tensor once per rank)
+    let bytes = |t: &lifecycle_layout::TensorSpec| {
+        let copies = if t.parallel == lifecycle_layout::Parallel::Replicated {
+            2
+        } else {
+            1
+        };
+        2 * copies * t.numel() as u64
+    };
+    let all: u64 = layout.tensors().iter().map(bytes).sum();
+    assert_eq!(enter_bytes, all);
+    // an adapter update: the refresh moves the adapters' bytes alone
+    let adapter_bytes: u64 = layout
+        .tensors()
+        .iter()
+        .filter(|t| is_adapter(&t.name))
+        .map(bytes)
+        .sum();
+    {
+        let mut t = lc.train().unwrap();
+        t.state_mut()
+            .for_each_shard_mut(|s| {
+                if is_adapter(s.name) {
+                    s.master.iter_mut().for_each(|v| *v = 0.5);
+                }
+            })
+            .unwrap();
+    }
+    let before = moved(&lc);
+    {
+        let s = lc.rollout().unwrap();
+        let w = s.weights();
+        let r0 = &w.ranks[0];
+        let b = r0
+            .tensor("model.layers.1.mlp.down_proj.lora_B.weight")
+            .unwrap();
+        assert!(
+            b.data.iter().all(|v| v.to_f32() == 0.5),
+            "the adapter refreshed"
+        );
+        let q = &r0
+            .tensor("model.layers.0.self_attn.q_proj.weight")
+            .unwrap()
+            .data;
+        assert_eq!(q, &q_before, "the base as enter cast it");
+    }
+    assert_eq!(lc.metrics().refreshes, 1);
+    assert_eq!(moved(&lc) - before, adapter_bytes);
+    assert!(adapter_bytes * 4 < all);
+    // a write to the frozen base: refused by name, nothing moved
+    {
+        let mut t = lc.train().unwrap();
+        t.state_mut()
+            .for_each_shard_mut(|s| {
+                if s.name == "model.layers.1.mlp.down_proj.weight" {
+                    s.master[0] += 1.0;
+                }
+            })
+            .unwrap();
+    }
+    let before = moved(&lc);
+    let e = lc.rollout().unwrap_err().to_string();
+    assert!(
+        e.contains("model.layers.1.mlp.down_proj.weight") && e.contains("frozen"),
+        "{e}"
+    );
+    assert_eq!(moved(&lc), before);
+}
+
+#[test]
+fn a_frozen_base_is_refused_where_the_backend_lacks_it() {
+    let m = model();
+    let state = lifecycle_host::megatron::MegatronTrainState::from_hf(
+        lifecycle_layout::megatron::MegatronLayout::new(m, 1, 1, 1).unwrap(),
+        m.hf_tensors()
+            .into_iter()
+            .map(|(n, s)| {
+                let k = s.iter().product();
+                HostTensor::f32(n, s, vec![0.0; k])
+            })
+            .collect(),
+    )
+    .unwrap();
+    let backend = MegatronHostBackend::new(RolloutLayout::fused(1, RolloutVocab::Unpadded))
+        .with_frozen_base(true);
+    let mut lc = Lifecycle::new(backend, state);
+    let e = lc.rollout().unwrap_err().to_string();
+    assert!(
+        e.contains("frozen base") && e.contains("Megatron host backend"),
+        "{e}"
+    );
+}
