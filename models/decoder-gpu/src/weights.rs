@@ -336,6 +336,19 @@ impl GroupOffsets {
             }
         };
         let entries = rank_entries(0)?;
+        if let Some(t) = layout
+            .tensors()
+            .iter()
+            .find(|t| lifecycle_layout::lora::is_adapter(&t.name))
+        {
+            // never decode a LoRA model on its base alone
+            return Err(DecodeError::Usage(format!(
+                "the rollout holds LoRA adapter `{}`: the GPU engine does not apply adapters \
+                 yet; decode on the CPU decoder (CpuDecoder::new_lora) or merge the adapters \
+                 into the base first",
+                t.name
+            )));
+        }
         let tp = layout.tp();
         let degree = |reason: String| DecodeError::Degree { tp, reason };
         if tp == 0 {
@@ -921,6 +934,34 @@ mod tests {
             Err(DecodeError::MissingTensor { name, .. }) => assert!(name.contains("gate_up")),
             other => panic!("expected MissingTensor, got {other:?}"),
         }
+    }
+
+    /// A rollout with LoRA adapters is refused by name: the engine does not apply them yet,
+    /// and must not decode the base alone.
+    #[test]
+    fn a_rollout_with_lora_adapters_is_refused_by_name() {
+        use lifecycle_layout::lora::{with_adapters, LoraConfig, LoraTarget};
+        let c = config(32, 2, false);
+        let lora = LoraConfig::new(2, 4.0, vec![LoraTarget::V]);
+        let layout = with_adapters(&c.rollout_layout(1).unwrap(), &c.model, &lora).unwrap();
+        let mut at = 0;
+        let entries: Vec<RolloutEntry> = layout
+            .tensors()
+            .iter()
+            .map(|s| {
+                let e = RolloutEntry::new(s.name.clone(), s.shape.clone(), at);
+                at += s.numel();
+                e
+            })
+            .collect();
+        let msg = GroupOffsets::new(&c, &layout, &[&entries[..]])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("model.layers.0.self_attn.v_proj.lora_A.weight"),
+            "{msg}"
+        );
+        assert!(msg.contains("new_lora"), "{msg}");
     }
 
     #[test]
