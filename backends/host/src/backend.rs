@@ -87,6 +87,7 @@ impl Configure for HostBackend {
     fn set_options(&mut self, options: SwitchOptions) {
         self.options = options;
         self.rollout_sums.clear();
+        self.frozen_sums.clear();
     }
 }
 
