@@ -1,13 +1,14 @@
 //! A front's settings as it passes them (strings and numbers), parsed and checked here, each
 //! error naming the argument: the switch's ([`switch_settings`]), the engine's
-//! ([`engine_settings`]), an offload buffer's class ([`buffer_class`]), and the GPU ranks of
-//! this process ([`gpu_pool`]).
+//! ([`engine_settings`]), a streamed fill's ([`group_stream`]), an offload buffer's class
+//! ([`buffer_class`]), and the GPU ranks of this process ([`gpu_pool`]).
 
 use std::time::Duration;
 
 use lifecycle_core::{MemoryPolicy, Switching};
 use lifecycle_cuda::driver::BufferClass;
 use lifecycle_cuda::ThreadRankPool;
+use lifecycle_decoder::{GroupStream, Leftovers, Request, SamplingParams};
 use lifecycle_decoder_gpu::EngineSettings;
 use lifecycle_layout::fp8::{Fp8Compute, Fp8Keep, RolloutDtype};
 use lifecycle_layout::ExpertPlacement;
@@ -83,6 +84,112 @@ pub fn engine_settings(
         .check()
         .map_err(|e| BridgeError::Config(e.to_string()))?;
     Ok(settings)
+}
+
+/// A streamed fill's settings (DAPO's dynamic sampling, [`GroupStream`]) as a front names them.
+#[derive(Debug, Clone)]
+pub struct StreamText<'a> {
+    /// Samples of each prompt group.
+    pub group_size: usize,
+    /// Tokens a sample may add.
+    pub max_new_tokens: usize,
+    /// Sampling temperature (0: greedy).
+    pub temperature: f32,
+    /// Nucleus mass kept (1: all).
+    pub top_p: f32,
+    /// Most likely tokens kept (`None`: all).
+    pub top_k: Option<u32>,
+    /// Tokens that end a sample.
+    pub stop_tokens: Vec<u32>,
+    /// The stream's seed (each sample's is derived from it: [`GroupSampling::requests`]).
+    pub seed: u64,
+    /// `"abort"` or `"partial"`: what becomes of requests in flight when a fill ends.
+    pub leftovers: &'a str,
+    /// Partial rollouts' staleness bound in weight versions (with `"partial"` only; 1 when not
+    /// given).
+    pub max_staleness: Option<u64>,
+    /// New groups a fill submits at most.
+    pub max_groups: Option<usize>,
+}
+
+/// How a stream's requests are sampled: its groups' size and the settings they share.
+#[derive(Debug, Clone)]
+pub struct GroupSampling {
+    group_size: usize,
+    params: SamplingParams,
+}
+
+impl GroupSampling {
+    /// Group `g`'s requests for `prompt`: its samples `j` seeded
+    /// `SamplingParams::seed_of(seed, g · group_size + j)`, so a sample's draws depend on its
+    /// place in the stream alone.
+    pub fn requests(&self, g: u64, prompt: &[u32]) -> Vec<Request> {
+        let n = self.group_size as u64;
+        (0..n)
+            .map(|j| {
+                let seed = SamplingParams::seed_of(self.params.seed, g * n + j);
+                Request::new(prompt.to_vec(), self.params.clone().with_seed(seed))
+            })
+            .collect()
+    }
+}
+
+/// The stream and its requests' sampling of `text`, each setting checked with its argument
+/// named (`leftovers`, `max_staleness` without partial rollouts, `group_size` 0).
+///
+/// ```
+/// use lifecycle_bridge::settings::{group_stream, StreamText};
+/// let text = StreamText { group_size: 4, max_new_tokens: 8, temperature: 1.0, top_p: 1.0,
+///     top_k: None, stop_tokens: vec![], seed: 7, leftovers: "abort", max_staleness: Some(2),
+///     max_groups: None };
+/// let e = group_stream(&text).unwrap_err().to_string();
+/// assert!(e.contains("max_staleness") && e.contains("partial"), "{e}");
+/// let (_, sampling) = group_stream(&StreamText { max_staleness: None, ..text })?;
+/// assert_eq!(sampling.requests(3, &[1, 2]).len(), 4);
+/// # Ok::<(), lifecycle_bridge::BridgeError>(())
+/// ```
+pub fn group_stream(text: &StreamText<'_>) -> Result<(GroupStream, GroupSampling), BridgeError> {
+    let config = BridgeError::Config;
+    let leftovers = match (text.leftovers, text.max_staleness) {
+        ("abort", None) => Leftovers::Abort,
+        ("abort", Some(_)) => {
+            return Err(config(
+                "max_staleness bounds partial rollouts: pass leftovers=\"partial\" with it \
+                 (aborted requests are never continued)"
+                    .into(),
+            ))
+        }
+        ("partial", n) => Leftovers::Partial {
+            max_staleness: n.unwrap_or(1),
+        },
+        (other, _) => {
+            return Err(config(format!(
+                "leftovers: expected \"abort\" or \"partial\", found {other:?}"
+            )))
+        }
+    };
+    if text.group_size == 0 {
+        return Err(config(
+            "group_size: expected a positive integer, found 0".into(),
+        ));
+    }
+    let mut params = SamplingParams::new(text.max_new_tokens)
+        .with_temperature(text.temperature)
+        .with_top_p(text.top_p)
+        .with_stop_tokens(text.stop_tokens.clone())
+        .with_seed(text.seed);
+    params.top_k = text.top_k;
+    let mut stream = GroupStream::new(text.group_size, leftovers);
+    if let Some(n) = text.max_groups {
+        stream = stream.with_max_groups(n);
+    }
+    Ok((
+        stream,
+        GroupSampling {
+            group_size: text.group_size,
+            params,
+        },
+    ))
 }
 
 fn parse<T: std::str::FromStr<Err = String>>(what: &str, value: &str) -> Result<T, BridgeError> {

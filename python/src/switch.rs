@@ -339,7 +339,7 @@ impl PySwitch {
                         Python::attach(|py| -> PyResult<Vec<u32>> {
                             group.call1(py, (g,))?.extract(py)
                         })
-                        .map(|prompt| stream.requests(g, prompt))
+                        .map(|prompt| stream.sampling.requests(g, &prompt))
                         .map_err(stash)
                     },
                     |g, samples| {
