@@ -1,6 +1,7 @@
 //! A front's settings as it passes them (strings and numbers), parsed and checked here, each
 //! error naming the argument: the switch's ([`switch_settings`]), the engine's
-//! ([`engine_settings`]), a streamed fill's ([`group_stream`]), an offload buffer's class
+//! ([`engine_settings`]), a call's requests ([`requests`]), a streamed fill's ([`group_stream`]),
+//! an offload buffer's class
 //! ([`buffer_class`]), and the GPU ranks of this process ([`gpu_pool`]).
 
 use std::time::Duration;
@@ -86,13 +87,9 @@ pub fn engine_settings(
     Ok(settings)
 }
 
-/// A streamed fill's settings (DAPO's dynamic sampling, [`GroupStream`]) as a front names them.
+/// How a front's requests sample (every request of a call, or of a stream, alike).
 #[derive(Debug, Clone)]
-pub struct StreamText<'a> {
-    /// Samples of each prompt group.
-    pub group_size: usize,
-    /// Tokens a sample may add.
-    pub max_new_tokens: usize,
+pub struct SamplingText {
     /// Sampling temperature (0: greedy).
     pub temperature: f32,
     /// Nucleus mass kept (1: all).
@@ -101,6 +98,54 @@ pub struct StreamText<'a> {
     pub top_k: Option<u32>,
     /// Tokens that end a sample.
     pub stop_tokens: Vec<u32>,
+}
+
+impl SamplingText {
+    /// These settings for a request of up to `max_new_tokens` tokens seeded `seed` (checked
+    /// when the request is submitted: `Request::check`).
+    pub fn params(&self, max_new_tokens: usize, seed: u64) -> SamplingParams {
+        let mut p = SamplingParams::new(max_new_tokens)
+            .with_temperature(self.temperature)
+            .with_top_p(self.top_p)
+            .with_stop_tokens(self.stop_tokens.clone())
+            .with_seed(seed);
+        p.top_k = self.top_k;
+        p
+    }
+}
+
+/// One request per prompt, each with its `max_new_tokens` and `seeds` entry and `sampling`:
+/// the lists one entry per prompt, or an error naming them.
+pub fn requests(
+    prompts: Vec<Vec<u32>>,
+    max_new_tokens: Vec<usize>,
+    seeds: Vec<u64>,
+    sampling: &SamplingText,
+) -> Result<Vec<Request>, BridgeError> {
+    if max_new_tokens.len() != prompts.len() || seeds.len() != prompts.len() {
+        return Err(BridgeError::Config(format!(
+            "{} prompts, {} max_new_tokens and {} seeds: one of each per prompt",
+            prompts.len(),
+            max_new_tokens.len(),
+            seeds.len()
+        )));
+    }
+    Ok(prompts
+        .into_iter()
+        .zip(max_new_tokens.into_iter().zip(seeds))
+        .map(|(prompt, (n, seed))| Request::new(prompt, sampling.params(n, seed)))
+        .collect())
+}
+
+/// A streamed fill's settings (DAPO's dynamic sampling, [`GroupStream`]) as a front names them.
+#[derive(Debug, Clone)]
+pub struct StreamText<'a> {
+    /// Samples of each prompt group.
+    pub group_size: usize,
+    /// Tokens a sample may add.
+    pub max_new_tokens: usize,
+    /// How its requests sample.
+    pub sampling: SamplingText,
     /// The stream's seed (each sample's is derived from it: [`GroupSampling::requests`]).
     pub seed: u64,
     /// `"abort"` or `"partial"`: what becomes of requests in flight when a fill ends.
@@ -138,10 +183,10 @@ impl GroupSampling {
 /// named (`leftovers`, `max_staleness` without partial rollouts, `group_size` 0).
 ///
 /// ```
-/// use lifecycle_bridge::settings::{group_stream, StreamText};
-/// let text = StreamText { group_size: 4, max_new_tokens: 8, temperature: 1.0, top_p: 1.0,
-///     top_k: None, stop_tokens: vec![], seed: 7, leftovers: "abort", max_staleness: Some(2),
-///     max_groups: None };
+/// use lifecycle_bridge::settings::{group_stream, SamplingText, StreamText};
+/// let sampling = SamplingText { temperature: 1.0, top_p: 1.0, top_k: None, stop_tokens: vec![] };
+/// let text = StreamText { group_size: 4, max_new_tokens: 8, sampling, seed: 7,
+///     leftovers: "abort", max_staleness: Some(2), max_groups: None };
 /// let e = group_stream(&text).unwrap_err().to_string();
 /// assert!(e.contains("max_staleness") && e.contains("partial"), "{e}");
 /// let (_, sampling) = group_stream(&StreamText { max_staleness: None, ..text })?;
@@ -173,12 +218,7 @@ pub fn group_stream(text: &StreamText<'_>) -> Result<(GroupStream, GroupSampling
             "group_size: expected a positive integer, found 0".into(),
         ));
     }
-    let mut params = SamplingParams::new(text.max_new_tokens)
-        .with_temperature(text.temperature)
-        .with_top_p(text.top_p)
-        .with_stop_tokens(text.stop_tokens.clone())
-        .with_seed(text.seed);
-    params.top_k = text.top_k;
+    let params = text.sampling.params(text.max_new_tokens, text.seed);
     let mut stream = GroupStream::new(text.group_size, leftovers);
     if let Some(n) = text.max_groups {
         stream = stream.with_max_groups(n);

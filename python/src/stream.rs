@@ -5,7 +5,7 @@
 
 use std::sync::Mutex;
 
-use lifecycle_bridge::settings::{group_stream, GroupSampling, StreamText};
+use lifecycle_bridge::settings::{group_stream, GroupSampling, SamplingText, StreamText};
 use lifecycle_decoder::GroupStream;
 use pyo3::prelude::*;
 
@@ -43,10 +43,12 @@ impl PyGroupStream {
         let text = StreamText {
             group_size,
             max_new_tokens,
-            temperature,
-            top_p,
-            top_k,
-            stop_tokens,
+            sampling: SamplingText {
+                temperature,
+                top_p,
+                top_k,
+                stop_tokens,
+            },
             seed,
             leftovers,
             max_staleness,

@@ -5,13 +5,13 @@ use std::sync::{Mutex, MutexGuard};
 
 use lifecycle_bridge::gpu::GpuRankParts;
 use lifecycle_bridge::settings::{
-    buffer_class, engine_settings, gpu_pool, switch_settings, SettingsText,
+    buffer_class, engine_settings, gpu_pool, requests, switch_settings, SamplingText, SettingsText,
 };
 use lifecycle_bridge::shards::Shard;
 use lifecycle_bridge::SwitchStats;
 use lifecycle_bridge::{BridgeError, Entered, GpuSwitch, ModelBinding, Switch};
 use lifecycle_cuda::driver::{BufferClass, LentOffload};
-use lifecycle_decoder::{DecodeError, Request, Sample, SamplingParams};
+use lifecycle_decoder::{DecodeError, Sample, SamplingParams};
 use lifecycle_decoder_gpu::GpuDecodeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -278,27 +278,13 @@ impl PySwitch {
         stop_tokens: Vec<u32>,
         seeds: Vec<u64>,
     ) -> PyResult<Vec<SampleTuple>> {
-        if max_new_tokens.len() != prompts.len() || seeds.len() != prompts.len() {
-            return Err(to_py(BridgeError::Config(format!(
-                "{} prompts, {} max_new_tokens and {} seeds: one of each per prompt",
-                prompts.len(),
-                max_new_tokens.len(),
-                seeds.len()
-            ))));
-        }
-        let requests: Vec<Request> = prompts
-            .into_iter()
-            .zip(max_new_tokens.into_iter().zip(seeds))
-            .map(|(prompt, (n, seed))| {
-                let mut p = SamplingParams::new(n)
-                    .with_temperature(temperature)
-                    .with_top_p(top_p)
-                    .with_stop_tokens(stop_tokens.clone())
-                    .with_seed(seed);
-                p.top_k = top_k;
-                Request::new(prompt, p)
-            })
-            .collect();
+        let sampling = SamplingText {
+            temperature,
+            top_p,
+            top_k,
+            stop_tokens,
+        };
+        let requests = requests(prompts, max_new_tokens, seeds, &sampling).map_err(to_py)?;
         let samples = py
             .detach(|| self.with_gpu(|s| s.run(requests)))
             .map_err(to_py)?;
