@@ -203,14 +203,19 @@ fn bad_checkpoint_tensors_name_the_tensor() {
     );
 }
 
-#[test]
-fn plan_errors_surface_through_the_lifecycle_before_anything_moves() {
+/// A 2-layer model's state at TP = 2 (W = 2).
+fn two_rank_state() -> MegatronTrainState {
     let m = common::model(2, false);
-    let state = MegatronTrainState::from_hf(
+    MegatronTrainState::from_hf(
         MegatronLayout::new(m, 2, 1, 1).unwrap(),
         common::hf_tensors(&m, 1),
     )
-    .unwrap();
+    .unwrap()
+}
+
+#[test]
+fn plan_errors_surface_through_the_lifecycle_before_anything_moves() {
+    let state = two_rank_state();
     let before = state.snapshot();
     let backend =
         MegatronHostBackend::new(RolloutLayout::fused(4, RolloutVocab::PadToMultipleOf(1)));
@@ -228,12 +233,7 @@ fn plan_errors_surface_through_the_lifecycle_before_anything_moves() {
 #[test]
 fn an_option_the_backend_lacks_is_refused_before_anything_moves() {
     use lifecycle_layout::settings::Configure;
-    let m = common::model(2, false);
-    let state = MegatronTrainState::from_hf(
-        MegatronLayout::new(m, 2, 1, 1).unwrap(),
-        common::hf_tensors(&m, 1),
-    )
-    .unwrap();
+    let state = two_rank_state();
     let before = state.snapshot();
     let rollout = RolloutLayout::fused(2, RolloutVocab::PadToMultipleOf(1));
     let backend = MegatronHostBackend::new(rollout.clone()).with_verification(true);

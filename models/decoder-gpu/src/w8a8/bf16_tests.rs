@@ -2,7 +2,7 @@
 //! --nocapture`): the bf16 products of the tensor-core kernel ([`MmaKernels::bf16`]) against
 //! the same sums in f64 on the host and against cuBLAS's, each run twice for the same bits.
 use super::mma::MmaKernels;
-use super::tests::split;
+use super::tests::{print_report, split};
 use super::*;
 use crate::blas::{gemm, handle};
 use crate::kernels::ptr;
@@ -236,9 +236,7 @@ fn bf16_mma_matches_the_host_sums_and_cublas() -> Result<(), Box<dyn std::error:
         }
         Ok(lines)
     })?;
-    for l in report.iter().flatten() {
-        println!("{l}");
-    }
+    print_report(&report);
     Ok(())
 }
 
@@ -313,8 +311,6 @@ fn a_rows_bf16_sums_do_not_depend_on_the_other_rows() -> Result<(), Box<dyn std:
         }
         Ok(lines)
     })?;
-    for l in report.iter().flatten() {
-        println!("{l}");
-    }
+    print_report(&report);
     Ok(())
 }

@@ -174,6 +174,13 @@ fn values(n: usize, cols: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// Prints every rank's report lines (a GPU test's measured figures).
+pub(super) fn print_report(report: &[Vec<String>]) {
+    for l in report.iter().flatten() {
+        println!("{l}");
+    }
+}
+
 /// The split rows of `x` (hi rows, then lo rows) and their sums in f32 (exact: hi + lo).
 pub(super) fn split(x: &[f32]) -> (Vec<u16>, Vec<f32>) {
     let hi: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
@@ -646,9 +653,7 @@ fn block_scaled_gemm_matches_the_host_sums() -> Result<(), Box<dyn std::error::E
         }
         Ok(lines)
     })?;
-    for l in report.iter().flatten() {
-        println!("{l}");
-    }
+    print_report(&report);
     Ok(())
 }
 
@@ -845,9 +850,7 @@ fn the_fused_quantisations_write_the_two_kernels_bits() -> Result<(), Box<dyn st
         }
         Ok(lines)
     })?;
-    for l in report.iter().flatten() {
-        println!("{l}");
-    }
+    print_report(&report);
     Ok(())
 }
 
@@ -1035,9 +1038,7 @@ fn the_attention_quantisation_is_the_two_kernels_bits() -> Result<(), Box<dyn st
         }
         Ok(lines)
     })?;
-    for l in report.iter().flatten() {
-        println!("{l}");
-    }
+    print_report(&report);
     Ok(())
 }
 
@@ -1192,9 +1193,7 @@ fn the_cluster_sums_are_the_device_memory_sums_bits() -> Result<(), Box<dyn std:
         }
         Ok(lines)
     })?;
-    for l in report.iter().flatten() {
-        println!("{l}");
-    }
+    print_report(&report);
     Ok(())
 }
 
@@ -1494,8 +1493,6 @@ fn products_of_one_launch_are_the_stacked_products_bits() -> Result<(), Box<dyn 
         }
         Ok(lines)
     })?;
-    for l in report.iter().flatten() {
-        println!("{l}");
-    }
+    print_report(&report);
     Ok(())
 }
