@@ -1,12 +1,14 @@
 //! [`MegatronGpuBackend`]: its plan type, settings, construction and per-rank resources.
 
 use crate::config::GpuConfig;
+use std::marker::PhantomData;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
 use lifecycle_core::MemoryPolicy;
 use lifecycle_cuda::{ProgramSlot, RankExecutor, ThreadRankPool, TileKernel};
 
+use crate::buffers::MegatronBuffers;
 use crate::error::MegatronGpuError;
 use crate::state::{GpuRank, MegatronGpuState};
 use lifecycle_cuda::PinnedPool;
@@ -18,6 +20,10 @@ use lifecycle_layout::steps::Quantise;
 use lifecycle_layout::RolloutLayout;
 
 pub(crate) static NEXT_PLAN: AtomicU64 = AtomicU64::new(1);
+
+/// What a rank's kept step program was built for: the plan's id and where each local rank's
+/// parameters lie in its source (`None`: the state's own buffer, in the layout's order).
+pub(crate) type ProgramKey = (u64, Vec<Option<Vec<u64>>>);
 
 /// A validated plan and the schedules of this process's ranks.
 #[derive(Debug)]
@@ -138,21 +144,23 @@ impl MegatronGpuPlan {
 /// assert_eq!(host.ranks.len(), 2);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-pub struct MegatronGpuBackend {
+pub struct MegatronGpuBackend<S: MegatronBuffers = MegatronGpuState> {
     pub(crate) pool: Arc<ThreadRankPool>,
     pub(crate) rollout: Arc<RolloutLayout>,
     pub(crate) config: GpuConfig,
     pub(crate) pinned: Arc<PinnedPool>,
     /// Per local rank, the step program of the last plan (its copy tables uploaded once per
-    /// plan), keyed by the plan's id.
-    pub(crate) programs: Vec<ProgramSlot<u64>>,
+    /// plan), keyed by the plan's id and where the ranks' parameters lie.
+    pub(crate) programs: Vec<ProgramSlot<ProgramKey>>,
     pub(crate) cached: Mutex<Option<Arc<MegatronGpuPlan>>>,
     /// The options every backend holds (dtype, fp8 exemptions, offload overlap; verification
     /// refused).
     pub(crate) options: SwitchOptions,
+    /// Whose training buffers it switches ([`MegatronBuffers`]).
+    pub(crate) buffers: PhantomData<fn() -> S>,
 }
 
-impl std::fmt::Debug for MegatronGpuBackend {
+impl<S: MegatronBuffers> std::fmt::Debug for MegatronGpuBackend<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MegatronGpuBackend")
             .field("world", &self.pool.world())
@@ -163,7 +171,7 @@ impl std::fmt::Debug for MegatronGpuBackend {
     }
 }
 
-impl Configure for MegatronGpuBackend {
+impl<S: MegatronBuffers> Configure for MegatronGpuBackend<S> {
     const NAME: &'static str = "the Megatron GPU backend";
     const HONOURS: Honours = Honours::OVERLAP_ONLY;
 
@@ -223,9 +231,12 @@ impl MegatronGpuBackend {
             programs: loaded.iter().map(|()| ProgramSlot::default()).collect(),
             cached: Mutex::new(None),
             options: SwitchOptions::default(),
+            buffers: PhantomData,
         })
     }
+}
 
+impl<S: MegatronBuffers> MegatronGpuBackend<S> {
     /// Changes the settings (checked: a budget of at least 2 bytes, at least 1 step in flight).
     pub fn with_config(mut self, config: GpuConfig) -> Result<Self, MegatronGpuError> {
         if config.bucket_bytes < 2 || config.in_flight == 0 || config.overlap_blocks_per_sm == 0 {
@@ -284,9 +295,11 @@ impl MegatronGpuBackend {
         }
     }
 
-    pub(crate) fn check_state(&self, state: &MegatronGpuState) -> Result<(), MegatronGpuError> {
-        if state.world() != self.pool.world() || state.local_ranks() != self.locals() {
-            return Err(self.world_mismatch(state.world(), state.ranks.len()));
+    pub(crate) fn check_state(&self, state: &S) -> Result<(), MegatronGpuError> {
+        let world = state.train_layout().world();
+        let locals = state.local_ranks();
+        if world != self.pool.world() || locals != self.locals() {
+            return Err(self.world_mismatch(world, locals.len()));
         }
         Ok(())
     }
@@ -294,7 +307,7 @@ impl MegatronGpuBackend {
     pub(crate) fn check_plan(
         &self,
         plan: &MegatronGpuPlan,
-        state: &MegatronGpuState,
+        state: &S,
     ) -> Result<(), MegatronGpuError> {
         self.check_state(state)?;
         let ranks_match = plan
@@ -302,12 +315,21 @@ impl MegatronGpuBackend {
             .iter()
             .map(|s| s.rank)
             .eq(self.locals().iter().copied());
-        if !plan.made_for(&state.layout, &self.rollout) || !ranks_match {
+        if !plan.made_for(state.train_layout(), &self.rollout) || !ranks_match {
             return Err(MegatronGpuError::PlanMismatch);
         }
         Ok(())
     }
 
+    /// Gives the device memory cached by each rank's stream-ordered pool (freed rollout weights,
+    /// offloaded state, staging) back to the driver.
+    pub fn trim_device_memory(&self) -> Result<(), MegatronGpuError> {
+        self.pool.run(&|ctx| ctx.trim_pool())?;
+        Ok(())
+    }
+}
+
+impl MegatronGpuBackend {
     /// Allocates the pinned host memory an offload of `state` under `memory` needs, into the
     /// pinned pool (so the first switch does not pay for pinning). Returns the bytes the pool
     /// caches for this process's ranks afterwards.
@@ -366,16 +388,9 @@ impl MegatronGpuBackend {
             memory,
         )?)
     }
-
-    /// Gives the device memory cached by each rank's stream-ordered pool (freed rollout weights,
-    /// offloaded state, staging) back to the driver.
-    pub fn trim_device_memory(&self) -> Result<(), MegatronGpuError> {
-        self.pool.run(&|ctx| ctx.trim_pool())?;
-        Ok(())
-    }
 }
 
-impl lifecycle_cuda::RolloutSource for MegatronGpuBackend {
+impl<S: MegatronBuffers> lifecycle_cuda::RolloutSource for MegatronGpuBackend<S> {
     fn rollout_layout(&self) -> &RolloutLayout {
         &self.rollout
     }

@@ -1,6 +1,7 @@
 //! Downloads of the training state and the rollout weights, for checks against the CPU executor.
 
 use crate::backend::MegatronGpuBackend;
+use crate::buffers::MegatronBuffers;
 use crate::build::resident;
 
 use lifecycle_cuda::{RankExecutor, RolloutBuffer};
@@ -75,7 +76,9 @@ impl MegatronGpuBackend {
             state.adam_steps,
         )?)
     }
+}
 
+impl<S: MegatronBuffers> MegatronGpuBackend<S> {
     /// Downloads the rollout weights of this process's ranks to host memory (rollout order,
     /// the CPU backend's layout), for bit comparisons.
     pub fn download_rollout(

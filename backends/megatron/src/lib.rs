@@ -14,6 +14,10 @@
 //!   ([`MegatronGpuBackend::state_from_host`]), or on the devices for benchmarks
 //!   ([`MegatronGpuBackend::synthetic_state`]); [`MegatronGpuBackend::download_state`] gives it
 //!   back as a [`MegatronTrainState`](lifecycle_state::megatron::MegatronTrainState).
+//!   Or a caller's ([`LentMegatronState`]): each parameter of a rank's stage lent by address
+//!   (Megatron-Core's parameters where its DDP buffers keep them), read in place by the same
+//!   [`Reshard`](lifecycle_core::Reshard) impl ([`MegatronGpuBackend::lending`]; the backend is
+//!   generic over [`MegatronBuffers`]).
 //! - **Schedule** (`lifecycle_layout::megatron::schedule`, pure): each rank copies the runs of its fused slices it holds
 //!   itself. With peer copies ([`Transport`], the default where every rank lives in this process
 //!   and the GPUs have peer access), each owner writes the runs its peers need straight into
@@ -61,18 +65,22 @@
 #![warn(missing_docs)]
 
 mod backend;
+mod buffers;
 mod build;
 mod config;
 mod download;
 mod error;
 mod fp8;
+mod lent;
 mod reshard;
 mod state;
 mod transfer;
 
 pub use backend::{MegatronGpuBackend, MegatronGpuPlan};
+pub use buffers::MegatronBuffers;
 pub use config::GpuConfig;
 pub use error::MegatronGpuError;
+pub use lent::{LentMegatronBackend, LentMegatronParts, LentMegatronState};
 pub use lifecycle_cuda::Transport;
 pub use lifecycle_cuda::{PinnedPool, DEFAULT_CHUNK_BYTES};
-pub use state::MegatronGpuState;
+pub use state::{GpuRank, MegatronGpuState};

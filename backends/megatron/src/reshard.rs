@@ -10,21 +10,21 @@ use lifecycle_core::{Phase, Reshard, SwitchContext};
 use lifecycle_cuda::driver::NoHooks;
 use lifecycle_cuda::{alloc_rollout_buffers, RolloutBuffer};
 
+use crate::buffers::MegatronBuffers;
 use crate::error::MegatronGpuError;
-use crate::state::MegatronGpuState;
 use lifecycle_layout::fp8::RolloutDtype;
 use lifecycle_layout::megatron::schedule::{build_rank, rollout_offsets};
 use lifecycle_layout::megatron::{
     check_fused_fp8, fp8_one_read, fp8_rollout, plan_megatron_to_tp, BucketConfig,
 };
 
-impl Reshard for MegatronGpuBackend {
-    type TrainState = MegatronGpuState;
+impl<S: MegatronBuffers> Reshard for MegatronGpuBackend<S> {
+    type TrainState = S;
     type Rollout = RolloutBuffer;
     type Plan = Arc<MegatronGpuPlan>;
     type Error = MegatronGpuError;
 
-    fn plan(&self, state: &MegatronGpuState) -> Result<Arc<MegatronGpuPlan>, MegatronGpuError> {
+    fn plan(&self, state: &S) -> Result<Arc<MegatronGpuPlan>, MegatronGpuError> {
         self.check_options()
             .map_err(|e| MegatronGpuError::Config(e.to_string()))?;
         self.check_state(state)?;
@@ -33,7 +33,7 @@ impl Reshard for MegatronGpuBackend {
         };
         let mut cached = self.cached.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = cached.as_ref() {
-            let same = p.made_for(&state.layout, &self.rollout)
+            let same = p.made_for(state.train_layout(), &self.rollout)
                 && p.config == self.config
                 && p.fp8.is_some() == (self.options.dtype == RolloutDtype::Fp8)
                 && p.keep == self.options.fp8_keep
@@ -46,7 +46,7 @@ impl Reshard for MegatronGpuBackend {
             }
         }
         let peer_copy = self.config.transport.resolve(&self.pool)?;
-        let plan = plan_megatron_to_tp(&state.layout, &self.rollout, bucket)?;
+        let plan = plan_megatron_to_tp(state.train_layout(), &self.rollout, bucket)?;
         let (offsets, len) = rollout_offsets(&plan);
         let fp8 = match self.options.dtype {
             RolloutDtype::Bf16 => None,
@@ -83,7 +83,7 @@ impl Reshard for MegatronGpuBackend {
         };
         let p = Arc::new(MegatronGpuPlan {
             id: NEXT_PLAN.fetch_add(1, Ordering::Relaxed),
-            layouts: (state.layout.clone(), self.rollout.clone()),
+            layouts: (state.train_layout().clone(), self.rollout.clone()),
             config: self.config,
             peer_copy,
             plan,
@@ -107,11 +107,11 @@ impl Reshard for MegatronGpuBackend {
     fn enter(
         &mut self,
         plan: &Arc<MegatronGpuPlan>,
-        state: &mut MegatronGpuState,
+        state: &mut S,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<RolloutBuffer, MegatronGpuError> {
         self.check_plan(plan, state)?;
-        if state.is_offloaded() {
+        if state.offloaded() {
             return Err(MegatronGpuError::Offloaded {
                 operation: "entering rollout mode",
             });
@@ -133,8 +133,8 @@ impl Reshard for MegatronGpuBackend {
             _ => None,
         };
         let mut moved =
-            self.transfer(plan, &mut state.ranks, &mut rolls, fp8.as_deref_mut(), ctx)?;
-        let rooms = self.finish_enter(&mut state.ranks, ctx, &mut moved)?;
+            self.transfer(plan, state.ranks_mut(), &mut rolls, fp8.as_deref_mut(), ctx)?;
+        let rooms = self.finish_enter(state.ranks_mut(), ctx, &mut moved)?;
         let (rolls, entries, len) = match (fp8, &plan.fp8) {
             (Some(written), Some(f)) => {
                 drop(rolls);
@@ -154,12 +154,12 @@ impl Reshard for MegatronGpuBackend {
     fn refresh(
         &mut self,
         plan: &Arc<MegatronGpuPlan>,
-        state: &mut MegatronGpuState,
+        state: &mut S,
         rollout: &mut RolloutBuffer,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<(), MegatronGpuError> {
         self.check_plan(plan, state)?;
-        if state.is_offloaded() {
+        if state.offloaded() {
             return Err(MegatronGpuError::Offloaded {
                 operation: "refreshing rollout weights",
             });
@@ -182,17 +182,17 @@ impl Reshard for MegatronGpuBackend {
                 let mut staging =
                     unsafe { alloc_rollout_buffers(&*self.pool, plan.len, peers_write)? };
                 let rolls = Some(rollout.buffers_mut());
-                self.transfer(plan, &mut state.ranks, &mut staging, rolls, ctx)?
+                self.transfer(plan, state.ranks_mut(), &mut staging, rolls, ctx)?
             }
             // bf16, or fp8 in one read: straight into the rollout buffers
-            _ => self.transfer(plan, &mut state.ranks, rollout.buffers_mut(), None, ctx)?,
+            _ => self.transfer(plan, state.ranks_mut(), rollout.buffers_mut(), None, ctx)?,
         };
-        self.finish_offload(&mut state.ranks, ctx, &mut moved)
+        self.finish_offload(state.ranks_mut(), ctx, &mut moved)
     }
 
     fn exit(
         &mut self,
-        state: &mut MegatronGpuState,
+        state: &mut S,
         rollout: Option<RolloutBuffer>,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<(), MegatronGpuError> {
@@ -203,7 +203,7 @@ impl Reshard for MegatronGpuBackend {
         self.check_state(state)?;
         // Megatron's buffers carry no verification hashes: nothing can be found corrupted.
         self.driver()
-            .reload::<_, MegatronGpuError>(&mut state.ranks, ctx, &NoHooks)?;
+            .reload::<_, MegatronGpuError>(state.ranks_mut(), ctx, &NoHooks)?;
         Ok(())
     }
 }

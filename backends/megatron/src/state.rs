@@ -6,8 +6,8 @@ use lifecycle_cuda::OffloadBuffer;
 
 use lifecycle_layout::megatron::{MegatronLayout, OptimizerShard};
 
-/// One training rank on its GPU.
-pub(crate) struct GpuRank {
+/// One training rank's buffers on its GPU (the parts of a [`MegatronGpuState`]).
+pub struct GpuRank {
     /// The global rank.
     pub(crate) rank: usize,
     /// bf16 parameters of the rank: the whole buffer (dense part, then expert part).

@@ -3,6 +3,7 @@
 //! [`ProgramSpec`].
 
 use crate::backend::{MegatronGpuBackend, MegatronGpuPlan};
+use crate::buffers::MegatronBuffers;
 
 use half::bf16;
 use lifecycle_core::SwitchContext;
@@ -14,7 +15,7 @@ use lifecycle_cuda::driver::{
 use lifecycle_cuda::{
     record_transfer, CudaError, FreeingRoom, RankCtx, RankMoved, RunOptions, SourceBuf,
 };
-use lifecycle_layout::megatron::StepShape;
+use lifecycle_layout::megatron::{MegatronLayout, StepShape};
 use lifecycle_layout::RolloutEntry;
 use std::time::Instant;
 
@@ -48,7 +49,18 @@ impl RankBuffers for GpuRank {
     }
 }
 
-impl MegatronGpuBackend {
+/// The parameters of `rank`'s stage as the segments of its buffer in the layout's order:
+/// `(offset, elements)` per slot (what a lent source's reads are rebased from).
+pub(crate) fn stage_segments(layout: &MegatronLayout, rank: usize) -> Vec<(u64, u64)> {
+    let stage = layout.coords(rank).pp;
+    layout
+        .stage_slots(stage)
+        .iter()
+        .map(|s| (s.offset as u64, s.numel() as u64))
+        .collect()
+}
+
+impl<S: MegatronBuffers> MegatronGpuBackend<S> {
     pub(crate) fn entries(plan: &MegatronGpuPlan) -> Vec<RolloutEntry> {
         plan.plan
             .tensors
@@ -63,23 +75,30 @@ impl MegatronGpuBackend {
         SwitchDriver::new(&*self.pool, &self.pinned)
     }
 
-    /// Runs every local rank's schedule into `rolls` through the driver, the offload copies of
+    /// Runs every local rank's schedule into `rolls` through the driver, each rank's steps
+    /// reading its parameters where they are ([`RankBuffers::source_offsets`]: a lent rank's
+    /// reads rebased from the layout's slots onto its tensors), the offload copies of
     /// the switch's memory policy overlapping it; in a staged fp8 rollout `rolls` is the
     /// staging buffer and `fp8` the rollout buffers the plan's [`Fp8Rollout`] pass writes from
     /// it (in one read, `rolls` the rollout buffers and `fp8` `None`).
     /// Records the metrics of both as the transfer phase.
     ///
     /// [`Fp8Rollout`]: lifecycle_layout::megatron::Fp8Rollout
-    pub(crate) fn transfer(
+    pub(crate) fn transfer<B: RankBuffers + Sync>(
         &mut self,
         plan: &MegatronGpuPlan,
-        ranks: &mut [GpuRank],
+        ranks: &mut [B],
         rolls: &mut [CudaSlice<bf16>],
         fp8: Option<&mut [CudaSlice<bf16>]>,
         ctx: &mut SwitchContext<'_>,
     ) -> Result<Vec<RankMoved>, MegatronGpuError> {
         let start = Instant::now();
         let config = plan.config;
+        let at: Vec<Option<Vec<u64>>> = ranks
+            .iter()
+            .map(|r| r.source_offsets().map(<[u64]>::to_vec))
+            .collect();
+        let train = &plan.layouts.0;
         let steps = |c: &RankCtx, local: usize, source_elems: u64| {
             let s = plan.ranks.get(local).ok_or_else(|| {
                 lifecycle_layout::LayoutError::InvalidSteps {
@@ -87,9 +106,16 @@ impl MegatronGpuBackend {
                     what: format!("the plan has no schedule for local rank {local}"),
                 }
             })?;
+            let lent = at.get(local).and_then(Option::as_ref);
+            // a lent rank's steps are made over the layout's buffer, then rebased
+            let stage_len = train.stage_len(train.coords(c.rank).pp) as u64;
             let mut steps = s.rank_steps(StepShape {
                 world: c.world,
-                source_elems,
+                source_elems: if lent.is_some() {
+                    stage_len
+                } else {
+                    source_elems
+                },
                 rollout_elems: plan.len as u64,
                 in_flight: config.in_flight,
                 peer_copy: plan.peer_copy,
@@ -101,10 +127,13 @@ impl MegatronGpuBackend {
                 steps.zero.extend(plan.one_read_zero.iter().cloned());
                 steps.validate()?;
             }
+            if let Some(to) = lent {
+                steps.rebase_source(&stage_segments(train, c.rank), to)?;
+            }
             Ok(steps)
         };
         let spec = ProgramSpec {
-            key: plan.id,
+            key: (plan.id, at.clone()),
             batched_casts: true,
             opts: RunOptions {
                 overlap_blocks_per_sm: config.overlap_blocks_per_sm,
@@ -135,9 +164,9 @@ impl MegatronGpuBackend {
 
     /// Waits for the offload copies, then frees what the policy moved out, and the grads; reads
     /// the transfer's device timelines into the trace.
-    pub(crate) fn finish_offload(
+    pub(crate) fn finish_offload<B: RankBuffers>(
         &self,
-        ranks: &mut [GpuRank],
+        ranks: &mut [B],
         ctx: &mut SwitchContext<'_>,
         moved: &mut [RankMoved],
     ) -> Result<(), MegatronGpuError> {
@@ -147,9 +176,9 @@ impl MegatronGpuBackend {
 
     /// The offload phase of an enter: overlapped with the rollout when the backend asks for it
     /// and the switch allows it (each rank's [`FreeingRoom`] returned), settled otherwise.
-    pub(crate) fn finish_enter(
+    pub(crate) fn finish_enter<B: RankBuffers>(
         &self,
-        ranks: &mut [GpuRank],
+        ranks: &mut [B],
         ctx: &mut SwitchContext<'_>,
         moved: &mut [RankMoved],
     ) -> Result<Option<Vec<FreeingRoom>>, MegatronGpuError> {

@@ -120,6 +120,11 @@ pub enum LentSource {
         /// Elements.
         len: usize,
     },
+    /// bf16 tensors that are views into buffers the caller keeps (Megatron-Core's parameters in
+    /// its DDP buffers, in whatever order and padding they lie there): each `(address,
+    /// elements)`, read in place as one source from the lowest address, as
+    /// [`LentSource::F32Tensors`].
+    Bf16Tensors(Vec<(u64, usize)>),
 }
 
 enum SourceSlice {
@@ -268,7 +273,8 @@ impl Offloadable for LentOffload {
 /// the caller's stream waits for the switch's work.
 pub struct LentRank {
     source: SourceSlice,
-    /// With [`LentSource::F32Tensors`]: each tensor's first element from the source's base.
+    /// With [`LentSource::F32Tensors`] or [`LentSource::Bf16Tensors`]: each tensor's first
+    /// element from the source's base.
     offsets: Option<Vec<u64>>,
     offload: Vec<LentOffload>,
     stream: Option<LentStream>,
@@ -298,7 +304,7 @@ impl LentRank {
                 SourceSlice::F32(unsafe { Borrowed::new(&ctx.compute, ptr, len) })
             }
             LentSource::F32Tensors(tensors) => {
-                let (base, at, len) = tensor_offsets(ctx, &tensors)?;
+                let (base, at, len) = tensor_offsets(ctx, &tensors, 4)?;
                 offsets = Some(at);
                 // SAFETY: the range spans the lent tensors (the caller's promise for each) and
                 // the memory between them, which is not ours: nothing reads or writes it, since
@@ -310,6 +316,14 @@ impl LentRank {
                 check_ptr(ctx, ptr, len * 2, "the lent bf16 source")?;
                 // SAFETY: the caller's promise.
                 SourceSlice::Bf16(unsafe { Borrowed::new(&ctx.compute, ptr, len) })
+            }
+            LentSource::Bf16Tensors(tensors) => {
+                let (base, at, len) = tensor_offsets(ctx, &tensors, 2)?;
+                offsets = Some(at);
+                // SAFETY: as for F32Tensors: the range spans the lent tensors and the memory
+                // between them, which nothing reads or writes (every read rebased into a tensor
+                // and validated against it: RankSteps::rebase_source).
+                SourceSlice::Bf16(unsafe { Borrowed::new(&ctx.compute, base, len) })
             }
         };
         for o in &offload {
@@ -325,8 +339,9 @@ impl LentRank {
         })
     }
 
-    /// With a [`LentSource::F32Tensors`] source: each tensor's first element, counted in fp32
-    /// elements from the lowest address (what a plan's reads are rebased onto).
+    /// With a [`LentSource::F32Tensors`] or [`LentSource::Bf16Tensors`] source: each tensor's
+    /// first element, counted in the source's elements from the lowest address (what a plan's
+    /// reads are rebased onto).
     pub fn source_offsets(&self) -> Option<&[u64]> {
         self.offsets.as_deref()
     }
@@ -337,14 +352,15 @@ impl LentRank {
     }
 }
 
-/// The base address of lent fp32 `tensors` (the lowest), each tensor's element offset from it and
-/// the elements up to the end of the last; empty tensors sit at offset 0.
+/// The base address of lent `tensors` of `elem`-byte elements (the lowest), each tensor's element
+/// offset from it and the elements up to the end of the last; empty tensors sit at offset 0.
 fn tensor_offsets(
     ctx: &RankCtx,
     tensors: &[(u64, usize)],
+    elem: u64,
 ) -> Result<(u64, Vec<u64>, usize), CudaError> {
     for (i, &(p, n)) in tensors.iter().enumerate() {
-        check_ptr(ctx, p, n * 4, &format!("lent tensor {i}"))?;
+        check_ptr(ctx, p, n * elem as usize, &format!("lent tensor {i}"))?;
     }
     let base = tensors
         .iter()
@@ -360,15 +376,15 @@ fn tensor_offsets(
             continue;
         }
         let d = p - base;
-        if d % 4 != 0 {
+        if d % elem != 0 {
             return Err(CudaError::Invalid(format!(
-                "rank {}: lent tensor {i} at {p:#x} is not 4-byte aligned against the lowest \
-                 lent address {base:#x}: fp32 tensors are read as one source",
+                "rank {}: lent tensor {i} at {p:#x} is not {elem}-byte aligned against the lowest \
+                 lent address {base:#x}: the tensors are read as one source",
                 ctx.rank
             )));
         }
-        at.push(d / 4);
-        end = end.max(d / 4 + n as u64);
+        at.push(d / elem);
+        end = end.max(d / elem + n as u64);
     }
     let len = usize::try_from(end).map_err(|_| {
         CudaError::Invalid(format!("rank {}: the lent tensors span too much", ctx.rank))
