@@ -1,5 +1,6 @@
 //! [`Switch`]: the one switch a front (the Python package) drives, over host arrays (the CPU
-//! reference backend) or lent GPU shards, or closed. Every call is decided here, once, so a
+//! reference backend) or lent GPU tensors (FSDP2 shards or Megatron-Core parameters), or
+//! closed. Every call is decided here, once, so a
 //! front converts its arguments and calls through without asking which kind it holds.
 
 use std::sync::Arc;
@@ -7,7 +8,7 @@ use std::sync::Arc;
 use lifecycle_cuda::ThreadRankPool;
 
 use crate::error::BridgeError;
-use crate::gpu::{GpuRankParts, GpuSwitch};
+use crate::gpu::{GpuFront, GpuRankParts, GpuSwitch};
 use crate::host::{HostSwitch, SwitchSettings};
 use crate::model::ModelBinding;
 use crate::shards::Shard;
@@ -37,8 +38,8 @@ pub struct Switch {
 enum Kind {
     /// Over host arrays, on the CPU reference backend.
     Host(Box<HostSwitch>),
-    /// Over lent GPU shards.
-    Gpu(Box<GpuSwitch>),
+    /// Over lent GPU tensors (either kind: [`GpuFront`]).
+    Gpu(Box<dyn GpuFront>),
     /// Closed: its memory is freed, every call but `close` refused.
     Closed,
 }
@@ -74,6 +75,67 @@ impl Switch {
             }
         };
         Ok(Switch { kind, seen: None })
+    }
+
+    /// A switch of Megatron-Core parameters for the model `config_json` (a Hugging Face
+    /// `config.json`) trained at `(tp, pp, dp)` with the embedding padded to `padded_vocab`
+    /// rows (the live model's), with the settings `text` names (its `world` TP × PP × DP, its
+    /// `tp` the rollout's), on the GPU ranks `pool` makes ([`GpuSwitch::megatron`]).
+    ///
+    /// ```
+    /// use lifecycle_bridge::settings::SettingsText;
+    /// use lifecycle_bridge::Switch;
+    /// let config = r#"{"model_type": "qwen2", "vocab_size": 16, "hidden_size": 8,
+    ///   "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+    ///   "intermediate_size": 16, "rope_theta": 10000.0, "tie_word_embeddings": true}"#;
+    /// let text = SettingsText { world: 2, tp: 1, dtype: "bf16", experts: "tp",
+    ///     offload: "none", switching: "lazy", fp8_keep: "none" };
+    /// let no_gpu = || Err(lifecycle_bridge::BridgeError::Config("no GPU here".into()));
+    /// // refused before any GPU is asked for: W = 2 given for TP × PP × DP = 1
+    /// let err = Switch::megatron(config, (1, 1, 1), 16, &text, no_gpu).err().unwrap();
+    /// assert!(err.to_string().contains("TP × PP × DP"), "{err}");
+    /// ```
+    pub fn megatron(
+        config_json: &str,
+        (tp, pp, dp): (usize, usize, usize),
+        padded_vocab: usize,
+        text: &crate::settings::SettingsText<'_>,
+        pool: impl FnOnce() -> Result<ThreadRankPool, BridgeError>,
+    ) -> Result<Self, BridgeError> {
+        if tp * pp * dp != text.world {
+            return Err(BridgeError::Config(format!(
+                "world size {} given for Megatron's TP × PP × DP = {tp} × {pp} × {dp}",
+                text.world
+            )));
+        }
+        let binding = ModelBinding::new(config_json, ModelBinding::expected(config_json)?)?;
+        let settings = crate::settings::switch_settings(text, &binding)?;
+        let spec = binding.config().model_spec(1);
+        let train = lifecycle_layout::megatron::MegatronLayout::with_padded_vocab(
+            spec,
+            tp,
+            pp,
+            dp,
+            padded_vocab,
+        )
+        .map_err(|e| BridgeError::Config(e.to_string()))?;
+        let gpu = GpuSwitch::megatron(binding, train, settings, Arc::new(pool()?))?;
+        Ok(Switch {
+            kind: Kind::Gpu(Box::new(gpu)),
+            seen: None,
+        })
+    }
+
+    /// The Megatron-Core names and shapes local rank `local` lends, in the order
+    /// [`Switch::enter`] takes them (a Megatron switch only).
+    pub fn parameters(&self, local: usize) -> Result<crate::gpu::Named, BridgeError> {
+        match &self.kind {
+            Kind::Gpu(s) => s.parameters(local),
+            Kind::Host(_) => Err(BridgeError::Config(
+                "parameters lists what a Megatron switch lends; this switch is on the CPU".into(),
+            )),
+            Kind::Closed => Err(closed()),
+        }
     }
 
     /// The handed-out views' leases (empty for a closed switch).
@@ -166,7 +228,7 @@ impl Switch {
     pub fn exit(&mut self) -> Result<(), BridgeError> {
         match &mut self.kind {
             Kind::Host(s) => s.exit(),
-            Kind::Gpu(s) => s.exit(),
+            Kind::Gpu(s) => s.exit_for("exit"),
             Kind::Closed => Err(closed()),
         }
     }
@@ -212,9 +274,9 @@ impl Switch {
     }
 
     /// The GPU switch, for what only it does (the engine), or why there is none.
-    pub fn gpu(&mut self) -> Result<&mut GpuSwitch, BridgeError> {
+    pub fn gpu(&mut self) -> Result<&mut dyn GpuFront, BridgeError> {
         match &mut self.kind {
-            Kind::Gpu(s) => Ok(s),
+            Kind::Gpu(s) => Ok(s.as_mut()),
             Kind::Host(_) => Err(BridgeError::Config(
                 "the project's GPU engine needs a switch on device \"cuda\"; this one is on \
                  \"cpu\" (the reference backend): build it with from_fsdp2 on CUDA parameters"

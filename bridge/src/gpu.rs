@@ -1,8 +1,10 @@
-//! A switch over GPU shards a trainer owns (PyTorch FSDP2's per-parameter `to_local()` shards),
-//! lent by address with the trainer's stream: [`LentFsdpBackend`] reads them in place, and what
-//! an offload moves is released and restored by its owner ([`LentOffload`]). The shards may move
-//! between switches (a restored storage gets a new address): the switch lends them again when
-//! they did.
+//! A switch over GPU tensors a trainer owns, lent by address with the trainer's stream: PyTorch
+//! FSDP2's per-parameter `to_local()` fp32 shards ([`Fsdp`]: [`LentFsdpBackend`] reads them in
+//! place) or Megatron-Core's bf16 parameters where its DDP buffers keep them ([`Megatron`]:
+//! [`LentMegatronBackend`]); what an offload moves is released and restored by its owner
+//! ([`LentOffload`]). The tensors may move between switches (a restored storage gets a new
+//! address): the switch lends them again when they did. One [`GpuSwitch`] serves both kinds
+//! ([`Lending`] says what differs); the front holds either as a [`GpuFront`].
 
 use lifecycle_layout::settings::Configure;
 use std::sync::Arc;
@@ -10,16 +12,18 @@ use std::time::Instant;
 
 use lifecycle_core::{
     AfterFailure, EngineBytes, Lifecycle, LifecycleConfig, LifecycleError, Mode, PhaseScope,
-    RolloutEngine, RolloutView,
+    Reshard, RolloutEngine, RolloutView,
 };
 use lifecycle_cuda::driver::{LentOffload, LentStream};
 use lifecycle_cuda::{RankExecutor, RolloutBuffer, RolloutSource, ThreadRankPool};
 use lifecycle_decoder::{DecodeError, Filled, GroupStream, Request, Sample};
 use lifecycle_decoder_gpu::{EngineSettings, GpuDecodeError, GpuEngine};
-use lifecycle_fsdp::{
-    FsdpBackend, FsdpError, LentFsdpBackend, LentFsdpState, LentMaster, LentParts,
-};
+use lifecycle_fsdp::{FsdpError, LentFsdpBackend, LentFsdpState, LentMaster, LentParts};
+use lifecycle_layout::megatron::MegatronLayout;
 use lifecycle_layout::FsdpLayout;
+use lifecycle_megatron::{
+    LentMegatronBackend, LentMegatronParts, LentMegatronState, MegatronGpuError,
+};
 
 use crate::error::BridgeError;
 use crate::host::{not_entered, SwitchSettings};
@@ -30,7 +34,9 @@ use crate::views::{buffer_views, Device, Leases, TensorView};
 
 /// What a trainer lends for one local rank at an enter.
 pub struct GpuRankParts {
-    /// Its fp32 shards, one per tensor in the binding's order.
+    /// Its tensors, one per tensor of the training layout in its order: FSDP2's fp32 shards in
+    /// the binding's order, or Megatron-Core's bf16 parameters of the rank's stage in the order
+    /// of [`MegatronLayout::stage_slots`].
     pub shards: Vec<Shard>,
     /// What an offload may move (used only when the shards are lent anew).
     pub offload: Vec<LentOffload>,
@@ -74,25 +80,164 @@ impl RolloutEngine<RolloutBuffer> for EngineSlot {
     }
 }
 
-type GpuLifecycle = Lifecycle<LentFsdpBackend, EngineSlot>;
+/// What differs between the kinds of lent training tensors a [`GpuSwitch`] switches: the
+/// backend that reads them, how they are checked and lent, and how a failed switch reads.
+pub trait Lending: 'static {
+    /// The lending backend.
+    type Backend: Reshard<TrainState = Self::State, Rollout = RolloutBuffer, Error = Self::Error>
+        + RolloutSource;
+    /// Its lent training state.
+    type State;
+    /// Its error.
+    type Error: std::error::Error + Send + Sync + 'static;
+    /// The training layout the lent tensors follow.
+    type Train: Clone;
 
-/// What a lending was made of, per local rank: the shards, the stream, the offload buffers.
+    /// What the front calls these tensors in a refusal (e.g. "fp32 shards").
+    const WHAT: &'static str;
+
+    /// Checks `shards[local][tensor]` of the global `ranks` against `train` (count, sizes,
+    /// addresses), reading nothing.
+    fn check(
+        train: &Self::Train,
+        ranks: &[usize],
+        shards: &[Vec<Shard>],
+    ) -> Result<(), BridgeError>;
+
+    /// The lent state of `parts` (checked by [`Lending::check`]).
+    ///
+    /// # Safety
+    /// As [`GpuSwitch::enter`].
+    unsafe fn lend(
+        backend: &Self::Backend,
+        train: &Self::Train,
+        parts: Vec<GpuRankParts>,
+    ) -> Result<Self::State, Self::Error>;
+
+    /// A NaN or an infinity the switch found in the lent tensors: `(tensor, detail)`.
+    fn nonfinite(e: &Self::Error) -> Option<(String, String)>;
+}
+
+/// PyTorch FSDP2's fp32 shards ([`LentFsdpBackend`]).
+pub struct Fsdp;
+
+impl Lending for Fsdp {
+    type Backend = LentFsdpBackend;
+    type State = LentFsdpState;
+    type Error = FsdpError;
+    type Train = FsdpLayout;
+    const WHAT: &'static str = "fp32 shards";
+
+    fn check(
+        train: &FsdpLayout,
+        ranks: &[usize],
+        shards: &[Vec<Shard>],
+    ) -> Result<(), BridgeError> {
+        check_shards(train, ranks, shards)
+    }
+
+    unsafe fn lend(
+        backend: &LentFsdpBackend,
+        train: &FsdpLayout,
+        parts: Vec<GpuRankParts>,
+    ) -> Result<LentFsdpState, FsdpError> {
+        let lent = parts
+            .into_iter()
+            .map(|p| LentParts {
+                master: LentMaster::Shards(p.shards),
+                offload: p.offload,
+                stream: p.stream.map(LentStream),
+            })
+            .collect();
+        // SAFETY: forwarded to the caller.
+        unsafe { backend.lend(train.clone(), lent) }
+    }
+
+    fn nonfinite(e: &FsdpError) -> Option<(String, String)> {
+        match e {
+            FsdpError::NonFinite {
+                tensor,
+                rank,
+                index,
+                value,
+            } => Some((
+                tensor.clone(),
+                format!("{value} at element {index} of rank {rank}'s shard"),
+            )),
+            _ => None,
+        }
+    }
+}
+
+/// Megatron-Core's bf16 parameters where its DDP buffers keep them ([`LentMegatronBackend`]).
+pub struct Megatron;
+
+impl Lending for Megatron {
+    type Backend = LentMegatronBackend;
+    type State = LentMegatronState;
+    type Error = MegatronGpuError;
+    type Train = MegatronLayout;
+    const WHAT: &'static str = "bf16 parameters";
+
+    fn check(
+        train: &MegatronLayout,
+        ranks: &[usize],
+        shards: &[Vec<Shard>],
+    ) -> Result<(), BridgeError> {
+        crate::shards::check_parameters(train, ranks, shards)
+    }
+
+    unsafe fn lend(
+        backend: &LentMegatronBackend,
+        train: &MegatronLayout,
+        parts: Vec<GpuRankParts>,
+    ) -> Result<LentMegatronState, MegatronGpuError> {
+        let lent = parts
+            .into_iter()
+            .map(|p| LentMegatronParts {
+                params: p.shards,
+                offload: p.offload,
+                stream: p.stream.map(LentStream),
+            })
+            .collect();
+        // SAFETY: forwarded to the caller.
+        unsafe { backend.lend(train.clone(), lent) }
+    }
+
+    fn nonfinite(e: &MegatronGpuError) -> Option<(String, String)> {
+        match e {
+            MegatronGpuError::Host(lifecycle_state::megatron::MegatronError::NonFinite {
+                name,
+                rank,
+                index,
+            }) => Some((
+                name.clone(),
+                format!("a NaN or an infinity at element {index} of rank {rank}'s parameter"),
+            )),
+            _ => None,
+        }
+    }
+}
+
+type GpuLifecycle<L> = Lifecycle<<L as Lending>::Backend, EngineSlot>;
+
+/// What a lending was made of, per local rank: the tensors, the stream, the offload buffers.
 type LendKey = (Vec<Shard>, Option<u64>, Vec<(u64, usize)>);
 
-enum Slot {
+enum Slot<L: Lending> {
     /// Nothing lent yet (or between lendings).
-    Idle(Box<(LentFsdpBackend, EngineSlot)>),
-    /// Lent, with the shards' addresses and the stream they were lent with.
-    Live(Box<GpuLifecycle>, Vec<LendKey>),
+    Idle(Box<(L::Backend, EngineSlot)>),
+    /// Lent, with the tensors' addresses and the stream they were lent with.
+    Live(Box<GpuLifecycle<L>>, Vec<LendKey>),
     /// A re-lending failed part way: the switch cannot be used again.
     Broken,
 }
 
-/// A switch over lent GPU shards (see the [module docs](self)).
-pub struct GpuSwitch {
-    slot: Slot,
+/// A switch over lent GPU tensors of kind `L` (see the [module docs](self)).
+pub struct GpuSwitch<L: Lending = Fsdp> {
+    slot: Slot<L>,
     binding: ModelBinding,
-    train: FsdpLayout,
+    train: L::Train,
     config: LifecycleConfig,
     leases: Arc<Leases>,
     generation: u64,
@@ -100,7 +245,7 @@ pub struct GpuSwitch {
     tally: Tally,
 }
 
-impl std::fmt::Debug for GpuSwitch {
+impl<L: Lending> std::fmt::Debug for GpuSwitch<L> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuSwitch")
             .field("generation", &self.generation)
@@ -109,41 +254,116 @@ impl std::fmt::Debug for GpuSwitch {
     }
 }
 
-impl GpuSwitch {
-    /// A switch for `binding`'s model on the ranks of `pool` (W = the pool's world).
+/// Checks that `pool` is the world `settings` name and the memory policy is sound.
+fn check_world(settings: &SwitchSettings, pool: &ThreadRankPool) -> Result<(), BridgeError> {
+    if pool.world() != settings.world {
+        return Err(BridgeError::Config(format!(
+            "world size {} given, the GPU ranks of this process form a world of {}",
+            settings.world,
+            pool.world()
+        )));
+    }
+    settings
+        .lifecycle
+        .memory
+        .validate()
+        .map_err(BridgeError::Config)
+}
+
+impl GpuSwitch<Fsdp> {
+    /// A switch of FSDP2 shards for `binding`'s model on the ranks of `pool` (W = the pool's
+    /// world).
     pub fn new(
         binding: ModelBinding,
         settings: SwitchSettings,
         pool: Arc<ThreadRankPool>,
     ) -> Result<Self, BridgeError> {
-        if pool.world() != settings.world {
-            return Err(BridgeError::Config(format!(
-                "world size {} given, the GPU ranks of this process form a world of {}",
-                settings.world,
-                pool.world()
-            )));
-        }
-        settings
-            .lifecycle
-            .memory
-            .validate()
-            .map_err(BridgeError::Config)?;
+        check_world(&settings, &pool)?;
         let (train, rollout) = binding.layouts(settings.world, settings.tp, settings.experts)?;
-        let backend = FsdpBackend::new(pool, rollout)
+        let backend = lifecycle_fsdp::FsdpBackend::new(pool, rollout)
             .with_verification(false)
             .with_options(settings.options)
             .lending()
             .map_err(BridgeError::backend)?;
-        Ok(GpuSwitch {
+        Ok(GpuSwitch::with_backend(
+            binding,
+            train,
+            backend,
+            settings.lifecycle,
+        ))
+    }
+}
+
+impl GpuSwitch<Megatron> {
+    /// A switch of Megatron-Core parameters in the training layout `train` (TP × PP × DP = the
+    /// pool's world) for `binding`'s model on the ranks of `pool`, into the fused rollout layout
+    /// at `settings.tp`; checked against each other as a switch will plan them.
+    pub fn megatron(
+        binding: ModelBinding,
+        train: MegatronLayout,
+        settings: SwitchSettings,
+        pool: Arc<ThreadRankPool>,
+    ) -> Result<Self, BridgeError> {
+        check_world(&settings, &pool)?;
+        let rollout = lifecycle_layout::RolloutLayout::fused(
+            settings.tp,
+            lifecycle_layout::RolloutVocab::Unpadded,
+        )
+        .with_expert_placement(settings.experts);
+        lifecycle_layout::megatron::plan_megatron_to_tp(
+            &train,
+            &rollout,
+            lifecycle_layout::megatron::BucketConfig::default(),
+        )
+        .map_err(|e| BridgeError::Config(e.to_string()))?;
+        let backend = lifecycle_megatron::MegatronGpuBackend::new(pool, rollout)
+            .map_err(BridgeError::backend)?
+            .with_options(settings.options)
+            .lending();
+        Ok(GpuSwitch::with_backend(
+            binding,
+            train,
+            backend,
+            settings.lifecycle,
+        ))
+    }
+
+    /// The Megatron-Core names and shapes of the parameters local rank `local` lends, in the
+    /// order [`GpuSwitch::enter`] takes them.
+    pub fn parameters(&self, local: usize) -> Result<Named, BridgeError> {
+        let ranks = self.local_ranks()?;
+        let rank = *ranks.get(local).ok_or_else(|| {
+            BridgeError::Config(format!(
+                "local rank {local}: this switch drives {} ranks",
+                ranks.len()
+            ))
+        })?;
+        Ok(self
+            .train
+            .stage_slots(self.train.coords(rank).pp)
+            .iter()
+            .map(|s| (s.name.clone(), s.shape.clone()))
+            .collect())
+    }
+}
+
+impl<L: Lending> GpuSwitch<L> {
+    fn with_backend(
+        binding: ModelBinding,
+        train: L::Train,
+        backend: L::Backend,
+        config: LifecycleConfig,
+    ) -> Self {
+        GpuSwitch {
             slot: Slot::Idle(Box::new((backend, EngineSlot::default()))),
             binding,
             train,
-            config: settings.lifecycle,
+            config,
             leases: Arc::new(Leases::default()),
             generation: 0,
             lendings: 0,
             tally: Tally::default(),
-        })
+        }
     }
 
     /// The model binding.
@@ -161,7 +381,7 @@ impl GpuSwitch {
         self.lendings
     }
 
-    fn backend(&self) -> Result<&LentFsdpBackend, BridgeError> {
+    fn backend(&self) -> Result<&L::Backend, BridgeError> {
         match &self.slot {
             Slot::Idle(idle) => Ok(&idle.0),
             Slot::Live(lc, _) => Ok(lc.backend()),
@@ -191,7 +411,7 @@ impl GpuSwitch {
     /// Checks `shards` (`shards[local][tensor]`) as [`enter`](GpuSwitch::enter) does, without
     /// reading them.
     pub fn check_shards(&self, shards: &[Vec<Shard>]) -> Result<(), BridgeError> {
-        check_shards(&self.train, &self.local_ranks()?, shards)
+        L::check(&self.train, &self.local_ranks()?, shards)
     }
 
     /// Enters rollout mode: lends the shards anew if they moved (or at the first call), then
@@ -199,10 +419,10 @@ impl GpuSwitch {
     /// weights and moves nothing.
     ///
     /// # Safety
-    /// Every shard's address must be fp32 device memory of its rank's GPU, of that many elements,
-    /// alive (and not written during a switch) until the next enter that lends anew or the
-    /// switch is dropped, except what an offload's owner releases when asked; each stream a live
-    /// stream of that device.
+    /// Every tensor's address must be device memory of its rank's GPU holding that many elements
+    /// of the kind's type ([`Lending::WHAT`]), alive (and not written during a switch) until the
+    /// next enter that lends anew or the switch is dropped, except what an offload's owner
+    /// releases when asked; each stream a live stream of that device.
     pub unsafe fn enter(
         &mut self,
         parts: Vec<GpuRankParts>,
@@ -210,7 +430,7 @@ impl GpuSwitch {
     ) -> Result<Entered, BridgeError> {
         let ranks = self.local_ranks()?;
         let shards: Vec<Vec<Shard>> = parts.iter().map(|p| p.shards.clone()).collect();
-        check_shards(&self.train, &ranks, &shards)?;
+        L::check(&self.train, &ranks, &shards)?;
         let key: Vec<LendKey> = parts
             .iter()
             .map(|p| (p.shards.clone(), p.stream, p.offload_at.clone()))
@@ -247,7 +467,7 @@ impl GpuSwitch {
         let Slot::Live(lc, _) = &mut self.slot else {
             return Err(broken());
         };
-        rollout_call(lc)?;
+        rollout_call::<L>(lc)?;
         let delta = lc.metrics().since(&before);
         self.tally.switched(&delta);
         self.generation += 1;
@@ -268,7 +488,7 @@ impl GpuSwitch {
         let Slot::Live(lc, _) = &mut self.slot else {
             return Err(broken());
         };
-        rollout_call(lc)?;
+        rollout_call::<L>(lc)?;
         self.tally.reused();
         Ok(Entered::reused(self.generation))
     }
@@ -301,16 +521,8 @@ impl GpuSwitch {
             }
             Slot::Broken => return Err(broken()),
         };
-        let lent: Vec<LentParts> = parts
-            .into_iter()
-            .map(|p| LentParts {
-                master: LentMaster::Shards(p.shards),
-                offload: p.offload,
-                stream: p.stream.map(LentStream),
-            })
-            .collect();
         // SAFETY: the caller's promise (GpuSwitch::enter's contract).
-        let state: LentFsdpState = match unsafe { backend.lend(self.train.clone(), lent) } {
+        let state = match unsafe { L::lend(&backend, &self.train, parts) } {
             Ok(s) => s,
             Err(e) => {
                 self.slot = Slot::Idle(Box::new((backend, engine)));
@@ -325,7 +537,7 @@ impl GpuSwitch {
         Ok(())
     }
 
-    fn live(&mut self) -> Result<&mut GpuLifecycle, BridgeError> {
+    fn live(&mut self) -> Result<&mut GpuLifecycle<L>, BridgeError> {
         match &mut self.slot {
             Slot::Live(lc, _) if lc.rollout_is_current() => Ok(lc),
             Slot::Broken => Err(broken()),
@@ -437,15 +649,16 @@ impl GpuSwitch {
 }
 
 /// One rollout call that switches if needed and ends at once.
-fn rollout_call(lc: &mut GpuLifecycle) -> Result<(), BridgeError> {
-    let session = lc.rollout().map_err(switch_error)?;
+fn rollout_call<L: Lending>(lc: &mut GpuLifecycle<L>) -> Result<(), BridgeError> {
+    let session = lc.rollout().map_err(switch_error::<L>)?;
     session.finish().map_err(BridgeError::backend)
 }
 
-/// A failed switch as the bridge reports it: a NaN or an infinity in the trainer's shards
-/// (found by the switch's casts and quantisations) after which the training state was restored
-/// is [`BridgeError::NonFinite`]; anything else says what the lifecycle says.
-fn switch_error(e: LifecycleError<FsdpError>) -> BridgeError {
+/// A failed switch as the bridge reports it: a NaN or an infinity in the trainer's tensors
+/// (found by the switch's casts and quantisations, or its check before an fp8 plan) after which
+/// the training state was restored is [`BridgeError::NonFinite`]; anything else says what the
+/// lifecycle says.
+fn switch_error<L: Lending>(e: LifecycleError<L::Error>) -> BridgeError {
     let (source, restored) = match &e {
         LifecycleError::Plan(source) => (source, true),
         LifecycleError::Enter { source, after } | LifecycleError::Refresh { source, after } => {
@@ -453,16 +666,8 @@ fn switch_error(e: LifecycleError<FsdpError>) -> BridgeError {
         }
         _ => return BridgeError::backend(e),
     };
-    match source {
-        FsdpError::NonFinite {
-            tensor,
-            rank,
-            index,
-            value,
-        } if restored => BridgeError::NonFinite {
-            name: tensor.clone(),
-            detail: format!("{value} at element {index} of rank {rank}'s shard"),
-        },
+    match L::nonfinite(source) {
+        Some((name, detail)) if restored => BridgeError::NonFinite { name, detail },
         _ => BridgeError::backend(e),
     }
 }
@@ -481,5 +686,143 @@ fn request_error(e: GpuDecodeError) -> BridgeError {
             BridgeError::Config(d.to_string())
         }
         other => BridgeError::backend(other),
+    }
+}
+
+/// Group prompts a fill draws: `group(g)` gives group `g`'s requests.
+pub type GroupFn<'a> = dyn FnMut(u64) -> Result<Vec<Request>, GpuDecodeError> + 'a;
+/// A fill's scorer: `keep(g, samples)` says whether finished group `g` is kept.
+pub type KeepFn<'a> = dyn FnMut(u64, &[Sample]) -> Result<bool, GpuDecodeError> + 'a;
+
+/// A [`GpuSwitch`] of either kind of lent tensors, as the front drives it (object-safe: the
+/// front holds `Box<dyn GpuFront>`).
+pub trait GpuFront: Send {
+    /// The leases on handed-out views.
+    fn leases(&self) -> &Arc<Leases>;
+    /// Global ranks this process drives.
+    fn local_ranks(&self) -> Result<Vec<usize>, BridgeError>;
+    /// [`GpuSwitch::check_shards`].
+    fn check_shards(&self, shards: &[Vec<Shard>]) -> Result<(), BridgeError>;
+    /// [`GpuSwitch::enter`].
+    ///
+    /// # Safety
+    /// As [`GpuSwitch::enter`].
+    unsafe fn enter(
+        &mut self,
+        parts: Vec<GpuRankParts>,
+        changed: bool,
+    ) -> Result<Entered, BridgeError>;
+    /// [`GpuSwitch::reuse_current`].
+    fn reuse_current(&mut self) -> Result<Option<Entered>, BridgeError>;
+    /// [`GpuSwitch::views`].
+    fn views(&mut self, local: usize) -> Result<Vec<TensorView>, BridgeError>;
+    /// [`GpuSwitch::exit_for`].
+    fn exit_for(&mut self, operation: &'static str) -> Result<(), BridgeError>;
+    /// [`GpuSwitch::stats`].
+    fn stats(&self) -> SwitchStats;
+    /// [`GpuSwitch::attach_engine`].
+    fn attach_engine(&mut self, settings: EngineSettings) -> Result<(), BridgeError>;
+    /// [`GpuSwitch::run`].
+    fn run(&mut self, requests: Vec<Request>) -> Result<Vec<Sample>, BridgeError>;
+    /// [`GpuSwitch::fill`].
+    fn fill(
+        &mut self,
+        stream: &mut GroupStream,
+        want: usize,
+        group: &mut GroupFn<'_>,
+        keep: &mut KeepFn<'_>,
+    ) -> Result<Filled, BridgeError>;
+    /// The Megatron-Core names and shapes local rank `local` lends, in the order
+    /// [`GpuFront::enter`] takes them (a switch of Megatron parameters; FSDP2 shards follow the
+    /// binding's order, and this refuses).
+    fn parameters(&self, local: usize) -> Result<Named, BridgeError>;
+}
+
+/// Names and shapes.
+pub type Named = Vec<(String, Vec<usize>)>;
+
+/// What differs between the kinds' fronts: the parameter list of a Megatron switch.
+pub trait KindParameters {
+    /// [`GpuFront::parameters`].
+    fn kind_parameters(&self, local: usize) -> Result<Named, BridgeError>;
+}
+
+impl KindParameters for GpuSwitch<Fsdp> {
+    fn kind_parameters(&self, _local: usize) -> Result<Named, BridgeError> {
+        Err(BridgeError::Config(
+            "parameters lists what a Megatron switch lends; an FSDP2 switch takes its shards in \
+             the order of the names it was built with"
+                .into(),
+        ))
+    }
+}
+
+impl KindParameters for GpuSwitch<Megatron> {
+    fn kind_parameters(&self, local: usize) -> Result<Named, BridgeError> {
+        self.parameters(local)
+    }
+}
+
+impl<L: Lending> GpuFront for GpuSwitch<L>
+where
+    GpuSwitch<L>: KindParameters + Send,
+{
+    fn leases(&self) -> &Arc<Leases> {
+        GpuSwitch::leases(self)
+    }
+
+    fn local_ranks(&self) -> Result<Vec<usize>, BridgeError> {
+        GpuSwitch::local_ranks(self)
+    }
+
+    fn check_shards(&self, shards: &[Vec<Shard>]) -> Result<(), BridgeError> {
+        GpuSwitch::check_shards(self, shards)
+    }
+
+    unsafe fn enter(
+        &mut self,
+        parts: Vec<GpuRankParts>,
+        changed: bool,
+    ) -> Result<Entered, BridgeError> {
+        // SAFETY: forwarded to the caller.
+        unsafe { GpuSwitch::enter(self, parts, changed) }
+    }
+
+    fn reuse_current(&mut self) -> Result<Option<Entered>, BridgeError> {
+        GpuSwitch::reuse_current(self)
+    }
+
+    fn views(&mut self, local: usize) -> Result<Vec<TensorView>, BridgeError> {
+        GpuSwitch::views(self, local)
+    }
+
+    fn exit_for(&mut self, operation: &'static str) -> Result<(), BridgeError> {
+        GpuSwitch::exit_for(self, operation)
+    }
+
+    fn stats(&self) -> SwitchStats {
+        GpuSwitch::stats(self)
+    }
+
+    fn attach_engine(&mut self, settings: EngineSettings) -> Result<(), BridgeError> {
+        GpuSwitch::attach_engine(self, settings)
+    }
+
+    fn run(&mut self, requests: Vec<Request>) -> Result<Vec<Sample>, BridgeError> {
+        GpuSwitch::run(self, requests)
+    }
+
+    fn fill(
+        &mut self,
+        stream: &mut GroupStream,
+        want: usize,
+        group: &mut GroupFn<'_>,
+        keep: &mut KeepFn<'_>,
+    ) -> Result<Filled, BridgeError> {
+        GpuSwitch::fill(self, stream, want, group, keep)
+    }
+
+    fn parameters(&self, local: usize) -> Result<Named, BridgeError> {
+        self.kind_parameters(local)
     }
 }

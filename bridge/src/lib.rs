@@ -38,7 +38,7 @@ pub mod views;
 
 pub use error::BridgeError;
 pub use front::Switch;
-pub use gpu::{GpuRankParts, GpuSwitch};
+pub use gpu::{Fsdp, GpuFront, GpuRankParts, GpuSwitch, Lending, Megatron};
 pub use host::{HostSwitch, SwitchSettings};
 pub use model::ModelBinding;
 pub use switch::{Entered, SwitchStats};

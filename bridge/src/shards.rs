@@ -70,3 +70,67 @@ pub fn check_shards(
     }
     Ok(())
 }
+
+/// Checks `params[i][t]` (local rank `i`, global rank `ranks[i]`, parameter `t`) against the
+/// Megatron layout `layout`: one bf16 parameter per slot of the rank's stage
+/// ([`MegatronLayout::stage_slots`](lifecycle_layout::megatron::MegatronLayout::stage_slots)),
+/// each holding exactly the slot's elements, a non-null 2-byte aligned address.
+///
+/// ```
+/// use lifecycle_bridge::shards::check_parameters;
+/// use lifecycle_layout::megatron::MegatronLayout;
+/// use lifecycle_layout::ModelSpec;
+/// let layout = MegatronLayout::new(ModelSpec::tiny(), 1, 1, 1)?;
+/// let mut params: Vec<(u64, usize)> =
+///     layout.stage_slots(0).iter().map(|s| (0x1000, s.numel())).collect();
+/// check_parameters(&layout, &[0], &[params.clone()])?;
+/// params[1].1 += 1;
+/// let err = check_parameters(&layout, &[0], &[params]).unwrap_err();
+/// assert!(err.to_string().contains(&layout.stage_slots(0)[1].name), "{err}");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn check_parameters(
+    layout: &lifecycle_layout::megatron::MegatronLayout,
+    ranks: &[usize],
+    params: &[Vec<Shard>],
+) -> Result<(), BridgeError> {
+    if params.len() != ranks.len() {
+        return Err(BridgeError::Config(format!(
+            "parameters given for {} ranks, this switch drives {} (one list per local rank)",
+            params.len(),
+            ranks.len()
+        )));
+    }
+    for (list, &rank) in params.iter().zip(ranks) {
+        let stage = layout.coords(rank).pp;
+        let slots = layout.stage_slots(stage);
+        if list.len() != slots.len() {
+            return Err(BridgeError::Config(format!(
+                "rank {rank}: {} parameters given, its pipeline stage {stage} has {} (one per \
+                 parameter, in the order the switch's `parameters` lists them)",
+                list.len(),
+                slots.len()
+            )));
+        }
+        for (slot, &(ptr, elems)) in slots.iter().zip(list) {
+            if elems != slot.numel() {
+                return Err(BridgeError::tensor(
+                    &slot.name,
+                    format!(
+                        "rank {rank}'s part has shape {:?} ({} bf16 elements), the parameter \
+                         given has {elems}",
+                        slot.shape,
+                        slot.numel()
+                    ),
+                ));
+            }
+            if (ptr == 0 && elems > 0) || ptr % 2 != 0 {
+                return Err(BridgeError::tensor(
+                    &slot.name,
+                    format!("rank {rank}: address {ptr:#x} is null or not 2-byte aligned"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}

@@ -72,6 +72,23 @@ class _Switch:
         gpu: int = 0,
         fp8_keep: str = "none",
     ) -> None: ...
+    @staticmethod
+    def megatron(
+        config_json: str,
+        *,
+        tp: int,
+        pp: int,
+        dp: int,
+        padded_vocab: int,
+        rollout_tp: int,
+        dtype_name: str,
+        experts_name: str,
+        offload: str,
+        switching: str,
+        gpu: int = 0,
+        fp8_keep: str = "none",
+    ) -> _Switch: ...
+    def parameters(self, local: int = 0) -> list[tuple[str, list[int]]]: ...
     def check_shards(self, shards: list[list[tuple[int, int]]]) -> None: ...
     def enter(
         self,

@@ -120,8 +120,9 @@ def _tuples(named: Any, what: str, form: str) -> list[tuple]:
 class Switch:
     """Training tensors a trainer owns, switched lazily into the rollout layout.
 
-    Build it with :meth:`from_fsdp2` (a PyTorch module wrapped in FSDP2) or :meth:`from_arrays`
-    / :meth:`from_shards` (host arrays, on the CPU reference backend).
+    Build it with :meth:`from_fsdp2` (a PyTorch module wrapped in FSDP2), :meth:`from_megatron`
+    (a Megatron-Core model and its distributed optimizer) or :meth:`from_arrays` /
+    :meth:`from_shards` (host arrays, on the CPU reference backend).
 
     Settings (keywords of every constructor): ``rollout_tp`` (T); ``dtype`` ``"bf16"`` or
     ``"fp8"`` (block-scaled e4m3 matrices, quantised from the fp32 masters in the switch; the
@@ -147,7 +148,8 @@ class Switch:
 
     def __init__(self, *_args: Any, **_kwargs: Any) -> None:
         raise ConfigError(
-            "build a Switch with Switch.from_fsdp2, Switch.from_arrays or Switch.from_shards"
+            "build a Switch with Switch.from_fsdp2, Switch.from_megatron, Switch.from_arrays or "
+            "Switch.from_shards"
         )
 
     @classmethod
@@ -167,7 +169,10 @@ class Switch:
         offload_buffers=None,
         stream=None,
         regather=None,
+        build=None,
     ) -> "Switch":
+        """The switch over ``sources`` (or, with ``build(config_json, tp)`` making the
+        extension's switch, over the sources ``sources(that switch)`` gives)."""
         self = cls.__new__(cls)
         self._s = None
         world = _positive("world", world, "the trainer's FSDP world size W")
@@ -182,25 +187,31 @@ class Switch:
             if not isinstance(value, str):
                 raise ConfigError(f"{what}: expected a string, found {type(value).__name__}")
         self._config_json = _config_json(config)
+        if build is None:
+            for src in sources:
+                src.check(device)
+            s = _lifecycle._Switch(
+                self._config_json,
+                [(src.name, src.shape) for src in sources],
+                world=world,
+                tp=tp,
+                dtype_name=dtype,
+                experts_name=experts,
+                offload=offload,
+                switching=switching,
+                device=device,
+                gpu=_current_gpu() if device == "cuda" else 0,
+                fp8_keep=fp8_keep,
+            )
+        else:
+            s = build(self._config_json, tp)
+            sources = sources(s)
+            for src in sources:
+                src.check(device)
         self._sources = sources
         self._device = device
         self._torch = device == "cuda" or any(
             _is_torch(s) for src in sources for s in src.shards
-        )
-        for src in sources:
-            src.check(device)
-        s = _lifecycle._Switch(
-            self._config_json,
-            [(src.name, src.shape) for src in sources],
-            world=world,
-            tp=tp,
-            dtype_name=dtype,
-            experts_name=experts,
-            offload=offload,
-            switching=switching,
-            device=device,
-            gpu=_current_gpu() if device == "cuda" else 0,
-            fp8_keep=fp8_keep,
         )
         s.check_shards(self._shards())
         self._offload_buffers = offload_buffers
@@ -339,6 +350,81 @@ class Switch:
             if optimizer is not None:
                 optimizer.register_step_pre_hook(lambda *_: switch._leave())
         return switch
+
+    @classmethod
+    def from_megatron(
+        cls,
+        model: Any,
+        optimizer: Any,
+        config: Any,
+        *,
+        rollout_tp: int = 1,
+        dtype: Dtype = "bf16",
+        fp8_keep: str = "none",
+        experts: Experts = "tp",
+        switching: Switching = "lazy",
+    ) -> "Switch":
+        """A Megatron-Core ``GPTModel`` (in its ``DistributedDataParallel`` and
+        ``Float16Module``, bf16, as Megatron's ``get_model`` builds it) and its optimizer
+        (``get_megatron_optimizer``), with the Hugging Face ``config`` of the model it is.
+
+        The switch reads the bf16 parameters in place, where DDP's buffers keep them (zero-copy,
+        by address, on the current stream), into the fused rollout layout (``qkv_proj`` from
+        the group-interleaved ``linear_qkv``, ``gate_up_proj`` from ``linear_fc1``, the
+        vocabulary unpadded). Every parameter's name and shape is checked against the Megatron
+        layout of ``config`` at the model's (TP, PP, DP) before anything is read (the local and
+        Transformer Engine specs' names both). The weights count as changed when the optimizer
+        stepped (a hook on the torch optimizers inside it counts every step, also those the
+        switch never saw: the distributed optimizer moves no version counter of the
+        parameters), or when a parameter was written in place; :meth:`mark_changed` for
+        anything else. Offloading the optimizer state is not supported yet."""
+        from ._megatron import degrees, megatron_sources, padded_vocab, _unwrap
+
+        if optimizer is None:
+            warnings.warn(
+                "from_megatron without an optimizer: only in-place writes to the parameters "
+                "mark the weights changed (call mark_changed() after updating them otherwise)",
+                stacklevel=2,
+            )
+        tp, pp, dp = degrees()
+        _, inner = _unwrap(model)
+        vocab = padded_vocab(inner, tp)
+        dtype_name, experts_name, keep = dtype, experts, fp8_keep
+
+        def build(config_json: str, rollout: int):
+            return _lifecycle._Switch.megatron(
+                config_json,
+                tp=tp,
+                pp=pp,
+                dp=dp,
+                padded_vocab=vocab,
+                rollout_tp=rollout,
+                dtype_name=dtype_name,
+                experts_name=experts_name,
+                offload="none",
+                switching=switching,
+                gpu=_current_gpu(),
+                fp8_keep=keep,
+            )
+
+        import torch
+
+        def stream() -> int:
+            return torch.cuda.current_stream().cuda_stream
+
+        return cls._create(
+            config,
+            lambda s: megatron_sources(model, optimizer, s.parameters()),
+            world=tp * pp * dp,
+            rollout_tp=rollout_tp,
+            dtype=dtype,
+            fp8_keep=fp8_keep,
+            experts=experts,
+            switching=switching,
+            device="cuda",
+            stream=stream,
+            build=build,
+        )
 
     # ---- the lifecycle -------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ use lifecycle_bridge::settings::{
 };
 use lifecycle_bridge::shards::Shard;
 use lifecycle_bridge::SwitchStats;
-use lifecycle_bridge::{BridgeError, Entered, GpuSwitch, ModelBinding, Switch};
+use lifecycle_bridge::{BridgeError, Entered, GpuFront, ModelBinding, Switch};
 use lifecycle_cuda::driver::{BufferClass, LentOffload};
 use lifecycle_decoder::{DecodeError, Sample, SamplingParams};
 use lifecycle_decoder_gpu::GpuDecodeError;
@@ -40,7 +40,7 @@ impl PySwitch {
     /// Runs `f` on the GPU switch, or says why there is none.
     fn with_gpu<R>(
         &self,
-        f: impl FnOnce(&mut GpuSwitch) -> Result<R, BridgeError>,
+        f: impl FnOnce(&mut dyn GpuFront) -> Result<R, BridgeError>,
     ) -> Result<R, BridgeError> {
         f(self.lock().gpu()?)
     }
@@ -114,6 +114,55 @@ impl PySwitch {
         Ok(PySwitch {
             shared: Owner::new(&Shared::new(inner)),
         })
+    }
+
+    /// A switch of Megatron-Core parameters (see `lifecycle.Switch.from_megatron`): the model of
+    /// `config_json` trained at `(tp, pp, dp)` with `padded_vocab` embedding rows, into the
+    /// fused rollout layout at `rollout_tp`, on GPU `gpu` (one rank) or the launcher's ranks.
+    #[staticmethod]
+    #[pyo3(signature = (config_json, *, tp, pp, dp, padded_vocab, rollout_tp, dtype_name, experts_name, offload, switching, gpu=0, fp8_keep="none"))]
+    #[allow(clippy::too_many_arguments)]
+    fn megatron(
+        py: Python<'_>,
+        config_json: &str,
+        tp: usize,
+        pp: usize,
+        dp: usize,
+        padded_vocab: usize,
+        rollout_tp: usize,
+        dtype_name: &str,
+        experts_name: &str,
+        offload: &str,
+        switching: &str,
+        gpu: usize,
+        fp8_keep: &str,
+    ) -> PyResult<Self> {
+        let world = tp * pp * dp;
+        let text = SettingsText {
+            world,
+            tp: rollout_tp,
+            dtype: dtype_name,
+            experts: experts_name,
+            offload,
+            switching,
+            fp8_keep,
+        };
+        let build = || {
+            Switch::megatron(config_json, (tp, pp, dp), padded_vocab, &text, || {
+                gpu_pool(world, gpu)
+            })
+        };
+        let inner = py.detach(build).map_err(to_py)?;
+        Ok(PySwitch {
+            shared: Owner::new(&Shared::new(inner)),
+        })
+    }
+
+    /// The Megatron-Core names and shapes local rank `local` lends, in the order `enter` takes
+    /// them (a Megatron switch only).
+    #[pyo3(signature = (local=0))]
+    fn parameters(&self, local: usize) -> PyResult<Vec<(String, Vec<usize>)>> {
+        self.lock().parameters(local).map_err(to_py)
     }
 
     /// Checks shards as `enter` would (`shards[local][tensor]` = `(address, elements)`) without
@@ -321,14 +370,14 @@ impl PySwitch {
                 sw.fill(
                     &mut s,
                     want,
-                    |g| {
+                    &mut |g| {
                         Python::attach(|py| -> PyResult<Vec<u32>> {
                             group.call1(py, (g,))?.extract(py)
                         })
                         .map(|prompt| stream.sampling.requests(g, &prompt))
                         .map_err(stash)
                     },
-                    |g, samples| {
+                    &mut |g, samples| {
                         let tuples: Vec<SampleTuple> = samples.iter().map(sample_tuple).collect();
                         let kept = Python::attach(|py| -> PyResult<bool> {
                             keep.call1(py, (g, tuples.clone()))?.extract(py)

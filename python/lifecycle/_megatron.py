@@ -1,0 +1,226 @@
+"""What a switch needs from a Megatron-Core model (imported only by ``Switch.from_megatron``):
+its parallel degrees, its padded vocabulary, its bf16 parameters where its DDP buffers keep them
+(each ``param.data`` a view into DDP's ``param_data``), matched by name to the switch's
+Megatron layout, and what says they changed: the optimizer's steps (the distributed optimizer
+writes the parameters through ``.data`` copies and all-gathers into ``param_data``, which moves
+no version counter of theirs)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ._lifecycle import ConfigError, TensorMismatchError
+from .sources import _Source
+
+# Transformer Engine's spec fuses the layer norms into the linear layers that follow them
+_TE_NAMES = (
+    (re.compile(r"self_attention\.linear_qkv\.layer_norm_weight$"), "input_layernorm.weight"),
+    (re.compile(r"mlp\.linear_fc1\.layer_norm_weight$"), "pre_mlp_layernorm.weight"),
+)
+# SequentialMLP (the local spec's experts) names each expert's module; TEGroupedMLP (and the
+# layout) numbers the weights
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
+def layout_name(name: str) -> str:
+    """The layout's name of a Megatron-Core parameter: wrappers' ``module.`` prefixes dropped,
+    Transformer Engine's fused norms and SequentialMLP's expert modules named as the layout
+    names them.
+
+    >>> layout_name("module.module.decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight")
+    'decoder.layers.0.mlp.experts.linear_fc1.weight3'
+    >>> layout_name("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight")
+    'decoder.layers.1.input_layernorm.weight'
+    """
+    while name.startswith("module."):
+        name = name[len("module."):]
+    m = _LOCAL_EXPERT.search(name)
+    if m:
+        return name[: m.start()] + f"mlp.experts.{m.group(2)}.weight{m.group(1)}"
+    for pattern, local in _TE_NAMES:
+        m = pattern.search(name)
+        if m:
+            return name[: m.start()] + local
+    return name
+
+
+def _unwrap(model: Any) -> Any:
+    """The GPTModel inside DDP / Float16Module wrappers (``.module``)."""
+    import torch
+
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise ConfigError(
+                f"from_megatron: {len(model)} model chunks given (virtual pipeline stages); "
+                "one model per process is supported: pass model[0] without "
+                "virtual_pipeline_model_parallel_size"
+            )
+        model = model[0]
+    inner = model
+    while hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):
+        inner = inner.module
+    return model, inner
+
+
+def degrees() -> tuple[int, int, int]:
+    """Megatron-Core's (TP, PP, DP) of this process (``megatron.core.parallel_state``)."""
+    try:
+        from megatron.core import parallel_state as ps
+    except ImportError as e:  # pragma: no cover - checked on the device
+        raise ConfigError(f"from_megatron needs megatron-core installed ({e})") from None
+    if not ps.model_parallel_is_initialized():
+        raise ConfigError(
+            "from_megatron: Megatron-Core's model parallel state is not initialised: call "
+            "parallel_state.initialize_model_parallel(...) before building the model"
+        )
+    ep = ps.get_expert_model_parallel_world_size()
+    if ep != 1:
+        raise ConfigError(
+            f"from_megatron: expert parallelism of {ep}: only EP = 1 (experts split by TP) is "
+            "supported so far"
+        )
+    return (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_data_parallel_world_size(),
+    )
+
+
+def padded_vocab(inner: Any, tp: int) -> int:
+    """The vocabulary the model's embedding (or output layer) is padded to."""
+    v = getattr(inner, "vocab_size", None)
+    if isinstance(v, int) and v > 0:
+        return v
+    for name, p in inner.named_parameters():
+        if name.endswith(("word_embeddings.weight", "output_layer.weight")):
+            return int(p.shape[0]) * tp
+    raise ConfigError("from_megatron: the model has neither vocab_size nor an embedding")
+
+
+def check_overlap(model: Any) -> None:
+    """DDP's ``overlap_param_gather`` lands the updated parameters at the next forward: the
+    switch would read the old ones. Refused by name."""
+    cfg = getattr(model, "ddp_config", None)
+    if cfg is not None and getattr(cfg, "overlap_param_gather", False):
+        raise ConfigError(
+            "from_megatron: DistributedDataParallelConfig(overlap_param_gather=True) gathers "
+            "the updated parameters at the next forward, after a switch would read them: build "
+            "DDP with overlap_param_gather=False"
+        )
+
+
+def _attr(o: Any, name: str) -> Any:
+    """``o.name``, or None where it is absent or its property raises."""
+    try:
+        return getattr(o, name, None)
+    except Exception:  # a wrapper's property that does not apply to it
+        return None
+
+
+class StepCount:
+    """Steps of the torch optimizers inside a Megatron optimizer (``ChainedOptimizer`` over
+    ``DistributedOptimizer`` s, each over a torch optimizer), counted by a post-step hook on
+    each: every step moves it, including steps the switch never saw."""
+
+    def __init__(self, optimizer: Any):
+        import torch
+
+        self.steps = 0
+        inner: dict[int, Any] = {}
+        stack = [optimizer]
+        while stack:
+            o = stack.pop()
+            if isinstance(o, torch.optim.Optimizer):
+                inner[id(o)] = o
+                continue
+            stack.extend(_attr(o, "chained_optimizers") or [])
+            wrapped = _attr(o, "optimizer")
+            if wrapped is not None and wrapped is not o:
+                stack.append(wrapped)
+        if not inner:
+            raise ConfigError(
+                f"from_megatron: no torch optimizer inside {type(optimizer).__name__} "
+                "(expected get_megatron_optimizer's ChainedOptimizer or DistributedOptimizer)"
+            )
+        self.hooks = [o.register_step_post_hook(self._stepped) for o in inner.values()]
+
+    def _stepped(self, *_args: Any) -> None:
+        self.steps += 1
+
+
+class MegatronSource(_Source):
+    """One Megatron-Core parameter: its bf16 tensor in place (a view into DDP's buffer), what
+    changed it (its own counter for writes through it, and the optimizer's steps)."""
+
+    def __init__(self, name: str, param: Any, steps: StepCount | None):
+        super().__init__(name, list(param.shape), [param.data], param, given=None)
+        self.steps = steps
+
+    def version(self) -> Any:
+        return (
+            getattr(self.versioned, "_version", None),
+            self.steps.steps if self.steps is not None else None,
+        )
+
+    def check(self, device: str) -> None:
+        import torch
+
+        t = self.shards[0]
+        if t.dtype != torch.bfloat16:
+            raise TensorMismatchError(
+                f"tensor `{self.name}`: bf16 parameters expected, found {t.dtype}: build the "
+                "model with TransformerConfig(bf16=True, params_dtype=torch.bfloat16) and wrap "
+                "it in Float16Module (as Megatron's get_model does), so every parameter, norms "
+                "included, lives in DDP's bf16 buffer"
+            )
+        if not t.is_cuda:
+            raise TensorMismatchError(f"tensor `{self.name}`: on {t.device}, CUDA expected")
+        if not t.is_contiguous():
+            raise TensorMismatchError(f"tensor `{self.name}`: not contiguous")
+        self._numel[0] = t.numel()
+
+    def host_arrays(self) -> list[Any]:
+        return []
+
+
+def megatron_sources(model: Any, optimizer: Any, switch_parameters: list) -> list:
+    """The sources of ``model``'s parameters in the order the switch lends them
+    (``switch_parameters``: the layout's names and this rank's shapes), each checked by name:
+    a parameter the layout lacks, one it needs that the model lacks, and a shape that differs
+    are refused before anything is read."""
+    wrapper, inner = _unwrap(model)
+    check_overlap(wrapper)
+    steps = StepCount(optimizer) if optimizer is not None else None
+    by_name: dict[str, tuple[str, Any]] = {}
+    for name, p in inner.named_parameters():
+        local = layout_name(name)
+        if local in by_name:
+            raise TensorMismatchError(
+                f"tensor `{name}`: named `{local}` in the layout, as is `{by_name[local][0]}`"
+            )
+        by_name[local] = (name, p)
+    wanted = {n for n, _ in switch_parameters}
+    for local, (name, _) in by_name.items():
+        if local not in wanted:
+            raise TensorMismatchError(
+                f"tensor `{name}`: not a parameter of this model's Megatron layout (its "
+                f"{len(wanted)} parameters are names such as "
+                f"`{switch_parameters[0][0] if switch_parameters else ''}`): check the config "
+                "passed matches the model"
+            )
+    sources = []
+    for local, shape in switch_parameters:
+        if local not in by_name:
+            raise TensorMismatchError(
+                f"tensor `{local}`: missing from the model (the config describes it): check the "
+                "config passed matches the model"
+            )
+        name, p = by_name[local]
+        if list(p.shape) != list(shape):
+            raise TensorMismatchError(
+                f"tensor `{name}`: the layout gives this rank's part shape {list(shape)}, the "
+                f"model's is {list(p.shape)}"
+            )
+        sources.append(MegatronSource(local, p, steps))
+    return sources
