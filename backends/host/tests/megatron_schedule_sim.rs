@@ -27,18 +27,54 @@ fn apply(tiles: &[Tile], src: &[bf16], dst: &mut [bf16]) {
     }
 }
 
+/// Rank `rank`'s parameters as Megatron-Core's DDP buffer holds them: the layout's parameters in
+/// reverse order, each starting on a multiple of 64 elements, NaN between them. Returns the
+/// buffer, each parameter's place in the layout's buffer and in this one.
+fn ddp_order(
+    layout: &MegatronLayout,
+    rank: usize,
+    params: &[u16],
+) -> (Vec<u16>, Vec<(u64, u64)>, Vec<u64>) {
+    let slots = layout.stage_slots(layout.coords(rank).pp);
+    let mut at = vec![0u64; slots.len()];
+    let mut end = 0usize;
+    for (i, s) in slots.iter().enumerate().rev() {
+        at[i] = end as u64;
+        end = (end + s.numel()).div_ceil(64) * 64;
+    }
+    let mut buf = vec![0x7fc0u16; end];
+    for (s, &a) in slots.iter().zip(&at) {
+        let a = a as usize;
+        buf[a..a + s.numel()].copy_from_slice(&params[s.offset..s.offset + s.numel()]);
+    }
+    // the source ends with its last parameter (as a lent one does)
+    let last = slots
+        .iter()
+        .zip(&at)
+        .map(|(s, &a)| a as usize + s.numel())
+        .max();
+    buf.truncate(last.unwrap_or(0));
+    let segments = slots
+        .iter()
+        .map(|s| (s.offset as u64, s.numel() as u64))
+        .collect();
+    (buf, segments, at)
+}
+
 /// Runs every rank's schedule as steps through the CPU executor of step programs, under several
-/// stream interleavings, with `in_flight` steps in flight.
+/// stream interleavings, with `in_flight` steps in flight. With `lent`, each rank's steps are
+/// rebased onto its parameters laid out as Megatron-Core's DDP buffer holds them
+/// ([`ddp_order`]), as a lent Megatron source is read.
 fn simulate(
     plan: &MegatronPlan,
     state: &MegatronTrainState,
     opts: ScheduleOptions,
     in_flight: usize,
-    split_local_bulk: bool,
+    (split_local_bulk, lent): (bool, bool),
 ) -> HostRollout {
     let world = plan.ranks.len();
     let (offsets, len) = rollout_offsets(plan);
-    let params: Vec<Vec<u16>> = (0..world)
+    let mut params: Vec<Vec<u16>> = (0..world)
         .map(|r| {
             state
                 .params(r)
@@ -48,21 +84,35 @@ fn simulate(
                 .collect()
         })
         .collect();
+    let mut rebase = Vec::new();
+    if lent {
+        for (r, p) in params.iter_mut().enumerate() {
+            let (buf, segments, at) = ddp_order(state.layout(), r, p);
+            *p = buf;
+            rebase.push((segments, at));
+        }
+    }
     let steps: Vec<RankSteps> = (0..world)
         .map(|r| {
             let s = build_rank(plan, &offsets, r, opts);
             if opts.peer_copy {
                 assert!(s.steps.is_empty() && s.send_slot_elems + s.recv_slot_elems == 0);
             }
-            s.rank_steps(StepShape {
-                world,
-                source_elems: params[r].len() as u64,
-                rollout_elems: len as u64,
-                in_flight,
-                peer_copy: opts.peer_copy,
-                split_local_bulk,
-            })
-            .unwrap()
+            let stage_len = state.layout().stage_len(state.layout().coords(r).pp);
+            let mut steps = s
+                .rank_steps(StepShape {
+                    world,
+                    source_elems: if lent { stage_len } else { params[r].len() } as u64,
+                    rollout_elems: len as u64,
+                    in_flight,
+                    peer_copy: opts.peer_copy,
+                    split_local_bulk,
+                })
+                .unwrap();
+            if let Some((segments, at)) = rebase.get(r) {
+                steps.rebase_source(segments, at).unwrap();
+            }
+            steps
         })
         .collect();
     let sources: Vec<Source<'_>> = params.iter().map(|p| Source::Bf16(p)).collect();
@@ -224,7 +274,8 @@ fn simulated_schedules_match_the_reference() {
                             },
                         )
                         .unwrap();
-                        let got = simulate(&plan, &state, opts, 1 + cases % 3, cases % 2 == 0);
+                        let modes = (cases % 2 == 0, cases % 3 != 1);
+                        let got = simulate(&plan, &state, opts, 1 + cases % 3, modes);
                         let want = reference_rollout(&state, &rollout).unwrap();
                         assert_eq!(
                             got.first_difference(&want),
@@ -363,15 +414,23 @@ fn runs_merge_when_they_continue() {
         rows,
         cols,
     };
-    push_run(&mut runs, r(0, 100, 2, 4, 4)); // dense: one row of 8
-    push_run(&mut runs, r(8, 108, 1, 5, 5));
+    push_run(&mut runs, r(0, 100, 2, 4, 4), &[]); // dense: one row of 8
+    push_run(&mut runs, r(8, 108, 1, 5, 5), &[]);
     assert_eq!(runs, vec![r(0, 100, 1, 13, 13)]);
-    push_run(&mut runs, r(50, 200, 2, 3, 6)); // strided
-    push_run(&mut runs, r(62, 212, 2, 3, 6)); // continues its rows
+    push_run(&mut runs, r(50, 200, 2, 3, 6), &[]); // strided
+    push_run(&mut runs, r(62, 212, 2, 3, 6), &[]); // continues its rows
     assert_eq!(runs.len(), 2);
     assert_eq!(runs[1].rows, 4);
-    push_run(&mut runs, r(0, 0, 0, 3, 3)); // empty: ignored
+    push_run(&mut runs, r(0, 0, 0, 3, 3), &[]); // empty: ignored
     assert_eq!(runs.len(), 2);
+    // the same runs never merge across the start of a parameter (element 8, and 62)
+    let mut apart = Vec::new();
+    let starts = [0, 8, 50, 62];
+    push_run(&mut apart, r(0, 100, 2, 4, 4), &starts);
+    push_run(&mut apart, r(8, 108, 1, 5, 5), &starts);
+    push_run(&mut apart, r(50, 200, 2, 3, 6), &starts);
+    push_run(&mut apart, r(62, 212, 2, 3, 6), &starts);
+    assert_eq!(apart.len(), 4);
 }
 
 #[test]

@@ -61,13 +61,23 @@ impl Run {
     }
 }
 
-/// Appends `run`, merging it into the previous run when it continues it in both buffers.
-pub fn push_run(runs: &mut Vec<Run>, run: Run) {
+/// Appends `run`, merging it into the previous run when it continues it in both buffers and
+/// the merged run reads one source parameter: `starts` are the sorted first elements of the
+/// source's parameters (empty: a source of one piece, such as a receive slot). A run never
+/// reads across a parameter's end, so a source whose parameters lie apart (lent in
+/// Megatron-Core's own buffer order) is read where each of them is.
+pub fn push_run(runs: &mut Vec<Run>, run: Run, starts: &[usize]) {
     if run.numel() == 0 {
         return;
     }
     let run = run.flat();
+    let param = |x: usize| starts.partition_point(|&s| s <= x);
     if let Some(prev) = runs.last_mut() {
+        let last = run.src + (run.rows - 1) * run.src_ld + run.cols - 1;
+        if param(prev.src) != param(last) {
+            runs.push(run);
+            return;
+        }
         let one_row = prev.rows == 1 && run.rows == 1;
         if one_row && prev.src + prev.cols == run.src && prev.dst + prev.cols == run.dst {
             prev.cols += run.cols;
@@ -89,6 +99,20 @@ pub fn push_run(runs: &mut Vec<Run>, run: Run) {
         }
     }
     runs.push(run);
+}
+
+/// The first element of each parameter of `rank`'s stage in its buffer, sorted (where a run of
+/// its source may not cross: [`push_run`]).
+fn param_starts(plan: &MegatronPlan, rank: usize) -> Vec<usize> {
+    let stage = plan.train.coords(rank).pp;
+    let mut starts: Vec<usize> = plan
+        .train
+        .stage_slots(stage)
+        .iter()
+        .map(|s| s.offset)
+        .collect();
+    starts.sort_unstable();
+    starts
 }
 
 /// Cuts `run` into tiles: row blocks of at most [`TILE_ELEMS`] elements, and rows longer than
@@ -337,6 +361,7 @@ pub fn build_rank(
 ) -> RankSchedule {
     let me = &plan.ranks[rank];
     let flat = |x: &Transfer| offsets[x.tensor] + x.dst_offset;
+    let starts = param_starts(plan, rank);
     let mut tiles = Vec::new();
     let mut runs = Vec::new();
     for x in me.transfers.iter().filter(|x| x.src_rank == rank) {
@@ -350,6 +375,7 @@ pub fn build_rank(
                 rows: x.rows,
                 cols: x.cols,
             },
+            &starts,
         );
     }
     let local_elems = runs.iter().map(Run::numel).sum();
@@ -400,6 +426,7 @@ pub fn build_rank(
                             rows: x.rows,
                             cols: x.cols,
                         },
+                        &[],
                     );
                     *off += x.numel();
                 };
@@ -453,6 +480,7 @@ pub fn build_rank(
                         rows: x.rows,
                         cols: x.cols,
                     },
+                    &starts,
                 );
                 *soff += x.numel();
             };
@@ -555,6 +583,7 @@ fn peer_schedule(
     let mut pushes = Vec::new();
     let mut peer_tiles = Vec::new();
     let mut send_elems = 0;
+    let starts = param_starts(plan, rank);
     for (d, dp) in plan.ranks.iter().enumerate().filter(|(d, _)| *d != rank) {
         let mut runs = Vec::new();
         for x in dp.transfers.iter().filter(|x| x.src_rank == rank) {
@@ -568,6 +597,7 @@ fn peer_schedule(
                     rows: x.rows,
                     cols: x.cols,
                 },
+                &starts,
             );
         }
         send_elems += runs.iter().map(Run::numel).sum::<usize>();
