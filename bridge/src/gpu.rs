@@ -93,9 +93,6 @@ pub trait Lending: 'static {
     /// The training layout the lent tensors follow.
     type Train: Clone;
 
-    /// What the front calls these tensors in a refusal (e.g. "fp32 shards").
-    const WHAT: &'static str;
-
     /// Checks `shards[local][tensor]` of the global `ranks` against `train` (count, sizes,
     /// addresses), reading nothing.
     fn check(
@@ -116,6 +113,10 @@ pub trait Lending: 'static {
 
     /// A NaN or an infinity the switch found in the lent tensors: `(tensor, detail)`.
     fn nonfinite(e: &Self::Error) -> Option<(String, String)>;
+
+    /// The names and shapes global rank `rank` lends, in the order [`GpuSwitch::enter`] takes
+    /// them, where the kind lists them (Megatron: its stage's parameters); otherwise why not.
+    fn parameters(train: &Self::Train, rank: usize) -> Result<Named, BridgeError>;
 }
 
 /// PyTorch FSDP2's fp32 shards ([`LentFsdpBackend`]).
@@ -126,7 +127,6 @@ impl Lending for Fsdp {
     type State = LentFsdpState;
     type Error = FsdpError;
     type Train = FsdpLayout;
-    const WHAT: &'static str = "fp32 shards";
 
     fn check(
         train: &FsdpLayout,
@@ -167,6 +167,14 @@ impl Lending for Fsdp {
             _ => None,
         }
     }
+
+    fn parameters(_train: &FsdpLayout, _rank: usize) -> Result<Named, BridgeError> {
+        Err(BridgeError::Config(
+            "parameters lists what a Megatron switch lends; an FSDP2 switch takes its shards in \
+             the order of the names it was built with"
+                .into(),
+        ))
+    }
 }
 
 /// Megatron-Core's bf16 parameters where its DDP buffers keep them ([`LentMegatronBackend`]).
@@ -177,7 +185,6 @@ impl Lending for Megatron {
     type State = LentMegatronState;
     type Error = MegatronGpuError;
     type Train = MegatronLayout;
-    const WHAT: &'static str = "bf16 parameters";
 
     fn check(
         train: &MegatronLayout,
@@ -216,6 +223,14 @@ impl Lending for Megatron {
             )),
             _ => None,
         }
+    }
+
+    fn parameters(train: &MegatronLayout, rank: usize) -> Result<Named, BridgeError> {
+        Ok(train
+            .stage_slots(train.coords(rank).pp)
+            .iter()
+            .map(|s| (s.name.clone(), s.shape.clone()))
+            .collect())
     }
 }
 
@@ -327,9 +342,12 @@ impl GpuSwitch<Megatron> {
             settings.lifecycle,
         ))
     }
+}
 
-    /// The Megatron-Core names and shapes of the parameters local rank `local` lends, in the
-    /// order [`GpuSwitch::enter`] takes them.
+impl<L: Lending> GpuSwitch<L> {
+    /// The names and shapes local rank `local` lends, in the order [`GpuSwitch::enter`] takes
+    /// them ([`Lending::parameters`]: a Megatron switch's stage parameters; an FSDP2 switch
+    /// refuses, its shards following the binding's names).
     pub fn parameters(&self, local: usize) -> Result<Named, BridgeError> {
         let ranks = self.local_ranks()?;
         let rank = *ranks.get(local).ok_or_else(|| {
@@ -338,16 +356,9 @@ impl GpuSwitch<Megatron> {
                 ranks.len()
             ))
         })?;
-        Ok(self
-            .train
-            .stage_slots(self.train.coords(rank).pp)
-            .iter()
-            .map(|s| (s.name.clone(), s.shape.clone()))
-            .collect())
+        L::parameters(&self.train, rank)
     }
-}
 
-impl<L: Lending> GpuSwitch<L> {
     fn with_backend(
         binding: ModelBinding,
         train: L::Train,
@@ -420,7 +431,7 @@ impl<L: Lending> GpuSwitch<L> {
     ///
     /// # Safety
     /// Every tensor's address must be device memory of its rank's GPU holding that many elements
-    /// of the kind's type ([`Lending::WHAT`]), alive (and not written during a switch) until the
+    /// of the kind's type (fp32 shards, bf16 parameters), alive (and not written during a switch) until the
     /// next enter that lends anew or the switch is dropped, except what an offload's owner
     /// releases when asked; each stream a live stream of that device.
     pub unsafe fn enter(
@@ -741,31 +752,9 @@ pub trait GpuFront: Send {
 /// Names and shapes.
 pub type Named = Vec<(String, Vec<usize>)>;
 
-/// What differs between the kinds' fronts: the parameter list of a Megatron switch.
-pub trait KindParameters {
-    /// [`GpuFront::parameters`].
-    fn kind_parameters(&self, local: usize) -> Result<Named, BridgeError>;
-}
-
-impl KindParameters for GpuSwitch<Fsdp> {
-    fn kind_parameters(&self, _local: usize) -> Result<Named, BridgeError> {
-        Err(BridgeError::Config(
-            "parameters lists what a Megatron switch lends; an FSDP2 switch takes its shards in \
-             the order of the names it was built with"
-                .into(),
-        ))
-    }
-}
-
-impl KindParameters for GpuSwitch<Megatron> {
-    fn kind_parameters(&self, local: usize) -> Result<Named, BridgeError> {
-        self.parameters(local)
-    }
-}
-
 impl<L: Lending> GpuFront for GpuSwitch<L>
 where
-    GpuSwitch<L>: KindParameters + Send,
+    GpuSwitch<L>: Send,
 {
     fn leases(&self) -> &Arc<Leases> {
         GpuSwitch::leases(self)
@@ -823,6 +812,6 @@ where
     }
 
     fn parameters(&self, local: usize) -> Result<Named, BridgeError> {
-        self.kind_parameters(local)
+        GpuSwitch::parameters(self, local)
     }
 }
