@@ -67,7 +67,7 @@ def degrees() -> tuple[int, int, int]:
     """Megatron-Core's (TP, PP, DP) of this process (``megatron.core.parallel_state``)."""
     try:
         from megatron.core import parallel_state as ps
-    except ImportError as e:  # pragma: no cover - checked on the device
+    except ImportError as e:
         raise ConfigError(f"from_megatron needs megatron-core installed ({e})") from None
     if not ps.model_parallel_is_initialized():
         raise ConfigError(

@@ -27,3 +27,19 @@ def test_wrappers_and_specs_name_their_parameters_as_the_layout_does():
     }
     for name, want in cases.items():
         assert layout_name(name) == want, name
+
+
+def test_from_megatron_without_megatron_core_says_what_to_install():
+    import importlib.util
+    import warnings
+
+    import pytest
+
+    import lifecycle
+
+    if importlib.util.find_spec("megatron") is not None:
+        pytest.skip("megatron-core is installed here: the GPU tests cover from_megatron")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(lifecycle.ConfigError, match="needs megatron-core installed"):
+            lifecycle.Switch.from_megatron(object(), None, {"model_type": "qwen2"})
