@@ -110,15 +110,7 @@ impl Switch {
         }
         let binding = ModelBinding::new(config_json, ModelBinding::expected(config_json)?)?;
         let settings = crate::settings::switch_settings(text, &binding)?;
-        let spec = binding.config().model_spec(1);
-        let train = lifecycle_layout::megatron::MegatronLayout::with_padded_vocab(
-            spec,
-            tp,
-            pp,
-            dp,
-            padded_vocab,
-        )
-        .map_err(|e| BridgeError::Config(e.to_string()))?;
+        let train = binding.megatron_layout((tp, pp, dp), Some(padded_vocab))?;
         let gpu = GpuSwitch::megatron(binding, train, settings, Arc::new(pool()?))?;
         Ok(Switch {
             kind: Kind::Gpu(Box::new(gpu)),

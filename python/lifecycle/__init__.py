@@ -26,6 +26,7 @@ from ._lifecycle import _finalizing
 from .engine import Engine, Filled, GroupStream, Sample
 from .switch import Masters, RolloutWeights, Switch
 from .vllm import vllm_names
+from ._megatron import megatron_parameters
 
 # From the interpreter's exit on, memory still referenced by handed-out tensors is left to the
 # process's end (the CUDA driver may be gone before the last of them is collected).
@@ -48,5 +49,6 @@ __all__ = [
     "TensorsInUseError",
     "__version__",
     "expected_parameters",
+    "megatron_parameters",
     "vllm_names",
 ]

@@ -16,6 +16,14 @@ def expected_parameters(config_json: str) -> list[tuple[str, list[int]]]: ...
 def vllm_names(
     config_json: str, tp: int, experts: str, dtype: str
 ) -> list[tuple[str, list[int]]]: ...
+def megatron_parameters(
+    config_json: str,
+    tp: int,
+    pp: int,
+    dp: int,
+    padded_vocab: int | None = None,
+    rank: int = 0,
+) -> list[tuple[str, list[int]]]: ...
 def _finalizing() -> None: ...
 
 class _Tensor:

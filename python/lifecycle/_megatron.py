@@ -45,6 +45,40 @@ def layout_name(name: str) -> str:
     return name
 
 
+def megatron_parameters(
+    config: Any,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    padded_vocab: int | None = None,
+    rank: int = 0,
+) -> list[tuple[str, list[int]]]:
+    """Megatron-Core's parameters of ``config`` (a Hugging Face config, dict, JSON or path) on
+    global rank ``rank`` at ``(tp, pp, dp)``: ``(name, shape)`` in the order a Megatron switch
+    lends them, names as Megatron-Core's local spec registers them (:func:`layout_name` gives
+    every spec's names in these terms), the embedding padded to ``padded_vocab`` rows (the
+    model's ``vocab_size``; Megatron's default rule, a multiple of 128 x TP, where None).
+    What ``Switch.from_megatron`` checks a live model against, computed by the Rust library."""
+    from ._lifecycle import megatron_parameters as names
+    from .sources import _positive
+    from .switch import _config_json
+
+    degrees = [
+        _positive(what, v, meaning)
+        for what, v, meaning in (
+            ("tp", tp, "Megatron's tensor-parallel degree"),
+            ("pp", pp, "Megatron's pipeline-parallel degree"),
+            ("dp", dp, "Megatron's data-parallel degree"),
+        )
+    ]
+    if padded_vocab is not None:
+        padded_vocab = _positive("padded_vocab", padded_vocab, "the embedding's rows")
+    if isinstance(rank, bool) or not hasattr(rank, "__index__") or int(rank) < 0:
+        raise ConfigError(f"rank: expected a global rank (an int from 0), found {rank!r}")
+    return names(_config_json(config), *degrees, padded_vocab, int(rank))
+
+
 def _unwrap(model: Any) -> Any:
     """The GPTModel inside DDP / Float16Module wrappers (``.module``)."""
     import torch

@@ -37,6 +37,7 @@ fn _lifecycle(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("BackendError", py.get_type::<errors::BackendError>())?;
     m.add_function(wrap_pyfunction!(switch::expected_parameters, m)?)?;
     m.add_function(wrap_pyfunction!(switch::vllm_names, m)?)?;
+    m.add_function(wrap_pyfunction!(switch::megatron_parameters, m)?)?;
     m.add_function(wrap_pyfunction!(shared::_finalizing, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

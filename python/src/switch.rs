@@ -77,6 +77,22 @@ pub fn vllm_names(
     ModelBinding::vllm_names(config_json, tp, experts, dtype).map_err(to_py)
 }
 
+/// Megatron-Core's parameters (names, rank-local shapes, the order a Megatron switch lends
+/// them) of the model a Hugging Face `config.json` describes at `(tp, pp, dp)`, of global rank
+/// `rank`, the embedding padded to `padded_vocab` rows (Megatron's default rule where `None`).
+#[pyfunction]
+#[pyo3(signature = (config_json, tp, pp, dp, padded_vocab=None, rank=0))]
+pub fn megatron_parameters(
+    config_json: &str,
+    tp: usize,
+    pp: usize,
+    dp: usize,
+    padded_vocab: Option<usize>,
+    rank: usize,
+) -> PyResult<Vec<(String, Vec<usize>)>> {
+    ModelBinding::megatron_parameters(config_json, (tp, pp, dp), padded_vocab, rank).map_err(to_py)
+}
+
 #[pymethods]
 impl PySwitch {
     #[new]

@@ -43,3 +43,64 @@ def test_from_megatron_without_megatron_core_says_what_to_install():
         warnings.simplefilter("ignore")
         with pytest.raises(lifecycle.ConfigError, match="needs megatron-core installed"):
             lifecycle.Switch.from_megatron(object(), None, {"model_type": "qwen2"})
+
+
+def _spec_names(spec: dict, config: dict) -> list[str]:
+    """Every parameter name a GPTModel of ``config`` registers under ``spec`` (the fixture's
+    templates), wrapped as DDP(Float16Module(model)) names them."""
+    moe = "num_experts" in config
+    names = list(spec["model"])
+    for layer in range(config["num_hidden_layers"]):
+        parts = list(spec["attention"])
+        if config["model_type"] == "qwen2":
+            parts += spec["qkv_bias"]
+        else:
+            parts += spec["qk_norm"]
+        if moe:
+            parts += spec["moe_mlp"]
+            for i in range(config["num_experts"]):
+                parts += [e.replace("{i}", str(i)) for e in spec["expert"]]
+        else:
+            parts += spec["dense_mlp"]
+        names += [f"decoder.layers.{layer}.{p}" for p in parts]
+    return ["module.module." + n for n in names]
+
+
+def test_every_spec_names_its_parameters_as_the_megatron_layout_does():
+    """The names of Megatron-Core's local and Transformer Engine specs (read from its source:
+    tests/fixtures/megatron_spec_names.json) map one to one onto the Megatron layout's, for a
+    Qwen2 (q/k/v biases), a Qwen3 (q/k norms) and a Qwen3-MoE model."""
+    import json
+    from pathlib import Path
+
+    import lifecycle
+
+    fixture = json.loads((Path(__file__).parent / "fixtures" / "megatron_spec_names.json").read_text())
+    base = {
+        "vocab_size": 100,
+        "hidden_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+        "intermediate_size": 32,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+    configs = [
+        {**base, "model_type": "qwen2"},
+        {**base, "model_type": "qwen3"},
+        {
+            **base,
+            "model_type": "qwen3_moe",
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 8,
+        },
+    ]
+    for config in configs:
+        want = [n for n, _ in lifecycle.megatron_parameters(config)]
+        for spec_name, spec in fixture["specs"].items():
+            got = [layout_name(n) for n in _spec_names(spec, config)]
+            assert sorted(got) == sorted(want), (config["model_type"], spec_name)
+            assert len(set(got)) == len(got), (config["model_type"], spec_name)
