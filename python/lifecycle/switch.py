@@ -6,7 +6,7 @@ import json
 import os
 import warnings
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Sequence
 
 from . import _lifecycle
 from ._lifecycle import ConfigError, StaleWeightsError, TensorMismatchError
@@ -156,7 +156,7 @@ class Switch:
     def _create(
         cls,
         config: Any,
-        sources: list[_Source],
+        sources: list[_Source] | Callable[[Any], list[_Source]],
         *,
         world: int,
         rollout_tp: int = 1,
@@ -171,8 +171,9 @@ class Switch:
         regather=None,
         build=None,
     ) -> "Switch":
-        """The switch over ``sources`` (or, with ``build(config_json, tp)`` making the
-        extension's switch, over the sources ``sources(that switch)`` gives)."""
+        """The switch over ``sources``: a list, built by the extension from their names; or,
+        with ``build(config_json, tp)`` making the extension's switch, a callable giving the
+        sources from that switch (a Megatron switch lists what it lends)."""
         self = cls.__new__(cls)
         self._s = None
         world = _positive("world", world, "the trainer's FSDP world size W")
