@@ -263,14 +263,31 @@ extern "C" __global__ void add_rows(const float* __restrict__ a, const float* re
     }
 }
 
+// ---- the paged KV cache ------------------------------------------------------------------------
+//
+// A layer's K (or V) cache is [pages][KV_PAGE][kvh][head] (a head's units as KvDtype keeps it).
+// Sequence `seq` reads and writes its positions through row `seq` of the page table
+// `pages [rows][pps]`: position p lives in page pages[seq * pps + p / KV_PAGE] at p % KV_PAGE.
+// Rows share pages (a group's prompt) and every page a row names lies in the cache (the host's
+// tables, crate::decoder::pages). Keep KV_PAGE the Rust side's KV_PAGE_POSITIONS.
+#define KV_PAGE 64u
+#define KV_PAGE_SHIFT 6u
+
+// The cache position (page * KV_PAGE + offset) of position p of the sequence whose page-table
+// row is `row`.
+__device__ __forceinline__ u64 kv_at(const u32* __restrict__ row, u32 p) {
+    return (u64)row[p >> KV_PAGE_SHIFT] * KV_PAGE + (p & (KV_PAGE - 1u));
+}
+
 // Rotary embedding (pairs (j, j + d/2)) of q [n x qh x d] in place; k rotated and v copied into
-// the caches [seq][cap][kvh][d] (elements T: float, or u16 holding bf16) at (seqs[r], poss[r]).
+// the paged caches (elements T: float, or u16 holding bf16) at (seqs[r], poss[r]).
 template <typename T>
 __device__ void rope_store_t(float* __restrict__ q, const float* __restrict__ k,
                              const float* __restrict__ v, T* __restrict__ kc,
                              T* __restrict__ vc, const u32* __restrict__ seqs,
                              const u32* __restrict__ poss, const float* __restrict__ inv_freq,
-                             u32 n, u32 qh, u32 kvh, u32 d, u32 cap) {
+                             u32 n, u32 qh, u32 kvh, u32 d, const u32* __restrict__ pages,
+                             u32 pps) {
     u32 half = d / 2;
     u64 per_row = (u64)(qh + kvh) * half;
     u64 total = (u64)n * per_row;
@@ -289,7 +306,7 @@ __device__ void rope_store_t(float* __restrict__ q, const float* __restrict__ k,
         } else {
             u32 kv = head - qh;
             const float* p = k + ((u64)r * kvh + kv) * d;
-            u64 at = (((u64)seqs[r] * cap + pos) * kvh + kv) * d;
+            u64 at = (kv_at(pages + (u64)seqs[r] * pps, pos) * kvh + kv) * d;
             float a = p[j], b = p[j + half];
             kv_put(kc, at + j, a * c - b * s);
             kv_put(kc, at + j + half, b * c + a * s);
@@ -306,7 +323,10 @@ template <typename T>
 struct PlainRows {
     const T* base;
     u64 stride;
-    __device__ __forceinline__ float get(u32 p, u32 t) const { return kv_get(base + p * stride, t); }
+    const u32* row;
+    __device__ __forceinline__ float get(u32 p, u32 t) const {
+        return kv_get(base + kv_at(row, p) * stride, t);
+    }
 };
 
 // Where an attention kernel quantises its output for the W8A8 product by o (the tensor-core
@@ -327,7 +347,7 @@ __device__ void pad_head(u32 row, u32 grp, u32 inp, AttnQuant qz);
 // elements (coalesced reads, a shuffle reduction); then the block's threads form G = blockDim / d
 // groups of d (one group looping over the elements when d >= blockDim), group g summing the
 // positions p = g mod G of each output element, and group 0 adding the others' sums in group
-// order. Dynamic shared memory: (max(d, blockDim) + cap) floats; blockDim a multiple of 32.
+// order. Dynamic shared memory: (max(d, blockDim) + len) floats; blockDim a multiple of 32.
 // With qz.q (d = 128, blockDim 256) the outputs are also quantised as group j of token r of the
 // o product's input (qh d wide); out may then be null (no split output written).
 template <typename Rows>
@@ -395,8 +415,9 @@ template <typename T>
 __device__ void attention_t(const float* __restrict__ q, const T* __restrict__ kc,
                             const T* __restrict__ vc, const u32* __restrict__ seqs,
                             const u32* __restrict__ poss, u16* __restrict__ out,
-                            u32 n, u32 qh, u32 kvh, u32 d, u32 cap,
-                            u32 q_base, u32 group, u32 kv_base, float scale, AttnQuant qz) {
+                            u32 n, u32 qh, u32 kvh, u32 d, const u32* __restrict__ pages,
+                            u32 pps, u32 q_base, u32 group, u32 kv_base, float scale,
+                            AttnQuant qz) {
     u32 r = blockIdx.x / qh, j = blockIdx.x % qh;
     if (r >= n) {
         // a padded token of the quantised output (the grid covers them only with qz.q)
@@ -406,9 +427,10 @@ __device__ void attention_t(const float* __restrict__ q, const T* __restrict__ k
     u32 seq = seqs[r], len = poss[r] + 1;
     u32 kv = (q_base + j) / group - kv_base;
     u64 stride = (u64)kvh * d;
-    u64 at = (u64)seq * cap * stride + (u64)kv * d;
-    attend(q, PlainRows<T>{kc + at, stride}, PlainRows<T>{vc + at, stride}, len, out, n, qh, d, scale,
-           qz);
+    u64 at = (u64)kv * d;
+    const u32* row = pages + (u64)seq * pps;
+    attend(q, PlainRows<T>{kc + at, stride, row}, PlainRows<T>{vc + at, stride, row}, len, out, n,
+           qh, d, scale, qz);
 }
 
 #define ROPE_STORE(NAME, T)                                                                         \
@@ -416,8 +438,9 @@ __device__ void attention_t(const float* __restrict__ q, const T* __restrict__ k
                                     const float* __restrict__ v, T* __restrict__ kc,                \
                                     T* __restrict__ vc, const u32* __restrict__ seqs,               \
                                     const u32* __restrict__ poss, const float* __restrict__ inv_freq, \
-                                    u32 n, u32 qh, u32 kvh, u32 d, u32 cap) {                       \
-        rope_store_t<T>(q, k, v, kc, vc, seqs, poss, inv_freq, n, qh, kvh, d, cap);                 \
+                                    u32 n, u32 qh, u32 kvh, u32 d, const u32* __restrict__ pages,   \
+                                    u32 pps) {                                                      \
+        rope_store_t<T>(q, k, v, kc, vc, seqs, poss, inv_freq, n, qh, kvh, d, pages, pps);          \
     }
 ROPE_STORE(rope_store, float)
 ROPE_STORE(rope_store_bf16, u16)
@@ -426,11 +449,12 @@ ROPE_STORE(rope_store_bf16, u16)
     extern "C" __global__ void NAME(const float* __restrict__ q, const T* __restrict__ kc,          \
                                     const T* __restrict__ vc, const u32* __restrict__ seqs,         \
                                     const u32* __restrict__ poss, u16* __restrict__ out,            \
-                                    u32 n, u32 qh, u32 kvh, u32 d, u32 cap,                         \
-                                    u32 q_base, u32 group, u32 kv_base, float scale,                \
+                                    u32 n, u32 qh, u32 kvh, u32 d, const u32* __restrict__ pages,   \
+                                    u32 pps, u32 q_base, u32 group, u32 kv_base, float scale,       \
                                     unsigned char* aq, float* asc, u32 sc_tok, u32 sc_grp,          \
                                     u32 tiles) {                                                    \
-        attention_t<T>(q, kc, vc, seqs, poss, out, n, qh, kvh, d, cap, q_base, group, kv_base, scale, \
+        attention_t<T>(q, kc, vc, seqs, poss, out, n, qh, kvh, d, pages, pps, q_base, group, kv_base, \
+                       scale,                                                                       \
                        AttnQuant{aq, asc, sc_tok, sc_grp, tiles});                                  \
     }
 ATTENTION(attention, float)
@@ -439,7 +463,7 @@ ATTENTION(attention_bf16, u16)
 // ---- fp8 K/V: e4m3 with one f32 scale per position and kv head (KvDtype::store_head) ----------
 //
 // A cache record is one kv head at one position: d e4m3 bytes, then the f32 scale (d + 4 bytes;
-// d a multiple of 4), records [seq][cap][kvh] per layer block. The scale is amax / 448 of the
+// d a multiple of 4), records [pages][KV_PAGE][kvh] per layer block. The scale is amax / 448 of the
 // head's d values (1 for an all-zero head), each value divided by it and rounded to the nearest
 // e4m3 value, ties to even: the CPU decoder's formula, bit for bit on the same inputs.
 typedef unsigned char u8;
@@ -485,7 +509,8 @@ extern "C" __global__ void rope_store_fp8(float* __restrict__ q, const float* __
                                           u8* __restrict__ vc, const u32* __restrict__ seqs,
                                           const u32* __restrict__ poss,
                                           const float* __restrict__ inv_freq, u32 n, u32 qh,
-                                          u32 kvh, u32 d, u32 cap) {
+                                          u32 kvh, u32 d, const u32* __restrict__ pages,
+                                          u32 pps) {
     const u32 lane = threadIdx.x & 31u, half = d / 2, rec = d + 4;
     const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
     const u64 items = (u64)n * (qh + kvh);
@@ -528,7 +553,7 @@ extern "C" __global__ void rope_store_fp8(float* __restrict__ q, const float* __
         vmax = warp_max(vmax);
         const float ks = kmax > 0.0f ? kmax / 448.0f : 1.0f;
         const float vs = vmax > 0.0f ? vmax / 448.0f : 1.0f;
-        const u64 at = (((u64)seqs[r] * cap + pos) * kvh + kv) * rec;
+        const u64 at = (kv_at(pages + (u64)seqs[r] * pps, pos) * kvh + kv) * rec;
         u8* kr = kc + at;
         u8* vr = vc + at;
 #pragma unroll
@@ -554,8 +579,9 @@ struct Fp8Rows {
     const u8* base;
     u64 stride;
     u32 d;
+    const u32* row;
     __device__ __forceinline__ float get(u32 p, u32 t) const {
-        const u8* rec = base + p * stride;
+        const u8* rec = base + kv_at(row, p) * stride;
         return e4m3_value(rec[t]) * *reinterpret_cast<const float*>(rec + d);
     }
 };
@@ -564,7 +590,8 @@ struct Fp8Rows {
 extern "C" __global__ void attention_fp8(const float* __restrict__ q, const u8* __restrict__ kc,
                                          const u8* __restrict__ vc, const u32* __restrict__ seqs,
                                          const u32* __restrict__ poss, u16* __restrict__ out,
-                                         u32 n, u32 qh, u32 kvh, u32 d, u32 cap, u32 q_base,
+                                         u32 n, u32 qh, u32 kvh, u32 d,
+                                         const u32* __restrict__ pages, u32 pps, u32 q_base,
                                          u32 group, u32 kv_base, float scale,
                                          unsigned char* aq, float* asc, u32 sc_tok, u32 sc_grp,
                                          u32 tiles) {
@@ -578,9 +605,10 @@ extern "C" __global__ void attention_fp8(const float* __restrict__ q, const u8* 
     const u32 kv = (q_base + j) / group - kv_base;
     const u32 rec = d + 4;
     const u64 stride = (u64)kvh * rec;
-    const u64 at = (u64)seq * cap * stride + (u64)kv * rec;
-    attend(q, Fp8Rows{kc + at, stride, d}, Fp8Rows{vc + at, stride, d}, len, out, n, qh, d, scale,
-           qz);
+    const u64 at = (u64)kv * rec;
+    const u32* row = pages + (u64)seq * pps;
+    attend(q, Fp8Rows{kc + at, stride, d, row}, Fp8Rows{vc + at, stride, d, row}, len, out, n, qh,
+           d, scale, qz);
 }
 
 // ---- decode attention split over the cache (flash-decoding) ------------------------------------
@@ -593,7 +621,7 @@ extern "C" __global__ void attention_fp8(const float* __restrict__ q, const u8* 
 // chunk order. Each chunk's block writes, per query head, the chunk's score maximum m, its sum
 // of exp(score - m) l and its unnormalised output sum of exp(score - m) v: part_o [n x qh x
 // splits x d] and part_ml [n x qh x splits x 2] (splits the most chunks of a row, fixed by the
-// cache's capacity). A row's result depends only on its own query, cache and length: the chunk
+// longest row a page table holds). A row's result depends only on its own query, cache and length: the chunk
 // size is the caller's and fixed for a cache, every sum runs in a fixed order.
 
 #define SPLIT_THREADS 128
@@ -620,8 +648,9 @@ template <typename T>
 struct PlainQuads {
     const T* base;
     u64 stride;
+    const u32* row;
     __device__ __forceinline__ void load4(u32 p, u32 qd, float* o) const {
-        kv_load4(base + (u64)p * stride, qd, o);
+        kv_load4(base + kv_at(row, p) * stride, qd, o);
     }
 };
 
@@ -629,8 +658,9 @@ struct Fp8Quads {
     const u8* base;
     u64 stride;
     u32 d;
+    const u32* row;
     __device__ __forceinline__ void load4(u32 p, u32 qd, float* o) const {
-        const u8* rec = base + (u64)p * stride;
+        const u8* rec = base + kv_at(row, p) * stride;
         const u32 x = *reinterpret_cast<const u32*>(rec + 4u * qd);
         const float s = *reinterpret_cast<const float*>(rec + d);
 #pragma unroll
@@ -866,14 +896,16 @@ __device__ void attention_split_t(const float* __restrict__ q, const T* __restri
                                   const T* __restrict__ vc, const u32* __restrict__ seqs,
                                   const u32* __restrict__ poss, float* __restrict__ part_o,
                                   float* __restrict__ part_ml, u32 n, u32 qh, u32 kvh, u32 d,
-                                  u32 cap, u32 q_base, u32 group, u32 kv_base, float scale,
-                                  u32 chunk, u32 splits, u32 hpb) {
+                                  const u32* __restrict__ pages, u32 pps, u32 q_base, u32 group,
+                                  u32 kv_base, float scale, u32 chunk, u32 splits, u32 hpb) {
     SplitPlace at;
     if (!split_place(poss, n, qh, kvh, chunk, q_base, group, kv_base, hpb, at)) return;
     const u64 stride = (u64)kvh * d;
-    const u64 base = (u64)seqs[at.r] * cap * stride + (u64)at.kv * d;
+    const u64 base = (u64)at.kv * d;
+    const u32* row = pages + (u64)seqs[at.r] * pps;
     const u64 head0 = (u64)at.r * qh + at.j0;
-    attend_chunk_d(q + head0 * d, PlainQuads<T>{kc + base, stride}, PlainQuads<T>{vc + base, stride},
+    attend_chunk_d(q + head0 * d, PlainQuads<T>{kc + base, stride, row},
+                   PlainQuads<T>{vc + base, stride, row},
                  at.p0, at.cnt, chunk, at.heads, d, scale,
                  part_o + (head0 * splits + at.s) * d, part_ml + (head0 * splits + at.s) * 2u,
                  (u64)splits * d, (u64)splits * 2u);
@@ -883,10 +915,10 @@ __device__ void attention_split_t(const float* __restrict__ q, const T* __restri
     extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) NAME(                               \
         const float* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,            \
         const u32* __restrict__ seqs, const u32* __restrict__ poss, float* __restrict__ part_o,     \
-        float* __restrict__ part_ml, u32 n, u32 qh, u32 kvh, u32 d, u32 cap, u32 q_base, u32 group, \
-        u32 kv_base, float scale, u32 chunk, u32 splits, u32 hpb) {                                 \
-        attention_split_t<T>(q, kc, vc, seqs, poss, part_o, part_ml, n, qh, kvh, d, cap, q_base,    \
-                             group, kv_base, scale, chunk, splits, hpb);                            \
+        float* __restrict__ part_ml, u32 n, u32 qh, u32 kvh, u32 d, const u32* __restrict__ pages,  \
+        u32 pps, u32 q_base, u32 group, u32 kv_base, float scale, u32 chunk, u32 splits, u32 hpb) { \
+        attention_split_t<T>(q, kc, vc, seqs, poss, part_o, part_ml, n, qh, kvh, d, pages, pps,     \
+                             q_base, group, kv_base, scale, chunk, splits, hpb);                    \
     }
 ATTENTION_SPLIT(attention_split, float)
 ATTENTION_SPLIT(attention_split_bf16, u16)
@@ -895,15 +927,17 @@ ATTENTION_SPLIT(attention_split_bf16, u16)
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) attention_split_fp8(
     const float* __restrict__ q, const u8* __restrict__ kc, const u8* __restrict__ vc,
     const u32* __restrict__ seqs, const u32* __restrict__ poss, float* __restrict__ part_o,
-    float* __restrict__ part_ml, u32 n, u32 qh, u32 kvh, u32 d, u32 cap, u32 q_base, u32 group,
-    u32 kv_base, float scale, u32 chunk, u32 splits, u32 hpb) {
+    float* __restrict__ part_ml, u32 n, u32 qh, u32 kvh, u32 d, const u32* __restrict__ pages,
+    u32 pps, u32 q_base, u32 group, u32 kv_base, float scale, u32 chunk, u32 splits, u32 hpb) {
     SplitPlace at;
     if (!split_place(poss, n, qh, kvh, chunk, q_base, group, kv_base, hpb, at)) return;
     const u32 rec = d + 4u;
     const u64 stride = (u64)kvh * rec;
-    const u64 base = (u64)seqs[at.r] * cap * stride + (u64)at.kv * rec;
+    const u64 base = (u64)at.kv * rec;
+    const u32* row = pages + (u64)seqs[at.r] * pps;
     const u64 head0 = (u64)at.r * qh + at.j0;
-    attend_chunk_d(q + head0 * d, Fp8Quads{kc + base, stride, d}, Fp8Quads{vc + base, stride, d},
+    attend_chunk_d(q + head0 * d, Fp8Quads{kc + base, stride, d, row},
+                   Fp8Quads{vc + base, stride, d, row},
                  at.p0, at.cnt, chunk, at.heads, d, scale,
                  part_o + (head0 * splits + at.s) * d, part_ml + (head0 * splits + at.s) * 2u,
                  (u64)splits * d, (u64)splits * 2u);
@@ -1005,22 +1039,20 @@ extern "C" __global__ void gather_vocab(const float* __restrict__ g, float* __re
     }
 }
 
-// The KV cache [blocks][slots][cap][width] in 2-byte units (block = layer x {k, v}; width in units): for each fork f, positions
-// 0..len of slot src are copied to slot dst in every block (forks = [src, dst, len] x count,
-// len <= longest; a src is never a dst).
-extern "C" __global__ void fork_kv(u16* __restrict__ cache, const u32* __restrict__ forks,
-                                   u32 count, u32 blocks, u32 slots, u32 cap, u32 width, u32 longest) {
-    u64 per = (u64)longest * width;
-    u64 total = (u64)count * blocks * per;
+// The paged KV cache [blocks][pages][KV_PAGE][width] in 2-byte units (block = layer x {k, v};
+// a block block_units long; width in units): for each pair f, page pairs[2f] is copied to page
+// pairs[2f + 1] in every block (a forked sequence's pages that it does not share with its
+// leader; no page is both a source and a destination).
+extern "C" __global__ void copy_pages(u16* __restrict__ cache, const u32* __restrict__ pairs,
+                                      u32 count, u32 blocks, u64 block_units, u32 width) {
+    const u64 per = (u64)KV_PAGE * width;
+    const u64 total = (u64)count * blocks * per;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
-        u64 f = i / ((u64)blocks * per);
-        u64 rem = i % ((u64)blocks * per);
-        u64 b = rem / per, e = rem % per;
-        u32 src = forks[3 * f], dst = forks[3 * f + 1], len = forks[3 * f + 2];
-        if (e < (u64)len * width) {
-            u64 base = b * slots;
-            cache[(base + dst) * cap * width + e] = cache[(base + src) * cap * width + e];
-        }
+        const u64 f = i / ((u64)blocks * per);
+        const u64 rem = i % ((u64)blocks * per);
+        const u64 b = rem / per, e = rem % per;
+        const u64 base = b * block_units;
+        cache[base + (u64)pairs[2 * f + 1] * per + e] = cache[base + (u64)pairs[2 * f] * per + e];
     }
 }
 

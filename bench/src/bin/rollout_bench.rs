@@ -53,9 +53,15 @@ struct Args {
     /// Groups kept per DAPO step.
     #[arg(long, default_value_t = 8)]
     kept_groups: usize,
-    /// KV slots (sequences decoded together); a static batch holds slots / group groups.
+    /// KV slots (sequences decoded together at most); a static batch holds as many sequences
+    /// of `--prompt` + `--max-new` positions as fit the KV cache, at most these.
     #[arg(long, default_value_t = 64)]
     slots: usize,
+    /// KV cache positions (pages of 64), all sequences together; by default `--slots` ×
+    /// (`--prompt` + `--max-new`). Under continuous batching each request holds the pages of
+    /// its own length, so a cache smaller than the slots at their longest serves them.
+    #[arg(long)]
+    kv_tokens: Option<usize>,
     /// Prompt tokens.
     #[arg(long, default_value_t = 128)]
     prompt: usize,
@@ -189,6 +195,17 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
     if max_tokens > MAX_CONTEXT {
         return Err(format!("--prompt + --max-new is more than {MAX_CONTEXT} positions").into());
     }
+    let kv_tokens = args.kv_tokens.unwrap_or(args.slots * max_tokens);
+    // a static batch: whole groups of sequences at their longest, as many as the cache holds
+    let static_rows = args.slots.min(kv_tokens / max_tokens.next_multiple_of(64));
+    if static_rows < args.group {
+        return Err(format!(
+            "--kv-tokens {kv_tokens} holds {static_rows} sequences of {max_tokens} positions: \
+             fewer than a group of {}",
+            args.group
+        )
+        .into());
+    }
     let work = Workload {
         seed: args.seed,
         group: args.group,
@@ -206,7 +223,8 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
     lens.sort_unstable();
     let q = |p: f64| lens[((lens.len() - 1) as f64 * p) as usize];
     println!(
-        "Qwen2.5-7B shape, {} layers, {} rollout, bf16 KV, {} slots of {max_tokens} positions; \
+        "Qwen2.5-7B shape, {} layers, {} rollout, bf16 KV of {kv_tokens} positions, {} slots of up \
+         to {max_tokens} positions; \
          groups of {} samples, {}-token prompts, max_new_tokens lognormal: median {}, p90 {}, \
          p99 {}, max {} (capped at {} by the slot); keep probability {}, {} groups kept per step",
         args.layers,
@@ -228,6 +246,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         FsdpBackend::new(pool.clone(), config.rollout_layout(1)?).with_rollout_dtype(dtype);
     let state = backend.synthetic_state(&shapes, 7, 0.02)?;
     let settings = EngineSettings::new(args.slots, max_tokens)
+        .with_kv_tokens(kv_tokens)
         .with_kv_dtype(KvDtype::Bf16)
         .with_fp8_compute(Fp8Compute::W8A8)
         .with_fork_prefill(true);
@@ -268,7 +287,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             let (weights, mut engine) = session.parts();
             let report = match stream.as_mut() {
                 None => {
-                    let static_groups = (args.slots / args.group).max(1);
+                    let static_groups = (static_rows / args.group).max(1);
                     let t = Instant::now();
                     let (mut kept, mut generated, mut tokens, mut passes) = (0, 0, 0, 0u64);
                     let (mut kept_tokens, mut kept_n) = (0usize, 0usize);

@@ -21,6 +21,7 @@ mod forward;
 mod graph;
 mod kv;
 mod moe;
+mod pages;
 mod rank;
 mod slots;
 pub(crate) use self::core::{Core, KvMode};
@@ -28,6 +29,7 @@ pub use self::core::{MAX_CONTEXT, ROOM_MARGIN_BYTES};
 pub(crate) use forward::RowPick;
 pub(crate) use kv::kv_elements;
 pub use moe::DEVICE_ROWS as MOE_DEVICE_ROWS;
+pub use pages::KV_PAGE_POSITIONS;
 
 /// The Qwen2 / Llama decoder on NVIDIA GPUs: one tensor-parallel group of `T` ranks (the whole
 /// [`ThreadRankPool`] of a GPU backend ([`RolloutSource`]), `W = T`), reading the backend's
@@ -99,7 +101,7 @@ impl std::fmt::Debug for GpuDecoder<'_> {
             .field("topology", &self.core.topology)
             .field("geometry", &self.core.geo)
             .field("sequences", &self.core.lens.len())
-            .field("cache_capacity", &self.core.cap)
+            .field("cache_capacity", &self.core.cap())
             .finish()
     }
 }

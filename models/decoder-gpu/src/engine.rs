@@ -11,7 +11,7 @@ use lifecycle_decoder::{DecodeError, KvDtype, ModelConfig, PrefillLogits, Sampli
 use lifecycle_layout::fp8::Fp8Compute;
 use lifecycle_layout::{RolloutFormat, RolloutLayout};
 
-use crate::decoder::{kv_elements, Core, KvMode, MAX_CONTEXT};
+use crate::decoder::{kv_elements, Core, KvMode, KV_PAGE_POSITIONS, MAX_CONTEXT};
 use crate::error::GpuDecodeError;
 use crate::topology::decode_topology;
 use crate::weights::{detect_layout, GroupOffsets, LayoutKind};
@@ -26,11 +26,16 @@ pub(crate) fn kind_of(layout: &RolloutLayout) -> LayoutKind {
 
 /// The engine's capacity and prefill policy.
 ///
-/// The KV cache is allocated at wake for `max_sequences` sequences (per generate call, all
-/// replicas together) of `max_tokens` positions each (prompt + generated tokens); a call that
-/// needs more is [`GpuDecodeError::KvCapacity`], before any GPU work. Its size per rank is
-/// `2 · layers · ⌈max_sequences / replicas⌉ · max_tokens · kv_heads_per_rank · head_dim · 4`
-/// bytes ([`EngineSettings::kv_bytes_per_rank`]).
+/// The KV cache is allocated at wake in pages of [`KV_PAGE_POSITIONS`] positions: `kv_tokens`
+/// positions per replica (by default `⌈max_sequences / replicas⌉ · max_tokens`), for up to
+/// `max_sequences` sequences at once (all replicas together) of up to `max_tokens` positions each
+/// (prompt + generated tokens). Under continuous batching ([`GpuEngine::run`]) each request holds
+/// the pages of its own length, reserved at admission, so a cache of `kv_tokens` positions serves
+/// many short requests or a few long ones (see [`lifecycle_decoder::KvPages`]); a static call
+/// splits the pages evenly over its sequences. A call that needs more is
+/// [`GpuDecodeError::KvCapacity`], before any GPU work. Its size per rank is `2 · layers ·
+/// (pages + 1) · KV_PAGE_POSITIONS · kv_heads_per_rank · head bytes`
+/// ([`EngineSettings::kv_bytes_per_rank`]; one page takes the padding rows of decode steps).
 ///
 /// ```
 /// use lifecycle_decoder::Sampling;
@@ -49,6 +54,9 @@ pub struct EngineSettings {
     /// Tokens one sequence may hold: longest prompt + `max_new_tokens` (at most
     /// [`MAX_CONTEXT`]).
     pub max_tokens: usize,
+    /// Positions the KV cache holds per replica, all sequences together (rounded up to whole
+    /// pages); `None`: `⌈max_sequences / replicas⌉ · max_tokens`, every sequence at its longest.
+    pub kv_tokens: Option<usize>,
     /// Prefix sharing: prefill each distinct prompt admitted together once and copy its KV rows
     /// to the other sequences with the same prompt (a group of samples), instead of prefilling
     /// every sequence. On by default. The prompt GEMMs then run on fewer rows, which cuBLAS may
@@ -76,6 +84,7 @@ impl EngineSettings {
         EngineSettings {
             max_sequences,
             max_tokens,
+            kv_tokens: None,
             fork_prefill: true,
             fp8_compute: Fp8Compute::W8A8,
             kv_dtype: KvDtype::Bf16,
@@ -97,6 +106,31 @@ impl EngineSettings {
     pub fn with_kv_dtype(mut self, kv: KvDtype) -> Self {
         self.kv_dtype = kv;
         self
+    }
+
+    /// The same settings with a KV cache of `tokens` positions per replica (see
+    /// [`EngineSettings::kv_tokens`]): more sequences than it could hold at their longest may
+    /// then run at once, each holding the pages of its own length.
+    ///
+    /// ```
+    /// use lifecycle_decoder_gpu::{EngineSettings, KV_PAGE_POSITIONS};
+    /// // 256 sequences of up to 8192 tokens in the room of 64 at their longest
+    /// let s = EngineSettings::new(256, 8192).with_kv_tokens(64 * 8192);
+    /// assert_eq!(s.kv_pages(1), 64 * 8192 / KV_PAGE_POSITIONS);
+    /// assert_eq!(EngineSettings::new(8, 100).kv_pages(2), 4 * 2); // 4 × 100 positions
+    /// assert!(EngineSettings::new(8, 100).with_kv_tokens(99).check().is_err());
+    /// ```
+    pub fn with_kv_tokens(mut self, tokens: usize) -> Self {
+        self.kv_tokens = Some(tokens);
+        self
+    }
+
+    /// Pages of the KV cache per replica (the padding page not counted).
+    pub fn kv_pages(&self, replicas: usize) -> usize {
+        let tokens = self.kv_tokens.unwrap_or(
+            self.slots_per_replica(replicas) * self.max_tokens.next_multiple_of(KV_PAGE_POSITIONS),
+        );
+        tokens.div_ceil(KV_PAGE_POSITIONS)
     }
 
     /// The same settings with forked prefill on or off.
@@ -146,6 +180,13 @@ impl EngineSettings {
                 self.max_tokens
             )));
         }
+        if let Some(tokens) = self.kv_tokens.filter(|&t| t < self.max_tokens) {
+            return Err(GpuDecodeError::Settings(format!(
+                "kv_tokens {tokens} cannot hold one sequence of max_tokens {} (raise kv_tokens \
+                 or lower max_tokens)",
+                self.max_tokens
+            )));
+        }
         Ok(())
     }
 
@@ -188,13 +229,15 @@ impl EngineSettings {
     /// let config = ModelConfig::from_json_str(r#"{"model_type": "qwen2", "vocab_size": 32,
     ///   "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
     ///   "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0}"#)?;
-    /// // 2 layers × (k, v) × 8 sequences × 64 positions × 2 kv heads × head_dim 4 × 2 bytes
-    /// assert_eq!(EngineSettings::new(8, 64).kv_bytes_per_rank(&config, 2, 1), 2 * 2 * 8 * 64 * 2 * 4 * 2);
-    /// let f32_cache = EngineSettings::new(8, 64).with_kv_dtype(lifecycle_decoder::KvDtype::F32);
-    /// assert_eq!(f32_cache.kv_bytes_per_rank(&config, 2, 1), 2 * 2 * 8 * 64 * 2 * 4 * 4);
+    /// // 2 layers × (k, v) × (8 sequences of one 64-position page + the padding page) × 64
+    /// // positions × 2 kv heads × head_dim 4 × 2 bytes
+    /// let s = EngineSettings::new(8, 64);
+    /// assert_eq!(s.kv_bytes_per_rank(&config, 2, 1), 2 * 2 * 9 * 64 * 2 * 4 * 2);
+    /// let f32_cache = s.with_kv_dtype(lifecycle_decoder::KvDtype::F32);
+    /// assert_eq!(f32_cache.kv_bytes_per_rank(&config, 2, 1), 2 * 2 * 9 * 64 * 2 * 4 * 4);
     /// // fp8: head_dim 4 e4m3 bytes and one f32 scale per head and position
-    /// let fp8 = EngineSettings::new(8, 64).with_kv_dtype(lifecycle_decoder::KvDtype::Fp8);
-    /// assert_eq!(fp8.kv_bytes_per_rank(&config, 2, 1), 2 * 2 * 8 * 64 * 2 * (4 + 4));
+    /// let fp8 = s.with_kv_dtype(lifecycle_decoder::KvDtype::Fp8);
+    /// assert_eq!(fp8.kv_bytes_per_rank(&config, 2, 1), 2 * 2 * 9 * 64 * 2 * (4 + 4));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn kv_bytes_per_rank(
@@ -206,8 +249,8 @@ impl EngineSettings {
         self.kv_dtype.head_bytes(config.model.head_dim) as u64
             * kv_elements(
                 config.model.layers,
-                self.slots_per_replica(replicas),
-                self.max_tokens,
+                self.kv_pages(replicas) + 1,
+                KV_PAGE_POSITIONS,
                 kv_heads_per_rank,
             ) as u64
     }
@@ -474,11 +517,16 @@ impl GpuEngine {
             self.core.kv = KvMode::Grow;
             return Ok(());
         }
-        let slots = self
-            .settings
-            .slots_per_replica(self.core.topology.replicas());
+        self.alloc_fixed()
+    }
+
+    /// Allocates the settings' fixed, paged KV cache.
+    pub(crate) fn alloc_fixed(&mut self) -> Result<(), GpuDecodeError> {
+        let replicas = self.core.topology.replicas();
+        let slots = self.settings.slots_per_replica(replicas);
+        let pages = self.settings.kv_pages(replicas);
         self.core
-            .alloc_fixed(&self.pool, slots, self.settings.max_tokens)
+            .alloc_fixed(&self.pool, slots, self.settings.max_tokens, pages)
     }
 
     /// How many allocations of the KV cache (summed over the ranks) waited, on the device, for
@@ -593,18 +641,29 @@ mod tests {
         assert_eq!(s.slots_per_replica(1), 7);
         assert_eq!(s.slots_per_replica(2), 4);
         assert_eq!(s.slots_per_replica(3), 3);
-        // 3 layers × (k, v) × 4 slots × 100 positions × 1 kv head × head_dim 4 × 2 bytes (bf16)
-        assert_eq!(s.kv_bytes_per_rank(&c, 1, 2), 3 * 2 * 4 * 100 * 4 * 2);
+        // 4 slots of 100 positions: 2 pages of 64 each, and the padding page
+        let positions = (4 * 2 + 1) * KV_PAGE_POSITIONS;
+        // 3 layers × (k, v) × positions × 1 kv head × head_dim 4 × 2 bytes (bf16)
+        assert_eq!(
+            s.kv_bytes_per_rank(&c, 1, 2),
+            (3 * 2 * positions * 4 * 2) as u64
+        );
         let f32_cache = s.with_kv_dtype(KvDtype::F32);
         assert_eq!(
             f32_cache.kv_bytes_per_rank(&c, 1, 2),
-            3 * 2 * 4 * 100 * 4 * 4
+            (3 * 2 * positions * 4 * 4) as u64
         );
         // fp8: 4 bytes of e4m3 and a 4-byte scale per head
         let fp8_cache = s.with_kv_dtype(KvDtype::Fp8);
         assert_eq!(
             fp8_cache.kv_bytes_per_rank(&c, 1, 2),
-            3 * 2 * 4 * 100 * (4 + 4)
+            (3 * 2 * positions * (4 + 4)) as u64
+        );
+        // a cache of its own size: 300 positions, 5 pages
+        let own = s.with_kv_tokens(300);
+        assert_eq!(
+            own.kv_bytes_per_rank(&c, 1, 2),
+            (3 * 2 * 6 * KV_PAGE_POSITIONS * 4 * 2) as u64
         );
     }
 

@@ -41,7 +41,8 @@ pub(crate) struct DecoderKernels {
     pub swiglu_quant: CudaFunction,
     pub swiglu_fused_split: CudaFunction,
     pub gather_vocab: CudaFunction,
-    pub fork_kv: CudaFunction,
+    /// Pages of the paged KV cache copied in every layer block (a fork's unshared pages).
+    pub copy_pages: CudaFunction,
     pub rope_store: CudaFunction,
     pub rope_store_bf16: CudaFunction,
     pub attention: CudaFunction,
@@ -201,7 +202,7 @@ impl DecoderKernels {
             swiglu_quant: m.function("swiglu_quant")?,
             swiglu_fused_split: m.function("swiglu_fused_split")?,
             gather_vocab: m.function("gather_vocab")?,
-            fork_kv: m.function("fork_kv")?,
+            copy_pages: m.function("copy_pages")?,
             rope_store: m.function("rope_store")?,
             rope_store_bf16: m.function("rope_store_bf16")?,
             attention: m.function("attention")?,

@@ -4,7 +4,7 @@
 
 use lifecycle_core::RolloutView;
 use lifecycle_cuda::RolloutBuffer;
-use lifecycle_decoder::{PickArgs, Picked, Request, Sample, Scheduler, SlotDecoder};
+use lifecycle_decoder::{KvPaging, PickArgs, Picked, Request, Sample, Scheduler, SlotDecoder};
 
 use crate::decoder::KvMode;
 use crate::decoder::RowPick;
@@ -13,9 +13,10 @@ use crate::GpuEngine;
 
 /// A woken [`GpuEngine`] as a [`SlotDecoder`]: made by [`GpuEngine::slots`] from the session's
 /// weights view (checked to be those the engine was woken for), so it lives no longer than the
-/// session that keeps the weights. Its slots are the engine's `max_sequences`, each of
-/// `max_tokens` positions; equal prompts admitted together are prefilled once and copied when
-/// [`fork_prefill`](crate::EngineSettings::fork_prefill) is on.
+/// session that keeps the weights. Its slots are the engine's `max_sequences`, each of up to
+/// `max_tokens` positions in the pages of its KV cache ([`KvPaging`]: the scheduler reserves a
+/// request's pages at admission); equal prompts admitted together are prefilled once and share
+/// their full pages when [`fork_prefill`](crate::EngineSettings::fork_prefill) is on.
 pub struct EngineSlots<'e> {
     engine: &'e mut GpuEngine,
 }
@@ -40,11 +41,7 @@ impl GpuEngine {
     ) -> Result<EngineSlots<'e>, GpuDecodeError> {
         self.check_weights(weights)?;
         if self.core.kv == KvMode::Grow {
-            let slots = self
-                .settings
-                .slots_per_replica(self.core.topology.replicas());
-            self.core
-                .alloc_fixed(&self.pool, slots, self.settings.max_tokens)?;
+            self.alloc_fixed()?;
         }
         Ok(EngineSlots { engine: self })
     }
@@ -100,6 +97,23 @@ impl SlotDecoder for EngineSlots<'_> {
 
     fn slot_positions(&self) -> usize {
         self.engine.settings.max_tokens
+    }
+
+    fn paging(&self) -> Option<KvPaging> {
+        let core = &self.engine.core;
+        Some(KvPaging {
+            page_positions: crate::KV_PAGE_POSITIONS,
+            pages_per_group: core.pages.budget(),
+            slots_per_group: core.slots_per_replica(),
+        })
+    }
+
+    fn map_pages(&mut self, tables: &[(usize, &[u32])]) -> Result<(), GpuDecodeError> {
+        self.engine.core.map_pages(tables)
+    }
+
+    fn shares_prefixes(&self) -> bool {
+        self.engine.settings.fork_prefill
     }
 
     fn prefill_slots(

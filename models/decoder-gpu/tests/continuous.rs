@@ -16,7 +16,7 @@ use lifecycle_cuda::ThreadRankPool;
 use lifecycle_decoder::{
     load_checkpoint, CpuDecoder, FinishReason, KvDtype, Request, Sample, SamplingParams, Scheduler,
 };
-use lifecycle_decoder_gpu::{EngineSettings, GpuEngine};
+use lifecycle_decoder_gpu::{EngineSettings, GpuEngine, KV_PAGE_POSITIONS};
 use lifecycle_fsdp::FsdpBackend;
 use lifecycle_host::{HostBackend, HostTrainState};
 use serde_json::Value;
@@ -58,8 +58,15 @@ fn requests(prompts: &[Vec<u32>], vocab: u32) -> Vec<Request> {
     out
 }
 
-/// The fixture's CPU decoder (f32 cache) under the scheduler with `slots` slots.
-fn cpu_samples(name: &str, requests: Vec<Request>, slots: usize, positions: usize) -> Vec<Sample> {
+/// The fixture's CPU decoder (f32 cache) under the scheduler with `slots` slots (paged as an
+/// engine's cache of `pages` pages where given).
+fn cpu_samples(
+    name: &str,
+    requests: Vec<Request>,
+    (slots, positions): (usize, usize),
+    pages: Option<usize>,
+    mixed: bool,
+) -> Vec<Sample> {
     let ckpt = load_checkpoint(&fixtures().join(name)).unwrap();
     let layout = ckpt.config.rollout_layout(1).unwrap();
     let state = HostTrainState::from_tensors(1, ckpt.tensors).unwrap();
@@ -70,7 +77,13 @@ fn cpu_samples(name: &str, requests: Vec<Request>, slots: usize, positions: usiz
     let mut cpu = CpuDecoder::new(&ckpt.config, &layout, &group)
         .unwrap()
         .with_slots(slots, positions);
-    Scheduler::new().run(&mut cpu, requests).unwrap()
+    if let Some(pages) = pages {
+        cpu = cpu.with_kv_pages(pages, KV_PAGE_POSITIONS);
+    }
+    Scheduler::new()
+        .with_mixed_steps(mixed)
+        .run(&mut cpu, requests)
+        .unwrap()
 }
 
 /// The GPU engine's samples of `requests` on the fixture `name` (FSDP lifecycle at W = 1).
@@ -107,27 +120,48 @@ fn gpu_samples_with(
 
 /// Every fixture model, an f32 cache, 5 slots for 12–16 requests (so finished samples free
 /// slots that queued ones take), prefix sharing on, admissions prefilled in passes of their
-/// own and in the passes that feed the running requests (mixed steps): the GPU's tokens and
-/// finish reasons equal the CPU decoder's under the same scheduler, and its log-probabilities
-/// (at the request's temperature, at T = 1, truncated) within 1e-3 of the CPU's on the same
-/// tokens.
+/// own and in the passes that feed the running requests (mixed steps); then the prompts tiled to
+/// 150 tokens in a cache of 6 pages for 8 slots, so that a group of 4 samples (3 pages for the
+/// first, 1 of its own for each other beside the 2 full pages they share) fills it and the
+/// next group waits for pages: the GPU's tokens and finish reasons equal the CPU decoder's
+/// under the same scheduler (the CPU paged alike), and its log-probabilities (at the request's
+/// temperature, at T = 1, truncated) within 1e-3 of the CPU's on the same tokens.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn continuous_engine_matches_the_cpu_decoder_under_the_same_scheduler() -> Res {
     require_gpus(1)?;
     let refs = references()?;
     let mut failures = Vec::new();
-    for (name, mixed) in MODELS.iter().flat_map(|&n| [(n, false), (n, true)]) {
+    let runs = MODELS.iter().flat_map(|&n| {
+        [
+            (n, false, false),
+            (n, true, false),
+            (n, false, true),
+            (n, true, true),
+        ]
+    });
+    for (name, mixed, long) in runs {
         let cases = list(&refs["models"][name]["cases"]);
-        let prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
+        let mut prompts: Vec<Vec<u32>> = cases.iter().map(|c| tokens(&c["prompt"])).collect();
         let vocab = load_checkpoint(&fixtures().join(name))?.config.model.vocab as u32;
+        let (room, pages) = if long {
+            for p in &mut prompts {
+                *p = p.iter().copied().cycle().take(150).collect();
+            }
+            ((8, 200), Some(6))
+        } else {
+            ((5, 40), None)
+        };
         let reqs = requests(&prompts, vocab);
-        let settings = EngineSettings::new(5, 40)
+        let mut settings = EngineSettings::new(room.0, room.1)
             .with_kv_dtype(KvDtype::F32)
             .with_fork_prefill(true);
+        if let Some(pages) = pages {
+            settings = settings.with_kv_tokens(pages * KV_PAGE_POSITIONS);
+        }
         let scheduler = Scheduler::new().with_mixed_steps(mixed);
         let gpu = gpu_samples_with(name, reqs.clone(), settings, scheduler)?;
-        let cpu = cpu_samples(name, reqs.clone(), 5, 40);
+        let cpu = cpu_samples(name, reqs.clone(), room, pages, mixed);
         let (mut worst, mut tokens_compared, mut finishes) = (0.0f32, 0, [0usize; 3]);
         for (i, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
             finishes[g.finish as usize] += 1;
@@ -150,9 +184,14 @@ fn continuous_engine_matches_the_cpu_decoder_under_the_same_scheduler() -> Res {
             tokens_compared += g.tokens.len();
         }
         println!(
-            "{name}{}: {} requests, {tokens_compared} tokens equal; finishes stop/length/abort \
+            "{name}{}{}: {} requests, {tokens_compared} tokens equal; finishes stop/length/abort \
              {finishes:?}; max |Δ logprob| vs the CPU decoder {worst:.2e}",
             if mixed { " (mixed steps)" } else { "" },
+            if long {
+                " (150-token prompts, 6 pages)"
+            } else {
+                ""
+            },
             reqs.len()
         );
         if worst > 1e-3 {
@@ -268,7 +307,7 @@ fn contexts_past_8k_positions_match_the_cpu_decoder() -> Res {
     let req = vec![Request::new(prompt, SamplingParams::new(6))];
     let settings = EngineSettings::new(1, 12_008).with_kv_dtype(KvDtype::F32);
     let gpu = gpu_samples(name, req.clone(), settings)?;
-    let cpu = cpu_samples(name, req, 1, 12_008);
+    let cpu = cpu_samples(name, req, (1, 12_008), None, false);
     let worst = gpu[0]
         .logprobs
         .iter()

@@ -661,12 +661,15 @@ fn engine_matches_the_per_call_decoder_and_frees_its_kv_cache_w1() -> Res {
     let state = backend.state_from_tensors(random_tensors(&config, 5))?;
     backend.trim_device_memory()?;
     let (free_built, total) = device_memory(&pool)?[0];
-    // 64 sequences × 2048 positions × 4 layers × (k, v) × 2 kv heads × 64 × 2 bytes = 128 MiB
-    // (bf16, the engine's default)
+    // 64 sequences × 2048 positions (+ the padding page of 64) × 4 layers × (k, v) × 2 kv heads
+    // × 64 × 2 bytes = 128 MiB + 64 KiB (bf16, the engine's default)
     // per-sequence prefill, as the per-call decoder's
     let settings = EngineSettings::new(64, 2048).with_fork_prefill(false);
     assert_eq!(settings.kv_dtype, KvDtype::Bf16);
-    assert_eq!(settings.kv_bytes_per_rank(&config, 2, 1), 128 << 20);
+    assert_eq!(
+        settings.kv_bytes_per_rank(&config, 2, 1),
+        (128 << 20) + (64 << 10)
+    );
     let kv_expected = settings.kv_bytes_per_rank(&config, 2, 1);
     let engine = GpuEngine::for_backend(&backend, &config, settings)?;
     let mut lc = Lifecycle::new(backend, state).with_engine(engine);

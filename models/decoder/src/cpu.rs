@@ -66,6 +66,9 @@ pub struct CpuDecoder<'w> {
     lora_scaling: f32,
     /// KV slots and positions per slot as a [`SlotDecoder`](crate::SlotDecoder).
     pub(crate) slot_room: (usize, usize),
+    /// As a paged [`SlotDecoder`](crate::SlotDecoder): the paging it reports and the positions
+    /// each slot's mapped pages hold ([`CpuDecoder::with_kv_pages`]).
+    pub(crate) paged: Option<(crate::KvPaging, Vec<usize>)>,
 }
 
 impl<'w> CpuDecoder<'w> {
@@ -116,6 +119,7 @@ impl<'w> CpuDecoder<'w> {
             kv: KvDtype::F32,
             lora_scaling: 1.0,
             slot_room: (DEFAULT_SLOTS, usize::MAX),
+            paged: None,
         }
     }
 
@@ -178,7 +182,43 @@ impl<'w> CpuDecoder<'w> {
     /// ```
     pub fn with_slots(mut self, slots: usize, positions: usize) -> Self {
         self.slot_room = (slots.max(1), positions);
+        if let Some((paging, _)) = self.paged {
+            return self.with_kv_pages(paging.pages_per_group, paging.page_positions);
+        }
         self
+    }
+
+    /// The same slot decoder paged as an engine's KV cache: `pages` pages of `page_positions`
+    /// for all its slots, which the scheduler reserves at admission as it does an engine's
+    /// ([`KvPages`](crate::KvPages)), a group's samples sharing their prompt's full pages. The
+    /// CPU's KV is not paged (each slot grows its own): a slot only refuses positions past the
+    /// pages mapped to it, so that runs compare with an engine's admission for admission.
+    ///
+    /// ```
+    /// use lifecycle_decoder::{CpuDecoder, KvPaging, SlotDecoder};
+    /// fn paged(d: CpuDecoder<'_>) -> CpuDecoder<'_> {
+    ///     let d = d.with_slots(8, 256).with_kv_pages(20, 16);
+    ///     let want = KvPaging { page_positions: 16, pages_per_group: 20, slots_per_group: 8 };
+    ///     assert_eq!(d.paging(), Some(want));
+    ///     d
+    /// }
+    /// ```
+    pub fn with_kv_pages(mut self, pages: usize, page_positions: usize) -> Self {
+        let paging = crate::KvPaging {
+            page_positions: page_positions.max(1),
+            pages_per_group: pages,
+            slots_per_group: self.slot_room.0,
+        };
+        self.paged = Some((paging, vec![0; self.slot_room.0]));
+        self
+    }
+
+    /// Positions slot `slot` may hold: its mapped pages' when paged.
+    pub(crate) fn room_of(&self, slot: usize) -> usize {
+        match &self.paged {
+            Some((_, room)) => room.get(slot).map_or(0, |&r| r.min(self.slot_room.1)),
+            None => self.slot_room.1,
+        }
     }
 
     /// The model config.

@@ -51,6 +51,7 @@ pub use megatron_checkpoint::{
     MEGATRON_VOCAB_MULTIPLE,
 };
 pub use rollout::groups::{Filled, GroupStream, Leftovers};
+pub use rollout::pages::{KvPages, KvPaging};
 pub use rollout::pick::{kept, pick, Picked};
 pub use rollout::request::{FinishReason, Request, Sample, SamplingParams};
 pub use rollout::scheduler::{PickArgs, Scheduler, SlotDecoder};

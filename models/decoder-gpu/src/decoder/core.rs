@@ -22,6 +22,7 @@ use super::forward::{Pick, RowPick, Step, StepOut};
 use super::graph::{rank_forward, StepGraphs};
 use super::kv::{check_kv, kv_elements, kv_head_units};
 use super::moe::table::DeviceExperts;
+use super::pages::{PageTables, KV_PAGE_POSITIONS};
 use super::rank::{Dims, RankBind, RankState};
 
 /// Longest sequence (prompt + generated tokens) the attention kernels hold: their shared memory
@@ -61,8 +62,8 @@ pub(crate) enum KvMode {
     /// Allocated per prefill for the batch at hand and grown while decoding
     /// ([`GpuDecoder`](crate::GpuDecoder)).
     Grow,
-    /// Allocated once for `slots` sequences per replica of `cap` positions ([`GpuEngine`]'s
-    /// wake); a call that does not fit is an error.
+    /// Allocated once for `slots` sequences per replica, each of up to the tables' positions,
+    /// in a budget of pages ([`GpuEngine`]'s wake); a call that does not fit is an error.
     ///
     /// [`GpuEngine`]: crate::GpuEngine
     Fixed { slots: usize },
@@ -81,7 +82,11 @@ pub(crate) struct Core {
     /// Set while bound to weights.
     pub geo: Option<Geometry>,
     pub(super) lens: Vec<usize>,
-    pub cap: usize,
+    /// Where each sequence's positions lie in the cache ([`PageTables`]).
+    pub(crate) pages: PageTables,
+    /// Positions each sequence of the current static call holds in a fixed cache (its pages
+    /// split evenly, [`PageTables::split`]).
+    static_room: usize,
     pub kv: KvMode,
     /// Allocations of the KV cache (or of bind's scratch) whose stream waited for an
     /// overlapped offload's frees, summed over the ranks, since the decoder was built.
@@ -142,6 +147,7 @@ impl Core {
                 bind: None,
                 inv_freq: inv,
                 cache: None,
+                table: None,
                 kv: KvDtype::F32,
                 ev_compute: ctx.event()?,
                 ev_nccl: ctx.event()?,
@@ -186,7 +192,8 @@ impl Core {
             tp,
             geo: None,
             lens: Vec::new(),
-            cap: 0,
+            pages: PageTables::default(),
+            static_room: 0,
             kv: KvMode::Grow,
             room_waits: 0,
         })
@@ -199,6 +206,8 @@ impl Core {
             .min()
             .unwrap_or(0)
             .min(MAX_CONTEXT)
+            / KV_PAGE_POSITIONS
+            * KV_PAGE_POSITIONS
     }
 
     /// Every local rank's state, in local-rank order.
@@ -344,6 +353,7 @@ impl Core {
             let st = &mut r.st;
             st.bind = None;
             st.cache = None;
+            st.table = None;
             st.dequant = None;
             st.x32 = None;
             st.w8a8 = None;
@@ -353,7 +363,7 @@ impl Core {
         self.geo = None;
         self.lens.clear();
         self.parts.clear();
-        self.cap = 0;
+        self.pages = PageTables::default();
     }
 
     /// Keeps K and V as `kv` says from the next cache on (f32, bf16 or fp8, [`check_kv`]): drops
@@ -362,13 +372,13 @@ impl Core {
         check_kv(kv, self.config.model.head_dim)?;
         for st in self.states_mut() {
             st.cache = None;
+            st.table = None;
             st.kv = kv;
         }
         self.lens.clear();
         self.parts.clear();
-        if self.kv == KvMode::Grow {
-            self.cap = 0;
-        }
+        self.pages = PageTables::default();
+        self.kv = KvMode::Grow;
         Ok(())
     }
 
@@ -377,19 +387,27 @@ impl Core {
         self.states().next().map_or(KvDtype::F32, |st| st.kv)
     }
 
-    /// Allocates the KV cache of `slots` sequences per replica × `cap` positions on every rank
-    /// (zeroed; needs the weights bound for the kv-head count), replacing any cache.
+    /// Positions one sequence holds: a row of the page tables.
+    pub fn cap(&self) -> usize {
+        self.pages.positions()
+    }
+
+    /// Allocates the KV cache of `budget` pages per replica (and the padding page) for `slots`
+    /// sequences per replica of up to `positions` each on every rank (zeroed; needs the weights
+    /// bound for the kv-head count), replacing any cache.
     pub fn alloc_fixed(
         &mut self,
         pool: &ThreadRankPool,
         slots: usize,
-        cap: usize,
+        positions: usize,
+        budget: usize,
     ) -> Result<(), GpuDecodeError> {
         let geo = self.geometry()?;
+        let pages = PageTables::fixed(self.topology.replicas(), slots, positions, budget);
         let len = kv_elements(
             self.config.model.layers,
-            slots,
-            cap,
+            pages.pages,
+            KV_PAGE_POSITIONS,
             geo.kv_heads * kv_head_units(self.kv_dtype(), self.config.model.head_dim),
         );
         self.lens.clear();
@@ -416,7 +434,7 @@ impl Core {
         })?;
         self.room_waits += waits.iter().sum::<usize>();
         self.kv = KvMode::Fixed { slots };
-        self.cap = cap;
+        self.pages = pages;
         Ok(())
     }
 
@@ -469,17 +487,10 @@ impl Core {
         self.lens.clone()
     }
 
-    /// Cache slots per block for replica share `part` (the cache's layout).
-    fn slots(&self, part: &Range<usize>) -> usize {
-        match self.kv {
-            KvMode::Grow => part.len(),
-            KvMode::Fixed { slots } => slots,
-        }
-    }
-
     /// Makes room for `needed` positions per sequence of each replica's share of the batch
     /// (`self.parts`; `fresh`: a new batch, the old cache is dropped; otherwise the cache is
-    /// grown, its contents kept). A fixed cache is only checked.
+    /// grown, its contents kept). A fixed cache's pages are split over the batch at `fresh`
+    /// ([`PageTables::split`]) and only checked after.
     fn reserve(
         &mut self,
         pool: &ThreadRankPool,
@@ -495,36 +506,43 @@ impl Core {
             .into());
         }
         if let KvMode::Fixed { slots } = self.kv {
-            let widest = self.parts.iter().map(Range::len).max().unwrap_or(0);
-            if needed > self.cap || widest > slots {
+            let counts: Vec<usize> = self.parts.iter().map(Range::len).collect();
+            let widest = counts.iter().copied().max().unwrap_or(0);
+            if fresh && widest <= slots {
+                self.static_room = self.pages.split(&counts);
+            }
+            if needed > self.static_room || widest > slots {
                 return Err(DecodeError::Usage(format!(
-                    "the KV cache holds {slots} sequences of {} positions per replica; this pass \
-                     needs {widest} of {needed}",
-                    self.cap
+                    "the KV cache holds {slots} sequences per replica in {} pages of \
+                     {KV_PAGE_POSITIONS} positions: {} positions each for this call's {widest}; \
+                     it needs {needed}",
+                    self.pages.budget(),
+                    self.static_room
                 ))
                 .into());
             }
             return Ok(());
         }
-        if !fresh && needed <= self.cap {
+        if !fresh && needed <= self.cap() {
             return Ok(());
         }
         let new_cap = if fresh {
-            (needed + 128).next_multiple_of(64).min(most)
+            (needed + 128).min(most)
         } else {
-            needed.max(self.cap * 2).min(most)
+            needed.max(self.cap() * 2).min(most)
         };
+        let counts: Vec<usize> = self.parts.iter().map(Range::len).collect();
+        let tables = PageTables::grow(&counts, new_cap);
         let layers = self.config.model.layers;
-        let parts = &self.parts;
         // the width of a position of one layer's k (or v), in the cache's 2-byte units
         let w = (self.geometry()?.kv_heads
             * kv_head_units(self.kv_dtype(), self.config.model.head_dim)) as u64;
-        let old_cap = self.cap as u64;
+        let page = KV_PAGE_POSITIONS as u64 * w;
+        let (old_block, new_block) = (self.pages.pages as u64 * page, tables.pages as u64 * page);
+        let blocks = 2 * layers as u64;
+        let len = (blocks * new_block) as usize;
         let waits = pool.run_each(&mut self.ranks, &|ctx, r| {
             let st = &mut r.st;
-            let batch = parts.get(st.replica).map_or(0, Range::len);
-            let blocks = (layers * 2 * batch) as u64;
-            let len = (blocks * new_cap as u64 * w) as usize;
             // Into memory an overlapped offload frees: after the frees that make room for the
             // cache it will hold (the old one too while its rows are copied; bind's scratch).
             let mut waited = 0;
@@ -540,18 +558,18 @@ impl Core {
                 waited = room.order_for(ctx, &ctx.compute, need)?.min(1);
             }
             let new = alloc_zeros::<u16>(&ctx.compute, len, ctx.rank, "the KV cache")?;
-            if let (false, true, Some(old)) = (fresh, blocks > 0, st.cache.as_ref()) {
+            if let (false, true, Some(old)) = (fresh, old_block > 0, st.cache.as_ref()) {
                 let args = [
                     Arg::U64(ptr(old, &ctx.compute)),
                     Arg::U64(ptr(&new, &ctx.compute)),
                     Arg::U64(blocks),
-                    Arg::U64(old_cap * w),
-                    Arg::U64(new_cap as u64 * w),
+                    Arg::U64(old_block),
+                    Arg::U64(new_block),
                 ];
-                let cfg = st.k.elementwise(blocks * old_cap * w);
-                // SAFETY: `old` holds blocks·old_cap·w units and `new` blocks·new_cap·w; both
+                let cfg = st.k.elementwise(blocks * old_block);
+                // SAFETY: `old` holds blocks·old_block units and `new` blocks·new_block; both
                 // live on this stream until the copy ran (the old one is freed on the same
-                // stream after it).
+                // stream after it). The grown tables keep every page where it was.
                 unsafe {
                     launch(
                         &ctx.compute,
@@ -567,7 +585,7 @@ impl Core {
             Ok(waited)
         })?;
         self.room_waits += waits.iter().sum::<usize>();
-        self.cap = new_cap;
+        self.pages = tables;
         Ok(())
     }
 
@@ -576,9 +594,17 @@ impl Core {
     pub(super) fn forward(
         &mut self,
         pool: &ThreadRankPool,
-        steps: &[Step<'_>],
+        mut steps: Vec<Step<'_>>,
     ) -> Result<StepOut, GpuDecodeError> {
         let geo = self.geometry()?;
+        for (r, step) in steps.iter_mut().enumerate() {
+            step.pages = self.pages.pages;
+            step.pps = self.pages.pps;
+            step.copies = self.pages.fork_copies(r, &step.forks);
+        }
+        // the tables the ranks hold are the host's after this pass's upload
+        let tables = self.pages.dirty.then_some(&self.pages.tables);
+        let steps = &steps;
         let c = &self.config;
         let dims: Vec<Dims> = steps
             .iter()
@@ -604,6 +630,9 @@ impl Core {
             .collect();
         let outs = pool.run_each(&mut self.ranks, &|ctx, r| {
             let Rank { st, graphs } = r;
+            if let Some(table) = tables.and_then(|t| t.get(st.replica)) {
+                upload_table(ctx, st, table)?;
+            }
             let (Some(step), Some(z)) = (steps.get(st.replica), dims.get(st.replica)) else {
                 return Err(CudaError::Invalid(format!(
                     "no forward pass for replica {} ({} given)",
@@ -617,6 +646,7 @@ impl Core {
             }
             rank_forward(ctx, st, graphs, z, step)
         })?;
+        self.pages.dirty = false;
         let wanted: usize = steps.iter().map(|s| s.logit_rows.len()).sum();
         let out = match self.topology {
             DecodeTopology::Group => outs
@@ -676,19 +706,15 @@ impl Core {
             let rows = PrefillRows::new(&prompts[part.clone()], which == PrefillLogits::All, fork);
             let want = wanted..wanted + rows.logit_rows.len();
             wanted = want.end;
-            steps.push(Step {
-                tokens: rows.tokens,
-                seqs: rows.seqs,
-                poss: rows.poss,
-                logit_rows: rows.logit_rows,
-                batch: self.slots(part),
-                cap: self.cap,
-                forks: rows.forks,
-                pick: pick.rows(want),
-                decode: false,
-            });
+            steps.push(Step::new(
+                (rows.tokens, rows.seqs, rows.poss),
+                rows.logit_rows,
+                rows.forks,
+                pick.rows(want),
+                false,
+            ));
         }
-        let out = self.forward(pool, &steps)?;
+        let out = self.forward(pool, steps)?;
         self.lens = prompts.iter().map(Vec::len).collect();
         Ok(out)
     }
@@ -717,20 +743,17 @@ impl Core {
             .iter()
             .map(|part| {
                 let seqs: Vec<u32> = (0..part.len() as u32).collect();
-                Step {
-                    tokens: tokens[part.clone()].to_vec(),
-                    poss: self.lens[part.clone()].iter().map(|&l| l as u32).collect(),
-                    logit_rows: seqs.clone(),
+                let poss = self.lens[part.clone()].iter().map(|&l| l as u32).collect();
+                Step::new(
+                    (tokens[part.clone()].to_vec(), seqs.clone(), poss),
                     seqs,
-                    batch: self.slots(part),
-                    cap: self.cap,
-                    forks: Vec::new(),
-                    pick: pick.rows(part.clone()),
-                    decode: true,
-                }
+                    Vec::new(),
+                    pick.rows(part.clone()),
+                    true,
+                )
             })
             .collect();
-        let out = self.forward(pool, &steps)?;
+        let out = self.forward(pool, steps)?;
         self.lens.iter_mut().for_each(|l| *l += 1);
         Ok(out)
     }
@@ -842,6 +865,25 @@ impl Core {
             next = Self::tokens(self.decode_rows(pool, &next, pick(greedy, &u))?)?;
         }
         Ok(out)
+    }
+}
+
+/// Copies the host's page table into the rank's (made anew where its length changed), ordered
+/// before the passes on the compute stream.
+fn upload_table(ctx: &RankCtx, st: &mut RankState, table: &[u32]) -> Result<(), CudaError> {
+    match st.table.as_mut() {
+        Some(t) if t.len() == table.len() => ctx
+            .compute
+            .memcpy_htod(table, t)
+            .map_err(ctx.drv("uploading the KV page table", 0)),
+        _ => {
+            st.table = Some(
+                ctx.compute
+                    .clone_htod(table)
+                    .map_err(ctx.drv("uploading the KV page table", 0))?,
+            );
+            Ok(())
+        }
     }
 }
 

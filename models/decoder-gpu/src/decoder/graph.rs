@@ -4,9 +4,10 @@
 //!
 //! A graph holds the addresses it was captured with: each one owns its pass's scratch (made for
 //! its rows) and input buffers (the step's tokens and positions are copied into them before a
-//! launch), and reads the bound weights, the KV cache and the rank's lazily grown scratch
-//! where they were at capture. So a graph is kept for one key (rows, wanted rows, cache address,
-//! layout and capacity) and every graph is dropped when anything it read may have moved: other
+//! launch), and reads the bound weights, the KV cache, its page table (whose contents change
+//! between launches: the host uploads a table before the pass that reads it) and the rank's
+//! lazily grown scratch where they were at capture. So a graph is kept for one key (rows,
+//! wanted rows, the cache's and its table's addresses and layout) and every graph is dropped when anything it read may have moved: other
 //! weights bound, other fp8 settings, a W8A8 scratch grown ([`Ident`]).
 //!
 //! Only decode steps at `T = 1` (one rank, or data-parallel replicas) without forks are
@@ -69,11 +70,13 @@ pub(crate) const MAX_GRAPHS: usize = 4;
 struct Key {
     n: usize,
     m: usize,
-    /// Cache slots per block, capacity in positions, the cache's address and length.
-    batch: usize,
-    cap: usize,
+    /// Pages of a cache block and of a table row, the cache's address and length, the page
+    /// table's address.
+    pages: usize,
+    pps: usize,
     cache: u64,
     cache_len: usize,
+    table: u64,
 }
 
 /// What every graph of a rank read besides its own buffers and the cache: when it changes, the
@@ -173,7 +176,7 @@ impl StepGraphs {
     pub(super) fn takes(&self, st: &RankState, z: &Dims, step: &Step<'_>) -> bool {
         self.enabled
             && step.decode
-            && step.forks.is_empty()
+            && step.copies.is_empty()
             && z.tp == 1
             && z.m > 0
             && st.bind.is_some()
@@ -206,13 +209,18 @@ impl StepGraphs {
             .cache
             .as_ref()
             .ok_or_else(|| CudaError::Invalid("no KV cache: call prefill first".into()))?;
+        let table = st
+            .table
+            .as_ref()
+            .ok_or_else(|| CudaError::Invalid("no KV page table: call prefill first".into()))?;
         let key = Key {
             n: z.n,
             m: z.m,
-            batch: step.batch,
-            cap: step.cap,
+            pages: step.pages,
+            pps: step.pps,
             cache: ptr(cache, s),
             cache_len: cache.len(),
+            table: ptr(table, s),
         };
         self.clock += 1;
         let i = match self.entries.iter().position(|e| e.key == key) {

@@ -45,10 +45,13 @@ pub(crate) struct RankState {
     /// The weights this rank reads; `None` while unbound (an engine asleep).
     pub(crate) bind: Option<RankBind>,
     pub(crate) inv_freq: CudaSlice<f32>,
-    /// `[layer][k | v][slot][cap][kv_heads]` heads of `kv` in 2-byte units
+    /// `[layer][k | v][page][KV_PAGE_POSITIONS][kv_heads]` heads of `kv` in 2-byte units
     /// ([`kv_head_units`](crate::decoder::kv::kv_head_units): an f32 element is two, an fp8 head
     /// its e4m3 bytes and scale), `None` before the first prefill (or while an engine sleeps).
     pub(crate) cache: Option<CudaSlice<u16>>,
+    /// The page table of this rank's replica (`PageTables`), uploaded before each pass after
+    /// the host changed it; `None` with no cache.
+    pub(crate) table: Option<CudaSlice<u32>>,
     /// The element type of the cache (checked by `check_kv` when set).
     pub(crate) kv: KvDtype,
     pub(crate) ev_compute: CudaEvent,

@@ -1,12 +1,12 @@
-//! Continuous batching on the device: the [`Core`]'s fixed KV cache as slots that requests are
-//! prefilled into and fed one token at a time ([`lifecycle_decoder::SlotDecoder`]'s two calls).
+//! Continuous batching on the device: the [`Core`]'s fixed, paged KV cache as slots that requests
+//! are prefilled into and fed one token at a time ([`lifecycle_decoder::SlotDecoder`]'s calls),
+//! each slot's pages mapped by the scheduler before its prefill ([`Core::map_pages`]).
 //!
-//! Slot `s` lives on replica `s / slots_per_replica` in its cache slot `s % slots_per_replica`.
-//! A decode step's rows are padded up to a bucket size ([`bucket`]) so that CUDA graphs are
-//! captured for a few sizes, not for every count of running requests; a padding row reads and
-//! writes position 0 of a free slot (one the step does not feed: the scheduler feeds every
-//! running request at every step, and a slot's position 0 is written again by the prefill that
-//! admits a request into it), and its pick is greedy and dropped.
+//! Slot `s` lives on replica `s / slots_per_replica` in its page-table row `s %
+//! slots_per_replica`. A decode step's rows are padded up to a bucket size ([`bucket`]) so that
+//! CUDA graphs are captured for a few sizes, not for every count of running requests; a padding
+//! row reads and writes position 0 of the padding row, whose page no sequence holds, and its pick
+//! is greedy and dropped.
 
 use lifecycle_cuda::ThreadRankPool;
 use lifecycle_decoder::{DecodeError, Picked};
@@ -40,6 +40,31 @@ impl Core {
     /// Slots of the fixed cache, all replicas together.
     pub fn slot_count(&self) -> usize {
         self.slots_per_replica() * self.topology.replicas()
+    }
+
+    /// Maps each `(slot, pages)` of `tables` (the scheduler's [`lifecycle_decoder::KvPages`]):
+    /// the slot's positions lie in those pages of its replica's cache from its next prefill on.
+    pub fn map_pages(&mut self, tables: &[(usize, &[u32])]) -> Result<(), GpuDecodeError> {
+        let spr = self.slots_per_replica();
+        if spr == 0 {
+            return Err(DecodeError::Usage(
+                "paged continuous batching needs the engine's fixed KV cache (allocated at wake)"
+                    .into(),
+            )
+            .into());
+        }
+        for &(slot, pages) in tables {
+            self.pages
+                .set_row(slot / spr, slot % spr, pages)
+                .map_err(|e| DecodeError::Usage(format!("slot {slot}: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Positions slot `slot` holds: its mapped pages'.
+    fn room(&self, slot: usize) -> usize {
+        let spr = self.slots_per_replica().max(1);
+        self.pages.room(slot / spr, slot % spr)
     }
 
     /// Checks a call of `rows` rows with `picks` picks and sizes the slot table; the slots per
@@ -96,19 +121,15 @@ impl Core {
             let rows = PrefillRows::into_slots(&mine, fork);
             let want = at..at + mine.len();
             at = want.end;
-            steps.push(Step {
-                tokens: rows.tokens,
-                seqs: rows.seqs,
-                poss: rows.poss,
-                logit_rows: rows.logit_rows,
-                batch: spr,
-                cap: self.cap,
-                forks: rows.forks,
-                pick: Pick::Rows(&sorted_picks).rows(want),
-                decode: false,
-            });
+            steps.push(Step::new(
+                (rows.tokens, rows.seqs, rows.poss),
+                rows.logit_rows,
+                rows.forks,
+                Pick::Rows(&sorted_picks).rows(want),
+                false,
+            ));
         }
-        let picked = Self::picked(self.forward(pool, &steps)?)?;
+        let picked = Self::picked(self.forward(pool, steps)?)?;
         for &(slot, prompt) in admitted {
             self.lens[slot] = prompt.len();
         }
@@ -118,13 +139,17 @@ impl Core {
     /// The prompts of a prefill fit their slots and hold tokens of the vocabulary.
     fn check_admitted(&self, admitted: &[(usize, &[u32])]) -> Result<(), GpuDecodeError> {
         for &(slot, prompt) in admitted {
-            if slot >= self.lens.len() || prompt.is_empty() || prompt.len() > self.cap {
+            if slot >= self.lens.len() || prompt.is_empty() || prompt.len() > self.room(slot) {
                 return Err(DecodeError::Usage(format!(
-                    "a prompt of {} tokens into slot {slot}; the cache holds {} slots of {} \
-                     positions",
+                    "a prompt of {} tokens into slot {slot}; the cache holds {} slots, this one \
+                     with pages for {} positions (map its pages first)",
                     prompt.len(),
                     self.lens.len(),
-                    self.cap
+                    if slot < self.lens.len() {
+                        self.room(slot)
+                    } else {
+                        0
+                    }
                 ))
                 .into());
             }
@@ -140,12 +165,16 @@ impl Core {
     fn check_fed(&self, rows: &[(usize, u32)]) -> Result<(), GpuDecodeError> {
         for &(slot, t) in rows {
             let len = self.lens.get(slot).copied().unwrap_or(0);
-            if len == 0 || len >= self.cap {
+            let room = if slot < self.lens.len() {
+                self.room(slot)
+            } else {
+                0
+            };
+            if len == 0 || len >= room {
                 return Err(DecodeError::Usage(format!(
                     "a decode step for slot {slot} holding {len} positions; the cache holds {} \
-                     slots of {} positions (prefill a slot first)",
+                     slots, this one with pages for {room} positions (prefill a slot first)",
                     self.lens.len(),
-                    self.cap
                 ))
                 .into());
             }
@@ -232,19 +261,17 @@ impl Core {
         let counts: Vec<(usize, usize)> = parts.iter().map(|(_, w, a)| (w.len(), *a)).collect();
         let steps: Vec<Step<'_>> = parts
             .into_iter()
-            .map(|(rows, want, _)| Step {
-                tokens: rows.tokens,
-                seqs: rows.seqs,
-                poss: rows.poss,
-                logit_rows: rows.logit_rows,
-                batch: spr,
-                cap: self.cap,
-                forks: rows.forks,
-                pick: Pick::Rows(&table).rows(want),
-                decode: false,
+            .map(|(rows, want, _)| {
+                Step::new(
+                    (rows.tokens, rows.seqs, rows.poss),
+                    rows.logit_rows,
+                    rows.forks,
+                    Pick::Rows(&table).rows(want),
+                    false,
+                )
             })
             .collect();
-        let picked = Self::picked(self.forward(pool, &steps)?)?;
+        let picked = Self::picked(self.forward(pool, steps)?)?;
         let (mut first, mut fed) = (Vec::new(), Vec::new());
         let mut it = picked.into_iter();
         for &(wanted, n_admitted) in &counts {
@@ -289,8 +316,7 @@ impl Core {
             } else {
                 bucket(mine.len(), spr)
             };
-            let fed: Vec<usize> = mine.iter().map(|&i| rows[i].0 % spr).collect();
-            let free = (0..spr).find(|s| !fed.contains(s)).unwrap_or(0);
+            let padding = self.pages.padding_row();
             let (mut tokens, mut seqs, mut poss) = (Vec::new(), Vec::new(), Vec::new());
             let start = table.len();
             for &i in &mine {
@@ -302,7 +328,7 @@ impl Core {
             }
             for _ in mine.len()..n {
                 tokens.push(0);
-                seqs.push(free as u32);
+                seqs.push(padding as u32);
                 poss.push(0);
                 table.push(RowPick::GREEDY);
             }
@@ -311,19 +337,18 @@ impl Core {
         }
         let steps: Vec<Step<'_>> = steps
             .into_iter()
-            .map(|(tokens, seqs, poss, want)| Step {
-                logit_rows: (0..tokens.len() as u32).collect(),
-                tokens,
-                seqs,
-                poss,
-                batch: spr,
-                cap: self.cap,
-                forks: Vec::new(),
-                pick: Pick::Rows(&table).rows(want),
-                decode: true,
+            .map(|(tokens, seqs, poss, want)| {
+                let logit_rows = (0..tokens.len() as u32).collect();
+                Step::new(
+                    (tokens, seqs, poss),
+                    logit_rows,
+                    Vec::new(),
+                    Pick::Rows(&table).rows(want),
+                    true,
+                )
             })
             .collect();
-        let picked = Self::picked(self.forward(pool, &steps)?)?;
+        let picked = Self::picked(self.forward(pool, steps)?)?;
         // drop each replica's padding rows
         let mut kept = Vec::with_capacity(rows.len());
         let mut it = picked.into_iter();

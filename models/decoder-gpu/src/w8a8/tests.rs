@@ -894,7 +894,8 @@ fn the_attention_quantisation_is_the_two_kernels_bits() -> Result<(), Box<dyn st
         let dk = DecoderKernels::load(ctx)?;
         let up = |what: &str| ctx.drv(what, 0);
         let mut lines = Vec::new();
-        let (d, qh, kvh, cap) = (128usize, 4usize, 2usize, 24usize);
+        // one KV page a sequence, the pages in reverse order
+        let (d, qh, kvh, cap) = (128usize, 4usize, 2usize, crate::KV_PAGE_POSITIONS);
         let inp = qh * d;
         // (cache element bytes a position holds per kv head, kernel)
         let kinds = [
@@ -910,9 +911,11 @@ fn the_attention_quantisation_is_the_two_kernels_bits() -> Result<(), Box<dyn st
                 .map(|t| (t * 7) % tokens as u32)
                 .collect();
             let poss: Vec<u32> = (0..tokens as u32).map(|t| (t * 5) % cap as u32).collect();
-            let (sd, pd) = (
+            let table: Vec<u32> = (0..tokens as u32).rev().collect();
+            let (sd, pd, td) = (
                 s.clone_htod(&seqs).map_err(up("seqs"))?,
                 s.clone_htod(&poss).map_err(up("positions"))?,
+                s.clone_htod(&table).map_err(up("page table"))?,
             );
             for (kind, rec, kernel) in kinds {
                 // caches of `tokens` sequences: random bytes (fp8: finite e4m3 and unit scales)
@@ -980,7 +983,8 @@ fn the_attention_quantisation_is_the_two_kernels_bits() -> Result<(), Box<dyn st
                             Arg::U32(qh as u32),
                             Arg::U32(kvh as u32),
                             Arg::U32(d as u32),
-                            Arg::U32(cap as u32),
+                            Arg::U64(ptr(&td, s)),
+                            Arg::U32(1),
                             Arg::U32(0),
                             Arg::U32((qh / kvh) as u32),
                             Arg::U32(0),

@@ -4,6 +4,7 @@
 
 use crate::cpu::CpuDecoder;
 use crate::error::DecodeError;
+use crate::rollout::pages::KvPaging;
 use crate::rollout::pick::{pick, Picked};
 use crate::rollout::scheduler::{PickArgs, SlotDecoder};
 
@@ -52,6 +53,44 @@ impl SlotDecoder for CpuDecoder<'_> {
         self.slot_room.1
     }
 
+    fn paging(&self) -> Option<KvPaging> {
+        self.paged.as_ref().map(|(p, _)| *p)
+    }
+
+    /// Checks that each table's pages lie in the cache and records the positions they hold.
+    fn map_pages(&mut self, tables: &[(usize, &[u32])]) -> Result<(), DecodeError> {
+        let slots = self.slots();
+        let Some((paging, room)) = self.paged.as_mut() else {
+            return Err(DecodeError::Usage(
+                "pages mapped on a CPU decoder that is not paged (with_kv_pages)".into(),
+            ));
+        };
+        for &(slot, pages) in tables {
+            if slot >= slots {
+                return Err(DecodeError::Usage(format!(
+                    "pages mapped to slot {slot}; the decoder holds {slots} slots"
+                )));
+            }
+            if let Some(&p) = pages
+                .iter()
+                .find(|&&p| p as usize >= paging.pages_per_group)
+            {
+                return Err(DecodeError::Usage(format!(
+                    "page {p} mapped to slot {slot}; the cache holds {} pages",
+                    paging.pages_per_group
+                )));
+            }
+            room[slot] = pages.len() * paging.page_positions;
+        }
+        Ok(())
+    }
+
+    /// A paged CPU decoder counts pages as an engine that shares prefixes does (its own KV is
+    /// per slot, so sharing changes no value).
+    fn shares_prefixes(&self) -> bool {
+        self.paged.is_some()
+    }
+
     fn prefill_slots(
         &mut self,
         admitted: &[(usize, &[u32])],
@@ -59,13 +98,13 @@ impl SlotDecoder for CpuDecoder<'_> {
     ) -> Result<Vec<Picked>, DecodeError> {
         let (mut rows, mut tokens, mut last) = (Vec::new(), Vec::new(), Vec::new());
         for &(slot, prompt) in admitted {
-            if slot >= self.slots() || prompt.is_empty() || prompt.len() > self.slot_positions() {
+            if slot >= self.slots() || prompt.is_empty() || prompt.len() > self.room_of(slot) {
                 return Err(DecodeError::Usage(format!(
-                    "prefill of {} tokens into slot {slot}; the decoder holds {} slots of {} \
-                     positions (prompts are not empty)",
+                    "prefill of {} tokens into slot {slot}; the decoder holds {} slots, this one \
+                     of {} positions (prompts are not empty)",
                     prompt.len(),
                     self.slots(),
-                    self.slot_positions()
+                    self.room_of(slot)
                 )));
             }
             self.reset_slot(slot);
@@ -84,12 +123,12 @@ impl SlotDecoder for CpuDecoder<'_> {
         let mut at = Vec::with_capacity(rows.len());
         for &(slot, _) in rows {
             let len = self.slot_len(slot);
-            if slot >= self.slots() || len == 0 || len >= self.slot_positions() {
+            if slot >= self.slots() || len == 0 || len >= self.room_of(slot) {
                 return Err(DecodeError::Usage(format!(
                     "a decode step for slot {slot} holding {len} positions; the decoder holds {} \
-                     slots of {} positions (prefill a slot first)",
+                     slots, this one of {} positions (prefill a slot first)",
                     self.slots(),
-                    self.slot_positions()
+                    self.room_of(slot)
                 )));
             }
             at.push((slot, len));

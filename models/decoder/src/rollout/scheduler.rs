@@ -3,8 +3,11 @@
 //! step ([`Scheduler`]); what a decoder does for it is [`SlotDecoder`].
 //!
 //! The policy when KV runs out is to reserve at admission: a request is refused at
-//! [`Scheduler::submit`] when its prompt and every token it may sample do not fit one slot, and is
-//! admitted only into a free slot, which holds all of it; so no step ever runs out of room.
+//! [`Scheduler::submit`] when its prompt and every token it may sample do not fit one slot (or,
+//! on a paged decoder, the pages of one group), and is admitted only into a free slot that holds
+//! all of it: with [paging](SlotDecoder::paging), only when the pages for all of it are free
+//! ([`KvPages`], which also says how a group's samples share their prompt's pages). So no step
+//! ever runs out of room, and nothing is preempted for room.
 //!
 //! The scheduler is deterministic: requests are admitted in submission order into the lowest
 //! free slot, prefilled together between decode steps, and every step feeds the running
@@ -18,6 +21,7 @@
 use std::collections::VecDeque;
 
 use crate::error::DecodeError;
+use crate::rollout::pages::{KvPages, KvPaging};
 use crate::rollout::pick::Picked;
 use crate::rollout::request::{FinishReason, Request, Sample, SamplingParams};
 use crate::sampling::SplitMix64;
@@ -43,8 +47,30 @@ pub trait SlotDecoder {
     /// Sequences the KV cache holds at once.
     fn slots(&self) -> usize;
 
-    /// Positions one slot holds.
+    /// Positions one slot holds (the most one request may hold).
     fn slot_positions(&self) -> usize;
+
+    /// How the KV cache is paged, where it is: the scheduler then reserves each request's pages
+    /// at admission ([`KvPages`]) and maps them ([`SlotDecoder::map_pages`]) before the prefill
+    /// that admits it. `None` (the default): every slot holds
+    /// [`slot_positions`](SlotDecoder::slot_positions) positions of its own.
+    fn paging(&self) -> Option<KvPaging> {
+        None
+    }
+
+    /// Maps each `(slot, pages)` of `tables` (the pages of [`SlotDecoder::paging`]'s groups the
+    /// slot holds, in order of its positions) before the prefill that admits the slot's request.
+    fn map_pages(&mut self, tables: &[(usize, &[u32])]) -> Result<(), Self::Error> {
+        let _ = tables;
+        Ok(())
+    }
+
+    /// Whether requests with equal contexts admitted in one prefill are run through the model
+    /// once and their KV shared (a group's samples, the first of them the leader): the
+    /// scheduler then lets them share their full pages.
+    fn shares_prefixes(&self) -> bool {
+        false
+    }
 
     /// Prefills each `(slot, prompt)` into its slot (whatever the slot held before is dropped)
     /// and picks each one's first token; `picks[i]` is row `i`'s.
@@ -198,6 +224,8 @@ pub struct Scheduler {
     next_id: u64,
     /// The weight version tokens are sampled on from now on.
     version: u64,
+    /// The pages running requests hold, on a paged decoder.
+    pages: Option<KvPages>,
     /// Steps run and rows fed, since the scheduler was made.
     steps: u64,
     rows: u64,
@@ -230,18 +258,7 @@ impl Scheduler {
         request: Request,
     ) -> Result<u64, DecodeError> {
         request.check(decoder.vocab_size())?;
-        let (need, room) = (request.positions(), decoder.slot_positions());
-        if need > room {
-            return Err(DecodeError::Request {
-                request: None,
-                field: "max_new_tokens",
-                problem: format!(
-                    "with a prompt of {} tokens needs {need} KV positions; a slot holds {room} \
-                     (raise the engine's max_tokens or lower max_new_tokens)",
-                    request.prompt.len()
-                ),
-            });
-        }
+        check_room(decoder, &request)?;
         let id = self.next_id;
         self.next_id += 1;
         self.queue.push_back(Running::new(id, request));
@@ -269,7 +286,7 @@ impl Scheduler {
     }
 
     /// Aborts request `id` wherever it is, giving back its tokens so far (none for a queued
-    /// request that never ran), a running one's slot freed at once (its finish reason
+    /// request that never ran), a running one's slot and pages freed at once (its finish reason
     /// [`FinishReason::Abort`]). `None` for an id that is neither queued nor running.
     pub fn abort(&mut self, id: u64) -> Option<Sample> {
         if let Some(i) = self.queue.iter().position(|q| q.sample.id == id) {
@@ -279,9 +296,27 @@ impl Scheduler {
             .running
             .iter()
             .position(|r| r.as_ref().is_some_and(|r| r.sample.id == id))?;
-        self.running[slot]
-            .take()
-            .map(|r| r.finish(FinishReason::Abort))
+        self.vacate(slot).map(|r| r.finish(FinishReason::Abort))
+    }
+
+    /// Takes the request out of slot `slot`, its pages released.
+    fn vacate(&mut self, slot: usize) -> Option<Running> {
+        if let Some(p) = &mut self.pages {
+            p.release(slot);
+        }
+        self.running.get_mut(slot)?.take()
+    }
+
+    /// Free KV pages of each group of a paged decoder's slots (empty for a decoder that is not
+    /// paged, or before the first step).
+    pub fn free_pages(&self) -> Vec<usize> {
+        self.pages.as_ref().map_or_else(Vec::new, |p| {
+            let groups = self
+                .running
+                .len()
+                .div_ceil(p.paging().slots_per_group.max(1));
+            (0..groups).map(|g| p.free(g)).collect()
+        })
     }
 
     /// Aborts every queued and running request (in id order).
@@ -321,7 +356,9 @@ impl Scheduler {
     /// rollout). Its draws go on where they were, so given equal logits it samples what it
     /// would have without the preemption.
     pub fn preempt_all(&mut self) {
-        let mut back: Vec<Running> = self.running.iter_mut().filter_map(Option::take).collect();
+        let mut back: Vec<Running> = (0..self.running.len())
+            .filter_map(|s| self.vacate(s))
+            .collect();
         back.sort_by_key(|r| r.sample.id);
         for r in back.into_iter().rev() {
             self.queue.push_front(r);
@@ -374,6 +411,18 @@ impl Scheduler {
             }
             self.running = vec![None; decoder.slots()];
         }
+        let paging = decoder.paging();
+        if self.pages.as_ref().map(KvPages::paging) != paging {
+            if self.running() > 0 {
+                return Err(DecodeError::Usage(format!(
+                    "the decoder's KV paging changed while {} requests hold its pages (abort \
+                     them first)",
+                    self.running()
+                ))
+                .into());
+            }
+            self.pages = paging.map(|p| KvPages::new(p, self.running.len()));
+        }
         let mut done = Vec::new();
         if self.mixed {
             self.mixed_step(decoder, &mut done)?;
@@ -410,10 +459,11 @@ impl Scheduler {
         let fed: Vec<usize> = (0..self.running.len())
             .filter(|&s| self.running[s].is_some())
             .collect();
-        let admitted = self.seat(done);
+        let admitted = self.seat(done, decoder.shares_prefixes());
         if fed.is_empty() && admitted.is_empty() {
             return Ok(());
         }
+        self.map_pages(decoder, &admitted)?;
         let rows: Vec<(usize, u32)> = fed
             .iter()
             .filter_map(|&s| self.running[s].as_ref().map(|r| (s, r.last())))
@@ -438,24 +488,56 @@ impl Scheduler {
         Ok(self.take(&fed, next, done)?)
     }
 
-    /// Moves queued requests into the free slots (in order, lowest slot first); the slots
-    /// filled. A request that may draw no token finishes at once.
-    fn seat(&mut self, done: &mut Vec<Sample>) -> Vec<usize> {
-        let mut slots = Vec::new();
+    /// Moves queued requests into the free slots (in order, lowest slot first; on a paged
+    /// decoder only while the first queued request's pages are free in the slot's group,
+    /// `shares`: sharing the full pages of an equal context admitted before it in this call);
+    /// the slots filled. A request that may draw no token finishes at once.
+    fn seat(&mut self, done: &mut Vec<Sample>, shares: bool) -> Vec<usize> {
+        let mut slots: Vec<usize> = Vec::new();
+        let mut contexts: Vec<Vec<u32>> = Vec::new();
         for s in 0..self.running.len() {
             while self.running[s].is_none() {
+                let Some(head) = self.queue.front() else {
+                    break;
+                };
+                if head.request.params.max_new_tokens == 0 {
+                    if let Some(r) = self.queue.pop_front() {
+                        done.push(r.finish(FinishReason::Length));
+                    }
+                    continue;
+                }
+                let context = head.context();
+                if let Some(pages) = &mut self.pages {
+                    let g = pages.group(s);
+                    let leader = slots
+                        .iter()
+                        .zip(&contexts)
+                        .find(|&(&l, c)| shares && pages.group(l) == g && *c == context)
+                        .map(|(&l, _)| (l, context.len()));
+                    if pages.hold(s, head.request.positions(), leader).is_none() {
+                        break;
+                    }
+                }
                 let Some(r) = self.queue.pop_front() else {
                     break;
                 };
-                if r.request.params.max_new_tokens == 0 {
-                    done.push(r.finish(FinishReason::Length));
-                    continue;
-                }
                 self.running[s] = Some(r);
                 slots.push(s);
+                contexts.push(context);
             }
         }
         slots
+    }
+
+    /// Maps the pages of the requests admitted into `slots` (a paged decoder's).
+    fn map_pages<D: SlotDecoder>(&self, decoder: &mut D, slots: &[usize]) -> Result<(), D::Error> {
+        if let Some(pages) = &self.pages {
+            let tables: Vec<(usize, &[u32])> = slots.iter().map(|&s| (s, pages.table(s))).collect();
+            if !tables.is_empty() {
+                decoder.map_pages(&tables)?;
+            }
+        }
+        Ok(())
     }
 
     /// Admits and prefills what fits the free slots.
@@ -464,10 +546,11 @@ impl Scheduler {
         decoder: &mut D,
         done: &mut Vec<Sample>,
     ) -> Result<(), D::Error> {
-        let slots = self.seat(done);
+        let slots = self.seat(done, decoder.shares_prefixes());
         if slots.is_empty() {
             return Ok(());
         }
+        self.map_pages(decoder, &slots)?;
         let draws = self.draw(&slots);
         let contexts: Vec<Vec<u32>> = slots
             .iter()
@@ -524,7 +607,7 @@ impl Scheduler {
         for (&s, p) in slots.iter().zip(picked) {
             let finished = self.running[s].as_mut().and_then(|r| r.push(p, version));
             if let Some(why) = finished {
-                if let Some(r) = self.running[s].take() {
+                if let Some(r) = self.vacate(s) {
                     done.push(r.finish(why));
                 }
             }
@@ -540,15 +623,9 @@ impl Scheduler {
         requests: Vec<Request>,
     ) -> Result<Vec<Sample>, D::Error> {
         let vocab = decoder.vocab_size();
-        let room = decoder.slot_positions();
         for (i, r) in requests.iter().enumerate() {
             r.check(vocab).map_err(|e| e.in_request(i))?;
-            if r.positions() > room {
-                let probe = Scheduler::new().submit(decoder, r.clone());
-                if let Err(e) = probe {
-                    return Err(e.in_request(i).into());
-                }
-            }
+            check_room(decoder, r).map_err(|e| e.in_request(i))?;
         }
         let first = self.next_id;
         for r in requests {
@@ -562,4 +639,37 @@ impl Scheduler {
         out.sort_by_key(|s| s.id);
         Ok(out)
     }
+}
+
+/// Whether `request` can ever run on `decoder`: its prompt and every token it may sample fit one
+/// slot, and, on a paged decoder, the pages of one group.
+fn check_room<D: SlotDecoder>(decoder: &D, request: &Request) -> Result<(), DecodeError> {
+    let (need, room) = (request.positions(), decoder.slot_positions());
+    let prompt = request.prompt.len();
+    if need > room {
+        return Err(DecodeError::Request {
+            request: None,
+            field: "max_new_tokens",
+            problem: format!(
+                "with a prompt of {prompt} tokens needs {need} KV positions; a slot holds {room} \
+                 (raise the engine's max_tokens or lower max_new_tokens)"
+            ),
+        });
+    }
+    if let Some(p) = decoder.paging() {
+        let pages = p.pages_for(need);
+        if pages > p.pages_per_group {
+            return Err(DecodeError::Request {
+                request: None,
+                field: "max_new_tokens",
+                problem: format!(
+                    "with a prompt of {prompt} tokens needs {need} KV positions: {pages} pages \
+                     of {}; the KV cache holds {} pages per replica (raise the engine's \
+                     kv_tokens or lower max_new_tokens)",
+                    p.page_positions, p.pages_per_group
+                ),
+            });
+        }
+    }
+    Ok(())
 }

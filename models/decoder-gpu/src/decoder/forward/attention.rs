@@ -7,6 +7,7 @@ use lifecycle_decoder::KvDtype;
 
 use super::{u32a, Capture, Pass};
 use crate::decoder::kv::kv_head_units;
+use crate::decoder::pages::KV_PAGE_POSITIONS;
 use crate::kernels::Arg;
 use crate::w8a8::Finish;
 
@@ -18,7 +19,7 @@ impl<'a> Pass<'a> {
 
     /// The addresses of layer `l`'s K and V cache blocks.
     fn cache_blocks(&self, l: usize) -> (u64, u64) {
-        let layer = 2 * (self.step.batch * self.step.cap * self.kv_width()) as u64;
+        let layer = 2 * (self.step.pages * KV_PAGE_POSITIONS * self.kv_width()) as u64;
         let kc = self.cache + (2 * l as u64) * layer;
         (kc, kc + layer)
     }
@@ -122,7 +123,8 @@ impl<'a> Pass<'a> {
                 u32a(qh),
                 u32a(kvh),
                 u32a(d),
-                u32a(self.step.cap),
+                Arg::U64(self.table),
+                u32a(self.step.pps),
             ];
             let (rope, cfg) = match st.kv {
                 KvDtype::F32 => (&k.rope_store, self.elementwise(n * (qh + kvh) * d / 2)),
@@ -169,7 +171,8 @@ impl<'a> Pass<'a> {
                 u32a(qh),
                 u32a(kvh),
                 u32a(d),
-                u32a(self.step.cap),
+                Arg::U64(self.table),
+                u32a(self.step.pps),
                 u32a(self.bind.w.share.q_base),
                 u32a(z.group),
                 u32a(self.bind.w.share.kv_base),
@@ -221,8 +224,10 @@ impl<'a> Pass<'a> {
                 let cfg = LaunchConfig {
                     grid_dim: ((rows * qh) as u32, 1, 1),
                     block_dim: (threads as u32, 1, 1),
-                    shared_mem_bytes: crate::kernels::attention_shared_bytes(self.step.cap, d)
-                        as u32,
+                    shared_mem_bytes: crate::kernels::attention_shared_bytes(
+                        self.step.pps * KV_PAGE_POSITIONS,
+                        d,
+                    ) as u32,
                 };
                 let args: Vec<Arg> = place
                     .into_iter()
@@ -246,42 +251,37 @@ impl<'a> Pass<'a> {
         }
     }
 
-    /// Forked sequences: their leaders' KV rows (every layer's k and v, positions 0..prompt
-    /// length) copied into their slots, ordered after the layers on this stream. The slots are
-    /// below `step.batch` and the lengths at most the prompt's, which `reserve` checked against
-    /// the cache's capacity: every copy stays inside the cache.
+    /// Forked sequences: the pages of their prompts they do not share with their leaders
+    /// (`step.copies`, every layer's k and v) copied, ordered after the layers on this stream.
+    /// The pages lie in the cache (`PageTables` names no other).
     pub(super) fn fork_kv(&self) -> Result<(), CudaError> {
         let step = self.step;
-        let forked = step.forks.len() / 3;
-        if forked == 0 {
+        let pairs = step.copies.len() / 2;
+        if pairs == 0 {
             return Ok(());
         }
         if self.capture == Capture::Capturing {
             return Err(CudaError::Invalid(
-                "a captured pass cannot fork sequences (their table is uploaded per pass)".into(),
+                "a captured pass cannot fork sequences (their pages are uploaded per pass)".into(),
             ));
         }
-        let z = self.z;
         let kvw = self.kv_width();
-        let longest = step.forks.chunks_exact(3).map(|f| f[2]).max().unwrap_or(0);
         let fk = self
             .s()
-            .clone_htod(&step.forks)
-            .map_err(self.ctx.drv("uploading KV forks", 0))?;
-        let blocks = 2 * z.layers;
+            .clone_htod(&step.copies)
+            .map_err(self.ctx.drv("uploading KV page copies", 0))?;
+        let blocks = 2 * self.z.layers;
         let args = [
             Arg::U64(self.cache),
             Arg::U64(self.at(&fk)),
-            u32a(forked),
+            u32a(pairs),
             u32a(blocks),
-            u32a(step.batch),
-            u32a(step.cap),
+            Arg::U64((step.pages * KV_PAGE_POSITIONS * kvw) as u64),
             u32a(kvw),
-            Arg::U32(longest),
         ];
-        let cfg = self.elementwise(forked * blocks * longest as usize * kvw);
-        // SAFETY: the pass's cache and the forks' table just uploaded (kept alive until the
-        // stream ran: `fk` is dropped after the launch is queued, and frees are stream-ordered).
-        unsafe { self.kernel(&self.st.k.fork_kv, cfg, &args, "fork_kv") }
+        let cfg = self.elementwise(pairs * blocks * KV_PAGE_POSITIONS * kvw);
+        // SAFETY: the pass's cache and the pairs just uploaded (kept alive until the stream
+        // ran: `fk` is dropped after the launch is queued, and frees are stream-ordered).
+        unsafe { self.kernel(&self.st.k.copy_pages, cfg, &args, "copy_pages") }
     }
 }

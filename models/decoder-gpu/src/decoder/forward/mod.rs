@@ -28,24 +28,50 @@ use super::rank::{all_reduce_in_place, Dims, RankBind, RankState};
 use crate::kernels::{launch, ptr, Arg};
 
 /// Inputs of one forward pass of one replica (the same on every rank of a group); sequence
-/// indices are the replica's own cache slots.
+/// indices are rows of the replica's page table.
 pub(super) struct Step<'a> {
     pub(super) tokens: Vec<u32>,
     pub(super) seqs: Vec<u32>,
     pub(super) poss: Vec<u32>,
     /// Rows whose logits are wanted.
     pub(super) logit_rows: Vec<u32>,
-    /// Cache slots per block of the cache (its layout).
-    pub(super) batch: usize,
-    /// Cache capacity in positions.
-    pub(super) cap: usize,
-    /// `[leader slot, slot, length]` per forked sequence: copied after the layers ran.
+    /// `[leader row, row, length]` per forked sequence: the pages of its first `length`
+    /// positions that it does not share with its leader are copied after the layers ran.
     pub(super) forks: Vec<u32>,
     /// What to bring back.
     pub(super) pick: Pick<'a>,
     /// A decode step (one row per sequence), which a graph may replay
     /// ([`StepGraphs`](crate::decoder::graph::StepGraphs)).
     pub(super) decode: bool,
+    /// The cache as `Core::forward` sets it: pages of a layer block, pages of a table row, and
+    /// the forks' page copies (`[from, to]` pairs).
+    pub(super) pages: usize,
+    pub(super) pps: usize,
+    pub(super) copies: Vec<u32>,
+}
+
+impl<'a> Step<'a> {
+    /// A pass of `tokens` at `(seqs, poss)`, wanting `logit_rows`, forking `forks`.
+    pub(super) fn new(
+        (tokens, seqs, poss): (Vec<u32>, Vec<u32>, Vec<u32>),
+        logit_rows: Vec<u32>,
+        forks: Vec<u32>,
+        pick: Pick<'a>,
+        decode: bool,
+    ) -> Self {
+        Step {
+            tokens,
+            seqs,
+            poss,
+            logit_rows,
+            forks,
+            pick,
+            decode,
+            pages: 0,
+            pps: 0,
+            copies: Vec::new(),
+        }
+    }
 }
 
 /// How one row picks its token on the device: the four words `pick_rows` reads per row.
@@ -200,8 +226,8 @@ pub(super) fn run_stages(
 
 /// One forward pass of one rank in progress: what every stage reads and writes. Its invariant,
 /// which every stage's launches rely on: the weight addresses are the bound rollout buffer's
-/// (offsets checked against its length at bind), the cache is sized for `step` (checked by
-/// `reserve`), and every scratch buffer holds what the stages index for `z`'s sizes (made by
+/// (offsets checked against its length at bind), the cache and its page table are sized for
+/// `step` (checked by `reserve`, the table's pages within the cache by `PageTables`), and every scratch buffer holds what the stages index for `z`'s sizes (made by
 /// [`Scratch::new`] for them).
 struct Pass<'a> {
     ctx: &'a RankCtx,
@@ -211,6 +237,8 @@ struct Pass<'a> {
     step: &'a Step<'a>,
     sc: &'a mut Scratch,
     cache: u64,
+    /// The page table `[rows][step.pps]` of this rank's replica.
+    table: u64,
     capture: Capture,
     ran: Ran,
 }
@@ -242,6 +270,10 @@ impl<'a> Pass<'a> {
             .cache
             .as_ref()
             .ok_or_else(|| CudaError::Invalid("no KV cache: call prefill first".into()))?;
+        let table = st
+            .table
+            .as_ref()
+            .ok_or_else(|| CudaError::Invalid("no KV page table: call prefill first".into()))?;
         let bind = st.bind.as_ref().ok_or_else(|| {
             CudaError::Invalid("the decoder is not bound to rollout weights".into())
         })?;
@@ -260,6 +292,7 @@ impl<'a> Pass<'a> {
             step,
             sc,
             cache: ptr(cache, &ctx.compute),
+            table: ptr(table, &ctx.compute),
             capture,
             ran: Ran::default(),
         })

@@ -207,7 +207,7 @@ const SPLIT_BYTES: usize = 64 << 20;
 /// for other passes (a prefill, a prefill beside decode rows) whose partial sums stay within
 /// [`SPLIT_BYTES`]; long prefills keep a block per row and query head.
 pub(super) fn split_attention(step: &Step<'_>, z: &Dims) -> Option<SplitAttention> {
-    let plan = SplitAttention::for_cache(step.cap, z.d)?;
+    let plan = SplitAttention::for_cache(step.pps * crate::decoder::pages::KV_PAGE_POSITIONS, z.d)?;
     let bytes = z.n * z.qh * plan.splits * (z.d + 2) * 4;
     (step.decode || bytes <= SPLIT_BYTES).then_some(plan)
 }

@@ -3,7 +3,7 @@
 //! `attention_join`) against the same attention in f64 on the host and against the kernel of a
 //! block per row and query head, over f32, bf16 and fp8 caches, grouped-query heads (7 query
 //! heads a kv head, as Qwen2.5-7B), a tensor-parallel rank's share of them, and lengths around
-//! and across the chunks.
+//! and across the chunks; every cache paged, its pages in another order than its positions.
 
 use half::bf16;
 use lifecycle_cuda::cudarc::driver::LaunchConfig;
@@ -12,6 +12,7 @@ use lifecycle_cuda::{alloc_device, CudaError, RankCtx, RankExecutor, ThreadRankP
 use lifecycle_decoder::KvDtype;
 use lifecycle_layout::fp8::{e4m3_from_f32, e4m3_to_f32};
 
+use crate::decoder::pages::KV_PAGE_POSITIONS;
 use crate::kernels::{
     attention_shared_bytes, launch, ptr, Arg, DecoderKernels, SplitAttention, ATTENTION_THREADS,
 };
@@ -104,7 +105,28 @@ fn host(c: &Case, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f64> {
     out
 }
 
-/// Both kernels' outputs (hi + lo) for `c` over a cache of `kv`: the split one (its query heads
+/// The cache of `rows` sequences of `cap` positions (`bytes`, positions in order) in pages of
+/// [`KV_PAGE_POSITIONS`]: the pages in reverse of the order a grown cache lays them out, and the
+/// page table `[rows][pps]` that finds them; and `pps`.
+fn paged(bytes: &[u8], rows: usize, cap: usize) -> (Vec<u8>, Vec<u32>, usize) {
+    let pos = bytes.len() / (rows * cap);
+    let pps = cap.div_ceil(KV_PAGE_POSITIONS);
+    let pages = rows * pps;
+    let table: Vec<u32> = (0..rows)
+        .flat_map(|s| (0..pps).map(move |j| (pages - 1 - (j * rows + s)) as u32))
+        .collect();
+    let mut out = vec![0u8; pages * KV_PAGE_POSITIONS * pos];
+    for s in 0..rows {
+        for p in 0..cap {
+            let page = table[s * pps + p / KV_PAGE_POSITIONS] as usize;
+            let at = (page * KV_PAGE_POSITIONS + p % KV_PAGE_POSITIONS) * pos;
+            out[at..at + pos].copy_from_slice(&bytes[(s * cap + p) * pos..][..pos]);
+        }
+    }
+    (out, table, pps)
+}
+
+/// Both kernels' outputs (hi + lo) for `c` over a cache of `kv` (paged as [`paged`] lays it out): the split one (its query heads
 /// shared by blocks as on a device of `sms` multiprocessors), then the one of a block per row
 /// and query head.
 fn on_device(
@@ -119,11 +141,13 @@ fn on_device(
     let up = |what: &str| ctx.drv(what, 0);
     let n = c.lens.len();
     let (qh, d) = (c.qh, c.d);
-    let plan = SplitAttention::for_cache(c.cap, d)
+    let ((kb, table, pps), (vb, _, _)) = (paged(kb, n, c.cap), paged(vb, n, c.cap));
+    let plan = SplitAttention::for_cache(pps * KV_PAGE_POSITIONS, d)
         .ok_or_else(|| CudaError::Invalid(format!("no split for head_dim {d}")))?;
     let qd = s.clone_htod(q).map_err(up("q"))?;
-    let kd = s.clone_htod(kb).map_err(up("k"))?;
-    let vd = s.clone_htod(vb).map_err(up("v"))?;
+    let kd = s.clone_htod(&kb).map_err(up("k"))?;
+    let vd = s.clone_htod(&vb).map_err(up("v"))?;
+    let td = s.clone_htod(&table).map_err(up("page table"))?;
     let seqs: Vec<u32> = (0..n as u32).collect();
     let poss: Vec<u32> = c.lens.iter().map(|&l| l as u32 - 1).collect();
     let seqs = s.clone_htod(&seqs).map_err(up("seqs"))?;
@@ -152,7 +176,8 @@ fn on_device(
         u(qh),
         u(c.kvh),
         u(d),
-        u(c.cap),
+        Arg::U64(ptr(&td, s)),
+        u(pps),
         u(c.q_base),
         u(c.group),
         u(c.kv_base),
@@ -197,7 +222,7 @@ fn on_device(
     };
     let whole_cfg = LaunchConfig {
         block_dim: (ATTENTION_THREADS as u32, 1, 1),
-        shared_mem_bytes: attention_shared_bytes(c.cap, d) as u32,
+        shared_mem_bytes: attention_shared_bytes(pps * KV_PAGE_POSITIONS, d) as u32,
         ..rows
     };
     // SAFETY: the buffers above hold what each kernel's contract (kernels/decoder.cu) reads
