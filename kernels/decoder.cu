@@ -319,13 +319,18 @@ __device__ void rope_store_t(float* __restrict__ q, const float* __restrict__ k,
 
 // The K (or V) rows of one sequence and kv head in a cache of elements T (as rope_store_t's):
 // position p's element t.
+// Rows: `page(j)` the first position of page j of the sequence (one page-table read), `get(pg,
+// o, t)` element t of position o of that page.
 template <typename T>
 struct PlainRows {
     const T* base;
     u64 stride;
     const u32* row;
-    __device__ __forceinline__ float get(u32 p, u32 t) const {
-        return kv_get(base + kv_at(row, p) * stride, t);
+    __device__ __forceinline__ const T* page(u32 j) const {
+        return base + (u64)row[j] * KV_PAGE * stride;
+    }
+    __device__ __forceinline__ float get(const T* pg, u32 o, u32 t) const {
+        return kv_get(pg + o * stride, t);
     }
 };
 
@@ -347,26 +352,30 @@ __device__ void pad_head(u32 row, u32 grp, u32 inp, AttnQuant qz);
 // elements (coalesced reads, a shuffle reduction); then the block's threads form G = blockDim / d
 // groups of d (one group looping over the elements when d >= blockDim), group g summing the
 // positions p = g mod G of each output element, and group 0 adding the others' sums in group
-// order. Dynamic shared memory: (max(d, blockDim) + len) floats; blockDim a multiple of 32.
+// order. Dynamic shared memory: max(d, blockDim) floats, the sequence's page-table row (pps
+// words, filled by the caller: `rows_in_shared`), then len floats; blockDim a multiple of 32.
 // With qz.q (d = 128, blockDim 256) the outputs are also quantised as group j of token r of the
 // o product's input (qh d wide); out may then be null (no split output written).
 template <typename Rows>
-__device__ void attend(const float* __restrict__ q, Rows k, Rows v, u32 len, u16* __restrict__ out,
-                       u32 n, u32 qh, u32 d, float scale, AttnQuant qz) {
+__device__ void attend(const float* __restrict__ q, Rows k, Rows v, u32 len, u32 pps,
+                       u16* __restrict__ out, u32 n, u32 qh, u32 d, float scale, AttnQuant qz) {
     extern __shared__ float sm[];
     __shared__ float red[32];
     const u32 row = blockIdx.x;
-    // qs, then the groups' sums, in the first max(d, blockDim) floats; the scores after them
+    // qs, then the groups' sums, in the first max(d, blockDim) floats; the page row, then the
+    // scores after them
     float* qs = sm;
     float* part = sm;
-    float* sc = sm + (d > blockDim.x ? d : blockDim.x);
+    float* sc = sm + (d > blockDim.x ? d : blockDim.x) + pps;
     for (u32 t = threadIdx.x; t < d; t += blockDim.x) qs[t] = q[(u64)row * d + t];
     __syncthreads();
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     float mx = NEG_INF;
     for (u32 p = warp; p < len; p += warps) {
         float s = 0.0f;
-        for (u32 t = lane; t < d; t += 32) s += qs[t] * k.get(p, t);
+        const auto pk = k.page(p >> KV_PAGE_SHIFT);
+        const u32 o = p & (KV_PAGE - 1u);
+        for (u32 t = lane; t < d; t += 32) s += qs[t] * k.get(pk, o, t);
         for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
         s *= scale;
         if (lane == 0) sc[p] = s;
@@ -387,8 +396,12 @@ __device__ void attend(const float* __restrict__ q, Rows k, Rows v, u32 len, u16
     if (d >= blockDim.x) {
         for (u32 t = threadIdx.x; t < d; t += blockDim.x) {
             float o = 0.0f;
+            for (u32 j = 0; j * KV_PAGE < len; ++j) {
+                const auto pv = v.page(j);
+                const u32 end = min(len - j * KV_PAGE, KV_PAGE);
 #pragma unroll 8
-            for (u32 p = 0; p < len; ++p) o += sc[p] * v.get(p, t);
+                for (u32 i = 0; i < end; ++i) o += sc[j * KV_PAGE + i] * v.get(pv, i, t);
+            }
             split_store(out, (u64)row * d + t, half_len, o);
         }
         return;
@@ -396,8 +409,14 @@ __device__ void attend(const float* __restrict__ q, Rows k, Rows v, u32 len, u16
     const u32 groups = blockDim.x / d, g = threadIdx.x / d, t = threadIdx.x % d;
     float o = 0.0f;
     if (g < groups) {
+        // the positions g, g + groups, ... in order, page by page (one page-table read a page)
+        for (u32 j = 0; j * KV_PAGE < len; ++j) {
+            const auto pv = v.page(j);
+            const u32 lo = j * KV_PAGE, hi = min(len, lo + KV_PAGE);
+            const u32 first = lo + (g + groups - lo % groups) % groups;
 #pragma unroll 8
-        for (u32 p = g; p < len; p += groups) o += sc[p] * v.get(p, t);
+            for (u32 p = first; p < hi; p += groups) o += sc[p] * v.get(pv, p - lo, t);
+        }
         if (g > 0) part[(g - 1) * d + t] = o;
     }
     __syncthreads();
@@ -407,6 +426,16 @@ __device__ void attend(const float* __restrict__ q, Rows k, Rows v, u32 len, u16
         joined = split_store(out, (u64)row * d + t, half_len, o);
     }
     if (qz.q != nullptr) quant_head(joined, g == 0, t, row / qh, row % qh, qh * d, qz);
+}
+
+// The page-table row `row` (pps words) copied into the block's shared memory after its first
+// `skip` floats (attend's layout); the copy, for Rows to read. Synchronises the block.
+__device__ __forceinline__ const u32* row_in_shared(const u32* __restrict__ row, u32 pps, u32 skip) {
+    extern __shared__ float sm[];
+    u32* pg = reinterpret_cast<u32*>(sm + skip);
+    for (u32 i = threadIdx.x; i < pps; i += blockDim.x) pg[i] = row[i];
+    __syncthreads();
+    return pg;
 }
 
 // attend over a cache of elements T: block (r, j) reads sequence seqs[r]'s positions
@@ -428,9 +457,9 @@ __device__ void attention_t(const float* __restrict__ q, const T* __restrict__ k
     u32 kv = (q_base + j) / group - kv_base;
     u64 stride = (u64)kvh * d;
     u64 at = (u64)kv * d;
-    const u32* row = pages + (u64)seq * pps;
-    attend(q, PlainRows<T>{kc + at, stride, row}, PlainRows<T>{vc + at, stride, row}, len, out, n,
-           qh, d, scale, qz);
+    const u32* row = row_in_shared(pages + (u64)seq * pps, pps, d > blockDim.x ? d : blockDim.x);
+    attend(q, PlainRows<T>{kc + at, stride, row}, PlainRows<T>{vc + at, stride, row}, len, pps, out,
+           n, qh, d, scale, qz);
 }
 
 #define ROPE_STORE(NAME, T)                                                                         \
@@ -580,8 +609,11 @@ struct Fp8Rows {
     u64 stride;
     u32 d;
     const u32* row;
-    __device__ __forceinline__ float get(u32 p, u32 t) const {
-        const u8* rec = base + kv_at(row, p) * stride;
+    __device__ __forceinline__ const u8* page(u32 j) const {
+        return base + (u64)row[j] * KV_PAGE * stride;
+    }
+    __device__ __forceinline__ float get(const u8* pg, u32 o, u32 t) const {
+        const u8* rec = pg + o * stride;
         return e4m3_value(rec[t]) * *reinterpret_cast<const float*>(rec + d);
     }
 };
@@ -606,9 +638,9 @@ extern "C" __global__ void attention_fp8(const float* __restrict__ q, const u8* 
     const u32 rec = d + 4;
     const u64 stride = (u64)kvh * rec;
     const u64 at = (u64)kv * rec;
-    const u32* row = pages + (u64)seq * pps;
-    attend(q, Fp8Rows{kc + at, stride, d, row}, Fp8Rows{vc + at, stride, d, row}, len, out, n, qh,
-           d, scale, qz);
+    const u32* row = row_in_shared(pages + (u64)seq * pps, pps, d > blockDim.x ? d : blockDim.x);
+    attend(q, Fp8Rows{kc + at, stride, d, row}, Fp8Rows{vc + at, stride, d, row}, len, pps, out, n,
+           qh, d, scale, qz);
 }
 
 // ---- decode attention split over the cache (flash-decoding) ------------------------------------
@@ -644,13 +676,20 @@ __device__ __forceinline__ void kv_load4(const u16* row, u32 qd, float* o) {
     o[3] = __uint_as_float(x.y & 0xffff0000u);
 }
 
+// The cache position of position p of a split chunk whose pages (from page `first` of its
+// sequence) are `pg` (chunk_pages).
+__device__ __forceinline__ u64 chunk_at(const u32* pg, u32 first, u32 p) {
+    return (u64)pg[(p >> KV_PAGE_SHIFT) - first] * KV_PAGE + (p & (KV_PAGE - 1u));
+}
+
 template <typename T>
 struct PlainQuads {
     const T* base;
     u64 stride;
-    const u32* row;
+    const u32* pg;
+    u32 first;
     __device__ __forceinline__ void load4(u32 p, u32 qd, float* o) const {
-        kv_load4(base + kv_at(row, p) * stride, qd, o);
+        kv_load4(base + chunk_at(pg, first, p) * stride, qd, o);
     }
 };
 
@@ -658,9 +697,10 @@ struct Fp8Quads {
     const u8* base;
     u64 stride;
     u32 d;
-    const u32* row;
+    const u32* pg;
+    u32 first;
     __device__ __forceinline__ void load4(u32 p, u32 qd, float* o) const {
-        const u8* rec = base + kv_at(row, p) * stride;
+        const u8* rec = base + chunk_at(pg, first, p) * stride;
         const u32 x = *reinterpret_cast<const u32*>(rec + 4u * qd);
         const float s = *reinterpret_cast<const float*>(rec + d);
 #pragma unroll
@@ -673,6 +713,19 @@ __device__ __forceinline__ u32 pow2_at_least(u32 x, u32 cap) {
     u32 p = 1u;
     while (p < x && p < cap) p <<= 1;
     return p;
+}
+
+// The most pages a split chunk spans (its positions, at most 1024, start at a page).
+#define SPLIT_PAGES 16u
+
+// The page-table entries of positions p0 .. p0 + cnt of `row` (p0 a multiple of KV_PAGE: page
+// p0 / KV_PAGE first) in the block's static shared memory, for Quads (the caller's attend_chunk
+// synchronises before any thread reads them).
+__device__ __forceinline__ const u32* chunk_pages(const u32* __restrict__ row, u32 p0, u32 cnt) {
+    __shared__ u32 pg[SPLIT_PAGES];
+    const u32 first = p0 >> KV_PAGE_SHIFT, count = (cnt + KV_PAGE - 1u) >> KV_PAGE_SHIFT;
+    for (u32 i = threadIdx.x; i < count && i < SPLIT_PAGES; i += blockDim.x) pg[i] = row[first + i];
+    return pg;
 }
 
 // One block's chunk: positions p0 .. p0 + cnt of the rows k and v for `heads` query heads whose
@@ -863,13 +916,14 @@ __device__ __forceinline__ void attend_chunk_d(const float* __restrict__ q, Rows
 // 1 <= hpb <= SPLIT_HEADS), block y = chunk of positions s; the query heads j0 .. j0 + heads
 // (local) read that kv head. False for a block with no work (positions past the row's length,
 // heads past the group's). A head's sums do not depend on hpb: the host takes fewer heads a block
-// where few rows would leave most multiprocessors idle.
+// where few rows would leave most multiprocessors idle (`spread`: their count), and a row long
+// enough to fill them with its chunks takes SPLIT_HEADS again.
 struct SplitPlace {
     u32 r, kv, j0, heads, p0, cnt, s;
 };
 __device__ __forceinline__ bool split_place(const u32* poss, u32 n, u32 qh, u32 kvh, u32 chunk,
                                             u32 q_base, u32 group, u32 kv_base, u32 hpb,
-                                            SplitPlace& at) {
+                                            u32 spread, SplitPlace& at) {
     const u32 per = (group + hpb - 1u) / hpb;
     const u32 x = blockIdx.x;
     at.r = x / (kvh * per);
@@ -881,9 +935,14 @@ __device__ __forceinline__ bool split_place(const u32* poss, u32 n, u32 qh, u32 
     at.p0 = at.s * chunk;
     if (at.p0 >= len) return false;
     at.cnt = min(chunk, len - at.p0);
+    // a row whose chunks alone give every multiprocessor a block (`spread` blocks, counted as
+    // if every row were as long) takes up to SPLIT_HEADS heads a block, so each K / V row is
+    // read once for them; the grid's other blocks of its kv head then have none
+    const u32 used = (len + chunk - 1u) / chunk;
+    const u32 take = (n * kvh * used >= spread) ? max(hpb, (u32)SPLIT_HEADS) : hpb;
     // the group's query heads (global), on this rank from q_base
-    const u32 g0 = (at.kv + kv_base) * group + c * hpb;
-    const u32 g1 = min((at.kv + kv_base) * group + group, g0 + hpb);
+    const u32 g0 = (at.kv + kv_base) * group + c * take;
+    const u32 g1 = min((at.kv + kv_base) * group + group, g0 + take);
     const u32 lo = max(g0, q_base), hi = min(g1, q_base + qh);
     if (lo >= hi) return false;
     at.j0 = lo - q_base;
@@ -897,15 +956,17 @@ __device__ void attention_split_t(const float* __restrict__ q, const T* __restri
                                   const u32* __restrict__ poss, float* __restrict__ part_o,
                                   float* __restrict__ part_ml, u32 n, u32 qh, u32 kvh, u32 d,
                                   const u32* __restrict__ pages, u32 pps, u32 q_base, u32 group,
-                                  u32 kv_base, float scale, u32 chunk, u32 splits, u32 hpb) {
+                                  u32 kv_base, float scale, u32 chunk, u32 splits, u32 hpb,
+                                  u32 spread) {
     SplitPlace at;
-    if (!split_place(poss, n, qh, kvh, chunk, q_base, group, kv_base, hpb, at)) return;
+    if (!split_place(poss, n, qh, kvh, chunk, q_base, group, kv_base, hpb, spread, at)) return;
     const u64 stride = (u64)kvh * d;
     const u64 base = (u64)at.kv * d;
-    const u32* row = pages + (u64)seqs[at.r] * pps;
+    const u32* pg = chunk_pages(pages + (u64)seqs[at.r] * pps, at.p0, at.cnt);
+    const u32 first = at.p0 >> KV_PAGE_SHIFT;
     const u64 head0 = (u64)at.r * qh + at.j0;
-    attend_chunk_d(q + head0 * d, PlainQuads<T>{kc + base, stride, row},
-                   PlainQuads<T>{vc + base, stride, row},
+    attend_chunk_d(q + head0 * d, PlainQuads<T>{kc + base, stride, pg, first},
+                   PlainQuads<T>{vc + base, stride, pg, first},
                  at.p0, at.cnt, chunk, at.heads, d, scale,
                  part_o + (head0 * splits + at.s) * d, part_ml + (head0 * splits + at.s) * 2u,
                  (u64)splits * d, (u64)splits * 2u);
@@ -916,9 +977,10 @@ __device__ void attention_split_t(const float* __restrict__ q, const T* __restri
         const float* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,            \
         const u32* __restrict__ seqs, const u32* __restrict__ poss, float* __restrict__ part_o,     \
         float* __restrict__ part_ml, u32 n, u32 qh, u32 kvh, u32 d, const u32* __restrict__ pages,  \
-        u32 pps, u32 q_base, u32 group, u32 kv_base, float scale, u32 chunk, u32 splits, u32 hpb) { \
+        u32 pps, u32 q_base, u32 group, u32 kv_base, float scale, u32 chunk, u32 splits, u32 hpb,   \
+        u32 spread) {                                                                               \
         attention_split_t<T>(q, kc, vc, seqs, poss, part_o, part_ml, n, qh, kvh, d, pages, pps,     \
-                             q_base, group, kv_base, scale, chunk, splits, hpb);                    \
+                             q_base, group, kv_base, scale, chunk, splits, hpb, spread);            \
     }
 ATTENTION_SPLIT(attention_split, float)
 ATTENTION_SPLIT(attention_split_bf16, u16)
@@ -928,16 +990,18 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) attention_split_fp8(
     const float* __restrict__ q, const u8* __restrict__ kc, const u8* __restrict__ vc,
     const u32* __restrict__ seqs, const u32* __restrict__ poss, float* __restrict__ part_o,
     float* __restrict__ part_ml, u32 n, u32 qh, u32 kvh, u32 d, const u32* __restrict__ pages,
-    u32 pps, u32 q_base, u32 group, u32 kv_base, float scale, u32 chunk, u32 splits, u32 hpb) {
+    u32 pps, u32 q_base, u32 group, u32 kv_base, float scale, u32 chunk, u32 splits, u32 hpb,
+    u32 spread) {
     SplitPlace at;
-    if (!split_place(poss, n, qh, kvh, chunk, q_base, group, kv_base, hpb, at)) return;
+    if (!split_place(poss, n, qh, kvh, chunk, q_base, group, kv_base, hpb, spread, at)) return;
     const u32 rec = d + 4u;
     const u64 stride = (u64)kvh * rec;
     const u64 base = (u64)at.kv * rec;
-    const u32* row = pages + (u64)seqs[at.r] * pps;
+    const u32* pg = chunk_pages(pages + (u64)seqs[at.r] * pps, at.p0, at.cnt);
+    const u32 first = at.p0 >> KV_PAGE_SHIFT;
     const u64 head0 = (u64)at.r * qh + at.j0;
-    attend_chunk_d(q + head0 * d, Fp8Quads{kc + base, stride, d, row},
-                   Fp8Quads{vc + base, stride, d, row},
+    attend_chunk_d(q + head0 * d, Fp8Quads{kc + base, stride, d, pg, first},
+                   Fp8Quads{vc + base, stride, d, pg, first},
                  at.p0, at.cnt, chunk, at.heads, d, scale,
                  part_o + (head0 * splits + at.s) * d, part_ml + (head0 * splits + at.s) * 2u,
                  (u64)splits * d, (u64)splits * 2u);

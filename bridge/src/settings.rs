@@ -67,20 +67,24 @@ pub fn switch_settings(
     Ok(settings)
 }
 
-/// The engine's settings: KV room for `max_sequences` of `max_tokens`, fp8 products as
-/// `fp8_compute` says (`w8a8` or `weight-only`), K and V kept in `kv_dtype` (`bf16`, `f32` or
+/// The engine's settings: up to `max_sequences` sequences of up to `max_tokens` at once in a KV
+/// cache of `kv_tokens` positions (`None`: room for all of them at their longest), fp8 products
+/// as `fp8_compute` says (`w8a8` or `weight-only`), K and V kept in `kv_dtype` (`bf16`, `f32` or
 /// `fp8`); checked with the argument named.
 pub fn engine_settings(
-    max_sequences: usize,
-    max_tokens: usize,
+    (max_sequences, max_tokens): (usize, usize),
+    kv_tokens: Option<usize>,
     fp8_compute: &str,
     kv_dtype: &str,
 ) -> Result<EngineSettings, BridgeError> {
     let compute: Fp8Compute = parse("fp8_compute", fp8_compute)?;
     let kv: KvDtype = parse("kv_dtype", kv_dtype)?;
-    let settings = EngineSettings::new(max_sequences, max_tokens)
+    let mut settings = EngineSettings::new(max_sequences, max_tokens)
         .with_fp8_compute(compute)
         .with_kv_dtype(kv);
+    if let Some(tokens) = kv_tokens {
+        settings = settings.with_kv_tokens(tokens);
+    }
     settings
         .check()
         .map_err(|e| BridgeError::Config(e.to_string()))?;

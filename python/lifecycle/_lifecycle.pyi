@@ -126,6 +126,7 @@ class _Switch:
         max_tokens: int,
         fp8_compute: str = "w8a8",
         kv_dtype: str = "bf16",
+        kv_tokens: Optional[int] = None,
     ) -> None: ...
     def run(
         self,

@@ -11,8 +11,14 @@ import numpy as np
 class Engine:
     """The project's GPU engine on a CUDA switch's rollout weights.
 
-    It wakes with the rollout weights (KV room for ``max_sequences`` sequences of
-    ``max_tokens`` positions each) and sleeps when the switch leaves rollout mode. With fp8
+    It wakes with the rollout weights and sleeps when the switch leaves rollout mode. Up to
+    ``max_sequences`` sequences of up to ``max_tokens`` positions each run at once in a KV
+    cache of ``kv_tokens`` positions (by default all of them at their longest), kept in pages
+    of 64 positions: a request holds the pages of its own prompt and ``max_new_tokens``,
+    reserved when it is admitted (a request waits until they are free; one that could never
+    fit is refused), and a group's samples admitted together share their prompt's full pages.
+    So a cache smaller than ``max_sequences × max_tokens`` serves many short requests and a
+    few long ones. With fp8
     rollout weights, ``fp8_compute`` chooses ``"w8a8"`` (the default and the fast mode, as vLLM
     and verl run block fp8: activations quantised per token in 1 x 128 groups; on the GPU a
     tensor-core kernel up to 64 sequences a step, cuBLASLt's block-scaled fp8 GEMM beyond) or
@@ -36,14 +42,19 @@ class Engine:
         max_tokens: int,
         fp8_compute: Literal["w8a8", "weight-only"] = "w8a8",
         kv_dtype: Literal["bf16", "f32", "fp8"] = "bf16",
+        kv_tokens: int | None = None,
     ):
         from .sources import _positive
 
         sequences = _positive("max_sequences", max_sequences, "sequences the KV cache holds")
         tokens = _positive("max_tokens", max_tokens, "positions of each sequence")
+        if kv_tokens is not None:
+            kv_tokens = _positive("kv_tokens", kv_tokens, "positions of the KV cache")
         # the switch checks every setting, and that it is a GPU switch, before it leaves
         # rollout mode (refused while handed-out tensors are referenced)
-        switch._live().attach_engine(sequences, tokens, str(fp8_compute), str(kv_dtype))
+        switch._live().attach_engine(
+            sequences, tokens, str(fp8_compute), str(kv_dtype), kv_tokens
+        )
         switch._in_rollout = False
         switch._may_have_moved = switch._offloads
         self._switch = switch

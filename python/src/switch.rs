@@ -308,11 +308,12 @@ impl PySwitch {
         self.lock().local_ranks().map_err(to_py)
     }
 
-    /// Attaches the project's GPU engine (KV room for `max_sequences` of `max_tokens`; fp8
-    /// products computed as `fp8_compute` says: `w8a8` (the default) or `weight-only`; K and V kept in
-    /// `kv_dtype`: `bf16`, `f32` or `fp8`). Every setting, and that the switch is a GPU one, is
-    /// checked before the switch leaves rollout mode.
-    #[pyo3(signature = (max_sequences, max_tokens, fp8_compute="w8a8", kv_dtype="bf16"))]
+    /// Attaches the project's GPU engine (up to `max_sequences` of up to `max_tokens` at once in
+    /// a paged KV cache of `kv_tokens` positions, by default all of them at their longest; fp8
+    /// products computed as `fp8_compute` says: `w8a8` (the default) or `weight-only`; K and V
+    /// kept in `kv_dtype`: `bf16`, `f32` or `fp8`). Every setting, and that the switch is a GPU
+    /// one, is checked before the switch leaves rollout mode.
+    #[pyo3(signature = (max_sequences, max_tokens, fp8_compute="w8a8", kv_dtype="bf16", kv_tokens=None))]
     fn attach_engine(
         &self,
         py: Python<'_>,
@@ -320,9 +321,15 @@ impl PySwitch {
         max_tokens: usize,
         fp8_compute: &str,
         kv_dtype: &str,
+        kv_tokens: Option<usize>,
     ) -> PyResult<()> {
-        let settings =
-            engine_settings(max_sequences, max_tokens, fp8_compute, kv_dtype).map_err(to_py)?;
+        let settings = engine_settings(
+            (max_sequences, max_tokens),
+            kv_tokens,
+            fp8_compute,
+            kv_dtype,
+        )
+        .map_err(to_py)?;
         py.detach(|| self.with_gpu(|s| s.attach_engine(settings)))
             .map_err(to_py)
     }

@@ -323,11 +323,17 @@ def test_engine_settings_are_checked_before_the_switch_is_asked(config, params):
         Engine(switch, max_sequences=1, max_tokens=8, kv_dtype="f16")
     with pytest.raises(ConfigError, match="max_sequences"):
         Engine(switch, max_sequences=0, max_tokens=8)
+    with pytest.raises(ConfigError, match="kv_tokens: expected a positive integer"):
+        Engine(switch, max_sequences=1, max_tokens=8, kv_tokens=0)
+    with pytest.raises(ConfigError, match="kv_tokens 7 cannot hold one sequence of max_tokens 8"):
+        Engine(switch, max_sequences=1, max_tokens=8, kv_tokens=7)
     # a valid setting reaches the switch, which is not a GPU one
     with pytest.raises(ConfigError, match="GPU engine needs a switch on device"):
         Engine(switch, max_sequences=1, max_tokens=8, fp8_compute="w8a8")
     with pytest.raises(ConfigError, match="GPU engine needs a switch on device"):
         Engine(switch, max_sequences=1, max_tokens=8, kv_dtype="fp8")
+    with pytest.raises(ConfigError, match="GPU engine needs a switch on device"):
+        Engine(switch, max_sequences=4, max_tokens=8, kv_tokens=16)
 
 
 def fp8_config_and_params(config):

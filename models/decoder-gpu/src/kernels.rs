@@ -82,10 +82,12 @@ pub(crate) struct DecoderKernels {
 /// Threads of an attention block (a block per row and query head).
 pub(crate) const ATTENTION_THREADS: usize = 256;
 
-/// Dynamic shared memory of an attention launch over a cache of `cap` positions with heads of
-/// `head_dim`: a float per position beside the larger of the head and the block's threads.
+/// Dynamic shared memory of an attention launch over a cache of `cap` positions (a multiple of
+/// the page) with heads of `head_dim`: the larger of the head and the block's threads, the
+/// sequence's page-table row, and a float per position.
 pub(crate) fn attention_shared_bytes(cap: usize, head_dim: usize) -> usize {
-    (head_dim.max(ATTENTION_THREADS) + cap) * 4
+    let pages = cap.div_ceil(crate::KV_PAGE_POSITIONS);
+    (head_dim.max(ATTENTION_THREADS) + pages + cap) * 4
 }
 
 /// How a decode step's attention is split over the cache (flash-decoding): `attention_split*`
@@ -151,7 +153,9 @@ impl SplitAttention {
     /// query heads (each K / V row it reads serves them all), fewer where the blocks of one
     /// chunk would not reach one per multiprocessor (a decode step of a few rows: its latency is
     /// then a block's share of heads, not the read). A head's sums are the same however many
-    /// share its block, so the choice never changes a row's attention.
+    /// share its block, so the choice never changes a row's attention. The kernel is also given
+    /// `sms`: a row long enough that its chunks alone give every multiprocessor a block takes
+    /// [`SPLIT_HEADS`] heads a block again (each K / V row read once for them).
     pub(crate) fn split_launch(
         &self,
         rows: usize,
@@ -265,7 +269,9 @@ impl DecoderKernels {
                 )
             })?;
         }
-        self.max_context = (bytes / 4).saturating_sub(ATTENTION_THREADS);
+        // positions p with p + p / page (its page-table row) beside the threads' floats
+        let page = crate::KV_PAGE_POSITIONS;
+        self.max_context = (bytes / 4).saturating_sub(ATTENTION_THREADS) * page / (page + 1);
         Ok(self)
     }
 

@@ -135,6 +135,27 @@ def test_hugging_face_generates_what_the_engine_generates():
     assert ours == theirs
 
 
+def test_a_small_paged_cache_serves_what_a_large_one_does():
+    """A KV cache of 3 pages (192 positions) for 8 slots: a pair of samples of a 70-token prompt
+    holds 2 pages + 1 (their full first page shared), so the pairs run one after the other;
+    their greedy tokens are those of a cache with room for all 8 at once (steps of at most 8
+    rows: each row's sums its own). A prompt longer than a sequence holds is refused."""
+    config = qwen2_config()
+    model = fsdp2_model(config, seed=3)
+    switch = lifecycle.Switch.from_fsdp2(model)
+    prompts = [[(7 * g + i) % 500 + 1 for i in range(70)] for g in range(4) for _ in range(2)]
+    runs = []
+    for kv_tokens in (None, 192):
+        engine = lifecycle.Engine(switch, max_sequences=8, max_tokens=192, kv_tokens=kv_tokens)
+        with switch.rollout() as w:
+            runs.append([s.tokens for s in engine.generate(w, prompts, max_new_tokens=40)])
+            if kv_tokens is not None:
+                with pytest.raises(lifecycle.ConfigError, match="needs 199 KV positions; a slot holds 192"):
+                    engine.generate(w, prompts[:1], max_new_tokens=130)
+    assert all(len(t) == 40 for t in runs[1])
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.parametrize("kv_dtype", ["f32", "bf16"])
 def test_log_probs_are_transformers_log_softmax_at_the_temperature(kv_dtype):
     """Sampled with top-p / top-k and stop tokens, then teacher-forced through transformers:

@@ -998,7 +998,7 @@ fn the_attention_quantisation_is_the_two_kernels_bits() -> Result<(), Box<dyn st
                         let cfg = LaunchConfig {
                             grid_dim: ((rows * qh) as u32, 1, 1),
                             block_dim: (256, 1, 1),
-                            shared_mem_bytes: ((256 + cap) * 4) as u32,
+                            shared_mem_bytes: crate::kernels::attention_shared_bytes(cap, d) as u32,
                         };
                         // SAFETY: q holds tokens × qh × d f32, the caches every sequence's cap
                         // positions, seqs and positions within them; xs 2 tokens × inp, the

@@ -196,7 +196,13 @@ impl<'a> Pass<'a> {
                     KvDtype::Fp8 => &k.attention_split_fp8,
                 };
                 let (cfg, block_heads) = plan.split_launch(n, kvh, z.group, d, k.sm_count as usize);
-                let args: Vec<Arg> = args.into_iter().chain([Arg::U32(block_heads)]).collect();
+                // the device's multiprocessors: a row long enough to fill them takes every head
+                // of its kv head a block whatever `block_heads` says
+                let spread = Arg::U32(k.sm_count);
+                let args: Vec<Arg> = args
+                    .into_iter()
+                    .chain([Arg::U32(block_heads), spread])
+                    .collect();
                 self.kernel(attention, cfg, &args, "attention_split")?;
                 let args = [
                     Arg::U64(po),

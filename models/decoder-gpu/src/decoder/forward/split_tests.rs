@@ -229,7 +229,11 @@ fn on_device(
     // and writes for these sizes.
     unsafe {
         let (cfg, heads) = plan.split_launch(n, c.kvh, c.group, d, sms);
-        let args: Vec<Arg> = args.iter().copied().chain([u(heads as usize)]).collect();
+        let args: Vec<Arg> = args
+            .iter()
+            .copied()
+            .chain([u(heads as usize), u(sms)])
+            .collect();
         launch(s, split, cfg, &args, 0, "attention_split")?;
         launch(s, &k.attention_join, rows, &join, 0, "attention_join")?;
         launch(s, whole, whole_cfg, &whole_args, 0, "attention")?;
