@@ -1,7 +1,7 @@
 //! Bad input gets a typed error whose text names the tensor (or argument) and the fix, and leaves
 //! the training state untouched: nothing moves before validation passes.
 
-mod common;
+use crate::common;
 
 use half::bf16;
 use lifecycle_core::{Lifecycle, LifecycleError, Mode};

@@ -11,7 +11,7 @@
 //!   the weights current; a failed sleep keeps the training state away until the engine sleeps;
 //! - the prefix cache serves an entry within its weight version, never after an update.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

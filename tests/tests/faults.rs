@@ -3,7 +3,7 @@
 //! master weights and optimizer state are bit-identical to before, the lifecycle is in the state
 //! its error names, and the next calls work and see correct weights.
 
-mod common;
+use crate::common;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 

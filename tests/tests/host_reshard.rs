@@ -1,7 +1,7 @@
 //! Host backend: rollout weights equal the direct reference for every W and T, through enter and
 //! refresh; offload/reload round trips are bit-exact; memory accounting is real.
 
-mod common;
+use crate::common;
 
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Mode, Phase, Switching};
 use lifecycle_host::{reference_rollout, HostBackend};

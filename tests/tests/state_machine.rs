@@ -7,7 +7,7 @@
 //! - eager: switches = rollout calls;
 //! - every rollout sees weights equal to weights built directly from the current training state.
 
-mod common;
+use crate::common;
 
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Mode, Switching};
 use lifecycle_host::{reference_rollout, HostBackend};

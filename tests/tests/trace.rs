@@ -1,7 +1,7 @@
 //! The switch timeline on the host backend: one span per phase on the lifecycle row, one per rank
 //! and phase on each rank's track, bytes that add up to the metrics, valid Chrome trace JSON.
 
-mod common;
+use crate::common;
 
 use lifecycle_core::{Ceilings, Lifecycle, Phase};
 use lifecycle_host::HostBackend;

@@ -3,7 +3,7 @@
 //! a soak of many switch cycles sees no mismatch.
 
 use lifecycle_layout::settings::Configure;
-mod common;
+use crate::common;
 
 use half::bf16;
 use lifecycle_core::{

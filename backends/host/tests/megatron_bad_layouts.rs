@@ -1,7 +1,6 @@
 //! Bad layouts and inputs are plan-time errors naming the parameter and the fix.
 
-#[path = "common/megatron.rs"]
-mod common;
+use crate::common;
 
 use lifecycle_core::Lifecycle;
 use lifecycle_host::megatron::{MegatronError, MegatronHostBackend, MegatronTrainState};

@@ -4,8 +4,7 @@
 //! padding); and for a mixture-of-experts model (with and without a shared expert) EP × ETP × TP × PP × DP × T with the experts split by TP
 //! or partitioned on the rollout side.
 
-#[path = "common/megatron.rs"]
-mod common;
+use crate::common;
 
 use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Phase, Switching};
 use lifecycle_host::megatron::{

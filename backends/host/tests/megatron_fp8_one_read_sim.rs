@@ -5,8 +5,7 @@
 //! CPU executor's fp8 rollout (`MegatronHostBackend`), dense and MoE, at W ∈ {1, 2, 3, 4}, T up to
 //! twice TP.
 
-#[path = "common/megatron.rs"]
-mod common;
+use crate::common;
 
 use half::bf16;
 use lifecycle_host::megatron::MegatronTrainState;
@@ -19,7 +18,7 @@ use lifecycle_layout::megatron::{
 use lifecycle_layout::steps::RankSteps;
 use lifecycle_layout::{HostRollout, RolloutLayout, RolloutVocab};
 
-use common::{fp8_dense as dense, fp8_moe as moe};
+use crate::common::{fp8_dense as dense, fp8_moe as moe};
 
 /// The rollout the one-read steps build on the CPU step runner, cut by the fp8 entries.
 fn simulate(

@@ -3,8 +3,7 @@
 //! and after one optimizer step with the same gradients.
 
 use lifecycle_layout::settings::Configure;
-#[path = "common/megatron.rs"]
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 

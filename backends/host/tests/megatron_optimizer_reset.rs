@@ -1,9 +1,7 @@
 //! `MegatronTrainState::reset_optimizer`: a fresh Adam on the current weights.
 
-#[path = "common/megatron.rs"]
-mod common;
 
-use common::{hf_tensors, model};
+use crate::common::{hf_tensors, model};
 use lifecycle_host::megatron::MegatronTrainState;
 use lifecycle_layout::megatron::MegatronLayout;
 use lifecycle_layout::AdamParams;

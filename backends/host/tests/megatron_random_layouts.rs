@@ -1,8 +1,7 @@
 //! Property: for random model shapes and degrees, the executor equals the reference and a
 //! round trip (enter, exit) leaves the training state bit-identical.
 
-#[path = "common/megatron.rs"]
-mod common;
+use crate::common;
 
 use lifecycle_core::{MemoryPolicy, Metrics, PhaseRecorder, Reshard, SwitchContext};
 use lifecycle_host::megatron::{reference_rollout, MegatronHostBackend, MegatronTrainState};

@@ -17,9 +17,8 @@
 //!   104 of 108 tokens up to the first difference.
 
 use lifecycle_layout::settings::Configure;
-mod common;
 
-use common::{fixtures, floats, json, tokens};
+use crate::common::{fixtures, floats, json, tokens};
 
 use lifecycle_core::Lifecycle;
 use lifecycle_decoder::{

@@ -24,9 +24,8 @@
 //! read by poisoning them with NaN.
 
 use lifecycle_layout::settings::Configure;
-mod common;
 
-use common::{fixtures, floats, moe_references, references, tokens};
+use crate::common::{fixtures, floats, moe_references, references, tokens};
 
 use lifecycle_core::Lifecycle;
 use lifecycle_decoder::{

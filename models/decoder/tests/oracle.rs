@@ -11,11 +11,10 @@
 //! `max_logit_change_f32_vs_bf16_weights` the fixture records, 6e-3 to 5e-2 here, which is what a
 //! bf16-weight tolerance would have to absorb.) Greedy tokens must be equal.
 
-mod common;
 
 use std::path::PathBuf;
 
-use common::{fixtures, floats, moe_references, references, tokens};
+use crate::common::{fixtures, floats, moe_references, references, tokens};
 
 use lifecycle_core::Lifecycle;
 use lifecycle_decoder::{

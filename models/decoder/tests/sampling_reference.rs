@@ -2,7 +2,7 @@
 //! set exactly, the renormalised distribution to f64 rounding, the drawn token given the draw,
 //! and the three log-probabilities.
 
-mod common;
+use crate::common;
 
 use lifecycle_decoder::{kept, pick, SamplingParams};
 
