@@ -1,8 +1,8 @@
 //! The crate's integration tests in one binary: one build and link instead of one per file
 //! (`cargo test -p lifecycle-tests --test integration bad_input` runs one file's tests).
 
-mod common;
 mod bad_input;
+mod common;
 mod engine;
 mod faults;
 mod host_reshard;

@@ -2,8 +2,8 @@
 //! detect corruption and name the tensor; non-finite weights are refused before anything moves;
 //! a soak of many switch cycles sees no mismatch.
 
-use lifecycle_layout::settings::Configure;
 use crate::common;
+use lifecycle_layout::settings::Configure;
 
 use half::bf16;
 use lifecycle_core::{

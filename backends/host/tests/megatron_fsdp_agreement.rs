@@ -2,8 +2,8 @@
 //! afterwards) and for this backend (fused rollout) gives bit-identical rollout weights, before
 //! and after one optimizer step with the same gradients.
 
-use lifecycle_layout::settings::Configure;
 use crate::common;
+use lifecycle_layout::settings::Configure;
 
 use std::collections::HashMap;
 

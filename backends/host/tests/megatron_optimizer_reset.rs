@@ -1,6 +1,5 @@
 //! `MegatronTrainState::reset_optimizer`: a fresh Adam on the current weights.
 
-
 use crate::common::{hf_tensors, model};
 use lifecycle_host::megatron::MegatronTrainState;
 use lifecycle_layout::megatron::MegatronLayout;

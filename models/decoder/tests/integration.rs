@@ -1,8 +1,8 @@
 //! The crate's integration tests in one binary: one build and link instead of one per file
 //! (`cargo test -p lifecycle-decoder --test integration checkpoint_errors` runs one file's tests).
 
-mod common;
 mod checkpoint_errors;
+mod common;
 mod continuous;
 mod decoder_layouts;
 mod fp8_rollout;

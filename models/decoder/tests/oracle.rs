@@ -11,7 +11,6 @@
 //! `max_logit_change_f32_vs_bf16_weights` the fixture records, 6e-3 to 5e-2 here, which is what a
 //! bf16-weight tolerance would have to absorb.) Greedy tokens must be equal.
 
-
 use std::path::PathBuf;
 
 use crate::common::{fixtures, floats, moe_references, references, tokens};
