@@ -365,6 +365,13 @@ fn print_memory(
                 100.0 * (m.kv_tokens() as f64 / bf16.kv_tokens().max(1) as f64 - 1.0)
             );
         }
+        println!(
+            "  the engine's paged KV cache can take them all, shared by any number of sequences: \
+             EngineSettings::with_kv_tokens(N) (Python: Engine(..., kv_tokens=N)) with N up to {} \
+             less ~1 GiB ({} tokens) for a pass's activations and logits",
+            m.kv_tokens(),
+            (1u64 << 30) / m.kv_bytes_per_token.max(1)
+        );
     }
 }
 
