@@ -374,6 +374,17 @@ pub enum RolloutFormat {
 /// assert!(RolloutLayout::new(2, layout.tensors().to_vec()).is_err());
 /// # Ok::<(), lifecycle_layout::LayoutError>(())
 /// ```
+///
+/// A checked layout cannot be changed afterwards (a layout valid at T = 1 given T = 2 would split
+/// 1001 rows into two 500-row slices): its fields are private (E0616, the compiler-errors page).
+///
+/// ```compile_fail,E0616
+/// use lifecycle_layout::{Parallel, RolloutLayout, TensorSpec};
+/// let mut layout =
+///     RolloutLayout::new(1, vec![TensorSpec::new("lm_head.weight", [1001, 8], Parallel::Column)])
+///         .unwrap();
+/// layout.tp = 2;
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RolloutLayout {
     tp: usize,
