@@ -43,7 +43,8 @@ fn values(len: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// A cache block `[slots × cap × kvh × d]` of `kv` as its bytes, and the values it holds.
+/// A cache block `[slots × cap × kvh × d]` (positions in order, before [`paged`] pages it) of
+/// `kv` as its bytes, and the values it holds.
 fn cache_of(kv: KvDtype, vals: &[f32], d: usize) -> (Vec<u8>, Vec<f32>) {
     match kv {
         KvDtype::F32 => (
