@@ -304,7 +304,7 @@ fn a_paged_decoder_admits_in_order_while_the_pages_last_and_refuses_what_never_f
     // 11 pages of 4 positions, 4 slots in one group
     let mut d = Hashed::paged(4, 4, 11);
     let mut s = Scheduler::new();
-    // 8 + 24 = 32 positions: 8 pages; then two of 2 pages, the first shares its prompt's page
+    // 8 + 24 - 1 = 31 positions: 8 pages; then two of 2 pages, the second sharing a page
     let long = req(vec![1; 8], 24);
     s.submit(&d, long).unwrap();
     s.submit(&d, req(vec![5; 4], 4)).unwrap();
@@ -324,4 +324,22 @@ fn a_paged_decoder_admits_in_order_while_the_pages_last_and_refuses_what_never_f
         s.step(&mut d).unwrap();
     }
     assert_eq!(s.free_pages(), vec![11]);
+}
+
+#[test]
+fn a_request_that_no_longer_fits_an_idle_decoder_is_an_error_not_a_hang() {
+    let mut d = Hashed::paged(2, 2, 10);
+    let mut s = Scheduler::new();
+    // 8 + 24 - 1 = 31 positions: 8 pages of the 10
+    s.submit(&d, Request::new(vec![1; 8], SamplingParams::new(24)))
+        .unwrap();
+    // the decoder's cache shrinks before the first step: the request can never be admitted
+    d.paging = Some(KvPaging {
+        page_positions: PAGE,
+        pages_per_group: 2,
+        slots_per_group: 2,
+    });
+    let e = s.step(&mut d).unwrap_err().to_string();
+    assert!(e.contains("request 0") && e.contains("[2]"), "{e}");
+    assert_eq!(s.queued(), 1);
 }

@@ -410,6 +410,8 @@ impl Scheduler {
                 .into());
             }
             self.running = vec![None; decoder.slots()];
+            // the pages' ledger is made anew for the new slots below
+            self.pages = None;
         }
         let paging = decoder.paging();
         if self.pages.as_ref().map(KvPages::paging) != paging {
@@ -426,6 +428,7 @@ impl Scheduler {
         let mut done = Vec::new();
         if self.mixed {
             self.mixed_step(decoder, &mut done)?;
+            self.check_progress(&done)?;
             done.sort_by_key(|s| s.id);
             return Ok(done);
         }
@@ -445,8 +448,29 @@ impl Scheduler {
             self.rows += rows.len() as u64;
             self.take(&slots, picked, &mut done)?;
         }
+        self.check_progress(&done)?;
         done.sort_by_key(|s| s.id);
         Ok(done)
+    }
+
+    /// A step that finished nothing and left nothing running while requests queue would be
+    /// repeated forever: an error naming what the first queued request needs (the submit checks
+    /// make it unreachable; a decoder whose room shrank since could reach it).
+    fn check_progress(&self, done: &[Sample]) -> Result<(), DecodeError> {
+        let Some(head) = self.queue.front() else {
+            return Ok(());
+        };
+        if self.running() > 0 || !done.is_empty() {
+            return Ok(());
+        }
+        let free = self.free_pages();
+        Err(DecodeError::Usage(format!(
+            "request {} ({} KV positions) cannot be admitted into an idle decoder of {} slots \
+             (free KV pages per replica: {free:?}); abort it",
+            head.sample.id,
+            head.request.positions(),
+            self.running.len()
+        )))
     }
 
     /// A step of [`Scheduler::with_mixed_steps`]: the running requests fed and what fits the
