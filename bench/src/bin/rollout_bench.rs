@@ -36,7 +36,7 @@ use lifecycle_cuda::ThreadRankPool;
 use lifecycle_decoder::{
     Filled, GroupStream, KvDtype, Leftovers, Request, Sample, Sampling, SamplingParams, SplitMix64,
 };
-use lifecycle_decoder_gpu::{EngineSettings, GpuEngine, MAX_CONTEXT};
+use lifecycle_decoder_gpu::{EngineSettings, GpuEngine, KV_PAGE_POSITIONS, MAX_CONTEXT};
 use lifecycle_fsdp::FsdpBackend;
 use lifecycle_layout::fp8::{Fp8Compute, RolloutDtype};
 
@@ -57,7 +57,7 @@ struct Args {
     /// of `--prompt` + `--max-new` positions as fit the KV cache, at most these.
     #[arg(long, default_value_t = 64)]
     slots: usize,
-    /// KV cache positions (pages of 64), all sequences together; by default `--slots` ×
+    /// KV cache positions (pages of `KV_PAGE_POSITIONS`), all sequences together; by default `--slots` ×
     /// (`--prompt` + `--max-new`). Under continuous batching each request holds the pages of
     /// its own length, so a cache smaller than the slots at their longest serves them.
     #[arg(long)]
@@ -197,7 +197,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
     }
     let kv_tokens = args.kv_tokens.unwrap_or(args.slots * max_tokens);
     // a static batch: whole groups of sequences at their longest, as many as the cache holds
-    let static_rows = args.slots.min(kv_tokens / max_tokens.next_multiple_of(64));
+    let static_rows = args.slots.min(kv_tokens / max_tokens.next_multiple_of(KV_PAGE_POSITIONS));
     if static_rows < args.group {
         return Err(format!(
             "--kv-tokens {kv_tokens} holds {static_rows} sequences of {max_tokens} positions: \
