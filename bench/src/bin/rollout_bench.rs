@@ -197,7 +197,9 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
     }
     let kv_tokens = args.kv_tokens.unwrap_or(args.slots * max_tokens);
     // a static batch: whole groups of sequences at their longest, as many as the cache holds
-    let static_rows = args.slots.min(kv_tokens / max_tokens.next_multiple_of(KV_PAGE_POSITIONS));
+    let static_rows = args
+        .slots
+        .min(kv_tokens / max_tokens.next_multiple_of(KV_PAGE_POSITIONS));
     if static_rows < args.group {
         return Err(format!(
             "--kv-tokens {kv_tokens} holds {static_rows} sequences of {max_tokens} positions: \
