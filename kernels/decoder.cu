@@ -371,15 +371,19 @@ __device__ void attend(const float* __restrict__ q, Rows k, Rows v, u32 len, u32
     __syncthreads();
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     float mx = NEG_INF;
-    for (u32 p = warp; p < len; p += warps) {
-        float s = 0.0f;
-        const auto pk = k.page(p >> KV_PAGE_SHIFT);
-        const u32 o = p & (KV_PAGE - 1u);
-        for (u32 t = lane; t < d; t += 32) s += qs[t] * k.get(pk, o, t);
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        s *= scale;
-        if (lane == 0) sc[p] = s;
-        mx = fmaxf(mx, s);
+    // page by page (one page-table read a page and warp), a warp's positions warp, warp +
+    // warps, ... of each (which warp scores a position changes no score)
+    for (u32 j = 0; j * KV_PAGE < len; ++j) {
+        const auto pk = k.page(j);
+        const u32 lo = j * KV_PAGE, hi = min(len, lo + KV_PAGE);
+        for (u32 p = lo + warp; p < hi; p += warps) {
+            float s = 0.0f;
+            for (u32 t = lane; t < d; t += 32) s += qs[t] * k.get(pk, p - lo, t);
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            s *= scale;
+            if (lane == 0) sc[p] = s;
+            mx = fmaxf(mx, s);
+        }
     }
     // (block_max synchronises before it reads: every score is in shared memory after it)
     mx = block_max(mx, red);

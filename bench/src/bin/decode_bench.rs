@@ -635,13 +635,18 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                 let waited = |dec: &GpuDecoder<'_>| dec.host_wait_time().as_secs_f64();
                 let fastest = |a: (f64, f64), b: (f64, f64)| if b.0 < a.0 { b } else { a };
                 let (mut pre, mut all) = ((f64::INFINITY, 0.0), (f64::INFINITY, 0.0));
+                // the decode steps of a generation: the call less its own prefill (a second
+                // call's prefill differs from it by more than many steps at long prompts)
+                let mut decode = f64::INFINITY;
                 for _ in 0..args.repeats {
                     let (t, w0) = (Instant::now(), waited(&dec));
                     dec.generate(&prompts, &Sampling::greedy(1))?;
                     pre = fastest(pre, (t.elapsed().as_secs_f64(), waited(&dec) - w0));
                     let (t, w0) = (Instant::now(), waited(&dec));
                     dec.generate(&prompts, &Sampling::greedy(args.new_tokens))?;
-                    all = fastest(all, (t.elapsed().as_secs_f64(), waited(&dec) - w0));
+                    let elapsed = t.elapsed();
+                    all = fastest(all, (elapsed.as_secs_f64(), waited(&dec) - w0));
+                    decode = decode.min((elapsed - dec.last_prefill_time()).as_secs_f64());
                 }
                 let ((prefill, prefill_wait), (total, total_wait)) = (pre, all);
                 // the host waits of one decode step beyond the one for its logits
@@ -650,7 +655,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                 let waits = dec.host_waits();
                 dec.decode_step(&feed)?;
                 let waits_per_step = dec.host_waits() - waits - 1;
-                let step = (total - prefill).max(1e-9) / (args.new_tokens - 1) as f64;
+                let step = decode.max(1e-9) / (args.new_tokens - 1) as f64;
                 let queued = ((total - total_wait) - (prefill - prefill_wait)).max(0.0)
                     / (args.new_tokens - 1) as f64;
                 let rate = batch as f64 / step;

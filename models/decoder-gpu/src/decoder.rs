@@ -408,6 +408,26 @@ impl<'w> GpuDecoder<'w> {
     pub fn host_wait_time(&self) -> std::time::Duration {
         self.core.host_wait_time()
     }
+
+    /// The wall time of the last `generate` call up to its first tokens on the host (its
+    /// prefill, which the host waits for): the rest of the call is its decode steps, timed
+    /// without a second prefill's noise (at long prompts a prefill's run-to-run spread exceeds
+    /// many decode steps).
+    ///
+    /// ```no_run
+    /// use std::time::Instant;
+    /// use lifecycle_decoder::{Decoder, Sampling};
+    /// use lifecycle_decoder_gpu::GpuDecoder;
+    ///
+    /// fn step_ms(dec: &mut GpuDecoder<'_>, prompts: &[Vec<u32>]) -> Result<f64, Box<dyn std::error::Error>> {
+    ///     let t = Instant::now();
+    ///     dec.generate(prompts, &Sampling::greedy(65))?;
+    ///     Ok((t.elapsed() - dec.last_prefill_time()).as_secs_f64() * 1e3 / 64.0)
+    /// }
+    /// ```
+    pub fn last_prefill_time(&self) -> std::time::Duration {
+        self.core.last_prefill
+    }
 }
 
 /// The rollout entries of TP ranks `0..tp` for [`GroupOffsets::new`]: one list when every rank

@@ -91,6 +91,8 @@ pub(crate) struct Core {
     /// Allocations of the KV cache (or of bind's scratch) whose stream waited for an
     /// overlapped offload's frees, summed over the ranks, since the decoder was built.
     pub room_waits: usize,
+    /// The last `generate` call's wall time up to its first tokens on the host.
+    pub last_prefill: std::time::Duration,
 }
 
 /// One rank of a decoder: what its passes read ([`RankState`]) and the decode steps captured over
@@ -196,6 +198,7 @@ impl Core {
             static_room: 0,
             kv: KvMode::Grow,
             room_waits: 0,
+            last_prefill: std::time::Duration::ZERO,
         })
     }
 
@@ -844,6 +847,7 @@ impl Core {
         }
         let mut done = vec![false; prompts.len()];
         let u = draw(&mut rngs);
+        let start = std::time::Instant::now();
         let mut next = Self::tokens(self.prefill_rows(
             pool,
             prompts,
@@ -851,6 +855,7 @@ impl Core {
             pick(greedy, &u),
             fork,
         )?)?;
+        self.last_prefill = start.elapsed();
         for step in 0..sampling.max_new_tokens {
             for ((o, d), &t) in out.iter_mut().zip(done.iter_mut()).zip(&next) {
                 if !*d {
