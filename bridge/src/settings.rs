@@ -317,12 +317,47 @@ pub fn buffer_class(name: &str, value: &str) -> Result<BufferClass, BridgeError>
     }
 }
 
-/// The GPU ranks of this process: W = 1 on GPU `gpu` (the caller's current device), or, for
+/// Where a CUDA switch's ranks run, as a front names it (`ranks`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RankHome {
+    /// `"process"`: W = 1 on the GPU given, or, for W > 1, this process's rank of a job
+    /// launched like PyTorch (one GPU per process, NCCL between them).
+    Process,
+    /// `"shared-gpu"`: all W ranks in this process on the GPU given, no NCCL: a job whose ranks
+    /// share one GPU (each process switches every rank, reading the others' tensors through
+    /// CUDA IPC). A test configuration: it costs W times the rollout memory per process.
+    SharedGpu,
+}
+
+impl std::str::FromStr for RankHome {
+    type Err = BridgeError;
+
+    fn from_str(s: &str) -> Result<Self, BridgeError> {
+        match s {
+            "process" => Ok(RankHome::Process),
+            "shared-gpu" => Ok(RankHome::SharedGpu),
+            other => Err(BridgeError::Config(format!(
+                "ranks: expected \"process\" or \"shared-gpu\", found `{other}`"
+            ))),
+        }
+    }
+}
+
+/// The GPU ranks of this process: W = 1 on GPU `gpu` (the caller's current device); for
 /// W > 1, this process's rank of a job launched like PyTorch (torchrun's variables; rank 0
-/// shares the NCCL id through torchrun's store).
-pub fn gpu_pool(world: usize, gpu: usize) -> Result<ThreadRankPool, BridgeError> {
-    if world == 1 {
-        return ThreadRankPool::on_devices(&[gpu]).map_err(BridgeError::backend);
+/// shares the NCCL id through torchrun's store), or, where `home` is
+/// [`RankHome::SharedGpu`], every rank on GPU `gpu`.
+///
+/// ```
+/// use lifecycle_bridge::settings::RankHome;
+///
+/// assert_eq!("shared-gpu".parse::<RankHome>()?, RankHome::SharedGpu);
+/// assert!("nccl".parse::<RankHome>().is_err());
+/// # Ok::<(), lifecycle_bridge::BridgeError>(())
+/// ```
+pub fn gpu_pool(world: usize, gpu: usize, home: RankHome) -> Result<ThreadRankPool, BridgeError> {
+    if world == 1 || home == RankHome::SharedGpu {
+        return ThreadRankPool::on_devices(&vec![gpu; world]).map_err(BridgeError::backend);
     }
     let env = lifecycle_dist::RankEnv::from_env()
         .map_err(BridgeError::backend)?

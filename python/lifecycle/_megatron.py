@@ -21,20 +21,27 @@ _TE_NAMES = (
 # SequentialMLP (the local spec's experts) names each expert's module; TEGroupedMLP (and the
 # layout) numbers the weights
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+# a pipeline stage numbers its layers from 0; the layout numbers them as the whole model does
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
-def layout_name(name: str) -> str:
+def layout_name(name: str, first_layer: int = 0) -> str:
     """The layout's name of a Megatron-Core parameter: wrappers' ``module.`` prefixes dropped,
-    Transformer Engine's fused norms and SequentialMLP's expert modules named as the layout
-    names them.
+    a pipeline stage's layers numbered from the stage's ``first_layer`` (the model's layer
+    index of its layer 0), Transformer Engine's fused norms and SequentialMLP's expert modules
+    named as the layout names them.
 
     >>> layout_name("module.module.decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight")
     'decoder.layers.0.mlp.experts.linear_fc1.weight3'
     >>> layout_name("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight")
     'decoder.layers.1.input_layernorm.weight'
+    >>> layout_name("module.decoder.layers.0.mlp.linear_fc2.weight", first_layer=14)
+    'decoder.layers.14.mlp.linear_fc2.weight'
     """
     while name.startswith("module."):
         name = name[len("module."):]
+    if first_layer:
+        name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + first_layer}.", name)
     m = _LOCAL_EXPERT.search(name)
     if m:
         return name[: m.start()] + f"mlp.experts.{m.group(2)}.weight{m.group(1)}"
@@ -119,6 +126,66 @@ def degrees() -> tuple[int, int, int]:
         ps.get_pipeline_model_parallel_world_size(),
         ps.get_data_parallel_world_size(),
     )
+
+
+def layout_rank() -> int:
+    """This process's rank in the switch's Megatron layout (TP fastest, then DP, then PP: the
+    order of Megatron-Core's default ``tp-cp-ep-dp-pp``), checked against torch.distributed's
+    rank where a job has several."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp, dp = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
+    rank = ps.get_tensor_model_parallel_rank() + tp * (
+        ps.get_data_parallel_rank() + dp * ps.get_pipeline_model_parallel_rank()
+    )
+    if dist.is_initialized() and dist.get_rank() != rank:
+        raise ConfigError(
+            f"from_megatron: torch.distributed rank {dist.get_rank()} has Megatron coordinates "
+            f"(tp {ps.get_tensor_model_parallel_rank()}, dp {ps.get_data_parallel_rank()}, pp "
+            f"{ps.get_pipeline_model_parallel_rank()}), rank {rank} in the order the switch "
+            "assumes (Megatron-Core's default tp-cp-ep-dp-pp): initialise the model parallel "
+            "state with that order"
+        )
+    return rank
+
+
+def placement(world: int) -> str:
+    """How the job's ranks use GPUs: ``"process"`` (one rank, or one GPU per process: the
+    switch's ranks talk over NCCL) or ``"shared-gpu"`` (every rank on one GPU of one host)."""
+    if world == 1:
+        return "process"
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() != world:
+        found = dist.get_world_size() if dist.is_initialized() else "no process group"
+        raise ConfigError(
+            f"from_megatron: TP x PP x DP = {world} ranks, torch.distributed has {found}: "
+            "context- and expert-parallel groups are not supported"
+        )
+    me = (socket.gethostname(), torch.cuda.current_device())
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, me)
+    if all(e == me for e in every):
+        return "shared-gpu"
+    if len(set(every)) == world:
+        return "process"
+    raise ConfigError(
+        f"from_megatron: the ranks' (host, GPU) are {every}: either every rank on a GPU of its "
+        "own, or all of them on one GPU"
+    )
+
+
+def first_layer(inner: Any) -> int:
+    """The model's index of this pipeline stage's first layer (0 without pipeline stages)."""
+    layers = getattr(getattr(inner, "decoder", None), "layers", None)
+    if not layers:
+        return 0
+    number = getattr(layers[0], "layer_number", None)
+    return int(number) - 1 if isinstance(number, int) else 0
 
 
 def padded_vocab(inner: Any, tp: int) -> int:
@@ -226,9 +293,10 @@ def megatron_sources(model: Any, optimizer: Any, switch_parameters: list) -> lis
     wrapper, inner = _unwrap(model)
     check_overlap(wrapper)
     steps = StepCount(optimizer) if optimizer is not None else None
+    first = first_layer(inner)
     by_name: dict[str, tuple[str, Any]] = {}
     for name, p in inner.named_parameters():
-        local = layout_name(name)
+        local = layout_name(name, first)
         if local in by_name:
             raise TensorMismatchError(
                 f"tensor `{name}`: named `{local}` in the layout, as is `{by_name[local][0]}`"
@@ -258,3 +326,24 @@ def megatron_sources(model: Any, optimizer: Any, switch_parameters: list) -> lis
             )
         sources.append(MegatronSource(local, p, steps))
     return sources
+
+
+def shared_gpu_sources(own: list, rank: int, world: int) -> list[list]:
+    """Every rank's sources, in layout rank order, where the job's ranks share this process's
+    GPU: this rank's ``own`` and the others' parameters opened through CUDA IPC (torch's
+    ``reduce_tensor``, exchanged over torch.distributed). Their changes are the optimizer's
+    steps of this rank (every rank steps together)."""
+    import torch.distributed as dist
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    mine = (rank, [(s.name, reduce_tensor(s.shards[0])) for s in own])
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    steps = own[0].steps if own else None
+    per_rank: list[list] = [[] for _ in range(world)]
+    for r, items in every:
+        if r == rank:
+            per_rank[r] = own
+            continue
+        per_rank[r] = [MegatronSource(name, fn(*args), steps) for name, (fn, args) in items]
+    return per_rank

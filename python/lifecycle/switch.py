@@ -170,10 +170,13 @@ class Switch:
         stream=None,
         regather=None,
         build=None,
+        barrier=None,
     ) -> "Switch":
         """The switch over ``sources``: a list, built by the extension from their names; or,
         with ``build(config_json, tp)`` making the extension's switch, a callable giving the
-        sources from that switch (a Megatron switch lists what it lends)."""
+        sources from that switch (a Megatron switch lists what it lends): one list, or a list
+        per local rank (every rank's own parameters). ``barrier``, where other processes'
+        tensors are read, runs before and after every switch that reads them."""
         self = cls.__new__(cls)
         self._s = None
         world = _positive("world", world, "the trainer's FSDP world size W")
@@ -188,6 +191,7 @@ class Switch:
             if not isinstance(value, str):
                 raise ConfigError(f"{what}: expected a string, found {type(value).__name__}")
         self._config_json = _config_json(config)
+        per_rank = None
         if build is None:
             for src in sources:
                 src.check(device)
@@ -206,9 +210,13 @@ class Switch:
             )
         else:
             s = build(self._config_json, tp)
-            sources = sources(s)
+            made = sources(s)
+            per_rank = made if made and isinstance(made[0], list) else None
+            sources = [src for r in per_rank for src in r] if per_rank is not None else made
             for src in sources:
                 src.check(device)
+        self._per_rank = per_rank
+        self._barrier = barrier
         self._sources = sources
         self._device = device
         self._torch = device == "cuda" or any(
@@ -379,7 +387,15 @@ class Switch:
         switch never saw: the distributed optimizer moves no version counter of the
         parameters), or when a parameter was written in place; :meth:`mark_changed` for
         anything else. Offloading the optimizer state is not supported yet."""
-        from ._megatron import degrees, megatron_sources, padded_vocab, _unwrap
+        from ._megatron import (
+            _unwrap,
+            degrees,
+            layout_rank,
+            megatron_sources,
+            padded_vocab,
+            placement,
+            shared_gpu_sources,
+        )
 
         if optimizer is None:
             warnings.warn(
@@ -388,6 +404,9 @@ class Switch:
                 stacklevel=2,
             )
         tp, pp, dp = degrees()
+        world = tp * pp * dp
+        ranks = placement(world)
+        rank = layout_rank()
         _, inner = _unwrap(model)
         vocab = padded_vocab(inner, tp)
         dtype_name, experts_name, keep = dtype, experts, fp8_keep
@@ -406,6 +425,7 @@ class Switch:
                 switching=switching,
                 gpu=_current_gpu(),
                 fp8_keep=keep,
+                ranks=ranks,
             )
 
         import torch
@@ -413,10 +433,27 @@ class Switch:
         def stream() -> int:
             return torch.cuda.current_stream().cuda_stream
 
+        if ranks == "shared-gpu":
+
+            def sources(s):
+                own = megatron_sources(model, optimizer, s.parameters(rank))
+                return shared_gpu_sources(own, rank, world)
+
+            def barrier() -> None:
+                torch.cuda.synchronize()
+                torch.distributed.barrier()
+
+        else:
+
+            def sources(s):
+                return megatron_sources(model, optimizer, s.parameters())
+
+            barrier = None
+
         return cls._create(
             config,
-            lambda s: megatron_sources(model, optimizer, s.parameters()),
-            world=tp * pp * dp,
+            sources,
+            world=world,
             rollout_tp=rollout_tp,
             dtype=dtype,
             fp8_keep=fp8_keep,
@@ -425,12 +462,15 @@ class Switch:
             device="cuda",
             stream=stream,
             build=build,
+            barrier=barrier,
         )
 
     # ---- the lifecycle -------------------------------------------------------------------
 
     def _shards(self) -> list[list[tuple[int, int]]]:
         """Every local rank's ``(address, elements)`` of every tensor, now."""
+        if self._per_rank is not None:
+            return [[s.address(0) for s in rank] for rank in self._per_rank]
         ranks = len(self._sources[0].shards) if self._sources else 0
         return [[s.address(i) for s in self._sources] for i in range(ranks)]
 
@@ -459,7 +499,11 @@ class Switch:
             self._sources = sources
         stream = self._stream() if callable(self._stream) else None
         buffers = self._offload_buffers() if callable(self._offload_buffers) else None
+        if self._barrier is not None:
+            self._barrier()  # every process's writes done before any reads them
         entered = self._s.enter(self._shards(), seen, refresh, stream, buffers)
+        if self._barrier is not None:
+            self._barrier()  # every read done before any process writes again
         self._force = False
         self._in_rollout = True
         self._may_have_moved = False

@@ -5,7 +5,8 @@ use std::sync::{Mutex, MutexGuard};
 
 use lifecycle_bridge::gpu::GpuRankParts;
 use lifecycle_bridge::settings::{
-    buffer_class, engine_settings, gpu_pool, requests, switch_settings, SamplingText, SettingsText,
+    buffer_class, engine_settings, gpu_pool, requests, switch_settings, RankHome, SamplingText,
+    SettingsText,
 };
 use lifecycle_bridge::shards::Shard;
 use lifecycle_bridge::SwitchStats;
@@ -124,7 +125,9 @@ impl PySwitch {
                 fp8_keep,
             };
             let settings = switch_settings(&text, &binding)?;
-            Switch::build(binding, settings, device, || gpu_pool(world, gpu))
+            Switch::build(binding, settings, device, || {
+                gpu_pool(world, gpu, RankHome::Process)
+            })
         };
         let inner = py.detach(build).map_err(to_py)?;
         Ok(PySwitch {
@@ -134,9 +137,10 @@ impl PySwitch {
 
     /// A switch of Megatron-Core parameters (see `lifecycle.Switch.from_megatron`): the model of
     /// `config_json` trained at `(tp, pp, dp)` with `padded_vocab` embedding rows, into the
-    /// fused rollout layout at `rollout_tp`, on GPU `gpu` (one rank) or the launcher's ranks.
+    /// fused rollout layout at `rollout_tp`, on GPU `gpu` (one rank), the launcher's ranks
+    /// (`ranks="process"`), or every rank of the job on GPU `gpu` (`ranks="shared-gpu"`).
     #[staticmethod]
-    #[pyo3(signature = (config_json, *, tp, pp, dp, padded_vocab, rollout_tp, dtype_name, experts_name, offload, switching, gpu=0, fp8_keep="none"))]
+    #[pyo3(signature = (config_json, *, tp, pp, dp, padded_vocab, rollout_tp, dtype_name, experts_name, offload, switching, gpu=0, fp8_keep="none", ranks="process"))]
     #[allow(clippy::too_many_arguments)]
     fn megatron(
         py: Python<'_>,
@@ -152,8 +156,10 @@ impl PySwitch {
         switching: &str,
         gpu: usize,
         fp8_keep: &str,
+        ranks: &str,
     ) -> PyResult<Self> {
         let world = tp * pp * dp;
+        let home: RankHome = ranks.parse().map_err(to_py)?;
         let text = SettingsText {
             world,
             tp: rollout_tp,
@@ -165,7 +171,7 @@ impl PySwitch {
         };
         let build = || {
             Switch::megatron(config_json, (tp, pp, dp), padded_vocab, &text, || {
-                gpu_pool(world, gpu)
+                gpu_pool(world, gpu, home)
             })
         };
         let inner = py.detach(build).map_err(to_py)?;

@@ -12,7 +12,7 @@
 //! export NCCL_NVLS_ENABLE=0
 //! cargo run --release -p lifecycle-bench --bin megatron_bench -- [--layers 28] [--iters 5]
 //!     [--offload-iters 2] [--world 2] [--skip-offload] [--trace DIR]
-//!     [--model qwen2.5-7b|qwen3-30b-a3b] [--ep 1] [--experts tp|ep]
+//!     [--model qwen2.5-7b|qwen3-30b-a3b | --config config.json] [--ep 1] [--experts tp|ep]
 //! ```
 //!
 //! With `--trace DIR`, one more enter + exit per layout and T (with offload unless
@@ -80,6 +80,10 @@ struct Cli {
     /// layers of it hold 5.6 B parameters).
     #[arg(long, default_value = "qwen2.5-7b", value_parser = ["qwen2.5-7b", "qwen3-30b-a3b"])]
     model: String,
+    /// The model's shapes from a Hugging Face `config.json` instead of `--model` (its own
+    /// layer count; `--layers` is ignored), e.g. to time the same shapes as a PyTorch job.
+    #[arg(long, value_name = "PATH")]
+    config: Option<PathBuf>,
     /// Expert-parallel degree of the training layout (mixture-of-experts models).
     #[arg(long, default_value_t = 1, value_parser = positive::<usize>)]
     ep: usize,
@@ -395,11 +399,21 @@ fn run() -> Result<(), Box<dyn Error>> {
         args.layers, args.iters, args.offload_iters
     );
     let c = ceilings(&pool, args.iters)?;
-    let moe = args.model == "qwen3-30b-a3b";
-    let model = if moe {
-        ModelSpec::qwen3_30b_a3b(args.layers)
-    } else {
-        ModelSpec::qwen2_5_7b(args.layers)
+    let (model, moe, shapes) = match &args.config {
+        Some(path) => {
+            let spec = lifecycle_layout::ModelConfig::from_file(path)?.model_spec(128);
+            (spec, spec.moe.is_some(), path.display().to_string())
+        }
+        None if args.model == "qwen3-30b-a3b" => (
+            ModelSpec::qwen3_30b_a3b(args.layers),
+            true,
+            "Qwen3-30B-A3B".to_string(),
+        ),
+        None => (
+            ModelSpec::qwen2_5_7b(args.layers),
+            false,
+            "Qwen2.5-7B".to_string(),
+        ),
     };
     let params: usize = model
         .hf_tensors()
@@ -407,8 +421,8 @@ fn run() -> Result<(), Box<dyn Error>> {
         .map(|(_, s)| s.iter().product::<usize>())
         .sum();
     println!(
-        "model: {} shapes, {:.3} B parameters{}",
-        if moe { "Qwen3-30B-A3B" } else { "Qwen2.5-7B" },
+        "model: {shapes} shapes, {} layers, {:.3} B parameters{}",
+        model.layers,
         params as f64 / 1e9,
         if moe {
             format!(

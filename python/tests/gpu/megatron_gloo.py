@@ -1,0 +1,142 @@
+"""``Switch.from_megatron`` over Megatron-Core ranks that share one GPU (gloo between the
+processes): each process builds its rank of a TP x PP x DP ``GPTModel`` (local spec, DDP with the
+distributed optimizer) on GPU 0; the switch reads every rank's parameters in place (the other
+processes' through CUDA IPC) and its rollout, at every T dividing the world, must be
+bit-identical to the host switch's rollout of the whole model (Rust's rollout layout of the
+same weights, from ``Switch.from_arrays``), fused as the Megatron switch fuses it.
+
+    torchrun --nproc_per_node=2 python/tests/gpu/megatron_gloo.py --tp 2
+    torchrun --nproc_per_node=2 python/tests/gpu/megatron_gloo.py --pp 2
+    torchrun --nproc_per_node=4 python/tests/gpu/megatron_gloo.py --tp 2 --pp 2
+    torchrun --nproc_per_node=2 python/tests/gpu/megatron_gloo.py --dp 2 [--qk-norm] [--moe]
+
+Prints one line per rank; exits non-zero on any mismatch.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import lifecycle  # noqa: E402
+from lifecycle._megatron import first_layer, layout_name  # noqa: E402
+from megatron_support import expected, hf_config, megatron_model, whole  # noqa: E402
+
+
+def unfused(named: dict) -> dict:
+    """The host switch's unfused rollout of one rank, fused as the Megatron switch fuses it."""
+    out = {}
+    for n, t in named.items():
+        if ".k_proj." in n or ".v_proj." in n or ".up_proj." in n:
+            continue
+        if ".q_proj." in n:
+            parts = [named[n.replace("q_proj", x)] for x in ("q_proj", "k_proj", "v_proj")]
+            out[n.replace("q_proj", "qkv_proj")] = np.concatenate(parts)
+        elif ".gate_proj." in n:
+            parts = [named[n.replace("gate_proj", x)] for x in ("gate_proj", "up_proj")]
+            out[n.replace("gate_proj", "gate_up_proj")] = np.concatenate(parts)
+        else:
+            out[n] = t
+    return out
+
+
+def hf_unfused(fused: dict, hf: dict) -> dict:
+    """The whole model's fused tensors (T = 1) under the unfused Hugging Face names the host
+    switch takes, as fp32 arrays (exact: bf16 widened)."""
+    out = {}
+    q_rows = hf["num_attention_heads"] * hf["head_dim"]
+    kv_rows = hf["num_key_value_heads"] * hf["head_dim"]
+    for n, t in fused.items():
+        a = t.float().cpu().numpy()
+        if "qkv_proj" in n:
+            for x, part in zip(np.split(a, [q_rows, q_rows + kv_rows]), ("q", "k", "v")):
+                out[n.replace("qkv_proj", f"{part}_proj")] = x
+        elif "gate_up_proj" in n and "experts" not in n:
+            gate, up = np.split(a, 2)
+            out[n.replace("gate_up_proj", "gate_proj")] = gate
+            out[n.replace("gate_up_proj", "up_proj")] = up
+        else:
+            out[n] = a
+    return out
+
+
+def bits(t) -> np.ndarray:
+    return t.contiguous().view(torch.int16).cpu().numpy()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--qk-norm", action="store_true")
+    ap.add_argument("--moe", action="store_true")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    torch.cuda.set_device(0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == args.tp * args.pp * args.dp, "TP x PP x DP must be the world"
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(args.tp, args.pp)
+    hf = hf_config(args.qk_norm, args.moe, layers=2 * args.pp)
+    try:
+        model, gpt, opt = megatron_model(args.qk_norm, args.moe, layers=2 * args.pp)
+    except Exception as e:  # report why, on every rank
+        print(f"rank {rank}: Megatron-Core could not build the model over gloo: {e!r}")
+        sys.exit(2)
+    coords = (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_data_parallel_rank(),
+    )
+    start = first_layer(gpt)
+    mine = {layout_name(n, start): t.detach().cpu() for n, t in gpt.named_parameters()}
+    every = [None] * world
+    dist.all_gather_object(every, (coords, mine))
+    fused = expected(whole(every, args.tp), args.qk_norm, args.moe, layers=2 * args.pp)
+    full = hf_unfused(fused, hf)
+    bad, checked = [], []
+    # T > 1 against the host switch's rollout (dense; the experts at T = 1 only)
+    for t in [t for t in (1, 2, 4) if world % t == 0 and (t == 1 or not args.moe)]:
+        ref = {}
+        if t > 1:
+            host = lifecycle.Switch.from_arrays(hf, full, rollout_tp=t)
+            with host.rollout() as w:
+                ref = {r: unfused(dict(w.named_arrays(rank=r))) for r in range(t)}
+        switch = lifecycle.Switch.from_megatron(model, opt, hf, rollout_tp=t)
+        with switch.rollout() as w:
+            for r in range(t):
+                got = {n: bits(x) for n, x in w.named_tensors(rank=r)}
+                want = (
+                    {n: bits(x) for n, x in fused.items()}
+                    if t == 1
+                    else {n: np.asarray(x).view(np.int16) for n, x in ref[r].items()}
+                )
+                if set(got) != set(want):
+                    bad.append(f"T={t} rank {r}: names differ: {sorted(set(got) ^ set(want))[:4]}")
+                    continue
+                for n in got:
+                    if got[n].shape != want[n].shape or not np.array_equal(got[n], want[n]):
+                        bad.append(f"T={t} rank {r}: {n} differs")
+            del got
+        checked.append(t)
+        switch.close()
+    kind = "qwen3-moe" if args.moe else "qwen3" if args.qk_norm else "qwen2"
+    print(
+        f"rank {rank}/{world} (tp {coords[0]}, pp {coords[1]}, dp {coords[2]}), {kind}, "
+        f"TP={args.tp} PP={args.pp} DP={args.dp}: {len(mine)} parameters here; rollouts at T in "
+        f"{checked}: " + ("all bit-identical" if not bad else f"{len(bad)} MISMATCHES: " + "; ".join(bad[:4]))
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
