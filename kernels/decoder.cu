@@ -647,6 +647,166 @@ extern "C" __global__ void attention_fp8(const float* __restrict__ q, const u8* 
            qh, d, scale, qz);
 }
 
+// ---- prefill attention in tiles of rows (online softmax) ---------------------------------------
+//
+// A prefill's rows come in runs of one sequence at consecutive positions; one block per (tile,
+// local query head) takes up to TILE_ROWS such rows (tiles: [first row, rows] each, made by the
+// host: prefill_tiles) and reads the K and V pages the tile's last row sees once for all of its
+// rows, a page at a time into shared memory as f32: scores of every (row, position) of the page
+// (masked past each row's own position), the rows' running maximum m and sum l of exp(score -
+// m) (online softmax, pages in order), the output sums rescaled by exp(m_old - m_new) and added
+// exp(score - m) v. A row's result depends only on its own query, cache and position (its sums
+// run over its positions in order, whatever the rows beside it), so a prefill's tiling changes
+// no output bit. Output as attend's: split into out at (row, head), or quantised (qz.q, d =
+// 128); blocks past the tiles pad the quantised output's padded tokens n, n + 1, ... d <= 128.
+// Dynamic shared memory (tile_shared_bytes): the page-table row (pps words), q of the tile's rows
+// [TILE_ROWS][d], one page of K or V [KV_PAGE][d + 1], the page's scores [TILE_ROWS][KV_PAGE],
+// then per row alpha, m and l. blockDim 256.
+#define TILE_ROWS 16u
+
+template <typename Rows>
+__device__ void attend_tile(const float* __restrict__ q, Rows k, Rows v, u32 first, u32 cnt,
+                            u32 pos0, u32 pps, u16* __restrict__ out, u32 n, u32 qh, u32 j, u32 d,
+                            float scale, AttnQuant qz) {
+    extern __shared__ float sm[];
+    const u32 tid = threadIdx.x, nt = blockDim.x;
+    const u32 lane = tid & 31u, warp = tid >> 5, warps = nt >> 5;
+    const u32 ld = d + 1;
+    float* qs = sm + pps;
+    float* kv = qs + TILE_ROWS * d;
+    float* p = kv + KV_PAGE * ld;
+    float* alpha = p + TILE_ROWS * KV_PAGE;
+    float* mrow = alpha + TILE_ROWS;
+    float* lrow = mrow + TILE_ROWS;
+    for (u32 i = tid; i < cnt * d; i += nt) {
+        const u32 r = i / d, t = i % d;
+        qs[i] = q[((u64)(first + r) * qh + j) * d + t];
+    }
+    if (tid < TILE_ROWS) {
+        mrow[tid] = NEG_INF;
+        lrow[tid] = 0.0f;
+    }
+    float acc[8];
+#pragma unroll
+    for (u32 i = 0; i < 8; ++i) acc[i] = 0.0f;
+    const u32 last = pos0 + cnt - 1;
+    for (u32 pj = 0; pj * KV_PAGE <= last; ++pj) {
+        const u32 lo = pj * KV_PAGE, np = min(KV_PAGE, last + 1 - lo);
+        __syncthreads();  // the page before fully read
+        const auto pk = k.page(pj);
+        for (u32 i = tid; i < np * d; i += nt) {
+            const u32 c = i / d, t = i % d;
+            kv[c * ld + t] = k.get(pk, c, t);
+        }
+        __syncthreads();
+        for (u32 e = tid; e < TILE_ROWS * KV_PAGE; e += nt) {
+            const u32 r = e / KV_PAGE, c = e % KV_PAGE;
+            float sc = NEG_INF;
+            if (r < cnt && c < np && lo + c <= pos0 + r) {
+                float a = 0.0f;
+                for (u32 t = 0; t < d; ++t) a += qs[r * d + t] * kv[c * ld + t];
+                sc = a * scale;
+            }
+            p[e] = sc;
+        }
+        __syncthreads();
+        for (u32 r = warp; r < cnt; r += warps) {
+            const float s0 = p[r * KV_PAGE + lane], s1 = p[r * KV_PAGE + 32u + lane];
+            const float mo = mrow[r];
+            const float mn = fmaxf(mo, warp_max(fmaxf(s0, s1)));
+            const float e0 = expf(s0 - mn), e1 = expf(s1 - mn);
+            p[r * KV_PAGE + lane] = e0;
+            p[r * KV_PAGE + 32u + lane] = e1;
+            float sum = e0 + e1;
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (lane == 0) {
+                const float a = expf(mo - mn);
+                alpha[r] = a;
+                lrow[r] = lrow[r] * a + sum;
+                mrow[r] = mn;
+            }
+        }
+        __syncthreads();  // the scores and K read
+        const auto pv = v.page(pj);
+        for (u32 i = tid; i < np * d; i += nt) {
+            const u32 c = i / d, t = i % d;
+            kv[c * ld + t] = v.get(pv, c, t);
+        }
+        __syncthreads();
+#pragma unroll
+        for (u32 i = 0; i < 8; ++i) {
+            const u32 idx = tid + nt * i, r = idx / d, t = idx % d;
+            if (idx < TILE_ROWS * d && r < cnt) {
+                float a = acc[i] * alpha[r];
+                for (u32 c = 0; c < np; ++c) a += p[r * KV_PAGE + c] * kv[c * ld + t];
+                acc[i] = a;
+            }
+        }
+    }
+    __syncthreads();
+    const u64 half_len = (u64)n * qh * d;
+#pragma unroll
+    for (u32 i = 0; i < 8; ++i) {
+        const u32 idx = tid + nt * i, r = idx / d, t = idx % d;
+        if (idx < TILE_ROWS * d && r < cnt) {
+            const float o = acc[i] / lrow[r];
+            // the joined value kept for the quantisation (qs no longer read)
+            qs[r * d + t] = split_store(out, ((u64)(first + r) * qh + j) * d + t, half_len, o);
+        }
+    }
+    if (qz.q == nullptr) return;
+    __syncthreads();
+    for (u32 r = 0; r < cnt; ++r) {
+        const float o = tid < d ? qs[r * d + tid] : 0.0f;
+        quant_head(o, tid < d, tid, first + r, j, qh * d, qz);
+        __syncthreads();
+    }
+}
+
+// The tile of block (b, j): seqs and poss of its first row, and the sequence's page-table row in
+// shared memory; padding blocks (b >= tiles) pad token n + b - tiles.
+#define ATTENTION_TILED_PROLOGUE                                                                    \
+    const u32 b = blockIdx.x / qh, j = blockIdx.x % qh;                                             \
+    if (b >= tiles) {                                                                               \
+        pad_head(n + b - tiles, j, qh * d, qz);                                                     \
+        return;                                                                                     \
+    }                                                                                               \
+    const u32 first = tile_of[2 * b], cnt = tile_of[2 * b + 1];                                     \
+    const u32 seq = seqs[first], pos0 = poss[first];                                                \
+    const u32 kvi = (q_base + j) / group - kv_base;                                                 \
+    const u32* row = row_in_shared(pages + (u64)seq * pps, pps, 0);
+
+#define ATTENTION_TILED(NAME, T)                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                         \
+        const float* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,           \
+        const u32* __restrict__ seqs, const u32* __restrict__ poss, u16* __restrict__ out, u32 n,  \
+        u32 qh, u32 kvh, u32 d, const u32* __restrict__ pages, u32 pps, u32 q_base, u32 group,     \
+        u32 kv_base, float scale, const u32* __restrict__ tile_of, u32 tiles, unsigned char* aq,   \
+        float* asc, u32 sc_tok, u32 sc_grp, u32 qtiles) {                                          \
+        const AttnQuant qz{aq, asc, sc_tok, sc_grp, qtiles};                                        \
+        ATTENTION_TILED_PROLOGUE                                                                    \
+        const u64 stride = (u64)kvh * d, at = (u64)kvi * d;                                         \
+        attend_tile(q, PlainRows<T>{kc + at, stride, row}, PlainRows<T>{vc + at, stride, row},    \
+                    first, cnt, pos0, pps, out, n, qh, j, d, scale, qz);                            \
+    }
+ATTENTION_TILED(attention_tiled, float)
+ATTENTION_TILED(attention_tiled_bf16, u16)
+
+// attention_tiled over the fp8 caches' records.
+extern "C" __global__ void __launch_bounds__(256) attention_tiled_fp8(
+    const float* __restrict__ q, const u8* __restrict__ kc, const u8* __restrict__ vc,
+    const u32* __restrict__ seqs, const u32* __restrict__ poss, u16* __restrict__ out, u32 n,
+    u32 qh, u32 kvh, u32 d, const u32* __restrict__ pages, u32 pps, u32 q_base, u32 group,
+    u32 kv_base, float scale, const u32* __restrict__ tile_of, u32 tiles, unsigned char* aq,
+    float* asc, u32 sc_tok, u32 sc_grp, u32 qtiles) {
+    const AttnQuant qz{aq, asc, sc_tok, sc_grp, qtiles};
+    ATTENTION_TILED_PROLOGUE
+    const u32 rec = d + 4;
+    const u64 stride = (u64)kvh * rec, at = (u64)kvi * rec;
+    attend_tile(q, Fp8Rows{kc + at, stride, d, row}, Fp8Rows{vc + at, stride, d, row}, first, cnt,
+                pos0, pps, out, n, qh, j, d, scale, qz);
+}
+
 // ---- decode attention split over the cache (flash-decoding) ------------------------------------
 //
 // A decode step's attention in two kernels: attention_split* take the cache in chunks of `chunk`

@@ -49,6 +49,10 @@ pub(crate) struct DecoderKernels {
     pub attention_bf16: CudaFunction,
     pub rope_store_fp8: CudaFunction,
     pub attention_fp8: CudaFunction,
+    /// A prefill's attention in tiles of rows (`attention_tiled*`: f32, bf16 and fp8 caches).
+    pub attention_tiled: CudaFunction,
+    pub attention_tiled_bf16: CudaFunction,
+    pub attention_tiled_fp8: CudaFunction,
     /// A decode step's attention in chunks of the cache ([`SplitAttention`]).
     pub attention_split: CudaFunction,
     pub attention_split_bf16: CudaFunction,
@@ -88,6 +92,23 @@ pub(crate) const ATTENTION_THREADS: usize = 256;
 pub(crate) fn attention_shared_bytes(cap: usize, head_dim: usize) -> usize {
     let pages = cap.div_ceil(crate::KV_PAGE_POSITIONS);
     (head_dim.max(ATTENTION_THREADS) + pages + cap) * 4
+}
+
+/// Rows an `attention_tiled*` block takes at most (`TILE_ROWS` in `kernels/decoder.cu`).
+pub(crate) const TILE_ROWS: usize = 16;
+
+/// The widest head `attention_tiled*` take (their output sums: 8 a thread of 256).
+pub(crate) const TILED_MAX_HEAD: usize = 128;
+
+/// Dynamic shared memory of an `attention_tiled*` launch over a cache of `cap` positions with
+/// heads of `head_dim`: the page-table row, the tile's queries, one page of K or V (rows padded
+/// by one float), the page's scores, and three floats per row.
+pub(crate) fn tile_shared_bytes(cap: usize, head_dim: usize) -> usize {
+    let (page, pages) = (
+        crate::KV_PAGE_POSITIONS,
+        cap.div_ceil(crate::KV_PAGE_POSITIONS),
+    );
+    (pages + TILE_ROWS * head_dim + page * (head_dim + 1) + TILE_ROWS * page + 3 * TILE_ROWS) * 4
 }
 
 /// How a decode step's attention is split over the cache (flash-decoding): `attention_split*`
@@ -213,6 +234,9 @@ impl DecoderKernels {
             attention_bf16: m.function("attention_bf16")?,
             rope_store_fp8: m.function("rope_store_fp8")?,
             attention_fp8: m.function("attention_fp8")?,
+            attention_tiled: m.function("attention_tiled")?,
+            attention_tiled_bf16: m.function("attention_tiled_bf16")?,
+            attention_tiled_fp8: m.function("attention_tiled_fp8")?,
             attention_split: m.function("attention_split")?,
             attention_split_bf16: m.function("attention_split_bf16")?,
             attention_split_fp8: m.function("attention_split_fp8")?,
@@ -264,6 +288,26 @@ impl DecoderKernels {
                 CudaError::driver(
                     ctx.rank,
                     format!("{name}: allowing {bytes} bytes of shared memory"),
+                    0,
+                    e,
+                )
+            })?;
+        }
+        let tiled =
+            tile_shared_bytes(crate::MAX_CONTEXT, TILED_MAX_HEAD).min(optin.max(0) as usize);
+        for (f, name) in [
+            (&self.attention_tiled, "attention_tiled"),
+            (&self.attention_tiled_bf16, "attention_tiled_bf16"),
+            (&self.attention_tiled_fp8, "attention_tiled_fp8"),
+        ] {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                tiled as i32,
+            )
+            .map_err(|e| {
+                CudaError::driver(
+                    ctx.rank,
+                    format!("{name}: allowing {tiled} bytes of shared memory"),
                     0,
                     e,
                 )

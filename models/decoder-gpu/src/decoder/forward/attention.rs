@@ -158,7 +158,7 @@ impl<'a> Pass<'a> {
                     (n, xs, none)
                 }
             };
-            let [aq, asc, tok, grp, tiles] = quant;
+            let [aq, asc, tok, grp, tiles_arg] = quant;
             let place = [
                 Arg::U64(q),
                 Arg::U64(kc),
@@ -218,7 +218,7 @@ impl<'a> Pass<'a> {
                     asc,
                     tok,
                     grp,
-                    tiles,
+                    tiles_arg,
                 ];
                 let cfg = LaunchConfig {
                     grid_dim: ((rows * qh) as u32, 1, 1),
@@ -226,6 +226,31 @@ impl<'a> Pass<'a> {
                     shared_mem_bytes: 0,
                 };
                 self.kernel(&k.attention_join, cfg, &args, "attention_join")?;
+            } else if let Some((tiles, count)) = &self.sc.tiles {
+                // a prefill: a block per (tile of rows of one sequence, query head), each K / V
+                // page read once for the tile's rows; blocks past the tiles pad the quantised
+                // output's padded tokens
+                let cfg = LaunchConfig {
+                    grid_dim: (((count + rows - n) * qh) as u32, 1, 1),
+                    block_dim: (threads as u32, 1, 1),
+                    shared_mem_bytes: crate::kernels::tile_shared_bytes(
+                        self.step.pps * KV_PAGE_POSITIONS,
+                        d,
+                    ) as u32,
+                };
+                let args: Vec<Arg> = place
+                    .into_iter()
+                    .chain([Arg::U64(out)])
+                    .chain(heads)
+                    .chain([Arg::U64(self.at(tiles)), u32a(*count)])
+                    .chain([aq, asc, tok, grp, tiles_arg])
+                    .collect();
+                let attention = match st.kv {
+                    KvDtype::F32 => &k.attention_tiled,
+                    KvDtype::Bf16 => &k.attention_tiled_bf16,
+                    KvDtype::Fp8 => &k.attention_tiled_fp8,
+                };
+                self.kernel(attention, cfg, &args, "attention_tiled")?;
             } else {
                 let cfg = LaunchConfig {
                     grid_dim: ((rows * qh) as u32, 1, 1),
@@ -239,7 +264,7 @@ impl<'a> Pass<'a> {
                     .into_iter()
                     .chain([Arg::U64(out)])
                     .chain(heads)
-                    .chain([aq, asc, tok, grp, tiles])
+                    .chain([aq, asc, tok, grp, tiles_arg])
                     .collect();
                 let attention = match st.kv {
                     KvDtype::F32 => &k.attention,

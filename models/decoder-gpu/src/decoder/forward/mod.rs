@@ -14,6 +14,9 @@ mod products;
 mod scratch;
 #[cfg(test)]
 mod split_tests;
+#[cfg(test)]
+mod tiled_tests;
+mod tiles;
 
 pub(super) use head::pick;
 pub(super) use scratch::Scratch;

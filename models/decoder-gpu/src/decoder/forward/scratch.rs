@@ -3,10 +3,11 @@
 use lifecycle_cuda::cudarc::driver::CudaSlice;
 use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
 
+use super::tiles::prefill_tiles;
 use super::Step;
 use crate::decoder::moe::MoeScratch;
 use crate::decoder::rank::{Dims, RankState};
-use crate::kernels::SplitAttention;
+use crate::kernels::{SplitAttention, TILED_MAX_HEAD};
 use crate::w8a8::W8a8Scratch;
 
 /// The scratch buffers of one pass (sized for its `n` rows by [`Scratch::new`]) and its inputs on
@@ -39,6 +40,10 @@ pub(crate) struct Scratch {
     /// A decode step's attention split over the cache, and its partial sums (`None`: one block
     /// per row and query head over the whole cache).
     pub(super) split: Option<SplitScratch>,
+    /// A pass not split: its rows' tiles for `attention_tiled*` (`[first row, rows]` each,
+    /// [`prefill_tiles`], uploaded with the step) and how many; `None` where the heads are too
+    /// wide for them or the attention is split.
+    pub(super) tiles: Option<(CudaSlice<u32>, usize)>,
 }
 
 /// The partial sums of a split attention ([`SplitAttention`]): per row, query head and chunk,
@@ -125,8 +130,17 @@ impl Scratch {
                 }
                 None => None,
             };
+            let tiles = if split.is_none() && z.d <= TILED_MAX_HEAD {
+                Some((
+                    alloc_device::<u32>(s, 2 * n.max(1), rank, "attention tiles")?,
+                    0,
+                ))
+            } else {
+                None
+            };
             Ok(Scratch {
                 split,
+                tiles,
                 x: alloc_device::<f32>(s, n * h, rank, "hidden states")?,
                 xs: alloc_device::<u16>(s, 2 * n * widest, rank, "split activations")?,
                 y2: alloc_device::<f32>(s, 2 * n * out_widest, rank, "GEMM outputs")?,
@@ -186,6 +200,22 @@ impl Scratch {
                 )));
             }
             s.memcpy_htod(v, dst).map_err(ctx.drv(what, 0))?;
+        }
+        if let Some((dst, count)) = &mut self.tiles {
+            let tiles = prefill_tiles(&step.seqs, &step.poss);
+            if tiles.len() > dst.len() {
+                return Err(CudaError::Invalid(format!(
+                    "{} attention tiles for a pass made for {}",
+                    tiles.len() / 2,
+                    dst.len() / 2
+                )));
+            }
+            if !tiles.is_empty() {
+                let mut head = dst.slice_mut(..tiles.len());
+                s.memcpy_htod(&tiles, &mut head)
+                    .map_err(ctx.drv("uploading attention tiles", 0))?;
+            }
+            *count = tiles.len() / 2;
         }
         Ok(())
     }

@@ -31,7 +31,7 @@ struct Case {
 }
 
 /// Deterministic values in about [-1, 1).
-fn values(len: usize, seed: u64) -> Vec<f32> {
+pub(super) fn values(len: usize, seed: u64) -> Vec<f32> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..len)
         .map(|_| {
@@ -45,7 +45,7 @@ fn values(len: usize, seed: u64) -> Vec<f32> {
 
 /// A cache block `[slots × cap × kvh × d]` (positions in order, before [`paged`] pages it) of
 /// `kv` as its bytes, and the values it holds.
-fn cache_of(kv: KvDtype, vals: &[f32], d: usize) -> (Vec<u8>, Vec<f32>) {
+pub(super) fn cache_of(kv: KvDtype, vals: &[f32], d: usize) -> (Vec<u8>, Vec<f32>) {
     match kv {
         KvDtype::F32 => (
             vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
@@ -109,7 +109,7 @@ fn host(c: &Case, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f64> {
 /// The cache of `rows` sequences of `cap` positions (`bytes`, positions in order) in pages of
 /// [`KV_PAGE_POSITIONS`]: the pages in reverse of the order a grown cache lays them out, and the
 /// page table `[rows][pps]` that finds them; and `pps`.
-fn paged(bytes: &[u8], rows: usize, cap: usize) -> (Vec<u8>, Vec<u32>, usize) {
+pub(super) fn paged(bytes: &[u8], rows: usize, cap: usize) -> (Vec<u8>, Vec<u32>, usize) {
     let pos = bytes.len() / (rows * cap);
     let pps = cap.div_ceil(KV_PAGE_POSITIONS);
     let pages = rows * pps;
