@@ -386,7 +386,12 @@ class Switch:
         stepped (a hook on the torch optimizers inside it counts every step, also those the
         switch never saw: the distributed optimizer moves no version counter of the
         parameters), or when a parameter was written in place; :meth:`mark_changed` for
-        anything else. Offloading the optimizer state is not supported yet."""
+        anything else. Offloading the optimizer state is not supported yet.
+
+        Several ranks (torchrun, a process per rank, each passing its own model): where each
+        has a GPU of its own, every process's switch is its rank of one NCCL world; where all
+        share one GPU (gloo), every process switches every rank, reading the others'
+        parameters through CUDA IPC between barriers (each holds every rank's rollout)."""
         from ._megatron import (
             _unwrap,
             degrees,

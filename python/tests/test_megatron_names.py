@@ -29,6 +29,30 @@ def test_wrappers_and_specs_name_their_parameters_as_the_layout_does():
         assert layout_name(name) == want, name
 
 
+def test_a_pipeline_stage_names_its_layers_as_the_whole_model_does():
+    """Megatron-Core's stage 1 of 2 (14 layers each) numbers its modules from 0; the layout (and
+    ``megatron_parameters(..., pp=2, rank=1)``) from 14. Non-layer names stay as they are."""
+    import json
+
+    import lifecycle
+
+    cfg = json.dumps(
+        {
+            "model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 1e4, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False, "max_position_embeddings": 64,
+        }
+    )
+    stage = [n for n, _ in lifecycle.megatron_parameters(cfg, pp=2, rank=1)]
+    local = [n.replace("layers.2.", "layers.0.").replace("layers.3.", "layers.1.") for n in stage]
+    assert [layout_name(n, first_layer=2) for n in local] == stage
+    assert layout_name("module.decoder.layers.0.mlp.linear_fc1.weight", 14) == (
+        "decoder.layers.14.mlp.linear_fc1.weight"
+    )
+    assert layout_name("decoder.final_layernorm.weight", 14) == "decoder.final_layernorm.weight"
+
+
 def test_from_megatron_without_megatron_core_says_what_to_install():
     import importlib.util
     import warnings
