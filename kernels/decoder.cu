@@ -663,6 +663,8 @@ extern "C" __global__ void attention_fp8(const float* __restrict__ q, const u8* 
 // [TILE_ROWS][d], one page of K or V [KV_PAGE][d + 1], the page's scores [TILE_ROWS][KV_PAGE],
 // then per row alpha, m and l. blockDim 256.
 #define TILE_ROWS 16u
+// a page's scores are a warp's two per lane
+static_assert(KV_PAGE == 64u, "attend_tile takes pages of 64 positions");
 
 template <typename Rows>
 __device__ void attend_tile(const float* __restrict__ q, Rows k, Rows v, u32 first, u32 cnt,
