@@ -28,20 +28,30 @@ from lifecycle._megatron import first_layer, layout_name  # noqa: E402
 from megatron_support import expected, hf_config, megatron_model, whole  # noqa: E402
 
 
-def unfused(named: dict) -> dict:
-    """The host switch's unfused rollout of one rank, fused as the Megatron switch fuses it."""
+def unfused(named: dict, hf: dict, rank: int, t: int) -> dict:
+    """The host switch's unfused rollout of rollout rank ``rank`` of ``t``, fused as the Megatron
+    switch fuses it: where the kv heads are fewer than T the host layout replicates k and v
+    whole, the fused one gives rank r the kv head its query heads read (group r / (T / kv))."""
+    kv, d = hf["num_key_value_heads"], hf["head_dim"]
+
+    def own_kv(x):
+        if t <= kv:
+            return x
+        g = rank // (t // kv)
+        return x[g * d : (g + 1) * d]
+
     out = {}
-    for n, t in named.items():
+    for n, a in named.items():
         if ".k_proj." in n or ".v_proj." in n or ".up_proj." in n:
             continue
         if ".q_proj." in n:
-            parts = [named[n.replace("q_proj", x)] for x in ("q_proj", "k_proj", "v_proj")]
+            parts = [named[n]] + [own_kv(named[n.replace("q_proj", x)]) for x in ("k_proj", "v_proj")]
             out[n.replace("q_proj", "qkv_proj")] = np.concatenate(parts)
         elif ".gate_proj." in n:
             parts = [named[n.replace("gate_proj", x)] for x in ("gate_proj", "up_proj")]
             out[n.replace("gate_proj", "gate_up_proj")] = np.concatenate(parts)
         else:
-            out[n] = t
+            out[n] = a
     return out
 
 
@@ -52,7 +62,7 @@ def hf_unfused(fused: dict, hf: dict) -> dict:
     q_rows = hf["num_attention_heads"] * hf["head_dim"]
     kv_rows = hf["num_key_value_heads"] * hf["head_dim"]
     for n, t in fused.items():
-        a = t.float().cpu().numpy()
+        a = t.float().cpu().numpy().copy()  # the host switch holds its arrays read-only
         if "qkv_proj" in n:
             for x, part in zip(np.split(a, [q_rows, q_rows + kv_rows]), ("q", "k", "v")):
                 out[n.replace("qkv_proj", f"{part}_proj")] = x
@@ -90,6 +100,17 @@ def main():
     except Exception as e:  # report why, on every rank
         print(f"rank {rank}: Megatron-Core could not build the model over gloo: {e!r}")
         sys.exit(2)
+    # Megatron-Core 0.19 draws each TP rank's router apart (a replicated parameter a loaded
+    # checkpoint makes equal): made equal here from TP rank 0, on the host
+    with torch.no_grad():
+        for n, p in gpt.named_parameters():
+            if n.endswith("router.weight"):
+                t = p.detach().cpu()
+                dist.broadcast(
+                    t, src=ps.get_tensor_model_parallel_src_rank(),
+                    group=ps.get_tensor_model_parallel_group(),
+                )
+                p.copy_(t.to(p.device))
     coords = (
         ps.get_tensor_model_parallel_rank(),
         ps.get_pipeline_model_parallel_rank(),
@@ -106,9 +127,9 @@ def main():
     for t in [t for t in (1, 2, 4) if world % t == 0 and (t == 1 or not args.moe)]:
         ref = {}
         if t > 1:
-            host = lifecycle.Switch.from_arrays(hf, full, rollout_tp=t)
+            host = lifecycle.Switch.from_arrays(hf, full, world=t, rollout_tp=t)
             with host.rollout() as w:
-                ref = {r: unfused(dict(w.named_arrays(rank=r))) for r in range(t)}
+                ref = {r: unfused(dict(w.named_arrays(rank=r)), hf, r, t) for r in range(t)}
         switch = lifecycle.Switch.from_megatron(model, opt, hf, rollout_tp=t)
         with switch.rollout() as w:
             for r in range(t):

@@ -107,6 +107,7 @@ def megatron_model(
         attention_dropout=0.0,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        pipeline_dtype=torch.bfloat16,
         **experts,
     )
     spec = get_gpt_layer_local_spec(
@@ -196,9 +197,9 @@ def whole(ranks: list[tuple[tuple[int, int, int], dict]], tp: int) -> dict:
     """The whole model's Megatron parameters (layout names) from every rank's
     ``((tp rank, pp rank, dp rank), {name: tensor})``, joined the way Megatron-Core splits them
     over TP: the vocabulary, ``linear_qkv`` (whole query groups) and the experts' ``fc1`` rows
-    in rank order, ``linear_fc1`` as ``[gate of every rank; up of every rank]`` (each rank
-    holds ``[its gate; its up]``), ``linear_proj`` and ``fc2`` columns in rank order; the
-    norms and the router replicated (checked equal)."""
+    in rank order (its bias too), ``linear_fc1`` as ``[gate of every rank; up of every rank]``
+    (each rank holds ``[its gate; its up]``), ``linear_proj`` and ``fc2`` columns in rank
+    order; the norms and the router replicated (checked equal)."""
     names = sorted({n for _, part in ranks for n in part})
     out = {}
     for n in names:
@@ -208,7 +209,8 @@ def whole(ranks: list[tuple[tuple[int, int, int], dict]], tp: int) -> dict:
                 parts[t] = part[n]
         ordered = [parts[t] for t in range(tp)]
         first = ordered[0]
-        if tp == 1 or first.ndim == 1 or n.endswith("router.weight"):
+        replicated = first.ndim == 1 and not n.endswith("linear_qkv.bias")
+        if tp == 1 or replicated or n.endswith("router.weight"):
             for other in ordered[1:]:
                 assert torch.equal(other, first), f"{n}: replicated, yet the ranks differ"
             out[n] = first

@@ -107,15 +107,19 @@ def test_our_engine_agrees_with_megatrons_forward_and_transformers(kind, tmp_pat
     same tokens and (2) transformers' model loaded from the rollout tensors saved as a Hugging
     Face checkpoint (q / k / v, gate / up and each expert apart). Greedy tokens must equal each
     consumer's argmax except where its top two logits are closer than EPS; the log-probability
-    of every token within TOL of the consumer's ``log_softmax`` (bf16 weights and activations
-    on both sides, our KV cache bf16)."""
+    of every token within MEAN (mean) and TOL (max) of the consumer's ``log_softmax`` (bf16 weights and activations
+    on both sides, our KV cache bf16; looser for a mixture of experts, below)."""
     import json
 
     import transformers
     from safetensors.torch import save_file
 
-    EPS, TOL = 0.05, 0.1
+    EPS = 0.05
     qk_norm, moe = KINDS[kind]
+    # |d logp| bounds, mean and max: bf16 on both sides; a mixture-of-experts token whose top
+    # experts' router scores nearly tie may be routed apart (bf16 router logits), which moves
+    # its log-probability by up to a few tenths
+    MEAN, TOL = (0.03, 0.3) if moe else (0.01, 0.1)
     model, gpt, opt = megatron_model(qk_norm, moe)
     step(model, gpt, opt)
     cfg = hf_config(qk_norm, moe)
@@ -157,4 +161,4 @@ def test_our_engine_agrees_with_megatrons_forward_and_transformers(kind, tmp_pat
         print(f"{kind}: engine vs {name}: {checked} greedy tokens equal, {close} near-ties "
               f"(top two within {EPS}) skipped; |d logp| mean {mean:.2e}, max {worst:.2e}")
         assert checked > 0
-        assert worst <= TOL, (name, worst)
+        assert mean <= MEAN and worst <= TOL, (name, mean, worst)
