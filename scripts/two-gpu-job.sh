@@ -13,6 +13,7 @@
 #   cp target/release/{fsdp_bench,megatron_bench,fsdp_procs,lifecycle-launch} target/release/examples/dapo BIN/
 #   cp ../shared/bench/torch_reshard_baseline.py bench/torch_moe_cast_peer.py BIN/
 #   maturin build -m python/Cargo.toml --release -o BIN     (the Python bridge's wheel)
+#   pip download megatron-core==0.19.2 --no-deps -d BIN      (the Megatron-Core parts)
 # Run from the repository root (the decoder fixtures and MoE checkpoints are read from there).
 # GPUS (default 2) sets W; with GPUS=1 the job is a dry run on one GPU: every command runs at
 # W = 1 where it can, and the tests that need two GPUs fail saying so.
@@ -74,6 +75,21 @@ if ls "$BIN"/lifecycle-*.whl > /dev/null 2>&1; then
     done
     part bridge_enter_7b 300 python python/bench/fsdp2_enter.py --model 7b --iters 5
     part bridge_dapo 600 torchrun --nproc_per_node="$W" python/examples/dapo.py --steps 12
+    # Megatron-Core (its wheel in BIN too) at TP = W and PP = W, a GPU per rank over NCCL, and
+    # the ranks sharing GPU 0 over gloo; the >= 1 B refresh beside the Rust backend
+    if ls "$BIN"/megatron_core-*.whl > /dev/null 2>&1; then
+        part megatron_install 120 python -m pip install --no-deps --no-index "$BIN"/megatron_core-*.whl
+        for how in "--tp $W" "--pp $W"; do
+            for backend in nccl gloo; do
+                # shellcheck disable=SC2086
+                part "megatron_ranks_${backend}_${how// /}" 120 torchrun --nproc_per_node="$W" \
+                    --master_port=29631 python/tests/gpu/megatron_ranks.py $how --backend "$backend"
+            done
+        done
+        part megatron_enter 300 python python/bench/megatron_enter.py --config-out "$OUT/qwen3_2b.json"
+        part megatron_enter_rust 300 "$BIN/megatron_bench" --world 1 --skip-offload --iters 5 \
+            --config "$OUT/qwen3_2b.json"
+    fi
 else
     SUMMARY+=("bridge: skipped (no lifecycle-*.whl in $BIN)")
 fi

@@ -1,14 +1,19 @@
-"""``Switch.from_megatron`` over Megatron-Core ranks that share one GPU (gloo between the
-processes): each process builds its rank of a TP x PP x DP ``GPTModel`` (local spec, DDP with the
-distributed optimizer) on GPU 0; the switch reads every rank's parameters in place (the other
-processes' through CUDA IPC) and its rollout, at every T dividing the world, must be
-bit-identical to the host switch's rollout of the whole model (Rust's rollout layout of the
-same weights, from ``Switch.from_arrays``), fused as the Megatron switch fuses it.
+"""``Switch.from_megatron`` over several Megatron-Core ranks, a process each: each process
+builds its rank of a TP x PP x DP ``GPTModel`` (local spec, DDP with the distributed optimizer)
+and its switch; the rollout, at every T dividing the world, must be bit-identical to the host
+switch's rollout of the whole model (Rust's rollout layout of the same weights, from
+``Switch.from_arrays``), fused as the Megatron switch fuses it.
 
-    torchrun --nproc_per_node=2 python/tests/gpu/megatron_gloo.py --tp 2
-    torchrun --nproc_per_node=2 python/tests/gpu/megatron_gloo.py --pp 2
-    torchrun --nproc_per_node=4 python/tests/gpu/megatron_gloo.py --tp 2 --pp 2
-    torchrun --nproc_per_node=2 python/tests/gpu/megatron_gloo.py --dp 2 [--qk-norm] [--moe]
+``--backend gloo`` (the default): every rank on GPU 0, so each process's switch reads every
+rank's parameters in place (the other processes' through CUDA IPC) and checks every rollout
+rank. ``--backend nccl``: a GPU per rank, each process's switch one rank of an NCCL world,
+checking the rollout rank it holds.
+
+    torchrun --nproc_per_node=2 python/tests/gpu/megatron_ranks.py --tp 2
+    torchrun --nproc_per_node=2 python/tests/gpu/megatron_ranks.py --pp 2
+    torchrun --nproc_per_node=4 python/tests/gpu/megatron_ranks.py --tp 2 --pp 2
+    torchrun --nproc_per_node=2 python/tests/gpu/megatron_ranks.py --dp 2 [--qk-norm] [--moe]
+    torchrun --nproc_per_node=2 python/tests/gpu/megatron_ranks.py --tp 2 --backend nccl
 
 Prints one line per rank; exits non-zero on any mismatch.
 """
@@ -86,9 +91,11 @@ def main():
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--qk-norm", action="store_true")
     ap.add_argument("--moe", action="store_true")
+    ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     args = ap.parse_args()
-    dist.init_process_group("gloo")
-    torch.cuda.set_device(0)
+    shared = args.backend == "gloo"
+    torch.cuda.set_device(0 if shared else int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == args.tp * args.pp * args.dp, "TP x PP x DP must be the world"
     from megatron.core import parallel_state as ps
@@ -98,14 +105,14 @@ def main():
     try:
         model, gpt, opt = megatron_model(args.qk_norm, args.moe, layers=2 * args.pp)
     except Exception as e:  # report why, on every rank
-        print(f"rank {rank}: Megatron-Core could not build the model over gloo: {e!r}")
+        print(f"rank {rank}: Megatron-Core could not build the model over {args.backend}: {e!r}")
         sys.exit(2)
     # Megatron-Core 0.19 draws each TP rank's router apart (a replicated parameter a loaded
     # checkpoint makes equal): made equal here from TP rank 0, on the host
     with torch.no_grad():
         for n, p in gpt.named_parameters():
             if n.endswith("router.weight"):
-                t = p.detach().cpu()
+                t = p.detach().cpu() if shared else p.detach().clone()
                 dist.broadcast(
                     t, src=ps.get_tensor_model_parallel_src_rank(),
                     group=ps.get_tensor_model_parallel_group(),
@@ -132,8 +139,9 @@ def main():
                 ref = {r: unfused(dict(w.named_arrays(rank=r)), hf, r, t) for r in range(t)}
         switch = lifecycle.Switch.from_megatron(model, opt, hf, rollout_tp=t)
         with switch.rollout() as w:
-            for r in range(t):
-                got = {n: bits(x) for n, x in w.named_tensors(rank=r)}
+            # every rollout rank here (shared GPU), or the one this process holds
+            for r in range(t) if shared else [rank % t]:
+                got = {n: bits(x) for n, x in w.named_tensors(rank=r if shared else 0)}
                 want = (
                     {n: bits(x) for n, x in fused.items()}
                     if t == 1
