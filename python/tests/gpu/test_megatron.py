@@ -1,6 +1,7 @@
-"""The bridge over a real Megatron-Core model on the GPU (TP = PP = DP = 1): a ``GPTModel``
-built with the local spec, in ``Float16Module`` and ``DistributedDataParallel`` with the
-distributed optimizer, as Megatron's ``get_model`` and ``get_megatron_optimizer`` make them.
+"""The bridge over a real Megatron-Core model on the GPU (TP = PP = DP = 1; several ranks:
+``megatron_ranks.py``): a ``GPTModel`` built with the local spec (dense, or Qwen3-MoE shaped),
+in ``Float16Module`` and ``DistributedDataParallel`` with the distributed optimizer, as
+Megatron's ``get_model`` and ``get_megatron_optimizer`` make them (``megatron_support.py``).
 Skipped where ``megatron-core`` is not installed (the device installs its wheel)."""
 
 import pytest
