@@ -3,6 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use lifecycle_layout::lora::{adapters, with_adapters, LoraConfig, LoraPart};
 use lifecycle_layout::megatron::MegatronLayout;
 use lifecycle_layout::ModelConfig;
 use lifecycle_layout::{ExpertPlacement, FsdpLayout, RolloutLayout};
@@ -31,6 +32,8 @@ use crate::settings;
 pub struct ModelBinding {
     config: ModelConfig,
     names: Vec<(String, Vec<usize>)>,
+    /// LoRA adapters beside the base ([`ModelBinding::with_lora`]).
+    lora: Option<LoraConfig>,
 }
 
 impl ModelBinding {
@@ -73,20 +76,99 @@ impl ModelBinding {
     /// name missing are refused, each naming the tensor.
     pub fn new(config_json: &str, named: Vec<(String, Vec<usize>)>) -> Result<Self, BridgeError> {
         let config = parse(config_json)?;
-        let expected: HashMap<String, Vec<usize>> = config.tensor_shapes().into_iter().collect();
+        let expected = config.tensor_shapes();
+        Self::bind(config, expected, named, None)
+    }
+
+    /// The parameters of the model `config_json` describes with the LoRA adapters of `lora`
+    /// (each adapted base weight's `lora_A` (`r × in`) and `lora_B` (`out × r`) right after it,
+    /// named as PEFT names them without its `base_model.model.` prefix); an adapter on an
+    /// expert layer's MLP, `r` = 0 and repeated targets refused by name.
+    ///
+    /// ```
+    /// use lifecycle_bridge::ModelBinding;
+    /// use lifecycle_layout::lora::{LoraConfig, LoraTarget};
+    /// let config = r#"{"model_type": "qwen2", "vocab_size": 16, "hidden_size": 8,
+    ///   "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+    ///   "intermediate_size": 16, "rope_theta": 10000.0, "tie_word_embeddings": true}"#;
+    /// let lora = LoraConfig::new(2, 4.0, vec![LoraTarget::Q]);
+    /// let named = ModelBinding::expected_with_lora(config, &lora)?;
+    /// let at = named.iter().position(|(n, _)| n == "model.layers.0.self_attn.q_proj.weight").unwrap();
+    /// assert_eq!(named[at + 1], ("model.layers.0.self_attn.q_proj.lora_A.weight".into(), vec![2, 8]));
+    /// assert_eq!(named[at + 2], ("model.layers.0.self_attn.q_proj.lora_B.weight".into(), vec![8, 2]));
+    /// let binding = ModelBinding::with_lora(config, named, lora)?;
+    /// assert!(binding.lora().is_some());
+    /// # Ok::<(), lifecycle_bridge::BridgeError>(())
+    /// ```
+    pub fn expected_with_lora(
+        config_json: &str,
+        lora: &LoraConfig,
+    ) -> Result<Vec<(String, Vec<usize>)>, BridgeError> {
+        let config = parse(config_json)?;
+        Self::shapes_with_lora(&config, lora)
+    }
+
+    fn shapes_with_lora(
+        config: &ModelConfig,
+        lora: &LoraConfig,
+    ) -> Result<Vec<(String, Vec<usize>)>, BridgeError> {
+        let list = adapters(&config.model_spec(128), lora)
+            .map_err(|e| BridgeError::Config(format!("LoRA: {e}")))?;
+        let mut out = Vec::new();
+        for (name, shape) in config.tensor_shapes() {
+            let adapted = list.iter().find(|a| a.base == name);
+            out.push((name, shape));
+            if let Some(a) = adapted {
+                for spec in [&a.a, &a.b] {
+                    out.push((spec.name.clone(), spec.shape.clone()));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`ModelBinding::new`] for a model with the LoRA adapters of `lora` beside its base
+    /// ([`ModelBinding::expected_with_lora`] lists them): every base weight is frozen (a switch
+    /// casts it once and refreshes the adapters alone), the rollout holds each adapter beside
+    /// its base, split as its base is.
+    pub fn with_lora(
+        config_json: &str,
+        named: Vec<(String, Vec<usize>)>,
+        lora: LoraConfig,
+    ) -> Result<Self, BridgeError> {
+        let config = parse(config_json)?;
+        let expected = Self::shapes_with_lora(&config, &lora)?;
+        Self::bind(config, expected, named, Some(lora))
+    }
+
+    fn bind(
+        config: ModelConfig,
+        expected_list: Vec<(String, Vec<usize>)>,
+        named: Vec<(String, Vec<usize>)>,
+        lora: Option<LoraConfig>,
+    ) -> Result<Self, BridgeError> {
+        let expected: HashMap<String, Vec<usize>> = expected_list.iter().cloned().collect();
         let mut seen = HashSet::new();
         for (name, shape) in &named {
             let Some(want) = expected.get(name) else {
-                return Err(BridgeError::tensor(
-                    name,
-                    format!(
-                        "not a parameter of this {:?} model (its {} parameters are Hugging Face \
-                         names such as `model.layers.0.self_attn.q_proj.weight`; pass the \
+                let why = match lifecycle_layout::lora::parse_peft_name(name) {
+                    Some((_, part)) if lora.is_none() => format!(
+                        "a LoRA {} matrix, and the switch was given no LoRA configuration: \
+                         pass lora=... (r, lora_alpha, target_modules)",
+                        if part == LoraPart::A { "A" } else { "B" }
+                    ),
+                    Some(_) => "a LoRA matrix of a module the LoRA configuration does not \
+                                target, or of one the model lacks"
+                        .to_string(),
+                    None => format!(
+                        "not a parameter of this {:?} model (its {} parameters are Hugging \
+                         Face names such as `model.layers.0.self_attn.q_proj.weight`; pass the \
                          module whose config this is)",
                         config.architecture,
                         expected.len()
                     ),
-                ));
+                };
+                return Err(BridgeError::tensor(name, why));
             };
             if want != shape {
                 return Err(BridgeError::tensor(
@@ -98,9 +180,8 @@ impl ModelBinding {
                 return Err(BridgeError::tensor(name, "given twice"));
             }
         }
-        let missing: Vec<String> = config
-            .tensor_shapes()
-            .into_iter()
+        let missing: Vec<&String> = expected_list
+            .iter()
             .map(|(n, _)| n)
             .filter(|n| !seen.contains(n.as_str()))
             .collect();
@@ -122,7 +203,13 @@ impl ModelBinding {
         Ok(ModelBinding {
             config,
             names: named,
+            lora,
         })
+    }
+
+    /// The LoRA configuration, where the model has adapters.
+    pub fn lora(&self) -> Option<&LoraConfig> {
+        self.lora.as_ref()
     }
 
     /// The model config.
@@ -146,9 +233,15 @@ impl ModelBinding {
         tp: usize,
         experts: ExpertPlacement,
     ) -> Result<RolloutLayout, BridgeError> {
-        self.config
+        let base = self
+            .config
             .rollout_layout_with(tp, experts)
-            .map_err(|e| BridgeError::Config(e.to_string()))
+            .map_err(|e| BridgeError::Config(e.to_string()))?;
+        match &self.lora {
+            None => Ok(base),
+            Some(lora) => with_adapters(&base, &self.config.model_spec(128), lora)
+                .map_err(|e| BridgeError::Config(format!("LoRA: {e}"))),
+        }
     }
 }
 

@@ -64,7 +64,52 @@ pub fn switch_settings(
     // session's weights live until the session ends
     parse::<Switching>("switching", text.switching)?;
     settings.lifecycle.switching = Switching::Lazy;
+    // a LoRA model's base is frozen: cast once, the adapters refreshed alone
+    settings.options.frozen_base = binding.lora().is_some();
     Ok(settings)
+}
+
+/// PEFT's `LoraConfig` as a front passes it: rank `r`, `lora_alpha`, `target_modules` (the
+/// module names: `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`)
+/// and `use_rslora`; each refused naming the field.
+///
+/// ```
+/// use lifecycle_bridge::settings::lora;
+/// let config = lora(8, 16.0, &["q_proj".into(), "down_proj".into()], false)?;
+/// assert_eq!(config.scaling(), 2.0);
+/// let err = lora(8, 16.0, &["lm_head".into()], false).unwrap_err();
+/// assert!(err.to_string().contains("target_modules"), "{err}");
+/// # Ok::<(), lifecycle_bridge::BridgeError>(())
+/// ```
+pub fn lora(
+    r: usize,
+    alpha: f64,
+    targets: &[String],
+    rslora: bool,
+) -> Result<lifecycle_layout::lora::LoraConfig, BridgeError> {
+    use lifecycle_layout::lora::{LoraConfig, LoraTarget};
+    if r == 0 {
+        return Err(BridgeError::Config(
+            "lora: r must be at least 1, found 0".into(),
+        ));
+    }
+    if !(alpha.is_finite() && alpha > 0.0) {
+        return Err(BridgeError::Config(format!(
+            "lora: lora_alpha must be a positive finite number, found {alpha}"
+        )));
+    }
+    let targets = targets
+        .iter()
+        .map(|t| {
+            LoraTarget::from_module(t).ok_or_else(|| {
+                BridgeError::Config(format!(
+                    "lora: target_modules: `{t}` is not a linear layer the switch adapts (q_proj, \
+                     k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)"
+                ))
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(LoraConfig::new(r, alpha, targets).with_rslora(rslora))
 }
 
 /// The engine's settings: up to `max_sequences` sequences of up to `max_tokens` at once in a KV

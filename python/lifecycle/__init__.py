@@ -20,11 +20,10 @@ from ._lifecycle import (
     TensorMismatchError,
     TensorsInUseError,
     __version__,
-    expected_parameters,
 )
 from ._lifecycle import _finalizing
 from .engine import Engine, Filled, GroupStream, Sample
-from .switch import Masters, RolloutWeights, Switch
+from .switch import Masters, RolloutWeights, Switch, expected_parameters
 from .vllm import vllm_names
 from ._megatron import megatron_parameters
 

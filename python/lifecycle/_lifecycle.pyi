@@ -12,7 +12,9 @@ class BackendError(LifecycleError): ...
 
 __version__: str
 
-def expected_parameters(config_json: str) -> list[tuple[str, list[int]]]: ...
+def expected_parameters(
+    config_json: str, lora: tuple[int, float, list[str], bool] | None = None
+) -> list[tuple[str, list[int]]]: ...
 def vllm_names(
     config_json: str, tp: int, experts: str, dtype: str
 ) -> list[tuple[str, list[int]]]: ...
@@ -79,6 +81,7 @@ class _Switch:
         device: str,
         gpu: int = 0,
         fp8_keep: str = "none",
+        lora: tuple[int, float, list[str], bool] | None = None,
     ) -> None: ...
     @staticmethod
     def megatron(

@@ -19,13 +19,14 @@ from .sources import (
     _set_writeable,
     _Source,
 )
+from ._lora import PEFT_PREFIX, is_adapter, lora_args
 from .vllm import vllm_tensors
 
 Dtype = Literal["bf16", "fp8"]
 Experts = Literal["tp", "ep"]
 Offload = Literal["none", "params", "optimizer", "all"]
 Switching = Literal["lazy", "eager"]
-Format = Literal["hf", "vllm"]
+Format = Literal["hf", "vllm", "peft"]
 
 
 def _config_json(config: Any) -> str:
@@ -95,6 +96,22 @@ def _regather(module, device: str, world: int):
     return regather(module, world)
 
 
+def expected_parameters(config: Any, *, lora: Any = None) -> list[tuple[str, list[int]]]:
+    """The parameters (Hugging Face names, full shapes, checkpoint order) of the model
+    ``config`` (a Hugging Face config, dict, JSON or path) describes; with ``lora`` (PEFT's
+    ``LoraConfig`` or a dict of its fields) each adapted weight followed by its ``lora_A`` and
+    ``lora_B``. What :meth:`Switch.from_arrays` takes."""
+    return _lifecycle.expected_parameters(_config_json(config), lora_args(lora))
+
+
+def _named(format: str, named: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``named`` as ``format`` gives it: every tensor (``"hf"``), or the LoRA adapters alone
+    under PEFT's keys (``"peft"``)."""
+    if format == "peft":
+        return [(PEFT_PREFIX + n, t) for n, t in named if is_adapter(n)]
+    return named
+
+
 def _tuples(named: Any, what: str, form: str) -> list[tuple]:
     """``named`` as a list of tuples of ``form``'s size: a dict's items, or an iterable of
     tuples; anything else a ConfigError naming ``what``."""
@@ -128,7 +145,13 @@ class Switch:
     ``"fp8"`` (block-scaled e4m3 matrices, quantised from the fp32 masters in the switch; the
     embedding, head, norms and router stay bf16); ``fp8_keep``, for an fp8 rollout, more
     matrices kept bf16: comma-separated ``attention`` and ``layer:N`` (``"none"`` by default);
-    ``experts`` ``"tp"`` or ``"ep"``; ``offload``; ``switching`` ``"lazy"`` or ``"eager"``.
+    ``experts`` ``"tp"`` or ``"ep"``; ``offload``; ``switching`` ``"lazy"`` or ``"eager"``;
+    ``lora`` (host arrays, :meth:`from_arrays` / :meth:`from_shards`): PEFT's ``LoraConfig`` or
+    a dict of its ``r``, ``lora_alpha``, ``target_modules`` and ``use_rslora``, the named
+    tensors then including each adapted weight's ``lora_A`` / ``lora_B``
+    (:func:`lifecycle.expected_parameters` lists them): the base is frozen (cast once; a
+    refresh moves the adapters alone, and a base weight written since is refused by name) and
+    the rollout holds each adapter beside its base, split as its base is.
 
     Every argument, and every tensor's dtype, layout, device and shape, is checked when the
     switch is built; a training weight that is not finite is refused when it is switched
@@ -171,6 +194,7 @@ class Switch:
         regather=None,
         build=None,
         barrier=None,
+        lora=None,
     ) -> "Switch":
         """The switch over ``sources``: a list, built by the extension from their names; or,
         with ``build(config_json, tp)`` making the extension's switch, a callable giving the
@@ -207,6 +231,7 @@ class Switch:
                 device=device,
                 gpu=_current_gpu() if device == "cuda" else 0,
                 fp8_keep=fp8_keep,
+                lora=lora_args(lora),
             )
         else:
             s = build(self._config_json, tp)
@@ -217,6 +242,7 @@ class Switch:
                 src.check(device)
         self._per_rank = per_rank
         self._barrier = barrier
+        self._lora = lora is not None
         self._sources = sources
         self._device = device
         self._torch = device == "cuda" or any(
@@ -723,6 +749,15 @@ class RolloutWeights:
                 "in place; take the rollout tensors in a new session (switch.rollout())"
             )
 
+    def _check_format(self, format: str) -> None:
+        if format not in ("hf", "vllm", "peft"):
+            raise ConfigError(f'format `{format}`: expected "hf", "vllm" or "peft"')
+        if format == "peft" and not self._switch._lora:
+            raise ConfigError(
+                'format="peft" yields LoRA adapters: this switch has none (build it with '
+                "lora=...)"
+            )
+
     def handles(self, rank: int = 0, *, bits: bool = False) -> list:
         """The rollout tensors of local rank ``rank`` as handles (``_Tensor``): DLPack
         exporters that raise :class:`StaleWeightsError` once stale. ``bits`` exports them as
@@ -737,21 +772,22 @@ class RolloutWeights:
         ``format="hf"``: the rollout layout's names (Hugging Face's at any T).
         ``format="vllm"``: vLLM's runtime names and rank-local shapes (fused ``qkv_proj``,
         ``gate_up_proj``, FusedMoE ``w13_weight`` / ``w2_weight``, the vocabulary padded as
-        vLLM pads it); fused tensors are new tensors (one copy), the others views."""
+        vLLM pads it); fused tensors are new tensors (one copy), the others views.
+        ``format="peft"``: a LoRA switch's adapters alone, under PEFT's state-dict keys
+        (``base_model.model.…q_proj.lora_A.weight``: what an engine serving LoRA loads)."""
         self._check("named_tensors")
-        if format not in ("hf", "vllm"):
-            raise ConfigError(f'format `{format}`: expected "hf" or "vllm"')
+        self._check_format(format)
         handles = self._switch._live().tensors(_rank(rank), False)
         if not self._switch._torch:
             if format == "vllm":
                 raise ConfigError('format="vllm" yields torch tensors: it needs a torch switch')
-            yield from ((h.name, h) for h in handles)
+            yield from _named(format, [(h.name, h) for h in handles])
             return
         from ._torch import to_torch
 
         named = [(h.name, to_torch(h)) for h in handles]
-        if format == "hf":
-            yield from named
+        if format != "vllm":
+            yield from _named(format, named)
         else:
             yield from vllm_tensors(
                 self._switch._config_json, dict(named), self._switch._tp, rank
@@ -763,16 +799,15 @@ class RolloutWeights:
         ``format="hf"``; ``format="vllm"`` as in :meth:`named_tensors` (fused arrays are
         copies). Concatenation moves bits unchanged, so the fused arrays are the exact bits."""
         self._check("named_arrays")
-        if format not in ("hf", "vllm"):
-            raise ConfigError(f'format `{format}`: expected "hf" or "vllm"')
+        self._check_format(format)
         if self._switch._device != "cpu":
             raise ConfigError("named_arrays reads host memory: use named_tensors on a cuda switch")
         import numpy as np
 
         handles = self._switch._live().tensors(_rank(rank), True)
         named = [(h.name, np.from_dlpack(h)) for h in handles]
-        if format == "hf":
-            yield from named
+        if format != "vllm":
+            yield from _named(format, named)
         else:
             yield from vllm_tensors(
                 self._switch._config_json, dict(named), self._switch._tp, rank

@@ -5,8 +5,8 @@ use std::sync::{Mutex, MutexGuard};
 
 use lifecycle_bridge::gpu::GpuRankParts;
 use lifecycle_bridge::settings::{
-    buffer_class, engine_settings, gpu_pool, requests, switch_settings, RankHome, SamplingText,
-    SettingsText,
+    self, buffer_class, engine_settings, gpu_pool, requests, switch_settings, RankHome,
+    SamplingText, SettingsText,
 };
 use lifecycle_bridge::shards::Shard;
 use lifecycle_bridge::SwitchStats;
@@ -58,11 +58,23 @@ fn stats_dict<'py>(py: Python<'py>, s: SwitchStats) -> PyResult<Bound<'py, PyDic
     Ok(d)
 }
 
+/// A front's LoRA configuration: `(r, lora_alpha, target_modules, use_rslora)`.
+type LoraArgs = (usize, f64, Vec<String>, bool);
+
 /// The parameters (Hugging Face names, full shapes, checkpoint order) of the model a Hugging
-/// Face `config.json` describes.
+/// Face `config.json` describes, with the LoRA adapters of `lora` beside their bases.
 #[pyfunction]
-pub fn expected_parameters(config_json: &str) -> PyResult<Vec<(String, Vec<usize>)>> {
-    ModelBinding::expected(config_json).map_err(to_py)
+#[pyo3(signature = (config_json, lora=None))]
+pub fn expected_parameters(
+    config_json: &str,
+    lora: Option<LoraArgs>,
+) -> PyResult<Vec<(String, Vec<usize>)>> {
+    match lora {
+        None => ModelBinding::expected(config_json),
+        Some((r, alpha, targets, rslora)) => settings::lora(r, alpha, &targets, rslora)
+            .and_then(|l| ModelBinding::expected_with_lora(config_json, &l)),
+    }
+    .map_err(to_py)
 }
 
 /// vLLM's runtime parameters (names, rank-local shapes) of the model a Hugging Face
@@ -97,7 +109,7 @@ pub fn megatron_parameters(
 #[pymethods]
 impl PySwitch {
     #[new]
-    #[pyo3(signature = (config_json, names, *, world, tp, dtype_name, experts_name, offload, switching, device, gpu=0, fp8_keep="none"))]
+    #[pyo3(signature = (config_json, names, *, world, tp, dtype_name, experts_name, offload, switching, device, gpu=0, fp8_keep="none", lora=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -112,9 +124,17 @@ impl PySwitch {
         device: &str,
         gpu: usize,
         fp8_keep: &str,
+        lora: Option<LoraArgs>,
     ) -> PyResult<Self> {
         let build = || -> Result<Switch, BridgeError> {
-            let binding = ModelBinding::new(config_json, names)?;
+            let binding = match lora {
+                None => ModelBinding::new(config_json, names)?,
+                Some((r, alpha, targets, rslora)) => ModelBinding::with_lora(
+                    config_json,
+                    names,
+                    settings::lora(r, alpha, &targets, rslora)?,
+                )?,
+            };
             let text = SettingsText {
                 world,
                 tp,

@@ -252,7 +252,7 @@ def test_bad_calls_in_a_session(config, params):
     with switch.rollout() as w:
         refused(ConfigError, "rollout rank 2: the rollout has T = 2 ranks", lambda: w.handles(2))
         refused(ConfigError, "rank: expected an int", lambda: w.handles("0"))
-        refused(ConfigError, r'format `safetensors`: expected "hf" or "vllm"', lambda: list(w.named_arrays("safetensors")))
+        refused(ConfigError, r'format `safetensors`: expected "hf", "vllm" or "peft"', lambda: list(w.named_arrays("safetensors")))
         refused(ConfigError, "a rollout session is already open", lambda: switch.rollout().__enter__())
         refused(ConfigError, "a rollout session is open: end it before training", switch.train)
         refused(ConfigError, "a rollout session is open: end it before updating", lambda: switch.update().__enter__())

@@ -1,0 +1,124 @@
+"""LoRA models on the host switch (CI, numpy): the adapters beside their frozen base, split as
+their base is, refreshed alone; PEFT's keys out; a written base and bad configurations refused
+by name."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from support import bf16_bits
+
+import lifecycle
+
+CONFIG = {
+    "model_type": "qwen2", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4,
+    "rope_theta": 1e4, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+}
+LORA = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
+def arrays(lora=LORA, seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        n: rng.standard_normal(s).astype(np.float32)
+        for n, s in lifecycle.expected_parameters(CONFIG, lora=lora)
+    }
+
+
+def test_adapters_follow_their_bases_in_peft_names_and_shapes():
+    names = lifecycle.expected_parameters(CONFIG, lora=LORA)
+    plain = lifecycle.expected_parameters(CONFIG)
+    adapters = [(n, s) for n, s in names if ".lora_" in n]
+    # q, v, down on 2 layers: A and B each
+    assert len(adapters) == 12 and len(names) == len(plain) + 12
+    at = [n for n, _ in names].index("model.layers.1.mlp.down_proj.weight")
+    assert names[at + 1] == ("model.layers.1.mlp.down_proj.lora_A.weight", [2, 32])
+    assert names[at + 2] == ("model.layers.1.mlp.down_proj.lora_B.weight", [16, 2])
+    # a PEFT LoraConfig (attributes; targets a set) reads as the dict does
+    peft = SimpleNamespace(r=2, lora_alpha=4, target_modules={"down_proj", "v_proj", "q_proj"})
+    assert lifecycle.expected_parameters(CONFIG, lora=peft) == names
+
+
+def test_a_refresh_moves_the_adapters_alone_split_as_their_bases():
+    a = arrays()
+    s = lifecycle.Switch.from_arrays(CONFIG, a, lora=LORA, world=2, rollout_tp=2)
+    with s.rollout() as w:
+        before = [{n: x.copy() for n, x in w.named_arrays(rank=r)} for r in range(2)]
+    # column-parallel q: B split on its rows, A whole; row-parallel down: A split on its columns
+    q = "model.layers.0.self_attn.q_proj"
+    down = "model.layers.1.mlp.down_proj"
+    for r in range(2):
+        assert np.array_equal(before[r][f"{q}.lora_A.weight"], bf16_bits(a[f"{q}.lora_A.weight"]))
+        assert np.array_equal(
+            before[r][f"{q}.lora_B.weight"], bf16_bits(a[f"{q}.lora_B.weight"][8 * r : 8 * r + 8])
+        )
+        assert np.array_equal(
+            before[r][f"{down}.lora_A.weight"],
+            bf16_bits(a[f"{down}.lora_A.weight"][:, 16 * r : 16 * r + 16]),
+        )
+    old = a[f"{q}.lora_B.weight"].copy()
+    with s.update() as m:
+        m[f"{q}.lora_B.weight"] += 1.0  # the switch's masters are the arrays given: `a` too
+    with s.rollout() as w:
+        after = [{n: x.copy() for n, x in w.named_arrays(rank=r)} for r in range(2)]
+    assert s.stats()["refreshes"] == 1
+    for r in range(2):
+        changed = [n for n in before[r] if not np.array_equal(before[r][n], after[r][n])]
+        assert changed == [f"{q}.lora_B.weight"]
+        want = bf16_bits((old + 1.0)[8 * r : 8 * r + 8])
+        assert np.array_equal(after[r][f"{q}.lora_B.weight"], want)
+
+
+def test_peft_format_yields_the_adapters_alone_under_peft_keys():
+    s = lifecycle.Switch.from_arrays(CONFIG, arrays(), lora=LORA)
+    with s.rollout() as w:
+        peft = dict(w.named_arrays("peft"))
+        hf = dict(w.named_arrays())
+        assert sorted(peft) == sorted(
+            "base_model.model." + n for n in hf if n.endswith((".lora_A.weight", ".lora_B.weight"))
+        )
+        assert len(peft) == 12
+        del peft, hf
+    plain = lifecycle.Switch.from_arrays(CONFIG, arrays(lora=None))
+    with plain.rollout() as w:
+        with pytest.raises(lifecycle.ConfigError, match="has none"):
+            list(w.named_arrays("peft"))
+
+
+def test_a_written_base_is_refused_by_name_and_nothing_stays_half_switched():
+    s = lifecycle.Switch.from_arrays(CONFIG, arrays(), lora=LORA)
+    with s.rollout():
+        pass
+    with s.update() as m:
+        m["model.layers.1.self_attn.v_proj.weight"] += 1.0
+    with pytest.raises(lifecycle.LifecycleError, match=r"v_proj.weight.*frozen"):
+        with s.rollout():
+            pass
+    # back in train mode: a new enter casts the base again
+    with s.rollout() as w:
+        got = dict(w.named_arrays())["model.layers.1.self_attn.v_proj.weight"]
+        assert np.array_equal(got, bf16_bits(s.masters["model.layers.1.self_attn.v_proj.weight"]))
+        del got
+
+
+def test_bad_lora_configurations_and_adapter_tensors_are_refused_by_name():
+    a = arrays()
+    with pytest.raises(lifecycle.ConfigError, match="target_modules.*lm_head"):
+        lifecycle.Switch.from_arrays(CONFIG, a, lora={**LORA, "target_modules": ["lm_head"]})
+    with pytest.raises(lifecycle.ConfigError, match="r: expected"):
+        lifecycle.Switch.from_arrays(CONFIG, a, lora={**LORA, "r": 2.5})
+    with pytest.raises(lifecycle.ConfigError, match="r must be at least 1"):
+        lifecycle.expected_parameters(CONFIG, lora={**LORA, "r": 0})
+    with pytest.raises(lifecycle.TensorMismatchError, match="v_proj.lora_A.*missing"):
+        lifecycle.Switch.from_arrays(
+            CONFIG, {n: x for n, x in a.items() if "v_proj.lora_A" not in n}, lora=LORA
+        )
+    with pytest.raises(lifecycle.TensorMismatchError, match="no LoRA configuration"):
+        lifecycle.Switch.from_arrays(CONFIG, a)
+    with pytest.raises(lifecycle.TensorMismatchError, match="does not target"):
+        lifecycle.Switch.from_arrays(CONFIG, a, lora={**LORA, "target_modules": ["q_proj"]})
+    wrong = dict(a)
+    wrong["model.layers.0.self_attn.q_proj.lora_B.weight"] = np.zeros((16, 3), np.float32)
+    with pytest.raises(lifecycle.TensorMismatchError, match=r"q_proj.lora_B.weight.*\[16, 2\]"):
+        lifecycle.Switch.from_arrays(CONFIG, wrong, lora=LORA)
