@@ -226,52 +226,41 @@ impl<'a> Pass<'a> {
                     shared_mem_bytes: 0,
                 };
                 self.kernel(&k.attention_join, cfg, &args, "attention_join")?;
-            } else if let Some((tiles, count)) = &self.sc.tiles {
-                // a prefill: a block per (tile of rows of one sequence, query head), each K / V
-                // page read once for the tile's rows; blocks past the tiles pad the quantised
-                // output's padded tokens
-                let cfg = LaunchConfig {
-                    grid_dim: (((count + rows - n) * qh) as u32, 1, 1),
-                    block_dim: (threads as u32, 1, 1),
-                    shared_mem_bytes: crate::kernels::tile_shared_bytes(
-                        self.step.pps * KV_PAGE_POSITIONS,
-                        d,
-                    ) as u32,
-                };
-                let args: Vec<Arg> = place
-                    .into_iter()
-                    .chain([Arg::U64(out)])
-                    .chain(heads)
-                    .chain([Arg::U64(self.at(tiles)), u32a(*count)])
-                    .chain([aq, asc, tok, grp, tiles_arg])
-                    .collect();
-                let attention = match st.kv {
-                    KvDtype::F32 => &k.attention_tiled,
-                    KvDtype::Bf16 => &k.attention_tiled_bf16,
-                    KvDtype::Fp8 => &k.attention_tiled_fp8,
-                };
-                self.kernel(attention, cfg, &args, "attention_tiled")?;
             } else {
-                let cfg = LaunchConfig {
-                    grid_dim: ((rows * qh) as u32, 1, 1),
-                    block_dim: (threads as u32, 1, 1),
-                    shared_mem_bytes: crate::kernels::attention_shared_bytes(
-                        self.step.pps * KV_PAGE_POSITIONS,
-                        d,
-                    ) as u32,
+                // a prefill: a block per (tile of rows of one sequence, query head), each K / V
+                // page read once for the tile's rows, blocks past the tiles padding the
+                // quantised output's padded tokens; heads too wide for tiles: a block per (row,
+                // query head)
+                let cap = self.step.pps * KV_PAGE_POSITIONS;
+                let tiled = self.sc.tiles.as_ref().map(|(t, c)| (self.at(t), *c));
+                let (blocks, shared) = match tiled {
+                    Some((_, count)) => {
+                        (count + rows - n, crate::kernels::tile_shared_bytes(cap, d))
+                    }
+                    None => (rows, crate::kernels::attention_shared_bytes(cap, d)),
                 };
+                let cfg = LaunchConfig {
+                    grid_dim: ((blocks * qh) as u32, 1, 1),
+                    block_dim: (threads as u32, 1, 1),
+                    shared_mem_bytes: shared as u32,
+                };
+                let tile_args = tiled.map(|(at, count)| [Arg::U64(at), u32a(count)]);
                 let args: Vec<Arg> = place
                     .into_iter()
                     .chain([Arg::U64(out)])
                     .chain(heads)
+                    .chain(tile_args.into_iter().flatten())
                     .chain([aq, asc, tok, grp, tiles_arg])
                     .collect();
-                let attention = match st.kv {
-                    KvDtype::F32 => &k.attention,
-                    KvDtype::Bf16 => &k.attention_bf16,
-                    KvDtype::Fp8 => &k.attention_fp8,
+                let (attention, what) = match (st.kv, tiled.is_some()) {
+                    (KvDtype::F32, true) => (&k.attention_tiled, "attention_tiled"),
+                    (KvDtype::Bf16, true) => (&k.attention_tiled_bf16, "attention_tiled"),
+                    (KvDtype::Fp8, true) => (&k.attention_tiled_fp8, "attention_tiled"),
+                    (KvDtype::F32, false) => (&k.attention, "attention"),
+                    (KvDtype::Bf16, false) => (&k.attention_bf16, "attention"),
+                    (KvDtype::Fp8, false) => (&k.attention_fp8, "attention"),
                 };
-                self.kernel(attention, cfg, &args, "attention")?;
+                self.kernel(attention, cfg, &args, what)?;
             }
             if let Some(qi) = fused {
                 self.held(qi);
