@@ -666,6 +666,17 @@ extern "C" __global__ void attention_fp8(const float* __restrict__ q, const u8* 
 // a page's scores are a warp's two per lane
 static_assert(KV_PAGE == 64u, "attend_tile takes pages of 64 positions");
 
+// Positions 0 .. np of page pg of rows as f32 into kv (rows ld floats apart), the block's threads
+// striding over them.
+template <typename Rows, typename P>
+__device__ __forceinline__ void page_to_shared(Rows rows, P pg, u32 np, u32 d, u32 ld,
+                                               float* __restrict__ kv) {
+    for (u32 i = threadIdx.x; i < np * d; i += blockDim.x) {
+        const u32 c = i / d, t = i % d;
+        kv[c * ld + t] = rows.get(pg, c, t);
+    }
+}
+
 template <typename Rows>
 __device__ void attend_tile(const float* __restrict__ q, Rows k, Rows v, u32 first, u32 cnt,
                             u32 pos0, u32 pps, u16* __restrict__ out, u32 n, u32 qh, u32 j, u32 d,
@@ -695,11 +706,7 @@ __device__ void attend_tile(const float* __restrict__ q, Rows k, Rows v, u32 fir
     for (u32 pj = 0; pj * KV_PAGE <= last; ++pj) {
         const u32 lo = pj * KV_PAGE, np = min(KV_PAGE, last + 1 - lo);
         __syncthreads();  // the page before fully read
-        const auto pk = k.page(pj);
-        for (u32 i = tid; i < np * d; i += nt) {
-            const u32 c = i / d, t = i % d;
-            kv[c * ld + t] = k.get(pk, c, t);
-        }
+        page_to_shared(k, k.page(pj), np, d, ld, kv);
         __syncthreads();
         for (u32 e = tid; e < TILE_ROWS * KV_PAGE; e += nt) {
             const u32 r = e / KV_PAGE, c = e % KV_PAGE;
@@ -729,11 +736,7 @@ __device__ void attend_tile(const float* __restrict__ q, Rows k, Rows v, u32 fir
             }
         }
         __syncthreads();  // the scores and K read
-        const auto pv = v.page(pj);
-        for (u32 i = tid; i < np * d; i += nt) {
-            const u32 c = i / d, t = i % d;
-            kv[c * ld + t] = v.get(pv, c, t);
-        }
+        page_to_shared(v, v.page(pj), np, d, ld, kv);
         __syncthreads();
 #pragma unroll
         for (u32 i = 0; i < 8; ++i) {

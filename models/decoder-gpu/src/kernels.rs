@@ -273,12 +273,16 @@ impl DecoderKernels {
             .map_err(|e| {
                 CudaError::driver(ctx.rank, "reading the shared memory per block", 0, e)
             })?;
-        let want = attention_shared_bytes(crate::MAX_CONTEXT, 0);
-        let bytes = want.min(optin.max(0) as usize);
-        for (f, name) in [
-            (&self.attention, "attention"),
-            (&self.attention_bf16, "attention_bf16"),
-            (&self.attention_fp8, "attention_fp8"),
+        let optin = optin.max(0) as usize;
+        let bytes = attention_shared_bytes(crate::MAX_CONTEXT, 0).min(optin);
+        let tiled = tile_shared_bytes(crate::MAX_CONTEXT, TILED_MAX_HEAD).min(optin);
+        for (f, name, bytes) in [
+            (&self.attention, "attention", bytes),
+            (&self.attention_bf16, "attention_bf16", bytes),
+            (&self.attention_fp8, "attention_fp8", bytes),
+            (&self.attention_tiled, "attention_tiled", tiled),
+            (&self.attention_tiled_bf16, "attention_tiled_bf16", tiled),
+            (&self.attention_tiled_fp8, "attention_tiled_fp8", tiled),
         ] {
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -288,26 +292,6 @@ impl DecoderKernels {
                 CudaError::driver(
                     ctx.rank,
                     format!("{name}: allowing {bytes} bytes of shared memory"),
-                    0,
-                    e,
-                )
-            })?;
-        }
-        let tiled =
-            tile_shared_bytes(crate::MAX_CONTEXT, TILED_MAX_HEAD).min(optin.max(0) as usize);
-        for (f, name) in [
-            (&self.attention_tiled, "attention_tiled"),
-            (&self.attention_tiled_bf16, "attention_tiled_bf16"),
-            (&self.attention_tiled_fp8, "attention_tiled_fp8"),
-        ] {
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                tiled as i32,
-            )
-            .map_err(|e| {
-                CudaError::driver(
-                    ctx.rank,
-                    format!("{name}: allowing {tiled} bytes of shared memory"),
                     0,
                     e,
                 )
