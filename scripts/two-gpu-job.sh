@@ -86,6 +86,9 @@ if ls "$BIN"/lifecycle-*.whl > /dev/null 2>&1; then
                     --master_port=29631 python/tests/gpu/megatron_ranks.py $how --backend "$backend"
             done
         done
+        # experts over EP = W ranks (dense DP = W), the ranks sharing GPU 0
+        part megatron_ranks_gloo_ep 120 torchrun --nproc_per_node="$W" --master_port=29631 \
+            python/tests/gpu/megatron_ranks.py --dp "$W" --moe --ep "$W" --backend gloo
         part megatron_enter 300 python python/bench/megatron_enter.py --config-out "$OUT/qwen3_2b.json"
         part megatron_enter_rust 300 "$BIN/megatron_bench" --world 1 --skip-offload --iters 5 \
             --config "$OUT/qwen3_2b.json"

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use lifecycle_cuda::ThreadRankPool;
+use lifecycle_layout::megatron::MegatronParallel;
 
 use crate::error::BridgeError;
 use crate::gpu::{GpuFront, GpuRankParts, GpuSwitch};
@@ -78,8 +79,8 @@ impl Switch {
     }
 
     /// A switch of Megatron-Core parameters for the model `config_json` (a Hugging Face
-    /// `config.json`) trained at `(tp, pp, dp)` with the embedding padded to `padded_vocab`
-    /// rows (the live model's), with the settings `text` names (its `world` TP × PP × DP, its
+    /// `config.json`) trained at `parallel`'s degrees with the embedding padded to
+    /// `padded_vocab` rows (the live model's), with the settings `text` names (its `world` TP × PP × DP, its
     /// `tp` the rollout's), on the GPU ranks `pool` makes ([`GpuSwitch::megatron`]).
     ///
     /// ```
@@ -92,17 +93,19 @@ impl Switch {
     ///     offload: "none", switching: "lazy", fp8_keep: "none" };
     /// let no_gpu = || Err(lifecycle_bridge::BridgeError::Config("no GPU here".into()));
     /// // refused before any GPU is asked for: W = 2 given for TP × PP × DP = 1
-    /// let err = Switch::megatron(config, (1, 1, 1), 16, &text, no_gpu).err().unwrap();
+    /// let degrees = lifecycle_bridge::MegatronParallel::new(1, 1, 1);
+    /// let err = Switch::megatron(config, degrees, 16, &text, no_gpu).err().unwrap();
     /// assert!(err.to_string().contains("TP × PP × DP"), "{err}");
     /// ```
     pub fn megatron(
         config_json: &str,
-        (tp, pp, dp): (usize, usize, usize),
+        parallel: MegatronParallel,
         padded_vocab: usize,
         text: &crate::settings::SettingsText<'_>,
         pool: impl FnOnce() -> Result<ThreadRankPool, BridgeError>,
     ) -> Result<Self, BridgeError> {
-        if tp * pp * dp != text.world {
+        let MegatronParallel { tp, pp, dp, .. } = parallel;
+        if parallel.world() != text.world {
             return Err(BridgeError::Config(format!(
                 "world size {} given for Megatron's TP × PP × DP = {tp} × {pp} × {dp}",
                 text.world
@@ -110,7 +113,7 @@ impl Switch {
         }
         let binding = ModelBinding::new(config_json, ModelBinding::expected(config_json)?)?;
         let settings = crate::settings::switch_settings(text, &binding)?;
-        let train = binding.megatron_layout((tp, pp, dp), Some(padded_vocab))?;
+        let train = binding.megatron_layout(parallel, Some(padded_vocab))?;
         let gpu = GpuSwitch::megatron(binding, train, settings, Arc::new(pool()?))?;
         Ok(Switch {
             kind: Kind::Gpu(Box::new(gpu)),

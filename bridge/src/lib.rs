@@ -43,3 +43,7 @@ pub use host::{HostSwitch, SwitchSettings};
 pub use model::ModelBinding;
 pub use switch::{Entered, SwitchStats};
 pub use views::{Device, Lease, Leases, TensorView, ViewDtype};
+
+/// Megatron-Core's parallel degrees, as [`Switch::megatron`] and
+/// [`ModelBinding::megatron_parameters`] take them.
+pub use lifecycle_layout::megatron::MegatronParallel;

@@ -4,7 +4,7 @@
 use std::collections::{HashMap, HashSet};
 
 use lifecycle_layout::lora::{adapters, with_adapters, LoraConfig, LoraPart};
-use lifecycle_layout::megatron::MegatronLayout;
+use lifecycle_layout::megatron::{MegatronLayout, MegatronParallel};
 use lifecycle_layout::ModelConfig;
 use lifecycle_layout::{ExpertPlacement, FsdpLayout, RolloutLayout};
 
@@ -246,44 +246,45 @@ impl ModelBinding {
 }
 
 impl ModelBinding {
-    /// Megatron-Core's training layout of this model at `(tp, pp, dp)`, the embedding padded
-    /// to `padded_vocab` rows (the live model's `vocab_size`), or where `None` by Megatron's
-    /// default rule (a multiple of 128 × TP).
+    /// Megatron-Core's training layout of this model at `parallel`'s degrees (EP and ETP
+    /// included), the embedding padded to `padded_vocab` rows (the live model's `vocab_size`),
+    /// or where `None` by Megatron's default rule (a multiple of 128 × TP).
     pub fn megatron_layout(
         &self,
-        (tp, pp, dp): (usize, usize, usize),
+        parallel: MegatronParallel,
         padded_vocab: Option<usize>,
     ) -> Result<MegatronLayout, BridgeError> {
-        let layout = match padded_vocab {
-            Some(v) => MegatronLayout::with_padded_vocab(self.config.model_spec(1), tp, pp, dp, v),
-            None => MegatronLayout::new(self.config.model_spec(128), tp, pp, dp),
-        };
-        layout.map_err(|e| BridgeError::Config(e.to_string()))
+        let spec = self
+            .config
+            .model_spec(parallel.make_vocab_size_divisible_by);
+        MegatronLayout::at(spec, parallel, padded_vocab)
+            .map_err(|e| BridgeError::Config(e.to_string()))
     }
 
     /// Megatron-Core's parameters of global rank `rank` of the model `config_json` (a Hugging
-    /// Face `config.json`) trained at `(tp, pp, dp)` ([`ModelBinding::megatron_layout`]):
-    /// names as its local spec registers them, the rank's shapes, in the order a Megatron switch
-    /// lends them. What `Switch.from_megatron` checks a live model against.
+    /// Face `config.json`) trained at `parallel` ([`ModelBinding::megatron_layout`]): names as
+    /// its local spec registers them, the rank's shapes, in the order a Megatron switch lends
+    /// them. What `Switch.from_megatron` checks a live model against.
     ///
     /// ```
     /// use lifecycle_bridge::ModelBinding;
+    /// use lifecycle_bridge::MegatronParallel;
     /// let config = r#"{"model_type": "qwen2", "vocab_size": 100, "hidden_size": 16,
     ///   "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
     ///   "intermediate_size": 32, "rope_theta": 10000.0, "tie_word_embeddings": false}"#;
-    /// let names = ModelBinding::megatron_parameters(config, (1, 1, 1), None, 0)?;
+    /// let names = ModelBinding::megatron_parameters(config, MegatronParallel::new(1, 1, 1), None, 0)?;
     /// assert_eq!(names[0], ("embedding.word_embeddings.weight".to_string(), vec![128, 16]));
     /// assert!(names.iter().any(|(n, s)| n.ends_with("linear_qkv.weight") && s == &[32, 16]));
     /// # Ok::<(), lifecycle_bridge::BridgeError>(())
     /// ```
     pub fn megatron_parameters(
         config_json: &str,
-        degrees: (usize, usize, usize),
+        parallel: MegatronParallel,
         padded_vocab: Option<usize>,
         rank: usize,
     ) -> Result<Vec<(String, Vec<usize>)>, BridgeError> {
         let binding = ModelBinding::new(config_json, ModelBinding::expected(config_json)?)?;
-        let layout = binding.megatron_layout(degrees, padded_vocab)?;
+        let layout = binding.megatron_layout(parallel, padded_vocab)?;
         if rank >= layout.world() {
             return Err(BridgeError::Config(format!(
                 "rank {rank}: TP × PP × DP = {} ranks",

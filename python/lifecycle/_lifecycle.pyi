@@ -25,6 +25,8 @@ def megatron_parameters(
     dp: int,
     padded_vocab: int | None = None,
     rank: int = 0,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> list[tuple[str, list[int]]]: ...
 def _finalizing() -> None: ...
 
@@ -99,6 +101,8 @@ class _Switch:
         gpu: int = 0,
         fp8_keep: str = "none",
         ranks: str = "process",
+        ep: int = 1,
+        etp: int | None = None,
     ) -> _Switch: ...
     def parameters(self, local: int = 0) -> list[tuple[str, list[int]]]: ...
     def check_shards(self, shards: list[list[tuple[int, int]]]) -> None: ...

@@ -60,13 +60,18 @@ def megatron_parameters(
     dp: int = 1,
     padded_vocab: int | None = None,
     rank: int = 0,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> list[tuple[str, list[int]]]:
     """Megatron-Core's parameters of ``config`` (a Hugging Face config, dict, JSON or path) on
-    global rank ``rank`` at ``(tp, pp, dp)``: ``(name, shape)`` in the order a Megatron switch
-    lends them, names as Megatron-Core's local spec registers them (:func:`layout_name` gives
-    every spec's names in these terms), the embedding padded to ``padded_vocab`` rows (the
-    model's ``vocab_size``; Megatron's default rule, a multiple of 128 x TP, where None).
-    What ``Switch.from_megatron`` checks a live model against, computed by the Rust library."""
+    global rank ``rank`` at ``(tp, pp, dp)``, a mixture-of-experts model's experts split over
+    ``ep`` expert-parallel ranks and ``etp`` expert tensor-parallel ones (``tp`` where None):
+    ``(name, shape)`` in the order a Megatron switch lends them, names as Megatron-Core's local
+    spec registers them (:func:`layout_name` gives every spec's names in these terms; an
+    expert's ``weight{j}`` is the rank's ``j``-th local expert), the embedding padded to
+    ``padded_vocab`` rows (the model's ``vocab_size``; Megatron's default rule, a multiple of
+    128 x TP, where None). What ``Switch.from_megatron`` checks a live model against, computed
+    by the Rust library."""
     from ._lifecycle import megatron_parameters as names
     from .sources import _positive
     from .switch import _config_json
@@ -79,11 +84,14 @@ def megatron_parameters(
             ("dp", dp, "Megatron's data-parallel degree"),
         )
     ]
+    ep = _positive("ep", ep, "Megatron's expert-parallel degree")
+    if etp is not None:
+        etp = _positive("etp", etp, "Megatron's expert tensor-parallel degree")
     if padded_vocab is not None:
         padded_vocab = _positive("padded_vocab", padded_vocab, "the embedding's rows")
     if isinstance(rank, bool) or not hasattr(rank, "__index__") or int(rank) < 0:
         raise ConfigError(f"rank: expected a global rank (an int from 0), found {rank!r}")
-    return names(_config_json(config), *degrees, padded_vocab, int(rank))
+    return names(_config_json(config), *degrees, padded_vocab, int(rank), ep, etp)
 
 
 def _unwrap(model: Any) -> Any:
@@ -104,8 +112,9 @@ def _unwrap(model: Any) -> Any:
     return model, inner
 
 
-def degrees() -> tuple[int, int, int]:
-    """Megatron-Core's (TP, PP, DP) of this process (``megatron.core.parallel_state``)."""
+def degrees() -> tuple[int, int, int, int, int]:
+    """Megatron-Core's (TP, PP, DP, EP, ETP) of this process (``megatron.core.parallel_state``):
+    the dense layers' degrees and the expert layers' expert- and expert tensor-parallel ones."""
     try:
         from megatron.core import parallel_state as ps
     except ImportError as e:
@@ -115,23 +124,25 @@ def degrees() -> tuple[int, int, int]:
             "from_megatron: Megatron-Core's model parallel state is not initialised: call "
             "parallel_state.initialize_model_parallel(...) before building the model"
         )
-    ep = ps.get_expert_model_parallel_world_size()
-    if ep != 1:
+    cp = ps.get_context_parallel_world_size()
+    if cp != 1:
         raise ConfigError(
-            f"from_megatron: expert parallelism of {ep}: only EP = 1 (experts split by TP) is "
-            "supported so far"
+            f"from_megatron: context parallelism of {cp}: only CP = 1 is supported (each rank "
+            "holds whole parameters whatever CP is: build the switch's model at CP = 1)"
         )
     return (
         ps.get_tensor_model_parallel_world_size(),
         ps.get_pipeline_model_parallel_world_size(),
         ps.get_data_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_tensor_parallel_world_size(),
     )
 
 
 def layout_rank() -> int:
     """This process's rank in the switch's Megatron layout (TP fastest, then DP, then PP: the
-    order of Megatron-Core's default ``tp-cp-ep-dp-pp``), checked against torch.distributed's
-    rank where a job has several."""
+    order of Megatron-Core's default ``tp-cp-ep-dp-pp``; the expert layers' ETP, EP, expert DP,
+    PP in the same order), checked against torch.distributed's rank where a job has several."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -139,13 +150,17 @@ def layout_rank() -> int:
     rank = ps.get_tensor_model_parallel_rank() + tp * (
         ps.get_data_parallel_rank() + dp * ps.get_pipeline_model_parallel_rank()
     )
-    if dist.is_initialized() and dist.get_rank() != rank:
+    etp, ep = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_model_parallel_world_size()
+    experts = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_model_parallel_rank())
+    order = dist.is_initialized() and dist.get_rank() != rank
+    if order or experts != (rank % etp, rank // etp % ep):
         raise ConfigError(
-            f"from_megatron: torch.distributed rank {dist.get_rank()} has Megatron coordinates "
-            f"(tp {ps.get_tensor_model_parallel_rank()}, dp {ps.get_data_parallel_rank()}, pp "
-            f"{ps.get_pipeline_model_parallel_rank()}), rank {rank} in the order the switch "
-            "assumes (Megatron-Core's default tp-cp-ep-dp-pp): initialise the model parallel "
-            "state with that order"
+            f"from_megatron: rank {dist.get_rank() if dist.is_initialized() else 0} has Megatron "
+            f"coordinates (tp {ps.get_tensor_model_parallel_rank()}, dp "
+            f"{ps.get_data_parallel_rank()}, pp {ps.get_pipeline_model_parallel_rank()}; etp "
+            f"{experts[0]}, ep {experts[1]}), not rank {rank}'s in the order the switch assumes "
+            "(Megatron-Core's default tp-cp-ep-dp-pp): initialise the model parallel state with "
+            "that order"
         )
     return rank
 
@@ -164,7 +179,7 @@ def placement(world: int) -> str:
         found = dist.get_world_size() if dist.is_initialized() else "no process group"
         raise ConfigError(
             f"from_megatron: TP x PP x DP = {world} ranks, torch.distributed has {found}: "
-            "context- and expert-parallel groups are not supported"
+            "every rank of the job must be a rank of the model"
         )
     me = (socket.gethostname(), torch.cuda.current_device())
     every: list[Any] = [None] * world

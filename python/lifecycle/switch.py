@@ -407,12 +407,12 @@ class Switch:
         by address, on the current stream), into the fused rollout layout (``qkv_proj`` from
         the group-interleaved ``linear_qkv``, ``gate_up_proj`` from ``linear_fc1``, the
         vocabulary unpadded). Every parameter's name and shape is checked against the Megatron
-        layout of ``config`` at the model's (TP, PP, DP) before anything is read (the local and
-        Transformer Engine specs' names both). The weights count as changed when the optimizer
-        stepped (a hook on the torch optimizers inside it counts every step, also those the
-        switch never saw: the distributed optimizer moves no version counter of the
-        parameters), or when a parameter was written in place; :meth:`mark_changed` for
-        anything else. Offloading the optimizer state is not supported yet.
+        layout of ``config`` at the model's (TP, PP, DP) and its experts' (EP, ETP) before
+        anything is read (the local and Transformer Engine specs' names both). The weights count
+        as changed when the optimizer stepped (a hook on the torch optimizers inside it counts
+        every step, also those the switch never saw: the distributed optimizer moves no version
+        counter of the parameters), or when a parameter was written in place;
+        :meth:`mark_changed` for anything else. Offloading the optimizer state is not supported yet.
 
         Several ranks (torchrun, a process per rank, each passing its own model): where each
         has a GPU of its own, every process's switch is its rank of one NCCL world; where all
@@ -434,7 +434,7 @@ class Switch:
                 "mark the weights changed (call mark_changed() after updating them otherwise)",
                 stacklevel=2,
             )
-        tp, pp, dp = degrees()
+        tp, pp, dp, ep, etp = degrees()
         world = tp * pp * dp
         ranks = placement(world)
         rank = layout_rank()
@@ -457,6 +457,8 @@ class Switch:
                 gpu=_current_gpu(),
                 fp8_keep=keep,
                 ranks=ranks,
+                ep=ep,
+                etp=etp,
             )
 
         import torch

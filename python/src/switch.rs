@@ -10,7 +10,7 @@ use lifecycle_bridge::settings::{
 };
 use lifecycle_bridge::shards::Shard;
 use lifecycle_bridge::SwitchStats;
-use lifecycle_bridge::{BridgeError, Entered, GpuFront, ModelBinding, Switch};
+use lifecycle_bridge::{BridgeError, Entered, GpuFront, MegatronParallel, ModelBinding, Switch};
 use lifecycle_cuda::driver::{BufferClass, LentOffload};
 use lifecycle_decoder::{DecodeError, Sample, SamplingParams};
 use lifecycle_decoder_gpu::GpuDecodeError;
@@ -91,10 +91,12 @@ pub fn vllm_names(
 }
 
 /// Megatron-Core's parameters (names, rank-local shapes, the order a Megatron switch lends
-/// them) of the model a Hugging Face `config.json` describes at `(tp, pp, dp)`, of global rank
+/// them) of the model a Hugging Face `config.json` describes at `(tp, pp, dp)` with expert
+/// parallelism `ep` and expert tensor parallelism `etp` (TP where `None`), of global rank
 /// `rank`, the embedding padded to `padded_vocab` rows (Megatron's default rule where `None`).
 #[pyfunction]
-#[pyo3(signature = (config_json, tp, pp, dp, padded_vocab=None, rank=0))]
+#[pyo3(signature = (config_json, tp, pp, dp, padded_vocab=None, rank=0, ep=1, etp=None))]
+#[allow(clippy::too_many_arguments)]
 pub fn megatron_parameters(
     config_json: &str,
     tp: usize,
@@ -102,8 +104,11 @@ pub fn megatron_parameters(
     dp: usize,
     padded_vocab: Option<usize>,
     rank: usize,
+    ep: usize,
+    etp: Option<usize>,
 ) -> PyResult<Vec<(String, Vec<usize>)>> {
-    ModelBinding::megatron_parameters(config_json, (tp, pp, dp), padded_vocab, rank).map_err(to_py)
+    let degrees = MegatronParallel::new(tp, pp, dp).with_experts(ep, etp.unwrap_or(tp));
+    ModelBinding::megatron_parameters(config_json, degrees, padded_vocab, rank).map_err(to_py)
 }
 
 #[pymethods]
@@ -156,11 +161,12 @@ impl PySwitch {
     }
 
     /// A switch of Megatron-Core parameters (see `lifecycle.Switch.from_megatron`): the model of
-    /// `config_json` trained at `(tp, pp, dp)` with `padded_vocab` embedding rows, into the
+    /// `config_json` trained at `(tp, pp, dp)` (its experts at `ep`, `etp`: TP where `None`)
+    /// with `padded_vocab` embedding rows, into the
     /// fused rollout layout at `rollout_tp`, on GPU `gpu` (one rank), the launcher's ranks
     /// (`ranks="process"`), or every rank of the job on GPU `gpu` (`ranks="shared-gpu"`).
     #[staticmethod]
-    #[pyo3(signature = (config_json, *, tp, pp, dp, padded_vocab, rollout_tp, dtype_name, experts_name, offload, switching, gpu=0, fp8_keep="none", ranks="process"))]
+    #[pyo3(signature = (config_json, *, tp, pp, dp, padded_vocab, rollout_tp, dtype_name, experts_name, offload, switching, gpu=0, fp8_keep="none", ranks="process", ep=1, etp=None))]
     #[allow(clippy::too_many_arguments)]
     fn megatron(
         py: Python<'_>,
@@ -177,8 +183,11 @@ impl PySwitch {
         gpu: usize,
         fp8_keep: &str,
         ranks: &str,
+        ep: usize,
+        etp: Option<usize>,
     ) -> PyResult<Self> {
-        let world = tp * pp * dp;
+        let degrees = MegatronParallel::new(tp, pp, dp).with_experts(ep, etp.unwrap_or(tp));
+        let world = degrees.world();
         let home: RankHome = ranks.parse().map_err(to_py)?;
         let text = SettingsText {
             world,
@@ -190,7 +199,7 @@ impl PySwitch {
             fp8_keep,
         };
         let build = || {
-            Switch::megatron(config_json, (tp, pp, dp), padded_vocab, &text, || {
+            Switch::megatron(config_json, degrees, padded_vocab, &text, || {
                 gpu_pool(world, gpu, home)
             })
         };

@@ -128,3 +128,40 @@ def test_every_spec_names_its_parameters_as_the_megatron_layout_does():
             got = [layout_name(n) for n in _spec_names(spec, config)]
             assert sorted(got) == sorted(want), (config["model_type"], spec_name)
             assert len(set(got)) == len(got), (config["model_type"], spec_name)
+
+
+def test_expert_parallel_ranks_hold_their_share_of_the_experts():
+    """At EP = 2 each rank registers half the experts, numbered from 0 (``local_experts.{j}``);
+    ETP = 1 keeps an expert's rows whole beside TP = 2; a dense model refuses EP > 1 by name."""
+    import pytest
+
+    import lifecycle
+
+    config = {
+        "model_type": "qwen3_moe", "vocab_size": 100, "hidden_size": 16,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "head_dim": 8, "intermediate_size": 32, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 8,
+    }
+
+    def experts(**degrees):
+        return {
+            n: s for n, s in lifecycle.megatron_parameters(config, **degrees) if ".experts." in n
+        }
+
+    whole = experts()
+    assert len(whole) == 2 * 2 * 4
+    for rank in (0, 1):
+        half = experts(dp=2, ep=2, rank=rank)
+        assert sorted(half) == sorted(n for n in whole if n[-1] in "01"), rank
+        assert all(half[n] == whole[n] for n in half)
+    tp2 = experts(tp=2, etp=1, rank=1)
+    assert tp2 == whole
+    split = experts(tp=2, rank=1)  # ETP = TP: each expert's intermediate rows halved
+    assert split["decoder.layers.0.mlp.experts.linear_fc1.weight0"] == [8, 16]
+    with pytest.raises(lifecycle.ConfigError, match="experts"):
+        lifecycle.megatron_parameters({**config, "num_experts": 3}, dp=2, ep=2)
+    dense = {k: v for k, v in config.items() if "expert" not in k and k != "model_type"}
+    with pytest.raises(lifecycle.ConfigError, match="EP = 2 needs a mixture-of-experts model"):
+        lifecycle.megatron_parameters({**dense, "model_type": "qwen3"}, dp=2, ep=2)

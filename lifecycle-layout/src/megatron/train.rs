@@ -4,6 +4,7 @@ use std::ops::Range;
 
 use super::error::MegatronLayoutError;
 use super::experts::{ExpertCoords, ExpertParallel, ExpertPart};
+use super::parallel::MegatronParallel;
 use crate::model::ModelSpec;
 
 /// What one parameter of a Megatron stage is.
@@ -256,6 +257,48 @@ impl MegatronLayout {
         }
         let multiple = model.make_vocab_size_divisible_by * tp.max(1);
         let padded = model.vocab.div_ceil(multiple) * multiple;
+        Self::build(model, tp, pp, dp, padded, (ep, etp))
+    }
+
+    /// The layout of `model` at `parallel`'s degrees (experts included), the embedding padded to
+    /// `padded_vocab` rows where given (a live model's `vocab_size`, checked as
+    /// [`MegatronLayout::with_padded_vocab`] checks it), else by Megatron's rule with
+    /// `parallel`'s `make_vocab_size_divisible_by`.
+    ///
+    /// ```
+    /// use lifecycle_layout::megatron::{MegatronLayout, MegatronParallel};
+    /// use lifecycle_layout::ModelSpec;
+    /// let degrees = MegatronParallel::new(1, 1, 2).with_experts(2, 1);
+    /// let l = MegatronLayout::at(ModelSpec::tiny_moe(), degrees, Some(40))?;
+    /// assert_eq!((l.padded_vocab(), l.expert_coords(1).unwrap().ep), (40, 1));
+    /// // a dense model has no experts to split
+    /// assert!(MegatronLayout::at(ModelSpec::tiny(), degrees, None).is_err());
+    /// # Ok::<(), lifecycle_layout::megatron::MegatronLayoutError>(())
+    /// ```
+    pub fn at(
+        model: ModelSpec,
+        parallel: MegatronParallel,
+        padded_vocab: Option<usize>,
+    ) -> Result<Self, MegatronLayoutError> {
+        let MegatronParallel {
+            tp,
+            pp,
+            dp,
+            ep,
+            etp,
+            make_vocab_size_divisible_by,
+        } = parallel;
+        model.validate()?;
+        if model.moe.is_none() && ep != 1 {
+            return Err(MegatronLayoutError::NoExperts { ep });
+        }
+        let padded = match padded_vocab {
+            Some(v) => v,
+            None => {
+                let multiple = make_vocab_size_divisible_by.max(1) * tp.max(1);
+                model.vocab.div_ceil(multiple) * multiple
+            }
+        };
         Self::build(model, tp, pp, dp, padded, (ep, etp))
     }
 

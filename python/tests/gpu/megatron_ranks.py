@@ -13,6 +13,7 @@ checking the rollout rank it holds.
     torchrun --nproc_per_node=2 python/tests/gpu/megatron_ranks.py --pp 2
     torchrun --nproc_per_node=4 python/tests/gpu/megatron_ranks.py --tp 2 --pp 2
     torchrun --nproc_per_node=2 python/tests/gpu/megatron_ranks.py --dp 2 [--qk-norm] [--moe]
+    torchrun --nproc_per_node=2 python/tests/gpu/megatron_ranks.py --dp 2 --moe --ep 2
     torchrun --nproc_per_node=2 python/tests/gpu/megatron_ranks.py --tp 2 --backend nccl
 
 Prints one line per rank; exits non-zero on any mismatch.
@@ -20,6 +21,7 @@ Prints one line per rank; exits non-zero on any mismatch.
 
 import argparse
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +32,7 @@ import torch.distributed as dist  # noqa: E402
 
 import lifecycle  # noqa: E402
 from lifecycle._megatron import first_layer, layout_name  # noqa: E402
-from megatron_support import expected, hf_config, megatron_model, whole  # noqa: E402
+from megatron_support import EXPERTS, expected, hf_config, megatron_model, whole  # noqa: E402
 
 
 def unfused(named: dict, hf: dict, rank: int, t: int) -> dict:
@@ -91,6 +93,7 @@ def main():
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--qk-norm", action="store_true")
     ap.add_argument("--moe", action="store_true")
+    ap.add_argument("--ep", type=int, default=1, help="expert parallelism (with --moe)")
     ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     args = ap.parse_args()
     shared = args.backend == "gloo"
@@ -100,7 +103,7 @@ def main():
     assert world == args.tp * args.pp * args.dp, "TP x PP x DP must be the world"
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(args.tp, args.pp)
+    ps.initialize_model_parallel(args.tp, args.pp, expert_model_parallel_size=args.ep)
     hf = hf_config(args.qk_norm, args.moe, layers=2 * args.pp)
     try:
         model, gpt, opt = megatron_model(args.qk_norm, args.moe, layers=2 * args.pp)
@@ -123,11 +126,28 @@ def main():
         ps.get_pipeline_model_parallel_rank(),
         ps.get_data_parallel_rank(),
     )
+    # the experts by their expert-layer coordinates, each local expert under its global index
+    expert_coords = (
+        ps.get_expert_tensor_parallel_rank(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_expert_data_parallel_rank(),
+    )
+    first_expert = ps.get_expert_model_parallel_rank() * (EXPERTS // args.ep)
     start = first_layer(gpt)
     mine = {layout_name(n, start): t.detach().cpu() for n, t in gpt.named_parameters()}
+    dense = {n: t for n, t in mine.items() if ".experts." not in n}
+    experts = {
+        re.sub(r"weight(\d+)$", lambda m: f"weight{first_expert + int(m.group(1))}", n): t
+        for n, t in mine.items()
+        if ".experts." in n
+    }
     every = [None] * world
-    dist.all_gather_object(every, (coords, mine))
-    fused = expected(whole(every, args.tp), args.qk_norm, args.moe, layers=2 * args.pp)
+    dist.all_gather_object(every, (coords, dense, expert_coords, experts))
+    joined = whole([(c, d) for c, d, _, _ in every], args.tp)
+    if args.moe:
+        etp = ps.get_expert_tensor_parallel_world_size()
+        joined.update(whole([(c, e) for _, _, c, e in every], etp))
+    fused = expected(joined, args.qk_norm, args.moe, layers=2 * args.pp)
     full = hf_unfused(fused, hf)
     bad, checked = [], []
     # T > 1 against the host switch's rollout (dense; the experts at T = 1 only)
@@ -159,7 +179,8 @@ def main():
     kind = "qwen3-moe" if args.moe else "qwen3" if args.qk_norm else "qwen2"
     print(
         f"rank {rank}/{world} (tp {coords[0]}, pp {coords[1]}, dp {coords[2]}), {kind}, "
-        f"TP={args.tp} PP={args.pp} DP={args.dp}: {len(mine)} parameters here; rollouts at T in "
+        f"TP={args.tp} PP={args.pp} DP={args.dp} EP={args.ep}: {len(mine)} parameters here; "
+        f"rollouts at T in "
         f"{checked}: " + ("all bit-identical" if not bad else f"{len(bad)} MISMATCHES: " + "; ".join(bad[:4]))
     )
     dist.barrier()

@@ -107,6 +107,12 @@ def megatron_model(
         attention_dropout=0.0,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+        # Megatron-Core asks for sequence parallelism where experts and TP both split
+        sequence_parallel=moe
+        and ps.get_tensor_model_parallel_world_size() > 1
+        and ps.get_expert_model_parallel_world_size() > 1,
         pipeline_dtype=torch.bfloat16,
         **experts,
     )

@@ -12,6 +12,7 @@ core = pytest.importorskip("megatron.core")
 import lifecycle  # noqa: E402
 
 from megatron_support import (  # noqa: E402
+    FFN,
     VOCAB,
     expected,
     hf_checkpoint,
