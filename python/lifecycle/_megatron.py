@@ -234,32 +234,87 @@ def _attr(o: Any, name: str) -> Any:
         return None
 
 
+def torch_optimizers(optimizer: Any) -> list:
+    """The torch optimizers inside a Megatron optimizer (``ChainedOptimizer`` over
+    ``DistributedOptimizer`` s, each over a torch optimizer), each once, in the chain's order."""
+    import torch
+
+    inner: dict[int, Any] = {}
+    stack = [optimizer]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.optim.Optimizer):
+            inner.setdefault(id(o), o)
+            continue
+        stack.extend(reversed(_attr(o, "chained_optimizers") or []))
+        wrapped = _attr(o, "optimizer")
+        if wrapped is not None and wrapped is not o:
+            stack.append(wrapped)
+    if not inner:
+        raise ConfigError(
+            f"from_megatron: no torch optimizer inside {type(optimizer).__name__} "
+            "(expected get_megatron_optimizer's ChainedOptimizer or DistributedOptimizer)"
+        )
+    return list(inner.values())
+
+
+def offload_buffers(model: Any, optimizer: Any, offload: str):
+    """What an offload moves, as a callable giving each enter's list (one local rank): with
+    ``"params"`` / ``"all"`` DDP's bf16 ``param_data`` buffers (the parameters are views into
+    them), with ``"optimizer"`` / ``"all"`` the fp32 main parameters and Adam moments (every CUDA
+    tensor the torch optimizers inside ``optimizer`` hold) and DDP's ``grad_data`` buffers. Each
+    storage moves whole, released and restored in place (views stay valid)."""
+    from ._torch import lent_storages
+
+    wrapper, _ = _unwrap(model)
+    ddp = [
+        b
+        for b in list(_attr(wrapper, "buffers") or []) + list(_attr(wrapper, "expert_parallel_buffers") or [])
+        if _attr(b, "param_data") is not None
+    ]
+    if not ddp:
+        raise ConfigError(
+            f'from_megatron: offload="{offload}" moves DDP\'s parameter and gradient buffers: '
+            "wrap the model in Megatron-Core's DistributedDataParallel"
+        )
+    params = offload in ("params", "all")
+    optim = offload in ("optimizer", "all")
+    inner = torch_optimizers(optimizer) if optim else []
+
+    def buffers() -> list[list[tuple]]:
+        import torch
+
+        tensors = []
+        if params:
+            tensors += [(f"param_data[{i}]", "params", b.param_data) for i, b in enumerate(ddp)]
+        for k, o in enumerate(inner):
+            for g, group in enumerate(o.param_groups):
+                for j, p in enumerate(group["params"]):
+                    where = f"optimizer {k} group {g} main parameter {j}"
+                    if p.is_cuda:
+                        tensors.append((where, "optimizer", p.data))
+                    for key, t in o.state.get(p, {}).items():
+                        if isinstance(t, torch.Tensor) and t.is_cuda:
+                            tensors.append((f"{where}: {key}", "optimizer", t))
+        if optim:
+            tensors += [
+                (f"grad_data[{i}]", "optimizer", b.grad_data)
+                for i, b in enumerate(ddp)
+                if _attr(b, "grad_data") is not None
+            ]
+        return [lent_storages(tensors)]
+
+    return buffers
+
+
 class StepCount:
     """Steps of the torch optimizers inside a Megatron optimizer (``ChainedOptimizer`` over
     ``DistributedOptimizer`` s, each over a torch optimizer), counted by a post-step hook on
     each: every step moves it, including steps the switch never saw."""
 
     def __init__(self, optimizer: Any):
-        import torch
-
         self.steps = 0
-        inner: dict[int, Any] = {}
-        stack = [optimizer]
-        while stack:
-            o = stack.pop()
-            if isinstance(o, torch.optim.Optimizer):
-                inner[id(o)] = o
-                continue
-            stack.extend(_attr(o, "chained_optimizers") or [])
-            wrapped = _attr(o, "optimizer")
-            if wrapped is not None and wrapped is not o:
-                stack.append(wrapped)
-        if not inner:
-            raise ConfigError(
-                f"from_megatron: no torch optimizer inside {type(optimizer).__name__} "
-                "(expected get_megatron_optimizer's ChainedOptimizer or DistributedOptimizer)"
-            )
-        self.hooks = [o.register_step_post_hook(self._stepped) for o in inner.values()]
+        self.hooks = [o.register_step_post_hook(self._stepped) for o in torch_optimizers(optimizer)]
 
     def _stepped(self, *_args: Any) -> None:
         self.steps += 1

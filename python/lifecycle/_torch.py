@@ -69,7 +69,6 @@ def fsdp2_sources(module, offload: str, optimizer):
             raise ConfigError(f'offload="{offload}" moves optimizer state: pass optimizer=...')
 
         def buffers() -> list[list[tuple]]:
-            out, seen = [], set()
             tensors = []
             if params:
                 tensors += [(n, "params", _local(p)) for n, p in named]
@@ -78,15 +77,24 @@ def fsdp2_sources(module, offload: str, optimizer):
                     for key, t in optimizer.state.get(p, {}).items():
                         if isinstance(t, torch.Tensor) and _local(t).is_cuda:
                             tensors.append((f"{n}:{key}", "optimizer", _local(t)))
-            for n, cls, t in tensors:
-                st = t.untyped_storage()
-                if st.nbytes() == 0 or st.data_ptr() in seen:
-                    continue
-                seen.add(st.data_ptr())
-                out.append((n, cls, st.data_ptr(), st.nbytes(), *_owner(st)))
-            return [out]
+            return [lent_storages(tensors)]
 
     return sources, world, device, buffers, stream if device == "cuda" else None
+
+
+def lent_storages(tensors: list[tuple[str, str, torch.Tensor]]) -> list[tuple]:
+    """What an offload may move, from ``(name, class, tensor)``: each tensor's whole storage once,
+    under its first name and class (views of one storage, e.g. parameters in a flat buffer,
+    move together: an offload restores every byte of it), empty storages skipped, with its
+    owner's ``release`` / ``restore``."""
+    out, seen = [], set()
+    for n, cls, t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes() == 0 or st.data_ptr() in seen:
+            continue
+        seen.add(st.data_ptr())
+        out.append((n, cls, st.data_ptr(), st.nbytes(), *_owner(st)))
+    return out
 
 
 def _owner(storage):

@@ -397,6 +397,7 @@ class Switch:
         dtype: Dtype = "bf16",
         fp8_keep: str = "none",
         experts: Experts = "tp",
+        offload: Offload = "none",
         switching: Switching = "lazy",
     ) -> "Switch":
         """A Megatron-Core ``GPTModel`` (in its ``DistributedDataParallel`` and
@@ -412,7 +413,14 @@ class Switch:
         as changed when the optimizer stepped (a hook on the torch optimizers inside it counts
         every step, also those the switch never saw: the distributed optimizer moves no version
         counter of the parameters), or when a parameter was written in place;
-        :meth:`mark_changed` for anything else. Offloading the optimizer state is not supported yet.
+        :meth:`mark_changed` for anything else.
+
+        ``offload`` moves training state to pinned host memory while the rollout runs and
+        brings it back at :meth:`train`: ``"params"`` DDP's bf16 parameter buffers,
+        ``"optimizer"`` the fp32 main parameters, the Adam moments and DDP's gradient buffers,
+        ``"all"`` both (each storage released and restored in place: the parameters and
+        ``main_grad`` stay views of them). Not with ranks sharing one GPU (a process cannot
+        release another's memory).
 
         Several ranks (torchrun, a process per rank, each passing its own model): where each
         has a GPU of its own, every process's switch is its rank of one NCCL world; where all
@@ -423,6 +431,7 @@ class Switch:
             degrees,
             layout_rank,
             megatron_sources,
+            offload_buffers,
             padded_vocab,
             placement,
             shared_gpu_sources,
@@ -438,6 +447,23 @@ class Switch:
         world = tp * pp * dp
         ranks = placement(world)
         rank = layout_rank()
+        if not isinstance(offload, str):
+            raise ConfigError(f"offload: expected a string, found {type(offload).__name__}")
+        buffers = None
+        if offload != "none":
+            if ranks == "shared-gpu":
+                raise ConfigError(
+                    f'from_megatron: offload="{offload}" with the job\'s {world} ranks sharing '
+                    "one GPU: each process switches every rank and cannot release another "
+                    'process\'s memory: use offload="none" there, or a GPU per rank'
+                )
+            if offload in ("optimizer", "all") and optimizer is None:
+                raise ConfigError(
+                    f'from_megatron: offload="{offload}" moves the optimizer state: pass the '
+                    "optimizer"
+                )
+            if offload in ("params", "optimizer", "all"):
+                buffers = offload_buffers(model, optimizer, offload)
         _, inner = _unwrap(model)
         vocab = padded_vocab(inner, tp)
         dtype_name, experts_name, keep = dtype, experts, fp8_keep
@@ -452,7 +478,7 @@ class Switch:
                 rollout_tp=rollout,
                 dtype_name=dtype_name,
                 experts_name=experts_name,
-                offload="none",
+                offload=offload,
                 switching=switching,
                 gpu=_current_gpu(),
                 fp8_keep=keep,
@@ -491,11 +517,13 @@ class Switch:
             dtype=dtype,
             fp8_keep=fp8_keep,
             experts=experts,
+            offload=offload,
             switching=switching,
             device="cuda",
             stream=stream,
             build=build,
             barrier=barrier,
+            offload_buffers=buffers,
         )
 
     # ---- the lifecycle -------------------------------------------------------------------

@@ -92,6 +92,66 @@ def test_an_optimizer_step_the_switch_never_saw_marks_the_weights_stale():
           "the parameters' own counters unmoved")
 
 
+def test_offload_moves_the_training_state_out_and_back_bit_for_bit():
+    """offload="all": while a rollout runs, DDP's parameter and gradient buffers, the fp32 main
+    parameters and the Adam moments are released (torch's allocated memory drops by their
+    bytes); the rollout is bit-identical to Megatron's parameters regrouped; back in train mode
+    every tensor holds its bytes again (the parameters still views of param_data), and a
+    further step and rollout run on them."""
+    from lifecycle._megatron import offload_buffers
+
+    from lifecycle._megatron import torch_optimizers
+
+    model, gpt, opt = megatron_model()
+    step(model, gpt, opt)  # the Adam moments exist
+    inner = torch_optimizers(opt)
+    main = [p for o in inner for g in o.param_groups for p in g["params"]]
+    state = [
+        t
+        for o in inner
+        for p in main
+        for t in o.state.get(p, {}).values()
+        if isinstance(t, torch.Tensor) and t.is_cuda
+    ]
+    assert state, "Adam's moments on the GPU"
+    tracked = {
+        "param_data": model.buffers[0].param_data,
+        "grad_data": model.buffers[0].grad_data,
+        **{f"main {i}": p.data for i, p in enumerate(main)},
+        **{f"adam {i}": t for i, t in enumerate(state)},
+    }
+    kept = {n: t.detach().clone().cpu() for n, t in tracked.items()}
+    want = {n: t.clone() for n, t in own(gpt, False).items()}
+    moved = sum(b[3] for b in offload_buffers(model, opt, "all")()[0])
+    switch = lifecycle.Switch.from_megatron(model, opt, hf_config(False), offload="all")
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    with switch.rollout() as w:
+        torch.cuda.synchronize()
+        freed = held - torch.cuda.memory_allocated()
+        got = dict(w.named_tensors())
+        same(got, want)
+        del got
+    assert moved >= 0.99 * freed and freed >= 0.99 * moved, (freed, moved)
+    switch.train()
+    for n, t in tracked.items():
+        bytes_now = t.detach().cpu().reshape(-1).view(torch.uint8)
+        assert torch.equal(bytes_now, kept[n].reshape(-1).view(torch.uint8)), n
+    buf = model.buffers[0].param_data
+    assert all(
+        buf.data_ptr() <= p.data_ptr() < buf.data_ptr() + buf.numel() * 2 for p in gpt.parameters()
+    ), "every parameter still a view into param_data"
+    step(model, gpt, opt)
+    want = {n: t.clone() for n, t in own(gpt, False).items()}
+    with switch.rollout() as w:
+        got = dict(w.named_tensors())
+        same(got, want)
+        del got
+    switch.train()
+    print(f"offload all: {moved / 2**20:.1f} MiB released during the rollout ({freed / 2**20:.1f} "
+          "MiB by torch's count), every byte restored; a step and a rollout after it agree")
+
+
 def test_megatron_models_the_switch_cannot_read_are_refused_by_name():
     model, gpt, opt = megatron_model(overlap_param_gather=True)
     with pytest.raises(lifecycle.ConfigError, match="overlap_param_gather"):
