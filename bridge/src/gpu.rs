@@ -447,10 +447,12 @@ impl<L: Lending> GpuSwitch<L> {
             .map(|p| (p.shards.clone(), p.stream, p.offload_at.clone()))
             .collect();
         let moved = !matches!(&self.slot, Slot::Live(_, at) if *at == key);
-        if let Slot::Live(lc, _) = &self.slot {
-            if !moved && !changed && lc.rollout_is_current() {
-                return self.reuse();
-            }
+        if let Slot::Live(lc, _) = &self.slot
+            && !moved
+            && !changed
+            && lc.rollout_is_current()
+        {
+            return self.reuse();
         }
         let held = self.leases.held();
         if !held.is_empty() {

@@ -237,10 +237,10 @@ fn join(
     }
     let body = body.to_vec();
     // The last rank to read the id removes the exchange's keys. Best effort: the id is ours.
-    if let Ok(done) = client.add(&keys.done(), 1, REPLY) {
-        if done == env.world_size as i64 - 1 {
-            let _ = client.delete_all(&keys.all(env.world_size), REPLY);
-        }
+    if let Ok(done) = client.add(&keys.done(), 1, REPLY)
+        && done == env.world_size as i64 - 1
+    {
+        let _ = client.delete_all(&keys.all(env.world_size), REPLY);
     }
     Ok(body)
 }

@@ -75,14 +75,14 @@ impl AgentStore {
     /// longer than 1024 bytes.
     pub fn new(run_id: Option<String>, restart_count: u64) -> Result<AgentStore, DistError> {
         let run_id = run_id.filter(|r| !r.is_empty());
-        if let Some(r) = &run_id {
-            if r.len() > MAX_RUN_ID {
-                return Err(DistError::BadVar {
-                    var: "TORCHELASTIC_RUN_ID",
-                    value: r.clone(),
-                    expected: "a run id of at most 1024 bytes",
-                });
-            }
+        if let Some(r) = &run_id
+            && r.len() > MAX_RUN_ID
+        {
+            return Err(DistError::BadVar {
+                var: "TORCHELASTIC_RUN_ID",
+                value: r.clone(),
+                expected: "a run id of at most 1024 bytes",
+            });
         }
         Ok(AgentStore {
             run_id,

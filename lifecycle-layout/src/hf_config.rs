@@ -326,13 +326,13 @@ impl ModelConfig {
                 ))
             }
         };
-        if let Some(act) = get_str(map, "hidden_act")? {
-            if act != "silu" {
-                return Err(field_err(
-                    "hidden_act",
-                    format!("\"{act}\" is not supported (SwiGLU uses \"silu\")"),
-                ));
-            }
+        if let Some(act) = get_str(map, "hidden_act")?
+            && act != "silu"
+        {
+            return Err(field_err(
+                "hidden_act",
+                format!("\"{act}\" is not supported (SwiGLU uses \"silu\")"),
+            ));
         }
         if get_bool(map, "mlp_bias")? == Some(true) {
             return Err(field_err("mlp_bias", "MLP biases are not supported"));
@@ -596,14 +596,14 @@ impl ModelConfig {
                 )));
             }
         }
-        if let Some(m) = self.model.moe {
-            if !m.shared_ffn.is_multiple_of(tp) {
-                return Err(degree(format!(
-                    "shared_expert_intermediate_size {} is not divisible by T: choose T dividing \
+        if let Some(m) = self.model.moe
+            && !m.shared_ffn.is_multiple_of(tp)
+        {
+            return Err(degree(format!(
+                "shared_expert_intermediate_size {} is not divisible by T: choose T dividing \
                      it (the shared expert is split by tensor parallelism like a dense MLP)",
-                    m.shared_ffn
-                )));
-            }
+                m.shared_ffn
+            )));
         }
         let dense_mlp = (0..self.model.layers).any(|l| !self.model_spec(128).moe_layer(l));
         if dense_mlp && !self.model.ffn.is_multiple_of(tp) {

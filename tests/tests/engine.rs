@@ -249,15 +249,15 @@ fn generate(
     let version = weights.version();
     push(&engine.log, Event::Call { version });
     let kv_ready = engine.kv.is_some();
-    if let Some((len, logit)) = engine.prefix.longest_prefix(weights, prompt) {
-        if len == prompt.len() {
-            return Generated {
-                logit: *logit,
-                version,
-                from_cache: true,
-                kv_ready,
-            };
-        }
+    if let Some((len, logit)) = engine.prefix.longest_prefix(weights, prompt)
+        && len == prompt.len()
+    {
+        return Generated {
+            logit: *logit,
+            version,
+            from_cache: true,
+            kv_ready,
+        };
     }
     let logit = score(&weights, prompt);
     engine.prefix.insert(weights, prompt.to_vec(), logit);

@@ -239,7 +239,7 @@ impl Kernels {
         // SAFETY: the caller guarantees the regions (and the flag) are valid device memory of
         // this stream's context; the argument list matches the kernel's signature (2 pointers,
         // 4 u64, the flag's pointer).
-        b.launch(cfg)
+        unsafe { b.launch(cfg) }
             .map_err(|e| CudaError::driver(rank, "launching the cast kernel", 0, e))?;
         Ok(())
     }
@@ -269,7 +269,7 @@ impl Kernels {
             .arg(&r.src_ld)
             .arg(&r.dst_ld);
         // SAFETY: caller guarantees valid regions; arguments match the kernel's signature.
-        b.launch(cfg)
+        unsafe { b.launch(cfg) }
             .map_err(|e| CudaError::driver(rank, "launching the copy kernel", 0, e))?;
         Ok(())
     }
@@ -342,7 +342,7 @@ impl Kernels {
         // SAFETY: the caller guarantees the descriptors, every region they name and the flag
         // are valid device memory of this stream's context; the arguments match the kernel's
         // signature (3 pointers, u32, 2 u64, the flag's pointer).
-        b.launch(cfg)
+        unsafe { b.launch(cfg) }
             .map_err(|e| CudaError::driver(rank, "launching the multi-tensor cast kernel", 0, e))?;
         Ok(())
     }
@@ -374,7 +374,7 @@ impl Kernels {
             .arg(&index_offset)
             .arg(&scale);
         // SAFETY: caller guarantees `dst` holds `n` f32; arguments match the kernel's signature.
-        b.launch(cfg)
+        unsafe { b.launch(cfg) }
             .map_err(|e| CudaError::driver(rank, "launching the fill kernel", 0, e))?;
         Ok(())
     }

@@ -110,10 +110,10 @@ impl KernelSet {
             opts.prec_sqrt = Some(true);
             opts.ftz = Some(false);
         }
-        if self.cuda_headers {
-            if let Some(p) = find_cuda_include() {
-                opts.include_paths.push(p.display().to_string());
-            }
+        if self.cuda_headers
+            && let Some(p) = find_cuda_include()
+        {
+            opts.include_paths.push(p.display().to_string());
         }
         opts
     }

@@ -205,10 +205,10 @@ impl<T: DeviceRepr> OffloadBuffer<T> {
 
     /// Gives the host chunks back once the device copy is authoritative (streams synchronised).
     pub fn release_host(&mut self, rank: usize, pinned: &PinnedPool) {
-        if self.dev.is_some() {
-            if let Some(h) = self.host.take() {
-                pinned.give(rank, h);
-            }
+        if self.dev.is_some()
+            && let Some(h) = self.host.take()
+        {
+            pinned.give(rank, h);
         }
     }
 

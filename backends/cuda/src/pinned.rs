@@ -406,8 +406,8 @@ impl PinnedPool {
                 let best = lens
                     .iter()
                     .enumerate()
-                    .filter(|(_, &l)| l >= cap)
-                    .min_by_key(|(_, &l)| l)
+                    .filter(|&(_, &l)| l >= cap)
+                    .min_by_key(|&(_, &l)| l)
                     .map(|(j, _)| j);
                 match best {
                     Some(j) => {

@@ -71,7 +71,7 @@ impl RankCtx {
         &self,
         op: &str,
         bytes: u64,
-    ) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError {
+    ) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError + use<> {
         let rank = self.rank;
         let op = op.to_string();
         move |e| CudaError::driver(rank, op, bytes, e)

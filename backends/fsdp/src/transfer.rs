@@ -144,10 +144,10 @@ impl<S: crate::buffers::FsdpBuffers> FsdpBackend<S> {
             .entries_cache
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some((p, e)) = cache.as_ref() {
-            if Arc::ptr_eq(&p.0, plan) {
-                return e.clone();
-            }
+        if let Some((p, e)) = cache.as_ref()
+            && Arc::ptr_eq(&p.0, plan)
+        {
+            return e.clone();
         }
         let entries = crate::backend::RankEntries::new(
             self.pool

@@ -318,10 +318,11 @@ pub fn run_programs(
         }
         // A posted group with no pending peers and no gathers completes by itself.
         for (r, rank) in rs.iter().enumerate() {
-            if let Some(st) = posted(rank) {
-                if st.gathers.is_empty() && peers_done(st, rank) {
-                    actions.push(Action::Run(r, 2));
-                }
+            if let Some(st) = posted(rank)
+                && st.gathers.is_empty()
+                && peers_done(st, rank)
+            {
+                actions.push(Action::Run(r, 2));
             }
         }
         if actions.is_empty() {

@@ -67,8 +67,8 @@ fn via_host(state: &MegatronTrainState, rollout: RolloutLayout, bucket: u64) -> 
         .unwrap();
     let mut lc = Lifecycle::new(backend, state.clone());
     let session = lc.rollout().unwrap();
-    let w = session.weights().get().clone();
-    w
+
+    session.weights().get().clone()
 }
 
 struct Case {

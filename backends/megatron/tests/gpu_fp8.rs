@@ -189,10 +189,10 @@ fn fp8_rollouts_match_the_cpu_executor_bit_for_bit() -> Res {
 fn poisoned(model: &ModelSpec, name: &str, value: f32) -> Vec<HostTensor> {
     let mut tensors = common::hf_tensors(model, 7);
     for t in &mut tensors {
-        if t.name == name {
-            if let TensorData::F32(v) = &mut t.data {
-                v[3] = value;
-            }
+        if t.name == name
+            && let TensorData::F32(v) = &mut t.data
+        {
+            v[3] = value;
         }
     }
     tensors

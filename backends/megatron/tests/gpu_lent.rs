@@ -64,8 +64,8 @@ fn host_rollout(
         .with_fp8_keep(Fp8Keep::default());
     let mut lc = Lifecycle::new(backend, state.clone());
     let session = lc.rollout().expect("the CPU executor's rollout");
-    let w = session.weights().get().clone();
-    w
+
+    session.weights().get().clone()
 }
 
 /// One case: `model` in Megatron's (TP, PP, DP) on `pool`'s ranks (all on GPU 0) to a rollout of

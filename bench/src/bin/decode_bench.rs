@@ -240,7 +240,7 @@ fn read_rate(pool: &impl RankExecutor) -> Result<f64, CudaError> {
 }
 
 /// A cuBLAS failure of rank `ctx` during `op`, as the engine's error.
-fn cublas_err(ctx: &RankCtx, op: &str) -> impl FnOnce(CublasError) -> CudaError {
+fn cublas_err(ctx: &RankCtx, op: &str) -> impl FnOnce(CublasError) -> CudaError + use<> {
     let (rank, op) = (ctx.rank, format!("cuBLAS {op}"));
     move |e| CudaError::Driver {
         rank,

@@ -161,16 +161,16 @@ fn soak(
     for cycle in 0..args.cycles {
         let result = (|| -> Result<(), Box<dyn Error>> {
             let s = lc.rollout()?;
-            if let Some((_, reference)) = &checks {
-                if cycle % 25 == 0 || cycle + 1 == args.cycles {
-                    let got = s.backend().download_rollout(&s.weights())?;
-                    let against = first.as_ref().unwrap_or(reference);
-                    if let Some((rank, tensor)) = got.first_difference(against) {
-                        eprintln!("  cycle {cycle}: rollout differs on rank {rank}, {tensor}");
-                        mismatches += 1;
-                    }
-                    first.get_or_insert(got);
+            if let Some((_, reference)) = &checks
+                && (cycle % 25 == 0 || cycle + 1 == args.cycles)
+            {
+                let got = s.backend().download_rollout(&s.weights())?;
+                let against = first.as_ref().unwrap_or(reference);
+                if let Some((rank, tensor)) = got.first_difference(against) {
+                    eprintln!("  cycle {cycle}: rollout differs on rank {rank}, {tensor}");
+                    mismatches += 1;
                 }
+                first.get_or_insert(got);
             }
             drop(s);
             let t = lc.train()?;

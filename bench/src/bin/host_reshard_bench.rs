@@ -136,10 +136,10 @@ fn main() {
         let mut out_bytes = Vec::new();
         for rep in 0..=args.reps {
             lc.reset_metrics();
-            if rep > 0 {
-                if let Ok(mut train) = lc.train() {
-                    let _ = train.state_mut();
-                }
+            if rep > 0
+                && let Ok(mut train) = lc.train()
+            {
+                let _ = train.state_mut();
             }
             if let Err(e) = lc.enter() {
                 eprintln!("error: {e}");

@@ -218,10 +218,10 @@ pub fn surrogate(
                 .enumerate()
                 .map(|(j, (&lp, &olp))| {
                     let mut t = token_objective(lp, olp, adv, config);
-                    if let Some((cap, rollout)) = tis {
-                        if let Some(&rlp) = rollout.get(k).and_then(|r| r.get(j)) {
-                            t = t.weighted(tis_weight(olp, rlp, cap));
-                        }
+                    if let Some((cap, rollout)) = tis
+                        && let Some(&rlp) = rollout.get(k).and_then(|r| r.get(j))
+                    {
+                        t = t.weighted(tis_weight(olp, rlp, cap));
                     }
                     total += f64::from(t.value);
                     clipped += usize::from(t.clipped);
@@ -376,13 +376,13 @@ pub fn dapo_update(
             "the update needs at least one kept group".to_string(),
         ));
     }
-    if let Some(cap) = config.tis_cap {
-        if !(cap.is_finite() && cap > 0.0) {
-            return Err(DapoError::Config(format!(
-                "the cap of truncated importance sampling (tis_cap, --tis-cap) must be a finite \
+    if let Some(cap) = config.tis_cap
+        && !(cap.is_finite() && cap > 0.0)
+    {
+        return Err(DapoError::Config(format!(
+            "the cap of truncated importance sampling (tis_cap, --tis-cap) must be a finite \
                  number > 0, found {cap}"
-            )));
-        }
+        )));
     }
     let mut with_rollout = Vec::with_capacity(groups.len());
     for g in groups {
@@ -415,7 +415,7 @@ pub fn dapo_update(
             .iter()
             .zip(&old)
             .zip(&with_rollout)
-            .filter(|(_, &has)| has)
+            .filter(|&(_, &has)| has)
             .filter_map(|((g, o), _)| Mismatch::measure(o.logprobs(), &g.logprobs)),
     );
     let tis = match config.tis_cap {

@@ -822,20 +822,20 @@ pub(crate) fn check_tp(
             param: qkv,
         });
     }
-    if let Some(moe) = model.moe {
-        if !moe.shared_ffn.is_multiple_of(tp) {
-            return Err(MegatronLayoutError::NotDivisible {
-                side,
-                what: "shared_expert_intermediate_size",
-                size: moe.shared_ffn,
-                tp,
-                param: if side == "training TP" {
-                    "mlp.shared_experts.linear_fc1.weight"
-                } else {
-                    "mlp.shared_expert.gate_up_proj.weight"
-                },
-            });
-        }
+    if let Some(moe) = model.moe
+        && !moe.shared_ffn.is_multiple_of(tp)
+    {
+        return Err(MegatronLayoutError::NotDivisible {
+            side,
+            what: "shared_expert_intermediate_size",
+            size: moe.shared_ffn,
+            tp,
+            param: if side == "training TP" {
+                "mlp.shared_experts.linear_fc1.weight"
+            } else {
+                "mlp.shared_expert.gate_up_proj.weight"
+            },
+        });
     }
     if model.has_dense_mlp() && !model.ffn.is_multiple_of(tp) {
         return Err(MegatronLayoutError::NotDivisible {

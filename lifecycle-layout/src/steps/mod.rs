@@ -570,13 +570,13 @@ impl RankSteps {
             if out(chunk.after_step) || out(chunk.gate) {
                 return Err(self.bad(format!("local chunk {c} names a missing step")));
             }
-            if let (Some(after), Some(gate)) = (chunk.after_step, chunk.gate) {
-                if gate > after + self.in_flight {
-                    return Err(self.bad(format!(
-                        "local chunk {c} waits for the pack of step {gate}, not issued by step \
+            if let (Some(after), Some(gate)) = (chunk.after_step, chunk.gate)
+                && gate > after + self.in_flight
+            {
+                return Err(self.bad(format!(
+                    "local chunk {c} waits for the pack of step {gate}, not issued by step \
                          {after}"
-                    )));
-                }
+                )));
             }
             if chunk.stream == Stream::Net {
                 return Err(self.bad(format!("local chunk {c} runs on the network stream")));

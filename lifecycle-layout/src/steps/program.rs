@@ -182,17 +182,17 @@ pub fn compile(steps: &RankSteps) -> Result<Program, LayoutError> {
     let quantise_agreed = |p: &mut Program, agreed: usize| {
         p.wait(Stream::Aux, agreed);
         p.ops.push(Op::QuantiseAgreed);
-        if let Some(a) = &steps.agree {
-            if !a.scale_copies.is_empty() {
-                p.ops.push(Op::Copies {
-                    stream: Stream::Aux,
-                    copies: a.scale_copies.clone(),
-                    slot: 0,
-                    peer: None,
-                    overlap: false,
-                    role: CopyRole::Scales,
-                });
-            }
+        if let Some(a) = &steps.agree
+            && !a.scale_copies.is_empty()
+        {
+            p.ops.push(Op::Copies {
+                stream: Stream::Aux,
+                copies: a.scale_copies.clone(),
+                slot: 0,
+                peer: None,
+                overlap: false,
+                role: CopyRole::Scales,
+            });
         }
         p.record(Stream::Aux)
     };
@@ -260,11 +260,11 @@ pub fn compile(steps: &RankSteps) -> Result<Program, LayoutError> {
     for j in 0..n {
         let st = &steps.steps[j];
         p.wait(Stream::Net, packed[j]);
-        if steps.agree.as_ref().and_then(|a| a.step) == Some(j) {
-            if let Some(agreed) = agreed_pending.take() {
-                let done = quantise_agreed(&mut p, agreed);
-                p.wait(Stream::Net, done);
-            }
+        if steps.agree.as_ref().and_then(|a| a.step) == Some(j)
+            && let Some(agreed) = agreed_pending.take()
+        {
+            let done = quantise_agreed(&mut p, agreed);
+            p.wait(Stream::Net, done);
         }
         if let Some(c) = st.wait_local {
             let Some(e) = local_done[c] else {

@@ -88,10 +88,10 @@ pub(super) fn fallback(
         lenient_weights_type(&param.ty)
     });
     let mut replaced = engines;
-    if let Some(index) = weights {
-        if !replaced.contains(&index) {
-            replaced.push(index);
-        }
+    if let Some(index) = weights
+        && !replaced.contains(&index)
+    {
+        replaced.push(index);
     }
     replaced.sort_unstable();
     Fallback {

@@ -190,10 +190,10 @@ impl MegatronTrainState {
                     len,
                 ));
             }
-            if let Some(g) = &r.grads {
-                if g.len() != len {
-                    return Err(bad("the grads", g.len(), len));
-                }
+            if let Some(g) = &r.grads
+                && g.len() != len
+            {
+                return Err(bad("the grads", g.len(), len));
             }
             if r.shard != shard {
                 return Err(MegatronError::Inconsistent {
@@ -319,12 +319,13 @@ impl MegatronTrainState {
             .map(|(k, v)| (k.as_str(), v.as_slice()))
             .collect();
         let mut buffers = rank_buffers(l, &full);
-        if l.model().tied_embeddings && l.pp() > 1 {
-            if let Some(slot) = l.slot(l.pp() - 1, ParamKind::OutputLayer, None) {
-                for (rank, b) in buffers.iter_mut().enumerate() {
-                    if l.coords(rank).pp == l.pp() - 1 {
-                        b[slot.offset..slot.offset + slot.numel()].fill(0.0);
-                    }
+        if l.model().tied_embeddings
+            && l.pp() > 1
+            && let Some(slot) = l.slot(l.pp() - 1, ParamKind::OutputLayer, None)
+        {
+            for (rank, b) in buffers.iter_mut().enumerate() {
+                if l.coords(rank).pp == l.pp() - 1 {
+                    b[slot.offset..slot.offset + slot.numel()].fill(0.0);
                 }
             }
         }

@@ -45,12 +45,10 @@ impl PrefillRows {
         let mut out = PrefillRows::default();
         let mut leaders: HashMap<&[u32], (u32, u32)> = HashMap::new();
         for (slot, p) in slots {
-            if fork {
-                if let Some(&(leader, last)) = leaders.get(p) {
-                    out.logit_rows.push(last);
-                    out.forks.extend([leader, slot, p.len() as u32]);
-                    continue;
-                }
+            if fork && let Some(&(leader, last)) = leaders.get(p) {
+                out.logit_rows.push(last);
+                out.forks.extend([leader, slot, p.len() as u32]);
+                continue;
             }
             for (pos, &t) in p.iter().enumerate() {
                 if all || pos + 1 == p.len() {

@@ -33,15 +33,15 @@ pub fn rollout_spec<'l>(
             name: name.to_string(),
             rank: 0,
         })?;
-    if let Some((_, shape)) = config_shapes.iter().find(|(n, _)| n == name) {
-        if &spec.shape != shape {
-            return Err(DecodeError::Shape {
-                name: name.to_string(),
-                rank: 0,
-                expected: shape.clone(),
-                found: spec.shape.clone(),
-            });
-        }
+    if let Some((_, shape)) = config_shapes.iter().find(|(n, _)| n == name)
+        && &spec.shape != shape
+    {
+        return Err(DecodeError::Shape {
+            name: name.to_string(),
+            rank: 0,
+            expected: shape.clone(),
+            found: spec.shape.clone(),
+        });
     }
     if !allowed.iter().any(|a| a.same_kind(spec.parallel)) {
         let expected = match allowed {

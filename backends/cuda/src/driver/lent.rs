@@ -259,10 +259,10 @@ impl Offloadable for LentOffload {
     }
 
     fn release_host(&mut self, rank: usize, pinned: &PinnedPool) {
-        if self.ptr.is_some() {
-            if let Some(h) = self.host.take() {
-                pinned.give(rank, h);
-            }
+        if self.ptr.is_some()
+            && let Some(h) = self.host.take()
+        {
+            pinned.give(rank, h);
         }
     }
 }

@@ -124,6 +124,6 @@ pub fn host_fp8(
         .with_fp8_keep(keep);
     let mut lc = lifecycle_core::Lifecycle::new(backend, state.clone());
     let session = lc.rollout().expect("the CPU executor's fp8 rollout");
-    let w = session.weights().get().clone();
-    w
+
+    session.weights().get().clone()
 }

@@ -630,10 +630,10 @@ impl Scheduler {
         let version = self.version;
         for (&s, p) in slots.iter().zip(picked) {
             let finished = self.running[s].as_mut().and_then(|r| r.push(p, version));
-            if let Some(why) = finished {
-                if let Some(r) = self.vacate(s) {
-                    done.push(r.finish(why));
-                }
+            if let Some(why) = finished
+                && let Some(r) = self.vacate(s)
+            {
+                done.push(r.finish(why));
             }
         }
         Ok(())
