@@ -29,7 +29,7 @@ async fn generate(w: RolloutView<'_, Vec<f32>>, steps: usize) -> Vec<f32> {
     tokens
 }
 
-fn main() -> LcResult {
+pub fn main() -> LcResult {
     let mut lc = Lifecycle::new(Copying, vec![1.0, 2.0]);
     assert_eq!(block_on(generate(&mut lc, 3))?, [1.0, 2.0, 1.0]);
     assert_eq!(block_on(generate(&mut lc, 1))?, [1.0]);

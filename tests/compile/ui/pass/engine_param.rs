@@ -30,7 +30,10 @@ fn by_name(kv: &mut Kv, weights: RolloutView<'_, Vec<f32>>) -> f32 {
 }
 
 #[sharded_rollout]
-fn generic<E: RolloutEngine<Vec<f32>>>(weights: RolloutView<'_, Vec<f32>>, engine: EngineMut<'_, E>) -> u64 {
+fn generic<E: RolloutEngine<Vec<f32>>>(
+    weights: RolloutView<'_, Vec<f32>>,
+    engine: EngineMut<'_, E>,
+) -> u64 {
     engine.memory().device + weights.len() as u64
 }
 
@@ -50,7 +53,11 @@ impl Sampler {
     }
 
     #[sharded_rollout]
-    async fn sample_async(&mut self, weights: RolloutView<'_, Vec<f32>>, mut kv: EngineMut<'_, Kv>) -> f32 {
+    async fn sample_async(
+        &mut self,
+        weights: RolloutView<'_, Vec<f32>>,
+        mut kv: EngineMut<'_, Kv>,
+    ) -> f32 {
         self.offset += 1.0;
         self.offset + weights[0] + kv.touch()
     }
@@ -66,7 +73,7 @@ fn block_on<F: Future>(future: F) -> F::Output {
     }
 }
 
-fn main() -> LcResult {
+pub fn main() -> LcResult {
     let mut lc = Lifecycle::new(Copying, vec![1.0, 2.0]).with_engine(Kv::default());
     assert_eq!(decode(&mut lc, 0)?, 1.0);
     assert_eq!(decode(&mut lc, 0)?, 2.0); // the KV cache is kept across lazy calls
@@ -80,9 +87,15 @@ fn main() -> LcResult {
     assert_eq!(lc.metrics().engine.wakes, 1);
 
     decode_exit(&mut lc)?;
-    assert_eq!((lc.mode(), lc.engine_state()), (Mode::Train, EngineState::Asleep));
+    assert_eq!(
+        (lc.mode(), lc.engine_state()),
+        (Mode::Train, EngineState::Asleep)
+    );
     decode_enter(&mut lc)?;
-    assert_eq!((lc.mode(), lc.engine_state()), (Mode::Rollout, EngineState::Awake));
+    assert_eq!(
+        (lc.mode(), lc.engine_state()),
+        (Mode::Rollout, EngineState::Awake)
+    );
 
     lc.set_engine_memory(EngineMemory::FreeEachCall);
     assert_eq!(decode(&mut lc, 1)?, 2.0); // a fresh cache

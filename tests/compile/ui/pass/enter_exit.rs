@@ -8,7 +8,7 @@ fn first(w: RolloutView<'_, Vec<f32>>) -> f32 {
     w[0]
 }
 
-fn main() -> LcResult {
+pub fn main() -> LcResult {
     let mut lc = Lifecycle::new(Copying, vec![1.0]);
     first_enter(&mut lc)?;
     assert_eq!(lc.mode(), Mode::Rollout);

@@ -5,9 +5,7 @@ use lifecycle_core::{sharded_rollout, Lifecycle, RolloutView};
 
 include!("../copying.rs");
 
-/// The runtime, re-exported.
-pub use lifecycle_core as runtime;
-
+// `crate::runtime`: the runtime re-exported at the root of tests/pass.rs
 /// Public and generic, with a parameter named `lifecycle`.
 #[sharded_rollout(crate = "crate::runtime", switching = "lazy")]
 pub fn norm<W: AsRef<[f32]>, const P: usize>(
@@ -21,7 +19,8 @@ pub fn norm<W: AsRef<[f32]>, const P: usize>(
 #[sharded_rollout]
 fn private_no_return(_w: RolloutView<'_, Vec<f32>>) {}
 
-fn main() -> LcResult {
+/// Runs the case.
+pub fn main() -> LcResult {
     let mut lc = Lifecycle::new(Copying, vec![-1.0, 2.0]);
     assert_eq!(norm::<Vec<f32>, 2, _>(&mut lc, 0)?, 5.0);
     private_no_return(&mut lc)?;

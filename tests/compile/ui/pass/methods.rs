@@ -21,7 +21,7 @@ impl<T: Copy + Into<f32>> Sampler<T> {
     }
 }
 
-fn main() -> LcResult {
+pub fn main() -> LcResult {
     let mut lc = Lifecycle::new(Copying, vec![1.0, 4.0]);
     let mut sampler = Sampler {
         temperature: 2u8,

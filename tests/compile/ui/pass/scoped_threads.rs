@@ -15,7 +15,7 @@ fn parallel_sum(w: RolloutView<'_, Vec<f32>>, threads: usize) -> f32 {
     })
 }
 
-fn main() -> LcResult {
+pub fn main() -> LcResult {
     let mut lc = Lifecycle::new(Copying, (1..=8).map(|x| x as f32).collect());
     let session = lc.rollout()?;
     let weights = session.weights();

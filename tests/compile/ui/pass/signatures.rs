@@ -76,7 +76,7 @@ fn length<W: AsRef<[f32]>>(w: RolloutView<'_, W>) -> usize {
     w.as_ref().len()
 }
 
-fn main() -> LcResult {
+pub fn main() -> LcResult {
     let mut lc = Lifecycle::new(Copying, vec![1.0, 2.0]);
     let mut policy = Policy {
         bias: 1u8,

@@ -9,7 +9,7 @@ fn score(weights: RolloutView<'_, Vec<f32>>, scale: f32) -> f32 {
     weights.iter().sum::<f32>() * scale
 }
 
-fn main() -> LcResult {
+pub fn main() -> LcResult {
     let mut lc = Lifecycle::new(Copying, vec![1.0, 2.0]);
     for _ in 0..3 {
         assert_eq!(score(&mut lc, 2.0)?, 6.0);

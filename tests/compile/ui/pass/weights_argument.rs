@@ -9,7 +9,7 @@ fn drift(reference: RolloutView<'_, Vec<f32>>, policy: RolloutView<'_, Vec<f32>>
     policy[0] - reference[0]
 }
 
-fn main() -> LcResult {
+pub fn main() -> LcResult {
     let mut reference = Lifecycle::new(Copying, vec![1.0]);
     let mut policy = Lifecycle::new(Copying, vec![3.5]);
     let session = reference.rollout()?;
