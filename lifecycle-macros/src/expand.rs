@@ -3,12 +3,50 @@
 use proc_macro2::{Group, Span, TokenStream, TokenTree};
 use quote::{format_ident, quote, quote_spanned, ToTokens};
 use syn::spanned::Spanned;
-use syn::{Attribute, FnArg, GenericParam, Ident, ItemFn, ReturnType, Visibility};
+use syn::visit_mut::{self, VisitMut};
+use syn::{
+    Attribute, CapturedParam, FnArg, GenericParam, Ident, ItemFn, ReturnType, Type, TypeParamBound,
+    Visibility,
+};
 
 use crate::validate::{EngineParam, Model, Switching};
 
 /// Name of the generic parameter standing for the backend.
 pub const BACKEND: &str = "__LifecycleBackend";
+
+/// Name of the generic parameter standing for the lifecycle's engine where the function takes
+/// none and its return type lists what it captures.
+const ENGINE: &str = "__LifecycleEngine";
+
+/// Adds `params` to every precise-capture list (`use<..>`) of the `impl Trait`s in `ty`;
+/// whether there was one. (Edition 2024 captures every lifetime in scope, the view's included,
+/// unless the return type says `+ use<..>`; the list must then name every type parameter in
+/// scope, so the entry point's own are added to it.)
+fn add_captures(ty: &mut Type, params: &[&Ident]) -> bool {
+    struct Captures<'a> {
+        params: &'a [&'a Ident],
+        found: bool,
+    }
+    impl VisitMut for Captures<'_> {
+        fn visit_type_impl_trait_mut(&mut self, it: &mut syn::TypeImplTrait) {
+            for bound in &mut it.bounds {
+                if let TypeParamBound::PreciseCapture(list) = bound {
+                    self.found = true;
+                    for p in self.params {
+                        list.params.push(CapturedParam::Ident((*p).clone()));
+                    }
+                }
+            }
+            visit_mut::visit_type_impl_trait_mut(self, it);
+        }
+    }
+    let mut v = Captures {
+        params,
+        found: false,
+    };
+    v.visit_type_mut(ty);
+    v.found
+}
 
 /// Attributes of the user's function that also apply to the generated entry point.
 fn forwarded_to_entry(attr: &Attribute) -> bool {
@@ -70,7 +108,22 @@ pub fn expand(model: Model) -> TokenStream {
     let error_ty = quote!(#private::LifecycleError<<#backend as #private::Reshard>::Error>);
     let rollout_bound =
         quote_spanned!(view_span=> #backend: #private::Reshard<Rollout = #weights_ty>);
-    // With an engine parameter the lifecycle's engine is its type; without one, any engine.
+    // The return type's precise-capture lists (`impl Trait + use<..>`) name the entry point's
+    // own parameters too: such a list must name every type parameter in scope.
+    let mut output_ty = match &sig.output {
+        ReturnType::Default => None,
+        ReturnType::Type(_, ty) => Some((**ty).clone()),
+    };
+    let engine_param = Ident::new(ENGINE, Span::call_site());
+    let own: &[&Ident] = if engine.is_none() {
+        &[&backend, &engine_param]
+    } else {
+        &[&backend]
+    };
+    let precise = output_ty.as_mut().is_some_and(|ty| add_captures(ty, own));
+    // With an engine parameter the lifecycle's engine is its type; without one, any engine: an
+    // `impl Trait` argument, or (where the return type lists its captures, which cannot name
+    // one) a parameter of its own.
     let (lifecycle_engine, engine_bound) = match &engine {
         Some(EngineParam { engine_ty, .. }) => {
             let span = engine_ty.span();
@@ -79,6 +132,10 @@ pub fn expand(model: Model) -> TokenStream {
                 Some(quote_spanned!(span=> #engine_ty: #private::RolloutEngine<#weights_ty>)),
             )
         }
+        None if precise => (
+            engine_param.to_token_stream(),
+            Some(quote!(#engine_param: #private::RolloutEngine<#weights_ty>)),
+        ),
         None => (quote!(impl #private::RolloutEngine<#weights_ty>), None),
     };
     let weights_local = Ident::new("__weights", Span::mixed_site().located_at(view_span));
@@ -134,6 +191,9 @@ pub fn expand(model: Model) -> TokenStream {
 
     let mut generics = sig.generics.clone();
     generics.params.push(syn::parse_quote!(#backend));
+    if precise && engine.is_none() {
+        generics.params.push(syn::parse_quote!(#engine_param));
+    }
     let predicates = &mut generics.make_where_clause().predicates;
     predicates.push(syn::parse2(rollout_bound.clone()).expect("a where predicate"));
     if let Some(bound) = &engine_bound {
@@ -163,9 +223,9 @@ pub fn expand(model: Model) -> TokenStream {
     let dot_await = sig.asyncness.map(|_| quote!(.await));
     let call = quote_spanned!(name_span=> #callee #turbofish (#(#call_args),*) #dot_await);
 
-    let output = match &sig.output {
-        ReturnType::Default => quote!(()),
-        ReturnType::Type(_, ty) => ty.to_token_stream(),
+    let output = match &output_ty {
+        None => quote!(()),
+        Some(ty) => ty.to_token_stream(),
     };
     let finish = {
         let session = session_at(ret_span);

@@ -60,7 +60,10 @@ use crate::validate::Rejected;
 /// without a weights view, an engine taken by value, by shared reference, as `&EngineMut`, with a
 /// named lifetime, or a parameter marked both `#[weights]` and `#[engine]`; a named lifetime on
 /// the view (it is borrowed for one call only: write `'_`); a return type that borrows through an elided lifetime
-/// (`&T`, `'_`), which would outlive the session. Methods of trait impls are not supported (the
+/// (`&T`, `'_`), which would outlive the session. (Edition 2024: a returned `impl Trait` captures
+/// every lifetime in scope, the view's included, so it cannot outlive the session unless it
+/// says what it captures, `-> impl Iterator<Item = f32> + use<'p>`; the generated function adds
+/// its own parameters to that list.) Methods of trait impls are not supported (the
 /// macro adds items to the impl block), nor associated functions without a receiver (the
 /// generated entry point calls the body as a free function).
 ///

@@ -130,6 +130,34 @@ fn count_as<T: From<u16>, W: AsRef<[f32]>>(w: RolloutView<'_, W>) -> T {
     T::from(w.as_ref().len() as u16)
 }
 
+/// Edition 2024: a returned `impl Trait` captures every lifetime in scope, the view's too,
+/// unless its `use<..>` lists what it captures; listed, it may outlive the rollout session.
+#[sharded_rollout]
+fn scaled<'p>(
+    prefix: &'p [f32],
+    w: RolloutView<'_, Vec<f32>>,
+) -> impl Iterator<Item = f32> + use<'p> {
+    let s = w[0];
+    prefix.iter().map(move |&x| x * s)
+}
+
+struct Scaler {
+    bias: f32,
+}
+
+impl Scaler {
+    /// The same as a method with a const parameter, the lifecycle left after each call.
+    #[sharded_rollout(switching = "eager")]
+    fn scaled<'p, const N: usize>(
+        &self,
+        prefix: &'p [f32; N],
+        w: RolloutView<Vec<f32>>,
+    ) -> Option<impl Iterator<Item = f32> + use<'p, N>> {
+        let s = w[0] + self.bias;
+        Some(prefix.iter().map(move |&x| x * s))
+    }
+}
+
 #[test]
 fn lazy_calls_in_a_row_enter_once() -> TestResult<()> {
     let mut lc = lazy(vec![1.0, 2.0]);
@@ -392,4 +420,18 @@ proptest! {
             prop_assert_eq!(lc.backend().refreshes, 0);
         }
     }
+}
+
+#[test]
+fn a_returned_impl_trait_that_lists_its_captures_outlives_the_session() -> TestResult<()> {
+    let mut lc = lazy(vec![2.0, 1.0]);
+    let prefix = [1.0, 3.0];
+    let out = scaled(&mut lc, &prefix)?;
+    // the iterator borrows the prefix alone: the lifecycle trains meanwhile
+    lc.train()?.state_mut()[0] = 4.0;
+    assert_eq!(out.collect::<Vec<_>>(), [2.0, 6.0]);
+    let it = Scaler { bias: 0.5 }.scaled(&mut lc, &[2.0])?;
+    assert_eq!(lc.mode(), Mode::Train);
+    assert_eq!(it.map(Iterator::collect::<Vec<_>>), Some(vec![9.0]));
+    Ok(())
 }
