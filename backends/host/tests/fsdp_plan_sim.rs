@@ -424,3 +424,78 @@ fn steps_rebased_onto_separate_shards_match_the_reference() {
         .to_string();
     assert!(e.contains("outside every segment"), "{e}");
 }
+
+/// A plan of some tensors (`build_plan_of`, what a frozen base's refresh runs: the adapters
+/// alone) writes exactly those tensors' bytes, as the whole plan does, and no other byte of the
+/// rollout buffers (they keep the executor's poison), at every W, T, budget and gather mode.
+#[test]
+fn a_plan_of_some_tensors_writes_those_and_nothing_else() {
+    use lifecycle_host::steps::POISON;
+    use lifecycle_layout::fsdp::build_plan_of;
+
+    let kept = |name: &str| name.starts_with('q') || name.ends_with(".down") || name == "norm";
+    for world in [1, 2, 4] {
+        for tp in (1..=world).filter(|t| world % t == 0) {
+            for (budget, mode) in [
+                (16, GatherMode::SendRecv),
+                (1 << 20, GatherMode::SendRecv),
+                (40, GatherMode::AllGather),
+                (40, GatherMode::Packed),
+            ] {
+                let specs = specs(tp);
+                let state = host_state(world, &specs);
+                let layout = RolloutLayout::new(tp, specs).expect("layout");
+                let core = plan_fsdp_to_tp(state.layout(), &layout).expect("plan");
+                let config = BucketConfig {
+                    bucket_bytes: budget,
+                    in_flight: 2,
+                    mode,
+                };
+                let all = build_plan(core.clone(), state.layout(), config);
+                let some = build_plan_of(core, state.layout(), config, &kept);
+                assert_eq!(some.roll_offsets, all.roll_offsets);
+                assert_eq!(some.roll_len, all.roll_len);
+                let reference = reference_rollout(&state, &layout).expect("reference");
+                let what = format!("W={world} T={tp} budget={budget} {mode:?}");
+                let rolls = simulate(&some, &state, false);
+                for (r, rank) in reference.ranks.iter().enumerate() {
+                    // a tensor's place: from its offset to the next one's (an all-gather plan
+                    // also writes the padding rows of its shards there)
+                    let mut starts = some.roll_offsets[r].clone();
+                    starts.sort_unstable();
+                    let end_of = |off: u64| {
+                        starts
+                            .iter()
+                            .find(|&&o| o > off)
+                            .map_or(rolls[r].len(), |&o| o as usize)
+                    };
+                    let mut written = vec![false; rolls[r].len()];
+                    for (j, t) in rank.tensors.iter().enumerate() {
+                        let off = some.roll_offsets[r][j] as usize;
+                        let got = &rolls[r][off..off + t.data.len()];
+                        if kept(&t.name) {
+                            written[off..end_of(off as u64)].fill(true);
+                            let same = got
+                                .iter()
+                                .zip(&t.data)
+                                .all(|(a, b)| a.to_bits() == b.to_bits());
+                            assert!(same, "{what}: rank {r}: kept tensor {} differs", t.name);
+                        }
+                    }
+                    let stray = rolls[r]
+                        .iter()
+                        .zip(&written)
+                        .position(|(v, &w)| !w && v.to_bits() != POISON);
+                    assert_eq!(
+                        stray, None,
+                        "{what}: rank {r} wrote outside the kept tensors"
+                    );
+                }
+                assert!(
+                    some.cast_bytes(0) < all.cast_bytes(0),
+                    "{what}: fewer bytes cast"
+                );
+            }
+        }
+    }
+}

@@ -360,7 +360,12 @@ struct Item {
 /// The T = 1 all-gather plan: per bucket of whole tensors, each rank casts its padded shard into
 /// its part of the (padded) tensor in the rollout buffer, then one grouped in-place all-gather per
 /// tensor fills the rest.
-fn build_gather_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -> FsdpPlan {
+fn build_gather_plan(
+    core: ReshardPlan,
+    train: &FsdpLayout,
+    config: BucketConfig,
+    keep: &dyn Fn(&str) -> bool,
+) -> FsdpPlan {
     let world = core.world;
     let shards = ShardLayout::new(train);
     let w = world as u64;
@@ -372,6 +377,11 @@ fn build_gather_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig
     for t in &core.ranks[0].tensors {
         let slot = &shards.slots[t.train_index];
         let count = (slot.padded_rows * slot.cols) as u64;
+        roll_offsets.push(off);
+        if !keep(&core.tensors[t.tensor].name) {
+            off = align(off + w * count);
+            continue;
+        }
         let bytes = 2 * w * count;
         if fill > 0 && fill + bytes > bucket_budget(config.bucket_bytes, ranks[0].len()) {
             for (r, b) in cur.iter_mut().enumerate() {
@@ -380,7 +390,6 @@ fn build_gather_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig
             fill = 0;
         }
         fill += bytes;
-        roll_offsets.push(off);
         for (r, b) in cur.iter_mut().enumerate() {
             b.casts.push(CastOp {
                 src_off: slot.offset,
@@ -428,12 +437,42 @@ pub fn bucket_budget(budget: u64, k: usize) -> u64 {
 pub const RAMP_MIN_BYTES: u64 = 16 << 20;
 
 /// Builds the executable plan from a validated core plan.
+pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -> FsdpPlan {
+    build_plan_of(core, train, config, &|_| true)
+}
+
+/// The executable plan of the rollout tensors whose names `keep` accepts: their casts, sends and
+/// gathers as [`build_plan`] makes them (in buckets of their own), every tensor's place in the
+/// rollout buffers as there, so that it rewrites those tensors in a rollout the whole plan made
+/// and leaves every other byte as it was (a LoRA model's adapters over its resident base).
+///
+/// ```
+/// use lifecycle_layout::fsdp::{build_plan, build_plan_of, BucketConfig};
+/// use lifecycle_layout::{plan_fsdp_to_tp, FsdpLayout, Parallel, RolloutLayout, TensorSpec};
+/// let specs = vec![
+///     TensorSpec::new("q.weight", [8, 4], Parallel::Column),
+///     TensorSpec::new("q.lora_A.weight", [2, 4], Parallel::Replicated),
+/// ];
+/// let train = FsdpLayout::new(2, specs.iter().map(|s| (s.name.clone(), s.shape.clone())))?;
+/// let core = plan_fsdp_to_tp(&train, &RolloutLayout::new(1, specs)?)?;
+/// let all = build_plan(core.clone(), &train, BucketConfig::default());
+/// let adapters = build_plan_of(core, &train, BucketConfig::default(), &|n| n.contains("lora_"));
+/// assert_eq!((adapters.roll_offsets.clone(), adapters.roll_len), (all.roll_offsets.clone(), all.roll_len));
+/// // rank 0 casts its row of A and receives the other: 2 × 4 bf16 elements, nothing of q
+/// assert_eq!((adapters.cast_bytes(0), adapters.recv_bytes(0)), (8, 8));
+/// # Ok::<(), lifecycle_layout::LayoutError>(())
+/// ```
 ///
 /// Long by design: one pass over the rollout tensors packs every rank's buckets (casts,
 /// sends, receives, unpacks) at once, so that the ranks' buckets stay in step.
-pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -> FsdpPlan {
+pub fn build_plan_of(
+    core: ReshardPlan,
+    train: &FsdpLayout,
+    config: BucketConfig,
+    keep: &dyn Fn(&str) -> bool,
+) -> FsdpPlan {
     if config.mode == GatherMode::AllGather && core.tp == 1 && core.world > 1 {
-        return build_gather_plan(core, train, config);
+        return build_gather_plan(core, train, config, keep);
     }
     let world = core.world;
     let shards = ShardLayout::new(train);
@@ -459,7 +498,10 @@ pub fn build_plan(core: ReshardPlan, train: &FsdpLayout, config: BucketConfig) -
     // Global item list: per tensor, per source rank, first the source's own piece (cast into its
     // rollout buffer), then the pieces it sends, each cut into row chunks of at most one bucket.
     let mut items = Vec::new();
-    for held in &pos {
+    for (held, tensor) in pos.iter().zip(&core.tensors) {
+        if !keep(&tensor.name) {
+            continue;
+        }
         for src in 0..world {
             let mut dsts: Vec<usize> = (0..world).collect();
             dsts.sort_by_key(|&d| (d != src, d));
