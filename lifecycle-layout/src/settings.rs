@@ -47,8 +47,8 @@ pub struct SwitchOptions {
     /// behind its copy (the GPU backends).
     pub offload_overlap: bool,
     /// Every tensor but the LoRA adapters is frozen (`lifecycle_layout::lora`): enter casts
-    /// the base once, a refresh moves the adapters alone and refuses, naming it, a frozen
-    /// tensor written since enter.
+    /// the base once, a refresh moves the adapters alone; a frozen tensor written since enter
+    /// is refused by name (the host backend at refresh, the GPU backend at the write).
     pub frozen_base: bool,
 }
 
@@ -65,17 +65,11 @@ pub struct Honours {
 }
 
 impl Honours {
-    /// Every option (the FSDP host backend).
+    /// Every option (the FSDP backends, host and GPU).
     pub const ALL: Honours = Honours {
         verification: true,
         offload_overlap: true,
         frozen_base: true,
-    };
-    /// Verification and offload overlap (the FSDP GPU backend).
-    pub const NO_FROZEN_BASE: Honours = Honours {
-        verification: true,
-        offload_overlap: true,
-        frozen_base: false,
     };
     /// Offload overlap alone (the Megatron backends).
     pub const OVERLAP_ONLY: Honours = Honours {

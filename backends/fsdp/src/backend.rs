@@ -93,8 +93,15 @@ pub struct FsdpBackend<S: FsdpBuffers = FsdpTrainState> {
     pub(crate) programs: Mutex<Vec<ProgramSlot<ProgramKey>>>,
     /// Each local rank's rollout entries of the last plan entered.
     pub(crate) entries_cache: Mutex<Option<(PlanRef, RankEntries)>>,
-    /// The options every backend holds (dtype, fp8 exemptions, verification, offload overlap).
+    /// The options every backend holds (dtype, fp8 exemptions, verification, offload overlap,
+    /// a frozen base).
     pub(crate) options: SwitchOptions,
+    /// With a frozen base: the plan of the adapters alone, beside the whole plan it was made
+    /// from ([`lifecycle_layout::fsdp::build_plan_of`]).
+    pub(crate) adapter_plan: Mutex<Option<(Arc<FsdpPlan>, Arc<FsdpPlan>)>>,
+    /// With a frozen base: whether a rollout holds its cast base (set by enter, cleared when
+    /// exit releases the rollout), during which the master updates leave the base alone.
+    pub(crate) base_cast: std::sync::atomic::AtomicBool,
     /// The kind of training buffers switched ([`FsdpBuffers`]).
     pub(crate) buffers: PhantomData<fn() -> S>,
 }
@@ -123,7 +130,7 @@ impl<S: FsdpBuffers> std::fmt::Debug for FsdpBackend<S> {
 
 impl<S: FsdpBuffers> Configure for FsdpBackend<S> {
     const NAME: &'static str = "the FSDP GPU backend";
-    const HONOURS: Honours = Honours::NO_FROZEN_BASE;
+    const HONOURS: Honours = Honours::ALL;
 
     fn options(&self) -> &SwitchOptions {
         &self.options
@@ -139,6 +146,7 @@ impl<S: FsdpBuffers> Configure for FsdpBackend<S> {
     fn set_options(&mut self, options: SwitchOptions) {
         self.options = options;
         self.plan_cache = Mutex::new(None);
+        self.adapter_plan = Mutex::new(None);
         self.rollout_sums = None;
     }
 }
@@ -156,6 +164,8 @@ impl FsdpBackend {
             programs: Mutex::new(Vec::new()),
             entries_cache: Mutex::new(None),
             options: SwitchOptions::default(),
+            adapter_plan: Mutex::new(None),
+            base_cast: Default::default(),
             buffers: PhantomData,
             update_kernels: UpdateKernelCache::default(),
             rollout_sums: None,
@@ -188,6 +198,8 @@ impl FsdpBackend {
             programs: Mutex::new(Vec::new()),
             entries_cache: self.entries_cache,
             options: self.options,
+            adapter_plan: self.adapter_plan,
+            base_cast: self.base_cast,
             buffers: PhantomData,
             update_kernels: self.update_kernels,
             rollout_sums: None,

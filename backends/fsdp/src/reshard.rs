@@ -13,7 +13,8 @@ use lifecycle_cuda::{alloc_rollout_buffers, RankExecutor, RolloutBuffer, Transpo
 
 use crate::buffers::FsdpBuffers;
 use lifecycle_layout::fp8::RolloutDtype;
-use lifecycle_layout::fsdp::{build_fp8_plan, build_plan, FsdpPlan};
+use lifecycle_layout::fsdp::{build_fp8_plan, build_plan, build_plan_of, FsdpPlan};
+use lifecycle_layout::lora::is_adapter;
 use lifecycle_layout::FsdpLayout;
 
 impl<S: FsdpBuffers> FsdpBackend<S> {
@@ -42,6 +43,13 @@ impl<S: FsdpBuffers> FsdpBackend<S> {
             }
         }
         let core = plan_fsdp_to_tp(train, &self.layout)?;
+        if self.options.frozen_base && self.options.dtype == RolloutDtype::Fp8 {
+            return Err(FsdpError::Config(
+                "a frozen base (with_frozen_base) with an fp8 rollout: the GPU backend refreshes \
+                 the adapters of a bf16 rollout only; use RolloutDtype::Bf16"
+                    .into(),
+            ));
+        }
         let mut plan = match self.options.dtype {
             RolloutDtype::Bf16 => build_plan(core, train, self.config),
             RolloutDtype::Fp8 => {
@@ -75,6 +83,27 @@ impl<S: FsdpBuffers> FsdpBackend<S> {
         }
         *cache = Some((train.clone(), plan.clone()));
         Ok(plan)
+    }
+}
+
+impl<S: FsdpBuffers> FsdpBackend<S> {
+    /// The plan of the adapters alone ([`build_plan_of`]) made from `plan` (cached beside it),
+    /// moving bytes as `plan` does (peer copies or NCCL).
+    fn adapter_plan(&self, plan: &Arc<FsdpPlan>, train: &FsdpLayout) -> Arc<FsdpPlan> {
+        let mut cache = self
+            .adapter_plan
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((whole, adapters)) = cache.as_ref()
+            && Arc::ptr_eq(whole, plan)
+        {
+            return adapters.clone();
+        }
+        let mut adapters = build_plan_of(plan.core.clone(), train, plan.config, &is_adapter);
+        adapters.peer_copy = plan.peer_copy && adapters.peer_copyable();
+        let adapters = Arc::new(adapters);
+        *cache = Some((plan.clone(), adapters.clone()));
+        adapters
     }
 }
 
@@ -115,6 +144,10 @@ impl<S: FsdpBuffers> Reshard for FsdpBackend<S> {
         if self.options.verify {
             self.record_rollout_sums(&rolls, entries.ranks())?;
         }
+        if self.options.frozen_base {
+            self.base_cast
+                .store(true, std::sync::atomic::Ordering::Release);
+        }
         // Verification hashes what leaves the device once its copies settled: it waits. So do
         // lent buffers, which are not freed in stream order (the driver checks).
         let keep_grads = ctx.memory.keep_rollout_resident;
@@ -152,9 +185,15 @@ impl<S: FsdpBuffers> Reshard for FsdpBackend<S> {
         }
         // The old hashes no longer describe the weights, whatever happens next.
         self.rollout_sums = None;
+        // A frozen base stays as enter cast it: the adapters alone move.
+        let plan = if self.options.frozen_base {
+            self.adapter_plan(plan, state.train_layout())
+        } else {
+            plan.clone()
+        };
         let (ranks, shards) = state.parts_mut();
         let hooks = S::hooks(shards, self.options.verify);
-        let mut moved = self.transfer(plan, ranks, shards, rollout.buffers_mut(), &hooks, ctx)?;
+        let mut moved = self.transfer(&plan, ranks, shards, rollout.buffers_mut(), &hooks, ctx)?;
         if self.options.verify {
             let entries = rollout.all_entries().to_vec();
             self.record_rollout_sums(rollout.buffers(), &entries)?;
@@ -173,6 +212,8 @@ impl<S: FsdpBuffers> Reshard for FsdpBackend<S> {
             rollout_check = self.check_rollout_sums(&rollout);
             ctx.rec
                 .phase(Phase::Release, |_| rollout.release(&*self.pool))?;
+            self.base_cast
+                .store(false, std::sync::atomic::Ordering::Release);
         }
         let (ranks, shards) = state.parts_mut();
         let hooks = S::hooks(shards, self.options.verify);

@@ -24,6 +24,7 @@ use std::sync::Arc;
 
 use lifecycle_cuda::cudarc::driver::CudaSlice;
 use lifecycle_cuda::{CudaError, RankCtx, RankExecutor};
+use lifecycle_layout::lora::is_adapter;
 use lifecycle_layout::{AdamParams, HostTensor};
 
 use crate::build::{fill_shards_uniform, shard_host_tensors};
@@ -173,6 +174,24 @@ impl FsdpBackend {
 
     /// Runs `f(ctx, kernels, rank buffers, shard layout)` on every local rank, then waits for
     /// the rank's streams, so later work on any stream (an offload copy) sees the result.
+    /// With a frozen base whose rollout form a rollout holds: `what` would write its masters,
+    /// refused naming the first frozen tensor (the refresh would not move it: the rollout would
+    /// be stale).
+    fn check_base_unwritten(&self, state: &FsdpTrainState, what: &str) -> Result<(), FsdpError> {
+        if !self.options.frozen_base || !self.base_cast.load(std::sync::atomic::Ordering::Acquire) {
+            return Ok(());
+        }
+        match state.layout.tensors().iter().find(|(n, _)| !is_adapter(n)) {
+            None => Ok(()),
+            Some((name, _)) => Err(FsdpError::Tensor {
+                name: name.clone(),
+                problem: format!(
+                    "frozen (with_frozen_base) and cast into the resident rollout: {what} would                      write it; write only the adapters (adam_step moves them alone), or leave                      rollout mode first (exit)"
+                ),
+            }),
+        }
+    }
+
     fn run_update(&self, state: &mut FsdpTrainState, f: &RankUpdate<'_>) -> Result<(), FsdpError> {
         let kernels = self.update_kernels()?;
         let shards = &state.shards;
@@ -274,6 +293,13 @@ impl FsdpBackend {
             ))
         })?;
         let c = AdamConstants::new(&params, t);
+        // a frozen base is not trained: its masters and moments stay as they are
+        let trained: Vec<bool> = state
+            .layout
+            .tensors()
+            .iter()
+            .map(|(name, _)| !self.options.frozen_base || is_adapter(name))
+            .collect();
         self.run_update(state, &|ctx, k, rt, shards| {
             let rank = ctx.rank;
             let mut ptrs = [0u64; 4];
@@ -294,6 +320,9 @@ impl FsdpBackend {
                 *p = ctx.addr_mut(b);
             }
             for (i, slot) in shards.slots.iter().enumerate() {
+                if !trained[i] {
+                    continue;
+                }
                 let n = (shards.held_rows(i, rank).len() * slot.cols) as u64;
                 let at = ptrs.map(|p| p + 4 * slot.offset);
                 // SAFETY: the four buffers are distinct allocations of rank_len (checked above)
@@ -365,6 +394,7 @@ impl FsdpBackend {
             "rewriting the master weights",
             needs,
         )?;
+        self.check_base_unwritten(state, "rewriting the master weights")?;
         self.run_update(state, &|ctx, _, rt, shards| {
             let master = on_device(rt.master.device_mut(), "fp32 master weights", ctx.rank)?;
             fill_shards_uniform(ctx, master, shards, seed, scale)
@@ -417,6 +447,7 @@ impl FsdpBackend {
             "uploading master weights",
             needs,
         )?;
+        self.check_base_unwritten(state, "uploading master weights")?;
         let hosts = shard_host_tensors(self.pool().local_ranks(), &state.shards, tensors)?;
         let mut items: Vec<(&Vec<f32>, &mut RankTrain)> =
             hosts.iter().zip(state.ranks.iter_mut()).collect();

@@ -403,3 +403,142 @@ fn offloaded_updates_refused(world: usize) -> Res {
     assert!(a.iter().zip(&b).all(|(x, y)| x.master == y.master));
     Ok(())
 }
+
+/// A LoRA model's layout (`q` column-parallel, `o` row-parallel, each with its adapters under
+/// PEFT's names): the base and its adapters' A and B split as the rollout splits them.
+fn lora_specs(tp: usize) -> Vec<TensorSpec> {
+    let (h, r) = (24, 4);
+    let l = "model.layers.0.self_attn.";
+    vec![
+        TensorSpec::new("model.embed_tokens.weight", [37 * tp, h], Parallel::Column),
+        TensorSpec::new(format!("{l}q_proj.weight"), [h * tp, h], Parallel::Column),
+        TensorSpec::new(
+            format!("{l}q_proj.lora_A.weight"),
+            [r, h],
+            Parallel::Replicated,
+        ),
+        TensorSpec::new(
+            format!("{l}q_proj.lora_B.weight"),
+            [h * tp, r],
+            Parallel::Column,
+        ),
+        TensorSpec::new(format!("{l}o_proj.weight"), [h, h * tp], Parallel::Row),
+        TensorSpec::new(
+            format!("{l}o_proj.lora_A.weight"),
+            [r, h * tp],
+            Parallel::Row,
+        ),
+        TensorSpec::new(
+            format!("{l}o_proj.lora_B.weight"),
+            [h, r],
+            Parallel::Replicated,
+        ),
+        TensorSpec::new("model.norm.weight", [h], Parallel::Replicated),
+    ]
+}
+
+/// A frozen base (`with_frozen_base`): enter casts the whole model; after Adam steps (which
+/// leave the frozen base as it is) a refresh of the resident rollout moves the adapters alone
+/// (the transfer's bytes those of the adapters), and the rollout is the reference rollout of
+/// the masters; writing a master of the base while the rollout holds it is refused by name; an
+/// fp8 rollout with a frozen base is refused at plan. W = 1, 2 (on one GPU if need be), T = 1, W.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_frozen_base_refreshes_the_adapters_alone() -> Res {
+    use lifecycle_core::Phase;
+    use lifecycle_layout::fp8::RolloutDtype;
+    use lifecycle_layout::lora::is_adapter;
+    use lifecycle_layout::settings::Configure;
+
+    require_gpus(1)?;
+    for (world, tp) in [(1, 1), (2, 1), (2, 2)] {
+        let specs = lora_specs(tp);
+        let layout = RolloutLayout::new(tp, specs.clone())?;
+        let host = HostTrainState::from_tensors(world, host_tensors(&specs))?;
+        let backend = FsdpBackend::new(pool(world)?, layout.clone()).with_frozen_base(true);
+        let state = backend.state_from_host(&host)?;
+        let mut lc = Lifecycle::with_config(
+            backend,
+            state,
+            LifecycleConfig {
+                switching: Switching::Lazy,
+                memory: MemoryPolicy {
+                    keep_rollout_resident: true,
+                    ..MemoryPolicy::resident()
+                },
+            },
+        )?;
+        let adapter_bytes: u64 = layout
+            .tensors()
+            .iter()
+            .filter(|s| is_adapter(&s.name))
+            .map(|s| 2 * s.numel() as u64)
+            .sum();
+        let total = |b: lifecycle_core::LinkBytes| b.local + b.device_to_device;
+        let mut enter_bytes = 0;
+        for step in 0..3u64 {
+            if step > 0 {
+                let mut tr = lc.train()?;
+                let (backend, state) = tr.backend_and_state_mut();
+                backend.fill_synthetic_grads(state, 91 * step, 0.1)?;
+                backend.adam_step(state, AdamParams::default())?;
+                let err = backend
+                    .upload_master(state, &host_tensors(&specs))
+                    .unwrap_err()
+                    .to_string();
+                assert!(
+                    err.contains("model.embed_tokens.weight") && err.contains("frozen"),
+                    "{err}"
+                );
+            }
+            let before = lc.metrics().phase(Phase::Transfer).bytes;
+            let session = lc.rollout()?;
+            let got = session.backend().download_rollout(&session.weights())?;
+            drop(session);
+            let (backend, state) = (lc.backend(), lc.peek_state());
+            let masters = backend.full_masters(state)?;
+            for (m, h) in masters.iter().zip(host_tensors(&specs)) {
+                let same = m.data == h.data;
+                assert_eq!(
+                    same,
+                    step == 0 || !is_adapter(&m.name),
+                    "W={world} T={tp} step {step}: {}",
+                    m.name
+                );
+            }
+            let want = reference_rollout(&HostTrainState::from_tensors(world, masters)?, &layout)?;
+            assert_eq!(
+                got.first_difference(&want),
+                None,
+                "W={world} T={tp} step {step}"
+            );
+            let moved = total(lc.metrics().phase(Phase::Transfer).bytes) - total(before);
+            eprintln!(
+                "W={world} T={tp} step {step}: {moved} bytes cast or copied into the rollout \
+                 (the adapters: {adapter_bytes} bytes a rollout replica)"
+            );
+            if step == 0 {
+                enter_bytes = moved;
+                assert!(moved > 0, "the transfer reports its bytes");
+            } else {
+                assert!(
+                    4 * moved <= enter_bytes,
+                    "W={world} T={tp}: the refresh moved {moved} bytes, enter {enter_bytes}"
+                );
+            }
+        }
+        let m = lc.metrics();
+        assert_eq!((m.enters, m.refreshes), (1, 2), "W={world} T={tp}");
+        eprintln!("W={world} T={tp}: {}", m.summary_line());
+    }
+    let fp8 = FsdpBackend::new(pool(1)?, RolloutLayout::new(1, lora_specs(1))?)
+        .with_frozen_base(true)
+        .with_rollout_dtype(RolloutDtype::Fp8);
+    let state = fp8.state_from_host(&HostTrainState::from_tensors(
+        1,
+        host_tensors(&lora_specs(1)),
+    )?)?;
+    let err = Reshard::plan(&fp8, &state).unwrap_err().to_string();
+    assert!(err.contains("frozen base") && err.contains("fp8"), "{err}");
+    Ok(())
+}
