@@ -173,8 +173,14 @@ impl Switch {
                 // SAFETY: forwarded to the caller.
                 unsafe { s.enter(&shards, changed) }
             }
-            // SAFETY: forwarded to the caller.
-            Kind::Gpu(s) => unsafe { s.enter(lent, changed) },
+            Kind::Gpu(s) => {
+                let written = self
+                    .seen
+                    .as_deref()
+                    .and_then(|seen| s.frozen_written(seen, &versions));
+                // SAFETY: forwarded to the caller.
+                unsafe { s.enter(lent, changed, written) }
+            }
             Kind::Closed => Err(closed()),
         }?;
         self.seen = Some(versions);

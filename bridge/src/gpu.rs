@@ -117,6 +117,10 @@ pub trait Lending: 'static {
     /// The names and shapes global rank `rank` lends, in the order [`GpuSwitch::enter`] takes
     /// them, where the kind lists them (Megatron: its stage's parameters); otherwise why not.
     fn parameters(train: &Self::Train, rank: usize) -> Result<Named, BridgeError>;
+
+    /// Tells `state` that the lender wrote frozen tensor `name` since the last enter (where the
+    /// kind holds a frozen base; the others never get one).
+    fn mark_frozen_written(_state: &mut Self::State, _name: &str) {}
 }
 
 /// PyTorch FSDP2's fp32 shards ([`LentFsdpBackend`]).
@@ -166,6 +170,10 @@ impl Lending for Fsdp {
             )),
             _ => None,
         }
+    }
+
+    fn mark_frozen_written(state: &mut LentFsdpState, name: &str) {
+        state.mark_frozen_written(name);
     }
 
     fn parameters(_train: &FsdpLayout, _rank: usize) -> Result<Named, BridgeError> {
@@ -419,6 +427,23 @@ impl<L: Lending> GpuSwitch<L> {
         Ok(())
     }
 
+    /// With LoRA adapters (a frozen base): the first frozen tensor whose version moved between
+    /// `seen` (the last enter's) and `versions`, one per tensor in the binding's order; `None`
+    /// without adapters or where the versions are not one per tensor. [`GpuSwitch::enter`]
+    /// passes it to the lent state, whose refresh then refuses it by name.
+    pub fn frozen_written(&self, seen: &[u64], versions: &[u64]) -> Option<String> {
+        self.binding.lora()?;
+        let names = self.binding.names();
+        if seen.len() != names.len() || versions.len() != names.len() {
+            return None;
+        }
+        names
+            .iter()
+            .zip(seen.iter().zip(versions))
+            .find(|((name, _), (was, is))| was != is && !lifecycle_layout::lora::is_adapter(name))
+            .map(|((name, _), _)| name.clone())
+    }
+
     /// Checks `shards` (`shards[local][tensor]`) as [`enter`](GpuSwitch::enter) does, without
     /// reading them.
     pub fn check_shards(&self, shards: &[Vec<Shard>]) -> Result<(), BridgeError> {
@@ -427,7 +452,8 @@ impl<L: Lending> GpuSwitch<L> {
 
     /// Enters rollout mode: lends the shards anew if they moved (or at the first call), then
     /// switches when `changed` (or when nothing is resident); otherwise reuses the resident
-    /// weights and moves nothing.
+    /// weights and moves nothing. `frozen_written` ([`GpuSwitch::frozen_written`]) names a
+    /// frozen tensor the trainer wrote: a refresh refuses it, the enter after casts it.
     ///
     /// # Safety
     /// Every tensor's address must be device memory of its rank's GPU holding that many elements
@@ -438,6 +464,7 @@ impl<L: Lending> GpuSwitch<L> {
         &mut self,
         parts: Vec<GpuRankParts>,
         changed: bool,
+        frozen_written: Option<String>,
     ) -> Result<Entered, BridgeError> {
         let ranks = self.local_ranks()?;
         let shards: Vec<Vec<Shard>> = parts.iter().map(|p| p.shards.clone()).collect();
@@ -473,7 +500,10 @@ impl<L: Lending> GpuSwitch<L> {
                 // mutable access to the training state marks the weights changed: the next
                 // rollout refreshes them
                 let mut train = lc.train().map_err(BridgeError::backend)?;
-                let _ = train.state_mut();
+                let state = train.state_mut();
+                if let Some(name) = &frozen_written {
+                    L::mark_frozen_written(state, name);
+                }
             }
             before
         };
@@ -724,7 +754,10 @@ pub trait GpuFront: Send {
         &mut self,
         parts: Vec<GpuRankParts>,
         changed: bool,
+        frozen_written: Option<String>,
     ) -> Result<Entered, BridgeError>;
+    /// [`GpuSwitch::frozen_written`].
+    fn frozen_written(&self, seen: &[u64], versions: &[u64]) -> Option<String>;
     /// [`GpuSwitch::reuse_current`].
     fn reuse_current(&mut self) -> Result<Option<Entered>, BridgeError>;
     /// [`GpuSwitch::views`].
@@ -774,9 +807,14 @@ where
         &mut self,
         parts: Vec<GpuRankParts>,
         changed: bool,
+        frozen_written: Option<String>,
     ) -> Result<Entered, BridgeError> {
         // SAFETY: forwarded to the caller.
-        unsafe { GpuSwitch::enter(self, parts, changed) }
+        unsafe { GpuSwitch::enter(self, parts, changed, frozen_written) }
+    }
+
+    fn frozen_written(&self, seen: &[u64], versions: &[u64]) -> Option<String> {
+        GpuSwitch::frozen_written(self, seen, versions)
     }
 
     fn reuse_current(&mut self) -> Result<Option<Entered>, BridgeError> {

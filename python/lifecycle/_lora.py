@@ -53,3 +53,34 @@ def lora_args(lora: Any) -> tuple[int, float, list[str], bool] | None:
 def is_adapter(name: str) -> bool:
     """Whether ``name`` is a LoRA matrix (``…lora_A.weight`` / ``…lora_B.weight``)."""
     return name.endswith((".lora_A.weight", ".lora_B.weight"))
+
+
+def peft_name(name: str, adapter: str = "default") -> str:
+    """A PEFT model's parameter ``name`` as the switch names it: PEFT's ``base_model.model.``
+    dropped, a LoRA layer's ``base_layer`` folded into the layer, adapter ``adapter``'s matrices
+    as ``lora_A.weight`` / ``lora_B.weight``. Another adapter's matrices and PEFT's
+    ``modules_to_save`` copies are refused by name.
+
+    >>> peft_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight")
+    'model.layers.0.self_attn.q_proj.weight'
+    >>> peft_name("base_model.model.model.layers.0.mlp.down_proj.lora_B.default.weight")
+    'model.layers.0.mlp.down_proj.lora_B.weight'
+    """
+    n = name[len(PEFT_PREFIX) :] if name.startswith(PEFT_PREFIX) else name
+    n = n.replace(".base_layer.", ".")
+    for part in ("lora_A", "lora_B"):
+        marker = f".{part}."
+        if marker in n:
+            head, tail = n.split(marker, 1)
+            if tail != f"{adapter}.weight":
+                raise ConfigError(
+                    f"tensor `{name}`: a LoRA matrix of adapter `{tail.split('.')[0]}`; the "
+                    f"switch takes adapter `{adapter}` alone (set_adapter / adapter=...)"
+                )
+            return f"{head}.{part}.weight"
+    if ".modules_to_save." in n or ".original_module." in n:
+        raise ConfigError(
+            f"tensor `{name}`: PEFT's modules_to_save are not switched yet: train without "
+            "modules_to_save"
+        )
+    return n

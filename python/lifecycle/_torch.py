@@ -22,14 +22,15 @@ def _local(p) -> torch.Tensor:
     return to_local() if to_local is not None else p.data
 
 
-def fsdp2_sources(module, offload: str, optimizer):
+def fsdp2_sources(module, offload: str, optimizer, rename=None):
     """The switch's sources for an FSDP2 module: names, full shapes, this rank's local shard of
     each parameter, its versioned object (the parameter itself: ``optimizer.step()`` moves the
     DTensor's counter, not its local tensor's), the world, the device, and callables giving the
-    offload buffers and the current stream at each enter."""
+    offload buffers and the current stream at each enter. ``rename`` maps the module's parameter
+    names to the model's (a PEFT model's: ``peft_name``)."""
     from .sources import _Source
 
-    named = list(module.named_parameters())
+    named = [(rename(n) if rename else n, p) for n, p in module.named_parameters()]
     if not named:
         raise ConfigError(
             "from_fsdp2: the module has no parameters: pass the model whose weights roll out"
@@ -124,7 +125,7 @@ def _gathered(named, world: int):
     return sources, world, "cpu"
 
 
-def regather(module, world: int):
+def regather(module, world: int, rename=None):
     """A callable that gathers every rank's shards again (after the trainer changed them)."""
-    named = list(module.named_parameters())
+    named = [(rename(n) if rename else n, p) for n, p in module.named_parameters()]
     return lambda: _gathered(named, world)[0]

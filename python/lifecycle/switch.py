@@ -88,12 +88,12 @@ def _flat(versions: Any) -> list[int]:
     return out
 
 
-def _regather(module, device: str, world: int):
+def _regather(module, device: str, world: int, rename=None):
     if device != "cpu" or world == 1:
         return None
     from ._torch import regather
 
-    return regather(module, world)
+    return regather(module, world, rename)
 
 
 def expected_parameters(config: Any, *, lora: Any = None) -> list[tuple[str, list[int]]]:
@@ -341,9 +341,13 @@ class Switch:
         optimizer: Any = None,
         switching: Switching = "lazy",
         config: Any = None,
+        lora: Any = None,
     ) -> "Switch":
         """A module whose parameters are FSDP2 ``DTensor``s (``fully_shard``) — or plain
         tensors at W = 1 — with a Hugging Face ``config`` (``module.config`` by default).
+        ``lora`` (PEFT's ``LoraConfig`` or a dict of its fields): the module holds each adapted
+        weight's ``lora_A`` / ``lora_B`` beside it under those names (:meth:`from_peft` maps a
+        PEFT model's); the base is frozen as :meth:`from_arrays` says.
 
         CUDA parameters are lent by address, zero-copy: each rank's ``to_local()`` shard (dim-0
         chunks). At W > 1 (one process per GPU, launched by torchrun) each process lends its own
@@ -356,6 +360,89 @@ class Switch:
 
         CPU parameters (gloo) are gathered from every rank and switched on the reference
         backend, the same on every rank."""
+        return cls._from_module(
+            module,
+            rollout_tp=rollout_tp,
+            dtype=dtype,
+            fp8_keep=fp8_keep,
+            experts=experts,
+            offload=offload,
+            optimizer=optimizer,
+            switching=switching,
+            config=config,
+            lora=lora,
+        )
+
+    @classmethod
+    def from_peft(
+        cls,
+        model: Any,
+        *,
+        rollout_tp: int = 1,
+        switching: Switching = "lazy",
+        optimizer: Any = None,
+        offload: Offload = "none",
+        adapter: str = "default",
+    ) -> "Switch":
+        """A PEFT LoRA model (``peft.get_peft_model`` over a transformers Qwen2 / Qwen3 model,
+        plain on one device or FSDP2-sharded) and its adapter ``adapter``: the LoRA
+        configuration is the model's own (``peft_config[adapter]``: ``r``, ``lora_alpha``,
+        ``target_modules``, ``use_rslora``), the Hugging Face config its base model's. The
+        base is frozen: the first enter casts it, a refresh after an adapter update moves the
+        adapters alone, and a base weight written since (its version counter moved) is refused
+        by name at the refresh, after which the next rollout casts every tensor again. The
+        rollout is bf16 (a frozen base does not refresh fp8 weights yet);
+        ``w.named_tensors("peft")`` yields the adapters under PEFT's keys. Our engine does not
+        apply adapters yet: the rollout tensors are for an engine that does."""
+        from ._lora import peft_name
+
+        configs = getattr(model, "peft_config", None)
+        if not isinstance(configs, dict) or adapter not in configs:
+            raise ConfigError(
+                f"from_peft: no LoRA adapter `{adapter}` on {type(model).__name__} (expected "
+                "a model from peft.get_peft_model)"
+            )
+        lora = configs[adapter]
+        for field, none in (("modules_to_save", None), ("bias", "none")):
+            value = getattr(lora, field, none)
+            if value not in (none, [], ()):
+                raise ConfigError(
+                    f"from_peft: LoraConfig.{field} = {value!r} is not switched yet: use "
+                    f"{field}={none!r}"
+                )
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return cls._from_module(
+            model,
+            rollout_tp=rollout_tp,
+            dtype="bf16",
+            fp8_keep="none",
+            experts="tp",
+            offload=offload,
+            optimizer=optimizer,
+            switching=switching,
+            config=getattr(base, "config", None),
+            lora=lora,
+            rename=lambda n: peft_name(n, adapter),
+        )
+
+    @classmethod
+    def _from_module(
+        cls,
+        module: Any,
+        *,
+        rollout_tp: int,
+        dtype: Dtype,
+        fp8_keep: str,
+        experts: Experts,
+        offload: Offload,
+        optimizer: Any,
+        switching: Switching,
+        config: Any,
+        lora: Any,
+        rename=None,
+    ) -> "Switch":
+        """:meth:`from_fsdp2` and :meth:`from_peft`: ``rename`` maps the module's parameter
+        names to the model's."""
         from ._torch import fsdp2_sources
 
         config = config if config is not None else getattr(module, "config", None)
@@ -363,7 +450,9 @@ class Switch:
             raise ConfigError("from_fsdp2: the module has no `config`; pass config=...")
         if not isinstance(offload, str):
             raise ConfigError(f"offload: expected a string, found {type(offload).__name__}")
-        sources, world, device, buffers, stream = fsdp2_sources(module, offload, optimizer)
+        sources, world, device, buffers, stream = fsdp2_sources(
+            module, offload, optimizer, rename
+        )
         switch = cls._create(
             config,
             sources,
@@ -377,7 +466,8 @@ class Switch:
             device=device,
             offload_buffers=buffers,
             stream=stream,
-            regather=_regather(module, device, world),
+            regather=_regather(module, device, world, rename),
+            lora=lora,
         )
         if offload != "none":
             # before FSDP2's own pre-forward hook (it all-gathers the shards)

@@ -122,3 +122,24 @@ def test_bad_lora_configurations_and_adapter_tensors_are_refused_by_name():
     wrong["model.layers.0.self_attn.q_proj.lora_B.weight"] = np.zeros((16, 3), np.float32)
     with pytest.raises(lifecycle.TensorMismatchError, match=r"q_proj.lora_B.weight.*\[16, 2\]"):
         lifecycle.Switch.from_arrays(CONFIG, wrong, lora=LORA)
+
+
+def test_a_peft_models_parameter_names_map_onto_the_switchs():
+    """``Switch.from_peft`` reads a PEFT model's parameters under the model's names: PEFT's
+    wrapper prefix dropped, a LoRA layer's ``base_layer`` folded, the adapter's matrices as
+    ``lora_A.weight`` / ``lora_B.weight``; another adapter's and modules_to_save refused by name."""
+    from lifecycle._lora import peft_name
+
+    p = "base_model.model.model.layers.2."
+    assert peft_name(p + "self_attn.v_proj.base_layer.weight") == "model.layers.2.self_attn.v_proj.weight"
+    assert peft_name(p + "self_attn.v_proj.base_layer.bias") == "model.layers.2.self_attn.v_proj.bias"
+    assert peft_name(p + "mlp.up_proj.lora_A.default.weight") == "model.layers.2.mlp.up_proj.lora_A.weight"
+    assert peft_name(p + "mlp.up_proj.lora_B.mine.weight", "mine") == (
+        "model.layers.2.mlp.up_proj.lora_B.weight"
+    )
+    assert peft_name("base_model.model.lm_head.weight") == "lm_head.weight"
+    assert peft_name("base_model.model.model.norm.weight") == "model.norm.weight"
+    with pytest.raises(lifecycle.ConfigError, match="adapter `other`"):
+        peft_name(p + "mlp.up_proj.lora_A.other.weight")
+    with pytest.raises(lifecycle.ConfigError, match="modules_to_save"):
+        peft_name("base_model.model.lm_head.modules_to_save.default.weight")

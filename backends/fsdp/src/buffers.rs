@@ -48,6 +48,16 @@ pub(crate) mod sealed {
         /// Refuses a switch that would read offloaded buffers (`entering`: an enter, which also
         /// needs the optimizer state back; else a refresh).
         fn on_device(&mut self, entering: bool) -> Result<(), FsdpError>;
+
+        /// A frozen tensor its lender reported written since the last enter
+        /// ([`LentFsdpState::mark_frozen_written`]); the backend's own state refuses such
+        /// writes when they are made.
+        fn frozen_written(&self) -> Option<&str> {
+            None
+        }
+
+        /// Forgets [`Buffers::frozen_written`] (an enter casts every tensor again).
+        fn clear_frozen_written(&mut self) {}
     }
 
     impl Buffers for FsdpTrainState {
@@ -111,6 +121,14 @@ pub(crate) mod sealed {
                 });
             }
             Ok(())
+        }
+
+        fn frozen_written(&self) -> Option<&str> {
+            self.frozen_written.as_deref()
+        }
+
+        fn clear_frozen_written(&mut self) {
+            self.frozen_written = None;
         }
     }
 

@@ -49,6 +49,8 @@ pub struct LentFsdpState {
     pub(crate) layout: Arc<FsdpLayout>,
     pub(crate) shards: ShardLayout,
     pub(crate) ranks: Vec<LentRank>,
+    /// A frozen tensor the lender wrote since the last enter ([`LentFsdpState::mark_frozen_written`]).
+    pub(crate) frozen_written: Option<String>,
 }
 
 impl std::fmt::Debug for LentFsdpState {
@@ -63,6 +65,16 @@ impl std::fmt::Debug for LentFsdpState {
 }
 
 impl LentFsdpState {
+    /// Reports that the lender wrote frozen tensor `name` (a LoRA model's base, under
+    /// `with_frozen_base`) since the last enter: the next refresh, which would move the adapters
+    /// alone, is refused naming it, and the enter after it casts every tensor again. The lender
+    /// knows its writes (PyTorch's version counters); the backend cannot see them.
+    pub fn mark_frozen_written(&mut self, name: &str) {
+        if self.frozen_written.is_none() {
+            self.frozen_written = Some(name.to_string());
+        }
+    }
+
     /// Names and full shapes, in training order.
     pub fn layout(&self) -> &FsdpLayout {
         &self.layout
@@ -178,6 +190,7 @@ impl LentFsdpBackend {
             layout: Arc::new(layout),
             shards,
             ranks,
+            frozen_written: None,
         })
     }
 }

@@ -129,6 +129,7 @@ impl<S: FsdpBuffers> Reshard for FsdpBackend<S> {
         ctx: &mut SwitchContext<'_>,
     ) -> Result<RolloutBuffer, FsdpError> {
         state.on_device(true)?;
+        state.clear_frozen_written();
         let len = plan.roll_len as usize;
         let peers_write = plan.peer_copy;
         // Rollout buffers first: an OOM here leaves the training state untouched.
@@ -185,7 +186,19 @@ impl<S: FsdpBuffers> Reshard for FsdpBackend<S> {
         }
         // The old hashes no longer describe the weights, whatever happens next.
         self.rollout_sums = None;
-        // A frozen base stays as enter cast it: the adapters alone move.
+        // A frozen base stays as enter cast it: the adapters alone move, unless the lender
+        // wrote the base (the next enter casts it again).
+        if self.options.frozen_base
+            && let Some(name) = state.frozen_written()
+        {
+            return Err(FsdpError::Tensor {
+                name: name.to_string(),
+                problem: "frozen (with_frozen_base) but written since enter: the refresh moves \
+                          the adapters alone, so its rollout form would be stale; write only the \
+                          adapters (the next rollout casts every tensor again)"
+                    .into(),
+            });
+        }
         let plan = if self.options.frozen_base {
             self.adapter_plan(plan, state.train_layout())
         } else {
