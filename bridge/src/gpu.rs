@@ -427,21 +427,14 @@ impl<L: Lending> GpuSwitch<L> {
         Ok(())
     }
 
-    /// With LoRA adapters (a frozen base): the first frozen tensor whose version moved between
-    /// `seen` (the last enter's) and `versions`, one per tensor in the binding's order; `None`
-    /// without adapters or where the versions are not one per tensor. [`GpuSwitch::enter`]
-    /// passes it to the lent state, whose refresh then refuses it by name.
+    /// With LoRA adapters (a frozen base): the first frozen tensor whose versions moved between
+    /// `seen` (the last enter's) and `versions` (the front's tuple of each tensor's versions,
+    /// in the binding's order: [`version_items`]); `None` without adapters or where the
+    /// versions are not a tuple of one item per tensor. [`GpuSwitch::enter`] passes it to the
+    /// lent state, whose refresh then refuses it by name.
     pub fn frozen_written(&self, seen: &[u64], versions: &[u64]) -> Option<String> {
         self.binding.lora()?;
-        let names = self.binding.names();
-        if seen.len() != names.len() || versions.len() != names.len() {
-            return None;
-        }
-        names
-            .iter()
-            .zip(seen.iter().zip(versions))
-            .find(|((name, _), (was, is))| was != is && !lifecycle_layout::lora::is_adapter(name))
-            .map(|((name, _), _)| name.clone())
+        first_frozen_written(self.binding.names(), seen, versions)
     }
 
     /// Checks `shards` (`shards[local][tensor]`) as [`enter`](GpuSwitch::enter) does, without
@@ -689,6 +682,75 @@ impl<L: Lending> GpuSwitch<L> {
     pub fn stats(&self) -> SwitchStats {
         self.tally.stats(self.generation)
     }
+}
+
+/// The top-level items of the versions a front passes, flattened with tags (a tuple `2, len,
+/// items…`, a counter `1, value`, none `0`: the Python front's `_flat`): one per tensor where
+/// the front gives a tuple of each tensor's versions; `None` where `flat` is not a tuple.
+///
+/// ```
+/// use lifecycle_bridge::gpu::version_items;
+/// // ((1, None), 7): two tensors, the first with two counters
+/// let flat = [2, 2, 2, 2, 1, 1, 0, 1, 7];
+/// let items = version_items(&flat).unwrap();
+/// assert_eq!(items, [&[2, 2, 1, 1, 0][..], &[1, 7][..]]);
+/// assert!(version_items(&[1, 7]).is_none() && version_items(&[2, 3, 0]).is_none());
+/// ```
+pub fn version_items(flat: &[u64]) -> Option<Vec<&[u64]>> {
+    // the end of the item that starts at `at`
+    fn end(flat: &[u64], at: usize) -> Option<usize> {
+        match *flat.get(at)? {
+            0 => Some(at + 1),
+            1 => flat.get(at + 1).map(|_| at + 2),
+            2 => {
+                let n = usize::try_from(*flat.get(at + 1)?).ok()?;
+                let mut i = at + 2;
+                for _ in 0..n {
+                    i = end(flat, i)?;
+                }
+                Some(i)
+            }
+            _ => None,
+        }
+    }
+    if *flat.first()? != 2 {
+        return None;
+    }
+    let n = usize::try_from(*flat.get(1)?).ok()?;
+    let (mut at, mut items) = (2, Vec::new());
+    for _ in 0..n {
+        let stop = end(flat, at)?;
+        items.push(&flat[at..stop]);
+        at = stop;
+    }
+    (at == flat.len()).then_some(items)
+}
+
+/// The first tensor of `names` that is not a LoRA matrix whose item of `versions` differs from
+/// its item of `seen` ([`version_items`]); `None` where neither is a tuple of one item per name.
+///
+/// ```
+/// use lifecycle_bridge::gpu::first_frozen_written;
+/// let names = [("q.weight".to_string(), vec![4, 4]), ("q.lora_A.weight".to_string(), vec![2, 4])];
+/// let (seen, adapter_moved, base_moved) = ([2, 2, 1, 5, 1, 9], [2, 2, 1, 5, 1, 10], [2, 2, 1, 6, 1, 9]);
+/// assert_eq!(first_frozen_written(&names, &seen, &adapter_moved), None);
+/// assert_eq!(first_frozen_written(&names, &seen, &base_moved).as_deref(), Some("q.weight"));
+/// assert_eq!(first_frozen_written(&names, &[1, 5], &[1, 6]), None); // not one item a tensor
+/// ```
+pub fn first_frozen_written(
+    names: &[(String, Vec<usize>)],
+    seen: &[u64],
+    versions: &[u64],
+) -> Option<String> {
+    let (was, is) = (version_items(seen)?, version_items(versions)?);
+    if was.len() != names.len() || is.len() != names.len() {
+        return None;
+    }
+    names
+        .iter()
+        .zip(was.iter().zip(&is))
+        .find(|((name, _), (was, is))| was != is && !lifecycle_layout::lora::is_adapter(name))
+        .map(|((name, _), _)| name.clone())
 }
 
 /// One rollout call that switches if needed and ends at once.

@@ -85,9 +85,11 @@ def test_from_peft_refreshes_the_adapters_alone_and_refuses_a_written_base():
 
 
 def test_from_peft_refuses_what_it_does_not_switch():
-    base = transformers.Qwen2ForCausalLM(qwen2_config()).float().cuda()
+    def base():
+        return transformers.Qwen2ForCausalLM(qwen2_config()).float().cuda()
+
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"])
     with pytest.raises(lifecycle.ConfigError, match="modules_to_save"):
-        lifecycle.Switch.from_peft(peft.get_peft_model(base, cfg))
+        lifecycle.Switch.from_peft(peft.get_peft_model(base(), cfg))
     with pytest.raises(lifecycle.ConfigError, match="no LoRA adapter `default`"):
-        lifecycle.Switch.from_peft(base)
+        lifecycle.Switch.from_peft(base())
