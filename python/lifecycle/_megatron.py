@@ -267,9 +267,15 @@ def offload_buffers(model: Any, optimizer: Any, offload: str):
     from ._torch import lent_storages
 
     wrapper, _ = _unwrap(model)
+
+    def listed(name: str) -> list:
+        # Megatron's DDP sets these lists as attributes (`buffers` shadows Module.buffers())
+        v = _attr(wrapper, name)
+        return list(v) if isinstance(v, (list, tuple)) else []
+
     ddp = [
         b
-        for b in list(_attr(wrapper, "buffers") or []) + list(_attr(wrapper, "expert_parallel_buffers") or [])
+        for b in listed("buffers") + listed("expert_parallel_buffers")
         if _attr(b, "param_data") is not None
     ]
     if not ddp:
