@@ -137,16 +137,18 @@ def _tuples(named: Any, what: str, form: str) -> list[tuple]:
 class Switch:
     """Training tensors a trainer owns, switched lazily into the rollout layout.
 
-    Build it with :meth:`from_fsdp2` (a PyTorch module wrapped in FSDP2), :meth:`from_megatron`
-    (a Megatron-Core model and its distributed optimizer) or :meth:`from_arrays` /
-    :meth:`from_shards` (host arrays, on the CPU reference backend).
+    Build it with :meth:`from_fsdp2` (a PyTorch module wrapped in FSDP2), :meth:`from_peft` (a
+    PEFT LoRA model), :meth:`from_megatron` (a Megatron-Core model and its distributed
+    optimizer) or :meth:`from_arrays` / :meth:`from_shards` (host arrays, on the CPU reference
+    backend).
 
     Settings (keywords of every constructor): ``rollout_tp`` (T); ``dtype`` ``"bf16"`` or
     ``"fp8"`` (block-scaled e4m3 matrices, quantised from the fp32 masters in the switch; the
     embedding, head, norms and router stay bf16); ``fp8_keep``, for an fp8 rollout, more
     matrices kept bf16: comma-separated ``attention`` and ``layer:N`` (``"none"`` by default);
     ``experts`` ``"tp"`` or ``"ep"``; ``offload``; ``switching`` ``"lazy"`` or ``"eager"``;
-    ``lora`` (host arrays, :meth:`from_arrays` / :meth:`from_shards`): PEFT's ``LoraConfig`` or
+    ``lora`` (:meth:`from_arrays` / :meth:`from_shards`, :meth:`from_fsdp2`; :meth:`from_peft`
+    reads the model's own): PEFT's ``LoraConfig`` or
     a dict of its ``r``, ``lora_alpha``, ``target_modules`` and ``use_rslora``, the named
     tensors then including each adapted weight's ``lora_A`` / ``lora_B``
     (:func:`lifecycle.expected_parameters` lists them): the base is frozen (cast once; a
@@ -171,8 +173,8 @@ class Switch:
 
     def __init__(self, *_args: Any, **_kwargs: Any) -> None:
         raise ConfigError(
-            "build a Switch with Switch.from_fsdp2, Switch.from_megatron, Switch.from_arrays or "
-            "Switch.from_shards"
+            "build a Switch with Switch.from_fsdp2, Switch.from_peft, Switch.from_megatron, "
+            "Switch.from_arrays or Switch.from_shards"
         )
 
     @classmethod

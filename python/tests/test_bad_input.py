@@ -146,7 +146,7 @@ def test_bad_configs_and_names_are_refused_when_the_switch_is_built(config, para
         lambda: Switch.from_arrays(config, two),
     )
     refused(ConfigError, "named: expected tuples, found str", lambda: Switch.from_arrays(config, ["x"]))
-    with pytest.raises(ConfigError, match="from_fsdp2, Switch.from_megatron, Switch.from_arrays or Switch.from_shards"):
+    with pytest.raises(ConfigError, match="from_fsdp2, Switch.from_peft, Switch.from_megatron, Switch.from_arrays or Switch.from_shards"):
         Switch(config, [])
 
 
