@@ -72,6 +72,26 @@ pub(crate) unsafe fn gemm_beta(
     beta: f32,
     rank: usize,
 ) -> Result<(), CudaError> {
+    // SAFETY: forwarded to the caller (rows of y are `out` apart).
+    unsafe { gemm_ld(blas, w, x, y, (out, rows, inp), out, beta, rank) }
+}
+
+/// [`gemm_beta`] into rows of `y` that lie `ldc` ≥ `out` f32 apart (a column block of a wider
+/// output).
+///
+/// # Safety
+/// As [`gemm`], `y` holding `(rows − 1) · ldc + out` f32.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_ld(
+    blas: &CudaBlas,
+    w: u64,
+    x: u64,
+    y: u64,
+    (out, rows, inp): (usize, usize, usize),
+    ldc: usize,
+    beta: f32,
+    rank: usize,
+) -> Result<(), CudaError> {
     let alpha = 1.0f32;
     let dim = |v: usize| {
         i32::try_from(v).map_err(|_| CudaError::Invalid(format!("GEMM dimension {v} > i32::MAX")))
@@ -97,7 +117,7 @@ pub(crate) unsafe fn gemm_beta(
             (&beta as *const f32).cast::<c_void>(),
             y as *mut c_void,
             cublas_sys::cudaDataType::CUDA_R_32F,
-            dim(out)?,
+            dim(ldc)?,
             cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )

@@ -137,6 +137,45 @@ impl<'w> GpuDecoder<'w> {
         Self::build(config, tp, &plan, pool, weights)
     }
 
+    /// A decoder (as [`GpuDecoder::new`]) over a rollout that holds the LoRA adapters of `lora`
+    /// beside their bases (`lifecycle_layout::lora::with_adapters`): every adapted linear adds
+    /// `s·(x·Aᵀ)·Bᵀ` to its base product, unmerged, `s` the configuration's scaling (as
+    /// `lifecycle_decoder::CpuDecoder::new_lora`). Refused by name: an adapter of another rank
+    /// `r`, a target the configuration lists that the rollout lacks or one it holds that the
+    /// configuration does not list, an fp8 rollout.
+    ///
+    /// ```no_run
+    /// # fn demo(config: &lifecycle_decoder::ModelConfig,
+    /// #         backend: &lifecycle_fsdp::FsdpBackend,
+    /// #         weights: &lifecycle_cuda::RolloutBuffer) -> Result<(), Box<dyn std::error::Error>> {
+    /// use lifecycle_decoder::{Decoder, Sampling};
+    /// use lifecycle_decoder_gpu::GpuDecoder;
+    /// use lifecycle_layout::lora::{LoraConfig, LoraTarget};
+    /// let lora = LoraConfig::new(64, 128.0, LoraTarget::ALL.to_vec());
+    /// let mut decoder = GpuDecoder::new_lora(config, backend, weights, &lora)?;
+    /// let out = decoder.generate(&[vec![1, 2, 3]], &Sampling::greedy(8))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn new_lora(
+        config: &ModelConfig,
+        backend: &'w impl RolloutSource,
+        weights: &'w RolloutBuffer,
+        lora: &lifecycle_layout::lora::LoraConfig,
+    ) -> Result<Self, GpuDecodeError> {
+        let (layout, pool) = (backend.rollout_layout(), backend.rank_pool());
+        let tp = layout.tp();
+        decode_topology(pool.world(), tp, pool.local_ranks().len())?;
+        let plan = GroupOffsets::new(config, layout, &group_entries(weights, tp)?)?;
+        let mut core = Core::new(config, tp, pool)?;
+        core.lora = Some(lora.clone());
+        core.bind(pool, &plan, weights)?;
+        Ok(GpuDecoder {
+            core,
+            pool,
+            _weights: PhantomData,
+        })
+    }
+
     /// A decoder over rollout weights in the Megatron backends' fused layout `layout`
     /// (`MegatronGpuBackend::rollout_layout`): per rank `qkv_proj` = `[q; k; v]` and
     /// `gate_up_proj` = `[gate; up]`, each one GEMM; a vocabulary-parallel embedding and head

@@ -395,6 +395,27 @@ impl GpuEngine {
         )
     }
 
+    /// The engine for a rollout that holds the LoRA adapters of `lora` beside their bases: each
+    /// adapted linear adds `s·(x·Aᵀ)·Bᵀ` to its base product, unmerged
+    /// ([`GpuDecoder::new_lora`](crate::GpuDecoder::new_lora)); the adapters are checked
+    /// against `lora` by name when the engine wakes on the weights. Without it, a rollout that
+    /// holds adapters is refused.
+    ///
+    /// ```no_run
+    /// # fn demo(backend: &lifecycle_fsdp::FsdpBackend,
+    /// #         config: &lifecycle_decoder::ModelConfig) -> Result<(), Box<dyn std::error::Error>> {
+    /// use lifecycle_decoder_gpu::{EngineSettings, GpuEngine};
+    /// use lifecycle_layout::lora::{LoraConfig, LoraTarget};
+    /// let lora = LoraConfig::new(64, 128.0, LoraTarget::ALL.to_vec());
+    /// let engine = GpuEngine::for_backend(backend, config, EngineSettings::new(64, 4096))?
+    ///     .with_lora(lora);
+    /// # Ok(()) }
+    /// ```
+    pub fn with_lora(mut self, lora: lifecycle_layout::lora::LoraConfig) -> Self {
+        self.core.lora = Some(lora);
+        self
+    }
+
     /// The settings.
     pub fn settings(&self) -> EngineSettings {
         self.settings

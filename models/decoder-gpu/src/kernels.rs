@@ -36,6 +36,8 @@ pub(crate) struct DecoderKernels {
     pub rms_norm_quant: CudaFunction,
     pub combine: CudaFunction,
     pub combine_cols: CudaFunction,
+    /// A LoRA branch's `s·(x·Aᵀ)` joined and split for its `B` product.
+    pub lora_mid: CudaFunction,
     pub swiglu_split: CudaFunction,
     /// `swiglu_split` and the W8A8 quantisation of its output in one launch.
     pub swiglu_quant: CudaFunction,
@@ -78,8 +80,9 @@ pub(crate) struct DecoderKernels {
     ///
     /// [`MAX_CONTEXT`]: crate::MAX_CONTEXT
     pub max_context: usize,
-    /// The W8A8 quantisations (`rms_norm_quant`, `swiglu_quant`, `fp8_quant_*`) are launched
-    /// early ([`LaunchHow::early`]; [`launches_early`]).
+    /// The kernels of this set are launched early ([`LaunchHow::early`]; [`launches_early`]) by
+    /// the forward pass and the W8A8 quantisations: each waits for the grid before it first
+    /// thing (`grid_start` in `kernels/decoder.cu`).
     pub early: bool,
 }
 
@@ -223,6 +226,7 @@ impl DecoderKernels {
             rms_norm_quant: m.function("rms_norm_quant")?,
             combine: m.function("combine")?,
             combine_cols: m.function("combine_cols")?,
+            lora_mid: m.function("lora_mid")?,
             swiglu_split: m.function("swiglu_split")?,
             swiglu_quant: m.function("swiglu_quant")?,
             swiglu_fused_split: m.function("swiglu_fused_split")?,

@@ -9,6 +9,7 @@ use lifecycle_decoder::{
     head_shares, layout_heads, rollout_spec, DecodeError, HeadShare, ModelConfig,
     MEGATRON_VOCAB_MULTIPLE,
 };
+use lifecycle_layout::lora::{self, adapter_name, LoraPart, LoraTarget};
 use lifecycle_layout::RolloutEntry;
 use lifecycle_layout::RolloutLayout as FusedLayout;
 use lifecycle_layout::{hf, Parallel, RolloutLayout, TensorSpec};
@@ -51,6 +52,16 @@ impl MatAt {
     }
 }
 
+/// A LoRA adapter's matrices on one rank, bf16: `A` (`r × in`, the base's input slice) from
+/// slot `a`, and `B` (`out × r`) from slot `b`, its first row the base's first used row (a
+/// replicated k / v base: the rows of this rank's kv heads).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LoraAt {
+    pub a: u64,
+    pub b: u64,
+    pub r: usize,
+}
+
 /// Element offsets (bf16) of one rank's share of one layer. In the fused layout `k_w` / `v_w`
 /// point into `qkv_proj` right after the q / k rows, `up_w` into `gate_up_proj` after the gate
 /// rows, so `[q_w, v_w + kv rows)` and `[gate_w, up_w + ffn rows)` are one matrix each.
@@ -72,6 +83,9 @@ pub(crate) struct LayerOffsets {
     pub down_w: MatAt,
     /// Per-head RMSNorm weights of q and k (Qwen3).
     pub qk_norm: Option<(u64, u64)>,
+    /// LoRA adapters of q, k, v, o, gate, up and down (`LoraTarget::ALL`'s order), where the
+    /// rollout holds them.
+    pub lora: [Option<LoraAt>; 7],
 }
 
 /// One expert's share on one rank: gate, up (`[ffn × hidden]`) and down (`[hidden × ffn]`).
@@ -195,14 +209,20 @@ struct Reader<'a> {
     fp8_max_cols: u64,
 }
 
-impl Reader<'_> {
-    fn spec(&self, name: &str, allowed: &[Parallel]) -> Result<&TensorSpec, DecodeError> {
+impl<'a> Reader<'a> {
+    fn spec(&self, name: &str, allowed: &[Parallel]) -> Result<&'a TensorSpec, DecodeError> {
         rollout_spec(self.layout, &self.shapes, name, allowed)
     }
 
     /// The entry of `name` in every rank's buffer (the same on every rank), shape-checked.
     fn entry(&mut self, name: &str, allowed: &[Parallel]) -> Result<&RolloutEntry, DecodeError> {
         let spec = self.spec(name, allowed)?;
+        self.entry_of(spec)
+    }
+
+    /// The entry of the layout's tensor `spec`, shaped as the layout splits it.
+    fn entry_of(&mut self, spec: &TensorSpec) -> Result<&RolloutEntry, DecodeError> {
+        let name = &spec.name;
         let expected = spec.slice_shape(self.layout.tp());
         let e = self
             .entries
@@ -260,6 +280,57 @@ impl Reader<'_> {
 }
 
 impl Reader<'_> {
+    /// The adapter of base matrix `base` (whose slice on a rank is `out × inp`), where the
+    /// layout holds one: its `A` and `B` both, bf16, of one rank `r`, each entry shaped as the
+    /// layout splits it.
+    fn adapter(
+        &mut self,
+        base: &str,
+        (out, inp): (usize, usize),
+    ) -> Result<Option<LoraAt>, DecodeError> {
+        let mut at = [None, None];
+        for (i, part) in [LoraPart::A, LoraPart::B].into_iter().enumerate() {
+            let name = adapter_name(base, part);
+            let Some(spec) = self.layout.tensors().iter().find(|t| t.name == name) else {
+                continue;
+            };
+            let tp = self.layout.tp();
+            let e = self.entry_of(spec)?;
+            if e.is_fp8() {
+                return Err(DecodeError::Usage(format!(
+                    "adapter `{name}` is fp8: the engine reads adapters in bf16 \
+                     (lifecycle_layout::fp8::keeps_bf16 keeps them so)"
+                )));
+            }
+            let expected = spec.slice_shape(tp);
+            at[i] = Some((e.offset() as u64, expected));
+        }
+        match at {
+            [None, None] => Ok(None),
+            [Some((a, sa)), Some((b, sb))] => match (sa.as_slice(), sb.as_slice()) {
+                (&[r, ai], &[bo, br]) if ai == inp && bo == out && br == r && r > 0 => {
+                    Ok(Some(LoraAt { a, b, r }))
+                }
+                _ => Err(DecodeError::Usage(format!(
+                    "the adapter of `{base}`: A of {sa:?} and B of {sb:?} on a rank, for a base \
+                     slice of {out} × {inp} (A: r × {inp}, B: {out} × r)"
+                ))),
+            },
+            [a, _] => {
+                let missing = if a.is_none() {
+                    LoraPart::A
+                } else {
+                    LoraPart::B
+                };
+                Err(DecodeError::Usage(format!(
+                    "the rollout layout holds one matrix of the adapter of `{base}` but not \
+                     `{}`: an adapter needs its A and B",
+                    adapter_name(base, missing)
+                )))
+            }
+        }
+    }
+
     /// TP rank `t`'s share of expert `e` of layer `l`: its TP slices (gate and up
     /// column-parallel, down row-parallel), the whole expert when `t` owns it, or `None` when
     /// another rank owns it.
@@ -336,19 +407,6 @@ impl GroupOffsets {
             }
         };
         let entries = rank_entries(0)?;
-        if let Some(t) = layout
-            .tensors()
-            .iter()
-            .find(|t| lifecycle_layout::lora::is_adapter(&t.name))
-        {
-            // never decode a LoRA model on its base alone
-            return Err(DecodeError::Usage(format!(
-                "the rollout holds LoRA adapter `{}`: the GPU engine does not apply adapters \
-                 yet; decode on the CPU decoder (CpuDecoder::new_lora) or merge the adapters \
-                 into the base first",
-                t.name
-            )));
-        }
         let tp = layout.tp();
         let degree = |reason: String| DecodeError::Degree { tp, reason };
         if tp == 0 {
@@ -391,6 +449,7 @@ impl GroupOffsets {
         let mut per_layer = Vec::with_capacity(config.model.layers);
         let mut qk_norms = Vec::with_capacity(config.model.layers);
         let mut moe_layers = Vec::with_capacity(config.model.layers);
+        let mut lora_layers = Vec::with_capacity(config.model.layers);
         for l in 0..config.model.layers {
             let p = format!("model.layers.{l}");
             let mut bias =
@@ -424,6 +483,21 @@ impl GroupOffsets {
                     r.matrix(&format!("{p}.mlp.down_proj.weight"), &row)?,
                 )
             };
+            // the layer's adapters, each sized for its base's slice on a rank
+            let mut lora = [None; 7];
+            for (i, t) in LoraTarget::ALL.into_iter().enumerate() {
+                let base = t.base_name(l);
+                if t.in_mlp() && spec.moe_layer(l) {
+                    continue;
+                }
+                let Some(e) = r.entries.iter().find(|e| e.name() == base) else {
+                    continue;
+                };
+                if let [out, inp] = *e.shape() {
+                    lora[i] = r.adapter(&base, (out, inp))?;
+                }
+            }
+            lora_layers.push(lora);
             per_layer.push((
                 r.offset(&format!("{p}.input_layernorm.weight"), &rep)?,
                 r.offset(&format!("{p}.post_attention_layernorm.weight"), &rep)?,
@@ -535,11 +609,20 @@ impl GroupOffsets {
                     layers: per_layer
                         .iter()
                         .zip(&qk_norms)
+                        .zip(&lora_layers)
                         .map(
                             |(
-                                &(inn, post, q_w, q_b, k_w, k_b, v_w, v_b, o_w, g, u, dn),
-                                &qk_norm,
+                                (
+                                    &(inn, post, q_w, q_b, k_w, k_b, v_w, v_b, o_w, g, u, dn),
+                                    &qk_norm,
+                                ),
+                                &lora,
                             )| {
+                                // a replicated k / v adapter's B from this rank's kv rows
+                                let mut lora = lora;
+                                for at in lora[1..3].iter_mut().flatten() {
+                                    at.b = kv_shift(at.b, at.r);
+                                }
                                 LayerOffsets {
                                     input_norm: inn,
                                     post_norm: post,
@@ -554,6 +637,7 @@ impl GroupOffsets {
                                     up_w: u,
                                     down_w: dn,
                                     qk_norm,
+                                    lora,
                                 }
                             },
                         )
@@ -579,6 +663,38 @@ impl GroupOffsets {
         })
     }
 
+    /// The adapters held are those of `lora` ([`lifecycle_decoder::check_adapters`]: every
+    /// target it lists on every rank of every layer, the MLP ones on dense layers, of its rank
+    /// `r`; none without a configuration).
+    pub(crate) fn check_lora(
+        &self,
+        config: &ModelConfig,
+        lora: Option<&lifecycle_layout::lora::LoraConfig>,
+    ) -> Result<(), DecodeError> {
+        let spec = config.model_spec(MEGATRON_VOCAB_MULTIPLE);
+        let held = |l: usize, t: LoraTarget| {
+            let i = LoraTarget::ALL.iter().position(|&x| x == t).unwrap_or(0);
+            self.ranks
+                .iter()
+                .map(|r| r.layers.get(l).and_then(|w| w.lora[i]).map(|a| a.r))
+                .collect()
+        };
+        let layers = config.model.layers;
+        let dense = |l: usize| !spec.moe_layer(l);
+        let call = "GpuDecoder::new_lora, GpuEngine::with_lora";
+        lifecycle_decoder::check_adapters(layers, dense, lora, held, call)
+    }
+
+    /// The largest adapter rank `r` a layer holds (0 without adapters).
+    pub(crate) fn lora_rank(&self) -> usize {
+        let layers = self.ranks.iter().flat_map(|r| &r.layers);
+        layers
+            .flat_map(|w| w.lora.iter().flatten())
+            .map(|a| a.r)
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Checks every tensor of the fused rollout layout `layout` (Megatron's: per rank
     /// `qkv_proj` = `[q; k; v]` of its heads, `gate_up_proj` = `[gate; up]`, a vocabulary-parallel
     /// embedding and head whose rows may be padded) against the config and the rollout entries,
@@ -601,6 +717,13 @@ impl GroupOffsets {
             return Err(degree(format!(
                 "intermediate_size {} is not divisible by T",
                 config.model.ffn
+            )));
+        }
+        if let Some(t) = layout.tensors().iter().find(|t| lora::is_adapter(&t.name)) {
+            return Err(DecodeError::Usage(format!(
+                "the fused rollout layout holds LoRA adapter `{}`: the engine applies adapters \
+                 in the unfused layout (the FSDP backends') only",
+                t.name
             )));
         }
         let specs = layout.fused_tensors(&model)?;
@@ -740,6 +863,7 @@ impl GroupOffsets {
                 } else {
                     None
                 },
+                lora: [None; 7],
             });
         }
         let embed = at(hf::EMBED)?;
@@ -936,32 +1060,57 @@ mod tests {
         }
     }
 
-    /// A rollout with LoRA adapters is refused by name: the engine does not apply them yet,
-    /// and must not decode the base alone.
+    /// A rollout's adapters are read beside their bases (a replicated k / v adapter's B from
+    /// the rank's kv rows) and checked against the configuration the engine is given: without
+    /// one, or with another, refused by name (a LoRA model is never decoded on its base alone).
     #[test]
-    fn a_rollout_with_lora_adapters_is_refused_by_name() {
+    fn a_rollouts_adapters_are_read_and_checked_by_name() {
         use lifecycle_layout::lora::{with_adapters, LoraConfig, LoraTarget};
         let c = config(32, 2, false);
-        let lora = LoraConfig::new(2, 4.0, vec![LoraTarget::V]);
-        let layout = with_adapters(&c.rollout_layout(1).unwrap(), &c.model, &lora).unwrap();
-        let mut at = 0;
-        let entries: Vec<RolloutEntry> = layout
-            .tensors()
-            .iter()
-            .map(|s| {
-                let e = RolloutEntry::new(s.name.clone(), s.shape.clone(), at);
-                at += s.numel();
-                e
-            })
-            .collect();
-        let msg = GroupOffsets::new(&c, &layout, &[&entries[..]])
-            .unwrap_err()
-            .to_string();
-        assert!(
-            msg.contains("model.layers.0.self_attn.v_proj.lora_A.weight"),
-            "{msg}"
-        );
-        assert!(msg.contains("new_lora"), "{msg}");
+        let lora = LoraConfig::new(2, 4.0, vec![LoraTarget::V, LoraTarget::Down]);
+        for t in [1, 2, 4] {
+            let layout = with_adapters(&c.rollout_layout(t).unwrap(), &c.model, &lora).unwrap();
+            let mut at = 0;
+            let entries: Vec<RolloutEntry> = layout
+                .tensors()
+                .iter()
+                .map(|s| {
+                    let shape = s.slice_shape(t);
+                    let e = RolloutEntry::new(s.name.clone(), shape.clone(), at);
+                    at += shape.iter().product::<usize>();
+                    e
+                })
+                .collect();
+            let plan = GroupOffsets::new(&c, &layout, &[&entries[..]]).unwrap();
+            plan.check_lora(&c, Some(&lora)).unwrap();
+            assert_eq!(plan.lora_rank(), 2);
+            let offset = |name: &str| {
+                let e = entries.iter().find(|e| e.name() == name).unwrap();
+                e.offset() as u64
+            };
+            let v_b = offset("model.layers.1.self_attn.v_proj.lora_B.weight");
+            for (rank, w) in plan.ranks.iter().enumerate() {
+                let l1 = &w.layers[1];
+                assert!(l1.lora[0].is_none() && l1.lora[3].is_none());
+                let v = l1.lora[2].unwrap();
+                assert_eq!(v.a, offset("model.layers.1.self_attn.v_proj.lora_A.weight"));
+                // 2 kv heads of 4 rows: split at T = 1, 2, replicated at T = 4 (rank t reads
+                // head t / 2)
+                let kv_rows = if t == 4 { (rank / 2) * 4 } else { 0 };
+                assert_eq!(v.b, v_b + (kv_rows * 2) as u64, "T = {t}, rank {rank}");
+                let down = l1.lora[6].unwrap();
+                assert_eq!(down.a, offset("model.layers.1.mlp.down_proj.lora_A.weight"));
+            }
+            let msg = plan.check_lora(&c, None).unwrap_err().to_string();
+            assert!(
+                msg.contains("model.layers.0.self_attn.v_proj.lora_A.weight"),
+                "{msg}"
+            );
+            assert!(msg.contains("with_lora"), "{msg}");
+            let other = LoraConfig::new(4, 4.0, vec![LoraTarget::V, LoraTarget::Down]);
+            let msg = plan.check_lora(&c, Some(&other)).unwrap_err().to_string();
+            assert!(msg.contains("r = 2"), "{msg}");
+        }
     }
 
     #[test]

@@ -28,42 +28,11 @@ use lifecycle_fsdp::FsdpBackend;
 use lifecycle_host::{HostBackend, HostTrainState};
 use lifecycle_layout::fp8::RolloutDtype;
 
+mod common;
+
+use common::{prompts, run};
+
 type Res = Result<(), Box<dyn std::error::Error>>;
-
-/// Logits rows and greedy tokens of one decoder.
-type Outputs = (Vec<Vec<f32>>, Vec<Vec<u32>>);
-
-/// Every path of the fp8 products: prefill logits of every position of `long` and of `short`
-/// (more than 8 tokens: the dequantised GEMMs), two decode steps of 2 sequences (the e4m3
-/// kernel), and 6 greedy tokens.
-fn run<D: Decoder>(
-    dec: &mut D,
-    long: &[Vec<u32>],
-    short: &[Vec<u32>],
-) -> Result<Outputs, Box<dyn std::error::Error>>
-where
-    D::Error: 'static,
-{
-    let mut logits = dec.prefill(long, PrefillLogits::All)?;
-    logits.extend(dec.decode_step(&[8, 77])?);
-    logits.extend(dec.decode_step(&[3, 1])?);
-    logits.extend(dec.prefill(short, PrefillLogits::All)?);
-    let tokens = dec.generate(short, &Sampling::greedy(6))?;
-    Ok((logits, tokens))
-}
-
-/// The prompts of [`run`]: a long one (40 tokens) with a short one, and two of 10 and 6.
-fn prompts() -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
-    let long = vec![
-        (0..40).map(|i| (i * 37 + 11) % 300).collect(),
-        vec![5, 6, 7],
-    ];
-    let short = vec![
-        vec![3, 1, 4, 1, 5, 9, 2, 6, 5, 3],
-        vec![27, 18, 28, 18, 28, 4],
-    ];
-    (long, short)
-}
 
 /// The host executor's fp8 rollout of `tensors` (W = 1): the CPU decoders' weights.
 fn host_fp8(
@@ -125,12 +94,7 @@ fn check(name: &str, config: &ModelConfig, seed: u64) -> Res {
 fn gpu_fp8_decoder_matches_the_cpu_fp8_decoder_w1() -> Res {
     require_gpus(1)?;
     // dense Qwen2 with biases and 128-wide heads; columns multiples of 16 (the vector path)
-    let dense = ModelConfig::from_json_str(
-        r#"{"model_type": "qwen2", "vocab_size": 300, "hidden_size": 256,
-            "intermediate_size": 640, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 128, "rope_theta": 10000.0,
-            "tie_word_embeddings": false}"#,
-    )?;
+    let dense = common::qwen2_256()?;
     check("qwen2 256-wide", &dense, 3)?;
     // Qwen3-MoE with a dense first layer; an odd width (200 = not a multiple of 16 nor of 128:
     // the scalar path and partial blocks)
@@ -394,12 +358,7 @@ fn check_w8a8(name: &str, config: &ModelConfig, seed: u64) -> Res {
 fn gpu_w8a8_decoder_matches_the_cpu_w8a8_decoder_w1() -> Res {
     require_gpus(1)?;
     // dense Qwen2 with biases; the down product's 640 inputs are 5 scale blocks
-    let dense = ModelConfig::from_json_str(
-        r#"{"model_type": "qwen2", "vocab_size": 300, "hidden_size": 256,
-            "intermediate_size": 640, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 128, "rope_theta": 10000.0,
-            "tie_word_embeddings": false}"#,
-    )?;
+    let dense = common::qwen2_256()?;
     check_w8a8("qwen2 256-wide", &dense, 3)?;
     // Qwen3-MoE with a dense first layer and 16 experts of 256 (decode steps: the experts'
     // weight-streaming launches on quantised activations; prefill: per expert, the GEMM)
@@ -493,12 +452,7 @@ fn check_fused(name: &str, config: &ModelConfig, seed: u64) -> Res {
 fn gpu_fp8_decoder_reads_the_fused_megatron_fp8_rollout() -> Res {
     require_gpus(1)?;
     // dense Qwen2 with biases and 128-wide heads: q, k, v and gate, up of whole 128-row blocks
-    let dense = ModelConfig::from_json_str(
-        r#"{"model_type": "qwen2", "vocab_size": 300, "hidden_size": 256,
-            "intermediate_size": 640, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 128, "rope_theta": 10000.0,
-            "tie_word_embeddings": false}"#,
-    )?;
+    let dense = common::qwen2_256()?;
     check_fused("qwen2 256-wide", &dense, 3)?;
     // Qwen3-MoE with a dense first layer and 16 experts of 256 in their stacks
     let moe = ModelConfig::from_json_str(

@@ -80,13 +80,7 @@ impl<'w> CpuDecoder<'w> {
         group: &[&'w RankRollout],
     ) -> Result<Self, DecodeError> {
         let w = GroupWeights::new(config, layout, group)?;
-        if w.has_lora() {
-            return Err(DecodeError::Usage(
-                "the rollout holds LoRA adapters: give their configuration \
-                 (CpuDecoder::new_lora), whose scaling the products need"
-                    .into(),
-            ));
-        }
+        w.check_lora(None)?;
         Ok(Self::of(config, w))
     }
 
@@ -103,7 +97,7 @@ impl<'w> CpuDecoder<'w> {
         lora: &lifecycle_layout::lora::LoraConfig,
     ) -> Result<Self, DecodeError> {
         let w = GroupWeights::new(config, layout, group)?;
-        w.check_lora(lora)?;
+        w.check_lora(Some(lora))?;
         let mut d = Self::of(config, w);
         d.lora_scaling = lora.scaling() as f32;
         Ok(d)

@@ -24,6 +24,7 @@
 
 #![warn(missing_docs)]
 
+mod adapters;
 mod checkpoint;
 mod config;
 mod cpu;
@@ -38,6 +39,7 @@ mod sampling;
 mod spec_check;
 mod weights;
 
+pub use adapters::check_adapters;
 pub use checkpoint::{load_checkpoint, random_tensors, read_tensors, save_checkpoint, Checkpoint};
 pub use config::{check_token, Architecture, ConfigStyle, ModelConfig};
 pub use cpu::{CpuDecoder, DEFAULT_SLOTS};

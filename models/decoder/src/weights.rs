@@ -328,47 +328,20 @@ impl GroupWeights<'_> {
         out
     }
 
-    /// Whether the rollout holds any LoRA adapter.
-    pub(crate) fn has_lora(&self) -> bool {
-        (0..self.layers.len()).any(|l| {
-            self.lora_slots(l)
-                .iter()
-                .any(|(_, ranks)| ranks.iter().any(Option::is_some))
-        })
-    }
-
-    /// The adapters held are those of `lora`: every listed target on every rank of every layer
-    /// (the MLP ones on dense layers), of rank `r`, and no other.
-    pub(crate) fn check_lora(&self, lora: &LoraConfig) -> Result<(), DecodeError> {
-        for l in 0..self.layers.len() {
-            let dense = matches!(self.layers[l].mlp, Mlp::Dense(_));
-            for (t, ranks) in self.lora_slots(l) {
-                let want = lora.targets.contains(&t) && (dense || !t.in_mlp());
-                for (rank, held) in ranks.iter().enumerate() {
-                    let name = adapter_name(&t.base_name(l), LoraPart::A);
-                    match held {
-                        None if want => {
-                            return Err(DecodeError::MissingTensor { name, rank });
-                        }
-                        Some(_) if !want => {
-                            return Err(DecodeError::Usage(format!(
-                                "the rollout holds adapter `{name}`, whose module `{t}` the LoRA \
-                                 configuration does not target"
-                            )));
-                        }
-                        Some(a) if a.rank != lora.rank => {
-                            return Err(DecodeError::Usage(format!(
-                                "adapter `{name}` on rank {rank} has rank r = {}, the LoRA \
-                                 configuration {}",
-                                a.rank, lora.rank
-                            )));
-                        }
-                        _ => {}
-                    }
-                }
-            }
-        }
-        Ok(())
+    /// The adapters held are those of `lora` ([`crate::check_adapters`]; none without it).
+    pub(crate) fn check_lora(&self, lora: Option<&LoraConfig>) -> Result<(), DecodeError> {
+        let layers = self.layers.len();
+        let dense = |l: usize| matches!(self.layers[l].mlp, Mlp::Dense(_));
+        let held = |l: usize, t: LoraTarget| {
+            let slots = self.lora_slots(l);
+            slots
+                .into_iter()
+                .find(|(s, _)| *s == t)
+                .map_or_else(Vec::new, |(_, ranks)| {
+                    ranks.iter().map(|a| a.map(|a| a.rank)).collect()
+                })
+        };
+        crate::check_adapters(layers, dense, lora, held, "CpuDecoder::new_lora")
     }
 }
 

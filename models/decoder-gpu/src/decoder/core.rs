@@ -9,6 +9,7 @@ use lifecycle_cuda::RolloutBuffer;
 use lifecycle_cuda::{alloc_zeros, CudaError, RankCtx, RankExecutor, ThreadRankPool};
 use lifecycle_decoder::{DecodeError, KvDtype, ModelConfig, PrefillLogits, Sampling, SplitMix64};
 use lifecycle_layout::fp8::Fp8Compute;
+use lifecycle_layout::lora::LoraConfig;
 
 use crate::error::GpuDecodeError;
 use crate::fp8::{Fp8Kernels, GEMV_TOKENS};
@@ -93,6 +94,8 @@ pub(crate) struct Core {
     pub room_waits: usize,
     /// The last `generate` call's wall time up to its first tokens on the host.
     pub last_prefill: std::time::Duration,
+    /// The LoRA configuration of the adapters the bound rollout holds (`None`: it holds none).
+    pub lora: Option<LoraConfig>,
 }
 
 /// One rank of a decoder: what its passes read ([`RankState`]) and the decode steps captured over
@@ -199,6 +202,7 @@ impl Core {
             kv: KvMode::Grow,
             room_waits: 0,
             last_prefill: std::time::Duration::ZERO,
+            lora: None,
         })
     }
 
@@ -234,6 +238,21 @@ impl Core {
         plan: &GroupOffsets,
         weights: &RolloutBuffer,
     ) -> Result<(), GpuDecodeError> {
+        // adapters: those of the configuration given, before anything is read
+        plan.check_lora(&self.config, self.lora.as_ref())?;
+        let lora_rank = plan.lora_rank();
+        if lora_rank > 0 && plan.fp8_max > 0 {
+            return Err(DecodeError::Usage(
+                "an fp8 rollout with LoRA adapters: the engine applies adapters beside bf16 \
+                 base weights only (a bf16 rollout dtype)"
+                    .into(),
+            )
+            .into());
+        }
+        let lora = (
+            self.lora.as_ref().map_or(1.0, |l| l.scaling() as f32),
+            lora_rank,
+        );
         let locals = pool.local_ranks().to_vec();
         for (i, _) in locals.iter().enumerate() {
             let len = weights.rank_buffer(i).map_or(0, |b| b.len() as u64);
@@ -296,7 +315,7 @@ impl Core {
             }
             let base = ptr(buf, &ctx.compute);
             st.device_moe = DeviceExperts::bind(ctx, &w, base)?;
-            st.bind = Some(RankBind { base, w });
+            st.bind = Some(RankBind { base, w, lora });
             r.graphs.clear();
             ctx.compute
                 .synchronize()

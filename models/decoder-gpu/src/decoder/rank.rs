@@ -29,6 +29,9 @@ use lifecycle_layout::fp8::Fp8Compute;
 pub(crate) struct RankBind {
     pub(crate) base: u64,
     pub(crate) w: RankOffsets,
+    /// The LoRA adapters' scaling `s` (1 without adapters) and the largest rank `r` of the
+    /// adapters the offsets hold (0: none).
+    pub(crate) lora: (f32, usize),
 }
 
 /// One rank's resources: cuBLAS handle, kernels, weight addresses, KV cache.

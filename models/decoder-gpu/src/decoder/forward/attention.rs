@@ -65,6 +65,15 @@ impl<'a> Pass<'a> {
                     (w8, quantised),
                     rank,
                 )?;
+                // the adapters' branches added to their column blocks before they are joined
+                for (i, (col0, width)) in [(0, qw), (qw, kvw), (qw + kvw, kvw)]
+                    .into_iter()
+                    .enumerate()
+                {
+                    if let Some(at) = lw.lora[i] {
+                        self.lora_branch(at, h, (y2 + 4 * col0 as u64, width, ld), 1.0)?;
+                    }
+                }
                 self.combine_cols(q, lw.q_b, (ld, 0, qw))?;
                 self.combine_cols(kb, lw.k_b, (ld, qw, kvw))?;
                 self.combine_cols(vb, lw.v_b, (ld, qw + kvw, kvw))?;
@@ -91,6 +100,14 @@ impl<'a> Pass<'a> {
                         if !st.wgemm_to(s, base, wm, xs, y2, dims, (w8, again), Some(f), rank)? {
                             self.combine_into(f.out, bias, width)?;
                         }
+                    }
+                }
+            }
+            if !joined {
+                // each product wrote its buffer: the adapters' branches added there
+                for (i, (dest, width)) in [(q, qw), (kb, kvw), (vb, kvw)].into_iter().enumerate() {
+                    if let Some(at) = lw.lora[i] {
+                        self.lora_after(at, h, dest, width)?;
                     }
                 }
             }
@@ -145,7 +162,8 @@ impl<'a> Pass<'a> {
             // inputs, the kernel also quantises its outputs (and the padded tokens' groups), and
             // writes no split output (o reads only the quantisation)
             let threads = crate::kernels::ATTENTION_THREADS;
-            let fused = (d == 128)
+            // (not where o has an adapter, whose branch reads the split output)
+            let fused = (d == 128 && lw.lora[3].is_none())
                 .then(|| self.fused_quant(lw.o_w, (h, qw)))
                 .flatten();
             let (rows, out, quant) = match fused {
@@ -267,7 +285,7 @@ impl<'a> Pass<'a> {
             }
             // SAFETY: o_w is h × qw; the pass's addresses and sizes (its invariant); with the
             // quantisation fused, the scratch holds o's input (held above).
-            self.row_parallel(lw.o_w, qw, fused.is_some())
+            self.row_parallel(lw.o_w, qw, fused.is_some(), lw.lora[3])
         }
     }
 

@@ -49,6 +49,12 @@ impl<'a> Pass<'a> {
                     (w8, quantised),
                     rank,
                 )?;
+                // the adapters' branches added to the gate and up blocks before the SwiGLU
+                for (i, col0) in [(4, 0), (5, f)] {
+                    if let Some(at) = lw.lora[i] {
+                        self.lora_branch(at, h, (y2 + 4 * col0 as u64, f, 2 * f), 1.0)?;
+                    }
+                }
                 let args = [Arg::U64(y2), Arg::U64(xs), u32a(n), u32a(f)];
                 let cfg = self.elementwise(n * f);
                 self.kernel(&k.swiglu_fused_split, cfg, &args, "swiglu_fused_split")?;
@@ -65,13 +71,21 @@ impl<'a> Pass<'a> {
                 // the SwiGLU quantised with it where the down product's tensor-core kernel reads
                 // its quantisation: then one launch of gate and up writes no lo rows (zeros),
                 // which swiglu_quant does not read
-                let fused = self.fused_quant(lw.down_w, (h, f));
+                // (not where gate, up or down has an adapter: their branches read and add to
+                // the split rows)
+                let adapted = lw.lora[4..].iter().any(Option::is_some);
+                let fused = self.fused_quant(lw.down_w, (h, f)).filter(|_| !adapted);
                 let zeros = fused.is_none();
                 let grouped =
                     st.wgemm_group(s, base, (&prods, zeros), xs, (2 * n, h), one, rank)?;
                 if !grouped {
                     st.wgemm(s, base, lw.gate_w, xs, y2, (f, 2 * n, h), one, rank)?;
                     st.wgemm(s, base, lw.up_w, xs, y2b, (f, 2 * n, h), (w8, true), rank)?;
+                }
+                for (i, y) in [(4, y2), (5, y2b)] {
+                    if let Some(at) = lw.lora[i] {
+                        self.lora_branch(at, h, (y, f, f), 1.0)?;
+                    }
                 }
                 let lo_rows = !grouped || zeros;
                 if let Some(qi) = fused {
@@ -111,7 +125,7 @@ impl<'a> Pass<'a> {
                     )?;
                     self.held(qi);
                     // SAFETY: down_w is h × f; the scratch holds xs quantised (just above).
-                    return self.row_parallel(lw.down_w, f, true);
+                    return self.row_parallel(lw.down_w, f, true, None);
                 }
                 let args = [Arg::U64(y2), Arg::U64(y2b), Arg::U64(xs), u32a(n), u32a(f)];
                 let cfg = self.elementwise(n * f);
@@ -119,7 +133,7 @@ impl<'a> Pass<'a> {
             }
         }
         // SAFETY: down_w is h × f; the pass's addresses and sizes (its invariant).
-        unsafe { self.row_parallel(lw.down_w, f, false) }
+        unsafe { self.row_parallel(lw.down_w, f, false, lw.lora[6]) }
     }
 
     /// A mixture-of-experts layer ([`moe_layer`]): the experts' sum plus the residual (rank 0

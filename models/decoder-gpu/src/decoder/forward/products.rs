@@ -8,7 +8,7 @@ use super::{block_rows, u32a, Pass};
 use crate::decoder::rank::all_reduce;
 use crate::kernels::{launch_maybe_early, Arg};
 use crate::w8a8::{Finish, QuantInto};
-use crate::weights::MatAt;
+use crate::weights::{LoraAt, MatAt};
 
 impl<'a> Pass<'a> {
     /// RMSNorm of `count` rows of `x` (all of them, or the rows listed at `rows_p`) with weight
@@ -173,14 +173,17 @@ impl<'a> Pass<'a> {
     /// so by the W8A8 kernel itself where it takes the product on a rank that holds the whole
     /// sum (no tensor-parallel partial to all-reduce), else through `y2` and [`Pass::finish`].
     /// `again`: the W8A8 scratch holds `xs` quantised already (by the kernel that wrote it).
+    /// With `lora`, the adapter's branch ([`Pass::lora_branch`]) is added beside the product.
     ///
     /// # Safety
-    /// `w` of `h × inp` inside the bound buffer; the pass's addresses and sizes (its invariant).
+    /// `w` of `h × inp` inside the bound buffer, `lora` an adapter of it; the pass's addresses
+    /// and sizes (its invariant).
     pub(super) unsafe fn row_parallel(
         &mut self,
         w: MatAt,
         inp: usize,
         again: bool,
+        lora: Option<LoraAt>,
     ) -> Result<(), CudaError> {
         let (n, h, rank) = (self.z.n, self.z.h, self.ctx.rank);
         let (xs, y2, x) = (
@@ -200,10 +203,20 @@ impl<'a> Pass<'a> {
             self.st
                 .wgemm_to(s, base, w, xs, y2, (h, 2 * n, inp), act, fin, rank)?
         };
-        if done {
-            Ok(())
-        } else {
-            self.finish()
+        // the adapter's branch (its A split on the inputs like the base: a partial sum at T > 1)
+        // added to the base's split output before it is joined, or, where the kernel wrote x,
+        // to x
+        match (done, lora) {
+            (true, None) => Ok(()),
+            // SAFETY: the adapter of this base (h × inp); xs holds its input; x n × h f32.
+            (true, Some(at)) => unsafe { self.lora_after(at, inp, x, h) },
+            (false, at) => {
+                if let Some(at) = at {
+                    // SAFETY: as above; y2 holds the base's 2n × h split output.
+                    unsafe { self.lora_branch(at, inp, (y2, h, h), 1.0)? };
+                }
+                self.finish()
+            }
         }
     }
 

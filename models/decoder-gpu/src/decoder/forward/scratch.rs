@@ -44,6 +44,15 @@ pub(crate) struct Scratch {
     /// [`prefill_tiles`], uploaded with the step) and how many; `None` where the heads are too
     /// wide for them or the attention is split.
     pub(super) tiles: Option<(CudaSlice<u32>, usize)>,
+    /// The LoRA branches' buffers (`None` without adapters).
+    pub(super) lora: Option<LoraScratch>,
+}
+
+/// A LoRA branch's buffers for adapters of rank up to `r`: the `A` product of the split input
+/// `t2 [2n × r]` and its scaled sum split again, `ts [2n × r]`, the input of the `B` product.
+pub(super) struct LoraScratch {
+    pub(super) t2: CudaSlice<f32>,
+    pub(super) ts: CudaSlice<u16>,
 }
 
 /// The partial sums of a split attention ([`SplitAttention`]): per row, query head and chunk,
@@ -138,9 +147,19 @@ impl Scratch {
             } else {
                 None
             };
+            let r = bind.lora.1;
+            let lora = if r > 0 {
+                Some(LoraScratch {
+                    t2: alloc_device::<f32>(s, 2 * n * r, rank, "LoRA A products")?,
+                    ts: alloc_device::<u16>(s, 2 * n * r, rank, "LoRA B inputs")?,
+                })
+            } else {
+                None
+            };
             Ok(Scratch {
                 split,
                 tiles,
+                lora,
                 x: alloc_device::<f32>(s, n * h, rank, "hidden states")?,
                 xs: alloc_device::<u16>(s, 2 * n * widest, rank, "split activations")?,
                 y2: alloc_device::<f32>(s, 2 * n * out_widest, rank, "GEMM outputs")?,

@@ -1,0 +1,187 @@
+//! GPU test: the GPU decoder with LoRA adapters applied unmerged (`GpuDecoder::new_lora`: each
+//! adapted linear adds `s·(x·Aᵀ)·Bᵀ` to its base product) against the CPU decoder's
+//! (`CpuDecoder::new_lora`, which `models/decoder/tests/lora.rs` checks against the merged model
+//! at T = 1, 2, 4), on the same bf16 rollout (the FSDP backend's switch on the GPU, the host
+//! executor's on the CPU), W = T = 1.
+//!
+//! ```text
+//! cargo test --release -p lifecycle-decoder-gpu --test lora -- --ignored --nocapture
+//! ```
+//!
+//! Tolerance: that of the bf16 GPU tests, `1e-3 + 1e-3 · max|logit|` per row (the GPU reads the
+//! activations as two bf16 rows, its LoRA branch's `x·Aᵀ` too); greedy tokens equal. The
+//! adapters must matter: the base alone moves the logits well past that bound.
+
+use std::sync::Arc;
+
+use lifecycle_core::Lifecycle;
+use lifecycle_cuda::testing::require_gpus;
+use lifecycle_cuda::ThreadRankPool;
+use lifecycle_decoder::{random_tensors, CpuDecoder, ModelConfig};
+use lifecycle_decoder_gpu::GpuDecoder;
+use lifecycle_fsdp::FsdpBackend;
+use lifecycle_host::{HostBackend, HostTrainState};
+use lifecycle_layout::lora::{adapters, with_adapters, LoraConfig, LoraTarget};
+use lifecycle_layout::{HostTensor, RolloutLayout};
+
+mod common;
+
+use common::{prompts, run, Outputs};
+
+type Res = Result<(), Box<dyn std::error::Error>>;
+
+/// A layout with adapters, the base tensors alone, and the base tensors with the adapters.
+type LoraModel = (RolloutLayout, Vec<HostTensor>, Vec<HostTensor>);
+
+/// The base tensors of `config` and the adapters of `lora` beside them (entries uniform in
+/// ±0.1 from `seed`: B is not PEFT's zero start, so the adapters move the logits), with the
+/// layout that holds both.
+fn lora_model(
+    config: &ModelConfig,
+    lora: &LoraConfig,
+    seed: u64,
+) -> Result<LoraModel, Box<dyn std::error::Error>> {
+    let base = random_tensors(config, seed);
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+    };
+    let mut all = base.clone();
+    for a in adapters(&config.model, lora)? {
+        for spec in [&a.a, &a.b] {
+            let n: usize = spec.shape.iter().product();
+            let values = (0..n).map(|_| next()).collect();
+            all.push(HostTensor::f32(
+                spec.name.clone(),
+                spec.shape.clone(),
+                values,
+            ));
+        }
+    }
+    let layout = with_adapters(&config.rollout_layout(1)?, &config.model, lora)?;
+    Ok((layout, base, all))
+}
+
+/// The GPU decoder's outputs over the FSDP backend's rollout of `tensors` in `layout`, with
+/// `lora`'s adapters (or the base alone).
+fn gpu_outputs(
+    config: &ModelConfig,
+    layout: RolloutLayout,
+    tensors: Vec<HostTensor>,
+    lora: Option<&LoraConfig>,
+) -> Result<Outputs, Box<dyn std::error::Error>> {
+    let (long, short) = prompts();
+    let pool = Arc::new(ThreadRankPool::new(1)?);
+    let backend = FsdpBackend::new(pool, layout);
+    let state = backend.state_from_tensors(tensors)?;
+    let mut lc = Lifecycle::new(backend, state);
+    let session = lc.rollout()?;
+    let weights = session.weights();
+    let mut gpu = match lora {
+        Some(l) => GpuDecoder::new_lora(config, session.backend(), weights.get(), l)?,
+        None => GpuDecoder::new(config, session.backend(), weights.get())?,
+    };
+    run(&mut gpu, &long, &short)
+}
+
+/// Largest |a − b| over the rows against each row's largest |b|, and the largest |a − b|.
+fn worst(got: &[Vec<f32>], want: &[Vec<f32>]) -> (f32, f32) {
+    let mut out = (0.0f32, 0.0f32);
+    for (g, w) in got.iter().zip(want) {
+        let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let err = g
+            .iter()
+            .zip(w)
+            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        out.0 = out.0.max(err / (1.0 + scale));
+        out.1 = out.1.max(err);
+    }
+    out
+}
+
+fn check(name: &str, config: &ModelConfig, lora: &LoraConfig, seed: u64) -> Res {
+    let (layout, base, all) = lora_model(config, lora, seed)?;
+    let (long, short) = prompts();
+    // the CPU decoder on the host executor's bf16 rollout
+    let host = HostTrainState::from_tensors(1, all.clone())?;
+    let mut cpu_lc = Lifecycle::new(HostBackend::new(layout.clone()), host);
+    let cpu_session = cpu_lc.rollout()?;
+    let cpu_weights = cpu_session.weights();
+    let group: Vec<_> = cpu_weights.ranks.iter().collect();
+    let mut cpu = CpuDecoder::new_lora(config, &layout, &group, lora)?;
+    let (want, want_tokens) = run(&mut cpu, &long, &short)?;
+    // the GPU decoder on the FSDP backend's rollout, unmerged
+    let (got, got_tokens) = gpu_outputs(config, layout.clone(), all.clone(), Some(lora))?;
+    assert_eq!(got.len(), want.len(), "{name}: logits rows");
+    let (rel, abs) = worst(&got, &want);
+    assert!(
+        rel <= 1e-3,
+        "{name}: GPU vs CPU unmerged LoRA: max |Δ logit| {abs} ({rel} of 1 + the row's largest)"
+    );
+    assert_eq!(got_tokens, want_tokens, "{name}: greedy tokens");
+    // the adapters matter: the base alone is far from them
+    let (base_logits, _) = gpu_outputs(config, config.rollout_layout(1)?, base, None)?;
+    let (moved, _) = worst(&base_logits, &want);
+    assert!(
+        moved > 1e-2,
+        "{name}: the adapters moved the logits by only {moved} of 1 + the row's largest"
+    );
+    // a decoder not told of the adapters refuses them by name
+    let pool = Arc::new(ThreadRankPool::new(1)?);
+    let backend = FsdpBackend::new(pool, layout);
+    let state = backend.state_from_tensors(all)?;
+    let mut lc = Lifecycle::new(backend, state);
+    let session = lc.rollout()?;
+    let weights = session.weights();
+    let refused = GpuDecoder::new(config, session.backend(), weights.get())
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        refused.contains(".lora_A.weight") && refused.contains("new_lora"),
+        "{name}: a decoder without the configuration: {refused:?}"
+    );
+    println!(
+        "{name}: GPU vs CPU unmerged LoRA (r = {}, s = {}): max |Δ logit| {abs:.3e} \
+         ({rel:.2e} relative), greedy equal; the base alone {moved:.2e} away",
+        lora.rank,
+        lora.scaling()
+    );
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gpu_unmerged_lora_matches_the_cpu_decoder() -> Res {
+    require_gpus(1)?;
+    // dense Qwen2 with biases and 128-wide heads, every linear adapted (q / k / v and gate / up
+    // in separate matrices of the unfused layout, each with its branch)
+    let dense = common::qwen2_256()?;
+    let all = LoraConfig::new(8, 16.0, LoraTarget::ALL.to_vec());
+    check("qwen2, r = 8 on all seven", &dense, &all, 3)?;
+    // Qwen3 (per-head q / k norms after the adapted products), some targets, rsLoRA
+    let qwen3 = ModelConfig::from_json_str(
+        r#"{"model_type": "qwen3", "vocab_size": 300, "hidden_size": 128,
+            "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 64, "rope_theta": 1000000.0,
+            "tie_word_embeddings": true}"#,
+    )?;
+    let some = LoraConfig::new(4, 8.0, vec![LoraTarget::Q, LoraTarget::V, LoraTarget::Down])
+        .with_rslora(true);
+    check("qwen3, r = 4 on q / v / down, rsLoRA", &qwen3, &some, 5)?;
+    // Qwen3-MoE with a dense first layer: the attention adapted in every layer (MLP targets on
+    // a layer of experts are refused by the layout)
+    let moe = ModelConfig::from_json_str(
+        r#"{"model_type": "qwen3_moe", "vocab_size": 301, "hidden_size": 128,
+            "intermediate_size": 256, "moe_intermediate_size": 64, "num_experts": 4,
+            "num_experts_per_tok": 2, "norm_topk_prob": true, "mlp_only_layers": [0],
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 32, "rope_theta": 10000.0, "tie_word_embeddings": false}"#,
+    )?;
+    let attention = LoraConfig::new(8, 16.0, LoraTarget::ALL[..4].to_vec());
+    check("qwen3-moe, r = 8 on q / k / v / o", &moe, &attention, 7)?;
+    Ok(())
+}
