@@ -413,12 +413,17 @@ impl<L: Lending> GpuSwitch<L> {
         Ok(self.backend()?.rank_pool().local_ranks().to_vec())
     }
 
-    /// Attaches the project's GPU engine (leaving rollout mode first: the next enter wakes it).
+    /// Attaches the project's GPU engine (leaving rollout mode first: the next enter wakes it);
+    /// with LoRA adapters, the engine applies them unmerged beside the base
+    /// ([`GpuEngine::with_lora`]).
     pub fn attach_engine(&mut self, settings: EngineSettings) -> Result<(), BridgeError> {
         self.exit()?;
         let backend = self.backend()?;
-        let engine = GpuEngine::for_backend(backend, self.binding.config(), settings)
+        let mut engine = GpuEngine::for_backend(backend, self.binding.config(), settings)
             .map_err(BridgeError::backend)?;
+        if let Some(lora) = self.binding.lora() {
+            engine = engine.with_lora(lora.clone());
+        }
         match &mut self.slot {
             Slot::Idle(idle) => idle.1 .0 = Some(engine),
             Slot::Live(lc, _) => lc.engine_mut().0 = Some(engine),

@@ -93,3 +93,51 @@ def test_from_peft_refuses_what_it_does_not_switch():
         lifecycle.Switch.from_peft(peft.get_peft_model(base(), cfg))
     with pytest.raises(lifecycle.ConfigError, match="no LoRA adapter `default`"):
         lifecycle.Switch.from_peft(base())
+
+
+def test_the_engine_on_unmerged_adapters_is_pefts_merged_model():
+    """A consumer no one here wrote: PEFT's ``merge_and_unload()`` of the model and the engine on
+    the unmerged adapters, teacher-forced on the engine's sampled tokens. The model's
+    parameters are rounded to bf16 first, so the merged f32 model and the rollout hold the same
+    numbers (``W + s·B·A`` in f32 of bf16 base and adapters); with the f32 KV cache each
+    token's log-probability agrees within 1e-3, greedy tokens are equal, and the base alone is
+    far from both."""
+    np = pytest.importorskip("numpy")
+    model = peft_model(seed=4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    switch = lifecycle.Switch.from_peft(model)
+    engine = lifecycle.Engine(switch, max_sequences=4, max_tokens=64, kv_dtype="f32")
+    prompts = [[5, 17, 256, 3], [900, 1, 2, 3], [42] * 6, [7, 8]]
+    temp = 0.8
+    with switch.rollout() as w:
+        samples = engine.generate(w, prompts, max_new_tokens=16, temperature=temp, seed=3)
+        greedy = [s.tokens for s in engine.generate(w, prompts, max_new_tokens=12)]
+    deltas, moved = [], []
+    with torch.no_grad():
+        for p, s in zip(prompts, samples):
+            ids = torch.tensor([p + s.tokens], device="cuda")
+            tok = torch.tensor(s.tokens, device="cuda")[:, None]
+            with model.disable_adapter():
+                base = model(ids).logits[0, len(p) - 1 : -1].double()
+            base_lp = torch.log_softmax(base / temp, -1).gather(1, tok)[:, 0].cpu().numpy()
+            moved.append(np.abs(s.logprobs - base_lp))
+        merged = model.merge_and_unload().eval()
+        theirs = []
+        for p, s in zip(prompts, samples):
+            ids = torch.tensor([p + s.tokens], device="cuda")
+            tok = torch.tensor(s.tokens, device="cuda")[:, None]
+            logits = merged(ids).logits[0, len(p) - 1 : -1].double()
+            want = torch.log_softmax(logits / temp, -1).gather(1, tok)[:, 0].cpu().numpy()
+            deltas.append(np.abs(s.logprobs - want))
+            out = merged.generate(torch.tensor([p], device="cuda"), max_new_tokens=12,
+                                  min_new_tokens=12, do_sample=False)
+            theirs.append(out[0, len(p):].tolist())
+    d, m = np.concatenate(deltas), np.concatenate(moved)
+    print(f"unmerged engine vs PEFT merge_and_unload: |Δ logprob| mean {d.mean():.2e} "
+          f"max {d.max():.2e}; the base alone max {m.max():.2e}")
+    assert d.max() <= 1e-3
+    assert m.max() > 1e-2
+    assert greedy == theirs
+    switch.close()
