@@ -48,6 +48,7 @@ use lifecycle_decoder_gpu::{GpuDecoder, MOE_DEVICE_ROWS};
 use lifecycle_fsdp::FsdpBackend;
 use lifecycle_layout::fp8::{Fp8Compute, RolloutDtype};
 use lifecycle_layout::hf;
+use lifecycle_layout::lora::{with_adapters, LoraConfig, LoraTarget};
 
 const GB: f64 = 1e9;
 
@@ -92,6 +93,11 @@ struct Args {
     /// `cuProfilerStop`, for `ncu --profile-from-start off` to profile it alone.
     #[arg(long)]
     profile: bool,
+    /// With r > 0, also `bf16 LoRA`: the bf16 model with LoRA adapters of rank r on all seven
+    /// linear types (`lora_alpha` 2r), applied unmerged by the engine, against `bf16`, which
+    /// decodes what a merged model would (the same shapes).
+    #[arg(long, default_value_t = 0)]
+    lora: usize,
 }
 
 /// Starts (`true`) or stops the profiler's collection on every rank of `pool`.
@@ -473,6 +479,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         device: true,
         graphs: args.graphs != Graphs::Off,
         bf16_mma: true,
+        lora: false,
     };
     // bf16 with every product on cuBLAS (the decoder's tensor-core kernel off): the comparison
     let mut variants = vec![
@@ -482,6 +489,28 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             ..bf16
         },
     ];
+    // the adapters' model: its layout, configuration and training state
+    let lora = (args.lora > 0)
+        .then(|| {
+            let cfg = LoraConfig::new(args.lora, 2.0 * args.lora as f64, LoraTarget::ALL.to_vec());
+            let layout = with_adapters(&config.rollout_layout(1)?, &config.model, &cfg)?;
+            let shapes: Vec<(String, Vec<usize>)> = layout
+                .tensors()
+                .iter()
+                .map(|t| (t.name.clone(), t.shape.clone()))
+                .collect();
+            let state =
+                FsdpBackend::new(pool.clone(), layout.clone()).synthetic_state(&shapes, 7, 0.02)?;
+            Ok::<_, Box<dyn Error>>((cfg, layout, state))
+        })
+        .transpose()?;
+    let (lora_cfg, lora_layout, mut lora_state) = match lora {
+        Some((c, l, s)) => (Some(c), Some(l), Some(s)),
+        None => (None, None, None),
+    };
+    if lora_cfg.is_some() {
+        variants.push(Variant { lora: true, ..bf16 });
+    }
     if args.moe {
         variants.push(Variant {
             device: false,
@@ -533,8 +562,10 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             .collect();
     }
     let shapes = config.tensor_shapes();
-    let mut state = FsdpBackend::new(pool.clone(), config.rollout_layout(1)?)
-        .synthetic_state(&shapes, 7, 0.02)?;
+    let mut state = Some(
+        FsdpBackend::new(pool.clone(), config.rollout_layout(1)?)
+            .synthetic_state(&shapes, 7, 0.02)?,
+    );
     // (variant, batch, decode tokens/s, prefill seconds)
     let mut rates: Vec<(usize, usize, f64, f64)> = Vec::new();
     for (vi, v) in variants.iter().enumerate() {
@@ -546,14 +577,19 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             device,
             graphs,
             bf16_mma,
+            lora,
         } = *v;
-        let backend =
-            FsdpBackend::new(pool.clone(), config.rollout_layout(1)?).with_rollout_dtype(dtype);
+        let (layout, held_state) = match (lora, &lora_layout) {
+            (true, Some(l)) => (l.clone(), lora_state.take()),
+            _ => (config.rollout_layout(1)?, state.take()),
+        };
+        let held_state = held_state.ok_or("a variant's training state was not given back")?;
+        let backend = FsdpBackend::new(pool.clone(), layout).with_rollout_dtype(dtype);
         let lc_config = LifecycleConfig {
             switching: Switching::Lazy,
             memory: MemoryPolicy::resident(),
         };
-        let mut lc = Lifecycle::with_config(backend, state, lc_config)?;
+        let mut lc = Lifecycle::with_config(backend, held_state, lc_config)?;
         {
             let session = lc.rollout()?;
             let weights = session.weights();
@@ -566,7 +602,12 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                 .find(|e| e.name() == hf::EMBED)
                 .map_or(0, |e| e.bytes());
             let streamed = held - embed;
-            let mut dec = GpuDecoder::new(&config, session.backend(), weights.get())?;
+            let mut dec = match (lora, &lora_cfg) {
+                (true, Some(c)) => {
+                    GpuDecoder::new_lora(&config, session.backend(), weights.get(), c)?
+                }
+                _ => GpuDecoder::new(&config, session.backend(), weights.get())?,
+            };
             dec.set_kv_dtype(args.kv_dtype)?;
             dec.set_step_graphs(graphs);
             let grouped = dec.set_grouped_experts(grouped);
@@ -595,6 +636,10 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             }
             let compute_how = match (dtype, compute) {
                 (RolloutDtype::Bf16, _) if !bf16_mma => " (every product on cuBLAS)".to_string(),
+                (RolloutDtype::Bf16, _) if lora => format!(
+                    " with LoRA adapters of rank {} on all seven linear types, unmerged",
+                    args.lora
+                ),
                 (RolloutDtype::Bf16, _) => String::new(),
                 (_, Fp8Compute::WeightOnly) => " weight-only".to_string(),
                 (_, Fp8Compute::W8A8) => {
@@ -690,7 +735,12 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                 println!("  {captured} graphs captured, {replayed} decode steps replayed");
             }
         }
-        state = lc.into_parts()?.1;
+        let back = Some(lc.into_parts()?.1);
+        if lora {
+            lora_state = back;
+        } else {
+            state = back;
+        }
     }
     println!("\nagainst bf16 (grouped experts) with the same graphs setting, decode tokens/s and prefill time:");
     let of = |v: &Variant, batch: usize| {
@@ -758,6 +808,8 @@ struct Variant {
     /// bf16 products of a few tokens on the decoder's tensor-core kernel (the default;
     /// else on cuBLAS).
     bf16_mma: bool,
+    /// LoRA adapters beside the bf16 base, applied unmerged (`--lora`).
+    lora: bool,
 }
 
 impl Variant {
@@ -766,6 +818,7 @@ impl Variant {
             (RolloutDtype::Bf16, ..) if !self.grouped => "bf16 per expert".into(),
             (RolloutDtype::Bf16, ..) if !self.device => "bf16 routed on the host".into(),
             (RolloutDtype::Bf16, ..) if !self.bf16_mma => "bf16 cuBLAS".into(),
+            (RolloutDtype::Bf16, ..) if self.lora => "bf16 LoRA".into(),
             (RolloutDtype::Bf16, ..) => "bf16".into(),
             (_, Fp8Compute::WeightOnly, _) => "fp8 weight-only".into(),
             (_, Fp8Compute::W8A8, None) => "W8A8 default".into(),
