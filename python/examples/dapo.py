@@ -19,16 +19,21 @@ partial rollouts (`--leftovers partial`) that continue on the updated weights.
 The reward is a rule on the tokens: 1 when at least 4 of the 8 generated tokens t have
 t mod 4 == 0 (a uniform policy scores about 0.11).
 
+With `--lora R` the policy is a PEFT LoRA model (rank R, `lora_alpha` 2R, on all seven linear
+types; `Switch.from_peft`, one process): the base is frozen and cast into the rollout once, a
+refresh after an update moves the adapters alone, and the engine applies them unmerged.
+
 The same run goes three ways from the same seed and must produce identical samples:
   lazy   `switch.rollout()` switches only when the optimizer changed the weights;
   eager  the switch leaves rollout mode after every call (enters again at the next);
   naive  verl's old path: `full_tensor()` of every parameter copied into a separate rollout
-         model on every call, which the engine then reads.
+         model on every call, which the engine then reads (with `--lora`, base and adapters
+         copied into a second PEFT model: merging instead would round differently).
 and reports the time each spends switching.
 
     python python/examples/dapo.py [--steps 12] [--paths lazy,eager,naive] [--tis-cap 2]
         [--rollout-dtype bf16|fp8 --fp8-compute w8a8|weight-only]
-        [--sampling batches|stream --leftovers abort|partial]
+        [--sampling batches|stream --leftovers abort|partial] [--lora R]
     torchrun --nproc_per_node=2 python/examples/dapo.py     (FSDP2 W = 2, rollouts at T = 2)
 """
 
@@ -79,16 +84,47 @@ def padded(rows, width, fill):
     return [list(r) + [fill] * (width - len(r)) for r in rows]
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_model(cfg, rank: int):
+    """A PEFT LoRA model over a fresh Qwen2 of `cfg` (rank `rank`, `lora_alpha` 2 rank, every
+    linear type; PEFT's start: B = 0)."""
+    import peft
+
+    with torch.device("cuda"):
+        base = transformers.Qwen2ForCausalLM(cfg).float()
+    lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    return peft.get_peft_model(base, lora)
+
+
+def policy(cfg, args):
+    """The trained model: FSDP2 over a Qwen2, or a PEFT LoRA model with `--lora`."""
+    if args.lora:
+        return lora_model(cfg, args.lora)
+    with torch.device("cuda"):
+        model = transformers.Qwen2ForCausalLM(cfg).float()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
 class NaiveRollout:
     """verl's old path: every call, `full_tensor()` of each parameter into a separate rollout
-    model (fp32, not sharded), which a switch of its own gives the engine."""
+    model (fp32, not sharded), which a switch of its own gives the engine; with `--lora`, base
+    and adapters into a second PEFT model."""
 
     def __init__(self, model, cfg, args):
-        with torch.device("cuda"):
-            self.copy = transformers.Qwen2ForCausalLM(cfg).float()
+        if args.lora:
+            self.copy = lora_model(cfg, args.lora)
+            self.switch = lifecycle.Switch.from_peft(self.copy)
+        else:
+            with torch.device("cuda"):
+                self.copy = transformers.Qwen2ForCausalLM(cfg).float()
+            self.switch = lifecycle.Switch.from_fsdp2(self.copy, config=cfg, dtype=args.rollout_dtype)
         self.params = dict(self.copy.named_parameters())
         self.named = list(model.named_parameters())
-        self.switch = lifecycle.Switch.from_fsdp2(self.copy, config=cfg, dtype=args.rollout_dtype)
         self.engine = lifecycle.Engine(
             self.switch, max_sequences=args.prompts * args.group, max_tokens=args.prompt_len + args.new,
             fp8_compute=args.fp8_compute,
@@ -97,24 +133,24 @@ class NaiveRollout:
     def sync(self):
         with torch.no_grad():
             for n, p in self.named:
-                self.params[n].copy_(p.full_tensor())
+                self.params[n].copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
 
 
 def run(path: str, args) -> dict:
     torch.manual_seed(args.seed)
     cfg = config()
-    with torch.device("cuda"):
-        model = transformers.Qwen2ForCausalLM(cfg).float()
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=0.0)
+    model = policy(cfg, args)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.999), weight_decay=0.0)
     naive = NaiveRollout(model, cfg, args) if path == "naive" else None
-    if naive is None:
+    switching = "eager" if path == "eager" else "lazy"
+    if naive is None and args.lora:
+        switch = lifecycle.Switch.from_peft(model, switching=switching, optimizer=opt)
+    elif naive is None:
         switch = lifecycle.Switch.from_fsdp2(
             model,
             rollout_tp=dist.get_world_size(),
-            switching="eager" if path == "eager" else "lazy",
+            switching=switching,
             optimizer=opt,
             dtype=args.rollout_dtype,
         )
@@ -247,6 +283,11 @@ def run(path: str, args) -> dict:
         "first_switch_s": switch_times[0] if switch_times else 0.0,
         "later_switch_s": sum(switch_times[1:]),
         "stats": switch.stats(),
+        # bf16 bytes a refresh after an update moves: the trained parameters (with a frozen base,
+        # the adapters alone), or for the naive path every parameter, copied first
+        "refresh_bytes": 2 * sum(
+            p.numel() for p in (model.parameters() if naive is not None else trained)
+        ),
         "samples": samples,
         "mismatch": mismatches,
     }
@@ -288,7 +329,15 @@ def main():
         "(which favours short samples), or carried as partial rollouts into the next step",
     )
     ap.add_argument("--max-staleness", type=int, default=1, help="weight versions a partial rollout may lag")
+    ap.add_argument(
+        "--lora", type=int, default=0, metavar="R",
+        help="train PEFT LoRA adapters of rank R on every linear type (one process; bf16 rollout)",
+    )
     args = ap.parse_args()
+    if args.lora < 0:
+        ap.error(f"--lora must be a rank >= 1 (0: no adapters), got {args.lora}")
+    if args.lora and args.rollout_dtype != "bf16":
+        ap.error("--lora takes a bf16 rollout (--rollout-dtype bf16): a frozen base is not refreshed in fp8")
     if not (args.tis_cap >= 0 and args.tis_cap < float("inf")):
         ap.error(f"--tis-cap must be a finite number >= 0 (0 turns TIS off), got {args.tis_cap}")
     if not (args.temperature >= 0 and args.temperature < float("inf")):
@@ -302,6 +351,8 @@ def main():
         os.environ.setdefault("WORLD_SIZE", "1")
         dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if args.lora and dist.get_world_size() > 1:
+        raise SystemExit("--lora runs in one process (the PEFT model is not sharded here)")
     runs = [run(p, args) for p in args.paths.split(",")]
     if dist.get_rank() != 0:
         dist.destroy_process_group()
@@ -309,10 +360,14 @@ def main():
     base = runs[0]
     tis = "off" if args.no_tis or args.tis_cap == 0 else f"capped at {args.tis_cap}"
     print(f"DAPO on a Qwen2 of {sum(p.numel() for p in transformers.Qwen2ForCausalLM(config()).parameters())} "
-          f"parameters, FSDP2 W = {dist.get_world_size()}, AdamW lr {args.lr}, verl's loss, "
+          "parameters"
+          + (", one process" if args.lora else f", FSDP2 W = {dist.get_world_size()}")
+          + f", AdamW lr {args.lr}, verl's loss, "
           f"truncated importance sampling {tis}, {args.steps} steps; {args.rollout_dtype} rollout"
           + (f" ({args.fp8_compute})" if args.rollout_dtype == "fp8" else "")
-          + (f", dynamic sampling streamed ({args.leftovers})" if args.sampling == "stream" else ""))
+          + (f", dynamic sampling streamed ({args.leftovers})" if args.sampling == "stream" else "")
+          + (f", LoRA r = {args.lora} on every linear type (adapters unmerged in the engine)"
+             if args.lora else ""))
     print(f"{'':24}" + "".join(f"{r['path']:>12}" for r in runs))
     print(f"{'rollout calls':24}" + "".join(f"{r['calls']:>12}" for r in runs))
     print(f"{'switches (enter+refr.)':24}" + "".join(
@@ -320,6 +375,7 @@ def main():
     print(f"{'first switch':24}" + "".join(f"{1e3 * r['first_switch_s']:>10.1f}ms" for r in runs))
     print(f"{'switch time, the rest':24}"
           + "".join(f"{1e3 * r['later_switch_s']:>10.1f}ms" for r in runs))
+    print(f"{'bytes a refresh moves':24}" + "".join(f"{r['refresh_bytes'] / 1e6:>10.2f}MB" for r in runs))
     print("  (the first switch of the process also compiles its kernels: it falls on the first path)")
     q = max(1, args.steps // 4)
     for r in runs:
