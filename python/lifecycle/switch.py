@@ -394,8 +394,8 @@ class Switch:
         adapters alone, and a base weight written since (its version counter moved) is refused
         by name at the refresh, after which the next rollout casts every tensor again. The
         rollout is bf16 (a frozen base does not refresh fp8 weights yet);
-        ``w.named_tensors("peft")`` yields the adapters under PEFT's keys. Our engine does not
-        apply adapters yet: the rollout tensors are for an engine that does."""
+        ``w.named_tensors("peft")`` yields the adapters under PEFT's keys, and
+        :class:`Engine` applies the adapters unmerged beside the base."""
         from ._lora import peft_name
 
         configs = getattr(model, "peft_config", None)
