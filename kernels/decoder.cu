@@ -5,24 +5,6 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 #define NEG_INF (__int_as_float(0xff800000))
 
-// ---- Early launch (sm_90) ------------------------------------------------------------------
-//
-// Every kernel below begins with grid_start(): it lets the grid queued after it start (where that
-// grid was launched with programmatic stream serialization: the decoder's kernels and products,
-// models/decoder-gpu/src/kernels.rs, LaunchHow::early), then waits until the grid before it
-// completed and its writes are visible (griddepcontrol.wait). A grid launched early may thus
-// start while the one before it still runs, but touches nothing before the wait (the products
-// request only their weights, which no kernel of a pass writes, into L2 first:
-// kernels/w8a8_mma.cu); as every grid waits for the one before it, a grid also runs after every
-// grid before that. Launched without the attribute, and before sm_90, the wait returns at once
-// and the trigger does nothing.
-__device__ __forceinline__ void grid_start() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ float bf(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
 __device__ __forceinline__ u16 f2bf(float f) {
@@ -78,7 +60,6 @@ __device__ float block_max(float v, float* red) {
 // x[r, c] = table[tokens[r] - lo, c] when the token is in [lo, lo + count), else 0.
 extern "C" __global__ void embed(const u16* __restrict__ table, const u32* __restrict__ tokens,
                                  float* __restrict__ x, u32 n, u32 h, u32 lo, u32 count) {
-    grid_start();
     u64 total = (u64)n * h;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         u32 r = (u32)(i / h), c = (u32)(i % h);
@@ -147,7 +128,6 @@ __device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr,
 extern "C" __global__ void __launch_bounds__(512)
     rms_norm_split(const float* __restrict__ x, const u16* __restrict__ w,
                    const u32* __restrict__ rows, u16* __restrict__ out, u32 m, u32 h, float eps) {
-    grid_start();
     u32 r = blockIdx.x;
     u32 src = rows ? rows[r] : r;
     rms_norm_row(x + (u64)src * h, w, out, r, m, h, eps, nullptr);
@@ -157,7 +137,6 @@ extern "C" __global__ void __launch_bounds__(512)
 // rows), the input of its B product. t2 is [2n x r] (the A product of the split input).
 extern "C" __global__ void lora_mid(const float* __restrict__ t2, u16* __restrict__ ts, u32 n,
                                     u32 r, float s) {
-    grid_start();
     const u64 total = (u64)n * r;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         split_store(ts, i, total, s * (t2[i] + t2[total + i]));
@@ -167,7 +146,6 @@ extern "C" __global__ void lora_mid(const float* __restrict__ t2, u16* __restric
 // out[r, c] = y2[r, c] + y2[n + r, c] (+ bias[c]) (+ res[r, c]); y2 is [2n x m].
 extern "C" __global__ void combine(const float* __restrict__ y2, const u16* __restrict__ bias,
                                    const float* res, float* out, u32 n, u32 m) {
-    grid_start();
     u64 total = (u64)n * m;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         float v = y2[i] + y2[total + i];
@@ -181,7 +159,6 @@ extern "C" __global__ void combine(const float* __restrict__ y2, const u16* __re
 // [col0, col0 + width) of a fused product (q, k or v of [q; k; v]).
 extern "C" __global__ void combine_cols(const float* __restrict__ y2, const u16* __restrict__ bias,
                                         float* __restrict__ out, u32 n, u32 ld, u32 col0, u32 width) {
-    grid_start();
     u64 total = (u64)n * width;
     u64 half_len = (u64)n * ld;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
@@ -196,7 +173,6 @@ extern "C" __global__ void combine_cols(const float* __restrict__ y2, const u16*
 // SiLU(gate) * up of a fused [gate; up] product gu2 [2n x 2f] (hi/lo rows); out split [2n x f].
 extern "C" __global__ void swiglu_fused_split(const float* __restrict__ gu2, u16* __restrict__ out,
                                               u32 n, u32 f) {
-    grid_start();
     u64 total = (u64)n * f;
     u64 ld = 2ull * f;
     u64 half_len = (u64)n * ld;
@@ -212,7 +188,6 @@ extern "C" __global__ void swiglu_fused_split(const float* __restrict__ gu2, u16
 // SiLU(gate) * up with gate, up given as [2n x f] hi/lo products; out split [2n x f].
 extern "C" __global__ void swiglu_split(const float* __restrict__ g2, const float* __restrict__ u2,
                                         u16* __restrict__ out, u32 n, u32 f) {
-    grid_start();
     u64 total = (u64)n * f;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         float g = g2[i] + g2[total + i];
@@ -225,7 +200,6 @@ extern "C" __global__ void swiglu_split(const float* __restrict__ g2, const floa
 // weight w (Qwen3's q/k norms, before the rotary embedding).
 extern "C" __global__ void head_norm(float* __restrict__ x, const u16* __restrict__ w, u32 d,
                                      float eps) {
-    grid_start();
     __shared__ float red[32];
     float* xr = x + (u64)blockIdx.x * d;
     float s = 0.0f;
@@ -239,7 +213,6 @@ extern "C" __global__ void head_norm(float* __restrict__ x, const u16* __restric
 // activation out [2r x h]: the tokens routed to one expert.
 extern "C" __global__ void gather_split_rows(const u16* __restrict__ xs, const u32* __restrict__ idx,
                                              u16* __restrict__ out, u32 n, u32 r, u32 h) {
-    grid_start();
     u64 total = (u64)r * h;
     u64 lo = (u64)n * h;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
@@ -256,7 +229,6 @@ extern "C" __global__ void gather_split_rows(const u16* __restrict__ xs, const u
 extern "C" __global__ void scatter_add_rows(const float* __restrict__ y2, const u32* __restrict__ idx,
                                             const float* __restrict__ wt, float* __restrict__ acc,
                                             u32 r, u32 h) {
-    grid_start();
     u64 total = (u64)r * h;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         u64 row = i / h, c = i % h;
@@ -270,7 +242,6 @@ extern "C" __global__ void scatter_add_rows(const float* __restrict__ y2, const 
 extern "C" __global__ void scatter_add_grouped(const float* __restrict__ y2, const u32* __restrict__ ptr,
                                                const u32* __restrict__ pos, const float* __restrict__ wt,
                                                float* __restrict__ acc, u32 n, u32 r, u32 h) {
-    grid_start();
     u64 total = (u64)n * h;
     u64 lo = (u64)r * h;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
@@ -286,7 +257,6 @@ extern "C" __global__ void scatter_add_grouped(const float* __restrict__ y2, con
 // expert's output y2 [2n x h] and its gate's logits g [2n] (hi/lo products), Qwen2-MoE.
 extern "C" __global__ void add_gated_rows(const float* __restrict__ y2, const float* __restrict__ g,
                                           float* __restrict__ acc, u32 n, u32 h) {
-    grid_start();
     u64 total = (u64)n * h;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         u64 t = i / h;
@@ -298,7 +268,6 @@ extern "C" __global__ void add_gated_rows(const float* __restrict__ y2, const fl
 // out[i] = a[i] (+ res[i]).
 extern "C" __global__ void add_rows(const float* __restrict__ a, const float* res, float* out,
                                     u64 total) {
-    grid_start();
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         out[i] = res ? a[i] + res[i] : a[i];
     }
@@ -514,7 +483,6 @@ __device__ void attention_t(const float* __restrict__ q, const T* __restrict__ k
                                     const u32* __restrict__ poss, const float* __restrict__ inv_freq, \
                                     u32 n, u32 qh, u32 kvh, u32 d, const u32* __restrict__ pages,   \
                                     u32 pps) {                                                      \
-        grid_start();                                                                               \
         rope_store_t<T>(q, k, v, kc, vc, seqs, poss, inv_freq, n, qh, kvh, d, pages, pps);          \
     }
 ROPE_STORE(rope_store, float)
@@ -528,7 +496,6 @@ ROPE_STORE(rope_store_bf16, u16)
                                     u32 pps, u32 q_base, u32 group, u32 kv_base, float scale,       \
                                     unsigned char* aq, float* asc, u32 sc_tok, u32 sc_grp,          \
                                     u32 tiles) {                                                    \
-        grid_start();                                                                               \
         attention_t<T>(q, kc, vc, seqs, poss, out, n, qh, kvh, d, pages, pps, q_base, group, kv_base, \
                        scale,                                                                       \
                        AttnQuant{aq, asc, sc_tok, sc_grp, tiles});                                  \
@@ -587,7 +554,6 @@ extern "C" __global__ void rope_store_fp8(float* __restrict__ q, const float* __
                                           const float* __restrict__ inv_freq, u32 n, u32 qh,
                                           u32 kvh, u32 d, const u32* __restrict__ pages,
                                           u32 pps) {
-    grid_start();
     const u32 lane = threadIdx.x & 31u, half = d / 2, rec = d + 4;
     const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
     const u64 items = (u64)n * (qh + kvh);
@@ -675,7 +641,6 @@ extern "C" __global__ void attention_fp8(const float* __restrict__ q, const u8* 
                                          u32 group, u32 kv_base, float scale,
                                          unsigned char* aq, float* asc, u32 sc_tok, u32 sc_grp,
                                          u32 tiles) {
-    grid_start();
     const u32 r = blockIdx.x / qh, j = blockIdx.x % qh;
     const AttnQuant qz{aq, asc, sc_tok, sc_grp, tiles};
     if (r >= n) {
@@ -833,7 +798,6 @@ __device__ void attend_tile(const float* __restrict__ q, Rows k, Rows v, u32 fir
         u32 qh, u32 kvh, u32 d, const u32* __restrict__ pages, u32 pps, u32 q_base, u32 group,     \
         u32 kv_base, float scale, const u32* __restrict__ tile_of, u32 tiles, unsigned char* aq,   \
         float* asc, u32 sc_tok, u32 sc_grp, u32 qtiles) {                                          \
-        grid_start();                                                                              \
         const AttnQuant qz{aq, asc, sc_tok, sc_grp, qtiles};                                        \
         ATTENTION_TILED_PROLOGUE                                                                    \
         const u64 stride = (u64)kvh * d, at = (u64)kvi * d;                                         \
@@ -850,7 +814,6 @@ extern "C" __global__ void __launch_bounds__(256) attention_tiled_fp8(
     u32 qh, u32 kvh, u32 d, const u32* __restrict__ pages, u32 pps, u32 q_base, u32 group,
     u32 kv_base, float scale, const u32* __restrict__ tile_of, u32 tiles, unsigned char* aq,
     float* asc, u32 sc_tok, u32 sc_grp, u32 qtiles) {
-    grid_start();
     const AttnQuant qz{aq, asc, sc_tok, sc_grp, qtiles};
     ATTENTION_TILED_PROLOGUE
     const u32 rec = d + 4;
@@ -1195,7 +1158,6 @@ __device__ void attention_split_t(const float* __restrict__ q, const T* __restri
         float* __restrict__ part_ml, u32 n, u32 qh, u32 kvh, u32 d, const u32* __restrict__ pages,  \
         u32 pps, u32 q_base, u32 group, u32 kv_base, float scale, u32 chunk, u32 splits, u32 hpb,   \
         u32 spread) {                                                                               \
-        grid_start();                                                                               \
         attention_split_t<T>(q, kc, vc, seqs, poss, part_o, part_ml, n, qh, kvh, d, pages, pps,     \
                              q_base, group, kv_base, scale, chunk, splits, hpb, spread);            \
     }
@@ -1209,7 +1171,6 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) attention_split_fp8(
     float* __restrict__ part_ml, u32 n, u32 qh, u32 kvh, u32 d, const u32* __restrict__ pages,
     u32 pps, u32 q_base, u32 group, u32 kv_base, float scale, u32 chunk, u32 splits, u32 hpb,
     u32 spread) {
-    grid_start();
     SplitPlace at;
     if (!split_place(poss, n, qh, kvh, chunk, q_base, group, kv_base, hpb, spread, at)) return;
     const u32 rec = d + 4u;
@@ -1235,7 +1196,6 @@ extern "C" __global__ void attention_join(const float* __restrict__ part_o,
                                           u32 n, u32 qh, u32 d, u32 chunk, u32 splits,
                                           unsigned char* aq, float* asc, u32 sc_tok, u32 sc_grp,
                                           u32 tiles) {
-    grid_start();
     const AttnQuant qz{aq, asc, sc_tok, sc_grp, tiles};
     const u32 row = blockIdx.x, r = row / qh, j = row % qh;
     if (r >= n) {
@@ -1264,7 +1224,6 @@ extern "C" __global__ void attention_join(const float* __restrict__ part_o,
 // growth; a unit is half an f32 element or one bf16 element).
 extern "C" __global__ void grow_blocks(const u16* __restrict__ src, u16* __restrict__ dst,
                                        u64 blocks, u64 old_block, u64 new_block) {
-    grid_start();
     u64 total = blocks * old_block;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         u64 b = i / old_block, e = i % old_block;
@@ -1273,7 +1232,6 @@ extern "C" __global__ void grow_blocks(const u16* __restrict__ src, u16* __restr
 }
 
 extern "C" __global__ void argmax_rows(const float* __restrict__ x, u32* __restrict__ out, u32 cols) {
-    grid_start();
     __shared__ float bv[256];
     __shared__ u32 bi[256];
     const float* row = x + (u64)blockIdx.x * cols;
@@ -1303,7 +1261,6 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, u32* __restr
 // out[i, r * part + c] = g[r, i, c]: vocabulary-parallel logits [T][m][part] -> [m][T * part].
 extern "C" __global__ void unshard(const float* __restrict__ g, float* __restrict__ out,
                                    u32 tp, u32 m, u32 part) {
-    grid_start();
     u64 total = (u64)tp * m * part;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         u64 c = i % part, rest = i / part;
@@ -1317,7 +1274,6 @@ extern "C" __global__ void unshard(const float* __restrict__ g, float* __restric
 // they can never be picked (the host mirror is `vocab::gather_vocab`).
 extern "C" __global__ void gather_vocab(const float* __restrict__ g, float* __restrict__ out,
                                         u32 m, u32 part, u32 vocab) {
-    grid_start();
     u64 total = (u64)m * vocab;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         u64 row = i / vocab, col = i % vocab;
@@ -1332,7 +1288,6 @@ extern "C" __global__ void gather_vocab(const float* __restrict__ g, float* __re
 // leader; no page is both a source and a destination).
 extern "C" __global__ void copy_pages(u16* __restrict__ cache, const u32* __restrict__ pairs,
                                       u32 count, u32 blocks, u64 block_units, u32 width) {
-    grid_start();
     const u64 per = (u64)KV_PAGE * width;
     const u64 total = (u64)count * blocks * per;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
@@ -1402,7 +1357,6 @@ __device__ u32 radix_select(const float* __restrict__ row, u32 cols, u32 floor, 
 extern "C" __global__ void __launch_bounds__(PICK_THREADS) pick_rows(
     const float* __restrict__ x, const u32* __restrict__ picks, u32* __restrict__ out, u32 cols,
     u32 m) {
-    grid_start();
     __shared__ float red[32];
     __shared__ float bv[PICK_THREADS];
     __shared__ u32 bi[PICK_THREADS];
@@ -1520,7 +1474,6 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) pick_rows(
 // never queue behind copy-engine work (the device-to-host copies of an offload running beside
 // the rollout are served first come, first served).
 extern "C" __global__ void copy_words(const u32* __restrict__ src, u32* __restrict__ dst, u64 n) {
-    grid_start();
     u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] = src[i];
 }
@@ -1567,6 +1520,26 @@ __device__ __forceinline__ u32 e4m3_rn(float v) {
 #endif
 }
 
+// Lets the grid queued after this one start before this one ends, where that grid was launched
+// with programmatic stream serialization (the W8A8 products, models/decoder-gpu/src/kernels.rs
+// launch_early): its blocks request their weights into L2, then wait for this grid to complete
+// (griddepcontrol.wait) before they read anything it writes. Without such a grid after it, and
+// before sm_90, nothing.
+__device__ __forceinline__ void let_next_grid_start() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Returns once the grid before this one completed and its writes are visible: the W8A8
+// quantisations call it first thing (after letting the grid after them start), as they too are
+// launched early where the device has it (the launch before them then overlaps the kernel
+// before them). Where this grid was not launched early, at once.
+__device__ __forceinline__ void wait_for_inputs() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
 // Byte c of group g of token t in the warpgroup kernel's layout of `tiles` token tiles.
 __device__ __forceinline__ u64 tiled_offset(u32 t, u32 g, u32 c, u32 tiles) {
@@ -1690,7 +1663,8 @@ __device__ __forceinline__ void quant_groups(Src src, u32 n, u32 n_pad, u32 inp,
 extern "C" __global__ void __launch_bounds__(256) fp8_quant_split(
     const u16* __restrict__ xs, u32 n, u32 n_pad, u32 inp, unsigned char* q, float* sc,
     u32 sc_tok, u32 sc_grp, float* deq, float* zero, u64 nzero, u32 tiles) {
-    grid_start();
+    let_next_grid_start();
+    wait_for_inputs();
     quant_groups(SplitRows{xs, (u64)n * inp}, n, n_pad, inp, q, sc, sc_tok, sc_grp, deq, zero,
                  nzero, tiles);
 }
@@ -1699,7 +1673,8 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quant_split(
 extern "C" __global__ void __launch_bounds__(256) fp8_quant_f32(
     const float* x, u32 n, u32 n_pad, u32 inp, unsigned char* q, float* sc, u32 sc_tok,
     u32 sc_grp, float* deq, float* zero, u64 nzero, u32 tiles) {
-    grid_start();
+    let_next_grid_start();
+    wait_for_inputs();
     quant_groups(F32Rows{x}, n, n_pad, inp, q, sc, sc_tok, sc_grp, deq, zero, nzero, tiles);
 }
 
@@ -1710,7 +1685,8 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quant_f32(
 extern "C" __global__ void __launch_bounds__(256) swiglu_quant(
     const float* __restrict__ g2, const float* __restrict__ u2, u16* __restrict__ out, u32 n,
     u32 n_pad, u32 f, unsigned char* q, float* sc, u32 sc_tok, u32 sc_grp, u32 tiles, u32 lo) {
-    grid_start();
+    let_next_grid_start();
+    wait_for_inputs();
     // as quant_groups over SiLU(gate) * up of the split products g2, u2 [2n x f], each value
     // first split into out [2n x f] as swiglu_split writes it (its hi + lo quantised, as from
     // that output); every value's four loads are requested before the first value is stored
@@ -1756,7 +1732,8 @@ extern "C" __global__ void __launch_bounds__(256)
     rms_norm_quant(const float* __restrict__ x, const u16* __restrict__ w, u16* __restrict__ out,
                    u32 m, u32 n_pad, u32 h, float eps, unsigned char* q, float* sc, u32 sc_tok,
                    u32 sc_grp, u32 tiles) {
-    grid_start();
+    let_next_grid_start();
+    wait_for_inputs();
     extern __shared__ float row[];
     const u32 r = blockIdx.x;
     if (r < m) {

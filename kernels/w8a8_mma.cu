@@ -266,12 +266,10 @@ __device__ __forceinline__ void prefetch_rows(const u8* w, u32 first, u32 rows, 
 #endif
 }
 
-// lets the grid queued after this one start (where it was launched early: kernels/decoder.cu,
-// grid_start, waits first thing) and returns once the grid before this one completed and its
-// writes are visible (at once where this grid was not launched early)
+// returns once the grid before this one completed and its writes are visible (at once where
+// this grid was not launched early)
 __device__ __forceinline__ void wait_for_inputs() {
 #if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }

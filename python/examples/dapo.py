@@ -27,8 +27,9 @@ The same run goes three ways from the same seed and must produce identical sampl
   lazy   `switch.rollout()` switches only when the optimizer changed the weights;
   eager  the switch leaves rollout mode after every call (enters again at the next);
   naive  verl's old path: `full_tensor()` of every parameter copied into a separate rollout
-         model on every call, which the engine then reads (with `--lora`, base and adapters
-         copied into a second PEFT model: merging instead would round differently).
+         model on every call, which the engine then reads (not with `--lora`: a LoRA switch's
+         frozen base refuses the base writes such a copy makes; merging instead would round
+         differently).
 and reports the time each spends switching.
 
     python python/examples/dapo.py [--steps 12] [--paths lazy,eager,naive] [--tis-cap 2]
@@ -112,19 +113,14 @@ def policy(cfg, args):
 
 class NaiveRollout:
     """verl's old path: every call, `full_tensor()` of each parameter into a separate rollout
-    model (fp32, not sharded), which a switch of its own gives the engine; with `--lora`, base
-    and adapters into a second PEFT model."""
+    model (fp32, not sharded), which a switch of its own gives the engine."""
 
     def __init__(self, model, cfg, args):
-        if args.lora:
-            self.copy = lora_model(cfg, args.lora)
-            self.switch = lifecycle.Switch.from_peft(self.copy)
-        else:
-            with torch.device("cuda"):
-                self.copy = transformers.Qwen2ForCausalLM(cfg).float()
-            self.switch = lifecycle.Switch.from_fsdp2(self.copy, config=cfg, dtype=args.rollout_dtype)
+        with torch.device("cuda"):
+            self.copy = transformers.Qwen2ForCausalLM(cfg).float()
         self.params = dict(self.copy.named_parameters())
         self.named = list(model.named_parameters())
+        self.switch = lifecycle.Switch.from_fsdp2(self.copy, config=cfg, dtype=args.rollout_dtype)
         self.engine = lifecycle.Engine(
             self.switch, max_sequences=args.prompts * args.group, max_tokens=args.prompt_len + args.new,
             fp8_compute=args.fp8_compute,
@@ -133,7 +129,7 @@ class NaiveRollout:
     def sync(self):
         with torch.no_grad():
             for n, p in self.named:
-                self.params[n].copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
+                self.params[n].copy_(p.full_tensor())
 
 
 def run(path: str, args) -> dict:
@@ -144,16 +140,17 @@ def run(path: str, args) -> dict:
     opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.999), weight_decay=0.0)
     naive = NaiveRollout(model, cfg, args) if path == "naive" else None
     switching = "eager" if path == "eager" else "lazy"
-    if naive is None and args.lora:
-        switch = lifecycle.Switch.from_peft(model, switching=switching, optimizer=opt)
-    elif naive is None:
-        switch = lifecycle.Switch.from_fsdp2(
-            model,
-            rollout_tp=dist.get_world_size(),
-            switching=switching,
-            optimizer=opt,
-            dtype=args.rollout_dtype,
-        )
+    if naive is None:
+        if args.lora:
+            switch = lifecycle.Switch.from_peft(model, switching=switching, optimizer=opt)
+        else:
+            switch = lifecycle.Switch.from_fsdp2(
+                model,
+                rollout_tp=dist.get_world_size(),
+                switching=switching,
+                optimizer=opt,
+                dtype=args.rollout_dtype,
+            )
         engine = lifecycle.Engine(
             switch, max_sequences=args.prompts * args.group, max_tokens=args.prompt_len + args.new,
             fp8_compute=args.fp8_compute,
@@ -296,7 +293,7 @@ def run(path: str, args) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--paths", default="lazy,eager,naive")
+    ap.add_argument("--paths", default=None, help="lazy,eager,naive (lazy,eager with --lora)")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per gen batch")
     ap.add_argument("--group", type=int, default=8, help="samples per prompt")
     ap.add_argument("--groups", type=int, default=8, help="mixed-reward groups per step")
@@ -334,6 +331,8 @@ def main():
         help="train PEFT LoRA adapters of rank R on every linear type (one process; bf16 rollout)",
     )
     args = ap.parse_args()
+    if args.paths is None:
+        args.paths = "lazy,eager" if args.lora else "lazy,eager,naive"
     if args.lora < 0:
         ap.error(f"--lora must be a rank >= 1 (0: no adapters), got {args.lora}")
     if args.lora and args.rollout_dtype != "bf16":
@@ -353,6 +352,12 @@ def main():
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if args.lora and dist.get_world_size() > 1:
         raise SystemExit("--lora runs in one process (the PEFT model is not sharded here)")
+    if args.lora and "naive" in args.paths.split(","):
+        ap.error(
+            "--paths naive with --lora: the naive path copies every parameter into a second "
+            "model each call, and a LoRA switch's frozen base refuses base writes by design "
+            "(use --paths lazy,eager)"
+        )
     runs = [run(p, args) for p in args.paths.split(",")]
     if dist.get_rank() != 0:
         dist.destroy_process_group()

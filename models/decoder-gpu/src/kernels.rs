@@ -80,9 +80,8 @@ pub(crate) struct DecoderKernels {
     ///
     /// [`MAX_CONTEXT`]: crate::MAX_CONTEXT
     pub max_context: usize,
-    /// The kernels of this set are launched early ([`LaunchHow::early`]; [`launches_early`]) by
-    /// the forward pass and the W8A8 quantisations: each waits for the grid before it first
-    /// thing (`grid_start` in `kernels/decoder.cu`).
+    /// The W8A8 quantisations (`rms_norm_quant`, `swiglu_quant`, `fp8_quant_*`) are launched
+    /// early ([`LaunchHow::early`]; [`launches_early`]).
     pub early: bool,
 }
 

@@ -1,8 +1,9 @@
 """``Switch.from_peft`` over a PEFT LoRA model on the GPU (a transformers Qwen2 under
 ``peft.get_peft_model``): the rollout holds the bf16 of the base and of the adapters under the
 model's names, a refresh after an optimizer step on the adapters moves the adapters alone, a
-written base weight is refused by name and cast again by the next rollout, and
-``named_tensors("peft")`` gives the adapters under PEFT's keys."""
+written base weight is refused by name and cast again by the next rollout,
+``named_tensors("peft")`` gives the adapters under PEFT's keys, and the engine on the unmerged
+adapters agrees with PEFT's merged model."""
 
 import pytest
 
@@ -52,10 +53,11 @@ def test_from_peft_refreshes_the_adapters_alone_and_refuses_a_written_base():
     assert peft_keys == sorted("base_model.model." + n for n in adapters)
     enter_s = switch.last_enter[2]
 
-    # an optimizer step on the adapters: the refresh moves them alone
+    # an optimizer step on the adapters while the rollout weights stay resident (no train():
+    # leaving rollout mode releases them, and the next rollout enters anew): the refresh moves
+    # the adapters alone
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     ids = torch.randint(0, 1000, (2, 16), device="cuda")
-    switch.train()
     model(ids).logits.float().square().mean().backward()
     opt.step()
     after = bf16_of(model)
@@ -64,14 +66,16 @@ def test_from_peft_refreshes_the_adapters_alone_and_refuses_a_written_base():
     with switch.rollout() as w:
         got = {n: t.clone() for n, t in w.named_tensors()}
     assert same(got, after, after) == []
+    stats = switch.stats()
+    assert (stats["enters"], stats["refreshes"]) == (1, 1), stats
     refresh_s = switch.last_enter[2]
     print(
         f"from_peft: enter {enter_s * 1e3:.3f} ms, adapter refresh {refresh_s * 1e3:.3f} ms "
         f"({len(moved)} of {len(adapters)} adapter matrices changed)"
     )
 
-    # a written base weight: refused by name, then cast again
-    switch.train()
+    # a written base weight: the refresh refuses it by name, then the next rollout casts every
+    # tensor again
     base = model.base_model.model.model.layers[1].self_attn.q_proj.base_layer.weight
     with torch.no_grad():
         base.add_(1.0)

@@ -29,7 +29,7 @@ use lifecycle_cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, Launch
 use lifecycle_cuda::{CudaError, RankCtx};
 
 use super::rank::{all_reduce_in_place, Dims, RankBind, RankState};
-use crate::kernels::{launch_maybe_early, ptr, Arg};
+use crate::kernels::{launch, ptr, Arg};
 
 /// Inputs of one forward pass of one replica (the same on every rank of a group); sequence
 /// indices are rows of the replica's page table.
@@ -316,14 +316,11 @@ impl<'a> Pass<'a> {
         self.bind.base + 2 * off
     }
 
-    /// Launches kernel `func` of this rank's decoder kernels, early where the device can
-    /// ([`crate::kernels::launches_early`]): every kernel of `kernels/decoder.cu` waits for the
-    /// grid before it first thing (`grid_start`), so its launch overlaps the end of that grid.
+    /// Launches kernel `func` of this rank.
     ///
     /// # Safety
-    /// `func` must be one of [`crate::kernels::DecoderKernels`]'s; `args` must be addresses of
-    /// this pass (its scratch, cache and bound weights) and sizes that fit them, as the
-    /// kernel's contract in `kernels.rs` states.
+    /// `args` must be addresses of this pass (its scratch, cache and bound weights) and sizes
+    /// that fit them, as the kernel's contract in `kernels.rs` states.
     unsafe fn kernel(
         &self,
         func: &CudaFunction,
@@ -331,9 +328,8 @@ impl<'a> Pass<'a> {
         args: &[Arg],
         what: &str,
     ) -> Result<(), CudaError> {
-        let (early, rank) = (self.st.k.early, self.ctx.rank);
-        // SAFETY: forwarded to the caller; a decoder kernel waits as an early launch needs.
-        unsafe { launch_maybe_early(early, self.s(), func, cfg, args, rank, what) }
+        // SAFETY: forwarded to the caller.
+        unsafe { launch(self.s(), func, cfg, args, self.ctx.rank, what) }
     }
 
     /// The elementwise launch shape of `count` elements.
