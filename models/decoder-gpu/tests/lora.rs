@@ -130,13 +130,7 @@ fn check(name: &str, config: &ModelConfig, lora: &LoraConfig, seed: u64) -> Res 
         "{name}: the adapters moved the logits by only {moved} of 1 + the row's largest"
     );
     // a decoder not told of the adapters refuses them by name
-    let pool = Arc::new(ThreadRankPool::new(1)?);
-    let backend = FsdpBackend::new(pool, layout);
-    let state = backend.state_from_tensors(all)?;
-    let mut lc = Lifecycle::new(backend, state);
-    let session = lc.rollout()?;
-    let weights = session.weights();
-    let refused = GpuDecoder::new(config, session.backend(), weights.get())
+    let refused = gpu_outputs(config, layout, all, None)
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();
