@@ -166,6 +166,20 @@ fn gpu_unmerged_lora_matches_the_cpu_decoder() -> Res {
     let some = LoraConfig::new(4, 8.0, vec![LoraTarget::Q, LoraTarget::V, LoraTarget::Down])
         .with_rslora(true);
     check("qwen3, r = 4 on q / v / down, rsLoRA", &qwen3, &some, 5)?;
+    // Llama (no q / k / v biases) with v and up adapted alone: q / k / v and gate / up stay one
+    // matrix each in the buffer, so the branches add to a joined product's column blocks
+    let llama = ModelConfig::from_json_str(
+        r#"{"model_type": "llama", "vocab_size": 300, "hidden_size": 128,
+            "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "rope_theta": 10000.0, "tie_word_embeddings": false}"#,
+    )?;
+    let joined = LoraConfig::new(8, 16.0, vec![LoraTarget::V, LoraTarget::Up]);
+    check(
+        "llama, r = 8 on v / up (joined products)",
+        &llama,
+        &joined,
+        9,
+    )?;
     // Qwen3-MoE with a dense first layer: the attention adapted in every layer (MLP targets on
     // a layer of experts are refused by the layout)
     let moe = ModelConfig::from_json_str(
