@@ -392,8 +392,10 @@ class Switch:
         ``target_modules``, ``use_rslora``), the Hugging Face config its base model's. The
         base is frozen: the first enter casts it, a refresh after an adapter update moves the
         adapters alone, and a base weight written since (its version counter moved) is refused
-        by name at the refresh, after which the next rollout casts every tensor again. The
-        rollout is bf16 (a frozen base does not refresh fp8 weights yet);
+        by name at the refresh, after which the next rollout casts every tensor again (the
+        adapters alone move only while the rollout weights stay resident: after
+        :meth:`train`, which releases them, the next rollout casts everything). The rollout is
+        bf16 (a frozen base does not refresh fp8 weights yet);
         ``w.named_tensors("peft")`` yields the adapters under PEFT's keys, and
         :class:`Engine` applies the adapters unmerged beside the base."""
         from ._lora import peft_name
