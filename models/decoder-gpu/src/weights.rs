@@ -672,8 +672,10 @@ impl GroupOffsets {
         lora: Option<&lifecycle_layout::lora::LoraConfig>,
     ) -> Result<(), DecodeError> {
         let spec = config.model_spec(MEGATRON_VOCAB_MULTIPLE);
-        let held = |l: usize, t: LoraTarget| {
-            let i = LoraTarget::ALL.iter().position(|&x| x == t).unwrap_or(0);
+        let held = |l: usize, t: LoraTarget| -> Vec<Option<usize>> {
+            let Some(i) = LoraTarget::ALL.iter().position(|&x| x == t) else {
+                return Vec::new();
+            };
             self.ranks
                 .iter()
                 .map(|r| r.layers.get(l).and_then(|w| w.lora[i]).map(|a| a.r))
