@@ -143,6 +143,124 @@ extern "C" __global__ void lora_mid(const float* __restrict__ t2, u16* __restric
     }
 }
 
+// A LoRA group's down products at few rows (see lora_b): t[m, g r + c] = s sum_k x[m, k] A_g[c, k]
+// for the group's targets g < gridDim.y (A_g: a0, a1 or a2, each r x inp), x = hi + lo of the
+// split input xs [2n x inp]. A warp per row c of A_g (blockIdx.x: rows of 8 warps), a block per
+// chunk of k (blockIdx.z, chunk columns each): the chunks' sums go to part [z][n][R] (R =
+// gridDim.y r), and the last block of a row group to finish adds them in chunk order, the same
+// order whichever block it is, scaled, into t [n x R]. counters: one per (blockIdx.x, blockIdx.y),
+// zero before a launch and after it (the last block resets its own).
+extern "C" __global__ void lora_a(const u16* __restrict__ xs, u32 n, u32 inp, const u16* a0,
+                                  const u16* a1, const u16* a2, u32 r, u32 chunk, float s,
+                                  float* part, float* t, u32* counters) {
+    const u32 g = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const u32 rows = blockDim.x / 32, c = blockIdx.x * rows + warp;
+    const u32 R = gridDim.y * r, z = blockIdx.z, chunks = gridDim.z;
+    const u16* a = g == 0 ? a0 : (g == 1 ? a1 : a2);
+    const u32 k0 = z * chunk, k1 = min(inp, k0 + chunk);
+    const u64 half_len = (u64)n * inp;
+    const bool vec = ((inp | chunk) % 8u) == 0u && (((u64)xs | (u64)a) % 16u) == 0u;
+    if (c < r) {
+        const u16* arow = a + (u64)c * inp;
+        for (u32 m = 0; m < n; ++m) {
+            const u16* hi = xs + (u64)m * inp;
+            const u16* lo = hi + half_len;
+            float acc = 0.f;
+            if (vec) {
+                for (u32 k = k0 + lane * 8; k < k1; k += 256) {
+                    const uint4 av = *reinterpret_cast<const uint4*>(arow + k);
+                    const uint4 hv = *reinterpret_cast<const uint4*>(hi + k);
+                    const uint4 lv = *reinterpret_cast<const uint4*>(lo + k);
+                    const u32 aw[4] = {av.x, av.y, av.z, av.w};
+                    const u32 hw[4] = {hv.x, hv.y, hv.z, hv.w};
+                    const u32 lw[4] = {lv.x, lv.y, lv.z, lv.w};
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        acc += bf((u16)(aw[i] & 0xFFFFu)) *
+                               (bf((u16)(hw[i] & 0xFFFFu)) + bf((u16)(lw[i] & 0xFFFFu)));
+                        acc += bf((u16)(aw[i] >> 16)) * (bf((u16)(hw[i] >> 16)) + bf((u16)(lw[i] >> 16)));
+                    }
+                }
+            } else {
+                for (u32 k = k0 + lane; k < k1; k += 32) acc += bf(arow[k]) * (bf(hi[k]) + bf(lo[k]));
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            if (lane == 0) {
+                if (chunks == 1) t[(u64)m * R + g * r + c] = s * acc;
+                else part[((u64)z * n + m) * R + g * r + c] = acc;
+            }
+        }
+    }
+    if (chunks == 1) return;
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32* ctr = counters + blockIdx.y * gridDim.x + blockIdx.x;
+        last = atomicAdd(ctr, 1u) == chunks - 1;
+        if (last) *ctr = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const u32 c0 = blockIdx.x * rows;
+    for (u32 i = threadIdx.x; i < n * rows; i += blockDim.x) {
+        const u32 m = i / rows, cc = c0 + i % rows;
+        if (cc >= r) continue;
+        float v = 0.f;
+        for (u32 q = 0; q < chunks; ++q) v += __ldcg(part + ((u64)q * n + m) * R + g * r + cc);
+        t[(u64)m * R + g * r + cc] = s * v;
+    }
+}
+
+// A LoRA group's up products at few rows, added where the base product's output is: for target
+// g = blockIdx.y (B_g: b0, b1 or b2 of w_g x r), dst_g[m ld_g + j] += sum_c t[m, g r + c] B_g[j, c]
+// for m < n, j < w_g, t [n x R] (R = gridDim.y r) from lora_a. A thread per column j; the
+// target's t rows in shared memory (8 ceil(n / 8) x r floats, the rows past n zero).
+extern "C" __global__ void lora_b(const float* __restrict__ t, u32 n, u32 r, const u16* b0,
+                                  const u16* b1, const u16* b2, float* d0, float* d1, float* d2,
+                                  u32 w0, u32 w1, u32 w2, u32 ld0, u32 ld1, u32 ld2) {
+    extern __shared__ float tsh[];
+    const u32 g = blockIdx.y, R = gridDim.y * r, np = (n + 7u) / 8u * 8u;
+    for (u32 i = threadIdx.x; i < np * r; i += blockDim.x) {
+        const u32 m = i / r, c = i % r;
+        tsh[i] = m < n ? t[(u64)m * R + g * r + c] : 0.f;
+    }
+    __syncthreads();
+    const u16* b = g == 0 ? b0 : (g == 1 ? b1 : b2);
+    float* d = g == 0 ? d0 : (g == 1 ? d1 : d2);
+    const u32 w = g == 0 ? w0 : (g == 1 ? w1 : w2);
+    const u32 ld = g == 0 ? ld0 : (g == 1 ? ld1 : ld2);
+    const u32 j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= w) return;
+    const u16* brow = b + (u64)j * r;
+    const bool vec = (r % 8u) == 0u && ((u64)b % 16u) == 0u;
+    for (u32 m0 = 0; m0 < n; m0 += 8) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        const float* tm = tsh + m0 * r;
+        if (vec) {
+            for (u32 c = 0; c < r; c += 8) {
+                const uint4 bv = *reinterpret_cast<const uint4*>(brow + c);
+                const u32 bw[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const float bx = bf((u16)(e % 2 == 0 ? bw[e / 2] & 0xFFFFu : bw[e / 2] >> 16));
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[i] += tm[i * r + c + e] * bx;
+                }
+            }
+        } else {
+            for (u32 c = 0; c < r; ++c) {
+                const float bx = bf(brow[c]);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[i] += tm[i * r + c] * bx;
+            }
+        }
+        for (u32 i = 0; i < 8 && m0 + i < n; ++i) d[(u64)(m0 + i) * ld + j] += acc[i];
+    }
+}
+
 // out[r, c] = y2[r, c] + y2[n + r, c] (+ bias[c]) (+ res[r, c]); y2 is [2n x m].
 extern "C" __global__ void combine(const float* __restrict__ y2, const u16* __restrict__ bias,
                                    const float* res, float* out, u32 n, u32 m) {

@@ -27,9 +27,9 @@ The same run goes three ways from the same seed and must produce identical sampl
   lazy   `switch.rollout()` switches only when the optimizer changed the weights;
   eager  the switch leaves rollout mode after every call (enters again at the next);
   naive  verl's old path: `full_tensor()` of every parameter copied into a separate rollout
-         model on every call, which the engine then reads (not with `--lora`: a LoRA switch's
-         frozen base refuses the base writes such a copy makes; merging instead would round
-         differently).
+         model on every call, which the engine then reads (with `--lora`, a second PEFT model
+         whose base and adapters are copied and cast every call; merging the adapters into the
+         base instead would round differently, so its samples could not be compared).
 and reports the time each spends switching.
 
     python python/examples/dapo.py [--steps 12] [--paths lazy,eager,naive] [--tis-cap 2]
@@ -113,14 +113,21 @@ def policy(cfg, args):
 
 class NaiveRollout:
     """verl's old path: every call, `full_tensor()` of each parameter into a separate rollout
-    model (fp32, not sharded), which a switch of its own gives the engine."""
+    model (fp32, not sharded), which a switch of its own gives the engine. With `--lora` the
+    copy is a second PEFT model that receives every parameter, base and adapters, every call;
+    its switch leaves rollout mode after each call, so each call casts all of it (a refresh
+    would refuse the written base by design)."""
 
     def __init__(self, model, cfg, args):
-        with torch.device("cuda"):
-            self.copy = transformers.Qwen2ForCausalLM(cfg).float()
+        if args.lora:
+            self.copy = lora_model(cfg, args.lora)
+            self.switch = lifecycle.Switch.from_peft(self.copy, switching="eager")
+        else:
+            with torch.device("cuda"):
+                self.copy = transformers.Qwen2ForCausalLM(cfg).float()
+            self.switch = lifecycle.Switch.from_fsdp2(self.copy, config=cfg, dtype=args.rollout_dtype)
         self.params = dict(self.copy.named_parameters())
         self.named = list(model.named_parameters())
-        self.switch = lifecycle.Switch.from_fsdp2(self.copy, config=cfg, dtype=args.rollout_dtype)
         self.engine = lifecycle.Engine(
             self.switch, max_sequences=args.prompts * args.group, max_tokens=args.prompt_len + args.new,
             fp8_compute=args.fp8_compute,
@@ -129,7 +136,8 @@ class NaiveRollout:
     def sync(self):
         with torch.no_grad():
             for n, p in self.named:
-                self.params[n].copy_(p.full_tensor())
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                self.params[n].copy_(full)
 
 
 def run(path: str, args) -> dict:
@@ -293,7 +301,7 @@ def run(path: str, args) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--paths", default=None, help="lazy,eager,naive (lazy,eager with --lora)")
+    ap.add_argument("--paths", default=None, help="lazy,eager,naive")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per gen batch")
     ap.add_argument("--group", type=int, default=8, help="samples per prompt")
     ap.add_argument("--groups", type=int, default=8, help="mixed-reward groups per step")
@@ -332,7 +340,7 @@ def main():
     )
     args = ap.parse_args()
     if args.paths is None:
-        args.paths = "lazy,eager" if args.lora else "lazy,eager,naive"
+        args.paths = "lazy,eager,naive"
     if args.lora < 0:
         ap.error(f"--lora must be a rank >= 1 (0: no adapters), got {args.lora}")
     if args.lora and args.rollout_dtype != "bf16":
@@ -352,12 +360,6 @@ def main():
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if args.lora and dist.get_world_size() > 1:
         raise SystemExit("--lora runs in one process (the PEFT model is not sharded here)")
-    if args.lora and "naive" in args.paths.split(","):
-        ap.error(
-            "--paths naive with --lora: the naive path copies every parameter into a second "
-            "model each call, and a LoRA switch's frozen base refuses base writes by design "
-            "(use --paths lazy,eager)"
-        )
     runs = [run(p, args) for p in args.paths.split(",")]
     if dist.get_rank() != 0:
         dist.destroy_process_group()

@@ -38,6 +38,10 @@ pub(crate) struct DecoderKernels {
     pub combine_cols: CudaFunction,
     /// A LoRA branch's `s·(x·Aᵀ)` joined and split for its `B` product.
     pub lora_mid: CudaFunction,
+    /// A group of LoRA branches at few rows: the `A` products, then the `B` products added in
+    /// place (`decoder::forward::lora`).
+    pub lora_a: CudaFunction,
+    pub lora_b: CudaFunction,
     pub swiglu_split: CudaFunction,
     /// `swiglu_split` and the W8A8 quantisation of its output in one launch.
     pub swiglu_quant: CudaFunction,
@@ -226,6 +230,8 @@ impl DecoderKernels {
             combine: m.function("combine")?,
             combine_cols: m.function("combine_cols")?,
             lora_mid: m.function("lora_mid")?,
+            lora_a: m.function("lora_a")?,
+            lora_b: m.function("lora_b")?,
             swiglu_split: m.function("swiglu_split")?,
             swiglu_quant: m.function("swiglu_quant")?,
             swiglu_fused_split: m.function("swiglu_fused_split")?,

@@ -66,14 +66,12 @@ impl<'a> Pass<'a> {
                     rank,
                 )?;
                 // the adapters' branches added to their column blocks before they are joined
-                for (i, (col0, width)) in [(0, qw), (qw, kvw), (qw + kvw, kvw)]
-                    .into_iter()
-                    .enumerate()
-                {
-                    if let Some(at) = lw.lora[i] {
-                        self.lora_branch(at, h, (y2 + 4 * col0 as u64, width, ld), 1.0)?;
-                    }
-                }
+                let blocks = [(0, qw), (qw, kvw), (qw + kvw, kvw)];
+                let group = self.branches(&lw.lora[..3], |i| {
+                    let (col0, width) = blocks[i];
+                    (y2 + 4 * col0 as u64, width, ld, true)
+                });
+                self.lora_group(h, &group)?;
                 self.combine_cols(q, lw.q_b, (ld, 0, qw))?;
                 self.combine_cols(kb, lw.k_b, (ld, qw, kvw))?;
                 self.combine_cols(vb, lw.v_b, (ld, qw + kvw, kvw))?;
@@ -105,11 +103,12 @@ impl<'a> Pass<'a> {
             }
             if !joined {
                 // each product wrote its buffer: the adapters' branches added there
-                for (i, (dest, width)) in [(q, qw), (kb, kvw), (vb, kvw)].into_iter().enumerate() {
-                    if let Some(at) = lw.lora[i] {
-                        self.lora_after(at, h, dest, width)?;
-                    }
-                }
+                let outs = [(q, qw), (kb, kvw), (vb, kvw)];
+                let group = self.branches(&lw.lora[..3], |i| {
+                    let (dest, width) = outs[i];
+                    (dest, width, width, false)
+                });
+                self.lora_group(h, &group)?;
             }
             if let Some((qn, kn)) = lw.qk_norm {
                 for (buf, w, heads) in [(q, qn, n * qh), (kb, kn, n * kvh)] {

@@ -1,18 +1,182 @@
 //! A layer's LoRA branches: `s·(x·Aᵀ)·Bᵀ` beside each adapted base product, unmerged, on the
 //! split bf16 input the base product read (`xs`: `hi` rows, then `lo` rows), in f32 as PEFT adds
-//! it. Each branch is two cuBLAS products and one kernel: `t2 = xs·Aᵀ` (`[2n × r]`), `lora_mid`
-//! joins its halves, scales them by `s` and splits them again, and `B`'s product adds its split
-//! output to the base's split output before that is joined (or, where the base product wrote its
-//! joined output itself, `combine` adds it there).
+//! it, a group of branches at a time (q / k / v, o, gate / up, down: the targets that read one
+//! input).
+//!
+//! A pass of few rows ([`few_rows`], a decode step) runs a group in two kernels: `lora_a`, the
+//! `A` products of every target of the group (`t = s·x·Aᵀ`, split over chunks of the input and
+//! added in a fixed order), and `lora_b`, the `B` products added where the base products'
+//! outputs are. A pass of many rows (a prefill) runs each branch as two cuBLAS products and one
+//! kernel: `t2 = xs·Aᵀ` (`[2n × r]`), `lora_mid` joins its halves, scales them by `s` and splits
+//! them again, and `B`'s product adds its split output to the base's split output before that is
+//! joined (or, where the base product wrote its joined output itself, `combine` adds it there).
 
+use lifecycle_cuda::cudarc::driver::LaunchConfig;
 use lifecycle_cuda::CudaError;
 
+use super::scratch::LoraScratch;
 use super::{u32a, Pass};
 use crate::blas::{gemm, gemm_ld};
 use crate::kernels::Arg;
 use crate::weights::LoraAt;
 
+/// `lora_b`'s shared memory bound, in f32: a target's `t` rows, `8·⌈n/8⌉ × r`.
+const ROWS_SHARED: usize = 8192;
+
+/// The most chunks `lora_a` splits an input into ([`chunk`]).
+pub(super) const MAX_CHUNKS: usize = 16;
+
+/// Whether a pass of `n` rows with adapters of rank up to `r` runs its branches in `lora_a` /
+/// `lora_b` (their `t` rows fit `lora_b`'s shared memory), not cuBLAS products.
+pub(super) fn few_rows(n: usize, r: usize) -> bool {
+    n.div_ceil(8) * 8 * r <= ROWS_SHARED
+}
+
+/// The columns of an input of `inp` that one `lora_a` block sums: a multiple of 256 (a warp's
+/// 8-wide loads), at most [`MAX_CHUNKS`] chunks.
+fn chunk(inp: usize) -> usize {
+    256 * inp.div_ceil(256 * MAX_CHUNKS).max(1)
+}
+
+/// Where an adapter's branch adds its output: `n` rows of `width` f32, `ld` apart, at `dest`;
+/// `split`: the `hi` rows of the base product's split output (joined after), else the joined
+/// output the base product wrote itself (`ld` = `width`).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Branch {
+    pub(super) at: LoraAt,
+    pub(super) dest: u64,
+    pub(super) width: usize,
+    pub(super) ld: usize,
+    pub(super) split: bool,
+}
+
 impl<'a> Pass<'a> {
+    /// The branches of the adapters held in `slots` (a group's targets, in order), each
+    /// adding where `place(i)` says for slot `i`: `(dest, width, ld, split)` as [`Branch`]'s.
+    pub(super) fn branches(
+        &self,
+        slots: &[Option<LoraAt>],
+        place: impl Fn(usize) -> (u64, usize, usize, bool),
+    ) -> Vec<Branch> {
+        slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, at)| {
+                let (dest, width, ld, split) = place(i);
+                at.map(|at| Branch {
+                    at,
+                    dest,
+                    width,
+                    ld,
+                    split,
+                })
+            })
+            .collect()
+    }
+
+    /// The branches of `group` (adapters over one input `xs` of `inp` columns, at most three),
+    /// each added where its base product's output is.
+    ///
+    /// # Safety
+    /// Each branch's adapter is of the bound offsets, its `A` of `r × inp` and `B` of
+    /// `width × r`; `xs` holds the pass's split input of `inp` columns; each `dest` holds
+    /// `(n − 1) · ld + width` f32 (a split one `2n` rows), and, where one is not split, `y2` is
+    /// free.
+    pub(super) unsafe fn lora_group(&self, inp: usize, group: &[Branch]) -> Result<(), CudaError> {
+        let Some(first) = group.first() else {
+            return Ok(());
+        };
+        let sc = self.sc.lora.as_ref().ok_or_else(|| {
+            CudaError::Invalid("a LoRA branch in a pass without its scratch".into())
+        })?;
+        let (scaling, most) = self.bind.lora;
+        let r = first.at.r;
+        if group.len() > 3 || group.iter().any(|b| b.at.r != r) || r > most {
+            return Err(CudaError::Invalid(format!(
+                "a LoRA group of {} branches of ranks {:?} in a pass made for three of rank {most}",
+                group.len(),
+                group.iter().map(|b| b.at.r).collect::<Vec<_>>()
+            )));
+        }
+        let LoraScratch::Rows { part, t, counters } = sc else {
+            for b in group {
+                // SAFETY: per the caller.
+                unsafe {
+                    if b.split {
+                        self.lora_branch(b.at, inp, (b.dest, b.width, b.ld), 1.0)?;
+                    } else {
+                        self.lora_after(b.at, inp, b.dest, b.width)?;
+                    }
+                }
+            }
+            return Ok(());
+        };
+        let (n, k, xs) = (self.z.n, &self.st.k, self.at(&self.sc.xs));
+        let (t, targets) = (self.at(t), group.len());
+        let slot = |i: usize, f: &dyn Fn(&Branch) -> Arg, none: Arg| group.get(i).map_or(none, f);
+        let cols = chunk(inp);
+        let a = |b: &Branch| Arg::U64(self.wp(b.at.a));
+        let args = [
+            Arg::U64(xs),
+            u32a(n),
+            u32a(inp),
+            slot(0, &a, Arg::U64(0)),
+            slot(1, &a, Arg::U64(0)),
+            slot(2, &a, Arg::U64(0)),
+            u32a(r),
+            u32a(cols),
+            Arg::F32(scaling),
+            Arg::U64(self.at(part)),
+            Arg::U64(t),
+            Arg::U64(self.at(counters)),
+        ];
+        // a warp per row of A (8 a block), a block per chunk of the input
+        let cfg = LaunchConfig {
+            grid_dim: (
+                r.div_ceil(8) as u32,
+                targets as u32,
+                inp.div_ceil(cols) as u32,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: per the caller (A's, xs); part holds MAX_CHUNKS × n × 3r f32 (inp.div_ceil(
+        // cols) ≤ MAX_CHUNKS, targets ≤ 3, r ≤ the scratch's rank), t n × 3r, counters
+        // 3 · ⌈r / 8⌉ u32.
+        unsafe { self.kernel(&k.lora_a, cfg, &args, "lora_a")? };
+        let bm = |b: &Branch| Arg::U64(self.wp(b.at.b));
+        let dest = |b: &Branch| Arg::U64(b.dest);
+        let width = |b: &Branch| u32a(b.width);
+        let ld = |b: &Branch| u32a(b.ld);
+        let args = [
+            Arg::U64(t),
+            u32a(n),
+            u32a(r),
+            slot(0, &bm, Arg::U64(0)),
+            slot(1, &bm, Arg::U64(0)),
+            slot(2, &bm, Arg::U64(0)),
+            slot(0, &dest, Arg::U64(0)),
+            slot(1, &dest, Arg::U64(0)),
+            slot(2, &dest, Arg::U64(0)),
+            slot(0, &width, u32a(0)),
+            slot(1, &width, u32a(0)),
+            slot(2, &width, u32a(0)),
+            slot(0, &ld, u32a(0)),
+            slot(1, &ld, u32a(0)),
+            slot(2, &ld, u32a(0)),
+        ];
+        let widest = group.iter().map(|b| b.width).max().unwrap_or(0);
+        // a thread per output column, a target per grid row
+        let cfg = LaunchConfig {
+            grid_dim: (widest.div_ceil(128).max(1) as u32, targets as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (4 * n.div_ceil(8) * 8 * r) as u32,
+        };
+        // SAFETY: per the caller (B's, dests); t holds n × targets·r f32 (lora_a's); the shared
+        // memory is 8⌈n/8⌉ × r f32 ≤ ROWS_SHARED (few_rows made this scratch).
+        unsafe { self.kernel(&k.lora_b, cfg, &args, "lora_b") }
+    }
+
     /// The branch of adapter `at` over `xs` (`[2n × inp]`) into the split output rows at `y`
     /// (`[2n × out]` f32, rows `ldc` apart): added to what they hold with `beta` 1 (the base
     /// product's split output, before it is joined), written with `beta` 0.
@@ -20,7 +184,7 @@ impl<'a> Pass<'a> {
     /// # Safety
     /// `at` is an adapter of the bound offsets whose `A` is `r × inp` and `B` `out × r`; `xs`
     /// holds the pass's split input of `inp` columns; `y` holds `(2n − 1) · ldc + out` f32.
-    pub(super) unsafe fn lora_branch(
+    unsafe fn lora_branch(
         &self,
         at: LoraAt,
         inp: usize,
@@ -28,9 +192,11 @@ impl<'a> Pass<'a> {
         beta: f32,
     ) -> Result<(), CudaError> {
         let (n, rank, st) = (self.z.n, self.ctx.rank, self.st);
-        let sc = self.sc.lora.as_ref().ok_or_else(|| {
-            CudaError::Invalid("a LoRA branch in a pass without its scratch".into())
-        })?;
+        let Some(LoraScratch::Products { t2, ts }) = self.sc.lora.as_ref() else {
+            return Err(CudaError::Invalid(
+                "a LoRA branch's products in a pass without their scratch".into(),
+            ));
+        };
         let (scaling, most) = self.bind.lora;
         if at.r > most {
             return Err(CudaError::Invalid(format!(
@@ -38,7 +204,7 @@ impl<'a> Pass<'a> {
                 at.r
             )));
         }
-        let (xs, t2, ts) = (self.at(&self.sc.xs), self.at(&sc.t2), self.at(&sc.ts));
+        let (xs, t2, ts) = (self.at(&self.sc.xs), self.at(t2), self.at(ts));
         // SAFETY: per the caller (A of r × inp, xs of 2n × inp); t2 holds 2n × r f32 (at.r ≤
         // the scratch's rank, checked above).
         unsafe { gemm(&st.blas, self.wp(at.a), xs, t2, at.r, 2 * n, inp, rank)? };
@@ -69,7 +235,7 @@ impl<'a> Pass<'a> {
     /// # Safety
     /// As [`Pass::lora_branch`]; `dest` holds `n × out` f32 and `y2` is free (the base product
     /// is joined).
-    pub(super) unsafe fn lora_after(
+    unsafe fn lora_after(
         &self,
         at: LoraAt,
         inp: usize,
@@ -90,5 +256,33 @@ impl<'a> Pass<'a> {
         let cfg = self.elementwise(self.z.n * out);
         // SAFETY: y2 holds the branch's 2n × out split output, dest n × out (the caller).
         unsafe { self.kernel(&self.st.k.combine, cfg, &args, "combine") }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{chunk, few_rows, MAX_CHUNKS};
+
+    #[test]
+    fn chunks_are_whole_warp_loads_and_at_most_the_scratchs() {
+        for inp in [
+            1,
+            64,
+            255,
+            256,
+            640,
+            3584,
+            4096,
+            4097,
+            18944,
+            29568,
+            1 << 20,
+        ] {
+            let c = chunk(inp);
+            assert_eq!(c % 256, 0, "{inp}");
+            assert!(inp.div_ceil(c) <= MAX_CHUNKS, "{inp}: {c}");
+        }
+        assert!(few_rows(64, 64) && few_rows(128, 64) && !few_rows(129, 64));
+        assert!(few_rows(32, 256) && !few_rows(43, 256));
     }
 }

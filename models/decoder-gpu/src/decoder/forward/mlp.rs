@@ -50,11 +50,10 @@ impl<'a> Pass<'a> {
                     rank,
                 )?;
                 // the adapters' branches added to the gate and up blocks before the SwiGLU
-                for (i, col0) in [(4, 0), (5, f)] {
-                    if let Some(at) = lw.lora[i] {
-                        self.lora_branch(at, h, (y2 + 4 * col0 as u64, f, 2 * f), 1.0)?;
-                    }
-                }
+                let group = self.branches(&lw.lora[4..6], |i| {
+                    (y2 + 4 * (i * f) as u64, f, 2 * f, true)
+                });
+                self.lora_group(h, &group)?;
                 let args = [Arg::U64(y2), Arg::U64(xs), u32a(n), u32a(f)];
                 let cfg = self.elementwise(n * f);
                 self.kernel(&k.swiglu_fused_split, cfg, &args, "swiglu_fused_split")?;
@@ -82,11 +81,8 @@ impl<'a> Pass<'a> {
                     st.wgemm(s, base, lw.gate_w, xs, y2, (f, 2 * n, h), one, rank)?;
                     st.wgemm(s, base, lw.up_w, xs, y2b, (f, 2 * n, h), (w8, true), rank)?;
                 }
-                for (i, y) in [(4, y2), (5, y2b)] {
-                    if let Some(at) = lw.lora[i] {
-                        self.lora_branch(at, h, (y, f, f), 1.0)?;
-                    }
-                }
+                let group = self.branches(&lw.lora[4..6], |i| ([y2, y2b][i], f, f, true));
+                self.lora_group(h, &group)?;
                 let lo_rows = !grouped || zeros;
                 if let Some(qi) = fused {
                     let [pad, q, sc, tok, grp, tiles] = qi.args(f)?;

@@ -206,17 +206,15 @@ impl<'a> Pass<'a> {
         // the adapter's branch (its A split on the inputs like the base: a partial sum at T > 1)
         // added to the base's split output before it is joined, or, where the kernel wrote x,
         // to x
-        match (done, lora) {
-            (true, None) => Ok(()),
-            // SAFETY: the adapter of this base (h × inp); xs holds its input; x n × h f32.
-            (true, Some(at)) => unsafe { self.lora_after(at, inp, x, h) },
-            (false, at) => {
-                if let Some(at) = at {
-                    // SAFETY: as above; y2 holds the base's 2n × h split output.
-                    unsafe { self.lora_branch(at, inp, (y2, h, h), 1.0)? };
-                }
-                self.finish()
-            }
+        let (dest, split) = if done { (x, false) } else { (y2, true) };
+        let group = self.branches(&[lora], |_| (dest, h, h, split));
+        // SAFETY: the adapter of this base (h × inp); xs holds its input; x n × h f32, y2 the
+        // base's 2n × h split output where the kernel did not write x (then y2 is free).
+        unsafe { self.lora_group(inp, &group)? };
+        if done {
+            Ok(())
+        } else {
+            self.finish()
         }
     }
 
