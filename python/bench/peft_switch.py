@@ -1,6 +1,6 @@
 """What a switch of a PEFT LoRA model costs at 7.6B shapes: `Switch.from_peft` over a transformers
-Qwen2 (Qwen2.5-7B shapes, bf16 base, random weights) with adapters of rank 64 on all seven
-linear types, on one GPU.
+Qwen2 (Qwen2.5-7B shapes, fp32 as the switch takes training weights, random) with adapters of
+rank 64 on all seven linear types, on one GPU.
 
     python python/bench/peft_switch.py [--model 7b|1.5b] [--rank 64] [--iters 5]
 
@@ -53,7 +53,7 @@ def main():
         max_position_embeddings=4096,
     )
     with torch.device("cuda"):
-        base = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)
+        base = transformers.Qwen2ForCausalLM(config).float()
     lora = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=TARGETS,
                            lora_dropout=0.0)
     model = peft.get_peft_model(base, lora)
