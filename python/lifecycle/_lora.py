@@ -59,7 +59,8 @@ def peft_name(name: str, adapter: str = "default") -> str:
     """A PEFT model's parameter ``name`` as the switch names it: PEFT's ``base_model.model.``
     dropped, a LoRA layer's ``base_layer`` folded into the layer, adapter ``adapter``'s matrices
     as ``lora_A.weight`` / ``lora_B.weight``. Another adapter's matrices and PEFT's
-    ``modules_to_save`` copies are refused by name.
+    ``modules_to_save`` copies and adapters on a mixture-of-experts layer's experts are
+    refused by name.
 
     >>> peft_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight")
     'model.layers.0.self_attn.q_proj.weight'
@@ -72,6 +73,12 @@ def peft_name(name: str, adapter: str = "default") -> str:
         marker = f".{part}."
         if marker in n:
             head, tail = n.split(marker, 1)
+            if head.endswith(".experts") or ".experts." in head:
+                raise ConfigError(
+                    f"tensor `{name}`: a LoRA matrix on the experts of a mixture-of-experts "
+                    "layer, which the switch does not adapt yet: target the attention (q_proj, "
+                    "k_proj, v_proj, o_proj) and dense MLP layers"
+                )
             if tail != f"{adapter}.weight":
                 raise ConfigError(
                     f"tensor `{name}`: a LoRA matrix of adapter `{tail.split('.')[0]}`; the "

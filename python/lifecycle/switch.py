@@ -407,7 +407,11 @@ class Switch:
                 "a model from peft.get_peft_model)"
             )
         lora = configs[adapter]
-        for field, none in (("modules_to_save", None), ("bias", "none")):
+        for field, none in (
+            ("modules_to_save", None),
+            ("bias", "none"),
+            ("target_parameters", None),
+        ):
             value = getattr(lora, field, none)
             if value not in (none, [], ()):
                 raise ConfigError(

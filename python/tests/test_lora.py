@@ -143,3 +143,17 @@ def test_a_peft_models_parameter_names_map_onto_the_switchs():
         peft_name(p + "mlp.up_proj.lora_A.other.weight")
     with pytest.raises(lifecycle.ConfigError, match="modules_to_save"):
         peft_name("base_model.model.lm_head.modules_to_save.default.weight")
+    # transformers' fused experts adapted by PEFT (`mlp.experts.lora_A`), or one expert's linear
+    for name in ("mlp.experts.lora_A.default.weight", "mlp.experts.3.down_proj.lora_B.default.weight"):
+        with pytest.raises(lifecycle.ConfigError, match=f"`{p + name}`.*experts"):
+            peft_name(p + name)
+
+
+def test_from_peft_refuses_adapters_on_parameters_by_name():
+    """PEFT's ``target_parameters`` (adapters on parameters such as a mixture-of-experts
+    layer's fused experts) are refused before anything is read."""
+    lora = SimpleNamespace(r=4, lora_alpha=8, target_modules=set(), target_parameters=["down_proj"],
+                           modules_to_save=None, bias="none", use_rslora=False)
+    model = SimpleNamespace(peft_config={"default": lora})
+    with pytest.raises(lifecycle.ConfigError, match="target_parameters = \\['down_proj'\\]"):
+        lifecycle.Switch.from_peft(model)
