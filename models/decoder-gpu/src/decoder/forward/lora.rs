@@ -120,16 +120,17 @@ impl<'a> Pass<'a> {
         };
         let (n, k, xs) = (self.z.n, &self.st.k, self.at(&self.sc.xs));
         let (t, targets) = (self.at(t), group.len());
-        let slot = |i: usize, f: &dyn Fn(&Branch) -> Arg, none: Arg| group.get(i).map_or(none, f);
+        // each of the three target slots' value (0 where the group has fewer targets)
+        let slots = |f: &dyn Fn(&Branch) -> u64| [0, 1, 2].map(|i| group.get(i).map_or(0, f));
         let cols = chunk(inp);
-        let a = |b: &Branch| Arg::U64(self.wp(b.at.a));
+        let [a0, a1, a2] = slots(&|b| self.wp(b.at.a));
         let args = [
             Arg::U64(xs),
             u32a(n),
             u32a(inp),
-            slot(0, &a, Arg::U64(0)),
-            slot(1, &a, Arg::U64(0)),
-            slot(2, &a, Arg::U64(0)),
+            Arg::U64(a0),
+            Arg::U64(a1),
+            Arg::U64(a2),
             u32a(r),
             u32a(cols),
             Arg::F32(scaling),
@@ -151,26 +152,26 @@ impl<'a> Pass<'a> {
         // cols) ≤ MAX_CHUNKS, targets ≤ 3, r ≤ the scratch's rank), t n × 3r, counters
         // 3 · ⌈r / 8⌉ u32.
         unsafe { self.kernel(&k.lora_a, cfg, &args, "lora_a")? };
-        let bm = |b: &Branch| Arg::U64(self.wp(b.at.b));
-        let dest = |b: &Branch| Arg::U64(b.dest);
-        let width = |b: &Branch| u32a(b.width);
-        let ld = |b: &Branch| u32a(b.ld);
+        let [b0, b1, b2] = slots(&|b| self.wp(b.at.b));
+        let [d0, d1, d2] = slots(&|b| b.dest);
+        let [w0, w1, w2] = slots(&|b| b.width as u64);
+        let [l0, l1, l2] = slots(&|b| b.ld as u64);
         let args = [
             Arg::U64(t),
             u32a(n),
             u32a(r),
-            slot(0, &bm, Arg::U64(0)),
-            slot(1, &bm, Arg::U64(0)),
-            slot(2, &bm, Arg::U64(0)),
-            slot(0, &dest, Arg::U64(0)),
-            slot(1, &dest, Arg::U64(0)),
-            slot(2, &dest, Arg::U64(0)),
-            slot(0, &width, u32a(0)),
-            slot(1, &width, u32a(0)),
-            slot(2, &width, u32a(0)),
-            slot(0, &ld, u32a(0)),
-            slot(1, &ld, u32a(0)),
-            slot(2, &ld, u32a(0)),
+            Arg::U64(b0),
+            Arg::U64(b1),
+            Arg::U64(b2),
+            Arg::U64(d0),
+            Arg::U64(d1),
+            Arg::U64(d2),
+            Arg::U32(w0 as u32),
+            Arg::U32(w1 as u32),
+            Arg::U32(w2 as u32),
+            Arg::U32(l0 as u32),
+            Arg::U32(l1 as u32),
+            Arg::U32(l2 as u32),
         ];
         let widest = group.iter().map(|b| b.width).max().unwrap_or(0);
         // a thread per output column, a target per grid row
