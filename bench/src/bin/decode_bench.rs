@@ -44,7 +44,7 @@ use lifecycle_cuda::cudarc::cublas::{sys as cublas_sys, CudaBlas, Gemm, GemmConf
 use lifecycle_cuda::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use lifecycle_cuda::{alloc_zeros, CudaError, KernelSet, RankCtx, RankExecutor, ThreadRankPool};
 use lifecycle_decoder::{Decoder, KvDtype, ModelConfig, PrefillLogits, Sampling};
-use lifecycle_decoder_gpu::{GpuDecoder, MOE_DEVICE_ROWS};
+use lifecycle_decoder_gpu::{GpuDecoder, LoraMode, MOE_DEVICE_ROWS};
 use lifecycle_fsdp::FsdpBackend;
 use lifecycle_layout::fp8::{Fp8Compute, RolloutDtype};
 use lifecycle_layout::hf;
@@ -94,8 +94,8 @@ struct Args {
     #[arg(long)]
     profile: bool,
     /// With r > 0, also `bf16 LoRA`: the bf16 model with LoRA adapters of rank r on all seven
-    /// linear types (`lora_alpha` 2r), applied unmerged by the engine, against `bf16`, which
-    /// decodes what a merged model would (the same shapes).
+    /// linear types (`lora_alpha` 2r), applied unmerged by the engine, and `bf16 LoRA merged`,
+    /// merged into a private copy (its merge time printed), against `bf16` (the same shapes).
     #[arg(long, default_value_t = 0)]
     lora: usize,
 }
@@ -479,7 +479,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         device: true,
         graphs: args.graphs != Graphs::Off,
         bf16_mma: true,
-        lora: false,
+        lora: None,
     };
     // bf16 with every product on cuBLAS (the decoder's tensor-core kernel off): the comparison
     let mut variants = vec![
@@ -509,7 +509,12 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         None => (None, None, None),
     };
     if lora_cfg.is_some() {
-        variants.push(Variant { lora: true, ..bf16 });
+        for mode in [LoraMode::Unmerged, LoraMode::Merged] {
+            variants.push(Variant {
+                lora: Some(mode),
+                ..bf16
+            });
+        }
     }
     if args.moe {
         variants.push(Variant {
@@ -580,7 +585,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             lora,
         } = *v;
         let (layout, held_state) = match (lora, &lora_layout) {
-            (true, Some(l)) => (l.clone(), lora_state.take()),
+            (Some(_), Some(l)) => (l.clone(), lora_state.take()),
             _ => (config.rollout_layout(1)?, state.take()),
         };
         let held_state = held_state.ok_or("a variant's training state was not given back")?;
@@ -603,8 +608,8 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                 .map_or(0, |e| e.bytes());
             let streamed = held - embed;
             let mut dec = match (lora, &lora_cfg) {
-                (true, Some(c)) => {
-                    GpuDecoder::new_lora(&config, session.backend(), weights.get(), c)?
+                (Some(mode), Some(c)) => {
+                    GpuDecoder::new_lora_as(&config, session.backend(), weights.get(), c, mode)?
                 }
                 _ => GpuDecoder::new(&config, session.backend(), weights.get())?,
             };
@@ -636,7 +641,13 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             }
             let compute_how = match (dtype, compute) {
                 (RolloutDtype::Bf16, _) if !bf16_mma => " (every product on cuBLAS)".to_string(),
-                (RolloutDtype::Bf16, _) if lora => format!(
+                (RolloutDtype::Bf16, _) if lora == Some(LoraMode::Merged) => format!(
+                    " with LoRA adapters of rank {} on all seven linear types, merged into a \
+                     private copy in {:.3} ms",
+                    args.lora,
+                    dec.last_merge_time().as_secs_f64() * 1e3
+                ),
+                (RolloutDtype::Bf16, _) if lora.is_some() => format!(
                     " with LoRA adapters of rank {} on all seven linear types, unmerged",
                     args.lora
                 ),
@@ -736,7 +747,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             }
         }
         let back = Some(lc.into_parts()?.1);
-        if lora {
+        if lora.is_some() {
             lora_state = back;
         } else {
             state = back;
@@ -808,8 +819,8 @@ struct Variant {
     /// bf16 products of a few tokens on the decoder's tensor-core kernel (the default;
     /// else on cuBLAS).
     bf16_mma: bool,
-    /// LoRA adapters beside the bf16 base, applied unmerged (`--lora`).
-    lora: bool,
+    /// LoRA adapters beside the bf16 base, applied as the mode says (`--lora`).
+    lora: Option<LoraMode>,
 }
 
 impl Variant {
@@ -818,7 +829,10 @@ impl Variant {
             (RolloutDtype::Bf16, ..) if !self.grouped => "bf16 per expert".into(),
             (RolloutDtype::Bf16, ..) if !self.device => "bf16 routed on the host".into(),
             (RolloutDtype::Bf16, ..) if !self.bf16_mma => "bf16 cuBLAS".into(),
-            (RolloutDtype::Bf16, ..) if self.lora => "bf16 LoRA".into(),
+            (RolloutDtype::Bf16, ..) if self.lora == Some(LoraMode::Merged) => {
+                "bf16 LoRA merged".into()
+            }
+            (RolloutDtype::Bf16, ..) if self.lora.is_some() => "bf16 LoRA".into(),
             (RolloutDtype::Bf16, ..) => "bf16".into(),
             (_, Fp8Compute::WeightOnly, _) => "fp8 weight-only".into(),
             (_, Fp8Compute::W8A8, None) => "W8A8 default".into(),

@@ -174,3 +174,48 @@ pub(crate) unsafe fn batched_gemm(
         .result()
         .map_err(|e| cublas_err(rank, "GemmBatchedEx (bf16 x bf16 -> f32)", e))
 }
+
+/// `w[out × inp] += s · b[out × r] · a[r × inp]`, all bf16 row-major (a LoRA adapter merged into
+/// its base matrix: the sum in f32, rounded to bf16 once).
+///
+/// # Safety
+/// `w`, `a` and `b` are device addresses of the sizes above, on the handle's stream.
+pub(crate) unsafe fn merge_gemm(
+    blas: &CudaBlas,
+    (w, a, b): (u64, u64, u64),
+    (out, inp, r): (usize, usize, usize),
+    s: f32,
+    rank: usize,
+) -> Result<(), CudaError> {
+    let dim = |v: usize| {
+        i32::try_from(v).map_err(|_| CudaError::Invalid(format!("GEMM dimension {v} > i32::MAX")))
+    };
+    let one = 1.0f32;
+    // SAFETY: column-major view: row-major w [out × inp] is col-major wᵀ [inp × out] (ld inp),
+    // a [r × inp] is aᵀ [inp × r] (ld inp), b [out × r] is bᵀ [r × out] (ld r), so
+    // wᵀ = s · aᵀ · bᵀ + wᵀ; sizes per the caller; alpha/beta are host scalars.
+    unsafe {
+        cublas_result::gemm_ex(
+            *blas.handle(),
+            cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+            cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+            dim(inp)?,
+            dim(out)?,
+            dim(r)?,
+            (&s as *const f32).cast::<c_void>(),
+            a as *const c_void,
+            cublas_sys::cudaDataType::CUDA_R_16BF,
+            dim(inp)?,
+            b as *const c_void,
+            cublas_sys::cudaDataType::CUDA_R_16BF,
+            dim(r)?,
+            (&one as *const f32).cast::<c_void>(),
+            w as *mut c_void,
+            cublas_sys::cudaDataType::CUDA_R_16BF,
+            dim(inp)?,
+            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| cublas_err(rank, "GemmEx (a LoRA merge, bf16 -> bf16)", e))
+}

@@ -20,14 +20,17 @@ mod core;
 mod forward;
 mod graph;
 mod kv;
+mod merge;
 mod moe;
 mod pages;
 mod rank;
 mod slots;
+
 pub(crate) use self::core::{Core, KvMode};
 pub use self::core::{MAX_CONTEXT, ROOM_MARGIN_BYTES};
 pub(crate) use forward::RowPick;
 pub(crate) use kv::kv_elements;
+pub use merge::LoraMode;
 pub use moe::DEVICE_ROWS as MOE_DEVICE_ROWS;
 pub use pages::KV_PAGE_POSITIONS;
 
@@ -162,12 +165,39 @@ impl<'w> GpuDecoder<'w> {
         weights: &'w RolloutBuffer,
         lora: &lifecycle_layout::lora::LoraConfig,
     ) -> Result<Self, GpuDecodeError> {
+        Self::new_lora_as(config, backend, weights, lora, LoraMode::Unmerged)
+    }
+
+    /// A decoder (as [`GpuDecoder::new_lora`]) that applies the adapters as `mode` says: with
+    /// [`LoraMode::Merged`] it reads a private bf16 copy of the rollout weights in which every
+    /// adapted matrix holds `W + s·B·A` (made here; [`GpuDecoder::last_merge_time`] says how
+    /// long that took). Refused by name as [`GpuDecoder::new_lora`].
+    ///
+    /// ```no_run
+    /// # fn demo(config: &lifecycle_decoder::ModelConfig,
+    /// #         backend: &lifecycle_fsdp::FsdpBackend,
+    /// #         weights: &lifecycle_cuda::RolloutBuffer) -> Result<(), Box<dyn std::error::Error>> {
+    /// use lifecycle_decoder_gpu::{GpuDecoder, LoraMode};
+    /// use lifecycle_layout::lora::{LoraConfig, LoraTarget};
+    /// let lora = LoraConfig::new(64, 128.0, LoraTarget::ALL.to_vec());
+    /// let decoder = GpuDecoder::new_lora_as(config, backend, weights, &lora, LoraMode::Merged)?;
+    /// println!("merged in {:?}", decoder.last_merge_time());
+    /// # Ok(()) }
+    /// ```
+    pub fn new_lora_as(
+        config: &ModelConfig,
+        backend: &'w impl RolloutSource,
+        weights: &'w RolloutBuffer,
+        lora: &lifecycle_layout::lora::LoraConfig,
+        mode: LoraMode,
+    ) -> Result<Self, GpuDecodeError> {
         let (layout, pool) = (backend.rollout_layout(), backend.rank_pool());
         let tp = layout.tp();
         decode_topology(pool.world(), tp, pool.local_ranks().len())?;
         let plan = GroupOffsets::new(config, layout, &group_entries(weights, tp)?)?;
         let mut core = Core::new(config, tp, pool)?;
         core.lora = Some(lora.clone());
+        core.lora_mode = mode;
         core.bind(pool, &plan, weights)?;
         Ok(GpuDecoder {
             core,
@@ -466,6 +496,19 @@ impl<'w> GpuDecoder<'w> {
     /// ```
     pub fn last_prefill_time(&self) -> std::time::Duration {
         self.core.last_prefill
+    }
+
+    /// How long the last bind took to merge the adapters ([`LoraMode::Merged`]: the copy of the
+    /// rollout weights and a product per adapted matrix, the slowest rank's, waited for); zero
+    /// in the unmerged mode.
+    ///
+    /// ```no_run
+    /// # fn demo(d: &lifecycle_decoder_gpu::GpuDecoder<'_>) {
+    /// assert!(d.last_merge_time() < std::time::Duration::from_secs(1));
+    /// # }
+    /// ```
+    pub fn last_merge_time(&self) -> std::time::Duration {
+        self.core.last_merge
     }
 }
 

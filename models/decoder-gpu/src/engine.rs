@@ -416,6 +416,21 @@ impl GpuEngine {
         self
     }
 
+    /// How the engine applies the adapters ([`LoraMode`]; unmerged by default): merged, it
+    /// reads a private bf16 copy of the rollout weights with the adapters merged in, made
+    /// whenever it wakes on new weights.
+    ///
+    /// ```no_run
+    /// # fn demo(engine: lifecycle_decoder_gpu::GpuEngine) {
+    /// use lifecycle_decoder_gpu::LoraMode;
+    /// let engine = engine.with_lora_mode(LoraMode::Merged);
+    /// # }
+    /// ```
+    pub fn with_lora_mode(mut self, mode: crate::LoraMode) -> Self {
+        self.core.lora_mode = mode;
+        self
+    }
+
     /// The settings.
     pub fn settings(&self) -> EngineSettings {
         self.settings

@@ -56,7 +56,9 @@ mod w8a8;
 
 mod weights;
 
-pub use decoder::{GpuDecoder, KV_PAGE_POSITIONS, MAX_CONTEXT, MOE_DEVICE_ROWS, ROOM_MARGIN_BYTES};
+pub use decoder::{
+    GpuDecoder, LoraMode, KV_PAGE_POSITIONS, MAX_CONTEXT, MOE_DEVICE_ROWS, ROOM_MARGIN_BYTES,
+};
 pub use engine::{EngineSettings, GpuEngine};
 pub use error::GpuDecodeError;
 pub use kernels::{SplitAttention, DECODER_KERNEL_SRC, SPLIT_HEADS};

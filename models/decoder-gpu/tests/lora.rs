@@ -4,7 +4,9 @@
 //! at T = 1, 2, 4), on the same bf16 rollout (the FSDP backend's switch on the GPU, the host
 //! executor's on the CPU), W = T = 1. Both ways the GPU runs a layer's branches are covered: a
 //! group's in two kernels at few rows (the decode steps of two sequences, the greedy tokens),
-//! each branch in cuBLAS products at many (the prefills).
+//! each branch in cuBLAS products at many (the prefills). The merged mode (`LoraMode::Merged`: a
+//! private copy of the rollout with `W + s·B·A` in each adapted matrix) against the CPU decoder
+//! over the base with the adapters merged alike on the host.
 //!
 //! ```text
 //! cargo test --release -p lifecycle-decoder-gpu --test lora -- --ignored --nocapture
@@ -20,7 +22,7 @@ use lifecycle_core::Lifecycle;
 use lifecycle_cuda::testing::require_gpus;
 use lifecycle_cuda::ThreadRankPool;
 use lifecycle_decoder::{random_tensors, CpuDecoder, ModelConfig};
-use lifecycle_decoder_gpu::GpuDecoder;
+use lifecycle_decoder_gpu::{GpuDecoder, LoraMode};
 use lifecycle_fsdp::FsdpBackend;
 use lifecycle_host::{HostBackend, HostTrainState};
 use lifecycle_layout::lora::{adapters, with_adapters, LoraConfig, LoraTarget};
@@ -67,6 +69,47 @@ fn lora_model(
     Ok((layout, base, all))
 }
 
+/// The base tensors of `all` with each adapter of `lora` merged as the GPU's merged mode does:
+/// `bf16(W + s·B·A)` of the bf16 `W`, `A` and `B`, the sum in f64.
+fn merged_base(config: &ModelConfig, lora: &LoraConfig, all: &[HostTensor]) -> Vec<HostTensor> {
+    let values = |name: &str| -> Vec<f32> {
+        let t = all
+            .iter()
+            .find(|t| t.name == name)
+            .expect("a tensor of the model");
+        t.clone().bf16_rounded().data.to_f32().expect("float data")
+    };
+    let s = lora.scaling();
+    let mut out: Vec<HostTensor> = all
+        .iter()
+        .filter(|t| !t.name.contains(".lora_"))
+        .cloned()
+        .collect();
+    for a in adapters(&config.model, lora).expect("the adapters of the configuration") {
+        let (am, bm) = (values(&a.a.name), values(&a.b.name));
+        let (r, cols) = (a.a.shape[0], a.a.shape[1]);
+        let rows = a.b.shape[0];
+        let base = out.iter_mut().find(|t| t.name == a.base).expect("the base");
+        let w = base
+            .clone()
+            .bf16_rounded()
+            .data
+            .to_f32()
+            .expect("float data");
+        let merged = (0..rows * cols)
+            .map(|k| {
+                let (i, j) = (k / cols, k % cols);
+                let ba: f64 = (0..r)
+                    .map(|c| f64::from(bm[i * r + c]) * f64::from(am[c * cols + j]))
+                    .sum();
+                half::bf16::from_f64(f64::from(w[k]) + s * ba).to_f32()
+            })
+            .collect();
+        *base = HostTensor::f32(base.name.clone(), base.shape.clone(), merged);
+    }
+    out
+}
+
 /// The GPU decoder's outputs over the FSDP backend's rollout of `tensors` in `layout`, with
 /// `lora`'s adapters (or the base alone).
 fn gpu_outputs(
@@ -75,6 +118,17 @@ fn gpu_outputs(
     tensors: Vec<HostTensor>,
     lora: Option<&LoraConfig>,
 ) -> Result<Outputs, Box<dyn std::error::Error>> {
+    gpu_outputs_as(config, layout, tensors, lora, LoraMode::Unmerged).map(|(o, _)| o)
+}
+
+/// [`gpu_outputs`] with the adapters applied as `mode` says, and the decoder's merge time.
+fn gpu_outputs_as(
+    config: &ModelConfig,
+    layout: RolloutLayout,
+    tensors: Vec<HostTensor>,
+    lora: Option<&LoraConfig>,
+    mode: LoraMode,
+) -> Result<(Outputs, std::time::Duration), Box<dyn std::error::Error>> {
     let (long, short) = prompts();
     let pool = Arc::new(ThreadRankPool::new(1)?);
     let backend = FsdpBackend::new(pool, layout);
@@ -83,10 +137,11 @@ fn gpu_outputs(
     let session = lc.rollout()?;
     let weights = session.weights();
     let mut gpu = match lora {
-        Some(l) => GpuDecoder::new_lora(config, session.backend(), weights.get(), l)?,
+        Some(l) => GpuDecoder::new_lora_as(config, session.backend(), weights.get(), l, mode)?,
         None => GpuDecoder::new(config, session.backend(), weights.get())?,
     };
-    run(&mut gpu, &long, &short)
+    let merge = gpu.last_merge_time();
+    Ok((run(&mut gpu, &long, &short)?, merge))
 }
 
 /// Largest |a − b| over the rows against each row's largest |b|, and the largest |a − b|.
@@ -131,6 +186,30 @@ fn check(name: &str, config: &ModelConfig, lora: &LoraConfig, seed: u64) -> Res 
         moved > 1e-2,
         "{name}: the adapters moved the logits by only {moved} of 1 + the row's largest"
     );
+    // the merged mode against the CPU decoder over the base with the adapters merged alike
+    let merged = merged_base(config, lora, &all);
+    let host = HostTrainState::from_tensors(1, merged)?;
+    let base_layout = config.rollout_layout(1)?;
+    let mut merged_lc = Lifecycle::new(HostBackend::new(base_layout.clone()), host);
+    let merged_session = merged_lc.rollout()?;
+    let merged_weights = merged_session.weights();
+    let group: Vec<_> = merged_weights.ranks.iter().collect();
+    let mut cpu_merged = CpuDecoder::new(config, &base_layout, &group)?;
+    let (want_m, want_m_tokens) = run(&mut cpu_merged, &long, &short)?;
+    let ((got_m, got_m_tokens), merge) = gpu_outputs_as(
+        config,
+        layout.clone(),
+        all.clone(),
+        Some(lora),
+        LoraMode::Merged,
+    )?;
+    let (rel_m, abs_m) = worst(&got_m, &want_m);
+    assert!(
+        rel_m <= 1e-3,
+        "{name}: GPU merged vs CPU on the merged base: max |Δ logit| {abs_m} ({rel_m} relative)"
+    );
+    assert_eq!(got_m_tokens, want_m_tokens, "{name}: merged greedy tokens");
+    assert!(merge > std::time::Duration::ZERO, "{name}: no merge timed");
     // a decoder not told of the adapters refuses them by name
     let refused = gpu_outputs(config, layout, all, None)
         .err()
@@ -142,7 +221,8 @@ fn check(name: &str, config: &ModelConfig, lora: &LoraConfig, seed: u64) -> Res 
     );
     println!(
         "{name}: GPU vs CPU unmerged LoRA (r = {}, s = {}): max |Δ logit| {abs:.3e} \
-         ({rel:.2e} relative), greedy equal; the base alone {moved:.2e} away",
+         ({rel:.2e} relative), greedy equal; merged {abs_m:.3e} ({rel_m:.2e}) against the CPU \
+         on the merged base, merged in {merge:?}; the base alone {moved:.2e} away",
         lora.rank,
         lora.scaling()
     );

@@ -22,6 +22,7 @@ use crate::weights::GroupOffsets;
 use super::forward::{Pick, RowPick, Step, StepOut};
 use super::graph::{rank_forward, StepGraphs};
 use super::kv::{check_kv, kv_elements, kv_head_units};
+use super::merge::{merge_rank, target_shapes, LoraMode};
 use super::moe::table::DeviceExperts;
 use super::pages::{PageTables, KV_PAGE_POSITIONS};
 use super::rank::{Dims, RankBind, RankState};
@@ -96,6 +97,11 @@ pub(crate) struct Core {
     pub last_prefill: std::time::Duration,
     /// The LoRA configuration of the adapters the bound rollout holds (`None`: it holds none).
     pub lora: Option<LoraConfig>,
+    /// How the adapters are applied.
+    pub lora_mode: LoraMode,
+    /// The last bind's merge of the adapters (the merged mode; zero otherwise), the slowest
+    /// rank's, synchronised.
+    pub last_merge: std::time::Duration,
 }
 
 /// One rank of a decoder: what its passes read ([`RankState`]) and the decode steps captured over
@@ -170,6 +176,7 @@ impl Core {
                 device_moe: None,
                 device_routing: true,
                 room: None,
+                merged: None,
             });
             ctx.compute
                 .synchronize()
@@ -203,6 +210,8 @@ impl Core {
             room_waits: 0,
             last_prefill: std::time::Duration::ZERO,
             lora: None,
+            lora_mode: LoraMode::Unmerged,
+            last_merge: std::time::Duration::ZERO,
         })
     }
 
@@ -253,6 +262,16 @@ impl Core {
             self.lora.as_ref().map_or(1.0, |l| l.scaling() as f32),
             lora_rank,
         );
+        let merge = (self.lora_mode == LoraMode::Merged && lora_rank > 0).then(|| {
+            let geo = Geometry::of(plan);
+            let m = &self.config.model;
+            target_shapes(
+                m.hidden,
+                m.head_dim,
+                (geo.q_heads, geo.kv_heads),
+                geo.ffn_part,
+            )
+        });
         let locals = pool.local_ranks().to_vec();
         for (i, _) in locals.iter().enumerate() {
             let len = weights.rank_buffer(i).map_or(0, |b| b.len() as u64);
@@ -264,7 +283,7 @@ impl Core {
                 .into());
             }
         }
-        pool.run_each(&mut self.ranks, &|ctx, r| {
+        let merged = pool.run_each(&mut self.ranks, &|ctx, r| {
             let local = locals.iter().position(|&r| r == ctx.rank).ok_or_else(|| {
                 CudaError::Invalid(format!("rank {} is not a local rank", ctx.rank))
             })?;
@@ -313,15 +332,35 @@ impl Core {
                     None
                 });
             }
-            let base = ptr(buf, &ctx.compute);
+            let (base, w, lora, merged) = match merge {
+                Some(shapes) => {
+                    // the merged mode: the decoder reads a private copy, adapters merged
+                    let len = buf.len();
+                    if let Some(room) = &st.room {
+                        room.order_for(ctx, &ctx.compute, 2 * len as u64 + ROOM_MARGIN_BYTES)?;
+                    }
+                    let t = std::time::Instant::now();
+                    let (base, w) = merge_rank(ctx, st, (buf, len), &w, shapes, lora.0)?;
+                    ctx.compute
+                        .synchronize()
+                        .map_err(ctx.drv("synchronizing the LoRA merge", 0))?;
+                    (base, w, (1.0, 0), t.elapsed())
+                }
+                None => {
+                    st.merged = None;
+                    let base = ptr(buf, &ctx.compute);
+                    (base, w, lora, std::time::Duration::ZERO)
+                }
+            };
             st.device_moe = DeviceExperts::bind(ctx, &w, base)?;
             st.bind = Some(RankBind { base, w, lora });
             r.graphs.clear();
             ctx.compute
                 .synchronize()
                 .map_err(ctx.drv("synchronizing", 0))?;
-            Ok(())
+            Ok(merged)
         })?;
+        self.last_merge = merged.into_iter().max().unwrap_or_default();
         self.geo = Some(Geometry::of(plan));
         Ok(())
     }

@@ -47,6 +47,8 @@ pub(crate) struct RankState {
     pub(crate) k: DecoderKernels,
     /// The weights this rank reads; `None` while unbound (an engine asleep).
     pub(crate) bind: Option<RankBind>,
+    /// The merged LoRA mode's private copy of the rollout buffer (`decoder::merge`).
+    pub(crate) merged: Option<CudaSlice<u16>>,
     pub(crate) inv_freq: CudaSlice<f32>,
     /// `[layer][k | v][page][KV_PAGE_POSITIONS][kv_heads]` heads of `kv` in 2-byte units
     /// ([`kv_head_units`](crate::decoder::kv::kv_head_units): an f32 element is two, an fp8 head
