@@ -17,7 +17,7 @@ use lifecycle_core::{
 use lifecycle_cuda::driver::{LentOffload, LentStream};
 use lifecycle_cuda::{RankExecutor, RolloutBuffer, RolloutSource, ThreadRankPool};
 use lifecycle_decoder::{DecodeError, Filled, GroupStream, Request, Sample};
-use lifecycle_decoder_gpu::{EngineSettings, GpuDecodeError, GpuEngine};
+use lifecycle_decoder_gpu::{EngineSettings, GpuDecodeError, GpuEngine, LoraMode};
 use lifecycle_fsdp::{FsdpError, LentFsdpBackend, LentFsdpState, LentMaster, LentParts};
 use lifecycle_layout::megatron::MegatronLayout;
 use lifecycle_layout::FsdpLayout;
@@ -414,9 +414,15 @@ impl<L: Lending> GpuSwitch<L> {
     }
 
     /// Attaches the project's GPU engine (leaving rollout mode first: the next enter wakes it);
-    /// with LoRA adapters, the engine applies them unmerged beside the base
-    /// ([`GpuEngine::with_lora`]).
+    /// with LoRA adapters, the engine applies them as its settings' `lora_mode` says
+    /// ([`GpuEngine::with_lora`]; unmerged beside the base by default).
     pub fn attach_engine(&mut self, settings: EngineSettings) -> Result<(), BridgeError> {
+        if settings.lora_mode == LoraMode::Merged && self.binding.lora().is_none() {
+            return Err(BridgeError::Config(
+                "lora_mode: `merged` on a switch without LoRA adapters (from_peft, or lora=...)"
+                    .into(),
+            ));
+        }
         self.exit()?;
         let backend = self.backend()?;
         let mut engine = GpuEngine::for_backend(backend, self.binding.config(), settings)

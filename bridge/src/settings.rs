@@ -10,7 +10,7 @@ use lifecycle_core::{MemoryPolicy, Switching};
 use lifecycle_cuda::driver::BufferClass;
 use lifecycle_cuda::ThreadRankPool;
 use lifecycle_decoder::{GroupStream, Leftovers, Request, SamplingParams};
-use lifecycle_decoder_gpu::EngineSettings;
+use lifecycle_decoder_gpu::{EngineSettings, LoraMode};
 use lifecycle_layout::fp8::{Fp8Compute, Fp8Keep, RolloutDtype};
 use lifecycle_layout::ExpertPlacement;
 use lifecycle_layout::KvDtype;
@@ -115,18 +115,21 @@ pub fn lora(
 /// The engine's settings: up to `max_sequences` sequences of up to `max_tokens` at once in a KV
 /// cache of `kv_tokens` positions (`None`: room for all of them at their longest), fp8 products
 /// as `fp8_compute` says (`w8a8` or `weight-only`), K and V kept in `kv_dtype` (`bf16`, `f32` or
-/// `fp8`); checked with the argument named.
+/// `fp8`), LoRA adapters applied as `lora_mode` says (`unmerged` or `merged`); checked with the
+/// argument named.
 pub fn engine_settings(
     (max_sequences, max_tokens): (usize, usize),
     kv_tokens: Option<usize>,
-    fp8_compute: &str,
-    kv_dtype: &str,
+    (fp8_compute, kv_dtype): (&str, &str),
+    lora_mode: &str,
 ) -> Result<EngineSettings, BridgeError> {
     let compute: Fp8Compute = parse("fp8_compute", fp8_compute)?;
     let kv: KvDtype = parse("kv_dtype", kv_dtype)?;
+    let lora: LoraMode = parse("lora_mode", lora_mode)?;
     let mut settings = EngineSettings::new(max_sequences, max_tokens)
         .with_fp8_compute(compute)
-        .with_kv_dtype(kv);
+        .with_kv_dtype(kv)
+        .with_lora_mode(lora);
     if let Some(tokens) = kv_tokens {
         settings = settings.with_kv_tokens(tokens);
     }

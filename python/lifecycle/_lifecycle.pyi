@@ -135,6 +135,7 @@ class _Switch:
         fp8_compute: str = "w8a8",
         kv_dtype: str = "bf16",
         kv_tokens: Optional[int] = None,
+        lora_mode: str = "unmerged",
     ) -> None: ...
     def run(
         self,

@@ -25,7 +25,11 @@ class Engine:
     ``"weight-only"`` (the exact mode: e4m3 weights against the activations in f32). ``kv_dtype`` is the KV cache's element type:
     ``"bf16"`` (the default, as vLLM and SGLang keep it), ``"f32"`` (the decoder's exact
     mode, twice the bytes) or ``"fp8"`` (e4m3 with one f32 scale per position and kv head,
-    about half bf16's bytes)::
+    about half bf16's bytes). Over a LoRA switch (:meth:`Switch.from_peft`), ``lora_mode``
+    chooses ``"unmerged"`` (the default: each adapter's branch beside its base product, the
+    base read where the switch holds it) or ``"merged"`` (a private bf16 copy of the rollout
+    weights with ``W + s·B·A`` in each adapted matrix, made whenever the engine wakes on new
+    weights: the products of a model without adapters, for a second copy of the weights)::
 
         engine = Engine(switch, max_sequences=64, max_tokens=256)
         with switch.rollout() as w:
@@ -43,6 +47,7 @@ class Engine:
         fp8_compute: Literal["w8a8", "weight-only"] = "w8a8",
         kv_dtype: Literal["bf16", "f32", "fp8"] = "bf16",
         kv_tokens: int | None = None,
+        lora_mode: Literal["unmerged", "merged"] = "unmerged",
     ):
         from .sources import _positive
 
@@ -53,7 +58,7 @@ class Engine:
         # the switch checks every setting, and that it is a GPU switch, before it leaves
         # rollout mode (refused while handed-out tensors are referenced)
         switch._live().attach_engine(
-            sequences, tokens, str(fp8_compute), str(kv_dtype), kv_tokens
+            sequences, tokens, str(fp8_compute), str(kv_dtype), kv_tokens, str(lora_mode)
         )
         switch._in_rollout = False
         switch._may_have_moved = switch._offloads

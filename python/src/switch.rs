@@ -346,9 +346,11 @@ impl PySwitch {
     /// Attaches the project's GPU engine (up to `max_sequences` of up to `max_tokens` at once in
     /// a paged KV cache of `kv_tokens` positions, by default all of them at their longest; fp8
     /// products computed as `fp8_compute` says: `w8a8` (the default) or `weight-only`; K and V
-    /// kept in `kv_dtype`: `bf16`, `f32` or `fp8`). Every setting, and that the switch is a GPU
-    /// one, is checked before the switch leaves rollout mode.
-    #[pyo3(signature = (max_sequences, max_tokens, fp8_compute="w8a8", kv_dtype="bf16", kv_tokens=None))]
+    /// kept in `kv_dtype`: `bf16`, `f32` or `fp8`; LoRA adapters applied as `lora_mode` says:
+    /// `unmerged` or `merged`). Every setting, and that the switch is a GPU one, is checked
+    /// before the switch leaves rollout mode.
+    #[pyo3(signature = (max_sequences, max_tokens, fp8_compute="w8a8", kv_dtype="bf16", kv_tokens=None, lora_mode="unmerged"))]
+    #[allow(clippy::too_many_arguments)]
     fn attach_engine(
         &self,
         py: Python<'_>,
@@ -357,12 +359,13 @@ impl PySwitch {
         fp8_compute: &str,
         kv_dtype: &str,
         kv_tokens: Option<usize>,
+        lora_mode: &str,
     ) -> PyResult<()> {
         let settings = engine_settings(
             (max_sequences, max_tokens),
             kv_tokens,
-            fp8_compute,
-            kv_dtype,
+            (fp8_compute, kv_dtype),
+            lora_mode,
         )
         .map_err(to_py)?;
         py.detach(|| self.with_gpu(|s| s.attach_engine(settings)))

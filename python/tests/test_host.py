@@ -321,6 +321,8 @@ def test_engine_settings_are_checked_before_the_switch_is_asked(config, params):
         Engine(switch, max_sequences=1, max_tokens=8, fp8_compute="int8")
     with pytest.raises(ConfigError, match="kv_dtype.*expected bf16, f32 or fp8"):
         Engine(switch, max_sequences=1, max_tokens=8, kv_dtype="f16")
+    with pytest.raises(ConfigError, match="lora_mode.*expected unmerged or merged"):
+        Engine(switch, max_sequences=1, max_tokens=8, lora_mode="fused")
     with pytest.raises(ConfigError, match="max_sequences"):
         Engine(switch, max_sequences=0, max_tokens=8)
     with pytest.raises(ConfigError, match="kv_tokens: expected a positive integer"):

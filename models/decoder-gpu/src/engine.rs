@@ -15,6 +15,7 @@ use crate::decoder::{kv_elements, Core, KvMode, KV_PAGE_POSITIONS, MAX_CONTEXT};
 use crate::error::GpuDecodeError;
 use crate::topology::decode_topology;
 use crate::weights::{detect_layout, GroupOffsets, LayoutKind};
+use crate::LoraMode;
 
 /// Which tensor names a rollout layout of `format` has.
 pub(crate) fn kind_of(layout: &RolloutLayout) -> LayoutKind {
@@ -75,6 +76,9 @@ pub struct EngineSettings {
     /// Decode steps replayed from CUDA graphs (on by default;
     /// [`GpuDecoder::set_step_graphs`](crate::GpuDecoder::set_step_graphs)).
     pub step_graphs: bool,
+    /// How LoRA adapters the rollout holds are applied ([`GpuEngine::with_lora`]): unmerged
+    /// by default, or merged into a private copy of the rollout weights at every wake.
+    pub lora_mode: LoraMode,
 }
 
 impl EngineSettings {
@@ -89,7 +93,20 @@ impl EngineSettings {
             fp8_compute: Fp8Compute::W8A8,
             kv_dtype: KvDtype::Bf16,
             step_graphs: true,
+            lora_mode: LoraMode::Unmerged,
         }
+    }
+
+    /// The same settings with LoRA adapters applied as `mode` says.
+    ///
+    /// ```
+    /// use lifecycle_decoder_gpu::{EngineSettings, LoraMode};
+    /// let merged = EngineSettings::new(8, 64).with_lora_mode(LoraMode::Merged);
+    /// assert_eq!(merged.lora_mode, LoraMode::Merged);
+    /// ```
+    pub fn with_lora_mode(mut self, mode: LoraMode) -> Self {
+        self.lora_mode = mode;
+        self
     }
 
     /// The same settings with the KV cache kept in `kv`.
@@ -372,6 +389,7 @@ impl GpuEngine {
         core.set_fp8_compute(&pool, settings.fp8_compute)?;
         core.set_step_graphs(settings.step_graphs);
         core.set_kv_dtype(settings.kv_dtype)?;
+        core.lora_mode = settings.lora_mode;
         Ok(GpuEngine {
             pool,
             core,
@@ -397,7 +415,8 @@ impl GpuEngine {
 
     /// The engine for a rollout that holds the LoRA adapters of `lora` beside their bases: each
     /// adapted linear adds `s·(x·Aᵀ)·Bᵀ` to its base product, unmerged
-    /// ([`GpuDecoder::new_lora`](crate::GpuDecoder::new_lora)); the adapters are checked
+    /// ([`GpuDecoder::new_lora`](crate::GpuDecoder::new_lora)), or merged into a private copy
+    /// as [`EngineSettings::lora_mode`] says; the adapters are checked
     /// against `lora` by name when the engine wakes on the weights. Without it, a rollout that
     /// holds adapters is refused.
     ///
@@ -413,21 +432,6 @@ impl GpuEngine {
     /// ```
     pub fn with_lora(mut self, lora: lifecycle_layout::lora::LoraConfig) -> Self {
         self.core.lora = Some(lora);
-        self
-    }
-
-    /// How the engine applies the adapters ([`LoraMode`]; unmerged by default): merged, it
-    /// reads a private bf16 copy of the rollout weights with the adapters merged in, made
-    /// whenever it wakes on new weights.
-    ///
-    /// ```no_run
-    /// # fn demo(engine: lifecycle_decoder_gpu::GpuEngine) {
-    /// use lifecycle_decoder_gpu::LoraMode;
-    /// let engine = engine.with_lora_mode(LoraMode::Merged);
-    /// # }
-    /// ```
-    pub fn with_lora_mode(mut self, mode: crate::LoraMode) -> Self {
-        self.core.lora_mode = mode;
         self
     }
 

@@ -3,7 +3,7 @@
 model's names, a refresh after an optimizer step on the adapters moves the adapters alone, a
 written base weight is refused by name and cast again by the next rollout,
 ``named_tensors("peft")`` gives the adapters under PEFT's keys, and the engine on the unmerged
-adapters agrees with PEFT's merged model."""
+adapters, and in its merged mode, agrees with PEFT's merged model."""
 
 import pytest
 
@@ -118,6 +118,13 @@ def test_the_engine_on_unmerged_adapters_is_pefts_merged_model():
     with switch.rollout() as w:
         samples = engine.generate(w, prompts, max_new_tokens=16, temperature=temp, seed=3)
         greedy = [s.tokens for s in engine.generate(w, prompts, max_new_tokens=12)]
+    # the merged mode: a private bf16 copy with W + s·B·A in each adapted matrix (before PEFT's
+    # merge below writes the model's own weights)
+    engine = lifecycle.Engine(switch, max_sequences=4, max_tokens=64, kv_dtype="f32",
+                              lora_mode="merged")
+    with switch.rollout() as w:
+        samples_m = engine.generate(w, prompts, max_new_tokens=16, temperature=temp, seed=3)
+        greedy_m = [s.tokens for s in engine.generate(w, prompts, max_new_tokens=12)]
     deltas, moved = [], []
     with torch.no_grad():
         for p, s in zip(prompts, samples):
@@ -138,10 +145,27 @@ def test_the_engine_on_unmerged_adapters_is_pefts_merged_model():
             out = merged.generate(torch.tensor([p], device="cuda"), max_new_tokens=12,
                                   min_new_tokens=12, do_sample=False)
             theirs.append(out[0, len(p):].tolist())
+        # PEFT's merged weights rounded to bf16, as the merged mode holds them
+        for p in merged.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+        deltas_m, theirs_m = [], []
+        for p, s in zip(prompts, samples_m):
+            ids = torch.tensor([p + s.tokens], device="cuda")
+            tok = torch.tensor(s.tokens, device="cuda")[:, None]
+            logits = merged(ids).logits[0, len(p) - 1 : -1].double()
+            want = torch.log_softmax(logits / temp, -1).gather(1, tok)[:, 0].cpu().numpy()
+            deltas_m.append(np.abs(s.logprobs - want))
+            out = merged.generate(torch.tensor([p], device="cuda"), max_new_tokens=12,
+                                  min_new_tokens=12, do_sample=False)
+            theirs_m.append(out[0, len(p):].tolist())
     d, m = np.concatenate(deltas), np.concatenate(moved)
+    dm = np.concatenate(deltas_m)
     print(f"unmerged engine vs PEFT merge_and_unload: |Δ logprob| mean {d.mean():.2e} "
-          f"max {d.max():.2e}; the base alone max {m.max():.2e}")
+          f"max {d.max():.2e}; the base alone max {m.max():.2e}; merged mode vs PEFT's merged "
+          f"weights in bf16: mean {dm.mean():.2e} max {dm.max():.2e}")
     assert d.max() <= 1e-3
     assert m.max() > 1e-2
     assert greedy == theirs
+    assert dm.max() <= 1e-3
+    assert greedy_m == theirs_m
     switch.close()

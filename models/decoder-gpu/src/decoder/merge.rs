@@ -30,6 +30,25 @@ pub enum LoraMode {
     Merged,
 }
 
+impl std::str::FromStr for LoraMode {
+    type Err = String;
+
+    /// `unmerged` or `merged`.
+    ///
+    /// ```
+    /// use lifecycle_decoder_gpu::LoraMode;
+    /// assert_eq!("merged".parse::<LoraMode>(), Ok(LoraMode::Merged));
+    /// assert!("fused".parse::<LoraMode>().unwrap_err().contains("unmerged or merged"));
+    /// ```
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "unmerged" => Ok(LoraMode::Unmerged),
+            "merged" => Ok(LoraMode::Merged),
+            other => Err(format!("LoRA mode `{other}`: expected unmerged or merged")),
+        }
+    }
+}
+
 /// One rank's `(out, inp)` of each adapted linear, in `LoraTarget::ALL`'s order (q, k, v, o,
 /// gate, up, down): `h` hidden, heads of `d`, `qh` query and `kvh` kv heads and `f`
 /// intermediate rows on the rank.
