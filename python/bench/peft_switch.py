@@ -9,8 +9,9 @@ where they come from), then enters rollout mode: the refresh moves the adapters 
 the first enter (the base cast once), each refresh's time inside the switch and Python's wall time
 around it (the version reads of every tensor included), the bf16 bytes a refresh writes, and, in
 the same run, a written base weight refused by name, then the enter after it, which casts every
-tensor: what a full switch of the model costs. Device memory (used, from `cudaMemGetInfo`) after
-each stage. Prints one JSON object (and writes it to $OUT/peft_switch.json when OUT is set).
+tensor: what a full switch of the model costs. The engine on the adapters unmerged, then merged
+(its wake merges them into a private copy of the rollout weights: the difference of the two
+wakes estimates the merge). Device memory (used, from `cudaMemGetInfo`) after each stage. Prints one JSON object (and writes it to $OUT/peft_switch.json when OUT is set).
 """
 
 import argparse
@@ -105,14 +106,25 @@ def main():
     res["refresh_ms_median"] = statistics.median(inside)
     res["refresh_wall_ms_median"] = statistics.median(wall)
 
-    # the engine on the unmerged adapters, its KV cache made by a first generation
-    engine = lifecycle.Engine(switch, max_sequences=16, max_tokens=2048)
-    with switch.rollout() as w:
-        t = time.perf_counter()
-        out = engine.generate(w, [[1, 2, 3, 4]] * 16, max_new_tokens=32)
-        res["generate_16x32_s"] = time.perf_counter() - t
-        res["generated_tokens"] = sum(len(s.tokens) for s in out)
-    mem["+ the engine's KV cache (16 sequences x 2048 tokens)"] = used_gb()
+    # the engine on the unmerged adapters, its KV cache made by a first generation, then in the
+    # merged mode (a private copy of the rollout weights, the adapters merged at its wake): each
+    # generation twice, the first after the engine's wake (the merge included), the second not
+    prompts = [[1, 2, 3, 4]] * 16
+    for mode in ("unmerged", "merged"):
+        engine = lifecycle.Engine(switch, max_sequences=16, max_tokens=2048, lora_mode=mode)
+        with switch.rollout() as w:
+            times = []
+            for _ in range(2):
+                t = time.perf_counter()
+                engine.generate(w, prompts, max_new_tokens=32)
+                times.append(time.perf_counter() - t)
+        res[f"generate_16x32_{mode}_s"] = [round(x, 4) for x in times]
+        mem[f"+ the engine ({mode}) and its KV cache (16 sequences x 2048 tokens)"] = used_gb()
+        del engine
+    wake = {m: res[f"generate_16x32_{m}_s"][0] - res[f"generate_16x32_{m}_s"][1]
+            for m in ("unmerged", "merged")}
+    # the merge: what the merged engine's wake costs beyond the unmerged one's
+    res["merge_ms_estimate"] = 1e3 * (wake["merged"] - wake["unmerged"])
 
     # a base weight written: refused by name, nothing moved; the next enter casts everything
     weight = model.base_model.model.model.layers[3].mlp.down_proj.base_layer.weight
@@ -131,7 +143,6 @@ def main():
     res["full_enter_wall_ms"] = 1e3 * (time.perf_counter() - t)
     res["full_enter_ms"] = 1e3 * switch.last_enter[2]
     res["stats"] = switch.stats()
-    del engine
     switch.close()
     res["memory_used_gb"] = mem
     print(json.dumps(res, indent=1))
