@@ -143,6 +143,48 @@ extern "C" __global__ void lora_mid(const float* __restrict__ t2, u16* __restric
     }
 }
 
+// A LoRA adapter merged into its base matrix (the merged mode): w[i, j] = bf16(w[i, j] +
+// s sum_c b[i, c] a[c, j]) for the bf16 w [out x inp] (row-major), a [r x inp] and b [out x r],
+// the sum in f32 over c in order and rounded to nearest once. A thread per column j of a tile of
+// LORA_MERGE_ROWS rows (blockIdx.y), r taken LORA_MERGE_R at a time through shared memory.
+#define LORA_MERGE_ROWS 32
+#define LORA_MERGE_R 16
+extern "C" __global__ void lora_merge(u16* w, const u16* __restrict__ a, const u16* __restrict__ b,
+                                      u32 out, u32 inp, u32 r, float s) {
+    __shared__ float ash[LORA_MERGE_R][256];
+    __shared__ float bsh[LORA_MERGE_ROWS][LORA_MERGE_R];
+    const u32 t = threadIdx.x, j = blockIdx.x * 256u + t, i0 = blockIdx.y * LORA_MERGE_ROWS;
+    float acc[LORA_MERGE_ROWS];
+#pragma unroll
+    for (int i = 0; i < LORA_MERGE_ROWS; ++i) acc[i] = 0.f;
+    for (u32 c0 = 0; c0 < r; c0 += LORA_MERGE_R) {
+#pragma unroll
+        for (int k = 0; k < LORA_MERGE_R; ++k) {
+            ash[k][t] = (c0 + k < r && j < inp) ? bf(a[(u64)(c0 + k) * inp + j]) : 0.f;
+        }
+        for (u32 e = t; e < LORA_MERGE_ROWS * LORA_MERGE_R; e += 256u) {
+            const u32 i = e / LORA_MERGE_R, k = e % LORA_MERGE_R;
+            bsh[i][k] = (i0 + i < out && c0 + k < r) ? bf(b[(u64)(i0 + i) * r + c0 + k]) : 0.f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < LORA_MERGE_R; ++k) {
+            const float av = ash[k][t];
+#pragma unroll
+            for (int i = 0; i < LORA_MERGE_ROWS; ++i) acc[i] = fmaf(bsh[i][k], av, acc[i]);
+        }
+        __syncthreads();
+    }
+    if (j >= inp) return;
+#pragma unroll
+    for (int i = 0; i < LORA_MERGE_ROWS; ++i) {
+        if (i0 + i < out) {
+            const u64 at = (u64)(i0 + i) * inp + j;
+            w[at] = f2bf(bf(w[at]) + s * acc[i]);
+        }
+    }
+}
+
 // A LoRA group's down products at few rows (see lora_b): t[m, g r + c] = s sum_k x[m, k] A_g[c, k]
 // for the group's targets g < gridDim.y (A_g: a0, a1 or a2, each r x inp), x = hi + lo of the
 // split input xs [2n x inp]. A warp per row c of A_g (blockIdx.x: rows of 8 warps), a block per

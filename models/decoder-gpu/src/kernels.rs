@@ -42,6 +42,9 @@ pub(crate) struct DecoderKernels {
     /// place (`decoder::forward::lora`).
     pub lora_a: CudaFunction,
     pub lora_b: CudaFunction,
+    /// An adapter merged into its base matrix, `W + s·B·A` rounded to bf16 once (the merged
+    /// mode, `decoder::merge`).
+    pub lora_merge: CudaFunction,
     pub swiglu_split: CudaFunction,
     /// `swiglu_split` and the W8A8 quantisation of its output in one launch.
     pub swiglu_quant: CudaFunction,
@@ -232,6 +235,7 @@ impl DecoderKernels {
             lora_mid: m.function("lora_mid")?,
             lora_a: m.function("lora_a")?,
             lora_b: m.function("lora_b")?,
+            lora_merge: m.function("lora_merge")?,
             swiglu_split: m.function("swiglu_split")?,
             swiglu_quant: m.function("swiglu_quant")?,
             swiglu_fused_split: m.function("swiglu_fused_split")?,

@@ -1,6 +1,6 @@
 //! The merged LoRA mode ([`LoraMode::Merged`]): a rank's decoder reads a private bf16 copy of its
 //! rollout buffer in which every adapted base matrix holds `W + s·B·A`, made at every bind (the
-//! copy, then one cuBLAS product per adapted matrix, its sum in f32 rounded to bf16 once); its
+//! copy, then one `lora_merge` kernel per adapted matrix: the sum in f32, rounded to bf16 once); its
 //! products are then those of a model without adapters.
 
 use half::bf16;
@@ -8,8 +8,9 @@ use lifecycle_cuda::cudarc::driver::CudaSlice;
 use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
 
 use super::rank::RankState;
-use crate::blas::merge_gemm;
-use crate::kernels::ptr;
+use lifecycle_cuda::cudarc::driver::LaunchConfig;
+
+use crate::kernels::{launch, ptr, Arg};
 use crate::weights::{MatAt, RankOffsets};
 
 /// How the decoder applies a rollout's LoRA adapters.
@@ -48,6 +49,10 @@ impl std::str::FromStr for LoraMode {
         }
     }
 }
+
+/// `lora_merge`'s columns a block (a thread each) and rows a block (`LORA_MERGE_ROWS`).
+const MERGE_COLS: usize = 256;
+const MERGE_ROWS: usize = 32;
 
 /// One rank's `(out, inp)` of each adapted linear, in `LoraTarget::ALL`'s order (q, k, v, o,
 /// gate, up, down): `h` hidden, heads of `d`, `qh` query and `kvh` kv heads and `f`
@@ -115,18 +120,33 @@ pub(super) fn merge_rank(
             }
             let at_copy = |off: u64| merged + 2 * off;
             let (rows, cols) = shapes[i];
-            // SAFETY: the offsets lie inside the buffer the plan checked (min_len ≤ len), so
-            // inside the copy; the base's rows × cols from its first used row, A r × cols, B
-            // rows × r (the rows of this rank).
-            unsafe {
-                merge_gemm(
-                    &st.blas,
-                    (at_copy(base.off), at_copy(at.a), at_copy(at.b)),
-                    (rows, cols, at.r),
-                    s,
-                    ctx.rank,
-                )?
+            let dim = |v: usize| {
+                u32::try_from(v).map_err(|_| {
+                    CudaError::Invalid(format!("a LoRA merge of dimension {v} > u32::MAX"))
+                })
             };
+            let args = [
+                Arg::U64(at_copy(base.off)),
+                Arg::U64(at_copy(at.a)),
+                Arg::U64(at_copy(at.b)),
+                Arg::U32(dim(rows)?),
+                Arg::U32(dim(cols)?),
+                Arg::U32(dim(at.r)?),
+                Arg::F32(s),
+            ];
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    dim(cols.div_ceil(MERGE_COLS))?,
+                    dim(rows.div_ceil(MERGE_ROWS))?,
+                    1,
+                ),
+                block_dim: (MERGE_COLS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: lora_merge's parameters in order; the offsets lie inside the buffer the
+            // plan checked (min_len ≤ len), so inside the copy: the base's rows × cols from its
+            // first used row, A r × cols, B rows × r (the rows of this rank).
+            unsafe { launch(stream, &st.k.lora_merge, cfg, &args, ctx.rank, "lora_merge")? };
         }
     }
     Ok((merged, out))
