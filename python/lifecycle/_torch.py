@@ -55,9 +55,20 @@ def fsdp2_sources(module, offload: str, optimizer, rename=None):
     if mesh_dims:
         world = mesh_dims.pop()
     device = "cuda" if _local(named[0][1]).is_cuda else "cpu"
+    fused = [n for n, p in named if fused_experts(n, p)]
+    if fused and world > 1:
+        raise ConfigError(
+            f"tensor `{fused[0]}`: a mixture-of-experts layer's experts fused in one parameter "
+            f"(transformers 5), sharded over {world} ranks: FSDP2 splits it by experts, which "
+            "the switch reads only at W = 1 yet: run it on one GPU"
+        )
     if device == "cpu" and world > 1:
         return _gathered(named, world) + (None, None)
-    sources = [_Source(n, list(p.shape), [_local(p)], p) for n, p in named]
+    sources = [
+        _Source(name, list(view.shape), [view], p)
+        for n, p in named
+        for name, view in expert_views(n, _local(p))
+    ]
 
     def stream() -> int:
         return torch.cuda.current_stream().cuda_stream
@@ -81,6 +92,46 @@ def fsdp2_sources(module, offload: str, optimizer, rename=None):
             return [lent_storages(tensors)]
 
     return sources, world, device, buffers, stream if device == "cuda" else None
+
+
+# transformers 5's fused experts of a mixture-of-experts layer, by the parameter's last name:
+# `gate_up_proj` [experts, 2 · ffn, hidden] (each expert's gate rows, then its up rows) and
+# `down_proj` [experts, hidden, ffn]
+FUSED_EXPERTS = ".mlp.experts."
+
+
+def fused_experts(name: str, p) -> bool:
+    """Whether ``name`` is a mixture-of-experts layer's experts fused in one 3-D parameter
+    (transformers 5's ``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``)."""
+    head, _, last = name.rpartition(".")
+    return (
+        p.dim() == 3
+        and (head + ".").endswith(FUSED_EXPERTS)
+        and last in ("gate_up_proj", "down_proj")
+    )
+
+
+def expert_views(name: str, t):
+    """``[(name, t)]``, or for transformers 5's fused experts each expert's matrices as views
+    of ``t`` under the per-expert names the model's layout gives them
+    (``…experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``): zero-copy, the same
+    storage and version counter as the parameter."""
+    if not fused_experts(name, t):
+        return [(name, t)]
+    head, _, last = name.rpartition(".")
+    if last == "down_proj":
+        return [(f"{head}.{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
+    if t.shape[1] % 2:
+        raise TensorMismatchError(
+            f"tensor `{name}`: fused gate / up rows of each expert expected (an even count), "
+            f"found shape {list(t.shape)}"
+        )
+    f = t.shape[1] // 2
+    return [
+        (f"{head}.{e}.{part}_proj.weight", t[e, rows])
+        for e in range(t.shape[0])
+        for part, rows in (("gate", slice(0, f)), ("up", slice(f, 2 * f)))
+    ]
 
 
 def lent_storages(tensors: list[tuple[str, str, torch.Tensor]]) -> list[tuple]:

@@ -361,7 +361,9 @@ class Switch:
         and the optimizer's next step.
 
         CPU parameters (gloo) are gathered from every rank and switched on the reference
-        backend, the same on every rank."""
+        backend, the same on every rank. transformers 5's fused experts of a mixture-of-experts
+        layer (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) are read as each
+        expert's matrices, views of the parameter, at W = 1 (refused by name when sharded)."""
         return cls._from_module(
             module,
             rollout_tp=rollout_tp,

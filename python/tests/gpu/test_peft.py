@@ -3,7 +3,8 @@
 model's names, a refresh after an optimizer step on the adapters moves the adapters alone, a
 written base weight is refused by name and cast again by the next rollout,
 ``named_tensors("peft")`` gives the adapters under PEFT's keys, and the engine on the unmerged
-adapters, and in its merged mode, agrees with PEFT's merged model."""
+adapters, and in its merged mode, agrees with PEFT's merged model, dense and mixture-of-experts (transformers 5's fused
+experts rolled out per expert)."""
 
 import pytest
 
@@ -99,15 +100,37 @@ def test_from_peft_refuses_what_it_does_not_switch():
         lifecycle.Switch.from_peft(base())
 
 
-def test_the_engine_on_unmerged_adapters_is_pefts_merged_model():
-    """A consumer no one here wrote: PEFT's ``merge_and_unload()`` of the model and the engine on
-    the unmerged adapters, teacher-forced on the engine's sampled tokens. The model's
-    parameters are rounded to bf16 first, so the merged f32 model and the rollout hold the same
-    numbers (``W + s·B·A`` in f32 of bf16 base and adapters); with the f32 KV cache each
-    token's log-probability agrees within 1e-3, greedy tokens are equal, and the base alone is
-    far from both."""
+def logprobs_of(model, prompts, samples, temp):
+    """Each sampled token's log-probability under ``model``, teacher-forced on prompt +
+    sample."""
     np = pytest.importorskip("numpy")
-    model = peft_model(seed=4)
+    out = []
+    for p, s in zip(prompts, samples):
+        ids = torch.tensor([p + s.tokens], device="cuda")
+        tok = torch.tensor(s.tokens, device="cuda")[:, None]
+        logits = model(ids).logits[0, len(p) - 1 : -1].double()
+        out.append(torch.log_softmax(logits / temp, -1).gather(1, tok)[:, 0].cpu().numpy())
+    return out
+
+
+def greedy_of(model, prompts, n):
+    """``n`` greedy tokens of ``model`` after each prompt."""
+    out = []
+    for p in prompts:
+        ids = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=n,
+                             min_new_tokens=n, do_sample=False)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def check_against_merged(model, name):
+    """The consumer check: the engine on ``model``'s unmerged adapters (its parameters rounded to
+    bf16 first, so PEFT's merged f32 model holds the rollout's numbers) against PEFT's
+    ``merge_and_unload()``, teacher-forced on the engine's samples with the f32 KV cache: each
+    token's log-probability within 1e-3, greedy tokens equal, the base alone far from both. The
+    engine's merged mode (a private bf16 copy with ``W + s·B·A`` in each adapted matrix) alike
+    against PEFT's merged weights rounded to bf16, as it holds them."""
+    np = pytest.importorskip("numpy")
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
@@ -118,49 +141,25 @@ def test_the_engine_on_unmerged_adapters_is_pefts_merged_model():
     with switch.rollout() as w:
         samples = engine.generate(w, prompts, max_new_tokens=16, temperature=temp, seed=3)
         greedy = [s.tokens for s in engine.generate(w, prompts, max_new_tokens=12)]
-    # the merged mode: a private bf16 copy with W + s·B·A in each adapted matrix (before PEFT's
-    # merge below writes the model's own weights)
     engine = lifecycle.Engine(switch, max_sequences=4, max_tokens=64, kv_dtype="f32",
                               lora_mode="merged")
     with switch.rollout() as w:
         samples_m = engine.generate(w, prompts, max_new_tokens=16, temperature=temp, seed=3)
         greedy_m = [s.tokens for s in engine.generate(w, prompts, max_new_tokens=12)]
-    deltas, moved = [], []
     with torch.no_grad():
-        for p, s in zip(prompts, samples):
-            ids = torch.tensor([p + s.tokens], device="cuda")
-            tok = torch.tensor(s.tokens, device="cuda")[:, None]
-            with model.disable_adapter():
-                base = model(ids).logits[0, len(p) - 1 : -1].double()
-            base_lp = torch.log_softmax(base / temp, -1).gather(1, tok)[:, 0].cpu().numpy()
-            moved.append(np.abs(s.logprobs - base_lp))
+        with model.disable_adapter():
+            base = logprobs_of(model, prompts, samples, temp)
         merged = model.merge_and_unload().eval()
-        theirs = []
-        for p, s in zip(prompts, samples):
-            ids = torch.tensor([p + s.tokens], device="cuda")
-            tok = torch.tensor(s.tokens, device="cuda")[:, None]
-            logits = merged(ids).logits[0, len(p) - 1 : -1].double()
-            want = torch.log_softmax(logits / temp, -1).gather(1, tok)[:, 0].cpu().numpy()
-            deltas.append(np.abs(s.logprobs - want))
-            out = merged.generate(torch.tensor([p], device="cuda"), max_new_tokens=12,
-                                  min_new_tokens=12, do_sample=False)
-            theirs.append(out[0, len(p):].tolist())
-        # PEFT's merged weights rounded to bf16, as the merged mode holds them
+        want = logprobs_of(merged, prompts, samples, temp)
+        theirs = greedy_of(merged, prompts, 12)
         for p in merged.parameters():
             p.copy_(p.to(torch.bfloat16).float())
-        deltas_m, theirs_m = [], []
-        for p, s in zip(prompts, samples_m):
-            ids = torch.tensor([p + s.tokens], device="cuda")
-            tok = torch.tensor(s.tokens, device="cuda")[:, None]
-            logits = merged(ids).logits[0, len(p) - 1 : -1].double()
-            want = torch.log_softmax(logits / temp, -1).gather(1, tok)[:, 0].cpu().numpy()
-            deltas_m.append(np.abs(s.logprobs - want))
-            out = merged.generate(torch.tensor([p], device="cuda"), max_new_tokens=12,
-                                  min_new_tokens=12, do_sample=False)
-            theirs_m.append(out[0, len(p):].tolist())
-    d, m = np.concatenate(deltas), np.concatenate(moved)
-    dm = np.concatenate(deltas_m)
-    print(f"unmerged engine vs PEFT merge_and_unload: |Δ logprob| mean {d.mean():.2e} "
+        want_m = logprobs_of(merged, prompts, samples_m, temp)
+        theirs_m = greedy_of(merged, prompts, 12)
+    d = np.concatenate([np.abs(s.logprobs - w) for s, w in zip(samples, want)])
+    m = np.concatenate([np.abs(s.logprobs - b) for s, b in zip(samples, base)])
+    dm = np.concatenate([np.abs(s.logprobs - w) for s, w in zip(samples_m, want_m)])
+    print(f"{name}: unmerged engine vs PEFT merge_and_unload: |Δ logprob| mean {d.mean():.2e} "
           f"max {d.max():.2e}; the base alone max {m.max():.2e}; merged mode vs PEFT's merged "
           f"weights in bf16: mean {dm.mean():.2e} max {dm.max():.2e}")
     assert d.max() <= 1e-3
@@ -169,3 +168,72 @@ def test_the_engine_on_unmerged_adapters_is_pefts_merged_model():
     assert dm.max() <= 1e-3
     assert greedy_m == theirs_m
     switch.close()
+
+
+def test_the_engine_on_unmerged_adapters_is_pefts_merged_model():
+    """A consumer no one here wrote (:func:`check_against_merged`), a dense Qwen2 with adapters
+    on q, v, o and down."""
+    check_against_merged(peft_model(seed=4), "Qwen2")
+
+
+def qwen3_moe(seed=0):
+    """A small transformers Qwen3-MoE (a dense first layer, then 4 experts, top 2), f32 on the
+    GPU: in transformers 5 each MoE layer's experts are two fused parameters."""
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=1000, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=256, rope_theta=1e4, rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    with torch.device("cuda"):
+        model = transformers.Qwen3MoeForCausalLM(cfg).float()
+    with torch.no_grad():  # every expert and the router drawn, the routing decisive
+        for n, p in model.named_parameters():
+            if ".mlp.experts." in n:
+                p.normal_(0.0, 0.05)
+            elif n.endswith(".mlp.gate.weight"):
+                p.normal_(0.0, 0.3)
+    return model
+
+
+def test_qwen3_moe_fused_experts_roll_out_per_expert_and_match_pefts_merged_model():
+    """transformers 5's fused experts (``mlp.experts.gate_up_proj`` [E, 2f, h], ``down_proj``
+    [E, h, f]) roll out as each expert's gate / up / down, read as views of the parameter; with
+    PEFT adapters on the attention the consumer check holds for the MoE model too, and
+    adapters on the experts are refused by name."""
+    model = qwen3_moe()
+    fused = model.model.layers[1].mlp.experts
+    switch = lifecycle.Switch.from_fsdp2(model)
+    with switch.rollout() as w:
+        got = {n: t.clone() for n, t in w.named_tensors()}
+    assert sorted(got) == sorted(n for n, _ in lifecycle.expected_parameters(model.config))
+    bf = torch.bfloat16
+    for e in range(4):
+        at = f"model.layers.1.mlp.experts.{e}."
+        assert torch.equal(got[at + "gate_proj.weight"], fused.gate_up_proj[e, :64].to(bf))
+        assert torch.equal(got[at + "up_proj.weight"], fused.gate_up_proj[e, 64:].to(bf))
+        assert torch.equal(got[at + "down_proj.weight"], fused.down_proj[e].to(bf))
+    # a write to the fused parameter moves every expert's version: the next rollout sees it
+    with torch.no_grad():
+        fused.down_proj[3].add_(1.0)
+    with switch.rollout() as w:
+        got = dict(w.named_tensors())
+        assert torch.equal(got["model.layers.1.mlp.experts.3.down_proj.weight"],
+                           fused.down_proj[3].to(bf))
+    switch.close()
+
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj",
+                                                              "o_proj"], lora_dropout=0.0)
+    adapted = peft.get_peft_model(qwen3_moe(seed=1), cfg)
+    with torch.no_grad():
+        for n, p in adapted.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.02)
+    check_against_merged(adapted, "Qwen3-MoE")
+
+    # PEFT puts a down_proj adapter on the fused experts (`mlp.experts.lora_A`)
+    on_experts = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj"])
+    with pytest.raises(lifecycle.ConfigError, match="experts"):
+        lifecycle.Switch.from_peft(peft.get_peft_model(qwen3_moe(seed=2), on_experts))
