@@ -383,6 +383,8 @@ class Switch:
         model: Any,
         *,
         rollout_tp: int = 1,
+        dtype: Dtype = "bf16",
+        fp8_keep: str = "none",
         switching: Switching = "lazy",
         optimizer: Any = None,
         offload: Offload = "none",
@@ -396,8 +398,9 @@ class Switch:
         adapters alone, and a base weight written since (its version counter moved) is refused
         by name at the refresh, after which the next rollout casts every tensor again (the
         adapters alone move only while the rollout weights stay resident: after
-        :meth:`train`, which releases them, the next rollout casts everything). The rollout is
-        bf16 (a frozen base does not refresh fp8 weights yet);
+        :meth:`train`, which releases them, the next rollout casts everything). ``dtype``
+        ``"bf16"`` or ``"fp8"`` (the base's matrices block-scaled e4m3, quantised once, the
+        adapters bf16 beside them; ``fp8_keep`` as :meth:`from_fsdp2`'s);
         ``w.named_tensors("peft")`` yields the adapters under PEFT's keys, and
         :class:`Engine` applies the adapters unmerged beside the base."""
         from ._lora import peft_name
@@ -424,8 +427,8 @@ class Switch:
         return cls._from_module(
             model,
             rollout_tp=rollout_tp,
-            dtype="bf16",
-            fp8_keep="none",
+            dtype=dtype,
+            fp8_keep=fp8_keep,
             experts="tp",
             offload=offload,
             optimizer=optimizer,

@@ -13,7 +13,9 @@ use lifecycle_cuda::{alloc_rollout_buffers, RankExecutor, RolloutBuffer, Transpo
 
 use crate::buffers::FsdpBuffers;
 use lifecycle_layout::fp8::RolloutDtype;
-use lifecycle_layout::fsdp::{build_fp8_plan, build_plan, build_plan_of, FsdpPlan};
+use lifecycle_layout::fsdp::{
+    build_fp8_plan, build_fp8_plan_of, build_plan, build_plan_of, FsdpPlan,
+};
 use lifecycle_layout::lora::is_adapter;
 use lifecycle_layout::FsdpLayout;
 
@@ -43,13 +45,6 @@ impl<S: FsdpBuffers> FsdpBackend<S> {
             }
         }
         let core = plan_fsdp_to_tp(train, &self.layout)?;
-        if self.options.frozen_base && self.options.dtype == RolloutDtype::Fp8 {
-            return Err(FsdpError::Config(
-                "a frozen base (with_frozen_base) with an fp8 rollout: the GPU backend refreshes \
-                 the adapters of a bf16 rollout only; use RolloutDtype::Bf16"
-                    .into(),
-            ));
-        }
         let mut plan = match self.options.dtype {
             RolloutDtype::Bf16 => build_plan(core, train, self.config),
             RolloutDtype::Fp8 => {
@@ -89,7 +84,13 @@ impl<S: FsdpBuffers> FsdpBackend<S> {
 impl<S: FsdpBuffers> FsdpBackend<S> {
     /// The plan of the adapters alone ([`build_plan_of`]) made from `plan` (cached beside it),
     /// moving bytes as `plan` does (peer copies or NCCL).
-    fn adapter_plan(&self, plan: &Arc<FsdpPlan>, train: &FsdpLayout) -> Arc<FsdpPlan> {
+    /// In an fp8 rollout the adapters are bf16 tensors beside the quantised base
+    /// ([`build_fp8_plan_of`]: the base's places kept, nothing of it quantised again).
+    fn adapter_plan(
+        &self,
+        plan: &Arc<FsdpPlan>,
+        train: &FsdpLayout,
+    ) -> Result<Arc<FsdpPlan>, FsdpError> {
         let mut cache = self
             .adapter_plan
             .lock()
@@ -97,13 +98,19 @@ impl<S: FsdpBuffers> FsdpBackend<S> {
         if let Some((whole, adapters)) = cache.as_ref()
             && Arc::ptr_eq(whole, plan)
         {
-            return adapters.clone();
+            return Ok(adapters.clone());
         }
-        let mut adapters = build_plan_of(plan.core.clone(), train, plan.config, &is_adapter);
+        let core = plan.core.clone();
+        let mut adapters = match self.options.dtype {
+            RolloutDtype::Bf16 => build_plan_of(core, train, plan.config, &is_adapter),
+            RolloutDtype::Fp8 => {
+                build_fp8_plan_of(core, train, plan.config, self.options.fp8_keep, &is_adapter)?
+            }
+        };
         adapters.peer_copy = plan.peer_copy && adapters.peer_copyable();
         let adapters = Arc::new(adapters);
         *cache = Some((plan.clone(), adapters.clone()));
-        adapters
+        Ok(adapters)
     }
 }
 
@@ -200,7 +207,7 @@ impl<S: FsdpBuffers> Reshard for FsdpBackend<S> {
             });
         }
         let plan = if self.options.frozen_base {
-            self.adapter_plan(plan, state.train_layout())
+            self.adapter_plan(plan, state.train_layout())?
         } else {
             plan.clone()
         };

@@ -440,8 +440,9 @@ fn lora_specs(tp: usize) -> Vec<TensorSpec> {
 /// A frozen base (`with_frozen_base`): enter casts the whole model; after Adam steps (which
 /// leave the frozen base as it is) a refresh of the resident rollout moves the adapters alone
 /// (the transfer's bytes those of the adapters), and the rollout is the reference rollout of
-/// the masters; writing a master of the base while the rollout holds it is refused by name; an
-/// fp8 rollout with a frozen base is refused at plan. W = 1, 2 (on one GPU if need be), T = 1, W.
+/// the masters (bf16, or fp8: the base quantised once, the adapters bf16 beside it); writing a
+/// master of the base while the rollout holds it is refused by name. W = 1, 2 (on one GPU if
+/// need be), T = 1, W (fp8: T = 1, its 24-wide matrices one partial block each).
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn a_frozen_base_refreshes_the_adapters_alone() -> Res {
@@ -451,11 +452,17 @@ fn a_frozen_base_refreshes_the_adapters_alone() -> Res {
     use lifecycle_layout::settings::Configure;
 
     require_gpus(1)?;
-    for (world, tp) in [(1, 1), (2, 1), (2, 2)] {
+    let cases = [(1, 1), (2, 1), (2, 2)]
+        .into_iter()
+        .map(|c| (c, RolloutDtype::Bf16));
+    let fp8 = [(1, 1), (2, 1)].into_iter().map(|c| (c, RolloutDtype::Fp8));
+    for ((world, tp), dtype) in cases.chain(fp8) {
         let specs = lora_specs(tp);
         let layout = RolloutLayout::new(tp, specs.clone())?;
         let host = HostTrainState::from_tensors(world, host_tensors(&specs))?;
-        let backend = FsdpBackend::new(pool(world)?, layout.clone()).with_frozen_base(true);
+        let backend = FsdpBackend::new(pool(world)?, layout.clone())
+            .with_frozen_base(true)
+            .with_rollout_dtype(dtype);
         let state = backend.state_from_host(&host)?;
         let mut lc = Lifecycle::with_config(
             backend,
@@ -506,39 +513,41 @@ fn a_frozen_base_refreshes_the_adapters_alone() -> Res {
                     m.name
                 );
             }
-            let want = reference_rollout(&HostTrainState::from_tensors(world, masters)?, &layout)?;
+            let masters = HostTrainState::from_tensors(world, masters)?;
+            let want = match dtype {
+                RolloutDtype::Bf16 => reference_rollout(&masters, &layout)?,
+                RolloutDtype::Fp8 => lifecycle_host::fp8::fp8_switch(&masters, &layout)?,
+            };
             assert_eq!(
                 got.first_difference(&want),
                 None,
-                "W={world} T={tp} step {step}"
+                "{dtype:?} W={world} T={tp} step {step}"
             );
             let moved = total(lc.metrics().phase(Phase::Transfer).bytes) - total(before);
             eprintln!(
-                "W={world} T={tp} step {step}: {moved} bytes cast or copied into the rollout \
+                "{dtype:?} W={world} T={tp} step {step}: {moved} bytes cast or copied into the rollout \
                  (the adapters: {adapter_bytes} bytes a rollout replica)"
             );
             if step == 0 {
                 enter_bytes = moved;
                 assert!(moved > 0, "the transfer reports its bytes");
             } else {
+                // (fp8: the quantised base's bytes count apart, so enter's are fewer here)
+                let share = if dtype == RolloutDtype::Fp8 { 1 } else { 4 };
                 assert!(
-                    4 * moved <= enter_bytes,
-                    "W={world} T={tp}: the refresh moved {moved} bytes, enter {enter_bytes}"
+                    share * moved < enter_bytes,
+                    "{dtype:?} W={world} T={tp}: the refresh moved {moved} bytes, enter \
+                     {enter_bytes}"
                 );
             }
         }
         let m = lc.metrics();
-        assert_eq!((m.enters, m.refreshes), (1, 2), "W={world} T={tp}");
-        eprintln!("W={world} T={tp}: {}", m.summary_line());
+        assert_eq!(
+            (m.enters, m.refreshes),
+            (1, 2),
+            "{dtype:?} W={world} T={tp}"
+        );
+        eprintln!("{dtype:?} W={world} T={tp}: {}", m.summary_line());
     }
-    let fp8 = FsdpBackend::new(pool(1)?, RolloutLayout::new(1, lora_specs(1))?)
-        .with_frozen_base(true)
-        .with_rollout_dtype(RolloutDtype::Fp8);
-    let state = fp8.state_from_host(&HostTrainState::from_tensors(
-        1,
-        host_tensors(&lora_specs(1)),
-    )?)?;
-    let err = Reshard::plan(&fp8, &state).unwrap_err().to_string();
-    assert!(err.contains("frozen base") && err.contains("fp8"), "{err}");
     Ok(())
 }

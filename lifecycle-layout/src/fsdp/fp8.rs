@@ -7,7 +7,7 @@
 use crate::fp8::{check_fp8_plan, Fp8Keep};
 use crate::{FsdpLayout, LayoutError, ReshardPlan, RolloutEntry, TensorPlan};
 
-use super::{align, build_plan, BucketConfig, FsdpPlan};
+use super::{align, build_plan_of, BucketConfig, FsdpPlan};
 
 /// One fp8 slice of one rank: what it covers of its tensor (rows, columns, and the source ranks
 /// of its pieces) and where it sits in the rank's rollout buffer.
@@ -51,6 +51,43 @@ pub fn build_fp8_plan(
     config: BucketConfig,
     keep: Fp8Keep,
 ) -> Result<FsdpPlan, LayoutError> {
+    build_fp8_plan_of(core, train, config, keep, &|_| true)
+}
+
+/// [`build_fp8_plan`] of the rollout tensors whose names `only` accepts, as
+/// [`build_plan_of`](super::build_plan_of) is of [`build_plan`]: every tensor's place in the
+/// rollout buffers as in the whole plan (bf16 and fp8 alike), the steps of the accepted ones
+/// alone, so that it rewrites them in a rollout the whole plan made (a LoRA model's adapters,
+/// bf16 in every rollout, over its resident fp8 base).
+///
+/// ```
+/// use lifecycle_layout::fsdp::{build_fp8_plan, build_fp8_plan_of, BucketConfig};
+/// use lifecycle_layout::{plan_fsdp_to_tp, FsdpLayout, Parallel, RolloutLayout, TensorSpec};
+/// let specs = vec![
+///     TensorSpec::new("model.layers.0.mlp.up_proj.weight", [256, 128], Parallel::Column),
+///     TensorSpec::new("model.layers.0.mlp.up_proj.lora_A.weight", [4, 128], Parallel::Replicated),
+/// ];
+/// let train = FsdpLayout::new(1, specs.iter().map(|s| (s.name.clone(), s.shape.clone())))?;
+/// let core = plan_fsdp_to_tp(&train, &RolloutLayout::new(1, specs)?)?;
+/// let all = build_fp8_plan(core.clone(), &train, BucketConfig::default(), Default::default())?;
+/// let adapters = |n: &str| n.contains(".lora_");
+/// let only = build_fp8_plan_of(core, &train, BucketConfig::default(), Default::default(), &adapters)?;
+/// // the adapter where the whole plan puts it (the fp8 matrix after it); its 4 x 128 bf16 cast,
+/// // the fp8 matrix not quantised again
+/// let at = |p: &lifecycle_layout::fsdp::FsdpPlan| {
+///     p.entries(0).iter().find(|e| adapters(e.name())).map(|e| e.offset())
+/// };
+/// assert_eq!((only.roll_len, at(&only)), (all.roll_len, at(&all)));
+/// assert_eq!((only.cast_bytes(0), only.fp8[0].len(), all.fp8[0].len()), (4 * 128 * 2, 0, 1));
+/// # Ok::<(), lifecycle_layout::LayoutError>(())
+/// ```
+pub fn build_fp8_plan_of(
+    core: ReshardPlan,
+    train: &FsdpLayout,
+    config: BucketConfig,
+    keep: Fp8Keep,
+    only: &dyn Fn(&str) -> bool,
+) -> Result<FsdpPlan, LayoutError> {
     check_fp8_plan(&core, keep)?;
     let mut bf16 = core.clone();
     let mut quantised: Vec<Vec<TensorPlan>> = Vec::with_capacity(core.world);
@@ -64,7 +101,7 @@ pub fn build_fp8_plan(
         rank.tensors = keep;
         quantised.push(fp8);
     }
-    let mut plan = build_plan(bf16, train, config);
+    let mut plan = build_plan_of(bf16, train, config, only);
     let start = plan.roll_len;
     plan.fp8 = quantised
         .into_iter()
@@ -81,6 +118,9 @@ pub fn build_fp8_plan(
                 .collect();
             plan.roll_len = plan.roll_len.max(off);
             slices
+                .into_iter()
+                .filter(|s| only(s.entry.name()))
+                .collect()
         })
         .collect();
     // At W > 1 the pieces that cross ranks move as e4m3 bytes: refused now, naming the tensor,

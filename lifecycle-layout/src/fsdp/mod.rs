@@ -5,7 +5,7 @@ mod agree;
 mod fp8;
 mod steps;
 
-pub use fp8::{build_fp8_plan, Fp8Slice};
+pub use fp8::{build_fp8_plan, build_fp8_plan_of, Fp8Slice};
 
 use crate::Region2d;
 use crate::{fsdp_rows, FsdpLayout, ReshardPlan};
