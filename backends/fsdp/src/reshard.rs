@@ -14,7 +14,6 @@ use lifecycle_cuda::{alloc_rollout_buffers, RankExecutor, RolloutBuffer, Transpo
 use crate::buffers::FsdpBuffers;
 use lifecycle_layout::fp8::RolloutDtype;
 use lifecycle_layout::fsdp::{build_fp8_plan, build_plan, build_plan_of, FsdpPlan};
-use lifecycle_layout::lora::is_adapter;
 use lifecycle_layout::FsdpLayout;
 
 impl<S: FsdpBuffers> FsdpBackend<S> {
@@ -43,6 +42,10 @@ impl<S: FsdpBuffers> FsdpBackend<S> {
             }
         }
         let core = plan_fsdp_to_tp(train, &self.layout)?;
+        self.options
+            .trained
+            .check(train.tensors().iter().map(|(n, _)| n.as_str()))
+            .map_err(|e| FsdpError::Config(e.to_string()))?;
         if self.options.frozen_base && self.options.dtype == RolloutDtype::Fp8 {
             return Err(FsdpError::Config(
                 "a frozen base (with_frozen_base) with an fp8 rollout: the GPU backend refreshes \
@@ -87,8 +90,9 @@ impl<S: FsdpBuffers> FsdpBackend<S> {
 }
 
 impl<S: FsdpBuffers> FsdpBackend<S> {
-    /// The plan of the adapters alone ([`build_plan_of`]) made from `plan` (cached beside it),
-    /// moving bytes as `plan` does (peer copies or NCCL).
+    /// The plan of the trained tensors alone ([`build_plan_of`]: the adapters and the whole
+    /// tensors beside them, [`SwitchOptions::trained`](lifecycle_layout::settings::SwitchOptions::trained))
+    /// made from `plan` (cached beside it), moving bytes as `plan` does (peer copies or NCCL).
     fn adapter_plan(&self, plan: &Arc<FsdpPlan>, train: &FsdpLayout) -> Arc<FsdpPlan> {
         let mut cache = self
             .adapter_plan
@@ -99,7 +103,10 @@ impl<S: FsdpBuffers> FsdpBackend<S> {
         {
             return adapters.clone();
         }
-        let mut adapters = build_plan_of(plan.core.clone(), train, plan.config, &is_adapter);
+        let trained = &self.options.trained;
+        let mut adapters = build_plan_of(plan.core.clone(), train, plan.config, &|name: &str| {
+            trained.moves(name)
+        });
         adapters.peer_copy = plan.peer_copy && adapters.peer_copyable();
         let adapters = Arc::new(adapters);
         *cache = Some((plan.clone(), adapters.clone()));
@@ -186,16 +193,17 @@ impl<S: FsdpBuffers> Reshard for FsdpBackend<S> {
         }
         // The old hashes no longer describe the weights, whatever happens next.
         self.rollout_sums = None;
-        // A frozen base stays as enter cast it: the adapters alone move, unless the lender
-        // wrote the base (the next enter casts it again).
+        // A frozen base stays as enter cast it: the trained tensors alone move, unless the
+        // lender wrote the base (the next enter casts it again).
         if self.options.frozen_base
             && let Some(name) = state.frozen_written()
         {
             return Err(FsdpError::Tensor {
                 name: name.to_string(),
                 problem: "frozen (with_frozen_base) but written since enter: the refresh moves \
-                          the adapters alone, so its rollout form would be stale; write only the \
-                          adapters (the next rollout casts every tensor again)"
+                          the trained tensors alone (the adapters and those named with \
+                          with_trained), so its rollout form would be stale; write only those (the \
+                          next rollout casts every tensor again)"
                     .into(),
             });
         }
