@@ -444,8 +444,8 @@ impl<L: Lending> GpuSwitch<L> {
     /// versions are not a tuple of one item per tensor. [`GpuSwitch::enter`] passes it to the
     /// lent state, whose refresh then refuses it by name.
     pub fn frozen_written(&self, seen: &[u64], versions: &[u64]) -> Option<String> {
-        self.binding.lora()?;
-        first_frozen_written(self.binding.names(), seen, versions)
+        let lora = self.binding.lora()?;
+        first_frozen_written(self.binding.names(), &lora.trained, seen, versions)
     }
 
     /// Checks `shards` (`shards[local][tensor]`) as [`enter`](GpuSwitch::enter) does, without
@@ -737,19 +737,30 @@ pub fn version_items(flat: &[u64]) -> Option<Vec<&[u64]>> {
     (at == flat.len()).then_some(items)
 }
 
-/// The first tensor of `names` that is not a LoRA matrix whose item of `versions` differs from
-/// its item of `seen` ([`version_items`]); `None` where neither is a tuple of one item per name.
+/// The first frozen tensor of `names` (one `trained` does not move: not a LoRA matrix, not a
+/// whole tensor trained beside the adapters) whose item of `versions` differs from its item of
+/// `seen` ([`version_items`]); `None` where neither is a tuple of one item per name.
 ///
 /// ```
 /// use lifecycle_bridge::gpu::first_frozen_written;
-/// let names = [("q.weight".to_string(), vec![4, 4]), ("q.lora_A.weight".to_string(), vec![2, 4])];
-/// let (seen, adapter_moved, base_moved) = ([2, 2, 1, 5, 1, 9], [2, 2, 1, 5, 1, 10], [2, 2, 1, 6, 1, 9]);
-/// assert_eq!(first_frozen_written(&names, &seen, &adapter_moved), None);
-/// assert_eq!(first_frozen_written(&names, &seen, &base_moved).as_deref(), Some("q.weight"));
-/// assert_eq!(first_frozen_written(&names, &[1, 5], &[1, 6]), None); // not one item a tensor
+/// use lifecycle_layout::lora::Trained;
+/// let names = [("q.weight".to_string(), vec![4, 4]), ("q.lora_A.weight".to_string(), vec![2, 4]),
+///     ("lm_head.weight".to_string(), vec![8, 4])];
+/// let seen = [2, 3, 1, 5, 1, 9, 1, 4];
+/// let (adapter_moved, base_moved) = ([2, 3, 1, 5, 1, 10, 1, 4], [2, 3, 1, 6, 1, 9, 1, 4]);
+/// let head_moved = [2, 3, 1, 5, 1, 9, 1, 7];
+/// let adapters = Trained::default();
+/// assert_eq!(first_frozen_written(&names, &adapters, &seen, &adapter_moved), None);
+/// assert_eq!(first_frozen_written(&names, &adapters, &seen, &base_moved).as_deref(), Some("q.weight"));
+/// assert_eq!(first_frozen_written(&names, &adapters, &seen, &head_moved).as_deref(), Some("lm_head.weight"));
+/// // the head trained beside the adapters: its writes are the training's
+/// let head = Trained::new(["lm_head.weight"]);
+/// assert_eq!(first_frozen_written(&names, &head, &seen, &head_moved), None);
+/// assert_eq!(first_frozen_written(&names, &head, &[1, 5], &[1, 6]), None); // not one item a tensor
 /// ```
 pub fn first_frozen_written(
     names: &[(String, Vec<usize>)],
+    trained: &lifecycle_layout::lora::Trained,
     seen: &[u64],
     versions: &[u64],
 ) -> Option<String> {
@@ -760,7 +771,7 @@ pub fn first_frozen_written(
     names
         .iter()
         .zip(was.iter().zip(&is))
-        .find(|((name, _), (was, is))| was != is && !lifecycle_layout::lora::is_adapter(name))
+        .find(|((name, _), (was, is))| was != is && !trained.moves(name))
         .map(|((name, _), _)| name.clone())
 }
 

@@ -18,7 +18,7 @@ use crate::switch::{Entered, SwitchStats, Tally};
 use crate::views::{host_views, Leases, TensorView};
 
 /// What a switch is asked to build (both backends).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SwitchSettings {
     /// FSDP world size W of the trainer.
     pub world: usize,

@@ -128,9 +128,26 @@ impl ModelBinding {
     }
 
     /// [`ModelBinding::new`] for a model with the LoRA adapters of `lora` beside its base
-    /// ([`ModelBinding::expected_with_lora`] lists them): every base weight is frozen (a switch
-    /// casts it once and refreshes the adapters alone), the rollout holds each adapter beside
-    /// its base, split as its base is.
+    /// ([`ModelBinding::expected_with_lora`] lists them): every base weight but the whole
+    /// tensors `lora.trained` names is frozen (a switch casts it once and refreshes the adapters
+    /// and those tensors alone), the rollout holds each adapter beside its base, split as its
+    /// base is. A trained name the model lacks, or that is an adapter, is refused by name.
+    ///
+    /// ```
+    /// use lifecycle_bridge::ModelBinding;
+    /// use lifecycle_layout::lora::{LoraConfig, LoraTarget, Trained};
+    /// let config = r#"{"model_type": "qwen2", "vocab_size": 16, "hidden_size": 8,
+    ///   "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+    ///   "intermediate_size": 16, "rope_theta": 10000.0, "tie_word_embeddings": false}"#;
+    /// let lora = LoraConfig::new(2, 4.0, vec![LoraTarget::Q]);
+    /// let named = ModelBinding::expected_with_lora(config, &lora)?;
+    /// let head = lora.clone().with_trained(Trained::new(["lm_head.weight"]));
+    /// assert!(ModelBinding::with_lora(config, named.clone(), head).is_ok());
+    /// let typo = lora.with_trained(Trained::new(["lm_head.weights"]));
+    /// let e = ModelBinding::with_lora(config, named, typo).unwrap_err().to_string();
+    /// assert!(e.contains("`lm_head.weights`"), "{e}");
+    /// # Ok::<(), lifecycle_bridge::BridgeError>(())
+    /// ```
     pub fn with_lora(
         config_json: &str,
         named: Vec<(String, Vec<usize>)>,
@@ -199,6 +216,11 @@ impl ModelBinding {
                     ),
                 },
             ));
+        }
+        if let Some(lora) = &lora {
+            lora.trained
+                .check(named.iter().map(|(n, _)| n.as_str()))
+                .map_err(|e| BridgeError::Config(format!("lora: {e}")))?;
         }
         Ok(ModelBinding {
             config,

@@ -64,21 +64,31 @@ pub fn switch_settings(
     // session's weights live until the session ends
     parse::<Switching>("switching", text.switching)?;
     settings.lifecycle.switching = Switching::Lazy;
-    // a LoRA model's base is frozen: cast once, the adapters refreshed alone
-    settings.options.frozen_base = binding.lora().is_some();
+    // a LoRA model's base is frozen: cast once, the adapters (and the whole tensors trained
+    // beside them) refreshed alone
+    if let Some(lora) = binding.lora() {
+        settings.options.frozen_base = true;
+        settings.options.trained = lora.trained.clone();
+    }
     Ok(settings)
 }
 
 /// PEFT's `LoraConfig` as a front passes it: rank `r`, `lora_alpha`, `target_modules` (the
-/// module names: `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`)
-/// and `use_rslora`; each refused naming the field.
+/// module names: `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`),
+/// `use_rslora`, and `trained`: the whole tensors trained beside the adapters (the model's
+/// names of PEFT's `modules_to_save` weights and trainable biases; checked against the model
+/// when it is bound, [`ModelBinding::with_lora`](crate::ModelBinding::with_lora)); each
+/// refused naming the field.
 ///
 /// ```
 /// use lifecycle_bridge::settings::lora;
-/// let config = lora(8, 16.0, &["q_proj".into(), "down_proj".into()], false)?;
+/// let config = lora(8, 16.0, &["q_proj".into(), "down_proj".into()], false, &["lm_head.weight".into()])?;
 /// assert_eq!(config.scaling(), 2.0);
-/// let err = lora(8, 16.0, &["lm_head".into()], false).unwrap_err();
+/// assert!(config.trained.moves("lm_head.weight"));
+/// let err = lora(8, 16.0, &["lm_head".into()], false, &[]).unwrap_err();
 /// assert!(err.to_string().contains("target_modules"), "{err}");
+/// let err = lora(8, 16.0, &["q_proj".into()], false, &["q.weight".into(), "q.weight".into()]);
+/// assert!(err.unwrap_err().to_string().contains("`q.weight` is named twice"));
 /// # Ok::<(), lifecycle_bridge::BridgeError>(())
 /// ```
 pub fn lora(
@@ -86,8 +96,9 @@ pub fn lora(
     alpha: f64,
     targets: &[String],
     rslora: bool,
+    trained: &[String],
 ) -> Result<lifecycle_layout::lora::LoraConfig, BridgeError> {
-    use lifecycle_layout::lora::{LoraConfig, LoraTarget};
+    use lifecycle_layout::lora::{LoraConfig, LoraTarget, Trained};
     if r == 0 {
         return Err(BridgeError::Config(
             "lora: r must be at least 1, found 0".into(),
@@ -109,7 +120,16 @@ pub fn lora(
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(LoraConfig::new(r, alpha, targets).with_rslora(rslora))
+    for (i, name) in trained.iter().enumerate() {
+        if trained[..i].contains(name) {
+            return Err(BridgeError::Config(format!(
+                "lora: trained tensors: `{name}` is named twice"
+            )));
+        }
+    }
+    Ok(LoraConfig::new(r, alpha, targets)
+        .with_rslora(rslora)
+        .with_trained(Trained::new(trained.iter().cloned())))
 }
 
 /// The engine's settings: up to `max_sequences` sequences of up to `max_tokens` at once in a KV

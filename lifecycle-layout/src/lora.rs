@@ -131,8 +131,8 @@ impl fmt::Display for LoraTarget {
     }
 }
 
-/// What of PEFT's `LoraConfig` the layout needs: the rank `r`, `lora_alpha`, rsLoRA and the
-/// targets.
+/// What of PEFT's `LoraConfig` the layout needs: the rank `r`, `lora_alpha`, rsLoRA, the
+/// targets, and the whole tensors trained beside the adapters ([`Trained`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraConfig {
     /// The rank `r` of every adapter.
@@ -143,22 +143,42 @@ pub struct LoraConfig {
     pub rslora: bool,
     /// The linear layer types adapted (every layer of the model).
     pub targets: Vec<LoraTarget>,
+    /// What a frozen base's refresh moves: the adapters and these whole tensors (PEFT's
+    /// `modules_to_save`, trainable biases).
+    pub trained: Trained,
 }
 
 impl LoraConfig {
-    /// Rank `rank`, `lora_alpha` `alpha`, plain LoRA scaling, the given targets.
+    /// Rank `rank`, `lora_alpha` `alpha`, plain LoRA scaling, the given targets, the adapters
+    /// alone trained.
     pub fn new(rank: usize, alpha: f64, targets: Vec<LoraTarget>) -> Self {
         LoraConfig {
             rank,
             alpha,
             rslora: false,
             targets,
+            trained: Trained::default(),
         }
     }
 
     /// rsLoRA's scaling (`alpha / sqrt(r)`) where `on`.
     pub fn with_rslora(mut self, on: bool) -> Self {
         self.rslora = on;
+        self
+    }
+
+    /// The whole tensors trained beside the adapters (see [`Trained`]).
+    ///
+    /// ```
+    /// use lifecycle_layout::lora::{LoraConfig, LoraTarget, Trained};
+    /// let lora = LoraConfig::new(8, 16.0, vec![LoraTarget::Q])
+    ///     .with_trained(Trained::new(["lm_head.weight"]));
+    /// assert!(lora.trained.moves("lm_head.weight"));
+    /// assert!(lora.trained.moves("model.layers.0.self_attn.q_proj.lora_B.weight"));
+    /// assert!(!lora.trained.moves("model.layers.0.self_attn.q_proj.weight"));
+    /// ```
+    pub fn with_trained(mut self, trained: Trained) -> Self {
+        self.trained = trained;
         self
     }
 
@@ -348,6 +368,116 @@ pub fn is_adapter(name: &str) -> bool {
     parse_peft_name(name).is_some()
 }
 
+/// What a LoRA model trains, so what a refresh under a frozen base moves: every LoRA matrix
+/// ([`is_adapter`]) and the whole tensors named here, trained beside the adapters (PEFT's
+/// `modules_to_save` weights such as `lm_head.weight`, its trainable biases with
+/// `bias="all"` / `"lora_only"`). Every other tensor is frozen. Cheap to clone (the names are
+/// shared).
+///
+/// ```
+/// use lifecycle_layout::lora::Trained;
+/// let trained = Trained::new(["lm_head.weight", "model.layers.0.self_attn.q_proj.bias"]);
+/// assert!(trained.moves("lm_head.weight"));
+/// assert!(trained.moves("model.layers.1.mlp.down_proj.lora_A.weight")); // an adapter
+/// assert!(!trained.moves("model.norm.weight"));
+/// assert_eq!(trained.whole().count(), 2);
+/// // checked against the model's tensors before anything moves
+/// let model = ["lm_head.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.bias"];
+/// assert!(trained.check(model).is_ok());
+/// let e = Trained::new(["lm_head.bias"]).check(model).unwrap_err().to_string();
+/// assert!(e.contains("`lm_head.bias`"), "{e}");
+/// assert!(Trained::default().is_empty());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Trained {
+    whole: std::sync::Arc<std::collections::BTreeSet<String>>,
+}
+
+impl Trained {
+    /// The adapters and the whole tensors `names` (each once, whatever the order given).
+    pub fn new<S: Into<String>>(names: impl IntoIterator<Item = S>) -> Self {
+        Trained {
+            whole: std::sync::Arc::new(names.into_iter().map(Into::into).collect()),
+        }
+    }
+
+    /// Whether tensor `name` is trained: a LoRA matrix, or one of the whole tensors. A refresh
+    /// under a frozen base moves exactly these.
+    pub fn moves(&self, name: &str) -> bool {
+        is_adapter(name) || self.whole.contains(name)
+    }
+
+    /// The whole tensors trained beside the adapters, in name order.
+    pub fn whole(&self) -> impl Iterator<Item = &str> {
+        self.whole.iter().map(String::as_str)
+    }
+
+    /// Whether no whole tensor is trained (the adapters alone).
+    pub fn is_empty(&self) -> bool {
+        self.whole.is_empty()
+    }
+
+    /// Checks every whole tensor against `names` (the model's tensors): one it lacks, or a LoRA
+    /// matrix (trained as an adapter already), is refused by name.
+    pub fn check<'a>(&self, names: impl IntoIterator<Item = &'a str>) -> Result<(), LoraError> {
+        if let Some(name) = self.whole.iter().find(|n| is_adapter(n)) {
+            return Err(LoraError::TrainedAdapter { name: name.clone() });
+        }
+        if self.whole.is_empty() {
+            return Ok(());
+        }
+        let mut missing: std::collections::BTreeSet<&str> =
+            self.whole.iter().map(String::as_str).collect();
+        for n in names {
+            missing.remove(n);
+            if missing.is_empty() {
+                return Ok(());
+            }
+        }
+        match missing.into_iter().next() {
+            Some(name) => Err(LoraError::TrainedNotInModel {
+                name: name.to_string(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Checks that an fp8 rollout keeping `keep` bf16 quantises none of the whole tensors of
+    /// `tensors` (names and full shapes): a frozen base refreshes its trained tensors in bf16,
+    /// so one the rollout holds as fp8 is refused by name.
+    ///
+    /// ```
+    /// use lifecycle_layout::fp8::Fp8Keep;
+    /// use lifecycle_layout::lora::Trained;
+    /// let q = ("model.layers.0.self_attn.q_proj.weight", &[256usize, 256][..]);
+    /// let head = ("lm_head.weight", &[1000usize, 256][..]);
+    /// assert!(Trained::new(["lm_head.weight"]).check_bf16([q, head], Fp8Keep::default()).is_ok());
+    /// let trained = Trained::new([q.0]);
+    /// let e = trained.check_bf16([q, head], Fp8Keep::default()).unwrap_err().to_string();
+    /// assert!(e.contains("q_proj.weight") && e.contains("fp8"), "{e}");
+    /// let attention = Fp8Keep { attention: true, ..Fp8Keep::default() };
+    /// assert!(trained.check_bf16([q, head], attention).is_ok());
+    /// ```
+    pub fn check_bf16<'a>(
+        &self,
+        tensors: impl IntoIterator<Item = (&'a str, &'a [usize])>,
+        keep: crate::fp8::Fp8Keep,
+    ) -> Result<(), LoraError> {
+        if self.whole.is_empty() {
+            return Ok(());
+        }
+        match tensors
+            .into_iter()
+            .find(|(n, shape)| self.whole.contains(*n) && !keep.keeps_bf16(n, shape))
+        {
+            Some((name, _)) => Err(LoraError::TrainedFp8 {
+                name: name.to_string(),
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Checks a PEFT adapter state (`(name, shape)` of every LoRA tensor, PEFT's keys as
 /// [`parse_peft_name`] reads them) against the adapters `lora` puts on `model`: every adapter's
 /// A and B present with its shape, nothing else. The first problem is named.
@@ -469,6 +599,24 @@ pub enum LoraError {
     #[error("adapter matrix `{name}` adapts a module the model does not have")]
     NotInModel {
         /// The key.
+        name: String,
+    },
+    /// A whole tensor trained beside the adapters ([`Trained`]) that the model lacks.
+    #[error("`{name}` is named as trained beside the LoRA adapters (modules_to_save, a trainable bias), and the model has no such tensor")]
+    TrainedNotInModel {
+        /// The name.
+        name: String,
+    },
+    /// A LoRA matrix named as a whole tensor trained beside the adapters.
+    #[error("`{name}` is named as a whole tensor trained beside the LoRA adapters, and it is a LoRA matrix (trained as an adapter already): name base tensors alone")]
+    TrainedAdapter {
+        /// The name.
+        name: String,
+    },
+    /// A whole tensor trained beside the adapters that an fp8 rollout quantises.
+    #[error("`{name}` is trained beside the LoRA adapters, and the fp8 rollout quantises it: a frozen base refreshes its trained tensors in bf16; keep it bf16 (fp8_keep) or roll out bf16")]
+    TrainedFp8 {
+        /// The name.
         name: String,
     },
     /// A base the rollout layout lacks.
@@ -687,6 +835,45 @@ mod tests {
             vec![16, 16],
         ));
         assert!(err(&extra).contains("not a LoRA matrix"));
+    }
+
+    #[test]
+    fn trained_whole_tensors_move_beside_the_adapters_and_bad_names_are_refused() {
+        let model = ModelSpec::tiny();
+        let names: Vec<String> = model.hf_tensors().into_iter().map(|(n, _)| n).collect();
+        let all = || names.iter().map(String::as_str);
+        let biases: Vec<&str> = all().filter(|n| n.ends_with(".bias")).collect();
+        assert_eq!(biases.len(), 3 * model.layers);
+        let trained = Trained::new(biases.iter().copied().chain(["lm_head.weight"]));
+        assert!(trained.check(all()).is_ok());
+        let moving: Vec<&str> = all().filter(|n| trained.moves(n)).collect();
+        assert_eq!(moving.len(), biases.len() + 1);
+        assert!(!trained.moves("model.embed_tokens.weight"));
+        assert!(trained.moves("model.layers.1.mlp.up_proj.lora_B.weight"));
+        // the same names twice are one
+        assert_eq!(Trained::new(["a", "a"]).whole().collect::<Vec<_>>(), ["a"]);
+        let e = |t: Trained| t.check(all()).unwrap_err();
+        let adapter = "model.layers.0.self_attn.q_proj.lora_A.weight";
+        assert_eq!(
+            e(Trained::new(["lm_head.weight", adapter])),
+            LoraError::TrainedAdapter {
+                name: adapter.into()
+            }
+        );
+        let missing = e(Trained::new([
+            "lm_head.weight",
+            "model.layers.2.self_attn.q_proj.bias",
+        ]));
+        assert_eq!(
+            missing,
+            LoraError::TrainedNotInModel {
+                name: "model.layers.2.self_attn.q_proj.bias".into()
+            }
+        );
+        assert!(missing.to_string().contains("no such tensor"));
+        // with no model tensors at all, the first trained name is the one missing
+        assert!(Trained::new(["x"]).check([]).is_err());
+        assert!(Trained::default().check([]).is_ok());
     }
 
     #[test]

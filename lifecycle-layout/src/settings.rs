@@ -30,11 +30,12 @@
 //! ```
 
 use crate::fp8::{Fp8Keep, RolloutDtype};
+use crate::lora::Trained;
 
 /// What a switch produces and how, the same for every backend. The default: bf16 rollout
 /// weights, no matrices kept bf16 beyond the published exemptions, verification off, offload
-/// not overlapped with the rollout.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// not overlapped with the rollout, nothing frozen.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct SwitchOptions {
     /// The rollout weights' dtype.
     pub dtype: RolloutDtype,
@@ -46,10 +47,15 @@ pub struct SwitchOptions {
     /// Enter returns with its offload copies still running, each buffer freed in stream order
     /// behind its copy (the GPU backends).
     pub offload_overlap: bool,
-    /// Every tensor but the LoRA adapters is frozen (`lifecycle_layout::lora`): enter casts
-    /// the base once, a refresh moves the adapters alone; a frozen tensor written since enter
-    /// is refused by name (the host backend at refresh, the GPU backend at the write).
+    /// Every tensor but the trained ones ([`SwitchOptions::trained`]: the LoRA adapters and
+    /// the whole tensors named beside them) is frozen: enter casts the base once, a refresh
+    /// moves the trained tensors alone; a frozen tensor written since enter is refused by name
+    /// (the host backend at refresh, the GPU backend at the write).
     pub frozen_base: bool,
+    /// With a frozen base, what a refresh moves ([`Trained::moves`]): the LoRA adapters and
+    /// the whole tensors trained beside them (PEFT's `modules_to_save`, trainable biases).
+    /// `plan` refuses by name a whole tensor the model lacks or that is an adapter.
+    pub trained: Trained,
 }
 
 /// Which of [`SwitchOptions`]' switches a backend honours (the dtype and the fp8 exemptions
@@ -60,7 +66,7 @@ pub struct Honours {
     pub verification: bool,
     /// [`SwitchOptions::offload_overlap`].
     pub offload_overlap: bool,
-    /// [`SwitchOptions::frozen_base`].
+    /// [`SwitchOptions::frozen_base`] and [`SwitchOptions::trained`].
     pub frozen_base: bool,
 }
 
@@ -119,7 +125,7 @@ pub trait Configure: Sized {
     fn with_rollout_dtype(self, dtype: RolloutDtype) -> Self {
         let options = SwitchOptions {
             dtype,
-            ..*self.options()
+            ..self.options().clone()
         };
         self.with_options(options)
     }
@@ -129,7 +135,7 @@ pub trait Configure: Sized {
     fn with_fp8_keep(self, fp8_keep: Fp8Keep) -> Self {
         let options = SwitchOptions {
             fp8_keep,
-            ..*self.options()
+            ..self.options().clone()
         };
         self.with_options(options)
     }
@@ -142,7 +148,7 @@ pub trait Configure: Sized {
     fn with_verification(self, verify: bool) -> Self {
         let options = SwitchOptions {
             verify,
-            ..*self.options()
+            ..self.options().clone()
         };
         self.with_options(options)
     }
@@ -155,22 +161,57 @@ pub trait Configure: Sized {
     fn with_offload_overlap(self, offload_overlap: bool) -> Self {
         let options = SwitchOptions {
             offload_overlap,
-            ..*self.options()
+            ..self.options().clone()
         };
         self.with_options(options)
     }
 
-    /// Freezes every tensor but the LoRA adapters (off by default): enter casts the frozen
-    /// base once; a refresh (weights kept resident) moves and casts the adapters alone, after
+    /// Freezes every tensor but the LoRA adapters and the whole tensors trained beside them
+    /// ([`Configure::with_trained`]) (off by default): enter casts the frozen base once; a
+    /// refresh (weights kept resident) moves and casts the trained tensors alone, after
     /// checking that no frozen tensor was written since enter (refused by name: its rollout
     /// form would be stale). Refused by the backends that do not have it
     /// ([`Honours::frozen_base`]).
     fn with_frozen_base(self, frozen_base: bool) -> Self {
         let options = SwitchOptions {
             frozen_base,
-            ..*self.options()
+            ..self.options().clone()
         };
         self.with_options(options)
+    }
+
+    /// Names the whole tensors a frozen base trains beside the LoRA adapters (none by
+    /// default): PEFT's `modules_to_save` weights, trainable biases. Every refresh moves them
+    /// with the adapters, and writing them is not refused. `plan` refuses by name one the
+    /// model lacks or that is an adapter; the backends without a frozen base refuse any.
+    ///
+    /// ```
+    /// use lifecycle_layout::lora::Trained;
+    /// use lifecycle_layout::settings::{Configure, Honours, SwitchOptions};
+    /// # struct Demo(SwitchOptions);
+    /// # impl Configure for Demo {
+    /// #     const NAME: &'static str = "the demo backend";
+    /// #     const HONOURS: Honours = Honours::OVERLAP_ONLY;
+    /// #     fn options(&self) -> &SwitchOptions { &self.0 }
+    /// #     fn set_options(&mut self, options: SwitchOptions) { self.0 = options; }
+    /// # }
+    /// let demo = Demo(SwitchOptions::default()).with_trained(Trained::new(["lm_head.weight"]));
+    /// assert!(demo.trained().moves("lm_head.weight"));
+    /// let e = demo.check_options().unwrap_err().to_string();
+    /// assert!(e.contains("with_trained") && e.contains("the demo backend"), "{e}");
+    /// ```
+    fn with_trained(self, trained: Trained) -> Self {
+        let options = SwitchOptions {
+            trained,
+            ..self.options().clone()
+        };
+        self.with_options(options)
+    }
+
+    /// With a frozen base, what a refresh moves: the adapters and the whole tensors trained
+    /// beside them.
+    fn trained(&self) -> &Trained {
+        &self.options().trained
     }
 
     /// The rollout weights' dtype.
@@ -217,6 +258,15 @@ pub trait Configure: Sized {
                 backend: Self::NAME,
                 hint: "switch LoRA models with a frozen base on the FSDP host backend for now, or \
                        turn it off (every tensor then switches at every update)",
+            });
+        }
+        if !o.trained.is_empty() && !Self::HONOURS.frozen_base {
+            return Err(OptionError {
+                setting: "whole tensors trained beside the LoRA adapters (with_trained)",
+                backend: Self::NAME,
+                hint: "a frozen base's trained tensors need a backend with a frozen base (the \
+                       FSDP backends); without a frozen base every tensor switches anyway: \
+                       leave them out",
             });
         }
         Ok(())

@@ -35,8 +35,12 @@ pub enum HostError {
         /// The name asked for.
         name: String,
     },
+    /// A LoRA setting that does not fit the model (a whole tensor named as trained beside the
+    /// adapters that the model lacks, or that is an adapter), named.
+    #[error(transparent)]
+    Lora(Box<lifecycle_layout::lora::LoraError>),
     /// A frozen tensor (a LoRA model's base, `with_frozen_base`) written since enter cast it.
-    #[error("tensor `{name}` is frozen (with_frozen_base) but its master on rank {rank} changed since enter: its rollout form would be stale; write only the adapters, or leave rollout mode and enter again")]
+    #[error("tensor `{name}` is frozen (with_frozen_base) but its master on rank {rank} changed since enter: its rollout form would be stale; write only the trained tensors (the adapters and those named with with_trained), or leave rollout mode and enter again")]
     FrozenWritten {
         /// The tensor.
         name: String,
@@ -95,4 +99,10 @@ pub enum HostError {
         /// The tensor.
         tensor: String,
     },
+}
+
+impl From<lifecycle_layout::lora::LoraError> for HostError {
+    fn from(e: lifecycle_layout::lora::LoraError) -> Self {
+        HostError::Lora(Box::new(e))
+    }
 }

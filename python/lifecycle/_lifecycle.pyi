@@ -13,7 +13,7 @@ class BackendError(LifecycleError): ...
 __version__: str
 
 def expected_parameters(
-    config_json: str, lora: tuple[int, float, list[str], bool] | None = None
+    config_json: str, lora: tuple[int, float, list[str], bool, list[str]] | None = None
 ) -> list[tuple[str, list[int]]]: ...
 def vllm_names(
     config_json: str, tp: int, experts: str, dtype: str
@@ -83,7 +83,7 @@ class _Switch:
         device: str,
         gpu: int = 0,
         fp8_keep: str = "none",
-        lora: tuple[int, float, list[str], bool] | None = None,
+        lora: tuple[int, float, list[str], bool, list[str]] | None = None,
     ) -> None: ...
     @staticmethod
     def megatron(

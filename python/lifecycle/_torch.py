@@ -27,10 +27,11 @@ def fsdp2_sources(module, offload: str, optimizer, rename=None):
     each parameter, its versioned object (the parameter itself: ``optimizer.step()`` moves the
     DTensor's counter, not its local tensor's), the world, the device, and callables giving the
     offload buffers and the current stream at each enter. ``rename`` maps the module's parameter
-    names to the model's (a PEFT model's: ``peft_name``)."""
+    names to the model's (a PEFT model's: ``peft_name``); a parameter it maps to None is not
+    switched."""
     from .sources import _Source
 
-    named = [(rename(n) if rename else n, p) for n, p in module.named_parameters()]
+    named = _renamed(module, rename)
     if not named:
         raise ConfigError(
             "from_fsdp2: the module has no parameters: pass the model whose weights roll out"
@@ -178,5 +179,14 @@ def _gathered(named, world: int):
 
 def regather(module, world: int, rename=None):
     """A callable that gathers every rank's shards again (after the trainer changed them)."""
-    named = [(rename(n) if rename else n, p) for n, p in module.named_parameters()]
+    named = _renamed(module, rename)
     return lambda: _gathered(named, world)[0]
+
+
+def _renamed(module, rename=None) -> list[tuple[str, Any]]:
+    """``module``'s parameters under the names ``rename`` gives them, those it maps to None
+    left out."""
+    if rename is None:
+        return list(module.named_parameters())
+    named = ((rename(n), p) for n, p in module.named_parameters())
+    return [(n, p) for n, p in named if n is not None]

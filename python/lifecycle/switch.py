@@ -19,7 +19,7 @@ from .sources import (
     _set_writeable,
     _Source,
 )
-from ._lora import PEFT_PREFIX, is_adapter, lora_args
+from ._lora import adapted_modules, is_adapter, lora_args, peft_key
 from .vllm import vllm_tensors
 
 Dtype = Literal["bf16", "fp8"]
@@ -104,11 +104,15 @@ def expected_parameters(config: Any, *, lora: Any = None) -> list[tuple[str, lis
     return _lifecycle.expected_parameters(_config_json(config), lora_args(lora))
 
 
-def _named(format: str, named: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """``named`` as ``format`` gives it: every tensor (``"hf"``), or the LoRA adapters alone
-    under PEFT's keys (``"peft"``)."""
+def _named(
+    format: str, named: list[tuple[str, Any]], trained: frozenset[str] = frozenset()
+) -> list[tuple[str, Any]]:
+    """``named`` as ``format`` gives it: every tensor (``"hf"``), or what a PEFT adapter saves
+    under PEFT's keys (``"peft"``): the LoRA adapters and the whole tensors ``trained`` beside
+    them (:func:`lifecycle._lora.peft_key`)."""
     if format == "peft":
-        return [(PEFT_PREFIX + n, t) for n, t in named if is_adapter(n)]
+        adapted = adapted_modules(n for n, _ in named)
+        return [(peft_key(n, adapted), t) for n, t in named if is_adapter(n) or n in trained]
     return named
 
 
@@ -149,11 +153,15 @@ class Switch:
     ``experts`` ``"tp"`` or ``"ep"``; ``offload``; ``switching`` ``"lazy"`` or ``"eager"``;
     ``lora`` (:meth:`from_arrays` / :meth:`from_shards`, :meth:`from_fsdp2`; :meth:`from_peft`
     reads the model's own): PEFT's ``LoraConfig`` or
-    a dict of its ``r``, ``lora_alpha``, ``target_modules`` and ``use_rslora``, the named
-    tensors then including each adapted weight's ``lora_A`` / ``lora_B``
-    (:func:`lifecycle.expected_parameters` lists them): the base is frozen (cast once; a
-    refresh moves the adapters alone, and a base weight written since is refused by name) and
-    the rollout holds each adapter beside its base, split as its base is.
+    a dict of its ``r``, ``lora_alpha``, ``target_modules``, ``use_rslora``,
+    ``modules_to_save`` and ``bias``, the named tensors then including each adapted weight's
+    ``lora_A`` / ``lora_B`` (:func:`lifecycle.expected_parameters` lists them): the base is
+    frozen (cast once; a refresh moves the trained tensors alone, and a frozen weight written
+    since is refused by name) and the rollout holds each adapter beside its base, split as its
+    base is. The trained tensors are the adapters and the whole tensors trained beside them:
+    the parameters of the modules ``modules_to_save`` names (e.g. ``["lm_head"]``:
+    ``lm_head.weight``), and the biases ``bias`` trains (``"all"``: every bias,
+    ``"lora_only"``: the adapted modules'; ``"none"`` by default).
 
     Every argument, and every tensor's dtype, layout, device and shape, is checked when the
     switch is built; a training weight that is not finite is refused when it is switched
@@ -218,9 +226,11 @@ class Switch:
                 raise ConfigError(f"{what}: expected a string, found {type(value).__name__}")
         self._config_json = _config_json(config)
         per_rank = None
+        largs = None
         if build is None:
             for src in sources:
                 src.check(device)
+            largs = lora_args(lora, [src.name for src in sources])
             s = _lifecycle._Switch(
                 self._config_json,
                 [(src.name, src.shape) for src in sources],
@@ -233,7 +243,7 @@ class Switch:
                 device=device,
                 gpu=_current_gpu() if device == "cuda" else 0,
                 fp8_keep=fp8_keep,
-                lora=lora_args(lora),
+                lora=largs,
             )
         else:
             s = build(self._config_json, tp)
@@ -245,6 +255,8 @@ class Switch:
         self._per_rank = per_rank
         self._barrier = barrier
         self._lora = lora is not None
+        # the whole tensors trained beside the adapters (moved at every refresh with them)
+        self._trained = frozenset(largs[4]) if largs is not None else frozenset()
         self._sources = sources
         self._device = device
         self._torch = device == "cuda" or any(
@@ -393,16 +405,24 @@ class Switch:
         """A PEFT LoRA model (``peft.get_peft_model`` over a transformers Qwen2 / Qwen3 model,
         plain on one device or FSDP2-sharded) and its adapter ``adapter``: the LoRA
         configuration is the model's own (``peft_config[adapter]``: ``r``, ``lora_alpha``,
-        ``target_modules``, ``use_rslora``), the Hugging Face config its base model's. The
-        base is frozen: the first enter casts it, a refresh after an adapter update moves the
-        adapters alone, and a base weight written since (its version counter moved) is refused
-        by name at the refresh, after which the next rollout casts every tensor again (the
-        adapters alone move only while the rollout weights stay resident: after
+        ``target_modules``, ``use_rslora``, ``modules_to_save``, ``bias``), the Hugging Face
+        config its base model's.
+
+        What the adapter trains moves at every refresh: the adapters, and the whole tensors
+        trained beside them: PEFT's ``modules_to_save`` copy of a module (``lm_head``,
+        ``embed_tokens``) stands for the module's tensors (``lm_head.modules_to_save.<adapter>
+        .weight`` is ``lm_head.weight``; the frozen ``original_module`` beside it is not
+        switched), and ``bias="all"`` / ``"lora_only"`` train every bias / the adapted modules'.
+        Everything else is frozen: the first enter casts it, a refresh after an update moves the
+        trained tensors alone, and a frozen weight written since (its version counter moved) is
+        refused by name at the refresh, after which the next rollout casts every tensor again
+        (the trained tensors alone move only while the rollout weights stay resident: after
         :meth:`train`, which releases them, the next rollout casts everything). ``dtype``
         ``"bf16"`` or ``"fp8"`` (the base's matrices block-scaled e4m3, quantised once, the
         adapters bf16 beside them; ``fp8_keep`` as :meth:`from_fsdp2`'s);
-        ``w.named_tensors("peft")`` yields the adapters under PEFT's keys, and
-        :class:`Engine` applies the adapters unmerged beside the base."""
+        ``w.named_tensors("peft")`` yields what PEFT saves of the adapter (the adapters and the
+        trained whole tensors) under PEFT's keys, and :class:`Engine` applies the adapters
+        unmerged beside the base. ``target_parameters`` and ``lora_bias`` are refused by name."""
         from ._lora import peft_name
 
         configs = getattr(model, "peft_config", None)
@@ -413,9 +433,8 @@ class Switch:
             )
         lora = configs[adapter]
         for field, none in (
-            ("modules_to_save", None),
-            ("bias", "none"),
             ("target_parameters", None),
+            ("lora_bias", False),
         ):
             value = getattr(lora, field, none)
             if value not in (none, [], ()):
@@ -456,13 +475,13 @@ class Switch:
     ) -> "Switch":
         """:meth:`from_fsdp2` and :meth:`from_peft`: ``rename`` maps the module's parameter
         names to the model's."""
-        from ._torch import fsdp2_sources
-
         config = config if config is not None else getattr(module, "config", None)
         if config is None:
             raise ConfigError("from_fsdp2: the module has no `config`; pass config=...")
         if not isinstance(offload, str):
             raise ConfigError(f"offload: expected a string, found {type(offload).__name__}")
+        from ._torch import fsdp2_sources
+
         sources, world, device, buffers, stream = fsdp2_sources(
             module, offload, optimizer, rename
         )
@@ -906,21 +925,24 @@ class RolloutWeights:
         ``format="vllm"``: vLLM's runtime names and rank-local shapes (fused ``qkv_proj``,
         ``gate_up_proj``, FusedMoE ``w13_weight`` / ``w2_weight``, the vocabulary padded as
         vLLM pads it); fused tensors are new tensors (one copy), the others views.
-        ``format="peft"``: a LoRA switch's adapters alone, under PEFT's state-dict keys
-        (``base_model.model.…q_proj.lora_A.weight``: what an engine serving LoRA loads)."""
+        ``format="peft"``: what PEFT saves of a LoRA switch's adapter, under PEFT's state-dict
+        keys: the adapters (``base_model.model.…q_proj.lora_A.weight``: what an engine serving
+        LoRA loads) and the whole tensors trained beside them (``modules_to_save``, trainable
+        biases: ``base_model.model.lm_head.weight``, an adapted module's bias under its
+        ``base_layer``)."""
         self._check("named_tensors")
         self._check_format(format)
         handles = self._switch._live().tensors(_rank(rank), False)
         if not self._switch._torch:
             if format == "vllm":
                 raise ConfigError('format="vllm" yields torch tensors: it needs a torch switch')
-            yield from _named(format, [(h.name, h) for h in handles])
+            yield from _named(format, [(h.name, h) for h in handles], self._switch._trained)
             return
         from ._torch import to_torch
 
         named = [(h.name, to_torch(h)) for h in handles]
         if format != "vllm":
-            yield from _named(format, named)
+            yield from _named(format, named, self._switch._trained)
         else:
             yield from vllm_tensors(
                 self._switch._config_json, dict(named), self._switch._tp, rank
@@ -940,7 +962,7 @@ class RolloutWeights:
         handles = self._switch._live().tensors(_rank(rank), True)
         named = [(h.name, np.from_dlpack(h)) for h in handles]
         if format != "vllm":
-            yield from _named(format, named)
+            yield from _named(format, named, self._switch._trained)
         else:
             yield from vllm_tensors(
                 self._switch._config_json, dict(named), self._switch._tp, rank

@@ -58,8 +58,9 @@ fn stats_dict<'py>(py: Python<'py>, s: SwitchStats) -> PyResult<Bound<'py, PyDic
     Ok(d)
 }
 
-/// A front's LoRA configuration: `(r, lora_alpha, target_modules, use_rslora)`.
-type LoraArgs = (usize, f64, Vec<String>, bool);
+/// A front's LoRA configuration: `(r, lora_alpha, target_modules, use_rslora, trained)`, the
+/// last the whole tensors trained beside the adapters (the model's names).
+type LoraArgs = (usize, f64, Vec<String>, bool, Vec<String>);
 
 /// The parameters (Hugging Face names, full shapes, checkpoint order) of the model a Hugging
 /// Face `config.json` describes, with the LoRA adapters of `lora` beside their bases.
@@ -71,8 +72,10 @@ pub fn expected_parameters(
 ) -> PyResult<Vec<(String, Vec<usize>)>> {
     match lora {
         None => ModelBinding::expected(config_json),
-        Some((r, alpha, targets, rslora)) => settings::lora(r, alpha, &targets, rslora)
-            .and_then(|l| ModelBinding::expected_with_lora(config_json, &l)),
+        Some((r, alpha, targets, rslora, trained)) => {
+            settings::lora(r, alpha, &targets, rslora, &trained)
+                .and_then(|l| ModelBinding::expected_with_lora(config_json, &l))
+        }
     }
     .map_err(to_py)
 }
@@ -134,10 +137,10 @@ impl PySwitch {
         let build = || -> Result<Switch, BridgeError> {
             let binding = match lora {
                 None => ModelBinding::new(config_json, names)?,
-                Some((r, alpha, targets, rslora)) => ModelBinding::with_lora(
+                Some((r, alpha, targets, rslora, trained)) => ModelBinding::with_lora(
                     config_json,
                     names,
-                    settings::lora(r, alpha, &targets, rslora)?,
+                    settings::lora(r, alpha, &targets, rslora, &trained)?,
                 )?,
             };
             let text = SettingsText {

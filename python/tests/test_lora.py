@@ -1,6 +1,7 @@
 """LoRA models on the host switch (CI, numpy): the adapters beside their frozen base, split as
-their base is, refreshed alone; PEFT's keys out; a written base and bad configurations refused
-by name."""
+their base is, refreshed alone; whole tensors trained beside them (PEFT's modules_to_save,
+bias="all" / "lora_only") refreshed with them; PEFT's keys out; a written base and bad
+configurations refused by name."""
 
 from types import SimpleNamespace
 
@@ -127,7 +128,8 @@ def test_bad_lora_configurations_and_adapter_tensors_are_refused_by_name():
 def test_a_peft_models_parameter_names_map_onto_the_switchs():
     """``Switch.from_peft`` reads a PEFT model's parameters under the model's names: PEFT's
     wrapper prefix dropped, a LoRA layer's ``base_layer`` folded, the adapter's matrices as
-    ``lora_A.weight`` / ``lora_B.weight``; another adapter's and modules_to_save refused by name."""
+    ``lora_A.weight`` / ``lora_B.weight``, a modules_to_save copy as the module's tensor, its
+    frozen original left out; another adapter's matrices and copies refused by name."""
     from lifecycle._lora import peft_name
 
     p = "base_model.model.model.layers.2."
@@ -141,8 +143,16 @@ def test_a_peft_models_parameter_names_map_onto_the_switchs():
     assert peft_name("base_model.model.model.norm.weight") == "model.norm.weight"
     with pytest.raises(lifecycle.ConfigError, match="adapter `other`"):
         peft_name(p + "mlp.up_proj.lora_A.other.weight")
-    with pytest.raises(lifecycle.ConfigError, match="modules_to_save"):
-        peft_name("base_model.model.lm_head.modules_to_save.default.weight")
+    # modules_to_save: the adapter's trained copy is the module's tensor, PEFT's frozen original
+    # beside it is not switched, another adapter's copy is refused by name
+    assert peft_name("base_model.model.lm_head.modules_to_save.default.weight") == "lm_head.weight"
+    assert peft_name("base_model.model.model.embed_tokens.modules_to_save.mine.weight", "mine") == (
+        "model.embed_tokens.weight"
+    )
+    assert peft_name("base_model.model.lm_head.original_module.weight") is None
+    assert peft_name("base_model.model.model.embed_tokens.original_module.weight") is None
+    with pytest.raises(lifecycle.ConfigError, match="`base_model.model.lm_head.modules_to_save.other.weight`.*adapter `other`"):
+        peft_name("base_model.model.lm_head.modules_to_save.other.weight")
     # transformers' fused experts adapted by PEFT (`mlp.experts.lora_A`), or one expert's linear
     for name in ("mlp.experts.lora_A.default.weight", "mlp.experts.3.down_proj.lora_B.default.weight"):
         with pytest.raises(lifecycle.ConfigError, match=f"`{p + name}`.*experts"):
@@ -157,3 +167,136 @@ def test_from_peft_refuses_adapters_on_parameters_by_name():
     model = SimpleNamespace(peft_config={"default": lora})
     with pytest.raises(lifecycle.ConfigError, match="target_parameters = \\['down_proj'\\]"):
         lifecycle.Switch.from_peft(model)
+
+
+# PEFT's modules_to_save = ["lm_head"] and bias="lora_only": the head and the q / v biases (the
+# adapted modules with a bias; down_proj has none) train beside the adapters
+TRAINED_LORA = {**LORA, "modules_to_save": ["lm_head"], "bias": "lora_only"}
+TRAINED = ["lm_head.weight"] + [
+    f"model.layers.{l}.self_attn.{m}.bias" for l in range(2) for m in ("q_proj", "v_proj")
+]
+
+
+def test_trained_tensors_are_named_from_modules_to_save_and_bias():
+    from lifecycle._lora import lora_args, trained_names
+
+    names = [n for n, _ in lifecycle.expected_parameters(CONFIG, lora=LORA)]
+    assert lora_args(TRAINED_LORA, names)[4] == sorted(TRAINED)
+    # expected_parameters: the same names (the trained tensors are the model's own)
+    assert lifecycle.expected_parameters(CONFIG, lora=TRAINED_LORA) == (
+        lifecycle.expected_parameters(CONFIG, lora=LORA)
+    )
+    every_bias = [n for n in names if n.endswith(".bias")]
+    assert len(every_bias) == 6  # q, k, v of 2 layers
+    assert trained_names(names, [], "all") == sorted(every_bias)
+    assert trained_names(names, ["embed_tokens", "norm"], "none") == [
+        "model.embed_tokens.weight", "model.norm.weight"
+    ]
+    # a PEFT LoraConfig (attributes) reads as the dict does
+    peft = SimpleNamespace(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                           modules_to_save=["lm_head"], bias="lora_only")
+    assert lora_args(peft, names) == lora_args(TRAINED_LORA, names)
+    with pytest.raises(lifecycle.ConfigError, match="modules_to_save: `score` names no module"):
+        lora_args({**LORA, "modules_to_save": ["score"]}, names)
+    with pytest.raises(lifecycle.ConfigError, match="bias: expected .*found 'some'"):
+        lora_args({**LORA, "bias": "some"}, names)
+    with pytest.raises(lifecycle.ConfigError, match="modules_to_save: expected module names"):
+        lora_args({**LORA, "modules_to_save": "lm_head"}, names)
+
+
+def test_a_refresh_moves_the_trained_whole_tensors_with_the_adapters_and_nothing_else():
+    a = arrays()
+    s = lifecycle.Switch.from_arrays(CONFIG, a, lora=TRAINED_LORA, world=2, rollout_tp=2)
+    with s.rollout() as w:
+        before = [{n: x.copy() for n, x in w.named_arrays(rank=r)} for r in range(2)]
+    q = "model.layers.0.self_attn.q_proj"
+    written = ["lm_head.weight", f"{q}.bias", "model.layers.1.self_attn.v_proj.bias",
+               f"{q}.lora_B.weight"]
+    with s.update() as m:
+        for n in written:
+            m[n] += 1.0
+    with s.rollout() as w:
+        after = [{n: x.copy() for n, x in w.named_arrays(rank=r)} for r in range(2)]
+    assert s.stats()["refreshes"] == 1
+    for r in range(2):
+        changed = sorted(n for n in before[r] if not np.array_equal(before[r][n], after[r][n]))
+        assert changed == sorted(written)
+        # the head split on its rows (vocabulary) at T = 2, as its bf16
+        assert np.array_equal(after[r]["lm_head.weight"], bf16_bits(a["lm_head.weight"][32 * r : 32 * r + 32]))
+        assert np.array_equal(after[r][f"{q}.bias"], bf16_bits(a[f"{q}.bias"][8 * r : 8 * r + 8]))
+    # a frozen bias (k_proj is not adapted: lora_only leaves it frozen) is still refused by name
+    with s.update() as m:
+        m["model.layers.0.self_attn.k_proj.bias"] += 1.0
+    with pytest.raises(lifecycle.LifecycleError, match=r"`model\.layers\.0\.self_attn\.k_proj\.bias`.*frozen"):
+        with s.rollout():
+            pass
+
+
+def test_bias_all_trains_every_bias_and_the_rest_stays_frozen():
+    s = lifecycle.Switch.from_arrays(CONFIG, arrays(), lora={**LORA, "bias": "all"})
+    with s.rollout():
+        pass
+    k = "model.layers.1.self_attn.k_proj.bias"
+    with s.update() as m:
+        m[k] -= 0.5
+    with s.rollout() as w:
+        got = dict(w.named_arrays())[k]
+        assert np.array_equal(got, bf16_bits(s.masters[k]))
+        del got
+    assert s.stats()["refreshes"] == 1
+    with s.update() as m:
+        m["lm_head.weight"] += 1.0
+    with pytest.raises(lifecycle.LifecycleError, match=r"`lm_head\.weight`.*frozen"):
+        with s.rollout():
+            pass
+
+
+def test_peft_format_yields_the_trained_whole_tensors_under_peft_keys():
+    s = lifecycle.Switch.from_arrays(CONFIG, arrays(), lora=TRAINED_LORA)
+    with s.rollout() as w:
+        peft = dict(w.named_arrays("peft"))
+        hf = dict(w.named_arrays())
+        adapters = {"base_model.model." + n for n in hf if ".lora_" in n}
+        # what PEFT's saved adapter holds: the head under the model's name, an adapted
+        # module's bias under its base_layer
+        whole = {"base_model.model.lm_head.weight"} | {
+            f"base_model.model.model.layers.{l}.self_attn.{m}.base_layer.bias"
+            for l in range(2) for m in ("q_proj", "v_proj")
+        }
+        assert set(peft) == adapters | whole
+        assert np.array_equal(peft["base_model.model.lm_head.weight"], hf["lm_head.weight"])
+        b = "model.layers.1.self_attn.v_proj"
+        assert np.array_equal(peft[f"base_model.model.{b}.base_layer.bias"], hf[f"{b}.bias"])
+        del peft, hf
+    # bias="all": a bias of a module without an adapter keeps its own name
+    s = lifecycle.Switch.from_arrays(CONFIG, arrays(), lora={**LORA, "bias": "all"})
+    with s.rollout() as w:
+        keys = {n for n, _ in w.named_arrays("peft")}
+    assert "base_model.model.model.layers.0.self_attn.k_proj.bias" in keys
+    assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer.bias" in keys
+
+
+def test_bad_trained_names_are_refused_by_name():
+    a = arrays()
+    with pytest.raises(lifecycle.ConfigError, match="modules_to_save: `classifier`"):
+        lifecycle.Switch.from_arrays(CONFIG, a, lora={**LORA, "modules_to_save": ["classifier"]})
+    with pytest.raises(lifecycle.ConfigError, match="bias: expected"):
+        lifecycle.Switch.from_arrays(CONFIG, a, lora={**LORA, "bias": True})
+
+
+def test_from_peft_takes_modules_to_save_and_trainable_biases():
+    """modules_to_save and bias="all" / "lora_only" pass from_peft's checks (the module is read
+    next: this fake has no config, which is the next thing refused); PEFT's lora_bias (a bias
+    on lora_B) is refused by name."""
+    def model(**fields):
+        base = dict(r=4, lora_alpha=8, target_modules={"q_proj"}, use_rslora=False,
+                    modules_to_save=None, bias="none")
+        return SimpleNamespace(peft_config={"default": SimpleNamespace(**{**base, **fields})})
+
+    for fields in ({"modules_to_save": ["lm_head"]}, {"bias": "lora_only"}, {"bias": "all"}):
+        m = model(**fields)
+        with pytest.raises(lifecycle.ConfigError, match="has no `config`"):
+            lifecycle.Switch.from_peft(m)
+    m = model(lora_bias=True)
+    with pytest.raises(lifecycle.ConfigError, match="lora_bias = True"):
+        lifecycle.Switch.from_peft(m)

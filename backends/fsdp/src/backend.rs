@@ -96,7 +96,8 @@ pub struct FsdpBackend<S: FsdpBuffers = FsdpTrainState> {
     /// The options every backend holds (dtype, fp8 exemptions, verification, offload overlap,
     /// a frozen base).
     pub(crate) options: SwitchOptions,
-    /// With a frozen base: the plan of the adapters alone, beside the whole plan it was made
+    /// With a frozen base: the plan of the trained tensors alone (the adapters and the whole
+    /// tensors beside them), beside the whole plan it was made
     /// from ([`lifecycle_layout::fsdp::build_plan_of`]).
     pub(crate) adapter_plan: Mutex<Option<(Arc<FsdpPlan>, Arc<FsdpPlan>)>>,
     /// With a frozen base: whether a rollout holds its cast base (set by enter, cleared when

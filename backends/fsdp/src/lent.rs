@@ -66,8 +66,8 @@ impl std::fmt::Debug for LentFsdpState {
 
 impl LentFsdpState {
     /// Reports that the lender wrote frozen tensor `name` (a LoRA model's base, under
-    /// `with_frozen_base`) since the last enter: the next refresh, which would move the adapters
-    /// alone, is refused naming it, and the enter after it casts every tensor again. The lender
+    /// `with_frozen_base`) since the last enter: the next refresh, which would move the trained
+    /// tensors alone, is refused naming it, and the enter after it casts every tensor again. The lender
     /// knows its writes (PyTorch's version counters); the backend cannot see them.
     pub fn mark_frozen_written(&mut self, name: &str) {
         if self.frozen_written.is_none() {

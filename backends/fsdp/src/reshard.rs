@@ -16,7 +16,6 @@ use lifecycle_layout::fp8::RolloutDtype;
 use lifecycle_layout::fsdp::{
     build_fp8_plan, build_fp8_plan_of, build_plan, build_plan_of, FsdpPlan,
 };
-use lifecycle_layout::lora::is_adapter;
 use lifecycle_layout::FsdpLayout;
 
 impl<S: FsdpBuffers> FsdpBackend<S> {
@@ -45,6 +44,10 @@ impl<S: FsdpBuffers> FsdpBackend<S> {
             }
         }
         let core = plan_fsdp_to_tp(train, &self.layout)?;
+        self.options
+            .trained
+            .check(train.tensors().iter().map(|(n, _)| n.as_str()))
+            .map_err(|e| FsdpError::Config(e.to_string()))?;
         let mut plan = match self.options.dtype {
             RolloutDtype::Bf16 => build_plan(core, train, self.config),
             RolloutDtype::Fp8 => {
@@ -82,10 +85,12 @@ impl<S: FsdpBuffers> FsdpBackend<S> {
 }
 
 impl<S: FsdpBuffers> FsdpBackend<S> {
-    /// The plan of the adapters alone ([`build_plan_of`]) made from `plan` (cached beside it),
-    /// moving bytes as `plan` does (peer copies or NCCL).
+    /// The plan of the trained tensors alone ([`build_plan_of`]: the adapters and the whole
+    /// tensors beside them, [`SwitchOptions::trained`](lifecycle_layout::settings::SwitchOptions::trained))
+    /// made from `plan` (cached beside it), moving bytes as `plan` does (peer copies or NCCL).
     /// In an fp8 rollout the adapters are bf16 tensors beside the quantised base
-    /// ([`build_fp8_plan_of`]: the base's places kept, nothing of it quantised again).
+    /// ([`build_fp8_plan_of`]: every place kept, a trained whole matrix that fp8 quantises
+    /// quantised again, nothing else).
     fn adapter_plan(
         &self,
         plan: &Arc<FsdpPlan>,
@@ -100,11 +105,13 @@ impl<S: FsdpBuffers> FsdpBackend<S> {
         {
             return Ok(adapters.clone());
         }
+        let trained = &self.options.trained;
+        let moves = |name: &str| trained.moves(name);
         let core = plan.core.clone();
         let mut adapters = match self.options.dtype {
-            RolloutDtype::Bf16 => build_plan_of(core, train, plan.config, &is_adapter),
+            RolloutDtype::Bf16 => build_plan_of(core, train, plan.config, &moves),
             RolloutDtype::Fp8 => {
-                build_fp8_plan_of(core, train, plan.config, self.options.fp8_keep, &is_adapter)?
+                build_fp8_plan_of(core, train, plan.config, self.options.fp8_keep, &moves)?
             }
         };
         adapters.peer_copy = plan.peer_copy && adapters.peer_copyable();
@@ -193,16 +200,17 @@ impl<S: FsdpBuffers> Reshard for FsdpBackend<S> {
         }
         // The old hashes no longer describe the weights, whatever happens next.
         self.rollout_sums = None;
-        // A frozen base stays as enter cast it: the adapters alone move, unless the lender
-        // wrote the base (the next enter casts it again).
+        // A frozen base stays as enter cast it: the trained tensors alone move, unless the
+        // lender wrote the base (the next enter casts it again).
         if self.options.frozen_base
             && let Some(name) = state.frozen_written()
         {
             return Err(FsdpError::Tensor {
                 name: name.to_string(),
                 problem: "frozen (with_frozen_base) but written since enter: the refresh moves \
-                          the adapters alone, so its rollout form would be stale; write only the \
-                          adapters (the next rollout casts every tensor again)"
+                          the trained tensors alone (the adapters and those named with \
+                          with_trained), so its rollout form would be stale; write only those (the \
+                          next rollout casts every tensor again)"
                     .into(),
             });
         }

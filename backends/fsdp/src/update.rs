@@ -24,7 +24,6 @@ use std::sync::Arc;
 
 use lifecycle_cuda::cudarc::driver::CudaSlice;
 use lifecycle_cuda::{CudaError, RankCtx, RankExecutor};
-use lifecycle_layout::lora::is_adapter;
 use lifecycle_layout::{AdamParams, HostTensor};
 
 use crate::build::{fill_shards_uniform, shard_host_tensors};
@@ -172,8 +171,6 @@ impl FsdpBackend {
         Ok(())
     }
 
-    /// Runs `f(ctx, kernels, rank buffers, shard layout)` on every local rank, then waits for
-    /// the rank's streams, so later work on any stream (an offload copy) sees the result.
     /// With a frozen base whose rollout form a rollout holds: `what` would write its masters,
     /// refused naming the first frozen tensor (the refresh would not move it: the rollout would
     /// be stale).
@@ -181,17 +178,27 @@ impl FsdpBackend {
         if !self.options.frozen_base || !self.base_cast.load(std::sync::atomic::Ordering::Acquire) {
             return Ok(());
         }
-        match state.layout.tensors().iter().find(|(n, _)| !is_adapter(n)) {
+        let trained = &self.options.trained;
+        match state
+            .layout
+            .tensors()
+            .iter()
+            .find(|(n, _)| !trained.moves(n))
+        {
             None => Ok(()),
             Some((name, _)) => Err(FsdpError::Tensor {
                 name: name.clone(),
                 problem: format!(
-                    "frozen (with_frozen_base) and cast into the resident rollout: {what} would                      write it; write only the adapters (adam_step moves them alone), or leave                      rollout mode first (exit)"
+                    "frozen (with_frozen_base) and cast into the resident rollout: {what} would \
+                     write it; write only the trained tensors (adam_step moves them alone), or \
+                     leave rollout mode first (exit)"
                 ),
             }),
         }
     }
 
+    /// Runs `f(ctx, kernels, rank buffers, shard layout)` on every local rank, then waits for
+    /// the rank's streams, so later work on any stream (an offload copy) sees the result.
     fn run_update(&self, state: &mut FsdpTrainState, f: &RankUpdate<'_>) -> Result<(), FsdpError> {
         let kernels = self.update_kernels()?;
         let shards = &state.shards;
@@ -298,7 +305,7 @@ impl FsdpBackend {
             .layout
             .tensors()
             .iter()
-            .map(|(name, _)| !self.options.frozen_base || is_adapter(name))
+            .map(|(name, _)| !self.options.frozen_base || self.options.trained.moves(name))
             .collect();
         self.run_update(state, &|ctx, k, rt, shards| {
             let rank = ctx.rank;

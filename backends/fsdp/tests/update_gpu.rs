@@ -442,26 +442,33 @@ fn lora_specs(tp: usize) -> Vec<TensorSpec> {
 /// (the transfer's bytes those of the adapters), and the rollout is the reference rollout of
 /// the masters (bf16, or fp8: the base quantised once, the adapters bf16 beside it); writing a
 /// master of the base while the rollout holds it is refused by name. W = 1, 2 (on one GPU if
-/// need be), T = 1, W (fp8: T = 1, its 24-wide matrices one partial block each).
+/// need be), T = 1, W (fp8: T = 1, its 24-wide matrices one partial block each); the same with
+/// a whole tensor trained beside the adapters (`with_trained`: the final norm, stepped and moved
+/// with them), and a trained name the model lacks refused at plan.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn a_frozen_base_refreshes_the_adapters_alone() -> Res {
     use lifecycle_core::Phase;
     use lifecycle_layout::fp8::RolloutDtype;
-    use lifecycle_layout::lora::is_adapter;
+    use lifecycle_layout::lora::Trained;
     use lifecycle_layout::settings::Configure;
 
     require_gpus(1)?;
-    let cases = [(1, 1), (2, 1), (2, 2)]
-        .into_iter()
-        .map(|c| (c, RolloutDtype::Bf16));
-    let fp8 = [(1, 1), (2, 1)].into_iter().map(|c| (c, RolloutDtype::Fp8));
-    for ((world, tp), dtype) in cases.chain(fp8) {
+    let bf16 = [(1, 1), (2, 1), (2, 2)].map(|wt| (wt, RolloutDtype::Bf16));
+    let fp8 = [(1, 1), (2, 1)].map(|wt| (wt, RolloutDtype::Fp8));
+    let cases = bf16.into_iter().chain(fp8).flat_map(|(wt, dtype)| {
+        [
+            (wt, dtype, Trained::default()),
+            (wt, dtype, Trained::new(["model.norm.weight"])),
+        ]
+    });
+    for ((world, tp), dtype, trained) in cases {
         let specs = lora_specs(tp);
         let layout = RolloutLayout::new(tp, specs.clone())?;
         let host = HostTrainState::from_tensors(world, host_tensors(&specs))?;
         let backend = FsdpBackend::new(pool(world)?, layout.clone())
             .with_frozen_base(true)
+            .with_trained(trained.clone())
             .with_rollout_dtype(dtype);
         let state = backend.state_from_host(&host)?;
         let mut lc = Lifecycle::with_config(
@@ -475,10 +482,10 @@ fn a_frozen_base_refreshes_the_adapters_alone() -> Res {
                 },
             },
         )?;
-        let adapter_bytes: u64 = layout
+        let trained_bytes: u64 = layout
             .tensors()
             .iter()
-            .filter(|s| is_adapter(&s.name))
+            .filter(|s| trained.moves(&s.name))
             .map(|s| 2 * s.numel() as u64)
             .sum();
         let total = |b: lifecycle_core::LinkBytes| b.local + b.device_to_device;
@@ -508,8 +515,8 @@ fn a_frozen_base_refreshes_the_adapters_alone() -> Res {
                 let same = m.data == h.data;
                 assert_eq!(
                     same,
-                    step == 0 || !is_adapter(&m.name),
-                    "W={world} T={tp} step {step}: {}",
+                    step == 0 || !trained.moves(&m.name),
+                    "{dtype:?} W={world} T={tp} step {step}: {}",
                     m.name
                 );
             }
@@ -526,7 +533,7 @@ fn a_frozen_base_refreshes_the_adapters_alone() -> Res {
             let moved = total(lc.metrics().phase(Phase::Transfer).bytes) - total(before);
             eprintln!(
                 "{dtype:?} W={world} T={tp} step {step}: {moved} bytes cast or copied into the rollout \
-                 (the adapters: {adapter_bytes} bytes a rollout replica)"
+                 (the trained tensors: {trained_bytes} bytes a rollout replica)"
             );
             if step == 0 {
                 enter_bytes = moved;
@@ -549,5 +556,14 @@ fn a_frozen_base_refreshes_the_adapters_alone() -> Res {
         );
         eprintln!("{dtype:?} W={world} T={tp}: {}", m.summary_line());
     }
+    let typo = FsdpBackend::new(pool(1)?, RolloutLayout::new(1, lora_specs(1))?)
+        .with_frozen_base(true)
+        .with_trained(Trained::new(["model.norm.weights"]));
+    let state = typo.state_from_host(&HostTrainState::from_tensors(
+        1,
+        host_tensors(&lora_specs(1)),
+    )?)?;
+    let err = Reshard::plan(&typo, &state).unwrap_err().to_string();
+    assert!(err.contains("`model.norm.weights`"), "{err}");
     Ok(())
 }

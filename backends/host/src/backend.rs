@@ -6,7 +6,7 @@ use lifecycle_layout::{plan_fsdp_to_tp, RankPlan, ReshardPlan, RolloutLayout};
 
 use crate::fp8::{check_fp8_plan, fp8_rollout};
 use lifecycle_layout::fp8::{fp8_rank_traffic, Fp8Keep, RolloutDtype};
-use lifecycle_layout::lora::is_adapter;
+use lifecycle_layout::lora::Trained;
 use lifecycle_layout::settings::{Configure, Honours, SwitchOptions};
 use lifecycle_layout::{HostRollout, RankRollout, RolloutTensor};
 use lifecycle_state::cast_f32_to_bf16;
@@ -44,7 +44,8 @@ pub struct HostBackend {
     /// Checksums of the resident rollout slices, per rank and tensor (verification mode).
     rollout_sums: Vec<Vec<u64>>,
     /// With a frozen base: per rank and training tensor, the checksum of a frozen tensor's
-    /// master shard when enter cast it (`None` for the adapters).
+    /// master shard when enter cast it (`None` for the trained tensors: the adapters and the
+    /// whole tensors beside them).
     frozen_sums: Vec<Vec<Option<u64>>>,
 }
 
@@ -103,8 +104,8 @@ impl HostBackend {
     }
 
     /// Each rank's checksum of every frozen tensor's master shard (a frozen base: every tensor
-    /// but the LoRA adapters).
-    fn frozen_sums(state: &HostTrainState) -> Vec<Vec<Option<u64>>> {
+    /// but the trained ones, `trained`).
+    fn frozen_sums(state: &HostTrainState, trained: &Trained) -> Vec<Vec<Option<u64>>> {
         let names = state.layout().tensors();
         state
             .ranks()
@@ -114,7 +115,7 @@ impl HostBackend {
                     .iter()
                     .zip(names)
                     .map(|(sh, (name, _))| {
-                        (!is_adapter(name)).then(|| checksum_f32(sh.master.values()))
+                        (!trained.moves(name)).then(|| checksum_f32(sh.master.values()))
                     })
                     .collect()
             })
@@ -126,7 +127,7 @@ impl HostBackend {
         if !self.options.frozen_base {
             return Ok(());
         }
-        let now = Self::frozen_sums(state);
+        let now = Self::frozen_sums(state, &self.options.trained);
         let names = state.layout().tensors();
         for (rank, (was, is)) in self.frozen_sums.iter().zip(&now).enumerate() {
             for (i, (a, b)) in was.iter().zip(is).enumerate() {
@@ -439,8 +440,18 @@ impl Reshard for HostBackend {
 
     fn plan(&self, state: &HostTrainState) -> Result<ReshardPlan, HostError> {
         let plan = plan_fsdp_to_tp(state.layout(), &self.layout)?;
+        self.options
+            .trained
+            .check(state.layout().tensors().iter().map(|(n, _)| n.as_str()))?;
         if self.options.dtype == RolloutDtype::Fp8 {
             check_fp8_plan(&plan, self.options.fp8_keep)?;
+            if self.options.frozen_base {
+                let tensors = state.layout().tensors();
+                let shapes = tensors.iter().map(|(n, s)| (n.as_str(), s.as_slice()));
+                self.options
+                    .trained
+                    .check_bf16(shapes, self.options.fp8_keep)?;
+            }
         }
         if self.options.verify || self.options.dtype == RolloutDtype::Fp8 {
             state.check_finite()?;
@@ -477,7 +488,7 @@ impl Reshard for HostBackend {
         };
         self.record_rollout_sums(&rollout);
         if self.options.frozen_base {
-            self.frozen_sums = Self::frozen_sums(state);
+            self.frozen_sums = Self::frozen_sums(state, &self.options.trained);
         }
         offload(state, ctx.memory, self.options.verify, ctx);
         Ok(rollout)
@@ -509,9 +520,11 @@ impl Reshard for HostBackend {
             }
         }
         if self.options.frozen_base && !self.frozen_sums.is_empty() {
-            // the base was cast at enter: the adapters alone move (bf16 in every rollout dtype)
+            // the base was cast at enter: the trained tensors alone move (bf16 in every rollout
+            // dtype)
             self.check_frozen(state)?;
-            let only = |name: &str| is_adapter(name);
+            let trained = &self.options.trained;
+            let only = |name: &str| trained.moves(name);
             transfer_some(plan, state, rollout.ranks.iter_mut().collect(), ctx, &only)?;
         } else if self.options.dtype == RolloutDtype::Fp8 {
             *rollout = quantise(plan, state, self.options.fp8_keep, ctx)?;
@@ -520,7 +533,7 @@ impl Reshard for HostBackend {
         }
         self.record_rollout_sums(rollout);
         if self.options.frozen_base && self.frozen_sums.is_empty() {
-            self.frozen_sums = Self::frozen_sums(state);
+            self.frozen_sums = Self::frozen_sums(state, &self.options.trained);
         }
         offload(state, ctx.memory, self.options.verify, ctx);
         Ok(())

@@ -1,9 +1,10 @@
 """``Switch.from_peft`` over a PEFT LoRA model on the GPU (a transformers Qwen2 under
 ``peft.get_peft_model``): the rollout holds the bf16 of the base and of the adapters under the
-model's names, a refresh after an optimizer step on the adapters moves the adapters alone, a
-written base weight is refused by name and cast again by the next rollout,
-``named_tensors("peft")`` gives the adapters under PEFT's keys, and the engine on the unmerged
-adapters, and in its merged mode, agrees with PEFT's merged model, dense and mixture-of-experts (transformers 5's fused
+model's names, a refresh after an optimizer step on the adapters moves the adapters alone (and
+the whole tensors trained beside them: ``modules_to_save``, ``bias="lora_only"``), a written
+base weight is refused by name and cast again by the next rollout, ``named_tensors("peft")``
+gives the adapters under PEFT's keys, and the engine on the unmerged adapters, and in its merged
+mode, agrees with PEFT's merged model, dense and mixture-of-experts (transformers 5's fused
 experts rolled out per expert)."""
 
 import pytest
@@ -32,8 +33,10 @@ def peft_model(seed=0):
 
 
 def bf16_of(model) -> dict:
-    """The bf16 of every parameter under the switch's names."""
-    return {peft_name(n): p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+    """The bf16 of every parameter under the switch's names (PEFT's frozen ``original_module``
+    beside a ``modules_to_save`` copy left out, as the switch leaves it)."""
+    named = ((peft_name(n), p) for n, p in model.named_parameters())
+    return {n: p.detach().to(torch.bfloat16) for n, p in named if n is not None}
 
 
 def same(got: dict, want: dict, names) -> list:
@@ -89,13 +92,65 @@ def test_from_peft_refreshes_the_adapters_alone_and_refuses_a_written_base():
     switch.close()
 
 
+def test_from_peft_switches_modules_to_save_and_trainable_biases():
+    """PEFT's ``modules_to_save=["lm_head"]`` and ``bias="lora_only"``: the head's trained copy
+    rolls out as ``lm_head.weight`` (its frozen original is not read), the adapted modules'
+    biases train beside the adapters; a refresh after an optimizer step moves them with the
+    adapters (the frozen rest as enter cast it), and ``named_tensors("peft")`` holds them under
+    PEFT's keys."""
+    torch.manual_seed(1)
+    with torch.device("cuda"):
+        base = transformers.Qwen2ForCausalLM(qwen2_config()).float()
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                          modules_to_save=["lm_head"], bias="lora_only")
+    model = peft.get_peft_model(base, cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.02)
+    head = model.base_model.model.lm_head
+    with torch.no_grad():  # the trained copy apart from its frozen original
+        head.modules_to_save["default"].weight.add_(0.5)
+    trained = ["lm_head.weight"] + [
+        f"model.layers.{l}.self_attn.{m}.bias" for l in range(2) for m in ("q_proj", "v_proj")
+    ]
+    switch = lifecycle.Switch.from_peft(model)
+    want = bf16_of(model)
+    assert torch.equal(want["lm_head.weight"], head.modules_to_save["default"].weight.to(torch.bfloat16))
+    with switch.rollout() as w:
+        got = {n: t.clone() for n, t in w.named_tensors()}
+        peft_keys = {n for n, _ in w.named_tensors("peft")}
+    assert set(got) == set(want)
+    assert same(got, want, want) == []
+    adapters = {"base_model.model." + n for n in want if ".lora_" in n}
+    biases = {f"base_model.model.model.layers.{l}.self_attn.{m}.base_layer.bias"
+              for l in range(2) for m in ("q_proj", "v_proj")}
+    assert peft_keys == adapters | {"base_model.model.lm_head.weight"} | biases
+    # PEFT's own keys for the adapter are among them (the biases it may leave out with
+    # bias="lora_only" are the live model's keys)
+    assert set(peft.get_peft_model_state_dict(model)) <= peft_keys
+    assert biases <= set(model.state_dict())
+
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    ids = torch.randint(0, 1000, (2, 16), device="cuda")
+    model(ids).logits.float().square().mean().backward()
+    opt.step()
+    after = bf16_of(model)
+    moved = sorted(n for n in after if not torch.equal(after[n], want[n]))
+    assert set(trained) <= set(moved), moved
+    assert all(n in trained or ".lora_" in n for n in moved), moved
+    with switch.rollout() as w:
+        got = {n: t.clone() for n, t in w.named_tensors()}
+    assert same(got, after, after) == []
+    stats = switch.stats()
+    assert (stats["enters"], stats["refreshes"]) == (1, 1), stats
+    switch.close()
+
+
 def test_from_peft_refuses_what_it_does_not_switch():
     def base():
         return transformers.Qwen2ForCausalLM(qwen2_config()).float().cuda()
 
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"])
-    with pytest.raises(lifecycle.ConfigError, match="modules_to_save"):
-        lifecycle.Switch.from_peft(peft.get_peft_model(base(), cfg))
     with pytest.raises(lifecycle.ConfigError, match="no LoRA adapter `default`"):
         lifecycle.Switch.from_peft(base())
 
