@@ -54,6 +54,31 @@ fn resident() -> LifecycleConfig {
     }
 }
 
+/// The bytes a lifecycle's switches cast or copied so far.
+fn moved(lc: &Lifecycle<HostBackend>) -> u64 {
+    let b = lc.metrics().bytes();
+    b.local + b.device_to_device
+}
+
+/// Writes the first master element of each tensor `written` names, then checks that the next
+/// rollout is refused naming `refused` as frozen, with nothing moved.
+fn write_is_refused(lc: &mut Lifecycle<HostBackend>, written: &[&str], refused: &str) {
+    {
+        let mut t = lc.train().unwrap();
+        t.state_mut()
+            .for_each_shard_mut(|s| {
+                if written.contains(&s.name) {
+                    s.master[0] += 1.0;
+                }
+            })
+            .unwrap();
+    }
+    let before = moved(lc);
+    let e = lc.rollout().unwrap_err().to_string();
+    assert!(e.contains(refused) && e.contains("frozen"), "{e}");
+    assert_eq!(moved(lc), before);
+}
+
 #[test]
 fn a_refresh_moves_the_adapters_alone_and_a_written_base_is_refused() {
     let m = model();
@@ -63,10 +88,6 @@ fn a_refresh_moves_the_adapters_alone_and_a_written_base_is_refused() {
     let state = HostTrainState::from_tensors(2, tensors(&lora)).unwrap();
     let backend = HostBackend::new(layout.clone()).with_frozen_base(true);
     let mut lc = Lifecycle::with_config(backend, state, resident()).unwrap();
-    let moved = |lc: &Lifecycle<HostBackend>| {
-        let b = lc.metrics().bytes();
-        b.local + b.device_to_device
-    };
     // enter: everything, once
     let q_before = {
         let s = lc.rollout().unwrap();
@@ -125,23 +146,8 @@ fn a_refresh_moves_the_adapters_alone_and_a_written_base_is_refused() {
     assert_eq!(moved(&lc) - before, adapter_bytes);
     assert!(adapter_bytes * 4 < all);
     // a write to the frozen base: refused by name, nothing moved
-    {
-        let mut t = lc.train().unwrap();
-        t.state_mut()
-            .for_each_shard_mut(|s| {
-                if s.name == "model.layers.1.mlp.down_proj.weight" {
-                    s.master[0] += 1.0;
-                }
-            })
-            .unwrap();
-    }
-    let before = moved(&lc);
-    let e = lc.rollout().unwrap_err().to_string();
-    assert!(
-        e.contains("model.layers.1.mlp.down_proj.weight") && e.contains("frozen"),
-        "{e}"
-    );
-    assert_eq!(moved(&lc), before);
+    let down = "model.layers.1.mlp.down_proj.weight";
+    write_is_refused(&mut lc, &[down], down);
 }
 
 #[test]
@@ -195,10 +201,6 @@ fn whole_tensors_trained_beside_the_adapters_move_with_them_and_nothing_else() {
         .with_frozen_base(true)
         .with_trained(trained.clone());
     let mut lc = Lifecycle::with_config(backend, state, resident()).unwrap();
-    let moved = |lc: &Lifecycle<HostBackend>| {
-        let b = lc.metrics().bytes();
-        b.local + b.device_to_device
-    };
     let frozen_before = {
         let s = lc.rollout().unwrap();
         let w = s.weights();
@@ -256,23 +258,8 @@ fn whole_tensors_trained_beside_the_adapters_move_with_them_and_nothing_else() {
     // the trained tensors' bytes, and nothing else
     assert_eq!(moved(&lc) - before, want);
     // a write to a frozen tensor beside them: still refused by name, nothing moved
-    {
-        let mut t = lc.train().unwrap();
-        t.state_mut()
-            .for_each_shard_mut(|s| {
-                if s.name == HEAD || s.name == "model.layers.1.self_attn.q_proj.bias" {
-                    s.master[0] += 1.0;
-                }
-            })
-            .unwrap();
-    }
-    let before = moved(&lc);
-    let e = lc.rollout().unwrap_err().to_string();
-    assert!(
-        e.contains("`model.layers.1.self_attn.q_proj.bias`") && e.contains("frozen"),
-        "{e}"
-    );
-    assert_eq!(moved(&lc), before);
+    let bias = "model.layers.1.self_attn.q_proj.bias";
+    write_is_refused(&mut lc, &[HEAD, bias], &format!("`{bias}`"));
 }
 
 #[test]

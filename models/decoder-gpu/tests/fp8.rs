@@ -25,26 +25,13 @@ use lifecycle_decoder::{
 };
 use lifecycle_decoder_gpu::GpuDecoder;
 use lifecycle_fsdp::FsdpBackend;
-use lifecycle_host::{HostBackend, HostTrainState};
 use lifecycle_layout::fp8::RolloutDtype;
 
 mod common;
 
-use common::{prompts, run};
+use common::{host_fp8, prompts, run};
 
 type Res = Result<(), Box<dyn std::error::Error>>;
-
-/// The host executor's fp8 rollout of `tensors` (W = 1): the CPU decoders' weights.
-fn host_fp8(
-    layout: &lifecycle_layout::RolloutLayout,
-    tensors: &[lifecycle_layout::HostTensor],
-) -> Result<Lifecycle<HostBackend>, Box<dyn std::error::Error>> {
-    let host = HostTrainState::from_tensors(1, tensors.to_vec())?;
-    Ok(Lifecycle::new(
-        HostBackend::new(layout.clone()).with_rollout_dtype(RolloutDtype::Fp8),
-        host,
-    ))
-}
 
 fn check(name: &str, config: &ModelConfig, seed: u64) -> Res {
     let tensors = random_tensors(config, seed);

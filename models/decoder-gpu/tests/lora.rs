@@ -30,7 +30,7 @@ use lifecycle_layout::{HostTensor, RolloutLayout};
 
 mod common;
 
-use common::{prompts, run, Outputs};
+use common::{host_fp8, prompts, run, Outputs};
 
 type Res = Result<(), Box<dyn std::error::Error>>;
 
@@ -294,11 +294,7 @@ fn gpu_lora_beside_an_fp8_base_matches_the_cpu_decoder() -> Res {
     let lora = LoraConfig::new(8, 16.0, LoraTarget::ALL.to_vec());
     let (layout, base, all) = lora_model(&config, &lora, 11)?;
     let (long, short) = prompts();
-    let host = HostTrainState::from_tensors(1, all.clone())?;
-    let mut cpu_lc = Lifecycle::new(
-        HostBackend::new(layout.clone()).with_rollout_dtype(RolloutDtype::Fp8),
-        host,
-    );
+    let mut cpu_lc = host_fp8(&layout, &all)?;
     let cpu_session = cpu_lc.rollout()?;
     let cpu_weights = cpu_session.weights();
     let group: Vec<_> = cpu_weights.ranks.iter().collect();
@@ -325,10 +321,7 @@ fn gpu_lora_beside_an_fp8_base_matches_the_cpu_decoder() -> Res {
     };
     // the base alone, fp8 too: how far the adapters move the logits
     let base_layout = config.rollout_layout(1)?;
-    let mut base_lc = Lifecycle::new(
-        HostBackend::new(base_layout.clone()).with_rollout_dtype(RolloutDtype::Fp8),
-        HostTrainState::from_tensors(1, base)?,
-    );
+    let mut base_lc = host_fp8(&base_layout, &base)?;
     let base_session = base_lc.rollout()?;
     let base_weights = base_session.weights();
     let base_group: Vec<_> = base_weights.ranks.iter().collect();

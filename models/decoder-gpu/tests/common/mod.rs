@@ -93,3 +93,15 @@ pub fn qwen2_256() -> Result<ModelConfig, Box<dyn std::error::Error>> {
     )
     .map_err(Into::into)
 }
+
+/// The host executor's fp8 rollout of `tensors` (W = 1) in `layout`: the CPU decoders' weights.
+pub fn host_fp8(
+    layout: &lifecycle_layout::RolloutLayout,
+    tensors: &[lifecycle_layout::HostTensor],
+) -> Result<lifecycle_core::Lifecycle<lifecycle_host::HostBackend>, Box<dyn std::error::Error>> {
+    use lifecycle_layout::settings::Configure;
+    let host = lifecycle_host::HostTrainState::from_tensors(1, tensors.to_vec())?;
+    let backend = lifecycle_host::HostBackend::new(layout.clone())
+        .with_rollout_dtype(lifecycle_layout::fp8::RolloutDtype::Fp8);
+    Ok(lifecycle_core::Lifecycle::new(backend, host))
+}
