@@ -21,7 +21,7 @@ pub struct Fp8Slice {
 
 /// The FSDP plan of an fp8 rollout over `core` (`keep` choosing the bf16 tensors): the bucket
 /// plan of the bf16 tensors
-/// ([`build_plan`]) and, per rank, the fp8 slices after them. Every rank's slice of a quantised
+/// ([`build_plan`](super::build_plan)) and, per rank, the fp8 slices after them. Every rank's slice of a quantised
 /// tensor must start and end on 128 × 128 block boundaries
 /// ([`LayoutError::Fp8BlockSplit`] otherwise, naming the tensor). At W > 1 the pieces that
 /// cross ranks move as e4m3 bytes in 2-byte elements: a shard split that would move an odd byte
@@ -55,7 +55,7 @@ pub fn build_fp8_plan(
 }
 
 /// [`build_fp8_plan`] of the rollout tensors whose names `only` accepts, as
-/// [`build_plan_of`](super::build_plan_of) is of [`build_plan`]: every tensor's place in the
+/// [`build_plan_of`](super::build_plan_of) is of [`build_plan`](super::build_plan): every tensor's place in the
 /// rollout buffers as in the whole plan (bf16 and fp8 alike), the steps of the accepted ones
 /// alone, so that it rewrites them in a rollout the whole plan made (a LoRA model's adapters,
 /// bf16 in every rollout, over its resident fp8 base).
