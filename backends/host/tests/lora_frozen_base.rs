@@ -150,10 +150,9 @@ fn a_refresh_moves_the_adapters_alone_and_a_written_base_is_refused() {
     write_is_refused(&mut lc, &[down], down);
 }
 
-#[test]
-fn a_frozen_base_is_refused_where_the_backend_lacks_it() {
-    let m = model();
-    let state = lifecycle_host::megatron::MegatronTrainState::from_hf(
+/// The model's Megatron training state at TP = PP = DP = 1, every weight zero.
+fn megatron_state(m: ModelSpec) -> lifecycle_host::megatron::MegatronTrainState {
+    lifecycle_host::megatron::MegatronTrainState::from_hf(
         lifecycle_layout::megatron::MegatronLayout::new(m, 1, 1, 1).unwrap(),
         m.hf_tensors()
             .into_iter()
@@ -163,7 +162,13 @@ fn a_frozen_base_is_refused_where_the_backend_lacks_it() {
             })
             .collect(),
     )
-    .unwrap();
+    .unwrap()
+}
+
+#[test]
+fn a_frozen_base_is_refused_where_the_backend_lacks_it() {
+    let m = model();
+    let state = megatron_state(m);
     let backend = MegatronHostBackend::new(RolloutLayout::fused(1, RolloutVocab::Unpadded))
         .with_frozen_base(true);
     let mut lc = Lifecycle::new(backend, state);
@@ -303,17 +308,7 @@ fn trained_names_the_model_lacks_or_adapters_are_refused_by_name_before_anything
 #[test]
 fn trained_tensors_are_refused_where_the_backend_has_no_frozen_base() {
     let m = model();
-    let state = lifecycle_host::megatron::MegatronTrainState::from_hf(
-        lifecycle_layout::megatron::MegatronLayout::new(m, 1, 1, 1).unwrap(),
-        m.hf_tensors()
-            .into_iter()
-            .map(|(n, s)| {
-                let k = s.iter().product();
-                HostTensor::f32(n, s, vec![0.0; k])
-            })
-            .collect(),
-    )
-    .unwrap();
+    let state = megatron_state(m);
     let backend = MegatronHostBackend::new(RolloutLayout::fused(1, RolloutVocab::Unpadded))
         .with_trained(Trained::new([HEAD]));
     let mut lc = Lifecycle::new(backend, state);
