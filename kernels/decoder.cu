@@ -190,7 +190,7 @@ extern "C" __global__ void lora_merge(u16* w, const u16* __restrict__ a, const u
 // split input xs [2n x inp]. A warp per row c of A_g (blockIdx.x: rows of 8 warps), a block per
 // chunk of k (blockIdx.z, chunk columns each): the chunks' sums go to part [z][n][R] (R =
 // gridDim.y r), and the last block of a row group to finish adds them in chunk order, the same
-// order whichever block it is, scaled, into t [n x R]. counters: one per (blockIdx.x, blockIdx.y),
+// order whichever block it is, scaled, into t [n x R] (chunks <= 16). counters: one per (blockIdx.x, blockIdx.y),
 // zero before a launch and after it (the last block resets its own).
 extern "C" __global__ void lora_a(const u16* __restrict__ xs, u32 n, u32 inp, const u16* a0,
                                   const u16* a1, const u16* a2, u32 r, u32 chunk, float s,
@@ -250,56 +250,77 @@ extern "C" __global__ void lora_a(const u16* __restrict__ xs, u32 n, u32 inp, co
     for (u32 i = threadIdx.x; i < n * rows; i += blockDim.x) {
         const u32 m = i / rows, cc = c0 + i % rows;
         if (cc >= r) continue;
+        // every chunk's load requested together (chunks <= 16), added in chunk order
+        float pv[16];
+#pragma unroll
+        for (u32 q = 0; q < 16u; ++q) pv[q] = q < chunks ? __ldcg(part + ((u64)q * n + m) * R + g * r + cc) : 0.f;
         float v = 0.f;
-        for (u32 q = 0; q < chunks; ++q) v += __ldcg(part + ((u64)q * n + m) * R + g * r + cc);
+#pragma unroll
+        for (u32 q = 0; q < 16u; ++q) v += pv[q];
         t[(u64)m * R + g * r + cc] = s * v;
     }
 }
 
-// A LoRA group's up products at few rows, added where the base product's output is: for target
-// g = blockIdx.y (B_g: b0, b1 or b2 of w_g x r), dst_g[m ld_g + j] += sum_c t[m, g r + c] B_g[j, c]
-// for m < n, j < w_g, t [n x R] (R = gridDim.y r) from lora_a. A thread per column j; the
-// target's t rows in shared memory (8 ceil(n / 8) x r floats, the rows past n zero).
+// A LoRA group's up products at few rows (n <= 8), added where the base product's output is: for
+// target g = blockIdx.y (B_g: b0, b1 or b2 of w_g x r), dst_g[m ld_g + j] += sum_c t[m, g r + c]
+// B_g[j, c] for m < n, j < w_g, t [n x R] (R = gridDim.y r) from lora_a. Lanes of a warp share a
+// column, p of them (a power of two, p <= 32): lane l takes column 32 / p (warp of the grid) + l / p
+// and, of its row of B, the 8 elements at c = 8 (l % p) + 8 p i (i = 0, 1, ...; with vec, 16-byte
+// loads: a warp's loads read whole rows of B side by side), else the elements at c = l % p + p i;
+// the p lanes' sums are added by shuffles in a fixed order, and the column's first lane adds them
+// to dst.
 extern "C" __global__ void lora_b(const float* __restrict__ t, u32 n, u32 r, const u16* b0,
                                   const u16* b1, const u16* b2, float* d0, float* d1, float* d2,
-                                  u32 w0, u32 w1, u32 w2, u32 ld0, u32 ld1, u32 ld2) {
-    extern __shared__ float tsh[];
-    const u32 g = blockIdx.y, R = gridDim.y * r, np = (n + 7u) / 8u * 8u;
-    for (u32 i = threadIdx.x; i < np * r; i += blockDim.x) {
-        const u32 m = i / r, c = i % r;
-        tsh[i] = m < n ? t[(u64)m * R + g * r + c] : 0.f;
-    }
-    __syncthreads();
+                                  u32 w0, u32 w1, u32 w2, u32 ld0, u32 ld1, u32 ld2, u32 p) {
+    const u32 g = blockIdx.y, R = gridDim.y * r;
     const u16* b = g == 0 ? b0 : (g == 1 ? b1 : b2);
     float* d = g == 0 ? d0 : (g == 1 ? d1 : d2);
     const u32 w = g == 0 ? w0 : (g == 1 ? w1 : w2);
     const u32 ld = g == 0 ? ld0 : (g == 1 ? ld1 : ld2);
-    const u32 j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= w) return;
-    const u16* brow = b + (u64)j * r;
+    const u32 lane = threadIdx.x % 32, per_warp = 32u / p;
+    const u32 j = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * per_warp + lane / p;
+    const u32 q = lane % p;
+    // whole warps go on to the shuffles; a lane past the matrix sums nothing
+    const bool live = j < w;
+    const u16* brow = b + (u64)(live ? j : 0) * r;
+    const float* tg = t + g * r;
     const bool vec = (r % 8u) == 0u && ((u64)b % 16u) == 0u;
-    for (u32 m0 = 0; m0 < n; m0 += 8) {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        const float* tm = tsh + m0 * r;
-        if (vec) {
-            for (u32 c = 0; c < r; c += 8) {
-                const uint4 bv = *reinterpret_cast<const uint4*>(brow + c);
-                const u32 bw[4] = {bv.x, bv.y, bv.z, bv.w};
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (vec) {
+        for (u32 c = 8u * q; live && c < r; c += 8u * p) {
+            const uint4 bv = *reinterpret_cast<const uint4*>(brow + c);
+            const u32 bw[4] = {bv.x, bv.y, bv.z, bv.w};
+            float bx[8];
 #pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    const float bx = bf((u16)(e % 2 == 0 ? bw[e / 2] & 0xFFFFu : bw[e / 2] >> 16));
+            for (int e = 0; e < 8; ++e) bx[e] = bf((u16)(e % 2 == 0 ? bw[e / 2] & 0xFFFFu : bw[e / 2] >> 16));
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[i] += tm[i * r + c + e] * bx;
+            for (int m = 0; m < 8; ++m) {
+                if ((u32)m < n) {
+                    const float4* tm = reinterpret_cast<const float4*>(tg + (u64)m * R + c);
+                    const float4 u = __ldg(tm), v = __ldg(tm + 1);
+                    const float tv[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[m] += tv[e] * bx[e];
                 }
             }
-        } else {
-            for (u32 c = 0; c < r; ++c) {
-                const float bx = bf(brow[c]);
+        }
+    } else {
+        for (u32 c = q; live && c < r; c += p) {
+            const float bx = bf(brow[c]);
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[i] += tm[i * r + c] * bx;
+            for (int m = 0; m < 8; ++m) {
+                if ((u32)m < n) acc[m] += __ldg(tg + (u64)m * R + c) * bx;
             }
         }
-        for (u32 i = 0; i < 8 && m0 + i < n; ++i) d[(u64)(m0 + i) * ld + j] += acc[i];
+    }
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+        for (u32 o = p / 2u; o > 0u; o >>= 1) acc[m] += __shfl_down_sync(0xffffffffu, acc[m], o);
+    }
+    if (!live || q != 0u) return;
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+        if ((u32)m < n) d[(u64)m * ld + j] += acc[m];
     }
 }
 

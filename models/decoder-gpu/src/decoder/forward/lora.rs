@@ -20,9 +20,6 @@ use crate::blas::{gemm, gemm_ld};
 use crate::kernels::Arg;
 use crate::weights::LoraAt;
 
-/// `lora_b`'s shared memory bound, in f32: a target's `t` rows, `8·⌈n/8⌉ × r`.
-const ROWS_SHARED: usize = 8192;
-
 /// The most rows a pass runs its branches in `lora_a` / `lora_b`. Measured at 7.6B shapes with
 /// r = 64 on all seven linear types (H100): the two kernels a group beat the cuBLAS products up
 /// to 8 rows (decode 1.66 vs 1.90 ms a step at batch 1, 4 layers) and lose beyond (2.18 vs 1.96
@@ -32,11 +29,16 @@ const MAX_ROWS: usize = 8;
 /// The most chunks `lora_a` splits an input into ([`chunk`]).
 pub(super) const MAX_CHUNKS: usize = 16;
 
-/// Whether a pass of `n` rows with adapters of rank up to `r` runs its branches in `lora_a` /
-/// `lora_b` (at most [`MAX_ROWS`], their `t` rows in `lora_b`'s shared memory), not cuBLAS
-/// products.
-pub(super) fn few_rows(n: usize, r: usize) -> bool {
-    n <= MAX_ROWS && n.div_ceil(8) * 8 * r <= ROWS_SHARED
+/// Whether a pass of `n` rows runs its branches in `lora_a` / `lora_b` (at most [`MAX_ROWS`],
+/// the rows `lora_b` sums in registers), not cuBLAS products.
+pub(super) fn few_rows(n: usize) -> bool {
+    n <= MAX_ROWS
+}
+
+/// The lanes of a warp `lora_b` gives a column of `B` (`w × r`): enough for a 16-byte load each
+/// to cover the row (`r / 8`), a power of two, at most 32.
+fn lanes_per_column(r: usize) -> usize {
+    r.div_ceil(8).next_power_of_two().min(32)
 }
 
 /// The columns of an input of `inp` that one `lora_a` block sums: a multiple of 256 (a warp's
@@ -174,14 +176,20 @@ impl<'a> Pass<'a> {
             Arg::U32(l2 as u32),
         ];
         let widest = group.iter().map(|b| b.width).max().unwrap_or(0);
-        // a thread per output column, a target per grid row
+        let p = lanes_per_column(r);
+        // p lanes a column (32 / p columns a warp), 4 warps a block, a target per grid row
         let cfg = LaunchConfig {
-            grid_dim: (widest.div_ceil(128).max(1) as u32, targets as u32, 1),
+            grid_dim: (
+                widest.div_ceil(4 * 32 / p).max(1) as u32,
+                targets as u32,
+                1,
+            ),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: (4 * n.div_ceil(8) * 8 * r) as u32,
+            shared_mem_bytes: 0,
         };
-        // SAFETY: per the caller (B's, dests); t holds n × targets·r f32 (lora_a's); the shared
-        // memory is 8⌈n/8⌉ × r f32 ≤ ROWS_SHARED (few_rows made this scratch).
+        let args = [args.as_slice(), &[u32a(p)]].concat();
+        // SAFETY: per the caller (B's, dests); t holds n × targets·r f32 (lora_a's), n ≤ 8
+        // (few_rows made this scratch); p a power of two ≤ 32.
         unsafe { self.kernel(&k.lora_b, cfg, &args, "lora_b") }
     }
 
@@ -269,7 +277,7 @@ impl<'a> Pass<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::{chunk, few_rows, MAX_CHUNKS};
+    use super::{chunk, few_rows, lanes_per_column, MAX_CHUNKS};
 
     #[test]
     fn chunks_are_whole_warp_loads_and_at_most_the_scratchs() {
@@ -290,7 +298,9 @@ mod tests {
             assert_eq!(c % 256, 0, "{inp}");
             assert!(inp.div_ceil(c) <= MAX_CHUNKS, "{inp}: {c}");
         }
-        assert!(few_rows(1, 64) && few_rows(8, 64) && !few_rows(9, 64));
-        assert!(few_rows(8, 1024) && !few_rows(8, 1025));
+        assert!(few_rows(1) && few_rows(8) && !few_rows(9));
+        for (r, p) in [(1, 1), (8, 1), (9, 2), (16, 2), (24, 4), (64, 8), (256, 32), (1024, 32)] {
+            assert_eq!(lanes_per_column(r), p, "{r}");
+        }
     }
 }

@@ -164,7 +164,7 @@ impl Scratch {
             let r = bind.lora.1;
             let lora = if r == 0 {
                 None
-            } else if few_rows(n, r) {
+            } else if few_rows(n) {
                 // a group is at most three targets (q / k / v), of at most MAX_CHUNKS chunks
                 Some(LoraScratch::Rows {
                     part: alloc_device::<f32>(s, MAX_CHUNKS * n * 3 * r, rank, "LoRA chunk sums")?,
