@@ -204,33 +204,53 @@ extern "C" __global__ void lora_a(const u16* __restrict__ xs, u32 n, u32 inp, co
     const bool vec = ((inp | chunk) % 8u) == 0u && (((u64)xs | (u64)a) % 16u) == 0u;
     if (c < r) {
         const u16* arow = a + (u64)c * inp;
-        for (u32 m = 0; m < n; ++m) {
-            const u16* hi = xs + (u64)m * inp;
-            const u16* lo = hi + half_len;
-            float acc = 0.f;
+        // 8 rows of x at a time: their loads requested together, A's read once for them
+        for (u32 m0 = 0; m0 < n; m0 += 8) {
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             if (vec) {
                 for (u32 k = k0 + lane * 8; k < k1; k += 256) {
                     const uint4 av = *reinterpret_cast<const uint4*>(arow + k);
-                    const uint4 hv = *reinterpret_cast<const uint4*>(hi + k);
-                    const uint4 lv = *reinterpret_cast<const uint4*>(lo + k);
                     const u32 aw[4] = {av.x, av.y, av.z, av.w};
-                    const u32 hw[4] = {hv.x, hv.y, hv.z, hv.w};
-                    const u32 lw[4] = {lv.x, lv.y, lv.z, lv.w};
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        acc += bf((u16)(aw[i] & 0xFFFFu)) *
-                               (bf((u16)(hw[i] & 0xFFFFu)) + bf((u16)(lw[i] & 0xFFFFu)));
-                        acc += bf((u16)(aw[i] >> 16)) * (bf((u16)(hw[i] >> 16)) + bf((u16)(lw[i] >> 16)));
+                    for (int i = 0; i < 8; ++i) {
+                        if (m0 + i < n) {
+                            const u16* hi = xs + (u64)(m0 + i) * inp;
+                            const uint4 hv = *reinterpret_cast<const uint4*>(hi + k);
+                            const uint4 lv = *reinterpret_cast<const uint4*>(hi + half_len + k);
+                            const u32 hw[4] = {hv.x, hv.y, hv.z, hv.w};
+                            const u32 lw[4] = {lv.x, lv.y, lv.z, lv.w};
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                acc[i] += bf((u16)(aw[e] & 0xFFFFu)) *
+                                          (bf((u16)(hw[e] & 0xFFFFu)) + bf((u16)(lw[e] & 0xFFFFu)));
+                                acc[i] += bf((u16)(aw[e] >> 16)) * (bf((u16)(hw[e] >> 16)) + bf((u16)(lw[e] >> 16)));
+                            }
+                        }
                     }
                 }
             } else {
-                for (u32 k = k0 + lane; k < k1; k += 32) acc += bf(arow[k]) * (bf(hi[k]) + bf(lo[k]));
+                for (u32 k = k0 + lane; k < k1; k += 32) {
+                    const float av = bf(arow[k]);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        if (m0 + i < n) {
+                            const u16* hi = xs + (u64)(m0 + i) * inp;
+                            acc[i] += av * (bf(hi[k]) + bf(hi[half_len + k]));
+                        }
+                    }
+                }
             }
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], o);
+            }
             if (lane == 0) {
-                if (chunks == 1) t[(u64)m * R + g * r + c] = s * acc;
-                else part[((u64)z * n + m) * R + g * r + c] = acc;
+                for (u32 i = 0; i < 8u && m0 + i < n; ++i) {
+                    const u32 m = m0 + i;
+                    if (chunks == 1) t[(u64)m * R + g * r + c] = s * acc[i];
+                    else part[((u64)z * n + m) * R + g * r + c] = acc[i];
+                }
             }
         }
     }
@@ -261,7 +281,7 @@ extern "C" __global__ void lora_a(const u16* __restrict__ xs, u32 n, u32 inp, co
     }
 }
 
-// A LoRA group's up products at few rows (n <= 8), added where the base product's output is: for
+// A LoRA group's up products at few rows, added where the base product's output is: for
 // target g = blockIdx.y (B_g: b0, b1 or b2 of w_g x r), dst_g[m ld_g + j] += sum_c t[m, g r + c]
 // B_g[j, c] for m < n, j < w_g, t [n x R] (R = gridDim.y r) from lora_a. Lanes of a warp share a
 // column, p of them (a power of two, p <= 32): lane l takes column 32 / p (warp of the grid) + l / p
@@ -285,42 +305,48 @@ extern "C" __global__ void lora_b(const float* __restrict__ t, u32 n, u32 r, con
     const u16* brow = b + (u64)(live ? j : 0) * r;
     const float* tg = t + g * r;
     const bool vec = (r % 8u) == 0u && ((u64)b % 16u) == 0u;
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (vec) {
-        for (u32 c = 8u * q; live && c < r; c += 8u * p) {
-            const uint4 bv = *reinterpret_cast<const uint4*>(brow + c);
-            const u32 bw[4] = {bv.x, bv.y, bv.z, bv.w};
-            float bx[8];
+    // 8 rows of t at a time
+    for (u32 m0 = 0; m0 < n; m0 += 8) {
+        const u32 rows = min(8u, n - m0);
+        const float* tr = tg + (u64)m0 * R;
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (vec) {
+            for (u32 c = 8u * q; live && c < r; c += 8u * p) {
+                const uint4 bv = *reinterpret_cast<const uint4*>(brow + c);
+                const u32 bw[4] = {bv.x, bv.y, bv.z, bv.w};
+                float bx[8];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) bx[e] = bf((u16)(e % 2 == 0 ? bw[e / 2] & 0xFFFFu : bw[e / 2] >> 16));
+                for (int e = 0; e < 8; ++e) bx[e] = bf((u16)(e % 2 == 0 ? bw[e / 2] & 0xFFFFu : bw[e / 2] >> 16));
 #pragma unroll
-            for (int m = 0; m < 8; ++m) {
-                if ((u32)m < n) {
-                    const float4* tm = reinterpret_cast<const float4*>(tg + (u64)m * R + c);
-                    const float4 u = __ldg(tm), v = __ldg(tm + 1);
-                    const float tv[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
+                for (int m = 0; m < 8; ++m) {
+                    if ((u32)m < rows) {
+                        const float4* tm = reinterpret_cast<const float4*>(tr + (u64)m * R + c);
+                        const float4 u = __ldg(tm), v = __ldg(tm + 1);
+                        const float tv[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[m] += tv[e] * bx[e];
+                        for (int e = 0; e < 8; ++e) acc[m] += tv[e] * bx[e];
+                    }
+                }
+            }
+        } else {
+            for (u32 c = q; live && c < r; c += p) {
+                const float bx = bf(brow[c]);
+#pragma unroll
+                for (int m = 0; m < 8; ++m) {
+                    if ((u32)m < rows) acc[m] += __ldg(tr + (u64)m * R + c) * bx;
                 }
             }
         }
-    } else {
-        for (u32 c = q; live && c < r; c += p) {
-            const float bx = bf(brow[c]);
+        for (u32 o = p / 2u; o > 0u; o >>= 1) {
+#pragma unroll
+            for (int m = 0; m < 8; ++m) acc[m] += __shfl_down_sync(0xffffffffu, acc[m], o);
+        }
+        if (live && q == 0u) {
 #pragma unroll
             for (int m = 0; m < 8; ++m) {
-                if ((u32)m < n) acc[m] += __ldg(tg + (u64)m * R + c) * bx;
+                if ((u32)m < rows) d[(u64)(m0 + m) * ld + j] += acc[m];
             }
         }
-    }
-#pragma unroll
-    for (int m = 0; m < 8; ++m) {
-        for (u32 o = p / 2u; o > 0u; o >>= 1) acc[m] += __shfl_down_sync(0xffffffffu, acc[m], o);
-    }
-    if (!live || q != 0u) return;
-#pragma unroll
-    for (int m = 0; m < 8; ++m) {
-        if ((u32)m < n) d[(u64)m * ld + j] += acc[m];
     }
 }
 

@@ -20,17 +20,15 @@ use crate::blas::{gemm, gemm_ld};
 use crate::kernels::Arg;
 use crate::weights::LoraAt;
 
-/// The most rows a pass runs its branches in `lora_a` / `lora_b`. Measured at 7.6B shapes with
-/// r = 64 on all seven linear types (H100): the two kernels a group beat the cuBLAS products up
-/// to 8 rows (decode 1.66 vs 1.90 ms a step at batch 1, 4 layers) and lose beyond (2.18 vs 1.96
-/// at 16, 4.12 vs 2.35 at 64): `lora_a` walks a warp's rows one after another.
-const MAX_ROWS: usize = 8;
+/// The most rows a pass runs its branches in `lora_a` / `lora_b` (a decode step of up to 64
+/// sequences; both kernels take the rows 8 at a time), beyond which cuBLAS products do.
+const MAX_ROWS: usize = 64;
 
 /// The most chunks `lora_a` splits an input into ([`chunk`]).
 pub(super) const MAX_CHUNKS: usize = 16;
 
-/// Whether a pass of `n` rows runs its branches in `lora_a` / `lora_b` (at most [`MAX_ROWS`],
-/// the rows `lora_b` sums in registers), not cuBLAS products.
+/// Whether a pass of `n` rows runs its branches in `lora_a` / `lora_b` (at most [`MAX_ROWS`]),
+/// not cuBLAS products.
 pub(super) fn few_rows(n: usize) -> bool {
     n <= MAX_ROWS
 }
@@ -179,17 +177,13 @@ impl<'a> Pass<'a> {
         let p = lanes_per_column(r);
         // p lanes a column (32 / p columns a warp), 4 warps a block, a target per grid row
         let cfg = LaunchConfig {
-            grid_dim: (
-                widest.div_ceil(4 * 32 / p).max(1) as u32,
-                targets as u32,
-                1,
-            ),
+            grid_dim: (widest.div_ceil(4 * 32 / p).max(1) as u32, targets as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
         let args = [args.as_slice(), &[u32a(p)]].concat();
-        // SAFETY: per the caller (B's, dests); t holds n × targets·r f32 (lora_a's), n ≤ 8
-        // (few_rows made this scratch); p a power of two ≤ 32.
+        // SAFETY: per the caller (B's, dests); t holds n × targets·r f32 (lora_a's), n ≤
+        // MAX_ROWS (few_rows made this scratch); p a power of two ≤ 32.
         unsafe { self.kernel(&k.lora_b, cfg, &args, "lora_b") }
     }
 
@@ -298,8 +292,17 @@ mod tests {
             assert_eq!(c % 256, 0, "{inp}");
             assert!(inp.div_ceil(c) <= MAX_CHUNKS, "{inp}: {c}");
         }
-        assert!(few_rows(1) && few_rows(8) && !few_rows(9));
-        for (r, p) in [(1, 1), (8, 1), (9, 2), (16, 2), (24, 4), (64, 8), (256, 32), (1024, 32)] {
+        assert!(few_rows(1) && few_rows(64) && !few_rows(65));
+        for (r, p) in [
+            (1, 1),
+            (8, 1),
+            (9, 2),
+            (16, 2),
+            (24, 4),
+            (64, 8),
+            (256, 32),
+            (1024, 32),
+        ] {
             assert_eq!(lanes_per_column(r), p, "{r}");
         }
     }
