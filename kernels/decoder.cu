@@ -133,6 +133,27 @@ extern "C" __global__ void __launch_bounds__(512)
     rms_norm_row(x + (u64)src * h, w, out, r, m, h, eps, nullptr);
 }
 
+// Lets the grid queued after this one start before this one ends, where that grid was launched
+// with programmatic stream serialization (the W8A8 products, models/decoder-gpu/src/kernels.rs
+// launch_early): its blocks request their weights into L2, then wait for this grid to complete
+// (griddepcontrol.wait) before they read anything it writes. Without such a grid after it, and
+// before sm_90, nothing.
+__device__ __forceinline__ void let_next_grid_start() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Returns once the grid before this one completed and its writes are visible: the W8A8
+// quantisations call it first thing (after letting the grid after them start), as they too are
+// launched early where the device has it (the launch before them then overlaps the kernel
+// before them). Where this grid was not launched early, at once.
+__device__ __forceinline__ void wait_for_inputs() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // A LoRA branch's middle: t = s (t2[hi] + t2[lo]) of [n x r], split into ts (hi rows, then lo
 // rows), the input of its B product. t2 is [2n x r] (the A product of the split input).
 extern "C" __global__ void lora_mid(const float* __restrict__ t2, u16* __restrict__ ts, u32 n,
@@ -195,6 +216,8 @@ extern "C" __global__ void lora_merge(u16* w, const u16* __restrict__ a, const u
 extern "C" __global__ void lora_a(const u16* __restrict__ xs, u32 n, u32 inp, const u16* a0,
                                   const u16* a1, const u16* a2, u32 r, u32 chunk, float s,
                                   float* part, float* t, u32* counters) {
+    // launched before the base product of the same input, which may start at once
+    let_next_grid_start();
     const u32 g = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const u32 rows = blockDim.x / 32, c = blockIdx.x * rows + warp;
     const u32 R = gridDim.y * r, z = blockIdx.z, chunks = gridDim.z;
@@ -1727,26 +1750,6 @@ __device__ __forceinline__ u32 e4m3_rn(float v) {
 #endif
 }
 
-// Lets the grid queued after this one start before this one ends, where that grid was launched
-// with programmatic stream serialization (the W8A8 products, models/decoder-gpu/src/kernels.rs
-// launch_early): its blocks request their weights into L2, then wait for this grid to complete
-// (griddepcontrol.wait) before they read anything it writes. Without such a grid after it, and
-// before sm_90, nothing.
-__device__ __forceinline__ void let_next_grid_start() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// Returns once the grid before this one completed and its writes are visible: the W8A8
-// quantisations call it first thing (after letting the grid after them start), as they too are
-// launched early where the device has it (the launch before them then overlaps the kernel
-// before them). Where this grid was not launched early, at once.
-__device__ __forceinline__ void wait_for_inputs() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
 
 // Byte c of group g of token t in the warpgroup kernel's layout of `tiles` token tiles.
 __device__ __forceinline__ u64 tiled_offset(u32 t, u32 g, u32 c, u32 tiles) {

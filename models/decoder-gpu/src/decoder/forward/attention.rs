@@ -49,12 +49,29 @@ impl<'a> Pass<'a> {
             (lw.q_w, qw)
         };
         let quantised = self.norm_for(lw.input_norm, Some(first))?;
+        // the adapters' branches: added to their column blocks of the joined product's split
+        // output before they are joined, else where each product wrote its output
+        let ld = qw + 2 * kvw;
+        let group = if joined {
+            let blocks = [(0, qw), (qw, kvw), (qw + kvw, kvw)];
+            self.branches(&lw.lora[..3], |i| {
+                let (col0, width) = blocks[i];
+                (y2 + 4 * col0 as u64, width, ld, true)
+            })
+        } else {
+            let outs = [(q, qw), (kb, kvw), (vb, kvw)];
+            self.branches(&lw.lora[..3], |i| {
+                let (dest, width) = outs[i];
+                (dest, width, width, false)
+            })
+        };
         // SAFETY (every GEMM and launch below): the pass's addresses and sizes (its invariant).
         unsafe {
+            // the branches' A products first, beside the base products (they read xs alone)
+            let down = self.lora_down(h, &group)?;
             if joined {
                 // one GEMM over [q; k; v] (k_w, v_w follow q_w in the fused tensor, or one
                 // after the other in the buffer), then its column blocks
-                let ld = qw + 2 * kvw;
                 st.wgemm(
                     s,
                     base,
@@ -65,13 +82,7 @@ impl<'a> Pass<'a> {
                     (w8, quantised),
                     rank,
                 )?;
-                // the adapters' branches added to their column blocks before they are joined
-                let blocks = [(0, qw), (qw, kvw), (qw + kvw, kvw)];
-                let group = self.branches(&lw.lora[..3], |i| {
-                    let (col0, width) = blocks[i];
-                    (y2 + 4 * col0 as u64, width, ld, true)
-                });
-                self.lora_group(h, &group)?;
+                self.lora_up(h, &group, down)?;
                 self.combine_cols(q, lw.q_b, (ld, 0, qw))?;
                 self.combine_cols(kb, lw.k_b, (ld, qw, kvw))?;
                 self.combine_cols(vb, lw.v_b, (ld, qw + kvw, kvw))?;
@@ -103,12 +114,7 @@ impl<'a> Pass<'a> {
             }
             if !joined {
                 // each product wrote its buffer: the adapters' branches added there
-                let outs = [(q, qw), (kb, kvw), (vb, kvw)];
-                let group = self.branches(&lw.lora[..3], |i| {
-                    let (dest, width) = outs[i];
-                    (dest, width, width, false)
-                });
-                self.lora_group(h, &group)?;
+                self.lora_up(h, &group, down)?;
             }
             if let Some((qn, kn)) = lw.qk_norm {
                 for (buf, w, heads) in [(q, qn, n * qh), (kb, kn, n * kvh)] {

@@ -5,7 +5,8 @@
 //!
 //! A pass of few rows ([`few_rows`], a decode step of a small batch) runs a group in two kernels: `lora_a`, the
 //! `A` products of every target of the group (`t = s·x·Aᵀ`, split over chunks of the input and
-//! added in a fixed order), and `lora_b`, the `B` products added where the base products'
+//! added in a fixed order; queued before the base products, which read the same input and start
+//! beside it), and `lora_b`, the `B` products added where the base products'
 //! outputs are. A pass of many rows (a prefill) runs each branch as two cuBLAS products and one
 //! kernel: `t2 = xs·Aᵀ` (`[2n × r]`), `lora_mid` joins its halves, scales them by `s` and splits
 //! them again, and `B`'s product adds its split output to the base's split output before that is
@@ -81,22 +82,18 @@ impl<'a> Pass<'a> {
             .collect()
     }
 
-    /// The branches of `group` (adapters over one input `xs` of `inp` columns, at most three),
-    /// each added where its base product's output is.
-    ///
-    /// # Safety
-    /// Each branch's adapter is of the bound offsets, its `A` of `r × inp` and `B` of
-    /// `width × r`; `xs` holds the pass's split input of `inp` columns; each `dest` holds
-    /// `(n − 1) · ld + width` f32 (a split one `2n` rows), and, where one is not split, `y2` is
-    /// free.
-    pub(super) unsafe fn lora_group(&self, inp: usize, group: &[Branch]) -> Result<(), CudaError> {
+    /// The rank of `group`'s adapters, checked against the pass's scratch: `None` for an empty
+    /// group.
+    fn group_rank(&self, group: &[Branch]) -> Result<Option<usize>, CudaError> {
         let Some(first) = group.first() else {
-            return Ok(());
+            return Ok(None);
         };
-        let sc = self.sc.lora.as_ref().ok_or_else(|| {
-            CudaError::Invalid("a LoRA branch in a pass without its scratch".into())
-        })?;
-        let (scaling, most) = self.bind.lora;
+        if self.sc.lora.is_none() {
+            return Err(CudaError::Invalid(
+                "a LoRA branch in a pass without its scratch".into(),
+            ));
+        }
+        let most = self.bind.lora.1;
         let r = first.at.r;
         if group.len() > 3 || group.iter().any(|b| b.at.r != r) || r > most {
             return Err(CudaError::Invalid(format!(
@@ -105,21 +102,31 @@ impl<'a> Pass<'a> {
                 group.iter().map(|b| b.at.r).collect::<Vec<_>>()
             )));
         }
-        let LoraScratch::Rows { part, t, counters } = sc else {
-            for b in group {
-                // SAFETY: per the caller.
-                unsafe {
-                    if b.split {
-                        self.lora_branch(b.at, inp, (b.dest, b.width, b.ld), 1.0)?;
-                    } else {
-                        self.lora_after(b.at, inp, b.dest, b.width)?;
-                    }
-                }
-            }
-            return Ok(());
+        Ok(Some(r))
+    }
+
+    /// The first half of `group`'s branches where the pass runs them in `lora_a` / `lora_b`
+    /// ([`few_rows`]): `lora_a`, the `A` products (`t = s·x·Aᵀ`), which reads only `xs` and
+    /// writes only the scratch, so it may run before the base product that reads the same
+    /// input; it lets the grid after it start at once (a base product launched early requests
+    /// its weights meanwhile). `true` where it ran (pass it to [`Pass::lora_up`]); a pass of
+    /// many rows runs its branches in [`Pass::lora_up`] alone. Only the branches' adapters are
+    /// read here (not their destinations).
+    ///
+    /// # Safety
+    /// Each branch's adapter is of the bound offsets, its `A` of `r × inp`; `xs` holds the
+    /// pass's split input of `inp` columns.
+    pub(super) unsafe fn lora_down(&self, inp: usize, group: &[Branch]) -> Result<bool, CudaError> {
+        let Some(r) = self.group_rank(group)? else {
+            return Ok(false);
         };
+        let Some(LoraScratch::Rows { part, t, counters }) = self.sc.lora.as_ref() else {
+            return Ok(false);
+        };
+        let scaling = self.bind.lora.0;
+        let targets = group.len();
         let (n, k, xs) = (self.z.n, &self.st.k, self.at(&self.sc.xs));
-        let (t, targets) = (self.at(t), group.len());
+        let t = self.at(t);
         // each of the three target slots' value (0 where the group has fewer targets)
         let slots = |f: &dyn Fn(&Branch) -> u64| [0, 1, 2].map(|i| group.get(i).map_or(0, f));
         let cols = chunk(inp);
@@ -152,6 +159,47 @@ impl<'a> Pass<'a> {
         // cols) ≤ MAX_CHUNKS, targets ≤ 3, r ≤ the scratch's rank), t n × 3r, counters
         // 3 · ⌈r / 8⌉ u32.
         unsafe { self.kernel(&k.lora_a, cfg, &args, "lora_a")? };
+        Ok(true)
+    }
+
+    /// `group`'s branches added where their base products' outputs are: after
+    /// [`Pass::lora_down`] ran (`down`), `lora_b`, the `B` products; otherwise every branch in
+    /// full, as cuBLAS products ([`Pass::lora_branch`]).
+    ///
+    /// # Safety
+    /// Each branch's adapter is of the bound offsets, its `A` of `r × inp` and `B` of
+    /// `width × r`; `xs` holds the pass's split input of `inp` columns (the one `lora_down`
+    /// read, where it ran); each `dest` holds `(n − 1) · ld + width` f32 (a split one `2n`
+    /// rows), and, where one is not split, `y2` is free.
+    pub(super) unsafe fn lora_up(
+        &self,
+        inp: usize,
+        group: &[Branch],
+        down: bool,
+    ) -> Result<(), CudaError> {
+        let Some(r) = self.group_rank(group)? else {
+            return Ok(());
+        };
+        let rows = match self.sc.lora.as_ref() {
+            Some(LoraScratch::Rows { t, .. }) if down => Some(t),
+            _ => None,
+        };
+        let Some(t) = rows else {
+            for b in group {
+                // SAFETY: per the caller.
+                unsafe {
+                    if b.split {
+                        self.lora_branch(b.at, inp, (b.dest, b.width, b.ld), 1.0)?;
+                    } else {
+                        self.lora_after(b.at, inp, b.dest, b.width)?;
+                    }
+                }
+            }
+            return Ok(());
+        };
+        let (n, k, targets) = (self.z.n, &self.st.k, group.len());
+        let t = self.at(t);
+        let slots = |f: &dyn Fn(&Branch) -> u64| [0, 1, 2].map(|i| group.get(i).map_or(0, f));
         let [b0, b1, b2] = slots(&|b| self.wp(b.at.b));
         let [d0, d1, d2] = slots(&|b| b.dest);
         let [w0, w1, w2] = slots(&|b| b.width as u64);

@@ -34,8 +34,19 @@ impl<'a> Pass<'a> {
         );
         let (s, st, k) = (self.s(), self.st, &self.st.k);
         let w8 = self.sc.w8a8.as_ref();
+        // the adapters' branches added to the gate and up blocks (of the joined product's
+        // split output, or of each product's) before the SwiGLU
+        let group = if joined {
+            self.branches(&lw.lora[4..6], |i| {
+                (y2 + 4 * (i * f) as u64, f, 2 * f, true)
+            })
+        } else {
+            self.branches(&lw.lora[4..6], |i| ([y2, y2b][i], f, f, true))
+        };
         // SAFETY (every GEMM and launch below): the pass's addresses and sizes (its invariant).
         unsafe {
+            // the branches' A products first, beside the base products (they read xs alone)
+            let down = self.lora_down(h, &group)?;
             if joined {
                 // one GEMM over [gate; up] (up_w follows gate_w in the fused tensor, or in the
                 // buffer)
@@ -49,11 +60,7 @@ impl<'a> Pass<'a> {
                     (w8, quantised),
                     rank,
                 )?;
-                // the adapters' branches added to the gate and up blocks before the SwiGLU
-                let group = self.branches(&lw.lora[4..6], |i| {
-                    (y2 + 4 * (i * f) as u64, f, 2 * f, true)
-                });
-                self.lora_group(h, &group)?;
+                self.lora_up(h, &group, down)?;
                 let args = [Arg::U64(y2), Arg::U64(xs), u32a(n), u32a(f)];
                 let cfg = self.elementwise(n * f);
                 self.kernel(&k.swiglu_fused_split, cfg, &args, "swiglu_fused_split")?;
@@ -81,8 +88,7 @@ impl<'a> Pass<'a> {
                     st.wgemm(s, base, lw.gate_w, xs, y2, (f, 2 * n, h), one, rank)?;
                     st.wgemm(s, base, lw.up_w, xs, y2b, (f, 2 * n, h), (w8, true), rank)?;
                 }
-                let group = self.branches(&lw.lora[4..6], |i| ([y2, y2b][i], f, f, true));
-                self.lora_group(h, &group)?;
+                self.lora_up(h, &group, down)?;
                 let lo_rows = !grouped || zeros;
                 if let Some(qi) = fused {
                     let [pad, q, sc, tok, grp, tiles] = qi.args(f)?;

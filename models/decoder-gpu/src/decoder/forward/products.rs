@@ -198,6 +198,13 @@ impl<'a> Pass<'a> {
         });
         let act = (self.sc.w8a8.as_ref(), again);
         let (s, base) = (self.s(), self.bind.base);
+        // the adapter's A product first, beside the base product (it reads xs alone; where its
+        // B product adds is known once the base product ran)
+        let down = {
+            let group = self.branches(&[lora], |_| (0, h, h, true));
+            // SAFETY: the adapter of this base (h × inp); xs holds its input.
+            unsafe { self.lora_down(inp, &group)? }
+        };
         // SAFETY: per the caller; x holds n × h f32.
         let done = unsafe {
             self.st
@@ -210,7 +217,7 @@ impl<'a> Pass<'a> {
         let group = self.branches(&[lora], |_| (dest, h, h, split));
         // SAFETY: the adapter of this base (h × inp); xs holds its input; x n × h f32, y2 the
         // base's 2n × h split output where the kernel did not write x (then y2 is free).
-        unsafe { self.lora_group(inp, &group)? };
+        unsafe { self.lora_up(inp, &group, down)? };
         if done {
             Ok(())
         } else {
