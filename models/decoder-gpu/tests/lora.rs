@@ -30,7 +30,7 @@ use lifecycle_layout::{HostTensor, RolloutLayout};
 
 mod common;
 
-use common::{host_fp8, run, Outputs};
+use common::{host_fp8, prompts, run, Outputs};
 
 type Res = Result<(), Box<dyn std::error::Error>>;
 
@@ -108,15 +108,6 @@ fn merged_base(config: &ModelConfig, lora: &LoraConfig, all: &[HostTensor]) -> V
         *base = HostTensor::f32(base.name.clone(), base.shape.clone(), merged);
     }
     out
-}
-
-/// The prompts of [`run`] here: a prefill of 73 rows (the branches' cuBLAS products, past the
-/// 64 rows of `lora_a` / `lora_b`), one of 16 (those kernels, 8 rows at a time) and decode
-/// steps of 2.
-fn prompts() -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
-    let (mut long, short) = common::prompts();
-    long[0] = (0..70).map(|i| (i * 37 + 11) % 300).collect();
-    (long, short)
 }
 
 /// The GPU decoder's outputs over the FSDP backend's rollout of `tensors` in `layout`, with
