@@ -437,7 +437,9 @@ class Switch:
             ("lora_bias", False),
         ):
             value = getattr(lora, field, none)
-            if value not in (none, [], ()):
+            # PEFT normalises an unset target_parameters to an empty set on some models
+            empty = isinstance(value, (list, tuple, set, frozenset)) and not value
+            if value != none and not empty:
                 raise ConfigError(
                     f"from_peft: LoraConfig.{field} = {value!r} is not switched yet: use "
                     f"{field}={none!r}"
