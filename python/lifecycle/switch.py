@@ -419,11 +419,10 @@ class Switch:
         (the trained tensors alone move only while the rollout weights stay resident: after
         :meth:`train`, which releases them, the next rollout casts everything). ``dtype``
         ``"bf16"`` or ``"fp8"`` (the base's matrices block-scaled e4m3, quantised once, the
-        adapters bf16 beside them, for an engine of your own: :class:`Engine` refuses it by
-        name; ``fp8_keep`` as :meth:`from_fsdp2`'s);
+        adapters bf16 beside them; ``fp8_keep`` as :meth:`from_fsdp2`'s);
         ``w.named_tensors("peft")`` yields what PEFT saves of the adapter (the adapters and the
         trained whole tensors) under PEFT's keys, and :class:`Engine` applies the adapters
-        unmerged beside the base. ``target_parameters`` and ``lora_bias`` are refused by name."""
+        unmerged beside the base (bf16 or fp8, weight-only or W8A8). ``target_parameters`` and ``lora_bias`` are refused by name."""
         from ._lora import peft_name
 
         configs = getattr(model, "peft_config", None)
@@ -438,7 +437,9 @@ class Switch:
             ("lora_bias", False),
         ):
             value = getattr(lora, field, none)
-            if value not in (none, [], ()):
+            # PEFT normalises an unset target_parameters to an empty set on some models
+            empty = isinstance(value, (list, tuple, set, frozenset)) and not value
+            if value != none and not empty:
                 raise ConfigError(
                     f"from_peft: LoraConfig.{field} = {value!r} is not switched yet: use "
                     f"{field}={none!r}"

@@ -250,15 +250,6 @@ impl Core {
         // adapters: those of the configuration given, before anything is read
         plan.check_lora(&self.config, self.lora.as_ref())?;
         let lora_rank = plan.lora_rank();
-        if lora_rank > 0 && plan.fp8_max > 0 {
-            return Err(DecodeError::Usage(
-                "an fp8 rollout with LoRA adapters: the engine applies adapters beside bf16 \
-                 base weights only (a bf16 rollout dtype); the switch makes such a rollout for \
-                 an engine of your own (named_tensors)"
-                    .into(),
-            )
-            .into());
-        }
         let lora = (
             self.lora.as_ref().map_or(1.0, |l| l.scaling() as f32),
             lora_rank,
