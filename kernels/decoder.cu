@@ -304,9 +304,112 @@ extern "C" __global__ void lora_a(const u16* __restrict__ xs, u32 n, u32 inp, co
     }
 }
 
+// d += A (16 x 16 bf16, row) * B (16 x 8 bf16, col) in f32: lora_a_tiles's step (compute
+// capability 8.0 on; the host launches it only there).
+__device__ __forceinline__ void lora_mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
+}
+
+// Two bf16 at p (4-byte aligned) as one word.
+__device__ __forceinline__ u32 ld_pair(const u16* p) { return *reinterpret_cast<const u32*>(p); }
+
+#define LORA_TILE_COLS 16
+// lora_a's products at more rows (up to 64; see lora_a), on tensor cores: the split input's 2n rows
+// (hi rows, then lo rows) times A_g^T. A block (256 threads) takes LORA_TILE_COLS rows of A_g
+// (blockIdx.x) over one chunk of k (blockIdx.z, `chunk` columns, a multiple of 16): warp w takes
+// the 16 split rows of tile w % mt (mt = ceil(2n / 16)) and every (8 / mt)-th step of 16
+// columns from w / mt (warps past mt (8 / mt) idle); the k-groups' sums are added in order in
+// shared memory, and the chunk's [2n x cols] go to part [z][2n][R], which the last block of the
+// (blockIdx.x, g) to finish adds in chunk order (hi and lo rows of a chunk, then the next
+// chunk), scaled, into t [n x R]. inp a multiple of 16, xs and A 4-byte aligned. counters as
+// lora_a's.
+extern "C" __global__ void lora_a_tiles(const u16* __restrict__ xs, u32 n, u32 inp, const u16* a0,
+                                        const u16* a1, const u16* a2, u32 r, u32 chunk, float s,
+                                        float* part, float* t, u32* counters) {
+    // launched before the base product of the same input, which may start at once
+    let_next_grid_start();
+    __shared__ float red[8 * 16 * LORA_TILE_COLS];
+    const u32 g = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const u32 R = gridDim.y * r, z = blockIdx.z, chunks = gridDim.z, rows2 = 2 * n;
+    const u32 mt = (rows2 + 15) / 16, kg = 8 / mt, tile = warp % mt, grp = warp / mt;
+    const u16* a = g == 0 ? a0 : (g == 1 ? a1 : a2);
+    const u32 c0 = blockIdx.x * LORA_TILE_COLS, k0 = z * chunk, k1 = min(inp, k0 + chunk);
+    const u32 qr = lane / 4, qc = (lane % 4) * 2;
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    if (grp < kg) {
+        // rows past the input or A read their last row (their sums are not kept)
+        const u16* xa = xs + (u64)min(tile * 16 + qr, rows2 - 1) * inp + qc;
+        const u16* xb = xs + (u64)min(tile * 16 + qr + 8, rows2 - 1) * inp + qc;
+        const u16* ar0 = a + (u64)min(c0 + qr, r - 1) * inp + qc;
+        const u16* ar1 = a + (u64)min(c0 + 8 + qr, r - 1) * inp + qc;
+#pragma unroll 4
+        for (u32 k = k0 + 16 * grp; k < k1; k += 16 * kg) {
+            const u32 x0 = ld_pair(xa + k), x1 = ld_pair(xb + k), x2 = ld_pair(xa + k + 8),
+                      x3 = ld_pair(xb + k + 8);
+            lora_mma(acc[0], x0, x1, x2, x3, ld_pair(ar0 + k), ld_pair(ar0 + k + 8));
+            lora_mma(acc[1], x0, x1, x2, x3, ld_pair(ar1 + k), ld_pair(ar1 + k + 8));
+        }
+    }
+    // the k-groups' sums, in group order: red[grp][16 rows][cols] per tile, groups apart
+    const u32 tile_len = 16 * LORA_TILE_COLS;
+    for (u32 gg = 0; gg < kg; ++gg) {
+        if (grp == gg) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const u32 row = qr + (e >= 2 ? 8u : 0u), col = j * 8 + qc + (e & 1);
+                    float* at = red + tile * tile_len + row * LORA_TILE_COLS + col;
+                    *at = gg == 0 ? acc[j][e] : *at + acc[j][e];
+                }
+            }
+        }
+        __syncthreads();
+    }
+    for (u32 i = threadIdx.x; i < rows2 * LORA_TILE_COLS; i += blockDim.x) {
+        const u32 row = i / LORA_TILE_COLS, col = i % LORA_TILE_COLS;
+        if (c0 + col < r) part[((u64)z * rows2 + row) * R + g * r + c0 + col] = red[(row / 16) * tile_len + (row % 16) * LORA_TILE_COLS + col];
+    }
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32* ctr = counters + blockIdx.y * gridDim.x + blockIdx.x;
+        last = atomicAdd(ctr, 1u) == chunks - 1;
+        if (last) *ctr = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (u32 i = threadIdx.x; i < n * LORA_TILE_COLS; i += blockDim.x) {
+        const u32 m = i / LORA_TILE_COLS, cc = c0 + i % LORA_TILE_COLS;
+        if (cc >= r) continue;
+        // every chunk's hi and lo loads requested together (chunks <= 16), added in chunk order
+        float ph[16], pl[16];
+#pragma unroll
+        for (u32 q = 0; q < 16u; ++q) {
+            ph[q] = q < chunks ? __ldcg(part + ((u64)q * rows2 + m) * R + g * r + cc) : 0.f;
+            pl[q] = q < chunks ? __ldcg(part + ((u64)q * rows2 + n + m) * R + g * r + cc) : 0.f;
+        }
+        float v = 0.f;
+#pragma unroll
+        for (u32 q = 0; q < 16u; ++q) v += ph[q] + pl[q];
+        t[(u64)m * R + g * r + cc] = s * v;
+    }
+}
+
 // A LoRA group's up products at few rows, added where the base product's output is: for
 // target g = blockIdx.y (B_g: b0, b1 or b2 of w_g x r), dst_g[m ld_g + j] += sum_c t[m, g r + c]
-// B_g[j, c] for m < n, j < w_g, t [n x R] (R = gridDim.y r) from lora_a. Lanes of a warp share a
+// B_g[j, c] for m < n, j < w_g, t [n x R] (R = gridDim.y r) from lora_a or lora_a_tiles, the
+// target's n x r of it first copied into the block's dynamic shared memory (n r floats: every
+// column of the block reads all of it). Lanes of a warp share a
 // column, p of them (a power of two, p <= 32): lane l takes column 32 / p (warp of the grid) + l / p
 // and, of its row of B, the 8 elements at c = 8 (l % p) + 8 p i (i = 0, 1, ...; with vec, 16-byte
 // loads: a warp's loads read whole rows of B side by side), else the elements at c = l % p + p i;
@@ -323,15 +426,17 @@ extern "C" __global__ void lora_b(const float* __restrict__ t, u32 n, u32 r, con
     const u32 lane = threadIdx.x % 32, per_warp = 32u / p;
     const u32 j = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * per_warp + lane / p;
     const u32 q = lane % p;
+    extern __shared__ float tsh[];
+    for (u32 i = threadIdx.x; i < n * r; i += blockDim.x) tsh[i] = t[(u64)(i / r) * R + g * r + i % r];
+    __syncthreads();
     // whole warps go on to the shuffles; a lane past the matrix sums nothing
     const bool live = j < w;
     const u16* brow = b + (u64)(live ? j : 0) * r;
-    const float* tg = t + g * r;
     const bool vec = (r % 8u) == 0u && ((u64)b % 16u) == 0u;
     // 8 rows of t at a time
     for (u32 m0 = 0; m0 < n; m0 += 8) {
         const u32 rows = min(8u, n - m0);
-        const float* tr = tg + (u64)m0 * R;
+        const float* tr = tsh + m0 * r;
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         if (vec) {
             for (u32 c = 8u * q; live && c < r; c += 8u * p) {
@@ -343,8 +448,8 @@ extern "C" __global__ void lora_b(const float* __restrict__ t, u32 n, u32 r, con
 #pragma unroll
                 for (int m = 0; m < 8; ++m) {
                     if ((u32)m < rows) {
-                        const float4* tm = reinterpret_cast<const float4*>(tr + (u64)m * R + c);
-                        const float4 u = __ldg(tm), v = __ldg(tm + 1);
+                        const float4* tm = reinterpret_cast<const float4*>(tr + m * r + c);
+                        const float4 u = tm[0], v = tm[1];
                         const float tv[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
 #pragma unroll
                         for (int e = 0; e < 8; ++e) acc[m] += tv[e] * bx[e];
@@ -356,7 +461,7 @@ extern "C" __global__ void lora_b(const float* __restrict__ t, u32 n, u32 r, con
                 const float bx = bf(brow[c]);
 #pragma unroll
                 for (int m = 0; m < 8; ++m) {
-                    if ((u32)m < rows) acc[m] += __ldg(tr + (u64)m * R + c) * bx;
+                    if ((u32)m < rows) acc[m] += tr[m * r + c] * bx;
                 }
             }
         }

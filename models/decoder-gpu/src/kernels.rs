@@ -41,6 +41,8 @@ pub(crate) struct DecoderKernels {
     /// A group of LoRA branches at few rows: the `A` products, then the `B` products added in
     /// place (`decoder::forward::lora`).
     pub lora_a: CudaFunction,
+    /// `lora_a` on tensor cores, for more rows (compute capability 8.0 on: [`Self::tensor_cores`]).
+    pub lora_a_tiles: CudaFunction,
     pub lora_b: CudaFunction,
     /// An adapter merged into its base matrix, `W + s·B·A` rounded to bf16 once (the merged
     /// mode, `decoder::merge`).
@@ -81,6 +83,8 @@ pub(crate) struct DecoderKernels {
     pub add_rows: CudaFunction,
     pub copy_words: CudaFunction,
     pub sm_count: u32,
+    /// The device has bf16 tensor cores (`mma.sync` of bf16: compute capability 8.0 on).
+    pub tensor_cores: bool,
     /// Positions the attention kernels hold on this device (their dynamic shared memory holds
     /// one score per position beside [`ATTENTION_THREADS`] floats; [`MAX_CONTEXT`] where the
     /// device's opt-in shared memory per block allows it).
@@ -234,6 +238,7 @@ impl DecoderKernels {
             combine_cols: m.function("combine_cols")?,
             lora_mid: m.function("lora_mid")?,
             lora_a: m.function("lora_a")?,
+            lora_a_tiles: m.function("lora_a_tiles")?,
             lora_b: m.function("lora_b")?,
             lora_merge: m.function("lora_merge")?,
             swiglu_split: m.function("swiglu_split")?,
@@ -266,6 +271,12 @@ impl DecoderKernels {
             add_rows: m.function("add_rows")?,
             copy_words: m.function("copy_words")?,
             sm_count: m.sm_count(),
+            tensor_cores: ctx
+                .ctx
+                .compute_capability()
+                .map_err(|e| CudaError::driver(ctx.rank, "reading the compute capability", 0, e))?
+                .0
+                >= 8,
             max_context: 0,
             early: launches_early(ctx, &DECODER_KERNELS)?,
         }

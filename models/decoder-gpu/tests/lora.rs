@@ -2,10 +2,11 @@
 //! adapted linear adds `s·(x·Aᵀ)·Bᵀ` to its base product) against the CPU decoder's
 //! (`CpuDecoder::new_lora`, which `models/decoder/tests/lora.rs` checks against the merged model
 //! at T = 1, 2, 4), on the same bf16 rollout (the FSDP backend's switch on the GPU, the host
-//! executor's on the CPU), W = T = 1. Both ways the GPU runs a layer's branches are covered: a
-//! group's in two kernels at few rows (the decode steps of two sequences, the greedy tokens),
-//! each branch in cuBLAS products at many (the prefills). The merged mode (`LoraMode::Merged`: a
-//! private copy of the rollout with `W + s·B·A` in each adapted matrix) against the CPU decoder
+//! executor's on the CPU), W = T = 1. The three ways the GPU runs a layer's branches are
+//! covered: a group's in `lora_a` and `lora_b` at up to 8 rows (the decode steps of two
+//! sequences, the greedy tokens), in `lora_a_tiles` and `lora_b` at up to 64 (the prefills of 43
+//! and 16 rows), each branch in cuBLAS products at more ([`run_lora`]'s prefill of 96 rows). The
+//! merged mode (`LoraMode::Merged`: a private copy of the rollout with `W + s·B·A` in each adapted matrix) against the CPU decoder
 //! over the base with the adapters merged alike on the host.
 //!
 //! ```text
@@ -31,6 +32,7 @@ use lifecycle_layout::{HostTensor, RolloutLayout};
 mod common;
 
 use common::{host_fp8, prompts, run, Outputs};
+use lifecycle_decoder::{Decoder, PrefillLogits};
 
 type Res = Result<(), Box<dyn std::error::Error>>;
 
@@ -110,6 +112,22 @@ fn merged_base(config: &ModelConfig, lora: &LoraConfig, all: &[HostTensor]) -> V
     out
 }
 
+/// [`run`], then the logits of every position of a prefill of 96 rows (two prompts of 60 and
+/// 36 tokens: more than the LoRA kernels take, so the GPU runs each branch in cuBLAS products).
+fn run_lora<D: Decoder>(dec: &mut D) -> Result<Outputs, Box<dyn std::error::Error>>
+where
+    D::Error: 'static,
+{
+    let (long, short) = prompts();
+    let (mut logits, tokens) = run(dec, &long, &short)?;
+    let many: Vec<Vec<u32>> = vec![
+        (0..60).map(|i| (i * 53 + 7) % 300).collect(),
+        (0..36).map(|i| (i * 29 + 3) % 300).collect(),
+    ];
+    logits.extend(dec.prefill(&many, PrefillLogits::All)?);
+    Ok((logits, tokens))
+}
+
 /// The GPU decoder's outputs over the FSDP backend's rollout of `tensors` in `layout`, with
 /// `lora`'s adapters (or the base alone).
 fn gpu_outputs(
@@ -129,7 +147,6 @@ fn gpu_outputs_as(
     lora: Option<&LoraConfig>,
     mode: LoraMode,
 ) -> Result<(Outputs, std::time::Duration), Box<dyn std::error::Error>> {
-    let (long, short) = prompts();
     let pool = Arc::new(ThreadRankPool::new(1)?);
     let backend = FsdpBackend::new(pool, layout);
     let state = backend.state_from_tensors(tensors)?;
@@ -141,7 +158,7 @@ fn gpu_outputs_as(
         None => GpuDecoder::new(config, session.backend(), weights.get())?,
     };
     let merge = gpu.last_merge_time();
-    Ok((run(&mut gpu, &long, &short)?, merge))
+    Ok((run_lora(&mut gpu)?, merge))
 }
 
 /// Largest |a − b| over the rows against each row's largest |b|, and the largest |a − b|.
@@ -161,7 +178,6 @@ fn worst(got: &[Vec<f32>], want: &[Vec<f32>]) -> (f32, f32) {
 
 fn check(name: &str, config: &ModelConfig, lora: &LoraConfig, seed: u64) -> Res {
     let (layout, base, all) = lora_model(config, lora, seed)?;
-    let (long, short) = prompts();
     // the CPU decoder on the host executor's bf16 rollout
     let host = HostTrainState::from_tensors(1, all.clone())?;
     let mut cpu_lc = Lifecycle::new(HostBackend::new(layout.clone()), host);
@@ -169,7 +185,7 @@ fn check(name: &str, config: &ModelConfig, lora: &LoraConfig, seed: u64) -> Res 
     let cpu_weights = cpu_session.weights();
     let group: Vec<_> = cpu_weights.ranks.iter().collect();
     let mut cpu = CpuDecoder::new_lora(config, &layout, &group, lora)?;
-    let (want, want_tokens) = run(&mut cpu, &long, &short)?;
+    let (want, want_tokens) = run_lora(&mut cpu)?;
     // the GPU decoder on the FSDP backend's rollout, unmerged
     let (got, got_tokens) = gpu_outputs(config, layout.clone(), all.clone(), Some(lora))?;
     assert_eq!(got.len(), want.len(), "{name}: logits rows");
@@ -195,7 +211,7 @@ fn check(name: &str, config: &ModelConfig, lora: &LoraConfig, seed: u64) -> Res 
     let merged_weights = merged_session.weights();
     let group: Vec<_> = merged_weights.ranks.iter().collect();
     let mut cpu_merged = CpuDecoder::new(config, &base_layout, &group)?;
-    let (want_m, want_m_tokens) = run(&mut cpu_merged, &long, &short)?;
+    let (want_m, want_m_tokens) = run_lora(&mut cpu_merged)?;
     let ((got_m, got_m_tokens), merge) = gpu_outputs_as(
         config,
         layout.clone(),

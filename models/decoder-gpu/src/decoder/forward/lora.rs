@@ -3,11 +3,11 @@
 //! it, a group of branches at a time (q / k / v, o, gate / up, down: the targets that read one
 //! input).
 //!
-//! A pass of few rows ([`few_rows`], a decode step of a small batch) runs a group in two kernels: `lora_a`, the
-//! `A` products of every target of the group (`t = s·x·Aᵀ`, split over chunks of the input and
-//! added in a fixed order; queued before the base products, which read the same input and start
-//! beside it), and `lora_b`, the `B` products added where the base products'
-//! outputs are. A pass of many rows (a prefill) runs each branch as two cuBLAS products and one
+//! A pass of few rows ([`few_rows`], a decode step of a batch of up to 64) runs a group in two
+//! kernels: `lora_a` (up to 8 rows) or `lora_a_tiles` (more, on tensor cores), the `A` products
+//! of every target of the group (`t = s·x·Aᵀ`, split over chunks of the input and added in a
+//! fixed order; queued before the base products, which read the same input and start beside
+//! it), and `lora_b`, the `B` products added where the base products' outputs are. A pass of many rows (a prefill) runs each branch as two cuBLAS products and one
 //! kernel: `t2 = xs·Aᵀ` (`[2n × r]`), `lora_mid` joins its halves, scales them by `s` and splits
 //! them again, and `B`'s product adds its split output to the base's split output before that is
 //! joined (or, where the base product wrote its joined output itself, `combine` adds it there).
@@ -21,21 +21,38 @@ use crate::blas::{gemm, gemm_ld};
 use crate::kernels::Arg;
 use crate::weights::LoraAt;
 
-/// The most rows a pass runs its branches in `lora_a` / `lora_b` (both take the rows 8 at a
-/// time), beyond which cuBLAS products do. Measured at 7.6B shapes with r = 64 on all seven
-/// linear types (H100), with `lora_a` walking a warp's rows one after another and `lora_b` a
-/// column a thread: the two kernels a group beat the cuBLAS products up to 8 rows (decode 1.66
-/// vs 1.90 ms a step at batch 1, 4 layers) and lost beyond (2.18 vs 1.96 at 16); the kernels as
-/// they are now have not been timed past 8.
+/// The most rows a pass runs its branches' `A` products in `lora_a` (x's rows 8 at a time,
+/// read again for each row of `A`), beyond which `lora_a_tiles` takes them on tensor cores.
+/// Measured at 7.6B shapes with r = 64 on all seven linear types (H100): `lora_a` with `lora_b`
+/// beat the cuBLAS products up to 8 rows and lost beyond (0.81 / 0.72 / 0.54× the adapter-free
+/// decode at 16 / 32 / 64 rows, against the cuBLAS products' 0.81 / 0.81 / 0.82×).
 const MAX_ROWS: usize = 8;
+
+/// The most rows a pass runs its branches in two kernels (`lora_a` or `lora_a_tiles`, then
+/// `lora_b`), beyond which cuBLAS products do: `lora_a_tiles` takes the split input's `2n` rows
+/// 16 a warp, eight warps a block.
+const MAX_TILE_ROWS: usize = 64;
+
+/// The most bytes of `t` a `lora_b` block copies into its shared memory (a target's `n × r`
+/// f32): the default 48 KiB a block.
+const MAX_T_BYTES: usize = 48 << 10;
 
 /// The most chunks `lora_a` splits an input into ([`chunk`]).
 pub(super) const MAX_CHUNKS: usize = 16;
 
-/// Whether a pass of `n` rows runs its branches in `lora_a` / `lora_b` (at most [`MAX_ROWS`]),
-/// not cuBLAS products.
-pub(super) fn few_rows(n: usize) -> bool {
-    n <= MAX_ROWS
+/// Whether a pass of `n` rows with adapters of rank up to `r` runs its branches in two kernels
+/// a group (`lora_a` or, on a device with bf16 tensor cores (`mma`), `lora_a_tiles`; then
+/// `lora_b`), not cuBLAS products.
+pub(super) fn few_rows(n: usize, r: usize, mma: bool) -> bool {
+    let rows = if mma { MAX_TILE_ROWS } else { MAX_ROWS };
+    n <= rows && n * r * 4 <= MAX_T_BYTES
+}
+
+/// Whether `lora_a_tiles` takes a group's `A` products: more than [`MAX_ROWS`] rows, on a
+/// device with bf16 tensor cores, an input of whole 16-column steps, and `xs` and every `A`
+/// 4-byte aligned (its loads are pairs of bf16).
+fn tiles(n: usize, inp: usize, mma: bool, addresses: &[u64]) -> bool {
+    n > MAX_ROWS && mma && inp.is_multiple_of(16) && addresses.iter().all(|a| a % 4 == 0)
 }
 
 /// The lanes of a warp `lora_b` gives a column of `B` (`w × r`): enough for a 16-byte load each
@@ -135,6 +152,7 @@ impl<'a> Pass<'a> {
         let slots = |f: &dyn Fn(&Branch) -> u64| [0, 1, 2].map(|i| group.get(i).map_or(0, f));
         let cols = chunk(inp);
         let [a0, a1, a2] = slots(&|b| self.wp(b.at.a));
+        let on_tiles = tiles(n, inp, k.tensor_cores, &[xs, a0, a1, a2]);
         let args = [
             Arg::U64(xs),
             u32a(n),
@@ -149,20 +167,27 @@ impl<'a> Pass<'a> {
             Arg::U64(t),
             Arg::U64(self.at(counters)),
         ];
-        // a warp per row of A (8 a block), a block per chunk of the input
+        // lora_a: a warp per row of A (8 a block); lora_a_tiles: a block per 16 rows of A; a
+        // block per chunk of the input
+        let (func, rows, what) = if on_tiles {
+            (&k.lora_a_tiles, 16, "lora_a_tiles")
+        } else {
+            (&k.lora_a, 8, "lora_a")
+        };
         let cfg = LaunchConfig {
             grid_dim: (
-                r.div_ceil(8) as u32,
+                r.div_ceil(rows) as u32,
                 targets as u32,
                 inp.div_ceil(cols) as u32,
             ),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: per the caller (A's, xs); part holds MAX_CHUNKS × n × 3r f32 (inp.div_ceil(
+        // SAFETY: per the caller (A's, xs); part holds MAX_CHUNKS × 2n × 3r f32 (inp.div_ceil(
         // cols) ≤ MAX_CHUNKS, targets ≤ 3, r ≤ the scratch's rank), t n × 3r, counters
-        // 3 · ⌈r / 8⌉ u32.
-        unsafe { self.kernel(&k.lora_a, cfg, &args, "lora_a")? };
+        // 3 · ⌈r / 8⌉ u32; lora_a_tiles only for n ≤ 64 (few_rows made this scratch), inp a
+        // multiple of 16 and 4-byte aligned xs and A's (tiles).
+        unsafe { self.kernel(func, cfg, &args, what)? };
         Ok(true)
     }
 
@@ -228,14 +253,15 @@ impl<'a> Pass<'a> {
         let widest = group.iter().map(|b| b.width).max().unwrap_or(0);
         let p = lanes_per_column(r);
         // p lanes a column (32 / p columns a warp), 4 warps a block, a target per grid row
+        // the target's n × r of t in shared memory
         let cfg = LaunchConfig {
             grid_dim: (widest.div_ceil(4 * 32 / p).max(1) as u32, targets as u32, 1),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: (n * r * 4) as u32,
         };
         let args = [args.as_slice(), &[u32a(p)]].concat();
-        // SAFETY: per the caller (B's, dests); t holds n × targets·r f32 (lora_a's), n ≤
-        // MAX_ROWS (few_rows made this scratch); p a power of two ≤ 32.
+        // SAFETY: per the caller (B's, dests); t holds n × targets·r f32 (lora_down's), n · r
+        // f32 within MAX_T_BYTES (few_rows made this scratch); p a power of two ≤ 32.
         unsafe { self.kernel(&k.lora_b, cfg, &args, "lora_b") }
     }
 
@@ -323,7 +349,7 @@ impl<'a> Pass<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::{chunk, few_rows, lanes_per_column, MAX_CHUNKS};
+    use super::{chunk, few_rows, lanes_per_column, tiles, MAX_CHUNKS};
 
     #[test]
     fn chunks_are_whole_warp_loads_and_at_most_the_scratchs() {
@@ -344,7 +370,11 @@ mod tests {
             assert_eq!(c % 256, 0, "{inp}");
             assert!(inp.div_ceil(c) <= MAX_CHUNKS, "{inp}: {c}");
         }
-        assert!(few_rows(1) && few_rows(8) && !few_rows(9));
+        assert!(few_rows(1, 64, false) && few_rows(8, 64, false) && !few_rows(9, 64, false));
+        assert!(few_rows(64, 64, true) && !few_rows(65, 64, true) && !few_rows(64, 256, true));
+        assert!(tiles(9, 3584, true, &[0, 4]) && !tiles(8, 3584, true, &[0]));
+        assert!(!tiles(16, 3592, true, &[0]) && !tiles(16, 3584, true, &[2]));
+        assert!(!tiles(16, 3584, false, &[0]));
         for (r, p) in [
             (1, 1),
             (8, 1),

@@ -59,8 +59,8 @@ pub(super) enum LoraScratch {
         t2: CudaSlice<f32>,
         ts: CudaSlice<u16>,
     },
-    /// A pass of few rows, a group of branches in two kernels (`lora_a`, `lora_b`): the chunks'
-    /// sums of the `A` products `[chunks × n × 3r]`, their scaled total `t [n × 3r]`, and
+    /// A pass of few rows, a group of branches in two kernels (`lora_a` or `lora_a_tiles`,
+    /// `lora_b`): the chunks' sums of the `A` products `[chunks × 2n × 3r]`, their scaled total `t [n × 3r]`, and
     /// `lora_a`'s counters of finished chunks (zero between launches).
     Rows {
         part: CudaSlice<f32>,
@@ -164,10 +164,16 @@ impl Scratch {
             let r = bind.lora.1;
             let lora = if r == 0 {
                 None
-            } else if few_rows(n) {
+            } else if few_rows(n, r, st.k.tensor_cores) {
                 // a group is at most three targets (q / k / v), of at most MAX_CHUNKS chunks
+                // (lora_a_tiles keeps the split rows' sums apart: 2n)
                 Some(LoraScratch::Rows {
-                    part: alloc_device::<f32>(s, MAX_CHUNKS * n * 3 * r, rank, "LoRA chunk sums")?,
+                    part: alloc_device::<f32>(
+                        s,
+                        MAX_CHUNKS * 2 * n * 3 * r,
+                        rank,
+                        "LoRA chunk sums",
+                    )?,
                     t: alloc_device::<f32>(s, n * 3 * r, rank, "LoRA A products")?,
                     counters: alloc_zeros::<u32>(s, 3 * r.div_ceil(8), rank, "LoRA counters")?,
                 })
