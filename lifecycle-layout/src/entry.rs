@@ -141,6 +141,21 @@ impl RolloutEntry {
         self.offset..self.offset + self.slots()
     }
 
+    /// The same slice `by` slots further on (the entry as seen from a base `by` slots before
+    /// its buffer).
+    ///
+    /// ```
+    /// use lifecycle_layout::RolloutEntry;
+    /// let e = RolloutEntry::fp8("w", vec![128, 128], 64).moved(100);
+    /// assert_eq!((e.offset(), e.scale_offset()), (164, Some(164 + 8192)));
+    /// ```
+    pub fn moved(&self, by: usize) -> Self {
+        RolloutEntry {
+            offset: self.offset + by,
+            ..self.clone()
+        }
+    }
+
     /// Bytes of the slice as held.
     pub fn bytes(&self) -> u64 {
         match self.fp8_slots {

@@ -198,7 +198,7 @@ impl<'w> GpuDecoder<'w> {
         let mut core = Core::new(config, tp, pool)?;
         core.lora = Some(lora.clone());
         core.lora_mode = mode;
-        core.bind(pool, &plan, weights)?;
+        core.bind(pool, &plan, weights, None)?;
         Ok(GpuDecoder {
             core,
             pool,
@@ -241,7 +241,7 @@ impl<'w> GpuDecoder<'w> {
         weights: &'w RolloutBuffer,
     ) -> Result<Self, GpuDecodeError> {
         let mut core = Core::new(config, tp, pool)?;
-        core.bind(pool, plan, weights)?;
+        core.bind(pool, plan, weights, None)?;
         Ok(GpuDecoder {
             core,
             pool,

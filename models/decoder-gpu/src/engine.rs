@@ -15,7 +15,7 @@ use crate::decoder::{kv_elements, Core, KvMode, KV_PAGE_POSITIONS, MAX_CONTEXT};
 use crate::error::GpuDecodeError;
 use crate::topology::decode_topology;
 use crate::weights::{detect_layout, GroupOffsets, LayoutKind};
-use crate::LoraMode;
+use crate::{LoraMode, SharedBase};
 
 /// Which tensor names a rollout layout of `format` has.
 pub(crate) fn kind_of(layout: &RolloutLayout) -> LayoutKind {
@@ -343,6 +343,8 @@ pub struct GpuEngine {
     layout: RolloutLayout,
     pub(crate) settings: EngineSettings,
     bound: Option<Bound>,
+    /// The base tensors read in place outside the rollout buffer ([`GpuEngine::share_base`]).
+    shared: Option<SharedBase>,
 }
 
 impl std::fmt::Debug for GpuEngine {
@@ -396,6 +398,7 @@ impl GpuEngine {
             layout,
             settings,
             bound: None,
+            shared: None,
         })
     }
 
@@ -433,6 +436,72 @@ impl GpuEngine {
     pub fn with_lora(mut self, lora: lifecycle_layout::lora::LoraConfig) -> Self {
         self.core.lora = Some(lora);
         self
+    }
+
+    /// Reads the tensors of `base` where they are (a trainer's frozen bf16 base) instead of
+    /// from the rollout buffer, whose entries are then the rest of `base`'s layout (the
+    /// adapters and whatever else the switch moves): from the next wake on, until it is
+    /// called again (`None`: every tensor from the buffer). A shared base needs one rank
+    /// (`W = T = 1`), the unfused layout and the unmerged LoRA mode; refused otherwise, the
+    /// engine unchanged.
+    ///
+    /// ```no_run
+    /// # fn demo(engine: &mut lifecycle_decoder_gpu::GpuEngine, layout: lifecycle_layout::RolloutLayout,
+    /// #         address: u64) -> Result<(), Box<dyn std::error::Error>> {
+    /// use lifecycle_decoder_gpu::{SharedBase, SharedTensor};
+    /// let q = SharedTensor {
+    ///     name: "model.layers.0.self_attn.q_proj.weight".into(),
+    ///     shape: vec![3584, 3584],
+    ///     address,
+    /// };
+    /// // SAFETY: `address` holds the trainer's bf16 q_proj, kept and not written while shared.
+    /// unsafe { engine.share_base(Some(SharedBase::new(layout, vec![q])?))? };
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Safety
+    /// Each shared tensor's address must be device memory of the engine's GPU holding its
+    /// elements (bf16, row-major), alive and not written from the next wake until the engine
+    /// sleeps or is dropped.
+    pub unsafe fn share_base(&mut self, base: Option<SharedBase>) -> Result<(), GpuDecodeError> {
+        if let Some(b) = &base {
+            let refuse = |why: String| -> GpuDecodeError {
+                DecodeError::Usage(format!("a shared base: {why}")).into()
+            };
+            if self.pool.world() != 1 || self.pool.local_ranks().len() != 1 {
+                return Err(refuse(format!(
+                    "read in place on one GPU (W = 1), the engine has W = {}",
+                    self.pool.world()
+                )));
+            }
+            if self.layout.format() != RolloutFormat::Unfused {
+                return Err(refuse("the rollout's layout is fused (Megatron's)".into()));
+            }
+            if self.settings.lora_mode == LoraMode::Merged {
+                return Err(refuse(
+                    "the merged LoRA mode writes a private copy of the base: use unmerged".into(),
+                ));
+            }
+            let names: std::collections::HashSet<&str> = b
+                .layout()
+                .tensors()
+                .iter()
+                .map(|t| t.name.as_str())
+                .collect();
+            if let Some(t) = self
+                .layout
+                .tensors()
+                .iter()
+                .find(|t| !names.contains(t.name.as_str()))
+            {
+                return Err(refuse(format!(
+                    "tensor `{}` of the rollout is not in the shared base's layout",
+                    t.name
+                )));
+            }
+        }
+        self.shared = base;
+        Ok(())
     }
 
     /// The settings.
@@ -532,6 +601,13 @@ impl GpuEngine {
     }
 
     fn bind(&mut self, weights: &RolloutBuffer) -> Result<(), GpuDecodeError> {
+        if let Some(shared) = &self.shared {
+            let buffer = buffer_address(&self.pool, weights)?;
+            let (at, entries) = shared.entries(buffer, weights.entries())?;
+            let plan = GroupOffsets::new(&self.core.config, shared.layout(), &[&entries])?;
+            self.core.bind(&self.pool, &plan, weights, Some(at))?;
+            return self.after_bind();
+        }
         let config = &self.core.config;
         let entries = weights.entries();
         let found = detect_layout(entries)?;
@@ -550,7 +626,12 @@ impl GpuEngine {
             )?,
             RolloutFormat::Fused => GroupOffsets::fused(config, &self.layout, entries)?,
         };
-        self.core.bind(&self.pool, &plan, weights)?;
+        self.core.bind(&self.pool, &plan, weights, None)?;
+        self.after_bind()
+    }
+
+    /// The KV cache once the weights are bound.
+    fn after_bind(&mut self) -> Result<(), GpuDecodeError> {
         if self.core.allocates_into_freeing() {
             // The switch still frees training memory: the cache grows with the calls, each
             // allocation after the frees that make room for it (the settings still bound it).
@@ -575,6 +656,20 @@ impl GpuEngine {
     pub fn kv_waits_for_frees(&self) -> usize {
         self.core.room_waits
     }
+}
+
+/// The device address of the one local rank's rollout buffer (a shared base's engine drives
+/// one rank).
+fn buffer_address(pool: &ThreadRankPool, weights: &RolloutBuffer) -> Result<u64, GpuDecodeError> {
+    let mut items: Vec<_> = weights.buffers().iter().collect();
+    let at = pool.run_each(&mut items, &|ctx, b| {
+        Ok(crate::kernels::ptr(*b, &ctx.compute))
+    })?;
+    at.first().copied().ok_or_else(|| {
+        GpuDecodeError::from(DecodeError::Usage(
+            "a shared base over a rollout of no local rank".into(),
+        ))
+    })
 }
 
 impl RolloutEngine<RolloutBuffer> for GpuEngine {

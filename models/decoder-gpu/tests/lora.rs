@@ -387,3 +387,130 @@ fn gpu_lora_beside_an_fp8_base_matches_the_cpu_decoder() -> Res {
     );
     Ok(())
 }
+
+/// The engine's outputs of [`run`]'s calls, through a lifecycle over the FSDP backend's rollout
+/// of `tensors` in `layout`, with `lora`'s adapters; with `shared`, the engine reads those base
+/// tensors (bf16, each in its own device allocation, as a trainer's frozen parameters) in place
+/// instead of from the rollout buffer, whose layout then holds the rest of `full`.
+fn engine_outputs(
+    config: &ModelConfig,
+    (layout, full): (RolloutLayout, &RolloutLayout),
+    tensors: Vec<HostTensor>,
+    lora: &LoraConfig,
+    shared: &[HostTensor],
+) -> Result<(Outputs, u64), Box<dyn std::error::Error>> {
+    use lifecycle_cuda::RankExecutor;
+    use lifecycle_decoder::Sampling;
+    use lifecycle_decoder_gpu::{EngineSettings, GpuEngine, SharedBase, SharedTensor};
+    let (long, short) = prompts();
+    let pool = Arc::new(ThreadRankPool::new(1)?);
+    // the shared tensors' device copies, kept alive until the engine is dropped
+    let mut uploads: Vec<Vec<lifecycle_cuda::cudarc::driver::CudaSlice<half::bf16>>> = vec![vec![]];
+    let host: Vec<Vec<half::bf16>> = shared
+        .iter()
+        .map(|t| {
+            let v = t.clone().bf16_rounded().data.to_f32().unwrap_or_default();
+            v.into_iter().map(half::bf16::from_f32).collect()
+        })
+        .collect();
+    let addresses = pool.run_each(&mut uploads, &|ctx, out| {
+        let mut at = Vec::new();
+        for h in &host {
+            let d = ctx
+                .compute
+                .clone_htod(h)
+                .map_err(ctx.drv("uploading a shared base tensor", 0))?;
+            at.push(ctx.addr(&d));
+            out.push(d);
+        }
+        ctx.compute
+            .synchronize()
+            .map_err(ctx.drv("synchronizing", 0))?;
+        Ok(at)
+    })?;
+    let backend = FsdpBackend::new(pool, layout);
+    let state = backend.state_from_tensors(tensors)?;
+    let settings = EngineSettings::new(4, 128);
+    let mut engine = GpuEngine::for_backend(&backend, config, settings)?.with_lora(lora.clone());
+    let bytes = if shared.is_empty() {
+        0
+    } else {
+        let tensors = shared
+            .iter()
+            .zip(&addresses[0])
+            .map(|(t, &address)| SharedTensor {
+                name: t.name.clone(),
+                shape: t.shape.clone(),
+                address,
+            })
+            .collect();
+        // SAFETY: each address holds its tensor's bf16 elements (uploaded and synchronized
+        // above), kept in `uploads` until the engine is dropped, never written.
+        unsafe { engine.share_base(Some(SharedBase::new(full.clone(), tensors)?))? };
+        2 * host.iter().map(Vec::len).sum::<usize>() as u64
+    };
+    let mut lc = Lifecycle::new(backend, state).with_engine(engine);
+    let mut session = lc.rollout()?;
+    let (weights, mut engine) = session.parts();
+    let buffer_bytes = 2 * weights.get().len_per_rank() as u64;
+    let mut logits = engine.prefill(weights, &long, PrefillLogits::All)?;
+    logits.extend(engine.decode_step(weights, &[8, 77])?);
+    logits.extend(engine.decode_step(weights, &[3, 1])?);
+    logits.extend(engine.prefill(weights, &short, PrefillLogits::All)?);
+    let tokens = engine.generate(weights, &short, &Sampling::greedy(6))?;
+    session.finish()?;
+    drop(lc);
+    drop(uploads);
+    println!("  rollout buffer {buffer_bytes} bytes, shared base {bytes} bytes");
+    Ok(((logits, tokens), buffer_bytes))
+}
+
+/// A shared base (`GpuEngine::share_base`): the rollout buffer holds the adapters alone and the
+/// engine reads the base matrices, norms, embedding and head where they are (separate device
+/// allocations, as a trainer's frozen bf16 parameters), against the same engine over a rollout
+/// buffer holding every tensor: the same logits and greedy tokens (the products may group
+/// differently: matrices that lie one after the other in the buffer are one product there), and
+/// the buffer is the adapters' bytes alone.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gpu_shared_base_is_read_in_place() -> Res {
+    require_gpus(1)?;
+    let config = common::qwen2_256()?;
+    let lora = LoraConfig::new(8, 16.0, LoraTarget::ALL.to_vec());
+    let (layout, base, all) = lora_model(&config, &lora, 11)?;
+    let (want, _) = engine_outputs(&config, (layout.clone(), &layout), all.clone(), &lora, &[])?;
+    let adapters: Vec<HostTensor> = all
+        .iter()
+        .filter(|t| t.name.contains(".lora_"))
+        .cloned()
+        .collect();
+    let specs = layout
+        .tensors()
+        .iter()
+        .filter(|t| t.name.contains(".lora_"))
+        .cloned()
+        .collect();
+    let own = RolloutLayout::new(1, specs)?;
+    let ((got, got_tokens), buffer) =
+        engine_outputs(&config, (own, &layout), adapters.clone(), &lora, &base)?;
+    let adapter_bytes: u64 = adapters
+        .iter()
+        .map(|t| 2 * t.shape.iter().product::<usize>() as u64)
+        .sum();
+    assert_eq!(
+        buffer, adapter_bytes,
+        "the rollout buffer holds the adapters alone"
+    );
+    assert_eq!(got.len(), want.0.len(), "logits rows");
+    let (rel, abs) = worst(&got, &want.0);
+    assert!(
+        rel <= 1e-5,
+        "shared base vs the whole rollout: max |Δ logit| {abs} ({rel} of 1 + the row's largest)"
+    );
+    assert_eq!(got_tokens, want.1, "greedy tokens");
+    println!(
+        "shared base vs the whole rollout: max |Δ logit| {abs:.3e} ({rel:.2e} relative), greedy \
+         equal; the rollout buffer {buffer} bytes (the adapters)"
+    );
+    Ok(())
+}

@@ -237,7 +237,11 @@ impl Core {
     }
 
     /// Binds every rank to its buffer of `weights` at the offsets of `plan` (checked against the
-    /// buffers' lengths first). Waits for the work queued on the weights (the switch) to finish:
+    /// buffers' lengths first), counted from the buffer's address, or from `shared`'s where a
+    /// shared base lies outside the buffer (the plan's offsets counted from there:
+    /// [`SharedBase::entries`](crate::SharedBase::entries); the buffer's entries are checked by
+    /// the buffer, the shared tensors by the caller of
+    /// [`GpuEngine::share_base`](crate::GpuEngine::share_base)). Waits for the work queued on the weights (the switch) to finish:
     /// every stream of the rank's, but the copy stream when the switch overlaps its offload
     /// ([`RolloutBuffer::freeing`]): its copies go on beside the rollout, whose allocations then
     /// wait for the frees that make room for them.
@@ -246,6 +250,7 @@ impl Core {
         pool: &ThreadRankPool,
         plan: &GroupOffsets,
         weights: &RolloutBuffer,
+        shared: Option<u64>,
     ) -> Result<(), GpuDecodeError> {
         // adapters: those of the configuration given, before anything is read
         plan.check_lora(&self.config, self.lora.as_ref())?;
@@ -267,7 +272,7 @@ impl Core {
         let locals = pool.local_ranks().to_vec();
         for (i, _) in locals.iter().enumerate() {
             let len = weights.rank_buffer(i).map_or(0, |b| b.len() as u64);
-            if len < plan.min_len {
+            if shared.is_none() && len < plan.min_len {
                 return Err(DecodeError::Usage(format!(
                     "the rollout buffer of local rank {i} holds {len} elements, its entries need {}",
                     plan.min_len
@@ -325,6 +330,13 @@ impl Core {
                 });
             }
             let (base, w, lora, merged) = match merge {
+                Some(_) if shared.is_some() => {
+                    return Err(CudaError::Invalid(
+                        "the merged LoRA mode copies the rollout buffer, and the base lies \
+                         outside it (a shared base): use the unmerged mode"
+                            .into(),
+                    ))
+                }
                 Some(shapes) => {
                     // the merged mode: the decoder reads a private copy, adapters merged
                     let len = buf.len();
@@ -340,7 +352,7 @@ impl Core {
                 }
                 None => {
                     st.merged = None;
-                    let base = ptr(buf, &ctx.compute);
+                    let base = shared.unwrap_or_else(|| ptr(buf, &ctx.compute));
                     (base, w, lora, std::time::Duration::ZERO)
                 }
             };
