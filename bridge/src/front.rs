@@ -55,13 +55,36 @@ pub fn closed() -> BridgeError {
 
 impl Switch {
     /// A switch of `binding` on `device`: `"cpu"` (the reference backend) or `"cuda"` (on the
-    /// ranks `pool` makes, called only for it).
+    /// ranks `pool` makes, called only for it). A binding with a shared base
+    /// ([`ModelBinding::with_shared`]) needs `"cuda"`:
+    ///
+    /// ```
+    /// use lifecycle_bridge::{ModelBinding, Switch, SwitchSettings};
+    /// use lifecycle_layout::lora::{LoraConfig, LoraTarget};
+    /// let config = r#"{"model_type": "qwen2", "vocab_size": 16, "hidden_size": 8,
+    ///   "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+    ///   "intermediate_size": 16, "rope_theta": 10000.0, "tie_word_embeddings": true}"#;
+    /// let lora = LoraConfig::new(2, 4.0, vec![LoraTarget::Q]);
+    /// let named = ModelBinding::expected_with_lora(config, &lora)?;
+    /// let norm = "model.norm.weight".to_string();
+    /// let binding = ModelBinding::with_lora(config, named, lora)?.with_shared(&[norm])?;
+    /// let err = Switch::build(binding, SwitchSettings::new(1, 1), "cpu", || unreachable!()).err().unwrap();
+    /// assert!(err.to_string().contains("`model.norm.weight`"), "{err}");
+    /// # Ok::<(), lifecycle_bridge::BridgeError>(())
+    /// ```
     pub fn build(
         binding: ModelBinding,
         settings: SwitchSettings,
         device: &str,
         pool: impl FnOnce() -> Result<ThreadRankPool, BridgeError>,
     ) -> Result<Self, BridgeError> {
+        if let (Some((name, _)), "cpu") = (binding.shared().first(), device) {
+            return Err(BridgeError::tensor(
+                name,
+                "a frozen base read in place needs the GPU switch (device \"cuda\"); the \
+                 reference backend switches fp32 tensors",
+            ));
+        }
         let kind = match device {
             "cpu" => Kind::Host(Box::new(HostSwitch::new(binding, settings)?)),
             "cuda" => Kind::Gpu(Box::new(GpuSwitch::new(

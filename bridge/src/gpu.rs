@@ -17,8 +17,11 @@ use lifecycle_core::{
 use lifecycle_cuda::driver::{LentOffload, LentStream};
 use lifecycle_cuda::{RankExecutor, RolloutBuffer, RolloutSource, ThreadRankPool};
 use lifecycle_decoder::{DecodeError, Filled, GroupStream, Request, Sample};
-use lifecycle_decoder_gpu::{EngineSettings, GpuDecodeError, GpuEngine, LoraMode};
+use lifecycle_decoder_gpu::{
+    EngineSettings, GpuDecodeError, GpuEngine, LoraMode, SharedBase, SharedTensor,
+};
 use lifecycle_fsdp::{FsdpError, LentFsdpBackend, LentFsdpState, LentMaster, LentParts};
+use lifecycle_layout::fp8::RolloutDtype;
 use lifecycle_layout::megatron::MegatronLayout;
 use lifecycle_layout::FsdpLayout;
 use lifecycle_megatron::{
@@ -266,6 +269,9 @@ pub struct GpuSwitch<L: Lending = Fsdp> {
     generation: u64,
     lendings: u64,
     tally: Tally,
+    /// The frozen base tensors read in place ([`GpuSwitch::share_base`]), which an attached
+    /// engine reads where they are.
+    shared: Option<SharedBase>,
 }
 
 impl<L: Lending> std::fmt::Debug for GpuSwitch<L> {
@@ -302,6 +308,20 @@ impl GpuSwitch<Fsdp> {
         pool: Arc<ThreadRankPool>,
     ) -> Result<Self, BridgeError> {
         check_world(&settings, &pool)?;
+        if let Some((name, _)) = binding.shared().first() {
+            let (w, t, dtype) = (settings.world, settings.tp, settings.options.dtype);
+            if w != 1 || t != 1 || dtype != RolloutDtype::Bf16 {
+                return Err(BridgeError::tensor(
+                    name,
+                    format!(
+                        "a bf16 frozen base is read in place by the rollout, on one GPU in \
+                         bf16: W = 1, rollout_tp = 1 and dtype bf16 (found W = {w}, rollout_tp \
+                         = {t}, dtype {dtype:?}): otherwise keep the base in fp32, which the \
+                         switch casts"
+                    ),
+                ));
+            }
+        }
         let (train, rollout) = binding.layouts(settings.world, settings.tp, settings.experts)?;
         let backend = lifecycle_fsdp::FsdpBackend::new(pool, rollout)
             .with_verification(false)
@@ -382,7 +402,39 @@ impl<L: Lending> GpuSwitch<L> {
             generation: 0,
             lendings: 0,
             tally: Tally::default(),
+            shared: None,
         }
+    }
+
+    /// Where the binding's shared tensors ([`ModelBinding::shared`]) are: `addresses[i]` the
+    /// device address of the `i`-th, bf16 on this switch's GPU. An engine attached from now on
+    /// reads them there ([`GpuEngine::share_base`]); checked by name first (count, alignment).
+    ///
+    /// # Safety
+    /// Each address must be device memory of this switch's GPU holding its tensor's bf16
+    /// elements, alive and not written (but where the caller refuses the next rollout, naming
+    /// it) as long as an engine of this switch may run.
+    pub unsafe fn share_base(&mut self, addresses: Vec<u64>) -> Result<(), BridgeError> {
+        let shared = self.binding.shared();
+        if shared.is_empty() || addresses.len() != shared.len() {
+            return Err(BridgeError::Config(format!(
+                "share_base: {} addresses for the binding's {} shared tensors",
+                addresses.len(),
+                shared.len()
+            )));
+        }
+        let tensors = shared
+            .iter()
+            .zip(addresses)
+            .map(|((name, shape), address)| SharedTensor {
+                name: name.clone(),
+                shape: shape.clone(),
+                address,
+            })
+            .collect();
+        let layout = self.binding.whole_rollout_layout()?;
+        self.shared = Some(SharedBase::new(layout, tensors).map_err(BridgeError::backend)?);
+        Ok(())
     }
 
     /// The model binding.
@@ -429,6 +481,16 @@ impl<L: Lending> GpuSwitch<L> {
             .map_err(BridgeError::backend)?;
         if let Some(lora) = self.binding.lora() {
             engine = engine.with_lora(lora.clone());
+        }
+        if !self.binding.shared().is_empty() {
+            let Some(base) = self.shared.clone() else {
+                return Err(BridgeError::Config(
+                    "the switch's shared base has no addresses yet (share_base)".into(),
+                ));
+            };
+            // SAFETY: the addresses are the trainer's tensors as share_base's caller promised
+            // (alive and unwritten while an engine of this switch may run).
+            unsafe { engine.share_base(Some(base)) }.map_err(BridgeError::backend)?;
         }
         match &mut self.slot {
             Slot::Idle(idle) => idle.1 .0 = Some(engine),
@@ -852,6 +914,11 @@ pub trait GpuFront: Send {
     fn stats(&self) -> SwitchStats;
     /// [`GpuSwitch::attach_engine`].
     fn attach_engine(&mut self, settings: EngineSettings) -> Result<(), BridgeError>;
+    /// [`GpuSwitch::share_base`].
+    ///
+    /// # Safety
+    /// As [`GpuSwitch::share_base`].
+    unsafe fn share_base(&mut self, addresses: Vec<u64>) -> Result<(), BridgeError>;
     /// [`GpuSwitch::run`].
     fn run(&mut self, requests: Vec<Request>) -> Result<Vec<Sample>, BridgeError>;
     /// [`GpuSwitch::fill`].
@@ -919,6 +986,11 @@ where
 
     fn attach_engine(&mut self, settings: EngineSettings) -> Result<(), BridgeError> {
         GpuSwitch::attach_engine(self, settings)
+    }
+
+    unsafe fn share_base(&mut self, addresses: Vec<u64>) -> Result<(), BridgeError> {
+        // SAFETY: forwarded to the caller.
+        unsafe { GpuSwitch::share_base(self, addresses) }
     }
 
     fn run(&mut self, requests: Vec<Request>) -> Result<Vec<Sample>, BridgeError> {

@@ -34,6 +34,9 @@ pub struct ModelBinding {
     names: Vec<(String, Vec<usize>)>,
     /// LoRA adapters beside the base ([`ModelBinding::with_lora`]).
     lora: Option<LoraConfig>,
+    /// Frozen base tensors the rollout reads where the trainer keeps them
+    /// ([`ModelBinding::with_shared`]), in the trainer's order: not in `names`.
+    shared: Vec<(String, Vec<usize>)>,
 }
 
 impl ModelBinding {
@@ -226,7 +229,63 @@ impl ModelBinding {
             config,
             names: named,
             lora,
+            shared: Vec::new(),
         })
+    }
+
+    /// The same binding with the frozen base tensors `names` read in place by the rollout
+    /// (a LoRA model's bf16 base on one GPU: the device holds it once): taken out of
+    /// [`ModelBinding::names`] (the switch neither lends nor moves them) into
+    /// [`ModelBinding::shared`]. Refused by name: a name the binding lacks or gives twice, an
+    /// adapter, a tensor trained beside the adapters, and any name without LoRA adapters.
+    ///
+    /// ```
+    /// use lifecycle_bridge::ModelBinding;
+    /// use lifecycle_layout::lora::{LoraConfig, LoraTarget};
+    /// let config = r#"{"model_type": "qwen2", "vocab_size": 16, "hidden_size": 8,
+    ///   "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+    ///   "intermediate_size": 16, "rope_theta": 10000.0, "tie_word_embeddings": true}"#;
+    /// let lora = LoraConfig::new(2, 4.0, vec![LoraTarget::Q]);
+    /// let named = ModelBinding::expected_with_lora(config, &lora)?;
+    /// let q = "model.layers.0.self_attn.q_proj.weight".to_string();
+    /// let binding = ModelBinding::with_lora(config, named.clone(), lora.clone())?.with_shared(&[q.clone()])?;
+    /// assert_eq!(binding.shared()[0].0, q);
+    /// assert_eq!(binding.names().len(), named.len() - 1);
+    /// // the whole model's layout still has it; the switch's does not
+    /// assert!(binding.whole_rollout_layout()?.tensors().iter().any(|t| t.name == q));
+    /// let a = "model.layers.0.self_attn.q_proj.lora_A.weight".to_string();
+    /// let e = ModelBinding::with_lora(config, named, lora)?.with_shared(&[a]).unwrap_err();
+    /// assert!(e.to_string().contains("an adapter"), "{e}");
+    /// # Ok::<(), lifecycle_bridge::BridgeError>(())
+    /// ```
+    pub fn with_shared(mut self, names: &[String]) -> Result<Self, BridgeError> {
+        for name in names {
+            let refuse = |why: &str| BridgeError::tensor(name, format!("shared base: {why}"));
+            let Some(lora) = &self.lora else {
+                return Err(refuse(
+                    "only a LoRA model's frozen base is read in place (from_peft)",
+                ));
+            };
+            if lifecycle_layout::lora::parse_peft_name(name).is_some() {
+                return Err(refuse(
+                    "an adapter moves at every refresh, it is not frozen",
+                ));
+            }
+            if lora.trained.moves(name) {
+                return Err(refuse("trained beside the adapters, it is not frozen"));
+            }
+            let Some(at) = self.names.iter().position(|(n, _)| n == name) else {
+                return Err(refuse("not a tensor of the model, or given twice"));
+            };
+            let tensor = self.names.remove(at);
+            self.shared.push(tensor);
+        }
+        Ok(self)
+    }
+
+    /// The frozen base tensors the rollout reads in place ([`ModelBinding::with_shared`]).
+    pub fn shared(&self) -> &[(String, Vec<usize>)] {
+        &self.shared
     }
 
     /// The LoRA configuration, where the model has adapters.
@@ -239,7 +298,8 @@ impl ModelBinding {
         &self.config
     }
 
-    /// Names and full shapes, in the trainer's order.
+    /// Names and full shapes of the tensors the switch lends, in the trainer's order (the
+    /// shared ones left out).
     pub fn names(&self) -> &[(String, Vec<usize>)] {
         &self.names
     }
@@ -249,8 +309,33 @@ impl ModelBinding {
         FsdpLayout::new(world, self.names.iter().cloned()).map_err(BridgeError::backend)
     }
 
-    /// The rollout layout at tensor-parallel degree `tp` with the experts placed by `experts`.
+    /// The rollout layout the switch writes at tensor-parallel degree `tp` with the experts
+    /// placed by `experts`: the whole model's, the shared tensors left out.
     pub fn rollout_layout(
+        &self,
+        tp: usize,
+        experts: ExpertPlacement,
+    ) -> Result<RolloutLayout, BridgeError> {
+        let whole = self.whole_layout(tp, experts)?;
+        if self.shared.is_empty() {
+            return Ok(whole);
+        }
+        let kept = whole
+            .tensors()
+            .iter()
+            .filter(|t| !self.shared.iter().any(|(n, _)| *n == t.name))
+            .cloned()
+            .collect();
+        RolloutLayout::new(tp, kept).map_err(|e| BridgeError::Config(e.to_string()))
+    }
+
+    /// The whole model's rollout layout at `T = 1`, the shared tensors included: what an engine
+    /// over a shared base reads.
+    pub fn whole_rollout_layout(&self) -> Result<RolloutLayout, BridgeError> {
+        self.whole_layout(1, ExpertPlacement::TensorParallel)
+    }
+
+    fn whole_layout(
         &self,
         tp: usize,
         experts: ExpertPlacement,

@@ -84,6 +84,7 @@ class _Switch:
         gpu: int = 0,
         fp8_keep: str = "none",
         lora: tuple[int, float, list[str], bool, list[str]] | None = None,
+        shared: list[tuple[str, list[int], int]] | None = None,
     ) -> None: ...
     @staticmethod
     def megatron(

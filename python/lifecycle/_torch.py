@@ -22,13 +22,14 @@ def _local(p) -> torch.Tensor:
     return to_local() if to_local is not None else p.data
 
 
-def fsdp2_sources(module, offload: str, optimizer, rename=None):
+def fsdp2_sources(module, offload: str, optimizer, rename=None, share: bool = False):
     """The switch's sources for an FSDP2 module: names, full shapes, this rank's local shard of
     each parameter, its versioned object (the parameter itself: ``optimizer.step()`` moves the
-    DTensor's counter, not its local tensor's), the world, the device, and callables giving the
-    offload buffers and the current stream at each enter. ``rename`` maps the module's parameter
-    names to the model's (a PEFT model's: ``peft_name``); a parameter it maps to None is not
-    switched."""
+    DTensor's counter, not its local tensor's), the world, the device, callables giving the
+    offload buffers and the current stream at each enter, and, with ``share`` (a LoRA model),
+    the frozen base the rollout reads in place (:func:`shared_base`: apart from the sources, and
+    never offloaded). ``rename`` maps the module's parameter names to the model's (a PEFT
+    model's: ``peft_name``); a parameter it maps to None is not switched."""
     from .sources import _Source
 
     named = _renamed(module, rename)
@@ -64,12 +65,18 @@ def fsdp2_sources(module, offload: str, optimizer, rename=None):
             "the switch reads only at W = 1 yet: run it on one GPU"
         )
     if device == "cpu" and world > 1:
-        return _gathered(named, world) + (None, None)
+        return _gathered(named, world) + (None, None, [])
     sources = [
         _Source(name, list(view.shape), [view], p)
         for n, p in named
         for name, view in expert_views(n, _local(p))
     ]
+    shared = shared_base(sources) if share and device == "cuda" else []
+    if shared:
+        kept = {id(src) for src in shared}
+        sources = [src for src in sources if id(src) not in kept]
+        held = {id(src.versioned) for src in shared}
+        named = [(n, p) for n, p in named if id(p) not in held]
 
     def stream() -> int:
         return torch.cuda.current_stream().cuda_stream
@@ -92,7 +99,29 @@ def fsdp2_sources(module, offload: str, optimizer, rename=None):
                             tensors.append((f"{n}:{key}", "optimizer", _local(t)))
             return [lent_storages(tensors)]
 
-    return sources, world, device, buffers, stream if device == "cuda" else None
+    return sources, world, device, buffers, stream if device == "cuda" else None, shared
+
+
+def shared_base(sources) -> list:
+    """The sources the rollout reads in place: frozen (``requires_grad`` off) bf16 tensors on
+    the GPU, each one tensor of this process (a LoRA model's base loaded in bf16). The switch
+    neither lends nor casts them: its engine reads them where they are, so the device holds the
+    base once. A non-contiguous one is refused by name."""
+    out = []
+    for src in sources:
+        p = src.versioned
+        if len(src.shards) != 1 or getattr(p, "requires_grad", True):
+            continue
+        t = src.shards[0]
+        if not (t.is_cuda and t.dtype == torch.bfloat16):
+            continue
+        if not t.is_contiguous():
+            raise TensorMismatchError(
+                f"tensor `{src.name}`: a frozen bf16 base tensor is read in place, and this one "
+                "is not contiguous: make it contiguous, or keep the base in fp32"
+            )
+        out.append(src)
+    return out
 
 
 # transformers 5's fused experts of a mixture-of-experts layer, by the parameter's last name:

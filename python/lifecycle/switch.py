@@ -205,12 +205,15 @@ class Switch:
         build=None,
         barrier=None,
         lora=None,
+        shared=(),
     ) -> "Switch":
         """The switch over ``sources``: a list, built by the extension from their names; or,
         with ``build(config_json, tp)`` making the extension's switch, a callable giving the
         sources from that switch (a Megatron switch lists what it lends): one list, or a list
         per local rank (every rank's own parameters). ``barrier``, where other processes'
-        tensors are read, runs before and after every switch that reads them."""
+        tensors are read, runs before and after every switch that reads them. ``shared``: the
+        frozen bf16 base the rollout reads in place (:func:`._torch.shared_base`), held here
+        (the switch keeps them alive) and checked at every rollout."""
         self = cls.__new__(cls)
         self._s = None
         world = _positive("world", world, "the trainer's FSDP world size W")
@@ -230,7 +233,7 @@ class Switch:
         if build is None:
             for src in sources:
                 src.check(device)
-            largs = lora_args(lora, [src.name for src in sources])
+            largs = lora_args(lora, [src.name for src in sources + list(shared)])
             s = _lifecycle._Switch(
                 self._config_json,
                 [(src.name, src.shape) for src in sources],
@@ -244,6 +247,7 @@ class Switch:
                 gpu=_current_gpu() if device == "cuda" else 0,
                 fp8_keep=fp8_keep,
                 lora=largs,
+                shared=[(src.name, src.shape, src.shards[0].data_ptr()) for src in shared],
             )
         else:
             s = build(self._config_json, tp)
@@ -258,6 +262,10 @@ class Switch:
         # the whole tensors trained beside the adapters (moved at every refresh with them)
         self._trained = frozenset(largs[4]) if largs is not None else frozenset()
         self._sources = sources
+        # the shared base: each tensor kept (its storage alive while the switch is), with the
+        # version and address it was shared at
+        self._shared = list(shared)
+        self._shared_at = [(src.version(), src.shards[0].data_ptr()) for src in self._shared]
         self._device = device
         self._torch = device == "cuda" or any(
             _is_torch(s) for src in sources for s in src.shards
@@ -484,8 +492,8 @@ class Switch:
             raise ConfigError(f"offload: expected a string, found {type(offload).__name__}")
         from ._torch import fsdp2_sources
 
-        sources, world, device, buffers, stream = fsdp2_sources(
-            module, offload, optimizer, rename
+        sources, world, device, buffers, stream, shared = fsdp2_sources(
+            module, offload, optimizer, rename, share=lora is not None
         )
         switch = cls._create(
             config,
@@ -502,6 +510,7 @@ class Switch:
             stream=stream,
             regather=_regather(module, device, world, rename),
             lora=lora,
+            shared=shared,
         )
         if offload != "none":
             # before FSDP2's own pre-forward hook (it all-gathers the shards)
@@ -668,9 +677,33 @@ class Switch:
         self._live()
         self._force = True
 
+    def _check_shared(self) -> None:
+        """The shared base is where it was shared and unwritten since the last rollout: a moved
+        tensor is refused by name at every rollout (the engine reads its old storage, which the
+        switch keeps); a written one at the first rollout after the write (the engine reads it
+        in place, so the rollout after that one reads the new values)."""
+        for i, src in enumerate(self._shared):
+            version, at = self._shared_at[i]
+            now = src.versioned.data_ptr()
+            if now != at:
+                raise TensorMismatchError(
+                    f"tensor `{src.name}`: the frozen bf16 base is read in place by the rollout, "
+                    f"and this parameter moved (now at {now:#x}, shared at {at:#x}): keep the "
+                    "base's parameters where they were when the switch was built (no "
+                    "offload or .to() of the base), or build a new switch"
+                )
+            if src.version() != version:
+                self._shared_at[i] = (src.version(), at)
+                raise ConfigError(
+                    f"tensor `{src.name}`: frozen (the LoRA base, read in place by the rollout) "
+                    "but written since the last rollout: train the adapters (and the tensors "
+                    "trained beside them) alone; the next rollout reads the base as written"
+                )
+
     def _enter(self, refresh: bool, versions: tuple) -> tuple:
         """Switches if needed (the extension decides from the versions); returns
         ``(switched, generation, seconds in the switch)``."""
+        self._check_shared()
         refresh = refresh or self._force
         seen = _flat(versions)
         reused = self._s.reuse(seen, refresh, self._may_have_moved)
@@ -943,6 +976,8 @@ class RolloutWeights:
         from ._torch import to_torch
 
         named = [(h.name, to_torch(h)) for h in handles]
+        # the shared base: the trainer's own tensors, which the rollout reads in place
+        named += [(src.name, src.shards[0]) for src in self._switch._shared]
         if format != "vllm":
             yield from _named(format, named, self._switch._trained)
         else:

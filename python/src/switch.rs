@@ -117,7 +117,7 @@ pub fn megatron_parameters(
 #[pymethods]
 impl PySwitch {
     #[new]
-    #[pyo3(signature = (config_json, names, *, world, tp, dtype_name, experts_name, offload, switching, device, gpu=0, fp8_keep="none", lora=None))]
+    #[pyo3(signature = (config_json, names, *, world, tp, dtype_name, experts_name, offload, switching, device, gpu=0, fp8_keep="none", lora=None, shared=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -133,16 +133,25 @@ impl PySwitch {
         gpu: usize,
         fp8_keep: &str,
         lora: Option<LoraArgs>,
+        shared: Option<Vec<(String, Vec<usize>, u64)>>,
     ) -> PyResult<Self> {
+        let shared = shared.unwrap_or_default();
         let build = || -> Result<Switch, BridgeError> {
+            // the shared tensors are the model's too: bound with the others, then set apart
+            let all: Vec<(String, Vec<usize>)> = names
+                .into_iter()
+                .chain(shared.iter().map(|(n, s, _)| (n.clone(), s.clone())))
+                .collect();
             let binding = match lora {
-                None => ModelBinding::new(config_json, names)?,
+                None => ModelBinding::new(config_json, all)?,
                 Some((r, alpha, targets, rslora, trained)) => ModelBinding::with_lora(
                     config_json,
-                    names,
+                    all,
                     settings::lora(r, alpha, &targets, rslora, &trained)?,
                 )?,
             };
+            let names: Vec<String> = shared.iter().map(|(n, _, _)| n.clone()).collect();
+            let binding = binding.with_shared(&names)?;
             let text = SettingsText {
                 world,
                 tp,
@@ -153,9 +162,17 @@ impl PySwitch {
                 fp8_keep,
             };
             let settings = switch_settings(&text, &binding)?;
-            Switch::build(binding, settings, device, || {
+            let mut switch = Switch::build(binding, settings, device, || {
                 gpu_pool(world, gpu, RankHome::Process)
-            })
+            })?;
+            if !shared.is_empty() {
+                let addresses = shared.iter().map(|(_, _, at)| *at).collect();
+                // SAFETY: the front (lifecycle/switch.py, from_peft) passes the addresses of the
+                // frozen bf16 base on this GPU, keeps a reference to each tensor as long as the
+                // switch, and refuses the rollout after one was written or moved.
+                unsafe { switch.gpu()?.share_base(addresses)? };
+            }
+            Ok(switch)
         };
         let inner = py.detach(build).map_err(to_py)?;
         Ok(PySwitch {

@@ -335,3 +335,89 @@ def test_from_peft_beside_an_fp8_base():
     assert d.mean() < m.mean()
     del got
     switch.close()
+
+
+def test_a_bf16_base_is_read_in_place():
+    """A PEFT model whose base is loaded in bf16 (PEFT keeps the adapters f32): the switch lends
+    and casts the adapters alone, and the engine reads the frozen base where the model keeps it,
+    so the device holds the base once; the engine agrees with PEFT's merged model (bf16 base,
+    f32 adapters merged in f32) within 1e-3 of each sampled token's log-probability;
+    ``named_tensors()`` yields the model's own base tensors beside the adapters; a written base
+    is refused by name at the next rollout, a moved one at every rollout; a bf16 base at
+    ``rollout_tp=2`` or with ``dtype="fp8"`` is refused by name."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(6)
+    with torch.device("cuda"):
+        base = transformers.Qwen2ForCausalLM(qwen2_config()).to(torch.bfloat16)
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0)
+    model = peft.get_peft_model(base, cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.02)
+    adapter_dtypes = {p.dtype for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {peft_name(n): p for n, p in model.named_parameters()
+              if not p.requires_grad and peft_name(n) is not None}
+    base_bytes = sum(p.numel() * 2 for p in frozen.values())
+    for bad, match in (({"dtype": "fp8"}, "dtype bf16"), ({"rollout_tp": 2}, "rollout_tp = 1")):
+        with pytest.raises(lifecycle.LifecycleError, match=match):
+            lifecycle.Switch.from_peft(model, **bad)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    switch = lifecycle.Switch.from_peft(model)
+    engine = lifecycle.Engine(switch, max_sequences=4, max_tokens=64, kv_dtype="f32")
+    prompts = [[5, 17, 256, 3], [900, 1, 2, 3], [42] * 6, [7, 8]]
+    with switch.rollout() as w:
+        torch.cuda.synchronize()
+        rollout_bytes = torch.cuda.memory_allocated() - before
+        got = dict(w.named_tensors())
+        for n, p in frozen.items():
+            assert got[n].data_ptr() == p.data_ptr(), n  # the model's own tensor
+        buffer_bytes = sum(t.numel() * t.element_size() for n, t in got.items() if n not in frozen)
+        samples = engine.generate(w, prompts, max_new_tokens=16, temperature=0.8, seed=3)
+        greedy = [s.tokens for s in engine.generate(w, prompts, max_new_tokens=12)]
+    del got
+    adapter_bytes = sum(p.numel() * 2 for n, p in model.named_parameters() if p.requires_grad)
+    print(f"bf16 base read in place: base {base_bytes / 1e6:.2f} MB, the rollout buffer "
+          f"{buffer_bytes / 1e6:.3f} MB (the adapters' bf16: {adapter_bytes / 1e6:.3f} MB), the "
+          f"switch and engine allocated {rollout_bytes / 1e6:.2f} MB at the first rollout "
+          f"(KV cache and scratch included); adapters trained in {adapter_dtypes}")
+    # the base is not copied: the rollout buffer holds the adapters alone
+    assert buffer_bytes == adapter_bytes, (buffer_bytes, adapter_bytes)
+    with torch.no_grad():
+        merged = model.merge_and_unload().eval()
+        want = logprobs_of(merged, prompts, samples, 0.8)
+        theirs = greedy_of(merged, prompts, 12)
+    d = np.concatenate([np.abs(s.logprobs - x) for s, x in zip(samples, want)])
+    print(f"bf16 base in place: engine vs PEFT merge_and_unload |Δ logprob| mean {d.mean():.2e} "
+          f"max {d.max():.2e}; greedy equal: {greedy == theirs}")
+    assert d.max() <= 1e-3
+    assert greedy == theirs
+    switch.close()
+
+
+def test_a_written_or_moved_bf16_base_is_refused_by_name():
+    torch.manual_seed(7)
+    with torch.device("cuda"):
+        base = transformers.Qwen2ForCausalLM(qwen2_config()).to(torch.bfloat16)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    switch = lifecycle.Switch.from_peft(model)
+    with switch.rollout():
+        pass
+    k = model.base_model.model.model.layers[1].self_attn.k_proj.weight
+    with torch.no_grad():
+        k.add_(1.0)
+    with pytest.raises(lifecycle.ConfigError, match=r"`model\.layers\.1\.self_attn\.k_proj\.weight`.*written"):
+        with switch.rollout():
+            pass
+    with switch.rollout():  # the rollout after the refusal reads the base as written
+        pass
+    old = k.data
+    k.data = k.data.clone()
+    with pytest.raises(lifecycle.TensorMismatchError, match=r"k_proj\.weight`.*moved"):
+        with switch.rollout():
+            pass
+    k.data = old
+    with switch.rollout():
+        pass
+    switch.close()
