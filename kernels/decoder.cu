@@ -206,6 +206,23 @@ extern "C" __global__ void lora_merge(u16* w, const u16* __restrict__ a, const u
     }
 }
 
+// Whether this block is the last of the gridDim.z chunk blocks of its (blockIdx.x, blockIdx.y)
+// to finish (its counter in counters, zero before: the last sets it back to zero), every block's
+// writes before the call visible to it. The whole block calls it (it synchronises the block).
+__device__ bool last_of_chunks(u32* counters) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32* ctr = counters + blockIdx.y * gridDim.x + blockIdx.x;
+        last = atomicAdd(ctr, 1u) == gridDim.z - 1;
+        if (last) *ctr = 0;
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
 // A LoRA group's down products at few rows (see lora_b): t[m, g r + c] = s sum_k x[m, k] A_g[c, k]
 // for the group's targets g < gridDim.y (A_g: a0, a1 or a2, each r x inp), x = hi + lo of the
 // split input xs [2n x inp]. A warp per row c of A_g (blockIdx.x: rows of 8 warps), a block per
@@ -277,18 +294,7 @@ extern "C" __global__ void lora_a(const u16* __restrict__ xs, u32 n, u32 inp, co
             }
         }
     }
-    if (chunks == 1) return;
-    __shared__ bool last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u32* ctr = counters + blockIdx.y * gridDim.x + blockIdx.x;
-        last = atomicAdd(ctr, 1u) == chunks - 1;
-        if (last) *ctr = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (chunks == 1 || !last_of_chunks(counters)) return;
     const u32 c0 = blockIdx.x * rows;
     for (u32 i = threadIdx.x; i < n * rows; i += blockDim.x) {
         const u32 m = i / rows, cc = c0 + i % rows;
@@ -377,17 +383,7 @@ extern "C" __global__ void lora_a_tiles(const u16* __restrict__ xs, u32 n, u32 i
         const u32 row = i / LORA_TILE_COLS, col = i % LORA_TILE_COLS;
         if (c0 + col < r) part[((u64)z * rows2 + row) * R + g * r + c0 + col] = red[(row / 16) * tile_len + (row % 16) * LORA_TILE_COLS + col];
     }
-    __shared__ bool last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u32* ctr = counters + blockIdx.y * gridDim.x + blockIdx.x;
-        last = atomicAdd(ctr, 1u) == chunks - 1;
-        if (last) *ctr = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!last_of_chunks(counters)) return;
     for (u32 i = threadIdx.x; i < n * LORA_TILE_COLS; i += blockDim.x) {
         const u32 m = i / LORA_TILE_COLS, cc = c0 + i % LORA_TILE_COLS;
         if (cc >= r) continue;

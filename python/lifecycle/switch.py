@@ -425,7 +425,14 @@ class Switch:
         trained tensors alone, and a frozen weight written since (its version counter moved) is
         refused by name at the refresh, after which the next rollout casts every tensor again
         (the trained tensors alone move only while the rollout weights stay resident: after
-        :meth:`train`, which releases them, the next rollout casts everything). ``dtype``
+        :meth:`train`, which releases them, the next rollout casts everything). A base loaded
+        in bf16 (as PEFT users load it; PEFT keeps the adapters f32) is read in place: the
+        switch lends and casts the rest alone, the engine reads the frozen bf16 tensors where
+        the model keeps them, so the device holds the base once (one GPU: W = 1,
+        ``rollout_tp=1``, ``dtype="bf16"``, the engine's unmerged mode; otherwise keep the base
+        fp32). The switch holds those tensors as long as it lives and never offloads them; a
+        written one is refused by name at the next rollout (the one after reads it as
+        written), one moved elsewhere (``.data`` replaced, the model moved) at every rollout. ``dtype``
         ``"bf16"`` or ``"fp8"`` (the base's matrices block-scaled e4m3, quantised once, the
         adapters bf16 beside them; ``fp8_keep`` as :meth:`from_fsdp2`'s);
         ``w.named_tensors("peft")`` yields what PEFT saves of the adapter (the adapters and the
