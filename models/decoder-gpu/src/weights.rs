@@ -1062,6 +1062,78 @@ mod tests {
         }
     }
 
+    /// A shared base ([`crate::SharedBase`]): the adapters in a buffer, every base tensor in an
+    /// allocation of its own (some below the buffer, some above it); the plan's offsets, counted
+    /// from the lowest address, land on each tensor's own address, and the adapters' on theirs
+    /// in the buffer.
+    #[test]
+    fn a_shared_base_is_addressed_where_each_tensor_lies() {
+        use crate::{SharedBase, SharedTensor};
+        use lifecycle_layout::lora::{with_adapters, LoraConfig, LoraTarget};
+        let c = config(32, 2, true);
+        let lora = LoraConfig::new(2, 4.0, vec![LoraTarget::Q, LoraTarget::Down]);
+        let layout = with_adapters(&c.rollout_layout(1).unwrap(), &c.model, &lora).unwrap();
+        let buffer = 0x40_0000u64;
+        let (mut in_buffer, mut shared, mut next) = (Vec::new(), Vec::new(), 0usize);
+        for (i, t) in layout.tensors().iter().enumerate() {
+            if t.name.contains(".lora_") {
+                in_buffer.push(RolloutEntry::new(t.name.clone(), t.shape.clone(), next));
+                next += t.shape.iter().product::<usize>();
+            } else {
+                // alternately below and above the buffer, 4 KiB apart
+                let address = if i % 2 == 0 {
+                    0x1_0000 + 0x1000 * i as u64
+                } else {
+                    0x80_0000 + 0x1000 * i as u64
+                };
+                shared.push(SharedTensor {
+                    name: t.name.clone(),
+                    shape: t.shape.clone(),
+                    address,
+                });
+            }
+        }
+        let base = SharedBase::new(layout.clone(), shared.clone()).unwrap();
+        let (at, entries) = base.entries(buffer, &in_buffer).unwrap();
+        assert_eq!(at, shared.iter().map(|t| t.address).min().unwrap());
+        let plan = GroupOffsets::new(&c, &layout, &[&entries[..]]).unwrap();
+        plan.check_lora(&c, Some(&lora)).unwrap();
+        let address = |name: &str| shared.iter().find(|t| t.name == name).unwrap().address;
+        let addr = |slot: u64| at + 2 * slot;
+        let w = &plan.ranks[0];
+        assert_eq!(addr(w.embed), address("model.embed_tokens.weight"));
+        assert_eq!(addr(w.head), address("lm_head.weight"));
+        let l1 = &w.layers[1];
+        assert_eq!(
+            addr(l1.q_w.off),
+            address("model.layers.1.self_attn.q_proj.weight")
+        );
+        assert_eq!(
+            addr(l1.down_w.off),
+            address("model.layers.1.mlp.down_proj.weight")
+        );
+        assert_eq!(
+            addr(l1.q_b.unwrap()),
+            address("model.layers.1.self_attn.q_proj.bias")
+        );
+        let slot = |name: &str| {
+            in_buffer
+                .iter()
+                .find(|e| e.name() == name)
+                .unwrap()
+                .offset() as u64
+        };
+        let q = l1.lora[0].unwrap();
+        assert_eq!(
+            addr(q.a),
+            buffer + 2 * slot("model.layers.1.self_attn.q_proj.lora_A.weight")
+        );
+        assert_eq!(
+            addr(q.b),
+            buffer + 2 * slot("model.layers.1.self_attn.q_proj.lora_B.weight")
+        );
+    }
+
     /// A rollout's adapters are read beside their bases (a replicated k / v adapter's B from
     /// the rank's kv rows) and checked against the configuration the engine is given: without
     /// one, or with another, refused by name (a LoRA model is never decoded on its base alone).
