@@ -13,6 +13,7 @@ use crate::gpu::{GpuFront, GpuRankParts, GpuSwitch};
 use crate::host::{HostSwitch, SwitchSettings};
 use crate::model::ModelBinding;
 use crate::shards::Shard;
+use crate::shared::SharedWatch;
 use crate::switch::{Entered, SwitchStats};
 use crate::views::{Leases, TensorView};
 
@@ -33,6 +34,8 @@ pub struct Switch {
     kind: Kind,
     /// The versions of the trainer's tensors at the last successful enter (`None`: none yet).
     seen: Option<Vec<u64>>,
+    /// The shared base's watch, where the binding has one ([`ModelBinding::with_shared`]).
+    shared: Option<SharedWatch>,
 }
 
 /// What a [`Switch`] switches over.
@@ -85,6 +88,8 @@ impl Switch {
                  reference backend switches fp32 tensors",
             ));
         }
+        let names: Vec<String> = binding.shared().iter().map(|(n, _)| n.clone()).collect();
+        let shared = (!names.is_empty()).then(|| SharedWatch::new(names));
         let kind = match device {
             "cpu" => Kind::Host(Box::new(HostSwitch::new(binding, settings)?)),
             "cuda" => Kind::Gpu(Box::new(GpuSwitch::new(
@@ -98,7 +103,11 @@ impl Switch {
                 )))
             }
         };
-        Ok(Switch { kind, seen: None })
+        Ok(Switch {
+            kind,
+            seen: None,
+            shared,
+        })
     }
 
     /// A switch of Megatron-Core parameters for the model `config_json` (a Hugging Face
@@ -141,6 +150,7 @@ impl Switch {
         Ok(Switch {
             kind: Kind::Gpu(Box::new(gpu)),
             seen: None,
+            shared: None,
         })
     }
 
@@ -210,6 +220,19 @@ impl Switch {
         Ok(entered)
     }
 
+    /// Checks the shared base before a rollout ([`SharedWatch::check`]: `versions` the front's
+    /// tuple of each shared tensor's versions, `addresses` where each one's parameter is now);
+    /// nothing to check without one.
+    pub fn check_shared(&mut self, versions: &[u64], addresses: &[u64]) -> Result<(), BridgeError> {
+        if matches!(self.kind, Kind::Closed) {
+            return Err(closed());
+        }
+        match &mut self.shared {
+            Some(w) => w.check(versions, addresses),
+            None => Ok(()),
+        }
+    }
+
     /// Whether the trainer's weights changed since the last enter: `refresh` (the front's
     /// word: a write the versions do not show), no enter yet, or `versions` other than the
     /// ones that enter saw.
@@ -264,6 +287,7 @@ impl Switch {
         let closed = || Switch {
             kind: Kind::Closed,
             seen: None,
+            shared: None,
         };
         match &mut self.kind {
             Kind::Host(s) => s.exit_for("close")?,

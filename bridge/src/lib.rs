@@ -33,6 +33,7 @@ pub mod host;
 pub mod model;
 pub mod settings;
 pub mod shards;
+mod shared;
 pub mod switch;
 pub mod views;
 
@@ -41,6 +42,7 @@ pub use front::Switch;
 pub use gpu::{Fsdp, GpuFront, GpuRankParts, GpuSwitch, Lending, Megatron};
 pub use host::{HostSwitch, SwitchSettings};
 pub use model::ModelBinding;
+pub use shared::SharedWatch;
 pub use switch::{Entered, SwitchStats};
 pub use views::{Device, Lease, Leases, TensorView, ViewDtype};
 

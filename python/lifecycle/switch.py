@@ -262,10 +262,11 @@ class Switch:
         # the whole tensors trained beside the adapters (moved at every refresh with them)
         self._trained = frozenset(largs[4]) if largs is not None else frozenset()
         self._sources = sources
-        # the shared base: each tensor kept (its storage alive while the switch is), with its
-        # version and its parameter's address when shared
+        # the shared base: each tensor kept (its storage alive while the switch is); the
+        # extension records its versions and addresses now and checks them at every rollout
         self._shared = list(shared)
-        self._shared_at = [(src.version(), src.versioned.data_ptr()) for src in self._shared]
+        if self._shared:
+            self._check_shared(s)
         self._device = device
         self._torch = device == "cuda" or any(
             _is_torch(s) for src in sources for s in src.shards
@@ -684,32 +685,15 @@ class Switch:
         self._live()
         self._force = True
 
-    def _check_shared(self) -> None:
-        """The shared base is where it was shared and unwritten since the last rollout: a moved
-        tensor is refused by name at every rollout (the engine reads its old storage, which the
-        switch keeps); a written one at the first rollout after the write (the engine reads it
-        in place, so the rollout after that one reads the new values)."""
-        written = []
-        for i, src in enumerate(self._shared):
-            version, at = self._shared_at[i]
-            now = src.versioned.data_ptr()
-            if now != at:
-                raise TensorMismatchError(
-                    f"tensor `{src.name}`: the frozen bf16 base is read in place by the rollout, "
-                    f"and its parameter moved (now at {now:#x}, shared at {at:#x}): keep the "
-                    "base's parameters where they were when the switch was built (no "
-                    "offload or .to() of the base), or build a new switch"
-                )
-            if src.version() != version:
-                self._shared_at[i] = (src.version(), at)
-                written.append(src.name)
-        if written:
-            more = f" (and {len(written) - 1} more)" if len(written) > 1 else ""
-            raise ConfigError(
-                f"tensor `{written[0]}`{more}: frozen (the LoRA base, read in place by the "
-                "rollout) but written since the last rollout: train the adapters (and the "
-                "tensors trained beside them) alone; the next rollout reads the base as written"
-            )
+    def _check_shared(self, s=None) -> None:
+        """The shared base before a rollout (the extension decides): a tensor whose parameter
+        moved is refused by name at every rollout, tensors written since the last rollout once
+        (the rollout after reads them as written, in place)."""
+        if not self._shared:
+            return
+        versions = _flat(tuple(src.version() for src in self._shared))
+        addresses = [src.versioned.data_ptr() for src in self._shared]
+        (s or self._s).check_shared(versions, addresses)
 
     def _enter(self, refresh: bool, versions: tuple) -> tuple:
         """Switches if needed (the extension decides from the versions); returns

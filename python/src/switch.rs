@@ -290,6 +290,15 @@ impl PySwitch {
         Ok(e.map(|e| (e.switched, e.generation, e.wall.as_secs_f64())))
     }
 
+    /// Checks the shared base before a rollout (`lifecycle_bridge::SharedWatch::check`):
+    /// `versions` the flattened tuple of each shared tensor's versions, `addresses` where each
+    /// one's parameter is now; the first call records them.
+    fn check_shared(&self, versions: Vec<u64>, addresses: Vec<u64>) -> PyResult<()> {
+        self.lock()
+            .check_shared(&versions, &addresses)
+            .map_err(to_py)
+    }
+
     /// Whether the trainer's weights changed since the last enter (`versions`, `refresh` as
     /// `enter` takes them): the switch's own decision, which the front asks before it gathers
     /// sources anew.

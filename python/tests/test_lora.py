@@ -300,3 +300,33 @@ def test_from_peft_takes_modules_to_save_and_trainable_biases():
     m = model(lora_bias=True)
     with pytest.raises(lifecycle.ConfigError, match="lora_bias = True"):
         lifecycle.Switch.from_peft(m)
+
+
+def test_a_shared_base_is_checked_by_name_before_anything_is_read():
+    """The extension's shared base (a LoRA model's frozen bf16 tensors read in place, which
+    ``from_peft`` sets apart on the GPU): refused by name on the host backend, for an adapter,
+    and without LoRA adapters; nothing is read (the addresses are never dereferenced)."""
+    import json
+
+    from lifecycle import _lifecycle
+    from lifecycle._lora import lora_args
+
+    names = lifecycle.expected_parameters(CONFIG, lora=LORA)
+    largs = lora_args(LORA, [n for n, _ in names])
+
+    def make(shared, lora=largs, device="cpu", listed=names):
+        kept = [(n, s) for n, s in listed if n not in {x[0] for x in shared}]
+        return _lifecycle._Switch(
+            json.dumps(CONFIG), kept, world=1, tp=1, dtype_name="bf16", experts_name="tp",
+            offload="none", switching="lazy", device=device, lora=lora, shared=shared,
+        )
+
+    q = ("model.layers.0.self_attn.q_proj.weight", [16, 16], 0x1000)
+    with pytest.raises(lifecycle.TensorMismatchError, match=r"`model\.layers\.0\.self_attn\.q_proj\.weight`.*cuda"):
+        make([q])
+    a = ("model.layers.0.self_attn.q_proj.lora_A.weight", [2, 16], 0x1000)
+    with pytest.raises(lifecycle.TensorMismatchError, match=r"lora_A\.weight`.*adapter"):
+        make([a])
+    plain = lifecycle.expected_parameters(CONFIG)
+    with pytest.raises(lifecycle.TensorMismatchError, match=r"q_proj\.weight`.*LoRA"):
+        make([q], lora=None, listed=plain)
