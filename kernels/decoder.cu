@@ -381,7 +381,10 @@ extern "C" __global__ void lora_a_tiles(const u16* __restrict__ xs, u32 n, u32 i
     }
     for (u32 i = threadIdx.x; i < rows2 * LORA_TILE_COLS; i += blockDim.x) {
         const u32 row = i / LORA_TILE_COLS, col = i % LORA_TILE_COLS;
-        if (c0 + col < r) part[((u64)z * rows2 + row) * R + g * r + c0 + col] = red[(row / 16) * tile_len + (row % 16) * LORA_TILE_COLS + col];
+        if (c0 + col < r) {
+            part[((u64)z * rows2 + row) * R + g * r + c0 + col] =
+                red[(row / 16) * tile_len + (row % 16) * LORA_TILE_COLS + col];
+        }
     }
     if (!last_of_chunks(counters)) return;
     for (u32 i = threadIdx.x; i < n * LORA_TILE_COLS; i += blockDim.x) {
@@ -423,7 +426,9 @@ extern "C" __global__ void lora_b(const float* __restrict__ t, u32 n, u32 r, con
     const u32 j = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * per_warp + lane / p;
     const u32 q = lane % p;
     extern __shared__ float tsh[];
-    for (u32 i = threadIdx.x; i < n * r; i += blockDim.x) tsh[i] = t[(u64)(i / r) * R + g * r + i % r];
+    for (u32 i = threadIdx.x; i < n * r; i += blockDim.x) {
+        tsh[i] = t[(u64)(i / r) * R + g * r + i % r];
+    }
     __syncthreads();
     // whole warps go on to the shuffles; a lane past the matrix sums nothing
     const bool live = j < w;

@@ -94,8 +94,9 @@ def main():
         pass
     res["first_enter_wall_ms"] = 1e3 * (time.perf_counter() - t)
     res["first_enter_ms"] = 1e3 * switch.last_enter[2]
-    mem["+ rollout weights (" + ("its own bf16 base and the adapters" if args.base == "fp32"
-                                 else "the adapters: the bf16 base read in place") + ")"] = used_gb()
+    held = ("its own bf16 base and the adapters" if args.base == "fp32"
+            else "the adapters: the bf16 base read in place")
+    mem[f"+ rollout weights ({held})"] = used_gb()
 
     inside, wall = [], []
     for _ in range(args.iters):

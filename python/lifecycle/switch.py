@@ -433,8 +433,8 @@ class Switch:
         ``rollout_tp=1``, ``dtype="bf16"``, the engine's unmerged mode; otherwise keep the base
         fp32). The switch holds those tensors as long as it lives and never offloads them; a
         written one is refused by name at the next rollout (the one after reads it as
-        written), one moved elsewhere (``.data`` replaced, the model moved) at every rollout. ``dtype``
-        ``"bf16"`` or ``"fp8"`` (the base's matrices block-scaled e4m3, quantised once, the
+        written), one moved elsewhere (``.data`` replaced, the model moved) at every rollout.
+        ``dtype`` ``"bf16"`` or ``"fp8"`` (the base's matrices block-scaled e4m3, quantised once, the
         adapters bf16 beside them; ``fp8_keep`` as :meth:`from_fsdp2`'s);
         ``w.named_tensors("peft")`` yields what PEFT saves of the adapter (the adapters and the
         trained whole tensors) under PEFT's keys, and :class:`Engine` applies the adapters

@@ -6,8 +6,9 @@
 //! covered: a group's in `lora_a` and `lora_b` at up to 8 rows (the decode steps of two
 //! sequences, the greedy tokens), in `lora_a_tiles` and `lora_b` at up to 64 (the prefills of 43
 //! and 16 rows), each branch in cuBLAS products at more ([`run_lora`]'s prefill of 96 rows). The
-//! merged mode (`LoraMode::Merged`: a private copy of the rollout with `W + s·B·A` in each adapted matrix) against the CPU decoder
-//! over the base with the adapters merged alike on the host.
+//! merged mode (`LoraMode::Merged`: a private copy of the rollout with `W + s·B·A` in each
+//! adapted matrix) against the CPU decoder over the base with the adapters merged alike on the
+//! host.
 //!
 //! ```text
 //! cargo test --release -p lifecycle-decoder-gpu --test lora -- --ignored --nocapture

@@ -241,8 +241,8 @@ impl Core {
     /// shared base lies outside the buffer (the plan's offsets counted from there:
     /// [`SharedBase::entries`](crate::SharedBase::entries); the buffer's entries are checked by
     /// the buffer, the shared tensors by the caller of
-    /// [`GpuEngine::share_base`](crate::GpuEngine::share_base)). Waits for the work queued on the weights (the switch) to finish:
-    /// every stream of the rank's, but the copy stream when the switch overlaps its offload
+    /// [`GpuEngine::share_base`](crate::GpuEngine::share_base)). Waits for the work queued on
+    /// the weights (the switch) to finish: every stream of the rank's, but the copy stream when the switch overlaps its offload
     /// ([`RolloutBuffer::freeing`]): its copies go on beside the rollout, whose allocations then
     /// wait for the frees that make room for them.
     pub fn bind(

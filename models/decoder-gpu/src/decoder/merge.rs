@@ -15,10 +15,11 @@ use crate::weights::{MatAt, RankOffsets};
 
 /// How the decoder applies a rollout's LoRA adapters. Unmerged is the default, chosen by
 /// measurement (H100, 7.6B shapes, r = 64 on all seven linear types, 2026-12-08): merged
-/// decodes at 0.99–1.05× the adapter-free model where unmerged ran at 0.86–0.92× (batches 1–8),
-/// but it holds a second bf16 copy of the base (+15.6 GB at 7.6B), merges at every bind after an
-/// adapter update (25.1 ms at 4 layers: about 0.18 s at 28, against a 0.655 ms adapter refresh),
-/// and cannot run over a base read in place ([`GpuEngine::share_base`](crate::GpuEngine::share_base)).
+/// decodes at 0.99–1.05× the adapter-free model where unmerged ran at 0.86–0.92× (batches
+/// 1–8), but it holds a second bf16 copy of the base (+15.6 GB at 7.6B), merges at every bind
+/// after an adapter update (25.1 ms at 4 layers: about 0.18 s at 28, against a 0.655 ms adapter
+/// refresh), and cannot run over a base read in place
+/// ([`GpuEngine::share_base`](crate::GpuEngine::share_base)).
 /// Long rollouts on a model that fits twice may take the merged mode.
 ///
 /// ```

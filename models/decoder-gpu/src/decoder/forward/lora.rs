@@ -7,10 +7,11 @@
 //! kernels: `lora_a` (up to 8 rows) or `lora_a_tiles` (more, on tensor cores), the `A` products
 //! of every target of the group (`t = s·x·Aᵀ`, split over chunks of the input and added in a
 //! fixed order; queued before the base products, which read the same input and start beside
-//! it), and `lora_b`, the `B` products added where the base products' outputs are. A pass of many rows (a prefill) runs each branch as two cuBLAS products and one
-//! kernel: `t2 = xs·Aᵀ` (`[2n × r]`), `lora_mid` joins its halves, scales them by `s` and splits
-//! them again, and `B`'s product adds its split output to the base's split output before that is
-//! joined (or, where the base product wrote its joined output itself, `combine` adds it there).
+//! it), and `lora_b`, the `B` products added where the base products' outputs are. A pass of
+//! many rows (a prefill) runs each branch as two cuBLAS products and one kernel: `t2 = xs·Aᵀ`
+//! (`[2n × r]`), `lora_mid` joins its halves, scales them by `s` and splits them again, and
+//! `B`'s product adds its split output to the base's split output before that is joined (or,
+//! where the base product wrote its joined output itself, `combine` adds it there).
 
 use lifecycle_cuda::cudarc::driver::LaunchConfig;
 use lifecycle_cuda::CudaError;

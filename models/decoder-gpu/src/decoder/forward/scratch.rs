@@ -60,7 +60,8 @@ pub(super) enum LoraScratch {
         ts: CudaSlice<u16>,
     },
     /// A pass of few rows, a group of branches in two kernels (`lora_a` or `lora_a_tiles`,
-    /// `lora_b`): the chunks' sums of the `A` products `[chunks × 2n × 3r]`, their scaled total `t [n × 3r]`, and
+    /// `lora_b`): the chunks' sums of the `A` products `[chunks × 2n × 3r]`, their scaled total
+    /// `t [n × 3r]`, and
     /// `lora_a`'s counters of finished chunks (zero between launches).
     Rows {
         part: CudaSlice<f32>,
