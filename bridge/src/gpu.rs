@@ -412,8 +412,8 @@ impl<L: Lending> GpuSwitch<L> {
     ///
     /// # Safety
     /// Each address must be device memory of this switch's GPU holding its tensor's bf16
-    /// elements, alive and not written (but where the caller refuses the next rollout, naming
-    /// it) as long as an engine of this switch may run.
+    /// elements, alive as long as an engine of this switch may run, and not written while one
+    /// runs a call (a write between calls is the caller's to refuse: `Switch::check_shared`).
     pub unsafe fn share_base(&mut self, addresses: Vec<u64>) -> Result<(), BridgeError> {
         let shared = self.binding.shared();
         if shared.is_empty() || addresses.len() != shared.len() {
@@ -489,7 +489,7 @@ impl<L: Lending> GpuSwitch<L> {
                 ));
             };
             // SAFETY: the addresses are the trainer's tensors as share_base's caller promised
-            // (alive and unwritten while an engine of this switch may run).
+            // (alive while an engine of this switch may run, unwritten while one runs a call).
             unsafe { engine.share_base(Some(base)) }.map_err(BridgeError::backend)?;
         }
         match &mut self.slot {

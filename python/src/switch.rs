@@ -168,8 +168,9 @@ impl PySwitch {
             if !shared.is_empty() {
                 let addresses = shared.iter().map(|(_, _, at)| *at).collect();
                 // SAFETY: the front (lifecycle/switch.py, from_peft) passes the addresses of the
-                // frozen bf16 base on this GPU, keeps a reference to each tensor as long as the
-                // switch, and refuses the rollout after one was written or moved.
+                // frozen bf16 base on this GPU and keeps a reference to each tensor as long as
+                // the switch; its calls run one at a time with the trainer's (a write between
+                // them is refused by check_shared).
                 unsafe { switch.gpu()?.share_base(addresses)? };
             }
             Ok(switch)

@@ -461,8 +461,9 @@ impl GpuEngine {
     ///
     /// # Safety
     /// Each shared tensor's address must be device memory of the engine's GPU holding its
-    /// elements (bf16, row-major), alive and not written from the next wake until the engine
-    /// sleeps or is dropped.
+    /// elements (bf16, row-major), alive from the next wake until the engine sleeps or is
+    /// dropped, and not written while a call of the engine runs (what the base holds when a
+    /// call starts is what it reads).
     pub unsafe fn share_base(&mut self, base: Option<SharedBase>) -> Result<(), GpuDecodeError> {
         if let Some(b) = &base {
             let refuse = |why: String| -> GpuDecodeError {
