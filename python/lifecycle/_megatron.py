@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ._config import _config_json
 from ._lifecycle import ConfigError, TensorMismatchError
 from .sources import _Source
 
@@ -74,7 +75,6 @@ def megatron_parameters(
     by the Rust library."""
     from ._lifecycle import megatron_parameters as names
     from .sources import _positive
-    from .switch import _config_json
 
     degrees = [
         _positive(what, v, meaning)

@@ -13,10 +13,9 @@
 //! `B`'s product adds its split output to the base's split output before that is joined (or,
 //! where the base product wrote its joined output itself, `combine` adds it there).
 
-use lifecycle_cuda::cudarc::driver::LaunchConfig;
-use lifecycle_cuda::CudaError;
+use lifecycle_cuda::cudarc::driver::{CudaSlice, LaunchConfig};
+use lifecycle_cuda::{alloc_device, alloc_zeros, CudaError, RankCtx};
 
-use super::scratch::LoraScratch;
 use super::{u32a, Pass};
 use crate::blas::{gemm, gemm_ld};
 use crate::kernels::Arg;
@@ -39,12 +38,12 @@ const MAX_TILE_ROWS: usize = 64;
 const MAX_T_BYTES: usize = 48 << 10;
 
 /// The most chunks `lora_a` splits an input into ([`chunk`]).
-pub(super) const MAX_CHUNKS: usize = 16;
+const MAX_CHUNKS: usize = 16;
 
 /// Whether a pass of `n` rows with adapters of rank up to `r` runs its branches in two kernels
 /// a group (`lora_a` or, on a device with bf16 tensor cores (`mma`), `lora_a_tiles`; then
 /// `lora_b`), not cuBLAS products.
-pub(super) fn few_rows(n: usize, r: usize, mma: bool) -> bool {
+fn few_rows(n: usize, r: usize, mma: bool) -> bool {
     let rows = if mma { MAX_TILE_ROWS } else { MAX_ROWS };
     n <= rows && n * r * 4 <= MAX_T_BYTES
 }
@@ -66,6 +65,60 @@ fn lanes_per_column(r: usize) -> usize {
 /// 8-wide loads), at most [`MAX_CHUNKS`] chunks.
 fn chunk(inp: usize) -> usize {
     256 * inp.div_ceil(256 * MAX_CHUNKS).max(1)
+}
+
+/// The LoRA branches' buffers of a pass, for adapters of rank up to `r` ([`few_rows`] says
+/// which).
+pub(super) enum LoraScratch {
+    /// A pass of many rows, each branch two cuBLAS products: the `A` product of the split input
+    /// `t2 [2n × r]` and its scaled sum split again, `ts [2n × r]`, the input of the `B`
+    /// product.
+    Products {
+        t2: CudaSlice<f32>,
+        ts: CudaSlice<u16>,
+    },
+    /// A pass of few rows, a group of branches in two kernels (`lora_a` or `lora_a_tiles`,
+    /// `lora_b`): the chunks' sums of the `A` products `[chunks × 2n × 3r]`, their scaled total
+    /// `t [n × 3r]`, and `lora_a`'s counters of finished chunks (zero between launches).
+    Rows {
+        part: CudaSlice<f32>,
+        t: CudaSlice<f32>,
+        counters: CudaSlice<u32>,
+    },
+}
+
+impl LoraScratch {
+    /// The buffers of a pass of `n` rows for adapters of rank up to `r` (`None` for `r` = 0) on
+    /// a device with bf16 tensor cores or not (`mma`).
+    pub(super) fn new(
+        ctx: &RankCtx,
+        n: usize,
+        r: usize,
+        mma: bool,
+    ) -> Result<Option<Self>, CudaError> {
+        let (s, rank) = (&ctx.compute, ctx.rank);
+        if r == 0 {
+            return Ok(None);
+        }
+        // SAFETY: every element of part, t, t2 and ts is written by a kernel or a GEMM before
+        // it is read (lora_down, lora_branch), in order on this one stream.
+        unsafe {
+            if few_rows(n, r, mma) {
+                // a group is at most three targets (q / k / v), of at most MAX_CHUNKS chunks
+                // (lora_a_tiles keeps the split rows' sums apart: 2n)
+                let chunk_sums = MAX_CHUNKS * 2 * n * 3 * r;
+                return Ok(Some(LoraScratch::Rows {
+                    part: alloc_device::<f32>(s, chunk_sums, rank, "LoRA chunk sums")?,
+                    t: alloc_device::<f32>(s, n * 3 * r, rank, "LoRA A products")?,
+                    counters: alloc_zeros::<u32>(s, 3 * r.div_ceil(8), rank, "LoRA counters")?,
+                }));
+            }
+            Ok(Some(LoraScratch::Products {
+                t2: alloc_device::<f32>(s, 2 * n * r, rank, "LoRA A products")?,
+                ts: alloc_device::<u16>(s, 2 * n * r, rank, "LoRA B inputs")?,
+            }))
+        }
+    }
 }
 
 /// Where an adapter's branch adds its output: `n` rows of `width` f32, `ld` apart, at `dest`;

@@ -1,9 +1,9 @@
 //! The scratch buffers of one pass and its inputs on the device ([`Scratch`]).
 
 use lifecycle_cuda::cudarc::driver::CudaSlice;
-use lifecycle_cuda::{alloc_device, alloc_zeros, CudaError, RankCtx};
+use lifecycle_cuda::{alloc_device, CudaError, RankCtx};
 
-use super::lora::{few_rows, MAX_CHUNKS};
+use super::lora::LoraScratch;
 use super::tiles::prefill_tiles;
 use super::Step;
 use crate::decoder::moe::MoeScratch;
@@ -47,27 +47,6 @@ pub(crate) struct Scratch {
     pub(super) tiles: Option<(CudaSlice<u32>, usize)>,
     /// The LoRA branches' buffers (`None` without adapters).
     pub(super) lora: Option<LoraScratch>,
-}
-
-/// The LoRA branches' buffers of a pass, for adapters of rank up to `r`
-/// ([`super::lora::few_rows`] says which).
-pub(super) enum LoraScratch {
-    /// A pass of many rows, each branch two cuBLAS products: the `A` product of the split input
-    /// `t2 [2n × r]` and its scaled sum split again, `ts [2n × r]`, the input of the `B`
-    /// product.
-    Products {
-        t2: CudaSlice<f32>,
-        ts: CudaSlice<u16>,
-    },
-    /// A pass of few rows, a group of branches in two kernels (`lora_a` or `lora_a_tiles`,
-    /// `lora_b`): the chunks' sums of the `A` products `[chunks × 2n × 3r]`, their scaled total
-    /// `t [n × 3r]`, and
-    /// `lora_a`'s counters of finished chunks (zero between launches).
-    Rows {
-        part: CudaSlice<f32>,
-        t: CudaSlice<f32>,
-        counters: CudaSlice<u32>,
-    },
 }
 
 /// The partial sums of a split attention ([`SplitAttention`]): per row, query head and chunk,
@@ -162,28 +141,7 @@ impl Scratch {
             } else {
                 None
             };
-            let r = bind.lora.1;
-            let lora = if r == 0 {
-                None
-            } else if few_rows(n, r, st.k.tensor_cores) {
-                // a group is at most three targets (q / k / v), of at most MAX_CHUNKS chunks
-                // (lora_a_tiles keeps the split rows' sums apart: 2n)
-                Some(LoraScratch::Rows {
-                    part: alloc_device::<f32>(
-                        s,
-                        MAX_CHUNKS * 2 * n * 3 * r,
-                        rank,
-                        "LoRA chunk sums",
-                    )?,
-                    t: alloc_device::<f32>(s, n * 3 * r, rank, "LoRA A products")?,
-                    counters: alloc_zeros::<u32>(s, 3 * r.div_ceil(8), rank, "LoRA counters")?,
-                })
-            } else {
-                Some(LoraScratch::Products {
-                    t2: alloc_device::<f32>(s, 2 * n * r, rank, "LoRA A products")?,
-                    ts: alloc_device::<u16>(s, 2 * n * r, rank, "LoRA B inputs")?,
-                })
-            };
+            let lora = LoraScratch::new(ctx, n, bind.lora.1, st.k.tensor_cores)?;
             Ok(Scratch {
                 split,
                 tiles,
