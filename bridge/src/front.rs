@@ -10,8 +10,9 @@ use lifecycle_layout::megatron::MegatronParallel;
 
 use crate::error::BridgeError;
 use crate::gpu::{GpuFront, GpuRankParts, GpuSwitch};
-use crate::host::{HostSwitch, SwitchSettings};
+use crate::host::HostSwitch;
 use crate::model::ModelBinding;
+use crate::settings::SwitchSettings;
 use crate::shards::Shard;
 use crate::shared::SharedWatch;
 use crate::switch::{Entered, SwitchStats};
@@ -144,7 +145,7 @@ impl Switch {
             )));
         }
         let binding = ModelBinding::new(config_json, ModelBinding::expected(config_json)?)?;
-        let settings = crate::settings::switch_settings(text, &binding)?;
+        let settings = crate::settings::switch_settings(text, binding.names(), binding.lora())?;
         let train = binding.megatron_layout(parallel, Some(padded_vocab))?;
         let gpu = GpuSwitch::megatron(binding, train, settings, Arc::new(pool()?))?;
         Ok(Switch {

@@ -29,8 +29,9 @@ use lifecycle_megatron::{
 };
 
 use crate::error::BridgeError;
-use crate::host::{not_entered, SwitchSettings};
+use crate::host::not_entered;
 use crate::model::ModelBinding;
+use crate::settings::SwitchSettings;
 use crate::shards::{check_shards, Shard};
 use crate::switch::{Entered, SwitchStats, Tally};
 use crate::views::{buffer_views, Device, Leases, TensorView};

@@ -5,53 +5,17 @@
 use lifecycle_layout::settings::Configure;
 use std::sync::Arc;
 
-use lifecycle_core::{Lifecycle, LifecycleConfig, MemoryPolicy, Mode, Switching};
+use lifecycle_core::{Lifecycle, Mode};
 use lifecycle_host::HostBackend;
-use lifecycle_layout::settings::SwitchOptions;
-use lifecycle_layout::{ExpertPlacement, HostTensor};
+use lifecycle_layout::HostTensor;
 use lifecycle_state::HostTrainState;
 
 use crate::error::BridgeError;
 use crate::model::ModelBinding;
+use crate::settings::SwitchSettings;
 use crate::shards::{check_shards, Shard};
 use crate::switch::{Entered, SwitchStats, Tally};
 use crate::views::{host_views, Leases, TensorView};
-
-/// What a switch is asked to build (both backends).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SwitchSettings {
-    /// FSDP world size W of the trainer.
-    pub world: usize,
-    /// Rollout tensor-parallel degree T.
-    pub tp: usize,
-    /// What the backend switches to and how (dtype, fp8 exemptions; the options every backend
-    /// holds).
-    pub options: SwitchOptions,
-    /// Where the experts of a mixture-of-experts model go.
-    pub experts: ExpertPlacement,
-    /// What the switch moves out of device memory during rollout, and when it leaves rollout.
-    pub lifecycle: LifecycleConfig,
-}
-
-impl SwitchSettings {
-    /// W ranks → T, bf16, experts split by TP, lazy, nothing offloaded (the rollout weights
-    /// refreshed in place when the trainer changed its shards).
-    pub fn new(world: usize, tp: usize) -> Self {
-        SwitchSettings {
-            world,
-            tp,
-            options: SwitchOptions::default(),
-            experts: ExpertPlacement::TensorParallel,
-            lifecycle: LifecycleConfig {
-                switching: Switching::Lazy,
-                memory: MemoryPolicy {
-                    keep_rollout_resident: true,
-                    ..MemoryPolicy::resident()
-                },
-            },
-        }
-    }
-}
 
 /// A switch over host shards (see the [module docs](self)).
 pub struct HostSwitch {

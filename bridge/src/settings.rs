@@ -15,9 +15,47 @@ use lifecycle_layout::fp8::{Fp8Compute, Fp8Keep, RolloutDtype};
 use lifecycle_layout::ExpertPlacement;
 use lifecycle_layout::KvDtype;
 
+use lifecycle_core::LifecycleConfig;
+use lifecycle_layout::lora::LoraConfig;
+use lifecycle_layout::settings::SwitchOptions;
+
 use crate::error::BridgeError;
-use crate::host::SwitchSettings;
-use crate::model::ModelBinding;
+
+/// What a switch is asked to build (both backends).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SwitchSettings {
+    /// FSDP world size W of the trainer.
+    pub world: usize,
+    /// Rollout tensor-parallel degree T.
+    pub tp: usize,
+    /// What the backend switches to and how (dtype, fp8 exemptions; the options every backend
+    /// holds).
+    pub options: SwitchOptions,
+    /// Where the experts of a mixture-of-experts model go.
+    pub experts: ExpertPlacement,
+    /// What the switch moves out of device memory during rollout, and when it leaves rollout.
+    pub lifecycle: LifecycleConfig,
+}
+
+impl SwitchSettings {
+    /// W ranks → T, bf16, experts split by TP, lazy, nothing offloaded (the rollout weights
+    /// refreshed in place when the trainer changed its shards).
+    pub fn new(world: usize, tp: usize) -> Self {
+        SwitchSettings {
+            world,
+            tp,
+            options: SwitchOptions::default(),
+            experts: ExpertPlacement::TensorParallel,
+            lifecycle: LifecycleConfig {
+                switching: Switching::Lazy,
+                memory: MemoryPolicy {
+                    keep_rollout_resident: true,
+                    ..MemoryPolicy::resident()
+                },
+            },
+        }
+    }
+}
 
 /// A switch's settings as a front names them.
 #[derive(Debug, Clone, Copy)]
@@ -38,8 +76,9 @@ pub struct SettingsText<'a> {
     pub fp8_keep: &'a str,
 }
 
-/// The switch settings `text` names for `binding`'s model, each checked with its argument
-/// named.
+/// The switch settings `text` names for a model of the tensors `names` with the LoRA
+/// adapters of `lora` (a [`ModelBinding`](crate::ModelBinding)'s), each checked with its
+/// argument named.
 ///
 /// ```
 /// use lifecycle_bridge::settings::{switch_settings, SettingsText};
@@ -47,17 +86,18 @@ pub struct SettingsText<'a> {
 /// # fn demo(binding: &ModelBinding) {
 /// let text = SettingsText { world: 2, tp: 2, dtype: "fp16", experts: "tp", offload: "none",
 ///     switching: "lazy", fp8_keep: "none" };
-/// let e = switch_settings(&text, binding).unwrap_err().to_string();
+/// let e = switch_settings(&text, binding.names(), binding.lora()).unwrap_err().to_string();
 /// assert!(e.contains("dtype"), "{e}");
 /// # }
 /// ```
 pub fn switch_settings(
     text: &SettingsText<'_>,
-    binding: &ModelBinding,
+    names: &[(String, Vec<usize>)],
+    lora: Option<&LoraConfig>,
 ) -> Result<SwitchSettings, BridgeError> {
     let mut settings = SwitchSettings::new(text.world, text.tp);
     settings.options.dtype = dtype(text.dtype)?;
-    settings.options.fp8_keep = keep(text.fp8_keep, settings.options.dtype, binding)?;
+    settings.options.fp8_keep = keep(text.fp8_keep, settings.options.dtype, names)?;
     settings.experts = experts(text.experts)?;
     settings.lifecycle.memory = memory(text.offload)?;
     // eager is the front's (it leaves after every session); the lifecycle stays lazy so a
@@ -66,7 +106,7 @@ pub fn switch_settings(
     settings.lifecycle.switching = Switching::Lazy;
     // a LoRA model's base is frozen: cast once, the adapters (and the whole tensors trained
     // beside them) refreshed alone
-    if let Some(lora) = binding.lora() {
+    if let Some(lora) = lora {
         settings.options.frozen_base = true;
         settings.options.trained = lora.trained.clone();
     }
@@ -311,8 +351,12 @@ fn parse<T: std::str::FromStr<Err = String>>(what: &str, value: &str) -> Result<
 }
 
 /// The `fp8_keep` setting (`"none"`, or a comma-separated list of `attention` and `layer:N`)
-/// for `binding`'s model, which only an fp8 rollout reads.
-fn keep(value: &str, dtype: RolloutDtype, binding: &ModelBinding) -> Result<Fp8Keep, BridgeError> {
+/// for a model of the tensors `names`, which only an fp8 rollout reads.
+fn keep(
+    value: &str,
+    dtype: RolloutDtype,
+    names: &[(String, Vec<usize>)],
+) -> Result<Fp8Keep, BridgeError> {
     // the layout's messages say "fp8 keep …": Python's argument is `fp8_keep`
     let named = |e: String| {
         BridgeError::Config(match e.strip_prefix("fp8 keep") {
@@ -321,7 +365,7 @@ fn keep(value: &str, dtype: RolloutDtype, binding: &ModelBinding) -> Result<Fp8K
         })
     };
     let keep: Fp8Keep = value.parse().map_err(named)?;
-    keep.check_layers(binding.names().iter().map(|(n, _)| n.as_str()))
+    keep.check_layers(names.iter().map(|(n, _)| n.as_str()))
         .map_err(|e| named(e.to_string()))?;
     if keep != Fp8Keep::default() && dtype != RolloutDtype::Fp8 {
         return Err(BridgeError::Config(format!(

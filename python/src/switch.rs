@@ -161,7 +161,7 @@ impl PySwitch {
                 switching,
                 fp8_keep,
             };
-            let settings = switch_settings(&text, &binding)?;
+            let settings = switch_settings(&text, binding.names(), binding.lora())?;
             let mut switch = Switch::build(binding, settings, device, || {
                 gpu_pool(world, gpu, RankHome::Process)
             })?;

@@ -8,9 +8,9 @@ use lifecycle_cuda::driver::{NoHooks, RankBuffers, SwitchHooks};
 use lifecycle_layout::fsdp::ShardLayout;
 use lifecycle_layout::FsdpLayout;
 
+use crate::hooks::FsdpHooks;
 use crate::lent::LentFsdpState;
 use crate::state::{FsdpTrainState, RankTrain};
-use crate::transfer::FsdpHooks;
 use crate::FsdpError;
 
 /// Training buffers an [`FsdpBackend`](crate::FsdpBackend) switches: [`FsdpTrainState`] (the

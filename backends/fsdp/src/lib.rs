@@ -57,6 +57,7 @@ mod build;
 mod checks;
 mod download;
 mod error;
+mod hooks;
 mod lent;
 
 mod reshard;

@@ -9,6 +9,10 @@ use crate::verify::{Buffer, OffloadSums};
 use crate::FsdpError;
 use lifecycle_layout::fsdp::ShardLayout;
 
+/// The buffers in the order of [`RankTrain`]'s [`movable`](lifecycle_cuda::driver::RankBuffers::movable):
+/// Adam state first, the master (which the plan reads) last.
+pub(crate) const MOVABLE: [Buffer; 3] = [Buffer::AdamM, Buffer::AdamV, Buffer::Master];
+
 /// One rank's training buffers. Master, Adam m and v are on the device or offloaded to pinned
 /// chunks of the backend's [`PinnedPool`](lifecycle_cuda::PinnedPool) (given back at reload, so
 /// the next offload reuses them); grads are freed in rollout mode.
