@@ -98,6 +98,10 @@ struct Args {
     /// merged into a private copy (its merge time printed), against `bf16` (the same shapes).
     #[arg(long, default_value_t = 0)]
     lora: usize,
+    /// With `--lora`, the rows from which the unmerged adapters' `A` products run on tensor
+    /// cores (`GpuDecoder::set_lora_tile_rows`); the decoder's default where not given.
+    #[arg(long)]
+    lora_tiles_from: Option<usize>,
 }
 
 /// Starts (`true`) or stops the profiler's collection on every rank of `pool`.
@@ -615,6 +619,9 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             };
             dec.set_kv_dtype(args.kv_dtype)?;
             dec.set_step_graphs(graphs);
+            if let Some(rows) = args.lora_tiles_from {
+                dec.set_lora_tile_rows(rows);
+            }
             let grouped = dec.set_grouped_experts(grouped);
             let device = dec.set_device_routing(device);
             let how = match (args.moe, grouped, device, dtype) {
@@ -648,8 +655,11 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                     dec.last_merge_time().as_secs_f64() * 1e3
                 ),
                 (RolloutDtype::Bf16, _) if lora.is_some() => format!(
-                    " with LoRA adapters of rank {} on all seven linear types, unmerged",
-                    args.lora
+                    " with LoRA adapters of rank {} on all seven linear types, unmerged{}",
+                    args.lora,
+                    args.lora_tiles_from.map_or(String::new(), |r| format!(
+                        " (their A products on tensor cores from {r} rows)"
+                    ))
                 ),
                 (RolloutDtype::Bf16, _) => String::new(),
                 (_, Fp8Compute::WeightOnly) => " weight-only".to_string(),

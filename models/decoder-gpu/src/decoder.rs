@@ -383,6 +383,27 @@ impl<'w> GpuDecoder<'w> {
         tokens
     }
 
+    /// Rows from which a pass runs a LoRA group's `A` products on tensor cores
+    /// (`lora_a_tiles`, up to 64 rows) rather than in `lora_a` (default 9: `lora_a` up to 8
+    /// rows); more than 64 leaves them to `lora_a` up to 64 rows. Only where tensor cores are
+    /// there (compute capability 8.0 on); for comparisons. Returns the setting (at least 1).
+    ///
+    /// ```no_run
+    /// use lifecycle_decoder_gpu::GpuDecoder;
+    ///
+    /// fn tiles_from_three_rows(decoder: &mut GpuDecoder<'_>) {
+    ///     assert_eq!(decoder.set_lora_tile_rows(3), 3);
+    ///     assert_eq!(decoder.set_lora_tile_rows(0), 1);
+    /// }
+    /// ```
+    pub fn set_lora_tile_rows(&mut self, rows: usize) -> usize {
+        let rows = rows.max(1);
+        for r in self.core.states_mut() {
+            r.lora_tile_rows = rows;
+        }
+        rows
+    }
+
     /// Whether the bf16 experts of mixture-of-experts layers run in blocks, one batched GEMM per
     /// product over every expert of a block (`true`, the default), or one GEMM per expert
     /// (`false`; for comparisons). Returns the setting.

@@ -19,7 +19,7 @@ use crate::topology::{decode_topology, replica_rows, DecodeTopology};
 use crate::w8a8::{MmaKernels, W8a8Gemm, W8a8Limits, BF16_MMA_DEFAULT_TOKENS};
 use crate::weights::GroupOffsets;
 
-use super::forward::{Pick, RowPick, Step, StepOut};
+use super::forward::{Pick, RowPick, Step, StepOut, LORA_TILE_ROWS_DEFAULT};
 use super::graph::{rank_forward, StepGraphs};
 use super::kv::{check_kv, kv_elements, kv_head_units};
 use super::merge::{merge_rank, target_shapes, LoraMode};
@@ -173,6 +173,7 @@ impl Core {
                 bf16_mma: None,
                 bf16_mma_tokens: BF16_MMA_DEFAULT_TOKENS,
                 grouped: true,
+                lora_tile_rows: LORA_TILE_ROWS_DEFAULT,
                 device_moe: None,
                 device_routing: true,
                 room: None,

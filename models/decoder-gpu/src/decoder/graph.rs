@@ -96,6 +96,7 @@ struct Ident {
     fp8_compute: Fp8Compute,
     limits: W8a8Limits,
     grouped: bool,
+    lora_tile_rows: usize,
     device_routing: bool,
     kv: KvDtype,
 }
@@ -117,6 +118,7 @@ impl Ident {
             fp8_compute: st.fp8_compute,
             limits: st.w8a8_limits,
             grouped: st.grouped,
+            lora_tile_rows: st.lora_tile_rows,
             device_routing: st.device_routing,
             kv: st.kv,
         })

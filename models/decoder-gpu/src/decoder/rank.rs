@@ -93,6 +93,9 @@ pub(crate) struct RankState {
     /// Whether the bf16 experts of a mixture-of-experts layer run in blocks, one batched GEMM
     /// per product ([`super::moe`]; the default), or one GEMM per expert.
     pub(crate) grouped: bool,
+    /// Rows from which a LoRA group's `A` products run on tensor cores (`lora_a_tiles`), below
+    /// which `lora_a` takes them ([`GpuDecoder::set_lora_tile_rows`](crate::GpuDecoder::set_lora_tile_rows)).
+    pub(crate) lora_tile_rows: usize,
     /// The device routing of the mixture-of-experts layers (kernels and expert table), made at
     /// bind for a model with MoE layers the kernel can route.
     pub(crate) device_moe: Option<DeviceExperts>,

@@ -21,12 +21,16 @@ use crate::blas::{gemm, gemm_ld};
 use crate::kernels::Arg;
 use crate::weights::LoraAt;
 
-/// The most rows a pass runs its branches' `A` products in `lora_a` (x's rows 8 at a time,
-/// read again for each row of `A`), beyond which `lora_a_tiles` takes them on tensor cores.
-/// Measured at 7.6B shapes with r = 64 on all seven linear types (H100): `lora_a` with `lora_b`
-/// beat the cuBLAS products up to 8 rows and lost beyond (0.81 / 0.72 / 0.54× the adapter-free
-/// decode at 16 / 32 / 64 rows, against the cuBLAS products' 0.81 / 0.81 / 0.82×).
+/// The most rows `lora_a` takes where tensor cores are not there (x's rows 8 at a time, read
+/// again for each row of `A`), beyond which cuBLAS products do. Measured at 7.6B shapes with
+/// r = 64 on all seven linear types (H100): `lora_a` with `lora_b` beat the cuBLAS products up
+/// to 8 rows and lost beyond (0.81 / 0.72 / 0.54× the adapter-free decode at 16 / 32 / 64
+/// rows, against the cuBLAS products' 0.81 / 0.81 / 0.82×).
 const MAX_ROWS: usize = 8;
+
+/// The rows from which `lora_a_tiles` takes a group's `A` products by default (beyond
+/// [`MAX_ROWS`]; [`GpuDecoder::set_lora_tile_rows`](crate::GpuDecoder::set_lora_tile_rows)).
+pub(in crate::decoder) const LORA_TILE_ROWS_DEFAULT: usize = MAX_ROWS + 1;
 
 /// The most rows a pass runs its branches in two kernels (`lora_a` or `lora_a_tiles`, then
 /// `lora_b`), beyond which cuBLAS products do: `lora_a_tiles` takes the split input's `2n` rows
@@ -48,11 +52,11 @@ fn few_rows(n: usize, r: usize, mma: bool) -> bool {
     n <= rows && n * r * 4 <= MAX_T_BYTES
 }
 
-/// Whether `lora_a_tiles` takes a group's `A` products: more than [`MAX_ROWS`] rows, on a
-/// device with bf16 tensor cores, an input of whole 16-column steps, and `xs` and every `A`
-/// 4-byte aligned (its loads are pairs of bf16).
-fn tiles(n: usize, inp: usize, mma: bool, addresses: &[u64]) -> bool {
-    n > MAX_ROWS && mma && inp.is_multiple_of(16) && addresses.iter().all(|a| a % 4 == 0)
+/// Whether `lora_a_tiles` takes a group's `A` products: at least `from` rows, on a device
+/// with bf16 tensor cores, an input of whole 16-column steps, and `xs` and every `A` 4-byte
+/// aligned (its loads are pairs of bf16).
+fn tiles(n: usize, from: usize, inp: usize, mma: bool, addresses: &[u64]) -> bool {
+    n >= from && mma && inp.is_multiple_of(16) && addresses.iter().all(|a| a % 4 == 0)
 }
 
 /// The lanes of a warp `lora_b` gives a column of `B` (`w × r`): enough for a 16-byte load each
@@ -206,7 +210,13 @@ impl<'a> Pass<'a> {
         let slots = |f: &dyn Fn(&Branch) -> u64| [0, 1, 2].map(|i| group.get(i).map_or(0, f));
         let cols = chunk(inp);
         let [a0, a1, a2] = slots(&|b| self.wp(b.at.a));
-        let on_tiles = tiles(n, inp, k.tensor_cores, &[xs, a0, a1, a2]);
+        let on_tiles = tiles(
+            n,
+            self.st.lora_tile_rows,
+            inp,
+            k.tensor_cores,
+            &[xs, a0, a1, a2],
+        );
         let args = [
             Arg::U64(xs),
             u32a(n),
@@ -426,9 +436,11 @@ mod tests {
         }
         assert!(few_rows(1, 64, false) && few_rows(8, 64, false) && !few_rows(9, 64, false));
         assert!(few_rows(64, 64, true) && !few_rows(65, 64, true) && !few_rows(64, 256, true));
-        assert!(tiles(9, 3584, true, &[0, 4]) && !tiles(8, 3584, true, &[0]));
-        assert!(!tiles(16, 3592, true, &[0]) && !tiles(16, 3584, true, &[2]));
-        assert!(!tiles(16, 3584, false, &[0]));
+        let from = super::LORA_TILE_ROWS_DEFAULT;
+        assert!(tiles(9, from, 3584, true, &[0, 4]) && !tiles(8, from, 3584, true, &[0]));
+        assert!(tiles(3, 3, 3584, true, &[0]) && !tiles(16, 17, 3584, true, &[0]));
+        assert!(!tiles(16, from, 3592, true, &[0]) && !tiles(16, from, 3584, true, &[2]));
+        assert!(!tiles(16, from, 3584, false, &[0]));
         for (r, p) in [
             (1, 1),
             (8, 1),

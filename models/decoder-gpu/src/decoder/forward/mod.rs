@@ -20,6 +20,7 @@ mod tiled_tests;
 mod tiles;
 
 pub(super) use head::pick;
+pub(super) use lora::LORA_TILE_ROWS_DEFAULT;
 pub(super) use scratch::Scratch;
 
 use std::ops::Range;
