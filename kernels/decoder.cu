@@ -405,10 +405,12 @@ extern "C" __global__ void lora_a_tiles(const u16* __restrict__ xs, u32 n, u32 i
 }
 
 // A LoRA group's up products at few rows, added where the base product's output is: for
-// target g = blockIdx.y (B_g: b0, b1 or b2 of w_g x r), dst_g[m ld_g + j] += sum_c t[m, g r + c]
-// B_g[j, c] for m < n, j < w_g, t [n x R] (R = gridDim.y r) from lora_a or lora_a_tiles, the
-// target's n x r of it first copied into the block's dynamic shared memory (n r floats: every
-// column of the block reads all of it). Lanes of a warp share a
+// target g = blockIdx.y (B_g: b0, b1 or b2 of w_g x r), dst_g[m ld_g + j] += sum_c s t_g[m, c]
+// B_g[j, c] for m < n, j < w_g, with t_g[m, c] = t[g t_target + m t_row + c]: from lora_a or
+// lora_a_tiles t [n x R] (R = gridDim.y r: t_row R, t_target r, s 1, as they scaled it), from
+// the A products that rode the base product's launch each target's [n x r] (t_row r, s the
+// adapters' scaling); the target's n x r of s t_g first copied into the block's dynamic shared
+// memory (n r floats: every column of the block reads all of it). Lanes of a warp share a
 // column, p of them (a power of two, p <= 32): lane l takes column 32 / p (warp of the grid) + l / p
 // and, of its row of B, the 8 elements at c = 8 (l % p) + 8 p i (i = 0, 1, ...; with vec, 16-byte
 // loads: a warp's loads read whole rows of B side by side), else the elements at c = l % p + p i;
@@ -416,8 +418,9 @@ extern "C" __global__ void lora_a_tiles(const u16* __restrict__ xs, u32 n, u32 i
 // to dst.
 extern "C" __global__ void lora_b(const float* __restrict__ t, u32 n, u32 r, const u16* b0,
                                   const u16* b1, const u16* b2, float* d0, float* d1, float* d2,
-                                  u32 w0, u32 w1, u32 w2, u32 ld0, u32 ld1, u32 ld2, u32 p) {
-    const u32 g = blockIdx.y, R = gridDim.y * r;
+                                  u32 w0, u32 w1, u32 w2, u32 ld0, u32 ld1, u32 ld2, u32 p,
+                                  float s, u32 t_row, u32 t_target) {
+    const u32 g = blockIdx.y;
     const u16* b = g == 0 ? b0 : (g == 1 ? b1 : b2);
     float* d = g == 0 ? d0 : (g == 1 ? d1 : d2);
     const u32 w = g == 0 ? w0 : (g == 1 ? w1 : w2);
@@ -427,7 +430,7 @@ extern "C" __global__ void lora_b(const float* __restrict__ t, u32 n, u32 r, con
     const u32 q = lane % p;
     extern __shared__ float tsh[];
     for (u32 i = threadIdx.x; i < n * r; i += blockDim.x) {
-        tsh[i] = t[(u64)(i / r) * R + g * r + i % r];
+        tsh[i] = s * t[(u64)g * t_target + (u64)(i / r) * t_row + i % r];
     }
     __syncthreads();
     // whole warps go on to the shuffles; a lane past the matrix sums nothing

@@ -46,11 +46,12 @@ typedef unsigned short u16;
 // 4 a thread in both kernels)
 #define REDUCE_HELD 2
 
-// The products of one launch (up to MAX_PRODS, of one input: q, k and v; gate and up): each its
-// weight rows row0 .. row0 + out of w (scales wsc), output y [n x out] with bias and res as
-// below, and `blocks` row blocks of the grid, the products' blocks one after the other along
-// blockIdx.x (models/decoder-gpu/src/w8a8/mma.rs, MmaProducts, lays out the same struct).
-#define MAX_PRODS 3
+// The products of one launch (up to MAX_PRODS, of one input: q, k and v; gate and up; with
+// bf16, a LoRA group's A matrices riding beside them): each its weight rows row0 .. row0 + out
+// of w (scales wsc), output y [n x out] with bias and res as below, and `blocks` row blocks of
+// the grid, the products' blocks one after the other along blockIdx.x
+// (models/decoder-gpu/src/w8a8/mma.rs, ProdsArg, lays out the same struct).
+#define MAX_PRODS 6
 struct Prod {
     const u8* w;
     const float* wsc;

@@ -95,7 +95,9 @@ struct Args {
     profile: bool,
     /// With r > 0, also `bf16 LoRA`: the bf16 model with LoRA adapters of rank r on all seven
     /// linear types (`lora_alpha` 2r), applied unmerged by the engine, and `bf16 LoRA merged`,
-    /// merged into a private copy (its merge time printed), against `bf16` (the same shapes).
+    /// merged into a private copy (its merge time printed), and `bf16 LoRA riders`, unmerged
+    /// with the `A` products riding their base products' launch
+    /// (`GpuDecoder::set_lora_riders`), against `bf16` (the same shapes).
     #[arg(long, default_value_t = 0)]
     lora: usize,
     /// With `--lora`, the rows from which the unmerged adapters' `A` products run on tensor
@@ -484,6 +486,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         graphs: args.graphs != Graphs::Off,
         bf16_mma: true,
         lora: None,
+        riders: false,
     };
     // bf16 with every product on cuBLAS (the decoder's tensor-core kernel off): the comparison
     let mut variants = vec![
@@ -519,6 +522,12 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                 ..bf16
             });
         }
+        // the unmerged adapters' A products riding their base products' launch
+        variants.push(Variant {
+            lora: Some(LoraMode::Unmerged),
+            riders: true,
+            ..bf16
+        });
     }
     if args.moe {
         variants.push(Variant {
@@ -587,6 +596,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             graphs,
             bf16_mma,
             lora,
+            riders,
         } = *v;
         let (layout, held_state) = match (lora, &lora_layout) {
             (Some(_), Some(l)) => (l.clone(), lora_state.take()),
@@ -622,6 +632,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             if let Some(rows) = args.lora_tiles_from {
                 dec.set_lora_tile_rows(rows);
             }
+            dec.set_lora_riders(riders);
             let grouped = dec.set_grouped_experts(grouped);
             let device = dec.set_device_routing(device);
             let how = match (args.moe, grouped, device, dtype) {
@@ -655,11 +666,16 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                     dec.last_merge_time().as_secs_f64() * 1e3
                 ),
                 (RolloutDtype::Bf16, _) if lora.is_some() => format!(
-                    " with LoRA adapters of rank {} on all seven linear types, unmerged{}",
+                    " with LoRA adapters of rank {} on all seven linear types, unmerged{}{}",
                     args.lora,
                     args.lora_tiles_from.map_or(String::new(), |r| format!(
                         " (their A products on tensor cores from {r} rows)"
-                    ))
+                    )),
+                    if riders {
+                        ", the A products riding the base products' launch"
+                    } else {
+                        ""
+                    }
                 ),
                 (RolloutDtype::Bf16, _) => String::new(),
                 (_, Fp8Compute::WeightOnly) => " weight-only".to_string(),
@@ -831,6 +847,9 @@ struct Variant {
     bf16_mma: bool,
     /// LoRA adapters beside the bf16 base, applied as the mode says (`--lora`).
     lora: Option<LoraMode>,
+    /// Unmerged adapters' `A` products riding their base products' launch
+    /// (`GpuDecoder::set_lora_riders`).
+    riders: bool,
 }
 
 impl Variant {
@@ -841,6 +860,9 @@ impl Variant {
             (RolloutDtype::Bf16, ..) if !self.bf16_mma => "bf16 cuBLAS".into(),
             (RolloutDtype::Bf16, ..) if self.lora == Some(LoraMode::Merged) => {
                 "bf16 LoRA merged".into()
+            }
+            (RolloutDtype::Bf16, ..) if self.lora.is_some() && self.riders => {
+                "bf16 LoRA riders".into()
             }
             (RolloutDtype::Bf16, ..) if self.lora.is_some() => "bf16 LoRA".into(),
             (RolloutDtype::Bf16, ..) => "bf16".into(),

@@ -404,6 +404,27 @@ impl<'w> GpuDecoder<'w> {
         rows
     }
 
+    /// Whether a LoRA group's `A` products (`x·Aᵀ` of the targets that read one input: q / k /
+    /// v, o, gate / up, down) ride the launch of their base products as more products of the
+    /// same input, where the bf16 tensor-core kernel takes that launch (a decode step of up to
+    /// [`GpuDecoder::set_bf16_mma_tokens`] sequences, every matrix readable by it), rather than
+    /// run in a kernel of their own before it (off, the default). Either way the `B` products
+    /// follow in `lora_b`. Returns the setting.
+    ///
+    /// ```no_run
+    /// use lifecycle_decoder_gpu::GpuDecoder;
+    ///
+    /// fn riders_on(decoder: &mut GpuDecoder<'_>) {
+    ///     assert!(decoder.set_lora_riders(true));
+    /// }
+    /// ```
+    pub fn set_lora_riders(&mut self, on: bool) -> bool {
+        for r in self.core.states_mut() {
+            r.lora_riders = on;
+        }
+        on
+    }
+
     /// Whether the bf16 experts of mixture-of-experts layers run in blocks, one batched GEMM per
     /// product over every expert of a block (`true`, the default), or one GEMM per expert
     /// (`false`; for comparisons). Returns the setting.

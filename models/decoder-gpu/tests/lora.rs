@@ -5,7 +5,9 @@
 //! executor's on the CPU), W = T = 1. The three ways the GPU runs a layer's branches are
 //! covered: a group's in `lora_a` and `lora_b` at up to 8 rows (the decode steps of two
 //! sequences, the greedy tokens), in `lora_a_tiles` and `lora_b` at up to 64 (the prefills of 43
-//! and 16 rows), each branch in cuBLAS products at more ([`run_lora`]'s prefill of 96 rows). The
+//! and 16 rows), each branch in cuBLAS products at more ([`run_lora`]'s prefill of 96 rows); and
+//! again with the `A` products riding the base products' launch (`GpuDecoder::set_lora_riders`:
+//! the decode steps, whose bf16 products the tensor-core kernel takes). The
 //! merged mode (`LoraMode::Merged`: a private copy of the rollout with `W + s·B·A` in each
 //! adapted matrix) against the CPU decoder over the base with the adapters merged alike on the
 //! host.
@@ -137,16 +139,17 @@ fn gpu_outputs(
     tensors: Vec<HostTensor>,
     lora: Option<&LoraConfig>,
 ) -> Result<Outputs, Box<dyn std::error::Error>> {
-    gpu_outputs_as(config, layout, tensors, lora, LoraMode::Unmerged).map(|(o, _)| o)
+    gpu_outputs_as(config, layout, tensors, lora, (LoraMode::Unmerged, false)).map(|(o, _)| o)
 }
 
-/// [`gpu_outputs`] with the adapters applied as `mode` says, and the decoder's merge time.
+/// [`gpu_outputs`] with the adapters applied as `mode` says (unmerged: with the `A` products
+/// riding their base products' launch where `riders`), and the decoder's merge time.
 fn gpu_outputs_as(
     config: &ModelConfig,
     layout: RolloutLayout,
     tensors: Vec<HostTensor>,
     lora: Option<&LoraConfig>,
-    mode: LoraMode,
+    (mode, riders): (LoraMode, bool),
 ) -> Result<(Outputs, std::time::Duration), Box<dyn std::error::Error>> {
     let pool = Arc::new(ThreadRankPool::new(1)?);
     let backend = FsdpBackend::new(pool, layout);
@@ -158,6 +161,7 @@ fn gpu_outputs_as(
         Some(l) => GpuDecoder::new_lora_as(config, session.backend(), weights.get(), l, mode)?,
         None => GpuDecoder::new(config, session.backend(), weights.get())?,
     };
+    gpu.set_lora_riders(riders);
     let merge = gpu.last_merge_time();
     Ok((run_lora(&mut gpu)?, merge))
 }
@@ -196,6 +200,25 @@ fn check(name: &str, config: &ModelConfig, lora: &LoraConfig, seed: u64) -> Res 
         "{name}: GPU vs CPU unmerged LoRA: max |Δ logit| {abs} ({rel} of 1 + the row's largest)"
     );
     assert_eq!(got_tokens, want_tokens, "{name}: greedy tokens");
+    // the same with the A products riding the base products' launch (the decode steps' rows)
+    let unmerged = (LoraMode::Unmerged, true);
+    let ((got_r, got_r_tokens), _) =
+        gpu_outputs_as(config, layout.clone(), all.clone(), Some(lora), unmerged)?;
+    let (rel_r, abs_r) = worst(&got_r, &want);
+    assert!(
+        rel_r <= 1e-3,
+        "{name}: GPU vs CPU unmerged LoRA, riders: max |Δ logit| {abs_r} ({rel_r} relative)"
+    );
+    assert_eq!(got_r_tokens, want_tokens, "{name}: greedy tokens, riders");
+    // they ran: their sums, in another order than lora_a's, change some logits' bits (the
+    // kernels give the same bits run to run)
+    let bits =
+        |rows: &[Vec<f32>]| -> Vec<u32> { rows.iter().flatten().map(|v| v.to_bits()).collect() };
+    assert_ne!(
+        bits(&got_r),
+        bits(&got),
+        "{name}: the riders changed no logit: did they run?"
+    );
     // the adapters matter: the base alone is far from them
     let (base_logits, _) = gpu_outputs(config, config.rollout_layout(1)?, base, None)?;
     let (moved, _) = worst(&base_logits, &want);
@@ -218,7 +241,7 @@ fn check(name: &str, config: &ModelConfig, lora: &LoraConfig, seed: u64) -> Res 
         layout.clone(),
         all.clone(),
         Some(lora),
-        LoraMode::Merged,
+        (LoraMode::Merged, false),
     )?;
     let (rel_m, abs_m) = worst(&got_m, &want_m);
     assert!(
@@ -238,8 +261,9 @@ fn check(name: &str, config: &ModelConfig, lora: &LoraConfig, seed: u64) -> Res 
     );
     println!(
         "{name}: GPU vs CPU unmerged LoRA (r = {}, s = {}): max |Δ logit| {abs:.3e} \
-         ({rel:.2e} relative), greedy equal; merged {abs_m:.3e} ({rel_m:.2e}) against the CPU \
-         on the merged base, merged in {merge:?}; the base alone {moved:.2e} away",
+         ({rel:.2e} relative), greedy equal; riders {abs_r:.3e} ({rel_r:.2e}); merged \
+         {abs_m:.3e} ({rel_m:.2e}) against the CPU on the merged base, merged in {merge:?}; the \
+         base alone {moved:.2e} away",
         lora.rank,
         lora.scaling()
     );

@@ -174,6 +174,7 @@ impl Core {
                 bf16_mma_tokens: BF16_MMA_DEFAULT_TOKENS,
                 grouped: true,
                 lora_tile_rows: LORA_TILE_ROWS_DEFAULT,
+                lora_riders: false,
                 device_moe: None,
                 device_routing: true,
                 room: None,

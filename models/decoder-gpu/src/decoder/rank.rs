@@ -96,6 +96,10 @@ pub(crate) struct RankState {
     /// Rows from which a LoRA group's `A` products run on tensor cores (`lora_a_tiles`), below
     /// which `lora_a` takes them ([`GpuDecoder::set_lora_tile_rows`](crate::GpuDecoder::set_lora_tile_rows)).
     pub(crate) lora_tile_rows: usize,
+    /// Whether a LoRA group's `A` products ride the launch of their base products where the
+    /// bf16 tensor-core kernel takes it ([`GpuDecoder::set_lora_riders`](crate::GpuDecoder::set_lora_riders)),
+    /// rather than `lora_a` before it.
+    pub(crate) lora_riders: bool,
     /// The device routing of the mixture-of-experts layers (kernels and expert table), made at
     /// bind for a model with MoE layers the kernel can route.
     pub(crate) device_moe: Option<DeviceExperts>,
@@ -150,11 +154,13 @@ impl RankState {
     /// other paths, a pass without the W8A8 scratch), nothing done: the caller runs them one by
     /// one ([`RankState::wgemm_to`]). With `split`, each product's output is written split
     /// (as [`RankState::wgemm`] writes it: `rows / 2` rows, then as many zeros, at its
-    /// [`Finish::out`]).
+    /// [`Finish::out`]). `riders` (products of the same input, such as a LoRA group's `A`
+    /// matrices) join the launch where the bf16 tensor-core kernel takes it; given where it
+    /// does not, an error ([`RankState::bf16_takes`] says beforehand).
     ///
     /// # Safety
     /// As [`RankState::wgemm_to`] for each product; with `split`, each output holds `rows`
-    /// rows.
+    /// rows; each rider's matrix holds its rows of `inp` bf16 and its output its `rows` rows.
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn wgemm_group(
         &self,
@@ -164,9 +170,10 @@ impl RankState {
         x: u64,
         (rows, inp): (usize, usize),
         (act, same_input): (Option<&W8a8Scratch>, bool),
+        riders: &[MmaProduct],
         rank: usize,
     ) -> Result<bool, CudaError> {
-        let bf16 = (prods.len() <= MAX_PRODUCTS)
+        let bf16 = (prods.len() + riders.len() <= MAX_PRODUCTS)
             .then(|| self.bf16_takes(base, prods.iter().map(|p| (p.0, p.1)), rows, inp))
             .flatten();
         if let Some(mma) = bf16 {
@@ -176,11 +183,14 @@ impl RankState {
             let list: Vec<MmaProduct> = prods
                 .iter()
                 .map(|&(w, out, fin)| fin.product(bf16_weight(base, w, inp), out))
+                .chain(riders.iter().copied())
                 .collect();
-            // SAFETY: forwarded to the caller (each matrix the bound entry's, checked at bind).
+            // SAFETY: forwarded to the caller (each matrix the bound entry's, checked at bind;
+            // each rider's per the caller).
             unsafe { mma.bf16(s, &list, x, split, (rows / 2, inp), rank)? };
             return Ok(true);
         }
+        no_riders(riders)?;
         let (Some(act), Some(lt), Some(k)) = (act, self.w8a8.as_ref(), self.fp8.as_ref()) else {
             return Ok(false);
         };
@@ -241,15 +251,17 @@ impl RankState {
         rank: usize,
     ) -> Result<(), CudaError> {
         // SAFETY: forwarded to the caller.
-        unsafe { self.wgemm_to(s, base, w, x, y, dims, act, None, rank) }.map(|_| ())
+        unsafe { self.wgemm_to(s, base, w, x, y, dims, act, (None, &[]), rank) }.map(|_| ())
     }
 
     /// As [`RankState::wgemm`], and where `fin` is given and a W8A8 tensor-core kernel takes
     /// the product, that kernel writes [`Finish`]'s output itself (`y` untouched): `true`;
-    /// otherwise `y` holds the split output, for the caller to finish: `false`.
+    /// otherwise `y` holds the split output, for the caller to finish: `false`. `riders` join
+    /// the launch as [`RankState::wgemm_group`]'s do.
     ///
     /// # Safety
-    /// As [`RankState::wgemm`], and `fin`'s buffers of its sizes (`rows / 2` rows of `out`).
+    /// As [`RankState::wgemm`], and `fin`'s buffers of its sizes (`rows / 2` rows of `out`);
+    /// the riders as [`RankState::wgemm_group`] states.
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn wgemm_to(
         &self,
@@ -260,7 +272,7 @@ impl RankState {
         y: u64,
         (out, rows, inp): (usize, usize, usize),
         (act, same_input): (Option<&W8a8Scratch>, bool),
-        fin: Option<Finish>,
+        (fin, riders): (Option<Finish>, &[MmaProduct]),
         rank: usize,
     ) -> Result<bool, CudaError> {
         // a new input: what the scratch holds of the last one is stale (cleared before the bf16
@@ -271,16 +283,22 @@ impl RankState {
                 a.held.set(None);
             }
         }
-        if let Some(mma) = self.bf16_takes(base, [(w, out)].into_iter(), rows, inp) {
+        let bf16 = (riders.len() < MAX_PRODUCTS)
+            .then(|| self.bf16_takes(base, [(w, out)].into_iter(), rows, inp))
+            .flatten();
+        if let Some(mma) = bf16 {
             let weight = bf16_weight(base, w, inp);
             let (p, zero_lo) = match fin {
                 Some(f) => (f.product(weight, out), false),
                 None => (Finish::split(y).product(weight, out), true),
             };
-            // SAFETY: forwarded to the caller (y holds `rows` rows of `out`: the split output).
-            unsafe { mma.bf16(s, &[p], x, zero_lo, (rows / 2, inp), rank)? };
+            let list: Vec<MmaProduct> = std::iter::once(p).chain(riders.iter().copied()).collect();
+            // SAFETY: forwarded to the caller (y holds `rows` rows of `out`: the split output;
+            // each rider's buffers per the caller).
+            unsafe { mma.bf16(s, &list, x, zero_lo, (rows / 2, inp), rank)? };
             return Ok(fin.is_some());
         }
+        no_riders(riders)?;
         let Some(weight) = fp8_weight(base, w) else {
             // SAFETY: forwarded to the caller.
             return unsafe { gemm(&self.blas, base + 2 * w.off, x, y, out, rows, inp, rank) }
@@ -370,6 +388,18 @@ impl RankState {
             });
         ok.then_some(mma)
     }
+}
+
+/// Refuses riders where the launch they were to join is not the bf16 tensor-core kernel's: their
+/// products would be lost.
+fn no_riders(riders: &[MmaProduct]) -> Result<(), CudaError> {
+    if riders.is_empty() {
+        return Ok(());
+    }
+    Err(CudaError::Invalid(format!(
+        "{} products were to ride a bf16 tensor-core launch that did not take the product",
+        riders.len()
+    )))
 }
 
 /// The bf16 matrix of entry `w` of the bound buffer at `base` (`inp` columns) as the tensor-core

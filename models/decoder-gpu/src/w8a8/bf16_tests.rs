@@ -70,8 +70,12 @@ fn bf16_mma_matches_the_host_sums_and_cublas() -> Result<(), Box<dyn std::error:
     let pool = ThreadRankPool::new(1)?;
     // (rows of each product, tokens, inputs): unsplit and split row blocks, sums added by the
     // last block (≤ 8 tokens) and by w8a8_reduce (more), rows ending inside a warp's tile, one
-    // to three products a launch, every token count of a tile
-    let shapes: [(&[usize], usize, usize); 10] = [
+    // to six products a launch (a LoRA group's A matrices of 8 or 64 rows riding beside their
+    // base products), every token count of a tile
+    let shapes: [(&[usize], usize, usize); 13] = [
+        (&[3584, 512, 512, 64, 64, 64], 2, 3584),
+        (&[18944, 18944, 8, 8], 8, 3584),
+        (&[3584, 64], 1, 18944),
         (&[3584], 1, 3584),
         (&[512, 512], 2, 3584),
         (&[3584, 512, 512], 3, 3584),

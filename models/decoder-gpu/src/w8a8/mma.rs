@@ -432,8 +432,9 @@ fn u32a(v: u64, what: &str) -> Result<u32, CudaError> {
 }
 
 /// Products one launch of the tensor-core kernels takes at most ([`MmaKernels::gemm`]; the
-/// kernels' `MAX_PRODS`).
-pub(crate) const MAX_PRODUCTS: usize = 3;
+/// kernels' `MAX_PRODS`): the three of q / k / v and, in a bf16 launch, the `A` matrices of
+/// their LoRA adapters riding beside them.
+pub(crate) const MAX_PRODUCTS: usize = 6;
 
 /// One product of a launch of the tensor-core kernels ([`MmaKernels::gemm`]): `y[tokens × out]`
 /// = the activations · rows `w.row0 .. w.row0 + out` of `w`, each output written as (sum +

@@ -67,12 +67,18 @@ impl<'a> Pass<'a> {
         };
         // SAFETY (every GEMM and launch below): the pass's addresses and sizes (its invariant).
         unsafe {
-            // the branches' A products first, beside the base products (they read xs alone)
-            let down = self.lora_down(h, &group)?;
+            // the branches' A products first, beside the base products (they read xs alone),
+            // or riding their launch
+            let bases = if joined {
+                vec![(lw.q_w, ld)]
+            } else {
+                vec![(lw.q_w, qw), (lw.k_w, kvw), (lw.v_w, kvw)]
+            };
+            let down = self.lora_down(h, &group, &bases)?;
             if joined {
                 // one GEMM over [q; k; v] (k_w, v_w follow q_w in the fused tensor, or one
                 // after the other in the buffer), then its column blocks
-                st.wgemm(
+                st.wgemm_to(
                     s,
                     base,
                     lw.q_w,
@@ -80,9 +86,10 @@ impl<'a> Pass<'a> {
                     y2,
                     (ld, 2 * n, h),
                     (w8, quantised),
+                    (None, down.riders()),
                     rank,
                 )?;
-                self.lora_up(h, &group, down)?;
+                self.lora_up(h, &group, &down)?;
                 self.combine_cols(q, lw.q_b, (ld, 0, qw))?;
                 self.combine_cols(kb, lw.k_b, (ld, qw, kvw))?;
                 self.combine_cols(vb, lw.v_b, (ld, qw + kvw, kvw))?;
@@ -101,12 +108,14 @@ impl<'a> Pass<'a> {
                     (lw.v_w, kvw, fin(vb, lw.v_b)),
                 ];
                 let one = (w8, quantised);
-                if !st.wgemm_group(s, base, (&prods, false), xs, (2 * n, h), one, rank)? {
+                let riders = down.riders();
+                if !st.wgemm_group(s, base, (&prods, false), xs, (2 * n, h), one, riders, rank)? {
                     for (i, (wm, width, f)) in prods.into_iter().enumerate() {
                         let bias = [lw.q_b, lw.k_b, lw.v_b][i];
                         let dims = (width, 2 * n, h);
-                        let again = quantised || i > 0;
-                        if !st.wgemm_to(s, base, wm, xs, y2, dims, (w8, again), Some(f), rank)? {
+                        let act = (w8, quantised || i > 0);
+                        let fin = (Some(f), &[][..]);
+                        if !st.wgemm_to(s, base, wm, xs, y2, dims, act, fin, rank)? {
                             self.combine_into(f.out, bias, width)?;
                         }
                     }
@@ -114,7 +123,7 @@ impl<'a> Pass<'a> {
             }
             if !joined {
                 // each product wrote its buffer: the adapters' branches added there
-                self.lora_up(h, &group, down)?;
+                self.lora_up(h, &group, &down)?;
             }
             if let Some((qn, kn)) = lw.qk_norm {
                 for (buf, w, heads) in [(q, qn, n * qh), (kb, kn, n * kvh)] {

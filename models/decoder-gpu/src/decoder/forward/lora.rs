@@ -7,7 +7,10 @@
 //! kernels: `lora_a` (up to 8 rows) or `lora_a_tiles` (more, on tensor cores), the `A` products
 //! of every target of the group (`t = s·x·Aᵀ`, split over chunks of the input and added in a
 //! fixed order; queued before the base products, which read the same input and start beside
-//! it), and `lora_b`, the `B` products added where the base products' outputs are. A pass of
+//! it), and `lora_b`, the `B` products added where the base products' outputs are. With
+//! riders on ([`GpuDecoder::set_lora_riders`](crate::GpuDecoder::set_lora_riders)) and the base
+//! products on the bf16 tensor-core kernel, the `A` matrices are more products of that launch
+//! instead of `lora_a` ([`Down::Riding`]), and `lora_b` scales their sums. A pass of
 //! many rows (a prefill) runs each branch as two cuBLAS products and one kernel: `t2 = xs·Aᵀ`
 //! (`[2n × r]`), `lora_mid` joins its halves, scales them by `s` and splits them again, and
 //! `B`'s product adds its split output to the base's split output before that is joined (or,
@@ -18,8 +21,10 @@ use lifecycle_cuda::{alloc_device, alloc_zeros, CudaError, RankCtx};
 
 use super::{u32a, Pass};
 use crate::blas::{gemm, gemm_ld};
+use crate::fp8::Fp8Weight;
 use crate::kernels::Arg;
-use crate::weights::LoraAt;
+use crate::w8a8::{bf16_mma_reads, MmaProduct, MAX_PRODUCTS};
+use crate::weights::{LoraAt, MatAt};
 
 /// The most rows `lora_a` takes where tensor cores are not there (x's rows 8 at a time, read
 /// again for each row of `A`), beyond which cuBLAS products do. Measured at 7.6B shapes with
@@ -83,7 +88,9 @@ pub(super) enum LoraScratch {
     },
     /// A pass of few rows, a group of branches in two kernels (`lora_a` or `lora_a_tiles`,
     /// `lora_b`): the chunks' sums of the `A` products `[chunks × 2n × 3r]`, their scaled total
-    /// `t [n × 3r]`, and `lora_a`'s counters of finished chunks (zero between launches).
+    /// `t [n × 3r]` (or, where they ride the base products' launch, each target's `x·Aᵀ` in
+    /// its own `[2n × r]`: `t` holds `2n × 3r`), and `lora_a`'s counters of finished chunks
+    /// (zero between launches).
     Rows {
         part: CudaSlice<f32>,
         t: CudaSlice<f32>,
@@ -113,7 +120,7 @@ impl LoraScratch {
                 let chunk_sums = MAX_CHUNKS * 2 * n * 3 * r;
                 return Ok(Some(LoraScratch::Rows {
                     part: alloc_device::<f32>(s, chunk_sums, rank, "LoRA chunk sums")?,
-                    t: alloc_device::<f32>(s, n * 3 * r, rank, "LoRA A products")?,
+                    t: alloc_device::<f32>(s, 2 * n * 3 * r, rank, "LoRA A products")?,
                     counters: alloc_zeros::<u32>(s, 3 * r.div_ceil(8), rank, "LoRA counters")?,
                 }));
             }
@@ -121,6 +128,29 @@ impl LoraScratch {
                 t2: alloc_device::<f32>(s, 2 * n * r, rank, "LoRA A products")?,
                 ts: alloc_device::<u16>(s, 2 * n * r, rank, "LoRA B inputs")?,
             }))
+        }
+    }
+}
+
+/// How a group's `A` products run ([`Pass::lora_down`]), which [`Pass::lora_up`] follows.
+pub(super) enum Down {
+    /// Nowhere yet: no group, or a pass of many rows, whose branches [`Pass::lora_up`] runs in
+    /// cuBLAS products.
+    Products,
+    /// `lora_a` or `lora_a_tiles` wrote `t = s·x·Aᵀ` of every target side by side (`[n × R]`,
+    /// `R` the group's targets times `r`).
+    Kernel,
+    /// These products ride the base products' launch ([`Down::riders`]): each target's `x·Aᵀ`
+    /// (unscaled) in its own `[2n × r]` of `t`, the target's first `n` rows.
+    Riding(Vec<MmaProduct>),
+}
+
+impl Down {
+    /// The products that join the base products' launch (none but for [`Down::Riding`]).
+    pub(super) fn riders(&self) -> &[MmaProduct] {
+        match self {
+            Down::Riding(p) => p,
+            _ => &[],
         }
     }
 }
@@ -185,23 +215,33 @@ impl<'a> Pass<'a> {
     }
 
     /// The first half of `group`'s branches where the pass runs them in `lora_a` / `lora_b`
-    /// ([`few_rows`]): `lora_a`, the `A` products (`t = s·x·Aᵀ`), which reads only `xs` and
-    /// writes only the scratch, so it may run before the base product that reads the same
-    /// input; it lets the grid after it start at once (a base product launched early requests
-    /// its weights meanwhile). `true` where it ran (pass it to [`Pass::lora_up`]); a pass of
-    /// many rows runs its branches in [`Pass::lora_up`] alone. Only the branches' adapters are
-    /// read here (not their destinations).
+    /// ([`few_rows`]): the `A` products, as riders of the launch of `base` (the group's base
+    /// products: each matrix and its rows) where [`Pass::riders`] says so ([`Down::Riding`]:
+    /// pass [`Down::riders`] to that launch), else `lora_a` ([`Down::Kernel`]: `t = s·x·Aᵀ`),
+    /// which reads only `xs` and writes only the scratch, so it may run before the base product
+    /// that reads the same input; it lets the grid after it start at once (a base product
+    /// launched early requests its weights meanwhile). A pass of many rows runs its branches in
+    /// [`Pass::lora_up`] alone ([`Down::Products`]). Only the branches' adapters are read here
+    /// (not their destinations).
     ///
     /// # Safety
     /// Each branch's adapter is of the bound offsets, its `A` of `r × inp`; `xs` holds the
     /// pass's split input of `inp` columns.
-    pub(super) unsafe fn lora_down(&self, inp: usize, group: &[Branch]) -> Result<bool, CudaError> {
+    pub(super) unsafe fn lora_down(
+        &self,
+        inp: usize,
+        group: &[Branch],
+        base: &[(MatAt, usize)],
+    ) -> Result<Down, CudaError> {
         let Some(r) = self.group_rank(group)? else {
-            return Ok(false);
+            return Ok(Down::Products);
         };
         let Some(LoraScratch::Rows { part, t, counters }) = self.sc.lora.as_ref() else {
-            return Ok(false);
+            return Ok(Down::Products);
         };
+        if let Some(riders) = self.riders(inp, group, base, self.at(t)) {
+            return Ok(Down::Riding(riders));
+        }
         let scaling = self.bind.lora.0;
         let targets = group.len();
         let (n, k, xs) = (self.z.n, &self.st.k, self.at(&self.sc.xs));
@@ -252,12 +292,52 @@ impl<'a> Pass<'a> {
         // 3 · ⌈r / 8⌉ u32; lora_a_tiles only for n ≤ 64 (few_rows made this scratch), inp a
         // multiple of 16 and 4-byte aligned xs and A's (tiles).
         unsafe { self.kernel(func, cfg, &args, what)? };
-        Ok(true)
+        Ok(Down::Kernel)
     }
 
-    /// `group`'s branches added where their base products' outputs are: after
-    /// [`Pass::lora_down`] ran (`down`), `lora_b`, the `B` products; otherwise every branch in
-    /// full, as cuBLAS products ([`Pass::lora_branch`]).
+    /// `group`'s `A` products as riders of the launch of its base products `base` (each matrix
+    /// and its rows, over the pass's split input of `inp` columns), each writing its target's
+    /// `[2n × r]` block of `t` (the scratch's: `2n × 3r` f32): where riders are on, the bf16
+    /// tensor-core kernel takes that launch ([`RankState::bf16_takes`](crate::decoder::rank::RankState::bf16_takes)),
+    /// it has room for them ([`MAX_PRODUCTS`]) and reads every `A` ([`bf16_mma_reads`]).
+    fn riders(
+        &self,
+        inp: usize,
+        group: &[Branch],
+        base: &[(MatAt, usize)],
+        t: u64,
+    ) -> Option<Vec<MmaProduct>> {
+        let rows = 2 * self.z.n;
+        if !self.st.lora_riders || base.is_empty() || base.len() + group.len() > MAX_PRODUCTS {
+            return None;
+        }
+        self.st
+            .bf16_takes(self.bind.base, base.iter().copied(), rows, inp)?;
+        group
+            .iter()
+            .enumerate()
+            .map(|(g, b)| {
+                let w = Fp8Weight {
+                    data: self.wp(b.at.a),
+                    scales: 0,
+                    row0: 0,
+                    cols: inp as u64,
+                };
+                bf16_mma_reads(&w, inp).then_some(MmaProduct {
+                    w,
+                    out: b.at.r,
+                    y: t + 4 * (g * rows * b.at.r) as u64,
+                    bias: 0,
+                    res: 0,
+                })
+            })
+            .collect()
+    }
+
+    /// `group`'s branches added where their base products' outputs are: after their `A`
+    /// products ran as `down` says ([`Pass::lora_down`]; riders in the base products' launch,
+    /// which ran), `lora_b`, the `B` products; otherwise every branch in full, as cuBLAS
+    /// products ([`Pass::lora_branch`]).
     ///
     /// # Safety
     /// Each branch's adapter is of the bound offsets, its `A` of `r × inp` and `B` of
@@ -268,16 +348,21 @@ impl<'a> Pass<'a> {
         &self,
         inp: usize,
         group: &[Branch],
-        down: bool,
+        down: &Down,
     ) -> Result<(), CudaError> {
         let Some(r) = self.group_rank(group)? else {
             return Ok(());
         };
-        let rows = match self.sc.lora.as_ref() {
-            Some(LoraScratch::Rows { t, .. }) if down => Some(t),
+        let (n, targets) = (self.z.n, group.len());
+        // where each target's n × r of t lies (a row, a target apart) and its scale
+        let rows = match (self.sc.lora.as_ref(), down) {
+            (Some(LoraScratch::Rows { t, .. }), Down::Kernel) => Some((t, targets * r, r, 1.0)),
+            (Some(LoraScratch::Rows { t, .. }), Down::Riding(_)) => {
+                Some((t, r, 2 * n * r, self.bind.lora.0))
+            }
             _ => None,
         };
-        let Some(t) = rows else {
+        let Some((t, t_row, t_target, scale)) = rows else {
             for b in group {
                 // SAFETY: per the caller.
                 unsafe {
@@ -290,7 +375,7 @@ impl<'a> Pass<'a> {
             }
             return Ok(());
         };
-        let (n, k, targets) = (self.z.n, &self.st.k, group.len());
+        let k = &self.st.k;
         let t = self.at(t);
         let slots = |f: &dyn Fn(&Branch) -> u64| [0, 1, 2].map(|i| group.get(i).map_or(0, f));
         let [b0, b1, b2] = slots(&|b| self.wp(b.at.b));
@@ -323,9 +408,11 @@ impl<'a> Pass<'a> {
             block_dim: (128, 1, 1),
             shared_mem_bytes: (n * r * 4) as u32,
         };
-        let args = [args.as_slice(), &[u32a(p)]].concat();
-        // SAFETY: per the caller (B's, dests); t holds n × targets·r f32 (lora_down's), n · r
-        // f32 within MAX_T_BYTES (few_rows made this scratch); p a power of two ≤ 32.
+        let tail = [u32a(p), Arg::F32(scale), u32a(t_row), u32a(t_target)];
+        let args = [args.as_slice(), &tail].concat();
+        // SAFETY: per the caller (B's, dests); t holds 2n × targets·r f32, each target's n × r
+        // written where t_row and t_target say (by lora_down's kernel or the riders), n · r f32
+        // within MAX_T_BYTES (few_rows made this scratch); p a power of two ≤ 32.
         unsafe { self.kernel(&k.lora_b, cfg, &args, "lora_b") }
     }
 

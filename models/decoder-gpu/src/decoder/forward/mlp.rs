@@ -45,12 +45,18 @@ impl<'a> Pass<'a> {
         };
         // SAFETY (every GEMM and launch below): the pass's addresses and sizes (its invariant).
         unsafe {
-            // the branches' A products first, beside the base products (they read xs alone)
-            let down = self.lora_down(h, &group)?;
+            // the branches' A products first, beside the base products (they read xs alone),
+            // or riding their launch
+            let bases = if joined {
+                vec![(lw.gate_w, 2 * f)]
+            } else {
+                vec![(lw.gate_w, f), (lw.up_w, f)]
+            };
+            let down = self.lora_down(h, &group, &bases)?;
             if joined {
                 // one GEMM over [gate; up] (up_w follows gate_w in the fused tensor, or in the
                 // buffer)
-                st.wgemm(
+                st.wgemm_to(
                     s,
                     base,
                     lw.gate_w,
@@ -58,9 +64,10 @@ impl<'a> Pass<'a> {
                     y2,
                     (2 * f, 2 * n, h),
                     (w8, quantised),
+                    (None, down.riders()),
                     rank,
                 )?;
-                self.lora_up(h, &group, down)?;
+                self.lora_up(h, &group, &down)?;
                 let args = [Arg::U64(y2), Arg::U64(xs), u32a(n), u32a(f)];
                 let cfg = self.elementwise(n * f);
                 self.kernel(&k.swiglu_fused_split, cfg, &args, "swiglu_fused_split")?;
@@ -82,13 +89,14 @@ impl<'a> Pass<'a> {
                 let adapted = lw.lora[4..].iter().any(Option::is_some);
                 let fused = self.fused_quant(lw.down_w, (h, f)).filter(|_| !adapted);
                 let zeros = fused.is_none();
+                let riders = down.riders();
                 let grouped =
-                    st.wgemm_group(s, base, (&prods, zeros), xs, (2 * n, h), one, rank)?;
+                    st.wgemm_group(s, base, (&prods, zeros), xs, (2 * n, h), one, riders, rank)?;
                 if !grouped {
                     st.wgemm(s, base, lw.gate_w, xs, y2, (f, 2 * n, h), one, rank)?;
                     st.wgemm(s, base, lw.up_w, xs, y2b, (f, 2 * n, h), (w8, true), rank)?;
                 }
-                self.lora_up(h, &group, down)?;
+                self.lora_up(h, &group, &down)?;
                 let lo_rows = !grouped || zeros;
                 if let Some(qi) = fused {
                     let [pad, q, sc, tok, grp, tiles] = qi.args(f)?;

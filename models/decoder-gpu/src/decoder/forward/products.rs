@@ -199,16 +199,17 @@ impl<'a> Pass<'a> {
         let act = (self.sc.w8a8.as_ref(), again);
         let (s, base) = (self.s(), self.bind.base);
         // the adapter's A product first, beside the base product (it reads xs alone; where its
-        // B product adds is known once the base product ran)
+        // B product adds is known once the base product ran), or riding its launch
         let down = {
             let group = self.branches(&[lora], |_| (0, h, h, true));
             // SAFETY: the adapter of this base (h × inp); xs holds its input.
-            unsafe { self.lora_down(inp, &group)? }
+            unsafe { self.lora_down(inp, &group, &[(w, h)])? }
         };
-        // SAFETY: per the caller; x holds n × h f32.
+        let ends = (fin, down.riders());
+        // SAFETY: per the caller; x holds n × h f32; the riders write the LoRA scratch.
         let done = unsafe {
             self.st
-                .wgemm_to(s, base, w, xs, y2, (h, 2 * n, inp), act, fin, rank)?
+                .wgemm_to(s, base, w, xs, y2, (h, 2 * n, inp), act, ends, rank)?
         };
         // the adapter's branch (its A split on the inputs like the base: a partial sum at T > 1)
         // added to the base's split output before it is joined, or, where the kernel wrote x,
@@ -217,7 +218,7 @@ impl<'a> Pass<'a> {
         let group = self.branches(&[lora], |_| (dest, h, h, split));
         // SAFETY: the adapter of this base (h × inp); xs holds its input; x n × h f32, y2 the
         // base's 2n × h split output where the kernel did not write x (then y2 is free).
-        unsafe { self.lora_up(inp, &group, down)? };
+        unsafe { self.lora_up(inp, &group, &down)? };
         if done {
             Ok(())
         } else {
