@@ -104,6 +104,11 @@ struct Args {
     /// cores (`GpuDecoder::set_lora_tile_rows`); the decoder's default where not given.
     #[arg(long)]
     lora_tiles_from: Option<usize>,
+    /// The tokens up to which a bf16 product runs the decoder's tensor-core kernel
+    /// (`GpuDecoder::set_bf16_mma_tokens`, at most 32; the variant `bf16 cuBLAS` none): where
+    /// LoRA's `A` products may ride (`bf16 LoRA riders`). The decoder's default where not given.
+    #[arg(long)]
+    bf16_mma_tokens: Option<usize>,
 }
 
 /// Starts (`true`) or stops the profiler's collection on every rank of `pool`.
@@ -656,6 +661,8 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             };
             if !bf16_mma {
                 dec.set_bf16_mma_tokens(0);
+            } else if let Some(tokens) = args.bf16_mma_tokens {
+                dec.set_bf16_mma_tokens(tokens);
             }
             let compute_how = match (dtype, compute) {
                 (RolloutDtype::Bf16, _) if !bf16_mma => " (every product on cuBLAS)".to_string(),
