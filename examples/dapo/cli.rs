@@ -235,6 +235,12 @@ struct HostOptions {
     /// than that is dropped, never trained on).
     #[arg(long, default_value_t = 1)]
     max_staleness: u64,
+    /// LoRA adapters of rank R on all seven linear types of the --checkpoint model (lora_alpha
+    /// 2R; A drawn as PEFT's, B zero): the base frozen and cast into the rollout once, the
+    /// synthetic update moving the adapters alone, the rollout weights kept resident (nothing
+    /// offloaded) so that each refresh moves the adapters alone. 0: none.
+    #[arg(long, value_name = "R", default_value_t = 0)]
+    lora: usize,
 }
 
 /// `--sampling`.
@@ -293,6 +299,12 @@ pub(crate) enum ArgsError {
     /// Stream settings without --sampling stream.
     #[error("{0} only applies to --sampling stream")]
     StreamOnly(&'static str),
+    /// LoRA adapters without a decoder model in the FSDP layout.
+    #[error(
+        "--lora adapts a decoder model's linear layers in the FSDP training layout: pass \
+         --checkpoint DIR (and --train fsdp, the default)"
+    )]
+    LoraWithoutCheckpoint,
 }
 
 /// What a command line runs.
@@ -406,6 +418,9 @@ impl Args {
                     }
                     SamplingMode::Stream | SamplingMode::Batches => {}
                 }
+                if h.lora > 0 && (self.checkpoint.is_none() || h.train != Train::Fsdp) {
+                    return Err(ArgsError::LoraWithoutCheckpoint);
+                }
                 if h.max_staleness != 1 && h.leftovers != LeftoverMode::Partial {
                     return Err(ArgsError::StreamOnly(
                         "--max-staleness (with --leftovers partial)",
@@ -470,6 +485,7 @@ impl Args {
                     max_staleness: h.max_staleness,
                 },
             }),
+            lora: h.lora,
         };
         Plan::Host {
             config,

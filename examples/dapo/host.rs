@@ -10,7 +10,7 @@ use lifecycle_examples::dapo::{
     self, DapoBackend, DapoConfig, HostTrain, RunReport, StepReport, ToyDriver,
 };
 use lifecycle_examples::gpu_dapo::LifecycleChoice;
-use lifecycle_examples::lm_policy::{checkpoint_driver, run_checkpoint};
+use lifecycle_examples::lm_policy::{checkpoint_driver, run_checkpoint, with_lora_memory};
 
 use crate::report::{ms, name, prediction_line, step_table, summary};
 
@@ -175,7 +175,7 @@ pub(crate) fn run_host(
         }
         _ => true,
     };
-    if let Some(line) = prediction_line(&config, checkpoint.as_ref()) {
+    if let Some(line) = prediction_line(&with_lora_memory(&config), checkpoint.as_ref()) {
         println!("{line}");
     }
     if let Some(first) = reports.first() {

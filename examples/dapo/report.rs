@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use lifecycle_core::{HumanBytes, HumanDuration, MemoryPolicy, Switching};
+use lifecycle_core::{HumanBytes, HumanDuration, Switching};
 use lifecycle_decoder::Checkpoint;
 use lifecycle_examples::dapo::{DapoConfig, HostTrain, RunReport, UpdateOutcome};
 use lifecycle_examples::prediction;
@@ -37,7 +37,7 @@ pub(crate) fn prediction_line(
             etp: tp,
         },
     };
-    let offload = config.memory != MemoryPolicy::resident();
+    let offload = config.memory.offload_params || config.memory.offload_optimizer;
     match prediction::qwen7b_switch(train, config.tp, offload) {
         Ok(p) => Some(p.line()),
         Err(e) => Some(format!(

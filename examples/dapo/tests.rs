@@ -490,3 +490,29 @@ fn streamed_sampling_needs_a_decoder_and_its_settings_need_it() {
         other => panic!("expected the host backend, got {other:?}"),
     }
 }
+
+#[test]
+fn lora_needs_a_checkpoint_in_the_fsdp_layout_and_reaches_the_config() {
+    for argv in [
+        &["--lora", "4"][..],
+        &["--lora", "4", "--train", "megatron", "--checkpoint", "m"][..],
+    ] {
+        let e = plan(argv).unwrap_err().to_string();
+        assert!(
+            e.contains("--lora") && e.contains("--checkpoint DIR"),
+            "{e}"
+        );
+    }
+    let e = plan(&["--backend", "fsdp", "--lora", "4"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--lora") && e.contains("--backend host"), "{e}");
+    match plan(&["--lora", "8", "--checkpoint", "some/model"]) {
+        Ok(Plan::Host { config, .. }) => assert_eq!(config.lora, 8),
+        other => panic!("expected the host backend, got {other:?}"),
+    }
+    match plan(&[]) {
+        Ok(Plan::Host { config, .. }) => assert_eq!(config.lora, 0),
+        other => panic!("expected the host backend, got {other:?}"),
+    }
+}

@@ -2,16 +2,22 @@
 //! state is the checkpoint's weights, the rollout runs [`CpuDecoder`](lifecycle_decoder::CpuDecoder) on the resharded bf16 TP
 //! slices, the reward is the same verifiable rule as the toy policy's ([`RewardRule`]: token
 //! classes, so its hit rate does not shrink with the vocabulary). The update is the synthetic
-//! stand-in ([`synthetic_update`]): there is no backward pass for the decoder here.
+//! stand-in ([`synthetic_update`]): there is no backward pass for the decoder here. With LoRA
+//! adapters ([`DapoConfig::lora`]) the base is frozen: the switch casts it once, the update and
+//! each refresh move the adapters alone, and the decoder applies them unmerged.
 
 use lifecycle_layout::settings::Configure;
 use std::path::Path;
 
+use lifecycle_core::MemoryPolicy;
 use lifecycle_core::{sharded_rollout, RolloutSession, RolloutView, Switching, TrainSession};
 use lifecycle_decoder::{Checkpoint, DecodeError, GroupStream, ModelConfig};
 use lifecycle_host::{HostBackend, HostTrainState};
+use lifecycle_layout::lora::{
+    adapters, is_adapter, with_adapters, LoraConfig, LoraError, LoraTarget,
+};
 use lifecycle_layout::RolloutLayout;
-use lifecycle_layout::{AdamParams, HostRollout};
+use lifecycle_layout::{AdamParams, HostRollout, HostTensor};
 
 use crate::dapo::update::SYNTHETIC_LR;
 use crate::dapo::{
@@ -189,7 +195,16 @@ impl DapoBackend<HostBackend, CpuDecoderEngine> for CheckpointDriver {
 
     fn describe(&self) -> Vec<String> {
         let config = &self.config;
-        vec![
+        let lora = (config.lora > 0).then(|| {
+            format!(
+                "LoRA: rank {r} on all seven linear types (lora_alpha {}), applied unmerged by \
+                 the decoder; the base frozen (cast into the rollout once), the update and each \
+                 refresh moving the adapters alone, the rollout weights kept resident",
+                2 * config.lora,
+                r = config.lora
+            )
+        });
+        let mut lines = vec![
             format!(
                 "DAPO on the host backend: W = {}, T = {}, {}, rollouts through the CPU decoder \
                  on {} weights, {} prompts x {} samples per gen batch, {} groups per step, \
@@ -203,11 +218,15 @@ impl DapoBackend<HostBackend, CpuDecoderEngine> for CheckpointDriver {
                 config.batch_groups,
                 offload_name(config),
             ),
-            "update: synthetic (seeded noise in the gradient shards, then Adam; no backward pass \
-             for checkpoint models)"
-                .to_string(),
+            format!(
+                "update: synthetic (seeded noise in the {}gradient shards, then Adam; no \
+                 backward pass for checkpoint models)",
+                if config.lora > 0 { "adapters' " } else { "" }
+            ),
             reward_line(config, self.model.model.vocab),
-        ]
+        ];
+        lines.extend(lora);
+        lines
     }
 
     fn generate(
@@ -237,7 +256,16 @@ impl DapoBackend<HostBackend, CpuDecoderEngine> for CheckpointDriver {
             lr: SYNTHETIC_LR,
             ..AdamParams::default()
         };
-        synthetic_update(train.state_mut(), self.config.seed, step, kept, adam)?;
+        // a LoRA model trains its adapters alone
+        let lora = self.config.lora > 0;
+        let trains = |name: &str| !lora || is_adapter(name);
+        synthetic_update(
+            train.state_mut(),
+            self.config.seed,
+            step,
+            kept,
+            (adam, &trains),
+        )?;
         Ok(UpdateOutcome::Synthetic)
     }
 }
@@ -249,15 +277,73 @@ pub fn checkpoint_driver(
     path: &Path,
 ) -> CheckpointDriver {
     CheckpointDriver::new(
-        *config,
+        with_lora_memory(config),
         checkpoint.config.clone(),
         checkpoint_line(&checkpoint.config, path),
     )
 }
 
+/// `config` with the memory policy its run keeps: with LoRA adapters ([`DapoConfig::lora`]) the
+/// rollout weights stay resident and nothing is offloaded (a refresh then moves the adapters
+/// alone), else `config.memory`.
+pub fn with_lora_memory(config: &DapoConfig) -> DapoConfig {
+    if config.lora == 0 {
+        return *config;
+    }
+    DapoConfig {
+        memory: MemoryPolicy {
+            offload_params: false,
+            offload_optimizer: false,
+            keep_rollout_resident: true,
+        },
+        ..*config
+    }
+}
+
+/// The LoRA configuration of [`DapoConfig::lora`] (rank `r` on all seven linear types,
+/// `lora_alpha` 2r), `None` for 0.
+pub fn lora_config(config: &DapoConfig) -> Option<LoraConfig> {
+    (config.lora > 0).then(|| {
+        LoraConfig::new(
+            config.lora,
+            2.0 * config.lora as f64,
+            LoraTarget::ALL.to_vec(),
+        )
+    })
+}
+
+/// The adapters of `lora` for `model`, initialised as PEFT does: each `A` uniform in
+/// ±1/√(its inputs) from `seed` (kaiming-uniform with a = √5), each `B` zero, so the first
+/// rollout is the base model's.
+pub fn initial_adapters(
+    model: &ModelConfig,
+    lora: &LoraConfig,
+    seed: u64,
+) -> Result<Vec<HostTensor>, LoraError> {
+    let mut out = Vec::new();
+    for (i, a) in adapters(&model.model, lora)?.into_iter().enumerate() {
+        let inputs = a.a.shape.get(1).copied().unwrap_or(1).max(1);
+        let bound = 1.0 / (inputs as f32).sqrt();
+        let mut rng = crate::rng::SplitMix64::from_keys(&[seed, 0x10fa, i as u64]);
+        let n: usize = a.a.shape.iter().product();
+        let values = (0..n).map(|_| rng.symmetric(bound)).collect();
+        out.push(HostTensor::f32(a.a.name.clone(), a.a.shape.clone(), values));
+        let m: usize = a.b.shape.iter().product();
+        out.push(HostTensor::f32(
+            a.b.name.clone(),
+            a.b.shape.clone(),
+            vec![0.0; m],
+        ));
+    }
+    Ok(out)
+}
+
 /// Runs DAPO on `checkpoint` with `switching`: the same dynamic sampling as [`crate::dapo::run`],
 /// rollouts through [`CpuDecoderEngine`], the synthetic update ([`synthetic_update`]).
-/// `config.policy` and `config.update` are not used.
+/// `config.policy` and `config.update` are not used. With [`DapoConfig::lora`], adapters
+/// ([`initial_adapters`]) beside the checkpoint's frozen base, the rollout weights kept
+/// resident (nothing offloaded: `config.memory` is not used), so each refresh moves the
+/// adapters alone.
 pub fn run_checkpoint(
     config: &DapoConfig,
     checkpoint: &Checkpoint,
@@ -266,18 +352,29 @@ pub fn run_checkpoint(
 ) -> Result<RunReport, DapoError> {
     validate(config)?;
     let model = checkpoint.config.clone();
-    let layout = model
+    let base = model
         .rollout_layout_with(config.tp, config.experts)
         .map_err(DecodeError::from)?;
-    let state = HostTrainState::from_tensors(config.world, checkpoint.tensors.clone())?;
-    let engine = CpuDecoderEngine::new(model.clone(), DecoderLayout::Unfused(layout.clone()))
-        .with_fp8_compute(config.fp8_compute);
-    let mut driver = CheckpointDriver::new(*config, model, String::new());
+    let lora = lora_config(config);
+    let mut tensors = checkpoint.tensors.clone();
+    let (layout, decoder) = match &lora {
+        None => (base.clone(), DecoderLayout::Unfused(base)),
+        Some(l) => {
+            tensors.extend(initial_adapters(&model, l, config.seed)?);
+            let layout = with_adapters(&base, &model.model, l)?;
+            (layout.clone(), DecoderLayout::Lora(layout, l.clone()))
+        }
+    };
+    let state = HostTrainState::from_tensors(config.world, tensors)?;
+    let engine = CpuDecoderEngine::new(model.clone(), decoder).with_fp8_compute(config.fp8_compute);
+    let run = with_lora_memory(config);
+    let mut driver = CheckpointDriver::new(run, model, String::new());
     run_host(
-        config,
+        &run,
         HostBackend::new(layout)
             .with_rollout_dtype(config.rollout_dtype)
-            .with_fp8_keep(config.fp8_keep),
+            .with_fp8_keep(config.fp8_keep)
+            .with_frozen_base(lora.is_some()),
         state,
         engine,
         &mut driver,

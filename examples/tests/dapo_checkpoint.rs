@@ -358,3 +358,57 @@ fn streamed_dynamic_sampling_fills_each_step_in_one_rollout_call() {
         assert_eq!(lazy.groups, eager.groups, "{leftovers:?}");
     }
 }
+
+#[test]
+fn lora_dapo_refreshes_move_the_adapters_alone_and_the_adapters_steer_the_samples() {
+    use lifecycle_examples::lm_policy::{initial_adapters, lora_config};
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/decoder/fixtures/gqa_untied");
+    let ckpt = load_checkpoint(&dir).unwrap();
+    let config = DapoConfig {
+        lora: 4,
+        ..small(1, 1)
+    };
+    let lazy = run_checkpoint(&config, &ckpt, Switching::Lazy, |_| {}).unwrap();
+    let eager = run_checkpoint(&config, &ckpt, Switching::Eager, |_| {}).unwrap();
+    assert_eq!(
+        lazy.groups, eager.groups,
+        "both policies must sample from the same weights"
+    );
+    // the first step casts the whole model, each later one the adapters alone (bytes in
+    // proportion to elements: one rank, every byte local)
+    let lora = lora_config(&config).unwrap();
+    let adapters: usize = initial_adapters(&ckpt.config, &lora, config.seed)
+        .unwrap()
+        .iter()
+        .map(|t| t.data.len())
+        .sum();
+    let base: usize = ckpt.tensors.iter().map(|t| t.data.len()).sum();
+    let bytes: Vec<u64> = lazy.steps.iter().map(|s| s.bytes.local).collect();
+    assert!(bytes.iter().all(|&b| b > 0), "{bytes:?}");
+    for (i, &b) in bytes.iter().enumerate().skip(1) {
+        assert_eq!(
+            b as u128 * (base + adapters) as u128,
+            bytes[0] as u128 * adapters as u128,
+            "step {}: {b} bytes against the enter's {} ({adapters} adapter elements of {})",
+            i + 1,
+            bytes[0],
+            base + adapters
+        );
+    }
+    for s in &lazy.steps {
+        assert_eq!((s.switches, s.exits), (1, 1), "lazy step {}", s.step);
+    }
+    // B starts at zero: the first step samples the base model; the updated adapters then move
+    // the samples away from the base's under the same seeds
+    let plain = run_checkpoint(&small(1, 1), &ckpt, Switching::Lazy, |_| {}).unwrap();
+    assert_eq!(
+        lazy.steps[0].mean_reward, plain.steps[0].mean_reward,
+        "step 1 samples the base model"
+    );
+    assert_ne!(lazy.groups, plain.groups, "the adapters changed no sample");
+    // LoRA needs a decoder model in the FSDP layout
+    let e = lifecycle_examples::dapo::run(&config, Switching::Lazy, |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--lora") && e.contains("--checkpoint"), "{e}");
+}

@@ -5,7 +5,8 @@
 //!   groups are views of the resident weights, and a sequence's recurrent state lives inside
 //!   the call that samples it.
 //! - [`CpuDecoderEngine`]: the Qwen2 / Llama CPU decoder ([`CpuDecoder`]) over the FSDP
-//!   backends' unfused layout or Megatron's fused one, serving each call's samples as requests
+//!   backends' unfused layout (with LoRA adapters beside their bases or not) or Megatron's fused
+//!   one, serving each call's samples as requests
 //!   through the continuous-batching [`Scheduler`] (one request per sample, each with its own
 //!   seed, [`super::sample_seed`]), so every sample comes back with its per-token
 //!   log-probabilities. Its wake checks every replica's weights against the model (the
@@ -21,6 +22,7 @@ use lifecycle_decoder::{
     CpuDecoder, DecodeError, Filled, GroupStream, ModelConfig, Request, SamplingParams, Scheduler,
 };
 use lifecycle_layout::fp8::Fp8Compute;
+use lifecycle_layout::lora::LoraConfig;
 use lifecycle_layout::RolloutLayout as FusedLayout;
 use lifecycle_layout::{HostRollout, RankRollout, RolloutLayout};
 
@@ -60,20 +62,23 @@ impl RolloutEngine<HostRollout> for ToyEngine {
 }
 
 /// The rollout layout the CPU decoder reads.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum DecoderLayout {
     /// The FSDP backends' unfused TP layout ([`CpuDecoder::new`]).
     Unfused(RolloutLayout),
     /// The Megatron backends' fused TP layout: `[q; k; v]`, `[gate; up]`
     /// ([`CpuDecoder::new_fused`]).
     Fused(FusedLayout),
+    /// The unfused layout with LoRA adapters beside their bases, applied unmerged
+    /// ([`CpuDecoder::new_lora`]).
+    Lora(RolloutLayout, LoraConfig),
 }
 
 impl DecoderLayout {
     /// The rollout tensor-parallel degree.
     pub fn tp(&self) -> usize {
         match self {
-            DecoderLayout::Unfused(l) => l.tp(),
+            DecoderLayout::Unfused(l) | DecoderLayout::Lora(l, _) => l.tp(),
             DecoderLayout::Fused(l) => l.tp(),
         }
     }
@@ -87,6 +92,7 @@ impl DecoderLayout {
         match self {
             DecoderLayout::Unfused(l) => CpuDecoder::new(model, l, group),
             DecoderLayout::Fused(l) => CpuDecoder::new_fused(model, l, group),
+            DecoderLayout::Lora(l, lora) => CpuDecoder::new_lora(model, l, group, lora),
         }
     }
 }

@@ -239,6 +239,13 @@ pub fn run_megatron(
     on_step: impl FnMut(&StepReport),
 ) -> Result<RunReport, DapoError> {
     validate(config)?;
+    if config.lora > 0 {
+        return Err(DapoError::Config(
+            "LoRA adapters (--lora) run in the FSDP training layout (--train fsdp), whose \
+             backend keeps a frozen base"
+                .to_string(),
+        ));
+    }
     let (model, tensors) = model_and_tensors(config, checkpoint)?;
     let state = model.megatron_state(tensors, parallel(config))?;
     let layout = fused_layout(&model, config.tp, config.experts);

@@ -109,6 +109,10 @@ pub struct DapoConfig {
     /// flight once a step's groups are kept aborted or carried as partial rollouts
     /// ([`DapoBackend::fill`]); `None`: whole gen batches (`--checkpoint` runs only).
     pub stream: Option<Leftovers>,
+    /// LoRA adapters of this rank on all seven linear types of a checkpoint model (FSDP layout,
+    /// [`crate::lm_policy::run_checkpoint`]); 0: none. The base is frozen: cast into the rollout
+    /// once, the update moving the adapters alone, each refresh moving them alone.
+    pub lora: usize,
 }
 
 impl Default for DapoConfig {
@@ -141,6 +145,7 @@ impl Default for DapoConfig {
             fp8_keep: Fp8Keep::default(),
             fp8_compute: Fp8Compute::W8A8,
             stream: None,
+            lora: 0,
         }
     }
 }
@@ -195,6 +200,9 @@ pub enum DapoError {
     /// The training forward pass rejected a batch.
     #[error(transparent)]
     Forward(#[from] ForwardError),
+    /// The LoRA adapters do not fit the model.
+    #[error(transparent)]
+    Lora(#[from] lifecycle_layout::lora::LoraError),
 }
 
 impl From<StreamUnsupported> for DapoError {
@@ -684,10 +692,13 @@ impl ToyDriver {
 
 /// The report's "DAPO on the host backend" line and its offload setting.
 pub(crate) fn offload_name(config: &DapoConfig) -> &'static str {
-    if config.memory == MemoryPolicy::resident() {
-        "off"
-    } else {
-        "master + Adam"
+    let m = config.memory;
+    match (m.offload_params, m.offload_optimizer) {
+        (false, false) if m.keep_rollout_resident => "off (the rollout weights kept resident)",
+        (false, false) => "off",
+        (true, false) => "master",
+        (false, true) => "Adam",
+        (true, true) => "master + Adam",
     }
 }
 
@@ -795,6 +806,13 @@ pub fn run(
         return Err(DapoError::Config(
             "the toy policy rolls out in bf16 only: --rollout-dtype fp8 needs a decoder model \
              (--checkpoint)"
+                .to_string(),
+        ));
+    }
+    if config.lora > 0 {
+        return Err(DapoError::Config(
+            "LoRA adapters (--lora) adapt a decoder model's linear layers: pass --checkpoint DIR \
+             (the toy policy has none)"
                 .to_string(),
         ));
     }

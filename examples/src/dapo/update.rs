@@ -495,14 +495,16 @@ pub fn dapo_update(
 pub const SYNTHETIC_LR: f32 = 1e-2;
 
 /// The stand-in update for models without a backward pass here (checkpoints): seeded noise
-/// scaled by the batch's mean absolute advantage in every gradient shard, then a real Adam step
-/// (see [`SYNTHETIC_LR`]) that changes every master weight. Not a learned update.
+/// scaled by the batch's mean absolute advantage in the gradient shard of every tensor `trains`
+/// names (every tensor, or a LoRA model's adapters), zero in the others, then a real Adam step
+/// (see [`SYNTHETIC_LR`]) that changes every trained master weight and leaves the others bit for
+/// bit. Not a learned update.
 pub fn synthetic_update(
     state: &mut HostTrainState,
     seed: u64,
     step: usize,
     groups: &[Group],
-    adam: AdamParams,
+    (adam, trains): (AdamParams, &dyn Fn(&str) -> bool),
 ) -> Result<(), DapoError> {
     let signal = groups
         .iter()
@@ -513,6 +515,11 @@ pub fn synthetic_update(
         .sum::<f32>()
         / groups.len().max(1) as f32;
     state.for_each_shard_mut(|s| {
+        if !trains(s.name) {
+            // no gradient: Adam leaves the weight bit for bit (its moments stay zero)
+            s.grad.fill(0.0);
+            return;
+        }
         let mut rng = SplitMix64::from_keys(&[seed, step as u64, s.tensor as u64, s.rank as u64]);
         for g in s.grad.iter_mut() {
             *g = rng.symmetric(1.0) * (0.5 + signal);
