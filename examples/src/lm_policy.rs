@@ -286,6 +286,16 @@ pub fn checkpoint_driver(
 /// `config` with the memory policy its run keeps: with LoRA adapters ([`DapoConfig::lora`]) the
 /// rollout weights stay resident and nothing is offloaded (a refresh then moves the adapters
 /// alone), else `config.memory`.
+///
+/// ```
+/// use lifecycle_examples::dapo::DapoConfig;
+/// use lifecycle_examples::lm_policy::with_lora_memory;
+///
+/// let plain = DapoConfig::default();
+/// assert_eq!(with_lora_memory(&plain).memory, plain.memory);
+/// let lora = with_lora_memory(&DapoConfig { lora: 8, ..plain });
+/// assert!(lora.memory.keep_rollout_resident && !lora.memory.offload_params);
+/// ```
 pub fn with_lora_memory(config: &DapoConfig) -> DapoConfig {
     if config.lora == 0 {
         return *config;
@@ -302,6 +312,15 @@ pub fn with_lora_memory(config: &DapoConfig) -> DapoConfig {
 
 /// The LoRA configuration of [`DapoConfig::lora`] (rank `r` on all seven linear types,
 /// `lora_alpha` 2r), `None` for 0.
+///
+/// ```
+/// use lifecycle_examples::dapo::DapoConfig;
+/// use lifecycle_examples::lm_policy::lora_config;
+///
+/// assert!(lora_config(&DapoConfig::default()).is_none());
+/// let lora = lora_config(&DapoConfig { lora: 8, ..DapoConfig::default() }).unwrap();
+/// assert_eq!((lora.rank, lora.scaling()), (8, 2.0));
+/// ```
 pub fn lora_config(config: &DapoConfig) -> Option<LoraConfig> {
     (config.lora > 0).then(|| {
         LoraConfig::new(
@@ -315,6 +334,28 @@ pub fn lora_config(config: &DapoConfig) -> Option<LoraConfig> {
 /// The adapters of `lora` for `model`, initialised as PEFT does: each `A` uniform in
 /// ±1/√(its inputs) from `seed` (kaiming-uniform with a = √5), each `B` zero, so the first
 /// rollout is the base model's.
+///
+/// ```
+/// use lifecycle_decoder::ModelConfig;
+/// use lifecycle_examples::dapo::DapoConfig;
+/// use lifecycle_examples::lm_policy::{initial_adapters, lora_config};
+/// use lifecycle_layout::TensorData;
+///
+/// let model = ModelConfig::from_json_str(
+///     r#"{"model_type": "qwen2", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+///     "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+///     "rope_theta": 10000.0}"#,
+/// )?;
+/// let lora = lora_config(&DapoConfig { lora: 4, ..DapoConfig::default() }).unwrap();
+/// let adapters = initial_adapters(&model, &lora, 7)?;
+/// assert_eq!(adapters.len(), 2 * 7); // A and B of q, k, v, o, gate, up, down
+/// for t in &adapters {
+///     let TensorData::F32(v) = &t.data else { unreachable!() };
+///     let zero = v.iter().all(|&x| x == 0.0);
+///     assert_eq!(zero, t.name.contains("lora_B"), "{}", t.name);
+/// }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn initial_adapters(
     model: &ModelConfig,
     lora: &LoraConfig,
