@@ -816,6 +816,29 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             println!("{line}");
         }
     }
+    // the unmerged adapters against the merged model (LoRA's goal: at most 10 % slower)
+    let merged = Variant {
+        lora: Some(LoraMode::Merged),
+        ..bf16
+    };
+    if variants.contains(&merged) {
+        println!("\nLoRA unmerged against merged (graphs as set), decode tokens/s:");
+        for &batch in &args.batches {
+            let Some(&(_, _, m, _)) = of(&merged, batch) else {
+                continue;
+            };
+            let mut line = format!("  batch {batch:>3}: merged {m:.0} tokens/s");
+            for v in variants
+                .iter()
+                .filter(|v| v.lora == Some(LoraMode::Unmerged) && v.graphs == merged.graphs)
+            {
+                if let Some(&(_, _, r, _)) = of(v, batch) {
+                    line += &format!("; {} {:.3}x", v.name(), r / m.max(1e-9));
+                }
+            }
+            println!("{line}");
+        }
+    }
     if args.graphs == Graphs::Both {
         println!("\ngraphs against eager steps, decode tokens/s:");
         for &batch in &args.batches {
