@@ -482,6 +482,72 @@ extern "C" __global__ void lora_b(const float* __restrict__ t, u32 n, u32 r, con
     }
 }
 
+// lora_b's products on tensor cores, for more rows (lora_b's arguments and meaning; p unused):
+// a block of LORA_B_WARPS warps takes 8 columns of B_g a warp (blockIdx.x: LORA_B_WARPS 8 columns)
+// for target g = blockIdx.y. The target's n x r of s t_g is split once a block into bf16 hi and
+// lo rows in dynamic shared memory (hi rows, then lo rows, mt = ceil(n / 16) tiles of 16 rows
+// each, rows of ceil(r / 16) 16 + 8 elements; zeros past n and r); each warp multiplies the hi and
+// the lo tiles by its 8 columns' rows of B over 16-wide steps of r (mma.sync.m16n8k16, both into
+// one f32 accumulator: hi + lo), each step's B fragment loaded once for every tile, and adds each
+// (row, column) to dst once. n <= 64; r even and b 4-byte aligned (B's rows read in pairs).
+#define LORA_B_WARPS 4
+extern "C" __global__ void __launch_bounds__(32 * LORA_B_WARPS)
+    lora_b_tiles(const float* __restrict__ t, u32 n, u32 r, const u16* b0, const u16* b1,
+                 const u16* b2, float* d0, float* d1, float* d2, u32 w0, u32 w1, u32 w2, u32 ld0,
+                 u32 ld1, u32 ld2, u32 p, float s, u32 t_row, u32 t_target) {
+    const u32 g = blockIdx.y;
+    const u16* b = g == 0 ? b0 : (g == 1 ? b1 : b2);
+    float* d = g == 0 ? d0 : (g == 1 ? d1 : d2);
+    const u32 w = g == 0 ? w0 : (g == 1 ? w1 : w2);
+    const u32 ld = g == 0 ? ld0 : (g == 1 ? ld1 : ld2);
+    const u32 mt = (n + 15u) / 16u, kt = (r + 15u) / 16u, rp = 16u * kt, st = rp + 8u;
+    const u32 lo_at = mt * 16u * st;
+    extern __shared__ u16 tsp[];
+    for (u32 i = threadIdx.x; i < mt * 16u * rp; i += blockDim.x) {
+        const u32 m = i / rp, c = i % rp;
+        const float v = (m < n && c < r) ? s * t[(u64)g * t_target + (u64)m * t_row + c] : 0.f;
+        const u16 hi = f2bf(v);
+        tsp[m * st + c] = hi;
+        tsp[lo_at + m * st + c] = f2bf(v - bf(hi));
+    }
+    __syncthreads();
+    const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const u32 qr = lane / 4, qc = (lane % 4) * 2;
+    const u32 j0 = (blockIdx.x * LORA_B_WARPS + warp) * 8u;
+    if (j0 >= w) return;
+    // the lane's column of the fragment (rows of B past the matrix read its last row: their
+    // sums are not kept)
+    const u16* brow = b + (u64)min(j0 + qr, w - 1u) * r;
+    float acc[4][4];
+#pragma unroll
+    for (u32 i = 0; i < 4; ++i)
+#pragma unroll
+        for (u32 e = 0; e < 4; ++e) acc[i][e] = 0.f;
+    for (u32 k = 0; k < rp; k += 16u) {
+        const u32 bk0 = k + qc < r ? ld_pair(brow + k + qc) : 0u;
+        const u32 bk1 = k + qc + 8u < r ? ld_pair(brow + k + qc + 8u) : 0u;
+#pragma unroll
+        for (u32 mi = 0; mi < 4; ++mi) {
+            if (mi < mt) {
+                const u16* h0 = tsp + (mi * 16u + qr) * st + k + qc;
+                const u16* h1 = h0 + 8u * st;
+                lora_mma(acc[mi], ld_pair(h0), ld_pair(h1), ld_pair(h0 + 8), ld_pair(h1 + 8), bk0, bk1);
+                const u16* l0 = h0 + lo_at;
+                const u16* l1 = h1 + lo_at;
+                lora_mma(acc[mi], ld_pair(l0), ld_pair(l1), ld_pair(l0 + 8), ld_pair(l1 + 8), bk0, bk1);
+            }
+        }
+    }
+#pragma unroll
+    for (u32 mi = 0; mi < 4; ++mi) {
+#pragma unroll
+        for (u32 e = 0; e < 4; ++e) {
+            const u32 row = mi * 16u + qr + (e >= 2 ? 8u : 0u), col = j0 + qc + (e & 1u);
+            if (mi < mt && row < n && col < w) d[(u64)row * ld + col] += acc[mi][e];
+        }
+    }
+}
+
 // out[r, c] = y2[r, c] + y2[n + r, c] (+ bias[c]) (+ res[r, c]); y2 is [2n x m].
 extern "C" __global__ void combine(const float* __restrict__ y2, const u16* __restrict__ bias,
                                    const float* res, float* out, u32 n, u32 m) {

@@ -383,10 +383,11 @@ impl<'w> GpuDecoder<'w> {
         tokens
     }
 
-    /// Rows from which a pass runs a LoRA group's `A` products on tensor cores
-    /// (`lora_a_tiles`, up to 64 rows) rather than in `lora_a` (default 9: `lora_a` up to 8
-    /// rows); more than 64 leaves them to `lora_a` up to 64 rows. Only where tensor cores are
-    /// there (compute capability 8.0 on); for comparisons. Returns the setting (at least 1).
+    /// Rows from which a pass runs a LoRA group's `A` and `B` products on tensor cores
+    /// (`lora_a_tiles` and `lora_b_tiles`, up to 64 rows) rather than in `lora_a` and `lora_b`
+    /// (default 9: those up to 8 rows); more than 64 leaves them to `lora_a` and `lora_b` up to
+    /// 64 rows. Only where tensor cores are there (compute capability 8.0 on); for comparisons.
+    /// Returns the setting (at least 1).
     ///
     /// ```no_run
     /// use lifecycle_decoder_gpu::GpuDecoder;

@@ -44,6 +44,8 @@ pub(crate) struct DecoderKernels {
     /// `lora_a` on tensor cores, for more rows (compute capability 8.0 on: [`Self::tensor_cores`]).
     pub lora_a_tiles: CudaFunction,
     pub lora_b: CudaFunction,
+    /// `lora_b` on tensor cores, for more rows (as [`Self::lora_a_tiles`]).
+    pub lora_b_tiles: CudaFunction,
     /// An adapter merged into its base matrix, `W + s·B·A` rounded to bf16 once (the merged
     /// mode, `decoder::merge`).
     pub lora_merge: CudaFunction,
@@ -240,6 +242,7 @@ impl DecoderKernels {
             lora_a: m.function("lora_a")?,
             lora_a_tiles: m.function("lora_a_tiles")?,
             lora_b: m.function("lora_b")?,
+            lora_b_tiles: m.function("lora_b_tiles")?,
             lora_merge: m.function("lora_merge")?,
             swiglu_split: m.function("swiglu_split")?,
             swiglu_quant: m.function("swiglu_quant")?,

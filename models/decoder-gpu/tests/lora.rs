@@ -4,7 +4,7 @@
 //! at T = 1, 2, 4), on the same bf16 rollout (the FSDP backend's switch on the GPU, the host
 //! executor's on the CPU), W = T = 1. The three ways the GPU runs a layer's branches are
 //! covered: a group's in `lora_a` and `lora_b` at up to 8 rows (the decode steps of two
-//! sequences, the greedy tokens), in `lora_a_tiles` and `lora_b` at up to 64 (the prefills of 43
+//! sequences, the greedy tokens), in `lora_a_tiles` and `lora_b_tiles` at up to 64 (the prefills of 43
 //! and 16 rows), each branch in cuBLAS products at more ([`run_lora`]'s prefill of 96 rows); and
 //! again with the `A` products riding the base products' launch (`GpuDecoder::set_lora_riders`:
 //! the decode steps, whose bf16 products the tensor-core kernel takes). The

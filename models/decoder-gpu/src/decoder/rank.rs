@@ -93,8 +93,9 @@ pub(crate) struct RankState {
     /// Whether the bf16 experts of a mixture-of-experts layer run in blocks, one batched GEMM
     /// per product ([`super::moe`]; the default), or one GEMM per expert.
     pub(crate) grouped: bool,
-    /// Rows from which a LoRA group's `A` products run on tensor cores (`lora_a_tiles`), below
-    /// which `lora_a` takes them ([`GpuDecoder::set_lora_tile_rows`](crate::GpuDecoder::set_lora_tile_rows)).
+    /// Rows from which a LoRA group's `A` and `B` products run on tensor cores (`lora_a_tiles`,
+    /// `lora_b_tiles`), below which `lora_a` and `lora_b` take them
+    /// ([`GpuDecoder::set_lora_tile_rows`](crate::GpuDecoder::set_lora_tile_rows)).
     pub(crate) lora_tile_rows: usize,
     /// Whether a LoRA group's `A` products ride the launch of their base products where the
     /// bf16 tensor-core kernel takes it ([`GpuDecoder::set_lora_riders`](crate::GpuDecoder::set_lora_riders)),

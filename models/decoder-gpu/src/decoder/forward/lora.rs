@@ -7,7 +7,9 @@
 //! kernels: `lora_a` (up to 8 rows) or `lora_a_tiles` (more, on tensor cores), the `A` products
 //! of every target of the group (`t = s·x·Aᵀ`, split over chunks of the input and added in a
 //! fixed order; queued before the base products, which read the same input and start beside
-//! it), and `lora_b`, the `B` products added where the base products' outputs are. With
+//! it), and `lora_b` (or, from as many rows as `lora_a_tiles`, `lora_b_tiles` on tensor cores:
+//! `t` split into bf16 hi and lo rows), the `B` products added where the base products' outputs
+//! are. With
 //! riders on ([`GpuDecoder::set_lora_riders`](crate::GpuDecoder::set_lora_riders)) and the base
 //! products on the bf16 tensor-core kernel, the `A` matrices are more products of that launch
 //! instead of `lora_a` ([`Down::Riding`]), and `lora_b` scales their sums. A pass of
@@ -62,6 +64,26 @@ fn few_rows(n: usize, r: usize, mma: bool) -> bool {
 /// aligned (its loads are pairs of bf16).
 fn tiles(n: usize, from: usize, inp: usize, mma: bool, addresses: &[u64]) -> bool {
     n >= from && mma && inp.is_multiple_of(16) && addresses.iter().all(|a| a % 4 == 0)
+}
+
+/// The columns of `B` a `lora_b_tiles` block takes (its `LORA_B_WARPS` warps, 8 columns each).
+const B_TILE_COLUMNS: usize = 32;
+
+/// The shared memory `lora_b_tiles` stages a target's `n × r` of `t` in, as bf16 `hi` and `lo`
+/// rows: `2 · ⌈n / 16⌉ · 16` rows of `16 ⌈r / 16⌉ + 8` elements.
+fn b_tile_bytes(n: usize, r: usize) -> usize {
+    2 * n.div_ceil(16) * 16 * (r.div_ceil(16) * 16 + 8) * 2
+}
+
+/// Whether `lora_b_tiles` takes a group's `B` products (rank `r`, its `B`s at `addresses`): as
+/// [`tiles`] says for the rows (from `from`, tensor cores), `r` even and every `B` 4-byte
+/// aligned (its rows read in pairs), the staged `t` within [`MAX_T_BYTES`].
+fn b_tiles(n: usize, from: usize, r: usize, mma: bool, addresses: &[u64]) -> bool {
+    n >= from
+        && mma
+        && r.is_multiple_of(2)
+        && addresses.iter().all(|a| a % 4 == 0)
+        && b_tile_bytes(n, r) <= MAX_T_BYTES
 }
 
 /// The lanes of a warp `lora_b` gives a column of `B` (`w × r`): enough for a 16-byte load each
@@ -401,19 +423,38 @@ impl<'a> Pass<'a> {
         ];
         let widest = group.iter().map(|b| b.width).max().unwrap_or(0);
         let p = lanes_per_column(r);
-        // p lanes a column (32 / p columns a warp), 4 warps a block, a target per grid row
-        // the target's n × r of t in shared memory
-        let cfg = LaunchConfig {
-            grid_dim: (widest.div_ceil(4 * 32 / p).max(1) as u32, targets as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: (n * r * 4) as u32,
+        let on_tiles = b_tiles(n, self.st.lora_tile_rows, r, k.tensor_cores, &[b0, b1, b2]);
+        let (func, cfg, what) = if on_tiles {
+            // 8 columns a warp, 4 warps a block, a target per grid row; the target's t split
+            // into bf16 rows in shared memory
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    widest.div_ceil(B_TILE_COLUMNS).max(1) as u32,
+                    targets as u32,
+                    1,
+                ),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: b_tile_bytes(n, r) as u32,
+            };
+            (&k.lora_b_tiles, cfg, "lora_b_tiles")
+        } else {
+            // p lanes a column (32 / p columns a warp), 4 warps a block, a target per grid row,
+            // the target's n × r of t in shared memory
+            let cfg = LaunchConfig {
+                grid_dim: (widest.div_ceil(4 * 32 / p).max(1) as u32, targets as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: (n * r * 4) as u32,
+            };
+            (&k.lora_b, cfg, "lora_b")
         };
         let tail = [u32a(p), Arg::F32(scale), u32a(t_row), u32a(t_target)];
         let args = [args.as_slice(), &tail].concat();
         // SAFETY: per the caller (B's, dests); t holds 2n × targets·r f32, each target's n × r
         // written where t_row and t_target say (by lora_down's kernel or the riders), n · r f32
-        // within MAX_T_BYTES (few_rows made this scratch); p a power of two ≤ 32.
-        unsafe { self.kernel(&k.lora_b, cfg, &args, "lora_b") }
+        // within MAX_T_BYTES (few_rows made this scratch); p a power of two ≤ 32; lora_b_tiles
+        // only for n ≤ 64 (few_rows), r even and 4-byte aligned B's, its shared memory within
+        // MAX_T_BYTES (b_tiles).
+        unsafe { self.kernel(func, cfg, &args, what) }
     }
 
     /// The branch of adapter `at` over `xs` (`[2n × inp]`) into the split output rows at `y`
@@ -500,7 +541,7 @@ impl<'a> Pass<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::{chunk, few_rows, lanes_per_column, tiles, MAX_CHUNKS};
+    use super::{b_tile_bytes, b_tiles, chunk, few_rows, lanes_per_column, tiles, MAX_CHUNKS};
 
     #[test]
     fn chunks_are_whole_warp_loads_and_at_most_the_scratchs() {
@@ -528,6 +569,12 @@ mod tests {
         assert!(tiles(3, 3, 3584, true, &[0]) && !tiles(16, 17, 3584, true, &[0]));
         assert!(!tiles(16, from, 3592, true, &[0]) && !tiles(16, from, 3584, true, &[2]));
         assert!(!tiles(16, from, 3584, false, &[0]));
+        // lora_b_tiles: rows from `from`, r even, B's 4-byte aligned, t staged within 48 KiB
+        assert!(b_tiles(64, from, 64, true, &[0, 4, 8]) && !b_tiles(8, from, 64, true, &[0]));
+        assert!(!b_tiles(16, from, 63, true, &[0]) && !b_tiles(16, from, 64, true, &[2]));
+        assert!(!b_tiles(16, from, 64, false, &[0]) && !b_tiles(64, from, 192, true, &[0]));
+        assert_eq!(b_tile_bytes(64, 64), 2 * 64 * 72 * 2);
+        assert_eq!(b_tile_bytes(9, 8), 2 * 16 * 24 * 2);
         for (r, p) in [
             (1, 1),
             (8, 1),
