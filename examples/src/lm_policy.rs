@@ -195,12 +195,17 @@ impl DapoBackend<HostBackend, CpuDecoderEngine> for CheckpointDriver {
 
     fn describe(&self) -> Vec<String> {
         let config = &self.config;
-        let lora = (config.lora > 0).then(|| {
+        let lora = lora_config(config).map(|l| {
+            let params: usize = adapters(&self.model.model, &l)
+                .map(|a| a.iter().map(|a| a.a.numel() + a.b.numel()).sum())
+                .unwrap_or(0);
             format!(
-                "LoRA: rank {r} on all seven linear types (lora_alpha {}), applied unmerged by \
-                 the decoder; the base frozen (cast into the rollout once), the update and each \
-                 refresh moving the adapters alone, the rollout weights kept resident",
+                "LoRA: rank {r} on all seven linear types (lora_alpha {}, {params} adapter \
+                 parameters beside {} in the base), applied unmerged by the decoder; the base \
+                 frozen (cast into the rollout once), the update and each refresh moving the \
+                 adapters alone, the rollout weights kept resident",
                 2 * config.lora,
+                self.model.params(),
                 r = config.lora
             )
         });
