@@ -9,7 +9,7 @@ use clap::{ArgMatches, Args as _, CommandFactory, FromArgMatches, Parser, ValueE
 use lifecycle_core::MemoryPolicy;
 use lifecycle_decoder::Leftovers;
 use lifecycle_examples::dapo::update::DEFAULT_TIS_CAP;
-use lifecycle_examples::dapo::{DapoConfig, HostTrain, Objective, UpdateConfig};
+use lifecycle_examples::dapo::{DapoConfig, HostTrain, LoraModules, Objective, UpdateConfig};
 use lifecycle_examples::gpu_dapo::{
     self as gpu_dapo, GpuLayout, GpuOptions, LifecycleChoice, LoopOptions,
 };
@@ -241,6 +241,17 @@ struct HostOptions {
     /// offloaded) so that each refresh moves the adapters alone. 0: none.
     #[arg(long, value_name = "R", default_value_t = 0)]
     lora: usize,
+    /// With --lora: the linear types adapted, `all` seven or the `attention`'s q / k / v / o (a
+    /// mixture-of-experts model's experts take no adapters).
+    #[arg(long, value_enum, default_value_t = LoraModulesArg::All)]
+    lora_modules: LoraModulesArg,
+}
+
+/// `--lora-modules`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum LoraModulesArg {
+    All,
+    Attention,
 }
 
 /// `--sampling`.
@@ -299,6 +310,9 @@ pub(crate) enum ArgsError {
     /// Stream settings without --sampling stream.
     #[error("{0} only applies to --sampling stream")]
     StreamOnly(&'static str),
+    /// LoRA settings without --lora.
+    #[error("{0} only applies with --lora R")]
+    LoraOnly(&'static str),
     /// LoRA adapters without a decoder model in the FSDP layout.
     #[error(
         "--lora adapts a decoder model's linear layers in the FSDP training layout: pass \
@@ -421,6 +435,9 @@ impl Args {
                 if h.lora > 0 && (self.checkpoint.is_none() || h.train != Train::Fsdp) {
                     return Err(ArgsError::LoraWithoutCheckpoint);
                 }
+                if h.lora == 0 && h.lora_modules != LoraModulesArg::All {
+                    return Err(ArgsError::LoraOnly("--lora-modules"));
+                }
                 if h.max_staleness != 1 && h.leftovers != LeftoverMode::Partial {
                     return Err(ArgsError::StreamOnly(
                         "--max-staleness (with --leftovers partial)",
@@ -486,6 +503,10 @@ impl Args {
                 },
             }),
             lora: h.lora,
+            lora_modules: match h.lora_modules {
+                LoraModulesArg::All => LoraModules::All,
+                LoraModulesArg::Attention => LoraModules::Attention,
+            },
         };
         Plan::Host {
             config,

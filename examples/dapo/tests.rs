@@ -511,6 +511,24 @@ fn lora_needs_a_checkpoint_in_the_fsdp_layout_and_reaches_the_config() {
         Ok(Plan::Host { config, .. }) => assert_eq!(config.lora, 8),
         other => panic!("expected the host backend, got {other:?}"),
     }
+    let argv = [
+        "--lora",
+        "8",
+        "--lora-modules",
+        "attention",
+        "--checkpoint",
+        "m",
+    ];
+    match plan(&argv) {
+        Ok(Plan::Host { config, .. }) => {
+            assert_eq!(config.lora_modules.targets().len(), 4)
+        }
+        other => panic!("expected the host backend, got {other:?}"),
+    }
+    let e = plan(&["--lora-modules", "attention"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--lora-modules only applies with --lora"), "{e}");
     match plan(&[]) {
         Ok(Plan::Host { config, .. }) => assert_eq!(config.lora, 0),
         other => panic!("expected the host backend, got {other:?}"),

@@ -13,9 +13,7 @@ use lifecycle_core::MemoryPolicy;
 use lifecycle_core::{sharded_rollout, RolloutSession, RolloutView, Switching, TrainSession};
 use lifecycle_decoder::{Checkpoint, DecodeError, GroupStream, ModelConfig};
 use lifecycle_host::{HostBackend, HostTrainState};
-use lifecycle_layout::lora::{
-    adapters, is_adapter, with_adapters, LoraConfig, LoraError, LoraTarget,
-};
+use lifecycle_layout::lora::{adapters, is_adapter, with_adapters, LoraConfig, LoraError};
 use lifecycle_layout::RolloutLayout;
 use lifecycle_layout::{AdamParams, HostRollout, HostTensor};
 
@@ -200,10 +198,11 @@ impl DapoBackend<HostBackend, CpuDecoderEngine> for CheckpointDriver {
                 .map(|a| a.iter().map(|a| a.a.numel() + a.b.numel()).sum())
                 .unwrap_or(0);
             format!(
-                "LoRA: rank {r} on all seven linear types (lora_alpha {}, {params} adapter \
-                 parameters beside {} in the base), applied unmerged by the decoder; the base \
-                 frozen (cast into the rollout once), the update and each refresh moving the \
-                 adapters alone, the rollout weights kept resident",
+                "LoRA: rank {r} on {} (lora_alpha {}, {params} adapter parameters beside {} in \
+                 the base), applied unmerged by the decoder; the base frozen (cast into the \
+                 rollout once), the update and each refresh moving the adapters alone, the \
+                 rollout weights kept resident",
+                config.lora_modules,
                 2 * config.lora,
                 self.model.params(),
                 r = config.lora
@@ -315,8 +314,8 @@ pub fn with_lora_memory(config: &DapoConfig) -> DapoConfig {
     }
 }
 
-/// The LoRA configuration of [`DapoConfig::lora`] (rank `r` on all seven linear types,
-/// `lora_alpha` 2r), `None` for 0.
+/// The LoRA configuration of [`DapoConfig::lora`] (rank `r` on the linear types of
+/// [`DapoConfig::lora_modules`], `lora_alpha` 2r), `None` for 0.
 ///
 /// ```
 /// use lifecycle_examples::dapo::DapoConfig;
@@ -331,7 +330,7 @@ pub fn lora_config(config: &DapoConfig) -> Option<LoraConfig> {
         LoraConfig::new(
             config.lora,
             2.0 * config.lora as f64,
-            LoraTarget::ALL.to_vec(),
+            config.lora_modules.targets(),
         )
     })
 }

@@ -406,6 +406,21 @@ fn lora_dapo_refreshes_move_the_adapters_alone_and_the_adapters_steer_the_sample
         "step 1 samples the base model"
     );
     assert_ne!(lazy.groups, plain.groups, "the adapters changed no sample");
+    // a mixture-of-experts model: its experts take no adapters, its attention does
+    let moe_dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/decoder/fixtures/moe/moe_e4_untied_v61");
+    let moe = load_checkpoint(&moe_dir).unwrap();
+    let e = run_checkpoint(&config, &moe, Switching::Lazy, |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("experts") && e.contains("gate_proj"), "{e}");
+    let attention = DapoConfig {
+        lora_modules: lifecycle_examples::dapo::LoraModules::Attention,
+        ..config
+    };
+    let lazy = run_checkpoint(&attention, &moe, Switching::Lazy, |_| {}).unwrap();
+    let eager = run_checkpoint(&attention, &moe, Switching::Eager, |_| {}).unwrap();
+    assert_eq!(lazy.groups, eager.groups, "MoE, attention adapters");
     // LoRA needs a decoder model in the FSDP layout
     let e = lifecycle_examples::dapo::run(&config, Switching::Lazy, |_| {})
         .unwrap_err()

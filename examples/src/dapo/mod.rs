@@ -24,6 +24,7 @@ use lifecycle_decoder::Leftovers;
 use lifecycle_host::megatron::MegatronError;
 use lifecycle_host::{HostBackend, HostError, HostTrainState};
 use lifecycle_layout::fp8::{Fp8Compute, Fp8Keep, RolloutDtype};
+use lifecycle_layout::lora::LoraTarget;
 use lifecycle_layout::{ExpertPlacement, HostRollout};
 
 use crate::rng::SplitMix64;
@@ -109,10 +110,48 @@ pub struct DapoConfig {
     /// flight once a step's groups are kept aborted or carried as partial rollouts
     /// ([`DapoBackend::fill`]); `None`: whole gen batches (`--checkpoint` runs only).
     pub stream: Option<Leftovers>,
-    /// LoRA adapters of this rank on all seven linear types of a checkpoint model (FSDP layout,
-    /// [`crate::lm_policy::run_checkpoint`]); 0: none. The base is frozen: cast into the rollout
-    /// once, the update moving the adapters alone, each refresh moving them alone.
+    /// LoRA adapters of this rank on the linear types [`DapoConfig::lora_modules`] names, of
+    /// a checkpoint model (FSDP layout, [`crate::lm_policy::run_checkpoint`]); 0: none. The base
+    /// is frozen: cast into the rollout once, the update moving the adapters alone, each
+    /// refresh moving them alone.
     pub lora: usize,
+    /// Which linear types the LoRA adapters adapt.
+    pub lora_modules: LoraModules,
+}
+
+/// The linear types LoRA adapters adapt ([`DapoConfig::lora_modules`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LoraModules {
+    /// All seven: q / k / v / o and gate / up / down.
+    #[default]
+    All,
+    /// The attention's q / k / v / o (a mixture-of-experts model's experts take no adapters).
+    Attention,
+}
+
+impl LoraModules {
+    /// The targets, in a layer's order.
+    ///
+    /// ```
+    /// use lifecycle_examples::dapo::LoraModules;
+    /// assert_eq!(LoraModules::All.targets().len(), 7);
+    /// assert_eq!(LoraModules::Attention.targets().len(), 4);
+    /// ```
+    pub fn targets(self) -> Vec<LoraTarget> {
+        match self {
+            LoraModules::All => LoraTarget::ALL.to_vec(),
+            LoraModules::Attention => LoraTarget::ALL[..4].to_vec(),
+        }
+    }
+}
+
+impl std::fmt::Display for LoraModules {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            LoraModules::All => "all seven linear types",
+            LoraModules::Attention => "the attention's q / k / v / o",
+        })
+    }
 }
 
 impl Default for DapoConfig {
@@ -146,6 +185,7 @@ impl Default for DapoConfig {
             fp8_compute: Fp8Compute::W8A8,
             stream: None,
             lora: 0,
+            lora_modules: LoraModules::All,
         }
     }
 }
